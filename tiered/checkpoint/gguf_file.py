@@ -1,0 +1,213 @@
+"""GGUF files (llama.cpp's format): metadata -> ModelConfig, tensors -> HF names and layout.
+
+Tensors stay in the file's memory map until loaded. Block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K,
+...) are dequantized by the `gguf` package; Q4_0/Q4_1 blocks can also be handed to the int4
+kernels untouched (`TensorHandle.blocks`). llama.cpp's converter permutes the rows of q/k
+projections of "llama"-architecture models for its interleaved RoPE; we undo that permutation so
+the result equals the Hugging Face layout exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tiered.checkpoint.handle import BLOCK_FORMATS, TensorHandle
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.errors import CheckpointError, UnsupportedModelError
+
+# GGUF architecture -> HF model_type.
+ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Architectures whose converter permutes q/k rows (llama.cpp convert_hf_to_gguf.py LlamaModel).
+PERMUTED_QK = ("llama", "mistral")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """HF parameter name of a GGUF tensor name, or None when tiered has no use for it."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def qk_row_permutation(rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation: hf[i] = gguf[perm[i]]. int64 [rows]."""
+    half = rows // n_head // 2
+    return np.arange(rows).reshape(n_head, half, 2).swapaxes(1, 2).reshape(-1)
+
+
+class GGUFCheckpoint:
+    """One .gguf file read as a checkpoint with HF tensor names.
+
+    Args:
+        path: the .gguf file.
+    Raises:
+        CheckpointError: not a GGUF file, or truncated.
+        UnsupportedModelError: an architecture tiered does not run.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        try:
+            self.reader = GGUFReader(self.path, "r")
+        except Exception as e:  # the gguf package raises ValueError/struct errors/IndexError
+            raise CheckpointError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e})",
+                                  "re-download or re-convert the file") from None
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise CheckpointError(f"{self.path} is truncated: tensor {t.name} ends past the file's "
+                                      f"{size} bytes", "re-download or re-copy the file")
+        self.metadata = {k: self._field(k) for k in self.reader.fields}
+        self.config = self._model_config()
+        self._handles: dict[str, TensorHandle] = {}
+        for t in self.reader.tensors:
+            hf = gguf_to_hf_name(t.name)
+            if hf is None:
+                continue
+            self._handles[hf] = self._make_handle(hf, t)
+
+    def _field(self, key: str):
+        f = self.reader.fields[key]
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                   "tokenizer.ggml.scores"):
+            return len(f.data)  # big arrays: only their length is kept here
+        try:
+            return f.contents()
+        except Exception:
+            return None
+
+    def _model_config(self) -> ModelConfig:
+        md = self.metadata
+        arch = md.get("general.architecture")
+        if arch not in ARCH_TO_MODEL_TYPE:
+            raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}",
+                                        "tiered reads GGUF files of " + ", ".join(ARCH_TO_MODEL_TYPE))
+        self.arch = arch
+
+        def g(key, default=None):
+            return md.get(f"{arch}.{key}", default)
+
+        heads = g("attention.head_count")
+        hidden = g("embedding_length")
+        names = {t.name for t in self.reader.tensors}
+        vocab = g("vocab_size") or md.get("tokenizer.ggml.tokens")
+        if not vocab:
+            emb = next(t for t in self.reader.tensors if t.name == "token_embd.weight")
+            vocab = int(emb.shape[1])
+        scaling = None
+        if g("rope.scaling.type") == "linear":
+            scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
+        elif g("rope.scaling.type") not in (None, "none"):
+            raise UnsupportedModelError(f"unsupported GGUF RoPE scaling {g('rope.scaling.type')!r}",
+                                        "tiered supports linear scaling in GGUF files")
+        if "rope_freqs.weight" in names:
+            raise UnsupportedModelError("GGUF files with rope_freqs (Llama 3.1 scaling) are not read yet",
+                                        "load the Hugging Face safetensors directory instead")
+        eos = md.get("tokenizer.ggml.eos_token_id")
+        eot = md.get("tokenizer.ggml.eot_token_id")
+        eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+        return ModelConfig(
+            model_type=ARCH_TO_MODEL_TYPE[arch],
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=g("feed_forward_length"),
+            num_hidden_layers=g("block_count"),
+            num_attention_heads=heads,
+            num_key_value_heads=g("attention.head_count_kv") or heads,
+            head_dim=g("attention.key_length") or hidden // heads,
+            rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(g("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=g("context_length", 2048),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            sliding_window=g("attention.sliding_window"),
+            bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def _make_handle(self, hf: str, t) -> TensorHandle:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists ne0 first
+        fmt = t.tensor_type.name
+        perm = None
+        if self.arch in PERMUTED_QK and (".q_proj." in hf or ".k_proj." in hf):
+            n_head = self.config.num_attention_heads if ".q_proj." in hf else self.config.num_key_value_heads
+            perm = qk_row_permutation(shape[0], n_head)
+        data = t.data  # numpy memmap; dense formats come shaped, block formats as [rows, bytes]
+        qtype = GGMLQuantizationType[fmt]
+        if fmt not in BLOCK_FORMATS and fmt not in ("F32", "F16", "BF16"):
+            raise UnsupportedModelError(f"GGUF tensor {t.name} has unsupported type {fmt}",
+                                        "re-quantize with F32/F16/BF16/Q4_0/Q4_1/Q5_x/Q8_0/Qk_K types")
+
+        def load() -> torch.Tensor:
+            arr = dequantize(np.asarray(data), qtype).reshape(shape)
+            if perm is not None:
+                arr = arr[perm]
+            return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+
+        def blocks() -> np.ndarray:
+            raw = np.asarray(data).reshape(shape[0] if len(shape) > 1 else 1, -1)
+            return raw[perm] if perm is not None else raw
+
+        return TensorHandle(name=hf, shape=shape, format=fmt, nbytes=int(t.n_bytes), path=str(self.path),
+                            _load=load, _blocks=blocks if fmt in BLOCK_FORMATS else None)
+
+    @property
+    def format_name(self) -> str:
+        return "gguf"
+
+    def names(self) -> list[str]:
+        return list(self._handles)
+
+    def handle(self, name: str) -> TensorHandle:
+        try:
+            return self._handles[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path} lacks tensor {name!r}",
+                                  "the GGUF file is incomplete or of another architecture") from None
+
+    def has(self, name: str) -> bool:
+        return name in self._handles
+
+    def nbytes(self) -> int:
+        return sum(h.nbytes for h in self._handles.values())
+
+    def tokenizer(self):
+        """The tokenizer embedded in the GGUF (converted by transformers, cached), or None."""
+        if "tokenizer.ggml.model" not in self.metadata:
+            return None
+        from tiered.checkpoint.tokenizer import load_gguf_tokenizer
+        return load_gguf_tokenizer(self.path)

@@ -1,0 +1,77 @@
+"""TensorHandle: a named tensor that is not in memory yet.
+
+A handle knows where its bytes are (file, offset, format) and how to turn them into a tensor in
+the Hugging Face layout. Nothing is read until `load()` (or `blocks()`) is called, and both read
+through a memory map, so opening a 100 GB checkpoint costs only its header.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+# Bytes per element of dense formats; block formats give (elements per block, bytes per block).
+DENSE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "U8": 1, "BOOL": 1}
+BLOCK_FORMATS = {
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class TensorHandle:
+    """A lazily loaded tensor.
+
+    Attributes:
+        name: Hugging Face parameter name, e.g. "model.layers.0.self_attn.q_proj.weight".
+        shape: logical shape in the HF (PyTorch) layout, e.g. (out_features, in_features).
+        format: storage format: a dense dtype ("F32", "F16", "BF16", ...) or a GGUF block format
+            ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", ...).
+        nbytes: bytes the tensor occupies in its file.
+        path: the file holding it.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    format: str
+    nbytes: int
+    path: str
+    _load: Callable[[], torch.Tensor]
+    _blocks: Callable[[], np.ndarray] | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.format in BLOCK_FORMATS
+
+    def load(self, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Read (and dequantize) the tensor into a new CPU tensor of `shape`.
+
+        Args:
+            dtype: result dtype; None keeps the stored dense dtype (block formats give float32).
+        Returns:
+            A contiguous CPU tensor of shape `self.shape` that owns its memory.
+        """
+        t = self._load()
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        return t.contiguous()
+
+    def blocks(self) -> np.ndarray:
+        """Raw quantized blocks in HF row order: uint8 [rows, bytes_per_row] (block formats only).
+
+        Raises:
+            ValueError: the tensor is stored in a dense format.
+        """
+        if self._blocks is None:
+            raise ValueError(f"{self.name} is stored as {self.format}, not in blocks")
+        return self._blocks()

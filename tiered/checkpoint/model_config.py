@@ -1,0 +1,175 @@
+"""ModelConfig: a model's hyperparameters, from an HF config.json or GGUF metadata.
+
+Only what the math needs lives here; it is read once and never mutated (llama2.c's `Config`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiered.errors import UnsupportedModelError
+
+# HF `model_type` -> family. Dense families share one implementation (models/llama.py); MoE
+# families are listed so a later module can claim them.
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Hyperparameters of a decoder-only transformer (dense or MoE).
+
+    Attributes (units in brackets):
+        model_type: HF model_type, e.g. "llama", "qwen3", "mixtral".
+        vocab_size, hidden_size, intermediate_size: [elements].
+        num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim: [count]/[elements].
+        rms_norm_eps: epsilon of every RMSNorm.
+        rope_theta: RoPE base; rope_scaling: None or a dict with "rope_type" in ROPE_TYPES.
+        max_position_embeddings: trained context window [tokens].
+        tie_word_embeddings: lm_head shares embed_tokens' weight.
+        attention_bias: q/k/v projections carry a bias (Qwen2).
+        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
+        sliding_window: keys older than this many positions are masked (Mistral), or None.
+        num_experts, num_experts_per_tok, moe_intermediate_size, shared_expert_intermediate_size,
+        norm_topk_prob: MoE layout (0 / None when dense).
+        bos_token_id, eos_token_ids: special tokens from the checkpoint.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in DENSE_TYPES + MOE_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {self.model_type!r}",
+                "tiered runs " + ", ".join(DENSE_TYPES + MOE_TYPES))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UnsupportedModelError(
+                f"{self.num_attention_heads} attention heads are not a multiple of "
+                f"{self.num_key_value_heads} KV heads", "check the checkpoint's config.json")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise UnsupportedModelError(f"unsupported RoPE scaling {rope_type!r}",
+                                        "tiered supports " + ", ".join(ROPE_TYPES))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def num_parameters(self) -> int:
+        """Parameter count of the dense layout [elements] (MoE counts all experts)."""
+        d, L = self.hidden_size, self.num_hidden_layers
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        attn = d * q * 2 + d * kv * 2
+        if self.is_moe:
+            mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+            mlp += 3 * d * self.shared_expert_intermediate_size
+        else:
+            mlp = 3 * d * self.intermediate_size
+        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return L * (attn + mlp + 2 * d) + emb + d
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a parsed HF config.json (transformers 4.x or 5.x layout).
+
+        Raises:
+            UnsupportedModelError: unknown model_type or RoPE scaling.
+        """
+        model_type = cfg.get("model_type", "")
+        if model_type not in DENSE_TYPES + MOE_TYPES:
+            archs = ", ".join(cfg.get("architectures") or []) or model_type or "unknown"
+            raise UnsupportedModelError(f"unsupported architecture {archs!r}",
+                                        "tiered runs " + ", ".join(DENSE_TYPES + MOE_TYPES))
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        # transformers 5 nests RoPE settings in rope_parameters; 4.x has rope_theta + rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        scaling = cfg.get("rope_scaling") or (rope or None)
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.pop("type", "default"))
+            if scaling["rope_type"] == "default":
+                scaling = None
+        eos = cfg.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        moe = model_type in MOE_TYPES
+        n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg.get("intermediate_size", 0),
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+            sliding_window=window,
+            num_experts=n_exp if moe else 0,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if moe else 0,
+            moe_intermediate_size=(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size", 0)) if moe else 0,
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if moe else 0,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "mixtral")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+
+
+def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":
+    """RoPE inverse frequencies [head_dim // 2] fp32, with linear or llama3 scaling applied.
+
+    The llama3 rule (Llama 3.1 report): wavelengths longer than original_ctx / low_freq_factor are
+    divided by `factor`, shorter than original_ctx / high_freq_factor are kept, and the band
+    between is interpolated smoothly.
+    """
+    import torch
+
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv
+    if s["rope_type"] == "linear":
+        return inv / s["factor"]
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+    return torch.where(medium, smoothed, scaled)

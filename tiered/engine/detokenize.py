@@ -1,0 +1,43 @@
+"""Incremental detokenization and stop strings for streaming output."""
+
+from __future__ import annotations
+
+from tiered.engine.sequence import Sequence
+
+
+def append_token_text(tokenizer, seq: Sequence) -> None:
+    """Extend seq.text with the text of its newest output token.
+
+    Decodes a short window (prefix_offset..end) so multi-token characters and leading-space rules
+    come out right; text ending in U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
+    """
+    ids = seq.output_ids
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
+    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+    if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        seq.text += full[len(prefix):]
+        seq.prefix_offset = seq.read_offset
+        seq.read_offset = len(ids)
+
+
+def apply_stop_strings(seq: Sequence) -> None:
+    """Cut seq.text at the first stop string and mark the sequence finished ("stop")."""
+    stops = seq.params.stop
+    if not stops:
+        return
+    longest = max(len(s) for s in stops)
+    start = max(0, seq.emitted - longest)
+    hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
+    if hits:
+        seq.text = seq.text[:min(hits)]
+        seq.finish_reason = "stop"
+
+
+def take_stream_delta(seq: Sequence) -> str:
+    """Text not yet streamed that can no longer turn into a stop string; advances seq.emitted."""
+    end = len(seq.text)
+    if not seq.finished and seq.params.stop:
+        end = max(seq.emitted, end - max(len(s) for s in seq.params.stop) + 1)
+    delta = seq.text[seq.emitted:end]
+    seq.emitted = end
+    return delta

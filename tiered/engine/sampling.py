@@ -1,0 +1,111 @@
+"""SamplingParams and the sampler: small pure functions over a logits row (gpt-fast's habit).
+
+Order of operations (as in HF's logits processors and vLLM): repetition penalty, temperature,
+top-k, top-p, min-p, then a draw from the remaining distribution with the request's generator.
+Temperature 0 means greedy (argmax after the repetition penalty).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tiered.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token, and when to stop.
+
+    Attributes:
+        max_tokens: most tokens to generate per prompt.
+        temperature: softmax temperature; 0 = greedy.
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: keep the smallest set with cumulative probability >= top_p (1 = off).
+        min_p: drop tokens with probability < min_p * max probability (0 = off).
+        repetition_penalty: CTRL-style penalty (>1 discourages tokens already in prompt or output).
+        seed: seed of this request's generator (None = nondeterministic).
+        stop: strings that end generation; the stop string is not included in the text.
+        stop_token_ids: extra token ids that end generation (the model's EOS always does,
+            unless ignore_eos).
+        ignore_eos: keep generating past EOS (benchmarks).
+    """
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (all(self.stop), "stop strings must be non-empty"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg, "fix the sampling parameters")
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits fp32 [V]; seen int64 [n] token ids -> new logits, positive ones / penalty, negative * penalty."""
+    if penalty == 1.0 or seen.numel() == 0:
+        return logits
+    logits = logits.clone()
+    picked = logits[seen]
+    logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return logits
+
+
+def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Set all but the k largest logits [V] to -inf (k = 0 or k >= V: unchanged)."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k).values[-1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filter on logits [V]: keep the most likely tokens whose cumulative probability reaches p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True)
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop_sorted = cum - sorted_logits.softmax(-1) >= p  # mass before this token already reaches p
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top token's probability."""
+    if min_p <= 0.0:
+        return logits
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor,
+                 generator: torch.Generator | None) -> int:
+    """Pick the next token from one row of logits [V] (fp32). Returns a token id."""
+    logits = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    logits = logits / params.temperature
+    logits = filter_min_p(filter_top_p(filter_top_k(logits, params.top_k), params.top_p), params.min_p)
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

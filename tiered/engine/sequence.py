@@ -1,0 +1,96 @@
+"""Sequence: one request's mutable state during generation, and its results."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tiered.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """Per-request measurements (seconds, tokens, tokens/s).
+
+    ttft_s is from the call's start to the first generated token; itl_s is the mean gap between
+    consecutive generated tokens; decode_tokens_per_s counts tokens after the first.
+    """
+
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_s: float
+    prefill_s: float
+    prefill_tokens_per_s: float
+    decode_s: float
+    decode_tokens_per_s: float
+    itl_s: float
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What generate() returns for one prompt: the generated text and token ids, and stats."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
+    stats: RequestStats
+
+    def as_dict(self) -> dict:
+        return {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
+                "prompt_tokens": len(self.prompt_token_ids), "finish_reason": self.finish_reason,
+                "stats": self.stats.as_dict()}
+
+
+@dataclass(slots=True)
+class Sequence:
+    """Run state of one request: tokens so far, detokenizer offsets, timings."""
+
+    index: int
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    slot: int
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0  # characters of `text` already streamed
+    prefix_offset: int = 0
+    read_offset: int = 0
+    finish_reason: str | None = None
+    t_start: float = field(default_factory=time.perf_counter)
+    t_prefill_start: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def seen_ids(self) -> torch.Tensor:
+        return torch.tensor(self.prompt_ids + self.output_ids, dtype=torch.long)
+
+    def stats(self) -> RequestStats:
+        n = len(self.output_ids)
+        first = self.token_times[0] if self.token_times else time.perf_counter()
+        prefill_s = first - self.t_prefill_start
+        decode_s = self.token_times[-1] - first if n > 1 else 0.0
+        return RequestStats(
+            prompt_tokens=len(self.prompt_ids), generated_tokens=n, ttft_s=first - self.t_start,
+            prefill_s=prefill_s, prefill_tokens_per_s=len(self.prompt_ids) / prefill_s if prefill_s > 0 else 0.0,
+            decode_s=decode_s, decode_tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0,
+            itl_s=decode_s / (n - 1) if n > 1 else 0.0)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),
+                             self.finish_reason or "length", self.stats())

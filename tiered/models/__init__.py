@@ -1,0 +1,18 @@
+"""Architecture math only: nn.Modules with Hugging Face parameter names. Never sees a tier or stream."""
+
+from tiered.checkpoint.model_config import DENSE_TYPES
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.models.llama import CausalLM
+
+
+def build_model(config: ModelConfig, max_positions: int) -> CausalLM:
+    """Build the module tree for `config` (call under torch.device('meta') to allocate nothing).
+
+    Raises:
+        UnsupportedModelError: an architecture with no implementation yet.
+    """
+    if config.model_type in DENSE_TYPES:
+        return CausalLM(config, max_positions)
+    from tiered.errors import UnsupportedModelError
+    raise UnsupportedModelError(f"architecture {config.model_type!r} is not implemented yet",
+                                "use a dense Llama-family model")

@@ -1,0 +1,181 @@
+"""Building blocks shared by every architecture: RMSNorm, rotary embedding, attention, SwiGLU MLP.
+
+Dimension legend:
+    B = batch (sequences), T = new tokens per sequence this step, S = cached positions,
+    D = hidden size, H = query heads, Hkv = KV heads, hd = head dim, F = MLP intermediate size.
+
+Source: the Llama architecture (Touvron et al. 2023) as implemented by Hugging Face transformers;
+parameter names are HF's so checkpoints load without renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiered.checkpoint.model_config import ModelConfig, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 like HF. weight [D]."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE cos/sin tables [max_positions, hd] (fp32), rotate-half convention (HF Llama)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [B, T] -> (cos, sin), each [B, 1, T, hd] fp32."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, hd]; cos/sin [B, 1, T, hd] fp32 -> rotated x in x's dtype."""
+    dtype = x.dtype
+    xf = x.float() if dtype != torch.float32 else x
+    return (xf * cos + _rotate_half(xf) * sin).to(dtype)
+
+
+class AttentionMetadata:
+    """Per-step inputs shared by all layers (plain data; built once per step by the engine).
+
+    Attributes:
+        positions: int64 [B, T] absolute position of each new token.
+        slots: int64 [B] KV-cache row of each sequence.
+        cos, sin: RoPE tables gathered for `positions`, [B, 1, T, hd] fp32.
+        mask: bool [B, 1, T, S] (True = attend), or None when `causal` or one sequence's single
+            newest token needs no mask.
+        causal: a single sequence's prefill from position 0 (SDPA's built-in causal mask).
+        kv_len: S, the number of cache positions attended to.
+    """
+
+    __slots__ = ("positions", "slots", "cos", "sin", "mask", "causal", "kv_len", "contiguous_slots")
+
+    def __init__(self, positions, slots, cos, sin, mask, causal, kv_len, contiguous_slots) -> None:
+        self.positions, self.slots, self.cos, self.sin = positions, slots, cos, sin
+        self.mask, self.causal, self.kv_len, self.contiguous_slots = mask, causal, kv_len, contiguous_slots
+
+
+def build_attention_metadata(rotary: Rotary, positions: torch.Tensor, slots: torch.Tensor,
+                             sliding_window: int | None) -> AttentionMetadata:
+    """Masks and RoPE tables for one step. positions int64 [B, T]; slots int64 [B]."""
+    B, T = positions.shape
+    kv_len = int(positions.max()) + 1
+    cos, sin = rotary(positions)
+    in_window = sliding_window is None or kv_len <= sliding_window
+    causal = B == 1 and T == kv_len and in_window
+    newest = B == 1 and T == 1 and in_window
+    mask = None
+    if not (causal or newest):
+        keys = torch.arange(kv_len)
+        q = positions.unsqueeze(-1)  # [B, T, 1]
+        mask = keys <= q
+        if sliding_window is not None:
+            mask &= keys > q - sliding_window
+        mask = mask.unsqueeze(1)  # [B, 1, T, S]
+    contiguous = bool(slots[0] == 0 and (B == 1 or bool((slots.diff() == 1).all())))
+    return AttentionMetadata(positions, slots, cos, sin, mask, causal, kv_len, contiguous)
+
+
+class KVCache:
+    """Keys and values of every layer for up to `num_slots` sequences of `max_len` positions.
+
+    Tensors k, v: [L, num_slots, Hkv, max_len, hd] in `dtype`; mutable run state, kept apart from
+    the weights (llama2.c's RunState).
+    """
+
+    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        shape = (config.num_hidden_layers, num_slots, config.num_key_value_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+        """Write new k/v [B, Hkv, T, hd] at meta.positions; return cached k/v [B, Hkv, S, hd]."""
+        ck, cv = self.k[layer], self.v[layer]
+        rows = meta.slots.unsqueeze(1)  # [B, 1]
+        ck[rows, :, meta.positions] = k.transpose(1, 2).to(ck.dtype)  # [B, T, Hkv, hd]
+        cv[rows, :, meta.positions] = v.transpose(1, 2).to(cv.dtype)
+        S = meta.kv_len
+        if meta.contiguous_slots:
+            B = meta.slots.shape[0]
+            return ck[:B, :, :S], cv[:B, :, :S]
+        return ck[meta.slots, :, :S], cv[meta.slots, :, :S]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE, optional q/k bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        D, H, Hkv, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.layer_idx, self.H, self.Hkv, self.hd = layer_idx, H, Hkv, hd
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(D, H * hd, bias=bias)
+        self.k_proj = nn.Linear(D, Hkv * hd, bias=bias)
+        self.v_proj = nn.Linear(D, Hkv * hd, bias=bias)
+        self.o_proj = nn.Linear(H * hd, D, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = hd ** -0.5
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]; writes this step's k/v into `cache`."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, self.hd)  # (B, T, H, hd)
+        k = self.k_proj(x).view(B, T, self.Hkv, self.hd)
+        v = self.v_proj(x).view(B, T, self.Hkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), meta.cos, meta.sin)  # (B, H, T, hd)
+        k = apply_rotary(k.transpose(1, 2), meta.cos, meta.sin)  # (B, Hkv, T, hd)
+        k, v = cache.update(self.layer_idx, k, v.transpose(1, 2), meta)  # (B, Hkv, S, hd)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, is_causal=meta.causal,
+                                             scale=self.scale, enable_gqa=self.H != self.Hkv)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). x [..., D] -> [..., D]; F = intermediate size."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,82 @@
+"""Dense decoder-only transformers of the Llama family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2.
+
+One implementation covers them all; the differences are ModelConfig fields (q/k/v bias for Qwen2,
+per-head q/k RMSNorm for Qwen3, sliding window for Mistral, llama3 RoPE scaling, tied embeddings).
+Parameter names equal Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...).
+
+Dimension legend: B = batch, T = new tokens per sequence, D = hidden, V = vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.models.layers import MLP, Attention, AttentionMetadata, KVCache, RMSNorm, Rotary, build_attention_metadata
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)). `mlp` is any [.., D] -> [.., D] module."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module | None = None) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = mlp if mlp is not None else MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), meta, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """`model.*` of an HF causal LM: embed_tokens, layers, norm."""
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only causal LM with HF parameter names.
+
+    Args:
+        config: the model's hyperparameters.
+        max_positions: size of the RoPE table [tokens] (the engine's context window).
+        layers: decoder layers; None builds dense `DecoderLayer`s (MoE models pass their own).
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int, layers: list[nn.Module] | None = None) -> None:
+        super().__init__()
+        self.config = config
+        if layers is None:
+            layers = [DecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.model = Backbone(config, layers)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config, max_positions)
+
+    @property
+    def max_positions(self) -> int:
+        return self.rotary.cos.shape[0]
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      cache: KVCache) -> torch.Tensor:
+        """input_ids, positions int64 [B, T]; slots int64 [B] -> final-norm hidden states [B, T, D]."""
+        meta = build_attention_metadata(self.rotary, positions, slots, self.config.sliding_window)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, meta, cache)
+        return self.model.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                cache: KVCache, last_only: bool = True) -> torch.Tensor:
+        """Run one step and return logits: [B, V] for the last token (last_only) or [B, T, V]."""
+        h = self.hidden_states(input_ids, positions, slots, cache)
+        if last_only:
+            h = h[:, -1:]
+        logits = self.lm_head(h)
+        return logits[:, -1] if last_only else logits
