@@ -1,0 +1,772 @@
+"""CPU dense benchmark: SmolLM2-135M-Instruct (GGUF, Q4_1) at batch 1 on this machine.
+
+Engines, each in its own subprocess (so peak RSS and load time are per engine):
+    tiered-int4   tiered, EngineConfig() (packed int4 decode weights for the Q4 tensors, fp32 prefill)
+    tiered-fp32   tiered, EngineConfig(decode_weights="fp32") (lossless)
+    hf-fp32       transformers AutoModelForCausalLM from the same GGUF, dtype=float32
+    hf-bf16       transformers, dtype=bfloat16
+    llama.cpp     llama-cpp-python on the same GGUF (only if importable; see --install-llama-cpp)
+
+Measured per engine: load time, peak RSS, prefill time at 32/128/512 prompt tokens, decode
+tokens/s over 128 new tokens (greedy, EOS ignored). The same prompt token ids feed every engine.
+Memory bandwidth (torch sum / copy over 512 MiB, same thread count) is measured in the same run
+and gives each decode figure its bandwidth bound: bandwidth / bytes of weights read per token.
+
+Usage:
+    .venv/bin/python benchmarks/cpu_dense.py            # full run (~10 min on 2 cores)
+    .venv/bin/python benchmarks/cpu_dense.py --quick    # smoke run (~2 min)
+    .venv/bin/python benchmarks/cpu_dense.py --profile  # also profile tiered decode (per-op table)
+Results: benchmarks/results/cpu_dense.json and cpu_dense.md (and cpu_dense_profile.txt).
+
+What each number means:
+    prefill_s   from the start of the prompt's forward pass to the first generated token (greedy
+                argmax included). tiered: RequestStats.prefill_s of generate(ids, max_tokens=1).
+                transformers: model(ids, logits_to_keep=1) + argmax. llama.cpp: eval(ids) + argmax.
+    decode tok/s  (new tokens - 1) / (time of last token - time of first token) after a 32-token
+                prompt. tiered: RequestStats.decode_tokens_per_s of generate() (includes sampling and
+                detokenization per token). transformers: a model(...) loop with past_key_values and
+                argmax (the leanest HF loop; generate() adds overhead). llama.cpp: eval([tok]) loop.
+    fwd-only tok/s  (tiered only) the same decode with a bare model-forward + argmax loop, no engine.
+    bound tok/s  memory bandwidth (torch sum GB/s) / weight bytes read per decoded token (KV cache
+                reads excluded; they add ~46 KB per cached position in fp32 for this model).
+    peak RSS    ru_maxrss of the engine's process (includes python + torch import, ~0.3 GB).
+    load_s      wall time of constructing the engine (tiered: LLM(...), incl. tokenizer load;
+                transformers: from_pretrained incl. GGUF dequantization; llama.cpp: Llama(...)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RESULTS = HERE / "results"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+ENGINES = ("tiered-int4", "tiered-fp32", "hf-fp32", "hf-bf16", "llama.cpp")
+PREFILL_LENGTHS = (32, 128, 512)
+DECODE_PROMPT = 32
+
+
+# ============================================================================ child-side helpers
+def _rss_now() -> int:
+    try:
+        import psutil
+        return psutil.Process().memory_info().rss
+    except ImportError:  # pragma: no cover
+        return 0
+
+
+def _peak_rss() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _model_path() -> Path:
+    from tiered.checkpoint import default_model_path
+    return default_model_path()
+
+
+def child_prompts(spec: dict) -> dict:
+    """Token ids: a long deterministic text tokenized once and cut to each length."""
+    import textwrap
+    from tiered.checkpoint import open_checkpoint
+
+    tok = open_checkpoint(None).tokenizer()
+    text = Path(textwrap.__file__).read_text()  # stdlib source: deterministic, ~5k tokens
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    n = max(spec["lengths"] + [spec["decode_prompt"]])
+    if len(ids) < n:
+        ids = (ids * (n // len(ids) + 1))
+    return {"source": f"python {platform.python_version()} stdlib textwrap.py, first N tokens",
+            "ids": ids[:n]}
+
+
+def child_bandwidth(spec: dict) -> dict:
+    """Memory bandwidth with torch on `threads` threads: sum (read) and copy (read + write)."""
+    import torch
+    torch.set_num_threads(spec["threads"])
+    nbytes = spec["bw_mib"] << 20
+    a = torch.ones(nbytes // 4, dtype=torch.float32)
+    b = torch.empty_like(a)
+    a.sum(); b.copy_(a)  # touch pages
+    sums, copies = [], []
+    for _ in range(spec["bw_repeats"]):
+        t0 = time.perf_counter(); a.sum(); t1 = time.perf_counter()
+        sums.append(nbytes / (t1 - t0) / 1e9)
+        t0 = time.perf_counter(); b.copy_(a); t1 = time.perf_counter()
+        copies.append(2 * nbytes / (t1 - t0) / 1e9)
+    return {"bytes": nbytes, "threads": spec["threads"], "repeats": spec["bw_repeats"],
+            "sum_GBps": _median(sums), "copy_GBps": _median(copies),
+            "sum_GBps_max": max(sums), "copy_GBps_max": max(copies)}
+
+
+# ------------------------------------------------------------------------------- engine adapters
+class TieredEngine:
+    def __init__(self, decode_weights: str | None) -> None:
+        import torch
+        from tiered import LLM, EngineConfig, SamplingParams
+        self.torch, self.SP = torch, SamplingParams
+        cfg = EngineConfig() if decode_weights is None else EngineConfig(decode_weights=decode_weights)
+        self.config_repr = repr(cfg)
+        self.llm = LLM(config=cfg)
+
+    def extra(self) -> dict:
+        return {"engine_config": self.config_repr, "weight_bytes": self.llm.weight_bytes,
+                "decode_weight_bytes": self.llm.decode_weight_bytes, "internal_load_s": self.llm.load_s}
+
+    def decode_bytes_per_token(self) -> dict:
+        """Bytes of weights one decode step reads, walking the modules the decode path uses."""
+        torch, nn = self.torch, self.torch.nn
+        from tiered.quant.linear import PhaseLinear
+        by_kind: dict[str, int] = {}
+
+        def add(kind, n):
+            by_kind[kind] = by_kind.get(kind, 0) + int(n)
+
+        def tbytes(ts):
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        thr = self.llm.engine_config.decode_weights_threshold
+
+        def walk(m: nn.Module, name: str):
+            if isinstance(m, PhaseLinear):
+                ts = list(m.decode.parameters()) + list(m.decode.buffers())
+                if thr >= 1:  # a batch-1 decode step has 1 row: the decode module runs
+                    dtypes = "/".join(sorted({str(t.dtype).replace("torch.", "") for t in ts}))
+                    add(f"{type(m.decode).__name__}({dtypes})", tbytes(ts))
+                return
+            if isinstance(m, nn.Embedding):
+                add("embedding row", m.weight.shape[1] * m.weight.element_size())
+                return
+            if isinstance(m, nn.Linear):
+                add(f"Linear({str(m.weight.dtype).replace('torch.', '')})", tbytes([m.weight, m.bias]))
+                return
+            if name.endswith("rotary"):
+                add("rope row", 2 * m.cos.shape[1] * m.cos.element_size())
+                return
+            own = tbytes(list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)))
+            if own:
+                add(type(m).__name__, own)
+            for cname, c in m.named_children():
+                walk(c, f"{name}.{cname}" if name else cname)
+
+        walk(self.llm.model, "")
+        return {"bytes": sum(by_kind.values()), "breakdown": by_kind}
+
+    def prefill(self, ids: list[int]) -> dict:
+        out = self.llm.generate([list(ids)], self.SP(max_tokens=1, temperature=0))[0]
+        return {"s": out.stats.prefill_s, "ttft_s": out.stats.ttft_s, "first_token": out.token_ids[0]}
+
+    def decode(self, ids: list[int], n: int) -> dict:
+        out = self.llm.generate([list(ids)], self.SP(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        st = out.stats
+        assert st.generated_tokens == n, st
+        return {"tokens_per_s": st.decode_tokens_per_s, "itl_s": st.itl_s, "prefill_s": st.prefill_s,
+                "token_ids": list(out.token_ids)}
+
+    def forward_only_decode(self, ids: list[int], n: int) -> float:
+        """tokens/s of a bare decode loop: model forward + argmax, no engine bookkeeping."""
+        torch = self.torch
+        from tiered.engine.llm import dense_weights
+        from tiered.models.layers import KVCache
+        llm, model = self.llm, self.llm.model
+        cache = KVCache(llm.config, 1, len(ids) + n, llm.dtype)
+        slots = torch.tensor([0])
+        with torch.inference_mode():
+            with dense_weights(model):
+                logits = model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), slots, cache)
+            tok = int(logits[0].argmax())
+            times = [time.perf_counter()]
+            for i in range(n - 1):
+                pos = len(ids) + i
+                logits = model(torch.tensor([[tok]]), torch.tensor([[pos]]), slots, cache)
+                tok = int(logits[0].float().argmax())
+                times.append(time.perf_counter())
+        return (n - 1) / (times[-1] - times[0])
+
+
+class HFEngine:
+    def __init__(self, dtype: str) -> None:
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
+        self.torch = torch
+        p = _model_path()
+        self.model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
+                                                          dtype=getattr(torch, dtype))
+        self.model.eval()
+        self.dtype = dtype
+        self.version = transformers.__version__
+
+    def extra(self) -> dict:
+        return {"dtype": self.dtype, "attn_implementation": getattr(self.model.config, "_attn_implementation", None)}
+
+    def decode_bytes_per_token(self) -> dict:
+        params = list(self.model.parameters())  # tied lm_head / embedding counted once
+        n = sum(p.numel() for p in params)
+        return {"bytes": sum(p.numel() * p.element_size() for p in params), "params": n,
+                "breakdown": {f"{self.dtype} params": n}}
+
+    def _first(self, ids):
+        torch = self.torch
+        out = self.model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        return out, int(out.logits[0, -1].argmax())
+
+    def prefill(self, ids: list[int]) -> dict:
+        with self.torch.inference_mode():
+            t0 = time.perf_counter()
+            _, tok = self._first(ids)
+            t1 = time.perf_counter()
+        return {"s": t1 - t0, "first_token": tok}
+
+    def decode(self, ids: list[int], n: int) -> dict:
+        torch = self.torch
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out, tok = self._first(ids)
+            toks, times = [tok], [time.perf_counter()]
+            past = out.past_key_values
+            for _ in range(n - 1):
+                out = self.model(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                tok = int(out.logits[0, -1].argmax())
+                toks.append(tok)
+                times.append(time.perf_counter())
+        dt = times[-1] - times[0]
+        return {"tokens_per_s": (n - 1) / dt, "itl_s": dt / (n - 1), "prefill_s": times[0] - t0,
+                "token_ids": toks}
+
+    def generate_check(self, ids: list[int], n: int) -> dict:
+        """One model.generate(do_sample=False, min_new_tokens=n) call: end-to-end tokens/s."""
+        torch = self.torch
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                      pad_token_id=self.model.config.eos_token_id)
+            dt = time.perf_counter() - t0
+        gen = out[0, len(ids):].tolist()
+        return {"generate_s": dt, "generate_tokens": len(gen), "generate_e2e_tokens_per_s": len(gen) / dt,
+                "generate_token_ids": gen}
+
+
+class LlamaCppEngine:
+    def __init__(self, threads: int, n_ctx: int) -> None:
+        import llama_cpp
+        import numpy as np
+        self.np = np
+        self.version = llama_cpp.__version__
+        self.path = _model_path()
+        self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
+                                   n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def extra(self) -> dict:
+        return {"llama_cpp_python": self.version}
+
+    def decode_bytes_per_token(self) -> dict:
+        from gguf import GGUFReader
+        r = GGUFReader(str(self.path))
+        by_type: dict[str, int] = {}
+        for t in r.tensors:
+            by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+        return {"bytes": sum(by_type.values()), "breakdown": by_type,
+                "note": "all GGUF tensor bytes; the tied Q8_0 token_embd is read once per token as the output matrix"}
+
+    def prefill(self, ids: list[int]) -> dict:
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(list(ids))
+        tok = int(self.np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        t1 = time.perf_counter()
+        return {"s": t1 - t0, "first_token": tok}
+
+    def decode(self, ids: list[int], n: int) -> dict:
+        np = self.np
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(list(ids))
+        tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        toks, times = [tok], [time.perf_counter()]
+        for _ in range(n - 1):
+            self.llm.eval([tok])
+            tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+            toks.append(tok)
+            times.append(time.perf_counter())
+        dt = times[-1] - times[0]
+        return {"tokens_per_s": (n - 1) / dt, "itl_s": dt / (n - 1), "prefill_s": times[0] - t0,
+                "token_ids": toks}
+
+
+def child_engine(spec: dict) -> dict:
+    name, threads = spec["engine"], spec["threads"]
+    res: dict = {"engine": name, "rss_start": _rss_now()}
+    if name == "llama.cpp":
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            return {"engine": name, "status": "not installed"}
+    import torch
+    torch.set_num_threads(threads)
+    res["rss_after_import"] = _rss_now()
+    t0 = time.perf_counter()
+    if name.startswith("tiered"):
+        eng = TieredEngine(None if name == "tiered-int4" else "fp32")
+    elif name.startswith("hf"):
+        eng = HFEngine("float32" if name == "hf-fp32" else "bfloat16")
+    else:
+        eng = LlamaCppEngine(threads, n_ctx=max(spec["lengths"]) + spec["new_tokens"] + 64)
+    res["load_s"] = time.perf_counter() - t0
+    res["rss_after_load"] = _rss_now()
+    res.update(eng.extra())
+    res["bytes_per_token"] = eng.decode_bytes_per_token()
+    ids_all = spec["ids"]
+
+    # warm-up: one short generation (first-call allocations, kernel selection)
+    eng.decode(ids_all[:DECODE_PROMPT], min(8, spec["new_tokens"]))
+
+    prefill = {}
+    for n in spec["lengths"]:
+        ids = ids_all[:n]
+        if spec["warmup"]:
+            eng.prefill(ids)
+        runs = [eng.prefill(ids) for _ in range(spec["prefill_repeats"])]
+        times = [r["s"] for r in runs]
+        prefill[str(n)] = {"median_s": _median(times), "runs_s": times,
+                           "tokens_per_s": n / _median(times), "first_token": runs[0]["first_token"]}
+        if "ttft_s" in runs[0]:
+            prefill[str(n)]["median_ttft_s"] = _median([r["ttft_s"] for r in runs])
+    res["prefill"] = prefill
+
+    ids = ids_all[:DECODE_PROMPT]
+    runs = [eng.decode(ids, spec["new_tokens"]) for _ in range(spec["decode_repeats"])]
+    res["decode"] = {"prompt_tokens": len(ids), "new_tokens": spec["new_tokens"],
+                     "median_tokens_per_s": _median([r["tokens_per_s"] for r in runs]),
+                     "runs_tokens_per_s": [r["tokens_per_s"] for r in runs],
+                     "median_itl_s": _median([r["itl_s"] for r in runs]),
+                     "token_ids": runs[0]["token_ids"]}
+    if isinstance(eng, TieredEngine):
+        fo = [eng.forward_only_decode(ids, spec["new_tokens"]) for _ in range(spec["decode_repeats"])]
+        res["decode"]["forward_only_median_tokens_per_s"] = _median(fo)
+        res["decode"]["forward_only_runs_tokens_per_s"] = fo
+    if isinstance(eng, HFEngine) and spec["hf_generate_check"]:
+        res["decode"].update(eng.generate_check(ids, spec["new_tokens"]))
+    res["peak_rss"] = _peak_rss()
+    res["status"] = "ok"
+    return res
+
+
+def child_profile(spec: dict) -> dict:
+    """Where tiered's decode time goes: torch.profiler over bare forward steps, cProfile of generate."""
+    import cProfile
+    import io
+    import pstats
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.set_num_threads(spec["threads"])
+    eng = TieredEngine(spec.get("decode_weights"))
+    from tiered.engine.llm import dense_weights
+    from tiered.models.layers import KVCache
+    llm, model = eng.llm, eng.llm.model
+    ids, n = spec["ids"][:DECODE_PROMPT], spec["new_tokens"]
+    eng.decode(ids, 8)
+    cache = KVCache(llm.config, 1, len(ids) + n + 1, llm.dtype)
+    slots = torch.tensor([0])
+    lines = []
+    with torch.inference_mode():
+        with dense_weights(model):
+            logits = model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), slots, cache)
+        tok = int(logits[0].argmax())
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for i in range(n):
+                logits = model(torch.tensor([[tok]]), torch.tensor([[len(ids) + i]]), slots, cache)
+                tok = int(logits[0].float().argmax())
+    ka = prof.key_averages()
+    total_self = sum(e.self_cpu_time_total for e in ka)
+    lines.append(f"== torch.profiler: {n} bare decode steps of tiered ({eng.config_repr}), "
+                 f"{spec['threads']} threads; self CPU time per op, per token ==")
+    lines.append(f"total self CPU time {total_self / 1e3:.1f} ms = {total_self / 1e3 / n:.2f} ms/token")
+    lines.append(f"{'op':<45} {'calls/tok':>9} {'ms/tok':>8} {'share':>6}")
+    for e in sorted(ka, key=lambda e: -e.self_cpu_time_total)[:25]:
+        lines.append(f"{e.key[:45]:<45} {e.count / n:>9.1f} {e.self_cpu_time_total / 1e3 / n:>8.3f} "
+                     f"{100 * e.self_cpu_time_total / total_self:>5.1f}%")
+    lines.append("")
+    lines.append("== by input shape (top 20) ==")
+    ks = prof.key_averages(group_by_input_shape=True)
+    for e in sorted(ks, key=lambda e: -e.self_cpu_time_total)[:20]:
+        lines.append(f"{e.key[:38]:<38} {str(e.input_shapes)[:70]:<70} {e.self_cpu_time_total / 1e3 / n:>7.3f} ms/tok")
+    # per-module wall time with forward hooks (one extra sync-free timer per module)
+    lines.append("")
+    lines.append("== wall time per module kind, per token (forward hooks) ==")
+    acc: dict[str, float] = {}
+    starts: dict[int, float] = {}
+    from tiered.quant.linear import PhaseLinear
+
+    def kind(name, m):
+        if isinstance(m, PhaseLinear):
+            return ("lm_head" if name == "lm_head" else name.split(".")[-1]) + f" [{type(m.decode).__name__}]"
+        if isinstance(m, torch.nn.Linear):
+            return ("lm_head" if name == "lm_head" else name.split(".")[-1]) + " [Linear fp32]"
+        return type(m).__name__
+
+    hooks = []
+    for name, m in model.named_modules():
+        if name == "" or name.endswith("decode") or type(m).__name__ in ("ModuleList", "Backbone", "DecoderLayer", "MLP"):
+            continue
+        k = kind(name, m)
+        hooks.append(m.register_forward_pre_hook(lambda mod, inp: starts.__setitem__(id(mod), time.perf_counter())))
+        hooks.append(m.register_forward_hook(
+            lambda mod, inp, out, k=k: acc.__setitem__(k, acc.get(k, 0.0) + time.perf_counter() - starts[id(mod)])))
+    cache = KVCache(llm.config, 1, len(ids) + n + 1, llm.dtype)
+    with torch.inference_mode():
+        with dense_weights(model):
+            logits = model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), slots, cache)
+        acc.clear()
+        tok = int(logits[0].argmax())
+        t0 = time.perf_counter()
+        for i in range(n):
+            logits = model(torch.tensor([[tok]]), torch.tensor([[len(ids) + i]]), slots, cache)
+            tok = int(logits[0].float().argmax())
+        wall = time.perf_counter() - t0
+    for h in hooks:
+        h.remove()
+    lines.append(f"step wall {wall / n * 1e3:.2f} ms/token (with hooks)")
+    for k, v in sorted(acc.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{k:<40} {v / n * 1e3:>8.3f} ms/tok {100 * v / wall:>5.1f}%")
+    # Python-level engine overhead: cProfile of one generate call
+    pr = cProfile.Profile()
+    pr.enable()
+    eng.decode(ids, n)
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+    lines.append("")
+    lines.append(f"== cProfile of llm.generate({len(ids)}-token prompt, {n} new tokens), sorted by tottime ==")
+    lines.append(s.getvalue())
+    return {"text": "\n".join(lines)}
+
+
+# ============================================================================ parent side
+def run_child(kind: str, spec: dict, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        inp, outp = Path(d) / "in.json", Path(d) / "out.json"
+        inp.write_text(json.dumps(spec))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, str(inp), str(outp)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"status": f"timeout after {timeout:.0f} s"}
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 or not outp.exists():
+            tail = (proc.stderr or proc.stdout)[-3000:]
+            return {"status": f"failed (rc={proc.returncode})", "stderr_tail": tail}
+        res = json.loads(outp.read_text())
+        res["child_wall_s"] = wall
+        return res
+
+
+def machine_info() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "logical_cpus": os.cpu_count(),
+            "cpu_flags": sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni",
+                                                         "avx512_bf16", "amx_bf16", "amx_int8", "avx_vnni")),
+            "platform": platform.platform(), "python": platform.python_version()}
+    try:
+        mem = Path("/proc/meminfo").read_text().splitlines()[0].split()
+        info["mem_total_gib"] = round(int(mem[1]) / 2**20, 1)
+    except (OSError, IndexError, ValueError):
+        pass
+    vers = subprocess.run([sys.executable, "-c",
+                           "import torch, transformers, numpy; print(torch.__version__, transformers.__version__, numpy.__version__)"],
+                          capture_output=True, text=True).stdout.split()
+    if len(vers) == 3:
+        info["torch"], info["transformers"], info["numpy"] = vers
+    try:
+        import importlib.metadata as md
+        info["llama_cpp_python"] = md.version("llama_cpp_python")
+    except Exception:
+        info["llama_cpp_python"] = None
+    try:
+        info["tiered_git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                            capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "tiered"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        info["tiered_dirty"] = bool(dirty)
+    except OSError:
+        pass
+    return info
+
+
+def install_llama_cpp() -> str:
+    print("installing llama-cpp-python (builds from source, ~5 min on 2 cores) ...", flush=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "llama-cpp-python"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-2000:], proc.stderr[-2000:], sep="\n")
+        return "install failed"
+    return "installed"
+
+
+def _fmt(x, spec="{:.1f}", none="-"):
+    return none if x is None else spec.format(x)
+
+
+def build_report(res: dict) -> str:
+    s, bw = res["settings"], res["bandwidth"]
+    m = res["machine"]
+    L = []
+    L.append(f"# CPU dense benchmark: {res['model']['name']} at batch 1\n")
+    L.append(f"- date: {res['date']}; machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, "
+             f"{m.get('mem_total_gib', '?')} GiB; flags {', '.join(m['cpu_flags'])}")
+    L.append(f"- torch {m.get('torch')}, transformers {m.get('transformers')}, numpy {m.get('numpy')}, "
+             f"llama-cpp-python {m.get('llama_cpp_python') or 'not installed'}; python {m['python']}; "
+             f"tiered git {m.get('tiered_git')}{' (+ uncommitted changes)' if m.get('tiered_dirty') else ''}")
+    L.append(f"- model: `{res['model']['file']}` ({res['model']['bytes'] / 1e6:.1f} MB)")
+    L.append(f"- settings: {s['threads']} threads; prefill medians of {s['prefill_repeats']} (after 1 warm-up), "
+             f"decode medians of {s['decode_repeats']} runs of {s['new_tokens']} new tokens after a "
+             f"{DECODE_PROMPT}-token prompt, greedy, EOS ignored; prompts: {res['prompts']['source']}"
+             f"{'; QUICK smoke run' if s['quick'] else ''}")
+    L.append(f"- memory bandwidth (torch, {bw['threads']} threads, {bw['bytes'] >> 20} MiB, median of "
+             f"{bw['repeats']}): sum {bw['sum_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s (read+write); "
+             f"bounds use the sum figure")
+    L.append(f"- load average before/after: {res['loadavg_before']} / {res['loadavg_after']}\n")
+    hdr = ["engine", "load s", "peak RSS MB"] + [f"prefill {n} ms" for n in s["lengths"]] + \
+          [f"prefill {s['lengths'][-1]} tok/s", "decode tok/s", "fwd-only tok/s", "weights MB/tok", "bound tok/s", "% of bound"]
+    L.append("| " + " | ".join(hdr) + " |")
+    L.append("|" + "|".join(["---"] + ["---:"] * (len(hdr) - 1)) + "|")
+    for name in s["engines"]:
+        r = res["engines"][name]
+        if r.get("status") != "ok":
+            L.append(f"| {name} | {r.get('status')} |" + " |" * (len(hdr) - 2))
+            continue
+        d = r["decode"]
+        bpt = r["bytes_per_token"]["bytes"]
+        bound = bw["sum_GBps"] * 1e9 / bpt
+        cells = [name, _fmt(r["load_s"], "{:.2f}"), _fmt(r["peak_rss"] / 1e6, "{:.0f}")]
+        cells += [_fmt(r["prefill"][str(n)]["median_s"] * 1e3, "{:.1f}") for n in s["lengths"]]
+        cells += [_fmt(r["prefill"][str(s["lengths"][-1])]["tokens_per_s"], "{:.0f}"),
+                  _fmt(d["median_tokens_per_s"], "{:.1f}"),
+                  _fmt(d.get("forward_only_median_tokens_per_s"), "{:.1f}"),
+                  _fmt(bpt / 1e6, "{:.1f}"), _fmt(bound, "{:.1f}"),
+                  _fmt(100 * d["median_tokens_per_s"] / bound, "{:.0f}%")]
+        L.append("| " + " | ".join(cells) + " |")
+    L.append("")
+    t = res["targets"]
+    L.append("## Targets\n")
+    for line in t["lines"]:
+        L.append(f"- {line}")
+    L.append("")
+    L.append("## Weight bytes read per decoded token\n")
+    for name in s["engines"]:
+        r = res["engines"][name]
+        if r.get("status") == "ok":
+            br = ", ".join(f"{k} {v / 1e6:.2f} MB" if isinstance(v, int) and k != "params" else f"{k} {v}"
+                           for k, v in r["bytes_per_token"]["breakdown"].items())
+            L.append(f"- {name}: {r['bytes_per_token']['bytes'] / 1e6:.1f} MB ({br})")
+    L.append("")
+    L.append("## Greedy agreement (first 32 decoded tokens vs hf-fp32)\n")
+    for line in res.get("agreement", []):
+        L.append(f"- {line}")
+    return "\n".join(L) + "\n"
+
+
+def compute_targets(res: dict) -> dict:
+    E = res["engines"]
+    ok = {k: v for k, v in E.items() if v.get("status") == "ok"}
+    lines, ratios = [], {}
+
+    def dec(k):
+        return ok[k]["decode"]["median_tokens_per_s"] if k in ok else None
+
+    hf_best = max([x for x in (dec("hf-fp32"), dec("hf-bf16")) if x is not None], default=None)
+    hf_best_name = None
+    if hf_best is not None:
+        hf_best_name = "hf-fp32" if dec("hf-fp32") == hf_best else "hf-bf16"
+    for tk in ("tiered-int4", "tiered-fp32"):
+        if tk in ok and hf_best:
+            r = dec(tk) / hf_best
+            ratios[f"{tk}_decode_vs_best_hf"] = r
+            lines.append(f"{tk} decode {dec(tk):.1f} tok/s = {r:.2f}x the faster transformers ({hf_best_name}, "
+                         f"{hf_best:.1f} tok/s); target >= 2x: {'MET' if r >= 2 else 'NOT met'}")
+    if "hf-fp32" in ok:
+        for tk in ("tiered-int4", "tiered-fp32"):
+            if tk not in ok:
+                continue
+            parts = []
+            met = True
+            for n, p in ok[tk]["prefill"].items():
+                h = ok["hf-fp32"]["prefill"][n]["median_s"]
+                r = h / p["median_s"]  # > 1: tiered faster
+                ratios[f"{tk}_prefill{n}_speed_vs_hf_fp32"] = r
+                met &= r >= 1.0
+                parts.append(f"{n}: {r:.2f}x")
+            lines.append(f"{tk} prefill speed relative to hf-fp32 (>1 = faster) " + ", ".join(parts) +
+                         f"; target no slower: {'MET' if met else 'NOT met'}")
+    if "llama.cpp" in ok:
+        for tk in ("tiered-int4", "tiered-fp32"):
+            if tk not in ok:
+                continue
+            r = dec(tk) / dec("llama.cpp")
+            ratios[f"{tk}_decode_vs_llama_cpp"] = r
+            pp = ", ".join(f"{n}: {ok['llama.cpp']['prefill'][n]['median_s'] / p['median_s']:.2f}x"
+                           for n, p in ok[tk]["prefill"].items())
+            lines.append(f"gap to llama.cpp: {tk} decode {r:.2f}x llama.cpp's {dec('llama.cpp'):.1f} tok/s; "
+                         f"prefill speed relative to llama.cpp {pp}")
+    else:
+        lines.append(f"llama.cpp: {E.get('llama.cpp', {}).get('status', 'not run')}")
+    return {"ratios": ratios, "lines": lines}
+
+
+def agreement(res: dict) -> list[str]:
+    E = res["engines"]
+    ref = E.get("hf-fp32", {})
+    if ref.get("status") != "ok":
+        return []
+    r = ref["decode"]["token_ids"][:32]
+    out = []
+    for k, v in E.items():
+        if k == "hf-fp32" or v.get("status") != "ok":
+            continue
+        t = v["decode"]["token_ids"][:32]
+        same = next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), len(r))
+        out.append(f"{k}: first {same} of {len(r)} tokens identical")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fast smoke run (1 repeat, 16 new tokens)")
+    ap.add_argument("--repeats", type=int, default=None, help="prefill repeats (default 5; decode uses max(1, repeats*3//5))")
+    ap.add_argument("--decode-repeats", type=int, default=None, help="decode repeats (default 3)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="decode length (default 128)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ",".join(ENGINES))
+    ap.add_argument("--install-llama-cpp", action="store_true",
+                    help="pip install llama-cpp-python first when it is not importable (builds from source)")
+    ap.add_argument("--profile", action="store_true", help="also profile tiered-int4 decode (results/cpu_dense_profile.txt)")
+    ap.add_argument("--no-hf-generate-check", action="store_true", help="skip the one model.generate() run per HF engine")
+    ap.add_argument("--out", default=str(RESULTS / "cpu_dense"), help="output path stem (.json / .md added)")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    if a.child:
+        kind, inp, outp = a.child
+        spec = json.loads(Path(inp).read_text())
+        fn = {"prompts": child_prompts, "bandwidth": child_bandwidth, "engine": child_engine,
+              "profile": child_profile}[kind]
+        Path(outp).write_text(json.dumps(fn(spec)))
+        return 0
+
+    engines = [e.strip() for e in a.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ENGINES]
+    if bad:
+        ap.error(f"unknown engines {bad}")
+    prefill_repeats = a.repeats or (1 if a.quick else 5)
+    decode_repeats = a.decode_repeats or (1 if a.quick else (max(1, prefill_repeats * 3 // 5) if a.repeats else 3))
+    new_tokens = a.new_tokens or (16 if a.quick else 128)
+    spec = {"threads": a.threads, "lengths": list(PREFILL_LENGTHS), "decode_prompt": DECODE_PROMPT,
+            "prefill_repeats": prefill_repeats, "decode_repeats": decode_repeats, "new_tokens": new_tokens,
+            "warmup": not a.quick, "hf_generate_check": not (a.quick or a.no_hf_generate_check),
+            "bw_mib": 128 if a.quick else 512, "bw_repeats": 3 if a.quick else 7}
+
+    if "llama.cpp" in engines and a.install_llama_cpp:
+        probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
+        if probe.returncode != 0:
+            print("llama-cpp-python:", install_llama_cpp(), flush=True)
+
+    t_start = time.perf_counter()
+    res: dict = {"benchmark": "cpu_dense", "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                 "command": " ".join([Path(sys.executable).name, "benchmarks/cpu_dense.py"] + (argv if argv is not None else sys.argv[1:])),
+                 "machine": machine_info(), "loadavg_before": os.getloadavg()}
+    mp = Path(subprocess.run([sys.executable, "-c", "from tiered.checkpoint import default_model_path; print(default_model_path())"],
+                             cwd=str(REPO), capture_output=True, text=True, check=True).stdout.strip())
+    res["model"] = {"name": "SmolLM2-135M-Instruct", "file": mp.name, "bytes": mp.stat().st_size}
+    res["settings"] = {**{k: v for k, v in spec.items()}, "engines": engines, "quick": a.quick}
+
+    print("tokenizing prompts ...", flush=True)
+    prompts = run_child("prompts", spec, 600)
+    if "ids" not in prompts:
+        print(prompts)
+        return 1
+    res["prompts"] = {"source": prompts["source"], "lengths": spec["lengths"],
+                      "first_ids": prompts["ids"][:16]}
+    spec["ids"] = prompts["ids"]
+
+    print("measuring memory bandwidth ...", flush=True)
+    res["bandwidth"] = run_child("bandwidth", spec, 600)
+    bw = res["bandwidth"]
+    if "sum_GBps" not in bw:
+        print(bw)
+        return 1
+    print(f"  sum {bw['sum_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s", flush=True)
+
+    res["engines"] = {}
+    for e in engines:
+        print(f"running {e} ...", flush=True)
+        r = run_child("engine", {**spec, "engine": e}, 1800)
+        res["engines"][e] = r
+        if r.get("status") == "ok":
+            bound = bw["sum_GBps"] * 1e9 / r["bytes_per_token"]["bytes"]
+            r["decode"]["bandwidth_bound_tokens_per_s"] = bound
+            pf = ", ".join(f"{n}: {v['median_s'] * 1e3:.1f} ms" for n, v in r["prefill"].items())
+            print(f"  load {r['load_s']:.2f} s, peak RSS {r['peak_rss'] / 1e6:.0f} MB, prefill {pf}, "
+                  f"decode {r['decode']['median_tokens_per_s']:.1f} tok/s (bound {bound:.1f})", flush=True)
+        else:
+            print(f"  {r.get('status')}", r.get("stderr_tail", ""), flush=True)
+    res["loadavg_after"] = os.getloadavg()
+    res["targets"] = compute_targets(res)
+    res["agreement"] = agreement(res)
+
+    if a.profile:
+        print("profiling tiered-int4 decode ...", flush=True)
+        prof = run_child("profile", {**spec, "new_tokens": max(new_tokens, 32)}, 1200)
+        prof_path = Path(a.out + "_profile.txt")
+        prof_path.parent.mkdir(parents=True, exist_ok=True)
+        prof_path.write_text(prof.get("text") or json.dumps(prof, indent=1))
+        res["profile_file"] = str(prof_path.relative_to(REPO)) if prof_path.is_relative_to(REPO) else str(prof_path)
+        print(f"  wrote {prof_path}", flush=True)
+
+    res["total_wall_s"] = time.perf_counter() - t_start
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    md = build_report(res)
+    out.with_suffix(".md").write_text(md)
+    print()
+    print(md)
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')} ({res['total_wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

