@@ -4,15 +4,24 @@ Prefill (many tokens per step) is compute-bound and wants dense fp32 GEMM; decod
 sequence) is memory-bound and wants the fewest bytes per weight. `PhaseLinear` keeps the dense
 weight under its HF name (`weight`) and a decode module beside it, and picks one by the number of
 rows in the input: a kernel choice by shape, as llama.cpp makes between its GEMV and GEMM paths.
+
+Projections that read the same input (q/k/v; gate/up) share one fused decode kernel: fewer, larger
+matmuls per token (nano-vllm's packed modules, done here only on the decode copy so the dense
+weights keep their HF names).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiered.quant.int4 import GROUP, Int4Linear
+from tiered.quant.int4 import GROUP, Int4Linear, quantize_int4, unpack_q4_blocks
+from tiered.quant.int8 import Int8Linear
+
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class CastLinear(nn.Module):
@@ -28,6 +37,37 @@ class CastLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
+class SharedOutput(nn.Module):
+    """Runs a fused module once per input tensor and hands each member its column slice.
+
+    The members of a fused group are called one after another with the same tensor object; the
+    fused result is kept (with a reference to its input, so identity is sound) until a different
+    input arrives.
+    """
+
+    def __init__(self, fused: nn.Module) -> None:
+        super().__init__()
+        self.fused = fused
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # skip nn.Module hook machinery: hot path
+        if x is not self._input:
+            self._input, self._output = x, self.fused(x)
+        return self._output
+
+
+class Slice(nn.Module):
+    """Columns [start, stop) of a SharedOutput's result. x [..., K] -> [..., stop - start]."""
+
+    def __init__(self, shared: SharedOutput, start: int, stop: int) -> None:
+        super().__init__()
+        self.shared, self.start, self.stop = shared, start, stop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(x)[..., self.start:self.stop]
 
 
 class PhaseLinear(nn.Module):
@@ -46,33 +86,64 @@ class PhaseLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def decode_module(linear: nn.Linear, handle, fmt: str) -> nn.Module | None:
-    """The decode-path module for `linear` under weight format `fmt`, or None to keep it as is.
+@dataclass
+class DecodeWeight:
+    """One projection's decode-format weight before packing: int4 codes or a dense tensor."""
 
-    Args:
-        linear: the loaded dense module (weight [N, K]).
-        handle: the checkpoint's TensorHandle of the weight (its storage format decides "auto").
-        fmt: "auto" | "bf16" | "int4" | "fp32".
+    kind: str  # "int4" | "int8" | "dense"
+    codes: torch.Tensor | None = None  # int32 [N, K] (int4)
+    scale: torch.Tensor | None = None  # fp32 [N, K/32] (int4)
+    zero: torch.Tensor | None = None  # fp32 [N, K/32] (int4)
+    dense: torch.Tensor | None = None  # [N, K] (dense, int8 source)
+
+
+def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
+    """The decode representation of `linear` under format `fmt`, or None to keep the dense module.
+
+    "auto": GGUF Q4_0/Q4_1 blocks -> int4 as stored; GGUF Q8_0 -> per-row int8; others -> bf16.
+    "int4": everything with K % 32 == 0 -> int4 (GGUF Q4 blocks as stored); "bf16"; "fp32".
     """
-    w, b = linear.weight, linear.bias
-    gguf_q4 = handle is not None and handle.format in ("Q4_0", "Q4_1")
+    w = linear.weight.detach()
+    stored = handle.format if handle is not None else None
     if fmt == "fp32":
-        return None if w.dtype == torch.float32 else CastLinear(w.detach().float(), b)
-    if fmt in ("auto", "int4") and gguf_q4:
-        return Int4Linear.from_gguf(handle.blocks(), handle.format, bias=None if b is None else b.detach().float())
+        return None if w.dtype == torch.float32 else DecodeWeight("dense", dense=w.float())
+    if fmt in ("auto", "int4") and stored in ("Q4_0", "Q4_1"):
+        codes, scale, zero = unpack_q4_blocks(handle.blocks(), stored)
+        return DecodeWeight("int4", codes, scale, zero)
     if fmt == "int4" and w.shape[1] % GROUP == 0:
-        return Int4Linear.from_dense(w.detach(), bias=None if b is None else b.detach().float())
+        return DecodeWeight("int4", *quantize_int4(w))
+    if fmt == "auto" and stored == "Q8_0":
+        return DecodeWeight("int8", dense=w)
     if w.dtype == torch.bfloat16:
         return None
-    return CastLinear(w.detach().to(torch.bfloat16), b)
+    return DecodeWeight("dense", dense=w.to(torch.bfloat16))
+
+
+def build_decode_module(parts: list[DecodeWeight], biases: list[torch.Tensor | None]) -> nn.Module:
+    """One decode module computing all `parts` side by side (outputs concatenated on the last dim)."""
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b.detach().float() if b is not None else torch.zeros(p.codes.shape[0] if p.codes is not None else p.dense.shape[0])
+         for p, b in zip(parts, biases)])
+    kind = parts[0].kind
+    if kind == "int4":
+        return Int4Linear.from_codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                                     torch.cat([p.zero for p in parts]), GROUP, bias)
+    w = torch.cat([p.dense for p in parts])
+    if kind == "int8":
+        return Int8Linear.from_dense(w, bias)
+    return CastLinear(w, bias)
+
+
+def _module_bytes(m: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
 
 
 def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: int) -> int:
-    """Swap every nn.Linear of `model` for a PhaseLinear carrying a decode-format copy.
+    """Swap the nn.Linear layers of `model` for PhaseLinears carrying decode-format copies.
 
     Args:
         model: a loaded model with HF parameter names.
-        checkpoint: where the weights came from (lm_head falls back to the tied embedding).
+        checkpoint: where the weights came from (its storage formats drive "auto").
         fmt: decode weight format (EngineConfig.decode_weights).
         threshold: largest number of rows that takes the decode path.
     Returns:
@@ -80,17 +151,33 @@ def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: in
     """
     extra = 0
     for mod_name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child) is not nn.Linear:
+        linears = {n: c for n, c in module.named_children() if type(c) is nn.Linear}
+        if not linears:
+            continue
+        prepared = {}
+        for name, lin in linears.items():
+            key = f"{mod_name}.{name}.weight" if mod_name else f"{name}.weight"
+            if key == "lm_head.weight" and not checkpoint.has(key):
+                key = "model.embed_tokens.weight"  # tied embeddings
+            prepared[name] = decode_weight(lin, checkpoint.handle(key) if checkpoint.has(key) else None, fmt)
+        done = set()
+        for group in FUSED_GROUPS:
+            parts = [prepared.get(n) for n in group]
+            if any(p is None for p in parts) or len({p.kind for p in parts}) != 1 or \
+                    len({linears[n].in_features for n in group}) != 1:
                 continue
-            full = f"{mod_name}.{child_name}" if mod_name else child_name
-            key = f"{full}.weight"
-            if not checkpoint.has(key) and key == "lm_head.weight":
-                key = "model.embed_tokens.weight"
-            handle = checkpoint.handle(key) if checkpoint.has(key) else None
-            dec = decode_module(child, handle, fmt)
-            if dec is None:
+            shared = SharedOutput(build_decode_module(parts, [linears[n].bias for n in group]))
+            extra += _module_bytes(shared.fused)
+            start = 0
+            for n in group:
+                stop = start + linears[n].out_features
+                setattr(module, n, PhaseLinear(linears[n].weight, linears[n].bias, Slice(shared, start, stop), threshold))
+                start = stop
+                done.add(n)
+        for name, part in prepared.items():
+            if name in done or part is None:
                 continue
-            extra += sum(t.numel() * t.element_size() for t in list(dec.parameters()) + list(dec.buffers()))
-            setattr(module, child_name, PhaseLinear(child.weight, child.bias, dec, threshold))
+            dec = build_decode_module([part], [linears[name].bias])
+            extra += _module_bytes(dec)
+            setattr(module, name, PhaseLinear(linears[name].weight, linears[name].bias, dec, threshold))
     return extra

@@ -1,0 +1,211 @@
+"""GGUF files: metadata -> ModelConfig, tensor names and q/k un-permutation, block formats, int4 path.
+
+GGUF files are written from the tiny transformers models by tests/gguf_writer.py (llama.cpp's
+converter restated), so the reader is checked against the real HF weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from fixtures import hf_greedy, prompt_ids
+from gguf_writer import dequantized_model, random_k_blocks, write_tensors_gguf
+from tiered import SamplingParams
+from tiered.checkpoint import GGUFCheckpoint, open_checkpoint
+from tiered.checkpoint.gguf_file import qk_row_permutation
+from tiered.quant.int4 import Int4Linear
+from tiered.quant.linear import PhaseLinear
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+REL_TOL = 1e-4
+GGUF_ARCHS = ["llama", "llama_tied", "qwen2", "qwen3"]
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+# ------------------------------------------------------------------------------------ F32 files
+@pytest.mark.parametrize("name", GGUF_ARCHS)
+def test_f32_gguf_logits_and_greedy_match_transformers(zoo, name):
+    path = zoo.gguf(name, "F32")
+    llm = zoo.llm(path)
+    assert isinstance(llm.checkpoint, GGUFCheckpoint) and llm.checkpoint.format_name == "gguf"
+    ids = prompt_ids(zoo.vocab_size, 16)
+    assert rel_err(llm.logits(ids), hf_logits(zoo.hf(name), ids)) <= REL_TOL
+    ids = prompt_ids(zoo.vocab_size, 16, seed=1)
+    assert llm.generate(ids, GREEDY)[0].token_ids == hf_greedy(zoo.hf(name), ids, 16)
+
+
+@pytest.mark.parametrize("name", GGUF_ARCHS)
+def test_gguf_config_equals_config_json(zoo, name):
+    """GGUF metadata gives the same ModelConfig as config.json (special tokens aside)."""
+    from dataclasses import replace
+
+    g = open_checkpoint(zoo.gguf(name, "F32")).config
+    h = open_checkpoint(zoo.dir(name)).config
+    # The tiny GGUF files carry no tokenizer, hence no bos/eos ids; GGUF stores eps as float32.
+    assert g.rms_norm_eps == pytest.approx(h.rms_norm_eps, rel=1e-6)
+    # norm_topk_prob only matters to MoE models.
+    same = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=h.rms_norm_eps, norm_topk_prob=True)
+    assert replace(g, **same) == replace(h, **same)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_gguf_tensors_equal_hf_tensors(zoo, name):
+    """Every HF tensor is found under its HF name, in HF layout (q/k permutation undone)."""
+    hf = open_checkpoint(zoo.dir(name))
+    gg = open_checkpoint(zoo.gguf(name, "F32"))
+    assert sorted(gg.names()) == sorted(hf.names())
+    for n in hf.names():
+        assert gg.handle(n).shape == hf.handle(n).shape, n
+        assert torch.equal(gg.handle(n).load(), hf.handle(n).load()), n
+
+
+def test_qk_row_permutation_inverts_llama_cpp():
+    from gguf_writer import llama_cpp_permute
+
+    for rows, heads in [(64, 4), (32, 2), (576, 9), (192, 3)]:
+        w = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+        assert np.array_equal(llama_cpp_permute(w, heads)[qk_row_permutation(rows, heads)], w)
+
+
+# ------------------------------------------------------------------------------ quantized files
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_quantized_gguf_equals_dequantized_hf_model(zoo, name, qtype):
+    """A block-quantized GGUF scores exactly like transformers with the round-tripped weights."""
+    llm = zoo.llm(zoo.gguf(name, qtype))
+    ref_model = dequantized_model(zoo.hf(name), Q[qtype])
+    ids = prompt_ids(zoo.vocab_size, 16)
+    assert rel_err(llm.logits(ids), hf_logits(ref_model, ids)) <= REL_TOL
+    ids = prompt_ids(zoo.vocab_size, 16, seed=1)
+    assert llm.generate(ids, GREEDY)[0].token_ids == hf_greedy(ref_model, ids, 16)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_quantized_handles_dequantize_like_gguf(zoo, qtype):
+    """handle.load() == gguf.quants.dequantize of the stored blocks (in HF row order)."""
+    from gguf import GGUFReader
+
+    from gguf_writer import gguf_name
+
+    path = zoo.gguf("llama", qtype)
+    ckpt = open_checkpoint(path)
+    raw = {t.name: t for t in GGUFReader(path).tensors}
+    perm_q = qk_row_permutation(64, 4)
+    for n in ckpt.names():
+        h = ckpt.handle(n)
+        t = raw[gguf_name(n)]
+        ref = dequantize(np.asarray(t.data), t.tensor_type).reshape(h.shape)
+        if n.endswith("q_proj.weight"):
+            ref = ref[perm_q]
+        elif n.endswith("k_proj.weight"):
+            ref = ref[qk_row_permutation(32, 2)]
+        assert h.format == (qtype if len(h.shape) == 2 else "F32"), n
+        assert h.is_quantized == (len(h.shape) == 2)
+        assert np.array_equal(h.load().numpy(), ref), n
+        if h.is_quantized:
+            assert h.nbytes == t.n_bytes
+            blocks = h.blocks()
+            assert blocks.dtype == np.uint8 and blocks.shape[0] == h.shape[0]
+            # blocks() are in HF row order: they dequantize to load() directly.
+            assert np.array_equal(dequantize(blocks, Q[qtype]).reshape(h.shape), ref), n
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_from_gguf_matches_dequantized_matmul(zoo, qtype):
+    """Int4Linear.from_gguf(blocks) computes x @ dequant(W).T within bf16 rounding."""
+    ckpt = open_checkpoint(zoo.gguf("qwen2", qtype))
+    g = torch.Generator().manual_seed(0)
+    for n in ckpt.names():
+        h = ckpt.handle(n)
+        if not h.is_quantized:
+            continue
+        w = h.load()  # [N, K] fp32
+        x = torch.randn(5, w.shape[1], generator=g)
+        lin = Int4Linear.from_gguf(h.blocks(), h.format)
+        y = lin(x)
+        assert y.dtype == torch.float32 and y.shape == (5, w.shape[0])
+        ref = x @ w.T
+        # bf16 activations and bf16 scale/zero: a few bf16 ulps of the |x| @ |W| magnitude.
+        bound = 2 ** -7 * (x.abs() @ w.abs().T) + 1e-6
+        assert bool(((y - ref).abs() <= bound).all()), n
+        assert rel_err(y, ref) < 1e-2, n
+
+
+def test_int4_decode_path_installed_for_q4_gguf(zoo):
+    """EngineConfig() on a Q4_0 file keeps Q4 tensors packed on the decode path; fp32 does not."""
+    path = zoo.gguf("llama", "Q4_0")
+    auto = zoo.llm(path, decode_weights="auto")
+    phase = [m for m in auto.model.modules() if isinstance(m, PhaseLinear)]
+    assert phase and all(isinstance(m.decode, Int4Linear) for m in phase)
+    assert auto.decode_weight_bytes > 0
+    fp32 = zoo.llm(path)
+    assert not any(isinstance(m, PhaseLinear) for m in fp32.model.modules())
+    # Scoring always uses the dense weights: identical logits in both engines.
+    ids = prompt_ids(zoo.vocab_size, 16)
+    assert torch.equal(auto.logits(ids), fp32.logits(ids))
+    # Decoding on int4 stays close to decoding on the same weights in fp32.
+    a = auto.generate(ids, GREEDY)[0].token_ids
+    b = fp32.generate(ids, GREEDY)[0].token_ids
+    assert a[0] == b[0]  # the first token comes from the (dense) prefill
+
+
+# ----------------------------------------------------------------------- format round trips
+FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+# Largest |w - roundtrip(w)| relative to max |w| expected of each format on N(0, 1) data.
+ROUNDTRIP_TOL = {"F32": 0.0, "F16": 1e-3, "BF16": 4e-3, "Q8_0": 1e-2, "Q4_0": 0.1, "Q4_1": 0.1}
+
+
+@pytest.fixture(scope="module")
+def formats_file(tmp_path_factory):
+    """One GGUF holding a [8, 512] tensor in each format, plus the fp32 source of each."""
+    rng = np.random.default_rng(0)
+    tensors, source = {}, {}
+    for i, fmt in enumerate(FORMATS):
+        name = f"blk.{i}.ffn_up.weight"
+        qt = Q[fmt]
+        if fmt in ("Q4_K", "Q6_K"):
+            arr = random_k_blocks(8, 512, qt, seed=i)
+            source[fmt] = None
+        else:
+            w = rng.standard_normal((8, 512)).astype(np.float32)
+            source[fmt] = w
+            arr = w if fmt == "F32" else (w.astype(np.float16) if fmt == "F16" else quantize(w, qt))
+        tensors[name] = (arr, qt)
+    path = write_tensors_gguf(tmp_path_factory.mktemp("formats") / "formats.gguf", tensors,
+                              dims=dict(block_count=len(FORMATS), feed_forward_length=8, embedding_length=512))
+    return path, tensors, source
+
+
+@pytest.mark.parametrize("i,fmt", list(enumerate(FORMATS)))
+def test_format_dequantizes_through_handle(formats_file, i, fmt):
+    path, tensors, source = formats_file
+    arr, qt = tensors[f"blk.{i}.ffn_up.weight"]
+    h = open_checkpoint(path).handle(f"model.layers.{i}.mlp.up_proj.weight")
+    assert h.shape == (8, 512) and h.format == fmt
+    got = h.load()
+    assert got.dtype == torch.float32 and got.shape == (8, 512) and got.is_contiguous()
+    ref = dequantize(arr, qt).reshape(8, 512).astype(np.float32)
+    assert np.isfinite(ref).all()
+    assert np.array_equal(got.numpy(), ref)
+    if source[fmt] is not None:  # the round trip from the original fp32 values
+        w = source[fmt]
+        assert np.abs(got.numpy() - w).max() <= ROUNDTRIP_TOL[fmt] * np.abs(w).max()
+    if h.is_quantized:
+        assert np.array_equal(h.blocks(), arr.reshape(8, -1))
+    else:
+        with pytest.raises(ValueError):
+            h.blocks()
+    if fmt in ("F16", "BF16"):
+        assert h.load(torch.bfloat16).dtype == torch.bfloat16
