@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from tiered.errors import ConfigError
 
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int4")
+ACCELERATORS = ("auto", "cuda", "host", "none")
+CACHE_POLICIES = ("lru", "lfu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,23 @@ class EngineConfig:
             larger steps (prefill) use the dense `dtype` weights.
         max_context: context window in tokens; None uses the model's max_position_embeddings.
         num_threads: CPU threads for torch; None keeps torch's default (one per core).
+        gpu_memory: accelerator budget [bytes, or a string like "12GiB"]; None = all free memory.
+        cpu_memory: CPU RAM budget for weights, experts and (without accelerator) the expert
+            cache [bytes or string]; None = unlimited.
+        offload_dir: directory for disk-tier expert copies when the checkpoint's experts cannot be
+            read directly in the compute dtype.
+        accelerator: "auto" (CUDA if present, else none), "cuda", "host" (the CPU stand-in with
+            its own budget, for tests and emulation) or "none" (CPU RAM is the fast tier).
+        link_bandwidth: emulated H2D bandwidth of the host stand-in [bytes/s]; None = memcpy.
+        expert_cache_slots: experts the fast-tier cache holds; None = as many as fit, up to one
+            layer's experts; 0 = no cache (on-demand loading).
+        cache_policy: eviction policy of the expert cache: "lru" or "lfu".
+        expert_profile: JSON from `tiered profile-experts`: places the most popular experts on the
+            fast tier (Fiddler §3.4); None = layer order.
+        read_ahead: issue all of a layer's expert reads at once when the router has chosen.
+        staging_buffers: expert-sized staging buffers per tier for misses that get no cache slot.
+        trace: record a timeline of every executor task.
+        force_expert_path: tests only: "copy" or "cpu" for every non-resident expert.
     """
 
     dtype: str = "float32"
@@ -31,8 +50,40 @@ class EngineConfig:
     decode_weights_threshold: int = 8
     max_context: int | None = None
     num_threads: int | None = None
+    gpu_memory: int | str | None = None
+    cpu_memory: int | str | None = None
+    offload_dir: str | None = None
+    accelerator: str = "auto"
+    link_bandwidth: float | None = None
+    expert_cache_slots: int | None = None
+    cache_policy: str = "lru"
+    expert_profile: str | None = None
+    read_ahead: bool = True
+    staging_buffers: int = 2
+    trace: bool = False
+    force_expert_path: str | None = None
 
     def __post_init__(self) -> None:
+        from tiered.hardware.budget import parse_bytes
+
+        for name in ("gpu_memory", "cpu_memory"):
+            value = parse_bytes(getattr(self, name))
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be positive", "pass a size such as 12GiB")
+            object.__setattr__(self, name, value)
+        if self.accelerator not in ACCELERATORS:
+            raise ConfigError(f"accelerator must be one of {ACCELERATORS}, got {self.accelerator!r}",
+                              "pass auto, cuda, host or none")
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ConfigError(f"cache_policy must be one of {CACHE_POLICIES}", "pass lru or lfu")
+        if self.expert_cache_slots is not None and self.expert_cache_slots < 0:
+            raise ConfigError("expert_cache_slots must be >= 0", "pass 0 (no cache) or more")
+        if self.staging_buffers < 1:
+            raise ConfigError("staging_buffers must be >= 1", "pass a positive count")
+        if self.link_bandwidth is not None and self.link_bandwidth <= 0:
+            raise ConfigError("link_bandwidth must be > 0 bytes/s", "pass e.g. 16e9")
+        if self.force_expert_path not in (None, "copy", "cpu"):
+            raise ConfigError("force_expert_path must be None, 'copy' or 'cpu'", "leave it unset")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}",
                               "pass dtype='float32' (lossless) or 'bfloat16'")

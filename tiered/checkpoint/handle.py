@@ -7,6 +7,8 @@ through a memory map, so opening a 100 GB checkpoint costs only its header.
 
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +21,19 @@ BLOCK_FORMATS = {
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
 }
+
+
+STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_FDS: dict[str, int] = {}
+_FD_LOCK = threading.Lock()
+
+
+def _fd(path: str) -> int:
+    """A read-only descriptor per file, opened once and shared by reader threads (pread is positional)."""
+    with _FD_LOCK:
+        if path not in _FDS:
+            _FDS[path] = os.open(path, os.O_RDONLY)
+        return _FDS[path]
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,6 +56,7 @@ class TensorHandle:
     path: str
     _load: Callable[[], torch.Tensor]
     _blocks: Callable[[], np.ndarray] | None = None
+    offset: int | None = None  # byte offset of raw dense data in `path` (None: not readable raw)
 
     @property
     def numel(self) -> int:
@@ -65,6 +81,25 @@ class TensorHandle:
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
         return t.contiguous()
+
+    def read_into(self, out: torch.Tensor) -> None:
+        """Fill `out` (contiguous CPU tensor of `shape`) with the tensor, converting if needed.
+
+        When the stored dtype equals out's dtype the bytes go straight from the file into `out`
+        with pread (no intermediate copy, no memory map left behind): how disk-tier experts are
+        read into cache slots.
+        """
+        if self.offset is not None and STORED_DTYPES.get(self.format) == out.dtype and out.is_contiguous():
+            buf = memoryview(out.view(-1).view(torch.uint8).numpy())
+            fd = _fd(self.path)
+            done = 0
+            while done < self.nbytes:
+                n = os.preadv(fd, [buf[done:]], self.offset + done)
+                if n <= 0:
+                    raise OSError(f"short read from {self.path} at {self.offset + done}")
+                done += n
+            return
+        out.copy_(self._load())
 
     def blocks(self) -> np.ndarray:
         """Raw quantized blocks in HF row order: uint8 [rows, bytes_per_row] (block formats only).

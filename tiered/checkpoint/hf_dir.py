@@ -20,11 +20,11 @@ from tiered.errors import CheckpointError
 INDEX = "model.safetensors.index.json"
 
 
-def _check_safetensors_file(path: Path) -> dict:
+def _check_safetensors_file(path: Path) -> tuple[dict, int]:
     """Parse a safetensors header and check the file holds every byte it promises.
 
     Returns:
-        The header dict (tensor name -> {dtype, shape, data_offsets}).
+        The header dict (tensor name -> {dtype, shape, data_offsets}) and the header's length.
     Raises:
         CheckpointError: the file is truncated or its header is not valid JSON.
     """
@@ -42,7 +42,7 @@ def _check_safetensors_file(path: Path) -> dict:
     if 8 + n + end > size:
         raise CheckpointError(f"{path} is truncated: {size} bytes on disk, {8 + n + end} expected",
                               "re-download or re-copy the file")
-    return header
+    return header, n
 
 
 class HFDirCheckpoint:
@@ -80,14 +80,14 @@ class HFDirCheckpoint:
             f = self.path / name
             if not f.is_file():
                 raise CheckpointError(f"shard {f} named in {INDEX} is missing", "download every shard")
-            header = _check_safetensors_file(f)
+            header, header_len = _check_safetensors_file(f)
             for key, meta in header.items():
                 if key == "__metadata__":
                     continue
                 begin, end = meta["data_offsets"]
                 self._handles[key] = TensorHandle(
                     name=key, shape=tuple(meta["shape"]), format=meta["dtype"], nbytes=end - begin,
-                    path=str(f), _load=self._loader(str(f), key))
+                    path=str(f), _load=self._loader(str(f), key), offset=8 + header_len + begin)
         self._open: dict[str, object] = {}
 
     def _loader(self, file: str, key: str):

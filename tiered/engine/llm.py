@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from typing import Callable, Iterator, Sequence as Seq
 
 import torch
@@ -19,7 +20,10 @@ from tiered.engine.detokenize import append_token_text, apply_stop_strings, take
 from tiered.engine.sampling import SamplingParams, sample_token
 from tiered.engine.sequence import RequestOutput, Sequence
 from tiered.errors import ConfigError, ContextLengthError
-from tiered.memory.materialize import materialize
+from tiered.hardware.accelerator import make_accelerator
+from tiered.hardware.budget import MemoryBudget
+from tiered.memory.expert_store import is_expert_param
+from tiered.memory.materialize import materialize, planned_bytes
 from tiered.models import build_model
 from tiered.models.layers import KVCache, Rotary
 from tiered.quant.linear import PhaseLinear, install_decode_weights
@@ -63,17 +67,32 @@ class LLM:
         self.max_context = min(self.engine_config.max_context or self.config.max_position_embeddings,
                                self.config.max_position_embeddings)
         self.dtype = getattr(torch, self.engine_config.dtype)
+        ec = self.engine_config
         t0 = time.perf_counter()
+        self.accelerator = make_accelerator(ec.accelerator, ec.gpu_memory, ec.link_bandwidth)
+        self.device = self.accelerator.device if self.accelerator is not None else torch.device("cpu")
+        self.cpu_budget = MemoryBudget("cpu", ec.cpu_memory)
+        self.fast_budget = self.accelerator.budget if self.accelerator is not None else self.cpu_budget
         with torch.device("meta"):
             self.model = build_model(self.config, self.max_context)
-        self.model.rotary = Rotary(self.config, self.max_context)
+        self.model.rotary = Rotary(self.config, self.max_context).to(self.device)
+        skip = is_expert_param if self.config.is_moe else None
+        # budgets are checked from byte counts before a single tensor is read
+        self.fast_budget.reserve(planned_bytes(self.model, self.dtype, skip),
+                                 "the non-expert weights" if skip else "the model's weights")
         with _load_progress(progress, self.checkpoint.nbytes()) as on_tensor:
-            self.weight_bytes = materialize(self.model, self.checkpoint, self.dtype, on_tensor=on_tensor)
+            self.weight_bytes = materialize(self.model, self.checkpoint, self.dtype, self.device,
+                                            on_tensor=on_tensor, skip=skip)
         self.decode_weight_bytes = 0
-        if self.engine_config.decode_weights != _same_format(self.dtype):
+        if ec.decode_weights != _same_format(self.dtype) and self.device.type == "cpu":
             self.decode_weight_bytes = install_decode_weights(
-                self.model, self.checkpoint, self.engine_config.decode_weights,
-                self.engine_config.decode_weights_threshold)
+                self.model, self.checkpoint, ec.decode_weights, ec.decode_weights_threshold)
+            self.fast_budget.reserve(self.decode_weight_bytes, "the decode-format weight copies")
+        self.experts = None
+        if self.config.is_moe:
+            from tiered.runtime.moe_setup import install_tiered_experts
+            self.experts = install_tiered_experts(self.model, self.checkpoint, ec, self.dtype, self.accelerator,
+                                                  self.fast_budget, self.cpu_budget)
         self.model.eval()
         self.load_s = time.perf_counter() - t0
         self.tokenizer = self.checkpoint.tokenizer()
@@ -136,8 +155,7 @@ class LLM:
         """Generator of (index, text delta, RequestOutput | None) events; the step loop."""
         t_start = time.perf_counter()
         seqs = [self._make_sequence(i, p, params, chat, t_start) for i, p in enumerate(prompts)]
-        cache = KVCache(self.config, len(seqs), max(s.num_tokens + s.max_tokens for s in seqs),
-                        self.dtype)
+        cache = self._kv_cache(len(seqs), max(s.num_tokens + s.max_tokens for s in seqs))
         with torch.inference_mode():
             for seq in seqs:  # prefill, one sequence at a time
                 seq.t_prefill_start = time.perf_counter()
@@ -176,8 +194,9 @@ class LLM:
         else:
             ids = torch.tensor([[s.output_ids[-1]] for s in seqs])
             positions = torch.tensor([[s.num_tokens - 1] for s in seqs])
-        slots = torch.tensor([s.slot for s in seqs])
-        return self.model(ids, positions, slots, cache).float()  # [B, V]
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        logits = self.model(ids.to(self.device), positions.to(self.device), slots, cache)
+        return logits.float().cpu()  # [B, V]
 
     def _postprocess(self, seqs: list[Sequence], logits: torch.Tensor):
         now = time.perf_counter()
@@ -209,11 +228,19 @@ class LLM:
         if T == 0 or T > self.max_context:
             raise ContextLengthError(f"{T} tokens to score; the context window is {self.max_context}",
                                      "score between 1 and max_context tokens")
-        cache = KVCache(self.config, 1, T, self.dtype)
+        cache = self._kv_cache(1, T)
+        dev = self.device
         with torch.inference_mode(), dense_weights(self.model):
-            out = self.model(torch.tensor([list(token_ids)]), torch.arange(T).unsqueeze(0),
-                             torch.tensor([0]), cache, last_only=False)
-        return out[0].float()
+            out = self.model(torch.tensor([list(token_ids)], device=dev), torch.arange(T, device=dev).unsqueeze(0),
+                             torch.tensor([0], device=dev), cache, last_only=False)
+        return out[0].float().cpu()
+
+    def _kv_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """A KV cache on the compute tier, accounted against its budget while it lives."""
+        cache = KVCache(self.config, num_slots, max_len, self.dtype, self.device)
+        self.fast_budget.reserve(cache.nbytes, "the KV cache")
+        weakref.finalize(cache, self.fast_budget.release, cache.nbytes)
+        return cache
 
 
 def _same_format(dtype: torch.dtype) -> str:

@@ -21,7 +21,8 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def materialize(model: nn.Module, checkpoint, dtype: torch.dtype, device: torch.device | str = "cpu",
-                on_tensor: Callable[[str, int], None] | None = None) -> int:
+                on_tensor: Callable[[str, int], None] | None = None,
+                skip: Callable[[str], bool] | None = None) -> int:
     """Fill every meta parameter of `model` from `checkpoint`, converted to `dtype` on `device`.
 
     Norm weights and biases stay fp32-precise only if `dtype` is fp32, as in HF.
@@ -31,6 +32,8 @@ def materialize(model: nn.Module, checkpoint, dtype: torch.dtype, device: torch.
         checkpoint: HFDirCheckpoint or GGUFCheckpoint.
         dtype: parameter dtype (torch.float32 or torch.bfloat16).
         on_tensor: called with (name, bytes) after each tensor, for progress bars.
+        skip: names for which it returns True stay on the meta device (e.g. routed experts, which
+            the runtime serves from its own tiers).
     Returns:
         Bytes of parameters materialized.
     Raises:
@@ -39,7 +42,7 @@ def materialize(model: nn.Module, checkpoint, dtype: torch.dtype, device: torch.
     cfg = model.config
     total = 0
     for name, param in list(model.named_parameters(remove_duplicate=False)):
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        if (name == "lm_head.weight" and cfg.tie_word_embeddings) or (skip is not None and skip(name)):
             continue
         if not checkpoint.has(name):
             raise CheckpointError(f"checkpoint lacks tensor {name!r}",
@@ -55,4 +58,16 @@ def materialize(model: nn.Module, checkpoint, dtype: torch.dtype, device: torch.
             on_tensor(name, handle.nbytes)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    return total
+
+
+def planned_bytes(model: nn.Module, dtype: torch.dtype, skip: Callable[[str], bool] | None = None) -> int:
+    """Bytes `materialize` will allocate for `model` (built on meta) in `dtype`, before loading anything."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name, p in model.named_parameters():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        if skip is None or not skip(name):
+            total += p.numel() * elem
     return total

@@ -1,0 +1,172 @@
+"""ExpertStore: the home copy of every expert on its tier (fast, CPU RAM or disk).
+
+Fast-tier experts are materialized directly in accelerator memory (or, with no accelerator, in
+RAM under the RAM budget), CPU-tier experts in host memory (pinned when a GPU exists), and
+disk-tier experts stay where they are in the checkpoint: they are read on demand with pread
+straight into a cache slot or staging buffer, never mapped or copied whole into RAM. A checkpoint
+whose experts are not stored in the compute dtype gets a converted copy in `offload_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from tiered.checkpoint.handle import STORED_DTYPES, TensorHandle
+from tiered.errors import ConfigError
+from tiered.hardware.budget import MemoryBudget
+from tiered.memory.placement import CPU, DISK, FAST, ExpertPlacement
+
+_TORCH_TO_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def expert_tensor_names(model_type: str, layer: int, expert: int) -> tuple[str, str, str]:
+    """HF names of one expert's (gate, up, down) weights."""
+    if model_type == "mixtral":
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
+        return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
+    p = f"model.layers.{layer}.mlp.experts.{expert}"
+    return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
+
+
+def is_expert_param(name: str) -> bool:
+    """True for parameters of routed experts (served by the runtime, not materialized in the model)."""
+    return ".experts." in name
+
+
+def moe_layers(checkpoint, config) -> list[int]:
+    """Indices of layers whose checkpoint holds routed experts."""
+    return [l for l in range(config.num_hidden_layers)
+            if checkpoint.has(expert_tensor_names(config.model_type, l, 0)[0])]
+
+
+def drop_page_cache(paths) -> None:
+    """Ask the kernel to drop cached pages of `paths` (posix_fadvise DONTNEED): the next read is cold."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class ExpertStore:
+    """Home copies of all experts.
+
+    Args:
+        checkpoint: the opened checkpoint.
+        placement: home tier of each (layer, expert).
+        dtype: compute dtype of expert weights.
+        accelerator: Accelerator or None (then the fast tier is CPU RAM).
+        fast_budget: budget of the fast tier when there is no accelerator (CPU RAM).
+        cpu_budget: budget of CPU RAM for CPU-tier experts.
+        offload_dir: where converted disk-tier experts are written when the checkpoint's format
+            cannot be read directly in `dtype`.
+    Raises:
+        BudgetError: a tier overflows (budgets are checked at each allocation).
+        ConfigError: disk-tier experts need conversion but no offload_dir is set.
+    """
+
+    def __init__(self, checkpoint, placement: ExpertPlacement, dtype: torch.dtype, accelerator,
+                 fast_budget: MemoryBudget, cpu_budget: MemoryBudget, offload_dir: str | None = None) -> None:
+        cfg = checkpoint.config
+        self.model_type = cfg.model_type
+        self.num_experts = cfg.num_experts
+        self.placement, self.dtype, self.accelerator = placement, dtype, accelerator
+        self.fast_budget, self.cpu_budget = fast_budget, cpu_budget
+        self.handles: dict = {}
+        self.resident: dict = {}  # FAST: tensors on the compute device
+        self.host: dict = {}  # CPU: host tensors
+        needs_conversion = []
+        for key, tier in placement.tiers.items():
+            hs = tuple(checkpoint.handle(n) for n in expert_tensor_names(cfg.model_type, *key))
+            self.handles[key] = hs
+            if tier == FAST:
+                self.resident[key] = tuple(self._alloc_fast(h) for h in hs)
+                for h, t in zip(hs, self.resident[key]):
+                    self._fill(t, h)
+            elif tier == CPU:
+                self.host[key] = tuple(self._alloc_host(h) for h in hs)
+                for h, t in zip(hs, self.host[key]):
+                    h.read_into(t)
+            elif not all(h.offset is not None and STORED_DTYPES.get(h.format) == dtype for h in hs):
+                needs_conversion.append(key)
+        if needs_conversion:
+            self._convert(checkpoint, needs_conversion, offload_dir)
+        first = next(iter(self.handles.values()))
+        self.shapes = tuple(tuple(h.shape) for h in first)
+        self.expert_bytes = sum(h.numel for h in first) * torch.empty((), dtype=dtype).element_size()
+
+    def _alloc_fast(self, h: TensorHandle) -> torch.Tensor:
+        if self.accelerator is not None:
+            return self.accelerator.alloc(tuple(h.shape), self.dtype, f"resident expert {h.name}")
+        return _budgeted_empty(self.fast_budget, tuple(h.shape), self.dtype, h.name, pin=False)
+
+    def _alloc_host(self, h: TensorHandle) -> torch.Tensor:
+        pin = self.accelerator is not None and not self.accelerator.is_host
+        return _budgeted_empty(self.cpu_budget, tuple(h.shape), self.dtype, h.name, pin=pin)
+
+    def _fill(self, dst: torch.Tensor, h: TensorHandle) -> None:
+        if dst.device.type == "cpu":
+            h.read_into(dst)
+        else:
+            dst.copy_(h.load(self.dtype))
+
+    def _convert(self, checkpoint, keys, offload_dir) -> None:
+        """Write disk-tier experts in the compute dtype to offload_dir (one safetensors file per layer)."""
+        if not offload_dir:
+            raise ConfigError("experts on disk must be converted to the compute dtype but no offload directory is set",
+                              "pass --offload-dir PATH (or EngineConfig(offload_dir=...))")
+        from safetensors.torch import save_file
+
+        from tiered.checkpoint.hf_dir import HFDirCheckpoint  # noqa: F401 (format documented there)
+
+        out = Path(offload_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        by_layer: dict[int, list] = {}
+        for key in keys:
+            by_layer.setdefault(key[0], []).append(key)
+        for layer, ks in by_layer.items():
+            path = out / f"experts-layer{layer:03d}-{_TORCH_TO_ST[self.dtype]}.safetensors"
+            tensors = {h.name: h.load(self.dtype) for k in ks for h in self.handles[k]}
+            save_file(tensors, str(path))
+            del tensors
+            from tiered.checkpoint.hf_dir import _check_safetensors_file
+            header, n = _check_safetensors_file(path)
+            for k in ks:
+                new = []
+                for h in self.handles[k]:
+                    begin, end = header[h.name]["data_offsets"]
+                    new.append(TensorHandle(h.name, h.shape, _TORCH_TO_ST[self.dtype], end - begin, str(path),
+                                            h._load, offset=8 + n + begin))
+                self.handles[k] = tuple(new)
+
+    def tier(self, key) -> str:
+        return self.placement.tiers[key]
+
+    def disk_files(self) -> list[str]:
+        """Files that disk-tier experts are read from."""
+        return sorted({h.path for k, hs in self.handles.items() if self.tier(k) == DISK for h in hs})
+
+    def read(self, key, out: tuple[torch.Tensor, ...]) -> int:
+        """Read a disk-tier expert into host tensors `out` (pread, no mapping). Returns bytes read."""
+        for h, t in zip(self.handles[key], out):
+            h.read_into(t)
+        return self.expert_bytes
+
+    def advise(self, key) -> None:
+        """Hint the kernel to start reading a disk-tier expert now (posix_fadvise WILLNEED)."""
+        from tiered.checkpoint.handle import _fd
+        for h in self.handles[key]:
+            if h.offset is not None:
+                os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_WILLNEED)
+
+
+def _budgeted_empty(budget: MemoryBudget, shape, dtype, what: str, pin: bool) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    budget.reserve(n * torch.empty((), dtype=dtype).element_size(), what)
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)

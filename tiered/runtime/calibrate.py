@@ -1,0 +1,77 @@
+"""Start-up calibration of the dispatcher's latency model on this machine and this expert shape.
+
+Measures (medians of a few repeats): CPU expert time at several token counts (fit a + c*s),
+accelerator expert time (fit a + c*s), an H2D copy of one expert, and a disk read of one expert.
+The planner's HardwareProfile replaces this when present; nothing here is a constant in source.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from tiered.models.moe import expert_forward
+from tiered.runtime.dispatcher import LatencyModel
+
+
+def _median_time(fn, repeats: int = 5) -> float:
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def fit_line(xs, ys) -> tuple[float, float, float]:
+    """Least-squares y = a + b*x. Returns (a, b, R^2); a and b clipped at 0."""
+    xs, ys = np.asarray(xs, float), np.asarray(ys, float)
+    b, a = np.polyfit(xs, ys, 1) if len(xs) > 1 else (0.0, float(ys[0]))
+    pred = a + b * xs
+    ss = ((ys - ys.mean()) ** 2).sum()
+    r2 = 1 - ((ys - pred) ** 2).sum() / ss if ss > 0 else 1.0
+    return max(float(a), 0.0), max(float(b), 0.0), float(r2)
+
+
+def calibrate(shapes, dtype: torch.dtype, accelerator, hidden: int, dev_w=None, staged=None,
+              tokens=(1, 2, 4, 8, 16)) -> LatencyModel:
+    """Fit the dispatcher's LatencyModel for experts of `shapes` ((F, D), (F, D), (D, F)) in `dtype`.
+
+    Args:
+        dev_w, staged: an expert-sized buffer on the accelerator and a host staging buffer to
+            measure with (the runtime's own staging buffers, so calibration needs no extra memory).
+    """
+    host_w = [torch.randn(s, dtype=dtype) * 0.02 for s in shapes]
+    cpu = [_median_time(lambda s=s: expert_forward(torch.randn(s, hidden, dtype=dtype), *host_w)) for s in tokens]
+    cpu_a, cpu_b, _ = fit_line(tokens, cpu)
+    if accelerator is None:
+        return LatencyModel(cpu_a, cpu_b, cpu_a, cpu_b, 0.0, float("inf"))
+    for d, h in zip(dev_w, host_w):
+        d.copy_(h)
+    gpu = []
+    for s in tokens:
+        x = torch.randn(s, hidden, dtype=dtype, device=accelerator.device)
+
+        def run(x=x):
+            with accelerator.stream("compute"):
+                expert_forward(x, *dev_w)
+        gpu.append(_median_time(run))
+    gpu_a, gpu_b, _ = fit_line(tokens, gpu)
+    for h, w in zip(staged, host_w):
+        h.copy_(w)
+
+    def copy():
+        with accelerator.stream("copy"):
+            for d, h in zip(dev_w, staged):
+                accelerator.copy_to_device(d, h)
+    nbytes = sum(t.numel() * t.element_size() for t in host_w)
+    t_copy = _median_time(copy, 3)
+    half = [w[: max(1, w.shape[0] // 4)] for w in dev_w]
+    t_small = _median_time(lambda: [accelerator.copy_to_device(d, h[: d.shape[0]]) for d, h in zip(half, staged)], 3)
+    small_bytes = sum(t.numel() * t.element_size() for t in half)
+    bw = (nbytes - small_bytes) / max(t_copy - t_small, 1e-9)
+    h2d_a = max(t_copy - nbytes / bw, 0.0)
+    return LatencyModel(cpu_a, cpu_b, gpu_a, gpu_b, h2d_a, bw)

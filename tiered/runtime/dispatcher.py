@@ -1,0 +1,62 @@
+"""Dispatcher: per MoE layer and step, where each routed expert runs (Fiddler Algorithm 1).
+
+Source: Fiddler (ICLR 2025) §3.3, Algorithm 1; ALGORITHMS.md §2.b. For an expert with s > 0 routed
+tokens whose weights are not on the accelerator, compare running it on the CPU (move activations)
+with copying its weights to the accelerator and running there (move weights):
+
+    copy  iff  cpu_lat(s) > gpu_lat(s) + transfer_lat(expert_bytes)
+
+Both sides include the disk read when the expert's home is disk. The latency model has intercepts
+(ALGORITHMS.md gap F4: cpu_lat(s) = a + c*s) and comes from a start-up calibration
+(runtime/calibrate.py) until the planner's hardware profile supplies it; no constants in source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RESIDENT = "resident"  # weights already on the accelerator (resident or cached): run there
+COPY = "copy"  # copy weights H2D into a cache slot, run on the accelerator
+CPU = "cpu"  # run on the CPU, moving only activations
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """Fitted latencies of one expert (seconds).
+
+    cpu_lat(s) = cpu_alpha + cpu_beta * s; gpu_lat(s) = gpu_alpha + gpu_beta * s;
+    transfer_lat(b) = h2d_alpha + b / h2d_bandwidth; disk_lat(b) = disk_alpha + b / disk_bandwidth.
+    """
+
+    cpu_alpha: float
+    cpu_beta: float
+    gpu_alpha: float
+    gpu_beta: float
+    h2d_alpha: float
+    h2d_bandwidth: float  # bytes/s
+    disk_alpha: float = 0.0
+    disk_bandwidth: float = float("inf")  # bytes/s
+
+    def cpu_lat(self, s: int) -> float:
+        return self.cpu_alpha + self.cpu_beta * s
+
+    def gpu_lat(self, s: int) -> float:
+        return self.gpu_alpha + self.gpu_beta * s
+
+    def transfer_lat(self, nbytes: int) -> float:
+        return self.h2d_alpha + nbytes / self.h2d_bandwidth
+
+    def cpu_threshold(self, nbytes: int) -> float:
+        """Largest token count for which the CPU path wins (Fiddler's s*), in tokens."""
+        if self.cpu_beta <= self.gpu_beta:
+            return float("inf")
+        return (self.gpu_alpha + self.transfer_lat(nbytes) - self.cpu_alpha) / (self.cpu_beta - self.gpu_beta)
+
+
+def choose_path(tokens: int, on_accelerator: bool, expert_bytes: int, lat: LatencyModel) -> str:
+    """Algorithm 1 for one expert with `tokens` > 0 routed tokens. Returns RESIDENT, COPY or CPU."""
+    if on_accelerator:
+        return RESIDENT
+    if lat.cpu_lat(tokens) > lat.gpu_lat(tokens) + lat.transfer_lat(expert_bytes):
+        return COPY
+    return CPU
