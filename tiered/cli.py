@@ -60,6 +60,15 @@ def run(
     decode_weights: str = typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16 or int4."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Context window in tokens (default: the model's)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
+    gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Accelerator memory budget, e.g. 12GiB (default: all free)."),
+    cpu_mem: Optional[str] = typer.Option(None, "--cpu-mem", help="CPU RAM budget for weights and experts, e.g. 32GiB (default: unlimited)."),
+    offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Directory for disk-tier expert copies when the checkpoint cannot be read directly."),
+    accelerator: str = typer.Option("auto", "--accelerator", help="auto, cuda, host (CPU stand-in with its own budget) or none."),
+    cache_slots: Optional[int] = typer.Option(None, "--cache-slots", help="Experts in the fast-tier cache (default: as many as fit, up to one layer; 0 = none)."),
+    cache_policy: str = typer.Option("lru", "--cache-policy", help="Expert-cache eviction: lru or lfu."),
+    expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="JSON from `tiered profile-experts`: popular experts go to the fast tier."),
+    read_ahead: bool = typer.Option(True, "--read-ahead/--no-read-ahead", help="Read all of a layer's missing experts at once."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON of every runtime task (open in Perfetto)."),
 ) -> None:
     """Generate text from PROMPT, streaming it to stdout and the stats to stderr."""
     from tiered import LLM, EngineConfig, SamplingParams
@@ -69,21 +78,91 @@ def run(
     prompt = prompt or DEFAULT_PROMPT
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
-    config = EngineConfig(dtype=dtype, decode_weights=decode_weights, max_context=max_context, num_threads=threads)
+    config = EngineConfig(dtype=dtype, decode_weights=decode_weights, max_context=max_context, num_threads=threads,
+                          gpu_memory=gpu_mem, cpu_memory=cpu_mem, offload_dir=str(offload_dir) if offload_dir else None,
+                          accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
+                          expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
+                          trace=trace is not None)
     llm = LLM(model, config, progress=not as_json)
     if as_json:
         out = llm.generate(prompt, params, chat=chat)[0]
-        typer.echo(json.dumps({"model": str(llm.checkpoint.path), **out.as_dict()}))
-        return
-    on_text = lambda _i, delta: (sys.stdout.write(delta), sys.stdout.flush())  # noqa: E731
-    out = llm.generate(prompt, params, chat=chat, on_text=on_text)[0]
-    sys.stdout.write("\n")
+        typer.echo(json.dumps({"model": str(llm.checkpoint.path), **out.as_dict(), "runtime": llm.runtime_stats()}))
+    else:
+        on_text = lambda _i, delta: (sys.stdout.write(delta), sys.stdout.flush())  # noqa: E731
+        out = llm.generate(prompt, params, chat=chat, on_text=on_text)[0]
+        sys.stdout.write("\n")
+        _print_stats(llm, out)
+    if trace is not None:
+        llm.write_trace(trace)
+        typer.echo(f"trace: {trace} ({len(llm.experts.executor.events) if llm.experts else 0} tasks)", err=True)
+
+
+def _print_stats(llm, out) -> None:
     s = out.stats
     typer.echo(
         f"[{s.prompt_tokens} prompt tokens, {s.generated_tokens} generated ({out.finish_reason}) | "
         f"TTFT {s.ttft_s * 1e3:.0f} ms | prefill {s.prefill_tokens_per_s:.1f} tok/s | "
         f"decode {s.decode_tokens_per_s:.1f} tok/s | ITL {s.itl_s * 1e3:.1f} ms | load {llm.load_s:.1f} s]",
         err=True)
+    rt = llm.runtime_stats()
+    if rt:
+        typer.echo(f"[experts: {rt['placement']} | hit rate {rt['hit_rate']:.1%} | paths {rt['paths']} | "
+                   f"disk {rt['bytes_read'] / 2**20:.1f} MiB | H2D {rt['bytes_h2d'] / 2**20:.1f} MiB]", err=True)
+
+
+@app.command("profile-experts")
+@friendly_errors
+def profile_experts(
+    prompts: Path = typer.Argument(..., help="Text file, one prompt per line (blank lines skipped)."),
+    out: Path = typer.Option(Path("expert_profile.json"), "--out", "-o", help="JSON profile to write."),
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="MoE model directory or .gguf file."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Also draw tokens routed per (layer, expert) as a heat map."),
+    max_tokens: int = typer.Option(16, "--max-tokens", "-n", help="Tokens to generate per prompt (decode routing counts too)."),
+    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template."),
+    cpu_mem: Optional[str] = typer.Option(None, "--cpu-mem", help="CPU RAM budget while profiling."),
+    offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="As for `run`."),
+) -> None:
+    """Record expert routing over a prompt file: tokens routed and gate mass per layer and expert (Fiddler §3.4)."""
+    from tiered import LLM, EngineConfig, SamplingParams
+    from tiered.runtime.expert_profile import ExpertProfiler, draw_heatmap
+
+    lines = [l.strip() for l in prompts.read_text().splitlines() if l.strip()]
+    if not lines:
+        raise typer.BadParameter(f"{prompts} has no prompts")
+    llm = LLM(model, EngineConfig(decode_weights="fp32", cpu_memory=cpu_mem,
+                                  offload_dir=str(offload_dir) if offload_dir else None), progress=True)
+    if not llm.config.is_moe:
+        typer.echo(f"error: {llm.config.model_type} is not a Mixture-of-Experts model — pass an MoE checkpoint", err=True)
+        raise typer.Exit(2)
+    profiler = ExpertProfiler.attach(llm.model, llm.config)
+    llm.generate(lines, SamplingParams(max_tokens=max_tokens, temperature=0), chat=chat)
+    profiler.save(out, model=str(llm.checkpoint.path), prompts=len(lines))
+    typer.echo(f"wrote {out}: {int(profiler.tokens.sum())} routed token-slots over {len(lines)} prompts")
+    if png is not None:
+        draw_heatmap(profiler.tokens, png, title=f"tokens routed per expert — {llm.checkpoint.path.name}")
+        typer.echo(f"wrote {png}")
+
+
+@app.command("trace")
+@friendly_errors
+def trace_cmd(
+    trace_file: Path = typer.Argument(..., help="Chrome trace JSON written by `tiered run --trace`."),
+    png: Path = typer.Option(..., "--png", help="PNG to draw the timeline (Gantt chart) into."),
+) -> None:
+    """Draw a runtime trace as a Gantt chart, one row per stream, and summarize its overlap."""
+    from tiered.runtime.trace import draw_gantt, load_chrome, overlap_seconds
+
+    if not trace_file.is_file():
+        typer.echo(f"error: {trace_file} does not exist — pass a file written by `tiered run --trace`", err=True)
+        raise typer.Exit(2)
+    events = load_chrome(trace_file)
+    draw_gantt(events, png, title=trace_file.name)
+    streams = sorted({e.stream for e in events})
+    busy = {s: sum(e.end - e.start for e in events if e.stream == s) for s in streams}
+    typer.echo(f"wrote {png}: {len(events)} tasks; busy " + ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in busy.items()))
+    for a, b in (("copy", "compute"), ("copy", "cpu"), ("disk:0", "cpu"), ("disk:0", "compute")):
+        if a in busy and b in busy:
+            typer.echo(f"overlap {a} with {b}: {overlap_seconds(events, a, b) * 1e3:.1f} ms")
 
 
 @app.command()

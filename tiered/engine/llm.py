@@ -215,6 +215,22 @@ class LLM:
             delta = take_stream_delta(seq) if self.tokenizer is not None else ""
             yield seq.index, delta, (seq.output() if seq.finished else None)
 
+    # ----------------------------------------------------------------- runtime
+    def runtime_stats(self) -> dict:
+        """Expert runtime counters (empty for dense models): placement, hit rate, paths, bytes moved."""
+        if self.experts is None:
+            return {}
+        rt = self.experts
+        return {"placement": rt.placement.summary(), "hit_rate": rt.cache.stats.hit_rate,
+                "hits": rt.cache.stats.hits, "misses": rt.cache.stats.misses, "paths": dict(rt.path_counts),
+                "bytes_read": rt.bytes_read, "bytes_h2d": rt.bytes_h2d,
+                "peak_fast_bytes": self.fast_budget.peak, "peak_cpu_bytes": self.cpu_budget.peak}
+
+    def write_trace(self, path) -> None:
+        """Write the executor's timeline as Chrome trace-event JSON (needs EngineConfig(trace=True))."""
+        from tiered.runtime.trace import to_chrome
+        to_chrome(self.experts.executor.events if self.experts is not None else [], path)
+
     # ----------------------------------------------------------------- scoring
     def logits(self, token_ids: Seq[int]) -> torch.Tensor:
         """Full-sequence logits of `token_ids` with the dense (lossless) weights.
