@@ -37,6 +37,8 @@ class EngineConfig:
         expert_cache_slots: experts the fast-tier cache holds; None = as many as fit, up to one
             layer's experts; 0 = no cache (on-demand loading).
         cache_policy: eviction policy of the expert cache: "lru" or "lfu".
+        resident_experts: most experts placed for good on the fast tier (by popularity); None =
+            as many as the budget holds after the cache; 0 = none (pure on-demand loading).
         expert_profile: JSON from `tiered profile-experts`: places the most popular experts on the
             fast tier (Fiddler §3.4); None = layer order.
         read_ahead: issue all of a layer's expert reads at once when the router has chosen.
@@ -57,6 +59,7 @@ class EngineConfig:
     link_bandwidth: float | None = None
     expert_cache_slots: int | None = None
     cache_policy: str = "lru"
+    resident_experts: int | None = None
     expert_profile: str | None = None
     read_ahead: bool = True
     staging_buffers: int = 2
@@ -78,6 +81,8 @@ class EngineConfig:
             raise ConfigError(f"cache_policy must be one of {CACHE_POLICIES}", "pass lru or lfu")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 0:
             raise ConfigError("expert_cache_slots must be >= 0", "pass 0 (no cache) or more")
+        if self.resident_experts is not None and self.resident_experts < 0:
+            raise ConfigError("resident_experts must be >= 0", "pass 0 (none) or more")
         if self.staging_buffers < 1:
             raise ConfigError("staging_buffers must be >= 1", "pass a positive count")
         if self.link_bandwidth is not None and self.link_bandwidth <= 0:

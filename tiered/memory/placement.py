@@ -65,7 +65,8 @@ def load_popularity(path: str | Path, num_layers: int, num_experts: int) -> np.n
 
 def plan_expert_placement(moe_layers: list[int], num_experts: int, expert_bytes: int, fast_free: float,
                           cpu_free: float | None, popularity: np.ndarray | None = None,
-                          cache_slots: int | None = None, min_cache_slots: int = 0) -> ExpertPlacement:
+                          cache_slots: int | None = None, min_cache_slots: int = 0,
+                          max_resident: int | None = None) -> ExpertPlacement:
     """Choose each expert's home tier within the budgets.
 
     Args:
@@ -79,6 +80,7 @@ def plan_expert_placement(moe_layers: list[int], num_experts: int, expert_bytes:
         cache_slots: slots for the expert cache; None = as many as fit up to one layer's experts,
             after `min_cache_slots`.
         min_cache_slots: fewest cache slots that the runtime needs.
+        max_resident: cap on fast-resident experts (None = as many as fit).
     Raises:
         BudgetError: the fast tier cannot hold even `min_cache_slots` experts.
     """
@@ -97,6 +99,8 @@ def plan_expert_placement(moe_layers: list[int], num_experts: int, expert_bytes:
         order = keys
     tiers = {}
     n_fast = int(min(len(order), left // max(expert_bytes, 1)))
+    if max_resident is not None:
+        n_fast = min(n_fast, max_resident)
     for k in order[:n_fast]:
         tiers[k] = FAST
     rest = order[n_fast:]

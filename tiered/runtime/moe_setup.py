@@ -47,7 +47,8 @@ def install_tiered_experts(model, checkpoint, engine_config, dtype: torch.dtype,
     if accelerator is not None:
         cpu_free = cpu_budget.free - host_stage_bytes
     placement = plan_expert_placement(layers, cfg.num_experts, expert_bytes, fast_budget.free - fast_stage_bytes,
-                                      cpu_free, popularity, engine_config.expert_cache_slots)
+                                      cpu_free, popularity, engine_config.expert_cache_slots,
+                                      max_resident=engine_config.resident_experts)
 
     def fast_alloc(shape, dt, what):
         if accelerator is not None:

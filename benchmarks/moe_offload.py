@@ -1,0 +1,179 @@
+"""MoE offloading on CPU + disk: on-demand loading vs LRU expert cache vs cache + popularity
+placement + read-ahead, on a Mixtral-shaped checkpoint with dummy weights bigger than --cpu-mem.
+
+The checkpoint is written once (safetensors, HF Mixtral names, bf16 by default) with dummy weights
+whose router prefers some experts over others (real MoE routing is skewed: Fiddler Fig. 8), so
+popularity placement has something to find. Before every run the page cache is dropped for the
+checkpoint files (posix_fadvise DONTNEED), so expert reads come from disk. All configurations run
+in the same process on the same machine; results go to benchmarks/results/moe_offload.{json,md}.
+
+    python benchmarks/moe_offload.py                 # full run
+    python benchmarks/moe_offload.py --quick         # smoke run (smaller model, 1 repeat)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from tiered import LLM, EngineConfig, SamplingParams  # noqa: E402
+from tiered.hardware.budget import format_bytes, parse_bytes  # noqa: E402
+from tiered.memory.expert_store import drop_page_cache  # noqa: E402
+from tiered.runtime.expert_profile import ExpertProfiler  # noqa: E402
+
+
+def write_checkpoint(path: Path, layers: int, hidden: int, ffn: int, experts: int, vocab: int, dtype: torch.dtype,
+                     seed: int = 0) -> Path:
+    """A Mixtral-layout checkpoint (config.json + one safetensors shard per layer + index)."""
+    from safetensors.torch import save_file
+
+    if (path / "model.safetensors.index.json").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads = max(hidden // 128, 1), max(hidden // 512, 1)
+    hd = hidden // heads
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": vocab,
+           "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hd,
+           "num_local_experts": experts, "num_experts_per_tok": 2, "max_position_embeddings": 4096,
+           "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False, "torch_dtype": str(dtype)[6:]}
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+    common = torch.randn(hidden, generator=g)  # a direction every hidden state shares
+    skew = torch.linspace(1.0, -1.0, experts)  # expert e's affinity for it: skewed popularity
+    weight_map = {}
+    glob = {"model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=g) * 0.02 + 0.05 * common).to(dtype),
+            "model.norm.weight": torch.ones(hidden, dtype=dtype), "lm_head.weight": rnd(vocab, hidden)}
+    save_file(glob, str(path / "globals.safetensors"))
+    weight_map.update({k: "globals.safetensors" for k in glob})
+    for l in range(layers):
+        p = f"model.layers.{l}"
+        perm = torch.randperm(experts, generator=g)  # each layer favours different experts
+        router = torch.randn(experts, hidden, generator=g) * 0.02 + 0.5 * skew[perm, None] * common / common.norm()
+        t = {f"{p}.input_layernorm.weight": torch.ones(hidden, dtype=dtype),
+             f"{p}.post_attention_layernorm.weight": torch.ones(hidden, dtype=dtype),
+             f"{p}.self_attn.q_proj.weight": rnd(heads * hd, hidden), f"{p}.self_attn.k_proj.weight": rnd(kv_heads * hd, hidden),
+             f"{p}.self_attn.v_proj.weight": rnd(kv_heads * hd, hidden), f"{p}.self_attn.o_proj.weight": rnd(hidden, heads * hd),
+             f"{p}.block_sparse_moe.gate.weight": router.to(dtype)}
+        for e in range(experts):
+            q = f"{p}.block_sparse_moe.experts.{e}"
+            t[f"{q}.w1.weight"], t[f"{q}.w3.weight"], t[f"{q}.w2.weight"] = rnd(ffn, hidden), rnd(ffn, hidden), rnd(hidden, ffn)
+        name = f"layer{l:03d}.safetensors"
+        save_file(t, str(path / name))
+        weight_map.update({k: name for k in t})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+def run_config(model: Path, name: str, config: EngineConfig, prompt: list[int], new_tokens: int) -> dict:
+    files = [str(p) for p in model.glob("*.safetensors")]
+    drop_page_cache(files)
+    t0 = time.perf_counter()
+    llm = LLM(model, config)
+    load_s = time.perf_counter() - t0
+    rt0 = llm.runtime_stats()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0]
+    rt = llm.runtime_stats()
+    llm.experts.executor.close()
+    n = out.stats.generated_tokens
+    return {"config": name, "load_s": load_s, "ttft_s": out.stats.ttft_s, "decode_tokens_per_s": out.stats.decode_tokens_per_s,
+            "itl_s": out.stats.itl_s, "generated": n, "disk_bytes_per_token": (rt["bytes_read"] - rt0["bytes_read"]) / (len(prompt) + n),
+            "hit_rate": rt["hit_rate"], "placement": rt["placement"], "paths": rt["paths"],
+            "peak_ram_budget_bytes": rt["peak_fast_bytes"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small model, one repeat")
+    ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/tiered/bench"))
+    ap.add_argument("--cpu-mem", default=None, help="RAM budget (default: the checkpoint's size / 3.2)")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    args = ap.parse_args()
+    shape = dict(layers=4, hidden=512, ffn=1792, experts=8, vocab=4096) if args.quick else \
+        dict(layers=8, hidden=1024, ffn=3584, experts=8, vocab=8192)
+    repeats = args.repeats or (1 if args.quick else 3)
+    dtype = torch.bfloat16
+    model = write_checkpoint(Path(args.workdir) / ("mixtral-dummy-quick" if args.quick else "mixtral-dummy"), dtype=dtype, **shape)
+    ckpt_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    cpu_mem = parse_bytes(args.cpu_mem) if args.cpu_mem else int(ckpt_bytes / 3.2)
+    expert_bytes = 3 * shape["hidden"] * shape["ffn"] * 2
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, shape["vocab"], (args.prompt_tokens,), generator=g).tolist()
+
+    # calibration profile for popularity placement: other prompts than the measured one
+    base = dict(dtype="bfloat16", decode_weights="bf16", accelerator="none", cpu_memory=cpu_mem)
+    llm = LLM(model, EngineConfig(**base, expert_cache_slots=0))
+    prof = ExpertProfiler.attach(llm.model, llm.config)
+    calib = [torch.randint(0, shape["vocab"], (48,), generator=g).tolist() for _ in range(4)]
+    llm.generate(calib, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    profile_path = Path(args.workdir) / "expert_profile.json"
+    prof.save(profile_path)
+    free = cpu_mem - llm.fast_budget.used - 4 * expert_bytes  # what the cache may use (KV + staging kept aside)
+    llm.experts.executor.close()
+    del llm
+    lru_slots = max(1, int(free // expert_bytes) - 2)
+    configs = {
+        "on-demand (no cache)": EngineConfig(**base, expert_cache_slots=0, resident_experts=0, read_ahead=False),
+        "LRU cache": EngineConfig(**base, expert_cache_slots=lru_slots, resident_experts=0, read_ahead=False),
+        "cache + popularity + read-ahead": EngineConfig(**base, expert_cache_slots=max(2, lru_slots // 2),
+                                                        expert_profile=str(profile_path), read_ahead=True),
+    }
+    rows = {}
+    for rep in range(repeats):
+        for name, cfg in configs.items():
+            r = run_config(model, name, cfg, prompt, args.new_tokens)
+            rows.setdefault(name, []).append(r)
+            print(f"[{rep}] {name}: decode {r['decode_tokens_per_s']:.2f} tok/s, TTFT {r['ttft_s']:.2f} s, "
+                  f"hit {r['hit_rate']:.1%}, disk {format_bytes(r['disk_bytes_per_token'])}/token", flush=True)
+    summary = []
+    for name, rs in rows.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("decode_tokens_per_s", "ttft_s", "itl_s",
+                                                                   "disk_bytes_per_token", "hit_rate", "load_s")}
+        summary.append({"config": name, **med, "placement": rs[0]["placement"], "paths": rs[0]["paths"], "runs": len(rs)})
+    basev = summary[0]["decode_tokens_per_s"]
+    for s in summary:
+        s["speedup_vs_on_demand"] = s["decode_tokens_per_s"] / basev if basev else float("nan")
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
+    result = {"benchmark": "moe_offload", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": {
+        "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
+        "model": {"shape": shape, "dtype": "bfloat16", "checkpoint_bytes": ckpt_bytes, "expert_bytes": expert_bytes},
+        "cpu_mem_bytes": cpu_mem, "checkpoint_over_cpu_mem": ckpt_bytes / cpu_mem, "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens, "repeats": repeats, "results": summary, "runs": rows}
+    out = ROOT / "results"
+    out.mkdir(exist_ok=True)
+    stem = "moe_offload_quick" if args.quick else "moe_offload"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    lines = [f"# MoE offload benchmark ({result['date']})", "",
+             f"Machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}. Model: Mixtral-shaped dummy weights "
+             f"{shape}, bf16, {format_bytes(ckpt_bytes)} on disk; `--cpu-mem` {format_bytes(cpu_mem)} "
+             f"({ckpt_bytes / cpu_mem:.1f}x smaller). Prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, "
+             f"page cache dropped before each run, median of {repeats}.", "",
+             "| configuration | decode tok/s | TTFT s | disk bytes/token | hit rate | speedup | placement |",
+             "|---|---|---|---|---|---|---|"]
+    for s in summary:
+        lines.append(f"| {s['config']} | {s['decode_tokens_per_s']:.2f} | {s['ttft_s']:.2f} | "
+                     f"{format_bytes(s['disk_bytes_per_token'])} | {s['hit_rate']:.1%} | {s['speedup_vs_on_demand']:.2f}x | "
+                     f"{s['placement']} |")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
