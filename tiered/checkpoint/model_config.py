@@ -12,9 +12,10 @@ from typing import Any
 from tiered.errors import UnsupportedModelError
 
 # HF `model_type` -> family. Dense families share one implementation (models/llama.py); MoE
-# families are listed so a later module can claim them.
+# families share models/moe.py.
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")  # read decoder_sparse_step / mlp_only_layers
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -30,11 +31,21 @@ class ModelConfig:
         rope_theta: RoPE base; rope_scaling: None or a dict with "rope_type" in ROPE_TYPES.
         max_position_embeddings: trained context window [tokens].
         tie_word_embeddings: lm_head shares embed_tokens' weight.
-        attention_bias: q/k/v projections carry a bias (Qwen2).
-        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
+        attention_bias: q/k/v projections carry a bias (Qwen2, Qwen2-MoE).
+        o_proj_bias: the output projection carries a bias too (HF Llama, Qwen3, Qwen3-MoE and OLMoE
+            tie it to `attention_bias`; Qwen2 and Mistral never have one).
+        qk_norm: RMSNorm on q and k before RoPE (Qwen3, Qwen3-MoE, OLMoE).
+        qk_norm_scope: "head" = over each head's hd elements (Qwen3), weights [hd]; "proj" = over
+            the whole projection before splitting into heads (OLMoE), weights [H*hd] / [Hkv*hd].
+        clip_qkv: q, k, v are clamped to [-clip_qkv, clip_qkv] after the q/k norm (OLMoE), or None.
         sliding_window: keys older than this many positions are masked (Mistral), or None.
-        num_experts, num_experts_per_tok, moe_intermediate_size, shared_expert_intermediate_size,
-        norm_topk_prob: MoE layout (0 / None when dense).
+        num_experts, num_experts_per_tok: routed experts E and top-k (0 when dense).
+        moe_intermediate_size: F of each routed expert [elements]; dense layers of an MoE model
+            (see `is_moe_layer`) use `intermediate_size`.
+        shared_expert_intermediate_size: F of the always-on shared expert (Qwen2-MoE), 0 = none.
+        norm_topk_prob: renormalize the top-k router probabilities to sum 1 (always for Mixtral).
+        decoder_sparse_step, mlp_only_layers: which layers are MoE (Qwen-MoE): layer i is MoE when
+            i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
         bos_token_id, eos_token_ids: special tokens from the checkpoint.
     """
 
@@ -52,13 +63,18 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    o_proj_bias: bool = False
     qk_norm: bool = False
+    qk_norm_scope: str = "head"  # "head" (Qwen3) | "proj" (OLMoE)
+    clip_qkv: float | None = None
     sliding_window: int | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -75,24 +91,46 @@ class ModelConfig:
         if rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(f"unsupported RoPE scaling {rope_type!r}",
                                         "tiered supports " + ", ".join(ROPE_TYPES))
+        if self.qk_norm_scope not in ("head", "proj"):
+            raise UnsupportedModelError(f"unknown q/k norm scope {self.qk_norm_scope!r}",
+                                        "use 'head' (Qwen3) or 'proj' (OLMoE)")
+        if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(
+                f"top-{self.num_experts_per_tok} routing over {self.num_experts} experts",
+                "check num_experts_per_tok in the checkpoint's config.json")
+        if self.decoder_sparse_step < 1:
+            raise UnsupportedModelError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}",
+                                        "check the checkpoint's config.json")
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Layer `layer_idx` has a routed-expert block (else a dense MLP of intermediate_size)."""
+        return (self.is_moe and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
     def num_parameters(self) -> int:
-        """Parameter count of the dense layout [elements] (MoE counts all experts)."""
+        """Exact parameter count [elements]: weights, biases and norms; MoE counts every expert."""
         d, L = self.hidden_size, self.num_hidden_layers
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         attn = d * q * 2 + d * kv * 2
-        if self.is_moe:
-            mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
-            mlp += 3 * d * self.shared_expert_intermediate_size
-        else:
-            mlp = 3 * d * self.intermediate_size
+        attn += (q + 2 * kv) * self.attention_bias + d * self.o_proj_bias
+        if self.qk_norm:
+            attn += q + kv if self.qk_norm_scope == "proj" else 2 * self.head_dim
+        total = 0
+        for i in range(L):
+            if self.is_moe_layer(i):
+                mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+                if self.shared_expert_intermediate_size:
+                    mlp += 3 * d * self.shared_expert_intermediate_size + d  # + shared_expert_gate
+            else:
+                mlp = 3 * d * self.intermediate_size
+            total += attn + mlp + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return L * (attn + mlp + 2 * d) + emb + d
+        return total + emb + d
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -119,9 +157,14 @@ class ModelConfig:
                 scaling = None
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        use_window = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral"))
+        window = cfg.get("sliding_window") if use_window else None
         moe = model_type in MOE_TYPES
         n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+        if model_type == "qwen2_moe":  # Qwen2-MoE names its q/k/v bias flag qkv_bias
+            bias = bool(cfg.get("qkv_bias", cfg.get("attention_bias", True)))
+        else:
+            bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -136,14 +179,21 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+            attention_bias=bias,
+            o_proj_bias=bias and model_type in ("llama", "qwen3", "qwen3_moe", "olmoe"),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_scope="proj" if model_type == "olmoe" else "head",
+            clip_qkv=cfg.get("clip_qkv") if model_type == "olmoe" else None,
             sliding_window=window,
             num_experts=n_exp if moe else 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if moe else 0,
             moe_intermediate_size=(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size", 0)) if moe else 0,
-            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) if moe else 0,
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type == "mixtral")),
+            shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size") or 0)
+            if model_type == "qwen2_moe" else 0,
+            # Mixtral always renormalizes; the others read the flag (HF default False).
+            norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=(cfg.get("decoder_sparse_step") or 1) if model_type in QWEN_MOE_TYPES else 1,
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()) if model_type in QWEN_MOE_TYPES else (),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
         )

@@ -133,7 +133,8 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE, optional q/k bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
+    """Grouped-query attention with RoPE, optional q/k/v bias (Qwen2), q/k RMSNorm per head (Qwen3)
+    or over the whole projection (OLMoE), and optional q/k/v clipping (OLMoE)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -143,21 +144,31 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(D, H * hd, bias=bias)
         self.k_proj = nn.Linear(D, Hkv * hd, bias=bias)
         self.v_proj = nn.Linear(D, Hkv * hd, bias=bias)
-        self.o_proj = nn.Linear(H * hd, D, bias=False)
+        self.o_proj = nn.Linear(H * hd, D, bias=config.o_proj_bias)
+        # q/k RMSNorm over each head's hd elements (Qwen3) or over the whole projection (OLMoE).
+        self.qk_norm_per_head = config.qk_norm_scope == "head"
         if config.qk_norm:
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+            q_dim, k_dim = (hd, hd) if self.qk_norm_per_head else (H * hd, Hkv * hd)
+            self.q_norm = RMSNorm(q_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(k_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.clip_qkv = config.clip_qkv  # OLMoE: clamp q, k, v to [-clip, clip], or None
         self.scale = hd ** -0.5
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]; writes this step's k/v into `cache`."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.H, self.hd)  # (B, T, H, hd)
-        k = self.k_proj(x).view(B, T, self.Hkv, self.hd)
-        v = self.v_proj(x).view(B, T, self.Hkv, self.hd)
-        if self.q_norm is not None:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, H*hd), (B, T, Hkv*hd) x2
+        if self.q_norm is not None and not self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q = q.view(B, T, self.H, self.hd)  # (B, T, H, hd)
+        k = k.view(B, T, self.Hkv, self.hd)
+        v = v.view(B, T, self.Hkv, self.hd)
+        if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), meta.cos, meta.sin)  # (B, H, T, hd)
         k = apply_rotary(k.transpose(1, 2), meta.cos, meta.sin)  # (B, Hkv, T, hd)

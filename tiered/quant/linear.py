@@ -151,7 +151,8 @@ def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: in
     """
     extra = 0
     for mod_name, module in list(model.named_modules()):
-        linears = {n: c for n, c in module.named_children() if type(c) is nn.Linear}
+        # experts served by the runtime stay on the meta device: nothing to copy
+        linears = {n: c for n, c in module.named_children() if type(c) is nn.Linear and not c.weight.is_meta}
         if not linears:
             continue
         prepared = {}

@@ -1,0 +1,82 @@
+"""Tiny deterministic Mixture-of-Experts checkpoints, written by transformers (never committed).
+
+`make_moe_checkpoint(kind, path)` saves a real Hugging Face model directory (config.json from
+transformers' own config class, model.safetensors with the Hub tensor names from
+`save_pretrained`) for kind in MOE_KINDS. Weights are random (torch.manual_seed(0)) with
+initializer_range 0.1 so routers spread tokens over many experts and greedy choices are well
+separated; norm weights and biases are randomized too (transformers sets them to exactly 1 and 0),
+so a loader that dropped them would be caught. No tokenizer: prompts are token ids.
+
+Sizes: hidden 64, 4 query heads, 2 KV heads, 8 experts, top-2, vocab 256. Per kind:
+    mixtral    2 layers, expert F 48 (Mixtral names: block_sparse_moe, w1/w2/w3).
+    qwen2_moe  3 layers, expert F 32, shared expert F 64, layer 1 dense (mlp_only_layers, F 96),
+               q/k/v bias, norm_topk_prob False.
+    qwen3_moe  2 layers, expert F 32, decoder_sparse_step 2 (layer 0 dense, F 96), head_dim 32
+               (!= hidden / heads), per-head q/k norm, norm_topk_prob True.
+    olmoe      2 layers, expert F 32, q/k norm over the whole projection, clip_qkv 1.5,
+               norm_topk_prob False.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+VOCAB = 256
+
+_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               rms_norm_eps=1e-6, initializer_range=0.1, vocab_size=VOCAB, bos_token_id=0,
+               eos_token_id=1, pad_token_id=0, num_experts_per_tok=2, tie_word_embeddings=False)
+
+# kind -> (config class, model class, config overrides)
+MOE_SPECS: dict[str, tuple[str, str, dict]] = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_hidden_layers=2, num_local_experts=8, intermediate_size=48)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_hidden_layers=3, num_experts=8, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=64, intermediate_size=96, mlp_only_layers=[1],
+                       decoder_sparse_step=1, norm_topk_prob=False, qkv_bias=True)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_hidden_layers=2, num_experts=8, moe_intermediate_size=32, intermediate_size=96,
+                       decoder_sparse_step=2, head_dim=32, norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(num_hidden_layers=2, num_experts=8, intermediate_size=32, clip_qkv=1.5,
+                   norm_topk_prob=False)),
+}
+
+
+def build_hf_moe_model(kind: str):
+    """The tiny transformers model of `kind` (a MOE_KINDS entry): fp32, eval, seeded weights."""
+    import transformers
+
+    config_cls, model_cls, overrides = MOE_SPECS[kind]
+    config = getattr(transformers, config_cls)(**_COMMON, **overrides)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("gate.weight") and "shared" not in name:  # routers (some start at 0)
+                p.copy_(config.initializer_range * torch.randn_like(p))
+    return model
+
+
+def make_moe_checkpoint(kind: str, path: str | Path) -> Path:
+    """Write the tiny `kind` checkpoint (config.json + model.safetensors) into `path`; return it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_hf_moe_model(kind).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_hf_moe_model(path: str | Path):
+    """Reload a saved checkpoint with transformers (fp32, eager attention, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager").eval()

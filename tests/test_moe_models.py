@@ -1,0 +1,338 @@
+"""MoE architectures (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) against transformers, plus the
+expert / router / runner contract of tiered/models/moe.py.
+
+Two ways in: `tiered.LLM` (the engine, whose expert runtime serves the experts) and a "local"
+model, every tensor materialized and the default LocalExperts runner, which tests the model
+code alone. Checkpoints come from tests/moe_fixtures.py, generated once per session into a tmp dir.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from moe_fixtures import MOE_KINDS, VOCAB, load_hf_moe_model, make_moe_checkpoint  # noqa: E402
+
+from tiered import LLM, EngineConfig, SamplingParams  # noqa: E402
+from tiered.checkpoint import open_checkpoint  # noqa: E402
+from tiered.memory.materialize import materialize  # noqa: E402
+from tiered.models import build_model  # noqa: E402
+from tiered.models.layers import KVCache, Rotary  # noqa: E402
+from tiered.models.moe import (  # noqa: E402
+    Expert, LocalExperts, MoEBlock, Router, expert_forward, moe_blocks)
+
+REL_TOL = 1e-4
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+class MoEZoo:
+    """Lazily written, cached tiny MoE checkpoints and the models over them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._dirs: dict[str, Path] = {}
+        self._hf: dict[str, object] = {}
+        self._llm: dict[tuple, LLM] = {}
+        self._local: dict[str, torch.nn.Module] = {}
+
+    def dir(self, kind: str) -> Path:
+        if kind not in self._dirs:
+            self._dirs[kind] = make_moe_checkpoint(kind, self.root / kind)
+        return self._dirs[kind]
+
+    def hf(self, kind: str):
+        if kind not in self._hf:
+            self._hf[kind] = load_hf_moe_model(self.dir(kind))
+        return self._hf[kind]
+
+    def llm(self, kind: str, **config) -> LLM:
+        config.setdefault("decode_weights", "fp32")
+        key = (kind, tuple(sorted(config.items())))
+        if key not in self._llm:
+            self._llm[key] = LLM(self.dir(kind), EngineConfig(**config))
+        return self._llm[key]
+
+    def local(self, kind: str) -> torch.nn.Module:
+        """The model alone: built on meta, every tensor (experts too) materialized in fp32."""
+        if kind not in self._local:
+            ckpt = open_checkpoint(self.dir(kind))
+            with torch.device("meta"):
+                model = build_model(ckpt.config, 64)
+            model.rotary = Rotary(ckpt.config, 64)
+            materialize(model, ckpt, torch.float32)
+            self._local[kind] = model.eval()
+        return self._local[kind]
+
+
+@pytest.fixture(scope="session")
+def moe(tmp_path_factory) -> MoEZoo:
+    return MoEZoo(tmp_path_factory.mktemp("moe"))
+
+
+def prompt(length: int = 16, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (length,), generator=g).tolist()
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False, max_new_tokens=n,
+                             min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def local_logits(model, ids: list[int]) -> torch.Tensor:
+    """[T, V] logits of the local model (one prefill step)."""
+    T = len(ids)
+    cache = KVCache(model.config, 1, T, torch.float32)
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), torch.arange(T).unsqueeze(0), torch.tensor([0]), cache,
+                     last_only=False)[0]
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a - ref).abs().max() / ref.abs().max())
+
+
+# ------------------------------------------------------------------ against transformers
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_logits_equal_transformers(moe, kind):
+    ids = prompt()
+    assert rel_err(moe.llm(kind).logits(ids), hf_logits(moe.hf(kind), ids)) <= REL_TOL
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_local_experts_logits_equal_transformers(moe, kind):
+    """The model code alone (LocalExperts runner, all weights resident)."""
+    model = moe.local(kind)
+    assert all(type(b.runner) is LocalExperts for b in moe_blocks(model))
+    ids = prompt()
+    assert rel_err(local_logits(model, ids), hf_logits(moe.hf(kind), ids)) <= REL_TOL
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_greedy_equals_transformers(moe, kind):
+    ids = prompt(seed=1)
+    out = moe.llm(kind).generate([ids], GREEDY)[0].token_ids
+    assert out == hf_greedy(moe.hf(kind), ids, 16)
+    assert len(set(out)) > 1  # not a degenerate repeat of one token
+
+
+def test_batched_decode_equals_transformers(moe):
+    """Two sequences decoded together (B = 2 through the MoE block) match one-by-one HF."""
+    a, b = prompt(16, seed=2), prompt(9, seed=3)
+    outs = moe.llm("qwen2_moe").generate([a, b], GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(moe.hf("qwen2_moe"), p, 16) for p in (a, b)]
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_parameter_names_equal_checkpoint(moe, kind):
+    """The module tree has exactly the checkpoint's tensors (nothing missing, nothing ignored)."""
+    names = {n for n, _ in moe.local(kind).named_parameters()}
+    assert names == set(open_checkpoint(moe.dir(kind)).names())
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_model_config(moe, kind):
+    cfg = open_checkpoint(moe.dir(kind)).config
+    assert cfg.is_moe and (cfg.num_experts, cfg.num_experts_per_tok) == (8, 2)
+    expect = {
+        "mixtral": dict(moe_intermediate_size=48, norm_topk_prob=True, moe_layers=[0, 1], qk_norm=False),
+        "qwen2_moe": dict(moe_intermediate_size=32, shared_expert_intermediate_size=64, intermediate_size=96,
+                          norm_topk_prob=False, attention_bias=True, moe_layers=[0, 2], qk_norm=False),
+        "qwen3_moe": dict(moe_intermediate_size=32, intermediate_size=96, norm_topk_prob=True, head_dim=32,
+                          qk_norm=True, qk_norm_scope="head", moe_layers=[1]),
+        "olmoe": dict(moe_intermediate_size=32, norm_topk_prob=False, qk_norm=True, qk_norm_scope="proj",
+                      clip_qkv=1.5, moe_layers=[0, 1]),
+    }[kind]
+    assert [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)] == expect.pop("moe_layers")
+    for k, v in expect.items():
+        assert getattr(cfg, k) == v, k
+    assert cfg.num_parameters() == sum(p.numel() for p in moe.hf(kind).parameters())
+
+
+def test_olmoe_clip_qkv_is_exercised(moe):
+    """The fixture's clip_qkv changes the logits, so the parity test covers the clamp."""
+    llm = moe.llm("olmoe")
+    ids = prompt()
+    attns = [layer.self_attn for layer in llm.model.model.layers]
+    try:
+        for a in attns:
+            a.clip_qkv = None
+        unclipped = llm.logits(ids)
+    finally:
+        for a in attns:
+            a.clip_qkv = 1.5
+    assert rel_err(unclipped, hf_logits(moe.hf("olmoe"), ids)) > 1e-3
+
+
+# ---------------------------------------------------------------- routing is not degenerate
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_routing_spreads_tokens_and_hook_sees_it(moe, kind):
+    llm = moe.llm(kind)
+    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    blocks = moe_blocks(llm.model)
+    for b in blocks:
+        b.on_route = lambda layer, idx, w: seen.append((layer, idx.clone(), w.clone()))
+    try:
+        llm.logits(prompt())
+    finally:
+        for b in blocks:
+            b.on_route = None
+    cfg = llm.config
+    assert [s[0] for s in seen] == [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    for _, idx, w in seen:
+        assert idx.shape == w.shape == (16, 2) and idx.dtype == torch.int64 and w.dtype == torch.float32
+        assert len(idx.unique()) >= 4  # most of the 8 experts receive tokens
+        if cfg.norm_topk_prob:
+            torch.testing.assert_close(w.sum(-1), torch.ones(16))
+
+
+# -------------------------------------------------------------------------- pure functions
+def test_expert_forward_is_swiglu():
+    torch.manual_seed(0)
+    x = torch.randn(5, 64)
+    wg, wu, wd = 0.1 * torch.randn(32, 64), 0.1 * torch.randn(32, 64), 0.1 * torch.randn(64, 32)
+    ref = (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
+    torch.testing.assert_close(expert_forward(x, wg, wu, wd), ref)
+    # Weights in another dtype are cast to the activations'.
+    out = expert_forward(x.bfloat16(), wg, wu, wd)
+    assert out.dtype == torch.bfloat16 and out.shape == (5, 64)
+    assert rel_err(out.float(), ref) < 0.02
+    # Expert names and weights() order: (gate, up, down).
+    e = Expert(64, 32, ("w1", "w3", "w2"))
+    assert [n for n, _ in e.named_parameters()] == ["w1.weight", "w3.weight", "w2.weight"]
+    assert e.weights()[1] is e.w3.weight
+    torch.testing.assert_close(e(x), expert_forward(x, e.w1.weight, e.w3.weight, e.w2.weight))
+
+
+@pytest.mark.parametrize("hf_cls,norm", [
+    ("mixtral.modeling_mixtral.MixtralTopKRouter", True),
+    ("qwen2_moe.modeling_qwen2_moe.Qwen2MoeTopKRouter", False),
+    ("qwen2_moe.modeling_qwen2_moe.Qwen2MoeTopKRouter", True),
+    ("qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter", True),
+    ("olmoe.modeling_olmoe.OlmoeTopKRouter", False),
+])
+def test_router_equals_transformers_rule(hf_cls, norm):
+    import importlib
+    from types import SimpleNamespace
+
+    module, cls = hf_cls.rsplit(".", 1)
+    cfg = SimpleNamespace(hidden_size=64, num_local_experts=8, num_experts=8, num_experts_per_tok=2,
+                          norm_topk_prob=norm)
+    ref_router = getattr(importlib.import_module(f"transformers.models.{module}"), cls)(cfg)
+    torch.manual_seed(0)
+    ours = Router(64, 8, 2, norm)
+    torch.nn.init.normal_(ours.weight, std=0.3)
+    ref_router.weight.data.copy_(ours.weight.data)
+    x = torch.randn(40, 64)
+    idx, w = ours.route(x)
+    _, ref_w, ref_idx = ref_router(x)
+    assert idx.dtype == torch.int64 and torch.equal(idx, ref_idx)
+    torch.testing.assert_close(w, ref_w.to(x.dtype))
+    if norm:
+        torch.testing.assert_close(w.sum(-1), torch.ones(40))
+    else:
+        assert bool((w.sum(-1) < 1).all())
+    # bf16 activations: weights come back in bf16 (softmax still in fp32).
+    assert ours.to(torch.bfloat16).route(x.bfloat16())[1].dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- runner contract
+class RecordingRunner:
+    """Delegates to LocalExperts and records every call; optionally scales the result."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.calls: list[tuple[int, tuple, tuple, tuple]] = []
+        self.outputs: list[torch.Tensor] = []
+        self.scale = scale
+
+    def __call__(self, layer_idx, x, topk_idx, topk_weight, block):
+        self.calls.append((layer_idx, tuple(x.shape), tuple(topk_idx.shape), tuple(topk_weight.shape)))
+        out = LocalExperts()(layer_idx, x, topk_idx, topk_weight, block) * self.scale
+        self.outputs.append(out)
+        return out
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_swapped_runner_is_used(moe, kind):
+    model = moe.local(kind)
+    ids = prompt()
+    ref = local_logits(model, ids)
+    blocks = moe_blocks(model)
+    runners = [RecordingRunner() for _ in blocks]
+    try:
+        for b, r in zip(blocks, runners):
+            b.runner = r
+        torch.testing.assert_close(local_logits(model, ids), ref, rtol=0, atol=0)
+        for b, r in zip(blocks, runners):
+            assert r.calls == [(b.layer_idx, (16, 64), (16, 2), (16, 2))]
+        # The runner's output is what the block returns (plus the shared expert, if any).
+        block, runner = blocks[0], RecordingRunner(scale=0.5)
+        block.runner = runner
+        x = torch.randn(2, 3, 64)
+        with torch.inference_mode():
+            y = block(x)
+            shared = 0
+            if block.shared_expert is not None:
+                h = x.view(6, 64)
+                shared = torch.sigmoid(block.shared_expert_gate(h)) * block.shared_expert(h)
+        torch.testing.assert_close(y, (runner.outputs[0] + shared).view(2, 3, 64))
+        assert not torch.equal(local_logits(model, ids), ref)
+    finally:
+        for b in blocks:
+            b.runner = LocalExperts()
+
+
+def test_block_runs_with_experts_on_meta(moe):
+    """A runner holding its own weights lets the block run with `block.experts` on meta."""
+    src = moe_blocks(moe.local("olmoe"))[0]
+    cfg = moe.local("olmoe").config
+    with torch.device("meta"):
+        block = MoEBlock(cfg, src.layer_idx)
+    block.gate.weight = torch.nn.Parameter(src.gate.weight.detach().clone(), requires_grad=False)
+    held = [tuple(w.detach().clone() for w in e.weights()) for e in src.experts]
+
+    class HeldRunner:
+        def __call__(self, layer_idx, x, topk_idx, topk_weight, block):
+            out = torch.zeros_like(x)
+            for e in topk_idx.unique().tolist():
+                rows, slot = torch.where(topk_idx == e)
+                out.index_add_(0, rows, expert_forward(x[rows], *held[e]) * topk_weight[rows, slot, None])
+            return out
+
+    block.runner = HeldRunner()
+    assert all(p.is_meta for p in block.experts.parameters())
+    x = torch.randn(1, 5, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(block(x), src(x))
+
+
+def test_mixtral_layer_names_its_block(moe):
+    layer = moe.local("mixtral").model.layers[0]
+    assert isinstance(layer.mlp, MoEBlock) and layer.mlp is layer.block_sparse_moe
+    assert "mlp" not in dict(layer.named_children())
+
+
+# ------------------------------------------------------------------------- default engine
+def test_default_decode_weights_generate(moe):
+    """EngineConfig() (decode_weights="auto": bf16 decode copies) loads and generates; the router
+    stays a dense Router."""
+    llm = moe.llm("qwen2_moe", decode_weights="auto")
+    assert all(type(b.gate) is Router for b in moe_blocks(llm.model))
+    out = llm.generate([prompt(seed=1)], GREEDY)[0].token_ids
+    assert len(out) == 16
+    # Prefill (dense weights) is unchanged by the decode copies.
+    ids = prompt()
+    assert rel_err(llm.logits(ids), hf_logits(moe.hf("qwen2_moe"), ids)) <= REL_TOL
