@@ -1,0 +1,100 @@
+"""HardwareProfile: a machine's fitted cost models, saved as JSON (`tiered profile` writes it).
+
+Every operation the planner prices is an affine model t = alpha + beta * n (ScheInfer Eq. 3;
+ALGORITHMS.md 1.b, 5.2), with the fit quality R^2 kept beside it (ScheInfer Table I):
+
+    key                      n is ...                 alpha [s]   beta [s per unit]
+    gemm/<device>/<dtype>    multiply-accumulates     launch/start-up   s per MAC
+    copy/h2d_pinned, copy/h2d_pageable, copy/d2h_pinned, copy/d2h_pageable     bytes
+    disk/read_cold           bytes
+    launch/<device>          (constant: alpha only)
+    memory/bandwidth/<device> bytes (beta = 1 / bandwidth)
+
+devices: "cpu", "gpu"; dtypes: "fp32", "bf16", "fp16", "int8", "int4". Measured numbers live in
+these files, never in source; presets for machines we do not have are built from published
+figures (hardware/presets.py) and say so in `source`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tiered.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LinearModel:
+    """t = alpha + beta * n [seconds]; r2 = coefficient of determination of the fit (None: not fitted)."""
+
+    alpha: float
+    beta: float
+    r2: float | None = None
+
+    def __call__(self, n: float) -> float:
+        return self.alpha + self.beta * n if n > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Cost models of one machine.
+
+    Attributes:
+        name: machine or preset name.
+        source: "measured on <host> <date>" or the publication a preset comes from.
+        models: key (see module docstring) -> LinearModel.
+        gpu_memory, cpu_memory: capacities [bytes] (None when unknown / no GPU).
+        meta: free-form details (CPU model, GPU name, torch version, threads).
+    """
+
+    name: str
+    source: str
+    models: dict[str, LinearModel] = field(default_factory=dict)
+    gpu_memory: int | None = None
+    cpu_memory: int | None = None
+    meta: dict = field(default_factory=dict)
+
+    def model(self, key: str) -> LinearModel:
+        """The cost model `key`. Raises ConfigError naming the missing key."""
+        try:
+            return self.models[key]
+        except KeyError:
+            raise ConfigError(f"hardware profile {self.name!r} has no cost model {key!r}",
+                              "re-run `tiered profile` or pick a preset that covers it") from None
+
+    def has(self, key: str) -> bool:
+        return key in self.models
+
+    def time(self, key: str, n: float) -> float:
+        """Seconds for workload n under model `key`."""
+        return self.model(key)(n)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        return json.dumps(d, indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareProfile":
+        return cls(d["name"], d["source"], {k: LinearModel(**v) for k, v in d["models"].items()},
+                   d.get("gpu_memory"), d.get("cpu_memory"), d.get("meta", {}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HardwareProfile":
+        """Read a saved profile. Raises ConfigError when missing or malformed."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"cannot read hardware profile {path} ({e})",
+                              "run `tiered profile` to write one, or pass --preset") from None
+
+
+def default_profile_path() -> Path:
+    """Where `tiered profile` saves by default: <cache dir>/hardware_profile.json."""
+    from tiered.checkpoint.tokenizer import cache_dir
+    return cache_dir() / "hardware_profile.json"
