@@ -89,7 +89,7 @@ def run_config(model: Path, name: str, config: EngineConfig, prompt: list[int], 
     rt0 = llm.runtime_stats()
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0]
     rt = llm.runtime_stats()
-    llm.experts.executor.close()
+    llm.close()
     n = out.stats.generated_tokens
     return {"config": name, "load_s": load_s, "ttft_s": out.stats.ttft_s, "decode_tokens_per_s": out.stats.decode_tokens_per_s,
             "itl_s": out.stats.itl_s, "generated": n, "disk_bytes_per_token": (rt["bytes_read"] - rt0["bytes_read"]) / (len(prompt) + n),
@@ -126,7 +126,7 @@ def main() -> None:
     profile_path = Path(args.workdir) / "expert_profile.json"
     prof.save(profile_path)
     free = cpu_mem - llm.fast_budget.used - 4 * expert_bytes  # what the cache may use (KV + staging kept aside)
-    llm.experts.executor.close()
+    llm.close()
     del llm
     lru_slots = max(1, int(free // expert_bytes) - 2)
     configs = {

@@ -183,7 +183,8 @@ class GGUFCheckpoint:
             return raw[perm] if perm is not None else raw
 
         return TensorHandle(name=hf, shape=shape, format=fmt, nbytes=int(t.n_bytes), path=str(self.path),
-                            _load=load, _blocks=blocks if fmt in BLOCK_FORMATS else None)
+                            _load=load, _blocks=blocks if fmt in BLOCK_FORMATS else None,
+                            offset=int(t.data_offset) if fmt in ("F32", "F16", "BF16") and perm is None else None)
 
     @property
     def format_name(self) -> str:

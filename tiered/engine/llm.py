@@ -91,8 +91,10 @@ class LLM:
         self.experts = None
         if self.config.is_moe:
             from tiered.runtime.moe_setup import install_tiered_experts
+            # the KV cache is allocated per generate call: keep room for one max_context sequence
+            kv_reserve = _kv_cache_bytes(self.config, 1, self.max_context, self.dtype)
             self.experts = install_tiered_experts(self.model, self.checkpoint, ec, self.dtype, self.accelerator,
-                                                  self.fast_budget, self.cpu_budget)
+                                                  self.fast_budget, self.cpu_budget, kv_reserve)
         self.model.eval()
         self.load_s = time.perf_counter() - t0
         self.tokenizer = self.checkpoint.tokenizer()
@@ -221,10 +223,22 @@ class LLM:
         if self.experts is None:
             return {}
         rt = self.experts
-        return {"placement": rt.placement.summary(), "hit_rate": rt.cache.stats.hit_rate,
+        return {"placement": rt.placement.summary(), "hit_rate": rt.fast_hit_rate,
+                "cache_hit_rate": rt.cache.stats.hit_rate, "resident_hits": rt.resident_hits,
                 "hits": rt.cache.stats.hits, "misses": rt.cache.stats.misses, "paths": dict(rt.path_counts),
                 "bytes_read": rt.bytes_read, "bytes_h2d": rt.bytes_h2d,
                 "peak_fast_bytes": self.fast_budget.peak, "peak_cpu_bytes": self.cpu_budget.peak}
+
+    def close(self) -> None:
+        """Stop the expert runtime's worker threads (the LLM cannot generate afterwards)."""
+        if self.experts is not None:
+            self.experts.executor.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def write_trace(self, path) -> None:
         """Write the executor's timeline as Chrome trace-event JSON (needs EngineConfig(trace=True))."""
@@ -252,11 +266,23 @@ class LLM:
         return out[0].float().cpu()
 
     def _kv_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """A KV cache on the compute tier, accounted against its budget while it lives."""
-        cache = KVCache(self.config, num_slots, max_len, self.dtype, self.device)
-        self.fast_budget.reserve(cache.nbytes, "the KV cache")
-        weakref.finalize(cache, self.fast_budget.release, cache.nbytes)
+        """A KV cache on the compute tier, accounted against its budget (before it is allocated) while it lives."""
+        nbytes = _kv_cache_bytes(self.config, num_slots, max_len, self.dtype)
+        self.fast_budget.reserve(nbytes, "the KV cache")
+        try:
+            cache = KVCache(self.config, num_slots, max_len, self.dtype, self.device)
+        except BaseException:
+            self.fast_budget.release(nbytes)
+            raise
+        assert cache.nbytes == nbytes
+        weakref.finalize(cache, self.fast_budget.release, nbytes)
         return cache
+
+
+def _kv_cache_bytes(config, num_slots: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of KVCache(config, num_slots, max_len, dtype), without allocating it."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * num_slots * config.num_key_value_heads * max_len * config.head_dim * elem
 
 
 def _same_format(dtype: torch.dtype) -> str:

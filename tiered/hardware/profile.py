@@ -5,14 +5,23 @@ ALGORITHMS.md 1.b, 5.2), with the fit quality R^2 kept beside it (ScheInfer Tabl
 
     key                      n is ...                 alpha [s]   beta [s per unit]
     gemm/<device>/<dtype>    multiply-accumulates     launch/start-up   s per MAC
+                             (compute-bound regime: many tokens per call)
+    gemv/<device>/<dtype>    weight bytes streamed    start-up          s per byte
+                             (memory-bound regime: <= 16 tokens per call; ALGORITHMS.md 1.f S2)
+    attn/<device>/<dtype>    MACs of decode attention (q.K^T + p.V, one query per sequence)
     copy/h2d_pinned, copy/h2d_pageable, copy/d2h_pinned, copy/d2h_pageable     bytes
-    disk/read_cold           bytes
-    launch/<device>          (constant: alpha only)
-    memory/bandwidth/<device> bytes (beta = 1 / bandwidth)
+    disk/read_cold           bytes (page cache dropped before each read)
+    disk/write               bytes (write + fsync)
+    launch/<device>          (constant: alpha only; r2 None)
+    memory/bandwidth/<device> bytes read (beta = 1 / read bandwidth)
+    memory/copy/<device>     bytes copied (read once, written once)
 
-devices: "cpu", "gpu"; dtypes: "fp32", "bf16", "fp16", "int8", "int4". Measured numbers live in
-these files, never in source; presets for machines we do not have are built from published
-figures (hardware/presets.py) and say so in `source`.
+devices: "cpu", "gpu"; dtypes: "fp32", "bf16", "fp16", "int8", "int4" (int4/int8 weights with
+bf16/fp16 activations). A GEMM is priced as max(gemm(MACs), gemv(weight bytes)), see
+hardware/op_time.py. Optional `meta` entries: "disk_memory" [bytes], "key_sources" (key -> where
+that number comes from), "notes". Measured numbers live in these files, never in source; presets
+for machines we do not have are built from published figures (hardware/presets.py) and say so in
+`source`.
 """
 
 from __future__ import annotations

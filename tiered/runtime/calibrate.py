@@ -72,6 +72,8 @@ def calibrate(shapes, dtype: torch.dtype, accelerator, hidden: int, dev_w=None, 
     half = [w[: max(1, w.shape[0] // 4)] for w in dev_w]
     t_small = _median_time(lambda: [accelerator.copy_to_device(d, h[: d.shape[0]]) for d, h in zip(half, staged)], 3)
     small_bytes = sum(t.numel() * t.element_size() for t in half)
-    bw = (nbytes - small_bytes) / max(t_copy - t_small, 1e-9)
+    # two-point fit; when timing noise makes the small copy as slow as the full one, fall back to
+    # the full copy's average rate rather than an absurd bandwidth
+    bw = (nbytes - small_bytes) / (t_copy - t_small) if t_copy > t_small * 1.05 else nbytes / t_copy
     h2d_a = max(t_copy - nbytes / bw, 0.0)
     return LatencyModel(cpu_a, cpu_b, gpu_a, gpu_b, h2d_a, bw)

@@ -47,10 +47,17 @@ class LatencyModel:
         return self.h2d_alpha + nbytes / self.h2d_bandwidth
 
     def cpu_threshold(self, nbytes: int) -> float:
-        """Largest token count for which the CPU path wins (Fiddler's s*), in tokens."""
-        if self.cpu_beta <= self.gpu_beta:
+        """Largest token count for which the CPU path wins (Fiddler's s*), in tokens.
+
+        When cpu_beta >= gpu_beta, choose_path picks the CPU iff s <= s*. Equal slopes make the
+        choice independent of s: +inf (the CPU always wins) or -inf (it never does).
+        """
+        margin = self.gpu_alpha + self.transfer_lat(nbytes) - self.cpu_alpha
+        if self.cpu_beta == self.gpu_beta:
+            return float("inf") if margin >= 0 else float("-inf")
+        if self.cpu_beta < self.gpu_beta:
             return float("inf")
-        return (self.gpu_alpha + self.transfer_lat(nbytes) - self.cpu_alpha) / (self.cpu_beta - self.gpu_beta)
+        return margin / (self.cpu_beta - self.gpu_beta)
 
 
 def choose_path(tokens: int, on_accelerator: bool, expert_bytes: int, lat: LatencyModel) -> str:

@@ -18,6 +18,7 @@ last used it.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from concurrent.futures import Future
 
@@ -61,7 +62,8 @@ class TieredExperts:
         read_ahead: issue all of a layer's expert reads at once.
         force_path: tests only: force COPY or CPU for every non-resident expert.
     Attributes:
-        path_counts: Counter of (path) over all dispatched experts; bytes_read: disk bytes read.
+        path_counts: Counter of (path) over all dispatched experts; bytes_read: disk bytes read;
+        resident_hits: uses of fast-resident experts (the cache's own stats count only its slots).
     """
 
     def __init__(self, store: ExpertStore, cache: ExpertCache, executor: Executor, latency: LatencyModel | None,
@@ -74,6 +76,7 @@ class TieredExperts:
         self.path_counts: Counter = Counter()
         self.bytes_read = 0
         self.bytes_h2d = 0
+        self.resident_hits = 0
         self._pinned: set = set()
         self.num_experts = store.num_experts
 
@@ -83,6 +86,7 @@ class TieredExperts:
         experts = counts.nonzero().flatten().tolist()
         keys = [(layer_idx, e) for e in experts]
         self._pinned = set(keys)
+        t_layer = time.perf_counter()
         if self.accelerator is not None:
             self.accelerator.synchronize()
         x_host = x if x.device.type == "cpu" else x.to("cpu")
@@ -104,14 +108,22 @@ class TieredExperts:
             tok, kk = rows[e]
             y = results[e].result().to(x.device)
             out.index_add_(0, tok, y * topk_weight[tok, kk, None].to(y.dtype))
+        self.executor.record(f"moe layer {layer_idx}", "main", t_layer, time.perf_counter(), layer=layer_idx)
         return out
 
     def _weights_on_fast(self, key):
         w = self.store.resident.get(key)
         if w is not None:
-            self.cache.stats.hits += 1
+            self.resident_hits += 1
             return w
         return self.cache.lookup(key)
+
+    @property
+    def fast_hit_rate(self) -> float:
+        """Share of expert uses served from the fast tier: resident experts plus cache hits."""
+        st = self.cache.stats
+        n = self.resident_hits + st.hits + st.misses
+        return (self.resident_hits + st.hits) / n if n else 0.0
 
     def _run_expert(self, key, tokens: int, x: torch.Tensor, x_host: torch.Tensor, tok: torch.Tensor) -> Future:
         ex, layer, e = self.executor, key[0], key[1]

@@ -20,11 +20,16 @@ from tiered.runtime.moe_runner import StagingPool, TieredExperts
 
 
 def install_tiered_experts(model, checkpoint, engine_config, dtype: torch.dtype, accelerator,
-                           fast_budget: MemoryBudget, cpu_budget: MemoryBudget) -> TieredExperts:
+                           fast_budget: MemoryBudget, cpu_budget: MemoryBudget, kv_reserve: int = 0) -> TieredExperts:
     """Place the experts, build store / cache / staging / executor, and set every MoEBlock's runner.
 
+    Args:
+        kv_reserve: fast-tier bytes kept free for the KV cache (allocated per generate call, after
+            the experts are placed), so experts never take the KV cache's room (Fiddler 2.b: N_gpu
+            counts the fast tier minus non-expert weights, KV cache and workspace).
     Raises:
-        BudgetError: the budgets cannot hold the staging buffers and cache the runtime needs.
+        BudgetError: the budgets cannot hold the staging buffers, the KV cache and the cache the
+            runtime needs.
     """
     cfg = checkpoint.config
     layers = moe_layers(checkpoint, cfg)
@@ -40,13 +45,20 @@ def install_tiered_experts(model, checkpoint, engine_config, dtype: torch.dtype,
         raise BudgetError(f"the {fast_budget.name} budget has {format_bytes(max(fast_budget.free, 0))} left after the "
                           f"non-expert weights; {n_stage} staging buffers need {format_bytes(fast_stage_bytes)}",
                           f"raise --{fast_budget.name}-mem by {format_bytes(fast_stage_bytes - max(fast_budget.free, 0))}")
+    if not fast_budget.fits(fast_stage_bytes + kv_reserve):
+        left = max(fast_budget.free - fast_stage_bytes, 0)
+        raise BudgetError(f"the {fast_budget.name} budget has {format_bytes(left)} left after the non-expert weights "
+                          f"and staging buffers; the KV cache of one max_context-token sequence needs "
+                          f"{format_bytes(kv_reserve)}",
+                          f"raise --{fast_budget.name}-mem by {format_bytes(kv_reserve - left)} or lower --max-context")
     popularity = None
     if engine_config.expert_profile:
         popularity = load_popularity(engine_config.expert_profile, cfg.num_hidden_layers, cfg.num_experts)
     cpu_free = None
     if accelerator is not None:
         cpu_free = cpu_budget.free - host_stage_bytes
-    placement = plan_expert_placement(layers, cfg.num_experts, expert_bytes, fast_budget.free - fast_stage_bytes,
+    placement = plan_expert_placement(layers, cfg.num_experts, expert_bytes,
+                                      fast_budget.free - fast_stage_bytes - kv_reserve,
                                       cpu_free, popularity, engine_config.expert_cache_slots,
                                       max_resident=engine_config.resident_experts)
 

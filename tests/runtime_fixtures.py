@@ -1,0 +1,146 @@
+"""Shared fixtures of the tiered-runtime tests: tiny MoE checkpoints, their transformers references,
+and the byte arithmetic that sizes budgets to get a wanted expert placement.
+
+`rt` is a session fixture over one process-wide RuntimeZoo, so every test module that imports it
+(`from runtime_fixtures import rt`) shares the same checkpoints and references.
+
+Budget recipe (what the runtime plans with, tiered/runtime/moe_setup.py):
+    fast tier = non-expert weights + KV cache of one max_context sequence
+                + staging_buffers * expert_bytes + cache_slots * expert_bytes + resident experts
+    CPU tier (with an accelerator) = staging_buffers * expert_bytes (host staging) + CPU experts
+Tests pass max_context=MAX_CONTEXT so the KV share is small and exact.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from moe_fixtures import MOE_KINDS, VOCAB, load_hf_moe_model, make_moe_checkpoint  # noqa: E402
+
+from tiered import EngineConfig, SamplingParams  # noqa: E402
+
+MAX_CONTEXT = 32  # prompt 16 + 16 generated
+PROMPT_LEN = 16
+NEW_TOKENS = 16
+STAGING = 2  # EngineConfig.staging_buffers default
+REL_TOL = 1e-4
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+__all__ = ["MOE_KINDS", "MAX_CONTEXT", "GREEDY", "REL_TOL", "STAGING", "RuntimeZoo", "Sizes", "rt", "prompt",
+           "rel_err", "engine_config", "sizes_of"]
+
+
+def prompt(length: int = PROMPT_LEN, seed: int = 0) -> list[int]:
+    """Token ids in [2, VOCAB): no BOS / EOS."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (length,), generator=g).tolist()
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a - ref).abs().max() / ref.abs().max())
+
+
+def engine_config(**kw) -> EngineConfig:
+    """EngineConfig of the lossless fp32 mode with the tests' context window."""
+    kw.setdefault("decode_weights", "fp32")
+    kw.setdefault("max_context", MAX_CONTEXT)
+    return EngineConfig(**kw)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Byte counts of a checkpoint in fp32 [bytes], and its expert layout."""
+
+    nonexpert: int
+    expert: int
+    kv: int  # KV cache of one max_context-token sequence
+    num_experts: int
+    moe_layers: int
+
+    @property
+    def total_experts(self) -> int:
+        return self.num_experts * self.moe_layers
+
+    def fast(self, cache_slots: int, resident: int = 0, staging: int = STAGING) -> int:
+        """Fast-tier budget that yields exactly `resident` fast-resident experts with `cache_slots` slots."""
+        return self.nonexpert + self.kv + (staging + cache_slots + resident) * self.expert
+
+    def cpu(self, experts: int, staging: int = STAGING) -> int:
+        """CPU-tier budget (behind an accelerator) for `experts` CPU-resident experts."""
+        return (staging + experts) * self.expert
+
+
+class RuntimeZoo:
+    """Lazily written, cached tiny MoE checkpoints, transformers twins and reference outputs."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._dirs: dict[str, Path] = {}
+        self._hf: dict[str, object] = {}
+        self._ref: dict[str, tuple[torch.Tensor, list[int]]] = {}
+        self._sizes: dict[str, Sizes] = {}
+
+    def dir(self, kind: str) -> Path:
+        if kind not in self._dirs:
+            self._dirs[kind] = make_moe_checkpoint(kind, self.root / kind)
+        return self._dirs[kind]
+
+    def hf(self, kind: str):
+        if kind not in self._hf:
+            self._hf[kind] = load_hf_moe_model(self.dir(kind))
+        return self._hf[kind]
+
+    def reference(self, kind: str) -> tuple[torch.Tensor, list[int]]:
+        """transformers' fp32 logits [16, V] of prompt() and its 16-token greedy continuation (EOS off)."""
+        if kind not in self._ref:
+            model, ids = self.hf(kind), prompt()
+            t = torch.tensor([ids])
+            with torch.no_grad():
+                logits = model(t).logits[0].float()
+                out = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
+                                     max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0)
+            greedy = out[0, len(ids):].tolist()
+            assert len(greedy) == NEW_TOKENS
+            self._ref[kind] = (logits, greedy)
+        return self._ref[kind]
+
+    def sizes(self, kind: str) -> Sizes:
+        if kind not in self._sizes:
+            self._sizes[kind] = sizes_of(self.dir(kind))
+        return self._sizes[kind]
+
+
+def sizes_of(path: Path, max_context: int = MAX_CONTEXT) -> Sizes:
+    """Byte counts of an MoE checkpoint in fp32, from its config alone (model built on meta)."""
+    from tiered.checkpoint import open_checkpoint
+    from tiered.memory.expert_store import is_expert_param
+    from tiered.memory.materialize import planned_bytes
+    from tiered.models import build_model
+    from tiered.models.layers import KVCache
+
+    cfg = open_checkpoint(path).config
+    with torch.device("meta"):
+        model = build_model(cfg, max_context)
+    return Sizes(nonexpert=planned_bytes(model, torch.float32, is_expert_param),
+                 expert=3 * cfg.hidden_size * cfg.moe_intermediate_size * 4,
+                 kv=KVCache(cfg, 1, max_context, torch.float32).nbytes,
+                 num_experts=cfg.num_experts,
+                 moe_layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
+
+
+_ZOO: RuntimeZoo | None = None
+
+
+@pytest.fixture(scope="session")
+def rt(tmp_path_factory) -> RuntimeZoo:
+    global _ZOO
+    if _ZOO is None:
+        _ZOO = RuntimeZoo(tmp_path_factory.mktemp("runtime"))
+    return _ZOO

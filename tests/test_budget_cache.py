@@ -1,0 +1,354 @@
+"""Memory budgets (never exceeded, clear errors), sizes, the expert cache and popularity placement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime_fixtures import GREEDY, engine_config, prompt, rt  # noqa: F401
+
+from tiered import LLM
+from tiered.errors import BudgetError, ConfigError
+from tiered.hardware.budget import MemoryBudget, format_bytes, parse_bytes
+from tiered.memory.expert_cache import ExpertCache, LFUPolicy, LRUPolicy
+from tiered.memory.placement import CPU, DISK, FAST, plan_expert_placement
+
+
+# ------------------------------------------------------------------ sizes
+@pytest.mark.parametrize("text, want", [
+    ("12GiB", 12 * 2**30), ("512MB", 512 * 10**6), ("1.5g", int(1.5 * 2**30)), ("1024", 1024),
+    (" 64 KiB ", 64 * 1024), ("3mib", 3 * 2**20), ("2k", 2048), ("10b", 10), ("1TB", 10**12), (".5M", 2**19),
+    (4096, 4096), (1e6, 10**6), (None, None),
+])
+def test_parse_bytes(text, want):
+    assert parse_bytes(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "abc", "12 XB", "1.2.3GiB", "-5MiB", "GiB"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ConfigError, match="memory size"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("n, want", [
+    (0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB"),
+    (12 * 2**30, "12.0 GiB"), (2**40, "1.0 TiB"), (2**50, "1024.0 TiB"),
+])
+def test_format_bytes(n, want):
+    assert format_bytes(n) == want
+
+
+def test_format_parse_round_trip():
+    for n in (1, 1000, 2**20 + 7, 5 * 2**30):
+        back = parse_bytes(format_bytes(n).replace(" ", ""))
+        assert abs(back - n) <= 0.05 * n
+
+
+def test_engine_config_reads_sizes():
+    cfg = engine_config(gpu_memory="3MiB", cpu_memory=12345)
+    assert (cfg.gpu_memory, cfg.cpu_memory) == (3 * 2**20, 12345)
+    with pytest.raises(ConfigError):
+        engine_config(gpu_memory="lots")
+
+
+# ------------------------------------------------------------------ MemoryBudget
+def test_budget_reserve_release_peak():
+    b = MemoryBudget("gpu", 100)
+    b.reserve(60, "a")
+    assert b.fits(40) and not b.fits(41)
+    with pytest.raises(BudgetError, match=r"gpu budget exceeded: b needs 41 B, 40 B of 100 B left") as e:
+        b.reserve(41, "b")
+    assert "--gpu-mem" in e.value.hint
+    assert b.used == 60  # nothing reserved by the failed call
+    b.reserve(40)
+    b.release(70)
+    assert (b.used, b.peak, b.free) == (30, 100, 70)
+    with pytest.raises(AssertionError):
+        b.release(31)
+
+
+def test_unlimited_budget():
+    b = MemoryBudget("cpu", None)
+    b.reserve(10**15)
+    assert b.free == float("inf") and b.fits(10**18)
+
+
+@pytest.fixture
+def checked_budgets(monkeypatch):
+    """Wrap MemoryBudget.reserve: after every allocation used <= capacity; returns the log."""
+    log: list[tuple[str, int, int, int | None]] = []
+    original = MemoryBudget.reserve
+
+    def reserve(self, nbytes, what=""):
+        original(self, nbytes, what)
+        log.append((self.name, nbytes, self.used, self.capacity))
+        assert self.capacity is None or self.used <= self.capacity, f"{self.name} over budget after {what}"
+
+    monkeypatch.setattr(MemoryBudget, "reserve", reserve)
+    return log
+
+
+def test_budgets_never_exceeded_during_load_and_generate(rt, tmp_path, checked_budgets):
+    """Tight budgets on both tiers (exactly what the placement needs), experts on all three tiers."""
+    kind = "mixtral"
+    s = rt.sizes(kind)
+    llm = LLM(rt.dir(kind), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2, resident=3),
+                                          cpu_memory=s.cpu(5), expert_cache_slots=2,
+                                          offload_dir=str(tmp_path)))
+    try:
+        out = llm.generate([prompt(seed=3)], GREEDY)[0]
+        assert len(out.token_ids) == 16
+        llm.logits(prompt(seed=4))
+    finally:
+        llm.experts.executor.close()
+    gpu = [e for e in checked_budgets if e[0] == "gpu"]
+    cpu = [e for e in checked_budgets if e[0] == "cpu"]
+    assert gpu and cpu
+    assert llm.fast_budget.capacity == s.fast(cache_slots=2, resident=3)
+    assert llm.fast_budget.peak <= llm.fast_budget.capacity and llm.cpu_budget.peak <= llm.cpu_budget.capacity
+    # the plan fills the fast tier exactly: non-expert + staging + cache + resident + the KV cache room
+    assert llm.fast_budget.peak == llm.fast_budget.capacity
+    assert llm.cpu_budget.peak == llm.cpu_budget.capacity  # host staging + 5 CPU experts
+
+
+def test_budgets_never_exceeded_no_accelerator(rt, checked_budgets):
+    kind = "olmoe"
+    s = rt.sizes(kind)
+    llm = LLM(rt.dir(kind), engine_config(accelerator="none", cpu_memory=s.fast(cache_slots=1, resident=2),
+                                          expert_cache_slots=1, read_ahead=False))
+    try:
+        llm.generate([prompt(seed=5)], GREEDY)
+    finally:
+        llm.experts.executor.close()
+    assert llm.experts.placement.count(FAST) == 2
+    assert checked_budgets and all(e[0] == "cpu" for e in checked_budgets)
+    assert llm.cpu_budget.peak == llm.cpu_budget.capacity
+
+
+def test_budget_too_small_for_non_expert_weights(rt):
+    s = rt.sizes("mixtral")
+    with pytest.raises(BudgetError, match="the non-expert weights") as e:
+        LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.nonexpert - 1))
+    assert "gpu budget" in e.value.message and "--gpu-mem" in e.value.hint
+    with pytest.raises(BudgetError, match="cpu budget exceeded: the non-expert weights"):
+        LLM(rt.dir("mixtral"), engine_config(accelerator="none", cpu_memory=s.nonexpert // 2))
+
+
+def test_budget_too_small_for_staging(rt):
+    s = rt.sizes("mixtral")
+    with pytest.raises(BudgetError, match="2 staging buffers need 72.0 KiB") as e:
+        LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.nonexpert + s.expert))
+    assert "raise --gpu-mem by 36.0 KiB" in e.value.hint
+    with pytest.raises(BudgetError, match="staging buffers"):
+        LLM(rt.dir("mixtral"), engine_config(accelerator="none", cpu_memory=s.nonexpert + s.expert))
+
+
+def test_budget_too_small_for_kv_cache(rt):
+    s = rt.sizes("qwen3_moe")  # its KV cache (32 KiB) is larger than one expert (24 KiB)
+    with pytest.raises(BudgetError, match="KV cache") as e:
+        LLM(rt.dir("qwen3_moe"), engine_config(accelerator="none", cpu_memory=s.fast(0) - 1))
+    assert "--max-context" in e.value.hint
+
+
+def test_budget_too_small_for_cache_slots(rt):
+    s = rt.sizes("mixtral")
+    with pytest.raises(BudgetError, match="4 cache slots need 144.0 KiB"):
+        LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=3),
+                                             expert_cache_slots=4))
+
+
+def test_cpu_budget_too_small_for_host_staging(rt):
+    s = rt.sizes("mixtral")
+    with pytest.raises(BudgetError, match="cpu budget exceeded: host staging"):
+        LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.fast(2), cpu_memory=s.expert))
+
+
+# ------------------------------------------------------------------ ExpertCache
+SHAPES = ((4, 2), (4, 2), (2, 4))
+SLOT_BYTES = 3 * 8 * 4
+
+
+def make_cache(slots: int, policy=None, budget: MemoryBudget | None = None) -> ExpertCache:
+    budget = budget or MemoryBudget("gpu", None)
+
+    def alloc(shape, dtype, what):
+        budget.reserve(int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(), what)
+        return torch.empty(shape, dtype=dtype)
+
+    return ExpertCache(slots, SHAPES, torch.float32, alloc, policy)
+
+
+def fill(cache: ExpertCache, key, pinned=frozenset()):
+    slot = cache.claim(key, set(pinned))
+    assert slot is not None
+    for t in slot:
+        t.fill_(hash(key) % 97)
+    return slot
+
+
+def test_cache_allocates_slots_against_budget():
+    b = MemoryBudget("gpu", 3 * SLOT_BYTES)
+    cache = make_cache(3, budget=b)
+    assert cache.num_slots == 3 and cache.slot_bytes == SLOT_BYTES and b.used == 3 * SLOT_BYTES
+    with pytest.raises(BudgetError, match="expert cache slot"):
+        make_cache(1, budget=b)
+
+
+def test_lru_eviction_order():
+    cache = make_cache(3, LRUPolicy())
+    for k in ["a", "b", "c"]:
+        assert cache.lookup(k) is None
+        fill(cache, k)
+    assert cache.stats.evictions == 0
+    assert cache.lookup("a") is not None  # a is now the most recent; b the least
+    fill(cache, "d")
+    assert "b" not in cache and {"a", "c", "d"} <= set(cache.where)
+    fill(cache, "e")  # next least recent: c
+    assert "c" not in cache
+    cache.lookup("a")
+    fill(cache, "f")  # d (a was just used)
+    assert set(cache.where) == {"a", "e", "f"}
+    assert cache.stats.evictions == 3
+
+
+def test_evicted_slot_is_reused_in_place():
+    cache = make_cache(1)
+    s1 = fill(cache, "a")
+    s2 = fill(cache, "b")
+    assert all(x.data_ptr() == y.data_ptr() for x, y in zip(s1, s2))
+
+
+def test_hit_miss_counts_and_bytes_in():
+    cache = make_cache(2)
+    for k in ["a", "b", "a", "c", "a", "b"]:
+        if cache.lookup(k) is None:
+            fill(cache, k)
+    st = cache.stats
+    # a miss, b miss, a hit, c miss (evicts b), a hit, b miss (evicts c)
+    assert (st.hits, st.misses, st.evictions) == (2, 4, 2)
+    assert st.bytes_in == 4 * SLOT_BYTES
+    assert st.hit_rate == pytest.approx(2 / 6)
+
+
+def test_lfu_evicts_least_frequently_used():
+    cache = make_cache(3, LFUPolicy())
+    for k in ["a", "b", "c"]:
+        fill(cache, k)
+    for k, n in [("a", 3), ("b", 1), ("c", 2)]:
+        for _ in range(n):
+            assert cache.lookup(k) is not None
+    fill(cache, "d")  # uses: a 4, b 2, c 3
+    assert "b" not in cache
+    fill(cache, "e")  # d 1 is now the least used
+    assert "d" not in cache and {"a", "c", "e"} == set(cache.where)
+
+
+def test_lfu_ties_broken_by_recency():
+    cache = make_cache(2, LFUPolicy())
+    fill(cache, "a")
+    fill(cache, "b")
+    fill(cache, "c")  # a and b used once each; a is older
+    assert set(cache.where) == {"b", "c"}
+
+
+@pytest.mark.parametrize("policy", [LRUPolicy, LFUPolicy])
+def test_pinned_keys_never_evicted(policy):
+    cache = make_cache(3, policy())
+    for k in ["a", "b", "c"]:
+        fill(cache, k)
+    for _ in range(5):
+        cache.lookup("c")  # c is the most valuable for both policies; a the least
+    fill(cache, "d", pinned={"a", "d"})  # a is the policy's favourite victim but pinned: b goes
+    assert set(cache.where) == {"a", "c", "d"}
+    fill(cache, "e", pinned={"a", "c", "e"})  # the only unpinned key is d, however recent
+    assert set(cache.where) == {"a", "c", "e"}
+    # every key pinned: no slot, nothing evicted
+    before = dict(cache.where)
+    assert cache.claim("z", pinned=set(cache.where)) is None
+    assert cache.where == before and "z" not in cache
+
+
+def test_zero_slot_cache():
+    cache = make_cache(0)
+    assert cache.num_slots == 0 and cache.slot_bytes == 0
+    assert cache.lookup("a") is None and cache.lookup("a") is None
+    assert cache.claim("a", set()) is None
+    assert "a" not in cache
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.bytes_in, cache.stats.hit_rate) == (0, 2, 0, 0.0)
+
+
+# ------------------------------------------------------------------ placement
+def test_popularity_placement_and_expected_hit_rate():
+    rng = np.random.default_rng(0)
+    L, E, eb = 4, 8, 1000
+    pop = rng.integers(0, 1000, size=(L, E)).astype(float)
+    layers = list(range(L))
+    # fast tier: 2 cache slots + 5 resident (+ a remainder smaller than one expert); CPU: 10 experts
+    pl = plan_expert_placement(layers, E, eb, fast_free=7 * eb + 999, cpu_free=10 * eb + 5, popularity=pop,
+                               cache_slots=2)
+    order = sorted(((l, e) for l in layers for e in range(E)), key=lambda k: -pop[k])
+    assert pl.cache_slots == 2 and pl.expert_bytes == eb
+    fast = {k for k, t in pl.tiers.items() if t == FAST}
+    cpu = {k for k, t in pl.tiers.items() if t == CPU}
+    assert fast == set(order[:5])
+    assert cpu == set(order[5:15])
+    assert pl.count(DISK) == L * E - 15
+    # the most popular experts are on faster tiers
+    assert min(pop[k] for k in fast) >= max(pop[k] for k in cpu)
+    assert min(pop[k] for k in cpu) >= max(pop[k] for k, t in pl.tiers.items() if t == DISK)
+    # Fiddler: hit = sum of cnt over fast-resident experts / sum of all cnt
+    assert pl.expected_hit_rate == pytest.approx(sum(pop[k] for k in fast) / pop.sum())
+
+
+def test_placement_without_profile_fills_in_layer_order():
+    pl = plan_expert_placement([1, 3], 4, 10, fast_free=10 * 4 + 10 * 3, cpu_free=None, cache_slots=4)
+    assert [k for k, t in pl.tiers.items() if t == FAST] == [(1, 0), (1, 1), (1, 2)]
+    assert pl.count(CPU) == 0 and pl.count(DISK) == 5  # no CPU tier without an accelerator
+    assert pl.expected_hit_rate is None
+
+
+def test_placement_default_cache_is_at_most_one_layer():
+    pl = plan_expert_placement([0, 1], 4, 10, fast_free=10 * 6, cpu_free=0)
+    assert pl.cache_slots == 4 and pl.count(FAST) == 2 and pl.count(DISK) == 6
+    small = plan_expert_placement([0, 1], 4, 10, fast_free=25, cpu_free=0)
+    assert small.cache_slots == 2 and small.count(FAST) == 0
+
+
+def test_placement_rejects_cache_that_does_not_fit():
+    with pytest.raises(BudgetError, match="3 cache slots need"):
+        plan_expert_placement([0], 8, 100, fast_free=250, cpu_free=None, cache_slots=3)
+
+
+def test_kv_cache_reserved_before_it_is_allocated(rt, monkeypatch):
+    """The KV cache's bytes are checked against the budget before the tensors exist, and a KV cache
+    that does not fit raises BudgetError without allocating."""
+    import tiered.engine.llm as llm_mod
+
+    events = []
+    real_kv, real_reserve = llm_mod.KVCache, MemoryBudget.reserve
+
+    def kv(*a, **k):
+        events.append("alloc")
+        return real_kv(*a, **k)
+
+    def reserve(self, nbytes, what=""):
+        real_reserve(self, nbytes, what)
+        if what == "the KV cache":
+            events.append("reserve")
+
+    s = rt.sizes("olmoe")
+    llm = LLM(rt.dir("olmoe"), engine_config(accelerator="none", cpu_memory=s.fast(cache_slots=2),
+                                             expert_cache_slots=2))
+    try:
+        monkeypatch.setattr(llm_mod, "KVCache", kv)
+        monkeypatch.setattr(MemoryBudget, "reserve", reserve)
+        llm.logits(prompt(8))
+        assert events == ["reserve", "alloc"]
+        used = llm.cpu_budget.used
+        events.clear()
+        with pytest.raises(BudgetError, match="the KV cache"):
+            llm.generate([prompt(8), prompt(8, seed=1), prompt(8, seed=2)], GREEDY)  # 3 sequences: 3x the room
+        assert events == [] and llm.cpu_budget.used == used
+    finally:
+        llm.experts.executor.close()

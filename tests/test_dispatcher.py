@@ -1,0 +1,121 @@
+"""The dispatcher against Fiddler's Algorithm 1 (ALGORITHMS.md 2.b):
+
+    resident                                  -> run where the weights are
+    cpu_lat(s) > gpu_lat(s) + trans_lat()     -> copy the weights, run on the accelerator
+    else                                      -> run on the CPU
+    equivalently: CPU iff s <= s* = (L_gpu + L_xfer - a_cpu) / (c_cpu - c_gpu)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, LatencyModel, choose_path
+
+EXPERT_BYTES = 3 * 4096 * 14336 * 2  # one Mixtral-8x7B expert in 16 bit (ALGORITHMS.md 2.b)
+
+
+def fiddler(c_cpu: float, l_gpu: float, l_xfer_bytes_per_s: float) -> LatencyModel:
+    """Fiddler's model: gpu_lat constant, cpu_lat proportional to s, transfer = bytes / bandwidth."""
+    return LatencyModel(cpu_alpha=0.0, cpu_beta=c_cpu, gpu_alpha=l_gpu, gpu_beta=0.0, h2d_alpha=0.0,
+                        h2d_bandwidth=l_xfer_bytes_per_s)
+
+
+# Env-1-like numbers: CPU expert 3 ms/token, GPU expert 1 ms, PCIe 3 at ~12 GB/s (352 MB -> ~29 ms).
+ENV1 = fiddler(c_cpu=3e-3, l_gpu=1e-3, l_xfer_bytes_per_s=12e9)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 100, 10_000])
+def test_resident_expert_runs_resident(tokens):
+    """Case (a): weights on the accelerator, whatever the latencies."""
+    assert choose_path(tokens, True, EXPERT_BYTES, ENV1) == RESIDENT
+    cpu_always_wins = LatencyModel(0.0, 0.0, 1.0, 1.0, 1.0, 1.0)
+    assert choose_path(tokens, True, EXPERT_BYTES, cpu_always_wins) == RESIDENT
+
+
+def test_few_tokens_run_on_cpu_many_are_copied():
+    """Decode (s = 1) stays on the CPU; a long prefill (many tokens per expert) copies the weights."""
+    assert choose_path(1, False, EXPERT_BYTES, ENV1) == CPU
+    assert choose_path(1000, False, EXPERT_BYTES, ENV1) == COPY
+
+
+def test_copy_iff_cpu_slower_than_gpu_plus_transfer():
+    lat = LatencyModel(cpu_alpha=1e-3, cpu_beta=2e-3, gpu_alpha=4e-3, gpu_beta=1e-4, h2d_alpha=5e-4,
+                       h2d_bandwidth=1e9)
+    nbytes = 10**7  # 10 ms on the link
+    for s in range(1, 50):
+        cpu, gpu_plus_copy = lat.cpu_lat(s), lat.gpu_lat(s) + lat.transfer_lat(nbytes)
+        want = COPY if cpu > gpu_plus_copy else CPU
+        assert choose_path(s, False, nbytes, lat) == want
+    assert choose_path(1, False, nbytes, lat) == CPU
+    assert choose_path(49, False, nbytes, lat) == COPY
+
+
+def test_tie_goes_to_cpu():
+    """Algorithm 1 copies only when the CPU is strictly slower."""
+    lat = LatencyModel(cpu_alpha=0.0, cpu_beta=1.0, gpu_alpha=1.0, gpu_beta=0.0, h2d_alpha=1.0,
+                       h2d_bandwidth=float("inf"))
+    assert lat.cpu_lat(2) == lat.gpu_lat(2) + lat.transfer_lat(123)
+    assert choose_path(2, False, 123, lat) == CPU
+    assert choose_path(3, False, 123, lat) == COPY
+
+
+def test_fiddler_threshold_formula():
+    """s* = (L_gpu + L_xfer) / c_cpu for Fiddler's model (no CPU intercept, flat GPU time)."""
+    l_xfer = EXPERT_BYTES / 12e9
+    assert ENV1.cpu_threshold(EXPERT_BYTES) == pytest.approx((1e-3 + l_xfer) / 3e-3)
+    assert ENV1.transfer_lat(EXPERT_BYTES) == pytest.approx(l_xfer)
+
+
+def test_threshold_when_cpu_time_does_not_grow_faster_than_gpu_time():
+    """With equal slopes the choice does not depend on s: the threshold is +inf (always CPU) or -inf
+    (never CPU), and must agree with choose_path."""
+    cheap_cpu = LatencyModel(1e-3, 0.0, 1e-3, 0.0, 1e-3, 1e9)
+    assert cheap_cpu.cpu_threshold(100) == math.inf
+    assert all(choose_path(s, False, 100, cheap_cpu) == CPU for s in (1, 10, 10**6))
+    slow_cpu = LatencyModel(1.0, 0.0, 1e-3, 0.0, 1e-3, 1e9)  # CPU has a large fixed cost
+    assert slow_cpu.cpu_threshold(100) == -math.inf
+    assert all(choose_path(s, False, 100, slow_cpu) == COPY for s in (1, 10, 10**6))
+
+
+_pos = st.floats(min_value=0.0, max_value=1.0, allow_nan=False, allow_infinity=False)
+_slope = st.one_of(st.just(0.0), st.floats(min_value=1e-7, max_value=1e-1))
+
+
+@st.composite
+def latency_models(draw) -> LatencyModel:
+    """Random fitted models with cpu_beta >= gpu_beta (the CPU's time per token is not below the
+    accelerator's: the regime Algorithm 1 describes, and fit_line's clipped slopes can be equal)."""
+    gpu_beta = draw(_slope)
+    cpu_beta = gpu_beta + draw(_slope)
+    return LatencyModel(cpu_alpha=draw(_pos), cpu_beta=cpu_beta, gpu_alpha=draw(_pos), gpu_beta=gpu_beta,
+                        h2d_alpha=draw(_pos), h2d_bandwidth=draw(st.floats(min_value=1e6, max_value=1e12)),
+                        disk_alpha=draw(_pos), disk_bandwidth=draw(st.floats(min_value=1e6, max_value=1e12)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(lat=latency_models(), s=st.integers(min_value=1, max_value=100_000),
+       nbytes=st.integers(min_value=1, max_value=10**10))
+def test_threshold_equivalent_to_algorithm_1(lat, s, nbytes):
+    """choose_path(s) == CPU  <=>  s <= cpu_threshold(nbytes), away from float rounding at the boundary."""
+    s_star = lat.cpu_threshold(nbytes)
+    if math.isfinite(s_star):
+        assume(abs(s - s_star) > 1e-9 * max(1.0, abs(s_star)))
+    cpu, gpu_plus_copy = lat.cpu_lat(s), lat.gpu_lat(s) + lat.transfer_lat(nbytes)
+    assume(abs(cpu - gpu_plus_copy) > 1e-12 * max(cpu, gpu_plus_copy))  # not a tie up to rounding
+    got = choose_path(s, False, nbytes, lat)
+    assert (got == CPU) == (s <= s_star)
+    assert choose_path(s, True, nbytes, lat) == RESIDENT
+
+
+@settings(max_examples=100, deadline=None)
+@given(lat=latency_models(), nbytes=st.integers(min_value=1, max_value=10**10))
+def test_cpu_share_shrinks_as_tokens_grow(lat, nbytes):
+    """Monotone in s: once copying wins for s tokens it wins for every larger s."""
+    paths = [choose_path(s, False, nbytes, lat) for s in (1, 2, 4, 8, 16, 64, 256, 4096)]
+    first_copy = paths.index(COPY) if COPY in paths else len(paths)
+    assert all(p == COPY for p in paths[first_copy:])
