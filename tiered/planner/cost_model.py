@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass
 
 from tiered.errors import ConfigError
+from tiered.hardware import op_time
 from tiered.hardware.profile import HardwareProfile
 
 _RATE_TOL = 1e-9
@@ -138,13 +139,52 @@ class CostParams:
                 raise ConfigError(f"CostParams.{name} must be finite and >= 0, got {v!r}")
 
 
-def cost_params(profile: HardwareProfile, precision: str = "fp16", *, copy_key: str = "copy/h2d_pinned",
-                launch_key: str = "launch/gpu") -> CostParams:
-    """Eq. 3 constants from a HardwareProfile: gemm/gpu/<precision>, gemm/cpu/<precision>, the H2D
-    copy model and the GPU launch constant (its alpha). Raises ConfigError naming a missing key."""
-    g, c = profile.model(f"gemm/gpu/{precision}"), profile.model(f"gemm/cpu/{precision}")
+def roofline_params(p: CostParams, tokens: int, gpu_peak_macs: float, cpu_peak_macs: float) -> CostParams:
+    """Eq. 3 constants for GEMMs over `tokens` tokens when `p` was fitted on GEMV-sized work (S2).
+
+    ALGORITHMS.md S2: one affine line in MACs mixes two regimes. A line fitted at decode sizes
+    (ScheInfer Table I: beta_G FP16 3.2e-12 s/MAC is 2 B / 625 GB/s, i.e. weight bytes over the
+    A6000's memory bandwidth) charges a T-token GEMM T times a GEMV, although it reads the weights
+    once. Here, per device, beta' = max(1 / peak, beta / tokens): the weight-read cost amortized over
+    the tokens, floored by the compute peak [MAC/s]. The result is still affine in MACs at fixed T,
+    so the edge-point solvers apply unchanged. Start-up (alpha), copy and launch terms are kept.
+    In the prompt phase the CG' kernel runs on n_g < T tokens and is charged at the T-token rate,
+    an approximation.
+    """
+    if tokens < 1 or gpu_peak_macs <= 0 or cpu_peak_macs <= 0:
+        raise ConfigError("roofline_params needs tokens >= 1 and positive peaks")
+    return CostParams(p.alpha_gpu, max(1.0 / gpu_peak_macs, p.beta_gpu / tokens), p.alpha_cpu,
+                      max(1.0 / cpu_peak_macs, p.beta_cpu / tokens), p.alpha_c2g, p.beta_c2g, p.t_launch)
+
+
+def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerShape | None = None, *,
+                copy_key: str = "copy/h2d_pinned", launch_key: str = "launch/gpu") -> CostParams:
+    """Eq. 3 constants from a HardwareProfile: gemm/{gpu,cpu}/<precision> (with op_time's dtype
+    fallbacks), the H2D copy model and the GPU launch constant (its alpha).
+
+    With `shape`, a GEMM's memory floor is folded in the way hardware/op_time.gemm_time prices it
+    (t = max(gemm(MACs), gemv(weight bytes)), S2): the memory model (gemv/<dev>/<precision>, else
+    memory/bandwidth/<dev>) costs beta_mem * bytes_per_weight / T per MAC at T = shape.tokens, and
+    the affine bound alpha = max(alphas), beta = max(betas per MAC) is used so the edge-point solvers
+    still apply (exact when one regime dominates both terms). A single-line profile such as ScheInfer
+    Table I, whose line lies above the bandwidth floor, comes back unchanged.
+
+    Raises ConfigError naming a missing key.
+    """
+    def gemm(device: str) -> tuple[float, float]:
+        m = op_time.find(profile, "gemm", device, precision)
+        if m is None:
+            raise ConfigError(f"hardware profile {profile.name!r} has no gemm/{device}/{precision} model",
+                              "re-run `tiered profile` or pick a preset that covers it")
+        mem = (op_time.find(profile, "gemv", device, precision) or profile.models.get(f"memory/bandwidth/{device}")
+               if shape is not None else None)
+        if mem is None:
+            return m.alpha, m.beta
+        return max(m.alpha, mem.alpha), max(m.beta, mem.beta * shape.bytes_per_weight / shape.tokens)
+
+    (ag, bg), (ac, bc) = gemm("gpu"), gemm("cpu")
     h, l = profile.model(copy_key), profile.model(launch_key)
-    return CostParams(g.alpha, g.beta, c.alpha, c.beta, h.alpha, h.beta, l.alpha)
+    return CostParams(ag, bg, ac, bc, h.alpha, h.beta, l.alpha)
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ candidates are 0, 1, T - 1, T and floor/ceil of the breakpoints and crossings.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -115,8 +115,8 @@ def solve_r_cg(shape: LayerShape, r_gg: float, p: CostParams) -> RateSolution:
         raise ConfigError(f"r_gg={r_gg} must be in [0, 1]")
     best = None
     for r in edge_points(shape, r_gg, p):
-        rates = SliceRates.from_gg_cg(r_gg, r)
-        t = decode_layer_time(shape, rates, p)
+        rates = SliceRates.from_gg_cg(float(r_gg), float(r))
+        t = float(decode_layer_time(shape, rates, p))
         if best is None or t < best[0]:
             best = (t, rates)
     t, rates = best
@@ -156,6 +156,7 @@ def assign_gpu_memory(layers: Sequence[LayerShape], params: CostParams | Sequenc
     memo: dict = {}
 
     def solve(j: int, v: float) -> RateSolution:
+        v = float(v)
         key = (layers[j], ps[j], v)
         if key not in memo:
             memo[key] = solve_r_cg(layers[j], v, ps[j])
@@ -212,7 +213,7 @@ def solve_n_g(shape: LayerShape, rates: SliceRates, p: CostParams) -> TokenAssig
             cands |= {math.floor(x), math.ceil(x)}
     best = min((prompt_layer_time(shape, rates, k, p), k) for k in sorted(cands))
     t, k = best
-    return TokenAssignment(k, t, schedule_case(prompt_gemm_times(shape, rates, k, p)))
+    return TokenAssignment(int(k), float(t), schedule_case(prompt_gemm_times(shape, rates, k, p)))
 
 
 def ffn_gpu_budget(capacity_bytes: float, *, non_ffn_bytes: float, kv_cache_bytes: float = 0.0,

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tiered.errors import TieredError
 from tiered.planner.cost_model import StageTimes
