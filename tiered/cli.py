@@ -69,6 +69,7 @@ def run(
     expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="JSON from `tiered profile-experts`: popular experts go to the fast tier."),
     read_ahead: bool = typer.Option(True, "--read-ahead/--no-read-ahead", help="Read all of a layer's missing experts at once."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON of every runtime task (open in Perfetto)."),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="Replay a plan from `tiered plan --json` (budgets and expert placement)."),
 ) -> None:
     """Generate text from PROMPT, streaming it to stdout and the stats to stderr."""
     from tiered import LLM, EngineConfig, SamplingParams
@@ -78,7 +79,19 @@ def run(
     prompt = prompt or DEFAULT_PROMPT
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
-    config = EngineConfig(dtype=dtype, decode_weights=decode_weights, max_context=max_context, num_threads=threads,
+    if plan_file is not None:
+        from tiered.planner.plan import Plan
+
+        replay = Plan.load(plan_file)
+        gpu_mem = gpu_mem or replay.gpu_memory
+        cpu_mem = cpu_mem or replay.cpu_memory
+        moe = [l for l in replay.layers if l.kind == "moe"]
+        if moe and cache_slots is None:
+            cache_slots = replay.expert_cache_slots
+        resident = sum(l.experts_gpu for l in moe) if moe else None
+    else:
+        resident = None
+    config = EngineConfig(dtype=dtype, resident_experts=resident, decode_weights=decode_weights, max_context=max_context, num_threads=threads,
                           gpu_memory=gpu_mem, cpu_memory=cpu_mem, offload_dir=str(offload_dir) if offload_dir else None,
                           accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
                           expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
@@ -163,6 +176,66 @@ def trace_cmd(
     for a, b in (("copy", "compute"), ("copy", "cpu"), ("disk:0", "cpu"), ("disk:0", "compute")):
         if a in busy and b in busy:
             typer.echo(f"overlap {a} with {b}: {overlap_seconds(events, a, b) * 1e3:.1f} ms")
+
+
+@app.command()
+@friendly_errors
+def profile(
+    quick: bool = typer.Option(False, "--quick", help="A short run (~20 s) instead of the full one (~2 min)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where to save the JSON (default: the user cache directory)."),
+    presets: bool = typer.Option(False, "--presets", help="List the presets for machines we do not have, and exit."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Print one preset's cost models, and exit."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for the CPU benchmarks."),
+    disk_dir: Optional[Path] = typer.Option(None, "--disk-dir", help="Directory for the cold disk-read benchmark (default: a temp dir)."),
+) -> None:
+    """Measure this machine (GEMM, copies, disk, launch, bandwidth), fit t = alpha + beta*n with R^2, save a HardwareProfile."""
+    from tiered.profile_cli import preset_table, profile_command
+
+    if preset:
+        typer.echo(preset_table(preset))
+        return
+    profile_command(quick, out, presets, threads, disk_dir)
+
+
+@app.command()
+@friendly_errors
+def plan(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="HF model directory, .gguf file, or a config.json (no weights needed)."),
+    gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="GPU budget, e.g. 24GB (default: the profile's GPU)."),
+    cpu_mem: Optional[str] = typer.Option(None, "--cpu-mem", help="CPU RAM budget (default: the profile's)."),
+    profile_file: Optional[Path] = typer.Option(None, "--profile", help="HardwareProfile JSON from `tiered profile`."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="A preset machine instead (see `tiered profile --presets`)."),
+    goal: str = typer.Option("latency", "--goal", help="latency (one conversation) or throughput (a batch of prompts)."),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length to plan for."),
+    gen_tokens: int = typer.Option(128, "--gen-tokens", help="Tokens generated per prompt."),
+    precision: str = typer.Option("bf16", "--precision", help="Weight precision: fp32, bf16, fp16, int8 or int4."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (replay it with `run --plan FILE`)."),
+) -> None:
+    """Plan placement, slicing, dispatch and batch sizes for a model on a machine, predict its speed, and say why."""
+    from tiered.checkpoint import open_checkpoint
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.hardware.budget import parse_bytes
+    from tiered.hardware.presets import get_preset
+    from tiered.hardware.profile import HardwareProfile, default_profile_path
+    from tiered.planner.plan import make_plan
+
+    if model is not None and model.suffix == ".json" and model.is_file():
+        cfg = ModelConfig.from_hf(json.loads(model.read_text()))
+        name = model.parent.name if model.name == "config.json" else model.stem
+    else:
+        ckpt = open_checkpoint(model)
+        cfg, name = ckpt.config, Path(ckpt.path).name
+    if preset:
+        hw = get_preset(preset)
+    else:
+        path = profile_file or default_profile_path()
+        if not Path(path).is_file():
+            typer.echo(f"error: no hardware profile at {path} — run `tiered profile` or pass --preset", err=True)
+            raise typer.Exit(2)
+        hw = HardwareProfile.load(path)
+    p = make_plan(cfg, hw, model_name=name, gpu_memory=parse_bytes(gpu_mem), cpu_memory=parse_bytes(cpu_mem),
+                  goal=goal, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, precision=precision)
+    typer.echo(p.to_json() if as_json else p.render())
 
 
 @app.command()
