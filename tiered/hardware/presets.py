@@ -95,6 +95,7 @@ def _t4_pcie3() -> HardwareProfile:
         "attn/cpu/fp32": _lm(0.0, 2.0 / (0.0123 * tflop)),  # cpu_flops: CPU-delegated attention
         "gemm/cpu/fp32": _lm(0.0, 2.0 / cpu_peak),
         "memory/bandwidth/gpu": _lm(0.0, 1.0 / t4_bw),
+        "memory/bandwidth/cpu": _lm(0.0, 1.0 / (6 * 21.33e9)),
         "copy/h2d_pinned": _lm(0.0, 1.0 / (12.89 * GiB)),  # ctog_bdw
         "copy/d2h_pinned": _lm(0.0, 1.0 / (4.82 * GiB)),  # gtoc_bdw_hidden
         "disk/read_cold": _lm(0.0, 1.0 / 1.6e9),
@@ -111,6 +112,8 @@ def _t4_pcie3() -> HardwareProfile:
         "gemm/cpu/fp32": "derived peak, assuming 208 GB = GCP n1-highmem-32 (16 cores): "
                          "16 x 2.0 GHz x 64 FLOP/cycle = 2.05 TFLOPS; an upper bound",
         "memory/bandwidth/gpu": "NVIDIA T4 spec sheet: 320 GB/s",
+        "memory/bandwidth/cpu": "derived peak, assuming a Skylake-SP socket (GCP's 2.0 GHz Xeon): "
+                                "6 channels x DDR4-2666 = 128 GB/s; an upper bound",
         "copy/h2d_pinned": FLEXGEN_CM + ": ctog_bdw = 12.89 GiB/s",
         "copy/d2h_pinned": FLEXGEN_CM + ": gtoc_bdw_hidden = 4.82 GiB/s (gtoc_bdw_cache = 0.97 GiB/s)",
         "disk/read_cold": FLEXGEN_T24 + ": 1.6 GB/s read (the text says about 2 GB/s; cost_model.py fits 0.473 GiB/s)",

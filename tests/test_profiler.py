@@ -1,0 +1,212 @@
+"""Profiler (hardware/profiler.py), presets, op_time roofline, Fiddler thresholds, `tiered profile` core."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings, strategies as st
+
+from tiered.errors import ConfigError
+from tiered.hardware import op_time
+from tiered.hardware.presets import PRESETS, get_preset
+from tiered.hardware.profile import HardwareProfile, LinearModel
+from tiered.hardware.profiler import fit_affine, median_time, profile_machine
+from tiered.planner.fiddler import ExpertLatency, ExpertShape, dispatch_latency
+from tiered.runtime.dispatcher import CPU, choose_path
+
+MIXTRAL_EXPERT = ExpertShape(4096, 14336)
+
+
+# ---- fitting ------------------------------------------------------------------------------------
+
+def test_fit_affine_recovers_a_line():
+    m = fit_affine([1, 2, 4, 8], [3e-6 + 2e-9 * n for n in (1, 2, 4, 8)])
+    assert m.alpha == pytest.approx(3e-6) and m.beta == pytest.approx(2e-9) and m.r2 == pytest.approx(1.0)
+
+
+def test_fit_affine_never_returns_a_negative_intercept():
+    m = fit_affine([1, 2, 3], [0.5, 2.0, 3.0])  # least squares would give alpha = -0.33
+    assert m.alpha == 0.0 and m.beta > 0 and m.r2 is not None
+    m = fit_affine([1, 2, 3], [3.0, 2.0, 1.5])  # ... or a negative slope: the best constant instead
+    assert m.beta == 0.0 and m.alpha == pytest.approx(6.5 / 3)
+    assert fit_affine([4.0], [2.0]) == LinearModel(0.0, 0.5, None)
+    with pytest.raises(ValueError):
+        fit_affine([], [])
+
+
+def test_median_time_is_positive():
+    assert median_time(lambda: sum(range(100)), 3) > 0
+
+
+# ---- the quick profiler on this machine -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> HardwareProfile:
+    return profile_machine(quick=True, disk_dir=tmp_path_factory.mktemp("disk"), cuda=False)
+
+
+def test_quick_profile_structure(measured):
+    p = measured
+    for key in ("gemm/cpu/fp32", "gemv/cpu/fp32", "attn/cpu/fp32", "memory/bandwidth/cpu", "memory/copy/cpu",
+                "disk/read_cold", "disk/write"):
+        assert key in p.models, key
+    for dtype in ("bf16", "int8", "int4"):  # present, or skipped with a reason
+        assert f"gemm/cpu/{dtype}" in p.models or f"gemm/cpu/{dtype}" in p.meta["skipped"]
+    for key, m in p.models.items():
+        assert m.alpha >= 0 and m.beta >= 0, key
+        if key.startswith("launch/"):
+            assert m.alpha > 0 and m.r2 is None
+        else:  # noisy machines may flatten a slope to 0, but every predicted time is positive
+            assert isinstance(m.r2, float) and m.r2 <= 1.0, key
+            points = p.meta["points"][key]
+            assert len(points) >= 3 and all(m(n) > 0 and t > 0 for n, t in points), key
+    assert p.gpu_memory is None and p.cpu_memory > 0 and p.meta["disk_memory"] > 0
+    for field in ("cpu", "threads", "torch", "disk_note"):
+        assert p.meta[field] not in (None, "")
+    assert p.meta["torch"] == torch.__version__
+    assert p.source.startswith("measured on")
+
+
+def test_quick_profile_round_trips_json(measured, tmp_path):
+    measured.save(tmp_path / "hw.json")
+    again = HardwareProfile.load(tmp_path / "hw.json")
+    assert again.models == measured.models and again.meta == json.loads(json.dumps(measured.meta))
+    # and it prices the engine's kernels
+    assert op_time.gemm_time(again, "cpu", "fp32", 1e9, 4e6) > 0
+
+
+# ---- presets ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_load_and_round_trip(name, tmp_path):
+    p = get_preset(name)
+    assert p.name == name and p.gpu_memory > 0 and p.source.startswith("preset from")
+    assert set(p.meta["key_sources"]) == set(p.models)
+    assert p.has("copy/h2d_pinned") and any(k.startswith("gemm/gpu/") for k in p.models)
+    assert any(k.startswith("gemm/cpu/") for k in p.models)
+    p.save(tmp_path / "p.json")
+    assert HardwareProfile.load(tmp_path / "p.json") == p
+    assert HardwareProfile.from_dict(json.loads(p.to_json())) == p
+
+
+def test_scheinfer_table_one_numbers_as_reported():
+    a, c = get_preset("scheinfer-a"), get_preset("scheinfer-c")
+    assert a.models["gemm/gpu/fp16"] == LinearModel(1.0e-7, 3.2e-12, 0.997)
+    assert a.models["gemm/cpu/int4"] == LinearModel(1.1e-5, 5.4e-12, 0.998)
+    assert a.models["launch/gpu"].alpha == 4.4e-5 and a.meta["launch_sigma"] == 3.4e-6
+    assert c.models["copy/h2d_pinned"] == LinearModel(3.7e-6, 4.1e-11, 0.999)
+    assert get_preset("scheinfer-b").models["gemm/gpu/int4"] == LinearModel(4.6e-6, 6.5e-13, 0.996)
+
+
+def test_flexgen_t4_preset_figures():
+    t4 = get_preset("t4-pcie3")
+    assert t4.gpu_memory == 16 * 2**30 and t4.cpu_memory == 208 * 2**30 and t4.meta["disk_memory"] == 1.5e12
+    assert 1 / t4.models["disk/read_cold"].beta == pytest.approx(1.6e9)
+    assert 2 / t4.models["gemm/gpu/fp16"].beta == pytest.approx(21.24e12)
+    with pytest.raises(ConfigError, match="t4-pcie3"):
+        get_preset("t4")
+
+
+# ---- op_time -------------------------------------------------------------------------------------
+
+def test_gemm_time_is_the_roofline_of_compute_and_weight_streaming():
+    p = HardwareProfile("x", "test", {"gemm/gpu/fp16": LinearModel(1e-5, 1e-12), "gemv/gpu/fp16": LinearModel(0, 1e-9)})
+    assert op_time.gemm_time(p, "gpu", "fp16", 1e6, 1e6) == pytest.approx(1e-3)  # memory-bound
+    assert op_time.gemm_time(p, "gpu", "fp16", 1e10, 1e6) == pytest.approx(1e-5 + 1e-2)  # compute-bound
+    assert op_time.gemm_time(p, "gpu", "bf16", 1e10) == pytest.approx(1e-5 + 1e-2)  # bf16 falls back to fp16
+    with pytest.raises(ConfigError, match="gemm/cpu/int4"):
+        op_time.gemm_time(p, "cpu", "int4", 1.0)
+    assert op_time.bytes_per_element("int4", 64) == pytest.approx(4.5 / 8)
+
+
+# ---- Fiddler ------------------------------------------------------------------------------------
+
+def brute_force_threshold(lat: ExpertLatency, s_max: int = 4096) -> int:
+    """The largest s such that the CPU wins for every s' in 1..s (0 if it never does)."""
+    s = 0
+    while s < s_max and lat.cpu_lat(s + 1) <= lat.gpu_lat(s + 1) + lat.transfer_lat():
+        s += 1
+    return s
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_fiddler_threshold_matches_brute_force_on_presets(name):
+    lat = ExpertLatency(get_preset(name), MIXTRAL_EXPERT, "fp16", "fp16")
+    s_star = lat.threshold()
+    assert math.floor(s_star) == brute_force_threshold(lat)
+    lm = lat.latency_model()
+    nbytes = int(lat.transfer_bytes)
+    assert lm.cpu_threshold(nbytes) == pytest.approx(s_star)
+    for s in range(1, 600):
+        assert (choose_path(s, False, nbytes, lm) == CPU) == lat.cpu_wins(s), s
+
+
+@settings(max_examples=40, deadline=None)
+@given(cpu_beta=st.floats(2e-12, 1e-10), gpu_beta=st.floats(1e-15, 1e-12), cpu_bw=st.floats(1e-11, 1e-9),
+       gpu_bw=st.floats(1e-13, 1e-11), h2d=st.floats(1e-11, 1e-9), launch=st.floats(0, 1e-4),
+       alpha=st.floats(0, 1e-4))
+def test_fiddler_threshold_matches_brute_force_on_random_machines(cpu_beta, gpu_beta, cpu_bw, gpu_bw, h2d, launch,
+                                                                    alpha):
+    assume(gpu_bw / gpu_beta >= cpu_bw / cpu_beta)  # the GPU's ridge point is the higher one, as on real machines
+    hw = HardwareProfile("r", "test", {
+        "gemm/cpu/bf16": LinearModel(alpha, cpu_beta), "gemv/cpu/bf16": LinearModel(0, cpu_bw),
+        "gemm/gpu/bf16": LinearModel(alpha, gpu_beta), "gemv/gpu/bf16": LinearModel(0, gpu_bw),
+        "copy/h2d_pinned": LinearModel(1e-5, h2d), "launch/gpu": LinearModel(launch, 0)})
+    lat = ExpertLatency(hw, ExpertShape(1024, 2816))
+    s_star, brute = lat.threshold(2048), brute_force_threshold(lat, 2048)
+    if math.isinf(s_star):
+        assert brute == 2048
+    else:
+        assert math.floor(s_star) == brute or (s_star == brute)
+    lm = lat.latency_model(2048)
+    for s in (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987, 1597):
+        assert (choose_path(s, False, int(lat.transfer_bytes), lm) == CPU) == lat.cpu_wins(s), s
+
+
+def test_fiddler_affine_case_is_the_closed_form():
+    hw = HardwareProfile("affine", "test", {"gemm/cpu/bf16": LinearModel(0, 2e-11), "gemm/gpu/bf16": LinearModel(0, 0),
+                                            "copy/h2d_pinned": LinearModel(0, 4e-11)})
+    lat = ExpertLatency(hw, MIXTRAL_EXPERT)
+    c_cpu = 2e-11 * MIXTRAL_EXPERT.macs_per_token
+    assert lat.threshold() == pytest.approx(lat.transfer_lat() / c_cpu)  # s* = L_xfer / c_cpu (Fiddler 2.b)
+
+
+def test_fiddler_without_gpu_always_runs_on_cpu():
+    hw = HardwareProfile("cpu", "test", {"gemm/cpu/bf16": LinearModel(1e-5, 1e-11),
+                                         "disk/read_cold": LinearModel(1e-4, 1e-9)})
+    lat = ExpertLatency(hw, MIXTRAL_EXPERT)
+    assert lat.threshold() == math.inf
+    lm = lat.latency_model()
+    assert lm.h2d_bandwidth == math.inf and lm.disk_bandwidth == pytest.approx(1e9)
+
+
+def test_dispatch_latency_from_config():
+    from tiered.checkpoint.model_config import ModelConfig
+
+    cfg = ModelConfig(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336)
+    hw = get_preset("rtx4090-pcie4")
+    lm = dispatch_latency(hw, cfg)
+    lat = ExpertLatency(hw, MIXTRAL_EXPERT, "bf16", "bf16")
+    assert lm.cpu_threshold(int(lat.transfer_bytes)) == pytest.approx(lat.threshold())
+    assert lm.cpu_lat(1) == pytest.approx(3e-3)  # HOBBIT: Fiddler runs one Mixtral expert in ~3 ms
+
+
+# ---- CLI core -------------------------------------------------------------------------------------
+
+def test_profile_command_lists_presets_and_writes(monkeypatch, tmp_path, capsys):
+    import tiered.hardware.profiler as profiler
+    from tiered import profile_cli
+
+    assert profile_cli.profile_command(True, tmp_path / "x.json", preset_list=True) == tmp_path / "x.json"
+    out = capsys.readouterr().out
+    assert all(name in out for name in PRESETS) and not (tmp_path / "x.json").exists()
+    monkeypatch.setattr(profiler, "profile_machine", lambda **kw: get_preset("t4-pcie3"))
+    path = profile_cli.profile_command(True, tmp_path / "hw.json", preset_list=False)
+    assert HardwareProfile.load(path) == get_preset("t4-pcie3")
+    out = capsys.readouterr().out
+    assert "gemm/gpu/fp16" in out and "GFLOP/s" in out and "wrote" in out

@@ -1,0 +1,382 @@
+"""Profiler: micro-benchmarks of this machine, fitted to affine cost models -> HardwareProfile.
+
+Each operation is timed at several sizes (a warm-up call first, then the median of repeats; calls
+shorter than a few milliseconds are looped so a sample is long enough to time) and fitted to
+t = alpha + beta * n by least squares, with R^2 beside it (ScheInfer Eq. 3 and Table I;
+ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.py:
+
+    gemm/<dev>/<dtype>   compute-bound GEMMs (64..512 tokens)   n = MACs
+    gemv/<dev>/<dtype>   memory-bound GEMVs (1 token)           n = weight bytes
+    attn/<dev>/<dtype>   decode attention (bmm q.K^T, p.V)      n = MACs
+    memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
+    launch/<dev>         a tiny op (alpha only)
+    copy/{h2d,d2h}_{pinned,pageable}   (CUDA only)             n = bytes
+    disk/read_cold (page cache dropped with posix_fadvise before each read), disk/write (+ fsync)
+
+CPU kernels: fp32 and bf16 `F.linear`, int8 `aten._weight_int8pack_mm` and int4
+`aten._weight_int4pack_mm_for_cpu` (bf16 activations; quant/int8.py, quant/int4.py). CUDA kernels:
+fp32, bf16, fp16, int8 (`torch._int_mm`, int8 activations, gemm only) and int4
+(`aten._weight_int4pack_mm`, sm80+), each skipped with a note in meta["skipped"] if it fails.
+`quick=True` takes about 20 s on a 2-core machine; the full run about 2 minutes.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from scipy.optimize import nnls
+
+from tiered.hardware.profile import HardwareProfile, LinearModel
+
+MiB = 2**20
+Progress = Callable[[str], None]
+
+
+def fit_affine(xs, ys) -> LinearModel:
+    """Least-squares t = alpha + beta * n with alpha, beta >= 0 (non-negative least squares), and R^2.
+
+    Raises:
+        ValueError: no points, or xs and ys of different lengths.
+    """
+    x, y = np.asarray(xs, float), np.asarray(ys, float)
+    if len(x) != len(y) or len(x) == 0:
+        raise ValueError(f"need matching, non-empty samples (got {len(x)} and {len(y)})")
+    if len(x) == 1 or np.ptp(x) == 0:
+        return LinearModel(0.0, float(y.mean() / x.mean()) if x.mean() else 0.0, None)
+    scale = x.max()  # condition the design matrix: n spans 1e6..1e10
+    (alpha, b), _ = nnls(np.stack([np.ones_like(x), x / scale], axis=1), y)
+    beta = b / scale
+    ss = ((y - y.mean()) ** 2).sum()
+    r2 = 1.0 - ((y - alpha - beta * x) ** 2).sum() / ss if ss > 0 else 1.0
+    return LinearModel(float(alpha), float(beta), float(r2))
+
+
+def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None,
+                min_sample: float = 10e-3) -> float:
+    """Median seconds per call of `fn` over `repeats` samples, after a warm-up call."""
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    warm = time.perf_counter() - t0
+    inner = max(1, min(1000, int(min_sample / max(warm, 1e-7))))
+    samples = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - t0) / inner)
+    return float(np.median(samples))
+
+
+class _Bench:
+    """One profiling run: settings, the fitted models so far, and notes."""
+
+    def __init__(self, quick: bool, disk_dir: Path | None, progress: Progress | None) -> None:
+        self.quick = quick
+        self.repeats = 5 if quick else 9
+        self.disk_dir = Path(disk_dir) if disk_dir else Path(tempfile.gettempdir())
+        self.say = progress or (lambda msg: None)
+        self.models: dict[str, LinearModel] = {}
+        self.skipped: dict[str, str] = {}
+        self.points: dict[str, list[tuple[float, float]]] = {}
+
+    def fit(self, key: str, points: list[tuple[float, float]]) -> None:
+        self.points[key] = points
+        self.models[key] = fit_affine([n for n, _ in points], [t for _, t in points])
+        m = self.models[key]
+        self.say(f"{key}: alpha={m.alpha:.3g} s beta={m.beta:.3g} s/unit R^2={m.r2 if m.r2 is None else round(m.r2, 3)}")
+
+    def attempt(self, key: str, fn: Callable[[], list[tuple[float, float]]]) -> None:
+        try:
+            self.fit(key, fn())
+        except Exception as e:  # a kernel this torch build or device lacks: note it, keep going
+            self.skipped[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            self.say(f"{key}: skipped ({self.skipped[key]})")
+
+
+# ---- GEMM kernels: (device, dtype, weight [N, K] fp32 on CPU) -> (callable on x [T, K], x dtype, bytes/elem)
+
+def _linear_kernel(device: str, dtype: str, w: torch.Tensor):
+    dev = torch.device("cuda" if device == "gpu" else "cpu")
+    if dtype in ("fp32", "bf16", "fp16"):
+        td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        wd = w.to(dev, td)
+        return (lambda x: F.linear(x, wd)), td, wd.element_size()
+    if dtype == "int8" and device == "cpu":
+        from tiered.quant.int8 import Int8Linear
+        lin = Int8Linear.from_dense(w)
+        return lin, torch.bfloat16, 1 + 2 / w.shape[1]
+    if dtype == "int4" and device == "cpu":
+        from tiered.quant.int4 import Int4Linear
+        lin = Int4Linear.from_dense(w)
+        return lin, torch.bfloat16, 0.5 + 4 / lin.group
+    if dtype == "int8":  # CUDA: int8 x int8 -> int32 (activations quantized too)
+        return _cuda_int8_kernel(w)
+    if dtype == "int4":  # CUDA tinygemm: uint8 [N, K/2] -> packed, bf16 [K/g, N, 2] scales and zeros
+        from tiered.quant.int4 import quantize_int4
+        group = 128
+        codes, scale, zero = quantize_int4(w, group)
+        packed_u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(dev)
+        packed = torch.ops.aten._convert_weight_to_int4pack(packed_u8, 8)
+        sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(dev, torch.bfloat16)
+        return (lambda x: torch.ops.aten._weight_int4pack_mm(x, packed, group, sz)), torch.bfloat16, 0.5 + 4 / group
+    raise ValueError(f"no {dtype} kernel on {device}")
+
+
+def _cuda_int8_kernel(w: torch.Tensor):
+    wq = w.cuda().clamp(-127, 127).to(torch.int8).t()  # [K, N] view of [N, K]: column-major, as _int_mm wants
+    return (lambda x: torch._int_mm(x, wq)), torch.int8, 1.0
+
+
+def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: bool):
+    points = []
+    for T, K, N in shapes:
+        w = torch.randn(N, K) * 0.02
+        fn, xdtype, bpe = _linear_kernel(device, dtype, w)
+        dev = "cuda" if device == "gpu" else "cpu"
+        x = (torch.randint(-8, 8, (T, K), dtype=torch.int8) if xdtype == torch.int8 else torch.randn(T, K)).to(dev, xdtype)
+        t = median_time(lambda: fn(x), repeats, sync)
+        points.append((K * N * bpe if by_bytes else T * K * N, t))
+    return points
+
+
+def _attn_points(device: str, dtype: str, shapes, sync, repeats: int):
+    dev = "cuda" if device == "gpu" else "cpu"
+    td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    points = []
+    for bh, S, hd in shapes:  # bh = sequences x heads, S cached tokens, hd head dim
+        q = torch.randn(bh, 1, hd, device=dev, dtype=td)
+        k = torch.randn(bh, S, hd, device=dev, dtype=td)
+        v = torch.randn(bh, S, hd, device=dev, dtype=td)
+        t = median_time(lambda: torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)), -1), v), repeats, sync)
+        points.append((2 * bh * S * hd, t))
+    return points
+
+
+def _memory_points(device: str, sizes_mib, sync, repeats: int, copy: bool):
+    dev = "cuda" if device == "gpu" else "cpu"
+    points = []
+    for mib in sizes_mib:
+        src = torch.ones(mib * MiB // 4, device=dev)
+        if copy:
+            dst = torch.empty_like(src)
+            t = median_time(lambda: dst.copy_(src), repeats, sync)
+        else:
+            t = median_time(lambda: src.sum(), repeats, sync)
+        points.append((mib * MiB, t))
+    return points
+
+
+def _launch_time(device: str, sync) -> float:
+    dev = "cuda" if device == "gpu" else "cpu"
+    a, b = torch.ones(1, device=dev), torch.ones(1, device=dev)
+    n = 2000
+    samples = []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            torch.add(a, b, out=a)
+        samples.append((time.perf_counter() - t0) / n)  # enqueue cost per kernel (no sync per call)
+        sync()
+    return float(np.median(samples))
+
+
+def _copy_points(kind: str, sizes_mib, repeats: int):
+    sync = torch.cuda.synchronize
+    points = []
+    for mib in sizes_mib:
+        n = mib * MiB
+        pinned = kind.endswith("pinned")
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
+        dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+        if kind.startswith("h2d"):
+            t = median_time(lambda: dev.copy_(host, non_blocking=pinned), repeats, sync)
+        else:
+            t = median_time(lambda: host.copy_(dev, non_blocking=pinned), repeats, sync)
+        points.append((n, t))
+    return points
+
+
+def _disk_points(directory: Path, sizes_mib, repeats: int) -> tuple[list, list, str]:
+    """(cold-read points, write points, note). Reads after POSIX_FADV_DONTNEED, with os.preadv."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix="tiered-profile-", dir=directory)
+    note = "cold reads: posix_fadvise(DONTNEED) before each read"
+    try:
+        block = os.urandom(MiB)
+        write_pts = []
+        for mib in sizes_mib:
+            ts = []
+            for _ in range(max(2, repeats - 1)):
+                os.lseek(fd, 0, os.SEEK_SET)
+                t0 = time.perf_counter()
+                for _ in range(mib):
+                    os.write(fd, block)
+                os.fsync(fd)
+                ts.append(time.perf_counter() - t0)
+            write_pts.append((mib * MiB, float(np.median(ts))))
+        can_drop = hasattr(os, "posix_fadvise")
+        if not can_drop:
+            note = "no posix_fadvise on this OS: reads may come from the page cache"
+        read_pts = []
+        for mib in sizes_mib:
+            buf = bytearray(mib * MiB)
+            ts = []
+            for _ in range(repeats):
+                if can_drop:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                t0 = time.perf_counter()
+                got = os.preadv(fd, [buf], 0)
+                ts.append(time.perf_counter() - t0)
+                assert got == len(buf), f"short read: {got} of {len(buf)} bytes"
+            read_pts.append((mib * MiB, float(np.median(ts))))
+        if _fs_type(directory) in ("tmpfs", "ramfs"):
+            note += f"; {directory} is {_fs_type(directory)}: these are RAM speeds"
+        return read_pts, write_pts, note
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _fs_type(path: Path) -> str:
+    """Filesystem type of the mount holding `path` (Linux /proc/mounts), or "unknown"."""
+    try:
+        best, kind = "", "unknown"
+        p = str(path.resolve())
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) > 2 and p.startswith(parts[1]) and len(parts[1]) > len(best):
+                best, kind = parts[1], parts[2]
+        return kind
+    except OSError:
+        return "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _meta(b: _Bench, cuda: bool) -> dict:
+    meta = {"cpu": _cpu_model(), "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "quick": b.quick, "repeats": b.repeats, "disk_dir": str(b.disk_dir), "disk_fs": _fs_type(b.disk_dir),
+            "disk_memory": shutil.disk_usage(b.disk_dir).free, "skipped": b.skipped,
+            "points": {k: [[float(n), float(t)] for n, t in v] for k, v in b.points.items()}}
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        meta.update(gpu=props.name, gpu_capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
+    return meta
+
+
+def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
+                    threads: int | None = None, progress: Progress | None = None) -> HardwareProfile:
+    """Measure this machine and fit its HardwareProfile.
+
+    Args:
+        quick: a short run (~20 s on 2 cores; fewer sizes, 3 repeats) instead of the full one (~2 min).
+        disk_dir: where to write the temporary file for disk timings (default: the temp dir).
+        cuda: profile the GPU too; None = when torch.cuda.is_available().
+        threads: CPU threads for torch during the run (restored after); None = torch's current
+            setting. Profile with the thread count the engine will use.
+        progress: called with one line per fitted model.
+    Returns:
+        A HardwareProfile named after the host, with meta (CPU model, threads, torch version, GPU
+        name, raw points, skipped kernels) and the CPU/GPU/disk capacities in bytes.
+    """
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    saved_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run(quick, Path(disk_dir) if disk_dir else None, cuda, progress)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | None) -> HardwareProfile:
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    b = _Bench(quick, disk_dir, progress)
+    nosync = lambda: None  # noqa: E731
+    r = b.repeats
+    # CPU
+    gemm_shapes = [(64, 1024, 1024), (256, 1024, 1024), (128, 2048, 1024)] if quick else \
+        [(64, 1024, 1024), (128, 1024, 1024), (256, 1024, 1024), (512, 1024, 1024),
+         (128, 2048, 2048), (256, 2048, 2048), (64, 4096, 2048)]
+    gemv_shapes = [(1, 1024, 1024), (1, 2048, 2048), (1, 4096, 2048)] if quick else \
+        [(1, 1024, 1024), (1, 2048, 1024), (1, 2048, 2048), (1, 4096, 2048), (1, 4096, 4096), (1, 8192, 4096)]
+    for dtype in ("fp32", "bf16", "int8", "int4"):
+        b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemm_shapes, nosync, r, False))
+        b.attempt(f"gemv/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemv_shapes, nosync, r, True))
+    attn_shapes = [(32, 256, 128), (32, 1024, 128), (32, 2048, 128)] if quick else \
+        [(32, 256, 128), (32, 512, 128), (32, 1024, 128), (32, 2048, 128), (64, 2048, 128)]
+    for dtype in ("fp32",) if quick else ("fp32", "bf16"):
+        b.attempt(f"attn/cpu/{dtype}", lambda d=dtype: _attn_points("cpu", d, attn_shapes, nosync, r))
+    mem_sizes = [8, 32, 96] if quick else [16, 64, 256, 512]
+    b.attempt("memory/bandwidth/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=False))
+    b.attempt("memory/copy/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=True))
+    b.models["launch/cpu"] = LinearModel(_launch_time("cpu", nosync), 0.0, None)
+    b.say(f"launch/cpu: {b.models['launch/cpu'].alpha:.3g} s")
+    # disk
+    disk_sizes = [1, 4, 16] if quick else [1, 4, 16, 64, 128]
+    try:
+        reads, writes, note = _disk_points(b.disk_dir, disk_sizes, r)
+        b.fit("disk/read_cold", reads)
+        b.fit("disk/write", writes)
+    except OSError as e:
+        note = f"disk timing failed: {e}"
+        b.skipped["disk/read_cold"] = note
+    # GPU
+    if cuda:
+        sync = torch.cuda.synchronize
+        g_gemm = [(256, 4096, 4096), (1024, 4096, 4096), (2048, 4096, 8192)] if quick else \
+            [(256, 4096, 4096), (512, 4096, 4096), (1024, 4096, 4096), (2048, 4096, 8192), (4096, 8192, 8192)]
+        g_gemv = [(1, 4096, 4096), (1, 8192, 8192), (1, 8192, 28672)] if quick else \
+            [(1, 4096, 4096), (1, 8192, 4096), (1, 8192, 8192), (1, 4096, 14336), (1, 8192, 28672)]
+        for dtype in ("fp32", "bf16", "fp16", "int8", "int4"):
+            b.attempt(f"gemm/gpu/{dtype}", lambda d=dtype: _gemm_points("gpu", d, g_gemm, sync, r, False))
+            if dtype != "int8":  # _int_mm needs more than 16 rows
+                b.attempt(f"gemv/gpu/{dtype}", lambda d=dtype: _gemm_points("gpu", d, g_gemv, sync, r, True))
+        b.attempt("attn/gpu/fp16", lambda: _attn_points("gpu", "fp16", [(512, 1024, 128), (512, 4096, 128),
+                                                                          (2048, 4096, 128)], sync, r))
+        b.attempt("memory/bandwidth/gpu", lambda: _memory_points("gpu", [64, 256, 1024], sync, r, copy=False))
+        b.attempt("memory/copy/gpu", lambda: _memory_points("gpu", [64, 256, 1024], sync, r, copy=True))
+        b.models["launch/gpu"] = LinearModel(_launch_time("gpu", sync), 0.0, None)
+        copy_sizes = [1, 4, 16, 64] if quick else [1, 4, 16, 64, 256]
+        for kind in ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable"):
+            b.attempt(f"copy/{kind}", lambda k=kind: _copy_points(k, copy_sizes, r))
+    host = socket.gethostname()
+    meta = _meta(b, cuda)
+    meta["disk_note"] = note
+    meta["load_average"] = load_before
+    if load_before is not None and load_before > (os.cpu_count() or 1) - 0.5:
+        meta["notes"] = [f"load average {load_before:.1f} on {os.cpu_count()} cores while profiling: other "
+                         "processes competed for the CPU, so CPU timings are noisy (see R^2)"]
+    return HardwareProfile(
+        name=host,
+        source=f"measured on {host} {_dt.datetime.now().isoformat(timespec='seconds')} by `tiered profile`"
+               f" ({'quick' if quick else 'full'})",
+        models=dict(b.models),
+        gpu_memory=torch.cuda.get_device_properties(0).total_memory if cuda else None,
+        cpu_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None,
+        meta=meta)

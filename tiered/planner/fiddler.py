@@ -1,0 +1,173 @@
+"""Fiddler's per-expert dispatch rule, priced from a HardwareProfile instead of a start-up calibration.
+
+Source: Fiddler (ICLR 2025) §3.3 and Algorithm 1; ALGORITHMS.md 2.b, gap F4 (intercepts). For one
+expert of `matrices` GEMMs of hidden x intermediate, with s routed tokens:
+
+    cpu_lat(s)   = gemm_time(cpu, s * macs_per_token, expert bytes)            (roofline, op_time.py)
+    gpu_lat(s)   = matrices * launch/gpu + gemm_time(gpu, s * macs_per_token, expert bytes)
+    transfer_lat = copy/h2d_pinned(expert bytes in the GPU's format)
+    s*           = the largest s with cpu_lat(s) <= gpu_lat(s) + transfer_lat   (run on the CPU iff s <= s*)
+
+Each side is the max of a compute line (alpha + beta * MACs) and a memory floor (weight bytes
+streamed), so it is piecewise affine in s. The dispatcher's `LatencyModel` is affine; `latency_model`
+keeps each side's per-token slope and anchors both lines at the crossing, so its decisions (and its
+`cpu_threshold`) equal the piecewise model's for every s in 1..s_max whenever the CPU wins on a
+prefix 1..s* (tests/test_profiler.py checks this by brute force).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.hardware import op_time
+from tiered.hardware.profile import HardwareProfile
+from tiered.runtime.dispatcher import LatencyModel
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """One expert: `matrices` weight matrices of hidden x intermediate elements (SwiGLU: 3)."""
+
+    hidden: int
+    intermediate: int
+    matrices: int = 3
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "ExpertShape":
+        return cls(cfg.hidden_size, cfg.moe_intermediate_size or cfg.intermediate_size, 3)
+
+    @property
+    def macs_per_token(self) -> int:
+        return self.matrices * self.hidden * self.intermediate
+
+    def weight_bytes(self, dtype: str, group: int = 32) -> float:
+        """Stored bytes of the expert in `dtype` (int4 with its group scales and zeros)."""
+        return self.matrices * self.hidden * self.intermediate * op_time.bytes_per_element(dtype, group)
+
+
+@dataclass(frozen=True)
+class _Piecewise:
+    """t(s) = const + max(alpha + beta * s, floor) [s]."""
+
+    const: float
+    alpha: float
+    beta: float
+    floor: float
+
+    def __call__(self, s: float) -> float:
+        return self.const + max(self.alpha + self.beta * s, self.floor)
+
+    def piece(self, s: float) -> tuple[float, float]:
+        """(alpha, beta) of the affine piece active at s."""
+        if self.alpha + self.beta * s >= self.floor:
+            return self.const + self.alpha, self.beta
+        return self.const + self.floor, 0.0
+
+
+@dataclass(frozen=True)
+class ExpertLatency:
+    """Latencies of one expert on one machine (seconds), from its HardwareProfile.
+
+    Args:
+        profile: the machine's cost models.
+        shape: the expert's shape.
+        cpu_dtype: format the CPU computes in (weights stored so in CPU memory).
+        gpu_dtype: format copied to and computed on the GPU.
+    """
+
+    profile: HardwareProfile
+    shape: ExpertShape
+    cpu_dtype: str = "bf16"
+    gpu_dtype: str = "bf16"
+
+    @property
+    def has_gpu(self) -> bool:
+        return op_time.has_device(self.profile, "gpu") and self.profile.has("copy/h2d_pinned")
+
+    def _side(self, device: str, dtype: str) -> _Piecewise:
+        p, sh = self.profile, self.shape
+        m = op_time.find(p, "gemm", device, dtype)
+        if m is None:  # let gemm_time raise its ConfigError naming the missing key
+            op_time.gemm_time(p, device, dtype, 1.0)
+        floor = op_time.memory_time(p, device, dtype, sh.weight_bytes(dtype) / sh.matrices) * sh.matrices
+        launches = sh.matrices * op_time.launch_time(p, device) if device == "gpu" else 0.0
+        return _Piecewise(launches, sh.matrices * m.alpha, sh.macs_per_token * m.beta, floor)
+
+    @property
+    def cpu(self) -> _Piecewise:
+        return self._side("cpu", self.cpu_dtype)
+
+    @property
+    def gpu(self) -> _Piecewise:
+        return self._side("gpu", self.gpu_dtype)
+
+    def cpu_lat(self, s: int) -> float:
+        return self.cpu(s)
+
+    def gpu_lat(self, s: int) -> float:
+        return self.gpu(s)
+
+    @property
+    def transfer_bytes(self) -> float:
+        return self.shape.weight_bytes(self.gpu_dtype)
+
+    def transfer_lat(self) -> float:
+        return self.profile.time("copy/h2d_pinned", self.transfer_bytes)
+
+    def cpu_wins(self, s: int) -> bool:
+        """Algorithm 1's test for a non-resident expert: run on the CPU (no copy) at s tokens."""
+        return not self.cpu_lat(s) > self.gpu_lat(s) + self.transfer_lat()
+
+    def threshold(self, s_max: int = 4096) -> float:
+        """Fiddler's s*: the crossing of cpu_lat and gpu_lat + transfer_lat [tokens, continuous].
+
+        The CPU runs the expert iff s <= s*. Returns +inf when the CPU wins for every s in
+        1..s_max (or always, as on a machine without a GPU), 0.0 when it loses at s = 1. Assumes
+        what holds for real CPUs and GPUs: the CPU's per-token cost exceeds the GPU's and the CPU
+        leaves its memory-bound regime at fewer tokens (a lower ridge point), so the CPU wins on a
+        prefix of token counts; otherwise s* is the end of that prefix.
+        """
+        if not self.has_gpu:
+            return math.inf
+        cpu, gpu, tr = self.cpu, self.gpu, self.transfer_lat()
+        if not self.cpu_wins(1):
+            return 0.0
+        if self.cpu_wins(s_max):
+            return math.inf
+        lo, hi = 1, s_max  # cpu wins at lo, loses at hi: bisect to the last winning integer
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.cpu_wins(mid) else (lo, mid)
+        (ca, cb), (ga, gb) = cpu.piece(lo + 0.5), gpu.piece(lo + 0.5)
+        if cb == gb:
+            return float(lo)
+        x = (ga + tr - ca) / (cb - gb)  # exact crossing on the pieces active between lo and hi
+        return x if lo <= x <= hi else float(lo)
+
+    def latency_model(self, s_max: int = 4096) -> LatencyModel:
+        """The dispatcher's affine LatencyModel, equal to the piecewise model at the anchor s_a.
+
+        Each side keeps its compute slope (per-token cost) and passes through the exact latency at
+        s_a = s* (or 1 when the CPU never wins, s_max when it always does), so its decisions
+        switch exactly at s*. Lines bound the piecewise latencies from above.
+        """
+        disk = self.profile.models.get("disk/read_cold")
+        disk_alpha, disk_bw = (disk.alpha, 1.0 / disk.beta) if disk is not None and disk.beta > 0 else (0.0, math.inf)
+        cpu = self.cpu
+        if not self.has_gpu:
+            return LatencyModel(cpu(1) - cpu.beta, cpu.beta, cpu(1) - cpu.beta, cpu.beta, 0.0, math.inf,
+                                disk_alpha, disk_bw)
+        gpu = self.gpu
+        s = self.threshold(s_max)
+        at = 1.0 if s == 0.0 else float(s_max) if math.isinf(s) else s
+        h2d = self.profile.model("copy/h2d_pinned")
+        return LatencyModel(cpu(at) - cpu.beta * at, cpu.beta, gpu(at) - gpu.beta * at, gpu.beta,
+                            h2d.alpha, 1.0 / h2d.beta, disk_alpha, disk_bw)
+
+
+def dispatch_latency(profile: HardwareProfile, cfg: ModelConfig, cpu_dtype: str = "bf16",
+                     gpu_dtype: str = "bf16") -> LatencyModel:
+    """LatencyModel for the experts of `cfg` on the machine `profile` (replaces runtime/calibrate.py)."""
+    return ExpertLatency(profile, ExpertShape.from_config(cfg), cpu_dtype, gpu_dtype).latency_model()
