@@ -21,6 +21,10 @@ from fixtures import build_tokenizer, load_hf_model, write_tiny_checkpoint  # no
 def pytest_configure(config):
     # Keep tiered's tokenizer cache out of the user's home directory.
     os.environ.setdefault("TIERED_CACHE", str(Path(config.rootpath) / ".pytest_cache" / "tiered"))
+    # One intra-op thread by default: on a small shared machine (2 cores here) torch's OpenMP
+    # threads slow down 10-30x as soon as another process competes for the cores, while the
+    # tiny models gain little from a second thread. TIERED_TEST_THREADS=N overrides.
+    torch.set_num_threads(int(os.environ.get("TIERED_TEST_THREADS", "1")))
 
 
 def pytest_collection_modifyitems(config, items):

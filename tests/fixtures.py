@@ -49,10 +49,17 @@ TINY_SPECS: dict[str, TinySpec] = {
     "llama3_rope": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama_linear_rope": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters={
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
     "llama_tied": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    # HF Llama's attention_bias puts biases on q/k/v and on o_proj.
+    "llama_attn_bias": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True)),
     # A window shorter than prompt + output, so the sliding-window mask is exercised.
     "mistral": TinySpec("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
     "qwen2": TinySpec("Qwen2Config", "Qwen2ForCausalLM"),  # q/k/v bias
+    # Qwen2 slides only from layer max_window_layers on; 0 makes every layer slide.
+    "qwen2_sliding": TinySpec("Qwen2Config", "Qwen2ForCausalLM", dict(
+        use_sliding_window=True, sliding_window=8, max_window_layers=0)),
     # q/k norm; head_dim 32 != hidden / heads, so head_dim must come from config.json.
     "qwen3": TinySpec("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
 }
@@ -123,3 +130,32 @@ def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     """A fixed pseudo-random token-id prompt that avoids the special tokens 0 and 1."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, vocab_size, (length,), generator=g).tolist()
+
+
+def stepwise_logits(llm, ids: list[int], n_prompt: int) -> torch.Tensor:
+    """Teacher-forced logits through the engine's two paths: prefill ids[:n_prompt] (dense
+    weights), then feed ids[n_prompt:] one token per step (decode weights).
+
+    Returns:
+        fp32 [len(ids) - n_prompt + 1, V]: row j predicts ids[n_prompt + j] (like llm.logits rows
+        n_prompt - 1 onward).
+    """
+    from tiered.engine.llm import dense_weights
+
+    cache = llm._kv_cache(1, len(ids))  # the engine's own cache, on its compute device
+    dev = llm.device
+    slot = torch.tensor([0], device=dev)
+    rows = []
+    with torch.inference_mode():
+        with dense_weights(llm.model):
+            rows.append(llm.model(torch.tensor([ids[:n_prompt]], device=dev),
+                                  torch.arange(n_prompt, device=dev).unsqueeze(0), slot, cache))
+        for t in range(n_prompt, len(ids)):
+            rows.append(llm.model(torch.tensor([[ids[t]]], device=dev), torch.tensor([[t]], device=dev), slot, cache))
+    return torch.cat(rows).float().cpu()
+
+
+def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(P || Q) per row [nats], P = softmax(p_logits) the reference. [..., V] -> [...]."""
+    lp, lq = p_logits.log_softmax(-1), q_logits.log_softmax(-1)
+    return (lp.exp() * (lp - lq)).sum(-1)

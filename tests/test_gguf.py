@@ -143,22 +143,32 @@ def test_int4_from_gguf_matches_dequantized_matmul(zoo, qtype):
         assert rel_err(y, ref) < 1e-2, n
 
 
-def test_int4_decode_path_installed_for_q4_gguf(zoo):
-    """EngineConfig() on a Q4_0 file keeps Q4 tensors packed on the decode path; fp32 does not."""
-    path = zoo.gguf("llama", "Q4_0")
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_quantized_decode_path_on_gguf(zoo, qtype):
+    """EngineConfig() on a Q4 file decodes with packed int4 weights (Q8_0: int8), close to fp32 decoding."""
+    from fixtures import kl_divergence, stepwise_logits
+    from tiered.quant.int8 import Int8Linear
+
+    path = zoo.gguf("llama", qtype)
     auto = zoo.llm(path, decode_weights="auto")
-    phase = [m for m in auto.model.modules() if isinstance(m, PhaseLinear)]
-    assert phase and all(isinstance(m.decode, Int4Linear) for m in phase)
+    kernel = Int8Linear if qtype == "Q8_0" else Int4Linear
+    assert any(isinstance(m, kernel) for m in auto.model.modules())
     assert auto.decode_weight_bytes > 0
     fp32 = zoo.llm(path)
-    assert not any(isinstance(m, PhaseLinear) for m in fp32.model.modules())
+    assert not any(isinstance(m, (PhaseLinear, Int4Linear)) for m in fp32.model.modules())
     # Scoring always uses the dense weights: identical logits in both engines.
-    ids = prompt_ids(zoo.vocab_size, 16)
+    ids = prompt_ids(zoo.vocab_size, 24)
     assert torch.equal(auto.logits(ids), fp32.logits(ids))
-    # Decoding on int4 stays close to decoding on the same weights in fp32.
-    a = auto.generate(ids, GREEDY)[0].token_ids
-    b = fp32.generate(ids, GREEDY)[0].token_ids
-    assert a[0] == b[0]  # the first token comes from the (dense) prefill
+    # Decode steps: the int4 kernel on the stored blocks vs the same blocks dequantized to fp32.
+    # The only differences are bf16 activations and bf16 scales/zeros (Q8_0: re-quantized to one
+    # int8 scale per row). Measured on this tiny model: max KL 3e-5 / 5e-5 / 1.7e-4 nats and
+    # max |dlogit| / max |logit| 0.7% / 1.1% / 1.7% for Q4_0 / Q4_1 / Q8_0.
+    ref = fp32.logits(ids)[7:]
+    got = stepwise_logits(auto, ids, 8)
+    assert rel_err(stepwise_logits(fp32, ids, 8), ref) <= REL_TOL
+    kl = kl_divergence(ref, got)
+    assert float(kl.max()) < 1e-3
+    assert rel_err(got, ref) < 5e-2
 
 
 # ----------------------------------------------------------------------- format round trips

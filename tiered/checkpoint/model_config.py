@@ -137,7 +137,8 @@ class ModelConfig:
         """Build from a parsed HF config.json (transformers 4.x or 5.x layout).
 
         Raises:
-            UnsupportedModelError: unknown model_type or RoPE scaling.
+            UnsupportedModelError: unknown model_type or RoPE scaling, MLP biases, or a mix of
+                sliding-window and full-attention layers.
         """
         model_type = cfg.get("model_type", "")
         if model_type not in DENSE_TYPES + MOE_TYPES:
@@ -157,8 +158,10 @@ class ModelConfig:
                 scaling = None
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        use_window = cfg.get("use_sliding_window", model_type in ("mistral", "mixtral"))
-        window = cfg.get("sliding_window") if use_window else None
+        window = _sliding_window(cfg, model_type)
+        if cfg.get("mlp_bias"):  # HF Llama's mlp_bias: gate/up/down biases our MLP does not have
+            raise UnsupportedModelError("MLP biases (mlp_bias=true in config.json) are not supported",
+                                        "use a checkpoint without MLP biases")
         moe = model_type in MOE_TYPES
         n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
         if model_type == "qwen2_moe":  # Qwen2-MoE names its q/k/v bias flag qkv_bias
@@ -197,6 +200,31 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
         )
+
+
+def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
+    """The attention window shared by every layer of an HF config, or None when no layer slides.
+
+    Mistral and Mixtral slide in every layer; Qwen2/Qwen3 (and their MoE variants) only in layers
+    >= max_window_layers (HF default 28), which transformers 5 writes out as `layer_types`.
+
+    Raises:
+        UnsupportedModelError: some layers slide and others attend to the full context.
+    """
+    window = cfg.get("sliding_window")
+    if window is None or not cfg.get("use_sliding_window", model_type in ("mistral", "mixtral")):
+        return None
+    types = cfg.get("layer_types")
+    if types is None:
+        first = cfg.get("max_window_layers", 28) if model_type.startswith("qwen") else 0
+        types = ["full_attention" if i < first else "sliding_attention" for i in range(cfg["num_hidden_layers"])]
+    sliding = {t == "sliding_attention" for t in types}
+    if sliding == {False}:
+        return None
+    if sliding == {True}:
+        return window
+    raise UnsupportedModelError("models that mix sliding-window and full-attention layers are not supported",
+                                "use a checkpoint whose layers all use the same attention")
 
 
 def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":

@@ -139,6 +139,8 @@ class LLM:
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
+        if not prompts:  # no prompts, no outputs (and no KV cache to size)
+            return []
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         for idx, delta, out in self._run(list(prompts), params or SamplingParams(), chat):
             if delta and on_text is not None:

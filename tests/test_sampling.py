@@ -1,0 +1,215 @@
+"""The sampler's pure functions (tiered/engine/sampling.py), alone and against transformers'
+logits processors, and seeded determinism through the engine."""
+
+from __future__ import annotations
+
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from fixtures import prompt_ids
+from tiered import SamplingParams
+from tiered.engine.sampling import (apply_repetition_penalty, filter_min_p, filter_top_k, filter_top_p,
+                                    sample_token)
+
+# Logit rows of distinct values at least 1/16 apart in [-20, 20] (ties, or values closer than
+# fp32 softmax resolves, make "the k largest" and "the argmax" ambiguous).
+logit_rows = st.lists(st.integers(-320, 320), min_size=2, max_size=64, unique=True).map(
+    lambda xs: torch.tensor(xs, dtype=torch.float32) / 16)
+FAST = settings(max_examples=60, deadline=None)
+
+
+def kept(x: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(x).nonzero().flatten().tolist())
+
+
+# -------------------------------------------------------------------------- repetition penalty
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.0, -1.0])
+    out = apply_repetition_penalty(logits, torch.tensor([0, 1, 3, 0]), 2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0, 0.0, -1.0]  # token 0 seen twice: penalized once
+    assert logits.tolist() == [2.0, -2.0, 1.0, 0.0, -1.0]  # input untouched
+    assert apply_repetition_penalty(logits, torch.tensor([0]), 1.0) is logits
+    assert apply_repetition_penalty(logits, torch.tensor([], dtype=torch.long), 2.0) is logits
+
+
+@FAST
+@given(logit_rows, st.floats(0.5, 3.0), st.data())
+def test_repetition_penalty_matches_transformers(logits, penalty, data):
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    seen = data.draw(st.lists(st.integers(0, len(logits) - 1), max_size=20))
+    seen_t = torch.tensor(seen, dtype=torch.long)
+    ours = apply_repetition_penalty(logits, seen_t, penalty)
+    if seen:
+        ref = RepetitionPenaltyLogitsProcessor(penalty)(seen_t[None], logits[None].clone())[0]
+    else:
+        ref = logits
+    assert torch.equal(ours, ref)
+
+
+# ------------------------------------------------------------------------------------ top-k
+@FAST
+@given(logit_rows, st.integers(0, 80))
+def test_top_k_keeps_the_k_largest(logits, k):
+    out = filter_top_k(logits, k)
+    n = len(logits)
+    expect = n if k == 0 or k >= n else k
+    keep = kept(out)
+    assert len(keep) == expect
+    assert keep == set(torch.topk(logits, expect).indices.tolist())
+    assert torch.equal(out[list(keep)], logits[list(keep)])  # kept values unchanged
+
+
+def test_top_k_keeps_ties_at_the_kth_value():
+    out = filter_top_k(torch.tensor([3.0, 1.0, 3.0, 2.0]), 1)
+    assert kept(out) == {0, 2}
+
+
+# ------------------------------------------------------------------------------------ top-p
+@FAST
+@given(logit_rows, st.floats(0.01, 1.0))
+def test_top_p_keeps_the_smallest_nucleus(logits, p):
+    out = filter_top_p(logits, p)
+    probs = logits.softmax(-1)
+    keep = kept(out)
+    order = torch.argsort(logits, descending=True).tolist()
+    assert order[0] in keep  # the most likely token always survives
+    assert keep == set(order[:len(keep)])  # a prefix of the descending order
+    mass = float(probs[list(keep)].sum())
+    if p < 1.0:
+        smallest = float(probs[order[len(keep) - 1]])
+        # Enough mass, and one token fewer would not have been enough (up to fp32 rounding).
+        assert mass >= p - 1e-5 or len(keep) == len(logits)
+        assert mass - smallest < p + 1e-5
+    else:
+        assert len(keep) == len(logits)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.8, 0.95])
+def test_top_p_matches_transformers(p):
+    from transformers import TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = 3 * torch.randn(100, generator=g)
+        ref = TopPLogitsWarper(p)(None, logits[None].clone())[0]
+        assert kept(filter_top_p(logits, p)) == kept(ref)
+
+
+# ------------------------------------------------------------------------------------ min-p
+@FAST
+@given(logit_rows, st.floats(0.0, 1.0))
+def test_min_p_drops_tokens_below_a_fraction_of_the_top(logits, min_p):
+    out = filter_min_p(logits, min_p)
+    probs = logits.softmax(-1)
+    keep = kept(out)
+    assert int(torch.argmax(logits)) in keep
+    for i, q in enumerate(probs.tolist()):
+        if q >= min_p * float(probs.max()) * (1 + 1e-6):
+            assert i in keep
+        elif q < min_p * float(probs.max()) * (1 - 1e-6):
+            assert i not in keep
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.2, 0.5])
+def test_min_p_matches_transformers(min_p):
+    from transformers import MinPLogitsWarper
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        logits = 3 * torch.randn(100, generator=g)
+        ref = MinPLogitsWarper(min_p)(None, logits[None].clone())[0]
+        assert kept(filter_min_p(logits, min_p)) == kept(ref)
+
+
+def test_filters_that_are_off_return_their_input():
+    x = torch.randn(10)
+    assert filter_top_k(x, 0) is x and filter_top_k(x, 10) is x
+    assert filter_top_p(x, 1.0) is x
+    assert filter_min_p(x, 0.0) is x
+
+
+# ---------------------------------------------------------------------------- sample_token
+def test_greedy_is_argmax_after_repetition_penalty():
+    logits = torch.tensor([1.0, 3.0, 2.5, -1.0])
+    none = torch.tensor([], dtype=torch.long)
+    assert sample_token(logits, SamplingParams(temperature=0), none, None) == 1
+    # 3.0 / 2 = 1.5 < 2.5: the penalty moves the argmax to token 2.
+    assert sample_token(logits, SamplingParams(temperature=0, repetition_penalty=2.0), torch.tensor([1]), None) == 2
+
+
+@FAST
+@given(logit_rows, st.integers(0, 2**31 - 1))
+def test_sampling_respects_the_filters(logits, seed):
+    g = torch.Generator().manual_seed(seed)
+    none = torch.tensor([], dtype=torch.long)
+    assert sample_token(logits, SamplingParams(top_k=1), none, g) == int(torch.argmax(logits))
+    assert sample_token(logits, SamplingParams(min_p=1.0), none, g) == int(torch.argmax(logits))
+    tok = sample_token(logits, SamplingParams(top_k=3, top_p=0.9, temperature=0.7), none, g)
+    assert tok in kept(filter_top_p(filter_top_k(logits / 0.7, 3), 0.9))
+
+
+@FAST
+@given(logit_rows, st.integers(0, 2**31 - 1))
+def test_seeded_sampling_is_deterministic(logits, seed):
+    none = torch.tensor([], dtype=torch.long)
+    params = SamplingParams(temperature=1.3, top_p=0.95)
+    draw = lambda: [sample_token(logits, params, none, g) for g in [torch.Generator().manual_seed(seed)]
+                    for _ in range(5)]
+    assert draw() == draw()
+
+
+def test_sampling_follows_the_distribution():
+    """Frequencies of 20k seeded draws match softmax(logits / T) (chi-square, p ~ 1e-6 bound)."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    T = 0.8
+    probs = (logits / T).softmax(-1)
+    g = torch.Generator().manual_seed(0)
+    none = torch.tensor([], dtype=torch.long)
+    n = 20_000
+    counts = torch.zeros(5)
+    for _ in range(n):
+        counts[sample_token(logits, SamplingParams(temperature=T), none, g)] += 1
+    chi2 = float(((counts - n * probs) ** 2 / (n * probs)).sum())
+    assert chi2 < 35.0  # 4 degrees of freedom: P(chi2 > 35) ~ 5e-7
+
+
+def test_top_k_sampling_never_leaves_the_top_k():
+    logits = torch.linspace(0, 1, 50)
+    g = torch.Generator().manual_seed(0)
+    none = torch.tensor([], dtype=torch.long)
+    draws = {sample_token(logits, SamplingParams(top_k=5, temperature=5.0), none, g) for _ in range(500)}
+    assert draws == set(range(45, 50))
+
+
+# ---------------------------------------------------------------------------- through the engine
+def test_engine_seeded_sampling_is_deterministic(zoo):
+    llm = zoo.llm(zoo.dir("llama"))
+    prompts = [prompt_ids(zoo.vocab_size, 5, seed=s) for s in range(3)]
+    params = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+    a = [o.token_ids for o in llm.generate(prompts, params)]
+    b = [o.token_ids for o in llm.generate(prompts, params)]
+    assert a == b
+    # Prompt i of a batch draws from seed + i: the same as running it alone with that seed.
+    from dataclasses import replace
+    for i, p in enumerate(prompts):
+        assert llm.generate(p, replace(params, seed=1234 + i))[0].token_ids == a[i]
+    other = [o.token_ids for o in llm.generate(prompts, replace(params, seed=99))]
+    assert other != a
+    # Temperature sampling actually samples: not the greedy continuation.
+    greedy = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert greedy.token_ids != a[0]
+
+
+def test_engine_repetition_penalty_discourages_repeats(zoo):
+    """The tiny Llama repeats a token 9 times greedily (fixture seed); a penalty breaks the run."""
+    llm = zoo.llm(zoo.dir("llama_tied"))
+    ids = prompt_ids(zoo.vocab_size, 16, seed=0)
+    plain = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].token_ids
+    penal = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                             repetition_penalty=5.0))[0].token_ids
+    assert len(set(plain)) < len(plain) // 2
+    assert len(set(penal)) > len(set(plain))
