@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tiered.checkpoint.handle import BLOCK_FORMATS, TensorHandle
+from tiered.checkpoint.handle import BLOCK_FORMATS, HandleTable, TensorHandle
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import CheckpointError, UnsupportedModelError
 
@@ -62,7 +62,7 @@ def qk_row_permutation(rows: int, n_head: int) -> np.ndarray:
     return np.arange(rows).reshape(n_head, half, 2).swapaxes(1, 2).reshape(-1)
 
 
-class GGUFCheckpoint:
+class GGUFCheckpoint(HandleTable):
     """One .gguf file read as a checkpoint with HF tensor names.
 
     Args:
@@ -71,6 +71,9 @@ class GGUFCheckpoint:
         CheckpointError: not a GGUF file, or truncated.
         UnsupportedModelError: an architecture tiered does not run.
     """
+
+    format_name = "gguf"
+    missing_hint = "the GGUF file is incomplete or of another architecture"
 
     def __init__(self, path: str | os.PathLike) -> None:
         from gguf import GGUFReader
@@ -185,26 +188,6 @@ class GGUFCheckpoint:
         return TensorHandle(name=hf, shape=shape, format=fmt, nbytes=int(t.n_bytes), path=str(self.path),
                             _load=load, _blocks=blocks if fmt in BLOCK_FORMATS else None,
                             offset=int(t.data_offset) if fmt in ("F32", "F16", "BF16") and perm is None else None)
-
-    @property
-    def format_name(self) -> str:
-        return "gguf"
-
-    def names(self) -> list[str]:
-        return list(self._handles)
-
-    def handle(self, name: str) -> TensorHandle:
-        try:
-            return self._handles[name]
-        except KeyError:
-            raise CheckpointError(f"{self.path} lacks tensor {name!r}",
-                                  "the GGUF file is incomplete or of another architecture") from None
-
-    def has(self, name: str) -> bool:
-        return name in self._handles
-
-    def nbytes(self) -> int:
-        return sum(h.nbytes for h in self._handles.values())
 
     def tokenizer(self):
         """The tokenizer embedded in the GGUF (converted by transformers, cached), or None."""

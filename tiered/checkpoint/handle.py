@@ -110,3 +110,35 @@ class TensorHandle:
         if self._blocks is None:
             raise ValueError(f"{self.name} is stored as {self.format}, not in blocks")
         return self._blocks()
+
+
+class HandleTable:
+    """What every checkpoint offers over its `_handles` (HF name -> TensorHandle) and `path`.
+
+    Subclasses set `format_name` and `missing_hint` (the fix to suggest when a tensor is absent).
+    """
+
+    _handles: dict[str, TensorHandle]
+    path: object
+    format_name = ""
+    missing_hint = "the checkpoint is incomplete or not of the architecture its config names"
+
+    def names(self) -> list[str]:
+        """Every tensor name, HF naming."""
+        return list(self._handles)
+
+    def handle(self, name: str) -> TensorHandle:
+        """The lazy handle of `name`. Raises CheckpointError if the checkpoint lacks it."""
+        from tiered.errors import CheckpointError
+
+        try:
+            return self._handles[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path} lacks tensor {name!r}", self.missing_hint) from None
+
+    def has(self, name: str) -> bool:
+        return name in self._handles
+
+    def nbytes(self) -> int:
+        """Bytes of all tensors on disk."""
+        return sum(h.nbytes for h in self._handles.values())

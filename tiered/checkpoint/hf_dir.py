@@ -13,7 +13,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from tiered.checkpoint.handle import DENSE_BYTES, TensorHandle
+from tiered.checkpoint.handle import DENSE_BYTES, HandleTable, TensorHandle
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import CheckpointError
 
@@ -45,7 +45,7 @@ def _check_safetensors_file(path: Path) -> tuple[dict, int]:
     return header, n
 
 
-class HFDirCheckpoint:
+class HFDirCheckpoint(HandleTable):
     """A model directory in the Hugging Face layout.
 
     Args:
@@ -54,6 +54,8 @@ class HFDirCheckpoint:
         CheckpointError: no config.json, no safetensors, a shard missing or truncated.
         UnsupportedModelError: the architecture is not one tiered runs.
     """
+
+    format_name = "safetensors"
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -97,29 +99,6 @@ class HFDirCheckpoint:
             # safe_open tensors alias the memory map; clone so callers own their memory.
             return self._open[file].get_tensor(key).clone()
         return load
-
-    @property
-    def format_name(self) -> str:
-        return "safetensors"
-
-    def names(self) -> list[str]:
-        """Every tensor name, HF naming."""
-        return list(self._handles)
-
-    def handle(self, name: str) -> TensorHandle:
-        """The lazy handle of `name`. Raises CheckpointError if the checkpoint lacks it."""
-        try:
-            return self._handles[name]
-        except KeyError:
-            raise CheckpointError(f"{self.path} lacks tensor {name!r}",
-                                  "the checkpoint is incomplete or not of the architecture its config names") from None
-
-    def has(self, name: str) -> bool:
-        return name in self._handles
-
-    def nbytes(self) -> int:
-        """Bytes of all tensors on disk."""
-        return sum(h.nbytes for h in self._handles.values())
 
     def tokenizer(self):
         """The HF tokenizer saved beside the weights, or None when the directory has none."""
