@@ -17,16 +17,18 @@ import torch
 class ExpertProfiler:
     """Counts routing decisions. tokens, gate_mass: float64 [L, E] (dense layers stay 0)."""
 
-    def __init__(self, num_layers: int, num_experts: int) -> None:
+    def __init__(self, num_layers: int, num_experts: int, keep_trace: bool = False) -> None:
         self.tokens = np.zeros((num_layers, num_experts))
         self.gate_mass = np.zeros((num_layers, num_experts))
+        # with keep_trace: every routing decision in order, as (layer, tokens, sorted experts used)
+        self.trace: list[tuple[int, int, tuple[int, ...]]] | None = [] if keep_trace else None
 
     @classmethod
-    def attach(cls, model, config) -> "ExpertProfiler":
+    def attach(cls, model, config, keep_trace: bool = False) -> "ExpertProfiler":
         """A profiler hooked into every MoEBlock of `model`."""
         from tiered.models.moe import moe_blocks
 
-        prof = cls(config.num_hidden_layers, config.num_experts)
+        prof = cls(config.num_hidden_layers, config.num_experts, keep_trace)
         for block in moe_blocks(model):
             block.on_route = prof.record
         return prof
@@ -35,7 +37,10 @@ class ExpertProfiler:
         """Add one routing decision: topk_idx int64 [N, k], topk_weight [N, k]."""
         E = self.tokens.shape[1]
         idx = topk_idx.flatten().cpu()
-        self.tokens[layer] += torch.bincount(idx, minlength=E).numpy()
+        counts = torch.bincount(idx, minlength=E).numpy()
+        self.tokens[layer] += counts
+        if self.trace is not None:
+            self.trace.append((layer, int(topk_idx.shape[0]), tuple(int(e) for e in counts.nonzero()[0])))
         self.gate_mass[layer] += torch.zeros(E, dtype=torch.float64).index_add_(
             0, idx, topk_weight.flatten().double().cpu()).numpy()
 

@@ -1,0 +1,121 @@
+"""Predicted decode times on the CPU + disk tiers (no GPU): the planner's model of what `run` does
+when CPU RAM is the fast tier and experts that do not fit stream from disk.
+
+Per decode step and layer (ALGORITHMS.md 5.2, with the GPU terms absent):
+    attention      projections priced by gemm_time (memory-bound at 1 token) + attention over the KV cache
+    dense MLP      gemm_time of its three matrices
+    MoE layer      router + for each of the step's experts: compute (gemv of the expert's bytes) and,
+                   on a miss, a cold disk read of its bytes; without read-ahead reads and computes
+                   alternate, with read-ahead the reads of a layer stream back to back while hits
+                   compute, and every expert task pays the executor's per-task overhead
+    lm_head        gemm_time of the vocabulary projection
+Cache hit rates come from replaying a routing trace through the runtime's own ExpertCache logic
+(`simulate_hits`), as ALGORITHMS.md 5.2 prescribes ("a cache simulator driven by the routing traces").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.hardware import op_time
+from tiered.hardware.profile import HardwareProfile
+from tiered.memory.expert_cache import POLICIES, ExpertCache
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass
+class HitStats:
+    """Expert uses per layer in a routing trace: resident hits, cache hits, misses."""
+
+    resident: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)
+    miss: dict = field(default_factory=dict)
+
+    def rates(self, layer: int) -> tuple[float, float]:
+        """(resident share, cache-hit share) of the layer's expert uses."""
+        n = self.resident.get(layer, 0) + self.cache.get(layer, 0) + self.miss.get(layer, 0)
+        return (self.resident.get(layer, 0) / n, self.cache.get(layer, 0) / n) if n else (0.0, 0.0)
+
+
+def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_only: bool = True) -> HitStats:
+    """Replay routing decisions [(layer, tokens, experts)] through an ExpertCache of `slots` slots.
+
+    The cache is the runtime's own class with empty slots, so eviction and pinning are the same.
+    Prefill steps (tokens > 1) still fill the cache but are not counted when decode_only.
+    """
+    cache = ExpertCache(slots, ((0,),), torch.float32, lambda s, d, w: torch.empty(s), POLICIES[policy]())
+    st = HitStats()
+    for layer, tokens, experts in trace:
+        count = tokens == 1 or not decode_only
+        keys = [(layer, e) for e in experts]
+        pinned = set(keys)
+        for k in keys:
+            if k in resident:
+                kind = st.resident
+            elif cache.lookup(k) is not None:
+                kind = st.cache
+            else:
+                cache.claim(k, pinned)
+                kind = st.miss
+            if count:
+                kind[layer] = kind.get(layer, 0) + 1
+    return st
+
+
+def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int) -> float:
+    d, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    w = 2 * d * q + 2 * d * kv
+    proj = op_time.gemm_time(hw, "cpu", dtype, w, w * op_time.bytes_per_element(dtype), calls=4)
+    kv_bytes = 2 * kv * context * op_time.bytes_per_element(dtype)
+    return proj + op_time.attention_time(hw, "cpu", dtype, 2 * context * q, kv_bytes)
+
+
+def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, hits: HitStats | None = None,
+                   read_ahead: bool = True, readers: int = 2, task_overhead: float | None = None,
+                   moe_layers: list[int] | None = None) -> tuple[list[float], float]:
+    """Per-layer seconds of one decode step and the whole step (layers + lm_head) on CPU + disk.
+
+    Args:
+        cfg: the model; dtype: compute dtype name ("fp32", "bf16"); context: cached positions.
+        hits: per-layer expert hit shares (MoE); None = every expert in RAM.
+        read_ahead, readers: the runtime's disk-read mode.
+        task_overhead: executor cost per expert task [s]; None = the profile's runtime/task model or 0.
+        moe_layers: layers with experts (default: cfg.is_moe_layer).
+    """
+    bpe = op_time.bytes_per_element(dtype)
+    d = cfg.hidden_size
+    over = task_overhead if task_overhead is not None else (
+        hw.models["runtime/task"].alpha if hw.has("runtime/task") else 0.0)
+    disk = hw.models.get("disk/read_cold")
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        t = _attention(cfg, hw, dtype, context)
+        is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
+        if not is_moe:
+            F = cfg.intermediate_size
+            t += op_time.gemm_time(hw, "cpu", dtype, 3 * d * F, 3 * d * F * bpe, calls=3)
+        else:
+            F, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
+            eb = 3 * d * F * bpe
+            t += op_time.gemm_time(hw, "cpu", dtype, d * cfg.num_experts, d * cfg.num_experts * bpe)
+            compute = op_time.gemm_time(hw, "cpu", dtype, 3 * d * F, eb, calls=3) + over
+            res, hit = hits.rates(i) if hits is not None else (1.0, 0.0)
+            misses = k * (1 - res - hit)
+            read = disk(eb) if disk is not None and misses > 0 else 0.0
+            if read_ahead and misses > 0:
+                # all of a layer's reads are issued at once: the device streams them back to back
+                # (parallel readers overlap only the per-read latency); the CPU computes the hits
+                # meanwhile and each miss once it lands. Read-bound: stream + the last compute;
+                # compute-bound: the k computes in a row on the CPU worker.
+                stream = misses * read - (max(misses, 1) - 1) * disk.alpha * (readers > 1)
+                t += max(stream + compute, k * compute)
+            else:
+                t += k * compute + misses * read
+        layers.append(t)
+    head = op_time.gemm_time(hw, "cpu", dtype, d * cfg.vocab_size, d * cfg.vocab_size * bpe)
+    return layers, sum(layers) + head
