@@ -10,6 +10,7 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     attn/<dev>/<dtype>   decode attention (bmm q.K^T, p.V)      n = MACs
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
     launch/<dev>         a tiny op (alpha only)
+    runtime/task         one task through tiered's executor and back (alpha only)
     copy/{h2d,d2h}_{pinned,pageable}   (CUDA only)             n = bytes
     disk/read_cold (page cache dropped with posix_fadvise before each read), disk/write (+ fsync)
 
@@ -196,6 +197,23 @@ def _launch_time(device: str, sync) -> float:
     return float(np.median(samples))
 
 
+def _task_overhead() -> float:
+    """Seconds to hand a no-op task to an executor stream and get its result back (runtime/task)."""
+    from tiered.runtime.executor import Executor
+
+    ex = Executor(None)
+    try:
+        samples = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                ex.submit("cpu", lambda: None).result()
+            samples.append((time.perf_counter() - t0) / 200)
+    finally:
+        ex.close()
+    return float(np.median(samples))
+
+
 def _copy_points(kind: str, sizes_mib, repeats: int):
     sync = torch.cuda.synchronize
     points = []
@@ -337,6 +355,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     b.attempt("memory/copy/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=True))
     b.models["launch/cpu"] = LinearModel(_launch_time("cpu", nosync), 0.0, None)
     b.say(f"launch/cpu: {b.models['launch/cpu'].alpha:.3g} s")
+    b.models["runtime/task"] = LinearModel(_task_overhead(), 0.0, None)
+    b.say(f"runtime/task: {b.models['runtime/task'].alpha:.3g} s")
     # disk
     disk_sizes = [1, 4, 16] if quick else [1, 4, 16, 64, 128]
     try:
