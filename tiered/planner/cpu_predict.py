@@ -77,8 +77,9 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int) 
 
 def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, hits: HitStats | None = None,
                    read_ahead: bool = True, readers: int = 2, task_overhead: float | None = None,
-                   moe_layers: list[int] | None = None) -> tuple[list[float], float]:
-    """Per-layer seconds of one decode step and the whole step (layers + lm_head) on CPU + disk.
+                   moe_layers: list[int] | None = None) -> tuple[list[tuple[float, float]], float]:
+    """Per-layer (attention, FFN or MoE) seconds of one decode step, and the whole step
+    (layers + lm_head) on CPU + disk.
 
     Args:
         cfg: the model; dtype: compute dtype name ("fp32", "bf16"); context: cached positions.
@@ -94,7 +95,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     disk = hw.models.get("disk/read_cold")
     layers = []
     for i in range(cfg.num_hidden_layers):
-        t = _attention(cfg, hw, dtype, context)
+        attn = _attention(cfg, hw, dtype, context)
+        t = 0.0
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size
@@ -116,6 +118,6 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
                 t += max(stream + compute, k * compute)
             else:
                 t += k * compute + misses * read
-        layers.append(t)
+        layers.append((attn, t))
     head = op_time.gemm_time(hw, "cpu", dtype, d * cfg.vocab_size, d * cfg.vocab_size * bpe)
-    return layers, sum(layers) + head
+    return layers, sum(a + f for a, f in layers) + head
