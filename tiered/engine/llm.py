@@ -34,7 +34,9 @@ Prompt = str | list[dict] | list[int]
 @contextlib.contextmanager
 def dense_weights(model: torch.nn.Module):
     """Within the block every PhaseLinear uses its dense (lossless) weights."""
-    mods = [m for m in model.modules() if isinstance(m, PhaseLinear)]
+    mods = model.__dict__.get("_phase_linears")
+    if mods is None:  # found once per model, not at every prefill
+        mods = model.__dict__["_phase_linears"] = [m for m in model.modules() if isinstance(m, PhaseLinear)]
     saved = [m.threshold for m in mods]
     for m in mods:
         m.threshold = 0

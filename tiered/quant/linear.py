@@ -54,9 +54,10 @@ class SharedOutput(nn.Module):
         self._output: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # skip nn.Module hook machinery: hot path
-        if x is not self._input:
-            self._input, self._output = x, self.fused(x)
-        return self._output
+        d = self.__dict__  # plain attributes: nn.Module.__setattr__ costs ~1 ms per token here
+        if x is not d["_input"]:
+            d["_input"], d["_output"] = x, self.fused(x)
+        return d["_output"]
 
 
 class Slice(nn.Module):
