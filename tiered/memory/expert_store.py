@@ -151,9 +151,18 @@ class ExpertStore:
         return sorted({h.path for k, hs in self.handles.items() if self.tier(k) == DISK for h in hs})
 
     def read(self, key, out: tuple[torch.Tensor, ...]) -> int:
-        """Read a disk-tier expert into host tensors `out` (pread, no mapping). Returns bytes read."""
+        """Read a disk-tier expert into host tensors `out` (pread, no mapping). Returns bytes read.
+
+        The pages read are then dropped from the OS page cache (posix_fadvise DONTNEED): what
+        tiered keeps in RAM is what its budget and cache hold, not a second, unaccounted copy in
+        the page cache (real offloading engines read with O_DIRECT for the same reason). So a
+        re-read of an evicted expert costs a real disk read, as it would for a model bigger than RAM.
+        """
+        from tiered.checkpoint.handle import _fd
         for h, t in zip(self.handles[key], out):
             h.read_into(t)
+            if h.offset is not None:
+                os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_DONTNEED)
         return self.expert_bytes
 
     def advise(self, key) -> None:
