@@ -11,6 +11,7 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
     launch/<dev>         a tiny op (alpha only)
     runtime/task         one task through tiered's executor and back (alpha only)
+    runtime/decode_step  a decode step of a tiny tiered model      n = layers (fixed per-step and per-layer cost)
     copy/{h2d,d2h}_{pinned,pageable}   (CUDA only)             n = bytes
     disk/read_cold (page cache dropped with posix_fadvise before each read), disk/write (+ fsync)
 
@@ -214,6 +215,30 @@ def _task_overhead() -> float:
     return float(np.median(samples))
 
 
+def _decode_step_points(repeats: int) -> list[tuple[float, float]]:
+    """(layers, seconds) of one decode step of tiny dense tiered models (hidden 64) with 2..8 layers.
+
+    The weights are so small that what is timed is the fixed cost of a decode step and of each
+    layer in tiered's model code (module calls, small ops, KV-cache writes): runtime/decode_step.
+    """
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.models import build_model
+    from tiered.models.layers import KVCache
+
+    points = []
+    for layers in (2, 4, 8):
+        cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        model = build_model(cfg, 64).eval()
+        cache = KVCache(cfg, 1, 64, torch.float32)
+        slots, ids, pos = torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[32]])
+        with torch.inference_mode():
+            model(torch.ones(1, 32, dtype=torch.long), torch.arange(32).unsqueeze(0), slots, cache)
+            t = median_time(lambda: model(ids, pos, slots, cache), repeats)
+        points.append((float(layers), t))
+    return points
+
+
 def _copy_points(kind: str, sizes_mib, repeats: int):
     sync = torch.cuda.synchronize
     points = []
@@ -356,6 +381,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     b.models["launch/cpu"] = LinearModel(_launch_time("cpu", nosync), 0.0, None)
     b.say(f"launch/cpu: {b.models['launch/cpu'].alpha:.3g} s")
     b.models["runtime/task"] = LinearModel(_task_overhead(), 0.0, None)
+    b.attempt("runtime/decode_step", lambda: _decode_step_points(r))
     b.say(f"runtime/task: {b.models['runtime/task'].alpha:.3g} s")
     # disk
     disk_sizes = [1, 4, 16] if quick else [1, 4, 16, 64, 128]

@@ -66,11 +66,17 @@ def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_
     return st
 
 
+def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1) -> float:
+    """Seconds of `calls` one-token matmuls reading `weight_bytes` in all: the memory-bound regime
+    (gemv/cpu/<dtype>), which is what a decode step runs; the many-token GEMM fit does not apply."""
+    return op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv") * calls
+
+
 def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int) -> float:
     d, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     w = 2 * d * q + 2 * d * kv
-    proj = op_time.gemm_time(hw, "cpu", dtype, w, w * op_time.bytes_per_element(dtype), calls=4)
+    proj = _gemv(hw, dtype, w * op_time.bytes_per_element(dtype), calls=4)
     kv_bytes = 2 * kv * context * op_time.bytes_per_element(dtype)
     return proj + op_time.attention_time(hw, "cpu", dtype, 2 * context * q, kv_bytes)
 
@@ -93,19 +99,23 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     over = task_overhead if task_overhead is not None else (
         hw.models["runtime/task"].alpha if hw.has("runtime/task") else 0.0)
     disk = hw.models.get("disk/read_cold")
+    # the model code's own fixed costs (module calls, small ops) per layer and per step, when profiled
+    fixed = hw.models.get("runtime/decode_step")
+    per_layer, per_step = (fixed.beta, fixed.alpha) if fixed is not None else (0.0, 0.0)
     layers = []
     for i in range(cfg.num_hidden_layers):
-        attn = _attention(cfg, hw, dtype, context)
+        attn = _attention(cfg, hw, dtype, context) + per_layer
         t = 0.0
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size
-            t += op_time.gemm_time(hw, "cpu", dtype, 3 * d * F, 3 * d * F * bpe, calls=3)
+            t += _gemv(hw, dtype, 3 * d * F * bpe, calls=3)
         else:
             F, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
             eb = 3 * d * F * bpe
-            t += op_time.gemm_time(hw, "cpu", dtype, d * cfg.num_experts, d * cfg.num_experts * bpe)
-            compute = op_time.gemm_time(hw, "cpu", dtype, 3 * d * F, eb, calls=3) + over
+            t += _gemv(hw, dtype, d * cfg.num_experts * bpe)
+            compute = _gemv(hw, dtype, eb, calls=3) + over
+            over_read = over  # a miss also pays its read task
             res, hit = hits.rates(i) if hits is not None else (1.0, 0.0)
             misses = k * (1 - res - hit)
             read = disk(eb) if disk is not None and misses > 0 else 0.0
@@ -114,10 +124,10 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
                 # (parallel readers overlap only the per-read latency); the CPU computes the hits
                 # meanwhile and each miss once it lands. Read-bound: stream + the last compute;
                 # compute-bound: the k computes in a row on the CPU worker.
-                stream = misses * read - (max(misses, 1) - 1) * disk.alpha * (readers > 1)
+                stream = misses * (read + over_read) - (max(misses, 1) - 1) * disk.alpha * (readers > 1)
                 t += max(stream + compute, k * compute)
             else:
-                t += k * compute + misses * read
+                t += k * compute + misses * (read + over_read)
         layers.append((attn, t))
-    head = op_time.gemm_time(hw, "cpu", dtype, d * cfg.vocab_size, d * cfg.vocab_size * bpe)
-    return layers, sum(a + f for a, f in layers) + head
+    head = _gemv(hw, dtype, d * cfg.vocab_size * bpe)
+    return layers, sum(a + f for a, f in layers) + head + per_step

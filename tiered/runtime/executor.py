@@ -19,6 +19,40 @@ from tiered.runtime.trace import TraceEvent
 DEVICE_STREAMS = ("copy", "compute")
 
 
+class DeferredTask:
+    """A task of an inline stream: it runs on the thread that submitted it, when that thread first
+    asks for its result (after its dependencies). Other threads asking wait until it has run.
+
+    Used for CPU compute when there is no accelerator: torch's OpenMP thread team belongs to the
+    calling thread, and a second team on a worker thread fights the idle-spinning first one for the
+    cores (measured: one expert 1.7 ms inline vs 3.2 ms on a worker thread on 2 cores).
+    """
+
+    def __init__(self, job: Callable[[], Any]) -> None:
+        self._job, self._owner = job, threading.get_ident()
+        self._event, self._ran = threading.Event(), False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def result(self) -> Any:
+        if threading.get_ident() == self._owner and not self._ran:
+            self._ran = True
+            try:
+                self._value = self._job()
+            except BaseException as e:  # handed to every waiter
+                self._error = e
+            finally:
+                self._event.set()
+        else:
+            self._event.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+
 class Executor:
     """Task runner over streams.
 
@@ -26,10 +60,13 @@ class Executor:
         accelerator: the Accelerator whose "copy"/"compute" streams device tasks use (None = CPU only).
         disk_readers: reader threads for disk reads (stream names disk:0 .. disk:N-1).
         trace: record a TraceEvent per task.
+        inline: stream names whose tasks run deferred on the submitting thread (DeferredTask).
     """
 
-    def __init__(self, accelerator=None, disk_readers: int = 2, trace: bool = False) -> None:
+    def __init__(self, accelerator=None, disk_readers: int = 2, trace: bool = False,
+                 inline: tuple[str, ...] = ()) -> None:
         self.accelerator = accelerator
+        self.inline = set(inline)
         names = ["cpu"] + (list(DEVICE_STREAMS) if accelerator is not None else [])
         self._pools = {n: ThreadPoolExecutor(1, thread_name_prefix=f"tiered-{n}") for n in names}
         self._disk = ThreadPoolExecutor(max(1, disk_readers), thread_name_prefix="tiered-disk")
@@ -46,7 +83,6 @@ class Executor:
         Raises (through the future): whatever `fn` or a dependency raised.
         """
         deps = tuple(deps)
-        pool = self._disk if stream == "disk" else self._pools[stream]
 
         def job():
             for d in deps:
@@ -65,6 +101,9 @@ class Executor:
                                                   nbytes, layer, expert))
             return out
 
+        if stream in self.inline:
+            return DeferredTask(job)  # type: ignore[return-value]
+        pool = self._disk if stream == "disk" else self._pools[stream]
         return pool.submit(job)
 
     def _disk_id(self) -> int:

@@ -87,7 +87,9 @@ def install_tiered_experts(model, checkpoint, engine_config, dtype: torch.dtype,
     latency = None
     if accelerator is not None:
         latency = calibrate(shapes, dtype, accelerator, cfg.hidden_size, fast_staging.buffers[0], host_staging.buffers[0])
-    executor = Executor(accelerator, disk_readers=max(2, n_stage), trace=engine_config.trace)
+    # without an accelerator the CPU computes experts on the engine's own thread (see DeferredTask)
+    executor = Executor(accelerator, disk_readers=max(2, n_stage), trace=engine_config.trace,
+                        inline=("cpu",) if accelerator is None else ())
     runner = TieredExperts(store, cache, executor, latency, accelerator, fast_staging, host_staging,
                            read_ahead=engine_config.read_ahead, force_path=engine_config.force_expert_path)
     runner.placement = placement
