@@ -11,7 +11,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
     launch/<dev>         a tiny op (alpha only)
     runtime/task         one task through tiered's executor and back (alpha only)
-    runtime/decode_step  a decode step of a tiny tiered model      n = layers (fixed per-step and per-layer cost)
+    runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
+                         n = layers (the fixed per-step and per-layer cost of the model code)
     copy/{h2d,d2h}_{pinned,pageable}   (CUDA only)             n = bytes
     disk/read_cold (page cache dropped with posix_fadvise before each read), disk/write (+ fsync)
 
@@ -215,7 +216,14 @@ def _task_overhead() -> float:
     return float(np.median(samples))
 
 
-def _decode_step_points(repeats: int) -> list[tuple[float, float]]:
+class _NoCheckpoint:
+    """Stands in for a checkpoint when installing decode weights on a randomly initialized model."""
+
+    def has(self, name: str) -> bool:
+        return False
+
+
+def _decode_step_points(repeats: int, dtype: str = "fp32") -> list[tuple[float, float]]:
     """(layers, seconds) of one decode step of tiny dense tiered models (hidden 64) with 2..8 layers.
 
     The weights are so small that what is timed is the fixed cost of a decode step and of each
@@ -224,12 +232,15 @@ def _decode_step_points(repeats: int) -> list[tuple[float, float]]:
     from tiered.checkpoint.model_config import ModelConfig
     from tiered.models import build_model
     from tiered.models.layers import KVCache
+    from tiered.quant.linear import install_decode_weights
 
     points = []
     for layers in (2, 4, 8):
         cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
         model = build_model(cfg, 64).eval()
+        if dtype != "fp32":  # the engine's decode path: fp32 activations, weights read in `dtype`
+            install_decode_weights(model, _NoCheckpoint(), dtype, 8)
         cache = KVCache(cfg, 1, 64, torch.float32)
         slots, ids, pos = torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[32]])
         with torch.inference_mode():
@@ -381,7 +392,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     b.models["launch/cpu"] = LinearModel(_launch_time("cpu", nosync), 0.0, None)
     b.say(f"launch/cpu: {b.models['launch/cpu'].alpha:.3g} s")
     b.models["runtime/task"] = LinearModel(_task_overhead(), 0.0, None)
-    b.attempt("runtime/decode_step", lambda: _decode_step_points(r))
+    for dtype in ("fp32", "bf16"):
+        b.attempt(f"runtime/decode_step/{dtype}", lambda d=dtype: _decode_step_points(r, d))
     b.say(f"runtime/task: {b.models['runtime/task'].alpha:.3g} s")
     # disk
     disk_sizes = [1, 4, 16] if quick else [1, 4, 16, 64, 128]

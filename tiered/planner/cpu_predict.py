@@ -100,7 +100,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         hw.models["runtime/task"].alpha if hw.has("runtime/task") else 0.0)
     disk = hw.models.get("disk/read_cold")
     # the model code's own fixed costs (module calls, small ops) per layer and per step, when profiled
-    fixed = hw.models.get("runtime/decode_step")
+    fixed = hw.models.get(f"runtime/decode_step/{dtype}") or hw.models.get("runtime/decode_step/fp32")
     per_layer, per_step = (fixed.beta, fixed.alpha) if fixed is not None else (0.0, 0.0)
     layers = []
     for i in range(cfg.num_hidden_layers):

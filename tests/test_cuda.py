@@ -1,0 +1,50 @@
+"""CUDA path: the same parity checks with the real accelerator (torch.cuda streams, pinned memory).
+
+Marked `cuda`: skipped on machines without a GPU (conftest.py), run when one is lent.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_fixtures import MOE_KINDS, engine_config, rt  # noqa: F401  (rt is a fixture)
+from test_runtime_parity import check_parity
+
+from tiered import LLM
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_parity_all_on_gpu(rt, kind):  # noqa: F811
+    llm = LLM(rt.dir(kind), engine_config(accelerator="cuda"))
+    assert llm.device.type == "cuda"
+    check_parity(rt, kind, llm)
+    llm.close()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_moe_parity_experts_in_pinned_cpu_ram(rt, kind):  # noqa: F811
+    """Experts in pinned host memory, a 2-slot GPU cache: the dispatcher copies or runs on the CPU."""
+    s = rt.sizes(kind)
+    llm = LLM(rt.dir(kind), engine_config(accelerator="cuda", gpu_memory=s.fast(cache_slots=2),
+                                          cpu_memory="64MiB", expert_cache_slots=2))
+    assert llm.experts.placement.count("cpu") == s.total_experts
+    assert all(t.is_pinned() for w in llm.experts.store.host.values() for t in w)
+    check_parity(rt, kind, llm)
+    paths = llm.experts.path_counts
+    assert paths["copy"] + paths["cpu"] > 0
+    assert llm.fast_budget.peak <= llm.fast_budget.capacity
+    llm.close()
+
+
+def test_dense_llama_on_gpu(zoo):
+    from tiered import EngineConfig
+
+    llm = LLM(zoo.dir("llama"), EngineConfig(decode_weights="fp32", accelerator="cuda"))
+    ids = list(range(2, 18))
+    with torch.no_grad():
+        ref = zoo.hf("llama")(torch.tensor([ids])).logits[0]
+    out = llm.logits(ids)
+    assert (out - ref).abs().max() / ref.abs().max() <= 1e-4
