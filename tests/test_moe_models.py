@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from moe_fixtures import MOE_KINDS, VOCAB, load_hf_moe_model, make_moe_checkpoint  # noqa: E402
+from moe_fixtures import MOE_KINDS, VOCAB  # noqa: E402
+from runtime_fixtures import rt  # noqa: E402,F401  (the shared checkpoint zoo fixture)
 
 from tiered import LLM, EngineConfig, SamplingParams  # noqa: E402
 from tiered.checkpoint import open_checkpoint  # noqa: E402
@@ -31,24 +32,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 class MoEZoo:
-    """Lazily written, cached tiny MoE checkpoints and the models over them."""
+    """Models over the session's tiny MoE checkpoints (written once, shared with the runtime tests
+    through runtime_fixtures.RuntimeZoo)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._dirs: dict[str, Path] = {}
-        self._hf: dict[str, object] = {}
+    def __init__(self, checkpoints) -> None:
+        self.checkpoints = checkpoints
         self._llm: dict[tuple, LLM] = {}
         self._local: dict[str, torch.nn.Module] = {}
 
     def dir(self, kind: str) -> Path:
-        if kind not in self._dirs:
-            self._dirs[kind] = make_moe_checkpoint(kind, self.root / kind)
-        return self._dirs[kind]
+        return self.checkpoints.dir(kind)
 
     def hf(self, kind: str):
-        if kind not in self._hf:
-            self._hf[kind] = load_hf_moe_model(self.dir(kind))
-        return self._hf[kind]
+        return self.checkpoints.hf(kind)
 
     def llm(self, kind: str, **config) -> LLM:
         config.setdefault("decode_weights", "fp32")
@@ -70,8 +66,8 @@ class MoEZoo:
 
 
 @pytest.fixture(scope="session")
-def moe(tmp_path_factory) -> MoEZoo:
-    return MoEZoo(tmp_path_factory.mktemp("moe"))
+def moe(rt) -> MoEZoo:  # noqa: F811
+    return MoEZoo(rt)
 
 
 def prompt(length: int = 16, seed: int = 0) -> list[int]:
