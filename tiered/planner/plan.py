@@ -188,7 +188,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     if goal == "throughput":
         return _throughput(plan, cfg, profile, gpu, cpu)
     if not op_time.has_device(profile, "gpu") or not gpu:
-        raise ConfigError(f"profile {profile.name!r} has no GPU to plan for", "pass --preset with a GPU or use `run`")
+        return _cpu_latency(plan, cfg, profile, cpu)
     return _moe_latency(plan, cfg, profile, gpu, cpu) if cfg.is_moe else _dense_latency(plan, cfg, profile, gpu, cpu)
 
 
@@ -322,3 +322,56 @@ def _throughput(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu, cpu
 
 def _major(t) -> str:
     return ("gpu", "cpu", "disk")[max(range(3), key=lambda i: t[i])]
+
+
+def _cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu: int | None) -> Plan:
+    """No GPU: CPU RAM is the fast tier, disk the slow one (what `run --accelerator none` does).
+
+    Non-expert weights and the KV cache go to RAM; the RAM left holds whole experts (uniform
+    popularity: each layer gets an equal share), the rest are read from disk per use. Decode time
+    comes from planner/cpu_predict.py with resident shares for hit rates (no cache credit).
+    """
+    from tiered.planner.cpu_predict import HitStats, predict_decode
+
+    dtype = "fp32" if plan.precision == "fp32" else "bf16"
+    plan.precision = dtype
+    bpe = PRECISION_BYTES[dtype]
+    ctx = plan.prompt_tokens + plan.gen_tokens
+    L = cfg.num_hidden_layers
+    moe = [i for i in range(L) if cfg.is_moe and cfg.is_moe_layer(i)]
+    dense_ffn = (L - len(moe)) * 3 * cfg.hidden_size * cfg.intermediate_size * bpe
+    fixed = _non_ffn_bytes(cfg, bpe) + dense_ffn + _kv_bytes(cfg, ctx, bpe)
+    plan.kv_cache_tier = plan.attention_tier = "cpu"
+    if cpu is not None and fixed > cpu:
+        from tiered.errors import BudgetError
+        raise BudgetError(f"CPU budget {format_bytes(cpu)} cannot hold the non-expert weights and KV cache "
+                          f"({format_bytes(fixed)})", f"raise --cpu-mem by {format_bytes(fixed - cpu)}")
+    hits = None
+    memory = {"cpu": fixed}
+    if moe:
+        E = cfg.num_experts
+        eb = 3 * cfg.hidden_size * cfg.moe_intermediate_size * bpe
+        staging = 2 * eb
+        room = float("inf") if cpu is None else cpu - fixed - staging
+        total = E * len(moe) if room == float("inf") else int(min(E * len(moe), max(room, 0) // eb))
+        hits = HitStats()
+        for j, i in enumerate(moe):  # spread the resident experts over the layers as evenly as they go
+            hits.resident[i] = total // len(moe) + (1 if j < total % len(moe) else 0)
+            hits.miss[i] = E - hits.resident[i]
+        memory = {"cpu": fixed + staging + total * eb, "disk": (E * len(moe) - total) * eb}
+    layers, step = predict_decode(cfg, profile, dtype, context=ctx, hits=hits)
+    for i, (attn, ffn) in enumerate(layers):
+        lp = LayerPlan(i, "moe" if i in moe else "dense", dtype, r_cc=1.0, r_cg=0.0, r_gg=0.0, decode_s=attn + ffn)
+        if i in moe:
+            lp.experts_gpu, lp.experts_cpu, lp.experts_disk = 0, hits.resident[i], hits.miss[i]
+        plan.layers.append(lp)
+    plan.predicted_decode_tokens_per_s = 1.0 / step
+    prefill_macs = plan.prompt_tokens * (cfg.num_parameters() if not moe else
+                                         cfg.num_parameters() * cfg.num_experts_per_tok / max(cfg.num_experts, 1))
+    plan.predicted_ttft_s = op_time.gemm_time(profile, "cpu", dtype, prefill_macs, 0.0, calls=7 * L)
+    plan.memory = memory
+    disk_share = sum(hits.miss.values()) / max(sum(hits.miss.values()) + sum(hits.resident.values()), 1) if hits else 0
+    plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
+                    f"disk reads: {disk_share:.0%} of expert uses miss RAM and are read from disk")
+    plan.notes.append("no GPU in this profile: CPU RAM is the fast tier, disk the slow one")
+    return plan

@@ -1,0 +1,66 @@
+"""Plan: construction for each goal and machine kind, budgets respected, JSON round trip, render."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.errors import BudgetError
+from tiered.hardware.presets import get_preset
+from tiered.hardware.profile import HardwareProfile, LinearModel
+from tiered.planner.plan import Plan, make_plan
+
+MIXTRAL = ModelConfig.from_hf({
+    "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1e6})
+LLAMA70B = ModelConfig.from_hf({
+    "model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
+    "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 4096})
+GiB = 2**30
+
+
+def cpu_only_profile() -> HardwareProfile:
+    """A made-up CPU + disk machine: 20 GB/s GEMV, 2 GB/s cold reads."""
+    m = {"gemm/cpu/bf16": LinearModel(0.0, 1e-11, 1.0), "gemv/cpu/bf16": LinearModel(0.0, 5e-11, 1.0),
+         "attn/cpu/bf16": LinearModel(0.0, 1e-10, 1.0), "memory/bandwidth/cpu": LinearModel(0.0, 5e-11, 1.0),
+         "disk/read_cold": LinearModel(1e-4, 5e-10, 1.0), "launch/cpu": LinearModel(1e-6, 0.0)}
+    return HardwareProfile("cpu-box", "test", m, None, 64 * GiB)
+
+
+def test_mixtral_testbed_b_24gb_fits_one_screen():
+    p = make_plan(MIXTRAL, get_preset("scheinfer-b"), model_name="Mixtral-8x7B", gpu_memory=24 * GiB)
+    text = p.render()
+    assert len(text.splitlines()) <= 25
+    assert "binding:" in text and "dispatch:" in text
+    assert p.memory["gpu"] <= 24 * GiB
+    assert 0 < sum(l.experts_gpu for l in p.layers) < 32 * 8
+    assert p.predicted_decode_tokens_per_s > 0 and p.predicted_ttft_s > 0
+
+
+def test_dense_latency_plan_uses_scheinfer_rates():
+    p = make_plan(LLAMA70B, get_preset("scheinfer-a"), gpu_memory=24 * GiB, precision="int4")
+    for l in p.layers:
+        assert abs(l.r_cc + l.r_cg + l.r_gg - 1) < 1e-6
+    assert p.memory["gpu"] <= 24 * GiB
+    assert any(l.r_gg < 1 for l in p.layers)  # 70B does not fit in 24 GB
+
+
+def test_throughput_plan_is_flexgen():
+    p = make_plan(MIXTRAL, get_preset("t4-pcie3"), goal="throughput", gen_tokens=32)
+    assert p.flexgen is not None and p.predicted_throughput_tokens_per_s > 0
+    assert p.memory["gpu"] <= get_preset("t4-pcie3").gpu_memory
+
+
+def test_cpu_only_plan_places_experts_within_ram(tmp_path):
+    hw = cpu_only_profile()
+    p = make_plan(MIXTRAL, hw, cpu_memory=48 * GiB)
+    assert p.memory["cpu"] <= 48 * GiB and p.memory["disk"] > 0
+    assert all(l.experts_gpu == 0 for l in p.layers)
+    more = make_plan(MIXTRAL, hw, cpu_memory=64 * GiB)
+    assert more.predicted_decode_tokens_per_s > p.predicted_decode_tokens_per_s  # more RAM, fewer reads
+    p.save(tmp_path / "plan.json")
+    q = Plan.load(tmp_path / "plan.json")
+    assert q.render() == p.render()
+    with pytest.raises(BudgetError):
+        make_plan(MIXTRAL, hw, cpu_memory=1 * GiB)
