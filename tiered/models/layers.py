@@ -73,13 +73,16 @@ class AttentionMetadata:
             newest token needs no mask.
         causal: a single sequence's prefill from position 0 (SDPA's built-in causal mask).
         kv_len: S, the number of cache positions attended to.
+        single: (slot, start) as ints when B == 1 and the new tokens take positions start..start+T-1
+            (every prefill and single-sequence decode): the KV write is then a plain slice copy.
     """
 
-    __slots__ = ("positions", "slots", "cos", "sin", "mask", "causal", "kv_len", "contiguous_slots")
+    __slots__ = ("positions", "slots", "cos", "sin", "mask", "causal", "kv_len", "contiguous_slots", "single")
 
-    def __init__(self, positions, slots, cos, sin, mask, causal, kv_len, contiguous_slots) -> None:
+    def __init__(self, positions, slots, cos, sin, mask, causal, kv_len, contiguous_slots, single=None) -> None:
         self.positions, self.slots, self.cos, self.sin = positions, slots, cos, sin
         self.mask, self.causal, self.kv_len, self.contiguous_slots = mask, causal, kv_len, contiguous_slots
+        self.single = single  # (slot, first position) when one sequence writes consecutive positions
 
 
 def build_attention_metadata(rotary: Rotary, positions: torch.Tensor, slots: torch.Tensor,
@@ -100,7 +103,10 @@ def build_attention_metadata(rotary: Rotary, positions: torch.Tensor, slots: tor
             mask &= keys > q - sliding_window
         mask = mask.unsqueeze(1)  # [B, 1, T, S]
     contiguous = bool(slots[0] == 0 and (B == 1 or bool((slots.diff() == 1).all())))
-    return AttentionMetadata(positions, slots, cos, sin, mask, causal, kv_len, contiguous)
+    single = None
+    if B == 1 and kv_len - T == int(positions[0, 0]):  # positions are start .. kv_len - 1
+        single = (int(slots[0]), kv_len - T)
+    return AttentionMetadata(positions, slots, cos, sin, mask, causal, kv_len, contiguous, single)
 
 
 class KVCache:
@@ -124,10 +130,15 @@ class KVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         """Write new k/v [B, Hkv, T, hd] at meta.positions; return cached k/v [B, Hkv, S, hd]."""
         ck, cv = self.k[layer], self.v[layer]
+        S = meta.kv_len
+        if meta.single is not None:  # one sequence, consecutive positions: a slice copy
+            slot, start = meta.single
+            ck[slot, :, start:S].copy_(k[0])
+            cv[slot, :, start:S].copy_(v[0])
+            return ck[slot:slot + 1, :, :S], cv[slot:slot + 1, :, :S]
         rows = meta.slots.unsqueeze(1)  # [B, 1]
         ck[rows, :, meta.positions] = k.transpose(1, 2).to(ck.dtype)  # [B, T, Hkv, hd]
         cv[rows, :, meta.positions] = v.transpose(1, 2).to(cv.dtype)
-        S = meta.kv_len
         if meta.contiguous_slots:
             B = meta.slots.shape[0]
             return ck[:B, :, :S], cv[:B, :, :S]
