@@ -89,7 +89,7 @@ _slope = st.one_of(st.just(0.0), st.floats(min_value=1e-7, max_value=1e-1))
 @st.composite
 def latency_models(draw) -> LatencyModel:
     """Random fitted models with cpu_beta >= gpu_beta (the CPU's time per token is not below the
-    accelerator's: the regime Algorithm 1 describes, and fit_line's clipped slopes can be equal)."""
+    accelerator's: the regime Algorithm 1 describes, and calibration's non-negative fitted slopes can be equal)."""
     gpu_beta = draw(_slope)
     cpu_beta = gpu_beta + draw(_slope)
     return LatencyModel(cpu_alpha=draw(_pos), cpu_beta=cpu_beta, gpu_alpha=draw(_pos), gpu_beta=gpu_beta,

@@ -66,6 +66,21 @@ class MemoryBudget:
             self.used += nbytes
             self.peak = max(self.peak, self.used)
 
+    def empty(self, shape: tuple[int, ...], dtype, what: str = "", pin: bool = False):
+        """An uninitialized host tensor reserved against this budget (pinned when `pin`).
+
+        Raises BudgetError (nothing reserved) when it does not fit.
+        """
+        import torch
+
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.reserve(n, what)
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=pin)
+        except BaseException:
+            self.release(n)
+            raise
+
     def release(self, nbytes: int) -> None:
         with self._lock:
             self.used -= nbytes

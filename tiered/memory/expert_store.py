@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from tiered.checkpoint.handle import STORED_DTYPES, TensorHandle
+from tiered.checkpoint.handle import STORED_DTYPES, TensorHandle, _fd
+from tiered.checkpoint.hf_dir import _check_safetensors_file
 from tiered.errors import ConfigError
 from tiered.hardware.budget import MemoryBudget
 from tiered.memory.placement import CPU, DISK, FAST, ExpertPlacement
@@ -102,11 +103,11 @@ class ExpertStore:
     def _alloc_fast(self, h: TensorHandle) -> torch.Tensor:
         if self.accelerator is not None:
             return self.accelerator.alloc(tuple(h.shape), self.dtype, f"resident expert {h.name}")
-        return _budgeted_empty(self.fast_budget, tuple(h.shape), self.dtype, h.name, pin=False)
+        return self.fast_budget.empty(tuple(h.shape), self.dtype, h.name)
 
     def _alloc_host(self, h: TensorHandle) -> torch.Tensor:
         pin = self.accelerator is not None and not self.accelerator.is_host
-        return _budgeted_empty(self.cpu_budget, tuple(h.shape), self.dtype, h.name, pin=pin)
+        return self.cpu_budget.empty(tuple(h.shape), self.dtype, h.name, pin=pin)
 
     def _fill(self, dst: torch.Tensor, h: TensorHandle) -> None:
         if dst.device.type == "cpu":
@@ -121,8 +122,6 @@ class ExpertStore:
                               "pass --offload-dir PATH (or EngineConfig(offload_dir=...))")
         from safetensors.torch import save_file
 
-        from tiered.checkpoint.hf_dir import HFDirCheckpoint  # noqa: F401 (format documented there)
-
         out = Path(offload_dir)
         out.mkdir(parents=True, exist_ok=True)
         by_layer: dict[int, list] = {}
@@ -133,7 +132,6 @@ class ExpertStore:
             tensors = {h.name: h.load(self.dtype) for k in ks for h in self.handles[k]}
             save_file(tensors, str(path))
             del tensors
-            from tiered.checkpoint.hf_dir import _check_safetensors_file
             header, n = _check_safetensors_file(path)
             for k in ks:
                 new = []
@@ -158,7 +156,6 @@ class ExpertStore:
         the page cache (real offloading engines read with O_DIRECT for the same reason). So a
         re-read of an evicted expert costs a real disk read, as it would for a model bigger than RAM.
         """
-        from tiered.checkpoint.handle import _fd
         for h, t in zip(self.handles[key], out):
             h.read_into(t)
             if h.offset is not None:
@@ -167,15 +164,7 @@ class ExpertStore:
 
     def advise(self, key) -> None:
         """Hint the kernel to start reading a disk-tier expert now (posix_fadvise WILLNEED)."""
-        from tiered.checkpoint.handle import _fd
         for h in self.handles[key]:
             if h.offset is not None:
                 os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_WILLNEED)
 
-
-def _budgeted_empty(budget: MemoryBudget, shape, dtype, what: str, pin: bool) -> torch.Tensor:
-    n = 1
-    for s in shape:
-        n *= s
-    budget.reserve(n * torch.empty((), dtype=dtype).element_size(), what)
-    return torch.empty(shape, dtype=dtype, pin_memory=pin)

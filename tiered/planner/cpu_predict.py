@@ -24,7 +24,6 @@ from tiered.hardware import op_time
 from tiered.hardware.profile import HardwareProfile
 from tiered.memory.expert_cache import POLICIES, ExpertCache
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass
@@ -114,8 +113,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             F, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
             eb = 3 * d * F * bpe
             t += _gemv(hw, dtype, d * cfg.num_experts * bpe)
-            compute = _gemv(hw, dtype, eb, calls=3) + over
-            over_read = over  # a miss also pays its read task
+            compute = _gemv(hw, dtype, eb, calls=3) + over  # a miss pays `over` again for its read task
             res, hit = hits.rates(i) if hits is not None else (1.0, 0.0)
             misses = k * (1 - res - hit)
             read = disk(eb) if disk is not None and misses > 0 else 0.0
@@ -124,10 +122,10 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
                 # (parallel readers overlap only the per-read latency); the CPU computes the hits
                 # meanwhile and each miss once it lands. Read-bound: stream + the last compute;
                 # compute-bound: the k computes in a row on the CPU worker.
-                stream = misses * (read + over_read) - (max(misses, 1) - 1) * disk.alpha * (readers > 1)
+                stream = misses * (read + over) - (max(misses, 1) - 1) * disk.alpha * (readers > 1)
                 t += max(stream + compute, k * compute)
             else:
-                t += k * compute + misses * (read + over_read)
+                t += k * compute + misses * (read + over)
         layers.append((attn, t))
     head = _gemv(hw, dtype, d * cfg.vocab_size * bpe)
     return layers, sum(a + f for a, f in layers) + head + per_step

@@ -13,6 +13,7 @@ Every figure comes from the HardwareProfile; `binding` names the resource that l
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -127,19 +128,10 @@ def _pct(t) -> str:
 
 def _runs(layers: list[LayerPlan]) -> list[list[LayerPlan]]:
     """Fold consecutive layers whose plan rows print the same."""
-    groups: list[list[LayerPlan]] = []
-    for l in layers:
-        key = (l.kind, round(l.r_cc, 2), round(l.r_cg, 2), round(l.r_gg, 2), l.n_g, l.experts_gpu, l.experts_cpu,
-               l.experts_disk, round(l.decode_s * 1e3, 2), round(l.prefill_s * 1e3, 2))
-        if groups and groups[-1][0]._key == key:  # type: ignore[attr-defined]
-            groups[-1].append(l)
-        else:
-            l._key = key  # type: ignore[attr-defined]
-            groups.append([l])
-    for g in groups:
-        for l in g:
-            l.__dict__.pop("_key", None)
-    return groups
+    def row(l: LayerPlan) -> tuple:
+        return (l.kind, round(l.r_cc, 2), round(l.r_cg, 2), round(l.r_gg, 2), l.n_g, l.experts_gpu, l.experts_cpu,
+                l.experts_disk, round(l.decode_s * 1e3, 2), round(l.prefill_s * 1e3, 2))
+    return [list(g) for _, g in itertools.groupby(layers, key=row)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,33 +7,21 @@ The planner's HardwareProfile replaces this when present; nothing here is a cons
 
 from __future__ import annotations
 
-import time
-
-import numpy as np
 import torch
+
+from tiered.hardware.profiler import fit_affine, median_time
 
 from tiered.models.moe import expert_forward
 from tiered.runtime.dispatcher import LatencyModel
 
 
 def _median_time(fn, repeats: int = 5) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return median_time(fn, repeats, min_sample=0.0)
 
 
-def fit_line(xs, ys) -> tuple[float, float, float]:
-    """Least-squares y = a + b*x. Returns (a, b, R^2); a and b clipped at 0."""
-    xs, ys = np.asarray(xs, float), np.asarray(ys, float)
-    b, a = np.polyfit(xs, ys, 1) if len(xs) > 1 else (0.0, float(ys[0]))
-    pred = a + b * xs
-    ss = ((ys - ys.mean()) ** 2).sum()
-    r2 = 1 - ((ys - pred) ** 2).sum() / ss if ss > 0 else 1.0
-    return max(float(a), 0.0), max(float(b), 0.0), float(r2)
+def _fit(xs, ys) -> tuple[float, float]:
+    m = fit_affine(xs, ys)
+    return m.alpha, m.beta
 
 
 def calibrate(shapes, dtype: torch.dtype, accelerator, hidden: int, dev_w=None, staged=None,
@@ -46,7 +34,7 @@ def calibrate(shapes, dtype: torch.dtype, accelerator, hidden: int, dev_w=None, 
     """
     host_w = [torch.randn(s, dtype=dtype) * 0.02 for s in shapes]
     cpu = [_median_time(lambda s=s: expert_forward(torch.randn(s, hidden, dtype=dtype), *host_w)) for s in tokens]
-    cpu_a, cpu_b, _ = fit_line(tokens, cpu)
+    cpu_a, cpu_b = _fit(tokens, cpu)
     if accelerator is None:
         return LatencyModel(cpu_a, cpu_b, cpu_a, cpu_b, 0.0, float("inf"))
     for d, h in zip(dev_w, host_w):
@@ -59,7 +47,7 @@ def calibrate(shapes, dtype: torch.dtype, accelerator, hidden: int, dev_w=None, 
             with accelerator.stream("compute"):
                 expert_forward(x, *dev_w)
         gpu.append(_median_time(run))
-    gpu_a, gpu_b, _ = fit_line(tokens, gpu)
+    gpu_a, gpu_b = _fit(tokens, gpu)
     for h, w in zip(staged, host_w):
         h.copy_(w)
 

@@ -65,18 +65,10 @@ def install_tiered_experts(model, checkpoint, engine_config, dtype: torch.dtype,
     def fast_alloc(shape, dt, what):
         if accelerator is not None:
             return accelerator.alloc(shape, dt, what)
-        n = 1
-        for s in shape:
-            n *= s
-        fast_budget.reserve(n * elem, what)
-        return torch.empty(shape, dtype=dt)
+        return fast_budget.empty(shape, dt, what)
 
     def host_alloc(shape, dt, what):
-        n = 1
-        for s in shape:
-            n *= s
-        cpu_budget.reserve(n * elem, what)
-        return accelerator.host_buffer(shape, dt)
+        return cpu_budget.empty(shape, dt, what, pin=not accelerator.is_host)
 
     fast_staging = StagingPool([tuple(fast_alloc(s, dtype, "staging") for s in shapes) for _ in range(n_stage)])
     host_staging = None

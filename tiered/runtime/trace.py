@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -45,7 +45,7 @@ def overlap_seconds(events: list[TraceEvent], a: str, b: str) -> float:
     """Total time during which a task on stream `a` and a task on stream `b` ran at once [s]."""
     ia = sorted((e.start, e.end) for e in events if e.stream == a)
     ib = sorted((e.start, e.end) for e in events if e.stream == b)
-    total, j = 0.0, 0
+    total = 0.0
     for s, t in ia:
         for u, v in ib:
             if u >= t:
@@ -82,4 +82,4 @@ def draw_gantt(events: list[TraceEvent], path: str | Path, title: str = "tiered 
     plt.close(fig)
 
 
-__all__ = ["TraceEvent", "to_chrome", "load_chrome", "draw_gantt", "overlap_seconds", "asdict"]
+__all__ = ["TraceEvent", "to_chrome", "load_chrome", "draw_gantt", "overlap_seconds"]
