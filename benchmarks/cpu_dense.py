@@ -620,14 +620,9 @@ def run_child(kind: str, spec: dict, timeout: float) -> dict:
 
 
 def machine_info() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from tiered.hardware.profiler import cpu_model
+
+    cpu = cpu_model()
     flags = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -168,7 +168,8 @@ def main() -> None:
     basev = summary[0]["decode_tokens_per_s"]
     for s in summary:
         s["speedup_vs_on_demand"] = s["decode_tokens_per_s"] / basev if basev else float("nan")
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
+    from tiered.hardware.profiler import cpu_model
+    cpu = cpu_model()
     result = {"benchmark": "moe_offload", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": {
         "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
         "model": {"shape": shape, "dtype": "bfloat16", "checkpoint_bytes": ckpt_bytes, "expert_bytes": expert_bytes},

@@ -161,7 +161,8 @@ def main() -> None:
                      "layer_median_error": None, "layers": []})
         print(f"{name}: predicted {step * 1e3:.1f} ms/token, measured {itl * 1e3:.1f} ms ({err:.0%})", flush=True)
     med = statistics.median(errors)
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    from tiered.hardware.profiler import cpu_model
+    cpu = cpu_model()
     result = {"benchmark": "planner_validation", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu,
               "cores": os.cpu_count(), "profile": hw.name, "profile_source": hw.source, "model_shape": shape,
               "cpu_mem_bytes": cpu_mem, "median_abs_error": med, "target": 0.20, "plans": rows}

@@ -29,6 +29,7 @@ from tiered.models.layers import KVCache, Rotary
 from tiered.quant.linear import PhaseLinear, install_decode_weights
 
 Prompt = str | list[dict] | list[int]
+_NO_TOKENS = torch.empty(0, dtype=torch.long)
 
 
 @contextlib.contextmanager
@@ -208,7 +209,9 @@ class LLM:
         now = time.perf_counter()
         eos = () if seqs[0].params.ignore_eos else self.config.eos_token_ids
         for row, seq in zip(logits, seqs):
-            token = sample_token(row, seq.params, seq.seen_ids(), seq.generator)
+            # the tokens seen so far matter only to a repetition penalty: skip building them otherwise
+            seen = seq.seen_ids() if seq.params.repetition_penalty != 1.0 else _NO_TOKENS
+            token = sample_token(row, seq.params, seen, seq.generator)
             seq.output_ids.append(token)
             seq.token_times.append(now)
             if token in eos or token in seq.params.stop_token_ids:

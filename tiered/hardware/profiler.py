@@ -321,7 +321,8 @@ def _fs_type(path: Path) -> str:
         return "unknown"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo, else platform)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -332,7 +333,7 @@ def _cpu_model() -> str:
 
 
 def _meta(b: _Bench, cuda: bool) -> dict:
-    meta = {"cpu": _cpu_model(), "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+    meta = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "cores": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "quick": b.quick, "repeats": b.repeats, "disk_dir": str(b.disk_dir), "disk_fs": _fs_type(b.disk_dir),
             "disk_memory": shutil.disk_usage(b.disk_dir).free, "skipped": b.skipped,
