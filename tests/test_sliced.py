@@ -45,7 +45,7 @@ def test_sliced_equals_unsliced_for_any_rates(stand_in, r_cc, frac_cg, tokens, n
     y = m(x)
     assert (y - ref).abs().max() / ref.abs().max() <= 1e-4
     assert acc.budget.used > used or m.f_gg == 0  # GG rows live in the accelerator's budget
-    for t in m.gg + (m.staging or ()) + (m.stage_cc or ()):
+    for t in m.gg + (m.staging.cg or ()) + (m.staging.cc or ()):
         acc.free(t)
 
 

@@ -239,3 +239,22 @@ def test_run_trace_then_draw(tok_model, tmp_path):
     result = CliRunner().invoke(app, ["trace", str(trace), "--png", str(tmp_path / "run.png")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "run.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_run_replays_a_plan_from_tiered_plan(tok_model, tmp_path):
+    """`tiered plan --json` then `tiered run --plan FILE`: the run keeps the plan's resident experts."""
+    from tiered.planner.plan import Plan
+
+    s = sizes_of(tok_model, 64)
+    out = CliRunner().invoke(app, ["plan", "--model", str(tok_model), "--preset", "scheinfer-b",
+                                   "--gpu-mem", "1GiB", "--json"])
+    assert out.exit_code == 0, out.output
+    plan = tmp_path / "plan.json"
+    plan.write_text(out.stdout)
+    res = CliRunner().invoke(app, ["run", "--model", str(tok_model), "--plan", str(plan), "--accelerator",
+                                   "host", "--max-context", "64", "--decode-weights", "fp32",
+                                   "-n", "2", "-t", "0", "--no-chat", "--json", "1 2 3"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout.strip().splitlines()[-1])
+    resident = Plan.load(plan).resident_experts()
+    assert data["runtime"]["placement"].startswith(f"experts: {min(resident, s.total_experts)} resident")

@@ -69,7 +69,9 @@ def run(
     expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="JSON from `tiered profile-experts`: popular experts go to the fast tier."),
     read_ahead: bool = typer.Option(True, "--read-ahead/--no-read-ahead", help="Read all of a layer's missing experts at once."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON of every runtime task (open in Perfetto)."),
-    plan_file: Optional[Path] = typer.Option(None, "--plan", help="Replay a plan from `tiered plan --json` (budgets and expert placement)."),
+    plan: str = typer.Option("auto", "--plan", help="auto: the planner decides expert residency, cache slots and dense slicing from a hardware profile; off: the runtime's own rules; or a plan JSON from `tiered plan --json` to replay."),
+    profile_file: Optional[str] = typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner (default: this machine's, measured once)."),
+    show_plan: bool = typer.Option(False, "--show-plan", help="Print the whole plan before generating."),
 ) -> None:
     """Generate text from PROMPT, streaming it to stdout and the stats to stderr."""
     from tiered import LLM, EngineConfig, SamplingParams
@@ -79,27 +81,28 @@ def run(
     prompt = prompt or DEFAULT_PROMPT
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
-    if plan_file is not None:
+    if plan not in ("auto", "off"):
         from tiered.planner.plan import Plan
 
-        replay = Plan.load(plan_file)
+        replay = Plan.load(plan)  # the budgets it was made for, unless given here
         gpu_mem = gpu_mem or replay.gpu_memory
         cpu_mem = cpu_mem or replay.cpu_memory
-        moe = [l for l in replay.layers if l.kind == "moe"]
-        if moe and cache_slots is None:
-            cache_slots = replay.expert_cache_slots
-        resident = sum(l.experts_gpu for l in moe) if moe else None
-    else:
-        resident = None
-    config = EngineConfig(dtype=dtype, resident_experts=resident, decode_weights=decode_weights, max_context=max_context, num_threads=threads,
+    config = EngineConfig(dtype=dtype, decode_weights=decode_weights, max_context=max_context, num_threads=threads,
                           gpu_memory=gpu_mem, cpu_memory=cpu_mem, offload_dir=str(offload_dir) if offload_dir else None,
                           accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
                           expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
-                          trace=trace is not None)
+                          trace=trace is not None, plan=plan, profile=profile_file)
     llm = LLM(model, config, progress=not as_json)
+    if llm.plan is not None and show_plan and not as_json:
+        typer.echo(llm.plan.render(), err=True)
     if as_json:
         out = llm.generate(prompt, params, chat=chat)[0]
-        typer.echo(json.dumps({"model": str(llm.checkpoint.path), **out.as_dict(), "runtime": llm.runtime_stats()}))
+        plan_info = None
+        if llm.plan is not None:
+            plan_info = {"summary": llm.plan.summary(), "predicted_decode_tokens_per_s": llm.plan.predicted_decode_tokens_per_s,
+                         "predicted_ttft_s": llm.plan.predicted_ttft_s, "binding": llm.plan.binding}
+        typer.echo(json.dumps({"model": str(llm.checkpoint.path), **out.as_dict(), "runtime": llm.runtime_stats(),
+                               "plan": plan_info}))
     else:
         on_text = lambda _i, delta: (sys.stdout.write(delta), sys.stdout.flush())  # noqa: E731
         out = llm.generate(prompt, params, chat=chat, on_text=on_text)[0]
@@ -107,7 +110,7 @@ def run(
         _print_stats(llm, out)
     if trace is not None:
         llm.write_trace(trace)
-        typer.echo(f"trace: {trace} ({len(llm.experts.executor.events) if llm.experts else 0} tasks)", err=True)
+        typer.echo(f"trace: {trace} ({len(llm.trace_events())} tasks)", err=True)
 
 
 def _print_stats(llm, out) -> None:
@@ -117,6 +120,9 @@ def _print_stats(llm, out) -> None:
         f"TTFT {s.ttft_s * 1e3:.0f} ms | prefill {s.prefill_tokens_per_s:.1f} tok/s | "
         f"decode {s.decode_tokens_per_s:.1f} tok/s | ITL {s.itl_s * 1e3:.1f} ms | load {llm.load_s:.1f} s]",
         err=True)
+    if llm.plan is not None:
+        measured = f" (measured {s.decode_tokens_per_s:.1f})" if s.generated_tokens > 1 else ""
+        typer.echo(f"[{llm.plan.summary().replace(' tok/s;', f' tok/s{measured};', 1)}]", err=True)
     rt = llm.runtime_stats()
     if rt:
         typer.echo(f"[experts: {rt['placement']} | hit rate {rt['hit_rate']:.1%} | paths {rt['paths']} | "

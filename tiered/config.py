@@ -44,6 +44,12 @@ class EngineConfig:
         read_ahead: issue all of a layer's expert reads at once when the router has chosen.
         staging_buffers: expert-sized staging buffers per tier for misses that get no cache slot.
         trace: record a timeline of every executor task.
+        plan: "auto" (default) lets the planner decide expert residency, cache slots and dense
+            slicing from a hardware profile (planner/auto.py); "off" leaves them to the runtime's
+            own rules; any other value is the path of a saved plan (`tiered plan --json`) to replay.
+            Explicit resident_experts / expert_cache_slots always win over the plan.
+        profile: HardwareProfile JSON path or preset name the planner uses; None = this machine's
+            cached profile (measured once, quickly, if there is none).
         force_expert_path: tests only: "copy" or "cpu" for every non-resident expert.
     """
 
@@ -64,6 +70,8 @@ class EngineConfig:
     read_ahead: bool = True
     staging_buffers: int = 2
     trace: bool = False
+    plan: str = "auto"
+    profile: str | None = None
     force_expert_path: str | None = None
 
     def __post_init__(self) -> None:
@@ -89,6 +97,8 @@ class EngineConfig:
             raise ConfigError("link_bandwidth must be > 0 bytes/s", "pass e.g. 16e9")
         if self.force_expert_path not in (None, "copy", "cpu"):
             raise ConfigError("force_expert_path must be None, 'copy' or 'cpu'", "leave it unset")
+        if not self.plan:
+            raise ConfigError("plan must be 'auto', 'off' or the path of a saved plan", "pass plan='auto'")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}",
                               "pass dtype='float32' (lossless) or 'bfloat16'")

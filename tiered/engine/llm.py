@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 import weakref
+from dataclasses import replace
+from pathlib import Path
 from typing import Callable, Iterator, Sequence as Seq
 
 import torch
@@ -19,7 +22,7 @@ from tiered.config import EngineConfig
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
 from tiered.engine.sampling import SamplingParams, sample_token
 from tiered.engine.sequence import RequestOutput, Sequence
-from tiered.errors import ConfigError, ContextLengthError
+from tiered.errors import BudgetError, ConfigError, ContextLengthError
 from tiered.hardware.accelerator import make_accelerator
 from tiered.hardware.budget import MemoryBudget
 from tiered.memory.expert_store import is_expert_param
@@ -79,13 +82,29 @@ class LLM:
         with torch.device("meta"):
             self.model = build_model(self.config, self.max_context)
         self.model.rotary = Rotary(self.config, self.max_context).to(self.device)
-        skip = is_expert_param if self.config.is_moe else None
+        # the KV cache is allocated per generate call; plans keep room for one max_context sequence
+        kv_reserve = _kv_cache_bytes(self.config, 1, self.max_context, self.dtype)
+        self.plan, self._profile = None, None
+        sliced: dict = {}
+        if not self.config.is_moe:  # dense: plan before loading (the sliced FFNs are never loaded whole)
+            skip_ffn = _skip(False, dict.fromkeys(range(self.config.num_hidden_layers)))
+            committed = planned_bytes(self.model, self.dtype, skip_ffn) + kv_reserve
+            # without an accelerator the dense plan decides nothing (it predicts): never fatal
+            self._make_plan(progress, {"gpu" if self.accelerator is not None else "cpu": committed},
+                            strict=self.accelerator is not None)
+            if self.plan is not None and self.accelerator is not None:
+                from tiered.planner.auto import sliced_layers
+                sliced = sliced_layers(self.plan)
+        skip = _skip(self.config.is_moe, sliced)
         # budgets are checked from byte counts before a single tensor is read
         self.fast_budget.reserve(planned_bytes(self.model, self.dtype, skip),
-                                 "the non-expert weights" if skip else "the model's weights")
+                                 "the non-expert weights" if self.config.is_moe else
+                                 "the non-FFN weights" if sliced else "the model's weights")
         with _load_progress(progress, self.checkpoint.nbytes()) as on_tensor:
             self.weight_bytes = materialize(self.model, self.checkpoint, self.dtype, self.device,
                                             on_tensor=on_tensor, skip=skip)
+        self.executor = None
+        self.sliced = self._install_slices(sliced) if sliced else []
         self.decode_weight_bytes = 0
         if ec.decode_weights != _same_format(self.dtype) and self.device.type == "cpu":
             self.decode_weight_bytes = install_decode_weights(
@@ -94,13 +113,87 @@ class LLM:
         self.experts = None
         if self.config.is_moe:
             from tiered.runtime.moe_setup import install_tiered_experts
-            # the KV cache is allocated per generate call: keep room for one max_context sequence
-            kv_reserve = _kv_cache_bytes(self.config, 1, self.max_context, self.dtype)
-            self.experts = install_tiered_experts(self.model, self.checkpoint, ec, self.dtype, self.accelerator,
+            # MoE: plan once the non-expert weights are in, from the bytes they really took
+            committed = {"gpu" if self.accelerator is not None else "cpu": self.fast_budget.used + kv_reserve}
+            if self.accelerator is not None:
+                committed["cpu"] = self.cpu_budget.used
+            self._make_plan(progress, committed, strict=False)
+            run = ec
+            if self.plan is not None:  # the plan's residency and cache, unless set explicitly
+                run = replace(ec, resident_experts=ec.resident_experts if ec.resident_experts is not None
+                              else self.plan.resident_experts(),
+                              expert_cache_slots=ec.expert_cache_slots if ec.expert_cache_slots is not None
+                              else self.plan.expert_cache_slots)
+            self.experts = install_tiered_experts(self.model, self.checkpoint, run, self.dtype, self.accelerator,
                                                   self.fast_budget, self.cpu_budget, kv_reserve)
         self.model.eval()
         self.load_s = time.perf_counter() - t0
         self.tokenizer = self.checkpoint.tokenizer()
+
+    # ----------------------------------------------------------------- planning
+    def _make_plan(self, progress: bool, committed: dict, strict: bool = True) -> None:
+        """Set self.plan (and the profile it came from) per EngineConfig.plan: planned now ("auto")
+        with `committed` (tier -> bytes the engine holds there outside the FFN / experts), replayed
+        (a path), or none ("off").
+
+        Raises ConfigError / BudgetError from the planner. With strict=False a BudgetError leaves
+        no plan instead: the runtime's own checks, which follow, then name exactly what is short.
+        """
+        from tiered.planner.plan import Plan
+
+        ec = self.engine_config
+        if ec.plan == "off":
+            return
+        if ec.plan != "auto":
+            self.plan = Plan.load(ec.plan)
+            return
+        from tiered.memory.placement import load_popularity
+        from tiered.planner.auto import engine_plan, engine_profile
+
+        say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else None
+        profile = engine_profile(ec.profile, self.accelerator, progress=say)
+        cfg = self.config
+        popularity = None
+        if cfg.is_moe and ec.expert_profile:
+            popularity = load_popularity(ec.expert_profile, cfg.num_hidden_layers, cfg.num_experts)
+        try:
+            plan = engine_plan(cfg, profile, model_name=Path(self.checkpoint.path).name,
+                               gpu_memory=self.fast_budget.capacity if self.accelerator is not None else None,
+                               cpu_memory=self.cpu_budget.capacity, has_accelerator=self.accelerator is not None,
+                               precision=self._plan_precision(), max_context=self.max_context,
+                               popularity=popularity,
+                               committed=committed, expert_cache_slots=ec.expert_cache_slots,
+                               max_resident=ec.resident_experts)
+        except BudgetError:
+            if strict:
+                raise
+            return
+        self.plan, self._profile = plan, profile
+
+    def _plan_precision(self) -> str:
+        """The weight precision the plan prices: a dense model on the CPU decodes with its decode
+        copies (int4 for GGUF Q4 blocks under "auto"); experts and accelerator work use the dtype."""
+        fmt = self.engine_config.decode_weights
+        if self.config.is_moe or self.accelerator is not None or fmt == _same_format(self.dtype):
+            return _same_format(self.dtype)
+        from tiered.quant.linear import decode_precision
+        return decode_precision(self.checkpoint, fmt)
+
+    def _install_slices(self, sliced: dict) -> list:
+        """Build the planned layers' SlicedMLPs from the checkpoint (their FFN weights were not
+        materialized): GG parts on the accelerator, CC/CG parts in (pinned) CPU memory."""
+        from tiered.planner.auto import token_assignment
+        from tiered.runtime.executor import Executor
+        from tiered.runtime.sliced import install_sliced_mlps
+
+        self.executor = Executor(self.accelerator, trace=self.engine_config.trace)
+
+        def weights(i: int):
+            return tuple(self.checkpoint.handle(f"model.layers.{i}.mlp.{p}_proj.weight").load(self.dtype)
+                         for p in ("gate", "up", "down"))
+        return install_sliced_mlps(self.model, sliced, self.accelerator, self.executor,
+                                   n_g=token_assignment(self.plan, self.config, self._profile),
+                                   weights=weights, host_budget=self.cpu_budget)
 
     # ----------------------------------------------------------------- prompts
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
@@ -240,6 +333,8 @@ class LLM:
         """Stop the expert runtime's worker threads (the LLM cannot generate afterwards)."""
         if self.experts is not None:
             self.experts.executor.close()
+        if self.executor is not None:
+            self.executor.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -250,7 +345,12 @@ class LLM:
     def write_trace(self, path) -> None:
         """Write the executor's timeline as Chrome trace-event JSON (needs EngineConfig(trace=True))."""
         from tiered.runtime.trace import to_chrome
-        to_chrome(self.experts.executor.events if self.experts is not None else [], path)
+        to_chrome(self.trace_events(), path)
+
+    def trace_events(self) -> list:
+        """The runtime's recorded tasks (TraceEvent): the MoE runtime's, or the sliced MLPs'."""
+        ex = self.experts.executor if self.experts is not None else self.executor
+        return list(ex.events) if ex is not None else []
 
     # ----------------------------------------------------------------- scoring
     def logits(self, token_ids: Seq[int]) -> torch.Tensor:
@@ -284,6 +384,15 @@ class LLM:
         assert cache.nbytes == nbytes
         weakref.finalize(cache, self.fast_budget.release, nbytes)
         return cache
+
+
+def _skip(is_moe: bool, sliced: dict):
+    """Which parameters stay on the meta device: routed experts (the MoE runtime serves them) and
+    the FFN weights of sliced layers (built from the checkpoint into their tiers)."""
+    if not sliced:
+        return is_expert_param if is_moe else None
+    prefixes = tuple(f"model.layers.{i}.mlp." for i in sliced)
+    return lambda name: name.startswith(prefixes) or (is_moe and is_expert_param(name))
 
 
 def _kv_cache_bytes(config, num_slots: int, max_len: int, dtype: torch.dtype) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tiered.checkpoint.model_config import ModelConfig
@@ -38,6 +39,27 @@ class HitStats:
         """(resident share, cache-hit share) of the layer's expert uses."""
         n = self.resident.get(layer, 0) + self.cache.get(layer, 0) + self.miss.get(layer, 0)
         return (self.resident.get(layer, 0) / n, self.cache.get(layer, 0) / n) if n else (0.0, 0.0)
+
+
+def routing_trace(moe_layers: list[int], num_experts: int, top_k: int, steps: int,
+                  popularity: np.ndarray | None = None, seed: int = 0) -> list[tuple[int, int, list[int]]]:
+    """A synthetic decode routing trace [(layer, 1, experts)] for `simulate_hits`.
+
+    Each of `steps` decode steps routes one token through every MoE layer to `top_k` distinct
+    experts drawn with probability proportional to `popularity[layer]` (float [L, E], tokens routed
+    per expert from `tiered profile-experts`), or uniformly when None. Seeded: the same arguments
+    give the same trace.
+    """
+    rng = np.random.default_rng(seed)
+    trace = []
+    for _ in range(steps):
+        for layer in moe_layers:
+            p = None
+            if popularity is not None:
+                w = np.asarray(popularity[layer], dtype=np.float64) + 1e-9  # every expert stays drawable
+                p = w / w.sum()
+            trace.append((layer, 1, [int(e) for e in rng.choice(num_experts, top_k, replace=False, p=p)]))
+    return trace
 
 
 def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_only: bool = True) -> HitStats:
@@ -76,8 +98,9 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int) 
     kv = cfg.num_key_value_heads * cfg.head_dim
     w = 2 * d * q + 2 * d * kv
     proj = _gemv(hw, dtype, w * op_time.bytes_per_element(dtype), calls=4)
-    kv_bytes = 2 * kv * context * op_time.bytes_per_element(dtype)
-    return proj + op_time.attention_time(hw, "cpu", dtype, 2 * context * q, kv_bytes)
+    act = dtype if dtype in ("fp32", "bf16", "fp16") else "bf16"  # int4/int8 weights keep a 16-bit KV cache
+    kv_bytes = 2 * kv * context * op_time.bytes_per_element(act)
+    return proj + op_time.attention_time(hw, "cpu", act, 2 * context * q, kv_bytes)
 
 
 def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, hits: HitStats | None = None,
@@ -99,7 +122,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         hw.models["runtime/task"].alpha if hw.has("runtime/task") else 0.0)
     disk = hw.models.get("disk/read_cold")
     # the model code's own fixed costs (module calls, small ops) per layer and per step, when profiled
-    fixed = hw.models.get(f"runtime/decode_step/{dtype}") or hw.models.get("runtime/decode_step/fp32")
+    fixed = (hw.models.get(f"runtime/decode_step/{dtype}") or hw.models.get("runtime/decode_step/bf16" if dtype != "fp32"
+             else "runtime/decode_step/fp32") or hw.models.get("runtime/decode_step/fp32"))
     per_layer, per_step = (fixed.beta, fixed.alpha) if fixed is not None else (0.0, 0.0)
     layers = []
     for i in range(cfg.num_hidden_layers):

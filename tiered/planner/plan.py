@@ -61,6 +61,10 @@ class Plan:
     layers: list[LayerPlan] = field(default_factory=list)
     kv_cache_tier: str = "gpu"
     attention_tier: str = "gpu"
+    fast_tier: str = "gpu"  # where resident experts / GG slices live: "gpu", or "cpu" when there is no GPU
+    context_tokens: int = 0  # KV-cache positions the memory figures keep room for
+    committed: dict = field(default_factory=dict)  # tier -> bytes the engine already holds there (exact)
+    max_resident: int | None = None  # a cap on resident experts set by the user
     dispatch_threshold_tokens: float | None = None
     expert_cache_slots: int = 0
     predicted_ttft_s: float = 0.0
@@ -70,6 +74,29 @@ class Plan:
     binding: str = ""
     notes: list[str] = field(default_factory=list)
     flexgen: dict | None = None
+
+    def summary(self) -> str:
+        """One line: what the plan decided, its prediction and the binding resource."""
+        moe = [l for l in self.layers if l.kind == "moe"]
+        sliced = [l for l in self.layers if l.kind == "dense" and l.r_gg < 1 - 1e-9 and self.fast_tier == "gpu"]
+        if self.flexgen:
+            what = f"FlexGen policy {self.flexgen['policy']}"
+        elif moe:
+            what = (f"{self.resident_experts()} of {sum(l.experts_gpu + l.experts_cpu + l.experts_disk for l in moe)} "
+                    f"experts resident on the {self.fast_tier}, {self.expert_cache_slots} cache slots")
+        elif sliced:
+            n = len(sliced)
+            what = (f"{n} of {len(self.layers)} FFNs sliced (mean r_CC {sum(l.r_cc for l in sliced) / n:.2f}, "
+                    f"r_CG {sum(l.r_cg for l in sliced) / n:.2f}, r_GG {sum(l.r_gg for l in sliced) / n:.2f})")
+        else:
+            what = f"every weight on the {self.fast_tier}"
+        speed = (f"throughput {self.predicted_throughput_tokens_per_s:.1f} tok/s" if self.flexgen else
+                 f"decode {self.predicted_decode_tokens_per_s:.1f} tok/s")
+        return f"plan ({self.profile}): {what}; predicted {speed}; binding: {self.binding}"
+
+    def resident_experts(self) -> int:
+        """Experts the plan makes resident on its fast tier (the GPU, or CPU RAM without one)."""
+        return sum(l.experts_gpu if self.fast_tier == "gpu" else l.experts_cpu for l in self.layers if l.kind == "moe")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -111,6 +138,8 @@ class Plan:
             s = self.dispatch_threshold_tokens
             out.append(f"dispatch: a non-resident expert runs on the CPU when it has <= {s:.1f} tokens, "
                        f"else its weights are copied to the GPU (Fiddler Alg. 1)")
+        if self.expert_cache_slots:
+            out.append(f"expert cache: {self.expert_cache_slots} slots on the {self.fast_tier} for experts that are not resident")
         mem = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.memory.items())
         out.append(f"memory: {mem}")
         if self.predicted_throughput_tokens_per_s is not None:
@@ -149,6 +178,11 @@ def _kv_bytes(cfg: ModelConfig, tokens: int, bpe: float = 2.0) -> float:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * tokens * bpe
 
 
+def _kv_bpe(precision: str) -> float:
+    """KV-cache bytes per element: the compute dtype (fp32, else 16-bit activations)."""
+    return 4.0 if precision == "fp32" else 2.0
+
+
 def _attention_time(cfg: ModelConfig, profile: HardwareProfile, device: str, precision: str, tokens: int,
                     context: int) -> float:
     """One layer's attention projections + attention over `context` cached positions [s]."""
@@ -163,8 +197,22 @@ def _attention_time(cfg: ModelConfig, profile: HardwareProfile, device: str, pre
 
 def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "", gpu_memory: int | None = None,
               cpu_memory: int | None = None, goal: str = "latency", prompt_tokens: int = 512, gen_tokens: int = 128,
-              precision: str = "bf16") -> Plan:
+              precision: str = "bf16", context_tokens: int | None = None, popularity=None,
+              committed: dict | None = None, expert_cache_slots: int | None = None,
+              max_resident: int | None = None) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
+
+    Args:
+        context_tokens: KV-cache positions to keep room for [tokens] (default prompt + generated);
+            the engine passes its max_context, the room its runtime reserves.
+        popularity: float [L, E] tokens routed per expert (`tiered profile-experts`): the most
+            popular experts are made resident, and cache hit rates are simulated on routing drawn
+            from it (uniform when None).
+        committed: tier ("gpu" / "cpu") -> bytes the engine has already committed there outside the
+            FFN / experts (weights it has loaded, decode copies, the KV-cache room), measured: it
+            replaces the planner's own estimate of those bytes and its 5% safety margin.
+        expert_cache_slots, max_resident: fixed by the user (None = the planner chooses: a cache of
+            up to one layer's experts, then as many resident experts as fit).
 
     Raises:
         ConfigError: unknown goal or precision, or a cost model the profile lacks.
@@ -177,11 +225,21 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     gpu = gpu_memory if gpu_memory is not None else profile.gpu_memory
     cpu = cpu_memory if cpu_memory is not None else profile.cpu_memory
     plan = Plan(model_name or cfg.model_type, goal, profile.name, gpu, cpu, prompt_tokens, gen_tokens, precision)
+    plan.context_tokens = context_tokens or prompt_tokens + gen_tokens
+    plan.committed = dict(committed or {})
+    plan.expert_cache_slots = expert_cache_slots if expert_cache_slots is not None else -1  # -1: choose
+    plan.max_resident = max_resident
     if goal == "throughput":
-        return _throughput(plan, cfg, profile, gpu, cpu)
-    if not op_time.has_device(profile, "gpu") or not gpu:
-        return _cpu_latency(plan, cfg, profile, cpu)
-    return _moe_latency(plan, cfg, profile, gpu, cpu) if cfg.is_moe else _dense_latency(plan, cfg, profile, gpu, cpu)
+        _throughput(plan, cfg, profile, gpu, cpu)
+    elif not op_time.has_device(profile, "gpu") or not gpu:
+        plan.fast_tier = "cpu"
+        _cpu_latency(plan, cfg, profile, cpu, popularity)
+    elif cfg.is_moe:
+        _moe_latency(plan, cfg, profile, gpu, cpu, popularity)
+    else:
+        _dense_latency(plan, cfg, profile, gpu, cpu)
+    plan.expert_cache_slots = max(plan.expert_cache_slots, 0)
+    return plan
 
 
 def _dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: int, cpu: int | None) -> Plan:
@@ -191,9 +249,12 @@ def _dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: 
     bpe = PRECISION_BYTES[plan.precision]
     M, H, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     ctx = plan.prompt_tokens + plan.gen_tokens
-    non_ffn, kv = _non_ffn_bytes(cfg, bpe), _kv_bytes(cfg, ctx)
+    non_ffn, kv = _non_ffn_bytes(cfg, bpe), _kv_bytes(cfg, plan.context_tokens, _kv_bpe(plan.precision))
     staging = 2 * 3 * M * H * bpe  # double-buffered CG slices of the largest FFN
-    budget = ffn_gpu_budget(gpu, non_ffn_bytes=non_ffn, kv_cache_bytes=kv, staging_bytes=staging)
+    if "gpu" in plan.committed:  # measured by the engine: exact, no margin
+        non_ffn, kv = plan.committed["gpu"], 0.0
+    budget = ffn_gpu_budget(gpu, non_ffn_bytes=non_ffn, kv_cache_bytes=kv, staging_bytes=staging,
+                            margin=0.0 if "gpu" in plan.committed else 0.05)
     decode_shape = LayerShape(1, M, H, 3, bpe)
     params = cost_params(profile, plan.precision, decode_shape)
     assign = assign_gpu_memory([decode_shape] * L, params, budget)
@@ -226,7 +287,8 @@ def _dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: 
     return plan
 
 
-def _moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: int, cpu: int | None) -> Plan:
+def _moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: int, cpu: int | None,
+                 popularity=None) -> Plan:
     from tiered.planner.fiddler import ExpertLatency, ExpertShape
 
     bpe = PRECISION_BYTES[plan.precision]
@@ -234,31 +296,33 @@ def _moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: in
     moe_layers = [i for i in range(L) if cfg.is_moe_layer(i)]
     ctx = plan.prompt_tokens + plan.gen_tokens
     non_expert = _non_ffn_bytes(cfg, bpe) + (L - len(moe_layers)) * 3 * cfg.hidden_size * cfg.intermediate_size * bpe
-    kv = _kv_bytes(cfg, ctx)
+    kv = _kv_bytes(cfg, plan.context_tokens, _kv_bpe(plan.precision))
     shape = ExpertShape.from_config(cfg)
     lat = ExpertLatency(profile, shape, plan.precision, plan.precision)
     expert_bytes = shape.weight_bytes(plan.precision)
     workspace = 2 * expert_bytes  # staging for copied experts
-    free = gpu * 0.95 - non_expert - kv - workspace
+    if "gpu" in plan.committed:  # measured by the engine: exact, no margin
+        non_expert, kv = plan.committed["gpu"], 0.0
+        free = gpu - non_expert - workspace
+    else:
+        free = gpu * 0.95 - non_expert - kv - workspace
     if free < 0:
         from tiered.errors import BudgetError
         raise BudgetError(f"GPU budget {format_bytes(gpu)} cannot hold the non-expert weights "
                           f"({format_bytes(non_expert)}), KV cache ({format_bytes(kv)}) and staging",
                           f"raise --gpu-mem by {format_bytes(-free)}")
     total = len(moe_layers) * E
-    n_gpu = min(total, int(free // expert_bytes))
-    cpu_room = (cpu - 2 * expert_bytes) if cpu else float("inf")
-    n_cpu = min(total - n_gpu, int(max(cpu_room, 0) // expert_bytes)) if cpu_room != float("inf") else total - n_gpu
-    n_disk = total - n_gpu - n_cpu
-    h = n_gpu / total  # uniform popularity: the share of routed tokens that find their expert resident
+    cpu_room = (cpu - plan.committed.get("cpu", 0) - 2 * expert_bytes) if cpu else float("inf")
+    placement, hits = _place_experts(plan, cfg, moe_layers, expert_bytes, free, max(cpu_room, 0.0), popularity)
+    n_gpu, n_cpu, n_disk = (placement.count(t) for t in ("fast", "cpu", "disk"))
     thr = lat.threshold()
     plan.dispatch_threshold_tokens = thr
     disk = profile.models.get("disk/read_cold")
     t_disk = disk(expert_bytes) if disk is not None else 0.0
-    d_share = n_disk / max(total - n_gpu, 1)
 
-    def layer_time(tokens: int) -> float:
-        # tokens routed per active expert (uniform), the experts a step touches, Fiddler makespan (gap F1)
+    def layer_time(tokens: int, h: float, d_share: float) -> float:
+        # tokens routed per active expert (uniform), the experts a step touches, Fiddler makespan (gap F1);
+        # h: share of the active experts found on the GPU (resident or cached), d_share: misses read from disk
         active = min(E, max(k, math.ceil(E * (1 - (1 - k / E) ** tokens))))
         s = max(1, math.ceil(tokens * k / active))
         res, miss = active * h, active * (1 - h)
@@ -272,26 +336,27 @@ def _moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: in
 
     attn_dec = _attention_time(cfg, profile, "gpu", plan.precision, 1, ctx)
     attn_pre = _attention_time(cfg, profile, "gpu", plan.precision, plan.prompt_tokens, plan.prompt_tokens)
-    per_layer_gpu = [n_gpu // len(moe_layers) + (1 if i < n_gpu % len(moe_layers) else 0) for i in range(len(moe_layers))]
-    per_layer_disk = [n_disk // len(moe_layers) + (1 if i < n_disk % len(moe_layers) else 0) for i in range(len(moe_layers))][::-1]
-    for j, i in enumerate(moe_layers):
-        g, d = per_layer_gpu[j], per_layer_disk[j]
-        plan.layers.append(LayerPlan(i, "moe", plan.precision, experts_gpu=g, experts_cpu=E - g - d, experts_disk=d,
+    for i in moe_layers:
+        g, c, d = (_count(placement, i, t) for t in ("fast", "cpu", "disk"))
+        res, cached = hits.rates(i)
+        d_share = d / max(c + d, 1)
+        plan.layers.append(LayerPlan(i, "moe", plan.precision, experts_gpu=g, experts_cpu=c, experts_disk=d,
                                      r_cc=0.0, r_cg=0.0, r_gg=g / E,
-                                     decode_s=layer_time(1) + attn_dec, prefill_s=layer_time(plan.prompt_tokens) + attn_pre))
+                                     decode_s=layer_time(1, res + cached, d_share) + attn_dec,
+                                     prefill_s=layer_time(plan.prompt_tokens, g / E, d_share) + attn_pre))
     head = op_time.gemm_time(profile, "gpu", plan.precision, cfg.hidden_size * cfg.vocab_size,
                              cfg.hidden_size * cfg.vocab_size * bpe)
     plan.predicted_decode_tokens_per_s = 1.0 / (sum(l.decode_s for l in plan.layers) + head)
     plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + head
-    plan.expert_cache_slots = 0
-    plan.memory = {"gpu": non_expert + kv + workspace + n_gpu * expert_bytes, "cpu": n_cpu * expert_bytes,
-                   "disk": n_disk * expert_bytes}
+    plan.memory = {"gpu": non_expert + kv + workspace + (n_gpu + placement.cache_slots) * expert_bytes,
+                   "cpu": n_cpu * expert_bytes, "disk": n_disk * expert_bytes}
+    h = _hit_share(hits)
     path = "CPU compute" if lat.cpu_wins(1) else "H2D copies"
-    plan.binding = (f"GPU memory: {n_gpu}/{total} experts ({h:.0%}) fit beside the non-expert weights and KV cache; "
+    plan.binding = (f"GPU memory: {n_gpu}/{total} experts resident and {placement.cache_slots} cache slots "
+                    f"(hit rate {h:.0%}) beside the non-expert weights and KV cache; "
                     f"each decode step's missing experts go to {path} (s* = {thr:.1f} tokens)"
                     + (f"; {n_disk} experts do not fit in CPU RAM and are read from disk" if n_disk else ""))
-    plan.notes.append("expert popularity assumed uniform; `tiered profile-experts` + run --expert-profile places the "
-                      "most popular experts on the GPU (Fiddler §3.4)")
+    _popularity_note(plan, popularity)
     return plan
 
 
@@ -312,11 +377,54 @@ def _throughput(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu, cpu
     return plan
 
 
+def _place_experts(plan: Plan, cfg: ModelConfig, moe_layers: list[int], expert_bytes: float, fast_free: float,
+                   cpu_free: float | None, popularity):
+    """The runtime's own placement (memory/placement.py: Fiddler §3.4 with the expert cache carved
+    out first) on the planner's byte counts, and the hit shares its resident set and cache get on a
+    routing trace drawn from `popularity` (cpu_predict.simulate_hits). Sets plan.expert_cache_slots.
+
+    Raises BudgetError when the fast tier has no room left for experts at all.
+    """
+    from tiered.errors import BudgetError
+    from tiered.memory.placement import plan_expert_placement
+    from tiered.planner.cpu_predict import routing_trace, simulate_hits
+
+    if fast_free < 0:
+        raise BudgetError(f"the {plan.fast_tier} budget is {format_bytes(-fast_free)} short of the non-expert "
+                          "weights, KV cache and staging buffers", f"raise --{plan.fast_tier}-mem or lower --max-context")
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    slots = plan.expert_cache_slots if plan.expert_cache_slots >= 0 else None
+    placement = plan_expert_placement(moe_layers, E, int(expert_bytes), fast_free, cpu_free, popularity,
+                                      cache_slots=slots, max_resident=plan.max_resident)
+    resident = {key for key, tier in placement.tiers.items() if tier == "fast"}
+    trace = routing_trace(moe_layers, E, k, max(plan.gen_tokens, 64), popularity)
+    plan.expert_cache_slots = placement.cache_slots
+    return placement, simulate_hits(trace, resident, placement.cache_slots)
+
+
+def _count(placement, layer: int, tier: str) -> int:
+    return sum(1 for (l, _), t in placement.tiers.items() if l == layer and t == tier)
+
+
+def _hit_share(hits) -> float:
+    """Share of the trace's expert uses served from the fast tier (resident or cached)."""
+    r, c, m = (sum(d.values()) for d in (hits.resident, hits.cache, hits.miss))
+    return (r + c) / max(r + c + m, 1)
+
+
+def _popularity_note(plan: Plan, popularity) -> None:
+    if popularity is None:
+        plan.notes.append("expert popularity assumed uniform; `tiered profile-experts` + --expert-profile places the "
+                          "most popular experts on the fast tier (Fiddler §3.4)")
+    else:
+        plan.notes.append("resident experts chosen by popularity from the expert profile (Fiddler §3.4)")
+
+
 def _major(t) -> str:
     return ("gpu", "cpu", "disk")[max(range(3), key=lambda i: t[i])]
 
 
-def _cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu: int | None) -> Plan:
+def _cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu: int | None, popularity=None) -> Plan:
     """No GPU: CPU RAM is the fast tier, disk the slow one (what `run --accelerator none` does).
 
     Non-expert weights and the KV cache go to RAM; the RAM left holds whole experts (uniform
@@ -325,14 +433,15 @@ def _cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu: in
     """
     from tiered.planner.cpu_predict import HitStats, predict_decode
 
-    dtype = "fp32" if plan.precision == "fp32" else "bf16"
+    # decode weights may be int4/int8 (GGUF blocks kept packed); otherwise fp32 or 16-bit
+    dtype = plan.precision if plan.precision in ("fp32", "bf16", "int4", "int8") else "bf16"
     plan.precision = dtype
     bpe = PRECISION_BYTES[dtype]
     ctx = plan.prompt_tokens + plan.gen_tokens
     L = cfg.num_hidden_layers
     moe = [i for i in range(L) if cfg.is_moe and cfg.is_moe_layer(i)]
     dense_ffn = (L - len(moe)) * 3 * cfg.hidden_size * cfg.intermediate_size * bpe
-    fixed = _non_ffn_bytes(cfg, bpe) + dense_ffn + _kv_bytes(cfg, ctx, bpe)
+    fixed = plan.committed.get("cpu", _non_ffn_bytes(cfg, bpe) + dense_ffn + _kv_bytes(cfg, plan.context_tokens, bpe))
     plan.kv_cache_tier = plan.attention_tier = "cpu"
     if cpu is not None and fixed > cpu:
         from tiered.errors import BudgetError
@@ -345,25 +454,25 @@ def _cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu: in
         eb = 3 * cfg.hidden_size * cfg.moe_intermediate_size * bpe
         staging = 2 * eb
         room = float("inf") if cpu is None else cpu - fixed - staging
-        total = E * len(moe) if room == float("inf") else int(min(E * len(moe), max(room, 0) // eb))
-        hits = HitStats()
-        for j, i in enumerate(moe):  # spread the resident experts over the layers as evenly as they go
-            hits.resident[i] = total // len(moe) + (1 if j < total % len(moe) else 0)
-            hits.miss[i] = E - hits.resident[i]
-        memory = {"cpu": fixed + staging + total * eb, "disk": (E * len(moe) - total) * eb}
+        placement, hits = _place_experts(plan, cfg, moe, eb, room, None, popularity)
+        total = placement.count("fast")
+        memory = {"cpu": fixed + staging + (total + placement.cache_slots) * eb, "disk": (E * len(moe) - total) * eb}
     layers, step = predict_decode(cfg, profile, dtype, context=ctx, hits=hits)
     for i, (attn, ffn) in enumerate(layers):
         lp = LayerPlan(i, "moe" if i in moe else "dense", dtype, r_cc=1.0, r_cg=0.0, r_gg=0.0, decode_s=attn + ffn)
         if i in moe:
-            lp.experts_gpu, lp.experts_cpu, lp.experts_disk = 0, hits.resident[i], hits.miss[i]
+            lp.experts_gpu, lp.experts_cpu, lp.experts_disk = 0, _count(placement, i, "fast"), _count(placement, i, "disk")
         plan.layers.append(lp)
     plan.predicted_decode_tokens_per_s = 1.0 / step
     prefill_macs = plan.prompt_tokens * (cfg.num_parameters() if not moe else
                                          cfg.num_parameters() * cfg.num_experts_per_tok / max(cfg.num_experts, 1))
     plan.predicted_ttft_s = op_time.gemm_time(profile, "cpu", dtype, prefill_macs, 0.0, calls=7 * L)
     plan.memory = memory
-    disk_share = sum(hits.miss.values()) / max(sum(hits.miss.values()) + sum(hits.resident.values()), 1) if hits else 0
+    disk_share = 1.0 - _hit_share(hits) if hits else 0.0
     plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
-                    f"disk reads: {disk_share:.0%} of expert uses miss RAM and are read from disk")
+                    f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "
+                    f"{plan.expert_cache_slots} cache slots) and are read from disk")
     plan.notes.append("no GPU in this profile: CPU RAM is the fast tier, disk the slow one")
+    if moe:
+        _popularity_note(plan, popularity)
     return plan

@@ -120,6 +120,21 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     return DecodeWeight("dense", dense=w.to(torch.bfloat16))
 
 
+def decode_precision(checkpoint, fmt: str) -> str:
+    """The precision most decode-path weight bytes will have under format `fmt` (for the planner):
+    "fp32", "bf16", "int8" or "int4". "auto" follows the storage format of the decoder layers'
+    matrices (GGUF Q4_0/Q4_1 -> int4, Q8_0 -> int8, anything else -> bf16), weighted by elements."""
+    if fmt != "auto":
+        return fmt
+    count: dict[str, int] = {}
+    for name in checkpoint.names():
+        if ".layers." in name and name.endswith("_proj.weight"):
+            stored = checkpoint.handle(name).format
+            kind = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}.get(stored, "bf16")
+            count[kind] = count.get(kind, 0) + checkpoint.handle(name).numel
+    return max(count, key=count.get) if count else "bf16"
+
+
 def build_decode_module(parts: list[DecodeWeight], biases: list[torch.Tensor | None]) -> nn.Module:
     """One decode module computing all `parts` side by side (outputs concatenated on the last dim)."""
     bias = None if all(b is None for b in biases) else torch.cat(

@@ -16,6 +16,8 @@ Dimension legend: N = T tokens, D = hidden, F = intermediate.
 
 from __future__ import annotations
 
+from typing import Callable, Mapping, Sequence
+
 import torch
 from torch import nn
 
@@ -36,6 +38,27 @@ def split_rows(F: int, r_cc: float, r_cg: float) -> tuple[int, int, int]:
     return f_cc, f_cg, F - f_cc - f_cg
 
 
+class SliceStaging:
+    """Accelerator buffers for the copied parts of sliced MLPs, shared by all layers (they run one
+    after another): `cg` holds a CG part, `cc` the CC part shipped for the CG' tokens; each is a
+    (gate [rows, D], up [rows, D], down [D, rows]) triple sized for the largest layer, or None.
+    """
+
+    def __init__(self, accelerator, d_model: int, cg_rows: int, cc_rows: int, dtype: torch.dtype) -> None:
+        def triple(rows: int, what: str):
+            if not rows:
+                return None
+            return (accelerator.alloc((rows, d_model), dtype, what), accelerator.alloc((rows, d_model), dtype, what),
+                    accelerator.alloc((d_model, rows), dtype, what))
+        self.cg = triple(cg_rows, "CG staging")
+        self.cc = triple(cc_rows, "CG' staging")
+
+
+def _rows(buf, rows: int):
+    """The first `rows` rows of a staging triple (columns of its down matrix)."""
+    return (buf[0][:rows], buf[1][:rows], buf[2][:, :rows])
+
+
 class SlicedMLP(nn.Module):
     """A SwiGLU MLP whose weights are sliced into CC / CG / GG parts.
 
@@ -44,30 +67,30 @@ class SlicedMLP(nn.Module):
         r_cc, r_cg: slicing rates (fractions of F); r_gg = 1 - r_cc - r_cg.
         accelerator: the Accelerator holding GG and the CG staging buffer.
         executor: streams to run the parts on.
-        n_g: prompt tokens that take the CG' path (0 in decode).
+        n_g: prompt tokens that take the CG' path: a count, or a function of the step's token
+            count T (ScheInfer Eq. 15 re-solved per prompt); capped at T.
+        staging: shared SliceStaging (None = this layer allocates its own).
+        host_budget: MemoryBudget the CPU-side parts (CC and CG) are reserved against (None = not counted).
     Forward: x [..., D] on the accelerator -> [..., D].
+    Raises:
+        BudgetError: the accelerator or host budget cannot hold the parts.
     """
 
     def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, r_cc: float, r_cg: float,
-                 accelerator, executor: Executor, n_g: int = 0) -> None:
+                 accelerator, executor: Executor, n_g: int | Callable[[int], int] = 0,
+                 staging: SliceStaging | None = None, host_budget=None) -> None:
         super().__init__()
-        F = w_gate.shape[0]
+        F, D = w_gate.shape
         self.f_cc, self.f_cg, self.f_gg = split_rows(F, r_cc, r_cg)
         a, b = self.f_cc, self.f_cc + self.f_cg
         pin = not accelerator.is_host
+        if host_budget is not None:
+            host_budget.reserve(3 * b * D * w_gate.element_size(), "CPU-side MLP slices")
         host = lambda t: t.detach().to("cpu").contiguous().pin_memory() if pin else t.detach().to("cpu").contiguous()  # noqa: E731
         self.cc = (host(w_gate[:a]), host(w_up[:a]), host(w_down[:, :a]))
         self.cg = (host(w_gate[a:b]), host(w_up[a:b]), host(w_down[:, a:b]))
         self.gg = tuple(self._to_device(accelerator, t, "GG slice") for t in (w_gate[b:], w_up[b:], w_down[:, b:]))
-        # one staging buffer on the accelerator, big enough for the CG part or the CC part (CG')
-        rows = max(self.f_cg, self.f_cc)
-        D = w_gate.shape[1]
-        self.staging = (accelerator.alloc((rows, D), w_gate.dtype, "CG staging"),
-                        accelerator.alloc((rows, D), w_gate.dtype, "CG staging"),
-                        accelerator.alloc((D, rows), w_gate.dtype, "CG staging")) if rows else None
-        self.stage_cc = (accelerator.alloc((self.f_cc, D), w_gate.dtype, "CG' staging"),
-                         accelerator.alloc((self.f_cc, D), w_gate.dtype, "CG' staging"),
-                         accelerator.alloc((D, self.f_cc), w_gate.dtype, "CG' staging")) if self.f_cc else None
+        self.staging = staging or SliceStaging(accelerator, D, self.f_cg, self.f_cc, w_gate.dtype)
         self.accelerator, self.executor, self.n_g = accelerator, executor, n_g
 
     @staticmethod
@@ -76,27 +99,33 @@ class SlicedMLP(nn.Module):
         out.copy_(t)
         return out
 
-    def _copy(self, dst, src, rows: int, name: str):
+    def _copy(self, dst, src, name: str):
         def run():
-            for d, s, is_down in zip(dst, src, (False, False, True)):
-                view = d[:, :rows] if is_down else d[:rows]
-                self.accelerator.copy_to_device(view, s)
+            for d, s in zip(dst, src):
+                self.accelerator.copy_to_device(d, s)
         nbytes = sum(s.numel() * s.element_size() for s in src)
         return self.executor.submit("copy", run, name=name, nbytes=nbytes)
+
+    def tokens_on_gpu(self, T: int) -> int:
+        """n_g for a step of T tokens: prompt tokens whose CC part runs on the accelerator (CG')."""
+        if not self.f_cc:
+            return 0
+        n_g = self.n_g(T) if callable(self.n_g) else self.n_g
+        return max(0, min(int(n_g), T))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (T, D)
         T = x2.shape[0]
-        n_g = min(self.n_g, T) if self.f_cc else 0
+        n_g = self.tokens_on_gpu(T)
         ex = self.executor
         self.accelerator.synchronize()
         futures = []
         if self.f_gg:
             futures.append(ex.submit("compute", lambda: expert_forward(x2, *self.gg), name="GG"))
         if self.f_cg:
-            copy = self._copy(self.staging, self.cg, self.f_cg, "H2D CG")
-            cg = tuple(t[:, :self.f_cg] if i == 2 else t[:self.f_cg] for i, t in enumerate(self.staging))
+            cg = _rows(self.staging.cg, self.f_cg)
+            copy = self._copy(cg, self.cg, "H2D CG")
             futures.append(ex.submit("compute", lambda: expert_forward(x2, *cg), deps=[copy], name="CG"))
         cc_rows = T - n_g
         cpu_fut = None
@@ -105,8 +134,9 @@ class SlicedMLP(nn.Module):
             cpu_fut = ex.submit("cpu", lambda: expert_forward(x_host, *self.cc), name="CC")
         cgp_fut = None
         if n_g:
-            copy = self._copy(self.stage_cc, self.cc, self.f_cc, "H2D CG'")
-            cgp_fut = ex.submit("compute", lambda: expert_forward(x2[cc_rows:], *self.stage_cc), deps=[copy], name="CG'")
+            cc = _rows(self.staging.cc, self.f_cc)
+            copy = self._copy(cc, self.cc, "H2D CG'")
+            cgp_fut = ex.submit("compute", lambda: expert_forward(x2[cc_rows:], *cc), deps=[copy], name="CG'")
         y = torch.zeros_like(x2)
         for f in futures:
             y += f.result()
@@ -117,22 +147,44 @@ class SlicedMLP(nn.Module):
         return y.reshape(shape)
 
 
-def install_sliced_mlps(model: nn.Module, rates: list[tuple[float, float]], accelerator, executor: Executor,
-                        n_g: int = 0) -> list[SlicedMLP]:
-    """Replace each dense layer's `mlp` by a SlicedMLP with that layer's (r_cc, r_cg). Returns them."""
+def install_sliced_mlps(model: nn.Module, rates: Sequence[tuple[float, float]] | Mapping[int, tuple[float, float]],
+                        accelerator, executor: Executor, n_g: int | Callable[[int, int], int] = 0,
+                        weights: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+                        host_budget=None) -> list[SlicedMLP]:
+    """Replace dense layers' `mlp` by SlicedMLPs sharing one SliceStaging. Returns them in layer order.
+
+    Args:
+        rates: (r_cc, r_cg) per layer: a sequence (layer i gets rates[i]) or {layer: rates}.
+        n_g: prompt tokens on the CG' path: a count for every layer, or n_g(layer, T).
+        weights: weights(layer) -> (gate [F, D], up [F, D], down [D, F]) on the CPU; default: the
+            layer's dense MLP weights (which must then be materialized).
+        host_budget: MemoryBudget the CPU-side slices are reserved against.
+    Raises:
+        BudgetError: the accelerator (GG parts and staging) or the host budget is too small.
+    """
     from tiered.models.layers import MLP
 
+    chosen = dict(enumerate(rates)) if not isinstance(rates, Mapping) else dict(rates)
+    layers = model.model.layers
+    if weights is None:
+        def weights(i: int):
+            mlp = layers[i].mlp
+            return tuple(lin.weight.detach() for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    todo = {i: r for i, r in chosen.items() if isinstance(layers[i].mlp, MLP)}
+    if not todo:
+        return []
+    D = model.config.hidden_size
+    F = model.config.intermediate_size
+    splits = {i: split_rows(F, *r) for i, r in todo.items()}
+    dtype = next(p.dtype for p in model.parameters() if p.device.type != "meta")
+    staging = SliceStaging(accelerator, D, max(s[1] for s in splits.values()), max(s[0] for s in splits.values()),
+                           dtype)
     out = []
-    for layer, (r_cc, r_cg) in zip(model.model.layers, rates):
-        mlp = layer.mlp
-        if not isinstance(mlp, MLP):
-            continue
-        sliced = SlicedMLP(_dense(mlp.gate_proj), _dense(mlp.up_proj), _dense(mlp.down_proj), r_cc, r_cg,
-                           accelerator, executor, n_g)
-        layer.mlp = sliced
+    for i in sorted(todo):
+        per_layer = (lambda T, i=i: n_g(i, T)) if callable(n_g) else n_g
+        w_gate, w_up, w_down = weights(i)
+        sliced = SlicedMLP(w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype), *todo[i], accelerator, executor,
+                           per_layer, staging, host_budget)
+        layers[i].mlp = sliced
         out.append(sliced)
     return out
-
-
-def _dense(linear: nn.Module) -> torch.Tensor:
-    return linear.weight.detach()

@@ -1,0 +1,236 @@
+"""The planner as the engine's default: profiles, plans applied by LLM, replay, and `run`'s output."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from runtime_fixtures import GREEDY, MAX_CONTEXT, engine_config, prompt, rel_err, rt  # noqa: F401
+
+from tiered import LLM, EngineConfig, SamplingParams
+from tiered.checkpoint import open_checkpoint
+from tiered.cli import app
+from tiered.errors import BudgetError, ConfigError
+from tiered.hardware.presets import get_preset
+from tiered.hardware.profile import HardwareProfile, LinearModel
+from tiered.memory.materialize import planned_bytes
+from tiered.memory.placement import FAST
+from tiered.models import build_model
+from tiered.models.layers import KVCache
+from tiered.planner.auto import engine_profile, standin_profile, token_assignment
+from tiered.planner.cost_model import LayerShape, SliceRates, cost_params
+from tiered.planner.cpu_predict import routing_trace
+from tiered.planner.plan import Plan
+from tiered.planner.scheinfer import solve_n_g
+from tiered.runtime.sliced import SlicedMLP, split_rows
+
+CTX = 64
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory) -> str:
+    """A made-up fp32 machine, saved as JSON: a CPU (20 GB/s GEMV, 100 GFLOP/s GEMM, 2 GB/s cold
+    reads) and a GPU 20x faster behind a 10 GB/s link, launch 1 us (the stand-in runs its plans)."""
+    m = {"gemm/gpu/fp32": LinearModel(1e-6, 1e-12, 1.0), "gemv/gpu/fp32": LinearModel(0.0, 2.5e-12, 1.0),
+         "copy/h2d_pinned": LinearModel(1e-6, 1e-10, 1.0), "launch/gpu": LinearModel(1e-6, 0.0),
+         "memory/bandwidth/gpu": LinearModel(0.0, 2.5e-12, 1.0),"gemm/cpu/fp32": LinearModel(1e-5, 2e-11, 1.0), "gemv/cpu/fp32": LinearModel(0.0, 5e-11, 1.0),
+         "attn/cpu/fp32": LinearModel(0.0, 1e-10, 1.0), "memory/bandwidth/cpu": LinearModel(0.0, 5e-11, 1.0),
+         "memory/copy/cpu": LinearModel(0.0, 1e-10, 1.0), "disk/read_cold": LinearModel(1e-4, 5e-10, 1.0),
+         "launch/cpu": LinearModel(1e-6, 0.0), "runtime/task": LinearModel(5e-5, 0.0)}
+    path = tmp_path_factory.mktemp("hw") / "box.json"
+    HardwareProfile("box", "test", m, 8 * 2**30, 16 * 2**30).save(path)
+    return str(path)
+
+
+def dense_sizes(path, max_context: int = CTX) -> tuple[int, int, int, int]:
+    """(non-FFN weight bytes, one layer's FFN bytes, KV cache of one sequence, layers), fp32."""
+    cfg = open_checkpoint(path).config
+    with torch.device("meta"):
+        model = build_model(cfg, max_context)
+    non_ffn = planned_bytes(model, torch.float32, lambda n: ".mlp." in n)
+    return (non_ffn, 3 * cfg.hidden_size * cfg.intermediate_size * 4,
+            KVCache(cfg, 1, max_context, torch.float32).nbytes, cfg.num_hidden_layers)
+
+
+# ------------------------------------------------------------------ dense: ScheInfer slicing in the engine
+def test_dense_plan_slices_ffns_and_matches_transformers(zoo, box):
+    path = zoo.dir("llama")
+    non_ffn, layer, kv, L = dense_sizes(path)
+    gpu = non_ffn + kv + 2 * layer + layer * L // 2  # staging + half of the FFN weights
+    llm = LLM(path, EngineConfig(decode_weights="fp32", accelerator="host", gpu_memory=gpu, max_context=CTX,
+                                 profile=box, trace=True))
+    try:
+        sliced = [l for l in llm.plan.layers if l.r_gg < 1]
+        assert sliced and len(llm.sliced) == len(sliced)
+        for lp in sliced:  # each planned layer runs as a SlicedMLP with the plan's row split
+            mlp = llm.model.model.layers[lp.layer].mlp
+            assert isinstance(mlp, SlicedMLP)
+            assert (mlp.f_cc, mlp.f_cg, mlp.f_gg) == split_rows(llm.config.intermediate_size, lp.r_cc, lp.r_cg)
+        assert sum(l.r_gg for l in llm.plan.layers) < L  # not everything fits: the plan had to slice
+        ids = list(range(2, 18))
+        hf = zoo.hf("llama")
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0]
+            want = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, eos_token_id=None,
+                               pad_token_id=0)[0, len(ids):].tolist()
+        assert rel_err(llm.logits(ids), ref) <= 1e-4
+        out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+        assert out.token_ids == want
+        assert llm.fast_budget.peak <= gpu
+        streams = {e.stream for e in llm.trace_events()}
+        assert "compute" in streams and ("cpu" in streams or all(l.r_cc == 0 for l in sliced))
+    finally:
+        llm.close()
+
+
+def test_dense_plan_without_room_for_non_ffn_weights_is_a_budget_error(zoo, box):
+    path = zoo.dir("llama")
+    non_ffn, layer, kv, L = dense_sizes(path)
+    with pytest.raises(BudgetError, match="non-FFN weights"):
+        LLM(path, EngineConfig(decode_weights="fp32", accelerator="host", gpu_memory=non_ffn // 2, max_context=CTX,
+                               profile=box))
+
+
+def test_dense_model_that_fits_is_not_sliced(zoo, box):
+    llm = LLM(zoo.dir("llama"), EngineConfig(decode_weights="fp32", accelerator="host", max_context=CTX,
+                                             profile=box))
+    assert llm.plan is not None and not llm.sliced and all(l.r_gg == 1 for l in llm.plan.layers)
+    llm.close()
+
+
+# ------------------------------------------------------------------ MoE: residency and cache from the plan
+@pytest.mark.parametrize("accelerator", ["none", "host"])
+def test_moe_runtime_places_what_the_plan_says(rt, box, accelerator):
+    s = rt.sizes("mixtral")
+    budget = s.fast(cache_slots=s.num_experts, resident=5)  # the plan fills a layer's worth of cache first
+    kw = dict(cpu_memory=budget) if accelerator == "none" else dict(gpu_memory=budget, cpu_memory=s.cpu(experts=4))
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator=accelerator, profile=box, **kw))
+    try:
+        placement = llm.experts.placement
+        assert llm.plan.expert_cache_slots == placement.cache_slots > 0
+        assert llm.plan.resident_experts() == placement.count(FAST) > 0
+        # the plan was made from the engine's own byte counts: the same as the runtime's own rule
+        off = LLM(rt.dir("mixtral"), engine_config(accelerator=accelerator, plan="off", **kw))
+        assert (off.experts.placement.count(FAST), off.experts.placement.cache_slots) == \
+            (placement.count(FAST), placement.cache_slots)
+        off.close()
+        logits, greedy = rt.reference("mixtral")
+        assert llm.generate(prompt(), GREEDY)[0].token_ids == greedy
+        assert llm.fast_budget.peak <= budget
+    finally:
+        llm.close()
+
+
+def test_replayed_plan_sets_residency_and_cache(rt, box, tmp_path):
+    s = rt.sizes("mixtral")
+    budget = s.fast(cache_slots=2, resident=6)
+    first = LLM(rt.dir("mixtral"), engine_config(cpu_memory=budget, profile=box, resident_experts=2,
+                                                 expert_cache_slots=2))
+    assert first.plan.resident_experts() == 2 and first.plan.expert_cache_slots == 2
+    first.plan.save(tmp_path / "plan.json")
+    first.close()
+    llm = LLM(rt.dir("mixtral"), engine_config(cpu_memory=budget, plan=str(tmp_path / "plan.json")))
+    assert llm.experts.placement.count(FAST) == 2 and llm.experts.placement.cache_slots == 2
+    assert llm.generate(prompt(), GREEDY)[0].token_ids == rt.reference("mixtral")[1]
+    llm.close()
+
+
+def test_explicit_settings_win_over_the_plan(rt, box):
+    s = rt.sizes("mixtral")
+    llm = LLM(rt.dir("mixtral"), engine_config(cpu_memory=s.fast(cache_slots=4, resident=4), profile=box,
+                                               expert_cache_slots=1, resident_experts=3))
+    assert (llm.experts.placement.cache_slots, llm.experts.placement.count(FAST)) == (1, 3)
+    assert (llm.plan.expert_cache_slots, llm.plan.resident_experts()) == (1, 3)
+    llm.close()
+
+
+def test_plan_off_and_bad_plan_file(rt, tmp_path):
+    llm = LLM(rt.dir("mixtral"), engine_config(plan="off"))
+    assert llm.plan is None
+    llm.close()
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot read plan"):
+        LLM(rt.dir("mixtral"), engine_config(plan=str(tmp_path / "bad.json")))
+
+
+# ------------------------------------------------------------------ profiles
+def test_engine_profile_sources(tmp_path, monkeypatch):
+    assert engine_profile("scheinfer-b").name == "scheinfer-b"
+    saved = tmp_path / "hw.json"
+    get_preset("t4-pcie3").save(saved)
+    assert engine_profile(str(saved)).name == "t4-pcie3"
+    with pytest.raises(ConfigError, match="neither a file nor a preset"):
+        engine_profile("no-such-machine")
+    # nothing cached: measured once, saved, then read back without measuring again
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
+    calls = []
+    fake = HardwareProfile("measured", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)})
+    monkeypatch.setattr("tiered.hardware.profiler.profile_machine", lambda **kw: calls.append(kw) or fake)
+    said = []
+    assert engine_profile(None, progress=said.append).name == "measured"
+    assert (tmp_path / "cache" / "hardware_profile.json").is_file() and len(calls) == 1 and said
+    assert engine_profile(None).name == "measured" and len(calls) == 1
+
+
+def test_standin_profile_mirrors_cpu_keys_and_link():
+    cpu = HardwareProfile("box", "test", {"gemm/cpu/fp32": LinearModel(1e-4, 1e-11, 1.0),
+                                          "gemv/cpu/fp32": LinearModel(0.0, 5e-11, 1.0),
+                                          "runtime/task": LinearModel(2e-4, 0.0)}, None, 8 * 2**30)
+    hw = standin_profile(cpu, link_bandwidth=4e9)
+    assert hw.models["gemm/gpu/fp32"] == cpu.models["gemm/cpu/fp32"]
+    assert hw.models["gemv/gpu/fp32"] == cpu.models["gemv/cpu/fp32"]
+    assert hw.models["copy/h2d_pinned"].beta == pytest.approx(1 / 4e9)
+    assert hw.models["launch/gpu"].alpha == 2e-4 and hw.gpu_memory == 8 * 2**30
+
+
+# ------------------------------------------------------------------ per-prompt token assignment, routing traces
+def test_token_assignment_is_eq15_per_prompt_length():
+    from tiered.planner.plan import LayerPlan
+
+    hw = get_preset("scheinfer-a")
+    plan = Plan("m", "latency", hw.name, 1, None, 256, 16, "fp16",
+                layers=[LayerPlan(0, "dense", "fp16", r_cc=0.4, r_cg=0.2, r_gg=0.4, n_g=40)])
+
+    class Cfg:
+        hidden_size, intermediate_size = 4096, 11008
+    n_g = token_assignment(plan, Cfg, hw)
+    for T in (1, 64, 256, 1024):
+        shape = LayerShape(T, 4096, 11008, 3, 2.0)
+        assert n_g(0, T) == solve_n_g(shape, SliceRates(0.4, 0.2, 0.4), cost_params(hw, "fp16", shape)).n_g
+    replay = token_assignment(plan, Cfg, None)  # no profile: the planned n_g scaled to the prompt
+    assert replay(0, 512) == 80 and replay(0, 256) == 40 and replay(1, 256) == 0
+
+
+def test_routing_trace_follows_popularity():
+    pop = np.ones((2, 8))
+    pop[1, 3] = 50.0
+    trace = routing_trace([0, 1], 8, 2, 400, pop)
+    assert trace == routing_trace([0, 1], 8, 2, 400, pop)  # seeded
+    assert all(len(set(e)) == 2 and all(0 <= x < 8 for x in e) for _, _, e in trace)
+    hot = sum(3 in e for l, _, e in trace if l == 1) / 400
+    cold = sum(3 in e for l, _, e in trace if l == 0) / 400
+    assert hot > 0.9 and cold < 0.5
+
+
+# ------------------------------------------------------------------ the CLI
+def test_run_prints_the_plan_and_its_prediction(zoo, box):
+    path = zoo.dir("llama")
+    non_ffn, layer, kv, L = dense_sizes(path)
+    gpu = non_ffn + kv + 2 * layer + layer * L // 2
+    args = ["run", "--model", str(path), "--no-chat", "-n", "4", "-t", "0", "--decode-weights", "fp32",
+            "--max-context", str(CTX), "--accelerator", "host", "--gpu-mem", str(gpu), "--profile", box]
+    res = CliRunner().invoke(app, [*args, "1 2 3"])
+    assert res.exit_code == 0, res.output
+    assert "[plan (box): " in res.output and "FFNs sliced" in res.output
+    assert "predicted decode" in res.output and "(measured " in res.output
+    shown = CliRunner().invoke(app, [*args, "--show-plan", "1 2 3"])
+    assert shown.exit_code == 0 and "r_CC  r_CG  r_GG" in shown.output
+    off = CliRunner().invoke(app, [*args[:-4], "--plan", "off", "1 2 3"])
+    assert off.exit_code == 0 and "[plan" not in off.output
+    js = CliRunner().invoke(app, [*args, "--json", "1 2 3"])
+    data = json.loads(js.stdout.strip().splitlines()[-1])
+    assert data["plan"]["predicted_decode_tokens_per_s"] > 0 and "sliced" in data["plan"]["summary"]
