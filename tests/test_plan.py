@@ -64,3 +64,45 @@ def test_cpu_only_plan_places_experts_within_ram(tmp_path):
     assert q.render() == p.render()
     with pytest.raises(BudgetError):
         make_plan(MIXTRAL, hw, cpu_memory=1 * GiB)
+
+
+# ---- the CPU + disk decode model (planner/cpu_predict.py) -------------------------------------------
+def _disk_box(parallel: bool) -> HardwareProfile:
+    m = {"gemv/cpu/bf16": LinearModel(0.0, 5e-11, 1.0), "attn/cpu/bf16": LinearModel(0.0, 1e-10, 1.0),
+         "disk/read_cold": LinearModel(1e-4, 1e-9, 1.0), "runtime/task": LinearModel(2e-4, 0.0)}
+    if parallel:
+        m["disk/read_cold_parallel"] = LinearModel(1e-4, 4e-10, 1.0)
+    return HardwareProfile("disk-box", "test", m, None, None)
+
+
+@pytest.mark.parametrize("read_ahead, parallel", [(False, False), (True, False), (True, True)])
+def test_moe_layer_time_follows_the_read_mode(read_ahead, parallel):
+    from tiered.planner.cpu_predict import HitStats, predict_decode
+
+    hw = _disk_box(parallel)
+    hits = HitStats(resident={i: 1 for i in range(32)}, cache={i: 1 for i in range(32)}, miss={i: 2 for i in range(32)})
+    layers, step = predict_decode(MIXTRAL, hw, "bf16", context=64, hits=hits, read_ahead=read_ahead)
+    eb = 3 * 4096 * 14336 * 2
+    compute = 5e-11 * eb + 2e-4  # three GEMVs over the expert's bytes + one executor task
+    router = 5e-11 * 4096 * 8 * 2
+    misses = 2 * 0.5  # top-2, half of the layer's expert uses miss
+    read = 1e-4 + 1e-9 * eb
+    if not read_ahead:
+        want = 2 * compute + misses * (read + 2e-4)
+    elif parallel:
+        want = max(1e-4 + 4e-10 * misses * eb + misses * 2e-4 + compute, 2 * compute)
+    else:
+        want = max(misses * (read + 2e-4) + compute, 2 * compute)
+    assert layers[0][1] == pytest.approx(router + want, rel=1e-9)
+    assert step > sum(f for _, f in layers)
+
+
+def test_parallel_reads_make_read_ahead_faster():
+    from tiered.planner.cpu_predict import HitStats, predict_decode
+
+    hits = HitStats(miss={i: 4 for i in range(32)})
+    _, seq = predict_decode(MIXTRAL, _disk_box(False), "bf16", context=64, hits=hits)
+    _, par = predict_decode(MIXTRAL, _disk_box(True), "bf16", context=64, hits=hits)
+    _, one = predict_decode(MIXTRAL, _disk_box(True), "bf16", context=64, hits=hits, readers=1)
+    _, one_seq = predict_decode(MIXTRAL, _disk_box(False), "bf16", context=64, hits=hits, readers=1)
+    assert par < seq < one and one == pytest.approx(one_seq)  # one reader: the parallel fit does not apply

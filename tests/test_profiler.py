@@ -51,7 +51,7 @@ def measured(tmp_path_factory) -> HardwareProfile:
 def test_quick_profile_structure(measured):
     p = measured
     for key in ("gemm/cpu/fp32", "gemv/cpu/fp32", "attn/cpu/fp32", "memory/bandwidth/cpu", "memory/copy/cpu",
-                "disk/read_cold", "disk/write"):
+                "disk/read_cold", "disk/read_cold_parallel", "disk/write"):
         assert key in p.models, key
     for dtype in ("bf16", "int8", "int4"):  # present, or skipped with a reason
         assert f"gemm/cpu/{dtype}" in p.models or f"gemm/cpu/{dtype}" in p.meta["skipped"]

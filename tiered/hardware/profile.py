@@ -11,6 +11,7 @@ ALGORITHMS.md 1.b, 5.2), with the fit quality R^2 kept beside it (ScheInfer Tabl
     attn/<device>/<dtype>    MACs of decode attention (q.K^T + p.V, one query per sequence)
     copy/h2d_pinned, copy/h2d_pageable, copy/d2h_pinned, copy/d2h_pageable     bytes
     disk/read_cold           bytes (page cache dropped before each read)
+    disk/read_cold_parallel  bytes read by the runtime's disk readers at once (2 threads, disjoint ranges)
     disk/write               bytes (write + fsync)
     launch/<device>          (constant: alpha only; r2 None)
     memory/bandwidth/<device> bytes read (beta = 1 / read bandwidth)

@@ -15,6 +15,7 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                          n = layers (the fixed per-step and per-layer cost of the model code)
     copy/{h2d,d2h}_{pinned,pageable}   (CUDA only)             n = bytes
     disk/read_cold (page cache dropped with posix_fadvise before each read), disk/write (+ fsync)
+    disk/read_cold_parallel  cold reads split over DISK_READERS threads at once   n = all bytes
 
 CPU kernels: fp32 and bf16 `F.linear`, int8 `aten._weight_int8pack_mm` and int4
 `aten._weight_int4pack_mm_for_cpu` (bf16 activations; quant/int8.py, quant/int4.py). CUDA kernels:
@@ -32,6 +33,7 @@ import shutil
 import socket
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +45,7 @@ from scipy.optimize import nnls
 from tiered.hardware.profile import HardwareProfile, LinearModel
 
 MiB = 2**20
+DISK_READERS = 2  # the runtime's disk reader threads (runtime/moe_setup.py: max(2, staging buffers))
 Progress = Callable[[str], None]
 
 
@@ -266,8 +269,10 @@ def _copy_points(kind: str, sizes_mib, repeats: int):
     return points
 
 
-def _disk_points(directory: Path, sizes_mib, repeats: int) -> tuple[list, list, str]:
-    """(cold-read points, write points, note). Reads after POSIX_FADV_DONTNEED, with os.preadv."""
+def _disk_points(directory: Path, sizes_mib, repeats: int, readers: int = DISK_READERS) -> tuple[list, list, list, str]:
+    """(cold-read points, parallel cold-read points, write points, note). Reads after
+    POSIX_FADV_DONTNEED, with os.preadv; parallel reads split each size over `readers` threads
+    reading disjoint ranges at once (the runtime's disk readers with read-ahead), n = all bytes."""
     directory.mkdir(parents=True, exist_ok=True)
     fd, path = tempfile.mkstemp(prefix="tiered-profile-", dir=directory)
     note = "cold reads: posix_fadvise(DONTNEED) before each read"
@@ -299,9 +304,23 @@ def _disk_points(directory: Path, sizes_mib, repeats: int) -> tuple[list, list, 
                 ts.append(time.perf_counter() - t0)
                 assert got == len(buf), f"short read: {got} of {len(buf)} bytes"
             read_pts.append((mib * MiB, float(np.median(ts))))
+        par_pts = []
+        with ThreadPoolExecutor(readers) as pool:
+            for mib in sizes_mib:
+                part = mib * MiB // readers
+                bufs = [bytearray(part) for _ in range(readers)]
+                ts = []
+                for _ in range(repeats):
+                    if can_drop:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    t0 = time.perf_counter()
+                    got = list(pool.map(lambda i: os.preadv(fd, [bufs[i]], i * part), range(readers)))
+                    ts.append(time.perf_counter() - t0)
+                    assert got == [part] * readers, f"short read: {got}"
+                par_pts.append((part * readers, float(np.median(ts))))
         if _fs_type(directory) in ("tmpfs", "ramfs"):
             note += f"; {directory} is {_fs_type(directory)}: these are RAM speeds"
-        return read_pts, write_pts, note
+        return read_pts, par_pts, write_pts, note
     finally:
         os.close(fd)
         os.unlink(path)
@@ -399,8 +418,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     # disk
     disk_sizes = [1, 4, 16] if quick else [1, 4, 16, 64, 128]
     try:
-        reads, writes, note = _disk_points(b.disk_dir, disk_sizes, r)
+        reads, parallel, writes, note = _disk_points(b.disk_dir, disk_sizes, r)
         b.fit("disk/read_cold", reads)
+        b.fit("disk/read_cold_parallel", parallel)
         b.fit("disk/write", writes)
     except OSError as e:
         note = f"disk timing failed: {e}"
