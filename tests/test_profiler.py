@@ -156,6 +156,11 @@ def test_fiddler_threshold_matches_brute_force_on_random_machines(cpu_beta, gpu_
         "gemm/gpu/bf16": LinearModel(alpha, gpu_beta), "gemv/gpu/bf16": LinearModel(0, gpu_bw),
         "copy/h2d_pinned": LinearModel(1e-5, h2d), "launch/gpu": LinearModel(launch, 0)})
     lat = ExpertLatency(hw, ExpertShape(1024, 2816))
+    # threshold()'s stated assumption: the CPU wins on a prefix of token counts. Start-up costs
+    # (alpha, launch) can break it even with the GPU's ridge point higher (the CPU then wins only
+    # on a middle interval), so such machines are left out.
+    wins = [lat.cpu_wins(s) for s in range(1, 2049)]
+    assume(False not in wins or True not in wins[wins.index(False):])
     s_star, brute = lat.threshold(2048), brute_force_threshold(lat, 2048)
     if math.isinf(s_star):
         assert brute == 2048
