@@ -91,11 +91,20 @@ def build_hf_model(name: str, vocab_size: int):
     model = getattr(transformers, spec.model_cls)(config).float().eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif pname.endswith(".bias"):
-                p.copy_(0.2 * torch.randn_like(p))
+            perturb_norm_or_bias(pname, p)
     return model
+
+
+def perturb_norm_or_bias(name: str, p: torch.Tensor) -> bool:
+    """Give a norm weight (HF starts them at 1) or a bias (at 0) random values, so a test can see
+    whether they are used. Returns False, leaving `p` alone, for any other parameter."""
+    if "norm" in name:
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    elif name.endswith(".bias"):
+        p.copy_(0.2 * torch.randn_like(p))
+    else:
+        return False
+    return True
 
 
 def write_tiny_checkpoint(name: str, out_dir: Path, tokenizer=None) -> Path:

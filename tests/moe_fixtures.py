@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from fixtures import perturb_norm_or_bias
+
 MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 VOCAB = 256
 
@@ -57,11 +59,9 @@ def build_hf_moe_model(kind: str):
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * torch.randn_like(p))
-            elif name.endswith("gate.weight") and "shared" not in name:  # routers (some start at 0)
+            if perturb_norm_or_bias(name, p):
+                continue
+            if name.endswith("gate.weight") and "shared" not in name:  # routers (some start at 0)
                 p.copy_(config.initializer_range * torch.randn_like(p))
     return model
 

@@ -121,8 +121,8 @@ def _print_stats(llm, out) -> None:
         f"decode {s.decode_tokens_per_s:.1f} tok/s | ITL {s.itl_s * 1e3:.1f} ms | load {llm.load_s:.1f} s]",
         err=True)
     if llm.plan is not None:
-        measured = f" (measured {s.decode_tokens_per_s:.1f})" if s.generated_tokens > 1 else ""
-        typer.echo(f"[{llm.plan.summary().replace(' tok/s;', f' tok/s{measured};', 1)}]", err=True)
+        measured = s.decode_tokens_per_s if s.generated_tokens > 1 else None
+        typer.echo(f"[{llm.plan.summary(measured)}]", err=True)
     rt = llm.runtime_stats()
     if rt:
         typer.echo(f"[experts: {rt['placement']} | hit rate {rt['hit_rate']:.1%} | paths {rt['paths']} | "

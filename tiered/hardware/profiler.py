@@ -27,6 +27,7 @@ fp32, bf16, fp16, int8 (`torch._int_mm`, int8 activations, gemm only) and int4
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import os
 import platform
 import shutil
@@ -165,9 +166,8 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
         dev = "cuda" if device == "gpu" else "cpu"
         x = (torch.randint(-8, 8, (T, K), dtype=torch.int8) if xdtype == torch.int8 else torch.randn(T, K)).to(dev, xdtype)
         copies = min(32, -(-COLD_WEIGHT_BYTES // int(K * N * bpe))) if by_bytes and device == "cpu" else 1
-        fns = [fn] + [_linear_kernel(device, dtype, w)[0] for _ in range(copies - 1)]
-        turn = iter(range(1 << 62))
-        t = median_time(lambda: fns[next(turn) % copies](x), repeats, sync)
+        turn = itertools.cycle([fn] + [_linear_kernel(device, dtype, w)[0] for _ in range(copies - 1)])
+        t = median_time(lambda: next(turn)(x), repeats, sync)
         points.append((K * N * bpe if by_bytes else T * K * N, t))
     return points
 

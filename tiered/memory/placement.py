@@ -37,8 +37,9 @@ class ExpertPlacement:
     expert_bytes: int = 0
     expected_hit_rate: float | None = None
 
-    def count(self, tier: str) -> int:
-        return sum(1 for t in self.tiers.values() if t == tier)
+    def count(self, tier: str, layer: int | None = None) -> int:
+        """Experts whose home is `tier`, in all layers or in `layer`."""
+        return sum(1 for (l, _), t in self.tiers.items() if t == tier and (layer is None or l == layer))
 
     def summary(self) -> str:
         return (f"experts: {self.count(FAST)} resident on the fast tier, {self.count(CPU)} in CPU RAM, "

@@ -26,9 +26,6 @@ from tiered.hardware import op_time
 from tiered.hardware.profile import HardwareProfile, LinearModel, default_profile_path
 from tiered.planner.plan import Plan, make_plan
 
-PLAN_MODES = ("auto", "off")
-
-
 def engine_profile(profile: str | None, accelerator=None, progress: Callable[[str], None] | None = None
                    ) -> HardwareProfile:
     """The HardwareProfile the engine plans with.
@@ -95,11 +92,8 @@ def standin_profile(cpu: HardwareProfile, link_bandwidth: float | None) -> Hardw
     """
     models = dict(cpu.models)
     for key, m in cpu.models.items():
-        parts = key.split("/")
-        if len(parts) >= 2 and parts[1] == "cpu" and parts[0] in ("gemm", "gemv", "attn", "memory"):
-            models["/".join([parts[0], "gpu", *parts[2:]])] = m
-        elif key == "memory/bandwidth/cpu" or key == "memory/copy/cpu":
-            models[key.replace("/cpu", "/gpu")] = m
+        if key.startswith(("gemm/cpu/", "gemv/cpu/", "attn/cpu/")) or key in ("memory/bandwidth/cpu", "memory/copy/cpu"):
+            models[key.replace("/cpu", "/gpu", 1)] = m
     hop = cpu.models["runtime/task"].alpha if cpu.has("runtime/task") else 0.0
     models["launch/gpu"] = LinearModel(hop, 0.0, None)
     copy = cpu.models.get("memory/copy/cpu") or LinearModel(0.0, 0.0, None)
@@ -129,9 +123,8 @@ def engine_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str, 
     Raises:
         BudgetError: the budgets cannot hold what must stay on the fast tier.
     """
-    if not has_accelerator:
-        profile = replace(profile, models={k: m for k, m in profile.models.items() if "/gpu" not in k
-                                           and not k.startswith("copy/")}, gpu_memory=None)
+    if not has_accelerator:  # no GPU tier: make_plan then plans CPU + disk
+        profile = replace(profile, gpu_memory=None)
     prompt = max(1, min(512, max_context // 2))
     return make_plan(cfg, profile, model_name=model_name, gpu_memory=gpu_memory if has_accelerator else None,
                      cpu_memory=cpu_memory, goal="latency", prompt_tokens=prompt,

@@ -40,6 +40,11 @@ class HitStats:
         n = self.resident.get(layer, 0) + self.cache.get(layer, 0) + self.miss.get(layer, 0)
         return (self.resident.get(layer, 0) / n, self.cache.get(layer, 0) / n) if n else (0.0, 0.0)
 
+    def fast_share(self) -> float:
+        """Share of all expert uses served from the fast tier (resident or cached)."""
+        r, c, m = (sum(d.values()) for d in (self.resident, self.cache, self.miss))
+        return (r + c) / max(r + c + m, 1)
+
 
 def routing_trace(moe_layers: list[int], num_experts: int, top_k: int, steps: int,
                   popularity: np.ndarray | None = None, seed: int = 0) -> list[tuple[int, int, list[int]]]:
@@ -122,8 +127,9 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         hw.models["runtime/task"].alpha if hw.has("runtime/task") else 0.0)
     disk = hw.models.get("disk/read_cold")
     # the model code's own fixed costs (module calls, small ops) per layer and per step, when profiled
-    fixed = (hw.models.get(f"runtime/decode_step/{dtype}") or hw.models.get("runtime/decode_step/bf16" if dtype != "fp32"
-             else "runtime/decode_step/fp32") or hw.models.get("runtime/decode_step/fp32"))
+    # int4/int8 decode weights run with 16-bit activations: their nearest profiled step is bf16
+    fallback = (dtype, "fp32") if dtype == "fp32" else (dtype, "bf16", "fp32")
+    fixed = next((m for d in fallback if (m := hw.models.get(f"runtime/decode_step/{d}")) is not None), None)
     per_layer, per_step = (fixed.beta, fixed.alpha) if fixed is not None else (0.0, 0.0)
     layers = []
     for i in range(cfg.num_hidden_layers):

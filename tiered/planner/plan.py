@@ -64,7 +64,6 @@ class Plan:
     fast_tier: str = "gpu"  # where resident experts / GG slices live: "gpu", or "cpu" when there is no GPU
     context_tokens: int = 0  # KV-cache positions the memory figures keep room for
     committed: dict = field(default_factory=dict)  # tier -> bytes the engine already holds there (exact)
-    max_resident: int | None = None  # a cap on resident experts set by the user
     dispatch_threshold_tokens: float | None = None
     expert_cache_slots: int = 0
     predicted_ttft_s: float = 0.0
@@ -75,8 +74,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     flexgen: dict | None = None
 
-    def summary(self) -> str:
-        """One line: what the plan decided, its prediction and the binding resource."""
+    def summary(self, measured_tokens_per_s: float | None = None) -> str:
+        """One line: what the plan decided, its prediction (beside a measured speed, when given)
+        and the binding resource."""
         moe = [l for l in self.layers if l.kind == "moe"]
         sliced = [l for l in self.layers if l.kind == "dense" and l.r_gg < 1 - 1e-9 and self.fast_tier == "gpu"]
         if self.flexgen:
@@ -92,6 +92,8 @@ class Plan:
             what = f"every weight on the {self.fast_tier}"
         speed = (f"throughput {self.predicted_throughput_tokens_per_s:.1f} tok/s" if self.flexgen else
                  f"decode {self.predicted_decode_tokens_per_s:.1f} tok/s")
+        if measured_tokens_per_s is not None:
+            speed += f" (measured {measured_tokens_per_s:.1f})"
         return f"plan ({self.profile}): {what}; predicted {speed}; binding: {self.binding}"
 
     def resident_experts(self) -> int:
@@ -227,19 +229,25 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan = Plan(model_name or cfg.model_type, goal, profile.name, gpu, cpu, prompt_tokens, gen_tokens, precision)
     plan.context_tokens = context_tokens or prompt_tokens + gen_tokens
     plan.committed = dict(committed or {})
-    plan.expert_cache_slots = expert_cache_slots if expert_cache_slots is not None else -1  # -1: choose
-    plan.max_resident = max_resident
+    experts = _ExpertChoices(popularity, expert_cache_slots, max_resident)
     if goal == "throughput":
-        _throughput(plan, cfg, profile, gpu, cpu)
-    elif not op_time.has_device(profile, "gpu") or not gpu:
+        return _throughput(plan, cfg, profile, gpu, cpu)
+    if not op_time.has_device(profile, "gpu") or not gpu:
         plan.fast_tier = "cpu"
-        _cpu_latency(plan, cfg, profile, cpu, popularity)
-    elif cfg.is_moe:
-        _moe_latency(plan, cfg, profile, gpu, cpu, popularity)
-    else:
-        _dense_latency(plan, cfg, profile, gpu, cpu)
-    plan.expert_cache_slots = max(plan.expert_cache_slots, 0)
-    return plan
+        return _cpu_latency(plan, cfg, profile, cpu, experts)
+    if cfg.is_moe:
+        return _moe_latency(plan, cfg, profile, gpu, cpu, experts)
+    return _dense_latency(plan, cfg, profile, gpu, cpu)
+
+
+@dataclass(frozen=True)
+class _ExpertChoices:
+    """What shapes an expert placement besides bytes: popularity float [L, E] (None = uniform),
+    and the user's fixed cache slots / resident cap (None = the planner chooses)."""
+
+    popularity: object = None
+    cache_slots: int | None = None
+    max_resident: int | None = None
 
 
 def _dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: int, cpu: int | None) -> Plan:
@@ -288,7 +296,7 @@ def _dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: 
 
 
 def _moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: int, cpu: int | None,
-                 popularity=None) -> Plan:
+                 experts: _ExpertChoices = _ExpertChoices()) -> Plan:
     from tiered.planner.fiddler import ExpertLatency, ExpertShape
 
     bpe = PRECISION_BYTES[plan.precision]
@@ -313,7 +321,7 @@ def _moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: in
                           f"raise --gpu-mem by {format_bytes(-free)}")
     total = len(moe_layers) * E
     cpu_room = (cpu - plan.committed.get("cpu", 0) - 2 * expert_bytes) if cpu else float("inf")
-    placement, hits = _place_experts(plan, cfg, moe_layers, expert_bytes, free, max(cpu_room, 0.0), popularity)
+    placement, hits = _place_experts(plan, cfg, moe_layers, expert_bytes, free, max(cpu_room, 0.0), experts)
     n_gpu, n_cpu, n_disk = (placement.count(t) for t in ("fast", "cpu", "disk"))
     thr = lat.threshold()
     plan.dispatch_threshold_tokens = thr
@@ -337,7 +345,7 @@ def _moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: in
     attn_dec = _attention_time(cfg, profile, "gpu", plan.precision, 1, ctx)
     attn_pre = _attention_time(cfg, profile, "gpu", plan.precision, plan.prompt_tokens, plan.prompt_tokens)
     for i in moe_layers:
-        g, c, d = (_count(placement, i, t) for t in ("fast", "cpu", "disk"))
+        g, c, d = (placement.count(t, i) for t in ("fast", "cpu", "disk"))
         res, cached = hits.rates(i)
         d_share = d / max(c + d, 1)
         plan.layers.append(LayerPlan(i, "moe", plan.precision, experts_gpu=g, experts_cpu=c, experts_disk=d,
@@ -350,13 +358,13 @@ def _moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: in
     plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + head
     plan.memory = {"gpu": non_expert + kv + workspace + (n_gpu + placement.cache_slots) * expert_bytes,
                    "cpu": n_cpu * expert_bytes, "disk": n_disk * expert_bytes}
-    h = _hit_share(hits)
+    h = hits.fast_share()
     path = "CPU compute" if lat.cpu_wins(1) else "H2D copies"
     plan.binding = (f"GPU memory: {n_gpu}/{total} experts resident and {placement.cache_slots} cache slots "
                     f"(hit rate {h:.0%}) beside the non-expert weights and KV cache; "
                     f"each decode step's missing experts go to {path} (s* = {thr:.1f} tokens)"
                     + (f"; {n_disk} experts do not fit in CPU RAM and are read from disk" if n_disk else ""))
-    _popularity_note(plan, popularity)
+    _popularity_note(plan, experts.popularity)
     return plan
 
 
@@ -378,10 +386,10 @@ def _throughput(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu, cpu
 
 
 def _place_experts(plan: Plan, cfg: ModelConfig, moe_layers: list[int], expert_bytes: float, fast_free: float,
-                   cpu_free: float | None, popularity):
+                   cpu_free: float | None, experts: _ExpertChoices):
     """The runtime's own placement (memory/placement.py: Fiddler §3.4 with the expert cache carved
     out first) on the planner's byte counts, and the hit shares its resident set and cache get on a
-    routing trace drawn from `popularity` (cpu_predict.simulate_hits). Sets plan.expert_cache_slots.
+    routing trace drawn from the popularity (cpu_predict.simulate_hits). Sets plan.expert_cache_slots.
 
     Raises BudgetError when the fast tier has no room left for experts at all.
     """
@@ -393,23 +401,12 @@ def _place_experts(plan: Plan, cfg: ModelConfig, moe_layers: list[int], expert_b
         raise BudgetError(f"the {plan.fast_tier} budget is {format_bytes(-fast_free)} short of the non-expert "
                           "weights, KV cache and staging buffers", f"raise --{plan.fast_tier}-mem or lower --max-context")
     E, k = cfg.num_experts, cfg.num_experts_per_tok
-    slots = plan.expert_cache_slots if plan.expert_cache_slots >= 0 else None
-    placement = plan_expert_placement(moe_layers, E, int(expert_bytes), fast_free, cpu_free, popularity,
-                                      cache_slots=slots, max_resident=plan.max_resident)
+    placement = plan_expert_placement(moe_layers, E, int(expert_bytes), fast_free, cpu_free, experts.popularity,
+                                      cache_slots=experts.cache_slots, max_resident=experts.max_resident)
     resident = {key for key, tier in placement.tiers.items() if tier == "fast"}
-    trace = routing_trace(moe_layers, E, k, max(plan.gen_tokens, 64), popularity)
+    trace = routing_trace(moe_layers, E, k, max(plan.gen_tokens, 64), experts.popularity)
     plan.expert_cache_slots = placement.cache_slots
     return placement, simulate_hits(trace, resident, placement.cache_slots)
-
-
-def _count(placement, layer: int, tier: str) -> int:
-    return sum(1 for (l, _), t in placement.tiers.items() if l == layer and t == tier)
-
-
-def _hit_share(hits) -> float:
-    """Share of the trace's expert uses served from the fast tier (resident or cached)."""
-    r, c, m = (sum(d.values()) for d in (hits.resident, hits.cache, hits.miss))
-    return (r + c) / max(r + c + m, 1)
 
 
 def _popularity_note(plan: Plan, popularity) -> None:
@@ -424,7 +421,8 @@ def _major(t) -> str:
     return ("gpu", "cpu", "disk")[max(range(3), key=lambda i: t[i])]
 
 
-def _cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu: int | None, popularity=None) -> Plan:
+def _cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu: int | None,
+                 experts: _ExpertChoices = _ExpertChoices()) -> Plan:
     """No GPU: CPU RAM is the fast tier, disk the slow one (what `run --accelerator none` does).
 
     Non-expert weights and the KV cache go to RAM; the RAM left holds whole experts (uniform
@@ -454,25 +452,25 @@ def _cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu: in
         eb = 3 * cfg.hidden_size * cfg.moe_intermediate_size * bpe
         staging = 2 * eb
         room = float("inf") if cpu is None else cpu - fixed - staging
-        placement, hits = _place_experts(plan, cfg, moe, eb, room, None, popularity)
+        placement, hits = _place_experts(plan, cfg, moe, eb, room, None, experts)
         total = placement.count("fast")
         memory = {"cpu": fixed + staging + (total + placement.cache_slots) * eb, "disk": (E * len(moe) - total) * eb}
     layers, step = predict_decode(cfg, profile, dtype, context=ctx, hits=hits)
     for i, (attn, ffn) in enumerate(layers):
         lp = LayerPlan(i, "moe" if i in moe else "dense", dtype, r_cc=1.0, r_cg=0.0, r_gg=0.0, decode_s=attn + ffn)
         if i in moe:
-            lp.experts_gpu, lp.experts_cpu, lp.experts_disk = 0, _count(placement, i, "fast"), _count(placement, i, "disk")
+            lp.experts_gpu, lp.experts_cpu, lp.experts_disk = 0, placement.count("fast", i), placement.count("disk", i)
         plan.layers.append(lp)
     plan.predicted_decode_tokens_per_s = 1.0 / step
     prefill_macs = plan.prompt_tokens * (cfg.num_parameters() if not moe else
                                          cfg.num_parameters() * cfg.num_experts_per_tok / max(cfg.num_experts, 1))
     plan.predicted_ttft_s = op_time.gemm_time(profile, "cpu", dtype, prefill_macs, 0.0, calls=7 * L)
     plan.memory = memory
-    disk_share = 1.0 - _hit_share(hits) if hits else 0.0
+    disk_share = 1.0 - hits.fast_share() if hits else 0.0
     plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
                     f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "
                     f"{plan.expert_cache_slots} cache slots) and are read from disk")
     plan.notes.append("no GPU in this profile: CPU RAM is the fast tier, disk the slow one")
     if moe:
-        _popularity_note(plan, popularity)
+        _popularity_note(plan, experts.popularity)
     return plan

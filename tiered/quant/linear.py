@@ -98,6 +98,9 @@ class DecodeWeight:
     dense: torch.Tensor | None = None  # [N, K] (dense, int8 source)
 
 
+GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # GGUF blocks "auto" keeps packed
+
+
 def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     """The decode representation of `linear` under format `fmt`, or None to keep the dense module.
 
@@ -108,12 +111,12 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     stored = handle.format if handle is not None else None
     if fmt == "fp32":
         return None if w.dtype == torch.float32 else DecodeWeight("dense", dense=w.float())
-    if fmt in ("auto", "int4") and stored in ("Q4_0", "Q4_1"):
+    if fmt in ("auto", "int4") and GGUF_DECODE_KIND.get(stored) == "int4":
         codes, scale, zero = unpack_q4_blocks(handle.blocks(), stored)
         return DecodeWeight("int4", codes, scale, zero)
     if fmt == "int4" and w.shape[1] % GROUP == 0:
         return DecodeWeight("int4", *quantize_int4(w))
-    if fmt == "auto" and stored == "Q8_0":
+    if fmt == "auto" and GGUF_DECODE_KIND.get(stored) == "int8":
         return DecodeWeight("int8", dense=w)
     if w.dtype == torch.bfloat16:
         return None
@@ -130,7 +133,7 @@ def decode_precision(checkpoint, fmt: str) -> str:
     for name in checkpoint.names():
         if ".layers." in name and name.endswith("_proj.weight"):
             stored = checkpoint.handle(name).format
-            kind = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}.get(stored, "bf16")
+            kind = GGUF_DECODE_KIND.get(stored, "bf16")
             count[kind] = count.get(kind, 0) + checkpoint.handle(name).numel
     return max(count, key=count.get) if count else "bf16"
 

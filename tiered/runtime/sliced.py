@@ -91,6 +91,9 @@ class SlicedMLP(nn.Module):
         self.cg = (host(w_gate[a:b]), host(w_up[a:b]), host(w_down[:, a:b]))
         self.gg = tuple(self._to_device(accelerator, t, "GG slice") for t in (w_gate[b:], w_up[b:], w_down[:, b:]))
         self.staging = staging or SliceStaging(accelerator, D, self.f_cg, self.f_cc, w_gate.dtype)
+        # this layer's views of the (shared) staging buffers, made once
+        self._cg_stage = _rows(self.staging.cg, self.f_cg) if self.f_cg else None
+        self._cc_stage = _rows(self.staging.cc, self.f_cc) if self.f_cc else None
         self.accelerator, self.executor, self.n_g = accelerator, executor, n_g
 
     @staticmethod
@@ -124,7 +127,7 @@ class SlicedMLP(nn.Module):
         if self.f_gg:
             futures.append(ex.submit("compute", lambda: expert_forward(x2, *self.gg), name="GG"))
         if self.f_cg:
-            cg = _rows(self.staging.cg, self.f_cg)
+            cg = self._cg_stage
             copy = self._copy(cg, self.cg, "H2D CG")
             futures.append(ex.submit("compute", lambda: expert_forward(x2, *cg), deps=[copy], name="CG"))
         cc_rows = T - n_g
@@ -134,7 +137,7 @@ class SlicedMLP(nn.Module):
             cpu_fut = ex.submit("cpu", lambda: expert_forward(x_host, *self.cc), name="CC")
         cgp_fut = None
         if n_g:
-            cc = _rows(self.staging.cc, self.f_cc)
+            cc = self._cc_stage
             copy = self._copy(cc, self.cc, "H2D CG'")
             cgp_fut = ex.submit("compute", lambda: expert_forward(x2[cc_rows:], *cc), deps=[copy], name="CG'")
         y = torch.zeros_like(x2)
