@@ -4,7 +4,7 @@ and the byte arithmetic that sizes budgets to get a wanted expert placement.
 `rt` is a session fixture over one process-wide RuntimeZoo, so every test module that imports it
 (`from runtime_fixtures import rt`) shares the same checkpoints and references.
 
-Budget recipe (what the runtime plans with, tiered/runtime/moe_setup.py):
+Budget recipe (what the planner counts, tiered/memory/sizes.py):
     fast tier = non-expert weights + KV cache of one max_context sequence
                 + staging_buffers * expert_bytes + cache_slots * expert_bytes + resident experts
     CPU tier (with an accelerator) = staging_buffers * expert_bytes (host staging) + CPU experts
@@ -117,20 +117,34 @@ class RuntimeZoo:
         return self._sizes[kind]
 
 
+def stored_elements(path: Path, keep) -> int:
+    """Elements of the tensors stored in a safetensors checkpoint directory whose names `keep(name)`
+    accepts, read from the files' own headers: an count independent of the engine's byte accounting."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                if keep(name):
+                    shape = st.get_slice(name).get_shape()
+                    n += int(torch.Size(shape).numel())
+    return n
+
+
+def kv_bytes(cfg, max_context: int, elem: int = 4) -> int:
+    """Keys and values of every layer for one sequence: 2 x L x Hkv x max_context x head_dim x elem."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_context * cfg.head_dim * elem
+
+
 def sizes_of(path: Path, max_context: int = MAX_CONTEXT) -> Sizes:
-    """Byte counts of an MoE checkpoint in fp32, from its config alone (model built on meta)."""
+    """Byte counts of an MoE checkpoint in fp32, from its files' headers and its config."""
     from tiered.checkpoint import open_checkpoint
-    from tiered.memory.expert_store import is_expert_param
-    from tiered.memory.materialize import planned_bytes
-    from tiered.models import build_model
-    from tiered.models.layers import KVCache
 
     cfg = open_checkpoint(path).config
-    with torch.device("meta"):
-        model = build_model(cfg, max_context)
-    return Sizes(nonexpert=planned_bytes(model, torch.float32, is_expert_param),
+    return Sizes(nonexpert=4 * stored_elements(path, lambda n: ".experts." not in n),
                  expert=3 * cfg.hidden_size * cfg.moe_intermediate_size * 4,
-                 kv=KVCache(cfg, 1, max_context, torch.float32).nbytes,
+                 kv=kv_bytes(cfg, max_context),
                  num_experts=cfg.num_experts,
                  moe_layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
 

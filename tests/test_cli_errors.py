@@ -59,4 +59,4 @@ def test_prompt_longer_than_context(runner, zoo):
 
 def test_budget_too_small(runner, zoo):
     _bad(runner, ["run", "hi", "--model", str(zoo.dir("llama")), "--cpu-mem", "1KiB", "--accelerator", "none"],
-         "budget exceeded")
+         "CPU budget 1.0 KiB cannot hold")

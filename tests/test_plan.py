@@ -8,7 +8,7 @@ from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import BudgetError
 from tiered.hardware.presets import get_preset
 from tiered.hardware.profile import HardwareProfile, LinearModel
-from tiered.planner.plan import Plan, make_plan
+from tiered.planner import Plan, make_plan
 
 MIXTRAL = ModelConfig.from_hf({
     "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,

@@ -9,7 +9,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from runtime_fixtures import GREEDY, MAX_CONTEXT, engine_config, prompt, rel_err, rt  # noqa: F401
+from runtime_fixtures import (GREEDY, MAX_CONTEXT, engine_config, kv_bytes, prompt, rel_err, rt,  # noqa: F401
+                              stored_elements)
 
 from tiered import LLM, EngineConfig, SamplingParams
 from tiered.checkpoint import open_checkpoint
@@ -17,10 +18,7 @@ from tiered.cli import app
 from tiered.errors import BudgetError, ConfigError
 from tiered.hardware.presets import get_preset
 from tiered.hardware.profile import HardwareProfile, LinearModel
-from tiered.memory.materialize import planned_bytes
-from tiered.memory.placement import FAST
-from tiered.models import build_model
-from tiered.models.layers import KVCache
+from tiered.planner.placement import FAST
 from tiered.planner.auto import engine_profile, standin_profile, token_assignment
 from tiered.planner.cost_model import LayerShape, SliceRates, cost_params
 from tiered.planner.cpu_predict import routing_trace
@@ -49,11 +47,9 @@ def box(tmp_path_factory) -> str:
 def dense_sizes(path, max_context: int = CTX) -> tuple[int, int, int, int]:
     """(non-FFN weight bytes, one layer's FFN bytes, KV cache of one sequence, layers), fp32."""
     cfg = open_checkpoint(path).config
-    with torch.device("meta"):
-        model = build_model(cfg, max_context)
-    non_ffn = planned_bytes(model, torch.float32, lambda n: ".mlp." in n)
-    return (non_ffn, 3 * cfg.hidden_size * cfg.intermediate_size * 4,
-            KVCache(cfg, 1, max_context, torch.float32).nbytes, cfg.num_hidden_layers)
+    non_ffn = 4 * stored_elements(path, lambda n: ".mlp." not in n)
+    return (non_ffn, 3 * cfg.hidden_size * cfg.intermediate_size * 4, kv_bytes(cfg, max_context),
+            cfg.num_hidden_layers)
 
 
 # ------------------------------------------------------------------ dense: ScheInfer slicing in the engine
@@ -102,41 +98,111 @@ def test_dense_model_that_fits_is_not_sliced(zoo, box):
     llm.close()
 
 
-# ------------------------------------------------------------------ MoE: residency and cache from the plan
+# ------------------------------------------------------------------ MoE: the plan -> runtime hand-off
+def _budgets(s, accelerator, cache_slots, resident, cpu_experts=4):
+    fast = s.fast(cache_slots=cache_slots, resident=resident)
+    return dict(cpu_memory=fast) if accelerator == "none" else dict(gpu_memory=fast, cpu_memory=s.cpu(experts=cpu_experts))
+
+
 @pytest.mark.parametrize("accelerator", ["none", "host"])
-def test_moe_runtime_places_what_the_plan_says(rt, box, accelerator):
+def test_runtime_applies_a_hand_edited_plan_bit_for_bit(rt, box, accelerator, tmp_path):
+    """A plan edited by hand (the resident set moved to other experts, another cache size, a forced
+    dispatch) is what the runtime does: nothing re-derives a decision. The replayed plan is the saved
+    one, field for field, and greedy output still matches transformers."""
     s = rt.sizes("mixtral")
-    budget = s.fast(cache_slots=s.num_experts, resident=5)  # the plan fills a layer's worth of cache first
-    kw = dict(cpu_memory=budget) if accelerator == "none" else dict(gpu_memory=budget, cpu_memory=s.cpu(experts=4))
-    llm = LLM(rt.dir("mixtral"), engine_config(accelerator=accelerator, profile=box, **kw))
+    kw = _budgets(s, accelerator, cache_slots=2, resident=5)
+    first = LLM(rt.dir("mixtral"), engine_config(accelerator=accelerator, profile=box, expert_cache_slots=2, **kw))
+    plan = first.plan
+    first.close()
+    assert plan.source == "planner" and plan.resident_experts() == 5
+    # the planner fills the resident set in layer order: reverse each layer's tiers instead, move a
+    # resident expert's room into a cache slot, and (with an accelerator) send every miss to the CPU
+    for l in plan.layers:
+        l.expert_tiers = l.expert_tiers[::-1]
+    moved = next((l, e) for l in plan.layers for e, t in enumerate(l.expert_tiers) if t == FAST)
+    moved[0].expert_tiers[moved[1]] = "disk"
+    plan.expert_cache_slots += 1
+    if accelerator == "host":
+        plan.dispatch_mode = "cpu"
+    path = tmp_path / "edited.json"
+    plan.save(path)
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator=accelerator, plan=str(path), offload_dir=str(tmp_path), **kw))
     try:
-        placement = llm.experts.placement
-        assert llm.plan.expert_cache_slots == placement.cache_slots > 0
-        assert llm.plan.resident_experts() == placement.count(FAST) > 0
-        # the plan was made from the engine's own byte counts: the same as the runtime's own rule
-        off = LLM(rt.dir("mixtral"), engine_config(accelerator=accelerator, plan="off", **kw))
-        assert (off.experts.placement.count(FAST), off.experts.placement.cache_slots) == \
-            (placement.count(FAST), placement.cache_slots)
-        off.close()
-        logits, greedy = rt.reference("mixtral")
-        assert llm.generate(prompt(), GREEDY)[0].token_ids == greedy
-        assert llm.fast_budget.peak <= budget
+        assert llm.plan.to_json() == path.read_text()
+        want = {(l.layer, e): t for l in plan.layers for e, t in enumerate(l.expert_tiers)}
+        assert llm.experts.placement.tiers == want
+        assert set(llm.experts.store.resident) == {k for k, t in want.items() if t == FAST}
+        assert llm.experts.cache.num_slots == plan.expert_cache_slots
+        assert llm.fast_budget.peak <= llm.fast_budget.capacity
+        assert llm.generate(prompt(), GREEDY)[0].token_ids == rt.reference("mixtral")[1]
+        if accelerator == "host":
+            assert llm.experts.latency == plan.latency_model() and set(llm.experts.path_counts) == {"resident", "cpu"}
     finally:
         llm.close()
 
 
-def test_replayed_plan_sets_residency_and_cache(rt, box, tmp_path):
+def test_balanced_dispatch_splits_a_layers_misses(rt, tmp_path):
+    """The production dispatch path: with CPU and link equally fast, two misses of a decode step go one
+    to the CPU and one over the link (Fiddler's per-expert rule would send both the same way)."""
+    from tiered.runtime.dispatcher import LatencyModel
+
     s = rt.sizes("mixtral")
-    budget = s.fast(cache_slots=2, resident=6)
-    first = LLM(rt.dir("mixtral"), engine_config(cpu_memory=budget, profile=box, resident_experts=2,
-                                                 expert_cache_slots=2))
-    assert first.plan.resident_experts() == 2 and first.plan.expert_cache_slots == 2
-    first.plan.save(tmp_path / "plan.json")
-    first.close()
-    llm = LLM(rt.dir("mixtral"), engine_config(cpu_memory=budget, plan=str(tmp_path / "plan.json")))
-    assert llm.experts.placement.count(FAST) == 2 and llm.experts.placement.cache_slots == 2
-    assert llm.generate(prompt(), GREEDY)[0].token_ids == rt.reference("mixtral")[1]
+    kw = dict(gpu_memory=s.fast(cache_slots=0), cpu_memory="64MiB")
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", plan="off", **kw))
+    plan = llm.plan
     llm.close()
+    assert plan.resident_experts() == 0 and plan.dispatch_mode == "per-expert"
+    plan.expert_cache_slots = 0
+    plan.dispatch_mode = "balanced"
+    plan.dispatch_latency = {"cpu_alpha": 1e-3, "cpu_beta": 0.0, "gpu_alpha": 0.0, "gpu_beta": 0.0,
+                             "h2d_alpha": 1e-3, "h2d_bandwidth": float("inf"), "disk_alpha": 0.0,
+                             "disk_bandwidth": float("inf")}
+    plan.save(tmp_path / "p.json")
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", plan=str(tmp_path / "p.json"), **kw))
+    try:
+        assert llm.experts.latency == LatencyModel(**plan.dispatch_latency)
+        one_token = [p for p in _decode_paths(llm)]
+        assert one_token and all(sorted(p) == ["copy", "cpu"] for p in one_token)
+        assert llm.experts.host_syncs > 0
+    finally:
+        llm.close()
+
+
+def _decode_paths(llm):
+    """Paths the runner chose for each decode-step layer with two misses (a spy on split_misses)."""
+    import tiered.runtime.moe_runner as mr
+
+    seen, real = [], mr.split_misses
+
+    def spy(tokens, lat, nbytes, mode="balanced"):
+        out = real(tokens, lat, nbytes, mode)
+        if tokens == [1, 1]:
+            seen.append(out)
+        return out
+    mr.split_misses = spy
+    try:
+        assert llm.generate(prompt(), GREEDY)[0].token_ids == llm_reference(llm)
+    finally:
+        mr.split_misses = real
+    return seen
+
+
+def llm_reference(llm):
+    from runtime_fixtures import _ZOO
+    return _ZOO.reference("mixtral")[1]
+
+
+def test_no_host_copy_of_activations_when_no_expert_takes_the_cpu(rt):
+    """Every miss copied: the activations never cross to the host (no D2H, no device-wide sync)."""
+    s = rt.sizes("mixtral")
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2),
+                                               cpu_memory="64MiB", force_expert_path="copy"))
+    try:
+        assert llm.plan.dispatch_mode == "copy"
+        assert llm.generate(prompt(), GREEDY)[0].token_ids == rt.reference("mixtral")[1]
+        assert llm.experts.path_counts["copy"] > 0 and llm.experts.host_syncs == 0
+    finally:
+        llm.close()
 
 
 def test_explicit_settings_win_over_the_plan(rt, box):
@@ -150,7 +216,7 @@ def test_explicit_settings_win_over_the_plan(rt, box):
 
 def test_plan_off_and_bad_plan_file(rt, tmp_path):
     llm = LLM(rt.dir("mixtral"), engine_config(plan="off"))
-    assert llm.plan is None
+    assert llm.plan.source == "rules" and llm.plan.dispatch_mode == "per-expert"
     llm.close()
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read plan"):
@@ -230,7 +296,7 @@ def test_run_prints_the_plan_and_its_prediction(zoo, box):
     shown = CliRunner().invoke(app, [*args, "--show-plan", "1 2 3"])
     assert shown.exit_code == 0 and "r_CC  r_CG  r_GG" in shown.output
     off = CliRunner().invoke(app, [*args[:-4], "--plan", "off", "1 2 3"])
-    assert off.exit_code == 0 and "[plan" not in off.output
+    assert off.exit_code == 0 and "[plan (rules, " in off.output and "predicted nothing" in off.output
     js = CliRunner().invoke(app, [*args, "--json", "1 2 3"])
     data = json.loads(js.stdout.strip().splitlines()[-1])
     assert data["plan"]["predicted_decode_tokens_per_s"] > 0 and "sliced" in data["plan"]["summary"]

@@ -14,7 +14,7 @@ import pytest
 from runtime_fixtures import GREEDY, MOE_KINDS, REL_TOL, engine_config, prompt, rel_err, rt  # noqa: F401
 
 from tiered import LLM
-from tiered.memory.placement import CPU, DISK, FAST
+from tiered.planner.placement import CPU, DISK, FAST
 from tiered.runtime.dispatcher import LatencyModel
 
 

@@ -223,7 +223,7 @@ def plan(
     from tiered.hardware.budget import parse_bytes
     from tiered.hardware.presets import get_preset
     from tiered.hardware.profile import HardwareProfile, default_profile_path
-    from tiered.planner.plan import make_plan
+    from tiered.planner import make_plan
 
     if model is not None and model.suffix == ".json" and model.is_file():
         cfg = ModelConfig.from_hf(json.loads(model.read_text()))

@@ -11,7 +11,6 @@ import os
 import sys
 import time
 import weakref
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence as Seq
 
@@ -22,14 +21,13 @@ from tiered.config import EngineConfig
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
 from tiered.engine.sampling import SamplingParams, sample_token
 from tiered.engine.sequence import RequestOutput, Sequence
-from tiered.errors import BudgetError, ConfigError, ContextLengthError
+from tiered.errors import ConfigError, ContextLengthError
 from tiered.hardware.accelerator import make_accelerator
 from tiered.hardware.budget import MemoryBudget
-from tiered.memory.expert_store import is_expert_param
-from tiered.memory.materialize import materialize, planned_bytes
+from tiered.memory import sizes
 from tiered.models import build_model
 from tiered.models.layers import KVCache, Rotary
-from tiered.quant.linear import PhaseLinear, install_decode_weights
+from tiered.quant.linear import PhaseLinear
 
 Prompt = str | list[dict] | list[int]
 _NO_TOKENS = torch.empty(0, dtype=torch.long)
@@ -65,135 +63,84 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, config: EngineConfig | None = None,
                  progress: bool = False) -> None:
+        t0 = time.perf_counter()
         self.engine_config = config or EngineConfig()
-        if self.engine_config.num_threads:
-            torch.set_num_threads(self.engine_config.num_threads)
+        self._open(model)
+        self.plan, self._profile = self._plan(progress)
+        self._place(progress)
+        self._install()
+        self.load_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------ the pipeline
+    def _open(self, model) -> None:
+        """OPEN: the checkpoint (nothing read yet), its config, the accelerator and the budgets."""
+        ec = self.engine_config
         self.checkpoint = open_checkpoint(model)
         self.config = self.checkpoint.config
-        self.max_context = min(self.engine_config.max_context or self.config.max_position_embeddings,
+        self.tokenizer = self.checkpoint.tokenizer()
+        self.max_context = min(ec.max_context or self.config.max_position_embeddings,
                                self.config.max_position_embeddings)
-        self.dtype = getattr(torch, self.engine_config.dtype)
-        ec = self.engine_config
-        t0 = time.perf_counter()
         self.accelerator = make_accelerator(ec.accelerator, ec.gpu_memory, ec.link_bandwidth)
         self.device = self.accelerator.device if self.accelerator is not None else torch.device("cpu")
+        self.dtype = getattr(torch, ec.dtype)
         self.cpu_budget = MemoryBudget("cpu", ec.cpu_memory)
         self.fast_budget = self.accelerator.budget if self.accelerator is not None else self.cpu_budget
-        with torch.device("meta"):
-            self.model = build_model(self.config, self.max_context)
-        self.model.rotary = Rotary(self.config, self.max_context).to(self.device)
-        # the KV cache is allocated per generate call; plans keep room for one max_context sequence
-        kv_reserve = _kv_cache_bytes(self.config, 1, self.max_context, self.dtype)
-        self.plan, self._profile = None, None
-        sliced: dict = {}
-        if not self.config.is_moe:  # dense: plan before loading (the sliced FFNs are never loaded whole)
-            skip_ffn = _skip(False, dict.fromkeys(range(self.config.num_hidden_layers)))
-            committed = planned_bytes(self.model, self.dtype, skip_ffn) + kv_reserve
-            # without an accelerator the dense plan decides nothing (it predicts): never fatal
-            self._make_plan(progress, {"gpu" if self.accelerator is not None else "cpu": committed},
-                            strict=self.accelerator is not None)
-            if self.plan is not None and self.accelerator is not None:
-                from tiered.planner.auto import sliced_layers
-                sliced = sliced_layers(self.plan)
-        skip = _skip(self.config.is_moe, sliced)
-        # budgets are checked from byte counts before a single tensor is read
-        self.fast_budget.reserve(planned_bytes(self.model, self.dtype, skip),
-                                 "the non-expert weights" if self.config.is_moe else
-                                 "the non-FFN weights" if sliced else "the model's weights")
-        with _load_progress(progress, self.checkpoint.nbytes()) as on_tensor:
-            self.weight_bytes = materialize(self.model, self.checkpoint, self.dtype, self.device,
-                                            on_tensor=on_tensor, skip=skip)
-        self.executor = None
-        self.sliced = self._install_slices(sliced) if sliced else []
-        self.decode_weight_bytes = 0
-        if ec.decode_weights != _same_format(self.dtype) and self.device.type == "cpu":
-            self.decode_weight_bytes = install_decode_weights(
-                self.model, self.checkpoint, ec.decode_weights, ec.decode_weights_threshold)
-            self.fast_budget.reserve(self.decode_weight_bytes, "the decode-format weight copies")
-        self.experts = None
-        if self.config.is_moe:
-            from tiered.runtime.moe_setup import install_tiered_experts
-            # MoE: plan once the non-expert weights are in, from the bytes they really took
-            committed = {"gpu" if self.accelerator is not None else "cpu": self.fast_budget.used + kv_reserve}
-            if self.accelerator is not None:
-                committed["cpu"] = self.cpu_budget.used
-            self._make_plan(progress, committed, strict=False)
-            run = ec
-            if self.plan is not None:  # the plan's residency and cache, unless set explicitly
-                run = replace(ec, resident_experts=ec.resident_experts if ec.resident_experts is not None
-                              else self.plan.resident_experts(),
-                              expert_cache_slots=ec.expert_cache_slots if ec.expert_cache_slots is not None
-                              else self.plan.expert_cache_slots)
-            self.experts = install_tiered_experts(self.model, self.checkpoint, run, self.dtype, self.accelerator,
-                                                  self.fast_budget, self.cpu_budget, kv_reserve)
-        self.model.eval()
-        self.load_s = time.perf_counter() - t0
-        self.tokenizer = self.checkpoint.tokenizer()
 
-    # ----------------------------------------------------------------- planning
-    def _make_plan(self, progress: bool, committed: dict, strict: bool = True) -> None:
-        """Set self.plan (and the profile it came from) per EngineConfig.plan: planned now ("auto")
-        with `committed` (tier -> bytes the engine holds there outside the FFN / experts), replayed
-        (a path), or none ("off").
+    def _plan(self, progress: bool):
+        """PLAN: the Plan every later step applies (planned, the runtime's rules, or replayed) and the
+        HardwareProfile it was made with (None for rules or a replayed plan)."""
+        from tiered.planner.auto import engine_plan
+        from tiered.planner.placement import load_popularity
+        from tiered.quant.linear import decode_precision
 
-        Raises ConfigError / BudgetError from the planner. With strict=False a BudgetError leaves
-        no plan instead: the runtime's own checks, which follow, then name exactly what is short.
-        """
-        from tiered.planner.plan import Plan
-
-        ec = self.engine_config
-        if ec.plan == "off":
-            return
-        if ec.plan != "auto":
-            self.plan = Plan.load(ec.plan)
-            return
-        from tiered.memory.placement import load_popularity
-        from tiered.planner.auto import engine_plan, engine_profile
-
-        say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else None
-        profile = engine_profile(ec.profile, self.accelerator, progress=say)
-        cfg = self.config
+        ec, cfg = self.engine_config, self.config
+        weights = sizes.format_of(self.dtype)
+        # decode copies (quantized GEMV weights) serve the CPU decode path only
+        decode = ec.decode_weights if self.accelerator is None and ec.decode_weights != weights else "none"
         popularity = None
         if cfg.is_moe and ec.expert_profile:
             popularity = load_popularity(ec.expert_profile, cfg.num_hidden_layers, cfg.num_experts)
-        try:
-            plan = engine_plan(cfg, profile, model_name=Path(self.checkpoint.path).name,
-                               gpu_memory=self.fast_budget.capacity if self.accelerator is not None else None,
-                               cpu_memory=self.cpu_budget.capacity, has_accelerator=self.accelerator is not None,
-                               precision=self._plan_precision(), max_context=self.max_context,
-                               popularity=popularity,
-                               committed=committed, expert_cache_slots=ec.expert_cache_slots,
-                               max_resident=ec.resident_experts)
-        except BudgetError:
-            if strict:
-                raise
-            return
-        self.plan, self._profile = plan, profile
+        say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else None
+        precision = decode_precision(self.checkpoint, decode) if decode != "none" else weights
+        plan, profile = engine_plan(cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name,
+                                    max_context=self.max_context, weights_format=weights, decode_format=decode,
+                                    decode_precision=precision, popularity=popularity, progress=say)
+        if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
+            plan.decode_threshold = ec.decode_weights_threshold
+        if plan.dtypes.get("weights") != weights:  # a replayed plan decides the compute dtype too
+            self.dtype = sizes.torch_dtype(plan.dtypes["weights"])
+        return plan, profile
 
-    def _plan_precision(self) -> str:
-        """The weight precision the plan prices: a dense model on the CPU decodes with its decode
-        copies (int4 for GGUF Q4 blocks under "auto"); experts and accelerator work use the dtype."""
-        fmt = self.engine_config.decode_weights
-        if self.config.is_moe or self.accelerator is not None or fmt == _same_format(self.dtype):
-            return _same_format(self.dtype)
-        from tiered.quant.linear import decode_precision
-        return decode_precision(self.checkpoint, fmt)
+    def _place(self, progress: bool) -> None:
+        """PLACE: materialize every weight on the tier the plan gives it (memory/apply.py)."""
+        from tiered.memory.apply import place_experts, place_weights
 
-    def _install_slices(self, sliced: dict) -> list:
-        """Build the planned layers' SlicedMLPs from the checkpoint (their FFN weights were not
-        materialized): GG parts on the accelerator, CC/CG parts in (pinned) CPU memory."""
+        with torch.device("meta"):
+            self.model = build_model(self.config, self.max_context)
+        self.model.rotary = Rotary(self.config, self.max_context).to(self.device)
+        with _load_progress(progress, self.checkpoint.nbytes()) as on_tensor:
+            self.weight_bytes, self.decode_weight_bytes = place_weights(self.plan, self.model, self.checkpoint,
+                                                                        self.device, self.fast_budget, on_tensor)
+        self._placed = None
+        if self.config.is_moe:
+            self._placed = place_experts(self.plan, self.checkpoint, self.accelerator, self.fast_budget,
+                                         self.cpu_budget, self.engine_config.offload_dir)
+        self.model.eval()
+
+    def _install(self) -> None:
+        """INSTALL: the runtime the plan describes (runtime/install.py): executor, expert runner,
+        sliced FFNs, CPU threads."""
         from tiered.planner.auto import token_assignment
-        from tiered.runtime.executor import Executor
-        from tiered.runtime.sliced import install_sliced_mlps
+        from tiered.runtime.install import install_runtime
 
-        self.executor = Executor(self.accelerator, trace=self.engine_config.trace)
-
-        def weights(i: int):
+        def sliced_weights(i: int):
             return tuple(self.checkpoint.handle(f"model.layers.{i}.mlp.{p}_proj.weight").load(self.dtype)
                          for p in ("gate", "up", "down"))
-        return install_sliced_mlps(self.model, sliced, self.accelerator, self.executor,
-                                   n_g=token_assignment(self.plan, self.config, self._profile),
-                                   weights=weights, host_budget=self.cpu_budget)
+        self.runtime = install_runtime(self.plan, self.model, self.accelerator, placed=self._placed,
+                                       sliced_weights=sliced_weights,
+                                       n_g=token_assignment(self.plan, self.config, self._profile),
+                                       host_budget=self.cpu_budget, trace=self.engine_config.trace)
+        self.executor, self.experts, self.sliced = self.runtime.executor, self.runtime.experts, self.runtime.sliced
 
     # ----------------------------------------------------------------- prompts
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
@@ -331,10 +278,7 @@ class LLM:
 
     def close(self) -> None:
         """Stop the expert runtime's worker threads (the LLM cannot generate afterwards)."""
-        if self.experts is not None:
-            self.experts.executor.close()
-        if self.executor is not None:
-            self.executor.close()
+        self.executor.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -349,8 +293,7 @@ class LLM:
 
     def trace_events(self) -> list:
         """The runtime's recorded tasks (TraceEvent): the MoE runtime's, or the sliced MLPs'."""
-        ex = self.experts.executor if self.experts is not None else self.executor
-        return list(ex.events) if ex is not None else []
+        return list(self.executor.events)
 
     # ----------------------------------------------------------------- scoring
     def logits(self, token_ids: Seq[int]) -> torch.Tensor:
@@ -374,7 +317,7 @@ class LLM:
 
     def _kv_cache(self, num_slots: int, max_len: int) -> KVCache:
         """A KV cache on the compute tier, accounted against its budget (before it is allocated) while it lives."""
-        nbytes = _kv_cache_bytes(self.config, num_slots, max_len, self.dtype)
+        nbytes = sizes.kv_cache_bytes(self.config, num_slots, max_len, sizes.format_of(self.dtype))
         self.fast_budget.reserve(nbytes, "the KV cache")
         try:
             cache = KVCache(self.config, num_slots, max_len, self.dtype, self.device)
@@ -384,25 +327,6 @@ class LLM:
         assert cache.nbytes == nbytes
         weakref.finalize(cache, self.fast_budget.release, nbytes)
         return cache
-
-
-def _skip(is_moe: bool, sliced: dict):
-    """Which parameters stay on the meta device: routed experts (the MoE runtime serves them) and
-    the FFN weights of sliced layers (built from the checkpoint into their tiers)."""
-    if not sliced:
-        return is_expert_param if is_moe else None
-    prefixes = tuple(f"model.layers.{i}.mlp." for i in sliced)
-    return lambda name: name.startswith(prefixes) or (is_moe and is_expert_param(name))
-
-
-def _kv_cache_bytes(config, num_slots: int, max_len: int, dtype: torch.dtype) -> int:
-    """Bytes of KVCache(config, num_slots, max_len, dtype), without allocating it."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * num_slots * config.num_key_value_heads * max_len * config.head_dim * elem
-
-
-def _same_format(dtype: torch.dtype) -> str:
-    return "fp32" if dtype == torch.float32 else "bf16"
 
 
 @contextlib.contextmanager

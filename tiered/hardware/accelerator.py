@@ -62,6 +62,21 @@ class Accelerator(ABC):
     def synchronize(self) -> None:
         """Wait for all device work."""
 
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """H2D: `t` on the device (asynchronous from pinned memory on CUDA)."""
+        return t.to(self.device, non_blocking=t.is_pinned())
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """D2H: `t` in host memory (waits for the work that produces it)."""
+        return t.to("cpu")
+
+    def record_event(self):
+        """A marker after the work issued so far on the calling thread's stream (None: nothing to wait for)."""
+        return None
+
+    def wait_event(self, event) -> None:
+        """Make the current stream wait for `event` (from record_event) without blocking the host."""
+
 
 def _nbytes(shape, dtype) -> int:
     n = 1

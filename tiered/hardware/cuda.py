@@ -41,3 +41,12 @@ class CudaAccelerator(Accelerator):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def record_event(self):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait_event(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)

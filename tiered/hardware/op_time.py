@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from tiered.errors import ConfigError
 from tiered.hardware.profile import HardwareProfile, LinearModel
+from tiered.memory.sizes import bytes_per_element  # noqa: F401  (re-exported: op_time.bytes_per_element)
 
 # Which fitted dtype stands in for a missing one (same width first, then wider).
 DTYPE_FALLBACK = {
@@ -25,19 +26,6 @@ DTYPE_FALLBACK = {
     "int8": ("int8",),
     "int4": ("int4",),
 }
-
-
-def bytes_per_element(dtype: str, group: int = 32) -> float:
-    """Storage bytes per weight element; int4 counts its per-group scale and zero (2 x 16 bit).
-
-    tiered's int4 (quant/int4.py) uses group 32; FlexGen's compression group 64 (4.5 bits).
-    """
-    if dtype == "int4":
-        return 0.5 + 4.0 / group
-    try:
-        return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}[dtype]
-    except KeyError:
-        raise ConfigError(f"unknown dtype {dtype!r}", "use fp32, bf16, fp16, int8 or int4") from None
 
 
 def find(profile: HardwareProfile, op: str, device: str, dtype: str) -> LinearModel | None:

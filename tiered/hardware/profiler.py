@@ -46,7 +46,7 @@ from scipy.optimize import nnls
 from tiered.hardware.profile import HardwareProfile, LinearModel
 
 MiB = 2**20
-DISK_READERS = 2  # the runtime's disk reader threads (runtime/moe_setup.py: max(2, staging buffers))
+DISK_READERS = 2  # the runtime's disk reader threads (runtime/install.py: max(2, staging buffers))
 Progress = Callable[[str], None]
 
 

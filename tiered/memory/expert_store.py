@@ -18,7 +18,8 @@ from tiered.checkpoint.handle import STORED_DTYPES, TensorHandle, _fd
 from tiered.checkpoint.hf_dir import _check_safetensors_file
 from tiered.errors import ConfigError
 from tiered.hardware.budget import MemoryBudget
-from tiered.memory.placement import CPU, DISK, FAST, ExpertPlacement
+from tiered.memory.sizes import is_expert_param  # noqa: F401  (re-exported)
+from tiered.planner.placement import CPU, DISK, FAST, ExpertPlacement
 
 _TORCH_TO_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -30,11 +31,6 @@ def expert_tensor_names(model_type: str, layer: int, expert: int) -> tuple[str, 
         return f"{p}.w1.weight", f"{p}.w3.weight", f"{p}.w2.weight"
     p = f"model.layers.{layer}.mlp.experts.{expert}"
     return f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"
-
-
-def is_expert_param(name: str) -> bool:
-    """True for parameters of routed experts (served by the runtime, not materialized in the model)."""
-    return ".experts." in name
 
 
 def moe_layers(checkpoint, config) -> list[int]:

@@ -59,15 +59,3 @@ def materialize(model: nn.Module, checkpoint, dtype: torch.dtype, device: torch.
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return total
-
-
-def planned_bytes(model: nn.Module, dtype: torch.dtype, skip: Callable[[str], bool] | None = None) -> int:
-    """Bytes `materialize` will allocate for `model` (built on meta) in `dtype`, before loading anything."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    total = 0
-    for name, p in model.named_parameters():
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        if skip is None or not skip(name):
-            total += p.numel() * elem
-    return total

@@ -1,13 +1,9 @@
 """The planner as the engine's default: which HardwareProfile to plan with, and the plan for an LLM.
 
-`LLM` (engine/llm.py) calls `engine_profile` and `engine_plan` before it loads any weights, unless
-EngineConfig.plan is "off" or names a saved plan to replay. The plan then decides what the runtime
-would otherwise pick by itself:
-  MoE       how many experts are resident on the fast tier and how many cache slots it keeps
-            (Fiddler §3.4 placement with the HOBBIT-style cache carved out first);
-  dense     with an accelerator whose budget cannot hold every FFN, the ScheInfer slicing rates
-            (r_CC, r_CG, r_GG) of each layer's MLP, and the prompt-token assignment n_g re-solved
-            per prompt length (Eq. 15).
+`LLM` (engine/llm.py) calls `engine_plan` before it loads any weight. The plan decides what the
+runtime applies: each expert's home tier and the cache (Fiddler §3.4 placement), the dispatch latency
+model, and with an accelerator too small for a dense model the ScheInfer slicing rates (r_CC, r_CG,
+r_GG) of each layer's MLP with the prompt-token assignment n_g re-solved per prompt length (Eq. 15).
 The profile is, in order: EngineConfig.profile (a JSON path or a preset name), the one `tiered
 profile` saved in the cache directory, or a quick measurement (~3 s on 2 cores) saved there for
 next time.
@@ -20,11 +16,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import ConfigError
 from tiered.hardware import op_time
 from tiered.hardware.profile import HardwareProfile, LinearModel, default_profile_path
-from tiered.planner.plan import Plan, make_plan
+from tiered.planner.make import make_plan
+from tiered.planner.plan import Plan
+
 
 def engine_profile(profile: str | None, accelerator=None, progress: Callable[[str], None] | None = None
                    ) -> HardwareProfile:
@@ -105,39 +105,54 @@ def standin_profile(cpu: HardwareProfile, link_bandwidth: float | None) -> Hardw
     return replace(cpu, name=f"{cpu.name}+host-standin", models=models, gpu_memory=ram, meta=meta)
 
 
-def engine_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str, gpu_memory: int | None,
-                cpu_memory: int | None, has_accelerator: bool, precision: str, max_context: int,
-                popularity=None, committed: dict | None = None, expert_cache_slots: int | None = None,
-                max_resident: int | None = None) -> Plan:
-    """The latency plan of an LLM about to load: budgets as the engine enforces them, KV-cache room
-    for one `max_context`-token sequence (what the runtime reserves), prompt 512 (or half the
-    context) and 128 generated tokens for the predicted times.
+def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
+                decode_format: str, decode_precision: str, popularity=None,
+                progress: Callable[[str], None] | None = None) -> tuple[Plan, HardwareProfile | None]:
+    """The Plan an LLM applies, per EngineConfig.plan: "auto" plans now (latency goal), "off" writes
+    the runtime's plain rules into a Plan (planner/rules.py), a path replays a saved plan as is.
+
+    The auto plan uses the engine's budgets, KV-cache room for one `max_context`-token sequence (what
+    the runtime reserves), prompt 512 (or half the context) and 128 generated tokens for the
+    predicted times, and keeps the user's explicit settings (cache slots, resident cap, cache
+    policy, forced dispatch path, staging buffers, read-ahead, threads).
 
     Args:
-        gpu_memory, cpu_memory: the engine's budgets [bytes] (None = unlimited / the profile's).
-        has_accelerator: False plans CPU + disk (the engine has no GPU tier).
-        precision: the compute dtype's name, "fp32" or "bf16".
-        committed: tier -> bytes the engine already holds there (see make_plan), so the plan's
-            byte counts are the engine's own.
-        expert_cache_slots, max_resident: the user's own choices, which the plan keeps.
+        ec: the EngineConfig.
+        accelerator: the engine's Accelerator (None = CPU only: the plan is CPU + disk).
+        weights_format: format of the loaded weights ("fp32" / "bf16").
+        decode_format: EngineConfig.decode_weights when decode copies are installed, else "none".
+        decode_precision: the format most decode-copy bytes have ("int4", "int8", "bf16", "fp32").
+        popularity: float [L, E] tokens routed per expert, or None.
+    Returns:
+        (plan, the HardwareProfile it was made with, or None for rules / replayed plans).
     Raises:
         BudgetError: the budgets cannot hold what must stay on the fast tier.
+        ConfigError: an unreadable plan or profile.
     """
-    if not has_accelerator:  # no GPU tier: make_plan then plans CPU + disk
+    if ec.plan not in ("auto", "off"):
+        return Plan.load(ec.plan), None
+    gpu = accelerator.budget.capacity if accelerator is not None else None
+    if ec.plan == "off":
+        from tiered.planner.rules import rules_plan
+        plan = rules_plan(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
+                          weights_format=weights_format, popularity=popularity)
+        plan.dtypes["decode"] = decode_format
+        return plan, None
+    profile = engine_profile(ec.profile, accelerator, progress=progress)
+    if accelerator is None:  # no GPU tier: make_plan then plans CPU + disk
         profile = replace(profile, gpu_memory=None)
     prompt = max(1, min(512, max_context // 2))
-    return make_plan(cfg, profile, model_name=model_name, gpu_memory=gpu_memory if has_accelerator else None,
-                     cpu_memory=cpu_memory, goal="latency", prompt_tokens=prompt,
-                     gen_tokens=max(1, min(128, max_context - prompt)), precision=precision,
-                     context_tokens=max_context, popularity=popularity, committed=committed,
-                     expert_cache_slots=expert_cache_slots, max_resident=max_resident)
-
-
-def sliced_layers(plan: Plan) -> dict[int, tuple[float, float]]:
-    """Dense layers the plan slices (r_GG < 1): layer -> (r_CC, r_CG). Empty without a GPU tier."""
-    if plan.fast_tier != "gpu" or plan.flexgen is not None:
-        return {}
-    return {l.layer: (l.r_cc, l.r_cg) for l in plan.layers if l.kind == "dense" and l.r_gg < 1 - 1e-9}
+    dense_cpu = accelerator is None and not cfg.is_moe and decode_format != "none"
+    plan = make_plan(cfg, profile, model_name=model_name, gpu_memory=gpu, cpu_memory=ec.cpu_memory, goal="latency",
+                     prompt_tokens=prompt, gen_tokens=max(1, min(128, max_context - prompt)),
+                     precision=decode_precision if dense_cpu else weights_format, weights_format=weights_format,
+                     context_tokens=max_context, popularity=popularity, expert_cache_slots=ec.expert_cache_slots,
+                     max_resident=ec.resident_experts, cache_policy=ec.cache_policy,
+                     dispatch_mode=ec.force_expert_path or "balanced", staging_buffers=ec.staging_buffers,
+                     read_ahead=ec.read_ahead)
+    plan.dtypes["decode"] = decode_format
+    plan.cpu_threads = ec.num_threads or torch.get_num_threads()
+    return plan, profile
 
 
 def token_assignment(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None) -> Callable[[int, int], int]:
@@ -152,7 +167,7 @@ def token_assignment(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | No
     from tiered.planner.scheinfer import solve_n_g
 
     layers = {l.layer: l for l in plan.layers}
-    bpe = op_time.bytes_per_element(plan.precision)
+    bpe = op_time.bytes_per_element(plan.dtypes.get("weights", plan.precision))
 
     @lru_cache(maxsize=4096)
     def n_g(layer: int, T: int) -> int:
@@ -163,6 +178,6 @@ def token_assignment(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | No
             return int(round(l.n_g * T / max(plan.prompt_tokens, 1)))
         shape = LayerShape(T, cfg.hidden_size, cfg.intermediate_size, 3, bpe)
         rates = SliceRates(l.r_cc, l.r_cg, max(0.0, 1.0 - l.r_cc - l.r_cg))
-        return solve_n_g(shape, rates, cost_params(profile, plan.precision, shape)).n_g
+        return solve_n_g(shape, rates, cost_params(profile, plan.dtypes.get("weights", plan.precision), shape)).n_g
 
     return n_g

@@ -67,3 +67,52 @@ def choose_path(tokens: int, on_accelerator: bool, expert_bytes: int, lat: Laten
     if lat.cpu_lat(tokens) > lat.gpu_lat(tokens) + lat.transfer_lat(expert_bytes):
         return COPY
     return CPU
+
+
+def split_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mode: str = "balanced") -> list[str]:
+    """Paths (COPY or CPU) for one layer's experts that are not on the accelerator, so that the CPU
+    and the H2D link (with the accelerator computing what lands) finish together.
+
+    Fiddler's Algorithm 1 picks one side per expert by its own latencies; when several experts of a
+    step miss, sending all of them one way leaves the other idle. tiered sorts the misses by token
+    count and gives the CPU the prefix (fewest tokens: where it loses least to the GPU) of the length
+    that minimizes the makespan max(sum cpu_lat, sum transfer_lat + last gpu_lat); with one miss this
+    is Algorithm 1 itself.
+
+    Args:
+        tokens: routed tokens of each missing expert (> 0), in any order.
+        lat: the latency model (seconds).
+        expert_bytes: bytes copied per expert.
+        mode: "balanced" (above), "per-expert" (Algorithm 1 for each expert alone), "copy" or
+            "cpu" (every miss one way).
+    Returns:
+        One path per entry of `tokens`, in its order.
+    """
+    if mode in (COPY, CPU):
+        return [mode] * len(tokens)
+    if mode == "per-expert":  # Algorithm 1 for each expert alone
+        return [choose_path(s, False, expert_bytes, lat) for s in tokens]
+    order = sorted(range(len(tokens)), key=lambda i: tokens[i])
+    best_j, best_t = 0, float("inf")
+    cpu_sum = 0.0
+    for j in range(len(order) + 1):  # CPU takes order[:j]
+        if j:
+            cpu_sum += lat.cpu_lat(tokens[order[j - 1]])
+        rest = order[j:]
+        link = sum(lat.transfer_lat(expert_bytes) for _ in rest) + (lat.gpu_lat(tokens[rest[-1]]) if rest else 0.0)
+        t = max(cpu_sum, link)
+        if t < best_t - 1e-12:
+            best_j, best_t = j, t
+    paths = [COPY] * len(tokens)
+    for i in order[:best_j]:
+        paths[i] = CPU
+    return paths
+
+
+def miss_makespan(tokens: list[int], lat: LatencyModel, expert_bytes: int, mode: str = "balanced") -> float:
+    """Seconds until one layer's missing experts are done under `split_misses` (same model)."""
+    paths = split_misses(tokens, lat, expert_bytes, mode)
+    cpu = sum(lat.cpu_lat(s) for s, p in zip(tokens, paths) if p == CPU)
+    copied = [s for s, p in zip(tokens, paths) if p == COPY]
+    link = len(copied) * lat.transfer_lat(expert_bytes) + (lat.gpu_lat(max(copied)) if copied else 0.0)
+    return max(cpu, link)

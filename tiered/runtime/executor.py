@@ -77,8 +77,11 @@ class Executor:
         self.t0 = time.perf_counter()
 
     def submit(self, stream: str, fn: Callable[[], Any], deps: Iterable[Future] = (), name: str = "",
-               nbytes: int = 0, layer: int | None = None, expert: int | None = None) -> Future:
+               nbytes: int = 0, layer: int | None = None, expert: int | None = None, after_event=None) -> Future:
         """Run `fn()` on `stream` after every future in `deps` is done. Returns its Future.
+
+        `after_event` (from Accelerator.record_event) makes a device stream wait, on the device, for
+        the work that event marks (e.g. the router's output) instead of the host waiting for it.
 
         Raises (through the future): whatever `fn` or a dependency raised.
         """
@@ -90,6 +93,7 @@ class Executor:
             start = time.perf_counter()
             if stream in DEVICE_STREAMS:
                 with self.accelerator.stream(stream):
+                    self.accelerator.wait_event(after_event)
                     out = fn()
             else:
                 out = fn()

@@ -1,19 +1,22 @@
 """TieredExperts: the runtime's expert runner — computes a MoE layer's routed experts where the
-dispatcher says, fetching weights across tiers on the executor's streams.
+plan's dispatch says, fetching weights across tiers on the executor's streams.
 
 Per layer and step (dimension legend: N tokens, D hidden, k top-k, E experts):
-  1. count tokens per expert; pin the layer's experts in the cache;
-  2. for each expert with tokens, by its home tier and the dispatcher:
-       resident / cache hit  -> compute on the fast tier;
-       disk                  -> read (pread, reader threads) into a cache slot or staging buffer;
-       COPY                  -> H2D copy on the copy stream into a cache slot, compute on the
-                                compute stream;
-       CPU                   -> compute on the CPU worker with the host copy (activations move);
+  1. group the N*k routing slots by expert on the device (one sort) and read the per-expert token
+     counts to the host: the layer's only host sync;
+  2. experts on the fast tier (resident or cached) compute there; the others ("misses") get a
+     path from the dispatcher for the whole layer at once (runtime/dispatcher.split_misses):
+       COPY  -> H2D copy on the copy stream into a cache slot or staging buffer, compute on the
+                compute stream;
+       CPU   -> compute with the host copy on the calling thread (torch's OpenMP team belongs to
+                it; a worker thread's second team is slower and fights it for the cores);
+     a disk-tier expert is read first (pread on reader threads) into a host staging buffer (with an
+     accelerator) or into a fast-tier slot (without one, where every miss computes on the CPU);
   3. combine the weighted outputs in expert order (as transformers does: identical sums).
-With `read_ahead`, every missing expert's read is issued at once (reader threads + WILLNEED) and
-each expert computes as soon as its weights land; without it, read -> compute -> read ... in turn.
-Staging buffers are reused through dependencies: a read into a buffer waits for the compute that
-last used it.
+Activations cross to the host only when some expert takes the CPU path, and nothing waits for the
+whole device: the compute stream waits on an event recorded after the router.
+With `read_ahead`, every missing expert's read is issued at once and each expert computes as soon
+as its weights land; without it, read -> compute -> read ... in turn.
 """
 
 from __future__ import annotations
@@ -24,90 +27,97 @@ from concurrent.futures import Future
 
 import torch
 
-from tiered.memory.expert_cache import ExpertCache
-from tiered.memory.expert_store import ExpertStore
-from tiered.memory.placement import DISK
+from tiered.memory.apply import PlacedExperts, StagingPool
 from tiered.models.moe import expert_forward
-from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, LatencyModel, choose_path
+from tiered.planner.placement import DISK
+from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, LatencyModel, split_misses
 from tiered.runtime.executor import Executor
-
-
-class StagingPool:
-    """A ring of expert-sized buffers; each use depends on the previous user's completion future."""
-
-    def __init__(self, buffers: list[tuple[torch.Tensor, ...]]) -> None:
-        self.buffers = buffers
-        self.busy: list[Future | None] = [None] * len(buffers)
-        self.next = 0
-
-    def take(self) -> tuple[tuple[torch.Tensor, ...], Future | None, int]:
-        i = self.next
-        self.next = (i + 1) % len(self.buffers)
-        return self.buffers[i], self.busy[i], i
-
-    def release_after(self, i: int, fut: Future) -> None:
-        self.busy[i] = fut
 
 
 class TieredExperts:
     """Expert runner over tiers (an ExpertRunner, see models/moe.py).
 
     Args:
-        store: home copies of experts (fast / CPU / disk).
-        cache: fast-tier expert cache (may have 0 slots).
-        executor: streams for disk reads, H2D copies, CPU and accelerator compute.
-        latency: dispatcher latency model (only used with an accelerator).
+        placed: the experts as memory/apply.place_experts built them (store, cache, staging).
+        executor: streams for disk reads, H2D copies, CPU and accelerator compute ("cpu" inline).
+        latency: the plan's dispatch latency model (None without an accelerator).
         accelerator: Accelerator or None (the fast tier is then CPU RAM and compute is on the CPU).
-        fast_staging, host_staging: staging buffer rings on the fast tier / in host memory.
+        dispatch_mode: the plan's "balanced", "per-expert", "copy" or "cpu".
         read_ahead: issue all of a layer's expert reads at once.
-        force_path: tests only: force COPY or CPU for every non-resident expert.
     Attributes:
-        path_counts: Counter of (path) over all dispatched experts; bytes_read: disk bytes read;
-        resident_hits: uses of fast-resident experts (the cache's own stats count only its slots).
+        path_counts: Counter of paths over all dispatched experts; bytes_read: disk bytes read;
+        bytes_h2d: bytes copied to the accelerator; resident_hits: uses of fast-resident experts
+        (the cache's own stats count only its slots); host_syncs: layers whose activations crossed
+        to the host for CPU experts.
     """
 
-    def __init__(self, store: ExpertStore, cache: ExpertCache, executor: Executor, latency: LatencyModel | None,
-                 accelerator, fast_staging: StagingPool, host_staging: StagingPool | None,
-                 read_ahead: bool = True, force_path: str | None = None) -> None:
-        self.store, self.cache, self.executor, self.latency = store, cache, executor, latency
-        self.accelerator = accelerator
-        self.fast_staging, self.host_staging = fast_staging, host_staging
-        self.read_ahead, self.force_path = read_ahead, force_path
+    def __init__(self, placed: PlacedExperts, executor: Executor, latency: LatencyModel | None, accelerator,
+                 dispatch_mode: str = "balanced", read_ahead: bool = True) -> None:
+        self.store, self.cache = placed.store, placed.cache
+        self.fast_staging, self.host_staging = placed.fast_staging, placed.host_staging
+        self.placement = placed.store.placement
+        self.executor, self.latency, self.accelerator = executor, latency, accelerator
+        self.dispatch_mode, self.read_ahead = dispatch_mode, read_ahead
         self.path_counts: Counter = Counter()
         self.bytes_read = 0
         self.bytes_h2d = 0
         self.resident_hits = 0
+        self.host_syncs = 0
         self._pinned: set = set()
-        self.num_experts = store.num_experts
+        self.num_experts = placed.store.num_experts
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                  block) -> torch.Tensor:
-        counts = torch.bincount(topk_idx.flatten(), minlength=self.num_experts)
-        experts = counts.nonzero().flatten().tolist()
-        keys = [(layer_idx, e) for e in experts]
-        self._pinned = set(keys)
         t_layer = time.perf_counter()
-        if self.accelerator is not None:
-            self.accelerator.synchronize()
-        x_host = x if x.device.type == "cpu" else x.to("cpu")
+        k = topk_idx.shape[1]
+        flat = topk_idx.flatten()  # (N*k,)
+        order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
+        tok_all, slot_all = order // k, order % k  # (N*k,) token row and top-k slot of each entry
+        groups, start = {}, 0
+        for e, c in enumerate(counts):
+            if c:
+                groups[e] = (start, start + c)
+                start += c
+        keys = {e: (layer_idx, e) for e in groups}
+        self._pinned = set(keys.values())
+        on_fast = {e: self._weights_on_fast(keys[e]) for e in groups}
+        misses = [e for e in groups if on_fast[e] is None]
+        if self.accelerator is None:
+            paths = {e: "disk" for e in misses}
+        else:
+            chosen = split_misses([counts[e] for e in misses], self.latency, self.store.expert_bytes, self.dispatch_mode)
+            paths = dict(zip(misses, chosen))
         if self.read_ahead:
-            for key in keys:
-                if self.store.tier(key) == DISK and key not in self.cache and key not in self.store.resident:
-                    self.store.advise(key)
+            for e in misses:
+                if self.store.tier(keys[e]) == DISK:
+                    self.store.advise(keys[e])
+        host = None
+        if any(p == CPU for p in paths.values()):  # activations and token rows cross once per layer
+            host = (self.accelerator.to_host(x), self.accelerator.to_host(tok_all))
+            self.host_syncs += 1
+        ready = self.accelerator.record_event() if self.accelerator is not None else None
         results: dict[int, Future] = {}
-        rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for e, key in zip(experts, keys):
-            tok, kk = (topk_idx == e).nonzero(as_tuple=True)
-            rows[e] = (tok, kk)
-            fut = self._run_expert(key, int(counts[e]), x, x_host, tok)
+        for e, (a, b) in groups.items():
+            tok = tok_all[a:b]
+            if on_fast[e] is not None:
+                self.path_counts[RESIDENT] += 1
+                results[e] = self._on_fast(keys[e], on_fast[e], x, tok, ready)
+            else:
+                self.path_counts[paths[e]] += 1
+                results[e] = self._miss(keys[e], paths[e], x, tok, host and host[1][a:b], host and host[0], ready)
             if not self.read_ahead:
-                fut.result()
-            results[e] = fut
+                results[e].result()
+        # inline CPU work first (it runs here, now, while the streams copy and compute), then the rest
+        for e in sorted(results, key=lambda e: paths.get(e) != CPU):
+            results[e].result()
         out = torch.zeros_like(x)
-        for e in experts:  # expert order, like transformers' index_add loop
-            tok, kk = rows[e]
-            y = results[e].result().to(x.device)
-            out.index_add_(0, tok, y * topk_weight[tok, kk, None].to(y.dtype))
+        for e, (a, b) in groups.items():  # expert order, like transformers' index_add loop
+            tok = tok_all[a:b]
+            y = results[e].result()
+            if y.device != x.device:
+                y = self.accelerator.to_device(y)
+            out.index_add_(0, tok, y * topk_weight[tok, slot_all[a:b], None].to(y.dtype))
         self.executor.record(f"moe layer {layer_idx}", "main", t_layer, time.perf_counter(), layer=layer_idx)
         return out
 
@@ -125,46 +135,47 @@ class TieredExperts:
         n = self.resident_hits + st.hits + st.misses
         return (self.resident_hits + st.hits) / n if n else 0.0
 
-    def _run_expert(self, key, tokens: int, x: torch.Tensor, x_host: torch.Tensor, tok: torch.Tensor) -> Future:
-        ex, layer, e = self.executor, key[0], key[1]
-        w = self._weights_on_fast(key)
-        compute_stream = "compute" if self.accelerator is not None else "cpu"
-        if w is not None:
-            self.path_counts[RESIDENT] += 1
-            return ex.submit(compute_stream, lambda: expert_forward(x[tok], *w), name=f"expert L{layer}E{e}",
-                             layer=layer, expert=e)
+    def _compute_stream(self) -> str:
+        return "compute" if self.accelerator is not None else "cpu"
+
+    def _on_fast(self, key, w, x, tok, ready) -> Future:
+        layer, e = key
+        return self.executor.submit(self._compute_stream(), lambda: expert_forward(x[tok], *w), name=f"expert L{layer}E{e}",
+                                    layer=layer, expert=e, after_event=ready)
+
+    def _read(self, key, into, deps) -> Future:
+        layer, e = key
+        self.bytes_read += self.store.expert_bytes
+        return self.executor.submit("disk", lambda: self.store.read(key, into), deps=deps, name=f"read L{layer}E{e}",
+                                    nbytes=self.store.expert_bytes, layer=layer, expert=e)
+
+    def _miss(self, key, path: str, x, tok, tok_host, x_host, ready) -> Future:
+        ex, (layer, e) = self.executor, key
         on_disk = self.store.tier(key) == DISK
         if self.accelerator is None:  # fast tier is RAM: read from disk into a slot, compute on the CPU
-            self.path_counts["disk"] += 1
             slot, dep, idx = self._slot_or_staging(key, self.fast_staging)
-            read = ex.submit("disk", lambda: self.store.read(key, slot), deps=[dep] if dep else [],
-                             name=f"read L{layer}E{e}", nbytes=self.store.expert_bytes, layer=layer, expert=e)
-            self.bytes_read += self.store.expert_bytes
+            read = self._read(key, slot, [dep] if dep else [])
             fut = ex.submit("cpu", lambda: expert_forward(x[tok], *slot), deps=[read], name=f"expert L{layer}E{e}",
                             layer=layer, expert=e)
             if idx is not None:
                 self.fast_staging.release_after(idx, fut)
             return fut
-        path = self.force_path or choose_path(tokens, False, self.store.expert_bytes, self.latency)
-        self.path_counts[path] += 1
         deps, host_w, host_idx = [], self.store.host.get(key), None
         if on_disk:
             host_w, dep, host_idx = self.host_staging.take()
-            read = ex.submit("disk", lambda: self.store.read(key, host_w), deps=[dep] if dep else [],
-                             name=f"read L{layer}E{e}", nbytes=self.store.expert_bytes, layer=layer, expert=e)
-            self.bytes_read += self.store.expert_bytes
-            deps = [read]
+            deps = [self._read(key, host_w, [dep] if dep else [])]
         if path == CPU:
-            fut = ex.submit("cpu", lambda: expert_forward(x_host[tok], *host_w), deps=deps,
+            fut = ex.submit("cpu", lambda: expert_forward(x_host[tok_host], *host_w), deps=deps,
                             name=f"cpu expert L{layer}E{e}", layer=layer, expert=e)
         else:
+            assert path == COPY
             slot, dep, idx = self._slot_or_staging(key, self.fast_staging)
             copy = ex.submit("copy", lambda: [self.accelerator.copy_to_device(d, s) for d, s in zip(slot, host_w)],
                              deps=deps + ([dep] if dep else []), name=f"h2d L{layer}E{e}",
                              nbytes=self.store.expert_bytes, layer=layer, expert=e)
             self.bytes_h2d += self.store.expert_bytes
             fut = ex.submit("compute", lambda: expert_forward(x[tok], *slot), deps=[copy],
-                            name=f"expert L{layer}E{e}", layer=layer, expert=e)
+                            name=f"expert L{layer}E{e}", layer=layer, expert=e, after_event=ready)
             if idx is not None:
                 self.fast_staging.release_after(idx, fut)
         if host_idx is not None:

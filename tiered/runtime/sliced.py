@@ -9,8 +9,9 @@ sum to the unsliced result exactly (like tensor parallelism). In prefill the las
 tokens take the CG' path: the CC weights are shipped to the accelerator for those tokens, and the
 CPU computes the CC part of only the first T - n_g tokens (token assignment, Eq. 15).
 
-The three parts run concurrently on the executor's streams: "cpu" (CC), "copy" then "compute"
-(CG, CG'), "compute" (GG); the results are summed on the accelerator.
+The three parts run concurrently: CC on the calling thread (the executor's inline "cpu" stream,
+torch's own OpenMP team), "copy" then "compute" (CG, CG'), "compute" (GG); the device streams wait
+for x through an event, not a device-wide synchronize; the results are summed on the accelerator.
 Dimension legend: N = T tokens, D = hidden, F = intermediate.
 """
 
@@ -121,30 +122,32 @@ class SlicedMLP(nn.Module):
         x2 = x.reshape(-1, shape[-1])  # (T, D)
         T = x2.shape[0]
         n_g = self.tokens_on_gpu(T)
-        ex = self.executor
-        self.accelerator.synchronize()
+        ex, acc = self.executor, self.accelerator
+        ready = acc.record_event()  # device streams wait for x on the device, the host does not
         futures = []
         if self.f_gg:
-            futures.append(ex.submit("compute", lambda: expert_forward(x2, *self.gg), name="GG"))
+            futures.append(ex.submit("compute", lambda: expert_forward(x2, *self.gg), name="GG", after_event=ready))
         if self.f_cg:
             cg = self._cg_stage
             copy = self._copy(cg, self.cg, "H2D CG")
-            futures.append(ex.submit("compute", lambda: expert_forward(x2, *cg), deps=[copy], name="CG"))
+            futures.append(ex.submit("compute", lambda: expert_forward(x2, *cg), deps=[copy], name="CG",
+                                     after_event=ready))
         cc_rows = T - n_g
-        cpu_fut = None
-        if self.f_cc and cc_rows:
-            x_host = x2[:cc_rows].to("cpu")
-            cpu_fut = ex.submit("cpu", lambda: expert_forward(x_host, *self.cc), name="CC")
         cgp_fut = None
         if n_g:
             cc = self._cc_stage
             copy = self._copy(cc, self.cc, "H2D CG'")
-            cgp_fut = ex.submit("compute", lambda: expert_forward(x2[cc_rows:], *cc), deps=[copy], name="CG'")
+            cgp_fut = ex.submit("compute", lambda: expert_forward(x2[cc_rows:], *cc), deps=[copy], name="CG'",
+                                after_event=ready)
+        y_cc = None
+        if self.f_cc and cc_rows:  # CC on the CPU: on this thread (inline stream), while the streams work
+            x_host = acc.to_host(x2[:cc_rows])
+            y_cc = ex.submit("cpu", lambda: expert_forward(x_host, *self.cc), name="CC").result()
         y = torch.zeros_like(x2)
         for f in futures:
             y += f.result()
-        if cpu_fut is not None:
-            y[:cc_rows] += cpu_fut.result().to(y.device)
+        if y_cc is not None:
+            y[:cc_rows] += acc.to_device(y_cc)
         if cgp_fut is not None:
             y[cc_rows:] += cgp_fut.result()
         return y.reshape(shape)

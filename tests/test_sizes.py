@@ -1,0 +1,43 @@
+"""memory/sizes.py, the one byte count of the planner and the engine, against counts it does not
+make itself: the checkpoint files' own headers and the tensors the engine really allocates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_fixtures import MOE_KINDS, engine_config, kv_bytes, rt, stored_elements  # noqa: F401
+
+from tiered import LLM
+from tiered.checkpoint import open_checkpoint
+from tiered.memory import sizes
+from tiered.models.layers import KVCache
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_non_expert_and_expert_bytes_match_the_files_and_the_engine(rt, kind):  # noqa: F811
+    cfg = open_checkpoint(rt.dir(kind)).config
+    stored = stored_elements(rt.dir(kind), lambda n: ".experts." not in n)
+    assert sizes.weight_bytes(cfg, "fp32", sizes.is_expert_param) == 4 * stored
+    assert sizes.weight_bytes(cfg, "bf16", sizes.is_expert_param) == 2 * stored
+    first = min(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    one = stored_elements(rt.dir(kind), lambda n: n.startswith(f"model.layers.{first}.") and ".experts.0." in n)
+    assert sizes.expert_bytes(cfg, "fp32") == 4 * one
+    llm = LLM(rt.dir(kind), engine_config(accelerator="none"))
+    try:
+        real = sum(p.numel() * p.element_size() for n, p in llm.model.named_parameters() if not p.is_meta)
+        assert llm.weight_bytes == real == sizes.weight_bytes(cfg, "fp32", sizes.is_expert_param)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("fmt,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_kv_cache_bytes_match_an_allocated_cache(rt, fmt, dtype):  # noqa: F811
+    cfg = open_checkpoint(rt.dir("mixtral")).config
+    assert sizes.kv_cache_bytes(cfg, 3, 17, fmt) == KVCache(cfg, 3, 17, dtype).nbytes
+    assert sizes.kv_cache_bytes(cfg, 1, 32, "fp32") == kv_bytes(cfg, 32)
+
+
+def test_int4_counts_its_group_scales():
+    assert sizes.bytes_per_element("int4") == pytest.approx(0.625)  # tiered's group 32
+    assert sizes.bytes_per_element("int4", 64) == pytest.approx(0.5625)  # FlexGen's group 64

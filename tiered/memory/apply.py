@@ -1,0 +1,106 @@
+"""PLACE: apply a Plan — materialize each weight on the tier the plan gives it.
+
+`place_weights` fills the model's non-expert (and unsliced) parameters on the compute tier and the
+decode-format copies the plan asks for; `place_experts` builds the experts' home copies (fast tier,
+CPU RAM or disk, as `Plan.layers[i].expert_tiers` says), the expert cache with the plan's slots and
+policy, and the staging rings. Every byte is reserved against its tier's budget before it is
+allocated; nothing here decides where anything goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiered.hardware.budget import MemoryBudget
+from tiered.memory import sizes
+from tiered.memory.expert_cache import POLICIES, ExpertCache
+from tiered.memory.expert_store import ExpertStore, expert_tensor_names
+from tiered.memory.materialize import materialize
+from tiered.planner.plan import Plan
+
+
+class StagingPool:
+    """A ring of expert-sized buffers; each use waits for the previous user's completion future."""
+
+    def __init__(self, buffers: list[tuple[torch.Tensor, ...]]) -> None:
+        self.buffers = buffers
+        self.busy: list = [None] * len(buffers)
+        self.next = 0
+
+    def take(self):
+        """(buffer tuple, future it must wait for or None, index to `release_after`)."""
+        i = self.next
+        self.next = (i + 1) % len(self.buffers)
+        return self.buffers[i], self.busy[i], i
+
+    def release_after(self, i: int, fut) -> None:
+        self.busy[i] = fut
+
+
+@dataclass
+class PlacedExperts:
+    """The experts as placed: home copies, the fast-tier cache and the staging rings."""
+
+    store: ExpertStore
+    cache: ExpertCache
+    fast_staging: StagingPool
+    host_staging: StagingPool | None
+
+
+def place_weights(plan: Plan, model, checkpoint, device, fast_budget: MemoryBudget, on_tensor=None) -> tuple[int, int]:
+    """Materialize the model's parameters that live in the model (not routed experts, not the FFNs
+    of sliced layers) in plan.dtypes["weights"] on `device`, and the decode-format copies when
+    plan.dtypes["decode"] names a format.
+
+    Returns:
+        (bytes of dense weights, bytes of decode copies).
+    Raises:
+        BudgetError: the fast tier cannot hold them (checked from byte counts before any read).
+        CheckpointError: a tensor is missing or mis-shaped.
+    """
+    cfg = checkpoint.config
+    fmt = plan.dtypes["weights"]
+    skip = sizes.skip_params(cfg, plan.sliced_layers())
+    what = "the non-expert weights" if cfg.is_moe else "the non-FFN weights" if plan.sliced_layers() else "the model's weights"
+    fast_budget.reserve(sizes.weight_bytes(cfg, fmt, skip), what)
+    nbytes = materialize(model, checkpoint, sizes.torch_dtype(fmt), device, on_tensor=on_tensor, skip=skip)
+    decode = plan.dtypes.get("decode", "none")
+    extra = 0
+    if decode not in ("none", None):
+        from tiered.quant.linear import install_decode_weights
+        extra = install_decode_weights(model, checkpoint, decode, plan.decode_threshold)
+        fast_budget.reserve(extra, "the decode-format weight copies")
+    return nbytes, extra
+
+
+def place_experts(plan: Plan, checkpoint, accelerator, fast_budget: MemoryBudget, cpu_budget: MemoryBudget,
+                  offload_dir: str | None) -> PlacedExperts:
+    """Build the experts' home copies, cache slots and staging rings exactly as `plan` says.
+
+    Raises:
+        BudgetError: a tier cannot hold what the plan puts there (the plan was made for other budgets).
+        ConfigError: disk-tier experts need conversion and there is no offload directory.
+    """
+    cfg = checkpoint.config
+    dtype = sizes.torch_dtype(plan.dtypes["experts"])
+    first = next(l.layer for l in plan.layers if l.kind == "moe")
+    shapes = [tuple(checkpoint.handle(n).shape) for n in expert_tensor_names(cfg.model_type, first, 0)]
+    n_stage = plan.staging_buffers
+
+    def fast_alloc(shape, dt, what):
+        if accelerator is not None:
+            return accelerator.alloc(shape, dt, what)
+        return fast_budget.empty(shape, dt, what)
+
+    def host_alloc(shape, dt, what):
+        return cpu_budget.empty(shape, dt, what, pin=not accelerator.is_host)
+
+    fast_staging = StagingPool([tuple(fast_alloc(s, dtype, "staging") for s in shapes) for _ in range(n_stage)])
+    host_staging = None
+    if accelerator is not None:
+        host_staging = StagingPool([tuple(host_alloc(s, dtype, "host staging") for s in shapes) for _ in range(n_stage)])
+    store = ExpertStore(checkpoint, plan.expert_placement(), dtype, accelerator, fast_budget, cpu_budget, offload_dir)
+    cache = ExpertCache(plan.expert_cache_slots, shapes, dtype, fast_alloc, POLICIES[plan.cache_policy]())
+    return PlacedExperts(store, cache, fast_staging, host_staging)

@@ -1,0 +1,120 @@
+"""Byte accounting: the one place that says how many bytes a weight, an expert, the KV cache or a
+staging buffer takes. The planner and the engine both count with it, so a plan that fits is exactly
+what the runtime can hold.
+
+Formats are named as the planner names precisions: "fp32", "bf16", "fp16", "int8", "int4".
+Weight counts come from the model's own module tree built on the meta device (nothing allocated),
+so they match `materialize` parameter for parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.errors import ConfigError
+
+INT4_GROUP = 32  # tiered's int4 (quant/int4.py): one fp16 scale and zero per 32 weights
+
+_DENSE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}
+_TORCH_FORMAT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8"}
+_FORMAT_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def bytes_per_element(fmt: str, group: int = INT4_GROUP) -> float:
+    """Storage bytes per weight element in format `fmt`; int4 counts its per-group scale and zero
+    (2 x 16 bit per `group` weights: 0.625 B at tiered's group 32, 0.5625 B at FlexGen's group 64).
+
+    Raises:
+        ConfigError: an unknown format.
+    """
+    if fmt == "int4":
+        return 0.5 + 4.0 / group
+    try:
+        return _DENSE_BYTES[fmt]
+    except KeyError:
+        raise ConfigError(f"unknown weight format {fmt!r}", "use fp32, bf16, fp16, int8 or int4") from None
+
+
+def format_of(dtype: torch.dtype) -> str:
+    """The format name of a torch dtype: torch.float32 -> "fp32", torch.bfloat16 -> "bf16"."""
+    return _TORCH_FORMAT[dtype]
+
+
+def torch_dtype(fmt: str) -> torch.dtype:
+    """The torch dtype of a dense format: "fp32" -> torch.float32, "bf16" -> torch.bfloat16.
+
+    Raises:
+        ConfigError: `fmt` has no dense torch dtype (int8, int4).
+    """
+    try:
+        return _FORMAT_TORCH[fmt]
+    except KeyError:
+        raise ConfigError(f"{fmt!r} is not a dense compute format", "use fp32 or bf16") from None
+
+
+def is_expert_param(name: str) -> bool:
+    """True for parameters of routed experts (served by the expert runtime, not the model)."""
+    return ".experts." in name
+
+
+def ffn_param(layer: int) -> Callable[[str], bool]:
+    """Predicate: the parameter belongs to the MLP of decoder layer `layer`."""
+    prefix = f"model.layers.{layer}.mlp."
+    return lambda name: name.startswith(prefix)
+
+
+_COUNTS: dict[str, tuple[tuple[str, int], ...]] = {}
+
+
+def _param_counts(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
+    """(name, elements) of every parameter `materialize` fills, from the meta-device module tree."""
+    key = repr(cfg)  # configs hold dicts (rope_scaling): not hashable, but their repr is exact
+    if key not in _COUNTS:
+        from tiered.models import build_model
+
+        with torch.device("meta"):
+            model = build_model(cfg, 1)
+        tied = cfg.tie_word_embeddings
+        _COUNTS[key] = tuple((n, p.numel()) for n, p in model.named_parameters()
+                             if not (tied and n == "lm_head.weight"))
+    return _COUNTS[key]
+
+
+def weight_bytes(cfg: ModelConfig, fmt: str, skip: Callable[[str], bool] | None = None) -> int:
+    """Bytes `materialize` allocates for the model's parameters in dense format `fmt`, leaving out
+    those for which `skip(name)` is True (tied lm_head counted once). Exact, in bytes."""
+    n = sum(n for name, n in _param_counts(cfg) if skip is None or not skip(name))
+    return int(n * bytes_per_element(fmt))
+
+
+def skip_params(cfg: ModelConfig, sliced_layers=()) -> Callable[[str], bool] | None:
+    """The parameters that stay off the model (on the meta device): routed experts, which the
+    expert runtime serves, and the FFNs of ScheInfer-sliced layers, built into their tiers."""
+    prefixes = tuple(f"model.layers.{i}.mlp." for i in sliced_layers)
+    if not prefixes:
+        return is_expert_param if cfg.is_moe else None
+    return lambda name: name.startswith(prefixes) or (cfg.is_moe and is_expert_param(name))
+
+
+def expert_bytes(cfg: ModelConfig, fmt: str) -> int:
+    """Bytes of one routed expert (gate, up [F, D] and down [D, F]) in format `fmt`."""
+    return int(3 * cfg.hidden_size * cfg.moe_intermediate_size * bytes_per_element(fmt))
+
+
+def ffn_bytes(cfg: ModelConfig, fmt: str) -> int:
+    """Bytes of one dense SwiGLU MLP (3 matrices of D x F) in format `fmt`."""
+    return int(3 * cfg.hidden_size * cfg.intermediate_size * bytes_per_element(fmt))
+
+
+def kv_cache_bytes(cfg: ModelConfig, slots: int, tokens: int, fmt: str) -> int:
+    """Bytes of a KVCache of `slots` sequences x `tokens` positions (keys and values of every layer)."""
+    n = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * tokens * cfg.head_dim
+    return int(n * bytes_per_element(fmt))
+
+
+def tensor_bytes(shape, dtype: torch.dtype) -> int:
+    """Bytes of a dense tensor of `shape` in torch `dtype`."""
+    return torch.Size(tuple(shape)).numel() * torch.empty((), dtype=dtype).element_size()

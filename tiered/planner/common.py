@@ -1,0 +1,85 @@
+"""What the goal modules share: the expert choices a user can fix, attention and lm_head times, and
+the expert placement with the hit rates its resident set and cache get on a routing trace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.errors import BudgetError
+from tiered.hardware import op_time
+from tiered.hardware.budget import format_bytes
+from tiered.hardware.profile import HardwareProfile
+from tiered.memory import sizes
+from tiered.planner.plan import Plan
+
+
+@dataclass(frozen=True)
+class ExpertChoices:
+    """What shapes an expert placement besides bytes: popularity float [L, E] (None = uniform),
+    and the user's fixed cache slots / resident cap (None = the planner chooses)."""
+
+    popularity: object = None
+    cache_slots: int | None = None
+    max_resident: int | None = None
+
+
+def attention_time(cfg: ModelConfig, profile: HardwareProfile, device: str, precision: str, tokens: int,
+                   context: int, kv_format: str = "bf16") -> float:
+    """One layer's attention projections + attention over `context` cached positions [s]."""
+    d = cfg.hidden_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    w = 2 * d * q + 2 * d * kv
+    proj = op_time.gemm_time(profile, device, precision, tokens * w, w * sizes.bytes_per_element(precision), calls=4)
+    macs = 2 * tokens * context * q
+    kv_layer = sizes.kv_cache_bytes(cfg, 1, context, kv_format) / cfg.num_hidden_layers
+    attn = op_time.attention_time(profile, device, precision, macs, kv_layer)
+    return proj + attn + 6 * op_time.launch_time(profile, device)
+
+
+def head_time(cfg: ModelConfig, profile: HardwareProfile, device: str, precision: str) -> float:
+    """The lm_head projection of one token [s]."""
+    n = cfg.hidden_size * cfg.vocab_size
+    return op_time.gemm_time(profile, device, precision, n, n * sizes.bytes_per_element(precision))
+
+
+def place_experts(plan: Plan, cfg: ModelConfig, moe_layers: list[int], expert_bytes: int, fast_free: float,
+                  cpu_free: float | None, experts: ExpertChoices):
+    """The expert placement (planner/placement.py: Fiddler §3.4 with the expert cache carved out
+    first) on the plan's byte counts, and the hit shares its resident set and cache get on a routing
+    trace drawn from the popularity (cpu_predict.simulate_hits). Writes the placement into the plan
+    (each MoE layer's expert_tiers is filled by the caller from the returned placement; the cache
+    slots and expert bytes here).
+
+    Returns:
+        (ExpertPlacement, HitStats).
+    Raises:
+        BudgetError: the fast tier has no room left for experts at all.
+    """
+    from tiered.planner.cpu_predict import routing_trace, simulate_hits
+    from tiered.planner.placement import plan_expert_placement
+
+    if fast_free < 0:
+        raise BudgetError(f"the {plan.fast_tier} budget is {format_bytes(-fast_free)} short of the non-expert "
+                          "weights, KV cache and staging buffers", f"raise --{plan.fast_tier}-mem or lower --max-context")
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    placement = plan_expert_placement(moe_layers, E, int(expert_bytes), fast_free, cpu_free, experts.popularity,
+                                      cache_slots=experts.cache_slots, max_resident=experts.max_resident)
+    resident = {key for key, tier in placement.tiers.items() if tier == "fast"}
+    trace = routing_trace(moe_layers, E, k, max(plan.gen_tokens, 64), experts.popularity)
+    plan.expert_cache_slots, plan.expected_hit_rate = placement.cache_slots, placement.expected_hit_rate
+    plan.expert_bytes = int(expert_bytes)
+    return placement, simulate_hits(trace, resident, placement.cache_slots, plan.cache_policy)
+
+
+def expert_tiers(placement, layer: int, num_experts: int) -> list[str]:
+    """Home tier of each expert of `layer` in `placement`."""
+    return [placement.tiers[(layer, e)] for e in range(num_experts)]
+
+
+def popularity_note(plan: Plan, popularity) -> None:
+    if popularity is None:
+        plan.notes.append("expert popularity assumed uniform; `tiered profile-experts` + --expert-profile places the "
+                          "most popular experts on the fast tier (Fiddler §3.4)")
+    else:
+        plan.notes.append("resident experts chosen by popularity from the expert profile (Fiddler §3.4)")

@@ -1,0 +1,90 @@
+"""Latency goal without a GPU: CPU RAM is the fast tier, disk the slow one (`run --accelerator none`).
+
+Non-expert weights and the KV cache go to RAM; the RAM left holds whole experts (by popularity, else
+in layer order), resident or as cache slots; the rest are read from disk per use. Decode time comes
+from planner/cpu_predict.py with hit shares from the routing-trace simulation.
+"""
+
+from __future__ import annotations
+
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.errors import BudgetError
+from tiered.hardware import op_time
+from tiered.hardware.budget import format_bytes
+from tiered.hardware.profile import HardwareProfile
+from tiered.memory import sizes
+from tiered.planner.common import ExpertChoices, expert_tiers, place_experts, popularity_note
+from tiered.planner.plan import LayerPlan, Plan
+
+
+def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu: int | None,
+                     experts: ExpertChoices = ExpertChoices(), extra_bytes: int = 0) -> Plan:
+    """Fill `plan` for CPU + disk within `cpu` bytes of RAM (None = unlimited).
+
+    Args:
+        extra_bytes: RAM the engine holds besides the weights and KV cache (its decode-format copies).
+    Raises:
+        BudgetError: RAM cannot hold the non-expert weights, KV cache and staging.
+    """
+    from tiered.planner.cpu_predict import predict_decode
+
+    dtype = plan.precision  # what decode reads: the decode copies' format (int4/int8) or the weights'
+    fmt = plan.dtypes["weights"]
+    ctx = plan.prompt_tokens + plan.gen_tokens
+    L = cfg.num_hidden_layers
+    moe = [i for i in range(L) if cfg.is_moe and cfg.is_moe_layer(i)]
+    fixed = (sizes.weight_bytes(cfg, fmt, sizes.is_expert_param if moe else None)
+             + sizes.kv_cache_bytes(cfg, 1, plan.context_tokens, plan.dtypes["kv_cache"]) + extra_bytes)
+    plan.kv_cache_tier = plan.attention_tier = "cpu"
+    if cpu is not None and fixed > cpu:
+        raise BudgetError(f"CPU budget {format_bytes(cpu)} cannot hold the non-expert weights and KV cache "
+                          f"({format_bytes(fixed)})", f"raise --cpu-mem by {format_bytes(fixed - cpu)}")
+    hits = None
+    memory = {"cpu": fixed}
+
+    def predict(hits):
+        return predict_decode(cfg, profile, dtype, context=ctx, hits=hits, read_ahead=plan.read_ahead,
+                              readers=max(2, plan.staging_buffers))
+    if moe:
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
+        eb = sizes.expert_bytes(cfg, plan.dtypes["experts"])
+        staging = plan.staging_buffers * eb
+        room = float("inf") if cpu is None else cpu - fixed - staging
+        # resident experts or cache slots: whichever the routing-trace simulation predicts faster
+        # (residents win ties: they cost no reads to fill); the user's fixed cache size is kept
+        cands = [experts.cache_slots] if experts.cache_slots is not None else sorted({0, k, E})
+        scored, error = [], None
+        for c in cands:
+            try:
+                placement, hits = place_experts(plan, cfg, moe, eb, room, None,
+                                                ExpertChoices(experts.popularity, c, experts.max_resident))
+            except BudgetError as e:
+                error = e
+                continue
+            scored.append((round(predict(hits)[1], 9), placement.cache_slots, placement, hits))
+        if not scored:
+            raise error
+        _, _, placement, hits = min(scored, key=lambda r: (r[0], r[1]))
+        plan.expert_cache_slots, plan.expected_hit_rate = placement.cache_slots, placement.expected_hit_rate
+        total = placement.count("fast")
+        memory = {"cpu": fixed + staging + (total + placement.cache_slots) * eb, "disk": (E * len(moe) - total) * eb}
+    layers, step = predict(hits)
+    for i, (attn, ffn) in enumerate(layers):
+        lp = LayerPlan(i, "moe" if i in moe else "dense", dtype, r_cc=1.0, r_cg=0.0, r_gg=0.0, decode_s=attn + ffn)
+        if i in moe:
+            lp.experts_gpu, lp.experts_cpu, lp.experts_disk = 0, placement.count("fast", i), placement.count("disk", i)
+            lp.expert_tiers = expert_tiers(placement, i, cfg.num_experts)
+        plan.layers.append(lp)
+    plan.predicted_decode_tokens_per_s = 1.0 / step
+    prefill_macs = plan.prompt_tokens * (cfg.num_parameters() if not moe else
+                                         cfg.num_parameters() * cfg.num_experts_per_tok / max(cfg.num_experts, 1))
+    plan.predicted_ttft_s = op_time.gemm_time(profile, "cpu", fmt, prefill_macs, 0.0, calls=7 * L)
+    plan.memory = memory
+    disk_share = 1.0 - hits.fast_share() if hits else 0.0
+    plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
+                    f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "
+                    f"{plan.expert_cache_slots} cache slots) and are read from disk")
+    plan.notes.append("no GPU in this profile: CPU RAM is the fast tier, disk the slow one")
+    if moe:
+        popularity_note(plan, experts.popularity)
+    return plan

@@ -1,0 +1,70 @@
+"""Latency goal, dense model, with a GPU: ScheInfer's slicing (ALGORITHMS.md 1).
+
+Greedy GPU-memory assignment of r_GG per layer (Eq. 14), optimal r_CG per layer by edge points
+(Eq. 5-13), token assignment n_g for the prompt (Eq. 15). Byte counts are the engine's own
+(memory/sizes.py): non-FFN weights, the KV cache of one `context_tokens` sequence, and the
+double-buffered CG staging of the largest FFN.
+"""
+
+from __future__ import annotations
+
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.hardware.budget import format_bytes
+from tiered.hardware.profile import HardwareProfile
+from tiered.memory import sizes
+from tiered.planner.common import attention_time, head_time
+from tiered.planner.plan import LayerPlan, Plan
+
+
+def is_mlp_param(name: str) -> bool:
+    """Parameters of a decoder layer's dense MLP."""
+    return ".mlp." in name
+
+
+def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: int, cpu: int | None) -> Plan:
+    """Fill `plan` for a dense model on a GPU of `gpu` bytes.
+
+    Raises:
+        BudgetError: the GPU cannot hold the non-FFN weights, KV cache and staging.
+    """
+    from tiered.planner.cost_model import LayerShape, cost_params, decode_layer_time, prompt_layer_time
+    from tiered.planner.scheinfer import assign_gpu_memory, ffn_gpu_budget, solve_n_g
+
+    fmt = plan.dtypes["weights"]
+    bpe = sizes.bytes_per_element(fmt)
+    M, H, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    ctx = plan.prompt_tokens + plan.gen_tokens
+    non_ffn = sizes.weight_bytes(cfg, fmt, is_mlp_param)
+    kv = sizes.kv_cache_bytes(cfg, 1, plan.context_tokens, plan.dtypes["kv_cache"])
+    staging = 2 * sizes.ffn_bytes(cfg, fmt)  # CG and CG' staging of the largest FFN
+    budget = ffn_gpu_budget(gpu, non_ffn_bytes=non_ffn, kv_cache_bytes=kv, staging_bytes=staging, margin=0.0)
+    decode_shape = LayerShape(1, M, H, 3, bpe)
+    params = cost_params(profile, fmt, decode_shape)
+    assign = assign_gpu_memory([decode_shape] * L, params, budget)
+    prompt_shape = LayerShape(plan.prompt_tokens, M, H, 3, bpe)
+    pparams = cost_params(profile, fmt, prompt_shape)
+    attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])
+    attn_pre = attention_time(cfg, profile, "gpu", fmt, plan.prompt_tokens, plan.prompt_tokens, plan.dtypes["kv_cache"])
+    ffn_gpu_bytes = 0.0
+    for i, rates in enumerate(assign.rates):
+        tok = solve_n_g(prompt_shape, rates, pparams)
+        plan.layers.append(LayerPlan(i, "dense", fmt, rates.r_cc, rates.r_cg, rates.r_gg, tok.n_g,
+                                     decode_s=decode_layer_time(decode_shape, rates, params) + attn_dec,
+                                     prefill_s=prompt_layer_time(prompt_shape, rates, tok.n_g, pparams) + attn_pre))
+        ffn_gpu_bytes += rates.r_gg * 3 * M * H * bpe
+    head = head_time(cfg, profile, "gpu", fmt)
+    plan.predicted_decode_tokens_per_s = 1.0 / (sum(l.decode_s for l in plan.layers) + head)
+    plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + head
+    ffn_total = L * 3 * M * H * bpe
+    sliced = ffn_gpu_bytes < ffn_total - 1
+    plan.memory = {"gpu": non_ffn + kv + (staging if sliced else 0) + ffn_gpu_bytes, "cpu": ffn_total - ffn_gpu_bytes}
+    mean_cc = sum(l.r_cc for l in plan.layers) / L
+    if not sliced:
+        plan.binding = "GPU compute: every FFN fits on the GPU"
+    elif mean_cc > 0.5:
+        plan.binding = (f"GPU memory: {format_bytes(budget)} for FFN weights holds {ffn_gpu_bytes / ffn_total:.0%} of them; "
+                        f"the CPU computes {mean_cc:.0%} of the rest's rows (CPU GEMM bound)")
+    else:
+        plan.binding = (f"GPU memory and PCIe: {ffn_gpu_bytes / ffn_total:.0%} of FFN weights resident, "
+                        f"the rest split between CPU compute and H2D copies")
+    return plan

@@ -1,0 +1,77 @@
+"""make_plan: (model config, hardware profile, budgets, goal) -> Plan, by goal and machine kind.
+
+  latency, dense, GPU    -> latency_dense.py (ScheInfer slicing)
+  latency, MoE, GPU      -> latency_moe.py (Fiddler placement and dispatch)
+  latency, no GPU        -> latency_cpu.py (CPU RAM fast tier, disk slow tier)
+  throughput             -> throughput.py (FlexGen LP)
+Every figure comes from the HardwareProfile and every byte count from memory/sizes.py; `binding`
+names the resource that limits the plan.
+"""
+
+from __future__ import annotations
+
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.errors import ConfigError
+from tiered.hardware import op_time
+from tiered.hardware.profile import HardwareProfile
+from tiered.memory import sizes
+from tiered.planner.common import ExpertChoices
+from tiered.planner.plan import DISPATCH_MODES, Plan
+
+PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
+
+
+def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "", gpu_memory: int | None = None,
+              cpu_memory: int | None = None, goal: str = "latency", prompt_tokens: int = 512, gen_tokens: int = 128,
+              precision: str = "bf16", weights_format: str | None = None, context_tokens: int | None = None,
+              popularity=None, expert_cache_slots: int | None = None, max_resident: int | None = None,
+              cache_policy: str = "lru", dispatch_mode: str = "balanced", staging_buffers: int = 2,
+              read_ahead: bool = True, extra_cpu_bytes: int = 0) -> Plan:
+    """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
+
+    Args:
+        precision: the weight format the time models price ("fp32", "bf16", "int8", "int4"); on a
+            CPU-only plan of a dense model, the decode copies' format.
+        weights_format: format the weights are stored in on their tiers (default: `precision`);
+            the KV cache is fp32 with fp32 weights, else 16-bit.
+        context_tokens: KV-cache positions to keep room for [tokens] (default prompt + generated);
+            the engine passes its max_context, the room its runtime reserves.
+        popularity: float [L, E] tokens routed per expert (`tiered profile-experts`): the most
+            popular experts are made resident, and cache hit rates are simulated on routing drawn
+            from it (uniform when None).
+        expert_cache_slots, max_resident: fixed by the user (None = the planner chooses).
+        cache_policy, dispatch_mode, staging_buffers, read_ahead: runtime settings the plan
+            records and prices (dispatch_mode "copy" / "cpu" forces every miss one way).
+        extra_cpu_bytes: RAM the engine holds beyond weights and KV cache (CPU-only plans).
+    Raises:
+        ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
+        BudgetError: the budgets cannot hold what the goal needs on the fast tier.
+    """
+    if goal not in ("latency", "throughput"):
+        raise ConfigError(f"goal must be latency or throughput, got {goal!r}", "pass --goal latency|throughput")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {PRECISIONS}", "pass e.g. --precision bf16")
+    if dispatch_mode not in DISPATCH_MODES:
+        raise ConfigError(f"dispatch mode must be one of {DISPATCH_MODES}", "pass balanced, copy or cpu")
+    gpu = gpu_memory if gpu_memory is not None else profile.gpu_memory
+    cpu = cpu_memory if cpu_memory is not None else profile.cpu_memory
+    plan = Plan(model_name or cfg.model_type, goal, profile.name, gpu, cpu, prompt_tokens, gen_tokens, precision)
+    plan.context_tokens = context_tokens or prompt_tokens + gen_tokens
+    fmt = weights_format or precision
+    plan.dtypes = {"weights": fmt, "experts": fmt, "kv_cache": "fp32" if fmt == "fp32" else "bf16", "decode": precision}
+    plan.cache_policy, plan.dispatch_mode = cache_policy, dispatch_mode
+    plan.staging_buffers, plan.read_ahead = staging_buffers, read_ahead
+    sizes.bytes_per_element(fmt)  # a ConfigError for an unknown format, before any work
+    experts = ExpertChoices(popularity, expert_cache_slots, max_resident)
+    if goal == "throughput":
+        from tiered.planner.throughput import plan_throughput
+        return plan_throughput(plan, cfg, profile, gpu, cpu)
+    if not op_time.has_device(profile, "gpu") or not gpu:
+        from tiered.planner.latency_cpu import plan_cpu_latency
+        plan.fast_tier = "cpu"
+        return plan_cpu_latency(plan, cfg, profile, cpu, experts, extra_cpu_bytes)
+    if cfg.is_moe:
+        from tiered.planner.latency_moe import plan_moe_latency
+        return plan_moe_latency(plan, cfg, profile, gpu, cpu, experts)
+    from tiered.planner.latency_dense import plan_dense_latency
+    return plan_dense_latency(plan, cfg, profile, gpu, cpu)

@@ -1,0 +1,85 @@
+"""INSTALL: hand a placed model its runtime — the executor, the expert runner, the sliced FFNs and
+the CPU threads, all as the Plan says.
+
+Nothing here chooses: dispatch uses the plan's latency model and mode, sliced FFNs the plan's rates
+and n_g, the CPU its planned thread count. CPU compute always runs on the calling thread (the
+executor's inline "cpu" stream): torch's OpenMP team belongs to that thread, and a worker thread's
+second team is slower and fights it for the cores (5.3 vs 7.0 ms per Mixtral expert on the H200's
+16-core host; 1.7 vs 3.2 ms on 2 cores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tiered.memory.apply import PlacedExperts
+from tiered.models.moe import moe_blocks
+from tiered.planner.plan import Plan
+from tiered.runtime.executor import Executor
+
+
+@dataclass
+class Runtime:
+    """What runs a placed model: the executor, the expert runner (MoE) and the sliced FFNs (dense)."""
+
+    executor: Executor
+    experts: object = None  # TieredExperts
+    sliced: list = field(default_factory=list)
+
+
+def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | None = None, sliced_weights=None,
+                    n_g=None, host_budget=None, trace: bool = False) -> Runtime:
+    """Install the plan's runtime on `model`.
+
+    Args:
+        placed: the experts as memory/apply.place_experts built them (MoE models).
+        sliced_weights: layer -> (gate [F, D], up [F, D], down [D, F]) on the CPU, for the layers
+            the plan slices (read from the checkpoint; never materialized whole on the device).
+        n_g: n_g(layer, T) for the sliced layers (planner/auto.token_assignment).
+        host_budget: MemoryBudget for the CPU-side slices.
+        trace: record a timeline of every task, plus attention and FFN spans of each layer.
+    Raises:
+        BudgetError: the sliced parts do not fit their budgets.
+    """
+    if plan.cpu_threads:
+        torch.set_num_threads(plan.cpu_threads)
+    readers = max(2, plan.staging_buffers)
+    executor = Executor(accelerator, disk_readers=readers, trace=trace, inline=("cpu",))
+    rt = Runtime(executor)
+    if placed is not None:
+        from tiered.runtime.moe_runner import TieredExperts
+        rt.experts = TieredExperts(placed, executor, plan.latency_model(), accelerator, plan.dispatch_mode,
+                                   read_ahead=plan.read_ahead)
+        for block in moe_blocks(model):
+            block.runner = rt.experts
+    sliced = plan.sliced_layers() if accelerator is not None else {}
+    if sliced:
+        from tiered.runtime.sliced import install_sliced_mlps
+        rt.sliced = install_sliced_mlps(model, sliced, accelerator, executor, n_g=n_g or 0, weights=sliced_weights,
+                                        host_budget=host_budget)
+    if trace:
+        _trace_layers(model, executor)
+    return rt
+
+
+def _trace_layers(model, executor: Executor) -> None:
+    """Record each layer's attention and FFN / MoE block (router included) as "main" spans of the trace
+    (host time while the work is issued), so the gaps between the runtime's own tasks are visible."""
+    import time
+
+    def span(name: str, layer: int):
+        def pre(_m, _args):
+            _m.__dict__["_t0"] = time.perf_counter()
+
+        def post(_m, _args, _out):
+            executor.record(name, "main", _m.__dict__.pop("_t0"), time.perf_counter(), layer=layer)
+        return pre, post
+
+    for i, layer in enumerate(model.model.layers):
+        for name, mod in (("attention", layer.self_attn), ("ffn", layer.mlp)):
+            if isinstance(mod, torch.nn.Module):
+                pre, post = span(f"{name} L{i}", i)
+                mod.register_forward_pre_hook(pre)
+                mod.register_forward_hook(post)
