@@ -48,3 +48,18 @@ def test_dense_llama_on_gpu(zoo):
         ref = zoo.hf("llama")(torch.tensor([ids])).logits[0]
     out = llm.logits(ids)
     assert (out - ref).abs().max() / ref.abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_real_device_allocations_stay_inside_the_gpu_budget(rt, kind):  # noqa: F811
+    """torch.cuda.max_memory_allocated over load and generation stays under --gpu-mem: the plan keeps
+    room for the activation workspace, not only for what tiered allocates itself."""
+    s = rt.sizes(kind)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    budget = s.fast(cache_slots=2) + (64 << 20)  # room for the workspace of a 512-token step
+    llm = LLM(rt.dir(kind), engine_config(accelerator="cuda", gpu_memory=budget, cpu_memory="64MiB"))
+    check_parity(rt, kind, llm)
+    assert torch.cuda.max_memory_allocated() - base <= budget
+    llm.close()

@@ -93,14 +93,13 @@ def run(
                           expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
                           trace=trace is not None, plan=plan, profile=profile_file)
     llm = LLM(model, config, progress=not as_json)
-    if llm.plan is not None and show_plan and not as_json:
+    if show_plan and not as_json:
         typer.echo(llm.plan.render(), err=True)
     if as_json:
         out = llm.generate(prompt, params, chat=chat)[0]
-        plan_info = None
-        if llm.plan is not None:
-            plan_info = {"summary": llm.plan.summary(), "predicted_decode_tokens_per_s": llm.plan.predicted_decode_tokens_per_s,
-                         "predicted_ttft_s": llm.plan.predicted_ttft_s, "binding": llm.plan.binding}
+        plan_info = {"summary": llm.plan.summary(), "source": llm.plan.source,
+                     "predicted_decode_tokens_per_s": llm.plan.predicted_decode_tokens_per_s,
+                     "predicted_ttft_s": llm.plan.predicted_ttft_s, "binding": llm.plan.binding}
         typer.echo(json.dumps({"model": str(llm.checkpoint.path), **out.as_dict(), "runtime": llm.runtime_stats(),
                                "plan": plan_info}))
     else:
@@ -120,9 +119,8 @@ def _print_stats(llm, out) -> None:
         f"TTFT {s.ttft_s * 1e3:.0f} ms | prefill {s.prefill_tokens_per_s:.1f} tok/s | "
         f"decode {s.decode_tokens_per_s:.1f} tok/s | ITL {s.itl_s * 1e3:.1f} ms | load {llm.load_s:.1f} s]",
         err=True)
-    if llm.plan is not None:
-        measured = s.decode_tokens_per_s if s.generated_tokens > 1 else None
-        typer.echo(f"[{llm.plan.summary(measured)}]", err=True)
+    measured = s.decode_tokens_per_s if s.generated_tokens > 1 else None
+    typer.echo(f"[{llm.plan.summary(measured)}]", err=True)
     rt = llm.runtime_stats()
     if rt:
         typer.echo(f"[experts: {rt['placement']} | hit rate {rt['hit_rate']:.1%} | paths {rt['paths']} | "

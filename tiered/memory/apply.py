@@ -65,6 +65,8 @@ def place_weights(plan: Plan, model, checkpoint, device, fast_budget: MemoryBudg
     skip = sizes.skip_params(cfg, plan.sliced_layers())
     what = "the non-expert weights" if cfg.is_moe else "the non-FFN weights" if plan.sliced_layers() else "the model's weights"
     fast_budget.reserve(sizes.weight_bytes(cfg, fmt, skip), what)
+    if plan.workspace_bytes:  # kept free for activations: allocated by torch, not by us
+        fast_budget.reserve(plan.workspace_bytes, "the activation workspace")
     nbytes = materialize(model, checkpoint, sizes.torch_dtype(fmt), device, on_tensor=on_tensor, skip=skip)
     decode = plan.dtypes.get("decode", "none")
     extra = 0

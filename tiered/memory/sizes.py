@@ -118,3 +118,22 @@ def kv_cache_bytes(cfg: ModelConfig, slots: int, tokens: int, fmt: str) -> int:
 def tensor_bytes(shape, dtype: torch.dtype) -> int:
     """Bytes of a dense tensor of `shape` in torch `dtype`."""
     return torch.Size(tuple(shape)).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+WORKSPACE_TOKENS = 512  # prefill steps the device workspace is sized for
+
+
+def workspace_bytes(cfg: ModelConfig, fmt: str, tokens: int = WORKSPACE_TOKENS) -> int:
+    """Device bytes for one step's activations of `tokens` tokens (the GPU budget keeps room for them).
+
+    Counts the live tensors of a decoder layer at its widest: hidden states and residual (4 x D),
+    q/k/v and the attention output ((2H + 2Hkv) x hd), their fp32 rotary copies, the MLP's gate, up
+    and product (3 x F, the wider of the dense and expert FFN), plus the last token's fp32 logits;
+    then 25% for the caching allocator's rounding. Prompts longer than `tokens` may use more.
+    """
+    elem = bytes_per_element(fmt)
+    qkv = (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    rot = (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim * 4 * 2
+    ffn = max(cfg.intermediate_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
+    per_token = (4 * cfg.hidden_size + qkv + 3 * ffn) * elem + rot
+    return int(1.25 * (tokens * per_token + 4 * cfg.vocab_size))

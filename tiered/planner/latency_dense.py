@@ -37,7 +37,8 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     non_ffn = sizes.weight_bytes(cfg, fmt, is_mlp_param)
     kv = sizes.kv_cache_bytes(cfg, 1, plan.context_tokens, plan.dtypes["kv_cache"])
     staging = 2 * sizes.ffn_bytes(cfg, fmt)  # CG and CG' staging of the largest FFN
-    budget = ffn_gpu_budget(gpu, non_ffn_bytes=non_ffn, kv_cache_bytes=kv, staging_bytes=staging, margin=0.0)
+    budget = ffn_gpu_budget(gpu, non_ffn_bytes=non_ffn, kv_cache_bytes=kv, staging_bytes=staging,
+                            activation_bytes=plan.workspace_bytes, margin=0.0)
     decode_shape = LayerShape(1, M, H, 3, bpe)
     params = cost_params(profile, fmt, decode_shape)
     assign = assign_gpu_memory([decode_shape] * L, params, budget)
@@ -57,7 +58,8 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + head
     ffn_total = L * 3 * M * H * bpe
     sliced = ffn_gpu_bytes < ffn_total - 1
-    plan.memory = {"gpu": non_ffn + kv + (staging if sliced else 0) + ffn_gpu_bytes, "cpu": ffn_total - ffn_gpu_bytes}
+    plan.memory = {"gpu": non_ffn + kv + plan.workspace_bytes + (staging if sliced else 0) + ffn_gpu_bytes,
+                   "cpu": ffn_total - ffn_gpu_bytes}
     mean_cc = sum(l.r_cc for l in plan.layers) / L
     if not sliced:
         plan.binding = "GPU compute: every FFN fits on the GPU"

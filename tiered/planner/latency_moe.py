@@ -41,11 +41,12 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     kv = sizes.kv_cache_bytes(cfg, 1, plan.context_tokens, plan.dtypes["kv_cache"])
     eb = sizes.expert_bytes(cfg, efmt)
     staging = plan.staging_buffers * eb
-    fixed = non_expert + kv + staging
+    fixed = non_expert + kv + staging + plan.workspace_bytes
     if fixed > gpu:
         raise BudgetError(f"GPU budget {format_bytes(gpu)} cannot hold the non-expert weights "
-                          f"({format_bytes(non_expert)}), KV cache ({format_bytes(kv)}) and staging "
-                          f"({format_bytes(staging)})", f"raise --gpu-mem by {format_bytes(fixed - gpu)}")
+                          f"({format_bytes(non_expert)}), KV cache ({format_bytes(kv)}), activation workspace "
+                          f"({format_bytes(plan.workspace_bytes)}) and staging ({format_bytes(staging)})",
+                          f"raise --gpu-mem by {format_bytes(fixed - gpu)}")
     cpu_room = (cpu - plan.staging_buffers * eb) if cpu is not None else None  # host staging ring
     if cpu_room is not None and cpu_room < 0:
         raise BudgetError(f"CPU budget {format_bytes(cpu)} cannot hold the {plan.staging_buffers} host staging buffers "

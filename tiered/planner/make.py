@@ -26,7 +26,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               precision: str = "bf16", weights_format: str | None = None, context_tokens: int | None = None,
               popularity=None, expert_cache_slots: int | None = None, max_resident: int | None = None,
               cache_policy: str = "lru", dispatch_mode: str = "balanced", staging_buffers: int = 2,
-              read_ahead: bool = True, extra_cpu_bytes: int = 0) -> Plan:
+              read_ahead: bool = True, extra_cpu_bytes: int = 0, workspace: int | None = None) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -43,6 +43,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         cache_policy, dispatch_mode, staging_buffers, read_ahead: runtime settings the plan
             records and prices (dispatch_mode "copy" / "cpu" forces every miss one way).
         extra_cpu_bytes: RAM the engine holds beyond weights and KV cache (CPU-only plans).
+        workspace: GPU bytes kept for activations (None = memory/sizes.workspace_bytes).
     Raises:
         ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
         BudgetError: the budgets cannot hold what the goal needs on the fast tier.
@@ -63,6 +64,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.staging_buffers, plan.read_ahead = staging_buffers, read_ahead
     sizes.bytes_per_element(fmt)  # a ConfigError for an unknown format, before any work
     experts = ExpertChoices(popularity, expert_cache_slots, max_resident)
+    if goal == "latency" and op_time.has_device(profile, "gpu") and gpu:
+        plan.workspace_bytes = workspace if workspace is not None else sizes.workspace_bytes(cfg, fmt)
     if goal == "throughput":
         from tiered.planner.throughput import plan_throughput
         return plan_throughput(plan, cfg, profile, gpu, cpu)
