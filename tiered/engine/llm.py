@@ -208,11 +208,16 @@ class LLM:
                 seq.t_prefill_start = time.perf_counter()
                 with dense_weights(self.model):
                     logits = self._forward([seq], cache, prefill=True)
+                self.executor.record("prefill", "step", seq.t_prefill_start, time.perf_counter())
                 yield from self._postprocess([seq], logits)
             running = [s for s in seqs if not s.finished]
             while running:  # decode: all running sequences, one token each
+                t0 = time.perf_counter()
                 logits = self._forward(running, cache, prefill=False)
+                t1 = time.perf_counter()
                 yield from self._postprocess(running, logits)
+                self.executor.record("decode step", "step", t0, t1)
+                self.executor.record("sample", "step", t1, time.perf_counter())
                 running = [s for s in running if not s.finished]
 
     def _make_sequence(self, i: int, prompt: Prompt, params: SamplingParams, chat, t_start: float) -> Sequence:

@@ -72,7 +72,9 @@ class TieredExperts:
         k = topk_idx.shape[1]
         flat = topk_idx.flatten()  # (N*k,)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
+        t_sync = time.perf_counter()
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
+        self.executor.record(f"host sync L{layer_idx}", "main", t_sync, time.perf_counter(), layer=layer_idx)
         tok_all, slot_all = order // k, order % k  # (N*k,) token row and top-k slot of each entry
         groups, start = {}, 0
         for e, c in enumerate(counts):
@@ -94,8 +96,10 @@ class TieredExperts:
                     self.store.advise(keys[e])
         host = None
         if any(p == CPU for p in paths.values()):  # activations and token rows cross once per layer
+            t_d2h = time.perf_counter()
             host = (self.accelerator.to_host(x), self.accelerator.to_host(tok_all))
             self.host_syncs += 1
+            self.executor.record(f"d2h L{layer_idx}", "main", t_d2h, time.perf_counter(), layer=layer_idx)
         ready = self.accelerator.record_event() if self.accelerator is not None else None
         results: dict[int, Future] = {}
         for e, (a, b) in groups.items():
