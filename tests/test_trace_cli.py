@@ -48,7 +48,7 @@ def test_copies_overlap_accelerator_compute(copy_run, rt):
     """While one expert computes on the compute stream, the next one's weights are copied."""
     ev = copy_run.experts.executor.events
     copies = [e for e in ev if e.stream == "copy"]
-    computes = [e for e in ev if e.stream == "compute"]
+    computes = [e for e in ev if e.stream == "launch"]
     eb = rt.sizes("mixtral").expert
     assert copies and computes
     assert len(copies) == copy_run.experts.path_counts["copy"]
@@ -59,7 +59,7 @@ def test_copies_overlap_accelerator_compute(copy_run, rt):
     # an expert computes only after its weights arrived
     for c in copies:
         assert any(k.layer == c.layer and k.expert == c.expert and k.start >= c.end - 1e-6 for k in computes)
-    assert overlap_seconds(ev, "copy", "compute") > 0
+    assert overlap_seconds(ev, "copy", "launch") > 0
 
 
 def test_mixed_run_overlaps_copy_with_cpu_experts(rt):
@@ -72,8 +72,8 @@ def test_mixed_run_overlaps_copy_with_cpu_experts(rt):
     paths = llm.experts.path_counts
     assert paths["copy"] > 0 and paths["cpu"] > 0
     ev = llm.experts.executor.events
-    assert {"copy", "compute", "cpu"} <= {e.stream for e in ev}
-    assert overlap_seconds(ev, "copy", "compute") > 0
+    assert {"copy", "launch", "cpu"} <= {e.stream for e in ev}
+    assert overlap_seconds(ev, "copy", "launch") > 0
     assert overlap_seconds(ev, "copy", "cpu") > 0
 
 
@@ -96,13 +96,13 @@ def test_write_trace_round_trip_and_png(copy_run, tmp_path):
     for a, b in zip(ev, back):
         assert (a.name, a.stream, a.nbytes, a.layer, a.expert) == (b.name, b.stream, b.nbytes, b.layer, b.expert)
         assert b.start == pytest.approx(a.start, abs=1e-9) and b.end == pytest.approx(a.end, abs=1e-9)
-    assert overlap_seconds(back, "copy", "compute") == pytest.approx(overlap_seconds(ev, "copy", "compute"), abs=1e-6)
+    assert overlap_seconds(back, "copy", "launch") == pytest.approx(overlap_seconds(ev, "copy", "launch"), abs=1e-6)
 
     png = tmp_path / "trace.png"
     result = CliRunner().invoke(app, ["trace", str(path), "--png", str(png)])
     assert result.exit_code == 0, result.output
     assert png.read_bytes()[:8] == PNG_MAGIC
-    assert f"{len(ev)} tasks" in result.stdout and "overlap copy with compute" in result.stdout
+    assert f"{len(ev)} tasks" in result.stdout and "overlap copy with launch" in result.stdout
 
 
 def test_trace_cli_missing_file(tmp_path):

@@ -177,7 +177,7 @@ def trace_cmd(
     streams = sorted({e.stream for e in events})
     busy = {s: sum(e.end - e.start for e in events if e.stream == s) for s in streams}
     typer.echo(f"wrote {png}: {len(events)} tasks; busy " + ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in busy.items()))
-    for a, b in (("copy", "compute"), ("copy", "cpu"), ("disk:0", "cpu"), ("disk:0", "compute")):
+    for a, b in (("copy", "compute"), ("copy", "launch"), ("copy", "cpu"), ("disk:0", "cpu"), ("disk:0", "compute")):
         if a in busy and b in busy:
             typer.echo(f"overlap {a} with {b}: {overlap_seconds(events, a, b) * 1e3:.1f} ms")
 

@@ -5,6 +5,12 @@ and tasks on different streams overlap: "cpu" (CPU expert compute), "copy" (H2D 
 "compute" (accelerator compute), "disk:N" (N reader threads). On CUDA the "copy" and "compute"
 workers issue their work inside the matching torch.cuda stream and wait for it, so a task's end
 time is when the device finished it. Dependencies are the futures of earlier tasks.
+
+Inline streams run on the submitting thread when it asks for the result (DeferredTask): "cpu"
+(torch's OpenMP team belongs to that thread) and "launch": accelerator work issued on the calling
+thread's current stream without waiting for it (a task's trace span is its launch). A "launch"
+task records a device event after its work; device-stream tasks that depend on it wait for that
+event on the device (e.g. a copy into a buffer that a launched kernel still reads).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class DeferredTask:
         self._event, self._ran = threading.Event(), False
         self._value: Any = None
         self._error: BaseException | None = None
+        self.event = None  # device event after a "launch" task's work
 
     def result(self) -> Any:
         if threading.get_ident() == self._owner and not self._ran:
@@ -87,6 +94,8 @@ class Executor:
         """
         deps = tuple(deps)
 
+        task: list = []
+
         def job():
             for d in deps:
                 d.result()
@@ -94,9 +103,13 @@ class Executor:
             if stream in DEVICE_STREAMS:
                 with self.accelerator.stream(stream):
                     self.accelerator.wait_event(after_event)
+                    for d in deps:
+                        self.accelerator.wait_event(getattr(d, "event", None))
                     out = fn()
             else:
                 out = fn()
+                if stream == "launch":
+                    task[0].event = self.accelerator.record_event()
             end = time.perf_counter()
             if self.tracing:
                 label = stream if stream != "disk" else f"disk:{self._disk_id()}"
@@ -105,8 +118,9 @@ class Executor:
                                                   nbytes, layer, expert))
             return out
 
-        if stream in self.inline:
-            return DeferredTask(job)  # type: ignore[return-value]
+        if stream in self.inline or stream == "launch":
+            task.append(DeferredTask(job))
+            return task[0]  # type: ignore[return-value]
         pool = self._disk if stream == "disk" else self._pools[stream]
         return pool.submit(job)
 

@@ -6,15 +6,16 @@ Per layer and step (dimension legend: N tokens, D hidden, k top-k, E experts):
      counts to the host: the layer's only host sync;
   2. experts on the fast tier (resident or cached) compute there; the others ("misses") get a
      path from the dispatcher for the whole layer at once (runtime/dispatcher.split_misses):
-       COPY  -> H2D copy on the copy stream into a cache slot or staging buffer, compute on the
-                compute stream;
+       COPY  -> H2D copy on the copy stream into a cache slot or staging buffer, then launched
+                from this thread on its own device stream once the copy is done;
        CPU   -> compute with the host copy on the calling thread (torch's OpenMP team belongs to
                 it; a worker thread's second team is slower and fights it for the cores);
      a disk-tier expert is read first (pread on reader threads) into a host staging buffer (with an
      accelerator) or into a fast-tier slot (without one, where every miss computes on the CPU);
   3. combine the weighted outputs in expert order (as transformers does: identical sums).
-Activations cross to the host only when some expert takes the CPU path, and nothing waits for the
-whole device: the compute stream waits on an event recorded after the router.
+Fast-tier experts are launched from this thread on its current device stream: no worker hop and
+no wait. Activations cross to the host only when some expert takes the CPU path, and nothing
+waits for the whole device: copies wait, on the device, for an event recorded after the router.
 With `read_ahead`, every missing expert's read is issued at once and each expert computes as soon
 as its weights land; without it, read -> compute -> read ... in turn.
 """
@@ -101,8 +102,13 @@ class TieredExperts:
             self.host_syncs += 1
             self.executor.record(f"d2h L{layer_idx}", "main", t_d2h, time.perf_counter(), layer=layer_idx)
         ready = self.accelerator.record_event() if self.accelerator is not None else None
+        # CPU-path experts are submitted (and so run, on this thread) first: the copies and launches
+        # submitted after them proceed on the streams meanwhile. Inline tasks run in submission
+        # order and every dependency points to an earlier task, so no task waits on one that waits on it.
+        order = sorted(groups, key=lambda e: (paths.get(e) != CPU, e))
         results: dict[int, Future] = {}
-        for e, (a, b) in groups.items():
+        for e in order:
+            a, b = groups[e]
             tok = tok_all[a:b]
             if on_fast[e] is not None:
                 self.path_counts[RESIDENT] += 1
@@ -112,8 +118,7 @@ class TieredExperts:
                 results[e] = self._miss(keys[e], paths[e], x, tok, host and host[1][a:b], host and host[0], ready)
             if not self.read_ahead:
                 results[e].result()
-        # inline CPU work first (it runs here, now, while the streams copy and compute), then the rest
-        for e in sorted(results, key=lambda e: paths.get(e) != CPU):
+        for e in order:
             results[e].result()
         out = torch.zeros_like(x)
         for e, (a, b) in groups.items():  # expert order, like transformers' index_add loop
@@ -140,12 +145,14 @@ class TieredExperts:
         return (self.resident_hits + st.hits) / n if n else 0.0
 
     def _compute_stream(self) -> str:
-        return "compute" if self.accelerator is not None else "cpu"
+        """Fast-tier experts: launched from this thread on its current device stream (no worker hop,
+        no wait), or computed here on the CPU when the fast tier is RAM."""
+        return "launch" if self.accelerator is not None else "cpu"
 
     def _on_fast(self, key, w, x, tok, ready) -> Future:
         layer, e = key
         return self.executor.submit(self._compute_stream(), lambda: expert_forward(x[tok], *w), name=f"expert L{layer}E{e}",
-                                    layer=layer, expert=e, after_event=ready)
+                                    layer=layer, expert=e)
 
     def _read(self, key, into, deps) -> Future:
         layer, e = key
@@ -174,12 +181,14 @@ class TieredExperts:
         else:
             assert path == COPY
             slot, dep, idx = self._slot_or_staging(key, self.fast_staging)
+            # the copy waits (on the device) for all work issued before this layer: an evicted slot
+            # may still be read by a kernel launched for an earlier layer
             copy = ex.submit("copy", lambda: [self.accelerator.copy_to_device(d, s) for d, s in zip(slot, host_w)],
                              deps=deps + ([dep] if dep else []), name=f"h2d L{layer}E{e}",
-                             nbytes=self.store.expert_bytes, layer=layer, expert=e)
+                             nbytes=self.store.expert_bytes, layer=layer, expert=e, after_event=ready)
             self.bytes_h2d += self.store.expert_bytes
-            fut = ex.submit("compute", lambda: expert_forward(x[tok], *slot), deps=[copy],
-                            name=f"expert L{layer}E{e}", layer=layer, expert=e, after_event=ready)
+            fut = ex.submit("launch", lambda: expert_forward(x[tok], *slot), deps=[copy],
+                            name=f"expert L{layer}E{e}", layer=layer, expert=e)
             if idx is not None:
                 self.fast_staging.release_after(idx, fut)
         if host_idx is not None:
