@@ -77,7 +77,7 @@ class TieredRunner:
     def close(self) -> None:
         self.llm.close()
         del self.llm
-        _free()
+        free_memory()
 
 
 class HFRunner:
@@ -96,7 +96,7 @@ class HFRunner:
                  max_memory: dict | None = None, offload_folder: str | Path | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
-        kw: dict = {"dtype": dtype}
+        kw: dict = {"dtype": dtype, "device_map": device}  # loaded straight onto the device
         if max_memory is not None:
             kw.update(device_map="auto", max_memory=max_memory)
             if offload_folder is not None:
@@ -104,7 +104,6 @@ class HFRunner:
         t0 = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(str(model), **kw).eval()
         if max_memory is None:
-            self.model.to(device)
             self.device = torch.device(device)
         else:
             where = set(getattr(self.model, "hf_device_map", {}).values())
@@ -144,7 +143,7 @@ class HFRunner:
 
     def close(self) -> None:
         del self.model
-        _free()
+        free_memory()
 
 
 def measure_latency(runner: Runner, ttft_prompt: Sequence[int], decode_prompt: Sequence[int], new_tokens: int,
@@ -160,7 +159,8 @@ def measure_latency(runner: Runner, ttft_prompt: Sequence[int], decode_prompt: S
             "decode_runs_tokens_per_s": dec}
 
 
-def _free() -> None:
+def free_memory() -> None:
+    """Collect garbage and return cached CUDA blocks, so the next engine starts from empty memory."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
