@@ -74,7 +74,7 @@ def write_report(name: str, out_dir: str | Path, *, title: str, settings: dict, 
     json_path, md_path = out / f"{name}.json", out / f"{name}.md"
     json_path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     table = body if body is not None else markdown_table(rows, columns or [])
-    md = [f"# {title}", "", f"{date}. Machine: {describe(machine)}.", "",
+    md = [f"# {title}", "", f"{date}. Ran on {describe(machine)}.", "",
           "Settings: " + ", ".join(f"{k} {_short(v)}" for k, v in settings.items()) + ".", "", table]
     for note in notes:
         md += ["", note]
