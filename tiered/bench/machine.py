@@ -14,7 +14,7 @@ from pathlib import Path
 # CPU features that decide which kernels run fast: AVX2/FMA (all x86 BLAS), AVX-512 variants,
 # VNNI / BF16 dot products and AMX tiles (bf16 and int8 GEMM on Sapphire Rapids and later).
 _FLAG_PREFIXES = ("avx2", "fma", "avx512", "avx_vnni", "amx")
-_PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "numpy")
+_PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "numpy", "llama_cpp_python")
 
 
 def cpu_model() -> str:
