@@ -106,9 +106,9 @@ class HFRunner:
         if max_memory is None:
             self.device = torch.device(device)
         else:
-            where = set(getattr(self.model, "hf_device_map", {}).values())
-            gpu = sorted(d for d in where if isinstance(d, int))
-            self.device = torch.device(f"cuda:{gpu[0]}" if gpu else "cpu")
+            where = {f"cuda:{d}" if isinstance(d, int) else str(d) for d in self.model.hf_device_map.values()}
+            gpu = sorted(d for d in where if d.startswith("cuda"))  # inputs go where the first layers are
+            self.device = torch.device(gpu[0] if gpu else "cpu")
         self.load_s = time.perf_counter() - t0
 
     def _forward(self, ids: torch.Tensor, past=None):
