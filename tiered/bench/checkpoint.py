@@ -4,15 +4,15 @@ FlexGen benchmarked OPT-175B with dummy weights of the real shapes; we do the sa
 Mixtral-8x7B and Llama-3-8B (N decoder layers at full width). The result is a real Hugging Face
 directory: config.json (loadable by transformers), one safetensors shard for the embedding, final
 norm and lm_head, one shard per layer, and model.safetensors.index.json. Weights are random
-(seeded, std 0.02, norms 1). Each tensor is generated, written at its offset and dropped, so
-memory stays at one tensor (the largest at Mixtral width: the 32000 x 4096 embedding, 250 MiB
-bf16) whatever the model's size. The files are byte-identical to safetensors' own `save_file` of
-the same tensors.
+(seeded, std 0.02, norms 1). Each tensor is drawn, written at its offset and dropped, so memory
+stays at one tensor and its fp32 draw (at most ~750 MiB: the 32000 x 4096 embedding) whatever the
+model's size. The files are byte-identical to safetensors' own `save_file` of the same tensors.
 
-Routing is skewed, as real MoE routing is (Fiddler Fig. 8): every embedding row shares one
-direction `common`, and each layer's router gives its experts graded affinities for it (a
-different order per layer), so some experts are chosen far more often than others and
-popularity placement and expert caches have something to find.
+Routing is skewed, as real MoE routing is (Fiddler Fig. 8), and strongly: every embedding row
+shares one direction `common`, and each layer's router gives its experts graded affinities for it
+(a different order per layer). At hidden 4096 the top 2-3 experts of a layer take about 98% of its
+routed tokens (random prompt tokens), so popularity placement and expert caches have something to
+find. These are the weights benchmarks/moe_offload.py has always written (same seed, same draws).
 """
 
 from __future__ import annotations
