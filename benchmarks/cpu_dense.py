@@ -71,13 +71,14 @@ def _rss_now() -> int:
         return 0
 
 
+def _median(xs):
+    from tiered.bench import median  # imported late: a worker's rss_start is measured before torch loads
+    return median(xs)
+
+
 def _peak_rss() -> int:
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
-def _median(xs):
-    return statistics.median(xs) if xs else None
 
 
 def _model_path() -> Path:
@@ -619,48 +620,6 @@ def run_child(kind: str, spec: dict, timeout: float) -> dict:
         return res
 
 
-def machine_info() -> dict:
-    from tiered.hardware.profiler import cpu_model
-
-    cpu = cpu_model()
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    info = {"cpu": cpu, "logical_cpus": os.cpu_count(),
-            "cpu_flags": sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni",
-                                                         "avx512_bf16", "amx_bf16", "amx_int8", "avx_vnni")),
-            "platform": platform.platform(), "python": platform.python_version()}
-    try:
-        mem = Path("/proc/meminfo").read_text().splitlines()[0].split()
-        info["mem_total_gib"] = round(int(mem[1]) / 2**20, 1)
-    except (OSError, IndexError, ValueError):
-        pass
-    vers = subprocess.run([sys.executable, "-c",
-                           "import torch, transformers, numpy; print(torch.__version__, transformers.__version__, numpy.__version__)"],
-                          capture_output=True, text=True).stdout.split()
-    if len(vers) == 3:
-        info["torch"], info["transformers"], info["numpy"] = vers
-    try:
-        import importlib.metadata as md
-        info["llama_cpp_python"] = md.version("llama_cpp_python")
-    except Exception:
-        info["llama_cpp_python"] = None
-    try:
-        info["tiered_git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                            capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "tiered"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        info["tiered_dirty"] = bool(dirty)
-    except OSError:
-        pass
-    return info
-
-
 def install_llama_cpp() -> str:
     print("installing llama-cpp-python (builds from source, ~5 min on 2 cores) ...", flush=True)
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "llama-cpp-python"],
@@ -679,12 +638,9 @@ def build_report(res: dict) -> str:
     s, bw = res["settings"], res["bandwidth"]
     m = res["machine"]
     L = []
-    L.append(f"# CPU dense benchmark: {res['model']['name']} at batch 1\n")
-    L.append(f"- date: {res['date']}; machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, "
-             f"{m.get('mem_total_gib', '?')} GiB; flags {', '.join(m['cpu_flags'])}")
-    L.append(f"- torch {m.get('torch')}, transformers {m.get('transformers')}, numpy {m.get('numpy')}, "
-             f"llama-cpp-python {m.get('llama_cpp_python') or 'not installed'}; python {m['python']}; "
-             f"tiered git {m.get('tiered_git')}{' (+ uncommitted changes)' if m.get('tiered_dirty') else ''}")
+    v = m["versions"]
+    L.append(f"- numpy {v.get('numpy')}, llama-cpp-python {v.get('llama_cpp_python') or 'not installed'}; "
+             f"python {v['python']}; CPU flags {', '.join(m['cpu_flags'])}")
     L.append(f"- model: `{res['model']['file']}` ({res['model']['bytes'] / 1e6:.1f} MB)")
     L.append(f"- settings: {s['threads']} threads; prefill medians of {s['prefill_repeats']} (after 1 warm-up; engines loaded side by side in their own processes, measured in interleaved rounds), "
              f"decode medians of {s['decode_repeats']} runs of {s['new_tokens']} new tokens after a "
@@ -696,7 +652,7 @@ def build_report(res: dict) -> str:
     la = lambda t: "/".join(f"{x:.1f}" for x in t)
     L.append(f"- load average (1/5/15 min) before/after the run: {la(res['loadavg_before'])} -> "
              f"{la(res['loadavg_after'])}. The machine is shared: the last column is the mean CPU other "
-             f"processes used while each engine ran (of {m['logical_cpus']} cores); where it is well above 0 the "
+             f"processes used while each engine ran (of {m['cores']} cores); where it is well above 0 the "
              f"engine's figures are pessimistic (OpenMP thread pools degrade sharply when oversubscribed)\n")
     hdr = ["engine", "load s", "peak RSS MB"] + [f"prefill {n} ms" for n in s["lengths"]] + \
           [f"prefill {s['lengths'][-1]} tok/s", "decode tok/s", "fwd-only tok/s", "weights MB/tok", "bound tok/s", "% of bound", "other procs' CPU"]
@@ -891,6 +847,8 @@ def main(argv=None) -> int:
         print(f"others' CPU during the profile: {prof.get('others_cpu_cores') or 0:.2f} cores; wrote {prof_path}")
         return 0
 
+    from tiered.bench import machine_info, write_report
+
     t_start = time.perf_counter()
     res: dict = {"benchmark": "cpu_dense", "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                  "command": " ".join([Path(sys.executable).name, "benchmarks/cpu_dense.py"] + (argv if argv is not None else sys.argv[1:])),
@@ -1019,13 +977,14 @@ def main(argv=None) -> int:
 
     res["total_wall_s"] = time.perf_counter() - t_start
     out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    md = build_report(res)
-    out.with_suffix(".md").write_text(md)
+    rows = [{"engine": name, **r} for name, r in res["engines"].items()]
+    extra = {k: v for k, v in res.items() if k not in ("benchmark", "date", "command", "machine", "settings", "engines")}
+    json_path, md_path = write_report(out.name, out.parent, title=f"CPU dense benchmark: {res['model']['name']} at batch 1",
+                                      settings=res["settings"], rows=rows, body=build_report(res), machine=res["machine"],
+                                      extra=extra, date=res["date"])
     print()
-    print(md)
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')} ({res['total_wall_s']:.0f} s)")
+    print(md_path.read_text())
+    print(f"wrote {json_path} and {md_path} ({res['total_wall_s']:.0f} s)")
     return 0
 
 

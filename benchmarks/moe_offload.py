@@ -9,15 +9,13 @@ in the same process on the same machine; results go to benchmarks/results/moe_of
 
     python benchmarks/moe_offload.py                 # full run
     python benchmarks/moe_offload.py --quick         # smoke run (smaller model, 1 repeat)
+    python benchmarks/moe_offload.py --quick --out /tmp/x    # ... without touching results/
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,56 +26,24 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from tiered import LLM, EngineConfig, SamplingParams  # noqa: E402
+from tiered.bench import Column, ModelShape, median, write_dummy_checkpoint, write_report  # noqa: E402
 from tiered.hardware.budget import format_bytes, parse_bytes  # noqa: E402
 from tiered.memory.expert_store import drop_page_cache  # noqa: E402
 from tiered.runtime.expert_profile import ExpertProfiler  # noqa: E402
 
 
+def mixtral_like(layers: int, hidden: int, ffn: int, experts: int, vocab: int) -> ModelShape:
+    """The Mixtral layout at a reduced width: 128-wide heads, a KV head per 4 query heads (at
+    least one), top-2, context 4096 (this benchmark's and planner_validation.py's model)."""
+    return ModelShape(layers=layers, hidden=hidden, ffn=ffn, heads=max(hidden // 128, 1),
+                      kv_heads=max(hidden // 512, 1), vocab=vocab, experts=experts, top_k=2,
+                      max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-5)
+
+
 def write_checkpoint(path: Path, layers: int, hidden: int, ffn: int, experts: int, vocab: int, dtype: torch.dtype,
                      seed: int = 0) -> Path:
-    """A Mixtral-layout checkpoint (config.json + one safetensors shard per layer + index)."""
-    from safetensors.torch import save_file
-
-    if (path / "model.safetensors.index.json").is_file():
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    heads, kv_heads = max(hidden // 128, 1), max(hidden // 512, 1)
-    hd = hidden // heads
-    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": vocab,
-           "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
-           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hd,
-           "num_local_experts": experts, "num_experts_per_tok": 2, "max_position_embeddings": 4096,
-           "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False, "torch_dtype": str(dtype)[6:]}
-    (path / "config.json").write_text(json.dumps(cfg, indent=1))
-
-    def rnd(*shape, std=0.02):
-        return (torch.randn(*shape, generator=g) * std).to(dtype)
-
-    common = torch.randn(hidden, generator=g)  # a direction every hidden state shares
-    skew = torch.linspace(1.0, -1.0, experts)  # expert e's affinity for it: skewed popularity
-    weight_map = {}
-    glob = {"model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=g) * 0.02 + 0.05 * common).to(dtype),
-            "model.norm.weight": torch.ones(hidden, dtype=dtype), "lm_head.weight": rnd(vocab, hidden)}
-    save_file(glob, str(path / "globals.safetensors"))
-    weight_map.update({k: "globals.safetensors" for k in glob})
-    for l in range(layers):
-        p = f"model.layers.{l}"
-        perm = torch.randperm(experts, generator=g)  # each layer favours different experts
-        router = torch.randn(experts, hidden, generator=g) * 0.02 + 0.5 * skew[perm, None] * common / common.norm()
-        t = {f"{p}.input_layernorm.weight": torch.ones(hidden, dtype=dtype),
-             f"{p}.post_attention_layernorm.weight": torch.ones(hidden, dtype=dtype),
-             f"{p}.self_attn.q_proj.weight": rnd(heads * hd, hidden), f"{p}.self_attn.k_proj.weight": rnd(kv_heads * hd, hidden),
-             f"{p}.self_attn.v_proj.weight": rnd(kv_heads * hd, hidden), f"{p}.self_attn.o_proj.weight": rnd(hidden, heads * hd),
-             f"{p}.block_sparse_moe.gate.weight": router.to(dtype)}
-        for e in range(experts):
-            q = f"{p}.block_sparse_moe.experts.{e}"
-            t[f"{q}.w1.weight"], t[f"{q}.w3.weight"], t[f"{q}.w2.weight"] = rnd(ffn, hidden), rnd(ffn, hidden), rnd(hidden, ffn)
-        name = f"layer{l:03d}.safetensors"
-        save_file(t, str(path / name))
-        weight_map.update({k: name for k in t})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return path
+    """A Mixtral-layout checkpoint with skewed routing (tiered.bench.checkpoint), reused when present."""
+    return write_dummy_checkpoint(path, mixtral_like(layers, hidden, ffn, experts, vocab), dtype, seed)
 
 
 def run_config(model: Path, name: str, config: EngineConfig, prompt: list[int], new_tokens: int) -> dict:
@@ -105,7 +71,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--out", default=str(ROOT / "results"), help="results directory")
     args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     shape = dict(layers=4, hidden=512, ffn=1792, experts=8, vocab=4096) if args.quick else \
         dict(layers=8, hidden=1024, ffn=3584, experts=8, vocab=8192)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -152,8 +121,7 @@ def main() -> None:
     drop_page_cache([str(p) for p in model.glob("*.safetensors")])
     llm = LLM(model, full)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    (ROOT / "results").mkdir(exist_ok=True)
-    trace_json = ROOT / "results" / ("moe_offload_trace_quick.json" if args.quick else "moe_offload_trace.json")
+    trace_json = out / ("moe_offload_trace_quick.json" if args.quick else "moe_offload_trace.json")
     llm.write_trace(trace_json)
     events = llm.experts.executor.events
     draw_gantt(events, trace_json.with_suffix(".png"), title="moe_offload: cache + popularity + read-ahead (8 tokens)")
@@ -162,40 +130,30 @@ def main() -> None:
     llm.close()
     summary = []
     for name, rs in rows.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("decode_tokens_per_s", "ttft_s", "itl_s",
-                                                                   "disk_bytes_per_token", "hit_rate", "load_s")}
+        med = {k: median([r[k] for r in rs]) for k in ("decode_tokens_per_s", "ttft_s", "itl_s",
+                                                        "disk_bytes_per_token", "hit_rate", "load_s")}
         summary.append({"config": name, **med, "placement": rs[0]["placement"], "paths": rs[0]["paths"], "runs": len(rs)})
     basev = summary[0]["decode_tokens_per_s"]
     for s in summary:
         s["speedup_vs_on_demand"] = s["decode_tokens_per_s"] / basev if basev else float("nan")
-    from tiered.hardware.profiler import cpu_model
-    cpu = cpu_model()
-    result = {"benchmark": "moe_offload", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": {
-        "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
-        "model": {"shape": shape, "dtype": "bfloat16", "checkpoint_bytes": ckpt_bytes, "expert_bytes": expert_bytes},
-        "cpu_mem_bytes": cpu_mem, "checkpoint_over_cpu_mem": ckpt_bytes / cpu_mem, "prompt_tokens": args.prompt_tokens,
-        "new_tokens": args.new_tokens, "repeats": repeats, "results": summary, "runs": rows,
-        "trace": {"file": trace_json.name, "disk_cpu_overlap_s": trace_overlap}}
-    out = ROOT / "results"
-    out.mkdir(exist_ok=True)
+    settings = {"shape": shape, "dtype": "bfloat16", "checkpoint_bytes": ckpt_bytes, "expert_bytes": expert_bytes,
+                "cpu_mem_bytes": cpu_mem, "checkpoint_over_cpu_mem": round(ckpt_bytes / cpu_mem, 3),
+                "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": repeats}
+    columns = [Column("configuration", "config"), Column("decode tok/s", "decode_tokens_per_s", "{:.2f}"),
+               Column("TTFT s", "ttft_s", "{:.2f}"), Column("disk bytes/token", lambda r: format_bytes(r["disk_bytes_per_token"])),
+               Column("hit rate", "hit_rate", "{:.1%}"), Column("speedup", "speedup_vs_on_demand", "{:.2f}x"),
+               Column("placement", "placement")]
+    notes = [f"Model: Mixtral-shaped dummy weights {shape}, bf16, {format_bytes(ckpt_bytes)} on disk; `--cpu-mem` "
+             f"{format_bytes(cpu_mem)} ({ckpt_bytes / cpu_mem:.1f}x smaller). Prompt {args.prompt_tokens} tokens, "
+             f"{args.new_tokens} new tokens, page cache dropped before each run, median of {repeats}.",
+             f"Trace of the full configuration: `{trace_json.name}` (Chrome trace events) and "
+             f"`{trace_json.with_suffix('.png').name}`; disk reads overlapped expert compute for "
+             f"{trace_overlap * 1e3:.0f} ms over 8 generated tokens."]
     stem = "moe_offload_quick" if args.quick else "moe_offload"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    lines = [f"# MoE offload benchmark ({result['date']})", "",
-             f"Machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}. Model: Mixtral-shaped dummy weights "
-             f"{shape}, bf16, {format_bytes(ckpt_bytes)} on disk; `--cpu-mem` {format_bytes(cpu_mem)} "
-             f"({ckpt_bytes / cpu_mem:.1f}x smaller). Prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, "
-             f"page cache dropped before each run, median of {repeats}.", "",
-             "| configuration | decode tok/s | TTFT s | disk bytes/token | hit rate | speedup | placement |",
-             "|---|---|---|---|---|---|---|"]
-    for s in summary:
-        lines.append(f"| {s['config']} | {s['decode_tokens_per_s']:.2f} | {s['ttft_s']:.2f} | "
-                     f"{format_bytes(s['disk_bytes_per_token'])} | {s['hit_rate']:.1%} | {s['speedup_vs_on_demand']:.2f}x | "
-                     f"{s['placement']} |")
-    lines += ["", f"Trace of the full configuration: `{trace_json.name}` (Chrome trace events) and "
-              f"`{trace_json.with_suffix('.png').name}`; disk reads overlapped expert compute for "
-              f"{trace_overlap * 1e3:.0f} ms over 8 generated tokens."]
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    _, md = write_report(stem, out, title="MoE offload benchmark", settings=settings, rows=summary, columns=columns,
+                         notes=notes, extra={"runs": rows, "trace": {"file": trace_json.name,
+                                                                     "disk_cpu_overlap_s": trace_overlap}})
+    print(md.read_text())
 
 
 if __name__ == "__main__":

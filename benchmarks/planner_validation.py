@@ -9,15 +9,13 @@ inter-token latency end to end). Expert hit rates come from replaying the measur
 trace through the cache simulator, so the comparison tests the timing model, not a routing
 forecast. Writes benchmarks/results/planner_validation.{json,md}.
 
-    python benchmarks/planner_validation.py [--profile F] [--quick]
+    python benchmarks/planner_validation.py [--profile F] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from moe_offload import write_checkpoint  # noqa: E402
 
 from tiered import LLM, EngineConfig, SamplingParams  # noqa: E402
+from tiered.bench import Column, median, write_report  # noqa: E402
 from tiered.hardware.profile import HardwareProfile  # noqa: E402
 from tiered.memory.expert_store import drop_page_cache  # noqa: E402
 from tiered.planner.cpu_predict import predict_decode, simulate_hits  # noqa: E402
@@ -85,7 +84,7 @@ def measure(model: Path, config: EngineConfig, prompt: list[int], new_tokens: in
         n_moe = len({e.layer for e in main})
         for e in main[n_moe:]:  # the first n_moe spans are the prefill's
             spans.setdefault(e.layer, []).append(e.end - e.start)
-        res["layer_s"] = {l: statistics.median(v) for l, v in spans.items()}
+        res["layer_s"] = {l: median(v) for l, v in spans.items()}
         res["trace"] = prof.trace
         res["resident"] = set(llm.experts.store.resident)
         res["slots"] = llm.experts.cache.num_slots
@@ -103,9 +102,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/tiered/bench"))
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--out", default=str(ROOT / "results"), help="results directory (also gets this machine's profile)")
     args = ap.parse_args()
-    out_dir = ROOT / "results"
-    out_dir.mkdir(exist_ok=True)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     if args.profile:
         hw = HardwareProfile.load(args.profile)
     else:
@@ -157,7 +157,7 @@ def main() -> None:
         e2e_err = abs(step - m["itl_s"]) / m["itl_s"]
         errors.append(e2e_err)
         rows.append({"plan": name, "predicted_step_s": step, "measured_itl_s": m["itl_s"], "e2e_error": e2e_err,
-                     "layer_median_error": statistics.median(p["error"] for p in per_layer), "layers": per_layer,
+                     "layer_median_error": median([p["error"] for p in per_layer]), "layers": per_layer,
                      "hit_rate": m["hit_rate"]})
         print(f"{name}: predicted {step * 1e3:.1f} ms/token, measured {m['itl_s'] * 1e3:.1f} ms "
               f"({e2e_err:.0%}); per-layer median error {rows[-1]['layer_median_error']:.0%}", flush=True)
@@ -167,39 +167,31 @@ def main() -> None:
         llm = LLM(None, EngineConfig(dtype=dt, decode_weights=dw, plan="off"))
         ids = list(range(100, 132))
         llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        itl = statistics.median(llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.new_tokens,
-                                                                    ignore_eos=True))[0].stats.itl_s for _ in range(3))
+        itl = median([llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.new_tokens,
+                                                         ignore_eos=True))[0].stats.itl_s for _ in range(3)])
         _, step = predict_decode(llm.config, hw, dw, context=len(ids) + args.new_tokens // 2)
         err = abs(step - itl) / itl
         errors.append(err)
         rows.append({"plan": name, "predicted_step_s": step, "measured_itl_s": itl, "e2e_error": err,
                      "layer_median_error": None, "layers": []})
         print(f"{name}: predicted {step * 1e3:.1f} ms/token, measured {itl * 1e3:.1f} ms ({err:.0%})", flush=True)
-    med = statistics.median(errors)
-    from tiered.hardware.profiler import cpu_model
-    cpu = cpu_model()
-    result = {"benchmark": "planner_validation", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu,
-              "cores": os.cpu_count(), "profile": hw.name, "profile_source": hw.source, "model_shape": shape,
-              "cpu_mem_bytes": cpu_mem, "median_abs_error": med, "target": 0.20, "plans": rows}
+    med = median(errors)
+    settings = {"profile": hw.name, "profile_source": hw.source, "model_shape": shape, "cpu_mem_bytes": cpu_mem,
+                "new_tokens": args.new_tokens, "target": 0.20}
+    columns = [Column("plan", "plan"), Column("predicted ms/token", lambda r: r["predicted_step_s"] * 1e3, "{:.1f}"),
+               Column("measured ms/token", lambda r: r["measured_itl_s"] * 1e3, "{:.1f}"),
+               Column("error", "e2e_error", "{:.0%}"), Column("per-layer median error", "layer_median_error", "{:.0%}"),
+               Column("fast hit rate", "hit_rate", "{:.0%}")]
+    notes = [f"Profile `{hw.name}` ({hw.source}). MoE: Mixtral-shaped dummy {shape}, bf16; `--cpu-mem` "
+             f"{cpu_mem / 2**20:.0f} MiB where limited. Decode at batch 1, page cache dropped. disk/read_cold refitted "
+             f"on the checkpoint's own files ({1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s; the profiler's fresh temp "
+             f"file read at {1 / hw_disk_beta / 1e9:.2f} GB/s), and so was disk/read_cold_parallel, two readers at once "
+             f"as read-ahead issues them ({1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s).",
+             f"Median absolute error over all per-layer and end-to-end comparisons: **{med:.0%}** (target < 20%)."]
     stem = "planner_validation_quick" if args.quick else "planner_validation"
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    lines = [f"# Planner validation ({result['date']})", "",
-             f"Machine: {cpu}, {os.cpu_count()} cores; profile `{hw.name}` ({hw.source}). MoE: Mixtral-shaped dummy "
-             f"{shape}, bf16; `--cpu-mem` {cpu_mem / 2**20:.0f} MiB where limited. Decode at batch 1, page cache dropped. "
-             f"disk/read_cold refitted on the checkpoint's own files ({1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s; "
-             f"the profiler's fresh temp file read at {1 / hw_disk_beta / 1e9:.2f} GB/s), and so was "
-             f"disk/read_cold_parallel, two readers at once as read-ahead issues them "
-             f"({1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s).",
-             "", "| plan | predicted ms/token | measured ms/token | error | per-layer median error | fast hit rate |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        le = "-" if r["layer_median_error"] is None else f"{r['layer_median_error']:.0%}"
-        hr = f"{r['hit_rate']:.0%}" if "hit_rate" in r else "-"
-        lines.append(f"| {r['plan']} | {r['predicted_step_s'] * 1e3:.1f} | {r['measured_itl_s'] * 1e3:.1f} | "
-                     f"{r['e2e_error']:.0%} | {le} | {hr} |")
-    lines += ["", f"Median absolute error over all per-layer and end-to-end comparisons: **{med:.0%}** (target < 20%)."]
-    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    _, md = write_report(stem, out_dir, title="Planner validation", settings=settings, rows=rows, columns=columns,
+                         notes=notes, extra={"median_abs_error": med})
+    print(md.read_text())
 
 
 if __name__ == "__main__":

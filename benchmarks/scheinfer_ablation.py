@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
 import statistics
 import sys
 import time
@@ -34,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
+from tiered.bench import write_report  # noqa: E402
 from tiered.hardware.profile import HardwareProfile, LinearModel  # noqa: E402
 from tiered.planner.cost_model import (CostParams, LayerShape, SliceRates, cost_params, gemm_times,  # noqa: E402
                                        layer_time, moe_layer_shape, prompt_gemm_times, roofline_params)
@@ -265,15 +264,16 @@ def main() -> None:
     res = run(profile)
     md = render(res, source)
     elapsed = time.perf_counter() - t0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"profile": profile.name, "profile_source": profile.source, "source": source, "int4_bytes": INT4,
-            "table_i_threads": TABLE_I_THREADS, "n_v": N_V, "max_context": MAX_CONTEXT,
-            "gpu_prefill_macs": GPU_PREFILL_MACS, "cpu_prefill_macs_16t": CPU_PREFILL_MACS_16T,
-            "paper": {"fixed_rate": PAPER_FIXED_RATE_SPEEDUP, "opt_r_cg_llama": PAPER_OPT_RCG_LLAMA},
-            "seconds": elapsed, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
-    (out / "scheinfer_ablation.json").write_text(json.dumps({"meta": meta, "results": res}, indent=1, default=str))
-    (out / "scheinfer_ablation.md").write_text(f"# ScheInfer ablation (simulated)\n\n{md}")
+    settings = {"profile": profile.name, "profile_source": profile.source, "source": source, "int4_bytes": INT4,
+                "table_i_threads": TABLE_I_THREADS, "n_v": N_V, "max_context": MAX_CONTEXT,
+                "gpu_prefill_macs": GPU_PREFILL_MACS, "cpu_prefill_macs_16t": CPU_PREFILL_MACS_16T}
+    paper = {"fixed_rate": PAPER_FIXED_RATE_SPEEDUP, "opt_r_cg_llama": PAPER_OPT_RCG_LLAMA,
+             "memory": {f"{m} @ {gb} GiB": v for (m, gb), v in PAPER_MEMORY.items()},
+             "tokens": {f"{m} @ {t} tokens": v for (m, t), v in PAPER_TOKENS.items()}}
+    # one row per reading of Table I's PCIe beta; the simulation uses no measured number of this machine
+    rows = [{"pcie_beta_per": unit, **res[unit]} for unit in ("bytes", "elements")]
+    write_report("scheinfer_ablation", args.out, title="ScheInfer ablation (simulated)", settings=settings, rows=rows,
+                 body=md.rstrip("\n"), extra={"paper": paper, "seconds": elapsed})
     doc = Path(args.doc)
     if doc.is_file() and BEGIN in (text := doc.read_text()) and END in text:
         head, rest = text.split(BEGIN, 1)

@@ -1,0 +1,305 @@
+"""Offloading at real layer width on one GPU: every tiered mode against transformers + accelerate.
+
+Reproduces section 2 of shared/gpu-runs/2026-11-22-h200/README.md on any CUDA machine. Two
+shapes, dummy bf16 weights with skewed routing (tiered/bench/checkpoint.py):
+    moe    4 Mixtral-8x7B layers (hidden 4096, FFN 14336, 8 experts top-2, GQA 32/8, vocab 32000,
+           11.3 GiB), --gpu-mem 4GiB
+    dense  8 Llama-3-8B layers (hidden 4096, FFN 14336, GQA 32/8, vocab 32000, 3.7 GiB), --gpu-mem 2GiB
+Rows, each in its own engine (closed after): tiered with plan auto (the default), plan off, every
+expert miss copied to the GPU, every miss run on the CPU (MoE only), no GPU, an unconstrained GPU;
+transformers + accelerate with the same GPU budget (device_map="auto"), transformers all on the
+GPU. Each: warm-up, TTFT of a 512-token prompt, decode tok/s = (N-1)/(t(N)-t(1)) for N = 32 new
+tokens after a 32-token prompt (greedy, EOS ignored), medians of --repeats; peak GPU memory
+(torch.cuda.max_memory_allocated) and the plan's predicted decode tok/s and TTFT. A row that
+fails (a BudgetError, out of memory) is recorded with its error. Writes
+benchmarks/results/gpu_offload.{json,md} (gpu_offload_moe / _dense for one shape).
+
+    python benchmarks/gpu_offload.py --profile PROFILE.json        # a CUDA machine, both shapes
+    python benchmarks/gpu_offload.py --shape moe --repeats 1       # one shape, quicker
+    python benchmarks/gpu_offload.py --smoke                       # no GPU needed, < 1 min
+
+--smoke runs the same rows at tiny shapes (a few MB) with the host stand-in accelerator (CPU
+memory under its own byte budget, a throttled link) in place of the GPU, budgets scaled so that
+experts really are offloaded, and the transformers baselines on the CPU (accelerate offloads to
+disk there). It checks that the script works, not how fast anything is; results go to a temp
+directory unless --out is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from tiered import EngineConfig  # noqa: E402
+from tiered.bench import Column, ModelShape, PeakMemory, llama3_8b, machine_info, mixtral_8x7b, write_report  # noqa: E402
+from tiered.bench.runners import HFRunner, TieredRunner, free_memory, measure_latency  # noqa: E402
+from tiered.bench.checkpoint import write_dummy_checkpoint  # noqa: E402
+
+GiB = 2**30
+SHAPES = {"moe": (mixtral_8x7b(layers=4), 4 * GiB), "dense": (llama3_8b(layers=8), 2 * GiB)}
+# --smoke: the real layer counts at width 256 (a few MB), so budgets scale with the same proportions
+SMOKE_SHAPES = {"moe": ModelShape(layers=4, hidden=256, ffn=768, heads=4, kv_heads=2, vocab=2048, experts=8),
+                "dense": ModelShape(layers=8, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=2048)}
+ROW_IDS = ("plan_auto", "plan_off", "forced_copy", "forced_cpu", "no_gpu", "unconstrained", "hf_accelerate", "hf_all_gpu")
+SMOKE_LINK = 2e9  # bytes/s of the stand-in's emulated PCIe link in --smoke
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What one shape's run measures (tokens, bytes, counts)."""
+
+    shape_name: str
+    shape: ModelShape
+    gpu_memory: int           # the GPU budget of the offloading rows [bytes]
+    accelerator: str          # "cuda", or "host" (the stand-in) in --smoke
+    link_bandwidth: float | None
+    ttft_tokens: int
+    decode_prompt_tokens: int
+    new_tokens: int
+    repeats: int
+    profile: str | None
+    trace_dir: Path | None
+    smoke: bool
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration: a tiered EngineConfig, or a transformers baseline (hf = "accelerate" | "all")."""
+
+    id: str
+    label: str
+    config: EngineConfig | None = None
+    hf: str | None = None
+
+
+def rows_for(s: Setup) -> list[Row]:
+    """The configurations of section 2: tiered's modes, then the transformers baselines."""
+    base = EngineConfig(dtype="bfloat16", accelerator=s.accelerator, gpu_memory=s.gpu_memory,
+                        link_bandwidth=s.link_bandwidth, max_context=2 * s.ttft_tokens, profile=s.profile,
+                        trace=s.trace_dir is not None)
+    hf_budget = (f'max_memory={{0: "{s.gpu_memory / GiB:.3g}GiB"}}' if s.accelerator == "cuda" else
+                 f'max_memory={{"cpu": "{s.gpu_memory / 2**20:.3g}MiB"}}, the rest on disk')
+    rows = [Row("plan_auto", "tiered, plan auto (default)", base),
+            Row("plan_off", "tiered, plan off", replace(base, plan="off"))]
+    if s.shape.is_moe:
+        rows += [Row("forced_copy", 'tiered, every miss copied (force_expert_path="copy")',
+                     replace(base, force_expert_path="copy")),
+                 Row("forced_cpu", 'tiered, every miss on the CPU (force_expert_path="cpu")',
+                     replace(base, force_expert_path="cpu"))]
+    rows += [Row("no_gpu", 'tiered, no GPU (accelerator="none")', replace(base, accelerator="none", gpu_memory=None,
+                                                                          link_bandwidth=None)),
+             Row("unconstrained", "tiered, unconstrained GPU (gpu_memory=None)", replace(base, gpu_memory=None)),
+             Row("hf_accelerate", f"transformers + accelerate, {hf_budget}", hf="accelerate"),
+             Row("hf_all_gpu", "transformers, all on GPU" if s.accelerator == "cuda" else
+                 "transformers, all on the CPU (for all on GPU)", hf="all")]
+    return rows
+
+
+def smoke_budget(shape: ModelShape, kv: int, real: ModelShape, real_budget: int) -> int:
+    """A GPU budget for `shape` [bytes] that leaves its experts (MoE) or MLPs (dense) the share
+    `real_budget` leaves them in `real` after the other weights (~30% of the experts for 4 Mixtral
+    layers in 4 GiB, ~34% of the MLPs for 8 Llama-3 layers in 2 GiB), plus `kv` bytes of KV cache."""
+    def split(m: ModelShape) -> tuple[int, int]:  # bf16 bytes: (other weights, experts or MLPs)
+        return 2 * m.nonexpert_params(), 2 * (m.params() - m.nonexpert_params())
+
+    fixed, rest = split(real)
+    share = (real_budget - fixed) / rest
+    fixed, rest = split(shape)
+    return int(fixed + kv + share * rest)
+
+
+def kv_bytes(shape: ModelShape, tokens: int) -> int:
+    """bf16 KV cache of one `tokens`-token sequence [bytes]."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * 2
+
+
+def prompts(s: Setup) -> dict[str, list[int]]:
+    g = torch.Generator().manual_seed(1)
+    draw = lambda n: torch.randint(3, s.shape.vocab, (n,), generator=g).tolist()  # noqa: E731
+    return {"ttft": draw(s.ttft_tokens), "warmup": draw(s.ttft_tokens), "decode": draw(s.decode_prompt_tokens)}
+
+
+def measure(row: Row, s: Setup, model: Path, p: dict, offload_dir: Path) -> dict:
+    """One configuration in its own engine: load, warm up, measure, close. Errors become the row's."""
+    out: dict = {"shape": s.shape_name, "id": row.id, "config": row.label}
+    if row.config is not None:
+        out["engine_config"] = repr(row.config)
+    cuda = s.accelerator == "cuda"
+    try:
+        with PeakMemory(cuda=cuda) as peak:
+            runner = TieredRunner(model, row.config) if row.config is not None else hf_runner(row, s, model, offload_dir)
+            try:
+                out.update(measure_latency(runner, p["ttft"], p["decode"], s.new_tokens, s.repeats, p["warmup"]))
+                out.update(runner.info())
+                if isinstance(runner, HFRunner):
+                    out["device"] = str(runner.device)
+                elif s.trace_dir is not None:
+                    path = s.trace_dir / f"trace_{s.shape_name}_{row.id}.json"
+                    if runner.write_trace(path):
+                        out["trace"] = str(path)
+            finally:
+                runner.close()
+                del runner
+    except Exception as e:  # recorded, not fatal: BudgetError, out of memory, an unsupported path
+        out["error"] = f"{type(e).__name__}: {e}".strip()
+        out["traceback"] = traceback.format_exc()[-3000:]
+    if "error" in out:
+        free_memory()  # what a failed constructor allocated (its frames died with the exception)
+        return out
+    out["peak_rss_gib"] = peak.rss_bytes / GiB
+    if cuda:
+        out["peak_gpu_gib"] = peak.gpu_bytes / GiB
+    elif row.config is not None and row.config.accelerator == "host" and "peak_fast_bytes" in out:
+        out["peak_gpu_gib"] = out["peak_fast_bytes"] / GiB  # the stand-in's budget high-water mark
+    elif row.config is not None and row.config.accelerator == "none":
+        out["peak_gpu_gib"] = 0.0
+    return out
+
+
+def hf_runner(row: Row, s: Setup, model: Path, offload_dir: Path) -> HFRunner:
+    """The transformers baselines. On CUDA: accelerate with {0: budget, "cpu": most free RAM}, or
+    the whole model on cuda:0. In --smoke (no GPU): accelerate with {"cpu": budget} offloading the
+    rest to disk, or the whole model on the CPU."""
+    if row.hf == "all":
+        return HFRunner(model, torch.bfloat16, device="cuda" if s.accelerator == "cuda" else "cpu")
+    if s.accelerator == "cuda":
+        import psutil
+        max_memory = {0: s.gpu_memory, "cpu": int(0.8 * psutil.virtual_memory().available)}
+    else:
+        max_memory = {"cpu": s.gpu_memory}
+    return HFRunner(model, torch.bfloat16, max_memory=max_memory, offload_folder=offload_dir)
+
+
+COLUMNS = [Column("configuration", "config"), Column("TTFT s", "ttft_s", "{:.3f}"),
+           Column("decode tok/s", "decode_tokens_per_s", "{:.1f}"), Column("peak GPU GiB", "peak_gpu_gib", "{:.2f}"),
+           Column("peak RSS GiB", "peak_rss_gib", "{:.2f}"),
+           Column("predicted tok/s", "predicted_decode_tokens_per_s", "{:.1f}"),
+           Column("predicted TTFT s", "predicted_ttft_s", "{:.3f}"),
+           Column("expert hit rate", "hit_rate", "{:.0%}")]
+
+
+def report(name: str, out_dir: Path, setups: list[Setup], rows: list[dict], machine: dict) -> tuple[Path, Path]:
+    parts, notes = [], []
+    from tiered.bench.report import markdown_table
+    for s in setups:
+        mine = [r for r in rows if r["shape"] == s.shape_name]
+        sh = s.shape
+        what = (f"{sh.layers} Mixtral-8x7B-shaped layers ({sh.experts} experts top-{sh.top_k}"
+                if sh.is_moe else f"{sh.layers} Llama-3-8B-shaped layers (dense") + \
+            f", hidden {sh.hidden}, FFN {sh.ffn}, GQA {sh.heads}/{sh.kv_heads}, vocab {sh.vocab}, " \
+            f"{2 * sh.params() / GiB:.3g} GiB bf16)"
+        parts.append(f"**{s.shape_name}: {what}**, GPU budget {s.gpu_memory / GiB:.3g} GiB"
+                     f"{' (host stand-in)' if s.smoke else ''}:\n\n" + markdown_table(mine, COLUMNS))
+    s0 = setups[0]
+    notes.append(f"TTFT of a {s0.ttft_tokens}-token prompt; decode = (N-1)/(t(N)-t(1)) for N = {s0.new_tokens} new "
+                 f"tokens after a {s0.decode_prompt_tokens}-token prompt, greedy, EOS ignored; medians of "
+                 f"{s0.repeats} after a warm-up; every configuration in its own engine. Peak GPU: "
+                 + ("torch.cuda.max_memory_allocated." if s0.accelerator == "cuda" else
+                    "the host stand-in's budget high-water mark (MoE rows; – where the runtime does not report it)."))
+    if s0.smoke:
+        notes.append("SMOKE run: tiny shapes, the host stand-in accelerator for the GPU (link "
+                     f"{SMOKE_LINK / 1e9:.0f} GB/s), transformers on the CPU (accelerate offloads to disk there). "
+                     "It shows that the benchmark runs, not how fast anything is.")
+    settings = {"shapes": [s.shape_name for s in setups], "gpu_memory_bytes": {s.shape_name: s.gpu_memory for s in setups},
+                "accelerator": s0.accelerator, "link_bandwidth": s0.link_bandwidth, "ttft_tokens": s0.ttft_tokens,
+                "decode_prompt_tokens": s0.decode_prompt_tokens, "new_tokens": s0.new_tokens, "repeats": s0.repeats,
+                "profile": s0.profile, "smoke": s0.smoke, "dtype": "bfloat16",
+                "torch_threads": torch.get_num_threads()}
+    extra = {"model_shapes": {s.shape_name: vars(s.shape) for s in setups}}
+    return write_report(name, out_dir, title="GPU offloading at real layer width" + (" (smoke)" if s0.smoke else ""),
+                        settings=settings, rows=rows, body="\n\n".join(parts), notes=notes, machine=machine, extra=extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=("moe", "dense", "both"), default="both")
+    ap.add_argument("--profile", help="hardware profile JSON (or preset) the planner uses; default: the engine's own")
+    ap.add_argument("--out", help="results directory (default benchmarks/results; --smoke: a new temp directory)")
+    ap.add_argument("--name", help="report name (default gpu_offload, or gpu_offload_SHAPE for one shape)")
+    ap.add_argument("--trace-dir", help="record each tiered row's timeline (EngineConfig(trace=True)) here")
+    ap.add_argument("--workdir", help="where the dummy checkpoints are written (default ~/.cache/tiered/bench; "
+                                      "--smoke: a temp directory, removed after)")
+    ap.add_argument("--repeats", type=int, help="medians of this many runs (default 3; --smoke 1)")
+    ap.add_argument("--rows", help="comma list of row ids to run (default all): " + ", ".join(ROW_IDS))
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own; --smoke: 1, since "
+                                                "OpenMP slows down 10-30x on a shared machine when oversubscribed)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the host stand-in: no GPU needed, < 1 min")
+    a = ap.parse_args(argv)
+    threads = a.threads or (1 if a.smoke else None)
+    if threads:
+        torch.set_num_threads(threads)
+    if not a.smoke and not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (use --smoke to check the script on the host stand-in)")
+    shapes = ["moe", "dense"] if a.shape == "both" else [a.shape]
+    name = a.name or ("gpu_offload" if a.shape == "both" else f"gpu_offload_{a.shape}") + ("_smoke" if a.smoke else "")
+    out_dir = Path(a.out) if a.out else (Path(tempfile.mkdtemp(prefix="gpu_offload_smoke_")) if a.smoke
+                                         else ROOT / "results")
+    temp_work = a.smoke and not a.workdir
+    workdir = Path(a.workdir) if a.workdir else (Path(tempfile.mkdtemp(prefix="gpu_offload_ckpt_")) if a.smoke
+                                                 else Path.home() / ".cache" / "tiered" / "bench")
+    trace_dir = Path(a.trace_dir) if a.trace_dir else None
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+    wanted = set(a.rows.split(",")) if a.rows else None
+    if wanted is not None and wanted - set(ROW_IDS):
+        ap.error(f"unknown rows {sorted(wanted - set(ROW_IDS))}; pick from {', '.join(ROW_IDS)}")
+    repeats = a.repeats or (1 if a.smoke else 3)
+    setups = []
+    for sn in shapes:
+        real, budget = SHAPES[sn]
+        if a.smoke:
+            shape = SMOKE_SHAPES[sn]
+            setups.append(Setup(sn, shape, smoke_budget(shape, kv_bytes(shape, 128), real, budget), "host", SMOKE_LINK,
+                                ttft_tokens=64, decode_prompt_tokens=16, new_tokens=8, repeats=repeats,
+                                profile=a.profile, trace_dir=trace_dir, smoke=True))
+        else:
+            setups.append(Setup(sn, real, budget, "cuda", None, ttft_tokens=512, decode_prompt_tokens=32,
+                                new_tokens=32, repeats=repeats, profile=a.profile, trace_dir=trace_dir, smoke=False))
+    machine = machine_info()
+    rows: list[dict] = []
+    json_path = md_path = None
+    try:
+        for s in setups:
+            print(f"== {s.shape_name}: writing / reusing the dummy checkpoint ({2 * s.shape.params() / GiB:.3g} GiB) ...",
+                  flush=True)
+            tag = "smoke-" if s.smoke else ""
+            model = write_dummy_checkpoint(workdir / f"{tag}{s.shape_name}-{s.shape.layers}L-{s.shape.hidden}",
+                                           s.shape, torch.bfloat16)
+            p = prompts(s)
+            offload = workdir / "accelerate_offload"
+            for row in rows_for(s):
+                if wanted is not None and row.id not in wanted:
+                    continue
+                print(f"-- {s.shape_name} / {row.label}", flush=True)
+                r = measure(row, s, model, p, offload)
+                shutil.rmtree(offload, ignore_errors=True)
+                rows.append(r)
+                print("   " + (r["error"].splitlines()[0] if "error" in r else
+                               f"TTFT {r['ttft_s']:.3f} s, decode {r['decode_tokens_per_s']:.1f} tok/s"
+                               + (f", peak GPU {r['peak_gpu_gib']:.2f} GiB" if r.get("peak_gpu_gib") is not None else "")
+                               + (f", predicted {r['predicted_decode_tokens_per_s']:.1f} tok/s"
+                                  if r.get("predicted_decode_tokens_per_s") else "")), flush=True)
+                json_path, md_path = report(name, out_dir, setups, rows, machine)  # after every row: partial runs count
+    finally:
+        if temp_work:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if md_path is None:
+        print("no rows selected")
+        return 2
+    print(md_path.read_text())
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Dummy-weight checkpoints at real layer shapes, written tensor by tensor.
+
+FlexGen benchmarked OPT-175B with dummy weights of the real shapes; we do the same for slices of
+Mixtral-8x7B and Llama-3-8B (N decoder layers at full width). The result is a real Hugging Face
+directory: config.json (loadable by transformers), one safetensors shard for the embedding, final
+norm and lm_head, one shard per layer, and model.safetensors.index.json. Weights are random
+(seeded, std 0.02, norms 1). Each tensor is drawn, written at its offset and dropped, so memory
+stays at one tensor and its fp32 draw (at most ~750 MiB: the 32000 x 4096 embedding) whatever the
+model's size. The files are byte-identical to safetensors' own `save_file` of the same tensors.
+
+Routing is skewed, as real MoE routing is (Fiddler Fig. 8), and strongly: every embedding row
+shares one direction `common`, and each layer's router gives its experts graded affinities for it
+(a different order per layer). At hidden 4096 the top 2-3 experts of a layer take about 98% of its
+routed tokens (random prompt tokens), so popularity placement and expert caches have something to
+find. These are the weights benchmarks/moe_offload.py has always written (same seed, same draws).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions of a decoder-only model (dense Llama, or Mixtral when experts > 0).
+
+    Attributes (elements unless noted):
+        layers: decoder layers [count].
+        hidden, ffn: model width and MLP / expert intermediate width.
+        heads, kv_heads: query and key/value heads [count]; head_dim = hidden // heads.
+        vocab: vocabulary size; the lm_head is untied.
+        experts, top_k: routed experts per layer and experts per token (experts 0 = dense).
+        max_position_embeddings [tokens], rope_theta, rms_norm_eps: written to config.json.
+    """
+
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    experts: int = 0
+    top_k: int = 2
+    max_position_embeddings: int = 4096
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-5
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def expert_params(self) -> int:
+        """Elements of one expert (or of one dense MLP): gate, up and down projections."""
+        return 3 * self.hidden * self.ffn
+
+    def attention_params(self) -> int:
+        """Elements of one layer's q, k, v and o projections."""
+        q = self.heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        return 2 * self.hidden * q + 2 * self.hidden * kv
+
+    def nonexpert_params(self) -> int:
+        """Elements outside the routed experts (for a dense model: outside the MLPs)."""
+        per_layer = self.attention_params() + 2 * self.hidden + self.experts * self.hidden
+        return 2 * self.vocab * self.hidden + self.hidden + self.layers * per_layer
+
+    def params(self) -> int:
+        """Elements of the whole checkpoint."""
+        return self.nonexpert_params() + self.layers * max(self.experts, 1) * self.expert_params()
+
+    def config_json(self, dtype: torch.dtype = torch.bfloat16) -> dict:
+        """The Hugging Face config.json of this shape (MixtralForCausalLM or LlamaForCausalLM)."""
+        cfg = {"vocab_size": self.vocab, "hidden_size": self.hidden, "intermediate_size": self.ffn,
+               "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+               "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+               "max_position_embeddings": self.max_position_embeddings, "rms_norm_eps": self.rms_norm_eps,
+               "rope_theta": self.rope_theta, "tie_word_embeddings": False, "torch_dtype": str(dtype)[6:]}
+        if self.is_moe:
+            return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **cfg,
+                    "num_local_experts": self.experts, "num_experts_per_tok": self.top_k}
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **cfg,
+                "bos_token_id": 1, "eos_token_id": 2}
+
+
+def mixtral_8x7b(layers: int = 4) -> ModelShape:
+    """`layers` layers of Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json): hidden 4096,
+    expert FFN 14336, 8 experts top-2, GQA 32/8, vocab 32000; 336 MiB per bf16 expert."""
+    return ModelShape(layers=layers, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=32000, experts=8,
+                      top_k=2, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5)
+
+
+def llama3_8b(layers: int = 8, vocab: int = 32000) -> ModelShape:
+    """`layers` layers of Llama-3-8B (meta-llama/Meta-Llama-3-8B config.json): hidden 4096, FFN
+    14336, GQA 32/8. Its real vocabulary is 128256; the default 32000 is what the 2026-11-22 H200
+    run used (8 layers: 3.74 GiB bf16, its "3.7 GiB"; 128256 would make 5.2 GiB)."""
+    return ModelShape(layers=layers, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=vocab,
+                      max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
+
+
+def write_dummy_checkpoint(path: str | os.PathLike, shape: ModelShape, dtype: torch.dtype = torch.bfloat16,
+                           seed: int = 0) -> Path:
+    """Write (or reuse) a dummy-weight checkpoint of `shape` in `path`; return the directory.
+
+    An existing directory with the same config.json and a complete index is reused as is (the
+    index is written last). Disk use: shape.params() * dtype size [bytes].
+    """
+    path = Path(path)
+    cfg = shape.config_json(dtype)
+    if (path / _INDEX).is_file() and (path / "config.json").is_file() \
+            and json.loads((path / "config.json").read_text()) == cfg:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    (path / _INDEX).unlink(missing_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    weight_map: dict[str, str] = {}
+    for file, layout, tensors in _shards(shape, dtype, seed):
+        with _ShardWriter(path / file, layout) as w:
+            for name, t in tensors:
+                w.write(name, t)
+        weight_map.update(dict.fromkeys(layout, file))
+    (path / _INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+def _shards(shape: ModelShape, dtype: torch.dtype, seed: int) -> Iterator[tuple[str, dict, Iterator]]:
+    """(file name, {tensor name: (shape, dtype)}, lazy (name, tensor) pairs) for each shard.
+
+    The random draws happen in a fixed order from one generator: the same seed gives the same
+    weights (and benchmarks/moe_offload.py's checkpoints of earlier runs)."""
+    g = torch.Generator().manual_seed(seed)
+    h, f, E = shape.hidden, shape.ffn, shape.experts
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+
+    def rnd(*dims: int) -> torch.Tensor:
+        return (torch.randn(*dims, generator=g) * 0.02).to(dtype)
+
+    common = torch.randn(h, generator=g)       # a direction every hidden state shares
+    skew = torch.linspace(1.0, -1.0, max(E, 1))  # expert e's affinity for it
+
+    glob = {"model.embed_tokens.weight": (shape.vocab, h), "model.norm.weight": (h,), "lm_head.weight": (shape.vocab, h)}
+
+    def glob_tensors():
+        yield "model.embed_tokens.weight", (torch.randn(shape.vocab, h, generator=g) * 0.02 + 0.05 * common).to(dtype)
+        yield "model.norm.weight", torch.ones(h, dtype=dtype)
+        yield "lm_head.weight", rnd(shape.vocab, h)
+
+    yield "globals.safetensors", {k: (s, dtype) for k, s in glob.items()}, glob_tensors()
+    for l in range(shape.layers):
+        p = f"model.layers.{l}"
+        layout = {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+                  f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
+                  f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q)}
+        if shape.is_moe:
+            layout[f"{p}.block_sparse_moe.gate.weight"] = (E, h)
+            for e in range(E):
+                x = f"{p}.block_sparse_moe.experts.{e}"
+                layout.update({f"{x}.w1.weight": (f, h), f"{x}.w3.weight": (f, h), f"{x}.w2.weight": (h, f)})
+        else:
+            layout.update({f"{p}.mlp.gate_proj.weight": (f, h), f"{p}.mlp.up_proj.weight": (f, h),
+                           f"{p}.mlp.down_proj.weight": (h, f)})
+        yield f"layer{l:03d}.safetensors", {k: (s, dtype) for k, s in layout.items()}, _layer_tensors(
+            shape, p, g, rnd, common, skew, dtype)
+
+
+def _layer_tensors(shape: ModelShape, p: str, g: torch.Generator, rnd, common: torch.Tensor, skew: torch.Tensor,
+                   dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    h, f, E = shape.hidden, shape.ffn, shape.experts
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    if shape.is_moe:  # each layer favours different experts
+        perm = torch.randperm(E, generator=g)
+        router = torch.randn(E, h, generator=g) * 0.02 + 0.5 * skew[perm, None] * common / common.norm()
+    yield f"{p}.input_layernorm.weight", torch.ones(h, dtype=dtype)
+    yield f"{p}.post_attention_layernorm.weight", torch.ones(h, dtype=dtype)
+    yield f"{p}.self_attn.q_proj.weight", rnd(q, h)
+    yield f"{p}.self_attn.k_proj.weight", rnd(kv, h)
+    yield f"{p}.self_attn.v_proj.weight", rnd(kv, h)
+    yield f"{p}.self_attn.o_proj.weight", rnd(h, q)
+    if not shape.is_moe:
+        yield f"{p}.mlp.gate_proj.weight", rnd(f, h)
+        yield f"{p}.mlp.up_proj.weight", rnd(f, h)
+        yield f"{p}.mlp.down_proj.weight", rnd(h, f)
+        return
+    yield f"{p}.block_sparse_moe.gate.weight", router.to(dtype)
+    for e in range(E):
+        x = f"{p}.block_sparse_moe.experts.{e}"
+        yield f"{x}.w1.weight", rnd(f, h)
+        yield f"{x}.w3.weight", rnd(f, h)
+        yield f"{x}.w2.weight", rnd(h, f)
+
+
+class _ShardWriter:
+    """One safetensors file written tensor by tensor: the header first (offsets from the layout,
+    tensors sorted by name as safetensors' writer orders one dtype), then each tensor at its offset."""
+
+    def __init__(self, path: Path, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        if len({dt for _, dt in layout.values()}) > 1:
+            raise ValueError("a shard holds one dtype (safetensors orders mixed dtypes by alignment)")
+        header, offset = {}, 0
+        for name in sorted(layout):
+            shape, dt = layout[name]
+            n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+            header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.base = 8 + len(blob)
+        self.header, self.pending = header, set(header)
+        self.file = open(path, "wb")
+        self.file.write(len(blob).to_bytes(8, "little") + blob)
+        self.file.truncate(self.base + offset)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        """Write tensor `name` (its shape and dtype must match the layout)."""
+        meta = self.header[name]
+        if list(t.shape) != meta["shape"] or _ST_DTYPES[t.dtype] != meta["dtype"]:
+            raise ValueError(f"{name}: {tuple(t.shape)} {t.dtype} does not match the layout {meta}")
+        self.file.seek(self.base + meta["data_offsets"][0])
+        self.file.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        self.pending.discard(name)
+
+    def __enter__(self) -> "_ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.file.close()
+        if exc_type is None and self.pending:
+            raise ValueError(f"tensors never written: {sorted(self.pending)[:3]}")
