@@ -52,14 +52,16 @@ class TieredRunner:
         return self._generate(ids, new_tokens).decode_tokens_per_s  # (n - 1) / (t(n) - t(1))
 
     def info(self) -> dict:
-        """load_s; the plan's predicted decode tok/s, TTFT [s] and summary (None without a plan);
-        for MoE the runtime's hit rate, misses, expert paths and placement."""
+        """load_s; the plan's predicted decode tok/s, TTFT [s] (None for a rules plan, `--plan off`,
+        which predicts nothing) and summary; for MoE the runtime's hit rate, misses, expert paths
+        and placement."""
         plan = self.llm.plan
+        predicts = plan.source != "rules"
         out = {"load_s": self.load_s,
-               "predicted_decode_tokens_per_s": plan.predicted_decode_tokens_per_s if plan is not None else None,
-               "predicted_ttft_s": plan.predicted_ttft_s if plan is not None else None,
-               "plan_prompt_tokens": getattr(plan, "prompt_tokens", None) if plan is not None else None,
-               "plan": plan.summary() if plan is not None else None}
+               "predicted_decode_tokens_per_s": plan.predicted_decode_tokens_per_s if predicts else None,
+               "predicted_ttft_s": plan.predicted_ttft_s if predicts else None,
+               "plan_prompt_tokens": plan.prompt_tokens if predicts else None,
+               "plan": plan.summary()}
         rt = self.llm.runtime_stats()
         for key in ("hit_rate", "hits", "misses", "resident_hits", "paths", "placement", "peak_fast_bytes",
                     "bytes_h2d", "bytes_read"):
