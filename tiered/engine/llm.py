@@ -81,7 +81,8 @@ class LLM:
         self.fast_budget = self.accelerator.budget if self.accelerator is not None else self.cpu_budget
         with torch.device("meta"):
             self.model = build_model(self.config, self.max_context)
-        self.model.rotary = Rotary(self.config, self.max_context).to(self.device)
+        rotary = Rotary(self.config, self.max_context)
+        self.model.rotary = self.accelerator.module_to_device(rotary) if self.accelerator is not None else rotary
         # the KV cache is allocated per generate call; plans keep room for one max_context sequence
         kv_reserve = _kv_cache_bytes(self.config, 1, self.max_context, self.dtype)
         self.plan, self._profile = None, None
@@ -102,11 +103,12 @@ class LLM:
                                  "the non-FFN weights" if sliced else "the model's weights")
         with _load_progress(progress, self.checkpoint.nbytes()) as on_tensor:
             self.weight_bytes = materialize(self.model, self.checkpoint, self.dtype, self.device,
-                                            on_tensor=on_tensor, skip=skip)
+                                            on_tensor=on_tensor, skip=skip, accelerator=self.accelerator)
         self.executor = None
         self.sliced = self._install_slices(sliced) if sliced else []
         self.decode_weight_bytes = 0
-        if ec.decode_weights != _same_format(self.dtype) and self.device.type == "cpu":
+        # decode copies are a CPU kernel choice: never with an accelerator (CUDA or the stand-in)
+        if ec.decode_weights != _same_format(self.dtype) and self.accelerator is None:
             self.decode_weight_bytes = install_decode_weights(
                 self.model, self.checkpoint, ec.decode_weights, ec.decode_weights_threshold)
             self.fast_budget.reserve(self.decode_weight_bytes, "the decode-format weight copies")
@@ -294,9 +296,18 @@ class LLM:
         else:
             ids = torch.tensor([[s.output_ids[-1]] for s in seqs])
             positions = torch.tensor([[s.num_tokens - 1] for s in seqs])
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        logits = self.model(ids.to(self.device), positions.to(self.device), slots, cache)
+        slots = torch.tensor([s.slot for s in seqs])
+        with self._device_scope():
+            logits = self.model(self._to_device(ids), self._to_device(positions), self._to_device(slots), cache)
         return logits.float().cpu()  # [B, V]
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host tensor `t` on the compute device (the accelerator's copy; itself without one)."""
+        return t if self.accelerator is None else self.accelerator.to_device(t)
+
+    def _device_scope(self):
+        """Context for running the model on this thread (the accelerator's scope, if any)."""
+        return contextlib.nullcontext() if self.accelerator is None else self.accelerator.scope()
 
     def _postprocess(self, seqs: list[Sequence], logits: torch.Tensor):
         now = time.perf_counter()
@@ -366,10 +377,10 @@ class LLM:
             raise ContextLengthError(f"{T} tokens to score; the context window is {self.max_context}",
                                      "score between 1 and max_context tokens")
         cache = self._kv_cache(1, T)
-        dev = self.device
-        with torch.inference_mode(), dense_weights(self.model):
-            out = self.model(torch.tensor([list(token_ids)], device=dev), torch.arange(T, device=dev).unsqueeze(0),
-                             torch.tensor([0], device=dev), cache, last_only=False)
+        dev = self._to_device
+        with torch.inference_mode(), dense_weights(self.model), self._device_scope():
+            out = self.model(dev(torch.tensor([list(token_ids)])), dev(torch.arange(T).unsqueeze(0)),
+                             dev(torch.tensor([0])), cache, last_only=False)
         return out[0].float().cpu()
 
     def _kv_cache(self, num_slots: int, max_len: int) -> KVCache:
@@ -377,7 +388,8 @@ class LLM:
         nbytes = _kv_cache_bytes(self.config, num_slots, max_len, self.dtype)
         self.fast_budget.reserve(nbytes, "the KV cache")
         try:
-            cache = KVCache(self.config, num_slots, max_len, self.dtype, self.device)
+            with self._device_scope():  # on the accelerator's device (a stand-in tensor on the stand-in)
+                cache = KVCache(self.config, num_slots, max_len, self.dtype, self.device)
         except BaseException:
             self.fast_budget.release(nbytes)
             raise

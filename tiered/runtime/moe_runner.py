@@ -87,9 +87,12 @@ class TieredExperts:
         keys = [(layer_idx, e) for e in experts]
         self._pinned = set(keys)
         t_layer = time.perf_counter()
-        if self.accelerator is not None:
-            self.accelerator.synchronize()
-        x_host = x if x.device.type == "cpu" else x.to("cpu")
+        acc = self.accelerator
+        if acc is not None:
+            acc.synchronize()
+        # the CPU path's inputs, on the host once per layer: activations and the routing indices
+        x_host = x if acc is None else acc.to_host(x)
+        idx_host = topk_idx if acc is None else acc.to_host(topk_idx)
         if self.read_ahead:
             for key in keys:
                 if self.store.tier(key) == DISK and key not in self.cache and key not in self.store.resident:
@@ -99,14 +102,16 @@ class TieredExperts:
         for e, key in zip(experts, keys):
             tok, kk = (topk_idx == e).nonzero(as_tuple=True)
             rows[e] = (tok, kk)
-            fut = self._run_expert(key, int(counts[e]), x, x_host, tok)
+            fut = self._run_expert(key, int(counts[e]), x, x_host, tok, idx_host)
             if not self.read_ahead:
                 fut.result()
             results[e] = fut
         out = torch.zeros_like(x)
         for e in experts:  # expert order, like transformers' index_add loop
             tok, kk = rows[e]
-            y = results[e].result().to(x.device)
+            y = results[e].result()
+            if y.device != x.device:  # computed on the CPU behind an accelerator: back to the device
+                y = acc.to_device(y)
             out.index_add_(0, tok, y * topk_weight[tok, kk, None].to(y.dtype))
         self.executor.record(f"moe layer {layer_idx}", "main", t_layer, time.perf_counter(), layer=layer_idx)
         return out
@@ -125,7 +130,10 @@ class TieredExperts:
         n = self.resident_hits + st.hits + st.misses
         return (self.resident_hits + st.hits) / n if n else 0.0
 
-    def _run_expert(self, key, tokens: int, x: torch.Tensor, x_host: torch.Tensor, tok: torch.Tensor) -> Future:
+    def _run_expert(self, key, tokens: int, x: torch.Tensor, x_host: torch.Tensor, tok: torch.Tensor,
+                    idx_host: torch.Tensor) -> Future:
+        """Dispatch expert `key` for rows `tok` of `x` (device); the CPU path reads `x_host` at the
+        same rows, found in `idx_host` (topk_idx on the host) so no device index meets host data."""
         ex, layer, e = self.executor, key[0], key[1]
         w = self._weights_on_fast(key)
         compute_stream = "compute" if self.accelerator is not None else "cpu"
@@ -155,7 +163,8 @@ class TieredExperts:
             self.bytes_read += self.store.expert_bytes
             deps = [read]
         if path == CPU:
-            fut = ex.submit("cpu", lambda: expert_forward(x_host[tok], *host_w), deps=deps,
+            tok_host = (idx_host == e).nonzero(as_tuple=True)[0]
+            fut = ex.submit("cpu", lambda: expert_forward(x_host[tok_host], *host_w), deps=deps,
                             name=f"cpu expert L{layer}E{e}", layer=layer, expert=e)
         else:
             slot, dep, idx = self._slot_or_staging(key, self.fast_staging)

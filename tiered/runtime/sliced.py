@@ -86,7 +86,9 @@ class SlicedMLP(nn.Module):
         pin = not accelerator.is_host
         if host_budget is not None:
             host_budget.reserve(3 * b * D * w_gate.element_size(), "CPU-side MLP slices")
-        host = lambda t: t.detach().to("cpu").contiguous().pin_memory() if pin else t.detach().to("cpu").contiguous()  # noqa: E731
+        def host(t: torch.Tensor) -> torch.Tensor:
+            t = accelerator.to_host(t.detach()).contiguous()
+            return t.pin_memory() if pin else t
         self.cc = (host(w_gate[:a]), host(w_up[:a]), host(w_down[:, :a]))
         self.cg = (host(w_gate[a:b]), host(w_up[a:b]), host(w_down[:, a:b]))
         self.gg = tuple(self._to_device(accelerator, t, "GG slice") for t in (w_gate[b:], w_up[b:], w_down[:, b:]))
@@ -99,7 +101,7 @@ class SlicedMLP(nn.Module):
     @staticmethod
     def _to_device(acc, t: torch.Tensor, what: str) -> torch.Tensor:
         out = acc.alloc(tuple(t.shape), t.dtype, what)
-        out.copy_(t)
+        acc.copy_to_device(out, t)
         return out
 
     def _copy(self, dst, src, name: str):
@@ -133,7 +135,7 @@ class SlicedMLP(nn.Module):
         cc_rows = T - n_g
         cpu_fut = None
         if self.f_cc and cc_rows:
-            x_host = x2[:cc_rows].to("cpu")
+            x_host = self.accelerator.to_host(x2[:cc_rows])
             cpu_fut = ex.submit("cpu", lambda: expert_forward(x_host, *self.cc), name="CC")
         cgp_fut = None
         if n_g:
@@ -144,7 +146,7 @@ class SlicedMLP(nn.Module):
         for f in futures:
             y += f.result()
         if cpu_fut is not None:
-            y[:cc_rows] += cpu_fut.result().to(y.device)
+            y[:cc_rows] += self.accelerator.to_device(cpu_fut.result())
         if cgp_fut is not None:
             y[cc_rows:] += cgp_fut.result()
         return y.reshape(shape)
