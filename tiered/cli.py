@@ -56,7 +56,7 @@ def run(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the tokenizer's chat template (default: when it has one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming."),
-    dtype: str = typer.Option("float32", "--dtype", help="Prefill/scoring dtype: float32 (lossless) or bfloat16."),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (on a CUDA GPU the checkpoint's: bfloat16 for bf16/fp16/quantized checkpoints; float32 on the CPU), float32 (lossless) or bfloat16."),
     decode_weights: str = typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16 or int4."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Context window in tokens (default: the model's)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: one per core)."),

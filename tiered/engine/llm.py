@@ -18,6 +18,7 @@ import torch
 
 from tiered.checkpoint import open_checkpoint
 from tiered.config import EngineConfig
+from tiered.engine.dtype import resolve_dtype
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
 from tiered.engine.prompt import Prompt, check_prompt_fits, encode_prompt
 from tiered.engine.sampling import SamplingParams, sample_token
@@ -71,11 +72,11 @@ class LLM:
         self.config = self.checkpoint.config
         self.max_context = min(self.engine_config.max_context or self.config.max_position_embeddings,
                                self.config.max_position_embeddings)
-        self.dtype = getattr(torch, self.engine_config.dtype)
         ec = self.engine_config
         t0 = time.perf_counter()
         self.accelerator = make_accelerator(ec.accelerator, ec.gpu_memory, ec.link_bandwidth)
         self.device = self.accelerator.device if self.accelerator is not None else torch.device("cpu")
+        self.dtype = resolve_dtype(ec, self.accelerator, self.checkpoint)
         self.cpu_budget = MemoryBudget("cpu", ec.cpu_memory)
         self.fast_budget = self.accelerator.budget if self.accelerator is not None else self.cpu_budget
         with torch.device("meta"):
