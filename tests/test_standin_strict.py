@@ -203,3 +203,22 @@ def test_cpu_expert_path_behind_the_standin(rt):  # noqa: F811
         assert llm.experts.bytes_h2d == 0
     finally:
         llm.close()
+
+
+def test_device_tensors_outside_the_scope_fail_clearly(acc):
+    """Without the scope (e.g. on a CPU worker thread), torch cannot make a stand-in tensor: it says so."""
+    with pytest.raises(StandinDeviceError, match="outside its scope"):
+        torch.zeros(2, device=acc.device)
+    with pytest.raises(StandinDeviceError, match="outside its scope"):
+        torch.ones(2).to(acc.device)
+    assert not torch.privateuseone.is_available()  # no real device claims the slot
+
+
+def test_prefill_then_decode_through_the_standin_cache(zoo):
+    """Single-sequence decode (no mask, the KV cache's slice-copy path) on the stand-in equals scoring."""
+    from fixtures import stepwise_logits
+
+    llm = LLM(zoo.dir("qwen2"), EngineConfig(accelerator="host", plan="off", max_context=32))
+    ids = prompt_ids(zoo.vocab_size, 12, seed=3)
+    full = llm.logits(ids)[3:]
+    assert float((stepwise_logits(llm, ids, 4) - full).abs().max() / full.abs().max()) <= 1e-4

@@ -18,8 +18,8 @@ import torch
 
 from tiered.checkpoint import open_checkpoint
 from tiered.config import EngineConfig
-from tiered.engine.dtype import resolve_dtype
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
+from tiered.engine.dtype import resolve_dtype
 from tiered.engine.prompt import Prompt, check_prompt_fits, encode_prompt
 from tiered.engine.sampling import SamplingParams, sample_token
 from tiered.engine.sequence import RequestOutput, Sequence

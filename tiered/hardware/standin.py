@@ -21,7 +21,9 @@ and a device bug that passes on the stand-in crashes on the first real GPU (it d
   factory without a device makes a host tensor, exactly as on CUDA.
 
 Errors are `StandinDeviceError` (a RuntimeError) naming the op, both sides, the CUDA message it
-stands for, and the accelerator call that fixes it.
+stands for, and the accelerator call that fixes it. A device tensor asked for outside the scope
+(e.g. `torch.zeros(n, device=acc.device)` on a worker thread) raises one too: a stub runtime module
+for the "privateuseone" slot, which reports no real device, says so.
 """
 
 from __future__ import annotations
@@ -250,3 +252,35 @@ class StandinScope(TorchFunctionMode):
                 args, kwargs = _retarget(args, kwargs)
                 return _wrap(func(*args, **kwargs))
         return func(*args, **kwargs)
+
+
+def _outside_scope() -> None:
+    raise StandinDeviceError(
+        f"stand-in device check: a tensor was asked for on the stand-in's device ({STANDIN_DEVICE}) outside its "
+        f"scope (a factory given the device, or .to(device), on a thread not running stand-in code); make device "
+        f"tensors with Accelerator.alloc / to_device, or run the code inside accelerator.scope()")
+
+
+def _install_runtime_stub() -> None:
+    """Outside StandinScope, torch would look for a real "privateuseone" backend and fail with
+    "No module named 'torch.privateuseone'". A stub runtime module, which reports no such device
+    (is_available() is False), turns that into a StandinDeviceError saying what happened. Skipped
+    when a real out-of-tree backend owns the slot."""
+    try:
+        if torch._C._get_privateuse1_backend_name() != _TYPE or hasattr(torch, _TYPE):
+            return
+        import types
+
+        stub = types.ModuleType(f"torch.{_TYPE}")
+        stub.__doc__ = "tiered's host stand-in: no real device (see tiered/hardware/standin.py)"
+        stub._lazy_init = _outside_scope
+        stub.is_available = lambda: False
+        stub.device_count = lambda: 0
+        stub._is_in_bad_fork = lambda: False  # torch.manual_seed seeds registered device modules:
+        stub.manual_seed_all = lambda seed: None  # the stand-in's random numbers are the host's
+        torch._register_device_module(_TYPE, stub)
+    except (AttributeError, RuntimeError):  # another torch build: keep torch's own error
+        pass
+
+
+_install_runtime_stub()
