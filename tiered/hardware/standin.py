@@ -111,8 +111,8 @@ def _h2d_error(what: str) -> StandinDeviceError:
 
 
 def _to_target(args, kwargs):
-    """The device a Tensor.to call moves to: a torch.device / str, "standin" for another device
-    tensor, "host" for another host tensor, or None (a dtype change only)."""
+    """The device a Tensor.to call moves to: a torch.device / str (STANDIN_DEVICE or "cpu" for
+    `x.to(other_tensor)`), or None (a dtype change only)."""
     dev = kwargs.get("device")
     if dev is not None:
         return dev
