@@ -152,15 +152,15 @@ def stepwise_logits(llm, ids: list[int], n_prompt: int) -> torch.Tensor:
     from tiered.engine.llm import dense_weights
 
     cache = llm._kv_cache(1, len(ids))  # the engine's own cache, on its compute device
-    dev = llm.device
-    slot = torch.tensor([0], device=dev)
+    dev = llm._to_device  # inputs go to the device as the engine sends them
+    slot = dev(torch.tensor([0]))
     rows = []
-    with torch.inference_mode():
+    with torch.inference_mode(), llm._device_scope():
         with dense_weights(llm.model):
-            rows.append(llm.model(torch.tensor([ids[:n_prompt]], device=dev),
-                                  torch.arange(n_prompt, device=dev).unsqueeze(0), slot, cache))
+            rows.append(llm.model(dev(torch.tensor([ids[:n_prompt]])), dev(torch.arange(n_prompt).unsqueeze(0)),
+                                  slot, cache))
         for t in range(n_prompt, len(ids)):
-            rows.append(llm.model(torch.tensor([[ids[t]]], device=dev), torch.tensor([[t]], device=dev), slot, cache))
+            rows.append(llm.model(dev(torch.tensor([[ids[t]]])), dev(torch.tensor([[t]])), slot, cache))
     return torch.cat(rows).float().cpu()
 
 

@@ -60,3 +60,52 @@ def test_prompt_longer_than_context(runner, zoo):
 def test_budget_too_small(runner, zoo):
     _bad(runner, ["run", "hi", "--model", str(zoo.dir("llama")), "--cpu-mem", "1KiB", "--accelerator", "none"],
          "CPU budget 1.0 KiB cannot hold")
+
+
+# ------------------------------------------------------------ the first run on a fresh machine
+@pytest.fixture
+def fresh_machine(tmp_path, monkeypatch):
+    """No saved hardware profile yet, as on a machine's first run: the planner's quick measurement
+    (and its note) happens; here it returns a made-up CPU profile and is counted."""
+    import tiered.hardware.profiler as profiler
+    from tiered.hardware.profile import HardwareProfile, LinearModel
+
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
+    calls = []
+    models = {"gemm/cpu/fp32": LinearModel(1e-5, 2e-11, 1.0), "gemv/cpu/fp32": LinearModel(0.0, 5e-11, 1.0),
+              "attn/cpu/fp32": LinearModel(0.0, 1e-10, 1.0), "memory/bandwidth/cpu": LinearModel(0.0, 5e-11, 1.0),
+              "memory/copy/cpu": LinearModel(0.0, 1e-10, 1.0), "disk/read_cold": LinearModel(1e-4, 5e-10, 1.0),
+              "launch/cpu": LinearModel(1e-6, 0.0), "runtime/task": LinearModel(5e-5, 0.0)}
+
+    def measure(**kw):
+        calls.append(kw)
+        return HardwareProfile("fresh", "test", models, None, 16 * 2**30)
+    monkeypatch.setattr(profiler, "profile_machine", measure)
+    return calls
+
+
+def test_first_run_refuses_a_long_prompt_before_measuring(runner, zoo, fresh_machine):
+    _bad(runner, ["run", "a b c d e f g h i j k l", "--model", str(zoo.dir("llama")), "--no-chat",
+                  "--max-context", "4"], "context window is 4")
+    assert fresh_machine == []  # refused before anything was loaded or measured
+
+
+def test_first_run_error_after_measuring_is_still_one_line(runner, zoo, fresh_machine):
+    """The budget is checked after the plan, so the machine is measured first; the note shown
+    meanwhile does not stay above the error."""
+    _bad(runner, ["run", "hi", "--model", str(zoo.dir("llama")), "--cpu-mem", "1KiB", "--accelerator", "none"],
+         "CPU budget 1.0 KiB cannot hold")
+    assert len(fresh_machine) == 1
+
+
+def test_cli_and_engine_share_one_opened_checkpoint(zoo):
+    """`run` opens the checkpoint to check the prompt, then hands it to LLM: one tokenizer load."""
+    from tiered import LLM, EngineConfig
+    from tiered.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(zoo.dir("llama"))
+    assert open_checkpoint(ckpt) is ckpt
+    tok = ckpt.tokenizer()
+    assert tok is not None and ckpt.tokenizer() is tok
+    llm = LLM(ckpt, EngineConfig(accelerator="none", plan="off", max_context=32))
+    assert llm.checkpoint is ckpt and llm.tokenizer is tok

@@ -14,7 +14,7 @@ from tiered.errors import ConfigError, TieredError
 
 def test_engine_config_defaults():
     c = EngineConfig()
-    assert (c.dtype, c.decode_weights, c.max_context, c.num_threads) == ("float32", "auto", None, None)
+    assert (c.dtype, c.decode_weights, c.max_context, c.num_threads) == ("auto", "auto", None, None)
     assert c.decode_weights_threshold >= 1
 
 
@@ -29,7 +29,7 @@ def test_engine_config_rejects(kwargs):
     assert next(iter(kwargs)).split("_")[0] in e.value.message
 
 
-@given(st.sampled_from(["float32", "bfloat16"]), st.sampled_from(["auto", "fp32", "bf16", "int4"]),
+@given(st.sampled_from(["auto", "float32", "bfloat16"]), st.sampled_from(["auto", "fp32", "bf16", "int4"]),
        st.integers(1, 10_000), st.none() | st.integers(1, 1 << 20), st.none() | st.integers(1, 256))
 def test_engine_config_accepts_valid(dtype, dw, thr, ctx, threads):
     c = EngineConfig(dtype=dtype, decode_weights=dw, decode_weights_threshold=thr, max_context=ctx,

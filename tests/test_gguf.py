@@ -84,7 +84,7 @@ def test_qk_row_permutation_inverts_llama_cpp():
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_quantized_gguf_equals_dequantized_hf_model(zoo, name, qtype):
     """A block-quantized GGUF scores exactly like transformers with the round-tripped weights."""
-    llm = zoo.llm(zoo.gguf(name, qtype))
+    llm = zoo.llm(zoo.gguf(name, qtype), dtype="float32")  # lossless on any device ("auto" is bf16 on CUDA)
     ref_model = dequantized_model(zoo.hf(name), Q[qtype])
     ids = prompt_ids(zoo.vocab_size, 16)
     assert rel_err(llm.logits(ids), hf_logits(ref_model, ids)) <= REL_TOL
@@ -145,16 +145,21 @@ def test_int4_from_gguf_matches_dequantized_matmul(zoo, qtype):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_quantized_decode_path_on_gguf(zoo, qtype):
-    """EngineConfig() on a Q4 file decodes with packed int4 weights (Q8_0: int8), close to fp32 decoding."""
+    """Without an accelerator, decode_weights="auto" on a Q4 file decodes with packed int4 weights
+    (Q8_0: int8), close to fp32 decoding. The decode copies are a CPU kernel choice: with an
+    accelerator (CUDA, or the stand-in that takes CUDA's decisions) none are installed."""
     from fixtures import kl_divergence, stepwise_logits
     from tiered.quant.int8 import Int8Linear
 
     path = zoo.gguf("llama", qtype)
-    auto = zoo.llm(path, decode_weights="auto")
+    auto = zoo.llm(path, decode_weights="auto", accelerator="none")
     kernel = Int8Linear if qtype == "Q8_0" else Int4Linear
     assert any(isinstance(m, kernel) for m in auto.model.modules())
     assert auto.decode_weight_bytes > 0
-    fp32 = zoo.llm(path)
+    behind = zoo.llm(path, decode_weights="auto", accelerator="host", plan="off")
+    assert behind.decode_weight_bytes == 0
+    assert not any(isinstance(m, (PhaseLinear, kernel)) for m in behind.model.modules())
+    fp32 = zoo.llm(path, accelerator="none")
     assert not any(isinstance(m, (PhaseLinear, Int4Linear)) for m in fp32.model.modules())
     # Scoring always uses the dense weights: identical logits in both engines.
     ids = prompt_ids(zoo.vocab_size, 24)

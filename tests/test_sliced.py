@@ -42,7 +42,7 @@ def test_sliced_equals_unsliced_for_any_rates(stand_in, r_cc, frac_cg, tokens, n
     ref = expert_forward(x, *W)
     used = acc.budget.used
     m = SlicedMLP(*W, r_cc, r_cg, acc, ex, n_g=n_g)
-    y = m(x)
+    y = acc.to_host(m(acc.to_device(x)))  # x and y live on the accelerator
     assert (y - ref).abs().max() / ref.abs().max() <= 1e-4
     assert acc.budget.used > used or m.f_gg == 0  # GG rows live in the accelerator's budget
     for t in m.gg + (m.staging.cg or ()) + (m.staging.cc or ()):
@@ -53,7 +53,7 @@ def test_parts_run_on_their_streams(stand_in):
     acc, ex = stand_in
     ex.events.clear()
     m = SlicedMLP(*W, 0.4, 0.3, acc, ex, n_g=2)
-    m(torch.randn(6, D))
+    m(acc.to_device(torch.randn(6, D)))
     names = {(e.name, e.stream) for e in ex.events}
     assert {("CC", "cpu"), ("GG", "compute"), ("CG", "compute"), ("H2D CG", "copy"),
             ("H2D CG'", "copy"), ("CG'", "compute")} <= names

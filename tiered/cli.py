@@ -56,7 +56,7 @@ def run(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the tokenizer's chat template (default: when it has one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming."),
-    dtype: str = typer.Option("float32", "--dtype", help="Prefill/scoring dtype: float32 (lossless) or bfloat16."),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (on a CUDA GPU the checkpoint's: bfloat16 for bf16/fp16/quantized checkpoints; float32 on the CPU), float32 (lossless) or bfloat16."),
     decode_weights: str = typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16 or int4."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Context window in tokens (default: the model's)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
@@ -75,6 +75,8 @@ def run(
 ) -> None:
     """Generate text from PROMPT, streaming it to stdout and the stats to stderr."""
     from tiered import LLM, EngineConfig, SamplingParams
+    from tiered.checkpoint import open_checkpoint
+    from tiered.engine.prompt import check_prompt_fits, context_window, encode_prompt
 
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
         prompt = sys.stdin.read().strip() or DEFAULT_PROMPT
@@ -92,7 +94,11 @@ def run(
                           accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
                           expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
                           trace=trace is not None, plan=plan, profile=profile_file)
-    llm = LLM(model, config, progress=not as_json)
+    # a prompt that cannot run is refused before anything loads, or the planner measures this machine
+    ckpt = open_checkpoint(model)
+    check_prompt_fits(0, len(encode_prompt(ckpt.tokenizer(), prompt, chat)),
+                      context_window(ckpt.config, config.max_context), ckpt.config.max_position_embeddings)
+    llm = LLM(ckpt, config, progress=not as_json)
     if show_plan and not as_json:
         typer.echo(llm.plan.render(), err=True)
     if as_json:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tiered.errors import ConfigError
 
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int4")
+DTYPES = ("auto", "float32", "bfloat16")
 ACCELERATORS = ("auto", "cuda", "host", "none")
 CACHE_POLICIES = ("lru", "lfu")
 
@@ -16,8 +17,11 @@ class EngineConfig:
     """How the engine loads and runs a model.
 
     Attributes:
-        dtype: activation / dense-weight dtype for prefill and scoring, "float32" or "bfloat16".
-            float32 is the lossless mode that matches transformers to 1e-4.
+        dtype: activation / dense-weight dtype for prefill and scoring: "auto", "float32" or
+            "bfloat16". "auto" computes in the checkpoint's dtype on a CUDA accelerator (bfloat16
+            for bf16 / fp16 / GGUF-quantized checkpoints, float32 for fp32 ones) and in float32 on
+            the CPU and the host stand-in (engine/dtype.py resolve_dtype). float32 is the lossless
+            mode that matches transformers to 1e-4.
         decode_weights: weight format of the decode path (one or a few tokens per step):
             "auto" keeps GGUF 4-bit blocks (Q4_0/Q4_1) as packed int4 with bf16 activations and
             other tensors in bf16; "fp32" / "bf16" use dense weights; "int4" also re-quantizes
@@ -53,7 +57,7 @@ class EngineConfig:
         force_expert_path: tests only: "copy" or "cpu" for every non-resident expert.
     """
 
-    dtype: str = "float32"
+    dtype: str = "auto"
     decode_weights: str = "auto"
     decode_weights_threshold: int = 8
     max_context: int | None = None
@@ -99,9 +103,9 @@ class EngineConfig:
             raise ConfigError("force_expert_path must be None, 'copy' or 'cpu'", "leave it unset")
         if not self.plan:
             raise ConfigError("plan must be 'auto', 'off' or the path of a saved plan", "pass plan='auto'")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}",
-                              "pass dtype='float32' (lossless) or 'bfloat16'")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}",
+                              "pass dtype='auto', 'float32' (lossless) or 'bfloat16'")
         if self.decode_weights not in WEIGHT_FORMATS:
             raise ConfigError(f"decode_weights must be one of {WEIGHT_FORMATS}, got {self.decode_weights!r}",
                               "pass one of " + ", ".join(WEIGHT_FORMATS))

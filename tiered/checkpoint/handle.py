@@ -139,6 +139,16 @@ class HandleTable:
     def has(self, name: str) -> bool:
         return name in self._handles
 
+    def tokenizer(self):
+        """The checkpoint's tokenizer (a transformers tokenizer), or None when it has none; loaded
+        on the first call and kept, so every user of this checkpoint object shares one."""
+        if "_tokenizer" not in self.__dict__:
+            self._tokenizer = self._load_tokenizer()
+        return self._tokenizer
+
+    def _load_tokenizer(self):
+        raise NotImplementedError
+
     def nbytes(self) -> int:
         """Bytes of all tensors on disk."""
         return sum(h.nbytes for h in self._handles.values())

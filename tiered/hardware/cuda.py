@@ -29,6 +29,12 @@ class CudaAccelerator(Accelerator):
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=src.is_pinned())
 
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=t.is_pinned())
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to("cpu")
+
     def host_buffer(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 

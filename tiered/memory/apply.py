@@ -49,10 +49,11 @@ class PlacedExperts:
     host_staging: StagingPool | None
 
 
-def place_weights(plan: Plan, model, checkpoint, device, fast_budget: MemoryBudget, on_tensor=None) -> tuple[int, int]:
+def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: MemoryBudget,
+                  on_tensor=None) -> tuple[int, int]:
     """Materialize the model's parameters that live in the model (not routed experts, not the FFNs
-    of sliced layers) in plan.dtypes["weights"] on `device`, and the decode-format copies when
-    plan.dtypes["decode"] names a format.
+    of sliced layers) in plan.dtypes["weights"] on the accelerator (the CPU when None), and the
+    decode-format copies when plan.dtypes["decode"] names a format.
 
     Returns:
         (bytes of dense weights, bytes of decode copies).
@@ -67,7 +68,9 @@ def place_weights(plan: Plan, model, checkpoint, device, fast_budget: MemoryBudg
     fast_budget.reserve(sizes.weight_bytes(cfg, fmt, skip), what)
     if plan.workspace_bytes:  # kept free for activations: allocated by torch, not by us
         fast_budget.reserve(plan.workspace_bytes, "the activation workspace")
-    nbytes = materialize(model, checkpoint, sizes.torch_dtype(fmt), device, on_tensor=on_tensor, skip=skip)
+    device = accelerator.device if accelerator is not None else torch.device("cpu")
+    nbytes = materialize(model, checkpoint, sizes.torch_dtype(fmt), device, on_tensor=on_tensor, skip=skip,
+                         accelerator=accelerator)
     decode = plan.dtypes.get("decode", "none")
     extra = 0
     if decode not in ("none", None):

@@ -106,10 +106,10 @@ class ExpertStore:
         return self.cpu_budget.empty(tuple(h.shape), self.dtype, h.name, pin=pin)
 
     def _fill(self, dst: torch.Tensor, h: TensorHandle) -> None:
-        if dst.device.type == "cpu":
+        if self.accelerator is None:  # the fast tier is RAM: read straight into it
             h.read_into(dst)
         else:
-            dst.copy_(h.load(self.dtype))
+            self.accelerator.copy_to_device(dst, h.load(self.dtype))
 
     def _convert(self, checkpoint, keys, offload_dir) -> None:
         """Write disk-tier experts in the compute dtype to offload_dir (one safetensors file per layer)."""

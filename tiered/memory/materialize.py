@@ -22,7 +22,7 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 def materialize(model: nn.Module, checkpoint, dtype: torch.dtype, device: torch.device | str = "cpu",
                 on_tensor: Callable[[str, int], None] | None = None,
-                skip: Callable[[str], bool] | None = None) -> int:
+                skip: Callable[[str], bool] | None = None, accelerator=None) -> int:
     """Fill every meta parameter of `model` from `checkpoint`, converted to `dtype` on `device`.
 
     Norm weights and biases stay fp32-precise only if `dtype` is fp32, as in HF.
@@ -34,6 +34,8 @@ def materialize(model: nn.Module, checkpoint, dtype: torch.dtype, device: torch.
         on_tensor: called with (name, bytes) after each tensor, for progress bars.
         skip: names for which it returns True stay on the meta device (e.g. routed experts, which
             the runtime serves from its own tiers).
+        accelerator: when given, each tensor goes to its device through `accelerator.to_device`
+            (`device` is then its device); None = `.to(device)` (the CPU).
     Returns:
         Bytes of parameters materialized.
     Raises:
@@ -51,7 +53,8 @@ def materialize(model: nn.Module, checkpoint, dtype: torch.dtype, device: torch.
         if tuple(handle.shape) != tuple(param.shape):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(handle.shape)}, config implies "
                                   f"{tuple(param.shape)}", "the checkpoint does not match its config")
-        t = handle.load(dtype).to(device)
+        t = handle.load(dtype)
+        t = accelerator.to_device(t) if accelerator is not None else t.to(device)
         _set_param(model, name, t)
         total += t.numel() * t.element_size()
         if on_tensor is not None:

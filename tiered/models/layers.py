@@ -96,7 +96,7 @@ def build_attention_metadata(rotary: Rotary, positions: torch.Tensor, slots: tor
     newest = B == 1 and T == 1 and in_window
     mask = None
     if not (causal or newest):
-        keys = torch.arange(kv_len)
+        keys = torch.arange(kv_len, device=positions.device)
         q = positions.unsqueeze(-1)  # [B, T, 1]
         mask = keys <= q
         if sliding_window is not None:

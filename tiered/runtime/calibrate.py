@@ -38,10 +38,10 @@ def calibrate(shapes, dtype: torch.dtype, accelerator, hidden: int, dev_w=None, 
     if accelerator is None:
         return LatencyModel(cpu_a, cpu_b, cpu_a, cpu_b, 0.0, float("inf"))
     for d, h in zip(dev_w, host_w):
-        d.copy_(h)
+        accelerator.copy_to_device(d, h)
     gpu = []
     for s in tokens:
-        x = torch.randn(s, hidden, dtype=dtype, device=accelerator.device)
+        x = accelerator.to_device(torch.randn(s, hidden, dtype=dtype))
 
         def run(x=x):
             with accelerator.stream("compute"):

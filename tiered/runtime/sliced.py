@@ -87,7 +87,9 @@ class SlicedMLP(nn.Module):
         pin = not accelerator.is_host
         if host_budget is not None:
             host_budget.reserve(3 * b * D * w_gate.element_size(), "CPU-side MLP slices")
-        host = lambda t: t.detach().to("cpu").contiguous().pin_memory() if pin else t.detach().to("cpu").contiguous()  # noqa: E731
+        def host(t: torch.Tensor) -> torch.Tensor:
+            t = accelerator.to_host(t.detach()).contiguous()
+            return t.pin_memory() if pin else t
         self.cc = (host(w_gate[:a]), host(w_up[:a]), host(w_down[:, :a]))
         self.cg = (host(w_gate[a:b]), host(w_up[a:b]), host(w_down[:, a:b]))
         self.gg = tuple(self._to_device(accelerator, t, "GG slice") for t in (w_gate[b:], w_up[b:], w_down[:, b:]))
@@ -100,7 +102,7 @@ class SlicedMLP(nn.Module):
     @staticmethod
     def _to_device(acc, t: torch.Tensor, what: str) -> torch.Tensor:
         out = acc.alloc(tuple(t.shape), t.dtype, what)
-        out.copy_(t)
+        acc.copy_to_device(out, t)
         return out
 
     def _copy(self, dst, src, name: str):

@@ -1,0 +1,224 @@
+"""The host stand-in is strict about devices, as CUDA is, so device bugs fail on CPU-only CI.
+
+DESIGN.md "The accelerator on machines without one", point 4. The first GPU run
+(gpu-runs/2026-11-22-h200) found two bugs that every CPU test had passed: attention-mask keys made
+on the host while positions were on the device (models/layers.py build_attention_metadata), and
+Fiddler's CPU-expert path indexing host activations with device indices (runtime/moe_runner.py).
+(a) checks that the stand-in refuses those mixes with a clear error; (b) runs the engine's own
+code paths where they occurred on the stand-in, so reverting either fix fails here.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fixtures import hf_greedy, prompt_ids
+from runtime_fixtures import GREEDY as MOE_GREEDY
+from runtime_fixtures import engine_config, prompt, rt  # noqa: F401  (rt is a fixture)
+from test_runtime_parity import check_parity
+
+from tiered import LLM, EngineConfig, SamplingParams
+from tiered.hardware.accelerator import HostAccelerator
+from tiered.hardware.standin import STANDIN_DEVICE, StandinDeviceError, StandinTensor
+from tiered.models.layers import KVCache
+from tiered.quant.linear import PhaseLinear
+
+SAME_DEVICE = "Expected all tensors to be on the same device"
+INDICES = "indices should be either on cpu or on the same device as the indexed tensor"
+
+
+@pytest.fixture
+def acc():
+    return HostAccelerator()
+
+
+# ------------------------------------------------------------------ (a) the stand-in refuses mixes
+def test_host_arange_mask_against_device_positions_is_refused(acc):
+    """The H200 bug of build_attention_metadata, reduced: keys from torch.arange on the host."""
+    positions = acc.to_device(torch.tensor([[14], [6]]))
+    q = positions.unsqueeze(-1)
+    with pytest.raises(StandinDeviceError, match=SAME_DEVICE) as err:
+        _ = torch.arange(15) <= q
+    assert "host (cpu, shape (15,))" in str(err.value) and "Accelerator.to_device" in str(err.value)
+    with acc.scope():  # the fix: made on positions.device, which is the stand-in's device
+        keys = torch.arange(15, device=positions.device)
+    assert type(keys) is StandinTensor and keys.device == STANDIN_DEVICE
+    mask = keys <= q
+    assert type(mask) is StandinTensor and mask.shape == (2, 1, 15) and int(mask.sum()) == 15 + 7
+
+
+def test_host_tensor_indexed_by_device_indices_is_refused(acc):
+    """The H200 bug of the CPU-expert path, reduced: x_host[tok] with tok on the device."""
+    x_host = torch.randn(5, 4)
+    tok = acc.to_device(torch.tensor([0, 3]))
+    with pytest.raises(StandinDeviceError, match=INDICES):
+        x_host[tok]
+    with pytest.raises(StandinDeviceError, match=INDICES):
+        x_host[tok, 1:]
+    with pytest.raises(StandinDeviceError, match=INDICES):
+        x_host[tok] = 0.0
+    assert torch.equal(x_host[acc.to_host(tok)], x_host[[0, 3]])  # the fix: host indices
+
+
+def test_device_tensor_indexed_by_host_indices_is_refused(acc):
+    x = acc.to_device(torch.randn(5, 4))
+    with pytest.raises(StandinDeviceError, match=SAME_DEVICE):
+        x[torch.tensor([0, 3])]
+    with pytest.raises(StandinDeviceError, match=SAME_DEVICE):
+        x.index_add_(0, torch.tensor([1]), acc.to_device(torch.ones(1, 4)))
+    rows = x[acc.to_device(torch.tensor([0, 3]))]
+    assert type(rows) is StandinTensor and torch.equal(rows.cpu(), x.cpu()[[0, 3]])
+
+
+@pytest.mark.parametrize("op", ["add", "matmul", "cat", "inplace", "linear", "where"])
+def test_ops_mixing_device_and_host_are_refused(acc, op):
+    d, h = acc.to_device(torch.randn(3, 3)), torch.randn(3, 3)
+    run = {"add": lambda: d + h, "matmul": lambda: h @ d, "cat": lambda: torch.cat([d, h]),
+           "inplace": lambda: h.add_(d), "linear": lambda: torch.nn.functional.linear(d, h),
+           "where": lambda: torch.where(d > 0, d, h)}[op]
+    with pytest.raises(StandinDeviceError, match=SAME_DEVICE):
+        run()
+
+
+def test_device_ops_stay_on_the_device_and_host_scalars_mix(acc):
+    d = acc.to_device(torch.arange(6.0).reshape(2, 3))
+    for out in (d * 2, d.sum(-1), d[0], torch.topk(d, 2).indices, d + torch.tensor(1.0), torch.zeros_like(d),
+                d.new_zeros(4), d.to(torch.float64), d.T.contiguous()):
+        assert type(out) is StandinTensor and out.device == STANDIN_DEVICE
+    assert not d.is_cpu and d.device != torch.device("cpu")
+    assert float((d + torch.tensor(1.0)).sum()) == 21.0  # a 0-dim host tensor mixes, as CUDA allows
+    assert int(d.argmax()) == 5 and d[1].tolist() == [3.0, 4.0, 5.0]  # scalar reads are D2H copies
+
+
+def test_crossing_only_through_the_accelerators_copies(acc):
+    h = torch.arange(4.0)
+    d = acc.to_device(h)
+    assert type(d) is StandinTensor and torch.equal(d.cpu(), h)
+    h[0] = 9.0
+    assert float(d[0]) == 0.0  # to_device copied
+    back = d.cpu()
+    assert type(back) is torch.Tensor and back.data_ptr() != d.data_ptr()  # .cpu() copies (D2H)
+    for host in (acc.to_host(d), d.to("cpu"), d.to(torch.device("cpu"), torch.float64)):
+        assert type(host) is torch.Tensor and host.device.type == "cpu"
+    out = torch.empty(4)
+    out.copy_(d)  # D2H into a host buffer
+    assert torch.equal(out, back)
+    with pytest.raises(StandinDeviceError, match="copy_to_device"):
+        d.copy_(torch.ones(4))  # H2D outside the accelerator
+    with pytest.raises(TypeError, match="numpy"):
+        d.numpy()
+    with acc.scope(), pytest.raises(StandinDeviceError, match="Accelerator.to_device"):
+        torch.ones(4).to(d.device)
+    with pytest.raises(StandinDeviceError, match="host tensor"):
+        acc.copy_to_device(torch.empty(4), h)
+    dst = acc.alloc((4,), torch.float32, "test")
+    assert type(dst) is StandinTensor
+    acc.copy_to_device(dst, h)
+    assert torch.equal(dst.cpu(), h)
+    acc.free(dst)
+
+
+def test_parameters_and_modules_keep_the_device(acc):
+    lin = acc.module_to_device(torch.nn.Linear(4, 2))
+    assert isinstance(lin.weight, torch.nn.Parameter) and type(lin.weight) is StandinTensor
+    x = acc.to_device(torch.randn(3, 4))
+    assert type(lin(x)) is StandinTensor
+    with pytest.raises(StandinDeviceError, match=SAME_DEVICE):
+        lin(x.cpu())
+
+
+def test_checks_hold_on_worker_threads_outside_the_scope(acc):
+    """Executor tasks on the "cpu" stream run without the scope: the tensor type still checks."""
+    x_host, tok = torch.randn(4, 2), acc.to_device(torch.tensor([1]))
+    errors = []
+
+    def job():
+        try:
+            x_host[tok]
+        except StandinDeviceError as e:
+            errors.append(e)
+    t = threading.Thread(target=job)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and INDICES in str(errors[0])
+
+
+def test_factories_make_device_tensors_only_inside_the_scope(acc):
+    with acc.scope():
+        assert type(torch.zeros(2, device=acc.device)) is StandinTensor
+        assert type(torch.tensor([1, 2], device=acc.device)) is StandinTensor
+        assert type(torch.arange(3)) is torch.Tensor  # no device: the host, as on CUDA
+        cache = KVCache(_TinyCfg, 2, 8, torch.float32, acc.device)
+        assert type(cache.k) is StandinTensor and type(cache.v) is StandinTensor
+    with acc.stream("compute"):  # a device stream is stand-in code too
+        assert type(torch.ones(1, device=acc.device)) is StandinTensor
+
+
+class _TinyCfg:
+    num_hidden_layers, num_key_value_heads, head_dim = 2, 1, 4
+
+
+# ------------------------------------------------- (b) the engine's own paths, on the stand-in
+def test_engine_state_lives_on_the_standin_device(zoo):
+    llm = LLM(zoo.dir("llama"), EngineConfig(accelerator="host", plan="off", max_context=64))
+    assert llm.device == STANDIN_DEVICE
+    assert all(type(p) is StandinTensor for p in llm.model.parameters())
+    assert type(llm.model.rotary.cos) is StandinTensor
+    assert type(llm._kv_cache(1, 4).k) is StandinTensor
+    assert llm.dtype == torch.float32  # dtype "auto" on the stand-in: the lossless mode
+    assert llm.decode_weight_bytes == 0 and not any(isinstance(m, PhaseLinear) for m in llm.model.modules())
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_batched_generation_with_masks_on_the_standin(zoo, name):
+    """Batched decode builds an attention mask (B > 1; Mistral also a sliding window) from the
+    step's positions: build_attention_metadata's mask path, on the stand-in's device."""
+    llm = LLM(zoo.dir(name), EngineConfig(accelerator="host", plan="off", decode_weights="fp32", max_context=64))
+    prompts = [prompt_ids(zoo.vocab_size, n, seed=10 + n) for n in (3, 16, 7)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batched = [o.token_ids for o in llm.generate(prompts, params)]
+    cpu = zoo.llm(zoo.dir(name))
+    assert batched == [o.token_ids for o in cpu.generate(prompts, params)]
+    assert batched[1] == hf_greedy(zoo.hf(name), prompts[1], 12)
+
+
+def test_cpu_expert_path_behind_the_standin(rt):  # noqa: F811
+    """Fiddler's CPU path (experts in host RAM computed by the CPU behind an accelerator), forced
+    for every non-resident expert, with a batch of two prompts: rows of host activations picked by
+    routing indices that the router made on the device."""
+    s = rt.sizes("mixtral")
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2) + s.kv,
+                                               cpu_memory="64MiB", expert_cache_slots=2, resident_experts=0,
+                                               force_expert_path="cpu"))
+    try:
+        assert all(type(t) is StandinTensor for slot in llm.experts.cache.slots for t in slot)
+        assert all(type(t) is torch.Tensor for w in llm.experts.store.host.values() for t in w)
+        check_parity(rt, "mixtral", llm)
+        pair = llm.generate([prompt(), prompt(seed=1)], MOE_GREEDY)
+        assert pair[0].token_ids == rt.reference("mixtral")[1]
+        assert set(llm.experts.path_counts) == {"cpu"} and llm.experts.path_counts["cpu"] > 0
+        assert llm.experts.bytes_h2d == 0
+    finally:
+        llm.close()
+
+
+def test_device_tensors_outside_the_scope_fail_clearly(acc):
+    """Without the scope (e.g. on a CPU worker thread), torch cannot make a stand-in tensor: it says so."""
+    with pytest.raises(StandinDeviceError, match="outside its scope"):
+        torch.zeros(2, device=acc.device)
+    with pytest.raises(StandinDeviceError, match="outside its scope"):
+        torch.ones(2).to(acc.device)
+    assert not torch.privateuseone.is_available()  # no real device claims the slot
+
+
+def test_prefill_then_decode_through_the_standin_cache(zoo):
+    """Single-sequence decode (no mask, the KV cache's slice-copy path) on the stand-in equals scoring."""
+    from fixtures import stepwise_logits
+
+    llm = LLM(zoo.dir("qwen2"), EngineConfig(accelerator="host", plan="off", max_context=32))
+    ids = prompt_ids(zoo.vocab_size, 12, seed=3)
+    full = llm.logits(ids)[3:]
+    assert float((stepwise_logits(llm, ids, 4) - full).abs().max() / full.abs().max()) <= 1e-4

@@ -1,0 +1,58 @@
+"""Prompts as token ids, and whether they fit the context window.
+
+Used by LLM for every request and by the CLI before the engine is built, so a prompt that cannot
+run is refused before any weight is loaded or this machine is measured for the planner.
+"""
+
+from __future__ import annotations
+
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.errors import ConfigError, ContextLengthError
+
+Prompt = str | list[dict] | list[int]
+
+
+def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None) -> list[int]:
+    """Token ids of a prompt: a string, a list of chat messages, or token ids (returned as they are).
+
+    Args:
+        tokenizer: a transformers tokenizer, or None (then only token ids are accepted).
+        chat: apply the tokenizer's chat template to a string; None = when it has one. Message
+            lists always use it.
+    Raises:
+        ConfigError: text without a tokenizer, or chat without a chat template.
+    """
+    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        return list(prompt)
+    if tokenizer is None:
+        raise ConfigError("this checkpoint has no tokenizer", "pass token ids instead of text")
+    use_chat = isinstance(prompt, list) or (chat if chat is not None else bool(getattr(tokenizer, "chat_template", None)))
+    if use_chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("this model's tokenizer has no chat template", "use chat=False / --no-chat")
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+def context_window(config: ModelConfig, max_context: int | None) -> int:
+    """The engine's context window [tokens]: `max_context` (None = the model's), at most the
+    model's max_position_embeddings."""
+    return min(max_context or config.max_position_embeddings, config.max_position_embeddings)
+
+
+def check_prompt_fits(index: int, num_tokens: int, window: int, model_window: int) -> None:
+    """Refuse prompt number `index` of `num_tokens` tokens unless 1 <= num_tokens < `window` (one
+    position stays for the first generated token).
+
+    Raises:
+        ConfigError: the prompt is empty.
+        ContextLengthError: it does not fit; the hint offers raising max_context while `window`
+            is below the model's own `model_window`.
+    """
+    if not num_tokens:
+        raise ConfigError(f"prompt {index} is empty", "pass at least one token")
+    if num_tokens >= window:
+        raise ContextLengthError(f"prompt {index} has {num_tokens} tokens; the context window is {window}",
+                                 "shorten the prompt" + ("" if window == model_window else " or raise max_context"))
