@@ -118,8 +118,12 @@ class TieredExperts:
                 results[e] = self._miss(keys[e], paths[e], x, tok, host and host[1][a:b], host and host[0], ready)
             if not self.read_ahead:
                 results[e].result()
-        for e in order:
-            results[e].result()
+        try:
+            for e in order:
+                results[e].result()
+        except BaseException:
+            _drain(results[e] for e in order)  # inline tasks run (or fail) so no worker waits on them forever
+            raise
         out = torch.zeros_like(x)
         for e, (a, b) in groups.items():  # expert order, like transformers' index_add loop
             tok = tok_all[a:b]
@@ -201,3 +205,12 @@ class TieredExperts:
         if slot is not None:
             return slot, None, None
         return staging.take()
+
+
+def _drain(futures) -> None:
+    """Wait for every future, ignoring their errors (the first error is already being raised)."""
+    for f in futures:
+        try:
+            f.result()
+        except BaseException:
+            pass
