@@ -5,7 +5,7 @@ and the byte arithmetic that sizes budgets to get a wanted expert placement.
 (`from runtime_fixtures import rt`) shares the same checkpoints and references.
 
 Budget recipe (what the planner counts, tiered/memory/sizes.py):
-    fast tier = non-expert weights + KV cache of one max_context sequence
+    fast tier = non-expert weights + KV cache of one max_context sequence + RoPE tables
                 + staging_buffers * expert_bytes + cache_slots * expert_bytes + resident experts
     CPU tier (with an accelerator) = staging_buffers * expert_bytes (host staging) + CPU experts
 Tests pass max_context=MAX_CONTEXT so the KV share is small and exact.
@@ -63,6 +63,7 @@ class Sizes:
     kv: int  # KV cache of one max_context-token sequence
     num_experts: int
     moe_layers: int
+    rotary: int = 0  # RoPE cos/sin tables for max_context positions, fp32
 
     @property
     def total_experts(self) -> int:
@@ -70,7 +71,7 @@ class Sizes:
 
     def fast(self, cache_slots: int, resident: int = 0, staging: int = STAGING) -> int:
         """Fast-tier budget that yields exactly `resident` fast-resident experts with `cache_slots` slots."""
-        return self.nonexpert + self.kv + (staging + cache_slots + resident) * self.expert
+        return self.nonexpert + self.kv + self.rotary + (staging + cache_slots + resident) * self.expert
 
     def cpu(self, experts: int, staging: int = STAGING) -> int:
         """CPU-tier budget (behind an accelerator) for `experts` CPU-resident experts."""
@@ -146,7 +147,8 @@ def sizes_of(path: Path, max_context: int = MAX_CONTEXT) -> Sizes:
                  expert=3 * cfg.hidden_size * cfg.moe_intermediate_size * 4,
                  kv=kv_bytes(cfg, max_context),
                  num_experts=cfg.num_experts,
-                 moe_layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
+                 moe_layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
+                 rotary=2 * max_context * cfg.head_dim * 4)
 
 
 _ZOO: RuntimeZoo | None = None

@@ -139,7 +139,7 @@ def test_budget_too_small_for_staging(rt):
     s = rt.sizes("mixtral")
     with pytest.raises(BudgetError, match=r"and staging \(72.0 KiB\)") as e:
         LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.nonexpert + s.expert))
-    assert f"raise --gpu-mem by {format_bytes(2 * s.expert + s.kv - s.expert)}" in e.value.hint
+    assert f"raise --gpu-mem by {format_bytes(2 * s.expert + s.kv + s.rotary - s.expert)}" in e.value.hint
     with pytest.raises(BudgetError, match="staging buffers"):
         LLM(rt.dir("mixtral"), engine_config(accelerator="none", cpu_memory=s.nonexpert + s.expert))
 

@@ -48,7 +48,8 @@ def dense_sizes(path, max_context: int = CTX) -> tuple[int, int, int, int]:
     """(non-FFN weight bytes, one layer's FFN bytes, KV cache of one sequence, layers), fp32."""
     cfg = open_checkpoint(path).config
     non_ffn = 4 * stored_elements(path, lambda n: ".mlp." not in n)
-    return (non_ffn, 3 * cfg.hidden_size * cfg.intermediate_size * 4, kv_bytes(cfg, max_context),
+    rotary = 2 * max_context * cfg.head_dim * 4  # RoPE cos/sin tables, fp32
+    return (non_ffn, 3 * cfg.hidden_size * cfg.intermediate_size * 4, kv_bytes(cfg, max_context) + rotary,
             cfg.num_hidden_layers)
 
 

@@ -117,6 +117,7 @@ class LLM:
 
         with torch.device("meta"):
             self.model = build_model(self.config, self.max_context)
+        self.fast_budget.reserve(sizes.rotary_bytes(self.config, self.max_context), "the rotary tables")
         rotary = Rotary(self.config, self.max_context)
         self.model.rotary = self.accelerator.module_to_device(rotary) if self.accelerator is not None else rotary
         with _load_progress(progress, self.checkpoint.nbytes()) as on_tensor:

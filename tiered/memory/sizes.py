@@ -99,6 +99,11 @@ def skip_params(cfg: ModelConfig, sliced_layers=()) -> Callable[[str], bool] | N
     return lambda name: name.startswith(prefixes) or (cfg.is_moe and is_expert_param(name))
 
 
+def rotary_bytes(cfg: ModelConfig, max_positions: int) -> int:
+    """Bytes of the RoPE cos and sin tables (fp32 [max_positions, head_dim] each), on the compute tier."""
+    return 2 * max_positions * cfg.head_dim * 4
+
+
 def expert_bytes(cfg: ModelConfig, fmt: str) -> int:
     """Bytes of one routed expert (gate, up [F, D] and down [D, F]) in format `fmt`."""
     return int(3 * cfg.hidden_size * cfg.moe_intermediate_size * bytes_per_element(fmt))

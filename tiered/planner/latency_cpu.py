@@ -34,6 +34,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     L = cfg.num_hidden_layers
     moe = [i for i in range(L) if cfg.is_moe and cfg.is_moe_layer(i)]
     fixed = (sizes.weight_bytes(cfg, fmt, sizes.is_expert_param if moe else None)
+             + sizes.rotary_bytes(cfg, plan.context_tokens)
              + sizes.kv_cache_bytes(cfg, 1, plan.context_tokens, plan.dtypes["kv_cache"]) + extra_bytes)
     plan.kv_cache_tier = plan.attention_tier = "cpu"
     if cpu is not None and fixed > cpu:

@@ -37,7 +37,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     ctx = plan.prompt_tokens + plan.gen_tokens
-    non_expert = sizes.weight_bytes(cfg, fmt, sizes.is_expert_param)
+    non_expert = sizes.weight_bytes(cfg, fmt, sizes.is_expert_param) + sizes.rotary_bytes(cfg, plan.context_tokens)
     kv = sizes.kv_cache_bytes(cfg, 1, plan.context_tokens, plan.dtypes["kv_cache"])
     eb = sizes.expert_bytes(cfg, efmt)
     staging = plan.staging_buffers * eb

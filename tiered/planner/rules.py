@@ -48,7 +48,7 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
     kv = sizes.kv_cache_bytes(cfg, 1, max_context, plan.dtypes["kv_cache"])
     if accelerator is not None and not accelerator.is_host:  # the stand-in's activations are host memory
         plan.workspace_bytes = sizes.workspace_bytes(cfg, weights_format)
-    kv += plan.workspace_bytes
+    kv += plan.workspace_bytes + sizes.rotary_bytes(cfg, max_context)
     if not cfg.is_moe:
         need = sizes.weight_bytes(cfg, weights_format) + kv
         if fast_cap is not None and need > fast_cap:
