@@ -67,11 +67,20 @@ def routing_trace(moe_layers: list[int], num_experts: int, top_k: int, steps: in
     return trace
 
 
-def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_only: bool = True) -> HitStats:
+def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_only: bool = True,
+                  copied=None) -> HitStats:
     """Replay routing decisions [(layer, tokens, experts)] through an ExpertCache of `slots` slots.
 
-    The cache is the runtime's own class with empty slots, so eviction and pinning are the same.
-    Prefill steps (tokens > 1) still fill the cache but are not counted when decode_only.
+    The cache is the runtime's own class with empty slots, so eviction and pinning are the same, and
+    each step is replayed in the runtime's order (runtime/moe_runner.py): every expert of the layer
+    is looked up first, then the misses claim slots. Prefill steps (tokens > 1) still fill the cache
+    but are not counted when decode_only.
+
+    Args:
+        copied: with an accelerator, which of a step's misses take the copy path and so claim a slot
+            (a CPU-path miss computes from host memory and never enters the cache): a callable
+            (tokens per missing expert, in expert order) -> list of bool, e.g. from
+            runtime/dispatcher.split_misses; None = every miss claims one (CPU + disk tiers).
     """
     cache = ExpertCache(slots, ((0,),), torch.float32, lambda s, d, w: torch.empty(s), POLICIES[policy]())
     st = HitStats()
@@ -79,16 +88,22 @@ def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_
         count = tokens == 1 or not decode_only
         keys = [(layer, e) for e in experts]
         pinned = set(keys)
+        misses = []
         for k in keys:
             if k in resident:
                 kind = st.resident
             elif cache.lookup(k) is not None:
                 kind = st.cache
             else:
-                cache.claim(k, pinned)
+                misses.append(k)
                 kind = st.miss
             if count:
                 kind[layer] = kind.get(layer, 0) + 1
+        # tokens per missing expert: 1 in decode; in prefill tokens / experts used (top-1 bound)
+        claims = [True] * len(misses) if copied is None else copied([max(1, tokens // len(keys))] * len(misses))
+        for k, claim in zip(misses, claims):
+            if claim:
+                cache.claim(k, pinned)
     return st
 
 
@@ -127,10 +142,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         hw.models["runtime/task"].alpha if hw.has("runtime/task") else 0.0)
     disk = hw.models.get("disk/read_cold")
     # the model code's own fixed costs (module calls, small ops) per layer and per step, when profiled
-    # int4/int8 decode weights run with 16-bit activations: their nearest profiled step is bf16
-    fallback = (dtype, "fp32") if dtype == "fp32" else (dtype, "bf16", "fp32")
-    fixed = next((m for d in fallback if (m := hw.models.get(f"runtime/decode_step/{d}")) is not None), None)
-    per_layer, per_step = (fixed.beta, fixed.alpha) if fixed is not None else (0.0, 0.0)
+    per_step, per_layer = op_time.step_overhead(hw, dtype)
     layers = []
     for i in range(cfg.num_hidden_layers):
         attn = _attention(cfg, hw, dtype, context) + per_layer
@@ -164,3 +176,44 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         layers.append((attn, t))
     head = _gemv(hw, dtype, d * cfg.vocab_size * bpe)
     return layers, sum(a + f for a, f in layers) + head + per_step
+
+
+def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int,
+                    moe_layers: list[int] | None = None, disk_share: float = 0.0) -> float:
+    """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
+
+    Per layer: the attention projections and each FFN / active expert as GEMMs of all their
+    tokens (op_time.gemm_time: compute, floored by streaming the weights once), causal attention
+    over the prompt (half the positions on average), the model code's per-layer cost, and for an
+    MoE layer the router and, for the `disk_share` of its experts not in RAM, a cold read each.
+    Experts: with T tokens routed top-k of E uniformly, E * (1 - (1 - k/E)^T) are active with T * k
+    / active tokens each. Then the lm_head of the last token only (CausalLM's last_only) and the
+    per-step cost. Prefill runs the dense weights in `dtype` (decode copies serve <= 8 rows).
+    """
+    import math
+
+    bpe = op_time.bytes_per_element(dtype)
+    d, T = cfg.hidden_size, tokens
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    w_attn = 2 * d * q + 2 * d * kv
+    per_step, per_layer = op_time.step_overhead(hw, dtype)
+    disk = hw.models.get("disk/read_cold")
+    total = per_step + _gemv(hw, dtype, d * cfg.vocab_size * bpe)
+    for i in range(cfg.num_hidden_layers):
+        t = per_layer + op_time.gemm_time(hw, "cpu", dtype, T * w_attn, w_attn * bpe, calls=4)
+        t += op_time.gemm_time(hw, "cpu", dtype, 2 * T * (T + 1) / 2 * q, 0.0, calls=2)  # q.K^T and p.V, causal
+        is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
+        if not is_moe:
+            F = cfg.intermediate_size
+            t += op_time.gemm_time(hw, "cpu", dtype, 3 * T * d * F, 3 * d * F * bpe, calls=3)
+        else:
+            E, k, F = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+            active = min(E, max(k, math.ceil(E * (1 - (1 - k / E) ** T) - 1e-9)))
+            s = max(1, math.ceil(T * k / active - 1e-9))
+            eb = 3 * d * F * bpe
+            t += op_time.gemm_time(hw, "cpu", dtype, T * d * E, d * E * bpe)  # router
+            t += active * op_time.gemm_time(hw, "cpu", dtype, 3 * s * d * F, eb, calls=3)
+            if disk is not None:
+                t += active * disk_share * disk(eb)
+        total += t
+    return total
