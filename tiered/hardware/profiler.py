@@ -13,6 +13,7 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     runtime/task         one task through tiered's executor and back (alpha only)
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
                          n = layers (the fixed per-step and per-layer cost of the model code)
+    runtime/decode_step_gpu/<dtype>  the same on CUDA, model in <dtype> (CUDA only)
     copy/{h2d,d2h}_{pinned,pageable}   (CUDA only)             n = bytes
     disk/read_cold (page cache dropped with posix_fadvise before each read), disk/write (+ fsync)
     disk/read_cold_parallel  cold reads split over DISK_READERS threads at once   n = all bytes
@@ -238,29 +239,40 @@ class _NoCheckpoint:
         return False
 
 
-def _decode_step_points(repeats: int, dtype: str = "fp32") -> list[tuple[float, float]]:
+def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") -> list[tuple[float, float]]:
     """(layers, seconds) of one decode step of tiny dense tiered models (hidden 64) with 2..8 layers.
 
     The weights are so small that what is timed is the fixed cost of a decode step and of each
     layer in tiered's model code (module calls, small ops, KV-cache writes): runtime/decode_step.
+    On the CPU the engine's decode path runs fp32 activations with weights read in `dtype`; on CUDA
+    (runtime/decode_step_gpu) the model is cast to `dtype` as the engine does there, and each step
+    ends with the device synchronized: the host's cost of issuing the ops, or the GPU's if slower.
     """
     from tiered.checkpoint.model_config import ModelConfig
     from tiered.models import build_model
-    from tiered.models.layers import KVCache
+    from tiered.models.layers import KVCache, Rotary
     from tiered.quant.linear import install_decode_weights
 
+    cuda = device == "cuda"
+    td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     points = []
     for layers in (2, 4, 8):
         cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
         model = build_model(cfg, 64).eval()
-        if dtype != "fp32":  # the engine's decode path: fp32 activations, weights read in `dtype`
+        if cuda:  # as the engine: weights in `dtype`, RoPE tables fp32
+            model = model.to("cuda", td)
+            model.rotary = Rotary(cfg, 64).to("cuda")
+        elif dtype != "fp32":  # the engine's CPU decode path: fp32 activations, weights read in `dtype`
             install_decode_weights(model, _NoCheckpoint(), dtype, 8)
-        cache = KVCache(cfg, 1, 64, torch.float32)
-        slots, ids, pos = torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[32]])
+        dev = "cuda" if cuda else "cpu"
+        cache = KVCache(cfg, 1, 64, td if cuda else torch.float32, dev)
+        slots, ids, pos = (torch.tensor([0], device=dev), torch.tensor([[1]], device=dev),
+                           torch.tensor([[32]], device=dev))
         with torch.inference_mode():
-            model(torch.ones(1, 32, dtype=torch.long), torch.arange(32).unsqueeze(0), slots, cache)
-            t = median_time(lambda: model(ids, pos, slots, cache), repeats)
+            model(torch.ones(1, 32, dtype=torch.long, device=dev), torch.arange(32, device=dev).unsqueeze(0), slots, cache)
+            t = median_time(lambda: model(ids, pos, slots, cache), repeats, sync)
         points.append((float(layers), t))
     return points
 
@@ -454,6 +466,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt("memory/bandwidth/gpu", lambda: _memory_points("gpu", [64, 256, 1024], sync, r, copy=False))
         b.attempt("memory/copy/gpu", lambda: _memory_points("gpu", [64, 256, 1024], sync, r, copy=True))
         b.models["launch/gpu"] = LinearModel(_launch_time("gpu", sync), 0.0, None)
+        b.attempt("runtime/decode_step_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda"))
         copy_sizes = [1, 4, 16, 64] if quick else [1, 4, 16, 64, 256]
         for kind in ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable"):
             b.attempt(f"copy/{kind}", lambda k=kind: _copy_points(k, copy_sizes, r))
