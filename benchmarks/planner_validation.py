@@ -97,13 +97,54 @@ def measure(model: Path, config: EngineConfig, prompt: list[int], new_tokens: in
     return res
 
 
+H200_REFERENCE = ROOT / "reference" / "h200-2026-11-22" / "measured.json"
+
+
+def h200_table(path: Path = H200_REFERENCE) -> tuple[dict, list[str]]:
+    """The H200 rows (tiered measured on an NVIDIA H200 + 16-core Xeon host, 2026-11-22): predicted
+    from that machine's profile through the real make_plan (planner/reference.py) vs the measured
+    values, which are data cited in the reference file (they cannot be re-measured here).
+
+    Returns:
+        (the table for the results JSON, its markdown lines).
+    """
+    from tiered.planner.reference import METRICS, compare, load_reference
+
+    ref, hw = load_reference(path)
+    rows = compare(ref, hw)
+    errs = [r["error"][m] for r in rows for m in METRICS if r["error"][m] is not None]
+    table = {"source": ref["source"], "machine": ref["machine"], "profile": ref["profile_source"],
+             "method": ref["method"], "context": ref["context"], "rows": rows,
+             "median_abs_error": statistics.median(errs), "within_25_percent": sum(e <= 0.25 for e in errs),
+             "comparisons": len(errs)}
+
+    def err(r, m):
+        return f"{r['error'][m]:.0%}" if r["error"][m] is not None else "not comparable"
+    lines = ["", f"## H200 rows: predicted from `{ref['profile']}` vs measured", "",
+             f"Measured: {ref['source']}. Machine: {ref['machine']}. Method: {ref['method']}. {ref['context']}",
+             "", "| row | measured tok/s | predicted tok/s | error | measured TTFT s | predicted TTFT s | error |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        (md, mt), (pd, pt) = ((x["decode_tokens_per_s"], x["ttft_s"]) for x in (r["measured"], r["predicted"]))
+        lines.append(f"| {r['name']} ({r['config']}) | {md:.1f} | {pd:.1f} | {err(r, 'decode_tokens_per_s')} | "
+                     f"{mt:.3f} | {pt:.3f} | {err(r, 'ttft_s')} |")
+    lines += [""] + [f"- {r['name']}: {r['note']}" for r in rows if r["note"]]
+    lines += ["", f"{table['within_25_percent']} of {len(errs)} comparable predictions within 25%; median absolute "
+              f"error {table['median_abs_error']:.0%}."]
+    return table, lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", help="HardwareProfile JSON (default: profile this machine now, full run)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/tiered/bench"))
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--h200-only", action="store_true", help="print the H200 table only (no measurement)")
     args = ap.parse_args()
+    if args.h200_only:
+        print("\n".join(h200_table()[1]))
+        return
     out_dir = ROOT / "results"
     out_dir.mkdir(exist_ok=True)
     if args.profile:
@@ -198,6 +239,8 @@ def main() -> None:
         lines.append(f"| {r['plan']} | {r['predicted_step_s'] * 1e3:.1f} | {r['measured_itl_s'] * 1e3:.1f} | "
                      f"{r['e2e_error']:.0%} | {le} | {hr} |")
     lines += ["", f"Median absolute error over all per-layer and end-to-end comparisons: **{med:.0%}** (target < 20%)."]
+    result["h200"], h200_lines = h200_table()
+    lines += h200_lines
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
