@@ -141,17 +141,23 @@ def main() -> None:
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/tiered/bench"))
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--h200-only", action="store_true", help="print the H200 table only (no measurement)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads for profiling and every run (default: torch's); on a shared machine "
+                         "1 keeps other processes from stalling OpenMP teams")
     args = ap.parse_args()
     if args.h200_only:
         print("\n".join(h200_table()[1]))
         return
     out_dir = ROOT / "results"
     out_dir.mkdir(exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.profile:
         hw = HardwareProfile.load(args.profile)
     else:
         from tiered.hardware.profiler import profile_machine
-        hw = profile_machine(quick=args.quick, progress=lambda m: print("  profile:", m, flush=True))
+        hw = profile_machine(quick=args.quick, threads=args.threads,
+                             progress=lambda m: print("  profile:", m, flush=True))
         hw.save(out_dir / "hardware_profile_this_machine.json")
     shape = dict(layers=4, hidden=512, ffn=1792, experts=8, vocab=4096) if args.quick else \
         dict(layers=8, hidden=1024, ffn=3584, experts=8, vocab=8192)
@@ -220,12 +226,12 @@ def main() -> None:
     from tiered.hardware.profiler import cpu_model
     cpu = cpu_model()
     result = {"benchmark": "planner_validation", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu,
-              "cores": os.cpu_count(), "profile": hw.name, "profile_source": hw.source, "model_shape": shape,
+              "cores": os.cpu_count(), "threads": torch.get_num_threads(), "profile": hw.name, "profile_source": hw.source, "model_shape": shape,
               "cpu_mem_bytes": cpu_mem, "median_abs_error": med, "target": 0.20, "plans": rows}
     stem = "planner_validation_quick" if args.quick else "planner_validation"
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
     lines = [f"# Planner validation ({result['date']})", "",
-             f"Machine: {cpu}, {os.cpu_count()} cores; profile `{hw.name}` ({hw.source}). MoE: Mixtral-shaped dummy "
+             f"Machine: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; profile `{hw.name}` ({hw.source}). MoE: Mixtral-shaped dummy "
              f"{shape}, bf16; `--cpu-mem` {cpu_mem / 2**20:.0f} MiB where limited. Decode at batch 1, page cache dropped. "
              f"disk/read_cold refitted on the checkpoint's own files ({1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s; "
              f"the profiler's fresh temp file read at {1 / hw_disk_beta / 1e9:.2f} GB/s), and so was "

@@ -42,7 +42,8 @@ def has_device(profile: HardwareProfile, device: str) -> bool:
     return any(k.startswith(f"gemm/{device}/") for k in profile.models)
 
 
-def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float, op: str = "gemv") -> float:
+def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float, op: str = "gemv",
+                working_set: float = 0.0) -> float:
     """Seconds to stream `nbytes` of operands through `device`; 0 when the profile cannot say.
 
     The op's own fit (gemv/<dev>/<dtype>), floored by the device's read bandwidth
@@ -51,12 +52,19 @@ def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float
     partly holds (the profiler rotates CPU GEMVs over 64 MiB): on the H200's 16-core Xeon host the
     bf16 GEMV fit runs at 93 GB/s against 84 GB/s for a plain read; on 2 cores the GEMV is the
     slower of the two and the floor never binds.
+
+    `working_set`: bytes read between two reads of the same weight (a decode step's weights). When
+    it exceeds the last-level cache (meta["llc_bytes"]), no read hits the cache and the floor is the
+    memory's own rate beyond it, memory/bandwidth_dram/<dev>, when profiled.
     """
     m = find(profile, op, device, dtype)
     bw = profile.models.get(f"memory/bandwidth/{device}")
+    llc = profile.meta.get("llc_bytes") if profile.meta else None
+    dram = profile.models.get(f"memory/bandwidth_dram/{device}") if llc and working_set > llc else None
+    floor = max((x.beta for x in (bw, dram) if x is not None), default=0.0)
     if m is None:
-        return bw(nbytes) if bw is not None else 0.0
-    return max(m(nbytes), nbytes * bw.beta) if bw is not None else m(nbytes)
+        return max(bw(nbytes) if bw is not None else 0.0, nbytes * floor)
+    return max(m(nbytes), nbytes * floor)
 
 
 def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, weight_bytes: float = 0.0,

@@ -9,6 +9,7 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     gemv/<dev>/<dtype>   memory-bound GEMVs (1 token)           n = weight bytes
     attn/<dev>/<dtype>   decode attention (bmm q.K^T, p.V)      n = MACs
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
+    memory/bandwidth_dram/cpu  reads of 2-4 x the last-level cache (meta["llc_bytes"])   n = bytes
     launch/<dev>         a tiny op (alpha only)
     runtime/task         one task through tiered's executor and back (alpha only)
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
@@ -101,6 +102,7 @@ class _Bench:
         self.models: dict[str, LinearModel] = {}
         self.skipped: dict[str, str] = {}
         self.points: dict[str, list[tuple[float, float]]] = {}
+        self.llc: int | None = None  # last-level cache [bytes], when the OS says
 
     def fit(self, key: str, points: list[tuple[float, float]]) -> None:
         self.points[key] = points
@@ -375,11 +377,26 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def last_level_cache_bytes() -> int | None:
+    """Size of the CPU's largest data cache (Linux sysfs, cpu0), or None when unknown."""
+    best = None
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (d / "type").read_text().strip() == "Instruction":
+                continue
+            text = (d / "size").read_text().strip().upper()
+            n = int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+        except (OSError, ValueError, IndexError):
+            continue
+        best = max(best or 0, n)
+    return best
+
+
 def _meta(b: _Bench, cuda: bool) -> dict:
     meta = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "cores": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "quick": b.quick, "repeats": b.repeats, "disk_dir": str(b.disk_dir), "disk_fs": _fs_type(b.disk_dir),
-            "disk_memory": shutil.disk_usage(b.disk_dir).free, "skipped": b.skipped,
+            "disk_memory": shutil.disk_usage(b.disk_dir).free, "skipped": b.skipped, "llc_bytes": b.llc,
             "points": {k: [[float(n), float(t)] for n, t in v] for k, v in b.points.items()}}
     if cuda:
         props = torch.cuda.get_device_properties(0)
@@ -433,6 +450,11 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt(f"attn/cpu/{dtype}", lambda d=dtype: _attn_points("cpu", d, attn_shapes, nosync, r))
     mem_sizes = [8, 32, 96] if quick else [16, 64, 256, 512]
     b.attempt("memory/bandwidth/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=False))
+    llc = last_level_cache_bytes()
+    if llc and 4 * llc <= 4 * 2**30:  # reads no cache holds: a decode step whose weights exceed the cache
+        b.llc = llc
+        dram = [2 * llc // MiB, 3 * llc // MiB, 4 * llc // MiB]
+        b.attempt("memory/bandwidth_dram/cpu", lambda: _memory_points("cpu", dram, nosync, max(3, r // 2), copy=False))
     b.attempt("memory/copy/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=True))
     b.models["launch/cpu"] = LinearModel(_launch_time("cpu", nosync), 0.0, None)
     b.say(f"launch/cpu: {b.models['launch/cpu'].alpha:.3g} s")

@@ -7,7 +7,8 @@ Per decode step and layer (ALGORITHMS.md 5.2, with the GPU terms absent):
     MoE layer      router + for each of the step's experts: compute (gemv of the expert's bytes) and,
                    on a miss, a cold disk read of its bytes; without read-ahead reads and computes
                    alternate, with read-ahead the reads of a layer stream back to back while hits
-                   compute, and every expert task pays the executor's per-task overhead
+                   compute; computes run inline on the calling thread, each read is a task on a
+                   reader thread and pays the executor's per-task overhead (runtime/task)
     lm_head        gemm_time of the vocabulary projection
 Cache hit rates come from replaying a routing trace through the runtime's own ExpertCache logic
 (`simulate_hits`), as ALGORITHMS.md 5.2 prescribes ("a cache simulator driven by the routing traces").
@@ -107,17 +108,33 @@ def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_
     return st
 
 
-def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1) -> float:
+def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, working_set: float = 0.0) -> float:
     """Seconds of `calls` one-token matmuls reading `weight_bytes` in all: the memory-bound regime
-    (gemv/cpu/<dtype>), which is what a decode step runs; the many-token GEMM fit does not apply."""
-    return op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv") * calls
+    (gemv/cpu/<dtype>), which is what a decode step runs; the many-token GEMM fit does not apply.
+    `working_set`: the step's weight bytes (op_time.memory_time: beyond the cache, DRAM's rate)."""
+    return op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set) * calls
 
 
-def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int) -> float:
+def step_weight_bytes(cfg: ModelConfig, dtype: str, moe_layers: list[int] | None = None) -> float:
+    """Weight bytes one decode step reads: every layer's attention and dense MLP or router + top-k
+    experts, and the lm_head."""
+    bpe = op_time.bytes_per_element(dtype)
+    d = cfg.hidden_size
+    attn = 2 * d * cfg.num_attention_heads * cfg.head_dim + 2 * d * cfg.num_key_value_heads * cfg.head_dim
+    total = d * cfg.vocab_size
+    for i in range(cfg.num_hidden_layers):
+        is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
+        ffn = (d * cfg.num_experts + cfg.num_experts_per_tok * 3 * d * cfg.moe_intermediate_size if is_moe
+               else 3 * d * cfg.intermediate_size)
+        total += attn + ffn
+    return total * bpe
+
+
+def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, working_set: float = 0.0) -> float:
     d, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     w = 2 * d * q + 2 * d * kv
-    proj = _gemv(hw, dtype, w * op_time.bytes_per_element(dtype), calls=4)
+    proj = _gemv(hw, dtype, w * op_time.bytes_per_element(dtype), calls=4, working_set=working_set)
     act = dtype if dtype in ("fp32", "bf16", "fp16") else "bf16"  # int4/int8 weights keep a 16-bit KV cache
     kv_bytes = 2 * kv * context * op_time.bytes_per_element(act)
     return proj + op_time.attention_time(hw, "cpu", act, 2 * context * q, kv_bytes)
@@ -143,19 +160,22 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     disk = hw.models.get("disk/read_cold")
     # the model code's own fixed costs (module calls, small ops) per layer and per step, when profiled
     per_step, per_layer = op_time.step_overhead(hw, dtype)
+    ws = step_weight_bytes(cfg, dtype, moe_layers)  # beyond the last-level cache: DRAM's rate
     layers = []
     for i in range(cfg.num_hidden_layers):
-        attn = _attention(cfg, hw, dtype, context) + per_layer
+        attn = _attention(cfg, hw, dtype, context, ws) + per_layer
         t = 0.0
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size
-            t += _gemv(hw, dtype, 3 * d * F * bpe, calls=3)
+            t += _gemv(hw, dtype, 3 * d * F * bpe, calls=3, working_set=ws)
         else:
             F, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
             eb = 3 * d * F * bpe
-            t += _gemv(hw, dtype, d * cfg.num_experts * bpe)
-            compute = _gemv(hw, dtype, eb, calls=3) + over  # a miss pays `over` again for its read task
+            t += _gemv(hw, dtype, d * cfg.num_experts * bpe, working_set=ws)
+            # computes run inline on the calling thread (the executor's "cpu" stream): no task hop;
+            # each miss's read is a task on a reader thread and pays `over`
+            compute = _gemv(hw, dtype, eb, calls=3, working_set=ws)
             res, hit = hits.rates(i) if hits is not None else (1.0, 0.0)
             misses = k * (1 - res - hit)
             read = disk(eb) if disk is not None and misses > 0 else 0.0
@@ -174,7 +194,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             else:
                 t += k * compute + misses * (read + over)
         layers.append((attn, t))
-    head = _gemv(hw, dtype, d * cfg.vocab_size * bpe)
+    head = _gemv(hw, dtype, d * cfg.vocab_size * bpe, working_set=ws)
     return layers, sum(a + f for a, f in layers) + head + per_step
 
 
