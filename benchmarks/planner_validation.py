@@ -96,6 +96,43 @@ def measure(model: Path, config: EngineConfig, prompt: list[int], new_tokens: in
     return res
 
 
+H200_REFERENCE = ROOT / "reference" / "h200-2026-11-22" / "measured.json"
+
+
+def h200_table(path: Path = H200_REFERENCE) -> tuple[dict, list[str]]:
+    """The H200 rows (tiered measured on an NVIDIA H200 + 16-core Xeon host, 2026-11-22): predicted
+    from that machine's profile through the real make_plan (planner/reference.py) vs the measured
+    values, which are data cited in the reference file (they cannot be re-measured here).
+
+    Returns:
+        (the table for the results JSON, its markdown lines).
+    """
+    from tiered.planner.reference import METRICS, compare, load_reference
+
+    ref, hw = load_reference(path)
+    rows = compare(ref, hw)
+    errs = [r["error"][m] for r in rows for m in METRICS if r["error"][m] is not None]
+    table = {"source": ref["source"], "machine": ref["machine"], "profile": ref["profile_source"],
+             "method": ref["method"], "context": ref["context"], "rows": rows,
+             "median_abs_error": median(errs), "within_25_percent": sum(e <= 0.25 for e in errs),
+             "comparisons": len(errs)}
+
+    def err(r, m):
+        return f"{r['error'][m]:.0%}" if r["error"][m] is not None else "not comparable"
+    lines = ["", f"## H200 rows: predicted from `{ref['profile']}` vs measured", "",
+             f"Measured: {ref['source']}. Machine: {ref['machine']}. Method: {ref['method']}. {ref['context']}",
+             "", "| row | measured tok/s | predicted tok/s | error | measured TTFT s | predicted TTFT s | error |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        (md, mt), (pd, pt) = ((x["decode_tokens_per_s"], x["ttft_s"]) for x in (r["measured"], r["predicted"]))
+        lines.append(f"| {r['name']} ({r['config']}) | {md:.1f} | {pd:.1f} | {err(r, 'decode_tokens_per_s')} | "
+                     f"{mt:.3f} | {pt:.3f} | {err(r, 'ttft_s')} |")
+    lines += [""] + [f"- {r['name']}: {r['note']}" for r in rows if r["note"]]
+    lines += ["", f"{table['within_25_percent']} of {len(errs)} comparable predictions within 25%; median absolute "
+              f"error {table['median_abs_error']:.0%}."]
+    return table, lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", help="HardwareProfile JSON (default: profile this machine now, full run)")
@@ -103,14 +140,24 @@ def main() -> None:
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/tiered/bench"))
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--out", default=str(ROOT / "results"), help="results directory (also gets this machine's profile)")
+    ap.add_argument("--h200-only", action="store_true", help="print the H200 table only (no measurement)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads for profiling and every run (default: torch's); on a shared machine "
+                         "1 keeps other processes from stalling OpenMP teams")
     args = ap.parse_args()
+    if args.h200_only:
+        print("\n".join(h200_table()[1]))
+        return
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.profile:
         hw = HardwareProfile.load(args.profile)
     else:
         from tiered.hardware.profiler import profile_machine
-        hw = profile_machine(quick=args.quick, progress=lambda m: print("  profile:", m, flush=True))
+        hw = profile_machine(quick=args.quick, threads=args.threads,
+                             progress=lambda m: print("  profile:", m, flush=True))
         hw.save(out_dir / "hardware_profile_this_machine.json")
     shape = dict(layers=4, hidden=512, ffn=1792, experts=8, vocab=4096) if args.quick else \
         dict(layers=8, hidden=1024, ffn=3584, experts=8, vocab=8192)
@@ -177,7 +224,7 @@ def main() -> None:
         print(f"{name}: predicted {step * 1e3:.1f} ms/token, measured {itl * 1e3:.1f} ms ({err:.0%})", flush=True)
     med = median(errors)
     settings = {"profile": hw.name, "profile_source": hw.source, "model_shape": shape, "cpu_mem_bytes": cpu_mem,
-                "new_tokens": args.new_tokens, "target": 0.20}
+                "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "target": 0.20}
     columns = [Column("plan", "plan"), Column("predicted ms/token", lambda r: r["predicted_step_s"] * 1e3, "{:.1f}"),
                Column("measured ms/token", lambda r: r["measured_itl_s"] * 1e3, "{:.1f}"),
                Column("error", "e2e_error", "{:.0%}"), Column("per-layer median error", "layer_median_error", "{:.0%}"),
@@ -188,9 +235,11 @@ def main() -> None:
              f"file read at {1 / hw_disk_beta / 1e9:.2f} GB/s), and so was disk/read_cold_parallel, two readers at once "
              f"as read-ahead issues them ({1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s).",
              f"Median absolute error over all per-layer and end-to-end comparisons: **{med:.0%}** (target < 20%)."]
+    h200, h200_lines = h200_table()
+    notes += h200_lines
     stem = "planner_validation_quick" if args.quick else "planner_validation"
     _, md = write_report(stem, out_dir, title="Planner validation", settings=settings, rows=rows, columns=columns,
-                         notes=notes, extra={"median_abs_error": med})
+                         notes=notes, extra={"median_abs_error": med, "h200": h200})
     print(md.read_text())
 
 

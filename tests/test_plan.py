@@ -83,7 +83,7 @@ def test_moe_layer_time_follows_the_read_mode(read_ahead, parallel):
     hits = HitStats(resident={i: 1 for i in range(32)}, cache={i: 1 for i in range(32)}, miss={i: 2 for i in range(32)})
     layers, step = predict_decode(MIXTRAL, hw, "bf16", context=64, hits=hits, read_ahead=read_ahead)
     eb = 3 * 4096 * 14336 * 2
-    compute = 5e-11 * eb + 2e-4  # three GEMVs over the expert's bytes + one executor task
+    compute = 5e-11 * eb  # three GEMVs over the expert's bytes, inline on the calling thread (no task hop)
     router = 5e-11 * 4096 * 8 * 2
     misses = 2 * 0.5  # top-2, half of the layer's expert uses miss
     read = 1e-4 + 1e-9 * eb
@@ -106,3 +106,30 @@ def test_parallel_reads_make_read_ahead_faster():
     _, one = predict_decode(MIXTRAL, _disk_box(True), "bf16", context=64, hits=hits, readers=1)
     _, one_seq = predict_decode(MIXTRAL, _disk_box(False), "bf16", context=64, hits=hits, readers=1)
     assert par < seq < one and one == pytest.approx(one_seq)  # one reader: the parallel fit does not apply
+
+
+def test_weights_beyond_the_last_level_cache_stream_at_dram_speed():
+    """A decode step whose weights exceed the cache reads them at memory/bandwidth_dram; one that
+    fits keeps the GEMV fit (timed on weights the cache may hold); the plain read bandwidth floors both."""
+    from tiered.hardware import op_time
+
+    m = {"gemv/cpu/fp32": LinearModel(0.0, 1e-11), "memory/bandwidth/cpu": LinearModel(0.0, 2e-11),
+         "memory/bandwidth_dram/cpu": LinearModel(1e-3, 5e-11)}
+    hw = HardwareProfile("llc-box", "test", m, None, None, {"llc_bytes": 256 * 2**20})
+    n = 64 * 2**20
+    assert op_time.memory_time(hw, "cpu", "fp32", n) == pytest.approx(2e-11 * n)  # read-bandwidth floor
+    assert op_time.memory_time(hw, "cpu", "fp32", n, working_set=200 * 2**20) == pytest.approx(2e-11 * n)
+    assert op_time.memory_time(hw, "cpu", "fp32", n, working_set=300 * 2**20) == pytest.approx(5e-11 * n)
+    no_llc = HardwareProfile("x", "test", m, None, None, {})
+    assert op_time.memory_time(no_llc, "cpu", "fp32", n, working_set=1e12) == pytest.approx(2e-11 * n)
+
+
+def test_cpu_path_misses_never_fill_the_cache():
+    """The runtime claims a cache slot only for a miss it copies: replaying a trace with every miss
+    on the CPU leaves the cache empty, with every miss copied it fills as without an accelerator."""
+    from tiered.planner.cpu_predict import routing_trace, simulate_hits
+
+    trace = routing_trace([0, 1], 8, 2, 200)
+    assert sum(simulate_hits(trace, set(), 4, copied=lambda t: [False] * len(t)).cache.values()) == 0
+    copied = simulate_hits(trace, set(), 4, copied=lambda t: [True] * len(t))
+    assert copied == simulate_hits(trace, set(), 4) and sum(copied.cache.values()) > 0

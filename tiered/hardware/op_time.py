@@ -42,10 +42,29 @@ def has_device(profile: HardwareProfile, device: str) -> bool:
     return any(k.startswith(f"gemm/{device}/") for k in profile.models)
 
 
-def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float, op: str = "gemv") -> float:
-    """Seconds to stream `nbytes` of operands through `device`; 0 when the profile cannot say."""
-    m = find(profile, op, device, dtype) or profile.models.get(f"memory/bandwidth/{device}")
-    return m(nbytes) if m is not None else 0.0
+def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float, op: str = "gemv",
+                working_set: float = 0.0) -> float:
+    """Seconds to stream `nbytes` of operands through `device`; 0 when the profile cannot say.
+
+    The op's own fit (gemv/<dev>/<dtype>), floored by the device's read bandwidth
+    (memory/bandwidth/<dev>, its per-byte term): no kernel reads its weights faster than the memory
+    delivers them. The floor binds where the GEMV fit was timed on weights a large last-level cache
+    partly holds (the profiler rotates CPU GEMVs over 64 MiB): on the H200's 16-core Xeon host the
+    bf16 GEMV fit runs at 93 GB/s against 84 GB/s for a plain read; on 2 cores the GEMV is the
+    slower of the two and the floor never binds.
+
+    `working_set`: bytes read between two reads of the same weight (a decode step's weights). When
+    it exceeds the last-level cache (meta["llc_bytes"]), no read hits the cache and the floor is the
+    memory's own rate beyond it, memory/bandwidth_dram/<dev>, when profiled.
+    """
+    m = find(profile, op, device, dtype)
+    bw = profile.models.get(f"memory/bandwidth/{device}")
+    llc = profile.meta.get("llc_bytes") if profile.meta else None
+    dram = profile.models.get(f"memory/bandwidth_dram/{device}") if llc and working_set > llc else None
+    floor = max((x.beta for x in (bw, dram) if x is not None), default=0.0)
+    if m is None:
+        return max(bw(nbytes) if bw is not None else 0.0, nbytes * floor)
+    return max(m(nbytes), nbytes * floor)
 
 
 def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, weight_bytes: float = 0.0,
@@ -84,3 +103,20 @@ def launch_time(profile: HardwareProfile, device: str) -> float:
     """Per-kernel launch cost on `device` [s]; 0 when not profiled."""
     m = profile.models.get(f"launch/{device}")
     return m.alpha if m is not None else 0.0
+
+
+def step_overhead(profile: HardwareProfile, dtype: str, device: str = "cpu") -> tuple[float, float]:
+    """(per step, per layer) seconds of the model code's own fixed costs in a decode step: module
+    calls, small ops and their launches, KV-cache writes (runtime/decode_step: a tiny model's decode
+    step, n = layers). (0, 0) when not profiled.
+
+    With device "gpu", runtime/decode_step_gpu/<dtype> (the same tiny model on the accelerator)
+    when profiled; else the CPU measurement stands in: the same Python issues the same ops, each a
+    kernel launch instead of a small CPU kernel. int4/int8 decode weights run with 16-bit
+    activations, so their nearest profiled step is bf16.
+    """
+    fallback = (dtype, "fp32") if dtype == "fp32" else (dtype, "bf16", "fp32")
+    keys = ([f"runtime/decode_step_gpu/{d}" for d in fallback] if device == "gpu" else []) + \
+        [f"runtime/decode_step/{d}" for d in fallback]
+    m = next((profile.models[k] for k in keys if k in profile.models), None)
+    return (m.alpha, m.beta) if m is not None else (0.0, 0.0)

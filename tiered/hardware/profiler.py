@@ -9,10 +9,12 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     gemv/<dev>/<dtype>   memory-bound GEMVs (1 token)           n = weight bytes
     attn/<dev>/<dtype>   decode attention (bmm q.K^T, p.V)      n = MACs
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
+    memory/bandwidth_dram/cpu  reads of 2-4 x the last-level cache (meta["llc_bytes"])   n = bytes
     launch/<dev>         a tiny op (alpha only)
     runtime/task         one task through tiered's executor and back (alpha only)
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
                          n = layers (the fixed per-step and per-layer cost of the model code)
+    runtime/decode_step_gpu/<dtype>  the same on CUDA, model in <dtype> (CUDA only)
     copy/{h2d,d2h}_{pinned,pageable}   (CUDA only)             n = bytes
     disk/read_cold (page cache dropped with posix_fadvise before each read), disk/write (+ fsync)
     disk/read_cold_parallel  cold reads split over DISK_READERS threads at once   n = all bytes
@@ -100,6 +102,7 @@ class _Bench:
         self.models: dict[str, LinearModel] = {}
         self.skipped: dict[str, str] = {}
         self.points: dict[str, list[tuple[float, float]]] = {}
+        self.llc: int | None = None  # last-level cache [bytes], when the OS says
 
     def fit(self, key: str, points: list[tuple[float, float]]) -> None:
         self.points[key] = points
@@ -238,29 +241,40 @@ class _NoCheckpoint:
         return False
 
 
-def _decode_step_points(repeats: int, dtype: str = "fp32") -> list[tuple[float, float]]:
+def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") -> list[tuple[float, float]]:
     """(layers, seconds) of one decode step of tiny dense tiered models (hidden 64) with 2..8 layers.
 
     The weights are so small that what is timed is the fixed cost of a decode step and of each
     layer in tiered's model code (module calls, small ops, KV-cache writes): runtime/decode_step.
+    On the CPU the engine's decode path runs fp32 activations with weights read in `dtype`; on CUDA
+    (runtime/decode_step_gpu) the model is cast to `dtype` as the engine does there, and each step
+    ends with the device synchronized: the host's cost of issuing the ops, or the GPU's if slower.
     """
     from tiered.checkpoint.model_config import ModelConfig
     from tiered.models import build_model
-    from tiered.models.layers import KVCache
+    from tiered.models.layers import KVCache, Rotary
     from tiered.quant.linear import install_decode_weights
 
+    cuda = device == "cuda"
+    td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     points = []
     for layers in (2, 4, 8):
         cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
         model = build_model(cfg, 64).eval()
-        if dtype != "fp32":  # the engine's decode path: fp32 activations, weights read in `dtype`
+        if cuda:  # as the engine: weights in `dtype`, RoPE tables fp32
+            model = model.to("cuda", td)
+            model.rotary = Rotary(cfg, 64).to("cuda")
+        elif dtype != "fp32":  # the engine's CPU decode path: fp32 activations, weights read in `dtype`
             install_decode_weights(model, _NoCheckpoint(), dtype, 8)
-        cache = KVCache(cfg, 1, 64, torch.float32)
-        slots, ids, pos = torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[32]])
+        dev = "cuda" if cuda else "cpu"
+        cache = KVCache(cfg, 1, 64, td if cuda else torch.float32, dev)
+        slots, ids, pos = (torch.tensor([0], device=dev), torch.tensor([[1]], device=dev),
+                           torch.tensor([[32]], device=dev))
         with torch.inference_mode():
-            model(torch.ones(1, 32, dtype=torch.long), torch.arange(32).unsqueeze(0), slots, cache)
-            t = median_time(lambda: model(ids, pos, slots, cache), repeats)
+            model(torch.ones(1, 32, dtype=torch.long, device=dev), torch.arange(32, device=dev).unsqueeze(0), slots, cache)
+            t = median_time(lambda: model(ids, pos, slots, cache), repeats, sync)
         points.append((float(layers), t))
     return points
 
@@ -363,11 +377,26 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def last_level_cache_bytes() -> int | None:
+    """Size of the CPU's largest data cache (Linux sysfs, cpu0), or None when unknown."""
+    best = None
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (d / "type").read_text().strip() == "Instruction":
+                continue
+            text = (d / "size").read_text().strip().upper()
+            n = int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+        except (OSError, ValueError, IndexError):
+            continue
+        best = max(best or 0, n)
+    return best
+
+
 def _meta(b: _Bench, cuda: bool) -> dict:
     meta = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "cores": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "quick": b.quick, "repeats": b.repeats, "disk_dir": str(b.disk_dir), "disk_fs": _fs_type(b.disk_dir),
-            "disk_memory": shutil.disk_usage(b.disk_dir).free, "skipped": b.skipped,
+            "disk_memory": shutil.disk_usage(b.disk_dir).free, "skipped": b.skipped, "llc_bytes": b.llc,
             "points": {k: [[float(n), float(t)] for n, t in v] for k, v in b.points.items()}}
     if cuda:
         props = torch.cuda.get_device_properties(0)
@@ -421,6 +450,11 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt(f"attn/cpu/{dtype}", lambda d=dtype: _attn_points("cpu", d, attn_shapes, nosync, r))
     mem_sizes = [8, 32, 96] if quick else [16, 64, 256, 512]
     b.attempt("memory/bandwidth/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=False))
+    llc = last_level_cache_bytes()
+    if llc and 4 * llc <= 4 * 2**30:  # reads no cache holds: a decode step whose weights exceed the cache
+        b.llc = llc
+        dram = [2 * llc // MiB, 3 * llc // MiB, 4 * llc // MiB]
+        b.attempt("memory/bandwidth_dram/cpu", lambda: _memory_points("cpu", dram, nosync, max(3, r // 2), copy=False))
     b.attempt("memory/copy/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=True))
     b.models["launch/cpu"] = LinearModel(_launch_time("cpu", nosync), 0.0, None)
     b.say(f"launch/cpu: {b.models['launch/cpu'].alpha:.3g} s")
@@ -454,6 +488,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt("memory/bandwidth/gpu", lambda: _memory_points("gpu", [64, 256, 1024], sync, r, copy=False))
         b.attempt("memory/copy/gpu", lambda: _memory_points("gpu", [64, 256, 1024], sync, r, copy=True))
         b.models["launch/gpu"] = LinearModel(_launch_time("gpu", sync), 0.0, None)
+        b.attempt("runtime/decode_step_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda"))
         copy_sizes = [1, 4, 16, 64] if quick else [1, 4, 16, 64, 256]
         for kind in ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable"):
             b.attempt(f"copy/{kind}", lambda k=kind: _copy_points(k, copy_sizes, r))

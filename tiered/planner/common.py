@@ -44,12 +44,12 @@ def head_time(cfg: ModelConfig, profile: HardwareProfile, device: str, precision
 
 
 def place_experts(plan: Plan, cfg: ModelConfig, moe_layers: list[int], expert_bytes: int, fast_free: float,
-                  cpu_free: float | None, experts: ExpertChoices):
+                  cpu_free: float | None, experts: ExpertChoices, copied=None):
     """The expert placement (planner/placement.py: Fiddler §3.4 with the expert cache carved out
     first) on the plan's byte counts, and the hit shares its resident set and cache get on a routing
-    trace drawn from the popularity (cpu_predict.simulate_hits). Writes the placement into the plan
-    (each MoE layer's expert_tiers is filled by the caller from the returned placement; the cache
-    slots and expert bytes here).
+    trace drawn from the popularity (cpu_predict.simulate_hits; `copied` says which misses fill the
+    cache, see there). Writes the placement into the plan (each MoE layer's expert_tiers is filled
+    by the caller from the returned placement; the cache slots and expert bytes here).
 
     Returns:
         (ExpertPlacement, HitStats).
@@ -69,7 +69,7 @@ def place_experts(plan: Plan, cfg: ModelConfig, moe_layers: list[int], expert_by
     trace = routing_trace(moe_layers, E, k, max(plan.gen_tokens, 64), experts.popularity)
     plan.expert_cache_slots, plan.expected_hit_rate = placement.cache_slots, placement.expected_hit_rate
     plan.expert_bytes = int(expert_bytes)
-    return placement, simulate_hits(trace, resident, placement.cache_slots, plan.cache_policy)
+    return placement, simulate_hits(trace, resident, placement.cache_slots, plan.cache_policy, copied=copied)
 
 
 def expert_tiers(placement, layer: int, num_experts: int) -> list[str]:

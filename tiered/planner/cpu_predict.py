@@ -7,7 +7,8 @@ Per decode step and layer (ALGORITHMS.md 5.2, with the GPU terms absent):
     MoE layer      router + for each of the step's experts: compute (gemv of the expert's bytes) and,
                    on a miss, a cold disk read of its bytes; without read-ahead reads and computes
                    alternate, with read-ahead the reads of a layer stream back to back while hits
-                   compute, and every expert task pays the executor's per-task overhead
+                   compute; computes run inline on the calling thread, each read is a task on a
+                   reader thread and pays the executor's per-task overhead (runtime/task)
     lm_head        gemm_time of the vocabulary projection
 Cache hit rates come from replaying a routing trace through the runtime's own ExpertCache logic
 (`simulate_hits`), as ALGORITHMS.md 5.2 prescribes ("a cache simulator driven by the routing traces").
@@ -67,11 +68,20 @@ def routing_trace(moe_layers: list[int], num_experts: int, top_k: int, steps: in
     return trace
 
 
-def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_only: bool = True) -> HitStats:
+def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_only: bool = True,
+                  copied=None) -> HitStats:
     """Replay routing decisions [(layer, tokens, experts)] through an ExpertCache of `slots` slots.
 
-    The cache is the runtime's own class with empty slots, so eviction and pinning are the same.
-    Prefill steps (tokens > 1) still fill the cache but are not counted when decode_only.
+    The cache is the runtime's own class with empty slots, so eviction and pinning are the same, and
+    each step is replayed in the runtime's order (runtime/moe_runner.py): every expert of the layer
+    is looked up first, then the misses claim slots. Prefill steps (tokens > 1) still fill the cache
+    but are not counted when decode_only.
+
+    Args:
+        copied: with an accelerator, which of a step's misses take the copy path and so claim a slot
+            (a CPU-path miss computes from host memory and never enters the cache): a callable
+            (tokens per missing expert, in expert order) -> list of bool, e.g. from
+            runtime/dispatcher.split_misses; None = every miss claims one (CPU + disk tiers).
     """
     cache = ExpertCache(slots, ((0,),), torch.float32, lambda s, d, w: torch.empty(s), POLICIES[policy]())
     st = HitStats()
@@ -79,30 +89,52 @@ def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_
         count = tokens == 1 or not decode_only
         keys = [(layer, e) for e in experts]
         pinned = set(keys)
+        misses = []
         for k in keys:
             if k in resident:
                 kind = st.resident
             elif cache.lookup(k) is not None:
                 kind = st.cache
             else:
-                cache.claim(k, pinned)
+                misses.append(k)
                 kind = st.miss
             if count:
                 kind[layer] = kind.get(layer, 0) + 1
+        # tokens per missing expert: 1 in decode; in prefill tokens / experts used (top-1 bound)
+        claims = [True] * len(misses) if copied is None else copied([max(1, tokens // len(keys))] * len(misses))
+        for k, claim in zip(misses, claims):
+            if claim:
+                cache.claim(k, pinned)
     return st
 
 
-def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1) -> float:
+def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, working_set: float = 0.0) -> float:
     """Seconds of `calls` one-token matmuls reading `weight_bytes` in all: the memory-bound regime
-    (gemv/cpu/<dtype>), which is what a decode step runs; the many-token GEMM fit does not apply."""
-    return op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv") * calls
+    (gemv/cpu/<dtype>), which is what a decode step runs; the many-token GEMM fit does not apply.
+    `working_set`: the step's weight bytes (op_time.memory_time: beyond the cache, DRAM's rate)."""
+    return op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set) * calls
 
 
-def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int) -> float:
+def step_weight_bytes(cfg: ModelConfig, dtype: str, moe_layers: list[int] | None = None) -> float:
+    """Weight bytes one decode step reads: every layer's attention and dense MLP or router + top-k
+    experts, and the lm_head."""
+    bpe = op_time.bytes_per_element(dtype)
+    d = cfg.hidden_size
+    attn = 2 * d * cfg.num_attention_heads * cfg.head_dim + 2 * d * cfg.num_key_value_heads * cfg.head_dim
+    total = d * cfg.vocab_size
+    for i in range(cfg.num_hidden_layers):
+        is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
+        ffn = (d * cfg.num_experts + cfg.num_experts_per_tok * 3 * d * cfg.moe_intermediate_size if is_moe
+               else 3 * d * cfg.intermediate_size)
+        total += attn + ffn
+    return total * bpe
+
+
+def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, working_set: float = 0.0) -> float:
     d, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     w = 2 * d * q + 2 * d * kv
-    proj = _gemv(hw, dtype, w * op_time.bytes_per_element(dtype), calls=4)
+    proj = _gemv(hw, dtype, w * op_time.bytes_per_element(dtype), calls=4, working_set=working_set)
     act = dtype if dtype in ("fp32", "bf16", "fp16") else "bf16"  # int4/int8 weights keep a 16-bit KV cache
     kv_bytes = 2 * kv * context * op_time.bytes_per_element(act)
     return proj + op_time.attention_time(hw, "cpu", act, 2 * context * q, kv_bytes)
@@ -127,23 +159,23 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         hw.models["runtime/task"].alpha if hw.has("runtime/task") else 0.0)
     disk = hw.models.get("disk/read_cold")
     # the model code's own fixed costs (module calls, small ops) per layer and per step, when profiled
-    # int4/int8 decode weights run with 16-bit activations: their nearest profiled step is bf16
-    fallback = (dtype, "fp32") if dtype == "fp32" else (dtype, "bf16", "fp32")
-    fixed = next((m for d in fallback if (m := hw.models.get(f"runtime/decode_step/{d}")) is not None), None)
-    per_layer, per_step = (fixed.beta, fixed.alpha) if fixed is not None else (0.0, 0.0)
+    per_step, per_layer = op_time.step_overhead(hw, dtype)
+    ws = step_weight_bytes(cfg, dtype, moe_layers)  # beyond the last-level cache: DRAM's rate
     layers = []
     for i in range(cfg.num_hidden_layers):
-        attn = _attention(cfg, hw, dtype, context) + per_layer
+        attn = _attention(cfg, hw, dtype, context, ws) + per_layer
         t = 0.0
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size
-            t += _gemv(hw, dtype, 3 * d * F * bpe, calls=3)
+            t += _gemv(hw, dtype, 3 * d * F * bpe, calls=3, working_set=ws)
         else:
             F, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
             eb = 3 * d * F * bpe
-            t += _gemv(hw, dtype, d * cfg.num_experts * bpe)
-            compute = _gemv(hw, dtype, eb, calls=3) + over  # a miss pays `over` again for its read task
+            t += _gemv(hw, dtype, d * cfg.num_experts * bpe, working_set=ws)
+            # computes run inline on the calling thread (the executor's "cpu" stream): no task hop;
+            # each miss's read is a task on a reader thread and pays `over`
+            compute = _gemv(hw, dtype, eb, calls=3, working_set=ws)
             res, hit = hits.rates(i) if hits is not None else (1.0, 0.0)
             misses = k * (1 - res - hit)
             read = disk(eb) if disk is not None and misses > 0 else 0.0
@@ -162,5 +194,46 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             else:
                 t += k * compute + misses * (read + over)
         layers.append((attn, t))
-    head = _gemv(hw, dtype, d * cfg.vocab_size * bpe)
+    head = _gemv(hw, dtype, d * cfg.vocab_size * bpe, working_set=ws)
     return layers, sum(a + f for a, f in layers) + head + per_step
+
+
+def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int,
+                    moe_layers: list[int] | None = None, disk_share: float = 0.0) -> float:
+    """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
+
+    Per layer: the attention projections and each FFN / active expert as GEMMs of all their
+    tokens (op_time.gemm_time: compute, floored by streaming the weights once), causal attention
+    over the prompt (half the positions on average), the model code's per-layer cost, and for an
+    MoE layer the router and, for the `disk_share` of its experts not in RAM, a cold read each.
+    Experts: with T tokens routed top-k of E uniformly, E * (1 - (1 - k/E)^T) are active with T * k
+    / active tokens each. Then the lm_head of the last token only (CausalLM's last_only) and the
+    per-step cost. Prefill runs the dense weights in `dtype` (decode copies serve <= 8 rows).
+    """
+    import math
+
+    bpe = op_time.bytes_per_element(dtype)
+    d, T = cfg.hidden_size, tokens
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    w_attn = 2 * d * q + 2 * d * kv
+    per_step, per_layer = op_time.step_overhead(hw, dtype)
+    disk = hw.models.get("disk/read_cold")
+    total = per_step + _gemv(hw, dtype, d * cfg.vocab_size * bpe)
+    for i in range(cfg.num_hidden_layers):
+        t = per_layer + op_time.gemm_time(hw, "cpu", dtype, T * w_attn, w_attn * bpe, calls=4)
+        t += op_time.gemm_time(hw, "cpu", dtype, 2 * T * (T + 1) / 2 * q, 0.0, calls=2)  # q.K^T and p.V, causal
+        is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
+        if not is_moe:
+            F = cfg.intermediate_size
+            t += op_time.gemm_time(hw, "cpu", dtype, 3 * T * d * F, 3 * d * F * bpe, calls=3)
+        else:
+            E, k, F = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+            active = min(E, max(k, math.ceil(E * (1 - (1 - k / E) ** T) - 1e-9)))
+            s = max(1, math.ceil(T * k / active - 1e-9))
+            eb = 3 * d * F * bpe
+            t += op_time.gemm_time(hw, "cpu", dtype, T * d * E, d * E * bpe)  # router
+            t += active * op_time.gemm_time(hw, "cpu", dtype, 3 * s * d * F, eb, calls=3)
+            if disk is not None:
+                t += active * disk_share * disk(eb)
+        total += t
+    return total

@@ -3,16 +3,24 @@
 Source: Fiddler (ICLR 2025) §3.3 and Algorithm 1; ALGORITHMS.md 2.b, gap F4 (intercepts). For one
 expert of `matrices` GEMMs of hidden x intermediate, with s routed tokens:
 
-    cpu_lat(s)   = gemm_time(cpu, s * macs_per_token, expert bytes)            (roofline, op_time.py)
-    gpu_lat(s)   = matrices * launch/gpu + gemm_time(gpu, s * macs_per_token, expert bytes)
+    cpu_lat(s)   = kernels * launch/cpu + activation(s) + gemm_time(cpu, s * macs_per_token, expert bytes)
+    gpu_lat(s)   = kernels * launch/gpu + activation(s) + gemm_time(gpu, s * macs_per_token, expert bytes)
     transfer_lat = copy/h2d_pinned(expert bytes in the GPU's format)
     s*           = the largest s with cpu_lat(s) <= gpu_lat(s) + transfer_lat   (run on the CPU iff s <= s*)
 
-Each side is the max of a compute line (alpha + beta * MACs) and a memory floor (weight bytes
-streamed), so it is piecewise affine in s. The dispatcher's `LatencyModel` is affine; `latency_model`
-keeps each side's per-token slope and anchors both lines at the crossing, so its decisions (and its
-`cpu_threshold`) equal the piecewise model's for every s in 1..s_max whenever the CPU wins on a
-prefix 1..s* (tests/test_profiler.py checks this by brute force).
+`kernels` are the expert's three matmuls plus SwiGLU's two elementwise ops (silu, product), each
+launched once (models/moe.expert_forward); `activation(s)` streams their s x intermediate values
+(memory/bandwidth/<dev>). The matmuls' memory floor is op_time.memory_time's (the GEMV fit,
+floored by the memory's read bandwidth). Each side is the max of a compute line (alpha + beta *
+MACs) and that floor, so it is piecewise affine in s.
+
+The dispatcher's `LatencyModel` is affine. `latency_model` takes each side's secant between s = 1
+and s = s* (s_max when the CPU always wins): exact for a decode step's expert (s = 1, the case the
+runtime meets most and the one the planner's decode times are made of) and at the crossing, so its
+decisions (and its `cpu_threshold`) equal the piecewise model's for every s in 1..s_max whenever
+the CPU wins on a prefix 1..s* (tests/test_profiler.py checks this by brute force). Anchoring at
+s* with the compute slope instead (as before) priced a one-token CPU expert at its compute line,
+0.17 ms on the H200's host against 4-5 ms streamed, and sent every decode miss to the CPU.
 """
 
 from __future__ import annotations
@@ -42,6 +50,11 @@ class ExpertShape:
     def macs_per_token(self) -> int:
         return self.matrices * self.hidden * self.intermediate
 
+    @property
+    def kernels(self) -> int:
+        """Kernels one expert call launches: its matmuls plus SwiGLU's silu and product."""
+        return self.matrices + 2
+
     def weight_bytes(self, dtype: str, group: int = 32) -> float:
         """Stored bytes of the expert in `dtype` (int4 with its group scales and zeros)."""
         return self.matrices * self.hidden * self.intermediate * op_time.bytes_per_element(dtype, group)
@@ -49,21 +62,22 @@ class ExpertShape:
 
 @dataclass(frozen=True)
 class _Piecewise:
-    """t(s) = const + max(alpha + beta * s, floor) [s]."""
+    """t(s) = const + act * s + max(alpha + beta * s, floor) [s]."""
 
     const: float
     alpha: float
     beta: float
     floor: float
+    act: float = 0.0
 
     def __call__(self, s: float) -> float:
-        return self.const + max(self.alpha + self.beta * s, self.floor)
+        return self.const + self.act * s + max(self.alpha + self.beta * s, self.floor)
 
     def piece(self, s: float) -> tuple[float, float]:
         """(alpha, beta) of the affine piece active at s."""
         if self.alpha + self.beta * s >= self.floor:
-            return self.const + self.alpha, self.beta
-        return self.const + self.floor, 0.0
+            return self.const + self.alpha, self.beta + self.act
+        return self.const + self.floor, self.act
 
 
 @dataclass(frozen=True)
@@ -92,8 +106,11 @@ class ExpertLatency:
         if m is None:  # let gemm_time raise its ConfigError naming the missing key
             op_time.gemm_time(p, device, dtype, 1.0)
         floor = op_time.memory_time(p, device, dtype, sh.weight_bytes(dtype) / sh.matrices) * sh.matrices
-        launches = sh.matrices * op_time.launch_time(p, device) if device == "gpu" else 0.0
-        return _Piecewise(launches, sh.matrices * m.alpha, sh.macs_per_token * m.beta, floor)
+        const = sh.kernels * op_time.launch_time(p, device)
+        bw = p.models.get(f"memory/bandwidth/{device}")
+        # silu(gate) and gate * up read 3 and write 2 vectors of `intermediate` 16-bit values per token
+        act_beta = 5 * sh.intermediate * 2 * bw.beta if bw is not None else 0.0
+        return _Piecewise(const, sh.matrices * m.alpha, sh.macs_per_token * m.beta, floor, act_beta)
 
     @property
     def cpu(self) -> _Piecewise:
@@ -141,31 +158,40 @@ class ExpertLatency:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self.cpu_wins(mid) else (lo, mid)
         (ca, cb), (ga, gb) = cpu.piece(lo + 0.5), gpu.piece(lo + 0.5)
-        if cb == gb:
-            return float(lo)
-        x = (ga + tr - ca) / (cb - gb)  # exact crossing on the pieces active between lo and hi
-        return x if lo <= x <= hi else float(lo)
+        if cb != gb:
+            x = (ga + tr - ca) / (cb - gb)  # exact crossing on the pieces active between lo and hi
+            if lo <= x <= hi:
+                return x
+        a, b = float(lo), float(hi)  # a piece changes between lo and hi: bisect the continuous margin
+        for _ in range(64):
+            mid = (a + b) / 2
+            a, b = (mid, b) if cpu(mid) <= gpu(mid) + tr else (a, mid)
+        return a
 
     def latency_model(self, s_max: int = 4096) -> LatencyModel:
-        """The dispatcher's affine LatencyModel, equal to the piecewise model at the anchor s_a.
+        """The dispatcher's affine LatencyModel: each side's secant between s = 1 and s_a.
 
-        Each side keeps its compute slope (per-token cost) and passes through the exact latency at
-        s_a = s* (or 1 when the CPU never wins, s_max when it always does), so its decisions
-        switch exactly at s*. Lines bound the piecewise latencies from above.
+        s_a = s* (s_max when the CPU always wins). Both lines are exact at s = 1 (a decode step's
+        expert) and at s_a, so they cross at s* and the decisions switch exactly there; between 1
+        and s_a each line bounds its convex side from above. When the CPU loses at s = 1 already
+        (s* = 0) or s* = 1, each line is exact at 1 with its side's per-token slope at large s (an
+        upper bound for every s >= 1). Without a GPU the CPU line is built the same way.
         """
         disk = self.profile.models.get("disk/read_cold")
         disk_alpha, disk_bw = (disk.alpha, 1.0 / disk.beta) if disk is not None and disk.beta > 0 else (0.0, math.inf)
         cpu = self.cpu
         if not self.has_gpu:
-            return LatencyModel(cpu(1) - cpu.beta, cpu.beta, cpu(1) - cpu.beta, cpu.beta, 0.0, math.inf,
-                                disk_alpha, disk_bw)
+            cb = cpu.beta + cpu.act
+            return LatencyModel(cpu(1) - cb, cb, cpu(1) - cb, cb, 0.0, math.inf, disk_alpha, disk_bw)
         gpu = self.gpu
         s = self.threshold(s_max)
-        at = 1.0 if s == 0.0 else float(s_max) if math.isinf(s) else s
+        at = float(s_max) if math.isinf(s) else s
+        if at > 1.0 + 1e-9:
+            cb, gb = ((side(at) - side(1)) / (at - 1.0) for side in (cpu, gpu))
+        else:
+            cb, gb = cpu.beta + cpu.act, gpu.beta + gpu.act
         h2d = self.profile.model("copy/h2d_pinned")
-        return LatencyModel(cpu(at) - cpu.beta * at, cpu.beta, gpu(at) - gpu.beta * at, gpu.beta,
-                            h2d.alpha, 1.0 / h2d.beta, disk_alpha, disk_bw)
-
+        return LatencyModel(cpu(1) - cb, cb, gpu(1) - gb, gb, h2d.alpha, 1.0 / h2d.beta, disk_alpha, disk_bw)
 
 def dispatch_latency(profile: HardwareProfile, cfg: ModelConfig, cpu_dtype: str = "bf16",
                      gpu_dtype: str = "bf16") -> LatencyModel:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import BudgetError
-from tiered.hardware import op_time
 from tiered.hardware.budget import format_bytes
 from tiered.hardware.profile import HardwareProfile
 from tiered.memory import sizes
@@ -26,7 +25,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     Raises:
         BudgetError: RAM cannot hold the non-expert weights, KV cache and staging.
     """
-    from tiered.planner.cpu_predict import predict_decode
+    from tiered.planner.cpu_predict import predict_decode, predict_prefill
 
     dtype = plan.precision  # what decode reads: the decode copies' format (int4/int8) or the weights'
     fmt = plan.dtypes["weights"]
@@ -77,11 +76,9 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
             lp.expert_tiers = expert_tiers(placement, i, cfg.num_experts)
         plan.layers.append(lp)
     plan.predicted_decode_tokens_per_s = 1.0 / step
-    prefill_macs = plan.prompt_tokens * (cfg.num_parameters() if not moe else
-                                         cfg.num_parameters() * cfg.num_experts_per_tok / max(cfg.num_experts, 1))
-    plan.predicted_ttft_s = op_time.gemm_time(profile, "cpu", fmt, prefill_macs, 0.0, calls=7 * L)
-    plan.memory = memory
     disk_share = 1.0 - hits.fast_share() if hits else 0.0
+    plan.predicted_ttft_s = predict_prefill(cfg, profile, fmt, plan.prompt_tokens, moe or None, disk_share)
+    plan.memory = memory
     plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
                     f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "
                     f"{plan.expert_cache_slots} cache slots) and are read from disk")

@@ -9,6 +9,7 @@ double-buffered CG staging of the largest FFN.
 from __future__ import annotations
 
 from tiered.checkpoint.model_config import ModelConfig
+from tiered.hardware import op_time
 from tiered.hardware.budget import format_bytes
 from tiered.hardware.profile import HardwareProfile
 from tiered.memory import sizes
@@ -46,16 +47,19 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     pparams = cost_params(profile, fmt, prompt_shape)
     attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])
     attn_pre = attention_time(cfg, profile, "gpu", fmt, plan.prompt_tokens, plan.prompt_tokens, plan.dtypes["kv_cache"])
+    # the model code's host cost per layer and per step (module calls, small ops, their launches)
+    per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu")
     ffn_gpu_bytes = 0.0
     for i, rates in enumerate(assign.rates):
         tok = solve_n_g(prompt_shape, rates, pparams)
         plan.layers.append(LayerPlan(i, "dense", fmt, rates.r_cc, rates.r_cg, rates.r_gg, tok.n_g,
-                                     decode_s=decode_layer_time(decode_shape, rates, params) + attn_dec,
-                                     prefill_s=prompt_layer_time(prompt_shape, rates, tok.n_g, pparams) + attn_pre))
+                                     decode_s=decode_layer_time(decode_shape, rates, params) + attn_dec + per_layer,
+                                     prefill_s=prompt_layer_time(prompt_shape, rates, tok.n_g, pparams) + attn_pre
+                                     + per_layer))
         ffn_gpu_bytes += rates.r_gg * 3 * M * H * bpe
     head = head_time(cfg, profile, "gpu", fmt)
-    plan.predicted_decode_tokens_per_s = 1.0 / (sum(l.decode_s for l in plan.layers) + head)
-    plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + head
+    plan.predicted_decode_tokens_per_s = 1.0 / (sum(l.decode_s for l in plan.layers) + head + per_step)
+    plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + head + per_step
     ffn_total = L * 3 * M * H * bpe
     sliced = ffn_gpu_bytes < ffn_total - 1
     plan.memory = {"gpu": non_ffn + kv + plan.workspace_bytes + (staging if sliced else 0) + ffn_gpu_bytes,

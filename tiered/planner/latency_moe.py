@@ -6,21 +6,62 @@ routing-trace simulation predicts faster (residents win ties: they cost no fill 
 live in (pinned) CPU RAM, then on disk. Each step's missing experts are split between CPU compute
 and H2D copies (runtime/dispatcher.split_misses) with the latency model priced from the profile
 (planner/fiddler.py), which is also what the runtime dispatches with.
+
+A layer's time is what runtime/moe_runner.py does, priced from profile keys (`_LayerCosts`):
+    front    the model code's host cost per layer (runtime/decode_step, op_time.step_overhead)
+             against the GPU's attention (the host issues while the GPU runs)
+    sync     the layer's one host sync: the per-expert token counts come back (a small D2H)
+    experts  three workers at once: the compute stream (hits, then each copied expert once its
+             weights land), the copy stream (per copy: a task hop + the expert's H2D), the calling
+             thread (CPU-path experts: activations D2H once, each expert, its output H2D); CPU
+             expert reads and H2D copies share the host's memory bandwidth (memory/bandwidth/cpu)
+    combine  the runner's own kernels: grouping the routing slots per layer, gathering and
+             index_add per expert (launch/gpu each)
+A decode step adds the per-step host cost, the lm_head and the logits' D2H. Cache hits are the
+routing-trace simulation's with the runtime's fill rule: only copied misses claim a slot.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import BudgetError
+from tiered.hardware import op_time
 from tiered.hardware.budget import format_bytes
 from tiered.hardware.profile import HardwareProfile
 from tiered.memory import sizes
 from tiered.planner.common import (ExpertChoices, attention_time, expert_tiers, head_time, place_experts,
                                    popularity_note)
 from tiered.planner.plan import LayerPlan, Plan
+
+# Kernels runtime/moe_runner.TieredExperts launches besides the experts' own (counted in its code):
+RUNNER_LAYER_KERNELS = 5  # flatten, argsort, bincount, token = order // k, slot = order % k (+ zeros_like below)
+RUNNER_EXPERT_KERNELS = 4  # x[tok] gather, topk_weight[tok, slot] gather, y * weight, out.index_add_
+
+
+@dataclass(frozen=True)
+class _LayerCosts:
+    """Fixed costs of one MoE layer's expert phase on this machine [s], from profile keys."""
+
+    task: float  # a task's hop to a stream worker and back (runtime/task)
+    launch: float  # one kernel launch (launch/gpu)
+    sync: float  # the layer's host sync: a small D2H of the token counts (copy/d2h_pageable)
+    copy_alpha: float  # per H2D call (copy/h2d_pinned alpha); an expert is `matrices` calls
+    copy_beta: float  # per byte
+    d2h: object  # copy/d2h_pageable model (activations to the host) or None
+    h2d: object  # copy/h2d_pageable model (a CPU expert's output back) or None
+    host_read_beta: float  # host memory per byte read (memory/bandwidth/cpu), shared by CPU experts and DMA
+
+    @classmethod
+    def of(cls, profile: HardwareProfile) -> "_LayerCosts":
+        m = profile.models
+        task = m["runtime/task"].alpha if "runtime/task" in m else 0.0
+        d2h, h2d, pinned = m.get("copy/d2h_pageable"), m.get("copy/h2d_pageable"), profile.model("copy/h2d_pinned")
+        bw = m.get("memory/bandwidth/cpu")
+        return cls(task, op_time.launch_time(profile, "gpu"), d2h.alpha if d2h is not None else 0.0,
+                   pinned.alpha, pinned.beta, d2h, h2d, bw.beta if bw is not None else 0.0)
 
 
 def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: int, cpu: int | None,
@@ -31,7 +72,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
         BudgetError: the GPU cannot hold the non-expert weights, KV cache and staging buffers.
     """
     from tiered.planner.fiddler import ExpertLatency, ExpertShape
-    from tiered.runtime.dispatcher import CPU, miss_makespan, split_misses
+    from tiered.runtime.dispatcher import CPU, split_misses
 
     fmt, efmt = plan.dtypes["weights"], plan.dtypes["experts"]
     E, k = cfg.num_experts, cfg.num_experts_per_tok
@@ -51,44 +92,67 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     if cpu_room is not None and cpu_room < 0:
         raise BudgetError(f"CPU budget {format_bytes(cpu)} cannot hold the {plan.staging_buffers} host staging buffers "
                           f"({format_bytes(staging)})", f"raise --cpu-mem by {format_bytes(-cpu_room)}")
-    lat_model = ExpertLatency(profile, ExpertShape.from_config(cfg), efmt, efmt)
-    plan.dispatch_latency = asdict(lat_model.latency_model())
-    plan.dispatch_threshold_tokens = lat_model.threshold()
-    lat = plan.latency_model()
+    expert = ExpertLatency(profile, ExpertShape.from_config(cfg), efmt, efmt)
+    plan.dispatch_latency = asdict(expert.latency_model())
+    plan.dispatch_threshold_tokens = expert.threshold()
+    lat = plan.latency_model()  # what the runtime splits misses with; times below are the exact sides
     disk = profile.models.get("disk/read_cold")
     t_disk = disk(eb) if disk is not None else 0.0
+    costs = _LayerCosts.of(profile)
+    per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu")
+    act_bpe = sizes.bytes_per_element(plan.dtypes["kv_cache"])  # activations: 16-bit, fp32 with fp32 weights
+    matrices = expert.shape.matrices
     attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])
     attn_pre = attention_time(cfg, profile, "gpu", fmt, plan.prompt_tokens, plan.prompt_tokens, plan.dtypes["kv_cache"])
     head = head_time(cfg, profile, "gpu", fmt)
+    logits = costs.d2h(4 * cfg.vocab_size) if costs.d2h is not None else 0.0
+    step_fixed = head + per_step + logits
 
-    def layer_time(tokens: int, h: float, d_share: float) -> float:
-        # Expected over how many of the step's active experts miss the GPU (binomial in the miss share
-        # 1 - h); each miss set is split between CPU and link (split_misses), hits run on the GPU meanwhile.
+    def expert_phase(tokens: int, s: int, hits: int, misses: int, d_share: float) -> float:
+        """Seconds from the layer's sync to its last expert's output, `hits` + `misses` active experts
+        with s tokens each, `d_share` of the misses read from disk first."""
+        paths = split_misses([s] * misses, lat, eb, plan.dispatch_mode)
+        n_cpu = sum(1 for p in paths if p == CPU)
+        n_copy = misses - n_cpu
+        gpu_task = costs.task + expert.gpu_lat(s)
+        compute = hits * gpu_task
+        link = n_copy * (costs.task + matrices * costs.copy_alpha + eb * costs.copy_beta)
+        gpu_end = max(compute, link + gpu_task) if n_copy else compute
+        cpu_end = 0.0
+        if n_cpu:
+            out = costs.h2d(s * cfg.hidden_size * act_bpe) if costs.h2d is not None else 0.0
+            to_host = costs.d2h(tokens * cfg.hidden_size * act_bpe) if costs.d2h is not None else 0.0
+            cpu_end = to_host + n_cpu * (expert.cpu_lat(s) + out)
+        shared = (n_cpu + n_copy) * eb * costs.host_read_beta if n_cpu and n_copy else 0.0
+        return max(gpu_end, cpu_end, shared) + misses * d_share * t_disk
+
+    def layer_time(tokens: int, h: float, d_share: float, attn: float) -> float:
+        # Expected over how many of the step's active experts miss the GPU (binomial in the miss share 1 - h).
         active = min(E, max(k, math.ceil(E * (1 - (1 - k / E) ** tokens))))
         s = max(1, math.ceil(tokens * k / active))
+        front = max(per_layer, attn) + costs.sync + RUNNER_LAYER_KERNELS * costs.launch
+        combine = (1 + active * RUNNER_EXPERT_KERNELS) * costs.launch
         total = 0.0
         for m in range(active + 1):
             p = math.comb(active, m) * (1 - h) ** m * h ** (active - m)
-            if p < 1e-9:
-                continue
-            hits = (active - m) * lat.gpu_lat(s)
-            paths = split_misses([s] * m, lat, eb, plan.dispatch_mode)
-            copied = sum(1 for x in paths if x != CPU)
-            gpu_side = hits + copied * lat.gpu_lat(s)
-            total += p * (max(gpu_side, miss_makespan([s] * m, lat, eb, plan.dispatch_mode)) + m * d_share * t_disk)
-        return total
+            if p >= 1e-9:
+                total += p * expert_phase(tokens, s, active - m, m, d_share)
+        return front + total + combine
+
+    def copied(tokens: list[int]) -> list[bool]:  # which misses take the copy path and fill a cache slot
+        return [p != CPU for p in split_misses(tokens, lat, eb, plan.dispatch_mode)]
 
     def predict(cache_slots: int | None, max_resident: int | None):
         choice = ExpertChoices(experts.popularity, cache_slots, max_resident)
-        placement, hits = place_experts(plan, cfg, moe_layers, eb, gpu - fixed, cpu_room, choice)
+        placement, hits = place_experts(plan, cfg, moe_layers, eb, gpu - fixed, cpu_room, choice, copied)
         rows = []
         for i in moe_layers:
             g, c, d = (placement.count(t, i) for t in ("fast", "cpu", "disk"))
             res, cached = hits.rates(i)
             d_share = d / max(c + d, 1)
-            rows.append((i, g, c, d, layer_time(1, res + cached, d_share) + attn_dec,
-                         layer_time(plan.prompt_tokens, g / E, d_share) + attn_pre))
-        return sum(r[4] for r in rows) + head, placement, hits, rows
+            rows.append((i, g, c, d, layer_time(1, res + cached, d_share, attn_dec),
+                         layer_time(plan.prompt_tokens, g / E, d_share, attn_pre)))
+        return sum(r[4] for r in rows) + step_fixed, placement, hits, rows
 
     # candidates: the cache the user fixed, else none / one per active expert / one layer's worth
     cands = [experts.cache_slots] if experts.cache_slots is not None else sorted({0, k, E})
@@ -107,12 +171,12 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
                                      r_cc=0.0, r_cg=0.0, r_gg=g / E, decode_s=dec, prefill_s=pre,
                                      expert_tiers=expert_tiers(placement, i, E)))
     plan.predicted_decode_tokens_per_s = 1.0 / step
-    plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + head
+    plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + step_fixed
     n_gpu, n_cpu, n_disk = (placement.count(t) for t in ("fast", "cpu", "disk"))
     plan.memory = {"gpu": fixed + (n_gpu + placement.cache_slots) * eb,
                    "cpu": (n_cpu + plan.staging_buffers) * eb, "disk": n_disk * eb}
     h = hits.fast_share()
-    how = {"balanced": "are split between CPU compute and H2D copies",
+    how = {"balanced": "are split between CPU compute and H2D copies", "per-expert": "go where Fiddler's rule says",
            "copy": "are copied to the GPU", "cpu": "run on the CPU"}[plan.dispatch_mode]
     total = len(moe_layers) * E
     plan.binding = (f"GPU memory: {n_gpu}/{total} experts resident and {placement.cache_slots} cache slots "
