@@ -189,7 +189,7 @@ class LLM:
         """Generator of (index, text delta, RequestOutput | None) events; the step loop."""
         t_start = time.perf_counter()
         seqs = [self._make_sequence(i, p, params, chat, t_start) for i, p in enumerate(prompts)]
-        cache = self._kv_cache(len(seqs), max(s.num_tokens + s.max_tokens for s in seqs))
+        cache = self._cache_for(len(seqs), max(s.num_tokens + s.max_tokens for s in seqs))
         with torch.inference_mode():
             for seq in seqs:  # prefill, one sequence at a time
                 seq.t_prefill_start = time.perf_counter()
@@ -229,7 +229,14 @@ class LLM:
             positions = torch.tensor([[s.num_tokens - 1] for s in seqs])
         slots = torch.tensor([s.slot for s in seqs])
         with self._device_scope():
-            logits = self.model(self._to_device(ids), self._to_device(positions), self._to_device(slots), cache)
+            ids, positions, slots_dev = self._to_device(ids), self._to_device(positions), self._to_device(slots)
+            logits = None
+            if not prefill and self.runtime.graphs is not None:  # a captured CUDA graph of the step
+                contiguous = slots.tolist() == list(range(len(seqs)))
+                logits = self.runtime.graphs(ids, positions, slots_dev, cache,
+                                             max(s.num_tokens for s in seqs), contiguous)
+            if logits is None:
+                logits = self.model(ids, positions, slots_dev, cache)
         return logits.float().cpu()  # [B, V]
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -309,6 +316,17 @@ class LLM:
             out = self.model(dev(torch.tensor([list(token_ids)])), dev(torch.arange(T).unsqueeze(0)),
                              dev(torch.tensor([0])), cache, last_only=False)
         return out[0].float().cpu()
+
+    def _cache_for(self, num_slots: int, max_len: int) -> KVCache:
+        """The KV cache of one generate call. With CUDA-graph decode, one sequence reuses a static
+        cache of the plan's max_context positions (the room the plan reserved), so the graphs
+        captured over it stay valid across calls (gpt-fast's static KV cache); otherwise a cache
+        sized to the call."""
+        if self.runtime.graphs is None or num_slots != 1:
+            return self._kv_cache(num_slots, max_len)
+        if getattr(self, "_static_cache", None) is None:
+            self._static_cache = self._kv_cache(1, self.max_context)
+        return self._static_cache
 
     def _kv_cache(self, num_slots: int, max_len: int) -> KVCache:
         """A KV cache on the compute tier, accounted against its budget (before it is allocated) while it lives."""

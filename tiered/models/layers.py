@@ -109,6 +109,22 @@ def build_attention_metadata(rotary: Rotary, positions: torch.Tensor, slots: tor
     return AttentionMetadata(positions, slots, cos, sin, mask, causal, kv_len, contiguous, single)
 
 
+def build_static_decode_metadata(rotary: Rotary, positions: torch.Tensor, slots: torch.Tensor, kv_len: int,
+                                 sliding_window: int | None, contiguous_slots: bool) -> AttentionMetadata:
+    """Decode metadata with no host sync (gpt-fast's static-shape recipe, for CUDA-graph capture):
+    attention over a fixed `kv_len` cache positions with a mask built on the device, KV writes by
+    index at `positions`. positions int64 [B, 1] (each < kv_len); slots int64 [B] (0..B-1 when
+    `contiguous_slots`). Gives the same attention as `build_attention_metadata`: masked positions
+    carry no weight."""
+    cos, sin = rotary(positions)
+    keys = torch.arange(kv_len, device=positions.device)
+    q = positions.unsqueeze(-1)  # [B, 1, 1]
+    mask = keys <= q
+    if sliding_window is not None:
+        mask &= keys > q - sliding_window
+    return AttentionMetadata(positions, slots, cos, sin, mask.unsqueeze(1), False, kv_len, contiguous_slots, None)
+
+
 class KVCache:
     """Keys and values of every layer for up to `num_slots` sequences of `max_len` positions.
 

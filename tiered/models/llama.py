@@ -64,18 +64,20 @@ class CausalLM(nn.Module):
         return self.rotary.cos.shape[0]
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      cache: KVCache) -> torch.Tensor:
-        """input_ids, positions int64 [B, T]; slots int64 [B] -> final-norm hidden states [B, T, D]."""
-        meta = build_attention_metadata(self.rotary, positions, slots, self.config.sliding_window)
+                      cache: KVCache, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """input_ids, positions int64 [B, T]; slots int64 [B] -> final-norm hidden states [B, T, D].
+        `meta` replaces the step's own metadata (e.g. layers.build_static_decode_metadata)."""
+        if meta is None:
+            meta = build_attention_metadata(self.rotary, positions, slots, self.config.sliding_window)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, meta, cache)
         return self.model.norm(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                cache: KVCache, last_only: bool = True) -> torch.Tensor:
+                cache: KVCache, last_only: bool = True, meta: AttentionMetadata | None = None) -> torch.Tensor:
         """Run one step and return logits: [B, V] for the last token (last_only) or [B, T, V]."""
-        h = self.hidden_states(input_ids, positions, slots, cache)
+        h = self.hidden_states(input_ids, positions, slots, cache, meta)
         if last_only:
             h = h[:, -1:]
         logits = self.lm_head(h)

@@ -131,6 +131,19 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     """
     if ec.plan not in ("auto", "off"):
         return Plan.load(ec.plan), None
+    plan, profile = _auto_or_rules(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
+                                   weights_format=weights_format, decode_format=decode_format,
+                                   decode_precision=decode_precision, popularity=popularity, progress=progress)
+    # a model wholly on a real GPU decodes through captured CUDA graphs: nothing in its step syncs
+    plan.decode_graphs = (accelerator is not None and not accelerator.is_host and not cfg.is_moe
+                          and plan.fast_tier == "gpu" and not plan.sliced_layers())
+    return plan, profile
+
+
+def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
+                   decode_format: str, decode_precision: str, popularity=None,
+                   progress: Callable[[str], None] | None = None) -> tuple[Plan, HardwareProfile | None]:
+    """engine_plan's "auto" (the planner) and "off" (the runtime's rules) cases."""
     gpu = accelerator.budget.capacity if accelerator is not None else None
     if ec.plan == "off":
         from tiered.planner.rules import rules_plan

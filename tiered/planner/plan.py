@@ -60,6 +60,8 @@ class Plan:
         context_tokens                       KV-cache positions reserved for one sequence
         cpu_threads                          torch intra-op threads for CPU compute (0 = leave as is)
         staging_buffers, read_ahead          expert staging ring size; issue a layer's reads at once
+        decode_graphs                        capture decode steps as CUDA graphs (every weight on
+                                             the GPU, no expert runner or slices: runtime/graphs.py)
         source                               who decided: "planner", "rules" (plan off) or a file
     """
 
@@ -97,6 +99,7 @@ class Plan:
     staging_buffers: int = 2
     read_ahead: bool = True
     decode_threshold: int = 8
+    decode_graphs: bool = False
     source: str = "planner"
 
     def summary(self, measured_tokens_per_s: float | None = None) -> str:

@@ -27,6 +27,7 @@ class Runtime:
     executor: Executor
     experts: object = None  # TieredExperts
     sliced: list = field(default_factory=list)
+    graphs: object = None  # DecodeGraphs: CUDA-graph decode steps (plan.decode_graphs on CUDA)
 
 
 def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | None = None, sliced_weights=None,
@@ -59,6 +60,9 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
         from tiered.runtime.sliced import install_sliced_mlps
         rt.sliced = install_sliced_mlps(model, sliced, accelerator, executor, n_g=n_g or 0, weights=sliced_weights,
                                         host_budget=host_budget)
+    if plan.decode_graphs and accelerator is not None and not accelerator.is_host and not trace:
+        from tiered.runtime.graphs import DecodeGraphs
+        rt.graphs = DecodeGraphs(model, model.config.sliding_window)
     if trace:
         _trace_layers(model, executor)
     return rt
