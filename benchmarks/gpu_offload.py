@@ -70,6 +70,7 @@ class Setup:
     profile: str | None
     trace_dir: Path | None
     smoke: bool
+    workspace: int = 0        # of gpu_memory, the activation room tiered's plan keeps (smoke: not given to accelerate)
 
 
 @dataclass(frozen=True)
@@ -108,14 +109,24 @@ def rows_for(s: Setup) -> list[Row]:
 def smoke_budget(shape: ModelShape, kv: int, real: ModelShape, real_budget: int) -> int:
     """A GPU budget for `shape` [bytes] that leaves its experts (MoE) or MLPs (dense) the share
     `real_budget` leaves them in `real` after the other weights (~30% of the experts for 4 Mixtral
-    layers in 4 GiB, ~34% of the MLPs for 8 Llama-3 layers in 2 GiB), plus `kv` bytes of KV cache."""
+    layers in 4 GiB, ~34% of the MLPs for 8 Llama-3 layers in 2 GiB), plus `kv` bytes of KV cache
+    and the activation workspace every GPU plan keeps (memory/sizes.workspace_bytes)."""
+
     def split(m: ModelShape) -> tuple[int, int]:  # bf16 bytes: (other weights, experts or MLPs)
         return 2 * m.nonexpert_params(), 2 * (m.params() - m.nonexpert_params())
 
     fixed, rest = split(real)
     share = (real_budget - fixed) / rest
     fixed, rest = split(shape)
-    return int(fixed + kv + share * rest)
+    return int(fixed + kv + smoke_workspace(shape) + share * rest)
+
+
+def smoke_workspace(shape: ModelShape) -> int:
+    """The activation workspace tiered's GPU plans keep for `shape` [bytes] (memory/sizes.py)."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.memory import sizes
+
+    return sizes.workspace_bytes(ModelConfig.from_hf(shape.config_json()), "bf16")
 
 
 def kv_bytes(shape: ModelShape, tokens: int) -> int:
@@ -176,7 +187,7 @@ def hf_runner(row: Row, s: Setup, model: Path, offload_dir: Path) -> HFRunner:
         import psutil
         max_memory = {0: s.gpu_memory, "cpu": int(0.8 * psutil.virtual_memory().available)}
     else:
-        max_memory = {"cpu": s.gpu_memory}
+        max_memory = {"cpu": s.gpu_memory - s.workspace}  # the weights' share, as tiered places them
     return HFRunner(model, torch.bfloat16, max_memory=max_memory, offload_folder=offload_dir)
 
 
@@ -261,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             shape = SMOKE_SHAPES[sn]
             setups.append(Setup(sn, shape, smoke_budget(shape, kv_bytes(shape, 128), real, budget), "host", SMOKE_LINK,
                                 ttft_tokens=64, decode_prompt_tokens=16, new_tokens=8, repeats=repeats,
-                                profile=a.profile, trace_dir=trace_dir, smoke=True))
+                                profile=a.profile, trace_dir=trace_dir, smoke=True,
+                                workspace=smoke_workspace(shape)))
         else:
             setups.append(Setup(sn, real, budget, "cuda", None, ttft_tokens=512, decode_prompt_tokens=32,
                                 new_tokens=32, repeats=repeats, profile=a.profile, trace_dir=trace_dir, smoke=False))

@@ -64,14 +64,17 @@ class Sizes:
     num_experts: int
     moe_layers: int
     rotary: int = 0  # RoPE cos/sin tables for max_context positions, fp32
+    workspace: int = 0  # activation room the plan keeps on an accelerator (memory/sizes.workspace_bytes)
 
     @property
     def total_experts(self) -> int:
         return self.num_experts * self.moe_layers
 
-    def fast(self, cache_slots: int, resident: int = 0, staging: int = STAGING) -> int:
-        """Fast-tier budget that yields exactly `resident` fast-resident experts with `cache_slots` slots."""
-        return self.nonexpert + self.kv + self.rotary + (staging + cache_slots + resident) * self.expert
+    def fast(self, cache_slots: int, resident: int = 0, staging: int = STAGING, accelerator: bool = True) -> int:
+        """Fast-tier budget that yields exactly `resident` fast-resident experts with `cache_slots` slots
+        (behind an accelerator, or in RAM without one: no activation workspace then)."""
+        fixed = self.nonexpert + self.kv + self.rotary + (self.workspace if accelerator else 0)
+        return fixed + (staging + cache_slots + resident) * self.expert
 
     def cpu(self, experts: int, staging: int = STAGING) -> int:
         """CPU-tier budget (behind an accelerator) for `experts` CPU-resident experts."""
@@ -141,6 +144,7 @@ def kv_bytes(cfg, max_context: int, elem: int = 4) -> int:
 def sizes_of(path: Path, max_context: int = MAX_CONTEXT) -> Sizes:
     """Byte counts of an MoE checkpoint in fp32, from its files' headers and its config."""
     from tiered.checkpoint import open_checkpoint
+    from tiered.memory import sizes
 
     cfg = open_checkpoint(path).config
     return Sizes(nonexpert=4 * stored_elements(path, lambda n: ".experts." not in n),
@@ -148,7 +152,24 @@ def sizes_of(path: Path, max_context: int = MAX_CONTEXT) -> Sizes:
                  kv=kv_bytes(cfg, max_context),
                  num_experts=cfg.num_experts,
                  moe_layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
-                 rotary=2 * max_context * cfg.head_dim * 4)
+                 rotary=2 * max_context * cfg.head_dim * 4,
+                 workspace=sizes.workspace_bytes(cfg, "fp32"))
+
+
+def live_device_bytes() -> int:
+    """Bytes of every distinct storage held by a live StandinTensor: what the host stand-in's
+    "device" really holds, counted from the tensors themselves, not from any budget."""
+    import gc
+
+    from tiered.hardware.standin import StandinTensor
+
+    seen = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, StandinTensor):
+            with torch._C.DisableTorchFunctionSubclass():
+                st = obj.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 _ZOO: RuntimeZoo | None = None

@@ -18,6 +18,7 @@ from tiered.cli import app
 from tiered.errors import BudgetError, ConfigError
 from tiered.hardware.presets import get_preset
 from tiered.hardware.profile import HardwareProfile, LinearModel
+from tiered.memory import sizes
 from tiered.planner.placement import FAST
 from tiered.planner.auto import engine_profile, standin_profile, token_assignment
 from tiered.planner.cost_model import LayerShape, SliceRates, cost_params
@@ -49,8 +50,8 @@ def dense_sizes(path, max_context: int = CTX) -> tuple[int, int, int, int]:
     cfg = open_checkpoint(path).config
     non_ffn = 4 * stored_elements(path, lambda n: ".mlp." not in n)
     rotary = 2 * max_context * cfg.head_dim * 4  # RoPE cos/sin tables, fp32
-    return (non_ffn, 3 * cfg.hidden_size * cfg.intermediate_size * 4, kv_bytes(cfg, max_context) + rotary,
-            cfg.num_hidden_layers)
+    room = kv_bytes(cfg, max_context) + rotary + sizes.workspace_bytes(cfg, "fp32")  # + the accelerator's activations
+    return non_ffn, 3 * cfg.hidden_size * cfg.intermediate_size * 4, room, cfg.num_hidden_layers
 
 
 # ------------------------------------------------------------------ dense: ScheInfer slicing in the engine
@@ -101,7 +102,7 @@ def test_dense_model_that_fits_is_not_sliced(zoo, box):
 
 # ------------------------------------------------------------------ MoE: the plan -> runtime hand-off
 def _budgets(s, accelerator, cache_slots, resident, cpu_experts=4):
-    fast = s.fast(cache_slots=cache_slots, resident=resident)
+    fast = s.fast(cache_slots=cache_slots, resident=resident, accelerator=accelerator != "none")
     return dict(cpu_memory=fast) if accelerator == "none" else dict(gpu_memory=fast, cpu_memory=s.cpu(experts=cpu_experts))
 
 
@@ -208,7 +209,7 @@ def test_no_host_copy_of_activations_when_no_expert_takes_the_cpu(rt):
 
 def test_explicit_settings_win_over_the_plan(rt, box):
     s = rt.sizes("mixtral")
-    llm = LLM(rt.dir("mixtral"), engine_config(cpu_memory=s.fast(cache_slots=4, resident=4), profile=box,
+    llm = LLM(rt.dir("mixtral"), engine_config(cpu_memory=s.fast(cache_slots=4, resident=4, accelerator=False), profile=box,
                                                expert_cache_slots=1, resident_experts=3))
     assert (llm.experts.placement.cache_slots, llm.experts.placement.count(FAST)) == (1, 3)
     assert (llm.plan.expert_cache_slots, llm.plan.resident_experts()) == (1, 3)

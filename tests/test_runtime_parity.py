@@ -80,7 +80,7 @@ def test_experts_on_disk_small_cache(rt, kind, read_ahead, close_after):
     s = rt.sizes(kind)
     slots = 3
     assert slots < s.num_experts
-    llm = load(rt, kind, accelerator="none", cpu_memory=s.fast(cache_slots=slots), expert_cache_slots=slots,
+    llm = load(rt, kind, accelerator="none", cpu_memory=s.fast(cache_slots=slots, accelerator=False), expert_cache_slots=slots,
                read_ahead=read_ahead)
     close_after(llm)
     pl = llm.experts.placement

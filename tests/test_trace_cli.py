@@ -196,7 +196,7 @@ def test_run_with_expert_profile_places_popular_experts_first(tok_model, profile
     monkeypatch.setattr(tiered, "LLM", Spy)
     result = CliRunner().invoke(app, [
         "run", "The capital of France is", "--model", str(tok_model), "--expert-profile", str(path),
-        "--accelerator", "none", "--cpu-mem", str(s.fast(cache_slots=slots, resident=resident)),
+        "--accelerator", "none", "--cpu-mem", str(s.fast(cache_slots=slots, resident=resident, accelerator=False)),
         "--cache-slots", str(slots), "--max-context", str(ctx), "--no-chat", "-n", "4", "-t", "0",
         "--decode-weights", "fp32", "--json"])
     assert result.exit_code == 0, result.output

@@ -162,8 +162,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                      context_tokens=max_context, popularity=popularity, expert_cache_slots=ec.expert_cache_slots,
                      max_resident=ec.resident_experts, cache_policy=ec.cache_policy,
                      dispatch_mode=ec.force_expert_path or "balanced", staging_buffers=ec.staging_buffers,
-                     read_ahead=ec.read_ahead,
-                     workspace=0 if accelerator is not None and accelerator.is_host else None)
+                     read_ahead=ec.read_ahead)
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     return plan, profile
