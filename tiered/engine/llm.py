@@ -231,7 +231,8 @@ class LLM:
         with self._device_scope():
             ids, positions, slots_dev = self._to_device(ids), self._to_device(positions), self._to_device(slots)
             logits = None
-            if not prefill and self.runtime.graphs is not None:  # a captured CUDA graph of the step
+            # a captured CUDA graph of the step, over the engine's static cache (whose tensors live on)
+            if not prefill and self.runtime.graphs is not None and cache is getattr(self, "_static_cache", None):
                 contiguous = slots.tolist() == list(range(len(seqs)))
                 logits = self.runtime.graphs(ids, positions, slots_dev, cache,
                                              max(s.num_tokens for s in seqs), contiguous)

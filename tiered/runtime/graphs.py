@@ -89,9 +89,13 @@ class DecodeGraphs:
         with torch.cuda.graph(graph):
             out = self._step(*static, cache, bucket, contiguous)
         graph.replay()
-        eager = self.model(ids, positions, slots, cache)
-        if not torch.allclose(out.float(), eager.float(), rtol=1e-2, atol=1e-2):
-            self.disabled = "a captured step differed from the eager step"
+        eager = self.model(ids, positions, slots, cache).float()
+        # the static step attends over the whole bucket (masked) instead of exactly the cached
+        # positions: other kernels, so 16-bit logits differ in their last bits
+        tol = 1e-3 if out.dtype == torch.float32 else 3e-2
+        err = float((out.float() - eager).abs().max() / eager.abs().max().clamp_min(1e-6))
+        if err > tol:
+            self.disabled = f"a captured step differed from the eager step (max relative error {err:.1e})"
             return None
         self.captures += 1
         return graph, static, out
