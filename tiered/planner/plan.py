@@ -124,7 +124,7 @@ class Plan:
             speed = "nothing (no cost model)"
         if measured_tokens_per_s is not None:
             speed += f" (measured {measured_tokens_per_s:.1f})"
-        src = self.profile if self.source == "planner" else f"{self.source}, {self.profile}"
+        src = {"planner": self.profile, "rules": "runtime rules"}.get(self.source, f"{self.source}, {self.profile}")
         return f"plan ({src}): {what}; predicted {speed}; binding: {self.binding}"
 
     def resident_experts(self) -> int:
@@ -186,7 +186,7 @@ class Plan:
         by = "" if self.source == "planner" else f", decided by {self.source}"
         out = [f"plan for {self.model} — goal: {self.goal}, profile: {self.profile}{by}",
                f"budgets: GPU {gm}, CPU {cm}; prompt {self.prompt_tokens} tokens, {self.gen_tokens} generated; "
-               f"weights {self.precision}; KV cache on {self.kv_cache_tier}, attention on {self.attention_tier}"]
+               f"priced in {self.precision}; KV cache on {self.kv_cache_tier}, attention on {self.attention_tier}"]
         if self.flexgen:
             f = self.flexgen
             out.append(f"FlexGen policy {f['policy']}: GPU batch {f['gpu_batch_size']} x {f['num_gpu_batches']} batches; "

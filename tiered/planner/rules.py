@@ -37,7 +37,7 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
 
     fast_cap = accelerator.budget.capacity if accelerator is not None else ec.cpu_memory
     tier = "gpu" if accelerator is not None else "cpu"
-    plan = Plan(model_name, "latency", "none (runtime rules)", accelerator.budget.capacity if accelerator else None,
+    plan = Plan(model_name, "latency", "none", accelerator.budget.capacity if accelerator else None,
                 ec.cpu_memory, 0, 0, weights_format, fast_tier=tier, kv_cache_tier=tier, attention_tier=tier,
                 context_tokens=max_context, source="rules")
     plan.dtypes = {"weights": weights_format, "experts": weights_format,
