@@ -298,7 +298,7 @@ def test_run_prints_the_plan_and_its_prediction(zoo, box):
     shown = CliRunner().invoke(app, [*args, "--show-plan", "1 2 3"])
     assert shown.exit_code == 0 and "r_CC  r_CG  r_GG" in shown.output
     off = CliRunner().invoke(app, [*args[:-4], "--plan", "off", "1 2 3"])
-    assert off.exit_code == 0 and "[plan (rules, " in off.output and "predicted nothing" in off.output
+    assert off.exit_code == 0 and "[plan (runtime rules): " in off.output and "predicted nothing" in off.output
     js = CliRunner().invoke(app, [*args, "--json", "1 2 3"])
     data = json.loads(js.stdout.strip().splitlines()[-1])
     assert data["plan"]["predicted_decode_tokens_per_s"] > 0 and "sliced" in data["plan"]["summary"]
