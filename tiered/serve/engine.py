@@ -32,6 +32,7 @@ class Handle:
     seq: Sequence
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    first_token_seen: bool = False  # its TTFT is in the metrics already
 
     def push(self, event) -> None:
         """Deliver an event from the engine thread to the handler's loop."""
@@ -127,8 +128,11 @@ class ServingEngine:
                 self._handles.pop(id(seq), None)
         if handle is None:
             return  # cancelled: nobody listens
+        if not handle.first_token_seen and seq.token_times:
+            handle.first_token_seen = True
+            self.metrics.observe_first_token(seq.token_times[0] - seq.t_start)
         if out is not None:
-            self.metrics.observe_finished(len(seq.prompt_ids), list(seq.token_times), out.stats.ttft_s)
+            self.metrics.observe_finished(len(seq.prompt_ids), list(seq.token_times))
         handle.push((delta, out))
 
     def _fail_all(self, error: Exception) -> None:

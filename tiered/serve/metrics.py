@@ -51,13 +51,17 @@ class ServerMetrics:
         with self._lock:
             self.requests[outcome] = self.requests.get(outcome, 0) + 1
 
-    def observe_finished(self, prompt_tokens: int, token_times: list[float], ttft_s: float) -> None:
-        """A finished request: its prompt tokens, its tokens' times [perf_counter s] and TTFT [s]."""
+    def observe_first_token(self, ttft_s: float) -> None:
+        """A request's first token came `ttft_s` seconds after it arrived (queueing included)."""
+        with self._lock:
+            self.ttft.observe(ttft_s)
+
+    def observe_finished(self, prompt_tokens: int, token_times: list[float]) -> None:
+        """A finished request: its prompt tokens and its tokens' times [perf_counter s]."""
         with self._lock:
             self.requests["finished"] = self.requests.get("finished", 0) + 1
             self.prompt_tokens += prompt_tokens
             self.generation_tokens += len(token_times)
-            self.ttft.observe(ttft_s)
             for a, b in zip(token_times, token_times[1:]):
                 self.itl.observe(b - a)
 
