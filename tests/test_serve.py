@@ -212,6 +212,18 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, slow_steps)
     assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices  # still serving
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_slot(server, slow_steps):
+    prompt = PROMPTS[6]
+    assert _greedy(server, prompt, 100, chat=False).finish_reason == "length"
+    slow_steps(server.llm)
+    before = _metrics(server).get('tiered_requests_total{outcome="cancelled"}', 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 100, "temperature": 0})
+    _idle(server, timeout=1.5)  # the handler polls for the disconnect every 0.5 s
+    assert _metrics(server)['tiered_requests_total{outcome="cancelled"}'] == before + 1
+
+
 def test_concurrent_streaming_clients_batch_together(server, slow_steps):
     expected = [_greedy(server, p, 12, chat=False).text for p in PROMPTS]
     slow_steps(server.llm)

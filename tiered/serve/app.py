@@ -26,6 +26,7 @@ from tiered.serve.engine import Handle, QueueFullError, ServingEngine
 from tiered.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 
 
 class APIError(Exception):
@@ -140,13 +141,19 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
 
     async def _collect(request: Request, handle: Handle) -> RequestOutput | None:
         """Wait for the request's output; None (and the request cancelled) if the client disconnects."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(handle.events.get(), timeout=0.5)
+                    event = await asyncio.wait_for(handle.events.get(), timeout=DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    event = None
+                if loop.time() - checked >= DISCONNECT_POLL_S:  # on a clock: events may never pause
+                    checked = loop.time()
                     if await request.is_disconnected():
                         return None
+                if event is None:
                     continue
                 if isinstance(event, Exception):
                     raise APIError(500, f"generation failed: {event}", "server_error")
