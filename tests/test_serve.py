@@ -184,6 +184,25 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     with pytest.raises(openai.BadRequestError) as e:
         server.client.completions.create(model=MODEL, prompt="hi", max_tokens=-3)
     assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        server.client.completions.create(model=MODEL, prompt=[5, 10**6], max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        server.client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=4)
+    out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert out.choices[0].text == _greedy(server, PROMPTS[0], 4, chat=False).text
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_goes_on(server, monkeypatch):
+    step = server.llm.step
+
+    def broken(*a, **kw):
+        monkeypatch.setattr(server.llm, "step", step)  # only this one step fails
+        raise RuntimeError("out of memory (simulated)")
+    monkeypatch.setattr(server.llm, "step", broken)
+    with pytest.raises(openai.InternalServerError, match="simulated"):
+        server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4)
+    _idle(server)
+    assert server.engine.scheduler.num_running == 0
     out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
     assert out.choices[0].text == _greedy(server, PROMPTS[0], 4, chat=False).text
 

@@ -242,10 +242,15 @@ class LLM:
                 (the generator is seeded with params.seed + index).
             t_start: when the request arrived (perf_counter seconds; default now): TTFT counts from it.
         Raises:
-            ContextLengthError, ConfigError: the prompt is empty or does not fit the context window.
+            ContextLengthError, ConfigError: the prompt is empty, does not fit the context window, or
+                has a token id outside the vocabulary.
         """
         ids = self.encode(prompt, chat)
         check_prompt_fits(index, len(ids), self.max_context, self.config.max_position_embeddings)
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:  # refused here, not as an IndexError in the middle of a batched step
+            raise ConfigError(f"prompt {index} has token id {bad[0]}, outside the vocabulary "
+                              f"(0..{self.config.vocab_size - 1})", "pass token ids of this model's tokenizer")
         gen = None
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed + index)
