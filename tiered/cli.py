@@ -187,8 +187,9 @@ def serve(
     engine = ServingEngine(llm, max_batch=max_batch, max_queue=max_queue)
     ckpt_path = Path(llm.checkpoint.path)
     name = served_model_name or (ckpt_path.stem if ckpt_path.is_file() else ckpt_path.name)
-    typer.echo(f"serving {name} on http://{host}:{port}/v1 (batch {max_batch}, queue {max_queue}"
-               f"{', API key required' if api_key else ''}) | {llm.plan.summary()}", err=True)
+    typer.echo(f"serving {name} on http://{host}:{port}/v1 (batch {max_batch} x {llm.max_context} tokens, KV cache "
+               f"{engine.cache.nbytes / 2**20:.0f} MiB; queue {max_queue}{'; API key required' if api_key else ''}) | "
+               f"{llm.plan.summary()}", err=True)
     uvicorn.run(build_app(engine, name, api_key), host=host, port=port, log_level="warning")
 
 
