@@ -70,10 +70,12 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
+        """Sequences waiting for a slot."""
         return len(self.waiting)
 
     @property
     def num_running(self) -> int:
+        """Sequences holding a slot."""
         return len(self.running)
 
     def has_work(self) -> bool:

@@ -39,6 +39,7 @@ class APIError(Exception):
         self.headers = headers
 
     def response(self) -> JSONResponse:
+        """The error as an HTTP response: {"error": {"message", "type", "param", "code"}}."""
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
@@ -54,6 +55,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        """The engine thread runs while the app serves."""
         engine.start()
         try:
             yield
@@ -76,6 +78,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                         param=where or None).response()
 
     async def check_key(request: Request) -> None:
+        """Raise APIError 401 unless the request carries `Authorization: Bearer <api_key>`."""
         if api_key is None:
             return
         given = request.headers.get("authorization", "")
@@ -85,21 +88,25 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
 
     @app.get("/health")
     async def health() -> dict:
+        """Liveness: {"status": "ok"} while the server answers."""
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
+        """Prometheus text: requests, tokens, TTFT / ITL summaries, batch, queue, expert hit rate."""
         text = engine.metrics.render(engine.scheduler.num_waiting, engine.scheduler.num_running,
                                      engine.llm.runtime_stats())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models() -> dict:
+        """The one model this server serves."""
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "tiered"}]}
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(body: CompletionRequest, request: Request):
+        """OpenAI's text completion: the prompt as it is (no chat template)."""
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -109,6 +116,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        """OpenAI's chat completion: the messages through the model's chat template."""
         messages = [m.as_dict() for m in body.messages]
         return await _generate(request, body, messages, chat=True, default_max_tokens=engine.llm.max_context,
                                kind="chat")
@@ -169,6 +177,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         created = int(time.time())
 
         def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
+            """One SSE event: a text delta, the finishing chunk, or chat's opening role chunk."""
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}

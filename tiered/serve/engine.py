@@ -62,6 +62,7 @@ class ServingEngine:
         self._thread = threading.Thread(target=self._loop, name="tiered-engine", daemon=True)
 
     def start(self) -> "ServingEngine":
+        """Start the engine thread (it idles until a request arrives); returns self."""
         self._thread.start()
         return self
 

@@ -21,6 +21,7 @@ class Summary:
         self.count = 0
 
     def observe(self, value: float) -> None:
+        """Record one observation (in the summary's unit)."""
         self.recent.append(value)
         self.sum += value
         self.count += 1
@@ -48,6 +49,7 @@ class ServerMetrics:
         self.peak_batch = 0
 
     def count_request(self, outcome: str) -> None:
+        """Count a request that ended without finishing: cancelled, rejected or error."""
         with self._lock:
             self.requests[outcome] = self.requests.get(outcome, 0) + 1
 

@@ -14,6 +14,8 @@ from tiered.engine.sampling import SamplingParams
 
 
 class StreamOptions(BaseModel):
+    """`stream_options`: include_usage adds a last chunk with the usage and no choices."""
+
     include_usage: bool = False
 
 
@@ -39,6 +41,7 @@ class _Generation(BaseModel):
 
     @property
     def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
 
@@ -49,11 +52,15 @@ class CompletionRequest(_Generation):
 
 
 class TextPart(BaseModel):
+    """One text part of a message's content list (other part types are refused)."""
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    """One chat message; `developer` is treated as `system`."""
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
 
@@ -70,6 +77,7 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name of max_tokens")
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
+        """As for completions, with max_completion_tokens standing in for an absent max_tokens."""
         if self.max_completion_tokens is not None and self.max_tokens is None:
             return self.model_copy(update={"max_tokens": self.max_completion_tokens}).sampling(default_max_tokens)
         return super().sampling(default_max_tokens)
