@@ -263,6 +263,14 @@ def test_text_prompt_without_tokenizer(zoo):
     assert len(out.token_ids) == 3 and out.text == ""
 
 
+def test_token_ids_outside_the_vocabulary(zoo):
+    llm = zoo.llm(zoo.dir("llama"))
+    for bad in (zoo.vocab_size, -1):
+        with pytest.raises(ConfigError) as e:
+            llm.generate([[5, 6], [7, bad]])
+        check(e, "outside the vocabulary")
+
+
 def test_chat_prompt_without_chat_template(zoo):
     llm = zoo.llm(zoo.dir("llama"))
     assert not getattr(llm.tokenizer, "chat_template", None)

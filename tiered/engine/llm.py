@@ -21,6 +21,7 @@ from tiered.engine.detokenize import append_token_text, apply_stop_strings, take
 from tiered.engine.dtype import resolve_dtype
 from tiered.engine.prompt import Prompt, check_prompt_fits, encode_prompt
 from tiered.engine.sampling import SamplingParams, sample_token
+from tiered.engine.scheduler import Scheduler
 from tiered.engine.sequence import RequestOutput, Sequence
 from tiered.errors import ContextLengthError
 from tiered.hardware.accelerator import make_accelerator
@@ -172,11 +173,11 @@ class LLM:
         if not prompts:  # no prompts, no outputs (and no KV cache to size)
             return []
         outputs: list[RequestOutput | None] = [None] * len(prompts)
-        for idx, delta, out in self._run(list(prompts), params or SamplingParams(), chat):
+        for seq, delta, out in self._run(list(prompts), params or SamplingParams(), chat):
             if delta and on_text is not None:
-                on_text(idx, delta)
+                on_text(seq.index, delta)
             if out is not None:
-                outputs[idx] = out
+                outputs[seq.index] = out
         return outputs  # type: ignore[return-value]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool | None = None) -> Iterator[str]:
@@ -186,37 +187,77 @@ class LLM:
                 yield delta
 
     def _run(self, prompts: list[Prompt], params: SamplingParams, chat: bool | None):
-        """Generator of (index, text delta, RequestOutput | None) events; the step loop."""
+        """Generator of (Sequence, text delta, RequestOutput | None) events: every prompt takes a slot
+        of one scheduler, then `step` runs until all are finished."""
         t_start = time.perf_counter()
-        seqs = [self._make_sequence(i, p, params, chat, t_start) for i, p in enumerate(prompts)]
+        seqs = [self.make_sequence(p, params, chat, index=i, t_start=t_start) for i, p in enumerate(prompts)]
+        sched = Scheduler(max_batch=len(seqs), max_queue=len(seqs))
+        for seq in seqs:
+            sched.add(seq)
         cache = self._cache_for(len(seqs), max(s.num_tokens + s.max_tokens for s in seqs))
+        while sched.has_work():
+            yield from self.step(sched, cache)
+
+    def step(self, sched: Scheduler, cache: KVCache) -> list[tuple[Sequence, str, RequestOutput | None]]:
+        """One step of the loop: schedule, prefill the newly admitted sequences one at a time, decode
+        every running sequence one token together, sample, postprocess; finished sequences give their
+        slot back at once.
+
+        Args:
+            sched: the scheduler whose slots index `cache` (cache must have >= sched.max_batch slots
+                and room for every admitted sequence's prompt plus max_tokens).
+            cache: the KV cache the sequences' slots live in.
+        Returns:
+            (sequence, new text, RequestOutput when it finished this step else None) events, in order.
+        """
+        plan = sched.schedule()
+        events: list[tuple[Sequence, str, RequestOutput | None]] = []
         with torch.inference_mode():
-            for seq in seqs:  # prefill, one sequence at a time
+            for seq in plan.prefill:  # prefill, one sequence at a time
                 seq.t_prefill_start = time.perf_counter()
                 with dense_weights(self.model):
                     logits = self._forward([seq], cache, prefill=True)
                 self.executor.record("prefill", "step", seq.t_prefill_start, time.perf_counter())
-                yield from self._postprocess([seq], logits)
-            running = [s for s in seqs if not s.finished]
-            while running:  # decode: all running sequences, one token each
+                events += self._postprocess([seq], logits)
+            running = [s for s in plan.running if not s.finished]
+            if running:  # decode: all running sequences, one token each
                 t0 = time.perf_counter()
                 logits = self._forward(running, cache, prefill=False)
                 t1 = time.perf_counter()
-                yield from self._postprocess(running, logits)
+                events += self._postprocess(running, logits)
                 self.executor.record("decode step", "step", t0, t1)
                 self.executor.record("sample", "step", t1, time.perf_counter())
-                running = [s for s in running if not s.finished]
+        for seq, _, out in events:
+            if out is not None:
+                sched.finish(seq)
+        return events
 
-    def _make_sequence(self, i: int, prompt: Prompt, params: SamplingParams, chat, t_start: float) -> Sequence:
+    def make_sequence(self, prompt: Prompt, params: SamplingParams, chat: bool | None = None, index: int = 0,
+                      t_start: float | None = None) -> Sequence:
+        """The run state of one request, not yet in a slot (a Scheduler assigns it).
+
+        Args:
+            prompt: a string, chat messages or token ids (see `encode`).
+            index: the prompt's number in its call: named in errors, and offsets the seed
+                (the generator is seeded with params.seed + index).
+            t_start: when the request arrived (perf_counter seconds; default now): TTFT counts from it.
+        Raises:
+            ContextLengthError, ConfigError: the prompt is empty, does not fit the context window, or
+                has a token id outside the vocabulary.
+        """
         ids = self.encode(prompt, chat)
-        check_prompt_fits(i, len(ids), self.max_context, self.config.max_position_embeddings)
+        check_prompt_fits(index, len(ids), self.max_context, self.config.max_position_embeddings)
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:  # refused here, not as an IndexError in the middle of a batched step
+            raise ConfigError(f"prompt {index} has token id {bad[0]}, outside the vocabulary "
+                              f"(0..{self.config.vocab_size - 1})", "pass token ids of this model's tokenizer")
         gen = None
         if params.seed is not None:
-            gen = torch.Generator().manual_seed(params.seed + i)
+            gen = torch.Generator().manual_seed(params.seed + index)
         text = prompt if isinstance(prompt, str) else str(prompt)
         max_tokens = min(params.max_tokens, self.max_context - len(ids))
-        return Sequence(index=i, prompt=text, prompt_ids=ids, params=params, max_tokens=max_tokens,
-                        slot=i, generator=gen, t_start=t_start)
+        return Sequence(index=index, prompt=text, prompt_ids=ids, params=params, max_tokens=max_tokens,
+                        slot=-1, generator=gen, t_start=time.perf_counter() if t_start is None else t_start)
 
     def _forward(self, seqs: list[Sequence], cache: KVCache, prefill: bool) -> torch.Tensor:
         """One model step. Prefill: one sequence, all its prompt tokens. Decode: last token of each."""
@@ -248,10 +289,12 @@ class LLM:
         """Context for running the model on this thread (the accelerator's scope, if any)."""
         return contextlib.nullcontext() if self.accelerator is None else self.accelerator.scope()
 
-    def _postprocess(self, seqs: list[Sequence], logits: torch.Tensor):
+    def _postprocess(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, str, RequestOutput | None]]:
+        """Sample one token per sequence from logits [B, V], detokenize, apply stops; the step's events."""
         now = time.perf_counter()
-        eos = () if seqs[0].params.ignore_eos else self.config.eos_token_ids
+        events = []
         for row, seq in zip(logits, seqs):
+            eos = () if seq.params.ignore_eos else self.config.eos_token_ids
             # the tokens seen so far matter only to a repetition penalty: skip building them otherwise
             seen = seq.seen_ids() if seq.params.repetition_penalty != 1.0 else _NO_TOKENS
             token = sample_token(row, seq.params, seen, seq.generator)
@@ -265,7 +308,8 @@ class LLM:
             if not seq.finished and len(seq.output_ids) >= seq.max_tokens:
                 seq.finish_reason = "length"
             delta = take_stream_delta(seq) if self.tokenizer is not None else ""
-            yield seq.index, delta, (seq.output() if seq.finished else None)
+            events.append((seq, delta, seq.output() if seq.finished else None))
+        return events
 
     # ----------------------------------------------------------------- runtime
     def runtime_stats(self) -> dict:
@@ -317,6 +361,15 @@ class LLM:
             out = self.model(dev(torch.tensor([list(token_ids)])), dev(torch.arange(T).unsqueeze(0)),
                              dev(torch.tensor([0])), cache, last_only=False)
         return out[0].float().cpu()
+
+    def kv_cache(self, num_slots: int) -> KVCache:
+        """A KV cache of `num_slots` slots of max_context positions each, for a Scheduler with
+        max_batch = num_slots (a server's); accounted against the fast tier's budget while it lives.
+
+        Raises:
+            BudgetError: it does not fit the budget.
+        """
+        return self._cache_for(num_slots, self.max_context)
 
     def _cache_for(self, num_slots: int, max_len: int) -> KVCache:
         """The KV cache of one generate call. With CUDA-graph decode, one sequence reuses a static

@@ -1,0 +1,105 @@
+"""Continuous batching: the Scheduler's slots and queue, and LLM.step over it.
+
+Greedy tokens of each request must equal LLM.generate of that prompt alone, whatever joins or
+leaves the batch around it (requests that arrive while others decode, different prompt lengths,
+slots reused after a request finishes or is cancelled).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures import prompt_ids
+from tiered import SamplingParams
+from tiered.engine.scheduler import QueueFullError, Scheduler
+from tiered.engine.sequence import Sequence
+
+
+def _seq(i: int) -> Sequence:
+    return Sequence(index=i, prompt="", prompt_ids=[1, 2], params=SamplingParams(), max_tokens=4, slot=-1,
+                    generator=None)
+
+
+def test_slots_are_handed_out_lowest_first_and_reused():
+    sched = Scheduler(max_batch=2, max_queue=3)
+    a, b, c = _seq(0), _seq(1), _seq(2)
+    for s in (a, b, c):
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan.prefill == [a, b] and plan.running == [a, b] and (a.slot, b.slot) == (0, 1)
+    assert list(sched.waiting) == [c] and c.slot == -1
+    sched.finish(a)
+    plan = sched.schedule()
+    assert plan.prefill == [c] and c.slot == 0 and plan.running == [b, c]
+
+
+def test_queue_is_bounded():
+    sched = Scheduler(max_batch=1, max_queue=2)
+    sched.add(_seq(0))
+    sched.add(_seq(1))
+    with pytest.raises(QueueFullError):
+        sched.add(_seq(2))
+    sched.schedule()  # one leaves the queue for the slot: room for one more
+    sched.add(_seq(3))
+    with pytest.raises(ValueError):
+        Scheduler(max_batch=0, max_queue=1)
+
+
+def test_cancel_frees_the_slot_or_the_queue_place_at_the_next_boundary():
+    sched = Scheduler(max_batch=1, max_queue=3)
+    a, b, c = _seq(0), _seq(1), _seq(2)
+    for s in (a, b, c):
+        sched.add(s)
+    sched.schedule()
+    sched.cancel(a)
+    sched.cancel(c)  # still waiting
+    assert sched.running == [a]  # nothing changes before the boundary
+    plan = sched.schedule()
+    assert plan.cancelled == [c, a] and a.slot == -1
+    assert plan.prefill == [b] and b.slot == 0 and not sched.waiting
+
+
+@pytest.fixture(scope="module")
+def llm(zoo):
+    return zoo.llm(zoo.dir("llama"))
+
+
+def test_requests_joining_a_running_batch_match_generate(llm, zoo):
+    """Three slots, five requests of different lengths arriving at different steps."""
+    lengths, max_tokens = (5, 11, 3, 8, 14), (12, 6, 9, 15, 4)
+    prompts = [prompt_ids(zoo.vocab_size, n, seed=40 + n) for n in lengths]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    expected = [llm.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+
+    sched = Scheduler(max_batch=3, max_queue=8)
+    cache = llm.kv_cache(3)
+    arrivals = {0: [0, 1], 2: [2], 3: [3, 4]}  # step -> requests that arrive before it
+    seqs, outs, batch_sizes, step = {}, {}, [], 0
+    while step <= max(arrivals) or sched.has_work():
+        for i in arrivals.get(step, []):
+            seqs[i] = llm.make_sequence(prompts[i], params[i], index=i)
+            sched.add(seqs[i])
+        for seq, _, out in llm.step(sched, cache):
+            if out is not None:
+                outs[seq.index] = out
+        batch_sizes.append(sched.num_running)
+        step += 1
+    assert [outs[i].token_ids for i in range(5)] == expected
+    assert max(batch_sizes) == 3  # the slots were shared, and the batch really ran together
+
+
+def test_a_cancelled_request_gives_its_slot_to_a_waiting_one(llm, zoo):
+    prompts = [prompt_ids(zoo.vocab_size, n, seed=60 + n) for n in (4, 7)]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    sched, cache = Scheduler(max_batch=1, max_queue=4), llm.kv_cache(1)
+    a, b = (llm.make_sequence(p, sp) for p in prompts)
+    sched.add(a)
+    sched.add(b)
+    llm.step(sched, cache)
+    llm.step(sched, cache)
+    sched.cancel(a)
+    outs = []
+    while sched.has_work():
+        outs += [out for _, _, out in llm.step(sched, cache) if out is not None]
+    assert a.slot == -1 and not a.finished  # dropped, never finished
+    assert [o.token_ids for o in outs] == [llm.generate(prompts[1], sp)[0].token_ids]

@@ -1,0 +1,321 @@
+"""`tiered serve`: the real server (uvicorn in a thread, on a free loopback port) over a tiny model,
+driven by the real `openai` client and raw HTTP.
+
+Greedy output through the server must equal LLM.generate of the same prompt; bad requests get
+OpenAI-style errors and leave the server serving; a client that goes away frees its slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from runtime_fixtures import engine_config, rt  # noqa: F401
+from runtime_fixtures import prompt as moe_prompt
+from tiered import LLM, SamplingParams
+from tiered.serve.app import build_app
+from tiered.serve.engine import ServingEngine
+
+KEY = "sk-test-key"
+MODEL = "tiny-llama"
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PROMPTS = ["the quick brown fox", "memory is a tier", "one two three four five six", "hello",
+           "a longer prompt about disks and caches and experts", "tiered", "seven eight", "fox and dog"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(engine: ServingEngine, api_key: str | None):
+    """The real server over `engine` on a free loopback port, in a thread; yields its base URL."""
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL, api_key=api_key), host="127.0.0.1", port=port,
+                                       log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(zoo, tmp_path_factory):
+    """A server with 4 slots and a queue of 16 over the tiny Llama (with a chat template added)."""
+    d = tmp_path_factory.mktemp("serve") / "llama-chat"
+    shutil.copytree(zoo.dir("llama"), d)
+    cfg_path = d / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(tok_cfg))
+    llm = zoo.llm(d)
+    engine = ServingEngine(llm, max_batch=4, max_queue=16)
+    with running_server(engine, KEY) as url:
+        yield SimpleNamespace(url=url, llm=llm, engine=engine,
+                              client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60))
+
+
+@pytest.fixture
+def slow_steps(monkeypatch):
+    """slow_steps(llm): from now on each of llm's engine steps takes >= 20 ms more, so requests
+    overlap and a disconnect lands mid-stream."""
+    def enable(llm) -> None:
+        step = llm.step
+
+        def slow(*a, **kw):
+            time.sleep(0.02)
+            return step(*a, **kw)
+        monkeypatch.setattr(llm, "step", slow)
+    return enable
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics").text
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+
+
+def _idle(server, timeout: float = 10.0) -> None:
+    """Wait until no request runs or waits (the test thread may then use the LLM directly)."""
+    deadline = time.monotonic() + timeout
+    while server.engine.scheduler.has_work():
+        assert time.monotonic() < deadline, "the engine did not go idle"
+        time.sleep(0.01)
+
+
+def _greedy(server, prompt, max_tokens: int, chat: bool, **kw):
+    _idle(server)
+    return server.llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **kw), chat=chat)[0]
+
+
+def test_health_models_and_api_key(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in server.client.models.list()] == [MODEL]
+    r = httpx.get(server.url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+
+
+def test_completion_equals_generate(server):
+    out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    ref = _greedy(server, PROMPTS[0], 12, chat=False)
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
+    assert out.object == "text_completion" and out.model == MODEL
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_chat_uses_the_template_and_equals_generate(server):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPTS[1]}]
+    out = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    ref = _greedy(server, messages, 10, chat=True)
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == ref.text
+    assert out.usage.prompt_tokens == len(server.llm.encode(messages)) == len(ref.prompt_token_ids)
+
+
+def test_streaming_matches_the_whole_answer(server):
+    kw = dict(model=MODEL, max_tokens=16, temperature=0)
+    whole = server.client.chat.completions.create(messages=[{"role": "user", "content": PROMPTS[2]}], **kw)
+    chunks = list(server.client.chat.completions.create(messages=[{"role": "user", "content": PROMPTS[2]}],
+                                                        stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+    pieces = [c.choices[0].text for c in server.client.completions.create(prompt=PROMPTS[3], stream=True, **kw)]
+    assert "".join(pieces) == _greedy(server, PROMPTS[3], 16, chat=False).text
+    with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={**kw, "prompt": PROMPTS[3], "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream") and lines[-1] == "data: [DONE]"
+
+
+def test_stop_strings(server):
+    full = _greedy(server, PROMPTS[4], 24, chat=False).text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    assert stop.strip() and len(full) >= 8  # the tiny model says enough to cut
+    out = server.client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=24, temperature=0, stop=[stop])
+    assert out.choices[0].text == full[:full.index(stop)] and out.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproduces_sampling(server):
+    kw = dict(model=MODEL, prompt=PROMPTS[5], max_tokens=16, temperature=1.0, top_p=0.9)
+    a = server.client.completions.create(seed=1234, **kw).choices[0].text
+    b = server.client.completions.create(seed=1234, **kw).choices[0].text
+    _idle(server)
+    ref = server.llm.generate(PROMPTS[5], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234),
+                              chat=False)[0].text
+    assert a == b == ref
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny-llama", "prompt": ',
+                   headers={**auth, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server.url + "/v1/completions", headers=auth, json={"model": "gpt-x", "prompt": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt=list(range(2, 300)), max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.completions.create(model=MODEL, prompt="hi", max_tokens=-3)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        server.client.completions.create(model=MODEL, prompt=[5, 10**6], max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        server.client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=4)
+    out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert out.choices[0].text == _greedy(server, PROMPTS[0], 4, chat=False).text
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_goes_on(server, monkeypatch):
+    step = server.llm.step
+
+    def broken(*a, **kw):
+        monkeypatch.setattr(server.llm, "step", step)  # only this one step fails
+        raise RuntimeError("out of memory (simulated)")
+    monkeypatch.setattr(server.llm, "step", broken)
+    with pytest.raises(openai.InternalServerError, match="simulated"):
+        server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4)
+    _idle(server)
+    assert server.engine.scheduler.num_running == 0
+    out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert out.choices[0].text == _greedy(server, PROMPTS[0], 4, chat=False).text
+
+
+def test_queue_full_answers_503_with_retry_after(server, monkeypatch):
+    monkeypatch.setattr(server.engine.scheduler, "max_queue", 0)  # every place in the queue taken
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+    monkeypatch.undo()
+    assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server, slow_steps):
+    prompt = PROMPTS[6]
+    assert _greedy(server, prompt, 100, chat=False).finish_reason == "length"  # it would run 100 steps (2+ s)
+    slow_steps(server.llm)
+    before = _metrics(server).get('tiered_requests_total{outcome="cancelled"}', 0)
+    with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 100, "temperature": 0,
+                            "stream": True}) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: {"))
+        assert server.engine.scheduler.num_running == 1
+    _idle(server, timeout=1.5)  # well before the 100 steps would end
+    assert _metrics(server)['tiered_requests_total{outcome="cancelled"}'] == before + 1
+    assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices  # still serving
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_slot(server, slow_steps):
+    prompt = PROMPTS[6]
+    assert _greedy(server, prompt, 100, chat=False).finish_reason == "length"
+    slow_steps(server.llm)
+    before = _metrics(server).get('tiered_requests_total{outcome="cancelled"}', 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 100, "temperature": 0})
+    _idle(server, timeout=1.5)  # the handler polls for the disconnect every 0.5 s
+    assert _metrics(server)['tiered_requests_total{outcome="cancelled"}'] == before + 1
+
+
+def test_concurrent_streaming_clients_batch_together(server, slow_steps):
+    expected = [_greedy(server, p, 12, chat=False).text for p in PROMPTS]
+    slow_steps(server.llm)
+
+    def one(prompt: str) -> str:
+        stream = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                                  stream=True)
+        return "".join(c.choices[0].text for c in stream)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(one, PROMPTS))
+    assert got == expected
+    m = _metrics(server)
+    assert 1 < m["tiered_decode_batch_size_peak"] <= 4  # batched across requests, within the 4 slots
+    assert m["tiered_running_batch"] == 0 and m["tiered_queue_depth"] == 0
+    assert m['tiered_requests_total{outcome="finished"}'] >= len(PROMPTS)
+    assert m["tiered_time_to_first_token_seconds_count"] >= len(PROMPTS)
+
+
+def test_moe_under_a_budget_batches_requests(rt, zoo, tmp_path, slow_steps):
+    """A tiny Mixtral behind the host stand-in, experts in CPU RAM with a 2-slot cache, 2 KV slots:
+    concurrent requests equal LLM.generate, within the budget; /metrics shows the expert hit rate."""
+    d = tmp_path / "mixtral"
+    shutil.copytree(rt.dir("mixtral"), d)
+    zoo.tokenizer.save_pretrained(d)  # to stream text; prompts stay token ids below the MoE vocab
+    s = rt.sizes("mixtral")
+    llm = LLM(d, engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2) + s.kv, cpu_memory="64MiB",
+                               expert_cache_slots=2))
+    try:
+        prompts = [moe_prompt(n, seed=n) for n in (5, 9, 12)]
+        sp = SamplingParams(temperature=0, max_tokens=10)
+        expected = [llm.generate(p, sp)[0].text for p in prompts]
+        engine = ServingEngine(llm, max_batch=2, max_queue=4)
+        slow_steps(llm)
+        with running_server(engine, None) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            with ThreadPoolExecutor(3) as pool:
+                got = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=10,
+                                                                        temperature=0).choices[0].text, prompts))
+            metrics = httpx.get(url + "/metrics").text
+        assert got == expected and any(expected)
+        assert "tiered_expert_hit_rate " in metrics and "tiered_decode_batch_size_peak 2\n" in metrics
+        assert llm.fast_budget.peak <= llm.fast_budget.capacity
+    finally:
+        llm.close()
+
+
+def test_the_serve_command(zoo):
+    """`tiered serve` end to end in a subprocess: flags, the default model id, the key, a completion."""
+    import subprocess
+    import sys
+
+    port, path = _free_port(), zoo.dir("llama")
+    cmd = [sys.executable, "-c", "from tiered.cli import app; app()", "serve", "--model", str(path),
+           "--port", str(port), "--api-key", KEY, "--max-batch", "2", "--max-queue", "2", "--decode-weights", "fp32",
+           "--plan", "off"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "tiered serve did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list()] == [path.name]
+        out = client.completions.create(model=path.name, prompt=PROMPTS[0], max_tokens=5, temperature=0)
+        assert out.usage.completion_tokens >= 1
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    bad = subprocess.run(cmd[:4] + ["--max-batch", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "max-batch" in bad.stderr

@@ -1,0 +1,115 @@
+"""Scheduler: continuous batching over a fixed number of KV-cache slots (nano-vllm's scheduler.py).
+
+Requests wait in a bounded FIFO queue. At each step boundary the engine asks `schedule()`: waiting
+sequences take free slots (they are prefilled this step), cancelled ones leave the queue or give
+back their slot, and every running sequence decodes one token. A finished sequence gives its slot
+back at once (`finish`), so a waiting request can join at the next step.
+
+`add` and `cancel` may be called from any thread (an HTTP server's); `schedule` and `finish` from
+the one thread that runs the step loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from tiered.engine.sequence import Sequence
+from tiered.errors import TieredError
+
+
+class QueueFullError(TieredError):
+    """The waiting queue holds `max_queue` requests already; retry later."""
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step runs: `prefill` (newly admitted, one forward each) and `running` (every
+    sequence that holds a slot, including the newly admitted, decoded together after the
+    prefills), plus the `cancelled` sequences removed at this boundary (their slots are free)."""
+
+    prefill: list[Sequence] = field(default_factory=list)
+    running: list[Sequence] = field(default_factory=list)
+    cancelled: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    """Continuous batching over KV-cache slots 0..max_batch-1.
+
+    Args:
+        max_batch: KV-cache slots, i.e. the most sequences decoded together (>= 1).
+        max_queue: most sequences waiting for a slot (>= 0); `add` refuses more.
+    Raises:
+        ValueError: a bound below its minimum.
+    """
+
+    def __init__(self, max_batch: int, max_queue: int) -> None:
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0 (got {max_batch}, {max_queue})")
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free = list(range(max_batch - 1, -1, -1))  # pop() hands out the lowest slot first
+        self._cancel: set[int] = set()  # id() of sequences to drop at the next boundary
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------- any thread
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq` for a slot. Raises QueueFullError when `max_queue` sequences wait already."""
+        with self._lock:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting)",
+                                     "retry later or raise --max-queue")
+            self.waiting.append(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop `seq` (waiting or running) at the next step boundary, freeing its slot."""
+        with self._lock:
+            self._cancel.add(id(seq))
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting for a slot."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding a slot."""
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        """True while a sequence waits or runs."""
+        return bool(self.waiting or self.running)
+
+    # ----------------------------------------------------- the step loop's thread
+    def schedule(self) -> StepPlan:
+        """The next step: drop cancelled sequences, admit waiting ones into free slots (FIFO)."""
+        plan = StepPlan()
+        with self._lock:
+            cancel, self._cancel = self._cancel, set()
+            if cancel:
+                for seq in [s for s in self.waiting if id(s) in cancel]:
+                    self.waiting.remove(seq)
+                    plan.cancelled.append(seq)
+                for seq in [s for s in self.running if id(s) in cancel]:
+                    self._release(seq)
+                    plan.cancelled.append(seq)
+            while self.waiting and self._free:
+                seq = self.waiting.popleft()
+                seq.slot = self._free.pop()
+                self.running.append(seq)
+                plan.prefill.append(seq)
+        plan.running = list(self.running)
+        return plan
+
+    def finish(self, seq: Sequence) -> None:
+        """Give back the slot of a finished running sequence (its KV rows may be overwritten)."""
+        with self._lock:
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free.append(seq.slot)
+        self._free.sort(reverse=True)
+        seq.slot = -1

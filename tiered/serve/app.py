@@ -1,0 +1,220 @@
+"""The OpenAI-compatible HTTP API over a ServingEngine (FastAPI).
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON or SSE stream,
+`data: [DONE]` last), GET /health, GET /metrics (Prometheus text). With an API key, /v1/* needs
+`Authorization: Bearer KEY` (401 otherwise). Errors are OpenAI's JSON shape
+{"error": {"message", "type", "param", "code"}}: 400 for a bad body, an unknown model or a prompt
+over the context window, 401 for a wrong key, 503 with Retry-After when the queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from tiered.engine.sequence import RequestOutput
+from tiered.errors import ContextLengthError, TieredError
+from tiered.serve.engine import Handle, QueueFullError, ServingEngine
+from tiered.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's JSON error object with HTTP `status`."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        """The error as an HTTP response: {"error": {"message", "type", "param", "code"}}."""
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI application. Its lifespan starts the engine thread and stops it at shutdown.
+
+    Args:
+        engine: the ServingEngine (not yet started).
+        model_name: the id /v1/models lists; requests must name it.
+        api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`.
+    """
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        """The engine thread runs while the app serves."""
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="tiered", lifespan=lifespan)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(_request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}",
+                        param=where or None).response()
+
+    async def check_key(request: Request) -> None:
+        """Raise APIError 401 unless the request carries `Authorization: Bearer <api_key>`."""
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                           "authentication_error", "invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> dict:
+        """Liveness: {"status": "ok"} while the server answers."""
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        """Prometheus text: requests, tokens, TTFT / ITL summaries, batch, queue, expert hit rate."""
+        text = engine.metrics.render(engine.scheduler.num_waiting, engine.scheduler.num_running,
+                                     engine.llm.runtime_stats())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models() -> dict:
+        """The one model this server serves."""
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "tiered"}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def completions(body: CompletionRequest, request: Request):
+        """OpenAI's text completion: the prompt as it is (no chat template)."""
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request", param="prompt")
+            prompt = prompt[0]
+        return await _generate(request, body, prompt, chat=False, default_max_tokens=16, kind="completion")
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        """OpenAI's chat completion: the messages through the model's chat template."""
+        messages = [m.as_dict() for m in body.messages]
+        return await _generate(request, body, messages, chat=True, default_max_tokens=engine.llm.max_context,
+                               kind="chat")
+
+    async def _generate(request: Request, body, prompt, chat: bool, default_max_tokens: int, kind: str):
+        if body.model != model_name:
+            raise APIError(400, f"model {body.model!r} is not served here; this server serves {model_name!r}",
+                           code="model_not_found", param="model")
+        try:
+            handle = engine.submit(prompt, body.sampling(default_max_tokens), chat)
+        except QueueFullError as e:
+            raise APIError(503, e.message, "server_error", "queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except ContextLengthError as e:
+            raise APIError(400, e.message, code="context_length_exceeded", param="messages" if chat else "prompt")
+        except TieredError as e:
+            raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""))
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        if body.stream:
+            return StreamingResponse(_sse(handle, rid, kind, body.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        out = await _collect(request, handle)
+        if out is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": out.text},
+                   "finish_reason": out.finish_reason, "logprobs": None} if kind == "chat" else
+                  {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": None})
+        return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": model_name, "choices": [choice], "usage": _usage(out)}
+
+    async def _collect(request: Request, handle: Handle) -> RequestOutput | None:
+        """Wait for the request's output; None (and the request cancelled) if the client disconnects."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(handle.events.get(), timeout=DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    event = None
+                if loop.time() - checked >= DISCONNECT_POLL_S:  # on a clock: events may never pause
+                    checked = loop.time()
+                    if await request.is_disconnected():
+                        return None
+                if event is None:
+                    continue
+                if isinstance(event, Exception):
+                    raise APIError(500, f"generation failed: {event}", "server_error")
+                _, out = event
+                if out is not None:
+                    return out
+        finally:
+            engine.cancel(handle)  # a no-op when it finished
+
+    async def _sse(handle: Handle, rid: str, kind: str, include_usage: bool):
+        """The OpenAI chunk stream: deltas, a last chunk with finish_reason, usage if asked, [DONE]."""
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        created = int(time.time())
+
+        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
+            """One SSE event: a text delta, the finishing chunk, or chat's opening role chunk."""
+            if kind == "chat":
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            data = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
+            if include_usage:
+                data["usage"] = None
+            return f"data: {json.dumps(data)}\n\n"
+
+        try:
+            if kind == "chat":
+                yield chunk(None, role=True)
+            while True:
+                event = await handle.events.get()
+                if isinstance(event, Exception):
+                    err = {"error": {"message": f"generation failed: {event}", "type": "server_error",
+                                     "param": None, "code": None}}
+                    yield f"data: {json.dumps(err)}\n\n"
+                    return
+                delta, out = event
+                if delta:
+                    yield chunk(delta)
+                if out is not None:
+                    yield chunk(None, finish=out.finish_reason)
+                    if include_usage:
+                        data = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
+                                "usage": _usage(out)}
+                        yield f"data: {json.dumps(data)}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            engine.cancel(handle)  # the client went away mid-stream (a no-op when it finished)
+
+    return app
+
+
+def _usage(out: RequestOutput) -> dict:
+    n_prompt, n_gen = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}

@@ -1,0 +1,146 @@
+"""The serving engine: one thread runs LLM.step over a Scheduler; HTTP handlers submit and await.
+
+Handlers live on the asyncio event loop; the model runs on the engine thread. A request's events
+(text deltas, then its RequestOutput) reach the handler through an asyncio.Queue fed with
+`loop.call_soon_threadsafe`. A handler whose client goes away cancels its request: the scheduler
+frees the slot at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+from tiered.engine.prompt import Prompt
+from tiered.engine.sampling import SamplingParams
+from tiered.engine.scheduler import QueueFullError, Scheduler
+from tiered.engine.sequence import RequestOutput, Sequence
+from tiered.serve.metrics import ServerMetrics
+
+__all__ = ["Handle", "QueueFullError", "ServingEngine"]
+
+
+@dataclass(eq=False)
+class Handle:
+    """One submitted request: its sequence and the queue its events arrive on.
+
+    Events are (text delta, RequestOutput | None) tuples; the last one carries the output. An
+    exception raised by the engine arrives as the event itself.
+    """
+
+    seq: Sequence
+    events: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    first_token_seen: bool = False  # its TTFT is in the metrics already
+
+    def push(self, event) -> None:
+        """Deliver an event from the engine thread to the handler's loop."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class ServingEngine:
+    """Continuous batching for a server: a KV cache of `max_batch` slots and a thread stepping it.
+
+    Args:
+        llm: the loaded LLM (the engine thread is its only user while the server runs).
+        max_batch: KV-cache slots: the most requests decoded together.
+        max_queue: most requests waiting for a slot; more are refused (QueueFullError -> HTTP 503).
+    Raises:
+        BudgetError: the KV cache of max_batch x max_context does not fit the fast tier's budget.
+    """
+
+    def __init__(self, llm, max_batch: int = 8, max_queue: int = 64) -> None:
+        self.llm = llm
+        self.scheduler = Scheduler(max_batch, max_queue)
+        self.cache = llm.kv_cache(max_batch)
+        self.metrics = ServerMetrics()
+        self._handles: dict[int, Handle] = {}  # id(seq) -> handle, while it runs or waits
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="tiered-engine", daemon=True)
+
+    def start(self) -> "ServingEngine":
+        """Start the engine thread (it idles until a request arrives); returns self."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the engine thread after its current step (requests still running get no more events)."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # ------------------------------------------------------------ handlers' side
+    def submit(self, prompt: Prompt, params: SamplingParams, chat: bool | None) -> Handle:
+        """Queue one request; call from the event loop.
+
+        Raises:
+            ContextLengthError, ConfigError: the prompt does not fit or cannot be encoded.
+            QueueFullError: max_queue requests wait already.
+        """
+        seq = self.llm.make_sequence(prompt, params, chat)
+        handle = Handle(seq, asyncio.Queue(), asyncio.get_running_loop())
+        with self._lock:
+            self._handles[id(seq)] = handle
+        try:
+            self.scheduler.add(seq)
+        except QueueFullError:
+            with self._lock:
+                del self._handles[id(seq)]
+            self.metrics.count_request("rejected")
+            raise
+        self._wake.set()
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        """The client went away: free the request's slot (or queue place) at the next step.
+        A no-op for a request that finished already."""
+        with self._lock:
+            if self._handles.pop(id(handle.seq), None) is None:
+                return  # finished already
+        self.scheduler.cancel(handle.seq)
+        self.metrics.count_request("cancelled")
+        self._wake.set()
+
+    # ------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while not self._stopping:
+            if not self.scheduler.has_work():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                events = self.llm.step(self.scheduler, self.cache)
+            except Exception as e:  # noqa: BLE001 - every waiting handler must hear of it
+                self._fail_all(e)
+                continue
+            if events:
+                self.metrics.observe_step(len({id(seq) for seq, _, _ in events}))
+            for seq, delta, out in events:
+                self._deliver(seq, delta, out)
+
+    def _deliver(self, seq: Sequence, delta: str, out: RequestOutput | None) -> None:
+        with self._lock:
+            handle = self._handles.get(id(seq))
+            if out is not None:
+                self._handles.pop(id(seq), None)
+        if handle is None:
+            return  # cancelled: nobody listens
+        if not handle.first_token_seen and seq.token_times:
+            handle.first_token_seen = True
+            self.metrics.observe_first_token(seq.token_times[0] - seq.t_start)
+        if out is not None:
+            self.metrics.observe_finished(len(seq.prompt_ids), list(seq.token_times))
+        handle.push((delta, out))
+
+    def _fail_all(self, error: Exception) -> None:
+        """A step raised: every request in flight ends with `error`, and their slots are freed."""
+        with self._lock:
+            handles, self._handles = list(self._handles.values()), {}
+        for h in handles:
+            self.scheduler.cancel(h.seq)
+            self.metrics.count_request("error")
+            h.push(error)
