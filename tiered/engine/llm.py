@@ -23,7 +23,7 @@ from tiered.engine.prompt import Prompt, check_prompt_fits, encode_prompt
 from tiered.engine.sampling import SamplingParams, sample_token
 from tiered.engine.scheduler import Scheduler
 from tiered.engine.sequence import RequestOutput, Sequence
-from tiered.errors import ContextLengthError
+from tiered.errors import ConfigError, ContextLengthError
 from tiered.hardware.accelerator import make_accelerator
 from tiered.hardware.budget import MemoryBudget
 from tiered.memory import sizes
