@@ -19,7 +19,7 @@ from tiered.checkpoint import open_checkpoint
 from tiered.config import EngineConfig
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
 from tiered.engine.dtype import resolve_dtype
-from tiered.engine.prompt import Prompt, check_prompt_fits, encode_prompt
+from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt
 from tiered.engine.sampling import SamplingParams, sample_token
 from tiered.engine.scheduler import Scheduler
 from tiered.engine.sequence import RequestOutput, Sequence
@@ -79,8 +79,7 @@ class LLM:
         self.checkpoint = open_checkpoint(model)
         self.config = self.checkpoint.config
         self.tokenizer = self.checkpoint.tokenizer()
-        self.max_context = min(ec.max_context or self.config.max_position_embeddings,
-                               self.config.max_position_embeddings)
+        self.max_context = context_window(self.config, ec.max_context)
         self.accelerator = make_accelerator(ec.accelerator, ec.gpu_memory, ec.link_bandwidth)
         self.device = self.accelerator.device if self.accelerator is not None else torch.device("cpu")
         self.dtype = resolve_dtype(ec, self.accelerator, self.checkpoint)

@@ -63,13 +63,13 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
     """
     cfg = checkpoint.config
     fmt = plan.dtypes["weights"]
-    skip = sizes.skip_params(cfg, plan.sliced_layers())
-    what = "the non-expert weights" if cfg.is_moe else "the non-FFN weights" if plan.sliced_layers() else "the model's weights"
+    sliced = plan.sliced_layers()
+    skip = sizes.skip_params(cfg, sliced)
+    what = "the non-expert weights" if cfg.is_moe else "the non-FFN weights" if sliced else "the model's weights"
     fast_budget.reserve(sizes.weight_bytes(cfg, fmt, skip), what)
     if plan.workspace_bytes:  # kept free for activations: allocated by torch, not by us
         fast_budget.reserve(plan.workspace_bytes, "the activation workspace")
-    device = accelerator.device if accelerator is not None else torch.device("cpu")
-    nbytes = materialize(model, checkpoint, sizes.torch_dtype(fmt), device, on_tensor=on_tensor, skip=skip,
+    nbytes = materialize(model, checkpoint, sizes.torch_dtype(fmt), on_tensor=on_tensor, skip=skip,
                          accelerator=accelerator)
     decode = plan.dtypes.get("decode", "none")
     extra = 0

@@ -18,7 +18,6 @@ from tiered.checkpoint.handle import STORED_DTYPES, TensorHandle, _fd
 from tiered.checkpoint.hf_dir import _check_safetensors_file
 from tiered.errors import ConfigError
 from tiered.hardware.budget import MemoryBudget
-from tiered.memory.sizes import is_expert_param  # noqa: F401  (re-exported)
 from tiered.planner.placement import CPU, DISK, FAST, ExpertPlacement
 
 _TORCH_TO_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}

@@ -72,6 +72,29 @@ def place_experts(plan: Plan, cfg: ModelConfig, moe_layers: list[int], expert_by
     return placement, simulate_hits(trace, resident, placement.cache_slots, plan.cache_policy, copied=copied)
 
 
+def fastest_expert_choice(experts: ExpertChoices, num_experts: int, top_k: int, predict):
+    """Resident experts or cache slots, whichever predicts faster: the user's fixed cache size, else
+    no cache, one slot per active expert, or one layer's worth. `predict(ExpertChoices)` returns
+    (step seconds, result); ties (to the microsecond) go to fewer cache slots, since residents cost
+    no copies or reads to fill. Returns the winning result.
+
+    Raises:
+        BudgetError: no candidate fits (the last one's error).
+    """
+    cands = [experts.cache_slots] if experts.cache_slots is not None else sorted({0, top_k, num_experts})
+    scored, error = [], None
+    for c in cands:
+        try:
+            t, result = predict(ExpertChoices(experts.popularity, c, experts.max_resident))
+        except BudgetError as e:
+            error = e
+            continue
+        scored.append((round(t, 6), c, result))
+    if not scored:
+        raise error
+    return min(scored, key=lambda r: (r[0], r[1]))[2]
+
+
 def expert_tiers(placement, layer: int, num_experts: int) -> list[str]:
     """Home tier of each expert of `layer` in `placement`."""
     return [placement.tiers[(layer, e)] for e in range(num_experts)]

@@ -12,7 +12,7 @@ from tiered.errors import BudgetError
 from tiered.hardware.budget import format_bytes
 from tiered.hardware.profile import HardwareProfile
 from tiered.memory import sizes
-from tiered.planner.common import ExpertChoices, expert_tiers, place_experts, popularity_note
+from tiered.planner.common import ExpertChoices, expert_tiers, fastest_expert_choice, place_experts, popularity_note
 from tiered.planner.plan import LayerPlan, Plan
 
 
@@ -50,21 +50,10 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
         eb = sizes.expert_bytes(cfg, plan.dtypes["experts"])
         staging = plan.staging_buffers * eb
         room = float("inf") if cpu is None else cpu - fixed - staging
-        # resident experts or cache slots: whichever the routing-trace simulation predicts faster
-        # (residents win ties: they cost no reads to fill); the user's fixed cache size is kept
-        cands = [experts.cache_slots] if experts.cache_slots is not None else sorted({0, k, E})
-        scored, error = [], None
-        for c in cands:
-            try:
-                placement, hits = place_experts(plan, cfg, moe, eb, room, None,
-                                                ExpertChoices(experts.popularity, c, experts.max_resident))
-            except BudgetError as e:
-                error = e
-                continue
-            scored.append((round(predict(hits)[1], 9), placement.cache_slots, placement, hits))
-        if not scored:
-            raise error
-        _, _, placement, hits = min(scored, key=lambda r: (r[0], r[1]))
+        def score(choice: ExpertChoices):  # on the routing-trace simulation's hit rates
+            placement, hits = place_experts(plan, cfg, moe, eb, room, None, choice)
+            return predict(hits)[1], (placement, hits)
+        placement, hits = fastest_expert_choice(experts, E, k, score)
         plan.expert_cache_slots, plan.expected_hit_rate = placement.cache_slots, placement.expected_hit_rate
         total = placement.count("fast")
         memory = {"cpu": fixed + staging + (total + placement.cache_slots) * eb, "disk": (E * len(moe) - total) * eb}

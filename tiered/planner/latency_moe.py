@@ -32,8 +32,8 @@ from tiered.hardware import op_time
 from tiered.hardware.budget import format_bytes
 from tiered.hardware.profile import HardwareProfile
 from tiered.memory import sizes
-from tiered.planner.common import (ExpertChoices, attention_time, expert_tiers, head_time, place_experts,
-                                   popularity_note)
+from tiered.planner.common import (ExpertChoices, attention_time, expert_tiers, fastest_expert_choice, head_time,
+                                   place_experts, popularity_note)
 from tiered.planner.plan import LayerPlan, Plan
 
 # Kernels runtime/moe_runner.TieredExperts launches besides the experts' own (counted in its code):
@@ -142,8 +142,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     def copied(tokens: list[int]) -> list[bool]:  # which misses take the copy path and fill a cache slot
         return [p != CPU for p in split_misses(tokens, lat, eb, plan.dispatch_mode)]
 
-    def predict(cache_slots: int | None, max_resident: int | None):
-        choice = ExpertChoices(experts.popularity, cache_slots, max_resident)
+    def predict(choice: ExpertChoices):
         placement, hits = place_experts(plan, cfg, moe_layers, eb, gpu - fixed, cpu_room, choice, copied)
         rows = []
         for i in moe_layers:
@@ -152,19 +151,10 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
             d_share = d / max(c + d, 1)
             rows.append((i, g, c, d, layer_time(1, res + cached, d_share, attn_dec),
                          layer_time(plan.prompt_tokens, g / E, d_share, attn_pre)))
-        return sum(r[4] for r in rows) + step_fixed, placement, hits, rows
+        step = sum(r[4] for r in rows) + step_fixed
+        return step, (step, placement, hits, rows)
 
-    # candidates: the cache the user fixed, else none / one per active expert / one layer's worth
-    cands = [experts.cache_slots] if experts.cache_slots is not None else sorted({0, k, E})
-    scored, error = [], None
-    for c in cands:
-        try:
-            scored.append((predict(c, experts.max_resident), c))
-        except BudgetError as e:
-            error = e
-    if not scored:
-        raise error
-    (step, placement, hits, rows), _ = min(scored, key=lambda r: (round(r[0][0], 6), r[1]))
+    step, placement, hits, rows = fastest_expert_choice(experts, E, k, predict)
     plan.expert_cache_slots, plan.expected_hit_rate = placement.cache_slots, placement.expected_hit_rate
     for i, g, c, d, dec, pre in rows:
         plan.layers.append(LayerPlan(i, "moe", efmt, experts_gpu=g, experts_cpu=c, experts_disk=d,

@@ -107,12 +107,3 @@ def split_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mode: 
     for i in order[:best_j]:
         paths[i] = CPU
     return paths
-
-
-def miss_makespan(tokens: list[int], lat: LatencyModel, expert_bytes: int, mode: str = "balanced") -> float:
-    """Seconds until one layer's missing experts are done under `split_misses` (same model)."""
-    paths = split_misses(tokens, lat, expert_bytes, mode)
-    cpu = sum(lat.cpu_lat(s) for s, p in zip(tokens, paths) if p == CPU)
-    copied = [s for s, p in zip(tokens, paths) if p == COPY]
-    link = len(copied) * lat.transfer_lat(expert_bytes) + (lat.gpu_lat(max(copied)) if copied else 0.0)
-    return max(cpu, link)

@@ -73,7 +73,7 @@ class Executor:
     def __init__(self, accelerator=None, disk_readers: int = 2, trace: bool = False,
                  inline: tuple[str, ...] = ()) -> None:
         self.accelerator = accelerator
-        self.inline = set(inline)
+        self.inline = set(inline) | {"launch"}  # "launch" always issues from the submitting thread
         names = ["cpu"] + (list(DEVICE_STREAMS) if accelerator is not None else [])
         self._pools = {n: ThreadPoolExecutor(1, thread_name_prefix=f"tiered-{n}") for n in names}
         self._disk = ThreadPoolExecutor(max(1, disk_readers), thread_name_prefix="tiered-disk")
@@ -118,7 +118,7 @@ class Executor:
                                                   nbytes, layer, expert))
             return out
 
-        if stream in self.inline or stream == "launch":
+        if stream in self.inline:
             task.append(DeferredTask(job))
             return task[0]  # type: ignore[return-value]
         pool = self._disk if stream == "disk" else self._pools[stream]

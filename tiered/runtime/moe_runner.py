@@ -56,7 +56,6 @@ class TieredExperts:
                  dispatch_mode: str = "balanced", read_ahead: bool = True) -> None:
         self.store, self.cache = placed.store, placed.cache
         self.fast_staging, self.host_staging = placed.fast_staging, placed.host_staging
-        self.placement = placed.store.placement
         self.executor, self.latency, self.accelerator = executor, latency, accelerator
         self.dispatch_mode, self.read_ahead = dispatch_mode, read_ahead
         self.path_counts: Counter = Counter()
@@ -140,6 +139,11 @@ class TieredExperts:
             self.resident_hits += 1
             return w
         return self.cache.lookup(key)
+
+    @property
+    def placement(self):
+        """The experts' home tiers (the store's ExpertPlacement, as the plan set it)."""
+        return self.store.placement
 
     @property
     def fast_hit_rate(self) -> float:
