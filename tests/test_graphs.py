@@ -16,26 +16,29 @@ def test_kv_bucket_is_a_capped_power_of_two():
     assert kv_bucket(70, 64) == 64 and kv_bucket(3000, 2500) == 2500
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen3"])
-def test_static_decode_step_matches_the_engines_step(zoo, name):
+@pytest.mark.parametrize("name,accelerator", [("llama", "none"), ("mistral", "none"), ("qwen3", "none"),
+                                              ("mistral", "host")])
+def test_static_decode_step_matches_the_engines_step(zoo, name, accelerator):
     """The step a graph replays (attention over a whole bucket with a device mask, KV written by index)
-    gives the logits of the engine's step (attention over exactly the cached positions)."""
-    llm = LLM(zoo.dir(name), EngineConfig(accelerator="none", decode_weights="fp32", dtype="float32",
+    gives the logits of the engine's step (attention over exactly the cached positions). On the strict
+    stand-in every tensor of the step is a device tensor, as on CUDA: the device mask is checked too."""
+    llm = LLM(zoo.dir(name), EngineConfig(accelerator=accelerator, decode_weights="fp32", dtype="float32",
                                           max_context=48, plan="off"))
-    model, cfg = llm.model, llm.config
+    model, cfg, dev = llm.model, llm.config, llm._to_device
     ids = list(range(3, 23))  # 20 prompt tokens: past the tiny Mistral's sliding window
-    slots = torch.tensor([0])
-    caches = [KVCache(cfg, 1, 48, torch.float32) for _ in range(2)]
-    with torch.inference_mode():
+    slots = dev(torch.tensor([0]))
+    with llm._device_scope():
+        caches = [KVCache(cfg, 1, 48, torch.float32, llm.device) for _ in range(2)]
+    with torch.inference_mode(), llm._device_scope():
         for c in caches:
-            model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), slots, c)
+            model(dev(torch.tensor([ids])), dev(torch.arange(len(ids)).unsqueeze(0)), slots, c)
         tok = ids[-1]
         for pos in range(len(ids), len(ids) + 8):
-            x, p = torch.tensor([[tok]]), torch.tensor([[pos]])
+            x, p = dev(torch.tensor([[tok]])), dev(torch.tensor([[pos]]))
             eager = model(x, p, slots, caches[0])
             meta = build_static_decode_metadata(model.rotary, p, slots, 48, cfg.sliding_window, True)
             static = model(x, p, slots, caches[1], meta=meta)
-            assert torch.allclose(static, eager, rtol=1e-5, atol=1e-5)
+            assert torch.allclose(static.cpu(), eager.cpu(), rtol=1e-5, atol=1e-5)
             tok = int(eager.argmax())
     llm.close()
 

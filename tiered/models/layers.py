@@ -85,6 +85,17 @@ class AttentionMetadata:
         self.single = single  # (slot, first position) when one sequence writes consecutive positions
 
 
+def attention_mask(positions: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
+    """bool [B, 1, T, kv_len] on positions' device: True where query position positions[b, t] may
+    attend to cache position s (s <= position, and within the sliding window when there is one)."""
+    keys = torch.arange(kv_len, device=positions.device)
+    q = positions.unsqueeze(-1)  # [B, T, 1]
+    mask = keys <= q
+    if sliding_window is not None:
+        mask &= keys > q - sliding_window
+    return mask.unsqueeze(1)  # [B, 1, T, S]
+
+
 def build_attention_metadata(rotary: Rotary, positions: torch.Tensor, slots: torch.Tensor,
                              sliding_window: int | None) -> AttentionMetadata:
     """Masks and RoPE tables for one step. positions int64 [B, T]; slots int64 [B]."""
@@ -94,14 +105,7 @@ def build_attention_metadata(rotary: Rotary, positions: torch.Tensor, slots: tor
     in_window = sliding_window is None or kv_len <= sliding_window
     causal = B == 1 and T == kv_len and in_window
     newest = B == 1 and T == 1 and in_window
-    mask = None
-    if not (causal or newest):
-        keys = torch.arange(kv_len, device=positions.device)
-        q = positions.unsqueeze(-1)  # [B, T, 1]
-        mask = keys <= q
-        if sliding_window is not None:
-            mask &= keys > q - sliding_window
-        mask = mask.unsqueeze(1)  # [B, 1, T, S]
+    mask = None if causal or newest else attention_mask(positions, kv_len, sliding_window)
     contiguous = bool(slots[0] == 0 and (B == 1 or bool((slots.diff() == 1).all())))
     single = None
     if B == 1 and kv_len - T == int(positions[0, 0]):  # positions are start .. kv_len - 1
@@ -117,12 +121,8 @@ def build_static_decode_metadata(rotary: Rotary, positions: torch.Tensor, slots:
     `contiguous_slots`). Gives the same attention as `build_attention_metadata`: masked positions
     carry no weight."""
     cos, sin = rotary(positions)
-    keys = torch.arange(kv_len, device=positions.device)
-    q = positions.unsqueeze(-1)  # [B, 1, 1]
-    mask = keys <= q
-    if sliding_window is not None:
-        mask &= keys > q - sliding_window
-    return AttentionMetadata(positions, slots, cos, sin, mask.unsqueeze(1), False, kv_len, contiguous_slots, None)
+    mask = attention_mask(positions, kv_len, sliding_window)
+    return AttentionMetadata(positions, slots, cos, sin, mask, False, kv_len, contiguous_slots, None)
 
 
 class KVCache:
