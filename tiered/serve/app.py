@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from tiered.engine.sequence import RequestOutput
 from tiered.errors import ContextLengthError, TieredError
 from tiered.serve.engine import Handle, QueueFullError, ServingEngine
-from tiered.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tiered.serve.protocol import ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs
 
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -141,9 +141,10 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         out = await _collect(request, handle)
         if out is None:  # the client went away
             return JSONResponse({}, status_code=499)
+        logprobs = None if out.logprobs is None else _logprobs(kind, out.logprobs)
         choice = ({"index": 0, "message": {"role": "assistant", "content": out.text},
-                   "finish_reason": out.finish_reason, "logprobs": None} if kind == "chat" else
-                  {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": None})
+                   "finish_reason": out.finish_reason, "logprobs": logprobs} if kind == "chat" else
+                  {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": logprobs})
         return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": model_name, "choices": [choice], "usage": _usage(out)}
 
@@ -165,7 +166,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     continue
                 if isinstance(event, Exception):
                     raise APIError(500, f"generation failed: {event}", "server_error")
-                _, out = event
+                _, out, _ = event
                 if out is not None:
                     return out
         finally:
@@ -175,14 +176,23 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         """The OpenAI chunk stream: deltas, a last chunk with finish_reason, usage if asked, [DONE]."""
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         created = int(time.time())
+        pending: list | None = None  # logprobs of tokens whose text is not streamed yet (None: not asked)
+        offset = 0  # the next token's text_offset (completions): its tokens' text so far, in characters
 
         def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
-            """One SSE event: a text delta, the finishing chunk, or chat's opening role chunk."""
+            """One SSE event: a text delta, the finishing chunk, or chat's opening role chunk; it
+            carries the pending logprobs."""
+            nonlocal pending, offset
+            logprobs = None
+            if pending is not None and not role:
+                logprobs, pending = _logprobs(kind, pending, offset), []
+                if kind != "chat" and logprobs["tokens"]:
+                    offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
             data = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
             if include_usage:
                 data["usage"] = None
@@ -198,7 +208,9 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                                      "param": None, "code": None}}
                     yield f"data: {json.dumps(err)}\n\n"
                     return
-                delta, out = event
+                delta, out, new_logprobs = event
+                if new_logprobs is not None:
+                    pending = (pending or []) + new_logprobs
                 if delta:
                     yield chunk(delta)
                 if out is not None:
@@ -211,6 +223,10 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     return
         finally:
             engine.cancel(handle)  # the client went away mid-stream (a no-op when it finished)
+
+    def _logprobs(kind: str, entries: list, offset: int = 0) -> dict:
+        tok = engine.llm.tokenizer
+        return chat_logprobs(tok, entries) if kind == "chat" else completion_logprobs(tok, entries, offset)
 
     return app
 
