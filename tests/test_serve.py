@@ -29,8 +29,6 @@ from tiered.serve.engine import ServingEngine
 
 KEY = "sk-test-key"
 MODEL = "tiny-llama"
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 PROMPTS = ["the quick brown fox", "memory is a tier", "one two three four five six", "hello",
            "a longer prompt about disks and caches and experts", "tiered", "seven eight", "fox and dog"]
 
@@ -61,15 +59,9 @@ def running_server(engine: ServingEngine, api_key: str | None):
 
 
 @pytest.fixture(scope="module")
-def server(zoo, tmp_path_factory):
+def server(zoo, chat_llama):
     """A server with 4 slots and a queue of 16 over the tiny Llama (with a chat template added)."""
-    d = tmp_path_factory.mktemp("serve") / "llama-chat"
-    shutil.copytree(zoo.dir("llama"), d)
-    cfg_path = d / "tokenizer_config.json"
-    tok_cfg = json.loads(cfg_path.read_text())
-    tok_cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(tok_cfg))
-    llm = zoo.llm(d)
+    llm = zoo.llm(chat_llama)
     engine = ServingEngine(llm, max_batch=4, max_queue=16)
     with running_server(engine, KEY) as url:
         yield SimpleNamespace(url=url, llm=llm, engine=engine,
