@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over a ServingEngine (FastAPI).
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON or SSE stream,
-`data: [DONE]` last), GET /health, GET /metrics (Prometheus text). With an API key, /v1/* needs
+`data: [DONE]` last), GET /health, GET /metrics (Prometheus text), GET /state (the tiers, JSON)
+and GET / (a chat page with the live tiers). With an API key, /v1/* needs
 `Authorization: Bearer KEY` (401 otherwise). Errors are OpenAI's JSON shape
 {"error": {"message", "type", "param", "code"}}: 400 for a bad body, an unknown model or a prompt
 over the context window, 401 for a wrong key, 503 with Retry-After when the queue is full.
@@ -15,16 +16,19 @@ import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from tiered.engine.sequence import RequestOutput
 from tiered.errors import ContextLengthError, TieredError
 from tiered.serve.engine import Handle, QueueFullError, ServingEngine
+from tiered.serve.metrics import tier_state
 from tiered.serve.protocol import ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs
 
+STATIC = Path(__file__).parent / "static"  # the page at /
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 
@@ -97,6 +101,17 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         text = engine.metrics.render(engine.scheduler.num_waiting, engine.scheduler.num_running,
                                      engine.llm.runtime_stats())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/state")
+    async def state() -> dict:
+        """The live state of the tiers (serve/metrics.tier_state), which the page at / polls."""
+        return {"served_model": model_name, **tier_state(engine.llm, engine.metrics, engine.scheduler.num_waiting,
+                                                           engine.scheduler.num_running)}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        """The chat page with the live view of the tiers (plain HTML and JS, tiered/serve/static)."""
+        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models() -> dict:

@@ -119,7 +119,7 @@ class ServingEngine:
                 self._fail_all(e)
                 continue
             if events:
-                self.metrics.observe_step(len({id(seq) for seq, _, _ in events}))
+                self.metrics.observe_step(len({id(seq) for seq, _, _ in events}), len(events))
             for seq, delta, out in events:
                 self._deliver(seq, delta, out)
 
