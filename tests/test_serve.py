@@ -265,7 +265,8 @@ def test_moe_under_a_budget_batches_requests(rt, zoo, tmp_path, slow_steps):
     try:
         prompts = [moe_prompt(n, seed=n) for n in (5, 9, 12)]
         sp = SamplingParams(temperature=0, max_tokens=10)
-        expected = [llm.generate(p, sp)[0].text for p in prompts]
+        refs = [llm.generate(p, sp)[0] for p in prompts]
+        expected = [r.text for r in refs]
         engine = ServingEngine(llm, max_batch=2, max_queue=4)
         slow_steps(llm)
         with running_server(engine, None) as url:
@@ -274,7 +275,14 @@ def test_moe_under_a_budget_batches_requests(rt, zoo, tmp_path, slow_steps):
                 got = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=10,
                                                                         temperature=0).choices[0].text, prompts))
             metrics = httpx.get(url + "/metrics").text
+            state = httpx.get(url + "/state").json()
         assert got == expected and any(expected)
+        e, links = state["experts"], {l["link"]: l for l in state["links"]}
+        assert e["fast"] + e["cpu"] + e["disk"] == s.moe_layers * s.num_experts and e["cache_slots"] == 2
+        assert e["hit_rate"] == llm.runtime_stats()["hit_rate"] and state["moe"]
+        tokens = state["serving"]["generated_tokens"]
+        assert tokens == sum(len(r.token_ids) for r in refs)
+        assert links["host -> device (H2D)"]["bytes_per_token"] == llm.runtime_stats()["bytes_h2d"] / tokens
         assert "tiered_expert_hit_rate " in metrics and "tiered_decode_batch_size_peak 2\n" in metrics
         assert llm.fast_budget.peak <= llm.fast_budget.capacity
     finally:
