@@ -3,14 +3,12 @@ and the command driven through a pseudo-terminal like a person at a keyboard."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import pty
 import select
 import signal
 import subprocess
 import sys
-import termios
 import time
 
 import pytest
@@ -38,7 +36,7 @@ def test_answers_go_through_the_template_with_the_history(llm):
     expected += [{"role": "assistant", "content": first}, {"role": "user", "content": "and the dog?"}]
     assert chat.history == expected + [{"role": "assistant", "content": second}]
     assert chat.last.prompt_token_ids == llm.encode(expected, chat=True)  # the whole history was the prompt
-    assert "2 questions" in chat.stats()[0] and any(line.startswith("last answer:") for line in chat.stats())
+    assert "2 questions," in chat.stats()[0] and any(line.startswith("last answer:") for line in chat.stats())
     chat.reset()
     assert chat.history == expected[:1] and chat.last is None and "0 questions" in chat.stats()[0]
 
@@ -57,7 +55,7 @@ def test_sigint_stops_the_answer_and_the_chat_goes_on(llm):
     with _sigint_stops(chat):
         answer, stopped = chat.ask("memory is a tier", on_text)
     assert signal.getsignal(signal.SIGINT) is before  # restored after the answer
-    assert stopped and len(pieces) == 2 and answer == "".join(pieces) and full.startswith(answer) and full != answer
+    assert stopped and len(pieces) >= 2 and answer == "".join(pieces) and full.startswith(answer) and full != answer
     assert chat.history[-1] == {"role": "assistant", "content": answer}  # the partial answer is kept
     again, stopped = chat.ask("and then?", lambda _: None)
     assert not stopped and again and chat.last.stats.generated_tokens == 60
@@ -76,12 +74,12 @@ def test_old_turns_make_room_and_a_message_too_long_is_refused(zoo, chat_llama):
     assert chat.history == kept  # refused before anything was dropped
 
 
-def _read_until(fd: int, proc: subprocess.Popen, marker: str, seen: list[str], timeout: float = 60) -> str:
+def _read_until(fd: int, proc: subprocess.Popen, marker: str, seen: list[str], timeout: float = 180) -> str:
     """Read the pty into seen[0] until `marker` appears after what was read before; returns the new text."""
     start = len(seen[0])
     deadline = time.monotonic() + timeout
     while marker not in seen[0][start:]:
-        assert time.monotonic() < deadline, f"no {marker!r} in {seen[0][start:]!r}"
+        assert time.monotonic() < deadline, f"no {marker!r} in {seen[0][start:]!r} (before: {seen[0][max(0, start - 800):start]!r})"
         if select.select([fd], [], [], 0.1)[0]:
             try:
                 seen[0] += os.read(fd, 4096).decode(errors="replace")
@@ -90,19 +88,20 @@ def _read_until(fd: int, proc: subprocess.Popen, marker: str, seen: list[str], t
     return seen[0][start:]
 
 
-def _own_terminal() -> None:
-    """In the child: a new session whose controlling terminal is the pty on fd 0, so Ctrl-C typed
-    there is SIGINT to the chat (as in a shell)."""
-    os.setsid()
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+# The child makes the pty on its fd 0 its controlling terminal (it leads a new session), so Ctrl-C
+# typed there is SIGINT to it, as in a shell. Done in the child's own code: a preexec_fn can
+# deadlock when this process has threads (a loaded LLM's) at the fork.
+CHAT = ("import fcntl, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); sys.argv[0] = 'tiered'; "
+        "from tiered.cli import app; app()")
 
 
 def test_the_chat_command_in_a_terminal(chat_llama):
-    """`tiered chat` on a pty: a message, /stats, /reset, Ctrl-C at the prompt once (kept), then EOF."""
-    cmd = [sys.executable, "-c", "from tiered.cli import app; app()", "chat", "--model", str(chat_llama),
+    """`tiered chat` on a pty: a message, /stats, /reset, Ctrl-C at the prompt once (kept), then EOF.
+    The Ctrl-C lands on whichever of the chat's threads the kernel picks: the prompt must wake."""
+    cmd = [sys.executable, "-c", CHAT, "chat", "--model", str(chat_llama),
            "--plan", "off", "--decode-weights", "fp32", "--temperature", "0", "--max-tokens", "8"]
     master, slave = pty.openpty()
-    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, preexec_fn=_own_terminal,
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
                             env={**os.environ, "TERM": "dumb"})
     os.close(slave)
     seen = [""]
@@ -112,7 +111,7 @@ def test_the_chat_command_in_a_terminal(chat_llama):
         answer = _read_until(master, proc, PROMPT, seen)
         assert "error" not in answer
         os.write(master, b"/stats\n")
-        assert "1 questions" in _read_until(master, proc, PROMPT, seen)
+        assert "1 question," in _read_until(master, proc, PROMPT, seen)
         os.write(master, b"/reset\n")
         assert "(conversation cleared)" in _read_until(master, proc, PROMPT, seen)
         os.write(master, b"/stats\n")

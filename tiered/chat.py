@@ -9,6 +9,7 @@ at the prompt twice in a row, or EOF (Ctrl-D), quits.
 from __future__ import annotations
 
 import contextlib
+import select
 import signal
 import sys
 import threading
@@ -103,7 +104,7 @@ class Chat:
         turns = sum(m["role"] == "user" for m in self.history)
         window = self.llm.max_context
         used = len(self.llm.encode(self.history, chat=True)) if len(self.history) > len(self.system) else 0
-        lines = [f"conversation: {turns} questions, {used} of {window} context tokens"
+        lines = [f"conversation: {turns} question{'' if turns == 1 else 's'}, {used} of {window} context tokens"
                  + (f" ({self.dropped} old turns dropped)" if self.dropped else "")]
         if self.last is not None:
             s = self.last.stats
@@ -134,7 +135,28 @@ def _sigint_stops(chat: Chat):
         signal.signal(signal.SIGINT, previous)
 
 
-def repl(chat: Chat, read: Callable[[str], str] = input, out: TextIO = sys.stdout) -> None:
+def read_line(prompt: str) -> str:
+    """input(), but on a terminal Ctrl-C interrupts it (KeyboardInterrupt) even when the kernel
+    hands SIGINT to one of the engine's worker threads: input()'s wait would not wake then, so the
+    wait here polls, and Python runs the pending handler between polls. (The terminal's own line
+    editing applies.)
+
+    Raises:
+        EOFError: end of input (Ctrl-D).
+    """
+    if not sys.stdin.isatty():
+        return input(prompt)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    while not select.select([sys.stdin], [], [], 0.1)[0]:
+        pass
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
+
+
+def repl(chat: Chat, read: Callable[[str], str] = read_line, out: TextIO = sys.stdout) -> None:
     """The interactive loop: read a line, answer it (streamed to `out`) or run a command.
 
     Ctrl-C while an answer streams stops that answer; at the prompt, a second Ctrl-C in a row quits,

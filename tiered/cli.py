@@ -260,10 +260,6 @@ def chat(
                             cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
                             read_ahead=read_ahead, trace=False, plan=plan, profile_file=profile_file)
     with LLM(model, config, progress=True) as llm:
-        try:
-            import readline  # noqa: F401 - line editing and history for input()
-        except ImportError:  # pragma: no cover - not on every platform
-            pass
         repl(Chat(llm, params, system))
 
 
