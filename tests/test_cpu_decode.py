@@ -61,6 +61,13 @@ def test_lean_step_equals_modules_fp32(zoo, kind):
     assert _compare(llm, [ids, prompt_ids(zoo.vocab_size, 5, seed=3)], steps=6, tol=1e-5) <= 1e-5
 
 
+def test_lean_step_in_bf16_matches_the_modules(zoo):
+    """A bf16 model (--dtype bfloat16): RoPE's fp32 tables must not leak fp32 into attention."""
+    llm = zoo.llm(zoo.dir("qwen2"), dtype="bfloat16", max_context=64)
+    assert _compare(llm, [prompt_ids(zoo.vocab_size, 10), prompt_ids(zoo.vocab_size, 4, seed=2)],
+                    steps=4, tol=2e-2) <= 2e-2
+
+
 def test_lean_step_runs_moe_blocks_through_their_ffn(rt):  # noqa: F811
     llm = LLM(rt.dir("mixtral"), engine_config())
     step = CPUDecodeStep(llm.model)

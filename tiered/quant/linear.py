@@ -145,6 +145,16 @@ def quantize_int8_blocks(handle, rows: int = 4096) -> tuple[torch.Tensor, torch.
     return q, scale
 
 
+def _check_tensor(name: str, handle, shape) -> None:
+    from tiered.errors import CheckpointError
+
+    if handle is None:
+        raise CheckpointError(f"checkpoint lacks tensor {name!r}", "the checkpoint is incomplete or does not match its config")
+    if tuple(handle.shape) != tuple(shape):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(handle.shape)}, config implies {tuple(shape)}",
+                              "the checkpoint does not match its config")
+
+
 def weight_of(linear: nn.Linear, handle) -> torch.Tensor:
     """linear's dense weight [N, K]: its own, or read from `handle` in the stored dtype (block
     formats dequantized to fp32) when the module holds none (left on the meta device)."""
@@ -225,6 +235,8 @@ def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: in
             if key == "lm_head.weight" and not checkpoint.has(key):
                 key = "model.embed_tokens.weight"  # tied embeddings
             handle = checkpoint.handle(key) if checkpoint.has(key) else None
+            if lin.weight.is_meta:  # one-copy mode: materialize's checks, made here
+                _check_tensor(key, handle, lin.weight.shape)
             prepared[name] = decode_weight(lin, handle, fmt)
             if prepared[name] is None and not dense:  # no lossy copy asked for: its own weight is the copy
                 prepared[name] = DecodeWeight("dense", dense=weight_of(lin, handle))

@@ -183,13 +183,13 @@ class CPUDecodeStep:
             if L.whole:
                 x = layer(x.view(B, 1, -1), meta, cache).view(B, -1)
                 continue
-            x = x + self._attention(L, x, meta, cache, cos, sin)
+            x.add_(self._attention(L, x, meta, cache, cos, sin))  # in place: the residual keeps its dtype
             h = F.rms_norm(x, x.shape[-1:], L.post_norm, L.eps)
             if L.ffn is not None:
                 x = x + L.ffn(h.view(B, 1, -1)).view(B, -1)
                 continue
             gu = L.gate_up(h)
-            x = x + L.down(F.silu(gu[:, :L.F]) * gu[:, L.F:])
+            x.add_(L.down(F.silu(gu[:, :L.F]) * gu[:, L.F:]))
         h = F.rms_norm(x, x.shape[-1:], self.final_norm, self.final_eps)
         return self.lm_head(h)
 
@@ -199,7 +199,7 @@ class CPUDecodeStep:
         qkv = L.qkv(h)  # [B, (H + 2 Hkv) hd] kernel dtype
         qk = qkv[:, :(H + Hkv) * hd].view(B, H + Hkv, hd)
         # RoPE on q and k at once, [B, H + Hkv, hd] in the model's dtype (rotate-half is exact in any dtype)
-        qk = torch.addcmul(qk * cos, qk @ self.rot[qk.dtype], sin)
+        qk = torch.addcmul(qk * cos, qk @ self.rot[qk.dtype], sin).to(x.dtype)  # fp32 tables: back to the model's
         q = qk[:, :H].unsqueeze(2)  # [B, H, 1, hd]
         k = qk[:, H:].unsqueeze(2)  # [B, Hkv, 1, hd]
         v = qkv[:, (H + Hkv) * hd:].view(B, Hkv, 1, hd)
