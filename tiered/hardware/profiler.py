@@ -246,7 +246,8 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") 
 
     The weights are so small that what is timed is the fixed cost of a decode step and of each
     layer in tiered's model code (module calls, small ops, KV-cache writes): runtime/decode_step.
-    On the CPU the engine's decode path runs fp32 activations with weights read in `dtype`; on CUDA
+    On the CPU that is the engine's lean decode step (runtime/cpu_decode.CPUDecodeStep): fp32
+    activations, weights read in `dtype`; on CUDA
     (runtime/decode_step_gpu) the model is cast to `dtype` as the engine does there, and each step
     ends with the device synchronized: the host's cost of issuing the ops, or the GPU's if slower.
     """
@@ -254,6 +255,7 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") 
     from tiered.models import build_model
     from tiered.models.layers import KVCache, Rotary
     from tiered.quant.linear import install_decode_weights
+    from tiered.runtime.cpu_decode import CPUDecodeStep
 
     cuda = device == "cuda"
     td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
@@ -274,7 +276,9 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") 
                            torch.tensor([[32]], device=dev))
         with torch.inference_mode():
             model(torch.ones(1, 32, dtype=torch.long, device=dev), torch.arange(32, device=dev).unsqueeze(0), slots, cache)
-            t = median_time(lambda: model(ids, pos, slots, cache), repeats, sync)
+            # the engine's CPU decode path is the lean step (runtime/cpu_decode), CUDA's the modules
+            step = model if cuda else CPUDecodeStep(model)
+            t = median_time(lambda: step(ids, pos, slots, cache), repeats, sync)
         points.append((float(layers), t))
     return points
 

@@ -137,6 +137,10 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     # a model wholly on a real GPU decodes through captured CUDA graphs: nothing in its step syncs
     plan.decode_graphs = (accelerator is not None and not accelerator.is_host and not cfg.is_moe
                           and plan.fast_tier == "gpu" and not plan.sliced_layers())
+    # without an accelerator every decode step runs on the CPU: through the lean step
+    plan.cpu_decode_step = accelerator is None
+    # one copy per weight unless `--dtype float32` asks for the lossless mode (or nothing is compact)
+    plan.dense_copies = not (accelerator is None and ec.dtype == "auto" and decode_format not in ("none", "fp32"))
     return plan, profile
 
 

@@ -62,6 +62,12 @@ class Plan:
         staging_buffers, read_ahead          expert staging ring size; issue a layer's reads at once
         decode_graphs                        capture decode steps as CUDA graphs (every weight on
                                              the GPU, no expert runner or slices: runtime/graphs.py)
+        dense_copies                         keep the dense weights beside the decode copies (prefill
+                                             runs on them; lossless in fp32). False: each weight's
+                                             one copy is its decode copy, which serves every step
+        cpu_decode_step                      run CPU decode steps of at most decode_threshold rows
+                                             through runtime/cpu_decode.CPUDecodeStep (fused kernels,
+                                             ~30 torch ops per layer) instead of the modules
         source                               who decided: "planner", "rules" (plan off) or a file
     """
 
@@ -100,6 +106,8 @@ class Plan:
     read_ahead: bool = True
     decode_threshold: int = 8
     decode_graphs: bool = False
+    cpu_decode_step: bool = False
+    dense_copies: bool = True
     source: str = "planner"
 
     def summary(self, measured_tokens_per_s: float | None = None) -> str:

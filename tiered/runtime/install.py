@@ -28,6 +28,7 @@ class Runtime:
     experts: object = None  # TieredExperts
     sliced: list = field(default_factory=list)
     graphs: object = None  # DecodeGraphs: CUDA-graph decode steps (plan.decode_graphs on CUDA)
+    cpu_decode: object = None  # CPUDecodeStep: the lean CPU decode step (plan.cpu_decode_step)
 
 
 def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | None = None, sliced_weights=None,
@@ -63,6 +64,9 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
     if plan.decode_graphs and accelerator is not None and not accelerator.is_host and not trace:
         from tiered.runtime.graphs import DecodeGraphs
         rt.graphs = DecodeGraphs(model, model.config.sliding_window)
+    if plan.cpu_decode_step and accelerator is None and not trace:  # the trace wants the modules' spans
+        from tiered.runtime.cpu_decode import CPUDecodeStep
+        rt.cpu_decode = CPUDecodeStep(model)
     if trace:
         _trace_layers(model, executor)
     return rt
