@@ -16,9 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures import hf_greedy, kl_divergence, stepwise_logits
+from fixtures import hf_greedy, stepwise_logits
 from tiered import LLM, EngineConfig, SamplingParams
 from tiered.checkpoint import GGUFCheckpoint
+from tiered.eval.kl import kl_divergence
 
 PROMPT = "Write a short poem about the sea."
 N_TOKENS = 32
