@@ -6,6 +6,7 @@ one line on stderr and a non-zero exit, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -356,6 +357,21 @@ def _eval_input(model, text, max_tokens, window):
     return ckpt, ids
 
 
+@contextlib.contextmanager
+def _window_progress(show: bool):
+    """Yield an on_window(done, total) callback drawing a transient progress bar on stderr (or None)."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("scoring windows"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("score", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
 @eval_app.command("ppl")
 @friendly_errors
 def eval_ppl(
@@ -375,8 +391,8 @@ def eval_ppl(
     config = weights_config(weights, num_threads=threads)
     ckpt, ids = _eval_input(model, text, max_tokens, window)
     sliding_windows(len(ids), window, stride)  # a bad stride is refused before loading
-    with LLM(ckpt, config, progress=not as_json) as llm:
-        r = perplexity(llm, ids, window, stride)
+    with LLM(ckpt, config, progress=not as_json) as llm, _window_progress(not as_json) as on_window:
+        r = perplexity(llm, ids, window, stride, on_window=on_window)
     out = {"model": str(ckpt.path), "text": str(text or default_text_path()), "weights": weights, "window": window,
            "stride": stride, "ppl": r.ppl, "nll": r.nll, "tokens": r.tokens, "windows": r.windows}
     typer.echo(json.dumps(out) if as_json else
@@ -402,7 +418,8 @@ def eval_kl(
     ref_config, config = weights_config("fp32", num_threads=threads), weights_config(weights, num_threads=threads)
     ckpt, ids = _eval_input(model, text, max_tokens, window)
     sliding_windows(len(ids), window, stride)
-    ref, kl = kl_run(ckpt, ref_config, config, ids, window, stride)
+    with _window_progress(not as_json) as on_window:
+        ref, kl = kl_run(ckpt, ref_config, config, ids, window, stride, on_window)
     out = {"model": str(ckpt.path), "text": str(text or default_text_path()), "weights": weights, "window": window,
            "stride": stride, "kl_mean": kl.mean, "kl_max": kl.max, "top1": kl.top1, "ppl": kl.ppl,
            "ppl_fp32": ref.ppl, "tokens": kl.tokens}

@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from tiered.config import EngineConfig
 from tiered.errors import ConfigError
-from tiered.eval.ppl import Perplexity, token_nll, window_logits
+from tiered.eval.ppl import Perplexity, sliding_windows, token_nll, window_logits
 
 WEIGHTS = ("fp32", "bf16", "int8", "int4", "auto")
 ALL_STEPS = sys.maxsize  # a decode_weights_threshold no step exceeds: every step uses the format
@@ -59,10 +59,12 @@ class KL:
     tokens: int
 
 
-def compare(ref, others: dict, ids: Sequence[int], window: int, stride: int) -> tuple[Perplexity, dict[str, KL]]:
+def compare(ref, others: dict, ids: Sequence[int], window: int, stride: int,
+            on_window: Callable[[int, int], None] | None = None) -> tuple[Perplexity, dict[str, KL]]:
     """Score `ids` [N] with the reference LLM and each LLM of `others` (name -> LLM), window by window.
 
-    Each LLM scores in the format its EngineConfig gives a step of `window` tokens (lossless=False).
+    Each LLM scores in the format its EngineConfig gives a step of `window` tokens (lossless=False);
+    on_window(windows done, windows in all) is called after each window.
     Returns:
         (the reference's Perplexity, name -> KL of that LLM against the reference).
     Raises:
@@ -70,6 +72,7 @@ def compare(ref, others: dict, ids: Sequence[int], window: int, stride: int) -> 
     """
     stats = {name: [0.0, 0.0, 0, 0.0] for name in others}  # sum KL, max KL, argmax agreements, sum NLL
     ref_nll, count, n = 0.0, 0, 0
+    num_windows = len(sliding_windows(len(ids), window, stride))
     streams = {name: window_logits(llm, ids, window, stride) for name, llm in others.items()}
     for _, p, targets in window_logits(ref, ids, window, stride):
         ref_nll += float(token_nll(p, targets).sum())
@@ -81,13 +84,15 @@ def compare(ref, others: dict, ids: Sequence[int], window: int, stride: int) -> 
             s[1] = max(s[1], float(kl.max()))
             s[2] += int((p.argmax(-1) == q.argmax(-1)).sum())
             s[3] += float(token_nll(q, targets).sum())
+        if on_window is not None:
+            on_window(n, num_windows)
     ref_ppl = Perplexity(math.exp(ref_nll / count), ref_nll / count, count, n)
     return ref_ppl, {name: KL(s[0] / count, s[1], s[2] / count, math.exp(s[3] / count), count)
                      for name, s in stats.items()}
 
 
 def kl_run(model, ref_config: EngineConfig, config: EngineConfig, ids: Sequence[int], window: int,
-           stride: int) -> tuple[Perplexity, KL]:
+           stride: int, on_window: Callable[[int, int], None] | None = None) -> tuple[Perplexity, KL]:
     """Load `model` (a path, or None for the default model) under both configs and compare them.
 
     Returns:
@@ -96,5 +101,5 @@ def kl_run(model, ref_config: EngineConfig, config: EngineConfig, ids: Sequence[
     from tiered import LLM
 
     with LLM(model, ref_config) as ref, LLM(model, config) as other:
-        ref_ppl, kl = compare(ref, {"other": other}, ids, window, stride)
+        ref_ppl, kl = compare(ref, {"other": other}, ids, window, stride, on_window)
     return ref_ppl, kl["other"]

@@ -16,7 +16,7 @@ import importlib.metadata as md
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -93,13 +93,18 @@ class Perplexity:
     windows: int
 
 
-def perplexity(llm, ids: Sequence[int], window: int, stride: int, lossless: bool = False) -> Perplexity:
-    """Perplexity of token ids `ids` [N] under `llm` (see window_logits for the arguments)."""
+def perplexity(llm, ids: Sequence[int], window: int, stride: int, lossless: bool = False,
+               on_window: Callable[[int, int], None] | None = None) -> Perplexity:
+    """Perplexity of token ids `ids` [N] under `llm` (see window_logits for the arguments);
+    on_window(windows done, windows in all) is called after each window."""
     total, count, n = 0.0, 0, 0
+    num_windows = len(sliding_windows(len(ids), window, stride))
     for _, logits, targets in window_logits(llm, ids, window, stride, lossless):
         total += float(token_nll(logits, targets).sum())
         count += len(targets)
         n += 1
+        if on_window is not None:
+            on_window(n, num_windows)
     return Perplexity(math.exp(total / count), total / count, count, n)
 
 
