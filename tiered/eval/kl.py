@@ -93,7 +93,8 @@ def compare(ref, others: dict, ids: Sequence[int], window: int, stride: int,
 
 def kl_run(model, ref_config: EngineConfig, config: EngineConfig, ids: Sequence[int], window: int,
            stride: int, on_window: Callable[[int, int], None] | None = None) -> tuple[Perplexity, KL]:
-    """Load `model` (a path, or None for the default model) under both configs and compare them.
+    """Load `model` (a path, an opened checkpoint, or None for the default model) under both configs
+    and compare them (see compare).
 
     Returns:
         (the reference's Perplexity, the KL of `config` against `ref_config`).
