@@ -148,7 +148,8 @@ def test_quantized_decode_path_on_gguf(zoo, qtype):
     """Without an accelerator, decode_weights="auto" on a Q4 file decodes with packed int4 weights
     (Q8_0: int8), close to fp32 decoding. The decode copies are a CPU kernel choice: with an
     accelerator (CUDA, or the stand-in that takes CUDA's decisions) none are installed."""
-    from fixtures import kl_divergence, stepwise_logits
+    from fixtures import stepwise_logits
+    from tiered.eval.kl import kl_divergence
     from tiered.quant.int8 import Int8Linear
 
     path = zoo.gguf("llama", qtype)

@@ -6,6 +6,7 @@ one line on stderr and a non-zero exit, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -57,7 +58,7 @@ def run(
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the tokenizer's chat template (default: when it has one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (on a CUDA GPU the checkpoint's: bfloat16 for bf16/fp16/quantized checkpoints; float32 on the CPU), float32 (lossless) or bfloat16."),
-    decode_weights: str = typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16 or int4."),
+    decode_weights: str = typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16, int8 or int4."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Context window in tokens (default: the model's)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
     gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Accelerator memory budget, e.g. 12GiB (default: all free)."),
@@ -330,6 +331,101 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
     typer.echo(f"context:     {cfg.max_position_embeddings} tokens, RoPE theta {cfg.rope_theta:g}"
                + (f", scaling {cfg.rope_scaling}" if cfg.rope_scaling else ""))
     typer.echo("formats:     " + ", ".join(f"{k} x{v}" for k, v in formats.most_common()))
+
+
+eval_app = typer.Typer(help="Measure accuracy: perplexity, and KL divergence to the lossless weights.",
+                       no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+app.add_typer(eval_app, name="eval")
+TEXT_HELP = "UTF-8 text file to score (default: SciPy's LICENSE.txt, English licence prose incl. the GNU GPL v3)."
+WEIGHTS_HELP = ("Weight format of every linear layer incl. lm_head, on every token: fp32 (lossless), bf16, int8, int4, "
+                "or auto (a GGUF's own blocks: Q4_0/Q4_1 as int4, Q8_0 as int8).")
+
+
+def _eval_input(model, text, max_tokens, window):
+    """The checkpoint and the text's token ids; refuses a bad text or window before any weight loads."""
+    from tiered.checkpoint import open_checkpoint
+    from tiered.engine.prompt import context_window
+    from tiered.errors import ContextLengthError
+    from tiered.eval import default_text_path, text_ids
+
+    ckpt = open_checkpoint(model)
+    ids = text_ids(ckpt.tokenizer(), text or default_text_path(), max_tokens)
+    ctx = context_window(ckpt.config, None)
+    if window > ctx:
+        raise ContextLengthError(f"window {window} exceeds the model's context window {ctx}",
+                                 f"pass --window {ctx} or less")
+    return ckpt, ids
+
+
+@contextlib.contextmanager
+def _window_progress(show: bool):
+    """Yield an on_window(done, total) callback drawing a transient progress bar on stderr (or None)."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("scoring windows"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("score", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+@eval_app.command("ppl")
+@friendly_errors
+def eval_ppl(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="HF model directory or .gguf file (default: SmolLM2)."),
+    text: Optional[Path] = typer.Option(None, "--text", help=TEXT_HELP),
+    window: int = typer.Option(1024, "--window", help="Tokens per scoring window (at most the model's context)."),
+    stride: int = typer.Option(512, "--stride", help="Tokens between window starts (< window): each window scores only tokens no earlier window scored."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Score only the text's first N tokens."),
+    weights: str = typer.Option("fp32", "--weights", help=WEIGHTS_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Perplexity of a text with a sliding window (Hugging Face's strided recipe)."""
+    from tiered import LLM
+    from tiered.eval import default_text_path, perplexity, sliding_windows, weights_config
+
+    config = weights_config(weights, num_threads=threads)
+    ckpt, ids = _eval_input(model, text, max_tokens, window)
+    sliding_windows(len(ids), window, stride)  # a bad stride is refused before loading
+    with LLM(ckpt, config, progress=not as_json) as llm, _window_progress(not as_json) as on_window:
+        r = perplexity(llm, ids, window, stride, on_window=on_window)
+    out = {"model": str(ckpt.path), "text": str(text or default_text_path()), "weights": weights, "window": window,
+           "stride": stride, "ppl": r.ppl, "nll": r.nll, "tokens": r.tokens, "windows": r.windows}
+    typer.echo(json.dumps(out) if as_json else
+               f"perplexity {r.ppl:.4f} (mean NLL {r.nll:.4f} nats) over {r.tokens} tokens in {r.windows} windows "
+               f"of {window} (stride {stride}) | weights {weights} | {out['text']}")
+
+
+@eval_app.command("kl")
+@friendly_errors
+def eval_kl(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="HF model directory or .gguf file (default: SmolLM2)."),
+    text: Optional[Path] = typer.Option(None, "--text", help=TEXT_HELP),
+    weights: str = typer.Option(..., "--weights", help=WEIGHTS_HELP + " Compared with fp32."),
+    window: int = typer.Option(1024, "--window", help="Tokens per scoring window."),
+    stride: int = typer.Option(512, "--stride", help="Tokens between window starts (< window)."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Score only the text's first N tokens."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """KL divergence of a weight format's next-token distributions against the lossless fp32 ones."""
+    from tiered.eval import default_text_path, kl_run, sliding_windows, weights_config
+
+    ref_config, config = weights_config("fp32", num_threads=threads), weights_config(weights, num_threads=threads)
+    ckpt, ids = _eval_input(model, text, max_tokens, window)
+    sliding_windows(len(ids), window, stride)
+    with _window_progress(not as_json) as on_window:
+        ref, kl = kl_run(ckpt, ref_config, config, ids, window, stride, on_window)
+    out = {"model": str(ckpt.path), "text": str(text or default_text_path()), "weights": weights, "window": window,
+           "stride": stride, "kl_mean": kl.mean, "kl_max": kl.max, "top1": kl.top1, "ppl": kl.ppl,
+           "ppl_fp32": ref.ppl, "tokens": kl.tokens}
+    typer.echo(json.dumps(out) if as_json else
+               f"KL(fp32 || {weights}): mean {kl.mean:.5f} nats, max {kl.max:.4f} nats, top-1 agreement "
+               f"{kl.top1:.2%} over {kl.tokens} tokens | perplexity {kl.ppl:.4f} vs fp32 {ref.ppl:.4f}")
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from tiered.errors import ConfigError
 
-WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int4")
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
 DTYPES = ("auto", "float32", "bfloat16")
 ACCELERATORS = ("auto", "cuda", "host", "none")
 CACHE_POLICIES = ("lru", "lfu")
@@ -24,8 +24,9 @@ class EngineConfig:
             mode that matches transformers to 1e-4.
         decode_weights: weight format of the decode path (one or a few tokens per step):
             "auto" keeps GGUF 4-bit blocks (Q4_0/Q4_1) as packed int4 with bf16 activations and
-            other tensors in bf16; "fp32" / "bf16" use dense weights; "int4" also re-quantizes
-            dense weights to group-wise int4 (group 32). Only "fp32" is lossless.
+            other tensors in bf16; "fp32" / "bf16" use dense weights; "int8" quantizes every weight
+            to per-row int8; "int4" also re-quantizes dense weights to group-wise int4 (group 32).
+            Only "fp32" is lossless.
         decode_weights_threshold: steps with at most this many tokens use the decode weights;
             larger steps (prefill) use the dense `dtype` weights.
         max_context: context window in tokens; None uses the model's max_position_embeddings.

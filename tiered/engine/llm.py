@@ -344,9 +344,14 @@ class LLM:
         return list(self.executor.events)
 
     # ----------------------------------------------------------------- scoring
-    def logits(self, token_ids: Seq[int]) -> torch.Tensor:
-        """Full-sequence logits of `token_ids` with the dense (lossless) weights.
+    def logits(self, token_ids: Seq[int], lossless: bool = True) -> torch.Tensor:
+        """Full-sequence logits of `token_ids`, in one step.
 
+        Args:
+            lossless: True scores with the dense (lossless) weights; False lets each layer choose
+                as a generate() step of len(token_ids) tokens would: the decode-format copies when
+                len(token_ids) <= decode_weights_threshold (so a huge threshold scores every
+                projection in the decode format; tiered/eval).
         Returns:
             fp32 [T, vocab]; row t scores the token after token_ids[t].
         Raises:
@@ -358,7 +363,8 @@ class LLM:
                                      "score between 1 and max_context tokens")
         cache = self._kv_cache(1, T)
         dev = self._to_device
-        with torch.inference_mode(), dense_weights(self.model), self._device_scope():
+        weights = dense_weights(self.model) if lossless else contextlib.nullcontext()
+        with torch.inference_mode(), weights, self._device_scope():
             out = self.model(dev(torch.tensor([list(token_ids)])), dev(torch.arange(T).unsqueeze(0)),
                              dev(torch.tensor([0])), cache, last_only=False)
         return out[0].float().cpu()

@@ -109,7 +109,8 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     """The decode representation of `linear` under format `fmt`, or None to keep the dense module.
 
     "auto": GGUF Q4_0/Q4_1 blocks -> int4 as stored; GGUF Q8_0 -> per-row int8; others -> bf16.
-    "int4": everything with K % 32 == 0 -> int4 (GGUF Q4 blocks as stored); "bf16"; "fp32".
+    "int4": everything with K % 32 == 0 -> int4 (GGUF Q4 blocks as stored); "int8": everything ->
+    per-row int8; "bf16"; "fp32".
     A module left on the meta device (one-copy mode) has its weight read from `handle` when the
     format needs the dense values (Q4 blocks are unpacked without dequantizing).
     """
@@ -124,6 +125,8 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
         return DecodeWeight("int4", codes, scale, zero)
     if fmt == "int4" and w.shape[1] % GROUP == 0:
         return DecodeWeight("int4", *quantize_int4(w))
+    if fmt == "int8":
+        return DecodeWeight("int8", dense=w)
     if w.dtype == torch.bfloat16:
         return None
     return DecodeWeight("dense", dense=w.to(torch.bfloat16))
