@@ -13,11 +13,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fixtures import kl_divergence, prompt_ids
+from fixtures import prompt_ids
 from runtime_fixtures import engine_config, rt  # noqa: F401
 
 from tiered import LLM
 from tiered.engine.llm import dense_weights
+from tiered.eval import kl_divergence
 from tiered.runtime.cpu_decode import CPUDecodeStep
 
 DENSE = ["llama", "llama_tied", "llama_attn_bias", "mistral", "qwen2", "qwen3"]

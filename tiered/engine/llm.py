@@ -348,7 +348,9 @@ class LLM:
         """Full-sequence logits of `token_ids`, in one step.
 
         Args:
-            lossless: True scores with the dense (lossless) weights; False lets each layer choose
+            lossless: True scores with the dense weights (lossless when the plan keeps them:
+                Plan.dense_copies, e.g. --dtype float32; in the CPU's one-copy mode every
+                projection has only its decode copy, which then scores); False lets each layer choose
                 as a generate() step of len(token_ids) tokens would: the decode-format copies when
                 len(token_ids) <= decode_weights_threshold (so a huge threshold scores every
                 projection in the decode format; tiered/eval).

@@ -408,6 +408,11 @@ def _meta(b: _Bench, cuda: bool) -> dict:
     return meta
 
 
+# Bumped when a key's measurement changes meaning, so cached profiles of older method are re-measured
+# (2: runtime/decode_step times the lean CPU decode step, runtime/cpu_decode).
+PROFILER_VERSION = 2
+
+
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
                     threads: int | None = None, progress: Progress | None = None) -> HardwareProfile:
     """Measure this machine and fit its HardwareProfile.
@@ -498,6 +503,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
             b.attempt(f"copy/{kind}", lambda k=kind: _copy_points(k, copy_sizes, r))
     host = socket.gethostname()
     meta = _meta(b, cuda)
+    meta["profiler_version"] = PROFILER_VERSION
     meta["disk_note"] = note
     meta["load_average"] = load_before
     if load_before is not None and load_before > (os.cpu_count() or 1) - 0.5:

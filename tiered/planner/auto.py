@@ -65,14 +65,17 @@ def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> H
     if path.is_file():
         try:
             hw = HardwareProfile.load(path)
-            if not cuda or op_time.has_device(hw, "gpu"):
+            from tiered.hardware.profiler import PROFILER_VERSION
+
+            current = hw.meta.get("profiler_version") == PROFILER_VERSION  # else measured the old way
+            if current and (not cuda or op_time.has_device(hw, "gpu")):
                 return hw
         except ConfigError:
             pass  # unreadable: measure again
     from tiered.hardware.profiler import profile_machine
 
     if progress is not None:
-        progress(f"no hardware profile of this machine yet: measuring a quick one for the planner, saved to {path} "
+        progress(f"no current hardware profile of this machine: measuring a quick one for the planner, saved to {path} "
                  "(`tiered profile` makes a full one)")
     hw = profile_machine(quick=True, cuda=cuda)
     try:
