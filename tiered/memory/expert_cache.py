@@ -46,7 +46,7 @@ class EvictionPolicy:
     Args:
         num_layers: l_n, decoder layers of the model (the FLD ring; 1 when unknown).
     Attributes:
-        clock: expert uses so far (LRU's time); tokens: T, tokens of the sequence so far;
+        clock: expert uses so far (LRU's time, kept across sequences); tokens: T, tokens of the sequence so far;
         layer: l_i, the layer in flight; last_use, uses, high_uses, last_token: per usage key.
     """
 
@@ -54,15 +54,16 @@ class EvictionPolicy:
 
     def __init__(self, num_layers: int = 1) -> None:
         self.num_layers = max(1, num_layers)
+        self.clock = 0
+        self.last_use: dict[Key, int] = {}
         self.new_sequence()
 
     def new_sequence(self) -> None:
-        """Forget every usage record (HOBBIT resets them at the start of each sequence)."""
-        self.clock = 0
+        """Forget the sequence's usage records (HOBBIT resets them at the start of each sequence);
+        LRU's recency (`clock`, `last_use`) is the cache's own and carries on."""
         self.tokens = 0
         self.layer = 0
         self._last_layer: int | None = None
-        self.last_use: dict[Key, int] = {}
         self.last_token: dict[Key, int] = {}
         self.uses: dict[Key, int] = {}
         self.high_uses: dict[Key, int] = {}
