@@ -159,3 +159,16 @@ def test_cache_sim_cli(mixtral_trace):
     assert out["results"][0]["hits"] == replay(RoutingTrace.load(mixtral_trace), 4, "fld").hits
     bad = CliRunner().invoke(app, ["cache-sim", "--trace", str(mixtral_trace) + ".missing", "--capacity", "4"])
     assert bad.exit_code == 2 and "no routing trace" in bad.output
+
+
+def test_tuned_hobbit_weights_minimise_the_penalty(mixtral_trace):
+    from tiered.memory.cache_sim import simplex, tune_weights
+
+    tr = RoutingTrace.load(mixtral_trace)
+    calib = tr.select([0, 1])
+    assert set(calib.seq.tolist()) == {0, 1} and len(calib) == 2 * len(tr) // 3
+    grid = simplex(0.5)
+    assert len(grid) == 10 and all(abs(sum(w) - 1) < 1e-9 for w in grid)
+    w, best = tune_weights(calib, 3, step=0.5)
+    assert w in grid
+    assert all(best.penalty_bytes <= replay(calib, 3, "hobbit", weights=g).penalty_bytes for g in grid)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tiered.errors import ConfigError
-from tiered.memory.expert_cache import ExpertCache, make_policy
+from tiered.memory.expert_cache import ExpertCache, HobbitPolicy, RandomPolicy, make_policy
 from tiered.runtime.routing_trace import RoutingTrace, prediction_accuracy
 
 HIGH, LOW, SKIP = 2, 1, 0
@@ -84,7 +84,8 @@ class SimResult:
 
 def replay(trace: RoutingTrace, capacity: int, policy: str, *, low_capacity: int = 0, t1: float = 1.0,
            t2: float = 1.0, high: str = "bf16", low: str = "int4", prefetch: bool = False,
-           bandwidth: float | None = None, latency: float = 0.0, resident: frozenset = frozenset()) -> SimResult:
+           bandwidth: float | None = None, latency: float = 0.0, resident: frozenset = frozenset(),
+           seed: int = 0, weights: tuple[float, float, float, float] | None = None) -> SimResult:
     """Replay `trace` through a high-precision cache of `capacity` experts (and a low-precision one
     of `low_capacity`) under eviction policy `policy` (memory/expert_cache.POLICIES).
 
@@ -94,6 +95,8 @@ def replay(trace: RoutingTrace, capacity: int, policy: str, *, low_capacity: int
         prefetch: replay runtime/prefetch.Prefetcher on the trace's predictions.
         bandwidth, latency: the link misses cross [bytes/s, s per load]; None: no seconds.
         resident: (layer, expert) keys always on the fast tier (hits that never enter the cache).
+        seed: the random policy's seed.
+        weights: the hobbit policy's (w_lru, w_lfu, w_lhu, w_fld) (default uniform).
     Raises:
         ConfigError: bad thresholds, capacities or formats, or LOW uses without a low pool.
     """
@@ -107,7 +110,9 @@ def replay(trace: RoutingTrace, capacity: int, policy: str, *, low_capacity: int
     if t1 < 1 and low_capacity == 0:
         raise ConfigError("T1 < 1 sends some uses to low precision but there is no low-precision pool",
                           "pass --low-capacity M")
-    pol = make_policy(policy, trace.meta["num_layers"])
+    L = trace.meta["num_layers"]
+    pol = (RandomPolicy(L, seed) if policy == "random" else HobbitPolicy(L, weights) if policy == "hobbit" and weights
+           else make_policy(policy, L))
     slot = ((0,),)
     alloc = lambda s, d, w: torch.empty(s)  # noqa: E731  (slots hold nothing: the simulator counts)
     hi = ExpertCache(capacity, slot, torch.float32, alloc, pol, precision=high, high=True, item_bytes=eb[high])
@@ -175,3 +180,21 @@ def replay(trace: RoutingTrace, capacity: int, policy: str, *, low_capacity: int
     if prefetch:
         res.accuracy = prediction_accuracy(trace)
     return res
+
+
+def simplex(step: float = 0.1) -> list[tuple[float, float, float, float]]:
+    """Every (w_lru, w_lfu, w_lhu, w_fld) on a grid of `step` with sum 1 (step 0.1: 286 points)."""
+    n = round(1 / step)
+    return [(a / n, b / n, c / n, (n - a - b - c) / n) for a in range(n + 1) for b in range(n + 1 - a)
+            for c in range(n + 1 - a - b)]
+
+
+def tune_weights(trace: RoutingTrace, capacity: int, step: float = 0.1, **kw) -> tuple[tuple, SimResult]:
+    """HOBBIT gap H7: the Eq. 3 weights minimising the miss penalty (bytes) of `trace` by grid search over
+    the simplex. Returns (weights, the replay with them); ties go to the first grid point. `kw` as for replay."""
+    best = None
+    for w in simplex(step):
+        r = replay(trace, capacity, "hobbit", weights=w, **kw)
+        if best is None or r.penalty_bytes < best[1].penalty_bytes:
+            best = (w, r)
+    return best

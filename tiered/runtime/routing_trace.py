@@ -140,6 +140,11 @@ class RoutingTrace:
     def __len__(self) -> int:
         return len(self.layer)
 
+    def select(self, seqs) -> "RoutingTrace":
+        """The trace of the sequences numbered in `seqs` only (e.g. a calibration / held-out split)."""
+        keep = np.isin(self.seq, list(seqs))
+        return RoutingTrace(**{k: getattr(self, k)[keep] for k in _ARRAYS}, meta=dict(self.meta))
+
     def groups(self) -> Iterator[tuple[int, int, int, slice]]:
         """(seq, step, layer, rows) of every routing call, in execution order."""
         if not len(self):
