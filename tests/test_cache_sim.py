@@ -157,6 +157,12 @@ def test_cache_sim_cli(mixtral_trace):
     out = json.loads(js.output)
     assert [r["policy"] for r in out["results"]] == ["fld"]
     assert out["results"][0]["hits"] == replay(RoutingTrace.load(mixtral_trace), 4, "fld").hits
+    tuned = CliRunner().invoke(app, ["cache-sim", "--trace", str(mixtral_trace), "--capacity", "4", "--policy", "hobbit",
+                                     "--weights", "0.7,0.1,0.1,0.1", "--tune"])
+    assert tuned.exit_code == 0, tuned.output
+    assert "hobbit (tuned)" in tuned.output and "tuned hobbit weights" in tuned.output
+    bad_w = CliRunner().invoke(app, ["cache-sim", "--trace", str(mixtral_trace), "--capacity", "4", "--weights", "1,1"])
+    assert bad_w.exit_code == 2 and "sum" in bad_w.output
     bad = CliRunner().invoke(app, ["cache-sim", "--trace", str(mixtral_trace) + ".missing", "--capacity", "4"])
     assert bad.exit_code == 2 and "no routing trace" in bad.output
 

@@ -68,6 +68,8 @@ def run(
     cache_policy: str = typer.Option("lru", "--cache-policy", help="Expert-cache eviction: random, lru, lfu, lhu, fld or hobbit (HOBBIT Eq. 3)."),
     expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="JSON from `tiered profile-experts`: popular experts go to the fast tier."),
     read_ahead: bool = typer.Option(True, "--read-ahead/--no-read-ahead", help="Read all of a layer's missing experts at once."),
+    prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Predict the next MoE layers' experts from each layer's gate input and load them early (HOBBIT)."),
+    prefetch_lookahead: int = typer.Option(2, "--prefetch-lookahead", help="MoE layers ahead the prefetcher predicts (HOBBIT's p, 1-3)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON of every runtime task (open in Perfetto)."),
     plan: str = typer.Option("auto", "--plan", help="auto: the planner decides expert residency, cache slots and dense slicing from a hardware profile; off: the runtime's own rules; or a plan JSON from `tiered plan --json` to replay."),
     profile_file: Optional[str] = typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner (default: this machine's, measured once)."),
@@ -86,7 +88,8 @@ def run(
     config = _engine_config(dtype=dtype, decode_weights=decode_weights, max_context=max_context, threads=threads,
                             gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
                             cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
-                            read_ahead=read_ahead, trace=trace is not None, plan=plan, profile_file=profile_file)
+                            read_ahead=read_ahead, trace=trace is not None, plan=plan, profile_file=profile_file,
+                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead)
     # a prompt that cannot run is refused before anything loads, or the planner measures this machine
     ckpt = open_checkpoint(model)
     check_prompt_fits(0, len(encode_prompt(ckpt.tokenizer(), prompt, chat)),
@@ -124,10 +127,15 @@ def _print_stats(llm, out) -> None:
     if rt:
         typer.echo(f"[experts: {rt['placement']} | hit rate {rt['hit_rate']:.1%} | paths {rt['paths']} | "
                    f"disk {rt['bytes_read'] / 2**20:.1f} MiB | H2D {rt['bytes_h2d'] / 2**20:.1f} MiB]", err=True)
+        if rt["prefetch"]:
+            pf = rt["prefetch"]
+            typer.echo(f"[prefetch: {pf['issued']} loads, {pf['useful']} used | recall "
+                       + ", ".join(f"{r} ahead {a:.0%}" for r, a in pf["accuracy"].items()) + "]", err=True)
 
 
 def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
-                   cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file):
+                   cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch=False,
+                   prefetch_lookahead=2):
     """The EngineConfig of `run`'s and `serve`'s shared options; a replayed plan (`--plan FILE`) brings
     the budgets it was made for unless they are given."""
     from tiered import EngineConfig
@@ -142,7 +150,8 @@ def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_
                         gpu_memory=gpu_mem, cpu_memory=cpu_mem, offload_dir=str(offload_dir) if offload_dir else None,
                         accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
                         expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
-                        trace=trace, plan=plan, profile=profile_file)
+                        trace=trace, plan=plan, profile=profile_file, prefetch=prefetch,
+                        prefetch_lookahead=prefetch_lookahead)
 
 
 @app.command()
@@ -167,6 +176,8 @@ def serve(
     cache_policy: str = typer.Option("lru", "--cache-policy", help="Expert-cache eviction: random, lru, lfu, lhu, fld or hobbit (HOBBIT Eq. 3)."),
     expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="As for `run`."),
     read_ahead: bool = typer.Option(True, "--read-ahead/--no-read-ahead", help="As for `run`."),
+    prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="As for `run`."),
+    prefetch_lookahead: int = typer.Option(2, "--prefetch-lookahead", help="As for `run`."),
     plan: str = typer.Option("auto", "--plan", help="auto, off, or a plan JSON to replay (as for `run`)."),
     profile_file: Optional[str] = typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner."),
 ) -> None:
@@ -180,7 +191,8 @@ def serve(
     config = _engine_config(dtype=dtype, decode_weights=decode_weights, max_context=max_context, threads=threads,
                             gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
                             cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
-                            read_ahead=read_ahead, trace=False, plan=plan, profile_file=profile_file)
+                            read_ahead=read_ahead, trace=False, plan=plan, profile_file=profile_file,
+                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead)
     if max_batch < 1 or max_queue < 0:
         raise typer.BadParameter("--max-batch must be >= 1 and --max-queue >= 0")
     llm = LLM(model, config, progress=True)
@@ -264,6 +276,8 @@ def cache_sim(
     high: str = typer.Option("bf16", "--high", help="Format of the high-precision experts (their bytes per miss)."),
     low: str = typer.Option("int4", "--low", help="Format of the low-precision experts."),
     prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Also replay the prefetcher on the trace's predictions."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="hobbit policy weights w_lru,w_lfu,w_lhu,w_fld (sum 1; default 0.25 each)."),
+    tune: bool = typer.Option(False, "--tune", help="Also grid-search the hobbit weights on this trace (step 0.1) and show them as 'hobbit (tuned)'."),
     bandwidth: Optional[str] = typer.Option(None, "--bandwidth", help="Link bandwidth per second for the penalty in seconds, e.g. 3GB (default: the profile's)."),
     latency: float = typer.Option(0.0, "--latency", help="Seconds per load on top of the bandwidth term (with --bandwidth)."),
     profile_file: Optional[str] = typer.Option(None, "--profile", help="Hardware profile JSON or preset whose link model prices the misses (default: this machine's, if measured)."),
@@ -276,7 +290,7 @@ def cache_sim(
     from rich.table import Table
 
     from tiered.hardware.budget import format_bytes, parse_bytes
-    from tiered.memory.cache_sim import replay
+    from tiered.memory.cache_sim import replay, tune_weights
     from tiered.memory.expert_cache import POLICIES
     from tiered.runtime.routing_trace import RoutingTrace
 
@@ -289,8 +303,18 @@ def cache_sim(
     bw, lat, priced = parse_bytes(bandwidth), latency, f"--bandwidth {bandwidth}"
     if bw is None:
         bw, lat, priced = _link_model(profile_file, link)
-    results = [replay(routing, capacity, n, low_capacity=low_capacity, t1=t1, t2=t2, high=high, low=low,
-                      prefetch=prefetch, bandwidth=bw, latency=lat) for n in names]
+    w = None
+    if weights:
+        try:
+            w = tuple(float(v) for v in weights.split(","))
+        except ValueError:
+            raise typer.BadParameter("--weights takes four numbers separated by commas") from None
+    kw = dict(low_capacity=low_capacity, t1=t1, t2=t2, high=high, low=low, prefetch=prefetch, bandwidth=bw, latency=lat)
+    results = [replay(routing, capacity, n, weights=w, **kw) for n in names]
+    if tune:
+        tuned, best = tune_weights(routing, capacity, **kw)
+        best.policy = "hobbit (tuned)"
+        results.append(best)
     if as_json:
         typer.echo(json.dumps({"trace": str(trace), "priced_by": priced, "results": [r.as_dict() for r in results]}))
         return
@@ -310,6 +334,8 @@ def cache_sim(
     console = Console()
     console.print(table)
     console.print(f"seconds priced by {priced}" if bw else "no link model: pass --bandwidth or --profile for seconds")
+    if tune:
+        console.print(f"tuned hobbit weights (w_lru, w_lfu, w_lhu, w_fld): {tuned}")
     if prefetch and results[0].accuracy:
         console.print("prediction recall: " + ", ".join(f"{r} ahead {a:.1%}" for r, a in results[0].accuracy.items()))
 
