@@ -45,7 +45,7 @@ def run(model: Path, config: EngineConfig, prompt: list[int], new_tokens: int) -
     n = len(prompt) + out.stats.generated_tokens
     pf = rt["prefetch"] or {}
     return {"decode_tokens_per_s": out.stats.decode_tokens_per_s, "ttft_s": out.stats.ttft_s,
-            "disk_bytes_per_token": rt["bytes_read"] / n, "hit_rate": rt["hit_rate"], "misses": rt["misses"],
+            "disk_bytes_per_token": (rt["bytes_read"] + (rt["prefetch"] or {}).get("bytes", 0)) / n, "hit_rate": rt["hit_rate"], "misses": rt["misses"],
             "miss_penalty_bytes": rt["miss_penalty_bytes"], "prefetch_issued": pf.get("issued", 0),
             "prefetch_useful": pf.get("useful", 0), "recall": pf.get("accuracy", {}), "tokens": out.token_ids}
 
@@ -114,7 +114,8 @@ def main() -> None:
              f"{slots} cache slots of {format_bytes(eb)}, no resident experts, read-ahead on, plan off (runtime rules), "
              f"page cache dropped before each run; median of {repeats}.",
              "Prefetches are disk reads on the executor's reader threads (at most one in flight, so a demand read "
-             "always finds a free reader); hit rate counts a prefetched expert's use as a hit."]
+             "always finds a free reader); hit rate counts a prefetched expert's use as a hit; disk bytes/token "
+             "include the prefetch reads. The machine is shared with other jobs: decode speeds are noisy."]
     stem = "moe_prefetch_quick" if args.quick else "moe_prefetch"
     _, md = write_report(stem, args.out, title="Expert prefetch in the runtime (CPU + disk)", settings=settings,
                          rows=rows, columns=columns, notes=notes, extra={"runs": {k: [{kk: vv for kk, vv in r.items()

@@ -77,8 +77,13 @@ def test_a_prefetched_expert_is_a_hit_with_its_weights(rt, close_after):
     assert pf.issued == min(len(predicted), pf.max_inflight) >= 1
     assert set(pf.inflight) <= {(1, e) for e in predicted} and set(pf.inflight) <= cache.protected
     loaded = list(pf.inflight)
-    pf.on_layer(1, x, used=predicted, pinned={(1, e) for e in predicted})  # waits for the loads
-    assert pf.useful == len(loaded) and not pf.inflight
+    pf.on_layer(1, x, used=predicted, pinned={(1, e) for e in predicted})  # never waits for the loads
+    assert pf.useful == len(loaded)
+    for key in loaded:  # still landing: protected, and what computing it must wait for
+        for fut in pf.loading(key):
+            assert key in cache.protected
+            fut.result()
+        assert pf.loading(key) == []
     for key in loaded:
         slot = cache.lookup(key)
         assert slot is not None  # a hit

@@ -163,8 +163,9 @@ class TieredExperts:
 
     def _on_fast(self, key, w, x, tok, ready) -> Future:
         layer, e = key
-        return self.executor.submit(self._compute_stream(), lambda: expert_forward(x[tok], *w), name=f"expert L{layer}E{e}",
-                                    layer=layer, expert=e)
+        deps = self.prefetcher.loading(key) if self.prefetcher is not None else ()  # a prefetch still landing
+        return self.executor.submit(self._compute_stream(), lambda: expert_forward(x[tok], *w), deps=deps,
+                                    name=f"expert L{layer}E{e}", layer=layer, expert=e)
 
     def _read(self, key, into, deps) -> Future:
         layer, e = key

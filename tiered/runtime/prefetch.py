@@ -128,17 +128,15 @@ class Prefetcher:
     def on_layer(self, layer: int, x: torch.Tensor, used: list[int], pinned: set) -> None:
         """MoE layer `layer` runs experts `used` on gate input x [N, D]; `pinned`: its cache keys.
 
-        Scores the earlier predictions for this layer, waits for this layer's experts still loading,
-        releases this layer's masks, predicts the next layers and issues the first layer's misses.
+        Scores the earlier predictions for this layer, releases this layer's masks, predicts the next
+        layers and issues the first layer's misses. It never waits: an expert of this layer whose
+        prefetch is still landing is a hit whose compute depends on the load (`loading`).
         """
         for r, pred in self.pending.pop(layer, {}).items():
             self.hits[r - 1] += len(pred.intersection(used))
             self.total[r - 1] += len(used)
-        for e in used:
+        for e in used:  # a load still in flight stays protected; the runner's compute waits for it (`loading`)
             key = (layer, e)
-            fut = self.inflight.pop(key, None)
-            if fut is not None:
-                fut.result()
             if key in self.loaded:
                 self.loaded.discard(key)
                 self.useful += 1
@@ -161,6 +159,11 @@ class Prefetcher:
                 break
             self._load(key, pinned)
         self.cache.protected = self.masked | set(self.inflight)
+
+    def loading(self, key) -> list[Future]:
+        """[the Future of `key`'s prefetch] while it is in flight, else []: what computing `key` must wait for."""
+        fut = self.inflight.get(key)
+        return [fut] if fut is not None and not fut.done() else []
 
     def _missing(self, key) -> bool:
         """Not on the fast tier, not loading, and loadable: a disk expert without an accelerator, a
