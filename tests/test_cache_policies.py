@@ -35,6 +35,16 @@ def test_every_policy_is_named_and_made():
         HobbitPolicy(2, (0.5, 0.5, 0.5, 0.0))
 
 
+def test_engine_config_checks_policy_and_lookahead():
+    from tiered import EngineConfig
+
+    assert EngineConfig(cache_policy="hobbit", prefetch=True, prefetch_lookahead=3).prefetch_lookahead == 3
+    with pytest.raises(ConfigError, match="cache_policy must be one of"):
+        EngineConfig(cache_policy="mru")
+    with pytest.raises(ConfigError, match="prefetch_lookahead"):
+        EngineConfig(prefetch_lookahead=0)
+
+
 def test_lfu_counts_tokens_not_lookups():
     """F_t counts the tokens that used an expert (gap H6): one prefill lookup by 5 tokens outweighs 3 decode uses."""
     cache = sim_cache(2, LFUPolicy(2))

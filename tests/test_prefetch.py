@@ -111,3 +111,6 @@ def test_plan_round_trips_prefetch_fields(rt, tmp_path, close_after):
     assert back == llm.plan and (back.prefetch, back.prefetch_lookahead, back.cache_policy) == (True, 3, "hobbit")
     assert back.to_json() == llm.plan.to_json()
     assert "prefetch 3 MoE layers ahead" in back.render()
+    # the runtime under HOBBIT's policy and prefetch keeps the reference's greedy tokens
+    assert llm.generate([prompt()], GREEDY)[0].token_ids == rt.reference("mixtral")[1]
+    assert llm.experts.cache.stats.evictions > 0
