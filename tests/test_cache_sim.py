@@ -178,3 +178,20 @@ def test_tuned_hobbit_weights_minimise_the_penalty(mixtral_trace):
     w, best = tune_weights(calib, 3, step=0.5)
     assert w in grid
     assert all(best.penalty_bytes <= replay(calib, 3, "hobbit", weights=g).penalty_bytes for g in grid)
+
+
+@pytest.mark.parametrize("policy", ["lru", "fld"])
+def test_replay_reproduces_the_runtime_cache(rt, policy):
+    """The simulator replays the runtime's own order: a trace recorded while the runtime (experts on
+    disk, a 3-slot RAM cache) generates gives exactly the runtime cache's hits and misses."""
+    s = rt.sizes("mixtral")
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="none", cpu_memory=s.fast(cache_slots=3, accelerator=False),
+                                               expert_cache_slots=3, cache_policy=policy))
+    try:
+        rec = RoutingRecorder(llm.model, llm.config, lookahead=0)
+        llm.generate([prompt(PROMPT)], SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+        st = llm.experts.cache.stats
+        r = replay(rec.trace(), 3, policy)
+        assert (r.hits, r.misses) == (st.hits, st.misses) and st.evictions > 0
+    finally:
+        llm.close()
