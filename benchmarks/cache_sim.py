@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -117,6 +117,7 @@ def main() -> None:
         for row in rows:
             if row["model"] == name:
                 row["penalty_vs_lru"] = row["penalty_bytes"] / base if base else None
+    shutil.rmtree(tmp, ignore_errors=True)  # the fixture checkpoints
     columns = [Column("trace", "model"), Column("policy", "policy"), Column("slots", "capacity"),
                Column("hit rate", "hit_rate", "{:.1%}"), Column("misses", "misses"),
                Column("penalty", lambda r: format_bytes(r["penalty_bytes"])),
