@@ -214,6 +214,7 @@ class LLM:
         with torch.inference_mode():
             for seq in plan.prefill:  # prefill, one sequence at a time
                 seq.t_prefill_start = time.perf_counter()
+                self.runtime.new_sequence()  # the expert cache's per-sequence usage (HOBBIT)
                 with dense_weights(self.model):
                     logits = self._forward([seq], cache, prefill=True)
                 self.executor.record("prefill", "step", seq.t_prefill_start, time.perf_counter())
@@ -318,11 +319,26 @@ class LLM:
         if self.experts is None:
             return {}
         rt = self.experts
+        st = rt.cache.stats
         return {"placement": rt.placement.summary(), "hit_rate": rt.fast_hit_rate,
-                "cache_hit_rate": rt.cache.stats.hit_rate, "resident_hits": rt.resident_hits,
-                "hits": rt.cache.stats.hits, "misses": rt.cache.stats.misses, "paths": dict(rt.path_counts),
+                "cache_hit_rate": st.hit_rate, "resident_hits": rt.resident_hits,
+                "hits": st.hits, "misses": st.misses, "cache_policy": self.plan.cache_policy,
+                "miss_penalty_bytes": st.miss_bytes, "miss_penalty_s": self._miss_seconds(st),
+                "prefetch": rt.prefetcher.stats() if rt.prefetcher is not None else None,
+                "paths": dict(rt.path_counts),
                 "bytes_read": rt.bytes_read, "bytes_h2d": rt.bytes_h2d,
                 "peak_fast_bytes": self.fast_budget.peak, "peak_cpu_bytes": self.cpu_budget.peak}
+
+    def _miss_seconds(self, st) -> float | None:
+        """The expert cache's miss penalty [s]: its misses' bytes over the link they cross (H2D with an
+        accelerator, cold disk reads without), per the plan's latency model or the hardware profile."""
+        lat = self.experts.latency
+        if lat is not None:
+            return st.misses * lat.h2d_alpha + st.miss_bytes / lat.h2d_bandwidth
+        if self._profile is not None and "disk/read_cold" in self._profile.models:
+            m = self._profile.model("disk/read_cold")
+            return st.misses * m.alpha + st.miss_bytes * m.beta
+        return None
 
     def close(self) -> None:
         """Stop the expert runtime's worker threads (the LLM cannot generate afterwards)."""

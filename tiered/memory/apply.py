@@ -15,7 +15,7 @@ import torch
 
 from tiered.hardware.budget import MemoryBudget
 from tiered.memory import sizes
-from tiered.memory.expert_cache import POLICIES, ExpertCache
+from tiered.memory.expert_cache import ExpertCache, make_policy
 from tiered.memory.expert_store import ExpertStore, expert_tensor_names
 from tiered.memory.materialize import materialize
 from tiered.planner.plan import Plan
@@ -119,5 +119,6 @@ def place_experts(plan: Plan, checkpoint, accelerator, fast_budget: MemoryBudget
     if accelerator is not None:
         host_staging = StagingPool([tuple(host_alloc(s, dtype, "host staging") for s in shapes) for _ in range(n_stage)])
     store = ExpertStore(checkpoint, plan.expert_placement(), dtype, accelerator, fast_budget, cpu_budget, offload_dir)
-    cache = ExpertCache(plan.expert_cache_slots, shapes, dtype, fast_alloc, POLICIES[plan.cache_policy]())
+    cache = ExpertCache(plan.expert_cache_slots, shapes, dtype, fast_alloc,
+                        make_policy(plan.cache_policy, cfg.num_hidden_layers), precision=plan.dtypes["experts"])
     return PlacedExperts(store, cache, fast_staging, host_staging)

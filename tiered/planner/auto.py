@@ -137,6 +137,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     plan, profile = _auto_or_rules(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
                                    weights_format=weights_format, decode_format=decode_format,
                                    decode_precision=decode_precision, popularity=popularity, progress=progress)
+    plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
     # a model wholly on a real GPU decodes through captured CUDA graphs: nothing in its step syncs
     plan.decode_graphs = (accelerator is not None and not accelerator.is_host and not cfg.is_moe
                           and plan.fast_tier == "gpu" and not plan.sliced_layers())

@@ -30,6 +30,13 @@ class Runtime:
     graphs: object = None  # DecodeGraphs: CUDA-graph decode steps (plan.decode_graphs on CUDA)
     cpu_decode: object = None  # CPUDecodeStep: the lean CPU decode step (plan.cpu_decode_step)
 
+    def new_sequence(self) -> None:
+        """A new sequence starts: the expert cache's usage records and the prefetcher's predictions reset."""
+        if self.experts is not None:
+            if self.experts.prefetcher is not None:
+                self.experts.prefetcher.new_sequence()
+            self.experts.cache.new_sequence()
+
 
 def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | None = None, sliced_weights=None,
                     n_g=None, host_budget=None, trace: bool = False) -> Runtime:
@@ -56,6 +63,10 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
                                    read_ahead=plan.read_ahead)
         for block in moe_blocks(model):
             block.runner = rt.experts
+        if plan.prefetch:
+            from tiered.runtime.prefetch import Prefetcher, StackedGates
+            rt.experts.prefetcher = Prefetcher(StackedGates(model, plan.prefetch_lookahead), placed.cache, placed.store,
+                                               executor, accelerator, max_inflight=readers - 1)
     sliced = plan.sliced_layers() if accelerator is not None else {}
     if sliced:
         from tiered.runtime.sliced import install_sliced_mlps
