@@ -65,14 +65,17 @@ def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> H
     if path.is_file():
         try:
             hw = HardwareProfile.load(path)
-            if not cuda or op_time.has_device(hw, "gpu"):
+            from tiered.hardware.profiler import PROFILER_VERSION
+
+            current = hw.meta.get("profiler_version") == PROFILER_VERSION  # else measured the old way
+            if current and (not cuda or op_time.has_device(hw, "gpu")):
                 return hw
         except ConfigError:
             pass  # unreadable: measure again
     from tiered.hardware.profiler import profile_machine
 
     if progress is not None:
-        progress(f"no hardware profile of this machine yet: measuring a quick one for the planner, saved to {path} "
+        progress(f"no current hardware profile of this machine: measuring a quick one for the planner, saved to {path} "
                  "(`tiered profile` makes a full one)")
     hw = profile_machine(quick=True, cuda=cuda)
     try:
@@ -134,10 +137,20 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     plan, profile = _auto_or_rules(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
                                    weights_format=weights_format, decode_format=decode_format,
                                    decode_precision=decode_precision, popularity=popularity, progress=progress)
+    plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
     # a model wholly on a real GPU decodes through captured CUDA graphs: nothing in its step syncs
     plan.decode_graphs = (accelerator is not None and not accelerator.is_host and not cfg.is_moe
                           and plan.fast_tier == "gpu" and not plan.sliced_layers())
+    # without an accelerator every decode step runs on the CPU: through the lean step
+    plan.cpu_decode_step = accelerator is None
+    plan.dense_copies = not one_copy(ec, accelerator, decode_format)
     return plan, profile
+
+
+def one_copy(ec, accelerator, decode_format: str) -> bool:
+    """Whether each weight keeps one copy, its decode copy (Plan.dense_copies False): on the CPU
+    with compact decode copies, unless `--dtype float32` asks for the lossless mode."""
+    return accelerator is None and ec.dtype == "auto" and decode_format not in ("none", "fp32")
 
 
 def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
@@ -156,13 +169,14 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
         profile = replace(profile, gpu_memory=None)
     prompt = max(1, min(512, max_context // 2))
     dense_cpu = accelerator is None and not cfg.is_moe and decode_format != "none"
+
     plan = make_plan(cfg, profile, model_name=model_name, gpu_memory=gpu, cpu_memory=ec.cpu_memory, goal="latency",
                      prompt_tokens=prompt, gen_tokens=max(1, min(128, max_context - prompt)),
                      precision=decode_precision if dense_cpu else weights_format, weights_format=weights_format,
                      context_tokens=max_context, popularity=popularity, expert_cache_slots=ec.expert_cache_slots,
                      max_resident=ec.resident_experts, cache_policy=ec.cache_policy,
                      dispatch_mode=ec.force_expert_path or "balanced", staging_buffers=ec.staging_buffers,
-                     read_ahead=ec.read_ahead)
+                     read_ahead=ec.read_ahead, dense_copies=not one_copy(ec, accelerator, decode_format))
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     return plan, profile

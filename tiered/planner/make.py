@@ -26,7 +26,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               precision: str = "bf16", weights_format: str | None = None, context_tokens: int | None = None,
               popularity=None, expert_cache_slots: int | None = None, max_resident: int | None = None,
               cache_policy: str = "lru", dispatch_mode: str = "balanced", staging_buffers: int = 2,
-              read_ahead: bool = True, extra_cpu_bytes: int = 0, workspace: int | None = None) -> Plan:
+              read_ahead: bool = True, extra_cpu_bytes: int = 0, workspace: int | None = None,
+              dense_copies: bool = True) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -44,6 +45,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
             records and prices (dispatch_mode "copy" / "cpu" forces every miss one way).
         extra_cpu_bytes: RAM the engine holds beyond weights and KV cache (CPU-only plans).
         workspace: GPU bytes kept for activations (None = memory/sizes.workspace_bytes).
+        dense_copies: Plan.dense_copies; False (the CPU's one-copy mode) counts and prices the
+            non-expert weights in `precision`, the format of their one copy.
     Raises:
         ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
         BudgetError: the budgets cannot hold what the goal needs on the fast tier.
@@ -62,6 +65,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.dtypes = {"weights": fmt, "experts": fmt, "kv_cache": "fp32" if fmt == "fp32" else "bf16", "decode": precision}
     plan.cache_policy, plan.dispatch_mode = cache_policy, dispatch_mode
     plan.staging_buffers, plan.read_ahead = staging_buffers, read_ahead
+    plan.dense_copies = dense_copies
     sizes.bytes_per_element(fmt)  # a ConfigError for an unknown format, before any work
     experts = ExpertChoices(popularity, expert_cache_slots, max_resident)
     if goal == "latency" and op_time.has_device(profile, "gpu") and gpu:

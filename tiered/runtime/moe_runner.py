@@ -64,6 +64,7 @@ class TieredExperts:
         self.resident_hits = 0
         self.host_syncs = 0
         self._pinned: set = set()
+        self.prefetcher = None
         self.num_experts = placed.store.num_experts
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
@@ -83,6 +84,9 @@ class TieredExperts:
                 start += c
         keys = {e: (layer_idx, e) for e in groups}
         self._pinned = set(keys.values())
+        self.cache.begin_layer(layer_idx, x.shape[0])
+        if self.prefetcher is not None:
+            self.prefetcher.on_layer(layer_idx, x, list(groups), self._pinned)
         on_fast = {e: self._weights_on_fast(keys[e]) for e in groups}
         misses = [e for e in groups if on_fast[e] is None]
         if self.accelerator is None:
@@ -159,8 +163,9 @@ class TieredExperts:
 
     def _on_fast(self, key, w, x, tok, ready) -> Future:
         layer, e = key
-        return self.executor.submit(self._compute_stream(), lambda: expert_forward(x[tok], *w), name=f"expert L{layer}E{e}",
-                                    layer=layer, expert=e)
+        deps = self.prefetcher.loading(key) if self.prefetcher is not None else ()  # a prefetch still landing
+        return self.executor.submit(self._compute_stream(), lambda: expert_forward(x[tok], *w), deps=deps,
+                                    name=f"expert L{layer}E{e}", layer=layer, expert=e)
 
     def _read(self, key, into, deps) -> Future:
         layer, e = key
