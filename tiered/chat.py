@@ -1,0 +1,205 @@
+"""`tiered chat`: an interactive conversation in the terminal through the model's chat template.
+
+A Chat keeps the history (system prompt, then user and assistant turns) and streams each answer;
+`stop()` (what Ctrl-C calls while an answer streams) ends the answer at the next piece of text and
+keeps what was said. `repl` is the loop around it: commands /reset, /stats, /help and /exit; Ctrl-C
+at the prompt twice in a row, or EOF (Ctrl-D), quits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, TextIO
+
+from tiered.engine.prompt import check_prompt_fits
+from tiered.engine.sampling import SamplingParams
+from tiered.engine.sequence import RequestOutput
+from tiered.errors import ContextLengthError, TieredError
+
+PROMPT = ">>> "
+HELP = "/reset forgets the conversation, /stats shows the last answer's speed and the tiers, /exit quits"
+
+
+class _Stopped(Exception):
+    """Raised inside LLM.generate's text callback to end an answer between engine steps."""
+
+
+class Chat:
+    """A conversation with a loaded LLM through its tokenizer's chat template.
+
+    Args:
+        llm: the LLM; its tokenizer must have a chat template.
+        params: sampling parameters of every answer (max_tokens is per answer, capped by the context
+            window left).
+        system: an optional system prompt, kept across /reset.
+    Raises:
+        ConfigError: the tokenizer has no chat template.
+    """
+
+    def __init__(self, llm, params: SamplingParams, system: str | None = None) -> None:
+        self.llm, self.params = llm, params
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.history: list[dict] = list(self.system)
+        self.last: RequestOutput | None = None  # the last answer that ran to its end
+        self.dropped = 0  # turns dropped from the front of the history to fit the context window
+        self._stop = threading.Event()
+        llm.encode(self.system + [{"role": "user", "content": "hi"}], chat=True)  # ConfigError without a template
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays)."""
+        self.history = list(self.system)
+        self.last, self.dropped = None, 0
+
+    def stop(self) -> None:
+        """End the answer being generated at its next piece of text (safe from a signal handler)."""
+        self._stop.set()
+
+    def ask(self, text: str, on_text: Callable[[str], None]) -> tuple[str, bool]:
+        """Answer `text` in the conversation, streaming the answer's text to `on_text`.
+
+        The oldest turns are dropped while the conversation does not fit the context window.
+        Returns:
+            (the answer's text, True when stop() cut it short); both the question and the (partial)
+            answer join the history.
+        Raises:
+            ContextLengthError: the message alone does not fit the context window (it is not kept).
+        """
+        self._stop.clear()
+        message = {"role": "user", "content": text}
+        alone = len(self.llm.encode(self.system + [message], chat=True))
+        check_prompt_fits(0, alone, self.llm.max_context, self.llm.config.max_position_embeddings)
+        self.history.append(message)
+        pieces: list[str] = []
+
+        def stream(_index: int, delta: str) -> None:
+            pieces.append(delta)
+            on_text(delta)
+            if self._stop.is_set():
+                raise _Stopped
+
+        stopped = False
+        while True:
+            try:
+                self.last = self.llm.generate(self.history, self.params, chat=True, on_text=stream)[0]
+                break
+            except _Stopped:
+                stopped = True
+                break
+            except ContextLengthError:  # the message alone fits: drop the oldest question and its answer
+                first = len(self.system)
+                del self.history[first:first + 2]
+                self.dropped += 2
+        answer = "".join(pieces)
+        self.history.append({"role": "assistant", "content": answer})
+        return answer, stopped
+
+    def stats(self) -> list[str]:
+        """Lines describing the conversation, the last answer's speed (TTFT, tokens/s, ITL) and the
+        tiers (the plan, and for MoE models expert placement, hit rate and bytes moved)."""
+        turns = sum(m["role"] == "user" for m in self.history)
+        window = self.llm.max_context
+        used = len(self.llm.encode(self.history, chat=True)) if len(self.history) > len(self.system) else 0
+        lines = [f"conversation: {turns} question{'' if turns == 1 else 's'}, {used} of {window} context tokens"
+                 + (f" ({self.dropped} old turns dropped)" if self.dropped else "")]
+        if self.last is not None:
+            s = self.last.stats
+            lines.append(f"last answer: {s.prompt_tokens} prompt tokens, {s.generated_tokens} generated "
+                         f"({self.last.finish_reason}) | TTFT {s.ttft_s * 1e3:.0f} ms | prefill "
+                         f"{s.prefill_tokens_per_s:.1f} tok/s | decode {s.decode_tokens_per_s:.1f} tok/s | "
+                         f"ITL {s.itl_s * 1e3:.1f} ms")
+        measured = self.last.stats.decode_tokens_per_s if self.last and self.last.stats.generated_tokens > 1 else None
+        lines.append(f"plan: {self.llm.plan.summary(measured)}")
+        rt = self.llm.runtime_stats()
+        if rt:
+            lines.append(f"experts: {rt['placement']} | hit rate {rt['hit_rate']:.1%} | disk "
+                         f"{rt['bytes_read'] / 2**20:.1f} MiB | H2D {rt['bytes_h2d'] / 2**20:.1f} MiB")
+        return lines
+
+
+@contextlib.contextmanager
+def _sigint_stops(chat: Chat):
+    """While the block runs, SIGINT (Ctrl-C) calls chat.stop() instead of raising KeyboardInterrupt
+    (in the main thread only; elsewhere signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda _signum, _frame: chat.stop())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def read_line(prompt: str) -> str:
+    """input(), but on a terminal Ctrl-C interrupts it (KeyboardInterrupt) even when the kernel
+    hands SIGINT to one of the engine's worker threads: input()'s wait would not wake then, so the
+    wait here polls, and Python runs the pending handler between polls. (The terminal's own line
+    editing applies.)
+
+    Raises:
+        EOFError: end of input (Ctrl-D).
+    """
+    if not sys.stdin.isatty():
+        return input(prompt)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    while not select.select([sys.stdin], [], [], 0.1)[0]:
+        pass
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
+
+
+def repl(chat: Chat, read: Callable[[str], str] = read_line, out: TextIO = sys.stdout) -> None:
+    """The interactive loop: read a line, answer it (streamed to `out`) or run a command.
+
+    Ctrl-C while an answer streams stops that answer; at the prompt, a second Ctrl-C in a row quits,
+    as does EOF or /exit. Errors about one message (e.g. too long) are printed and the chat goes on.
+    """
+    def say(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    say(f"chatting with {Path(chat.llm.checkpoint.path).name} ({HELP}; Ctrl-C stops an answer)\n")
+    interrupted = False
+    while True:
+        try:
+            line = read(PROMPT).strip()
+        except EOFError:
+            say("\n")
+            return
+        except KeyboardInterrupt:
+            if interrupted:
+                say("\n")
+                return
+            interrupted = True
+            say("\n(Ctrl-C again or Ctrl-D to quit)\n")
+            continue
+        interrupted = False
+        if not line:
+            continue
+        if line.startswith("/"):
+            command = line.split()[0]
+            if command in ("/exit", "/quit"):
+                return
+            if command == "/reset":
+                chat.reset()
+                say("(conversation cleared)\n")
+            elif command == "/stats":
+                say("\n".join(chat.stats()) + "\n")
+            else:
+                say(f"{'' if command == '/help' else f'unknown command {command}: '}{HELP}\n")
+            continue
+        try:
+            with _sigint_stops(chat):
+                _, stopped = chat.ask(line, say)
+        except TieredError as e:
+            say(f"error: {e}\n")
+            continue
+        say(" [stopped]\n" if stopped else "\n")
