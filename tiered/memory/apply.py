@@ -19,6 +19,15 @@ from tiered.memory.expert_cache import POLICIES, ExpertCache
 from tiered.memory.expert_store import ExpertStore, expert_tensor_names
 from tiered.memory.materialize import materialize
 from tiered.planner.plan import Plan
+from tiered.quant.experts import ExpertFormat, fit_format
+
+
+def expert_format(name: str, checkpoint, layer: int, accelerator) -> ExpertFormat:
+    """The ExpertFormat of plan format `name` for the checkpoint's expert shapes. int4 codes are
+    kept in torch's CPU kernel layout unless a CUDA device computes them (then the portable one)."""
+    shapes = [tuple(checkpoint.handle(n).shape) for n in expert_tensor_names(checkpoint.config.model_type, layer, 0)]
+    cuda = accelerator is not None and getattr(accelerator.device, "type", "") == "cuda"
+    return ExpertFormat(fit_format(name, shapes), shapes, "plain" if cuda else "cpu")
 
 
 class StagingPool:
@@ -89,9 +98,9 @@ def place_experts(plan: Plan, checkpoint, accelerator, fast_budget: MemoryBudget
         ConfigError: disk-tier experts need conversion and there is no offload directory.
     """
     cfg = checkpoint.config
-    dtype = sizes.torch_dtype(plan.dtypes["experts"])
     first = next(l.layer for l in plan.layers if l.kind == "moe")
-    shapes = [tuple(checkpoint.handle(n).shape) for n in expert_tensor_names(cfg.model_type, first, 0)]
+    fmt = expert_format(plan.dtypes["experts"], checkpoint, first, accelerator)
+    shapes, dtype = fmt.slot_shapes, fmt.slot_dtype
     n_stage = plan.staging_buffers
 
     def fast_alloc(shape, dt, what):
@@ -106,6 +115,6 @@ def place_experts(plan: Plan, checkpoint, accelerator, fast_budget: MemoryBudget
     host_staging = None
     if accelerator is not None:
         host_staging = StagingPool([tuple(host_alloc(s, dtype, "host staging") for s in shapes) for _ in range(n_stage)])
-    store = ExpertStore(checkpoint, plan.expert_placement(), dtype, accelerator, fast_budget, cpu_budget, offload_dir)
+    store = ExpertStore(checkpoint, plan.expert_placement(), fmt, accelerator, fast_budget, cpu_budget, offload_dir)
     cache = ExpertCache(plan.expert_cache_slots, shapes, dtype, fast_alloc, POLICIES[plan.cache_policy]())
     return PlacedExperts(store, cache, fast_staging, host_staging)

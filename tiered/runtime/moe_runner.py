@@ -29,7 +29,6 @@ from concurrent.futures import Future
 import torch
 
 from tiered.memory.apply import PlacedExperts, StagingPool
-from tiered.models.moe import expert_forward
 from tiered.planner.placement import DISK
 from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, LatencyModel, split_misses
 from tiered.runtime.executor import Executor
@@ -65,6 +64,7 @@ class TieredExperts:
         self.host_syncs = 0
         self._pinned: set = set()
         self.num_experts = placed.store.num_experts
+        self.fmt = placed.store.fmt  # computes an expert from its stored (maybe quantized) form
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                  block) -> torch.Tensor:
@@ -159,7 +159,7 @@ class TieredExperts:
 
     def _on_fast(self, key, w, x, tok, ready) -> Future:
         layer, e = key
-        return self.executor.submit(self._compute_stream(), lambda: expert_forward(x[tok], *w), name=f"expert L{layer}E{e}",
+        return self.executor.submit(self._compute_stream(), lambda: self.fmt.forward(x[tok], w), name=f"expert L{layer}E{e}",
                                     layer=layer, expert=e)
 
     def _read(self, key, into, deps) -> Future:
@@ -174,7 +174,7 @@ class TieredExperts:
         if self.accelerator is None:  # fast tier is RAM: read from disk into a slot, compute on the CPU
             slot, dep, idx = self._slot_or_staging(key, self.fast_staging)
             read = self._read(key, slot, [dep] if dep else [])
-            fut = ex.submit("cpu", lambda: expert_forward(x[tok], *slot), deps=[read], name=f"expert L{layer}E{e}",
+            fut = ex.submit("cpu", lambda: self.fmt.forward(x[tok], slot), deps=[read], name=f"expert L{layer}E{e}",
                             layer=layer, expert=e)
             if idx is not None:
                 self.fast_staging.release_after(idx, fut)
@@ -184,7 +184,7 @@ class TieredExperts:
             host_w, dep, host_idx = self.host_staging.take()
             deps = [self._read(key, host_w, [dep] if dep else [])]
         if path == CPU:
-            fut = ex.submit("cpu", lambda: expert_forward(x_host[tok_host], *host_w), deps=deps,
+            fut = ex.submit("cpu", lambda: self.fmt.forward(x_host[tok_host], host_w), deps=deps,
                             name=f"cpu expert L{layer}E{e}", layer=layer, expert=e)
         else:
             assert path == COPY
@@ -195,7 +195,7 @@ class TieredExperts:
                              deps=deps + ([dep] if dep else []), name=f"h2d L{layer}E{e}",
                              nbytes=self.store.expert_bytes, layer=layer, expert=e, after_event=ready)
             self.bytes_h2d += self.store.expert_bytes
-            fut = ex.submit("launch", lambda: expert_forward(x[tok], *slot), deps=[copy],
+            fut = ex.submit("launch", lambda: self.fmt.forward(x[tok], slot), deps=[copy],
                             name=f"expert L{layer}E{e}", layer=layer, expert=e)
             if idx is not None:
                 self.fast_staging.release_after(idx, fut)
