@@ -10,6 +10,7 @@ WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int4")
 DTYPES = ("auto", "float32", "bfloat16")
 ACCELERATORS = ("auto", "cuda", "host", "none")
 CACHE_POLICIES = ("lru", "lfu")
+EXPERT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,11 @@ class EngineConfig:
             "auto" keeps GGUF 4-bit blocks (Q4_0/Q4_1) as packed int4 with bf16 activations and
             other tensors in bf16; "fp32" / "bf16" use dense weights; "int4" also re-quantizes
             dense weights to group-wise int4 (group 32). Only "fp32" is lossless.
+        expert_weights: storage format of routed experts on every tier (disk, RAM, accelerator
+            cache): "auto" keeps a GGUF file's quantized experts as stored (Q4_0/Q4_1 -> int4,
+            Q8_0 -> int8 group 32 exactly; K-quants re-quantized, quant/gguf_experts.py) and HF
+            checkpoints' in the compute dtype; "bf16", "fp32", "int8" (per-row scales) or "int4"
+            (group 32) re-quantize every expert at load. Quantized experts are lossy.
         decode_weights_threshold: steps with at most this many tokens use the decode weights;
             larger steps (prefill) use the dense `dtype` weights.
         max_context: context window in tokens; None uses the model's max_position_embeddings.
@@ -60,6 +66,7 @@ class EngineConfig:
     dtype: str = "auto"
     decode_weights: str = "auto"
     decode_weights_threshold: int = 8
+    expert_weights: str = "auto"
     max_context: int | None = None
     num_threads: int | None = None
     gpu_memory: int | str | None = None
@@ -109,6 +116,9 @@ class EngineConfig:
         if self.decode_weights not in WEIGHT_FORMATS:
             raise ConfigError(f"decode_weights must be one of {WEIGHT_FORMATS}, got {self.decode_weights!r}",
                               "pass one of " + ", ".join(WEIGHT_FORMATS))
+        if self.expert_weights not in EXPERT_FORMATS:
+            raise ConfigError(f"expert_weights must be one of {EXPERT_FORMATS}, got {self.expert_weights!r}",
+                              "pass one of " + ", ".join(EXPERT_FORMATS))
         if self.decode_weights_threshold < 1:
             raise ConfigError("decode_weights_threshold must be >= 1", "pass a positive token count")
         if self.max_context is not None and self.max_context < 1:

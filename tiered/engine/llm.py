@@ -104,12 +104,27 @@ class LLM:
         with _transient_notes(progress) as say:  # "measuring a quick profile ...", while it runs
             plan, profile = engine_plan(cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name,
                                         max_context=self.max_context, weights_format=weights, decode_format=decode,
-                                        decode_precision=precision, popularity=popularity, progress=say)
+                                        decode_precision=precision, popularity=popularity, progress=say,
+                                        experts_format=self._experts_format(weights))
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
             plan.decode_threshold = ec.decode_weights_threshold
         if plan.dtypes.get("weights") != weights:  # a replayed plan decides the compute dtype too
             self.dtype = sizes.torch_dtype(plan.dtypes["weights"])
         return plan, profile
+
+    def _experts_format(self, weights: str) -> str | None:
+        """The routed experts' storage format (EngineConfig.expert_weights; "auto": a GGUF file's
+        quantized experts as stored, else the compute format). None for dense models."""
+        from tiered.memory.expert_store import expert_tensor_names, moe_layers
+        from tiered.quant.gguf_experts import auto_format
+
+        ec, cfg = self.engine_config, self.config
+        if not cfg.is_moe:
+            return None
+        if ec.expert_weights != "auto":
+            return ec.expert_weights
+        handles = [self.checkpoint.handle(n) for n in expert_tensor_names(cfg.model_type, moe_layers(self.checkpoint, cfg)[0], 0)]
+        return auto_format(handles) if any(h.is_quantized for h in handles) else weights
 
     def _place(self, progress: bool) -> None:
         """PLACE: materialize every weight on the tier the plan gives it (memory/apply.py)."""

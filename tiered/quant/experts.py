@@ -86,6 +86,14 @@ def fit_format(name: str, shapes) -> str:
     return format_name(kinds)
 
 
+def pricing_precision(name: str) -> str:
+    """The precision the planner's cost models price a format in (hardware profiles have rows for
+    fp32, bf16, int8 and int4): the kind holding the most bytes, int8-g32 priced as int8."""
+    kinds = [k.replace("int8-g32", "int8") for k in parse_kinds(name)]
+    order = ["int4", "int8", "bf16", "fp32"]
+    return max(kinds, key=order.index)
+
+
 def format_name(kinds) -> str:
     """The format name of (gate, up, down) kinds: "int4" when all equal, else "a,b,c"."""
     return kinds[0] if len(set(kinds)) == 1 else ",".join(kinds)
