@@ -330,6 +330,16 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
     typer.echo(f"context:     {cfg.max_position_embeddings} tokens, RoPE theta {cfg.rope_theta:g}"
                + (f", scaling {cfg.rope_scaling}" if cfg.rope_scaling else ""))
     typer.echo("formats:     " + ", ".join(f"{k} x{v}" for k, v in formats.most_common()))
+    if cfg.is_moe:
+        from tiered.memory.expert_store import expert_tensor_names, moe_layers
+        from tiered.quant.experts import ExpertFormat
+        from tiered.quant.gguf_experts import auto_format, requantized_note
+
+        hs = [ckpt.handle(n) for n in expert_tensor_names(cfg.model_type, moe_layers(ckpt, cfg)[0], 0)]
+        fmt = auto_format(hs) if any(h.is_quantized for h in hs) else "as --dtype"
+        note = requantized_note(hs, ExpertFormat(fmt, [h.shape for h in hs])) if fmt != "as --dtype" else None
+        typer.echo(f"expert fmt:  stored {'/'.join(h.format for h in hs)} (gate/up/down) -> kept as {fmt}"
+                   + (f"; {note}" if note else "; exact"))
 
 
 def main() -> None:  # pragma: no cover - console entry point

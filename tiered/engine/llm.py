@@ -108,6 +108,8 @@ class LLM:
                                         experts_format=self._experts_format(weights))
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
             plan.decode_threshold = ec.decode_weights_threshold
+        if cfg.is_moe:
+            plan.notes.append(self._experts_note(plan.dtypes["experts"]))
         if plan.dtypes.get("weights") != weights:  # a replayed plan decides the compute dtype too
             self.dtype = sizes.torch_dtype(plan.dtypes["weights"])
         return plan, profile
@@ -125,6 +127,18 @@ class LLM:
             return ec.expert_weights
         handles = [self.checkpoint.handle(n) for n in expert_tensor_names(cfg.model_type, moe_layers(self.checkpoint, cfg)[0], 0)]
         return auto_format(handles) if any(h.is_quantized for h in handles) else weights
+
+    def _experts_note(self, name: str) -> str:
+        """The plan's line on the expert format: what is kept exactly and what is re-quantized."""
+        from tiered.memory.apply import expert_format
+        from tiered.memory.expert_store import expert_tensor_names, moe_layers
+        from tiered.quant.gguf_experts import requantized_note
+
+        layer = moe_layers(self.checkpoint, self.config)[0]
+        hs = [self.checkpoint.handle(n) for n in expert_tensor_names(self.config.model_type, layer, 0)]
+        fmt = expert_format(name, self.checkpoint, layer, self.accelerator)
+        return (f"experts stored as {fmt.name} ({fmt.nbytes} B each) on every tier; "
+                + (requantized_note(hs, fmt) or "mapped exactly from the checkpoint"))
 
     def _place(self, progress: bool) -> None:
         """PLACE: materialize every weight on the tier the plan gives it (memory/apply.py)."""
