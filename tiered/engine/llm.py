@@ -110,6 +110,8 @@ class LLM:
             plan.decode_threshold = ec.decode_weights_threshold
         if cfg.is_moe:
             plan.notes.append(self._experts_note(plan.dtypes["experts"]))
+            if ec.expert_low_weights and ec.plan in ("auto", "off"):
+                self._plan_mixed(plan)
         if plan.dtypes.get("weights") != weights:  # a replayed plan decides the compute dtype too
             self.dtype = sizes.torch_dtype(plan.dtypes["weights"])
         return plan, profile
@@ -127,6 +129,23 @@ class LLM:
             return ec.expert_weights
         handles = [self.checkpoint.handle(n) for n in expert_tensor_names(cfg.model_type, moe_layers(self.checkpoint, cfg)[0], 0)]
         return auto_format(handles) if any(h.is_quantized for h in handles) else weights
+
+    def _plan_mixed(self, plan) -> None:
+        """HOBBIT mixed precision into `plan`: the low format and thresholds, and the low cache pool
+        carved out of the high cache (HOBBIT keeps the high pool the larger): a quarter of the high
+        slots (at least one) hold as many low experts as their bytes allow. Budgets are unchanged."""
+        ec, cfg = self.engine_config, self.config
+        high, low = plan.dtypes["experts"], ec.expert_low_weights
+        hb, lb = sizes.expert_bytes(cfg, high), sizes.expert_bytes(cfg, low)
+        if lb >= hb:
+            plan.notes.append(f"mixed precision off: {low} experts are not smaller than {high} ones")
+            return
+        moved = max(1, plan.expert_cache_slots // 4) if plan.expert_cache_slots >= 2 else 0
+        plan.expert_cache_slots -= moved
+        plan.expert_cache_slots_low = moved * hb // lb
+        plan.dtypes["experts_low"] = low
+        t1, t2 = ec.mixed_thresholds
+        plan.mixed_precision = {"high": high, "low": low, "t1": t1, "t2": t2}
 
     def _experts_note(self, name: str) -> str:
         """The plan's line on the expert format: what is kept exactly and what is re-quantized."""
