@@ -149,3 +149,35 @@ def test_int4_experts_move_fewer_bytes_per_token(tmp_path):
         assert llm.experts.store.expert_bytes == sizes.expert_bytes(llm.config, fmt)
         llm.close()
     assert read["int4"] * 2.5 < read["bf16"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["bf16", "int8", "int8-g32", "int4"])
+def test_expert_kernels_on_cuda(name):
+    """The portable int4 layout through tinygemm (or the fallback), int8 through torch's kernel, on
+    the device, against the same format's dequantized weights."""
+    ws = _weights(F=64, D=128)
+    fmt = ExpertFormat(name, [w.shape for w in ws], "plain")
+    slot = fmt.empty()
+    fmt.quantize(ws, slot)
+    dev = tuple(t.cuda() for t in slot)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    y = fmt.forward(x.cuda(), dev).float().cpu()
+    ref = ExpertFormat("fp32", fmt.shapes).forward(x.float(), fmt.dequantize(slot))
+    assert (y - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
+def test_run_options_map_to_the_engine_config():
+    from tiered.cli import _engine_config
+
+    common = dict(dtype="auto", decode_weights="auto", max_context=None, threads=None, gpu_mem=None, cpu_mem=None,
+                  offload_dir=None, accelerator="none", cache_slots=None, cache_policy="lru", expert_profile=None,
+                  read_ahead=True, trace=False, plan="auto", profile_file=None)
+    ec = _engine_config(**common, weights="int4", low_weights=None)
+    assert ec.expert_weights == "int4" and ec.decode_weights == "int4"
+    ec = _engine_config(**common, weights="bf16", low_weights="int4", mixed_thresholds="0.5,0.8")
+    assert (ec.expert_weights, ec.expert_low_weights, ec.mixed_thresholds) == ("bf16", "int4", (0.5, 0.8))
+    with pytest.raises(ConfigError, match="mixed-thresholds"):
+        _engine_config(**common, mixed_thresholds="0.5")
+    with pytest.raises(ConfigError, match="expert_weights"):
+        EngineConfig(expert_weights="int3")

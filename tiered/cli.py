@@ -58,6 +58,9 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (on a CUDA GPU the checkpoint's: bfloat16 for bf16/fp16/quantized checkpoints; float32 on the CPU), float32 (lossless) or bfloat16."),
     decode_weights: str = typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16 or int4."),
+    weights: str = typer.Option("auto", "--weights", help="Expert weight format on every tier: auto (a GGUF's quantized experts as stored, else the compute dtype), bf16, fp32, int8 or int4 (re-quantized at load; lossy). bf16/int4 also set the dense decode weights unless --decode-weights is given."),
+    low_weights: Optional[str] = typer.Option(None, "--low-weights", help="HOBBIT mixed precision: low format (int4 or int8) of offloaded experts; misses load high, low or nothing by the router's unimportance score."),
+    mixed_thresholds: str = typer.Option("0.6,0.9", "--mixed-thresholds", help="HOBBIT's T1,T2 for --low-weights (the paper's 0.6,0.9)."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Context window in tokens (default: the model's)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
     gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="Accelerator memory budget, e.g. 12GiB (default: all free)."),
@@ -86,7 +89,8 @@ def run(
     config = _engine_config(dtype=dtype, decode_weights=decode_weights, max_context=max_context, threads=threads,
                             gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
                             cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
-                            read_ahead=read_ahead, trace=trace is not None, plan=plan, profile_file=profile_file)
+                            read_ahead=read_ahead, trace=trace is not None, plan=plan, profile_file=profile_file,
+                            weights=weights, low_weights=low_weights, mixed_thresholds=mixed_thresholds)
     # a prompt that cannot run is refused before anything loads, or the planner measures this machine
     ckpt = open_checkpoint(model)
     check_prompt_fits(0, len(encode_prompt(ckpt.tokenizer(), prompt, chat)),
@@ -127,7 +131,8 @@ def _print_stats(llm, out) -> None:
 
 
 def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
-                   cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file):
+                   cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file,
+                   weights="auto", low_weights=None, mixed_thresholds="0.6,0.9"):
     """The EngineConfig of `run`'s and `serve`'s shared options; a replayed plan (`--plan FILE`) brings
     the budgets it was made for unless they are given."""
     from tiered import EngineConfig
@@ -138,7 +143,15 @@ def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_
         replay = Plan.load(plan)
         gpu_mem = gpu_mem or replay.gpu_memory
         cpu_mem = cpu_mem or replay.cpu_memory
+    if decode_weights == "auto" and weights in ("bf16", "int4"):  # the dense CPU decode path follows --weights
+        decode_weights = weights
+    try:
+        t1, t2 = (float(t) for t in mixed_thresholds.split(","))
+    except ValueError:
+        from tiered.errors import ConfigError
+        raise ConfigError(f"--mixed-thresholds must be 'T1,T2', got {mixed_thresholds!r}", "pass e.g. 0.6,0.9") from None
     return EngineConfig(dtype=dtype, decode_weights=decode_weights, max_context=max_context, num_threads=threads,
+                        expert_weights=weights, expert_low_weights=low_weights, mixed_thresholds=(t1, t2),
                         gpu_memory=gpu_mem, cpu_memory=cpu_mem, offload_dir=str(offload_dir) if offload_dir else None,
                         accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
                         expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,

@@ -367,7 +367,8 @@ class LLM:
         return {"placement": rt.placement.summary(), "hit_rate": rt.fast_hit_rate,
                 "cache_hit_rate": rt.cache.stats.hit_rate, "resident_hits": rt.resident_hits,
                 "hits": rt.cache.stats.hits, "misses": rt.cache.stats.misses, "paths": dict(rt.path_counts),
-                "bytes_read": rt.bytes_read, "bytes_h2d": rt.bytes_h2d,
+                "bytes_read": rt.bytes_read, "bytes_h2d": rt.bytes_h2d, "precision": dict(rt.precision_counts),
+                "expert_format": rt.fmt.name,
                 "peak_fast_bytes": self.fast_budget.peak, "peak_cpu_bytes": self.cpu_budget.peak}
 
     def close(self) -> None:
