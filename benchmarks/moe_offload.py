@@ -157,7 +157,8 @@ def main() -> None:
                Column("TTFT s", "ttft_s", "{:.2f}"), Column("disk bytes/token", lambda r: format_bytes(r["disk_bytes_per_token"])),
                Column("hit rate", "hit_rate", "{:.1%}"), Column("speedup", "speedup_vs_on_demand", "{:.2f}x"),
                Column("vs bf16 LRU", "speedup_vs_bf16_lru", "{:.2f}x"), Column("experts", "expert_format"),
-               Column("loads high/low/skip", lambda r: "/".join(str(r["precision_loads"].get(k, 0)) for k in ("high", "low", "skip"))
+               Column("misses high/low/skip/low-hit", lambda r: "/".join(str(r["precision_loads"].get(k, 0))
+                                                                  for k in ("high", "low", "skip", "low hit"))
                       if r["precision_loads"] else "-"),
                Column("placement", "placement")]
     notes = [f"Model: Mixtral-shaped dummy weights {shape}, bf16, {format_bytes(ckpt_bytes)} on disk; `--cpu-mem` "

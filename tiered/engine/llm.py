@@ -108,9 +108,9 @@ class LLM:
                                         experts_format=self._experts_format(weights))
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
             plan.decode_threshold = ec.decode_weights_threshold
-        if cfg.is_moe:
+        if cfg.is_moe and ec.plan in ("auto", "off"):  # a replayed plan keeps its own notes and choices
             plan.notes.append(self._experts_note(plan.dtypes["experts"]))
-            if ec.expert_low_weights and ec.plan in ("auto", "off"):
+            if ec.expert_low_weights:
                 self._plan_mixed(plan)
         if plan.dtypes.get("weights") != weights:  # a replayed plan decides the compute dtype too
             self.dtype = sizes.torch_dtype(plan.dtypes["weights"])

@@ -71,7 +71,8 @@ class TieredExperts:
         path_counts: Counter of paths over all dispatched experts; bytes_read: disk bytes read;
         bytes_h2d: bytes copied to the accelerator; resident_hits: uses of fast-resident experts
         (the cache's own stats count only its slots); host_syncs: layers whose activations crossed
-        to the host for CPU experts.
+        to the host for CPU experts; precision_counts (mixed precision): misses loaded "high" or
+        "low", "skip"ped, and low needs met by a "low hit" in the low pool.
     """
 
     def __init__(self, placed: PlacedExperts, executor: Executor, latency: LatencyModel | None, accelerator,
