@@ -263,16 +263,17 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
         return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
     cuda = x.device.type == "cuda"
     xb = x.to(torch.bfloat16).contiguous()
-    if kind == "int8" and (not cuda or hasattr(torch.ops.aten, "_weight_int8pack_mm")):
+    if kind == "int8":
         try:
             return torch.ops.aten._weight_int8pack_mm(xb, v["q"], v["scale"]).to(x.dtype)
         except (RuntimeError, NotImplementedError):
             pass  # no kernel for this device / shape: dequantize below
     if kind == "int4":
         try:
-            if cuda and int4_layout == "plain":  # tinygemm wants odd column low: swap, tile on the device
-                c = v["codes"]
-                packed = torch.ops.aten._convert_weight_to_int4pack((((c & 0x0F) << 4) | (c >> 4)).contiguous(), 8)
+            if cuda and int4_layout == "plain":  # tinygemm wants the even column high: swap, tile on the device
+                c, K = v["codes"], x.shape[-1]
+                inner = 8 if K % 128 == 0 else 4 if K % 64 == 0 else 2  # K must be a multiple of inner * 16
+                packed = torch.ops.aten._convert_weight_to_int4pack((((c & 0x0F) << 4) | (c >> 4)).contiguous(), inner)
                 return torch.ops.aten._weight_int4pack_mm(xb, packed, GROUP, v["sz"]).to(x.dtype)
             if not cuda:
                 packed = v["codes"] if int4_layout == "cpu" else \
