@@ -68,7 +68,10 @@ def test_cpu_and_plain_int4_layouts_hold_the_same_weights():
 def test_int4_is_smaller_and_formats_fit_odd_shapes():
     shapes = [(48, 64), (48, 64), (64, 48)]  # Mixtral fixture: down's 48 inputs are not a 32-group multiple
     assert fit_format("int4", shapes) == "int4,int4,int8"
-    assert ExpertFormat("int4,int4,int8", shapes).nbytes < ExpertFormat("bf16", shapes).nbytes / 2.5
+    assert ExpertFormat("int4,int4,int8", shapes).nbytes < ExpertFormat("bf16", shapes).nbytes / 2.2
+    square = [(256, 256)] * 3  # int4: 0.5 B codes + bf16 scale, zero and zero residual per 32 = 0.6875 B
+    assert ExpertFormat("int4", square).nbytes == 3 * 256 * 256 * 0.6875 == sizes.expert_bytes(
+        type("C", (), dict(hidden_size=256, moe_intermediate_size=256))(), "int4")
     assert pricing_precision("int4,int4,int8") == "int8" and pricing_precision("int8-g32") == "int8"
     with pytest.raises(ConfigError, match="divisible by 32"):
         ExpertFormat("int4", shapes)
@@ -115,7 +118,7 @@ def test_moe_gguf_keeps_experts_quantized_with_reference_tokens(kind, qtype, tmp
 WIDE = dict(hidden_size=256, intermediate_size=512, num_local_experts=16)  # K-quant super-blocks are 256 wide
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
 def test_quantized_moe_gguf_runs_under_a_budget_smaller_than_the_file(qtype, tmp_path):
     """A 16-expert Mixtral GGUF runs with RAM for less than half its bytes (experts read from the
     offload files as stored bytes) and gives the dequantized reference's greedy tokens."""

@@ -14,8 +14,15 @@ Projection kinds (what each of gate / up / down is stored as):
     bf16      w bf16 [N, K]                                          2             F.linear
     int8      q int8 [N, K], scale bf16 [N]       (w = q * s)        1 + 2/K       aten._weight_int8pack_mm
     int8-g32  q int8 [N, K], scale fp16 [N, K/32] (w = q * s_g)      1.0625        dequantize-then-matmul
-    int4      codes 4 bit [N, K/2] u8, scale+zero bf16 [K/32, N, 2]  0.625         aten._weight_int4pack_mm_for_cpu
+    int4      codes 4 bit [N, K/2] u8, scale+zero bf16 [K/32, N, 2], 0.6875        aten._weight_int4pack_mm_for_cpu
+              zero residual bf16 [K/32, N]                                         + a [n, K/32] x [K/32, N] GEMM
               (w = (q - 8) * s_g + z_g, FlexGen-style group-wise asymmetric, ALGORITHMS.md §4)
+
+The int4 kernels take the zero in bf16; rounding it shifts all 32 weights of a group the same way
+(|z| ~ 8 s, so up to s/64 each, a bias that adds up in a dot product). The residual z - bf16(z) is
+kept too and added as group sums of x times the residual: the zero is then good to ~2^-16, and the
+only rounding left is the scale's (multiplicative, up to |q - 8| * s * 2^-9). GGUF Q4_1/Q4_K zeros
+(m + 8d, 8*d*sc - dmin*m) survive that way.
 
 int4 has two code layouts: "cpu" is torch's packed layout for `_weight_int4pack_mm_for_cpu`
 (computed from as stored: used whenever the experts are computed on the host), "plain" is two
@@ -54,7 +61,8 @@ def _segments(kind: str, N: int, K: int) -> list[tuple[str, tuple, torch.dtype]]
     if kind == "int8-g32":
         return [("q", (N, K), torch.int8), ("scale", (N, K // GROUP), torch.float16)]
     if kind == "int4":
-        return [("codes", (N, K // 2), torch.uint8), ("sz", (K // GROUP, N, 2), torch.bfloat16)]
+        return [("codes", (N, K // 2), torch.uint8), ("sz", (K // GROUP, N, 2), torch.bfloat16),
+                ("zr", (K // GROUP, N), torch.bfloat16)]
     raise ConfigError(f"unknown expert format {kind!r}", "use " + ", ".join(KINDS))
 
 
@@ -247,7 +255,8 @@ def int4_segments(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, 
         c = codes.to(torch.uint8)
         packed = c[:, 0::2] | (c[:, 1::2] << 4)  # (N, K/2): even column in the low nibble
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # (G, N, 2)
-    return {"codes": packed, "sz": sz}
+    zr = (zero.T - sz[..., 1].float()).to(torch.bfloat16)  # (G, N): what rounding the zero lost
+    return {"codes": packed, "sz": sz, "zr": zr}
 
 
 def _plain_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -270,20 +279,37 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
             pass  # no kernel for this device / shape: dequantize below
     if kind == "int4":
         try:
-            if cuda and int4_layout == "plain":  # tinygemm wants the even column high: swap, tile on the device
-                c, K = v["codes"], x.shape[-1]
-                inner = 8 if K % 128 == 0 else 4 if K % 64 == 0 else 2  # K must be a multiple of inner * 16
-                packed = torch.ops.aten._convert_weight_to_int4pack((((c & 0x0F) << 4) | (c >> 4)).contiguous(), inner)
-                return torch.ops.aten._weight_int4pack_mm(xb, packed, GROUP, v["sz"]).to(x.dtype)
-            if not cuda:
-                packed = v["codes"] if int4_layout == "cpu" else \
-                    torch.ops.aten._convert_weight_to_int4pack_for_cpu(_plain_codes(v["codes"]), 1)
-                return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, v["sz"]).to(x.dtype)
+            return _int4_kernel(x, xb, v, cuda, int4_layout) + _zero_residual(x, v)
         except (RuntimeError, NotImplementedError):
             pass  # no kernel for this device / shape: dequantize below
     K = x.shape[-1]
     N = v["sz"].shape[1] if kind == "int4" else v["q"].shape[0]
     return F.linear(x, dequantize_projection(v, kind, N, K, int4_layout).to(x.dtype))
+
+
+def _zero_residual(x: torch.Tensor, v: dict[str, torch.Tensor]) -> torch.Tensor:
+    """x [n, K] -> [n, N]: sum over groups of (sum of x in the group) * zero residual, fp32."""
+    G = v["zr"].shape[0]
+    gsum = x.float().reshape(x.shape[0], G, -1).sum(-1)  # (n, G)
+    return (gsum @ v["zr"].float()).to(x.dtype)
+
+
+def _int4_kernel(x, xb, v, cuda: bool, int4_layout: str) -> torch.Tensor:
+    """The int4 kernel of the device on bf16 activations `xb` -> [n, N] in x's dtype.
+
+    Raises:
+        RuntimeError: no kernel for this device and layout (the caller dequantizes).
+    """
+    if cuda and int4_layout == "plain":  # tinygemm wants the even column high: swap, tile on the device
+        c, K = v["codes"], x.shape[-1]
+        inner = 8 if K % 128 == 0 else 4 if K % 64 == 0 else 2  # K must be a multiple of inner * 16
+        packed = torch.ops.aten._convert_weight_to_int4pack((((c & 0x0F) << 4) | (c >> 4)).contiguous(), inner)
+        return torch.ops.aten._weight_int4pack_mm(xb, packed, GROUP, v["sz"]).to(x.dtype)
+    if not cuda:
+        packed = v["codes"] if int4_layout == "cpu" else \
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(_plain_codes(v["codes"]), 1)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, v["sz"]).to(x.dtype)
+    raise RuntimeError("no int4 kernel for this device and layout")
 
 
 def dequantize_projection(v: dict[str, torch.Tensor], kind: str, N: int, K: int, int4_layout: str) -> torch.Tensor:
@@ -299,9 +325,11 @@ def dequantize_projection(v: dict[str, torch.Tensor], kind: str, N: int, K: int,
     if kind == "int8-g32":
         return (v["q"].float().reshape(N, K // GROUP, GROUP) * v["scale"].float()[..., None]).reshape(N, K)
     sz = v["sz"].float()  # (G, N, 2)
+    residual = v["zr"].float().T.repeat_interleave(GROUP, dim=1)  # (N, K)
     if int4_layout == "cpu" and v["codes"].device.type != "cuda":
         eye = torch.eye(K, dtype=torch.bfloat16, device=v["codes"].device)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, v["codes"], GROUP, v["sz"]).float().T.contiguous()
+        w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, v["codes"], GROUP, v["sz"]).float().T
+        return w + residual
     codes = _plain_codes(v["codes"]).float().reshape(N, K // GROUP, GROUP)
     scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # (N, G, 1)
-    return ((codes - 8) * scale + zero).reshape(N, K)
+    return ((codes - 8) * scale + zero).reshape(N, K) + residual
