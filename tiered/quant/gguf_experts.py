@@ -2,10 +2,11 @@
 
     GGUF block  -> expert kind   how                                                   exact?
     Q4_0        -> int4 (g32)    d, 4-bit q: scale = d, zero = 0, codes = q             yes (d rounded to bf16)
-    Q4_1        -> int4 (g32)    d, m, 4-bit q: scale = d, zero = m + 8d, codes = q     yes (d, m rounded to bf16)
+    Q4_1        -> int4 (g32)    d, m, 4-bit q: scale = d, zero = m + 8d, codes = q     yes (d rounded to bf16;
+                                                                                       zero kept to ~2^-16)
     Q8_0        -> int8-g32      d (fp16), int8 q: scale = d, q as stored              yes, bit for bit
-    Q4_K        -> int4 (g32)    super-blocks of 8 sub-blocks of 32, w = d*sc*q - dmin*m:  yes (d*sc and
-                                 per sub-block scale = d*sc, zero = 8*scale - dmin*m     zero rounded to bf16)
+    Q4_K        -> int4 (g32)    super-blocks of 8 sub-blocks of 32, w = d*sc*q - dmin*m:  yes (d*sc rounded
+                                 per sub-block scale = d*sc, zero = 8*scale - dmin*m     to bf16, zero ~2^-16)
     Q5_0/1, Q5_K-> int8 (row)    dequantized, then symmetric int8 per row              no: re-quantized
     Q6_K        -> int8-g32      16 sub-blocks of 16 with int8 sub-scales: dequantized,  no: re-quantized
                                  then symmetric int8 per 32 (two sub-scales per group)  (~2^-8 of a group's max)
