@@ -8,7 +8,9 @@ import torch
 
 from runtime_fixtures import GREEDY, prompt, rt  # noqa: F401  (rt: shared checkpoints)
 from tiered import LLM, EngineConfig
+from tiered.checkpoint import open_checkpoint
 from tiered.errors import ConfigError
+from tiered.memory import sizes
 from tiered.runtime.precision import HIGH, LOW, SKIP, MixedPrecision
 
 
@@ -45,7 +47,9 @@ def test_thresholds_decide_the_loads(rt, tmp_path):  # noqa: F811
     out, counts, _, plan = _run(rt, tmp_path, "int4", (1.0, 1.0))  # every score <= T1: all high
     assert out == high_only and set(counts) == {"high"}
     assert plan.mixed_precision == {"high": "bf16", "low": "int4", "t1": 1.0, "t2": 1.0}
-    assert plan.expert_cache_slots == 3 and plan.expert_cache_slots_low == 3  # one bf16 slot = 3 int4 slots
+    cfg = open_checkpoint(rt.dir("qwen3_moe")).config
+    hb, lb = (sizes.expert_bytes(cfg, f) for f in ("bf16", "int4"))
+    assert plan.expert_cache_slots == 3 and plan.expert_cache_slots_low == hb // lb  # one bf16 slot's bytes
     _, counts, b_low, _ = _run(rt, tmp_path, "int4", (0.0, 1.0))  # only top-1 high, the rest low
     assert counts.get("skip", 0) == 0 and counts["low"] + counts.get("low hit", 0) > 0 and counts["high"] > 0
     assert b_low < high_bytes  # the same cache bytes as high-only's 4 bf16 slots
