@@ -171,6 +171,9 @@ class TieredEngine:
             if isinstance(m, nn.Embedding):
                 add("embedding row", m.weight.shape[1] * m.weight.element_size())
                 return
+            if type(m).__name__ == "BlockEmbedding":  # one row of quantized blocks per token
+                add("embedding row", m.blocks.shape[1])
+                return
             if isinstance(m, nn.Linear):
                 add(f"Linear({str(m.weight.dtype).replace('torch.', '')})", tbytes([m.weight, m.bias]))
                 return
@@ -197,12 +200,16 @@ class TieredEngine:
         return {"tokens_per_s": st.decode_tokens_per_s, "itl_s": st.itl_s, "prefill_s": st.prefill_s,
                 "token_ids": list(out.token_ids)}
 
+    def step_fn(self):
+        """The engine's decode step: the lean CPU step when the plan installed it, else the model."""
+        return self.llm.runtime.cpu_decode or self.llm.model
+
     def forward_only_decode(self, ids: list[int], n: int) -> float:
-        """tokens/s of a bare decode loop: model forward + argmax, no engine bookkeeping."""
+        """tokens/s of a bare decode loop: the engine's decode step + argmax, no engine bookkeeping."""
         torch = self.torch
         from tiered.engine.llm import dense_weights
         from tiered.models.layers import KVCache
-        llm, model = self.llm, self.llm.model
+        llm, model, step = self.llm, self.llm.model, self.step_fn()
         cache = KVCache(llm.config, 1, len(ids) + n, llm.dtype)
         slots = torch.tensor([0])
         with torch.inference_mode():
@@ -212,7 +219,7 @@ class TieredEngine:
             times = [time.perf_counter()]
             for i in range(n - 1):
                 pos = len(ids) + i
-                logits = model(torch.tensor([[tok]]), torch.tensor([[pos]]), slots, cache)
+                logits = step(torch.tensor([[tok]]), torch.tensor([[pos]]), slots, cache)
                 tok = int(logits[0].float().argmax())
                 times.append(time.perf_counter())
         return (n - 1) / (times[-1] - times[0])
@@ -405,35 +412,53 @@ def child_server(spec: dict) -> None:
 
 
 def child_profile(spec: dict) -> dict:
-    """Where tiered's decode time goes: torch.profiler over bare forward steps, cProfile of generate."""
+    """Where tiered's decode time goes: ops per token, torch.profiler over bare decode steps (the
+    engine's own step: the lean CPU step when installed), the weight kernels' share, cProfile of generate."""
     import cProfile
     import io
     import pstats
     import torch
     from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
     torch.set_num_threads(spec["threads"])
     eng = TieredEngine(spec.get("decode_weights"))
     from tiered.engine.llm import dense_weights
     from tiered.models.layers import KVCache
-    llm, model = eng.llm, eng.llm.model
+    llm, model, step = eng.llm, eng.llm.model, eng.step_fn()
     ids, n = spec["ids"][:DECODE_PROMPT], spec["new_tokens"]
     eng.decode(ids, 8)
-    cache = KVCache(llm.config, 1, len(ids) + n + 1, llm.dtype)
+    cache = KVCache(llm.config, 1, len(ids) + n + 2, llm.dtype)
     slots = torch.tensor([0])
     lines = []
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
     with torch.inference_mode():
         with dense_weights(model):
             logits = model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), slots, cache)
         tok = int(logits[0].argmax())
+        with CountOps() as c:
+            step(torch.tensor([[tok]]), torch.tensor([[len(ids)]]), slots, cache)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             for i in range(n):
-                logits = model(torch.tensor([[tok]]), torch.tensor([[len(ids) + i]]), slots, cache)
+                logits = step(torch.tensor([[tok]]), torch.tensor([[len(ids) + 1 + i]]), slots, cache)
                 tok = int(logits[0].float().argmax())
     ka = prof.key_averages()
     total_self = sum(e.self_cpu_time_total for e in ka)
+    kernels = sum(e.self_cpu_time_total for e in ka if "pack_mm" in e.key or e.key in ("aten::addmm", "aten::mm"))
+    lines.append(f"== tiered decode step: {type(step).__name__}; {c.n} torch ops per token at the dispatcher "
+                 f"({c.n / llm.config.num_hidden_layers:.1f} per layer, views included) ==")
     lines.append(f"== torch.profiler: {n} bare decode steps of tiered ({eng.config_repr}), "
                  f"{spec['threads']} threads; self CPU time per op, per token ==")
-    lines.append(f"total self CPU time {total_self / 1e3:.1f} ms = {total_self / 1e3 / n:.2f} ms/token")
+    lines.append(f"total self CPU time {total_self / 1e3:.1f} ms = {total_self / 1e3 / n:.2f} ms/token; weight kernels "
+                 f"(int4/int8 packed mm, dense mm) {kernels / 1e3 / n:.2f} ms/token = {100 * kernels / total_self:.0f}%")
     lines.append(f"{'op':<45} {'calls/tok':>9} {'ms/tok':>8} {'share':>6}")
     for e in sorted(ka, key=lambda e: -e.self_cpu_time_total)[:25]:
         lines.append(f"{e.key[:45]:<45} {e.count / n:>9.1f} {e.self_cpu_time_total / 1e3 / n:>8.3f} "
@@ -443,51 +468,6 @@ def child_profile(spec: dict) -> dict:
     ks = prof.key_averages(group_by_input_shape=True)
     for e in sorted(ks, key=lambda e: -e.self_cpu_time_total)[:20]:
         lines.append(f"{e.key[:38]:<38} {str(e.input_shapes)[:70]:<70} {e.self_cpu_time_total / 1e3 / n:>7.3f} ms/tok")
-    # per-module wall time with forward hooks (one extra sync-free timer per module)
-    lines.append("")
-    lines.append("== wall time per module kind, per token (forward hooks) ==")
-    acc: dict[str, float] = {}
-    starts: dict[int, float] = {}
-    from tiered.quant.linear import PhaseLinear
-
-    def kind(name, m):
-        if isinstance(m, PhaseLinear):
-            return ("lm_head" if name == "lm_head" else name.split(".")[-1]) + f" [{type(m.decode).__name__}]"
-        if isinstance(m, torch.nn.Linear):
-            return ("lm_head" if name == "lm_head" else name.split(".")[-1]) + " [Linear fp32]"
-        return type(m).__name__
-
-    hooks = []
-    for name, m in model.named_modules():
-        if name == "" or ".decode" in name or name.endswith("decode") or type(m).__name__ in ("ModuleList", "Backbone", "DecoderLayer"):
-            continue
-        k = kind(name, m)
-        hooks.append(m.register_forward_pre_hook(lambda mod, inp: starts.__setitem__(id(mod), time.perf_counter())))
-        hooks.append(m.register_forward_hook(
-            lambda mod, inp, out, k=k: acc.__setitem__(k, acc.get(k, 0.0) + time.perf_counter() - starts[id(mod)])))
-    cache = KVCache(llm.config, 1, len(ids) + n + 1, llm.dtype)
-    with torch.inference_mode():
-        with dense_weights(model):
-            logits = model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), slots, cache)
-        acc.clear()
-        tok = int(logits[0].argmax())
-        t0 = time.perf_counter()
-        for i in range(n):
-            logits = model(torch.tensor([[tok]]), torch.tensor([[len(ids) + i]]), slots, cache)
-            tok = int(logits[0].float().argmax())
-        wall = time.perf_counter() - t0
-    for h in hooks:
-        h.remove()
-    lines.append(f"step wall {wall / n * 1e3:.2f} ms/token (with hooks; Attention and MLP include their "
-                 f"projections; fused q/k/v and gate/up kernels run in the first member's call)")
-    for k, v in sorted(acc.items(), key=lambda kv: -kv[1]):
-        lines.append(f"{k:<40} {v / n * 1e3:>8.3f} ms/tok {100 * v / wall:>5.1f}%")
-    proj = sum(v for k, v in acc.items() if k.split(" ")[0] in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    if "Attention" in acc:
-        core = acc["Attention"] - proj
-        lines.append(f"{'Attention minus projections':<40} {core / n * 1e3:>8.3f} ms/tok {100 * core / wall:>5.1f}%")
-    known = acc.get("Attention", 0) + acc.get("MLP", 0) + sum(v for k, v in acc.items() if k.startswith(("lm_head", "RMSNorm", "Embedding", "Rotary")))
-    lines.append(f"{'rest (residual adds, python, metadata)':<40} {(wall - known) / n * 1e3:>8.3f} ms/tok {100 * (wall - known) / wall:>5.1f}%")
     # Python-level engine overhead: cProfile of one generate call
     pr = cProfile.Profile()
     pr.enable()
@@ -764,6 +744,23 @@ def compute_targets(res: dict) -> dict:
                            for n, p in ok[tk]["prefill"].items())
             lines.append(f"gap to llama.cpp: {tk} decode {r:.2f}x llama.cpp's {dec('llama.cpp'):.1f} tok/s; "
                          f"prefill speed relative to llama.cpp {pp}")
+        if "tiered-int4" in ok:  # issue 11's targets for the default engine
+            t, l = ok["tiered-int4"], ok["llama.cpp"]
+            r = dec("tiered-int4") / dec("llama.cpp")
+            bound = t["decode"].get("bandwidth_bound_tokens_per_s")
+            frac = dec("tiered-int4") / bound if bound else None
+            rss = t["peak_rss"] / l["peak_rss"] if t.get("peak_rss") and l.get("peak_rss") else None
+            pre = {n: l["prefill"][n]["median_s"] / p["median_s"] for n, p in t["prefill"].items()}
+            ratios.update({"tiered-int4_peak_rss_vs_llama_cpp": rss, "tiered-int4_share_of_bound": frac})
+            met = lambda ok_: "MET" if ok_ else "NOT met"  # noqa: E731
+            lines.append(f"tiered-int4 decode {r:.2f}x llama.cpp; target >= 1.0x: {met(r >= 1.0)}")
+            if frac is not None:
+                lines.append(f"tiered-int4 decode at {100 * frac:.0f}% of its bandwidth bound; target >= 40%: {met(frac >= 0.4)}")
+            if rss is not None:
+                lines.append(f"tiered-int4 peak RSS {rss:.2f}x llama.cpp's; target <= 1.2x: {met(rss <= 1.2)}")
+            lines.append("tiered-int4 prefill speed relative to llama.cpp " +
+                         ", ".join(f"{n}: {v:.2f}x" for n, v in pre.items()) +
+                         f"; target ahead (> 1x) at every length: {met(all(v > 1 for v in pre.values()))}")
     else:
         lines.append(f"llama.cpp: {E.get('llama.cpp', {}).get('status', 'not run')}")
     return {"ratios": ratios, "lines": lines}

@@ -163,8 +163,3 @@ def stepwise_logits(llm, ids: list[int], n_prompt: int) -> torch.Tensor:
             rows.append(llm.model(dev(torch.tensor([[ids[t]]])), dev(torch.tensor([[t]])), slot, cache))
     return torch.cat(rows).float().cpu()
 
-
-def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
-    """KL(P || Q) per row [nats], P = softmax(p_logits) the reference. [..., V] -> [...]."""
-    lp, lq = p_logits.log_softmax(-1), q_logits.log_softmax(-1)
-    return (lp.exp() * (lp - lq)).sum(-1)

@@ -148,7 +148,8 @@ def test_quantized_decode_path_on_gguf(zoo, qtype):
     """Without an accelerator, decode_weights="auto" on a Q4 file decodes with packed int4 weights
     (Q8_0: int8), close to fp32 decoding. The decode copies are a CPU kernel choice: with an
     accelerator (CUDA, or the stand-in that takes CUDA's decisions) none are installed."""
-    from fixtures import kl_divergence, stepwise_logits
+    from fixtures import stepwise_logits
+    from tiered.eval.kl import kl_divergence
     from tiered.quant.int8 import Int8Linear
 
     path = zoo.gguf("llama", qtype)
@@ -161,9 +162,15 @@ def test_quantized_decode_path_on_gguf(zoo, qtype):
     assert not any(isinstance(m, (PhaseLinear, kernel)) for m in behind.model.modules())
     fp32 = zoo.llm(path, accelerator="none")
     assert not any(isinstance(m, (PhaseLinear, Int4Linear)) for m in fp32.model.modules())
-    # Scoring always uses the dense weights: identical logits in both engines.
     ids = prompt_ids(zoo.vocab_size, 24)
-    assert torch.equal(auto.logits(ids), fp32.logits(ids))
+    # One copy per weight by default: no dense projection is kept, scoring runs on the packed copies.
+    assert not auto.plan.dense_copies
+    assert all(m.weight is None for m in auto.model.modules() if isinstance(m, PhaseLinear))
+    assert float(kl_divergence(fp32.logits(ids), auto.logits(ids)).max()) < 1e-3
+    # --dtype float32 asks for the lossless mode: dense weights kept, scoring identical to fp32's.
+    lossless = zoo.llm(path, decode_weights="auto", accelerator="none", dtype="float32")
+    assert lossless.plan.dense_copies and lossless.decode_weight_bytes > 0
+    assert torch.equal(lossless.logits(ids), fp32.logits(ids))
     # Decode steps: the int4 kernel on the stored blocks vs the same blocks dequantized to fp32.
     # The only differences are bf16 activations and bf16 scales/zeros (Q8_0: re-quantized to one
     # int8 scale per row). Measured on this tiny model: max KL 3e-5 / 5e-5 / 1.7e-4 nats and

@@ -188,7 +188,8 @@ def test_bf16_checkpoint_loads_exactly(zoo, tmp_path):
                                           (dict(decode_weights="auto"), 1e-3), (dict(decode_weights="int4"), 0.1)])
 def test_lossy_modes_stay_close(zoo, config, bound):
     """bf16 / int4 weights: decode logits close to the lossless ones."""
-    from fixtures import kl_divergence, stepwise_logits
+    from fixtures import stepwise_logits
+    from tiered.eval.kl import kl_divergence
 
     ref_llm = zoo.llm(zoo.dir("llama"))
     llm = zoo.llm(zoo.dir("llama"), **config)

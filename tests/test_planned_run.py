@@ -236,12 +236,18 @@ def test_engine_profile_sources(tmp_path, monkeypatch):
     # nothing cached: measured once, saved, then read back without measuring again
     monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
     calls = []
-    fake = HardwareProfile("measured", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)})
+    from tiered.hardware.profiler import PROFILER_VERSION
+    fake = HardwareProfile("measured", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)},
+                           meta={"profiler_version": PROFILER_VERSION})
     monkeypatch.setattr("tiered.hardware.profiler.profile_machine", lambda **kw: calls.append(kw) or fake)
     said = []
     assert engine_profile(None, progress=said.append).name == "measured"
     assert (tmp_path / "cache" / "hardware_profile.json").is_file() and len(calls) == 1 and said
     assert engine_profile(None).name == "measured" and len(calls) == 1
+    # a cached profile measured by an older profiler (other meanings of its keys) is measured again
+    HardwareProfile("old", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)}).save(
+        tmp_path / "cache" / "hardware_profile.json")
+    assert engine_profile(None).name == "measured" and len(calls) == 2
 
 
 def test_standin_profile_mirrors_cpu_keys_and_link():

@@ -6,6 +6,7 @@ one line on stderr and a non-zero exit, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -57,7 +58,7 @@ def run(
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the tokenizer's chat template (default: when it has one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming."),
     dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (on a CUDA GPU the checkpoint's: bfloat16 for bf16/fp16/quantized checkpoints; float32 on the CPU), float32 (lossless) or bfloat16."),
-    decode_weights: str = typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16 or int4."),
+    decode_weights: str = typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16, int8 or int4."),
     weights: str = typer.Option("auto", "--weights", help="Expert weight format on every tier: auto (a GGUF's quantized experts as stored, else the compute dtype), bf16, fp32, int8 or int4 (re-quantized at load; lossy). bf16/int4 also set the dense decode weights unless --decode-weights is given."),
     low_weights: Optional[str] = typer.Option(None, "--low-weights", help="HOBBIT mixed precision: low format (int4 or int8) of offloaded experts; misses load high, low or nothing by the router's unimportance score."),
     mixed_thresholds: str = typer.Option("0.6,0.9", "--mixed-thresholds", help="HOBBIT's T1,T2 for --low-weights (the paper's 0.6,0.9)."),
@@ -68,9 +69,11 @@ def run(
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Directory for disk-tier expert copies when the checkpoint cannot be read directly."),
     accelerator: str = typer.Option("auto", "--accelerator", help="auto, cuda, host (CPU stand-in with its own budget) or none."),
     cache_slots: Optional[int] = typer.Option(None, "--cache-slots", help="Experts in the fast-tier cache (default: as many as fit, up to one layer; 0 = none)."),
-    cache_policy: str = typer.Option("lru", "--cache-policy", help="Expert-cache eviction: lru or lfu."),
+    cache_policy: str = typer.Option("lru", "--cache-policy", help="Expert-cache eviction: random, lru, lfu, lhu, fld or hobbit (HOBBIT Eq. 3)."),
     expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="JSON from `tiered profile-experts`: popular experts go to the fast tier."),
     read_ahead: bool = typer.Option(True, "--read-ahead/--no-read-ahead", help="Read all of a layer's missing experts at once."),
+    prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Predict the next MoE layers' experts from each layer's gate input and load them early (HOBBIT)."),
+    prefetch_lookahead: int = typer.Option(2, "--prefetch-lookahead", help="MoE layers ahead the prefetcher predicts (HOBBIT's p, 1-3)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON of every runtime task (open in Perfetto)."),
     plan: str = typer.Option("auto", "--plan", help="auto: the planner decides expert residency, cache slots and dense slicing from a hardware profile; off: the runtime's own rules; or a plan JSON from `tiered plan --json` to replay."),
     profile_file: Optional[str] = typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner (default: this machine's, measured once)."),
@@ -90,6 +93,7 @@ def run(
                             gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
                             cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
                             read_ahead=read_ahead, trace=trace is not None, plan=plan, profile_file=profile_file,
+                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead,
                             weights=weights, low_weights=low_weights, mixed_thresholds=mixed_thresholds)
     # a prompt that cannot run is refused before anything loads, or the planner measures this machine
     ckpt = open_checkpoint(model)
@@ -128,11 +132,15 @@ def _print_stats(llm, out) -> None:
     if rt:
         typer.echo(f"[experts: {rt['placement']} | hit rate {rt['hit_rate']:.1%} | paths {rt['paths']} | "
                    f"disk {rt['bytes_read'] / 2**20:.1f} MiB | H2D {rt['bytes_h2d'] / 2**20:.1f} MiB]", err=True)
+        if rt["prefetch"]:
+            pf = rt["prefetch"]
+            typer.echo(f"[prefetch: {pf['issued']} loads, {pf['useful']} used | recall "
+                       + ", ".join(f"{r} ahead {a:.0%}" for r, a in pf["accuracy"].items()) + "]", err=True)
 
 
 def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
-                   cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file,
-                   weights="auto", low_weights=None, mixed_thresholds="0.6,0.9"):
+                   cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch=False,
+                   prefetch_lookahead=2, weights="auto", low_weights=None, mixed_thresholds="0.6,0.9"):
     """The EngineConfig of `run`'s and `serve`'s shared options; a replayed plan (`--plan FILE`) brings
     the budgets it was made for unless they are given."""
     from tiered import EngineConfig
@@ -143,7 +151,7 @@ def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_
         replay = Plan.load(plan)
         gpu_mem = gpu_mem or replay.gpu_memory
         cpu_mem = cpu_mem or replay.cpu_memory
-    if decode_weights == "auto" and weights in ("bf16", "int4"):  # the dense CPU decode path follows --weights
+    if decode_weights == "auto" and weights in ("bf16", "int8", "int4"):  # the dense CPU decode path follows --weights
         decode_weights = weights
     try:
         t1, t2 = (float(t) for t in mixed_thresholds.split(","))
@@ -155,7 +163,8 @@ def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_
                         gpu_memory=gpu_mem, cpu_memory=cpu_mem, offload_dir=str(offload_dir) if offload_dir else None,
                         accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
                         expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
-                        trace=trace, plan=plan, profile=profile_file)
+                        trace=trace, plan=plan, profile=profile_file, prefetch=prefetch,
+                        prefetch_lookahead=prefetch_lookahead)
 
 
 @app.command()
@@ -177,9 +186,11 @@ def serve(
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="As for `run`."),
     accelerator: str = typer.Option("auto", "--accelerator", help="auto, cuda, host or none."),
     cache_slots: Optional[int] = typer.Option(None, "--cache-slots", help="Experts in the fast-tier cache."),
-    cache_policy: str = typer.Option("lru", "--cache-policy", help="Expert-cache eviction: lru or lfu."),
+    cache_policy: str = typer.Option("lru", "--cache-policy", help="Expert-cache eviction: random, lru, lfu, lhu, fld or hobbit (HOBBIT Eq. 3)."),
     expert_profile: Optional[Path] = typer.Option(None, "--expert-profile", help="As for `run`."),
     read_ahead: bool = typer.Option(True, "--read-ahead/--no-read-ahead", help="As for `run`."),
+    prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="As for `run`."),
+    prefetch_lookahead: int = typer.Option(2, "--prefetch-lookahead", help="As for `run`."),
     plan: str = typer.Option("auto", "--plan", help="auto, off, or a plan JSON to replay (as for `run`)."),
     profile_file: Optional[str] = typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner."),
 ) -> None:
@@ -193,7 +204,8 @@ def serve(
     config = _engine_config(dtype=dtype, decode_weights=decode_weights, max_context=max_context, threads=threads,
                             gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
                             cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
-                            read_ahead=read_ahead, trace=False, plan=plan, profile_file=profile_file)
+                            read_ahead=read_ahead, trace=False, plan=plan, profile_file=profile_file,
+                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead)
     if max_batch < 1 or max_queue < 0:
         raise typer.BadParameter("--max-batch must be >= 1 and --max-queue >= 0")
     llm = LLM(model, config, progress=True)
@@ -209,7 +221,7 @@ def serve(
 @app.command("profile-experts")
 @friendly_errors
 def profile_experts(
-    prompts: Path = typer.Argument(..., help="Text file, one prompt per line (blank lines skipped)."),
+    prompts: Path = typer.Argument(..., help="Text file, one prompt per line (blank lines skipped; token ids separated by spaces for a checkpoint without a tokenizer)."),
     out: Path = typer.Option(Path("expert_profile.json"), "--out", "-o", help="JSON profile to write."),
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="MoE model directory or .gguf file."),
     png: Optional[Path] = typer.Option(None, "--png", help="Also draw tokens routed per (layer, expert) as a heat map."),
@@ -217,26 +229,150 @@ def profile_experts(
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the chat template."),
     cpu_mem: Optional[str] = typer.Option(None, "--cpu-mem", help="CPU RAM budget while profiling."),
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="As for `run`."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Also write a routing trace (.npz: experts, gate scores and next-layer predictions per token and layer) for `tiered cache-sim`; prompts then run one at a time."),
+    lookahead: int = typer.Option(2, "--lookahead", help="With --trace: MoE layers ahead the stacked gates predict (HOBBIT's p)."),
 ) -> None:
-    """Record expert routing over a prompt file: tokens routed and gate mass per layer and expert (Fiddler §3.4)."""
+    """Record expert routing over a prompt file: tokens routed and gate mass per layer and expert (Fiddler §3.4),
+    and with --trace every routing decision (HOBBIT §3.2-3.3)."""
     from tiered import LLM, EngineConfig, SamplingParams
     from tiered.runtime.expert_profile import ExpertProfiler, draw_heatmap
 
     lines = [l.strip() for l in prompts.read_text().splitlines() if l.strip()]
     if not lines:
         raise typer.BadParameter(f"{prompts} has no prompts")
+    if lookahead < 0:
+        raise typer.BadParameter("--lookahead must be >= 0")
     llm = LLM(model, EngineConfig(decode_weights="fp32", cpu_memory=cpu_mem,
                                   offload_dir=str(offload_dir) if offload_dir else None), progress=True)
     if not llm.config.is_moe:
         typer.echo(f"error: {llm.config.model_type} is not a Mixture-of-Experts model — pass an MoE checkpoint", err=True)
         raise typer.Exit(2)
+    if llm.tokenizer is None:  # a checkpoint without a tokenizer (e.g. a test fixture): lines of token ids
+        try:
+            lines = [[int(t) for t in l.split()] for l in lines]
+        except ValueError:
+            raise typer.BadParameter(f"{llm.checkpoint.path} has no tokenizer: write each prompt as space-separated "
+                                     "token ids") from None
     profiler = ExpertProfiler.attach(llm.model, llm.config)
-    llm.generate(lines, SamplingParams(max_tokens=max_tokens, temperature=0), chat=chat)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    if trace is None:
+        llm.generate(lines, params, chat=chat)
+    else:
+        from tiered.runtime.routing_trace import RoutingRecorder, prediction_accuracy
+
+        recorder = RoutingRecorder(llm.model, llm.config, lookahead)
+        for i, line in enumerate(lines):  # one sequence at a time, as HOBBIT's batch-1 decode sees them
+            if i:
+                recorder.new_sequence()
+            llm.generate([line], params, chat=chat)
+        routing = recorder.trace(model=str(llm.checkpoint.path), prompts=len(lines))
+        routing.save(trace)
+        acc = prediction_accuracy(routing)
+        typer.echo(f"wrote {trace}: {len(routing)} token-layer rows over {len(lines)} sequences; prediction recall "
+                   + (", ".join(f"{r} layer{'s' if r > 1 else ''} ahead {a:.1%}" for r, a in acc.items()) or "n/a"))
     profiler.save(out, model=str(llm.checkpoint.path), prompts=len(lines))
     typer.echo(f"wrote {out}: {int(profiler.tokens.sum())} routed token-slots over {len(lines)} prompts")
     if png is not None:
         draw_heatmap(profiler.tokens, png, title=f"tokens routed per expert — {llm.checkpoint.path.name}")
         typer.echo(f"wrote {png}")
+
+
+@app.command("cache-sim")
+@friendly_errors
+def cache_sim(
+    trace: Path = typer.Option(..., "--trace", help="Routing trace from `tiered profile-experts --trace`."),
+    capacity: int = typer.Option(..., "--capacity", help="Experts the (high-precision) cache holds."),
+    policy: str = typer.Option("all", "--policy", help="random, lru, lfu, lhu, fld, hobbit, or all."),
+    low_capacity: int = typer.Option(0, "--low-capacity", help="Experts the low-precision cache holds (HOBBIT's second pool)."),
+    t1: float = typer.Option(1.0, "--t1", help="HOBBIT T1: unimportance <= T1 loads high precision (1 = every use high)."),
+    t2: float = typer.Option(1.0, "--t2", help="HOBBIT T2: unimportance <= T2 loads low precision, above it skips."),
+    high: str = typer.Option("bf16", "--high", help="Format of the high-precision experts (their bytes per miss)."),
+    low: str = typer.Option("int4", "--low", help="Format of the low-precision experts."),
+    prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Also replay the prefetcher on the trace's predictions."),
+    weights: Optional[str] = typer.Option(None, "--weights", help="hobbit policy weights w_lru,w_lfu,w_lhu,w_fld (sum 1; default 0.25 each)."),
+    tune: bool = typer.Option(False, "--tune", help="Also grid-search the hobbit weights on this trace (step 0.1) and show them as 'hobbit (tuned)'."),
+    bandwidth: Optional[str] = typer.Option(None, "--bandwidth", help="Link bandwidth per second for the penalty in seconds, e.g. 3GB (default: the profile's)."),
+    latency: float = typer.Option(0.0, "--latency", help="Seconds per load on top of the bandwidth term (with --bandwidth)."),
+    profile_file: Optional[str] = typer.Option(None, "--profile", help="Hardware profile JSON or preset whose link model prices the misses (default: this machine's, if measured)."),
+    link: str = typer.Option("disk", "--link", help="Which link misses cross: disk (cold reads) or h2d (pinned host to GPU)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Replay a routing trace through the expert cache and compare eviction policies: hit rate and miss
+    penalty in bytes and seconds (HOBBIT §3.3, Eq. 3)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tiered.hardware.budget import format_bytes, parse_bytes
+    from tiered.memory.cache_sim import replay, tune_weights
+    from tiered.memory.expert_cache import POLICIES
+    from tiered.runtime.routing_trace import RoutingTrace
+
+    names = list(POLICIES) if policy == "all" else [policy]
+    if any(n not in POLICIES for n in names):
+        raise typer.BadParameter(f"--policy must be one of {', '.join(POLICIES)} or all")
+    if link not in ("disk", "h2d"):
+        raise typer.BadParameter("--link must be disk or h2d")
+    routing = RoutingTrace.load(trace)
+    bw, lat, priced = parse_bytes(bandwidth), latency, f"--bandwidth {bandwidth}"
+    if bw is None:
+        bw, lat, priced = _link_model(profile_file, link)
+    w = None
+    if weights:
+        try:
+            w = tuple(float(v) for v in weights.split(","))
+        except ValueError:
+            raise typer.BadParameter("--weights takes four numbers separated by commas") from None
+    kw = dict(low_capacity=low_capacity, t1=t1, t2=t2, high=high, low=low, prefetch=prefetch, bandwidth=bw, latency=lat)
+    results = [replay(routing, capacity, n, weights=w, **kw) for n in names]
+    if tune:
+        tuned, best = tune_weights(routing, capacity, **kw)
+        best.policy = "hobbit (tuned)"
+        results.append(best)
+    if as_json:
+        typer.echo(json.dumps({"trace": str(trace), "priced_by": priced, "results": [r.as_dict() for r in results]}))
+        return
+    m = routing.meta
+    table = Table(title=f"{trace.name}: {len(routing)} token-layer rows, {len(m['moe_layers'])} MoE layers x "
+                        f"{m['num_experts']} experts, top-{m['top_k']}; cache {capacity} {high}"
+                        + (f" + {low_capacity} {low}" if low_capacity else "") + (", prefetch" if prefetch else ""))
+    for col in ("policy", "hit rate", "misses", "penalty", "penalty s") + (("skipped",) if t2 < 1 else ()) + \
+            (("prefetch loads", "useful") if prefetch else ()):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in results:
+        row = [r.policy, f"{r.hit_rate:.1%}", str(r.misses), format_bytes(r.penalty_bytes),
+               "–" if r.penalty_s is None else f"{r.penalty_s:.4f}"]
+        row += [str(r.skipped)] if t2 < 1 else []
+        row += [str(r.prefetch_loads), str(r.prefetch_useful)] if prefetch else []
+        table.add_row(*row)
+    console = Console()
+    console.print(table)
+    console.print(f"seconds priced by {priced}" if bw else "no link model: pass --bandwidth or --profile for seconds")
+    if tune:
+        console.print(f"tuned hobbit weights (w_lru, w_lfu, w_lhu, w_fld): {tuned}")
+    if prefetch and results[0].accuracy:
+        console.print("prediction recall: " + ", ".join(f"{r} ahead {a:.1%}" for r, a in results[0].accuracy.items()))
+
+
+def _link_model(profile_file: Optional[str], link: str):
+    """(bandwidth bytes/s, seconds per load, what priced it) of the `link` model in a hardware profile
+    (a JSON file or a preset; default: this machine's saved profile), or (None, 0, "") when none has it."""
+    from tiered.hardware.presets import get_preset
+    from tiered.hardware.profile import HardwareProfile, default_profile_path
+
+    key = "disk/read_cold" if link == "disk" else "copy/h2d_pinned"
+    if profile_file is None:
+        path = default_profile_path()
+        if not path.is_file():
+            return None, 0.0, ""
+        hw, where = HardwareProfile.load(path), f"this machine's profile ({key})"
+    elif Path(profile_file).is_file():
+        hw, where = HardwareProfile.load(profile_file), f"{profile_file} ({key})"
+    else:
+        hw, where = get_preset(profile_file), f"preset {profile_file} ({key})"
+    if key not in hw.models:
+        return None, 0.0, ""
+    m = hw.model(key)
+    return (1.0 / m.beta if m.beta > 0 else None), m.alpha, where
 
 
 @app.command("trace")
@@ -353,6 +489,101 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
         note = requantized_note(hs, ExpertFormat(fmt, [h.shape for h in hs])) if fmt != "as --dtype" else None
         typer.echo(f"expert fmt:  stored {'/'.join(h.format for h in hs)} (gate/up/down) -> kept as {fmt}"
                    + (f"; {note}" if note else "; exact"))
+
+
+eval_app = typer.Typer(help="Measure accuracy: perplexity, and KL divergence to the lossless weights.",
+                       no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+app.add_typer(eval_app, name="eval")
+TEXT_HELP = "UTF-8 text file to score (default: SciPy's LICENSE.txt, English licence prose incl. the GNU GPL v3)."
+WEIGHTS_HELP = ("Weight format of every linear layer incl. lm_head, on every token: fp32 (lossless), bf16, int8, int4, "
+                "or auto (a GGUF's own blocks: Q4_0/Q4_1 as int4, Q8_0 as int8).")
+
+
+def _eval_input(model, text, max_tokens, window):
+    """The checkpoint and the text's token ids; refuses a bad text or window before any weight loads."""
+    from tiered.checkpoint import open_checkpoint
+    from tiered.engine.prompt import context_window
+    from tiered.errors import ContextLengthError
+    from tiered.eval import default_text_path, text_ids
+
+    ckpt = open_checkpoint(model)
+    ids = text_ids(ckpt.tokenizer(), text or default_text_path(), max_tokens)
+    ctx = context_window(ckpt.config, None)
+    if window > ctx:
+        raise ContextLengthError(f"window {window} exceeds the model's context window {ctx}",
+                                 f"pass --window {ctx} or less")
+    return ckpt, ids
+
+
+@contextlib.contextmanager
+def _window_progress(show: bool):
+    """Yield an on_window(done, total) callback drawing a transient progress bar on stderr (or None)."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("scoring windows"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("score", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+@eval_app.command("ppl")
+@friendly_errors
+def eval_ppl(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="HF model directory or .gguf file (default: SmolLM2)."),
+    text: Optional[Path] = typer.Option(None, "--text", help=TEXT_HELP),
+    window: int = typer.Option(1024, "--window", help="Tokens per scoring window (at most the model's context)."),
+    stride: int = typer.Option(512, "--stride", help="Tokens between window starts (< window): each window scores only tokens no earlier window scored."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Score only the text's first N tokens."),
+    weights: str = typer.Option("fp32", "--weights", help=WEIGHTS_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Perplexity of a text with a sliding window (Hugging Face's strided recipe)."""
+    from tiered import LLM
+    from tiered.eval import default_text_path, perplexity, sliding_windows, weights_config
+
+    config = weights_config(weights, num_threads=threads)
+    ckpt, ids = _eval_input(model, text, max_tokens, window)
+    sliding_windows(len(ids), window, stride)  # a bad stride is refused before loading
+    with LLM(ckpt, config, progress=not as_json) as llm, _window_progress(not as_json) as on_window:
+        r = perplexity(llm, ids, window, stride, on_window=on_window)
+    out = {"model": str(ckpt.path), "text": str(text or default_text_path()), "weights": weights, "window": window,
+           "stride": stride, "ppl": r.ppl, "nll": r.nll, "tokens": r.tokens, "windows": r.windows}
+    typer.echo(json.dumps(out) if as_json else
+               f"perplexity {r.ppl:.4f} (mean NLL {r.nll:.4f} nats) over {r.tokens} tokens in {r.windows} windows "
+               f"of {window} (stride {stride}) | weights {weights} | {out['text']}")
+
+
+@eval_app.command("kl")
+@friendly_errors
+def eval_kl(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="HF model directory or .gguf file (default: SmolLM2)."),
+    text: Optional[Path] = typer.Option(None, "--text", help=TEXT_HELP),
+    weights: str = typer.Option(..., "--weights", help=WEIGHTS_HELP + " Compared with fp32."),
+    window: int = typer.Option(1024, "--window", help="Tokens per scoring window."),
+    stride: int = typer.Option(512, "--stride", help="Tokens between window starts (< window)."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Score only the text's first N tokens."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """KL divergence of a weight format's next-token distributions against the lossless fp32 ones."""
+    from tiered.eval import default_text_path, kl_run, sliding_windows, weights_config
+
+    ref_config, config = weights_config("fp32", num_threads=threads), weights_config(weights, num_threads=threads)
+    ckpt, ids = _eval_input(model, text, max_tokens, window)
+    sliding_windows(len(ids), window, stride)
+    with _window_progress(not as_json) as on_window:
+        ref, kl = kl_run(ckpt, ref_config, config, ids, window, stride, on_window)
+    out = {"model": str(ckpt.path), "text": str(text or default_text_path()), "weights": weights, "window": window,
+           "stride": stride, "kl_mean": kl.mean, "kl_max": kl.max, "top1": kl.top1, "ppl": kl.ppl,
+           "ppl_fp32": ref.ppl, "tokens": kl.tokens}
+    typer.echo(json.dumps(out) if as_json else
+               f"KL(fp32 || {weights}): mean {kl.mean:.5f} nats, max {kl.max:.4f} nats, top-1 agreement "
+               f"{kl.top1:.2%} over {kl.tokens} tokens | perplexity {kl.ppl:.4f} vs fp32 {ref.ppl:.4f}")
 
 
 def main() -> None:  # pragma: no cover - console entry point

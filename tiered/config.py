@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from tiered.errors import ConfigError
 
-WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int4")
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
 DTYPES = ("auto", "float32", "bfloat16")
 ACCELERATORS = ("auto", "cuda", "host", "none")
-CACHE_POLICIES = ("lru", "lfu")
+CACHE_POLICIES = ("random", "lru", "lfu", "lhu", "fld", "hobbit")  # memory/expert_cache.POLICIES
 EXPERT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
 
 
@@ -25,8 +25,9 @@ class EngineConfig:
             mode that matches transformers to 1e-4.
         decode_weights: weight format of the decode path (one or a few tokens per step):
             "auto" keeps GGUF 4-bit blocks (Q4_0/Q4_1) as packed int4 with bf16 activations and
-            other tensors in bf16; "fp32" / "bf16" use dense weights; "int4" also re-quantizes
-            dense weights to group-wise int4 (group 32). Only "fp32" is lossless.
+            other tensors in bf16; "fp32" / "bf16" use dense weights; "int8" quantizes every weight
+            to per-row int8; "int4" also re-quantizes dense weights to group-wise int4 (group 32).
+            Only "fp32" is lossless.
         expert_weights: storage format of routed experts on every tier (disk, RAM, accelerator
             cache): "auto" keeps a GGUF file's quantized experts as stored (Q4_0/Q4_1 -> int4,
             Q8_0 -> int8 group 32 exactly; K-quants re-quantized, quant/gguf_experts.py) and HF
@@ -50,7 +51,11 @@ class EngineConfig:
         link_bandwidth: emulated H2D bandwidth of the host stand-in [bytes/s]; None = memcpy.
         expert_cache_slots: experts the fast-tier cache holds; None = as many as fit, up to one
             layer's experts; 0 = no cache (on-demand loading).
-        cache_policy: eviction policy of the expert cache: "lru" or "lfu".
+        cache_policy: eviction policy of the expert cache: "random", "lru", "lfu", "lhu", "fld" or
+            "hobbit" (HOBBIT's weighted priority, Eq. 3; memory/expert_cache.py).
+        prefetch: predict the next layers' experts from each MoE layer's gate input and load the
+            predicted misses early (HOBBIT §3.2; runtime/prefetch.py).
+        prefetch_lookahead: p, how many MoE layers ahead the prefetcher predicts (HOBBIT: 1-3).
         resident_experts: most experts placed for good on the fast tier (by popularity); None =
             as many as the budget holds after the cache; 0 = none (pure on-demand loading).
         expert_profile: JSON from `tiered profile-experts`: places the most popular experts on the
@@ -82,6 +87,8 @@ class EngineConfig:
     link_bandwidth: float | None = None
     expert_cache_slots: int | None = None
     cache_policy: str = "lru"
+    prefetch: bool = False
+    prefetch_lookahead: int = 2
     resident_experts: int | None = None
     expert_profile: str | None = None
     read_ahead: bool = True
@@ -103,7 +110,9 @@ class EngineConfig:
             raise ConfigError(f"accelerator must be one of {ACCELERATORS}, got {self.accelerator!r}",
                               "pass auto, cuda, host or none")
         if self.cache_policy not in CACHE_POLICIES:
-            raise ConfigError(f"cache_policy must be one of {CACHE_POLICIES}", "pass lru or lfu")
+            raise ConfigError(f"cache_policy must be one of {CACHE_POLICIES}", "pass e.g. lru or hobbit")
+        if self.prefetch_lookahead < 1:
+            raise ConfigError("prefetch_lookahead must be >= 1 layer", "pass 1 to 3 (HOBBIT's range)")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 0:
             raise ConfigError("expert_cache_slots must be >= 0", "pass 0 (no cache) or more")
         if self.resident_experts is not None and self.resident_experts < 0:

@@ -90,6 +90,10 @@ def qk_row_permutation(rows: int, n_head: int) -> np.ndarray:
     return np.arange(rows).reshape(n_head, half, 2).swapaxes(1, 2).reshape(-1)
 
 
+_TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                     "tokenizer.ggml.scores")
+
+
 class GGUFCheckpoint(HandleTable):
     """One .gguf file read as a checkpoint with HF tensor names.
 
@@ -119,6 +123,8 @@ class GGUFCheckpoint(HandleTable):
                                       f"{size} bytes", "re-download or re-copy the file")
         self.metadata = {k: self._field(k) for k in self.reader.fields}
         self.config = self._model_config()
+        for key in _TOKENIZER_ARRAYS:  # ~90 MB of parsed views for a 49k vocabulary; the tokenizer re-reads the file
+            self.reader.fields.pop(key, None)
         self._handles: dict[str, TensorHandle] = {}
         for t in self.reader.tensors:
             hf = gguf_to_hf_name(t.name, self.config.model_type)
@@ -132,8 +138,7 @@ class GGUFCheckpoint(HandleTable):
 
     def _field(self, key: str):
         f = self.reader.fields[key]
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                   "tokenizer.ggml.scores"):
+        if key in _TOKENIZER_ARRAYS:
             return len(f.data)  # big arrays: only their length is kept here
         try:
             return f.contents()

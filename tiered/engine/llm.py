@@ -262,6 +262,7 @@ class LLM:
         with torch.inference_mode():
             for seq in plan.prefill:  # prefill, one sequence at a time
                 seq.t_prefill_start = time.perf_counter()
+                self.runtime.new_sequence()  # the expert cache's per-sequence usage (HOBBIT)
                 with dense_weights(self.model):
                     logits = self._forward([seq], cache, prefill=True)
                 self.executor.record("prefill", "step", seq.t_prefill_start, time.perf_counter())
@@ -324,6 +325,8 @@ class LLM:
                 contiguous = slots.tolist() == list(range(len(seqs)))
                 logits = self.runtime.graphs(ids, positions, slots_dev, cache,
                                              max(s.num_tokens for s in seqs), contiguous)
+            elif not prefill and self.runtime.cpu_decode is not None and len(seqs) <= self.plan.decode_threshold:
+                logits = self.runtime.cpu_decode(ids, positions, slots_dev, cache)
             if logits is None:
                 logits = self.model(ids, positions, slots_dev, cache)
         return logits.float().cpu()  # [B, V]
@@ -364,12 +367,27 @@ class LLM:
         if self.experts is None:
             return {}
         rt = self.experts
+        st = rt.cache.stats
         return {"placement": rt.placement.summary(), "hit_rate": rt.fast_hit_rate,
-                "cache_hit_rate": rt.cache.stats.hit_rate, "resident_hits": rt.resident_hits,
-                "hits": rt.cache.stats.hits, "misses": rt.cache.stats.misses, "paths": dict(rt.path_counts),
+                "cache_hit_rate": st.hit_rate, "resident_hits": rt.resident_hits,
+                "hits": st.hits, "misses": st.misses, "cache_policy": self.plan.cache_policy,
+                "miss_penalty_bytes": st.miss_bytes, "miss_penalty_s": self._miss_seconds(st),
+                "prefetch": rt.prefetcher.stats() if rt.prefetcher is not None else None,
+                "paths": dict(rt.path_counts),
                 "bytes_read": rt.bytes_read, "bytes_h2d": rt.bytes_h2d, "precision": dict(rt.precision_counts),
                 "expert_format": rt.fmt.name,
                 "peak_fast_bytes": self.fast_budget.peak, "peak_cpu_bytes": self.cpu_budget.peak}
+
+    def _miss_seconds(self, st) -> float | None:
+        """The expert cache's miss penalty [s]: its misses' bytes over the link they cross (H2D with an
+        accelerator, cold disk reads without), per the plan's latency model or the hardware profile."""
+        lat = self.experts.latency
+        if lat is not None:
+            return st.misses * lat.h2d_alpha + st.miss_bytes / lat.h2d_bandwidth
+        if self._profile is not None and "disk/read_cold" in self._profile.models:
+            m = self._profile.model("disk/read_cold")
+            return st.misses * m.alpha + st.miss_bytes * m.beta
+        return None
 
     def close(self) -> None:
         """Stop the expert runtime's worker threads (the LLM cannot generate afterwards)."""
@@ -391,9 +409,16 @@ class LLM:
         return list(self.executor.events)
 
     # ----------------------------------------------------------------- scoring
-    def logits(self, token_ids: Seq[int]) -> torch.Tensor:
-        """Full-sequence logits of `token_ids` with the dense (lossless) weights.
+    def logits(self, token_ids: Seq[int], lossless: bool = True) -> torch.Tensor:
+        """Full-sequence logits of `token_ids`, in one step.
 
+        Args:
+            lossless: True scores with the dense weights (lossless when the plan keeps them:
+                Plan.dense_copies, e.g. --dtype float32; in the CPU's one-copy mode every
+                projection has only its decode copy, which then scores); False lets each layer choose
+                as a generate() step of len(token_ids) tokens would: the decode-format copies when
+                len(token_ids) <= decode_weights_threshold (so a huge threshold scores every
+                projection in the decode format; tiered/eval).
         Returns:
             fp32 [T, vocab]; row t scores the token after token_ids[t].
         Raises:
@@ -405,7 +430,8 @@ class LLM:
                                      "score between 1 and max_context tokens")
         cache = self._kv_cache(1, T)
         dev = self._to_device
-        with torch.inference_mode(), dense_weights(self.model), self._device_scope():
+        weights = dense_weights(self.model) if lossless else contextlib.nullcontext()
+        with torch.inference_mode(), weights, self._device_scope():
             out = self.model(dev(torch.tensor([list(token_ids)])), dev(torch.arange(T).unsqueeze(0)),
                              dev(torch.tensor([0])), cache, last_only=False)
         return out[0].float().cpu()

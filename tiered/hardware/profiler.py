@@ -246,7 +246,8 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") 
 
     The weights are so small that what is timed is the fixed cost of a decode step and of each
     layer in tiered's model code (module calls, small ops, KV-cache writes): runtime/decode_step.
-    On the CPU the engine's decode path runs fp32 activations with weights read in `dtype`; on CUDA
+    On the CPU that is the engine's lean decode step (runtime/cpu_decode.CPUDecodeStep): fp32
+    activations, weights read in `dtype`; on CUDA
     (runtime/decode_step_gpu) the model is cast to `dtype` as the engine does there, and each step
     ends with the device synchronized: the host's cost of issuing the ops, or the GPU's if slower.
     """
@@ -254,6 +255,7 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") 
     from tiered.models import build_model
     from tiered.models.layers import KVCache, Rotary
     from tiered.quant.linear import install_decode_weights
+    from tiered.runtime.cpu_decode import CPUDecodeStep
 
     cuda = device == "cuda"
     td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
@@ -274,7 +276,9 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") 
                            torch.tensor([[32]], device=dev))
         with torch.inference_mode():
             model(torch.ones(1, 32, dtype=torch.long, device=dev), torch.arange(32, device=dev).unsqueeze(0), slots, cache)
-            t = median_time(lambda: model(ids, pos, slots, cache), repeats, sync)
+            # the engine's CPU decode path is the lean step (runtime/cpu_decode), CUDA's the modules
+            step = model if cuda else CPUDecodeStep(model)
+            t = median_time(lambda: step(ids, pos, slots, cache), repeats, sync)
         points.append((float(layers), t))
     return points
 
@@ -404,6 +408,11 @@ def _meta(b: _Bench, cuda: bool) -> dict:
     return meta
 
 
+# Bumped when a key's measurement changes meaning, so cached profiles of older method are re-measured
+# (2: runtime/decode_step times the lean CPU decode step, runtime/cpu_decode).
+PROFILER_VERSION = 2
+
+
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
                     threads: int | None = None, progress: Progress | None = None) -> HardwareProfile:
     """Measure this machine and fit its HardwareProfile.
@@ -494,6 +503,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
             b.attempt(f"copy/{kind}", lambda k=kind: _copy_points(k, copy_sizes, r))
     host = socket.gethostname()
     meta = _meta(b, cuda)
+    meta["profiler_version"] = PROFILER_VERSION
     meta["disk_note"] = note
     meta["load_average"] = load_before
     if load_before is not None and load_before > (os.cpu_count() or 1) - 0.5:

@@ -15,7 +15,7 @@ import torch
 
 from tiered.hardware.budget import MemoryBudget
 from tiered.memory import sizes
-from tiered.memory.expert_cache import POLICIES, ExpertCache
+from tiered.memory.expert_cache import ExpertCache, make_policy
 from tiered.memory.expert_store import ExpertStore, expert_tensor_names
 from tiered.memory.materialize import materialize
 from tiered.planner.plan import Plan
@@ -111,17 +111,29 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
     fmt = plan.dtypes["weights"]
     sliced = plan.sliced_layers()
     skip = sizes.skip_params(cfg, sliced)
+    decode = plan.dtypes.get("decode", "none")
+    one_copy = decode not in ("none", None) and not plan.dense_copies
+    dense_skip = skip
+    if one_copy:  # the projections' one copy is their decode copy; a block-quantized embedding stays in blocks
+        embed = "model.embed_tokens.weight"
+        blocks = checkpoint.handle(embed).is_quantized
+        dense_skip = lambda n: (skip is not None and skip(n)) or n.endswith("_proj.weight") or \
+            n == "lm_head.weight" or (blocks and n == embed)  # noqa: E731
     what = "the non-expert weights" if cfg.is_moe else "the non-FFN weights" if sliced else "the model's weights"
-    fast_budget.reserve(sizes.weight_bytes(cfg, fmt, skip), what)
+    fast_budget.reserve(sizes.weight_bytes(cfg, fmt, dense_skip), what)
     if plan.workspace_bytes:  # kept free for activations: allocated by torch, not by us
         fast_budget.reserve(plan.workspace_bytes, "the activation workspace")
-    nbytes = materialize(model, checkpoint, sizes.torch_dtype(fmt), on_tensor=on_tensor, skip=skip,
+    nbytes = materialize(model, checkpoint, sizes.torch_dtype(fmt), on_tensor=on_tensor, skip=dense_skip,
                          accelerator=accelerator)
-    decode = plan.dtypes.get("decode", "none")
     extra = 0
+    if one_copy and blocks:
+        from tiered.quant.embedding import BlockEmbedding
+        model.model.embed_tokens = BlockEmbedding(checkpoint.handle(embed), sizes.torch_dtype(fmt))
+        extra += model.model.embed_tokens.nbytes
     if decode not in ("none", None):
         from tiered.quant.linear import install_decode_weights
-        extra = install_decode_weights(model, checkpoint, decode, plan.decode_threshold)
+        extra += install_decode_weights(model, checkpoint, decode, plan.decode_threshold, dense=not one_copy,
+                                        skip=skip)
         fast_budget.reserve(extra, "the decode-format weight copies")
     return nbytes, extra
 
@@ -153,7 +165,8 @@ def place_experts(plan: Plan, checkpoint, accelerator, fast_budget: MemoryBudget
     if accelerator is not None:
         host_staging = StagingPool([staging_buffer(host_alloc, fmt, "host staging") for _ in range(n_stage)])
     store = ExpertStore(checkpoint, plan.expert_placement(), fmt, accelerator, fast_budget, cpu_budget, offload_dir)
-    cache = ExpertCache(plan.expert_cache_slots, shapes, dtype, fast_alloc, POLICIES[plan.cache_policy]())
+    cache = ExpertCache(plan.expert_cache_slots, shapes, dtype, fast_alloc,
+                        make_policy(plan.cache_policy, cfg.num_hidden_layers), precision=fmt.name)
     low = None
     if plan.mixed_precision:
         low = _place_low(plan, checkpoint, first, accelerator, fast_budget, cpu_budget, offload_dir, store, fast_alloc)
@@ -183,5 +196,6 @@ def _place_low(plan: Plan, checkpoint, first: int, accelerator, fast_budget, cpu
     low_store = ExpertStore(checkpoint, ExpertPlacement(tiers, 0, fmt.nbytes), fmt, accelerator, fast_budget,
                             cpu_budget, offload_dir)
     cache = ExpertCache(plan.expert_cache_slots_low, fmt.slot_shapes, fmt.slot_dtype, fast_alloc,
-                        POLICIES[plan.cache_policy]())
+                        make_policy(plan.cache_policy, checkpoint.config.num_hidden_layers), precision=fmt.name,
+                        high=False)  # HOBBIT's LHU counts only high-precision uses
     return LowPrecision(MixedPrecision(m["high"], m["low"], m["t1"], m["t2"]), low_store, cache)

@@ -65,14 +65,17 @@ def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> H
     if path.is_file():
         try:
             hw = HardwareProfile.load(path)
-            if not cuda or op_time.has_device(hw, "gpu"):
+            from tiered.hardware.profiler import PROFILER_VERSION
+
+            current = hw.meta.get("profiler_version") == PROFILER_VERSION  # else measured the old way
+            if current and (not cuda or op_time.has_device(hw, "gpu")):
                 return hw
         except ConfigError:
             pass  # unreadable: measure again
     from tiered.hardware.profiler import profile_machine
 
     if progress is not None:
-        progress(f"no hardware profile of this machine yet: measuring a quick one for the planner, saved to {path} "
+        progress(f"no current hardware profile of this machine: measuring a quick one for the planner, saved to {path} "
                  "(`tiered profile` makes a full one)")
     hw = profile_machine(quick=True, cuda=cuda)
     try:
@@ -137,9 +140,14 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                                    weights_format=weights_format, decode_format=decode_format,
                                    decode_precision=decode_precision, popularity=popularity, progress=progress,
                                    experts_format=experts_format)
+    plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
     # a model wholly on a real GPU decodes through captured CUDA graphs: nothing in its step syncs
     plan.decode_graphs = (accelerator is not None and not accelerator.is_host and not cfg.is_moe
                           and plan.fast_tier == "gpu" and not plan.sliced_layers())
+    # without an accelerator every decode step runs on the CPU: through the lean step
+    plan.cpu_decode_step = accelerator is None
+    # one copy per weight unless `--dtype float32` asks for the lossless mode (or nothing is compact)
+    plan.dense_copies = not (accelerator is None and ec.dtype == "auto" and decode_format not in ("none", "fp32"))
     return plan, profile
 
 

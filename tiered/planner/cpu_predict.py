@@ -24,7 +24,7 @@ import torch
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.hardware import op_time
 from tiered.hardware.profile import HardwareProfile
-from tiered.memory.expert_cache import POLICIES, ExpertCache
+from tiered.memory.expert_cache import ExpertCache, make_policy
 
 
 
@@ -83,9 +83,11 @@ def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_
             (tokens per missing expert, in expert order) -> list of bool, e.g. from
             runtime/dispatcher.split_misses; None = every miss claims one (CPU + disk tiers).
     """
-    cache = ExpertCache(slots, ((0,),), torch.float32, lambda s, d, w: torch.empty(s), POLICIES[policy]())
+    layers = 1 + max((layer for layer, _, _ in trace), default=0)
+    cache = ExpertCache(slots, ((0,),), torch.float32, lambda s, d, w: torch.empty(s), make_policy(policy, layers))
     st = HitStats()
     for layer, tokens, experts in trace:
+        cache.begin_layer(layer, tokens)
         count = tokens == 1 or not decode_only
         keys = [(layer, e) for e in experts]
         pinned = set(keys)

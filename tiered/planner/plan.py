@@ -46,7 +46,9 @@ class Plan:
     Decisions the runtime applies (nothing else decides them):
         layers[i].r_cc / r_cg / r_gg / n_g   ScheInfer slicing of dense FFNs (fast_tier "gpu")
         layers[i].expert_tiers               home tier of each expert: "fast", "cpu" or "disk"
-        expert_cache_slots, cache_policy     the fast-tier expert cache
+        expert_cache_slots, cache_policy     the fast-tier expert cache (memory/expert_cache.POLICIES)
+        prefetch, prefetch_lookahead         HOBBIT's expert prefetch from stacked next-layer gates,
+                                             p MoE layers ahead (runtime/prefetch.py)
         expert_bytes                         bytes of one expert in dtypes["experts"]
         dispatch_mode, dispatch_latency      where a non-resident expert runs (Fiddler Alg. 1):
                                              "balanced" splits a layer's misses between the CPU and
@@ -69,6 +71,12 @@ class Plan:
         staging_buffers, read_ahead          expert staging ring size; issue a layer's reads at once
         decode_graphs                        capture decode steps as CUDA graphs (every weight on
                                              the GPU, no expert runner or slices: runtime/graphs.py)
+        dense_copies                         keep the dense weights beside the decode copies (prefill
+                                             runs on them; lossless in fp32). False: each weight's
+                                             one copy is its decode copy, which serves every step
+        cpu_decode_step                      run CPU decode steps of at most decode_threshold rows
+                                             through runtime/cpu_decode.CPUDecodeStep (fused kernels,
+                                             ~30 torch ops per layer) instead of the modules
         source                               who decided: "planner", "rules" (plan off) or a file
     """
 
@@ -99,6 +107,8 @@ class Plan:
     workspace_bytes: int = 0  # GPU room kept for activations (memory/sizes.workspace_bytes); 0 off the GPU
     expected_hit_rate: float | None = None  # popularity share of the resident experts (Fiddler's "hit")
     cache_policy: str = "lru"
+    prefetch: bool = False
+    prefetch_lookahead: int = 2
     dispatch_mode: str = "balanced"
     dispatch_latency: dict | None = None
     dtypes: dict = field(default_factory=dict)
@@ -107,6 +117,8 @@ class Plan:
     read_ahead: bool = True
     decode_threshold: int = 8
     decode_graphs: bool = False
+    cpu_decode_step: bool = False
+    dense_copies: bool = True
     mixed_precision: dict | None = None
     expert_cache_slots_low: int = 0
     source: str = "planner"
@@ -218,7 +230,8 @@ class Plan:
                        f"between the CPU and the link so both finish together")
         if self.expert_cache_slots:
             out.append(f"expert cache: {self.expert_cache_slots} slots ({self.cache_policy}) on the {self.fast_tier} "
-                       "for experts that are not resident")
+                       "for experts that are not resident"
+                       + (f"; prefetch {self.prefetch_lookahead} MoE layers ahead" if self.prefetch else ""))
         if self.mixed_precision:
             m = self.mixed_precision
             out.append(f"mixed precision (HOBBIT): misses load {m['high']} when the unimportance score <= T1={m['t1']}, "

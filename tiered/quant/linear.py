@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tiered.quant.int4 import GROUP, Int4Linear, quantize_int4, unpack_q4_blocks
-from tiered.quant.int8 import Int8Linear
+from tiered.quant.int8 import Int8Linear, quantize_int8
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -72,7 +73,10 @@ class Slice(nn.Module):
 
 
 class PhaseLinear(nn.Module):
-    """Dense `weight` [N, K] for steps with more than `threshold` rows, `decode` module otherwise."""
+    """Dense `weight` [N, K] for steps with more than `threshold` rows, `decode` module otherwise.
+
+    `weight` None: the decode module is the projection's one copy and serves every step (prefill
+    too), the engine's one-copy mode (Plan.dense_copies False)."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, decode: nn.Module, threshold: int) -> None:
         super().__init__()
@@ -82,7 +86,7 @@ class PhaseLinear(nn.Module):
         self.threshold = threshold
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // x.shape[-1] <= self.threshold:
+        if self.weight is None or x.numel() // x.shape[-1] <= self.threshold:
             return self.decode(x)
         return F.linear(x, self.weight, self.bias)
 
@@ -92,8 +96,8 @@ class DecodeWeight:
     """One projection's decode-format weight before packing: int4 codes or a dense tensor."""
 
     kind: str  # "int4" | "int8" | "dense"
-    codes: torch.Tensor | None = None  # int32 [N, K] (int4)
-    scale: torch.Tensor | None = None  # fp32 [N, K/32] (int4)
+    codes: torch.Tensor | None = None  # int32 [N, K] (int4) or int8 [N, K] (int8, already quantized)
+    scale: torch.Tensor | None = None  # fp32 [N, K/32] (int4) or [N] (int8)
     zero: torch.Tensor | None = None  # fp32 [N, K/32] (int4)
     dense: torch.Tensor | None = None  # [N, K] (dense, int8 source)
 
@@ -105,22 +109,63 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     """The decode representation of `linear` under format `fmt`, or None to keep the dense module.
 
     "auto": GGUF Q4_0/Q4_1 blocks -> int4 as stored; GGUF Q8_0 -> per-row int8; others -> bf16.
-    "int4": everything with K % 32 == 0 -> int4 (GGUF Q4 blocks as stored); "bf16"; "fp32".
+    "int4": everything with K % 32 == 0 -> int4 (GGUF Q4 blocks as stored); "int8": everything ->
+    per-row int8; "bf16"; "fp32".
+    A module left on the meta device (one-copy mode) has its weight read from `handle` when the
+    format needs the dense values (Q4 blocks are unpacked without dequantizing).
     """
-    w = linear.weight.detach()
     stored = handle.format if handle is not None else None
+    if fmt == "auto" and GGUF_DECODE_KIND.get(stored) == "int8":  # row chunks: no whole dense copy
+        return DecodeWeight("int8", *quantize_int8_blocks(handle))
+    w = None if fmt in ("auto", "int4") and GGUF_DECODE_KIND.get(stored) == "int4" else weight_of(linear, handle)
     if fmt == "fp32":
         return None if w.dtype == torch.float32 else DecodeWeight("dense", dense=w.float())
-    if fmt in ("auto", "int4") and GGUF_DECODE_KIND.get(stored) == "int4":
+    if w is None:  # GGUF Q4 blocks: int4 as stored
         codes, scale, zero = unpack_q4_blocks(handle.blocks(), stored)
         return DecodeWeight("int4", codes, scale, zero)
     if fmt == "int4" and w.shape[1] % GROUP == 0:
         return DecodeWeight("int4", *quantize_int4(w))
-    if fmt == "auto" and GGUF_DECODE_KIND.get(stored) == "int8":
+    if fmt == "int8":
         return DecodeWeight("int8", dense=w)
     if w.dtype == torch.bfloat16:
         return None
     return DecodeWeight("dense", dense=w.to(torch.bfloat16))
+
+
+def quantize_int8_blocks(handle, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 (quant/int8.quantize_int8) of a block-quantized tensor, dequantized `rows` rows
+    at a time so the whole fp32 matrix never exists (a 49k x 576 embedding would be 113 MB).
+    Returns (q int8 [N, K], scale fp32 [N])."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw, (N, K) = handle.blocks(), handle.shape
+    qtype = GGMLQuantizationType[handle.format]
+    q, scale = torch.empty(N, K, dtype=torch.int8), torch.empty(N)
+    for i in range(0, N, rows):
+        w = torch.from_numpy(dequantize(np.asarray(raw[i:i + rows]), qtype).reshape(-1, K))
+        q[i:i + rows], scale[i:i + rows] = quantize_int8(w)
+    return q, scale
+
+
+def _check_tensor(name: str, handle, shape) -> None:
+    from tiered.errors import CheckpointError
+
+    if handle is None:
+        raise CheckpointError(f"checkpoint lacks tensor {name!r}", "the checkpoint is incomplete or does not match its config")
+    if tuple(handle.shape) != tuple(shape):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(handle.shape)}, config implies {tuple(shape)}",
+                              "the checkpoint does not match its config")
+
+
+def weight_of(linear: nn.Linear, handle) -> torch.Tensor:
+    """linear's dense weight [N, K]: its own, or read from `handle` in the stored dtype (block
+    formats dequantized to fp32) when the module holds none (left on the meta device)."""
+    if not linear.weight.is_meta:
+        return linear.weight.detach()
+    if handle is None:
+        raise ValueError("a meta-device linear needs its checkpoint tensor")
+    return handle.load(None)
 
 
 def decode_precision(checkpoint, fmt: str) -> str:
@@ -147,9 +192,12 @@ def build_decode_module(parts: list[DecodeWeight], biases: list[torch.Tensor | N
     if kind == "int4":
         return Int4Linear.from_codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
                                      torch.cat([p.zero for p in parts]), GROUP, bias)
+    if kind == "int8" and all(p.codes is not None for p in parts):
+        return Int8Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), bias)
+    if kind == "int8":  # mixed or dense sources: quantize the dense values
+        return Int8Linear.from_dense(torch.cat([p.dense if p.dense is not None else p.codes.float() * p.scale[:, None]
+                                                for p in parts]), bias)
     w = torch.cat([p.dense for p in parts])
-    if kind == "int8":
-        return Int8Linear.from_dense(w, bias)
     return CastLinear(w, bias)
 
 
@@ -157,7 +205,8 @@ def _module_bytes(m: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
 
 
-def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: int) -> int:
+def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: int, *, dense: bool = True,
+                           skip=None) -> int:
     """Swap the nn.Linear layers of `model` for PhaseLinears carrying decode-format copies.
 
     Args:
@@ -165,13 +214,22 @@ def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: in
         checkpoint: where the weights came from (its storage formats drive "auto").
         fmt: decode weight format (EngineConfig.decode_weights).
         threshold: largest number of rows that takes the decode path.
+        dense: the dense weights were loaded and stay (prefill runs on them). False (one-copy
+            mode): the projections were left on the meta device, each gets its decode copy from
+            the checkpoint (one projection's dense values at a time, at most) and that copy serves
+            every step.
+        skip: parameter names that stay off the model (routed experts): never given a copy.
     Returns:
         Bytes held by the decode copies.
     """
     extra = 0
     for mod_name, module in list(model.named_modules()):
-        # experts served by the runtime stay on the meta device: nothing to copy
-        linears = {n: c for n, c in module.named_children() if type(c) is nn.Linear and not c.weight.is_meta}
+        linears = {}
+        for n, c in module.named_children():
+            name = f"{mod_name}.{n}.weight" if mod_name else f"{n}.weight"
+            # experts served by the runtime stay on the meta device: nothing to copy
+            if type(c) is nn.Linear and not (c.weight.is_meta and (dense or (skip is not None and skip(name)))):
+                linears[n] = c
         if not linears:
             continue
         prepared = {}
@@ -179,7 +237,12 @@ def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: in
             key = f"{mod_name}.{name}.weight" if mod_name else f"{name}.weight"
             if key == "lm_head.weight" and not checkpoint.has(key):
                 key = "model.embed_tokens.weight"  # tied embeddings
-            prepared[name] = decode_weight(lin, checkpoint.handle(key) if checkpoint.has(key) else None, fmt)
+            handle = checkpoint.handle(key) if checkpoint.has(key) else None
+            if lin.weight.is_meta:  # one-copy mode: materialize's checks, made here
+                _check_tensor(key, handle, lin.weight.shape)
+            prepared[name] = decode_weight(lin, handle, fmt)
+            if prepared[name] is None and not dense:  # no lossy copy asked for: its own weight is the copy
+                prepared[name] = DecodeWeight("dense", dense=weight_of(lin, handle))
         done = set()
         for group in FUSED_GROUPS:
             parts = [prepared.get(n) for n in group]
@@ -191,7 +254,8 @@ def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: in
             start = 0
             for n in group:
                 stop = start + linears[n].out_features
-                setattr(module, n, PhaseLinear(linears[n].weight, linears[n].bias, Slice(shared, start, stop), threshold))
+                setattr(module, n, PhaseLinear(linears[n].weight if dense else None, linears[n].bias,
+                                               Slice(shared, start, stop), threshold))
                 start = stop
                 done.add(n)
         for name, part in prepared.items():
@@ -199,5 +263,6 @@ def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: in
                 continue
             dec = build_decode_module([part], [linears[name].bias])
             extra += _module_bytes(dec)
-            setattr(module, name, PhaseLinear(linears[name].weight, linears[name].bias, dec, threshold))
+            setattr(module, name, PhaseLinear(linears[name].weight if dense else None, linears[name].bias, dec,
+                                              threshold))
     return extra

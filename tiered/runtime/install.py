@@ -28,6 +28,16 @@ class Runtime:
     experts: object = None  # TieredExperts
     sliced: list = field(default_factory=list)
     graphs: object = None  # DecodeGraphs: CUDA-graph decode steps (plan.decode_graphs on CUDA)
+    cpu_decode: object = None  # CPUDecodeStep: the lean CPU decode step (plan.cpu_decode_step)
+
+    def new_sequence(self) -> None:
+        """A new sequence starts: the expert cache's usage records and the prefetcher's predictions reset."""
+        if self.experts is not None:
+            if self.experts.prefetcher is not None:
+                self.experts.prefetcher.new_sequence()
+            self.experts.cache.new_sequence()
+            if self.experts.low is not None:  # HOBBIT: both precision pools reset their usage per sequence
+                self.experts.low.cache.new_sequence()
 
 
 def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | None = None, sliced_weights=None,
@@ -55,6 +65,10 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
                                    read_ahead=plan.read_ahead)
         for block in moe_blocks(model):
             block.runner = rt.experts
+        if plan.prefetch:
+            from tiered.runtime.prefetch import Prefetcher, StackedGates
+            rt.experts.prefetcher = Prefetcher(StackedGates(model, plan.prefetch_lookahead), placed.cache, placed.store,
+                                               executor, accelerator, max_inflight=readers - 1)
     sliced = plan.sliced_layers() if accelerator is not None else {}
     if sliced:
         from tiered.runtime.sliced import install_sliced_mlps
@@ -63,6 +77,9 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
     if plan.decode_graphs and accelerator is not None and not accelerator.is_host and not trace:
         from tiered.runtime.graphs import DecodeGraphs
         rt.graphs = DecodeGraphs(model, model.config.sliding_window)
+    if plan.cpu_decode_step and accelerator is None and not trace:  # the trace wants the modules' spans
+        from tiered.runtime.cpu_decode import CPUDecodeStep
+        rt.cpu_decode = CPUDecodeStep(model)
     if trace:
         _trace_layers(model, executor)
     return rt

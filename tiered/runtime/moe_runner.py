@@ -87,6 +87,7 @@ class TieredExperts:
         self.resident_hits = 0
         self.host_syncs = 0
         self._pinned: set = set()
+        self.prefetcher = None
         self.num_experts = placed.store.num_experts
         self.fmt = placed.store.fmt  # computes an expert from its stored (maybe quantized) form
         self.high = _Side(placed.store.fmt, placed.store, placed.cache, _same)
@@ -116,6 +117,11 @@ class TieredExperts:
                 start += c
         keys = {e: (layer_idx, e) for e in groups}
         self._pinned = set(keys.values())
+        self.cache.begin_layer(layer_idx, x.shape[0])
+        if self.low is not None:
+            self.low.cache.begin_layer(layer_idx, x.shape[0])
+        if self.prefetcher is not None:
+            self.prefetcher.on_layer(layer_idx, x, list(groups), self._pinned)
         on_fast = {e: self._weights_on_fast(keys[e]) for e in groups}
         misses = [e for e in groups if on_fast[e] is None]
         side = {e: self.high for e in groups}
@@ -218,8 +224,9 @@ class TieredExperts:
 
     def _on_fast(self, key, w, x, tok, ready, side: _Side) -> Future:
         layer, e = key
-        return self.executor.submit(self._compute_stream(), lambda: side.fmt.forward(x[tok], w), name=f"expert L{layer}E{e}",
-                                    layer=layer, expert=e)
+        deps = self.prefetcher.loading(key) if self.prefetcher is not None else ()  # a prefetch still landing
+        return self.executor.submit(self._compute_stream(), lambda: side.fmt.forward(x[tok], w), deps=deps,
+                                    name=f"expert L{layer}E{e}", layer=layer, expert=e)
 
     def _read(self, key, into, deps, side: _Side) -> Future:
         layer, e = key

@@ -1,0 +1,122 @@
+"""The lean CPU decode step (runtime/cpu_decode.py) against the model's own modules.
+
+In the lossless fp32 mode it must give the modules' logits and KV cache to fp32 rounding, for every
+dense architecture (q/k/v bias, sliding window, tied embeddings, per-head q/k norms through the
+layer fallback) and for MoE blocks through the FFN fallback, at batch 1 and for a batch of
+sequences of different lengths (the masked path). With int4 decode copies it runs the same kernels:
+only the bf16 rounding of activations between kernels differs. And it issues few ops per layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fixtures import prompt_ids
+from runtime_fixtures import engine_config, rt  # noqa: F401
+
+from tiered import LLM
+from tiered.engine.llm import dense_weights
+from tiered.eval import kl_divergence
+from tiered.runtime.cpu_decode import CPUDecodeStep
+
+DENSE = ["llama", "llama_tied", "llama_attn_bias", "mistral", "qwen2", "qwen3"]
+
+
+def _prefill(llm, cache, prompts: list[list[int]]) -> None:
+    with dense_weights(llm.model):
+        for slot, ids in enumerate(prompts):
+            llm.model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), torch.tensor([slot]), cache)
+
+
+def _compare(llm, prompts: list[list[int]], steps: int, tol: float) -> float:
+    """Decode `steps` tokens for every prompt at once through the lean step and through the modules,
+    each over its own cache; returns the largest relative logits difference (asserting caches match)."""
+    step = CPUDecodeStep(llm.model)
+    lengths = [len(p) for p in prompts]
+    caches = [llm._kv_cache(len(prompts), max(lengths) + steps) for _ in range(2)]
+    worst = 0.0
+    with torch.inference_mode():
+        for c in caches:
+            _prefill(llm, c, prompts)
+        g = torch.Generator().manual_seed(1)
+        for t in range(steps):
+            ids = torch.randint(2, llm.config.vocab_size, (len(prompts), 1), generator=g)
+            pos = torch.tensor([[n + t] for n in lengths])
+            slots = torch.arange(len(prompts))
+            lean = step(ids, pos, slots, caches[0]).float()
+            ref = llm.model(ids, pos, slots, caches[1]).float()
+            worst = max(worst, float((lean - ref).abs().max() / ref.abs().max()))
+    for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+        assert float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))
+    return worst
+
+
+@pytest.mark.parametrize("kind", DENSE)
+def test_lean_step_equals_modules_fp32(zoo, kind):
+    llm = zoo.llm(zoo.dir(kind), dtype="float32", max_context=64)
+    ids = prompt_ids(zoo.vocab_size, 12)
+    assert _compare(llm, [ids], steps=12, tol=1e-5) <= 1e-5  # batch 1: the in-place KV write
+    # two sequences of different lengths: the masked path (past mistral's window of 8 too)
+    assert _compare(llm, [ids, prompt_ids(zoo.vocab_size, 5, seed=3)], steps=6, tol=1e-5) <= 1e-5
+
+
+def test_lean_step_in_bf16_matches_the_modules(zoo):
+    """A bf16 model (--dtype bfloat16): RoPE's fp32 tables must not leak fp32 into attention."""
+    llm = zoo.llm(zoo.dir("qwen2"), dtype="bfloat16", max_context=64)
+    assert _compare(llm, [prompt_ids(zoo.vocab_size, 10), prompt_ids(zoo.vocab_size, 4, seed=2)],
+                    steps=4, tol=2e-2) <= 2e-2
+
+
+def test_lean_step_runs_moe_blocks_through_their_ffn(rt):  # noqa: F811
+    llm = LLM(rt.dir("mixtral"), engine_config())
+    step = CPUDecodeStep(llm.model)
+    assert all(L.ffn is not None for L, _ in step.layers)  # the MoE block is the layer's FFN
+    assert _compare(llm, [list(range(2, 14))], steps=4, tol=1e-5) <= 1e-5
+
+
+def test_lean_step_with_int4_copies_matches_the_modules(zoo):
+    llm = LLM(zoo.dir("llama"), __import__("tiered").EngineConfig(decode_weights="int4", max_context=64))
+    step = CPUDecodeStep(llm.model)
+    assert type(step.layers[0][0].qkv).__name__ == "Kernel"  # the fused int4 kernel, not three
+    ids = prompt_ids(zoo.vocab_size, 12)
+    caches = [llm._kv_cache(1, 32) for _ in range(2)]
+    kls = []
+    with torch.inference_mode():
+        for c in caches:
+            _prefill(llm, c, [ids])
+        for t, tok in enumerate(prompt_ids(zoo.vocab_size, 8, seed=5)):
+            x, pos, slot = torch.tensor([[tok]]), torch.tensor([[12 + t]]), torch.tensor([0])
+            kls.append(kl_divergence(llm.model(x, pos, slot, caches[1]).float(), step(x, pos, slot, caches[0]).float()))
+    # measured ~1e-6 nats: only the bf16 rounding of activations between the kernels differs
+    assert float(torch.cat(kls).max()) < 1e-3
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_lean_step_issues_few_ops_per_layer(zoo):
+    """The point of the lean step: ops per token. Counted at the dispatcher (views included); per
+    layer = the count with every layer minus the count with the first layer alone."""
+    llm = LLM(zoo.dir("llama"), __import__("tiered").EngineConfig(decode_weights="int4", max_context=64))
+    cache = llm._kv_cache(1, 32)
+    counts = {}
+    with torch.inference_mode():
+        _prefill(llm, cache, [prompt_ids(zoo.vocab_size, 8)])
+        full, first = CPUDecodeStep(llm.model), CPUDecodeStep(llm.model)
+        first.layers = first.layers[:1]
+        for name, fn in (("lean", full), ("lean, first layer", first), ("modules", llm.model)):
+            with _CountOps() as c:
+                fn(torch.tensor([[5]]), torch.tensor([[8]]), torch.tensor([0]), cache)
+            counts[name] = c.n
+    per_layer = (counts["lean"] - counts["lean, first layer"]) / (llm.config.num_hidden_layers - 1)
+    assert per_layer <= 50, counts  # measured 45, views and selects included
+    assert counts["lean"] < counts["modules"], counts

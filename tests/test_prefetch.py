@@ -1,0 +1,116 @@
+"""Expert prefetch (HOBBIT §3.2): stacked next-layer gates, prefetched experts are hits holding the
+right weights, accuracy per look-ahead distance, and greedy tokens unchanged by prefetch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime_fixtures import GREEDY, engine_config, prompt, rt  # noqa: F401
+
+from tiered import LLM
+from tiered.memory.expert_store import expert_tensor_names
+from tiered.models.moe import moe_blocks
+from tiered.planner.plan import Plan
+from tiered.runtime.prefetch import StackedGates
+
+
+@pytest.fixture
+def close_after():
+    llms = []
+    yield llms.append
+    for llm in llms:
+        llm.close()
+
+
+def disk_llm(rt, kind, slots=4, **kw) -> LLM:
+    """No accelerator; every expert on disk, `slots` cache slots in RAM (less than a layer's experts)."""
+    s = rt.sizes(kind)
+    return LLM(rt.dir(kind), engine_config(accelerator="none", cpu_memory=s.fast(cache_slots=slots, accelerator=False),
+                                           expert_cache_slots=slots, **kw))
+
+
+def test_stacked_gates_are_the_next_routers(rt, close_after):
+    """Without norm folding, the stacked prediction for layer l+1 is layer l+1's own routing of x."""
+    llm = LLM(rt.dir("qwen2_moe"), engine_config())
+    close_after(llm)
+    blocks = moe_blocks(llm.model)  # qwen2_moe fixture: MoE layers 0 and 2 (layer 1 dense)
+    gates = StackedGates(llm.model, lookahead=2, fold_norms=False)
+    assert list(gates.stacks) == [0] and gates.stacks[0][1] == [2]
+    x = torch.randn(5, llm.config.hidden_size)
+    ((target, idx, w),) = gates.predict(0, x)
+    want_idx, want_w = blocks[1].gate.route(x)
+    assert target == 2 and torch.equal(idx, want_idx) and torch.allclose(w, want_w.float())
+    assert gates.predict(2, x) == []
+
+
+@pytest.mark.parametrize("accelerator", ["none", "host"])
+def test_prefetch_keeps_greedy_tokens_and_reports_accuracy(rt, accelerator, close_after):
+    kind = "mixtral"
+    s = rt.sizes(kind)
+    if accelerator == "none":
+        on, off = disk_llm(rt, kind, prefetch=True, prefetch_lookahead=1), disk_llm(rt, kind)
+    else:  # experts in CPU RAM behind the host stand-in: prefetches are H2D copies
+        kw = dict(accelerator="host", gpu_memory=s.fast(cache_slots=4), cpu_memory="64MiB", expert_cache_slots=4)
+        on, off = LLM(rt.dir(kind), engine_config(prefetch=True, prefetch_lookahead=1, **kw)), LLM(rt.dir(kind), engine_config(**kw))
+    close_after(on)
+    close_after(off)
+    assert on.plan.prefetch and on.experts.prefetcher is not None and off.experts.prefetcher is None
+    ids = prompt()
+    tokens_on = on.generate([ids], GREEDY)[0].token_ids
+    assert tokens_on == off.generate([ids], GREEDY)[0].token_ids == rt.reference(kind)[1]
+    st = on.runtime_stats()["prefetch"]
+    assert st["issued"] > 0 and 0 < st["useful"] <= st["issued"]
+    assert set(st["accuracy"]) == {1} and 0 < st["accuracy"][1] <= 1
+    assert on.runtime_stats()["miss_penalty_bytes"] == on.experts.cache.stats.misses * s.expert
+
+
+def test_a_prefetched_expert_is_a_hit_with_its_weights(rt, close_after):
+    kind = "mixtral"
+    llm = disk_llm(rt, kind, slots=4, prefetch=True, prefetch_lookahead=1)
+    close_after(llm)
+    pf, cache = llm.experts.prefetcher, llm.experts.cache
+    x = torch.randn(1, llm.config.hidden_size)
+    ((_, idx, _),) = pf.gates.predict(0, x)
+    predicted = sorted(set(idx.flatten().tolist()))
+    pf.on_layer(0, x, used=[0], pinned={(0, 0)})
+    assert pf.issued == min(len(predicted), pf.max_inflight) >= 1
+    assert set(pf.inflight) <= {(1, e) for e in predicted} and set(pf.inflight) <= cache.protected
+    loaded = list(pf.inflight)
+    pf.on_layer(1, x, used=predicted, pinned={(1, e) for e in predicted})  # never waits for the loads
+    assert pf.useful == len(loaded)
+    for key in loaded:  # still landing: protected, and what computing it must wait for
+        for fut in pf.loading(key):
+            assert key in cache.protected
+            fut.result()
+        assert pf.loading(key) == []
+    for key in loaded:
+        slot = cache.lookup(key)
+        assert slot is not None  # a hit
+        names = expert_tensor_names(llm.config.model_type, *key)
+        for t, n in zip(slot, names):
+            assert torch.equal(t, llm.checkpoint.handle(n).load(t.dtype))
+
+
+def test_new_sequence_resets_predictions_and_protection(rt, close_after):
+    llm = disk_llm(rt, "mixtral", prefetch=True, prefetch_lookahead=1)
+    close_after(llm)
+    pf = llm.experts.prefetcher
+    pf.on_layer(0, torch.randn(1, llm.config.hidden_size), used=[0], pinned=set())
+    assert pf.pending and llm.experts.cache.protected
+    llm.runtime.new_sequence()
+    assert not pf.pending and not pf.inflight and not llm.experts.cache.protected
+    assert llm.experts.cache.policy.tokens == 0
+
+
+def test_plan_round_trips_prefetch_fields(rt, tmp_path, close_after):
+    llm = disk_llm(rt, "mixtral", prefetch=True, prefetch_lookahead=3, cache_policy="hobbit")
+    close_after(llm)
+    llm.plan.save(tmp_path / "plan.json")
+    back = Plan.load(tmp_path / "plan.json")
+    assert back == llm.plan and (back.prefetch, back.prefetch_lookahead, back.cache_policy) == (True, 3, "hobbit")
+    assert back.to_json() == llm.plan.to_json()
+    assert "prefetch 3 MoE layers ahead" in back.render()
+    # the runtime under HOBBIT's policy and prefetch keeps the reference's greedy tokens
+    assert llm.generate([prompt()], GREEDY)[0].token_ids == rt.reference("mixtral")[1]
+    assert llm.experts.cache.stats.evictions > 0

@@ -1,0 +1,106 @@
+"""KL divergence of a lossy setting's next-token distributions against the lossless ones.
+
+Both models score the same sliding windows (eval/ppl.py); on every scored token we take
+KL(P_ref || P) in nats, P = softmax of the logits, and whether the two argmaxes agree. The runner
+takes any two EngineConfigs (weight formats here; expert precisions for the MoE runtime), and
+`compare` takes loaded LLMs, so one reference pass serves several settings.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from tiered.config import EngineConfig
+from tiered.errors import ConfigError
+from tiered.eval.ppl import Perplexity, sliding_windows, token_nll, window_logits
+
+WEIGHTS = ("fp32", "bf16", "int8", "int4", "auto")
+ALL_STEPS = sys.maxsize  # a decode_weights_threshold no step exceeds: every step uses the format
+
+
+def weights_config(weights: str, **overrides) -> EngineConfig:
+    """An EngineConfig that runs every linear layer (q/k/v/o, gate/up/down and lm_head) in weight
+    format `weights` on every step, prefill included, on the CPU: the decode-format copies with a
+    decode_weights_threshold no step exceeds. Activations, norms, attention and the KV cache stay
+    float32 and the embedding table stays dense float32. "fp32" is the lossless reference.
+
+    Args:
+        weights: one of WEIGHTS ("auto" keeps a GGUF's Q4_0/Q4_1 blocks as int4 and Q8_0 as int8).
+        overrides: other EngineConfig fields.
+    Raises:
+        ConfigError: an unknown format or override value.
+    """
+    if weights not in WEIGHTS:
+        raise ConfigError(f"unknown weight format {weights!r}", "pass one of " + ", ".join(WEIGHTS))
+    fields = dict(dtype="float32", decode_weights=weights, decode_weights_threshold=ALL_STEPS,
+                  accelerator="none", plan="off")
+    return EngineConfig(**{**fields, **overrides})
+
+
+def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(P || Q) per row [nats], P = softmax(p_logits) the reference. [..., V] -> fp32 [...]."""
+    lp, lq = p_logits.float().log_softmax(-1), q_logits.float().log_softmax(-1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+@dataclass(frozen=True)
+class KL:
+    """One setting against the reference, over `tokens` scored tokens."""
+
+    mean: float  # mean KL(P_ref || P) [nats/token]
+    max: float  # largest per-token KL [nats]
+    top1: float  # share of tokens whose argmax equals the reference's
+    ppl: float  # this setting's perplexity on the same tokens
+    tokens: int
+
+
+def compare(ref, others: dict, ids: Sequence[int], window: int, stride: int,
+            on_window: Callable[[int, int], None] | None = None) -> tuple[Perplexity, dict[str, KL]]:
+    """Score `ids` [N] with the reference LLM and each LLM of `others` (name -> LLM), window by window.
+
+    Each LLM scores in the format its EngineConfig gives a step of `window` tokens (lossless=False);
+    on_window(windows done, windows in all) is called after each window.
+    Returns:
+        (the reference's Perplexity, name -> KL of that LLM against the reference).
+    Raises:
+        ContextLengthError, ConfigError: as window_logits.
+    """
+    stats = {name: [0.0, 0.0, 0, 0.0] for name in others}  # sum KL, max KL, argmax agreements, sum NLL
+    ref_nll, count, n = 0.0, 0, 0
+    num_windows = len(sliding_windows(len(ids), window, stride))
+    streams = {name: window_logits(llm, ids, window, stride) for name, llm in others.items()}
+    for _, p, targets in window_logits(ref, ids, window, stride):
+        ref_nll += float(token_nll(p, targets).sum())
+        count, n = count + len(targets), n + 1
+        for name, stream in streams.items():
+            _, q, _ = next(stream)
+            kl, s = kl_divergence(p, q), stats[name]
+            s[0] += float(kl.double().sum())
+            s[1] = max(s[1], float(kl.max()))
+            s[2] += int((p.argmax(-1) == q.argmax(-1)).sum())
+            s[3] += float(token_nll(q, targets).sum())
+        if on_window is not None:
+            on_window(n, num_windows)
+    ref_ppl = Perplexity(math.exp(ref_nll / count), ref_nll / count, count, n)
+    return ref_ppl, {name: KL(s[0] / count, s[1], s[2] / count, math.exp(s[3] / count), count)
+                     for name, s in stats.items()}
+
+
+def kl_run(model, ref_config: EngineConfig, config: EngineConfig, ids: Sequence[int], window: int,
+           stride: int, on_window: Callable[[int, int], None] | None = None) -> tuple[Perplexity, KL]:
+    """Load `model` (a path, an opened checkpoint, or None for the default model) under both configs
+    and compare them (see compare).
+
+    Returns:
+        (the reference's Perplexity, the KL of `config` against `ref_config`).
+    """
+    from tiered import LLM
+
+    with LLM(model, ref_config) as ref, LLM(model, config) as other:
+        ref_ppl, kl = compare(ref, {"other": other}, ids, window, stride, on_window)
+    return ref_ppl, kl["other"]

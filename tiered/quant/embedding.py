@@ -1,0 +1,44 @@
+"""An embedding table kept in its checkpoint's quantized blocks (GGUF Q8_0, Q4_K, ...).
+
+A decode step reads one row per token, so the table need not be dense: rows are dequantized as
+they are looked up (by the `gguf` package, exactly as `TensorHandle.load` would), and the table
+costs its stored bytes (Q8_0: 34 bytes per 32 values, 28% of fp32). The engine's one-copy mode
+(Plan.dense_copies False) uses it for block-quantized embeddings.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class BlockEmbedding(nn.Module):
+    """input_ids int64 [...] -> embeddings [..., D] in `dtype`, from raw blocks uint8 [V, row_bytes].
+
+    Args:
+        handle: the embedding's TensorHandle (a block format; `handle.blocks()` gives its rows).
+        dtype: the dtype of the returned rows (the model's compute dtype).
+    Raises:
+        ValueError: the tensor is not stored in blocks.
+    """
+
+    def __init__(self, handle, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        from gguf import GGMLQuantizationType
+
+        self.qtype = GGMLQuantizationType[handle.format]
+        self.register_buffer("blocks", torch.from_numpy(np.array(handle.blocks(), copy=True)), persistent=False)
+        self.num_embeddings, self.embedding_dim = handle.shape
+        self.dtype = dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        rows = self.blocks[input_ids.reshape(-1).cpu()].numpy()
+        out = torch.from_numpy(dequantize(rows, self.qtype).reshape(-1, self.embedding_dim))
+        return out.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)

@@ -1,0 +1,217 @@
+"""A lean decode step for dense layers on the CPU: the fewest torch ops per token (llama2.c's loop).
+
+Batch-1 decode on the CPU is bound by memory bandwidth only when the weight kernels are nearly all
+of the step. Through the model's modules, a SmolLM2 decode step issued ~4,500 torch ops per token
+(casts, slices, reshapes, rotate-half, KV indexing), two-thirds of its time. `CPUDecodeStep` runs the
+same math from the same weights with ~30 ops per layer:
+
+    h = rms_norm(x)                                 1 op
+    qkv = W_qkv h          (one fused kernel)       2 (cast to the kernel's dtype, kernel)
+    q, k = rope(qkv[:, :q+k]) on the fused output   3 (mul, matmul by the rotate-half matrix, addcmul)
+    KV write in place at (slot, position)           2
+    o = sdpa(q, K[:S], V[:S])                       1
+    x += W_o o                                      3
+    h = rms_norm(x); gu = W_gu h                    3
+    x += W_down (silu(g) * u)                       4
+
+Weights are the decode copies `quant/linear.install_decode_weights` made (int4 / int8 / bf16
+kernels, q/k/v and gate/up fused), or the dense weights in the lossless mode (each projection's
+own kernel, outputs concatenated): the step only calls their kernels, without the modules'
+per-call reshapes and casts. Activations between kernels
+stay in the kernel's dtype (bf16 for the packed kernels); the residual stream, norms, RoPE, the KV
+cache and attention stay in the model's dtype, as in the module path.
+
+Layers it cannot run (q/k norms, q/k/v clipping, an FFN that is not a plain SwiGLU MLP: MoE blocks,
+sliced FFNs) are handled by the lean attention plus the layer's own FFN module, or wholly by the
+layer's own forward; the result is the same model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiered.models.layers import MLP, AttentionMetadata, KVCache, build_attention_metadata
+from tiered.quant.int4 import Int4Linear
+from tiered.quant.int8 import Int8Linear
+from tiered.quant.linear import CastLinear, PhaseLinear, Slice
+
+_int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+_int8mm = torch.ops.aten._weight_int8pack_mm
+
+
+class Kernel:
+    """One decode-path weight as a bare call: y [B, N] = kernel(x [B, K] in `dtype`), no reshapes.
+
+    Built from an Int4Linear, Int8Linear, CastLinear or nn.Linear (the last in its own dtype).
+    The output is in the kernel's dtype (bf16 for the packed kernels) with the bias added.
+    """
+
+    __slots__ = ("fn", "dtype", "out_features")
+
+    def __init__(self, m: nn.Module) -> None:
+        bias = getattr(m, "bias", None)
+        if isinstance(m, Int4Linear):
+            packed, group, sz = m.packed, m.group, m.scales_zeros
+            self.fn = (lambda x: _int4mm(x, packed, group, sz)) if bias is None else \
+                (lambda x: _int4mm(x, packed, group, sz).add_(bias))
+            self.dtype, self.out_features = torch.bfloat16, m.out_features
+        elif isinstance(m, Int8Linear):
+            q, scale = m.q, m.scale
+            self.fn = (lambda x: _int8mm(x, q, scale)) if bias is None else (lambda x: _int8mm(x, q, scale).add_(bias))
+            self.dtype, self.out_features = torch.bfloat16, m.out_features
+        elif isinstance(m, (CastLinear, nn.Linear)):
+            w, b = m.weight, (None if bias is None else bias.to(m.weight.dtype))
+            self.fn = lambda x: F.linear(x, w, b)
+            self.dtype, self.out_features = w.dtype, w.shape[0]
+        else:
+            raise TypeError(f"no decode kernel for {type(m).__name__}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x.to(self.dtype))
+
+
+def _decode_module(m: nn.Module) -> nn.Module:
+    """The module a decode step runs for projection `m` (a PhaseLinear's decode copy, or m itself)."""
+    return m.decode if isinstance(m, PhaseLinear) else m
+
+
+def _fused(parent: nn.Module, names: tuple[str, ...]) -> Kernel | None:
+    """The one kernel computing `names` side by side (a shared fused decode module), else None."""
+    mods = [_decode_module(getattr(parent, n)) for n in names]
+    if all(isinstance(m, Slice) for m in mods) and len({id(m.shared) for m in mods}) == 1:
+        return Kernel(mods[0].shared.fused)
+    return None
+
+
+class _Side:
+    """Separate kernels run side by side with outputs concatenated: the lossless fp32 mode, whose
+    q/k/v and gate/up weights have no fused decode copy (one more op, no second copy of them)."""
+
+    __slots__ = ("kernels", "dtype", "out_features")
+
+    def __init__(self, kernels: list[Kernel]) -> None:
+        self.kernels = kernels
+        self.dtype = kernels[0].dtype
+        self.out_features = sum(k.out_features for k in kernels)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([k(x) for k in self.kernels], dim=-1)
+
+
+def _group(parent: nn.Module, names: tuple[str, ...]) -> Kernel | _Side:
+    """The kernel(s) computing projections `names` of `parent` side by side: their shared fused
+    decode module when there is one, else each projection's own kernel."""
+    fused = _fused(parent, names)
+    if fused is not None:
+        return fused
+    return _Side([Kernel(_decode_module(getattr(parent, n))) for n in names])
+
+
+def _rotate_half_matrix(hd: int, dtype: torch.dtype) -> torch.Tensor:
+    """R [hd, hd] with x @ R = rotate_half(x) = cat(-x2, x1) (HF Llama's RoPE convention)."""
+    h = hd // 2
+    r = torch.zeros(hd, hd, dtype=dtype)
+    r[torch.arange(h) + h, torch.arange(h)] = -1.0  # out[j] = -x[j + h] for j < h
+    r[torch.arange(h), torch.arange(h) + h] = 1.0  # out[j + h] = x[j]
+    return r
+
+
+class _Layer:
+    """One layer's weights as the lean step uses them (plain attributes: no module machinery)."""
+
+    __slots__ = ("idx", "in_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "ffn", "F", "whole")
+
+
+def supported_attention(attn) -> bool:
+    """Whether the lean step can run this Attention (no q/k norms, no clipping)."""
+    return attn.q_norm is None and attn.clip_qkv is None
+
+
+class CPUDecodeStep:
+    """Decode step (T = 1 new token per sequence) of a dense or MoE CausalLM on the CPU.
+
+    Args:
+        model: a placed CausalLM (models/llama.py or models/moe.py) on the CPU, its decode copies
+            installed (or not: the fp32 lossless mode).
+    Call:
+        (input_ids int64 [B, 1], positions int64 [B, 1], slots int64 [B], cache KVCache)
+        -> logits [B, V] in the lm_head kernel's dtype, equal to `model(...)` up to the
+        rounding of the kernel-dtype activations between fused kernels.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        cfg = model.config
+        self.model = model
+        self.H, self.Hkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = self.hd ** -0.5
+        self.gqa = self.H != self.Hkv
+        self.sliding_window = cfg.sliding_window
+        self.layers = []
+        for i, layer in enumerate(model.model.layers):
+            L = _Layer()
+            L.idx, L.whole = i, not supported_attention(layer.self_attn)
+            L.in_norm, L.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            L.eps = layer.input_layernorm.eps
+            L.qkv = L.o = L.gate_up = L.down = L.ffn = None
+            L.F = 0
+            if not L.whole:
+                attn = layer.self_attn
+                L.qkv = _group(attn, ("q_proj", "k_proj", "v_proj"))
+                L.o = Kernel(_decode_module(attn.o_proj))
+                if type(layer.mlp) is MLP:
+                    L.gate_up = _group(layer.mlp, ("gate_proj", "up_proj"))
+                    L.down = Kernel(_decode_module(layer.mlp.down_proj))
+                    L.F = L.gate_up.out_features // 2
+                else:
+                    L.ffn = layer.mlp
+            self.layers.append((L, layer))
+        self.final_norm = model.model.norm.weight
+        self.final_eps = model.model.norm.eps
+        self.embed = model.model.embed_tokens
+        self.lm_head = Kernel(_decode_module(model.lm_head))
+        self.rot = {dt: _rotate_half_matrix(self.hd, dt) for dt in (torch.float32, torch.bfloat16)}
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 cache: KVCache) -> torch.Tensor:
+        meta = build_attention_metadata(self.model.rotary, positions, slots, self.sliding_window)
+        B = input_ids.shape[0]
+        x = self.embed(input_ids).view(B, -1)  # [B, D] residual stream, model dtype
+        cos, sin = meta.cos.view(B, 1, self.hd), meta.sin.view(B, 1, self.hd)
+        for L, layer in self.layers:
+            if L.whole:
+                x = layer(x.view(B, 1, -1), meta, cache).view(B, -1)
+                continue
+            x.add_(self._attention(L, x, meta, cache, cos, sin))  # in place: the residual keeps its dtype
+            h = F.rms_norm(x, x.shape[-1:], L.post_norm, L.eps)
+            if L.ffn is not None:
+                x = x + L.ffn(h.view(B, 1, -1)).view(B, -1)
+                continue
+            gu = L.gate_up(h)
+            x.add_(L.down(F.silu(gu[:, :L.F]) * gu[:, L.F:]))
+        h = F.rms_norm(x, x.shape[-1:], self.final_norm, self.final_eps)
+        return self.lm_head(h)
+
+    def _attention(self, L: _Layer, x, meta: AttentionMetadata, cache: KVCache, cos, sin) -> torch.Tensor:
+        B, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd
+        h = F.rms_norm(x, x.shape[-1:], L.in_norm, L.eps)
+        qkv = L.qkv(h)  # [B, (H + 2 Hkv) hd] kernel dtype
+        qk = qkv[:, :(H + Hkv) * hd].view(B, H + Hkv, hd)
+        # RoPE on q and k at once, [B, H + Hkv, hd] in the model's dtype (rotate-half is exact in any dtype)
+        qk = torch.addcmul(qk * cos, qk @ self.rot[qk.dtype], sin).to(x.dtype)  # fp32 tables: back to the model's
+        q = qk[:, :H].unsqueeze(2)  # [B, H, 1, hd]
+        k = qk[:, H:].unsqueeze(2)  # [B, Hkv, 1, hd]
+        v = qkv[:, (H + Hkv) * hd:].view(B, Hkv, 1, hd)
+        if meta.single is not None:  # one sequence: write its one position, read the slot's prefix
+            slot, pos = meta.single
+            S = pos + 1
+            ck, cv = cache.k[L.idx, slot], cache.v[L.idx, slot]  # [Hkv, max_len, hd]
+            ck[:, pos].copy_(k[0, :, 0])
+            cv[:, pos].copy_(v[0, :, 0])
+            k, v = ck[None, :, :S], cv[None, :, :S]
+        else:
+            k, v = cache.update(L.idx, k, v, meta)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask,
+                                             scale=self.scale, enable_gqa=self.gqa)
+        return L.o(out.view(B, H * hd))
