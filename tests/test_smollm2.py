@@ -118,3 +118,19 @@ def test_perplexity_of_real_text(lossless):
                           128, 64)
     assert real.tokens == 255 and 1 < real.ppl < 20
     assert shuffled.ppl > 10 * real.ppl
+
+
+def test_one_copy_per_weight_fits_a_budget_the_dense_copies_do_not(smollm2_path):
+    """The CPU default keeps one (compact) copy of each weight, the planner counts that copy, so a
+    400 MB RAM budget holds SmolLM2 (~125 MB of int4/int8 copies + a Q8_0 embedding); the lossless
+    mode's dense fp32 weights (538 MB) are refused with a budget error before anything loads."""
+    from tiered.errors import BudgetError
+
+    budget = 400 * 2**20
+    llm = LLM(smollm2_path, EngineConfig(cpu_memory=budget, max_context=256))
+    assert not llm.plan.dense_copies and llm.weight_bytes + llm.decode_weight_bytes < 160e6
+    assert llm.plan.memory["cpu"] <= budget
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+    with pytest.raises(BudgetError):
+        LLM(smollm2_path, EngineConfig(cpu_memory=budget, max_context=256, dtype="float32"))

@@ -146,9 +146,14 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                           and plan.fast_tier == "gpu" and not plan.sliced_layers())
     # without an accelerator every decode step runs on the CPU: through the lean step
     plan.cpu_decode_step = accelerator is None
-    # one copy per weight unless `--dtype float32` asks for the lossless mode (or nothing is compact)
-    plan.dense_copies = not (accelerator is None and ec.dtype == "auto" and decode_format not in ("none", "fp32"))
+    plan.dense_copies = not one_copy(ec, accelerator, decode_format)
     return plan, profile
+
+
+def one_copy(ec, accelerator, decode_format: str) -> bool:
+    """Whether each weight keeps one copy, its decode copy (Plan.dense_copies False): on the CPU
+    with compact decode copies, unless `--dtype float32` asks for the lossless mode."""
+    return accelerator is None and ec.dtype == "auto" and decode_format not in ("none", "fp32")
 
 
 def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
@@ -168,13 +173,15 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
         profile = replace(profile, gpu_memory=None)
     prompt = max(1, min(512, max_context // 2))
     dense_cpu = accelerator is None and not cfg.is_moe and decode_format != "none"
+
     plan = make_plan(cfg, profile, model_name=model_name, gpu_memory=gpu, cpu_memory=ec.cpu_memory, goal="latency",
                      prompt_tokens=prompt, gen_tokens=max(1, min(128, max_context - prompt)),
                      precision=decode_precision if dense_cpu else weights_format, weights_format=weights_format,
                      context_tokens=max_context, popularity=popularity, expert_cache_slots=ec.expert_cache_slots,
                      max_resident=ec.resident_experts, cache_policy=ec.cache_policy,
                      dispatch_mode=ec.force_expert_path or "balanced", staging_buffers=ec.staging_buffers,
-                     read_ahead=ec.read_ahead, experts_format=experts_format)
+                     read_ahead=ec.read_ahead, dense_copies=not one_copy(ec, accelerator, decode_format),
+                     experts_format=experts_format)
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     return plan, profile

@@ -32,7 +32,8 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     ctx = plan.prompt_tokens + plan.gen_tokens
     L = cfg.num_hidden_layers
     moe = [i for i in range(L) if cfg.is_moe and cfg.is_moe_layer(i)]
-    fixed = (sizes.weight_bytes(cfg, fmt, sizes.is_expert_param if moe else None)
+    held = fmt if plan.dense_copies else dtype  # one-copy mode: the decode copies are the weights
+    fixed = (sizes.weight_bytes(cfg, held, sizes.is_expert_param if moe else None)
              + sizes.rotary_bytes(cfg, plan.context_tokens)
              + sizes.kv_cache_bytes(cfg, 1, plan.context_tokens, plan.dtypes["kv_cache"]) + extra_bytes)
     plan.kv_cache_tier = plan.attention_tier = "cpu"
@@ -66,7 +67,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
         plan.layers.append(lp)
     plan.predicted_decode_tokens_per_s = 1.0 / step
     disk_share = 1.0 - hits.fast_share() if hits else 0.0
-    plan.predicted_ttft_s = predict_prefill(cfg, profile, fmt, plan.prompt_tokens, moe or None, disk_share)
+    plan.predicted_ttft_s = predict_prefill(cfg, profile, held, plan.prompt_tokens, moe or None, disk_share)
     plan.memory = memory
     plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
                     f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "
