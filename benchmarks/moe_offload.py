@@ -1,5 +1,6 @@
 """MoE offloading on CPU + disk: on-demand loading vs LRU expert cache vs cache + popularity
-placement + read-ahead, on a Mixtral-shaped checkpoint with dummy weights bigger than --cpu-mem.
+placement + read-ahead, and expert formats at the same cache bytes (bf16 high-only, int4, HOBBIT
+mixed bf16+int4), on a Mixtral-shaped checkpoint with dummy weights bigger than --cpu-mem.
 
 The checkpoint is written once (safetensors, HF Mixtral names, bf16 by default) with dummy weights
 whose router prefers some experts over others (real MoE routing is skewed: Fiddler Fig. 8), so
@@ -60,6 +61,7 @@ def run_config(model: Path, name: str, config: EngineConfig, prompt: list[int], 
     return {"config": name, "load_s": load_s, "ttft_s": out.stats.ttft_s, "decode_tokens_per_s": out.stats.decode_tokens_per_s,
             "itl_s": out.stats.itl_s, "generated": n, "disk_bytes_per_token": (rt["bytes_read"] - rt0["bytes_read"]) / (len(prompt) + n),
             "hit_rate": rt["hit_rate"], "placement": rt["placement"], "paths": rt["paths"],
+            "expert_format": rt["expert_format"], "precision_loads": rt["precision"],
             "peak_ram_budget_bytes": rt["peak_fast_bytes"]}
 
 
@@ -97,14 +99,23 @@ def main() -> None:
     prof.save(profile_path)
     kv = 2 * shape["layers"] * max(shape["hidden"] // 512, 1) * 128 * base["max_context"] * 2
     free = cpu_mem - llm.fast_budget.used - kv  # bytes left for experts after weights, staging and KV
+    model_cfg = llm.config
     llm.close()
     del llm
     lru_slots = max(1, int(free // expert_bytes))
+    from tiered.memory.sizes import expert_bytes as format_bytes_of
+    int4_slots = lru_slots * expert_bytes // format_bytes_of(model_cfg, "int4")  # the same cache bytes
+    offload = str(Path(args.workdir) / "offload")
     configs = {
         "on-demand (no cache)": EngineConfig(**base, expert_cache_slots=0, resident_experts=0, read_ahead=False),
         "LRU cache": EngineConfig(**base, expert_cache_slots=lru_slots, resident_experts=0, read_ahead=False),
         "cache + popularity + read-ahead": EngineConfig(**base, expert_cache_slots=2,
                                                         expert_profile=str(profile_path), read_ahead=True),
+        "int4 experts (LRU, same cache bytes)": EngineConfig(**base, expert_cache_slots=int4_slots, resident_experts=0,
+                                                             read_ahead=False, expert_weights="int4", offload_dir=offload),
+        "mixed bf16+int4 T1=0.6 T2=0.9 (LRU, same bytes)": EngineConfig(
+            **base, expert_cache_slots=lru_slots, resident_experts=0, read_ahead=False, expert_low_weights="int4",
+            mixed_thresholds=(0.6, 0.9), offload_dir=offload),
     }
     rows = {}
     for rep in range(repeats):
@@ -132,20 +143,31 @@ def main() -> None:
     for name, rs in rows.items():
         med = {k: median([r[k] for r in rs]) for k in ("decode_tokens_per_s", "ttft_s", "itl_s",
                                                         "disk_bytes_per_token", "hit_rate", "load_s")}
-        summary.append({"config": name, **med, "placement": rs[0]["placement"], "paths": rs[0]["paths"], "runs": len(rs)})
+        summary.append({"config": name, **med, "placement": rs[0]["placement"], "paths": rs[0]["paths"],
+                        "expert_format": rs[0]["expert_format"], "precision_loads": rs[0]["precision_loads"], "runs": len(rs)})
     basev = summary[0]["decode_tokens_per_s"]
+    lru = next(s for s in summary if s["config"] == "LRU cache")
     for s in summary:
         s["speedup_vs_on_demand"] = s["decode_tokens_per_s"] / basev if basev else float("nan")
+        s["speedup_vs_bf16_lru"] = s["decode_tokens_per_s"] / lru["decode_tokens_per_s"] if lru["decode_tokens_per_s"] else float("nan")
     settings = {"shape": shape, "dtype": "bfloat16", "checkpoint_bytes": ckpt_bytes, "expert_bytes": expert_bytes,
                 "cpu_mem_bytes": cpu_mem, "checkpoint_over_cpu_mem": round(ckpt_bytes / cpu_mem, 3),
                 "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "repeats": repeats}
     columns = [Column("configuration", "config"), Column("decode tok/s", "decode_tokens_per_s", "{:.2f}"),
                Column("TTFT s", "ttft_s", "{:.2f}"), Column("disk bytes/token", lambda r: format_bytes(r["disk_bytes_per_token"])),
                Column("hit rate", "hit_rate", "{:.1%}"), Column("speedup", "speedup_vs_on_demand", "{:.2f}x"),
+               Column("vs bf16 LRU", "speedup_vs_bf16_lru", "{:.2f}x"), Column("experts", "expert_format"),
+               Column("misses high/low/skip/low-hit", lambda r: "/".join(str(r["precision_loads"].get(k, 0))
+                                                                  for k in ("high", "low", "skip", "low hit"))
+                      if r["precision_loads"] else "-"),
                Column("placement", "placement")]
     notes = [f"Model: Mixtral-shaped dummy weights {shape}, bf16, {format_bytes(ckpt_bytes)} on disk; `--cpu-mem` "
              f"{format_bytes(cpu_mem)} ({ckpt_bytes / cpu_mem:.1f}x smaller). Prompt {args.prompt_tokens} tokens, "
              f"{args.new_tokens} new tokens, page cache dropped before each run, median of {repeats}.",
+             f"Expert formats at the same cache bytes as `LRU cache` ({lru_slots} bf16 slots): int4 gets "
+             f"{int4_slots} slots; mixed keeps {lru_slots - max(1, lru_slots // 4) if lru_slots >= 2 else lru_slots} bf16 slots "
+             "and turns the rest into int4 slots (HOBBIT: misses load bf16, int4 or nothing by the router's "
+             "unimportance score, Eq. 2). int4 and mixed are lossy; the experts are re-quantized from bf16 at load.",
              f"Trace of the full configuration: `{trace_json.name}` (Chrome trace events) and "
              f"`{trace_json.with_suffix('.png').name}`; disk reads overlapped expert compute for "
              f"{trace_overlap * 1e3:.0f} ms over 8 generated tokens."]

@@ -178,3 +178,189 @@ def dequantized_model(model, qtype: GGMLQuantizationType):
             if p.ndim == 2:
                 p.copy_(torch.from_numpy(roundtrip(p.detach().numpy(), qtype)))
     return m
+
+
+# ----------------------------------------------------------------------------------- K-quants
+# gguf.quants dequantizes Q4_K / Q6_K but cannot quantize them: these are plain (no search)
+# restatements of ggml's block layouts, checked against gguf.quants.dequantize in the tests.
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """w fp32 [rows, cols % 256 == 0] -> Q4_K blocks uint8 [rows, cols / 256 * 144].
+
+    Per 32-element sub-block: w ~ d * sc * q - dmin * m (q 4 bit, sc and m 6 bit); min/max fit.
+    """
+    rows, cols = w.shape
+    x = w.astype(np.float32).reshape(-1, 8, 32)  # (blocks, sub, 32)
+    lo = np.minimum(x.min(-1), 0.0)  # ggml keeps the min <= 0
+    scale = (x.max(-1) - lo) / 15  # (blocks, 8)
+    mins = -lo
+    d = (scale.max(-1) / 63).astype(np.float16)  # (blocks,)
+    dmin = (mins.max(-1) / 63).astype(np.float16)
+    df, dmf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(np.divide(mins, dmf, out=np.zeros_like(mins), where=dmf > 0)), 0, 63).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.clip(np.round(np.divide(x + (dmf * m)[..., None], step, out=np.zeros_like(x), where=step > 0)), 0, 15)
+    q = q.astype(np.uint8)  # (blocks, 8, 32)
+    scales = np.empty((x.shape[0], 12), np.uint8)
+    scales[:, 0:4] = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = (m[:, :4] & 0x3F) | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # sub-blocks 2c (low) and 2c+1 (high)
+    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1)
+    return out.reshape(rows, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """w fp32 [rows, cols % 256 == 0] -> Q6_K blocks uint8 [rows, cols / 256 * 210].
+
+    Per 16-element sub-block: w ~ d * sc * (q - 32) (q 6 bit, sc int8); absmax fit.
+    """
+    rows, cols = w.shape
+    x = w.astype(np.float32).reshape(-1, 16, 16)  # (blocks, sub, 16)
+    scale = np.abs(x).max(-1) / 31  # (blocks, 16)
+    d = (scale.max(-1) / 127).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -128, 127).astype(np.int8)
+    step = (df * sc)[..., None]
+    q = np.clip(np.round(np.divide(x, step, out=np.zeros_like(x), where=step != 0)), -32, 31) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 128)  # (blocks, half, 128): element i = h * 128 + r
+    lo, hi = q & 0x0F, q >> 4
+    ql = (lo[:, :, :64] | (lo[:, :, 64:] << 4)).reshape(-1, 128)
+    qh = (hi[:, :, 0:32] | (hi[:, :, 32:64] << 2) | (hi[:, :, 64:96] << 4) | (hi[:, :, 96:128] << 6)).reshape(-1, 64)
+    out = np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return out.reshape(rows, -1)
+
+
+def encode_any(w: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """w fp32 [..., cols] -> (array GGUFWriter stores, the type written). Like llama.cpp's converter,
+    a tensor whose rows the block type cannot split is written F16 instead."""
+    from gguf.quants import GGML_QUANT_SIZES
+
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return w.astype(np.float32 if qtype == GGMLQuantizationType.F32 else np.float16), qtype
+    if w.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
+        return w.astype(np.float16), GGMLQuantizationType.F16
+    k = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q6_K: quantize_q6_k}.get(qtype)
+    if k is None:
+        return quantize(w.astype(np.float32), qtype), qtype
+    flat = k(w.reshape(-1, w.shape[-1]))
+    return flat.reshape(*w.shape[:-1], -1), qtype
+
+
+def roundtrip_any(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """What a reader gets back for w written by `encode_any` as qtype (fp32, same shape)."""
+    arr, qt = encode_any(w, qtype)
+    if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return arr.astype(np.float32)
+    return dequantize(arr, qt).reshape(w.shape).astype(np.float32)
+
+
+_MOE_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+
+
+def _moe_tensors(model):
+    """(HF-style name, fp32 array) of a transformers MoE model, stacked experts split into
+    gate / up / down [E, F, D] / [E, D, F] (transformers fuses gate and up as gate_up_proj)."""
+    for name, t in model.state_dict().items():
+        a = t.detach().float().numpy()
+        if name.endswith("experts.gate_up_proj"):
+            f = a.shape[1] // 2
+            yield name.replace("gate_up_proj", "gate_exps"), a[:, :f]
+            yield name.replace("gate_up_proj", "up_exps"), a[:, f:]
+        elif name.endswith("experts.down_proj"):
+            yield name.replace("down_proj", "down_exps"), a
+        else:
+            yield name, a
+
+
+def _moe_gguf_name(name: str) -> str:
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".")
+    layer, rest = parts[2], ".".join(parts[3:-1])
+    table = {**_BLOCK, "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+             "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+    if rest == "mlp.experts":  # stacked experts: ...mlp.experts.{gate,up,down}_exps
+        return f"blk.{layer}.ffn_{parts[-1]}.weight"
+    return f"blk.{layer}.{table[rest]}.{parts[-1]}"
+
+
+def _kept_f32(name: str, a: np.ndarray) -> bool:
+    """Tensors llama.cpp's converter keeps in F32: 1-D ones and the routers."""
+    return a.ndim == 1 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))
+
+
+def write_moe_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+    """Write a transformers Mixtral / Qwen2-MoE / Qwen3-MoE model as llama.cpp does.
+
+    Routed experts are stacked per layer (`blk.N.ffn_{gate,up,down}_exps.weight`, [E, F, D] /
+    [E, D, F]); routers, norms and biases are F32; other weights and the experts are `qtype` (F16
+    for tensors whose rows the block type cannot split).
+    """
+    cfg = model.config
+    mt = cfg.model_type
+    arch = _MOE_ARCH[mt]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{mt}")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    n_exp = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if mt != "mixtral":
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_file_type(int(qtype))
+    for name, a in _moe_tensors(model):
+        if mt == "mixtral" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            a = llama_cpp_permute(a, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
+        g = _moe_gguf_name(name)
+        if _kept_f32(name, a):
+            w.add_tensor(g, a.reshape(-1) if name.endswith("shared_expert_gate.weight") else a.astype(np.float32))
+            continue
+        arr, qt = encode_any(a, qtype)
+        if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            w.add_tensor(g, arr)
+        else:
+            w.add_tensor(g, arr, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def dequantized_moe_model(model, qtype: GGMLQuantizationType):
+    """A deep copy of the transformers MoE `model` whose weights are what `write_moe_gguf` stores
+    for them, read back (the lossless reference of a quantized MoE GGUF)."""
+    import copy
+
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            a = p.detach().numpy()
+            if _kept_f32(name, a):
+                continue
+            if name.endswith("experts.gate_up_proj"):  # gate and up are written as separate tensors
+                f = a.shape[1] // 2
+                a = np.concatenate([roundtrip_any(a[:, :f], qtype), roundtrip_any(a[:, f:], qtype)], axis=1)
+            else:
+                a = roundtrip_any(a, qtype)
+            p.copy_(torch.from_numpy(a))
+    return m

@@ -49,12 +49,13 @@ MOE_SPECS: dict[str, tuple[str, str, dict]] = {
 }
 
 
-def build_hf_moe_model(kind: str, vocab_size: int = VOCAB):
-    """The tiny transformers model of `kind` (a MOE_KINDS entry): fp32, eval, seeded weights."""
+def build_hf_moe_model(kind: str, vocab_size: int = VOCAB, **changes):
+    """The tiny transformers model of `kind` (a MOE_KINDS entry): fp32, eval, seeded weights.
+    `changes` override config fields (e.g. hidden_size=256 for GGUF K-quant super-blocks)."""
     import transformers
 
     config_cls, model_cls, overrides = MOE_SPECS[kind]
-    config = getattr(transformers, config_cls)(**{**_COMMON, "vocab_size": vocab_size}, **overrides)
+    config = getattr(transformers, config_cls)(**{**_COMMON, "vocab_size": vocab_size, **overrides, **changes})
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():

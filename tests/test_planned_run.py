@@ -314,20 +314,20 @@ def test_a_failing_expert_raises_and_leaves_the_engine_closable(rt, monkeypatch,
     """An error inside one expert's task reaches the caller; the tasks queued behind it still finish,
     so close() returns instead of waiting on a worker forever. Every expert is on disk and read
     through the 2-buffer host staging ring, so later reads wait on earlier CPU experts."""
-    import tiered.runtime.moe_runner as mr
+    from tiered.quant.experts import ExpertFormat
 
     s = rt.sizes("mixtral")
     llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2),
                                                cpu_memory=s.cpu(0), force_expert_path="cpu",
                                                offload_dir=str(tmp_path)))
     assert llm.experts.placement.count("disk") >= s.total_experts - 2
-    real = mr.expert_forward
+    real = ExpertFormat.forward
 
-    def broken(x, *w):
+    def broken(self, x, slot):
         if x.device.type == "cpu":
             raise RuntimeError("expert failed")
-        return real(x, *w)
-    monkeypatch.setattr(mr, "expert_forward", broken)
+        return real(self, x, slot)
+    monkeypatch.setattr(ExpertFormat, "forward", broken)
     with pytest.raises(RuntimeError, match="expert failed"):
         llm.generate(prompt(), GREEDY)
     llm.close()

@@ -37,6 +37,9 @@ OPT = {
     "stop": typer.Option([], "--stop", help="Stop string (repeatable)."),
     "dtype": typer.Option("auto", "--dtype", help="Compute dtype: auto (on a CUDA GPU the checkpoint's: bfloat16 for bf16/fp16/quantized checkpoints; float32 on the CPU), float32 (lossless) or bfloat16."),
     "decode_weights": typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16, int8 or int4."),
+    "weights": typer.Option("auto", "--weights", help="Expert weight format on every tier: auto (a GGUF's quantized experts as stored, else the compute dtype), bf16, fp32, int8 or int4 (re-quantized at load; lossy). bf16/int4 also set the dense decode weights unless --decode-weights is given."),
+    "low_weights": typer.Option(None, "--low-weights", help="HOBBIT mixed precision: low format (int4 or int8) of offloaded experts; misses load high, low or nothing by the router's unimportance score."),
+    "mixed_thresholds": typer.Option("0.6,0.9", "--mixed-thresholds", help="HOBBIT's T1,T2 for --low-weights (the paper's 0.6,0.9)."),
     "max_context": typer.Option(None, "--max-context", help="Context window in tokens (default: the model's)."),
     "threads": typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
     "gpu_mem": typer.Option(None, "--gpu-mem", help="Accelerator memory budget, e.g. 12GiB (default: all free)."),
@@ -89,6 +92,9 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming."),
     dtype: str = OPT["dtype"],
     decode_weights: str = OPT["decode_weights"],
+    weights: str = OPT["weights"],
+    low_weights: Optional[str] = OPT["low_weights"],
+    mixed_thresholds: str = OPT["mixed_thresholds"],
     max_context: Optional[int] = OPT["max_context"],
     threads: Optional[int] = OPT["threads"],
     gpu_mem: Optional[str] = OPT["gpu_mem"],
@@ -120,7 +126,8 @@ def run(
                             gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
                             cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
                             read_ahead=read_ahead, trace=trace is not None, plan=plan, profile_file=profile_file,
-                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead)
+                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead,
+                            weights=weights, low_weights=low_weights, mixed_thresholds=mixed_thresholds)
     # a prompt that cannot run is refused before anything loads, or the planner measures this machine
     ckpt = open_checkpoint(model)
     check_prompt_fits(0, len(encode_prompt(ckpt.tokenizer(), prompt, chat)),
@@ -166,7 +173,7 @@ def _print_stats(llm, out) -> None:
 
 def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
                    cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch=False,
-                   prefetch_lookahead=2):
+                   prefetch_lookahead=2, weights="auto", low_weights=None, mixed_thresholds="0.6,0.9"):
     """The EngineConfig of the engine options `run`, `chat` and `serve` share; a replayed plan (`--plan FILE`) brings
     the budgets it was made for unless they are given."""
     from tiered import EngineConfig
@@ -177,7 +184,15 @@ def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_
         replay = Plan.load(plan)
         gpu_mem = gpu_mem or replay.gpu_memory
         cpu_mem = cpu_mem or replay.cpu_memory
+    if decode_weights == "auto" and weights in ("bf16", "int8", "int4"):  # the dense CPU decode path follows --weights
+        decode_weights = weights
+    try:
+        t1, t2 = (float(t) for t in mixed_thresholds.split(","))
+    except ValueError:
+        from tiered.errors import ConfigError
+        raise ConfigError(f"--mixed-thresholds must be 'T1,T2', got {mixed_thresholds!r}", "pass e.g. 0.6,0.9") from None
     return EngineConfig(dtype=dtype, decode_weights=decode_weights, max_context=max_context, num_threads=threads,
+                        expert_weights=weights, expert_low_weights=low_weights, mixed_thresholds=(t1, t2),
                         gpu_memory=gpu_mem, cpu_memory=cpu_mem, offload_dir=str(offload_dir) if offload_dir else None,
                         accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
                         expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
@@ -197,6 +212,9 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send (default: the checkpoint's directory name, or file name without its suffix)."),
     dtype: str = OPT["dtype"],
     decode_weights: str = OPT["decode_weights"],
+    weights: str = OPT["weights"],
+    low_weights: Optional[str] = OPT["low_weights"],
+    mixed_thresholds: str = OPT["mixed_thresholds"],
     max_context: Optional[int] = OPT["max_context"],
     threads: Optional[int] = OPT["threads"],
     gpu_mem: Optional[str] = OPT["gpu_mem"],
@@ -223,7 +241,8 @@ def serve(
                             gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
                             cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
                             read_ahead=read_ahead, trace=False, plan=plan, profile_file=profile_file,
-                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead)
+                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead,
+                            weights=weights, low_weights=low_weights, mixed_thresholds=mixed_thresholds)
     if max_batch < 1 or max_queue < 0:
         raise typer.BadParameter("--max-batch must be >= 1 and --max-queue >= 0")
     llm = LLM(model, config, progress=True)
@@ -250,6 +269,9 @@ def chat(
     seed: Optional[int] = OPT["seed"],
     dtype: str = OPT["dtype"],
     decode_weights: str = OPT["decode_weights"],
+    weights: str = OPT["weights"],
+    low_weights: Optional[str] = OPT["low_weights"],
+    mixed_thresholds: str = OPT["mixed_thresholds"],
     max_context: Optional[int] = OPT["max_context"],
     threads: Optional[int] = OPT["threads"],
     gpu_mem: Optional[str] = OPT["gpu_mem"],
@@ -276,7 +298,8 @@ def chat(
                             gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
                             cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
                             read_ahead=read_ahead, trace=False, plan=plan, profile_file=profile_file,
-                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead)
+                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead,
+                            weights=weights, low_weights=low_weights, mixed_thresholds=mixed_thresholds)
     with LLM(model, config, progress=True) as llm:
         repl(Chat(llm, params, system))
 
@@ -542,6 +565,16 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
     typer.echo(f"context:     {cfg.max_position_embeddings} tokens, RoPE theta {cfg.rope_theta:g}"
                + (f", scaling {cfg.rope_scaling}" if cfg.rope_scaling else ""))
     typer.echo("formats:     " + ", ".join(f"{k} x{v}" for k, v in formats.most_common()))
+    if cfg.is_moe:
+        from tiered.memory.expert_store import expert_tensor_names, moe_layers
+        from tiered.quant.experts import ExpertFormat
+        from tiered.quant.gguf_experts import auto_format, requantized_note
+
+        hs = [ckpt.handle(n) for n in expert_tensor_names(cfg.model_type, moe_layers(ckpt, cfg)[0], 0)]
+        fmt = auto_format(hs) if any(h.is_quantized for h in hs) else "as --dtype"
+        note = requantized_note(hs, ExpertFormat(fmt, [h.shape for h in hs])) if fmt != "as --dtype" else None
+        typer.echo(f"expert fmt:  stored {'/'.join(h.format for h in hs)} (gate/up/down) -> kept as {fmt}"
+                   + (f"; {note}" if note else "; exact"))
 
 
 eval_app = typer.Typer(help="Measure accuracy: perplexity, and KL divergence to the lossless weights.",

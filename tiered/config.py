@@ -10,6 +10,7 @@ WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
 DTYPES = ("auto", "float32", "bfloat16")
 ACCELERATORS = ("auto", "cuda", "host", "none")
 CACHE_POLICIES = ("random", "lru", "lfu", "lhu", "fld", "hobbit")  # memory/expert_cache.POLICIES
+EXPERT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,15 @@ class EngineConfig:
             other tensors in bf16; "fp32" / "bf16" use dense weights; "int8" quantizes every weight
             to per-row int8; "int4" also re-quantizes dense weights to group-wise int4 (group 32).
             Only "fp32" is lossless.
+        expert_weights: storage format of routed experts on every tier (disk, RAM, accelerator
+            cache): "auto" keeps a GGUF file's quantized experts as stored (Q4_0/Q4_1 -> int4,
+            Q8_0 -> int8 group 32 exactly; K-quants re-quantized, quant/gguf_experts.py) and HF
+            checkpoints' in the compute dtype; "bf16", "fp32", "int8" (per-row scales) or "int4"
+            (group 32) re-quantize every expert at load. Quantized experts are lossy.
+        expert_low_weights: None (off), or the low-precision format ("int4" / "int8") of HOBBIT's
+            mixed-precision experts (ALGORITHMS.md §3): every offloaded expert also gets a low copy,
+            and a miss loads the high copy, the low copy or nothing by the token's unimportance score.
+        mixed_thresholds: HOBBIT's (T1, T2) for expert_low_weights; the paper's (0.6, 0.9).
         decode_weights_threshold: steps with at most this many tokens use the decode weights;
             larger steps (prefill) use the dense `dtype` weights.
         max_context: context window in tokens; None uses the model's max_position_embeddings.
@@ -65,6 +75,9 @@ class EngineConfig:
     dtype: str = "auto"
     decode_weights: str = "auto"
     decode_weights_threshold: int = 8
+    expert_weights: str = "auto"
+    expert_low_weights: str | None = None
+    mixed_thresholds: tuple[float, float] = (0.6, 0.9)
     max_context: int | None = None
     num_threads: int | None = None
     gpu_memory: int | str | None = None
@@ -118,6 +131,16 @@ class EngineConfig:
         if self.decode_weights not in WEIGHT_FORMATS:
             raise ConfigError(f"decode_weights must be one of {WEIGHT_FORMATS}, got {self.decode_weights!r}",
                               "pass one of " + ", ".join(WEIGHT_FORMATS))
+        if self.expert_weights not in EXPERT_FORMATS:
+            raise ConfigError(f"expert_weights must be one of {EXPERT_FORMATS}, got {self.expert_weights!r}",
+                              "pass one of " + ", ".join(EXPERT_FORMATS))
+        if self.expert_low_weights not in (None, "int8", "int4"):
+            raise ConfigError(f"expert_low_weights must be None, 'int8' or 'int4', got {self.expert_low_weights!r}",
+                              "pass int4 (HOBBIT's FP16+INT4 pair) or leave it unset")
+        t1, t2 = self.mixed_thresholds
+        if not 0.0 <= t1 <= t2 <= 1.0:
+            raise ConfigError(f"mixed_thresholds need 0 <= T1 <= T2 <= 1, got {self.mixed_thresholds}",
+                              "pass e.g. (0.6, 0.9), the HOBBIT paper's values")
         if self.decode_weights_threshold < 1:
             raise ConfigError("decode_weights_threshold must be >= 1", "pass a positive token count")
         if self.max_context is not None and self.max_context < 1:

@@ -5,6 +5,12 @@ Tensors stay in the file's memory map until loaded. Block formats (Q4_0, Q4_1, Q
 kernels untouched (`TensorHandle.blocks`). llama.cpp's converter permutes the rows of q/k
 projections of "llama"-architecture models for its interleaved RoPE; we undo that permutation so
 the result equals the Hugging Face layout exactly.
+
+MoE files (Mixtral as "llama" with `llama.expert_count`, Qwen2-MoE "qwen2moe", Qwen3-MoE
+"qwen3moe") store each layer's routed experts stacked: `blk.N.ffn_{gate,up,down}_exps.weight`
+[E, F, D] / [E, D, F]. Each expert becomes its own handle with the HF per-expert name, a view of
+its rows of the stacked tensor: its blocks are handed to the expert formats as stored
+(quant/gguf_experts.py), nothing is dequantized at load.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import CheckpointError, UnsupportedModelError
 
 # GGUF architecture -> HF model_type.
-ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# top-k weights renormalized to sum 1 (llama.cpp's expert_weights_norm default per architecture)
+NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 # Architectures whose converter permutes q/k rows (llama.cpp convert_hf_to_gguf.py LlamaModel).
 PERMUTED_QK = ("llama", "mistral")
 
@@ -42,17 +51,36 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# stacked expert tensors -> the per-expert projection name (Qwen / OLMoE style, Mixtral style)
+_EXPERT_NAMES = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
+                 "ffn_down_exps": ("down_proj", "w2")}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """HF parameter name of a GGUF tensor name, or None when tiered has no use for it."""
+def gguf_to_hf_name(name: str, model_type: str = "") -> str | None:
+    """HF parameter name of a GGUF tensor name, or None when tiered has no use for it. Stacked
+    expert tensors give the name pattern with "{e}" for the expert index."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK_RE.match(name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if not m:
+        return None
+    layer, part, kind = m.groups()
+    mlp = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+    if part in _EXPERT_NAMES:
+        proj = _EXPERT_NAMES[part][model_type == "mixtral"]
+        return f"model.layers.{layer}.{mlp}.experts.{{e}}.{proj}.{kind}"
+    if part in _BLOCK_NAMES:
+        hf = _BLOCK_NAMES[part]
+        if model_type == "mixtral" and hf == "mlp.gate":
+            hf = "block_sparse_moe.gate"
+        return f"model.layers.{layer}.{hf}.{kind}"
     return None
 
 
@@ -99,10 +127,14 @@ class GGUFCheckpoint(HandleTable):
             self.reader.fields.pop(key, None)
         self._handles: dict[str, TensorHandle] = {}
         for t in self.reader.tensors:
-            hf = gguf_to_hf_name(t.name)
+            hf = gguf_to_hf_name(t.name, self.config.model_type)
             if hf is None:
                 continue
-            self._handles[hf] = self._make_handle(hf, t)
+            if "{e}" in hf:  # stacked experts: one handle per expert, a view of its rows
+                for e in range(int(t.shape[-1])):
+                    self._handles[hf.format(e=e)] = self._make_handle(hf.format(e=e), t, expert=e)
+            else:
+                self._handles[hf] = self._make_handle(hf, t)
 
     def _field(self, key: str):
         f = self.reader.fields[key]
@@ -140,11 +172,28 @@ class GGUFCheckpoint(HandleTable):
         if "rope_freqs.weight" in names:
             raise UnsupportedModelError("GGUF files with rope_freqs (Llama 3.1 scaling) are not read yet",
                                         "load the Hugging Face safetensors directory instead")
+        moe = {}
+        n_exp = g("expert_count") or 0
+        if n_exp:
+            model_type = "mixtral" if arch == "llama" else ARCH_TO_MODEL_TYPE[arch]
+            if model_type not in NORM_TOPK:
+                raise UnsupportedModelError(f"GGUF architecture {arch!r} with experts is not read",
+                                            "tiered reads Mixtral (llama), qwen2moe and qwen3moe GGUF files")
+            dense = tuple(i for i in range(g("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in names)
+            norm = g("expert_weights_norm")
+            moe = dict(num_experts=int(n_exp), num_experts_per_tok=int(g("expert_used_count")),
+                       moe_intermediate_size=int(g("expert_feed_forward_length") or g("feed_forward_length")),
+                       shared_expert_intermediate_size=int(g("expert_shared_feed_forward_length") or 0),
+                       norm_topk_prob=NORM_TOPK[model_type] if norm is None else bool(norm), mlp_only_layers=dense)
+        else:
+            model_type = ARCH_TO_MODEL_TYPE[arch]
+            if model_type.endswith("_moe"):
+                raise CheckpointError(f"{self.path}: {arch} file without {arch}.expert_count", "re-convert the file")
         eos = md.get("tokenizer.ggml.eos_token_id")
         eot = md.get("tokenizer.ggml.eot_token_id")
         eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
         return ModelConfig(
-            model_type=ARCH_TO_MODEL_TYPE[arch],
+            model_type=model_type,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=g("feed_forward_length"),
@@ -162,19 +211,27 @@ class GGUFCheckpoint(HandleTable):
             sliding_window=g("attention.sliding_window"),
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
         )
 
-    def _make_handle(self, hf: str, t) -> TensorHandle:
+    def _make_handle(self, hf: str, t, expert: int | None = None) -> TensorHandle:
+        """The handle of tensor `t` (of expert `expert`'s rows when `t` is a stacked expert tensor)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists ne0 first
+        data, offset, nbytes = t.data, int(t.data_offset), int(t.n_bytes)  # numpy memmap
+        if expert is not None:  # [E, rows, cols] -> this expert's [rows, cols]
+            shape = shape[1:]
+            nbytes //= int(t.shape[-1])
+            data, offset = data[expert], offset + expert * nbytes
+        elif hf.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, shape[0])  # GGUF stores the D -> 1 gate as a vector
         fmt = t.tensor_type.name
         perm = None
         if self.arch in PERMUTED_QK and (".q_proj." in hf or ".k_proj." in hf):
             n_head = self.config.num_attention_heads if ".q_proj." in hf else self.config.num_key_value_heads
             perm = qk_row_permutation(shape[0], n_head)
-        data = t.data  # numpy memmap; dense formats come shaped, block formats as [rows, bytes]
         qtype = GGMLQuantizationType[fmt]
         if fmt not in BLOCK_FORMATS and fmt not in ("F32", "F16", "BF16"):
             raise UnsupportedModelError(f"GGUF tensor {t.name} has unsupported type {fmt}",
@@ -190,9 +247,9 @@ class GGUFCheckpoint(HandleTable):
             raw = np.asarray(data).reshape(shape[0] if len(shape) > 1 else 1, -1)
             return raw[perm] if perm is not None else raw
 
-        return TensorHandle(name=hf, shape=shape, format=fmt, nbytes=int(t.n_bytes), path=str(self.path),
+        return TensorHandle(name=hf, shape=shape, format=fmt, nbytes=nbytes, path=str(self.path),
                             _load=load, _blocks=blocks if fmt in BLOCK_FORMATS else None,
-                            offset=int(t.data_offset) if fmt in ("F32", "F16", "BF16") and perm is None else None)
+                            offset=offset if fmt in ("F32", "F16", "BF16") and perm is None else None)
 
     def _load_tokenizer(self):
         """The tokenizer embedded in the GGUF (converted by transformers, cached), or None."""

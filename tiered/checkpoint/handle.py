@@ -23,7 +23,7 @@ BLOCK_FORMATS = {
 }
 
 
-STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
 _FDS: dict[str, int] = {}
 _FD_LOCK = threading.Lock()
 

@@ -104,12 +104,60 @@ class LLM:
         with _transient_notes(progress) as say:  # "measuring a quick profile ...", while it runs
             plan, profile = engine_plan(cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name,
                                         max_context=self.max_context, weights_format=weights, decode_format=decode,
-                                        decode_precision=precision, popularity=popularity, progress=say)
+                                        decode_precision=precision, popularity=popularity, progress=say,
+                                        experts_format=self._experts_format(weights))
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
             plan.decode_threshold = ec.decode_weights_threshold
+        if cfg.is_moe and ec.plan in ("auto", "off"):  # a replayed plan keeps its own notes and choices
+            plan.notes.append(self._experts_note(plan.dtypes["experts"]))
+            if ec.expert_low_weights:
+                self._plan_mixed(plan)
         if plan.dtypes.get("weights") != weights:  # a replayed plan decides the compute dtype too
             self.dtype = sizes.torch_dtype(plan.dtypes["weights"])
         return plan, profile
+
+    def _experts_format(self, weights: str) -> str | None:
+        """The routed experts' storage format (EngineConfig.expert_weights; "auto": a GGUF file's
+        quantized experts as stored, else the compute format). None for dense models."""
+        from tiered.memory.expert_store import expert_tensor_names, moe_layers
+        from tiered.quant.gguf_experts import auto_format
+
+        ec, cfg = self.engine_config, self.config
+        if not cfg.is_moe:
+            return None
+        if ec.expert_weights != "auto":
+            return ec.expert_weights
+        handles = [self.checkpoint.handle(n) for n in expert_tensor_names(cfg.model_type, moe_layers(self.checkpoint, cfg)[0], 0)]
+        return auto_format(handles) if any(h.is_quantized for h in handles) else weights
+
+    def _plan_mixed(self, plan) -> None:
+        """HOBBIT mixed precision into `plan`: the low format and thresholds, and the low cache pool
+        carved out of the high cache (HOBBIT keeps the high pool the larger): a quarter of the high
+        slots (at least one) hold as many low experts as their bytes allow. Budgets are unchanged."""
+        ec, cfg = self.engine_config, self.config
+        high, low = plan.dtypes["experts"], ec.expert_low_weights
+        hb, lb = sizes.expert_bytes(cfg, high), sizes.expert_bytes(cfg, low)
+        if lb >= hb:
+            plan.notes.append(f"mixed precision off: {low} experts are not smaller than {high} ones")
+            return
+        moved = max(1, plan.expert_cache_slots // 4) if plan.expert_cache_slots >= 2 else 0
+        plan.expert_cache_slots -= moved
+        plan.expert_cache_slots_low = moved * hb // lb
+        plan.dtypes["experts_low"] = low
+        t1, t2 = ec.mixed_thresholds
+        plan.mixed_precision = {"high": high, "low": low, "t1": t1, "t2": t2}
+
+    def _experts_note(self, name: str) -> str:
+        """The plan's line on the expert format: what is kept exactly and what is re-quantized."""
+        from tiered.memory.apply import expert_format
+        from tiered.memory.expert_store import expert_tensor_names, moe_layers
+        from tiered.quant.gguf_experts import requantized_note
+
+        layer = moe_layers(self.checkpoint, self.config)[0]
+        hs = [self.checkpoint.handle(n) for n in expert_tensor_names(self.config.model_type, layer, 0)]
+        fmt = expert_format(name, self.checkpoint, layer, self.accelerator)
+        return (f"experts stored as {fmt.name} ({fmt.nbytes} B each) on every tier; "
+                + (requantized_note(hs, fmt) or "mapped exactly from the checkpoint"))
 
     def _place(self, progress: bool) -> None:
         """PLACE: materialize every weight on the tier the plan gives it (memory/apply.py)."""
@@ -329,7 +377,8 @@ class LLM:
                 "miss_penalty_bytes": st.miss_bytes, "miss_penalty_s": self._miss_seconds(st),
                 "prefetch": rt.prefetcher.stats() if rt.prefetcher is not None else None,
                 "paths": dict(rt.path_counts),
-                "bytes_read": rt.bytes_read, "bytes_h2d": rt.bytes_h2d,
+                "bytes_read": rt.bytes_read, "bytes_h2d": rt.bytes_h2d, "precision": dict(rt.precision_counts),
+                "expert_format": rt.fmt.name,
                 "peak_fast_bytes": self.fast_budget.peak, "peak_cpu_bytes": self.cpu_budget.peak}
 
     def _miss_seconds(self, st) -> float | None:

@@ -19,6 +19,36 @@ from tiered.memory.expert_cache import ExpertCache, make_policy
 from tiered.memory.expert_store import ExpertStore, expert_tensor_names
 from tiered.memory.materialize import materialize
 from tiered.planner.plan import Plan
+from tiered.quant.experts import ExpertFormat, fit_format
+
+
+def expert_format(name: str, checkpoint, layer: int, accelerator) -> ExpertFormat:
+    """The ExpertFormat of plan format `name` for the checkpoint's expert shapes. int4 codes are
+    kept in torch's CPU kernel layout unless a CUDA device computes them (then the portable one)."""
+    shapes = [tuple(checkpoint.handle(n).shape) for n in expert_tensor_names(checkpoint.config.model_type, layer, 0)]
+    cuda = accelerator is not None and getattr(accelerator.device, "type", "") == "cuda"
+    return ExpertFormat(fit_format(name, shapes), shapes, "plain" if cuda else "cpu")
+
+
+class StagingBuffer(tuple):
+    """One expert's staging tensors (a tuple, as a slot is) carved from one flat byte buffer
+    `flat`, so a smaller low-precision expert can use the same memory."""
+
+    flat: torch.Tensor
+
+
+def staging_buffer(alloc, fmt: ExpertFormat, what: str) -> StagingBuffer:
+    """A StagingBuffer for one expert of `fmt`: one uint8 allocation of fmt.nbytes, viewed as the
+    format's slot tensors."""
+    flat = alloc((fmt.nbytes,), torch.uint8, what)
+    views, off = [], 0
+    for shape in fmt.slot_shapes:
+        n = torch.Size(shape).numel() * torch.empty((), dtype=fmt.slot_dtype).element_size()
+        views.append(flat[off:off + n].view(fmt.slot_dtype).view(shape))
+        off += n
+    buf = StagingBuffer(views)
+    buf.flat = flat
+    return buf
 
 
 class StagingPool:
@@ -40,13 +70,29 @@ class StagingPool:
 
 
 @dataclass
+class LowPrecision:
+    """HOBBIT's low-precision side: the low copies of offloaded experts, their own cache pool, and
+    the view of a (shared) staging buffer that holds one low expert."""
+
+    mixed: object  # runtime/precision.MixedPrecision
+    store: ExpertStore
+    cache: ExpertCache
+
+    def view(self, buffers: StagingBuffer) -> tuple[torch.Tensor, ...]:
+        """The first `store.expert_bytes` bytes of a high-precision staging buffer, as a low slot."""
+        return (buffers.flat[:self.store.expert_bytes],)
+
+
+@dataclass
 class PlacedExperts:
-    """The experts as placed: home copies, the fast-tier cache and the staging rings."""
+    """The experts as placed: home copies, the fast-tier cache and the staging rings (and, with
+    mixed precision, the low-precision copies and cache)."""
 
     store: ExpertStore
     cache: ExpertCache
     fast_staging: StagingPool
     host_staging: StagingPool | None
+    low: LowPrecision | None = None
 
 
 def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: MemoryBudget,
@@ -101,9 +147,9 @@ def place_experts(plan: Plan, checkpoint, accelerator, fast_budget: MemoryBudget
         ConfigError: disk-tier experts need conversion and there is no offload directory.
     """
     cfg = checkpoint.config
-    dtype = sizes.torch_dtype(plan.dtypes["experts"])
     first = next(l.layer for l in plan.layers if l.kind == "moe")
-    shapes = [tuple(checkpoint.handle(n).shape) for n in expert_tensor_names(cfg.model_type, first, 0)]
+    fmt = expert_format(plan.dtypes["experts"], checkpoint, first, accelerator)
+    shapes, dtype = fmt.slot_shapes, fmt.slot_dtype
     n_stage = plan.staging_buffers
 
     def fast_alloc(shape, dt, what):
@@ -114,11 +160,42 @@ def place_experts(plan: Plan, checkpoint, accelerator, fast_budget: MemoryBudget
     def host_alloc(shape, dt, what):
         return cpu_budget.empty(shape, dt, what, pin=not accelerator.is_host)
 
-    fast_staging = StagingPool([tuple(fast_alloc(s, dtype, "staging") for s in shapes) for _ in range(n_stage)])
+    fast_staging = StagingPool([staging_buffer(fast_alloc, fmt, "staging") for _ in range(n_stage)])
     host_staging = None
     if accelerator is not None:
-        host_staging = StagingPool([tuple(host_alloc(s, dtype, "host staging") for s in shapes) for _ in range(n_stage)])
-    store = ExpertStore(checkpoint, plan.expert_placement(), dtype, accelerator, fast_budget, cpu_budget, offload_dir)
+        host_staging = StagingPool([staging_buffer(host_alloc, fmt, "host staging") for _ in range(n_stage)])
+    store = ExpertStore(checkpoint, plan.expert_placement(), fmt, accelerator, fast_budget, cpu_budget, offload_dir)
     cache = ExpertCache(plan.expert_cache_slots, shapes, dtype, fast_alloc,
-                        make_policy(plan.cache_policy, cfg.num_hidden_layers), precision=plan.dtypes["experts"])
-    return PlacedExperts(store, cache, fast_staging, host_staging)
+                        make_policy(plan.cache_policy, cfg.num_hidden_layers), precision=fmt.name)
+    low = None
+    if plan.mixed_precision:
+        low = _place_low(plan, checkpoint, first, accelerator, fast_budget, cpu_budget, offload_dir, store, fast_alloc)
+    return PlacedExperts(store, cache, fast_staging, host_staging, low)
+
+
+def _place_low(plan: Plan, checkpoint, first: int, accelerator, fast_budget, cpu_budget, offload_dir, store,
+               fast_alloc) -> LowPrecision:
+    """Low-precision copies of every expert not resident on the fast tier (in RAM when it is their
+    home and the CPU budget is unlimited, else in offload files), and their cache pool.
+
+    Raises:
+        ConfigError: the low format is not smaller than the high one (low loads share the high
+            staging ring).
+    """
+    from tiered.errors import ConfigError
+    from tiered.planner.placement import CPU, DISK, FAST, ExpertPlacement
+    from tiered.runtime.precision import MixedPrecision
+
+    m = plan.mixed_precision
+    fmt = expert_format(plan.dtypes["experts_low"], checkpoint, first, accelerator)
+    if fmt.nbytes > store.expert_bytes:
+        raise ConfigError(f"low-precision experts ({fmt.name}, {fmt.nbytes} B) must be smaller than the high "
+                          f"ones ({store.fmt.name}, {store.expert_bytes} B)", "use a smaller low format, e.g. int4")
+    tiers = {k: (CPU if t == CPU and cpu_budget.capacity is None and accelerator is not None else DISK)
+             for k, t in store.placement.tiers.items() if t != FAST}
+    low_store = ExpertStore(checkpoint, ExpertPlacement(tiers, 0, fmt.nbytes), fmt, accelerator, fast_budget,
+                            cpu_budget, offload_dir)
+    cache = ExpertCache(plan.expert_cache_slots_low, fmt.slot_shapes, fmt.slot_dtype, fast_alloc,
+                        make_policy(plan.cache_policy, checkpoint.config.num_hidden_layers), precision=fmt.name,
+                        high=False)  # HOBBIT's LHU counts only high-precision uses
+    return LowPrecision(MixedPrecision(m["high"], m["low"], m["t1"], m["t2"]), low_store, cache)

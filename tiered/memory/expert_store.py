@@ -5,6 +5,11 @@ RAM under the RAM budget), CPU-tier experts in host memory (pinned when a GPU ex
 disk-tier experts stay where they are in the checkpoint: they are read on demand with pread
 straight into a cache slot or staging buffer, never mapped or copied whole into RAM. A checkpoint
 whose experts are not stored in the compute dtype gets a converted copy in `offload_dir`.
+
+Experts are kept in the plan's expert format (quant/experts.py ExpertFormat) on every tier: a
+quantized expert is one flat byte buffer, written once into the fast tier, host RAM or an offload
+file, and `read` moves those bytes (never a dequantized copy). GGUF blocks that map exactly onto a
+kernel format are repacked without dequantizing (quant/gguf_experts.py says which do).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from tiered.checkpoint.hf_dir import _check_safetensors_file
 from tiered.errors import ConfigError
 from tiered.hardware.budget import MemoryBudget
 from tiered.planner.placement import CPU, DISK, FAST, ExpertPlacement
+from tiered.quant.experts import ExpertFormat
 
 _TORCH_TO_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -54,22 +60,28 @@ class ExpertStore:
     Args:
         checkpoint: the opened checkpoint.
         placement: home tier of each (layer, expert).
-        dtype: compute dtype of expert weights.
+        fmt: the experts' storage format (an ExpertFormat; a torch dtype means that dense format).
         accelerator: Accelerator or None (then the fast tier is CPU RAM).
         fast_budget: budget of the fast tier when there is no accelerator (CPU RAM).
         cpu_budget: budget of CPU RAM for CPU-tier experts.
         offload_dir: where converted disk-tier experts are written when the checkpoint's format
-            cannot be read directly in `dtype`.
+            cannot be read directly in `fmt` (always, for quantized formats).
     Raises:
         BudgetError: a tier overflows (budgets are checked at each allocation).
         ConfigError: disk-tier experts need conversion but no offload_dir is set.
     """
 
-    def __init__(self, checkpoint, placement: ExpertPlacement, dtype: torch.dtype, accelerator,
+    def __init__(self, checkpoint, placement: ExpertPlacement, fmt: ExpertFormat | torch.dtype, accelerator,
                  fast_budget: MemoryBudget, cpu_budget: MemoryBudget, offload_dir: str | None = None) -> None:
         cfg = checkpoint.config
         self.model_type = cfg.model_type
         self.num_experts = cfg.num_experts
+        self.checkpoint = checkpoint
+        if isinstance(fmt, torch.dtype):
+            shapes = [checkpoint.handle(n).shape for n in expert_tensor_names(cfg.model_type, *next(iter(placement.tiers)))]
+            fmt = ExpertFormat({torch.float32: "fp32", torch.bfloat16: "bf16"}[fmt], shapes)
+        self.fmt = fmt
+        dtype = fmt.slot_dtype
         self.placement, self.dtype, self.accelerator = placement, dtype, accelerator
         self.fast_budget, self.cpu_budget = fast_budget, cpu_budget
         self.handles: dict = {}
@@ -79,30 +91,50 @@ class ExpertStore:
         for key, tier in placement.tiers.items():
             hs = tuple(checkpoint.handle(n) for n in expert_tensor_names(cfg.model_type, *key))
             self.handles[key] = hs
+            if not fmt.is_dense:
+                if tier == FAST:
+                    self.resident[key] = tuple(self._alloc_fast(s, f"resident expert {key}") for s in fmt.slot_shapes)
+                    self._fill_quantized(self.resident[key], key, on_device=accelerator is not None)
+                elif tier == CPU:
+                    self.host[key] = tuple(self._alloc_host(s, f"expert {key}") for s in fmt.slot_shapes)
+                    self._fill_quantized(self.host[key], key, on_device=False)
+                else:
+                    needs_conversion.append(key)
+                continue
             if tier == FAST:
-                self.resident[key] = tuple(self._alloc_fast(h) for h in hs)
+                self.resident[key] = tuple(self._alloc_fast(h.shape, f"resident expert {h.name}") for h in hs)
                 for h, t in zip(hs, self.resident[key]):
                     self._fill(t, h)
             elif tier == CPU:
-                self.host[key] = tuple(self._alloc_host(h) for h in hs)
+                self.host[key] = tuple(self._alloc_host(h.shape, h.name) for h in hs)
                 for h, t in zip(hs, self.host[key]):
                     h.read_into(t)
             elif not all(h.offset is not None and STORED_DTYPES.get(h.format) == dtype for h in hs):
                 needs_conversion.append(key)
         if needs_conversion:
             self._convert(checkpoint, needs_conversion, offload_dir)
-        first = next(iter(self.handles.values()))
-        self.shapes = tuple(tuple(h.shape) for h in first)
-        self.expert_bytes = sum(h.numel for h in first) * torch.empty((), dtype=dtype).element_size()
+        self.shapes = tuple(fmt.slot_shapes)
+        self.expert_bytes = fmt.nbytes
 
-    def _alloc_fast(self, h: TensorHandle) -> torch.Tensor:
+    def _alloc_fast(self, shape, what: str) -> torch.Tensor:
         if self.accelerator is not None:
-            return self.accelerator.alloc(tuple(h.shape), self.dtype, f"resident expert {h.name}")
-        return self.fast_budget.empty(tuple(h.shape), self.dtype, h.name)
+            return self.accelerator.alloc(tuple(shape), self.dtype, what)
+        return self.fast_budget.empty(tuple(shape), self.dtype, what)
 
-    def _alloc_host(self, h: TensorHandle) -> torch.Tensor:
+    def _alloc_host(self, shape, what: str) -> torch.Tensor:
         pin = self.accelerator is not None and not self.accelerator.is_host
-        return self.cpu_budget.empty(tuple(h.shape), self.dtype, h.name, pin=pin)
+        return self.cpu_budget.empty(tuple(shape), self.dtype, what, pin=pin)
+
+    def encode(self, key) -> tuple[torch.Tensor, ...]:
+        """A new host slot holding expert `key` in the store's format, built from the checkpoint
+        (GGUF blocks repacked where exact, else quantized from the dense weights)."""
+        from tiered.quant.gguf_experts import encode_expert
+
+        return encode_expert(self.fmt, self.handles[key])
+
+    def _fill_quantized(self, dst: tuple[torch.Tensor, ...], key, on_device: bool) -> None:
+        for d, s in zip(dst, self.encode(key)):
+            self.accelerator.copy_to_device(d, s) if on_device else d.copy_(s)
 
     def _fill(self, dst: torch.Tensor, h: TensorHandle) -> None:
         if self.accelerator is None:  # the fast tier is RAM: read straight into it
@@ -119,6 +151,8 @@ class ExpertStore:
 
         out = Path(offload_dir)
         out.mkdir(parents=True, exist_ok=True)
+        if not self.fmt.is_dense:
+            return self._convert_quantized(keys, out)
         by_layer: dict[int, list] = {}
         for key in keys:
             by_layer.setdefault(key[0], []).append(key)
@@ -135,6 +169,25 @@ class ExpertStore:
                     new.append(TensorHandle(h.name, h.shape, _TORCH_TO_ST[self.dtype], end - begin, str(path),
                                             h._load, offset=8 + n + begin))
                 self.handles[k] = tuple(new)
+
+    def _convert_quantized(self, keys, out: Path) -> None:
+        """Write disk-tier experts as flat format buffers (one uint8 tensor per expert, one
+        safetensors file per layer); `read` then preads each expert's bytes into a slot."""
+        from safetensors.torch import save_file
+
+        tag = self.fmt.name.replace(",", "-")
+        by_layer: dict[int, list] = {}
+        for key in keys:
+            by_layer.setdefault(key[0], []).append(key)
+        for layer, ks in by_layer.items():
+            path = out / f"experts-layer{layer:03d}-{tag}-{self.fmt.int4_layout}.safetensors"
+            save_file({f"expert.{e}": self.encode((l, e))[0] for l, e in ks}, str(path))
+            header, n = _check_safetensors_file(path)
+            for l, e in ks:
+                name = f"expert.{e}"
+                begin, end = header[name]["data_offsets"]
+                self.handles[(l, e)] = (TensorHandle(f"layer {l} {name}", (end - begin,), "U8", end - begin, str(path),
+                                                     lambda: None, offset=8 + n + begin),)
 
     def tier(self, key) -> str:
         return self.placement.tiers[key]

@@ -105,8 +105,16 @@ def rotary_bytes(cfg: ModelConfig, max_positions: int) -> int:
 
 
 def expert_bytes(cfg: ModelConfig, fmt: str) -> int:
-    """Bytes of one routed expert (gate, up [F, D] and down [D, F]) in format `fmt`."""
-    return int(3 * cfg.hidden_size * cfg.moe_intermediate_size * bytes_per_element(fmt))
+    """Bytes of one routed expert (gate, up [F, D] and down [D, F]) in expert format `fmt`: the
+    exact slot size of quant/experts.ExpertFormat (quantized formats count their scales, zeros and
+    64-byte segment alignment; projections the format cannot hold are counted as it falls back)."""
+    from tiered.quant.experts import ExpertFormat, fit_format
+
+    D, F = cfg.hidden_size, cfg.moe_intermediate_size
+    if fmt in _FORMAT_TORCH:
+        return int(3 * D * F * bytes_per_element(fmt))
+    shapes = ((F, D), (F, D), (D, F))
+    return ExpertFormat(fit_format(fmt, shapes), shapes).nbytes
 
 
 def ffn_bytes(cfg: ModelConfig, fmt: str) -> int:

@@ -110,7 +110,8 @@ def standin_profile(cpu: HardwareProfile, link_bandwidth: float | None) -> Hardw
 
 def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
                 decode_format: str, decode_precision: str, popularity=None,
-                progress: Callable[[str], None] | None = None) -> tuple[Plan, HardwareProfile | None]:
+                progress: Callable[[str], None] | None = None,
+                experts_format: str | None = None) -> tuple[Plan, HardwareProfile | None]:
     """The Plan an LLM applies, per EngineConfig.plan: "auto" plans now (latency goal), "off" writes
     the runtime's plain rules into a Plan (planner/rules.py), a path replays a saved plan as is.
 
@@ -123,6 +124,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
         ec: the EngineConfig.
         accelerator: the engine's Accelerator (None = CPU only: the plan is CPU + disk).
         weights_format: format of the loaded weights ("fp32" / "bf16").
+        experts_format: storage format of routed experts (quant/experts.py names; None = weights_format).
         decode_format: EngineConfig.decode_weights when decode copies are installed, else "none".
         decode_precision: the format most decode-copy bytes have ("int4", "int8", "bf16", "fp32").
         popularity: float [L, E] tokens routed per expert, or None.
@@ -136,7 +138,8 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
         return Plan.load(ec.plan), None
     plan, profile = _auto_or_rules(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
                                    weights_format=weights_format, decode_format=decode_format,
-                                   decode_precision=decode_precision, popularity=popularity, progress=progress)
+                                   decode_precision=decode_precision, popularity=popularity, progress=progress,
+                                   experts_format=experts_format)
     plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
     # a model wholly on a real GPU decodes through captured CUDA graphs: nothing in its step syncs
     plan.decode_graphs = (accelerator is not None and not accelerator.is_host and not cfg.is_moe
@@ -155,13 +158,14 @@ def one_copy(ec, accelerator, decode_format: str) -> bool:
 
 def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
                    decode_format: str, decode_precision: str, popularity=None,
-                   progress: Callable[[str], None] | None = None) -> tuple[Plan, HardwareProfile | None]:
+                   progress: Callable[[str], None] | None = None,
+                   experts_format: str | None = None) -> tuple[Plan, HardwareProfile | None]:
     """engine_plan's "auto" (the planner) and "off" (the runtime's rules) cases."""
     gpu = accelerator.budget.capacity if accelerator is not None else None
     if ec.plan == "off":
         from tiered.planner.rules import rules_plan
         plan = rules_plan(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
-                          weights_format=weights_format, popularity=popularity)
+                          weights_format=weights_format, popularity=popularity, experts_format=experts_format)
         plan.dtypes["decode"] = decode_format
         return plan, None
     profile = engine_profile(ec.profile, accelerator, progress=progress)
@@ -176,7 +180,8 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                      context_tokens=max_context, popularity=popularity, expert_cache_slots=ec.expert_cache_slots,
                      max_resident=ec.resident_experts, cache_policy=ec.cache_policy,
                      dispatch_mode=ec.force_expert_path or "balanced", staging_buffers=ec.staging_buffers,
-                     read_ahead=ec.read_ahead, dense_copies=not one_copy(ec, accelerator, decode_format))
+                     read_ahead=ec.read_ahead, dense_copies=not one_copy(ec, accelerator, decode_format),
+                     experts_format=experts_format)
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     return plan, profile

@@ -74,13 +74,15 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     from tiered.planner.fiddler import ExpertLatency, ExpertShape
     from tiered.runtime.dispatcher import CPU, split_misses
 
-    fmt, efmt = plan.dtypes["weights"], plan.dtypes["experts"]
+    from tiered.quant.experts import pricing_precision
+
+    fmt, efmt = plan.dtypes["weights"], pricing_precision(plan.dtypes["experts"])
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     ctx = plan.prompt_tokens + plan.gen_tokens
     non_expert = sizes.weight_bytes(cfg, fmt, sizes.is_expert_param) + sizes.rotary_bytes(cfg, plan.context_tokens)
     kv = sizes.kv_cache_bytes(cfg, 1, plan.context_tokens, plan.dtypes["kv_cache"])
-    eb = sizes.expert_bytes(cfg, efmt)
+    eb = sizes.expert_bytes(cfg, plan.dtypes["experts"])
     staging = plan.staging_buffers * eb
     fixed = non_expert + kv + staging + plan.workspace_bytes
     if fixed > gpu:

@@ -27,7 +27,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               popularity=None, expert_cache_slots: int | None = None, max_resident: int | None = None,
               cache_policy: str = "lru", dispatch_mode: str = "balanced", staging_buffers: int = 2,
               read_ahead: bool = True, extra_cpu_bytes: int = 0, workspace: int | None = None,
-              dense_copies: bool = True) -> Plan:
+              dense_copies: bool = True, experts_format: str | None = None) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -43,6 +43,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         expert_cache_slots, max_resident: fixed by the user (None = the planner chooses).
         cache_policy, dispatch_mode, staging_buffers, read_ahead: runtime settings the plan
             records and prices (dispatch_mode "copy" / "cpu" forces every miss one way).
+        experts_format: storage format of routed experts ("bf16", "int8", "int4", ... see
+            quant/experts.py); None = the weights format. Expert bytes on every tier follow it.
         extra_cpu_bytes: RAM the engine holds beyond weights and KV cache (CPU-only plans).
         workspace: GPU bytes kept for activations (None = memory/sizes.workspace_bytes).
         dense_copies: Plan.dense_copies; False (the CPU's one-copy mode) counts and prices the
@@ -62,7 +64,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan = Plan(model_name or cfg.model_type, goal, profile.name, gpu, cpu, prompt_tokens, gen_tokens, precision)
     plan.context_tokens = context_tokens or prompt_tokens + gen_tokens
     fmt = weights_format or precision
-    plan.dtypes = {"weights": fmt, "experts": fmt, "kv_cache": "fp32" if fmt == "fp32" else "bf16", "decode": precision}
+    plan.dtypes = {"weights": fmt, "experts": experts_format or fmt, "kv_cache": "fp32" if fmt == "fp32" else "bf16", "decode": precision}
     plan.cache_policy, plan.dispatch_mode = cache_policy, dispatch_mode
     plan.staging_buffers, plan.read_ahead = staging_buffers, read_ahead
     plan.dense_copies = dense_copies

@@ -59,6 +59,13 @@ class Plan:
                                              "experts", "kv_cache", "decode" (decode-copy format,
                                              "none" = no copies); decode_threshold: steps of at
                                              most this many rows use the decode copies
+        mixed_precision, expert_cache_slots_low
+                                             HOBBIT mixed precision (ALGORITHMS.md §3): None, or
+                                             {"high", "low", "t1", "t2"}: each offloaded expert
+                                             also has a dtypes["experts_low"] copy on its slow
+                                             tier; a miss loads high / low / nothing by the
+                                             token's unimportance score; low copies are cached in
+                                             their own pool of expert_cache_slots_low slots
         context_tokens                       KV-cache positions reserved for one sequence
         cpu_threads                          torch intra-op threads for CPU compute (0 = leave as is)
         staging_buffers, read_ahead          expert staging ring size; issue a layer's reads at once
@@ -112,6 +119,8 @@ class Plan:
     decode_graphs: bool = False
     cpu_decode_step: bool = False
     dense_copies: bool = True
+    mixed_precision: dict | None = None
+    expert_cache_slots_low: int = 0
     source: str = "planner"
 
     def summary(self, measured_tokens_per_s: float | None = None) -> str:
@@ -223,6 +232,11 @@ class Plan:
             out.append(f"expert cache: {self.expert_cache_slots} slots ({self.cache_policy}) on the {self.fast_tier} "
                        "for experts that are not resident"
                        + (f"; prefetch {self.prefetch_lookahead} MoE layers ahead" if self.prefetch else ""))
+        if self.mixed_precision:
+            m = self.mixed_precision
+            out.append(f"mixed precision (HOBBIT): misses load {m['high']} when the unimportance score <= T1={m['t1']}, "
+                       f"{m['low']} up to T2={m['t2']}, else skip; top-1 always {m['high']}; "
+                       f"{self.expert_cache_slots_low} low-precision cache slots")
         if self.dtypes:
             out.append("formats: " + ", ".join(f"{k} {v}" for k, v in self.dtypes.items())
                        + (f"; {self.cpu_threads} CPU threads" if self.cpu_threads else ""))

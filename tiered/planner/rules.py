@@ -26,7 +26,7 @@ from tiered.planner.plan import LayerPlan, Plan
 
 
 def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
-               popularity=None) -> Plan:
+               popularity=None, experts_format: str | None = None) -> Plan:
     """The plain-rules Plan for `cfg` under EngineConfig `ec` on `accelerator` (None = CPU only).
 
     Raises:
@@ -40,7 +40,7 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
     plan = Plan(model_name, "latency", "none", accelerator.budget.capacity if accelerator else None,
                 ec.cpu_memory, 0, 0, weights_format, fast_tier=tier, kv_cache_tier=tier, attention_tier=tier,
                 context_tokens=max_context, source="rules")
-    plan.dtypes = {"weights": weights_format, "experts": weights_format,
+    plan.dtypes = {"weights": weights_format, "experts": experts_format or weights_format,
                    "kv_cache": "fp32" if weights_format == "fp32" else "bf16"}
     plan.cache_policy, plan.dispatch_mode = ec.cache_policy, ec.force_expert_path or "per-expert"
     plan.staging_buffers, plan.read_ahead = ec.staging_buffers, ec.read_ahead
@@ -59,7 +59,7 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
         plan.memory = {tier: need}
         plan.binding = "runtime rules: every weight on the fast tier"
         return plan
-    eb = sizes.expert_bytes(cfg, weights_format)
+    eb = sizes.expert_bytes(cfg, plan.dtypes["experts"])
     staging = ec.staging_buffers * eb
     fixed = sizes.weight_bytes(cfg, weights_format, sizes.is_expert_param) + kv + staging
     free = float("inf") if fast_cap is None else fast_cap - fixed

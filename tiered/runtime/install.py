@@ -36,6 +36,8 @@ class Runtime:
             if self.experts.prefetcher is not None:
                 self.experts.prefetcher.new_sequence()
             self.experts.cache.new_sequence()
+            if self.experts.low is not None:  # HOBBIT: both precision pools reset their usage per sequence
+                self.experts.low.cache.new_sequence()
 
 
 def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | None = None, sliced_weights=None,

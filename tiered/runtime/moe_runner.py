@@ -18,6 +18,12 @@ no wait. Activations cross to the host only when some expert takes the CPU path,
 waits for the whole device: copies wait, on the device, for an event recorded after the router.
 With `read_ahead`, every missing expert's read is issued at once and each expert computes as soon
 as its weights land; without it, read -> compute -> read ... in turn.
+
+Experts compute from their stored format (quant/experts.ExpertFormat: bf16, int8 or int4 kernels).
+With mixed precision (HOBBIT, ALGORITHMS.md §3; placed.low set), a miss first gets a precision from
+the token's router weights (runtime/precision.py: high, low or skip); a low-precision need is met
+by a hit in the low pool, else the low copy is loaded (fewer bytes) into the low pool; a skipped
+expert's term is dropped. Resident and high-cache experts always serve at high precision.
 """
 
 from __future__ import annotations
@@ -25,14 +31,30 @@ from __future__ import annotations
 import time
 from collections import Counter
 from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from tiered.memory.apply import PlacedExperts, StagingPool
-from tiered.models.moe import expert_forward
 from tiered.planner.placement import DISK
 from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, LatencyModel, split_misses
 from tiered.runtime.executor import Executor
+from tiered.runtime.precision import HIGH, NAMES, SKIP
+
+
+@dataclass
+class _Side:
+    """One precision's copies: its format, home store, fast-tier cache and view of a staging buffer."""
+
+    fmt: object  # quant/experts.ExpertFormat
+    store: object  # memory/expert_store.ExpertStore
+    cache: object  # memory/expert_cache.ExpertCache
+    view: Callable
+
+
+def _same(buffers):
+    return buffers
 
 
 class TieredExperts:
@@ -49,7 +71,8 @@ class TieredExperts:
         path_counts: Counter of paths over all dispatched experts; bytes_read: disk bytes read;
         bytes_h2d: bytes copied to the accelerator; resident_hits: uses of fast-resident experts
         (the cache's own stats count only its slots); host_syncs: layers whose activations crossed
-        to the host for CPU experts.
+        to the host for CPU experts; precision_counts (mixed precision): misses loaded "high" or
+        "low", "skip"ped, and low needs met by a "low hit" in the low pool.
     """
 
     def __init__(self, placed: PlacedExperts, executor: Executor, latency: LatencyModel | None, accelerator,
@@ -66,6 +89,12 @@ class TieredExperts:
         self._pinned: set = set()
         self.prefetcher = None
         self.num_experts = placed.store.num_experts
+        self.fmt = placed.store.fmt  # computes an expert from its stored (maybe quantized) form
+        self.high = _Side(placed.store.fmt, placed.store, placed.cache, _same)
+        low = placed.low
+        self.low = None if low is None else _Side(low.store.fmt, low.store, low.cache, low.view)
+        self.mixed = None if low is None else low.mixed
+        self.precision_counts: Counter = Counter()  # misses by precision: high / low loads, skips; low hits
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                  block) -> torch.Tensor:
@@ -74,7 +103,11 @@ class TieredExperts:
         flat = topk_idx.flatten()  # (N*k,)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
         t_sync = time.perf_counter()
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
+        counts_t = torch.bincount(flat, minlength=self.num_experts)  # (E,)
+        if self.mixed is None:
+            counts, needs = counts_t.tolist(), None  # the one host sync
+        else:  # HOBBIT Eq. 2 per slot -> highest precision per expert, in the same sync
+            counts, needs = torch.stack([counts_t, self.mixed.expert_needs(topk_idx, topk_weight, self.num_experts)]).tolist()
         self.executor.record(f"host sync L{layer_idx}", "main", t_sync, time.perf_counter(), layer=layer_idx)
         tok_all, slot_all = order // k, order % k  # (N*k,) token row and top-k slot of each entry
         groups, start = {}, 0
@@ -85,10 +118,15 @@ class TieredExperts:
         keys = {e: (layer_idx, e) for e in groups}
         self._pinned = set(keys.values())
         self.cache.begin_layer(layer_idx, x.shape[0])
+        if self.low is not None:
+            self.low.cache.begin_layer(layer_idx, x.shape[0])
         if self.prefetcher is not None:
             self.prefetcher.on_layer(layer_idx, x, list(groups), self._pinned)
         on_fast = {e: self._weights_on_fast(keys[e]) for e in groups}
         misses = [e for e in groups if on_fast[e] is None]
+        side = {e: self.high for e in groups}
+        if needs is not None:
+            misses = self._choose_precision(misses, needs, keys, on_fast, side, groups)
         if self.accelerator is None:
             paths = {e: "disk" for e in misses}
         else:
@@ -96,8 +134,8 @@ class TieredExperts:
             paths = dict(zip(misses, chosen))
         if self.read_ahead:
             for e in misses:
-                if self.store.tier(keys[e]) == DISK:
-                    self.store.advise(keys[e])
+                if side[e].store.tier(keys[e]) == DISK:
+                    side[e].store.advise(keys[e])
         host = None
         if any(p == CPU for p in paths.values()):  # activations and token rows cross once per layer
             t_d2h = time.perf_counter()
@@ -115,10 +153,11 @@ class TieredExperts:
             tok = tok_all[a:b]
             if on_fast[e] is not None:
                 self.path_counts[RESIDENT] += 1
-                results[e] = self._on_fast(keys[e], on_fast[e], x, tok, ready)
+                results[e] = self._on_fast(keys[e], on_fast[e], x, tok, ready, side[e])
             else:
                 self.path_counts[paths[e]] += 1
-                results[e] = self._miss(keys[e], paths[e], x, tok, host and host[1][a:b], host and host[0], ready)
+                results[e] = self._miss(keys[e], paths[e], x, tok, host and host[1][a:b], host and host[0], ready,
+                                        side[e])
             if not self.read_ahead:
                 results[e].result()
         try:
@@ -135,6 +174,28 @@ class TieredExperts:
                 y = self.accelerator.to_device(y)
             out.index_add_(0, tok, y * topk_weight[tok, slot_all[a:b], None].to(y.dtype))
         self.executor.record(f"moe layer {layer_idx}", "main", t_layer, time.perf_counter(), layer=layer_idx)
+        return out
+
+    def _choose_precision(self, misses, needs, keys, on_fast, side, groups) -> list[int]:
+        """HOBBIT's Dynamic Expert Loader for this layer's misses: a low-pool hit serves a low need,
+        a skipped expert leaves `groups` (its term is dropped), the others load at their need.
+        Returns the experts still to load; fills `on_fast` (low hits) and `side` (low loads)."""
+        out = []
+        for e in misses:
+            need, key = needs[e], keys[e]
+            if need != HIGH and key in self.low.store.handles:
+                w = self.low.cache.lookup(key)
+                if w is not None:
+                    on_fast[e], side[e] = w, self.low
+                    self.precision_counts["low hit"] += 1
+                    continue
+            self.precision_counts[NAMES[need]] += 1
+            if need == SKIP:
+                del groups[e]
+                continue
+            if need != HIGH:
+                side[e] = self.low
+            out.append(e)
         return out
 
     def _weights_on_fast(self, key):
@@ -161,46 +222,49 @@ class TieredExperts:
         no wait), or computed here on the CPU when the fast tier is RAM."""
         return "launch" if self.accelerator is not None else "cpu"
 
-    def _on_fast(self, key, w, x, tok, ready) -> Future:
+    def _on_fast(self, key, w, x, tok, ready, side: _Side) -> Future:
         layer, e = key
         deps = self.prefetcher.loading(key) if self.prefetcher is not None else ()  # a prefetch still landing
-        return self.executor.submit(self._compute_stream(), lambda: expert_forward(x[tok], *w), deps=deps,
+        return self.executor.submit(self._compute_stream(), lambda: side.fmt.forward(x[tok], w), deps=deps,
                                     name=f"expert L{layer}E{e}", layer=layer, expert=e)
 
-    def _read(self, key, into, deps) -> Future:
+    def _read(self, key, into, deps, side: _Side) -> Future:
         layer, e = key
-        self.bytes_read += self.store.expert_bytes
-        return self.executor.submit("disk", lambda: self.store.read(key, into), deps=deps, name=f"read L{layer}E{e}",
-                                    nbytes=self.store.expert_bytes, layer=layer, expert=e)
+        store = side.store
+        self.bytes_read += store.expert_bytes
+        return self.executor.submit("disk", lambda: store.read(key, into), deps=deps, name=f"read L{layer}E{e}",
+                                    nbytes=store.expert_bytes, layer=layer, expert=e)
 
-    def _miss(self, key, path: str, x, tok, tok_host, x_host, ready) -> Future:
+    def _miss(self, key, path: str, x, tok, tok_host, x_host, ready, side: _Side) -> Future:
         ex, (layer, e) = self.executor, key
-        on_disk = self.store.tier(key) == DISK
+        store, fmt = side.store, side.fmt
+        on_disk = store.tier(key) == DISK
         if self.accelerator is None:  # fast tier is RAM: read from disk into a slot, compute on the CPU
-            slot, dep, idx = self._slot_or_staging(key, self.fast_staging)
-            read = self._read(key, slot, [dep] if dep else [])
-            fut = ex.submit("cpu", lambda: expert_forward(x[tok], *slot), deps=[read], name=f"expert L{layer}E{e}",
+            slot, dep, idx = self._slot_or_staging(key, self.fast_staging, side)
+            read = self._read(key, slot, [dep] if dep else [], side)
+            fut = ex.submit("cpu", lambda: fmt.forward(x[tok], slot), deps=[read], name=f"expert L{layer}E{e}",
                             layer=layer, expert=e)
             if idx is not None:
                 self.fast_staging.release_after(idx, fut)
             return fut
-        deps, host_w, host_idx = [], self.store.host.get(key), None
+        deps, host_w, host_idx = [], store.host.get(key), None
         if on_disk:
-            host_w, dep, host_idx = self.host_staging.take()
-            deps = [self._read(key, host_w, [dep] if dep else [])]
+            buf, dep, host_idx = self.host_staging.take()
+            host_w = side.view(buf)
+            deps = [self._read(key, host_w, [dep] if dep else [], side)]
         if path == CPU:
-            fut = ex.submit("cpu", lambda: expert_forward(x_host[tok_host], *host_w), deps=deps,
+            fut = ex.submit("cpu", lambda: fmt.forward(x_host[tok_host], host_w), deps=deps,
                             name=f"cpu expert L{layer}E{e}", layer=layer, expert=e)
         else:
             assert path == COPY
-            slot, dep, idx = self._slot_or_staging(key, self.fast_staging)
+            slot, dep, idx = self._slot_or_staging(key, self.fast_staging, side)
             # the copy waits (on the device) for all work issued before this layer: an evicted slot
             # may still be read by a kernel launched for an earlier layer
             copy = ex.submit("copy", lambda: [self.accelerator.copy_to_device(d, s) for d, s in zip(slot, host_w)],
                              deps=deps + ([dep] if dep else []), name=f"h2d L{layer}E{e}",
-                             nbytes=self.store.expert_bytes, layer=layer, expert=e, after_event=ready)
-            self.bytes_h2d += self.store.expert_bytes
-            fut = ex.submit("launch", lambda: expert_forward(x[tok], *slot), deps=[copy],
+                             nbytes=store.expert_bytes, layer=layer, expert=e, after_event=ready)
+            self.bytes_h2d += store.expert_bytes
+            fut = ex.submit("launch", lambda: fmt.forward(x[tok], slot), deps=[copy],
                             name=f"expert L{layer}E{e}", layer=layer, expert=e)
             if idx is not None:
                 self.fast_staging.release_after(idx, fut)
@@ -208,12 +272,14 @@ class TieredExperts:
             self.host_staging.release_after(host_idx, fut)
         return fut
 
-    def _slot_or_staging(self, key, staging: StagingPool):
-        """A cache slot for `key`, or a staging buffer (with the future it must wait for) when none is free."""
-        slot = self.cache.claim(key, pinned=self._pinned)
+    def _slot_or_staging(self, key, staging: StagingPool, side: _Side):
+        """A slot of `side`'s cache for `key`, or a staging buffer (viewed for `side`, with the future
+        it must wait for) when none is free."""
+        slot = side.cache.claim(key, pinned=self._pinned)
         if slot is not None:
             return slot, None, None
-        return staging.take()
+        buf, dep, idx = staging.take()
+        return side.view(buf), dep, idx
 
 
 def _drain(futures) -> None:

@@ -1,0 +1,186 @@
+"""Quantized experts (quant/experts.py, quant/gguf_experts.py): kernels against their dequantized
+reference, GGUF MoE files in each block type against the transformers model with the same
+dequantized weights, and the bytes an int4 expert saves on every tier."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gguf_writer import dequantized_moe_model, quantize_q4_k, quantize_q6_k, write_moe_gguf  # noqa: E402
+from moe_fixtures import build_hf_moe_model  # noqa: E402
+
+from tiered import LLM, EngineConfig, SamplingParams  # noqa: E402
+from tiered.errors import ConfigError  # noqa: E402
+from tiered.memory import sizes  # noqa: E402
+from tiered.quant.experts import ExpertFormat, fit_format, pricing_precision  # noqa: E402
+from tiered.quant.gguf_experts import unpack_q4k_blocks, unpack_q8_blocks  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPT = torch.randint(2, 256, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def _weights(F=48, D=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [0.1 * torch.randn(F, D, generator=g), 0.1 * torch.randn(F, D, generator=g), 0.1 * torch.randn(D, F, generator=g)]
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8", "int8-g32", "int4", "int4,int4,int8"])
+@pytest.mark.parametrize("layout", ["cpu", "plain"])
+def test_expert_kernels_match_their_dequantized_weights(name, layout):
+    """Each format's kernel path gives the SwiGLU of its own dequantized weights (bf16 activations
+    bound the difference), and those weights are near the originals."""
+    ws = _weights(F=64)
+    fmt = ExpertFormat(name, [w.shape for w in ws], layout)
+    slot = fmt.empty()
+    fmt.quantize(ws, slot)
+    assert [tuple(t.shape) for t in slot] == [tuple(s) for s in fmt.slot_shapes]
+    assert sum(t.numel() * t.element_size() for t in slot) == fmt.nbytes
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    deq = fmt.dequantize(slot)
+    ref = ExpertFormat("fp32", fmt.shapes).forward(x, deq)
+    y = fmt.forward(x, slot)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert (y - ref).abs().max() <= 0.02 * ref.abs().max()
+    tol = {"bf16": 0.01, "int8": 0.01, "int8-g32": 0.01}.get(name, 0.1)
+    for w, d in zip(ws, deq):
+        assert (w - d).abs().max() <= tol * w.abs().max()
+
+
+def test_cpu_and_plain_int4_layouts_hold_the_same_weights():
+    ws = _weights(F=64)
+    a, b = (ExpertFormat("int4", [w.shape for w in ws], lay) for lay in ("cpu", "plain"))
+    sa, sb = a.empty(), b.empty()
+    a.quantize(ws, sa)
+    b.quantize(ws, sb)
+    for wa, wb in zip(a.dequantize(sa), b.dequantize(sb)):
+        torch.testing.assert_close(wa, wb, rtol=2**-8, atol=1e-6)  # the kernel decodes to bf16
+
+
+def test_int4_is_smaller_and_formats_fit_odd_shapes():
+    shapes = [(48, 64), (48, 64), (64, 48)]  # Mixtral fixture: down's 48 inputs are not a 32-group multiple
+    assert fit_format("int4", shapes) == "int4,int4,int8"
+    assert ExpertFormat("int4,int4,int8", shapes).nbytes < ExpertFormat("bf16", shapes).nbytes / 2.2
+    square = [(256, 256)] * 3  # int4: 0.5 B codes + bf16 scale, zero and zero residual per 32 = 0.6875 B
+    assert ExpertFormat("int4", square).nbytes == 3 * 256 * 256 * 0.6875 == sizes.expert_bytes(
+        type("C", (), dict(hidden_size=256, moe_intermediate_size=256))(), "int4")
+    assert pricing_precision("int4,int4,int8") == "int8" and pricing_precision("int8-g32") == "int8"
+    with pytest.raises(ConfigError, match="divisible by 32"):
+        ExpertFormat("int4", shapes)
+    with pytest.raises(ConfigError, match="unknown expert format"):
+        ExpertFormat("int3", shapes)
+
+
+def test_gguf_block_unpacking_is_exact():
+    """Q8_0 and Q4_K blocks become (codes, scales, zeros) that reproduce gguf's dequantization."""
+    from gguf.quants import quantize
+
+    w = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
+    q, d = unpack_q8_blocks(quantize(w, Q.Q8_0))
+    ref = dequantize(quantize(w, Q.Q8_0), Q.Q8_0).reshape(w.shape)
+    np.testing.assert_array_equal((q.float().reshape(4, -1, 32) * d.float()[..., None]).reshape(4, -1).numpy(), ref)
+    blocks = quantize_q4_k(w)
+    codes, scale, zero = unpack_q4k_blocks(blocks)
+    mine = ((codes.float() - 8).reshape(4, -1, 32) * scale[..., None] + zero[..., None]).reshape(4, -1)
+    np.testing.assert_allclose(mine.numpy(), dequantize(blocks, Q.Q4_K).reshape(w.shape), atol=1e-6)
+    for qt, f, half_step in ((Q.Q4_K, quantize_q4_k, 1 / 30), (Q.Q6_K, quantize_q6_k, 1 / 62)):
+        r = dequantize(f(w), qt).reshape(w.shape)  # the tests' block writers are read back by gguf
+        assert np.abs(r - w).max() <= 1.05 * half_step * (w.max() - min(w.min(), 0))
+
+
+def _greedy_reference(model, qtype):
+    ref = dequantized_moe_model(model, qtype)
+    with torch.no_grad():
+        return ref.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False)[0, 16:].tolist()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_moe_gguf_keeps_experts_quantized_with_reference_tokens(kind, qtype, tmp_path):
+    model = build_hf_moe_model(kind)
+    path = write_moe_gguf(model, tmp_path / f"{kind}.gguf", qtype)
+    llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none"))
+    kept = {Q.Q8_0: "int8-g32", Q.Q4_0: "int4", Q.Q4_1: "int4"}[qtype]
+    assert llm.plan.dtypes["experts"].split(",")[0] == kept  # Mixtral's down (48 wide) is written F16
+    assert llm.experts.store.expert_bytes == sizes.expert_bytes(llm.config, llm.plan.dtypes["experts"])
+    assert llm.generate(PROMPT, GREEDY)[0].token_ids == _greedy_reference(model, qtype)
+    llm.close()
+
+
+WIDE = dict(hidden_size=256, intermediate_size=512, num_local_experts=16)  # K-quant super-blocks are 256 wide
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
+def test_quantized_moe_gguf_runs_under_a_budget_smaller_than_the_file(qtype, tmp_path):
+    """A 16-expert Mixtral GGUF runs with RAM for less than half its bytes (experts read from the
+    offload files as stored bytes) and gives the dequantized reference's greedy tokens."""
+    model = build_hf_moe_model("mixtral", **WIDE)
+    path = write_moe_gguf(model, tmp_path / "wide.gguf", qtype)
+    budget = path.stat().st_size // 2
+    llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", cpu_memory=budget,
+                                 offload_dir=str(tmp_path / "off")))
+    assert llm.experts.placement.count("disk") > 0
+    out = llm.generate(PROMPT, GREEDY)[0].token_ids
+    assert llm.experts.bytes_read > 0 and llm.cpu_budget.peak <= budget
+    assert any("experts stored as" in n for n in llm.plan.notes)
+    if qtype == Q.Q6_K:
+        assert any("re-quantized on load: Q6_K -> int8-g32" in n for n in llm.plan.notes)
+    assert out == _greedy_reference(model, qtype)
+    llm.close()
+
+
+def test_int4_experts_move_fewer_bytes_per_token(tmp_path):
+    """Same RAM cache (slots), experts on disk: int4 reads ~3x fewer bytes per token than bf16."""
+    from moe_fixtures import make_moe_checkpoint
+
+    ckpt = make_moe_checkpoint("qwen3_moe", tmp_path / "m")
+    read = {}
+    for fmt in ("bf16", "int4"):
+        llm = LLM(ckpt, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", plan="off",
+                                     expert_weights=fmt, expert_cache_slots=2, resident_experts=0,
+                                     offload_dir=str(tmp_path / fmt)))
+        out = llm.generate(PROMPT, GREEDY)[0]
+        read[fmt] = llm.experts.bytes_read / len(out.token_ids)
+        assert llm.experts.store.expert_bytes == sizes.expert_bytes(llm.config, fmt)
+        llm.close()
+    assert read["int4"] * 2.5 < read["bf16"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["bf16", "int8", "int8-g32", "int4"])
+def test_expert_kernels_on_cuda(name):
+    """The portable int4 layout through tinygemm (or the fallback), int8 through torch's kernel, on
+    the device, against the same format's dequantized weights."""
+    ws = _weights(F=64, D=128)
+    fmt = ExpertFormat(name, [w.shape for w in ws], "plain")
+    slot = fmt.empty()
+    fmt.quantize(ws, slot)
+    dev = tuple(t.cuda() for t in slot)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    y = fmt.forward(x.cuda(), dev).float().cpu()
+    ref = ExpertFormat("fp32", fmt.shapes).forward(x.float(), fmt.dequantize(slot))
+    assert (y - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
+def test_run_options_map_to_the_engine_config():
+    from tiered.cli import _engine_config
+
+    common = dict(dtype="auto", decode_weights="auto", max_context=None, threads=None, gpu_mem=None, cpu_mem=None,
+                  offload_dir=None, accelerator="none", cache_slots=None, cache_policy="lru", expert_profile=None,
+                  read_ahead=True, trace=False, plan="auto", profile_file=None)
+    ec = _engine_config(**common, weights="int4", low_weights=None)
+    assert ec.expert_weights == "int4" and ec.decode_weights == "int4"
+    ec = _engine_config(**common, weights="bf16", low_weights="int4", mixed_thresholds="0.5,0.8")
+    assert (ec.expert_weights, ec.expert_low_weights, ec.mixed_thresholds) == ("bf16", "int4", (0.5, 0.8))
+    with pytest.raises(ConfigError, match="mixed-thresholds"):
+        _engine_config(**common, mixed_thresholds="0.5")
+    with pytest.raises(ConfigError, match="expert_weights"):
+        EngineConfig(expert_weights="int3")

@@ -1,0 +1,337 @@
+# F = expert intermediate, D = hidden, n = tokens routed to the expert, G = groups per row
+"""Expert weight formats: one routed SwiGLU expert (gate, up [F, D]; down [D, F]) stored as a flat
+byte buffer in bf16 / fp32, int8 (per-row or group-32 scales) or int4 (group 32), and computed
+directly from that form.
+
+An `ExpertFormat` is the contract every tier shares: a quantized expert is ONE contiguous uint8
+tensor of `nbytes` (segments 64-byte aligned), so the disk store can pread it into a preallocated
+slot, the cache can hold it in fixed slots and an H2D copy moves it as is. Dense formats keep the
+three weight tensors as before (`slot_shapes` gives the tensors of either kind).
+
+Projection kinds (what each of gate / up / down is stored as):
+
+    kind      segments (per projection [N, K])                       bytes/weight  CPU kernel
+    bf16      w bf16 [N, K]                                          2             F.linear
+    int8      q int8 [N, K], scale bf16 [N]       (w = q * s)        1 + 2/K       aten._weight_int8pack_mm
+    int8-g32  q int8 [N, K], scale fp16 [N, K/32] (w = q * s_g)      1.0625        dequantize-then-matmul
+    int4      codes 4 bit [N, K/2] u8, scale+zero bf16 [K/32, N, 2], 0.6875        aten._weight_int4pack_mm_for_cpu
+              zero residual bf16 [K/32, N]                                         + a [n, K/32] x [K/32, N] GEMM
+              (w = (q - 8) * s_g + z_g, FlexGen-style group-wise asymmetric, ALGORITHMS.md §4)
+
+The int4 kernels take the zero in bf16; rounding it shifts all 32 weights of a group the same way
+(|z| ~ 8 s, so up to s/64 each, a bias that adds up in a dot product). The residual z - bf16(z) is
+kept too and added as group sums of x times the residual: the zero is then good to ~2^-16, and the
+only rounding left is the scale's (multiplicative, up to |q - 8| * s * 2^-9). GGUF Q4_1/Q4_K zeros
+(m + 8d, 8*d*sc - dmin*m) survive that way.
+
+int4 has two code layouts: "cpu" is torch's packed layout for `_weight_int4pack_mm_for_cpu`
+(computed from as stored: used whenever the experts are computed on the host), "plain" is two
+codes per byte, even column in the low nibble (portable: a CUDA device converts it with
+`aten._convert_weight_to_int4pack` after the copy; the CPU converts it per call). On CUDA, int8
+per-row uses `_weight_int8pack_mm` when this torch build has it; every other case, and any kernel
+that refuses its shapes, falls back to dequantize-then-matmul in the activation dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from tiered.errors import ConfigError
+from tiered.quant.int4 import GROUP
+
+KINDS = ("fp32", "bf16", "int8", "int8-g32", "int4")
+DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ALIGN = 64  # bytes: every segment starts on a cache line (and any dtype's alignment)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _segments(kind: str, N: int, K: int) -> list[tuple[str, tuple, torch.dtype]]:
+    """(field, shape, dtype) of one [N, K] projection stored as `kind`."""
+    if kind in DENSE:
+        return [("w", (N, K), DENSE[kind])]
+    if kind == "int8":
+        return [("q", (N, K), torch.int8), ("scale", (N,), torch.bfloat16)]
+    if kind == "int8-g32":
+        return [("q", (N, K), torch.int8), ("scale", (N, K // GROUP), torch.float16)]
+    if kind == "int4":
+        return [("codes", (N, K // 2), torch.uint8), ("sz", (K // GROUP, N, 2), torch.bfloat16),
+                ("zr", (K // GROUP, N), torch.bfloat16)]
+    raise ConfigError(f"unknown expert format {kind!r}", "use " + ", ".join(KINDS))
+
+
+def parse_kinds(name: str) -> tuple[str, str, str]:
+    """Kinds of (gate, up, down) in a format name: "int4" (all three) or "int4,int4,int8".
+
+    Raises:
+        ConfigError: an unknown kind or not 1 / 3 entries.
+    """
+    kinds = tuple(name.split(","))
+    if len(kinds) == 1:
+        kinds = kinds * 3
+    if len(kinds) != 3 or any(k not in KINDS for k in kinds):
+        raise ConfigError(f"unknown expert format {name!r}", "use one of " + ", ".join(KINDS)
+                          + " or three comma-separated kinds (gate,up,down)")
+    return kinds  # type: ignore[return-value]
+
+
+def fit_format(name: str, shapes) -> str:
+    """`name` with each projection the format cannot hold replaced by the nearest kind that can:
+    grouped kinds (int4, int8-g32) need in-features % 32 == 0 and fall back to per-row int8; the
+    CPU int4 layout also needs out-features % 16 == 0. llama.cpp's converter does the same for
+    block types (it writes such tensors in another type)."""
+    kinds = []
+    for kind, (N, K) in zip(parse_kinds(name), shapes):
+        if kind in ("int4", "int8-g32") and (K % GROUP or (kind == "int4" and N % 16)):
+            kind = "int8"
+        kinds.append(kind)
+    return format_name(kinds)
+
+
+def pricing_precision(name: str) -> str:
+    """The precision the planner's cost models price a format in (hardware profiles have rows for
+    fp32, bf16, int8 and int4): the kind holding the most bytes, int8-g32 priced as int8."""
+    kinds = [k.replace("int8-g32", "int8") for k in parse_kinds(name)]
+    order = ["int4", "int8", "bf16", "fp32"]
+    return max(kinds, key=order.index)
+
+
+def format_name(kinds) -> str:
+    """The format name of (gate, up, down) kinds: "int4" when all equal, else "a,b,c"."""
+    return kinds[0] if len(set(kinds)) == 1 else ",".join(kinds)
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """How one expert's three projections are stored and computed.
+
+    Args:
+        name: "bf16", "fp32", "int8", "int8-g32", "int4" or per projection "gate,up,down" kinds.
+        shapes: ((F, D), (F, D), (D, F)) of gate, up, down.
+        int4_layout: "cpu" (torch's CPU packed layout, computed from directly) or "plain".
+    Raises:
+        ConfigError: unknown kind, or a shape the kind cannot hold (K % 32 for grouped kinds;
+            the CPU int4 layout also needs N % 16).
+    """
+
+    name: str
+    shapes: tuple
+    int4_layout: str = "cpu"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shapes", tuple(tuple(int(d) for d in s) for s in self.shapes))
+        for kind, (N, K) in zip(self.kinds, self.shapes):
+            if kind in ("int4", "int8-g32") and K % GROUP:
+                raise ConfigError(f"expert format {kind} needs in-features divisible by {GROUP}, got {K}",
+                                  "use --weights bf16 or int8 for this model")
+            if kind == "int4" and self.int4_layout == "cpu" and N % 16:
+                raise ConfigError(f"torch's CPU int4 kernel needs out-features divisible by 16, got {N}",
+                                  "use --weights int8 for this model")
+
+    @cached_property
+    def kinds(self) -> tuple[str, str, str]:
+        return parse_kinds(self.name)
+
+    @property
+    def is_dense(self) -> bool:
+        """True when every projection is a dense tensor: the expert is kept as three tensors."""
+        return len(set(self.kinds)) == 1 and self.kinds[0] in DENSE
+
+    @property
+    def dense_dtype(self) -> torch.dtype:
+        return DENSE[self.kinds[0]]
+
+    @cached_property
+    def _layout(self) -> list[list[tuple[str, int, tuple, torch.dtype]]]:
+        """Per projection: (field, byte offset, shape, dtype) of each segment in the flat buffer."""
+        out, off = [], 0
+        for kind, (N, K) in zip(self.kinds, self.shapes):
+            segs = []
+            for field, shape, dt in _segments(kind, N, K):
+                segs.append((field, off, shape, dt))
+                off = _align(off + torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size())
+            out.append(segs)
+        object.__setattr__(self, "_nbytes", off)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one expert in this format (the slot size on every tier)."""
+        if self.is_dense:
+            return sum(N * K for N, K in self.shapes) * torch.empty((), dtype=self.dense_dtype).element_size()
+        self._layout
+        return self._nbytes  # type: ignore[attr-defined]
+
+    @property
+    def slot_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of the tensors one expert occupies: the 3 weights (dense) or one flat buffer."""
+        return self.shapes if self.is_dense else ((self.nbytes,),)
+
+    @property
+    def slot_dtype(self) -> torch.dtype:
+        """Element type of the slot tensors: the dense dtype, or uint8 for a flat buffer."""
+        return self.dense_dtype if self.is_dense else torch.uint8
+
+    # ------------------------------------------------------------------ views
+    def views(self, slot: tuple[torch.Tensor, ...]) -> list[dict[str, torch.Tensor]]:
+        """Typed views (no copy) of each projection's segments in `slot` (what `slot_shapes` gives)."""
+        if self.is_dense:
+            return [{"w": t} for t in slot]
+        (buf,) = slot
+        return [{f: buf[o:o + torch.Size(s).numel() * torch.empty((), dtype=dt).element_size()].view(dt).view(s)
+                 for f, o, s, dt in segs} for segs in self._layout]
+
+    # ----------------------------------------------------------------- encode
+    def encode(self, parts: list[dict[str, torch.Tensor]], slot: tuple[torch.Tensor, ...]) -> None:
+        """Write per-projection segments (as `quantize_projection` returns) into `slot` (host tensors)."""
+        for dst, src in zip(self.views(slot), parts):
+            for f, t in dst.items():
+                t.copy_(src[f])
+
+    def quantize(self, weights, slot: tuple[torch.Tensor, ...]) -> None:
+        """Quantize dense (w_gate [F, D], w_up [F, D], w_down [D, F]) into `slot` (host tensors)."""
+        self.encode([quantize_projection(w, k, self.int4_layout) for w, k in zip(weights, self.kinds)], slot)
+
+    def empty(self) -> tuple[torch.Tensor, ...]:
+        """A new host slot (for tests and conversion)."""
+        return tuple(torch.empty(s, dtype=self.slot_dtype) for s in self.slot_shapes)
+
+    # ---------------------------------------------------------------- compute
+    def forward(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """SwiGLU expert from the stored form: x [n, D] -> [n, D] in x's dtype.
+
+        (silu(x @ Wg^T) * (x @ Wu^T)) @ Wd^T, each projection with its kind's kernel.
+        """
+        if self.is_dense:
+            dt = x.dtype
+            wg, wu, wd = (w if w.dtype == dt else w.to(dt) for w in slot)
+            return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+        vg, vu, vd = self.views(slot)
+        (kg, ku, kd), lay = self.kinds, self.int4_layout
+        h = F.silu(project(x, vg, kg, lay)) * project(x, vu, ku, lay)
+        return project(h, vd, kd, lay)
+
+    def dequantize(self, slot: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three weights as fp32 (the reference the kernels are checked against)."""
+        if self.is_dense:
+            return tuple(t.float() for t in slot)  # type: ignore[return-value]
+        return tuple(dequantize_projection(v, k, N, K, self.int4_layout)
+                     for v, k, (N, K) in zip(self.views(slot), self.kinds, self.shapes))  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------- projections
+def quantize_projection(w: torch.Tensor, kind: str, int4_layout: str = "cpu") -> dict[str, torch.Tensor]:
+    """Segments of one dense projection w [N, K] in `kind` (host tensors, as `_segments` lays out)."""
+    from tiered.quant.int4 import quantize_int4
+    from tiered.quant.int8 import quantize_int8
+
+    if kind in DENSE:
+        return {"w": w.to(DENSE[kind])}
+    if kind == "int8":
+        q, s = quantize_int8(w)
+        return {"q": q, "scale": s.to(torch.bfloat16)}
+    if kind == "int8-g32":
+        N, K = w.shape
+        g = w.float().reshape(N, K // GROUP, GROUP)
+        s = (g.abs().amax(-1) / 127).clamp_min(1e-12).to(torch.float16)  # (N, G)
+        q = (g / s.float()[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(N, K)
+        return {"q": q, "scale": s}
+    if kind == "int4":
+        return int4_segments(*quantize_int4(w), int4_layout)
+    raise ConfigError(f"unknown expert format {kind!r}", "use " + ", ".join(KINDS))
+
+
+def int4_segments(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
+    """int4 segments from codes int32 [N, K] (0..15), scale / zero fp32 [N, K/32] (w = (q-8)s + z)."""
+    if layout == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    else:
+        c = codes.to(torch.uint8)
+        packed = c[:, 0::2] | (c[:, 1::2] << 4)  # (N, K/2): even column in the low nibble
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # (G, N, 2)
+    zr = (zero.T - sz[..., 1].float()).to(torch.bfloat16)  # (G, N): what rounding the zero lost
+    return {"codes": packed, "sz": sz, "zr": zr}
+
+
+def _plain_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] plain-layout bytes -> int32 codes [N, K]."""
+    N = packed.shape[0]
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(N, -1).to(torch.int32)
+
+
+def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout: str) -> torch.Tensor:
+    """x [n, K] @ W^T for one stored projection -> [n, N] in x's dtype (kernel, else fallback)."""
+    if kind in DENSE:
+        w = v["w"]
+        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+    cuda = x.device.type == "cuda"
+    xb = x.to(torch.bfloat16).contiguous()
+    if kind == "int8":
+        try:
+            return torch.ops.aten._weight_int8pack_mm(xb, v["q"], v["scale"]).to(x.dtype)
+        except (RuntimeError, NotImplementedError):
+            pass  # no kernel for this device / shape: dequantize below
+    if kind == "int4":
+        try:
+            return _zero_residual(x, _int4_kernel(x, xb, v, cuda, int4_layout), v)
+        except (RuntimeError, NotImplementedError):
+            pass  # no kernel for this device / shape: dequantize below
+    K = x.shape[-1]
+    N = v["sz"].shape[1] if kind == "int4" else v["q"].shape[0]
+    return F.linear(x, dequantize_projection(v, kind, N, K, int4_layout).to(x.dtype))
+
+
+def _zero_residual(x: torch.Tensor, y: torch.Tensor, v: dict[str, torch.Tensor]) -> torch.Tensor:
+    """y + (group sums of x [n, K/32]) @ zero residual [K/32, N], in x's dtype (one addmm: the
+    residual is ~2^-9 of the zero, so bf16 sums are precise enough for it)."""
+    G = v["zr"].shape[0]
+    gsum = x.reshape(x.shape[0], G, -1).sum(-1)  # (n, G)
+    zr = v["zr"] if x.dtype == torch.bfloat16 else v["zr"].to(x.dtype)
+    return torch.addmm(y, gsum, zr)
+
+
+def _int4_kernel(x, xb, v, cuda: bool, int4_layout: str) -> torch.Tensor:
+    """The int4 kernel of the device on bf16 activations `xb` -> [n, N] in x's dtype.
+
+    Raises:
+        RuntimeError: no kernel for this device and layout (the caller dequantizes).
+    """
+    if cuda and int4_layout == "plain":  # tinygemm wants the even column high: swap, tile on the device
+        c, K = v["codes"], x.shape[-1]
+        inner = 8 if K % 128 == 0 else 4 if K % 64 == 0 else 2  # K must be a multiple of inner * 16
+        packed = torch.ops.aten._convert_weight_to_int4pack((((c & 0x0F) << 4) | (c >> 4)).contiguous(), inner)
+        return torch.ops.aten._weight_int4pack_mm(xb, packed, GROUP, v["sz"]).to(x.dtype)
+    if not cuda:
+        packed = v["codes"] if int4_layout == "cpu" else \
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(_plain_codes(v["codes"]), 1)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, v["sz"]).to(x.dtype)
+    raise RuntimeError("no int4 kernel for this device and layout")
+
+
+def dequantize_projection(v: dict[str, torch.Tensor], kind: str, N: int, K: int, int4_layout: str) -> torch.Tensor:
+    """The fp32 weight [N, K] of one stored projection (on the tensors' device).
+
+    The CPU int4 layout is torch's private packing: it is decoded by the kernel itself (an identity
+    activation gives W^T), exact up to bf16 products, like the kernel's own result.
+    """
+    if kind in DENSE:
+        return v["w"].float()
+    if kind == "int8":
+        return v["q"].float() * v["scale"].float()[:, None]
+    if kind == "int8-g32":
+        return (v["q"].float().reshape(N, K // GROUP, GROUP) * v["scale"].float()[..., None]).reshape(N, K)
+    sz = v["sz"].float()  # (G, N, 2)
+    residual = v["zr"].float().T.repeat_interleave(GROUP, dim=1)  # (N, K)
+    if int4_layout == "cpu" and v["codes"].device.type != "cuda":
+        eye = torch.eye(K, dtype=torch.bfloat16, device=v["codes"].device)
+        w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, v["codes"], GROUP, v["sz"]).float().T
+        return w + residual
+    codes = _plain_codes(v["codes"]).float().reshape(N, K // GROUP, GROUP)
+    scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # (N, G, 1)
+    return ((codes - 8) * scale + zero).reshape(N, K) + residual

@@ -1,0 +1,99 @@
+"""GGUF expert tensors -> tiered's expert formats, without dequantizing where the mapping is exact.
+
+    GGUF block  -> expert kind   how                                                   exact?
+    Q4_0        -> int4 (g32)    d, 4-bit q: scale = d, zero = 0, codes = q             yes (d rounded to bf16)
+    Q4_1        -> int4 (g32)    d, m, 4-bit q: scale = d, zero = m + 8d, codes = q     yes (d rounded to bf16;
+                                                                                       zero kept to ~2^-16)
+    Q8_0        -> int8-g32      d (fp16), int8 q: scale = d, q as stored              yes, bit for bit
+    Q4_K        -> int4 (g32)    super-blocks of 8 sub-blocks of 32, w = d*sc*q - dmin*m:  yes (d*sc rounded
+                                 per sub-block scale = d*sc, zero = 8*scale - dmin*m     to bf16, zero ~2^-16)
+    Q5_0/1, Q5_K-> int8 (row)    dequantized, then symmetric int8 per row              no: re-quantized
+    Q6_K        -> int8-g32      16 sub-blocks of 16 with int8 sub-scales: dequantized,  no: re-quantized
+                                 then symmetric int8 per 32 (two sub-scales per group)  (~2^-8 of a group's max)
+    Q2_K, Q3_K  -> int4 (g32)    dequantized, then min/max int4 per 32                 no: re-quantized
+    F32/F16/BF16-> bf16          cast                                                  F32 no, F16 no, BF16 yes
+
+Sources: ggml-quants.c block layouts (block_q4_0 {d; qs[16]}, block_q4_1 {d; m; qs[16]},
+block_q8_0 {d; qs[32]}); the `gguf` package dequantizes the K types.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tiered.quant.experts import ExpertFormat, fit_format, format_name, int4_segments, quantize_projection
+from tiered.quant.int4 import unpack_q4_blocks
+
+GGUF_EXPERT_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8-g32", "Q4_K": "int4", "Q2_K": "int4",
+                    "Q3_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8-g32"}
+EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+
+
+def stored_kind(handle) -> str:
+    """The expert kind a tensor stored as `handle.format` maps to ("bf16" for dense formats)."""
+    return GGUF_EXPERT_KIND.get(handle.format, "bf16")
+
+
+def auto_format(handles) -> str:
+    """The expert format that keeps a checkpoint's (gate, up, down) storage: e.g. Q4_K_M's
+    (Q4_K, Q4_K, Q6_K) -> "int4,int4,int8"; fitted to the shapes (quant/experts.fit_format)."""
+    return fit_format(format_name([stored_kind(h) for h in handles]), [h.shape for h in handles])
+
+
+def requantized_note(handles, fmt: ExpertFormat) -> str | None:
+    """A sentence naming the stored formats that `fmt` re-quantizes (None when every map is exact)."""
+    lossy = sorted({f"{h.format} -> {k}" for h, k in zip(handles, fmt.kinds)
+                    if not (h.format in EXACT and GGUF_EXPERT_KIND[h.format] == k)
+                    and not (h.format == "BF16" and k == "bf16") and not (h.format == "F32" and k == "fp32")})
+    return ("experts re-quantized on load: " + ", ".join(lossy)) if lossy else None
+
+
+def unpack_q8_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0 blocks uint8 [N, K/32 * 34] -> (q int8 [N, K], scale fp16 [N, K/32]); w = q * scale."""
+    N = raw.shape[0]
+    b = np.ascontiguousarray(raw).reshape(N, -1, 34)  # (N, G, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]  # (N, G)
+    q = b[..., 2:].copy().view(np.int8).reshape(N, -1)  # (N, K)
+    return torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d))
+
+
+def unpack_q4k_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_K blocks uint8 [N, K/256 * 144] -> (codes int32 [N, K] in 0..15, scale fp32 [N, K/32],
+    zero fp32 [N, K/32]) with w = (codes - 8) * scale + zero, exactly ggml's d*sc*q - dmin*m."""
+    from gguf.quants import Q4_K
+
+    N = raw.shape[0]
+    b = np.ascontiguousarray(raw).reshape(-1, 144)  # (blocks, 144)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # (blocks, 1)
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(b[:, 4:16])  # (blocks, 8) each, 6-bit
+    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(N, -1).astype(np.int32)  # sub-block 2c: low nibbles, 2c+1: high
+    scale = d * sc.astype(np.float32)  # (blocks, 8)
+    zero = 8 * scale - dmin * m.astype(np.float32)
+    return torch.from_numpy(codes), torch.from_numpy(scale.reshape(N, -1)), torch.from_numpy(zero.reshape(N, -1))
+
+
+def projection_segments(handle, kind: str, int4_layout: str) -> dict[str, torch.Tensor]:
+    """Segments of one projection in `kind` from its checkpoint handle: GGUF Q4_0/Q4_1/Q4_K -> int4
+    and Q8_0 -> int8-g32 straight from the blocks; anything else through the dense weight."""
+    if handle.format in ("Q4_0", "Q4_1") and kind == "int4":
+        return int4_segments(*unpack_q4_blocks(handle.blocks(), handle.format), int4_layout)
+    if handle.format == "Q4_K" and kind == "int4":
+        return int4_segments(*unpack_q4k_blocks(handle.blocks()), int4_layout)
+    if handle.format == "Q8_0" and kind == "int8-g32":
+        q, d = unpack_q8_blocks(handle.blocks())
+        return {"q": q, "scale": d}
+    return quantize_projection(handle.load(torch.float32), kind, int4_layout)
+
+
+def encode_expert(fmt: ExpertFormat, handles) -> tuple[torch.Tensor, ...]:
+    """A new host slot holding the expert whose (gate, up, down) handles are `handles`, in `fmt`."""
+    slot = fmt.empty()
+    if fmt.is_dense:
+        for t, h in zip(slot, handles):
+            h.read_into(t)
+        return slot
+    fmt.encode([projection_segments(h, k, fmt.int4_layout) for h, k in zip(handles, fmt.kinds)], slot)
+    return slot
