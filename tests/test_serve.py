@@ -371,3 +371,21 @@ def test_chat_logprobs(server):
     with pytest.raises(openai.BadRequestError):
         server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=True,
                                               top_logprobs=21)
+
+
+def test_max_batch_is_planned_for(rt):
+    """`serve --max-batch N` plans room for N sequences' KV caches on the fast tier, so the
+    server's N-slot cache fits a budget that the planner would otherwise fill with experts."""
+    from tiered.errors import BudgetError
+
+    s = rt.sizes("mixtral")
+    budget = s.fast(cache_slots=2) + 3 * s.kv + s.expert // 2  # room for 3 more KV caches, not another expert
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=budget, cpu_memory="64MiB",
+                                               expert_cache_slots=2, max_batch=4))
+    assert llm.plan.kv_slots == 4
+    engine = ServingEngine(llm, max_batch=4, max_queue=4)  # its 4-slot KV cache fits what the plan kept
+    assert engine.cache.k.shape[1] == 4
+    one = LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=budget - 3 * s.kv, cpu_memory="64MiB",
+                                               expert_cache_slots=2))
+    with pytest.raises(BudgetError):  # planned for one sequence: no room for four
+        ServingEngine(one, max_batch=4, max_queue=4)

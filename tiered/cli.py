@@ -173,7 +173,7 @@ def _print_stats(llm, out) -> None:
 
 def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
                    cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch=False,
-                   prefetch_lookahead=2, weights="auto", low_weights=None, mixed_thresholds="0.6,0.9"):
+                   prefetch_lookahead=2, weights="auto", low_weights=None, mixed_thresholds="0.6,0.9", max_batch=1):
     """The EngineConfig of the engine options `run`, `chat` and `serve` share; a replayed plan (`--plan FILE`) brings
     the budgets it was made for unless they are given."""
     from tiered import EngineConfig
@@ -197,7 +197,7 @@ def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_
                         accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
                         expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
                         trace=trace, plan=plan, profile=profile_file, prefetch=prefetch,
-                        prefetch_lookahead=prefetch_lookahead)
+                        prefetch_lookahead=prefetch_lookahead, max_batch=max_batch)
 
 
 @app.command()
@@ -237,14 +237,15 @@ def serve(
     from tiered.serve.app import build_app
     from tiered.serve.engine import ServingEngine
 
+    if max_batch < 1 or max_queue < 0:
+        raise typer.BadParameter("--max-batch must be >= 1 and --max-queue >= 0")
     config = _engine_config(dtype=dtype, decode_weights=decode_weights, max_context=max_context, threads=threads,
                             gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
                             cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
                             read_ahead=read_ahead, trace=False, plan=plan, profile_file=profile_file,
                             prefetch=prefetch, prefetch_lookahead=prefetch_lookahead,
-                            weights=weights, low_weights=low_weights, mixed_thresholds=mixed_thresholds)
-    if max_batch < 1 or max_queue < 0:
-        raise typer.BadParameter("--max-batch must be >= 1 and --max-queue >= 0")
+                            weights=weights, low_weights=low_weights, mixed_thresholds=mixed_thresholds,
+                            max_batch=max_batch)
     llm = LLM(model, config, progress=True)
     engine = ServingEngine(llm, max_batch=max_batch, max_queue=max_queue)
     ckpt_path = Path(llm.checkpoint.path)

@@ -40,6 +40,8 @@ class EngineConfig:
         decode_weights_threshold: steps with at most this many tokens use the decode weights;
             larger steps (prefill) use the dense `dtype` weights.
         max_context: context window in tokens; None uses the model's max_position_embeddings.
+        max_batch: sequences decoded together (`tiered serve --max-batch`): the plan keeps KV-cache
+            room for this many sequences of max_context tokens on the fast tier.
         num_threads: CPU threads for torch; None keeps torch's default (one per core).
         gpu_memory: accelerator budget [bytes, or a string like "12GiB"]; None = all free memory.
         cpu_memory: CPU RAM budget for weights, experts and (without accelerator) the expert
@@ -79,6 +81,7 @@ class EngineConfig:
     expert_low_weights: str | None = None
     mixed_thresholds: tuple[float, float] = (0.6, 0.9)
     max_context: int | None = None
+    max_batch: int = 1
     num_threads: int | None = None
     gpu_memory: int | str | None = None
     cpu_memory: int | str | None = None
@@ -111,6 +114,8 @@ class EngineConfig:
                               "pass auto, cuda, host or none")
         if self.cache_policy not in CACHE_POLICIES:
             raise ConfigError(f"cache_policy must be one of {CACHE_POLICIES}", "pass e.g. lru or hobbit")
+        if self.max_batch < 1:
+            raise ConfigError("max_batch must be >= 1 sequence", "pass a positive count")
         if self.prefetch_lookahead < 1:
             raise ConfigError("prefetch_lookahead must be >= 1 layer", "pass 1 to 3 (HOBBIT's range)")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 0:

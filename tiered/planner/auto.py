@@ -181,7 +181,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                      max_resident=ec.resident_experts, cache_policy=ec.cache_policy,
                      dispatch_mode=ec.force_expert_path or "balanced", staging_buffers=ec.staging_buffers,
                      read_ahead=ec.read_ahead, dense_copies=not one_copy(ec, accelerator, decode_format),
-                     experts_format=experts_format)
+                     experts_format=experts_format, kv_slots=ec.max_batch)
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     return plan, profile

@@ -35,7 +35,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     held = fmt if plan.dense_copies else dtype  # one-copy mode: the decode copies are the weights
     fixed = (sizes.weight_bytes(cfg, held, sizes.is_expert_param if moe else None)
              + sizes.rotary_bytes(cfg, plan.context_tokens)
-             + sizes.kv_cache_bytes(cfg, 1, plan.context_tokens, plan.dtypes["kv_cache"]) + extra_bytes)
+             + sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"]) + extra_bytes)
     plan.kv_cache_tier = plan.attention_tier = "cpu"
     if cpu is not None and fixed > cpu:
         raise BudgetError(f"CPU budget {format_bytes(cpu)} cannot hold the non-expert weights and KV cache "

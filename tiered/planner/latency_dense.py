@@ -36,7 +36,7 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     M, H, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     ctx = plan.prompt_tokens + plan.gen_tokens
     non_ffn = sizes.weight_bytes(cfg, fmt, is_mlp_param) + sizes.rotary_bytes(cfg, plan.context_tokens)
-    kv = sizes.kv_cache_bytes(cfg, 1, plan.context_tokens, plan.dtypes["kv_cache"])
+    kv = sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"])
     staging = 2 * sizes.ffn_bytes(cfg, fmt)  # CG and CG' staging of the largest FFN
     budget = ffn_gpu_budget(gpu, non_ffn_bytes=non_ffn, kv_cache_bytes=kv, staging_bytes=staging,
                             activation_bytes=plan.workspace_bytes, margin=0.0)

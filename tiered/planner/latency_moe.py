@@ -81,7 +81,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     ctx = plan.prompt_tokens + plan.gen_tokens
     non_expert = sizes.weight_bytes(cfg, fmt, sizes.is_expert_param) + sizes.rotary_bytes(cfg, plan.context_tokens)
-    kv = sizes.kv_cache_bytes(cfg, 1, plan.context_tokens, plan.dtypes["kv_cache"])
+    kv = sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"])
     eb = sizes.expert_bytes(cfg, plan.dtypes["experts"])
     staging = plan.staging_buffers * eb
     fixed = non_expert + kv + staging + plan.workspace_bytes

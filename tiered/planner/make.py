@@ -27,7 +27,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               popularity=None, expert_cache_slots: int | None = None, max_resident: int | None = None,
               cache_policy: str = "lru", dispatch_mode: str = "balanced", staging_buffers: int = 2,
               read_ahead: bool = True, extra_cpu_bytes: int = 0, workspace: int | None = None,
-              dense_copies: bool = True, experts_format: str | None = None) -> Plan:
+              dense_copies: bool = True, experts_format: str | None = None, kv_slots: int = 1) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -49,6 +49,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         workspace: GPU bytes kept for activations (None = memory/sizes.workspace_bytes).
         dense_copies: Plan.dense_copies; False (the CPU's one-copy mode) counts and prices the
             non-expert weights in `precision`, the format of their one copy.
+        kv_slots: sequences of context_tokens whose KV cache the fast tier keeps room for.
     Raises:
         ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
         BudgetError: the budgets cannot hold what the goal needs on the fast tier.
@@ -67,7 +68,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.dtypes = {"weights": fmt, "experts": experts_format or fmt, "kv_cache": "fp32" if fmt == "fp32" else "bf16", "decode": precision}
     plan.cache_policy, plan.dispatch_mode = cache_policy, dispatch_mode
     plan.staging_buffers, plan.read_ahead = staging_buffers, read_ahead
-    plan.dense_copies = dense_copies
+    plan.dense_copies, plan.kv_slots = dense_copies, kv_slots
     sizes.bytes_per_element(fmt)  # a ConfigError for an unknown format, before any work
     experts = ExpertChoices(popularity, expert_cache_slots, max_resident)
     if goal == "latency" and op_time.has_device(profile, "gpu") and gpu:

@@ -66,7 +66,7 @@ class Plan:
                                              tier; a miss loads high / low / nothing by the
                                              token's unimportance score; low copies are cached in
                                              their own pool of expert_cache_slots_low slots
-        context_tokens                       KV-cache positions reserved for one sequence
+        context_tokens, kv_slots             KV-cache positions reserved for each of kv_slots sequences
         cpu_threads                          torch intra-op threads for CPU compute (0 = leave as is)
         staging_buffers, read_ahead          expert staging ring size; issue a layer's reads at once
         decode_graphs                        capture decode steps as CUDA graphs (every weight on
@@ -92,7 +92,8 @@ class Plan:
     kv_cache_tier: str = "gpu"
     attention_tier: str = "gpu"
     fast_tier: str = "gpu"  # where resident experts / GG slices live: "gpu", or "cpu" when there is no GPU
-    context_tokens: int = 0  # KV-cache positions the memory figures keep room for
+    context_tokens: int = 0  # KV-cache positions the memory figures keep room for, per sequence
+    kv_slots: int = 1  # sequences whose KV cache the memory figures keep room for (serve's --max-batch)
     committed: dict = field(default_factory=dict)  # tier -> bytes the engine already holds there (exact)
     dispatch_threshold_tokens: float | None = None
     expert_cache_slots: int = 0

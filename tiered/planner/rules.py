@@ -45,7 +45,8 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
     plan.cache_policy, plan.dispatch_mode = ec.cache_policy, ec.force_expert_path or "per-expert"
     plan.staging_buffers, plan.read_ahead = ec.staging_buffers, ec.read_ahead
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
-    kv = sizes.kv_cache_bytes(cfg, 1, max_context, plan.dtypes["kv_cache"])
+    plan.kv_slots = ec.max_batch
+    kv = sizes.kv_cache_bytes(cfg, plan.kv_slots, max_context, plan.dtypes["kv_cache"])
     if accelerator is not None:  # activations live on the device (the stand-in's too)
         plan.workspace_bytes = sizes.workspace_bytes(cfg, weights_format)
     kv += plan.workspace_bytes + sizes.rotary_bytes(cfg, max_context)

@@ -1,8 +1,9 @@
 """An embedding table kept in its checkpoint's quantized blocks (GGUF Q8_0, Q4_K, ...).
 
 A decode step reads one row per token, so the table need not be dense: rows are dequantized as
-they are looked up (by the `gguf` package, exactly as `TensorHandle.load` would), and the table
-costs its stored bytes (Q8_0: 34 bytes per 32 values, 28% of fp32). The engine's one-copy mode
+they are looked up (by the `gguf` package, exactly as `TensorHandle.load` would), straight from
+the file's memory map: the table costs its stored bytes (Q8_0: 34 bytes per 32 values, 28% of
+fp32), in the page cache, and no copy. The engine's one-copy mode
 (Plan.dense_copies False) uses it for block-quantized embeddings.
 """
 
@@ -28,17 +29,18 @@ class BlockEmbedding(nn.Module):
         from gguf import GGMLQuantizationType
 
         self.qtype = GGMLQuantizationType[handle.format]
-        self.register_buffer("blocks", torch.from_numpy(np.array(handle.blocks(), copy=True)), persistent=False)
+        # the file's own bytes (a read-only memory map): no copy; a lookup reads only its rows
+        self.blocks: np.ndarray = handle.blocks()
         self.num_embeddings, self.embedding_dim = handle.shape
         self.dtype = dtype
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.numel()
+        return int(self.blocks.nbytes)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         from gguf.quants import dequantize
 
-        rows = self.blocks[input_ids.reshape(-1).cpu()].numpy()
+        rows = self.blocks[input_ids.reshape(-1).cpu().numpy()]
         out = torch.from_numpy(dequantize(rows, self.qtype).reshape(-1, self.embedding_dim))
         return out.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)
