@@ -62,10 +62,21 @@ def test_copies_overlap_accelerator_compute(copy_run, rt):
     assert overlap_seconds(ev, "copy", "launch") > 0
 
 
-def test_mixed_run_overlaps_copy_with_cpu_experts(rt):
+def test_mixed_run_overlaps_copy_with_cpu_experts(rt, monkeypatch):
     """The plan's balanced dispatch splits a layer's misses: the experts with the fewest tokens run on
     the CPU (the calling thread) while the others' weights cross the link. The link is slow here
-    (2 ms per expert) so the CPU's share surely falls inside the copies."""
+    (2 ms per expert) and each CPU expert takes at least 0.5 ms (a tiny fixture's would take 0.1 ms,
+    less than the copy thread's wake-up), so the CPU's share surely falls inside the copies."""
+    import time
+
+    from tiered.quant.experts import ExpertFormat
+
+    real = ExpertFormat.forward
+    def slow_on_the_cpu(self, x, slot):  # the stand-in's device experts keep their speed
+        if x.device.type == "cpu":
+            time.sleep(5e-4)
+        return real(self, x, slot)
+    monkeypatch.setattr(ExpertFormat, "forward", slow_on_the_cpu)
     lat = LatencyModel(0.0, 1e-3, 0.0, 0.0, 2.5e-3, float("inf"))
     assert 2 < lat.cpu_threshold(rt.sizes("mixtral").expert) < 3
     llm = run_traced(rt, latency=lat, link=LINK / 10)
