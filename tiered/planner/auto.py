@@ -22,6 +22,7 @@ from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import ConfigError
 from tiered.hardware import op_time
 from tiered.hardware.profile import HardwareProfile, LinearModel, default_profile_path
+from tiered.memory import sizes
 from tiered.planner.make import make_plan
 from tiered.planner.plan import Plan
 
@@ -146,14 +147,25 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                           and plan.fast_tier == "gpu" and not plan.sliced_layers())
     # without an accelerator every decode step runs on the CPU: through the lean step
     plan.cpu_decode_step = accelerator is None
-    plan.dense_copies = not one_copy(ec, accelerator, decode_format)
+    plan.dense_copies = not one_copy(ec, accelerator, decode_format, cfg, weights_format, decode_precision)
     return plan, profile
 
 
-def one_copy(ec, accelerator, decode_format: str) -> bool:
-    """Whether each weight keeps one copy, its decode copy (Plan.dense_copies False): on the CPU
-    with compact decode copies, unless `--dtype float32` asks for the lossless mode."""
-    return accelerator is None and ec.dtype == "auto" and decode_format not in ("none", "fp32")
+def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_format: str, decode_precision: str) -> bool:
+    """Whether each weight keeps one copy, its decode copy (Plan.dense_copies False).
+
+    On the CPU with compact decode copies, unless `--dtype float32` asks for the lossless mode:
+    for one sequence at a time (`run`, `chat`), memory first; for a server's batches
+    (max_batch > 1), whose many prefills would run on the slower packed kernels (2.1x vs 3.4x
+    aggregate throughput on SmolLM2, benchmarks/serve_load.py), only when the RAM budget cannot
+    hold the dense weights beside the copies.
+    """
+    if not (accelerator is None and ec.dtype == "auto" and decode_format not in ("none", "fp32")):
+        return False
+    if ec.max_batch == 1:
+        return True
+    both = sizes.weight_bytes(cfg, weights_format) + sizes.weight_bytes(cfg, decode_precision)
+    return ec.cpu_memory is not None and both > ec.cpu_memory
 
 
 def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
@@ -180,7 +192,8 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                      context_tokens=max_context, popularity=popularity, expert_cache_slots=ec.expert_cache_slots,
                      max_resident=ec.resident_experts, cache_policy=ec.cache_policy,
                      dispatch_mode=ec.force_expert_path or "balanced", staging_buffers=ec.staging_buffers,
-                     read_ahead=ec.read_ahead, dense_copies=not one_copy(ec, accelerator, decode_format),
+                     read_ahead=ec.read_ahead,
+                     dense_copies=not one_copy(ec, accelerator, decode_format, cfg, weights_format, decode_precision),
                      experts_format=experts_format, kv_slots=ec.max_batch)
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
