@@ -175,12 +175,13 @@ def test_run_options_map_to_the_engine_config():
 
     common = dict(dtype="auto", decode_weights="auto", max_context=None, threads=None, gpu_mem=None, cpu_mem=None,
                   offload_dir=None, accelerator="none", cache_slots=None, cache_policy="lru", expert_profile=None,
-                  read_ahead=True, trace=False, plan="auto", profile_file=None)
-    ec = _engine_config(**common, weights="int4", low_weights=None)
+                  read_ahead=True, plan="auto", profile_file=None, prefetch=False, prefetch_lookahead=2,
+                  weights="auto", low_weights=None, mixed_thresholds="0.6,0.9")
+    ec = _engine_config({**common, "weights": "int4", "low_weights": None})
     assert ec.expert_weights == "int4" and ec.decode_weights == "int4"
-    ec = _engine_config(**common, weights="bf16", low_weights="int4", mixed_thresholds="0.5,0.8")
+    ec = _engine_config({**common, "weights": "bf16", "low_weights": "int4", "mixed_thresholds": "0.5,0.8"})
     assert (ec.expert_weights, ec.expert_low_weights, ec.mixed_thresholds) == ("bf16", "int4", (0.5, 0.8))
     with pytest.raises(ConfigError, match="mixed-thresholds"):
-        _engine_config(**common, mixed_thresholds="0.5")
+        _engine_config({**common, "mixed_thresholds": "0.5"})
     with pytest.raises(ConfigError, match="expert_weights"):
         EngineConfig(expert_weights="int3")

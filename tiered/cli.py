@@ -122,12 +122,7 @@ def run(
     prompt = prompt or DEFAULT_PROMPT
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
-    config = _engine_config(dtype=dtype, decode_weights=decode_weights, max_context=max_context, threads=threads,
-                            gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
-                            cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
-                            read_ahead=read_ahead, trace=trace is not None, plan=plan, profile_file=profile_file,
-                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead,
-                            weights=weights, low_weights=low_weights, mixed_thresholds=mixed_thresholds)
+    config = _engine_config(locals(), trace=trace is not None)
     # a prompt that cannot run is refused before anything loads, or the planner measures this machine
     ckpt = open_checkpoint(model)
     check_prompt_fits(0, len(encode_prompt(ckpt.tokenizer(), prompt, chat)),
@@ -171,11 +166,21 @@ def _print_stats(llm, out) -> None:
                        + ", ".join(f"{r} ahead {a:.0%}" for r, a in pf["accuracy"].items()) + "]", err=True)
 
 
-def _engine_config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
-                   cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch=False,
-                   prefetch_lookahead=2, weights="auto", low_weights=None, mixed_thresholds="0.6,0.9", max_batch=1):
-    """The EngineConfig of the engine options `run`, `chat` and `serve` share; a replayed plan (`--plan FILE`) brings
-    the budgets it was made for unless they are given."""
+ENGINE_OPTIONS = ("dtype", "decode_weights", "weights", "low_weights", "mixed_thresholds", "max_context", "threads",
+                  "gpu_mem", "cpu_mem", "offload_dir", "accelerator", "cache_slots", "cache_policy", "expert_profile",
+                  "read_ahead", "prefetch", "prefetch_lookahead", "plan", "profile_file")
+
+
+def _engine_config(args: dict, trace: bool = False, max_batch: int = 1):
+    """The EngineConfig of the engine options `run`, `chat` and `serve` share (ENGINE_OPTIONS, taken
+    by name from a command's arguments `args`); a replayed plan (`--plan FILE`) brings the budgets it
+    was made for unless they are given."""
+    return _config(**{k: args[k] for k in ENGINE_OPTIONS}, trace=trace, max_batch=max_batch)
+
+
+def _config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
+            cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch,
+            prefetch_lookahead, weights, low_weights, mixed_thresholds, max_batch):
     from tiered import EngineConfig
 
     if plan not in ("auto", "off"):
@@ -239,13 +244,7 @@ def serve(
 
     if max_batch < 1 or max_queue < 0:
         raise typer.BadParameter("--max-batch must be >= 1 and --max-queue >= 0")
-    config = _engine_config(dtype=dtype, decode_weights=decode_weights, max_context=max_context, threads=threads,
-                            gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
-                            cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
-                            read_ahead=read_ahead, trace=False, plan=plan, profile_file=profile_file,
-                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead,
-                            weights=weights, low_weights=low_weights, mixed_thresholds=mixed_thresholds,
-                            max_batch=max_batch)
+    config = _engine_config(locals(), max_batch=max_batch)
     llm = LLM(model, config, progress=True)
     engine = ServingEngine(llm, max_batch=max_batch, max_queue=max_queue)
     ckpt_path = Path(llm.checkpoint.path)
@@ -295,12 +294,7 @@ def chat(
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed)
-    config = _engine_config(dtype=dtype, decode_weights=decode_weights, max_context=max_context, threads=threads,
-                            gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir, accelerator=accelerator,
-                            cache_slots=cache_slots, cache_policy=cache_policy, expert_profile=expert_profile,
-                            read_ahead=read_ahead, trace=False, plan=plan, profile_file=profile_file,
-                            prefetch=prefetch, prefetch_lookahead=prefetch_lookahead,
-                            weights=weights, low_weights=low_weights, mixed_thresholds=mixed_thresholds)
+    config = _engine_config(locals())
     with LLM(model, config, progress=True) as llm:
         repl(Chat(llm, params, system))
 
