@@ -68,6 +68,28 @@ def roundtrip(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return dequantize(encode(w, qtype), qtype).reshape(w.shape).astype(np.float32)
 
 
+def _header(cfg, path: Path, arch: str, name: str) -> GGUFWriter:
+    """A GGUFWriter with the hyperparameters every Llama-family file carries."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{name}")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    return w
+
+
 def write_gguf(model, path: Path, arch: str, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
     """Write a transformers dense Llama-family model as a GGUF file.
 
@@ -78,26 +100,9 @@ def write_gguf(model, path: Path, arch: str, qtype: GGMLQuantizationType = GGMLQ
         qtype: type of the 2-D weights; 1-D tensors are always F32.
     """
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = getattr(cfg, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     assert rope.get("rope_type", "default") == "default", "the writer only handles plain RoPE"
-
-    w = GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{arch}")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(theta))
-    w.add_rope_dimension_count(head_dim)
-    w.add_vocab_size(cfg.vocab_size)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
+    w = _header(cfg, path, arch, arch)
     w.add_file_type(int(qtype))
 
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
@@ -302,23 +307,7 @@ def write_moe_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantiza
     cfg = model.config
     mt = cfg.model_type
     arch = _MOE_ARCH[mt]
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    w = GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{mt}")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
-    w.add_rope_dimension_count(head_dim)
-    w.add_vocab_size(cfg.vocab_size)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
+    w = _header(cfg, path, arch, mt)
     n_exp = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     w.add_expert_count(n_exp)
     w.add_expert_used_count(cfg.num_experts_per_tok)

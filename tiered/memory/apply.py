@@ -113,10 +113,10 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
     skip = sizes.skip_params(cfg, sliced)
     decode = plan.dtypes.get("decode", "none")
     one_copy = decode not in ("none", None) and not plan.dense_copies
+    embed = "model.embed_tokens.weight"
+    blocks = one_copy and checkpoint.handle(embed).is_quantized
     dense_skip = skip
     if one_copy:  # the projections' one copy is their decode copy; a block-quantized embedding stays in blocks
-        embed = "model.embed_tokens.weight"
-        blocks = checkpoint.handle(embed).is_quantized
         dense_skip = lambda n: (skip is not None and skip(n)) or n.endswith("_proj.weight") or \
             n == "lm_head.weight" or (blocks and n == embed)  # noqa: E731
     what = "the non-expert weights" if cfg.is_moe else "the non-FFN weights" if sliced else "the model's weights"
@@ -126,7 +126,7 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
     nbytes = materialize(model, checkpoint, sizes.torch_dtype(fmt), on_tensor=on_tensor, skip=dense_skip,
                          accelerator=accelerator)
     extra = 0
-    if one_copy and blocks:
+    if blocks:
         from tiered.quant.embedding import BlockEmbedding
         model.model.embed_tokens = BlockEmbedding(checkpoint.handle(embed), sizes.torch_dtype(fmt))
         extra += model.model.embed_tokens.nbytes

@@ -137,17 +137,17 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     """
     if ec.plan not in ("auto", "off"):
         return Plan.load(ec.plan), None
+    dense_copies = not one_copy(ec, accelerator, decode_format, cfg, weights_format, decode_precision)
     plan, profile = _auto_or_rules(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
                                    weights_format=weights_format, decode_format=decode_format,
                                    decode_precision=decode_precision, popularity=popularity, progress=progress,
-                                   experts_format=experts_format)
+                                   experts_format=experts_format, dense_copies=dense_copies)
     plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
     # a model wholly on a real GPU decodes through captured CUDA graphs: nothing in its step syncs
     plan.decode_graphs = (accelerator is not None and not accelerator.is_host and not cfg.is_moe
                           and plan.fast_tier == "gpu" and not plan.sliced_layers())
     # without an accelerator every decode step runs on the CPU: through the lean step
     plan.cpu_decode_step = accelerator is None
-    plan.dense_copies = not one_copy(ec, accelerator, decode_format, cfg, weights_format, decode_precision)
     return plan, profile
 
 
@@ -170,15 +170,15 @@ def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_form
 
 def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
                    decode_format: str, decode_precision: str, popularity=None,
-                   progress: Callable[[str], None] | None = None,
-                   experts_format: str | None = None) -> tuple[Plan, HardwareProfile | None]:
+                   progress: Callable[[str], None] | None = None, experts_format: str | None = None,
+                   dense_copies: bool = True) -> tuple[Plan, HardwareProfile | None]:
     """engine_plan's "auto" (the planner) and "off" (the runtime's rules) cases."""
     gpu = accelerator.budget.capacity if accelerator is not None else None
     if ec.plan == "off":
         from tiered.planner.rules import rules_plan
         plan = rules_plan(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
                           weights_format=weights_format, popularity=popularity, experts_format=experts_format)
-        plan.dtypes["decode"] = decode_format
+        plan.dtypes["decode"], plan.dense_copies = decode_format, dense_copies
         return plan, None
     profile = engine_profile(ec.profile, accelerator, progress=progress)
     if accelerator is None:  # no GPU tier: make_plan then plans CPU + disk
@@ -193,7 +193,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                      max_resident=ec.resident_experts, cache_policy=ec.cache_policy,
                      dispatch_mode=ec.force_expert_path or "balanced", staging_buffers=ec.staging_buffers,
                      read_ahead=ec.read_ahead,
-                     dense_copies=not one_copy(ec, accelerator, decode_format, cfg, weights_format, decode_precision),
+                     dense_copies=dense_copies,
                      experts_format=experts_format, kv_slots=ec.max_batch)
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()

@@ -27,8 +27,9 @@ class BlockEmbedding(nn.Module):
     def __init__(self, handle, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
 
-        self.qtype = GGMLQuantizationType[handle.format]
+        self.qtype, self._dequantize = GGMLQuantizationType[handle.format], dequantize
         # the file's own bytes (a read-only memory map): no copy; a lookup reads only its rows
         self.blocks: np.ndarray = handle.blocks()
         self.num_embeddings, self.embedding_dim = handle.shape
@@ -39,8 +40,6 @@ class BlockEmbedding(nn.Module):
         return int(self.blocks.nbytes)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        from gguf.quants import dequantize
-
         rows = self.blocks[input_ids.reshape(-1).cpu().numpy()]
-        out = torch.from_numpy(dequantize(rows, self.qtype).reshape(-1, self.embedding_dim))
+        out = torch.from_numpy(self._dequantize(rows, self.qtype).reshape(-1, self.embedding_dim))
         return out.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)

@@ -121,14 +121,14 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     format needs the dense values (Q4 blocks are unpacked without dequantizing).
     """
     stored = handle.format if handle is not None else None
-    if fmt == "auto" and GGUF_DECODE_KIND.get(stored) == "int8":  # row chunks: no whole dense copy
+    kind = GGUF_DECODE_KIND.get(stored)
+    if fmt in ("auto", "int4") and kind == "int4":  # GGUF Q4 blocks: int4 as stored
+        return DecodeWeight("int4", *unpack_q4_blocks(handle.blocks(), stored))
+    if fmt == "auto" and kind == "int8":  # row chunks: no whole dense copy
         return DecodeWeight("int8", *quantize_int8_blocks(handle))
-    w = None if fmt in ("auto", "int4") and GGUF_DECODE_KIND.get(stored) == "int4" else weight_of(linear, handle)
+    w = weight_of(linear, handle)
     if fmt == "fp32":
         return None if w.dtype == torch.float32 else DecodeWeight("dense", dense=w.float())
-    if w is None:  # GGUF Q4 blocks: int4 as stored
-        codes, scale, zero = unpack_q4_blocks(handle.blocks(), stored)
-        return DecodeWeight("int4", codes, scale, zero)
     if fmt == "int4" and w.shape[1] % GROUP == 0:
         return DecodeWeight("int4", *quantize_int4(w))
     if fmt == "int8":

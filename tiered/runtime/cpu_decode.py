@@ -77,14 +77,6 @@ def _decode_module(m: nn.Module) -> nn.Module:
     return m.decode if isinstance(m, PhaseLinear) else m
 
 
-def _fused(parent: nn.Module, names: tuple[str, ...]) -> Kernel | None:
-    """The one kernel computing `names` side by side (a shared fused decode module), else None."""
-    mods = [_decode_module(getattr(parent, n)) for n in names]
-    if all(isinstance(m, Slice) for m in mods) and len({id(m.shared) for m in mods}) == 1:
-        return Kernel(mods[0].shared.fused)
-    return None
-
-
 class _Side:
     """Separate kernels run side by side with outputs concatenated: the lossless fp32 mode, whose
     q/k/v and gate/up weights have no fused decode copy (one more op, no second copy of them)."""
@@ -103,10 +95,10 @@ class _Side:
 def _group(parent: nn.Module, names: tuple[str, ...]) -> Kernel | _Side:
     """The kernel(s) computing projections `names` of `parent` side by side: their shared fused
     decode module when there is one, else each projection's own kernel."""
-    fused = _fused(parent, names)
-    if fused is not None:
-        return fused
-    return _Side([Kernel(_decode_module(getattr(parent, n))) for n in names])
+    mods = [_decode_module(getattr(parent, n)) for n in names]
+    if all(isinstance(m, Slice) for m in mods) and len({id(m.shared) for m in mods}) == 1:
+        return Kernel(mods[0].shared.fused)
+    return _Side([Kernel(m) for m in mods])
 
 
 def _rotate_half_matrix(hd: int, dtype: torch.dtype) -> torch.Tensor:
