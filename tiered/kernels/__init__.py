@@ -1,0 +1,105 @@
+"""tiered's own CPU kernels: a C++ extension built once per machine from `csrc/*.cpp`.
+
+The build uses torch's C++ extension machinery (`torch.utils.cpp_extension.load`, ninja, the
+system's g++), so it needs no build step at install time: `scripts/setup.sh` runs
+`python -m tiered.kernels` once, and a later `load()` imports the cached library in ~0.1 s. The
+library is compiled for the portable x86-64 baseline plus the flags below; code that wants AVX-512
+or AVX2 picks it at run time from the CPU's flags (gcc's target attributes), so one build serves
+the machine it was made on and any other.
+
+OpenMP: the sources are compiled with -fopenmp so that `at::parallel_for` runs on torch's own
+OpenMP team. torch ships `libgomp.so.1` and loads it first; the loader gives the extension that
+same library (same soname), so there is one OpenMP runtime and one thread team in the process.
+
+Set TIERED_NATIVE=0 to run without the extension (the torch-op paths), e.g. to compare them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+_loaded: object = None
+_failed: str | None = None
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: $TIERED_KERNELS_DIR, else ~/.cache/tiered/kernels."""
+    root = os.environ.get("TIERED_KERNELS_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "tiered" / "kernels"
+
+
+def build_name() -> str:
+    """The library's name: a hash of the sources, the flags, torch and Python, so that any change
+    to them builds afresh instead of importing a stale library."""
+    import torch
+
+    h = hashlib.sha256()
+    for p in sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h")):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(sys.version.encode())
+    return f"tiered_kernels_{h.hexdigest()[:16]}"
+
+
+def enabled() -> bool:
+    """False when TIERED_NATIVE=0 turns the extension off."""
+    return os.environ.get("TIERED_NATIVE", "1") not in ("0", "false", "no", "off")
+
+
+def _import_built(name: str, directory: Path):
+    so = directory / f"{name}.so"
+    if not so.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def load(build: bool = True, verbose: bool = False):
+    """The extension module, building it first when `build` and no cached build exists.
+
+    Returns None (and logs why, once) when TIERED_NATIVE=0, or when the build fails (no C++
+    compiler, no ninja): callers then use their torch-op paths. Building takes ~1 min on 2 cores.
+    """
+    global _loaded, _failed
+    if not enabled():
+        return None
+    if _loaded is not None:
+        return _loaded
+    if _failed is not None:
+        return None
+    import torch  # noqa: F401  (loads libtorch and its libgomp before the extension)
+
+    name = build_name()
+    directory = cache_dir() / name
+    try:
+        _loaded = _import_built(name, directory)
+        if _loaded is None and build:
+            from torch.utils.cpp_extension import load as cpp_load
+
+            directory.mkdir(parents=True, exist_ok=True)
+            sources = [str(p) for p in sorted(CSRC.glob("*.cpp"))]
+            _loaded = cpp_load(name, sources, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                               build_directory=str(directory), verbose=verbose)
+    except Exception as e:  # noqa: BLE001  (a failed build falls back; say why once)
+        _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        log.warning("tiered: native CPU kernels unavailable (%s); using the torch-op paths", _failed)
+        return None
+    return _loaded
+
+
+def failure() -> str | None:
+    """Why the last `load()` returned None (None when it did not fail)."""
+    return _failed

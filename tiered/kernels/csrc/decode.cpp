@@ -1,0 +1,291 @@
+// The native decode step: the dense layers of a Llama-family model, T = 1 new token per row, on
+// the CPU, with every glue op (RMSNorm, RoPE, KV write, attention, SwiGLU, residual) a plain loop
+// on fp32 rows and the weights behind the Kernel interface (llama2.c's forward(), in C++).
+//
+// Through torch ops the same step costs ~48 dispatcher ops per layer, ~8 us each from Python: on
+// SmolLM2 that was half of the step (benchmarks/results/cpu_dense_profile.txt). Here only the
+// weight kernels remain.
+//
+// Numerics follow runtime/cpu_decode.py's torch-op step: the residual stream, q, k, the KV cache
+// and the attention output are rounded to the model's dtype where that step rounds them; norms,
+// RoPE, softmax and SwiGLU compute in fp32.
+#include "kernel.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace tiered {
+namespace {
+
+// Kernels whose outputs are concatenated column-wise (a fused q/k/v kernel is a group of one).
+struct Group {
+  std::vector<KernelPtr> ks;
+  int64_t in = 0, out = 0;
+
+  explicit Group(std::vector<KernelPtr> kernels = {}) : ks(std::move(kernels)) {
+    for (auto& k : ks) {
+      TORCH_CHECK(in == 0 || k->in_features == in, "decode step: kernels of one group differ in input width");
+      in = k->in_features;
+      out += k->out_features;
+    }
+  }
+  bool empty() const { return ks.empty(); }
+
+  void run(const float* x, int64_t B, float* y, std::vector<float>& tmp) const {
+    if (ks.size() == 1) return ks[0]->run(x, B, y);
+    int64_t off = 0;
+    for (auto& k : ks) {
+      const int64_t n = k->out_features;
+      tmp.resize(B * n);
+      k->run(x, B, tmp.data());
+      for (int64_t b = 0; b < B; ++b) std::memcpy(y + b * out + off, tmp.data() + b * n, n * sizeof(float));
+      off += n;
+    }
+  }
+};
+
+struct Layer {
+  std::vector<float> in_norm, post_norm;
+  float eps = 1e-6f;
+  Group qkv, o, gate_up, down;  // gate_up/down empty: attention only (the layer's FFN runs elsewhere)
+};
+
+std::vector<float> to_floats(const at::Tensor& t) {
+  auto c = t.to(at::kFloat).contiguous();
+  return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+}
+
+template <typename T>
+inline float rnd(float v) { return float(T(v)); }  // round to the model's dtype (identity for fp32)
+
+inline void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / float(D) + eps);
+  for (int64_t i = 0; i < D; ++i) y[i] = x[i] * r * w[i];
+}
+
+class DecodeStep {
+ public:
+  DecodeStep(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int64_t window)
+      : D(hidden), H(heads), Hkv(kv_heads), hd(head_dim), scale_(float(scale)), window_(window) {
+    TORCH_CHECK(H % Hkv == 0 && hd % 2 == 0, "decode step: heads must be a multiple of kv heads, head_dim even");
+  }
+
+  void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, std::vector<KernelPtr> qkv,
+                 std::vector<KernelPtr> o, std::vector<KernelPtr> gate_up, std::vector<KernelPtr> down) {
+    Layer L;
+    L.in_norm = to_floats(in_norm);
+    L.post_norm = to_floats(post_norm);
+    L.eps = float(eps);
+    L.qkv = Group(std::move(qkv));
+    L.o = Group(std::move(o));
+    L.gate_up = Group(std::move(gate_up));
+    L.down = Group(std::move(down));
+    TORCH_CHECK(L.qkv.in == D && L.qkv.out == (H + 2 * Hkv) * hd, "decode step: q/k/v kernels are ", L.qkv.in,
+                " -> ", L.qkv.out, ", expected ", D, " -> ", (H + 2 * Hkv) * hd);
+    TORCH_CHECK(L.o.in == H * hd && L.o.out == D, "decode step: o_proj kernel has the wrong shape");
+    if (!L.gate_up.empty())
+      TORCH_CHECK(L.gate_up.in == D && L.gate_up.out % 2 == 0 && L.down.in == L.gate_up.out / 2 && L.down.out == D,
+                  "decode step: gate/up and down kernels have the wrong shapes");
+    layers_.push_back(std::move(L));
+  }
+
+  void set_head(const at::Tensor& norm, double eps, KernelPtr lm_head) {
+    final_norm_ = to_floats(norm);
+    final_eps_ = float(eps);
+    lm_head_ = std::move(lm_head);
+    TORCH_CHECK(lm_head_->in_features == D, "decode step: lm_head kernel has the wrong input width");
+  }
+
+  int64_t num_layers() const { return int64_t(layers_.size()); }
+
+  // x [B, D] (model dtype, updated in place); cos, sin [B, hd] fp32; slots, positions int64 [B];
+  // k_cache, v_cache [L, num_slots, Hkv, max_len, hd] in x's dtype. Runs layers [first, last).
+  void forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+               const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache, int64_t first, int64_t last) {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == D && x.is_contiguous(), "decode step: x must be contiguous [B, ", D, "]");
+    TORCH_CHECK(0 <= first && first <= last && last <= num_layers(), "decode step: bad layer range");
+    TORCH_CHECK(k_cache.scalar_type() == x.scalar_type() && v_cache.scalar_type() == x.scalar_type() &&
+                k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5 &&
+                k_cache.size(2) == Hkv && k_cache.size(4) == hd,
+                "decode step: the KV cache must be contiguous [L, slots, Hkv, max_len, hd] in x's dtype");
+    const int64_t B = x.size(0);
+    auto c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
+    auto sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
+    TORCH_CHECK(c.numel() == B * hd && s.numel() == B * hd && sl.numel() == B && ps.numel() == B,
+                "decode step: cos/sin must be [B, hd], slots/positions [B]");
+    const int64_t n_slots = k_cache.size(1), max_len = k_cache.size(3);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t slot = sl.data_ptr<int64_t>()[b], pos = ps.data_ptr<int64_t>()[b];
+      TORCH_CHECK(0 <= slot && slot < n_slots && 0 <= pos && pos < max_len, "decode step: slot ", slot,
+                  " / position ", pos, " outside the KV cache");
+    }
+    pybind11::gil_scoped_release nogil;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "tiered_decode", [&] {
+      run<scalar_t>(x.data_ptr<scalar_t>(), B, c.data_ptr<float>(), s.data_ptr<float>(), sl.data_ptr<int64_t>(),
+                    ps.data_ptr<int64_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), n_slots,
+                    max_len, first, last);
+    });
+  }
+
+  // x [B, D] model dtype -> logits [B, V] fp32: the final RMSNorm and the lm_head kernel.
+  at::Tensor logits(const at::Tensor& x) {
+    TORCH_CHECK(lm_head_, "decode step: no lm_head (set_head)");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == D, "decode step: x must be [B, ", D, "]");
+    const int64_t B = x.size(0);
+    auto xf = x.to(at::kFloat).contiguous();
+    auto out = at::empty({B, lm_head_->out_features}, at::TensorOptions().dtype(at::kFloat));
+    pybind11::gil_scoped_release nogil;
+    std::vector<float> h(B * D);
+    const bool low = x.scalar_type() != at::kFloat;
+    for (int64_t b = 0; b < B; ++b) {
+      rms_norm(xf.data_ptr<float>() + b * D, final_norm_.data(), final_eps_, D, h.data() + b * D);
+      if (low) round_rows(x.scalar_type(), h.data() + b * D, D);
+    }
+    lm_head_->run(h.data(), B, out.data_ptr<float>());
+    return out;
+  }
+
+ private:
+  static void round_rows(at::ScalarType t, float* v, int64_t n) {
+    if (t == at::kBFloat16) for (int64_t i = 0; i < n; ++i) v[i] = rnd<at::BFloat16>(v[i]);
+    else if (t == at::kHalf) for (int64_t i = 0; i < n; ++i) v[i] = rnd<at::Half>(v[i]);
+  }
+
+  template <typename T>
+  void run(T* xs, int64_t B, const float* cos, const float* sin, const int64_t* slots, const int64_t* pos, T* kc,
+           T* vc, int64_t n_slots, int64_t max_len, int64_t first, int64_t last) {
+    const int64_t QK = (H + Hkv) * hd, QKV = (H + 2 * Hkv) * hd, half = hd / 2;
+    std::vector<float> x(B * D), h(B * D), qkv(B * QKV), att(B * H * hd), y(B * D), tmp;
+    for (int64_t i = 0; i < B * D; ++i) x[i] = float(xs[i]);
+    for (int64_t l = first; l < last; ++l) {
+      const Layer& L = layers_[l];
+      // attention: h = norm(x); qkv = W_qkv h
+      for (int64_t b = 0; b < B; ++b) {
+        rms_norm(x.data() + b * D, L.in_norm.data(), L.eps, D, h.data() + b * D);
+        for (int64_t i = 0; i < D; ++i) h[b * D + i] = rnd<T>(h[b * D + i]);
+      }
+      L.qkv.run(h.data(), B, qkv.data(), tmp);
+      // RoPE on q and k (rotate-half), rounded to the model's dtype; then k, v into the cache
+      for (int64_t b = 0; b < B; ++b) {
+        const float* cb = cos + b * hd;
+        const float* sb = sin + b * hd;
+        float* r = qkv.data() + b * QKV;
+        for (int64_t j = 0; j < H + Hkv; ++j) {
+          float* v = r + j * hd;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = v[i], x2 = v[i + half];
+            v[i] = rnd<T>(x1 * cb[i] - x2 * sb[i]);
+            v[i + half] = rnd<T>(x2 * cb[i + half] + x1 * sb[i + half]);
+          }
+        }
+        for (int64_t g = 0; g < Hkv; ++g) {
+          const int64_t at_ = (((l * n_slots + slots[b]) * Hkv + g) * max_len + pos[b]) * hd;
+          for (int64_t i = 0; i < hd; ++i) {
+            kc[at_ + i] = T(r[H * hd + g * hd + i]);
+            vc[at_ + i] = T(r[QK + g * hd + i]);
+          }
+        }
+      }
+      attention<T>(l, B, qkv.data(), kc, vc, slots, pos, n_slots, max_len, att.data());
+      L.o.run(att.data(), B, y.data(), tmp);
+      for (int64_t i = 0; i < B * D; ++i) x[i] = rnd<T>(x[i] + y[i]);
+      if (L.gate_up.empty()) continue;  // attention only: the caller runs this layer's FFN
+      // FFN: x += W_down (silu(g) * u), [g | u] = W_gu norm(x)
+      for (int64_t b = 0; b < B; ++b) {
+        rms_norm(x.data() + b * D, L.post_norm.data(), L.eps, D, h.data() + b * D);
+        for (int64_t i = 0; i < D; ++i) h[b * D + i] = rnd<T>(h[b * D + i]);
+      }
+      const int64_t F = L.down.in;
+      gu_.resize(B * 2 * F);
+      act_.resize(B * F);
+      L.gate_up.run(h.data(), B, gu_.data(), tmp);
+      for (int64_t b = 0; b < B; ++b) {
+        const float* g = gu_.data() + b * 2 * F;
+        const float* u = g + F;
+        float* a = act_.data() + b * F;
+        for (int64_t i = 0; i < F; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      }
+      L.down.run(act_.data(), B, y.data(), tmp);
+      for (int64_t i = 0; i < B * D; ++i) x[i] = rnd<T>(x[i] + y[i]);
+    }
+    for (int64_t i = 0; i < B * D; ++i) xs[i] = T(x[i]);
+  }
+
+  // att [B, H*hd] = softmax(q k^T * scale) v over each row's cached positions, rounded to T.
+  template <typename T>
+  void attention(int64_t l, int64_t B, const float* qkv, const T* kc, const T* vc, const int64_t* slots,
+                 const int64_t* pos, int64_t n_slots, int64_t max_len, float* att) const {
+    const int64_t QKV = (H + 2 * Hkv) * hd, group = H / Hkv;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; ++b) work += (pos[b] + 1) * H * hd;
+    auto body = [&](int64_t begin, int64_t end) {
+      std::vector<float> p;
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / H, hh = bh % H, g = hh / group;
+        const int64_t lo = window_ > 0 ? std::max<int64_t>(0, pos[b] - window_ + 1) : 0, n = pos[b] + 1 - lo;
+        const float* q = qkv + b * QKV + hh * hd;
+        const int64_t base = ((l * n_slots + slots[b]) * Hkv + g) * max_len * hd;
+        const T* K = kc + base;
+        const T* V = vc + base;
+        p.resize(n);
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < n; ++t) {
+          const T* k = K + (lo + t) * hd;
+          float d = 0.f;
+          for (int64_t i = 0; i < hd; ++i) d += q[i] * float(k[i]);
+          p[t] = d * scale_;
+          mx = std::max(mx, p[t]);
+        }
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; ++t) sum += (p[t] = std::exp(p[t] - mx));
+        const float inv = 1.f / sum;
+        float* o = att + b * H * hd + hh * hd;
+        for (int64_t i = 0; i < hd; ++i) o[i] = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
+          const T* v = V + (lo + t) * hd;
+          const float w = p[t] * inv;
+          for (int64_t i = 0; i < hd; ++i) o[i] += w * float(v[i]);
+        }
+        for (int64_t i = 0; i < hd; ++i) o[i] = rnd<T>(o[i]);
+      }
+    };
+    if (work < (1 << 17)) body(0, B * H);
+    else at::parallel_for(0, B * H, 1, body);
+  }
+
+  int64_t D, H, Hkv, hd;
+  float scale_;
+  int64_t window_;
+  std::vector<Layer> layers_;
+  std::vector<float> final_norm_;
+  float final_eps_ = 1e-6f;
+  KernelPtr lm_head_;
+  std::vector<float> gu_, act_;
+};
+
+}  // namespace
+
+void register_decode(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<DecodeStep>(m, "DecodeStep",
+                         "Native decode step of dense Llama-family layers (tiered/kernels/csrc/decode.cpp).")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("hidden"), py::arg("heads"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("window") = 0)
+      .def("add_layer", &DecodeStep::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("eps"),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"))
+      .def("set_head", &DecodeStep::set_head, py::arg("norm"), py::arg("eps"), py::arg("lm_head"))
+      .def("num_layers", &DecodeStep::num_layers)
+      .def("forward", &DecodeStep::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
+           py::arg("positions"), py::arg("k_cache"), py::arg("v_cache"), py::arg("first"), py::arg("last"))
+      .def("logits", &DecodeStep::logits, py::arg("x"));
+}
+
+}  // namespace tiered

@@ -1,0 +1,160 @@
+// Kernels that call torch's own CPU weight kernels (the packed int4 / int8 ones and dense mm),
+// plus the Python-facing wrapper every Kernel shares.
+#include "kernel.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+namespace tiered {
+
+at::Tensor rows_to(const float* x, int64_t B, int64_t K, at::ScalarType dtype) {
+  auto t = at::empty({B, K}, at::TensorOptions().dtype(dtype));
+  const int64_t n = B * K;
+  switch (dtype) {
+    case at::kFloat: std::memcpy(t.data_ptr<float>(), x, n * sizeof(float)); break;
+    case at::kBFloat16: {
+      auto* d = t.data_ptr<at::BFloat16>();
+      for (int64_t i = 0; i < n; ++i) d[i] = at::BFloat16(x[i]);
+      break;
+    }
+    case at::kHalf: {
+      auto* d = t.data_ptr<at::Half>();
+      for (int64_t i = 0; i < n; ++i) d[i] = at::Half(x[i]);
+      break;
+    }
+    default: TORCH_CHECK(false, "rows_to: unsupported dtype ", dtype);
+  }
+  return t;
+}
+
+void rows_from(const at::Tensor& t0, float* y) {
+  auto t = t0.contiguous();
+  const int64_t n = t.numel();
+  switch (t.scalar_type()) {
+    case at::kFloat: std::memcpy(y, t.data_ptr<float>(), n * sizeof(float)); break;
+    case at::kBFloat16: {
+      const auto* s = t.data_ptr<at::BFloat16>();
+      for (int64_t i = 0; i < n; ++i) y[i] = float(s[i]);
+      break;
+    }
+    case at::kHalf: {
+      const auto* s = t.data_ptr<at::Half>();
+      for (int64_t i = 0; i < n; ++i) y[i] = float(s[i]);
+      break;
+    }
+    default: TORCH_CHECK(false, "rows_from: unsupported dtype ", t.scalar_type());
+  }
+}
+
+namespace {
+
+void add_bias(const c10::optional<at::Tensor>& bias, int64_t B, int64_t N, float* y) {
+  if (!bias) return;
+  auto b = bias->to(at::kFloat).contiguous();
+  const float* bp = b.data_ptr<float>();
+  for (int64_t r = 0; r < B; ++r)
+    for (int64_t j = 0; j < N; ++j) y[r * N + j] += bp[j];
+}
+
+// torch's `_weight_int4pack_mm_for_cpu`: bf16 activations, packed int4 weights with per-group
+// scales and zero points (quant/int4.py's Int4Linear).
+struct Int4PackKernel : Kernel {
+  at::Tensor packed, scales_zeros;
+  int64_t group;
+  c10::optional<at::Tensor> bias;
+  void run(const float* x, int64_t B, float* y) const override {
+    auto xin = rows_to(x, B, in_features, at::kBFloat16);
+    rows_from(at::_weight_int4pack_mm_for_cpu(xin, packed, group, scales_zeros), y);
+    add_bias(bias, B, out_features, y);
+  }
+  int64_t weight_bytes() const override { return packed.nbytes() + scales_zeros.nbytes(); }
+  std::string name() const override { return "int4pack(torch)"; }
+};
+
+// torch's `_weight_int8pack_mm`: bf16 activations, int8 weights [N, K] with a scale per row.
+struct Int8PackKernel : Kernel {
+  at::Tensor q, scale;
+  c10::optional<at::Tensor> bias;
+  void run(const float* x, int64_t B, float* y) const override {
+    auto xin = rows_to(x, B, in_features, at::kBFloat16);
+    rows_from(at::_weight_int8pack_mm(xin, q, scale), y);
+    add_bias(bias, B, out_features, y);
+  }
+  int64_t weight_bytes() const override { return q.nbytes() + scale.nbytes(); }
+  std::string name() const override { return "int8pack(torch)"; }
+};
+
+// A dense weight [N, K] in its own dtype (fp32 in the lossless mode, or bf16), through at::linear.
+struct DenseKernel : Kernel {
+  at::Tensor w;
+  c10::optional<at::Tensor> bias;
+  void run(const float* x, int64_t B, float* y) const override {
+    auto xin = rows_to(x, B, in_features, w.scalar_type());
+    rows_from(at::linear(xin, w, bias), y);
+  }
+  int64_t weight_bytes() const override { return w.nbytes(); }
+  std::string name() const override { return std::string("dense(") + c10::toString(w.scalar_type()) + ")"; }
+};
+
+at::Tensor call_kernel(const Kernel& k, const at::Tensor& x0) {
+  TORCH_CHECK(x0.dim() == 2 && x0.size(1) == k.in_features, "kernel ", k.name(), ": x must be [B, ",
+              k.in_features, "], got ", x0.sizes());
+  auto x = x0.to(at::kFloat).contiguous();
+  auto y = at::empty({x.size(0), k.out_features}, at::TensorOptions().dtype(at::kFloat));
+  {
+    pybind11::gil_scoped_release nogil;
+    k.run(x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+  }
+  return y;
+}
+
+std::string cpu_isa() {
+  std::string s;
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2")) s += "avx2 ";
+  if (__builtin_cpu_supports("fma")) s += "fma ";
+  if (__builtin_cpu_supports("avx512f")) s += "avx512f ";
+  if (__builtin_cpu_supports("avx512bw")) s += "avx512bw ";
+  if (__builtin_cpu_supports("avx512vnni")) s += "avx512vnni ";
+  if (__builtin_cpu_supports("avx512bf16")) s += "avx512bf16 ";
+  if (!s.empty()) s.pop_back();
+  return s;
+}
+
+}  // namespace
+
+void register_kernels(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<Kernel, KernelPtr>(m, "Kernel", "One projection y [B, N] fp32 = x [B, K] . W^T (+ bias).")
+      .def_readonly("in_features", &Kernel::in_features)
+      .def_readonly("out_features", &Kernel::out_features)
+      .def("weight_bytes", &Kernel::weight_bytes)
+      .def("name", &Kernel::name)
+      .def("__call__", &call_kernel, "x [B, K] any float dtype -> y [B, N] fp32");
+  m.def("int4pack_kernel", [](at::Tensor packed, int64_t group, at::Tensor scales_zeros, int64_t in_features,
+                              int64_t out_features, c10::optional<at::Tensor> bias) -> KernelPtr {
+    auto k = std::make_shared<Int4PackKernel>();
+    k->packed = packed; k->group = group; k->scales_zeros = scales_zeros; k->bias = bias;
+    k->in_features = in_features; k->out_features = out_features;
+    return k;
+  }, py::arg("packed"), py::arg("group"), py::arg("scales_zeros"), py::arg("in_features"), py::arg("out_features"),
+     py::arg("bias") = py::none());
+  m.def("int8pack_kernel", [](at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> bias) -> KernelPtr {
+    TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "int8pack_kernel: q must be int8 [N, K]");
+    auto k = std::make_shared<Int8PackKernel>();
+    k->q = q.contiguous(); k->scale = scale; k->bias = bias;
+    k->out_features = q.size(0); k->in_features = q.size(1);
+    return k;
+  }, py::arg("q"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("dense_kernel", [](at::Tensor w, c10::optional<at::Tensor> bias) -> KernelPtr {
+    TORCH_CHECK(w.dim() == 2, "dense_kernel: w must be [N, K]");
+    auto k = std::make_shared<DenseKernel>();
+    k->w = w;
+    k->bias = bias ? c10::optional<at::Tensor>(bias->to(w.scalar_type())) : c10::nullopt;
+    k->out_features = w.size(0); k->in_features = w.size(1);
+    return k;
+  }, py::arg("w"), py::arg("bias") = py::none());
+  m.def("cpu_isa", &cpu_isa, "The SIMD extensions this CPU has that the kernels can use (space-separated).");
+}
+
+}  // namespace tiered
