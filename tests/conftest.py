@@ -25,6 +25,13 @@ def pytest_configure(config):
     # threads slow down 10-30x as soon as another process competes for the cores, while the
     # tiny models gain little from a second thread. TIERED_TEST_THREADS=N overrides.
     torch.set_num_threads(int(os.environ.get("TIERED_TEST_THREADS", "1")))
+    # CI builds tiered/kernels in setup and sets TIERED_REQUIRE_NATIVE=1: the native tests must run
+    # there, not skip because a build broke.
+    if os.environ.get("TIERED_REQUIRE_NATIVE") == "1":
+        from tiered import kernels
+
+        if kernels.load() is None:
+            raise pytest.UsageError(f"TIERED_REQUIRE_NATIVE=1 but tiered/kernels did not build: {kernels.failure()}")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -141,9 +141,10 @@ def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     return torch.randint(2, vocab_size, (length,), generator=g).tolist()
 
 
-def stepwise_logits(llm, ids: list[int], n_prompt: int) -> torch.Tensor:
+def stepwise_logits(llm, ids: list[int], n_prompt: int, step=None) -> torch.Tensor:
     """Teacher-forced logits through the engine's two paths: prefill ids[:n_prompt] (dense
-    weights), then feed ids[n_prompt:] one token per step (decode weights).
+    weights), then feed ids[n_prompt:] one token per step (decode weights) through the model's
+    modules, or through `step` (e.g. the engine's own CPU decode step, llm.runtime.cpu_decode).
 
     Returns:
         fp32 [len(ids) - n_prompt + 1, V]: row j predicts ids[n_prompt + j] (like llm.logits rows
@@ -160,6 +161,6 @@ def stepwise_logits(llm, ids: list[int], n_prompt: int) -> torch.Tensor:
             rows.append(llm.model(dev(torch.tensor([ids[:n_prompt]])), dev(torch.arange(n_prompt).unsqueeze(0)),
                                   slot, cache))
         for t in range(n_prompt, len(ids)):
-            rows.append(llm.model(dev(torch.tensor([[ids[t]]])), dev(torch.tensor([[t]])), slot, cache))
-    return torch.cat(rows).float().cpu()
+            rows.append((step or llm.model)(dev(torch.tensor([[ids[t]]])), dev(torch.tensor([[t]])), slot, cache))
+    return torch.cat([r.float().reshape(-1, r.shape[-1]) for r in rows]).cpu()
 

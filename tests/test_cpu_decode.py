@@ -19,8 +19,10 @@ from runtime_fixtures import engine_config, rt  # noqa: F401
 from tiered import LLM
 from tiered.engine.llm import dense_weights
 from tiered.eval import kl_divergence
+from tiered import kernels
 from tiered.runtime.cpu_decode import CPUDecodeStep
 
+NATIVE = [False, pytest.param(True, marks=pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built"))]
 DENSE = ["llama", "llama_tied", "llama_attn_bias", "mistral", "qwen2", "qwen3"]
 
 
@@ -30,10 +32,11 @@ def _prefill(llm, cache, prompts: list[list[int]]) -> None:
             llm.model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), torch.tensor([slot]), cache)
 
 
-def _compare(llm, prompts: list[list[int]], steps: int, tol: float) -> float:
-    """Decode `steps` tokens for every prompt at once through the lean step and through the modules,
-    each over its own cache; returns the largest relative logits difference (asserting caches match)."""
-    step = CPUDecodeStep(llm.model)
+def _compare(llm, prompts: list[list[int]], steps: int, tol: float, native: bool = False) -> float:
+    """Decode `steps` tokens for every prompt at once through the lean step (torch ops, or the native
+    C++ step) and through the modules, each over its own cache; returns the largest relative logits
+    difference (asserting caches match)."""
+    step = CPUDecodeStep(llm.model, native=native)
     lengths = [len(p) for p in prompts]
     caches = [llm._kv_cache(len(prompts), max(lengths) + steps) for _ in range(2)]
     worst = 0.0
@@ -53,33 +56,41 @@ def _compare(llm, prompts: list[list[int]], steps: int, tol: float) -> float:
     return worst
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("kind", DENSE)
-def test_lean_step_equals_modules_fp32(zoo, kind):
+def test_lean_step_equals_modules_fp32(zoo, kind, native):
     llm = zoo.llm(zoo.dir(kind), dtype="float32", max_context=64)
     ids = prompt_ids(zoo.vocab_size, 12)
-    assert _compare(llm, [ids], steps=12, tol=1e-5) <= 1e-5  # batch 1: the in-place KV write
+    assert _compare(llm, [ids], steps=12, tol=1e-5, native=native) <= 1e-5  # batch 1: the in-place KV write
     # two sequences of different lengths: the masked path (past mistral's window of 8 too)
-    assert _compare(llm, [ids, prompt_ids(zoo.vocab_size, 5, seed=3)], steps=6, tol=1e-5) <= 1e-5
+    assert _compare(llm, [ids, prompt_ids(zoo.vocab_size, 5, seed=3)], steps=6, tol=1e-5, native=native) <= 1e-5
 
 
-def test_lean_step_in_bf16_matches_the_modules(zoo):
+@pytest.mark.parametrize("native", NATIVE)
+def test_lean_step_in_bf16_matches_the_modules(zoo, native):
     """A bf16 model (--dtype bfloat16): RoPE's fp32 tables must not leak fp32 into attention."""
     llm = zoo.llm(zoo.dir("qwen2"), dtype="bfloat16", max_context=64)
     assert _compare(llm, [prompt_ids(zoo.vocab_size, 10), prompt_ids(zoo.vocab_size, 4, seed=2)],
-                    steps=4, tol=2e-2) <= 2e-2
+                    steps=4, tol=2e-2, native=native) <= 2e-2
 
 
-def test_lean_step_runs_moe_blocks_through_their_ffn(rt):  # noqa: F811
+@pytest.mark.parametrize("native", NATIVE)
+def test_lean_step_runs_moe_blocks_through_their_ffn(rt, native):  # noqa: F811
     llm = LLM(rt.dir("mixtral"), engine_config())
-    step = CPUDecodeStep(llm.model)
+    step = CPUDecodeStep(llm.model, native=native)
     assert all(L.ffn is not None for L, _ in step.layers)  # the MoE block is the layer's FFN
-    assert _compare(llm, [list(range(2, 14))], steps=4, tol=1e-5) <= 1e-5
+    if native:
+        assert [s[0] for s in step.schedule] == ["attn"] * len(step.layers)
+    assert _compare(llm, [list(range(2, 14))], steps=4, tol=1e-5, native=native) <= 1e-5
 
 
-def test_lean_step_with_int4_copies_matches_the_modules(zoo):
+@pytest.mark.parametrize("native", NATIVE)
+def test_lean_step_with_int4_copies_matches_the_modules(zoo, native):
     llm = LLM(zoo.dir("llama"), __import__("tiered").EngineConfig(decode_weights="int4", max_context=64))
-    step = CPUDecodeStep(llm.model)
+    step = CPUDecodeStep(llm.model, native=native)
     assert type(step.layers[0][0].qkv).__name__ == "Kernel"  # the fused int4 kernel, not three
+    if native:
+        assert step.schedule == [("native", 0, llm.config.num_hidden_layers)]
     ids = prompt_ids(zoo.vocab_size, 12)
     caches = [llm._kv_cache(1, 32) for _ in range(2)]
     kls = []

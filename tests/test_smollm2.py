@@ -9,6 +9,10 @@ activations (lossy). Its cost is reported as KL divergence to the lossless logit
 lossless greedy continuation (teacher forcing). Measured on the development machine (x86 CPU,
 torch 2.13): max KL 0.0047 nats, mean 0.0017 nats, top-1 agreement 97% (32 of 33 positions),
 and the first 30 of 32 greedy tokens equal to the lossless ones. The bounds below leave ~4x room.
+Through the engine's own decode step (the native C++ step when tiered/kernels is built: SwiGLU's
+activations stay fp32 where the torch-op step rounds them to bf16) on 2026-11-23: max KL 0.0052,
+mean 0.0019, top-1 97%; the first 4 greedy tokens equal, where the lossless top-2 logits of the
+5th are 0.076 apart (a near tie: the module path keeps all 32 on this prompt).
 """
 
 from __future__ import annotations
@@ -101,9 +105,19 @@ def test_default_int4_decode_is_close_to_lossless(smollm2_path, lossless, lossle
     kl = kl_divergence(ref, got)
     assert float(kl.max()) < 0.02 and float(kl.mean()) < 0.007
     assert float((ref.argmax(-1) == got.argmax(-1)).float().mean()) >= 0.9
-    # And generate() itself follows that path.
+    # The engine's own decode step (what generate() runs) is as close to lossless ...
+    step = int4.runtime.cpu_decode
+    assert step is not None and step.native is not None or not int4.plan.native_decode
+    got = stepwise_logits(int4, seq, len(prompt), step=step)
+    kl = kl_divergence(ref, got)
+    assert float(kl.max()) < 0.02 and float(kl.mean()) < 0.007
+    assert float((ref.argmax(-1) == got.argmax(-1)).float().mean()) >= 0.9
+    # ... and generate() follows that step: its greedy tokens are the step's teacher-forced argmax
+    # along the lossless path up to (and including) the first token where they leave it.
     out = int4.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    assert out.token_ids == cont[:8]
+    step_greedy = got.argmax(-1).tolist()
+    n = min(first_mismatch(step_greedy, cont) + 1, 8)
+    assert out.token_ids[:n] == step_greedy[:n]
 
 
 def test_perplexity_of_real_text(lossless):

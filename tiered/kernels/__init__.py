@@ -90,11 +90,13 @@ def load(build: bool = True, verbose: bool = False):
             from torch.utils.cpp_extension import load as cpp_load
 
             directory.mkdir(parents=True, exist_ok=True)
+            print("tiered: building the native CPU kernels (once per machine, ~1 min) ...", file=sys.stderr, flush=True)
             sources = [str(p) for p in sorted(CSRC.glob("*.cpp"))]
             _loaded = cpp_load(name, sources, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                build_directory=str(directory), verbose=verbose)
     except Exception as e:  # noqa: BLE001  (a failed build falls back; say why once)
-        _failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        lines = str(e).strip().splitlines() or [""]
+        _failed = f"{type(e).__name__}: " + next((ln for ln in lines if "error:" in ln), lines[-1]).strip()
         log.warning("tiered: native CPU kernels unavailable (%s); using the torch-op paths", _failed)
         return None
     return _loaded

@@ -148,7 +148,15 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                           and plan.fast_tier == "gpu" and not plan.sliced_layers())
     # without an accelerator every decode step runs on the CPU: through the lean step
     plan.cpu_decode_step = accelerator is None
+    # ... and in C++ when tiered/kernels is built (setup builds it; TIERED_NATIVE=0 turns it off)
+    plan.native_decode = plan.cpu_decode_step and _native_kernels_available()
     return plan, profile
+
+
+def _native_kernels_available() -> bool:
+    from tiered import kernels
+
+    return kernels.load() is not None
 
 
 def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_format: str, decode_precision: str) -> bool:

@@ -77,6 +77,8 @@ class Plan:
         cpu_decode_step                      run CPU decode steps of at most decode_threshold rows
                                              through runtime/cpu_decode.CPUDecodeStep (fused kernels,
                                              ~30 torch ops per layer) instead of the modules
+        native_decode                        run that step in C++ (tiered/kernels, built by setup):
+                                             only the weight kernels remain of the torch ops
         source                               who decided: "planner", "rules" (plan off) or a file
     """
 
@@ -119,6 +121,7 @@ class Plan:
     decode_threshold: int = 8
     decode_graphs: bool = False
     cpu_decode_step: bool = False
+    native_decode: bool = False
     dense_copies: bool = True
     mixed_precision: dict | None = None
     expert_cache_slots_low: int = 0

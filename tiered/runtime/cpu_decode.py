@@ -24,6 +24,11 @@ cache and attention stay in the model's dtype, as in the module path.
 Layers it cannot run (q/k norms, q/k/v clipping, an FFN that is not a plain SwiGLU MLP: MoE blocks,
 sliced FFNs) are handled by the lean attention plus the layer's own FFN module, or wholly by the
 layer's own forward; the result is the same model.
+
+With `native=True` (Plan.native_decode: tiered/kernels built), the same step runs in C++
+(tiered/kernels/csrc/decode.cpp): one call per run of consecutive plain layers, the glue as plain
+loops and only the weight kernels left, so a SmolLM2 step issues a handful of Python calls instead
+of ~1,400 torch ops.
 """
 
 from __future__ import annotations
@@ -121,19 +126,71 @@ def supported_attention(attn) -> bool:
     return attn.q_norm is None and attn.clip_qkv is None
 
 
+def native_kernel(native, m: nn.Module):
+    """Decode-path weight `m` (Int4Linear, Int8Linear, CastLinear, nn.Linear) as a native Kernel of
+    extension `native` (tiered.kernels.load()): y [B, N] fp32 = x [B, K] fp32 W^T (+ bias).
+    Raises TypeError for other modules."""
+    bias = getattr(m, "bias", None)
+    if isinstance(m, Int4Linear):
+        return native.int4pack_kernel(m.packed, m.group, m.scales_zeros, m.in_features, m.out_features, bias)
+    if isinstance(m, Int8Linear):
+        return native.int8pack_kernel(m.q, m.scale, bias)
+    if isinstance(m, (CastLinear, nn.Linear)):
+        return native.dense_kernel(m.weight, bias)
+    raise TypeError(f"no native kernel for {type(m).__name__}")
+
+
+def _native_group(native, parent: nn.Module, names: tuple[str, ...]) -> list:
+    """The native kernels computing projections `names` of `parent`, outputs side by side: their
+    shared fused decode module's kernel when there is one, else one kernel per projection."""
+    mods = [_decode_module(getattr(parent, n)) for n in names]
+    if all(isinstance(m, Slice) for m in mods) and len({id(m.shared) for m in mods}) == 1:
+        return [native_kernel(native, mods[0].shared.fused)]
+    return [native_kernel(native, m) for m in mods]
+
+
+def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list]:
+    """The C++ DecodeStep for `model` and its schedule: ("native", first, last) runs of plain layers,
+    ("attn", i) for a layer whose FFN is a module, ("whole", i) for one the step cannot run."""
+    cfg = model.config
+    step = native.DecodeStep(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                             cfg.head_dim ** -0.5, cfg.sliding_window or 0)
+    schedule: list = []
+    for L, layer in layers:
+        i = L.idx
+        if L.whole:
+            schedule.append(("whole", i))
+            step.add_layer(L.in_norm, L.post_norm, L.eps, [], [], [], [])  # a placeholder: never run
+            continue
+        attn = layer.self_attn
+        plain = L.ffn is None
+        step.add_layer(L.in_norm, L.post_norm, L.eps, _native_group(native, attn, ("q_proj", "k_proj", "v_proj")),
+                       [native_kernel(native, _decode_module(attn.o_proj))],
+                       _native_group(native, layer.mlp, ("gate_proj", "up_proj")) if plain else [],
+                       [native_kernel(native, _decode_module(layer.mlp.down_proj))] if plain else [])
+        if plain and schedule and schedule[-1][0] == "native" and schedule[-1][2] == i:
+            schedule[-1] = ("native", schedule[-1][1], i + 1)
+        else:
+            schedule.append(("native", i, i + 1) if plain else ("attn", i))
+    step.set_head(model.model.norm.weight, model.model.norm.eps, native_kernel(native, _decode_module(model.lm_head)))
+    return step, schedule
+
+
 class CPUDecodeStep:
     """Decode step (T = 1 new token per sequence) of a dense or MoE CausalLM on the CPU.
 
     Args:
         model: a placed CausalLM (models/llama.py or models/moe.py) on the CPU, its decode copies
             installed (or not: the fp32 lossless mode).
+        native: run the step in C++ (tiered/kernels: Plan.native_decode); raises RuntimeError when
+            the extension is not available.
     Call:
         (input_ids int64 [B, 1], positions int64 [B, 1], slots int64 [B], cache KVCache)
-        -> logits [B, V] in the lm_head kernel's dtype, equal to `model(...)` up to the
-        rounding of the kernel-dtype activations between fused kernels.
+        -> logits [B, V] in the lm_head kernel's dtype (fp32 when native), equal to `model(...)`
+        up to the rounding of the kernel-dtype activations between fused kernels.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, native: bool = False) -> None:
         cfg = model.config
         self.model = model
         self.H, self.Hkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -164,9 +221,19 @@ class CPUDecodeStep:
         self.embed = model.model.embed_tokens
         self.lm_head = Kernel(_decode_module(model.lm_head))
         self.rot = _rotate_half_matrix(self.hd, torch.float32)
+        self.native = self.schedule = None
+        if native:
+            from tiered import kernels
+
+            ext = kernels.load()
+            if ext is None:
+                raise RuntimeError(f"native decode step: tiered/kernels unavailable ({kernels.failure() or 'TIERED_NATIVE=0'})")
+            self.native, self.schedule = _native_step(ext, model, self.layers)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  cache: KVCache) -> torch.Tensor:
+        if self.native is not None and cache.k.dtype == self.final_norm.dtype:
+            return self._native_call(input_ids, positions, slots, cache)
         meta = build_attention_metadata(self.model.rotary, positions, slots, self.sliding_window)
         B = input_ids.shape[0]
         x = self.embed(input_ids).view(B, -1)  # [B, D] residual stream, model dtype
@@ -184,6 +251,28 @@ class CPUDecodeStep:
             x.add_(L.down(F.silu(gu[:, :L.F]) * gu[:, L.F:]))
         h = F.rms_norm(x, x.shape[-1:], self.final_norm, self.final_eps)
         return self.lm_head(h)
+
+    def _native_call(self, input_ids, positions, slots, cache: KVCache) -> torch.Tensor:
+        B = input_ids.shape[0]
+        pos = positions.view(B)
+        x = self.embed(input_ids).view(B, -1).contiguous()  # [B, D] residual stream, model dtype
+        cos, sin = self.model.rotary.cos[pos], self.model.rotary.sin[pos]  # [B, hd] fp32
+        meta = None
+        for seg in self.schedule:
+            if seg[0] == "native":
+                self.native.forward(x, cos, sin, slots, pos, cache.k, cache.v, seg[1], seg[2])
+                continue
+            i = seg[1]
+            L, layer = self.layers[i]
+            if seg[0] == "attn":
+                self.native.forward(x, cos, sin, slots, pos, cache.k, cache.v, i, i + 1)
+                h = F.rms_norm(x, x.shape[-1:], L.post_norm, L.eps)
+                x = (x + L.ffn(h.view(B, 1, -1)).view(B, -1)).contiguous()
+            else:
+                if meta is None:
+                    meta = build_attention_metadata(self.model.rotary, positions, slots, self.sliding_window)
+                x = layer(x.view(B, 1, -1), meta, cache).view(B, -1).contiguous()
+        return self.native.logits(x)
 
     def _attention(self, L: _Layer, x, meta: AttentionMetadata, cache: KVCache, cos, sin) -> torch.Tensor:
         B, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd

@@ -79,7 +79,7 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
         rt.graphs = DecodeGraphs(model, model.config.sliding_window)
     if plan.cpu_decode_step and accelerator is None and not trace:  # the trace wants the modules' spans
         from tiered.runtime.cpu_decode import CPUDecodeStep
-        rt.cpu_decode = CPUDecodeStep(model)
+        rt.cpu_decode = CPUDecodeStep(model, native=plan.native_decode)
     if trace:
         _trace_layers(model, executor)
     return rt

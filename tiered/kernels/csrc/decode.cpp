@@ -64,12 +64,112 @@ std::vector<float> to_floats(const at::Tensor& t) {
 template <typename T>
 inline float rnd(float v) { return float(T(v)); }  // round to the model's dtype (identity for fp32)
 
-inline void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y) {
+// The glue's inner loops, compiled for AVX-512, AVX2+FMA and the x86-64 baseline and picked at load
+// time (gcc's target_clones): the build has no -march flags, so this is how they get wide vectors.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TIERED_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TIERED_CLONES
+#endif
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// e^x for x <= 0 .. small positive (softmax, SiLU), as plain arithmetic so that loops of it vectorize
+// (std::exp does not without -ffast-math): 2^(x log2 e) = 2^n 2^f, a degree-6 polynomial for 2^f on
+// [-0.5, 0.5] (relative error < 2e-7, as std::exp's float result to within 2 ulp), 2^n by exponent bits.
+inline float exp_fast(float x) {
+  x = std::min(88.f, std::max(-87.f, x));
+  const float t = x * 1.44269504088896341f;
+  const float n = std::nearbyint(t);
+  const float f = t - n;
+  float p = 1.5403530393381609e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += int32_t(n) << 23;
+  std::memcpy(&p, &bits, 4);
+  return p;
+}
+
+TIERED_CLONES void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y) {
   float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
   const float r = 1.f / std::sqrt(ss / float(D) + eps);
   for (int64_t i = 0; i < D; ++i) y[i] = x[i] * r * w[i];
 }
+
+TIERED_CLONES void silu_mul(const float* g, const float* u, float* a, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) a[i] = g[i] / (1.f + exp_fast(-g[i])) * u[i];
+}
+
+// One KV head's attention for its `group` query heads q [group, hd] over n cached rows K, V [n, hd]:
+// o [group, hd] = softmax(q K^T * scale) V, each key and value row read once for the whole group.
+// p: scratch [group, n]. E is the cache's element: float, or bf16 as its bits.
+template <typename E, typename Load>
+inline void attend_impl(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale,
+                        float* p, float* o, Load load) {
+  for (int64_t t = 0; t < n; ++t) {
+    const E* k = K + t * hd;
+    for (int64_t j = 0; j < group; ++j) {
+      const float* qj = q + j * hd;
+      float d = 0.f;
+#pragma omp simd reduction(+ : d)
+      for (int64_t i = 0; i < hd; ++i) d += qj[i] * load(k[i]);
+      p[j * n + t] = d * scale;
+    }
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    float* pj = p + j * n;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, pj[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) sum += (pj[t] = exp_fast(pj[t] - mx));
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < n; ++t) pj[t] *= inv;
+  }
+  std::fill(o, o + group * hd, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const E* v = V + t * hd;
+    for (int64_t j = 0; j < group; ++j) {
+      const float w = p[j * n + t];
+      float* oj = o + j * hd;
+#pragma omp simd
+      for (int64_t i = 0; i < hd; ++i) oj[i] += w * load(v[i]);
+    }
+  }
+}
+
+TIERED_CLONES void attend(const float* q, int64_t group, const float* K, const float* V, int64_t n, int64_t hd,
+                          float scale, float* p, float* o) {
+  attend_impl(q, group, K, V, n, hd, scale, p, o, [](float v) { return v; });
+}
+
+TIERED_CLONES void attend(const float* q, int64_t group, const uint16_t* K, const uint16_t* V, int64_t n, int64_t hd,
+                          float scale, float* p, float* o) {
+  attend_impl(q, group, K, V, n, hd, scale, p, o, bf16_to_float);
+}
+
+template <typename E>  // other cache dtypes (fp16, fp64): the plain loops
+void attend(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale, float* p,
+            float* o) {
+  attend_impl(q, group, K, V, n, hd, scale, p, o, [](E v) { return float(v); });
+}
+
+// The cache's element type as the vector loops see it (bf16 as its bits).
+template <typename T> struct Elem { using type = T; };
+template <> struct Elem<at::BFloat16> { using type = uint16_t; };
 
 class DecodeStep {
  public:
@@ -88,6 +188,10 @@ class DecodeStep {
     L.o = Group(std::move(o));
     L.gate_up = Group(std::move(gate_up));
     L.down = Group(std::move(down));
+    if (L.qkv.empty()) {  // a placeholder for a layer the caller runs itself (never run here)
+      layers_.push_back(std::move(L));
+      return;
+    }
     TORCH_CHECK(L.qkv.in == D && L.qkv.out == (H + 2 * Hkv) * hd, "decode step: q/k/v kernels are ", L.qkv.in,
                 " -> ", L.qkv.out, ", expected ", D, " -> ", (H + 2 * Hkv) * hd);
     TORCH_CHECK(L.o.in == H * hd && L.o.out == D, "decode step: o_proj kernel has the wrong shape");
@@ -121,6 +225,8 @@ class DecodeStep {
     auto sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
     TORCH_CHECK(c.numel() == B * hd && s.numel() == B * hd && sl.numel() == B && ps.numel() == B,
                 "decode step: cos/sin must be [B, hd], slots/positions [B]");
+    for (int64_t l = first; l < last; ++l)
+      TORCH_CHECK(!layers_[l].qkv.empty(), "decode step: layer ", l, " is a placeholder (its caller runs it)");
     const int64_t n_slots = k_cache.size(1), max_len = k_cache.size(3);
     for (int64_t b = 0; b < B; ++b) {
       const int64_t slot = sl.data_ptr<int64_t>()[b], pos = ps.data_ptr<int64_t>()[b];
@@ -211,7 +317,7 @@ class DecodeStep {
         const float* g = gu_.data() + b * 2 * F;
         const float* u = g + F;
         float* a = act_.data() + b * F;
-        for (int64_t i = 0; i < F; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+        silu_mul(g, u, a, F);
       }
       L.down.run(act_.data(), B, y.data(), tmp);
       for (int64_t i = 0; i < B * D; ++i) x[i] = rnd<T>(x[i] + y[i]);
@@ -219,46 +325,32 @@ class DecodeStep {
     for (int64_t i = 0; i < B * D; ++i) xs[i] = T(x[i]);
   }
 
-  // att [B, H*hd] = softmax(q k^T * scale) v over each row's cached positions, rounded to T.
+  // att [B, H*hd] = softmax(q k^T * scale) v over each row's cached positions, rounded to T. The
+  // H / Hkv query heads of one KV head share each key and value row as it is read.
   template <typename T>
   void attention(int64_t l, int64_t B, const float* qkv, const T* kc, const T* vc, const int64_t* slots,
                  const int64_t* pos, int64_t n_slots, int64_t max_len, float* att) const {
+    using E = typename Elem<T>::type;
     const int64_t QKV = (H + 2 * Hkv) * hd, group = H / Hkv;
     int64_t work = 0;
     for (int64_t b = 0; b < B; ++b) work += (pos[b] + 1) * H * hd;
     auto body = [&](int64_t begin, int64_t end) {
       std::vector<float> p;
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t b = bh / H, hh = bh % H, g = hh / group;
+      for (int64_t bg = begin; bg < end; ++bg) {
+        const int64_t b = bg / Hkv, g = bg % Hkv;
         const int64_t lo = window_ > 0 ? std::max<int64_t>(0, pos[b] - window_ + 1) : 0, n = pos[b] + 1 - lo;
-        const float* q = qkv + b * QKV + hh * hd;
-        const int64_t base = ((l * n_slots + slots[b]) * Hkv + g) * max_len * hd;
-        const T* K = kc + base;
-        const T* V = vc + base;
-        p.resize(n);
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) {
-          const T* k = K + (lo + t) * hd;
-          float d = 0.f;
-          for (int64_t i = 0; i < hd; ++i) d += q[i] * float(k[i]);
-          p[t] = d * scale_;
-          mx = std::max(mx, p[t]);
-        }
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) sum += (p[t] = std::exp(p[t] - mx));
-        const float inv = 1.f / sum;
-        float* o = att + b * H * hd + hh * hd;
-        for (int64_t i = 0; i < hd; ++i) o[i] = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          const T* v = V + (lo + t) * hd;
-          const float w = p[t] * inv;
-          for (int64_t i = 0; i < hd; ++i) o[i] += w * float(v[i]);
-        }
-        for (int64_t i = 0; i < hd; ++i) o[i] = rnd<T>(o[i]);
+        const int64_t base = (((l * n_slots + slots[b]) * Hkv + g) * max_len + lo) * hd;
+        const E* K = reinterpret_cast<const E*>(kc + base);
+        const E* V = reinterpret_cast<const E*>(vc + base);
+        const float* q = qkv + b * QKV + g * group * hd;  // the group's query heads, consecutive
+        p.resize(group * n);
+        float* o = att + b * H * hd + g * group * hd;
+        attend(q, group, K, V, n, hd, scale_, p.data(), o);
+        for (int64_t i = 0; i < group * hd; ++i) o[i] = rnd<T>(o[i]);
       }
     };
-    if (work < (1 << 17)) body(0, B * H);
-    else at::parallel_for(0, B * H, 1, body);
+    if (work < (1 << 18)) body(0, B * Hkv);
+    else at::parallel_for(0, B * Hkv, 1, body);
   }
 
   int64_t D, H, Hkv, hd;
