@@ -136,6 +136,17 @@ class GGUFCheckpoint(HandleTable):
             else:
                 self._handles[hf] = self._make_handle(hf, t)
 
+    def release_pages(self) -> int:
+        """The GGUF file is one numpy memmap: MADV_DONTNEED on it drops the pages the load read
+        (the whole file: ~94 MB of RSS for SmolLM2) while the mapping stays valid."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise"):
+            return 0
+        import mmap
+
+        mm.madvise(mmap.MADV_DONTNEED)
+        return len(mm)
+
     def _field(self, key: str):
         f = self.reader.fields[key]
         if key in _TOKENIZER_ARRAYS:

