@@ -46,6 +46,7 @@ from tiered.quant.int4 import GROUP
 KINDS = ("fp32", "bf16", "int8", "int8-g32", "int4")
 DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ALIGN = 64  # bytes: every segment starts on a cache line (and any dtype's alignment)
+NATIVE_ROWS = 8  # tokens up to which a CPU expert runs the native fused GEMV kernel (a batch-1..8 kernel)
 
 
 def _align(n: int) -> int:
@@ -203,11 +204,25 @@ class ExpertFormat:
         return tuple(torch.empty(s, dtype=self.slot_dtype) for s in self.slot_shapes)
 
     # ---------------------------------------------------------------- compute
+    @cached_property
+    def native(self):
+        """The native extension's fused expert for this format (tiered/kernels/linear.expert_spec),
+        or None (no extension, or kinds / layout it has no kernel for)."""
+        from tiered.kernels.linear import expert_spec
+
+        return expert_spec(self)
+
     def forward(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """SwiGLU expert from the stored form: x [n, D] -> [n, D] in x's dtype.
 
-        (silu(x @ Wg^T) * (x @ Wu^T)) @ Wd^T, each projection with its kind's kernel.
+        (silu(x @ Wg^T) * (x @ Wu^T)) @ Wd^T, each projection with its kind's kernel. On the CPU, up
+        to NATIVE_ROWS tokens go through the native fused kernel when the extension is loaded (one
+        call, fp32 between the projections); otherwise torch ops.
         """
+        if x.device.type == "cpu" and x.shape[0] <= NATIVE_ROWS:
+            y = self._native_forward(x, slot)
+            if y is not None:
+                return y
         if self.is_dense:
             dt = x.dtype
             wg, wu, wd = (w if w.dtype == dt else w.to(dt) for w in slot)
@@ -216,6 +231,18 @@ class ExpertFormat:
         (kg, ku, kd), lay = self.kinds, self.int4_layout
         h = F.silu(project(x, vg, kg, lay)) * project(x, vu, ku, lay)
         return project(h, vd, kd, lay)
+
+    def _native_forward(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """The native fused expert's result in x's dtype, or None when it has no kernel for this."""
+        if self.is_dense:
+            if self.dense_dtype != torch.bfloat16 or not all(w.is_contiguous() for w in slot):
+                return None
+            from tiered.kernels import load
+
+            ext = load()
+            return None if ext is None else ext.bf16_expert_forward(*slot, x).to(x.dtype)
+        spec = self.native
+        return None if spec is None else spec.forward(slot[0], x).to(x.dtype)
 
     def dequantize(self, slot: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three weights as fp32 (the reference the kernels are checked against)."""

@@ -72,6 +72,16 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_zeros", scales_zeros)  # bf16 [K/group, N, 2]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features, self.out_features, self.group = in_features, out_features, group
+        # Optional second layout: plain codes uint8 [N, K/2] for tiered's own int4 kernel
+        # (kernels/linear.kernel_for); +K*N/2 bytes, so only when asked (`with_plain_codes`).
+        self.codes: torch.Tensor | None = None
+
+    def with_plain_codes(self, codes: torch.Tensor) -> "Int4Linear":
+        """Also hold codes int [N, K] (0..15) in the plain layout, for tiered's own int4 kernel."""
+        from tiered.kernels.linear import plain_codes
+
+        self.codes = plain_codes(codes)
+        return self
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,

@@ -28,5 +28,6 @@ void rows_from(const at::Tensor& t, float* y);  // t [B, N] contiguous any float
 
 void register_kernels(pybind11::module& m);
 void register_decode(pybind11::module& m);
+void register_gemv(pybind11::module& m);  // gemv.cpp: tiered's own int4 / int8 / bf16 GEMV kernels
 
 }  // namespace tiered

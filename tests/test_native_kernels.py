@@ -1,0 +1,124 @@
+"""tiered's own GEMV kernels (tiered/kernels/csrc/gemv.cpp) against dequantized fp32 references, on
+every ISA path this CPU has (set_isa forces the AVX2 and scalar fallbacks), and the fused expert
+against the torch-op expert path."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tiered.kernels import load
+from tiered.kernels.linear import int4_kernel, kernel_for, plain_codes
+from tiered.quant.experts import ExpertFormat
+from tiered.quant.int4 import Int4Linear, quantize_int4
+from tiered.quant.int8 import Int8Linear
+
+ext = load()
+pytestmark = pytest.mark.skipif(ext is None, reason="native extension unavailable (tiered.kernels.load() is None)")
+ORDER = ["scalar", "avx2", "avx512"]
+ISAS = ORDER[:ORDER.index(ext.best_gemv_isa()) + 1] if ext is not None else []
+SHAPES = [(33, 64), (97, 576), (160, 96), (1, 32)]  # (N, K): odd N, K a multiple of 32
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    ext.set_isa(request.param)
+    yield request.param
+    ext.reset_isa()
+
+
+def rel(y, ref):
+    return ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_int4(isa, N, K):
+    g = torch.Generator().manual_seed(N * K)
+    w = torch.randn(N, K, generator=g) * 0.05
+    codes, scale, zero = quantize_int4(w)
+    sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16()  # (G, N, 2) as Int4Linear
+    zr = (zero.T - sz[..., 1].float()).bfloat16()  # (G, N) as ExpertFormat's residual
+    bias = torch.randn(N, generator=g)
+    wq = ((codes.float().reshape(N, -1, 32) - 8) * sz[..., 0].T.float()[..., None]
+          + (sz[..., 1].T.float() + zr.T.float())[..., None]).reshape(N, K)
+    k = int4_kernel(plain_codes(codes), sz, zr, bias)
+    assert ext.gemv_isa() == isa and k.in_features == K and k.out_features == N
+    for B in range(1, 9):
+        x = torch.randn(B, K, generator=g)
+        ref = x.bfloat16().float() @ wq.T + bias  # activations read as bf16, as torch's int4 kernel does
+        assert rel(k(x), ref) < 1e-4, (isa, B)
+
+
+def test_int4_linear_codes_match_torch_layout():
+    w = torch.randn(48, 128) * 0.05
+    codes, scale, zero = quantize_int4(w)
+    m = Int4Linear.from_codes(codes, scale, zero, bias=torch.randn(48)).with_plain_codes(codes)
+    x = torch.randn(3, 128)
+    assert "tiered" in kernel_for(m).name()
+    assert rel(kernel_for(m)(x), m(x).float()) < 1e-2  # torch's kernel rounds its output to bf16
+
+
+@pytest.mark.parametrize("N,K", SHAPES + [(7, 50)])
+def test_int8(isa, N, K):
+    g = torch.Generator().manual_seed(N + K)
+    m = Int8Linear.from_dense(torch.randn(N, K, generator=g), bias=torch.randn(N, generator=g))
+    k = kernel_for(m)
+    wq = m.q.float() * m.scale.float()[:, None]
+    for B in range(1, 9):
+        x = torch.randn(B, K, generator=g)
+        assert rel(k(x), x @ wq.T + m.bias) < 1e-5, (isa, B)
+
+
+@pytest.mark.parametrize("N,K", SHAPES + [(7, 50), (5, 100)])
+def test_bf16(isa, N, K):
+    g = torch.Generator().manual_seed(N * 7 + K)
+    lin = torch.nn.Linear(K, N).to(torch.bfloat16)
+    k = kernel_for(lin)
+    for B in range(1, 9):
+        x = torch.randn(B, K, generator=g)
+        ref = x.bfloat16().float() @ lin.weight.float().T + lin.bias.float()
+        assert rel(k(x), ref) < 1e-5, (isa, B)
+
+
+def test_int8_linear_small_batch_uses_native_and_matches():
+    m = Int8Linear.from_dense(torch.randn(40, 64))
+    x = torch.randn(2, 5, 64)  # 10 rows: torch's kernel; 1 row: ours
+    wq = m.q.float() * m.scale.float()[:, None]
+    assert rel(m(x), x @ wq.T) < 2e-2
+    assert rel(m(x[0, :1]), x[0, :1] @ wq.T) < 1e-5 and m._native
+
+
+@pytest.mark.parametrize("name,layout", [("int4", "plain"), ("int8", "cpu"), ("int4,int4,int8", "plain"), ("bf16", "cpu")])
+def test_fused_expert(isa, name, layout):
+    D, Fi = 128, 96
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(Fi, D, generator=g) * 0.05, torch.randn(Fi, D, generator=g) * 0.05,
+          torch.randn(D, Fi, generator=g) * 0.05]
+    fmt = ExpertFormat(name, ((Fi, D), (Fi, D), (D, Fi)), layout)
+    if fmt.is_dense:
+        slot = tuple(w.bfloat16() for w in ws)
+    else:
+        slot = fmt.empty()
+        fmt.quantize(ws, slot)
+        assert fmt.native is not None
+    wg, wu, wd = fmt.dequantize(slot)
+    for B in (1, 3, 8):
+        x = torch.randn(B, D, generator=g)
+        ref = (F.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
+        y = fmt.forward(x, slot)
+        assert y.dtype == x.dtype and rel(y, ref) < 1e-2, (isa, name, B)  # bf16 activations
+        # and the same as the torch-op path (larger batches take it)
+        y_torch = fmt.forward(x.repeat(4, 1), slot)[:B]
+        assert rel(y, y_torch) < 2e-2
+
+
+def test_no_native_kernel_for_torch_int4_layout_falls_back():
+    fmt = ExpertFormat("int4", ((32, 64), (32, 64), (64, 32)), "cpu")
+    assert fmt.native is None
+    slot = fmt.empty()
+    fmt.quantize([torch.randn(32, 64) * 0.05, torch.randn(32, 64) * 0.05, torch.randn(64, 32) * 0.05], slot)
+    assert fmt.forward(torch.randn(1, 64), slot).shape == (1, 64)
+
+
+def test_set_isa_rejects_unknown():
+    with pytest.raises(RuntimeError):
+        ext.set_isa("neon")

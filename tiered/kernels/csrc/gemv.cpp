@@ -1,0 +1,829 @@
+// tiered's own GEMV kernels (see gemv.h): int4 group-32, int8 per-row, bf16; AVX-512 / AVX2 / scalar.
+//
+// Layouts (read as stored, no repacking at call time):
+//   int4: codes uint8 [N, K/2], two codes per byte, column 2i in the low nibble, 2i+1 in the high
+//         one (ExpertFormat's "plain" layout); scale, zero (and an optional zero residual) bf16,
+//         indexed [n, g] through any strides (Int4Linear's scales_zeros [G, N, 2] as is).
+//         w = (q - 8) * scale + zero + residual.
+//   int8: q int8 [N, K], scale [N] (w = q * scale).
+//   bf16: w bf16 [N, K].
+// Numerics: int4 and bf16 read activations rounded to bf16 (as torch's int4 / bf16 kernels do) and
+// accumulate in fp32; int8 reads fp32 activations. The AVX-512 int4 path turns a code q into the
+// bf16 number 128 + q (bits 0x4300 | q: exact) and takes the 136 * sum(x) it adds out with the
+// zero term, so each group is one vdpbf16ps per activation row.
+#include "gemv.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#define TIERED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+#define TIERED_AVX2 __attribute__((target("avx2,fma")))
+
+namespace tiered {
+namespace gemv {
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kMaxNB = 8;  // activation rows per inner pass (accumulators held in registers)
+
+inline uint16_t to_bf16(float f) {  // round to nearest even (finite inputs)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+inline float bf16f(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+std::atomic<int> g_isa{-1};
+
+// ------------------------------------------------------------------------------------ weights
+struct Int4W {
+  const uint8_t* codes;
+  int64_t ldc;  // bytes per row (K / 2)
+  const uint16_t *s, *z, *zr;  // zr may be null
+  int64_t s_n, s_g, z_n, z_g, zr_n, zr_g;  // element strides
+  const float* bias;  // [N] or null
+};
+
+struct Int8W {
+  const int8_t* q;
+  const float* scale;  // [N] fp32, or null and
+  const uint16_t* scale_bf16;  // [N] bf16 (as ExpertFormat stores it)
+  const float* bias;
+  float s(int64_t n) const { return scale ? scale[n] : bf16f(scale_bf16[n]); }
+};
+
+struct Bf16W {
+  const uint16_t* w;
+  const float* bias;
+};
+
+// ------------------------------------------------------------------------------------ scalar
+// A block of <= kBlock rows' scales and zero terms, gathered once from their strided home (e.g.
+// [G, N, 2]: one cache line per group for 16 rows) into fp32 rows [r, g]: sc = scale,
+// zc = zero + residual - off * scale (off: what the path's code representation adds to q - 8).
+// Layout [g, r] (kBlock floats per group), so a vector of 16 rows is one load.
+constexpr int64_t kBlock = 16;
+
+struct Int4Block {
+  std::vector<float> sc, zc;
+  float* S(int64_t G) { sc.resize(G * kBlock); return sc.data(); }
+  float* Z(int64_t G) { zc.resize(G * kBlock); return zc.data(); }
+  void gather(const Int4W& w, int64_t n0, int64_t rn, int64_t G, float off) {
+    float *S_ = S(G), *Z_ = Z(G);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < rn; ++r) {
+        const int64_t n = n0 + r;
+        const float s = bf16f(w.s[n * w.s_n + g * w.s_g]);
+        float z = bf16f(w.z[n * w.z_n + g * w.z_g]);
+        if (w.zr) z += bf16f(w.zr[n * w.zr_n + g * w.zr_g]);
+        S_[g * kBlock + r] = s;
+        Z_[g * kBlock + r] = z - off * s;
+      }
+  }
+};
+
+// True when a full block's scales and zeros sit as Int4Linear's / ExpertFormat's [G, N, 2] bf16
+// (and the residual as [G, N]): 16 rows of one group are then 64 contiguous bytes.
+inline bool interleaved(const Int4W& w, int64_t rn) {
+  return rn == kBlock && w.s_n == 2 && w.z == w.s + 1 && w.z_n == 2 && w.z_g == w.s_g &&
+         (!w.zr || w.zr_n == 1);
+}
+
+void int4_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y,
+                 int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  thread_local Int4Block blk;
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const int64_t rn = std::min(kBlock, n1 - m0);
+    blk.gather(w, m0, rn, G, 8.f);
+    for (int64_t r = 0; r < rn; ++r) {
+      const int64_t n = m0 + r;
+      const uint8_t* c = w.codes + n * w.ldc;
+      const float *sc = blk.sc.data() + r, *zc = blk.zc.data() + r;
+      for (int64_t j = 0; j < nb; ++j) {
+        const float* x = a.xr + (b0 + j) * K;
+        const float* gs = a.gsum + (b0 + j) * G;
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          float d = 0.f;
+          for (int64_t i = 0; i < kGroup / 2; ++i) {
+            const uint8_t byte = c[g * 16 + i];
+            d += float(byte & 15) * x[g * kGroup + 2 * i] + float(byte >> 4) * x[g * kGroup + 2 * i + 1];
+          }
+          acc += sc[g * kBlock] * d + zc[g * kBlock] * gs[g];
+        }
+        y[(b0 + j) * ldy + n] = acc + (w.bias ? w.bias[n] : 0.f);
+      }
+    }
+  }
+}
+
+void int8_scalar(const Int8W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y,
+                 int64_t ldy) {
+  const int64_t K = a.K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* q = w.q + n * K;
+    for (int64_t j = 0; j < nb; ++j) {
+      const float* x = a.x + (b0 + j) * K;
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += float(q[k]) * x[k];
+      y[(b0 + j) * ldy + n] = acc * w.s(n) + (w.bias ? w.bias[n] : 0.f);
+    }
+  }
+}
+
+void bf16_scalar(const Bf16W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y,
+                 int64_t ldy) {
+  const int64_t K = a.K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* r = w.w + n * K;
+    for (int64_t j = 0; j < nb; ++j) {
+      const float* x = a.xr + (b0 + j) * K;
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += bf16f(r[k]) * x[k];
+      y[(b0 + j) * ldy + n] = acc + (w.bias ? w.bias[n] : 0.f);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------ AVX2
+TIERED_AVX2 inline __attribute__((always_inline)) float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int NB>
+TIERED_AVX2 void int4_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const float* xr[NB];
+  const float* gs[NB];
+  for (int j = 0; j < NB; ++j) xr[j] = a.xr + (b0 + j) * K, gs[j] = a.gsum + (b0 + j) * G;
+  thread_local Int4Block blk;
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const int64_t rn = std::min(kBlock, n1 - m0);
+    if (interleaved(w, rn)) {
+      float *S = blk.S(G), *Z = blk.Z(G);
+      const __m256i hi16 = _mm256_set1_epi32(int(0xFFFF0000u));
+      const __m256 off = _mm256_set1_ps(8.f);
+      for (int64_t g = 0; g < G; ++g)
+        for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.s + (m0 + 8 * h) * 2 + g * w.s_g));
+          const __m256 sv = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+          __m256 zv = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
+          if (w.zr) {
+            const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zr + m0 + 8 * h + g * w.zr_g));
+            zv = _mm256_add_ps(zv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16)));
+          }
+          _mm256_storeu_ps(S + g * kBlock + 8 * h, sv);
+          _mm256_storeu_ps(Z + g * kBlock + 8 * h, _mm256_fnmadd_ps(off, sv, zv));
+        }
+    } else {
+      blk.gather(w, m0, rn, G, 8.f);
+    }
+    for (int64_t r = 0; r < rn; ++r) {
+      const int64_t n = m0 + r;
+      const uint8_t* c = w.codes + n * w.ldc;
+      const float *sc = blk.sc.data() + r, *zc = blk.zc.data() + r;
+      __m256 acc[NB];
+      for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + g * 16));
+        const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+        const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);  // codes 0..15, 16..31
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c0));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c0, 8)));
+        const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c1));
+        const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c1, 8)));
+        const __m256 sv = _mm256_broadcast_ss(sc + g * kBlock);
+        for (int j = 0; j < NB; ++j) {
+          const float* x = xr[j] + g * kGroup;
+          __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
+          t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), t);
+          t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), t);
+          t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), t);
+          acc[j] = _mm256_fmadd_ps(sv, t, acc[j]);
+        }
+      }
+      for (int j = 0; j < NB; ++j) {
+        float corr = 0.f;
+        for (int64_t g = 0; g < G; ++g) corr += zc[g * kBlock] * gs[j][g];
+        y[(b0 + j) * ldy + n] = hsum256(acc[j]) + corr + (w.bias ? w.bias[n] : 0.f);
+      }
+    }
+  }
+}
+
+template <int NB>
+TIERED_AVX2 void int8_avx2(const Int8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t K = a.K;
+  const float* x[NB];
+  for (int j = 0; j < NB; ++j) x[j] = a.x + (b0 + j) * K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* q = w.q + n * K;
+    __m256 acc0[NB], acc1[NB];
+    float tail[NB];
+    for (int j = 0; j < NB; ++j) acc0[j] = acc1[j] = _mm256_setzero_ps(), tail[j] = 0.f;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k))));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k + 8))));
+      for (int j = 0; j < NB; ++j) {
+        acc0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[j] + k), acc0[j]);
+        acc1[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[j] + k + 8), acc1[j]);
+      }
+    }
+    for (; k < K; ++k)
+      for (int j = 0; j < NB; ++j) tail[j] += float(q[k]) * x[j][k];
+    for (int j = 0; j < NB; ++j)
+      y[(b0 + j) * ldy + n] = (hsum256(_mm256_add_ps(acc0[j], acc1[j])) + tail[j]) * w.s(n) + (w.bias ? w.bias[n] : 0.f);
+  }
+}
+
+template <int NB>
+TIERED_AVX2 void bf16_avx2(const Bf16W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t K = a.K;
+  const float* x[NB];
+  for (int j = 0; j < NB; ++j) x[j] = a.xr + (b0 + j) * K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* r = w.w + n * K;
+    __m256 acc0[NB], acc1[NB];
+    float tail[NB];
+    for (int j = 0; j < NB; ++j) acc0[j] = acc1[j] = _mm256_setzero_ps(), tail[j] = 0.f;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + k));
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+      const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
+      for (int j = 0; j < NB; ++j) {
+        acc0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[j] + k), acc0[j]);
+        acc1[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[j] + k + 8), acc1[j]);
+      }
+    }
+    for (; k < K; ++k)
+      for (int j = 0; j < NB; ++j) tail[j] += bf16f(r[k]) * x[j][k];
+    for (int j = 0; j < NB; ++j)
+      y[(b0 + j) * ldy + n] = hsum256(_mm256_add_ps(acc0[j], acc1[j])) + tail[j] + (w.bias ? w.bias[n] : 0.f);
+  }
+}
+
+// ------------------------------------------------------------------------------------ AVX-512
+TIERED_AVX512 inline __attribute__((always_inline)) __m512 dot_bf16(__m512 acc, __m512i w, __m512i x) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(w), reinterpret_cast<__m512bh&>(x));
+}
+
+// One int4 group: 16 bytes -> 32 bf16 words (128 + q) in column order, one dot per activation row.
+template <int NB>
+TIERED_AVX512 inline __attribute__((always_inline)) void int4_group_avx512(const uint8_t* c, const float* sc, int64_t g,
+                                                                           const uint16_t* const* xb, __m512* acc) {
+  const __m512i nib = _mm512_set1_epi32(0x000F000F), bias128 = _mm512_set1_epi32(0x43004300);
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + g * 16)));
+  // byte b -> dword (b & 15) | (b >> 4) << 16, then | 0x4300 in each word
+  const __m512i q = _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), nib, 0xA8);  // (d | t) & nib
+  const __m512i wv = _mm512_or_si512(q, bias128);
+  const __m512 sv = _mm512_set1_ps(sc[g * kBlock]);
+  for (int j = 0; j < NB; ++j) {
+    const __m512i xv = _mm512_loadu_si512(xb[j] + g * kGroup);
+    acc[j] = _mm512_fmadd_ps(sv, dot_bf16(_mm512_setzero_ps(), wv, xv), acc[j]);
+  }
+}
+
+template <int NB>
+TIERED_AVX512 void int4_avx512(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                               int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  const uint16_t* xb[NB];
+  const float* gs[NB];
+  for (int j = 0; j < NB; ++j) xb[j] = a.xb + (b0 + j) * K, gs[j] = a.gsum + (b0 + j) * G;
+  thread_local Int4Block blk;
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const int64_t rn = std::min(kBlock, n1 - m0);
+    if (interleaved(w, rn)) {
+      float *S = blk.S(G), *Z = blk.Z(G);
+      const __m512i hi16 = _mm512_set1_epi32(int(0xFFFF0000u));
+      const __m512 off = _mm512_set1_ps(136.f);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512i v = _mm512_loadu_si512(w.s + m0 * 2 + g * w.s_g);  // (s, z) of 16 rows
+        const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+        if (w.zr) {
+          const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zr + m0 + g * w.zr_g));
+          zv = _mm512_add_ps(zv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
+        }
+        _mm512_storeu_ps(S + g * kBlock, sv);
+        _mm512_storeu_ps(Z + g * kBlock, _mm512_fnmadd_ps(off, sv, zv));
+      }
+    } else {
+      blk.gather(w, m0, rn, G, 136.f);
+    }
+    float corr[NB][kBlock];  // zero terms of the block's rows: sum_g zc[g, r] * gsum[g]
+    for (int j = 0; j < NB; ++j) {
+      __m512 cv = _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) cv = _mm512_fmadd_ps(_mm512_loadu_ps(blk.zc.data() + g * kBlock), _mm512_set1_ps(gs[j][g]), cv);
+      _mm512_storeu_ps(corr[j], cv);
+    }
+    for (int64_t r = 0; r < rn; ++r) {
+      const int64_t n = m0 + r;
+      const uint8_t* c = w.codes + n * w.ldc;
+      const float* sc = blk.sc.data() + r;
+      __m512 acc0[NB], acc1[NB];
+      for (int j = 0; j < NB; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
+      int64_t g = 0;
+      for (; g + 2 <= G; g += 2) {
+        int4_group_avx512<NB>(c, sc, g, xb, acc0);
+        int4_group_avx512<NB>(c, sc, g + 1, xb, acc1);
+      }
+      if (g < G) int4_group_avx512<NB>(c, sc, g, xb, acc0);
+      for (int j = 0; j < NB; ++j)
+        y[(b0 + j) * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[j], acc1[j])) + corr[j][r] +
+                                (w.bias ? w.bias[n] : 0.f);
+    }
+  }
+}
+
+template <int NB>
+TIERED_AVX512 void int8_avx512(const Int8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                               int64_t ldy) {
+  const int64_t K = a.K;
+  const float* x[NB];
+  for (int j = 0; j < NB; ++j) x[j] = a.x + (b0 + j) * K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* q = w.q + n * K;
+    __m512 acc0[NB], acc1[NB];
+    float tail[NB];
+    for (int j = 0; j < NB; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps(), tail[j] = 0.f;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + k + 1024), _MM_HINT_T0);
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
+      for (int j = 0; j < NB; ++j) {
+        acc0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[j] + k), acc0[j]);
+        acc1[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[j] + k + 16), acc1[j]);
+      }
+    }
+    for (; k < K; ++k)
+      for (int j = 0; j < NB; ++j) tail[j] += float(q[k]) * x[j][k];
+    for (int j = 0; j < NB; ++j)
+      y[(b0 + j) * ldy + n] =
+          (_mm512_reduce_add_ps(_mm512_add_ps(acc0[j], acc1[j])) + tail[j]) * w.s(n) + (w.bias ? w.bias[n] : 0.f);
+  }
+}
+
+template <int NB>
+TIERED_AVX512 void bf16_avx512(const Bf16W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                               int64_t ldy) {
+  const int64_t K = a.K;
+  const uint16_t* xb[NB];
+  const float* xr[NB];
+  for (int j = 0; j < NB; ++j) xb[j] = a.xb + (b0 + j) * K, xr[j] = a.xr + (b0 + j) * K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* r = w.w + n * K;
+    __m512 acc0[NB], acc1[NB];
+    float tail[NB];
+    for (int j = 0; j < NB; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps(), tail[j] = 0.f;
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(r + k + 512), _MM_HINT_T0);
+      const __m512i w0 = _mm512_loadu_si512(r + k), w1 = _mm512_loadu_si512(r + k + 32);
+      for (int j = 0; j < NB; ++j) {
+        acc0[j] = dot_bf16(acc0[j], w0, _mm512_loadu_si512(xb[j] + k));
+        acc1[j] = dot_bf16(acc1[j], w1, _mm512_loadu_si512(xb[j] + k + 32));
+      }
+    }
+    for (; k + 32 <= K; k += 32) {
+      const __m512i w0 = _mm512_loadu_si512(r + k);
+      for (int j = 0; j < NB; ++j) acc0[j] = dot_bf16(acc0[j], w0, _mm512_loadu_si512(xb[j] + k));
+    }
+    for (; k < K; ++k)
+      for (int j = 0; j < NB; ++j) tail[j] += bf16f(r[k]) * xr[j][k];
+    for (int j = 0; j < NB; ++j)
+      y[(b0 + j) * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[j], acc1[j])) + tail[j] + (w.bias ? w.bias[n] : 0.f);
+  }
+}
+
+// ------------------------------------------------------------------------------------ dispatch
+// Runs fn<NB> over activation rows [b0, b0 + nb) in passes of at most kMaxNB rows.
+#define TIERED_DISPATCH_NB(FN, W)                                                     \
+  for (int64_t j0 = b0; j0 < b0 + nb; j0 += kMaxNB) {                                 \
+    switch (std::min<int64_t>(kMaxNB, b0 + nb - j0)) {                                \
+      case 1: FN<1>(W, a, j0, n0, n1, y, ldy); break;                                 \
+      case 2: FN<2>(W, a, j0, n0, n1, y, ldy); break;                                 \
+      case 3: FN<3>(W, a, j0, n0, n1, y, ldy); break;                                 \
+      case 4: FN<4>(W, a, j0, n0, n1, y, ldy); break;                                 \
+      case 5: FN<5>(W, a, j0, n0, n1, y, ldy); break;                                 \
+      case 6: FN<6>(W, a, j0, n0, n1, y, ldy); break;                                 \
+      case 7: FN<7>(W, a, j0, n0, n1, y, ldy); break;                                 \
+      default: FN<8>(W, a, j0, n0, n1, y, ldy); break;                                \
+    }                                                                                 \
+  }
+
+const char* isa_name(int isa) { return isa == kAvx512 ? "avx512" : isa == kAvx2 ? "avx2" : "scalar"; }
+
+std::vector<float> bias_vector(const c10::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias) return {};
+  TORCH_CHECK(bias->numel() == N, "gemv: bias must have ", N, " elements, got ", bias->numel());
+  auto b = bias->to(at::kFloat).contiguous();
+  return std::vector<float>(b.data_ptr<float>(), b.data_ptr<float>() + N);
+}
+
+const uint16_t* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+// ------------------------------------------------------------------------------------ kernels
+struct Int4Gemv : Gemv {
+  at::Tensor codes, s, z, zr;  // held so the pointers in w stay valid
+  std::vector<float> bias;
+  Int4W w{};
+  void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
+    switch (current_isa()) {
+      case kAvx512: TIERED_DISPATCH_NB(int4_avx512, w) break;
+      case kAvx2: TIERED_DISPATCH_NB(int4_avx2, w) break;
+      default: int4_scalar(w, a, b0, nb, n0, n1, y, ldy);
+    }
+  }
+  int64_t weight_bytes() const override {
+    return out_features * (in_features / 2 + in_features / kGroup * 2 * (w.zr ? 3 : 2));
+  }
+  std::string name() const override { return std::string("int4(tiered,") + isa_name(current_isa()) + ")"; }
+};
+
+struct Int8Gemv : Gemv {
+  at::Tensor q;
+  std::vector<float> scale, bias;
+  Int8W w{};
+  void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
+    switch (current_isa()) {
+      case kAvx512: TIERED_DISPATCH_NB(int8_avx512, w) break;
+      case kAvx2: TIERED_DISPATCH_NB(int8_avx2, w) break;
+      default: int8_scalar(w, a, b0, nb, n0, n1, y, ldy);
+    }
+  }
+  int64_t weight_bytes() const override { return out_features * (in_features + 2); }
+  std::string name() const override { return std::string("int8(tiered,") + isa_name(current_isa()) + ")"; }
+};
+
+struct Bf16Gemv : Gemv {
+  at::Tensor wt;
+  std::vector<float> bias;
+  Bf16W w{};
+  void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
+    switch (current_isa()) {
+      case kAvx512: TIERED_DISPATCH_NB(bf16_avx512, w) break;
+      case kAvx2: TIERED_DISPATCH_NB(bf16_avx2, w) break;
+      default: bf16_scalar(w, a, b0, nb, n0, n1, y, ldy);
+    }
+  }
+  int64_t weight_bytes() const override { return out_features * in_features * 2; }
+  std::string name() const override { return std::string("bf16(tiered,") + isa_name(current_isa()) + ")"; }
+};
+
+// ------------------------------------------------------------------------------------ running
+// Several kernels reading one Act, their row blocks spread over one parallel region.
+struct Part {
+  const Gemv* k;
+  float* y;
+  int64_t ldy;
+};
+
+void run_parts(const Part* parts, int n_parts, const Act& a) {
+  int64_t blocks[4], total = 0, bytes = 0;
+  for (int i = 0; i < n_parts; ++i) {
+    const int64_t R = parts[i].k->block_rows();
+    blocks[i] = (parts[i].k->out_features + R - 1) / R;
+    total += blocks[i];
+    bytes += parts[i].k->weight_bytes();
+  }
+  if (total == 0 || a.B == 0) return;
+  // >= 64 KB of weights per work item: a fork costs a few microseconds
+  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) * total / std::max<int64_t>(1, bytes));
+  // activation rows per pass: the pass's bf16 rows stay in L2 (prefill-sized calls re-read weights)
+  const int64_t tile = std::max<int64_t>(kMaxNB, ((int64_t(256) << 10) / std::max<int64_t>(1, 2 * a.K)) / kMaxNB * kMaxNB);
+  for (int64_t b0 = 0; b0 < a.B; b0 += tile) {
+    const int64_t nb = std::min(tile, a.B - b0);
+    at::parallel_for(0, total, grain, [&](int64_t lo, int64_t hi) {
+      int64_t first = 0;
+      for (int i = 0; i < n_parts; ++i) {
+        const int64_t s = std::max(lo, first), e = std::min(hi, first + blocks[i]);
+        if (s < e) {
+          const Part& p = parts[i];
+          const int64_t R = p.k->block_rows();
+          p.k->rows(a, b0, nb, (s - first) * R, std::min(p.k->out_features, (e - first) * R), p.y, p.ldy);
+        }
+        first += blocks[i];
+      }
+    });
+  }
+}
+
+// One routed SwiGLU expert: y [B, D] = W_down (silu(W_gate x) * W_up x), gate and up in one
+// parallel region, no tensor or Python between the projections.
+void swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, int64_t B, float* y) {
+  thread_local ActBuffers buf;
+  thread_local std::vector<float> gu, h;
+  const int64_t F = gate.out_features;
+  gu.resize(B * 2 * F);
+  h.resize(B * F);
+  const Act a = buf.prepare(x, B, gate.in_features);
+  const Part parts[2] = {{&gate, gu.data(), 2 * F}, {&up, gu.data() + F, 2 * F}};
+  run_parts(parts, 2, a);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* g = gu.data() + b * 2 * F;
+    const float* u = g + F;
+    float* hb = h.data() + b * F;
+    for (int64_t i = 0; i < F; ++i) hb[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  }
+  down.run(h.data(), B, y);
+}
+
+struct ExpertGemv : Kernel {
+  std::shared_ptr<Gemv> gate, up, down;
+  void run(const float* x, int64_t B, float* y) const override { swiglu(*gate, *up, *down, x, B, y); }
+  int64_t weight_bytes() const override { return gate->weight_bytes() + up->weight_bytes() + down->weight_bytes(); }
+  std::string name() const override { return "swiglu_expert(" + gate->name() + ", " + down->name() + ")"; }
+};
+
+// An ExpertFormat's layout (per projection: kind and byte offsets of its segments in the flat
+// slot), so that one call computes an expert straight from any slot holding it.
+struct ExpertSpec {
+  enum Kind { kBf16 = 0, kInt8 = 1, kInt4 = 2 };
+  struct Proj {
+    int kind;
+    int64_t N, K;
+    int64_t off[3];  // bf16: w; int8: q, scale; int4: codes, sz, zr
+  };
+  Proj p[3];
+  int64_t nbytes = 0;
+
+  void bind(const Proj& pr, const uint8_t* buf, Int4Gemv& k4, Int8Gemv& k8, Bf16Gemv& kb, const Gemv*& out) const {
+    if (pr.kind == kInt4) {
+      k4.in_features = pr.K, k4.out_features = pr.N;
+      const auto* sz = reinterpret_cast<const uint16_t*>(buf + pr.off[1]);
+      k4.w = {buf + pr.off[0], pr.K / 2, sz, sz + 1, reinterpret_cast<const uint16_t*>(buf + pr.off[2]),
+              2, 2 * pr.N, 2, 2 * pr.N, 1, pr.N, nullptr};
+      out = &k4;
+    } else if (pr.kind == kInt8) {
+      k8.in_features = pr.K, k8.out_features = pr.N;
+      k8.w = {reinterpret_cast<const int8_t*>(buf + pr.off[0]), nullptr,
+              reinterpret_cast<const uint16_t*>(buf + pr.off[1]), nullptr};
+      out = &k8;
+    } else {
+      kb.in_features = pr.K, kb.out_features = pr.N;
+      kb.w = {reinterpret_cast<const uint16_t*>(buf + pr.off[0]), nullptr};
+      out = &kb;
+    }
+  }
+
+  // x [B, D] any float dtype; buf uint8 [nbytes] (one slot) -> y [B, D] fp32.
+  at::Tensor forward(const at::Tensor& buf, const at::Tensor& x0) const {
+    TORCH_CHECK(buf.device().is_cpu() && buf.scalar_type() == at::kByte && buf.is_contiguous() && buf.numel() >= nbytes,
+                "expert spec: the slot must be a contiguous CPU uint8 tensor of ", nbytes, " bytes");
+    TORCH_CHECK(x0.dim() == 2 && x0.size(1) == p[0].K, "expert spec: x must be [B, ", p[0].K, "], got ", x0.sizes());
+    auto x = x0.to(at::kFloat).contiguous();
+    auto y = at::empty({x.size(0), p[2].N}, x.options());
+    Int4Gemv k4[3];
+    Int8Gemv k8[3];
+    Bf16Gemv kb[3];
+    const Gemv* g[3];
+    const uint8_t* base = buf.data_ptr<uint8_t>();
+    for (int i = 0; i < 3; ++i) bind(p[i], base, k4[i], k8[i], kb[i], g[i]);
+    {
+      pybind11::gil_scoped_release nogil;
+      swiglu(*g[0], *g[1], *g[2], x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+    }
+    return y;
+  }
+};
+
+// ------------------------------------------------------------------------------------ factories
+void check_rows(const at::Tensor& t, at::ScalarType dt, int64_t N, int64_t K, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dt && t.dim() == 2 && t.size(0) == N && t.size(1) == K &&
+                  t.is_contiguous(),
+              what, " must be a contiguous CPU ", c10::toString(dt), " tensor [", N, ", ", K, "], got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
+void check_ng(const at::Tensor& t, int64_t N, int64_t G, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.size(0) == N &&
+                  t.size(1) == G,
+              "int4_kernel: ", what, " must be a bf16 [N, K/32] = [", N, ", ", G, "] view (any strides), got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
+std::shared_ptr<Gemv> make_int4(at::Tensor codes, at::Tensor scale, at::Tensor zero, c10::optional<at::Tensor> residual,
+                                c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(codes.dim() == 2, "int4_kernel: codes must be uint8 [N, K/2]");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0, "int4_kernel: in-features must be a multiple of 32, got ", K);
+  check_rows(codes, at::kByte, N, K / 2, "int4_kernel: codes");
+  check_ng(scale, N, G, "scale");
+  check_ng(zero, N, G, "zero");
+  auto k = std::make_shared<Int4Gemv>();
+  k->in_features = K, k->out_features = N;
+  k->codes = codes, k->s = scale, k->z = zero;
+  k->w.codes = codes.data_ptr<uint8_t>();
+  k->w.ldc = K / 2;
+  k->w.s = bf16_ptr(scale), k->w.s_n = scale.stride(0), k->w.s_g = scale.stride(1);
+  k->w.z = bf16_ptr(zero), k->w.z_n = zero.stride(0), k->w.z_g = zero.stride(1);
+  if (residual) {
+    check_ng(*residual, N, G, "zero residual");
+    k->zr = *residual;
+    k->w.zr = bf16_ptr(k->zr), k->w.zr_n = k->zr.stride(0), k->w.zr_g = k->zr.stride(1);
+  }
+  k->bias = bias_vector(bias, N);
+  k->w.bias = k->bias.empty() ? nullptr : k->bias.data();
+  return k;
+}
+
+std::shared_ptr<Gemv> make_int8(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(q.dim() == 2, "int8_kernel: q must be int8 [N, K]");
+  const int64_t N = q.size(0), K = q.size(1);
+  check_rows(q, at::kChar, N, K, "int8_kernel: q");
+  TORCH_CHECK(scale.numel() == N, "int8_kernel: scale must have N = ", N, " elements, got ", scale.numel());
+  auto k = std::make_shared<Int8Gemv>();
+  k->in_features = K, k->out_features = N;
+  k->q = q;
+  auto s = scale.to(at::kFloat).contiguous();
+  k->scale.assign(s.data_ptr<float>(), s.data_ptr<float>() + N);
+  k->bias = bias_vector(bias, N);
+  k->w = {q.data_ptr<int8_t>(), k->scale.data(), nullptr, k->bias.empty() ? nullptr : k->bias.data()};
+  return k;
+}
+
+std::shared_ptr<Gemv> make_bf16(at::Tensor w, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(w.dim() == 2, "bf16_kernel: w must be bf16 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  check_rows(w, at::kBFloat16, N, K, "bf16_kernel: w");
+  auto k = std::make_shared<Bf16Gemv>();
+  k->in_features = K, k->out_features = N;
+  k->wt = w;
+  k->bias = bias_vector(bias, N);
+  k->w = {bf16_ptr(w), k->bias.empty() ? nullptr : k->bias.data()};
+  return k;
+}
+
+std::shared_ptr<Gemv> as_gemv(const KernelPtr& k, const char* what) {
+  auto g = std::dynamic_pointer_cast<Gemv>(k);
+  TORCH_CHECK(g, "expert_kernel: ", what, " must be one of tiered's own kernels (int4/int8/bf16_kernel), got ",
+              k ? k->name() : std::string("None"));
+  return g;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------ public
+Isa best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("fma"))
+    return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+  return kScalar;
+}
+
+Isa current_isa() {
+  int v = g_isa.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = best_isa();
+    g_isa.store(v, std::memory_order_relaxed);
+  }
+  return Isa(v);
+}
+
+Act ActBuffers::prepare(const float* x, int64_t B, int64_t K) {
+  const int64_t n = B * K, G = K / kGroup;
+  xr.resize(n);
+  xb.resize(n);
+  gsum.resize(B * G);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t h = to_bf16(x[i]);
+    xb[i] = h;
+    xr[i] = bf16f(h);
+  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* p = xr.data() + b * K + g * kGroup;
+      float s = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) s += p[i];
+      gsum[b * G + g] = s;
+    }
+  Act a;
+  a.x = x, a.xr = xr.data(), a.xb = xb.data(), a.gsum = gsum.data(), a.B = B, a.K = K;
+  return a;
+}
+
+void Gemv::run(const float* x, int64_t B, float* y) const {
+  thread_local ActBuffers buf;
+  const Act a = buf.prepare(x, B, in_features);
+  const Part part{this, y, out_features};
+  run_parts(&part, 1, a);
+}
+
+}  // namespace gemv
+
+void register_gemv(pybind11::module& m) {
+  namespace py = pybind11;
+  using namespace gemv;
+  m.def("int4_kernel", [](at::Tensor codes, at::Tensor scale, at::Tensor zero, c10::optional<at::Tensor> residual,
+                          c10::optional<at::Tensor> bias) -> KernelPtr {
+          return make_int4(codes, scale, zero, residual, bias);
+        },
+        py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("residual") = py::none(),
+        py::arg("bias") = py::none(),
+        "tiered's int4 GEMV. codes uint8 [N, K/2] (column 2i low nibble, 2i+1 high), scale / zero / residual "
+        "bf16 [N, K/32] views (any strides): w = (q - 8) * scale + zero + residual. Holds the tensors (no copy).");
+  m.def("int8_kernel", [](at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> bias) -> KernelPtr {
+          return make_int8(q, scale, bias);
+        },
+        py::arg("q"), py::arg("scale"), py::arg("bias") = py::none(),
+        "tiered's int8 GEMV. q int8 [N, K] contiguous, scale [N] any float dtype: w = q * scale.");
+  m.def("bf16_kernel", [](at::Tensor w, c10::optional<at::Tensor> bias) -> KernelPtr { return make_bf16(w, bias); },
+        py::arg("w"), py::arg("bias") = py::none(), "tiered's bf16 GEMV. w bf16 [N, K] contiguous.");
+  m.def("expert_kernel", [](KernelPtr gate, KernelPtr up, KernelPtr down) -> KernelPtr {
+          auto k = std::make_shared<ExpertGemv>();
+          k->gate = as_gemv(gate, "gate"), k->up = as_gemv(up, "up"), k->down = as_gemv(down, "down");
+          TORCH_CHECK(k->gate->in_features == k->up->in_features && k->gate->out_features == k->up->out_features &&
+                          k->down->in_features == k->gate->out_features &&
+                          k->down->out_features == k->gate->in_features,
+                      "expert_kernel: shapes do not make a SwiGLU expert: gate ", k->gate->out_features, "x",
+                      k->gate->in_features, ", up ", k->up->out_features, "x", k->up->in_features, ", down ",
+                      k->down->out_features, "x", k->down->in_features);
+          k->in_features = k->gate->in_features, k->out_features = k->down->out_features;
+          return k;
+        },
+        py::arg("gate"), py::arg("up"), py::arg("down"),
+        "A fused SwiGLU expert y [B, D] = down(silu(gate x) * up x) over three of tiered's own kernels.");
+  py::class_<ExpertSpec, std::shared_ptr<ExpertSpec>>(m, "ExpertSpec",
+      "A quantized expert format's flat layout: forward(slot uint8 [nbytes], x [B, D]) -> y [B, D] fp32.")
+      .def("forward", &ExpertSpec::forward, py::arg("slot"), py::arg("x"));
+  m.def("expert_spec", [](std::vector<std::string> kinds, std::vector<std::vector<int64_t>> shapes,
+                          std::vector<std::vector<int64_t>> offsets, int64_t nbytes) {
+          TORCH_CHECK(kinds.size() == 3 && shapes.size() == 3 && offsets.size() == 3, "expert_spec: three projections");
+          auto sp = std::make_shared<ExpertSpec>();
+          sp->nbytes = nbytes;
+          for (int i = 0; i < 3; ++i) {
+            auto& pr = sp->p[i];
+            const auto& k = kinds[i];
+            pr.kind = k == "int4" ? ExpertSpec::kInt4 : k == "int8" ? ExpertSpec::kInt8 : k == "bf16" ? ExpertSpec::kBf16 : -1;
+            TORCH_CHECK(pr.kind >= 0, "expert_spec: no native kernel for kind ", k);
+            TORCH_CHECK(shapes[i].size() == 2, "expert_spec: shapes are (N, K)");
+            pr.N = shapes[i][0], pr.K = shapes[i][1];
+            TORCH_CHECK(pr.kind != ExpertSpec::kInt4 || pr.K % kGroup == 0, "expert_spec: int4 needs K % 32 == 0");
+            for (size_t j = 0; j < 3; ++j) pr.off[j] = j < offsets[i].size() ? offsets[i][j] : 0;
+          }
+          TORCH_CHECK(sp->p[0].K == sp->p[1].K && sp->p[0].N == sp->p[1].N && sp->p[2].K == sp->p[0].N &&
+                          sp->p[2].N == sp->p[0].K, "expert_spec: shapes do not make a SwiGLU expert");
+          return sp;
+        },
+        py::arg("kinds"), py::arg("shapes"), py::arg("offsets"), py::arg("nbytes"),
+        "An ExpertSpec from per-projection kinds ('bf16', 'int8', 'int4' in the plain layout), (N, K) shapes "
+        "and segment byte offsets (bf16: w; int8: q, scale bf16 [N]; int4: codes, sz bf16 [G, N, 2], zr bf16 [G, N]).");
+  m.def("bf16_expert_forward", [](at::Tensor wg, at::Tensor wu, at::Tensor wd, at::Tensor x0) {
+          const int64_t F = wg.size(0), D = wg.size(1);
+          check_rows(wg, at::kBFloat16, F, D, "bf16_expert_forward: w_gate");
+          check_rows(wu, at::kBFloat16, F, D, "bf16_expert_forward: w_up");
+          check_rows(wd, at::kBFloat16, D, F, "bf16_expert_forward: w_down");
+          TORCH_CHECK(x0.dim() == 2 && x0.size(1) == D, "bf16_expert_forward: x must be [B, ", D, "]");
+          auto x = x0.to(at::kFloat).contiguous();
+          auto y = at::empty({x.size(0), D}, x.options());
+          Bf16Gemv k[3];
+          const at::Tensor* ws[3] = {&wg, &wu, &wd};
+          for (int i = 0; i < 3; ++i) {
+            k[i].out_features = ws[i]->size(0), k[i].in_features = ws[i]->size(1);
+            k[i].w = {bf16_ptr(*ws[i]), nullptr};
+          }
+          {
+            py::gil_scoped_release nogil;
+            swiglu(k[0], k[1], k[2], x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+          }
+          return y;
+        },
+        py::arg("w_gate"), py::arg("w_up"), py::arg("w_down"), py::arg("x"),
+        "A bf16 SwiGLU expert in one call: w_gate, w_up bf16 [F, D], w_down bf16 [D, F] contiguous, "
+        "x [B, D] any float dtype -> y [B, D] fp32.");
+  m.def("set_isa", [](const std::string& name) {
+          const int want = name == "avx512" ? kAvx512 : name == "avx2" ? kAvx2 : name == "scalar" ? kScalar : -1;
+          TORCH_CHECK(want >= 0, "set_isa: unknown ISA '", name, "' (use avx512, avx2, scalar or best)");
+          TORCH_CHECK(want <= best_isa(), "set_isa: this CPU has no ", name, " path (best: ", isa_name(best_isa()), ")");
+          g_isa.store(want);
+        },
+        py::arg("name"), "Force tiered's GEMV kernels onto a lower ISA path: 'avx512', 'avx2' or 'scalar'.");
+  m.def("reset_isa", []() { g_isa.store(best_isa()); }, "Use the best ISA path this CPU has again.");
+  m.def("gemv_isa", []() { return std::string(isa_name(current_isa())); }, "The ISA path tiered's GEMV kernels use now.");
+  m.def("best_gemv_isa", []() { return std::string(isa_name(best_isa())); }, "The best ISA path this CPU supports.");
+}
+
+}  // namespace tiered
