@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiered.kernels.linear import kernel_for
 from tiered.models.layers import MLP, AttentionMetadata, KVCache, build_attention_metadata
 from tiered.quant.int4 import Int4Linear
 from tiered.quant.int8 import Int8Linear
@@ -126,27 +127,14 @@ def supported_attention(attn) -> bool:
     return attn.q_norm is None and attn.clip_qkv is None
 
 
-def native_kernel(native, m: nn.Module):
-    """Decode-path weight `m` (Int4Linear, Int8Linear, CastLinear, nn.Linear) as a native Kernel of
-    extension `native` (tiered.kernels.load()): y [B, N] fp32 = x [B, K] fp32 W^T (+ bias).
-    Raises TypeError for other modules."""
-    bias = getattr(m, "bias", None)
-    if isinstance(m, Int4Linear):
-        return native.int4pack_kernel(m.packed, m.group, m.scales_zeros, m.in_features, m.out_features, bias)
-    if isinstance(m, Int8Linear):
-        return native.int8pack_kernel(m.q, m.scale, bias)
-    if isinstance(m, (CastLinear, nn.Linear)):
-        return native.dense_kernel(m.weight, bias)
-    raise TypeError(f"no native kernel for {type(m).__name__}")
-
-
-def _native_group(native, parent: nn.Module, names: tuple[str, ...]) -> list:
-    """The native kernels computing projections `names` of `parent`, outputs side by side: their
-    shared fused decode module's kernel when there is one, else one kernel per projection."""
+def _native_group(parent: nn.Module, names: tuple[str, ...]) -> list:
+    """The native kernels (kernels/linear.kernel_for) computing projections `names` of `parent`,
+    outputs side by side: their shared fused decode module's kernel when there is one, else one
+    kernel per projection."""
     mods = [_decode_module(getattr(parent, n)) for n in names]
     if all(isinstance(m, Slice) for m in mods) and len({id(m.shared) for m in mods}) == 1:
-        return [native_kernel(native, mods[0].shared.fused)]
-    return [native_kernel(native, m) for m in mods]
+        return [kernel_for(mods[0].shared.fused)]
+    return [kernel_for(m) for m in mods]
 
 
 def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list]:
@@ -164,15 +152,15 @@ def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list]:
             continue
         attn = layer.self_attn
         plain = L.ffn is None
-        step.add_layer(L.in_norm, L.post_norm, L.eps, _native_group(native, attn, ("q_proj", "k_proj", "v_proj")),
-                       [native_kernel(native, _decode_module(attn.o_proj))],
-                       _native_group(native, layer.mlp, ("gate_proj", "up_proj")) if plain else [],
-                       [native_kernel(native, _decode_module(layer.mlp.down_proj))] if plain else [])
+        step.add_layer(L.in_norm, L.post_norm, L.eps, _native_group(attn, ("q_proj", "k_proj", "v_proj")),
+                       [kernel_for(_decode_module(attn.o_proj))],
+                       _native_group(layer.mlp, ("gate_proj", "up_proj")) if plain else [],
+                       [kernel_for(_decode_module(layer.mlp.down_proj))] if plain else [])
         if plain and schedule and schedule[-1][0] == "native" and schedule[-1][2] == i:
             schedule[-1] = ("native", schedule[-1][1], i + 1)
         else:
             schedule.append(("native", i, i + 1) if plain else ("attn", i))
-    step.set_head(model.model.norm.weight, model.model.norm.eps, native_kernel(native, _decode_module(model.lm_head)))
+    step.set_head(model.model.norm.weight, model.model.norm.eps, kernel_for(_decode_module(model.lm_head)))
     return step, schedule
 
 
