@@ -314,9 +314,12 @@ def test_the_serve_command(zoo):
         out = client.completions.create(model=path.name, prompt=PROMPTS[0], max_tokens=5, temperature=0)
         assert out.usage.completion_tokens >= 1
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+        # a second server on the taken port: uvicorn says why and the command exits, not hangs
+        busy = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert busy.returncode == 1, busy.stdout + busy.stderr
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        proc.terminate()  # SIGTERM: the HTTP thread and the engine (on the main thread) stop cleanly
+        assert proc.wait(timeout=30) == 0, proc.stdout.read()
     bad = subprocess.run(cmd[:4] + ["--max-batch", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "max-batch" in bad.stderr
 

@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import signal
+import threading
+
 import typer
 
 from tiered.errors import TieredError
@@ -252,7 +255,28 @@ def serve(
     typer.echo(f"serving {name} on http://{host}:{port}/v1 (batch {max_batch} x {llm.max_context} tokens, KV cache "
                f"{engine.cache.nbytes / 2**20:.0f} MiB; queue {max_queue}{'; API key required' if api_key else ''}) | "
                f"{llm.plan.summary()}", err=True)
-    uvicorn.run(build_app(engine, name, api_key), host=host, port=port, log_level="warning")
+    # The engine steps on this (main) thread, which owns torch's OpenMP team (a decode step on a
+    # fresh thread ran 3x slower); HTTP is served from a second thread.
+    engine.external = True
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, name, api_key), host=host, port=port,
+                                           log_level="warning"))
+    web = threading.Thread(target=server.run, name="tiered-http", daemon=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # uvicorn handles signals only on the main thread: we do
+    web.start()
+    try:
+        engine.run(alive=web.is_alive)  # until the server stops (its shutdown stops the engine) or dies
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        engine.stop()
+        web.join(timeout=30)
+    if not server.started:
+        raise typer.Exit(1)  # uvicorn said why (e.g. the port is taken)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 @app.command()

@@ -49,18 +49,20 @@ class APIError(Exception):
 
 
 def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI application. Its lifespan starts the engine thread and stops it at shutdown.
+    """The FastAPI application. Its lifespan starts the engine thread (unless the engine is run on
+    a thread of the caller's: ServingEngine.run) and stops the engine at shutdown.
 
     Args:
-        engine: the ServingEngine (not yet started).
+        engine: the ServingEngine (not yet started, or stepped by `run` on another thread).
         model_name: the id /v1/models lists; requests must name it.
         api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`.
     """
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        """The engine thread runs while the app serves."""
-        engine.start()
+        """The engine steps while the app serves."""
+        if not engine.external:
+            engine.start()
         try:
             yield
         finally:
