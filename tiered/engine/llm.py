@@ -78,10 +78,9 @@ class LLM:
         """After the load: the file pages it read and the heap its temporaries freed go back to the
         OS (memory/host.py), so the resident set is the placed weights, not the load's high-water
         mark (SmolLM2: 618 -> 492 MB)."""
-        from tiered.memory.host import trim_heap
+        from tiered.quant.linear import release_load_memory
 
-        self.checkpoint.release_pages()
-        trim_heap()
+        release_load_memory(self.checkpoint)
 
     def _open(self, model) -> None:
         """OPEN: the checkpoint (nothing read yet), its config, the accelerator and the budgets."""
