@@ -141,6 +141,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--out", default=str(ROOT / "results"), help="results directory (also gets this machine's profile)")
     ap.add_argument("--h200-only", action="store_true", help="print the H200 table only (no measurement)")
+    ap.add_argument("--dense-only", action="store_true", help="only the SmolLM2 rows (no MoE checkpoint)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads for profiling and every run (default: torch's); on a shared machine "
                          "1 keeps other processes from stalling OpenMP teams")
@@ -161,6 +162,29 @@ def main() -> None:
         hw.save(out_dir / "hardware_profile_this_machine.json")
     shape = dict(layers=4, hidden=512, ffn=1792, experts=8, vocab=4096) if args.quick else \
         dict(layers=8, hidden=1024, ffn=3584, experts=8, vocab=8192)
+    rows, errors = [], []
+    if not args.dense_only:
+        moe_rows(args, hw, shape, rows, errors)
+    dense_rows(args, hw, rows, errors)
+    med = median(errors)
+    settings = {"profile": hw.name, "profile_source": hw.source, "model_shape": None if args.dense_only else shape,
+                "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "target": 0.20}
+    columns = [Column("plan", "plan"), Column("predicted ms/token", lambda r: r["predicted_step_s"] * 1e3, "{:.1f}"),
+               Column("measured ms/token", lambda r: r["measured_itl_s"] * 1e3, "{:.1f}"),
+               Column("error", "e2e_error", "{:.0%}"), Column("per-layer median error", "layer_median_error", "{:.0%}"),
+               Column("fast hit rate", "hit_rate", "{:.0%}")]
+    notes = [f"Profile `{hw.name}` ({hw.source})."] + [r.pop("note") for r in rows if "note" in r] + \
+        [f"Median absolute error over all per-layer and end-to-end comparisons: **{med:.0%}** (target < 20%)."]
+    h200, h200_lines = h200_table()
+    notes += h200_lines
+    stem = "planner_validation_quick" if args.quick else "planner_validation"
+    _, md = write_report(stem, out_dir, title="Planner validation", settings=settings, rows=rows, columns=columns,
+                         notes=notes, extra={"median_abs_error": med, "h200": h200})
+    print(md.read_text())
+
+
+def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
+    """The Mixtral-shaped dummy under four explicit placements: predicted vs measured per layer and end to end."""
     model = write_checkpoint(Path(args.workdir) / ("mixtral-dummy-quick" if args.quick else "mixtral-dummy"),
                              dtype=torch.bfloat16, **shape)
     files = [str(p) for p in model.glob("*.safetensors")]
@@ -189,7 +213,6 @@ def main() -> None:
         "MoE, on demand from disk": EngineConfig(**base, cpu_memory=cpu_mem, expert_cache_slots=0, resident_experts=0,
                                                  read_ahead=False),
     }
-    rows, errors = [], []
     for name, cfg in plans.items():
         m = measure(model, cfg, prompt, args.new_tokens, files)
         mc = m["config"]
@@ -208,39 +231,35 @@ def main() -> None:
                      "hit_rate": m["hit_rate"]})
         print(f"{name}: predicted {step * 1e3:.1f} ms/token, measured {m['itl_s'] * 1e3:.1f} ms "
               f"({e2e_err:.0%}); per-layer median error {rows[-1]['layer_median_error']:.0%}", flush=True)
-    # dense: SmolLM2-135M from its GGUF, end to end
-    for dt, dw, name in (("bfloat16", "bf16", "SmolLM2-135M dense, bf16 weights"),
-                         ("float32", "fp32", "SmolLM2-135M dense, fp32 weights")):
-        llm = LLM(None, EngineConfig(dtype=dt, decode_weights=dw, plan="off"))
+    rows[0]["note"] = (f"MoE: Mixtral-shaped dummy {shape}, bf16; `--cpu-mem` {cpu_mem / 2**20:.0f} MiB where limited. "
+                       f"Decode at batch 1, page cache dropped. disk/read_cold refitted on the checkpoint's own files "
+                       f"({1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s; the profiler's fresh temp file read at "
+                       f"{1 / hw_disk_beta / 1e9:.2f} GB/s), and so was disk/read_cold_parallel, two readers at once as "
+                       f"read-ahead issues them ({1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s).")
+
+
+def dense_rows(args, hw, rows: list, errors: list) -> None:
+    """SmolLM2-135M from its GGUF, end to end: explicit bf16 and fp32 weights (plan off, priced by the
+    cost model with `hw`), and the default engine (one int4/int8 copy, the native decode step when
+    built) as its own auto plan predicts it (the plan's predicted_decode_tokens_per_s)."""
+    cases = (("SmolLM2-135M dense, bf16 weights", EngineConfig(dtype="bfloat16", decode_weights="bf16", plan="off"), "bf16"),
+             ("SmolLM2-135M dense, fp32 weights", EngineConfig(dtype="float32", decode_weights="fp32", plan="off"), "fp32"),
+             ("SmolLM2-135M default (auto plan: one int4/int8 copy, native step)", EngineConfig(), None))
+    for name, cfg, dw in cases:
+        llm = LLM(None, cfg)
         ids = list(range(100, 132))
         llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         itl = median([llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.new_tokens,
                                                          ignore_eos=True))[0].stats.itl_s for _ in range(3)])
-        _, step = predict_decode(llm.config, hw, dw, context=len(ids) + args.new_tokens // 2)
+        if dw is None:
+            step = 1.0 / llm.plan.predicted_decode_tokens_per_s
+        else:
+            _, step = predict_decode(llm.config, hw, dw, context=len(ids) + args.new_tokens // 2)
         err = abs(step - itl) / itl
         errors.append(err)
         rows.append({"plan": name, "predicted_step_s": step, "measured_itl_s": itl, "e2e_error": err,
                      "layer_median_error": None, "layers": []})
         print(f"{name}: predicted {step * 1e3:.1f} ms/token, measured {itl * 1e3:.1f} ms ({err:.0%})", flush=True)
-    med = median(errors)
-    settings = {"profile": hw.name, "profile_source": hw.source, "model_shape": shape, "cpu_mem_bytes": cpu_mem,
-                "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "target": 0.20}
-    columns = [Column("plan", "plan"), Column("predicted ms/token", lambda r: r["predicted_step_s"] * 1e3, "{:.1f}"),
-               Column("measured ms/token", lambda r: r["measured_itl_s"] * 1e3, "{:.1f}"),
-               Column("error", "e2e_error", "{:.0%}"), Column("per-layer median error", "layer_median_error", "{:.0%}"),
-               Column("fast hit rate", "hit_rate", "{:.0%}")]
-    notes = [f"Profile `{hw.name}` ({hw.source}). MoE: Mixtral-shaped dummy {shape}, bf16; `--cpu-mem` "
-             f"{cpu_mem / 2**20:.0f} MiB where limited. Decode at batch 1, page cache dropped. disk/read_cold refitted "
-             f"on the checkpoint's own files ({1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s; the profiler's fresh temp "
-             f"file read at {1 / hw_disk_beta / 1e9:.2f} GB/s), and so was disk/read_cold_parallel, two readers at once "
-             f"as read-ahead issues them ({1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s).",
-             f"Median absolute error over all per-layer and end-to-end comparisons: **{med:.0%}** (target < 20%)."]
-    h200, h200_lines = h200_table()
-    notes += h200_lines
-    stem = "planner_validation_quick" if args.quick else "planner_validation"
-    _, md = write_report(stem, out_dir, title="Planner validation", settings=settings, rows=rows, columns=columns,
-                         notes=notes, extra={"median_abs_error": med, "h200": h200})
-    print(md.read_text())
 
 
 if __name__ == "__main__":

@@ -128,16 +128,25 @@ def native_kernels() -> bool:
     return kernels.load() is not None
 
 
-def _linear_kernel(device: str, dtype: str, w: torch.Tensor):
+def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False):
+    """(fn(x) -> y, x's dtype, weight bytes per element) of the kernel the engine runs for a `dtype`
+    weight w [N, K] on `device`. gemv: a decode-step GEMV: on a CPU with tiered/kernels built, the
+    native Kernel the native decode step calls for that format (kernels/linear.kernel_for), with
+    its per-call cost, not a module's Python-side reshapes and casts."""
+    if gemv and device == "cpu" and dtype in ("bf16", "int8", "int4") and native_kernels():
+        from tiered.kernels.linear import kernel_for
+        from tiered.quant.int4 import Int4Linear
+        from tiered.quant.int8 import Int8Linear
+        from tiered.quant.linear import CastLinear
+
+        mod = {"bf16": lambda: CastLinear(w.to(torch.bfloat16), None), "int8": lambda: Int8Linear.from_dense(w),
+               "int4": lambda: Int4Linear.from_dense(w)}[dtype]()
+        bpe = {"bf16": 2.0, "int8": 1 + 2 / w.shape[1], "int4": 0.5 + 4 / 32}[dtype]
+        return kernel_for(mod), torch.float32, bpe
     dev = torch.device("cuda" if device == "gpu" else "cpu")
     if dtype in ("fp32", "bf16", "fp16"):
         td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         wd = w.to(dev, td)
-        if dtype == "bf16" and device == "cpu" and native_kernels():  # the decode step's own bf16 GEMV
-            from tiered.kernels.linear import kernel_for
-            from tiered.quant.linear import CastLinear
-
-            return kernel_for(CastLinear(wd, None)), torch.float32, wd.element_size()
         return (lambda x: F.linear(x, wd)), td, wd.element_size()
     if dtype == "int8" and device == "cpu":
         from tiered.quant.int8 import Int8Linear
@@ -178,11 +187,11 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
     points = []
     for T, K, N in shapes:
         w = torch.randn(N, K) * 0.02
-        fn, xdtype, bpe = _linear_kernel(device, dtype, w)
+        fn, xdtype, bpe = _linear_kernel(device, dtype, w, gemv=by_bytes)
         dev = "cuda" if device == "gpu" else "cpu"
         x = (torch.randint(-8, 8, (T, K), dtype=torch.int8) if xdtype == torch.int8 else torch.randn(T, K)).to(dev, xdtype)
         copies = min(32, -(-COLD_WEIGHT_BYTES // int(K * N * bpe))) if by_bytes and device == "cpu" else 1
-        turn = itertools.cycle([fn] + [_linear_kernel(device, dtype, w)[0] for _ in range(copies - 1)])
+        turn = itertools.cycle([fn] + [_linear_kernel(device, dtype, w, gemv=by_bytes)[0] for _ in range(copies - 1)])
         t = median_time(lambda: next(turn)(x), repeats, sync)
         points.append((K * N * bpe if by_bytes else T * K * N, t))
     return points
@@ -424,8 +433,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 
 # Bumped when a key's measurement changes meaning, so cached profiles of older method are re-measured
 # (2: runtime/decode_step times the lean CPU decode step, runtime/cpu_decode; 3: the native step and
-# kernels when tiered/kernels is built, meta["native_kernels"]).
-PROFILER_VERSION = 3
+# kernels when tiered/kernels is built, meta["native_kernels"]; 4: the CPU gemv keys time the native
+# Kernels the native step calls, without a module's per-call Python cost).
+PROFILER_VERSION = 4
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
