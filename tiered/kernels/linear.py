@@ -29,15 +29,19 @@ def plain_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def int4_kernel(codes: torch.Tensor, scales_zeros: torch.Tensor, residual: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None):
+                bias: torch.Tensor | None = None, act: str = "bf16"):
     """Our int4 kernel over plain codes uint8 [N, K/2] and Int4Linear's scales_zeros bf16 [K/32, N, 2]
     (w = (q - 8) * scale + zero), plus an optional zero residual bf16 [K/32, N]. No copy of the
-    weights: the kernel reads the tensors given (and keeps them alive). None without the extension."""
+    weights: the kernel reads the tensors given (and keeps them alive). None without the extension.
+
+    act: the activations the kernel reads: "bf16" (x rounded to bf16, vdpbf16ps per group of 32) or
+    "q8" (x quantized to int8 per group of 32 as llama.cpp's Q8_0, vpdpbusd per 4 groups: ~2x the
+    bandwidth of "bf16" at batch 1, adds the activations' 8-bit rounding to the error)."""
     ext = load()
     if ext is None:
         return None
     zr = None if residual is None else residual.T
-    return ext.int4_kernel(codes, scales_zeros[..., 0].T, scales_zeros[..., 1].T, zr, bias)
+    return ext.int4_kernel(codes, scales_zeros[..., 0].T, scales_zeros[..., 1].T, zr, bias, act)
 
 
 def kernel_for(m: nn.Module):
