@@ -5,7 +5,8 @@ TIERED_NATIVE=0, or no compiler); callers then keep their torch-op paths.
 
     weight                                   kernel
     Int8Linear (q int8 [N, K], scale [N])    int8_kernel (ours)
-    Int4Linear with plain codes              int4_kernel (ours)
+    Int4Linear with plain codes              int4_kernel (ours, bf16 activations: act="q8" is faster but
+                                             doubles SmolLM2's int4 KL, see EXPERT_INT4_ACT)
     Int4Linear (torch's packed layout only)  int4pack_kernel (torch's _weight_int4pack_mm_for_cpu)
     CastLinear / nn.Linear, bf16 weight      bf16_kernel (ours)
     nn.Linear, other dtypes                  dense_kernel (at::linear)
@@ -78,6 +79,11 @@ def kernel_for(m: nn.Module):
 
 
 NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4")
+# Routed int4 experts read int8-quantized activations (int4_kernel's act="q8": vpdpbusd, ~1.5-2x
+# the batch-1 bandwidth of act="bf16"). Its 8-bit rounding of x doubles SmolLM2's int4 decode KL
+# (max 0.0033 -> 0.0099 nats through the native step), so dense int4 weights keep bf16 activations;
+# for experts it is part of the int4 format's cost (issue 9: int4 experts are for offloaded MoE).
+EXPERT_INT4_ACT = "q8"
 
 
 def expert_spec(fmt):
@@ -91,4 +97,4 @@ def expert_spec(fmt):
     if "int4" in fmt.kinds and fmt.int4_layout != "plain":
         return None
     offsets = [[off for _, off, _, _ in segs] for segs in fmt._layout]
-    return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes)
+    return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes, EXPERT_INT4_ACT)

@@ -47,6 +47,7 @@ inline float bf16f(uint16_t h) {
 
 std::atomic<int> g_isa{-1};
 
+
 // ------------------------------------------------------------------------------------ weights
 struct Int4W {
   const uint8_t* codes;
@@ -518,7 +519,7 @@ TIERED_AVX512 inline __attribute__((always_inline)) void int4q8_rows_avx512(
   __m512 s[R];
   for (int64_t ch = 0; ch < full; ++ch) {
     for (int i = 0; i < R; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(c0 + i * ldc + ch * 64 + 1024), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(c0 + i * ldc + ch * 64 + 512), _MM_HINT_T0);
       v[i] = _mm512_loadu_si512(c0 + i * ldc + ch * 64), s[i] = scales16(sp[i], ch);
     }
     int4q8_chunk<NB, R>(v, s, xq, dx, ch, acc);
