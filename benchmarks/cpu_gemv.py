@@ -121,7 +121,10 @@ def main(argv=None) -> int:
                  rows=rows, columns=cols,
                  notes=[f"Memory bandwidth measured in the same run: {bw:.1f} GB/s (torch sum over 1 GiB).",
                         f"Our kernels ran the {ext.gemv_isa()} path (CPU: {ext.cpu_isa()}). Each timed sweep reads "
-                        f"> {SWEEP_BYTES / 1e6:.0f} MB of distinct weight copies (DRAM, not cache)."])
+                        f"> {SWEEP_BYTES / 1e6:.0f} MB of distinct weight copies (DRAM, not cache).",
+                        "int4: our kernel on bf16 activations (vdpbf16ps per group of 32); int4q8: the same weights, "
+                        "our kernel on int8-quantized activations (vpdpbusd per 4 groups; routed experts use it), "
+                        "both against torch's _weight_int4pack_mm_for_cpu (bf16 activations)."])
     return 0
 
 

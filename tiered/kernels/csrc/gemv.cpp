@@ -1,4 +1,5 @@
-// tiered's own GEMV kernels (see gemv.h): int4 group-32, int8 per-row, bf16; AVX-512 / AVX2 / scalar.
+// tiered's own GEMV kernels (see gemv.h): int4 group-32 (bf16 or int8 activations), int8 per-row, bf16;
+// AVX-512 / AVX2 / scalar.
 //
 // Layouts (read as stored, no repacking at call time):
 //   int4: codes uint8 [N, K/2], two codes per byte, column 2i in the low nibble, 2i+1 in the high
@@ -10,7 +11,9 @@
 // Numerics: int4 and bf16 read activations rounded to bf16 (as torch's int4 / bf16 kernels do) and
 // accumulate in fp32; int8 reads fp32 activations. The AVX-512 int4 path turns a code q into the
 // bf16 number 128 + q (bits 0x4300 | q: exact) and takes the 136 * sum(x) it adds out with the
-// zero term, so each group is one vdpbf16ps per activation row.
+// zero term, so each group is one vdpbf16ps per activation row. int4 with act "q8" (Int4Q8Gemv)
+// reads x quantized to int8 per group of 32 (llama.cpp's Q8_0) and does 4 groups per vpdpbusd pair
+// (AVX2: vpmaddubsw + vpmaddwd), the integer dots exact; see "int4 x q8" below.
 #include "gemv.h"
 
 #include <ATen/Parallel.h>
