@@ -11,7 +11,8 @@ Expert forward, two paths:
     int4: aten._weight_int4pack_mm_for_cpu (group 32, bf16 scales and zeros).
   native (what ExpertFormat.forward runs on the CPU when the extension is loaded): the fused SwiGLU
     expert of tiered/kernels/csrc/gemv.cpp, one call from the expert's stored form (bf16 tensors,
-    or the flat int8 / int4 "plain" slot with the zero residual), no Python between projections.
+    or the flat int8 / int4 "plain" slot with the zero residual), no Python between projections;
+    int4 on int8-quantized activations (kernels/linear.EXPERT_INT4_ACT = "q8": vpdpbusd).
 Each timed call goes to the next of `n` distinct experts so that the weights read exceed the
 last-level cache (the numbers are DRAM figures, not cache hits). GB/s = weight bytes / time.
 Bandwidth is measured in the same run (torch sum over a buffer of 4x the weights of one expert

@@ -5,7 +5,8 @@ TIERED_NATIVE=0, or no compiler); callers then keep their torch-op paths.
 
     weight                                   kernel
     Int8Linear (q int8 [N, K], scale [N])    int8_kernel (ours)
-    Int4Linear with plain codes              int4_kernel (ours)
+    Int4Linear with plain codes              int4_kernel (ours, bf16 activations: act="q8" is faster but
+                                             doubles SmolLM2's int4 KL, see EXPERT_INT4_ACT)
     Int4Linear (torch's packed layout only)  int4pack_kernel (torch's _weight_int4pack_mm_for_cpu)
     CastLinear / nn.Linear, bf16 weight      bf16_kernel (ours)
     nn.Linear, other dtypes                  dense_kernel (at::linear)
@@ -29,15 +30,19 @@ def plain_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def int4_kernel(codes: torch.Tensor, scales_zeros: torch.Tensor, residual: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None):
+                bias: torch.Tensor | None = None, act: str = "bf16"):
     """Our int4 kernel over plain codes uint8 [N, K/2] and Int4Linear's scales_zeros bf16 [K/32, N, 2]
     (w = (q - 8) * scale + zero), plus an optional zero residual bf16 [K/32, N]. No copy of the
-    weights: the kernel reads the tensors given (and keeps them alive). None without the extension."""
+    weights: the kernel reads the tensors given (and keeps them alive). None without the extension.
+
+    act: the activations the kernel reads: "bf16" (x rounded to bf16, vdpbf16ps per group of 32) or
+    "q8" (x quantized to int8 per group of 32 as llama.cpp's Q8_0, vpdpbusd per 4 groups: ~2x the
+    bandwidth of "bf16" at batch 1, adds the activations' 8-bit rounding to the error)."""
     ext = load()
     if ext is None:
         return None
     zr = None if residual is None else residual.T
-    return ext.int4_kernel(codes, scales_zeros[..., 0].T, scales_zeros[..., 1].T, zr, bias)
+    return ext.int4_kernel(codes, scales_zeros[..., 0].T, scales_zeros[..., 1].T, zr, bias, act)
 
 
 def kernel_for(m: nn.Module):
@@ -74,6 +79,11 @@ def kernel_for(m: nn.Module):
 
 
 NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4")
+# Routed int4 experts read int8-quantized activations (int4_kernel's act="q8": vpdpbusd, ~1.5-2x
+# the batch-1 bandwidth of act="bf16"). Its 8-bit rounding of x doubles SmolLM2's int4 decode KL
+# (max 0.0033 -> 0.0099 nats through the native step), so dense int4 weights keep bf16 activations;
+# for experts it is part of the int4 format's cost (issue 9: int4 experts are for offloaded MoE).
+EXPERT_INT4_ACT = "q8"
 
 
 def expert_spec(fmt):
@@ -87,4 +97,4 @@ def expert_spec(fmt):
     if "int4" in fmt.kinds and fmt.int4_layout != "plain":
         return None
     offsets = [[off for _, off, _, _ in segs] for segs in fmt._layout]
-    return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes)
+    return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes, EXPERT_INT4_ACT)

@@ -1,4 +1,5 @@
-// tiered's own GEMV kernels (see gemv.h): int4 group-32, int8 per-row, bf16; AVX-512 / AVX2 / scalar.
+// tiered's own GEMV kernels (see gemv.h): int4 group-32 (bf16 or int8 activations), int8 per-row, bf16;
+// AVX-512 / AVX2 / scalar.
 //
 // Layouts (read as stored, no repacking at call time):
 //   int4: codes uint8 [N, K/2], two codes per byte, column 2i in the low nibble, 2i+1 in the high
@@ -10,7 +11,9 @@
 // Numerics: int4 and bf16 read activations rounded to bf16 (as torch's int4 / bf16 kernels do) and
 // accumulate in fp32; int8 reads fp32 activations. The AVX-512 int4 path turns a code q into the
 // bf16 number 128 + q (bits 0x4300 | q: exact) and takes the 136 * sum(x) it adds out with the
-// zero term, so each group is one vdpbf16ps per activation row.
+// zero term, so each group is one vdpbf16ps per activation row. int4 with act "q8" (Int4Q8Gemv)
+// reads x quantized to int8 per group of 32 (llama.cpp's Q8_0) and does 4 groups per vpdpbusd pair
+// (AVX2: vpmaddubsw + vpmaddwd), the integer dots exact; see "int4 x q8" below.
 #include "gemv.h"
 
 #include <ATen/Parallel.h>
@@ -21,7 +24,7 @@
 #include <cmath>
 #include <cstring>
 
-#define TIERED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+#define TIERED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma")))
 #define TIERED_AVX2 __attribute__((target("avx2,fma")))
 
 namespace tiered {
@@ -46,6 +49,7 @@ inline float bf16f(uint16_t h) {
 }
 
 std::atomic<int> g_isa{-1};
+
 
 // ------------------------------------------------------------------------------------ weights
 struct Int4W {
@@ -286,6 +290,28 @@ TIERED_AVX512 inline __attribute__((always_inline)) __m512 dot_bf16(__m512 acc, 
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(w), reinterpret_cast<__m512bh&>(x));
 }
 
+// A block's scales and zero terms (Int4Block, [g, r]): vector loads when they sit as [G, N, 2].
+TIERED_AVX512 void int4_fill_block_avx512(const Int4W& w, int64_t m0, int64_t rn, int64_t G, float off, Int4Block& blk) {
+  if (interleaved(w, rn)) {
+    float *S = blk.S(G), *Z = blk.Z(G);
+    const __m512i hi16 = _mm512_set1_epi32(int(0xFFFF0000u));
+    const __m512 ov = _mm512_set1_ps(off);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512i v = _mm512_loadu_si512(w.s + m0 * 2 + g * w.s_g);  // (s, z) of 16 rows
+      const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
+      if (w.zr) {
+        const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zr + m0 + g * w.zr_g));
+        zv = _mm512_add_ps(zv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
+      }
+      _mm512_storeu_ps(S + g * kBlock, sv);
+      _mm512_storeu_ps(Z + g * kBlock, _mm512_fnmadd_ps(ov, sv, zv));
+    }
+  } else {
+    blk.gather(w, m0, rn, G, off);
+  }
+}
+
 // One int4 group: 16 bytes -> 32 bf16 words (128 + q) in column order, one dot per activation row.
 template <int NB>
 TIERED_AVX512 inline __attribute__((always_inline)) void int4_group_avx512(const uint8_t* c, const float* sc, int64_t g,
@@ -312,24 +338,7 @@ TIERED_AVX512 void int4_avx512(const Int4W& w, const Act& a, int64_t b0, int64_t
   thread_local Int4Block blk;
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     const int64_t rn = std::min(kBlock, n1 - m0);
-    if (interleaved(w, rn)) {
-      float *S = blk.S(G), *Z = blk.Z(G);
-      const __m512i hi16 = _mm512_set1_epi32(int(0xFFFF0000u));
-      const __m512 off = _mm512_set1_ps(136.f);
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512i v = _mm512_loadu_si512(w.s + m0 * 2 + g * w.s_g);  // (s, z) of 16 rows
-        const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-        __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
-        if (w.zr) {
-          const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zr + m0 + g * w.zr_g));
-          zv = _mm512_add_ps(zv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
-        }
-        _mm512_storeu_ps(S + g * kBlock, sv);
-        _mm512_storeu_ps(Z + g * kBlock, _mm512_fnmadd_ps(off, sv, zv));
-      }
-    } else {
-      blk.gather(w, m0, rn, G, 136.f);
-    }
+    int4_fill_block_avx512(w, m0, rn, G, 136.f, blk);
     float corr[NB][kBlock];  // zero terms of the block's rows: sum_g zc[g, r] * gsum[g]
     for (int j = 0; j < NB; ++j) {
       __m512 cv = _mm512_setzero_ps();
@@ -351,6 +360,224 @@ TIERED_AVX512 void int4_avx512(const Int4W& w, const Act& a, int64_t b0, int64_t
       for (int j = 0; j < NB; ++j)
         y[(b0 + j) * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[j], acc1[j])) + corr[j][r] +
                                 (w.bias ? w.bias[n] : 0.f);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------ int4 x q8
+// The int4 kernel on int8 activations (Act with q8, llama.cpp's Q8_0 activations). Per row n and
+// group g, with w = (q - 8) s + z (z: the zero plus its residual) and x ~ dx * xq:
+//   sum_i w_i x_i ~ s dx (sum_i q_i xq_i - 8 sum_i xq_i) + z sum_i x_i
+// The integer dot sum_i q_i xq_i is one vpdpbusd pair per 4 groups (u8 codes x s8 activations);
+// the other two terms depend on the row only through s and z, so a row block computes them for its
+// 16 rows at once (`corr`). Only s dx sum (q - 8) xq sees the activations' rounding ((q - 8) is
+// centred: a smaller error than Q4_1 x Q8_1's uncentred q); the zero term uses exact sums of x.
+struct Int4Q8Block {
+  Int4Block sz;  // scales and zeros (off 0) [Gp, kBlock]; padding groups zero
+  std::vector<float> st;  // scales transposed: row r's 4 of chunk c at c * 64 + (r % 4) * 16 + (r / 4) * 4
+  float corr[kMaxNB][kBlock];  // sum_g z[g, r] xsum[g] + s[g, r] m8[g] per activation row
+};
+
+void int4q8_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y,
+                   int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup, Gp = a.Gp;
+  thread_local Int4Block blk;
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const int64_t rn = std::min(kBlock, n1 - m0);
+    blk.gather(w, m0, rn, G, 0.f);
+    for (int64_t r = 0; r < rn; ++r) {
+      const int64_t n = m0 + r;
+      const uint8_t* c = w.codes + n * w.ldc;
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t b = b0 + j;
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const int8_t* xq = a.xq + b * Gp * kGroup + (g / 4) * 128 + (g % 4) * 16;
+          int32_t d = 0;
+          for (int64_t i = 0; i < kGroup / 2; ++i) d += int32_t(c[g * 16 + i] & 15) * xq[i] + int32_t(c[g * 16 + i] >> 4) * xq[64 + i];
+          const float dx = a.dx16[b * Gp * 4 + g * 4];
+          acc += blk.sc[g * kBlock + r] * (dx * float(d) + a.m8[b * Gp + g]) + blk.zc[g * kBlock + r] * a.xsum[b * Gp + g];
+        }
+        y[b * ldy + n] = acc + (w.bias ? w.bias[n] : 0.f);
+      }
+    }
+  }
+}
+
+// corr of a block's rows (any ISA; the AVX-512 path has its own).
+void int4q8_corr(Int4Q8Block& b, const Act& a, int64_t b0, int nb, int64_t G) {
+  const float *S = b.sz.sc.data(), *Z = b.sz.zc.data();
+  for (int j = 0; j < nb; ++j) {
+    const float *xs = a.xsum + (b0 + j) * a.Gp, *m = a.m8 + (b0 + j) * a.Gp;
+    float* cr = b.corr[j];
+    for (int64_t r = 0; r < kBlock; ++r) cr[r] = 0.f;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < kBlock; ++r) cr[r] += Z[g * kBlock + r] * xs[g] + S[g * kBlock + r] * m[g];
+  }
+}
+
+template <int NB>
+TIERED_AVX2 void int4q8_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup, Gp = a.Gp;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int8_t* xq[NB];
+  const float* dx[NB];
+  for (int j = 0; j < NB; ++j) xq[j] = a.xq + (b0 + j) * Gp * kGroup, dx[j] = a.dx16 + (b0 + j) * Gp * 4;
+  thread_local Int4Q8Block blk;
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const int64_t rn = std::min(kBlock, n1 - m0);
+    blk.sz.gather(w, m0, rn, G, 0.f);
+    blk.sz.sc.resize(Gp * kBlock, 0.f);  // padding groups: scale 0
+    int4q8_corr(blk, a, b0, NB, G);
+    for (int64_t r = 0; r < rn; ++r) {
+      const int64_t n = m0 + r;
+      const uint8_t* c = w.codes + n * w.ldc;
+      const float* S = blk.sz.sc.data() + r;
+      __m256 acc[NB];
+      for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; g += 2) {  // groups g, g + 1: chunk g / 4, half (g / 2) % 2
+        const __m256i v = g + 1 < G ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + g * 16))
+                                    : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + g * 16)));
+        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        const float s0 = S[g * kBlock], s1 = S[(g + 1) * kBlock];
+        const __m256 sv = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+        const int64_t off = (g / 4) * 128 + ((g / 2) % 2) * 32, doff = (g / 4) * 16 + ((g / 2) % 2) * 8;
+        for (int j = 0; j < NB; ++j) {
+          const __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + off)));
+          const __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[j] + off + 64)));
+          const __m256i d = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);  // |.| <= 2 * 2 * 15 * 128
+          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sv, _mm256_loadu_ps(dx[j] + doff)), acc[j]);
+        }
+      }
+      for (int j = 0; j < NB; ++j) y[(b0 + j) * ldy + n] = hsum256(acc[j]) + blk.corr[j][r] + (w.bias ? w.bias[n] : 0.f);
+    }
+  }
+}
+
+template <int NB>
+TIERED_AVX512 void int4q8_terms_avx512(Int4Q8Block& b, const Act& a, int64_t b0, int64_t G) {
+  const int64_t Gp = a.Gp;
+  const float *S = b.sz.sc.data(), *Z = b.sz.zc.data();
+  for (int j = 0; j < NB; ++j) {
+    const float *xs = a.xsum + (b0 + j) * Gp, *m = a.m8 + (b0 + j) * Gp;
+    __m512 cv = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      cv = _mm512_fmadd_ps(_mm512_loadu_ps(Z + g * kBlock), _mm512_set1_ps(xs[g]), cv);
+      cv = _mm512_fmadd_ps(_mm512_loadu_ps(S + g * kBlock), _mm512_set1_ps(m[g]), cv);
+    }
+    _mm512_storeu_ps(b.corr[j], cv);
+  }
+  b.st.resize(Gp * kBlock);
+  for (int64_t c = 0; c < Gp / 4; ++c) {  // 4 groups x 16 rows -> 16 rows x 4 groups (4x4 per 128-bit lane)
+    const float* s = S + c * 4 * kBlock;
+    const __m512 a0 = _mm512_loadu_ps(s), a1 = _mm512_loadu_ps(s + kBlock), a2 = _mm512_loadu_ps(s + 2 * kBlock),
+                 a3 = _mm512_loadu_ps(s + 3 * kBlock);
+    const __m512d t0 = _mm512_castps_pd(_mm512_unpacklo_ps(a0, a1)), t1 = _mm512_castps_pd(_mm512_unpackhi_ps(a0, a1));
+    const __m512d t2 = _mm512_castps_pd(_mm512_unpacklo_ps(a2, a3)), t3 = _mm512_castps_pd(_mm512_unpackhi_ps(a2, a3));
+    float* o = b.st.data() + c * 64;
+    _mm512_storeu_ps(o, _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2)));        // rows 4L
+    _mm512_storeu_ps(o + 16, _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2)));   // rows 4L + 1
+    _mm512_storeu_ps(o + 32, _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3)));   // rows 4L + 2
+    _mm512_storeu_ps(o + 48, _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3)));   // rows 4L + 3
+  }
+}
+
+// A row's 4 scales of chunk c, each over its group's 4 lanes.
+TIERED_AVX512 inline __attribute__((always_inline)) __m512 scales16(const float* sp, int64_t c) {
+  const __m512i expand = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_permutexvar_ps(expand, _mm512_castps128_ps512(_mm_loadu_ps(sp + c * 64)));
+}
+
+// One chunk (4 groups, 64 code bytes) of R rows: per row and activation row 2 vpdpbusd and one fma;
+// each activation vector loaded once for the R rows.
+template <int NB, int R>
+TIERED_AVX512 inline __attribute__((always_inline)) void int4q8_chunk(const __m512i* v, const __m512* s16,
+                                                                      const int8_t* const* xq, const float* const* dx,
+                                                                      int64_t c, __m512 (*acc)[NB]) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  __m512i lo[R], hi[R];
+  for (int i = 0; i < R; ++i) lo[i] = _mm512_and_si512(v[i], m4), hi[i] = _mm512_and_si512(_mm512_srli_epi16(v[i], 4), m4);
+  for (int j = 0; j < NB; ++j) {
+    const __m512i xa = _mm512_loadu_si512(xq[j] + c * 128), xb = _mm512_loadu_si512(xq[j] + c * 128 + 64);
+    const __m512 dv = _mm512_loadu_ps(dx[j] + c * 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], xa), hi[i], xb);
+      acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s16[i], dv), acc[i][j]);
+    }
+  }
+}
+
+// Rows r0 .. r0 + R - 1 of a block (codes c0 = row r0's).
+template <int NB, int R>
+TIERED_AVX512 inline __attribute__((always_inline)) void int4q8_rows_avx512(
+    const uint8_t* c0, int64_t ldc, const float* st, int64_t r0, int64_t G, const int8_t* const* xq,
+    const float* const* dx, __m512 (*acc)[NB]) {
+  const int64_t full = G / 4, tail = G % 4;
+  const float* sp[R];
+  for (int i = 0; i < R; ++i) {
+    sp[i] = st + ((r0 + i) % 4) * 16 + ((r0 + i) / 4) * 4;
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  __m512i v[R];
+  __m512 s[R];
+  for (int64_t ch = 0; ch < full; ++ch) {
+    for (int i = 0; i < R; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(c0 + i * ldc + ch * 64 + 512), _MM_HINT_T0);
+      v[i] = _mm512_loadu_si512(c0 + i * ldc + ch * 64), s[i] = scales16(sp[i], ch);
+    }
+    int4q8_chunk<NB, R>(v, s, xq, dx, ch, acc);
+  }
+  if (tail) {
+    const __mmask64 tmask = (__mmask64(1) << (tail * 16)) - 1;
+    for (int i = 0; i < R; ++i) v[i] = _mm512_maskz_loadu_epi8(tmask, c0 + i * ldc + full * 64), s[i] = scales16(sp[i], full);
+    int4q8_chunk<NB, R>(v, s, xq, dx, full, acc);
+  }
+}
+
+// Scale (and zero residual) lines of the block at row m0, one share per call (share of shares):
+// they sit one group per N * 4 bytes apart, too far for the hardware prefetcher.
+inline void prefetch_block_scales(const Int4W& w, int64_t m0, int64_t G, int64_t share, int64_t shares) {
+  for (int64_t g = share * G / shares; g < (share + 1) * G / shares; ++g) {
+    _mm_prefetch(reinterpret_cast<const char*>(w.s + m0 * w.s_n + g * w.s_g), _MM_HINT_T0);
+    if (w.zr) _mm_prefetch(reinterpret_cast<const char*>(w.zr + m0 * w.zr_n + g * w.zr_g), _MM_HINT_T0);
+  }
+}
+
+template <int NB>
+TIERED_AVX512 inline __attribute__((always_inline)) void int4q8_out(const Int4W& w, const Int4Q8Block& blk, const Act& a,
+                                                                    int64_t b0, int64_t m0, int64_t r, const __m512* acc,
+                                                                    float* y, int64_t ldy) {
+  const int64_t n = m0 + r;
+  for (int j = 0; j < NB; ++j)
+    y[(b0 + j) * ldy + n] = _mm512_reduce_add_ps(acc[j]) + blk.corr[j][r] + (w.bias ? w.bias[n] : 0.f);
+}
+
+template <int NB>
+TIERED_AVX512 void int4q8_avx512(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                                 int64_t ldy) {
+  constexpr int R = NB <= 2 ? 4 : 2;  // rows at once: R * NB accumulators in registers
+  const int64_t K = a.K, G = K / kGroup, Gp = a.Gp;
+  const int8_t* xq[NB];
+  const float* dx[NB];
+  for (int j = 0; j < NB; ++j) xq[j] = a.xq + (b0 + j) * Gp * kGroup, dx[j] = a.dx16 + (b0 + j) * Gp * 4;
+  thread_local Int4Q8Block blk;
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const int64_t rn = std::min(kBlock, n1 - m0);
+    int4_fill_block_avx512(w, m0, rn, G, 0.f, blk.sz);
+    blk.sz.sc.resize(Gp * kBlock, 0.f);  // padding groups: scale 0
+    int4q8_terms_avx512<NB>(blk, a, b0, G);
+    const bool next = m0 + kBlock < n1;
+    int64_t r = 0;
+    for (; r + R <= rn; r += R) {
+      if (next) prefetch_block_scales(w, m0 + kBlock, G, r / R, kBlock / R);
+      __m512 acc[R][NB];
+      int4q8_rows_avx512<NB, R>(w.codes + (m0 + r) * w.ldc, w.ldc, blk.st.data(), r, G, xq, dx, acc);
+      for (int i = 0; i < R; ++i) int4q8_out<NB>(w, blk, a, b0, m0, r + i, acc[i], y, ldy);
+    }
+    for (; r < rn; ++r) {
+      __m512 acc[1][NB];
+      int4q8_rows_avx512<NB, 1>(w.codes + (m0 + r) * w.ldc, w.ldc, blk.st.data(), r, G, xq, dx, acc);
+      int4q8_out<NB>(w, blk, a, b0, m0, r, acc[0], y, ldy);
     }
   }
 }
@@ -461,6 +688,20 @@ struct Int4Gemv : Gemv {
   std::string name() const override { return std::string("int4(tiered,") + isa_name(current_isa()) + ")"; }
 };
 
+// The same weights on int8-quantized activations (see "int4 x q8" above): 2 vpdpbusd per 128
+// weights instead of a bf16 dot per 32, at the cost of rounding x to 8 bits per group of 32.
+struct Int4Q8Gemv : Int4Gemv {
+  bool needs_q8() const override { return true; }
+  void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
+    switch (current_isa()) {
+      case kAvx512: TIERED_DISPATCH_NB(int4q8_avx512, w) break;
+      case kAvx2: TIERED_DISPATCH_NB(int4q8_avx2, w) break;
+      default: int4q8_scalar(w, a, b0, nb, n0, n1, y, ldy);
+    }
+  }
+  std::string name() const override { return std::string("int4q8(tiered,") + isa_name(current_isa()) + ")"; }
+};
+
 struct Int8Gemv : Gemv {
   at::Tensor q;
   std::vector<float> scale, bias;
@@ -537,7 +778,7 @@ void swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, 
   const int64_t F = gate.out_features;
   gu.resize(B * 2 * F);
   h.resize(B * F);
-  const Act a = buf.prepare(x, B, gate.in_features);
+  const Act a = buf.prepare(x, B, gate.in_features, gate.needs_q8() || up.needs_q8());
   const Part parts[2] = {{&gate, gu.data(), 2 * F}, {&up, gu.data() + F, 2 * F}};
   run_parts(parts, 2, a);
   for (int64_t b = 0; b < B; ++b) {
@@ -567,6 +808,7 @@ struct ExpertSpec {
   };
   Proj p[3];
   int64_t nbytes = 0;
+  bool int4_q8 = false;  // int4 projections on int8 activations (Int4Q8Gemv)
 
   void bind(const Proj& pr, const uint8_t* buf, Int4Gemv& k4, Int8Gemv& k8, Bf16Gemv& kb, const Gemv*& out) const {
     if (pr.kind == kInt4) {
@@ -595,11 +837,12 @@ struct ExpertSpec {
     auto x = x0.to(at::kFloat).contiguous();
     auto y = at::empty({x.size(0), p[2].N}, x.options());
     Int4Gemv k4[3];
+    Int4Q8Gemv k4q[3];
     Int8Gemv k8[3];
     Bf16Gemv kb[3];
     const Gemv* g[3];
     const uint8_t* base = buf.data_ptr<uint8_t>();
-    for (int i = 0; i < 3; ++i) bind(p[i], base, k4[i], k8[i], kb[i], g[i]);
+    for (int i = 0; i < 3; ++i) bind(p[i], base, int4_q8 ? k4q[i] : k4[i], k8[i], kb[i], g[i]);
     {
       pybind11::gil_scoped_release nogil;
       swiglu(*g[0], *g[1], *g[2], x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
@@ -623,6 +866,7 @@ void check_ng(const at::Tensor& t, int64_t N, int64_t G, const char* what) {
               t.scalar_type(), " ", t.sizes());
 }
 
+template <class T>  // Int4Gemv or Int4Q8Gemv
 std::shared_ptr<Gemv> make_int4(at::Tensor codes, at::Tensor scale, at::Tensor zero, c10::optional<at::Tensor> residual,
                                 c10::optional<at::Tensor> bias) {
   TORCH_CHECK(codes.dim() == 2, "int4_kernel: codes must be uint8 [N, K/2]");
@@ -631,7 +875,7 @@ std::shared_ptr<Gemv> make_int4(at::Tensor codes, at::Tensor scale, at::Tensor z
   check_rows(codes, at::kByte, N, K / 2, "int4_kernel: codes");
   check_ng(scale, N, G, "scale");
   check_ng(zero, N, G, "zero");
-  auto k = std::make_shared<Int4Gemv>();
+  auto k = std::make_shared<T>();
   k->in_features = K, k->out_features = N;
   k->codes = codes, k->s = scale, k->z = zero;
   k->w.codes = codes.data_ptr<uint8_t>();
@@ -688,7 +932,7 @@ std::shared_ptr<Gemv> as_gemv(const KernelPtr& k, const char* what) {
 Isa best_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("fma"))
+      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma"))
     return kAvx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
   return kScalar;
@@ -703,7 +947,36 @@ Isa current_isa() {
   return Isa(v);
 }
 
-Act ActBuffers::prepare(const float* x, int64_t B, int64_t K) {
+// x fp32 [B, K] -> the Act's q8 fields (gemv.h): per group of 32, dx = max|x| / 127 and
+// xq = round(x * (127 / max|x|)), half to even (the 1.5 * 2^23 addition: exact for |v| < 2^22).
+void ActBuffers::quantize_q8(const float* x, int64_t B, int64_t K, Act& a) {
+  const int64_t G = K / kGroup, Gp = (G + 3) / 4 * 4;
+  constexpr float kRound = 12582912.f;
+  xq.assign(B * Gp * kGroup, 0);
+  dx16.assign(B * Gp * 4, 0.f);
+  xsum.assign(B * Gp, 0.f);
+  m8.assign(B * Gp, 0.f);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* p = x + b * K + g * kGroup;
+      float amax = 0.f, sum = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(p[i])), sum += p[i];
+      const float inv = amax > 0.f ? 127.f / amax : 0.f, dx = amax / 127.f;
+      int8_t* o = xq.data() + b * Gp * kGroup + (g / 4) * 128 + (g % 4) * 16;
+      int32_t s = 0;
+      for (int64_t i = 0; i < kGroup / 2; ++i) {
+        const int32_t e = int32_t((p[2 * i] * inv + kRound) - kRound), od = int32_t((p[2 * i + 1] * inv + kRound) - kRound);
+        o[i] = int8_t(e), o[64 + i] = int8_t(od), s += e + od;
+      }
+      float* d = dx16.data() + b * Gp * 4 + g * 4;
+      d[0] = d[1] = d[2] = d[3] = dx;
+      xsum[b * Gp + g] = sum;
+      m8[b * Gp + g] = -8.f * dx * float(s);
+    }
+  a.xq = xq.data(), a.dx16 = dx16.data(), a.xsum = xsum.data(), a.m8 = m8.data(), a.Gp = Gp;
+}
+
+Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, bool q8) {
   const int64_t n = B * K, G = K / kGroup;
   xr.resize(n);
   xb.resize(n);
@@ -722,12 +995,13 @@ Act ActBuffers::prepare(const float* x, int64_t B, int64_t K) {
     }
   Act a;
   a.x = x, a.xr = xr.data(), a.xb = xb.data(), a.gsum = gsum.data(), a.B = B, a.K = K;
+  if (q8) quantize_q8(x, B, K, a);
   return a;
 }
 
 void Gemv::run(const float* x, int64_t B, float* y) const {
   thread_local ActBuffers buf;
-  const Act a = buf.prepare(x, B, in_features);
+  const Act a = buf.prepare(x, B, in_features, needs_q8());
   const Part part{this, y, out_features};
   run_parts(&part, 1, a);
 }
@@ -738,13 +1012,17 @@ void register_gemv(pybind11::module& m) {
   namespace py = pybind11;
   using namespace gemv;
   m.def("int4_kernel", [](at::Tensor codes, at::Tensor scale, at::Tensor zero, c10::optional<at::Tensor> residual,
-                          c10::optional<at::Tensor> bias) -> KernelPtr {
-          return make_int4(codes, scale, zero, residual, bias);
+                          c10::optional<at::Tensor> bias, const std::string& act) -> KernelPtr {
+          TORCH_CHECK(act == "bf16" || act == "q8", "int4_kernel: act must be 'bf16' or 'q8', got '", act, "'");
+          return act == "q8" ? make_int4<Int4Q8Gemv>(codes, scale, zero, residual, bias)
+                             : make_int4<Int4Gemv>(codes, scale, zero, residual, bias);
         },
         py::arg("codes"), py::arg("scale"), py::arg("zero"), py::arg("residual") = py::none(),
-        py::arg("bias") = py::none(),
+        py::arg("bias") = py::none(), py::arg("act") = "bf16",
         "tiered's int4 GEMV. codes uint8 [N, K/2] (column 2i low nibble, 2i+1 high), scale / zero / residual "
-        "bf16 [N, K/32] views (any strides): w = (q - 8) * scale + zero + residual. Holds the tensors (no copy).");
+        "bf16 [N, K/32] views (any strides): w = (q - 8) * scale + zero + residual. Holds the tensors (no copy). "
+        "act: the activations it reads, 'bf16' (x rounded to bf16, vdpbf16ps) or 'q8' (x quantized to int8 per "
+        "group of 32, vpdpbusd: faster, less exact).");
   m.def("int8_kernel", [](at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> bias) -> KernelPtr {
           return make_int8(q, scale, bias);
         },
@@ -770,10 +1048,12 @@ void register_gemv(pybind11::module& m) {
       "A quantized expert format's flat layout: forward(slot uint8 [nbytes], x [B, D]) -> y [B, D] fp32.")
       .def("forward", &ExpertSpec::forward, py::arg("slot"), py::arg("x"));
   m.def("expert_spec", [](std::vector<std::string> kinds, std::vector<std::vector<int64_t>> shapes,
-                          std::vector<std::vector<int64_t>> offsets, int64_t nbytes) {
+                          std::vector<std::vector<int64_t>> offsets, int64_t nbytes, const std::string& int4_act) {
+          TORCH_CHECK(int4_act == "bf16" || int4_act == "q8", "expert_spec: int4_act must be 'bf16' or 'q8'");
           TORCH_CHECK(kinds.size() == 3 && shapes.size() == 3 && offsets.size() == 3, "expert_spec: three projections");
           auto sp = std::make_shared<ExpertSpec>();
           sp->nbytes = nbytes;
+          sp->int4_q8 = int4_act == "q8";
           for (int i = 0; i < 3; ++i) {
             auto& pr = sp->p[i];
             const auto& k = kinds[i];
@@ -788,9 +1068,10 @@ void register_gemv(pybind11::module& m) {
                           sp->p[2].N == sp->p[0].K, "expert_spec: shapes do not make a SwiGLU expert");
           return sp;
         },
-        py::arg("kinds"), py::arg("shapes"), py::arg("offsets"), py::arg("nbytes"),
+        py::arg("kinds"), py::arg("shapes"), py::arg("offsets"), py::arg("nbytes"), py::arg("int4_act") = "bf16",
         "An ExpertSpec from per-projection kinds ('bf16', 'int8', 'int4' in the plain layout), (N, K) shapes "
-        "and segment byte offsets (bf16: w; int8: q, scale bf16 [N]; int4: codes, sz bf16 [G, N, 2], zr bf16 [G, N]).");
+        "and segment byte offsets (bf16: w; int8: q, scale bf16 [N]; int4: codes, sz bf16 [G, N, 2], zr bf16 [G, N]); "
+        "int4_act as int4_kernel's act.");
   m.def("bf16_expert_forward", [](at::Tensor wg, at::Tensor wu, at::Tensor wd, at::Tensor x0) {
           const int64_t F = wg.size(0), D = wg.size(1);
           check_rows(wg, at::kBFloat16, F, D, "bf16_expert_forward: w_gate");

@@ -5,7 +5,8 @@
 // (one call's activations, prepared once: bf16 copy, group sums), so a fused expert prepares x once
 // for gate and up and runs both in one parallel region.
 //
-// ISA: one build, chosen at run time. AVX-512 (F/BW/VL + BF16: vdpbf16ps) -> AVX2 + FMA -> scalar.
+// ISA: one build, chosen at run time. AVX-512 (F/BW/VL + BF16: vdpbf16ps, VNNI: vpdpbusd) -> AVX2 +
+// FMA -> scalar.
 // `set_isa` forces a lower path (tests run every path on an AVX-512 machine).
 #pragma once
 #include "kernel.h"
@@ -24,19 +25,35 @@ Isa current_isa();  // what the kernels use now (best_isa unless set_isa lowered
 // One call's activations, prepared once for every kernel reading them. All pointers are rows of
 // B: x fp32 [B, K] as given; xr fp32 [B, K] = x rounded to bf16; xb bf16 bits [B, K] of xr;
 // gsum fp32 [B, K/32] = sums of xr over groups of 32 (int4's zero term).
+//
+// With q8 (only when a kernel reading the Act needs_q8), x quantized per group of 32 to int8, like
+// llama.cpp's Q8_0 activations: dx = max|x| / 127, xq = round(x * 127 / max|x|) (half to even),
+// G = K/32 groups padded to Gp = 4 * ceil(G/4) (padding zero). Per row b:
+//   xq int8 [Gp * 32], in chunks of 4 groups (128 bytes): bytes 16l..16l+15 = group 4c+l's even
+//      columns 0, 2, .., 30 and bytes 64+16l.. its odd columns: so one 64-byte load of plain int4
+//      codes (even column in the low nibble) ANDed with 0x0F pairs with the first half, shifted
+//      right by 4 with the second;
+//   dx16 fp32 [Gp / 4 * 16]: lane i of chunk c = dx of group 4c + i/4 (the 32-bit lane of a 64-byte
+//      dot product vpdpbusd leaves sums of group 4c + i/4);
+//   xsum fp32 [Gp]: exact sums of x (fp32, unrounded) per group;
+//   m8 fp32 [Gp]: -8 * dx * sum(xq) per group (int4's q - 8 offset, taken out per row block).
 struct Act {
   const float* x = nullptr;
   const float* xr = nullptr;
   const uint16_t* xb = nullptr;
   const float* gsum = nullptr;
-  int64_t B = 0, K = 0;
+  const int8_t* xq = nullptr;
+  const float *dx16 = nullptr, *xsum = nullptr, *m8 = nullptr;
+  int64_t B = 0, K = 0, Gp = 0;  // Gp: padded groups per row of xq / xsum / m8 (0 without q8)
 };
 
 // Buffers an Act lives in (one per concurrent Act; reused across calls: no allocation once warm).
 struct ActBuffers {
-  std::vector<float> xr, gsum;
+  std::vector<float> xr, gsum, dx16, xsum, m8;
   std::vector<uint16_t> xb;
-  Act prepare(const float* x, int64_t B, int64_t K);
+  std::vector<int8_t> xq;
+  Act prepare(const float* x, int64_t B, int64_t K, bool q8 = false);
+  void quantize_q8(const float* x, int64_t B, int64_t K, Act& a);
 };
 
 struct Gemv : Kernel {
@@ -44,6 +61,8 @@ struct Gemv : Kernel {
   virtual void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const = 0;
   // Rows per parallel work item and bytes each item reads (to size chunks).
   virtual int64_t block_rows() const { return 16; }
+  // True when rows() reads the Act's int8-quantized activations (prepare them with q8).
+  virtual bool needs_q8() const { return false; }
   void run(const float* x, int64_t B, float* y) const override;
 };
 
