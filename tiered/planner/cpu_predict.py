@@ -132,13 +132,23 @@ def step_weight_bytes(cfg: ModelConfig, dtype: str, moe_layers: list[int] | None
     return total * bpe
 
 
+def native_step(hw: HardwareProfile) -> bool:
+    """Whether `hw` was measured with tiered/kernels built: the engine's CPU decode then runs the
+    native step (runtime/cpu_decode, kernels/csrc/decode.cpp): q/k/v and gate/up as one kernel call
+    each, attention as plain loops whose fixed cost runtime/decode_step already holds."""
+    return bool(hw.meta and hw.meta.get("native_kernels"))
+
+
 def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, working_set: float = 0.0) -> float:
     d, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     w = 2 * d * q + 2 * d * kv
-    proj = _gemv(hw, dtype, w * op_time.bytes_per_element(dtype), calls=4, working_set=working_set)
+    native = native_step(hw)
+    proj = _gemv(hw, dtype, w * op_time.bytes_per_element(dtype), calls=2 if native else 4, working_set=working_set)
     act = dtype if dtype in ("fp32", "bf16", "fp16") else "bf16"  # int4/int8 weights keep a 16-bit KV cache
     kv_bytes = 2 * kv * context * op_time.bytes_per_element(act)
+    if native:  # the native step's attention streams the cached keys and values once (GQA heads share them)
+        return proj + op_time.memory_time(hw, "cpu", act, kv_bytes, "memory", working_set)
     return proj + op_time.attention_time(hw, "cpu", act, 2 * context * q, kv_bytes)
 
 
@@ -170,7 +180,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size
-            t += _gemv(hw, dtype, 3 * d * F * bpe, calls=3, working_set=ws)
+            t += _gemv(hw, dtype, 3 * d * F * bpe, calls=2 if native_step(hw) else 3, working_set=ws)  # gate/up fused
         else:
             F, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
             eb = 3 * d * F * bpe
