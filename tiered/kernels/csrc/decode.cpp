@@ -12,6 +12,7 @@
 #include "kernel.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -24,6 +25,12 @@ namespace tiered {
 namespace {
 
 // Kernels whose outputs are concatenated column-wise (a fused q/k/v kernel is a group of one).
+// One kernel call, named for torch.profiler ("tiered::<kernel>") like an aten op would be.
+inline void run_one(const Kernel& k, const float* x, int64_t B, float* y) {
+  RECORD_FUNCTION("tiered::" + k.name(), std::vector<c10::IValue>());
+  k.run(x, B, y);
+}
+
 struct Group {
   std::vector<KernelPtr> ks;
   int64_t in = 0, out = 0;
@@ -38,12 +45,12 @@ struct Group {
   bool empty() const { return ks.empty(); }
 
   void run(const float* x, int64_t B, float* y, std::vector<float>& tmp) const {
-    if (ks.size() == 1) return ks[0]->run(x, B, y);
+    if (ks.size() == 1) return run_one(*ks[0], x, B, y);
     int64_t off = 0;
     for (auto& k : ks) {
       const int64_t n = k->out_features;
       tmp.resize(B * n);
-      k->run(x, B, tmp.data());
+      run_one(*k, x, B, tmp.data());
       for (int64_t b = 0; b < B; ++b) std::memcpy(y + b * out + off, tmp.data() + b * n, n * sizeof(float));
       off += n;
     }
@@ -234,6 +241,7 @@ class DecodeStep {
                   " / position ", pos, " outside the KV cache");
     }
     pybind11::gil_scoped_release nogil;
+    RECORD_FUNCTION("tiered::decode_layers", std::vector<c10::IValue>());  // its self time: the glue
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "tiered_decode", [&] {
       run<scalar_t>(x.data_ptr<scalar_t>(), B, c.data_ptr<float>(), s.data_ptr<float>(), sl.data_ptr<int64_t>(),
                     ps.data_ptr<int64_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), n_slots,
@@ -255,7 +263,7 @@ class DecodeStep {
       rms_norm(xf.data_ptr<float>() + b * D, final_norm_.data(), final_eps_, D, h.data() + b * D);
       if (low) round_rows(x.scalar_type(), h.data() + b * D, D);
     }
-    lm_head_->run(h.data(), B, out.data_ptr<float>());
+    run_one(*lm_head_, h.data(), B, out.data_ptr<float>());
     return out;
   }
 
