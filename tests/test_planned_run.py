@@ -236,7 +236,8 @@ def test_engine_profile_sources(tmp_path, monkeypatch):
     # nothing cached: measured once, saved, then read back without measuring again
     monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
     calls = []
-    from tiered.hardware.profiler import PROFILER_VERSION, native_kernels
+    from tiered.hardware.profiler import PROFILER_VERSION
+    from tiered.kernels import available as native_kernels
     fake = HardwareProfile("measured", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)},
                            meta={"profiler_version": PROFILER_VERSION, "native_kernels": native_kernels()})
     monkeypatch.setattr("tiered.hardware.profiler.profile_machine", lambda **kw: calls.append(kw) or fake)

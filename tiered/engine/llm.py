@@ -78,7 +78,7 @@ class LLM:
         """After the load: the file pages it read and the heap its temporaries freed go back to the
         OS (memory/host.py), so the resident set is the placed weights, not the load's high-water
         mark (SmolLM2: 618 -> 492 MB)."""
-        from tiered.quant.linear import release_load_memory
+        from tiered.memory.host import release_load_memory
 
         release_load_memory(self.checkpoint)
 

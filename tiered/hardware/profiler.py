@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from scipy.optimize import nnls
 
+from tiered import kernels
 from tiered.hardware.profile import HardwareProfile, LinearModel
 
 MiB = 2**20
@@ -120,12 +121,10 @@ class _Bench:
 
 # ---- GEMM kernels: (device, dtype, weight [N, K] fp32 on CPU) -> (callable on x [T, K], x dtype, bytes/elem)
 
-def native_kernels() -> bool:
-    """Whether tiered/kernels is built here: the engine's CPU decode then runs the native step and
-    kernels, so the CPU keys time those (recorded in meta["native_kernels"])."""
-    from tiered import kernels
+def _native(module):
+    from tiered.kernels.linear import kernel_for
 
-    return kernels.load() is not None
+    return kernel_for(module)
 
 
 def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False):
@@ -133,17 +132,15 @@ def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False)
     weight w [N, K] on `device`. gemv: a decode-step GEMV: on a CPU with tiered/kernels built, the
     native Kernel the native decode step calls for that format (kernels/linear.kernel_for), with
     its per-call cost, not a module's Python-side reshapes and casts."""
-    if gemv and device == "cpu" and dtype in ("bf16", "int8", "int4") and native_kernels():
-        from tiered.kernels.linear import kernel_for
-        from tiered.quant.int4 import Int4Linear
-        from tiered.quant.int8 import Int8Linear
+    native = gemv and device == "cpu" and dtype in ("bf16", "int8", "int4") and kernels.available()
+    dev = torch.device("cuda" if device == "gpu" else "cpu")
+    if native and dtype == "bf16":
         from tiered.quant.linear import CastLinear
 
-        mod = {"bf16": lambda: CastLinear(w.to(torch.bfloat16), None), "int8": lambda: Int8Linear.from_dense(w),
-               "int4": lambda: Int4Linear.from_dense(w)}[dtype]()
-        bpe = {"bf16": 2.0, "int8": 1 + 2 / w.shape[1], "int4": 0.5 + 4 / 32}[dtype]
-        return kernel_for(mod), torch.float32, bpe
-    dev = torch.device("cuda" if device == "gpu" else "cpu")
+        return _native(CastLinear(w.to(torch.bfloat16), None)), torch.float32, 2
+    if native:  # int8 / int4: the module the branches below build, through its native Kernel
+        lin, _, bpe = _linear_kernel(device, dtype, w)
+        return _native(lin), torch.float32, bpe
     if dtype in ("fp32", "bf16", "fp16"):
         td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         wd = w.to(dev, td)
@@ -300,7 +297,7 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") 
         with torch.inference_mode():
             model(torch.ones(1, 32, dtype=torch.long, device=dev), torch.arange(32, device=dev).unsqueeze(0), slots, cache)
             # the engine's CPU decode path is the lean step (runtime/cpu_decode), CUDA's the modules
-            step = model if cuda else CPUDecodeStep(model, native=native_kernels())
+            step = model if cuda else CPUDecodeStep(model, native=kernels.available())
             t = median_time(lambda: step(ids, pos, slots, cache), repeats, sync)
         points.append((float(layers), t))
     return points
@@ -529,7 +526,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     host = socket.gethostname()
     meta = _meta(b, cuda)
     meta["profiler_version"] = PROFILER_VERSION
-    meta["native_kernels"] = native_kernels()
+    meta["native_kernels"] = kernels.available()
     meta["disk_note"] = note
     meta["load_average"] = load_before
     if load_before is not None and load_before > (os.cpu_count() or 1) - 0.5:

@@ -102,6 +102,12 @@ def load(build: bool = True, verbose: bool = False):
     return _loaded
 
 
+def available() -> bool:
+    """Whether the extension loads here (building it first if needed): what the planner
+    (Plan.native_decode) and the profiler (meta["native_kernels"]) decide on."""
+    return load() is not None
+
+
 def failure() -> str | None:
     """Why the last `load()` returned None (None when it did not fail)."""
     return _failed

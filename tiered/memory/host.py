@@ -17,6 +17,16 @@ def _libc():
     return lib if lib is not None and hasattr(lib, "malloc_trim") else None
 
 
+def release_load_memory(checkpoint) -> None:
+    """Hand the pages of `checkpoint`'s file mapping that a load read (checkpoint.release_pages),
+    and the heap's freed temporaries (trim_heap), back to the OS. Objects without release_pages
+    (the profiler's stand-in checkpoint) release only the heap."""
+    release = getattr(checkpoint, "release_pages", None)
+    if release is not None:
+        release()
+    trim_heap()
+
+
 def trim_heap() -> bool:
     """glibc's malloc_trim(0): hand the heap's free pages back to the OS.
 

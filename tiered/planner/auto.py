@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from tiered import kernels
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import ConfigError
 from tiered.hardware import op_time
@@ -69,7 +70,7 @@ def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> H
             from tiered.hardware.profiler import PROFILER_VERSION
 
             current = (hw.meta.get("profiler_version") == PROFILER_VERSION  # else measured the old way
-                       and hw.meta.get("native_kernels") == _native_kernels_available())  # ... or other kernels
+                       and hw.meta.get("native_kernels") == kernels.available())  # ... or other kernels
             if current and (not cuda or op_time.has_device(hw, "gpu")):
                 return hw
         except ConfigError:
@@ -150,14 +151,8 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     # without an accelerator every decode step runs on the CPU: through the lean step
     plan.cpu_decode_step = accelerator is None
     # ... and in C++ when tiered/kernels is built (setup builds it; TIERED_NATIVE=0 turns it off)
-    plan.native_decode = plan.cpu_decode_step and _native_kernels_available()
+    plan.native_decode = plan.cpu_decode_step and kernels.available()
     return plan, profile
-
-
-def _native_kernels_available() -> bool:
-    from tiered import kernels
-
-    return kernels.load() is not None
 
 
 def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_format: str, decode_precision: str) -> bool:

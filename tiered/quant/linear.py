@@ -272,16 +272,8 @@ def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: in
             setattr(module, name, PhaseLinear(linears[name].weight if dense else None, linears[name].bias, dec,
                                               threshold))
         if not dense:  # one copy: the file pages and temporaries of this module's weights go back now,
-            release_load_memory(checkpoint)  # so the load's peak is the copies, not copies + file
+            from tiered.memory.host import release_load_memory  # so the load's peak is the copies, not copies + file
+
+            release_load_memory(checkpoint)
     return extra
 
-
-def release_load_memory(checkpoint) -> None:
-    """Hand the pages of `checkpoint`'s file mapping that a load read, and the heap's freed
-    temporaries, back to the OS (checkpoint.release_pages, memory/host.trim_heap)."""
-    from tiered.memory.host import trim_heap
-
-    release = getattr(checkpoint, "release_pages", None)
-    if release is not None:
-        release()
-    trim_heap()

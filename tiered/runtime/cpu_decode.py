@@ -98,13 +98,19 @@ class _Side:
         return torch.cat([k(x) for k in self.kernels], dim=-1)
 
 
-def _group(parent: nn.Module, names: tuple[str, ...]) -> Kernel | _Side:
-    """The kernel(s) computing projections `names` of `parent` side by side: their shared fused
-    decode module when there is one, else each projection's own kernel."""
+def _group_modules(parent: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
+    """The decode module(s) computing projections `names` of `parent` side by side: [their shared
+    fused module] when there is one, else each projection's own."""
     mods = [_decode_module(getattr(parent, n)) for n in names]
     if all(isinstance(m, Slice) for m in mods) and len({id(m.shared) for m in mods}) == 1:
-        return Kernel(mods[0].shared.fused)
-    return _Side([Kernel(m) for m in mods])
+        return [mods[0].shared.fused]
+    return mods
+
+
+def _group(parent: nn.Module, names: tuple[str, ...]) -> Kernel | _Side:
+    """The kernel(s) computing projections `names` of `parent` side by side (_group_modules)."""
+    mods = _group_modules(parent, names)
+    return Kernel(mods[0]) if len(mods) == 1 else _Side([Kernel(m) for m in mods])
 
 
 def _rotate_half_matrix(hd: int, dtype: torch.dtype) -> torch.Tensor:
@@ -128,13 +134,8 @@ def supported_attention(attn) -> bool:
 
 
 def _native_group(parent: nn.Module, names: tuple[str, ...]) -> list:
-    """The native kernels (kernels/linear.kernel_for) computing projections `names` of `parent`,
-    outputs side by side: their shared fused decode module's kernel when there is one, else one
-    kernel per projection."""
-    mods = [_decode_module(getattr(parent, n)) for n in names]
-    if all(isinstance(m, Slice) for m in mods) and len({id(m.shared) for m in mods}) == 1:
-        return [kernel_for(mods[0].shared.fused)]
-    return [kernel_for(m) for m in mods]
+    """The native kernels (kernels/linear.kernel_for) of _group_modules(parent, names)."""
+    return [kernel_for(m) for m in _group_modules(parent, names)]
 
 
 def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list]:
