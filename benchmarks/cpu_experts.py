@@ -54,7 +54,7 @@ PATHS = ("torch", "native")
 def make_native(gu: torch.Tensor, dn: torch.Tensor, Fi: int, fmt: str):
     """(x -> y callable, weight bytes) of the native fused expert over gate/up [2F, D], down [D, F]."""
     D = dn.shape[0]
-    ef = ExpertFormat(fmt, ((Fi, D), (Fi, D), (D, Fi)), "plain")
+    ef = ExpertFormat(fmt, ((Fi, D), (Fi, D), (D, Fi)), "tiled")  # the host layout with the extension built
     if ef.is_dense:
         slot = (gu[:Fi].bfloat16().contiguous(), gu[Fi:].bfloat16().contiguous(), dn.bfloat16().contiguous())
     else:

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from benchmarks.cpu_experts import bandwidth_gbps  # noqa: E402
 from tiered.bench import Column, median, write_report  # noqa: E402
 from tiered.kernels import load  # noqa: E402
-from tiered.kernels.linear import int4_kernel, plain_codes  # noqa: E402
+from tiered.kernels.linear import int4_kernel, int4_tiled_kernel, plain_codes, tiled_codes, tiled_scales  # noqa: E402
 
 SHAPES = {  # name -> (N out, K in)
     "smollm2 gate_up": (3072, 576), "smollm2 down": (576, 1536), "smollm2 qkv": (960, 576),
@@ -39,7 +39,9 @@ SHAPES = {  # name -> (N out, K in)
     "mixtral gate/up": (14336, 4096), "mixtral down": (4096, 14336),
     "olmoe gate/up": (1024, 2048), "olmoe down": (2048, 1024),
 }
-FORMATS = ("bf16", "int8", "int4", "int4q8")  # int4q8: the int4 weights, our kernel on int8 activations
+# int4 / int4q8: our kernel over the plain layout on bf16 / int8 activations; int4t / int4tq8: the same
+# over the tiled layout (16 rows per SIMD vector)
+FORMATS = ("bf16", "int8", "int4", "int4q8", "int4t", "int4tq8")
 SWEEP_BYTES = 300e6  # > a 260 MB LLC
 
 
@@ -56,7 +58,10 @@ def kernels(ext, fmt: str, N: int, K: int, g: torch.Generator):
     sz = (torch.rand(K // 32, N, 2, generator=g) * 1e-2).bfloat16()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
 
-    act = "q8" if fmt == "int4q8" else "bf16"
+    act = "q8" if fmt.endswith("q8") else "bf16"
+    if fmt.startswith("int4t"):
+        return (ext.int4pack_kernel(packed, 32, sz, K, N),
+                int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), act=act))
     return ext.int4pack_kernel(packed, 32, sz, K, N), int4_kernel(plain_codes(codes), sz, act=act)
 
 
@@ -123,8 +128,9 @@ def main(argv=None) -> int:
                         f"Our kernels ran the {ext.gemv_isa()} path (CPU: {ext.cpu_isa()}). Each timed sweep reads "
                         f"> {SWEEP_BYTES / 1e6:.0f} MB of distinct weight copies (DRAM, not cache).",
                         "int4: our kernel on bf16 activations (vdpbf16ps per group of 32); int4q8: the same weights, "
-                        "our kernel on int8-quantized activations (vpdpbusd per 4 groups; routed experts use it), "
-                        "both against torch's _weight_int4pack_mm_for_cpu (bf16 activations)."])
+                        "our kernel on int8-quantized activations (vpdpbusd per 4 groups); int4t / int4tq8: the "
+                        "same two over the tiled layout (16 rows per vector: vpmultishiftqb + vdpbf16ps / vpdpbusd); "
+                        "all against torch's _weight_int4pack_mm_for_cpu (bf16 activations)."])
     return 0
 
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from tiered.kernels import load
-from tiered.kernels.linear import int4_kernel, kernel_for, plain_codes
+from tiered.kernels.linear import (int4_kernel, int4_tiled_kernel, kernel_for, plain_codes, tiled_codes, tiled_residual,
+                                   tiled_scales, untiled_codes, untiled_residual, untiled_scales)
 from tiered.quant.experts import ExpertFormat
 from tiered.quant.int4 import Int4Linear, quantize_int4
 from tiered.quant.int8 import Int8Linear
@@ -83,6 +84,78 @@ def test_int4_q8(isa, N, K):
         assert rel(y, x @ wq.T + bias) < 2e-2, (isa, B)  # 8-bit activations: ~0.3% typical
 
 
+TILED_SHAPES = [(16, 32), (48, 64), (96, 576), (32, 4096)]  # (N, K): N % 16 == 0, K % 32 == 0
+
+
+def int4_case(N, K, seed):
+    """codes [N, K], sz [G, N, 2], zr [G, N], bias [N] and the dequantized fp32 weight they encode."""
+    g = torch.Generator().manual_seed(seed)
+    codes, scale, zero = quantize_int4(torch.randn(N, K, generator=g) * 0.05)
+    sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16()
+    zr = (zero.T - sz[..., 1].float()).bfloat16()
+    wq = ((codes.float().reshape(N, -1, 32) - 8) * sz[..., 0].T.float()[..., None]
+          + (sz[..., 1].T.float() + zr.T.float())[..., None]).reshape(N, K)
+    return codes, sz, zr, torch.randn(N, generator=g), wq, g
+
+
+def test_tiled_layout_round_trips():
+    codes, sz, zr, *_ = int4_case(48, 96, 0)
+    t = tiled_codes(codes)
+    assert t.shape == (48, 48) and t.dtype == torch.uint8
+    assert torch.equal(untiled_codes(t), codes)
+    assert torch.equal(untiled_scales(tiled_scales(sz)), sz) and torch.equal(untiled_residual(tiled_residual(zr)), zr)
+    # byte 4r + j of a tile's first 64 bytes: column j low, column 4 + j high, of row r
+    assert t.reshape(-1)[4 * 5 + 2].item() == codes[5, 2].item() | (codes[5, 6].item() << 4)
+    with pytest.raises(ValueError):
+        tiled_codes(codes[:40])
+
+
+@pytest.mark.parametrize("N,K", TILED_SHAPES)
+def test_int4_tiled(isa, N, K):  # bf16 activations: as the plain kernel, one rounding of x
+    codes, sz, zr, bias, wq, g = int4_case(N, K, N * K + 2)
+    k = int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), tiled_residual(zr), bias)
+    assert k.name().startswith("int4t(") and k.in_features == K and k.out_features == N
+    for B in range(1, 10):  # 9: two passes of activation rows
+        x = torch.randn(B, K, generator=g)
+        assert rel(k(x), x.bfloat16().float() @ wq.T + bias) < 1e-4, (isa, B)
+
+
+@pytest.mark.parametrize("N,K", TILED_SHAPES + [(16, 160)])
+def test_int4_tiled_q8(isa, N, K):  # int8 activations: the plain q8 kernel's numerics, exactly
+    codes, sz, zr, bias, wq, g = int4_case(N, K, N * K + 3)
+    k = int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), tiled_residual(zr), bias, act="q8")
+    assert k.name().startswith("int4tq8")
+    for B in range(1, 10):
+        x = torch.randn(B, K, generator=g)
+        x[0, :32] = 0  # an all-zero group (dx = 0)
+        y = k(x)
+        assert rel(y, q8_reference(x, codes, sz, zr) + bias) < 1e-5, (isa, B)
+        assert rel(y, x @ wq.T + bias) < 2e-2, (isa, B)
+
+
+def test_int4_tiled_rejects_bad_shapes():
+    codes, sz, zr, *_ = int4_case(32, 64, 4)
+    with pytest.raises(RuntimeError, match="16"):
+        ext.int4_tiled_kernel(tiled_codes(codes)[:24], tiled_scales(sz))
+    with pytest.raises(RuntimeError, match="sz"):
+        ext.int4_tiled_kernel(tiled_codes(codes), sz)  # Int4Linear's [G, N, 2], not the tiled [N/16, G, 16, 2]
+    with pytest.raises(RuntimeError, match="act"):
+        ext.int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), act="fp8")
+
+
+def test_int4_tiled_dequantize():
+    codes, sz, zr, _, wq, _ = int4_case(64, 96, 5)
+    args = (tiled_codes(codes), tiled_scales(sz), tiled_residual(zr))
+    w = ext.int4_tiled_dequantize(*args)
+    assert w.dtype == torch.bfloat16 and w.shape == (64, 96)
+    assert torch.equal(w, wq.bfloat16())  # one rounding of the exact weight
+    assert torch.equal(ext.int4_tiled_dequantize(*args, n0=16, n1=48), w[16:48])
+    w32 = ext.int4_tiled_dequantize(*args, fp32=True)
+    assert w32.dtype == torch.float32 and rel(w32, wq) < 1e-6
+    with pytest.raises(RuntimeError, match="tiles"):
+        ext.int4_tiled_dequantize(*args, n0=8, n1=48)
+
+
 def test_int4_linear_codes_match_torch_layout():
     w = torch.randn(48, 128) * 0.05
     codes, scale, zero = quantize_int4(w)
@@ -122,7 +195,8 @@ def test_int8_linear_small_batch_uses_native_and_matches():
     assert rel(m(x[0, :1]), x[0, :1] @ wq.T) < 1e-5 and m._native
 
 
-@pytest.mark.parametrize("name,layout", [("int4", "plain"), ("int8", "cpu"), ("int4,int4,int8", "plain"), ("bf16", "cpu")])
+@pytest.mark.parametrize("name,layout", [("int4", "plain"), ("int4", "tiled"), ("int8", "cpu"), ("int4,int4,int8", "plain"),
+                                         ("int4,int4,int8", "tiled"), ("bf16", "cpu")])
 def test_fused_expert(isa, name, layout):  # int4 projections on int8 activations (EXPERT_INT4_ACT)
     D, Fi = 128, 96
     g = torch.Generator().manual_seed(1)
@@ -140,7 +214,7 @@ def test_fused_expert(isa, name, layout):  # int4 projections on int8 activation
         x = torch.randn(B, D, generator=g)
         ref = (F.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
         y = fmt.forward(x, slot)
-        tol = 2e-2 if "int4" in name else 1e-2  # int4: int8 activations (EXPERT_INT4_ACT); else bf16
+        tol = 2e-2 if "int4" in name and layout == "plain" else 1e-2  # plain int4: int8 activations (EXPERT_INT4_ACT)
         assert y.dtype == x.dtype and rel(y, ref) < tol, (isa, name, B)
         # and the same as the torch-op path (larger batches take it)
         y_torch = fmt.forward(x.repeat(4, 1), slot)[:B]

@@ -29,6 +29,70 @@ def plain_codes(codes: torch.Tensor) -> torch.Tensor:
     return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
 
 
+TILE = 16  # rows per tile of the tiled int4 layout
+
+
+def tiled_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes int [N, K] in 0..15 (N % 16 == 0, K % 8 == 0) -> uint8 [N, K/2] in the "tiled"
+    layout that `int4_kernel(layout="tiled")` reads: per tile of 16 rows and per 8 columns, 64 bytes
+    where byte 4r + j holds q[16t + r, 8c + j] (low nibble) and q[16t + r, 8c + 4 + j] (high).
+    One SIMD lane is then one output row (csrc/gemv.cpp, "int4, tiled").
+
+    Raises:
+        ValueError: N not a multiple of 16 or K not a multiple of 8.
+    """
+    N, K = codes.shape
+    if N % TILE or K % 8:
+        raise ValueError(f"tiled int4 codes need N % {TILE} == 0 and K % 8 == 0, got {N} x {K}")
+    c = codes.to(torch.uint8).reshape(N // TILE, TILE, K // 8, 2, 4)  # (t, r, c8, half, j)
+    b = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # (t, r, c8, j)
+    return b.permute(0, 2, 1, 3).contiguous().reshape(N, K // 2)
+
+
+def tiled_scales(scales_zeros: torch.Tensor) -> torch.Tensor:
+    """Int4Linear's scales_zeros bf16 [G, N, 2] -> the tiled layout's [N/16, G, 16, 2] (each tile's
+    scales and zeros one contiguous run, read once per tile)."""
+    G, N, _ = scales_zeros.shape
+    return scales_zeros.reshape(G, N // TILE, TILE, 2).transpose(0, 1).contiguous()
+
+
+def tiled_residual(residual: torch.Tensor) -> torch.Tensor:
+    """A zero residual bf16 [G, N] -> the tiled layout's [N/16, G, 16]."""
+    G, N = residual.shape
+    return residual.reshape(G, N // TILE, TILE).transpose(0, 1).contiguous()
+
+
+def untiled_scales(sz: torch.Tensor) -> torch.Tensor:
+    """The inverse of `tiled_scales`: [N/16, G, 16, 2] -> [G, N, 2]."""
+    T, G = sz.shape[:2]
+    return sz.transpose(0, 1).reshape(G, T * TILE, 2)
+
+
+def untiled_residual(zr: torch.Tensor) -> torch.Tensor:
+    """The inverse of `tiled_residual`: [N/16, G, 16] -> [G, N]."""
+    T, G = zr.shape[:2]
+    return zr.transpose(0, 1).reshape(G, T * TILE)
+
+
+def int4_tiled_kernel(codes: torch.Tensor, sz: torch.Tensor, residual: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, act: str = "bf16"):
+    """Our int4 kernel over the tiled layout: codes uint8 [N, K/2] (`tiled_codes`), sz bf16
+    [N/16, K/32, 16, 2] (`tiled_scales`), optional residual bf16 [N/16, K/32, 16] (`tiled_residual`);
+    w = (q - 8) * scale + zero + residual. One SIMD lane per output row: at batch 1 it reads near the
+    memory bandwidth and at batch 8 it converts each weight once for all 8 rows. act as `int4_kernel`.
+    None without the extension."""
+    ext = load()
+    return None if ext is None else ext.int4_tiled_kernel(codes, sz, residual, bias, act)
+
+
+def untiled_codes(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `tiled_codes`: uint8 [N, K/2] tiled -> int32 codes [N, K]."""
+    N, K = packed.shape[0], packed.shape[1] * 2
+    b = packed.reshape(N // TILE, K // 8, TILE, 4).permute(0, 2, 1, 3)  # (t, r, c8, j)
+    c = torch.stack([b & 0x0F, b >> 4], dim=3)  # (t, r, c8, half, j)
+    return c.reshape(N, K).to(torch.int32)
+
+
 def int4_kernel(codes: torch.Tensor, scales_zeros: torch.Tensor, residual: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None, act: str = "bf16"):
     """Our int4 kernel over plain codes uint8 [N, K/2] and Int4Linear's scales_zeros bf16 [K/32, N, 2]
@@ -79,22 +143,30 @@ def kernel_for(m: nn.Module):
 
 
 NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4")
-# Routed int4 experts read int8-quantized activations (int4_kernel's act="q8": vpdpbusd, ~1.5-2x
-# the batch-1 bandwidth of act="bf16"). Its 8-bit rounding of x doubles SmolLM2's int4 decode KL
-# (max 0.0033 -> 0.0099 nats through the native step), so dense int4 weights keep bf16 activations;
-# for experts it is part of the int4 format's cost (issue 9: int4 experts are for offloaded MoE).
+# Routed int4 experts in the plain layout (a CUDA host's CPU experts) read int8-quantized
+# activations (int4_kernel's act="q8": vpdpbusd, ~1.5-2x the batch-1 bandwidth of act="bf16" there).
+# Its 8-bit rounding of x doubles SmolLM2's int4 decode KL (max 0.0033 -> 0.0099 nats), so dense
+# int4 weights keep bf16 activations. In the tiled layout (the host layout without a GPU) the bf16
+# kernel reads as fast at batch 1 (benchmarks/results/cpu_gemv.md), so tiled experts keep bf16
+# activations: the same numerics as torch's int4 kernel, and the greedy tokens of a GGUF's
+# dequantized reference (tests/test_quant_experts.py).
 EXPERT_INT4_ACT = "q8"
+TILED_EXPERT_INT4_ACT = "bf16"
 
 
 def expert_spec(fmt):
     """A native ExpertSpec for a quantized `quant.experts.ExpertFormat` (spec.forward(slot uint8
     [nbytes], x [n, D]) -> [n, D] fp32), or None: no extension, a dense format (use
     `ext.bf16_expert_forward`), a kind without a native kernel (fp32, int8-g32), or int4 in torch's
-    "cpu" layout (our kernel reads the "plain" one)."""
+    "cpu" layout (our kernels read the "plain" and "tiled" ones)."""
     ext = load()
     if ext is None or fmt.is_dense or any(k not in NATIVE_EXPERT_KINDS for k in fmt.kinds):
         return None
-    if "int4" in fmt.kinds and fmt.int4_layout != "plain":
+    if "int4" in fmt.kinds and fmt.int4_layout not in ("plain", "tiled"):
         return None
     offsets = [[off for _, off, _, _ in segs] for segs in fmt._layout]
-    return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes, EXPERT_INT4_ACT)
+    if fmt.int4_layout == "tiled":
+        return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes,
+                               TILED_EXPERT_INT4_ACT, "tiled")
+    return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes, EXPERT_INT4_ACT,
+                           "plain")

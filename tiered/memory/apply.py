@@ -24,10 +24,13 @@ from tiered.quant.experts import ExpertFormat, fit_format
 
 def expert_format(name: str, checkpoint, layer: int, accelerator) -> ExpertFormat:
     """The ExpertFormat of plan format `name` for the checkpoint's expert shapes. int4 codes are
-    kept in torch's CPU kernel layout unless a CUDA device computes them (then the portable one)."""
+    kept in the portable layout when a CUDA device computes them, else in the tiled layout of the
+    native CPU kernel (torch's CPU kernel layout when the extension is not built)."""
+    from tiered.kernels import available
+
     shapes = [tuple(checkpoint.handle(n).shape) for n in expert_tensor_names(checkpoint.config.model_type, layer, 0)]
     cuda = accelerator is not None and getattr(accelerator.device, "type", "") == "cuda"
-    return ExpertFormat(fit_format(name, shapes), shapes, "plain" if cuda else "cpu")
+    return ExpertFormat(fit_format(name, shapes), shapes, "plain" if cuda else "tiled" if available() else "cpu")
 
 
 class StagingBuffer(tuple):

@@ -53,14 +53,20 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _segments(kind: str, N: int, K: int) -> list[tuple[str, tuple, torch.dtype]]:
-    """(field, shape, dtype) of one [N, K] projection stored as `kind`."""
+LAYOUTS = ("cpu", "plain", "tiled")
+
+
+def _segments(kind: str, N: int, K: int, int4_layout: str = "cpu") -> list[tuple[str, tuple, torch.dtype]]:
+    """(field, shape, dtype) of one [N, K] projection stored as `kind` (int4: in `int4_layout`)."""
     if kind in DENSE:
         return [("w", (N, K), DENSE[kind])]
     if kind == "int8":
         return [("q", (N, K), torch.int8), ("scale", (N,), torch.bfloat16)]
     if kind == "int8-g32":
         return [("q", (N, K), torch.int8), ("scale", (N, K // GROUP), torch.float16)]
+    if kind == "int4" and int4_layout == "tiled":  # each 16-row tile's scales in one run (kernels/linear.py)
+        return [("codes", (N, K // 2), torch.uint8), ("sz", (N // 16, K // GROUP, 16, 2), torch.bfloat16),
+                ("zr", (N // 16, K // GROUP, 16), torch.bfloat16)]
     if kind == "int4":
         return [("codes", (N, K // 2), torch.uint8), ("sz", (K // GROUP, N, 2), torch.bfloat16),
                 ("zr", (K // GROUP, N), torch.bfloat16)]
@@ -85,8 +91,8 @@ def parse_kinds(name: str) -> tuple[str, str, str]:
 def fit_format(name: str, shapes) -> str:
     """`name` with each projection the format cannot hold replaced by the nearest kind that can:
     grouped kinds (int4, int8-g32) need in-features % 32 == 0 and fall back to per-row int8; the
-    CPU int4 layout also needs out-features % 16 == 0. llama.cpp's converter does the same for
-    block types (it writes such tensors in another type)."""
+    CPU and tiled int4 layouts also need out-features % 16 == 0 (so it is asked of every int4). llama.cpp's
+    converter does the same for block types (it writes such tensors in another type)."""
     kinds = []
     for kind, (N, K) in zip(parse_kinds(name), shapes):
         if kind in ("int4", "int8-g32") and (K % GROUP or (kind == "int4" and N % 16)):
@@ -115,10 +121,12 @@ class ExpertFormat:
     Args:
         name: "bf16", "fp32", "int8", "int8-g32", "int4" or per projection "gate,up,down" kinds.
         shapes: ((F, D), (F, D), (D, F)) of gate, up, down.
-        int4_layout: "cpu" (torch's CPU packed layout, computed from directly) or "plain".
+        int4_layout: "cpu" (torch's CPU packed layout, computed from directly), "plain" (portable:
+            what a CUDA device converts) or "tiled" (16-row tiles for tiered's native CPU kernel,
+            `kernels.linear.tiled_codes`: the host layout when the extension is built).
     Raises:
-        ConfigError: unknown kind, or a shape the kind cannot hold (K % 32 for grouped kinds;
-            the CPU int4 layout also needs N % 16).
+        ConfigError: unknown kind or layout, or a shape the kind cannot hold (K % 32 for grouped
+            kinds; the CPU and tiled int4 layouts also need N % 16).
     """
 
     name: str
@@ -127,12 +135,14 @@ class ExpertFormat:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shapes", tuple(tuple(int(d) for d in s) for s in self.shapes))
+        if self.int4_layout not in LAYOUTS:
+            raise ConfigError(f"unknown int4 layout {self.int4_layout!r}", "use " + ", ".join(LAYOUTS))
         for kind, (N, K) in zip(self.kinds, self.shapes):
             if kind in ("int4", "int8-g32") and K % GROUP:
                 raise ConfigError(f"expert format {kind} needs in-features divisible by {GROUP}, got {K}",
                                   "use --weights bf16 or int8 for this model")
-            if kind == "int4" and self.int4_layout == "cpu" and N % 16:
-                raise ConfigError(f"torch's CPU int4 kernel needs out-features divisible by 16, got {N}",
+            if kind == "int4" and self.int4_layout in ("cpu", "tiled") and N % 16:
+                raise ConfigError(f"the {self.int4_layout} int4 layout needs out-features divisible by 16, got {N}",
                                   "use --weights int8 for this model")
 
     @cached_property
@@ -154,7 +164,7 @@ class ExpertFormat:
         out, off = [], 0
         for kind, (N, K) in zip(self.kinds, self.shapes):
             segs = []
-            for field, shape, dt in _segments(kind, N, K):
+            for field, shape, dt in _segments(kind, N, K, self.int4_layout):
                 segs.append((field, off, shape, dt))
                 off = _align(off + torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size())
             out.append(segs)
@@ -217,7 +227,8 @@ class ExpertFormat:
 
         (silu(x @ Wg^T) * (x @ Wu^T)) @ Wd^T, each projection with its kind's kernel. On the CPU, up
         to NATIVE_ROWS tokens go through the native fused kernel when the extension is loaded (one
-        call, fp32 between the projections); otherwise torch ops.
+        call, fp32 between the projections); otherwise torch ops (tiled int4: the weight dequantized
+        once per call, then bf16 matmuls).
         """
         if x.device.type == "cpu" and x.shape[0] <= NATIVE_ROWS:
             y = self._native_forward(x, slot)
@@ -276,13 +287,19 @@ def quantize_projection(w: torch.Tensor, kind: str, int4_layout: str = "cpu") ->
 
 def int4_segments(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
     """int4 segments from codes int32 [N, K] (0..15), scale / zero fp32 [N, K/32] (w = (q-8)s + z)."""
+    from tiered.kernels.linear import tiled_codes, tiled_residual, tiled_scales
+
     if layout == "cpu":
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    elif layout == "tiled":
+        packed = tiled_codes(codes)
     else:
         c = codes.to(torch.uint8)
         packed = c[:, 0::2] | (c[:, 1::2] << 4)  # (N, K/2): even column in the low nibble
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # (G, N, 2)
     zr = (zero.T - sz[..., 1].float()).to(torch.bfloat16)  # (G, N): what rounding the zero lost
+    if layout == "tiled":
+        return {"codes": packed, "sz": tiled_scales(sz), "zr": tiled_residual(zr)}
     return {"codes": packed, "sz": sz, "zr": zr}
 
 
@@ -290,6 +307,15 @@ def _plain_codes(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] plain-layout bytes -> int32 codes [N, K]."""
     N = packed.shape[0]
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(N, -1).to(torch.int32)
+
+
+def _group_tensors(v: dict[str, torch.Tensor], int4_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int4 projection's (sz [G, N, 2], zr [G, N]) whatever its layout (views for cpu / plain)."""
+    if int4_layout == "tiled":
+        from tiered.kernels.linear import untiled_residual, untiled_scales
+
+        return untiled_scales(v["sz"]), untiled_residual(v["zr"])
+    return v["sz"], v["zr"]
 
 
 def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout: str) -> torch.Tensor:
@@ -304,14 +330,34 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
             return torch.ops.aten._weight_int8pack_mm(xb, v["q"], v["scale"]).to(x.dtype)
         except (RuntimeError, NotImplementedError):
             pass  # no kernel for this device / shape: dequantize below
+    if kind == "int4" and int4_layout == "tiled":
+        return _tiled_int4(x, xb, v)
     if kind == "int4":
         try:
             return _zero_residual(x, _int4_kernel(x, xb, v, cuda, int4_layout), v)
         except (RuntimeError, NotImplementedError):
             pass  # no kernel for this device / shape: dequantize below
     K = x.shape[-1]
-    N = v["sz"].shape[1] if kind == "int4" else v["q"].shape[0]
+    N = v["codes"].shape[0] if kind == "int4" else v["q"].shape[0]
     return F.linear(x, dequantize_projection(v, kind, N, K, int4_layout).to(x.dtype))
+
+
+def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor]) -> torch.Tensor:
+    """x [n, K] @ W^T for a tiled int4 projection: the native kernel up to NATIVE_ROWS rows, else the
+    weight dequantized once (native, or in torch without the extension; exact, in fp32 for fp32 x)
+    and one matmul (prefill-sized n: the conversion is paid once for all n rows) -> [n, N] in x's dtype."""
+    from tiered.kernels import load
+
+    ext = load() if x.device.type == "cpu" else None
+    if ext is not None and x.shape[0] <= NATIVE_ROWS:
+        return ext.int4_tiled_kernel(v["codes"], v["sz"], v["zr"], None, "bf16")(x).to(x.dtype)
+    fp32 = x.dtype == torch.float32
+    if ext is not None:
+        w = ext.int4_tiled_dequantize(v["codes"], v["sz"], v["zr"], fp32=fp32)
+    else:
+        N, K = v["codes"].shape[0], x.shape[-1]
+        w = dequantize_projection(v, "int4", N, K, "tiled").to(torch.float32 if fp32 else torch.bfloat16)
+    return F.linear(x if fp32 else xb, w).to(x.dtype)
 
 
 def _zero_residual(x: torch.Tensor, y: torch.Tensor, v: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -353,12 +399,18 @@ def dequantize_projection(v: dict[str, torch.Tensor], kind: str, N: int, K: int,
         return v["q"].float() * v["scale"].float()[:, None]
     if kind == "int8-g32":
         return (v["q"].float().reshape(N, K // GROUP, GROUP) * v["scale"].float()[..., None]).reshape(N, K)
-    sz = v["sz"].float()  # (G, N, 2)
-    residual = v["zr"].float().T.repeat_interleave(GROUP, dim=1)  # (N, K)
+    sz, zr = _group_tensors(v, int4_layout)
+    sz = sz.float()  # (G, N, 2)
+    residual = zr.float().T.repeat_interleave(GROUP, dim=1)  # (N, K)
     if int4_layout == "cpu" and v["codes"].device.type != "cuda":
         eye = torch.eye(K, dtype=torch.bfloat16, device=v["codes"].device)
         w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, v["codes"], GROUP, v["sz"]).float().T
         return w + residual
-    codes = _plain_codes(v["codes"]).float().reshape(N, K // GROUP, GROUP)
+    if int4_layout == "tiled":
+        from tiered.kernels.linear import untiled_codes
+
+        codes = untiled_codes(v["codes"]).float().reshape(N, K // GROUP, GROUP)
+    else:
+        codes = _plain_codes(v["codes"]).float().reshape(N, K // GROUP, GROUP)
     scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # (N, G, 1)
     return ((codes - 8) * scale + zero).reshape(N, K) + residual

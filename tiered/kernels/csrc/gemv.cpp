@@ -58,6 +58,11 @@ struct Int4W {
   const uint16_t *s, *z, *zr;  // zr may be null
   int64_t s_n, s_g, z_n, z_g, zr_n, zr_g;  // element strides
   const float* bias;  // [N] or null
+  // The tiled layout's scales: s = sz [N/16, G, 16, 2] (z = s + 1), zr [N/16, G, 16] (strides unused):
+  // a tile's scales and zeros are one contiguous run read once per tile.
+  bool tiled = false;
+  const uint16_t* tile_sz(int64_t m0, int64_t G, int64_t g) const { return s + ((m0 / 16) * G + g) * 32; }
+  const uint16_t* tile_zr(int64_t m0, int64_t G, int64_t g) const { return zr + ((m0 / 16) * G + g) * 16; }
 };
 
 struct Int8W {
@@ -86,6 +91,17 @@ struct Int4Block {
   float* Z(int64_t G) { zc.resize(G * kBlock); return zc.data(); }
   void gather(const Int4W& w, int64_t n0, int64_t rn, int64_t G, float off) {
     float *S_ = S(G), *Z_ = Z(G);
+    if (w.tiled) {  // n0 is a tile's first row
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t r = 0; r < rn; ++r) {
+          const uint16_t* sz = w.tile_sz(n0, G, g) + 2 * r;
+          const float s = bf16f(sz[0]);
+          const float z = bf16f(sz[1]) + (w.zr ? bf16f(w.tile_zr(n0, G, g)[r]) : 0.f);
+          S_[g * kBlock + r] = s;
+          Z_[g * kBlock + r] = z - off * s;
+        }
+      return;
+    }
     for (int64_t g = 0; g < G; ++g)
       for (int64_t r = 0; r < rn; ++r) {
         const int64_t n = n0 + r;
@@ -101,7 +117,7 @@ struct Int4Block {
 // True when a full block's scales and zeros sit as Int4Linear's / ExpertFormat's [G, N, 2] bf16
 // (and the residual as [G, N]): 16 rows of one group are then 64 contiguous bytes.
 inline bool interleaved(const Int4W& w, int64_t rn) {
-  return rn == kBlock && w.s_n == 2 && w.z == w.s + 1 && w.z_n == 2 && w.z_g == w.s_g &&
+  return rn == kBlock && !w.tiled &&w.s_n == 2 && w.z == w.s + 1 && w.z_n == 2 && w.z_g == w.s_g &&
          (!w.zr || w.zr_n == 1);
 }
 
@@ -292,16 +308,17 @@ TIERED_AVX512 inline __attribute__((always_inline)) __m512 dot_bf16(__m512 acc, 
 
 // A block's scales and zero terms (Int4Block, [g, r]): vector loads when they sit as [G, N, 2].
 TIERED_AVX512 void int4_fill_block_avx512(const Int4W& w, int64_t m0, int64_t rn, int64_t G, float off, Int4Block& blk) {
-  if (interleaved(w, rn)) {
+  if ((w.tiled && rn == kBlock) || interleaved(w, rn)) {
     float *S = blk.S(G), *Z = blk.Z(G);
     const __m512i hi16 = _mm512_set1_epi32(int(0xFFFF0000u));
     const __m512 ov = _mm512_set1_ps(off);
     for (int64_t g = 0; g < G; ++g) {
-      const __m512i v = _mm512_loadu_si512(w.s + m0 * 2 + g * w.s_g);  // (s, z) of 16 rows
+      const __m512i v = _mm512_loadu_si512(w.tiled ? w.tile_sz(m0, G, g) : w.s + m0 * 2 + g * w.s_g);  // (s, z) of 16 rows
       const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(v, hi16));
       if (w.zr) {
-        const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.zr + m0 + g * w.zr_g));
+        const __m256i r = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(w.tiled ? w.tile_zr(m0, G, g) : w.zr + m0 + g * w.zr_g));
         zv = _mm512_add_ps(zv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
       }
       _mm512_storeu_ps(S + g * kBlock, sv);
@@ -643,6 +660,264 @@ TIERED_AVX512 void bf16_avx512(const Bf16W& w, const Act& a, int64_t b0, int64_t
   }
 }
 
+// ------------------------------------------------------------------------------------ int4, tiled
+// The "tiled" int4 layout: 16 output rows side by side, so that one SIMD lane is one row and the
+// weights of 16 rows are converted once per load for every activation row. Per 16-row tile
+// (N / 16 tiles of 8 K bytes) and per 8 columns c8 = k / 8, 64 bytes: byte 4r + j (row r, j < 4)
+// holds q[n, 8 c8 + j] in its low nibble and q[n, 8 c8 + 4 + j] in its high one. Scales and zeros
+// as the plain layout's ([G, N, 2] views, any strides).
+//   bf16 activations (Act.xp: pairs (x[8 c8 + j], x[8 c8 + 4 + j]) as bf16 dwords): AVX-512 VBMI
+//     picks both nibbles of byte j of every lane into one dword's two words (vpmultishiftqb), ORs in
+//     0x4300 (the bf16 number 128 + q, exact) and does one vdpbf16ps per 32 weights per activation
+//     row, with the 136 * sum(x) it adds taken out with the zero term, as the plain int4 path does.
+//   q8 activations (Act.xqt, plain order): one 64-byte load ANDed with 0x0F, and shifted right by
+//     4, gives two vpdpbusd operands of 4 columns x 16 rows against a broadcast of 4 bytes of x.
+constexpr int64_t kTilePrefetch = 4096;  // bytes ahead in a tile's code stream
+
+inline bool has_vbmi() {
+  static const bool v = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vbmi"));
+  return v;
+}
+
+inline uint8_t tiled_code(const uint8_t* tile, int64_t r, int64_t k) {  // q[16 t + r, k] of one tile
+  const uint8_t b = tile[(k / 8) * 64 + r * 4 + (k % 4)];
+  return (k % 8) < 4 ? (b & 15) : (b >> 4);
+}
+
+void int4t_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y,
+                  int64_t ldy, bool q8) {
+  const int64_t K = a.K, G = K / kGroup;
+  thread_local Int4Block blk;
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    blk.gather(w, m0, kBlock, G, 8.f);
+    const uint8_t* tile = w.codes + m0 * (K / 2);
+    for (int64_t r = 0; r < kBlock; ++r)
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t b = b0 + j;
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const float s = blk.sc[g * kBlock + r], zc = blk.zc[g * kBlock + r];
+          if (q8) {  // s dx (sum q xq - 8 sum xq) + z sum x, the -8 term and z kept apart as the SIMD paths do
+            int32_t d = 0;
+            for (int64_t i = 0; i < kGroup; ++i) d += int32_t(tiled_code(tile, r, g * kGroup + i)) * a.xqt[b * K + g * kGroup + i];
+            acc += s * a.dxg[b * G + g] * float(d) + s * a.m8[b * a.Gp + g] + (zc + 8.f * s) * a.xsum[b * a.Gp + g];
+          } else {
+            float d = 0.f;
+            for (int64_t i = 0; i < kGroup; ++i) d += float(tiled_code(tile, r, g * kGroup + i)) * a.xr[b * K + g * kGroup + i];
+            acc += s * d + zc * a.gsum[b * G + g];
+          }
+        }
+        y[b * ldy + m0 + r] = acc + (w.bias ? w.bias[m0 + r] : 0.f);
+      }
+  }
+}
+
+// AVX2: each 8-row half of a tile on its own (a 32-byte half of every 64-byte chunk), fp32 FMAs on
+// bf16-rounded x (act bf16) or vpmaddubsw + vpmaddwd on xq (q8).
+template <int NB, bool Q8>
+TIERED_AVX2 void int4t_avx2_impl(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  constexpr int C = NB == 1 ? 4 : NB <= 2 ? 2 : 1;  // independent accumulator chains per row
+  thread_local Int4Block blk;
+  const __m256i m4 = _mm256_set1_epi32(15), m4b = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    blk.gather(w, m0, kBlock, G, 8.f);
+    const uint8_t* tile = w.codes + m0 * (K / 2);
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc[NB];
+      for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        __m256 t[NB][C];
+        __m256i ti[NB];
+        for (int j = 0; j < NB; ++j) {
+          ti[j] = _mm256_setzero_si256();
+          for (int c = 0; c < C; ++c) t[j][c] = _mm256_setzero_ps();
+        }
+        for (int c4 = 0; c4 < 4; ++c4) {
+          const int64_t k0 = g * kGroup + c4 * 8;
+          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (k0 / 8) * 64 + 32 * h));
+          if constexpr (Q8) {
+            const __m256i lo = _mm256_and_si256(d, m4b), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), m4b);
+            for (int j = 0; j < NB; ++j) {
+              const int8_t* xq = a.xqt + (b0 + j) * K + k0;
+              int32_t x0, x1;
+              std::memcpy(&x0, xq, 4), std::memcpy(&x1, xq + 4, 4);
+              const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)), ones);
+              const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)), ones);
+              ti[j] = _mm256_add_epi32(ti[j], _mm256_add_epi32(p0, p1));
+            }
+          } else {
+            for (int jj = 0; jj < 4; ++jj) {
+              const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, 8 * jj), m4));
+              const __m256 hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, 8 * jj + 4), m4));
+              for (int j = 0; j < NB; ++j) {
+                const float* xr = a.xr + (b0 + j) * K + k0;
+                __m256& tc = t[j][jj % C];
+                tc = _mm256_fmadd_ps(lo, _mm256_set1_ps(xr[jj]), tc);
+                tc = _mm256_fmadd_ps(hi, _mm256_set1_ps(xr[4 + jj]), tc);
+              }
+            }
+          }
+        }
+        const __m256 sv = _mm256_loadu_ps(blk.sc.data() + g * kBlock + 8 * h);
+        for (int j = 0; j < NB; ++j) {
+          if constexpr (Q8) {
+            const __m256 sd = _mm256_mul_ps(sv, _mm256_set1_ps(a.dxg[(b0 + j) * G + g]));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti[j]), sd, acc[j]);
+          } else {
+            __m256 s = t[j][0];
+            for (int c = 1; c < C; ++c) s = _mm256_add_ps(s, t[j][c]);
+            acc[j] = _mm256_fmadd_ps(s, sv, acc[j]);
+          }
+        }
+      }
+      for (int j = 0; j < NB; ++j) {
+        const int64_t b = b0 + j;
+        float out[8];
+        _mm256_storeu_ps(out, acc[j]);
+        for (int r = 0; r < 8; ++r) {
+          const int64_t rr = 8 * h + r;
+          float corr = 0.f;
+          for (int64_t g = 0; g < G; ++g) {
+            const float s = blk.sc[g * kBlock + rr], zc = blk.zc[g * kBlock + rr];
+            corr += Q8 ? s * a.m8[b * a.Gp + g] + (zc + 8.f * s) * a.xsum[b * a.Gp + g] : zc * a.gsum[b * G + g];
+          }
+          y[b * ldy + m0 + rr] = out[r] + corr + (w.bias ? w.bias[m0 + rr] : 0.f);
+        }
+      }
+    }
+  }
+}
+
+template <int NB>
+TIERED_AVX2 void int4t_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  int4t_avx2_impl<NB, false>(w, a, b0, n0, n1, y, ldy);
+}
+
+template <int NB>
+TIERED_AVX2 void int4tq8_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  int4t_avx2_impl<NB, true>(w, a, b0, n0, n1, y, ldy);
+}
+
+#define TIERED_AVX512_VBMI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx512vbmi,avx2,fma")))
+
+// y for one tile and NB activation rows: acc (16 rows) + sum_g zc[g] * gsum[j][g] + bias.
+template <int NB>
+TIERED_AVX512 inline __attribute__((always_inline)) void int4t_store(const Int4W& w, const float* const* gs,
+                                                                     const Int4Block& blk, int64_t G, int64_t m0,
+                                                                     int64_t b0, const __m512* acc, float* y, int64_t ldy) {
+  for (int j = 0; j < NB; ++j) {
+    __m512 cv = acc[j];
+    for (int64_t g = 0; g < G; ++g)
+      cv = _mm512_fmadd_ps(_mm512_loadu_ps(blk.zc.data() + g * kBlock), _mm512_set1_ps(gs[j][g]), cv);
+    if (w.bias) cv = _mm512_add_ps(cv, _mm512_loadu_ps(w.bias + m0));
+    _mm512_storeu_ps(y + (b0 + j) * ldy + m0, cv);
+  }
+}
+
+template <int NB>
+TIERED_AVX512_VBMI void int4t_avx512(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                                     int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  constexpr int C = NB == 1 ? 4 : NB <= 3 ? 2 : 1;  // independent vdpbf16ps chains per row
+  const uint32_t* xp[NB];
+  const float* gs[NB];
+  for (int j = 0; j < NB; ++j) xp[j] = a.xp + (b0 + j) * (K / 2), gs[j] = a.gsum + (b0 + j) * G;
+  // vpmultishiftqb controls: in each qword (rows 2i, 2i+1), bytes 0 / 2 of each dword <- bits 8jj / 8jj + 4
+  // of that row's dword (the low / high nibble of its byte jj; the other bits are masked off below)
+  __m512i ctl[4];
+  for (int jj = 0; jj < 4; ++jj) {
+    const uint64_t lo = 8 * jj, hi = 8 * jj + 4;
+    const uint64_t q = lo | (lo << 8) | (hi << 16) | (hi << 24) | ((32 + lo) << 32) | ((32 + lo) << 40) |
+                       ((32 + hi) << 48) | ((32 + hi) << 56);
+    ctl[jj] = _mm512_set1_epi64(int64_t(q));
+  }
+  const __m512i nib = _mm512_set1_epi32(0x000F000F), bias128 = _mm512_set1_epi32(0x43004300);
+  thread_local Int4Block blk;
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    int4_fill_block_avx512(w, m0, kBlock, G, 136.f, blk);
+    const uint8_t* tile = w.codes + m0 * (K / 2);
+    __m512 acc[NB];
+    for (int j = 0; j < NB; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 t[NB][C];
+      for (int j = 0; j < NB; ++j)
+        for (int c = 0; c < C; ++c) t[j][c] = _mm512_setzero_ps();
+      const uint8_t* p = tile + g * 256;
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + kTilePrefetch + 64 * l), _MM_HINT_T0);
+      for (int c4 = 0; c4 < 4; ++c4) {
+        const __m512i v = _mm512_loadu_si512(p + c4 * 64);
+        for (int jj = 0; jj < 4; ++jj) {
+          const __m512i wv = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(ctl[jj], v), nib, bias128, 0xEA);
+          const int64_t e = (g * 4 + c4) * 4 + jj;
+          for (int j = 0; j < NB; ++j) t[j][jj % C] = dot_bf16(t[j][jj % C], wv, _mm512_set1_epi32(int(xp[j][e])));
+        }
+      }
+      const __m512 sv = _mm512_loadu_ps(blk.sc.data() + g * kBlock);
+      for (int j = 0; j < NB; ++j) {
+        __m512 s = t[j][0];
+        for (int c = 1; c < C; ++c) s = _mm512_add_ps(s, t[j][c]);
+        acc[j] = _mm512_fmadd_ps(s, sv, acc[j]);
+      }
+    }
+    int4t_store<NB>(w, gs, blk, G, m0, b0, acc, y, ldy);
+  }
+}
+
+template <int NB>
+TIERED_AVX512 void int4tq8_avx512(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                                  int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  constexpr int C = NB <= 2 ? 2 : 1;  // vpdpbusd chains per row and nibble half
+  const int8_t* xq[NB];
+  const float *dx[NB], *m8[NB], *xs[NB];
+  for (int j = 0; j < NB; ++j) {
+    const int64_t b = b0 + j;
+    xq[j] = a.xqt + b * K, dx[j] = a.dxg + b * G, m8[j] = a.m8 + b * a.Gp, xs[j] = a.xsum + b * a.Gp;
+  }
+  const __m512i m4 = _mm512_set1_epi8(15);
+  thread_local Int4Block blk;
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    int4_fill_block_avx512(w, m0, kBlock, G, 0.f, blk);  // zc = zero + residual
+    const uint8_t* tile = w.codes + m0 * (K / 2);
+    __m512 acc[NB];
+    for (int j = 0; j < NB; ++j) {  // the zero terms: sum_g s m8 + z xsum
+      __m512 cv = w.bias ? _mm512_loadu_ps(w.bias + m0) : _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        cv = _mm512_fmadd_ps(_mm512_loadu_ps(blk.sc.data() + g * kBlock), _mm512_set1_ps(m8[j][g]), cv);
+        cv = _mm512_fmadd_ps(_mm512_loadu_ps(blk.zc.data() + g * kBlock), _mm512_set1_ps(xs[j][g]), cv);
+      }
+      acc[j] = cv;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m512i t[NB][2 * C];
+      for (int j = 0; j < NB; ++j)
+        for (int c = 0; c < 2 * C; ++c) t[j][c] = _mm512_setzero_si512();
+      const uint8_t* p = tile + g * 256;
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + kTilePrefetch + 64 * l), _MM_HINT_T0);
+      for (int c4 = 0; c4 < 4; ++c4) {
+        const __m512i v = _mm512_loadu_si512(p + c4 * 64);
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        const int c = c4 % C;
+        for (int j = 0; j < NB; ++j) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&x1, xq[j] + g * kGroup + c4 * 8 + 4, 4);
+          t[j][2 * c] = _mm512_dpbusd_epi32(t[j][2 * c], lo, _mm512_set1_epi32(x0));
+          t[j][2 * c + 1] = _mm512_dpbusd_epi32(t[j][2 * c + 1], hi, _mm512_set1_epi32(x1));
+        }
+      }
+      const __m512 sv = _mm512_loadu_ps(blk.sc.data() + g * kBlock);
+      for (int j = 0; j < NB; ++j) {
+        __m512i s = _mm512_add_epi32(t[j][0], t[j][1]);
+        for (int c = 2; c < 2 * C; ++c) s = _mm512_add_epi32(s, t[j][c]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sv, _mm512_set1_ps(dx[j][g])), acc[j]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(y + (b0 + j) * ldy + m0, acc[j]);
+  }
+}
+
 // ------------------------------------------------------------------------------------ dispatch
 // Runs fn<NB> over activation rows [b0, b0 + nb) in passes of at most kMaxNB rows.
 #define TIERED_DISPATCH_NB(FN, W)                                                     \
@@ -700,6 +975,37 @@ struct Int4Q8Gemv : Int4Gemv {
     }
   }
   std::string name() const override { return std::string("int4q8(tiered,") + isa_name(current_isa()) + ")"; }
+};
+
+// The tiled layout (see "int4, tiled"): rows in whole tiles of 16 (N % 16 == 0).
+struct Int4TGemv : Int4Gemv {
+  bool needs_pairs() const override { return true; }
+  void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
+    const int isa = current_isa();
+    if (isa == kAvx512 && has_vbmi()) {
+      TIERED_DISPATCH_NB(int4t_avx512, w)
+    } else if (isa >= kAvx2) {
+      TIERED_DISPATCH_NB(int4t_avx2, w)
+    } else {
+      int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, false);
+    }
+  }
+  std::string name() const override {
+    const int isa = current_isa();
+    return std::string("int4t(tiered,") + (isa == kAvx512 && !has_vbmi() ? "avx2" : isa_name(isa)) + ")";
+  }
+};
+
+struct Int4TQ8Gemv : Int4Gemv {
+  bool needs_q8() const override { return true; }
+  void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
+    switch (current_isa()) {
+      case kAvx512: TIERED_DISPATCH_NB(int4tq8_avx512, w) break;
+      case kAvx2: TIERED_DISPATCH_NB(int4tq8_avx2, w) break;
+      default: int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, true);
+    }
+  }
+  std::string name() const override { return std::string("int4tq8(tiered,") + isa_name(current_isa()) + ")"; }
 };
 
 struct Int8Gemv : Gemv {
@@ -778,7 +1084,8 @@ void swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, 
   const int64_t F = gate.out_features;
   gu.resize(B * 2 * F);
   h.resize(B * F);
-  const Act a = buf.prepare(x, B, gate.in_features, gate.needs_q8() || up.needs_q8());
+  const Act a = buf.prepare(x, B, gate.in_features, gate.needs_q8() || up.needs_q8(),
+                            gate.needs_pairs() || up.needs_pairs());
   const Part parts[2] = {{&gate, gu.data(), 2 * F}, {&up, gu.data() + F, 2 * F}};
   run_parts(parts, 2, a);
   for (int64_t b = 0; b < B; ++b) {
@@ -809,6 +1116,7 @@ struct ExpertSpec {
   Proj p[3];
   int64_t nbytes = 0;
   bool int4_q8 = false;  // int4 projections on int8 activations (Int4Q8Gemv)
+  bool int4_tiled = false;  // int4 codes in the tiled layout (Int4TGemv / Int4TQ8Gemv)
 
   void bind(const Proj& pr, const uint8_t* buf, Int4Gemv& k4, Int8Gemv& k8, Bf16Gemv& kb, const Gemv*& out) const {
     if (pr.kind == kInt4) {
@@ -816,6 +1124,7 @@ struct ExpertSpec {
       const auto* sz = reinterpret_cast<const uint16_t*>(buf + pr.off[1]);
       k4.w = {buf + pr.off[0], pr.K / 2, sz, sz + 1, reinterpret_cast<const uint16_t*>(buf + pr.off[2]),
               2, 2 * pr.N, 2, 2 * pr.N, 1, pr.N, nullptr};
+      k4.w.tiled = int4_tiled;  // then sz is [N/16, G, 16, 2] and zr [N/16, G, 16]
       out = &k4;
     } else if (pr.kind == kInt8) {
       k8.in_features = pr.K, k8.out_features = pr.N;
@@ -838,11 +1147,16 @@ struct ExpertSpec {
     auto y = at::empty({x.size(0), p[2].N}, x.options());
     Int4Gemv k4[3];
     Int4Q8Gemv k4q[3];
+    Int4TGemv k4t[3];
+    Int4TQ8Gemv k4tq[3];
     Int8Gemv k8[3];
     Bf16Gemv kb[3];
     const Gemv* g[3];
     const uint8_t* base = buf.data_ptr<uint8_t>();
-    for (int i = 0; i < 3; ++i) bind(p[i], base, int4_q8 ? k4q[i] : k4[i], k8[i], kb[i], g[i]);
+    for (int i = 0; i < 3; ++i) {
+      Int4Gemv& k = int4_tiled ? (int4_q8 ? static_cast<Int4Gemv&>(k4tq[i]) : k4t[i]) : int4_q8 ? k4q[i] : k4[i];
+      bind(p[i], base, k, k8[i], kb[i], g[i]);
+    }
     {
       pybind11::gil_scoped_release nogil;
       swiglu(*g[0], *g[1], *g[2], x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
@@ -886,6 +1200,39 @@ std::shared_ptr<Gemv> make_int4(at::Tensor codes, at::Tensor scale, at::Tensor z
     check_ng(*residual, N, G, "zero residual");
     k->zr = *residual;
     k->w.zr = bf16_ptr(k->zr), k->w.zr_n = k->zr.stride(0), k->w.zr_g = k->zr.stride(1);
+  }
+  k->bias = bias_vector(bias, N);
+  k->w.bias = k->bias.empty() ? nullptr : k->bias.data();
+  return k;
+}
+
+// The tiled layout: codes uint8 [N, K/2] (tiles), sz bf16 [N/16, G, 16, 2], zr bf16 [N/16, G, 16] or none.
+template <class T>  // Int4TGemv or Int4TQ8Gemv
+std::shared_ptr<Gemv> make_int4_tiled(at::Tensor codes, at::Tensor sz, c10::optional<at::Tensor> residual,
+                                      c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(codes.dim() == 2, "int4_tiled_kernel: codes must be uint8 [N, K/2]");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0 && N % kBlock == 0,
+              "int4_tiled_kernel: needs in-features % 32 == 0 and out-features % 16 == 0, got ", N, " x ", K);
+  check_rows(codes, at::kByte, N, K / 2, "int4_tiled_kernel: codes");
+  TORCH_CHECK(sz.device().is_cpu() && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() &&
+                  sz.sizes() == at::IntArrayRef({N / kBlock, G, kBlock, 2}),
+              "int4_tiled_kernel: sz must be a contiguous CPU bf16 [N/16, K/32, 16, 2] = [", N / kBlock, ", ", G,
+              ", 16, 2] tensor, got ", sz.scalar_type(), " ", sz.sizes());
+  auto k = std::make_shared<T>();
+  k->in_features = K, k->out_features = N;
+  k->codes = codes, k->s = sz;
+  k->w.codes = codes.data_ptr<uint8_t>();
+  k->w.ldc = K / 2;
+  k->w.tiled = true;
+  k->w.s = bf16_ptr(sz), k->w.z = k->w.s + 1;
+  if (residual) {
+    TORCH_CHECK(residual->device().is_cpu() && residual->scalar_type() == at::kBFloat16 && residual->is_contiguous() &&
+                    residual->sizes() == at::IntArrayRef({N / kBlock, G, kBlock}),
+                "int4_tiled_kernel: the zero residual must be a contiguous CPU bf16 [N/16, K/32, 16] tensor, got ",
+                residual->scalar_type(), " ", residual->sizes());
+    k->zr = *residual;
+    k->w.zr = bf16_ptr(k->zr);
   }
   k->bias = bias_vector(bias, N);
   k->w.bias = k->bias.empty() ? nullptr : k->bias.data();
@@ -953,6 +1300,8 @@ void ActBuffers::quantize_q8(const float* x, int64_t B, int64_t K, Act& a) {
   const int64_t G = K / kGroup, Gp = (G + 3) / 4 * 4;
   constexpr float kRound = 12582912.f;
   xq.assign(B * Gp * kGroup, 0);
+  xqt.resize(B * K);
+  dxg.resize(B * G);
   dx16.assign(B * Gp * 4, 0.f);
   xsum.assign(B * Gp, 0.f);
   m8.assign(B * Gp, 0.f);
@@ -967,16 +1316,19 @@ void ActBuffers::quantize_q8(const float* x, int64_t B, int64_t K, Act& a) {
       for (int64_t i = 0; i < kGroup / 2; ++i) {
         const int32_t e = int32_t((p[2 * i] * inv + kRound) - kRound), od = int32_t((p[2 * i + 1] * inv + kRound) - kRound);
         o[i] = int8_t(e), o[64 + i] = int8_t(od), s += e + od;
+        xqt[b * K + g * kGroup + 2 * i] = int8_t(e), xqt[b * K + g * kGroup + 2 * i + 1] = int8_t(od);
       }
+      dxg[b * G + g] = dx;
       float* d = dx16.data() + b * Gp * 4 + g * 4;
       d[0] = d[1] = d[2] = d[3] = dx;
       xsum[b * Gp + g] = sum;
       m8[b * Gp + g] = -8.f * dx * float(s);
     }
   a.xq = xq.data(), a.dx16 = dx16.data(), a.xsum = xsum.data(), a.m8 = m8.data(), a.Gp = Gp;
+  a.xqt = xqt.data(), a.dxg = dxg.data();
 }
 
-Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, bool q8) {
+Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, bool q8, bool pairs) {
   const int64_t n = B * K, G = K / kGroup;
   xr.resize(n);
   xb.resize(n);
@@ -996,12 +1348,20 @@ Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, bool q8) {
   Act a;
   a.x = x, a.xr = xr.data(), a.xb = xb.data(), a.gsum = gsum.data(), a.B = B, a.K = K;
   if (q8) quantize_q8(x, B, K, a);
+  if (pairs) {
+    xp.resize(B * K / 2);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t k = 0; k + 8 <= K; k += 8)
+        for (int64_t j = 0; j < 4; ++j)
+          xp[(b * K + k) / 2 + j] = uint32_t(xb[b * K + k + j]) | (uint32_t(xb[b * K + k + 4 + j]) << 16);
+    a.xp = xp.data();
+  }
   return a;
 }
 
 void Gemv::run(const float* x, int64_t B, float* y) const {
   thread_local ActBuffers buf;
-  const Act a = buf.prepare(x, B, in_features, needs_q8());
+  const Act a = buf.prepare(x, B, in_features, needs_q8(), needs_pairs());
   const Part part{this, y, out_features};
   run_parts(&part, 1, a);
 }
@@ -1023,6 +1383,53 @@ void register_gemv(pybind11::module& m) {
         "bf16 [N, K/32] views (any strides): w = (q - 8) * scale + zero + residual. Holds the tensors (no copy). "
         "act: the activations it reads, 'bf16' (x rounded to bf16, vdpbf16ps) or 'q8' (x quantized to int8 per "
         "group of 32, vpdpbusd: faster, less exact).");
+  m.def("int4_tiled_kernel", [](at::Tensor codes, at::Tensor sz, c10::optional<at::Tensor> residual,
+                                c10::optional<at::Tensor> bias, const std::string& act) -> KernelPtr {
+          TORCH_CHECK(act == "bf16" || act == "q8", "int4_tiled_kernel: act must be 'bf16' or 'q8', got '", act, "'");
+          return act == "q8" ? make_int4_tiled<Int4TQ8Gemv>(codes, sz, residual, bias)
+                             : make_int4_tiled<Int4TGemv>(codes, sz, residual, bias);
+        },
+        py::arg("codes"), py::arg("sz"), py::arg("residual") = py::none(), py::arg("bias") = py::none(),
+        py::arg("act") = "bf16",
+        "tiered's int4 GEMV over the tiled layout (kernels/linear.py tiled_codes / tiled_scales): codes uint8 "
+        "[N, K/2], sz bf16 [N/16, K/32, 16, 2] (scale, zero), residual bf16 [N/16, K/32, 16]: "
+        "w = (q - 8) * scale + zero + residual; N % 16 == 0. act as int4_kernel's.");
+  m.def("int4_tiled_dequantize", [](at::Tensor codes, at::Tensor sz, c10::optional<at::Tensor> residual,
+                                    int64_t n0, int64_t n1, bool fp32) {
+          auto k = make_int4_tiled<Int4TGemv>(codes, sz, residual, c10::nullopt);
+          const int64_t N = k->out_features, K = k->in_features;
+          if (n1 < 0) n1 = N;
+          TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= N && n0 % kBlock == 0 && (n1 % kBlock == 0 || n1 == N),
+                      "int4_tiled_dequantize: rows [", n0, ", ", n1, ") must be whole tiles of 16 within [0, ", N, ")");
+          auto out = at::empty({n1 - n0, K}, fp32 ? at::kFloat : at::kBFloat16);
+          auto* o = fp32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+          auto* of = fp32 ? out.data_ptr<float>() : nullptr;
+          const Int4TGemv& kt = static_cast<const Int4TGemv&>(*k);
+          {
+            py::gil_scoped_release nogil;
+            at::parallel_for(n0 / kBlock, n1 / kBlock, 1, [&](int64_t t0, int64_t t1) {
+              Int4Block blk;
+              const int64_t G = K / kGroup;
+              for (int64_t t = t0; t < t1; ++t) {
+                blk.gather(kt.w, t * kBlock, kBlock, G, 8.f);
+                const uint8_t* tile = kt.w.codes + t * kBlock * (K / 2);
+                for (int64_t r = 0; r < kBlock; ++r) {
+                  const int64_t at_row = (t * kBlock + r - n0) * K;
+                  for (int64_t kk = 0; kk < K; ++kk) {
+                    const int64_t gi = (kk / kGroup) * kBlock + r;
+                    const float v = float(tiled_code(tile, r, kk)) * blk.sc[gi] + blk.zc[gi];
+                    if (fp32) of[at_row + kk] = v; else o[at_row + kk] = to_bf16(v);
+                  }
+                }
+              }
+            });
+          }
+          return out;
+        },
+        py::arg("codes"), py::arg("sz"), py::arg("residual") = py::none(), py::arg("n0") = 0,
+        py::arg("n1") = -1, py::arg("fp32") = false,
+        "Rows [n0, n1) of a tiled int4 weight (int4_tiled_kernel's arguments) as bf16 (fp32 with fp32=True) "
+        "[n1 - n0, K]: w = (q - 8) * scale + zero + residual, rounded once (the prefill path of a tiled-only weight).");
   m.def("int8_kernel", [](at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> bias) -> KernelPtr {
           return make_int8(q, scale, bias);
         },
@@ -1048,12 +1455,15 @@ void register_gemv(pybind11::module& m) {
       "A quantized expert format's flat layout: forward(slot uint8 [nbytes], x [B, D]) -> y [B, D] fp32.")
       .def("forward", &ExpertSpec::forward, py::arg("slot"), py::arg("x"));
   m.def("expert_spec", [](std::vector<std::string> kinds, std::vector<std::vector<int64_t>> shapes,
-                          std::vector<std::vector<int64_t>> offsets, int64_t nbytes, const std::string& int4_act) {
+                          std::vector<std::vector<int64_t>> offsets, int64_t nbytes, const std::string& int4_act,
+                          const std::string& int4_layout) {
           TORCH_CHECK(int4_act == "bf16" || int4_act == "q8", "expert_spec: int4_act must be 'bf16' or 'q8'");
+          TORCH_CHECK(int4_layout == "plain" || int4_layout == "tiled", "expert_spec: int4_layout must be 'plain' or 'tiled'");
           TORCH_CHECK(kinds.size() == 3 && shapes.size() == 3 && offsets.size() == 3, "expert_spec: three projections");
           auto sp = std::make_shared<ExpertSpec>();
           sp->nbytes = nbytes;
           sp->int4_q8 = int4_act == "q8";
+          sp->int4_tiled = int4_layout == "tiled";
           for (int i = 0; i < 3; ++i) {
             auto& pr = sp->p[i];
             const auto& k = kinds[i];
@@ -1062,6 +1472,8 @@ void register_gemv(pybind11::module& m) {
             TORCH_CHECK(shapes[i].size() == 2, "expert_spec: shapes are (N, K)");
             pr.N = shapes[i][0], pr.K = shapes[i][1];
             TORCH_CHECK(pr.kind != ExpertSpec::kInt4 || pr.K % kGroup == 0, "expert_spec: int4 needs K % 32 == 0");
+            TORCH_CHECK(pr.kind != ExpertSpec::kInt4 || !sp->int4_tiled || pr.N % kBlock == 0,
+                        "expert_spec: the tiled int4 layout needs N % 16 == 0");
             for (size_t j = 0; j < 3; ++j) pr.off[j] = j < offsets[i].size() ? offsets[i][j] : 0;
           }
           TORCH_CHECK(sp->p[0].K == sp->p[1].K && sp->p[0].N == sp->p[1].N && sp->p[2].K == sp->p[0].N &&
@@ -1069,7 +1481,8 @@ void register_gemv(pybind11::module& m) {
           return sp;
         },
         py::arg("kinds"), py::arg("shapes"), py::arg("offsets"), py::arg("nbytes"), py::arg("int4_act") = "bf16",
-        "An ExpertSpec from per-projection kinds ('bf16', 'int8', 'int4' in the plain layout), (N, K) shapes "
+        py::arg("int4_layout") = "plain",
+        "An ExpertSpec from per-projection kinds ('bf16', 'int8', 'int4' in int4_layout 'plain' or 'tiled'), (N, K) shapes "
         "and segment byte offsets (bf16: w; int8: q, scale bf16 [N]; int4: codes, sz bf16 [G, N, 2], zr bf16 [G, N]); "
         "int4_act as int4_kernel's act.");
   m.def("bf16_expert_forward", [](at::Tensor wg, at::Tensor wu, at::Tensor wd, at::Tensor x0) {

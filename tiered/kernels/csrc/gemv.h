@@ -36,7 +36,12 @@ Isa current_isa();  // what the kernels use now (best_isa unless set_isa lowered
 //   dx16 fp32 [Gp / 4 * 16]: lane i of chunk c = dx of group 4c + i/4 (the 32-bit lane of a 64-byte
 //      dot product vpdpbusd leaves sums of group 4c + i/4);
 //   xsum fp32 [Gp]: exact sums of x (fp32, unrounded) per group;
-//   m8 fp32 [Gp]: -8 * dx * sum(xq) per group (int4's q - 8 offset, taken out per row block).
+//   m8 fp32 [Gp]: -8 * dx * sum(xq) per group (int4's q - 8 offset, taken out per row block);
+//   xqt int8 [K]: the same xq in column order, and dxg fp32 [G] its dx per group (the tiled int4
+//      layout's operands).
+// With pairs (only when a kernel reading the Act needs_pairs: the tiled int4 layout on bf16
+// activations): xp uint32 [B, K/2], per 8 columns c8 and j < 4 the bf16 words of x[8 c8 + j] (low)
+// and x[8 c8 + 4 + j] (high).
 struct Act {
   const float* x = nullptr;
   const float* xr = nullptr;
@@ -44,15 +49,19 @@ struct Act {
   const float* gsum = nullptr;
   const int8_t* xq = nullptr;
   const float *dx16 = nullptr, *xsum = nullptr, *m8 = nullptr;
+  const int8_t* xqt = nullptr;
+  const float* dxg = nullptr;
+  const uint32_t* xp = nullptr;
   int64_t B = 0, K = 0, Gp = 0;  // Gp: padded groups per row of xq / xsum / m8 (0 without q8)
 };
 
 // Buffers an Act lives in (one per concurrent Act; reused across calls: no allocation once warm).
 struct ActBuffers {
-  std::vector<float> xr, gsum, dx16, xsum, m8;
+  std::vector<float> xr, gsum, dx16, xsum, m8, dxg;
   std::vector<uint16_t> xb;
-  std::vector<int8_t> xq;
-  Act prepare(const float* x, int64_t B, int64_t K, bool q8 = false);
+  std::vector<int8_t> xq, xqt;
+  std::vector<uint32_t> xp;
+  Act prepare(const float* x, int64_t B, int64_t K, bool q8 = false, bool pairs = false);
   void quantize_q8(const float* x, int64_t B, int64_t K, Act& a);
 };
 
@@ -63,6 +72,8 @@ struct Gemv : Kernel {
   virtual int64_t block_rows() const { return 16; }
   // True when rows() reads the Act's int8-quantized activations (prepare them with q8).
   virtual bool needs_q8() const { return false; }
+  // True when rows() reads the Act's bf16 pairs (xp: the tiled int4 layout).
+  virtual bool needs_pairs() const { return false; }
   void run(const float* x, int64_t B, float* y) const override;
 };
 
