@@ -347,10 +347,11 @@ def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor]) -
     weight dequantized once (native, or in torch without the extension; exact, in fp32 for fp32 x)
     and one matmul (prefill-sized n: the conversion is paid once for all n rows) -> [n, N] in x's dtype."""
     from tiered.kernels import load
+    from tiered.kernels.linear import TILED_EXPERT_INT4_ACT
 
     ext = load() if x.device.type == "cpu" else None
     if ext is not None and x.shape[0] <= NATIVE_ROWS:
-        return ext.int4_tiled_kernel(v["codes"], v["sz"], v["zr"], None, "bf16")(x).to(x.dtype)
+        return ext.int4_tiled_kernel(v["codes"], v["sz"], v["zr"], None, TILED_EXPERT_INT4_ACT)(x).to(x.dtype)
     fp32 = x.dtype == torch.float32
     if ext is not None:
         w = ext.int4_tiled_dequantize(v["codes"], v["sz"], v["zr"], fp32=fp32)

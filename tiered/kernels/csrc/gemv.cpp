@@ -117,7 +117,7 @@ struct Int4Block {
 // True when a full block's scales and zeros sit as Int4Linear's / ExpertFormat's [G, N, 2] bf16
 // (and the residual as [G, N]): 16 rows of one group are then 64 contiguous bytes.
 inline bool interleaved(const Int4W& w, int64_t rn) {
-  return rn == kBlock && !w.tiled &&w.s_n == 2 && w.z == w.s + 1 && w.z_n == 2 && w.z_g == w.s_g &&
+  return rn == kBlock && !w.tiled && w.s_n == 2 && w.z == w.s + 1 && w.z_n == 2 && w.z_g == w.s_g &&
          (!w.zr || w.zr_n == 1);
 }
 
@@ -248,57 +248,67 @@ TIERED_AVX2 void int4_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0,
   }
 }
 
-template <int NB>
-TIERED_AVX2 void int8_avx2(const Int8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+// int8 and bf16 weights share one AVX2 row loop: fp32 FMAs of 16 weights at a time; a row format
+// says how its weights become fp32 (load16 / at), which activations it reads and how a row's dot
+// becomes y (int8: times the row scale).
+struct Int8RowsAvx2 {
+  using T = int8_t;
+  static const T* row(const Int8W& w, int64_t n, int64_t K) { return w.q + n * K; }
+  static const float* act(const Act& a) { return a.x; }
+  static TIERED_AVX2 inline __attribute__((always_inline)) void load16(const T* q, __m256& w0, __m256& w1) {
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8))));
+  }
+  static float at(const T* q, int64_t k) { return float(q[k]); }
+  static float out(const Int8W& w, int64_t n, float dot) { return dot * w.s(n) + (w.bias ? w.bias[n] : 0.f); }
+};
+
+struct Bf16RowsAvx2 {
+  using T = uint16_t;
+  static const T* row(const Bf16W& w, int64_t n, int64_t K) { return w.w + n * K; }
+  static const float* act(const Act& a) { return a.xr; }
+  static TIERED_AVX2 inline __attribute__((always_inline)) void load16(const T* r, __m256& w0, __m256& w1) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r));
+    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+    w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
+  }
+  static float at(const T* r, int64_t k) { return bf16f(r[k]); }
+  static float out(const Bf16W& w, int64_t n, float dot) { return dot + (w.bias ? w.bias[n] : 0.f); }
+};
+
+template <int NB, class R, class W>
+TIERED_AVX2 void rows_avx2(const W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t K = a.K;
   const float* x[NB];
-  for (int j = 0; j < NB; ++j) x[j] = a.x + (b0 + j) * K;
+  for (int j = 0; j < NB; ++j) x[j] = R::act(a) + (b0 + j) * K;
   for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* q = w.q + n * K;
+    const typename R::T* r = R::row(w, n, K);
     __m256 acc0[NB], acc1[NB];
     float tail[NB];
     for (int j = 0; j < NB; ++j) acc0[j] = acc1[j] = _mm256_setzero_ps(), tail[j] = 0.f;
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k))));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k + 8))));
+      __m256 w0, w1;
+      R::load16(r + k, w0, w1);
       for (int j = 0; j < NB; ++j) {
         acc0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[j] + k), acc0[j]);
         acc1[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[j] + k + 8), acc1[j]);
       }
     }
     for (; k < K; ++k)
-      for (int j = 0; j < NB; ++j) tail[j] += float(q[k]) * x[j][k];
-    for (int j = 0; j < NB; ++j)
-      y[(b0 + j) * ldy + n] = (hsum256(_mm256_add_ps(acc0[j], acc1[j])) + tail[j]) * w.s(n) + (w.bias ? w.bias[n] : 0.f);
+      for (int j = 0; j < NB; ++j) tail[j] += R::at(r, k) * x[j][k];
+    for (int j = 0; j < NB; ++j) y[(b0 + j) * ldy + n] = R::out(w, n, hsum256(_mm256_add_ps(acc0[j], acc1[j])) + tail[j]);
   }
 }
 
 template <int NB>
+TIERED_AVX2 void int8_avx2(const Int8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  rows_avx2<NB, Int8RowsAvx2>(w, a, b0, n0, n1, y, ldy);
+}
+
+template <int NB>
 TIERED_AVX2 void bf16_avx2(const Bf16W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t K = a.K;
-  const float* x[NB];
-  for (int j = 0; j < NB; ++j) x[j] = a.xr + (b0 + j) * K;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* r = w.w + n * K;
-    __m256 acc0[NB], acc1[NB];
-    float tail[NB];
-    for (int j = 0; j < NB; ++j) acc0[j] = acc1[j] = _mm256_setzero_ps(), tail[j] = 0.f;
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + k));
-      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
-      const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
-      for (int j = 0; j < NB; ++j) {
-        acc0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[j] + k), acc0[j]);
-        acc1[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[j] + k + 8), acc1[j]);
-      }
-    }
-    for (; k < K; ++k)
-      for (int j = 0; j < NB; ++j) tail[j] += bf16f(r[k]) * x[j][k];
-    for (int j = 0; j < NB; ++j)
-      y[(b0 + j) * ldy + n] = hsum256(_mm256_add_ps(acc0[j], acc1[j])) + tail[j] + (w.bias ? w.bias[n] : 0.f);
-  }
+  rows_avx2<NB, Bf16RowsAvx2>(w, a, b0, n0, n1, y, ldy);
 }
 
 // ------------------------------------------------------------------------------------ AVX-512
@@ -665,7 +675,7 @@ TIERED_AVX512 void bf16_avx512(const Bf16W& w, const Act& a, int64_t b0, int64_t
 // weights of 16 rows are converted once per load for every activation row. Per 16-row tile
 // (N / 16 tiles of 8 K bytes) and per 8 columns c8 = k / 8, 64 bytes: byte 4r + j (row r, j < 4)
 // holds q[n, 8 c8 + j] in its low nibble and q[n, 8 c8 + 4 + j] in its high one. Scales and zeros
-// as the plain layout's ([G, N, 2] views, any strides).
+// per tile too (Int4W::tiled): sz [N/16, G, 16, 2], zr [N/16, G, 16].
 //   bf16 activations (Act.xp: pairs (x[8 c8 + j], x[8 c8 + 4 + j]) as bf16 dwords): AVX-512 VBMI
 //     picks both nibbles of byte j of every lane into one dword's two words (vpmultishiftqb), ORs in
 //     0x4300 (the bf16 number 128 + q, exact) and does one vdpbf16ps per 32 weights per activation
@@ -689,7 +699,7 @@ void int4t_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t 
   const int64_t K = a.K, G = K / kGroup;
   thread_local Int4Block blk;
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    blk.gather(w, m0, kBlock, G, 8.f);
+    blk.gather(w, m0, kBlock, G, q8 ? 0.f : 8.f);  // q8 keeps the -8 term apart (m8), as the SIMD paths do
     const uint8_t* tile = w.codes + m0 * (K / 2);
     for (int64_t r = 0; r < kBlock; ++r)
       for (int64_t j = 0; j < nb; ++j) {
@@ -697,10 +707,10 @@ void int4t_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t 
         float acc = 0.f;
         for (int64_t g = 0; g < G; ++g) {
           const float s = blk.sc[g * kBlock + r], zc = blk.zc[g * kBlock + r];
-          if (q8) {  // s dx (sum q xq - 8 sum xq) + z sum x, the -8 term and z kept apart as the SIMD paths do
+          if (q8) {  // s dx (sum q xq - 8 sum xq) + z sum x
             int32_t d = 0;
             for (int64_t i = 0; i < kGroup; ++i) d += int32_t(tiled_code(tile, r, g * kGroup + i)) * a.xqt[b * K + g * kGroup + i];
-            acc += s * a.dxg[b * G + g] * float(d) + s * a.m8[b * a.Gp + g] + (zc + 8.f * s) * a.xsum[b * a.Gp + g];
+            acc += s * a.dxg[b * G + g] * float(d) + s * a.m8[b * a.Gp + g] + zc * a.xsum[b * a.Gp + g];
           } else {
             float d = 0.f;
             for (int64_t i = 0; i < kGroup; ++i) d += float(tiled_code(tile, r, g * kGroup + i)) * a.xr[b * K + g * kGroup + i];
@@ -721,7 +731,7 @@ TIERED_AVX2 void int4t_avx2_impl(const Int4W& w, const Act& a, int64_t b0, int64
   thread_local Int4Block blk;
   const __m256i m4 = _mm256_set1_epi32(15), m4b = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    blk.gather(w, m0, kBlock, G, 8.f);
+    blk.gather(w, m0, kBlock, G, Q8 ? 0.f : 8.f);
     const uint8_t* tile = w.codes + m0 * (K / 2);
     for (int h = 0; h < 2; ++h) {
       __m256 acc[NB];
@@ -780,7 +790,7 @@ TIERED_AVX2 void int4t_avx2_impl(const Int4W& w, const Act& a, int64_t b0, int64
           float corr = 0.f;
           for (int64_t g = 0; g < G; ++g) {
             const float s = blk.sc[g * kBlock + rr], zc = blk.zc[g * kBlock + rr];
-            corr += Q8 ? s * a.m8[b * a.Gp + g] + (zc + 8.f * s) * a.xsum[b * a.Gp + g] : zc * a.gsum[b * G + g];
+            corr += Q8 ? s * a.m8[b * a.Gp + g] + zc * a.xsum[b * a.Gp + g] : zc * a.gsum[b * G + g];
           }
           y[b * ldy + m0 + rr] = out[r] + corr + (w.bias ? w.bias[m0 + rr] : 0.f);
         }
