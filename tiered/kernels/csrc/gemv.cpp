@@ -150,30 +150,44 @@ void int4_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t n
   }
 }
 
-void int8_scalar(const Int8W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y,
-                 int64_t ldy) {
-  const int64_t K = a.K;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* q = w.q + n * K;
-    for (int64_t j = 0; j < nb; ++j) {
-      const float* x = a.x + (b0 + j) * K;
-      float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) acc += float(q[k]) * x[k];
-      y[(b0 + j) * ldy + n] = acc * w.s(n) + (w.bias ? w.bias[n] : 0.f);
-    }
+// Row formats of the int8 and bf16 kernels, shared by their scalar and AVX2 loops: how a row's
+// weights become fp32 (at: one, load16: 16 as two AVX2 vectors), which activations it reads and how
+// a row's dot becomes y (int8: times the row scale).
+struct Int8Rows {
+  using T = int8_t;
+  static const T* row(const Int8W& w, int64_t n, int64_t K) { return w.q + n * K; }
+  static const float* act(const Act& a) { return a.x; }
+  static TIERED_AVX2 inline __attribute__((always_inline)) void load16(const T* q, __m256& w0, __m256& w1) {
+    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8))));
   }
-}
+  static float at(const T* q, int64_t k) { return float(q[k]); }
+  static float out(const Int8W& w, int64_t n, float dot) { return dot * w.s(n) + (w.bias ? w.bias[n] : 0.f); }
+};
 
-void bf16_scalar(const Bf16W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y,
-                 int64_t ldy) {
+struct Bf16Rows {
+  using T = uint16_t;
+  static const T* row(const Bf16W& w, int64_t n, int64_t K) { return w.w + n * K; }
+  static const float* act(const Act& a) { return a.xr; }
+  static TIERED_AVX2 inline __attribute__((always_inline)) void load16(const T* r, __m256& w0, __m256& w1) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r));
+    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+    w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
+  }
+  static float at(const T* r, int64_t k) { return bf16f(r[k]); }
+  static float out(const Bf16W& w, int64_t n, float dot) { return dot + (w.bias ? w.bias[n] : 0.f); }
+};
+
+template <class R, class W>
+void rows_scalar(const W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t K = a.K;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* r = w.w + n * K;
+    const typename R::T* r = R::row(w, n, K);
     for (int64_t j = 0; j < nb; ++j) {
-      const float* x = a.xr + (b0 + j) * K;
+      const float* x = R::act(a) + (b0 + j) * K;
       float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) acc += bf16f(r[k]) * x[k];
-      y[(b0 + j) * ldy + n] = acc + (w.bias ? w.bias[n] : 0.f);
+      for (int64_t k = 0; k < K; ++k) acc += R::at(r, k) * x[k];
+      y[(b0 + j) * ldy + n] = R::out(w, n, acc);
     }
   }
 }
@@ -248,34 +262,8 @@ TIERED_AVX2 void int4_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0,
   }
 }
 
-// int8 and bf16 weights share one AVX2 row loop: fp32 FMAs of 16 weights at a time; a row format
-// says how its weights become fp32 (load16 / at), which activations it reads and how a row's dot
-// becomes y (int8: times the row scale).
-struct Int8RowsAvx2 {
-  using T = int8_t;
-  static const T* row(const Int8W& w, int64_t n, int64_t K) { return w.q + n * K; }
-  static const float* act(const Act& a) { return a.x; }
-  static TIERED_AVX2 inline __attribute__((always_inline)) void load16(const T* q, __m256& w0, __m256& w1) {
-    w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-    w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8))));
-  }
-  static float at(const T* q, int64_t k) { return float(q[k]); }
-  static float out(const Int8W& w, int64_t n, float dot) { return dot * w.s(n) + (w.bias ? w.bias[n] : 0.f); }
-};
-
-struct Bf16RowsAvx2 {
-  using T = uint16_t;
-  static const T* row(const Bf16W& w, int64_t n, int64_t K) { return w.w + n * K; }
-  static const float* act(const Act& a) { return a.xr; }
-  static TIERED_AVX2 inline __attribute__((always_inline)) void load16(const T* r, __m256& w0, __m256& w1) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r));
-    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
-    w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
-  }
-  static float at(const T* r, int64_t k) { return bf16f(r[k]); }
-  static float out(const Bf16W& w, int64_t n, float dot) { return dot + (w.bias ? w.bias[n] : 0.f); }
-};
-
+// int8 and bf16 weights share one AVX2 row loop: fp32 FMAs of 16 weights at a time (the row
+// formats Int8Rows / Bf16Rows above say how their weights become fp32).
 template <int NB, class R, class W>
 TIERED_AVX2 void rows_avx2(const W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t K = a.K;
@@ -299,16 +287,6 @@ TIERED_AVX2 void rows_avx2(const W& w, const Act& a, int64_t b0, int64_t n0, int
       for (int j = 0; j < NB; ++j) tail[j] += R::at(r, k) * x[j][k];
     for (int j = 0; j < NB; ++j) y[(b0 + j) * ldy + n] = R::out(w, n, hsum256(_mm256_add_ps(acc0[j], acc1[j])) + tail[j]);
   }
-}
-
-template <int NB>
-TIERED_AVX2 void int8_avx2(const Int8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  rows_avx2<NB, Int8RowsAvx2>(w, a, b0, n0, n1, y, ldy);
-}
-
-template <int NB>
-TIERED_AVX2 void bf16_avx2(const Bf16W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  rows_avx2<NB, Bf16RowsAvx2>(w, a, b0, n0, n1, y, ldy);
 }
 
 // ------------------------------------------------------------------------------------ AVX-512
@@ -725,7 +703,7 @@ void int4t_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t 
 // AVX2: each 8-row half of a tile on its own (a 32-byte half of every 64-byte chunk), fp32 FMAs on
 // bf16-rounded x (act bf16) or vpmaddubsw + vpmaddwd on xq (q8).
 template <int NB, bool Q8>
-TIERED_AVX2 void int4t_avx2_impl(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+TIERED_AVX2 void int4t_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
   constexpr int C = NB == 1 ? 4 : NB <= 2 ? 2 : 1;  // independent accumulator chains per row
   thread_local Int4Block blk;
@@ -797,16 +775,6 @@ TIERED_AVX2 void int4t_avx2_impl(const Int4W& w, const Act& a, int64_t b0, int64
       }
     }
   }
-}
-
-template <int NB>
-TIERED_AVX2 void int4t_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  int4t_avx2_impl<NB, false>(w, a, b0, n0, n1, y, ldy);
-}
-
-template <int NB>
-TIERED_AVX2 void int4tq8_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  int4t_avx2_impl<NB, true>(w, a, b0, n0, n1, y, ldy);
 }
 
 #define TIERED_AVX512_VBMI \
@@ -929,18 +897,19 @@ TIERED_AVX512 void int4tq8_avx512(const Int4W& w, const Act& a, int64_t b0, int6
 }
 
 // ------------------------------------------------------------------------------------ dispatch
-// Runs fn<NB> over activation rows [b0, b0 + nb) in passes of at most kMaxNB rows.
-#define TIERED_DISPATCH_NB(FN, W)                                                     \
+// Runs fn<NB, extra template arguments...> over activation rows [b0, b0 + nb) in passes of at most
+// kMaxNB rows.
+#define TIERED_DISPATCH_NB(FN, W, ...)                                                \
   for (int64_t j0 = b0; j0 < b0 + nb; j0 += kMaxNB) {                                 \
     switch (std::min<int64_t>(kMaxNB, b0 + nb - j0)) {                                \
-      case 1: FN<1>(W, a, j0, n0, n1, y, ldy); break;                                 \
-      case 2: FN<2>(W, a, j0, n0, n1, y, ldy); break;                                 \
-      case 3: FN<3>(W, a, j0, n0, n1, y, ldy); break;                                 \
-      case 4: FN<4>(W, a, j0, n0, n1, y, ldy); break;                                 \
-      case 5: FN<5>(W, a, j0, n0, n1, y, ldy); break;                                 \
-      case 6: FN<6>(W, a, j0, n0, n1, y, ldy); break;                                 \
-      case 7: FN<7>(W, a, j0, n0, n1, y, ldy); break;                                 \
-      default: FN<8>(W, a, j0, n0, n1, y, ldy); break;                                \
+      case 1: FN<1, ##__VA_ARGS__>(W, a, j0, n0, n1, y, ldy); break;                  \
+      case 2: FN<2, ##__VA_ARGS__>(W, a, j0, n0, n1, y, ldy); break;                  \
+      case 3: FN<3, ##__VA_ARGS__>(W, a, j0, n0, n1, y, ldy); break;                  \
+      case 4: FN<4, ##__VA_ARGS__>(W, a, j0, n0, n1, y, ldy); break;                  \
+      case 5: FN<5, ##__VA_ARGS__>(W, a, j0, n0, n1, y, ldy); break;                  \
+      case 6: FN<6, ##__VA_ARGS__>(W, a, j0, n0, n1, y, ldy); break;                  \
+      case 7: FN<7, ##__VA_ARGS__>(W, a, j0, n0, n1, y, ldy); break;                  \
+      default: FN<8, ##__VA_ARGS__>(W, a, j0, n0, n1, y, ldy); break;                 \
     }                                                                                 \
   }
 
@@ -995,7 +964,7 @@ struct Int4TGemv : Int4Gemv {
     if (isa == kAvx512 && has_vbmi()) {
       TIERED_DISPATCH_NB(int4t_avx512, w)
     } else if (isa >= kAvx2) {
-      TIERED_DISPATCH_NB(int4t_avx2, w)
+      TIERED_DISPATCH_NB(int4t_avx2, w, false)
     } else {
       int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, false);
     }
@@ -1011,7 +980,7 @@ struct Int4TQ8Gemv : Int4Gemv {
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     switch (current_isa()) {
       case kAvx512: TIERED_DISPATCH_NB(int4tq8_avx512, w) break;
-      case kAvx2: TIERED_DISPATCH_NB(int4tq8_avx2, w) break;
+      case kAvx2: TIERED_DISPATCH_NB(int4t_avx2, w, true) break;
       default: int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, true);
     }
   }
@@ -1025,8 +994,8 @@ struct Int8Gemv : Gemv {
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     switch (current_isa()) {
       case kAvx512: TIERED_DISPATCH_NB(int8_avx512, w) break;
-      case kAvx2: TIERED_DISPATCH_NB(int8_avx2, w) break;
-      default: int8_scalar(w, a, b0, nb, n0, n1, y, ldy);
+      case kAvx2: TIERED_DISPATCH_NB(rows_avx2, w, Int8Rows) break;
+      default: rows_scalar<Int8Rows>(w, a, b0, nb, n0, n1, y, ldy);
     }
   }
   int64_t weight_bytes() const override { return out_features * (in_features + 2); }
@@ -1040,8 +1009,8 @@ struct Bf16Gemv : Gemv {
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     switch (current_isa()) {
       case kAvx512: TIERED_DISPATCH_NB(bf16_avx512, w) break;
-      case kAvx2: TIERED_DISPATCH_NB(bf16_avx2, w) break;
-      default: bf16_scalar(w, a, b0, nb, n0, n1, y, ldy);
+      case kAvx2: TIERED_DISPATCH_NB(rows_avx2, w, Bf16Rows) break;
+      default: rows_scalar<Bf16Rows>(w, a, b0, nb, n0, n1, y, ldy);
     }
   }
   int64_t weight_bytes() const override { return out_features * in_features * 2; }
