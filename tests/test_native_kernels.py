@@ -133,6 +133,17 @@ def test_int4_tiled_q8(isa, N, K):  # int8 activations: the plain q8 kernel's nu
         assert rel(y, x @ wq.T + bias) < 2e-2, (isa, B)
 
 
+@pytest.mark.parametrize("N,K", [(48, 64), (32, 576)])
+def test_int4_tiled_batch_act(isa, N, K):  # one row on bf16 activations, two or more on int8 ones
+    codes, sz, zr, bias, wq, g = int4_case(N, K, N * K + 6)
+    k = int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), tiled_residual(zr), bias, batch_act="q8")
+    assert "q8 from 2 rows" in k.name()
+    x = torch.randn(9, K, generator=g)
+    assert rel(k(x[:1]), x[:1].bfloat16().float() @ wq.T + bias) < 1e-4, isa
+    for B in (2, 9):
+        assert rel(k(x[:B]), q8_reference(x[:B], codes, sz, zr) + bias) < 1e-5, (isa, B)
+
+
 def test_int4_tiled_rejects_bad_shapes():
     codes, sz, zr, *_ = int4_case(32, 64, 4)
     with pytest.raises(RuntimeError, match="16"):
@@ -141,9 +152,11 @@ def test_int4_tiled_rejects_bad_shapes():
         ext.int4_tiled_kernel(tiled_codes(codes), sz)  # Int4Linear's [G, N, 2], not the tiled [N/16, G, 16, 2]
     with pytest.raises(RuntimeError, match="act"):
         ext.int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), act="fp8")
+    with pytest.raises(RuntimeError, match="batch_act"):
+        ext.int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), batch_act="int2")
 
 
-def test_int4_tiled_dequantize():
+def test_int4_tiled_dequantize(isa):  # every ISA path gives the same bits
     codes, sz, zr, _, wq, _ = int4_case(64, 96, 5)
     args = (tiled_codes(codes), tiled_scales(sz), tiled_residual(zr))
     w = ext.int4_tiled_dequantize(*args)

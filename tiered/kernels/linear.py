@@ -75,14 +75,18 @@ def untiled_residual(zr: torch.Tensor) -> torch.Tensor:
 
 
 def int4_tiled_kernel(codes: torch.Tensor, sz: torch.Tensor, residual: torch.Tensor | None = None,
-                      bias: torch.Tensor | None = None, act: str = "bf16"):
+                      bias: torch.Tensor | None = None, act: str = "bf16", batch_act: str | None = None):
     """Our int4 kernel over the tiled layout: codes uint8 [N, K/2] (`tiled_codes`), sz bf16
     [N/16, K/32, 16, 2] (`tiled_scales`), optional residual bf16 [N/16, K/32, 16] (`tiled_residual`);
     w = (q - 8) * scale + zero + residual. One SIMD lane per output row: at batch 1 it reads near the
-    memory bandwidth and at batch 8 it converts each weight once for all 8 rows. act as `int4_kernel`.
-    None without the extension."""
+    memory bandwidth and at batch 8 it converts each weight once for all 8 rows. act as `int4_kernel`,
+    for calls of one activation row; batch_act (default act) for calls of two or more. None without
+    the extension.
+
+    Raises:
+        RuntimeError: shapes or dtypes other than the above, or act / batch_act not "bf16" / "q8"."""
     ext = load()
-    return None if ext is None else ext.int4_tiled_kernel(codes, sz, residual, bias, act)
+    return None if ext is None else ext.int4_tiled_kernel(codes, sz, residual, bias, act, batch_act)
 
 
 def untiled_codes(packed: torch.Tensor) -> torch.Tensor:

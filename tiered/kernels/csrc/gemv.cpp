@@ -896,6 +896,103 @@ TIERED_AVX512 void int4tq8_avx512(const Int4W& w, const Act& a, int64_t b0, int6
   }
 }
 
+// Dequantizing a tiled weight (the prefill path of a weight held only tiled): tile rows
+// 16t..16t+15 as w = q * s + (z + zr - 8 s) (blk from gather(.., 8)), written to rows of ldo
+// elements, fp32 (of) or bf16 rounded to nearest even (ob). Every path computes the same mul and
+// add in fp32, so all give identical bits.
+void int4t_dequant_scalar(const Int4Block& blk, const uint8_t* tile, int64_t K, float* of, uint16_t* ob, int64_t ldo) {
+  for (int64_t r = 0; r < kBlock; ++r)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t gi = (k / kGroup) * kBlock + r;
+      const float v = float(tiled_code(tile, r, k)) * blk.sc[gi] + blk.zc[gi];
+      if (of) of[r * ldo + k] = v; else ob[r * ldo + k] = to_bf16(v);
+    }
+}
+
+// Row r's 32 codes of group g as bytes in column order: its dword of each of the group's four
+// 64-byte chunks holds columns 8c + j (low nibbles) and 8c + 4 + j (high).
+TIERED_AVX2 inline void tiled_group_codes(const uint8_t* tile, int64_t r, int64_t g, __m128i& c0, __m128i& c1) {
+  int32_t d[4];
+  for (int c = 0; c < 4; ++c) std::memcpy(d + c, tile + g * 256 + c * 64 + 4 * r, 4);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d)), m4 = _mm_set1_epi8(15);
+  const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+  c0 = _mm_unpacklo_epi32(lo, hi);  // columns 0..15
+  c1 = _mm_unpackhi_epi32(lo, hi);  // columns 16..31
+}
+
+TIERED_AVX512 void int4t_dequant_avx512(const Int4Block& blk, const uint8_t* tile, int64_t K, float* of, uint16_t* ob,
+                                        int64_t ldo) {
+  const int64_t G = K / kGroup;
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  for (int64_t r = 0; r < kBlock; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      __m128i c[2];
+      tiled_group_codes(tile, r, g, c[0], c[1]);
+      const __m512 s = _mm512_set1_ps(blk.sc[g * kBlock + r]), z = _mm512_set1_ps(blk.zc[g * kBlock + r]);
+      for (int h = 0; h < 2; ++h) {
+        const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c[h])), s), z);
+        const int64_t at = r * ldo + g * kGroup + 16 * h;
+        if (of) {
+          _mm512_storeu_ps(of + at, v);
+        } else {
+          __m512i u = _mm512_castps_si512(v);
+          u = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+        }
+      }
+    }
+}
+
+TIERED_AVX2 void int4t_dequant_avx2(const Int4Block& blk, const uint8_t* tile, int64_t K, float* of, uint16_t* ob,
+                                    int64_t ldo) {
+  const int64_t G = K / kGroup;
+  const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  for (int64_t r = 0; r < kBlock; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      __m128i c[2];
+      tiled_group_codes(tile, r, g, c[0], c[1]);
+      const __m256 s = _mm256_set1_ps(blk.sc[g * kBlock + r]), z = _mm256_set1_ps(blk.zc[g * kBlock + r]);
+      for (int h = 0; h < 2; ++h) {
+        __m256 v[2];
+        v[0] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c[h])), s), z);
+        v[1] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c[h], 8))), s), z);
+        const int64_t at = r * ldo + g * kGroup + 16 * h;
+        if (of) {
+          _mm256_storeu_ps(of + at, v[0]), _mm256_storeu_ps(of + at + 8, v[1]);
+        } else {
+          __m256i u[2];
+          for (int i = 0; i < 2; ++i) {
+            u[i] = _mm256_castps_si256(v[i]);
+            u[i] = _mm256_add_epi32(u[i], _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u[i], 16), one)));
+            u[i] = _mm256_srli_epi32(u[i], 16);
+          }  // packus interleaves 128-bit lanes: put them back in order
+          const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(u[0], u[1]), 0xD8);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + at), p);
+        }
+      }
+    }
+}
+
+// Rows [n0, n1) (whole tiles) of a tiled int4 weight into out [n1 - n0, K] (fp32 of, or bf16 ob),
+// tiles spread over torch's thread pool.
+void int4t_dequantize(const Int4W& w, int64_t K, int64_t n0, int64_t n1, float* of, uint16_t* ob) {
+  const int isa = current_isa();
+  at::parallel_for(n0 / kBlock, n1 / kBlock, 1, [&](int64_t t0, int64_t t1) {
+    Int4Block blk;
+    const int64_t G = K / kGroup;
+    for (int64_t t = t0; t < t1; ++t) {
+      blk.gather(w, t * kBlock, kBlock, G, 8.f);
+      const uint8_t* tile = w.codes + t * kBlock * (K / 2);
+      const int64_t at = (t * kBlock - n0) * K;
+      float* o32 = of ? of + at : nullptr;
+      uint16_t* o16 = of ? nullptr : ob + at;
+      if (isa == kAvx512) int4t_dequant_avx512(blk, tile, K, o32, o16, K);
+      else if (isa == kAvx2) int4t_dequant_avx2(blk, tile, K, o32, o16, K);
+      else int4t_dequant_scalar(blk, tile, K, o32, o16, K);
+    }
+  });
+}
+
 // ------------------------------------------------------------------------------------ dispatch
 // Runs fn<NB, extra template arguments...> over activation rows [b0, b0 + nb) in passes of at most
 // kMaxNB rows.
@@ -945,7 +1042,7 @@ struct Int4Gemv : Gemv {
 // The same weights on int8-quantized activations (see "int4 x q8" above): 2 vpdpbusd per 128
 // weights instead of a bf16 dot per 32, at the cost of rounding x to 8 bits per group of 32.
 struct Int4Q8Gemv : Int4Gemv {
-  bool needs_q8() const override { return true; }
+  bool needs_q8(int64_t) const override { return true; }
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     switch (current_isa()) {
       case kAvx512: TIERED_DISPATCH_NB(int4q8_avx512, w) break;
@@ -956,12 +1053,24 @@ struct Int4Q8Gemv : Int4Gemv {
   std::string name() const override { return std::string("int4q8(tiered,") + isa_name(current_isa()) + ")"; }
 };
 
-// The tiled layout (see "int4, tiled"): rows in whole tiles of 16 (N % 16 == 0).
+// The tiled layout (see "int4, tiled"): rows in whole tiles of 16 (N % 16 == 0). Calls of at least
+// q8_from activation rows read int8-quantized x (vpdpbusd), smaller ones bf16 x (vdpbf16ps):
+// q8_from = 1 is always q8, kNeverQ8 never, 2 keeps batch 1 on bf16 and batched decode on q8.
+constexpr int64_t kNeverQ8 = INT64_MAX;
+
 struct Int4TGemv : Int4Gemv {
-  bool needs_pairs() const override { return true; }
+  int64_t q8_from = kNeverQ8;
+  bool needs_q8(int64_t B) const override { return B >= q8_from; }
+  bool needs_pairs(int64_t B) const override { return B < q8_from; }
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     const int isa = current_isa();
-    if (isa == kAvx512 && has_vbmi()) {
+    if (a.B >= q8_from) {
+      switch (isa) {
+        case kAvx512: TIERED_DISPATCH_NB(int4tq8_avx512, w) break;
+        case kAvx2: TIERED_DISPATCH_NB(int4t_avx2, w, true) break;
+        default: int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, true);
+      }
+    } else if (isa == kAvx512 && has_vbmi()) {
       TIERED_DISPATCH_NB(int4t_avx512, w)
     } else if (isa >= kAvx2) {
       TIERED_DISPATCH_NB(int4t_avx2, w, false)
@@ -971,20 +1080,11 @@ struct Int4TGemv : Int4Gemv {
   }
   std::string name() const override {
     const int isa = current_isa();
-    return std::string("int4t(tiered,") + (isa == kAvx512 && !has_vbmi() ? "avx2" : isa_name(isa)) + ")";
+    const char* bf16_isa = isa == kAvx512 && !has_vbmi() ? "avx2" : isa_name(isa);
+    if (q8_from == 1) return std::string("int4tq8(tiered,") + isa_name(isa) + ")";
+    if (q8_from == kNeverQ8) return std::string("int4t(tiered,") + bf16_isa + ")";
+    return std::string("int4t(tiered,") + bf16_isa + "; q8 from " + std::to_string(q8_from) + " rows)";
   }
-};
-
-struct Int4TQ8Gemv : Int4Gemv {
-  bool needs_q8() const override { return true; }
-  void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
-    switch (current_isa()) {
-      case kAvx512: TIERED_DISPATCH_NB(int4tq8_avx512, w) break;
-      case kAvx2: TIERED_DISPATCH_NB(int4t_avx2, w, true) break;
-      default: int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, true);
-    }
-  }
-  std::string name() const override { return std::string("int4tq8(tiered,") + isa_name(current_isa()) + ")"; }
 };
 
 struct Int8Gemv : Gemv {
@@ -1063,8 +1163,8 @@ void swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, 
   const int64_t F = gate.out_features;
   gu.resize(B * 2 * F);
   h.resize(B * F);
-  const Act a = buf.prepare(x, B, gate.in_features, gate.needs_q8() || up.needs_q8(),
-                            gate.needs_pairs() || up.needs_pairs());
+  const Act a = buf.prepare(x, B, gate.in_features, gate.needs_q8(B) || up.needs_q8(B),
+                            gate.needs_pairs(B) || up.needs_pairs(B));
   const Part parts[2] = {{&gate, gu.data(), 2 * F}, {&up, gu.data() + F, 2 * F}};
   run_parts(parts, 2, a);
   for (int64_t b = 0; b < B; ++b) {
@@ -1095,7 +1195,7 @@ struct ExpertSpec {
   Proj p[3];
   int64_t nbytes = 0;
   bool int4_q8 = false;  // int4 projections on int8 activations (Int4Q8Gemv)
-  bool int4_tiled = false;  // int4 codes in the tiled layout (Int4TGemv / Int4TQ8Gemv)
+  bool int4_tiled = false;  // int4 codes in the tiled layout (Int4TGemv, q8_from 1 with int4_q8)
 
   void bind(const Proj& pr, const uint8_t* buf, Int4Gemv& k4, Int8Gemv& k8, Bf16Gemv& kb, const Gemv*& out) const {
     if (pr.kind == kInt4) {
@@ -1127,13 +1227,13 @@ struct ExpertSpec {
     Int4Gemv k4[3];
     Int4Q8Gemv k4q[3];
     Int4TGemv k4t[3];
-    Int4TQ8Gemv k4tq[3];
     Int8Gemv k8[3];
     Bf16Gemv kb[3];
     const Gemv* g[3];
     const uint8_t* base = buf.data_ptr<uint8_t>();
     for (int i = 0; i < 3; ++i) {
-      Int4Gemv& k = int4_tiled ? (int4_q8 ? static_cast<Int4Gemv&>(k4tq[i]) : k4t[i]) : int4_q8 ? k4q[i] : k4[i];
+      k4t[i].q8_from = int4_q8 ? 1 : kNeverQ8;
+      Int4Gemv& k = int4_tiled ? static_cast<Int4Gemv&>(k4t[i]) : int4_q8 ? k4q[i] : k4[i];
       bind(p[i], base, k, k8[i], kb[i], g[i]);
     }
     {
@@ -1186,9 +1286,8 @@ std::shared_ptr<Gemv> make_int4(at::Tensor codes, at::Tensor scale, at::Tensor z
 }
 
 // The tiled layout: codes uint8 [N, K/2] (tiles), sz bf16 [N/16, G, 16, 2], zr bf16 [N/16, G, 16] or none.
-template <class T>  // Int4TGemv or Int4TQ8Gemv
-std::shared_ptr<Gemv> make_int4_tiled(at::Tensor codes, at::Tensor sz, c10::optional<at::Tensor> residual,
-                                      c10::optional<at::Tensor> bias) {
+std::shared_ptr<Int4TGemv> make_int4_tiled(at::Tensor codes, at::Tensor sz, c10::optional<at::Tensor> residual,
+                                           c10::optional<at::Tensor> bias, int64_t q8_from) {
   TORCH_CHECK(codes.dim() == 2, "int4_tiled_kernel: codes must be uint8 [N, K/2]");
   const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / kGroup;
   TORCH_CHECK(K % kGroup == 0 && N % kBlock == 0,
@@ -1198,7 +1297,8 @@ std::shared_ptr<Gemv> make_int4_tiled(at::Tensor codes, at::Tensor sz, c10::opti
                   sz.sizes() == at::IntArrayRef({N / kBlock, G, kBlock, 2}),
               "int4_tiled_kernel: sz must be a contiguous CPU bf16 [N/16, K/32, 16, 2] = [", N / kBlock, ", ", G,
               ", 16, 2] tensor, got ", sz.scalar_type(), " ", sz.sizes());
-  auto k = std::make_shared<T>();
+  auto k = std::make_shared<Int4TGemv>();
+  k->q8_from = q8_from;
   k->in_features = K, k->out_features = N;
   k->codes = codes, k->s = sz;
   k->w.codes = codes.data_ptr<uint8_t>();
@@ -1340,7 +1440,7 @@ Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, bool q8, bool pair
 
 void Gemv::run(const float* x, int64_t B, float* y) const {
   thread_local ActBuffers buf;
-  const Act a = buf.prepare(x, B, in_features, needs_q8(), needs_pairs());
+  const Act a = buf.prepare(x, B, in_features, needs_q8(B), needs_pairs(B));
   const Part part{this, y, out_features};
   run_parts(&part, 1, a);
 }
@@ -1363,45 +1463,32 @@ void register_gemv(pybind11::module& m) {
         "act: the activations it reads, 'bf16' (x rounded to bf16, vdpbf16ps) or 'q8' (x quantized to int8 per "
         "group of 32, vpdpbusd: faster, less exact).");
   m.def("int4_tiled_kernel", [](at::Tensor codes, at::Tensor sz, c10::optional<at::Tensor> residual,
-                                c10::optional<at::Tensor> bias, const std::string& act) -> KernelPtr {
-          TORCH_CHECK(act == "bf16" || act == "q8", "int4_tiled_kernel: act must be 'bf16' or 'q8', got '", act, "'");
-          return act == "q8" ? make_int4_tiled<Int4TQ8Gemv>(codes, sz, residual, bias)
-                             : make_int4_tiled<Int4TGemv>(codes, sz, residual, bias);
+                                c10::optional<at::Tensor> bias, const std::string& act,
+                                c10::optional<std::string> batch_act) -> KernelPtr {
+          const std::string batch = batch_act ? *batch_act : act;
+          TORCH_CHECK((act == "bf16" || act == "q8") && (batch == "bf16" || batch == "q8"),
+                      "int4_tiled_kernel: act and batch_act must be 'bf16' or 'q8', got '", act, "', '", batch, "'");
+          const int64_t q8_from = act == "q8" ? 1 : batch == "q8" ? 2 : kNeverQ8;
+          return make_int4_tiled(codes, sz, residual, bias, q8_from);
         },
         py::arg("codes"), py::arg("sz"), py::arg("residual") = py::none(), py::arg("bias") = py::none(),
-        py::arg("act") = "bf16",
+        py::arg("act") = "bf16", py::arg("batch_act") = py::none(),
         "tiered's int4 GEMV over the tiled layout (kernels/linear.py tiled_codes / tiled_scales): codes uint8 "
         "[N, K/2], sz bf16 [N/16, K/32, 16, 2] (scale, zero), residual bf16 [N/16, K/32, 16]: "
-        "w = (q - 8) * scale + zero + residual; N % 16 == 0. act as int4_kernel's.");
+        "w = (q - 8) * scale + zero + residual; N % 16 == 0. act as int4_kernel's, for calls of one "
+        "activation row; batch_act for calls of two or more (default: act).");
   m.def("int4_tiled_dequantize", [](at::Tensor codes, at::Tensor sz, c10::optional<at::Tensor> residual,
                                     int64_t n0, int64_t n1, bool fp32) {
-          auto k = make_int4_tiled<Int4TGemv>(codes, sz, residual, c10::nullopt);
+          auto k = make_int4_tiled(codes, sz, residual, c10::nullopt, kNeverQ8);
           const int64_t N = k->out_features, K = k->in_features;
           if (n1 < 0) n1 = N;
           TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= N && n0 % kBlock == 0 && (n1 % kBlock == 0 || n1 == N),
                       "int4_tiled_dequantize: rows [", n0, ", ", n1, ") must be whole tiles of 16 within [0, ", N, ")");
           auto out = at::empty({n1 - n0, K}, fp32 ? at::kFloat : at::kBFloat16);
-          auto* o = fp32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-          auto* of = fp32 ? out.data_ptr<float>() : nullptr;
-          const Int4TGemv& kt = static_cast<const Int4TGemv&>(*k);
           {
             py::gil_scoped_release nogil;
-            at::parallel_for(n0 / kBlock, n1 / kBlock, 1, [&](int64_t t0, int64_t t1) {
-              Int4Block blk;
-              const int64_t G = K / kGroup;
-              for (int64_t t = t0; t < t1; ++t) {
-                blk.gather(kt.w, t * kBlock, kBlock, G, 8.f);
-                const uint8_t* tile = kt.w.codes + t * kBlock * (K / 2);
-                for (int64_t r = 0; r < kBlock; ++r) {
-                  const int64_t at_row = (t * kBlock + r - n0) * K;
-                  for (int64_t kk = 0; kk < K; ++kk) {
-                    const int64_t gi = (kk / kGroup) * kBlock + r;
-                    const float v = float(tiled_code(tile, r, kk)) * blk.sc[gi] + blk.zc[gi];
-                    if (fp32) of[at_row + kk] = v; else o[at_row + kk] = to_bf16(v);
-                  }
-                }
-              }
-            });
+            int4t_dequantize(k->w, K, n0, n1, fp32 ? out.data_ptr<float>() : nullptr,
+                             fp32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
           }
           return out;
         },

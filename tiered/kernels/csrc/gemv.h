@@ -70,10 +70,11 @@ struct Gemv : Kernel {
   virtual void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const = 0;
   // Rows per parallel work item and bytes each item reads (to size chunks).
   virtual int64_t block_rows() const { return 16; }
-  // True when rows() reads the Act's int8-quantized activations (prepare them with q8).
-  virtual bool needs_q8() const { return false; }
-  // True when rows() reads the Act's bf16 pairs (xp: the tiled int4 layout).
-  virtual bool needs_pairs() const { return false; }
+  // True when rows() reads the Act's int8-quantized activations (prepare them with q8) in a call of
+  // B activation rows.
+  virtual bool needs_q8(int64_t B) const { return false; }
+  // True when rows() reads the Act's bf16 pairs (xp: the tiled int4 layout) in a call of B rows.
+  virtual bool needs_pairs(int64_t B) const { return false; }
   void run(const float* x, int64_t B, float* y) const override;
 };
 
