@@ -129,5 +129,7 @@ def test_lean_step_issues_few_ops_per_layer(zoo):
                 fn(torch.tensor([[5]]), torch.tensor([[8]]), torch.tensor([0]), cache)
             counts[name] = c.n
     per_layer = (counts["lean"] - counts["lean, first layer"]) / (llm.config.num_hidden_layers - 1)
-    assert per_layer <= 50, counts  # measured 45, views and selects included
+    # measured 45 with torch's int4 kernel, 51 with tiered's tiled one (its call allocates the fp32
+    # output as one more dispatched op per projection); views and selects included
+    assert per_layer <= 55, counts
     assert counts["lean"] < counts["modules"], counts

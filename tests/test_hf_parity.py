@@ -56,6 +56,31 @@ def test_batched_generation_equals_one_at_a_time(zoo, name):
     assert batched[1] == hf_greedy(zoo.hf(name), prompts[1], 16)
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_padded_prefill_equals_one_at_a_time(zoo, name, monkeypatch):
+    """Every admitted prompt prefilled in one right-padded forward (mistral: its window of 8 is
+    shorter than the padding) gives each prompt's own greedy tokens."""
+    import functools
+
+    import tiered.engine.llm as engine_llm
+    from tiered.engine.scheduler import prefill_groups
+
+    calls = []
+
+    def one_group(lengths, max_tokens, padding=True):
+        groups = functools.partial(prefill_groups, max_padding=100.0)(lengths, max_tokens, padding)
+        calls.append((lengths, groups))
+        return groups
+
+    monkeypatch.setattr(engine_llm, "prefill_groups", one_group)
+    llm = zoo.llm(zoo.dir(name))
+    prompts = [prompt_ids(zoo.vocab_size, n, seed=20 + n) for n in (2, 19, 9)]
+    batched = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert calls[0] == ([2, 19, 9], [[0, 2, 1]])  # really one padded forward
+    single = [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
+    assert batched == single
+
+
 def test_prefill_then_decode_logits_equal_full_scoring(zoo):
     """Decoding token by token through the KV cache gives the logits of one full forward."""
     from fixtures import stepwise_logits

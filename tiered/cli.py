@@ -40,6 +40,8 @@ OPT = {
     "stop": typer.Option([], "--stop", help="Stop string (repeatable)."),
     "dtype": typer.Option("auto", "--dtype", help="Compute dtype: auto (on a CUDA GPU the checkpoint's: bfloat16 for bf16/fp16/quantized checkpoints; float32 on the CPU), float32 (lossless) or bfloat16."),
     "decode_weights": typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16, int8 or int4."),
+    "batch_activations": typer.Option("q8", "--batch-activations",
+                                      help="Activations of int4 decode weights in steps of 2+ sequences: q8 (faster) or bf16 (batch-1 numerics)."),
     "weights": typer.Option("auto", "--weights", help="Expert weight format on every tier: auto (a GGUF's quantized experts as stored, else the compute dtype), bf16, fp32, int8 or int4 (re-quantized at load; lossy). bf16/int4 also set the dense decode weights unless --decode-weights is given."),
     "low_weights": typer.Option(None, "--low-weights", help="HOBBIT mixed precision: low format (int4 or int8) of offloaded experts; misses load high, low or nothing by the router's unimportance score."),
     "mixed_thresholds": typer.Option("0.6,0.9", "--mixed-thresholds", help="HOBBIT's T1,T2 for --low-weights (the paper's 0.6,0.9)."),
@@ -95,6 +97,7 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming."),
     dtype: str = OPT["dtype"],
     decode_weights: str = OPT["decode_weights"],
+    batch_activations: str = OPT["batch_activations"],
     weights: str = OPT["weights"],
     low_weights: Optional[str] = OPT["low_weights"],
     mixed_thresholds: str = OPT["mixed_thresholds"],
@@ -169,7 +172,7 @@ def _print_stats(llm, out) -> None:
                        + ", ".join(f"{r} ahead {a:.0%}" for r, a in pf["accuracy"].items()) + "]", err=True)
 
 
-ENGINE_OPTIONS = ("dtype", "decode_weights", "weights", "low_weights", "mixed_thresholds", "max_context", "threads",
+ENGINE_OPTIONS = ("dtype", "decode_weights", "batch_activations", "weights", "low_weights", "mixed_thresholds", "max_context", "threads",
                   "gpu_mem", "cpu_mem", "offload_dir", "accelerator", "cache_slots", "cache_policy", "expert_profile",
                   "read_ahead", "prefetch", "prefetch_lookahead", "plan", "profile_file")
 
@@ -181,7 +184,7 @@ def _engine_config(args: dict, trace: bool = False, max_batch: int = 1):
     return _config(**{k: args[k] for k in ENGINE_OPTIONS}, trace=trace, max_batch=max_batch)
 
 
-def _config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
+def _config(*, dtype, decode_weights, batch_activations, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
             cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch,
             prefetch_lookahead, weights, low_weights, mixed_thresholds, max_batch):
     from tiered import EngineConfig
@@ -199,7 +202,8 @@ def _config(*, dtype, decode_weights, max_context, threads, gpu_mem, cpu_mem, of
     except ValueError:
         from tiered.errors import ConfigError
         raise ConfigError(f"--mixed-thresholds must be 'T1,T2', got {mixed_thresholds!r}", "pass e.g. 0.6,0.9") from None
-    return EngineConfig(dtype=dtype, decode_weights=decode_weights, max_context=max_context, num_threads=threads,
+    return EngineConfig(dtype=dtype, decode_weights=decode_weights, batch_activations=batch_activations,
+                        max_context=max_context, num_threads=threads,
                         expert_weights=weights, expert_low_weights=low_weights, mixed_thresholds=(t1, t2),
                         gpu_memory=gpu_mem, cpu_memory=cpu_mem, offload_dir=str(offload_dir) if offload_dir else None,
                         accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
@@ -220,6 +224,7 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send (default: the checkpoint's directory name, or file name without its suffix)."),
     dtype: str = OPT["dtype"],
     decode_weights: str = OPT["decode_weights"],
+    batch_activations: str = OPT["batch_activations"],
     weights: str = OPT["weights"],
     low_weights: Optional[str] = OPT["low_weights"],
     mixed_thresholds: str = OPT["mixed_thresholds"],
@@ -293,6 +298,7 @@ def chat(
     seed: Optional[int] = OPT["seed"],
     dtype: str = OPT["dtype"],
     decode_weights: str = OPT["decode_weights"],
+    batch_activations: str = OPT["batch_activations"],
     weights: str = OPT["weights"],
     low_weights: Optional[str] = OPT["low_weights"],
     mixed_thresholds: str = OPT["mixed_thresholds"],

@@ -1,7 +1,8 @@
 """LLM: the public entry point. Loads a checkpoint, generates text, scores token sequences.
 
-The step loop is a few named calls on plain objects (nano-vllm's LLMEngine): prefill each new
-sequence, then decode all running sequences together one token per step, sample, postprocess.
+The step loop is a few named calls on plain objects (nano-vllm's LLMEngine): prefill the new
+sequences (in groups of similar length, one forward each), then decode all running sequences
+together one token per step, sample, postprocess.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tiered.engine.detokenize import append_token_text, apply_stop_strings, take
 from tiered.engine.dtype import resolve_dtype
 from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt
 from tiered.engine.sampling import SamplingParams, sample_token, token_logprobs
-from tiered.engine.scheduler import Scheduler
+from tiered.engine.scheduler import Scheduler, prefill_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from tiered.errors import ConfigError, ContextLengthError
 from tiered.hardware.accelerator import make_accelerator
@@ -116,7 +117,8 @@ class LLM:
                                         decode_precision=precision, popularity=popularity, progress=say,
                                         experts_format=self._experts_format(weights))
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
-            plan.decode_threshold = ec.decode_weights_threshold
+            plan.decode_threshold = max(ec.decode_weights_threshold, ec.max_batch)
+            plan.batch_act = ec.batch_activations
         if cfg.is_moe and ec.plan in ("auto", "off"):  # a replayed plan keeps its own notes and choices
             plan.notes.append(self._experts_note(plan.dtypes["experts"]))
             if ec.expert_low_weights:
@@ -255,9 +257,9 @@ class LLM:
             yield from self.step(sched, cache)
 
     def step(self, sched: Scheduler, cache: KVCache) -> list[tuple[Sequence, str, RequestOutput | None]]:
-        """One step of the loop: schedule, prefill the newly admitted sequences one at a time, decode
-        every running sequence one token together, sample, postprocess; finished sequences give their
-        slot back at once.
+        """One step of the loop: schedule, prefill the newly admitted sequences (grouped by
+        scheduler.prefill_groups, one forward per group), decode every running sequence one token
+        together, sample, postprocess; finished sequences give their slot back at once.
 
         Args:
             sched: the scheduler whose slots index `cache` (cache must have >= sched.max_batch slots
@@ -269,13 +271,18 @@ class LLM:
         plan = sched.schedule()
         events: list[tuple[Sequence, str, RequestOutput | None]] = []
         with torch.inference_mode():
-            for seq in plan.prefill:  # prefill, one sequence at a time
-                seq.t_prefill_start = time.perf_counter()
-                self.runtime.new_sequence()  # the expert cache's per-sequence usage (HOBBIT)
+            groups = prefill_groups([len(s.prompt_ids) for s in plan.prefill], self.max_context,
+                                    padding=not self.config.is_moe)
+            for group in groups:  # prefill: a group of admitted sequences per forward
+                seqs = [plan.prefill[i] for i in group]
+                t0 = time.perf_counter()
+                for seq in seqs:
+                    seq.t_prefill_start = t0
+                    self.runtime.new_sequence()  # the expert cache's per-sequence usage (HOBBIT)
                 with dense_weights(self.model):
-                    logits = self._forward([seq], cache, prefill=True)
-                self.executor.record("prefill", "step", seq.t_prefill_start, time.perf_counter())
-                events += self._postprocess([seq], logits)
+                    logits = self._forward(seqs, cache, prefill=True)
+                self.executor.record("prefill", "step", t0, time.perf_counter())
+                events += self._postprocess(seqs, logits)
             running = [s for s in plan.running if not s.finished]
             if running:  # decode: all running sequences, one token each
                 t0 = time.perf_counter()
@@ -318,11 +325,16 @@ class LLM:
                         logprobs=None if params.logprobs is None else [])
 
     def _forward(self, seqs: list[Sequence], cache: KVCache, prefill: bool) -> torch.Tensor:
-        """One model step. Prefill: one sequence, all its prompt tokens. Decode: last token of each."""
+        """One model step. Prefill: all prompt tokens of each sequence, rows right-padded to the
+        longest (a padded position's key is written past its row's prompt, never attended to: decode
+        overwrites it before any query reaches it). Decode: the last token of each."""
+        last = None
         if prefill:
-            (s,) = seqs
-            ids = torch.tensor([s.prompt_ids])
-            positions = torch.arange(len(s.prompt_ids)).unsqueeze(0)
+            T = max(len(s.prompt_ids) for s in seqs)
+            ids = torch.tensor([s.prompt_ids + s.prompt_ids[-1:] * (T - len(s.prompt_ids)) for s in seqs])
+            positions = torch.arange(T).repeat(len(seqs), 1)
+            if any(len(s.prompt_ids) < T for s in seqs):
+                last = torch.tensor([len(s.prompt_ids) - 1 for s in seqs])
         else:
             ids = torch.tensor([[s.output_ids[-1]] for s in seqs])
             positions = torch.tensor([[s.num_tokens - 1] for s in seqs])
@@ -338,7 +350,7 @@ class LLM:
             elif not prefill and self.runtime.cpu_decode is not None and len(seqs) <= self.plan.decode_threshold:
                 logits = self.runtime.cpu_decode(ids, positions, slots_dev, cache)
             if logits is None:
-                logits = self.model(ids, positions, slots_dev, cache)
+                logits = self.model(ids, positions, slots_dev, cache, last=last)
         return logits.float().cpu()  # [B, V]
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,9 @@ ALL_STEPS = sys.maxsize  # a decode_weights_threshold no step exceeds: every ste
 def weights_config(weights: str, **overrides) -> EngineConfig:
     """An EngineConfig that runs every linear layer (q/k/v/o, gate/up/down and lm_head) in weight
     format `weights` on every step, prefill included, on the CPU: the decode-format copies with a
-    decode_weights_threshold no step exceeds. Activations, norms, attention and the KV cache stay
+    decode_weights_threshold no step exceeds, each row with batch-1 decode numerics (bf16
+    activations on int4 weights; batch_activations="q8" scores the batched-decode ones).
+    Activations, norms, attention and the KV cache stay
     float32 and the embedding table stays dense float32. "fp32" is the lossless reference.
 
     Args:
@@ -38,7 +40,7 @@ def weights_config(weights: str, **overrides) -> EngineConfig:
     if weights not in WEIGHTS:
         raise ConfigError(f"unknown weight format {weights!r}", "pass one of " + ", ".join(WEIGHTS))
     fields = dict(dtype="float32", decode_weights=weights, decode_weights_threshold=ALL_STEPS,
-                  accelerator="none", plan="off")
+                  batch_activations="bf16", accelerator="none", plan="off")
     return EngineConfig(**{**fields, **overrides})
 
 

@@ -138,7 +138,11 @@ def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False)
         from tiered.quant.linear import CastLinear
 
         return _native(CastLinear(w.to(torch.bfloat16), None)), torch.float32, 2
-    if native:  # int8 / int4: the module the branches below build, through its native Kernel
+    if native and dtype == "int4":  # the tiled layout the engine's int4 decode copies take
+        from tiered.quant.int4 import Int4Linear, quantize_int4
+        lin = Int4Linear.from_codes(*quantize_int4(w), layout="tiled")
+        return _native(lin), torch.float32, 0.5 + 4 / lin.group
+    if native:  # int8: the module the branches below build, through its native Kernel
         lin, _, bpe = _linear_kernel(device, dtype, w)
         return _native(lin), torch.float32, bpe
     if dtype in ("fp32", "bf16", "fp16"):

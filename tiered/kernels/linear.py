@@ -5,6 +5,8 @@ TIERED_NATIVE=0, or no compiler); callers then keep their torch-op paths.
 
     weight                                   kernel
     Int8Linear (q int8 [N, K], scale [N])    int8_kernel (ours)
+    Int4Linear, tiled layout                 int4_tiled_kernel (ours: bf16 activations at batch 1,
+                                             Int4Linear.batch_act from 2 rows)
     Int4Linear with plain codes              int4_kernel (ours, bf16 activations: act="q8" is faster but
                                              doubles SmolLM2's int4 KL, see EXPERT_INT4_ACT)
     Int4Linear (torch's packed layout only)  int4pack_kernel (torch's _weight_int4pack_mm_for_cpu)
@@ -133,6 +135,8 @@ def kernel_for(m: nn.Module):
     bias = getattr(m, "bias", None)
     bias = None if bias is None else bias.detach().float()
     if isinstance(m, Int4Linear):
+        if m.layout == "tiled":
+            return m.kernel()
         if m.codes is not None:
             return int4_kernel(m.codes, m.scales_zeros, bias=bias)
         return ext.int4pack_kernel(m.packed, m.group, m.scales_zeros, m.in_features, m.out_features, bias)

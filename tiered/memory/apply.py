@@ -134,9 +134,12 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
         model.model.embed_tokens = BlockEmbedding(checkpoint.handle(embed), sizes.torch_dtype(fmt))
         extra += model.model.embed_tokens.nbytes
     if decode not in ("none", None):
+        from tiered.kernels import available
         from tiered.quant.linear import install_decode_weights
+        # int4 copies in the layout of tiered's own kernels when they are built (decode copies are CPU-only)
         extra += install_decode_weights(model, checkpoint, decode, plan.decode_threshold, dense=not one_copy,
-                                        skip=skip)
+                                        skip=skip, int4_layout="tiled" if available() else "cpu",
+                                        batch_act=plan.batch_act)
         fast_budget.reserve(extra, "the decode-format weight copies")
     return nbytes, extra
 

@@ -58,7 +58,9 @@ class Plan:
         dtypes                               formats: "weights" (compute dtype of loaded weights),
                                              "experts", "kv_cache", "decode" (decode-copy format,
                                              "none" = no copies); decode_threshold: steps of at
-                                             most this many rows use the decode copies
+                                             most this many rows use the decode copies; batch_act:
+                                             activations of int4 decode copies in steps of 2+ rows
+                                             ("q8" or "bf16"; batch 1 reads bf16)
         mixed_precision, expert_cache_slots_low
                                              HOBBIT mixed precision (ALGORITHMS.md §3): None, or
                                              {"high", "low", "t1", "t2"}: each offloaded expert
@@ -119,6 +121,7 @@ class Plan:
     staging_buffers: int = 2
     read_ahead: bool = True
     decode_threshold: int = 8
+    batch_act: str = "bf16"
     decode_graphs: bool = False
     cpu_decode_step: bool = False
     native_decode: bool = False

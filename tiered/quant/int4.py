@@ -11,11 +11,16 @@ for scoring or prefill.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 GROUP = 32  # elements per Q4_0 / Q4_1 block
+DEQUANTIZE_ROWS = 48  # Int4Linear.dense: larger calls dequantize for one fp32 GEMM (crossover ~40-64 rows)
+_scratch = threading.local()  # Int4Linear.dense's per-thread dequantization buffer
 
 
 def unpack_q4_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,23 +64,46 @@ def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
     return codes.reshape(N, K), scale, zero
 
 
-class Int4Linear(nn.Module):
-    """y = x @ W^T (+ b) with W in packed int4 groups. x [..., K] any float dtype -> [..., N] same dtype.
+LAYOUTS = ("cpu", "tiled")
 
-    Built by `from_codes`, `from_gguf` or `from_dense`; holds ~K*N/2 + 4*N*K/group bytes.
+
+def tiled_fits(out_features: int, in_features: int, group: int = GROUP) -> bool:
+    """Whether a weight [N, K] can take the "tiled" layout (tiered's kernels: N % 16, K % 32, group 32)."""
+    return group == GROUP and out_features % 16 == 0 and in_features % GROUP == 0
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T (+ b) with W in int4 groups of 32 (w = (q - 8) * scale + zero), one copy in one of
+    two layouts:
+
+        "cpu"    torch's packed int4 (`_weight_int4pack_mm_for_cpu`, bf16 activations): packed uint8
+                 [N, K/2] in torch's order, scales_zeros bf16 [K/32, N, 2].
+        "tiled"  tiered's own kernels (kernels/linear.tiled_codes; needs the native extension):
+                 packed uint8 [N, K/2] in 16-row tiles, scales_zeros bf16 [N/16, K/32, 16, 2].
+                 One activation row reads bf16 x (as torch's kernel does); calls of two or more rows
+                 read `batch_act` ("q8": x rounded to int8 per group of 32, llama.cpp's Q8_0 -
+                 about 2x faster at batch 8 - or "bf16"). `dense(x)` dequantizes the weight once
+                 (fp32) for one GEMM: the prefill path of a weight held only in this form.
+
+    x [..., K] any float dtype -> [..., N] in x's dtype. Built by `from_codes`, `from_gguf` or
+    `from_dense`; holds ~K*N/2 + 4*N*K/group bytes.
     """
 
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, in_features: int,
-                 out_features: int, group: int, bias: torch.Tensor | None) -> None:
+                 out_features: int, group: int, bias: torch.Tensor | None, layout: str = "cpu",
+                 batch_act: str = "bf16") -> None:
         super().__init__()
-        self.register_buffer("packed", packed)  # uint8 [N, K/2], kernel layout
-        self.register_buffer("scales_zeros", scales_zeros)  # bf16 [K/group, N, 2]
+        if layout not in LAYOUTS:
+            raise ValueError(f"int4 layout must be one of {LAYOUTS}, got {layout!r}")
+        self.register_buffer("packed", packed)  # uint8 [N, K/2], the layout's order
+        self.register_buffer("scales_zeros", scales_zeros)  # bf16 [K/group, N, 2] or [N/16, K/32, 16, 2]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features, self.out_features, self.group = in_features, out_features, group
+        self.layout, self.batch_act = layout, batch_act
+        self._kernels: dict | None = None  # the tiled layout's native Kernels by batch_act, built at first use
         # Optional second layout: plain codes uint8 [N, K/2] for tiered's own int4 kernel
         # (kernels/linear.kernel_for); +K*N/2 bytes, so only when asked (`with_plain_codes`).
         self.codes: torch.Tensor | None = None
-
     def with_plain_codes(self, codes: torch.Tensor) -> "Int4Linear":
         """Also hold codes int [N, K] (0..15) in the plain layout, for tiered's own int4 kernel."""
         from tiered.kernels.linear import plain_codes
@@ -85,11 +113,17 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                   group: int = GROUP, bias: torch.Tensor | None = None) -> "Int4Linear":
-        """codes int32 [N, K]; scale, zero fp32 [N, K/group]."""
+                   group: int = GROUP, bias: torch.Tensor | None = None, layout: str = "cpu",
+                   batch_act: str = "bf16") -> "Int4Linear":
+        """codes int32 [N, K]; scale, zero fp32 [N, K/group]. layout "tiled" falls back to "cpu" for
+        a shape the tiled kernels do not take (`tiled_fits`)."""
         N, K = codes.shape
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        if layout == "tiled" and tiled_fits(N, K, group):
+            from tiered.kernels.linear import tiled_codes, tiled_scales
+
+            return cls(tiled_codes(codes), tiled_scales(sz), K, N, group, bias, "tiled", batch_act)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         return cls(packed, sz, K, N, group, bias)
 
     @classmethod
@@ -102,8 +136,79 @@ class Int4Linear(nn.Module):
         """Quantize a dense float weight [N, K] (K % group == 0)."""
         return cls.from_codes(*quantize_int4(w, group), group=group, bias=bias)
 
+    def kernel(self, batch_act: str | None = None):
+        """The tiled layout's native Kernel (x [B, K] any float dtype -> y [B, N] fp32, bias added):
+        bf16 activations at one row, `batch_act` (default self.batch_act) from two. Kernels share
+        this module's tensors (no copy).
+
+        Raises:
+            RuntimeError: not the tiled layout, or the native extension is unavailable."""
+        act = batch_act or self.batch_act
+        if self._kernels is None:
+            self._kernels = {}
+        k = self._kernels.get(act)
+        if k is None:
+            from tiered.kernels.linear import int4_tiled_kernel
+
+            if self.layout == "tiled":
+                bias = None if self.bias is None else self.bias.detach().float()
+                k = int4_tiled_kernel(self.packed, self.scales_zeros, None, bias, "bf16", act)
+            if k is None:
+                raise RuntimeError(f"Int4Linear({self.layout}) has no native kernel: the tiled layout needs "
+                                   "tiered/kernels built")
+            self._kernels[act] = k
+        return k
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight fp32 [N, K] (exact: w = (q - 8) * scale + zero in fp32). Tiled layout only.
+
+        Raises:
+            RuntimeError: torch's packed layout (it has no unpacking op) or no native extension."""
+        if self.layout != "tiled":
+            raise RuntimeError("Int4Linear: only the tiled layout dequantizes")
+        from tiered.kernels import load
+
+        ext = load()
+        if ext is None:
+            raise RuntimeError("Int4Linear: the tiled layout needs tiered/kernels built")
+        return ext.int4_tiled_dequantize(self.packed, self.scales_zeros, None, 0, -1, True)
+
+    def _dequantize_scratch(self) -> torch.Tensor:
+        """`dequantize` into this thread's reused buffer (valid until the next call on the thread):
+        a fresh 4*N*K-byte tensor per prefill call would fault in new pages every time (a SmolLM2
+        prefill dequantizes ~0.5 GB)."""
+        from tiered.kernels import load
+
+        n = self.out_features * self.in_features
+        buf = getattr(_scratch, "buf", None)
+        if buf is None or buf.numel() < n:
+            buf = _scratch.buf = torch.empty(n)
+        out = buf[:n].view(self.out_features, self.in_features)
+        return load().int4_tiled_dequantize(self.packed, self.scales_zeros, None, 0, -1, True, out)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The prefill path: x [..., K] -> [..., N] in x's dtype, never on int8 activations. Up to
+        DEQUANTIZE_ROWS rows, the bf16-activation kernel; more, the weight dequantized once (fp32,
+        into a reused buffer) for one fp32 GEMM, which wins once the GEMM outweighs writing 4*N*K
+        bytes (SmolLM2 prefill, 2 cores: 1.6x the kernel at 272 and 512 tokens, even at ~48). torch's packed layout:
+        `forward`."""
+        if self.layout != "tiled":
+            return self.forward(x)
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= DEQUANTIZE_ROWS:
+            y = self.kernel("bf16")(x2)
+        else:
+            self.kernel()  # raises without the extension
+            bias = None if self.bias is None else self.bias.float()
+            y = F.linear(x2.float(), self._dequantize_scratch(), bias)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.layout == "tiled":
+            y = self.kernel()(x.reshape(-1, self.in_features))
+            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_zeros)
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)

@@ -53,13 +53,16 @@ class SharedOutput(nn.Module):
         super().__init__()
         self.fused, self.members = fused, members
         self._input: torch.Tensor | None = None
+        self._dense = False
         self._output: torch.Tensor | None = None
         self._taken = 0
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # skip nn.Module hook machinery: hot path
+    def __call__(self, x: torch.Tensor, dense: bool = False) -> torch.Tensor:  # no hook machinery: hot path
+        """The fused result for x (dense: through the fused module's `dense` path, when it has one)."""
         d = self.__dict__  # plain attributes: nn.Module.__setattr__ costs ~1 ms per token here
-        if x is not d["_input"]:
-            d["_input"], d["_output"], d["_taken"] = x, self.fused(x), 0
+        if x is not d["_input"] or dense is not d["_dense"]:
+            fn = getattr(self.fused, "dense", self.fused) if dense else self.fused
+            d["_input"], d["_dense"], d["_output"], d["_taken"] = x, dense, fn(x), 0
         out = d["_output"]
         d["_taken"] += 1
         if d["_taken"] == d["members"]:
@@ -77,12 +80,17 @@ class Slice(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.shared(x)[..., self.start:self.stop]
 
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The same columns through the fused module's dense (prefill) path."""
+        return self.shared(x, dense=True)[..., self.start:self.stop]
+
 
 class PhaseLinear(nn.Module):
     """Dense `weight` [N, K] for steps with more than `threshold` rows, `decode` module otherwise.
 
-    `weight` None: the decode module is the projection's one copy and serves every step (prefill
-    too), the engine's one-copy mode (Plan.dense_copies False)."""
+    `weight` None: the decode module is the projection's one copy and serves every step, the
+    engine's one-copy mode (Plan.dense_copies False); steps of more than `threshold` rows then take
+    its `dense` path when it has one (a tiled Int4Linear dequantizes for one fp32 GEMM)."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, decode: nn.Module, threshold: int) -> None:
         super().__init__()
@@ -92,9 +100,12 @@ class PhaseLinear(nn.Module):
         self.threshold = threshold
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is None or x.numel() // x.shape[-1] <= self.threshold:
+        if x.numel() // x.shape[-1] <= self.threshold:
             return self.decode(x)
-        return F.linear(x, self.weight, self.bias)
+        if self.weight is not None:
+            return F.linear(x, self.weight, self.bias)
+        dense = getattr(self.decode, "dense", None)
+        return self.decode(x) if dense is None else dense(x)
 
 
 @dataclass
@@ -189,15 +200,17 @@ def decode_precision(checkpoint, fmt: str) -> str:
     return max(count, key=count.get) if count else "bf16"
 
 
-def build_decode_module(parts: list[DecodeWeight], biases: list[torch.Tensor | None]) -> nn.Module:
-    """One decode module computing all `parts` side by side (outputs concatenated on the last dim)."""
+def build_decode_module(parts: list[DecodeWeight], biases: list[torch.Tensor | None], int4_layout: str = "cpu",
+                        batch_act: str = "bf16") -> nn.Module:
+    """One decode module computing all `parts` side by side (outputs concatenated on the last dim);
+    int4 parts in `int4_layout` with `batch_act` activations for calls of several rows (Int4Linear)."""
     bias = None if all(b is None for b in biases) else torch.cat(
         [b.detach().float() if b is not None else torch.zeros(p.codes.shape[0] if p.codes is not None else p.dense.shape[0])
          for p, b in zip(parts, biases)])
     kind = parts[0].kind
     if kind == "int4":
         return Int4Linear.from_codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                                     torch.cat([p.zero for p in parts]), GROUP, bias)
+                                     torch.cat([p.zero for p in parts]), GROUP, bias, int4_layout, batch_act)
     if kind == "int8" and all(p.codes is not None for p in parts):
         return Int8Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), bias)
     if kind == "int8":  # mixed or dense sources: quantize the dense values
@@ -212,7 +225,7 @@ def _module_bytes(m: nn.Module) -> int:
 
 
 def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: int, *, dense: bool = True,
-                           skip=None) -> int:
+                           skip=None, int4_layout: str = "cpu", batch_act: str = "bf16") -> int:
     """Swap the nn.Linear layers of `model` for PhaseLinears carrying decode-format copies.
 
     Args:
@@ -225,6 +238,7 @@ def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: in
             the checkpoint (one projection's dense values at a time, at most) and that copy serves
             every step.
         skip: parameter names that stay off the model (routed experts): never given a copy.
+        int4_layout, batch_act: the int4 copies' layout and batched activations (Int4Linear).
     Returns:
         Bytes held by the decode copies.
     """
@@ -255,7 +269,8 @@ def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: in
             if any(p is None for p in parts) or len({p.kind for p in parts}) != 1 or \
                     len({linears[n].in_features for n in group}) != 1:
                 continue
-            shared = SharedOutput(build_decode_module(parts, [linears[n].bias for n in group]), len(group))
+            shared = SharedOutput(build_decode_module(parts, [linears[n].bias for n in group], int4_layout, batch_act),
+                                  len(group))
             extra += _module_bytes(shared.fused)
             start = 0
             for n in group:
@@ -267,7 +282,7 @@ def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: in
         for name, part in prepared.items():
             if name in done or part is None:
                 continue
-            dec = build_decode_module([part], [linears[name].bias])
+            dec = build_decode_module([part], [linears[name].bias], int4_layout, batch_act)
             extra += _module_bytes(dec)
             setattr(module, name, PhaseLinear(linears[name].weight if dense else None, linears[name].bias, dec,
                                               threshold))

@@ -58,7 +58,9 @@ class Kernel:
 
     def __init__(self, m: nn.Module) -> None:
         bias = getattr(m, "bias", None)
-        if isinstance(m, Int4Linear):
+        if isinstance(m, Int4Linear) and m.layout == "tiled":  # tiered's kernel: fp32 out, bias added
+            self.fn, self.dtype, self.out_features = m.kernel(), torch.float32, m.out_features
+        elif isinstance(m, Int4Linear):
             packed, group, sz = m.packed, m.group, m.scales_zeros
             self.fn = (lambda x: _int4mm(x, packed, group, sz)) if bias is None else \
                 (lambda x: _int4mm(x, packed, group, sz).add_(bias))

@@ -1478,13 +1478,20 @@ void register_gemv(pybind11::module& m) {
         "w = (q - 8) * scale + zero + residual; N % 16 == 0. act as int4_kernel's, for calls of one "
         "activation row; batch_act for calls of two or more (default: act).");
   m.def("int4_tiled_dequantize", [](at::Tensor codes, at::Tensor sz, c10::optional<at::Tensor> residual,
-                                    int64_t n0, int64_t n1, bool fp32) {
+                                    int64_t n0, int64_t n1, bool fp32, c10::optional<at::Tensor> out_) {
           auto k = make_int4_tiled(codes, sz, residual, c10::nullopt, kNeverQ8);
           const int64_t N = k->out_features, K = k->in_features;
           if (n1 < 0) n1 = N;
           TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= N && n0 % kBlock == 0 && (n1 % kBlock == 0 || n1 == N),
                       "int4_tiled_dequantize: rows [", n0, ", ", n1, ") must be whole tiles of 16 within [0, ", N, ")");
-          auto out = at::empty({n1 - n0, K}, fp32 ? at::kFloat : at::kBFloat16);
+          const auto dt = fp32 ? at::kFloat : at::kBFloat16;
+          if (out_) {
+            TORCH_CHECK(out_->device().is_cpu() && out_->scalar_type() == dt && out_->is_contiguous() &&
+                            out_->sizes() == at::IntArrayRef({n1 - n0, K}),
+                        "int4_tiled_dequantize: out must be a contiguous CPU ", c10::toString(dt), " [", n1 - n0, ", ", K,
+                        "] tensor, got ", out_->scalar_type(), " ", out_->sizes());
+          }
+          auto out = out_ ? *out_ : at::empty({n1 - n0, K}, dt);
           {
             py::gil_scoped_release nogil;
             int4t_dequantize(k->w, K, n0, n1, fp32 ? out.data_ptr<float>() : nullptr,
@@ -1493,9 +1500,10 @@ void register_gemv(pybind11::module& m) {
           return out;
         },
         py::arg("codes"), py::arg("sz"), py::arg("residual") = py::none(), py::arg("n0") = 0,
-        py::arg("n1") = -1, py::arg("fp32") = false,
+        py::arg("n1") = -1, py::arg("fp32") = false, py::arg("out") = py::none(),
         "Rows [n0, n1) of a tiled int4 weight (int4_tiled_kernel's arguments) as bf16 (fp32 with fp32=True) "
-        "[n1 - n0, K]: w = (q - 8) * scale + zero + residual, rounded once (the prefill path of a tiled-only weight).");
+        "[n1 - n0, K]: w = (q - 8) * scale + zero + residual, rounded once (the prefill path of a tiled-only weight). "
+        "out: a tensor of that dtype and shape to write (a reused buffer: no fresh pages per call); returned.");
   m.def("int8_kernel", [](at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> bias) -> KernelPtr {
           return make_int8(q, scale, bias);
         },
