@@ -18,6 +18,8 @@ A Kernel is called as kernel(x [B, K] any float dtype) -> y [B, N] fp32 (bias ad
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -89,6 +91,30 @@ def int4_tiled_kernel(codes: torch.Tensor, sz: torch.Tensor, residual: torch.Ten
         RuntimeError: shapes or dtypes other than the above, or act / batch_act not "bf16" / "q8"."""
     ext = load()
     return None if ext is None else ext.int4_tiled_kernel(codes, sz, residual, bias, act, batch_act)
+
+
+_scratch = threading.local()  # tiled_dequantize's per-thread buffers, by dtype
+
+
+def tiled_dequantize(codes: torch.Tensor, sz: torch.Tensor, residual: torch.Tensor | None = None,
+                     fp32: bool = True) -> torch.Tensor:
+    """A tiled int4 weight (`int4_tiled_kernel`'s tensors) dequantized, [N, K] fp32 (bf16 with
+    fp32=False), written into this thread's reused buffer: the result is valid until the next call
+    on the same thread (use it at once, e.g. in one F.linear). A fresh tensor per call would fault
+    in new pages every time: a SmolLM2 prefill dequantizes ~0.5 GB.
+
+    Raises:
+        RuntimeError: the extension is unavailable, or bad shapes (as `int4_tiled_kernel`)."""
+    ext = load()
+    if ext is None:
+        raise RuntimeError("tiled_dequantize needs tiered/kernels built")
+    N, K = codes.shape[0], codes.shape[1] * 2
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    buf = getattr(_scratch, str(dtype), None)
+    if buf is None or buf.numel() < N * K:
+        buf = torch.empty(N * K, dtype=dtype)
+        setattr(_scratch, str(dtype), buf)
+    return ext.int4_tiled_dequantize(codes, sz, residual, 0, -1, fp32, buf[:N * K].view(N, K))
 
 
 def untiled_codes(packed: torch.Tensor) -> torch.Tensor:

@@ -347,14 +347,14 @@ def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor]) -
     weight dequantized once (native, or in torch without the extension; exact, in fp32 for fp32 x)
     and one matmul (prefill-sized n: the conversion is paid once for all n rows) -> [n, N] in x's dtype."""
     from tiered.kernels import load
-    from tiered.kernels.linear import TILED_EXPERT_INT4_ACT
+    from tiered.kernels.linear import TILED_EXPERT_INT4_ACT, tiled_dequantize
 
     ext = load() if x.device.type == "cpu" else None
     if ext is not None and x.shape[0] <= NATIVE_ROWS:
         return ext.int4_tiled_kernel(v["codes"], v["sz"], v["zr"], None, TILED_EXPERT_INT4_ACT)(x).to(x.dtype)
     fp32 = x.dtype == torch.float32
     if ext is not None:
-        w = ext.int4_tiled_dequantize(v["codes"], v["sz"], v["zr"], fp32=fp32)
+        w = tiled_dequantize(v["codes"], v["sz"], v["zr"], fp32)  # a reused buffer: no fresh pages per call
     else:
         N, K = v["codes"].shape[0], x.shape[-1]
         w = dequantize_projection(v, "int4", N, K, "tiled").to(torch.float32 if fp32 else torch.bfloat16)

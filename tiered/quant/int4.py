@@ -11,8 +11,6 @@ for scoring or prefill.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -20,7 +18,6 @@ from torch import nn
 
 GROUP = 32  # elements per Q4_0 / Q4_1 block
 DEQUANTIZE_ROWS = 48  # Int4Linear.dense: larger calls dequantize for one fp32 GEMM (crossover ~40-64 rows)
-_scratch = threading.local()  # Int4Linear.dense's per-thread dequantization buffer
 
 
 def unpack_q4_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,19 +170,6 @@ class Int4Linear(nn.Module):
             raise RuntimeError("Int4Linear: the tiled layout needs tiered/kernels built")
         return ext.int4_tiled_dequantize(self.packed, self.scales_zeros, None, 0, -1, True)
 
-    def _dequantize_scratch(self) -> torch.Tensor:
-        """`dequantize` into this thread's reused buffer (valid until the next call on the thread):
-        a fresh 4*N*K-byte tensor per prefill call would fault in new pages every time (a SmolLM2
-        prefill dequantizes ~0.5 GB)."""
-        from tiered.kernels import load
-
-        n = self.out_features * self.in_features
-        buf = getattr(_scratch, "buf", None)
-        if buf is None or buf.numel() < n:
-            buf = _scratch.buf = torch.empty(n)
-        out = buf[:n].view(self.out_features, self.in_features)
-        return load().int4_tiled_dequantize(self.packed, self.scales_zeros, None, 0, -1, True, out)
-
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """The prefill path: x [..., K] -> [..., N] in x's dtype, never on int8 activations. Up to
         DEQUANTIZE_ROWS rows, the bf16-activation kernel; more, the weight dequantized once (fp32,
@@ -199,9 +183,10 @@ class Int4Linear(nn.Module):
         if x2.shape[0] <= DEQUANTIZE_ROWS:
             y = self.kernel("bf16")(x2)
         else:
-            self.kernel()  # raises without the extension
+            from tiered.kernels.linear import tiled_dequantize
+
             bias = None if self.bias is None else self.bias.float()
-            y = F.linear(x2.float(), self._dequantize_scratch(), bias)
+            y = F.linear(x2.float(), tiled_dequantize(self.packed, self.scales_zeros), bias)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
