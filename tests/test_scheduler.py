@@ -114,3 +114,48 @@ def test_prefill_groups_bound_padding_and_size():
     assert prefill_groups([], 64) == []
     groups = prefill_groups([5, 1, 30, 6, 6, 29, 2], 128)
     assert sorted(i for g in groups for i in g) == list(range(7))
+
+
+def test_prefix_reuse_takes_the_slot_sharing_the_longest_prefix():
+    sched = Scheduler(max_batch=3, max_queue=8, prefix_reuse=True)
+    seqs = [Sequence(index=i, prompt="", prompt_ids=p, params=SamplingParams(), max_tokens=4, slot=-1, generator=None)
+            for i, p in enumerate([[1, 2, 3, 4], [1, 2, 9], [7, 8]])]
+    for s in seqs:
+        sched.add(s)
+    sched.schedule()
+    assert [s.slot for s in seqs] == [0, 1, 2] and all(s.cached_tokens == 0 for s in seqs)
+    seqs[0].output_ids, seqs[1].output_ids = [5, 6], [10]  # slot 0 now holds 1 2 3 4 5; slot 1 holds 1 2 9
+    sched.finish(seqs[0])
+    sched.finish(seqs[1])
+    new = [Sequence(index=9, prompt="", prompt_ids=p, params=SamplingParams(), max_tokens=4, slot=-1, generator=None)
+           for p in ([1, 2, 9, 9, 9], [1, 2, 3, 4, 5])]
+    for s in new:
+        sched.add(s)
+    sched.schedule()
+    assert (new[0].slot, new[0].cached_tokens) == (1, 3)  # 1 2 9 of slot 1
+    assert (new[1].slot, new[1].cached_tokens) == (0, 4)  # all but its last token: prefill computes that
+    # without prefix reuse, the lowest free slot and nothing cached
+    plain = Scheduler(max_batch=2, max_queue=2)
+    plain.add(new[0])
+    plain.schedule()
+    assert (new[0].slot, new[0].cached_tokens) == (0, 0)
+
+
+def test_prefix_reuse_gives_the_tokens_of_generate(llm, zoo):
+    """Requests sharing a prefix with an earlier one in their slot prefill only the rest, alone or
+    in a padded group, and their greedy tokens are those of generate() on the whole prompt."""
+    system = prompt_ids(zoo.vocab_size, 12, seed=70)
+    prompts = [system + prompt_ids(zoo.vocab_size, n, seed=71 + n) for n in (3, 5, 4, 9)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [llm.generate(p, sp)[0].token_ids for p in prompts]
+    sched, cache = Scheduler(max_batch=2, max_queue=8, prefix_reuse=True), llm.kv_cache(2)
+    seqs = [llm.make_sequence(p, sp, index=i) for i, p in enumerate(prompts)]
+    outs = {}
+    for first in (seqs[:2], seqs[2:]):  # the second pair finds the system prompt in both slots
+        for s in first:
+            sched.add(s)
+        while sched.has_work():
+            outs.update({s.index: o for s, _, o in llm.step(sched, cache) if o is not None})
+    assert [outs[i].token_ids for i in range(4)] == expected
+    assert [s.cached_tokens for s in seqs] == [0, 0, 12, 12]
+    assert outs[3].stats.cached_tokens == 12

@@ -125,6 +125,13 @@ def test_chat_uses_the_template_and_equals_generate(server):
     ref = _greedy(server, messages, 10, chat=True)
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == ref.text
     assert out.usage.prompt_tokens == len(server.llm.encode(messages)) == len(ref.prompt_token_ids)
+    # The same conversation again: its slot still holds the prompt's KV (prefix reuse), the answer
+    # is the same, and the usage says how many prompt tokens were not computed again.
+    again = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert again.choices[0].message.content == ref.text
+    assert again.usage.prompt_tokens_details.cached_tokens == out.usage.prompt_tokens - 1
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert "tiered_prompt_tokens_cached_total" in metrics
 
 
 def test_streaming_matches_the_whole_answer(server):
@@ -338,7 +345,8 @@ def test_completion_logprobs(server):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
     assert lp.token_logprobs == pytest.approx(_reference_logprobs(server.llm, ref.prompt_token_ids, ref.token_ids),
                                               abs=1e-3)
-    assert lp.token_logprobs == [e.logprob for e in ref.logprobs]
+    # equal up to float rounding: with prefix reuse the server prefills only what its slot lacks
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-5)
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 3 and max(top.values()) == logprob and top[token] == logprob  # greedy: the argmax
         assert all(v <= 0 for v in top.values())
@@ -346,7 +354,7 @@ def test_completion_logprobs(server):
     chunks = [c.choices[0] for c in server.client.completions.create(stream=True, **kw)]
     streamed = [c.logprobs for c in chunks if c.logprobs is not None]
     assert sum((s.tokens for s in streamed), []) == lp.tokens
-    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=1e-5)
     assert sum((s.text_offset for s in streamed), []) == lp.text_offset
     assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].logprobs is None
 
@@ -357,16 +365,19 @@ def test_chat_logprobs(server):
     out = server.client.chat.completions.create(**kw)
     content = out.choices[0].logprobs.content
     ref = _greedy(server, messages, 8, chat=True, logprobs=2)
-    assert [c.logprob for c in content] == [e.logprob for e in ref.logprobs]
+    # equal up to float rounding: with prefix reuse the server prefills only what its slot lacks
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-5)
     assert [c.logprob for c in content] == pytest.approx(
         _reference_logprobs(server.llm, ref.prompt_token_ids, ref.token_ids), abs=1e-3)
     for c, e in zip(content, ref.logprobs):
         assert c.token == server.llm.tokenizer.decode([e.token]) and bytes(c.bytes) == c.token.encode()
-        assert [t.logprob for t in c.top_logprobs] == [lp for _, lp in e.top] and len(c.top_logprobs) == 2
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([lp for _, lp in e.top], abs=1e-5)
+        assert len(c.top_logprobs) == 2
         assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob  # greedy
     chunks = list(server.client.chat.completions.create(stream=True, **kw))
     streamed = sum((c.choices[0].logprobs.content for c in chunks if c.choices and c.choices[0].logprobs), [])
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
     plain = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     assert plain.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):

@@ -221,6 +221,8 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TIERED_API_KEY", help="Require Authorization: Bearer KEY on /v1/* (401 otherwise)."),
     max_batch: int = typer.Option(8, "--max-batch", help="KV-cache slots: the most requests decoded together."),
     max_queue: int = typer.Option(64, "--max-queue", help="Most requests waiting for a slot; more get 503 with Retry-After."),
+    prefix_reuse: bool = typer.Option(True, "--prefix-reuse/--no-prefix-reuse",
+                                      help="Reuse the KV a slot still holds for a new prompt's shared prefix (system prompt, chat history)."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send (default: the checkpoint's directory name, or file name without its suffix)."),
     dtype: str = OPT["dtype"],
     decode_weights: str = OPT["decode_weights"],
@@ -254,7 +256,7 @@ def serve(
         raise typer.BadParameter("--max-batch must be >= 1 and --max-queue >= 0")
     config = _engine_config(locals(), max_batch=max_batch)
     llm = LLM(model, config, progress=True)
-    engine = ServingEngine(llm, max_batch=max_batch, max_queue=max_queue)
+    engine = ServingEngine(llm, max_batch=max_batch, max_queue=max_queue, prefix_reuse=prefix_reuse)
     ckpt_path = Path(llm.checkpoint.path)
     name = served_model_name or (ckpt_path.stem if ckpt_path.is_file() else ckpt_path.name)
     typer.echo(f"serving {name} on http://{host}:{port}/v1 (batch {max_batch} x {llm.max_context} tokens, KV cache "

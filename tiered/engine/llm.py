@@ -271,7 +271,7 @@ class LLM:
         plan = sched.schedule()
         events: list[tuple[Sequence, str, RequestOutput | None]] = []
         with torch.inference_mode():
-            groups = prefill_groups([len(s.prompt_ids) for s in plan.prefill], self.max_context,
+            groups = prefill_groups([len(s.prompt_ids) - s.cached_tokens for s in plan.prefill], self.max_context,
                                     padding=not self.config.is_moe)
             for group in groups:  # prefill: a group of admitted sequences per forward
                 seqs = [plan.prefill[i] for i in group]
@@ -325,16 +325,18 @@ class LLM:
                         logprobs=None if params.logprobs is None else [])
 
     def _forward(self, seqs: list[Sequence], cache: KVCache, prefill: bool) -> torch.Tensor:
-        """One model step. Prefill: all prompt tokens of each sequence, rows right-padded to the
-        longest (a padded position's key is written past its row's prompt, never attended to: decode
-        overwrites it before any query reaches it). Decode: the last token of each."""
+        """One model step. Prefill: the prompt tokens of each sequence from its cached_tokens on,
+        rows right-padded to the longest (a padded position's key is written past its row's prompt,
+        never attended to: decode overwrites it before any query reaches it). Decode: the last
+        token of each."""
         last = None
-        if prefill:
-            T = max(len(s.prompt_ids) for s in seqs)
-            ids = torch.tensor([s.prompt_ids + s.prompt_ids[-1:] * (T - len(s.prompt_ids)) for s in seqs])
-            positions = torch.arange(T).repeat(len(seqs), 1)
-            if any(len(s.prompt_ids) < T for s in seqs):
-                last = torch.tensor([len(s.prompt_ids) - 1 for s in seqs])
+        if prefill:  # the prompt tokens past those whose KV the slot holds already (prefix reuse)
+            rows = [s.prompt_ids[s.cached_tokens:] for s in seqs]
+            T = max(len(r) for r in rows)
+            ids = torch.tensor([r + r[-1:] * (T - len(r)) for r in rows])
+            positions = torch.arange(T) + torch.tensor([[s.cached_tokens] for s in seqs])
+            if any(len(r) < T for r in rows):
+                last = torch.tensor([len(r) - 1 for r in rows])
         else:
             ids = torch.tensor([[s.output_ids[-1]] for s in seqs])
             positions = torch.tensor([[s.num_tokens - 1] for s in seqs])

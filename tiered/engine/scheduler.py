@@ -5,6 +5,13 @@ sequences take free slots (they are prefilled this step), cancelled ones leave t
 back their slot, and every running sequence decodes one token. A finished sequence gives its slot
 back at once (`finish`), so a waiting request can join at the next step.
 
+Prefix reuse (`prefix_reuse=True`, what `tiered serve` runs): a freed slot keeps the KV of the
+tokens its last sequence wrote, and the scheduler remembers them. A new sequence takes the free
+slot whose remembered tokens share the longest prefix with its prompt, and its prefill computes only
+the rest (`Sequence.cached_tokens`). Requests that share a system prompt or a conversation's history
+skip that part of their prefill, as vLLM's prefix caching and SGLang's radix cache do, here
+without copying: the KV is already in the slot.
+
 `add` and `cancel` may be called from any thread (an HTTP server's); `schedule` and `finish` from
 the one thread that runs the step loop.
 """
@@ -40,17 +47,21 @@ class Scheduler:
     Args:
         max_batch: KV-cache slots, i.e. the most sequences decoded together (>= 1).
         max_queue: most sequences waiting for a slot (>= 0); `add` refuses more.
+        prefix_reuse: reuse the KV a freed slot still holds for a new prompt's shared prefix (the
+            cache passed to LLM.step must be the same one every step).
     Raises:
         ValueError: a bound below its minimum.
     """
 
-    def __init__(self, max_batch: int, max_queue: int) -> None:
+    def __init__(self, max_batch: int, max_queue: int, prefix_reuse: bool = False) -> None:
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch must be >= 1 and max_queue >= 0 (got {max_batch}, {max_queue})")
         self.max_batch, self.max_queue = max_batch, max_queue
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free = list(range(max_batch - 1, -1, -1))  # pop() hands out the lowest slot first
+        self.prefix_reuse = prefix_reuse
+        self._slot_tokens: list[list[int]] = [[] for _ in range(max_batch)]  # tokens whose KV each slot holds
         self._cancel: set[int] = set()  # id() of sequences to drop at the next boundary
         self._lock = threading.Lock()
 
@@ -97,7 +108,7 @@ class Scheduler:
                     plan.cancelled.append(seq)
             while self.waiting and self._free:
                 seq = self.waiting.popleft()
-                seq.slot = self._free.pop()
+                self._take_slot(seq)
                 self.running.append(seq)
                 plan.prefill.append(seq)
         plan.running = list(self.running)
@@ -108,11 +119,40 @@ class Scheduler:
         with self._lock:
             self._release(seq)
 
+    def _take_slot(self, seq: Sequence) -> None:
+        """Give `seq` a free slot: the lowest, or with prefix reuse the one sharing the longest
+        prefix with its prompt (at most all but its last token: prefill must compute that one)."""
+        seq.cached_tokens = 0
+        if not self.prefix_reuse:
+            seq.slot = self._free.pop()
+            return
+        best, best_n = self._free[-1], 0
+        for slot in reversed(self._free):  # lowest first: ties keep the lowest slot
+            n = _common_prefix(self._slot_tokens[slot], seq.prompt_ids)
+            if n > best_n:
+                best, best_n = slot, n
+        self._free.remove(best)
+        seq.slot = best
+        seq.cached_tokens = min(best_n, len(seq.prompt_ids) - 1)
+        self._slot_tokens[best] = seq.prompt_ids[:seq.cached_tokens]  # still valid if it never runs
+
     def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        if self.prefix_reuse:  # every token but the last sampled one has its KV in the slot
+            self._slot_tokens[seq.slot] = (seq.prompt_ids + seq.output_ids[:-1] if seq.output_ids
+                                           else seq.prompt_ids[:seq.cached_tokens])
         self._free.append(seq.slot)
         self._free.sort(reverse=True)
         seq.slot = -1
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of token lists a and b."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 PREFILL_PADDING = 0.25  # most padded positions a batched prefill adds, as a share of its real tokens

@@ -29,6 +29,7 @@ class RequestStats:
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
+    cached_tokens: int = 0  # prompt tokens whose KV a served slot held already (prefill skipped them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,7 @@ class Sequence:
     t_prefill_start: float = 0.0
     token_times: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # filled when params.logprobs is set
+    cached_tokens: int = 0  # prompt tokens whose KV its slot already held (prefill skipped them)
 
     @property
     def finished(self) -> bool:
@@ -100,7 +102,7 @@ class Sequence:
             prompt_tokens=len(self.prompt_ids), generated_tokens=n, ttft_s=first - self.t_start,
             prefill_s=prefill_s, prefill_tokens_per_s=len(self.prompt_ids) / prefill_s if prefill_s > 0 else 0.0,
             decode_s=decode_s, decode_tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0,
-            itl_s=decode_s / (n - 1) if n > 1 else 0.0)
+            itl_s=decode_s / (n - 1) if n > 1 else 0.0, cached_tokens=self.cached_tokens)
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),

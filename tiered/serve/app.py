@@ -249,5 +249,8 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
 
 
 def _usage(out: RequestOutput) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens counts the prompt tokens whose KV a
+    slot held already (prefix reuse)."""
     n_prompt, n_gen = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
+            "prompt_tokens_details": {"cached_tokens": out.stats.cached_tokens}}

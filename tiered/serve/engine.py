@@ -47,13 +47,15 @@ class ServingEngine:
         llm: the loaded LLM (the engine thread is its only user while the server runs).
         max_batch: KV-cache slots: the most requests decoded together.
         max_queue: most requests waiting for a slot; more are refused (QueueFullError -> HTTP 503).
+        prefix_reuse: a new request reuses the KV its slot still holds for the prefix it shares with
+            the slot's last request (a common system prompt, a conversation's history): Scheduler.
     Raises:
         BudgetError: the KV cache of max_batch x max_context does not fit the fast tier's budget.
     """
 
-    def __init__(self, llm, max_batch: int = 8, max_queue: int = 64) -> None:
+    def __init__(self, llm, max_batch: int = 8, max_queue: int = 64, prefix_reuse: bool = True) -> None:
         self.llm = llm
-        self.scheduler = Scheduler(max_batch, max_queue)
+        self.scheduler = Scheduler(max_batch, max_queue, prefix_reuse)
         self.cache = llm.kv_cache(max_batch)
         self.metrics = ServerMetrics()
         self._handles: dict[int, Handle] = {}  # id(seq) -> handle, while it runs or waits
@@ -143,7 +145,7 @@ class ServingEngine:
             handle.first_token_seen = True
             self.metrics.observe_first_token(seq.token_times[0] - seq.t_start)
         if out is not None:
-            self.metrics.observe_finished(len(seq.prompt_ids), list(seq.token_times))
+            self.metrics.observe_finished(len(seq.prompt_ids), list(seq.token_times), seq.cached_tokens)
         new = None
         if seq.logprobs is not None:
             new, handle.logprobs_sent = seq.logprobs[handle.logprobs_sent:], len(seq.logprobs)
