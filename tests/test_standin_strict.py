@@ -185,6 +185,19 @@ def test_batched_generation_with_masks_on_the_standin(zoo, name):
     assert batched[1] == hf_greedy(zoo.hf(name), prompts[1], 12)
 
 
+def test_padded_prefill_on_the_standin(zoo):
+    """Prompts of 7 and 8 tokens are prefilled in one right-padded forward (scheduler.prefill_groups):
+    the rows' last-token indices go to the device with the step's other inputs."""
+    from tiered.engine.scheduler import prefill_groups
+
+    assert prefill_groups([7, 8, 3], 64) == [[2], [0, 1]]
+    llm = LLM(zoo.dir("llama"), EngineConfig(accelerator="host", plan="off", decode_weights="fp32", max_context=64))
+    prompts = [prompt_ids(zoo.vocab_size, n, seed=30 + n) for n in (7, 8, 3)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batched = [o.token_ids for o in llm.generate(prompts, params)]
+    assert batched == [o.token_ids for o in zoo.llm(zoo.dir("llama")).generate(prompts, params)]
+
+
 def test_cpu_expert_path_behind_the_standin(rt):  # noqa: F811
     """Fiddler's CPU path (experts in host RAM computed by the CPU behind an accelerator), forced
     for every non-resident expert, with a batch of two prompts: rows of host activations picked by

@@ -343,6 +343,7 @@ class LLM:
         slots = torch.tensor([s.slot for s in seqs])
         with self._device_scope():
             ids, positions, slots_dev = self._to_device(ids), self._to_device(positions), self._to_device(slots)
+            last = None if last is None else self._to_device(last)
             logits = None
             # a captured CUDA graph of the step, over the engine's static cache (whose tensors live on)
             if not prefill and self.runtime.graphs is not None and cache is getattr(self, "_static_cache", None):

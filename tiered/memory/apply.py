@@ -136,10 +136,12 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
     if decode not in ("none", None):
         from tiered.kernels import available
         from tiered.quant.linear import install_decode_weights
-        # int4 copies in the layout of tiered's own kernels when they are built (decode copies are CPU-only)
+        if plan.int4_layout == "tiled" and not available():  # a replayed plan from a machine with them
+            from tiered.errors import ConfigError
+            raise ConfigError("the plan keeps int4 decode copies in the tiled layout, which needs tiered/kernels "
+                              "built", "build them (python -m tiered.kernels) or re-plan (--plan auto)")
         extra += install_decode_weights(model, checkpoint, decode, plan.decode_threshold, dense=not one_copy,
-                                        skip=skip, int4_layout="tiled" if available() else "cpu",
-                                        batch_act=plan.batch_act)
+                                        skip=skip, int4_layout=plan.int4_layout, batch_act=plan.batch_act)
         fast_budget.reserve(extra, "the decode-format weight copies")
     return nbytes, extra
 

@@ -78,10 +78,10 @@ class CausalLM(nn.Module):
                 cache: KVCache, last_only: bool = True, meta: AttentionMetadata | None = None,
                 last: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step and return logits: [B, V] for the last token (last_only) or [B, T, V].
-        last: int64 [B], the column of each row's last real token when rows are right-padded (a
-        batched prefill of prompts of different lengths); None = column T - 1."""
+        last: int64 [B] on h's device, the column of each row's last real token when rows are
+        right-padded (a batched prefill of prompts of different lengths); None = column T - 1."""
         h = self.hidden_states(input_ids, positions, slots, cache, meta)
         if last_only:
-            h = h[:, -1:] if last is None else h[torch.arange(h.shape[0]), last.to(h.device)].unsqueeze(1)
+            h = h[:, -1:] if last is None else h[torch.arange(h.shape[0], device=h.device), last].unsqueeze(1)
         logits = self.lm_head(h)
         return logits[:, -1] if last_only else logits

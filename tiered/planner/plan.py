@@ -58,7 +58,9 @@ class Plan:
         dtypes                               formats: "weights" (compute dtype of loaded weights),
                                              "experts", "kv_cache", "decode" (decode-copy format,
                                              "none" = no copies); decode_threshold: steps of at
-                                             most this many rows use the decode copies; batch_act:
+                                             most this many rows use the decode copies; int4_layout:
+                                             their int4 layout ("tiled": tiered's kernels, "cpu":
+                                             torch's int4pack); batch_act:
                                              activations of int4 decode copies in steps of 2+ rows
                                              ("q8" or "bf16"; batch 1 reads bf16)
         mixed_precision, expert_cache_slots_low
@@ -122,6 +124,7 @@ class Plan:
     read_ahead: bool = True
     decode_threshold: int = 8
     batch_act: str = "bf16"
+    int4_layout: str = "cpu"
     decode_graphs: bool = False
     cpu_decode_step: bool = False
     native_decode: bool = False

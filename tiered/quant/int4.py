@@ -79,8 +79,8 @@ class Int4Linear(nn.Module):
                  packed uint8 [N, K/2] in 16-row tiles, scales_zeros bf16 [N/16, K/32, 16, 2].
                  One activation row reads bf16 x (as torch's kernel does); calls of two or more rows
                  read `batch_act` ("q8": x rounded to int8 per group of 32, llama.cpp's Q8_0 -
-                 about 2x faster at batch 8 - or "bf16"). `dense(x)` dequantizes the weight once
-                 (fp32) for one GEMM: the prefill path of a weight held only in this form.
+                 about 2x faster at batch 8 - or "bf16"). `dense(x)` is the prefill path of a weight
+                 held only in this form (bf16 kernel, or the weight dequantized for one fp32 GEMM).
 
     x [..., K] any float dtype -> [..., N] in x's dtype. Built by `from_codes`, `from_gguf` or
     `from_dense`; holds ~K*N/2 + 4*N*K/group bytes.
@@ -97,10 +97,11 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.layout, self.batch_act = layout, batch_act
-        self._kernels: dict | None = None  # the tiled layout's native Kernels by batch_act, built at first use
+        self._kernels: dict = {}  # the tiled layout's native Kernels by batch_act, built at first use
         # Optional second layout: plain codes uint8 [N, K/2] for tiered's own int4 kernel
         # (kernels/linear.kernel_for); +K*N/2 bytes, so only when asked (`with_plain_codes`).
         self.codes: torch.Tensor | None = None
+
     def with_plain_codes(self, codes: torch.Tensor) -> "Int4Linear":
         """Also hold codes int [N, K] (0..15) in the plain layout, for tiered's own int4 kernel."""
         from tiered.kernels.linear import plain_codes
@@ -141,34 +142,18 @@ class Int4Linear(nn.Module):
         Raises:
             RuntimeError: not the tiled layout, or the native extension is unavailable."""
         act = batch_act or self.batch_act
-        if self._kernels is None:
-            self._kernels = {}
         k = self._kernels.get(act)
         if k is None:
             from tiered.kernels.linear import int4_tiled_kernel
 
-            if self.layout == "tiled":
-                bias = None if self.bias is None else self.bias.detach().float()
-                k = int4_tiled_kernel(self.packed, self.scales_zeros, None, bias, "bf16", act)
+            bias = None if self.bias is None else self.bias.detach().float()
+            k = int4_tiled_kernel(self.packed, self.scales_zeros, None, bias, "bf16", act) \
+                if self.layout == "tiled" else None
             if k is None:
                 raise RuntimeError(f"Int4Linear({self.layout}) has no native kernel: the tiled layout needs "
                                    "tiered/kernels built")
             self._kernels[act] = k
         return k
-
-    def dequantize(self) -> torch.Tensor:
-        """The weight fp32 [N, K] (exact: w = (q - 8) * scale + zero in fp32). Tiled layout only.
-
-        Raises:
-            RuntimeError: torch's packed layout (it has no unpacking op) or no native extension."""
-        if self.layout != "tiled":
-            raise RuntimeError("Int4Linear: only the tiled layout dequantizes")
-        from tiered.kernels import load
-
-        ext = load()
-        if ext is None:
-            raise RuntimeError("Int4Linear: the tiled layout needs tiered/kernels built")
-        return ext.int4_tiled_dequantize(self.packed, self.scales_zeros, None, 0, -1, True)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """The prefill path: x [..., K] -> [..., N] in x's dtype, never on int8 activations. Up to
