@@ -145,6 +145,8 @@ def stepwise_logits(llm, ids: list[int], n_prompt: int, step=None) -> torch.Tens
     """Teacher-forced logits through the engine's two paths: prefill ids[:n_prompt] (dense
     weights), then feed ids[n_prompt:] one token per step (decode weights) through the model's
     modules, or through `step` (e.g. the engine's own CPU decode step, llm.runtime.cpu_decode).
+    A step that takes prompt rows prefills too, as LLM.step does for a prompt of at most
+    Plan.mixed_rows tokens: the prompt's tokens as rows of one step.
 
     Returns:
         fp32 [len(ids) - n_prompt + 1, V]: row j predicts ids[n_prompt + j] (like llm.logits rows
@@ -157,9 +159,13 @@ def stepwise_logits(llm, ids: list[int], n_prompt: int, step=None) -> torch.Tens
     slot = dev(torch.tensor([0]))
     rows = []
     with torch.inference_mode(), llm._device_scope():
-        with dense_weights(llm.model):
-            rows.append(llm.model(dev(torch.tensor([ids[:n_prompt]])), dev(torch.arange(n_prompt).unsqueeze(0)),
-                                  slot, cache))
+        if step is not None and n_prompt <= llm.plan.mixed_rows and step.takes_prefill_rows(cache):
+            rows.append(step(torch.tensor(ids[:n_prompt]).unsqueeze(1), torch.arange(n_prompt).unsqueeze(1),
+                             slot.repeat(n_prompt), cache, rows=torch.tensor([n_prompt - 1])))
+        else:
+            with dense_weights(llm.model):
+                rows.append(llm.model(dev(torch.tensor([ids[:n_prompt]])),
+                                      dev(torch.arange(n_prompt).unsqueeze(0)), slot, cache))
         for t in range(n_prompt, len(ids)):
             rows.append((step or llm.model)(dev(torch.tensor([[ids[t]]])), dev(torch.tensor([[t]])), slot, cache))
     return torch.cat([r.float().reshape(-1, r.shape[-1]) for r in rows]).cpu()

@@ -104,6 +104,45 @@ def test_lean_step_with_int4_copies_matches_the_modules(zoo, native):
     assert float(torch.cat(kls).max()) < 1e-3
 
 
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_native_step_takes_prompt_rows_beside_decode_rows(zoo, kind):
+    """Prompt tokens as rows of the native step (LLM.step's mixed prefill): two prompts of
+    different lengths, one of them a suffix after a cached prefix, beside a sequence decoding one
+    token, in one call. Logits of the selected rows and the KV cache equal the modules' prefill
+    and decode in fp32 (mistral: the 8-token window inside the prompt rows)."""
+    llm = zoo.llm(zoo.dir(kind), dtype="float32", max_context=64)
+    step = CPUDecodeStep(llm.model, native=True)
+    a, b, c = (prompt_ids(zoo.vocab_size, n, seed=s) for n, s in ((11, 1), (14, 2), (6, 3)))
+    caches = [llm._kv_cache(3, 32) for _ in range(2)]
+    assert step.takes_prefill_rows(caches[0])
+    with torch.inference_mode():
+        for cache in caches:
+            _prefill(llm, cache, [a, b[:5]])  # slot 0 decodes; slot 1 holds b's first 5 tokens
+        tok = 7
+        # the modules: b's suffix, c whole, then slot 0's one decode token
+        ref = [llm.model(torch.tensor([b[5:]]), torch.arange(5, 14).unsqueeze(0), torch.tensor([1]), caches[1]),
+               llm.model(torch.tensor([c]), torch.arange(6).unsqueeze(0), torch.tensor([2]), caches[1]),
+               llm.model(torch.tensor([[tok]]), torch.tensor([[11]]), torch.tensor([0]), caches[1])]
+        ref = torch.cat([r.float().reshape(-1, r.shape[-1]) for r in ref])
+        ids = torch.tensor(b[5:] + c + [tok]).unsqueeze(1)
+        pos = torch.tensor(list(range(5, 14)) + list(range(6)) + [11]).unsqueeze(1)
+        slots = torch.tensor([1] * 9 + [2] * 6 + [0])
+        got = step(ids, pos, slots, caches[0], rows=torch.tensor([8, 14, 15])).float()
+    assert got.shape == ref.shape
+    assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-5
+    for x, y in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+        assert float((x - y).abs().max()) <= 1e-5 * max(1.0, float(y.abs().max()))
+
+
+def test_moe_models_prefill_on_their_own(rt):  # noqa: F811
+    """An MoE layer's FFN runs as a module, one token per sequence: no prompt rows in its step."""
+    llm = LLM(rt.dir("mixtral"), engine_config())
+    assert llm.plan.mixed_rows == 0
+    step = CPUDecodeStep(llm.model, native=llm.plan.native_decode)
+    assert not step.takes_prefill_rows(llm._kv_cache(1, 16))
+
+
 class _CountOps(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()

@@ -64,12 +64,21 @@ def llm(zoo):
     return zoo.llm(zoo.dir("llama"))
 
 
-def test_requests_joining_a_running_batch_match_generate(llm, zoo):
-    """Three slots, five requests of different lengths arriving at different steps."""
+@pytest.mark.parametrize("mixed_rows", [None, 0])
+def test_requests_joining_a_running_batch_match_generate(llm, zoo, monkeypatch, mixed_rows):
+    """Three slots, five requests of different lengths arriving at different steps. By default a
+    request admitted while others decode runs its prompt as rows of their step (Plan.mixed_rows);
+    with mixed_rows 0 every prompt prefills on its own."""
     lengths, max_tokens = (5, 11, 3, 8, 14), (12, 6, 9, 15, 4)
     prompts = [prompt_ids(zoo.vocab_size, n, seed=40 + n) for n in lengths]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    if mixed_rows is not None:
+        monkeypatch.setattr(llm.plan, "mixed_rows", mixed_rows)
     expected = [llm.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    joined = []  # (prompts, decoding sequences) of each mixed step
+    mixed = type(llm)._forward_mixed
+    monkeypatch.setattr(type(llm), "_forward_mixed",
+                        lambda self, p, d, c: joined.append((len(p), len(d))) or mixed(self, p, d, c))
 
     sched = Scheduler(max_batch=3, max_queue=8)
     cache = llm.kv_cache(3)
@@ -86,6 +95,10 @@ def test_requests_joining_a_running_batch_match_generate(llm, zoo):
         step += 1
     assert [outs[i].token_ids for i in range(5)] == expected
     assert max(batch_sizes) == 3  # the slots were shared, and the batch really ran together
+    if llm.plan.native_decode and mixed_rows is None:
+        assert any(p and d for p, d in joined), joined  # prompts really joined a decoding batch
+    if mixed_rows == 0:
+        assert not joined
 
 
 def test_a_cancelled_request_gives_its_slot_to_a_waiting_one(llm, zoo):

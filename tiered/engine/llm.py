@@ -261,6 +261,13 @@ class LLM:
         scheduler.prefill_groups, one forward per group), decode every running sequence one token
         together, sample, postprocess; finished sequences give their slot back at once.
 
+        Short prompts skip the prefill forward when the plan allows it (Plan.mixed_rows): an
+        admitted sequence's uncached prompt tokens run as rows of the native decode step, beside
+        the running sequences' last tokens, so the weights are read once for all of them
+        (Sarathi-style mixed prefill and decode). Its first token comes from its last prompt row.
+        On SmolLM2 int4 (2 cores) a 10-token suffix took 22 ms this way against 53 ms through the
+        modules' prefill, and 34 tokens 48 against 104 ms; the GEMM prefill wins past ~128 rows.
+
         Args:
             sched: the scheduler whose slots index `cache` (cache must have >= sched.max_batch slots
                 and room for every admitted sequence's prompt plus max_tokens).
@@ -271,30 +278,74 @@ class LLM:
         plan = sched.schedule()
         events: list[tuple[Sequence, str, RequestOutput | None]] = []
         with torch.inference_mode():
-            groups = prefill_groups([len(s.prompt_ids) - s.cached_tokens for s in plan.prefill], self.max_context,
+            admitted = {id(s) for s in plan.prefill}
+            decoding = [s for s in plan.running if not s.finished and id(s) not in admitted]
+            mixed = self._mixed_prefills(plan.prefill, len(decoding), cache)
+            joined = {id(s) for s in mixed}
+            alone = [s for s in plan.prefill if id(s) not in joined]
+            t0 = time.perf_counter()
+            for seq in plan.prefill:
+                seq.t_prefill_start = t0
+                self.runtime.new_sequence()  # the expert cache's per-sequence usage (HOBBIT)
+            groups = prefill_groups([len(s.prompt_ids) - s.cached_tokens for s in alone], self.max_context,
                                     padding=not self.config.is_moe)
             for group in groups:  # prefill: a group of admitted sequences per forward
-                seqs = [plan.prefill[i] for i in group]
+                seqs = [alone[i] for i in group]
                 t0 = time.perf_counter()
                 for seq in seqs:
                     seq.t_prefill_start = t0
-                    self.runtime.new_sequence()  # the expert cache's per-sequence usage (HOBBIT)
                 with dense_weights(self.model):
                     logits = self._forward(seqs, cache, prefill=True)
                 self.executor.record("prefill", "step", t0, time.perf_counter())
                 events += self._postprocess(seqs, logits)
-            running = [s for s in plan.running if not s.finished]
-            if running:  # decode: all running sequences, one token each
+            running = [s for s in plan.running if not s.finished and id(s) not in joined]
+            if running or mixed:  # decode: all running sequences, one token each (+ the joining prompts)
                 t0 = time.perf_counter()
-                logits = self._forward(running, cache, prefill=False)
+                logits = self._forward_mixed(mixed, running, cache) if mixed else \
+                    self._forward(running, cache, prefill=False)
                 t1 = time.perf_counter()
-                events += self._postprocess(running, logits)
+                events += self._postprocess(mixed + running, logits)
                 self.executor.record("decode step", "step", t0, t1)
                 self.executor.record("sample", "step", t1, time.perf_counter())
         for seq, _, out in events:
             if out is not None:
                 sched.finish(seq)
         return events
+
+    def _mixed_prefills(self, admitted: list[Sequence], decoding: int, cache: KVCache) -> list[Sequence]:
+        """The admitted sequences whose prompts join this step's decode rows (LLM.step): shortest
+        uncached suffix first, while the step stays within Plan.mixed_rows rows beside the
+        `decoding` sequences' one row each. None unless the CPU step can take prompt rows."""
+        step = self.runtime.cpu_decode
+        if not admitted or self.plan.mixed_rows <= 0 or step is None or not step.takes_prefill_rows(cache):
+            return []
+        rows, out = decoding, []
+        for seq in sorted(admitted, key=lambda s: len(s.prompt_ids) - s.cached_tokens):
+            rows += len(seq.prompt_ids) - seq.cached_tokens
+            if rows > self.plan.mixed_rows:
+                break
+            out.append(seq)
+        return out
+
+    def _forward_mixed(self, prefill: list[Sequence], decode: list[Sequence], cache: KVCache) -> torch.Tensor:
+        """One native CPU step over rows of (token, position, slot): every uncached prompt token of
+        each `prefill` sequence, then the last token of each `decode` one. Returns logits
+        [len(prefill) + len(decode), V] fp32: each prompt's last row, then the decode rows."""
+        ids, positions, slots, last = [], [], [], []
+        for s in prefill:
+            n = len(s.prompt_ids) - s.cached_tokens
+            ids += s.prompt_ids[s.cached_tokens:]
+            positions += range(s.cached_tokens, len(s.prompt_ids))
+            slots += [s.slot] * n
+            last.append(len(ids) - 1)
+        for s in decode:
+            ids.append(s.output_ids[-1])
+            positions.append(s.num_tokens - 1)
+            slots.append(s.slot)
+            last.append(len(ids) - 1)
+        logits = self.runtime.cpu_decode(torch.tensor(ids).unsqueeze(1), torch.tensor(positions).unsqueeze(1),
+                                         torch.tensor(slots), cache, rows=torch.tensor(last))
+        return logits.float()
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams, chat: bool | None = None, index: int = 0,
                       t_start: float | None = None) -> Sequence:

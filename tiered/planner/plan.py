@@ -83,6 +83,11 @@ class Plan:
                                              ~30 torch ops per layer) instead of the modules
         native_decode                        run that step in C++ (tiered/kernels, built by setup):
                                              only the weight kernels remain of the torch ops
+        mixed_rows                           LLM.step: an admitted sequence runs its uncached
+                                             prompt tokens as rows of the native decode step,
+                                             beside the running sequences, while the step has at
+                                             most this many rows (Sarathi-style mixed prefill and
+                                             decode); longer prompts, and 0, prefill on their own
         source                               who decided: "planner", "rules" (plan off) or a file
     """
 
@@ -128,6 +133,7 @@ class Plan:
     decode_graphs: bool = False
     cpu_decode_step: bool = False
     native_decode: bool = False
+    mixed_rows: int = 0
     dense_copies: bool = True
     mixed_precision: dict | None = None
     expert_cache_slots_low: int = 0

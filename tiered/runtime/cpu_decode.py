@@ -176,9 +176,16 @@ class CPUDecodeStep:
         native: run the step in C++ (tiered/kernels: Plan.native_decode); raises RuntimeError when
             the extension is not available.
     Call:
-        (input_ids int64 [B, 1], positions int64 [B, 1], slots int64 [B], cache KVCache)
+        (input_ids int64 [B, 1], positions int64 [B, 1], slots int64 [B], cache KVCache, rows=None)
         -> logits [B, V] in the lm_head kernel's dtype (fp32 when native), equal to `model(...)`
-        up to the rounding of the kernel-dtype activations between fused kernels.
+        up to the rounding of the kernel-dtype activations between fused kernels. `rows` (int64
+        [R], optional) computes the lm_head for those rows only: logits [R, V].
+
+    Rows are (slot, position) pairs. Where `takes_prefill_rows(cache)`, several rows may belong to
+    one sequence at consecutive positions (a prompt's uncached tokens joining a decode step,
+    Sarathi's chunked prefill / vLLM's mixed batches): every row's K and V are written before any
+    row attends, and a row at position p attends to positions <= p of its slot. Elsewhere each
+    slot appears at most once.
     """
 
     def __init__(self, model: nn.Module, native: bool = False) -> None:
@@ -221,10 +228,17 @@ class CPUDecodeStep:
                 raise RuntimeError(f"native decode step: tiered/kernels unavailable ({kernels.failure() or 'TIERED_NATIVE=0'})")
             self.native, self.schedule = _native_step(ext, model, self.layers)
 
+    def takes_prefill_rows(self, cache: KVCache) -> bool:
+        """Whether a call over `cache` may carry several rows of one sequence (see the class): the
+        native step running every layer itself (no module fallbacks, which assume one token per
+        slot), over a cache in the model's dtype."""
+        return (self.native is not None and cache.k.dtype == self.final_norm.dtype
+                and all(seg[0] == "native" for seg in self.schedule))
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 cache: KVCache) -> torch.Tensor:
+                 cache: KVCache, rows: torch.Tensor | None = None) -> torch.Tensor:
         if self.native is not None and cache.k.dtype == self.final_norm.dtype:
-            return self._native_call(input_ids, positions, slots, cache)
+            return self._native_call(input_ids, positions, slots, cache, rows)
         meta = build_attention_metadata(self.model.rotary, positions, slots, self.sliding_window)
         B = input_ids.shape[0]
         x = self.embed(input_ids).view(B, -1)  # [B, D] residual stream, model dtype
@@ -240,10 +254,10 @@ class CPUDecodeStep:
                 continue
             gu = L.gate_up(h)
             x.add_(L.down(F.silu(gu[:, :L.F]) * gu[:, L.F:]))
-        h = F.rms_norm(x, x.shape[-1:], self.final_norm, self.final_eps)
+        h = F.rms_norm(x if rows is None else x[rows], x.shape[-1:], self.final_norm, self.final_eps)
         return self.lm_head(h)
 
-    def _native_call(self, input_ids, positions, slots, cache: KVCache) -> torch.Tensor:
+    def _native_call(self, input_ids, positions, slots, cache: KVCache, rows=None) -> torch.Tensor:
         B = input_ids.shape[0]
         pos = positions.view(B)
         x = self.embed(input_ids).view(B, -1).contiguous()  # [B, D] residual stream, model dtype
@@ -263,7 +277,7 @@ class CPUDecodeStep:
                 if meta is None:
                     meta = build_attention_metadata(self.model.rotary, positions, slots, self.sliding_window)
                 x = layer(x.view(B, 1, -1), meta, cache).view(B, -1).contiguous()
-        return self.native.logits(x)
+        return self.native.logits(x if rows is None else x[rows])
 
     def _attention(self, L: _Layer, x, meta: AttentionMetadata, cache: KVCache, cos, sin) -> torch.Tensor:
         B, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd
