@@ -171,13 +171,16 @@ def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_form
 
     On the CPU with compact decode copies, unless `--dtype float32` asks for the lossless mode:
     for one sequence at a time (`run`, `chat`), memory first; for a server's batches
-    (max_batch > 1), whose many prefills would run on the slower packed kernels (2.1x vs 3.4x
-    aggregate throughput on SmolLM2, benchmarks/serve_load.py), only when the RAM budget cannot
-    hold the dense weights beside the copies.
+    (max_batch > 1) too when tiered/kernels is built, since short prompts then run as rows of the
+    native decode step (Plan.mixed_rows) and longer ones dequantize for one GEMM. In-process
+    closed loop of 32 SmolLM2 chat clients (2 cores, two runs each): 309-362 tok/s with one copy,
+    306-329 with the fp32 copies beside it (540 MB more). Without the kernels a server's prefills
+    would run on torch's packed int4 kernels, so it keeps the dense weights unless the RAM budget
+    cannot hold them beside the copies.
     """
     if not (accelerator is None and ec.dtype == "auto" and decode_format not in ("none", "fp32")):
         return False
-    if ec.max_batch == 1:
+    if ec.max_batch == 1 or kernels.available():
         return True
     both = sizes.weight_bytes(cfg, weights_format) + sizes.weight_bytes(cfg, decode_precision)
     return ec.cpu_memory is not None and both > ec.cpu_memory
