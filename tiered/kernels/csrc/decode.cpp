@@ -79,7 +79,7 @@ inline float rnd(float v) { return float(T(v)); }  // round to the model's dtype
 #define TIERED_CLONES
 #endif
 
-inline float bf16_to_float(uint16_t b) {
+__attribute__((always_inline)) inline float bf16_to_float(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
   float f;
   std::memcpy(&f, &u, 4);
@@ -89,7 +89,7 @@ inline float bf16_to_float(uint16_t b) {
 // e^x for x <= 0 .. small positive (softmax, SiLU), as plain arithmetic so that loops of it vectorize
 // (std::exp does not without -ffast-math): 2^(x log2 e) = 2^n 2^f, a degree-6 polynomial for 2^f on
 // [-0.5, 0.5] (relative error < 2e-7, as std::exp's float result to within 2 ulp), 2^n by exponent bits.
-inline float exp_fast(float x) {
+__attribute__((always_inline)) inline float exp_fast(float x) {
   x = std::min(88.f, std::max(-87.f, x));
   const float t = x * 1.44269504088896341f;
   const float n = std::nearbyint(t);
@@ -123,8 +123,11 @@ TIERED_CLONES void silu_mul(const float* g, const float* u, float* a, int64_t n)
 // One KV head's attention for its `group` query heads q [group, hd] over n cached rows K, V [n, hd]:
 // o [group, hd] = softmax(q K^T * scale) V, each key and value row read once for the whole group.
 // p: scratch [group, n]. E is the cache's element: float, or bf16 as its bits.
+// always_inline: each target_clones copy of attend() below must get its own wide-vector copy of this
+// loop (an out-of-line template would be compiled once, for the x86-64 baseline's SSE: measured 4-wide
+// and FMA-less, ~18% of a 16-row SmolLM2 step).
 template <typename E, typename Load>
-inline void attend_impl(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale,
+__attribute__((always_inline)) inline void attend_impl(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale,
                         float* p, float* o, Load load) {
   for (int64_t t = 0; t < n; ++t) {
     const E* k = K + t * hd;
@@ -273,22 +276,50 @@ class DecodeStep {
     else if (t == at::kHalf) for (int64_t i = 0; i < n; ++i) v[i] = rnd<at::Half>(v[i]);
   }
 
+  // fn(b) for every row b in [0, B): across torch's threads from kParallelRows rows on (each row's
+  // glue is a few microseconds a layer, a fork/join ~1-2), else on this thread.
+  static constexpr int64_t kParallelRows = 4;
+  template <typename Fn>
+  static void each_row(int64_t B, const Fn& fn) {
+    if (B < kParallelRows) {
+      for (int64_t b = 0; b < B; ++b) fn(b);
+      return;
+    }
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) fn(b);
+    });
+  }
+
+  // The glue runs row-parallel in four regions a layer: [x += y; h = norm(x)] (the previous
+  // layer's FFN residual with this layer's input norm), RoPE and the KV write, [x += y; h = norm(x)]
+  // (the attention residual with the post-attention norm), SwiGLU; attention splits over (row, KV head).
   template <typename T>
   void run(T* xs, int64_t B, const float* cos, const float* sin, const int64_t* slots, const int64_t* pos, T* kc,
            T* vc, int64_t n_slots, int64_t max_len, int64_t first, int64_t last) {
     const int64_t QK = (H + Hkv) * hd, QKV = (H + 2 * Hkv) * hd, half = hd / 2;
     std::vector<float> x(B * D), h(B * D), qkv(B * QKV), att(B * H * hd), y(B * D), tmp;
     for (int64_t i = 0; i < B * D; ++i) x[i] = float(xs[i]);
+    // x_b += y_b (when add), rounded; then h_b = norm(x_b) with `w`, rounded
+    auto residual_norm = [&](bool add, const std::vector<float>& w, float eps) {
+      each_row(B, [&](int64_t b) {
+        float* xb = x.data() + b * D;
+        if (add) {
+          const float* yb = y.data() + b * D;
+          for (int64_t i = 0; i < D; ++i) xb[i] = rnd<T>(xb[i] + yb[i]);
+        }
+        float* hb = h.data() + b * D;
+        rms_norm(xb, w.data(), eps, D, hb);
+        for (int64_t i = 0; i < D; ++i) hb[i] = rnd<T>(hb[i]);
+      });
+    };
+    bool pending = false;  // y holds the previous layer's FFN output, not yet added to x
     for (int64_t l = first; l < last; ++l) {
       const Layer& L = layers_[l];
       // attention: h = norm(x); qkv = W_qkv h
-      for (int64_t b = 0; b < B; ++b) {
-        rms_norm(x.data() + b * D, L.in_norm.data(), L.eps, D, h.data() + b * D);
-        for (int64_t i = 0; i < D; ++i) h[b * D + i] = rnd<T>(h[b * D + i]);
-      }
+      residual_norm(pending, L.in_norm, L.eps);
       L.qkv.run(h.data(), B, qkv.data(), tmp);
       // RoPE on q and k (rotate-half), rounded to the model's dtype; then k, v into the cache
-      for (int64_t b = 0; b < B; ++b) {
+      each_row(B, [&](int64_t b) {
         const float* cb = cos + b * hd;
         const float* sb = sin + b * hd;
         float* r = qkv.data() + b * QKV;
@@ -307,29 +338,33 @@ class DecodeStep {
             vc[at_ + i] = T(r[QK + g * hd + i]);
           }
         }
-      }
+      });
       attention<T>(l, B, qkv.data(), kc, vc, slots, pos, n_slots, max_len, att.data());
       L.o.run(att.data(), B, y.data(), tmp);
-      for (int64_t i = 0; i < B * D; ++i) x[i] = rnd<T>(x[i] + y[i]);
-      if (L.gate_up.empty()) continue;  // attention only: the caller runs this layer's FFN
-      // FFN: x += W_down (silu(g) * u), [g | u] = W_gu norm(x)
-      for (int64_t b = 0; b < B; ++b) {
-        rms_norm(x.data() + b * D, L.post_norm.data(), L.eps, D, h.data() + b * D);
-        for (int64_t i = 0; i < D; ++i) h[b * D + i] = rnd<T>(h[b * D + i]);
+      pending = false;
+      if (L.gate_up.empty()) {  // attention only: the caller runs this layer's FFN
+        each_row(B, [&](int64_t b) {
+          for (int64_t i = b * D; i < (b + 1) * D; ++i) x[i] = rnd<T>(x[i] + y[i]);
+        });
+        continue;
       }
+      // FFN: x += W_down (silu(g) * u), [g | u] = W_gu norm(x)
+      residual_norm(true, L.post_norm, L.eps);
       const int64_t F = L.down.in;
       gu_.resize(B * 2 * F);
       act_.resize(B * F);
       L.gate_up.run(h.data(), B, gu_.data(), tmp);
-      for (int64_t b = 0; b < B; ++b) {
+      each_row(B, [&](int64_t b) {
         const float* g = gu_.data() + b * 2 * F;
-        const float* u = g + F;
-        float* a = act_.data() + b * F;
-        silu_mul(g, u, a, F);
-      }
+        silu_mul(g, g + F, act_.data() + b * F, F);
+      });
       L.down.run(act_.data(), B, y.data(), tmp);
-      for (int64_t i = 0; i < B * D; ++i) x[i] = rnd<T>(x[i] + y[i]);
+      pending = true;
     }
+    if (pending)
+      each_row(B, [&](int64_t b) {
+        for (int64_t i = b * D; i < (b + 1) * D; ++i) x[i] = rnd<T>(x[i] + y[i]);
+      });
     for (int64_t i = 0; i < B * D; ++i) xs[i] = T(x[i]);
   }
 
