@@ -185,7 +185,7 @@ def test_expert_kernels_on_cuda(name):
 def test_run_options_map_to_the_engine_config():
     from tiered.cli import _engine_config
 
-    common = dict(dtype="auto", decode_weights="auto", batch_activations="q8", max_context=None, threads=None, gpu_mem=None, cpu_mem=None,
+    common = dict(dtype="auto", decode_weights="auto", batch_activations="auto", max_context=None, threads=None, gpu_mem=None, cpu_mem=None,
                   offload_dir=None, accelerator="none", cache_slots=None, cache_policy="lru", expert_profile=None,
                   read_ahead=True, plan="auto", profile_file=None, prefetch=False, prefetch_lookahead=2,
                   weights="auto", low_weights=None, mixed_thresholds="0.6,0.9")

@@ -118,7 +118,6 @@ class LLM:
                                         experts_format=self._experts_format(weights))
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
             plan.decode_threshold = max(ec.decode_weights_threshold, ec.max_batch)
-            plan.batch_act = ec.batch_activations
         if cfg.is_moe and ec.plan in ("auto", "off"):  # a replayed plan keeps its own notes and choices
             plan.notes.append(self._experts_note(plan.dtypes["experts"]))
             if ec.expert_low_weights:

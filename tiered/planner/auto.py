@@ -154,16 +154,19 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     plan.native_decode = plan.cpu_decode_step and kernels.available()
     # int4 decode copies (CPU-only) in the layout of tiered's own kernels when they are built
     plan.int4_layout = "tiled" if kernels.available() else "cpu"
+    # int4 activations in steps of 2+ rows: int8 for a server's batches, bf16 for one sequence
+    plan.batch_act = ec.batch_activations if ec.batch_activations != "auto" else "q8" if ec.max_batch > 1 else "bf16"
     # short prompts run as rows of the native decode step, beside the running sequences (dense
     # models: an MoE layer's FFN runs as a module, which takes one token per sequence)
-    plan.mixed_rows = MIXED_ROWS if plan.native_decode and not cfg.is_moe else 0
+    plan.mixed_rows = MIXED_ROWS[plan.batch_act] if plan.native_decode and not cfg.is_moe else 0
     return plan, profile
 
 
-# Most rows of a mixed prefill + decode step. SmolLM2 int4, 2 cores: a prompt of 16 / 64 / 96 / 128 /
-# 192 tokens took 21 / 86 / 134 / 188 / 304 ms as rows, 50 / 140 / 165 / 193 / 278 ms through the
-# modules' prefill (a dequantized GEMM).
-MIXED_ROWS = 96
+# Most rows of a mixed prefill + decode step, by Plan.batch_act. SmolLM2 int4, 2 cores, a prompt of
+# 16 / 32 / 64 / 96 / 128 / 192 tokens: 21-23 / 41 / 86 / 130 / 180-188 / 270-304 ms as rows on int8
+# activations, 33 / 66 / 137 / 212 / 273 / 448 ms on bf16 ones, 50 / 94 / 140 / 165 / 193 / 278 ms
+# through the modules' prefill (a dequantized GEMM).
+MIXED_ROWS = {"q8": 96, "bf16": 48}
 
 
 def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_format: str, decode_precision: str) -> bool:
