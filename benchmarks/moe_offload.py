@@ -59,7 +59,8 @@ def run_config(model: Path, name: str, config: EngineConfig, prompt: list[int], 
     llm.close()
     n = out.stats.generated_tokens
     return {"config": name, "load_s": load_s, "ttft_s": out.stats.ttft_s, "decode_tokens_per_s": out.stats.decode_tokens_per_s,
-            "itl_s": out.stats.itl_s, "generated": n, "disk_bytes_per_token": (rt["bytes_read"] - rt0["bytes_read"]) / (len(prompt) + n),
+            "itl_s": out.stats.itl_s, "generated": n, "disk_bytes_per_token": (rt["bytes_read"] - rt0["bytes_read"] + (rt["prefetch"] or {}).get("bytes", 0)
+                                     - (rt0["prefetch"] or {}).get("bytes", 0)) / (len(prompt) + n),
             "hit_rate": rt["hit_rate"], "placement": rt["placement"], "paths": rt["paths"],
             "expert_format": rt["expert_format"], "precision_loads": rt["precision"],
             "peak_ram_budget_bytes": rt["peak_fast_bytes"]}
@@ -116,6 +117,9 @@ def main() -> None:
         "mixed bf16+int4 T1=0.6 T2=0.9 (LRU, same bytes)": EngineConfig(
             **base, expert_cache_slots=lru_slots, resident_experts=0, read_ahead=False, expert_low_weights="int4",
             mixed_thresholds=(0.6, 0.9), offload_dir=offload),
+        "mixed + prefetch p=1 (LRU, same bytes)": EngineConfig(
+            **base, expert_cache_slots=lru_slots, resident_experts=0, read_ahead=False, expert_low_weights="int4",
+            mixed_thresholds=(0.6, 0.9), offload_dir=offload, prefetch=True, prefetch_lookahead=1),
     }
     rows = {}
     for rep in range(repeats):
@@ -124,8 +128,8 @@ def main() -> None:
             rows.setdefault(name, []).append(r)
             print(f"[{rep}] {name}: decode {r['decode_tokens_per_s']:.2f} tok/s, TTFT {r['ttft_s']:.2f} s, "
                   f"hit {r['hit_rate']:.1%}, disk {format_bytes(r['disk_bytes_per_token'])}/token", flush=True)
-    # one more run of the full configuration with the executor's trace on: the timeline shows disk
-    # reads (reader threads) overlapping expert compute (cpu stream)
+    # one more run of the last configuration (mixed + prefetch) with the executor's trace on: the
+    # timeline shows disk reads (reader threads, prefetches among them) overlapping expert compute
     import dataclasses
     from tiered.runtime.trace import draw_gantt, overlap_seconds
     full = dataclasses.replace(list(configs.values())[-1], trace=True)
@@ -135,7 +139,7 @@ def main() -> None:
     trace_json = out / ("moe_offload_trace_quick.json" if args.quick else "moe_offload_trace.json")
     llm.write_trace(trace_json)
     events = llm.experts.executor.events
-    draw_gantt(events, trace_json.with_suffix(".png"), title="moe_offload: cache + popularity + read-ahead (8 tokens)")
+    draw_gantt(events, trace_json.with_suffix(".png"), title="moe_offload: mixed bf16+int4 + prefetch p=1 (8 tokens)")
     disk_streams = sorted({e.stream for e in events if e.stream.startswith("disk")})
     trace_overlap = sum(overlap_seconds(events, d, "cpu") for d in disk_streams)
     llm.close()
@@ -167,9 +171,12 @@ def main() -> None:
              f"Expert formats at the same cache bytes as `LRU cache` ({lru_slots} bf16 slots): int4 gets "
              f"{int4_slots} slots; mixed keeps {lru_slots - max(1, lru_slots // 4) if lru_slots >= 2 else lru_slots} bf16 slots "
              "and turns the rest into int4 slots (HOBBIT: misses load bf16, int4 or nothing by the router's "
-             "unimportance score, Eq. 2). int4 and mixed are lossy; the experts are re-quantized from bf16 at load.",
+             "unimportance score, Eq. 2). int4 and mixed are lossy; the experts are re-quantized from bf16 at load. "
+             "Prefetch (HOBBIT §3.2) predicts the next MoE layer's experts from this layer's gate input and reads "
+             "the predicted misses (high copies) on a disk reader while this layer computes; its reads are counted "
+             "in disk bytes/token.",
              f"Trace of the full configuration: `{trace_json.name}` (Chrome trace events) and "
-             f"`{trace_json.with_suffix('.png').name}`; disk reads overlapped expert compute for "
+             f"`{trace_json.with_suffix('.png').name}` (mixed + prefetch); disk reads overlapped expert compute for "
              f"{trace_overlap * 1e3:.0f} ms over 8 generated tokens."]
     stem = "moe_offload_quick" if args.quick else "moe_offload"
     _, md = write_report(stem, out, title="MoE offload benchmark", settings=settings, rows=summary, columns=columns,

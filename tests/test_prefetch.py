@@ -12,6 +12,7 @@ from tiered import LLM
 from tiered.memory.expert_store import expert_tensor_names
 from tiered.models.moe import moe_blocks
 from tiered.planner.plan import Plan
+from tiered.runtime.precision import HIGH, SKIP
 from tiered.runtime.prefetch import StackedGates
 
 
@@ -75,8 +76,9 @@ def test_a_prefetched_expert_is_a_hit_with_its_weights(rt, close_after):
     predicted = sorted(set(idx.flatten().tolist()))
     pf.on_layer(0, x, used=[0], pinned={(0, 0)})
     assert pf.issued == min(len(predicted), pf.max_inflight) >= 1
-    assert set(pf.inflight) <= {(1, e) for e in predicted} and set(pf.inflight) <= cache.protected
-    loaded = list(pf.inflight)
+    loaded = [key for key, low in pf.inflight if not low]
+    assert len(loaded) == len(pf.inflight)  # no low side: every prefetch loads the high copy
+    assert set(loaded) <= {(1, e) for e in predicted} and set(loaded) <= cache.protected
     pf.on_layer(1, x, used=predicted, pinned={(1, e) for e in predicted})  # never waits for the loads
     assert pf.useful == len(loaded)
     for key in loaded:  # still landing: protected, and what computing it must wait for
@@ -114,3 +116,36 @@ def test_plan_round_trips_prefetch_fields(rt, tmp_path, close_after):
     # the runtime under HOBBIT's policy and prefetch keeps the reference's greedy tokens
     assert llm.generate([prompt()], GREEDY)[0].token_ids == rt.reference("mixtral")[1]
     assert llm.experts.cache.stats.evictions > 0
+
+
+def test_mixed_precision_prefetches_at_the_predicted_precision(rt, tmp_path, close_after):
+    """HOBBIT §3.2 "prefetches use mixed precision": with T1 = 0 and T2 = 1 a predicted top-1 expert
+    is loaded into the high pool and the others into the low pool (fewer bytes), and the layer they
+    were predicted for finds them there."""
+    kind = "mixtral"
+    cfg = dict(max_context=32, decode_weights="fp32", plan="off", expert_weights="bf16", expert_cache_slots=6,
+               resident_experts=0, offload_dir=str(tmp_path / "off"), accelerator="none",
+               expert_low_weights="int4", mixed_thresholds=(0.0, 1.0), prefetch=True, prefetch_lookahead=1)
+    llm = LLM(rt.dir(kind), engine_config(**cfg))
+    close_after(llm)
+    pf, ex = llm.experts.prefetcher, llm.experts
+    assert pf.low is not None and pf.low.cache is ex.low.cache
+    pf.max_inflight = 64  # issue every predicted miss at once
+    first = min(pf.gates.stacks)
+    x = torch.randn(3, llm.config.hidden_size)
+    ((target, idx, w),) = pf.gates.predict(first, x)
+    needs = pf.low.mixed.expert_needs(idx, w, pf.gates.num_experts).tolist()
+    pf.on_layer(first, x, used=[0], pinned={(first, 0)})
+    want = {((target, e), need != HIGH) for e, need in enumerate(needs) if need != SKIP}
+    assert set(pf.inflight) == want and any(low for _, low in want) and any(not low for _, low in want)
+    hb, lb = ex.store.expert_bytes, ex.low.store.expert_bytes
+    assert pf.bytes == sum(lb if low else hb for _, low in want) < len(want) * hb
+    for (key, low), fut in list(pf.inflight.items()):
+        assert key in ex.cache.protected and key in ex.low.cache.protected
+        assert pf.loading(key, low) == [fut] or fut.done()
+        assert pf.loading(key, not low) == []
+        fut.result()
+        pool = ex.low.cache if low else ex.cache
+        assert pool.lookup(key) is not None and (key in ex.cache) == (not low)
+    out = llm.generate(prompt(), GREEDY)[0].token_ids  # the whole path runs, low prefetches served as low hits
+    assert len(out) == GREEDY.max_tokens and ex.precision_counts["low hit"] > 0

@@ -68,7 +68,7 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
         if plan.prefetch:
             from tiered.runtime.prefetch import Prefetcher, StackedGates
             rt.experts.prefetcher = Prefetcher(StackedGates(model, plan.prefetch_lookahead), placed.cache, placed.store,
-                                               executor, accelerator, max_inflight=readers - 1)
+                                               executor, accelerator, max_inflight=readers - 1, low=placed.low)
     sliced = plan.sliced_layers() if accelerator is not None else {}
     if sliced:
         from tiered.runtime.sliced import install_sliced_mlps

@@ -224,7 +224,7 @@ class TieredExperts:
 
     def _on_fast(self, key, w, x, tok, ready, side: _Side) -> Future:
         layer, e = key
-        deps = self.prefetcher.loading(key) if self.prefetcher is not None else ()  # a prefetch still landing
+        deps = self.prefetcher.loading(key, side is self.low) if self.prefetcher is not None else ()  # still landing
         return self.executor.submit(self._compute_stream(), lambda: side.fmt.forward(x[tok], w), deps=deps,
                                     name=f"expert L{layer}E{e}", layer=layer, expert=e)
 

@@ -9,6 +9,11 @@ whose predictions are not all on the fast tier gets its missing experts loaded n
 At most `max_inflight` prefetches run at once (by default one reader fewer than the executor has),
 so an on-demand read always finds a free reader; queued demand copies wait behind at most that many.
 
+With mixed precision (HOBBIT §3.1-3.2: "prefetches use mixed precision"), each predicted expert gets
+the precision the predicted router weights ask of it (runtime/precision.py, Eq. 2 and T1/T2): a
+high need is loaded into the high pool, a low need into the low pool unless either pool holds the
+expert, a skip is not loaded (only masked).
+
 Gap H10: the next layers' gates see this layer's gate input, normalised with this layer's
 RMSNorm weight; `fold_norms` rescales each stacked router by w_{l+r} / w_l (zero cost at predict
 time) so it sees x as layer l+r's norm would have scaled it.
@@ -93,21 +98,25 @@ class Prefetcher:
         executor: streams "disk" (reads) and "copy" (H2D copies).
         accelerator: Accelerator or None (then the fast tier is RAM and only disk experts are prefetched).
         max_inflight: most prefetches running at once (>= 1).
+        low: (mixed precision) the runner's low side (its store, cache and MixedPrecision `mixed`);
+            None: every prefetch loads the high copy.
     Attributes:
         hits, total: per distance r (1-based): predicted-and-used experts, used experts.
         issued, useful, bytes: prefetch loads started, those whose expert was then used by the
         layer they were predicted for, bytes they moved.
     """
 
-    def __init__(self, gates: StackedGates, cache, store, executor, accelerator=None, max_inflight: int = 1) -> None:
+    def __init__(self, gates: StackedGates, cache, store, executor, accelerator=None, max_inflight: int = 1,
+                 low=None) -> None:
         self.gates, self.cache, self.store, self.executor, self.accelerator = gates, cache, store, executor, accelerator
+        self.low = low
         self.max_inflight = max(1, max_inflight)
         self.hits = [0] * gates.lookahead
         self.total = [0] * gates.lookahead
         self.issued = self.useful = self.bytes = 0
         self.masked: set = set()
         self.pending: dict[int, dict[int, set[int]]] = {}  # target layer -> {distance: predicted experts}
-        self.inflight: dict = {}  # key -> Future of its load
+        self.inflight: dict = {}  # (key, low?) -> Future of its load
         self.loaded: set = set()  # keys loaded by a prefetch and not used yet
 
     def accuracy(self) -> dict[int, float]:
@@ -123,7 +132,7 @@ class Prefetcher:
         self.masked.clear()
         self.pending.clear()
         self.loaded.clear()
-        self.cache.protected = set()
+        self._protect(set())
 
     def on_layer(self, layer: int, x: torch.Tensor, used: list[int], pinned: set) -> None:
         """MoE layer `layer` runs experts `used` on gate input x [N, D]; `pinned`: its cache keys.
@@ -145,47 +154,74 @@ class Prefetcher:
         self.masked = {k for k in self.masked if k[0] > layer}
         preds = self.gates.predict(layer, x)
         issue: list = []
-        for r, (target, idx, _w) in enumerate(preds, 1):
+        for r, (target, idx, w) in enumerate(preds, 1):
             experts = set(idx.flatten().tolist())
             self.pending.setdefault(target, {})[r] = experts
-            keys = [(target, e) for e in sorted(experts)]
             if issue:
                 continue  # later layers are predicted (and scored), not masked: the walk stopped
-            self.masked.update(keys)
-            issue = [k for k in keys if self._missing(k)]
-        self.cache.protected = self.masked | set(self.inflight)
-        for key in issue:
+            self.masked.update((target, e) for e in experts)
+            issue = [(key, low) for key, low in self._loads(target, idx, w) if self._missing(key, low)]
+        self._protect(self.masked | {k for k, _ in self.inflight})
+        for key, low in issue:
             if len(self.inflight) >= self.max_inflight:
                 break
-            self._load(key, pinned)
-        self.cache.protected = self.masked | set(self.inflight)
+            self._load(key, low, pinned)
+        self._protect(self.masked | {k for k, _ in self.inflight})
 
-    def loading(self, key) -> list[Future]:
-        """[the Future of `key`'s prefetch] while it is in flight, else []: what computing `key` must wait for."""
-        fut = self.inflight.get(key)
+    def loading(self, key, low: bool = False) -> list[Future]:
+        """[the Future of `key`'s prefetch at that precision] while it is in flight, else []: what
+        computing `key` from that precision's pool must wait for."""
+        fut = self.inflight.get((key, low))
         return [fut] if fut is not None and not fut.done() else []
 
-    def _missing(self, key) -> bool:
-        """Not on the fast tier, not loading, and loadable: a disk expert without an accelerator, a
-        CPU-RAM expert with one (a disk expert behind an accelerator is left to the demand path)."""
-        if key in self.store.resident or key in self.cache or key in self.inflight:
-            return False
-        return self.store.tier(key) == (DISK if self.accelerator is None else CPU)
+    def _loads(self, target: int, idx: torch.Tensor, w: torch.Tensor) -> list[tuple[tuple[int, int], bool]]:
+        """(key, low?) of each predicted expert of layer `target` that a prefetch would load: every
+        one at high precision, or, with mixed precision, at the precision its predicted router
+        weights ask for (skipped experts are left out)."""
+        if self.low is None:
+            return [((target, e), False) for e in sorted(set(idx.flatten().tolist()))]
+        from tiered.runtime.precision import HIGH, SKIP
 
-    def _load(self, key, pinned: set) -> None:
-        slot = self.cache.claim(key, pinned | self.cache.protected, use=False)
+        needs = self.low.mixed.expert_needs(idx, w, self.gates.num_experts).tolist()
+        return [((target, e), need != HIGH) for e, need in enumerate(needs) if need != SKIP]
+
+    def _missing(self, key, low: bool) -> bool:
+        """Not on the fast tier at the precision needed (a high copy also serves a low need), not
+        loading, and loadable: a disk expert without an accelerator, a CPU-RAM expert with one (a disk
+        expert behind an accelerator is left to the demand path)."""
+        if key in self.store.resident or key in self.cache or (key, False) in self.inflight:
+            return False
+        store = self.store
+        if low:
+            if key not in self.low.store.handles:
+                return False  # no low copy (a resident expert of the high side): nothing to prefetch low
+            if key in self.low.cache or (key, True) in self.inflight:
+                return False
+            store = self.low.store
+        return store.tier(key) == (DISK if self.accelerator is None else CPU)
+
+    def _protect(self, keys: set) -> None:
+        self.cache.protected = keys
+        if self.low is not None:
+            self.low.cache.protected = keys
+
+    def _load(self, key, low: bool, pinned: set) -> None:
+        side = self.low if low else self
+        cache, store = side.cache, side.store
+        slot = cache.claim(key, pinned | cache.protected, use=False)
         if slot is None:
             return
-        layer, e, nbytes = key[0], key[1], self.store.expert_bytes
+        layer, e, nbytes = key[0], key[1], store.expert_bytes
+        tag = "low " if low else ""
         if self.accelerator is None:
-            fut = self.executor.submit("disk", lambda: self.store.read(key, slot), name=f"prefetch read L{layer}E{e}",
+            fut = self.executor.submit("disk", lambda: store.read(key, slot), name=f"prefetch {tag}read L{layer}E{e}",
                                        nbytes=nbytes, layer=layer, expert=e)
         else:  # waits on the device for work already issued: an evicted slot may still be read
-            host, ready = self.store.host[key], self.accelerator.record_event()
+            host, ready = store.host[key], self.accelerator.record_event()
             fut = self.executor.submit("copy", lambda: [self.accelerator.copy_to_device(d, s) for d, s in zip(slot, host)],
-                                       name=f"prefetch h2d L{layer}E{e}", nbytes=nbytes, layer=layer, expert=e,
+                                       name=f"prefetch {tag}h2d L{layer}E{e}", nbytes=nbytes, layer=layer, expert=e,
                                        after_event=ready)
-        self.inflight[key] = fut
+        self.inflight[(key, low)] = fut
         self.loaded.add(key)
         self.issued += 1
         self.bytes += nbytes
