@@ -173,8 +173,8 @@ def main() -> None:
              "and turns the rest into int4 slots (HOBBIT: misses load bf16, int4 or nothing by the router's "
              "unimportance score, Eq. 2). int4 and mixed are lossy; the experts are re-quantized from bf16 at load. "
              "Prefetch (HOBBIT §3.2) predicts the next MoE layer's experts from this layer's gate input and reads "
-             "the predicted misses (high copies) on a disk reader while this layer computes; its reads are counted "
-             "in disk bytes/token.",
+             "the predicted misses on a disk reader while this layer computes, each at the precision its predicted "
+             "router weights ask for; its reads are counted in disk bytes/token.",
              f"Trace of the full configuration: `{trace_json.name}` (Chrome trace events) and "
              f"`{trace_json.with_suffix('.png').name}` (mixed + prefetch); disk reads overlapped expert compute for "
              f"{trace_overlap * 1e3:.0f} ms over 8 generated tokens."]

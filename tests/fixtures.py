@@ -142,31 +142,8 @@ def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> list[int]:
 
 
 def stepwise_logits(llm, ids: list[int], n_prompt: int, step=None) -> torch.Tensor:
-    """Teacher-forced logits through the engine's two paths: prefill ids[:n_prompt] (dense
-    weights), then feed ids[n_prompt:] one token per step (decode weights) through the model's
-    modules, or through `step` (e.g. the engine's own CPU decode step, llm.runtime.cpu_decode).
-    A step that takes prompt rows prefills too, as LLM.step does for a prompt of at most
-    Plan.mixed_rows tokens: the prompt's tokens as rows of one step.
+    """Teacher-forced logits, prefill then one token per step: tiered.eval.decode_logits."""
+    from tiered.eval import decode_logits
 
-    Returns:
-        fp32 [len(ids) - n_prompt + 1, V]: row j predicts ids[n_prompt + j] (like llm.logits rows
-        n_prompt - 1 onward).
-    """
-    from tiered.engine.llm import dense_weights
-
-    cache = llm._kv_cache(1, len(ids))  # the engine's own cache, on its compute device
-    dev = llm._to_device  # inputs go to the device as the engine sends them
-    slot = dev(torch.tensor([0]))
-    rows = []
-    with torch.inference_mode(), llm._device_scope():
-        if step is not None and n_prompt <= llm.plan.mixed_rows and step.takes_prefill_rows(cache):
-            rows.append(step(torch.tensor(ids[:n_prompt]).unsqueeze(1), torch.arange(n_prompt).unsqueeze(1),
-                             slot.repeat(n_prompt), cache, rows=torch.tensor([n_prompt - 1])))
-        else:
-            with dense_weights(llm.model):
-                rows.append(llm.model(dev(torch.tensor([ids[:n_prompt]])),
-                                      dev(torch.arange(n_prompt).unsqueeze(0)), slot, cache))
-        for t in range(n_prompt, len(ids)):
-            rows.append((step or llm.model)(dev(torch.tensor([[ids[t]]])), dev(torch.tensor([[t]])), slot, cache))
-    return torch.cat([r.float().reshape(-1, r.shape[-1]) for r in rows]).cpu()
+    return decode_logits(llm, ids, n_prompt, step)
 

@@ -64,3 +64,28 @@ def test_mixed_precision_behind_the_stand_in_accelerator(rt, tmp_path, path):  #
         _, counts, _, plan = _run(rt, tmp_path, "int4", (0.0, 1.0), accelerator="host", gpu_memory="64MiB",
                                   cpu_memory=cpu, force_expert_path=path)
         assert counts["low"] > 0 and counts["high"] > 0 and plan.dtypes["experts_low"] == "int4"
+
+
+def test_mixed_kl_sits_between_high_only_and_low_only(rt, tmp_path):  # noqa: F811
+    """Issue 9 §4 on a fixture: teacher-forced decode KL to the lossless fp32 model, every expert
+    on disk behind a 2-slot cache: bf16 experts < HOBBIT mixed bf16+int4 (0.6, 0.9) < int4 experts,
+    with both precisions loaded in the mixed run (benchmarks/moe_accuracy.py runs every fixture)."""
+    from tiered.eval import decode_compare
+
+    kind, ctx = "mixtral", 32
+    kw = dict(dtype="float32", decode_weights="fp32", accelerator="none", plan="off", max_context=ctx)
+    budget = dict(kw, resident_experts=0, expert_cache_slots=2, offload_dir=str(tmp_path / "off"))
+    ref = LLM(rt.dir(kind), EngineConfig(**kw))
+    others = {"high": LLM(rt.dir(kind), EngineConfig(**budget, expert_weights="bf16")),
+              "mixed": LLM(rt.dir(kind), EngineConfig(**budget, expert_weights="bf16", expert_low_weights="int4",
+                                                      mixed_thresholds=(0.6, 0.9))),
+              "low": LLM(rt.dir(kind), EngineConfig(**budget, expert_weights="int4"))}
+    try:
+        kl = decode_compare(ref, others, prompt(ctx, seed=1), 8)
+        counts = others["mixed"].experts.precision_counts
+    finally:
+        for llm in [ref, *others.values()]:
+            llm.close()
+    assert kl["high"].tokens == ctx - 8 + 1
+    assert 0 < kl["high"].mean < kl["mixed"].mean < kl["low"].mean
+    assert counts["high"] > 0 and counts["low"] + counts["low hit"] > 0

@@ -4,6 +4,10 @@ Both models score the same sliding windows (eval/ppl.py); on every scored token 
 KL(P_ref || P) in nats, P = softmax of the logits, and whether the two argmaxes agree. The runner
 takes any two EngineConfigs (weight formats here; expert precisions for the MoE runtime), and
 `compare` takes loaded LLMs, so one reference pass serves several settings.
+
+`decode_logits` / `decode_compare` score the decode path instead: teacher-forced, one token per
+step through the engine's runtime (the MoE runner's expert cache, mixed-precision loads and
+prefetch act as they do in generation).
 """
 
 from __future__ import annotations
@@ -106,3 +110,57 @@ def kl_run(model, ref_config: EngineConfig, config: EngineConfig, ids: Sequence[
     with LLM(model, ref_config) as ref, LLM(model, config) as other:
         ref_ppl, kl = compare(ref, {"other": other}, ids, window, stride, on_window)
     return ref_ppl, kl["other"]
+
+
+def decode_logits(llm, ids: Sequence[int], n_prompt: int, step=None) -> torch.Tensor:
+    """Teacher-forced logits through the engine's two paths: prefill ids[:n_prompt] (dense
+    weights), then feed ids[n_prompt:] one token per step (decode weights) through the model's
+    modules (for an MoE, the runtime's expert runner), or through `step` (e.g. the engine's own CPU
+    decode step, llm.runtime.cpu_decode). A step that takes prompt rows prefills too, as LLM.step
+    does for a prompt of at most Plan.mixed_rows tokens: the prompt's tokens as rows of one step.
+
+    Args:
+        llm: an LLM; ids: token ids [N] (N <= the plan's context); n_prompt: 1 <= n_prompt <= N.
+    Returns:
+        fp32 [N - n_prompt + 1, V] on the CPU: row j predicts ids[n_prompt + j] (like llm.logits rows
+        n_prompt - 1 onward).
+    """
+    from tiered.engine.llm import dense_weights
+
+    cache = llm._kv_cache(1, len(ids))  # the engine's own cache, on its compute device
+    dev = llm._to_device  # inputs go to the device as the engine sends them
+    slot = dev(torch.tensor([0]))
+    if llm.runtime is not None:
+        llm.runtime.new_sequence()
+    rows = []
+    with torch.inference_mode(), llm._device_scope():
+        if step is not None and n_prompt <= llm.plan.mixed_rows and step.takes_prefill_rows(cache):
+            rows.append(step(torch.tensor(ids[:n_prompt]).unsqueeze(1), torch.arange(n_prompt).unsqueeze(1),
+                             slot.repeat(n_prompt), cache, rows=torch.tensor([n_prompt - 1])))
+        else:
+            with dense_weights(llm.model):
+                rows.append(llm.model(dev(torch.tensor([ids[:n_prompt]])),
+                                      dev(torch.arange(n_prompt).unsqueeze(0)), slot, cache))
+        for t in range(n_prompt, len(ids)):
+            rows.append((step or llm.model)(dev(torch.tensor([[ids[t]]])), dev(torch.tensor([[t]])), slot, cache))
+    return torch.cat([r.float().reshape(-1, r.shape[-1]) for r in rows]).cpu()
+
+
+def decode_compare(ref, others: dict, ids: Sequence[int], n_prompt: int) -> dict[str, KL]:
+    """KL of each LLM of `others` (name -> LLM) against the reference LLM on the decode path
+    (decode_logits: prefill ids[:n_prompt], then one token per step), over the N - n_prompt + 1
+    predictions; `ppl` is over the N - n_prompt predictions that have a target.
+
+    Returns:
+        name -> KL of that LLM's next-token distributions against the reference's.
+    """
+    p = decode_logits(ref, ids, n_prompt)
+    targets = torch.tensor(ids[n_prompt:])
+    out = {}
+    for name, llm in others.items():
+        q = decode_logits(llm, ids, n_prompt)
+        kl = kl_divergence(p, q)
+        nll = float(token_nll(q[:-1], targets).mean()) if len(targets) else float("nan")
+        out[name] = KL(float(kl.double().mean()), float(kl.max()), float((p.argmax(-1) == q.argmax(-1)).float().mean()),
+                       math.exp(nll), len(kl))
+    return out
