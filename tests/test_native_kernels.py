@@ -49,19 +49,22 @@ def test_int4(isa, N, K):
         assert rel(k(x), ref) < 1e-4, (isa, B)
 
 
-def q8_reference(x, codes, sz, zr):
+def q8_reference(x, codes, sz, zr, levels: int = 127, offset_exact: bool = False):
     """int4 x int8-activation result emulated in torch (fp64 for the exact integer dots): x [B, K] ->
     [B, N]. x per group of 32: xq = round(x * 127 / max|x|) (half to even), dx = max|x| / 127;
-    y = sum_g s dx sum_i (q_i - 8) xq_i + (zero + residual) sum_i x_i."""
+    y = sum_g s dx sum_i (q_i - 8) xq_i + (zero + residual) sum_i x_i.
+    levels=32767, offset_exact: the int16 activations of the tiled layout's AVX2 path, whose -8 s
+    term multiplies the exact sum of x: y = sum_g s dx sum_i q_i xq_i + (zero + residual - 8 s) sum_i x_i."""
     B, K = x.shape
     N, G = codes.shape[0], K // 32
     xg = x.reshape(B, G, 32)
     amax = xg.abs().amax(-1, keepdim=True)
-    xq = torch.round(xg * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    xq = torch.round(xg * torch.where(amax > 0, levels / amax, torch.zeros_like(amax)))
     s = sz[..., 0].float().T  # (N, G)
-    z = sz[..., 1].float().T + zr.float().T
-    d = torch.einsum("ngi,bgi->bng", codes.double().reshape(N, G, 32) - 8, xq.double()).float()  # (B, N, G)
-    return (s * (amax[..., 0] / 127.0)[:, None, :] * d).sum(-1) + xg.sum(-1) @ z.T
+    z = sz[..., 1].float().T + zr.float().T - (8 * s if offset_exact else 0)
+    q = codes.double().reshape(N, G, 32) - (0 if offset_exact else 8)
+    d = torch.einsum("ngi,bgi->bng", q, xq.double()).float()  # (B, N, G)
+    return (s * (amax[..., 0] / levels)[:, None, :] * d).sum(-1) + xg.sum(-1) @ z.T
 
 
 @pytest.mark.parametrize("N,K", SHAPES + [(50, 160), (19, 4096)])  # G % 4 = 0, 1, 2, 3; K = Mixtral's width
@@ -111,13 +114,27 @@ def test_tiled_layout_round_trips():
 
 
 @pytest.mark.parametrize("N,K", TILED_SHAPES)
-def test_int4_tiled(isa, N, K):  # bf16 activations: as the plain kernel, one rounding of x
+def test_int4_tiled(isa, N, K):
+    """act "bf16": on AVX-512 (VBMI) and scalar, bf16 activations as the plain kernel (one rounding of
+    x); on AVX2 (and AVX-512 without VBMI) x as int16 per group of 32 (more exact than bf16)."""
     codes, sz, zr, bias, wq, g = int4_case(N, K, N * K + 2)
     k = int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), tiled_residual(zr), bias)
     assert k.name().startswith("int4t(") and k.in_features == K and k.out_features == N
     for B in range(1, 10):  # 9: two passes of activation rows
         x = torch.randn(B, K, generator=g)
-        assert rel(k(x), x.bfloat16().float() @ wq.T + bias) < 1e-4, (isa, B)
+        x[0, :32] = 0  # an all-zero group (scale 0)
+        check_tiled_bf16_act(k, x, codes, sz, zr, wq, bias, (isa, B))
+
+
+def check_tiled_bf16_act(k, x, codes, sz, zr, wq, bias, what):
+    """k(x) on its "bf16" activations: int16 ones on the AVX2 path (exact to 1e-5 against their
+    emulation, and closer to fp32 x than bf16 would be), else x rounded to bf16."""
+    y = k(x)
+    if "avx2" in k.name():
+        assert rel(y, q8_reference(x, codes, sz, zr, levels=32767, offset_exact=True) + bias) < 1e-5, what
+        assert rel(y, x @ wq.T + bias) < 2e-4, what
+    else:
+        assert rel(y, x.bfloat16().float() @ wq.T + bias) < 1e-4, what
 
 
 @pytest.mark.parametrize("N,K", TILED_SHAPES + [(16, 160)])
@@ -139,7 +156,7 @@ def test_int4_tiled_batch_act(isa, N, K):  # one row on bf16 activations, two or
     k = int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), tiled_residual(zr), bias, batch_act="q8")
     assert "q8 from 2 rows" in k.name()
     x = torch.randn(9, K, generator=g)
-    assert rel(k(x[:1]), x[:1].bfloat16().float() @ wq.T + bias) < 1e-4, isa
+    check_tiled_bf16_act(k, x[:1], codes, sz, zr, wq, bias, isa)
     for B in (2, 9):
         assert rel(k(x[:B]), q8_reference(x[:B], codes, sz, zr) + bias) < 1e-5, (isa, B)
 
@@ -186,7 +203,22 @@ def test_int8(isa, N, K):
     wq = m.q.float() * m.scale.float()[:, None]
     for B in range(1, 9):
         x = torch.randn(B, K, generator=g)
-        assert rel(k(x), x @ wq.T + m.bias) < 1e-5, (isa, B)
+        x[0, :min(K, 32)] = 0  # an all-zero group (scale 0)
+        y = k(x)
+        assert rel(y, int8_activations(k, x) @ wq.T + m.bias) < 1e-5, (isa, B)
+        assert rel(y, x @ wq.T + m.bias) < 1e-3, (isa, B)
+
+
+def int8_activations(k, x):
+    """The activations an int8 kernel multiplies: x itself, or on the AVX2 path (K % 32 == 0) x
+    rounded to int16 per group of 32 (dx = max|x| / 32767, half to even: ~60x finer than bf16)."""
+    K = x.shape[-1]
+    if "avx2" not in k.name() or K % 32:
+        return x
+    xg = x.reshape(*x.shape[:-1], K // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    q = torch.round(xg * torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax)))
+    return (q * (amax / 32767)).reshape(x.shape)
 
 
 @pytest.mark.parametrize("N,K", SHAPES + [(7, 50), (5, 100)])
@@ -205,7 +237,7 @@ def test_int8_linear_small_batch_uses_native_and_matches():
     x = torch.randn(2, 5, 64)  # 10 rows: torch's kernel; 1 row: ours
     wq = m.q.float() * m.scale.float()[:, None]
     assert rel(m(x), x @ wq.T) < 2e-2
-    assert rel(m(x[0, :1]), x[0, :1] @ wq.T) < 1e-5 and m._native
+    assert rel(m(x[0, :1]), int8_activations(m._native, x[0, :1]) @ wq.T) < 1e-5 and m._native
 
 
 @pytest.mark.parametrize("name,layout", [("int4", "plain"), ("int4", "tiled"), ("int8", "cpu"), ("int4,int4,int8", "plain"),

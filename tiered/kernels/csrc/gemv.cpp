@@ -289,6 +289,35 @@ TIERED_AVX2 void rows_avx2(const W& w, const Act& a, int64_t b0, int64_t n0, int
   }
 }
 
+// int8 weights on int16 activations (Act::xs, K % 32 == 0): 16 weights sign-extended to int16 and
+// one vpmaddwd against 16 of xs per step, exact int32 dots per group of 32 (|.| <= 4 * 127 * 32767
+// per lane), one fp32 FMA per group: y = s_n sum_g dw_g dot_g. Half the instructions per weight of
+// the fp32 FMA loop (which converts every weight to fp32).
+template <int NB>
+TIERED_AVX2 void int8_w16_avx2(const Int8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  const int16_t* xs[NB];
+  const float* dw[NB];
+  for (int j = 0; j < NB; ++j) xs[j] = a.xs + (b0 + j) * K, dw[j] = a.dw + (b0 + j) * G;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* r = w.q + n * K;
+    __m256 acc[NB];
+    for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* rg = r + g * kGroup;
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rg)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rg + 16)));
+      for (int j = 0; j < NB; ++j) {
+        const int16_t* x = xs[j] + g * kGroup;
+        const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+                                           _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))));
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(dw[j][g]), acc[j]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) y[(b0 + j) * ldy + n] = Int8Rows::out(w, n, hsum256(acc[j]));
+  }
+}
+
 // ------------------------------------------------------------------------------------ AVX-512
 TIERED_AVX512 inline __attribute__((always_inline)) __m512 dot_bf16(__m512 acc, __m512i w, __m512i x) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(w), reinterpret_cast<__m512bh&>(x));
@@ -700,6 +729,26 @@ void int4t_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t 
   }
 }
 
+// A tile's scales and zero terms (offset 8: zc = z + zr - 8 s) from its contiguous [G, 16, 2] bf16
+// run (and [G, 16] residual): 8 rows per 32-byte load.
+TIERED_AVX2 void int4t_fill_block_avx2(const Int4W& w, int64_t m0, int64_t G, Int4Block& blk) {
+  float *S = blk.S(G), *Z = blk.Z(G);
+  const __m256i hi16 = _mm256_set1_epi32(int(0xFFFF0000u));
+  const __m256 off = _mm256_set1_ps(8.f);
+  for (int64_t g = 0; g < G; ++g)
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.tile_sz(m0, G, g) + 16 * h));
+      const __m256 sv = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      __m256 zv = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
+      if (w.zr) {
+        const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_zr(m0, G, g) + 8 * h));
+        zv = _mm256_add_ps(zv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16)));
+      }
+      _mm256_storeu_ps(S + g * kBlock + 8 * h, sv);
+      _mm256_storeu_ps(Z + g * kBlock + 8 * h, _mm256_fnmadd_ps(off, sv, zv));
+    }
+}
+
 // AVX2: each 8-row half of a tile on its own (a 32-byte half of every 64-byte chunk), fp32 FMAs on
 // bf16-rounded x (act bf16) or vpmaddubsw + vpmaddwd on xq (q8).
 template <int NB, bool Q8>
@@ -771,6 +820,62 @@ TIERED_AVX2 void int4t_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0
             corr += Q8 ? s * a.m8[b * a.Gp + g] + zc * a.xsum[b * a.Gp + g] : zc * a.gsum[b * G + g];
           }
           y[b * ldy + m0 + rr] = out[r] + corr + (w.bias ? w.bias[m0 + rr] : 0.f);
+        }
+      }
+    }
+  }
+}
+
+// AVX2 at batch 1..q8_from-1 (int16 activations, Act::xw): per 8-row half of a tile and chunk of 8
+// columns, the 4 code bytes of a row hold columns j (low nibble of byte j) and 4 + j (high); masking
+// the row's 32-bit word with 0x000F000F after shifts of 0, 4, 8, 12 leaves the int16 pairs of
+// columns (0, 2), (4, 6), (1, 3), (5, 7), which one vpmaddwd each multiplies by the matching pair of
+// xw and sums into the row's int32 lane: 4 multiply-adds per 64 weights where fp32 FMAs on bf16 x
+// need 8 plus 8 conversions. Exact integer dots (|sum| <= 32 * 15 * 32767 per group), one fp32 FMA
+// per group and row: y = sum_g s_g dw_g dot_g + (z_g - 8 s_g) wsum_g.
+template <int NB>
+TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                                int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  thread_local Int4Block blk;
+  const __m256i m = _mm256_set1_epi32(0x000F000F);
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    int4t_fill_block_avx2(w, m0, G, blk);
+    const uint8_t* tile = w.codes + m0 * (K / 2);
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc[NB], corr[NB];
+      for (int j = 0; j < NB; ++j) acc[j] = corr[j] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        __m256i ti[NB];
+        for (int j = 0; j < NB; ++j) ti[j] = _mm256_setzero_si256();
+        for (int c4 = 0; c4 < 4; ++c4) {
+          const int64_t k0 = g * kGroup + c4 * 8;
+          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (k0 / 8) * 64 + 32 * h));
+          const __m256i q0 = _mm256_and_si256(d, m), q1 = _mm256_and_si256(_mm256_srli_epi32(d, 4), m);
+          const __m256i q2 = _mm256_and_si256(_mm256_srli_epi32(d, 8), m), q3 = _mm256_and_si256(_mm256_srli_epi32(d, 12), m);
+          for (int j = 0; j < NB; ++j) {
+            const int32_t* xw = reinterpret_cast<const int32_t*>(a.xw + (b0 + j) * (K / 2) + k0 / 2);
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_set1_epi32(xw[0])),
+                                               _mm256_madd_epi16(q1, _mm256_set1_epi32(xw[1])));
+            const __m256i r = _mm256_add_epi32(_mm256_madd_epi16(q2, _mm256_set1_epi32(xw[2])),
+                                               _mm256_madd_epi16(q3, _mm256_set1_epi32(xw[3])));
+            ti[j] = _mm256_add_epi32(ti[j], _mm256_add_epi32(p, r));
+          }
+        }
+        const __m256 sv = _mm256_loadu_ps(blk.sc.data() + g * kBlock + 8 * h);
+        const __m256 zv = _mm256_loadu_ps(blk.zc.data() + g * kBlock + 8 * h);
+        for (int j = 0; j < NB; ++j) {
+          const int64_t bg = (b0 + j) * G + g;
+          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti[j]), _mm256_mul_ps(sv, _mm256_set1_ps(a.dw[bg])), acc[j]);
+          corr[j] = _mm256_fmadd_ps(zv, _mm256_set1_ps(a.wsum[bg]), corr[j]);
+        }
+      }
+      for (int j = 0; j < NB; ++j) {
+        float out[8];
+        _mm256_storeu_ps(out, _mm256_add_ps(acc[j], corr[j]));
+        for (int r = 0; r < 8; ++r) {
+          const int64_t n = m0 + 8 * h + r;
+          y[(b0 + j) * ldy + n] = out[r] + (w.bias ? w.bias[n] : 0.f);
         }
       }
     }
@@ -1061,7 +1166,10 @@ constexpr int64_t kNeverQ8 = INT64_MAX;
 struct Int4TGemv : Int4Gemv {
   int64_t q8_from = kNeverQ8;
   bool needs_q8(int64_t B) const override { return B >= q8_from; }
-  bool needs_pairs(int64_t B) const override { return B < q8_from; }
+  bool needs_pairs(int64_t B) const override { return B < q8_from && current_isa() == kAvx512 && has_vbmi(); }
+  bool needs_w16(int64_t B) const override {
+    return B < q8_from && current_isa() >= kAvx2 && !(current_isa() == kAvx512 && has_vbmi());
+  }
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     const int isa = current_isa();
     if (a.B >= q8_from) {
@@ -1073,7 +1181,7 @@ struct Int4TGemv : Int4Gemv {
     } else if (isa == kAvx512 && has_vbmi()) {
       TIERED_DISPATCH_NB(int4t_avx512, w)
     } else if (isa >= kAvx2) {
-      TIERED_DISPATCH_NB(int4t_avx2, w, false)
+      TIERED_DISPATCH_NB(int4t_w16_avx2, w)
     } else {
       int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, false);
     }
@@ -1094,10 +1202,17 @@ struct Int8Gemv : Gemv {
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     switch (current_isa()) {
       case kAvx512: TIERED_DISPATCH_NB(int8_avx512, w) break;
-      case kAvx2: TIERED_DISPATCH_NB(rows_avx2, w, Int8Rows) break;
+      case kAvx2:
+        if (a.xs) {
+          TIERED_DISPATCH_NB(int8_w16_avx2, w)
+        } else {
+          TIERED_DISPATCH_NB(rows_avx2, w, Int8Rows)
+        }
+        break;
       default: rows_scalar<Int8Rows>(w, a, b0, nb, n0, n1, y, ldy);
     }
   }
+  bool needs_w16(int64_t) const override { return current_isa() == kAvx2 && in_features % kGroup == 0; }
   int64_t weight_bytes() const override { return out_features * (in_features + 2); }
   std::string name() const override { return std::string("int8(tiered,") + isa_name(current_isa()) + ")"; }
 };
@@ -1164,7 +1279,7 @@ void swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, 
   gu.resize(B * 2 * F);
   h.resize(B * F);
   const Act a = buf.prepare(x, B, gate.in_features, gate.needs_q8(B) || up.needs_q8(B),
-                            gate.needs_pairs(B) || up.needs_pairs(B));
+                            gate.needs_pairs(B) || up.needs_pairs(B), gate.needs_w16(B) || up.needs_w16(B));
   const Part parts[2] = {{&gate, gu.data(), 2 * F}, {&up, gu.data() + F, 2 * F}};
   run_parts(parts, 2, a);
   for (int64_t b = 0; b < B; ++b) {
@@ -1407,7 +1522,7 @@ void ActBuffers::quantize_q8(const float* x, int64_t B, int64_t K, Act& a) {
   a.xqt = xqt.data(), a.dxg = dxg.data();
 }
 
-Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, bool q8, bool pairs) {
+Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, bool q8, bool pairs, bool w16) {
   const int64_t n = B * K, G = K / kGroup;
   xr.resize(n);
   xb.resize(n);
@@ -1435,12 +1550,39 @@ Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, bool q8, bool pair
           xp[(b * K + k) / 2 + j] = uint32_t(xb[b * K + k + j]) | (uint32_t(xb[b * K + k + 4 + j]) << 16);
     a.xp = xp.data();
   }
+  if (w16) {
+    constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding and subtracting rounds half to even
+    xw.resize(B * K / 2);
+    xs.resize(B * K);
+    dw.resize(B * G);
+    wsum.resize(B * G);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p = x + b * K + g * kGroup;
+        float amax = 0.f, sum = 0.f;
+        for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(p[i])), sum += p[i];
+        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        dw[b * G + g] = amax / 32767.f, wsum[b * G + g] = sum;
+        uint32_t* o = xw.data() + (b * K + g * kGroup) / 2;
+        for (int64_t c = 0; c < kGroup; c += 8) {
+          int32_t q[8];
+          for (int i = 0; i < 8; ++i) {
+            q[i] = int32_t((p[c + i] * inv + kRound) - kRound);
+            xs[b * K + g * kGroup + c + i] = int16_t(q[i]);
+          }
+          const int pairs_of[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};
+          for (int i = 0; i < 4; ++i)
+            o[c / 2 + i] = uint32_t(uint16_t(int16_t(q[pairs_of[i][0]]))) | (uint32_t(uint16_t(int16_t(q[pairs_of[i][1]]))) << 16);
+        }
+      }
+    a.xw = xw.data(), a.xs = xs.data(), a.dw = dw.data(), a.wsum = wsum.data();
+  }
   return a;
 }
 
 void Gemv::run(const float* x, int64_t B, float* y) const {
   thread_local ActBuffers buf;
-  const Act a = buf.prepare(x, B, in_features, needs_q8(B), needs_pairs(B));
+  const Act a = buf.prepare(x, B, in_features, needs_q8(B), needs_pairs(B), needs_w16(B));
   const Part part{this, y, out_features};
   run_parts(&part, 1, a);
 }
