@@ -842,43 +842,52 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     int4t_fill_block_avx2(w, m0, G, blk);
     const uint8_t* tile = w.codes + m0 * (K / 2);
-    for (int h = 0; h < 2; ++h) {
-      __m256 acc[NB], corr[NB];
-      for (int j = 0; j < NB; ++j) acc[j] = corr[j] = _mm256_setzero_ps();
-      for (int64_t g = 0; g < G; ++g) {
-        __m256i ti[NB];
-        for (int j = 0; j < NB; ++j) ti[j] = _mm256_setzero_si256();
-        for (int c4 = 0; c4 < 4; ++c4) {
-          const int64_t k0 = g * kGroup + c4 * 8;
-          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (k0 / 8) * 64 + 32 * h));
-          const __m256i q0 = _mm256_and_si256(d, m), q1 = _mm256_and_si256(_mm256_srli_epi32(d, 4), m);
-          const __m256i q2 = _mm256_and_si256(_mm256_srli_epi32(d, 8), m), q3 = _mm256_and_si256(_mm256_srli_epi32(d, 12), m);
-          for (int j = 0; j < NB; ++j) {
-            const int32_t* xw = reinterpret_cast<const int32_t*>(a.xw + (b0 + j) * (K / 2) + k0 / 2);
-            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_set1_epi32(xw[0])),
-                                               _mm256_madd_epi16(q1, _mm256_set1_epi32(xw[1])));
-            const __m256i r = _mm256_add_epi32(_mm256_madd_epi16(q2, _mm256_set1_epi32(xw[2])),
-                                               _mm256_madd_epi16(q3, _mm256_set1_epi32(xw[3])));
-            ti[j] = _mm256_add_epi32(ti[j], _mm256_add_epi32(p, r));
+    __m256 acc[NB][2], corr[NB][2];
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) acc[j][h] = corr[j][h] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m256i ti[NB][2];
+      for (int j = 0; j < NB; ++j) ti[j][0] = ti[j][1] = _mm256_setzero_si256();
+      const uint8_t* chunk = tile + g * 256;  // 4 chunks of 8 columns x 16 rows (rows 0-7, then 8-15)
+      const uint32_t* xg[NB];
+      for (int j = 0; j < NB; ++j) xg[j] = a.xw + (b0 + j) * (K / 2) + g * (kGroup / 2);
+      for (int c4 = 0; c4 < 4; ++c4) {
+        __m256i q[2][4];
+        for (int h = 0; h < 2; ++h) {  // both 8-row halves of one 64-byte chunk: one cache line
+          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + c4 * 64 + 32 * h));
+          q[h][0] = _mm256_and_si256(d, m), q[h][1] = _mm256_and_si256(_mm256_srli_epi32(d, 4), m);
+          q[h][2] = _mm256_and_si256(_mm256_srli_epi32(d, 8), m), q[h][3] = _mm256_and_si256(_mm256_srli_epi32(d, 12), m);
+        }
+        for (int j = 0; j < NB; ++j) {
+          const int32_t* xw = reinterpret_cast<const int32_t*>(xg[j] + c4 * 4);
+          const __m256i x0 = _mm256_set1_epi32(xw[0]), x1 = _mm256_set1_epi32(xw[1]);
+          const __m256i x2 = _mm256_set1_epi32(xw[2]), x3 = _mm256_set1_epi32(xw[3]);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q[h][0], x0), _mm256_madd_epi16(q[h][1], x1));
+            const __m256i r = _mm256_add_epi32(_mm256_madd_epi16(q[h][2], x2), _mm256_madd_epi16(q[h][3], x3));
+            ti[j][h] = _mm256_add_epi32(ti[j][h], _mm256_add_epi32(p, r));
           }
         }
+      }
+      for (int h = 0; h < 2; ++h) {
         const __m256 sv = _mm256_loadu_ps(blk.sc.data() + g * kBlock + 8 * h);
         const __m256 zv = _mm256_loadu_ps(blk.zc.data() + g * kBlock + 8 * h);
         for (int j = 0; j < NB; ++j) {
           const int64_t bg = (b0 + j) * G + g;
-          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti[j]), _mm256_mul_ps(sv, _mm256_set1_ps(a.dw[bg])), acc[j]);
-          corr[j] = _mm256_fmadd_ps(zv, _mm256_set1_ps(a.wsum[bg]), corr[j]);
+          acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti[j][h]), _mm256_mul_ps(sv, _mm256_set1_ps(a.dw[bg])), acc[j][h]);
+          corr[j][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(a.wsum[bg]), corr[j][h]);
         }
       }
-      for (int j = 0; j < NB; ++j) {
+    }
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
         float out[8];
-        _mm256_storeu_ps(out, _mm256_add_ps(acc[j], corr[j]));
+        _mm256_storeu_ps(out, _mm256_add_ps(acc[j][h], corr[j][h]));
         for (int r = 0; r < 8; ++r) {
           const int64_t n = m0 + 8 * h + r;
           y[(b0 + j) * ldy + n] = out[r] + (w.bias ? w.bias[n] : 0.f);
         }
       }
-    }
   }
 }
 
