@@ -177,7 +177,7 @@ def main() -> None:
         [f"Median absolute error over all per-layer and end-to-end comparisons: **{med:.0%}** (target < 20%)."]
     h200, h200_lines = h200_table()
     notes += h200_lines
-    stem = "planner_validation_quick" if args.quick else "planner_validation"
+    stem = "planner_validation_quick" if args.quick else "planner_validation_dense" if args.dense_only else "planner_validation"
     _, md = write_report(stem, out_dir, title="Planner validation", settings=settings, rows=rows, columns=columns,
                          notes=notes, extra={"median_abs_error": med, "h200": h200})
     print(md.read_text())

@@ -238,8 +238,11 @@ def test_engine_profile_sources(tmp_path, monkeypatch):
     calls = []
     from tiered.hardware.profiler import PROFILER_VERSION
     from tiered.kernels import available as native_kernels
+    from tiered.kernels import build_name
+    build = build_name() if native_kernels() else None
     fake = HardwareProfile("measured", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)},
-                           meta={"profiler_version": PROFILER_VERSION, "native_kernels": native_kernels()})
+                           meta={"profiler_version": PROFILER_VERSION, "native_kernels": native_kernels(),
+                                 "kernels_build": build})
     monkeypatch.setattr("tiered.hardware.profiler.profile_machine", lambda **kw: calls.append(kw) or fake)
     said = []
     assert engine_profile(None, progress=said.append).name == "measured"
@@ -254,6 +257,12 @@ def test_engine_profile_sources(tmp_path, monkeypatch):
                     meta={"profiler_version": PROFILER_VERSION, "native_kernels": not native_kernels()}).save(
         tmp_path / "cache" / "hardware_profile.json")
     assert engine_profile(None).name == "measured" and len(calls) == 3
+    if native_kernels():  # ... and one whose native keys timed an earlier build of the kernels
+        HardwareProfile("stale", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)},
+                        meta={"profiler_version": PROFILER_VERSION, "native_kernels": True,
+                              "kernels_build": "tiered_kernels_0000000000000000"}).save(
+            tmp_path / "cache" / "hardware_profile.json")
+        assert engine_profile(None).name == "measured" and len(calls) == 4
 
 
 def test_standin_profile_mirrors_cpu_keys_and_link():

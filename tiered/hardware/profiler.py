@@ -531,6 +531,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     meta = _meta(b, cuda)
     meta["profiler_version"] = PROFILER_VERSION
     meta["native_kernels"] = kernels.available()
+    meta["kernels_build"] = kernels.build_name() if meta["native_kernels"] else None  # what timed the native keys
     meta["disk_note"] = note
     meta["load_average"] = load_before
     if load_before is not None and load_before > (os.cpu_count() or 1) - 0.5:
