@@ -749,84 +749,7 @@ TIERED_AVX2 void int4t_fill_block_avx2(const Int4W& w, int64_t m0, int64_t G, In
     }
 }
 
-// AVX2: each 8-row half of a tile on its own (a 32-byte half of every 64-byte chunk), fp32 FMAs on
-// bf16-rounded x (act bf16) or vpmaddubsw + vpmaddwd on xq (q8).
-template <int NB, bool Q8>
-TIERED_AVX2 void int4t_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t K = a.K, G = K / kGroup;
-  constexpr int C = NB == 1 ? 4 : NB <= 2 ? 2 : 1;  // independent accumulator chains per row
-  thread_local Int4Block blk;
-  const __m256i m4 = _mm256_set1_epi32(15), m4b = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    blk.gather(w, m0, kBlock, G, Q8 ? 0.f : 8.f);
-    const uint8_t* tile = w.codes + m0 * (K / 2);
-    for (int h = 0; h < 2; ++h) {
-      __m256 acc[NB];
-      for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t g = 0; g < G; ++g) {
-        __m256 t[NB][C];
-        __m256i ti[NB];
-        for (int j = 0; j < NB; ++j) {
-          ti[j] = _mm256_setzero_si256();
-          for (int c = 0; c < C; ++c) t[j][c] = _mm256_setzero_ps();
-        }
-        for (int c4 = 0; c4 < 4; ++c4) {
-          const int64_t k0 = g * kGroup + c4 * 8;
-          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (k0 / 8) * 64 + 32 * h));
-          if constexpr (Q8) {
-            const __m256i lo = _mm256_and_si256(d, m4b), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), m4b);
-            for (int j = 0; j < NB; ++j) {
-              const int8_t* xq = a.xqt + (b0 + j) * K + k0;
-              int32_t x0, x1;
-              std::memcpy(&x0, xq, 4), std::memcpy(&x1, xq + 4, 4);
-              const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)), ones);
-              const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)), ones);
-              ti[j] = _mm256_add_epi32(ti[j], _mm256_add_epi32(p0, p1));
-            }
-          } else {
-            for (int jj = 0; jj < 4; ++jj) {
-              const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, 8 * jj), m4));
-              const __m256 hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, 8 * jj + 4), m4));
-              for (int j = 0; j < NB; ++j) {
-                const float* xr = a.xr + (b0 + j) * K + k0;
-                __m256& tc = t[j][jj % C];
-                tc = _mm256_fmadd_ps(lo, _mm256_set1_ps(xr[jj]), tc);
-                tc = _mm256_fmadd_ps(hi, _mm256_set1_ps(xr[4 + jj]), tc);
-              }
-            }
-          }
-        }
-        const __m256 sv = _mm256_loadu_ps(blk.sc.data() + g * kBlock + 8 * h);
-        for (int j = 0; j < NB; ++j) {
-          if constexpr (Q8) {
-            const __m256 sd = _mm256_mul_ps(sv, _mm256_set1_ps(a.dxg[(b0 + j) * G + g]));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti[j]), sd, acc[j]);
-          } else {
-            __m256 s = t[j][0];
-            for (int c = 1; c < C; ++c) s = _mm256_add_ps(s, t[j][c]);
-            acc[j] = _mm256_fmadd_ps(s, sv, acc[j]);
-          }
-        }
-      }
-      for (int j = 0; j < NB; ++j) {
-        const int64_t b = b0 + j;
-        float out[8];
-        _mm256_storeu_ps(out, acc[j]);
-        for (int r = 0; r < 8; ++r) {
-          const int64_t rr = 8 * h + r;
-          float corr = 0.f;
-          for (int64_t g = 0; g < G; ++g) {
-            const float s = blk.sc[g * kBlock + rr], zc = blk.zc[g * kBlock + rr];
-            corr += Q8 ? s * a.m8[b * a.Gp + g] + zc * a.xsum[b * a.Gp + g] : zc * a.gsum[b * G + g];
-          }
-          y[b * ldy + m0 + rr] = out[r] + corr + (w.bias ? w.bias[m0 + rr] : 0.f);
-        }
-      }
-    }
-  }
-}
-
-// AVX2 at batch 1..q8_from-1 (int16 activations, Act::xw): per 8-row half of a tile and chunk of 8
+// AVX2 (int16 activations, Act::xw; AVX-512 without VBMI below q8_from): per 8-row half of a tile and chunk of 8
 // columns, the 4 code bytes of a row hold columns j (low nibble of byte j) and 4 + j (high); masking
 // the row's 32-bit word with 0x000F000F after shifts of 0, 4, 8, 12 leaves the int16 pairs of
 // columns (0, 2), (4, 6), (1, 3), (5, 7), which one vpmaddwd each multiplies by the matching pair of
@@ -1174,23 +1097,28 @@ constexpr int64_t kNeverQ8 = INT64_MAX;
 
 struct Int4TGemv : Int4Gemv {
   int64_t q8_from = kNeverQ8;
-  bool needs_q8(int64_t B) const override { return B >= q8_from; }
-  bool needs_pairs(int64_t B) const override { return B < q8_from && current_isa() == kAvx512 && has_vbmi(); }
-  bool needs_w16(int64_t B) const override {
-    return B < q8_from && current_isa() >= kAvx2 && !(current_isa() == kAvx512 && has_vbmi());
+  // AVX2 reads int16 activations at every row count: without VNNI its int8 dot (vpmaddubsw +
+  // vpmaddwd) is no cheaper than int16's vpmaddwd, which measured 1.9x faster at 4 and 16 rows and
+  // is more exact. AVX-512 without VBMI: int16 below q8_from, vpdpbusd from it.
+  bool w16(int64_t B) const {
+    const int isa = current_isa();
+    return isa == kAvx2 || (isa == kAvx512 && !has_vbmi() && B < q8_from);
   }
+  bool needs_q8(int64_t B) const override { return B >= q8_from && !w16(B); }
+  bool needs_pairs(int64_t B) const override { return B < q8_from && current_isa() == kAvx512 && has_vbmi(); }
+  bool needs_w16(int64_t B) const override { return w16(B); }
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     const int isa = current_isa();
-    if (a.B >= q8_from) {
-      switch (isa) {
-        case kAvx512: TIERED_DISPATCH_NB(int4tq8_avx512, w) break;
-        case kAvx2: TIERED_DISPATCH_NB(int4t_avx2, w, true) break;
-        default: int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, true);
-      }
-    } else if (isa == kAvx512 && has_vbmi()) {
-      TIERED_DISPATCH_NB(int4t_avx512, w)
-    } else if (isa >= kAvx2) {
+    if (w16(a.B)) {
       TIERED_DISPATCH_NB(int4t_w16_avx2, w)
+    } else if (a.B >= q8_from) {
+      if (isa == kAvx512) {
+        TIERED_DISPATCH_NB(int4tq8_avx512, w)
+      } else {
+        int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, true);
+      }
+    } else if (isa == kAvx512) {
+      TIERED_DISPATCH_NB(int4t_avx512, w)
     } else {
       int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, false);
     }
@@ -1198,6 +1126,7 @@ struct Int4TGemv : Int4Gemv {
   std::string name() const override {
     const int isa = current_isa();
     const char* bf16_isa = isa == kAvx512 && !has_vbmi() ? "avx2" : isa_name(isa);
+    if (isa == kAvx2) return "int4t(tiered,avx2; int16 x)";
     if (q8_from == 1) return std::string("int4tq8(tiered,") + isa_name(isa) + ")";
     if (q8_from == kNeverQ8) return std::string("int4t(tiered,") + bf16_isa + ")";
     return std::string("int4t(tiered,") + bf16_isa + "; q8 from " + std::to_string(q8_from) + " rows)";
