@@ -118,24 +118,30 @@ def test_plan_round_trips_prefetch_fields(rt, tmp_path, close_after):
     assert llm.experts.cache.stats.evictions > 0
 
 
-def test_mixed_precision_prefetches_at_the_predicted_precision(rt, tmp_path, close_after):
+@pytest.mark.parametrize("accelerator", ["none", "host"])
+def test_mixed_precision_prefetches_at_the_predicted_precision(rt, tmp_path, close_after, accelerator):
     """HOBBIT §3.2 "prefetches use mixed precision": with T1 = 0 and T2 = 1 a predicted top-1 expert
     is loaded into the high pool and the others into the low pool (fewer bytes), and the layer they
-    were predicted for finds them there."""
+    were predicted for finds them there. Without an accelerator the loads are disk reads into RAM
+    slots; behind the strict host stand-in they are H2D copies of each precision's host copy."""
     kind = "mixtral"
     cfg = dict(max_context=32, decode_weights="fp32", plan="off", expert_weights="bf16", expert_cache_slots=6,
-               resident_experts=0, offload_dir=str(tmp_path / "off"), accelerator="none",
+               resident_experts=0, offload_dir=str(tmp_path / "off"), accelerator=accelerator,
                expert_low_weights="int4", mixed_thresholds=(0.0, 1.0), prefetch=True, prefetch_lookahead=1)
+    if accelerator == "host":  # every expert in CPU RAM (both precisions), the cache slots on the "device"
+        cfg.update(gpu_memory="64MiB", cpu_memory=None, force_expert_path="copy")  # unlimited RAM: low copies there too
     llm = LLM(rt.dir(kind), engine_config(**cfg))
     close_after(llm)
     pf, ex = llm.experts.prefetcher, llm.experts
     assert pf.low is not None and pf.low.cache is ex.low.cache
     pf.max_inflight = 64  # issue every predicted miss at once
     first = min(pf.gates.stacks)
-    x = torch.randn(3, llm.config.hidden_size)
-    ((target, idx, w),) = pf.gates.predict(first, x)
-    needs = pf.low.mixed.expert_needs(idx, w, pf.gates.num_experts).tolist()
-    pf.on_layer(first, x, used=[0], pinned={(first, 0)})
+    with llm._device_scope():
+        # one token: its top-1 expert high, its second low (T1 = 0): one load into each pool
+        x = llm._to_device(torch.randn(1, llm.config.hidden_size, generator=torch.Generator().manual_seed(0)))
+        ((target, idx, w),) = pf.gates.predict(first, x)
+        needs = pf.low.mixed.expert_needs(idx, w, pf.gates.num_experts).tolist()
+        pf.on_layer(first, x, used=[0], pinned={(first, 0)})
     want = {((target, e), need != HIGH) for e, need in enumerate(needs) if need != SKIP}
     assert set(pf.inflight) == want and any(low for _, low in want) and any(not low for _, low in want)
     hb, lb = ex.store.expert_bytes, ex.low.store.expert_bytes
@@ -146,6 +152,10 @@ def test_mixed_precision_prefetches_at_the_predicted_precision(rt, tmp_path, clo
         assert pf.loading(key, not low) == []
         fut.result()
         pool = ex.low.cache if low else ex.cache
-        assert pool.lookup(key) is not None and (key in ex.cache) == (not low)
+        slot = pool.lookup(key)
+        assert slot is not None and (key in ex.cache) == (not low)
+        if accelerator == "host":  # the copy of that precision's host copy, on the stand-in device
+            host = (ex.low if low else ex).store.host[key]
+            assert all(torch.equal(llm.accelerator.to_host(t), h) for t, h in zip(slot, host))
     out = llm.generate(prompt(), GREEDY)[0].token_ids  # the whole path runs, low prefetches served as low hits
     assert len(out) == GREEDY.max_tokens and ex.precision_counts["low hit"] > 0
