@@ -49,6 +49,14 @@ def test_int4(isa, N, K):
         assert rel(k(x), ref) < 1e-4, (isa, B)
 
 
+def group_round(x, levels: int):
+    """x [..., K] per group of 32 as the kernels quantize it: (codes round(x * levels / max|x|), half
+    to even, [..., K/32, 32]; max|x| [..., K/32, 1]); the step is max|x| / levels."""
+    xg = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)
+    return torch.round(xg * torch.where(amax > 0, levels / amax, torch.zeros_like(amax))), amax
+
+
 def q8_reference(x, codes, sz, zr, levels: int = 127, offset_exact: bool = False):
     """int4 x int8-activation result emulated in torch (fp64 for the exact integer dots): x [B, K] ->
     [B, N]. x per group of 32: xq = round(x * 127 / max|x|) (half to even), dx = max|x| / 127;
@@ -58,8 +66,7 @@ def q8_reference(x, codes, sz, zr, levels: int = 127, offset_exact: bool = False
     B, K = x.shape
     N, G = codes.shape[0], K // 32
     xg = x.reshape(B, G, 32)
-    amax = xg.abs().amax(-1, keepdim=True)
-    xq = torch.round(xg * torch.where(amax > 0, levels / amax, torch.zeros_like(amax)))
+    xq, amax = group_round(x, levels)
     s = sz[..., 0].float().T  # (N, G)
     z = sz[..., 1].float().T + zr.float().T - (8 * s if offset_exact else 0)
     q = codes.double().reshape(N, G, 32) - (0 if offset_exact else 8)
@@ -220,12 +227,9 @@ def test_int8(isa, N, K):
 def int8_activations(k, x):
     """The activations an int8 kernel multiplies: x itself, or on the AVX2 path (K % 32 == 0) x
     rounded to int16 per group of 32 (dx = max|x| / 32767, half to even: ~60x finer than bf16)."""
-    K = x.shape[-1]
-    if "avx2" not in k.name() or K % 32:
+    if "avx2" not in k.name() or x.shape[-1] % 32:
         return x
-    xg = x.reshape(*x.shape[:-1], K // 32, 32)
-    amax = xg.abs().amax(-1, keepdim=True)
-    q = torch.round(xg * torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax)))
+    q, amax = group_round(x, 32767)
     return (q * (amax / 32767)).reshape(x.shape)
 
 

@@ -200,6 +200,21 @@ TIERED_AVX2 inline __attribute__((always_inline)) float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// 8 rows' scales and zero terms with offset 8 (S = s, Z = z + zr - 8 s, fp32) from their 8 (s, z)
+// bf16 pairs and 8 bf16 residuals (zr null: none): one 32-byte load.
+TIERED_AVX2 inline __attribute__((always_inline)) void fill8_avx2(const uint16_t* sz, const uint16_t* zr, float* S,
+                                                                 float* Z) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz));
+  const __m256 sv = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  __m256 zv = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xFFFF0000u))));
+  if (zr) {
+    const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(zr));
+    zv = _mm256_add_ps(zv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16)));
+  }
+  _mm256_storeu_ps(S, sv);
+  _mm256_storeu_ps(Z, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv, zv));
+}
+
 template <int NB>
 TIERED_AVX2 void int4_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
@@ -212,20 +227,10 @@ TIERED_AVX2 void int4_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0,
     const int64_t rn = std::min(kBlock, n1 - m0);
     if (interleaved(w, rn)) {
       float *S = blk.S(G), *Z = blk.Z(G);
-      const __m256i hi16 = _mm256_set1_epi32(int(0xFFFF0000u));
-      const __m256 off = _mm256_set1_ps(8.f);
       for (int64_t g = 0; g < G; ++g)
-        for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.s + (m0 + 8 * h) * 2 + g * w.s_g));
-          const __m256 sv = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-          __m256 zv = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
-          if (w.zr) {
-            const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zr + m0 + 8 * h + g * w.zr_g));
-            zv = _mm256_add_ps(zv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16)));
-          }
-          _mm256_storeu_ps(S + g * kBlock + 8 * h, sv);
-          _mm256_storeu_ps(Z + g * kBlock + 8 * h, _mm256_fnmadd_ps(off, sv, zv));
-        }
+        for (int h = 0; h < 2; ++h)  // rows 8h .. 8h + 7
+          fill8_avx2(w.s + (m0 + 8 * h) * 2 + g * w.s_g, w.zr ? w.zr + m0 + 8 * h + g * w.zr_g : nullptr,
+                     S + g * kBlock + 8 * h, Z + g * kBlock + 8 * h);
     } else {
       blk.gather(w, m0, rn, G, 8.f);
     }
@@ -729,24 +734,14 @@ void int4t_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t 
   }
 }
 
-// A tile's scales and zero terms (offset 8: zc = z + zr - 8 s) from its contiguous [G, 16, 2] bf16
-// run (and [G, 16] residual): 8 rows per 32-byte load.
+// A tile's scales and zero terms (offset 8) from its contiguous [G, 16, 2] bf16 run (and [G, 16]
+// residual): 8 rows per 32-byte load.
 TIERED_AVX2 void int4t_fill_block_avx2(const Int4W& w, int64_t m0, int64_t G, Int4Block& blk) {
   float *S = blk.S(G), *Z = blk.Z(G);
-  const __m256i hi16 = _mm256_set1_epi32(int(0xFFFF0000u));
-  const __m256 off = _mm256_set1_ps(8.f);
   for (int64_t g = 0; g < G; ++g)
-    for (int h = 0; h < 2; ++h) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.tile_sz(m0, G, g) + 16 * h));
-      const __m256 sv = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      __m256 zv = _mm256_castsi256_ps(_mm256_and_si256(v, hi16));
-      if (w.zr) {
-        const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_zr(m0, G, g) + 8 * h));
-        zv = _mm256_add_ps(zv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16)));
-      }
-      _mm256_storeu_ps(S + g * kBlock + 8 * h, sv);
-      _mm256_storeu_ps(Z + g * kBlock + 8 * h, _mm256_fnmadd_ps(off, sv, zv));
-    }
+    for (int h = 0; h < 2; ++h)
+      fill8_avx2(w.tile_sz(m0, G, g) + 16 * h, w.zr ? w.tile_zr(m0, G, g) + 8 * h : nullptr, S + g * kBlock + 8 * h,
+                 Z + g * kBlock + 8 * h);
 }
 
 // AVX2 (int16 activations, Act::xw; AVX-512 without VBMI below q8_from): per 8-row half of a tile and chunk of 8
@@ -1079,7 +1074,7 @@ struct Int4Gemv : Gemv {
 // The same weights on int8-quantized activations (see "int4 x q8" above): 2 vpdpbusd per 128
 // weights instead of a bf16 dot per 32, at the cost of rounding x to 8 bits per group of 32.
 struct Int4Q8Gemv : Int4Gemv {
-  bool needs_q8(int64_t) const override { return true; }
+  ActNeeds needs(int64_t) const override { return ActNeeds::only_q8(); }
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     switch (current_isa()) {
       case kAvx512: TIERED_DISPATCH_NB(int4q8_avx512, w) break;
@@ -1104,9 +1099,11 @@ struct Int4TGemv : Int4Gemv {
     const int isa = current_isa();
     return isa == kAvx2 || (isa == kAvx512 && !has_vbmi() && B < q8_from);
   }
-  bool needs_q8(int64_t B) const override { return B >= q8_from && !w16(B); }
-  bool needs_pairs(int64_t B) const override { return B < q8_from && current_isa() == kAvx512 && has_vbmi(); }
-  bool needs_w16(int64_t B) const override { return w16(B); }
+  ActNeeds needs(int64_t B) const override {
+    if (w16(B)) return ActNeeds::only_w16();
+    if (B >= q8_from) return ActNeeds::only_q8();
+    return {true, false, current_isa() == kAvx512 && has_vbmi(), false};
+  }
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     const int isa = current_isa();
     if (w16(a.B)) {
@@ -1150,7 +1147,9 @@ struct Int8Gemv : Gemv {
       default: rows_scalar<Int8Rows>(w, a, b0, nb, n0, n1, y, ldy);
     }
   }
-  bool needs_w16(int64_t) const override { return current_isa() == kAvx2 && in_features % kGroup == 0; }
+  ActNeeds needs(int64_t) const override {  // reads fp32 x, or int16 x on AVX2
+    return {false, false, false, current_isa() == kAvx2 && in_features % kGroup == 0};
+  }
   int64_t weight_bytes() const override { return out_features * (in_features + 2); }
   std::string name() const override { return std::string("int8(tiered,") + isa_name(current_isa()) + ")"; }
 };
@@ -1216,8 +1215,7 @@ void swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, 
   const int64_t F = gate.out_features;
   gu.resize(B * 2 * F);
   h.resize(B * F);
-  const Act a = buf.prepare(x, B, gate.in_features, gate.needs_q8(B) || up.needs_q8(B),
-                            gate.needs_pairs(B) || up.needs_pairs(B), gate.needs_w16(B) || up.needs_w16(B));
+  const Act a = buf.prepare(x, B, gate.in_features, gate.needs(B) | up.needs(B));
   const Part parts[2] = {{&gate, gu.data(), 2 * F}, {&up, gu.data() + F, 2 * F}};
   run_parts(parts, 2, a);
   for (int64_t b = 0; b < B; ++b) {
@@ -1460,27 +1458,30 @@ void ActBuffers::quantize_q8(const float* x, int64_t B, int64_t K, Act& a) {
   a.xqt = xqt.data(), a.dxg = dxg.data();
 }
 
-Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, bool q8, bool pairs, bool w16) {
+Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, ActNeeds needs) {
   const int64_t n = B * K, G = K / kGroup;
-  xr.resize(n);
-  xb.resize(n);
-  gsum.resize(B * G);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint16_t h = to_bf16(x[i]);
-    xb[i] = h;
-    xr[i] = bf16f(h);
-  }
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* p = xr.data() + b * K + g * kGroup;
-      float s = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) s += p[i];
-      gsum[b * G + g] = s;
-    }
   Act a;
-  a.x = x, a.xr = xr.data(), a.xb = xb.data(), a.gsum = gsum.data(), a.B = B, a.K = K;
-  if (q8) quantize_q8(x, B, K, a);
-  if (pairs) {
+  a.x = x, a.B = B, a.K = K;
+  if (needs.bf16 || needs.pairs) {
+    xr.resize(n);
+    xb.resize(n);
+    gsum.resize(B * G);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t h = to_bf16(x[i]);
+      xb[i] = h;
+      xr[i] = bf16f(h);
+    }
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p = xr.data() + b * K + g * kGroup;
+        float s = 0.f;
+        for (int64_t i = 0; i < kGroup; ++i) s += p[i];
+        gsum[b * G + g] = s;
+      }
+    a.xr = xr.data(), a.xb = xb.data(), a.gsum = gsum.data();
+  }
+  if (needs.q8) quantize_q8(x, B, K, a);
+  if (needs.pairs) {
     xp.resize(B * K / 2);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t k = 0; k + 8 <= K; k += 8)
@@ -1488,7 +1489,7 @@ Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, bool q8, bool pair
           xp[(b * K + k) / 2 + j] = uint32_t(xb[b * K + k + j]) | (uint32_t(xb[b * K + k + 4 + j]) << 16);
     a.xp = xp.data();
   }
-  if (w16) {
+  if (needs.w16) {
     constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding and subtracting rounds half to even
     xw.resize(B * K / 2);
     xs.resize(B * K);
@@ -1520,7 +1521,7 @@ Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, bool q8, bool pair
 
 void Gemv::run(const float* x, int64_t B, float* y) const {
   thread_local ActBuffers buf;
-  const Act a = buf.prepare(x, B, in_features, needs_q8(B), needs_pairs(B), needs_w16(B));
+  const Act a = buf.prepare(x, B, in_features, needs(B));
   const Part part{this, y, out_features};
   run_parts(&part, 1, a);
 }

@@ -22,11 +22,12 @@ enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 Isa best_isa();     // what this CPU supports
 Isa current_isa();  // what the kernels use now (best_isa unless set_isa lowered it)
 
-// One call's activations, prepared once for every kernel reading them. All pointers are rows of
-// B: x fp32 [B, K] as given; xr fp32 [B, K] = x rounded to bf16; xb bf16 bits [B, K] of xr;
-// gsum fp32 [B, K/32] = sums of xr over groups of 32 (int4's zero term).
+// One call's activations, prepared once for every kernel reading them (what each reads: its
+// Gemv::needs, an ActNeeds). All pointers are rows of B: x fp32 [B, K] as given. With bf16: xr fp32
+// [B, K] = x rounded to bf16; xb bf16 bits [B, K] of xr; gsum fp32 [B, K/32] = sums of xr over
+// groups of 32 (int4's zero term); null without.
 //
-// With q8 (only when a kernel reading the Act needs_q8), x quantized per group of 32 to int8, like
+// With q8, x quantized per group of 32 to int8, like
 // llama.cpp's Q8_0 activations: dx = max|x| / 127, xq = round(x * 127 / max|x|) (half to even),
 // G = K/32 groups padded to Gp = 4 * ceil(G/4) (padding zero). Per row b:
 //   xq int8 [Gp * 32], in chunks of 4 groups (128 bytes): bytes 16l..16l+15 = group 4c+l's even
@@ -39,14 +40,12 @@ Isa current_isa();  // what the kernels use now (best_isa unless set_isa lowered
 //   m8 fp32 [Gp]: -8 * dx * sum(xq) per group (int4's q - 8 offset, taken out per row block);
 //   xqt int8 [K]: the same xq in column order, and dxg fp32 [G] its dx per group (the tiled int4
 //      layout's operands).
-// With w16 (only when a kernel reading the Act needs_w16: the tiled int4 layout's AVX2 path at
-// batch 1), x quantized per group of 32 to int16: dw = max|x| / 32767, xw = round(x / dw) (15 bits
+// With w16 (the AVX2 paths of the tiled int4 layout and of int8 weights), x quantized per group of 32 to int16: dw = max|x| / 32767, xw = round(x / dw) (15 bits
 // where bf16 keeps 8), as uint32 words of two int16 in the order that path's vpmaddwd reads them: per
 // 8 columns c8, words (x0, x2), (x4, x6), (x1, x3), (x5, x7) of x[8 c8 ..] (low half first): xw uint32
 // [B, K/2]; xs int16 [B, K] the same values in column order (the int8 kernel's AVX2 path);
 // dw fp32 [B, K/32]; wsum fp32 [B, K/32] the exact sums of x per group.
-// With pairs (only when a kernel reading the Act needs_pairs: the tiled int4 layout on bf16
-// activations): xp uint32 [B, K/2], per 8 columns c8 and j < 4 the bf16 words of x[8 c8 + j] (low)
+// With pairs (the tiled int4 layout on bf16 activations, AVX-512): xp uint32 [B, K/2], per 8 columns c8 and j < 4 the bf16 words of x[8 c8 + j] (low)
 // and x[8 c8 + 4 + j] (high).
 struct Act {
   const float* x = nullptr;
@@ -64,6 +63,15 @@ struct Act {
   int64_t B = 0, K = 0, Gp = 0;  // Gp: padded groups per row of xq / xsum / m8 (0 without q8)
 };
 
+// What a call's kernels read of its Act (bf16 rounding, int8 or int16 quantization, bf16 pairs):
+// `prepare` computes only that.
+struct ActNeeds {
+  bool bf16 = true, q8 = false, pairs = false, w16 = false;
+  static ActNeeds only_q8() { return {false, true, false, false}; }
+  static ActNeeds only_w16() { return {false, false, false, true}; }
+  ActNeeds operator|(const ActNeeds& o) const { return {bf16 || o.bf16, q8 || o.q8, pairs || o.pairs, w16 || o.w16}; }
+};
+
 // Buffers an Act lives in (one per concurrent Act; reused across calls: no allocation once warm).
 struct ActBuffers {
   std::vector<float> xr, gsum, dx16, xsum, m8, dxg, dw, wsum;
@@ -71,7 +79,7 @@ struct ActBuffers {
   std::vector<int8_t> xq, xqt;
   std::vector<int16_t> xs;
   std::vector<uint32_t> xp, xw;
-  Act prepare(const float* x, int64_t B, int64_t K, bool q8 = false, bool pairs = false, bool w16 = false);
+  Act prepare(const float* x, int64_t B, int64_t K, ActNeeds needs = {});
   void quantize_q8(const float* x, int64_t B, int64_t K, Act& a);
 };
 
@@ -80,14 +88,8 @@ struct Gemv : Kernel {
   virtual void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const = 0;
   // Rows per parallel work item and bytes each item reads (to size chunks).
   virtual int64_t block_rows() const { return 16; }
-  // True when rows() reads the Act's int8-quantized activations (prepare them with q8) in a call of
-  // B activation rows.
-  virtual bool needs_q8(int64_t B) const { return false; }
-  // True when rows() reads the Act's bf16 pairs (xp: the tiled int4 layout) in a call of B rows.
-  virtual bool needs_pairs(int64_t B) const { return false; }
-  // True when rows() reads the Act's int16-quantized activations (xw: the tiled int4 layout's AVX2
-  // path) in a call of B rows.
-  virtual bool needs_w16(int64_t B) const { return false; }
+  // What rows() reads of the Act in a call of B activation rows (default: the bf16 rounding only).
+  virtual ActNeeds needs(int64_t B) const { return {}; }
   void run(const float* x, int64_t B, float* y) const override;
 };
 
