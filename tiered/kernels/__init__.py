@@ -108,6 +108,13 @@ def available() -> bool:
     return load() is not None
 
 
+def isa() -> str | None:
+    """The ISA path the native GEMV kernels take on this CPU ("avx512", "avx2" or "scalar"; None
+    without the extension): what the planner's per-ISA choices (Plan.mixed_rows) key on."""
+    ext = load()
+    return None if ext is None else ext.gemv_isa()
+
+
 def failure() -> str | None:
     """Why the last `load()` returned None (None when it did not fail)."""
     return _failed

@@ -160,15 +160,28 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     plan.batch_act = ec.batch_activations if ec.batch_activations != "auto" else "q8" if ec.max_batch > 1 else "bf16"
     # short prompts run as rows of the native decode step, beside the running sequences (dense
     # models: an MoE layer's FFN runs as a module, which takes one token per sequence)
-    plan.mixed_rows = MIXED_ROWS[plan.batch_act] if plan.native_decode and not cfg.is_moe else 0
+    plan.mixed_rows = mixed_rows(kernels.isa(), plan.batch_act) if plan.native_decode and not cfg.is_moe else 0
     return plan, profile
 
 
-# Most rows of a mixed prefill + decode step, by Plan.batch_act. SmolLM2 int4, 2 cores, a prompt of
-# 16 / 32 / 64 / 96 / 128 / 192 tokens: 21-23 / 41 / 86 / 130 / 180-188 / 270-304 ms as rows on int8
-# activations, 33 / 66 / 137 / 212 / 273 / 448 ms on bf16 ones, 50 / 94 / 140 / 165 / 193 / 278 ms
-# through the modules' prefill (a dequantized GEMM).
-MIXED_ROWS = {"q8": 96, "bf16": 48}
+# Most rows of a mixed prefill + decode step, by the kernels' ISA and Plan.batch_act: below the
+# prompt length where the modules' prefill (a dequantized GEMM) overtakes rows of the native step.
+# SmolLM2 int4, 2 cores, a prompt of 16 / 32 / 64 / 96 / 128 / 192 tokens:
+#   AVX-512 (Xeon): 21-23 / 41 / 86 / 130 / 180-188 / 270-304 ms as rows on int8 activations,
+#     33 / 66 / 137 / 212 / 273 / 448 ms on bf16 ones, 50 / 94 / 140 / 165 / 193 / 278 ms prefill;
+#   AVX2 (EPYC, no AVX-512: fp32 GEMMs): 27 / 52 / 96 / 191 / 219 / 330-371 ms as rows on int8,
+#     32 / 59 / 116 / 180 / 238 / 378 on int16, 46-50 / 72-80 / 218-283 / 259-343 / 322-397 /
+#     416-503 ms prefill; at 256 tokens 575 (int8 rows) against 565 ms, at 512 1243 against 1082.
+MIXED_ROWS = {"avx512": {"q8": 96, "bf16": 48}, "avx2": {"q8": 192, "bf16": 192}}
+
+
+def mixed_rows(isa: str | None, batch_act: str) -> int:
+    """Plan.mixed_rows for the native kernels' ISA path ("avx512", "avx2", "scalar"; None: no
+    kernels, so no native step to join) and Plan.batch_act ("q8" or "bf16"): rows, 0 for none.
+    The scalar path takes AVX-512's (smaller) limits."""
+    if isa is None:
+        return 0
+    return MIXED_ROWS.get(isa, MIXED_ROWS["avx512"])[batch_act]
 
 
 def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_format: str, decode_precision: str) -> bool:

@@ -809,6 +809,83 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
   }
 }
 
+// AVX2 on int8 activations (Act::xqt; calls of at least q8_from rows): per chunk of 8 columns, the
+// 64 code bytes ANDed with 0x0F, and shifted right by 4 and ANDed, are vpmaddubsw's unsigned operand
+// (columns 0-3, then 4-7, of 8 rows per 32-byte half) against a broadcast of 4 bytes of xq. Each
+// int16 pair sum is at most 2 * 15 * 128 = 3840, so the 8 of a group (4 chunks x 2 nibbles) add up
+// in int16 exactly (<= 30720) before one vpmaddwd by ones widens them to the row's int32 lane: 17
+// integer ops per 256 multiply-adds and activation row where int16 x (int4t_w16_avx2) takes 32.
+// y = sum_g s_g (dx_g dot_g + m8_g) + (z_g + zr_g) xsum_g (q - 8 against the quantized sum, as
+// int4tq8_avx512). One tile (16 rows, K / 2 bytes: L1-resident) at a time for every activation
+// row, its scales gathered once, in passes of at most 4 rows (8 int16 accumulators, 4 code vectors
+// and 2 broadcasts fill the 16 ymm registers).
+template <int NB>
+TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const uint8_t* tile, const Int4Block& blk, const float* bias,
+                                          int64_t b0, int64_t m0, float* y, int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  const int8_t* xq[NB];
+  const float *dx[NB], *m8[NB], *xs[NB];
+  for (int j = 0; j < NB; ++j) {
+    const int64_t b = b0 + j;
+    xq[j] = a.xqt + b * K, dx[j] = a.dxg + b * G, m8[j] = a.m8 + b * a.Gp, xs[j] = a.xsum + b * a.Gp;
+  }
+  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const float *S = blk.sc.data(), *Z = blk.zc.data();  // S = s, Z = z + zr - 8 s
+  float acc[NB][kBlock];
+  for (int j = 0; j < NB; ++j)  // the zero terms: s m8 + (z + zr) xsum = s (m8 + 8 xsum) + Z xsum
+    for (int h = 0; h < 2; ++h) {
+      __m256 cv = bias ? _mm256_loadu_ps(bias + m0 + 8 * h) : _mm256_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        cv = _mm256_fmadd_ps(_mm256_loadu_ps(Z + g * kBlock + 8 * h), _mm256_set1_ps(xs[j][g]), cv);
+        cv = _mm256_fmadd_ps(_mm256_loadu_ps(S + g * kBlock + 8 * h), _mm256_set1_ps(m8[j][g] + 8.f * xs[j][g]), cv);
+      }
+      _mm256_storeu_ps(acc[j] + 8 * h, cv);
+    }
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i t[NB][2];
+    for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = _mm256_setzero_si256();
+    const uint8_t* p = tile + g * 256;
+#pragma GCC unroll 1  // unrolled, GCC hoists the products of all 4 chunks ahead of their adds and spills them
+    for (int c4 = 0; c4 < 4; ++c4) {
+      for (int h = 0; h < 2; ++h) {  // one 32-byte half (8 rows) at a time: 2 code vectors live, not 4
+        const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c4 * 64 + 32 * h));
+        const __m256i lo = _mm256_and_si256(d, m4), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), m4);
+        for (int j = 0; j < NB; ++j) {
+          int32_t v0, v1;
+          std::memcpy(&v0, xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&v1, xq[j] + g * kGroup + c4 * 8 + 4, 4);
+          const __m256i x0 = _mm256_set1_epi32(v0), x1 = _mm256_set1_epi32(v1);
+          t[j][h] = _mm256_add_epi16(t[j][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)));
+        }
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(S + g * kBlock), s1 = _mm256_loadu_ps(S + g * kBlock + 8);
+    for (int j = 0; j < NB; ++j) {
+      const __m256 d = _mm256_set1_ps(dx[j][g]);
+      const __m256 v0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(t[j][0], ones));
+      const __m256 v1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(t[j][1], ones));
+      _mm256_storeu_ps(acc[j], _mm256_fmadd_ps(v0, _mm256_mul_ps(s0, d), _mm256_loadu_ps(acc[j])));
+      _mm256_storeu_ps(acc[j] + 8, _mm256_fmadd_ps(v1, _mm256_mul_ps(s1, d), _mm256_loadu_ps(acc[j] + 8)));
+    }
+  }
+  for (int j = 0; j < NB; ++j) std::memcpy(y + (b0 + j) * ldy + m0, acc[j], sizeof(acc[j]));
+}
+
+TIERED_AVX2 void int4tq8_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1,
+                              float* y, int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  thread_local Int4Block blk;
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    int4t_fill_block_avx2(w, m0, G, blk);
+    const uint8_t* tile = w.codes + m0 * (K / 2);
+    for (int64_t j0 = b0; j0 < b0 + nb; j0 += 4) switch (std::min<int64_t>(4, b0 + nb - j0)) {
+        case 1: int4tq8_tile_avx2<1>(a, tile, blk, w.bias, j0, m0, y, ldy); break;
+        case 2: int4tq8_tile_avx2<2>(a, tile, blk, w.bias, j0, m0, y, ldy); break;
+        case 3: int4tq8_tile_avx2<3>(a, tile, blk, w.bias, j0, m0, y, ldy); break;
+        default: int4tq8_tile_avx2<4>(a, tile, blk, w.bias, j0, m0, y, ldy); break;
+      }
+  }
+}
+
 #define TIERED_AVX512_VBMI \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx512vbmi,avx2,fma")))
 
@@ -1092,12 +1169,11 @@ constexpr int64_t kNeverQ8 = INT64_MAX;
 
 struct Int4TGemv : Int4Gemv {
   int64_t q8_from = kNeverQ8;
-  // AVX2 reads int16 activations at every row count: without VNNI its int8 dot (vpmaddubsw +
-  // vpmaddwd) is no cheaper than int16's vpmaddwd, which measured 1.9x faster at 4 and 16 rows and
-  // is more exact. AVX-512 without VBMI: int16 below q8_from, vpdpbusd from it.
+  // AVX2 and AVX-512 without VBMI read int16 activations below q8_from (more exact than int8, and
+  // at batch 1 bound by memory either way), int8 from it (int4tq8_avx2 / int4tq8_avx512).
   bool w16(int64_t B) const {
     const int isa = current_isa();
-    return isa == kAvx2 || (isa == kAvx512 && !has_vbmi() && B < q8_from);
+    return B < q8_from && (isa == kAvx2 || (isa == kAvx512 && !has_vbmi()));
   }
   ActNeeds needs(int64_t B) const override {
     if (w16(B)) return ActNeeds::only_w16();
@@ -1111,6 +1187,8 @@ struct Int4TGemv : Int4Gemv {
     } else if (a.B >= q8_from) {
       if (isa == kAvx512) {
         TIERED_DISPATCH_NB(int4tq8_avx512, w)
+      } else if (isa == kAvx2) {
+        int4tq8_avx2(w, a, b0, nb, n0, n1, y, ldy);
       } else {
         int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, true);
       }
@@ -1123,7 +1201,8 @@ struct Int4TGemv : Int4Gemv {
   std::string name() const override {
     const int isa = current_isa();
     const char* bf16_isa = isa == kAvx512 && !has_vbmi() ? "avx2" : isa_name(isa);
-    if (isa == kAvx2) return "int4t(tiered,avx2; int16 x)";
+    if (isa == kAvx2 && q8_from == kNeverQ8) return "int4t(tiered,avx2; int16 x)";
+    if (isa == kAvx2 && q8_from > 1) return "int4t(tiered,avx2; int16 x, q8 from " + std::to_string(q8_from) + " rows)";
     if (q8_from == 1) return std::string("int4tq8(tiered,") + isa_name(isa) + ")";
     if (q8_from == kNeverQ8) return std::string("int4t(tiered,") + bf16_isa + ")";
     return std::string("int4t(tiered,") + bf16_isa + "; q8 from " + std::to_string(q8_from) + " rows)";
