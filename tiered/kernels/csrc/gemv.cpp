@@ -1503,36 +1503,143 @@ Isa current_isa() {
   return Isa(v);
 }
 
+// One group of 32 x: max |x|, the sum, and round(x * inv) half to even as 4 vectors of int32
+// (vcvtps2dq in the default rounding mode: the scalar paths' 1.5 * 2^23 addition, bit for bit).
+static TIERED_AVX2 inline __attribute__((always_inline)) void group_stats_avx2(const float* p, __m256 v[4], float& amax,
+                                                                       float& sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(p + 8 * i);
+  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  sum = hsum256(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+}
+
+static TIERED_AVX2 inline __attribute__((always_inline)) void round_group_avx2(const __m256 v[4], float inv, __m256i q[4]) {
+  const __m256 s = _mm256_set1_ps(inv);
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], s));
+}
+
+// One row of the q8 fields (gemv.h): xq (chunked), xqt, dxg, dx16, xsum, m8 of row b.
+static void q8_row_scalar(const float* x, int64_t K, int64_t Gp, int8_t* xq, int8_t* xqt, float* dxg, float* dx16,
+                   float* xsum, float* m8) {
+  constexpr float kRound = 12582912.f;
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const float* p = x + g * kGroup;
+    float amax = 0.f, sum = 0.f;
+    for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(p[i])), sum += p[i];
+    const float inv = amax > 0.f ? 127.f / amax : 0.f, dx = amax / 127.f;
+    int8_t* o = xq + (g / 4) * 128 + (g % 4) * 16;
+    int32_t s = 0;
+    for (int64_t i = 0; i < kGroup / 2; ++i) {
+      const int32_t e = int32_t((p[2 * i] * inv + kRound) - kRound), od = int32_t((p[2 * i + 1] * inv + kRound) - kRound);
+      o[i] = int8_t(e), o[64 + i] = int8_t(od), s += e + od;
+      xqt[g * kGroup + 2 * i] = int8_t(e), xqt[g * kGroup + 2 * i + 1] = int8_t(od);
+    }
+    dxg[g] = dx;
+    dx16[g * 4] = dx16[g * 4 + 1] = dx16[g * 4 + 2] = dx16[g * 4 + 3] = dx;
+    xsum[g] = sum;
+    m8[g] = -8.f * dx * float(s);
+  }
+}
+
+static TIERED_AVX2 void q8_row_avx2(const float* x, int64_t K, int64_t Gp, int8_t* xq, int8_t* xqt, float* dxg, float* dx16,
+                             float* xsum, float* m8) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  // per 128-bit lane: its 8 even bytes, then its 8 odd ones
+  const __m256i eo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                      0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    __m256 v[4];
+    __m256i q[4];
+    float amax, sum;
+    group_stats_avx2(x + g * kGroup, v, amax, sum);
+    const float inv = amax > 0.f ? 127.f / amax : 0.f, dx = amax / 127.f;
+    round_group_avx2(v, inv, q);
+    const __m256i q8 = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);  // column order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xqt + g * kGroup), q8);
+    // xq's chunk: the group's 16 even columns, and 64 bytes on its 16 odd ones
+    const __m256i split = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(q8, eo), 0xD8);
+    int8_t* o = xq + (g / 4) * 128 + (g % 4) * 16;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(split));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 64), _mm256_extracti128_si256(split, 1));
+    const __m256i qs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(qs), _mm256_extracti128_si256(qs, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    dxg[g] = dx;
+    dx16[g * 4] = dx16[g * 4 + 1] = dx16[g * 4 + 2] = dx16[g * 4 + 3] = dx;
+    xsum[g] = sum;
+    m8[g] = -8.f * dx * float(_mm_cvtsi128_si32(t));
+  }
+}
+
+// One row of the w16 fields (gemv.h): xw, xs, dw, wsum of row b.
+static void w16_row_scalar(const float* x, int64_t K, uint32_t* xw, int16_t* xs, float* dw, float* wsum) {
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding and subtracting rounds half to even
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const float* p = x + g * kGroup;
+    float amax = 0.f, sum = 0.f;
+    for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(p[i])), sum += p[i];
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    dw[g] = amax / 32767.f, wsum[g] = sum;
+    uint32_t* o = xw + g * kGroup / 2;
+    for (int64_t c = 0; c < kGroup; c += 8) {
+      int32_t q[8];
+      for (int i = 0; i < 8; ++i) {
+        q[i] = int32_t((p[c + i] * inv + kRound) - kRound);
+        xs[g * kGroup + c + i] = int16_t(q[i]);
+      }
+      const int pairs_of[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};
+      for (int i = 0; i < 4; ++i)
+        o[c / 2 + i] = uint32_t(uint16_t(int16_t(q[pairs_of[i][0]]))) | (uint32_t(uint16_t(int16_t(q[pairs_of[i][1]]))) << 16);
+    }
+  }
+}
+
+static TIERED_AVX2 void w16_row_avx2(const float* x, int64_t K, uint32_t* xw, int16_t* xs, float* dw, float* wsum) {
+  // per 128-bit lane (8 columns as int16): words 0, 2, 4, 6, 1, 3, 5, 7 = pairs (0, 2), (4, 6), (1, 3), (5, 7)
+  const __m256i pairs = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    __m256 v[4];
+    __m256i q[4];
+    float amax, sum;
+    group_stats_avx2(x + g * kGroup, v, amax, sum);
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    dw[g] = amax / 32767.f, wsum[g] = sum;
+    round_group_avx2(v, inv, q);
+    for (int h = 0; h < 2; ++h) {  // 16 columns: packs interleaves 4-column runs across lanes
+      const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xs + g * kGroup + 16 * h), w);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xw + (g * kGroup + 16 * h) / 2), _mm256_shuffle_epi8(w, pairs));
+    }
+  }
+}
+
+// Rows of x per parallel work item when quantizing activations (one row of K = 576 is ~1 us).
+constexpr int64_t kQuantGrain = 4;
+
 // x fp32 [B, K] -> the Act's q8 fields (gemv.h): per group of 32, dx = max|x| / 127 and
-// xq = round(x * (127 / max|x|)), half to even (the 1.5 * 2^23 addition: exact for |v| < 2^22).
+// xq = round(x * (127 / max|x|)), half to even; rows in parallel, AVX2 where the CPU has it.
 void ActBuffers::quantize_q8(const float* x, int64_t B, int64_t K, Act& a) {
   const int64_t G = K / kGroup, Gp = (G + 3) / 4 * 4;
-  constexpr float kRound = 12582912.f;
   xq.assign(B * Gp * kGroup, 0);
   xqt.resize(B * K);
   dxg.resize(B * G);
   dx16.assign(B * Gp * 4, 0.f);
   xsum.assign(B * Gp, 0.f);
   m8.assign(B * Gp, 0.f);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* p = x + b * K + g * kGroup;
-      float amax = 0.f, sum = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(p[i])), sum += p[i];
-      const float inv = amax > 0.f ? 127.f / amax : 0.f, dx = amax / 127.f;
-      int8_t* o = xq.data() + b * Gp * kGroup + (g / 4) * 128 + (g % 4) * 16;
-      int32_t s = 0;
-      for (int64_t i = 0; i < kGroup / 2; ++i) {
-        const int32_t e = int32_t((p[2 * i] * inv + kRound) - kRound), od = int32_t((p[2 * i + 1] * inv + kRound) - kRound);
-        o[i] = int8_t(e), o[64 + i] = int8_t(od), s += e + od;
-        xqt[b * K + g * kGroup + 2 * i] = int8_t(e), xqt[b * K + g * kGroup + 2 * i + 1] = int8_t(od);
-      }
-      dxg[b * G + g] = dx;
-      float* d = dx16.data() + b * Gp * 4 + g * 4;
-      d[0] = d[1] = d[2] = d[3] = dx;
-      xsum[b * Gp + g] = sum;
-      m8[b * Gp + g] = -8.f * dx * float(s);
-    }
+  const bool avx2 = current_isa() >= kAvx2;
+  at::parallel_for(0, B, kQuantGrain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      (avx2 ? q8_row_avx2 : q8_row_scalar)(x + b * K, K, Gp, xq.data() + b * Gp * kGroup, xqt.data() + b * K,
+                                           dxg.data() + b * G, dx16.data() + b * Gp * 4, xsum.data() + b * Gp,
+                                           m8.data() + b * Gp);
+  });
   a.xq = xq.data(), a.dx16 = dx16.data(), a.xsum = xsum.data(), a.m8 = m8.data(), a.Gp = Gp;
   a.xqt = xqt.data(), a.dxg = dxg.data();
 }
@@ -1569,30 +1676,16 @@ Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, ActNeeds needs) {
     a.xp = xp.data();
   }
   if (needs.w16) {
-    constexpr float kRound = 12582912.f;  // 1.5 * 2^23: adding and subtracting rounds half to even
     xw.resize(B * K / 2);
     xs.resize(B * K);
     dw.resize(B * G);
     wsum.resize(B * G);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t g = 0; g < G; ++g) {
-        const float* p = x + b * K + g * kGroup;
-        float amax = 0.f, sum = 0.f;
-        for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(p[i])), sum += p[i];
-        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-        dw[b * G + g] = amax / 32767.f, wsum[b * G + g] = sum;
-        uint32_t* o = xw.data() + (b * K + g * kGroup) / 2;
-        for (int64_t c = 0; c < kGroup; c += 8) {
-          int32_t q[8];
-          for (int i = 0; i < 8; ++i) {
-            q[i] = int32_t((p[c + i] * inv + kRound) - kRound);
-            xs[b * K + g * kGroup + c + i] = int16_t(q[i]);
-          }
-          const int pairs_of[4][2] = {{0, 2}, {4, 6}, {1, 3}, {5, 7}};
-          for (int i = 0; i < 4; ++i)
-            o[c / 2 + i] = uint32_t(uint16_t(int16_t(q[pairs_of[i][0]]))) | (uint32_t(uint16_t(int16_t(q[pairs_of[i][1]]))) << 16);
-        }
-      }
+    const bool avx2 = current_isa() >= kAvx2;
+    at::parallel_for(0, B, kQuantGrain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        (avx2 ? w16_row_avx2 : w16_row_scalar)(x + b * K, K, xw.data() + b * K / 2, xs.data() + b * K,
+                                               dw.data() + b * G, wsum.data() + b * G);
+    });
     a.xw = xw.data(), a.xs = xs.data(), a.dw = dw.data(), a.wsum = wsum.data();
   }
   return a;
