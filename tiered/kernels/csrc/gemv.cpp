@@ -767,6 +767,7 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
       __m256i ti[NB][2];
       for (int j = 0; j < NB; ++j) ti[j][0] = ti[j][1] = _mm256_setzero_si256();
       const uint8_t* chunk = tile + g * 256;  // 4 chunks of 8 columns x 16 rows (rows 0-7, then 8-15)
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(chunk + kTilePrefetch + 64 * l), _MM_HINT_T0);
       const uint32_t* xg[NB];
       for (int j = 0; j < NB; ++j) xg[j] = a.xw + (b0 + j) * (K / 2) + g * (kGroup / 2);
       for (int c4 = 0; c4 < 4; ++c4) {
@@ -845,6 +846,7 @@ TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const uint8_t* tile, con
     __m256i t[NB][2];
     for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = _mm256_setzero_si256();
     const uint8_t* p = tile + g * 256;
+    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + kTilePrefetch + 64 * l), _MM_HINT_T0);
 #pragma GCC unroll 1  // unrolled, GCC hoists the products of all 4 chunks ahead of their adds and spills them
     for (int c4 = 0; c4 < 4; ++c4) {
       for (int h = 0; h < 2; ++h) {  // one 32-byte half (8 rows) at a time: 2 code vectors live, not 4
