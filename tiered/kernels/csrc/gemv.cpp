@@ -1505,11 +1505,13 @@ Isa current_isa() {
   return Isa(v);
 }
 
-// One group of 32 x: max |x|, the sum, and round(x * inv) half to even as 4 vectors of int32
-// (vcvtps2dq in the default rounding mode: the scalar paths' 1.5 * 2^23 addition, bit for bit).
-static TIERED_AVX2 inline __attribute__((always_inline)) void group_stats_avx2(const float* p, __m256 v[4], float& amax,
-                                                                       float& sum) {
+// One group of 32 x -> max |x|, the sum, and round(x * levels / max|x|) half to even as 4 vectors
+// of int32 (vcvtps2dq in the default rounding mode: the scalar paths' 1.5 * 2^23 addition, bit for bit).
+static TIERED_AVX2 inline __attribute__((always_inline)) void quantize_group_avx2(const float* p, float levels,
+                                                                                 __m256i q[4], float& amax,
+                                                                                 float& sum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
   for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(p + 8 * i);
   const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
@@ -1517,11 +1519,8 @@ static TIERED_AVX2 inline __attribute__((always_inline)) void group_stats_avx2(c
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
   sum = hsum256(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
-}
-
-static TIERED_AVX2 inline __attribute__((always_inline)) void round_group_avx2(const __m256 v[4], float inv, __m256i q[4]) {
-  const __m256 s = _mm256_set1_ps(inv);
-  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], s));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? levels / amax : 0.f);
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
 }
 
 // One row of the q8 fields (gemv.h): xq (chunked), xqt, dxg, dx16, xsum, m8 of row b.
@@ -1554,12 +1553,10 @@ static TIERED_AVX2 void q8_row_avx2(const float* x, int64_t K, int64_t Gp, int8_
   const __m256i eo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                       0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   for (int64_t g = 0; g < K / kGroup; ++g) {
-    __m256 v[4];
     __m256i q[4];
     float amax, sum;
-    group_stats_avx2(x + g * kGroup, v, amax, sum);
-    const float inv = amax > 0.f ? 127.f / amax : 0.f, dx = amax / 127.f;
-    round_group_avx2(v, inv, q);
+    quantize_group_avx2(x + g * kGroup, 127.f, q, amax, sum);
+    const float dx = amax / 127.f;
     const __m256i q8 = _mm256_permutevar8x32_epi32(
         _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);  // column order
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xqt + g * kGroup), q8);
@@ -1607,13 +1604,10 @@ static TIERED_AVX2 void w16_row_avx2(const float* x, int64_t K, uint32_t* xw, in
   const __m256i pairs = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   for (int64_t g = 0; g < K / kGroup; ++g) {
-    __m256 v[4];
     __m256i q[4];
     float amax, sum;
-    group_stats_avx2(x + g * kGroup, v, amax, sum);
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    quantize_group_avx2(x + g * kGroup, 32767.f, q, amax, sum);
     dw[g] = amax / 32767.f, wsum[g] = sum;
-    round_group_avx2(v, inv, q);
     for (int h = 0; h < 2; ++h) {  // 16 columns: packs interleaves 4-column runs across lanes
       const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xD8);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xs + g * kGroup + 16 * h), w);
