@@ -818,8 +818,8 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
 // integer ops per 256 multiply-adds and activation row where int16 x (int4t_w16_avx2) takes 32.
 // y = sum_g s_g (dx_g dot_g + m8_g) + (z_g + zr_g) xsum_g (q - 8 against the quantized sum, as
 // int4tq8_avx512). One tile (16 rows, K / 2 bytes: L1-resident) at a time for every activation
-// row, its scales gathered once, in passes of at most 4 rows (8 int16 accumulators, 4 code vectors
-// and 2 broadcasts fill the 16 ymm registers).
+// row, its scales gathered once, in passes of at most 4 rows (8 int16 accumulators, 2 code vectors
+// and 2 broadcasts per row: GCC still spills a few accumulators at 4 rows, and 3 rows measured slower).
 template <int NB>
 TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const uint8_t* tile, const Int4Block& blk, const float* bias,
                                           int64_t b0, int64_t m0, float* y, int64_t ldy) {
@@ -1173,14 +1173,15 @@ struct Int4TGemv : Int4Gemv {
   int64_t q8_from = kNeverQ8;
   // AVX2 and AVX-512 without VBMI read int16 activations below q8_from (more exact than int8, and
   // at batch 1 bound by memory either way), int8 from it (int4tq8_avx2 / int4tq8_avx512).
-  bool w16(int64_t B) const {
+  static bool int16_below_q8() {
     const int isa = current_isa();
-    return B < q8_from && (isa == kAvx2 || (isa == kAvx512 && !has_vbmi()));
+    return isa == kAvx2 || (isa == kAvx512 && !has_vbmi());
   }
+  bool w16(int64_t B) const { return B < q8_from && int16_below_q8(); }
   ActNeeds needs(int64_t B) const override {
     if (w16(B)) return ActNeeds::only_w16();
     if (B >= q8_from) return ActNeeds::only_q8();
-    return {true, false, current_isa() == kAvx512 && has_vbmi(), false};
+    return {true, false, current_isa() == kAvx512, false};  // AVX-512 here has VBMI: bf16 pairs
   }
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     const int isa = current_isa();
