@@ -267,9 +267,9 @@ TIERED_AVX2 void int4_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0,
   }
 }
 
-// Bytes ahead of the weight stream that the AVX2 row loops prefetch (rows are contiguous, so this
-// runs on into the next rows).
-constexpr int64_t kRowPrefetch = 4096;
+// Bytes ahead that the kernels prefetch in their weight stream: a tile's code stream, or a row
+// loop's rows (contiguous, so it runs on into the next rows).
+constexpr int64_t kPrefetchAhead = 4096;
 
 // int8 and bf16 weights share one AVX2 row loop: fp32 FMAs of 16 weights at a time (the row
 // formats Int8Rows / Bf16Rows above say how their weights become fp32).
@@ -286,7 +286,7 @@ TIERED_AVX2 void rows_avx2(const W& w, const Act& a, int64_t b0, int64_t n0, int
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
       __m256 w0, w1;
-      _mm_prefetch(reinterpret_cast<const char*>(r + k) + kRowPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r + k) + kPrefetchAhead, _MM_HINT_T0);
       R::load16(r + k, w0, w1);
       for (int j = 0; j < NB; ++j) {
         acc0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[j] + k), acc0[j]);
@@ -315,7 +315,7 @@ TIERED_AVX2 void int8_w16_avx2(const Int8W& w, const Act& a, int64_t b0, int64_t
     for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const int8_t* rg = r + g * kGroup;
-      _mm_prefetch(reinterpret_cast<const char*>(rg) + kRowPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rg) + kPrefetchAhead, _MM_HINT_T0);
       const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rg)));
       const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rg + 16)));
       for (int j = 0; j < NB; ++j) {
@@ -700,7 +700,6 @@ TIERED_AVX512 void bf16_avx512(const Bf16W& w, const Act& a, int64_t b0, int64_t
 //     row, with the 136 * sum(x) it adds taken out with the zero term, as the plain int4 path does.
 //   q8 activations (Act.xqt, plain order): one 64-byte load ANDed with 0x0F, and shifted right by
 //     4, gives two vpdpbusd operands of 4 columns x 16 rows against a broadcast of 4 bytes of x.
-constexpr int64_t kTilePrefetch = 4096;  // bytes ahead in a tile's code stream
 
 inline bool has_vbmi() {
   static const bool v = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vbmi"));
@@ -740,8 +739,6 @@ void int4t_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t 
   }
 }
 
-// A tile's scales and zero terms (offset 8) from its contiguous [G, 16, 2] bf16 run (and [G, 16]
-// residual): 8 rows per 32-byte load.
 // The scales and zero terms of group g of the tile at row m0 (one 64-byte line of sz, and every
 // other group one line of zr): the kernels' second stream, fetched one tile ahead a group at a time
 // so that int4t_fill_block_avx2 finds it in cache (it stalled on it: ~30% of a batch-1 call at
@@ -751,6 +748,8 @@ inline void prefetch_tile_scales(const Int4W& w, int64_t m0, int64_t G, int64_t 
   if (w.zr && !(g & 1)) _mm_prefetch(reinterpret_cast<const char*>(w.tile_zr(m0, G, g)), _MM_HINT_T0);
 }
 
+// A tile's scales and zero terms (offset 8) from its contiguous [G, 16, 2] bf16 run (and [G, 16]
+// residual): 8 rows per 32-byte load.
 TIERED_AVX2 void int4t_fill_block_avx2(const Int4W& w, int64_t m0, int64_t G, Int4Block& blk) {
   float *S = blk.S(G), *Z = blk.Z(G);
   for (int64_t g = 0; g < G; ++g)
@@ -782,7 +781,7 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
       __m256i ti[NB][2];
       for (int j = 0; j < NB; ++j) ti[j][0] = ti[j][1] = _mm256_setzero_si256();
       const uint8_t* chunk = tile + g * 256;  // 4 chunks of 8 columns x 16 rows (rows 0-7, then 8-15)
-      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(chunk + kTilePrefetch + 64 * l), _MM_HINT_T0);
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(chunk + kPrefetchAhead + 64 * l), _MM_HINT_T0);
       if (m0 + kBlock < n1) prefetch_tile_scales(w, m0 + kBlock, G, g);
       const uint32_t* xg[NB];
       for (int j = 0; j < NB; ++j) xg[j] = a.xw + (b0 + j) * (K / 2) + g * (kGroup / 2);
@@ -862,7 +861,7 @@ TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const uint8_t* tile, con
     __m256i t[NB][2];
     for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = _mm256_setzero_si256();
     const uint8_t* p = tile + g * 256;
-    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + kTilePrefetch + 64 * l), _MM_HINT_T0);
+    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + 64 * l), _MM_HINT_T0);
 #pragma GCC unroll 1  // unrolled, GCC hoists the products of all 4 chunks ahead of their adds and spills them
     for (int c4 = 0; c4 < 4; ++c4) {
       for (int h = 0; h < 2; ++h) {  // one 32-byte half (8 rows) at a time: 2 code vectors live, not 4
@@ -950,7 +949,7 @@ TIERED_AVX512_VBMI void int4t_avx512(const Int4W& w, const Act& a, int64_t b0, i
       for (int j = 0; j < NB; ++j)
         for (int c = 0; c < C; ++c) t[j][c] = _mm512_setzero_ps();
       const uint8_t* p = tile + g * 256;
-      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + kTilePrefetch + 64 * l), _MM_HINT_T0);
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + 64 * l), _MM_HINT_T0);
       for (int c4 = 0; c4 < 4; ++c4) {
         const __m512i v = _mm512_loadu_si512(p + c4 * 64);
         for (int jj = 0; jj < 4; ++jj) {
@@ -1000,7 +999,7 @@ TIERED_AVX512 void int4tq8_avx512(const Int4W& w, const Act& a, int64_t b0, int6
       for (int j = 0; j < NB; ++j)
         for (int c = 0; c < 2 * C; ++c) t[j][c] = _mm512_setzero_si512();
       const uint8_t* p = tile + g * 256;
-      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + kTilePrefetch + 64 * l), _MM_HINT_T0);
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + 64 * l), _MM_HINT_T0);
       for (int c4 = 0; c4 < 4; ++c4) {
         const __m512i v = _mm512_loadu_si512(p + c4 * 64);
         const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
