@@ -825,63 +825,82 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
   }
 }
 
-// AVX2 on int8 activations (Act::xqt; calls of at least q8_from rows): per chunk of 8 columns, the
-// 64 code bytes ANDed with 0x0F, and shifted right by 4 and ANDed, are vpmaddubsw's unsigned operand
-// (columns 0-3, then 4-7, of 8 rows per 32-byte half) against a broadcast of 4 bytes of xq. Each
-// int16 pair sum is at most 2 * 15 * 128 = 3840, so the 8 of a group (4 chunks x 2 nibbles) add up
-// in int16 exactly (<= 30720) before one vpmaddwd by ones widens them to the row's int32 lane: 17
-// integer ops per 256 multiply-adds and activation row where int16 x (int4t_w16_avx2) takes 32.
-// y = sum_g s_g (dx_g dot_g + m8_g) + (z_g + zr_g) xsum_g (q - 8 against the quantized sum, as
-// int4tq8_avx512). One tile (16 rows, K / 2 bytes: L1-resident) at a time for every activation
-// row, its scales gathered once, in passes of at most 4 rows (8 int16 accumulators, 2 code vectors
-// and 2 broadcasts per row: GCC still spills a few accumulators at 4 rows, and 3 rows measured slower).
+// AVX2 on int8 activations (Act::xqt; calls of at least q8_from rows): the codes ANDed with 0x0F,
+// and shifted right by 4 and ANDed, are vpmaddubsw's unsigned operand against a broadcast of 4 bytes
+// of xq. Each int16 pair sum is at most 2 * 15 * 128 = 3840, so the 8 of a group (4 chunks x 2
+// nibbles) add up in int16 exactly (<= 30720) before one vpmaddwd by ones widens them to the row's
+// int32 lane. y = sum_g s_g (dx_g dot_g + c_g) + Z_g xsum_g with c_g = m8_g + 8 xsum_g and
+// Z = z + zr - 8 s (q - 8 against the quantized sum, as int4tq8_avx512).
+//
+// A tile (16 rows) is unpacked once into nibble vectors (int4tq8_unpack_avx2: L1/L2-resident,
+// 512 bytes a group) and then read by every pass of at most 4 activation rows: per chunk of 8
+// columns its 4 vectors (rows 0-7 and 8-15, low and high nibbles) stay in registers while each row
+// broadcasts its 8 bytes of xq once, so a pass does 16 integer ops per 256 multiply-adds and row
+// with no unpacking (8 int16 accumulators, 4 code vectors and 2 broadcasts: 14 registers).
+TIERED_AVX2 inline void int4tq8_unpack_avx2(const uint8_t* tile, int64_t G, __m256i* u) {
+  const __m256i m4 = _mm256_set1_epi8(15);
+  for (int64_t i = 0; i < 4 * G; ++i) {  // one 64-byte chunk (8 columns x 16 rows) -> lo0 lo1 hi0 hi1
+    const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * i));
+    const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * i + 32));
+    if ((i & 3) == 0)
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(tile + 64 * i + kPrefetchAhead + 64 * l), _MM_HINT_T0);
+    _mm256_storeu_si256(u + 4 * i, _mm256_and_si256(d0, m4));
+    _mm256_storeu_si256(u + 4 * i + 1, _mm256_and_si256(d1, m4));
+    _mm256_storeu_si256(u + 4 * i + 2, _mm256_and_si256(_mm256_srli_epi16(d0, 4), m4));
+    _mm256_storeu_si256(u + 4 * i + 3, _mm256_and_si256(_mm256_srli_epi16(d1, 4), m4));
+  }
+}
+
 template <int NB>
-TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const uint8_t* tile, const Int4Block& blk, const float* bias,
-                                          int64_t b0, int64_t m0, float* y, int64_t ldy) {
+TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const __m256i* u, const Int4Block& blk, const float* cm,
+                                          const float* bias, int64_t b0, int64_t m0, float* y, int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
   const int8_t* xq[NB];
-  const float *dx[NB], *m8[NB], *xs[NB];
+  const float *dx[NB], *xs[NB], *c[NB];
   for (int j = 0; j < NB; ++j) {
     const int64_t b = b0 + j;
-    xq[j] = a.xqt + b * K, dx[j] = a.dxg + b * G, m8[j] = a.m8 + b * a.Gp, xs[j] = a.xsum + b * a.Gp;
+    xq[j] = a.xqt + b * K, dx[j] = a.dxg + b * G, xs[j] = a.xsum + b * a.Gp, c[j] = cm + j * G;
   }
-  const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  const float *S = blk.sc.data(), *Z = blk.zc.data();  // S = s, Z = z + zr - 8 s
+  const float *S = blk.sc.data(), *Z = blk.zc.data();
   float acc[NB][kBlock];
-  for (int j = 0; j < NB; ++j)  // the zero terms: s m8 + (z + zr) xsum = s (m8 + 8 xsum) + Z xsum
-    for (int h = 0; h < 2; ++h) {
-      __m256 cv = bias ? _mm256_loadu_ps(bias + m0 + 8 * h) : _mm256_setzero_ps();
-      for (int64_t g = 0; g < G; ++g) {
-        cv = _mm256_fmadd_ps(_mm256_loadu_ps(Z + g * kBlock + 8 * h), _mm256_set1_ps(xs[j][g]), cv);
-        cv = _mm256_fmadd_ps(_mm256_loadu_ps(S + g * kBlock + 8 * h), _mm256_set1_ps(m8[j][g] + 8.f * xs[j][g]), cv);
+  {  // the zero terms Z xsum (the s terms ride on c below): 2 NB independent FMA chains, g outermost
+    __m256 cv[NB][2];
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) cv[j][h] = bias ? _mm256_loadu_ps(bias + m0 + 8 * h) : _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 z0 = _mm256_loadu_ps(Z + g * kBlock), z1 = _mm256_loadu_ps(Z + g * kBlock + 8);
+      for (int j = 0; j < NB; ++j) {
+        const __m256 xv = _mm256_set1_ps(xs[j][g]);
+        cv[j][0] = _mm256_fmadd_ps(z0, xv, cv[j][0]), cv[j][1] = _mm256_fmadd_ps(z1, xv, cv[j][1]);
       }
-      _mm256_storeu_ps(acc[j] + 8 * h, cv);
     }
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc[j] + 8 * h, cv[j][h]);
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < G; ++g) {
     __m256i t[NB][2];
     for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = _mm256_setzero_si256();
-    const uint8_t* p = tile + g * 256;
-    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + 64 * l), _MM_HINT_T0);
+    const __m256i* ug = u + 16 * g;
 #pragma GCC unroll 1  // unrolled, GCC hoists the products of all 4 chunks ahead of their adds and spills them
     for (int c4 = 0; c4 < 4; ++c4) {
-      for (int h = 0; h < 2; ++h) {  // one 32-byte half (8 rows) at a time: 2 code vectors live, not 4
-        const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c4 * 64 + 32 * h));
-        const __m256i lo = _mm256_and_si256(d, m4), hi = _mm256_and_si256(_mm256_srli_epi16(d, 4), m4);
-        for (int j = 0; j < NB; ++j) {
-          int32_t v0, v1;
-          std::memcpy(&v0, xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&v1, xq[j] + g * kGroup + c4 * 8 + 4, 4);
-          const __m256i x0 = _mm256_set1_epi32(v0), x1 = _mm256_set1_epi32(v1);
-          t[j][h] = _mm256_add_epi16(t[j][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)));
-        }
+      const __m256i lo0 = _mm256_loadu_si256(ug + 4 * c4), lo1 = _mm256_loadu_si256(ug + 4 * c4 + 1);
+      const __m256i hi0 = _mm256_loadu_si256(ug + 4 * c4 + 2), hi1 = _mm256_loadu_si256(ug + 4 * c4 + 3);
+      for (int j = 0; j < NB; ++j) {
+        int32_t v0, v1;
+        std::memcpy(&v0, xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&v1, xq[j] + g * kGroup + c4 * 8 + 4, 4);
+        const __m256i x0 = _mm256_set1_epi32(v0), x1 = _mm256_set1_epi32(v1);
+        t[j][0] = _mm256_add_epi16(t[j][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0), _mm256_maddubs_epi16(hi0, x1)));
+        t[j][1] = _mm256_add_epi16(t[j][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x0), _mm256_maddubs_epi16(hi1, x1)));
       }
     }
     const __m256 s0 = _mm256_loadu_ps(S + g * kBlock), s1 = _mm256_loadu_ps(S + g * kBlock + 8);
     for (int j = 0; j < NB; ++j) {
-      const __m256 d = _mm256_set1_ps(dx[j][g]);
-      const __m256 v0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(t[j][0], ones));
-      const __m256 v1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(t[j][1], ones));
-      _mm256_storeu_ps(acc[j], _mm256_fmadd_ps(v0, _mm256_mul_ps(s0, d), _mm256_loadu_ps(acc[j])));
-      _mm256_storeu_ps(acc[j] + 8, _mm256_fmadd_ps(v1, _mm256_mul_ps(s1, d), _mm256_loadu_ps(acc[j] + 8)));
+      const __m256 d = _mm256_set1_ps(dx[j][g]), cg = _mm256_set1_ps(c[j][g]);
+      const __m256 v0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t[j][0], ones)), d, cg);
+      const __m256 v1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t[j][1], ones)), d, cg);
+      _mm256_storeu_ps(acc[j], _mm256_fmadd_ps(v0, s0, _mm256_loadu_ps(acc[j])));
+      _mm256_storeu_ps(acc[j] + 8, _mm256_fmadd_ps(v1, s1, _mm256_loadu_ps(acc[j] + 8)));
     }
   }
   for (int j = 0; j < NB; ++j) std::memcpy(y + (b0 + j) * ldy + m0, acc[j], sizeof(acc[j]));
@@ -891,15 +910,29 @@ TIERED_AVX2 void int4tq8_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t 
                               float* y, int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
   thread_local Int4Block blk;
+  thread_local std::vector<__m256i> u;  // the unpacked tile: 16 vectors a group
+  thread_local std::vector<float> cm;  // c = m8 + 8 xsum per activation row and group
+  u.resize(16 * G);
+  cm.resize(nb * G);
+  for (int64_t j = 0; j < nb; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = (b0 + j) * a.Gp + g;
+      cm[j * G + g] = a.m8[i] + 8.f * a.xsum[i];
+    }
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     int4t_fill_block_avx2(w, m0, G, blk);
-    const uint8_t* tile = w.codes + m0 * (K / 2);
-    for (int64_t j0 = b0; j0 < b0 + nb; j0 += 4) switch (std::min<int64_t>(4, b0 + nb - j0)) {
-        case 1: int4tq8_tile_avx2<1>(a, tile, blk, w.bias, j0, m0, y, ldy); break;
-        case 2: int4tq8_tile_avx2<2>(a, tile, blk, w.bias, j0, m0, y, ldy); break;
-        case 3: int4tq8_tile_avx2<3>(a, tile, blk, w.bias, j0, m0, y, ldy); break;
-        default: int4tq8_tile_avx2<4>(a, tile, blk, w.bias, j0, m0, y, ldy); break;
+    if (m0 + kBlock < n1)
+      for (int64_t g = 0; g < G; ++g) prefetch_tile_scales(w, m0 + kBlock, G, g);
+    int4tq8_unpack_avx2(w.codes + m0 * (K / 2), G, u.data());
+    for (int64_t j0 = b0; j0 < b0 + nb; j0 += 4) {
+      const float* c = cm.data() + (j0 - b0) * G;
+      switch (std::min<int64_t>(4, b0 + nb - j0)) {
+        case 1: int4tq8_tile_avx2<1>(a, u.data(), blk, c, w.bias, j0, m0, y, ldy); break;
+        case 2: int4tq8_tile_avx2<2>(a, u.data(), blk, c, w.bias, j0, m0, y, ldy); break;
+        case 3: int4tq8_tile_avx2<3>(a, u.data(), blk, c, w.bias, j0, m0, y, ldy); break;
+        default: int4tq8_tile_avx2<4>(a, u.data(), blk, c, w.bias, j0, m0, y, ldy); break;
       }
+    }
   }
 }
 
