@@ -90,7 +90,8 @@ __attribute__((always_inline)) inline float bf16_to_float(uint16_t b) {
 // (std::exp does not without -ffast-math): 2^(x log2 e) = 2^n 2^f, a degree-6 polynomial for 2^f on
 // [-0.5, 0.5] (relative error < 2e-7, as std::exp's float result to within 2 ulp), 2^n by exponent bits.
 __attribute__((always_inline)) inline float exp_fast(float x) {
-  x = std::min(88.f, std::max(-87.f, x));
+  x = x < -87.f ? -87.f : x;  // selects GCC if-converts (-fno-trapping-math); std::min / max stayed scalar
+  x = x > 88.f ? 88.f : x;
   const float t = x * 1.44269504088896341f;
   const float n = std::nearbyint(t);
   const float f = t - n;
@@ -117,6 +118,7 @@ TIERED_CLONES void rms_norm(const float* x, const float* w, float eps, int64_t D
 }
 
 TIERED_CLONES void silu_mul(const float* g, const float* u, float* a, int64_t n) {
+#pragma omp simd  // scalar without it (~5% of a 32-row SmolLM2 step)
   for (int64_t i = 0; i < n; ++i) a[i] = g[i] / (1.f + exp_fast(-g[i])) * u[i];
 }
 
@@ -407,6 +409,8 @@ class DecodeStep {
 };
 
 }  // namespace
+
+void silu_mul_rows(const float* g, const float* u, float* a, int64_t n) { silu_mul(g, u, a, n); }
 
 void register_decode(pybind11::module& m) {
   namespace py = pybind11;

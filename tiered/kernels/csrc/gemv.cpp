@@ -1348,12 +1348,7 @@ void swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, 
   const Act a = buf.prepare(x, B, gate.in_features, gate.needs(B) | up.needs(B));
   const Part parts[2] = {{&gate, gu.data(), 2 * F}, {&up, gu.data() + F, 2 * F}};
   run_parts(parts, 2, a);
-  for (int64_t b = 0; b < B; ++b) {
-    const float* g = gu.data() + b * 2 * F;
-    const float* u = g + F;
-    float* hb = h.data() + b * F;
-    for (int64_t i = 0; i < F; ++i) hb[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  }
+  for (int64_t b = 0; b < B; ++b) silu_mul_rows(gu.data() + b * 2 * F, gu.data() + b * 2 * F + F, h.data() + b * F, F);
   down.run(h.data(), B, y);
 }
 
