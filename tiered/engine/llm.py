@@ -21,7 +21,7 @@ from tiered.config import EngineConfig
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
 from tiered.engine.dtype import resolve_dtype
 from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt
-from tiered.engine.sampling import SamplingParams, sample_token, token_logprobs
+from tiered.engine.sampling import SamplingParams, sample_tokens, token_logprobs
 from tiered.engine.scheduler import Scheduler, prefill_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from tiered.errors import ConfigError, ContextLengthError
@@ -418,11 +418,11 @@ class LLM:
         """Sample one token per sequence from logits [B, V], detokenize, apply stops; the step's events."""
         now = time.perf_counter()
         events = []
-        for row, seq in zip(logits, seqs):
+        # the tokens seen so far matter only to a repetition penalty: skip building them otherwise
+        seen = [seq.seen_ids() if seq.params.repetition_penalty != 1.0 else _NO_TOKENS for seq in seqs]
+        tokens = sample_tokens(logits, [seq.params for seq in seqs], seen, [seq.generator for seq in seqs])
+        for row, seq, token in zip(logits, seqs, tokens):
             eos = () if seq.params.ignore_eos else self.config.eos_token_ids
-            # the tokens seen so far matter only to a repetition penalty: skip building them otherwise
-            seen = seq.seen_ids() if seq.params.repetition_penalty != 1.0 else _NO_TOKENS
-            token = sample_token(row, seq.params, seen, seq.generator)
             seq.output_ids.append(token)
             seq.token_times.append(now)
             if seq.logprobs is not None:

@@ -408,6 +408,73 @@ class DecodeStep {
   std::vector<float> gu_, act_;
 };
 
+// One draw from softmax(l / T) over l fp32 [V] (inv_t = 1 / T > 0) at a uniform u in [0, 1): the
+// first token whose cumulative weight exceeds u times the total (inverse CDF, as torch.searchsorted
+// right=True on a float64 cumsum). The weights exp((l - max) / T) are computed once, vectorized, and
+// summed per block of 256 in float64, so the search walks block sums and then one block. -inf logits
+// weigh exactly 0 and are never drawn; when rounding leaves u * total at the total, the last token
+// with weight is returned. p: scratch [V].
+TIERED_CLONES int64_t sample_row(const float* l, int64_t V, float inv_t, double u, float* p) {
+  constexpr int64_t kB = 256;
+  float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+  for (int64_t i = 0; i < V; ++i) mx = l[i] > mx ? l[i] : mx;
+  const int64_t nb = (V + kB - 1) / kB;
+  double total = 0.0;
+  std::vector<double> bs(nb);
+  for (int64_t k = 0; k < nb; ++k) {
+    const int64_t e = std::min(V, (k + 1) * kB);
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = k * kB; i < e; ++i) {
+      const float w = exp_fast((l[i] - mx) * inv_t);
+      p[i] = l[i] == -INFINITY ? 0.f : w;
+      s += p[i];
+    }
+    bs[k] = s;
+    total += s;
+  }
+  const double target = u * total;
+  double cum = 0.0;
+  for (int64_t k = 0; k < nb; ++k) {
+    if (cum + bs[k] <= target) {
+      cum += bs[k];
+      continue;
+    }
+    for (int64_t i = k * kB, e = std::min(V, (k + 1) * kB); i < e; ++i)
+      if ((cum += p[i]) > target) return i;
+  }
+  for (int64_t i = V - 1; i > 0; --i)
+    if (p[i] > 0.f) return i;
+  return 0;
+}
+
+// tokens int64 [B]: one draw per row of logits fp32 [B, V] at temperatures [B] (> 0) and uniforms
+// u float64 [B] (the requests' own generators drew them), rows in parallel.
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.is_cpu(),
+              "sample_rows: logits must be a contiguous CPU float32 [B, V] tensor");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "sample_rows: empty vocabulary");
+  auto t = temperature.to(at::kFloat).contiguous();
+  auto uu = u.to(at::kDouble).contiguous();
+  TORCH_CHECK(t.numel() == B && uu.numel() == B, "sample_rows: temperature and u must have B = ", B, " entries");
+  auto out = at::empty({B}, at::kLong);
+  const float* L = logits.data_ptr<float>();
+  const float* T = t.data_ptr<float>();
+  const double* U = uu.data_ptr<double>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(T[b] > 0.f, "sample_rows: temperatures must be > 0");
+  {
+    pybind11::gil_scoped_release nogil;
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> p(V);
+      for (int64_t b = b0; b < b1; ++b) o[b] = sample_row(L + b * V, V, 1.f / T[b], U[b], p.data());
+    });
+  }
+  return out;
+}
+
 }  // namespace
 
 void silu_mul_rows(const float* g, const float* u, float* a, int64_t n) { silu_mul(g, u, a, n); }
@@ -425,6 +492,9 @@ void register_decode(pybind11::module& m) {
       .def("forward", &DecodeStep::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
            py::arg("positions"), py::arg("k_cache"), py::arg("v_cache"), py::arg("first"), py::arg("last"))
       .def("logits", &DecodeStep::logits, py::arg("x"));
+  m.def("sample_rows", &sample_rows, py::arg("logits"), py::arg("temperature"), py::arg("u"),
+        "tokens int64 [B]: one draw per row from softmax(logits [B, V] fp32 / temperature [B]) at the uniforms "
+        "u [B] (float64, in [0, 1)) by inverting the CDF; rows in parallel.");
 }
 
 }  // namespace tiered
