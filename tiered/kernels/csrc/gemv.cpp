@@ -945,9 +945,14 @@ TIERED_AVX512 inline __attribute__((always_inline)) void int4t_store(const Int4W
                                                                      const Int4Block& blk, int64_t G, int64_t m0,
                                                                      int64_t b0, const __m512* acc, float* y, int64_t ldy) {
   for (int j = 0; j < NB; ++j) {
-    __m512 cv = acc[j];
-    for (int64_t g = 0; g < G; ++g)
+    __m512 cv = acc[j], c1 = _mm512_setzero_ps();  // two FMA chains: one is latency-bound at batch 1
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) {
       cv = _mm512_fmadd_ps(_mm512_loadu_ps(blk.zc.data() + g * kBlock), _mm512_set1_ps(gs[j][g]), cv);
+      c1 = _mm512_fmadd_ps(_mm512_loadu_ps(blk.zc.data() + (g + 1) * kBlock), _mm512_set1_ps(gs[j][g + 1]), c1);
+    }
+    if (g < G) cv = _mm512_fmadd_ps(_mm512_loadu_ps(blk.zc.data() + g * kBlock), _mm512_set1_ps(gs[j][g]), cv);
+    cv = _mm512_add_ps(cv, c1);
     if (w.bias) cv = _mm512_add_ps(cv, _mm512_loadu_ps(w.bias + m0));
     _mm512_storeu_ps(y + (b0 + j) * ldy + m0, cv);
   }
@@ -1018,15 +1023,16 @@ TIERED_AVX512 void int4tq8_avx512(const Int4W& w, const Act& a, int64_t b0, int6
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     int4_fill_block_avx512(w, m0, kBlock, G, 0.f, blk);  // zc = zero + residual
     const uint8_t* tile = w.codes + m0 * (K / 2);
-    __m512 acc[NB];
-    for (int j = 0; j < NB; ++j) {  // the zero terms: sum_g s m8 + z xsum
-      __m512 cv = w.bias ? _mm512_loadu_ps(w.bias + m0) : _mm512_setzero_ps();
-      for (int64_t g = 0; g < G; ++g) {
-        cv = _mm512_fmadd_ps(_mm512_loadu_ps(blk.sc.data() + g * kBlock), _mm512_set1_ps(m8[j][g]), cv);
-        cv = _mm512_fmadd_ps(_mm512_loadu_ps(blk.zc.data() + g * kBlock), _mm512_set1_ps(xs[j][g]), cv);
+    __m512 acc[NB], cz[NB];
+    for (int j = 0; j < NB; ++j) acc[j] = w.bias ? _mm512_loadu_ps(w.bias + m0) : _mm512_setzero_ps(), cz[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {  // the zero terms: sum_g s m8 + z xsum, in 2 NB independent FMA chains
+      const __m512 sv = _mm512_loadu_ps(blk.sc.data() + g * kBlock), zv = _mm512_loadu_ps(blk.zc.data() + g * kBlock);
+      for (int j = 0; j < NB; ++j) {
+        acc[j] = _mm512_fmadd_ps(sv, _mm512_set1_ps(m8[j][g]), acc[j]);
+        cz[j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[j][g]), cz[j]);
       }
-      acc[j] = cv;
     }
+    for (int j = 0; j < NB; ++j) acc[j] = _mm512_add_ps(acc[j], cz[j]);
     for (int64_t g = 0; g < G; ++g) {
       __m512i t[NB][2 * C];
       for (int j = 0; j < NB; ++j)
