@@ -461,8 +461,24 @@ class DecodeStep {
         for (int64_t i = 0; i < group * hd; ++i) o[i] = rnd<T>(o[i]);
       }
     };
-    if (work < (1 << 18)) body(0, B * Hkv);
-    else at::parallel_for(0, B * Hkv, 1, body);
+    const int64_t nt = at::get_num_threads(), items = B * Hkv;
+    if (work < (1 << 18) || nt < 2) {
+      body(0, items);
+      return;
+    }
+    // contiguous runs of (row, KV head) items of about equal work (keys read) per thread: rows of a
+    // batch differ in length, and parallel_for's equal item counts left one thread waiting
+    const int64_t keys = work / (H * hd) * Hkv;  // keys read over all items
+    std::vector<int64_t> cut(nt + 1, items);
+    cut[0] = 0;
+    int64_t done = 0, t = 1;
+    for (int64_t i = 0; i < items && t < nt; ++i) {
+      done += pos[i / Hkv] + 1;
+      while (t < nt && done * nt >= keys * t) cut[t++] = i + 1;
+    }
+    at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t k = t0; k < t1; ++k) body(cut[k], cut[k + 1]);
+    });
   }
 
   int64_t D, H, Hkv, hd;

@@ -832,28 +832,45 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
 // int32 lane. y = sum_g s_g (dx_g dot_g + c_g) + Z_g xsum_g with c_g = m8_g + 8 xsum_g and
 // Z = z + zr - 8 s (q - 8 against the quantized sum, as int4tq8_avx512).
 //
-// A tile (16 rows) is unpacked once into nibble vectors (int4tq8_unpack_avx2: L1/L2-resident,
-// 512 bytes a group) and then read by every pass of at most 4 activation rows: per chunk of 8
-// columns its 4 vectors (rows 0-7 and 8-15, low and high nibbles) stay in registers while each row
-// broadcasts its 8 bytes of xq once, so a pass does 16 integer ops per 256 multiply-adds and row
-// with no unpacking (8 int16 accumulators, 4 code vectors and 2 broadcasts: 14 registers).
-TIERED_AVX2 inline void int4tq8_unpack_avx2(const uint8_t* tile, int64_t G, __m256i* u) {
+// A call of more than 4 rows unpacks each tile (16 rows) once into nibble vectors
+// (int4tq8_unpack_avx2: L1/L2-resident, 512 bytes a group), read by every pass of at most 4
+// activation rows; a call of up to 4 rows unpacks in registers. Per chunk of 8 columns the tile's 4
+// vectors (rows 0-7 and 8-15, low and high nibbles) stay in registers while each row broadcasts its
+// 8 bytes of xq once: a pass does 16 integer ops per 256 multiply-adds and row (8 int16
+// accumulators, 4 code vectors and 2 broadcasts: 14 registers).
+
+// One 64-byte chunk (8 columns x 16 rows) -> its nibble vectors lo0 lo1 hi0 hi1 (rows 0-7, 8-15).
+TIERED_AVX2 inline __attribute__((always_inline)) void int4tq8_chunk_avx2(const uint8_t* c, __m256i* q) {
   const __m256i m4 = _mm256_set1_epi8(15);
-  for (int64_t i = 0; i < 4 * G; ++i) {  // one 64-byte chunk (8 columns x 16 rows) -> lo0 lo1 hi0 hi1
-    const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * i));
-    const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * i + 32));
-    if ((i & 3) == 0)
-      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(tile + 64 * i + kPrefetchAhead + 64 * l), _MM_HINT_T0);
-    _mm256_storeu_si256(u + 4 * i, _mm256_and_si256(d0, m4));
-    _mm256_storeu_si256(u + 4 * i + 1, _mm256_and_si256(d1, m4));
-    _mm256_storeu_si256(u + 4 * i + 2, _mm256_and_si256(_mm256_srli_epi16(d0, 4), m4));
-    _mm256_storeu_si256(u + 4 * i + 3, _mm256_and_si256(_mm256_srli_epi16(d1, 4), m4));
+  const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+  const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));
+  q[0] = _mm256_and_si256(d0, m4), q[1] = _mm256_and_si256(d1, m4);
+  q[2] = _mm256_and_si256(_mm256_srli_epi16(d0, 4), m4), q[3] = _mm256_and_si256(_mm256_srli_epi16(d1, 4), m4);
+}
+
+// The tile at m0 unpacked into u (16 vectors a group), prefetching its code stream ahead and, a group
+// at a time, the next tile's scales (next: that tile's row, or -1).
+TIERED_AVX2 inline void int4tq8_unpack_avx2(const Int4W& w, int64_t m0, int64_t next, int64_t G, __m256i* u) {
+  const uint8_t* tile = w.codes + m0 * (G * kGroup / 2);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(tile + 256 * g + kPrefetchAhead + 64 * l), _MM_HINT_T0);
+    if (next >= 0) prefetch_tile_scales(w, next, G, g);
+    for (int c4 = 0; c4 < 4; ++c4) {
+      __m256i q[4];
+      int4tq8_chunk_avx2(tile + 256 * g + 64 * c4, q);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_si256(u + 16 * g + 4 * c4 + i, q[i]);
+    }
   }
 }
 
-template <int NB>
-TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const __m256i* u, const Int4Block& blk, const float* cm,
-                                          const float* bias, int64_t b0, int64_t m0, float* y, int64_t ldy) {
+// kPacked: codes read straight from the tile and unpacked in registers (a call of at most 4 rows,
+// one pass: at batch 1 a memory-bound stream, where the round trip through u cost ~10% of the
+// bandwidth), prefetching ahead as int4tq8_unpack_avx2 does; else from u.
+template <int NB, bool kPacked>
+TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const Int4W& w, const __m256i* u, int64_t next,
+                                          const Int4Block& blk, const float* cm, int64_t b0, int64_t m0, float* y,
+                                          int64_t ldy) {
+  const float* bias = w.bias;
   const int64_t K = a.K, G = K / kGroup;
   const int8_t* xq[NB];
   const float *dx[NB], *xs[NB], *c[NB];
@@ -882,10 +899,20 @@ TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const __m256i* u, const 
     __m256i t[NB][2];
     for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = _mm256_setzero_si256();
     const __m256i* ug = u + 16 * g;
+    const uint8_t* pg = w.codes + m0 * (K / 2) + 256 * g;
+    if constexpr (kPacked) {
+      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(pg + kPrefetchAhead + 64 * l), _MM_HINT_T0);
+      if (next >= 0) prefetch_tile_scales(w, next, G, g);
+    }
 #pragma GCC unroll 1  // unrolled, GCC hoists the products of all 4 chunks ahead of their adds and spills them
     for (int c4 = 0; c4 < 4; ++c4) {
-      const __m256i lo0 = _mm256_loadu_si256(ug + 4 * c4), lo1 = _mm256_loadu_si256(ug + 4 * c4 + 1);
-      const __m256i hi0 = _mm256_loadu_si256(ug + 4 * c4 + 2), hi1 = _mm256_loadu_si256(ug + 4 * c4 + 3);
+      __m256i q[4];
+      if constexpr (kPacked) {
+        int4tq8_chunk_avx2(pg + 64 * c4, q);
+      } else {
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_loadu_si256(ug + 4 * c4 + i);
+      }
+      const __m256i lo0 = q[0], lo1 = q[1], hi0 = q[2], hi1 = q[3];
       for (int j = 0; j < NB; ++j) {
         int32_t v0, v1;
         std::memcpy(&v0, xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&v1, xq[j] + g * kGroup + c4 * 8 + 4, 4);
@@ -912,25 +939,34 @@ TIERED_AVX2 void int4tq8_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t 
   thread_local Int4Block blk;
   thread_local std::vector<__m256i> u;  // the unpacked tile: 16 vectors a group
   thread_local std::vector<float> cm;  // c = m8 + 8 xsum per activation row and group
-  u.resize(16 * G);
   cm.resize(nb * G);
   for (int64_t j = 0; j < nb; ++j)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = (b0 + j) * a.Gp + g;
       cm[j * G + g] = a.m8[i] + 8.f * a.xsum[i];
     }
+  const bool packed = nb <= 4;  // one pass: no unpacked copy
+  if (!packed) u.resize(16 * G);
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
     int4t_fill_block_avx2(w, m0, G, blk);
-    if (m0 + kBlock < n1)
-      for (int64_t g = 0; g < G; ++g) prefetch_tile_scales(w, m0 + kBlock, G, g);
-    int4tq8_unpack_avx2(w.codes + m0 * (K / 2), G, u.data());
+    if (packed) {
+      switch (nb) {
+        case 1: int4tq8_tile_avx2<1, true>(a, w, nullptr, next, blk, cm.data(), b0, m0, y, ldy); break;
+        case 2: int4tq8_tile_avx2<2, true>(a, w, nullptr, next, blk, cm.data(), b0, m0, y, ldy); break;
+        case 3: int4tq8_tile_avx2<3, true>(a, w, nullptr, next, blk, cm.data(), b0, m0, y, ldy); break;
+        default: int4tq8_tile_avx2<4, true>(a, w, nullptr, next, blk, cm.data(), b0, m0, y, ldy); break;
+      }
+      continue;
+    }
+    int4tq8_unpack_avx2(w, m0, next, G, u.data());
     for (int64_t j0 = b0; j0 < b0 + nb; j0 += 4) {
       const float* c = cm.data() + (j0 - b0) * G;
       switch (std::min<int64_t>(4, b0 + nb - j0)) {
-        case 1: int4tq8_tile_avx2<1>(a, u.data(), blk, c, w.bias, j0, m0, y, ldy); break;
-        case 2: int4tq8_tile_avx2<2>(a, u.data(), blk, c, w.bias, j0, m0, y, ldy); break;
-        case 3: int4tq8_tile_avx2<3>(a, u.data(), blk, c, w.bias, j0, m0, y, ldy); break;
-        default: int4tq8_tile_avx2<4>(a, u.data(), blk, c, w.bias, j0, m0, y, ldy); break;
+        case 1: int4tq8_tile_avx2<1, false>(a, w, u.data(), next, blk, c, j0, m0, y, ldy); break;
+        case 2: int4tq8_tile_avx2<2, false>(a, w, u.data(), next, blk, c, j0, m0, y, ldy); break;
+        case 3: int4tq8_tile_avx2<3, false>(a, w, u.data(), next, blk, c, j0, m0, y, ldy); break;
+        default: int4tq8_tile_avx2<4, false>(a, w, u.data(), next, blk, c, j0, m0, y, ldy); break;
       }
     }
   }
