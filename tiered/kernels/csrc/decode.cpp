@@ -157,6 +157,20 @@ __attribute__((always_inline)) inline float hsum8(v8f s) {
   return s[0];
 }
 
+// p [rows, n] <- softmax of each row, in place.
+__attribute__((always_inline)) inline void softmax_rows(float* p, int64_t rows, int64_t n) {
+  for (int64_t j = 0; j < rows; ++j) {
+    float* pj = p + j * n;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, pj[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) sum += (pj[t] = exp_fast(pj[t] - mx));
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < n; ++t) pj[t] *= inv;
+  }
+}
+
 template <typename E, typename Load>
 __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale,
                         float* p, float* o, Load load) {
@@ -174,16 +188,7 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
           p[j * n + t] = hsum8(a0 + a1) * scale;
         }
       }
-      for (int64_t j = 0; j < group; ++j) {
-        float* pj = p + j * n;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, pj[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < n; ++t) sum += (pj[t] = exp_fast(pj[t] - mx));
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < n; ++t) pj[t] *= inv;
-      }
+      softmax_rows(p, group, n);
       for (int64_t j = 0; j < group; ++j)  // o_j: 64 columns at a time in 8 registers over every row of V
         for (int64_t c0 = 0; c0 < hd; c0 += 64) {
           v8f acc[8] = {};
@@ -208,16 +213,7 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
       p[j * n + t] = d * scale;
     }
   }
-  for (int64_t j = 0; j < group; ++j) {
-    float* pj = p + j * n;
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, pj[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) sum += (pj[t] = exp_fast(pj[t] - mx));
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < n; ++t) pj[t] *= inv;
-  }
+  softmax_rows(p, group, n);
   std::fill(o, o + group * hd, 0.f);
   for (int64_t t = 0; t < n; ++t) {
     const E* v = V + t * hd;
