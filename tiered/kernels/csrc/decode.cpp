@@ -118,17 +118,15 @@ TIERED_CLONES void rms_norm(const float* x, const float* w, float eps, int64_t D
   for (int64_t i = 0; i < D; ++i) y[i] = x[i] * r * w[i];
 }
 
-TIERED_CLONES void silu_mul(const float* g, const float* u, float* a, int64_t n) {
+}  // namespace
+
+TIERED_CLONES void silu_mul(const float* g, const float* u, float* a, int64_t n) {  // kernel.h
 #pragma omp simd  // scalar without it (~5% of a 32-row SmolLM2 step)
   for (int64_t i = 0; i < n; ++i) a[i] = g[i] / (1.f + exp_fast(-g[i])) * u[i];
 }
 
-// One KV head's attention for its `group` query heads q [group, hd] over n cached rows K, V [n, hd]:
-// o [group, hd] = softmax(q K^T * scale) V, each key and value row read once for the whole group.
-// p: scratch [group, n]. E is the cache's element: float, or bf16 as its bits.
-// always_inline: each target_clones copy of attend() below must get its own wide-vector copy of this
-// loop (an out-of-line template would be compiled once, for the x86-64 baseline's SSE: measured 4-wide
-// and FMA-less, ~18% of a 16-row SmolLM2 step).
+namespace {
+
 // 8 floats as one vector (GCC's vector extensions: each target_clones copy compiles them to its own
 // ISA, 256-bit AVX registers in the AVX2 and AVX-512 copies). The helpers are always inlined, so the
 // ABI note GCC gives for 32-byte vector arguments does not apply.
@@ -171,6 +169,12 @@ __attribute__((always_inline)) inline void softmax_rows(float* p, int64_t rows, 
   }
 }
 
+// One KV head's attention for its `group` query heads q [group, hd] over n cached rows K, V [n, hd]:
+// o [group, hd] = softmax(q K^T * scale) V, each key and value row read once for the whole group.
+// p: scratch [group, n]. E is the cache's element: float, or bf16 as its bits.
+// always_inline: each target_clones copy of attend() below must get its own wide-vector copy of this
+// loop (an out-of-line template would be compiled once, for the x86-64 baseline's SSE: measured 4-wide
+// and FMA-less, ~18% of a 16-row SmolLM2 step).
 template <typename E, typename Load>
 __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale,
                         float* p, float* o, Load load) {
@@ -440,13 +444,15 @@ class DecodeStep {
                  const int64_t* pos, int64_t n_slots, int64_t max_len, float* att) const {
     using E = typename Elem<T>::type;
     const int64_t QKV = (H + 2 * Hkv) * hd, group = H / Hkv;
-    int64_t work = 0;
-    for (int64_t b = 0; b < B; ++b) work += (pos[b] + 1) * H * hd;
+    // the cached rows row b attends to: the last `window_` of its pos[b] + 1 (all without a window)
+    auto keys_of = [&](int64_t b) { return window_ > 0 ? std::min(pos[b] + 1, window_) : pos[b] + 1; };
+    int64_t keys = 0;  // key rows read per KV head, over the batch
+    for (int64_t b = 0; b < B; ++b) keys += keys_of(b);
     auto body = [&](int64_t begin, int64_t end) {
       std::vector<float> p;
       for (int64_t bg = begin; bg < end; ++bg) {
         const int64_t b = bg / Hkv, g = bg % Hkv;
-        const int64_t lo = window_ > 0 ? std::max<int64_t>(0, pos[b] - window_ + 1) : 0, n = pos[b] + 1 - lo;
+        const int64_t n = keys_of(b), lo = pos[b] + 1 - n;
         const int64_t base = (((l * n_slots + slots[b]) * Hkv + g) * max_len + lo) * hd;
         const E* K = reinterpret_cast<const E*>(kc + base);
         const E* V = reinterpret_cast<const E*>(vc + base);
@@ -458,19 +464,18 @@ class DecodeStep {
       }
     };
     const int64_t nt = at::get_num_threads(), items = B * Hkv;
-    if (work < (1 << 18) || nt < 2) {
+    if (keys * H * hd < (1 << 18) || nt < 2) {
       body(0, items);
       return;
     }
     // contiguous runs of (row, KV head) items of about equal work (keys read) per thread: rows of a
     // batch differ in length, and parallel_for's equal item counts left one thread waiting
-    const int64_t keys = work / (H * hd) * Hkv;  // keys read over all items
     std::vector<int64_t> cut(nt + 1, items);
     cut[0] = 0;
     int64_t done = 0, t = 1;
     for (int64_t i = 0; i < items && t < nt; ++i) {
-      done += pos[i / Hkv] + 1;
-      while (t < nt && done * nt >= keys * t) cut[t++] = i + 1;
+      done += keys_of(i / Hkv);
+      while (t < nt && done * nt >= keys * Hkv * t) cut[t++] = i + 1;
     }
     at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t k = t0; k < t1; ++k) body(cut[k], cut[k + 1]);
@@ -500,7 +505,8 @@ TIERED_CLONES int64_t sample_row(const float* l, int64_t V, float inv_t, double 
   for (int64_t i = 0; i < V; ++i) mx = l[i] > mx ? l[i] : mx;
   const int64_t nb = (V + kB - 1) / kB;
   double total = 0.0;
-  std::vector<double> bs(nb);
+  thread_local std::vector<double> bs;
+  bs.resize(nb);
   for (int64_t k = 0; k < nb; ++k) {
     const int64_t e = std::min(V, (k + 1) * kB);
     float s = 0.f;
@@ -547,7 +553,8 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
   {
     pybind11::gil_scoped_release nogil;
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<float> p(V);
+      thread_local std::vector<float> p;
+      p.resize(V);
       for (int64_t b = b0; b < b1; ++b) o[b] = sample_row(L + b * V, V, 1.f / T[b], U[b], p.data());
     });
   }
@@ -555,8 +562,6 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
 }
 
 }  // namespace
-
-void silu_mul_rows(const float* g, const float* u, float* a, int64_t n) { silu_mul(g, u, a, n); }
 
 void register_decode(pybind11::module& m) {
   namespace py = pybind11;

@@ -748,6 +748,13 @@ inline void prefetch_tile_scales(const Int4W& w, int64_t m0, int64_t G, int64_t 
   if (w.zr && !(g & 1)) _mm_prefetch(reinterpret_cast<const char*>(w.tile_zr(m0, G, g)), _MM_HINT_T0);
 }
 
+// A tiled kernel's prefetches for group g of a tile: its 4 code lines kPrefetchAhead bytes ahead
+// (codes: the group's 256 bytes), and the next tile's scales (next: that tile's first row, or -1).
+inline void prefetch_group(const Int4W& w, const uint8_t* codes, int64_t next, int64_t G, int64_t g) {
+  for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + kPrefetchAhead + 64 * l), _MM_HINT_T0);
+  if (next >= 0) prefetch_tile_scales(w, next, G, g);
+}
+
 // A tile's scales and zero terms (offset 8) from its contiguous [G, 16, 2] bf16 run (and [G, 16]
 // residual): 8 rows per 32-byte load.
 TIERED_AVX2 void int4t_fill_block_avx2(const Int4W& w, int64_t m0, int64_t G, Int4Block& blk) {
@@ -781,8 +788,7 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
       __m256i ti[NB][2];
       for (int j = 0; j < NB; ++j) ti[j][0] = ti[j][1] = _mm256_setzero_si256();
       const uint8_t* chunk = tile + g * 256;  // 4 chunks of 8 columns x 16 rows (rows 0-7, then 8-15)
-      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(chunk + kPrefetchAhead + 64 * l), _MM_HINT_T0);
-      if (m0 + kBlock < n1) prefetch_tile_scales(w, m0 + kBlock, G, g);
+      prefetch_group(w, chunk, m0 + kBlock < n1 ? m0 + kBlock : -1, G, g);
       const uint32_t* xg[NB];
       for (int j = 0; j < NB; ++j) xg[j] = a.xw + (b0 + j) * (K / 2) + g * (kGroup / 2);
       for (int c4 = 0; c4 < 4; ++c4) {
@@ -853,8 +859,7 @@ TIERED_AVX2 inline __attribute__((always_inline)) void int4tq8_chunk_avx2(const 
 TIERED_AVX2 inline void int4tq8_unpack_avx2(const Int4W& w, int64_t m0, int64_t next, int64_t G, __m256i* u) {
   const uint8_t* tile = w.codes + m0 * (G * kGroup / 2);
   for (int64_t g = 0; g < G; ++g) {
-    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(tile + 256 * g + kPrefetchAhead + 64 * l), _MM_HINT_T0);
-    if (next >= 0) prefetch_tile_scales(w, next, G, g);
+    prefetch_group(w, tile + 256 * g, next, G, g);
     for (int c4 = 0; c4 < 4; ++c4) {
       __m256i q[4];
       int4tq8_chunk_avx2(tile + 256 * g + 64 * c4, q);
@@ -898,19 +903,15 @@ TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const Int4W& w, const __
   for (int64_t g = 0; g < G; ++g) {
     __m256i t[NB][2];
     for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = _mm256_setzero_si256();
-    const __m256i* ug = u + 16 * g;
-    const uint8_t* pg = w.codes + m0 * (K / 2) + 256 * g;
-    if constexpr (kPacked) {
-      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(pg + kPrefetchAhead + 64 * l), _MM_HINT_T0);
-      if (next >= 0) prefetch_tile_scales(w, next, G, g);
-    }
+    const uint8_t* pg = kPacked ? w.codes + m0 * (K / 2) + 256 * g : nullptr;
+    if constexpr (kPacked) prefetch_group(w, pg, next, G, g);
 #pragma GCC unroll 1  // unrolled, GCC hoists the products of all 4 chunks ahead of their adds and spills them
     for (int c4 = 0; c4 < 4; ++c4) {
       __m256i q[4];
       if constexpr (kPacked) {
         int4tq8_chunk_avx2(pg + 64 * c4, q);
       } else {
-        for (int i = 0; i < 4; ++i) q[i] = _mm256_loadu_si256(ug + 4 * c4 + i);
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_loadu_si256(u + 16 * g + 4 * c4 + i);
       }
       const __m256i lo0 = q[0], lo1 = q[1], hi0 = q[2], hi1 = q[3];
       for (int j = 0; j < NB; ++j) {
@@ -933,6 +934,19 @@ TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const Int4W& w, const __
   for (int j = 0; j < NB; ++j) std::memcpy(y + (b0 + j) * ldy + m0, acc[j], sizeof(acc[j]));
 }
 
+// One pass of nb <= 4 activation rows over a tile (int4tq8_tile_avx2 at that width).
+template <bool kPacked>
+TIERED_AVX2 inline void int4tq8_pass_avx2(int64_t nb, const Act& a, const Int4W& w, const __m256i* u, int64_t next,
+                                          const Int4Block& blk, const float* cm, int64_t b0, int64_t m0, float* y,
+                                          int64_t ldy) {
+  switch (nb) {
+    case 1: int4tq8_tile_avx2<1, kPacked>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
+    case 2: int4tq8_tile_avx2<2, kPacked>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
+    case 3: int4tq8_tile_avx2<3, kPacked>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
+    default: int4tq8_tile_avx2<4, kPacked>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
+  }
+}
+
 TIERED_AVX2 void int4tq8_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1,
                               float* y, int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
@@ -951,24 +965,13 @@ TIERED_AVX2 void int4tq8_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t 
     const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
     int4t_fill_block_avx2(w, m0, G, blk);
     if (packed) {
-      switch (nb) {
-        case 1: int4tq8_tile_avx2<1, true>(a, w, nullptr, next, blk, cm.data(), b0, m0, y, ldy); break;
-        case 2: int4tq8_tile_avx2<2, true>(a, w, nullptr, next, blk, cm.data(), b0, m0, y, ldy); break;
-        case 3: int4tq8_tile_avx2<3, true>(a, w, nullptr, next, blk, cm.data(), b0, m0, y, ldy); break;
-        default: int4tq8_tile_avx2<4, true>(a, w, nullptr, next, blk, cm.data(), b0, m0, y, ldy); break;
-      }
+      int4tq8_pass_avx2<true>(nb, a, w, nullptr, next, blk, cm.data(), b0, m0, y, ldy);
       continue;
     }
     int4tq8_unpack_avx2(w, m0, next, G, u.data());
-    for (int64_t j0 = b0; j0 < b0 + nb; j0 += 4) {
-      const float* c = cm.data() + (j0 - b0) * G;
-      switch (std::min<int64_t>(4, b0 + nb - j0)) {
-        case 1: int4tq8_tile_avx2<1, false>(a, w, u.data(), next, blk, c, j0, m0, y, ldy); break;
-        case 2: int4tq8_tile_avx2<2, false>(a, w, u.data(), next, blk, c, j0, m0, y, ldy); break;
-        case 3: int4tq8_tile_avx2<3, false>(a, w, u.data(), next, blk, c, j0, m0, y, ldy); break;
-        default: int4tq8_tile_avx2<4, false>(a, w, u.data(), next, blk, c, j0, m0, y, ldy); break;
-      }
-    }
+    for (int64_t j0 = b0; j0 < b0 + nb; j0 += 4)
+      int4tq8_pass_avx2<false>(std::min<int64_t>(4, b0 + nb - j0), a, w, u.data(), next, blk, cm.data() + (j0 - b0) * G,
+                               j0, m0, y, ldy);
   }
 }
 
@@ -1023,7 +1026,7 @@ TIERED_AVX512_VBMI void int4t_avx512(const Int4W& w, const Act& a, int64_t b0, i
       for (int j = 0; j < NB; ++j)
         for (int c = 0; c < C; ++c) t[j][c] = _mm512_setzero_ps();
       const uint8_t* p = tile + g * 256;
-      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + 64 * l), _MM_HINT_T0);
+      prefetch_group(w, p, -1, G, g);
       for (int c4 = 0; c4 < 4; ++c4) {
         const __m512i v = _mm512_loadu_si512(p + c4 * 64);
         for (int jj = 0; jj < 4; ++jj) {
@@ -1074,7 +1077,7 @@ TIERED_AVX512 void int4tq8_avx512(const Int4W& w, const Act& a, int64_t b0, int6
       for (int j = 0; j < NB; ++j)
         for (int c = 0; c < 2 * C; ++c) t[j][c] = _mm512_setzero_si512();
       const uint8_t* p = tile + g * 256;
-      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + 64 * l), _MM_HINT_T0);
+      prefetch_group(w, p, -1, G, g);
       for (int c4 = 0; c4 < 4; ++c4) {
         const __m512i v = _mm512_loadu_si512(p + c4 * 64);
         const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
@@ -1390,7 +1393,7 @@ void swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, 
   const Act a = buf.prepare(x, B, gate.in_features, gate.needs(B) | up.needs(B));
   const Part parts[2] = {{&gate, gu.data(), 2 * F}, {&up, gu.data() + F, 2 * F}};
   run_parts(parts, 2, a);
-  for (int64_t b = 0; b < B; ++b) silu_mul_rows(gu.data() + b * 2 * F, gu.data() + b * 2 * F + F, h.data() + b * F, F);
+  for (int64_t b = 0; b < B; ++b) silu_mul(gu.data() + b * 2 * F, gu.data() + b * 2 * F + F, h.data() + b * F, F);
   down.run(h.data(), B, y);
 }
 

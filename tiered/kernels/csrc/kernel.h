@@ -27,7 +27,7 @@ at::Tensor rows_to(const float* x, int64_t B, int64_t K, at::ScalarType dtype);
 void rows_from(const at::Tensor& t, float* y);  // t [B, N] contiguous any float dtype -> y fp32
 
 // a [n] = silu(g) * u (SwiGLU's activation), fp32, vectorized with a polynomial exp (decode.cpp).
-void silu_mul_rows(const float* g, const float* u, float* a, int64_t n);
+void silu_mul(const float* g, const float* u, float* a, int64_t n);
 
 void register_kernels(pybind11::module& m);
 void register_decode(pybind11::module& m);
