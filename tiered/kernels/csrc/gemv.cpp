@@ -202,17 +202,25 @@ TIERED_AVX2 inline __attribute__((always_inline)) float hsum256(__m256 v) {
 
 // 8 rows' scales and zero terms with offset 8 (S = s, Z = z + zr - 8 s, fp32) from their 8 (s, z)
 // bf16 pairs and 8 bf16 residuals (zr null: none): one 32-byte load.
-TIERED_AVX2 inline __attribute__((always_inline)) void fill8_avx2(const uint16_t* sz, const uint16_t* zr, float* S,
-                                                                 float* Z) {
+TIERED_AVX2 inline __attribute__((always_inline)) void scales8_avx2(const uint16_t* sz, const uint16_t* zr, __m256& S,
+                                                                   __m256& Z) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz));
-  const __m256 sv = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  S = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   __m256 zv = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xFFFF0000u))));
   if (zr) {
     const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(zr));
     zv = _mm256_add_ps(zv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16)));
   }
+  Z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), S, zv);
+}
+
+// The same, stored to S[0..7] and Z[0..7].
+TIERED_AVX2 inline __attribute__((always_inline)) void fill8_avx2(const uint16_t* sz, const uint16_t* zr, float* S,
+                                                                 float* Z) {
+  __m256 sv, zv;
+  scales8_avx2(sz, zr, sv, zv);
   _mm256_storeu_ps(S, sv);
-  _mm256_storeu_ps(Z, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv, zv));
+  _mm256_storeu_ps(Z, zv);
 }
 
 template <int NB>
@@ -741,8 +749,10 @@ void int4t_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t 
 
 // The scales and zero terms of group g of the tile at row m0 (one 64-byte line of sz, and every
 // other group one line of zr): the kernels' second stream, fetched one tile ahead a group at a time
-// so that int4t_fill_block_avx2 finds it in cache (it stalled on it: ~30% of a batch-1 call at
-// OLMoE widths, where the hardware prefetcher alone did not keep up).
+// (a fill pass over a tile's scales stalled on them: ~30% of a batch-1 call at OLMoE widths, where
+// the hardware prefetcher alone did not keep up). Even so, int4t_fill_block_avx2's pass still spent
+// ~30% of int4t_w16_avx2's time waiting on them, so that kernel reads each group's scales where it
+// uses them (scales8_avx2), and their loads overlap the code stream's.
 inline void prefetch_tile_scales(const Int4W& w, int64_t m0, int64_t G, int64_t g) {
   _mm_prefetch(reinterpret_cast<const char*>(w.tile_sz(m0, G, g)), _MM_HINT_T0);
   if (w.zr && !(g & 1)) _mm_prefetch(reinterpret_cast<const char*>(w.tile_zr(m0, G, g)), _MM_HINT_T0);
@@ -765,6 +775,27 @@ TIERED_AVX2 void int4t_fill_block_avx2(const Int4W& w, int64_t m0, int64_t G, In
                  Z + g * kBlock + 8 * h);
 }
 
+// int4t_w16_avx2's pieces. One 8-row half of a chunk's 64-byte line (32 bytes at c) -> the int16
+// pairs of its columns (0, 2), (4, 6), (1, 3), (5, 7) in q[0..3].
+TIERED_AVX2 inline __attribute__((always_inline)) void w16_unpack_avx2(const uint8_t* c, __m256i* q) {
+  const __m256i m = _mm256_set1_epi32(0x000F000F);
+  const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+  q[0] = _mm256_and_si256(d, m), q[1] = _mm256_and_si256(_mm256_srli_epi32(d, 4), m);
+  q[2] = _mm256_and_si256(_mm256_srli_epi32(d, 8), m), q[3] = _mm256_and_si256(_mm256_srli_epi32(d, 12), m);
+}
+
+// The 4 xw words of one chunk of 8 columns, each broadcast.
+TIERED_AVX2 inline __attribute__((always_inline)) void w16_bcast_avx2(const uint32_t* xw, __m256i* x) {
+  for (int i = 0; i < 4; ++i) x[i] = _mm256_set1_epi32(int32_t(xw[i]));
+}
+
+// t += the 8 rows' int32 dots of one chunk: 4 vpmaddwd.
+TIERED_AVX2 inline __attribute__((always_inline)) void w16_dot_avx2(const __m256i* q, const __m256i* x, __m256i& t) {
+  const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q[0], x[0]), _mm256_madd_epi16(q[1], x[1]));
+  const __m256i r = _mm256_add_epi32(_mm256_madd_epi16(q[2], x[2]), _mm256_madd_epi16(q[3], x[3]));
+  t = _mm256_add_epi32(t, _mm256_add_epi32(p, r));
+}
+
 // AVX2 (int16 activations, Act::xw; AVX-512 without VBMI below q8_from): per 8-row half of a tile and chunk of 8
 // columns, the 4 code bytes of a row hold columns j (low nibble of byte j) and 4 + j (high); masking
 // the row's 32-bit word with 0x000F000F after shifts of 0, 4, 8, 12 leaves the int16 pairs of
@@ -776,10 +807,7 @@ template <int NB>
 TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
                                 int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
-  thread_local Int4Block blk;
-  const __m256i m = _mm256_set1_epi32(0x000F000F);
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    int4t_fill_block_avx2(w, m0, G, blk);
     const uint8_t* tile = w.codes + m0 * (K / 2);
     __m256 acc[NB][2], corr[NB][2];
     for (int j = 0; j < NB; ++j)
@@ -791,27 +819,25 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
       prefetch_group(w, chunk, m0 + kBlock < n1 ? m0 + kBlock : -1, G, g);
       const uint32_t* xg[NB];
       for (int j = 0; j < NB; ++j) xg[j] = a.xw + (b0 + j) * (K / 2) + g * (kGroup / 2);
+#pragma GCC unroll 1  // unrolled, GCC hoists the chunks' loads and products and spills them
       for (int c4 = 0; c4 < 4; ++c4) {
-        __m256i q[2][4];
-        for (int h = 0; h < 2; ++h) {  // both 8-row halves of one 64-byte chunk: one cache line
-          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + c4 * 64 + 32 * h));
-          q[h][0] = _mm256_and_si256(d, m), q[h][1] = _mm256_and_si256(_mm256_srli_epi32(d, 4), m);
-          q[h][2] = _mm256_and_si256(_mm256_srli_epi32(d, 8), m), q[h][3] = _mm256_and_si256(_mm256_srli_epi32(d, 12), m);
-        }
-        for (int j = 0; j < NB; ++j) {
-          const int32_t* xw = reinterpret_cast<const int32_t*>(xg[j] + c4 * 4);
-          const __m256i x0 = _mm256_set1_epi32(xw[0]), x1 = _mm256_set1_epi32(xw[1]);
-          const __m256i x2 = _mm256_set1_epi32(xw[2]), x3 = _mm256_set1_epi32(xw[3]);
-          for (int h = 0; h < 2; ++h) {
-            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(q[h][0], x0), _mm256_madd_epi16(q[h][1], x1));
-            const __m256i r = _mm256_add_epi32(_mm256_madd_epi16(q[h][2], x2), _mm256_madd_epi16(q[h][3], x3));
-            ti[j][h] = _mm256_add_epi32(ti[j][h], _mm256_add_epi32(p, r));
+        if constexpr (NB == 1) {  // one half's codes at a time: 13 live vectors, no spills
+          __m256i x[4], q[4];
+          w16_bcast_avx2(xg[0] + c4 * 4, x);
+          for (int h = 0; h < 2; ++h) w16_unpack_avx2(chunk + c4 * 64 + 32 * h, q), w16_dot_avx2(q, x, ti[0][h]);
+        } else {  // both halves' codes stay while each row broadcasts its x once
+          __m256i q[2][4];
+          for (int h = 0; h < 2; ++h) w16_unpack_avx2(chunk + c4 * 64 + 32 * h, q[h]);
+          for (int j = 0; j < NB; ++j) {
+            __m256i x[4];
+            w16_bcast_avx2(xg[j] + c4 * 4, x);
+            for (int h = 0; h < 2; ++h) w16_dot_avx2(q[h], x, ti[j][h]);
           }
         }
       }
       for (int h = 0; h < 2; ++h) {
-        const __m256 sv = _mm256_loadu_ps(blk.sc.data() + g * kBlock + 8 * h);
-        const __m256 zv = _mm256_loadu_ps(blk.zc.data() + g * kBlock + 8 * h);
+        __m256 sv, zv;
+        scales8_avx2(w.tile_sz(m0, G, g) + 16 * h, w.zr ? w.tile_zr(m0, G, g) + 8 * h : nullptr, sv, zv);
         for (int j = 0; j < NB; ++j) {
           const int64_t bg = (b0 + j) * G + g;
           acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti[j][h]), _mm256_mul_ps(sv, _mm256_set1_ps(a.dw[bg])), acc[j][h]);
