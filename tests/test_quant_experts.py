@@ -55,6 +55,67 @@ def test_expert_kernels_match_their_dequantized_weights(name, layout):
         assert (w - d).abs().max() <= tol * w.abs().max()
 
 
+@pytest.mark.parametrize("name", ["bf16", "int8", "int4", "int4,int4,int8"])
+@pytest.mark.parametrize("layout", ["plain", "tiled"])
+def test_expert_group_gives_each_experts_own_outputs(name, layout):
+    """forward_group (a layer's experts in one native call) returns exactly what forward returns
+    for each expert on its rows, experts with no rows included; more than NATIVE_ROWS rows for an
+    expert -> None (the caller runs experts one at a time); malformed bounds -> a clear error."""
+    from tiered.kernels import load
+    from tiered.quant.experts import NATIVE_ROWS
+
+    if load() is None:
+        pytest.skip("the native kernels are not built")
+    fmt = ExpertFormat(name, [w.shape for w in _weights(F=64)], layout)
+    slots = []
+    for seed in range(4):
+        ws = _weights(F=64, seed=seed)
+        if fmt.is_dense:
+            slots.append(tuple(w.bfloat16().contiguous() for w in ws))
+        else:
+            slots.append(fmt.empty())
+            fmt.quantize(ws, slots[-1])
+    bounds = [0, 1, 1, 1 + NATIVE_ROWS, 3 + NATIVE_ROWS]
+    xs = torch.randn(bounds[-1], 64, generator=torch.Generator().manual_seed(1))
+    ys = fmt.forward_group(xs, slots, bounds)
+    assert ys.dtype == xs.dtype and ys.shape == xs.shape
+    for slot, a, b in zip(slots, bounds, bounds[1:]):
+        if b > a:
+            assert torch.equal(ys[a:b], fmt.forward(xs[a:b], slot))
+    assert fmt.forward_group(torch.randn(NATIVE_ROWS + 1, 64), slots[:1], [0, NATIVE_ROWS + 1]) is None
+    with pytest.raises(RuntimeError, match="bounds"):
+        fmt.forward_group(xs, slots, bounds[:-1])
+    with pytest.raises(RuntimeError, match="xs must be"):
+        fmt.forward_group(xs[:-1], slots, bounds)
+
+
+def test_cpu_moe_layer_runs_its_experts_in_one_call(tmp_path, monkeypatch):
+    """Without an accelerator, a layer whose experts are all in RAM computes them in one native call
+    per layer (runtime/moe_runner._all_on_fast), with the same logits, bit for bit, and the same
+    tokens as one task per expert."""
+    from moe_fixtures import make_moe_checkpoint
+
+    from tiered.kernels import load
+    from tiered.runtime import moe_runner
+
+    if load() is None:
+        pytest.skip("the native kernels are not built")
+    llm = LLM(make_moe_checkpoint("qwen3_moe", tmp_path / "m"),
+              EngineConfig(max_context=48, decode_weights="fp32", accelerator="none", expert_weights="int4"))
+    assert llm.experts.placement.count("fast") == len(llm.experts.placement.tiers)
+    groups = []
+    real = ExpertFormat.forward_group
+    monkeypatch.setattr(ExpertFormat, "forward_group", lambda self, *a: groups.append(len(a[1])) or real(self, *a))
+    logits = llm.logits(PROMPT[:4])  # at most 4 rows per expert: every layer takes the one call
+    out = llm.generate(PROMPT, GREEDY)[0].token_ids
+    moe_layers = len({layer for layer, _ in llm.experts.placement.tiers})
+    assert len(groups) >= moe_layers * len(out) and max(groups) > 1  # the 4-token logits and every decode step
+    monkeypatch.setattr(moe_runner.TieredExperts, "_all_on_fast", lambda *a, **k: None)
+    assert torch.equal(llm.logits(PROMPT[:4]), logits)
+    assert llm.generate(PROMPT, GREEDY)[0].token_ids == out
+    llm.close()
+
+
 def test_cpu_and_plain_int4_layouts_hold_the_same_weights():
     ws = _weights(F=64)
     a, b = (ExpertFormat("int4", [w.shape for w in ws], lay) for lay in ("cpu", "plain"))

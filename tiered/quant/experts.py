@@ -255,6 +255,27 @@ class ExpertFormat:
         spec = self.native
         return None if spec is None else spec.forward(slot[0], x).to(x.dtype)
 
+    def forward_group(self, xs: torch.Tensor, slots: list[tuple[torch.Tensor, ...]], bounds: list[int]) -> torch.Tensor | None:
+        """Several experts of one layer in one native call (two parallel regions for all of them, not
+        two per expert): expert i (slot `slots[i]`) on rows bounds[i]..bounds[i + 1] of xs [M, D]
+        (CPU, at most NATIVE_ROWS rows each) -> ys [M, D] in xs's dtype, row m its expert's output:
+        the same values as `forward` on each expert's rows. None when the native kernels cannot run
+        it (no extension, no kernel for this format, a non-contiguous bf16 weight): call `forward`
+        per expert instead."""
+        if xs.device.type != "cpu" or any(b - a > NATIVE_ROWS for a, b in zip(bounds, bounds[1:])):
+            return None
+        if self.is_dense:
+            if self.dense_dtype != torch.bfloat16 or not all(w.is_contiguous() for s in slots for w in s):
+                return None
+            from tiered.kernels import load
+
+            ext = load()
+            if ext is None:
+                return None
+            return ext.bf16_experts_forward_group([w for s in slots for w in s], xs, bounds).to(xs.dtype)
+        spec = self.native
+        return None if spec is None else spec.forward_group([s[0] for s in slots], xs, bounds).to(xs.dtype)
+
     def dequantize(self, slot: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three weights as fp32 (the reference the kernels are checked against)."""
         if self.is_dense:

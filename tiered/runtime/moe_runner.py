@@ -13,6 +13,9 @@ Per layer and step (dimension legend: N tokens, D hidden, k top-k, E experts):
      a disk-tier expert is read first (pread on reader threads) into a host staging buffer (with an
      accelerator) or into a fast-tier slot (without one, where every miss computes on the CPU);
   3. combine the weighted outputs in expert order (as transformers does: identical sums).
+Without an accelerator, a layer whose experts are all in RAM at full precision (the common CPU
+decode step) skips the per-expert tasks: one native call computes every expert of the layer in two
+parallel regions (ExpertFormat.forward_group), and one index_add combines them in the same order.
 Fast-tier experts are launched from this thread on its current device stream: no worker hop and
 no wait. Activations cross to the host only when some expert takes the CPU path, and nothing
 waits for the whole device: copies wait, on the device, for an event recorded after the router.
@@ -127,6 +130,11 @@ class TieredExperts:
         side = {e: self.high for e in groups}
         if needs is not None:
             misses = self._choose_precision(misses, needs, keys, on_fast, side, groups)
+        if self.accelerator is None and not misses and all(side[e] is self.high for e in groups):
+            out = self._all_on_fast(layer_idx, x, groups, keys, on_fast, tok_all, slot_all, topk_weight)
+            if out is not None:
+                self.executor.record(f"moe layer {layer_idx}", "main", t_layer, time.perf_counter(), layer=layer_idx)
+                return out
         if self.accelerator is None:
             paths = {e: "disk" for e in misses}
         else:
@@ -174,6 +182,35 @@ class TieredExperts:
                 y = self.accelerator.to_device(y)
             out.index_add_(0, tok, y * topk_weight[tok, slot_all[a:b], None].to(y.dtype))
         self.executor.record(f"moe layer {layer_idx}", "main", t_layer, time.perf_counter(), layer=layer_idx)
+        return out
+
+    def _all_on_fast(self, layer_idx, x, groups, keys, on_fast, tok_all, slot_all, topk_weight) -> torch.Tensor | None:
+        """A CPU-only layer whose experts are all on the fast tier (RAM) at full precision: every
+        expert in one native call (ExpertFormat.forward_group: two parallel regions for the layer, no
+        task, gather or index_add per expert), combined as the per-expert path combines them (one
+        index_add in the same expert-then-token order: identical sums). None when the call cannot
+        take this layer (too many tokens per expert, no native kernel): one task per expert then."""
+        experts = list(groups)  # ascending: the rows of tok_all in expert order
+        if not experts:
+            return None
+        if self.prefetcher is not None:  # cached experts still landing from a prefetch
+            for e in experts:
+                for f in self.prefetcher.loading(keys[e]):
+                    f.result()
+        t0 = time.perf_counter()
+        bounds = [0]
+        for e in experts:
+            bounds.append(bounds[-1] + groups[e][1] - groups[e][0])
+        if bounds[-1] < tok_all.numel():  # skipped experts (mixed precision) left their rows out
+            rows = torch.cat([torch.arange(*groups[e], device=tok_all.device) for e in experts])
+            tok_all, slot_all = tok_all[rows], slot_all[rows]
+        ys = self.fmt.forward_group(x[tok_all], [on_fast[e] for e in experts], bounds)
+        if ys is None:
+            return None
+        self.path_counts[RESIDENT] += len(experts)
+        out = torch.zeros_like(x)
+        out.index_add_(0, tok_all, ys * topk_weight[tok_all, slot_all, None].to(ys.dtype))
+        self.executor.record(f"experts L{layer_idx} ({len(experts)})", "cpu", t0, time.perf_counter(), layer=layer_idx)
         return out
 
     def _choose_precision(self, misses, needs, keys, on_fast, side, groups) -> list[int]:

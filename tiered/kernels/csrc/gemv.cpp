@@ -1372,40 +1372,109 @@ struct Bf16Gemv : Gemv {
 
 // ------------------------------------------------------------------------------------ running
 // Several kernels reading one Act, their row blocks spread over one parallel region.
+// One kernel's share of a parallel region: output rows y [., ldy] from activation rows [b0, b0 + nb)
+// of its Act.
 struct Part {
   const Gemv* k;
   float* y;
   int64_t ldy;
+  const Act* a = nullptr;  // run_parts sets these from its call's Act
+  int64_t b0 = 0, nb = 0;
 };
 
-void run_parts(const Part* parts, int n_parts, const Act& a) {
-  int64_t blocks[4], total = 0, bytes = 0;
-  for (int i = 0; i < n_parts; ++i) {
+// Every part's row blocks in one parallel region, split between threads in order: each thread
+// streams a contiguous run of blocks (one part's rows, then the next part's).
+void run_region(const Part* parts, int64_t n_parts) {
+  std::vector<int64_t> first(n_parts + 1, 0);
+  int64_t bytes = 0;
+  for (int64_t i = 0; i < n_parts; ++i) {
     const int64_t R = parts[i].k->block_rows();
-    blocks[i] = (parts[i].k->out_features + R - 1) / R;
-    total += blocks[i];
+    first[i + 1] = first[i] + (parts[i].nb > 0 ? (parts[i].k->out_features + R - 1) / R : 0);
     bytes += parts[i].k->weight_bytes();
   }
-  if (total == 0 || a.B == 0) return;
+  const int64_t total = first[n_parts];
+  if (total == 0) return;
   // >= 64 KB of weights per work item: a fork costs a few microseconds
   const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) * total / std::max<int64_t>(1, bytes));
+  at::parallel_for(0, total, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = 0; i < n_parts; ++i) {
+      const int64_t s = std::max(lo, first[i]), e = std::min(hi, first[i + 1]);
+      if (s < e) {
+        const Part& p = parts[i];
+        const int64_t R = p.k->block_rows();
+        p.k->rows(*p.a, p.b0, p.nb, (s - first[i]) * R, std::min(p.k->out_features, (e - first[i]) * R), p.y, p.ldy);
+      }
+    }
+  });
+}
+
+// Several kernels reading one Act (at most 4), in passes of activation rows.
+void run_parts(const Part* parts, int n_parts, const Act& a) {
   // activation rows per pass: the pass's bf16 rows stay in L2 (prefill-sized calls re-read weights)
   const int64_t tile = std::max<int64_t>(kMaxNB, ((int64_t(256) << 10) / std::max<int64_t>(1, 2 * a.K)) / kMaxNB * kMaxNB);
   for (int64_t b0 = 0; b0 < a.B; b0 += tile) {
-    const int64_t nb = std::min(tile, a.B - b0);
-    at::parallel_for(0, total, grain, [&](int64_t lo, int64_t hi) {
-      int64_t first = 0;
-      for (int i = 0; i < n_parts; ++i) {
-        const int64_t s = std::max(lo, first), e = std::min(hi, first + blocks[i]);
-        if (s < e) {
-          const Part& p = parts[i];
-          const int64_t R = p.k->block_rows();
-          p.k->rows(a, b0, nb, (s - first) * R, std::min(p.k->out_features, (e - first) * R), p.y, p.ldy);
-        }
-        first += blocks[i];
-      }
-    });
+    Part ps[4];
+    for (int i = 0; i < n_parts; ++i) ps[i] = parts[i], ps[i].a = &a, ps[i].b0 = b0, ps[i].nb = std::min(tile, a.B - b0);
+    run_region(ps, n_parts);
   }
+}
+
+// Routed SwiGLU experts of one layer, expert e on rows [r[e], r[e + 1]) of xs [M, D] fp32 (at most
+// kMaxNB rows each; none: skipped), k its (gate, up, down) kernels (3 E of them, the same shapes):
+// every gate and up projection in one parallel region, then every down projection in a second, so
+// a layer pays two forks and joins instead of two per expert. ys [M, D] fp32: each row's expert
+// output, the same values as swiglu on that expert's rows.
+void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_t* r, float* ys) {
+  thread_local std::vector<ActBuffers> bufs;
+  thread_local std::vector<float> gu, h;
+  const int64_t D = k[0]->in_features, F = k[0]->out_features, M = r[E];
+  if (int64_t(bufs.size()) < E) bufs.resize(E);
+  gu.resize(M * 2 * F);
+  h.resize(M * F);
+  std::vector<Act> acts(E);
+  std::vector<Part> parts;
+  parts.reserve(2 * E);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = r[e + 1] - r[e];
+    if (n == 0) continue;
+    const Gemv *g = k[3 * e], *u = k[3 * e + 1];
+    acts[e] = bufs[e].prepare(xs + r[e] * D, n, D, g->needs(n) | u->needs(n));
+    float* o = gu.data() + r[e] * 2 * F;
+    parts.push_back({g, o, 2 * F, &acts[e], 0, n});
+    parts.push_back({u, o + F, 2 * F, &acts[e], 0, n});
+  }
+  run_region(parts.data(), int64_t(parts.size()));
+  for (int64_t m = 0; m < M; ++m) silu_mul(gu.data() + m * 2 * F, gu.data() + m * 2 * F + F, h.data() + m * F, F);
+  parts.clear();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = r[e + 1] - r[e];
+    if (n == 0) continue;
+    const Gemv* d = k[3 * e + 2];
+    acts[e] = bufs[e].prepare(h.data() + r[e] * F, n, F, d->needs(n));
+    parts.push_back({d, ys + r[e] * D, D, &acts[e], 0, n});
+  }
+  run_region(parts.data(), int64_t(parts.size()));
+}
+
+// swiglu_group's checks and call from Python: xs [M, D] any float dtype, bounds [E + 1] (rows of
+// each expert, at most kMaxNB each) -> ys [M, D] fp32.
+at::Tensor run_swiglu_group(const std::vector<const Gemv*>& k, const at::Tensor& xs0, const std::vector<int64_t>& bounds,
+                            const char* what) {
+  const int64_t E = int64_t(k.size()) / 3;
+  TORCH_CHECK(E >= 1 && int64_t(bounds.size()) == E + 1 && bounds[0] == 0, what, ": bounds must be [E + 1] from 0");
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(bounds[e + 1] >= bounds[e] && bounds[e + 1] - bounds[e] <= kMaxNB, what, ": expert ", e, " has ",
+                bounds[e + 1] - bounds[e], " rows (0..", kMaxNB, " allowed)");
+  const int64_t D = k[0]->in_features;
+  TORCH_CHECK(xs0.dim() == 2 && xs0.size(0) == bounds[E] && xs0.size(1) == D, what, ": xs must be [", bounds[E], ", ", D,
+              "], got ", xs0.sizes());
+  auto xs = xs0.to(at::kFloat).contiguous();
+  auto ys = at::empty({bounds[E], D}, xs.options());
+  {
+    pybind11::gil_scoped_release nogil;
+    swiglu_group(k.data(), E, xs.data_ptr<float>(), bounds.data(), ys.data_ptr<float>());
+  }
+  return ys;
 }
 
 // One routed SwiGLU expert: y [B, D] = W_down (silu(W_gate x) * W_up x), gate and up in one
@@ -1464,30 +1533,50 @@ struct ExpertSpec {
     }
   }
 
-  // x [B, D] any float dtype; buf uint8 [nbytes] (one slot) -> y [B, D] fp32.
-  at::Tensor forward(const at::Tensor& buf, const at::Tensor& x0) const {
-    TORCH_CHECK(buf.device().is_cpu() && buf.scalar_type() == at::kByte && buf.is_contiguous() && buf.numel() >= nbytes,
-                "expert spec: the slot must be a contiguous CPU uint8 tensor of ", nbytes, " bytes");
-    TORCH_CHECK(x0.dim() == 2 && x0.size(1) == p[0].K, "expert spec: x must be [B, ", p[0].K, "], got ", x0.sizes());
-    auto x = x0.to(at::kFloat).contiguous();
-    auto y = at::empty({x.size(0), p[2].N}, x.options());
+  // One slot's three projections bound as kernels (g: gate, up, down).
+  struct Bound {
     Int4Gemv k4[3];
     Int4Q8Gemv k4q[3];
     Int4TGemv k4t[3];
     Int8Gemv k8[3];
     Bf16Gemv kb[3];
     const Gemv* g[3];
+  };
+
+  void bind_slot(const at::Tensor& buf, Bound& b) const {
+    TORCH_CHECK(buf.device().is_cpu() && buf.scalar_type() == at::kByte && buf.is_contiguous() && buf.numel() >= nbytes,
+                "expert spec: the slot must be a contiguous CPU uint8 tensor of ", nbytes, " bytes");
     const uint8_t* base = buf.data_ptr<uint8_t>();
     for (int i = 0; i < 3; ++i) {
-      k4t[i].q8_from = int4_q8 ? 1 : kNeverQ8;
-      Int4Gemv& k = int4_tiled ? static_cast<Int4Gemv&>(k4t[i]) : int4_q8 ? k4q[i] : k4[i];
-      bind(p[i], base, k, k8[i], kb[i], g[i]);
+      b.k4t[i].q8_from = int4_q8 ? 1 : kNeverQ8;
+      Int4Gemv& k = int4_tiled ? static_cast<Int4Gemv&>(b.k4t[i]) : int4_q8 ? b.k4q[i] : b.k4[i];
+      bind(p[i], base, k, b.k8[i], b.kb[i], b.g[i]);
     }
+  }
+
+  // x [B, D] any float dtype; buf uint8 [nbytes] (one slot) -> y [B, D] fp32.
+  at::Tensor forward(const at::Tensor& buf, const at::Tensor& x0) const {
+    TORCH_CHECK(x0.dim() == 2 && x0.size(1) == p[0].K, "expert spec: x must be [B, ", p[0].K, "], got ", x0.sizes());
+    Bound b;
+    bind_slot(buf, b);
+    auto x = x0.to(at::kFloat).contiguous();
+    auto y = at::empty({x.size(0), p[2].N}, x.options());
     {
       pybind11::gil_scoped_release nogil;
-      swiglu(*g[0], *g[1], *g[2], x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+      swiglu(*b.g[0], *b.g[1], *b.g[2], x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
     }
     return y;
+  }
+
+  // Several experts in this format at once (swiglu_group): slots [E] uint8, xs [M, D], bounds [E + 1].
+  at::Tensor forward_group(const std::vector<at::Tensor>& slots, const at::Tensor& xs, const std::vector<int64_t>& bounds) const {
+    std::unique_ptr<Bound[]> b(new Bound[slots.size()]);
+    std::vector<const Gemv*> k;
+    for (size_t e = 0; e < slots.size(); ++e) {
+      bind_slot(slots[e], b[e]);
+      k.insert(k.end(), b[e].g, b[e].g + 3);
+    }
+    return run_swiglu_group(k, xs, bounds, "expert spec forward_group");
   }
 };
 
@@ -1891,7 +1980,10 @@ void register_gemv(pybind11::module& m) {
         "A fused SwiGLU expert y [B, D] = down(silu(gate x) * up x) over three of tiered's own kernels.");
   py::class_<ExpertSpec, std::shared_ptr<ExpertSpec>>(m, "ExpertSpec",
       "A quantized expert format's flat layout: forward(slot uint8 [nbytes], x [B, D]) -> y [B, D] fp32.")
-      .def("forward", &ExpertSpec::forward, py::arg("slot"), py::arg("x"));
+      .def("forward", &ExpertSpec::forward, py::arg("slot"), py::arg("x"))
+      .def("forward_group", &ExpertSpec::forward_group, py::arg("slots"), py::arg("xs"), py::arg("bounds"),
+           "Experts of one layer in two parallel regions: slots [E] (one uint8 slot each), xs [M, D] (expert e's "
+           "rows bounds[e]..bounds[e + 1], at most 8 each) -> ys [M, D] fp32, each row its expert's output.");
   m.def("expert_spec", [](std::vector<std::string> kinds, std::vector<std::vector<int64_t>> shapes,
                           std::vector<std::vector<int64_t>> offsets, int64_t nbytes, const std::string& int4_act,
                           const std::string& int4_layout) {
@@ -1946,6 +2038,24 @@ void register_gemv(pybind11::module& m) {
         py::arg("w_gate"), py::arg("w_up"), py::arg("w_down"), py::arg("x"),
         "A bf16 SwiGLU expert in one call: w_gate, w_up bf16 [F, D], w_down bf16 [D, F] contiguous, "
         "x [B, D] any float dtype -> y [B, D] fp32.");
+  m.def("bf16_experts_forward_group", [](const std::vector<at::Tensor>& ws, const at::Tensor& xs,
+                                         const std::vector<int64_t>& bounds) {
+          TORCH_CHECK(!ws.empty() && ws.size() % 3 == 0, "bf16_experts_forward_group: weights are (gate, up, down) per expert");
+          const int64_t F = ws[0].size(0), D = ws[0].size(1);
+          std::unique_ptr<Bf16Gemv[]> k(new Bf16Gemv[ws.size()]);
+          std::vector<const Gemv*> kp;
+          for (size_t i = 0; i < ws.size(); ++i) {
+            const bool down = i % 3 == 2;
+            check_rows(ws[i], at::kBFloat16, down ? D : F, down ? F : D, "bf16_experts_forward_group: a weight");
+            k[i].out_features = ws[i].size(0), k[i].in_features = ws[i].size(1);
+            k[i].w = {bf16_ptr(ws[i]), nullptr};
+            kp.push_back(&k[i]);
+          }
+          return run_swiglu_group(kp, xs, bounds, "bf16_experts_forward_group");
+        },
+        py::arg("weights"), py::arg("xs"), py::arg("bounds"),
+        "bf16 SwiGLU experts of one layer in two parallel regions: weights [3 E] (w_gate, w_up [F, D], w_down [D, F] "
+        "per expert), xs [M, D] (expert e's rows bounds[e]..bounds[e + 1], at most 8 each) -> ys [M, D] fp32.");
   m.def("set_isa", [](const std::string& name) {
           const int want = name == "avx512" ? kAvx512 : name == "avx2" ? kAvx2 : name == "scalar" ? kScalar : -1;
           TORCH_CHECK(want >= 0, "set_isa: unknown ISA '", name, "' (use avx512, avx2, scalar or best)");
