@@ -97,6 +97,27 @@ def test_moe_layer_time_follows_the_read_mode(read_ahead, parallel):
     assert step > sum(f for _, f in layers)
 
 
+def test_cpu_experts_are_priced_in_their_stored_format():
+    """Experts read in their own format (int4 slots are ~1/3.5 of bf16's bytes, at the int4 GEMV's
+    rate), and a layer whose experts are all in RAM, with the native kernels, is one call of two
+    parallel regions for its top-k (runtime/moe_runner._all_on_fast), not three GEMVs per expert."""
+    from dataclasses import replace
+
+    from tiered.memory import sizes
+    from tiered.planner.cpu_predict import predict_decode
+
+    m = {"gemv/cpu/bf16": LinearModel(1e-5, 5e-11, 1.0), "gemv/cpu/int4": LinearModel(1e-5, 8e-11, 1.0),
+         "attn/cpu/bf16": LinearModel(0.0, 1e-10, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True})
+    router = 1e-5 + 5e-11 * 4096 * 8 * 2
+    for fmt, key in (("bf16", "gemv/cpu/bf16"), ("int4", "gemv/cpu/int4")):
+        layers, _ = predict_decode(MIXTRAL, hw, "bf16", context=64, experts_format=fmt)
+        fit = m[key]
+        assert layers[0][1] == pytest.approx(router + 2 * fit.alpha + fit.beta * 2 * sizes.expert_bytes(MIXTRAL, fmt))
+    per_task, _ = predict_decode(MIXTRAL, replace(hw, meta={}), "bf16", context=64, experts_format="int4")
+    assert per_task[0][1] > layers[0][1]  # torch ops: 3 calls per expert
+
+
 def test_parallel_reads_make_read_ahead_faster():
     from tiered.planner.cpu_predict import HitStats, predict_decode
 

@@ -220,7 +220,9 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
     if accelerator is None:  # no GPU tier: make_plan then plans CPU + disk
         profile = replace(profile, gpu_memory=None)
     prompt = max(1, min(512, max_context // 2))
-    dense_cpu = accelerator is None and not cfg.is_moe and decode_format != "none"
+    # CPU-only with decode copies: the non-expert weights are read (and, in one-copy mode, held) in
+    # the copies' format, MoE models included (their experts are priced in their own format)
+    dense_cpu = accelerator is None and decode_format != "none"
 
     plan = make_plan(cfg, profile, model_name=model_name, gpu_memory=gpu, cpu_memory=ec.cpu_memory, goal="latency",
                      prompt_tokens=prompt, gen_tokens=max(1, min(128, max_context - prompt)),

@@ -24,6 +24,7 @@ import torch
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.hardware import op_time
 from tiered.hardware.profile import HardwareProfile
+from tiered.memory import sizes
 from tiered.memory.expert_cache import ExpertCache, make_policy
 
 
@@ -154,7 +155,8 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, 
 
 def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, hits: HitStats | None = None,
                    read_ahead: bool = True, readers: int = 2, task_overhead: float | None = None,
-                   moe_layers: list[int] | None = None) -> tuple[list[tuple[float, float]], float]:
+                   moe_layers: list[int] | None = None,
+                   experts_format: str | None = None) -> tuple[list[tuple[float, float]], float]:
     """Per-layer (attention, FFN or MoE) seconds of one decode step, and the whole step
     (layers + lm_head) on CPU + disk.
 
@@ -164,6 +166,9 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         read_ahead, readers: the runtime's disk-read mode.
         task_overhead: executor cost per expert task [s]; None = the profile's runtime/task model or 0.
         moe_layers: layers with experts (default: cfg.is_moe_layer).
+        experts_format: the routed experts' stored format (quant/experts.py names: their bytes,
+            memory/sizes.expert_bytes, and the GEMV key of their first projection's kind price
+            them); None = `dtype`.
     """
     bpe = op_time.bytes_per_element(dtype)
     d = cfg.hidden_size
@@ -183,13 +188,20 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             t += _gemv(hw, dtype, 3 * d * F * bpe, calls=2 if native_step(hw) else 3, working_set=ws)  # gate/up fused
         else:
             F, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
-            eb = 3 * d * F * bpe
+            ekind = (experts_format or dtype).split(",")[0]
+            eb = sizes.expert_bytes(cfg, experts_format) if experts_format else 3 * d * F * bpe
             t += _gemv(hw, dtype, d * cfg.num_experts * bpe, working_set=ws)
             # computes run inline on the calling thread (the executor's "cpu" stream): no task hop;
             # each miss's read is a task on a reader thread and pays `over`
-            compute = _gemv(hw, dtype, eb, calls=3, working_set=ws)
+            calls = 2 if native_step(hw) else 3  # the native expert: gate and up in one call, then down
+            compute = _gemv(hw, ekind, eb, calls=calls, working_set=ws)
             res, hit = hits.rates(i) if hits is not None else (1.0, 0.0)
             misses = k * (1 - res - hit)
+            if misses <= 1e-9 and native_step(hw):
+                # every expert in RAM: the layer's k experts in one native call of two parallel
+                # regions (runtime/moe_runner._all_on_fast), no task per expert
+                layers.append((attn, t + _gemv(hw, ekind, k * eb, calls=2, working_set=ws)))
+                continue
             read = disk(eb) if disk is not None and misses > 0 else 0.0
             if read_ahead and misses > 0:
                 # all of a layer's reads are issued at once to the reader threads; the CPU computes
