@@ -13,6 +13,10 @@ Expert forward, two paths:
     expert of tiered/kernels/csrc/gemv.cpp, one call from the expert's stored form (bf16 tensors,
     or the flat int8 / int4 "plain" slot with the zero residual), no Python between projections;
     int4 on int8-quantized activations (kernels/linear.EXPERT_INT4_ACT = "q8": vpdpbusd).
+  layer (native, what the engine runs for a CPU-only MoE layer whose experts are all in RAM): the
+    token's top-k experts (Mixtral 2, OLMoE 8) in one ExpertFormat.forward_group call, two parallel
+    regions for all of them (runtime/moe_runner._all_on_fast). Its GB/s counts the k experts' bytes.
+    Reported beside the single-expert rows; the target is checked on those.
 Each timed call goes to the next of `n` distinct experts so that the weights read exceed the
 last-level cache (the numbers are DRAM figures, not cache hits). GB/s = weight bytes / time.
 
@@ -58,20 +62,37 @@ from tiered.quant.experts import ExpertFormat  # noqa: E402
 from tiered.runtime.cpu_decode import Kernel  # noqa: E402
 
 WIDTHS = {"mixtral": (4096, 14336), "olmoe": (2048, 1024)}  # (hidden D, expert intermediate F)
+TOP_K = {"mixtral": 2, "olmoe": 8}  # experts per token: a "layer" row's experts per call
 FORMATS = ("bf16", "int8", "int4")
-PATHS = ("torch", "native")
+PATHS = ("torch", "native", "layer")
+
+
+def native_slot(gu: torch.Tensor, dn: torch.Tensor, Fi: int, fmt: str):
+    """(ExpertFormat, slot) of one expert over gate/up [2F, D], down [D, F] as the engine stores it
+    on the CPU with the extension built (bf16 tensors, or a flat slot in the tiled int4 layout)."""
+    D = dn.shape[0]
+    ef = ExpertFormat(fmt, ((Fi, D), (Fi, D), (D, Fi)), "tiled")
+    if ef.is_dense:
+        return ef, (gu[:Fi].bfloat16().contiguous(), gu[Fi:].bfloat16().contiguous(), dn.bfloat16().contiguous())
+    slot = ef.empty()
+    ef.quantize([gu[:Fi], gu[Fi:], dn], slot)
+    return ef, slot
 
 
 def make_native(gu: torch.Tensor, dn: torch.Tensor, Fi: int, fmt: str):
     """(x -> y callable, weight bytes) of the native fused expert over gate/up [2F, D], down [D, F]."""
-    D = dn.shape[0]
-    ef = ExpertFormat(fmt, ((Fi, D), (Fi, D), (D, Fi)), "tiled")  # the host layout with the extension built
-    if ef.is_dense:
-        slot = (gu[:Fi].bfloat16().contiguous(), gu[Fi:].bfloat16().contiguous(), dn.bfloat16().contiguous())
-    else:
-        slot = ef.empty()
-        ef.quantize([gu[:Fi], gu[Fi:], dn], slot)
+    ef, slot = native_slot(gu, dn, Fi, fmt)
     return (lambda x: ef.forward(x, slot)), ef.nbytes
+
+
+def make_layer(D: int, Fi: int, fmt: str, g: torch.Generator, k: int):
+    """(x -> y callable, None, weight bytes) of k random experts computed for one token in one
+    ExpertFormat.forward_group call (a CPU-only MoE layer's experts), y the k outputs [k, D]."""
+    made = [native_slot(torch.randn(2 * Fi, D, generator=g) * 0.02, torch.randn(D, Fi, generator=g) * 0.02, Fi, fmt)
+            for _ in range(k)]
+    ef, slots = made[0][0], [s for _, s in made]
+    bounds = list(range(k + 1))
+    return (lambda x: ef.forward_group(x.expand(k, D), slots, bounds)), None, k * ef.nbytes
 
 
 def make_expert(D: int, Fi: int, fmt: str, g: torch.Generator, path: str = "torch"):
@@ -114,15 +135,20 @@ class Bandwidth:
 
 
 def measure(width: str, fmt: str, n_experts: int, repeats: int, bw: Bandwidth, path: str = "torch") -> dict:
-    """One row on the calling thread: ms per expert forward (median over passes through all
-    experts), GB/s, and % of the bandwidth measured right before each pass (median of the ratios)."""
+    """One row on the calling thread: ms per call (one expert, or a "layer" row's k experts; median
+    over passes through all of them), GB/s, and % of the bandwidth measured right before each pass
+    (median of the ratios)."""
     D, Fi = WIDTHS[width]
     g = torch.Generator().manual_seed(0)
-    experts = [make_expert(D, Fi, fmt, g, path) for _ in range(n_experts)]
+    k = TOP_K[width] if path == "layer" else 1  # experts per timed call
+    if path == "layer":
+        experts = [make_layer(D, Fi, fmt, g, k) for _ in range(max(1, n_experts // k))]
+    else:
+        experts = [make_expert(D, Fi, fmt, g, path) for _ in range(n_experts)]
     nbytes = experts[0][2]
     x = torch.randn(1, D)
-    row = {"width": width, "D": D, "F": Fi, "format": fmt, "path": path, "expert_MB": nbytes / 1e6,
-           "experts_cycled": n_experts}
+    row = {"width": width, "D": D, "F": Fi, "format": fmt, "path": path, "expert_MB": nbytes / k / 1e6,
+           "experts_per_call": k, "experts_cycled": len(experts) * k}
     with torch.inference_mode():
         def sweep() -> float:  # seconds per expert over one pass through all experts
             t = time.perf_counter()
@@ -202,11 +228,14 @@ def main(argv=None) -> int:
     rows = run_rows(plan, repeats, "calling") + worker_rows(plan, repeats, args.threads)
     best: dict = {}
     for r in rows:
+        if r["path"] == "layer":  # the target is on one expert's forward
+            continue
         key = (r["width"], r["format"], r["thread"])
         best[key] = max(best.get(key, 0), r["pct"])
     met = all(v >= 80 for v in best.values())
     cols = [Column("width", "width"), Column("format", "format"), Column("path", "path"), Column("thread", "thread"),
-            Column("expert MB", "expert_MB", "{:.1f}"), Column("ms", "ms", "{:.2f}"), Column("GB/s", "GBps", "{:.1f}"),
+            Column("expert MB", "expert_MB", "{:.1f}"), Column("experts / call", "experts_per_call"),
+            Column("ms / call", "ms", "{:.2f}"), Column("GB/s", "GBps", "{:.1f}"),
             Column("bandwidth GB/s", "bw_GBps", "{:.1f}"), Column("% of bandwidth", "pct", "{:.0f}%")]
     rows.sort(key=lambda r: (list(WIDTHS).index(r["width"]), FORMATS.index(r["format"]), r["path"], r["thread"]))
     write_report("cpu_experts", args.out, title="CPU expert forward at batch 1 (one token, one SwiGLU expert)",
@@ -217,7 +246,9 @@ def main(argv=None) -> int:
                  notes=["% of bandwidth: median over passes of the pass's GB/s over a 1 GiB torch sum run just "
                         "before it, on the same thread.",
                         "Target (issue 11): every width and format >= 80% of the bandwidth on both threads (best "
-                        "path): " + ("MET" if met else "NOT met") + "."])
+                        "single-expert path): " + ("MET" if met else "NOT met") + ".",
+                        "layer rows: the token's top-k experts (Mixtral 2, OLMoE 8) in one native call, as the "
+                        "engine computes a CPU-only MoE layer whose experts are in RAM; not counted for the target."])
     return 0
 
 
