@@ -223,7 +223,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
 
 
 def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int,
-                    moe_layers: list[int] | None = None, disk_share: float = 0.0) -> float:
+                    moe_layers: list[int] | None = None, disk_share: float = 0.0,
+                    experts_dtype: str | None = None) -> float:
     """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
 
     Per layer: the attention projections and each FFN / active expert as GEMMs of all their
@@ -233,6 +234,9 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     Experts: with T tokens routed top-k of E uniformly, E * (1 - (1 - k/E)^T) are active with T * k
     / active tokens each. Then the lm_head of the last token only (CausalLM's last_only) and the
     per-step cost. Prefill runs the dense weights in `dtype` (decode copies serve <= 8 rows).
+    `experts_dtype`: the dtype expert GEMMs of more than 8 rows compute in (None = `dtype`): the
+    activations' (quant/experts.ExpertFormat.forward converts or dequantizes the expert's weights to
+    it once per call), whatever format the experts are stored in.
     """
     import math
 
@@ -254,9 +258,11 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             E, k, F = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
             active = min(E, max(k, math.ceil(E * (1 - (1 - k / E) ** T) - 1e-9)))
             s = max(1, math.ceil(T * k / active - 1e-9))
+            edt = experts_dtype or dtype
             eb = 3 * d * F * bpe
             t += op_time.gemm_time(hw, "cpu", dtype, T * d * E, d * E * bpe)  # router
-            t += active * op_time.gemm_time(hw, "cpu", dtype, 3 * s * d * F, eb, calls=3)
+            t += active * op_time.gemm_time(hw, "cpu", edt, 3 * s * d * F, 3 * d * F * op_time.bytes_per_element(edt),
+                                            calls=3)
             if disk is not None:
                 t += active * disk_share * disk(eb)
         total += t
