@@ -191,17 +191,17 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             ekind = (experts_format or dtype).split(",")[0]
             eb = sizes.expert_bytes(cfg, experts_format) if experts_format else 3 * d * F * bpe
             t += _gemv(hw, dtype, d * cfg.num_experts * bpe, working_set=ws)
-            # computes run inline on the calling thread (the executor's "cpu" stream): no task hop;
-            # each miss's read is a task on a reader thread and pays `over`
-            calls = 2 if native_step(hw) else 3  # the native expert: gate and up in one call, then down
-            compute = _gemv(hw, ekind, eb, calls=calls, working_set=ws)
             res, hit = hits.rates(i) if hits is not None else (1.0, 0.0)
             misses = k * (1 - res - hit)
             if misses <= 1e-9 and native_step(hw):
                 # every expert in RAM: the layer's k experts in one native call of two parallel
-                # regions (runtime/moe_runner._all_on_fast), no task per expert
+                # regions (runtime/moe_runner._all_on_fast, the plan's native_decode), no task per expert
                 layers.append((attn, t + _gemv(hw, ekind, k * eb, calls=2, working_set=ws)))
                 continue
+            # computes run inline on the calling thread (the executor's "cpu" stream): no task hop;
+            # each miss's read is a task on a reader thread and pays `over`
+            calls = 2 if native_step(hw) else 3  # the native expert: gate and up in one call, then down
+            compute = _gemv(hw, ekind, eb, calls=calls, working_set=ws)
             read = disk(eb) if disk is not None and misses > 0 else 0.0
             if read_ahead and misses > 0:
                 # all of a layer's reads are issued at once to the reader threads; the CPU computes

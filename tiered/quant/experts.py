@@ -243,17 +243,24 @@ class ExpertFormat:
         h = F.silu(project(x, vg, kg, lay)) * project(x, vu, ku, lay)
         return project(h, vd, kd, lay)
 
+    def _native_ext(self, slots: list[tuple[torch.Tensor, ...]]):
+        """The native extension when its expert kernels can compute from these slots (a dense format:
+        bf16 and contiguous; a quantized one: a kernel for its kinds and layout), else None."""
+        from tiered.kernels import load
+
+        if self.is_dense:
+            ok = self.dense_dtype == torch.bfloat16 and all(w.is_contiguous() for s in slots for w in s)
+        else:
+            ok = self.native is not None
+        return load() if ok else None
+
     def _native_forward(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """The native fused expert's result in x's dtype, or None when it has no kernel for this."""
-        if self.is_dense:
-            if self.dense_dtype != torch.bfloat16 or not all(w.is_contiguous() for w in slot):
-                return None
-            from tiered.kernels import load
-
-            ext = load()
-            return None if ext is None else ext.bf16_expert_forward(*slot, x).to(x.dtype)
-        spec = self.native
-        return None if spec is None else spec.forward(slot[0], x).to(x.dtype)
+        ext = self._native_ext([slot])
+        if ext is None:
+            return None
+        y = ext.bf16_expert_forward(*slot, x) if self.is_dense else self.native.forward(slot[0], x)
+        return y.to(x.dtype)
 
     def forward_group(self, xs: torch.Tensor, slots: list[tuple[torch.Tensor, ...]], bounds: list[int]) -> torch.Tensor | None:
         """Several experts of one layer in one native call (two parallel regions for all of them, not
@@ -264,17 +271,14 @@ class ExpertFormat:
         per expert instead."""
         if xs.device.type != "cpu" or any(b - a > NATIVE_ROWS for a, b in zip(bounds, bounds[1:])):
             return None
+        ext = self._native_ext(slots)
+        if ext is None:
+            return None
         if self.is_dense:
-            if self.dense_dtype != torch.bfloat16 or not all(w.is_contiguous() for s in slots for w in s):
-                return None
-            from tiered.kernels import load
-
-            ext = load()
-            if ext is None:
-                return None
-            return ext.bf16_experts_forward_group([w for s in slots for w in s], xs, bounds).to(xs.dtype)
-        spec = self.native
-        return None if spec is None else spec.forward_group([s[0] for s in slots], xs, bounds).to(xs.dtype)
+            ys = ext.bf16_experts_forward_group([w for s in slots for w in s], xs, bounds)
+        else:
+            ys = self.native.forward_group([s[0] for s in slots], xs, bounds)
+        return ys.to(xs.dtype)
 
     def dequantize(self, slot: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three weights as fp32 (the reference the kernels are checked against)."""

@@ -62,7 +62,7 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
     if placed is not None:
         from tiered.runtime.moe_runner import TieredExperts
         rt.experts = TieredExperts(placed, executor, plan.latency_model(), accelerator, plan.dispatch_mode,
-                                   read_ahead=plan.read_ahead)
+                                   read_ahead=plan.read_ahead, group_layers=plan.native_decode)
         for block in moe_blocks(model):
             block.runner = rt.experts
         if plan.prefetch:

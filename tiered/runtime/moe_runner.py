@@ -70,6 +70,8 @@ class TieredExperts:
         accelerator: Accelerator or None (the fast tier is then CPU RAM and compute is on the CPU).
         dispatch_mode: the plan's "balanced", "per-expert", "copy" or "cpu".
         read_ahead: issue all of a layer's expert reads at once.
+        group_layers: the plan's native_decode: without an accelerator, a layer whose experts are
+            all in RAM computes them in one native call (_all_on_fast).
     Attributes:
         path_counts: Counter of paths over all dispatched experts; bytes_read: disk bytes read;
         bytes_h2d: bytes copied to the accelerator; resident_hits: uses of fast-resident experts
@@ -79,11 +81,12 @@ class TieredExperts:
     """
 
     def __init__(self, placed: PlacedExperts, executor: Executor, latency: LatencyModel | None, accelerator,
-                 dispatch_mode: str = "balanced", read_ahead: bool = True) -> None:
+                 dispatch_mode: str = "balanced", read_ahead: bool = True, group_layers: bool = False) -> None:
         self.store, self.cache = placed.store, placed.cache
         self.fast_staging, self.host_staging = placed.fast_staging, placed.host_staging
         self.executor, self.latency, self.accelerator = executor, latency, accelerator
         self.dispatch_mode, self.read_ahead = dispatch_mode, read_ahead
+        self.group_layers = group_layers and accelerator is None
         self.path_counts: Counter = Counter()
         self.bytes_read = 0
         self.bytes_h2d = 0
@@ -130,7 +133,7 @@ class TieredExperts:
         side = {e: self.high for e in groups}
         if needs is not None:
             misses = self._choose_precision(misses, needs, keys, on_fast, side, groups)
-        if self.accelerator is None and not misses and all(side[e] is self.high for e in groups):
+        if self.group_layers and not misses and all(side[e] is self.high for e in groups):
             out = self._all_on_fast(layer_idx, x, groups, keys, on_fast, tok_all, slot_all, topk_weight)
             if out is not None:
                 self.executor.record(f"moe layer {layer_idx}", "main", t_layer, time.perf_counter(), layer=layer_idx)

@@ -1588,6 +1588,18 @@ void check_rows(const at::Tensor& t, at::ScalarType dt, int64_t N, int64_t K, co
               t.scalar_type(), " ", t.sizes());
 }
 
+// One bf16 expert's kernels k[0..2] over w[0..2] = w_gate, w_up [F, D], w_down [D, F] (contiguous
+// bf16, checked).
+void bind_bf16_expert(const at::Tensor* w, int64_t F, int64_t D, Bf16Gemv* k, const std::string& what) {
+  check_rows(w[0], at::kBFloat16, F, D, (what + ": w_gate").c_str());
+  check_rows(w[1], at::kBFloat16, F, D, (what + ": w_up").c_str());
+  check_rows(w[2], at::kBFloat16, D, F, (what + ": w_down").c_str());
+  for (int i = 0; i < 3; ++i) {
+    k[i].out_features = w[i].size(0), k[i].in_features = w[i].size(1);
+    k[i].w = {bf16_ptr(w[i]), nullptr};
+  }
+}
+
 void check_ng(const at::Tensor& t, int64_t N, int64_t G, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.size(0) == N &&
                   t.size(1) == G,
@@ -2017,18 +2029,12 @@ void register_gemv(pybind11::module& m) {
         "int4_act as int4_kernel's act.");
   m.def("bf16_expert_forward", [](at::Tensor wg, at::Tensor wu, at::Tensor wd, at::Tensor x0) {
           const int64_t F = wg.size(0), D = wg.size(1);
-          check_rows(wg, at::kBFloat16, F, D, "bf16_expert_forward: w_gate");
-          check_rows(wu, at::kBFloat16, F, D, "bf16_expert_forward: w_up");
-          check_rows(wd, at::kBFloat16, D, F, "bf16_expert_forward: w_down");
+          const at::Tensor ws[3] = {wg, wu, wd};
+          Bf16Gemv k[3];
+          bind_bf16_expert(ws, F, D, k, "bf16_expert_forward");
           TORCH_CHECK(x0.dim() == 2 && x0.size(1) == D, "bf16_expert_forward: x must be [B, ", D, "]");
           auto x = x0.to(at::kFloat).contiguous();
           auto y = at::empty({x.size(0), D}, x.options());
-          Bf16Gemv k[3];
-          const at::Tensor* ws[3] = {&wg, &wu, &wd};
-          for (int i = 0; i < 3; ++i) {
-            k[i].out_features = ws[i]->size(0), k[i].in_features = ws[i]->size(1);
-            k[i].w = {bf16_ptr(*ws[i]), nullptr};
-          }
           {
             py::gil_scoped_release nogil;
             swiglu(k[0], k[1], k[2], x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
@@ -2044,12 +2050,9 @@ void register_gemv(pybind11::module& m) {
           const int64_t F = ws[0].size(0), D = ws[0].size(1);
           std::unique_ptr<Bf16Gemv[]> k(new Bf16Gemv[ws.size()]);
           std::vector<const Gemv*> kp;
-          for (size_t i = 0; i < ws.size(); ++i) {
-            const bool down = i % 3 == 2;
-            check_rows(ws[i], at::kBFloat16, down ? D : F, down ? F : D, "bf16_experts_forward_group: a weight");
-            k[i].out_features = ws[i].size(0), k[i].in_features = ws[i].size(1);
-            k[i].w = {bf16_ptr(ws[i]), nullptr};
-            kp.push_back(&k[i]);
+          for (size_t i = 0; i < ws.size(); i += 3) {
+            bind_bf16_expert(&ws[i], F, D, &k[i], "bf16_experts_forward_group");
+            for (size_t j = i; j < i + 3; ++j) kp.push_back(&k[j]);
           }
           return run_swiglu_group(kp, xs, bounds, "bf16_experts_forward_group");
         },
