@@ -90,8 +90,12 @@ def _read_until(fd: int, proc: subprocess.Popen, marker: str, seen: list[str], t
 
 # The child makes the pty on its fd 0 its controlling terminal (it leads a new session), so Ctrl-C
 # typed there is SIGINT to it, as in a shell. Done in the child's own code: a preexec_fn can
-# deadlock when this process has threads (a loaded LLM's) at the fork.
-CHAT = ("import fcntl, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); sys.argv[0] = 'tiered'; "
+# deadlock when this process has threads (a loaded LLM's) at the fork. It also restores SIGINT's
+# default handler, as a shell does for its foreground job: a suite started in the background of a
+# non-interactive shell (`pytest ... &`) ignores SIGINT, the child inherits SIG_IGN through exec and
+# Python keeps it, so Ctrl-C would never reach the chat (seen: the prompt hung after "^C").
+CHAT = ("import fcntl, signal, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+        "signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv[0] = 'tiered'; "
         "from tiered.cli import app; app()")
 
 

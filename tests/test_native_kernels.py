@@ -236,6 +236,20 @@ def test_bf16(isa, N, K):
         assert rel(k(x), ref) < 1e-5, (isa, B)
 
 
+@pytest.mark.parametrize("N,K", SHAPES + [(7, 50), (5, 100)])
+def test_fp32(isa, N, K):  # the lossless mode's decode weights: our loop to 16 rows, at::linear above
+    g = torch.Generator().manual_seed(N * 5 + K)
+    lin = torch.nn.Linear(K, N)
+    k = kernel_for(lin)
+    assert k.name() == f"fp32(tiered,{isa})"
+    for B in list(range(1, 9)) + [16, 17, 40]:
+        x = torch.randn(B, K, generator=g)
+        ref = (x.double() @ lin.weight.double().T + lin.bias.double()).float()
+        assert rel(k(x), ref) < 1e-5, (isa, B)
+    with pytest.raises(RuntimeError, match="f32_kernel"):
+        ext.f32_kernel(torch.randn(N, 2 * K)[:, ::2])  # rows not contiguous
+
+
 def test_int8_linear_small_batch_uses_native_and_matches():
     m = Int8Linear.from_dense(torch.randn(40, 64))
     x = torch.randn(2, 5, 64)  # 10 rows: torch's kernel; 1 row: ours

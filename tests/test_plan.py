@@ -118,6 +118,43 @@ def test_cpu_experts_are_priced_in_their_stored_format():
     assert per_task[0][1] > layers[0][1]  # torch ops: 3 calls per expert
 
 
+def test_an_moe_layer_adds_its_blocks_fixed_cost():
+    """runtime/moe_step's slope (a tiny MoE model's step per layer) less runtime/decode_step's (a dense
+    layer's) is what each MoE layer adds to a CPU decode step: router module, top-k, the runner's
+    grouping and combine. Dense layers and the per-step cost stay as runtime/decode_step prices them;
+    without the key nothing is added."""
+    from dataclasses import replace
+
+    from tiered.planner.cpu_predict import predict_decode
+
+    m = {"gemv/cpu/bf16": LinearModel(1e-5, 5e-11, 1.0), "attn/cpu/bf16": LinearModel(0.0, 1e-10, 1.0),
+         "runtime/decode_step/bf16": LinearModel(5e-5, 1e-5, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True})
+    with_key = replace(hw, models={**m, "runtime/moe_step/bf16": LinearModel(4e-5, 3.3e-4, 1.0)})
+    base_layers, base = predict_decode(MIXTRAL, hw, "bf16", context=64)
+    layers, step = predict_decode(MIXTRAL, with_key, "bf16", context=64)
+    assert step - base == pytest.approx(MIXTRAL.num_hidden_layers * 3.2e-4)
+    assert [a for a, _ in layers] == [a for a, _ in base_layers]  # the attention part keeps the dense per-layer cost
+    assert layers[0][1] - base_layers[0][1] == pytest.approx(3.2e-4)
+
+
+def test_the_lossless_modes_projections_are_not_fused():
+    """fp32 decode weights are the dense ones, one kernel per projection (q, k, v, o; gate, up, down):
+    each call pays the GEMV fit's alpha, where the decode copies' fused q/k/v and gate/up pay it twice."""
+    from tiered.planner.cpu_predict import fused_projections, predict_decode
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    m = {f"gemv/cpu/{d}": LinearModel(1e-4, 0.0, 1.0) for d in ("fp32", "bf16")}
+    hw = HardwareProfile("cpu-box", "test", {**m, "attn/cpu/fp32": LinearModel(0.0, 0.0, 1.0)}, None, None,
+                         meta={"native_kernels": True})
+    assert fused_projections(hw, "bf16") and not fused_projections(hw, "fp32")
+    (attn, ffn), = predict_decode(cfg, hw, "fp32", context=0)[0]
+    assert (attn, ffn) == (pytest.approx(4e-4), pytest.approx(3e-4))
+    (attn, ffn), = predict_decode(cfg, hw, "bf16", context=0)[0]
+    assert (attn, ffn) == (pytest.approx(2e-4), pytest.approx(2e-4))
+
+
 def test_cpu_moe_prefill_prices_experts_in_the_activations_dtype():
     """Experts of a prefill (more than 8 rows each) compute in the activations' dtype: the expert's
     weights are converted or dequantized to it once per call. On AVX2, fp32 GEMMs are ~6x faster than

@@ -105,6 +105,16 @@ def launch_time(profile: HardwareProfile, device: str) -> float:
     return m.alpha if m is not None else 0.0
 
 
+def moe_layer_overhead(profile: HardwareProfile) -> float:
+    """Seconds an MoE layer's fixed cost exceeds a dense layer's in a CPU decode step: the MoE block's
+    own code (router module, top-k, the expert runner's grouping and combine), the slope of
+    runtime/moe_step/bf16 (a tiny MoE model's step, n = layers) less runtime/decode_step/bf16's
+    (the attention and norms both layers have, which step_overhead already prices). 0 when either
+    is not profiled. Python and small ops: the same for any weight format."""
+    moe, dense = profile.models.get("runtime/moe_step/bf16"), profile.models.get("runtime/decode_step/bf16")
+    return max(0.0, moe.beta - dense.beta) if moe is not None and dense is not None else 0.0
+
+
 def step_overhead(profile: HardwareProfile, dtype: str, device: str = "cpu") -> tuple[float, float]:
     """(per step, per layer) seconds of the model code's own fixed costs in a decode step: module
     calls, small ops and their launches, KV-cache writes (runtime/decode_step: a tiny model's decode

@@ -15,6 +15,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
                          n = layers (the fixed per-step and per-layer cost of the model code)
     runtime/decode_step_gpu/<dtype>  the same on CUDA, model in <dtype> (CUDA only)
+    runtime/moe_step/bf16  the same for a tiny MoE model opened by the engine (router, top-k and
+                         the expert runner per MoE layer; every expert in RAM)   n = layers
     copy/{h2d,d2h}_{pinned,pageable}   (CUDA only)             n = bytes
     disk/read_cold (page cache dropped with posix_fadvise before each read), disk/write (+ fsync)
     disk/read_cold_parallel  cold reads split over DISK_READERS threads at once   n = all bytes
@@ -132,8 +134,12 @@ def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False)
     weight w [N, K] on `device`. gemv: a decode-step GEMV: on a CPU with tiered/kernels built, the
     native Kernel the native decode step calls for that format (kernels/linear.kernel_for), with
     its per-call cost, not a module's Python-side reshapes and casts."""
-    native = gemv and device == "cpu" and dtype in ("bf16", "int8", "int4") and kernels.available()
+    native = gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int4") and kernels.available()
     dev = torch.device("cuda" if device == "gpu" else "cpu")
+    if native and dtype == "fp32":  # the lossless mode's decode weights: f32_kernel
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data = w.contiguous()
+        return _native(lin), torch.float32, 4
     if native and dtype == "bf16":
         from tiered.quant.linear import CastLinear
 
@@ -307,6 +313,38 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") 
     return points
 
 
+def _moe_step_points(repeats: int) -> list[tuple[float, float]]:
+    """(layers, seconds) of one decode step of tiny Mixtral-shaped models (hidden 64, 8 experts,
+    top-2, bf16, every expert in RAM) with 2..8 layers, each opened by the engine itself (`LLM`
+    over a dummy checkpoint, plan "off": the runtime's rules, the native step when built) so the
+    step runs what a CPU-only MoE decode runs: the lean step's attention, then each MoE block as a
+    module (router, top-k, softmax) and the expert runner (runtime/moe_runner: grouping, the
+    layer's one native call, combine). The weights are too small to matter: what is timed is the
+    fixed cost per step and per MoE layer (runtime/moe_step/bf16, n = layers), which
+    runtime/decode_step's dense layers do not have."""
+    from tiered.bench.checkpoint import ModelShape, write_dummy_checkpoint
+    from tiered.config import EngineConfig
+    from tiered.engine.llm import LLM
+
+    points = []
+    with tempfile.TemporaryDirectory(prefix="tiered-profile-moe-") as tmp:
+        for layers in (2, 4, 8):
+            shape = ModelShape(layers=layers, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=64, experts=8, top_k=2,
+                               max_position_embeddings=128)
+            path = write_dummy_checkpoint(Path(tmp) / f"moe-{layers}", shape)
+            llm = LLM(path, EngineConfig(accelerator="none", dtype="bfloat16", decode_weights="bf16", plan="off",
+                                         max_context=64))
+            try:
+                step, cache = llm.runtime.cpu_decode, llm._kv_cache(1, 64)
+                slots, ids, pos = torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[32]])
+                with torch.inference_mode():
+                    llm.model(torch.ones(1, 32, dtype=torch.long), torch.arange(32).unsqueeze(0), slots, cache)
+                    points.append((float(layers), median_time(lambda: step(ids, pos, slots, cache), repeats)))
+            finally:
+                llm.close()
+    return points
+
+
 def _copy_points(kind: str, sizes_mib, repeats: int):
     sync = torch.cuda.synchronize
     points = []
@@ -435,8 +473,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # Bumped when a key's measurement changes meaning, so cached profiles of older method are re-measured
 # (2: runtime/decode_step times the lean CPU decode step, runtime/cpu_decode; 3: the native step and
 # kernels when tiered/kernels is built, meta["native_kernels"]; 4: the CPU gemv keys time the native
-# Kernels the native step calls, without a module's per-call Python cost).
-PROFILER_VERSION = 4
+# Kernels the native step calls, without a module's per-call Python cost; 5: gemv/cpu/fp32 times the
+# native fp32 kernel, kernels/linear.f32_kernel, which the lossless mode's decode step now calls;
+# and runtime/moe_step/bf16 is measured).
+PROFILER_VERSION = 5
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -496,6 +536,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     b.models["runtime/task"] = LinearModel(_task_overhead(), 0.0, None)
     for dtype in ("fp32", "bf16"):
         b.attempt(f"runtime/decode_step/{dtype}", lambda d=dtype: _decode_step_points(r, d))
+    b.attempt("runtime/moe_step/bf16", lambda: _moe_step_points(r))
     b.say(f"runtime/task: {b.models['runtime/task'].alpha:.3g} s")
     # disk
     disk_sizes = [1, 4, 16] if quick else [1, 4, 16, 64, 128]

@@ -11,6 +11,7 @@ TIERED_NATIVE=0, or no compiler); callers then keep their torch-op paths.
                                              doubles SmolLM2's int4 KL, see EXPERT_INT4_ACT)
     Int4Linear (torch's packed layout only)  int4pack_kernel (torch's _weight_int4pack_mm_for_cpu)
     CastLinear / nn.Linear, bf16 weight      bf16_kernel (ours)
+    nn.Linear, fp32 weight                   f32_kernel (ours; at::linear above 16 rows)
     nn.Linear, other dtypes                  dense_kernel (at::linear)
 
 A Kernel is called as kernel(x [B, K] any float dtype) -> y [B, N] fp32 (bias added).
@@ -172,6 +173,8 @@ def kernel_for(m: nn.Module):
         w = m.weight.detach()
         if w.dtype == torch.bfloat16 and w.is_contiguous():
             return ext.bf16_kernel(w, bias)
+        if w.dtype == torch.float32 and w.is_contiguous():
+            return ext.f32_kernel(w, bias)
         return ext.dense_kernel(w, bias)
     raise TypeError(f"no native kernel for {type(m).__name__}")
 

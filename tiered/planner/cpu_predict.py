@@ -4,7 +4,7 @@ when CPU RAM is the fast tier and experts that do not fit stream from disk.
 Per decode step and layer (ALGORITHMS.md 5.2, with the GPU terms absent):
     attention      projections priced by gemm_time (memory-bound at 1 token) + attention over the KV cache
     dense MLP      gemm_time of its three matrices
-    MoE layer      router + for each of the step's experts: compute (gemv of the expert's bytes) and,
+    MoE layer      router + the MoE block's fixed cost (runtime/moe_step) + for each of the step's experts: compute (gemv of the expert's bytes) and,
                    on a miss, a cold disk read of its bytes; without read-ahead reads and computes
                    alternate, with read-ahead the reads of a layer stream back to back while hits
                    compute; computes run inline on the calling thread, each read is a task on a
@@ -140,12 +140,20 @@ def native_step(hw: HardwareProfile) -> bool:
     return bool(hw.meta and hw.meta.get("native_kernels"))
 
 
+def fused_projections(hw: HardwareProfile, dtype: str) -> bool:
+    """Whether a decode step runs q/k/v and gate/up as one kernel call each: the native step over the
+    decode copies (quant/linear.install_decode_weights fuses them). The lossless fp32 mode keeps the
+    dense weights, one kernel per projection (runtime/cpu_decode._group)."""
+    return native_step(hw) and dtype != "fp32"
+
+
 def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, working_set: float = 0.0) -> float:
     d, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     w = 2 * d * q + 2 * d * kv
     native = native_step(hw)
-    proj = _gemv(hw, dtype, w * op_time.bytes_per_element(dtype), calls=2 if native else 4, working_set=working_set)
+    proj = _gemv(hw, dtype, w * op_time.bytes_per_element(dtype), calls=2 if fused_projections(hw, dtype) else 4,
+                 working_set=working_set)
     act = dtype if dtype in ("fp32", "bf16", "fp16") else "bf16"  # int4/int8 weights keep a 16-bit KV cache
     kv_bytes = 2 * kv * context * op_time.bytes_per_element(act)
     if native:  # the native step's attention streams the cached keys and values once (GQA heads share them)
@@ -177,6 +185,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     disk = hw.models.get("disk/read_cold")
     # the model code's own fixed costs (module calls, small ops) per layer and per step, when profiled
     per_step, per_layer = op_time.step_overhead(hw, dtype)
+    moe_fixed = op_time.moe_layer_overhead(hw)  # the MoE block's own code, beyond a dense layer's
     ws = step_weight_bytes(cfg, dtype, moe_layers)  # beyond the last-level cache: DRAM's rate
     layers = []
     for i in range(cfg.num_hidden_layers):
@@ -185,12 +194,12 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size
-            t += _gemv(hw, dtype, 3 * d * F * bpe, calls=2 if native_step(hw) else 3, working_set=ws)  # gate/up fused
+            t += _gemv(hw, dtype, 3 * d * F * bpe, calls=2 if fused_projections(hw, dtype) else 3, working_set=ws)
         else:
             F, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
             ekind = (experts_format or dtype).split(",")[0]
             eb = sizes.expert_bytes(cfg, experts_format) if experts_format else 3 * d * F * bpe
-            t += _gemv(hw, dtype, d * cfg.num_experts * bpe, working_set=ws)
+            t += _gemv(hw, dtype, d * cfg.num_experts * bpe, working_set=ws) + moe_fixed
             res, hit = hits.rates(i) if hits is not None else (1.0, 0.0)
             misses = k * (1 - res - hit)
             if misses <= 1e-9 and native_step(hw):
