@@ -89,10 +89,14 @@ def test_expert_group_gives_each_experts_own_outputs(name, layout):
         fmt.forward_group(xs[:-1], slots, bounds)
 
 
-def test_cpu_moe_layer_runs_its_experts_in_one_call(tmp_path, monkeypatch):
-    """Without an accelerator, a layer whose experts are all in RAM computes them in one native call
-    per layer (runtime/moe_runner._all_on_fast), with the same logits, bit for bit, and the same
-    tokens as one task per expert."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("experts", ["int4", "bf16"])
+def test_cpu_moe_layer_runs_its_experts_in_one_call(tmp_path, monkeypatch, dtype, experts):
+    """Without an accelerator, a layer whose experts are all in RAM computes them and their weighted
+    sum in one native call (runtime/moe_runner._resident_layer, ExpertFormat.layer_call), or with
+    more rows than that call takes, its experts in one call and the sum in torch (_all_on_fast),
+    with the same logits, bit for bit, and the same tokens as one task per expert. In bfloat16 the
+    native sum rounds as torch's ops do: each product, then each add in expert order."""
     from moe_fixtures import make_moe_checkpoint
 
     from tiered.kernels import load
@@ -101,18 +105,32 @@ def test_cpu_moe_layer_runs_its_experts_in_one_call(tmp_path, monkeypatch):
     if load() is None:
         pytest.skip("the native kernels are not built")
     llm = LLM(make_moe_checkpoint("qwen3_moe", tmp_path / "m"),
-              EngineConfig(max_context=48, decode_weights="fp32", accelerator="none", expert_weights="int4"))
+              EngineConfig(max_context=48, dtype=dtype, decode_weights="fp32" if dtype == "float32" else "bf16",
+                           accelerator="none", expert_weights=experts))
     assert llm.experts.placement.count("fast") == len(llm.experts.placement.tiers)
-    groups = []
-    real = ExpertFormat.forward_group
-    monkeypatch.setattr(ExpertFormat, "forward_group", lambda self, *a: groups.append(len(a[1])) or real(self, *a))
-    logits = llm.logits(PROMPT[:4])  # at most 4 rows per expert: every layer takes the one call
+    layer_calls, groups = [], []
+    real_call, real_group = ExpertFormat.layer_call, ExpertFormat.forward_group
+    monkeypatch.setattr(ExpertFormat, "layer_call", lambda self, x, slots: layer_calls.append(len(slots))
+                        or real_call(self, x, slots))
+    monkeypatch.setattr(ExpertFormat, "forward_group", lambda self, *a: groups.append(len(a[1])) or real_group(self, *a))
+    logits = llm.logits(PROMPT[:4])  # 4 tokens x top-k: more entries than a decode step, the group call
     out = llm.generate(PROMPT, GREEDY)[0].token_ids
     moe_layers = len({layer for layer, _ in llm.experts.placement.tiers})
-    assert len(groups) >= moe_layers * len(out) and max(groups) > 1  # the 4-token logits and every decode step
+    assert len(layer_calls) >= moe_layers * (len(out) - 1) and max(layer_calls) > 1  # every decode step
+    assert groups and max(groups) > 1  # the prompt's layers
+    monkeypatch.setattr(moe_runner.TieredExperts, "_resident_layer", lambda *a, **k: None)
+    assert torch.equal(llm.logits(PROMPT[:4]), logits)
+    assert llm.generate(PROMPT, GREEDY)[0].token_ids == out
     monkeypatch.setattr(moe_runner.TieredExperts, "_all_on_fast", lambda *a, **k: None)
     assert torch.equal(llm.logits(PROMPT[:4]), logits)
     assert llm.generate(PROMPT, GREEDY)[0].token_ids == out
+    monkeypatch.undo()
+    for n in (1, 2, 3):  # the one-call layer itself against the per-expert path, at decode sizes
+        one = llm.logits(PROMPT[:n])
+        monkeypatch.setattr(moe_runner.TieredExperts, "_resident_layer", lambda *a, **k: None)
+        monkeypatch.setattr(moe_runner.TieredExperts, "_all_on_fast", lambda *a, **k: None)
+        assert torch.equal(llm.logits(PROMPT[:n]), one), n
+        monkeypatch.undo()
     llm.close()
 
 

@@ -280,6 +280,24 @@ class ExpertFormat:
             ys = self.native.forward_group([s[0] for s in slots], xs, bounds)
         return ys.to(xs.dtype)
 
+    def layer_call(self, x: torch.Tensor, slots: list[tuple[torch.Tensor, ...]]):
+        """The native call computing a CPU-only MoE layer's routed experts and their weighted sum at
+        once, or None when the native kernels cannot (no extension or kernel for this format, x not
+        float32 or bfloat16 on the CPU): call(topk_idx int64 [N, k], topk_weight [N, k] in x's dtype,
+        experts) -> out [N, D] in x's dtype, for x [N, D], `experts` the routed ids ascending and
+        `slots` their slots. Bit for bit the per-expert path: `forward` per expert on its rows (at
+        most NATIVE_ROWS each, else the call raises), then index_add_ of ys * weight in expert order."""
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        ext = self._native_ext(slots)
+        if ext is None:
+            return None
+        if self.is_dense:
+            ws = [w for s in slots for w in s]
+            return lambda idx, wt, experts: ext.bf16_experts_forward_layer(ws, x, idx, wt, experts)
+        codes = [s[0] for s in slots]
+        return lambda idx, wt, experts: self.native.forward_layer(codes, x, idx, wt, experts)
+
     def dequantize(self, slot: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three weights as fp32 (the reference the kernels are checked against)."""
         if self.is_dense:

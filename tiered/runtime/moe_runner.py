@@ -43,6 +43,7 @@ from tiered.memory.apply import PlacedExperts, StagingPool
 from tiered.planner.placement import DISK
 from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, LatencyModel, split_misses
 from tiered.runtime.executor import Executor
+from tiered.quant.experts import NATIVE_ROWS
 from tiered.runtime.precision import HIGH, NAMES, SKIP
 
 
@@ -58,6 +59,11 @@ class _Side:
 
 def _same(buffers):
     return buffers
+
+
+# Routed (token, expert) entries up to which a CPU-only layer of resident experts takes one native
+# call (TieredExperts._resident_layer): a decode step's, up to 8 sequences at top-8.
+LAYER_CALL_ENTRIES = 64
 
 
 class TieredExperts:
@@ -87,6 +93,7 @@ class TieredExperts:
         self.executor, self.latency, self.accelerator = executor, latency, accelerator
         self.dispatch_mode, self.read_ahead = dispatch_mode, read_ahead
         self.group_layers = group_layers and accelerator is None
+        self._layer_calls = self.group_layers and placed.low is None  # _resident_layer: one precision only
         self.path_counts: Counter = Counter()
         self.bytes_read = 0
         self.bytes_h2d = 0
@@ -105,6 +112,10 @@ class TieredExperts:
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                  block) -> torch.Tensor:
         t_layer = time.perf_counter()
+        if self._layer_calls and topk_idx.numel() <= LAYER_CALL_ENTRIES:
+            out = self._resident_layer(layer_idx, x, topk_idx, topk_weight, t_layer)
+            if out is not None:
+                return out
         k = topk_idx.shape[1]
         flat = topk_idx.flatten()  # (N*k,)
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
@@ -185,6 +196,37 @@ class TieredExperts:
                 y = self.accelerator.to_device(y)
             out.index_add_(0, tok, y * topk_weight[tok, slot_all[a:b], None].to(y.dtype))
         self.executor.record(f"moe layer {layer_idx}", "main", t_layer, time.perf_counter(), layer=layer_idx)
+        return out
+
+    def _resident_layer(self, layer_idx, x, topk_idx, topk_weight, t_layer) -> torch.Tensor | None:
+        """A decode-sized CPU-only layer whose routed experts are all resident in RAM: routing read
+        once to the host, then the experts and their weighted sum in one native call
+        (ExpertFormat.layer_call), where the general path below spends ~15 small torch ops
+        (argsort, bincount, gathers, index_add_: ~0.13 ms per layer on 2 cores, against ~0.03 ms
+        here). Same result bit for bit, same counters and trace spans. None, with nothing counted,
+        when an expert is not resident, one has more than NATIVE_ROWS rows, or the call cannot
+        take the layer: the general path then runs it."""
+        flat = topk_idx.flatten().tolist()  # the one host sync
+        experts = sorted(set(flat))
+        keys = [(layer_idx, e) for e in experts]
+        resident = self.store.resident
+        if any(key not in resident for key in keys) or max(map(flat.count, experts)) > NATIVE_ROWS:
+            return None
+        call = self.fmt.layer_call(x, [resident[key] for key in keys])
+        if call is None:
+            return None
+        self.executor.record(f"host sync L{layer_idx}", "main", t_layer, time.perf_counter(), layer=layer_idx)
+        self._pinned = set(keys)
+        self.cache.begin_layer(layer_idx, x.shape[0])
+        if self.prefetcher is not None:
+            self.prefetcher.on_layer(layer_idx, x, experts, self._pinned)
+        self.resident_hits += len(experts)
+        self.path_counts[RESIDENT] += len(experts)
+        t0 = time.perf_counter()
+        out = call(topk_idx, topk_weight, experts)
+        t1 = time.perf_counter()
+        self.executor.record(f"experts L{layer_idx} ({len(experts)})", "cpu", t0, t1, layer=layer_idx)
+        self.executor.record(f"moe layer {layer_idx}", "main", t_layer, t1, layer=layer_idx)
         return out
 
     def _all_on_fast(self, layer_idx, x, groups, keys, on_fast, tok_all, slot_all, topk_weight) -> torch.Tensor | None:

@@ -1524,6 +1524,66 @@ at::Tensor run_swiglu_group(const std::vector<const Gemv*>& k, const at::Tensor&
   return ys;
 }
 
+// A CPU-only MoE layer's routed experts and their weighted sum in one call (a decode step's layer:
+// runtime/moe_runner._all_on_fast): x [N, D] (float32 or bfloat16), topk_idx int64 [N, k],
+// topk_weight [N, k] in x's dtype, experts: the ids routed to, ascending, k[3 i..3 i + 2] expert
+// experts[i]'s kernels. Returns out [N, D] in x's dtype, bit for bit what the per-expert path
+// computes with torch ops:
+//     rows of expert e = the (n, j) with topk_idx[n, j] == e in flat order (argsort(stable))
+//     ys = experts(x[rows]).to(x.dtype);  out = zeros; out.index_add_(0, n, ys * topk_weight[n, j])
+// i.e. each product rounded to x's dtype, then added to its token's row in expert order, rounded
+// after every add (torch's bf16 ops compute in float and round to nearest even; fp32 needs none).
+at::Tensor run_swiglu_layer(const std::vector<const Gemv*>& k, const at::Tensor& x0, const at::Tensor& topk_idx,
+                            const at::Tensor& topk_weight, const std::vector<int64_t>& experts, const char* what) {
+  const int64_t E = int64_t(experts.size());
+  TORCH_CHECK(E >= 1 && int64_t(k.size()) == 3 * E, what, ": three kernels per routed expert");
+  const int64_t D = k[0]->in_features;
+  const bool bf16 = x0.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x0.device().is_cpu() && x0.dim() == 2 && x0.size(1) == D && (bf16 || x0.scalar_type() == at::kFloat),
+              what, ": x must be a CPU float32 or bfloat16 [N, ", D, "] tensor, got ", x0.scalar_type(), " ", x0.sizes());
+  const int64_t N = x0.size(0);
+  TORCH_CHECK(topk_idx.scalar_type() == at::kLong && topk_idx.dim() == 2 && topk_idx.size(0) == N, what,
+              ": topk_idx must be int64 [", N, ", k]");
+  const int64_t K = topk_idx.size(1);
+  TORCH_CHECK(topk_weight.scalar_type() == x0.scalar_type() && topk_weight.sizes() == topk_idx.sizes(), what,
+              ": topk_weight must be [", N, ", ", K, "] in x's dtype");
+  auto idx = topk_idx.contiguous();
+  auto wt = topk_weight.to(at::kFloat).contiguous();  // exact: bf16 and fp32 widen to fp32
+  auto x = x0.to(at::kFloat).contiguous();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const float* wp = wt.data_ptr<float>();
+  // entries in expert order, flat (token-major) order within an expert: argsort(flat, stable)
+  std::vector<int64_t> bounds(E + 1, 0), entry;
+  entry.reserve(N * K);
+  for (int64_t i = 0; i < E; ++i) {
+    TORCH_CHECK(i == 0 || experts[i] > experts[i - 1], what, ": experts must be ascending and distinct");
+    for (int64_t f = 0; f < N * K; ++f)
+      if (ip[f] == experts[i]) entry.push_back(f);
+    bounds[i + 1] = int64_t(entry.size());
+    TORCH_CHECK(bounds[i + 1] - bounds[i] <= kMaxNB, what, ": expert ", experts[i], " has ", bounds[i + 1] - bounds[i],
+                " rows (at most ", kMaxNB, ")");
+  }
+  TORCH_CHECK(int64_t(entry.size()) == N * K, what, ": topk_idx routes to an expert not in `experts`");
+  const int64_t M = N * K;
+  std::vector<float> xs(M * D), ys(M * D);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) std::memcpy(xs.data() + m * D, xp + (entry[m] / K) * D, D * sizeof(float));
+  auto out = at::zeros({N, D}, at::TensorOptions().dtype(at::kFloat));
+  float* acc = out.data_ptr<float>();
+  {
+    pybind11::gil_scoped_release nogil;
+    swiglu_group(k.data(), E, xs.data(), bounds.data(), ys.data());
+    auto rd = [bf16](float v) { return bf16 ? bf16f(to_bf16(v)) : v; };
+    for (int64_t m = 0; m < M; ++m) {
+      const float w = wp[entry[m]];
+      float* o = acc + (entry[m] / K) * D;
+      const float* y = ys.data() + m * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = rd(o[d] + rd(rd(y[d]) * w));
+    }
+  }
+  return out.to(x0.scalar_type());  // exact: every value is already one of x's dtype
+}
+
 // One routed SwiGLU expert: y [B, D] = W_down (silu(W_gate x) * W_up x), gate and up in one
 // parallel region, no tensor or Python between the projections.
 void swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, int64_t B, float* y) {
@@ -1624,6 +1684,19 @@ struct ExpertSpec {
       k.insert(k.end(), b[e].g, b[e].g + 3);
     }
     return run_swiglu_group(k, xs, bounds, "expert spec forward_group");
+  }
+
+  // A layer's routed experts and their weighted sum (run_swiglu_layer): slots [E], one per routed expert.
+  at::Tensor forward_layer(const std::vector<at::Tensor>& slots, const at::Tensor& x, const at::Tensor& topk_idx,
+                           const at::Tensor& topk_weight, const std::vector<int64_t>& experts) const {
+    TORCH_CHECK(slots.size() == experts.size(), "expert spec forward_layer: one slot per routed expert");
+    std::unique_ptr<Bound[]> b(new Bound[slots.size()]);
+    std::vector<const Gemv*> k;
+    for (size_t e = 0; e < slots.size(); ++e) {
+      bind_slot(slots[e], b[e]);
+      k.insert(k.end(), b[e].g, b[e].g + 3);
+    }
+    return run_swiglu_layer(k, x, topk_idx, topk_weight, experts, "expert spec forward_layer");
   }
 };
 
@@ -2058,7 +2131,12 @@ void register_gemv(pybind11::module& m) {
       .def("forward", &ExpertSpec::forward, py::arg("slot"), py::arg("x"))
       .def("forward_group", &ExpertSpec::forward_group, py::arg("slots"), py::arg("xs"), py::arg("bounds"),
            "Experts of one layer in two parallel regions: slots [E] (one uint8 slot each), xs [M, D] (expert e's "
-           "rows bounds[e]..bounds[e + 1], at most 8 each) -> ys [M, D] fp32, each row its expert's output.");
+           "rows bounds[e]..bounds[e + 1], at most 8 each) -> ys [M, D] fp32, each row its expert's output.")
+      .def("forward_layer", &ExpertSpec::forward_layer, py::arg("slots"), py::arg("x"), py::arg("topk_idx"),
+           py::arg("topk_weight"), py::arg("experts"),
+           "A layer's routed experts and their weighted sum: slots [E] (one per id in experts, ascending), x [N, D] "
+           "float32 or bfloat16, topk_idx int64 [N, k], topk_weight [N, k] in x's dtype -> out [N, D] in x's dtype, "
+           "bit for bit the per-expert path's index_add_ of ys * weight in expert order (at most 8 rows per expert).");
   m.def("expert_spec", [](std::vector<std::string> kinds, std::vector<std::vector<int64_t>> shapes,
                           std::vector<std::vector<int64_t>> offsets, int64_t nbytes, const std::string& int4_act,
                           const std::string& int4_layout) {
@@ -2122,6 +2200,21 @@ void register_gemv(pybind11::module& m) {
         py::arg("weights"), py::arg("xs"), py::arg("bounds"),
         "bf16 SwiGLU experts of one layer in two parallel regions: weights [3 E] (w_gate, w_up [F, D], w_down [D, F] "
         "per expert), xs [M, D] (expert e's rows bounds[e]..bounds[e + 1], at most 8 each) -> ys [M, D] fp32.");
+  m.def("bf16_experts_forward_layer", [](const std::vector<at::Tensor>& ws, const at::Tensor& x, const at::Tensor& topk_idx,
+                                         const at::Tensor& topk_weight, const std::vector<int64_t>& experts) {
+          TORCH_CHECK(!ws.empty() && ws.size() == 3 * experts.size(),
+                      "bf16_experts_forward_layer: weights are (gate, up, down) per routed expert");
+          const int64_t F = ws[0].size(0), D = ws[0].size(1);
+          std::unique_ptr<Bf16Gemv[]> k(new Bf16Gemv[ws.size()]);
+          std::vector<const Gemv*> kp;
+          for (size_t i = 0; i < ws.size(); i += 3) {
+            bind_bf16_expert(&ws[i], F, D, &k[i], "bf16_experts_forward_layer");
+            for (size_t j = i; j < i + 3; ++j) kp.push_back(&k[j]);
+          }
+          return run_swiglu_layer(kp, x, topk_idx, topk_weight, experts, "bf16_experts_forward_layer");
+        },
+        py::arg("weights"), py::arg("x"), py::arg("topk_idx"), py::arg("topk_weight"), py::arg("experts"),
+        "bf16 SwiGLU experts of one layer and their weighted sum (ExpertSpec.forward_layer): weights [3 E].");
   m.def("set_isa", [](const std::string& name) {
           const int want = name == "avx512" ? kAvx512 : name == "avx2" ? kAvx2 : name == "scalar" ? kScalar : -1;
           TORCH_CHECK(want >= 0, "set_isa: unknown ISA '", name, "' (use avx512, avx2, scalar or best)");
