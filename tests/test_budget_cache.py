@@ -345,3 +345,37 @@ def test_kv_cache_reserved_before_it_is_allocated(rt, monkeypatch):
         assert events == [] and llm.cpu_budget.used == used
     finally:
         llm.experts.executor.close()
+
+
+def _anon_huge_kib() -> int:
+    """This process's resident anonymous memory on transparent huge pages [KiB]."""
+    return int(open("/proc/self/smaps_rollup").read().split("AnonHugePages:")[1].split()[0])
+
+
+def test_large_host_tensors_sit_on_huge_pages(monkeypatch):
+    """A large host tensor from the budget starts on a 2 MiB boundary and, where the kernel grants
+    transparent huge pages, its whole 2 MiB runs are huge pages (its tail is not: nothing beyond its
+    own bytes becomes resident); small or pinned ones and TIERED_HUGEPAGES=0 get torch.empty. The
+    budget counts the tensor's bytes either way."""
+    import sys
+
+    from tiered.hardware.budget import HUGE_PAGE, HUGE_PAGES_FROM, huge_pages_enabled
+
+    if not sys.platform.startswith("linux") or not huge_pages_enabled():
+        pytest.skip("transparent huge pages are Linux-only")
+    b = MemoryBudget("cpu", None)
+    t = b.empty((5 * HUGE_PAGE // 8 + 512,), torch.float32, "experts")  # 5 MiB + 2 KiB: two full 2 MiB runs
+    assert b.used == t.numel() * 4 and t.data_ptr() % HUGE_PAGE == 0 and t.is_contiguous()
+    before = _anon_huge_kib()
+    t.fill_(1.5)  # first touch: the pages become resident
+    grown = _anon_huge_kib() - before
+    assert t.sum().item() == 1.5 * t.numel()
+    if "[never]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
+        assert grown == 2 * HUGE_PAGE // 1024  # the full runs only, not the 1 MiB tail
+    small = b.empty((HUGE_PAGES_FROM // 4 - 1,), torch.float32)
+    before = _anon_huge_kib()
+    small.fill_(1.0)
+    assert _anon_huge_kib() == before
+    monkeypatch.setenv("TIERED_HUGEPAGES", "0")
+    plain = b.empty((HUGE_PAGES_FROM,), torch.uint8)
+    assert plain.numel() == HUGE_PAGES_FROM and b.used == t.numel() * 4 + small.numel() * 4 + plain.numel()

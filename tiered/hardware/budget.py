@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+import os
 import re
 import threading
 
@@ -32,6 +34,41 @@ def format_bytes(n: int | float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
+HUGE_PAGES_FROM = 2 * HUGE_PAGE  # host tensors from this size on are backed by huge pages where they can be
+
+
+def huge_pages_enabled() -> bool:
+    """Whether large host tensors ask for transparent huge pages (Linux; TIERED_HUGEPAGES=0 turns it off)."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("TIERED_HUGEPAGES", "1") not in ("0", "false", "no", "off")
+
+
+def host_empty(shape: tuple[int, ...], dtype):
+    """An uninitialized CPU tensor [shape] of `dtype`; from HUGE_PAGES_FROM bytes on, its whole 2 MiB
+    runs backed by transparent huge pages (an anonymous mapping aligned to 2 MiB, madvise
+    MADV_HUGEPAGE on those runs only, so the tail stays in 4 KiB pages and nothing is resident
+    beyond the tensor's own bytes).
+
+    Why: decode streams weights at the memory's rate, and with 4 KiB pages every 4 KiB of a weight
+    costs a TLB miss. Measured on the 2-core AVX2 EPYC (THP "madvise"): an OLMoE-width int4 expert
+    (4.3 MB) at batch 1, cycled over 64, took 0.305 ms on huge pages vs 0.334 ms on 4 KiB pages,
+    interleaved (int8: 0.390 vs 0.395). Elsewhere, or with TIERED_HUGEPAGES=0: torch.empty.
+    """
+    import torch
+
+    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if n < HUGE_PAGES_FROM or not huge_pages_enabled():
+        return torch.empty(shape, dtype=dtype)
+    m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = torch.frombuffer(m, dtype=torch.uint8)  # holds `m` while any view of it lives
+    start = -buf.data_ptr() % HUGE_PAGE
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE, start, n // HUGE_PAGE * HUGE_PAGE)
+    except OSError:  # THP "never", or an old kernel: plain pages
+        pass
+    return buf[start:start + n].view(dtype).view(shape)
 
 
 class MemoryBudget:
@@ -67,7 +104,8 @@ class MemoryBudget:
             self.peak = max(self.peak, self.used)
 
     def empty(self, shape: tuple[int, ...], dtype, what: str = "", pin: bool = False):
-        """An uninitialized host tensor reserved against this budget (pinned when `pin`).
+        """An uninitialized host tensor reserved against this budget (pinned when `pin`; else, when
+        large, on transparent huge pages: `host_empty`).
 
         Raises BudgetError (nothing reserved) when it does not fit.
         """
@@ -76,7 +114,7 @@ class MemoryBudget:
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         self.reserve(n, what)
         try:
-            return torch.empty(shape, dtype=dtype, pin_memory=pin)
+            return torch.empty(shape, dtype=dtype, pin_memory=True) if pin else host_empty(shape, dtype)
         except BaseException:
             self.release(n)
             raise
