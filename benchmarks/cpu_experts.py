@@ -57,6 +57,7 @@ import torch.nn.functional as F  # noqa: E402
 from tiered.bench import Column, median, write_report  # noqa: E402
 from tiered.quant.int4 import Int4Linear  # noqa: E402
 from tiered.quant.int8 import Int8Linear  # noqa: E402
+from tiered.hardware.budget import host_empty, huge_pages_enabled  # noqa: E402
 from tiered.kernels import load  # noqa: E402
 from tiered.quant.experts import ExpertFormat  # noqa: E402
 from tiered.runtime.cpu_decode import Kernel  # noqa: E402
@@ -69,12 +70,15 @@ PATHS = ("torch", "native", "layer")
 
 def native_slot(gu: torch.Tensor, dn: torch.Tensor, Fi: int, fmt: str):
     """(ExpertFormat, slot) of one expert over gate/up [2F, D], down [D, F] as the engine stores it
-    on the CPU with the extension built (bf16 tensors, or a flat slot in the tiled int4 layout)."""
+    on the CPU with the extension built (bf16 tensors, or a flat slot in the tiled int4 layout), in
+    memory from the engine's own host allocator (hardware/budget.host_empty: transparent huge pages
+    for tensors of 4 MiB and more, as the expert store's slots get them)."""
     D = dn.shape[0]
     ef = ExpertFormat(fmt, ((Fi, D), (Fi, D), (D, Fi)), "tiled")
     if ef.is_dense:
-        return ef, (gu[:Fi].bfloat16().contiguous(), gu[Fi:].bfloat16().contiguous(), dn.bfloat16().contiguous())
-    slot = ef.empty()
+        ws = (gu[:Fi], gu[Fi:], dn)
+        return ef, tuple(host_empty(tuple(w.shape), torch.bfloat16).copy_(w) for w in ws)
+    slot = tuple(host_empty(tuple(s), ef.slot_dtype) for s in ef.slot_shapes)
     ef.quantize([gu[:Fi], gu[Fi:], dn], slot)
     return ef, slot
 
@@ -241,12 +245,15 @@ def main(argv=None) -> int:
     write_report("cpu_experts", args.out, title="CPU expert forward at batch 1 (one token, one SwiGLU expert)",
                  settings={"threads": torch.get_num_threads(), "repeats": repeats,
                            "widths": {w: WIDTHS[w] for w in widths}, "paths": list(paths),
-                           "native_isa": load().gemv_isa() if load() is not None else None},
+                           "native_isa": load().gemv_isa() if load() is not None else None,
+                           "huge_pages": huge_pages_enabled()},
                  rows=rows, columns=cols,
                  notes=["% of bandwidth: median over passes of the pass's GB/s over a 1 GiB torch sum run just "
                         "before it, on the same thread.",
                         "Target (issue 11): every width and format >= 80% of the bandwidth on both threads (best "
                         "single-expert path): " + ("MET" if met else "NOT met") + ".",
+                        "native and layer rows read experts from the engine's host allocator (huge pages: see "
+                        "settings).",
                         "layer rows: the token's top-k experts (Mixtral 2, OLMoE 8) in one native call, as the "
                         "engine computes a CPU-only MoE layer whose experts are in RAM; not counted for the target."])
     return 0
