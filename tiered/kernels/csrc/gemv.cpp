@@ -1720,6 +1720,22 @@ void bind_bf16_expert(const at::Tensor* w, int64_t F, int64_t D, Bf16Gemv* k, co
   }
 }
 
+// Several bf16 experts' kernels from their weights [3 E] (w_gate, w_up, w_down per expert), checked:
+// `k` owns them, `ptrs` lists them in order (the grouped calls' kernel list).
+struct Bf16Experts {
+  std::unique_ptr<Bf16Gemv[]> k;
+  std::vector<const Gemv*> ptrs;
+  Bf16Experts(const std::vector<at::Tensor>& ws, const std::string& what) {
+    TORCH_CHECK(!ws.empty() && ws.size() % 3 == 0, what, ": weights are (gate, up, down) per expert");
+    const int64_t F = ws[0].size(0), D = ws[0].size(1);
+    k.reset(new Bf16Gemv[ws.size()]);
+    for (size_t i = 0; i < ws.size(); i += 3) {
+      bind_bf16_expert(&ws[i], F, D, &k[i], what);
+      for (size_t j = i; j < i + 3; ++j) ptrs.push_back(&k[j]);
+    }
+  }
+};
+
 void check_ng(const at::Tensor& t, int64_t N, int64_t G, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.size(0) == N &&
                   t.size(1) == G,
@@ -1801,28 +1817,27 @@ std::shared_ptr<Gemv> make_int8(at::Tensor q, at::Tensor scale, c10::optional<at
   return k;
 }
 
-std::shared_ptr<Gemv> make_bf16(at::Tensor w, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(w.dim() == 2, "bf16_kernel: w must be bf16 [N, K]");
+// A kernel G over dense weight rows w [N, K] of dtype dt (contiguous, checked; `ptr` its data).
+template <class G, class Ptr>
+std::shared_ptr<G> make_rows(at::Tensor w, c10::optional<at::Tensor> bias, at::ScalarType dt, const char* what, Ptr ptr) {
+  TORCH_CHECK(w.dim() == 2, what, " must be ", c10::toString(dt), " [N, K]");
   const int64_t N = w.size(0), K = w.size(1);
-  check_rows(w, at::kBFloat16, N, K, "bf16_kernel: w");
-  auto k = std::make_shared<Bf16Gemv>();
+  check_rows(w, dt, N, K, what);
+  auto k = std::make_shared<G>();
   k->in_features = K, k->out_features = N;
   k->wt = w;
   k->bias = bias_vector(bias, N);
-  k->w = {bf16_ptr(w), k->bias.empty() ? nullptr : k->bias.data()};
+  k->w = {ptr(w), k->bias.empty() ? nullptr : k->bias.data()};
   return k;
 }
 
+std::shared_ptr<Gemv> make_bf16(at::Tensor w, c10::optional<at::Tensor> bias) {
+  return make_rows<Bf16Gemv>(w, bias, at::kBFloat16, "bf16_kernel: w", bf16_ptr);
+}
+
 std::shared_ptr<Gemv> make_f32(at::Tensor w, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(w.dim() == 2, "f32_kernel: w must be float32 [N, K]");
-  const int64_t N = w.size(0), K = w.size(1);
-  check_rows(w, at::kFloat, N, K, "f32_kernel: w");
-  auto k = std::make_shared<F32Gemv>();
-  k->in_features = K, k->out_features = N;
-  k->wt = w;
-  k->bias = bias_vector(bias, N);
-  if (bias) k->bias_t = bias->to(at::kFloat).contiguous();
-  k->w = {w.data_ptr<float>(), k->bias.empty() ? nullptr : k->bias.data()};
+  auto k = make_rows<F32Gemv>(w, bias, at::kFloat, "f32_kernel: w", [](const at::Tensor& t) { return t.data_ptr<float>(); });
+  if (bias) k->bias_t = bias->to(at::kFloat).contiguous();  // at::linear's, above kF32GemvRows rows
   return k;
 }
 
@@ -2187,31 +2202,16 @@ void register_gemv(pybind11::module& m) {
         "x [B, D] any float dtype -> y [B, D] fp32.");
   m.def("bf16_experts_forward_group", [](const std::vector<at::Tensor>& ws, const at::Tensor& xs,
                                          const std::vector<int64_t>& bounds) {
-          TORCH_CHECK(!ws.empty() && ws.size() % 3 == 0, "bf16_experts_forward_group: weights are (gate, up, down) per expert");
-          const int64_t F = ws[0].size(0), D = ws[0].size(1);
-          std::unique_ptr<Bf16Gemv[]> k(new Bf16Gemv[ws.size()]);
-          std::vector<const Gemv*> kp;
-          for (size_t i = 0; i < ws.size(); i += 3) {
-            bind_bf16_expert(&ws[i], F, D, &k[i], "bf16_experts_forward_group");
-            for (size_t j = i; j < i + 3; ++j) kp.push_back(&k[j]);
-          }
-          return run_swiglu_group(kp, xs, bounds, "bf16_experts_forward_group");
+          const Bf16Experts k(ws, "bf16_experts_forward_group");
+          return run_swiglu_group(k.ptrs, xs, bounds, "bf16_experts_forward_group");
         },
         py::arg("weights"), py::arg("xs"), py::arg("bounds"),
         "bf16 SwiGLU experts of one layer in two parallel regions: weights [3 E] (w_gate, w_up [F, D], w_down [D, F] "
         "per expert), xs [M, D] (expert e's rows bounds[e]..bounds[e + 1], at most 8 each) -> ys [M, D] fp32.");
   m.def("bf16_experts_forward_layer", [](const std::vector<at::Tensor>& ws, const at::Tensor& x, const at::Tensor& topk_idx,
                                          const at::Tensor& topk_weight, const std::vector<int64_t>& experts) {
-          TORCH_CHECK(!ws.empty() && ws.size() == 3 * experts.size(),
-                      "bf16_experts_forward_layer: weights are (gate, up, down) per routed expert");
-          const int64_t F = ws[0].size(0), D = ws[0].size(1);
-          std::unique_ptr<Bf16Gemv[]> k(new Bf16Gemv[ws.size()]);
-          std::vector<const Gemv*> kp;
-          for (size_t i = 0; i < ws.size(); i += 3) {
-            bind_bf16_expert(&ws[i], F, D, &k[i], "bf16_experts_forward_layer");
-            for (size_t j = i; j < i + 3; ++j) kp.push_back(&k[j]);
-          }
-          return run_swiglu_layer(kp, x, topk_idx, topk_weight, experts, "bf16_experts_forward_layer");
+          const Bf16Experts k(ws, "bf16_experts_forward_layer");
+          return run_swiglu_layer(k.ptrs, x, topk_idx, topk_weight, experts, "bf16_experts_forward_layer");
         },
         py::arg("weights"), py::arg("x"), py::arg("topk_idx"), py::arg("topk_weight"), py::arg("experts"),
         "bf16 SwiGLU experts of one layer and their weighted sum (ExpertSpec.forward_layer): weights [3 E].");
