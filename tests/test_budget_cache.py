@@ -370,12 +370,15 @@ def test_large_host_tensors_sit_on_huge_pages(monkeypatch):
     t.fill_(1.5)  # first touch: the pages become resident
     grown = _anon_huge_kib() - before
     assert t.sum().item() == 1.5 * t.numel()
-    if "[never]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
-        assert grown == 2 * HUGE_PAGE // 1024  # the full runs only, not the 1 MiB tail
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    if "[madvise]" in mode:  # only what asked for them: the full runs, not the 1 MiB tail
+        assert grown == 2 * HUGE_PAGE // 1024
+    elif "[always]" in mode:  # the kernel may back the tail too
+        assert grown >= 2 * HUGE_PAGE // 1024
     small = b.empty((HUGE_PAGES_FROM // 4 - 1,), torch.float32)
     before = _anon_huge_kib()
     small.fill_(1.0)
-    assert _anon_huge_kib() == before
+    assert _anon_huge_kib() == before or "[always]" in mode
     monkeypatch.setenv("TIERED_HUGEPAGES", "0")
     plain = b.empty((HUGE_PAGES_FROM,), torch.uint8)
     assert plain.numel() == HUGE_PAGES_FROM and b.used == t.numel() * 4 + small.numel() * 4 + plain.numel()
