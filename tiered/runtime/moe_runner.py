@@ -41,9 +41,9 @@ import torch
 
 from tiered.memory.apply import PlacedExperts, StagingPool
 from tiered.planner.placement import DISK
+from tiered.quant.experts import NATIVE_ROWS
 from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, LatencyModel, split_misses
 from tiered.runtime.executor import Executor
-from tiered.quant.experts import NATIVE_ROWS
 from tiered.runtime.precision import HIGH, NAMES, SKIP
 
 
@@ -93,7 +93,13 @@ class TieredExperts:
         self.executor, self.latency, self.accelerator = executor, latency, accelerator
         self.dispatch_mode, self.read_ahead = dispatch_mode, read_ahead
         self.group_layers = group_layers and accelerator is None
-        self._layer_calls = self.group_layers and placed.low is None  # _resident_layer: one precision only
+        # layers whose every expert is resident (the placement is fixed): _resident_layer's, one precision only
+        self._layer_calls: set[int] = set()
+        if self.group_layers and placed.low is None:
+            by_layer: dict[int, list] = {}
+            for key in placed.store.placement.tiers:
+                by_layer.setdefault(key[0], []).append(key)
+            self._layer_calls = {l for l, keys in by_layer.items() if all(k in placed.store.resident for k in keys)}
         self.path_counts: Counter = Counter()
         self.bytes_read = 0
         self.bytes_h2d = 0
@@ -112,7 +118,7 @@ class TieredExperts:
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                  block) -> torch.Tensor:
         t_layer = time.perf_counter()
-        if self._layer_calls and topk_idx.numel() <= LAYER_CALL_ENTRIES:
+        if layer_idx in self._layer_calls and topk_idx.numel() <= LAYER_CALL_ENTRIES:
             out = self._resident_layer(layer_idx, x, topk_idx, topk_weight, t_layer)
             if out is not None:
                 return out
@@ -203,15 +209,15 @@ class TieredExperts:
         once to the host, then the experts and their weighted sum in one native call
         (ExpertFormat.layer_call), where the general path below spends ~15 small torch ops
         (argsort, bincount, gathers, index_add_: ~0.13 ms per layer on 2 cores, against ~0.03 ms
-        here). Same result bit for bit, same counters and trace spans. None, with nothing counted,
-        when an expert is not resident, one has more than NATIVE_ROWS rows, or the call cannot
-        take the layer: the general path then runs it."""
+        here). Same result bit for bit, same counters and trace spans. Only for layers in
+        _layer_calls (every expert resident). None, with nothing counted, when one expert has more
+        than NATIVE_ROWS rows or the call cannot take the layer: the general path then runs it."""
         flat = topk_idx.flatten().tolist()  # the one host sync
         experts = sorted(set(flat))
+        if max(map(flat.count, experts)) > NATIVE_ROWS:
+            return None
         keys = [(layer_idx, e) for e in experts]
         resident = self.store.resident
-        if any(key not in resident for key in keys) or max(map(flat.count, experts)) > NATIVE_ROWS:
-            return None
         call = self.fmt.layer_call(x, [resident[key] for key in keys])
         if call is None:
             return None

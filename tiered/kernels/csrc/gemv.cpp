@@ -1525,7 +1525,7 @@ at::Tensor run_swiglu_group(const std::vector<const Gemv*>& k, const at::Tensor&
 }
 
 // A CPU-only MoE layer's routed experts and their weighted sum in one call (a decode step's layer:
-// runtime/moe_runner._all_on_fast): x [N, D] (float32 or bfloat16), topk_idx int64 [N, k],
+// runtime/moe_runner._resident_layer): x [N, D] (float32 or bfloat16), topk_idx int64 [N, k],
 // topk_weight [N, k] in x's dtype, experts: the ids routed to, ascending, k[3 i..3 i + 2] expert
 // experts[i]'s kernels. Returns out [N, D] in x's dtype, bit for bit what the per-expert path
 // computes with torch ops:
@@ -1675,28 +1675,33 @@ struct ExpertSpec {
     return y;
   }
 
+  // Several slots bound at once: `b` owns their kernels, `ptrs` lists them (gate, up, down per slot).
+  struct BoundSlots {
+    std::unique_ptr<Bound[]> b;
+    std::vector<const Gemv*> ptrs;
+  };
+
+  BoundSlots bind_slots(const std::vector<at::Tensor>& slots) const {
+    BoundSlots s{std::unique_ptr<Bound[]>(new Bound[slots.size()]), {}};
+    for (size_t e = 0; e < slots.size(); ++e) {
+      bind_slot(slots[e], s.b[e]);
+      s.ptrs.insert(s.ptrs.end(), s.b[e].g, s.b[e].g + 3);
+    }
+    return s;
+  }
+
   // Several experts in this format at once (swiglu_group): slots [E] uint8, xs [M, D], bounds [E + 1].
   at::Tensor forward_group(const std::vector<at::Tensor>& slots, const at::Tensor& xs, const std::vector<int64_t>& bounds) const {
-    std::unique_ptr<Bound[]> b(new Bound[slots.size()]);
-    std::vector<const Gemv*> k;
-    for (size_t e = 0; e < slots.size(); ++e) {
-      bind_slot(slots[e], b[e]);
-      k.insert(k.end(), b[e].g, b[e].g + 3);
-    }
-    return run_swiglu_group(k, xs, bounds, "expert spec forward_group");
+    const BoundSlots s = bind_slots(slots);
+    return run_swiglu_group(s.ptrs, xs, bounds, "expert spec forward_group");
   }
 
   // A layer's routed experts and their weighted sum (run_swiglu_layer): slots [E], one per routed expert.
   at::Tensor forward_layer(const std::vector<at::Tensor>& slots, const at::Tensor& x, const at::Tensor& topk_idx,
                            const at::Tensor& topk_weight, const std::vector<int64_t>& experts) const {
     TORCH_CHECK(slots.size() == experts.size(), "expert spec forward_layer: one slot per routed expert");
-    std::unique_ptr<Bound[]> b(new Bound[slots.size()]);
-    std::vector<const Gemv*> k;
-    for (size_t e = 0; e < slots.size(); ++e) {
-      bind_slot(slots[e], b[e]);
-      k.insert(k.end(), b[e].g, b[e].g + 3);
-    }
-    return run_swiglu_layer(k, x, topk_idx, topk_weight, experts, "expert spec forward_layer");
+    const BoundSlots s = bind_slots(slots);
+    return run_swiglu_layer(s.ptrs, x, topk_idx, topk_weight, experts, "expert spec forward_layer");
   }
 };
 
