@@ -172,3 +172,70 @@ def test_lean_step_issues_few_ops_per_layer(zoo):
     # output as one more dispatched op per projection); views and selects included
     assert per_layer <= 55, counts
     assert counts["lean"] < counts["modules"], counts
+
+
+def _moe_steps(llm, step, prompts: list[list[int]], steps: int, hooked: bool):
+    """Logits [steps, B, V] fp32 of `steps` decode steps of `prompts` through the native `step`, with a
+    routing hook on every MoE block (the modules run them: the step's fallback schedule) or without
+    (the step runs them), and the runner's resident uses they added."""
+    from tiered.models.moe import MoEBlock
+
+    blocks = [m for m in llm.model.modules() if isinstance(m, MoEBlock)]
+    lengths = [len(p) for p in prompts]
+    cache = llm._kv_cache(len(prompts), max(lengths) + steps)
+    runner, out, seen = blocks[0].runner, [], []
+    with torch.inference_mode():
+        _prefill(llm, cache, prompts)
+        for b in blocks:
+            b.on_route = (lambda layer, idx, w: seen.append(layer)) if hooked else None
+        before = runner.resident_hits
+        g = torch.Generator().manual_seed(1)
+        for t in range(steps):
+            ids = torch.randint(2, llm.config.vocab_size, (len(prompts), 1), generator=g)
+            pos = torch.tensor([[n + t] for n in lengths])
+            out.append(step(ids, pos, torch.arange(len(prompts)), cache).float())
+    for b in blocks:
+        b.on_route = None
+    assert len(seen) == (steps * len(blocks) if hooked else 0)
+    return torch.stack(out), runner.resident_hits - before
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+@pytest.mark.parametrize("dtype,weights,tol", [("float32", "int4", 1e-3), ("float32", "int8", 1e-3),
+                                               ("bfloat16", "bf16", 3e-2), ("bfloat16", "int4", 3e-2)])
+def test_native_step_runs_resident_moe_layers_itself(rt, dtype, weights, tol):  # noqa: F811
+    """With every expert resident in RAM (the runner's one-call layers), the native step runs each MoE
+    block itself (DecodeStep.set_moe: router, top-k, experts, weighted sum): one call for all layers.
+    Its logits equal the modules' path (a routing hook forces it) to rounding: the post-attention
+    norm and the router's logits are the step's own loops (fp32: summation order, ~1 ulp, which can
+    flip the int16 rounding of an activation in the int8 / int4 kernels: measured 2e-4 relative for
+    int8, 0 for int4; bf16: then one bf16 rounding of each), at batch 1 and for 10
+    sequences (some expert then has more than 8 rows: split into groups of 8), and it counts the
+    same resident expert uses."""
+    llm = LLM(rt.dir("mixtral"), engine_config(dtype=dtype, expert_weights=weights, decode_weights="auto"))
+    step = CPUDecodeStep(llm.model, native=True)
+    n = llm.config.num_hidden_layers
+    assert step.schedule == [("native", 0, n)]
+    assert step.fallback == [("attn", i) for i in range(n)]
+    assert not step.takes_prefill_rows(llm._kv_cache(1, 16))  # prompts still prefill on their own
+    for prompts, steps in (([list(range(2, 14))], 6), ([prompt_ids(llm.config.vocab_size, 3 + i, seed=i) for i in range(10)], 3)):
+        got, uses = _moe_steps(llm, step, prompts, steps, hooked=False)
+        ref, ref_uses = _moe_steps(llm, step, prompts, steps, hooked=True)
+        assert float((got - ref).abs().max() / ref.abs().max()) <= tol
+        assert uses == ref_uses > 0
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+def test_moe_layers_stay_modules_unless_every_layer_can_run_in_the_step(rt):  # noqa: F811
+    """fp32 experts (no native expert kernel), or one layer with an expert outside RAM (not one of
+    the runner's one-call layers): every MoE block runs as its module, so that the expert cache's
+    policy sees each step's layers."""
+    llm = LLM(rt.dir("mixtral"), engine_config())  # fp32 experts
+    modules = [("attn", i) for i in range(llm.config.num_hidden_layers)]
+    step = CPUDecodeStep(llm.model, native=True)
+    assert step.schedule == step.fallback == modules and not step.moe_blocks
+    llm = LLM(rt.dir("mixtral"), engine_config(expert_weights="int4", decode_weights="auto"))
+    assert CPUDecodeStep(llm.model, native=True).schedule == [("native", 0, len(modules))]
+    llm.runtime.experts._layer_calls.discard(1)
+    step = CPUDecodeStep(llm.model, native=True)
+    assert step.schedule == step.fallback == modules and not step.moe_blocks

@@ -40,6 +40,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from tiered import kernels
 from tiered.errors import ConfigError
 from tiered.quant.int4 import GROUP
 
@@ -149,7 +150,7 @@ class ExpertFormat:
     def kinds(self) -> tuple[str, str, str]:
         return parse_kinds(self.name)
 
-    @property
+    @cached_property
     def is_dense(self) -> bool:
         """True when every projection is a dense tensor: the expert is kept as three tensors."""
         return len(set(self.kinds)) == 1 and self.kinds[0] in DENSE
@@ -230,7 +231,7 @@ class ExpertFormat:
         call, fp32 between the projections); otherwise torch ops (tiled int4: the weight dequantized
         once per call, then bf16 matmuls).
         """
-        if x.device.type == "cpu" and x.shape[0] <= NATIVE_ROWS:
+        if x.shape[0] <= NATIVE_ROWS and x.device.type == "cpu":
             y = self._native_forward(x, slot)
             if y is not None:
                 return y
@@ -246,13 +247,11 @@ class ExpertFormat:
     def _native_ext(self, slots: list[tuple[torch.Tensor, ...]]):
         """The native extension when its expert kernels can compute from these slots (a dense format:
         bf16 and contiguous; a quantized one: a kernel for its kinds and layout), else None."""
-        from tiered.kernels import load
-
         if self.is_dense:
             ok = self.dense_dtype == torch.bfloat16 and all(w.is_contiguous() for s in slots for w in s)
         else:
             ok = self.native is not None
-        return load() if ok else None
+        return kernels.load() if ok else None
 
     def _native_forward(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """The native fused expert's result in x's dtype, or None when it has no kernel for this."""
@@ -260,7 +259,7 @@ class ExpertFormat:
         if ext is None:
             return None
         y = ext.bf16_expert_forward(*slot, x) if self.is_dense else self.native.forward(slot[0], x)
-        return y.to(x.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)  # .to costs ~1.5 us even when a no-op
 
     def forward_group(self, xs: torch.Tensor, slots: list[tuple[torch.Tensor, ...]], bounds: list[int]) -> torch.Tensor | None:
         """Several experts of one layer in one native call (two parallel regions for all of them, not
@@ -279,6 +278,18 @@ class ExpertFormat:
         else:
             ys = self.native.forward_group([s[0] for s in slots], xs, bounds)
         return ys.to(xs.dtype)
+
+    def bind_layer(self, slots: list[tuple[torch.Tensor, ...]]):
+        """Every expert of one MoE layer bound once as native kernels over its slot (slots[e]: expert
+        e's, resident for as long as the result is used), for a native decode step's MoE layer
+        (DecodeStep.set_moe: runtime/cpu_decode._native_moe); None when the native kernels cannot
+        compute this format (see layer_call)."""
+        ext = self._native_ext(slots)
+        if ext is None:
+            return None
+        if self.is_dense:
+            return ext.bf16_experts_bind([w for s in slots for w in s])
+        return self.native.bind_layer([s[0] for s in slots])
 
     def layer_call(self, x: torch.Tensor, slots: list[tuple[torch.Tensor, ...]]):
         """The native call computing a CPU-only MoE layer's routed experts and their weighted sum at

@@ -42,6 +42,7 @@ from tiered.models.layers import MLP, AttentionMetadata, KVCache, build_attentio
 from tiered.quant.int4 import Int4Linear
 from tiered.quant.int8 import Int8Linear
 from tiered.quant.linear import CastLinear, PhaseLinear, Slice
+from tiered.runtime.dispatcher import RESIDENT
 
 _int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 _int8mm = torch.ops.aten._weight_int8pack_mm
@@ -140,17 +141,50 @@ def _native_group(parent: nn.Module, names: tuple[str, ...]) -> list:
     return [kernel_for(m) for m in _group_modules(parent, names)]
 
 
-def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list]:
-    """The C++ DecodeStep for `model` and its schedule: ("native", first, last) runs of plain layers,
-    ("attn", i) for a layer whose FFN is a module, ("whole", i) for one the step cannot run."""
+def _native_moe(block, dtype: torch.dtype) -> tuple | None:
+    """(router weight [E, D], top_k, norm_topk_prob, ext.BoundExperts) of a MoE block the native step
+    can run whole, or None. It can when the block has no shared expert and the standard router, the
+    model computes in float32 or bfloat16, and its runner (runtime/moe_runner.TieredExperts) keeps
+    every expert of the layer resident in RAM in one format (its one-call layers, `_layer_calls`),
+    with no accelerator, prefetcher or mixed-precision copies: nothing it would decide per step."""
+    from tiered.models.moe import MoEBlock, Router
+    from tiered.runtime.moe_runner import TieredExperts
+
+    if not isinstance(block, MoEBlock) or block.shared_expert is not None or type(block.gate) is not Router:
+        return None
+    r = block.runner
+    if (dtype not in (torch.float32, torch.bfloat16) or not isinstance(r, TieredExperts) or r.accelerator is not None
+            or r.prefetcher is not None or r.low is not None or block.layer_idx not in r._layer_calls):
+        return None
+    bound = r.fmt.bind_layer([r.store.resident[(block.layer_idx, e)] for e in range(r.num_experts)])
+    if bound is None:
+        return None
+    return block.gate.weight, block.gate.top_k, block.gate.norm_topk_prob, bound
+
+
+def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list, list]:
+    """The C++ DecodeStep for `model` and its schedules: ("native", first, last) runs of layers the
+    step runs whole, ("attn", i) for a layer whose FFN is a module, ("whole", i) for one the step
+    cannot run. The first schedule runs MoE blocks in the step (DecodeStep.set_moe) where every MoE
+    layer allows it (_native_moe), else equals the second, which runs every MoE block as its module
+    (routing hooks: MoEBlock.on_route)."""
     cfg = model.config
     step = native.DecodeStep(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                              cfg.head_dim ** -0.5, cfg.sliding_window or 0)
+    dtype = model.model.norm.weight.dtype  # the residual stream's (the final norm keeps the model dtype)
+    moe = {}  # layer -> _native_moe's tuple
+    for L, layer in layers:
+        if not L.whole and L.ffn is not None:
+            moe[L.idx] = _native_moe(L.ffn, dtype)
+    if not moe or None in moe.values():  # all MoE layers in the step, or none (one token count per step)
+        moe = {}
     schedule: list = []
+    fallback: list = []
     for L, layer in layers:
         i = L.idx
         if L.whole:
             schedule.append(("whole", i))
+            fallback.append(("whole", i))
             step.add_layer(L.in_norm, L.post_norm, L.eps, [], [], [], [])  # a placeholder: never run
             continue
         attn = layer.self_attn
@@ -159,12 +193,15 @@ def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list]:
                        [kernel_for(_decode_module(attn.o_proj))],
                        _native_group(layer.mlp, ("gate_proj", "up_proj")) if plain else [],
                        [kernel_for(_decode_module(layer.mlp.down_proj))] if plain else [])
-        if plain and schedule and schedule[-1][0] == "native" and schedule[-1][2] == i:
-            schedule[-1] = ("native", schedule[-1][1], i + 1)
-        else:
-            schedule.append(("native", i, i + 1) if plain else ("attn", i))
+        if i in moe:
+            step.set_moe(i, *moe[i])
+        for sched, whole in ((schedule, plain or i in moe), (fallback, plain)):
+            if whole and sched and sched[-1][0] == "native" and sched[-1][2] == i:
+                sched[-1] = ("native", sched[-1][1], i + 1)
+            else:
+                sched.append(("native", i, i + 1) if whole else ("attn", i))
     step.set_head(model.model.norm.weight, model.model.norm.eps, kernel_for(_decode_module(model.lm_head)))
-    return step, schedule
+    return step, schedule, fallback
 
 
 class CPUDecodeStep:
@@ -219,21 +256,25 @@ class CPUDecodeStep:
         self.embed = model.model.embed_tokens
         self.lm_head = Kernel(_decode_module(model.lm_head))
         self.rot = _rotate_half_matrix(self.hd, torch.float32)
-        self.native = self.schedule = None
+        self.native = self.schedule = self.fallback = None
+        self.moe_blocks: list = []
         if native:
             from tiered import kernels
 
             ext = kernels.load()
             if ext is None:
                 raise RuntimeError(f"native decode step: tiered/kernels unavailable ({kernels.failure() or 'TIERED_NATIVE=0'})")
-            self.native, self.schedule = _native_step(ext, model, self.layers)
+            self.native, self.schedule, self.fallback = _native_step(ext, model, self.layers)
+            # MoE blocks the step runs itself (no module call: their runner's counters are kept here)
+            self.moe_blocks = [layer.mlp for L, layer in self.layers if L.ffn is not None] \
+                if self.schedule != self.fallback else []
 
     def takes_prefill_rows(self, cache: KVCache) -> bool:
         """Whether a call over `cache` may carry several rows of one sequence (see the class): the
         native step running every layer itself (no module fallbacks, which assume one token per
         slot), over a cache in the model's dtype."""
         return (self.native is not None and cache.k.dtype == self.final_norm.dtype
-                and all(seg[0] == "native" for seg in self.schedule))
+                and all(seg[0] == "native" for seg in self.fallback))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  cache: KVCache, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -263,20 +304,28 @@ class CPUDecodeStep:
         x = self.embed(input_ids).view(B, -1).contiguous()  # [B, D] residual stream, model dtype
         cos, sin = self.model.rotary.cos[pos], self.model.rotary.sin[pos]  # [B, hd] fp32
         meta = None
-        for seg in self.schedule:
+        schedule = self.schedule
+        if self.moe_blocks and any(b.on_route is not None for b in self.moe_blocks):
+            schedule = self.fallback  # a routing hook sees every layer's routing: the modules run
+        for seg in schedule:
             if seg[0] == "native":
                 self.native.forward(x, cos, sin, slots, pos, cache.k, cache.v, seg[1], seg[2])
                 continue
             i = seg[1]
             L, layer = self.layers[i]
             if seg[0] == "attn":
-                self.native.forward(x, cos, sin, slots, pos, cache.k, cache.v, i, i + 1)
+                self.native.forward(x, cos, sin, slots, pos, cache.k, cache.v, i, i + 1, moe=False)
                 h = F.rms_norm(x, x.shape[-1:], L.post_norm, L.eps)
                 x = (x + L.ffn(h.view(B, 1, -1)).view(B, -1)).contiguous()
             else:
                 if meta is None:
                     meta = build_attention_metadata(self.model.rotary, positions, slots, self.sliding_window)
                 x = layer(x.view(B, 1, -1), meta, cache).view(B, -1).contiguous()
+        if self.moe_blocks and schedule is self.schedule:  # the step's MoE layers used resident experts only
+            runner = self.moe_blocks[0].runner
+            uses = self.native.take_moe_uses()
+            runner.resident_hits += uses
+            runner.path_counts[RESIDENT] += uses
         return self.native.logits(x if rows is None else x[rows])
 
     def _attention(self, L: _Layer, x, meta: AttentionMetadata, cache: KVCache, cos, sin) -> torch.Tensor:

@@ -9,6 +9,7 @@
 // Numerics follow runtime/cpu_decode.py's torch-op step: the residual stream, q, k, the KV cache
 // and the attention output are rounded to the model's dtype where that step rounds them; norms,
 // RoPE, softmax and SwiGLU compute in fp32.
+#include "gemv.h"
 #include "kernel.h"
 
 #include <ATen/Parallel.h>
@@ -19,6 +20,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -58,10 +61,20 @@ struct Group {
   }
 };
 
+// A MoE layer's FFN run in the step (set_moe): models/moe.Router's rule, then every routed expert
+// of the layer, whose kernels stay bound to their resident weights.
+struct Moe {
+  std::vector<float> router;  // [E, D] fp32 (the router's weights, widened exactly)
+  int64_t top_k = 0;
+  bool norm_topk = false;
+  std::shared_ptr<gemv::BoundExperts> experts;
+};
+
 struct Layer {
   std::vector<float> in_norm, post_norm;
   float eps = 1e-6f;
   Group qkv, o, gate_up, down;  // gate_up/down empty: attention only (the layer's FFN runs elsewhere)
+  std::shared_ptr<Moe> moe;  // or its FFN is these routed experts (when forward's `moe`)
 };
 
 std::vector<float> to_floats(const at::Tensor& t) {
@@ -116,6 +129,17 @@ TIERED_CLONES void rms_norm(const float* x, const float* w, float eps, int64_t D
   for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
   const float r = 1.f / std::sqrt(ss / float(D) + eps);
   for (int64_t i = 0; i < D; ++i) y[i] = x[i] * r * w[i];
+}
+
+// rows of W [n, D] fp32 dotted with x [D]: y [n] (a MoE router's logits).
+TIERED_CLONES void dot_rows(const float* W, const float* x, int64_t n, int64_t D, float* y) {
+  for (int64_t e = 0; e < n; ++e) {
+    const float* w = W + e * D;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < D; ++i) acc += w[i] * x[i];
+    y[e] = acc;
+  }
 }
 
 }  // namespace
@@ -280,6 +304,28 @@ class DecodeStep {
     layers_.push_back(std::move(L));
   }
 
+  // Layer l's FFN becomes a MoE block run in the step: router weight [E, D] (models/moe.Router),
+  // top_k, norm_topk_prob, and every expert's kernels (BoundExperts, E of them). Its shared expert,
+  // routing hooks and trace are the caller's: it sets this only where the block has none.
+  void set_moe(int64_t l, const at::Tensor& router, int64_t top_k, bool norm_topk,
+               std::shared_ptr<gemv::BoundExperts> experts) {
+    TORCH_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty() && layers_[l].gate_up.empty(),
+                "decode step: set_moe needs an attention-only layer, got ", l);
+    TORCH_CHECK(router.dim() == 2 && router.size(1) == D, "decode step: the router must be [E, ", D, "]");
+    const int64_t E = router.size(0);
+    TORCH_CHECK(experts && experts->num_experts() == E && experts->hidden() == D, "decode step: ", E,
+                " experts of width ", D, " expected");
+    TORCH_CHECK(1 <= top_k && top_k <= E, "decode step: top_k must be in [1, ", E, "]");
+    auto m = std::make_shared<Moe>();
+    m->router = to_floats(router);
+    m->top_k = top_k, m->norm_topk = norm_topk, m->experts = std::move(experts);
+    layers_[l].moe = std::move(m);
+  }
+
+  // Routed experts the step's MoE layers have run since the last call (distinct experts per layer
+  // and step, summed: the runner's resident uses), then zero.
+  int64_t take_moe_uses() { return std::exchange(moe_uses_, 0); }
+
   void set_head(const at::Tensor& norm, double eps, KernelPtr lm_head) {
     final_norm_ = to_floats(norm);
     final_eps_ = float(eps);
@@ -290,9 +336,11 @@ class DecodeStep {
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
   // x [B, D] (model dtype, updated in place); cos, sin [B, hd] fp32; slots, positions int64 [B];
-  // k_cache, v_cache [L, num_slots, Hkv, max_len, hd] in x's dtype. Runs layers [first, last).
+  // k_cache, v_cache [L, num_slots, Hkv, max_len, hd] in x's dtype. Runs layers [first, last); a
+  // layer with set_moe runs its MoE block too when `moe` (float32 or bfloat16 x), else attention only.
   void forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
-               const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache, int64_t first, int64_t last) {
+               const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache, int64_t first, int64_t last,
+               bool moe = true) {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == D && x.is_contiguous(), "decode step: x must be contiguous [B, ", D, "]");
     TORCH_CHECK(0 <= first && first <= last && last <= num_layers(), "decode step: bad layer range");
     TORCH_CHECK(k_cache.scalar_type() == x.scalar_type() && v_cache.scalar_type() == x.scalar_type() &&
@@ -306,6 +354,9 @@ class DecodeStep {
                 "decode step: cos/sin must be [B, hd], slots/positions [B]");
     for (int64_t l = first; l < last; ++l)
       TORCH_CHECK(!layers_[l].qkv.empty(), "decode step: layer ", l, " is a placeholder (its caller runs it)");
+    for (int64_t l = first; l < last && moe; ++l)
+      TORCH_CHECK(!layers_[l].moe || x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                  "decode step: a MoE layer runs in float32 or bfloat16, got ", x.scalar_type());
     const int64_t n_slots = k_cache.size(1), max_len = k_cache.size(3);
     for (int64_t b = 0; b < B; ++b) {
       const int64_t slot = sl.data_ptr<int64_t>()[b], pos = ps.data_ptr<int64_t>()[b];
@@ -317,7 +368,7 @@ class DecodeStep {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "tiered_decode", [&] {
       run<scalar_t>(x.data_ptr<scalar_t>(), B, c.data_ptr<float>(), s.data_ptr<float>(), sl.data_ptr<int64_t>(),
                     ps.data_ptr<int64_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), n_slots,
-                    max_len, first, last);
+                    max_len, first, last, moe);
     });
   }
 
@@ -364,7 +415,7 @@ class DecodeStep {
   // (the attention residual with the post-attention norm), SwiGLU; attention splits over (row, KV head).
   template <typename T>
   void run(T* xs, int64_t B, const float* cos, const float* sin, const int64_t* slots, const int64_t* pos, T* kc,
-           T* vc, int64_t n_slots, int64_t max_len, int64_t first, int64_t last) {
+           T* vc, int64_t n_slots, int64_t max_len, int64_t first, int64_t last, bool moe) {
     const int64_t QK = (H + Hkv) * hd, QKV = (H + 2 * Hkv) * hd, half = hd / 2;
     std::vector<float> x(B * D), h(B * D), qkv(B * QKV), att(B * H * hd), y(B * D), tmp;
     for (int64_t i = 0; i < B * D; ++i) x[i] = float(xs[i]);
@@ -411,6 +462,12 @@ class DecodeStep {
       attention<T>(l, B, qkv.data(), kc, vc, slots, pos, n_slots, max_len, att.data());
       L.o.run(att.data(), B, y.data(), tmp);
       pending = false;
+      if (L.moe && moe) {  // x += the routed experts' weighted sum of norm(x)
+        residual_norm(true, L.post_norm, L.eps);
+        moe_block<T>(*L.moe, B, h.data(), y.data());
+        pending = true;
+        continue;
+      }
       if (L.gate_up.empty()) {  // attention only: the caller runs this layer's FFN
         each_row(B, [&](int64_t b) {
           for (int64_t i = b * D; i < (b + 1) * D; ++i) x[i] = rnd<T>(x[i] + y[i]);
@@ -435,6 +492,40 @@ class DecodeStep {
         for (int64_t i = b * D; i < (b + 1) * D; ++i) x[i] = rnd<T>(x[i] + y[i]);
       });
     for (int64_t i = 0; i < B * D; ++i) xs[i] = T(x[i]);
+  }
+
+  // y [B, D] = the MoE block of h [B, D] (rounded to T), as models/moe.MoEBlock computes it with
+  // the runner's one-call layer: logits = W_router h rounded to T; probs = softmax(logits) in fp32;
+  // the top_k largest (lower expert id first among equals), divided by their sum when norm_topk,
+  // rounded to T; then gemv::moe_experts (bf16 rounding of its sums when T is bf16).
+  template <typename T>
+  void moe_block(const Moe& m, int64_t B, const float* h, float* y) {
+    const int64_t E = m.experts->num_experts(), k = m.top_k;
+    std::vector<int64_t> idx(B * k), order(E);
+    std::vector<float> wt(B * k), p(E);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* hb = h + b * D;
+      dot_rows(m.router.data(), hb, E, D, p.data());
+      float mx = -INFINITY;
+      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, p[e] = rnd<T>(p[e]));
+      float sum = 0.f;
+      for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - mx));
+      for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+      std::iota(order.begin(), order.end(), int64_t(0));
+      std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                        [&](int64_t a, int64_t c) { return p[a] > p[c] || (p[a] == p[c] && a < c); });
+      float s = 0.f;
+      for (int64_t j = 0; j < k; ++j) s += p[order[j]];
+      for (int64_t j = 0; j < k; ++j) {
+        idx[b * k + j] = order[j];
+        wt[b * k + j] = rnd<T>(m.norm_topk ? p[order[j]] / s : p[order[j]]);
+      }
+    }
+    std::vector<int64_t> used(idx);
+    std::sort(used.begin(), used.end());
+    moe_uses_ += std::unique(used.begin(), used.end()) - used.begin();
+    gemv::moe_experts(m.experts->k.data(), h, B, D, idx.data(), wt.data(), k, std::is_same<T, at::BFloat16>::value,
+                      y);
   }
 
   // att [B, H*hd] = softmax(q k^T * scale) v over each row's cached positions, rounded to T. The
@@ -490,6 +581,7 @@ class DecodeStep {
   float final_eps_ = 1e-6f;
   KernelPtr lm_head_;
   std::vector<float> gu_, act_;
+  int64_t moe_uses_ = 0;
 };
 
 // One draw from softmax(l / T) over l fp32 [V] (inv_t = 1 / T > 0) at a uniform u in [0, 1): the
@@ -574,7 +666,11 @@ void register_decode(pybind11::module& m) {
       .def("set_head", &DecodeStep::set_head, py::arg("norm"), py::arg("eps"), py::arg("lm_head"))
       .def("num_layers", &DecodeStep::num_layers)
       .def("forward", &DecodeStep::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
-           py::arg("positions"), py::arg("k_cache"), py::arg("v_cache"), py::arg("first"), py::arg("last"))
+           py::arg("positions"), py::arg("k_cache"), py::arg("v_cache"), py::arg("first"), py::arg("last"),
+           py::arg("moe") = true)
+      .def("set_moe", &DecodeStep::set_moe, py::arg("layer"), py::arg("router"), py::arg("top_k"),
+           py::arg("norm_topk_prob"), py::arg("experts"))
+      .def("take_moe_uses", &DecodeStep::take_moe_uses)
       .def("logits", &DecodeStep::logits, py::arg("x"));
   m.def("sample_rows", &sample_rows, py::arg("logits"), py::arg("temperature"), py::arg("u"),
         "tokens int64 [B]: one draw per row from softmax(logits [B, V] fp32 / temperature [B]) at the uniforms "

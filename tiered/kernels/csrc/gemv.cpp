@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 
 #define TIERED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma")))
 #define TIERED_AVX2 __attribute__((target("avx2,fma")))
@@ -1524,6 +1525,42 @@ at::Tensor run_swiglu_group(const std::vector<const Gemv*>& k, const at::Tensor&
   return ys;
 }
 
+}  // namespace
+
+// A MoE layer's routed experts and their weighted sum for N tokens (gemv.h). Entries grouped by
+// expert, ascending, flat (token-major) order within an expert, as argsort(flat, stable) orders
+// them; an expert with more than kMaxNB entries runs as several groups of at most kMaxNB (the same
+// rows in the same order: the same sums).
+void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, const int64_t* idx, const float* wt,
+                 int64_t top_k, bool bf16, float* out) {
+  const int64_t M = N * top_k;
+  std::vector<int64_t> entry(M), bounds{0};
+  std::iota(entry.begin(), entry.end(), int64_t(0));
+  std::stable_sort(entry.begin(), entry.end(), [&](int64_t a, int64_t b) { return idx[a] < idx[b]; });
+  std::vector<const Gemv*> ks;
+  for (int64_t m = 0; m < M; ++m) {  // a new group at each expert change and every kMaxNB entries
+    const int64_t rows = m - bounds.back();
+    if (m == 0 || idx[entry[m]] != idx[entry[m - 1]] || rows == kMaxNB) {
+      if (m > 0) bounds.push_back(m);
+      ks.insert(ks.end(), k + 3 * idx[entry[m]], k + 3 * idx[entry[m]] + 3);
+    }
+  }
+  bounds.push_back(M);
+  std::vector<float> xs(M * D), ys(M * D);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(xs.data() + m * D, x + (entry[m] / top_k) * D, D * sizeof(float));
+  swiglu_group(ks.data(), int64_t(bounds.size()) - 1, xs.data(), bounds.data(), ys.data());
+  std::fill(out, out + N * D, 0.f);
+  auto rd = [bf16](float v) { return bf16 ? bf16f(to_bf16(v)) : v; };
+  for (int64_t m = 0; m < M; ++m) {
+    const float w = wt[entry[m]];
+    float* o = out + (entry[m] / top_k) * D;
+    const float* y = ys.data() + m * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = rd(o[d] + rd(rd(y[d]) * w));
+  }
+}
+
+namespace {
+
 // A CPU-only MoE layer's routed experts and their weighted sum in one call (a decode step's layer:
 // runtime/moe_runner._resident_layer): x [N, D] (float32 or bfloat16), topk_idx int64 [N, k],
 // topk_weight [N, k] in x's dtype, experts: the ids routed to, ascending, k[3 i..3 i + 2] expert
@@ -1550,36 +1587,22 @@ at::Tensor run_swiglu_layer(const std::vector<const Gemv*>& k, const at::Tensor&
   auto idx = topk_idx.contiguous();
   auto wt = topk_weight.to(at::kFloat).contiguous();  // exact: bf16 and fp32 widen to fp32
   auto x = x0.to(at::kFloat).contiguous();
+  // topk_idx as positions in `experts` (moe_experts indexes kernels by them)
+  std::vector<int64_t> pos(N * K);
   const int64_t* ip = idx.data_ptr<int64_t>();
-  const float* wp = wt.data_ptr<float>();
-  // entries in expert order, flat (token-major) order within an expert: argsort(flat, stable)
-  std::vector<int64_t> bounds(E + 1, 0), entry;
-  entry.reserve(N * K);
-  for (int64_t i = 0; i < E; ++i) {
+  for (int64_t i = 0; i < E; ++i)
     TORCH_CHECK(i == 0 || experts[i] > experts[i - 1], what, ": experts must be ascending and distinct");
-    for (int64_t f = 0; f < N * K; ++f)
-      if (ip[f] == experts[i]) entry.push_back(f);
-    bounds[i + 1] = int64_t(entry.size());
-    TORCH_CHECK(bounds[i + 1] - bounds[i] <= kMaxNB, what, ": expert ", experts[i], " has ", bounds[i + 1] - bounds[i],
-                " rows (at most ", kMaxNB, ")");
+  std::vector<int64_t> count(E, 0);
+  for (int64_t f = 0; f < N * K; ++f) {
+    const auto it = std::lower_bound(experts.begin(), experts.end(), ip[f]);
+    TORCH_CHECK(it != experts.end() && *it == ip[f], what, ": topk_idx routes to an expert not in `experts`");
+    pos[f] = it - experts.begin();
+    TORCH_CHECK(++count[pos[f]] <= kMaxNB, what, ": expert ", ip[f], " has more than ", kMaxNB, " rows");
   }
-  TORCH_CHECK(int64_t(entry.size()) == N * K, what, ": topk_idx routes to an expert not in `experts`");
-  const int64_t M = N * K;
-  std::vector<float> xs(M * D), ys(M * D);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) std::memcpy(xs.data() + m * D, xp + (entry[m] / K) * D, D * sizeof(float));
-  auto out = at::zeros({N, D}, at::TensorOptions().dtype(at::kFloat));
-  float* acc = out.data_ptr<float>();
+  auto out = at::empty({N, D}, at::TensorOptions().dtype(at::kFloat));
   {
     pybind11::gil_scoped_release nogil;
-    swiglu_group(k.data(), E, xs.data(), bounds.data(), ys.data());
-    auto rd = [bf16](float v) { return bf16 ? bf16f(to_bf16(v)) : v; };
-    for (int64_t m = 0; m < M; ++m) {
-      const float w = wp[entry[m]];
-      float* o = acc + (entry[m] / K) * D;
-      const float* y = ys.data() + m * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = rd(o[d] + rd(rd(y[d]) * w));
-    }
+    moe_experts(k.data(), x.data_ptr<float>(), N, D, pos.data(), wt.data_ptr<float>(), K, bf16, out.data_ptr<float>());
   }
   return out.to(x0.scalar_type());  // exact: every value is already one of x's dtype
 }
@@ -1694,6 +1717,15 @@ struct ExpertSpec {
   at::Tensor forward_group(const std::vector<at::Tensor>& slots, const at::Tensor& xs, const std::vector<int64_t>& bounds) const {
     const BoundSlots s = bind_slots(slots);
     return run_swiglu_group(s.ptrs, xs, bounds, "expert spec forward_group");
+  }
+
+  // Every expert of a layer bound once (a decode step's native MoE layer): slots [E], expert e's at e.
+  std::shared_ptr<BoundExperts> bind_layer(const std::vector<at::Tensor>& slots) const {
+    auto s = std::make_shared<std::pair<BoundSlots, std::vector<at::Tensor>>>(bind_slots(slots), slots);
+    auto b = std::make_shared<BoundExperts>();
+    b->k = s->first.ptrs;
+    b->owner = s;
+    return b;
   }
 
   // A layer's routed experts and their weighted sum (run_swiglu_layer): slots [E], one per routed expert.
@@ -2146,12 +2178,19 @@ void register_gemv(pybind11::module& m) {
         },
         py::arg("gate"), py::arg("up"), py::arg("down"),
         "A fused SwiGLU expert y [B, D] = down(silu(gate x) * up x) over three of tiered's own kernels.");
+  py::class_<BoundExperts, std::shared_ptr<BoundExperts>>(m, "BoundExperts",
+      "Every expert of one MoE layer bound as kernels to its resident weights (ExpertSpec.bind_layer, "
+      "bf16_experts_bind): DecodeStep.set_moe's experts.")
+      .def_property_readonly("num_experts", &BoundExperts::num_experts)
+      .def_property_readonly("hidden", &BoundExperts::hidden);
   py::class_<ExpertSpec, std::shared_ptr<ExpertSpec>>(m, "ExpertSpec",
       "A quantized expert format's flat layout: forward(slot uint8 [nbytes], x [B, D]) -> y [B, D] fp32.")
       .def("forward", &ExpertSpec::forward, py::arg("slot"), py::arg("x"))
       .def("forward_group", &ExpertSpec::forward_group, py::arg("slots"), py::arg("xs"), py::arg("bounds"),
            "Experts of one layer in two parallel regions: slots [E] (one uint8 slot each), xs [M, D] (expert e's "
            "rows bounds[e]..bounds[e + 1], at most 8 each) -> ys [M, D] fp32, each row its expert's output.")
+      .def("bind_layer", &ExpertSpec::bind_layer, py::arg("slots"),
+           "Every expert of one layer bound as kernels once (slots [E], expert e's at e), for DecodeStep.set_moe.")
       .def("forward_layer", &ExpertSpec::forward_layer, py::arg("slots"), py::arg("x"), py::arg("topk_idx"),
            py::arg("topk_weight"), py::arg("experts"),
            "A layer's routed experts and their weighted sum: slots [E] (one per id in experts, ascending), x [N, D] "
@@ -2213,6 +2252,14 @@ void register_gemv(pybind11::module& m) {
         py::arg("weights"), py::arg("xs"), py::arg("bounds"),
         "bf16 SwiGLU experts of one layer in two parallel regions: weights [3 E] (w_gate, w_up [F, D], w_down [D, F] "
         "per expert), xs [M, D] (expert e's rows bounds[e]..bounds[e + 1], at most 8 each) -> ys [M, D] fp32.");
+  m.def("bf16_experts_bind", [](const std::vector<at::Tensor>& ws) {
+          auto s = std::make_shared<std::pair<Bf16Experts, std::vector<at::Tensor>>>(Bf16Experts(ws, "bf16_experts_bind"), ws);
+          auto b = std::make_shared<BoundExperts>();
+          b->k = s->first.ptrs;
+          b->owner = s;
+          return b;
+        },
+        py::arg("weights"), "bf16 SwiGLU experts of one layer bound once (weights [3 E]: gate, up, down per expert).");
   m.def("bf16_experts_forward_layer", [](const std::vector<at::Tensor>& ws, const at::Tensor& x, const at::Tensor& topk_idx,
                                          const at::Tensor& topk_weight, const std::vector<int64_t>& experts) {
           const Bf16Experts k(ws, "bf16_experts_forward_layer");

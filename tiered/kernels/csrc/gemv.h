@@ -12,6 +12,7 @@
 #include "kernel.h"
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace tiered {
@@ -91,6 +92,23 @@ struct Gemv : Kernel {
   // What rows() reads of the Act in a call of B activation rows (default: the bf16 rounding only).
   virtual ActNeeds needs(int64_t B) const { return {}; }
   void run(const float* x, int64_t B, float* y) const override;
+};
+
+// A MoE layer's routed SwiGLU experts and their weighted sum for N tokens: k[3 e..3 e + 2] the
+// (gate, up, down) kernels of expert e (each D -> F -> D), x fp32 [N, D], idx int64 [N, top_k]
+// (expert of each slot, distinct within a row), wt fp32 [N, top_k] -> out fp32 [N, D] =
+// sum_j wt[n, j] * expert_idx[n, j](x[n]), added in ascending expert order, then token order, each
+// expert output, product and sum rounded to bf16 when `bf16` (torch's bf16 index_add_ of ys * w).
+void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, const int64_t* idx, const float* wt,
+                 int64_t top_k, bool bf16, float* out);
+
+// The kernels of every expert of one MoE layer, bound once to where their weights stay (resident
+// in RAM): k[3 e + j] = projection j (gate, up, down) of expert e. `owner` keeps them alive.
+struct BoundExperts {
+  std::vector<const Gemv*> k;
+  std::shared_ptr<void> owner;
+  int64_t num_experts() const { return int64_t(k.size()) / 3; }
+  int64_t hidden() const { return k.empty() ? 0 : k[0]->in_features; }
 };
 
 }  // namespace gemv
