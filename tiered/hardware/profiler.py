@@ -317,9 +317,10 @@ def _moe_step_points(repeats: int) -> list[tuple[float, float]]:
     """(layers, seconds) of one decode step of tiny Mixtral-shaped models (hidden 64, 8 experts,
     top-2, bf16, every expert in RAM) with 2..8 layers, each opened by the engine itself (`LLM`
     over a dummy checkpoint, plan "off": the runtime's rules, the native step when built) so the
-    step runs what a CPU-only MoE decode runs: the lean step's attention, then each MoE block as a
-    module (router, top-k, softmax) and the expert runner (runtime/moe_runner: grouping, the
-    layer's one native call, combine). The weights are too small to matter: what is timed is the
+    step runs what a CPU-only MoE decode runs: with every expert resident, each MoE block inside the
+    native step (router, softmax, top-k, the experts in one call, combine: DecodeStep.set_moe);
+    otherwise the lean step's attention, then each MoE block as a module and the expert runner
+    (runtime/moe_runner). The weights are too small to matter: what is timed is the
     fixed cost per step and per MoE layer (runtime/moe_step/bf16, n = layers), which
     runtime/decode_step's dense layers do not have."""
     from tiered.bench.checkpoint import ModelShape, write_dummy_checkpoint
@@ -475,8 +476,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # kernels when tiered/kernels is built, meta["native_kernels"]; 4: the CPU gemv keys time the native
 # Kernels the native step calls, without a module's per-call Python cost; 5: gemv/cpu/fp32 times the
 # native fp32 kernel, kernels/linear.f32_kernel, which the lossless mode's decode step now calls;
-# and runtime/moe_step/bf16 is measured).
-PROFILER_VERSION = 5
+# and runtime/moe_step/bf16 is measured; 6: runtime/moe_step/bf16 times the native step running its
+# resident MoE layers itself, DecodeStep.set_moe).
+PROFILER_VERSION = 6
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
