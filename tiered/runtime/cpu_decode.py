@@ -142,16 +142,25 @@ def _native_group(parent: nn.Module, names: tuple[str, ...]) -> list:
 
 
 def _native_moe(block, dtype: torch.dtype) -> tuple | None:
-    """(router weight [E, D], top_k, norm_topk_prob, ext.BoundExperts) of a MoE block the native step
-    can run whole, or None. It can when the block has no shared expert and the standard router, the
-    model computes in float32 or bfloat16, and its runner (runtime/moe_runner.TieredExperts) keeps
-    every expert of the layer resident in RAM in one format (its one-call layers, `_layer_calls`),
-    with no accelerator, prefetcher or mixed-precision copies: nothing it would decide per step."""
+    """DecodeStep.set_moe's arguments after the layer (router weight [E, D], top_k, norm_topk_prob,
+    ext.BoundExperts, and the shared expert's gate/up, down and gate kernels, or empty lists) for a
+    MoE block the native step can run whole, or None. It can when the block has the standard router
+    (and a plain SwiGLU shared expert with a bias-free gate, if any), the model computes in float32
+    or bfloat16, and its runner (runtime/moe_runner.TieredExperts) keeps every expert of the layer
+    resident in RAM in one format (its one-call layers, `_layer_calls`), with no accelerator,
+    prefetcher or mixed-precision copies: nothing it would decide per step."""
     from tiered.models.moe import MoEBlock, Router
     from tiered.runtime.moe_runner import TieredExperts
 
-    if not isinstance(block, MoEBlock) or block.shared_expert is not None or type(block.gate) is not Router:
+    if not isinstance(block, MoEBlock) or type(block.gate) is not Router:
         return None
+    shared: tuple = ([], [], [])
+    if block.shared_expert is not None:
+        if type(block.shared_expert) is not MLP or block.shared_expert_gate.bias is not None:
+            return None
+        se = block.shared_expert
+        shared = (_native_group(se, ("gate_proj", "up_proj")), [kernel_for(_decode_module(se.down_proj))],
+                  [kernel_for(_decode_module(block.shared_expert_gate))])
     r = block.runner
     if (dtype not in (torch.float32, torch.bfloat16) or not isinstance(r, TieredExperts) or r.accelerator is not None
             or r.prefetcher is not None or r.low is not None or block.layer_idx not in r._layer_calls):
@@ -159,7 +168,7 @@ def _native_moe(block, dtype: torch.dtype) -> tuple | None:
     bound = r.fmt.bind_layer([r.store.resident[(block.layer_idx, e)] for e in range(r.num_experts)])
     if bound is None:
         return None
-    return block.gate.weight, block.gate.top_k, block.gate.norm_topk_prob, bound
+    return (block.gate.weight, block.gate.top_k, block.gate.norm_topk_prob, bound) + shared
 
 
 def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list, list]:

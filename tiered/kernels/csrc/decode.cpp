@@ -68,6 +68,7 @@ struct Moe {
   int64_t top_k = 0;
   bool norm_topk = false;
   std::shared_ptr<gemv::BoundExperts> experts;
+  Group shared_gu, shared_down, shared_gate;  // Qwen-MoE's shared expert and its gate [D -> 1], or empty
 };
 
 struct Layer {
@@ -305,10 +306,12 @@ class DecodeStep {
   }
 
   // Layer l's FFN becomes a MoE block run in the step: router weight [E, D] (models/moe.Router),
-  // top_k, norm_topk_prob, and every expert's kernels (BoundExperts, E of them). Its shared expert,
-  // routing hooks and trace are the caller's: it sets this only where the block has none.
+  // top_k, norm_topk_prob, every expert's kernels (BoundExperts, E of them), and Qwen-MoE's shared
+  // expert (gate/up, down and its [1, D] gate kernels; all empty: none). Routing hooks and the
+  // trace are the caller's: it runs such steps through the block's module instead.
   void set_moe(int64_t l, const at::Tensor& router, int64_t top_k, bool norm_topk,
-               std::shared_ptr<gemv::BoundExperts> experts) {
+               std::shared_ptr<gemv::BoundExperts> experts, std::vector<KernelPtr> shared_gate_up,
+               std::vector<KernelPtr> shared_down, std::vector<KernelPtr> shared_gate) {
     TORCH_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty() && layers_[l].gate_up.empty(),
                 "decode step: set_moe needs an attention-only layer, got ", l);
     TORCH_CHECK(router.dim() == 2 && router.size(1) == D, "decode step: the router must be [E, ", D, "]");
@@ -319,6 +322,13 @@ class DecodeStep {
     auto m = std::make_shared<Moe>();
     m->router = to_floats(router);
     m->top_k = top_k, m->norm_topk = norm_topk, m->experts = std::move(experts);
+    m->shared_gu = Group(std::move(shared_gate_up));
+    m->shared_down = Group(std::move(shared_down));
+    m->shared_gate = Group(std::move(shared_gate));
+    if (!m->shared_gu.empty())
+      TORCH_CHECK(m->shared_gu.in == D && m->shared_gu.out % 2 == 0 && m->shared_down.in == m->shared_gu.out / 2 &&
+                      m->shared_down.out == D && m->shared_gate.in == D && m->shared_gate.out == 1,
+                  "decode step: the shared expert's kernels (gate/up, down, gate [1, D]) have the wrong shapes");
     layers_[l].moe = std::move(m);
   }
 
@@ -526,6 +536,25 @@ class DecodeStep {
     moe_uses_ += std::unique(used.begin(), used.end()) - used.begin();
     gemv::moe_experts(m.experts->k.data(), h, B, D, idx.data(), wt.data(), k, std::is_same<T, at::BFloat16>::value,
                       y);
+    if (m.shared_gu.empty()) return;
+    // y += sigmoid(W_sg h) * W_down (silu(g) * u), [g | u] = W_gu h: each term rounded to T as the
+    // block's torch ops round it (out + sigmoid(gate(h)) * shared_expert(h))
+    const int64_t F = m.shared_down.in;
+    std::vector<float> gu(B * 2 * F), act(B * F), e(B * D), g(B), tmp;
+    m.shared_gu.run(h, B, gu.data(), tmp);
+    for (int64_t b = 0; b < B; ++b)  // F.silu(gate(h)) * up(h) in T: g, u, silu(g) and the product each rounded
+      for (int64_t i = 0; i < F; ++i) {
+        const float gi = rnd<T>(gu[b * 2 * F + i]), ui = rnd<T>(gu[b * 2 * F + F + i]);
+        act[b * F + i] = rnd<T>(rnd<T>(gi / (1.f + std::exp(-gi))) * ui);
+      }
+    m.shared_down.run(act.data(), B, e.data(), tmp);
+    m.shared_gate.run(h, B, g.data(), tmp);
+    for (int64_t b = 0; b < B; ++b) {
+      const float sg = rnd<T>(1.f / (1.f + std::exp(-rnd<T>(g[b]))));
+      float* yb = y + b * D;
+      const float* eb = e.data() + b * D;
+      for (int64_t i = 0; i < D; ++i) yb[i] = rnd<T>(yb[i] + rnd<T>(sg * rnd<T>(eb[i])));
+    }
   }
 
   // att [B, H*hd] = softmax(q k^T * scale) v over each row's cached positions, rounded to T. The
@@ -669,7 +698,8 @@ void register_decode(pybind11::module& m) {
            py::arg("positions"), py::arg("k_cache"), py::arg("v_cache"), py::arg("first"), py::arg("last"),
            py::arg("moe") = true)
       .def("set_moe", &DecodeStep::set_moe, py::arg("layer"), py::arg("router"), py::arg("top_k"),
-           py::arg("norm_topk_prob"), py::arg("experts"))
+           py::arg("norm_topk_prob"), py::arg("experts"), py::arg("shared_gate_up") = std::vector<KernelPtr>{},
+           py::arg("shared_down") = std::vector<KernelPtr>{}, py::arg("shared_gate") = std::vector<KernelPtr>{})
       .def("take_moe_uses", &DecodeStep::take_moe_uses)
       .def("logits", &DecodeStep::logits, py::arg("x"));
   m.def("sample_rows", &sample_rows, py::arg("logits"), py::arg("temperature"), py::arg("u"),
