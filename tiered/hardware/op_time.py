@@ -107,10 +107,12 @@ def launch_time(profile: HardwareProfile, device: str) -> float:
 
 def moe_layer_overhead(profile: HardwareProfile) -> float:
     """Seconds an MoE layer's fixed cost exceeds a dense layer's in a CPU decode step: the MoE block's
-    own code (router module, top-k, the expert runner's grouping and combine), the slope of
-    runtime/moe_step/bf16 (a tiny MoE model's step, n = layers) less runtime/decode_step/bf16's
-    (the attention and norms both layers have, which step_overhead already prices). 0 when either
-    is not profiled. Python and small ops: the same for any weight format."""
+    own code (router, top-k, the experts' call and combine), the slope of runtime/moe_step/bf16 (a
+    tiny MoE model's step, n = layers) less runtime/decode_step/bf16's (the attention and norms
+    both layers have, which step_overhead already prices). 0 when either is not profiled. That tiny
+    model keeps every expert in RAM, so since PROFILER_VERSION 6 this is the native step's MoE
+    layer (~10 us on 2 cores); a layer run as a module with the expert runner (experts on disk or
+    in a cache) costs ~0.2 ms more, unpriced, beside its expert reads."""
     moe, dense = profile.models.get("runtime/moe_step/bf16"), profile.models.get("runtime/decode_step/bf16")
     return max(0.0, moe.beta - dense.beta) if moe is not None and dense is not None else 0.0
 
