@@ -206,3 +206,41 @@ def test_cpu_path_misses_never_fill_the_cache():
     assert sum(simulate_hits(trace, set(), 4, copied=lambda t: [False] * len(t)).cache.values()) == 0
     copied = simulate_hits(trace, set(), 4, copied=lambda t: [True] * len(t))
     assert copied == simulate_hits(trace, set(), 4) and sum(copied.cache.values()) > 0
+
+
+def test_the_lm_head_is_priced_in_its_own_decode_format():
+    """A GGUF Q4 file often keeps its token embedding (the tied lm_head) as Q8_0: the decode copies
+    are int4 layers and an int8 head (quant/linear.head_precision), and the CPU prediction reads the
+    head's bytes at the int8 GEMV's rate. The plan records it as dtypes["lm_head"]."""
+    from types import SimpleNamespace
+
+    from tiered.hardware import op_time
+    from tiered.planner.cpu_predict import predict_decode
+    from tiered.quant.linear import head_precision
+
+    class Ckpt:
+        def __init__(self, formats):
+            self.formats = formats
+
+        def has(self, name):
+            return name in self.formats
+
+        def handle(self, name):
+            return SimpleNamespace(format=self.formats[name])
+
+    assert head_precision(Ckpt({"model.embed_tokens.weight": "Q8_0"}), "auto") == "int8"  # tied
+    assert head_precision(Ckpt({"lm_head.weight": "Q4_1", "model.embed_tokens.weight": "Q8_0"}), "auto") == "int4"
+    assert head_precision(Ckpt({"lm_head.weight": "Q6_K"}), "auto") == "bf16"
+    assert head_precision(Ckpt({"model.embed_tokens.weight": "Q8_0"}), "int4") == "int4"
+    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    m = {"gemv/cpu/int4": LinearModel(1e-5, 5e-11, 1.0), "gemv/cpu/int8": LinearModel(1e-5, 6e-11, 1.0),
+         "attn/cpu/fp32": LinearModel(0.0, 1e-10, 1.0), "gemm/cpu/fp32": LinearModel(1e-4, 1e-11, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", m, None, None)
+    _, same = predict_decode(cfg, hw, "int4", context=64)
+    _, int8 = predict_decode(cfg, hw, "int4", context=64, head_dtype="int8")
+    n = 576 * 49152
+    assert int8 - same == pytest.approx(6e-11 * n * op_time.bytes_per_element("int8") - 5e-11 * n * op_time.bytes_per_element("int4"))
+    plan = make_plan(cfg, hw, precision="int4", weights_format="fp32", head_precision="int8")
+    assert plan.dtypes["lm_head"] == "int8"
+    assert "lm_head" not in make_plan(cfg, hw, precision="int4", weights_format="fp32", head_precision="int4").dtypes

@@ -101,7 +101,7 @@ class LLM:
         HardwareProfile it was made with (None for rules or a replayed plan)."""
         from tiered.planner.auto import engine_plan
         from tiered.planner.placement import load_popularity
-        from tiered.quant.linear import decode_precision
+        from tiered.quant.linear import decode_precision, head_precision
 
         ec, cfg = self.engine_config, self.config
         weights = sizes.format_of(self.dtype)
@@ -111,10 +111,12 @@ class LLM:
         if cfg.is_moe and ec.expert_profile:
             popularity = load_popularity(ec.expert_profile, cfg.num_hidden_layers, cfg.num_experts)
         precision = decode_precision(self.checkpoint, decode) if decode != "none" else weights
+        head = head_precision(self.checkpoint, decode) if decode != "none" else None
         with _transient_notes(progress) as say:  # "measuring a quick profile ...", while it runs
             plan, profile = engine_plan(cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name,
                                         max_context=self.max_context, weights_format=weights, decode_format=decode,
-                                        decode_precision=precision, popularity=popularity, progress=say,
+                                        decode_precision=precision, head_precision=head, popularity=popularity,
+                                        progress=say,
                                         experts_format=self._experts_format(weights))
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
             plan.decode_threshold = max(ec.decode_weights_threshold, ec.max_batch)

@@ -116,7 +116,7 @@ def standin_profile(cpu: HardwareProfile, link_bandwidth: float | None) -> Hardw
 def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
                 decode_format: str, decode_precision: str, popularity=None,
                 progress: Callable[[str], None] | None = None,
-                experts_format: str | None = None) -> tuple[Plan, HardwareProfile | None]:
+                experts_format: str | None = None, head_precision: str | None = None) -> tuple[Plan, HardwareProfile | None]:
     """The Plan an LLM applies, per EngineConfig.plan: "auto" plans now (latency goal), "off" writes
     the runtime's plain rules into a Plan (planner/rules.py), a path replays a saved plan as is.
 
@@ -132,6 +132,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
         experts_format: storage format of routed experts (quant/experts.py names; None = weights_format).
         decode_format: EngineConfig.decode_weights when decode copies are installed, else "none".
         decode_precision: the format most decode-copy bytes have ("int4", "int8", "bf16", "fp32").
+        head_precision: the lm_head decode copy's format (quant/linear.head_precision), or None.
         popularity: float [L, E] tokens routed per expert, or None.
     Returns:
         (plan, the HardwareProfile it was made with, or None for rules / replayed plans).
@@ -145,7 +146,8 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     plan, profile = _auto_or_rules(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
                                    weights_format=weights_format, decode_format=decode_format,
                                    decode_precision=decode_precision, popularity=popularity, progress=progress,
-                                   experts_format=experts_format, dense_copies=dense_copies)
+                                   experts_format=experts_format, dense_copies=dense_copies,
+                                   head_precision=head_precision)
     plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
     # a model wholly on a real GPU decodes through captured CUDA graphs: nothing in its step syncs
     plan.decode_graphs = (accelerator is not None and not accelerator.is_host and not cfg.is_moe
@@ -207,7 +209,7 @@ def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_form
 def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
                    decode_format: str, decode_precision: str, popularity=None,
                    progress: Callable[[str], None] | None = None, experts_format: str | None = None,
-                   dense_copies: bool = True) -> tuple[Plan, HardwareProfile | None]:
+                   dense_copies: bool = True, head_precision: str | None = None) -> tuple[Plan, HardwareProfile | None]:
     """engine_plan's "auto" (the planner) and "off" (the runtime's rules) cases."""
     gpu = accelerator.budget.capacity if accelerator is not None else None
     if ec.plan == "off":
@@ -232,7 +234,8 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                      dispatch_mode=ec.force_expert_path or "balanced", staging_buffers=ec.staging_buffers,
                      read_ahead=ec.read_ahead,
                      dense_copies=dense_copies,
-                     experts_format=experts_format, kv_slots=ec.max_batch)
+                     experts_format=experts_format, kv_slots=ec.max_batch,
+                     head_precision=head_precision if dense_cpu else None)
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     return plan, profile

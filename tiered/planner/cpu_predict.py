@@ -164,7 +164,8 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, 
 def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, hits: HitStats | None = None,
                    read_ahead: bool = True, readers: int = 2, task_overhead: float | None = None,
                    moe_layers: list[int] | None = None,
-                   experts_format: str | None = None) -> tuple[list[tuple[float, float]], float]:
+                   experts_format: str | None = None,
+                   head_dtype: str | None = None) -> tuple[list[tuple[float, float]], float]:
     """Per-layer (attention, FFN or MoE) seconds of one decode step, and the whole step
     (layers + lm_head) on CPU + disk.
 
@@ -177,6 +178,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         experts_format: the routed experts' stored format (quant/experts.py names: their bytes,
             memory/sizes.expert_bytes, and the GEMV key of their first projection's kind price
             them); None = `dtype`.
+        head_dtype: the lm_head's format (quant/linear.head_precision: a GGUF file's Q8_0 embedding
+            stays int8 beside int4 layers); None = `dtype`.
     """
     bpe = op_time.bytes_per_element(dtype)
     d = cfg.hidden_size
@@ -227,7 +230,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             else:
                 t += k * compute + misses * (read + over)
         layers.append((attn, t))
-    head = _gemv(hw, dtype, d * cfg.vocab_size * bpe, working_set=ws)
+    hd = head_dtype or dtype
+    head = _gemv(hw, hd, d * cfg.vocab_size * op_time.bytes_per_element(hd), working_set=ws)
     return layers, sum(a + f for a, f in layers) + head + per_step
 
 

@@ -27,7 +27,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               popularity=None, expert_cache_slots: int | None = None, max_resident: int | None = None,
               cache_policy: str = "lru", dispatch_mode: str = "balanced", staging_buffers: int = 2,
               read_ahead: bool = True, extra_cpu_bytes: int = 0, workspace: int | None = None,
-              dense_copies: bool = True, experts_format: str | None = None, kv_slots: int = 1) -> Plan:
+              dense_copies: bool = True, experts_format: str | None = None, kv_slots: int = 1,
+              head_precision: str | None = None) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -50,6 +51,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         dense_copies: Plan.dense_copies; False (the CPU's one-copy mode) counts and prices the
             non-expert weights in `precision`, the format of their one copy.
         kv_slots: sequences of context_tokens whose KV cache the fast tier keeps room for.
+        head_precision: the lm_head's format where it differs from `precision` (CPU decode copies
+            of a GGUF file: quant/linear.head_precision), recorded as dtypes["lm_head"] and priced.
     Raises:
         ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
         BudgetError: the budgets cannot hold what the goal needs on the fast tier.
@@ -66,6 +69,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.context_tokens = context_tokens or prompt_tokens + gen_tokens
     fmt = weights_format or precision
     plan.dtypes = {"weights": fmt, "experts": experts_format or fmt, "kv_cache": "fp32" if fmt == "fp32" else "bf16", "decode": precision}
+    if head_precision and head_precision != precision:
+        plan.dtypes["lm_head"] = head_precision
     plan.cache_policy, plan.dispatch_mode = cache_policy, dispatch_mode
     plan.staging_buffers, plan.read_ahead = staging_buffers, read_ahead
     plan.dense_copies, plan.kv_slots = dense_copies, kv_slots

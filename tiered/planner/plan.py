@@ -57,7 +57,9 @@ class Plan:
                                              "cpu" send every miss one way
         dtypes                               formats: "weights" (compute dtype of loaded weights),
                                              "experts", "kv_cache", "decode" (decode-copy format,
-                                             "none" = no copies); decode_threshold: steps of at
+                                             "none" = no copies), "lm_head" (its decode copy's
+                                             format where it differs from `precision`: a GGUF
+                                             file's Q8_0 embedding); decode_threshold: steps of at
                                              most this many rows use the decode copies; int4_layout:
                                              their int4 layout ("tiled": tiered's kernels, "cpu":
                                              torch's int4pack); batch_act:

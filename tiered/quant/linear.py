@@ -200,6 +200,20 @@ def decode_precision(checkpoint, fmt: str) -> str:
     return max(count, key=count.get) if count else "bf16"
 
 
+def head_precision(checkpoint, fmt: str) -> str:
+    """The lm_head's decode-copy precision under format `fmt` (for the planner), as
+    install_decode_weights makes it: `fmt` itself, or for "auto" the head's storage format (the
+    token embedding's when tied): GGUF Q4_0/Q4_1 -> int4, Q8_0 -> int8, anything else -> bf16. A
+    GGUF Q4 file often stores its embedding as Q8_0, so its head reads twice the bytes per weight
+    of its layers (SmolLM2's Q4_1 file: a 28 MB int8 head beside ~70 MB of int4 layers)."""
+    if fmt != "auto":
+        return fmt
+    key = "lm_head.weight" if checkpoint.has("lm_head.weight") else "model.embed_tokens.weight"
+    if not checkpoint.has(key):
+        return "bf16"
+    return GGUF_DECODE_KIND.get(checkpoint.handle(key).format, "bf16")
+
+
 def build_decode_module(parts: list[DecodeWeight], biases: list[torch.Tensor | None], int4_layout: str = "cpu",
                         batch_act: str = "bf16") -> nn.Module:
     """One decode module computing all `parts` side by side (outputs concatenated on the last dim);
