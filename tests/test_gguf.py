@@ -231,3 +231,16 @@ def test_format_dequantizes_through_handle(formats_file, i, fmt):
             h.blocks()
     if fmt in ("F16", "BF16"):
         assert h.load(torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_q8_0_embedding_rows_equal_the_gguf_packages():
+    """BlockEmbedding's Q8_0 lookup (quant/embedding.q8_0_rows, numpy on the looked-up rows) gives
+    the gguf package's dequantized values bit for bit, repeated rows and all."""
+    from tiered.quant.embedding import q8_0_rows
+
+    x = np.random.default_rng(0).standard_normal((40, 576)).astype(np.float32) * 3
+    blocks = quantize(x, Q.Q8_0)
+    rows = blocks[[3, 7, 7, 39, 0]]
+    ref = dequantize(rows, Q.Q8_0).reshape(-1, 576)
+    got = q8_0_rows(rows, 576)
+    assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(ref))

