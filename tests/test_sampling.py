@@ -309,3 +309,19 @@ def test_sample_tokens_batches_plain_rows_and_keeps_filtered_ones_exact():
     assert chi2 < 35.0  # 4 degrees of freedom: P(chi2 > 35) ~ 5e-7
     draw = lambda: sample_tokens(logits, [plain] * 4, [none] * 4, [torch.Generator().manual_seed(9)] * 4)
     assert draw() == draw()
+
+
+def test_categorical_draw_is_the_full_vocabularys_cdf_inverse():
+    """sample_categorical sums only the tokens with mass (a nucleus of a 49k vocabulary): the same
+    token, for the same uniform number, as inverting the float64 CDF over every token."""
+    from tiered.engine.sampling import sample_categorical
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(50):
+        logits = torch.randn(5000, generator=g) * 3
+        logits[torch.rand(5000, generator=g) < 0.9] = float("-inf")
+        probs = logits.softmax(-1)
+        cdf = probs.double().cumsum(-1)
+        u = torch.rand((), generator=torch.Generator().manual_seed(trial), dtype=torch.float64) * cdf[-1]
+        want = min(int(torch.searchsorted(cdf, u, right=True)), int(torch.nonzero(probs)[-1]))
+        assert sample_categorical(probs, torch.Generator().manual_seed(trial)) == want

@@ -92,15 +92,17 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus filter on logits [V]: keep the most likely tokens whose cumulative probability reaches p."""
     if p >= 1.0:
         return logits
-    # Fast path: the nucleus almost always lies in the few most likely tokens. If the top 256
-    # already hold mass p, every token past them is dropped: the same result as sorting all V
-    # (49k on SmolLM2: the sort was ~1 ms a token), from a top-k of 256.
+    # Fast path: the nucleus almost always lies in the few most likely tokens. If the tokens of
+    # probability >= 1e-4 x the top one already hold mass p, the nucleus is a prefix of them in
+    # descending order and every other token is dropped: the same result as sorting all V (49k on
+    # SmolLM2: the sort was ~1 ms a token; a top-k of 256 ~0.27 ms), from sorting those few.
     if logits.shape[-1] > 1024:
         probs = logits.softmax(-1)
-        top, idx = torch.topk(probs, 256)
+        cand = torch.nonzero(probs >= probs.max() * 1e-4).squeeze(-1)
+        top, order = probs[cand].sort(descending=True)
         cum = top.cumsum(-1)
         if float(cum[-1]) >= p:
-            keep = idx[(cum - top) < p]
+            keep = cand[order[(cum - top) < p]]
             return torch.full_like(logits, float("-inf")).index_copy_(0, keep, logits[keep])
     sorted_logits, order = torch.sort(logits, descending=True)
     cum = sorted_logits.softmax(-1).cumsum(-1)
@@ -163,12 +165,11 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -
     uniform number: exact, and ~20x cheaper than torch.multinomial on a CPU vocabulary of 49k
     (0.07 vs 1.4 ms: multinomial was 15% of a SmolLM2 decode step). Never returns a
     zero-probability token."""
-    cdf = probs.double().cumsum(-1)
+    nz = torch.nonzero(probs).squeeze(-1)  # the CDF only rises at these: the same draw from their sums
+    cdf = probs[nz].double().cumsum(-1)
     u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-    i = int(torch.searchsorted(cdf, u, right=True))
-    if i >= probs.shape[-1]:  # u rounded to the total: the last token with mass
-        i = int(torch.nonzero(probs)[-1])
-    return i
+    j = int(torch.searchsorted(cdf, u, right=True))
+    return int(nz[min(j, len(nz) - 1)])  # j = len: u rounded to the total, the last token with mass
 
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
