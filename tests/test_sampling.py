@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 
 from fixtures import prompt_ids
-from tiered import SamplingParams
+from tiered import SamplingParams, kernels
 from tiered.engine.sampling import (apply_repetition_penalty, filter_min_p, filter_top_k, filter_top_p,
                                     sample_token)
 
@@ -325,3 +325,34 @@ def test_categorical_draw_is_the_full_vocabularys_cdf_inverse():
         u = torch.rand((), generator=torch.Generator().manual_seed(trial), dtype=torch.float64) * cdf[-1]
         want = min(int(torch.searchsorted(cdf, u, right=True)), int(torch.nonzero(probs)[-1]))
         assert sample_categorical(probs, torch.Generator().manual_seed(trial)) == want
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+@pytest.mark.parametrize("params", [dict(temperature=0.2, top_p=0.9, repetition_penalty=1.1),
+                                    dict(temperature=0.8, top_k=40), dict(temperature=1.3, min_p=0.05),
+                                    dict(temperature=0.7, top_k=200, top_p=0.95, min_p=0.01, repetition_penalty=1.3)])
+def test_sample_filtered_draws_from_the_torch_filters_distribution(params):
+    """ext.sample_filtered (sample_tokens' path for rows with filters) draws only tokens the torch
+    filters keep (filtered_logits: penalty, / T, top-k, top-p, min-p), each at its probability
+    (a CDF inversion at u: a grid of u covers the kept tokens in proportion), and a seeded request
+    stays reproducible."""
+    from tiered.engine.sampling import sample_tokens
+
+    ext = kernels.load()
+    sp = SamplingParams(**params)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(49152, generator=g) * 3
+    seen = torch.randint(0, 49152, (64,), generator=g)
+    ref = apply_repetition_penalty(logits, seen, sp.repetition_penalty) / sp.temperature
+    ref = filter_min_p(filter_top_p(filter_top_k(ref, sp.top_k), sp.top_p), sp.min_p)
+    probs = ref.softmax(-1)
+    n = 4000
+    counts = torch.zeros(49152)
+    for j in range(n):
+        t = ext.sample_filtered(logits, seen, sp.repetition_penalty, sp.temperature, sp.top_k, sp.top_p, sp.min_p,
+                                (j + 0.5) / n)
+        counts[t] += 1
+    assert float(probs[counts > 0].min()) > 0  # never a token the filters drop
+    assert float((counts / n - probs).abs().sum()) < 0.02  # total variation of the u-grid's draws
+    draw = lambda s: sample_tokens(logits[None], [sp], [seen], [torch.Generator().manual_seed(s)])
+    assert draw(7) == draw(7)

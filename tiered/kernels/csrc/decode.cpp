@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <utility>
 #include <type_traits>
@@ -655,6 +656,93 @@ TIERED_CLONES int64_t sample_row(const float* l, int64_t V, float inv_t, double 
   return 0;
 }
 
+// p [V] = softmax(z) over the tokens left (z = -inf: 0), vectorized exp; returns the top token's
+// probability.
+TIERED_CLONES float softmax_probs(const float* z, int64_t V, float* p) {
+  float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+  for (int64_t i = 0; i < V; ++i) mx = z[i] > mx ? z[i] : mx;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < V; ++i) {
+    const float w = exp_fast(z[i] - mx);
+    p[i] = z[i] == -INFINITY ? 0.f : w;
+    sum += p[i];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t i = 0; i < V; ++i) p[i] *= inv;
+  return inv;
+}
+
+// One draw from a row of logits l [V] as engine/sampling.filtered_logits filters it: the
+// repetition penalty on `seen` (positive logits / pen, negative * pen), / T, top-k (k > 0: tokens
+// below the k-th largest dropped), top-p (< 1: the smallest prefix of tokens by descending
+// probability whose mass reaches p), min-p (> 0: tokens below min_p x the top probability
+// dropped), then sample_row's CDF inversion at u. z, p: [V] scratch.
+int64_t sample_filtered_row(const float* l, int64_t V, const int64_t* seen, int64_t n_seen, float pen, float T,
+                            int64_t top_k, float top_p, float min_p, double u, float* z, float* p) {
+  for (int64_t i = 0; i < V; ++i) z[i] = l[i] / T;
+  if (pen != 1.f)
+    for (int64_t j = 0; j < n_seen; ++j) {
+      const int64_t s = seen[j];
+      if (s >= 0 && s < V) z[s] = (l[s] > 0.f ? l[s] / pen : l[s] * pen) / T;
+    }
+  if (top_k > 0 && top_k < V) {
+    std::vector<float> tmp(z, z + V);
+    std::nth_element(tmp.begin(), tmp.begin() + (top_k - 1), tmp.end(), std::greater<float>());
+    const float kth = tmp[top_k - 1];
+    for (int64_t i = 0; i < V; ++i)
+      if (z[i] < kth) z[i] = -INFINITY;
+  }
+  auto probs = [&]() { return softmax_probs(z, V, p); };
+  if (top_p < 1.f) {
+    const float top = probs();
+    std::vector<int64_t> idx;  // candidates: probability >= 1e-4 x the top one (all of them if that misses p)
+    for (int64_t i = 0; i < V; ++i)
+      if (p[i] >= top * 1e-4f) idx.push_back(i);
+    double mass = 0.0;
+    for (int64_t i : idx) mass += p[i];
+    if (mass < top_p) {
+      idx.clear();
+      for (int64_t i = 0; i < V; ++i)
+        if (p[i] > 0.f) idx.push_back(i);
+    }
+    std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+    std::vector<char> keep(V, 0);
+    float cum = 0.f;
+    for (int64_t i : idx) {  // keep while the mass before this token is below p
+      if (cum >= top_p) break;
+      keep[i] = 1;
+      cum += p[i];
+    }
+    for (int64_t i = 0; i < V; ++i)
+      if (!keep[i]) z[i] = -INFINITY;
+  }
+  if (min_p > 0.f) {
+    const float top = probs();
+    for (int64_t i = 0; i < V; ++i)
+      if (p[i] < min_p * top) z[i] = -INFINITY;
+  }
+  return sample_row(z, V, 1.f, u, p);
+}
+
+// token int64: sample_filtered_row on logits fp32 [V] (CPU, contiguous), seen int64 [n], u float64.
+int64_t sample_filtered(const at::Tensor& logits, const at::Tensor& seen, double penalty, double temperature,
+                        int64_t top_k, double top_p, double min_p, double u) {
+  TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.is_cpu() &&
+                  logits.numel() > 0, "sample_filtered: logits must be a contiguous CPU float32 [V] tensor");
+  TORCH_CHECK(temperature > 0 && penalty > 0 && top_p > 0 && top_p <= 1 && min_p >= 0 && min_p <= 1 && top_k >= 0,
+              "sample_filtered: temperature and penalty must be > 0, top_p in (0, 1], min_p in [0, 1], top_k >= 0");
+  auto s = seen.to(at::kLong).contiguous();
+  const int64_t V = logits.numel();
+  pybind11::gil_scoped_release nogil;
+  thread_local std::vector<float> z, p;
+  z.resize(V), p.resize(V);
+  return sample_filtered_row(logits.data_ptr<float>(), V, s.data_ptr<int64_t>(), s.numel(), float(penalty),
+                             float(temperature), top_k, float(top_p), float(min_p), u, z.data(), p.data());
+}
+
 // tokens int64 [B]: one draw per row of logits fp32 [B, V] at temperatures [B] (> 0) and uniforms
 // u float64 [B] (the requests' own generators drew them), rows in parallel.
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
@@ -702,6 +790,10 @@ void register_decode(pybind11::module& m) {
            py::arg("shared_down") = std::vector<KernelPtr>{}, py::arg("shared_gate") = std::vector<KernelPtr>{})
       .def("take_moe_uses", &DecodeStep::take_moe_uses)
       .def("logits", &DecodeStep::logits, py::arg("x"));
+  m.def("sample_filtered", &sample_filtered, py::arg("logits"), py::arg("seen"), py::arg("penalty"),
+        py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
+        "token: one draw from logits fp32 [V] after engine/sampling.filtered_logits' filters (repetition penalty on "
+        "seen int64 [n], / temperature, top-k, top-p, min-p) at the uniform u (float64, in [0, 1)).");
   m.def("sample_rows", &sample_rows, py::arg("logits"), py::arg("temperature"), py::arg("u"),
         "tokens int64 [B]: one draw per row from softmax(logits [B, V] fp32 / temperature [B]) at the uniforms "
         "u [B] (float64, in [0, 1)) by inverting the CDF; rows in parallel.");
