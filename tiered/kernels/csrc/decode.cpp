@@ -517,11 +517,8 @@ class DecodeStep {
     for (int64_t b = 0; b < B; ++b) {
       const float* hb = h + b * D;
       dot_rows(m.router.data(), hb, E, D, p.data());
-      float mx = -INFINITY;
-      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, p[e] = rnd<T>(p[e]));
-      float sum = 0.f;
-      for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - mx));
-      for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+      for (int64_t e = 0; e < E; ++e) p[e] = rnd<T>(p[e]);
+      softmax_rows(p.data(), 1, E);
       std::iota(order.begin(), order.end(), int64_t(0));
       std::partial_sort(order.begin(), order.begin() + k, order.end(),
                         [&](int64_t a, int64_t c) { return p[a] > p[c] || (p[a] == p[c] && a < c); });
@@ -695,9 +692,8 @@ int64_t sample_filtered_row(const float* l, int64_t V, const int64_t* seen, int6
     for (int64_t i = 0; i < V; ++i)
       if (z[i] < kth) z[i] = -INFINITY;
   }
-  auto probs = [&]() { return softmax_probs(z, V, p); };
   if (top_p < 1.f) {
-    const float top = probs();
+    const float top = softmax_probs(z, V, p);
     std::vector<int64_t> idx;  // candidates: probability >= 1e-4 x the top one (all of them if that misses p)
     for (int64_t i = 0; i < V; ++i)
       if (p[i] >= top * 1e-4f) idx.push_back(i);
@@ -720,7 +716,7 @@ int64_t sample_filtered_row(const float* l, int64_t V, const int64_t* seen, int6
       if (!keep[i]) z[i] = -INFINITY;
   }
   if (min_p > 0.f) {
-    const float top = probs();
+    const float top = softmax_probs(z, V, p);
     for (int64_t i = 0; i < V; ++i)
       if (p[i] < min_p * top) z[i] = -INFINITY;
   }
