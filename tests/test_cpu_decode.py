@@ -1,8 +1,8 @@
 """The lean CPU decode step (runtime/cpu_decode.py) against the model's own modules.
 
 In the lossless fp32 mode it must give the modules' logits and KV cache to fp32 rounding, for every
-dense architecture (q/k/v bias, sliding window, tied embeddings, per-head q/k norms through the
-layer fallback) and for MoE blocks through the FFN fallback, at batch 1 and for a batch of
+dense architecture (q/k/v bias, sliding window, tied embeddings, Qwen3's per-head q/k norms) and
+for MoE blocks through the FFN fallback, at batch 1 and for a batch of
 sequences of different lengths (the masked path). With int4 decode copies it runs the same kernels:
 only the bf16 rounding of activations between kernels differs. And it issues few ops per layer.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fixtures import prompt_ids
@@ -67,9 +68,13 @@ def test_lean_step_equals_modules_fp32(zoo, kind, native):
 
 
 @pytest.mark.parametrize("native", NATIVE)
-def test_lean_step_in_bf16_matches_the_modules(zoo, native):
-    """A bf16 model (--dtype bfloat16): RoPE's fp32 tables must not leak fp32 into attention."""
-    llm = zoo.llm(zoo.dir("qwen2"), dtype="bfloat16", max_context=64)
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_lean_step_in_bf16_matches_the_modules(zoo, native, kind):
+    """A bf16 model (--dtype bfloat16): RoPE's fp32 tables must not leak fp32 into attention; qwen3's
+    per-head q/k norms round as the module's do (DecodeStep.set_qk)."""
+    llm = zoo.llm(zoo.dir(kind), dtype="bfloat16", max_context=64)
+    if native:
+        assert CPUDecodeStep(llm.model, native=True).schedule == [("native", 0, llm.config.num_hidden_layers)]
     assert _compare(llm, [prompt_ids(zoo.vocab_size, 10), prompt_ids(zoo.vocab_size, 4, seed=2)],
                     steps=4, tol=2e-2, native=native) <= 2e-2
 
@@ -177,17 +182,30 @@ def test_lean_step_issues_few_ops_per_layer(zoo):
 def _moe_steps(llm, step, prompts: list[list[int]], steps: int, hooked: bool):
     """Logits [steps, B, V] fp32 of `steps` decode steps of `prompts` through the native `step`, with a
     routing hook on every MoE block (the modules run them: the step's fallback schedule) or without
-    (the step runs them), and the runner's resident uses they added."""
+    (the step runs them), the runner's resident uses they added, and (hooked) bool [steps, B]: the
+    rows whose routing had a tie at the top-k boundary in some layer (equal probabilities, which
+    the step breaks by the lower expert id and torch.topk by its own order)."""
     from tiered.models.moe import MoEBlock
 
     blocks = [m for m in llm.model.modules() if isinstance(m, MoEBlock)]
     lengths = [len(p) for p in prompts]
     cache = llm._kv_cache(len(prompts), max(lengths) + steps)
     runner, out, seen = blocks[0].runner, [], []
+    ties = torch.zeros(steps, len(prompts), dtype=torch.bool)
+
+    def tie_checked(gate):
+        def route(x):
+            p = F.linear(x, gate.weight.to(x.dtype)).float().softmax(-1).topk(gate.top_k + 1, dim=-1).values
+            ties[t] |= p[:, -2] == p[:, -1]
+            return type(gate).route(gate, x)
+        return route
+
     with torch.inference_mode():
         _prefill(llm, cache, prompts)
         for b in blocks:
             b.on_route = (lambda layer, idx, w: seen.append(layer)) if hooked else None
+            if hooked:
+                b.gate.route = tie_checked(b.gate)
         before = runner.resident_hits
         g = torch.Generator().manual_seed(1)
         for t in range(steps):
@@ -196,12 +214,13 @@ def _moe_steps(llm, step, prompts: list[list[int]], steps: int, hooked: bool):
             out.append(step(ids, pos, torch.arange(len(prompts)), cache).float())
     for b in blocks:
         b.on_route = None
+        b.gate.__dict__.pop("route", None)
     assert len(seen) == (steps * len(blocks) if hooked else 0)
-    return torch.stack(out), runner.resident_hits - before
+    return torch.stack(out), runner.resident_hits - before, ties
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 @pytest.mark.parametrize("dtype,weights,tol", [("float32", "int4", 1e-3), ("float32", "int8", 1e-3),
                                                ("bfloat16", "bf16", 3e-2), ("bfloat16", "int4", 3e-2)])
 def test_native_step_runs_resident_moe_layers_itself(rt, kind, dtype, weights, tol):  # noqa: F811
@@ -215,7 +234,11 @@ def test_native_step_runs_resident_moe_layers_itself(rt, kind, dtype, weights, t
     same resident expert uses. qwen2_moe: a shared expert scaled by its sigmoid gate, and a dense
     MLP layer between MoE layers. In fp32 its shared expert has bf16 decode copies, whose outputs the
     modules round to bf16 (CastLinear) and the step keeps in fp32, as for dense layers: measured
-    3.7e-3, allowed 1e-2."""
+    3.7e-3, allowed 1e-2. qwen3_moe: per-head q/k norms and a dense first layer; olmoe: q/k norms
+    over the whole projection and clip_qkv (DecodeStep.set_qk). A row whose bf16 router logits tie
+    at the top-k boundary may take the other expert (the step breaks ties by the lower id,
+    torch.topk by its own order): such rows are left out (bf16: qwen2_moe one of 6 at
+    batch 1, olmoe one of 30 at 10 sequences, the rest bit-equal; none seen in fp32)."""
     if kind == "qwen2_moe" and dtype == "float32":
         tol = 1e-2
     llm = LLM(rt.dir(kind), engine_config(dtype=dtype, expert_weights=weights, decode_weights="auto"))
@@ -225,10 +248,11 @@ def test_native_step_runs_resident_moe_layers_itself(rt, kind, dtype, weights, t
                              for L, _ in step.layers]
     assert not step.takes_prefill_rows(llm._kv_cache(1, 16))  # prompts still prefill on their own
     for prompts, steps in (([list(range(2, 14))], 6), ([prompt_ids(llm.config.vocab_size, 3 + i, seed=i) for i in range(10)], 3)):
-        got, uses = _moe_steps(llm, step, prompts, steps, hooked=False)
-        ref, ref_uses = _moe_steps(llm, step, prompts, steps, hooked=True)
-        assert float((got - ref).abs().max() / ref.abs().max()) <= tol
-        assert uses == ref_uses > 0
+        got, uses, _ = _moe_steps(llm, step, prompts, steps, hooked=False)
+        ref, ref_uses, ties = _moe_steps(llm, step, prompts, steps, hooked=True)
+        assert float(((got - ref).abs().amax(-1) / ref.abs().max())[~ties].max()) <= tol
+        assert float(ties.float().mean()) <= 0.5, ties  # measured: at most 1 row of 6 (qwen2_moe bf16)
+        assert uses > 0 and (uses == ref_uses or ties.any())
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiered.kernels.linear import kernel_for
-from tiered.models.layers import MLP, AttentionMetadata, KVCache, build_attention_metadata
+from tiered.models.layers import MLP, Attention, AttentionMetadata, KVCache, build_attention_metadata
 from tiered.quant.int4 import Int4Linear
 from tiered.quant.int8 import Int8Linear
 from tiered.quant.linear import CastLinear, PhaseLinear, Slice
@@ -128,12 +128,31 @@ def _rotate_half_matrix(hd: int, dtype: torch.dtype) -> torch.Tensor:
 class _Layer:
     """One layer's weights as the lean step uses them (plain attributes: no module machinery)."""
 
-    __slots__ = ("idx", "in_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "ffn", "F", "whole")
+    __slots__ = ("idx", "in_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "ffn", "F", "whole", "attn")
 
 
 def supported_attention(attn) -> bool:
-    """Whether the lean step can run this Attention (no q/k norms, no clipping)."""
-    return attn.q_norm is None and attn.clip_qkv is None
+    """Whether the lean step can run this attention module: models/layers.Attention with any of its
+    options (q/k/v bias, sliding window, q/k norms per head or over the projection, q/k/v clip)."""
+    return type(attn) is Attention
+
+
+def _qk_extras(attn, qkv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q, k, v [B, (H + 2 Hkv) hd] (one row per sequence) as models/layers.Attention has them
+    before RoPE: in the model's `dtype`, q/k normalized over the whole projection (OLMoE), clipped
+    (clip_qkv), normalized per head (Qwen3). A copy when any applies, else qkv itself."""
+    if attn.q_norm is None and attn.clip_qkv is None:
+        return qkv
+    B, H, Hkv, hd = qkv.shape[0], attn.H, attn.Hkv, attn.hd
+    q, k, v = qkv.to(dtype).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+    if attn.q_norm is not None and not attn.qk_norm_per_head:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if attn.clip_qkv is not None:
+        c = attn.clip_qkv
+        q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+    if attn.q_norm is not None and attn.qk_norm_per_head:
+        q, k = attn.q_norm(q.reshape(B, H, hd)).view(B, -1), attn.k_norm(k.reshape(B, Hkv, hd)).view(B, -1)
+    return torch.cat([q, k, v], dim=-1)
 
 
 def _native_group(parent: nn.Module, names: tuple[str, ...]) -> list:
@@ -202,6 +221,11 @@ def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list, 
                        [kernel_for(_decode_module(attn.o_proj))],
                        _native_group(layer.mlp, ("gate_proj", "up_proj")) if plain else [],
                        [kernel_for(_decode_module(layer.mlp.down_proj))] if plain else [])
+        if attn.q_norm is not None or attn.clip_qkv is not None:
+            qn, kn = ((attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None
+                      else (torch.empty(0), torch.empty(0)))
+            step.set_qk(i, qn, kn, attn.q_norm.eps if attn.q_norm is not None else 0.0, attn.qk_norm_per_head,
+                        attn.clip_qkv or 0.0)
         if i in moe:
             step.set_moe(i, *moe[i])
         for sched, whole in ((schedule, plain or i in moe), (fallback, plain)):
@@ -247,10 +271,10 @@ class CPUDecodeStep:
             L.idx, L.whole = i, not supported_attention(layer.self_attn)
             L.in_norm, L.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             L.eps = layer.input_layernorm.eps
-            L.qkv = L.o = L.gate_up = L.down = L.ffn = None
+            L.qkv = L.o = L.gate_up = L.down = L.ffn = L.attn = None
             L.F = 0
             if not L.whole:
-                attn = layer.self_attn
+                attn = L.attn = layer.self_attn
                 L.qkv = _group(attn, ("q_proj", "k_proj", "v_proj"))
                 L.o = Kernel(_decode_module(attn.o_proj))
                 if type(layer.mlp) is MLP:
@@ -340,7 +364,7 @@ class CPUDecodeStep:
     def _attention(self, L: _Layer, x, meta: AttentionMetadata, cache: KVCache, cos, sin) -> torch.Tensor:
         B, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd
         h = F.rms_norm(x, x.shape[-1:], L.in_norm, L.eps)
-        qkv = L.qkv(h)  # [B, (H + 2 Hkv) hd] kernel dtype
+        qkv = _qk_extras(L.attn, L.qkv(h), x.dtype)  # [B, (H + 2 Hkv) hd] kernel dtype (model dtype with q/k norms or clip)
         # RoPE on q and k at once, [B, H + Hkv, hd], in fp32 like the tables (a tiny bf16 matmul costs
         # ~4x an fp32 one on the CPU), then in the model's dtype
         qk = qkv[:, :(H + Hkv) * hd].view(B, H + Hkv, hd).float()

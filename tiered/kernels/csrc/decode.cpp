@@ -75,6 +75,12 @@ struct Moe {
 struct Layer {
   std::vector<float> in_norm, post_norm;
   float eps = 1e-6f;
+  // Attention extras (set_qk): q/k RMSNorm weights (empty: none) over each head's hd elements
+  // (Qwen3) or over the whole projection (OLMoE), their eps, and OLMoE's q/k/v clip (0: none).
+  std::vector<float> q_norm, k_norm;
+  float qk_eps = 1e-6f, clip = 0.f;
+  bool qk_per_head = true;
+  bool extras() const { return !q_norm.empty() || clip > 0.f; }
   Group qkv, o, gate_up, down;  // gate_up/down empty: attention only (the layer's FFN runs elsewhere)
   std::shared_ptr<Moe> moe;  // or its FFN is these routed experts (when forward's `moe`)
 };
@@ -306,6 +312,25 @@ class DecodeStep {
     layers_.push_back(std::move(L));
   }
 
+  // Layer l's attention normalizes q and k (models/layers.Attention): RMSNorm weights q_norm and
+  // k_norm over each head's head_dim elements (per_head: Qwen3) or over the whole q / k projection
+  // (OLMoE), both empty for none; and clamps q, k and v to [-clip, clip] when clip > 0 (OLMoE's
+  // clip_qkv), between the whole-projection norm and the per-head one, as the module does.
+  void set_qk(int64_t l, const at::Tensor& q_norm, const at::Tensor& k_norm, double eps, bool per_head, double clip) {
+    TORCH_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty(), "decode step: set_qk needs a layer, got ", l);
+    Layer& L = layers_[l];
+    if (q_norm.numel() || k_norm.numel()) {
+      const int64_t nq = per_head ? hd : H * hd, nk = per_head ? hd : Hkv * hd;
+      TORCH_CHECK(q_norm.numel() == nq && k_norm.numel() == nk, "decode step: q/k norm weights must have ", nq,
+                  " and ", nk, " elements, got ", q_norm.numel(), " and ", k_norm.numel());
+      L.q_norm = to_floats(q_norm);
+      L.k_norm = to_floats(k_norm);
+    }
+    L.qk_eps = float(eps);
+    L.qk_per_head = per_head;
+    L.clip = clip > 0 ? float(clip) : 0.f;
+  }
+
   // Layer l's FFN becomes a MoE block run in the step: router weight [E, D] (models/moe.Router),
   // top_k, norm_topk_prob, every expert's kernels (BoundExperts, E of them), and Qwen-MoE's shared
   // expert (gate/up, down and its [1, D] gate kernels; all empty: none). Routing hooks and the
@@ -454,6 +479,7 @@ class DecodeStep {
         const float* cb = cos + b * hd;
         const float* sb = sin + b * hd;
         float* r = qkv.data() + b * QKV;
+        if (L.extras()) qk_extras<T>(L, r);
         for (int64_t j = 0; j < H + Hkv; ++j) {
           float* v = r + j * hd;
           for (int64_t i = 0; i < half; ++i) {
@@ -503,6 +529,37 @@ class DecodeStep {
         for (int64_t i = b * D; i < (b + 1) * D; ++i) x[i] = rnd<T>(x[i] + y[i]);
       });
     for (int64_t i = 0; i < B * D; ++i) xs[i] = T(x[i]);
+  }
+
+  // One row's q, k, v (r [(H + 2 Hkv) hd], the fused projection's fp32 outputs) as the module has
+  // them before RoPE: rounded to T; the whole-projection norms; the clip; the per-head norms.
+  template <typename T>
+  void qk_extras(const Layer& L, float* r) const {
+    const int64_t QKV = (H + 2 * Hkv) * hd;
+    for (int64_t i = 0; i < QKV; ++i) r[i] = rnd<T>(r[i]);
+    const bool norm = !L.q_norm.empty();
+    if (norm && !L.qk_per_head) {
+      qk_norm<T>(r, H * hd, L.q_norm.data(), L.qk_eps);
+      qk_norm<T>(r + H * hd, Hkv * hd, L.k_norm.data(), L.qk_eps);
+    }
+    if (L.clip > 0.f)
+      for (int64_t i = 0; i < QKV; ++i) r[i] = std::min(std::max(r[i], -L.clip), L.clip);
+    if (norm && L.qk_per_head)
+      for (int64_t j = 0; j < H + Hkv; ++j) qk_norm<T>(r + j * hd, hd, (j < H ? L.q_norm : L.k_norm).data(), L.qk_eps);
+  }
+
+  // v [n] (values of T) = models/layers.RMSNorm(v) in place: fp32 as F.rms_norm; a lower-precision T
+  // as the module computes it, weight * (v / rms(v) rounded to T), rounded to T.
+  template <typename T>
+  static void qk_norm(float* v, int64_t n, const float* w, float eps) {
+    if (std::is_same<T, float>::value) {
+      rms_norm(v, w, eps, n, v);
+      return;
+    }
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
+    const float r = 1.f / std::sqrt(ss / float(n) + eps);
+    for (int64_t i = 0; i < n; ++i) v[i] = rnd<T>(w[i] * rnd<T>(v[i] * r));
   }
 
   // y [B, D] = the MoE block of h [B, D] (rounded to T), as models/moe.MoEBlock computes it with
@@ -784,6 +841,8 @@ void register_decode(pybind11::module& m) {
       .def("set_moe", &DecodeStep::set_moe, py::arg("layer"), py::arg("router"), py::arg("top_k"),
            py::arg("norm_topk_prob"), py::arg("experts"), py::arg("shared_gate_up") = std::vector<KernelPtr>{},
            py::arg("shared_down") = std::vector<KernelPtr>{}, py::arg("shared_gate") = std::vector<KernelPtr>{})
+      .def("set_qk", &DecodeStep::set_qk, py::arg("layer"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
+           py::arg("per_head"), py::arg("clip") = 0.0)
       .def("take_moe_uses", &DecodeStep::take_moe_uses)
       .def("logits", &DecodeStep::logits, py::arg("x"));
   m.def("sample_filtered", &sample_filtered, py::arg("logits"), py::arg("seen"), py::arg("penalty"),
