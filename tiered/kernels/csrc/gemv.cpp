@@ -1641,7 +1641,8 @@ struct ExpertSpec {
   Proj p[3];
   int64_t nbytes = 0;
   bool int4_q8 = false;  // int4 projections on int8 activations (Int4Q8Gemv)
-  bool int4_tiled = false;  // int4 codes in the tiled layout (Int4TGemv, q8_from 1 with int4_q8)
+  bool int4_tiled = false;  // int4 codes in the tiled layout (Int4TGemv)
+  int64_t q8_from = kNeverQ8;  // the tiled layout's calls from this many rows read int8 activations
 
   void bind(const Proj& pr, const uint8_t* buf, Int4Gemv& k4, Int8Gemv& k8, Bf16Gemv& kb, const Gemv*& out) const {
     if (pr.kind == kInt4) {
@@ -1678,7 +1679,7 @@ struct ExpertSpec {
                 "expert spec: the slot must be a contiguous CPU uint8 tensor of ", nbytes, " bytes");
     const uint8_t* base = buf.data_ptr<uint8_t>();
     for (int i = 0; i < 3; ++i) {
-      b.k4t[i].q8_from = int4_q8 ? 1 : kNeverQ8;
+      b.k4t[i].q8_from = q8_from;
       Int4Gemv& k = int4_tiled ? static_cast<Int4Gemv&>(b.k4t[i]) : int4_q8 ? b.k4q[i] : b.k4[i];
       bind(p[i], base, k, b.k8[i], b.kb[i], b.g[i]);
     }
@@ -2198,13 +2199,16 @@ void register_gemv(pybind11::module& m) {
            "bit for bit the per-expert path's index_add_ of ys * weight in expert order (at most 8 rows per expert).");
   m.def("expert_spec", [](std::vector<std::string> kinds, std::vector<std::vector<int64_t>> shapes,
                           std::vector<std::vector<int64_t>> offsets, int64_t nbytes, const std::string& int4_act,
-                          const std::string& int4_layout) {
-          TORCH_CHECK(int4_act == "bf16" || int4_act == "q8", "expert_spec: int4_act must be 'bf16' or 'q8'");
+                          const std::string& int4_layout, const std::string& int4_batch_act) {
+          TORCH_CHECK((int4_act == "bf16" || int4_act == "q8") && (int4_batch_act.empty() || int4_batch_act == "bf16" ||
+                                                                    int4_batch_act == "q8"),
+                      "expert_spec: int4_act and int4_batch_act must be 'bf16' or 'q8'");
           TORCH_CHECK(int4_layout == "plain" || int4_layout == "tiled", "expert_spec: int4_layout must be 'plain' or 'tiled'");
           TORCH_CHECK(kinds.size() == 3 && shapes.size() == 3 && offsets.size() == 3, "expert_spec: three projections");
           auto sp = std::make_shared<ExpertSpec>();
           sp->nbytes = nbytes;
           sp->int4_q8 = int4_act == "q8";
+          sp->q8_from = int4_act == "q8" ? 1 : int4_batch_act == "q8" ? 2 : kNeverQ8;
           sp->int4_tiled = int4_layout == "tiled";
           for (int i = 0; i < 3; ++i) {
             auto& pr = sp->p[i];
@@ -2223,10 +2227,11 @@ void register_gemv(pybind11::module& m) {
           return sp;
         },
         py::arg("kinds"), py::arg("shapes"), py::arg("offsets"), py::arg("nbytes"), py::arg("int4_act") = "bf16",
-        py::arg("int4_layout") = "plain",
+        py::arg("int4_layout") = "plain", py::arg("int4_batch_act") = "",
         "An ExpertSpec from per-projection kinds ('bf16', 'int8', 'int4' in int4_layout 'plain' or 'tiled'), (N, K) shapes "
         "and segment byte offsets (bf16: w; int8: q, scale bf16 [N]; int4: codes, sz bf16 [G, N, 2], zr bf16 [G, N]); "
-        "int4_act as int4_kernel's act.");
+        "int4_act as int4_kernel's act; int4_batch_act (tiled layout, '' = int4_act) for calls of two or more rows, "
+        "as int4_tiled_kernel's batch_act.");
   m.def("bf16_expert_forward", [](at::Tensor wg, at::Tensor wu, at::Tensor wd, at::Tensor x0) {
           const int64_t F = wg.size(0), D = wg.size(1);
           const at::Tensor ws[3] = {wg, wu, wd};

@@ -1,0 +1,69 @@
+"""CPU MoE benchmark: tiered against llama.cpp on one Qwen3-MoE GGUF at batch 1.
+
+Users run fine-grained MoE models such as Qwen3-30B-A3B on CPUs with llama.cpp. This writes a
+dummy-weight GGUF at Qwen3-30B-A3B's layer widths (tiered/bench/gguf_moe.py: hidden 2048, 32 / 4
+heads of 128, per-head q/k norms, 128 experts of 768, top-8; Q4_0 attention and experts, the Q8_0
+tied embedding; N layers of the real 48; SmolLM2's tokenizer copied in so that both engines load
+it as a real model file), then runs benchmarks/cpu_dense.py's side-by-side harness on it: every
+engine in its own worker process, interleaved rounds, prefill at 32 / 128 / 512 tokens, decode
+tok/s over 128 greedy tokens after a 32-token prompt, peak RSS, and the bandwidth bound from the
+weight bytes a token reads (top-8 of 128 experts per layer, the attention, the router, the output
+matrix).
+
+    tiered-int4   tiered, EngineConfig(): experts kept as the file's Q4_0 blocks repacked to the
+                  int4 kernels' layout, all resident in RAM, decode in the native step
+    llama.cpp     llama-cpp-python on the same file (mmap), same thread count
+
+transformers is left out: it dequantizes a GGUF to fp32 / bf16 at load (4.8 GB of Q4_0 experts
+would be 17 GB in bf16) and its MoE block loops over experts in Python.
+
+Usage:
+    .venv/bin/python benchmarks/cpu_moe.py                 # 8 layers (2.9 GB file), ~6 min
+    .venv/bin/python benchmarks/cpu_moe.py --layers 4 --quick --out /tmp/cpu_moe
+Results: benchmarks/results/cpu_moe.json and cpu_moe.md. The GGUF is cached under
+~/.cache/tiered/bench/ (written once, ~20 s for 8 layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))
+
+import cpu_dense  # noqa: E402
+
+from tiered.bench.gguf_moe import qwen3_30b_a3b, write_dummy_moe_gguf  # noqa: E402
+
+
+def model_file(layers: int, qtype: str = "Q4_0") -> Path:
+    """The cached dummy Qwen3-MoE GGUF of `layers` layers (written when missing)."""
+    from tiered.checkpoint import default_model_path
+
+    shape = qwen3_30b_a3b(layers)
+    path = Path.home() / ".cache" / "tiered" / "bench" / f"{shape.tag(qtype)}-smollm2-tok-v3.gguf"
+    if not path.exists():
+        print(f"writing {path} ...", flush=True)
+        tmp = path.with_suffix(".part")
+        write_dummy_moe_gguf(tmp, shape, qtype=qtype, tokenizer_from=default_model_path())
+        tmp.rename(path)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers at Qwen3-30B-A3B's widths (real: 48)")
+    ap.add_argument("--engines", default="tiered-int4,llama.cpp")
+    ap.add_argument("--out", default=str(HERE / "results" / "cpu_moe"), help="output path stem (.json / .md added)")
+    a, rest = ap.parse_known_args(argv)
+    path = model_file(a.layers)
+    name = f"Qwen3-30B-A3B widths, {a.layers} of 48 layers (dummy Q4_0 weights)"
+    return cpu_dense.main(["--model", str(path), "--name", name, "--engines", a.engines, "--out", a.out,
+                           "--title", f"CPU MoE benchmark: {name}, at batch 1"] + rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

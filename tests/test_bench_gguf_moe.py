@@ -1,0 +1,70 @@
+"""tiered/bench/gguf_moe.py: the dummy Qwen3-MoE GGUF that benchmarks/cpu_moe.py compares engines on.
+
+At tiny widths: the file is a real "qwen3moe" GGUF (tiered's reader takes it as such: per-head q/k
+norms, experts kept as Q4_0 blocks), its blocks are well formed (weights of the asked std, 4-bit
+codes symmetric about 0), the engine decodes it in the native step, and the active bytes a token
+reads count top_k / E of the experts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from tiered import LLM, EngineConfig, SamplingParams
+from tiered import kernels
+from tiered.bench.gguf_moe import MoEShape, active_bytes_per_token, random_blocks, write_dummy_moe_gguf
+
+TINY = MoEShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32, experts=8, top_k=2, expert_ffn=32, vocab=256)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_random_blocks_have_the_asked_spread_and_no_bias(qtype):
+    rng = np.random.default_rng(0)
+    raw = random_blocks(rng, 64, 256, qtype, 0.02)
+    from gguf import GGMLQuantizationType
+    w = dequantize(raw, GGMLQuantizationType[qtype]).reshape(64, 256)
+    assert abs(float(w.std()) - 0.02) < 0.002
+    assert abs(float(w.mean())) < 0.02 * 0.02  # uniform 4-bit codes minus 8 would give -d/2 on every weight
+    with pytest.raises(ValueError, match="Q4_0 / Q8_0"):
+        random_blocks(rng, 4, 48, qtype, 0.02)
+
+
+def test_dummy_qwen3_moe_gguf_loads_and_decodes(tmp_path):
+    path = write_dummy_moe_gguf(tmp_path / "tiny.gguf", TINY, qtype="Q4_0")
+    r = GGUFReader(str(path))
+    assert r.fields["general.architecture"].contents() == "qwen3moe"
+    shapes = {t.name: (t.tensor_type.name, [int(s) for s in t.shape]) for t in r.tensors}
+    assert shapes["blk.1.ffn_gate_exps.weight"] == ("Q4_0", [64, 32, 8])  # ggml order: [D, F, E]
+    assert shapes["blk.0.attn_q_norm.weight"] == ("F32", [32])
+    assert "output.weight" not in shapes  # tied: the embedding is the output matrix
+
+    llm = LLM(path, EngineConfig(max_context=64, accelerator="none"))
+    cfg = llm.config
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.head_dim,
+            cfg.qk_norm) == ("qwen3_moe", 8, 2, 32, 32, True)
+    assert llm.plan.dtypes["experts"].startswith("int4")  # the Q4_0 blocks kept as int4
+    if kernels.load() is not None:  # q/k norms and MoE layers run in the native step
+        assert llm.runtime.cpu_decode.schedule == [("native", 0, 2)]
+    out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and all(0 <= t < 256 for t in out.token_ids)
+    llm.close()
+
+    act = active_bytes_per_token(path)
+    experts = sum(int(t.n_bytes) for t in r.tensors if "_exps." in t.name)
+    assert act["breakdown"]["experts (top-k of E)"] == experts * 2 // 8
+    assert act["bytes"] == sum(int(t.n_bytes) for t in r.tensors) - experts + experts * 2 // 8
+
+
+def test_dense_file_has_no_active_bytes(tmp_path):
+    from gguf import GGUFWriter
+    w = GGUFWriter(str(tmp_path / "d.gguf"), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert active_bytes_per_token(tmp_path / "d.gguf") is None

