@@ -244,3 +244,39 @@ def test_q8_0_embedding_rows_equal_the_gguf_packages():
     ref = dequantize(rows, Q.Q8_0).reshape(-1, 576)
     got = q8_0_rows(rows, 576)
     assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(ref))
+
+
+def test_fast_reader_parses_what_gguf_parses(tmp_path):
+    """gguf_file.fast_reader (GGUFReader with a cheaper `_get`) gives GGUFReader's fields and tensors:
+    names, types, every part's values and dtype, contents, tensor shapes, offsets and data; on a
+    file with a tokenizer-sized string array (where the speed matters) and quantized tensors."""
+    from gguf import GGUFReader, GGUFWriter
+
+    from tiered.checkpoint.gguf_file import fast_reader
+
+    path = tmp_path / "t.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_token_list([f"tok{i}" for i in range(3000)])
+    w.add_token_types([1] * 3000)
+    w.add_rope_freq_base(10000.0)
+    w.add_tensor("token_embd.weight", quantize(np.random.default_rng(0).standard_normal((8, 64), np.float32), Q.Q8_0),
+                 raw_dtype=Q.Q8_0)
+    w.add_tensor("output_norm.weight", np.arange(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    a, b = GGUFReader(str(path)), fast_reader(path)
+    assert list(a.fields) == list(b.fields)
+    for k, fa in a.fields.items():
+        fb = b.fields[k]
+        assert (fa.types, fa.data, fa.offset) == (fb.types, fb.data, fb.offset), k
+        assert len(fa.parts) == len(fb.parts), k
+        assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(fa.parts, fb.parts)), k
+        assert fa.contents() == fb.contents(), k
+    assert len(a.tensors) == len(b.tensors) == 2
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert (ta.name, ta.tensor_type, list(ta.shape), ta.data_offset, ta.n_bytes) == \
+            (tb.name, tb.tensor_type, list(tb.shape), tb.data_offset, tb.n_bytes)
+        assert ta.data.dtype == tb.data.dtype and np.array_equal(ta.data, tb.data)

@@ -297,3 +297,30 @@ def test_no_native_kernel_for_torch_int4_layout_falls_back():
 def test_set_isa_rejects_unknown():
     with pytest.raises(RuntimeError):
         ext.set_isa("neon")
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+def test_q4_blocks_repack_to_the_tiled_layout_bit_for_bit(fmt):
+    """GGUF Q4_0 / Q4_1 expert blocks -> the tiled int4 segments in one native pass (loading a MoE
+    GGUF), the same bytes as the numpy / torch path (unpack_q4_blocks, int4_segments): codes,
+    bf16 scales and zeros, and the zero's bf16 residual (nonzero for Q4_1's m + 8 d)."""
+    import numpy as np
+
+    from tiered.bench.gguf_moe import random_blocks
+    from tiered.quant.experts import int4_segments
+    from tiered.quant.int4 import unpack_q4_blocks
+
+    rng = np.random.default_rng(0)
+    raw = random_blocks(rng, 48, 96, "Q4_0", 0.02)
+    if fmt == "Q4_1":  # d, m, codes: a random fp16 m in each block
+        b = raw.reshape(48, -1, 18)
+        m = (rng.standard_normal(b.shape[:2]) * 0.01).astype(np.float16).view(np.uint8).reshape(*b.shape[:2], 2)
+        raw = np.concatenate([b[:, :, :2], m, b[:, :, 2:]], axis=-1).reshape(48, -1)
+    ref = int4_segments(*unpack_q4_blocks(raw, fmt), "tiled")
+    codes, sz, zr = ext.q4_blocks_tiled(torch.from_numpy(raw), 18 if fmt == "Q4_0" else 20)
+    assert torch.equal(codes, ref["codes"])
+    assert torch.equal(sz.view(torch.int16), ref["sz"].view(torch.int16))
+    assert torch.equal(zr.view(torch.int16), ref["zr"].view(torch.int16))
+    assert (fmt == "Q4_1") == bool(zr.float().abs().max() > 0)
+    with pytest.raises(RuntimeError, match="N % 16"):
+        ext.q4_blocks_tiled(torch.from_numpy(raw[:8]), 18 if fmt == "Q4_0" else 20)

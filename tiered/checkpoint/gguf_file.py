@@ -63,6 +63,35 @@ _EXPERT_NAMES = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj"
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
+_READER = None
+
+
+def fast_reader(path: str | os.PathLike):
+    """The `gguf` package's GGUFReader over `path` (read-only), parsing 5-10x faster: the same fields
+    and tensors (same values; arrays are plain ndarray views of the file's numpy memmap instead of
+    memmap objects). GGUFReader reads every metadata element through `_get`, which for a native
+    byte order builds a memmap slice and a byte-order view per call: ~98k calls for SmolLM2's
+    tokenizer arrays, 6 s of the default model's start. The subclass's `_get` slices a plain
+    ndarray view of the map in that case and defers to GGUFReader's otherwise."""
+    global _READER
+    if _READER is None:
+        from gguf import GGUFReader
+
+        class FastGGUFReader(GGUFReader):
+            def _get(self, offset, dtype, count=1, override_order=None):
+                if (self.byte_order if override_order is None else override_order) != "I":
+                    return super()._get(offset, dtype, count, override_order)
+                raw = self.__dict__.get("_plain")
+                if raw is None:
+                    raw = self._plain = self.data.view(np.ndarray)
+                dt = np.dtype(dtype)
+                count = int(count)
+                return raw[offset:offset + dt.itemsize * count].view(dt)[:count]
+
+        _READER = FastGGUFReader
+    return _READER(path, "r")
+
+
 def gguf_to_hf_name(name: str, model_type: str = "") -> str | None:
     """HF parameter name of a GGUF tensor name, or None when tiered has no use for it. Stacked
     expert tensors give the name pattern with "{e}" for the expert index."""
@@ -108,12 +137,10 @@ class GGUFCheckpoint(HandleTable):
     missing_hint = "the GGUF file is incomplete or of another architecture"
 
     def __init__(self, path: str | os.PathLike) -> None:
-        from gguf import GGUFReader
-
         self.path = Path(path)
         size = self.path.stat().st_size
         try:
-            self.reader = GGUFReader(self.path, "r")
+            self.reader = fast_reader(self.path)
         except Exception as e:  # the gguf package raises ValueError/struct errors/IndexError
             raise CheckpointError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e})",
                                   "re-download or re-convert the file") from None

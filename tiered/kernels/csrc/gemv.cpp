@@ -1504,6 +1504,59 @@ void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_
   run_region(parts.data(), int64_t(parts.size()));
 }
 
+// GGUF Q4_0 / Q4_1 blocks -> the tiled int4 layout (see q4_blocks_tiled's binding). Block: fp16 d,
+// (Q4_1: fp16 m,) 16 bytes of codes, element j in byte j's low nibble and element 16 + j in its high
+// one; w = d (q - 8) (Q4_0) or d q + m = d (q - 8) + (m + 8 d) (Q4_1). scale = d and zero = m + 8 d
+// in fp32, each rounded to bf16, the zero's rounding error kept as the residual (rounded to bf16).
+std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block) {
+  TORCH_CHECK(block == 18 || block == 20, "q4_blocks_tiled: block must be 18 (Q4_0) or 20 (Q4_1)");
+  TORCH_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
+              "q4_blocks_tiled: raw must be CPU uint8 [N, K/32 * ", block, "], got ", raw0.sizes());
+  const at::Tensor raw = raw0.contiguous();
+  const int64_t N = raw.size(0), G = raw.size(1) / block, K = G * kGroup;
+  TORCH_CHECK(N % kBlock == 0 && G > 0, "q4_blocks_tiled: needs N % 16 == 0, got N = ", N);
+  auto u8 = at::TensorOptions().dtype(at::kByte);
+  auto codes = at::empty({N, K / 2}, u8);
+  auto sz = at::empty({N / kBlock, G, kBlock, 2}, u8.dtype(at::kBFloat16));
+  auto zr = at::empty({N / kBlock, G, kBlock}, u8.dtype(at::kBFloat16));
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = codes.data_ptr<uint8_t>();
+  uint16_t* szp = reinterpret_cast<uint16_t*>(sz.data_ptr<at::BFloat16>());
+  uint16_t* zrp = reinterpret_cast<uint16_t*>(zr.data_ptr<at::BFloat16>());
+  auto half = [](const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return float(c10::Half(h, c10::Half::from_bits()));
+  };
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
+    uint8_t q[kGroup];
+    for (int64_t t = t0; t < t1; ++t) {
+      uint8_t* tile = dst + t * kBlock * (K / 2);
+      for (int64_t r = 0; r < kBlock; ++r) {
+        const uint8_t* row = src + (t * kBlock + r) * G * block;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* b = row + g * block;
+          const float d = half(b);
+          volatile float e = 8.f * d;  // two roundings, as numpy's m + 8.0 * d (no fused multiply-add)
+          const float zero = block == 20 ? half(b + 2) + e : 0.f;
+          const uint16_t zb = to_bf16(zero);
+          const int64_t at_ = (t * G + g) * kBlock + r;
+          szp[2 * at_] = to_bf16(d);
+          szp[2 * at_ + 1] = zb;
+          zrp[at_] = to_bf16(zero - bf16f(zb));
+          const uint8_t* qs = b + block - 16;
+          for (int j = 0; j < 16; ++j) q[j] = qs[j] & 0x0F, q[16 + j] = qs[j] >> 4;
+          for (int c = 0; c < 4; ++c) {  // the group's 4 chunks of 8 columns: byte 4r + j = q[8c + j] | q[8c + 4 + j] << 4
+            uint8_t* out = tile + (4 * g + c) * 64 + 4 * r;
+            for (int j = 0; j < 4; ++j) out[j] = uint8_t(q[8 * c + j] | (q[8 * c + 4 + j] << 4));
+          }
+        }
+      }
+    }
+  });
+  return {codes, sz, zr};
+}
+
 // swiglu_group's checks and call from Python: xs [M, D] any float dtype, bounds [E + 1] (rows of
 // each expert, at most kMaxNB each) -> ys [M, D] fp32.
 at::Tensor run_swiglu_group(const std::vector<const Gemv*>& k, const at::Tensor& xs0, const std::vector<int64_t>& bounds,
@@ -2197,6 +2250,10 @@ void register_gemv(pybind11::module& m) {
            "A layer's routed experts and their weighted sum: slots [E] (one per id in experts, ascending), x [N, D] "
            "float32 or bfloat16, topk_idx int64 [N, k], topk_weight [N, k] in x's dtype -> out [N, D] in x's dtype, "
            "bit for bit the per-expert path's index_add_ of ys * weight in expert order (at most 8 rows per expert).");
+  m.def("q4_blocks_tiled", &q4_blocks_tiled, py::arg("raw"), py::arg("block"),
+        "GGUF Q4_0 (block 18) / Q4_1 (block 20) blocks uint8 [N, K/32 * block] -> (codes uint8 [N, K/2] in the tiled "
+        "layout, sz bf16 [N/16, K/32, 16, 2], zero residual bf16 [N/16, K/32, 16]): quant/int4.unpack_q4_blocks then "
+        "quant/experts.int4_segments(layout='tiled'), bit for bit.");
   m.def("expert_spec", [](std::vector<std::string> kinds, std::vector<std::vector<int64_t>> shapes,
                           std::vector<std::vector<int64_t>> offsets, int64_t nbytes, const std::string& int4_act,
                           const std::string& int4_layout, const std::string& int4_batch_act) {
