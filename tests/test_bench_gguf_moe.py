@@ -46,10 +46,15 @@ def test_dummy_qwen3_moe_gguf_loads_and_decodes(tmp_path):
     assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.head_dim,
             cfg.qk_norm) == ("qwen3_moe", 8, 2, 32, 32, True)
     assert llm.plan.dtypes["experts"].startswith("int4")  # the Q4_0 blocks kept as int4
+    # a MoE prompt's expert groups read int8 activations by default (batch_activations="auto")
+    assert llm.plan.batch_act == "q8" and llm.runtime.experts.fmt.batch_act == "q8"
     if kernels.load() is not None:  # q/k norms and MoE layers run in the native step
         assert llm.runtime.cpu_decode.schedule == [("native", 0, 2)]
     out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8 and all(0 <= t < 256 for t in out.token_ids)
+    llm.close()
+    llm = LLM(path, EngineConfig(max_context=64, accelerator="none", batch_activations="bf16"))
+    assert llm.plan.batch_act == "bf16" and llm.runtime.experts.fmt.batch_act == "bf16"
     llm.close()
 
     act = active_bytes_per_token(path)

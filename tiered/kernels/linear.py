@@ -187,13 +187,9 @@ NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4")
 # kernel reads as fast at batch 1 (benchmarks/results/cpu_gemv.md), so tiled experts keep bf16
 # activations: the same numerics as torch's int4 kernel, and the greedy tokens of a GGUF's
 # dequantized reference (tests/test_quant_experts.py).
-# From two rows (a prompt's tokens in groups of 8, or batched decode) tiled experts read int8
-# activations, as llama.cpp's Q4_0 x Q8_0 products do: vpmaddubsw does twice the multiply-adds of
-# the int16 path per instruction. On 2 AVX2 cores a Qwen3-30B-A3B expert (2048 x 768) at 8 / 16 /
-# 64 rows: 0.45 / 0.92 / 3.6 ms against 0.80 / 1.57 / 6.2 with int16 activations.
+# From two rows (a prompt's tokens, batched decode) tiled experts read ExpertFormat.batch_act.
 EXPERT_INT4_ACT = "q8"
 TILED_EXPERT_INT4_ACT = "bf16"
-TILED_EXPERT_INT4_BATCH_ACT = "q8"
 
 
 def expert_spec(fmt):
@@ -209,6 +205,6 @@ def expert_spec(fmt):
     offsets = [[off for _, off, _, _ in segs] for segs in fmt._layout]
     if fmt.int4_layout == "tiled":
         return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes,
-                               TILED_EXPERT_INT4_ACT, "tiled", TILED_EXPERT_INT4_BATCH_ACT)
+                               TILED_EXPERT_INT4_ACT, "tiled", fmt.batch_act)
     return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes, EXPERT_INT4_ACT,
                            "plain")

@@ -158,8 +158,10 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     plan.native_decode = plan.cpu_decode_step and kernels.available()
     # int4 decode copies (CPU-only) in the layout of tiered's own kernels when they are built
     plan.int4_layout = "tiled" if kernels.available() else "cpu"
-    # int4 activations in steps of 2+ rows: int8 for a server's batches, bf16 for one sequence
-    plan.batch_act = ec.batch_activations if ec.batch_activations != "auto" else "q8" if ec.max_batch > 1 else "bf16"
+    # int4 activations in steps of 2+ rows: int8 for a server's batches and for MoE models (whose
+    # prompts are mostly routed experts: 1.7x faster in int8), bf16 for one sequence of a dense model
+    plan.batch_act = (ec.batch_activations if ec.batch_activations != "auto" else
+                      "q8" if ec.max_batch > 1 or cfg.is_moe else "bf16")
     # short prompts run as rows of the native decode step, beside the running sequences (dense
     # models: an MoE layer's FFN runs as a module, which takes one token per sequence)
     plan.mixed_rows = mixed_rows(kernels.isa(), plan.batch_act) if plan.native_decode and not cfg.is_moe else 0

@@ -131,6 +131,11 @@ class ExpertFormat:
         int4_layout: "cpu" (torch's CPU packed layout, computed from directly), "plain" (portable:
             what a CUDA device converts) or "tiled" (16-row tiles for tiered's native CPU kernel,
             `kernels.linear.tiled_codes`: the host layout when the extension is built).
+        batch_act: what the native kernels of tiled int4 projections multiply in calls of two or
+            more rows (a prompt's tokens, batched decode): "bf16" (the batch-1 numerics: int16
+            activations on AVX2) or "q8" (int8 per group of 32, llama.cpp's Q8_0: vpmaddubsw does
+            twice the multiply-adds per instruction; a Qwen3-30B-A3B expert at 8 / 16 / 64 rows on
+            2 AVX2 cores 0.45 / 0.92 / 3.6 ms against 0.80 / 1.57 / 6.2). Plan.batch_act.
     Raises:
         ConfigError: unknown kind or layout, or a shape the kind cannot hold (K % 32 for grouped
             kinds; the CPU and tiled int4 layouts also need N % 16).
@@ -139,11 +144,14 @@ class ExpertFormat:
     name: str
     shapes: tuple
     int4_layout: str = "cpu"
+    batch_act: str = "bf16"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shapes", tuple(tuple(int(d) for d in s) for s in self.shapes))
         if self.int4_layout not in LAYOUTS:
             raise ConfigError(f"unknown int4 layout {self.int4_layout!r}", "use " + ", ".join(LAYOUTS))
+        if self.batch_act not in ("bf16", "q8"):
+            raise ConfigError(f"unknown batch activations {self.batch_act!r}", "use bf16 or q8")
         for kind, (N, K) in zip(self.kinds, self.shapes):
             if kind in ("int4", "int8-g32") and K % GROUP:
                 raise ConfigError(f"expert format {kind} needs in-features divisible by {GROUP}, got {K}",
