@@ -89,11 +89,12 @@ def _model_path() -> Path:
     return MODEL or default_model_path()
 
 
-def _bytes_per_token(eng) -> dict:
-    """Weight bytes a decoded token reads: for a MoE GGUF the file's active bytes (the same blocks
-    for every engine: tiered decodes Q4_0 / Q8_0 experts from them as stored), else the engine's."""
-    from tiered.bench.gguf_moe import active_bytes_per_token
-    return active_bytes_per_token(_model_path()) or eng.decode_bytes_per_token()
+def _bytes_per_token(eng, spec: dict) -> dict:
+    """Weight bytes a decoded token reads: for a MoE GGUF the file's active bytes, which the parent
+    computed (spec["active_bytes"]: the same blocks for every engine, tiered decodes Q4_0 / Q8_0
+    experts from them as stored; parsing the file's metadata here would add ~75 MB of parsed
+    tokenizer arrays to the worker's peak RSS), else the engine's."""
+    return spec.get("active_bytes") or eng.decode_bytes_per_token()
 
 
 def child_prompts(spec: dict) -> dict:
@@ -388,7 +389,7 @@ def child_server(spec: dict) -> None:
     res["load_s"] = time.perf_counter() - t0
     res["rss_after_load"] = _rss_now()
     res.update(eng.extra())
-    res["bytes_per_token"] = _bytes_per_token(eng)
+    res["bytes_per_token"] = _bytes_per_token(eng, spec)
     ids_all = spec["ids"]
     # warm-up: one short generation, and one prefill per length (first-call allocations)
     eng.decode(ids_all[:DECODE_PROMPT], min(8, spec["new_tokens"]))
@@ -854,6 +855,9 @@ def main(argv=None) -> int:
             "warmup": not a.quick, "hf_generate_check": not (a.quick or a.no_hf_generate_check),
             "bw_mib": 128 if a.quick else 512, "bw_repeats": 3 if a.quick else 7,
             "model": str(Path(a.model).resolve()) if a.model else None}
+    if a.model:  # a MoE file: the bytes a token reads, for every engine's bound (None: dense)
+        from tiered.bench.gguf_moe import active_bytes_per_token
+        spec["active_bytes"] = active_bytes_per_token(a.model)
 
     if "llama.cpp" in engines and a.install_llama_cpp:
         probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
@@ -886,7 +890,7 @@ def main(argv=None) -> int:
                                  cwd=str(REPO), capture_output=True, text=True, check=True).stdout.strip())
         name = a.name or "SmolLM2-135M-Instruct"
     res["model"] = {"name": name, "file": mp.name, "bytes": mp.stat().st_size}
-    res["settings"] = {**{k: v for k, v in spec.items()}, "engines": engines, "quick": a.quick}
+    res["settings"] = {**{k: v for k, v in spec.items() if k != "active_bytes"}, "engines": engines, "quick": a.quick}
 
     print("tokenizing prompts ...", flush=True)
     prompts = run_child("prompts", spec, 600)
