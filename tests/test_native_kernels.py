@@ -17,14 +17,22 @@ ext = load()
 pytestmark = pytest.mark.skipif(ext is None, reason="native extension unavailable (tiered.kernels.load() is None)")
 ORDER = ["scalar", "avx2", "avx512"]
 ISAS = ORDER[:ORDER.index(ext.best_gemv_isa()) + 1] if ext is not None else []
+if ext is not None and ext.best_gemv_isa() == "avx512" and ext.has_vbmi():
+    ISAS.append("avx512+int16")  # the machine tuning's int16 activations for tiled int4 (tune.py)
 SHAPES = [(33, 64), (97, 576), (160, 96), (1, 32)]  # (N, K): odd N, K a multiple of 32
 
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    ext.set_isa(request.param)
-    yield request.param
+    """An ISA path (and "avx512+int16": AVX-512 with the int4_int16_act tuning), the machine's own
+    tuning put back afterwards."""
+    saved = ext.tuning()
+    name, _, tuned = request.param.partition("+")
+    ext.set_isa(name)
+    ext.set_tuning(int4_int16_act=tuned == "int16")
+    yield name
     ext.reset_isa()
+    ext.set_tuning(**saved)
 
 
 def rel(y, ref):
@@ -134,10 +142,11 @@ def test_int4_tiled(isa, N, K):
 
 
 def check_tiled_bf16_act(k, x, codes, sz, zr, wq, bias, what):
-    """k(x) on its "bf16" activations: int16 ones on the AVX2 path (exact to 1e-5 against their
-    emulation, and closer to fp32 x than bf16 would be), else x rounded to bf16."""
+    """k(x) on its "bf16" activations: int16 ones on the AVX2 path and where the machine's tuning
+    asks for them on AVX-512 (exact to 1e-5 against their emulation, and closer to fp32 x than bf16
+    would be), else x rounded to bf16."""
     y = k(x)
-    if "avx2" in k.name():
+    if "int16 x" in k.name():
         assert rel(y, q8_reference(x, codes, sz, zr, levels=32767, offset_exact=True) + bias) < 1e-5, what
         assert rel(y, x @ wq.T + bias) < 2e-4, what
     else:
@@ -217,9 +226,9 @@ def test_int8(isa, N, K):
 
 
 def int8_activations(k, x):
-    """The activations an int8 kernel multiplies: x itself, or on the AVX2 path (K % 32 == 0) x
-    rounded to int16 per group of 32 (dx = max|x| / 32767, half to even: ~60x finer than bf16)."""
-    if "avx2" not in k.name() or x.shape[-1] % 32:
+    """The activations an int8 kernel multiplies: x itself, or on the AVX2 and AVX-512 paths (K % 32
+    == 0) x rounded to int16 per group of 32 (dx = max|x| / 32767, half to even: ~60x finer than bf16)."""
+    if "int16 x" not in k.name():
         return x
     q, amax = group_round(x, 32767)
     return (q * (amax / 32767)).reshape(x.shape)
@@ -326,3 +335,61 @@ def test_q4_blocks_repack_to_the_tiled_layout_bit_for_bit(fmt):
     assert (fmt == "Q4_1") == bool(zr.float().abs().max() > 0)
     with pytest.raises(RuntimeError, match="N % 16"):
         ext.q4_blocks_tiled(torch.from_numpy(raw[:8]), 18 if fmt == "Q4_0" else 20)
+
+
+def test_stream_prefetch_changes_no_bits(isa):
+    """The machine tuning's software prefetch (tune.py) only moves loads earlier: every weight
+    format's kernel gives the same bits with it on and off, at 1 to 9 activation rows."""
+    codes, sz, zr, bias, _, g = int4_case(96, 576, 11)
+    lin = torch.nn.Linear(576, 96).to(torch.bfloat16)
+    kernels = [int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), tiled_residual(zr), bias, batch_act="q8"),
+               int4_kernel(plain_codes(codes), sz, zr, bias, act="q8"), int4_kernel(plain_codes(codes), sz, zr, bias),
+               kernel_for(Int8Linear.from_dense(torch.randn(96, 576, generator=g))), kernel_for(lin)]
+    saved = ext.tuning()
+    try:
+        for B in (1, 2, 9):
+            x = torch.randn(B, 576, generator=g)
+            ext.set_tuning(stream_prefetch=True)
+            on = [k(x) for k in kernels]
+            ext.set_tuning(stream_prefetch=False)
+            off = [k(x) for k in kernels]
+            for k, a, b in zip(kernels, on, off):
+                assert torch.equal(a, b), (isa, k.name(), B)
+    finally:
+        ext.set_tuning(**saved)
+
+
+def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
+    """tune.measure runs its A/B on this machine and leaves the extension set to what it chose; the
+    saved tuning.json is what load() applies, unless TIERED_KERNEL_TUNING=0."""
+    from tiered.kernels import tune
+
+    saved = ext.tuning()
+    try:
+        result = tune.measure(ext, total_bytes=16 << 20, rounds=3)
+        assert set(tune.DEFAULTS) <= set(result) and ext.tuning() == {k: result[k] for k in tune.DEFAULTS}
+        assert len(result["ratios"]["stream_prefetch"]) == 3
+        assert ("int4_int16_act" in result["ratios"]) == (ext.best_gemv_isa() == "avx512" and ext.has_vbmi())
+        flipped = {k: not v for k, v in tune.DEFAULTS.items()}
+        tune.save({**result, **flipped}, tmp_path)
+        ext.set_tuning(**tune.DEFAULTS)
+        assert tune.apply(ext, tmp_path)["stream_prefetch"] == flipped["stream_prefetch"]
+        assert ext.tuning() == flipped
+        ext.set_tuning(**tune.DEFAULTS)
+        monkeypatch.setenv("TIERED_KERNEL_TUNING", "0")
+        assert tune.apply(ext, tmp_path) is None and ext.tuning() == tune.DEFAULTS
+        monkeypatch.delenv("TIERED_KERNEL_TUNING")
+        (tmp_path / "tuning.json").write_text("{not json")
+        assert tune.apply(ext, tmp_path) is None and ext.tuning() == tune.DEFAULTS
+    finally:
+        ext.set_tuning(**saved)
+
+
+def test_tuning_takes_the_alternative_only_past_the_margin():
+    from tiered.kernels.tune import choose
+
+    assert choose([0.90, 0.95, 0.96, 1.2, 0.8])  # median 0.95
+    assert not choose([0.98, 0.99, 0.97, 1.1, 0.6])  # median 0.98: within the 3% margin
+    assert not choose([1.05, 1.1, 1.2])
+    assert not choose([])
+    assert choose([0.9, 1.0])  # even count: the mean of the middle two

@@ -239,10 +239,12 @@ def test_engine_profile_sources(tmp_path, monkeypatch):
     from tiered.hardware.profiler import PROFILER_VERSION
     from tiered.kernels import available as native_kernels
     from tiered.kernels import build_name
+    from tiered.kernels import load as load_kernels
     build = build_name() if native_kernels() else None
+    tuning = dict(load_kernels().tuning()) if native_kernels() else None
     fake = HardwareProfile("measured", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)},
                            meta={"profiler_version": PROFILER_VERSION, "native_kernels": native_kernels(),
-                                 "kernels_build": build})
+                                 "kernels_build": build, "kernel_tuning": tuning})
     monkeypatch.setattr("tiered.hardware.profiler.profile_machine", lambda **kw: calls.append(kw) or fake)
     said = []
     assert engine_profile(None, progress=said.append).name == "measured"
@@ -263,6 +265,13 @@ def test_engine_profile_sources(tmp_path, monkeypatch):
                               "kernels_build": "tiered_kernels_0000000000000000"}).save(
             tmp_path / "cache" / "hardware_profile.json")
         assert engine_profile(None).name == "measured" and len(calls) == 4
+        # ... and one measured under another kernel tuning of this machine (tiered/kernels/tune.py)
+        other = {k: not v for k, v in tuning.items()}
+        HardwareProfile("retuned", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)},
+                        meta={"profiler_version": PROFILER_VERSION, "native_kernels": True,
+                              "kernels_build": build, "kernel_tuning": other}).save(
+            tmp_path / "cache" / "hardware_profile.json")
+        assert engine_profile(None).name == "measured" and len(calls) == 5
 
 
 def test_standin_profile_mirrors_cpu_keys_and_link():

@@ -85,9 +85,18 @@ def git_commit(repo: str | os.PathLike | None = None) -> dict:
         return {"commit": None, "dirty": None}
 
 
+def native_kernels() -> dict | None:
+    """tiered's native kernels as this process runs them: {"isa", "tuning"} (the per-machine tuning
+    that tiered/kernels/tune.py measured: stream_prefetch, int4_int16_act), or None without them."""
+    from tiered import kernels
+
+    ext = kernels.load(build=False)
+    return None if ext is None else {"isa": ext.gemv_isa(), "tuning": dict(ext.tuning())}
+
+
 def machine_info() -> dict:
     """Everything above in one JSON-able dict: cpu, cores (logical, physical), cpu_flags,
-    ram_bytes, gpus, platform, versions, git."""
+    ram_bytes, gpus, platform, versions, git, native_kernels."""
     try:
         import psutil
         physical = psutil.cpu_count(logical=False)
@@ -95,7 +104,7 @@ def machine_info() -> dict:
         physical = None
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "physical_cores": physical, "cpu_flags": cpu_flags(),
             "ram_bytes": ram_bytes(), "gpus": gpus(), "platform": platform.platform(), "versions": versions(),
-            "git": git_commit()}
+            "git": git_commit(), "native_kernels": native_kernels()}
 
 
 def describe(info: dict) -> str:
@@ -107,8 +116,14 @@ def describe(info: dict) -> str:
     v = info["versions"]
     git = info["git"]
     commit = (git["commit"] or "?")[:7] + (" + local changes" if git.get("dirty") else "")
+    nk = info.get("native_kernels")
+    kern = ""
+    if nk:
+        t = nk["tuning"]
+        kern = (f"; native kernels {nk['isa']} (stream prefetch {'on' if t['stream_prefetch'] else 'off'}"
+                + (", int4 batch-1 on int16 x" if t["int4_int16_act"] else "") + ")")
     return (f"{info['cpu']}, {info['cores']} cores ({', '.join(flags) or 'no avx2'}), {ram}; {gpu}; "
-            f"torch {v['torch']}, transformers {v['transformers']}; tiered {commit}")
+            f"torch {v['torch']}, transformers {v['transformers']}; tiered {commit}{kern}")
 
 
 def _read(path: str) -> str:

@@ -11,6 +11,10 @@ OpenMP: the sources are compiled with -fopenmp so that `at::parallel_for` runs o
 OpenMP team. torch ships `libgomp.so.1` and loads it first; the loader gives the extension that
 same library (same soname), so there is one OpenMP runtime and one thread team in the process.
 
+Tuning: two choices of the batch-1 weight stream (software prefetch; int16 or bf16 activations for
+tiled int4 on AVX-512) are measured once per machine after the build (`tune.py`, ~3 s) and saved
+beside the library; `load()` applies them (TIERED_KERNEL_TUNING=0 keeps the defaults).
+
 Set TIERED_NATIVE=0 to run without the extension (the torch-op paths), e.g. to compare them.
 """
 
@@ -96,6 +100,10 @@ def load(build: bool = True, verbose: bool = False):
             sources = [str(p) for p in sorted(CSRC.glob("*.cpp"))]
             _loaded = cpp_load(name, sources, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                build_directory=str(directory), verbose=verbose)
+        if _loaded is not None:
+            from tiered.kernels import tune
+
+            tune.apply(_loaded, directory)  # this machine's measured tuning (tune.py), if any
     except Exception as e:  # noqa: BLE001  (a failed build falls back; say why once)
         lines = str(e).strip().splitlines() or [""]
         _failed = f"{type(e).__name__}: " + next((ln for ln in lines if "error:" in ln), lines[-1]).strip()
@@ -115,6 +123,11 @@ def isa() -> str | None:
     without the extension): what the planner's per-ISA choices (Plan.mixed_rows) key on."""
     ext = load()
     return None if ext is None else ext.gemv_isa()
+
+
+def build_dir() -> Path:
+    """This build's directory (its library and its tuning.json)."""
+    return cache_dir() / build_name()
 
 
 def failure() -> str | None:

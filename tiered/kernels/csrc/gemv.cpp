@@ -51,6 +51,24 @@ inline float bf16f(uint16_t h) {
 
 std::atomic<int> g_isa{-1};
 
+// Kernel tuning, set per machine (tiered/kernels/tune.py measures it once after the build; set_tuning):
+// g_stream_prefetch: the weight-stream loops issue software prefetches ahead of their loads. On the
+//   2-core Zen 3 VMs (AVX2) they lifted batch-1 int4 decode (prefetch 4 KB ahead); on a Zen 4 VM
+//   (AVX-512) the same loops read 81-88% of the DRAM rate with them and 95-100% without (the L2
+//   stream prefetcher keeps up alone there, and the extra loads only compete with it).
+// g_int4_w16: tiled int4 at batch 1 on AVX-512 with VBMI reads int16 activations (int4t_w16_avx2)
+//   instead of bf16 pairs (int4t_avx512): on that Zen 4 VM 86% vs 74% of the DRAM rate (the bf16
+//   path's vpmultishiftqb + vpternlogd + vdpbf16ps per 32 weights is compute-bound near DRAM speed).
+// Scale and zero-point prefetches (a second, strided stream) stay on either way. Plain globals: the
+// setter runs between kernel calls, never during one.
+inline bool g_stream_prefetch = true;
+inline bool g_int4_w16 = false;
+
+// A software prefetch of the weight stream at p (when the machine's tuning asks for them).
+inline void prefetch_stream(const void* p) {
+  if (g_stream_prefetch) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
 
 // ------------------------------------------------------------------------------------ weights
 struct Int4W {
@@ -312,7 +330,7 @@ TIERED_AVX2 void rows_avx2(const W& w, const Act& a, int64_t b0, int64_t n0, int
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
       __m256 w0, w1;
-      _mm_prefetch(reinterpret_cast<const char*>(r + k) + kPrefetchAhead, _MM_HINT_T0);
+      prefetch_stream(reinterpret_cast<const char*>(r + k) + kPrefetchAhead);
       R::load16(r + k, w0, w1);
       for (int j = 0; j < NB; ++j) {
         acc0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[j] + k), acc0[j]);
@@ -341,7 +359,7 @@ TIERED_AVX2 void int8_w16_avx2(const Int8W& w, const Act& a, int64_t b0, int64_t
     for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const int8_t* rg = r + g * kGroup;
-      _mm_prefetch(reinterpret_cast<const char*>(rg) + kPrefetchAhead, _MM_HINT_T0);
+      prefetch_stream(reinterpret_cast<const char*>(rg) + kPrefetchAhead);
       const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rg)));
       const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rg + 16)));
       for (int j = 0; j < NB; ++j) {
@@ -593,7 +611,7 @@ TIERED_AVX512 inline __attribute__((always_inline)) void int4q8_rows_avx512(
   __m512 s[R];
   for (int64_t ch = 0; ch < full; ++ch) {
     for (int i = 0; i < R; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(c0 + i * ldc + ch * 64 + 512), _MM_HINT_T0);
+      prefetch_stream(c0 + i * ldc + ch * 64 + 512);
       v[i] = _mm512_loadu_si512(c0 + i * ldc + ch * 64), s[i] = scales16(sp[i], ch);
     }
     int4q8_chunk<NB, R>(v, s, xq, dx, ch, acc);
@@ -666,7 +684,7 @@ TIERED_AVX512 void int8_avx512(const Int8W& w, const Act& a, int64_t b0, int64_t
     for (int j = 0; j < NB; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps(), tail[j] = 0.f;
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-      _mm_prefetch(reinterpret_cast<const char*>(q + k + 1024), _MM_HINT_T0);
+      prefetch_stream(q + k + 1024);
       const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
       const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
       for (int j = 0; j < NB; ++j) {
@@ -679,6 +697,52 @@ TIERED_AVX512 void int8_avx512(const Int8W& w, const Act& a, int64_t b0, int64_t
     for (int j = 0; j < NB; ++j)
       y[(b0 + j) * ldy + n] =
           (_mm512_reduce_add_ps(_mm512_add_ps(acc0[j], acc1[j])) + tail[j]) * w.s(n) + (w.bias ? w.bias[n] : 0.f);
+  }
+}
+
+// int8 weights on int16 activations (Act::xs, K % 32 == 0), AVX-512: one group of 32 weights is
+// one vpmovsxbw + vpmaddwd per activation row (16 exact int32 pair sums), then one fp32 FMA by the
+// group's scale dw_g into U independent accumulators per row. The fp32 loop above (int8_avx512)
+// converts every weight to fp32 and chains one FMA per 16 weights into two accumulators: at batch 1
+// it computed ~27 GB/s of weights per thread from cache on a Zen 4 core, about this VM's DRAM rate, so
+// a stream from DRAM could not reach it. The same numerics as int8_w16_avx2 (sums in another order).
+template <int NB>
+TIERED_AVX512 void int8_w16_avx512(const Int8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                                   int64_t ldy) {
+  constexpr int U = NB <= 2 ? 4 : (NB <= 4 ? 2 : 1);  // groups per step: U chains per activation row
+  const int64_t K = a.K, G = K / kGroup;
+  const int16_t* xs[NB];
+  const float* dw[NB];
+  for (int j = 0; j < NB; ++j) xs[j] = a.xs + (b0 + j) * K, dw[j] = a.dw + (b0 + j) * G;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* r = w.q + n * K;
+    __m512 acc[NB][U];
+    for (int j = 0; j < NB; ++j)
+      for (int u = 0; u < U; ++u) acc[j][u] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + U <= G; g += U) {
+      const int8_t* rg = r + g * kGroup;
+      for (int u = 0; u < U * kGroup; u += 64) prefetch_stream(rg + u + kPrefetchAhead);
+      __m512i wq[U];
+      for (int u = 0; u < U; ++u) wq[u] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rg + u * kGroup)));
+      for (int j = 0; j < NB; ++j)
+        for (int u = 0; u < U; ++u) {
+          const __m512i d = _mm512_madd_epi16(wq[u], _mm512_loadu_si512(xs[j] + (g + u) * kGroup));
+          acc[j][u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(dw[j][g + u]), acc[j][u]);
+        }
+    }
+    for (; g < G; ++g) {
+      const __m512i wq = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + g * kGroup)));
+      for (int j = 0; j < NB; ++j) {
+        const __m512i d = _mm512_madd_epi16(wq, _mm512_loadu_si512(xs[j] + g * kGroup));
+        acc[j][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(dw[j][g]), acc[j][0]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      __m512 s = acc[j][0];
+      for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[j][u]);
+      y[(b0 + j) * ldy + n] = Int8Rows::out(w, n, _mm512_reduce_add_ps(s));
+    }
   }
 }
 
@@ -696,7 +760,7 @@ TIERED_AVX512 void bf16_avx512(const Bf16W& w, const Act& a, int64_t b0, int64_t
     for (int j = 0; j < NB; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps(), tail[j] = 0.f;
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(r + k + 512), _MM_HINT_T0);
+      prefetch_stream(r + k + 512);
       const __m512i w0 = _mm512_loadu_si512(r + k), w1 = _mm512_loadu_si512(r + k + 32);
       for (int j = 0; j < NB; ++j) {
         acc0[j] = dot_bf16(acc0[j], w0, _mm512_loadu_si512(xb[j] + k));
@@ -779,7 +843,7 @@ inline void prefetch_tile_scales(const Int4W& w, int64_t m0, int64_t G, int64_t 
 // A tiled kernel's prefetches for group g of a tile: its 4 code lines kPrefetchAhead bytes ahead
 // (codes: the group's 256 bytes), and the next tile's scales (next: that tile's first row, or -1).
 inline void prefetch_group(const Int4W& w, const uint8_t* codes, int64_t next, int64_t G, int64_t g) {
-  for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(codes + kPrefetchAhead + 64 * l), _MM_HINT_T0);
+  for (int l = 0; l < 4; ++l) prefetch_stream(codes + kPrefetchAhead + 64 * l);
   if (next >= 0) prefetch_tile_scales(w, next, G, g);
 }
 
@@ -1312,7 +1376,7 @@ struct Int4TGemv : Int4Gemv {
   // at batch 1 bound by memory either way), int8 from it (int4tq8_avx2 / int4tq8_avx512).
   static bool int16_below_q8() {
     const int isa = current_isa();
-    return isa == kAvx2 || (isa == kAvx512 && !has_vbmi());
+    return isa == kAvx2 || (isa == kAvx512 && (!has_vbmi() || g_int4_w16));
   }
   bool w16(int64_t B) const { return B < q8_from && int16_below_q8(); }
   ActNeeds needs(int64_t B) const override {
@@ -1338,14 +1402,13 @@ struct Int4TGemv : Int4Gemv {
       int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, false);
     }
   }
-  std::string name() const override {
+  std::string name() const override {  // "int16 x": the int16-activation path (int4t_w16_avx2)
     const int isa = current_isa();
-    const char* bf16_isa = isa == kAvx512 && !has_vbmi() ? "avx2" : isa_name(isa);
-    if (isa == kAvx2 && q8_from == kNeverQ8) return "int4t(tiered,avx2; int16 x)";
-    if (isa == kAvx2 && q8_from > 1) return "int4t(tiered,avx2; int16 x, q8 from " + std::to_string(q8_from) + " rows)";
     if (q8_from == 1) return std::string("int4tq8(tiered,") + isa_name(isa) + ")";
-    if (q8_from == kNeverQ8) return std::string("int4t(tiered,") + bf16_isa + ")";
-    return std::string("int4t(tiered,") + bf16_isa + "; q8 from " + std::to_string(q8_from) + " rows)";
+    std::string n = std::string("int4t(tiered,") + isa_name(isa);
+    if (int16_below_q8()) n += "; int16 x";
+    if (q8_from != kNeverQ8) n += (int16_below_q8() ? ", q8 from " : "; q8 from ") + std::to_string(q8_from) + " rows";
+    return n + ")";
   }
 };
 
@@ -1355,7 +1418,13 @@ struct Int8Gemv : Gemv {
   Int8W w{};
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     switch (current_isa()) {
-      case kAvx512: TIERED_DISPATCH_NB(int8_avx512, w) break;
+      case kAvx512:
+        if (a.xs) {
+          TIERED_DISPATCH_NB(int8_w16_avx512, w)
+        } else {
+          TIERED_DISPATCH_NB(int8_avx512, w)
+        }
+        break;
       case kAvx2:
         if (a.xs) {
           TIERED_DISPATCH_NB(int8_w16_avx2, w)
@@ -1366,11 +1435,14 @@ struct Int8Gemv : Gemv {
       default: rows_scalar<Int8Rows>(w, a, b0, nb, n0, n1, y, ldy);
     }
   }
-  ActNeeds needs(int64_t) const override {  // reads fp32 x, or int16 x on AVX2
-    return {false, false, false, current_isa() == kAvx2 && in_features % kGroup == 0};
+  ActNeeds needs(int64_t) const override {  // reads int16 x on AVX2 and AVX-512, else fp32 x
+    return {false, false, false, current_isa() >= kAvx2 && in_features % kGroup == 0};
   }
   int64_t weight_bytes() const override { return out_features * (in_features + 2); }
-  std::string name() const override { return std::string("int8(tiered,") + isa_name(current_isa()) + ")"; }
+  std::string name() const override {  // "int16 x": x read as int16 per group of 32 (in_features % 32 == 0)
+    const int isa = current_isa();
+    return std::string("int8(tiered,") + isa_name(isa) + (isa >= kAvx2 && in_features % kGroup == 0 ? "; int16 x)" : ")");
+  }
 };
 
 struct Bf16Gemv : Gemv {
@@ -2337,6 +2409,19 @@ void register_gemv(pybind11::module& m) {
         },
         py::arg("name"), "Force tiered's GEMV kernels onto a lower ISA path: 'avx512', 'avx2' or 'scalar'.");
   m.def("reset_isa", []() { g_isa.store(best_isa()); }, "Use the best ISA path this CPU has again.");
+  m.def("tuning", []() {
+          pybind11::dict d;
+          d["stream_prefetch"] = g_stream_prefetch;
+          d["int4_int16_act"] = g_int4_w16;
+          return d;
+        }, "This machine's kernel tuning (tiered/kernels/tune.py): stream_prefetch, int4_int16_act.");
+  m.def("set_tuning", [](c10::optional<bool> stream_prefetch, c10::optional<bool> int4_int16_act) {
+          if (stream_prefetch) g_stream_prefetch = *stream_prefetch;
+          if (int4_int16_act) g_int4_w16 = *int4_int16_act;
+        }, pybind11::arg("stream_prefetch") = pybind11::none(), pybind11::arg("int4_int16_act") = pybind11::none(),
+        "Set the kernel tuning (between calls, not during one): software prefetch of the weight streams, and "
+        "int16 activations for tiled int4 at batch 1 on AVX-512.");
+  m.def("has_vbmi", []() { return has_vbmi(); }, "Whether this CPU has AVX-512 VBMI (the tiled int4 bf16 path).");
   m.def("gemv_isa", []() { return std::string(isa_name(current_isa())); }, "The ISA path tiered's GEMV kernels use now.");
   m.def("best_gemv_isa", []() { return std::string(isa_name(best_isa())); }, "The best ISA path this CPU supports.");
 }

@@ -1,0 +1,173 @@
+"""Per-machine tuning of the native kernels, measured once after the build (`python -m tiered.kernels`).
+
+Two choices of the batch-1 weight stream depend on the CPU more than on the code, so they are
+measured here rather than fixed:
+
+- ``stream_prefetch``: whether the weight-stream loops issue software prefetches ahead of their
+  loads. On the 2-core Zen 3 VMs (AVX2) they lifted batch-1 int4 decode; on a Zen 4 VM (AVX-512)
+  the same loops read 81-88% of the DRAM rate with them and 95-100% without.
+- ``int4_int16_act``: on AVX-512 CPUs with VBMI, whether tiled int4 at batch 1 reads int16
+  activations (the AVX2 path, more exact than bf16) instead of bf16 pairs (vdpbf16ps). On that
+  Zen 4 VM the bf16 path was compute-bound near DRAM speed (74% of it, against 86%).
+
+Each choice is an interleaved A/B over cold weights: OLMoE-width SwiGLU experts (hidden 2048,
+intermediate 1024, bf16 and tiled int4) cycled through so that they exceed the last-level cache,
+one token each, `rounds` times in alternating order; the other option is taken only when the
+median of its per-round time ratios is at least `margin` faster (VM neighbours move a single pass by
+10-20%). The result lives beside the built library (``tuning.json``); `tiered.kernels.load()` applies
+it, and ``TIERED_KERNEL_TUNING=0`` keeps the built-in defaults (prefetch on, bf16 activations).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+DEFAULTS = {"stream_prefetch": True, "int4_int16_act": False}
+WIDTH = (2048, 1024)  # (hidden D, expert intermediate F): OLMoE's experts, a short stream per call
+
+
+def enabled() -> bool:
+    """False when TIERED_KERNEL_TUNING=0 asks for the built-in defaults."""
+    return os.environ.get("TIERED_KERNEL_TUNING", "1") not in ("0", "false", "no", "off")
+
+
+def llc_bytes() -> int:
+    """This CPU's last-level cache in bytes (sysfs; 32 MiB when it does not say)."""
+    best = 0
+    for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        txt = p.read_text().strip().upper()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:], 1)
+        try:
+            best = max(best, int(txt.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return best or 32 << 20
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; the machine type where it does not say)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def choose(ratios: list[float], margin: float = 0.03) -> bool:
+    """Whether the alternative wins: the median of per-round time ratios (alternative / current) is
+    at least `margin` below 1. Ties and noise keep the current option."""
+    if not ratios:
+        return False
+    s = sorted(ratios)
+    mid = len(s) // 2
+    med = s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
+    return med <= 1.0 - margin
+
+
+def _experts(fmt: str, total_bytes: int):
+    """(ExpertFormat, [slots]) of OLMoE-width experts in `fmt` filling about `total_bytes` of the
+    engine's host memory (hardware/budget.host_empty, as the expert store allocates), distinct slots
+    holding copies of one random expert (the stream's speed does not depend on the values)."""
+    import torch
+
+    from tiered.hardware.budget import host_empty
+    from tiered.quant.experts import ExpertFormat
+
+    D, F = WIDTH
+    g = torch.Generator().manual_seed(0)
+    gu, dn = torch.randn(2 * F, D, generator=g) * 0.02, torch.randn(D, F, generator=g) * 0.02
+    ef = ExpertFormat(fmt, ((F, D), (F, D), (D, F)), "tiled")
+    if ef.is_dense:
+        first = tuple(w.bfloat16() for w in (gu[:F], gu[F:], dn))
+    else:
+        first = tuple(torch.empty(s, dtype=ef.slot_dtype) for s in ef.slot_shapes)
+        ef.quantize([gu[:F], gu[F:], dn], first)
+    n = max(2, total_bytes // ef.nbytes)
+    slots = [tuple(host_empty(tuple(t.shape), t.dtype).copy_(t) for t in first) for _ in range(n)]
+    return ef, slots
+
+
+def _sweep(ef, slots, x) -> float:
+    """Seconds to run one token through every expert of `slots`."""
+    t = time.perf_counter()
+    for s in slots:
+        ef.forward(x, s)
+    return time.perf_counter() - t
+
+
+def _ab(ext, sets, option: str, rounds: int) -> list[float]:
+    """Per-round ratios (option flipped / as set) of the summed sweeps over `sets`, alternating which
+    side goes first; the option is left as it was."""
+    import torch
+
+    x = torch.randn(1, WIDTH[0])
+    base = ext.tuning()[option]
+    ratios = []
+    with torch.inference_mode():
+        for ef, slots in sets:  # warm-up: first-call buffers, page faults
+            _sweep(ef, slots, x)
+        for r in range(rounds):
+            t = {}
+            for side in ((base, not base) if r % 2 == 0 else (not base, base)):
+                ext.set_tuning(**{option: side})
+                t[side] = sum(_sweep(ef, slots, x) for ef, slots in sets)
+            ratios.append(t[not base] / t[base])
+    ext.set_tuning(**{option: base})
+    return ratios
+
+
+def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float = 0.03) -> dict:
+    """This machine's tuning, measured (see the module docstring): {"stream_prefetch": bool,
+    "int4_int16_act": bool, "ratios": {option: per-round time ratios}, ...}. Leaves `ext` set to it.
+
+    total_bytes: weight bytes per format cycled through (default: 4x the last-level cache, at least
+    256 MiB). Takes ~2-5 s on 2 cores at the default size."""
+    total = total_bytes or max(256 << 20, 4 * llc_bytes())
+    ext.set_tuning(**DEFAULTS)
+    bf16, int4 = _experts("bf16", total), _experts("int4", total)
+    out: dict = {"ratios": {}}
+    ratios = _ab(ext, [bf16, int4], "stream_prefetch", rounds)
+    out["ratios"]["stream_prefetch"] = ratios
+    if choose(ratios, margin):
+        ext.set_tuning(stream_prefetch=not DEFAULTS["stream_prefetch"])
+    # the int4 option only changes a kernel on AVX-512 with VBMI (elsewhere the path is fixed)
+    if ext.gemv_isa() == "avx512" and ext.has_vbmi():
+        ratios = _ab(ext, [int4], "int4_int16_act", rounds)
+        out["ratios"]["int4_int16_act"] = ratios
+        if choose(ratios, margin):
+            ext.set_tuning(int4_int16_act=not DEFAULTS["int4_int16_act"])
+    out.update(ext.tuning())
+    out.update(isa=ext.gemv_isa(), cpu=cpu_model(), bytes_per_format=total,
+               rounds=rounds, margin=margin, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    return out
+
+
+def path(directory: Path) -> Path:
+    """Where a build directory keeps its tuning."""
+    return Path(directory) / "tuning.json"
+
+
+def save(result: dict, directory: Path) -> Path:
+    p = path(directory)
+    p.write_text(json.dumps(result, indent=1))
+    return p
+
+
+def apply(ext, directory: Path) -> dict | None:
+    """Set `ext` to the tuning saved in `directory` (None, defaults kept, when there is none, it is
+    unreadable, or TIERED_KERNEL_TUNING=0)."""
+    p = path(directory)
+    if not enabled() or not p.exists():
+        return None
+    try:
+        saved = json.loads(p.read_text())
+        ext.set_tuning(**{k: bool(saved[k]) for k in DEFAULTS if k in saved})
+    except (ValueError, TypeError, KeyError, OSError):
+        return None
+    return saved
