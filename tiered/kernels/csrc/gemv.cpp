@@ -939,6 +939,72 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
   }
 }
 
+// The same on AVX-512 (VNNI): a chunk's 64-byte line is the 16 rows' dwords in one vector, so the 4
+// masked shifts give all 16 rows' int16 pairs at once and one vpdpwssd each multiplies them by the
+// broadcast xw pair and adds into the rows' int32 lanes (the AVX2 loop needs 8 vpmaddwd and 8 adds
+// per chunk and two 8-row halves). Up to four accumulators per activation row (one per pair
+// position at one or two rows) keep the vpdpwssd chains short. From cache on a Zen 4 core: 36 GB/s
+// of an OLMoE-width int4 expert a thread, against 28 for int4t_avx512 (bf16 x) and int4t_w16_avx2. Scales and zero terms of a group: one 64-byte line of (s, z) bf16
+// pairs and 32 bytes of residuals for the 16 rows, read where they are used (as scales8_avx2).
+// Same integer dots and the same fp32 operations per row and group as int4t_w16_avx2, so the same
+// results up to the order of the final sums.
+template <int NB>
+TIERED_AVX512 void int4t_w16_avx512(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                                    int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  const __m512i m = _mm512_set1_epi32(0x000F000F);
+  const __m512i hi = _mm512_set1_epi32(int(0xFFFF0000u));
+  const __m512 eight = _mm512_set1_ps(8.f);
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const uint8_t* tile = w.codes + m0 * (K / 2);
+    const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
+    __m512 acc[NB], corr[NB];
+    for (int j = 0; j < NB; ++j) acc[j] = corr[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* chunk = tile + g * 256;  // 4 chunks of 8 columns x 16 rows
+      prefetch_group(w, chunk, next, G, g);
+      const uint32_t* xg[NB];
+      for (int j = 0; j < NB; ++j) xg[j] = a.xw + (b0 + j) * (K / 2) + g * (kGroup / 2);
+      constexpr int A = NB <= 2 ? 4 : NB <= 4 ? 2 : 1;  // accumulators per row: A * NB + 8 vectors live
+      __m512i t[NB][A];
+      for (int j = 0; j < NB; ++j)
+        for (int i = 0; i < A; ++i) t[j][i] = _mm512_setzero_si512();
+      for (int c4 = 0; c4 < 4; ++c4) {
+        const __m512i d = _mm512_loadu_si512(chunk + 64 * c4);
+        const __m512i q0 = _mm512_and_si512(d, m), q1 = _mm512_and_si512(_mm512_srli_epi32(d, 4), m);
+        const __m512i q2 = _mm512_and_si512(_mm512_srli_epi32(d, 8), m), q3 = _mm512_and_si512(_mm512_srli_epi32(d, 12), m);
+        for (int j = 0; j < NB; ++j) {
+          const uint32_t* x = xg[j] + c4 * 4;
+          t[j][0] = _mm512_dpwssd_epi32(t[j][0], q0, _mm512_set1_epi32(int32_t(x[0])));
+          t[j][1 % A] = _mm512_dpwssd_epi32(t[j][1 % A], q1, _mm512_set1_epi32(int32_t(x[1])));
+          t[j][2 % A] = _mm512_dpwssd_epi32(t[j][2 % A], q2, _mm512_set1_epi32(int32_t(x[2])));
+          t[j][3 % A] = _mm512_dpwssd_epi32(t[j][3 % A], q3, _mm512_set1_epi32(int32_t(x[3])));
+        }
+      }
+      const __m512i v = _mm512_loadu_si512(w.tile_sz(m0, G, g));
+      const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+      if (w.zr) {
+        const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.tile_zr(m0, G, g)));
+        zv = _mm512_add_ps(zv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
+      }
+      zv = _mm512_fnmadd_ps(eight, sv, zv);
+      for (int j = 0; j < NB; ++j) {
+        const int64_t bg = (b0 + j) * G + g;
+        __m512i ti = t[j][0];
+        for (int i = 1; i < A; ++i) ti = _mm512_add_epi32(ti, t[j][i]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ti), _mm512_mul_ps(sv, _mm512_set1_ps(a.dw[bg])), acc[j]);
+        corr[j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(a.wsum[bg]), corr[j]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      __m512 out = _mm512_add_ps(acc[j], corr[j]);
+      if (w.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(w.bias + m0));
+      _mm512_storeu_ps(y + (b0 + j) * ldy + m0, out);
+    }
+  }
+}
+
 // AVX2 on int8 activations (Act::xqt; calls of at least q8_from rows): the codes ANDed with 0x0F,
 // and shifted right by 4 and ANDed, are vpmaddubsw's unsigned operand against a broadcast of 4 bytes
 // of xq. Each int16 pair sum is at most 2 * 15 * 128 = 3840, so the 8 of a group (4 chunks x 2
@@ -1387,7 +1453,11 @@ struct Int4TGemv : Int4Gemv {
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     const int isa = current_isa();
     if (w16(a.B)) {
-      TIERED_DISPATCH_NB(int4t_w16_avx2, w)
+      if (isa == kAvx512) {
+        TIERED_DISPATCH_NB(int4t_w16_avx512, w)
+      } else {
+        TIERED_DISPATCH_NB(int4t_w16_avx2, w)
+      }
     } else if (a.B >= q8_from) {
       if (isa == kAvx512) {
         TIERED_DISPATCH_NB(int4tq8_avx512, w)
