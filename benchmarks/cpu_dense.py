@@ -108,8 +108,14 @@ def child_prompts(spec: dict) -> dict:
     n = max(spec["lengths"] + [spec["decode_prompt"]])
     if len(ids) < n:
         ids = (ids * (n // len(ids) + 1))
+    # the planner's hardware profile of this machine, measured now if none is cached for these kernels
+    # (as a user's first `tiered run` does): else the tiered workers would measure it while loading,
+    # and its 512 MiB bandwidth buffers would be their peak RSS and its ~4 s their load time
+    from tiered.planner.auto import engine_profile
+    said: list[str] = []
+    engine_profile(None, progress=said.append)
     return {"source": f"python {platform.python_version()} stdlib textwrap.py, first N tokens",
-            "ids": ids[:n]}
+            "ids": ids[:n], "hardware_profile_measured": bool(said)}
 
 
 def child_bandwidth(spec: dict) -> dict:
@@ -892,13 +898,14 @@ def main(argv=None) -> int:
     res["model"] = {"name": name, "file": mp.name, "bytes": mp.stat().st_size}
     res["settings"] = {**{k: v for k, v in spec.items() if k != "active_bytes"}, "engines": engines, "quick": a.quick}
 
-    print("tokenizing prompts ...", flush=True)
+    print("tokenizing prompts (and the planner's hardware profile, if none is cached) ...", flush=True)
     prompts = run_child("prompts", spec, 600)
     if "ids" not in prompts:
         print(prompts)
         return 1
     res["prompts"] = {"source": prompts["source"], "lengths": spec["lengths"],
                       "first_ids": prompts["ids"][:16]}
+    res["hardware_profile_measured_first"] = prompts.get("hardware_profile_measured")
     spec["ids"] = prompts["ids"]
 
     print("measuring memory bandwidth ...", flush=True)
