@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -33,30 +32,6 @@ WIDTH = (2048, 1024)  # (hidden D, expert intermediate F): OLMoE's experts, a sh
 def enabled() -> bool:
     """False when TIERED_KERNEL_TUNING=0 asks for the built-in defaults."""
     return os.environ.get("TIERED_KERNEL_TUNING", "1") not in ("0", "false", "no", "off")
-
-
-def llc_bytes() -> int:
-    """This CPU's last-level cache in bytes (sysfs; 32 MiB when it does not say)."""
-    best = 0
-    for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        txt = p.read_text().strip().upper()
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:], 1)
-        try:
-            best = max(best, int(txt.rstrip("KMG")) * mult)
-        except ValueError:
-            continue
-    return best or 32 << 20
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo; the machine type where it does not say)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def choose(ratios: list[float], margin: float = 0.03) -> bool:
@@ -128,7 +103,9 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
 
     total_bytes: weight bytes per format cycled through (default: 4x the last-level cache, at least
     256 MiB). Takes ~2-5 s on 2 cores at the default size."""
-    total = total_bytes or max(256 << 20, 4 * llc_bytes())
+    from tiered.hardware.profiler import cpu_model, last_level_cache_bytes
+
+    total = total_bytes or max(256 << 20, 4 * (last_level_cache_bytes() or 32 << 20))
     ext.set_tuning(**DEFAULTS)
     bf16, int4 = _experts("bf16", total), _experts("int4", total)
     out: dict = {"ratios": {}}
