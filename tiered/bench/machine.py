@@ -90,8 +90,9 @@ def native_kernels() -> dict | None:
     that tiered/kernels/tune.py measured: stream_prefetch, int4_int16_act), or None without them."""
     from tiered import kernels
 
-    ext = kernels.load(build=False)
-    return None if ext is None else {"isa": ext.gemv_isa(), "tuning": dict(ext.tuning())}
+    if kernels.load(build=False) is None:
+        return None
+    return {"isa": kernels.isa(), "tuning": kernels.tuning()}
 
 
 def machine_info() -> dict:

@@ -575,7 +575,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     meta["profiler_version"] = PROFILER_VERSION
     meta["native_kernels"] = kernels.available()
     meta["kernels_build"] = kernels.build_name() if meta["native_kernels"] else None  # what timed the native keys
-    meta["kernel_tuning"] = dict(kernels.load().tuning()) if meta["native_kernels"] else None  # ... tuned so
+    meta["kernel_tuning"] = kernels.tuning()  # ... tuned so (None without them)
     meta["disk_note"] = note
     meta["load_average"] = load_before
     if load_before is not None and load_before > (os.cpu_count() or 1) - 0.5:

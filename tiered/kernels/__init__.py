@@ -12,7 +12,7 @@ OpenMP team. torch ships `libgomp.so.1` and loads it first; the loader gives the
 same library (same soname), so there is one OpenMP runtime and one thread team in the process.
 
 Tuning: two choices of the batch-1 weight stream (software prefetch; int16 or bf16 activations for
-tiled int4 on AVX-512) are measured once per machine after the build (`tune.py`, ~3 s) and saved
+tiled int4 on AVX-512) are measured once per machine after the build (`tune.py`, ~1 s) and saved
 beside the library; `load()` applies them (TIERED_KERNEL_TUNING=0 keeps the defaults).
 
 Set TIERED_NATIVE=0 to run without the extension (the torch-op paths), e.g. to compare them.
@@ -123,6 +123,14 @@ def isa() -> str | None:
     without the extension): what the planner's per-ISA choices (Plan.mixed_rows) key on."""
     ext = load()
     return None if ext is None else ext.gemv_isa()
+
+
+def tuning() -> dict | None:
+    """The kernel tuning this process runs with ({"stream_prefetch", "int4_int16_act"}: tune.py's
+    measurement, applied by `load()`), or None without the extension: what a hardware profile's
+    native keys were timed under."""
+    ext = load()
+    return None if ext is None else dict(ext.tuning())
 
 
 def build_dir() -> Path:

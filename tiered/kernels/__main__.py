@@ -1,6 +1,7 @@
 """`python -m tiered.kernels [--tune] [--require] [-v]`: build the native CPU kernels now, then measure
 this machine's kernel tuning once (tune.py; `--tune` measures it again). scripts/setup.sh runs it."""
 
+import statistics
 import sys
 import time
 
@@ -20,7 +21,7 @@ if tune.enabled() and ("--tune" in sys.argv or not tune.path(kernels.build_dir()
     t0 = time.perf_counter()
     result = tune.measure(mod)
     tune.save(result, kernels.build_dir())
-    med = {k: sorted(v)[len(v) // 2] for k, v in result["ratios"].items()}
+    med = {k: statistics.median(v) for k, v in result["ratios"].items()}
     print(f"tiered: kernel tuning measured in {time.perf_counter() - t0:.1f} s: stream prefetch "
           f"{'on' if result['stream_prefetch'] else 'off'}, tiled int4 batch-1 activations "
           f"{'int16' if result['int4_int16_act'] else 'bf16'} on AVX-512 (median time ratios of the "

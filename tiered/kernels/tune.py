@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -37,12 +38,7 @@ def enabled() -> bool:
 def choose(ratios: list[float], margin: float = 0.03) -> bool:
     """Whether the alternative wins: the median of per-round time ratios (alternative / current) is
     at least `margin` below 1. Ties and noise keep the current option."""
-    if not ratios:
-        return False
-    s = sorted(ratios)
-    mid = len(s) // 2
-    med = s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
-    return med <= 1.0 - margin
+    return bool(ratios) and statistics.median(ratios) <= 1.0 - margin
 
 
 def _experts(fmt: str, total_bytes: int):

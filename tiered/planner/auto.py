@@ -73,7 +73,7 @@ def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> H
             current = (hw.meta.get("profiler_version") == PROFILER_VERSION  # else measured the old way
                        and hw.meta.get("native_kernels") == native  # ... or with(out) the kernels
                        and (not native or (hw.meta.get("kernels_build") == kernels.build_name()  # ... or others
-                                           and hw.meta.get("kernel_tuning") == dict(kernels.load().tuning()))))
+                                           and hw.meta.get("kernel_tuning") == kernels.tuning())))
             if current and (not cuda or op_time.has_device(hw, "gpu")):
                 return hw
         except ConfigError:

@@ -56,7 +56,7 @@ std::atomic<int> g_isa{-1};
 //   2-core Zen 3 VMs (AVX2) they lifted batch-1 int4 decode (prefetch 4 KB ahead); on a Zen 4 VM
 //   (AVX-512) the same loops read 81-88% of the DRAM rate with them and 95-100% without (the L2
 //   stream prefetcher keeps up alone there, and the extra loads only compete with it).
-// g_int4_w16: tiled int4 at batch 1 on AVX-512 with VBMI reads int16 activations (int4t_w16_avx2)
+// g_int4_w16: tiled int4 at batch 1 on AVX-512 with VBMI reads int16 activations (int4t_w16_avx512)
 //   instead of bf16 pairs (int4t_avx512): on that Zen 4 VM 86% vs 74% of the DRAM rate (the bf16
 //   path's vpmultishiftqb + vpternlogd + vdpbf16ps per 32 weights is compute-bound near DRAM speed).
 // Scale and zero-point prefetches (a second, strided stream) stay on either way. Plain globals: the
@@ -944,8 +944,9 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
 // broadcast xw pair and adds into the rows' int32 lanes (the AVX2 loop needs 8 vpmaddwd and 8 adds
 // per chunk and two 8-row halves). Up to four accumulators per activation row (one per pair
 // position at one or two rows) keep the vpdpwssd chains short. From cache on a Zen 4 core: 36 GB/s
-// of an OLMoE-width int4 expert a thread, against 28 for int4t_avx512 (bf16 x) and int4t_w16_avx2. Scales and zero terms of a group: one 64-byte line of (s, z) bf16
-// pairs and 32 bytes of residuals for the 16 rows, read where they are used (as scales8_avx2).
+// of an OLMoE-width int4 expert a thread, against 28 for int4t_avx512 (bf16 x) and int4t_w16_avx2.
+// Scales and zero terms of a group: one 64-byte line of (s, z) bf16 pairs and 32 bytes of residuals
+// for the 16 rows, read where they are used (as scales8_avx2).
 // Same integer dots and the same fp32 operations per row and group as int4t_w16_avx2, so the same
 // results up to the order of the final sums.
 template <int NB>
@@ -1472,7 +1473,7 @@ struct Int4TGemv : Int4Gemv {
       int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, false);
     }
   }
-  std::string name() const override {  // "int16 x": the int16-activation path (int4t_w16_avx2)
+  std::string name() const override {  // "int16 x": the int16-activation path (int4t_w16_avx2 / _avx512)
     const int isa = current_isa();
     if (q8_from == 1) return std::string("int4tq8(tiered,") + isa_name(isa) + ")";
     std::string n = std::string("int4t(tiered,") + isa_name(isa);
@@ -1505,13 +1506,12 @@ struct Int8Gemv : Gemv {
       default: rows_scalar<Int8Rows>(w, a, b0, nb, n0, n1, y, ldy);
     }
   }
-  ActNeeds needs(int64_t) const override {  // reads int16 x on AVX2 and AVX-512, else fp32 x
-    return {false, false, false, current_isa() >= kAvx2 && in_features % kGroup == 0};
-  }
+  // Reads int16 x (per group of 32) on AVX2 and AVX-512 when K % 32 == 0, else fp32 x.
+  bool w16() const { return current_isa() >= kAvx2 && in_features % kGroup == 0; }
+  ActNeeds needs(int64_t) const override { return {false, false, false, w16()}; }
   int64_t weight_bytes() const override { return out_features * (in_features + 2); }
-  std::string name() const override {  // "int16 x": x read as int16 per group of 32 (in_features % 32 == 0)
-    const int isa = current_isa();
-    return std::string("int8(tiered,") + isa_name(isa) + (isa >= kAvx2 && in_features % kGroup == 0 ? "; int16 x)" : ")");
+  std::string name() const override {
+    return std::string("int8(tiered,") + isa_name(current_isa()) + (w16() ? "; int16 x)" : ")");
   }
 };
 
