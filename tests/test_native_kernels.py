@@ -57,6 +57,11 @@ def test_int4(isa, N, K):
         assert rel(k(x), ref) < 1e-4, (isa, B)
 
 
+# The int16 activations' range (gemv.cpp kW16Levels): 127 * 257, so that each value is 256 h + l
+# with h and l signed bytes (the AVX-512 path multiplies them by vpdpbusd).
+W16_LEVELS = 32639
+
+
 def group_round(x, levels: int):
     """x [..., K] per group of 32 as the kernels quantize it: (codes round(x * levels / max|x|), half
     to even, [..., K/32, 32]; max|x| [..., K/32, 1]); the step is max|x| / levels."""
@@ -69,7 +74,7 @@ def q8_reference(x, codes, sz, zr, levels: int = 127, offset_exact: bool = False
     """int4 x int8-activation result emulated in torch (fp64 for the exact integer dots): x [B, K] ->
     [B, N]. x per group of 32: xq = round(x * 127 / max|x|) (half to even), dx = max|x| / 127;
     y = sum_g s dx sum_i (q_i - 8) xq_i + (zero + residual) sum_i x_i.
-    levels=32767, offset_exact: the int16 activations of the tiled layout's AVX2 path, whose -8 s
+    levels=W16_LEVELS, offset_exact: the int16 activations of the tiled layout's AVX2 path, whose -8 s
     term multiplies the exact sum of x: y = sum_g s dx sum_i q_i xq_i + (zero + residual - 8 s) sum_i x_i."""
     B, K = x.shape
     N, G = codes.shape[0], K // 32
@@ -147,7 +152,7 @@ def check_tiled_bf16_act(k, x, codes, sz, zr, wq, bias, what):
     would be), else x rounded to bf16."""
     y = k(x)
     if "int16 x" in k.name():
-        assert rel(y, q8_reference(x, codes, sz, zr, levels=32767, offset_exact=True) + bias) < 1e-5, what
+        assert rel(y, q8_reference(x, codes, sz, zr, levels=W16_LEVELS, offset_exact=True) + bias) < 1e-5, what
         assert rel(y, x @ wq.T + bias) < 2e-4, what
     else:
         assert rel(y, x.bfloat16().float() @ wq.T + bias) < 1e-4, what
@@ -227,11 +232,11 @@ def test_int8(isa, N, K):
 
 def int8_activations(k, x):
     """The activations an int8 kernel multiplies: x itself, or on the AVX2 and AVX-512 paths (K % 32
-    == 0) x rounded to int16 per group of 32 (dx = max|x| / 32767, half to even: ~60x finer than bf16)."""
+    == 0) x rounded to int16 per group of 32 (dx = max|x| / W16_LEVELS, half to even: ~60x finer than bf16)."""
     if "int16 x" not in k.name():
         return x
-    q, amax = group_round(x, 32767)
-    return (q * (amax / 32767)).reshape(x.shape)
+    q, amax = group_round(x, W16_LEVELS)
+    return (q * (amax / W16_LEVELS)).reshape(x.shape)
 
 
 @pytest.mark.parametrize("N,K", SHAPES + [(7, 50), (5, 100)])

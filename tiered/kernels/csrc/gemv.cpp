@@ -34,6 +34,10 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kMaxNB = 8;  // activation rows per inner pass (accumulators held in registers)
+// int16 activations (Act::xs) are rounded to +-32639 = 127 * 257, not 32767: then every value is
+// 256 h + l with h and l signed bytes (Act::xh, xl), which vpdpbusd multiplies by unsigned weight
+// bytes exactly (int4t_w16_avx512). One bit in 32767 coarser than the full int16 range.
+constexpr float kW16Levels = 32639.f;
 
 inline uint16_t to_bf16(float f) {  // round to nearest even (finite inputs)
   uint32_t u;
@@ -939,23 +943,26 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
   }
 }
 
-// The same on AVX-512 (VNNI): a chunk's 64-byte line is the 16 rows' dwords in one vector, so the 4
-// masked shifts give all 16 rows' int16 pairs at once and one vpdpwssd each multiplies them by the
-// broadcast xw pair and adds into the rows' int32 lanes (the AVX2 loop needs 8 vpmaddwd and 8 adds
-// per chunk and two 8-row halves). Up to four accumulators per activation row (one per pair
-// position at one or two rows) keep the vpdpwssd chains short. From cache on a Zen 4 core: 36 GB/s
-// of an OLMoE-width int4 expert a thread, against 28 for int4t_avx512 (bf16 x) and int4t_w16_avx2.
-// Scales and zero terms of a group: one 64-byte line of (s, z) bf16 pairs and 32 bytes of residuals
-// for the 16 rows, read where they are used (as scales8_avx2).
-// Same integer dots and the same fp32 operations per row and group as int4t_w16_avx2, so the same
-// results up to the order of the final sums.
+// The same on AVX-512 (VNNI), on the int16 activations split into signed bytes, xs = 256 xh + xl
+// (Act::xh, xl): a chunk's 64-byte line is the 16 rows' dwords in one vector; ANDed with 0x0F, and
+// shifted right by 4 and ANDed, it gives the unsigned nibbles of columns 8c..8c+3 and 8c+4..8c+7 of
+// all 16 rows, and one vpdpbusd each against a broadcast of 4 bytes of xh, and one of xl, adds 4
+// products per row lane. Per group the row's int32 dot is 256 sum(h) + sum(l): exactly the int16
+// dot (|.| <= 32 * 15 * 32639), so the same integer dots and the same fp32 operations per row and
+// group as int4t_w16_avx2, and the same results up to the order of the final sums. 7 integer ops
+// per 128 weights where unpacking to int16 pairs for vpdpwssd took 11: from cache on a Zen 4 core
+// 34-35 GB/s of an OLMoE-width int4 weight a thread, against 28 (both are near the bound of 4
+// multiply-adds per 64 bytes there). Two chains per part and row (nibble halves) up to 2 rows, one
+// from 3 rows on. Scales and zero terms of a group: one 64-byte line of (s, z) bf16 pairs and 32
+// bytes of residuals for the 16 rows, read where they are used (as scales8_avx2).
 template <int NB>
 TIERED_AVX512 void int4t_w16_avx512(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
                                     int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
-  const __m512i m = _mm512_set1_epi32(0x000F000F);
+  const __m512i m4 = _mm512_set1_epi8(15);
   const __m512i hi = _mm512_set1_epi32(int(0xFFFF0000u));
   const __m512 eight = _mm512_set1_ps(8.f);
+  constexpr int C = NB <= 2 ? 2 : 1;  // chains per part (h, l) and row: 2 C NB accumulators live
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     const uint8_t* tile = w.codes + m0 * (K / 2);
     const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
@@ -964,22 +971,21 @@ TIERED_AVX512 void int4t_w16_avx512(const Int4W& w, const Act& a, int64_t b0, in
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* chunk = tile + g * 256;  // 4 chunks of 8 columns x 16 rows
       prefetch_group(w, chunk, next, G, g);
-      const uint32_t* xg[NB];
-      for (int j = 0; j < NB; ++j) xg[j] = a.xw + (b0 + j) * (K / 2) + g * (kGroup / 2);
-      constexpr int A = NB <= 2 ? 4 : NB <= 4 ? 2 : 1;  // accumulators per row: A * NB + 8 vectors live
-      __m512i t[NB][A];
+      __m512i th[NB][C], tl[NB][C];
       for (int j = 0; j < NB; ++j)
-        for (int i = 0; i < A; ++i) t[j][i] = _mm512_setzero_si512();
+        for (int c = 0; c < C; ++c) th[j][c] = tl[j][c] = _mm512_setzero_si512();
       for (int c4 = 0; c4 < 4; ++c4) {
         const __m512i d = _mm512_loadu_si512(chunk + 64 * c4);
-        const __m512i q0 = _mm512_and_si512(d, m), q1 = _mm512_and_si512(_mm512_srli_epi32(d, 4), m);
-        const __m512i q2 = _mm512_and_si512(_mm512_srli_epi32(d, 8), m), q3 = _mm512_and_si512(_mm512_srli_epi32(d, 12), m);
+        const __m512i ql = _mm512_and_si512(d, m4), qh = _mm512_and_si512(_mm512_srli_epi16(d, 4), m4);
         for (int j = 0; j < NB; ++j) {
-          const uint32_t* x = xg[j] + c4 * 4;
-          t[j][0] = _mm512_dpwssd_epi32(t[j][0], q0, _mm512_set1_epi32(int32_t(x[0])));
-          t[j][1 % A] = _mm512_dpwssd_epi32(t[j][1 % A], q1, _mm512_set1_epi32(int32_t(x[1])));
-          t[j][2 % A] = _mm512_dpwssd_epi32(t[j][2 % A], q2, _mm512_set1_epi32(int32_t(x[2])));
-          t[j][3 % A] = _mm512_dpwssd_epi32(t[j][3 % A], q3, _mm512_set1_epi32(int32_t(x[3])));
+          const int64_t k = (b0 + j) * K + g * kGroup + c4 * 8;
+          int32_t h0, h1, l0, l1;
+          std::memcpy(&h0, a.xh + k, 4), std::memcpy(&h1, a.xh + k + 4, 4);
+          std::memcpy(&l0, a.xl + k, 4), std::memcpy(&l1, a.xl + k + 4, 4);
+          th[j][0] = _mm512_dpbusd_epi32(th[j][0], ql, _mm512_set1_epi32(h0));
+          th[j][C - 1] = _mm512_dpbusd_epi32(th[j][C - 1], qh, _mm512_set1_epi32(h1));
+          tl[j][0] = _mm512_dpbusd_epi32(tl[j][0], ql, _mm512_set1_epi32(l0));
+          tl[j][C - 1] = _mm512_dpbusd_epi32(tl[j][C - 1], qh, _mm512_set1_epi32(l1));
         }
       }
       const __m512i v = _mm512_loadu_si512(w.tile_sz(m0, G, g));
@@ -992,8 +998,8 @@ TIERED_AVX512 void int4t_w16_avx512(const Int4W& w, const Act& a, int64_t b0, in
       zv = _mm512_fnmadd_ps(eight, sv, zv);
       for (int j = 0; j < NB; ++j) {
         const int64_t bg = (b0 + j) * G + g;
-        __m512i ti = t[j][0];
-        for (int i = 1; i < A; ++i) ti = _mm512_add_epi32(ti, t[j][i]);
+        __m512i ti = _mm512_slli_epi32(C == 2 ? _mm512_add_epi32(th[j][0], th[j][1]) : th[j][0], 8);
+        ti = _mm512_add_epi32(ti, C == 2 ? _mm512_add_epi32(tl[j][0], tl[j][1]) : tl[j][0]);
         acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ti), _mm512_mul_ps(sv, _mm512_set1_ps(a.dw[bg])), acc[j]);
         corr[j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(a.wsum[bg]), corr[j]);
       }
@@ -2180,8 +2186,8 @@ static void w16_row_scalar(const float* x, int64_t K, uint32_t* xw, int16_t* xs,
     const float* p = x + g * kGroup;
     float amax = 0.f, sum = 0.f;
     for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(p[i])), sum += p[i];
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-    dw[g] = amax / 32767.f, wsum[g] = sum;
+    const float inv = amax > 0.f ? kW16Levels / amax : 0.f;
+    dw[g] = amax / kW16Levels, wsum[g] = sum;
     uint32_t* o = xw + g * kGroup / 2;
     for (int64_t c = 0; c < kGroup; c += 8) {
       int32_t q[8];
@@ -2203,8 +2209,8 @@ static TIERED_AVX2 void w16_row_avx2(const float* x, int64_t K, uint32_t* xw, in
   for (int64_t g = 0; g < K / kGroup; ++g) {
     __m256i q[4];
     float amax, sum;
-    quantize_group_avx2(x + g * kGroup, 32767.f, q, amax, sum);
-    dw[g] = amax / 32767.f, wsum[g] = sum;
+    quantize_group_avx2(x + g * kGroup, kW16Levels, q, amax, sum);
+    dw[g] = amax / kW16Levels, wsum[g] = sum;
     for (int h = 0; h < 2; ++h) {  // 16 columns: packs interleaves 4-column runs across lanes
       const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xD8);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xs + g * kGroup + 16 * h), w);
@@ -2280,6 +2286,15 @@ Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, ActNeeds needs) {
                                                dw.data() + b * G, wsum.data() + b * G);
     });
     a.xw = xw.data(), a.xs = xs.data(), a.dw = dw.data(), a.wsum = wsum.data();
+    if (current_isa() == kAvx512) {  // xs = 256 xh + xl, both signed bytes (|xs| <= kW16Levels)
+      xh.resize(B * K);
+      xl.resize(B * K);
+      for (int64_t i = 0; i < B * K; ++i) {
+        const int8_t l = int8_t(uint8_t(uint16_t(xs[i]) & 0xFF));
+        xl[i] = l, xh[i] = int8_t((int32_t(xs[i]) - l) >> 8);
+      }
+      a.xh = xh.data(), a.xl = xl.data();
+    }
   }
   return a;
 }

@@ -41,11 +41,12 @@ Isa current_isa();  // what the kernels use now (best_isa unless set_isa lowered
 //   m8 fp32 [Gp]: -8 * dx * sum(xq) per group (int4's q - 8 offset, taken out per row block);
 //   xqt int8 [K]: the same xq in column order, and dxg fp32 [G] its dx per group (the tiled int4
 //      layout's operands).
-// With w16 (the AVX2 paths of the tiled int4 layout and of int8 weights), x quantized per group of 32 to int16: dw = max|x| / 32767, xw = round(x / dw) (15 bits
+// With w16 (the AVX2 paths of the tiled int4 layout and of int8 weights), x quantized per group of 32 to int16: dw = max|x| / 32639, xw = round(x / dw) (15 bits
 // where bf16 keeps 8), as uint32 words of two int16 in the order that path's vpmaddwd reads them: per
 // 8 columns c8, words (x0, x2), (x4, x6), (x1, x3), (x5, x7) of x[8 c8 ..] (low half first): xw uint32
 // [B, K/2]; xs int16 [B, K] the same values in column order (the int8 kernel's AVX2 path);
-// dw fp32 [B, K/32]; wsum fp32 [B, K/32] the exact sums of x per group.
+// dw fp32 [B, K/32]; wsum fp32 [B, K/32] the exact sums of x per group; on AVX-512 also xh, xl
+// int8 [B, K] in column order with xs = 256 xh + xl (32639 = 127 * 257 keeps both in a signed byte).
 // With pairs (the tiled int4 layout on bf16 activations, AVX-512): xp uint32 [B, K/2], per 8 columns c8 and j < 4 the bf16 words of x[8 c8 + j] (low)
 // and x[8 c8 + 4 + j] (high).
 struct Act {
@@ -60,6 +61,7 @@ struct Act {
   const uint32_t* xp = nullptr;
   const uint32_t* xw = nullptr;
   const int16_t* xs = nullptr;
+  const int8_t *xh = nullptr, *xl = nullptr;
   const float *dw = nullptr, *wsum = nullptr;
   int64_t B = 0, K = 0, Gp = 0;  // Gp: padded groups per row of xq / xsum / m8 (0 without q8)
 };
@@ -77,7 +79,7 @@ struct ActNeeds {
 struct ActBuffers {
   std::vector<float> xr, gsum, dx16, xsum, m8, dxg, dw, wsum;
   std::vector<uint16_t> xb;
-  std::vector<int8_t> xq, xqt;
+  std::vector<int8_t> xq, xqt, xh, xl;
   std::vector<int16_t> xs;
   std::vector<uint32_t> xp, xw;
   Act prepare(const float* x, int64_t B, int64_t K, ActNeeds needs = {});
