@@ -75,7 +75,7 @@ STEADY = 0.15
 
 def native_slot(gu: torch.Tensor, dn: torch.Tensor, Fi: int, fmt: str):
     """(ExpertFormat, slot) of one expert over gate/up [2F, D], down [D, F] as the engine stores it
-    on the CPU with the extension built (bf16 tensors, or a flat slot in the tiled int4 layout), in
+    on the CPU with the extension built (bf16 tensors, or a flat slot in the tiled layout), in
     memory from the engine's own host allocator (hardware/budget.host_empty: transparent huge pages
     for tensors of 4 MiB and more, as the expert store's slots get them)."""
     D = dn.shape[0]

@@ -5,6 +5,7 @@ TIERED_NATIVE=0, or no compiler); callers then keep their torch-op paths.
 
     weight                                   kernel
     Int8Linear (q int8 [N, K], scale [N])    int8_kernel (ours)
+    int8 expert projection, tiled layout     int8_tiled_kernel (ours: 16 rows per SIMD vector, vpdpbusd)
     Int4Linear, tiled layout                 int4_tiled_kernel (ours: bf16 activations at batch 1,
                                              Int4Linear.batch_act from 2 rows)
     Int4Linear with plain codes              int4_kernel (ours, bf16 activations: act="q8" is faster but
@@ -77,6 +78,46 @@ def untiled_residual(zr: torch.Tensor) -> torch.Tensor:
     """The inverse of `tiled_residual`: [N/16, G, 16] -> [G, N]."""
     T, G = zr.shape[:2]
     return zr.transpose(0, 1).reshape(G, T * TILE)
+
+
+def int8_tiles(N: int, K: int) -> bool:
+    """Whether an int8 weight [N, K] can take the tiled int8 layout (`tiled_int8`): N % 16 == 0 and
+    K % 32 == 0 (csrc/gemv.cpp int8_tiles; other shapes stay per row)."""
+    return N % TILE == 0 and K % 32 == 0
+
+
+def tiled_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 weights [N, K] (per-row layout) -> uint8 [N, K] in the tiled int8 layout that
+    `int8_tiled_kernel` reads: per tile of 16 rows and per 4 columns, 64 bytes where byte 4r + j
+    holds q[16t + r, 4c + j] + 128. One 32-bit SIMD lane is then one output row and the bytes are
+    vpdpbusd's unsigned operand (csrc/gemv.cpp, "int8, tiled").
+
+    Raises:
+        ValueError: not int8, or a shape `int8_tiles` rejects.
+    """
+    N, K = q.shape
+    if q.dtype != torch.int8 or not int8_tiles(N, K):
+        raise ValueError(f"tiled int8 needs int8 [N, K] with N % {TILE} == 0 and K % 32 == 0, got {q.dtype} {N} x {K}")
+    u = (q.to(torch.int16) + 128).to(torch.uint8).reshape(N // TILE, TILE, K // 4, 4)  # (t, r, c, j)
+    return u.permute(0, 2, 1, 3).contiguous().reshape(N, K)
+
+
+def untiled_int8(qt: torch.Tensor) -> torch.Tensor:
+    """`tiled_int8`'s inverse: uint8 [N, K] tiled -> int8 [N, K] per row."""
+    N, K = qt.shape
+    u = qt.reshape(N // TILE, K // 4, TILE, 4).permute(0, 2, 1, 3).reshape(N, K)
+    return (u.to(torch.int16) - 128).to(torch.int8)
+
+
+def int8_tiled_kernel(qt: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    """Our int8 kernel over the tiled layout: qt uint8 [N, K] (`tiled_int8`), scale [N]; w = (qt -
+    128) * scale. Exact int32 dots of the weights with int16-quantized activations (per group of 32,
+    as the per-row int8 kernel). None without the extension.
+
+    Raises:
+        RuntimeError: shapes or dtypes other than the above."""
+    ext = load()
+    return None if ext is None else ext.int8_tiled_kernel(qt, scale, bias)
 
 
 def int4_tiled_kernel(codes: torch.Tensor, sz: torch.Tensor, residual: torch.Tensor | None = None,

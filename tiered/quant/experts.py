@@ -30,6 +30,11 @@ codes per byte, even column in the low nibble (portable: a CUDA device converts 
 `aten._convert_weight_to_int4pack` after the copy; the CPU converts it per call). On CUDA, int8
 per-row uses `_weight_int8pack_mm` when this torch build has it; every other case, and any kernel
 that refuses its shapes, falls back to dequantize-then-matmul in the activation dtype.
+
+The "tiled" layout (the host's when tiered/kernels is built) puts 16 output rows side by side, one
+SIMD lane per row, for tiered's native kernels: int4 codes as `kernels.linear.tiled_codes`, and int8
+projections with N % 16 == 0 and K % 32 == 0 as qt uint8 [N, K] = q + 128 in 16-row tiles of 4
+columns (`kernels.linear.tiled_int8`; w = (qt - 128) * s), other int8 shapes per row.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch.nn.functional as F
 
 from tiered import kernels
 from tiered.errors import ConfigError
+from tiered.kernels.linear import int8_tiles, tiled_int8, untiled_int8
 from tiered.quant.int4 import GROUP
 
 KINDS = ("fp32", "bf16", "int8", "int8-g32", "int4")
@@ -67,6 +73,8 @@ def _segments(kind: str, N: int, K: int, int4_layout: str = "cpu") -> list[tuple
     """(field, shape, dtype) of one [N, K] projection stored as `kind` (int4: in `int4_layout`)."""
     if kind in DENSE:
         return [("w", (N, K), DENSE[kind])]
+    if kind == "int8" and int4_layout == "tiled" and int8_tiles(N, K):  # 16-row tiles, +128 (kernels/linear.py)
+        return [("qt", (N, K), torch.uint8), ("scale", (N,), torch.bfloat16)]
     if kind == "int8":
         return [("q", (N, K), torch.int8), ("scale", (N,), torch.bfloat16)]
     if kind == "int8-g32":
@@ -356,6 +364,8 @@ def quantize_projection(w: torch.Tensor, kind: str, int4_layout: str = "cpu") ->
         return {"w": w.to(DENSE[kind])}
     if kind == "int8":
         q, s = quantize_int8(w)
+        if int4_layout == "tiled" and int8_tiles(*q.shape):
+            return {"qt": tiled_int8(q), "scale": s.to(torch.bfloat16)}
         return {"q": q, "scale": s.to(torch.bfloat16)}
     if kind == "int8-g32":
         N, K = w.shape
@@ -419,7 +429,11 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
         return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
     cuda = x.device.type == "cuda"
     xb = x.to(torch.bfloat16).contiguous()
-    if kind == "int8":
+    if kind == "int8" and "qt" in v:  # the tiled layout: its native kernel, else dequantized below
+        ext = kernels.load() if x.device.type == "cpu" else None
+        if ext is not None:
+            return ext.int8_tiled_kernel(v["qt"], v["scale"])(x).to(x.dtype)
+    elif kind == "int8":
         try:
             return torch.ops.aten._weight_int8pack_mm(xb, v["q"], v["scale"]).to(x.dtype)
         except (RuntimeError, NotImplementedError):
@@ -432,7 +446,7 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
         except (RuntimeError, NotImplementedError):
             pass  # no kernel for this device / shape: dequantize below
     K = x.shape[-1]
-    N = v["codes"].shape[0] if kind == "int4" else v["q"].shape[0]
+    N = v["codes"].shape[0] if kind == "int4" else v["qt" if "qt" in v else "q"].shape[0]
     return F.linear(x, dequantize_projection(v, kind, N, K, int4_layout).to(x.dtype))
 
 
@@ -491,7 +505,8 @@ def dequantize_projection(v: dict[str, torch.Tensor], kind: str, N: int, K: int,
     if kind in DENSE:
         return v["w"].float()
     if kind == "int8":
-        return v["q"].float() * v["scale"].float()[:, None]
+        q = untiled_int8(v["qt"]) if "qt" in v else v["q"]
+        return q.float() * v["scale"].float()[:, None]
     if kind == "int8-g32":
         return (v["q"].float().reshape(N, K // GROUP, GROUP) * v["scale"].float()[..., None]).reshape(N, K)
     sz, zr = _group_tensors(v, int4_layout)

@@ -89,10 +89,11 @@ struct Int4W {
 };
 
 struct Int8W {
-  const int8_t* q;
+  const int8_t* q;  // [N, K] per row, or the tiled layout's bytes (see "int8, tiled") when `tiled`
   const float* scale;  // [N] fp32, or null and
   const uint16_t* scale_bf16;  // [N] bf16 (as ExpertFormat stores it)
   const float* bias;
+  bool tiled = false;
   float s(int64_t n) const { return scale ? scale[n] : bf16f(scale_bf16[n]); }
 };
 
@@ -1378,6 +1379,147 @@ void int4t_dequantize(const Int4W& w, int64_t K, int64_t n0, int64_t n1, float* 
   });
 }
 
+// ------------------------------------------------------------------------------------ int8, tiled
+// The tiled int8 layout (Int8W::tiled; the host layout of routed int8 experts beside tiled int4,
+// kernels/linear.tiled_int8): 16 output rows side by side, as the tiled int4 layout, so that one
+// 32-bit lane is one row. Per 16-row tile (N / 16 tiles of 16 K bytes) and per 4 columns c = k / 4,
+// 64 bytes: byte 4r + j (row r, j < 4) = q[16 t + r, 4 c + j] + 128, an unsigned byte. Needs
+// N % 16 == 0 and K % 32 == 0. Every path reads the int16 activations (Act::xs and its forms): per
+// group of 32 the exact int32 dot of q with xs is sum((q + 128) xs) - 128 sum(xs) (Act::xsq), then
+// y = scale * sum_g dw_g dot_g, the per-row layout's integer dots and fp32 operations per group.
+
+inline bool int8_tiles(int64_t N, int64_t K) { return N % kBlock == 0 && K % kGroup == 0; }
+
+inline uint8_t tiled_int8_code(const uint8_t* tile, int64_t r, int64_t k) {  // q + 128 of row r, column k
+  return tile[(k / 4) * 64 + r * 4 + (k % 4)];
+}
+
+void int8t_scalar(const Int8W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y,
+                  int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  const auto* codes = reinterpret_cast<const uint8_t*>(w.q);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* tile = codes + (n / kBlock) * kBlock * K;
+    for (int64_t b = b0; b < b0 + nb; ++b) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t d = 0;
+        for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
+          d += (int32_t(tiled_int8_code(tile, n % kBlock, k)) - 128) * a.xs[b * K + k];
+        acc += a.dw[b * G + g] * float(d);
+      }
+      y[b * ldy + n] = Int8Rows::out(w, n, acc);
+    }
+  }
+}
+
+// The 16 rows' scales of the tile at row m0 as fp32.
+TIERED_AVX512 inline __m512 int8t_scales16(const Int8W& w, int64_t m0) {
+  if (w.scale) return _mm512_loadu_ps(w.scale + m0);
+  const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scale_bf16 + m0));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
+}
+
+// AVX2: per chunk and 8-row half (32 bytes), the bytes 0 and 2 of each row's dword masked with
+// 0x00FF00FF, and bytes 1 and 3 shifted down by 8, are int16 pairs (0..255) that one vpmaddwd each
+// multiplies by the broadcast xw words (x0, x2) and (x1, x3) of those 4 columns (Act::xw keeps
+// per 8 columns (x0, x2), (x4, x6), (x1, x3), (x5, x7)). Pair sums <= 2 * 255 * 32639: exact.
+template <int NB>
+TIERED_AVX2 void int8t_avx2(const Int8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                            int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  const auto* codes = reinterpret_cast<const uint8_t*>(w.q);
+  const __m256i m = _mm256_set1_epi32(0x00FF00FF);
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const uint8_t* tile = codes + m0 * K;
+    __m256 acc[NB][2];
+    for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* grp = tile + g * 512;  // 8 chunks of 4 columns x 16 rows
+      for (int l = 0; l < 8; ++l) prefetch_stream(grp + kPrefetchAhead + 64 * l);
+      __m256i t[NB][2];
+      for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int c = 0; c < 8; ++c) {
+        __m256i e[2], o[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 64 * c + 32 * h));
+          e[h] = _mm256_and_si256(d, m), o[h] = _mm256_srli_epi16(d, 8);
+        }
+        const int64_t i = (c / 2) * 4 + c % 2;  // xw word of columns (4c, 4c + 2); + 2: (4c + 1, 4c + 3)
+        for (int j = 0; j < NB; ++j) {
+          const uint32_t* xw = a.xw + (b0 + j) * (K / 2) + g * (kGroup / 2);
+          const __m256i xe = _mm256_set1_epi32(int32_t(xw[i])), xo = _mm256_set1_epi32(int32_t(xw[i + 2]));
+          for (int h = 0; h < 2; ++h)
+            t[j][h] = _mm256_add_epi32(t[j][h], _mm256_add_epi32(_mm256_madd_epi16(e[h], xe), _mm256_madd_epi16(o[h], xo)));
+        }
+      }
+      for (int j = 0; j < NB; ++j) {
+        const int64_t bg = (b0 + j) * G + g;
+        const __m256i off = _mm256_set1_epi32(128 * a.xsq[bg]);
+        const __m256 dw = _mm256_set1_ps(a.dw[bg]);
+        for (int h = 0; h < 2; ++h)
+          acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(t[j][h], off)), dw, acc[j][h]);
+      }
+    }
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        float out[8];
+        _mm256_storeu_ps(out, acc[j][h]);
+        for (int r = 0; r < 8; ++r) y[(b0 + j) * ldy + m0 + 8 * h + r] = Int8Rows::out(w, m0 + 8 * h + r, out[r]);
+      }
+  }
+}
+
+// AVX-512 (VNNI): a chunk's 64 bytes are the 16 rows' 4 unsigned weights, and one vpdpbusd against
+// a broadcast of 4 bytes of xh, one of xl (xs = 256 xh + xl, signed bytes), add 4 products per row
+// lane: 2 multiply-adds per 64 weights and no conversions, where the per-row layout's int16 path
+// (int8_w16_avx512) needs a sign extension, a vpmaddwd, a conversion and an FMA per 32. Per group
+// the row's dot is 256 sum(h) + sum(l) - 128 sum(xs), exact. Two chains per part and row (even
+// and odd chunks) up to 2 rows, one from 3 rows on.
+template <int NB>
+TIERED_AVX512 void int8t_avx512(const Int8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                                int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  const auto* codes = reinterpret_cast<const uint8_t*>(w.q);
+  constexpr int C = NB <= 2 ? 2 : 1;
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const uint8_t* tile = codes + m0 * K;
+    __m512 acc[NB];
+    for (int j = 0; j < NB; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* grp = tile + g * 512;  // 8 chunks of 4 columns x 16 rows
+      for (int l = 0; l < 8; ++l) prefetch_stream(grp + kPrefetchAhead + 64 * l);
+      __m512i th[NB][C], tl[NB][C];
+      for (int j = 0; j < NB; ++j)
+        for (int c = 0; c < C; ++c) th[j][c] = tl[j][c] = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        const __m512i d = _mm512_loadu_si512(grp + 64 * c);
+        for (int j = 0; j < NB; ++j) {
+          const int64_t k = (b0 + j) * K + g * kGroup + 4 * c;
+          int32_t h, l;
+          std::memcpy(&h, a.xh + k, 4), std::memcpy(&l, a.xl + k, 4);
+          th[j][c % C] = _mm512_dpbusd_epi32(th[j][c % C], d, _mm512_set1_epi32(h));
+          tl[j][c % C] = _mm512_dpbusd_epi32(tl[j][c % C], d, _mm512_set1_epi32(l));
+        }
+      }
+      for (int j = 0; j < NB; ++j) {
+        const int64_t bg = (b0 + j) * G + g;
+        __m512i t = _mm512_slli_epi32(C == 2 ? _mm512_add_epi32(th[j][0], th[j][C - 1]) : th[j][0], 8);
+        t = _mm512_add_epi32(t, C == 2 ? _mm512_add_epi32(tl[j][0], tl[j][C - 1]) : tl[j][0]);
+        t = _mm512_sub_epi32(t, _mm512_set1_epi32(128 * a.xsq[bg]));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(a.dw[bg]), acc[j]);
+      }
+    }
+    const __m512 sv = int8t_scales16(w, m0);
+    for (int j = 0; j < NB; ++j) {
+      __m512 out = _mm512_mul_ps(acc[j], sv);
+      if (w.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(w.bias + m0));
+      _mm512_storeu_ps(y + (b0 + j) * ldy + m0, out);
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------ dispatch
 // Runs fn<NB, extra template arguments...> over activation rows [b0, b0 + nb) in passes of at most
 // kMaxNB rows.
@@ -1494,6 +1636,14 @@ struct Int8Gemv : Gemv {
   std::vector<float> scale, bias;
   Int8W w{};
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
+    if (w.tiled) {
+      switch (current_isa()) {
+        case kAvx512: TIERED_DISPATCH_NB(int8t_avx512, w) break;
+        case kAvx2: TIERED_DISPATCH_NB(int8t_avx2, w) break;
+        default: int8t_scalar(w, a, b0, nb, n0, n1, y, ldy);
+      }
+      return;
+    }
     switch (current_isa()) {
       case kAvx512:
         if (a.xs) {
@@ -1512,12 +1662,13 @@ struct Int8Gemv : Gemv {
       default: rows_scalar<Int8Rows>(w, a, b0, nb, n0, n1, y, ldy);
     }
   }
-  // Reads int16 x (per group of 32) on AVX2 and AVX-512 when K % 32 == 0, else fp32 x.
-  bool w16() const { return current_isa() >= kAvx2 && in_features % kGroup == 0; }
+  // Reads int16 x (per group of 32) on AVX2 and AVX-512 when K % 32 == 0, else fp32 x; the tiled
+  // layout (K % 32 == 0) on every path.
+  bool w16() const { return (w.tiled || current_isa() >= kAvx2) && in_features % kGroup == 0; }
   ActNeeds needs(int64_t) const override { return {false, false, false, w16()}; }
   int64_t weight_bytes() const override { return out_features * (in_features + 2); }
   std::string name() const override {
-    return std::string("int8(tiered,") + isa_name(current_isa()) + (w16() ? "; int16 x)" : ")");
+    return std::string(w.tiled ? "int8t(tiered," : "int8(tiered,") + isa_name(current_isa()) + (w16() ? "; int16 x)" : ")");
   }
 };
 
@@ -1857,6 +2008,7 @@ struct ExpertSpec {
       k8.in_features = pr.K, k8.out_features = pr.N;
       k8.w = {reinterpret_cast<const int8_t*>(buf + pr.off[0]), nullptr,
               reinterpret_cast<const uint16_t*>(buf + pr.off[1]), nullptr};
+      k8.w.tiled = int4_tiled && int8_tiles(pr.N, pr.K);  // the tiled host layout tiles int8 too
       out = &k8;
     } else {
       kb.in_features = pr.K, kb.out_features = pr.N;
@@ -2053,6 +2205,18 @@ std::shared_ptr<Gemv> make_int8(at::Tensor q, at::Tensor scale, c10::optional<at
   k->scale.assign(s.data_ptr<float>(), s.data_ptr<float>() + N);
   k->bias = bias_vector(bias, N);
   k->w = {q.data_ptr<int8_t>(), k->scale.data(), nullptr, k->bias.empty() ? nullptr : k->bias.data()};
+  return k;
+}
+
+// The tiled int8 layout (qt uint8 [N, K], see "int8, tiled"): scale [N], w = (qt - 128) * scale.
+std::shared_ptr<Gemv> make_int8_tiled(at::Tensor qt, at::Tensor scale, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(qt.dim() == 2, "int8_tiled_kernel: qt must be uint8 [N, K]");
+  const int64_t N = qt.size(0), K = qt.size(1);
+  TORCH_CHECK(int8_tiles(N, K), "int8_tiled_kernel: the tiled int8 layout needs N % 16 == 0 and K % 32 == 0, got ",
+              N, " x ", K);
+  check_rows(qt, at::kByte, N, K, "int8_tiled_kernel: qt");
+  auto k = make_int8(qt.view(at::kChar), scale, bias);
+  static_cast<Int8Gemv&>(*k).w.tiled = true;
   return k;
 }
 
@@ -2286,6 +2450,13 @@ Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, ActNeeds needs) {
                                                dw.data() + b * G, wsum.data() + b * G);
     });
     a.xw = xw.data(), a.xs = xs.data(), a.dw = dw.data(), a.wsum = wsum.data();
+    xsq.resize(B * G);
+    for (int64_t i = 0; i < B * G; ++i) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < kGroup; ++k) s += xs[i * kGroup + k];
+      xsq[i] = s;
+    }
+    a.xsq = xsq.data();
     if (current_isa() == kAvx512) {  // xs = 256 xh + xl, both signed bytes (|xs| <= kW16Levels)
       xh.resize(B * K);
       xl.resize(B * K);
@@ -2370,6 +2541,12 @@ void register_gemv(pybind11::module& m) {
         },
         py::arg("q"), py::arg("scale"), py::arg("bias") = py::none(),
         "tiered's int8 GEMV. q int8 [N, K] contiguous, scale [N] any float dtype: w = q * scale.");
+  m.def("int8_tiled_kernel", [](at::Tensor qt, at::Tensor scale, c10::optional<at::Tensor> bias) -> KernelPtr {
+          return make_int8_tiled(qt, scale, bias);
+        },
+        py::arg("qt"), py::arg("scale"), py::arg("bias") = py::none(),
+        "tiered's int8 GEMV over the tiled layout (kernels/linear.tiled_int8). qt uint8 [N, K] contiguous "
+        "(N % 16 == 0, K % 32 == 0), scale [N] any float dtype: w = (q - 128) * scale.");
   m.def("bf16_kernel", [](at::Tensor w, c10::optional<at::Tensor> bias) -> KernelPtr { return make_bf16(w, bias); },
         py::arg("w"), py::arg("bias") = py::none(), "tiered's bf16 GEMV. w bf16 [N, K] contiguous.");
   m.def("f32_kernel", [](at::Tensor w, c10::optional<at::Tensor> bias) -> KernelPtr { return make_f32(w, bias); },

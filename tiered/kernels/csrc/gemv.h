@@ -1,5 +1,6 @@
-// tiered's own GEMV kernels for CPU decode (batch 1..8, any batch works): int4 group-32, int8
-// per-row and bf16 weights, read as stored, fp32 rows in and out; and a fused SwiGLU expert.
+// tiered's own GEMV kernels for CPU decode (batch 1..8, any batch works): int4 group-32 and int8
+// per-row weights (each also in a tiled layout of 16 rows side by side) and bf16 weights, read as
+// stored, fp32 rows in and out; and a fused SwiGLU expert.
 //
 // Each kernel is a `Gemv`: besides Kernel::run it computes any range of output rows from an `Act`
 // (one call's activations, prepared once: bf16 copy, group sums), so a fused expert prepares x once
@@ -46,7 +47,8 @@ Isa current_isa();  // what the kernels use now (best_isa unless set_isa lowered
 // 8 columns c8, words (x0, x2), (x4, x6), (x1, x3), (x5, x7) of x[8 c8 ..] (low half first): xw uint32
 // [B, K/2]; xs int16 [B, K] the same values in column order (the int8 kernel's AVX2 path);
 // dw fp32 [B, K/32]; wsum fp32 [B, K/32] the exact sums of x per group; on AVX-512 also xh, xl
-// int8 [B, K] in column order with xs = 256 xh + xl (32639 = 127 * 257 keeps both in a signed byte).
+// int8 [B, K] in column order with xs = 256 xh + xl (32639 = 127 * 257 keeps both in a signed byte);
+// xsq int32 [B, K/32] the sums of xs per group (the tiled int8 layout's +128 offset term).
 // With pairs (the tiled int4 layout on bf16 activations, AVX-512): xp uint32 [B, K/2], per 8 columns c8 and j < 4 the bf16 words of x[8 c8 + j] (low)
 // and x[8 c8 + 4 + j] (high).
 struct Act {
@@ -62,6 +64,7 @@ struct Act {
   const uint32_t* xw = nullptr;
   const int16_t* xs = nullptr;
   const int8_t *xh = nullptr, *xl = nullptr;
+  const int32_t* xsq = nullptr;
   const float *dw = nullptr, *wsum = nullptr;
   int64_t B = 0, K = 0, Gp = 0;  // Gp: padded groups per row of xq / xsum / m8 (0 without q8)
 };
@@ -81,6 +84,7 @@ struct ActBuffers {
   std::vector<uint16_t> xb;
   std::vector<int8_t> xq, xqt, xh, xl;
   std::vector<int16_t> xs;
+  std::vector<int32_t> xsq;
   std::vector<uint32_t> xp, xw;
   Act prepare(const float* x, int64_t B, int64_t K, ActNeeds needs = {});
   void quantize_q8(const float* x, int64_t B, int64_t K, Act& a);
