@@ -10,8 +10,9 @@ tok/s over 128 greedy tokens after a 32-token prompt, peak RSS, and the bandwidt
 weight bytes a token reads (top-8 of 128 experts per layer, the attention, the router, the output
 matrix).
 
-    tiered-int4   tiered, EngineConfig(): experts kept as the file's Q4_0 blocks repacked to the
-                  int4 kernels' layout, all resident in RAM, decode in the native step
+    tiered-int4   tiered, EngineConfig() (the default engine): experts kept as the file's blocks
+                  repacked to the native kernels' tiled layout (Q4_0 -> int4, with --qtype Q8_0
+                  -> int8-g32), all resident in RAM, decode in the native step
     llama.cpp     llama-cpp-python on the same file (mmap), same thread count
 
 transformers is left out: it dequantizes a GGUF to fp32 / bf16 at load (4.8 GB of Q4_0 experts
@@ -20,7 +21,8 @@ would be 17 GB in bf16) and its MoE block loops over experts in Python.
 Usage:
     .venv/bin/python benchmarks/cpu_moe.py                 # 8 layers (2.9 GB file), ~6 min
     .venv/bin/python benchmarks/cpu_moe.py --layers 4 --quick --out /tmp/cpu_moe
-Results: benchmarks/results/cpu_moe.json and cpu_moe.md. The GGUF is cached under
+    .venv/bin/python benchmarks/cpu_moe.py --qtype Q8_0    # Q8_0 attention and experts (5.4 GB)
+Results: benchmarks/results/cpu_moe.json and cpu_moe.md (cpu_moe_q8_0.* with --qtype Q8_0). The GGUF is cached under
 ~/.cache/tiered/bench/ (written once, ~20 s for 8 layers).
 """
 
@@ -57,10 +59,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8, help="decoder layers at Qwen3-30B-A3B's widths (real: 48)")
     ap.add_argument("--engines", default="tiered-int4,llama.cpp")
-    ap.add_argument("--out", default=str(HERE / "results" / "cpu_moe"), help="output path stem (.json / .md added)")
+    ap.add_argument("--qtype", default="Q4_0", choices=["Q4_0", "Q8_0"], help="block type of attention and experts")
+    ap.add_argument("--out", default=None, help="output path stem (.json / .md added; default results/cpu_moe, "
+                                                 "results/cpu_moe_q8_0 for Q8_0)")
     a, rest = ap.parse_known_args(argv)
-    path = model_file(a.layers)
-    name = f"Qwen3-30B-A3B widths, {a.layers} of 48 layers (dummy Q4_0 weights)"
+    path = model_file(a.layers, a.qtype)
+    name = f"Qwen3-30B-A3B widths, {a.layers} of 48 layers (dummy {a.qtype} weights)"
+    a.out = a.out or str(HERE / "results" / ("cpu_moe" if a.qtype == "Q4_0" else f"cpu_moe_{a.qtype.lower()}"))
     return cpu_dense.main(["--model", str(path), "--name", name, "--engines", a.engines, "--out", a.out,
                            "--title", f"CPU MoE benchmark: {name}, at batch 1"] + rest)
 

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from tiered.kernels import load
 from tiered.kernels.linear import (int4_kernel, int4_tiled_kernel, kernel_for, plain_codes, tiled_codes, tiled_residual,
-                                   tiled_int8, tiled_scales, untiled_codes, untiled_int8, untiled_residual, untiled_scales)
+                                   tiled_group_scales, tiled_int8, tiled_scales, untiled_codes, untiled_group_scales,
+                                   untiled_int8, untiled_residual, untiled_scales)
 from tiered.quant.experts import ExpertFormat
 from tiered.quant.int4 import Int4Linear, quantize_int4
 from tiered.quant.int8 import Int8Linear
@@ -248,6 +249,26 @@ def test_int8_tiled(isa, N, K):  # the per-row kernel's integer dots, from the t
             assert rel(y, rows(x)) < 1e-6, (isa, B)
 
 
+@pytest.mark.parametrize("N,K", TILED_SHAPES + [(16, 160)])
+def test_int8g32_tiled(isa, N, K):  # GGUF Q8_0's weights: fp16 scales per row and group of 32
+    g = torch.Generator().manual_seed(N * 11 + K)
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    st = (torch.rand(N, K // 32, generator=g) * 1e-2 + 1e-3).half()
+    bias = torch.randn(N, generator=g)
+    k = ext.int8g32_tiled_kernel(tiled_int8(q), tiled_group_scales(st), bias)
+    assert k.name() == f"int8g32t(tiered,{isa}; int16 x)"
+    wq = (q.float().reshape(N, -1, 32) * st.float()[..., None]).reshape(N, K)
+    for B in range(1, 10):
+        x = torch.randn(B, K, generator=g)
+        x[0, :32] = 0
+        y = k(x)
+        assert rel(y, int8_activations(k, x) @ wq.T + bias) < 5e-5, (isa, B)
+        assert rel(y, x @ wq.T + bias) < 1e-3, (isa, B)
+    assert torch.equal(untiled_group_scales(tiled_group_scales(st)), st)
+    with pytest.raises(RuntimeError, match="st must be"):
+        ext.int8g32_tiled_kernel(tiled_int8(q), st)  # [N, K/32], not the tiled [N/16, K/32, 16]
+
+
 def test_tiled_int8_layout_round_trips_and_rejects_bad_shapes():
     q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
     t = tiled_int8(q)
@@ -262,13 +283,15 @@ def test_tiled_int8_layout_round_trips_and_rejects_bad_shapes():
         ext.int8_tiled_kernel(t[:24], torch.ones(24))
 
 
-def test_expert_int8_tiles_only_what_fits():  # N % 16, K % 32: the kernels' binding and the format agree
+@pytest.mark.parametrize("kind", ["int8", "int8-g32"])
+def test_expert_int8_tiles_only_what_fits(kind):  # N % 16, K % 32: the kernels' binding and the format agree
     D = 128
     g = torch.Generator().manual_seed(2)
-    for Fi, tiled in ((96, (True, True, True)), (40, (False, False, False)), (48, (True, True, False))):
+    cases = ((96, (True, True, True)), (40, (False, False, False)), (48, (True, True, False)))
+    for Fi, tiled in cases if kind == "int8" else cases[:1]:  # int8-g32's K % 32 == 0 makes every N tile
         ws = [torch.randn(Fi, D, generator=g) * 0.05, torch.randn(Fi, D, generator=g) * 0.05,
               torch.randn(D, Fi, generator=g) * 0.05]
-        fmt = ExpertFormat("int8", ((Fi, D), (Fi, D), (D, Fi)), "tiled")
+        fmt = ExpertFormat(kind, ((Fi, D), (Fi, D), (D, Fi)), "tiled")
         slot = fmt.empty()
         fmt.quantize(ws, slot)
         assert tuple("qt" in v for v in fmt.views(slot)) == tiled, Fi
@@ -326,6 +349,7 @@ def test_int8_linear_small_batch_uses_native_and_matches():
 
 
 @pytest.mark.parametrize("name,layout", [("int4", "plain"), ("int4", "tiled"), ("int8", "cpu"), ("int8", "tiled"),
+                                         ("int8-g32", "tiled"), ("int4,int4,int8-g32", "tiled"),
                                          ("int4,int4,int8", "plain"),
                                          ("int4,int4,int8", "tiled"), ("bf16", "cpu")])
 def test_fused_expert(isa, name, layout):  # int4 projections on int8 activations (EXPERT_INT4_ACT)

@@ -6,6 +6,7 @@ TIERED_NATIVE=0, or no compiler); callers then keep their torch-op paths.
     weight                                   kernel
     Int8Linear (q int8 [N, K], scale [N])    int8_kernel (ours)
     int8 expert projection, tiled layout     int8_tiled_kernel (ours: 16 rows per SIMD vector, vpdpbusd)
+    int8-g32 (GGUF Q8_0) expert, tiled       int8g32_tiled_kernel (the same, fp16 scales per group of 32)
     Int4Linear, tiled layout                 int4_tiled_kernel (ours: bf16 activations at batch 1,
                                              Int4Linear.batch_act from 2 rows)
     Int4Linear with plain codes              int4_kernel (ours, bf16 activations: act="q8" is faster but
@@ -100,6 +101,19 @@ def tiled_int8(q: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"tiled int8 needs int8 [N, K] with N % {TILE} == 0 and K % 32 == 0, got {q.dtype} {N} x {K}")
     u = (q.to(torch.int16) + 128).to(torch.uint8).reshape(N // TILE, TILE, K // 4, 4)  # (t, r, c, j)
     return u.permute(0, 2, 1, 3).contiguous().reshape(N, K)
+
+
+def tiled_group_scales(scale: torch.Tensor) -> torch.Tensor:
+    """int8-g32 scales [N, K/32] -> the tiled layout's [N/16, K/32, 16] (a tile's 16 rows side by
+    side per group, as `int8g32_tiled_kernel` reads them)."""
+    N, G = scale.shape
+    return scale.reshape(N // TILE, TILE, G).transpose(1, 2).contiguous()
+
+
+def untiled_group_scales(st: torch.Tensor) -> torch.Tensor:
+    """`tiled_group_scales`' inverse: [N/16, K/32, 16] -> [N, K/32]."""
+    T, G, _ = st.shape
+    return st.transpose(1, 2).reshape(T * TILE, G)
 
 
 def untiled_int8(qt: torch.Tensor) -> torch.Tensor:
@@ -220,7 +234,7 @@ def kernel_for(m: nn.Module):
     raise TypeError(f"no native kernel for {type(m).__name__}")
 
 
-NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4")
+NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4", "int8-g32")  # int8-g32: tiled layout only
 # Routed int4 experts in the plain layout (a CUDA host's CPU experts) read int8-quantized
 # activations (int4_kernel's act="q8": vpdpbusd, ~1.5-2x the batch-1 bandwidth of act="bf16" there).
 # Its 8-bit rounding of x doubles SmolLM2's int4 decode KL (max 0.0033 -> 0.0099 nats), so dense
@@ -236,12 +250,15 @@ TILED_EXPERT_INT4_ACT = "bf16"
 def expert_spec(fmt):
     """A native ExpertSpec for a quantized `quant.experts.ExpertFormat` (spec.forward(slot uint8
     [nbytes], x [n, D]) -> [n, D] fp32), or None: no extension, a dense format (use
-    `ext.bf16_expert_forward`), a kind without a native kernel (fp32, int8-g32), or int4 in torch's
-    "cpu" layout (our kernels read the "plain" and "tiled" ones)."""
+    `ext.bf16_expert_forward`), a kind without a native kernel (fp32; int8-g32 outside the tiled
+    layout or with N % 16), or int4 in torch's "cpu" layout (our kernels read the "plain" and
+    "tiled" ones)."""
     ext = load()
     if ext is None or fmt.is_dense or any(k not in NATIVE_EXPERT_KINDS for k in fmt.kinds):
         return None
     if "int4" in fmt.kinds and fmt.int4_layout not in ("plain", "tiled"):
+        return None
+    if any(k == "int8-g32" and (fmt.int4_layout != "tiled" or not int8_tiles(*s)) for k, s in zip(fmt.kinds, fmt.shapes)):
         return None
     offsets = [[off for _, off, _, _ in segs] for segs in fmt._layout]
     if fmt.int4_layout == "tiled":

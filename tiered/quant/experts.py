@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from tiered import kernels
 from tiered.errors import ConfigError
-from tiered.kernels.linear import int8_tiles, tiled_int8, untiled_int8
+from tiered.kernels.linear import int8_tiles, tiled_group_scales, tiled_int8, untiled_group_scales, untiled_int8
 from tiered.quant.int4 import GROUP
 
 KINDS = ("fp32", "bf16", "int8", "int8-g32", "int4")
@@ -77,6 +77,8 @@ def _segments(kind: str, N: int, K: int, int4_layout: str = "cpu") -> list[tuple
         return [("qt", (N, K), torch.uint8), ("scale", (N,), torch.bfloat16)]
     if kind == "int8":
         return [("q", (N, K), torch.int8), ("scale", (N,), torch.bfloat16)]
+    if kind == "int8-g32" and int4_layout == "tiled" and int8_tiles(N, K):
+        return [("qt", (N, K), torch.uint8), ("st", (N // 16, K // GROUP, 16), torch.float16)]
     if kind == "int8-g32":
         return [("q", (N, K), torch.int8), ("scale", (N, K // GROUP), torch.float16)]
     if kind == "int4" and int4_layout == "tiled":  # each 16-row tile's scales in one run (kernels/linear.py)
@@ -372,10 +374,18 @@ def quantize_projection(w: torch.Tensor, kind: str, int4_layout: str = "cpu") ->
         g = w.float().reshape(N, K // GROUP, GROUP)
         s = (g.abs().amax(-1) / 127).clamp_min(1e-12).to(torch.float16)  # (N, G)
         q = (g / s.float()[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(N, K)
-        return {"q": q, "scale": s}
+        return int8_g32_segments(q, s, int4_layout)
     if kind == "int4":
         return int4_segments(*quantize_int4(w), int4_layout)
     raise ConfigError(f"unknown expert format {kind!r}", "use " + ", ".join(KINDS))
+
+
+def int8_g32_segments(q: torch.Tensor, scale: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
+    """int8-g32 segments from q int8 [N, K] and scale fp16 [N, K/32] (w = q * s_g): in the tiled
+    layout (N % 16 == 0) qt and st (`kernels.linear.tiled_int8`, `tiled_group_scales`), else as given."""
+    if layout == "tiled" and int8_tiles(*q.shape):
+        return {"qt": tiled_int8(q), "st": tiled_group_scales(scale)}
+    return {"q": q, "scale": scale}
 
 
 def _row_groups(slots: list, bounds: list[int]) -> tuple[list, list[int]]:
@@ -429,10 +439,11 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
         return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
     cuda = x.device.type == "cuda"
     xb = x.to(torch.bfloat16).contiguous()
-    if kind == "int8" and "qt" in v:  # the tiled layout: its native kernel, else dequantized below
+    if kind in ("int8", "int8-g32") and "qt" in v:  # the tiled layout: its native kernel, else dequantized below
         ext = kernels.load() if x.device.type == "cpu" else None
         if ext is not None:
-            return ext.int8_tiled_kernel(v["qt"], v["scale"])(x).to(x.dtype)
+            k = ext.int8_tiled_kernel(v["qt"], v["scale"]) if kind == "int8" else ext.int8g32_tiled_kernel(v["qt"], v["st"])
+            return k(x).to(x.dtype)
     elif kind == "int8":
         try:
             return torch.ops.aten._weight_int8pack_mm(xb, v["q"], v["scale"]).to(x.dtype)
@@ -508,7 +519,8 @@ def dequantize_projection(v: dict[str, torch.Tensor], kind: str, N: int, K: int,
         q = untiled_int8(v["qt"]) if "qt" in v else v["q"]
         return q.float() * v["scale"].float()[:, None]
     if kind == "int8-g32":
-        return (v["q"].float().reshape(N, K // GROUP, GROUP) * v["scale"].float()[..., None]).reshape(N, K)
+        q, s = (untiled_int8(v["qt"]), untiled_group_scales(v["st"])) if "qt" in v else (v["q"], v["scale"])
+        return (q.float().reshape(N, K // GROUP, GROUP) * s.float()[..., None]).reshape(N, K)
     sz, zr = _group_tensors(v, int4_layout)
     sz = sz.float()  # (G, N, 2)
     residual = zr.float().T.repeat_interleave(GROUP, dim=1)  # (N, K)

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from tiered.kernels import load
-from tiered.quant.experts import ExpertFormat, fit_format, format_name, int4_segments, quantize_projection
+from tiered.quant.experts import (ExpertFormat, fit_format, format_name, int4_segments, int8_g32_segments,
+                                  quantize_projection)
 from tiered.quant.int4 import unpack_q4_blocks
 
 GGUF_EXPERT_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8-g32", "Q4_K": "int4", "Q2_K": "int4",
@@ -93,8 +94,7 @@ def projection_segments(handle, kind: str, int4_layout: str) -> dict[str, torch.
     if handle.format == "Q4_K" and kind == "int4":
         return int4_segments(*unpack_q4k_blocks(handle.blocks()), int4_layout)
     if handle.format == "Q8_0" and kind == "int8-g32":
-        q, d = unpack_q8_blocks(handle.blocks())
-        return {"q": q, "scale": d}
+        return int8_g32_segments(*unpack_q8_blocks(handle.blocks()), int4_layout)
     return quantize_projection(handle.load(torch.float32), kind, int4_layout)
 
 

@@ -26,7 +26,7 @@
 #include <numeric>
 
 #define TIERED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma")))
-#define TIERED_AVX2 __attribute__((target("avx2,fma")))
+#define TIERED_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace tiered {
 namespace gemv {
@@ -94,7 +94,10 @@ struct Int8W {
   const uint16_t* scale_bf16;  // [N] bf16 (as ExpertFormat stores it)
   const float* bias;
   bool tiled = false;
-  float s(int64_t n) const { return scale ? scale[n] : bf16f(scale_bf16[n]); }
+  // int8-g32 (tiled only): fp16 scales per row and group of 32, [N/16, K/32, 16] (a tile's 16 rows
+  // side by side, as the codes): w = q * gs[n, g]; then the row scale is 1.
+  const uint16_t* gs = nullptr;
+  float s(int64_t n) const { return gs ? 1.f : scale ? scale[n] : bf16f(scale_bf16[n]); }
 };
 
 struct Bf16W {
@@ -1390,6 +1393,8 @@ void int4t_dequantize(const Int4W& w, int64_t K, int64_t n0, int64_t n1, float* 
 
 inline bool int8_tiles(int64_t N, int64_t K) { return N % kBlock == 0 && K % kGroup == 0; }
 
+inline float half_to_float(uint16_t h) { return float(c10::Half(h, c10::Half::from_bits())); }
+
 inline uint8_t tiled_int8_code(const uint8_t* tile, int64_t r, int64_t k) {  // q + 128 of row r, column k
   return tile[(k / 4) * 64 + r * 4 + (k % 4)];
 }
@@ -1406,15 +1411,18 @@ void int8t_scalar(const Int8W& w, const Act& a, int64_t b0, int64_t nb, int64_t 
         int32_t d = 0;
         for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
           d += (int32_t(tiled_int8_code(tile, n % kBlock, k)) - 128) * a.xs[b * K + k];
-        acc += a.dw[b * G + g] * float(d);
+        const float f = w.gs ? half_to_float(w.gs[((n / kBlock) * G + g) * kBlock + n % kBlock]) * a.dw[b * G + g]
+                             : a.dw[b * G + g];
+        acc += f * float(d);
       }
       y[b * ldy + n] = Int8Rows::out(w, n, acc);
     }
   }
 }
 
-// The 16 rows' scales of the tile at row m0 as fp32.
+// The 16 rows' scales of the tile at row m0 as fp32 (1 for int8-g32, scaled per group).
 TIERED_AVX512 inline __m512 int8t_scales16(const Int8W& w, int64_t m0) {
+  if (w.gs) return _mm512_set1_ps(1.f);
   if (w.scale) return _mm512_loadu_ps(w.scale + m0);
   const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scale_bf16 + m0));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
@@ -1454,12 +1462,17 @@ TIERED_AVX2 void int8t_avx2(const Int8W& w, const Act& a, int64_t b0, int64_t n0
             t[j][h] = _mm256_add_epi32(t[j][h], _mm256_add_epi32(_mm256_madd_epi16(e[h], xe), _mm256_madd_epi16(o[h], xo)));
         }
       }
+      __m256 gs[2] = {_mm256_set1_ps(1.f), _mm256_set1_ps(1.f)};  // int8-g32: the 16 rows' scales of group g
+      if (w.gs)
+        for (int h = 0; h < 2; ++h)
+          gs[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.gs + ((m0 / kBlock) * G + g) * kBlock + 8 * h)));
       for (int j = 0; j < NB; ++j) {
         const int64_t bg = (b0 + j) * G + g;
         const __m256i off = _mm256_set1_epi32(128 * a.xsq[bg]);
         const __m256 dw = _mm256_set1_ps(a.dw[bg]);
         for (int h = 0; h < 2; ++h)
-          acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(t[j][h], off)), dw, acc[j][h]);
+          acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(t[j][h], off)),
+                                      w.gs ? _mm256_mul_ps(gs[h], dw) : dw, acc[j][h]);
       }
     }
     for (int j = 0; j < NB; ++j)
@@ -1503,12 +1516,16 @@ TIERED_AVX512 void int8t_avx512(const Int8W& w, const Act& a, int64_t b0, int64_
           tl[j][c % C] = _mm512_dpbusd_epi32(tl[j][c % C], d, _mm512_set1_epi32(l));
         }
       }
+      const __m512 gs = w.gs ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                   w.gs + ((m0 / kBlock) * G + g) * kBlock)))
+                             : _mm512_set1_ps(1.f);  // int8-g32: the 16 rows' scales of group g
       for (int j = 0; j < NB; ++j) {
         const int64_t bg = (b0 + j) * G + g;
         __m512i t = _mm512_slli_epi32(C == 2 ? _mm512_add_epi32(th[j][0], th[j][C - 1]) : th[j][0], 8);
         t = _mm512_add_epi32(t, C == 2 ? _mm512_add_epi32(tl[j][0], tl[j][C - 1]) : tl[j][0]);
         t = _mm512_sub_epi32(t, _mm512_set1_epi32(128 * a.xsq[bg]));
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(a.dw[bg]), acc[j]);
+        const __m512 dw = _mm512_set1_ps(a.dw[bg]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), w.gs ? _mm512_mul_ps(gs, dw) : dw, acc[j]);
       }
     }
     const __m512 sv = int8t_scales16(w, m0);
@@ -1632,7 +1649,7 @@ struct Int4TGemv : Int4Gemv {
 };
 
 struct Int8Gemv : Gemv {
-  at::Tensor q;
+  at::Tensor q, st;
   std::vector<float> scale, bias;
   Int8W w{};
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
@@ -1666,9 +1683,11 @@ struct Int8Gemv : Gemv {
   // layout (K % 32 == 0) on every path.
   bool w16() const { return (w.tiled || current_isa() >= kAvx2) && in_features % kGroup == 0; }
   ActNeeds needs(int64_t) const override { return {false, false, false, w16()}; }
-  int64_t weight_bytes() const override { return out_features * (in_features + 2); }
+  int64_t weight_bytes() const override {
+    return out_features * (in_features + (w.gs ? in_features / kGroup * 2 : 2));
+  }
   std::string name() const override {
-    return std::string(w.tiled ? "int8t(tiered," : "int8(tiered,") + isa_name(current_isa()) + (w16() ? "; int16 x)" : ")");
+    return std::string(w.gs ? "int8g32t(tiered," : w.tiled ? "int8t(tiered," : "int8(tiered,") + isa_name(current_isa()) + (w16() ? "; int16 x)" : ")");
   }
 };
 
@@ -1984,11 +2003,11 @@ struct ExpertGemv : Kernel {
 // An ExpertFormat's layout (per projection: kind and byte offsets of its segments in the flat
 // slot), so that one call computes an expert straight from any slot holding it.
 struct ExpertSpec {
-  enum Kind { kBf16 = 0, kInt8 = 1, kInt4 = 2 };
+  enum Kind { kBf16 = 0, kInt8 = 1, kInt4 = 2, kInt8G32 = 3 };
   struct Proj {
     int kind;
     int64_t N, K;
-    int64_t off[3];  // bf16: w; int8: q, scale; int4: codes, sz, zr
+    int64_t off[3];  // bf16: w; int8: q, scale; int4: codes, sz, zr; int8-g32 (tiled): qt, st
   };
   Proj p[3];
   int64_t nbytes = 0;
@@ -2004,11 +2023,12 @@ struct ExpertSpec {
               2, 2 * pr.N, 2, 2 * pr.N, 1, pr.N, nullptr};
       k4.w.tiled = int4_tiled;  // then sz is [N/16, G, 16, 2] and zr [N/16, G, 16]
       out = &k4;
-    } else if (pr.kind == kInt8) {
+    } else if (pr.kind == kInt8 || pr.kind == kInt8G32) {
       k8.in_features = pr.K, k8.out_features = pr.N;
-      k8.w = {reinterpret_cast<const int8_t*>(buf + pr.off[0]), nullptr,
-              reinterpret_cast<const uint16_t*>(buf + pr.off[1]), nullptr};
+      const auto* s = reinterpret_cast<const uint16_t*>(buf + pr.off[1]);
+      k8.w = {reinterpret_cast<const int8_t*>(buf + pr.off[0]), nullptr, pr.kind == kInt8 ? s : nullptr, nullptr};
       k8.w.tiled = int4_tiled && int8_tiles(pr.N, pr.K);  // the tiled host layout tiles int8 too
+      if (pr.kind == kInt8G32) k8.w.gs = s;  // fp16 [N/16, K/32, 16]
       out = &k8;
     } else {
       kb.in_features = pr.K, kb.out_features = pr.N;
@@ -2220,6 +2240,25 @@ std::shared_ptr<Gemv> make_int8_tiled(at::Tensor qt, at::Tensor scale, c10::opti
   return k;
 }
 
+// int8-g32 in the tiled layout: qt uint8 [N, K] as make_int8_tiled, st fp16 [N/16, K/32, 16] (each
+// tile's per-group scales, 16 rows side by side): w = (qt - 128) * st.
+std::shared_ptr<Gemv> make_int8g32_tiled(at::Tensor qt, at::Tensor st, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(qt.dim() == 2, "int8g32_tiled_kernel: qt must be uint8 [N, K]");
+  const int64_t N = qt.size(0), K = qt.size(1);
+  TORCH_CHECK(int8_tiles(N, K), "int8g32_tiled_kernel: the tiled int8 layout needs N % 16 == 0 and K % 32 == 0, got ",
+              N, " x ", K);
+  check_rows(qt, at::kByte, N, K, "int8g32_tiled_kernel: qt");
+  TORCH_CHECK(st.scalar_type() == at::kHalf && st.is_contiguous() && st.dim() == 3 && st.size(0) == N / kBlock &&
+                  st.size(1) == K / kGroup && st.size(2) == kBlock,
+              "int8g32_tiled_kernel: st must be contiguous float16 [N/16, K/32, 16] = [", N / kBlock, ", ", K / kGroup,
+              ", 16], got ", st.scalar_type(), " ", st.sizes());
+  auto k = std::static_pointer_cast<Int8Gemv>(make_int8(qt.view(at::kChar), at::ones({N}), bias));
+  k->st = st;
+  k->w.tiled = true;
+  k->w.gs = reinterpret_cast<const uint16_t*>(st.data_ptr<at::Half>());
+  return k;
+}
+
 // A kernel G over dense weight rows w [N, K] of dtype dt (contiguous, checked; `ptr` its data).
 template <class G, class Ptr>
 std::shared_ptr<G> make_rows(at::Tensor w, c10::optional<at::Tensor> bias, at::ScalarType dt, const char* what, Ptr ptr) {
@@ -2259,7 +2298,7 @@ Isa best_isa() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma"))
     return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return kAvx2;
   return kScalar;
 }
 
@@ -2547,6 +2586,13 @@ void register_gemv(pybind11::module& m) {
         py::arg("qt"), py::arg("scale"), py::arg("bias") = py::none(),
         "tiered's int8 GEMV over the tiled layout (kernels/linear.tiled_int8). qt uint8 [N, K] contiguous "
         "(N % 16 == 0, K % 32 == 0), scale [N] any float dtype: w = (q - 128) * scale.");
+  m.def("int8g32_tiled_kernel", [](at::Tensor qt, at::Tensor st, c10::optional<at::Tensor> bias) -> KernelPtr {
+          return make_int8g32_tiled(qt, st, bias);
+        },
+        py::arg("qt"), py::arg("st"), py::arg("bias") = py::none(),
+        "tiered's int8 GEMV with fp16 scales per group of 32 (GGUF Q8_0's), tiled layout "
+        "(kernels/linear.tiled_int8, tiled_group_scales). qt uint8 [N, K] contiguous (N % 16 == 0, K % 32 == 0), "
+        "st float16 [N/16, K/32, 16]: w = (q - 128) * s.");
   m.def("bf16_kernel", [](at::Tensor w, c10::optional<at::Tensor> bias) -> KernelPtr { return make_bf16(w, bias); },
         py::arg("w"), py::arg("bias") = py::none(), "tiered's bf16 GEMV. w bf16 [N, K] contiguous.");
   m.def("f32_kernel", [](at::Tensor w, c10::optional<at::Tensor> bias) -> KernelPtr { return make_f32(w, bias); },
@@ -2604,10 +2650,13 @@ void register_gemv(pybind11::module& m) {
           for (int i = 0; i < 3; ++i) {
             auto& pr = sp->p[i];
             const auto& k = kinds[i];
-            pr.kind = k == "int4" ? ExpertSpec::kInt4 : k == "int8" ? ExpertSpec::kInt8 : k == "bf16" ? ExpertSpec::kBf16 : -1;
+            pr.kind = k == "int4" ? ExpertSpec::kInt4 : k == "int8" ? ExpertSpec::kInt8 : k == "bf16" ? ExpertSpec::kBf16
+                      : k == "int8-g32" ? ExpertSpec::kInt8G32 : -1;
             TORCH_CHECK(pr.kind >= 0, "expert_spec: no native kernel for kind ", k);
             TORCH_CHECK(shapes[i].size() == 2, "expert_spec: shapes are (N, K)");
             pr.N = shapes[i][0], pr.K = shapes[i][1];
+            TORCH_CHECK(pr.kind != ExpertSpec::kInt8G32 || (sp->int4_tiled && int8_tiles(pr.N, pr.K)),
+                        "expert_spec: int8-g32 has a native kernel in the tiled layout only, N % 16 == 0 and K % 32 == 0");
             TORCH_CHECK(pr.kind != ExpertSpec::kInt4 || pr.K % kGroup == 0, "expert_spec: int4 needs K % 32 == 0");
             TORCH_CHECK(pr.kind != ExpertSpec::kInt4 || !sp->int4_tiled || pr.N % kBlock == 0,
                         "expert_spec: the tiled int4 layout needs N % 16 == 0");
