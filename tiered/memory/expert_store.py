@@ -23,9 +23,14 @@ from tiered.checkpoint.handle import STORED_DTYPES, TensorHandle, _fd
 from tiered.checkpoint.hf_dir import _check_safetensors_file
 from tiered.errors import ConfigError
 from tiered.hardware.budget import MemoryBudget
+from tiered.memory.host import release_load_memory
 from tiered.planner.placement import CPU, DISK, FAST, ExpertPlacement
 from tiered.quant.experts import ExpertFormat
 
+# Encoding experts from a mapped file (GGUF blocks) touches its pages, which count in RSS until
+# released: every this many bytes of encoded experts, the load hands them back (memory/host.py), so
+# a Q8_0 Qwen3-MoE file of 5.4 GB peaks at about its slots' size, not twice it.
+RELEASE_EVERY = 256 << 20
 _TORCH_TO_ST = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -88,6 +93,7 @@ class ExpertStore:
         self.resident: dict = {}  # FAST: tensors on the compute device
         self.host: dict = {}  # CPU: host tensors
         needs_conversion = []
+        filled = 0  # quantized expert bytes encoded since the file's pages were last released
         for key, tier in placement.tiers.items():
             hs = tuple(checkpoint.handle(n) for n in expert_tensor_names(cfg.model_type, *key))
             self.handles[key] = hs
@@ -100,6 +106,11 @@ class ExpertStore:
                     self._fill_quantized(self.host[key], key, on_device=False)
                 else:
                     needs_conversion.append(key)
+                    continue
+                filled += fmt.nbytes
+                if filled >= RELEASE_EVERY:  # else the file's pages read so far stay in RSS until the load ends
+                    release_load_memory(checkpoint)
+                    filled = 0
                 continue
             if tier == FAST:
                 self.resident[key] = tuple(self._alloc_fast(h.shape, f"resident expert {h.name}") for h in hs)
