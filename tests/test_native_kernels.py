@@ -420,6 +420,23 @@ def test_q4_blocks_repack_to_the_tiled_layout_bit_for_bit(fmt):
         ext.q4_blocks_tiled(torch.from_numpy(raw[:8]), 18 if fmt == "Q4_0" else 20)
 
 
+def test_q8_blocks_repack_to_the_tiled_layout_bit_for_bit():
+    """GGUF Q8_0 expert blocks -> the tiled int8-g32 segments in one native pass, the same bytes as
+    the numpy / torch path (unpack_q8_blocks, int8_g32_segments)."""
+    import numpy as np
+
+    from tiered.bench.gguf_moe import random_blocks
+    from tiered.quant.experts import int8_g32_segments
+    from tiered.quant.gguf_experts import unpack_q8_blocks
+
+    raw = random_blocks(np.random.default_rng(1), 48, 96, "Q8_0", 0.02)
+    ref = int8_g32_segments(*unpack_q8_blocks(raw), "tiled")
+    qt, st = ext.q8_blocks_tiled(torch.from_numpy(raw))
+    assert torch.equal(qt, ref["qt"]) and torch.equal(st.view(torch.int16), ref["st"].view(torch.int16))
+    with pytest.raises(RuntimeError, match="N % 16"):
+        ext.q8_blocks_tiled(torch.from_numpy(raw[:8]))
+
+
 def test_stream_prefetch_changes_no_bits(isa):
     """The machine tuning's software prefetch (tune.py) only moves loads earlier: every weight
     format's kernel gives the same bits with it on and off, at 1 to 9 activation rows."""

@@ -94,6 +94,13 @@ def projection_segments(handle, kind: str, int4_layout: str) -> dict[str, torch.
     if handle.format == "Q4_K" and kind == "int4":
         return int4_segments(*unpack_q4k_blocks(handle.blocks()), int4_layout)
     if handle.format == "Q8_0" and kind == "int8-g32":
+        ext = load() if int4_layout == "tiled" and handle.shape[0] % 16 == 0 else None
+        if ext is not None:  # the same bytes in one native pass
+            with warnings.catch_warnings():  # a read-only view of the file's map: only read here
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(np.ascontiguousarray(handle.blocks()))
+            qt, st = ext.q8_blocks_tiled(raw)
+            return {"qt": qt, "st": st}
         return int8_g32_segments(*unpack_q8_blocks(handle.blocks()), int4_layout)
     return quantize_projection(handle.load(torch.float32), kind, int4_layout)
 

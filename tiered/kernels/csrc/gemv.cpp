@@ -1389,7 +1389,8 @@ void int4t_dequantize(const Int4W& w, int64_t K, int64_t n0, int64_t n1, float* 
 // 64 bytes: byte 4r + j (row r, j < 4) = q[16 t + r, 4 c + j] + 128, an unsigned byte. Needs
 // N % 16 == 0 and K % 32 == 0. Every path reads the int16 activations (Act::xs and its forms): per
 // group of 32 the exact int32 dot of q with xs is sum((q + 128) xs) - 128 sum(xs) (Act::xsq), then
-// y = scale * sum_g dw_g dot_g, the per-row layout's integer dots and fp32 operations per group.
+// y = scale * sum_g dw_g dot_g, the per-row layout's integer dots and fp32 operations per group;
+// int8-g32 (Int8W::gs, GGUF Q8_0's fp16 scale per row and group) y = sum_g (s_g dw_g) dot_g.
 
 inline bool int8_tiles(int64_t N, int64_t K) { return N % kBlock == 0 && K % kGroup == 0; }
 
@@ -1875,6 +1876,38 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block) {
   return {codes, sz, zr};
 }
 
+// GGUF Q8_0 blocks (fp16 d, 32 int8 q: w = d q) -> int8-g32 in the tiled int8 layout: qt uint8
+// [N, K] (byte 4r + j of chunk c = q[16 t + r, 4 c + j] + 128) and st fp16 [N/16, K/32, 16] (d as
+// stored), one pass per 16-row tile in parallel.
+std::vector<at::Tensor> q8_blocks_tiled(const at::Tensor& raw0) {
+  constexpr int64_t block = 34;
+  TORCH_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
+              "q8_blocks_tiled: raw must be CPU uint8 [N, K/32 * 34], got ", raw0.sizes());
+  const at::Tensor raw = raw0.contiguous();
+  const int64_t N = raw.size(0), G = raw.size(1) / block, K = G * kGroup;
+  TORCH_CHECK(N % kBlock == 0 && G > 0, "q8_blocks_tiled: needs N % 16 == 0, got N = ", N);
+  auto qt = at::empty({N, K}, at::TensorOptions().dtype(at::kByte));
+  auto st = at::empty({N / kBlock, G, kBlock}, at::TensorOptions().dtype(at::kHalf));
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = qt.data_ptr<uint8_t>();
+  uint16_t* stp = reinterpret_cast<uint16_t*>(st.data_ptr<at::Half>());
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t r = 0; r < kBlock; ++r) {
+        const uint8_t* row = src + (t * kBlock + r) * G * block;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* b = row + g * block;
+          std::memcpy(stp + (t * G + g) * kBlock + r, b, 2);
+          for (int c = 0; c < 8; ++c) {  // the group's 8 chunks of 4 columns
+            uint8_t* out = dst + t * kBlock * K + (8 * g + c) * 64 + 4 * r;
+            for (int j = 0; j < 4; ++j) out[j] = uint8_t(b[2 + 4 * c + j] ^ 0x80);  // int8 q + 128
+          }
+        }
+      }
+  });
+  return {qt, st};
+}
+
 // swiglu_group's checks and call from Python: xs [M, D] any float dtype, bounds [E + 1] (rows of
 // each expert, at most kMaxNB each) -> ys [M, D] fp32.
 at::Tensor run_swiglu_group(const std::vector<const Gemv*>& k, const at::Tensor& xs0, const std::vector<int64_t>& bounds,
@@ -2229,32 +2262,28 @@ std::shared_ptr<Gemv> make_int8(at::Tensor q, at::Tensor scale, c10::optional<at
 }
 
 // The tiled int8 layout (qt uint8 [N, K], see "int8, tiled"): scale [N], w = (qt - 128) * scale.
-std::shared_ptr<Gemv> make_int8_tiled(at::Tensor qt, at::Tensor scale, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(qt.dim() == 2, "int8_tiled_kernel: qt must be uint8 [N, K]");
+// `what` names the binding in errors.
+std::shared_ptr<Int8Gemv> make_int8_tiled(at::Tensor qt, at::Tensor scale, c10::optional<at::Tensor> bias,
+                                          const std::string& what = "int8_tiled_kernel") {
+  TORCH_CHECK(qt.dim() == 2, what, ": qt must be uint8 [N, K]");
   const int64_t N = qt.size(0), K = qt.size(1);
-  TORCH_CHECK(int8_tiles(N, K), "int8_tiled_kernel: the tiled int8 layout needs N % 16 == 0 and K % 32 == 0, got ",
-              N, " x ", K);
-  check_rows(qt, at::kByte, N, K, "int8_tiled_kernel: qt");
-  auto k = make_int8(qt.view(at::kChar), scale, bias);
-  static_cast<Int8Gemv&>(*k).w.tiled = true;
+  TORCH_CHECK(int8_tiles(N, K), what, ": the tiled int8 layout needs N % 16 == 0 and K % 32 == 0, got ", N, " x ", K);
+  check_rows(qt, at::kByte, N, K, (what + ": qt").c_str());
+  auto k = std::static_pointer_cast<Int8Gemv>(make_int8(qt.view(at::kChar), scale, bias));
+  k->w.tiled = true;
   return k;
 }
 
 // int8-g32 in the tiled layout: qt uint8 [N, K] as make_int8_tiled, st fp16 [N/16, K/32, 16] (each
 // tile's per-group scales, 16 rows side by side): w = (qt - 128) * st.
-std::shared_ptr<Gemv> make_int8g32_tiled(at::Tensor qt, at::Tensor st, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(qt.dim() == 2, "int8g32_tiled_kernel: qt must be uint8 [N, K]");
-  const int64_t N = qt.size(0), K = qt.size(1);
-  TORCH_CHECK(int8_tiles(N, K), "int8g32_tiled_kernel: the tiled int8 layout needs N % 16 == 0 and K % 32 == 0, got ",
-              N, " x ", K);
-  check_rows(qt, at::kByte, N, K, "int8g32_tiled_kernel: qt");
+std::shared_ptr<Int8Gemv> make_int8g32_tiled(at::Tensor qt, at::Tensor st, c10::optional<at::Tensor> bias) {
+  auto k = make_int8_tiled(qt, at::ones({qt.dim() == 2 ? qt.size(0) : 0}), bias, "int8g32_tiled_kernel");
+  const int64_t N = k->out_features, K = k->in_features;
   TORCH_CHECK(st.scalar_type() == at::kHalf && st.is_contiguous() && st.dim() == 3 && st.size(0) == N / kBlock &&
                   st.size(1) == K / kGroup && st.size(2) == kBlock,
               "int8g32_tiled_kernel: st must be contiguous float16 [N/16, K/32, 16] = [", N / kBlock, ", ", K / kGroup,
               ", 16], got ", st.scalar_type(), " ", st.sizes());
-  auto k = std::static_pointer_cast<Int8Gemv>(make_int8(qt.view(at::kChar), at::ones({N}), bias));
   k->st = st;
-  k->w.tiled = true;
   k->w.gs = reinterpret_cast<const uint16_t*>(st.data_ptr<at::Half>());
   return k;
 }
@@ -2634,6 +2663,9 @@ void register_gemv(pybind11::module& m) {
         "GGUF Q4_0 (block 18) / Q4_1 (block 20) blocks uint8 [N, K/32 * block] -> (codes uint8 [N, K/2] in the tiled "
         "layout, sz bf16 [N/16, K/32, 16, 2], zero residual bf16 [N/16, K/32, 16]): quant/int4.unpack_q4_blocks then "
         "quant/experts.int4_segments(layout='tiled'), bit for bit.");
+  m.def("q8_blocks_tiled", &q8_blocks_tiled, py::arg("raw"),
+        "GGUF Q8_0 blocks uint8 [N, K/32 * 34] -> (qt uint8 [N, K] in the tiled int8 layout, st float16 [N/16, K/32, 16]): "
+        "quant/gguf_experts.unpack_q8_blocks then quant/experts.int8_g32_segments(layout='tiled'), bit for bit.");
   m.def("expert_spec", [](std::vector<std::string> kinds, std::vector<std::vector<int64_t>> shapes,
                           std::vector<std::vector<int64_t>> offsets, int64_t nbytes, const std::string& int4_act,
                           const std::string& int4_layout, const std::string& int4_batch_act) {
