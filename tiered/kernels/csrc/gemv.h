@@ -6,7 +6,7 @@
 // (one call's activations, prepared once: bf16 copy, group sums), so a fused expert prepares x once
 // for gate and up and runs both in one parallel region.
 //
-// ISA: one build, chosen at run time. AVX-512 (F/BW/VL + BF16: vdpbf16ps, VNNI: vpdpbusd) -> AVX2 +
+// ISA: one build, chosen at run time. AVX-512 (F/BW/VL + BF16: vdpbf16ps, VNNI: vpdpbusd) -> AVX2 + F16C +
 // FMA -> scalar.
 // `set_isa` forces a lower path (tests run every path on an AVX-512 machine).
 #pragma once
