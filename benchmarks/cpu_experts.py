@@ -1,4 +1,5 @@
-"""CPU expert micro-benchmark: one token through one SwiGLU expert, bf16 / int8 / int4, at batch 1.
+"""CPU expert micro-benchmark: one token through one SwiGLU expert, bf16 / int8 / int4, at batch 1
+(and int8-g32, a GGUF's Q8_0 experts: native paths only).
 
 Fiddler's CPU experts are a batch-1 GEMV over the expert's three matrices: bound by memory
 bandwidth. This measures how close each weight format's kernel comes to that bound, on the calling
@@ -11,8 +12,9 @@ Expert forward, two paths:
     int4: aten._weight_int4pack_mm_for_cpu (group 32, bf16 scales and zeros).
   native (what ExpertFormat.forward runs on the CPU when the extension is loaded): the fused SwiGLU
     expert of tiered/kernels/csrc/gemv.cpp, one call from the expert's stored form (bf16 tensors,
-    or the flat int8 / int4 "plain" slot with the zero residual), no Python between projections;
-    int4 on int8-quantized activations (kernels/linear.EXPERT_INT4_ACT = "q8": vpdpbusd).
+    or the flat slot in the tiled layout the host keeps quantized experts in), no Python between
+    projections; int8, int8-g32 and int4 on int16-quantized activations (int4 per the machine's
+    kernel tuning: int16 or bf16).
   layer (native, what the engine runs for a CPU-only MoE layer whose experts are all in RAM): the
     token's top-k experts (Mixtral 2, OLMoE 8) in one ExpertFormat.forward_group call, two parallel
     regions for all of them (runtime/moe_runner._all_on_fast). Its GB/s counts the k experts' bytes.
@@ -65,7 +67,8 @@ from tiered.runtime.cpu_decode import Kernel  # noqa: E402
 
 WIDTHS = {"mixtral": (4096, 14336), "olmoe": (2048, 1024)}  # (hidden D, expert intermediate F)
 TOP_K = {"mixtral": 2, "olmoe": 8}  # experts per token: a "layer" row's experts per call
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int8-g32", "int4")
+BYTES_PER_WEIGHT = {"bf16": 2, "int8": 1, "int8-g32": 1.0625, "int4": 0.5625}
 PATHS = ("torch", "native", "layer")
 # A pass counts toward "% of bandwidth" when the readings before and after it differ by at most this
 # fraction: this VM's memory bandwidth jumps between ~30 and ~50 GB/s from one minute to the next,
@@ -186,9 +189,9 @@ def plan_rows(widths: list[str], paths) -> list[tuple[str, str, int, str]]:
     for width in widths:
         D, Fi = WIDTHS[width]
         for fmt in FORMATS:
-            per = 3 * D * Fi * {"bf16": 2, "int8": 1, "int4": 0.5625}[fmt]
+            per = 3 * D * Fi * BYTES_PER_WEIGHT[fmt]
             n = min(256, max(2, int(4 * 260e6 // per) + 1)) if width == "olmoe" else 4
-            out += [(width, fmt, n, path) for path in paths]
+            out += [(width, fmt, n, path) for path in paths if path != "torch" or fmt != "int8-g32"]  # torch: no kernel
     return out
 
 
