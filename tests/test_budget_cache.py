@@ -352,11 +352,26 @@ def _anon_huge_kib() -> int:
     return int(open("/proc/self/smaps_rollup").read().split("AnonHugePages:")[1].split()[0])
 
 
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping of this process holding address `addr` (/proc/self/smaps):
+    "hg" marks a range madvised MADV_HUGEPAGE."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
 def test_large_host_tensors_sit_on_huge_pages(monkeypatch):
-    """A large host tensor from the budget starts on a 2 MiB boundary and, where the kernel grants
-    transparent huge pages, its whole 2 MiB runs are huge pages (its tail is not: nothing beyond its
-    own bytes becomes resident); small or pinned ones and TIERED_HUGEPAGES=0 get torch.empty. The
-    budget counts the tensor's bytes either way."""
+    """A large host tensor from the budget starts on a 2 MiB boundary and its whole 2 MiB runs, and
+    only those, are advised as transparent huge pages (its tail is not: nothing beyond its own bytes
+    becomes resident); where the kernel grants them (it may not, when RAM is fragmented), they are
+    huge pages. Small or pinned ones and TIERED_HUGEPAGES=0 get torch.empty. The budget counts the
+    tensor's bytes either way."""
     import sys
 
     from tiered.hardware.budget import HUGE_PAGE, HUGE_PAGES_FROM, huge_pages_enabled
@@ -371,10 +386,11 @@ def test_large_host_tensors_sit_on_huge_pages(monkeypatch):
     grown = _anon_huge_kib() - before
     assert t.sum().item() == 1.5 * t.numel()
     mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    if "[madvise]" in mode:  # only what asked for them: the full runs, not the 1 MiB tail
-        assert grown == 2 * HUGE_PAGE // 1024
-    elif "[always]" in mode:  # the kernel may back the tail too
-        assert grown >= 2 * HUGE_PAGE // 1024
+    end = t.data_ptr() + t.numel() * 4
+    assert "hg" in _vm_flags(t.data_ptr()) and "hg" in _vm_flags(t.data_ptr() + 2 * HUGE_PAGE - 1)
+    assert "hg" not in _vm_flags(end - 1)  # the tail (1 MiB + 2 KiB) was not advised
+    if "[madvise]" in mode:  # only what asked for them: at most the full runs, never the tail
+        assert grown in (0, HUGE_PAGE // 1024, 2 * HUGE_PAGE // 1024)
     small = b.empty((HUGE_PAGES_FROM // 4 - 1,), torch.float32)
     before = _anon_huge_kib()
     small.fill_(1.0)
