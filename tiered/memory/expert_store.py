@@ -136,16 +136,19 @@ class ExpertStore:
         pin = self.accelerator is not None and not self.accelerator.is_host
         return self.cpu_budget.empty(tuple(shape), self.dtype, what, pin=pin)
 
-    def encode(self, key) -> tuple[torch.Tensor, ...]:
-        """A new host slot holding expert `key` in the store's format, built from the checkpoint
-        (GGUF blocks repacked where exact, else quantized from the dense weights)."""
+    def encode(self, key, slot: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+        """Expert `key` in the store's format, built from the checkpoint (GGUF blocks repacked where
+        exact, else quantized from the dense weights), written into the host `slot` or a new one."""
         from tiered.quant.gguf_experts import encode_expert
 
-        return encode_expert(self.fmt, self.handles[key])
+        return encode_expert(self.fmt, self.handles[key], slot)
 
     def _fill_quantized(self, dst: tuple[torch.Tensor, ...], key, on_device: bool) -> None:
+        if not on_device:  # host memory: encoded in place, no second copy
+            self.encode(key, dst)
+            return
         for d, s in zip(dst, self.encode(key)):
-            self.accelerator.copy_to_device(d, s) if on_device else d.copy_(s)
+            self.accelerator.copy_to_device(d, s)
 
     def _fill(self, dst: torch.Tensor, h: TensorHandle) -> None:
         if self.accelerator is None:  # the fast tier is RAM: read straight into it

@@ -105,9 +105,10 @@ def projection_segments(handle, kind: str, int4_layout: str) -> dict[str, torch.
     return quantize_projection(handle.load(torch.float32), kind, int4_layout)
 
 
-def encode_expert(fmt: ExpertFormat, handles) -> tuple[torch.Tensor, ...]:
-    """A new host slot holding the expert whose (gate, up, down) handles are `handles`, in `fmt`."""
-    slot = fmt.empty()
+def encode_expert(fmt: ExpertFormat, handles, slot: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    """The expert whose (gate, up, down) handles are `handles`, in `fmt`, written into `slot` (host
+    tensors of fmt.slot_shapes) or a new host slot; returns the slot."""
+    slot = fmt.empty() if slot is None else slot
     if fmt.is_dense:
         for t, h in zip(slot, handles):
             h.read_into(t)
