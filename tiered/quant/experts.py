@@ -10,10 +10,11 @@ three weight tensors as before (`slot_shapes` gives the tensors of either kind).
 
 Projection kinds (what each of gate / up / down is stored as):
 
-    kind      segments (per projection [N, K])                       bytes/weight  CPU kernel
+    kind      segments (per projection [N, K])                       bytes/weight  CPU kernel (torch; native below)
     bf16      w bf16 [N, K]                                          2             F.linear
     int8      q int8 [N, K], scale bf16 [N]       (w = q * s)        1 + 2/K       aten._weight_int8pack_mm
-    int8-g32  q int8 [N, K], scale fp16 [N, K/32] (w = q * s_g)      1.0625        dequantize-then-matmul
+    int8-g32  q int8 [N, K], scale fp16 [N, K/32] (w = q * s_g)      1.0625        dequantize-then-matmul (the
+                                                                                   tiled layout: native only)
     int4      codes 4 bit [N, K/2] u8, scale+zero bf16 [K/32, N, 2], 0.6875        aten._weight_int4pack_mm_for_cpu
               zero residual bf16 [K/32, N]                                         + a [n, K/32] x [K/32, N] GEMM
               (w = (q - 8) * s_g + z_g, FlexGen-style group-wise asymmetric, ALGORITHMS.md §4)
@@ -34,7 +35,9 @@ that refuses its shapes, falls back to dequantize-then-matmul in the activation 
 The "tiled" layout (the host's when tiered/kernels is built) puts 16 output rows side by side, one
 SIMD lane per row, for tiered's native kernels: int4 codes as `kernels.linear.tiled_codes`, and int8
 projections with N % 16 == 0 and K % 32 == 0 as qt uint8 [N, K] = q + 128 in 16-row tiles of 4
-columns (`kernels.linear.tiled_int8`; w = (qt - 128) * s), other int8 shapes per row.
+columns (`kernels.linear.tiled_int8`; w = (qt - 128) * s), other int8 shapes per row; int8-g32 the
+same qt with st fp16 [N/16, K/32, 16] (`tiled_group_scales`). With the extension built, every kind
+but fp32 computes through tiered's native kernels on the CPU (`native`).
 """
 
 from __future__ import annotations
