@@ -13,8 +13,7 @@ Projection kinds (what each of gate / up / down is stored as):
     kind      segments (per projection [N, K])                       bytes/weight  CPU kernel (torch; native below)
     bf16      w bf16 [N, K]                                          2             F.linear
     int8      q int8 [N, K], scale bf16 [N]       (w = q * s)        1 + 2/K       aten._weight_int8pack_mm
-    int8-g32  q int8 [N, K], scale fp16 [N, K/32] (w = q * s_g)      1.0625        dequantize-then-matmul (the
-                                                                                   tiled layout: native only)
+    int8-g32  q int8 [N, K], scale fp16 [N, K/32] (w = q * s_g)      1.0625        dequantize-then-matmul
     int4      codes 4 bit [N, K/2] u8, scale+zero bf16 [K/32, N, 2], 0.6875        aten._weight_int4pack_mm_for_cpu
               zero residual bf16 [K/32, N]                                         + a [n, K/32] x [K/32, N] GEMM
               (w = (q - 8) * s_g + z_g, FlexGen-style group-wise asymmetric, ALGORITHMS.md §4)
