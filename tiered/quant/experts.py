@@ -71,15 +71,21 @@ def _align(n: int) -> int:
 LAYOUTS = ("cpu", "plain", "tiled")
 
 
+def int8_tiled(layout: str, N: int, K: int) -> bool:
+    """Whether an int8 / int8-g32 projection [N, K] of a format in `layout` is stored tiled (qt):
+    the tiled layout, and a shape `kernels.linear.int8_tiles` accepts (else per row, q)."""
+    return layout == "tiled" and int8_tiles(N, K)
+
+
 def _segments(kind: str, N: int, K: int, int4_layout: str = "cpu") -> list[tuple[str, tuple, torch.dtype]]:
     """(field, shape, dtype) of one [N, K] projection stored as `kind` (int4: in `int4_layout`)."""
     if kind in DENSE:
         return [("w", (N, K), DENSE[kind])]
-    if kind == "int8" and int4_layout == "tiled" and int8_tiles(N, K):  # 16-row tiles, +128 (kernels/linear.py)
+    if kind == "int8" and int8_tiled(int4_layout, N, K):  # 16-row tiles, +128 (kernels/linear.py)
         return [("qt", (N, K), torch.uint8), ("scale", (N,), torch.bfloat16)]
     if kind == "int8":
         return [("q", (N, K), torch.int8), ("scale", (N,), torch.bfloat16)]
-    if kind == "int8-g32" and int4_layout == "tiled" and int8_tiles(N, K):
+    if kind == "int8-g32" and int8_tiled(int4_layout, N, K):
         return [("qt", (N, K), torch.uint8), ("st", (N // 16, K // GROUP, 16), torch.float16)]
     if kind == "int8-g32":
         return [("q", (N, K), torch.int8), ("scale", (N, K // GROUP), torch.float16)]
@@ -368,7 +374,7 @@ def quantize_projection(w: torch.Tensor, kind: str, int4_layout: str = "cpu") ->
         return {"w": w.to(DENSE[kind])}
     if kind == "int8":
         q, s = quantize_int8(w)
-        if int4_layout == "tiled" and int8_tiles(*q.shape):
+        if int8_tiled(int4_layout, *q.shape):
             return {"qt": tiled_int8(q), "scale": s.to(torch.bfloat16)}
         return {"q": q, "scale": s.to(torch.bfloat16)}
     if kind == "int8-g32":
@@ -385,7 +391,7 @@ def quantize_projection(w: torch.Tensor, kind: str, int4_layout: str = "cpu") ->
 def int8_g32_segments(q: torch.Tensor, scale: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
     """int8-g32 segments from q int8 [N, K] and scale fp16 [N, K/32] (w = q * s_g): in the tiled
     layout (N % 16 == 0) qt and st (`kernels.linear.tiled_int8`, `tiled_group_scales`), else as given."""
-    if layout == "tiled" and int8_tiles(*q.shape):
+    if int8_tiled(layout, *q.shape):
         return {"qt": tiled_int8(q), "st": tiled_group_scales(scale)}
     return {"q": q, "scale": scale}
 

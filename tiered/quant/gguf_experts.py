@@ -26,7 +26,7 @@ import torch
 
 from tiered.kernels import load
 from tiered.quant.experts import (ExpertFormat, fit_format, format_name, int4_segments, int8_g32_segments,
-                                  quantize_projection)
+                                  int8_tiled, quantize_projection)
 from tiered.quant.int4 import unpack_q4_blocks
 
 GGUF_EXPERT_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8-g32", "Q4_K": "int4", "Q2_K": "int4",
@@ -79,27 +79,29 @@ def unpack_q4k_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torc
     return torch.from_numpy(codes), torch.from_numpy(scale.reshape(N, -1)), torch.from_numpy(zero.reshape(N, -1))
 
 
+def _raw_blocks(handle) -> torch.Tensor:
+    """A block-format handle's raw blocks uint8 [rows, bytes_per_row] as a tensor over the file's map
+    (no copy when contiguous), for the native repacking passes."""
+    with warnings.catch_warnings():  # a read-only view of the file's map: only read here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(handle.blocks()))
+
+
 def projection_segments(handle, kind: str, int4_layout: str) -> dict[str, torch.Tensor]:
     """Segments of one projection in `kind` from its checkpoint handle: GGUF Q4_0/Q4_1/Q4_K -> int4
     and Q8_0 -> int8-g32 straight from the blocks; anything else through the dense weight."""
     if handle.format in ("Q4_0", "Q4_1") and kind == "int4":
         ext = load() if int4_layout == "tiled" else None
         if ext is not None:  # the same bytes in one native pass (~50x the numpy / torch path below)
-            with warnings.catch_warnings():  # a read-only view of the file's map: only read here
-                warnings.simplefilter("ignore", UserWarning)
-                raw = torch.from_numpy(np.ascontiguousarray(handle.blocks()))
-            codes, sz, zr = ext.q4_blocks_tiled(raw, 18 if handle.format == "Q4_0" else 20)
+            codes, sz, zr = ext.q4_blocks_tiled(_raw_blocks(handle), 18 if handle.format == "Q4_0" else 20)
             return {"codes": codes, "sz": sz, "zr": zr}
         return int4_segments(*unpack_q4_blocks(handle.blocks(), handle.format), int4_layout)
     if handle.format == "Q4_K" and kind == "int4":
         return int4_segments(*unpack_q4k_blocks(handle.blocks()), int4_layout)
     if handle.format == "Q8_0" and kind == "int8-g32":
-        ext = load() if int4_layout == "tiled" and handle.shape[0] % 16 == 0 else None
+        ext = load() if int8_tiled(int4_layout, *handle.shape) else None
         if ext is not None:  # the same bytes in one native pass
-            with warnings.catch_warnings():  # a read-only view of the file's map: only read here
-                warnings.simplefilter("ignore", UserWarning)
-                raw = torch.from_numpy(np.ascontiguousarray(handle.blocks()))
-            qt, st = ext.q8_blocks_tiled(raw)
+            qt, st = ext.q8_blocks_tiled(_raw_blocks(handle))
             return {"qt": qt, "st": st}
         return int8_g32_segments(*unpack_q8_blocks(handle.blocks()), int4_layout)
     return quantize_projection(handle.load(torch.float32), kind, int4_layout)

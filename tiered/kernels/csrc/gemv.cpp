@@ -1613,7 +1613,7 @@ struct Int4TGemv : Int4Gemv {
   }
   bool w16(int64_t B) const { return B < q8_from && int16_below_q8(); }
   ActNeeds needs(int64_t B) const override {
-    if (w16(B)) return ActNeeds::only_w16();
+    if (w16(B)) return ActNeeds::only_w16(current_isa() == kAvx512);  // int4t_w16_avx512 reads xh, xl
     if (B >= q8_from) return ActNeeds::only_q8();
     return {true, false, current_isa() == kAvx512, false};  // AVX-512 here has VBMI: bf16 pairs
   }
@@ -1683,7 +1683,7 @@ struct Int8Gemv : Gemv {
   // Reads int16 x (per group of 32) on AVX2 and AVX-512 when K % 32 == 0, else fp32 x; the tiled
   // layout (K % 32 == 0) on every path.
   bool w16() const { return (w.tiled || current_isa() >= kAvx2) && in_features % kGroup == 0; }
-  ActNeeds needs(int64_t) const override { return {false, false, false, w16()}; }
+  ActNeeds needs(int64_t) const override { return {false, false, false, w16(), w.tiled}; }
   int64_t weight_bytes() const override {
     return out_features * (in_features + (w.gs ? in_features / kGroup * 2 : 2));
   }
@@ -2518,6 +2518,8 @@ Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, ActNeeds needs) {
                                                dw.data() + b * G, wsum.data() + b * G);
     });
     a.xw = xw.data(), a.xs = xs.data(), a.dw = dw.data(), a.wsum = wsum.data();
+  }
+  if (needs.w16 && needs.split) {  // only the tiled kernels read these: not on the per-row int8 path
     xsq.resize(B * G);
     for (int64_t i = 0; i < B * G; ++i) {
       int32_t s = 0;

@@ -46,9 +46,10 @@ Isa current_isa();  // what the kernels use now (best_isa unless set_isa lowered
 // where bf16 keeps 8), as uint32 words of two int16 in the order that path's vpmaddwd reads them: per
 // 8 columns c8, words (x0, x2), (x4, x6), (x1, x3), (x5, x7) of x[8 c8 ..] (low half first): xw uint32
 // [B, K/2]; xs int16 [B, K] the same values in column order (the int8 kernel's AVX2 path);
-// dw fp32 [B, K/32]; wsum fp32 [B, K/32] the exact sums of x per group; on AVX-512 also xh, xl
-// int8 [B, K] in column order with xs = 256 xh + xl (32639 = 127 * 257 keeps both in a signed byte);
-// xsq int32 [B, K/32] the sums of xs per group (the tiled int8 layout's +128 offset term).
+// dw fp32 [B, K/32]; wsum fp32 [B, K/32] the exact sums of x per group. With w16 and split (the
+// tiled layouts' kernels) also xsq int32 [B, K/32], the sums of xs per group (the tiled int8
+// layout's +128 offset term), and on AVX-512 xh, xl int8 [B, K] in column order with
+// xs = 256 xh + xl (32639 = 127 * 257 keeps both in a signed byte).
 // With pairs (the tiled int4 layout on bf16 activations, AVX-512): xp uint32 [B, K/2], per 8 columns c8 and j < 4 the bf16 words of x[8 c8 + j] (low)
 // and x[8 c8 + 4 + j] (high).
 struct Act {
@@ -72,10 +73,12 @@ struct Act {
 // What a call's kernels read of its Act (bf16 rounding, int8 or int16 quantization, bf16 pairs):
 // `prepare` computes only that.
 struct ActNeeds {
-  bool bf16 = true, q8 = false, pairs = false, w16 = false;
+  bool bf16 = true, q8 = false, pairs = false, w16 = false, split = false;
   static ActNeeds only_q8() { return {false, true, false, false}; }
-  static ActNeeds only_w16() { return {false, false, false, true}; }
-  ActNeeds operator|(const ActNeeds& o) const { return {bf16 || o.bf16, q8 || o.q8, pairs || o.pairs, w16 || o.w16}; }
+  static ActNeeds only_w16(bool split = false) { return {false, false, false, true, split}; }
+  ActNeeds operator|(const ActNeeds& o) const {
+    return {bf16 || o.bf16, q8 || o.q8, pairs || o.pairs, w16 || o.w16, split || o.split};
+  }
 };
 
 // Buffers an Act lives in (one per concurrent Act; reused across calls: no allocation once warm).
