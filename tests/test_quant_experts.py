@@ -4,10 +4,12 @@ dequantized weights, and the bytes an int4 expert saves on every tier."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import numpy as np
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -188,6 +190,12 @@ def test_gguf_block_unpacking_is_exact():
 
 
 NEAR_TIE = 0.015  # logits: a reference step whose top two are closer than this may go either way
+# The reference-token tests check the stored formats, on bf16 activations (expert_activations
+# "bf16"): int8 ones (the default on AVX-512) move these random fixtures' logits by a few hundredths
+# (the wide Q4_K Mixtral's token 14, a top-2 gap of 0.035, flips), which would leave too few tokens
+# before the first such gap. Their numerics are checked against a torch emulation in
+# test_native_kernels.py, and their KL by benchmarks/moe_accuracy.py.
+EXACT_ACT = dict(expert_activations="bf16")
 
 
 def _assert_reference_tokens(out, model, qtype):
@@ -211,7 +219,7 @@ def _assert_reference_tokens(out, model, qtype):
 def test_moe_gguf_keeps_experts_quantized_with_reference_tokens(kind, qtype, tmp_path):
     model = build_hf_moe_model(kind)
     path = write_moe_gguf(model, tmp_path / f"{kind}.gguf", qtype)
-    llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none"))
+    llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", **EXACT_ACT))
     kept = {Q.Q8_0: "int8-g32", Q.Q4_0: "int4", Q.Q4_1: "int4"}[qtype]
     assert llm.plan.dtypes["experts"].split(",")[0] == kept  # Mixtral's down (48 wide) is written F16
     assert llm.experts.store.expert_bytes == sizes.expert_bytes(llm.config, llm.plan.dtypes["experts"])
@@ -229,7 +237,7 @@ def test_quantized_moe_gguf_runs_under_a_budget_smaller_than_the_file(qtype, tmp
     model = build_hf_moe_model("mixtral", **WIDE)
     path = write_moe_gguf(model, tmp_path / "wide.gguf", qtype)
     budget = path.stat().st_size // 2
-    llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", cpu_memory=budget,
+    llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", cpu_memory=budget, **EXACT_ACT,
                                  offload_dir=str(tmp_path / "off")))
     assert llm.experts.placement.count("disk") > 0
     out = llm.generate(PROMPT, GREEDY)[0].token_ids
@@ -277,7 +285,7 @@ def test_expert_kernels_on_cuda(name):
 def test_run_options_map_to_the_engine_config():
     from tiered.cli import _engine_config
 
-    common = dict(dtype="auto", decode_weights="auto", batch_activations="auto", max_context=None, threads=None, gpu_mem=None, cpu_mem=None,
+    common = dict(dtype="auto", decode_weights="auto", batch_activations="auto", expert_activations="auto", max_context=None, threads=None, gpu_mem=None, cpu_mem=None,
                   offload_dir=None, accelerator="none", cache_slots=None, cache_policy="lru", expert_profile=None,
                   read_ahead=True, plan="auto", profile_file=None, prefetch=False, prefetch_lookahead=2,
                   weights="auto", low_weights=None, mixed_thresholds="0.6,0.9")
@@ -289,3 +297,29 @@ def test_run_options_map_to_the_engine_config():
         _engine_config({**common, "mixed_thresholds": "0.5"})
     with pytest.raises(ConfigError, match="expert_weights"):
         EngineConfig(expert_weights="int3")
+    assert _engine_config({**common, "expert_activations": "bf16"}).expert_activations == "bf16"
+    with pytest.raises(ConfigError, match="expert_activations"):
+        EngineConfig(expert_activations="int16")
+
+
+@pytest.mark.parametrize("act", ["q8", "bf16", "auto"])
+def test_expert_activations_reach_the_expert_kernels(act, tmp_path):
+    """Plan.expert_act (auto: q8 unless the kernels are AVX2 on a CPU-only machine) is the stored
+    experts' ExpertFormat.act, and their native kernels compute on it: a one-token expert forward
+    equals the kernel on those activations and differs from the other one."""
+    from tiered import kernels
+    from tiered.planner.auto import AUTO_EXPERT_ACT
+
+    model = build_hf_moe_model("mixtral", **WIDE)
+    path = write_moe_gguf(model, tmp_path / "wide.gguf", Q.Q4_0)
+    llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", expert_activations=act))
+    want = act if act != "auto" else AUTO_EXPERT_ACT.get(kernels.isa(), "q8")
+    fmt = llm.experts.store.fmt
+    assert llm.plan.expert_act == want and fmt.act == want and fmt.kinds[0] == "int4"
+    if fmt.native is not None:
+        slot = llm.experts.store.encode(next(iter(llm.experts.store.handles)))
+        x = torch.randn(1, fmt.shapes[0][1])
+        other = dataclasses.replace(fmt, act="bf16" if want == "q8" else "q8")
+        y, y_other = fmt.forward(x, slot), other.forward(x, slot)
+        assert torch.equal(y, dataclasses.replace(fmt).forward(x, slot)) and not torch.equal(y, y_other)
+    llm.close()

@@ -42,6 +42,8 @@ OPT = {
     "decode_weights": typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16, int8 or int4."),
     "batch_activations": typer.Option("auto", "--batch-activations",
                                       help="Activations of int4 decode weights and experts in steps of 2+ rows: q8 (faster), bf16 (batch-1 numerics; int16 on AVX2) or auto (q8 when --max-batch > 1 or for MoE models)."),
+    "expert_activations": typer.Option("auto", "--expert-activations",
+                                       help="Activations of int4 routed experts at batch 1: q8 (llama.cpp's Q4_0 x Q8_0; faster on AVX-512), bf16 (more exact; int16 on AVX2) or auto (q8, except bf16 on a CPU-only AVX2 machine)."),
     "weights": typer.Option("auto", "--weights", help="Expert weight format on every tier: auto (a GGUF's quantized experts as stored, else the compute dtype), bf16, fp32, int8 or int4 (re-quantized at load; lossy). bf16/int4 also set the dense decode weights unless --decode-weights is given."),
     "low_weights": typer.Option(None, "--low-weights", help="HOBBIT mixed precision: low format (int4 or int8) of offloaded experts; misses load high, low or nothing by the router's unimportance score."),
     "mixed_thresholds": typer.Option("0.6,0.9", "--mixed-thresholds", help="HOBBIT's T1,T2 for --low-weights (the paper's 0.6,0.9)."),
@@ -98,6 +100,7 @@ def run(
     dtype: str = OPT["dtype"],
     decode_weights: str = OPT["decode_weights"],
     batch_activations: str = OPT["batch_activations"],
+    expert_activations: str = OPT["expert_activations"],
     weights: str = OPT["weights"],
     low_weights: Optional[str] = OPT["low_weights"],
     mixed_thresholds: str = OPT["mixed_thresholds"],
@@ -172,7 +175,7 @@ def _print_stats(llm, out) -> None:
                        + ", ".join(f"{r} ahead {a:.0%}" for r, a in pf["accuracy"].items()) + "]", err=True)
 
 
-ENGINE_OPTIONS = ("dtype", "decode_weights", "batch_activations", "weights", "low_weights", "mixed_thresholds", "max_context", "threads",
+ENGINE_OPTIONS = ("dtype", "decode_weights", "batch_activations", "expert_activations", "weights", "low_weights", "mixed_thresholds", "max_context", "threads",
                   "gpu_mem", "cpu_mem", "offload_dir", "accelerator", "cache_slots", "cache_policy", "expert_profile",
                   "read_ahead", "prefetch", "prefetch_lookahead", "plan", "profile_file")
 
@@ -184,7 +187,7 @@ def _engine_config(args: dict, trace: bool = False, max_batch: int = 1):
     return _config(**{k: args[k] for k in ENGINE_OPTIONS}, trace=trace, max_batch=max_batch)
 
 
-def _config(*, dtype, decode_weights, batch_activations, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
+def _config(*, dtype, decode_weights, batch_activations, expert_activations, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
             cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch,
             prefetch_lookahead, weights, low_weights, mixed_thresholds, max_batch):
     from tiered import EngineConfig
@@ -203,6 +206,7 @@ def _config(*, dtype, decode_weights, batch_activations, max_context, threads, g
         from tiered.errors import ConfigError
         raise ConfigError(f"--mixed-thresholds must be 'T1,T2', got {mixed_thresholds!r}", "pass e.g. 0.6,0.9") from None
     return EngineConfig(dtype=dtype, decode_weights=decode_weights, batch_activations=batch_activations,
+                        expert_activations=expert_activations,
                         max_context=max_context, num_threads=threads,
                         expert_weights=weights, expert_low_weights=low_weights, mixed_thresholds=(t1, t2),
                         gpu_memory=gpu_mem, cpu_memory=cpu_mem, offload_dir=str(offload_dir) if offload_dir else None,
@@ -227,6 +231,7 @@ def serve(
     dtype: str = OPT["dtype"],
     decode_weights: str = OPT["decode_weights"],
     batch_activations: str = OPT["batch_activations"],
+    expert_activations: str = OPT["expert_activations"],
     weights: str = OPT["weights"],
     low_weights: Optional[str] = OPT["low_weights"],
     mixed_thresholds: str = OPT["mixed_thresholds"],
@@ -301,6 +306,7 @@ def chat(
     dtype: str = OPT["dtype"],
     decode_weights: str = OPT["decode_weights"],
     batch_activations: str = OPT["batch_activations"],
+    expert_activations: str = OPT["expert_activations"],
     weights: str = OPT["weights"],
     low_weights: Optional[str] = OPT["low_weights"],
     mixed_thresholds: str = OPT["mixed_thresholds"],

@@ -52,6 +52,12 @@ class EngineConfig:
             of 8 rows (quant/experts.ExpertFormat.batch_act): q8 makes them 1.7x faster on AVX2, as
             llama.cpp computes them. Batch 1 always reads bf16. On AVX2, "bf16" reads int16 activations (more exact than bf16) and
             "q8" int8 ones through vpmaddubsw (1.3x int16's speed at 4 and 16 rows, 2 cores).
+        expert_activations: what routed int4 experts multiply at batch 1 (one decode token, native
+            kernels): "q8" (int8 per group of 32, as llama.cpp computes Q4_0 experts: half the
+            multiply-adds, which AVX-512 VNNI needs to stream an int4 expert at the memory bound:
+            an OLMoE-width expert from cache at 2x the speed of "bf16"), "bf16" (bf16 activations,
+            int16 ones on AVX2: more exact), or "auto": q8, except bf16 on a CPU-only AVX2 machine,
+            whose int16 path streams as fast.
         max_context: context window in tokens; None uses the model's max_position_embeddings.
         max_batch: sequences decoded together (`tiered serve --max-batch`): the plan keeps KV-cache
             room for this many sequences of max_context tokens on the fast tier.
@@ -91,6 +97,7 @@ class EngineConfig:
     decode_weights: str = "auto"
     decode_weights_threshold: int = 8
     batch_activations: str = "auto"
+    expert_activations: str = "auto"
     expert_weights: str = "auto"
     expert_low_weights: str | None = None
     mixed_thresholds: tuple[float, float] = (0.6, 0.9)
@@ -153,6 +160,9 @@ class EngineConfig:
         if self.batch_activations not in BATCH_ACTIVATIONS:
             raise ConfigError(f"batch_activations must be one of {BATCH_ACTIVATIONS}, got {self.batch_activations!r}",
                               "pass 'auto', 'q8' (faster batched decode) or 'bf16' (batch-1 numerics)")
+        if self.expert_activations not in BATCH_ACTIVATIONS:
+            raise ConfigError(f"expert_activations must be one of {BATCH_ACTIVATIONS}, got {self.expert_activations!r}",
+                              "pass 'auto', 'q8' (llama.cpp's numerics, faster on AVX-512) or 'bf16' (more exact)")
         if self.expert_weights not in EXPERT_FORMATS:
             raise ConfigError(f"expert_weights must be one of {EXPERT_FORMATS}, got {self.expert_weights!r}",
                               "pass one of " + ", ".join(EXPERT_FORMATS))

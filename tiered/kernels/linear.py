@@ -10,7 +10,9 @@ TIERED_NATIVE=0, or no compiler); callers then keep their torch-op paths.
     Int4Linear, tiled layout                 int4_tiled_kernel (ours: bf16 activations at batch 1,
                                              Int4Linear.batch_act from 2 rows)
     Int4Linear with plain codes              int4_kernel (ours, bf16 activations: act="q8" is faster but
-                                             doubles SmolLM2's int4 KL, see EXPERT_INT4_ACT)
+                                             doubles SmolLM2's int4 KL)
+    quantized expert (ExpertFormat)          expert_spec (ours: the three projections fused; int4 on
+                                             ExpertFormat.act at one row, .batch_act from two)
     Int4Linear (torch's packed layout only)  int4pack_kernel (torch's _weight_int4pack_mm_for_cpu)
     CastLinear / nn.Linear, bf16 weight      bf16_kernel (ours)
     nn.Linear, fp32 weight                   f32_kernel (ours; at::linear above 16 rows)
@@ -235,16 +237,6 @@ def kernel_for(m: nn.Module):
 
 
 NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4", "int8-g32")  # int8-g32: tiled layout only
-# Routed int4 experts in the plain layout (a CUDA host's CPU experts) read int8-quantized
-# activations (int4_kernel's act="q8": vpdpbusd, ~1.5-2x the batch-1 bandwidth of act="bf16" there).
-# Its 8-bit rounding of x doubles SmolLM2's int4 decode KL (max 0.0033 -> 0.0099 nats), so dense
-# int4 weights keep bf16 activations. In the tiled layout (the host layout without a GPU) the bf16
-# kernel reads as fast at batch 1 (benchmarks/results/cpu_gemv.md), so tiled experts keep bf16
-# activations: the same numerics as torch's int4 kernel, and the greedy tokens of a GGUF's
-# dequantized reference (tests/test_quant_experts.py).
-# From two rows (a prompt's tokens, batched decode) tiled experts read ExpertFormat.batch_act.
-EXPERT_INT4_ACT = "q8"
-TILED_EXPERT_INT4_ACT = "bf16"
 
 
 def expert_spec(fmt):
@@ -263,6 +255,5 @@ def expert_spec(fmt):
     offsets = [[off for _, off, _, _ in segs] for segs in fmt._layout]
     if fmt.int4_layout == "tiled":
         return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes,
-                               TILED_EXPERT_INT4_ACT, "tiled", fmt.batch_act)
-    return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes, EXPERT_INT4_ACT,
-                           "plain")
+                               fmt.act, "tiled", fmt.batch_act)
+    return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes, fmt.act, "plain")

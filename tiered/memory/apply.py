@@ -22,17 +22,18 @@ from tiered.planner.plan import Plan
 from tiered.quant.experts import ExpertFormat, fit_format
 
 
-def expert_format(name: str, checkpoint, layer: int, accelerator, batch_act: str = "bf16") -> ExpertFormat:
+def expert_format(name: str, checkpoint, layer: int, accelerator, batch_act: str = "bf16",
+                  act: str = "bf16") -> ExpertFormat:
     """The ExpertFormat of plan format `name` for the checkpoint's expert shapes. int4 codes are
     kept in the portable layout when a CUDA device computes them, else in the tiled layout of the
-    native CPU kernel (torch's CPU kernel layout when the extension is not built), whose calls of
-    two or more rows read `batch_act` activations (Plan.batch_act)."""
+    native CPU kernel (torch's CPU kernel layout when the extension is not built). Native int4
+    calls read `act` activations at one row (Plan.expert_act), `batch_act` from two (Plan.batch_act)."""
     from tiered.kernels import available
 
     shapes = [tuple(checkpoint.handle(n).shape) for n in expert_tensor_names(checkpoint.config.model_type, layer, 0)]
     cuda = accelerator is not None and getattr(accelerator.device, "type", "") == "cuda"
     return ExpertFormat(fit_format(name, shapes), shapes, "plain" if cuda else "tiled" if available() else "cpu",
-                        batch_act)
+                        batch_act, act)
 
 
 class StagingBuffer(tuple):
@@ -158,7 +159,7 @@ def place_experts(plan: Plan, checkpoint, accelerator, fast_budget: MemoryBudget
     """
     cfg = checkpoint.config
     first = next(l.layer for l in plan.layers if l.kind == "moe")
-    fmt = expert_format(plan.dtypes["experts"], checkpoint, first, accelerator, plan.batch_act)
+    fmt = expert_format(plan.dtypes["experts"], checkpoint, first, accelerator, plan.batch_act, plan.expert_act)
     shapes, dtype = fmt.slot_shapes, fmt.slot_dtype
     n_stage = plan.staging_buffers
 
@@ -197,7 +198,7 @@ def _place_low(plan: Plan, checkpoint, first: int, accelerator, fast_budget, cpu
     from tiered.runtime.precision import MixedPrecision
 
     m = plan.mixed_precision
-    fmt = expert_format(plan.dtypes["experts_low"], checkpoint, first, accelerator, plan.batch_act)
+    fmt = expert_format(plan.dtypes["experts_low"], checkpoint, first, accelerator, plan.batch_act, plan.expert_act)
     if fmt.nbytes > store.expert_bytes:
         raise ConfigError(f"low-precision experts ({fmt.name}, {fmt.nbytes} B) must be smaller than the high "
                           f"ones ({store.fmt.name}, {store.expert_bytes} B)", "use a smaller low format, e.g. int4")

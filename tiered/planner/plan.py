@@ -64,7 +64,8 @@ class Plan:
                                              their int4 layout ("tiled": tiered's kernels, "cpu":
                                              torch's int4pack); batch_act:
                                              activations of int4 decode copies in steps of 2+ rows
-                                             ("q8" or "bf16"; batch 1 reads bf16)
+                                             ("q8" or "bf16"; batch 1 reads bf16); expert_act:
+                                             routed int4 experts' activations at batch 1
         mixed_precision, expert_cache_slots_low
                                              HOBBIT mixed precision (ALGORITHMS.md §3): None, or
                                              {"high", "low", "t1", "t2"}: each offloaded expert
@@ -131,6 +132,7 @@ class Plan:
     read_ahead: bool = True
     decode_threshold: int = 8
     batch_act: str = "bf16"
+    expert_act: str = "bf16"
     int4_layout: str = "cpu"
     decode_graphs: bool = False
     cpu_decode_step: bool = False

@@ -154,6 +154,10 @@ class ExpertFormat:
             activations on AVX2) or "q8" (int8 per group of 32, llama.cpp's Q8_0: vpmaddubsw does
             twice the multiply-adds per instruction; a Qwen3-30B-A3B expert at 8 / 16 / 64 rows on
             2 AVX2 cores 0.45 / 0.92 / 3.6 ms against 0.80 / 1.57 / 6.2). Plan.batch_act.
+        act: what the native kernels of int4 projections multiply in one-row calls (a decode token):
+            "bf16" (bf16 activations; int16 ones on AVX2 and where the kernel tuning picks them) or
+            "q8" (int8 per group of 32, llama.cpp's Q4_0 x Q8_0: half the multiply-adds, which a
+            batch-1 stream needs to reach the memory bound on AVX-512 VNNI). Plan.expert_act.
     Raises:
         ConfigError: unknown kind or layout, or a shape the kind cannot hold (K % 32 for grouped
             kinds; the CPU and tiled int4 layouts also need N % 16).
@@ -163,13 +167,15 @@ class ExpertFormat:
     shapes: tuple
     int4_layout: str = "cpu"
     batch_act: str = "bf16"
+    act: str = "bf16"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shapes", tuple(tuple(int(d) for d in s) for s in self.shapes))
         if self.int4_layout not in LAYOUTS:
             raise ConfigError(f"unknown int4 layout {self.int4_layout!r}", "use " + ", ".join(LAYOUTS))
-        if self.batch_act not in ("bf16", "q8"):
-            raise ConfigError(f"unknown batch activations {self.batch_act!r}", "use bf16 or q8")
+        for what, act in (("batch activations", self.batch_act), ("activations", self.act)):
+            if act not in ("bf16", "q8"):
+                raise ConfigError(f"unknown {what} {act!r}", "use bf16 or q8")
         for kind, (N, K) in zip(self.kinds, self.shapes):
             if kind in ("int4", "int8-g32") and K % GROUP:
                 raise ConfigError(f"expert format {kind} needs in-features divisible by {GROUP}, got {K}",
@@ -281,8 +287,8 @@ class ExpertFormat:
             return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
         vg, vu, vd = self.views(slot)
         (kg, ku, kd), lay = self.kinds, self.int4_layout
-        h = F.silu(project(x, vg, kg, lay)) * project(x, vu, ku, lay)
-        return project(h, vd, kd, lay)
+        h = F.silu(project(x, vg, kg, lay, self.act)) * project(x, vu, ku, lay, self.act)
+        return project(h, vd, kd, lay, self.act)
 
     def _native_ext(self, slots: list[tuple[torch.Tensor, ...]]):
         """The native extension when its expert kernels can compute from these slots (a dense format:
@@ -440,8 +446,9 @@ def _group_tensors(v: dict[str, torch.Tensor], int4_layout: str) -> tuple[torch.
     return v["sz"], v["zr"]
 
 
-def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout: str) -> torch.Tensor:
-    """x [n, K] @ W^T for one stored projection -> [n, N] in x's dtype (kernel, else fallback)."""
+def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout: str, act: str = "bf16") -> torch.Tensor:
+    """x [n, K] @ W^T for one stored projection -> [n, N] in x's dtype (kernel, else fallback); act:
+    the native tiled int4 kernel's activations (ExpertFormat.act)."""
     if kind in DENSE:
         w = v["w"]
         return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
@@ -458,7 +465,7 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
         except (RuntimeError, NotImplementedError):
             pass  # no kernel for this device / shape: dequantize below
     if kind == "int4" and int4_layout == "tiled":
-        return _tiled_int4(x, xb, v)
+        return _tiled_int4(x, xb, v, act)
     if kind == "int4":
         try:
             return _zero_residual(x, _int4_kernel(x, xb, v, cuda, int4_layout), v)
@@ -469,16 +476,16 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
     return F.linear(x, dequantize_projection(v, kind, N, K, int4_layout).to(x.dtype))
 
 
-def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor]) -> torch.Tensor:
-    """x [n, K] @ W^T for a tiled int4 projection: the native kernel up to NATIVE_ROWS rows, else the
+def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor], act: str) -> torch.Tensor:
+    """x [n, K] @ W^T for a tiled int4 projection: the native kernel (on `act` activations) up to NATIVE_ROWS rows, else the
     weight dequantized once (native, or in torch without the extension; exact, in fp32 for fp32 x)
     and one matmul (prefill-sized n: the conversion is paid once for all n rows) -> [n, N] in x's dtype."""
     from tiered.kernels import load
-    from tiered.kernels.linear import TILED_EXPERT_INT4_ACT, tiled_dequantize
+    from tiered.kernels.linear import tiled_dequantize
 
     ext = load() if x.device.type == "cpu" else None
     if ext is not None and x.shape[0] <= NATIVE_ROWS:
-        return ext.int4_tiled_kernel(v["codes"], v["sz"], v["zr"], None, TILED_EXPERT_INT4_ACT)(x).to(x.dtype)
+        return ext.int4_tiled_kernel(v["codes"], v["sz"], v["zr"], None, act)(x).to(x.dtype)
     fp32 = x.dtype == torch.float32
     if ext is not None:
         w = tiled_dequantize(v["codes"], v["sz"], v["zr"], fp32)  # a reused buffer: no fresh pages per call

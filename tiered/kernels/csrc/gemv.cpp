@@ -1285,6 +1285,73 @@ TIERED_AVX512 void int4tq8_avx512(const Int4W& w, const Act& a, int64_t b0, int6
   }
 }
 
+// Small calls on int8 activations (AVX-512 VNNI; llama.cpp's Q4_0 x Q8_0 at batch 1), streamed as
+// int4t_w16_avx512 streams: per chunk of 8 columns x 16 rows 2 vpdpbusd (the low and high
+// nibbles against 4 bytes of xqt each), half the multiply-adds of the split int16 form. Per group the
+// centred dot sum((q - 8) xq) = dot - 8 sum(xq) (Act::xqs) is exact in int32; then
+// y = sum_g s dx_g centred_g + (z + zr) xsum_g, int4tq8_avx512's terms in another order. The tile's
+// (s, z) line and residuals are read where used and the next tile's prefetched, with no per-tile
+// unpacked block (int4tq8_avx512 fills one: at batch 1 that pass and its second stream cost more
+// than the multiply-adds it saves).
+template <int NB>
+TIERED_AVX512 void int4tq8s_avx512(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                                   int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  const __m512i m4 = _mm512_set1_epi8(15);
+  const __m512i hi = _mm512_set1_epi32(int(0xFFFF0000u));
+  constexpr int C = NB <= 2 ? 2 : 1;  // chains per nibble half and row
+  const int8_t* xq[NB];
+  const float *dx[NB], *xs[NB];
+  const int32_t* xqs[NB];
+  for (int j = 0; j < NB; ++j) {
+    const int64_t b = b0 + j;
+    xq[j] = a.xqt + b * K, dx[j] = a.dxg + b * G, xs[j] = a.xsum + b * a.Gp, xqs[j] = a.xqs + b * G;
+  }
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const uint8_t* tile = w.codes + m0 * (K / 2);
+    const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
+    __m512 acc[NB], corr[NB];
+    for (int j = 0; j < NB; ++j) acc[j] = corr[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* chunk = tile + g * 256;
+      prefetch_group(w, chunk, next, G, g);
+      __m512i t[NB][2 * C];
+      for (int j = 0; j < NB; ++j)
+        for (int c = 0; c < 2 * C; ++c) t[j][c] = _mm512_setzero_si512();
+      for (int c4 = 0; c4 < 4; ++c4) {
+        const __m512i d = _mm512_loadu_si512(chunk + 64 * c4);
+        const __m512i ql = _mm512_and_si512(d, m4), qh = _mm512_and_si512(_mm512_srli_epi16(d, 4), m4);
+        const int c = c4 % C;
+        for (int j = 0; j < NB; ++j) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&x1, xq[j] + g * kGroup + c4 * 8 + 4, 4);
+          t[j][2 * c] = _mm512_dpbusd_epi32(t[j][2 * c], ql, _mm512_set1_epi32(x0));
+          t[j][2 * c + 1] = _mm512_dpbusd_epi32(t[j][2 * c + 1], qh, _mm512_set1_epi32(x1));
+        }
+      }
+      const __m512i v = _mm512_loadu_si512(w.tile_sz(m0, G, g));
+      const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+      if (w.zr) {
+        const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.tile_zr(m0, G, g)));
+        zv = _mm512_add_ps(zv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
+      }
+      for (int j = 0; j < NB; ++j) {
+        __m512i ti = _mm512_add_epi32(t[j][0], t[j][1]);
+        for (int c = 2; c < 2 * C; ++c) ti = _mm512_add_epi32(ti, t[j][c]);
+        ti = _mm512_sub_epi32(ti, _mm512_set1_epi32(8 * xqs[j][g]));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ti), _mm512_mul_ps(sv, _mm512_set1_ps(dx[j][g])), acc[j]);
+        corr[j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[j][g]), corr[j]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      __m512 out = _mm512_add_ps(acc[j], corr[j]);
+      if (w.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(w.bias + m0));
+      _mm512_storeu_ps(y + (b0 + j) * ldy + m0, out);
+    }
+  }
+}
+
 // Dequantizing a tiled weight (the prefill path of a weight held only tiled): tile rows
 // 16t..16t+15 as w = q * s + (z + zr - 8 s) (blk from gather(.., 8)), written to rows of ldo
 // elements, fp32 (of) or bf16 rounded to nearest even (ob). Every path computes the same mul and
@@ -1602,6 +1669,8 @@ struct Int4Q8Gemv : Int4Gemv {
 // q8_from activation rows read int8-quantized x (vpdpbusd), smaller ones bf16 x (vdpbf16ps):
 // q8_from = 1 is always q8, kNeverQ8 never, 2 keeps batch 1 on bf16 and batched decode on q8.
 constexpr int64_t kNeverQ8 = INT64_MAX;
+// Calls of at most this many rows on int8 activations stream (int4tq8s_avx512), larger ones fill a block.
+constexpr int64_t kQ8StreamRows = 4;
 
 struct Int4TGemv : Int4Gemv {
   int64_t q8_from = kNeverQ8;
@@ -1626,7 +1695,9 @@ struct Int4TGemv : Int4Gemv {
         TIERED_DISPATCH_NB(int4t_w16_avx2, w)
       }
     } else if (a.B >= q8_from) {
-      if (isa == kAvx512) {
+      if (isa == kAvx512 && a.B <= kQ8StreamRows) {
+        TIERED_DISPATCH_NB(int4tq8s_avx512, w)
+      } else if (isa == kAvx512) {
         TIERED_DISPATCH_NB(int4tq8_avx512, w)
       } else if (isa == kAvx2) {
         int4tq8_avx2(w, a, b0, nb, n0, n1, y, ldy);
@@ -2472,7 +2543,13 @@ void ActBuffers::quantize_q8(const float* x, int64_t B, int64_t K, Act& a) {
                                            m8.data() + b * Gp);
   });
   a.xq = xq.data(), a.dx16 = dx16.data(), a.xsum = xsum.data(), a.m8 = m8.data(), a.Gp = Gp;
-  a.xqt = xqt.data(), a.dxg = dxg.data();
+  xqs.resize(B * G);
+  for (int64_t i = 0; i < B * G; ++i) {
+    int32_t t = 0;
+    for (int64_t k = 0; k < kGroup; ++k) t += xqt[i * kGroup + k];
+    xqs[i] = t;
+  }
+  a.xqt = xqt.data(), a.dxg = dxg.data(), a.xqs = xqs.data();
 }
 
 Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, ActNeeds needs) {

@@ -66,6 +66,7 @@ struct Act {
   const int16_t* xs = nullptr;
   const int8_t *xh = nullptr, *xl = nullptr;
   const int32_t* xsq = nullptr;
+  const int32_t* xqs = nullptr;  // q8: sum of xqt per group [B, G]
   const float *dw = nullptr, *wsum = nullptr;
   int64_t B = 0, K = 0, Gp = 0;  // Gp: padded groups per row of xq / xsum / m8 (0 without q8)
 };
@@ -87,7 +88,7 @@ struct ActBuffers {
   std::vector<uint16_t> xb;
   std::vector<int8_t> xq, xqt, xh, xl;
   std::vector<int16_t> xs;
-  std::vector<int32_t> xsq;
+  std::vector<int32_t> xsq, xqs;
   std::vector<uint32_t> xp, xw;
   Act prepare(const float* x, int64_t B, int64_t K, ActNeeds needs = {});
   void quantize_q8(const float* x, int64_t B, int64_t K, Act& a);
