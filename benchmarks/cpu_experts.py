@@ -14,9 +14,9 @@ Expert forward, two paths:
     expert of tiered/kernels/csrc/gemv.cpp, one call from the expert's stored form (bf16 tensors,
     or the flat slot in the tiled layout the host keeps quantized experts in), no Python between
     projections; int8 and int8-g32 on int16-quantized activations; int4 on the activations the
-    engine's plan gives routed experts on this machine (Plan.expert_act, EngineConfig
-    expert_activations "auto": int8 per group of 32 except on AVX2; --expert-activations bf16 runs
-    the bf16 path, int16 or bf16 per the machine's kernel tuning).
+    engine's plan gives routed experts (Plan.expert_act, EngineConfig expert_activations "auto":
+    int8 per group of 32; --expert-activations bf16 runs the bf16 path, int16 or bf16 per the
+    machine's kernel tuning).
   layer (native, what the engine runs for a CPU-only MoE layer whose experts are all in RAM): the
     token's top-k experts (Mixtral 2, OLMoE 8) in one ExpertFormat.forward_group call, two parallel
     regions for all of them (runtime/moe_runner._all_on_fast). Its GB/s counts the k experts' bytes.
@@ -76,17 +76,9 @@ PATHS = ("torch", "native", "layer")
 # fraction: this VM's memory bandwidth jumps between ~30 and ~50 GB/s from one minute to the next,
 # and a pass whose bracket straddles a jump has no one bandwidth to be compared with.
 STEADY = 0.15
-# int4 experts' batch-1 activations (ExpertFormat.act): the engine's CPU-only default unless
-# --expert-activations is given (main sets it; the worker child gets it on its command line)
-EXPERT_ACT = "bf16"
-
-
-def auto_expert_act() -> str:
-    """Plan.expert_act of expert_activations "auto" on this CPU-only machine (planner/auto.py)."""
-    from tiered.planner.auto import AUTO_EXPERT_ACT
-
-    ext = load()
-    return AUTO_EXPERT_ACT.get(ext.gemv_isa(), "q8") if ext is not None else "bf16"
+# int4 experts' batch-1 activations (ExpertFormat.act): the engine's default (Plan.expert_act "q8")
+# unless --expert-activations is given (the worker child gets it on its command line)
+EXPERT_ACT = "q8"
 
 
 def native_slot(gu: torch.Tensor, dn: torch.Tensor, Fi: int, fmt: str):
@@ -246,8 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="OLMoE width only, 3 repeats")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--expert-activations", choices=("auto", "q8", "bf16"), default="auto",
-                    help="int4 experts' batch-1 activations (default: the engine's for this machine)")
+    ap.add_argument("--expert-activations", choices=("q8", "bf16"), default="q8",
+                    help="int4 experts' batch-1 activations (default: the engine's, q8)")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--_worker", help=argparse.SUPPRESS)  # child process: write its rows here
     ap.add_argument("--_plan", help=argparse.SUPPRESS)
@@ -255,7 +247,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     global EXPERT_ACT
-    EXPERT_ACT = auto_expert_act() if args.expert_activations == "auto" else args.expert_activations
+    EXPERT_ACT = args.expert_activations
     if args._worker:
         return _child(args._worker, [tuple(r) for r in json.loads(args._plan)], args.repeats)
     repeats = 3 if args.quick else args.repeats

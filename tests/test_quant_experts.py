@@ -304,16 +304,13 @@ def test_run_options_map_to_the_engine_config():
 
 @pytest.mark.parametrize("act", ["q8", "bf16", "auto"])
 def test_expert_activations_reach_the_expert_kernels(act, tmp_path):
-    """Plan.expert_act (auto: q8 unless the kernels are AVX2 on a CPU-only machine) is the stored
-    experts' ExpertFormat.act, and their native kernels compute on it: a one-token expert forward
-    equals the kernel on those activations and differs from the other one."""
-    from tiered import kernels
-    from tiered.planner.auto import AUTO_EXPERT_ACT
-
+    """Plan.expert_act (auto: q8) is the stored experts' ExpertFormat.act, and their native kernels
+    compute on it: a one-token expert forward equals the kernel on those activations and differs
+    from the other one."""
     model = build_hf_moe_model("mixtral", **WIDE)
     path = write_moe_gguf(model, tmp_path / "wide.gguf", Q.Q4_0)
     llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", expert_activations=act))
-    want = act if act != "auto" else AUTO_EXPERT_ACT.get(kernels.isa(), "q8")
+    want = act if act != "auto" else "q8"
     fmt = llm.experts.store.fmt
     assert llm.plan.expert_act == want and fmt.act == want and fmt.kinds[0] == "int4"
     if fmt.native is not None:

@@ -43,7 +43,7 @@ OPT = {
     "batch_activations": typer.Option("auto", "--batch-activations",
                                       help="Activations of int4 decode weights and experts in steps of 2+ rows: q8 (faster), bf16 (batch-1 numerics; int16 on AVX2) or auto (q8 when --max-batch > 1 or for MoE models)."),
     "expert_activations": typer.Option("auto", "--expert-activations",
-                                       help="Activations of int4 routed experts at batch 1: q8 (llama.cpp's Q4_0 x Q8_0; faster on AVX-512), bf16 (more exact; int16 on AVX2) or auto (q8, except bf16 on a CPU-only AVX2 machine)."),
+                                       help="Activations of int4 routed experts at batch 1: q8 (llama.cpp's Q4_0 x Q8_0; 1.4-2x faster from cache), bf16 (more exact; int16 on AVX2) or auto (q8)."),
     "weights": typer.Option("auto", "--weights", help="Expert weight format on every tier: auto (a GGUF's quantized experts as stored, else the compute dtype), bf16, fp32, int8 or int4 (re-quantized at load; lossy). bf16/int4 also set the dense decode weights unless --decode-weights is given."),
     "low_weights": typer.Option(None, "--low-weights", help="HOBBIT mixed precision: low format (int4 or int8) of offloaded experts; misses load high, low or nothing by the router's unimportance score."),
     "mixed_thresholds": typer.Option("0.6,0.9", "--mixed-thresholds", help="HOBBIT's T1,T2 for --low-weights (the paper's 0.6,0.9)."),

@@ -55,9 +55,8 @@ class EngineConfig:
         expert_activations: what routed int4 experts multiply at batch 1 (one decode token, native
             kernels): "q8" (int8 per group of 32, as llama.cpp computes Q4_0 experts: half the
             multiply-adds, which AVX-512 VNNI needs to stream an int4 expert at the memory bound:
-            an OLMoE-width expert from cache at 2x the speed of "bf16"), "bf16" (bf16 activations,
-            int16 ones on AVX2: more exact), or "auto": q8, except bf16 on a CPU-only AVX2 machine,
-            whose int16 path streams as fast.
+            an OLMoE-width expert from cache at 2x the speed of "bf16", 1.4-2x on AVX2), "bf16" (bf16
+            activations, int16 ones on AVX2: more exact), or "auto": q8.
         max_context: context window in tokens; None uses the model's max_position_embeddings.
         max_batch: sequences decoded together (`tiered serve --max-batch`): the plan keeps KV-cache
             room for this many sequences of max_context tokens on the fast tier.
@@ -162,7 +161,7 @@ class EngineConfig:
                               "pass 'auto', 'q8' (faster batched decode) or 'bf16' (batch-1 numerics)")
         if self.expert_activations not in BATCH_ACTIVATIONS:
             raise ConfigError(f"expert_activations must be one of {BATCH_ACTIVATIONS}, got {self.expert_activations!r}",
-                              "pass 'auto', 'q8' (llama.cpp's numerics, faster on AVX-512) or 'bf16' (more exact)")
+                              "pass 'auto', 'q8' (llama.cpp's numerics, faster) or 'bf16' (more exact)")
         if self.expert_weights not in EXPERT_FORMATS:
             raise ConfigError(f"expert_weights must be one of {EXPERT_FORMATS}, got {self.expert_weights!r}",
                               "pass one of " + ", ".join(EXPERT_FORMATS))

@@ -163,22 +163,14 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     # prompts are mostly routed experts: 1.7x faster in int8), bf16 for one sequence of a dense model
     plan.batch_act = (ec.batch_activations if ec.batch_activations != "auto" else
                       "q8" if ec.max_batch > 1 or cfg.is_moe else "bf16")
-    # routed int4 experts at batch 1: int8 activations (half the multiply-adds) except on a CPU-only
-    # AVX2 machine, whose tiled int16 kernel streams as fast (an OLMoE-width int4 expert on 2 Zen 4
-    # cores from cache: 91-96 GB/s on int8 x, 45 on bf16 x; from DRAM on the AVX2 path 19-21 GB/s
-    # on int8 x, 22-23 on int16)
-    cuda = accelerator is not None and not accelerator.is_host
-    plan.expert_act = (ec.expert_activations if ec.expert_activations != "auto" else
-                       "q8" if cuda else AUTO_EXPERT_ACT.get(kernels.isa(), "q8"))
+    # routed int4 experts at batch 1: int8 activations, half the multiply-adds (an OLMoE-width int4
+    # expert from cache on 2 Zen 4 cores: 91-96 GB/s on int8 x against 45 on bf16 x with AVX-512, 71
+    # against 31-50 on int16 x with AVX2)
+    plan.expert_act = "q8" if ec.expert_activations == "auto" else ec.expert_activations
     # short prompts run as rows of the native decode step, beside the running sequences (dense
     # models: an MoE layer's FFN runs as a module, which takes one token per sequence)
     plan.mixed_rows = mixed_rows(kernels.isa(), plan.batch_act) if plan.native_decode and not cfg.is_moe else 0
     return plan, profile
-
-
-# Plan.expert_act of EngineConfig.expert_activations "auto" on a CPU-only machine, by the native
-# kernels' ISA path (others: q8).
-AUTO_EXPERT_ACT = {"avx2": "bf16"}
 
 
 # Most rows of a mixed prefill + decode step, by the kernels' ISA and Plan.batch_act: below the

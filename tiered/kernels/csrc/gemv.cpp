@@ -1132,6 +1132,70 @@ TIERED_AVX2 inline void int4tq8_pass_avx2(int64_t nb, const Act& a, const Int4W&
   }
 }
 
+// Small calls (up to kQ8StreamRows rows) streamed as int4tq8s_avx512 streams: per chunk the tile's 4
+// nibble vectors against each row's 8 bytes of xqt (vpmaddubsw, int16 sums exact per group as in
+// int4tq8_tile_avx2), then per group and 8-row half the centred int32 dot (Act::xqs), its scale
+// s dx and the zero term (z + zr) xsum, with the (s, z) line and residuals read in the stream and
+// the next tile's prefetched: no per-tile block, no separate zero-term pass.
+template <int NB>
+TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                               int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  const __m256i ones = _mm256_set1_epi16(1), hi = _mm256_set1_epi32(int(0xFFFF0000u));
+  const int8_t* xq[NB];
+  const float *dx[NB], *xs[NB];
+  const int32_t* xqs[NB];
+  for (int j = 0; j < NB; ++j) {
+    const int64_t b = b0 + j;
+    xq[j] = a.xqt + b * K, dx[j] = a.dxg + b * G, xs[j] = a.xsum + b * a.Gp, xqs[j] = a.xqs + b * G;
+  }
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const uint8_t* tile = w.codes + m0 * (K / 2);
+    const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
+    __m256 acc[NB][2], corr[NB][2];
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) acc[j][h] = corr[j][h] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* pg = tile + 256 * g;
+      prefetch_group(w, pg, next, G, g);
+      __m256i t[NB][2];
+      for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = _mm256_setzero_si256();
+      for (int c4 = 0; c4 < 4; ++c4) {
+        __m256i q[4];
+        int4tq8_chunk_avx2(pg + 64 * c4, q);
+        for (int j = 0; j < NB; ++j) {
+          int32_t v0, v1;
+          std::memcpy(&v0, xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&v1, xq[j] + g * kGroup + c4 * 8 + 4, 4);
+          const __m256i x0 = _mm256_set1_epi32(v0), x1 = _mm256_set1_epi32(v1);
+          t[j][0] = _mm256_add_epi16(t[j][0], _mm256_add_epi16(_mm256_maddubs_epi16(q[0], x0), _mm256_maddubs_epi16(q[2], x1)));
+          t[j][1] = _mm256_add_epi16(t[j][1], _mm256_add_epi16(_mm256_maddubs_epi16(q[1], x0), _mm256_maddubs_epi16(q[3], x1)));
+        }
+      }
+      const uint16_t* sz = w.tile_sz(m0, G, g);
+      for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7: 8 (s, z) bf16 pairs, 8 residuals
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 16 * h));
+        const __m256 sv = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        __m256 zv = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+        if (w.zr) {
+          const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_zr(m0, G, g) + 8 * h));
+          zv = _mm256_add_ps(zv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16)));
+        }
+        for (int j = 0; j < NB; ++j) {
+          const __m256i ti = _mm256_sub_epi32(_mm256_madd_epi16(t[j][h], ones), _mm256_set1_epi32(8 * xqs[j][g]));
+          acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti), _mm256_mul_ps(sv, _mm256_set1_ps(dx[j][g])), acc[j][h]);
+          corr[j][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xs[j][g]), corr[j][h]);
+        }
+      }
+    }
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        __m256 out = _mm256_add_ps(acc[j][h], corr[j][h]);
+        if (w.bias) out = _mm256_add_ps(out, _mm256_loadu_ps(w.bias + m0 + 8 * h));
+        _mm256_storeu_ps(y + (b0 + j) * ldy + m0 + 8 * h, out);
+      }
+  }
+}
+
 TIERED_AVX2 void int4tq8_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1,
                               float* y, int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
@@ -1699,6 +1763,8 @@ struct Int4TGemv : Int4Gemv {
         TIERED_DISPATCH_NB(int4tq8s_avx512, w)
       } else if (isa == kAvx512) {
         TIERED_DISPATCH_NB(int4tq8_avx512, w)
+      } else if (isa == kAvx2 && a.B <= kQ8StreamRows) {
+        TIERED_DISPATCH_NB(int4tq8s_avx2, w)
       } else if (isa == kAvx2) {
         int4tq8_avx2(w, a, b0, nb, n0, n1, y, ldy);
       } else {
