@@ -11,7 +11,7 @@ measured here rather than fixed:
   Zen 4 VM the bf16 path was compute-bound near DRAM speed (74% of it, against 86%).
 
 Each choice is an interleaved A/B over cold weights: OLMoE-width SwiGLU experts (hidden 2048,
-intermediate 1024, bf16 and tiled int4) cycled through so that they exceed the last-level cache,
+intermediate 1024, bf16 and tiled int4, the latter on bf16 / int16 and on int8 activations) cycled through so that they exceed the last-level cache,
 one token each, `rounds` times in alternating order; the other option is taken only when the
 median of its per-round time ratios is at least `margin` faster (VM neighbours move a single pass by
 10-20%). The result lives beside the built library (``tuning.json``); `tiered.kernels.load()` applies
@@ -41,10 +41,11 @@ def choose(ratios: list[float], margin: float = 0.03) -> bool:
     return bool(ratios) and statistics.median(ratios) <= 1.0 - margin
 
 
-def _experts(fmt: str, total_bytes: int):
+def _experts(fmt: str, total_bytes: int, act: str = "bf16"):
     """(ExpertFormat, [slots]) of OLMoE-width experts in `fmt` filling about `total_bytes` of the
     engine's host memory (hardware/budget.host_empty, as the expert store allocates), distinct slots
-    holding copies of one random expert (the stream's speed does not depend on the values)."""
+    holding copies of one random expert (the stream's speed does not depend on the values); act:
+    int4's batch-1 activations (ExpertFormat.act)."""
     import torch
 
     from tiered.hardware.budget import host_empty
@@ -53,7 +54,7 @@ def _experts(fmt: str, total_bytes: int):
     D, F = WIDTH
     g = torch.Generator().manual_seed(0)
     gu, dn = torch.randn(2 * F, D, generator=g) * 0.02, torch.randn(D, F, generator=g) * 0.02
-    ef = ExpertFormat(fmt, ((F, D), (F, D), (D, F)), "tiled")
+    ef = ExpertFormat(fmt, ((F, D), (F, D), (D, F)), "tiled", act=act)
     if ef.is_dense:
         first = tuple(w.bfloat16() for w in (gu[:F], gu[F:], dn))
     else:
@@ -103,9 +104,11 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
 
     total = total_bytes or max(256 << 20, 4 * (last_level_cache_bytes() or 32 << 20))
     ext.set_tuning(**DEFAULTS)
-    bf16, int4 = _experts("bf16", total), _experts("int4", total)
+    # int4 twice: on int8 activations (routed experts, Plan.expert_act) and on bf16 / int16 ones (the
+    # dense decode copies' batch-1 path, what int4_int16_act picks between)
+    bf16, int4, int4q8 = _experts("bf16", total), _experts("int4", total), _experts("int4", total, "q8")
     out: dict = {"ratios": {}}
-    ratios = _ab(ext, [bf16, int4], "stream_prefetch", rounds)
+    ratios = _ab(ext, [bf16, int4, int4q8], "stream_prefetch", rounds)
     out["ratios"]["stream_prefetch"] = ratios
     if choose(ratios, margin):
         ext.set_tuning(stream_prefetch=not DEFAULTS["stream_prefetch"])
