@@ -1023,9 +1023,9 @@ TIERED_AVX512 void int4t_w16_avx512(const Int4W& w, const Act& a, int64_t b0, in
 // int32 lane. y = sum_g s_g (dx_g dot_g + c_g) + Z_g xsum_g with c_g = m8_g + 8 xsum_g and
 // Z = z + zr - 8 s (q - 8 against the quantized sum, as int4tq8_avx512).
 //
-// A call of more than 4 rows unpacks each tile (16 rows) once into nibble vectors
+// A call of more than kQ8StreamRows rows unpacks each tile (16 rows) once into nibble vectors
 // (int4tq8_unpack_avx2: L1/L2-resident, 512 bytes a group), read by every pass of at most 4
-// activation rows; a call of up to 4 rows unpacks in registers. Per chunk of 8 columns the tile's 4
+// activation rows; smaller calls stream (int4tq8s_avx2, below). Per chunk of 8 columns the tile's 4
 // vectors (rows 0-7 and 8-15, low and high nibbles) stay in registers while each row broadcasts its
 // 8 bytes of xq once: a pass does 16 integer ops per 256 multiply-adds and row (8 int16
 // accumulators, 4 code vectors and 2 broadcasts: 14 registers).
@@ -1053,10 +1053,9 @@ TIERED_AVX2 inline void int4tq8_unpack_avx2(const Int4W& w, int64_t m0, int64_t 
   }
 }
 
-// kPacked: codes read straight from the tile and unpacked in registers (a call of at most 4 rows,
-// one pass: at batch 1 a memory-bound stream, where the round trip through u cost ~10% of the
-// bandwidth), prefetching ahead as int4tq8_unpack_avx2 does; else from u.
-template <int NB, bool kPacked>
+// One pass of NB activation rows over a tile unpacked in u (calls of more than kQ8StreamRows rows:
+// smaller ones stream, int4tq8s_avx2).
+template <int NB>
 TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const Int4W& w, const __m256i* u, int64_t next,
                                           const Int4Block& blk, const float* cm, int64_t b0, int64_t m0, float* y,
                                           int64_t ldy) {
@@ -1088,16 +1087,10 @@ TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const Int4W& w, const __
   for (int64_t g = 0; g < G; ++g) {
     __m256i t[NB][2];
     for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = _mm256_setzero_si256();
-    const uint8_t* pg = kPacked ? w.codes + m0 * (K / 2) + 256 * g : nullptr;
-    if constexpr (kPacked) prefetch_group(w, pg, next, G, g);
 #pragma GCC unroll 1  // unrolled, GCC hoists the products of all 4 chunks ahead of their adds and spills them
     for (int c4 = 0; c4 < 4; ++c4) {
       __m256i q[4];
-      if constexpr (kPacked) {
-        int4tq8_chunk_avx2(pg + 64 * c4, q);
-      } else {
-        for (int i = 0; i < 4; ++i) q[i] = _mm256_loadu_si256(u + 16 * g + 4 * c4 + i);
-      }
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_loadu_si256(u + 16 * g + 4 * c4 + i);
       const __m256i lo0 = q[0], lo1 = q[1], hi0 = q[2], hi1 = q[3];
       for (int j = 0; j < NB; ++j) {
         int32_t v0, v1;
@@ -1120,15 +1113,14 @@ TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const Int4W& w, const __
 }
 
 // One pass of nb <= 4 activation rows over a tile (int4tq8_tile_avx2 at that width).
-template <bool kPacked>
 TIERED_AVX2 inline void int4tq8_pass_avx2(int64_t nb, const Act& a, const Int4W& w, const __m256i* u, int64_t next,
                                           const Int4Block& blk, const float* cm, int64_t b0, int64_t m0, float* y,
                                           int64_t ldy) {
   switch (nb) {
-    case 1: int4tq8_tile_avx2<1, kPacked>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
-    case 2: int4tq8_tile_avx2<2, kPacked>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
-    case 3: int4tq8_tile_avx2<3, kPacked>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
-    default: int4tq8_tile_avx2<4, kPacked>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
+    case 1: int4tq8_tile_avx2<1>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
+    case 2: int4tq8_tile_avx2<2>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
+    case 3: int4tq8_tile_avx2<3>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
+    default: int4tq8_tile_avx2<4>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
   }
 }
 
@@ -1208,18 +1200,13 @@ TIERED_AVX2 void int4tq8_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t 
       const int64_t i = (b0 + j) * a.Gp + g;
       cm[j * G + g] = a.m8[i] + 8.f * a.xsum[i];
     }
-  const bool packed = nb <= 4;  // one pass: no unpacked copy
-  if (!packed) u.resize(16 * G);
+  u.resize(16 * G);
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
     int4t_fill_block_avx2(w, m0, G, blk);
-    if (packed) {
-      int4tq8_pass_avx2<true>(nb, a, w, nullptr, next, blk, cm.data(), b0, m0, y, ldy);
-      continue;
-    }
     int4tq8_unpack_avx2(w, m0, next, G, u.data());
     for (int64_t j0 = b0; j0 < b0 + nb; j0 += 4)
-      int4tq8_pass_avx2<false>(std::min<int64_t>(4, b0 + nb - j0), a, w, u.data(), next, blk, cm.data() + (j0 - b0) * G,
+      int4tq8_pass_avx2(std::min<int64_t>(4, b0 + nb - j0), a, w, u.data(), next, blk, cm.data() + (j0 - b0) * G,
                                j0, m0, y, ldy);
   }
 }
@@ -1733,7 +1720,8 @@ struct Int4Q8Gemv : Int4Gemv {
 // q8_from activation rows read int8-quantized x (vpdpbusd), smaller ones bf16 x (vdpbf16ps):
 // q8_from = 1 is always q8, kNeverQ8 never, 2 keeps batch 1 on bf16 and batched decode on q8.
 constexpr int64_t kNeverQ8 = INT64_MAX;
-// Calls of at most this many rows on int8 activations stream (int4tq8s_avx512), larger ones fill a block.
+// Calls of at most this many rows on int8 activations stream (int4tq8s_avx512 / _avx2); larger ones
+// fill a block or unpack each tile.
 constexpr int64_t kQ8StreamRows = 4;
 
 struct Int4TGemv : Int4Gemv {
@@ -1759,11 +1747,11 @@ struct Int4TGemv : Int4Gemv {
         TIERED_DISPATCH_NB(int4t_w16_avx2, w)
       }
     } else if (a.B >= q8_from) {
-      if (isa == kAvx512 && a.B <= kQ8StreamRows) {
+      if (isa == kAvx512 && nb <= kQ8StreamRows) {
         TIERED_DISPATCH_NB(int4tq8s_avx512, w)
       } else if (isa == kAvx512) {
         TIERED_DISPATCH_NB(int4tq8_avx512, w)
-      } else if (isa == kAvx2 && a.B <= kQ8StreamRows) {
+      } else if (isa == kAvx2 && nb <= kQ8StreamRows) {
         TIERED_DISPATCH_NB(int4tq8s_avx2, w)
       } else if (isa == kAvx2) {
         int4tq8_avx2(w, a, b0, nb, n0, n1, y, ldy);
