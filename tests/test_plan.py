@@ -116,6 +116,31 @@ def test_cpu_experts_are_priced_in_their_stored_format():
         assert layers[0][1] == pytest.approx(router + 2 * fit.alpha + fit.beta * 2 * sizes.expert_bytes(MIXTRAL, fmt))
     per_task, _ = predict_decode(MIXTRAL, replace(hw, meta={}), "bf16", context=64, experts_format="int4")
     assert per_task[0][1] > layers[0][1]  # torch ops: 3 calls per expert
+    # int4 experts on int8 activations (Plan.expert_act "q8"): gemv/cpu/int4q8's rate, int4's without it
+    q8 = LinearModel(1e-5, 5e-11, 1.0)
+    with_q8 = replace(hw, models={**m, "gemv/cpu/int4q8": q8})
+    layers_q8, _ = predict_decode(MIXTRAL, with_q8, "bf16", context=64, experts_format="int4", expert_act="q8")
+    assert layers_q8[0][1] == pytest.approx(router + 2 * q8.alpha + q8.beta * 2 * sizes.expert_bytes(MIXTRAL, "int4"))
+    assert predict_decode(MIXTRAL, hw, "bf16", context=64, experts_format="int4", expert_act="q8")[0] == layers
+    assert predict_decode(MIXTRAL, with_q8, "bf16", context=64, experts_format="int4")[0] == layers  # bf16 x: int4's
+
+
+def test_routed_expert_activations_price_the_fiddler_cpu_side():
+    """ExpertLatency's CPU side streams int4 experts on int8 activations at gemv/cpu/int4q8's rate
+    when the profile has it (the memory floor of op_time.memory_time), int4's otherwise."""
+    from dataclasses import replace
+
+    from tiered.planner.fiddler import ExpertLatency, ExpertShape
+
+    m = {"gemm/cpu/int4": LinearModel(1e-5, 1e-12, 1.0), "gemv/cpu/int4": LinearModel(0.0, 8e-11, 1.0),
+         "memory/bandwidth/cpu": LinearModel(0.0, 1e-11, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", m, None, None)
+    shape = ExpertShape.from_config(MIXTRAL)
+    slow = ExpertLatency(hw, shape, "int4", "int4", "q8").cpu_lat(1)
+    assert slow == ExpertLatency(hw, shape, "int4", "int4", "bf16").cpu_lat(1)
+    fast = ExpertLatency(replace(hw, models={**m, "gemv/cpu/int4q8": LinearModel(0.0, 4e-11, 1.0)}), shape, "int4",
+                         "int4", "q8").cpu_lat(1)
+    assert fast < 0.6 * slow
 
 
 def test_an_moe_layer_adds_its_blocks_fixed_cost():

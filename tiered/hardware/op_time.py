@@ -25,7 +25,15 @@ DTYPE_FALLBACK = {
     "fp16": ("fp16", "bf16", "fp32"),
     "int8": ("int8",),
     "int4": ("int4",),
+    "int4q8": ("int4q8", "int4"),  # int4 on int8 activations (routed experts); older profiles: int4's
 }
+
+
+def gemv_dtype(kind: str, act: str = "bf16") -> str:
+    """The gemv/cpu/<dtype> key a one-token matmul of a `kind` weight ("bf16", "int8", "int4", ...)
+    on `act` activations is priced by: "int4q8" for int4 on int8 ones (Plan.expert_act "q8": half
+    the multiply-adds, so a faster stream where the int16 / bf16 path is compute-bound), else kind."""
+    return "int4q8" if kind == "int4" and act == "q8" else kind
 
 
 def find(profile: HardwareProfile, op: str, device: str, dtype: str) -> LinearModel | None:

@@ -148,6 +148,11 @@ def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False)
         from tiered.quant.int4 import Int4Linear, quantize_int4
         lin = Int4Linear.from_codes(*quantize_int4(w), layout="tiled")
         return _native(lin), torch.float32, 0.5 + 4 / lin.group
+    if gemv and device == "cpu" and dtype == "int4q8" and kernels.available():  # routed int4 experts at batch 1
+        from tiered.kernels.linear import int4_tiled_kernel
+        from tiered.quant.int4 import Int4Linear, quantize_int4
+        lin = Int4Linear.from_codes(*quantize_int4(w), layout="tiled")
+        return int4_tiled_kernel(lin.packed, lin.scales_zeros, None, None, "q8"), torch.float32, 0.5 + 4 / lin.group
     if native:  # int8: the module the branches below build, through its native Kernel
         lin, _, bpe = _linear_kernel(device, dtype, w)
         return _native(lin), torch.float32, bpe
@@ -477,8 +482,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # Kernels the native step calls, without a module's per-call Python cost; 5: gemv/cpu/fp32 times the
 # native fp32 kernel, kernels/linear.f32_kernel, which the lossless mode's decode step now calls;
 # and runtime/moe_step/bf16 is measured; 6: runtime/moe_step/bf16 times the native step running its
-# resident MoE layers itself, DecodeStep.set_moe).
-PROFILER_VERSION = 6
+# resident MoE layers itself, DecodeStep.set_moe; 7: gemv/cpu/int4q8, tiled int4 on int8 activations,
+# what routed int4 experts run at batch 1).
+PROFILER_VERSION = 7
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -521,6 +527,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     for dtype in ("fp32", "bf16", "int8", "int4"):
         b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemm_shapes, nosync, r, False))
         b.attempt(f"gemv/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemv_shapes, nosync, r, True))
+    if kernels.available():  # routed int4 experts' batch-1 kernel (op_time.gemv_dtype)
+        b.attempt("gemv/cpu/int4q8", lambda: _gemm_points("cpu", "int4q8", gemv_shapes, nosync, r, True))
     attn_shapes = [(32, 256, 128), (32, 1024, 128), (32, 2048, 128)] if quick else \
         [(32, 256, 128), (32, 512, 128), (32, 1024, 128), (32, 2048, 128), (64, 2048, 128)]
     for dtype in ("fp32",) if quick else ("fp32", "bf16"):

@@ -166,11 +166,16 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     # routed int4 experts at batch 1: int8 activations, half the multiply-adds (an OLMoE-width int4
     # expert from cache on 2 Zen 4 cores: 91-96 GB/s on int8 x against 45 on bf16 x with AVX-512, 71
     # against 31-50 on int16 x with AVX2)
-    plan.expert_act = "q8" if ec.expert_activations == "auto" else ec.expert_activations
+    plan.expert_act = expert_activations(ec)
     # short prompts run as rows of the native decode step, beside the running sequences (dense
     # models: an MoE layer's FFN runs as a module, which takes one token per sequence)
     plan.mixed_rows = mixed_rows(kernels.isa(), plan.batch_act) if plan.native_decode and not cfg.is_moe else 0
     return plan, profile
+
+
+def expert_activations(ec) -> str:
+    """Plan.expert_act for EngineConfig.expert_activations: "auto" is int8 ("q8")."""
+    return "q8" if ec.expert_activations == "auto" else ec.expert_activations
 
 
 # Most rows of a mixed prefill + decode step, by the kernels' ISA and Plan.batch_act: below the
@@ -242,7 +247,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                      read_ahead=ec.read_ahead,
                      dense_copies=dense_copies,
                      experts_format=experts_format, kv_slots=ec.max_batch,
-                     head_precision=head_precision if dense_cpu else None)
+                     head_precision=head_precision if dense_cpu else None, expert_act=expert_activations(ec))
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     return plan, profile

@@ -165,7 +165,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
                    read_ahead: bool = True, readers: int = 2, task_overhead: float | None = None,
                    moe_layers: list[int] | None = None,
                    experts_format: str | None = None,
-                   head_dtype: str | None = None) -> tuple[list[tuple[float, float]], float]:
+                   head_dtype: str | None = None, expert_act: str = "bf16") -> tuple[list[tuple[float, float]], float]:
     """Per-layer (attention, FFN or MoE) seconds of one decode step, and the whole step
     (layers + lm_head) on CPU + disk.
 
@@ -178,6 +178,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         experts_format: the routed experts' stored format (quant/experts.py names: their bytes,
             memory/sizes.expert_bytes, and the GEMV key of their first projection's kind price
             them); None = `dtype`.
+        expert_act: the routed experts' batch-1 activations (Plan.expert_act): int4 experts on "q8"
+            are priced by gemv/cpu/int4q8 (op_time.gemv_dtype), int4's where the profile lacks it.
         head_dtype: the lm_head's format (quant/linear.head_precision: a GGUF file's Q8_0 embedding
             stays int8 beside int4 layers); None = `dtype`.
     """
@@ -200,7 +202,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             t += _gemv(hw, dtype, 3 * d * F * bpe, calls=2 if fused_projections(hw, dtype) else 3, working_set=ws)
         else:
             F, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
-            ekind = (experts_format or dtype).split(",")[0]
+            ekind = op_time.gemv_dtype((experts_format or dtype).split(",")[0], expert_act)
             eb = sizes.expert_bytes(cfg, experts_format) if experts_format else 3 * d * F * bpe
             t += _gemv(hw, dtype, d * cfg.num_experts * bpe, working_set=ws) + moe_fixed
             res, hit = hits.rates(i) if hits is not None else (1.0, 0.0)

@@ -89,12 +89,15 @@ class ExpertLatency:
         shape: the expert's shape.
         cpu_dtype: format the CPU computes in (weights stored so in CPU memory).
         gpu_dtype: format copied to and computed on the GPU.
+        cpu_act: the CPU's activations at one token (Plan.expert_act): int4 on "q8" streams at
+            gemv/cpu/int4q8's rate (op_time.gemv_dtype).
     """
 
     profile: HardwareProfile
     shape: ExpertShape
     cpu_dtype: str = "bf16"
     gpu_dtype: str = "bf16"
+    cpu_act: str = "bf16"
 
     @property
     def has_gpu(self) -> bool:
@@ -105,7 +108,8 @@ class ExpertLatency:
         m = op_time.find(p, "gemm", device, dtype)
         if m is None:  # let gemm_time raise its ConfigError naming the missing key
             op_time.gemm_time(p, device, dtype, 1.0)
-        floor = op_time.memory_time(p, device, dtype, sh.weight_bytes(dtype) / sh.matrices) * sh.matrices
+        key = op_time.gemv_dtype(dtype, self.cpu_act) if device == "cpu" else dtype
+        floor = op_time.memory_time(p, device, key, sh.weight_bytes(dtype) / sh.matrices) * sh.matrices
         const = sh.kernels * op_time.launch_time(p, device)
         bw = p.models.get(f"memory/bandwidth/{device}")
         # silu(gate) and gate * up read 3 and write 2 vectors of `intermediate` 16-bit values per token

@@ -94,7 +94,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     if cpu_room is not None and cpu_room < 0:
         raise BudgetError(f"CPU budget {format_bytes(cpu)} cannot hold the {plan.staging_buffers} host staging buffers "
                           f"({format_bytes(staging)})", f"raise --cpu-mem by {format_bytes(-cpu_room)}")
-    expert = ExpertLatency(profile, ExpertShape.from_config(cfg), efmt, efmt)
+    expert = ExpertLatency(profile, ExpertShape.from_config(cfg), efmt, efmt, plan.expert_act)
     plan.dispatch_latency = asdict(expert.latency_model())
     plan.dispatch_threshold_tokens = expert.threshold()
     lat = plan.latency_model()  # what the runtime splits misses with; times below are the exact sides

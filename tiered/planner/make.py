@@ -28,7 +28,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               cache_policy: str = "lru", dispatch_mode: str = "balanced", staging_buffers: int = 2,
               read_ahead: bool = True, extra_cpu_bytes: int = 0, workspace: int | None = None,
               dense_copies: bool = True, experts_format: str | None = None, kv_slots: int = 1,
-              head_precision: str | None = None) -> Plan:
+              head_precision: str | None = None, expert_act: str = "bf16") -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -74,6 +74,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.cache_policy, plan.dispatch_mode = cache_policy, dispatch_mode
     plan.staging_buffers, plan.read_ahead = staging_buffers, read_ahead
     plan.dense_copies, plan.kv_slots = dense_copies, kv_slots
+    plan.expert_act = expert_act
     sizes.bytes_per_element(fmt)  # a ConfigError for an unknown format, before any work
     experts = ExpertChoices(popularity, expert_cache_slots, max_resident)
     if goal == "latency" and op_time.has_device(profile, "gpu") and gpu:
