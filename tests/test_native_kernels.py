@@ -418,6 +418,12 @@ def test_q4_blocks_repack_to_the_tiled_layout_bit_for_bit(fmt):
     assert (fmt == "Q4_1") == bool(zr.float().abs().max() > 0)
     with pytest.raises(RuntimeError, match="N % 16"):
         ext.q4_blocks_tiled(torch.from_numpy(raw[:8]), 18 if fmt == "Q4_0" else 20)
+    outs = [torch.full_like(t, 7) for t in (codes, sz, zr)]  # written in place: the same bytes
+    got = ext.q4_blocks_tiled(torch.from_numpy(raw), 18 if fmt == "Q4_0" else 20, *outs)
+    assert all(g.data_ptr() == o.data_ptr() and torch.equal(g.view(torch.uint8), t.view(torch.uint8))
+               for g, o, t in zip(got, outs, (codes, sz, zr)))
+    with pytest.raises(RuntimeError, match="sz_out: must be a contiguous CPU BFloat16 tensor of shape"):
+        ext.q4_blocks_tiled(torch.from_numpy(raw), 18 if fmt == "Q4_0" else 20, outs[0], outs[1].float())
 
 
 def test_q8_blocks_repack_to_the_tiled_layout_bit_for_bit():
@@ -435,6 +441,12 @@ def test_q8_blocks_repack_to_the_tiled_layout_bit_for_bit():
     assert torch.equal(qt, ref["qt"]) and torch.equal(st.view(torch.int16), ref["st"].view(torch.int16))
     with pytest.raises(RuntimeError, match="N % 16"):
         ext.q8_blocks_tiled(torch.from_numpy(raw[:8]))
+    qt_out, st_out = torch.zeros_like(qt), torch.zeros_like(st)  # written in place: the same bytes
+    got = ext.q8_blocks_tiled(torch.from_numpy(raw), qt_out, st_out)
+    assert got[0].data_ptr() == qt_out.data_ptr() and torch.equal(qt_out, qt)
+    assert torch.equal(st_out.view(torch.int16), st.view(torch.int16))
+    with pytest.raises(RuntimeError, match="qt_out: must be a contiguous CPU Byte tensor of shape"):
+        ext.q8_blocks_tiled(torch.from_numpy(raw), qt_out[:16])
 
 
 def test_stream_prefetch_changes_no_bits(isa):

@@ -239,10 +239,12 @@ class ExpertFormat:
 
     # ----------------------------------------------------------------- encode
     def encode(self, parts: list[dict[str, torch.Tensor]], slot: tuple[torch.Tensor, ...]) -> None:
-        """Write per-projection segments (as `quantize_projection` returns) into `slot` (host tensors)."""
+        """Write per-projection segments (as `quantize_projection` returns) into `slot` (host tensors);
+        a segment already written in place (a view of the same bytes) is left as it is."""
         for dst, src in zip(self.views(slot), parts):
             for f, t in dst.items():
-                t.copy_(src[f])
+                if src[f].data_ptr() != t.data_ptr():
+                    t.copy_(src[f])
 
     def quantize(self, weights, slot: tuple[torch.Tensor, ...]) -> None:
         """Quantize dense (w_gate [F, D], w_up [F, D], w_down [D, F]) into `slot` (host tensors)."""

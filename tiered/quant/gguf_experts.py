@@ -87,13 +87,18 @@ def _raw_blocks(handle) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(handle.blocks()))
 
 
-def projection_segments(handle, kind: str, int4_layout: str) -> dict[str, torch.Tensor]:
+def projection_segments(handle, kind: str, int4_layout: str,
+                        out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Segments of one projection in `kind` from its checkpoint handle: GGUF Q4_0/Q4_1/Q4_K -> int4
-    and Q8_0 -> int8-g32 straight from the blocks; anything else through the dense weight."""
+    and Q8_0 -> int8-g32 straight from the blocks; anything else through the dense weight. `out`:
+    the projection's segment views in an expert's slot (ExpertFormat.views), which the native
+    repacking passes write in place (then the returned segments are those views)."""
+    out = out or {}
     if handle.format in ("Q4_0", "Q4_1") and kind == "int4":
         ext = load() if int4_layout == "tiled" else None
         if ext is not None:  # the same bytes in one native pass (~50x the numpy / torch path below)
-            codes, sz, zr = ext.q4_blocks_tiled(_raw_blocks(handle), 18 if handle.format == "Q4_0" else 20)
+            codes, sz, zr = ext.q4_blocks_tiled(_raw_blocks(handle), 18 if handle.format == "Q4_0" else 20,
+                                                out.get("codes"), out.get("sz"), out.get("zr"))
             return {"codes": codes, "sz": sz, "zr": zr}
         return int4_segments(*unpack_q4_blocks(handle.blocks(), handle.format), int4_layout)
     if handle.format == "Q4_K" and kind == "int4":
@@ -101,7 +106,7 @@ def projection_segments(handle, kind: str, int4_layout: str) -> dict[str, torch.
     if handle.format == "Q8_0" and kind == "int8-g32":
         ext = load() if int8_tiled(int4_layout, *handle.shape) else None
         if ext is not None:  # the same bytes in one native pass
-            qt, st = ext.q8_blocks_tiled(_raw_blocks(handle))
+            qt, st = ext.q8_blocks_tiled(_raw_blocks(handle), out.get("qt"), out.get("st"))
             return {"qt": qt, "st": st}
         return int8_g32_segments(*unpack_q8_blocks(handle.blocks()), int4_layout)
     return quantize_projection(handle.load(torch.float32), kind, int4_layout)
@@ -115,5 +120,6 @@ def encode_expert(fmt: ExpertFormat, handles, slot: tuple[torch.Tensor, ...] | N
         for t, h in zip(slot, handles):
             h.read_into(t)
         return slot
-    fmt.encode([projection_segments(h, k, fmt.int4_layout) for h, k in zip(handles, fmt.kinds)], slot)
+    views = fmt.views(slot)  # the native repacks write here in place (encode then skips those segments)
+    fmt.encode([projection_segments(h, k, fmt.int4_layout, v) for h, k, v in zip(handles, fmt.kinds, views)], slot)
     return slot

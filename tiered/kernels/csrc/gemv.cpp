@@ -1952,17 +1952,28 @@ void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_
 // (Q4_1: fp16 m,) 16 bytes of codes, element j in byte j's low nibble and element 16 + j in its high
 // one; w = d (q - 8) (Q4_0) or d q + m = d (q - 8) + (m + 8 d) (Q4_1). scale = d and zero = m + 8 d
 // in fp32, each rounded to bf16, the zero's rounding error kept as the residual (rounded to bf16).
-std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block) {
+// `out` when given (checked: CPU, contiguous, the shape and dtype asked for; e.g. a view of an
+// expert's slot, written in place with no temporary), else a new tensor.
+at::Tensor out_or_empty(const c10::optional<at::Tensor>& out, at::IntArrayRef shape, at::ScalarType dtype,
+                        const char* what) {
+  if (!out) return at::empty(shape, at::TensorOptions().dtype(dtype));
+  TORCH_CHECK(out->device().is_cpu() && out->is_contiguous() && out->scalar_type() == dtype && out->sizes() == shape,
+              what, ": must be a contiguous CPU ", c10::toString(dtype), " tensor of shape ", shape, ", got ",
+              out->scalar_type(), " ", out->sizes());
+  return *out;
+}
+
+std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, const c10::optional<at::Tensor>& codes_out,
+                                        const c10::optional<at::Tensor>& sz_out, const c10::optional<at::Tensor>& zr_out) {
   TORCH_CHECK(block == 18 || block == 20, "q4_blocks_tiled: block must be 18 (Q4_0) or 20 (Q4_1)");
   TORCH_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
               "q4_blocks_tiled: raw must be CPU uint8 [N, K/32 * ", block, "], got ", raw0.sizes());
   const at::Tensor raw = raw0.contiguous();
   const int64_t N = raw.size(0), G = raw.size(1) / block, K = G * kGroup;
   TORCH_CHECK(N % kBlock == 0 && G > 0, "q4_blocks_tiled: needs N % 16 == 0, got N = ", N);
-  auto u8 = at::TensorOptions().dtype(at::kByte);
-  auto codes = at::empty({N, K / 2}, u8);
-  auto sz = at::empty({N / kBlock, G, kBlock, 2}, u8.dtype(at::kBFloat16));
-  auto zr = at::empty({N / kBlock, G, kBlock}, u8.dtype(at::kBFloat16));
+  auto codes = out_or_empty(codes_out, {N, K / 2}, at::kByte, "q4_blocks_tiled: codes_out");
+  auto sz = out_or_empty(sz_out, {N / kBlock, G, kBlock, 2}, at::kBFloat16, "q4_blocks_tiled: sz_out");
+  auto zr = out_or_empty(zr_out, {N / kBlock, G, kBlock}, at::kBFloat16, "q4_blocks_tiled: zr_out");
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = codes.data_ptr<uint8_t>();
   uint16_t* szp = reinterpret_cast<uint16_t*>(sz.data_ptr<at::BFloat16>());
@@ -2004,15 +2015,16 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block) {
 // GGUF Q8_0 blocks (fp16 d, 32 int8 q: w = d q) -> int8-g32 in the tiled int8 layout: qt uint8
 // [N, K] (byte 4r + j of chunk c = q[16 t + r, 4 c + j] + 128) and st fp16 [N/16, K/32, 16] (d as
 // stored), one pass per 16-row tile in parallel.
-std::vector<at::Tensor> q8_blocks_tiled(const at::Tensor& raw0) {
+std::vector<at::Tensor> q8_blocks_tiled(const at::Tensor& raw0, const c10::optional<at::Tensor>& qt_out,
+                                        const c10::optional<at::Tensor>& st_out) {
   constexpr int64_t block = 34;
   TORCH_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
               "q8_blocks_tiled: raw must be CPU uint8 [N, K/32 * 34], got ", raw0.sizes());
   const at::Tensor raw = raw0.contiguous();
   const int64_t N = raw.size(0), G = raw.size(1) / block, K = G * kGroup;
   TORCH_CHECK(N % kBlock == 0 && G > 0, "q8_blocks_tiled: needs N % 16 == 0, got N = ", N);
-  auto qt = at::empty({N, K}, at::TensorOptions().dtype(at::kByte));
-  auto st = at::empty({N / kBlock, G, kBlock}, at::TensorOptions().dtype(at::kHalf));
+  auto qt = out_or_empty(qt_out, {N, K}, at::kByte, "q8_blocks_tiled: qt_out");
+  auto st = out_or_empty(st_out, {N / kBlock, G, kBlock}, at::kHalf, "q8_blocks_tiled: st_out");
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = qt.data_ptr<uint8_t>();
   uint16_t* stp = reinterpret_cast<uint16_t*>(st.data_ptr<at::Half>());
@@ -2792,13 +2804,16 @@ void register_gemv(pybind11::module& m) {
            "A layer's routed experts and their weighted sum: slots [E] (one per id in experts, ascending), x [N, D] "
            "float32 or bfloat16, topk_idx int64 [N, k], topk_weight [N, k] in x's dtype -> out [N, D] in x's dtype, "
            "bit for bit the per-expert path's index_add_ of ys * weight in expert order (at most 8 rows per expert).");
-  m.def("q4_blocks_tiled", &q4_blocks_tiled, py::arg("raw"), py::arg("block"),
+  m.def("q4_blocks_tiled", &q4_blocks_tiled, py::arg("raw"), py::arg("block"), py::arg("codes_out") = py::none(),
+        py::arg("sz_out") = py::none(), py::arg("zr_out") = py::none(),
         "GGUF Q4_0 (block 18) / Q4_1 (block 20) blocks uint8 [N, K/32 * block] -> (codes uint8 [N, K/2] in the tiled "
         "layout, sz bf16 [N/16, K/32, 16, 2], zero residual bf16 [N/16, K/32, 16]): quant/int4.unpack_q4_blocks then "
-        "quant/experts.int4_segments(layout='tiled'), bit for bit.");
-  m.def("q8_blocks_tiled", &q8_blocks_tiled, py::arg("raw"),
+        "quant/experts.int4_segments(layout='tiled'), bit for bit. *_out: write into these (contiguous, those shapes "
+        "and dtypes, e.g. views of an expert's slot) instead of new tensors.");
+  m.def("q8_blocks_tiled", &q8_blocks_tiled, py::arg("raw"), py::arg("qt_out") = py::none(), py::arg("st_out") = py::none(),
         "GGUF Q8_0 blocks uint8 [N, K/32 * 34] -> (qt uint8 [N, K] in the tiled int8 layout, st float16 [N/16, K/32, 16]): "
-        "quant/gguf_experts.unpack_q8_blocks then quant/experts.int8_g32_segments(layout='tiled'), bit for bit.");
+        "quant/gguf_experts.unpack_q8_blocks then quant/experts.int8_g32_segments(layout='tiled'), bit for bit. *_out: "
+        "write into these (contiguous, those shapes and dtypes) instead of new tensors.");
   m.def("expert_spec", [](std::vector<std::string> kinds, std::vector<std::vector<int64_t>> shapes,
                           std::vector<std::vector<int64_t>> offsets, int64_t nbytes, const std::string& int4_act,
                           const std::string& int4_layout, const std::string& int4_batch_act) {
