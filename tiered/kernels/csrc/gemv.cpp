@@ -947,7 +947,28 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
   }
 }
 
-// The same on AVX-512 (VNNI), on the int16 activations split into signed bytes, xs = 256 xh + xl
+// A tiled int4 tile's scales s and zero terms z + zr of group g for its 16 rows (one 64-byte line of
+// (s, z) bf16 pairs, and 32 bytes of residuals when the weight has them).
+TIERED_AVX512 inline __attribute__((always_inline)) void tile_scales_avx512(const Int4W& w, int64_t m0, int64_t G,
+                                                                           int64_t g, __m512& sv, __m512& zv) {
+  const __m512i v = _mm512_loadu_si512(w.tile_sz(m0, G, g));
+  sv = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  zv = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u))));
+  if (w.zr) {
+    const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.tile_zr(m0, G, g)));
+    zv = _mm512_add_ps(zv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
+  }
+}
+
+// One activation row's outputs of the tile at m0: acc + corr (+ bias) into y[m0 .. m0 + 16).
+TIERED_AVX512 inline __attribute__((always_inline)) void store_tile_avx512(const Int4W& w, __m512 acc, __m512 corr,
+                                                                          int64_t m0, float* y) {
+  __m512 out = _mm512_add_ps(acc, corr);
+  if (w.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(w.bias + m0));
+  _mm512_storeu_ps(y + m0, out);
+}
+
+// int4t_w16_avx2 on AVX-512 (VNNI), on the int16 activations split into signed bytes, xs = 256 xh + xl
 // (Act::xh, xl): a chunk's 64-byte line is the 16 rows' dwords in one vector; ANDed with 0x0F, and
 // shifted right by 4 and ANDed, it gives the unsigned nibbles of columns 8c..8c+3 and 8c+4..8c+7 of
 // all 16 rows, and one vpdpbusd each against a broadcast of 4 bytes of xh, and one of xl, adds 4
@@ -964,7 +985,6 @@ TIERED_AVX512 void int4t_w16_avx512(const Int4W& w, const Act& a, int64_t b0, in
                                     int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
   const __m512i m4 = _mm512_set1_epi8(15);
-  const __m512i hi = _mm512_set1_epi32(int(0xFFFF0000u));
   const __m512 eight = _mm512_set1_ps(8.f);
   constexpr int C = NB <= 2 ? 2 : 1;  // chains per part (h, l) and row: 2 C NB accumulators live
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
@@ -992,13 +1012,8 @@ TIERED_AVX512 void int4t_w16_avx512(const Int4W& w, const Act& a, int64_t b0, in
           tl[j][C - 1] = _mm512_dpbusd_epi32(tl[j][C - 1], qh, _mm512_set1_epi32(l1));
         }
       }
-      const __m512i v = _mm512_loadu_si512(w.tile_sz(m0, G, g));
-      const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
-      if (w.zr) {
-        const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.tile_zr(m0, G, g)));
-        zv = _mm512_add_ps(zv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
-      }
+      __m512 sv, zv;
+      tile_scales_avx512(w, m0, G, g, sv, zv);
       zv = _mm512_fnmadd_ps(eight, sv, zv);
       for (int j = 0; j < NB; ++j) {
         const int64_t bg = (b0 + j) * G + g;
@@ -1008,11 +1023,7 @@ TIERED_AVX512 void int4t_w16_avx512(const Int4W& w, const Act& a, int64_t b0, in
         corr[j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(a.wsum[bg]), corr[j]);
       }
     }
-    for (int j = 0; j < NB; ++j) {
-      __m512 out = _mm512_add_ps(acc[j], corr[j]);
-      if (w.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(w.bias + m0));
-      _mm512_storeu_ps(y + (b0 + j) * ldy + m0, out);
-    }
+    for (int j = 0; j < NB; ++j) store_tile_avx512(w, acc[j], corr[j], m0, y + (b0 + j) * ldy);
   }
 }
 
@@ -1124,6 +1135,22 @@ TIERED_AVX2 inline void int4tq8_pass_avx2(int64_t nb, const Act& a, const Int4W&
   }
 }
 
+// The int8-activation fields of NB activation rows from b0 (the streaming kernels' operands): xqt,
+// dx per group, the exact sum of x per group and the sum of xqt per group.
+template <int NB>
+struct Q8Rows {
+  const int8_t* xq[NB];
+  const float *dx[NB], *xs[NB];
+  const int32_t* xqs[NB];
+  Q8Rows(const Act& a, int64_t b0) {
+    const int64_t G = a.K / kGroup;
+    for (int j = 0; j < NB; ++j) {
+      const int64_t b = b0 + j;
+      xq[j] = a.xqt + b * a.K, dx[j] = a.dxg + b * G, xs[j] = a.xsum + b * a.Gp, xqs[j] = a.xqs + b * G;
+    }
+  }
+};
+
 // Small calls (up to kQ8StreamRows rows) streamed as int4tq8s_avx512 streams: per chunk the tile's 4
 // nibble vectors against each row's 8 bytes of xqt (vpmaddubsw, int16 sums exact per group as in
 // int4tq8_tile_avx2), then per group and 8-row half the centred int32 dot (Act::xqs), its scale
@@ -1134,13 +1161,7 @@ TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t
                                int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
   const __m256i ones = _mm256_set1_epi16(1), hi = _mm256_set1_epi32(int(0xFFFF0000u));
-  const int8_t* xq[NB];
-  const float *dx[NB], *xs[NB];
-  const int32_t* xqs[NB];
-  for (int j = 0; j < NB; ++j) {
-    const int64_t b = b0 + j;
-    xq[j] = a.xqt + b * K, dx[j] = a.dxg + b * G, xs[j] = a.xsum + b * a.Gp, xqs[j] = a.xqs + b * G;
-  }
+  const Q8Rows<NB> x(a, b0);
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     const uint8_t* tile = w.codes + m0 * (K / 2);
     const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
@@ -1157,7 +1178,7 @@ TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t
         int4tq8_chunk_avx2(pg + 64 * c4, q);
         for (int j = 0; j < NB; ++j) {
           int32_t v0, v1;
-          std::memcpy(&v0, xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&v1, xq[j] + g * kGroup + c4 * 8 + 4, 4);
+          std::memcpy(&v0, x.xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&v1, x.xq[j] + g * kGroup + c4 * 8 + 4, 4);
           const __m256i x0 = _mm256_set1_epi32(v0), x1 = _mm256_set1_epi32(v1);
           t[j][0] = _mm256_add_epi16(t[j][0], _mm256_add_epi16(_mm256_maddubs_epi16(q[0], x0), _mm256_maddubs_epi16(q[2], x1)));
           t[j][1] = _mm256_add_epi16(t[j][1], _mm256_add_epi16(_mm256_maddubs_epi16(q[1], x0), _mm256_maddubs_epi16(q[3], x1)));
@@ -1173,9 +1194,9 @@ TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t
           zv = _mm256_add_ps(zv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16)));
         }
         for (int j = 0; j < NB; ++j) {
-          const __m256i ti = _mm256_sub_epi32(_mm256_madd_epi16(t[j][h], ones), _mm256_set1_epi32(8 * xqs[j][g]));
-          acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti), _mm256_mul_ps(sv, _mm256_set1_ps(dx[j][g])), acc[j][h]);
-          corr[j][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xs[j][g]), corr[j][h]);
+          const __m256i ti = _mm256_sub_epi32(_mm256_madd_epi16(t[j][h], ones), _mm256_set1_epi32(8 * x.xqs[j][g]));
+          acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti), _mm256_mul_ps(sv, _mm256_set1_ps(x.dx[j][g])), acc[j][h]);
+          corr[j][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(x.xs[j][g]), corr[j][h]);
         }
       }
     }
@@ -1349,15 +1370,8 @@ TIERED_AVX512 void int4tq8s_avx512(const Int4W& w, const Act& a, int64_t b0, int
                                    int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
   const __m512i m4 = _mm512_set1_epi8(15);
-  const __m512i hi = _mm512_set1_epi32(int(0xFFFF0000u));
   constexpr int C = NB <= 2 ? 2 : 1;  // chains per nibble half and row
-  const int8_t* xq[NB];
-  const float *dx[NB], *xs[NB];
-  const int32_t* xqs[NB];
-  for (int j = 0; j < NB; ++j) {
-    const int64_t b = b0 + j;
-    xq[j] = a.xqt + b * K, dx[j] = a.dxg + b * G, xs[j] = a.xsum + b * a.Gp, xqs[j] = a.xqs + b * G;
-  }
+  const Q8Rows<NB> x(a, b0);
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     const uint8_t* tile = w.codes + m0 * (K / 2);
     const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
@@ -1375,31 +1389,22 @@ TIERED_AVX512 void int4tq8s_avx512(const Int4W& w, const Act& a, int64_t b0, int
         const int c = c4 % C;
         for (int j = 0; j < NB; ++j) {
           int32_t x0, x1;
-          std::memcpy(&x0, xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&x1, xq[j] + g * kGroup + c4 * 8 + 4, 4);
+          std::memcpy(&x0, x.xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&x1, x.xq[j] + g * kGroup + c4 * 8 + 4, 4);
           t[j][2 * c] = _mm512_dpbusd_epi32(t[j][2 * c], ql, _mm512_set1_epi32(x0));
           t[j][2 * c + 1] = _mm512_dpbusd_epi32(t[j][2 * c + 1], qh, _mm512_set1_epi32(x1));
         }
       }
-      const __m512i v = _mm512_loadu_si512(w.tile_sz(m0, G, g));
-      const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
-      if (w.zr) {
-        const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.tile_zr(m0, G, g)));
-        zv = _mm512_add_ps(zv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
-      }
+      __m512 sv, zv;
+      tile_scales_avx512(w, m0, G, g, sv, zv);
       for (int j = 0; j < NB; ++j) {
         __m512i ti = _mm512_add_epi32(t[j][0], t[j][1]);
         for (int c = 2; c < 2 * C; ++c) ti = _mm512_add_epi32(ti, t[j][c]);
-        ti = _mm512_sub_epi32(ti, _mm512_set1_epi32(8 * xqs[j][g]));
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ti), _mm512_mul_ps(sv, _mm512_set1_ps(dx[j][g])), acc[j]);
-        corr[j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[j][g]), corr[j]);
+        ti = _mm512_sub_epi32(ti, _mm512_set1_epi32(8 * x.xqs[j][g]));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ti), _mm512_mul_ps(sv, _mm512_set1_ps(x.dx[j][g])), acc[j]);
+        corr[j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(x.xs[j][g]), corr[j]);
       }
     }
-    for (int j = 0; j < NB; ++j) {
-      __m512 out = _mm512_add_ps(acc[j], corr[j]);
-      if (w.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(w.bias + m0));
-      _mm512_storeu_ps(y + (b0 + j) * ldy + m0, out);
-    }
+    for (int j = 0; j < NB; ++j) store_tile_avx512(w, acc[j], corr[j], m0, y + (b0 + j) * ldy);
   }
 }
 
