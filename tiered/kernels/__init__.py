@@ -74,7 +74,8 @@ def _import_built(name: str, directory: Path):
 
 
 def load(build: bool = True, verbose: bool = False):
-    """The extension module, building it first when `build` and no cached build exists.
+    """The extension module, building it first when `build` and no cached build exists (and then
+    measuring this machine's kernel tuning for the new build, tune.py, unless TIERED_KERNEL_TUNING=0).
 
     Returns None (and logs why, once) when TIERED_NATIVE=0, or when the build fails (no C++
     compiler, no ninja): callers then use their torch-op paths. Building takes ~1 min on 2 cores.
@@ -90,6 +91,7 @@ def load(build: bool = True, verbose: bool = False):
 
     name = build_name()
     directory = cache_dir() / name
+    built = False
     try:
         _loaded = _import_built(name, directory)
         if _loaded is None and build:
@@ -100,9 +102,16 @@ def load(build: bool = True, verbose: bool = False):
             sources = [str(p) for p in sorted(CSRC.glob("*.cpp"))]
             _loaded = cpp_load(name, sources, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                build_directory=str(directory), verbose=verbose)
+            built = True
         if _loaded is not None:
             from tiered.kernels import tune
 
+            if built and tune.enabled() and not tune.path(directory).exists():
+                # a fresh build (new sources: an upgrade, an edit) is tuned now, as setup's
+                # `python -m tiered.kernels` tunes its build: else it would run the defaults
+                print("tiered: measuring this machine's kernel tuning (once per build, a few seconds) ...",
+                      file=sys.stderr, flush=True)
+                tune.save(tune.measure(_loaded), directory)
             tune.apply(_loaded, directory)  # this machine's measured tuning (tune.py), if any
     except Exception as e:  # noqa: BLE001  (a failed build falls back; say why once)
         lines = str(e).strip().splitlines() or [""]

@@ -19,10 +19,13 @@ from tiered.kernels import tune  # noqa: E402
 
 if tune.enabled() and ("--tune" in sys.argv or not tune.path(kernels.build_dir()).exists()):
     t0 = time.perf_counter()
-    result = tune.measure(mod)
-    tune.save(result, kernels.build_dir())
-    med = {k: statistics.median(v) for k, v in result["ratios"].items()}
-    print(f"tiered: kernel tuning measured in {time.perf_counter() - t0:.1f} s: stream prefetch "
-          f"{'on' if result['stream_prefetch'] else 'off'}, tiled int4 batch-1 activations "
-          f"{'int16' if result['int4_int16_act'] else 'bf16'} on AVX-512 (median time ratios of the "
-          f"alternatives: {', '.join(f'{k} {v:.2f}' for k, v in med.items())})", file=sys.stderr)
+    tune.save(tune.measure(mod), kernels.build_dir())
+    took = f" measured in {time.perf_counter() - t0:.1f} s"
+else:
+    took = ""  # load() measured it right after building, or an earlier run did
+result = tune.apply(mod, kernels.build_dir()) if tune.enabled() else None
+if result is not None:
+    med = {k: statistics.median(v) for k, v in result.get("ratios", {}).items()}
+    print(f"tiered: kernel tuning{took}: stream prefetch {'on' if result['stream_prefetch'] else 'off'}, tiled "
+          f"int4 batch-1 activations {'int16' if result['int4_int16_act'] else 'bf16'} on AVX-512 (median time "
+          f"ratios of the alternatives: {', '.join(f'{k} {v:.2f}' for k, v in med.items())})", file=sys.stderr)
