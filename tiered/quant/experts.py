@@ -36,7 +36,10 @@ SIMD lane per row, for tiered's native kernels: int4 codes as `kernels.linear.ti
 projections with N % 16 == 0 and K % 32 == 0 as qt uint8 [N, K] = q + 128 in 16-row tiles of 4
 columns (`kernels.linear.tiled_int8`; w = (qt - 128) * s), other int8 shapes per row; int8-g32 the
 same qt with st fp16 [N/16, K/32, 16] (`tiled_group_scales`). With the extension built, every kind
-but fp32 computes through tiered's native kernels on the CPU (`native`).
+but fp32 computes through tiered's native kernels on the CPU (`native`). Their int4 projections
+multiply activations rounded per group of 32: to int8 (`act` / `batch_act` "q8", llama.cpp's
+Q4_0 x Q8_0; the plan's default for routed experts, Plan.expert_act) or to bf16 / int16 ("bf16");
+int8 projections read int16 activations.
 """
 
 from __future__ import annotations
