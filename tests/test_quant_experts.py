@@ -324,3 +324,41 @@ def test_expert_activations_reach_the_expert_kernels(act, tmp_path):
         y, y_other = fmt.forward(x, slot), other.forward(x, slot)
         assert torch.equal(y, dataclasses.replace(fmt).forward(x, slot)) and not torch.equal(y, y_other)
     llm.close()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_q4_0_experts_skip_their_all_zero_residuals(qtype, tmp_path):
+    """Q4_0 experts (zero 0: every zero residual is 0) are marked exact_zeros, and their native
+    kernels skip the residual segment: the same outputs, bit for bit, as reading it. Q4_1 experts
+    (zero m + 8 d, rounded to bf16) keep reading theirs."""
+    model = build_hf_moe_model("mixtral", **WIDE)
+    path = write_moe_gguf(model, tmp_path / "wide.gguf", qtype)
+    llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none"))
+    fmt = llm.experts.store.fmt
+    assert fmt.kinds[0] == "int4" and fmt.exact_zeros == (qtype == Q.Q4_0)
+    if fmt.native is not None:
+        slot = llm.experts.store.encode(next(iter(llm.experts.store.handles)))
+        x = torch.randn(3, fmt.shapes[0][1])
+        if qtype == Q.Q4_0:  # skipped or read, the residuals add nothing
+            assert torch.equal(fmt.forward(x, slot), dataclasses.replace(fmt, exact_zeros=False).forward(x, slot))
+        else:  # nonzero residuals: skipping them (the flag reaches the kernels) changes the result
+            assert not torch.equal(dataclasses.replace(fmt, exact_zeros=True).forward(x, slot), fmt.forward(x, slot))
+    llm.close()
+
+
+def test_expert_spec_offsets_are_checked():
+    """A native ExpertSpec refuses segment offsets outside the slot, and -1 anywhere but an int4
+    projection's residual (exact_zeros: not read)."""
+    from tiered.kernels import load
+
+    ext = load()
+    if ext is None:
+        pytest.skip("the native kernels are not built")
+    fmt = ExpertFormat("int4", ((64, 64), (64, 64), (64, 64)), "tiled")
+    offs = [[off for _, off, _, _ in segs] for segs in fmt._layout]
+    spec = lambda o: ext.expert_spec(["int4"] * 3, [[64, 64]] * 3, o, fmt.nbytes, "q8", "tiled", "q8")  # noqa: E731
+    assert spec([o[:2] + [-1] for o in offs]) is not None
+    with pytest.raises(RuntimeError, match="out of the slot"):
+        spec([[o[0], -1, o[2]] for o in offs])
+    with pytest.raises(RuntimeError, match="out of the slot"):
+        spec([[o[0], o[1], fmt.nbytes] for o in offs])

@@ -253,6 +253,8 @@ def expert_spec(fmt):
     if any(k == "int8-g32" and (fmt.int4_layout != "tiled" or not int8_tiles(*s)) for k, s in zip(fmt.kinds, fmt.shapes)):
         return None
     offsets = [[off for _, off, _, _ in segs] for segs in fmt._layout]
+    if fmt.exact_zeros:  # the int4 residuals are all zero: not read (ExpertSpec: offset -1)
+        offsets = [o[:2] + [-1] if k == "int4" else o for o, k in zip(offsets, fmt.kinds)]
     if fmt.int4_layout == "tiled":
         return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes,
                                fmt.act, "tiled", fmt.batch_act)

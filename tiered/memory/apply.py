@@ -19,7 +19,7 @@ from tiered.memory.expert_cache import ExpertCache, make_policy
 from tiered.memory.expert_store import ExpertStore, expert_tensor_names
 from tiered.memory.materialize import materialize
 from tiered.planner.plan import Plan
-from tiered.quant.experts import ExpertFormat, fit_format
+from tiered.quant.experts import ExpertFormat, fit_format, parse_kinds
 
 
 def expert_format(name: str, checkpoint, layer: int, accelerator, batch_act: str = "bf16",
@@ -32,8 +32,25 @@ def expert_format(name: str, checkpoint, layer: int, accelerator, batch_act: str
 
     shapes = [tuple(checkpoint.handle(n).shape) for n in expert_tensor_names(checkpoint.config.model_type, layer, 0)]
     cuda = accelerator is not None and getattr(accelerator.device, "type", "") == "cuda"
-    return ExpertFormat(fit_format(name, shapes), shapes, "plain" if cuda else "tiled" if available() else "cpu",
-                        batch_act, act)
+    fitted = fit_format(name, shapes)
+    return ExpertFormat(fitted, shapes, "plain" if cuda else "tiled" if available() else "cpu", batch_act, act,
+                        exact_int4_zeros(checkpoint, parse_kinds(fitted)))
+
+
+def exact_int4_zeros(checkpoint, kinds) -> bool:
+    """Whether every int4 projection of every routed expert comes from GGUF Q4_0 blocks (w = d (q - 8):
+    zero 0, exact in bf16, so every zero residual is 0: ExpertFormat.exact_zeros). Expert tensors
+    are stored per layer, so expert 0's handles of each MoE layer say it for the layer."""
+    from tiered.memory.expert_store import moe_layers
+
+    if "int4" not in kinds:
+        return False
+    cfg = checkpoint.config
+    for layer in moe_layers(checkpoint, cfg):
+        names = expert_tensor_names(cfg.model_type, layer, 0)
+        if any(k == "int4" and checkpoint.handle(n).format != "Q4_0" for n, k in zip(names, kinds)):
+            return False
+    return True
 
 
 class StagingBuffer(tuple):

@@ -161,6 +161,11 @@ class ExpertFormat:
             "bf16" (bf16 activations; int16 ones on AVX2 and where the kernel tuning picks them) or
             "q8" (int8 per group of 32, llama.cpp's Q4_0 x Q8_0: half the multiply-adds, which a
             batch-1 stream needs to reach the memory bound on AVX-512 VNNI). Plan.expert_act.
+        exact_zeros: every int4 zero is exact in bf16, so each zero residual is 0 (a GGUF's Q4_0
+            blocks: w = d (q - 8), zero 0; memory/apply.exact_int4_zeros decides): the native
+            kernels then skip the residual segment, a third memory stream beside codes and scales
+            (one thread, a 2048 x 2048 int4 weight: 160 -> 110-116 us a call). The segment is still
+            stored (all zeros), so the slot size is the same either way.
     Raises:
         ConfigError: unknown kind or layout, or a shape the kind cannot hold (K % 32 for grouped
             kinds; the CPU and tiled int4 layouts also need N % 16).
@@ -171,6 +176,7 @@ class ExpertFormat:
     int4_layout: str = "cpu"
     batch_act: str = "bf16"
     act: str = "bf16"
+    exact_zeros: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shapes", tuple(tuple(int(d) for d in s) for s in self.shapes))

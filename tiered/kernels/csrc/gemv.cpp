@@ -2182,7 +2182,7 @@ struct ExpertSpec {
   struct Proj {
     int kind;
     int64_t N, K;
-    int64_t off[3];  // bf16: w; int8: q, scale; int4: codes, sz, zr; int8-g32 (tiled): qt, st
+    int64_t off[3];  // bf16: w; int8: q, scale; int4: codes, sz, zr (-1: zeros exact, no residual read); int8-g32 (tiled): qt, st
   };
   Proj p[3];
   int64_t nbytes = 0;
@@ -2194,8 +2194,9 @@ struct ExpertSpec {
     if (pr.kind == kInt4) {
       k4.in_features = pr.K, k4.out_features = pr.N;
       const auto* sz = reinterpret_cast<const uint16_t*>(buf + pr.off[1]);
-      k4.w = {buf + pr.off[0], pr.K / 2, sz, sz + 1, reinterpret_cast<const uint16_t*>(buf + pr.off[2]),
-              2, 2 * pr.N, 2, 2 * pr.N, 1, pr.N, nullptr};
+      k4.w = {buf + pr.off[0], pr.K / 2, sz, sz + 1,
+              pr.off[2] < 0 ? nullptr : reinterpret_cast<const uint16_t*>(buf + pr.off[2]), 2, 2 * pr.N, 2, 2 * pr.N, 1,
+              pr.N, nullptr};
       k4.w.tiled = int4_tiled;  // then sz is [N/16, G, 16, 2] and zr [N/16, G, 16]
       out = &k4;
     } else if (pr.kind == kInt8 || pr.kind == kInt8G32) {
@@ -2846,6 +2847,10 @@ void register_gemv(pybind11::module& m) {
             TORCH_CHECK(pr.kind != ExpertSpec::kInt4 || !sp->int4_tiled || pr.N % kBlock == 0,
                         "expert_spec: the tiled int4 layout needs N % 16 == 0");
             for (size_t j = 0; j < 3; ++j) pr.off[j] = j < offsets[i].size() ? offsets[i][j] : 0;
+            for (size_t j = 0; j < 3; ++j)
+              TORCH_CHECK(pr.off[j] >= 0 ? pr.off[j] < nbytes : pr.kind == ExpertSpec::kInt4 && j == 2,
+                          "expert_spec: offset ", pr.off[j], " out of the slot's ", nbytes,
+                          " bytes (only an int4 residual may be -1: not read)");
           }
           TORCH_CHECK(sp->p[0].K == sp->p[1].K && sp->p[0].N == sp->p[1].N && sp->p[2].K == sp->p[0].N &&
                           sp->p[2].N == sp->p[0].K, "expert_spec: shapes do not make a SwiGLU expert");
