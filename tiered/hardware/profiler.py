@@ -134,7 +134,7 @@ def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False)
     weight w [N, K] on `device`. gemv: a decode-step GEMV: on a CPU with tiered/kernels built, the
     native Kernel the native decode step calls for that format (kernels/linear.kernel_for), with
     its per-call cost, not a module's Python-side reshapes and casts."""
-    native = gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int4") and kernels.available()
+    native = gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int4", "int4q8") and kernels.available()
     dev = torch.device("cuda" if device == "gpu" else "cpu")
     if native and dtype == "fp32":  # the lossless mode's decode weights: f32_kernel
         lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
@@ -144,15 +144,13 @@ def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False)
         from tiered.quant.linear import CastLinear
 
         return _native(CastLinear(w.to(torch.bfloat16), None)), torch.float32, 2
-    if native and dtype == "int4":  # the tiled layout the engine's int4 decode copies take
-        from tiered.quant.int4 import Int4Linear, quantize_int4
-        lin = Int4Linear.from_codes(*quantize_int4(w), layout="tiled")
-        return _native(lin), torch.float32, 0.5 + 4 / lin.group
-    if gemv and device == "cpu" and dtype == "int4q8" and kernels.available():  # routed int4 experts at batch 1
+    if native and dtype in ("int4", "int4q8"):  # the tiled layout the engine's int4 decode copies take
         from tiered.kernels.linear import int4_tiled_kernel
         from tiered.quant.int4 import Int4Linear, quantize_int4
         lin = Int4Linear.from_codes(*quantize_int4(w), layout="tiled")
-        return int4_tiled_kernel(lin.packed, lin.scales_zeros, None, None, "q8"), torch.float32, 0.5 + 4 / lin.group
+        # int4q8: on int8 activations at batch 1, as routed int4 experts run (Plan.expert_act)
+        fn = _native(lin) if dtype == "int4" else int4_tiled_kernel(lin.packed, lin.scales_zeros, None, None, "q8")
+        return fn, torch.float32, 0.5 + 4 / lin.group
     if native:  # int8: the module the branches below build, through its native Kernel
         lin, _, bpe = _linear_kernel(device, dtype, w)
         return _native(lin), torch.float32, bpe

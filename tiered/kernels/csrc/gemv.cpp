@@ -1983,10 +1983,10 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
   uint8_t* dst = codes.data_ptr<uint8_t>();
   uint16_t* szp = reinterpret_cast<uint16_t*>(sz.data_ptr<at::BFloat16>());
   uint16_t* zrp = reinterpret_cast<uint16_t*>(zr.data_ptr<at::BFloat16>());
-  auto half = [](const uint8_t* p) {
+  auto half = [](const uint8_t* p) {  // the fp16 at p (unaligned)
     uint16_t h;
     std::memcpy(&h, p, 2);
-    return float(c10::Half(h, c10::Half::from_bits()));
+    return half_to_float(h);
   };
   at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
     uint8_t q[kGroup];
@@ -2501,9 +2501,9 @@ static TIERED_AVX2 inline __attribute__((always_inline)) void quantize_group_avx
   for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
 }
 
-// One row of the q8 fields (gemv.h): xq (chunked), xqt, dxg, dx16, xsum, m8 of row b.
+// One row of the q8 fields (gemv.h): xq (chunked), xqt, dxg, dx16, xsum, m8, xqs of row b.
 static void q8_row_scalar(const float* x, int64_t K, int64_t Gp, int8_t* xq, int8_t* xqt, float* dxg, float* dx16,
-                   float* xsum, float* m8) {
+                   float* xsum, float* m8, int32_t* xqs) {
   constexpr float kRound = 12582912.f;
   for (int64_t g = 0; g < K / kGroup; ++g) {
     const float* p = x + g * kGroup;
@@ -2521,11 +2521,12 @@ static void q8_row_scalar(const float* x, int64_t K, int64_t Gp, int8_t* xq, int
     dx16[g * 4] = dx16[g * 4 + 1] = dx16[g * 4 + 2] = dx16[g * 4 + 3] = dx;
     xsum[g] = sum;
     m8[g] = -8.f * dx * float(s);
+    xqs[g] = s;
   }
 }
 
 static TIERED_AVX2 void q8_row_avx2(const float* x, int64_t K, int64_t Gp, int8_t* xq, int8_t* xqt, float* dxg, float* dx16,
-                             float* xsum, float* m8) {
+                             float* xsum, float* m8, int32_t* xqs) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   // per 128-bit lane: its 8 even bytes, then its 8 odd ones
   const __m256i eo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
@@ -2550,7 +2551,8 @@ static TIERED_AVX2 void q8_row_avx2(const float* x, int64_t K, int64_t Gp, int8_
     dxg[g] = dx;
     dx16[g * 4] = dx16[g * 4 + 1] = dx16[g * 4 + 2] = dx16[g * 4 + 3] = dx;
     xsum[g] = sum;
-    m8[g] = -8.f * dx * float(_mm_cvtsi128_si32(t));
+    xqs[g] = _mm_cvtsi128_si32(t);
+    m8[g] = -8.f * dx * float(xqs[g]);
   }
 }
 
@@ -2607,20 +2609,15 @@ void ActBuffers::quantize_q8(const float* x, int64_t B, int64_t K, Act& a) {
   dx16.assign(B * Gp * 4, 0.f);
   xsum.assign(B * Gp, 0.f);
   m8.assign(B * Gp, 0.f);
+  xqs.resize(B * G);
   const bool avx2 = current_isa() >= kAvx2;
   at::parallel_for(0, B, kQuantGrain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       (avx2 ? q8_row_avx2 : q8_row_scalar)(x + b * K, K, Gp, xq.data() + b * Gp * kGroup, xqt.data() + b * K,
                                            dxg.data() + b * G, dx16.data() + b * Gp * 4, xsum.data() + b * Gp,
-                                           m8.data() + b * Gp);
+                                           m8.data() + b * Gp, xqs.data() + b * G);
   });
   a.xq = xq.data(), a.dx16 = dx16.data(), a.xsum = xsum.data(), a.m8 = m8.data(), a.Gp = Gp;
-  xqs.resize(B * G);
-  for (int64_t i = 0; i < B * G; ++i) {
-    int32_t t = 0;
-    for (int64_t k = 0; k < kGroup; ++k) t += xqt[i * kGroup + k];
-    xqs[i] = t;
-  }
   a.xqt = xqt.data(), a.dxg = dxg.data(), a.xqs = xqs.data();
 }
 
