@@ -1,32 +1,88 @@
 #!/usr/bin/env bash
-# What a session with a lent CUDA machine runs there, one stage per device call (each < 10 min):
-#   bash scripts/gpu_checks.sh tests    # the CUDA-marked tests, then the whole suite with CUDA present
-#   bash scripts/gpu_checks.sh moe      # benchmarks/gpu_offload.py, 4 Mixtral layers, --gpu-mem 4GiB
-#   bash scripts/gpu_checks.sh dense    # benchmarks/gpu_offload.py, 8 Llama-3-8B layers, --gpu-mem 2GiB
-#   bash scripts/gpu_checks.sh profile  # `tiered profile` of the machine (full run)
-# It uses the machine's own torch (never installs one). Python packages the machine lacks (gguf)
-# travel as wheels in .whl/ (see the device tool's README); they are installed to /tmp/site.
-# Logs and results go to $OUT (the device tool brings that folder back), else benchmarks/results/gpu.
+# What a session with a lent CUDA machine runs there. Stages run in the order given, in one device call:
+#   bash scripts/gpu_checks.sh tests moe dense     # e.g.; `all` = kernels cuda profile moe dense suite trace
+#   kernels  build the native CPU kernels (and their tuning) first, so no test or row pays for it
+#   cuda     the CUDA-marked tests
+#   suite    the whole suite with CUDA present (pytest-xdist, 8 workers, where installed)
+#   tests    cuda, then suite
+#   profile  `tiered profile --quick` of this machine (results/profile_quick.json); moe/dense plan with it
+#   moe      benchmarks/gpu_offload.py, 4 Mixtral layers, --gpu-mem 4GiB (no transformers + accelerate row:
+#            0.57 tok/s, section 2 of shared/gpu-runs/2026-11-22-h200 has it)
+#   dense    the same, 8 Llama-3-8B layers, --gpu-mem 2GiB
+#   trace    the MoE and dense default plans once more with EngineConfig(trace=True) (timelines)
+#   fullprofile  the full `tiered profile` (several minutes)
+# GPU_DEADLINE (seconds, default 540) bounds the whole call: each stage gets at most its own cap and
+# what is left, so the call ends inside the device tool's limit with its partial results.
+# It uses the machine's own torch (never installs one). Python packages the machine lacks (gguf,
+# fastapi, pydantic, uvicorn, and openai with distro, jiter and sniffio for the serving tests) travel as
+# wheels in .whl/ (see the device tool's README); they go to /tmp/site.
+# Everything goes to one folder, packed into $OUT/gpu_results.tgz after every stage (the device
+# tool brings back at most 8 files), with the console in $OUT/run.log; without $OUT, to
+# benchmarks/results/gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: gpu_checks.sh tests|moe|dense|profile}
+[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense trace fullprofile all)" >&2; exit 2; }
+start=$(date +%s)
+deadline=$((start + ${GPU_DEADLINE:-540}))
 out=${OUT:-benchmarks/results/gpu}
-mkdir -p "$out"
+res=${OUT:+/tmp/gpu_res}; res=${res:-$out/res}  # not under $OUT: only its packed copy travels back
+mkdir -p "$res"
+exec > >(tee -a "$out/run.log") 2>&1
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.csv" 2>&1
-case "$stage" in
-  tests)
-    python3 -m pytest -q -p no:cacheprovider -m cuda tests/ 2>&1 | tee "$out/pytest_cuda_marked.log" | tail -5
-    python3 -m pytest -q -p no:cacheprovider tests/ 2>&1 | tee "$out/pytest_cuda_all.log" | tail -5 ;;
-  moe|dense)
-    python3 benchmarks/gpu_offload.py --shape "$stage" --repeats 1 --out "$out" 2>&1 \
-      | tee "$out/gpu_offload_$stage.log" | tail -20 ;;
-  profile)
-    python3 -m tiered.cli profile --out "$out/profile.json" 2>&1 | tail -5 ;;
-  *) echo "unknown stage $stage" >&2; exit 2 ;;
-esac
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$res/gpu.csv" 2>&1
+lscpu > "$res/lscpu.txt" 2>&1
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee "$res/versions.txt"
+prof=""
+[ -f .gpu/profile_h200.json ] && prof=.gpu/profile_h200.json  # the 2026-11-22 H200's, until `profile` measures this one
+
+pack() { tar czf "$out/gpu_results.tgz" -C "$res" . 2>/dev/null; }
+# run CAP NAME CMD...: the command under `timeout min(CAP, time left - 10 s)`, its output in res/NAME.log
+run() {
+  local cap=$1 name=$2; shift 2
+  local left=$((deadline - $(date +%s) - 10))
+  local t=$(( cap < left ? cap : left ))
+  if [ "$t" -lt 15 ]; then echo "== $name: skipped, ${left}s left"; return 0; fi
+  echo "== $name (at $(( $(date +%s) - start ))s, up to ${t}s): $*"
+  local s0=$(date +%s)
+  timeout --kill-after=5 "$t" "$@" 2>&1 | tee "$res/$name.log" | tail -25
+  echo "== $name: rc ${PIPESTATUS[0]} in $(( $(date +%s) - s0 ))s"
+  pack
+}
+bench() {  # bench SHAPE CAP [extra args]
+  local shape=$1 cap=$2; shift 2
+  local rows=plan_auto,plan_off,forced_copy,forced_cpu,no_gpu,unconstrained,hf_all_gpu
+  run "$cap" "gpu_offload_$shape" python3 benchmarks/gpu_offload.py --shape "$shape" --repeats 1 --rows "$rows" \
+    --out "$res" ${prof:+--profile "$prof"} "$@"
+}
+xdist=""
+python3 -c "import xdist" 2>/dev/null && xdist="-n 8"
+
+stages=("$@")
+[ "${stages[*]}" = all ] && stages=(kernels cuda profile moe dense suite trace)
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    kernels) run 180 kernels python3 -m tiered.kernels ;;
+    cuda) run 120 pytest_cuda_marked python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/ ;;
+    suite) run 300 pytest_cuda_all python3 -m pytest -q -p no:cacheprovider $xdist -rfE --durations=15 tests/ ;;
+    tests) run 120 pytest_cuda_marked python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/
+           run 300 pytest_cuda_all python3 -m pytest -q -p no:cacheprovider $xdist -rfE --durations=15 tests/ ;;
+    profile) run 120 profile_quick python3 -m tiered.cli profile --quick --out "$res/profile_quick.json"
+             [ -s "$res/profile_quick.json" ] && prof=$res/profile_quick.json ;;
+    fullprofile) run 540 profile_full python3 -m tiered.cli profile --out "$res/profile_full.json" ;;
+    moe) bench moe 240 ;;
+    dense) bench dense 150 ;;
+    trace) mkdir -p "$res/traces"
+           run 120 trace_moe python3 benchmarks/gpu_offload.py --shape moe --repeats 1 --rows plan_auto \
+             --out "$res/traces" --name trace_moe ${prof:+--profile "$prof"} --trace-dir "$res/traces"
+           run 90 trace_dense python3 benchmarks/gpu_offload.py --shape dense --repeats 1 --rows plan_auto \
+             --out "$res/traces" --name trace_dense ${prof:+--profile "$prof"} --trace-dir "$res/traces" ;;
+    *) echo "unknown stage $stage" >&2 ;;
+  esac
+done
+pack
+echo "== done in $(( $(date +%s) - start ))s"

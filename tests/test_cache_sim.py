@@ -54,7 +54,7 @@ def test_trace_records_every_token_and_layer(rt, mixtral_trace):
         seen = []
         llm.model.model.layers[0].mlp.on_route = lambda l, i, w: seen.append(i.clone())
         llm.generate([prompt(PROMPT, seed=0)], SamplingParams(temperature=0, max_tokens=1))
-        assert np.array_equal(seen[0].numpy(), tr.experts[(tr.seq == 0) & (tr.layer == 0)][:PROMPT])
+        assert np.array_equal(seen[0].cpu().numpy(), tr.experts[(tr.seq == 0) & (tr.layer == 0)][:PROMPT])
     finally:
         llm.close()
 

@@ -24,6 +24,8 @@ from tiered import kernels
 from tiered.runtime.cpu_decode import CPUDecodeStep
 
 NATIVE = [False, pytest.param(True, marks=pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built"))]
+# the lean step is the CPU-only engine's decode path (Plan.cpu_decode_step): every engine here has no
+# accelerator, also on a CUDA machine
 DENSE = ["llama", "llama_tied", "llama_attn_bias", "mistral", "qwen2", "qwen3"]
 
 
@@ -60,7 +62,7 @@ def _compare(llm, prompts: list[list[int]], steps: int, tol: float, native: bool
 @pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("kind", DENSE)
 def test_lean_step_equals_modules_fp32(zoo, kind, native):
-    llm = zoo.llm(zoo.dir(kind), dtype="float32", max_context=64)
+    llm = zoo.llm(zoo.dir(kind), dtype="float32", max_context=64, accelerator="none")
     ids = prompt_ids(zoo.vocab_size, 12)
     assert _compare(llm, [ids], steps=12, tol=1e-5, native=native) <= 1e-5  # batch 1: the in-place KV write
     # two sequences of different lengths: the masked path (past mistral's window of 8 too)
@@ -72,7 +74,7 @@ def test_lean_step_equals_modules_fp32(zoo, kind, native):
 def test_lean_step_in_bf16_matches_the_modules(zoo, native, kind):
     """A bf16 model (--dtype bfloat16): RoPE's fp32 tables must not leak fp32 into attention; qwen3's
     per-head q/k norms round as the module's do (DecodeStep.set_qk)."""
-    llm = zoo.llm(zoo.dir(kind), dtype="bfloat16", max_context=64)
+    llm = zoo.llm(zoo.dir(kind), dtype="bfloat16", max_context=64, accelerator="none")
     if native:
         assert CPUDecodeStep(llm.model, native=True).schedule == [("native", 0, llm.config.num_hidden_layers)]
     assert _compare(llm, [prompt_ids(zoo.vocab_size, 10), prompt_ids(zoo.vocab_size, 4, seed=2)],
@@ -81,7 +83,7 @@ def test_lean_step_in_bf16_matches_the_modules(zoo, native, kind):
 
 @pytest.mark.parametrize("native", NATIVE)
 def test_lean_step_runs_moe_blocks_through_their_ffn(rt, native):  # noqa: F811
-    llm = LLM(rt.dir("mixtral"), engine_config())
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="none"))
     step = CPUDecodeStep(llm.model, native=native)
     assert all(L.ffn is not None for L, _ in step.layers)  # the MoE block is the layer's FFN
     if native:
@@ -91,7 +93,7 @@ def test_lean_step_runs_moe_blocks_through_their_ffn(rt, native):  # noqa: F811
 
 @pytest.mark.parametrize("native", NATIVE)
 def test_lean_step_with_int4_copies_matches_the_modules(zoo, native):
-    llm = LLM(zoo.dir("llama"), __import__("tiered").EngineConfig(decode_weights="int4", max_context=64))
+    llm = LLM(zoo.dir("llama"), __import__("tiered").EngineConfig(decode_weights="int4", max_context=64, accelerator="none"))
     step = CPUDecodeStep(llm.model, native=native)
     assert type(step.layers[0][0].qkv).__name__ == "Kernel"  # the fused int4 kernel, not three
     if native:
@@ -116,7 +118,7 @@ def test_native_step_takes_prompt_rows_beside_decode_rows(zoo, kind):
     different lengths, one of them a suffix after a cached prefix, beside a sequence decoding one
     token, in one call. Logits of the selected rows and the KV cache equal the modules' prefill
     and decode in fp32 (mistral: the 8-token window inside the prompt rows)."""
-    llm = zoo.llm(zoo.dir(kind), dtype="float32", max_context=64)
+    llm = zoo.llm(zoo.dir(kind), dtype="float32", max_context=64, accelerator="none")
     step = CPUDecodeStep(llm.model, native=True)
     a, b, c = (prompt_ids(zoo.vocab_size, n, seed=s) for n, s in ((11, 1), (14, 2), (6, 3)))
     caches = [llm._kv_cache(3, 32) for _ in range(2)]
@@ -142,7 +144,7 @@ def test_native_step_takes_prompt_rows_beside_decode_rows(zoo, kind):
 
 def test_moe_models_prefill_on_their_own(rt):  # noqa: F811
     """An MoE layer's FFN runs as a module, one token per sequence: no prompt rows in its step."""
-    llm = LLM(rt.dir("mixtral"), engine_config())
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="none"))
     assert llm.plan.mixed_rows == 0
     step = CPUDecodeStep(llm.model, native=llm.plan.native_decode)
     assert not step.takes_prefill_rows(llm._kv_cache(1, 16))
@@ -161,7 +163,7 @@ class _CountOps(TorchDispatchMode):
 def test_lean_step_issues_few_ops_per_layer(zoo):
     """The point of the lean step: ops per token. Counted at the dispatcher (views included); per
     layer = the count with every layer minus the count with the first layer alone."""
-    llm = LLM(zoo.dir("llama"), __import__("tiered").EngineConfig(decode_weights="int4", max_context=64))
+    llm = LLM(zoo.dir("llama"), __import__("tiered").EngineConfig(decode_weights="int4", max_context=64, accelerator="none"))
     cache = llm._kv_cache(1, 32)
     counts = {}
     with torch.inference_mode():
@@ -241,7 +243,7 @@ def test_native_step_runs_resident_moe_layers_itself(rt, kind, dtype, weights, t
     batch 1, olmoe one of 30 at 10 sequences, the rest bit-equal; none seen in fp32)."""
     if kind == "qwen2_moe" and dtype == "float32":
         tol = 1e-2
-    llm = LLM(rt.dir(kind), engine_config(dtype=dtype, expert_weights=weights, decode_weights="auto"))
+    llm = LLM(rt.dir(kind), engine_config(dtype=dtype, expert_weights=weights, decode_weights="auto", accelerator="none"))
     step = CPUDecodeStep(llm.model, native=True)
     assert step.schedule == [("native", 0, llm.config.num_hidden_layers)]
     assert step.fallback == [("attn", L.idx) if L.ffn is not None else ("native", L.idx, L.idx + 1)
@@ -260,11 +262,11 @@ def test_moe_layers_stay_modules_unless_every_layer_can_run_in_the_step(rt):  # 
     """fp32 experts (no native expert kernel), or one layer with an expert outside RAM (not one of
     the runner's one-call layers): every MoE block runs as its module, so that the expert cache's
     policy sees each step's layers."""
-    llm = LLM(rt.dir("mixtral"), engine_config())  # fp32 experts
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="none"))  # fp32 experts
     modules = [("attn", i) for i in range(llm.config.num_hidden_layers)]
     step = CPUDecodeStep(llm.model, native=True)
     assert step.schedule == step.fallback == modules and not step.moe_blocks
-    llm = LLM(rt.dir("mixtral"), engine_config(expert_weights="int4", decode_weights="auto"))
+    llm = LLM(rt.dir("mixtral"), engine_config(expert_weights="int4", decode_weights="auto", accelerator="none"))
     assert CPUDecodeStep(llm.model, native=True).schedule == [("native", 0, len(modules))]
     llm.runtime.experts._layer_calls.discard(1)
     step = CPUDecodeStep(llm.model, native=True)

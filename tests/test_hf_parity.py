@@ -202,7 +202,7 @@ def test_bf16_checkpoint_loads_exactly(zoo, tmp_path):
     ids = prompt_ids(zoo.vocab_size, 16)
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0]
-    llm = LLM(tmp_path, EngineConfig(decode_weights="fp32"))
+    llm = LLM(tmp_path, EngineConfig(decode_weights="fp32", dtype="float32"))  # a GPU's default is bf16 compute
     assert rel_err(llm.logits(ids), ref) <= REL_TOL
     assert llm.generate(ids, GREEDY)[0].token_ids == hf_greedy(ref_model, ids, 16)
 

@@ -505,3 +505,22 @@ def test_tuning_takes_the_alternative_only_past_the_margin():
     assert not choose([1.05, 1.1, 1.2])
     assert not choose([])
     assert choose([0.9, 1.0])  # even count: the mean of the middle two
+
+
+def test_kernel_errors_are_formatted_without_iostreams():
+    """On the H200 host (shared/gpu-runs/2026-11-26-h200) the built library carried its own copy of
+    libstdc++'s stream code, and a TORCH_CHECK that printed a number segfaulted: every rejected input
+    killed the process (37 pytest workers). The sources check through TIERED_CHECK (kernel.h), which
+    formats with std::to_string; this keeps TORCH_CHECK's ostringstream out of them."""
+    import re
+    from pathlib import Path
+
+    csrc = Path(__file__).resolve().parents[1] / "tiered" / "kernels" / "csrc"
+    for f in sorted(csrc.glob("*.[ch]*")):
+        text = f.read_text()
+        if f.name == "kernel.h":  # TIERED_CHECK's own definition
+            text = text.replace("TORCH_CHECK(cond, ::tiered::cat(__VA_ARGS__))", "")
+        bad = re.findall(r"\b(?:TORCH_CHECK|TORCH_INTERNAL_ASSERT|c10::str)\s*\(|std::\w*stringstream", text)
+        assert not bad, f"{f.name}: {bad[:3]}: use TIERED_CHECK / tiered::cat"
+    with pytest.raises(RuntimeError, match=r"int8_kernel: scale must have N = 4 elements, got 3"):
+        load().int8_kernel(torch.zeros(4, 32, dtype=torch.int8), torch.ones(3), None)

@@ -269,3 +269,28 @@ def test_the_lm_head_is_priced_in_its_own_decode_format():
     plan = make_plan(cfg, hw, precision="int4", weights_format="fp32", head_precision="int8")
     assert plan.dtypes["lm_head"] == "int8"
     assert "lm_head" not in make_plan(cfg, hw, precision="int4", weights_format="fp32", head_precision="int4").dtypes
+
+
+def test_a_dense_model_that_fits_the_gpu_is_not_sliced():
+    """ScheInfer slices what the GPU cannot hold. On a host whose CPU GEMVs look as fast as the GPU's
+    (here: the H200 host's profile with CPU rates made 100x faster), splitting a layer that fits
+    would still pay host syncs the cost model leaves out, and costs the step its CUDA graphs."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    hw = HardwareProfile.load(Path(__file__).resolve().parents[1] / "benchmarks" / "reference" / "h200-2026-11-26"
+                              / "profile_quick.json")
+    fast = {k: (replace(m, alpha=m.alpha / 100, beta=m.beta / 100) if k.startswith(("gemv/cpu", "gemm/cpu")) else m)
+            for k, m in hw.models.items()}
+    hw = replace(hw, models=fast)
+    tiny = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "max_position_embeddings": 64})
+    p = make_plan(tiny, hw, gpu_memory=100 * GiB, prompt_tokens=32, gen_tokens=32, precision="fp32")
+    assert not p.sliced_layers() and all(l.r_gg == 1.0 for l in p.layers)
+    # the same machine under a budget that holds only part of the FFNs slices them
+    big = ModelConfig.from_hf({"model_type": "llama",
+                               "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                               "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 8,
+                               "max_position_embeddings": 4096})
+    assert make_plan(big, hw, gpu_memory=2 * GiB, prompt_tokens=32, gen_tokens=32).sliced_layers()

@@ -38,7 +38,7 @@ def test_stacked_gates_are_the_next_routers(rt, close_after):
     blocks = moe_blocks(llm.model)  # qwen2_moe fixture: MoE layers 0 and 2 (layer 1 dense)
     gates = StackedGates(llm.model, lookahead=2, fold_norms=False)
     assert list(gates.stacks) == [0] and gates.stacks[0][1] == [2]
-    x = torch.randn(5, llm.config.hidden_size)
+    x = torch.randn(5, llm.config.hidden_size).to(blocks[1].gate.weight.device)  # the routers' device (CUDA too)
     ((target, idx, w),) = gates.predict(0, x)
     want_idx, want_w = blocks[1].gate.route(x)
     assert target == 2 and torch.equal(idx, want_idx) and torch.allclose(w, want_w.float())

@@ -17,9 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
-import openai
 import pytest
 import uvicorn
+
+openai = pytest.importorskip("openai", reason="the serving tests drive the real openai client (pip install openai)")
 
 from runtime_fixtures import engine_config, rt  # noqa: F401
 from runtime_fixtures import prompt as moe_prompt

@@ -29,7 +29,7 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
         BudgetError: the GPU cannot hold the non-FFN weights, KV cache and staging.
     """
     from tiered.planner.cost_model import LayerShape, cost_params, decode_layer_time, prompt_layer_time
-    from tiered.planner.scheinfer import assign_gpu_memory, ffn_gpu_budget, solve_n_g
+    from tiered.planner.scheinfer import assign_gpu_memory, ffn_gpu_budget, solve_n_g, solve_r_cg
 
     fmt = plan.dtypes["weights"]
     bpe = sizes.bytes_per_element(fmt)
@@ -42,7 +42,13 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
                             activation_bytes=plan.workspace_bytes, margin=0.0)
     decode_shape = LayerShape(1, M, H, 3, bpe)
     params = cost_params(profile, fmt, decode_shape)
-    assign = assign_gpu_memory([decode_shape] * L, params, budget)
+    if budget >= L * decode_shape.layer_bytes:
+        # every FFN fits: none is sliced. ScheInfer slices what the GPU cannot hold; a split layer also
+        # pays host syncs and thread hops that the cost model leaves out (a tiny model's FFNs, split
+        # "for speed" on an idle H200, lost its CUDA graphs)
+        layer_rates = [solve_r_cg(decode_shape, 1.0, params).rates] * L
+    else:
+        layer_rates = list(assign_gpu_memory([decode_shape] * L, params, budget).rates)
     prompt_shape = LayerShape(plan.prompt_tokens, M, H, 3, bpe)
     pparams = cost_params(profile, fmt, prompt_shape)
     attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])
@@ -50,7 +56,7 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     # the model code's host cost per layer and per step (module calls, small ops, their launches)
     per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu")
     ffn_gpu_bytes = 0.0
-    for i, rates in enumerate(assign.rates):
+    for i, rates in enumerate(layer_rates):
         tok = solve_n_g(prompt_shape, rates, pparams)
         plan.layers.append(LayerPlan(i, "dense", fmt, rates.r_cc, rates.r_cg, rates.r_gg, tok.n_g,
                                      decode_s=decode_layer_time(decode_shape, rates, params) + attn_dec + per_layer,

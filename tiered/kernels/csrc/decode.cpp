@@ -42,7 +42,7 @@ struct Group {
 
   explicit Group(std::vector<KernelPtr> kernels = {}) : ks(std::move(kernels)) {
     for (auto& k : ks) {
-      TORCH_CHECK(in == 0 || k->in_features == in, "decode step: kernels of one group differ in input width");
+      TIERED_CHECK(in == 0 || k->in_features == in, "decode step: kernels of one group differ in input width");
       in = k->in_features;
       out += k->out_features;
     }
@@ -286,7 +286,7 @@ class DecodeStep {
  public:
   DecodeStep(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int64_t window)
       : D(hidden), H(heads), Hkv(kv_heads), hd(head_dim), scale_(float(scale)), window_(window) {
-    TORCH_CHECK(H % Hkv == 0 && hd % 2 == 0, "decode step: heads must be a multiple of kv heads, head_dim even");
+    TIERED_CHECK(H % Hkv == 0 && hd % 2 == 0, "decode step: heads must be a multiple of kv heads, head_dim even");
   }
 
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, std::vector<KernelPtr> qkv,
@@ -303,11 +303,11 @@ class DecodeStep {
       layers_.push_back(std::move(L));
       return;
     }
-    TORCH_CHECK(L.qkv.in == D && L.qkv.out == (H + 2 * Hkv) * hd, "decode step: q/k/v kernels are ", L.qkv.in,
+    TIERED_CHECK(L.qkv.in == D && L.qkv.out == (H + 2 * Hkv) * hd, "decode step: q/k/v kernels are ", L.qkv.in,
                 " -> ", L.qkv.out, ", expected ", D, " -> ", (H + 2 * Hkv) * hd);
-    TORCH_CHECK(L.o.in == H * hd && L.o.out == D, "decode step: o_proj kernel has the wrong shape");
+    TIERED_CHECK(L.o.in == H * hd && L.o.out == D, "decode step: o_proj kernel has the wrong shape");
     if (!L.gate_up.empty())
-      TORCH_CHECK(L.gate_up.in == D && L.gate_up.out % 2 == 0 && L.down.in == L.gate_up.out / 2 && L.down.out == D,
+      TIERED_CHECK(L.gate_up.in == D && L.gate_up.out % 2 == 0 && L.down.in == L.gate_up.out / 2 && L.down.out == D,
                   "decode step: gate/up and down kernels have the wrong shapes");
     layers_.push_back(std::move(L));
   }
@@ -317,11 +317,11 @@ class DecodeStep {
   // (OLMoE), both empty for none; and clamps q, k and v to [-clip, clip] when clip > 0 (OLMoE's
   // clip_qkv), between the whole-projection norm and the per-head one, as the module does.
   void set_qk(int64_t l, const at::Tensor& q_norm, const at::Tensor& k_norm, double eps, bool per_head, double clip) {
-    TORCH_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty(), "decode step: set_qk needs a layer, got ", l);
+    TIERED_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty(), "decode step: set_qk needs a layer, got ", l);
     Layer& L = layers_[l];
     if (q_norm.numel() || k_norm.numel()) {
       const int64_t nq = per_head ? hd : H * hd, nk = per_head ? hd : Hkv * hd;
-      TORCH_CHECK(q_norm.numel() == nq && k_norm.numel() == nk, "decode step: q/k norm weights must have ", nq,
+      TIERED_CHECK(q_norm.numel() == nq && k_norm.numel() == nk, "decode step: q/k norm weights must have ", nq,
                   " and ", nk, " elements, got ", q_norm.numel(), " and ", k_norm.numel());
       L.q_norm = to_floats(q_norm);
       L.k_norm = to_floats(k_norm);
@@ -338,13 +338,13 @@ class DecodeStep {
   void set_moe(int64_t l, const at::Tensor& router, int64_t top_k, bool norm_topk,
                std::shared_ptr<gemv::BoundExperts> experts, std::vector<KernelPtr> shared_gate_up,
                std::vector<KernelPtr> shared_down, std::vector<KernelPtr> shared_gate) {
-    TORCH_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty() && layers_[l].gate_up.empty(),
+    TIERED_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty() && layers_[l].gate_up.empty(),
                 "decode step: set_moe needs an attention-only layer, got ", l);
-    TORCH_CHECK(router.dim() == 2 && router.size(1) == D, "decode step: the router must be [E, ", D, "]");
+    TIERED_CHECK(router.dim() == 2 && router.size(1) == D, "decode step: the router must be [E, ", D, "]");
     const int64_t E = router.size(0);
-    TORCH_CHECK(experts && experts->num_experts() == E && experts->hidden() == D, "decode step: ", E,
+    TIERED_CHECK(experts && experts->num_experts() == E && experts->hidden() == D, "decode step: ", E,
                 " experts of width ", D, " expected");
-    TORCH_CHECK(1 <= top_k && top_k <= E, "decode step: top_k must be in [1, ", E, "]");
+    TIERED_CHECK(1 <= top_k && top_k <= E, "decode step: top_k must be in [1, ", E, "]");
     auto m = std::make_shared<Moe>();
     m->router = to_floats(router);
     m->top_k = top_k, m->norm_topk = norm_topk, m->experts = std::move(experts);
@@ -352,7 +352,7 @@ class DecodeStep {
     m->shared_down = Group(std::move(shared_down));
     m->shared_gate = Group(std::move(shared_gate));
     if (!m->shared_gu.empty())
-      TORCH_CHECK(m->shared_gu.in == D && m->shared_gu.out % 2 == 0 && m->shared_down.in == m->shared_gu.out / 2 &&
+      TIERED_CHECK(m->shared_gu.in == D && m->shared_gu.out % 2 == 0 && m->shared_down.in == m->shared_gu.out / 2 &&
                       m->shared_down.out == D && m->shared_gate.in == D && m->shared_gate.out == 1,
                   "decode step: the shared expert's kernels (gate/up, down, gate [1, D]) have the wrong shapes");
     layers_[l].moe = std::move(m);
@@ -366,7 +366,7 @@ class DecodeStep {
     final_norm_ = to_floats(norm);
     final_eps_ = float(eps);
     lm_head_ = std::move(lm_head);
-    TORCH_CHECK(lm_head_->in_features == D, "decode step: lm_head kernel has the wrong input width");
+    TIERED_CHECK(lm_head_->in_features == D, "decode step: lm_head kernel has the wrong input width");
   }
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
@@ -377,26 +377,26 @@ class DecodeStep {
   void forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache, int64_t first, int64_t last,
                bool moe = true) {
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == D && x.is_contiguous(), "decode step: x must be contiguous [B, ", D, "]");
-    TORCH_CHECK(0 <= first && first <= last && last <= num_layers(), "decode step: bad layer range");
-    TORCH_CHECK(k_cache.scalar_type() == x.scalar_type() && v_cache.scalar_type() == x.scalar_type() &&
+    TIERED_CHECK(x.dim() == 2 && x.size(1) == D && x.is_contiguous(), "decode step: x must be contiguous [B, ", D, "]");
+    TIERED_CHECK(0 <= first && first <= last && last <= num_layers(), "decode step: bad layer range");
+    TIERED_CHECK(k_cache.scalar_type() == x.scalar_type() && v_cache.scalar_type() == x.scalar_type() &&
                 k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5 &&
                 k_cache.size(2) == Hkv && k_cache.size(4) == hd,
                 "decode step: the KV cache must be contiguous [L, slots, Hkv, max_len, hd] in x's dtype");
     const int64_t B = x.size(0);
     auto c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
     auto sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
-    TORCH_CHECK(c.numel() == B * hd && s.numel() == B * hd && sl.numel() == B && ps.numel() == B,
+    TIERED_CHECK(c.numel() == B * hd && s.numel() == B * hd && sl.numel() == B && ps.numel() == B,
                 "decode step: cos/sin must be [B, hd], slots/positions [B]");
     for (int64_t l = first; l < last; ++l)
-      TORCH_CHECK(!layers_[l].qkv.empty(), "decode step: layer ", l, " is a placeholder (its caller runs it)");
+      TIERED_CHECK(!layers_[l].qkv.empty(), "decode step: layer ", l, " is a placeholder (its caller runs it)");
     for (int64_t l = first; l < last && moe; ++l)
-      TORCH_CHECK(!layers_[l].moe || x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+      TIERED_CHECK(!layers_[l].moe || x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                   "decode step: a MoE layer runs in float32 or bfloat16, got ", x.scalar_type());
     const int64_t n_slots = k_cache.size(1), max_len = k_cache.size(3);
     for (int64_t b = 0; b < B; ++b) {
       const int64_t slot = sl.data_ptr<int64_t>()[b], pos = ps.data_ptr<int64_t>()[b];
-      TORCH_CHECK(0 <= slot && slot < n_slots && 0 <= pos && pos < max_len, "decode step: slot ", slot,
+      TIERED_CHECK(0 <= slot && slot < n_slots && 0 <= pos && pos < max_len, "decode step: slot ", slot,
                   " / position ", pos, " outside the KV cache");
     }
     pybind11::gil_scoped_release nogil;
@@ -410,8 +410,8 @@ class DecodeStep {
 
   // x [B, D] model dtype -> logits [B, V] fp32: the final RMSNorm and the lm_head kernel.
   at::Tensor logits(const at::Tensor& x) {
-    TORCH_CHECK(lm_head_, "decode step: no lm_head (set_head)");
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == D, "decode step: x must be [B, ", D, "]");
+    TIERED_CHECK(lm_head_, "decode step: no lm_head (set_head)");
+    TIERED_CHECK(x.dim() == 2 && x.size(1) == D, "decode step: x must be [B, ", D, "]");
     const int64_t B = x.size(0);
     auto xf = x.to(at::kFloat).contiguous();
     auto out = at::empty({B, lm_head_->out_features}, at::TensorOptions().dtype(at::kFloat));
@@ -787,9 +787,9 @@ int64_t sample_filtered_row(const float* l, int64_t V, const int64_t* seen, int6
 // token int64: sample_filtered_row on logits fp32 [V] (CPU, contiguous), seen int64 [n], u float64.
 int64_t sample_filtered(const at::Tensor& logits, const at::Tensor& seen, double penalty, double temperature,
                         int64_t top_k, double top_p, double min_p, double u) {
-  TORCH_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.is_cpu() &&
+  TIERED_CHECK(logits.dim() == 1 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.is_cpu() &&
                   logits.numel() > 0, "sample_filtered: logits must be a contiguous CPU float32 [V] tensor");
-  TORCH_CHECK(temperature > 0 && penalty > 0 && top_p > 0 && top_p <= 1 && min_p >= 0 && min_p <= 1 && top_k >= 0,
+  TIERED_CHECK(temperature > 0 && penalty > 0 && top_p > 0 && top_p <= 1 && min_p >= 0 && min_p <= 1 && top_k >= 0,
               "sample_filtered: temperature and penalty must be > 0, top_p in (0, 1], min_p in [0, 1], top_k >= 0");
   auto s = seen.to(at::kLong).contiguous();
   const int64_t V = logits.numel();
@@ -803,19 +803,19 @@ int64_t sample_filtered(const at::Tensor& logits, const at::Tensor& seen, double
 // tokens int64 [B]: one draw per row of logits fp32 [B, V] at temperatures [B] (> 0) and uniforms
 // u float64 [B] (the requests' own generators drew them), rows in parallel.
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.is_cpu(),
+  TIERED_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.is_cpu(),
               "sample_rows: logits must be a contiguous CPU float32 [B, V] tensor");
   const int64_t B = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(V > 0, "sample_rows: empty vocabulary");
+  TIERED_CHECK(V > 0, "sample_rows: empty vocabulary");
   auto t = temperature.to(at::kFloat).contiguous();
   auto uu = u.to(at::kDouble).contiguous();
-  TORCH_CHECK(t.numel() == B && uu.numel() == B, "sample_rows: temperature and u must have B = ", B, " entries");
+  TIERED_CHECK(t.numel() == B && uu.numel() == B, "sample_rows: temperature and u must have B = ", B, " entries");
   auto out = at::empty({B}, at::kLong);
   const float* L = logits.data_ptr<float>();
   const float* T = t.data_ptr<float>();
   const double* U = uu.data_ptr<double>();
   int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(T[b] > 0.f, "sample_rows: temperatures must be > 0");
+  for (int64_t b = 0; b < B; ++b) TIERED_CHECK(T[b] > 0.f, "sample_rows: temperatures must be > 0");
   {
     pybind11::gil_scoped_release nogil;
     at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {

@@ -1682,7 +1682,7 @@ const char* isa_name(int isa) { return isa == kAvx512 ? "avx512" : isa == kAvx2 
 
 std::vector<float> bias_vector(const c10::optional<at::Tensor>& bias, int64_t N) {
   if (!bias) return {};
-  TORCH_CHECK(bias->numel() == N, "gemv: bias must have ", N, " elements, got ", bias->numel());
+  TIERED_CHECK(bias->numel() == N, "gemv: bias must have ", N, " elements, got ", bias->numel());
   auto b = bias->to(at::kFloat).contiguous();
   return std::vector<float>(b.data_ptr<float>(), b.data_ptr<float>() + N);
 }
@@ -1962,7 +1962,7 @@ void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_
 at::Tensor out_or_empty(const c10::optional<at::Tensor>& out, at::IntArrayRef shape, at::ScalarType dtype,
                         const char* what) {
   if (!out) return at::empty(shape, at::TensorOptions().dtype(dtype));
-  TORCH_CHECK(out->device().is_cpu() && out->is_contiguous() && out->scalar_type() == dtype && out->sizes() == shape,
+  TIERED_CHECK(out->device().is_cpu() && out->is_contiguous() && out->scalar_type() == dtype && out->sizes() == shape,
               what, ": must be a contiguous CPU ", c10::toString(dtype), " tensor of shape ", shape, ", got ",
               out->scalar_type(), " ", out->sizes());
   return *out;
@@ -1970,12 +1970,12 @@ at::Tensor out_or_empty(const c10::optional<at::Tensor>& out, at::IntArrayRef sh
 
 std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, const c10::optional<at::Tensor>& codes_out,
                                         const c10::optional<at::Tensor>& sz_out, const c10::optional<at::Tensor>& zr_out) {
-  TORCH_CHECK(block == 18 || block == 20, "q4_blocks_tiled: block must be 18 (Q4_0) or 20 (Q4_1)");
-  TORCH_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
+  TIERED_CHECK(block == 18 || block == 20, "q4_blocks_tiled: block must be 18 (Q4_0) or 20 (Q4_1)");
+  TIERED_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
               "q4_blocks_tiled: raw must be CPU uint8 [N, K/32 * ", block, "], got ", raw0.sizes());
   const at::Tensor raw = raw0.contiguous();
   const int64_t N = raw.size(0), G = raw.size(1) / block, K = G * kGroup;
-  TORCH_CHECK(N % kBlock == 0 && G > 0, "q4_blocks_tiled: needs N % 16 == 0, got N = ", N);
+  TIERED_CHECK(N % kBlock == 0 && G > 0, "q4_blocks_tiled: needs N % 16 == 0, got N = ", N);
   auto codes = out_or_empty(codes_out, {N, K / 2}, at::kByte, "q4_blocks_tiled: codes_out");
   auto sz = out_or_empty(sz_out, {N / kBlock, G, kBlock, 2}, at::kBFloat16, "q4_blocks_tiled: sz_out");
   auto zr = out_or_empty(zr_out, {N / kBlock, G, kBlock}, at::kBFloat16, "q4_blocks_tiled: zr_out");
@@ -2023,11 +2023,11 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
 std::vector<at::Tensor> q8_blocks_tiled(const at::Tensor& raw0, const c10::optional<at::Tensor>& qt_out,
                                         const c10::optional<at::Tensor>& st_out) {
   constexpr int64_t block = 34;
-  TORCH_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
+  TIERED_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
               "q8_blocks_tiled: raw must be CPU uint8 [N, K/32 * 34], got ", raw0.sizes());
   const at::Tensor raw = raw0.contiguous();
   const int64_t N = raw.size(0), G = raw.size(1) / block, K = G * kGroup;
-  TORCH_CHECK(N % kBlock == 0 && G > 0, "q8_blocks_tiled: needs N % 16 == 0, got N = ", N);
+  TIERED_CHECK(N % kBlock == 0 && G > 0, "q8_blocks_tiled: needs N % 16 == 0, got N = ", N);
   auto qt = out_or_empty(qt_out, {N, K}, at::kByte, "q8_blocks_tiled: qt_out");
   auto st = out_or_empty(st_out, {N / kBlock, G, kBlock}, at::kHalf, "q8_blocks_tiled: st_out");
   const uint8_t* src = raw.data_ptr<uint8_t>();
@@ -2055,12 +2055,12 @@ std::vector<at::Tensor> q8_blocks_tiled(const at::Tensor& raw0, const c10::optio
 at::Tensor run_swiglu_group(const std::vector<const Gemv*>& k, const at::Tensor& xs0, const std::vector<int64_t>& bounds,
                             const char* what) {
   const int64_t E = int64_t(k.size()) / 3;
-  TORCH_CHECK(E >= 1 && int64_t(bounds.size()) == E + 1 && bounds[0] == 0, what, ": bounds must be [E + 1] from 0");
+  TIERED_CHECK(E >= 1 && int64_t(bounds.size()) == E + 1 && bounds[0] == 0, what, ": bounds must be [E + 1] from 0");
   for (int64_t e = 0; e < E; ++e)
-    TORCH_CHECK(bounds[e + 1] >= bounds[e] && bounds[e + 1] - bounds[e] <= kMaxNB, what, ": expert ", e, " has ",
+    TIERED_CHECK(bounds[e + 1] >= bounds[e] && bounds[e + 1] - bounds[e] <= kMaxNB, what, ": expert ", e, " has ",
                 bounds[e + 1] - bounds[e], " rows (0..", kMaxNB, " allowed)");
   const int64_t D = k[0]->in_features;
-  TORCH_CHECK(xs0.dim() == 2 && xs0.size(0) == bounds[E] && xs0.size(1) == D, what, ": xs must be [", bounds[E], ", ", D,
+  TIERED_CHECK(xs0.dim() == 2 && xs0.size(0) == bounds[E] && xs0.size(1) == D, what, ": xs must be [", bounds[E], ", ", D,
               "], got ", xs0.sizes());
   auto xs = xs0.to(at::kFloat).contiguous();
   auto ys = at::empty({bounds[E], D}, xs.options());
@@ -2119,16 +2119,16 @@ namespace {
 at::Tensor run_swiglu_layer(const std::vector<const Gemv*>& k, const at::Tensor& x0, const at::Tensor& topk_idx,
                             const at::Tensor& topk_weight, const std::vector<int64_t>& experts, const char* what) {
   const int64_t E = int64_t(experts.size());
-  TORCH_CHECK(E >= 1 && int64_t(k.size()) == 3 * E, what, ": three kernels per routed expert");
+  TIERED_CHECK(E >= 1 && int64_t(k.size()) == 3 * E, what, ": three kernels per routed expert");
   const int64_t D = k[0]->in_features;
   const bool bf16 = x0.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x0.device().is_cpu() && x0.dim() == 2 && x0.size(1) == D && (bf16 || x0.scalar_type() == at::kFloat),
+  TIERED_CHECK(x0.device().is_cpu() && x0.dim() == 2 && x0.size(1) == D && (bf16 || x0.scalar_type() == at::kFloat),
               what, ": x must be a CPU float32 or bfloat16 [N, ", D, "] tensor, got ", x0.scalar_type(), " ", x0.sizes());
   const int64_t N = x0.size(0);
-  TORCH_CHECK(topk_idx.scalar_type() == at::kLong && topk_idx.dim() == 2 && topk_idx.size(0) == N, what,
+  TIERED_CHECK(topk_idx.scalar_type() == at::kLong && topk_idx.dim() == 2 && topk_idx.size(0) == N, what,
               ": topk_idx must be int64 [", N, ", k]");
   const int64_t K = topk_idx.size(1);
-  TORCH_CHECK(topk_weight.scalar_type() == x0.scalar_type() && topk_weight.sizes() == topk_idx.sizes(), what,
+  TIERED_CHECK(topk_weight.scalar_type() == x0.scalar_type() && topk_weight.sizes() == topk_idx.sizes(), what,
               ": topk_weight must be [", N, ", ", K, "] in x's dtype");
   auto idx = topk_idx.contiguous();
   auto wt = topk_weight.to(at::kFloat).contiguous();  // exact: bf16 and fp32 widen to fp32
@@ -2137,13 +2137,13 @@ at::Tensor run_swiglu_layer(const std::vector<const Gemv*>& k, const at::Tensor&
   std::vector<int64_t> pos(N * K);
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < E; ++i)
-    TORCH_CHECK(i == 0 || experts[i] > experts[i - 1], what, ": experts must be ascending and distinct");
+    TIERED_CHECK(i == 0 || experts[i] > experts[i - 1], what, ": experts must be ascending and distinct");
   std::vector<int64_t> count(E, 0);
   for (int64_t f = 0; f < N * K; ++f) {
     const auto it = std::lower_bound(experts.begin(), experts.end(), ip[f]);
-    TORCH_CHECK(it != experts.end() && *it == ip[f], what, ": topk_idx routes to an expert not in `experts`");
+    TIERED_CHECK(it != experts.end() && *it == ip[f], what, ": topk_idx routes to an expert not in `experts`");
     pos[f] = it - experts.begin();
-    TORCH_CHECK(++count[pos[f]] <= kMaxNB, what, ": expert ", ip[f], " has more than ", kMaxNB, " rows");
+    TIERED_CHECK(++count[pos[f]] <= kMaxNB, what, ": expert ", ip[f], " has more than ", kMaxNB, " rows");
   }
   auto out = at::empty({N, D}, at::TensorOptions().dtype(at::kFloat));
   {
@@ -2224,7 +2224,7 @@ struct ExpertSpec {
   };
 
   void bind_slot(const at::Tensor& buf, Bound& b) const {
-    TORCH_CHECK(buf.device().is_cpu() && buf.scalar_type() == at::kByte && buf.is_contiguous() && buf.numel() >= nbytes,
+    TIERED_CHECK(buf.device().is_cpu() && buf.scalar_type() == at::kByte && buf.is_contiguous() && buf.numel() >= nbytes,
                 "expert spec: the slot must be a contiguous CPU uint8 tensor of ", nbytes, " bytes");
     const uint8_t* base = buf.data_ptr<uint8_t>();
     for (int i = 0; i < 3; ++i) {
@@ -2236,7 +2236,7 @@ struct ExpertSpec {
 
   // x [B, D] any float dtype; buf uint8 [nbytes] (one slot) -> y [B, D] fp32.
   at::Tensor forward(const at::Tensor& buf, const at::Tensor& x0) const {
-    TORCH_CHECK(x0.dim() == 2 && x0.size(1) == p[0].K, "expert spec: x must be [B, ", p[0].K, "], got ", x0.sizes());
+    TIERED_CHECK(x0.dim() == 2 && x0.size(1) == p[0].K, "expert spec: x must be [B, ", p[0].K, "], got ", x0.sizes());
     Bound b;
     bind_slot(buf, b);
     auto x = x0.to(at::kFloat).contiguous();
@@ -2281,7 +2281,7 @@ struct ExpertSpec {
   // A layer's routed experts and their weighted sum (run_swiglu_layer): slots [E], one per routed expert.
   at::Tensor forward_layer(const std::vector<at::Tensor>& slots, const at::Tensor& x, const at::Tensor& topk_idx,
                            const at::Tensor& topk_weight, const std::vector<int64_t>& experts) const {
-    TORCH_CHECK(slots.size() == experts.size(), "expert spec forward_layer: one slot per routed expert");
+    TIERED_CHECK(slots.size() == experts.size(), "expert spec forward_layer: one slot per routed expert");
     const BoundSlots s = bind_slots(slots);
     return run_swiglu_layer(s.ptrs, x, topk_idx, topk_weight, experts, "expert spec forward_layer");
   }
@@ -2289,7 +2289,7 @@ struct ExpertSpec {
 
 // ------------------------------------------------------------------------------------ factories
 void check_rows(const at::Tensor& t, at::ScalarType dt, int64_t N, int64_t K, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dt && t.dim() == 2 && t.size(0) == N && t.size(1) == K &&
+  TIERED_CHECK(t.device().is_cpu() && t.scalar_type() == dt && t.dim() == 2 && t.size(0) == N && t.size(1) == K &&
                   t.is_contiguous(),
               what, " must be a contiguous CPU ", c10::toString(dt), " tensor [", N, ", ", K, "], got ",
               t.scalar_type(), " ", t.sizes());
@@ -2313,7 +2313,7 @@ struct Bf16Experts {
   std::unique_ptr<Bf16Gemv[]> k;
   std::vector<const Gemv*> ptrs;
   Bf16Experts(const std::vector<at::Tensor>& ws, const std::string& what) {
-    TORCH_CHECK(!ws.empty() && ws.size() % 3 == 0, what, ": weights are (gate, up, down) per expert");
+    TIERED_CHECK(!ws.empty() && ws.size() % 3 == 0, what, ": weights are (gate, up, down) per expert");
     const int64_t F = ws[0].size(0), D = ws[0].size(1);
     k.reset(new Bf16Gemv[ws.size()]);
     for (size_t i = 0; i < ws.size(); i += 3) {
@@ -2324,7 +2324,7 @@ struct Bf16Experts {
 };
 
 void check_ng(const at::Tensor& t, int64_t N, int64_t G, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.size(0) == N &&
+  TIERED_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.size(0) == N &&
                   t.size(1) == G,
               "int4_kernel: ", what, " must be a bf16 [N, K/32] = [", N, ", ", G, "] view (any strides), got ",
               t.scalar_type(), " ", t.sizes());
@@ -2333,9 +2333,9 @@ void check_ng(const at::Tensor& t, int64_t N, int64_t G, const char* what) {
 template <class T>  // Int4Gemv or Int4Q8Gemv
 std::shared_ptr<Gemv> make_int4(at::Tensor codes, at::Tensor scale, at::Tensor zero, c10::optional<at::Tensor> residual,
                                 c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(codes.dim() == 2, "int4_kernel: codes must be uint8 [N, K/2]");
+  TIERED_CHECK(codes.dim() == 2, "int4_kernel: codes must be uint8 [N, K/2]");
   const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0, "int4_kernel: in-features must be a multiple of 32, got ", K);
+  TIERED_CHECK(K % kGroup == 0, "int4_kernel: in-features must be a multiple of 32, got ", K);
   check_rows(codes, at::kByte, N, K / 2, "int4_kernel: codes");
   check_ng(scale, N, G, "scale");
   check_ng(zero, N, G, "zero");
@@ -2359,12 +2359,12 @@ std::shared_ptr<Gemv> make_int4(at::Tensor codes, at::Tensor scale, at::Tensor z
 // The tiled layout: codes uint8 [N, K/2] (tiles), sz bf16 [N/16, G, 16, 2], zr bf16 [N/16, G, 16] or none.
 std::shared_ptr<Int4TGemv> make_int4_tiled(at::Tensor codes, at::Tensor sz, c10::optional<at::Tensor> residual,
                                            c10::optional<at::Tensor> bias, int64_t q8_from) {
-  TORCH_CHECK(codes.dim() == 2, "int4_tiled_kernel: codes must be uint8 [N, K/2]");
+  TIERED_CHECK(codes.dim() == 2, "int4_tiled_kernel: codes must be uint8 [N, K/2]");
   const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0 && N % kBlock == 0,
+  TIERED_CHECK(K % kGroup == 0 && N % kBlock == 0,
               "int4_tiled_kernel: needs in-features % 32 == 0 and out-features % 16 == 0, got ", N, " x ", K);
   check_rows(codes, at::kByte, N, K / 2, "int4_tiled_kernel: codes");
-  TORCH_CHECK(sz.device().is_cpu() && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() &&
+  TIERED_CHECK(sz.device().is_cpu() && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() &&
                   sz.sizes() == at::IntArrayRef({N / kBlock, G, kBlock, 2}),
               "int4_tiled_kernel: sz must be a contiguous CPU bf16 [N/16, K/32, 16, 2] = [", N / kBlock, ", ", G,
               ", 16, 2] tensor, got ", sz.scalar_type(), " ", sz.sizes());
@@ -2377,7 +2377,7 @@ std::shared_ptr<Int4TGemv> make_int4_tiled(at::Tensor codes, at::Tensor sz, c10:
   k->w.tiled = true;
   k->w.s = bf16_ptr(sz), k->w.z = k->w.s + 1;
   if (residual) {
-    TORCH_CHECK(residual->device().is_cpu() && residual->scalar_type() == at::kBFloat16 && residual->is_contiguous() &&
+    TIERED_CHECK(residual->device().is_cpu() && residual->scalar_type() == at::kBFloat16 && residual->is_contiguous() &&
                     residual->sizes() == at::IntArrayRef({N / kBlock, G, kBlock}),
                 "int4_tiled_kernel: the zero residual must be a contiguous CPU bf16 [N/16, K/32, 16] tensor, got ",
                 residual->scalar_type(), " ", residual->sizes());
@@ -2390,10 +2390,10 @@ std::shared_ptr<Int4TGemv> make_int4_tiled(at::Tensor codes, at::Tensor sz, c10:
 }
 
 std::shared_ptr<Gemv> make_int8(at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(q.dim() == 2, "int8_kernel: q must be int8 [N, K]");
+  TIERED_CHECK(q.dim() == 2, "int8_kernel: q must be int8 [N, K]");
   const int64_t N = q.size(0), K = q.size(1);
   check_rows(q, at::kChar, N, K, "int8_kernel: q");
-  TORCH_CHECK(scale.numel() == N, "int8_kernel: scale must have N = ", N, " elements, got ", scale.numel());
+  TIERED_CHECK(scale.numel() == N, "int8_kernel: scale must have N = ", N, " elements, got ", scale.numel());
   auto k = std::make_shared<Int8Gemv>();
   k->in_features = K, k->out_features = N;
   k->q = q;
@@ -2408,9 +2408,9 @@ std::shared_ptr<Gemv> make_int8(at::Tensor q, at::Tensor scale, c10::optional<at
 // `what` names the binding in errors.
 std::shared_ptr<Int8Gemv> make_int8_tiled(at::Tensor qt, at::Tensor scale, c10::optional<at::Tensor> bias,
                                           const std::string& what = "int8_tiled_kernel") {
-  TORCH_CHECK(qt.dim() == 2, what, ": qt must be uint8 [N, K]");
+  TIERED_CHECK(qt.dim() == 2, what, ": qt must be uint8 [N, K]");
   const int64_t N = qt.size(0), K = qt.size(1);
-  TORCH_CHECK(int8_tiles(N, K), what, ": the tiled int8 layout needs N % 16 == 0 and K % 32 == 0, got ", N, " x ", K);
+  TIERED_CHECK(int8_tiles(N, K), what, ": the tiled int8 layout needs N % 16 == 0 and K % 32 == 0, got ", N, " x ", K);
   check_rows(qt, at::kByte, N, K, (what + ": qt").c_str());
   auto k = std::static_pointer_cast<Int8Gemv>(make_int8(qt.view(at::kChar), scale, bias));
   k->w.tiled = true;
@@ -2422,7 +2422,7 @@ std::shared_ptr<Int8Gemv> make_int8_tiled(at::Tensor qt, at::Tensor scale, c10::
 std::shared_ptr<Int8Gemv> make_int8g32_tiled(at::Tensor qt, at::Tensor st, c10::optional<at::Tensor> bias) {
   auto k = make_int8_tiled(qt, at::ones({qt.dim() == 2 ? qt.size(0) : 0}), bias, "int8g32_tiled_kernel");
   const int64_t N = k->out_features, K = k->in_features;
-  TORCH_CHECK(st.scalar_type() == at::kHalf && st.is_contiguous() && st.dim() == 3 && st.size(0) == N / kBlock &&
+  TIERED_CHECK(st.scalar_type() == at::kHalf && st.is_contiguous() && st.dim() == 3 && st.size(0) == N / kBlock &&
                   st.size(1) == K / kGroup && st.size(2) == kBlock,
               "int8g32_tiled_kernel: st must be contiguous float16 [N/16, K/32, 16] = [", N / kBlock, ", ", K / kGroup,
               ", 16], got ", st.scalar_type(), " ", st.sizes());
@@ -2434,7 +2434,7 @@ std::shared_ptr<Int8Gemv> make_int8g32_tiled(at::Tensor qt, at::Tensor st, c10::
 // A kernel G over dense weight rows w [N, K] of dtype dt (contiguous, checked; `ptr` its data).
 template <class G, class Ptr>
 std::shared_ptr<G> make_rows(at::Tensor w, c10::optional<at::Tensor> bias, at::ScalarType dt, const char* what, Ptr ptr) {
-  TORCH_CHECK(w.dim() == 2, what, " must be ", c10::toString(dt), " [N, K]");
+  TIERED_CHECK(w.dim() == 2, what, " must be ", c10::toString(dt), " [N, K]");
   const int64_t N = w.size(0), K = w.size(1);
   check_rows(w, dt, N, K, what);
   auto k = std::make_shared<G>();
@@ -2457,7 +2457,7 @@ std::shared_ptr<Gemv> make_f32(at::Tensor w, c10::optional<at::Tensor> bias) {
 
 std::shared_ptr<Gemv> as_gemv(const KernelPtr& k, const char* what) {
   auto g = std::dynamic_pointer_cast<Gemv>(k);
-  TORCH_CHECK(g, "expert_kernel: ", what, " must be one of tiered's own kernels (int4/int8/bf16_kernel), got ",
+  TIERED_CHECK(g, "expert_kernel: ", what, " must be one of tiered's own kernels (int4/int8/bf16_kernel), got ",
               k ? k->name() : std::string("None"));
   return g;
 }
@@ -2700,7 +2700,7 @@ void register_gemv(pybind11::module& m) {
   using namespace gemv;
   m.def("int4_kernel", [](at::Tensor codes, at::Tensor scale, at::Tensor zero, c10::optional<at::Tensor> residual,
                           c10::optional<at::Tensor> bias, const std::string& act) -> KernelPtr {
-          TORCH_CHECK(act == "bf16" || act == "q8", "int4_kernel: act must be 'bf16' or 'q8', got '", act, "'");
+          TIERED_CHECK(act == "bf16" || act == "q8", "int4_kernel: act must be 'bf16' or 'q8', got '", act, "'");
           return act == "q8" ? make_int4<Int4Q8Gemv>(codes, scale, zero, residual, bias)
                              : make_int4<Int4Gemv>(codes, scale, zero, residual, bias);
         },
@@ -2714,7 +2714,7 @@ void register_gemv(pybind11::module& m) {
                                 c10::optional<at::Tensor> bias, const std::string& act,
                                 c10::optional<std::string> batch_act) -> KernelPtr {
           const std::string batch = batch_act ? *batch_act : act;
-          TORCH_CHECK((act == "bf16" || act == "q8") && (batch == "bf16" || batch == "q8"),
+          TIERED_CHECK((act == "bf16" || act == "q8") && (batch == "bf16" || batch == "q8"),
                       "int4_tiled_kernel: act and batch_act must be 'bf16' or 'q8', got '", act, "', '", batch, "'");
           const int64_t q8_from = act == "q8" ? 1 : batch == "q8" ? 2 : kNeverQ8;
           return make_int4_tiled(codes, sz, residual, bias, q8_from);
@@ -2730,11 +2730,11 @@ void register_gemv(pybind11::module& m) {
           auto k = make_int4_tiled(codes, sz, residual, c10::nullopt, kNeverQ8);
           const int64_t N = k->out_features, K = k->in_features;
           if (n1 < 0) n1 = N;
-          TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= N && n0 % kBlock == 0 && (n1 % kBlock == 0 || n1 == N),
+          TIERED_CHECK(0 <= n0 && n0 <= n1 && n1 <= N && n0 % kBlock == 0 && (n1 % kBlock == 0 || n1 == N),
                       "int4_tiled_dequantize: rows [", n0, ", ", n1, ") must be whole tiles of 16 within [0, ", N, ")");
           const auto dt = fp32 ? at::kFloat : at::kBFloat16;
           if (out_) {
-            TORCH_CHECK(out_->device().is_cpu() && out_->scalar_type() == dt && out_->is_contiguous() &&
+            TIERED_CHECK(out_->device().is_cpu() && out_->scalar_type() == dt && out_->is_contiguous() &&
                             out_->sizes() == at::IntArrayRef({n1 - n0, K}),
                         "int4_tiled_dequantize: out must be a contiguous CPU ", c10::toString(dt), " [", n1 - n0, ", ", K,
                         "] tensor, got ", out_->scalar_type(), " ", out_->sizes());
@@ -2778,7 +2778,7 @@ void register_gemv(pybind11::module& m) {
   m.def("expert_kernel", [](KernelPtr gate, KernelPtr up, KernelPtr down) -> KernelPtr {
           auto k = std::make_shared<ExpertGemv>();
           k->gate = as_gemv(gate, "gate"), k->up = as_gemv(up, "up"), k->down = as_gemv(down, "down");
-          TORCH_CHECK(k->gate->in_features == k->up->in_features && k->gate->out_features == k->up->out_features &&
+          TIERED_CHECK(k->gate->in_features == k->up->in_features && k->gate->out_features == k->up->out_features &&
                           k->down->in_features == k->gate->out_features &&
                           k->down->out_features == k->gate->in_features,
                       "expert_kernel: shapes do not make a SwiGLU expert: gate ", k->gate->out_features, "x",
@@ -2820,11 +2820,11 @@ void register_gemv(pybind11::module& m) {
   m.def("expert_spec", [](std::vector<std::string> kinds, std::vector<std::vector<int64_t>> shapes,
                           std::vector<std::vector<int64_t>> offsets, int64_t nbytes, const std::string& int4_act,
                           const std::string& int4_layout, const std::string& int4_batch_act) {
-          TORCH_CHECK((int4_act == "bf16" || int4_act == "q8") && (int4_batch_act.empty() || int4_batch_act == "bf16" ||
+          TIERED_CHECK((int4_act == "bf16" || int4_act == "q8") && (int4_batch_act.empty() || int4_batch_act == "bf16" ||
                                                                     int4_batch_act == "q8"),
                       "expert_spec: int4_act and int4_batch_act must be 'bf16' or 'q8'");
-          TORCH_CHECK(int4_layout == "plain" || int4_layout == "tiled", "expert_spec: int4_layout must be 'plain' or 'tiled'");
-          TORCH_CHECK(kinds.size() == 3 && shapes.size() == 3 && offsets.size() == 3, "expert_spec: three projections");
+          TIERED_CHECK(int4_layout == "plain" || int4_layout == "tiled", "expert_spec: int4_layout must be 'plain' or 'tiled'");
+          TIERED_CHECK(kinds.size() == 3 && shapes.size() == 3 && offsets.size() == 3, "expert_spec: three projections");
           auto sp = std::make_shared<ExpertSpec>();
           sp->nbytes = nbytes;
           sp->int4_q8 = int4_act == "q8";
@@ -2835,21 +2835,21 @@ void register_gemv(pybind11::module& m) {
             const auto& k = kinds[i];
             pr.kind = k == "int4" ? ExpertSpec::kInt4 : k == "int8" ? ExpertSpec::kInt8 : k == "bf16" ? ExpertSpec::kBf16
                       : k == "int8-g32" ? ExpertSpec::kInt8G32 : -1;
-            TORCH_CHECK(pr.kind >= 0, "expert_spec: no native kernel for kind ", k);
-            TORCH_CHECK(shapes[i].size() == 2, "expert_spec: shapes are (N, K)");
+            TIERED_CHECK(pr.kind >= 0, "expert_spec: no native kernel for kind ", k);
+            TIERED_CHECK(shapes[i].size() == 2, "expert_spec: shapes are (N, K)");
             pr.N = shapes[i][0], pr.K = shapes[i][1];
-            TORCH_CHECK(pr.kind != ExpertSpec::kInt8G32 || (sp->int4_tiled && int8_tiles(pr.N, pr.K)),
+            TIERED_CHECK(pr.kind != ExpertSpec::kInt8G32 || (sp->int4_tiled && int8_tiles(pr.N, pr.K)),
                         "expert_spec: int8-g32 has a native kernel in the tiled layout only, N % 16 == 0 and K % 32 == 0");
-            TORCH_CHECK(pr.kind != ExpertSpec::kInt4 || pr.K % kGroup == 0, "expert_spec: int4 needs K % 32 == 0");
-            TORCH_CHECK(pr.kind != ExpertSpec::kInt4 || !sp->int4_tiled || pr.N % kBlock == 0,
+            TIERED_CHECK(pr.kind != ExpertSpec::kInt4 || pr.K % kGroup == 0, "expert_spec: int4 needs K % 32 == 0");
+            TIERED_CHECK(pr.kind != ExpertSpec::kInt4 || !sp->int4_tiled || pr.N % kBlock == 0,
                         "expert_spec: the tiled int4 layout needs N % 16 == 0");
             for (size_t j = 0; j < 3; ++j) pr.off[j] = j < offsets[i].size() ? offsets[i][j] : 0;
             for (size_t j = 0; j < 3; ++j)
-              TORCH_CHECK(pr.off[j] >= 0 ? pr.off[j] < nbytes : pr.kind == ExpertSpec::kInt4 && j == 2,
+              TIERED_CHECK(pr.off[j] >= 0 ? pr.off[j] < nbytes : pr.kind == ExpertSpec::kInt4 && j == 2,
                           "expert_spec: offset ", pr.off[j], " out of the slot's ", nbytes,
                           " bytes (only an int4 residual may be -1: not read)");
           }
-          TORCH_CHECK(sp->p[0].K == sp->p[1].K && sp->p[0].N == sp->p[1].N && sp->p[2].K == sp->p[0].N &&
+          TIERED_CHECK(sp->p[0].K == sp->p[1].K && sp->p[0].N == sp->p[1].N && sp->p[2].K == sp->p[0].N &&
                           sp->p[2].N == sp->p[0].K, "expert_spec: shapes do not make a SwiGLU expert");
           return sp;
         },
@@ -2864,7 +2864,7 @@ void register_gemv(pybind11::module& m) {
           const at::Tensor ws[3] = {wg, wu, wd};
           Bf16Gemv k[3];
           bind_bf16_expert(ws, F, D, k, "bf16_expert_forward");
-          TORCH_CHECK(x0.dim() == 2 && x0.size(1) == D, "bf16_expert_forward: x must be [B, ", D, "]");
+          TIERED_CHECK(x0.dim() == 2 && x0.size(1) == D, "bf16_expert_forward: x must be [B, ", D, "]");
           auto x = x0.to(at::kFloat).contiguous();
           auto y = at::empty({x.size(0), D}, x.options());
           {
@@ -2901,8 +2901,8 @@ void register_gemv(pybind11::module& m) {
         "bf16 SwiGLU experts of one layer and their weighted sum (ExpertSpec.forward_layer): weights [3 E].");
   m.def("set_isa", [](const std::string& name) {
           const int want = name == "avx512" ? kAvx512 : name == "avx2" ? kAvx2 : name == "scalar" ? kScalar : -1;
-          TORCH_CHECK(want >= 0, "set_isa: unknown ISA '", name, "' (use avx512, avx2, scalar or best)");
-          TORCH_CHECK(want <= best_isa(), "set_isa: this CPU has no ", name, " path (best: ", isa_name(best_isa()), ")");
+          TIERED_CHECK(want >= 0, "set_isa: unknown ISA '", name, "' (use avx512, avx2, scalar or best)");
+          TIERED_CHECK(want <= best_isa(), "set_isa: this CPU has no ", name, " path (best: ", isa_name(best_isa()), ")");
           g_isa.store(want);
         },
         py::arg("name"), "Force tiered's GEMV kernels onto a lower ISA path: 'avx512', 'avx2' or 'scalar'.");

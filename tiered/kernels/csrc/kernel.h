@@ -4,7 +4,45 @@
 // so the native decode step (decode.cpp) runs any of them without knowing its format.
 #pragma once
 #include <torch/extension.h>
+#include <cstdio>
 #include <memory>
+#include <string>
+#include <type_traits>
+
+namespace tiered {
+
+// Error messages without iostreams. TORCH_CHECK formats its arguments with a string stream
+// compiled into this library; on the H200 host of shared/gpu-runs/2026-11-26-h200 the built library
+// carried its own copy of libstdc++'s stream code, and inserting a number there segfaulted (the
+// process died on every failed check, where the caller expects a RuntimeError). cat() formats with
+// std::to_string / snprintf (libc) instead, and TIERED_CHECK hands TORCH_CHECK one finished string.
+inline void cat_one(std::string& s, const char* v) { s += v; }
+inline void cat_one(std::string& s, const std::string& v) { s += v; }
+inline void cat_one(std::string& s, char v) { s += v; }
+inline void cat_one(std::string& s, bool v) { s += v ? "true" : "false"; }
+inline void cat_one(std::string& s, at::ScalarType v) { s += c10::toString(v); }
+inline void cat_one(std::string& s, double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%g", v);
+  s += b;
+}
+template <class T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool> && !std::is_same_v<T, char>, int> = 0>
+inline void cat_one(std::string& s, T v) { s += std::to_string(v); }
+inline void cat_one(std::string& s, c10::IntArrayRef v) {
+  s += '[';
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  s += ']';
+}
+template <class... A>
+std::string cat(const A&... a) {
+  std::string s;
+  (cat_one(s, a), ...);
+  return s;
+}
+
+}  // namespace tiered
+
+#define TIERED_CHECK(cond, ...) TORCH_CHECK(cond, ::tiered::cat(__VA_ARGS__))
 
 namespace tiered {
 

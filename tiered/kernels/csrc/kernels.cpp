@@ -22,7 +22,7 @@ at::Tensor rows_to(const float* x, int64_t B, int64_t K, at::ScalarType dtype) {
       for (int64_t i = 0; i < n; ++i) d[i] = at::Half(x[i]);
       break;
     }
-    default: TORCH_CHECK(false, "rows_to: unsupported dtype ", dtype);
+    default: TIERED_CHECK(false, "rows_to: unsupported dtype ", dtype);
   }
   return t;
 }
@@ -42,7 +42,7 @@ void rows_from(const at::Tensor& t0, float* y) {
       for (int64_t i = 0; i < n; ++i) y[i] = float(s[i]);
       break;
     }
-    default: TORCH_CHECK(false, "rows_from: unsupported dtype ", t.scalar_type());
+    default: TIERED_CHECK(false, "rows_from: unsupported dtype ", t.scalar_type());
   }
 }
 
@@ -97,7 +97,7 @@ struct DenseKernel : Kernel {
 };
 
 at::Tensor call_kernel(const Kernel& k, const at::Tensor& x0) {
-  TORCH_CHECK(x0.dim() == 2 && x0.size(1) == k.in_features, "kernel ", k.name(), ": x must be [B, ",
+  TIERED_CHECK(x0.dim() == 2 && x0.size(1) == k.in_features, "kernel ", k.name(), ": x must be [B, ",
               k.in_features, "], got ", x0.sizes());
   auto x = x0.to(at::kFloat).contiguous();
   auto y = at::empty({x.size(0), k.out_features}, at::TensorOptions().dtype(at::kFloat));
@@ -140,14 +140,14 @@ void register_kernels(pybind11::module& m) {
   }, py::arg("packed"), py::arg("group"), py::arg("scales_zeros"), py::arg("in_features"), py::arg("out_features"),
      py::arg("bias") = py::none());
   m.def("int8pack_kernel", [](at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> bias) -> KernelPtr {
-    TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "int8pack_kernel: q must be int8 [N, K]");
+    TIERED_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "int8pack_kernel: q must be int8 [N, K]");
     auto k = std::make_shared<Int8PackKernel>();
     k->q = q.contiguous(); k->scale = scale; k->bias = bias;
     k->out_features = q.size(0); k->in_features = q.size(1);
     return k;
   }, py::arg("q"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("dense_kernel", [](at::Tensor w, c10::optional<at::Tensor> bias) -> KernelPtr {
-    TORCH_CHECK(w.dim() == 2, "dense_kernel: w must be [N, K]");
+    TIERED_CHECK(w.dim() == 2, "dense_kernel: w must be [N, K]");
     auto k = std::make_shared<DenseKernel>();
     k->w = w;
     k->bias = bias ? c10::optional<at::Tensor>(bias->to(w.scalar_type())) : c10::nullopt;
