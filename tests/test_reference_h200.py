@@ -66,20 +66,31 @@ def test_cpu_experts_on_the_calling_thread_beat_the_old_worker_thread_row(rows):
 
 
 def test_default_moe_plan_on_the_h200_is_sensible():
-    """The planner's own default for the README's MoE shape and budget: resident experts, misses
-    split between CPU and link, faster than either forced path and slower than no offloading."""
+    """The planner's own default for the README's MoE shape and budget: without an expert profile, an
+    LRU cache in the room (7 slots; 2026-11-26 on the H200: 80.1 tok/s where 7 blind residents made
+    14.2), misses split between CPU and link, faster than either forced path and slower than no
+    offloading; with a profile, its most popular experts resident."""
+    import numpy as np
     from tiered.planner import make_plan
 
     ref, hw = load_reference(REF)
     cfg = model_config(ref, "Mixtral-8x7B, 4 layers")
     kw = dict(prompt_tokens=32, gen_tokens=32, context_tokens=4096)
     default = make_plan(cfg, hw, gpu_memory=4 * GiB, **kw)
-    assert default.resident_experts() == 7 and default.expert_cache_slots == 0
+    assert default.resident_experts() == 0 and default.expert_cache_slots == 7
     assert default.dispatch_mode == "balanced" and 1 < default.dispatch_threshold_tokens < 512
     forced = [make_plan(cfg, hw, gpu_memory=4 * GiB, dispatch_mode=m, **kw) for m in ("copy", "cpu")]
     unconstrained = make_plan(cfg, hw, **kw)
-    assert all(default.predicted_decode_tokens_per_s > f.predicted_decode_tokens_per_s for f in forced)
+    # the predictions draw routing i.i.d., the cache's worst case: there it beats copying every miss
+    # and stays within 5% of the blind residents that computing every miss on the CPU keeps
+    assert default.predicted_decode_tokens_per_s > forced[0].predicted_decode_tokens_per_s
+    assert default.predicted_decode_tokens_per_s > 0.95 * forced[1].predicted_decode_tokens_per_s
     assert default.predicted_decode_tokens_per_s < unconstrained.predicted_decode_tokens_per_s
+    popularity = np.ones((cfg.num_hidden_layers, cfg.num_local_experts if hasattr(cfg, "num_local_experts")
+                          else cfg.num_experts))
+    popularity[:, :2] = 50.0  # two hot experts per layer: the profile makes them resident
+    profiled = make_plan(cfg, hw, gpu_memory=4 * GiB, popularity=popularity, **kw)
+    assert profiled.resident_experts() >= 7 - 2 and profiled.expected_hit_rate > 0.5
 
 
 def test_dispatch_line_is_exact_for_a_decode_step_expert():

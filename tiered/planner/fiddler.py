@@ -91,6 +91,11 @@ class ExpertLatency:
         gpu_dtype: format copied to and computed on the GPU.
         cpu_act: the CPU's activations at one token (Plan.expert_act): int4 on "q8" streams at
             gemv/cpu/int4q8's rate (op_time.gemv_dtype).
+        working_set: bytes the CPU reads between two reads of one expert (`step_expert_bytes`: a
+            decode step's routed experts). Beyond the last-level cache the CPU side streams at
+            memory/bandwidth_dram/cpu (op_time.memory_time): the GEMV keys are timed on operands a
+            large cache partly holds (the H200 host's quick profile: bf16 GEMV 221 GB/s, DRAM 98;
+            its CPU experts ran at ~93 GB/s, 2026-11-26).
     """
 
     profile: HardwareProfile
@@ -98,6 +103,7 @@ class ExpertLatency:
     cpu_dtype: str = "bf16"
     gpu_dtype: str = "bf16"
     cpu_act: str = "bf16"
+    working_set: float = 0.0
 
     @property
     def has_gpu(self) -> bool:
@@ -109,7 +115,8 @@ class ExpertLatency:
         if m is None:  # let gemm_time raise its ConfigError naming the missing key
             op_time.gemm_time(p, device, dtype, 1.0)
         key = op_time.gemv_dtype(dtype, self.cpu_act) if device == "cpu" else dtype
-        floor = op_time.memory_time(p, device, key, sh.weight_bytes(dtype) / sh.matrices) * sh.matrices
+        floor = op_time.memory_time(p, device, key, sh.weight_bytes(dtype) / sh.matrices,
+                                    working_set=self.working_set if device == "cpu" else 0.0) * sh.matrices
         const = sh.kernels * op_time.launch_time(p, device)
         bw = p.models.get(f"memory/bandwidth/{device}")
         # silu(gate) and gate * up read 3 and write 2 vectors of `intermediate` 16-bit values per token
@@ -197,7 +204,15 @@ class ExpertLatency:
         h2d = self.profile.model("copy/h2d_pinned")
         return LatencyModel(cpu(1) - cb, cb, gpu(1) - gb, gb, h2d.alpha, 1.0 / h2d.beta, disk_alpha, disk_bw)
 
+def step_expert_bytes(cfg: ModelConfig, dtype: str) -> float:
+    """Bytes of the routed experts one decode step of one sequence reads [bytes]: top-k experts of
+    `dtype` in every MoE layer (the reuse distance of an expert that every token routes to)."""
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    return layers * cfg.num_experts_per_tok * ExpertShape.from_config(cfg).weight_bytes(dtype)
+
+
 def dispatch_latency(profile: HardwareProfile, cfg: ModelConfig, cpu_dtype: str = "bf16",
                      gpu_dtype: str = "bf16") -> LatencyModel:
     """LatencyModel for the experts of `cfg` on the machine `profile` (replaces runtime/calibrate.py)."""
-    return ExpertLatency(profile, ExpertShape.from_config(cfg), cpu_dtype, gpu_dtype).latency_model()
+    return ExpertLatency(profile, ExpertShape.from_config(cfg), cpu_dtype, gpu_dtype,
+                         working_set=step_expert_bytes(cfg, cpu_dtype)).latency_model()

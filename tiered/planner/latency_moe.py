@@ -71,7 +71,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     Raises:
         BudgetError: the GPU cannot hold the non-expert weights, KV cache and staging buffers.
     """
-    from tiered.planner.fiddler import ExpertLatency, ExpertShape
+    from tiered.planner.fiddler import ExpertLatency, ExpertShape, step_expert_bytes
     from tiered.runtime.dispatcher import CPU, split_misses
 
     from tiered.quant.experts import pricing_precision
@@ -94,7 +94,8 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     if cpu_room is not None and cpu_room < 0:
         raise BudgetError(f"CPU budget {format_bytes(cpu)} cannot hold the {plan.staging_buffers} host staging buffers "
                           f"({format_bytes(staging)})", f"raise --cpu-mem by {format_bytes(-cpu_room)}")
-    expert = ExpertLatency(profile, ExpertShape.from_config(cfg), efmt, efmt, plan.expert_act)
+    expert = ExpertLatency(profile, ExpertShape.from_config(cfg), efmt, efmt, plan.expert_act,
+                           working_set=step_expert_bytes(cfg, efmt))
     plan.dispatch_latency = asdict(expert.latency_model())
     plan.dispatch_threshold_tokens = expert.threshold()
     lat = plan.latency_model()  # what the runtime splits misses with; times below are the exact sides
@@ -156,7 +157,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
         step = sum(r[4] for r in rows) + step_fixed
         return step, (step, placement, hits, rows)
 
-    step, placement, hits, rows = fastest_expert_choice(experts, E, k, predict)
+    step, placement, hits, rows = fastest_expert_choice(experts, E, k, predict, cache_fills=plan.dispatch_mode != "cpu")
     plan.expert_cache_slots, plan.expected_hit_rate = placement.cache_slots, placement.expected_hit_rate
     for i, g, c, d, dec, pre in rows:
         plan.layers.append(LayerPlan(i, "moe", efmt, experts_gpu=g, experts_cpu=c, experts_disk=d,
