@@ -89,3 +89,18 @@ def test_report_carries_machine_and_settings(report):
     assert doc["machine"]["cores"] >= 1 and doc["machine"]["versions"]["torch"]
     assert doc["model_shapes"]["moe"]["experts"] == 8
     assert "| configuration |" in md and "SMOKE" in md
+
+
+def test_the_stall_probe_runs_on_the_stand_in(tmp_path):
+    """benchmarks/gpu_stall_probe.py --smoke: each configuration in its own process gives a decode
+    speed, the profiler's ops and the thread samples (what the next GPU session runs, `gpu_checks.sh stall`)."""
+    probe = REPO / "benchmarks" / "gpu_stall_probe.py"
+    proc = subprocess.run([sys.executable, str(probe), "--smoke", "--out", str(tmp_path),
+                           "--configs", "moe_resident_balanced,dense_default"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = (tmp_path / "stall_probe.md").read_text()
+    assert ": failed (rc" not in md and md.count("\ndecode ") == 2 and "main: " in md
+    for name in ("moe_resident_balanced", "dense_default"):
+        text = (tmp_path / f"stall_{name}.txt").read_text()
+        assert "Self CPU" in text and "late samples" in text

@@ -60,6 +60,36 @@ class DeferredTask:
         return self._event.is_set()
 
 
+def _one_cpu_thread() -> None:
+    """Thread initializer of the copy / compute / disk workers: their torch CPU ops (a staging copy,
+    a gather of weight rows) run on the worker alone. With torch's default a worker grows a second
+    OpenMP team of every core, whose threads spin after each of its ops and fight the team of the
+    calling thread, which does the CPU compute: on the host stand-in's 2 cores each index_add_ of an
+    MoE layer's combine took 0.23 ms instead of 0.013 once the copy worker had run one, and the
+    balanced MoE path decoded at 68 tok/s against 137 with this (benchmarks/gpu_stall_probe.py --smoke).
+
+    Only this thread's OpenMP thread count changes (omp_set_num_threads; OpenMP keeps it per thread).
+    torch.set_num_threads would also set torch's default for threads that start later, such as a
+    server's engine thread. torch's own per-thread set-up runs first (get_num_threads), so that it
+    does not reset the count at this thread's first parallel op."""
+    import torch
+
+    torch.get_num_threads()
+    set_threads = _omp_set_num_threads()
+    if set_threads is not None:
+        set_threads(1)
+
+
+def _omp_set_num_threads():
+    """omp_set_num_threads of the OpenMP runtime torch loaded, or None when none is visible."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).omp_set_num_threads
+    except (AttributeError, OSError):
+        return None
+
+
 class Executor:
     """Task runner over streams.
 
@@ -75,8 +105,10 @@ class Executor:
         self.accelerator = accelerator
         self.inline = set(inline) | {"launch"}  # "launch" always issues from the submitting thread
         names = ["cpu"] + (list(DEVICE_STREAMS) if accelerator is not None else [])
-        self._pools = {n: ThreadPoolExecutor(1, thread_name_prefix=f"tiered-{n}") for n in names}
-        self._disk = ThreadPoolExecutor(max(1, disk_readers), thread_name_prefix="tiered-disk")
+        self._pools = {n: ThreadPoolExecutor(1, thread_name_prefix=f"tiered-{n}",
+                                             initializer=None if n == "cpu" else _one_cpu_thread) for n in names}
+        self._disk = ThreadPoolExecutor(max(1, disk_readers), thread_name_prefix="tiered-disk",
+                                        initializer=_one_cpu_thread)
         self._disk_ids: dict[int, int] = {}
         self.tracing = trace
         self.events: list[TraceEvent] = []
