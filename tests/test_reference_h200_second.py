@@ -1,0 +1,60 @@
+"""The planner against the second H200 run (benchmarks/reference/h200-2026-11-26: gpu_offload.py's
+rows at 7b56371 as data, planned with that machine's quick profile, as the benchmark planned).
+Rows whose runtime the models cannot price are marked not comparable in the data (the 34 ms per-step
+stall of the default plans, the cache's locality); comparable rows the models miss are strict xfails
+with the reason: if one starts to hold, the test says so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tiered.planner.reference import compare, load_reference
+
+REF = Path(__file__).resolve().parents[1] / "benchmarks" / "reference" / "h200-2026-11-26" / "measured.json"
+TOLERANCE = 0.25
+
+UNMET = {
+    ("MoE, every miss copied", "ttft_s"): "the dummy weights route a 512-token prompt to ~2 experts a layer (0.063 s); "
+                                          "the plan draws routing i.i.d. and copies every expert (0.167 s)",
+    ("MoE, every miss on the CPU", "ttft_s"): "CPU prefill GEMMs on 112 MiB expert matrices run below the profile's GEMM fit",
+    ("MoE, no GPU", "ttft_s"): "CPU prefill GEMMs on 112 MiB expert matrices run below the profile's GEMM fit",
+    ("dense, no GPU", "ttft_s"): "CPU prefill GEMMs on 112 MiB matrices run below the profile's GEMM fit",
+    ("MoE, unconstrained GPU", "decode_tokens_per_s"): "an eager MoE step on that host: 8.1 ms against 4.3 priced "
+                                                       "(runtime/decode_step_gpu is timed on a dense step)",
+    ("dense, unconstrained GPU", "decode_tokens_per_s"): "the step runs as a CUDA graph (2.1 ms); the plan prices "
+                                                         "the eager step's host overhead",
+    ("dense, unconstrained GPU", "ttft_s"): "0.011 s measured against 0.016 s: the prefill's host overhead is overpriced",
+}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    ref, hw = load_reference(REF)
+    return {r["name"]: r for r in compare(ref, hw)}
+
+
+def _cases():
+    ref, _ = load_reference(REF)
+    for row in ref["rows"]:
+        if not row.get("comparable", True):
+            continue
+        for metric in ("decode_tokens_per_s", "ttft_s"):
+            reason = UNMET.get((row["name"], metric))
+            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+            yield pytest.param(row["name"], metric, marks=marks, id=f"{row['name']}-{metric}")
+
+
+@pytest.mark.parametrize("name, metric", list(_cases()))
+def test_prediction_within_25_percent_of_the_second_h200_run(rows, name, metric):
+    r = rows[name]
+    assert r["error"][metric] <= TOLERANCE, (name, metric, r["predicted"][metric], r["measured"][metric])
+
+
+def test_cpu_experts_are_priced_at_the_dram_rate(rows):
+    """The quick profile's bf16 GEMV (221 GB/s) is timed on operands a 300 MiB cache holds; a decode
+    step's CPU experts stream from DRAM (98 GB/s): the forced-CPU row was predicted at 72 tok/s
+    (2.3x its 31.0) before ExpertLatency.working_set."""
+    r = rows["MoE, every miss on the CPU"]
+    assert r["predicted"]["decode_tokens_per_s"] < 1.25 * r["measured"]["decode_tokens_per_s"]
