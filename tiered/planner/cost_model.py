@@ -158,7 +158,8 @@ def roofline_params(p: CostParams, tokens: int, gpu_peak_macs: float, cpu_peak_m
 
 
 def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerShape | None = None, *,
-                copy_key: str = "copy/h2d_pinned", launch_key: str = "launch/gpu") -> CostParams:
+                copy_key: str = "copy/h2d_pinned", launch_key: str = "launch/gpu",
+                cpu_working_set: float = 0.0) -> CostParams:
     """Eq. 3 constants from a HardwareProfile: gemm/{gpu,cpu}/<precision> (with op_time's dtype
     fallbacks), the H2D copy model and the GPU launch constant (its alpha).
 
@@ -169,8 +170,16 @@ def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerS
     still apply (exact when one regime dominates both terms). A single-line profile such as ScheInfer
     Table I, whose line lies above the bandwidth floor, comes back unchanged.
 
+    `cpu_working_set`: bytes the CPU reads between two reads of one weight (a decode step's CPU-side
+    slices). Beyond the last-level cache (meta["llc_bytes"]) the CPU's memory term is floored by
+    memory/bandwidth_dram/cpu, as op_time.memory_time does: the GEMV keys are timed on operands a
+    large cache partly holds (the H200 host's quick profile: bf16 GEMV 221 GB/s, DRAM 98 GB/s).
+
     Raises ConfigError naming a missing key.
     """
+    llc = profile.meta.get("llc_bytes") if profile.meta else None
+    dram = profile.models.get("memory/bandwidth_dram/cpu") if llc and cpu_working_set > llc else None
+
     def gemm(device: str) -> tuple[float, float]:
         m = op_time.find(profile, "gemm", device, precision)
         if m is None:
@@ -180,7 +189,8 @@ def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerS
                if shape is not None else None)
         if mem is None:
             return m.alpha, m.beta
-        return max(m.alpha, mem.alpha), max(m.beta, mem.beta * shape.bytes_per_weight / shape.tokens)
+        mem_beta = max(mem.beta, dram.beta) if device == "cpu" and dram is not None else mem.beta
+        return max(m.alpha, mem.alpha), max(m.beta, mem_beta * shape.bytes_per_weight / shape.tokens)
 
     (ag, bg), (ac, bc) = gemm("gpu"), gemm("cpu")
     h, l = profile.model(copy_key), profile.model(launch_key)

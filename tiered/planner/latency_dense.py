@@ -41,7 +41,9 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     budget = ffn_gpu_budget(gpu, non_ffn_bytes=non_ffn, kv_cache_bytes=kv, staging_bytes=staging,
                             activation_bytes=plan.workspace_bytes, margin=0.0)
     decode_shape = LayerShape(1, M, H, 3, bpe)
-    params = cost_params(profile, fmt, decode_shape)
+    ffn_total = L * 3 * M * H * bpe
+    # what the CPU streams per decode step is at most every FFN weight: beyond the LLC, at DRAM speed
+    params = cost_params(profile, fmt, decode_shape, cpu_working_set=ffn_total)
     if budget >= L * decode_shape.layer_bytes:
         # every FFN fits: none is sliced. ScheInfer slices what the GPU cannot hold; a split layer also
         # pays host syncs and thread hops that the cost model leaves out (a tiny model's FFNs, split
@@ -50,7 +52,7 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     else:
         layer_rates = list(assign_gpu_memory([decode_shape] * L, params, budget).rates)
     prompt_shape = LayerShape(plan.prompt_tokens, M, H, 3, bpe)
-    pparams = cost_params(profile, fmt, prompt_shape)
+    pparams = cost_params(profile, fmt, prompt_shape, cpu_working_set=ffn_total)
     attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])
     attn_pre = attention_time(cfg, profile, "gpu", fmt, plan.prompt_tokens, plan.prompt_tokens, plan.dtypes["kv_cache"])
     # the model code's host cost per layer and per step (module calls, small ops, their launches)
@@ -66,7 +68,6 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     head = head_time(cfg, profile, "gpu", fmt)
     plan.predicted_decode_tokens_per_s = 1.0 / (sum(l.decode_s for l in plan.layers) + head + per_step)
     plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + head + per_step
-    ffn_total = L * 3 * M * H * bpe
     sliced = ffn_gpu_bytes < ffn_total - 1
     plan.memory = {"gpu": non_ffn + kv + plan.workspace_bytes + (staging if sliced else 0) + ffn_gpu_bytes,
                    "cpu": ffn_total - ffn_gpu_bytes}
