@@ -15,7 +15,8 @@ CUDA settings from the environment apply) and, for a few decode steps of each:
     python benchmarks/gpu_stall_probe.py --env OMP_WAIT_POLICY=PASSIVE --out DIR
 
 It reuses benchmarks/gpu_offload.py's dummy checkpoints (written there first if missing). Writes
-DIR/stall_probe.md (the summary) and DIR/stall_<config>.txt (the profiler table, the samples).
+DIR/stall_probe.md (the summary), DIR/stall_<config>.txt (the profiler table, the samples) and
+DIR/stall_<config>.trace.json.gz (the profiled steps' timeline, every op and CUDA runtime call).
 """
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ def child(name: str, out: Path, profile: str | None, smoke: bool) -> dict:
         with tprofile(activities=acts) as prof:
             result["decode_tokens_per_s_profiled"] = runner.decode_tokens_per_s(prompt, 9)
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        trace = out / f"stall_{name}.trace.json"  # the profiled steps' timeline (chrome://tracing, Perfetto)
+        prof.export_chrome_trace(str(trace))
+        import gzip
+        import shutil
+
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
         (out / f"stall_{name}.txt").write_text(
             f"{json.dumps({k: v for k, v in result.items() if k not in ('samples', 'gaps')})}\n\n{table}\n\n"
             "stack samples (innermost frame per thread, every 5 ms):\n"
