@@ -17,7 +17,7 @@
 # what is left, so the call ends inside the device tool's limit with its partial results.
 # It uses the machine's own torch (never installs one). Python packages the machine lacks (gguf,
 # fastapi, pydantic, uvicorn, and openai with distro, jiter and sniffio for the serving tests) travel as
-# wheels in .whl/ (see the device tool's README); they go to /tmp/site.
+# wheels in .whl/ (scripts/gpu_wheels.sh fetches them; carry .whl); they go to /tmp/site.
 # Everything goes to one folder, packed into $OUT/gpu_results.tgz after every stage (the device
 # tool brings back at most 8 files), with the console in $OUT/run.log; without $OUT, to
 # benchmarks/results/gpu.
@@ -39,8 +39,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$res/gpu.csv" 2>&1
 lscpu > "$res/lscpu.txt" 2>&1
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee "$res/versions.txt"
-prof=""
-[ -f .gpu/profile_h200.json ] && prof=.gpu/profile_h200.json  # the 2026-11-22 H200's, until `profile` measures this one
+# the 2026-11-26 H200's quick profile, until the `profile` stage measures this machine's
+prof=benchmarks/reference/h200-2026-11-26/profile_quick.json
 
 pack() { tar czf "$out/gpu_results.tgz" -C "$res" . 2>/dev/null; }
 # run CAP NAME CMD...: the command under `timeout min(CAP, time left - 10 s)`, its output in res/NAME.log
