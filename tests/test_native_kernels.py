@@ -208,6 +208,33 @@ def test_int4_tiled_dequantize(isa):  # every ISA path gives the same bits
         ext.int4_tiled_dequantize(*args, n0=8, n1=48)
 
 
+@pytest.mark.parametrize("N,K", [(48, 64), (32, 576), (16, 160)])
+@pytest.mark.parametrize("residual", [True, False])
+def test_int4_tiled_scales_inline_give_the_same_bits(isa, N, K, residual):
+    """The scales inline (tiled_inline: each group-tile's codes, then its (s, z) pairs, then its
+    residuals: one stream) against the same weight with its scales apart, on every ISA, for every
+    activation kind and batch (the streaming, blocked and int16 paths) and the dequantized weight."""
+    from tiered.kernels.linear import inline_scales, tiled_inline
+
+    codes, sz, zr, bias, wq, g = int4_case(N, K, N * K + 9)
+    tc, ts, tr = tiled_codes(codes), tiled_scales(sz), tiled_residual(zr) if residual else None
+    buf = tiled_inline(tc, ts, tr)
+    assert buf.shape == (N // 16, K // 32, 352 if residual else 320)
+    assert torch.equal(inline_scales(buf), ts)
+    for act, batch in (("bf16", "bf16"), ("bf16", "q8"), ("q8", "q8")):
+        apart = int4_tiled_kernel(tc, ts, tr, bias, act, batch)
+        inline = int4_tiled_kernel(buf, None, None, bias, act, batch)
+        assert inline.name() == apart.name() and inline.weight_bytes() >= apart.weight_bytes() - N * K // 2
+        for B in (1, 2, 4, 5, 9):
+            x = torch.randn(B, K, generator=g)
+            assert torch.equal(inline(x), apart(x)), (act, batch, B)
+    assert torch.equal(ext.int4_tiled_dequantize(buf, None, None), ext.int4_tiled_dequantize(tc, ts, tr))
+    with pytest.raises(RuntimeError, match="no sz"):
+        ext.int4_tiled_kernel(buf, ts)
+    with pytest.raises(RuntimeError, match="320 or 352"):
+        ext.int4_tiled_kernel(buf[..., :300].contiguous(), None)
+
+
 def test_int4_linear_codes_match_torch_layout():
     w = torch.randn(48, 128) * 0.05
     codes, scale, zero = quantize_int4(w)

@@ -149,7 +149,7 @@ def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False)
         from tiered.quant.int4 import Int4Linear, quantize_int4
         lin = Int4Linear.from_codes(*quantize_int4(w), layout="tiled")
         # int4q8: on int8 activations at batch 1, as routed int4 experts run (Plan.expert_act)
-        fn = _native(lin) if dtype == "int4" else int4_tiled_kernel(lin.packed, lin.scales_zeros, None, None, "q8")
+        fn = _native(lin) if dtype == "int4" else int4_tiled_kernel(lin.packed, None, None, None, "q8")
         return fn, torch.float32, 0.5 + 4 / lin.group
     if native:  # int8: the module the branches below build, through its native Kernel
         lin, _, bpe = _linear_kernel(device, dtype, w)

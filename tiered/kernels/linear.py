@@ -71,6 +71,25 @@ def tiled_residual(residual: torch.Tensor) -> torch.Tensor:
     return residual.reshape(G, N // TILE, TILE).transpose(0, 1).contiguous()
 
 
+def tiled_inline(codes: torch.Tensor, sz: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The tiled layout with its scales inline: tiled codes uint8 [N, K/2] (`tiled_codes`), sz bf16
+    [N/16, K/32, 16, 2] (`tiled_scales`) and optionally residual bf16 [N/16, K/32, 16] (`tiled_residual`)
+    -> uint8 [N/16, K/32, 320] (each group-tile's 256 code bytes, then its 16 (scale, zero) pairs) or
+    [N/16, K/32, 352] (then its 16 residuals). A kernel then reads one stream, where the separate
+    scales cost one thread ~25% of its int4 rate (csrc/gemv.cpp Int4W::inline_sz)."""
+    T, G = sz.shape[:2]
+    parts = [codes.reshape(T, G, 256), sz.contiguous().view(torch.uint8).reshape(T, G, 64)]
+    if residual is not None:
+        parts.append(residual.contiguous().view(torch.uint8).reshape(T, G, 32))
+    return torch.cat(parts, dim=-1)
+
+
+def inline_scales(buf: torch.Tensor) -> torch.Tensor:
+    """The (scale, zero) pairs of a `tiled_inline` buffer uint8 [N/16, K/32, 320 or 352], as a bf16
+    [N/16, K/32, 16, 2] view of it (not contiguous: `tiled_scales`' layout, strided)."""
+    return buf.view(torch.bfloat16)[..., 128:160].unflatten(-1, (TILE, 2))
+
+
 def untiled_scales(sz: torch.Tensor) -> torch.Tensor:
     """The inverse of `tiled_scales`: [N/16, G, 16, 2] -> [G, N, 2]."""
     T, G = sz.shape[:2]
@@ -136,10 +155,11 @@ def int8_tiled_kernel(qt: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor 
     return None if ext is None else ext.int8_tiled_kernel(qt, scale, bias)
 
 
-def int4_tiled_kernel(codes: torch.Tensor, sz: torch.Tensor, residual: torch.Tensor | None = None,
+def int4_tiled_kernel(codes: torch.Tensor, sz: torch.Tensor | None, residual: torch.Tensor | None = None,
                       bias: torch.Tensor | None = None, act: str = "bf16", batch_act: str | None = None):
     """Our int4 kernel over the tiled layout: codes uint8 [N, K/2] (`tiled_codes`), sz bf16
     [N/16, K/32, 16, 2] (`tiled_scales`), optional residual bf16 [N/16, K/32, 16] (`tiled_residual`);
+    or the scales inline: codes uint8 [N/16, K/32, 320 or 352] (`tiled_inline`), sz and residual None.
     w = (q - 8) * scale + zero + residual. One SIMD lane per output row: at batch 1 it reads near the
     memory bandwidth and at batch 8 it converts each weight once for all 8 rows. act as `int4_kernel`,
     for calls of one activation row; batch_act (default act) for calls of two or more. None without
@@ -154,9 +174,9 @@ def int4_tiled_kernel(codes: torch.Tensor, sz: torch.Tensor, residual: torch.Ten
 _scratch = threading.local()  # tiled_dequantize's per-thread buffers, by dtype
 
 
-def tiled_dequantize(codes: torch.Tensor, sz: torch.Tensor, residual: torch.Tensor | None = None,
+def tiled_dequantize(codes: torch.Tensor, sz: torch.Tensor | None, residual: torch.Tensor | None = None,
                      fp32: bool = True) -> torch.Tensor:
-    """A tiled int4 weight (`int4_tiled_kernel`'s tensors) dequantized, [N, K] fp32 (bf16 with
+    """A tiled int4 weight (`int4_tiled_kernel`'s tensors, either form) dequantized, [N, K] fp32 (bf16 with
     fp32=False), written into this thread's reused buffer: the result is valid until the next call
     on the same thread (use it at once, e.g. in one F.linear). A fresh tensor per call would fault
     in new pages every time: a SmolLM2 prefill dequantizes ~0.5 GB.
@@ -166,7 +186,7 @@ def tiled_dequantize(codes: torch.Tensor, sz: torch.Tensor, residual: torch.Tens
     ext = load()
     if ext is None:
         raise RuntimeError("tiled_dequantize needs tiered/kernels built")
-    N, K = codes.shape[0], codes.shape[1] * 2
+    N, K = (codes.shape[0] * TILE, codes.shape[1] * 32) if codes.dim() == 3 else (codes.shape[0], codes.shape[1] * 2)
     dtype = torch.float32 if fp32 else torch.bfloat16
     buf = getattr(_scratch, str(dtype), None)
     if buf is None or buf.numel() < N * K:

@@ -75,8 +75,10 @@ class Int4Linear(nn.Module):
 
         "cpu"    torch's packed int4 (`_weight_int4pack_mm_for_cpu`, bf16 activations): packed uint8
                  [N, K/2] in torch's order, scales_zeros bf16 [K/32, N, 2].
-        "tiled"  tiered's own kernels (kernels/linear.tiled_codes; needs the native extension):
-                 packed uint8 [N, K/2] in 16-row tiles, scales_zeros bf16 [N/16, K/32, 16, 2].
+        "tiled"  tiered's own kernels (kernels/linear.tiled_inline; needs the native extension):
+                 packed uint8 [N/16, K/32, 320], each 16-row tile's group of 32 columns as its 256
+                 code bytes then its 16 (scale, zero) pairs, so the kernels read one stream;
+                 scales_zeros is a bf16 [N/16, K/32, 16, 2] view of those pairs.
                  One activation row reads bf16 x (as torch's kernel does); calls of two or more rows
                  read `batch_act` ("q8": x rounded to int8 per group of 32, llama.cpp's Q8_0 -
                  about 2x faster at batch 8 - or "bf16"). `dense(x)` is the prefill path of a weight
@@ -92,8 +94,8 @@ class Int4Linear(nn.Module):
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"int4 layout must be one of {LAYOUTS}, got {layout!r}")
-        self.register_buffer("packed", packed)  # uint8 [N, K/2], the layout's order
-        self.register_buffer("scales_zeros", scales_zeros)  # bf16 [K/group, N, 2] or [N/16, K/32, 16, 2]
+        self.register_buffer("packed", packed)  # uint8 [N, K/2] in torch's order, or tiled [N/16, K/32, 320]
+        self.register_buffer("scales_zeros", scales_zeros)  # bf16 [K/group, N, 2], or a view of the tiled pairs
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.in_features, self.out_features, self.group = in_features, out_features, group
         self.layout, self.batch_act = layout, batch_act
@@ -118,9 +120,10 @@ class Int4Linear(nn.Module):
         N, K = codes.shape
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
         if layout == "tiled" and tiled_fits(N, K, group):
-            from tiered.kernels.linear import tiled_codes, tiled_scales
+            from tiered.kernels.linear import inline_scales, tiled_codes, tiled_inline, tiled_scales
 
-            return cls(tiled_codes(codes), tiled_scales(sz), K, N, group, bias, "tiled", batch_act)
+            buf = tiled_inline(tiled_codes(codes), tiled_scales(sz))
+            return cls(buf, inline_scales(buf), K, N, group, bias, "tiled", batch_act)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         return cls(packed, sz, K, N, group, bias)
 
@@ -147,7 +150,7 @@ class Int4Linear(nn.Module):
             from tiered.kernels.linear import int4_tiled_kernel
 
             bias = None if self.bias is None else self.bias.detach().float()
-            k = int4_tiled_kernel(self.packed, self.scales_zeros, None, bias, "bf16", act) \
+            k = int4_tiled_kernel(self.packed, None, None, bias, "bf16", act) \
                 if self.layout == "tiled" else None
             if k is None:
                 raise RuntimeError(f"Int4Linear({self.layout}) has no native kernel: the tiled layout needs "
@@ -171,7 +174,7 @@ class Int4Linear(nn.Module):
             from tiered.kernels.linear import tiled_dequantize
 
             bias = None if self.bias is None else self.bias.float()
-            y = F.linear(x2.float(), tiled_dequantize(self.packed, self.scales_zeros), bias)
+            y = F.linear(x2.float(), tiled_dequantize(self.packed, None), bias)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -81,11 +81,22 @@ struct Int4W {
   const uint16_t *s, *z, *zr;  // zr may be null
   int64_t s_n, s_g, z_n, z_g, zr_n, zr_g;  // element strides
   const float* bias;  // [N] or null
-  // The tiled layout's scales: s = sz [N/16, G, 16, 2] (z = s + 1), zr [N/16, G, 16] (strides unused):
-  // a tile's scales and zeros are one contiguous run read once per tile.
+  // The tiled layout: tile t (rows 16t..16t+15) starts at codes + t * tstride, its group g's 256 code
+  // bytes at + g * gstride. Scales apart (gstride 256): s = sz [N/16, G, 16, 2] (z = s + 1), zr
+  // [N/16, G, 16] (strides unused), a tile's scales and zeros one contiguous run. Scales inline
+  // (inline_sz; gstride 320, or 352 with residuals): each group's code bytes are followed by its 16
+  // (s, z) bf16 pairs (64 B) and its 16 residuals (32 B; read when zr is set), so that a kernel reads
+  // one stream (a second stream of scales cost one thread ~25% of its int4 rate, sessions 18-19).
   bool tiled = false;
-  const uint16_t* tile_sz(int64_t m0, int64_t G, int64_t g) const { return s + ((m0 / 16) * G + g) * 32; }
-  const uint16_t* tile_zr(int64_t m0, int64_t G, int64_t g) const { return zr + ((m0 / 16) * G + g) * 16; }
+  bool inline_sz = false;
+  int64_t gstride = 256, tstride = 0;  // bytes per group of a tile, per tile
+  const uint8_t* tile(int64_t m0) const { return codes + (m0 / 16) * tstride; }
+  const uint16_t* tile_sz(int64_t m0, int64_t G, int64_t g) const {
+    return inline_sz ? reinterpret_cast<const uint16_t*>(tile(m0) + g * gstride + 256) : s + ((m0 / 16) * G + g) * 32;
+  }
+  const uint16_t* tile_zr(int64_t m0, int64_t G, int64_t g) const {
+    return inline_sz ? reinterpret_cast<const uint16_t*>(tile(m0) + g * gstride + 320) : zr + ((m0 / 16) * G + g) * 16;
+  }
 };
 
 struct Int8W {
@@ -804,8 +815,9 @@ inline bool has_vbmi() {
   return v;
 }
 
-inline uint8_t tiled_code(const uint8_t* tile, int64_t r, int64_t k) {  // q[16 t + r, k] of one tile
-  const uint8_t b = tile[(k / 8) * 64 + r * 4 + (k % 4)];
+// q[16 t + r, k] of one tile whose groups are gstride bytes apart (Int4W::gstride)
+inline uint8_t tiled_code(const uint8_t* tile, int64_t gstride, int64_t r, int64_t k) {
+  const uint8_t b = tile[(k / kGroup) * gstride + ((k % kGroup) / 8) * 64 + r * 4 + (k % 4)];
   return (k % 8) < 4 ? (b & 15) : (b >> 4);
 }
 
@@ -815,7 +827,7 @@ void int4t_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t 
   thread_local Int4Block blk;
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     blk.gather(w, m0, kBlock, G, q8 ? 0.f : 8.f);  // q8 keeps the -8 term apart (m8), as the SIMD paths do
-    const uint8_t* tile = w.codes + m0 * (K / 2);
+    const uint8_t* tile = w.tile(m0);
     for (int64_t r = 0; r < kBlock; ++r)
       for (int64_t j = 0; j < nb; ++j) {
         const int64_t b = b0 + j;
@@ -824,11 +836,11 @@ void int4t_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t 
           const float s = blk.sc[g * kBlock + r], zc = blk.zc[g * kBlock + r];
           if (q8) {  // s dx (sum q xq - 8 sum xq) + z sum x
             int32_t d = 0;
-            for (int64_t i = 0; i < kGroup; ++i) d += int32_t(tiled_code(tile, r, g * kGroup + i)) * a.xqt[b * K + g * kGroup + i];
+            for (int64_t i = 0; i < kGroup; ++i) d += int32_t(tiled_code(tile, w.gstride, r, g * kGroup + i)) * a.xqt[b * K + g * kGroup + i];
             acc += s * a.dxg[b * G + g] * float(d) + s * a.m8[b * a.Gp + g] + zc * a.xsum[b * a.Gp + g];
           } else {
             float d = 0.f;
-            for (int64_t i = 0; i < kGroup; ++i) d += float(tiled_code(tile, r, g * kGroup + i)) * a.xr[b * K + g * kGroup + i];
+            for (int64_t i = 0; i < kGroup; ++i) d += float(tiled_code(tile, w.gstride, r, g * kGroup + i)) * a.xr[b * K + g * kGroup + i];
             acc += s * d + zc * a.gsum[b * G + g];
           }
         }
@@ -852,7 +864,7 @@ inline void prefetch_tile_scales(const Int4W& w, int64_t m0, int64_t G, int64_t 
 // (codes: the group's 256 bytes), and the next tile's scales (next: that tile's first row, or -1).
 inline void prefetch_group(const Int4W& w, const uint8_t* codes, int64_t next, int64_t G, int64_t g) {
   for (int l = 0; l < 4; ++l) prefetch_stream(codes + kPrefetchAhead + 64 * l);
-  if (next >= 0) prefetch_tile_scales(w, next, G, g);
+  if (next >= 0 && !w.inline_sz) prefetch_tile_scales(w, next, G, g);  // inline: in the code stream
 }
 
 // A tile's scales and zero terms (offset 8) from its contiguous [G, 16, 2] bf16 run (and [G, 16]
@@ -898,14 +910,14 @@ TIERED_AVX2 void int4t_w16_avx2(const Int4W& w, const Act& a, int64_t b0, int64_
                                 int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    const uint8_t* tile = w.codes + m0 * (K / 2);
+    const uint8_t* tile = w.tile(m0);
     __m256 acc[NB][2], corr[NB][2];
     for (int j = 0; j < NB; ++j)
       for (int h = 0; h < 2; ++h) acc[j][h] = corr[j][h] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       __m256i ti[NB][2];
       for (int j = 0; j < NB; ++j) ti[j][0] = ti[j][1] = _mm256_setzero_si256();
-      const uint8_t* chunk = tile + g * 256;  // 4 chunks of 8 columns x 16 rows (rows 0-7, then 8-15)
+      const uint8_t* chunk = tile + g * w.gstride;  // 4 chunks of 8 columns x 16 rows (rows 0-7, then 8-15)
       prefetch_group(w, chunk, m0 + kBlock < n1 ? m0 + kBlock : -1, G, g);
       const uint32_t* xg[NB];
       for (int j = 0; j < NB; ++j) xg[j] = a.xw + (b0 + j) * (K / 2) + g * (kGroup / 2);
@@ -988,12 +1000,12 @@ TIERED_AVX512 void int4t_w16_avx512(const Int4W& w, const Act& a, int64_t b0, in
   const __m512 eight = _mm512_set1_ps(8.f);
   constexpr int C = NB <= 2 ? 2 : 1;  // chains per part (h, l) and row: 2 C NB accumulators live
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    const uint8_t* tile = w.codes + m0 * (K / 2);
+    const uint8_t* tile = w.tile(m0);
     const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
     __m512 acc[NB], corr[NB];
     for (int j = 0; j < NB; ++j) acc[j] = corr[j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* chunk = tile + g * 256;  // 4 chunks of 8 columns x 16 rows
+      const uint8_t* chunk = tile + g * w.gstride;  // 4 chunks of 8 columns x 16 rows
       prefetch_group(w, chunk, next, G, g);
       __m512i th[NB][C], tl[NB][C];
       for (int j = 0; j < NB; ++j)
@@ -1053,12 +1065,12 @@ TIERED_AVX2 inline __attribute__((always_inline)) void int4tq8_chunk_avx2(const 
 // The tile at m0 unpacked into u (16 vectors a group), prefetching its code stream ahead and, a group
 // at a time, the next tile's scales (next: that tile's row, or -1).
 TIERED_AVX2 inline void int4tq8_unpack_avx2(const Int4W& w, int64_t m0, int64_t next, int64_t G, __m256i* u) {
-  const uint8_t* tile = w.codes + m0 * (G * kGroup / 2);
+  const uint8_t* tile = w.tile(m0);
   for (int64_t g = 0; g < G; ++g) {
-    prefetch_group(w, tile + 256 * g, next, G, g);
+    prefetch_group(w, tile + g * w.gstride, next, G, g);
     for (int c4 = 0; c4 < 4; ++c4) {
       __m256i q[4];
-      int4tq8_chunk_avx2(tile + 256 * g + 64 * c4, q);
+      int4tq8_chunk_avx2(tile + g * w.gstride + 64 * c4, q);
       for (int i = 0; i < 4; ++i) _mm256_storeu_si256(u + 16 * g + 4 * c4 + i, q[i]);
     }
   }
@@ -1163,13 +1175,13 @@ TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t
   const __m256i ones = _mm256_set1_epi16(1), hi = _mm256_set1_epi32(int(0xFFFF0000u));
   const Q8Rows<NB> x(a, b0);
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    const uint8_t* tile = w.codes + m0 * (K / 2);
+    const uint8_t* tile = w.tile(m0);
     const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
     __m256 acc[NB][2], corr[NB][2];
     for (int j = 0; j < NB; ++j)
       for (int h = 0; h < 2; ++h) acc[j][h] = corr[j][h] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* pg = tile + 256 * g;
+      const uint8_t* pg = tile + g * w.gstride;
       prefetch_group(w, pg, next, G, g);
       __m256i t[NB][2];
       for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = _mm256_setzero_si256();
@@ -1275,14 +1287,14 @@ TIERED_AVX512_VBMI void int4t_avx512(const Int4W& w, const Act& a, int64_t b0, i
   thread_local Int4Block blk;
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     int4_fill_block_avx512(w, m0, kBlock, G, 136.f, blk);
-    const uint8_t* tile = w.codes + m0 * (K / 2);
+    const uint8_t* tile = w.tile(m0);
     __m512 acc[NB];
     for (int j = 0; j < NB; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       __m512 t[NB][C];
       for (int j = 0; j < NB; ++j)
         for (int c = 0; c < C; ++c) t[j][c] = _mm512_setzero_ps();
-      const uint8_t* p = tile + g * 256;
+      const uint8_t* p = tile + g * w.gstride;
       prefetch_group(w, p, -1, G, g);
       for (int c4 = 0; c4 < 4; ++c4) {
         const __m512i v = _mm512_loadu_si512(p + c4 * 64);
@@ -1318,7 +1330,7 @@ TIERED_AVX512 void int4tq8_avx512(const Int4W& w, const Act& a, int64_t b0, int6
   thread_local Int4Block blk;
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     int4_fill_block_avx512(w, m0, kBlock, G, 0.f, blk);  // zc = zero + residual
-    const uint8_t* tile = w.codes + m0 * (K / 2);
+    const uint8_t* tile = w.tile(m0);
     __m512 acc[NB], cz[NB];
     for (int j = 0; j < NB; ++j) acc[j] = w.bias ? _mm512_loadu_ps(w.bias + m0) : _mm512_setzero_ps(), cz[j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {  // the zero terms: sum_g s m8 + z xsum, in 2 NB independent FMA chains
@@ -1333,7 +1345,7 @@ TIERED_AVX512 void int4tq8_avx512(const Int4W& w, const Act& a, int64_t b0, int6
       __m512i t[NB][2 * C];
       for (int j = 0; j < NB; ++j)
         for (int c = 0; c < 2 * C; ++c) t[j][c] = _mm512_setzero_si512();
-      const uint8_t* p = tile + g * 256;
+      const uint8_t* p = tile + g * w.gstride;
       prefetch_group(w, p, -1, G, g);
       for (int c4 = 0; c4 < 4; ++c4) {
         const __m512i v = _mm512_loadu_si512(p + c4 * 64);
@@ -1373,12 +1385,12 @@ TIERED_AVX512 void int4tq8s_avx512(const Int4W& w, const Act& a, int64_t b0, int
   constexpr int C = NB <= 2 ? 2 : 1;  // chains per nibble half and row
   const Q8Rows<NB> x(a, b0);
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    const uint8_t* tile = w.codes + m0 * (K / 2);
+    const uint8_t* tile = w.tile(m0);
     const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
     __m512 acc[NB], corr[NB];
     for (int j = 0; j < NB; ++j) acc[j] = corr[j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* chunk = tile + g * 256;
+      const uint8_t* chunk = tile + g * w.gstride;
       prefetch_group(w, chunk, next, G, g);
       __m512i t[NB][2 * C];
       for (int j = 0; j < NB; ++j)
@@ -1412,34 +1424,36 @@ TIERED_AVX512 void int4tq8s_avx512(const Int4W& w, const Act& a, int64_t b0, int
 // 16t..16t+15 as w = q * s + (z + zr - 8 s) (blk from gather(.., 8)), written to rows of ldo
 // elements, fp32 (of) or bf16 rounded to nearest even (ob). Every path computes the same mul and
 // add in fp32, so all give identical bits.
-void int4t_dequant_scalar(const Int4Block& blk, const uint8_t* tile, int64_t K, float* of, uint16_t* ob, int64_t ldo) {
+void int4t_dequant_scalar(const Int4Block& blk, const uint8_t* tile, int64_t gstride, int64_t K, float* of, uint16_t* ob,
+                          int64_t ldo) {
   for (int64_t r = 0; r < kBlock; ++r)
     for (int64_t k = 0; k < K; ++k) {
       const int64_t gi = (k / kGroup) * kBlock + r;
-      const float v = float(tiled_code(tile, r, k)) * blk.sc[gi] + blk.zc[gi];
+      const float v = float(tiled_code(tile, gstride, r, k)) * blk.sc[gi] + blk.zc[gi];
       if (of) of[r * ldo + k] = v; else ob[r * ldo + k] = to_bf16(v);
     }
 }
 
 // Row r's 32 codes of group g as bytes in column order: its dword of each of the group's four
 // 64-byte chunks holds columns 8c + j (low nibbles) and 8c + 4 + j (high).
-TIERED_AVX2 inline void tiled_group_codes(const uint8_t* tile, int64_t r, int64_t g, __m128i& c0, __m128i& c1) {
+TIERED_AVX2 inline void tiled_group_codes(const uint8_t* tile, int64_t gstride, int64_t r, int64_t g, __m128i& c0,
+                                          __m128i& c1) {
   int32_t d[4];
-  for (int c = 0; c < 4; ++c) std::memcpy(d + c, tile + g * 256 + c * 64 + 4 * r, 4);
+  for (int c = 0; c < 4; ++c) std::memcpy(d + c, tile + g * gstride + c * 64 + 4 * r, 4);
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d)), m4 = _mm_set1_epi8(15);
   const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
   c0 = _mm_unpacklo_epi32(lo, hi);  // columns 0..15
   c1 = _mm_unpackhi_epi32(lo, hi);  // columns 16..31
 }
 
-TIERED_AVX512 void int4t_dequant_avx512(const Int4Block& blk, const uint8_t* tile, int64_t K, float* of, uint16_t* ob,
-                                        int64_t ldo) {
+TIERED_AVX512 void int4t_dequant_avx512(const Int4Block& blk, const uint8_t* tile, int64_t gstride, int64_t K, float* of,
+                                        uint16_t* ob, int64_t ldo) {
   const int64_t G = K / kGroup;
   const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   for (int64_t r = 0; r < kBlock; ++r)
     for (int64_t g = 0; g < G; ++g) {
       __m128i c[2];
-      tiled_group_codes(tile, r, g, c[0], c[1]);
+      tiled_group_codes(tile, gstride, r, g, c[0], c[1]);
       const __m512 s = _mm512_set1_ps(blk.sc[g * kBlock + r]), z = _mm512_set1_ps(blk.zc[g * kBlock + r]);
       for (int h = 0; h < 2; ++h) {
         const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c[h])), s), z);
@@ -1455,14 +1469,14 @@ TIERED_AVX512 void int4t_dequant_avx512(const Int4Block& blk, const uint8_t* til
     }
 }
 
-TIERED_AVX2 void int4t_dequant_avx2(const Int4Block& blk, const uint8_t* tile, int64_t K, float* of, uint16_t* ob,
-                                    int64_t ldo) {
+TIERED_AVX2 void int4t_dequant_avx2(const Int4Block& blk, const uint8_t* tile, int64_t gstride, int64_t K, float* of,
+                                    uint16_t* ob, int64_t ldo) {
   const int64_t G = K / kGroup;
   const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
   for (int64_t r = 0; r < kBlock; ++r)
     for (int64_t g = 0; g < G; ++g) {
       __m128i c[2];
-      tiled_group_codes(tile, r, g, c[0], c[1]);
+      tiled_group_codes(tile, gstride, r, g, c[0], c[1]);
       const __m256 s = _mm256_set1_ps(blk.sc[g * kBlock + r]), z = _mm256_set1_ps(blk.zc[g * kBlock + r]);
       for (int h = 0; h < 2; ++h) {
         __m256 v[2];
@@ -1494,13 +1508,13 @@ void int4t_dequantize(const Int4W& w, int64_t K, int64_t n0, int64_t n1, float* 
     const int64_t G = K / kGroup;
     for (int64_t t = t0; t < t1; ++t) {
       blk.gather(w, t * kBlock, kBlock, G, 8.f);
-      const uint8_t* tile = w.codes + t * kBlock * (K / 2);
+      const uint8_t* tile = w.tile(t * kBlock);
       const int64_t at = (t * kBlock - n0) * K;
       float* o32 = of ? of + at : nullptr;
       uint16_t* o16 = of ? nullptr : ob + at;
-      if (isa == kAvx512) int4t_dequant_avx512(blk, tile, K, o32, o16, K);
-      else if (isa == kAvx2) int4t_dequant_avx2(blk, tile, K, o32, o16, K);
-      else int4t_dequant_scalar(blk, tile, K, o32, o16, K);
+      if (isa == kAvx512) int4t_dequant_avx512(blk, tile, w.gstride, K, o32, o16, K);
+      else if (isa == kAvx2) int4t_dequant_avx2(blk, tile, w.gstride, K, o32, o16, K);
+      else int4t_dequant_scalar(blk, tile, w.gstride, K, o32, o16, K);
     }
   });
 }
@@ -2198,6 +2212,7 @@ struct ExpertSpec {
               pr.off[2] < 0 ? nullptr : reinterpret_cast<const uint16_t*>(buf + pr.off[2]), 2, 2 * pr.N, 2, 2 * pr.N, 1,
               pr.N, nullptr};
       k4.w.tiled = int4_tiled;  // then sz is [N/16, G, 16, 2] and zr [N/16, G, 16]
+      k4.w.tstride = kBlock * pr.K / 2;
       out = &k4;
     } else if (pr.kind == kInt8 || pr.kind == kInt8G32) {
       k8.in_features = pr.K, k8.out_features = pr.N;
@@ -2357,33 +2372,59 @@ std::shared_ptr<Gemv> make_int4(at::Tensor codes, at::Tensor scale, at::Tensor z
 }
 
 // The tiled layout: codes uint8 [N, K/2] (tiles), sz bf16 [N/16, G, 16, 2], zr bf16 [N/16, G, 16] or none.
-std::shared_ptr<Int4TGemv> make_int4_tiled(at::Tensor codes, at::Tensor sz, c10::optional<at::Tensor> residual,
+// Scales inline (Int4W::inline_sz): codes uint8 [N/16, G, 320] (each group-tile's 256 code bytes, then its
+// 16 (s, z) bf16 pairs) or [N/16, G, 352] (then its 16 residuals), no sz or residual.
+std::shared_ptr<Int4TGemv> make_int4_tiled(at::Tensor codes, c10::optional<at::Tensor> sz_, c10::optional<at::Tensor> residual,
                                            c10::optional<at::Tensor> bias, int64_t q8_from) {
-  TIERED_CHECK(codes.dim() == 2, "int4_tiled_kernel: codes must be uint8 [N, K/2]");
-  const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / kGroup;
-  TIERED_CHECK(K % kGroup == 0 && N % kBlock == 0,
-              "int4_tiled_kernel: needs in-features % 32 == 0 and out-features % 16 == 0, got ", N, " x ", K);
-  check_rows(codes, at::kByte, N, K / 2, "int4_tiled_kernel: codes");
-  TIERED_CHECK(sz.device().is_cpu() && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() &&
-                  sz.sizes() == at::IntArrayRef({N / kBlock, G, kBlock, 2}),
-              "int4_tiled_kernel: sz must be a contiguous CPU bf16 [N/16, K/32, 16, 2] = [", N / kBlock, ", ", G,
-              ", 16, 2] tensor, got ", sz.scalar_type(), " ", sz.sizes());
   auto k = std::make_shared<Int4TGemv>();
   k->q8_from = q8_from;
-  k->in_features = K, k->out_features = N;
-  k->codes = codes, k->s = sz;
-  k->w.codes = codes.data_ptr<uint8_t>();
-  k->w.ldc = K / 2;
   k->w.tiled = true;
-  k->w.s = bf16_ptr(sz), k->w.z = k->w.s + 1;
-  if (residual) {
-    TIERED_CHECK(residual->device().is_cpu() && residual->scalar_type() == at::kBFloat16 && residual->is_contiguous() &&
-                    residual->sizes() == at::IntArrayRef({N / kBlock, G, kBlock}),
-                "int4_tiled_kernel: the zero residual must be a contiguous CPU bf16 [N/16, K/32, 16] tensor, got ",
-                residual->scalar_type(), " ", residual->sizes());
-    k->zr = *residual;
-    k->w.zr = bf16_ptr(k->zr);
+  int64_t N, K;
+  if (codes.dim() == 3) {
+    const int64_t T = codes.size(0), G = codes.size(1), GS = codes.size(2);
+    N = T * kBlock, K = G * kGroup;
+    TIERED_CHECK(!sz_ && !residual, "int4_tiled_kernel: codes with scales inline [N/16, K/32, 320 or 352] take no sz "
+                                   "or residual");
+    TIERED_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                    (GS == 320 || GS == 352) && T > 0 && G > 0,
+                "int4_tiled_kernel: codes with scales inline must be a contiguous CPU uint8 [N/16, K/32, 320 or 352] "
+                "tensor, got ", codes.scalar_type(), " ", codes.sizes());
+    k->codes = codes;
+    const uint8_t* base = codes.data_ptr<uint8_t>();
+    k->w.codes = base;
+    k->w.ldc = K / 2;
+    k->w.inline_sz = true;
+    k->w.gstride = GS, k->w.tstride = G * GS;
+    k->w.s = reinterpret_cast<const uint16_t*>(base + 256), k->w.z = k->w.s + 1;
+    k->w.zr = GS == 352 ? reinterpret_cast<const uint16_t*>(base + 320) : nullptr;  // set: residuals are read
+  } else {
+    TIERED_CHECK(codes.dim() == 2, "int4_tiled_kernel: codes must be uint8 [N, K/2] (or [N/16, K/32, 320 or 352])");
+    TIERED_CHECK(sz_.has_value(), "int4_tiled_kernel: codes [N, K/2] need sz [N/16, K/32, 16, 2]");
+    const at::Tensor& sz = *sz_;
+    N = codes.size(0), K = codes.size(1) * 2;
+    const int64_t G = K / kGroup;
+    TIERED_CHECK(K % kGroup == 0 && N % kBlock == 0,
+                "int4_tiled_kernel: needs in-features % 32 == 0 and out-features % 16 == 0, got ", N, " x ", K);
+    check_rows(codes, at::kByte, N, K / 2, "int4_tiled_kernel: codes");
+    TIERED_CHECK(sz.device().is_cpu() && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() &&
+                    sz.sizes() == at::IntArrayRef({N / kBlock, G, kBlock, 2}),
+                "int4_tiled_kernel: sz must be a contiguous CPU bf16 [N/16, K/32, 16, 2] = [", N / kBlock, ", ", G,
+                ", 16, 2] tensor, got ", sz.scalar_type(), " ", sz.sizes());
+    k->codes = codes, k->s = sz;
+    k->w.codes = codes.data_ptr<uint8_t>();
+    k->w.ldc = K / 2;
+    k->w.tstride = kBlock * K / 2;
+    k->w.s = bf16_ptr(sz), k->w.z = k->w.s + 1;
+    if (residual) {
+      TIERED_CHECK(residual->device().is_cpu() && residual->scalar_type() == at::kBFloat16 && residual->is_contiguous() &&
+                      residual->sizes() == at::IntArrayRef({N / kBlock, G, kBlock}),
+                  "int4_tiled_kernel: the zero residual must be a contiguous CPU bf16 [N/16, K/32, 16] tensor, got ",
+                  residual->scalar_type(), " ", residual->sizes());
+      k->zr = *residual;
+      k->w.zr = bf16_ptr(k->zr);
+    }
   }
+  k->in_features = K, k->out_features = N;
   k->bias = bias_vector(bias, N);
   k->w.bias = k->bias.empty() ? nullptr : k->bias.data();
   return k;
@@ -2710,7 +2751,7 @@ void register_gemv(pybind11::module& m) {
         "bf16 [N, K/32] views (any strides): w = (q - 8) * scale + zero + residual. Holds the tensors (no copy). "
         "act: the activations it reads, 'bf16' (x rounded to bf16, vdpbf16ps) or 'q8' (x quantized to int8 per "
         "group of 32, vpdpbusd: faster, less exact).");
-  m.def("int4_tiled_kernel", [](at::Tensor codes, at::Tensor sz, c10::optional<at::Tensor> residual,
+  m.def("int4_tiled_kernel", [](at::Tensor codes, c10::optional<at::Tensor> sz, c10::optional<at::Tensor> residual,
                                 c10::optional<at::Tensor> bias, const std::string& act,
                                 c10::optional<std::string> batch_act) -> KernelPtr {
           const std::string batch = batch_act ? *batch_act : act;
@@ -2722,10 +2763,11 @@ void register_gemv(pybind11::module& m) {
         py::arg("codes"), py::arg("sz"), py::arg("residual") = py::none(), py::arg("bias") = py::none(),
         py::arg("act") = "bf16", py::arg("batch_act") = py::none(),
         "tiered's int4 GEMV over the tiled layout (kernels/linear.py tiled_codes / tiled_scales): codes uint8 "
-        "[N, K/2], sz bf16 [N/16, K/32, 16, 2] (scale, zero), residual bf16 [N/16, K/32, 16]: "
+        "[N, K/2], sz bf16 [N/16, K/32, 16, 2] (scale, zero), residual bf16 [N/16, K/32, 16]; or the scales "
+        "inline (kernels/linear.py tiled_inline): codes uint8 [N/16, K/32, 320 or 352], sz and residual None: "
         "w = (q - 8) * scale + zero + residual; N % 16 == 0. act as int4_kernel's, for calls of one "
         "activation row; batch_act for calls of two or more (default: act).");
-  m.def("int4_tiled_dequantize", [](at::Tensor codes, at::Tensor sz, c10::optional<at::Tensor> residual,
+  m.def("int4_tiled_dequantize", [](at::Tensor codes, c10::optional<at::Tensor> sz, c10::optional<at::Tensor> residual,
                                     int64_t n0, int64_t n1, bool fp32, c10::optional<at::Tensor> out_) {
           auto k = make_int4_tiled(codes, sz, residual, c10::nullopt, kNeverQ8);
           const int64_t N = k->out_features, K = k->in_features;
