@@ -211,28 +211,29 @@ def test_int4_tiled_dequantize(isa):  # every ISA path gives the same bits
 @pytest.mark.parametrize("N,K", [(48, 64), (32, 576), (16, 160)])
 @pytest.mark.parametrize("residual", [True, False])
 def test_int4_tiled_scales_inline_give_the_same_bits(isa, N, K, residual):
-    """The scales inline (tiled_inline: each group-tile's codes, then its (s, z) pairs, then its
-    residuals: one stream) against the same weight with its scales apart, on every ISA, for every
-    activation kind and batch (the streaming, blocked and int16 paths) and the dequantized weight."""
-    from tiered.kernels.linear import inline_scales, tiled_inline
+    """The scales inline (tiled_inline: each group-tile's 256 code bytes, then its (s, z) pairs: one
+    stream of whole cache lines) against the same weight with its scales apart, on every ISA, for
+    every activation kind and batch (the streaming, blocked and int16 paths), with and without a
+    residual, and the dequantized weight."""
+    from tiered.kernels.linear import inline_codes, inline_scales, tiled_inline
 
     codes, sz, zr, bias, wq, g = int4_case(N, K, N * K + 9)
     tc, ts, tr = tiled_codes(codes), tiled_scales(sz), tiled_residual(zr) if residual else None
-    buf = tiled_inline(tc, ts, tr)
-    assert buf.shape == (N // 16, K // 32, 352 if residual else 320)
-    assert torch.equal(inline_scales(buf), ts)
+    buf = tiled_inline(tc, ts)
+    assert buf.shape == (N // 16, K // 32, 320)
+    assert torch.equal(inline_scales(buf), ts) and torch.equal(inline_codes(buf), tc)
     for act, batch in (("bf16", "bf16"), ("bf16", "q8"), ("q8", "q8")):
         apart = int4_tiled_kernel(tc, ts, tr, bias, act, batch)
-        inline = int4_tiled_kernel(buf, None, None, bias, act, batch)
-        assert inline.name() == apart.name() and inline.weight_bytes() >= apart.weight_bytes() - N * K // 2
+        inline = int4_tiled_kernel(buf, None, tr, bias, act, batch)
+        assert inline.name() == apart.name() and inline.weight_bytes() == apart.weight_bytes()
         for B in (1, 2, 4, 5, 9):
             x = torch.randn(B, K, generator=g)
             assert torch.equal(inline(x), apart(x)), (act, batch, B)
-    assert torch.equal(ext.int4_tiled_dequantize(buf, None, None), ext.int4_tiled_dequantize(tc, ts, tr))
-    with pytest.raises(RuntimeError, match="no sz"):
+    assert torch.equal(ext.int4_tiled_dequantize(buf, None, tr), ext.int4_tiled_dequantize(tc, ts, tr))
+    with pytest.raises(RuntimeError, match="take no sz"):
         ext.int4_tiled_kernel(buf, ts)
-    with pytest.raises(RuntimeError, match="320 or 352"):
-        ext.int4_tiled_kernel(buf[..., :300].contiguous(), None)
+    with pytest.raises(RuntimeError, match="320"):
+        ext.int4_tiled_kernel(torch.cat([buf, buf[..., :32]], dim=-1), None)
 
 
 def test_int4_linear_codes_match_torch_layout():
@@ -437,12 +438,27 @@ def test_q4_blocks_repack_to_the_tiled_layout_bit_for_bit(fmt):
         b = raw.reshape(48, -1, 18)
         m = (rng.standard_normal(b.shape[:2]) * 0.01).astype(np.float16).view(np.uint8).reshape(*b.shape[:2], 2)
         raw = np.concatenate([b[:, :, :2], m, b[:, :, 2:]], axis=-1).reshape(48, -1)
-    ref = int4_segments(*unpack_q4_blocks(raw, fmt), "tiled")
+    from tiered.kernels.linear import tiled_inline
+
+    ref = int4_segments(*unpack_q4_blocks(raw, fmt), "plain")  # (G, N) order: tiled below
+    ref = {"codes": tiled_codes(unpack_q4_blocks(raw, fmt)[0]), "sz": tiled_scales(ref["sz"]),
+           "zr": tiled_residual(ref["zr"])}
     codes, sz, zr = ext.q4_blocks_tiled(torch.from_numpy(raw), 18 if fmt == "Q4_0" else 20)
     assert torch.equal(codes, ref["codes"])
     assert torch.equal(sz.view(torch.int16), ref["sz"].view(torch.int16))
     assert torch.equal(zr.view(torch.int16), ref["zr"].view(torch.int16))
     assert (fmt == "Q4_1") == bool(zr.float().abs().max() > 0)
+    # the scales inline (ExpertFormat's tiled int4 segments): the numpy / torch path's bytes too
+    gw, zr2 = ext.q4_blocks_tiled(torch.from_numpy(raw), 18 if fmt == "Q4_0" else 20, inline_sz=True)
+    segs = int4_segments(*unpack_q4_blocks(raw, fmt), "tiled")
+    assert torch.equal(gw, tiled_inline(codes, sz)) and torch.equal(gw, segs["gw"])
+    assert torch.equal(zr2.view(torch.int16), zr.view(torch.int16)) and torch.equal(zr2.view(torch.int16), segs["zr"].view(torch.int16))
+    gw_out, zr_out = torch.full_like(gw, 7), torch.full_like(zr, 7)
+    got = ext.q4_blocks_tiled(torch.from_numpy(raw), 18 if fmt == "Q4_0" else 20, zr_out=zr_out, inline_out=gw_out)
+    assert got[0].data_ptr() == gw_out.data_ptr() and got[1].data_ptr() == zr_out.data_ptr()
+    assert torch.equal(gw_out, gw) and torch.equal(zr_out.view(torch.int16), zr.view(torch.int16))
+    with pytest.raises(RuntimeError, match="go to inline_out"):
+        ext.q4_blocks_tiled(torch.from_numpy(raw), 18 if fmt == "Q4_0" else 20, codes, inline_out=gw_out)
     with pytest.raises(RuntimeError, match="N % 16"):
         ext.q4_blocks_tiled(torch.from_numpy(raw[:8]), 18 if fmt == "Q4_0" else 20)
     outs = [torch.full_like(t, 7) for t in (codes, sz, zr)]  # written in place: the same bytes

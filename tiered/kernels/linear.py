@@ -71,23 +71,26 @@ def tiled_residual(residual: torch.Tensor) -> torch.Tensor:
     return residual.reshape(G, N // TILE, TILE).transpose(0, 1).contiguous()
 
 
-def tiled_inline(codes: torch.Tensor, sz: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The tiled layout with its scales inline: tiled codes uint8 [N, K/2] (`tiled_codes`), sz bf16
-    [N/16, K/32, 16, 2] (`tiled_scales`) and optionally residual bf16 [N/16, K/32, 16] (`tiled_residual`)
-    -> uint8 [N/16, K/32, 320] (each group-tile's 256 code bytes, then its 16 (scale, zero) pairs) or
-    [N/16, K/32, 352] (then its 16 residuals). A kernel then reads one stream, where the separate
-    scales cost one thread ~25% of its int4 rate (csrc/gemv.cpp Int4W::inline_sz)."""
+def tiled_inline(codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """The tiled layout with its scales inline: tiled codes uint8 [N, K/2] (`tiled_codes`) and sz bf16
+    [N/16, K/32, 16, 2] (`tiled_scales`) -> uint8 [N/16, K/32, 320]: each group-tile's 256 code bytes,
+    then its 16 (scale, zero) pairs, five whole cache lines. A kernel then reads one stream where the
+    separate scales cost one thread up to ~25% of its int4 rate (csrc/gemv.cpp Int4W::inline_sz). A
+    zero residual (`tiled_residual`) stays a tensor of its own."""
     T, G = sz.shape[:2]
-    parts = [codes.reshape(T, G, 256), sz.contiguous().view(torch.uint8).reshape(T, G, 64)]
-    if residual is not None:
-        parts.append(residual.contiguous().view(torch.uint8).reshape(T, G, 32))
-    return torch.cat(parts, dim=-1)
+    return torch.cat([codes.reshape(T, G, 256), sz.contiguous().view(torch.uint8).reshape(T, G, 64)], dim=-1)
 
 
 def inline_scales(buf: torch.Tensor) -> torch.Tensor:
-    """The (scale, zero) pairs of a `tiled_inline` buffer uint8 [N/16, K/32, 320 or 352], as a bf16
+    """The (scale, zero) pairs of a `tiled_inline` buffer uint8 [N/16, K/32, 320], as a bf16
     [N/16, K/32, 16, 2] view of it (not contiguous: `tiled_scales`' layout, strided)."""
     return buf.view(torch.bfloat16)[..., 128:160].unflatten(-1, (TILE, 2))
+
+
+def inline_codes(buf: torch.Tensor) -> torch.Tensor:
+    """The tiled codes of a `tiled_inline` buffer, uint8 [N, K/2] as `tiled_codes` lays them out (a copy)."""
+    T, G = buf.shape[:2]
+    return buf[..., :256].reshape(T * TILE, G * 256 // TILE)
 
 
 def untiled_scales(sz: torch.Tensor) -> torch.Tensor:
@@ -159,7 +162,7 @@ def int4_tiled_kernel(codes: torch.Tensor, sz: torch.Tensor | None, residual: to
                       bias: torch.Tensor | None = None, act: str = "bf16", batch_act: str | None = None):
     """Our int4 kernel over the tiled layout: codes uint8 [N, K/2] (`tiled_codes`), sz bf16
     [N/16, K/32, 16, 2] (`tiled_scales`), optional residual bf16 [N/16, K/32, 16] (`tiled_residual`);
-    or the scales inline: codes uint8 [N/16, K/32, 320 or 352] (`tiled_inline`), sz and residual None.
+    or the scales inline: codes uint8 [N/16, K/32, 320] (`tiled_inline`), sz None (the residual as before).
     w = (q - 8) * scale + zero + residual. One SIMD lane per output row: at batch 1 it reads near the
     memory bandwidth and at batch 8 it converts each weight once for all 8 rows. act as `int4_kernel`,
     for calls of one activation row; batch_act (default act) for calls of two or more. None without
@@ -273,6 +276,11 @@ def expert_spec(fmt):
     if any(k == "int8-g32" and (fmt.int4_layout != "tiled" or not int8_tiles(*s)) for k, s in zip(fmt.kinds, fmt.shapes)):
         return None
     offsets = [[off for _, off, _, _ in segs] for segs in fmt._layout]
+    # a tiled int4 projection holds its codes with their scales inline, then its residuals: the
+    # kernel's three offsets are the codes, the first (s, z) line (+256: how ExpertSpec tells the
+    # inline form) and the residuals
+    offsets = [[o[0], o[0] + 256, o[1]] if k == "int4" and fmt.int4_layout == "tiled" else o
+               for o, k in zip(offsets, fmt.kinds)]
     if fmt.exact_zeros:  # the int4 residuals are all zero: not read (ExpertSpec: offset -1)
         offsets = [o[:2] + [-1] if k == "int4" else o for o, k in zip(offsets, fmt.kinds)]
     if fmt.int4_layout == "tiled":

@@ -92,9 +92,8 @@ def _segments(kind: str, N: int, K: int, int4_layout: str = "cpu") -> list[tuple
         return [("qt", (N, K), torch.uint8), ("st", (N // 16, K // GROUP, 16), torch.float16)]
     if kind == "int8-g32":
         return [("q", (N, K), torch.int8), ("scale", (N, K // GROUP), torch.float16)]
-    if kind == "int4" and int4_layout == "tiled":  # each 16-row tile's scales in one run (kernels/linear.py)
-        return [("codes", (N, K // 2), torch.uint8), ("sz", (N // 16, K // GROUP, 16, 2), torch.bfloat16),
-                ("zr", (N // 16, K // GROUP, 16), torch.bfloat16)]
+    if kind == "int4" and int4_layout == "tiled":  # each group-tile's codes then scales (tiled_inline), residuals
+        return [("gw", (N // 16, K // GROUP, 320), torch.uint8), ("zr", (N // 16, K // GROUP, 16), torch.bfloat16)]
     if kind == "int4":
         return [("codes", (N, K // 2), torch.uint8), ("sz", (K // GROUP, N, 2), torch.bfloat16),
                 ("zr", (K // GROUP, N), torch.bfloat16)]
@@ -426,7 +425,7 @@ def _row_groups(slots: list, bounds: list[int]) -> tuple[list, list[int]]:
 
 def int4_segments(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
     """int4 segments from codes int32 [N, K] (0..15), scale / zero fp32 [N, K/32] (w = (q-8)s + z)."""
-    from tiered.kernels.linear import tiled_codes, tiled_residual, tiled_scales
+    from tiered.kernels.linear import tiled_codes, tiled_inline, tiled_residual, tiled_scales
 
     if layout == "cpu":
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
@@ -437,8 +436,8 @@ def int4_segments(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, 
         packed = c[:, 0::2] | (c[:, 1::2] << 4)  # (N, K/2): even column in the low nibble
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)  # (G, N, 2)
     zr = (zero.T - sz[..., 1].float()).to(torch.bfloat16)  # (G, N): what rounding the zero lost
-    if layout == "tiled":
-        return {"codes": packed, "sz": tiled_scales(sz), "zr": tiled_residual(zr)}
+    if layout == "tiled":  # the scales inline: the kernels read one stream (two with residuals)
+        return {"gw": tiled_inline(packed, tiled_scales(sz)), "zr": tiled_residual(zr)}
     return {"codes": packed, "sz": sz, "zr": zr}
 
 
@@ -451,9 +450,9 @@ def _plain_codes(packed: torch.Tensor) -> torch.Tensor:
 def _group_tensors(v: dict[str, torch.Tensor], int4_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """An int4 projection's (sz [G, N, 2], zr [G, N]) whatever its layout (views for cpu / plain)."""
     if int4_layout == "tiled":
-        from tiered.kernels.linear import untiled_residual, untiled_scales
+        from tiered.kernels.linear import inline_scales, untiled_residual, untiled_scales
 
-        return untiled_scales(v["sz"]), untiled_residual(v["zr"])
+        return untiled_scales(inline_scales(v["gw"])), untiled_residual(v["zr"])
     return v["sz"], v["zr"]
 
 
@@ -483,7 +482,8 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
         except (RuntimeError, NotImplementedError):
             pass  # no kernel for this device / shape: dequantize below
     K = x.shape[-1]
-    N = v["codes"].shape[0] if kind == "int4" else v["qt" if "qt" in v else "q"].shape[0]
+    N = (v["gw"].shape[0] * 16 if "gw" in v else v["codes"].shape[0]) if kind == "int4" else \
+        v["qt" if "qt" in v else "q"].shape[0]
     return F.linear(x, dequantize_projection(v, kind, N, K, int4_layout).to(x.dtype))
 
 
@@ -496,12 +496,12 @@ def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor], a
 
     ext = load() if x.device.type == "cpu" else None
     if ext is not None and x.shape[0] <= NATIVE_ROWS:
-        return ext.int4_tiled_kernel(v["codes"], v["sz"], v["zr"], None, act)(x).to(x.dtype)
+        return ext.int4_tiled_kernel(v["gw"], None, v["zr"], None, act)(x).to(x.dtype)
     fp32 = x.dtype == torch.float32
     if ext is not None:
-        w = tiled_dequantize(v["codes"], v["sz"], v["zr"], fp32)  # a reused buffer: no fresh pages per call
+        w = tiled_dequantize(v["gw"], None, v["zr"], fp32)  # a reused buffer: no fresh pages per call
     else:
-        N, K = v["codes"].shape[0], x.shape[-1]
+        N, K = v["gw"].shape[0] * 16, x.shape[-1]
         w = dequantize_projection(v, "int4", N, K, "tiled").to(torch.float32 if fp32 else torch.bfloat16)
     return F.linear(x if fp32 else xb, w).to(x.dtype)
 
@@ -555,9 +555,9 @@ def dequantize_projection(v: dict[str, torch.Tensor], kind: str, N: int, K: int,
         w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, v["codes"], GROUP, v["sz"]).float().T
         return w + residual
     if int4_layout == "tiled":
-        from tiered.kernels.linear import untiled_codes
+        from tiered.kernels.linear import inline_codes, untiled_codes
 
-        codes = untiled_codes(v["codes"]).float().reshape(N, K // GROUP, GROUP)
+        codes = untiled_codes(inline_codes(v["gw"])).float().reshape(N, K // GROUP, GROUP)
     else:
         codes = _plain_codes(v["codes"]).float().reshape(N, K // GROUP, GROUP)
     scale, zero = sz[..., 0].T[..., None], sz[..., 1].T[..., None]  # (N, G, 1)

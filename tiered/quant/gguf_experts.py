@@ -97,9 +97,9 @@ def projection_segments(handle, kind: str, int4_layout: str,
     if handle.format in ("Q4_0", "Q4_1") and kind == "int4":
         ext = load() if int4_layout == "tiled" else None
         if ext is not None:  # the same bytes in one native pass (~50x the numpy / torch path below)
-            codes, sz, zr = ext.q4_blocks_tiled(_raw_blocks(handle), 18 if handle.format == "Q4_0" else 20,
-                                                out.get("codes"), out.get("sz"), out.get("zr"))
-            return {"codes": codes, "sz": sz, "zr": zr}
+            gw, zr = ext.q4_blocks_tiled(_raw_blocks(handle), 18 if handle.format == "Q4_0" else 20,
+                                         zr_out=out.get("zr"), inline_sz=True, inline_out=out.get("gw"))
+            return {"gw": gw, "zr": zr}
         return int4_segments(*unpack_q4_blocks(handle.blocks(), handle.format), int4_layout)
     if handle.format == "Q4_K" and kind == "int4":
         return int4_segments(*unpack_q4k_blocks(handle.blocks()), int4_layout)

@@ -82,11 +82,13 @@ struct Int4W {
   int64_t s_n, s_g, z_n, z_g, zr_n, zr_g;  // element strides
   const float* bias;  // [N] or null
   // The tiled layout: tile t (rows 16t..16t+15) starts at codes + t * tstride, its group g's 256 code
-  // bytes at + g * gstride. Scales apart (gstride 256): s = sz [N/16, G, 16, 2] (z = s + 1), zr
-  // [N/16, G, 16] (strides unused), a tile's scales and zeros one contiguous run. Scales inline
-  // (inline_sz; gstride 320, or 352 with residuals): each group's code bytes are followed by its 16
-  // (s, z) bf16 pairs (64 B) and its 16 residuals (32 B; read when zr is set), so that a kernel reads
-  // one stream (a second stream of scales cost one thread ~25% of its int4 rate, sessions 18-19).
+  // bytes at + g * gstride. Scales apart (gstride 256): s = sz [N/16, G, 16, 2] (z = s + 1), a tile's
+  // scales and zeros one contiguous run. Scales inline (inline_sz, gstride 320: five whole cache
+  // lines a group): each group's code bytes are followed by its 16 (s, z) bf16 pairs, so that a
+  // kernel reads one stream (a second stream of scales cost one thread up to ~25% of its int4 rate,
+  // sessions 18-19). Residuals, when read, are zr [N/16, G, 16] either way (strides unused): inline
+  // too, a group-tile would be 352 bytes, and half the groups' 64-byte code loads would straddle two
+  // lines (1.2-1.4x slower calls of 5-8 rows).
   bool tiled = false;
   bool inline_sz = false;
   int64_t gstride = 256, tstride = 0;  // bytes per group of a tile, per tile
@@ -94,9 +96,7 @@ struct Int4W {
   const uint16_t* tile_sz(int64_t m0, int64_t G, int64_t g) const {
     return inline_sz ? reinterpret_cast<const uint16_t*>(tile(m0) + g * gstride + 256) : s + ((m0 / 16) * G + g) * 32;
   }
-  const uint16_t* tile_zr(int64_t m0, int64_t G, int64_t g) const {
-    return inline_sz ? reinterpret_cast<const uint16_t*>(tile(m0) + g * gstride + 320) : zr + ((m0 / 16) * G + g) * 16;
-  }
+  const uint16_t* tile_zr(int64_t m0, int64_t G, int64_t g) const { return zr + ((m0 / 16) * G + g) * 16; }
 };
 
 struct Int8W {
@@ -862,9 +862,14 @@ inline void prefetch_tile_scales(const Int4W& w, int64_t m0, int64_t G, int64_t 
 
 // A tiled kernel's prefetches for group g of a tile: its 4 code lines kPrefetchAhead bytes ahead
 // (codes: the group's 256 bytes), and the next tile's scales (next: that tile's first row, or -1).
-inline void prefetch_group(const Int4W& w, const uint8_t* codes, int64_t next, int64_t G, int64_t g) {
+// With the scales inline they are in the code stream, so only kernels that read a tile's scales in
+// a pass of their own before its codes (block_fill: int4_fill_block_avx512, int4t_fill_block_avx2)
+// fetch them ahead: that pass reads G lines 320 bytes apart.
+inline void prefetch_group(const Int4W& w, const uint8_t* codes, int64_t next, int64_t G, int64_t g,
+                           bool block_fill = false) {
   for (int l = 0; l < 4; ++l) prefetch_stream(codes + kPrefetchAhead + 64 * l);
-  if (next >= 0 && !w.inline_sz) prefetch_tile_scales(w, next, G, g);  // inline: in the code stream
+  if (w.inline_sz) prefetch_stream(codes + kPrefetchAhead + 256);  // the group's (s, z) line, in the stream
+  if (next >= 0 && (!w.inline_sz || block_fill)) prefetch_tile_scales(w, next, G, g);
 }
 
 // A tile's scales and zero terms (offset 8) from its contiguous [G, 16, 2] bf16 run (and [G, 16]
@@ -1067,7 +1072,7 @@ TIERED_AVX2 inline __attribute__((always_inline)) void int4tq8_chunk_avx2(const 
 TIERED_AVX2 inline void int4tq8_unpack_avx2(const Int4W& w, int64_t m0, int64_t next, int64_t G, __m256i* u) {
   const uint8_t* tile = w.tile(m0);
   for (int64_t g = 0; g < G; ++g) {
-    prefetch_group(w, tile + g * w.gstride, next, G, g);
+    prefetch_group(w, tile + g * w.gstride, next, G, g, true);
     for (int c4 = 0; c4 < 4; ++c4) {
       __m256i q[4];
       int4tq8_chunk_avx2(tile + g * w.gstride + 64 * c4, q);
@@ -1295,7 +1300,7 @@ TIERED_AVX512_VBMI void int4t_avx512(const Int4W& w, const Act& a, int64_t b0, i
       for (int j = 0; j < NB; ++j)
         for (int c = 0; c < C; ++c) t[j][c] = _mm512_setzero_ps();
       const uint8_t* p = tile + g * w.gstride;
-      prefetch_group(w, p, -1, G, g);
+      prefetch_group(w, p, w.inline_sz && m0 + kBlock < n1 ? m0 + kBlock : -1, G, g, true);
       for (int c4 = 0; c4 < 4; ++c4) {
         const __m512i v = _mm512_loadu_si512(p + c4 * 64);
         for (int jj = 0; jj < 4; ++jj) {
@@ -1327,26 +1332,17 @@ TIERED_AVX512 void int4tq8_avx512(const Int4W& w, const Act& a, int64_t b0, int6
     xq[j] = a.xqt + b * K, dx[j] = a.dxg + b * G, m8[j] = a.m8 + b * a.Gp, xs[j] = a.xsum + b * a.Gp;
   }
   const __m512i m4 = _mm512_set1_epi8(15);
-  thread_local Int4Block blk;
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    int4_fill_block_avx512(w, m0, kBlock, G, 0.f, blk);  // zc = zero + residual
     const uint8_t* tile = w.tile(m0);
-    __m512 acc[NB], cz[NB];
+    const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
+    __m512 acc[NB], cz[NB];  // cz: the zero terms sum_g (z + zr) xsum, a chain of its own per row
     for (int j = 0; j < NB; ++j) acc[j] = w.bias ? _mm512_loadu_ps(w.bias + m0) : _mm512_setzero_ps(), cz[j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {  // the zero terms: sum_g s m8 + z xsum, in 2 NB independent FMA chains
-      const __m512 sv = _mm512_loadu_ps(blk.sc.data() + g * kBlock), zv = _mm512_loadu_ps(blk.zc.data() + g * kBlock);
-      for (int j = 0; j < NB; ++j) {
-        acc[j] = _mm512_fmadd_ps(sv, _mm512_set1_ps(m8[j][g]), acc[j]);
-        cz[j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[j][g]), cz[j]);
-      }
-    }
-    for (int j = 0; j < NB; ++j) acc[j] = _mm512_add_ps(acc[j], cz[j]);
     for (int64_t g = 0; g < G; ++g) {
       __m512i t[NB][2 * C];
       for (int j = 0; j < NB; ++j)
         for (int c = 0; c < 2 * C; ++c) t[j][c] = _mm512_setzero_si512();
       const uint8_t* p = tile + g * w.gstride;
-      prefetch_group(w, p, -1, G, g);
+      prefetch_group(w, p, next, G, g);
       for (int c4 = 0; c4 < 4; ++c4) {
         const __m512i v = _mm512_loadu_si512(p + c4 * 64);
         const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
@@ -1358,14 +1354,19 @@ TIERED_AVX512 void int4tq8_avx512(const Int4W& w, const Act& a, int64_t b0, int6
           t[j][2 * c + 1] = _mm512_dpbusd_epi32(t[j][2 * c + 1], hi, _mm512_set1_epi32(x1));
         }
       }
-      const __m512 sv = _mm512_loadu_ps(blk.sc.data() + g * kBlock);
+      // the group's scales where they are used (no per-tile pass: with the scales inline, that pass
+      // waited on lines 320 bytes apart): y += s (dx dot + m8) + (z + zr) xsum
+      __m512 sv, zv;
+      tile_scales_avx512(w, m0, G, g, sv, zv);
       for (int j = 0; j < NB; ++j) {
         __m512i s = _mm512_add_epi32(t[j][0], t[j][1]);
         for (int c = 2; c < 2 * C; ++c) s = _mm512_add_epi32(s, t[j][c]);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(sv, _mm512_set1_ps(dx[j][g])), acc[j]);
+        const __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dx[j][g]), _mm512_set1_ps(m8[j][g]));
+        acc[j] = _mm512_fmadd_ps(d, sv, acc[j]);
+        cz[j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[j][g]), cz[j]);
       }
     }
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(y + (b0 + j) * ldy + m0, acc[j]);
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(y + (b0 + j) * ldy + m0, _mm512_add_ps(acc[j], cz[j]));
   }
 }
 
@@ -1983,20 +1984,36 @@ at::Tensor out_or_empty(const c10::optional<at::Tensor>& out, at::IntArrayRef sh
 }
 
 std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, const c10::optional<at::Tensor>& codes_out,
-                                        const c10::optional<at::Tensor>& sz_out, const c10::optional<at::Tensor>& zr_out) {
+                                        const c10::optional<at::Tensor>& sz_out, const c10::optional<at::Tensor>& zr_out,
+                                        bool inline_sz, const c10::optional<at::Tensor>& inline_out) {
   TIERED_CHECK(block == 18 || block == 20, "q4_blocks_tiled: block must be 18 (Q4_0) or 20 (Q4_1)");
   TIERED_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
               "q4_blocks_tiled: raw must be CPU uint8 [N, K/32 * ", block, "], got ", raw0.sizes());
   const at::Tensor raw = raw0.contiguous();
   const int64_t N = raw.size(0), G = raw.size(1) / block, K = G * kGroup;
   TIERED_CHECK(N % kBlock == 0 && G > 0, "q4_blocks_tiled: needs N % 16 == 0, got N = ", N);
-  auto codes = out_or_empty(codes_out, {N, K / 2}, at::kByte, "q4_blocks_tiled: codes_out");
-  auto sz = out_or_empty(sz_out, {N / kBlock, G, kBlock, 2}, at::kBFloat16, "q4_blocks_tiled: sz_out");
-  auto zr = out_or_empty(zr_out, {N / kBlock, G, kBlock}, at::kBFloat16, "q4_blocks_tiled: zr_out");
+  inline_sz = inline_sz || inline_out.has_value();
+  TIERED_CHECK(!inline_sz || (!codes_out && !sz_out),
+              "q4_blocks_tiled: with the scales inline, codes and scales go to inline_out");
+  at::Tensor codes, sz, gw;
+  constexpr int64_t GS = 320;  // inline: a group-tile's codes, then its (s, z) pairs
+  if (inline_sz) {
+    gw = out_or_empty(inline_out, {N / kBlock, G, GS}, at::kByte, "q4_blocks_tiled: inline_out");
+  } else {
+    codes = out_or_empty(codes_out, {N, K / 2}, at::kByte, "q4_blocks_tiled: codes_out");
+    sz = out_or_empty(sz_out, {N / kBlock, G, kBlock, 2}, at::kBFloat16, "q4_blocks_tiled: sz_out");
+  }
+  at::Tensor zr = out_or_empty(zr_out, {N / kBlock, G, kBlock}, at::kBFloat16, "q4_blocks_tiled: zr_out");
   const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t* dst = codes.data_ptr<uint8_t>();
-  uint16_t* szp = reinterpret_cast<uint16_t*>(sz.data_ptr<at::BFloat16>());
-  uint16_t* zrp = reinterpret_cast<uint16_t*>(zr.data_ptr<at::BFloat16>());
+  // group g of tile t: its 256 code bytes, 16 (s, z) pairs and 16 residuals (apart, or inline in gw)
+  uint8_t* const base = inline_sz ? gw.data_ptr<uint8_t>() : codes.data_ptr<uint8_t>();
+  uint16_t* const szb = inline_sz ? nullptr : reinterpret_cast<uint16_t*>(sz.data_ptr<at::BFloat16>());
+  uint16_t* const zrb = reinterpret_cast<uint16_t*>(zr.data_ptr<at::BFloat16>());
+  auto group_codes = [&](int64_t t, int64_t g) { return inline_sz ? base + (t * G + g) * GS : base + t * kBlock * (K / 2) + g * 256; };
+  auto group_sz = [&](int64_t t, int64_t g) {
+    return inline_sz ? reinterpret_cast<uint16_t*>(base + (t * G + g) * GS + 256) : szb + (t * G + g) * 32;
+  };
+  auto group_zr = [&](int64_t t, int64_t g) { return zrb + (t * G + g) * 16; };
   auto half = [](const uint8_t* p) {  // the fp16 at p (unaligned)
     uint16_t h;
     std::memcpy(&h, p, 2);
@@ -2005,7 +2022,6 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
   at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
     uint8_t q[kGroup];
     for (int64_t t = t0; t < t1; ++t) {
-      uint8_t* tile = dst + t * kBlock * (K / 2);
       for (int64_t r = 0; r < kBlock; ++r) {
         const uint8_t* row = src + (t * kBlock + r) * G * block;
         for (int64_t g = 0; g < G; ++g) {
@@ -2014,20 +2030,22 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
           volatile float e = 8.f * d;  // two roundings, as numpy's m + 8.0 * d (no fused multiply-add)
           const float zero = block == 20 ? half(b + 2) + e : 0.f;
           const uint16_t zb = to_bf16(zero);
-          const int64_t at_ = (t * G + g) * kBlock + r;
-          szp[2 * at_] = to_bf16(d);
-          szp[2 * at_ + 1] = zb;
-          zrp[at_] = to_bf16(zero - bf16f(zb));
+          uint16_t* szp = group_sz(t, g);
+          szp[2 * r] = to_bf16(d);
+          szp[2 * r + 1] = zb;
+          group_zr(t, g)[r] = to_bf16(zero - bf16f(zb));
           const uint8_t* qs = b + block - 16;
           for (int j = 0; j < 16; ++j) q[j] = qs[j] & 0x0F, q[16 + j] = qs[j] >> 4;
+          uint8_t* gc = group_codes(t, g);
           for (int c = 0; c < 4; ++c) {  // the group's 4 chunks of 8 columns: byte 4r + j = q[8c + j] | q[8c + 4 + j] << 4
-            uint8_t* out = tile + (4 * g + c) * 64 + 4 * r;
+            uint8_t* out = gc + c * 64 + 4 * r;
             for (int j = 0; j < 4; ++j) out[j] = uint8_t(q[8 * c + j] | (q[8 * c + 4 + j] << 4));
           }
         }
       }
     }
   });
+  if (inline_sz) return {gw, zr};
   return {codes, sz, zr};
 }
 
@@ -2196,7 +2214,9 @@ struct ExpertSpec {
   struct Proj {
     int kind;
     int64_t N, K;
-    int64_t off[3];  // bf16: w; int8: q, scale; int4: codes, sz, zr (-1: zeros exact, no residual read); int8-g32 (tiled): qt, st
+    // bf16: w; int8: q, scale; int4: codes, sz, zr (-1: zeros exact, no residual read); int4 tiled with the
+    // scales inline ([N/16, K/32, 320] then zr): its offset, + 256, zr's (or -1); int8-g32 (tiled): qt, st
+    int64_t off[3];
   };
   Proj p[3];
   int64_t nbytes = 0;
@@ -2213,6 +2233,10 @@ struct ExpertSpec {
               pr.N, nullptr};
       k4.w.tiled = int4_tiled;  // then sz is [N/16, G, 16, 2] and zr [N/16, G, 16]
       k4.w.tstride = kBlock * pr.K / 2;
+      if (int4_tiled && pr.off[1] == pr.off[0] + 256) {  // the scales inline (ExpertFormat's tiled int4)
+        k4.w.inline_sz = true;
+        k4.w.gstride = 320, k4.w.tstride = (pr.K / kGroup) * 320;
+      }
       out = &k4;
     } else if (pr.kind == kInt8 || pr.kind == kInt8G32) {
       k8.in_features = pr.K, k8.out_features = pr.N;
@@ -2373,7 +2397,7 @@ std::shared_ptr<Gemv> make_int4(at::Tensor codes, at::Tensor scale, at::Tensor z
 
 // The tiled layout: codes uint8 [N, K/2] (tiles), sz bf16 [N/16, G, 16, 2], zr bf16 [N/16, G, 16] or none.
 // Scales inline (Int4W::inline_sz): codes uint8 [N/16, G, 320] (each group-tile's 256 code bytes, then its
-// 16 (s, z) bf16 pairs) or [N/16, G, 352] (then its 16 residuals), no sz or residual.
+// 16 (s, z) bf16 pairs), no sz; the residual as above.
 std::shared_ptr<Int4TGemv> make_int4_tiled(at::Tensor codes, c10::optional<at::Tensor> sz_, c10::optional<at::Tensor> residual,
                                            c10::optional<at::Tensor> bias, int64_t q8_from) {
   auto k = std::make_shared<Int4TGemv>();
@@ -2383,11 +2407,10 @@ std::shared_ptr<Int4TGemv> make_int4_tiled(at::Tensor codes, c10::optional<at::T
   if (codes.dim() == 3) {
     const int64_t T = codes.size(0), G = codes.size(1), GS = codes.size(2);
     N = T * kBlock, K = G * kGroup;
-    TIERED_CHECK(!sz_ && !residual, "int4_tiled_kernel: codes with scales inline [N/16, K/32, 320 or 352] take no sz "
-                                   "or residual");
-    TIERED_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                    (GS == 320 || GS == 352) && T > 0 && G > 0,
-                "int4_tiled_kernel: codes with scales inline must be a contiguous CPU uint8 [N/16, K/32, 320 or 352] "
+    TIERED_CHECK(!sz_, "int4_tiled_kernel: codes with the scales inline [N/16, K/32, 320] take no sz");
+    TIERED_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.is_contiguous() && GS == 320 &&
+                    T > 0 && G > 0,
+                "int4_tiled_kernel: codes with the scales inline must be a contiguous CPU uint8 [N/16, K/32, 320] "
                 "tensor, got ", codes.scalar_type(), " ", codes.sizes());
     k->codes = codes;
     const uint8_t* base = codes.data_ptr<uint8_t>();
@@ -2396,9 +2419,8 @@ std::shared_ptr<Int4TGemv> make_int4_tiled(at::Tensor codes, c10::optional<at::T
     k->w.inline_sz = true;
     k->w.gstride = GS, k->w.tstride = G * GS;
     k->w.s = reinterpret_cast<const uint16_t*>(base + 256), k->w.z = k->w.s + 1;
-    k->w.zr = GS == 352 ? reinterpret_cast<const uint16_t*>(base + 320) : nullptr;  // set: residuals are read
   } else {
-    TIERED_CHECK(codes.dim() == 2, "int4_tiled_kernel: codes must be uint8 [N, K/2] (or [N/16, K/32, 320 or 352])");
+    TIERED_CHECK(codes.dim() == 2, "int4_tiled_kernel: codes must be uint8 [N, K/2] (or [N/16, K/32, 320])");
     TIERED_CHECK(sz_.has_value(), "int4_tiled_kernel: codes [N, K/2] need sz [N/16, K/32, 16, 2]");
     const at::Tensor& sz = *sz_;
     N = codes.size(0), K = codes.size(1) * 2;
@@ -2415,14 +2437,14 @@ std::shared_ptr<Int4TGemv> make_int4_tiled(at::Tensor codes, c10::optional<at::T
     k->w.ldc = K / 2;
     k->w.tstride = kBlock * K / 2;
     k->w.s = bf16_ptr(sz), k->w.z = k->w.s + 1;
-    if (residual) {
-      TIERED_CHECK(residual->device().is_cpu() && residual->scalar_type() == at::kBFloat16 && residual->is_contiguous() &&
-                      residual->sizes() == at::IntArrayRef({N / kBlock, G, kBlock}),
-                  "int4_tiled_kernel: the zero residual must be a contiguous CPU bf16 [N/16, K/32, 16] tensor, got ",
-                  residual->scalar_type(), " ", residual->sizes());
-      k->zr = *residual;
-      k->w.zr = bf16_ptr(k->zr);
-    }
+  }
+  if (residual) {
+    TIERED_CHECK(residual->device().is_cpu() && residual->scalar_type() == at::kBFloat16 && residual->is_contiguous() &&
+                    residual->sizes() == at::IntArrayRef({N / kBlock, K / kGroup, kBlock}),
+                "int4_tiled_kernel: the zero residual must be a contiguous CPU bf16 [N/16, K/32, 16] tensor, got ",
+                residual->scalar_type(), " ", residual->sizes());
+    k->zr = *residual;
+    k->w.zr = bf16_ptr(k->zr);
   }
   k->in_features = K, k->out_features = N;
   k->bias = bias_vector(bias, N);
@@ -2764,7 +2786,7 @@ void register_gemv(pybind11::module& m) {
         py::arg("act") = "bf16", py::arg("batch_act") = py::none(),
         "tiered's int4 GEMV over the tiled layout (kernels/linear.py tiled_codes / tiled_scales): codes uint8 "
         "[N, K/2], sz bf16 [N/16, K/32, 16, 2] (scale, zero), residual bf16 [N/16, K/32, 16]; or the scales "
-        "inline (kernels/linear.py tiled_inline): codes uint8 [N/16, K/32, 320 or 352], sz and residual None: "
+        "inline (kernels/linear.py tiled_inline): codes uint8 [N/16, K/32, 320], sz None, the residual as before: "
         "w = (q - 8) * scale + zero + residual; N % 16 == 0. act as int4_kernel's, for calls of one "
         "activation row; batch_act for calls of two or more (default: act).");
   m.def("int4_tiled_dequantize", [](at::Tensor codes, c10::optional<at::Tensor> sz, c10::optional<at::Tensor> residual,
@@ -2850,11 +2872,13 @@ void register_gemv(pybind11::module& m) {
            "float32 or bfloat16, topk_idx int64 [N, k], topk_weight [N, k] in x's dtype -> out [N, D] in x's dtype, "
            "bit for bit the per-expert path's index_add_ of ys * weight in expert order (at most 8 rows per expert).");
   m.def("q4_blocks_tiled", &q4_blocks_tiled, py::arg("raw"), py::arg("block"), py::arg("codes_out") = py::none(),
-        py::arg("sz_out") = py::none(), py::arg("zr_out") = py::none(),
+        py::arg("sz_out") = py::none(), py::arg("zr_out") = py::none(), py::arg("inline_sz") = false,
+        py::arg("inline_out") = py::none(),
         "GGUF Q4_0 (block 18) / Q4_1 (block 20) blocks uint8 [N, K/32 * block] -> (codes uint8 [N, K/2] in the tiled "
         "layout, sz bf16 [N/16, K/32, 16, 2], zero residual bf16 [N/16, K/32, 16]): quant/int4.unpack_q4_blocks then "
-        "quant/experts.int4_segments(layout='tiled'), bit for bit. *_out: write into these (contiguous, those shapes "
-        "and dtypes, e.g. views of an expert's slot) instead of new tensors.");
+        "kernels/linear.tiled_codes / tiled_scales / tiled_residual, bit for bit. *_out: write into these (contiguous, "
+        "those shapes and dtypes, e.g. views of an expert's slot) instead of new tensors. inline_sz (or inline_out "
+        "given): (codes and scales inline, uint8 [N/16, K/32, 320] as kernels/linear.tiled_inline, and the residual).");
   m.def("q8_blocks_tiled", &q8_blocks_tiled, py::arg("raw"), py::arg("qt_out") = py::none(), py::arg("st_out") = py::none(),
         "GGUF Q8_0 blocks uint8 [N, K/32 * 34] -> (qt uint8 [N, K] in the tiled int8 layout, st float16 [N/16, K/32, 16]): "
         "quant/gguf_experts.unpack_q8_blocks then quant/experts.int8_g32_segments(layout='tiled'), bit for bit. *_out: "
