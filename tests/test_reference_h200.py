@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from tiered.planner.reference import compare, load_reference, model_config
+from reference_cases import TOLERANCE, cases, compared_rows
+from tiered.planner.reference import load_reference, model_config
 
 REF = Path(__file__).resolve().parents[1] / "benchmarks" / "reference" / "h200-2026-11-22" / "measured.json"
 GiB = 2**30
-TOLERANCE = 0.25
 
 # The CPU-only rows: the profile's CPU keys (bf16 GEMV 93 GB/s, read bandwidth 84 GB/s, bf16 GEMM
 # 1.8 TMAC/s, all timed on operands of at most 64 MiB) price a decode step at 85-90 GB/s and a
@@ -31,22 +31,10 @@ UNMET = {
 
 @pytest.fixture(scope="module")
 def rows():
-    ref, hw = load_reference(REF)
-    return {r["name"]: r for r in compare(ref, hw)}
+    return compared_rows(REF)
 
 
-def _cases():
-    ref, _ = load_reference(REF)
-    for row in ref["rows"]:
-        if not row.get("comparable", True):
-            continue
-        for metric in ("decode_tokens_per_s", "ttft_s"):
-            reason = UNMET.get((row["name"], metric))
-            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-            yield pytest.param(row["name"], metric, marks=marks, id=f"{row['name']}-{metric}")
-
-
-@pytest.mark.parametrize("name, metric", list(_cases()))
+@pytest.mark.parametrize("name, metric", cases(REF, UNMET))
 def test_prediction_within_25_percent_of_the_h200_measurement(rows, name, metric):
     r = rows[name]
     assert r["error"][metric] <= TOLERANCE, (name, metric, r["predicted"][metric], r["measured"][metric])

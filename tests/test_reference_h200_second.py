@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tiered.planner.reference import compare, load_reference
+from reference_cases import TOLERANCE, cases, compared_rows
+from tiered.planner.reference import load_reference
 
 REF = Path(__file__).resolve().parents[1] / "benchmarks" / "reference" / "h200-2026-11-26" / "measured.json"
-TOLERANCE = 0.25
 
 UNMET = {
     ("MoE, every miss copied", "ttft_s"): "the dummy weights route a 512-token prompt to ~2 experts a layer (0.063 s); "
@@ -31,22 +31,10 @@ UNMET = {
 
 @pytest.fixture(scope="module")
 def rows():
-    ref, hw = load_reference(REF)
-    return {r["name"]: r for r in compare(ref, hw)}
+    return compared_rows(REF)
 
 
-def _cases():
-    ref, _ = load_reference(REF)
-    for row in ref["rows"]:
-        if not row.get("comparable", True):
-            continue
-        for metric in ("decode_tokens_per_s", "ttft_s"):
-            reason = UNMET.get((row["name"], metric))
-            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-            yield pytest.param(row["name"], metric, marks=marks, id=f"{row['name']}-{metric}")
-
-
-@pytest.mark.parametrize("name, metric", list(_cases()))
+@pytest.mark.parametrize("name, metric", cases(REF, UNMET))
 def test_prediction_within_25_percent_of_the_second_h200_run(rows, name, metric):
     r = rows[name]
     assert r["error"][metric] <= TOLERANCE, (name, metric, r["predicted"][metric], r["measured"][metric])
