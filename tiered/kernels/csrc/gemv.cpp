@@ -1241,8 +1241,8 @@ TIERED_AVX2 void int4tq8_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t 
   u.resize(16 * G);
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
-    int4t_fill_block_avx2(w, m0, G, blk);
-    int4tq8_unpack_avx2(w, m0, next, G, u.data());
+    int4tq8_unpack_avx2(w, m0, next, G, u.data());  // first: with the scales inline it streams their lines in,
+    int4t_fill_block_avx2(w, m0, G, blk);             // so this pass over them hits the cache
     for (int64_t j0 = b0; j0 < b0 + nb; j0 += 4)
       int4tq8_pass_avx2(std::min<int64_t>(4, b0 + nb - j0), a, w, u.data(), next, blk, cm.data() + (j0 - b0) * G,
                                j0, m0, y, ldy);
