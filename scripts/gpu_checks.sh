@@ -11,7 +11,7 @@
 #   dense    the same, 8 Llama-3-8B layers, --gpu-mem 2GiB
 #   trace    the MoE and dense default plans once more with EngineConfig(trace=True) (timelines)
 #   stall    benchmarks/gpu_stall_probe.py: where an offloaded decode step's host time goes (profiler
-#            ops, thread samples, late samples), default environment and OMP_WAIT_POLICY=PASSIVE
+#            ops, thread samples, late samples); stall_passive: the same with OMP_WAIT_POLICY=PASSIVE
 #   fullprofile  the full `tiered profile` (several minutes)
 # GPU_DEADLINE (seconds, default 540) bounds the whole call: each stage gets at most its own cap and
 # what is left, so the call ends inside the device tool's limit with its partial results.
@@ -23,7 +23,7 @@
 # benchmarks/results/gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense trace stall fullprofile all)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense trace stall stall_passive fullprofile all)" >&2; exit 2; }
 start=$(date +%s)
 deadline=$((start + ${GPU_DEADLINE:-540}))
 out=${OUT:-benchmarks/results/gpu}
@@ -75,8 +75,8 @@ for stage in "${stages[@]}"; do
            run 300 pytest_cuda_all python3 -m pytest -q -p no:cacheprovider $xdist -rfE --durations=15 tests/ ;;
     profile) run 120 profile_quick python3 -m tiered.cli profile --quick --out "$res/profile_quick.json"
              [ -s "$res/profile_quick.json" ] && prof=$res/profile_quick.json ;;
-    stall) run 200 stall_probe python3 benchmarks/gpu_stall_probe.py --out "$res/stall" ${prof:+--profile "$prof"}
-           run 200 stall_probe_passive python3 benchmarks/gpu_stall_probe.py --out "$res/stall_passive" \
+    stall) run 200 stall_probe python3 benchmarks/gpu_stall_probe.py --out "$res/stall" ${prof:+--profile "$prof"} ;;
+    stall_passive) run 200 stall_probe_passive python3 benchmarks/gpu_stall_probe.py --out "$res/stall_passive" \
              --env OMP_WAIT_POLICY=PASSIVE ${prof:+--profile "$prof"} ;;
     fullprofile) run 540 profile_full python3 -m tiered.cli profile --out "$res/profile_full.json" ;;
     moe) bench moe 240 ;;
