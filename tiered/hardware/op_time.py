@@ -67,12 +67,19 @@ def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float
     """
     m = find(profile, op, device, dtype)
     bw = profile.models.get(f"memory/bandwidth/{device}")
-    llc = profile.meta.get("llc_bytes") if profile.meta else None
-    dram = profile.models.get(f"memory/bandwidth_dram/{device}") if llc and working_set > llc else None
-    floor = max((x.beta for x in (bw, dram) if x is not None), default=0.0)
+    floor = max(bw.beta if bw is not None else 0.0, dram_floor(profile, device, working_set))
     if m is None:
         return max(bw(nbytes) if bw is not None else 0.0, nbytes * floor)
     return max(m(nbytes), nbytes * floor)
+
+
+def dram_floor(profile: HardwareProfile, device: str, working_set: float) -> float:
+    """Seconds per byte below which `device` cannot stream operands when `working_set` bytes pass
+    between two reads of the same one [s/byte]: memory/bandwidth_dram/<dev>'s per-byte term once the
+    working set exceeds the last-level cache (meta["llc_bytes"]), else 0 (the cache may serve it)."""
+    llc = profile.meta.get("llc_bytes") if profile.meta else None
+    dram = profile.models.get(f"memory/bandwidth_dram/{device}") if llc and working_set > llc else None
+    return dram.beta if dram is not None else 0.0
 
 
 def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, weight_bytes: float = 0.0,

@@ -275,14 +275,16 @@ def expert_spec(fmt):
         return None
     if any(k == "int8-g32" and (fmt.int4_layout != "tiled" or not int8_tiles(*s)) for k, s in zip(fmt.kinds, fmt.shapes)):
         return None
-    offsets = [[off for _, off, _, _ in segs] for segs in fmt._layout]
-    # a tiled int4 projection holds its codes with their scales inline, then its residuals: the
-    # kernel's three offsets are the codes, the first (s, z) line (+256: how ExpertSpec tells the
-    # inline form) and the residuals
-    offsets = [[o[0], o[0] + 256, o[1]] if k == "int4" and fmt.int4_layout == "tiled" else o
-               for o, k in zip(offsets, fmt.kinds)]
-    if fmt.exact_zeros:  # the int4 residuals are all zero: not read (ExpertSpec: offset -1)
-        offsets = [o[:2] + [-1] if k == "int4" else o for o, k in zip(offsets, fmt.kinds)]
+    offsets = []
+    for segs, kind in zip(fmt._layout, fmt.kinds):
+        o = [off for _, off, _, _ in segs]
+        if kind == "int4" and fmt.int4_layout == "tiled":
+            # codes with their scales inline, then residuals: the kernel's three offsets are the codes,
+            # the first (s, z) line (+256: how ExpertSpec tells the inline form) and the residuals
+            o = [o[0], o[0] + 256, o[1]]
+        if kind == "int4" and fmt.exact_zeros:  # the residuals are all zero: not read (offset -1)
+            o = o[:2] + [-1]
+        offsets.append(o)
     if fmt.int4_layout == "tiled":
         return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes,
                                fmt.act, "tiled", fmt.batch_act)

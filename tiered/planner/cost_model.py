@@ -172,14 +172,11 @@ def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerS
 
     `cpu_working_set`: bytes the CPU reads between two reads of one weight (a decode step's CPU-side
     slices). Beyond the last-level cache (meta["llc_bytes"]) the CPU's memory term is floored by
-    memory/bandwidth_dram/cpu, as op_time.memory_time does: the GEMV keys are timed on operands a
+    memory/bandwidth_dram/cpu (op_time.dram_floor, as op_time.memory_time): the GEMV keys are timed on operands a
     large cache partly holds (the H200 host's quick profile: bf16 GEMV 221 GB/s, DRAM 98 GB/s).
 
     Raises ConfigError naming a missing key.
     """
-    llc = profile.meta.get("llc_bytes") if profile.meta else None
-    dram = profile.models.get("memory/bandwidth_dram/cpu") if llc and cpu_working_set > llc else None
-
     def gemm(device: str) -> tuple[float, float]:
         m = op_time.find(profile, "gemm", device, precision)
         if m is None:
@@ -189,7 +186,7 @@ def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerS
                if shape is not None else None)
         if mem is None:
             return m.alpha, m.beta
-        mem_beta = max(mem.beta, dram.beta) if device == "cpu" and dram is not None else mem.beta
+        mem_beta = max(mem.beta, op_time.dram_floor(profile, "cpu", cpu_working_set)) if device == "cpu" else mem.beta
         return max(m.alpha, mem.alpha), max(m.beta, mem_beta * shape.bytes_per_weight / shape.tokens)
 
     (ag, bg), (ac, bc) = gemm("gpu"), gemm("cpu")

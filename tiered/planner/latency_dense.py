@@ -44,7 +44,7 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     ffn_total = L * 3 * M * H * bpe
     # what the CPU streams per decode step is at most every FFN weight: beyond the LLC, at DRAM speed
     params = cost_params(profile, fmt, decode_shape, cpu_working_set=ffn_total)
-    if budget >= L * decode_shape.layer_bytes:
+    if budget >= ffn_total:
         # every FFN fits: none is sliced. ScheInfer slices what the GPU cannot hold; a split layer also
         # pays host syncs and thread hops that the cost model leaves out (a tiny model's FFNs, split
         # "for speed" on an idle H200, lost its CUDA graphs)

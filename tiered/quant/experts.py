@@ -482,9 +482,13 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
         except (RuntimeError, NotImplementedError):
             pass  # no kernel for this device / shape: dequantize below
     K = x.shape[-1]
-    N = (v["gw"].shape[0] * 16 if "gw" in v else v["codes"].shape[0]) if kind == "int4" else \
-        v["qt" if "qt" in v else "q"].shape[0]
+    N = _int4_rows(v) if kind == "int4" else v["qt" if "qt" in v else "q"].shape[0]
     return F.linear(x, dequantize_projection(v, kind, N, K, int4_layout).to(x.dtype))
+
+
+def _int4_rows(v: dict[str, torch.Tensor]) -> int:
+    """N of a stored int4 projection: codes [N, K/2], or tiled codes with their scales inline [N/16, K/32, 320]."""
+    return v["gw"].shape[0] * 16 if "gw" in v else v["codes"].shape[0]
 
 
 def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor], act: str) -> torch.Tensor:
@@ -501,7 +505,7 @@ def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor], a
     if ext is not None:
         w = tiled_dequantize(v["gw"], None, v["zr"], fp32)  # a reused buffer: no fresh pages per call
     else:
-        N, K = v["gw"].shape[0] * 16, x.shape[-1]
+        N, K = _int4_rows(v), x.shape[-1]
         w = dequantize_projection(v, "int4", N, K, "tiled").to(torch.float32 if fp32 else torch.bfloat16)
     return F.linear(x if fp32 else xb, w).to(x.dtype)
 

@@ -22,8 +22,9 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from tiered.models.moe import expert_forward
 from tiered import kernels
+from tiered.models.moe import expert_forward
+from tiered.quant.experts import NATIVE_ROWS
 from tiered.runtime.executor import Executor
 
 
@@ -118,8 +119,6 @@ class SlicedMLP(nn.Module):
         NATIVE_ROWS rows) of bf16 slices run tiered's fused GEMV expert (kernels: ~93 GB/s on the
         H200's host, where torch's bf16 F.linear streamed the CC slices at ~47 GB/s, 2026-11-26);
         prompts, other dtypes and machines without the kernels take torch's GEMMs."""
-        from tiered.quant.experts import NATIVE_ROWS
-
         ext = kernels.load() if x.shape[0] <= NATIVE_ROWS and self.cc[0].dtype == torch.bfloat16 else None
         if ext is None:
             return expert_forward(x, *self.cc)

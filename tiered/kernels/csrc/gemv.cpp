@@ -1049,7 +1049,7 @@ TIERED_AVX512 void int4t_w16_avx512(const Int4W& w, const Act& a, int64_t b0, in
 // of xq. Each int16 pair sum is at most 2 * 15 * 128 = 3840, so the 8 of a group (4 chunks x 2
 // nibbles) add up in int16 exactly (<= 30720) before one vpmaddwd by ones widens them to the row's
 // int32 lane. y = sum_g s_g (dx_g dot_g + c_g) + Z_g xsum_g with c_g = m8_g + 8 xsum_g and
-// Z = z + zr - 8 s (q - 8 against the quantized sum, as int4tq8_avx512).
+// Z = z + zr - 8 s (q - 8 against the quantized sum).
 //
 // A call of more than kQ8StreamRows rows unpacks each tile (16 rows) once into nibble vectors
 // (int4tq8_unpack_avx2: L1/L2-resident, 512 bytes a group), read by every pass of at most 4
@@ -1320,64 +1320,14 @@ TIERED_AVX512_VBMI void int4t_avx512(const Int4W& w, const Act& a, int64_t b0, i
   }
 }
 
-template <int NB>
-TIERED_AVX512 void int4tq8_avx512(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
-                                  int64_t ldy) {
-  const int64_t K = a.K, G = K / kGroup;
-  constexpr int C = NB <= 2 ? 2 : 1;  // vpdpbusd chains per row and nibble half
-  const int8_t* xq[NB];
-  const float *dx[NB], *m8[NB], *xs[NB];
-  for (int j = 0; j < NB; ++j) {
-    const int64_t b = b0 + j;
-    xq[j] = a.xqt + b * K, dx[j] = a.dxg + b * G, m8[j] = a.m8 + b * a.Gp, xs[j] = a.xsum + b * a.Gp;
-  }
-  const __m512i m4 = _mm512_set1_epi8(15);
-  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    const uint8_t* tile = w.tile(m0);
-    const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
-    __m512 acc[NB], cz[NB];  // cz: the zero terms sum_g (z + zr) xsum, a chain of its own per row
-    for (int j = 0; j < NB; ++j) acc[j] = w.bias ? _mm512_loadu_ps(w.bias + m0) : _mm512_setzero_ps(), cz[j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      __m512i t[NB][2 * C];
-      for (int j = 0; j < NB; ++j)
-        for (int c = 0; c < 2 * C; ++c) t[j][c] = _mm512_setzero_si512();
-      const uint8_t* p = tile + g * w.gstride;
-      prefetch_group(w, p, next, G, g);
-      for (int c4 = 0; c4 < 4; ++c4) {
-        const __m512i v = _mm512_loadu_si512(p + c4 * 64);
-        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        const int c = c4 % C;
-        for (int j = 0; j < NB; ++j) {
-          int32_t x0, x1;
-          std::memcpy(&x0, xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&x1, xq[j] + g * kGroup + c4 * 8 + 4, 4);
-          t[j][2 * c] = _mm512_dpbusd_epi32(t[j][2 * c], lo, _mm512_set1_epi32(x0));
-          t[j][2 * c + 1] = _mm512_dpbusd_epi32(t[j][2 * c + 1], hi, _mm512_set1_epi32(x1));
-        }
-      }
-      // the group's scales where they are used (no per-tile pass: with the scales inline, that pass
-      // waited on lines 320 bytes apart): y += s (dx dot + m8) + (z + zr) xsum
-      __m512 sv, zv;
-      tile_scales_avx512(w, m0, G, g, sv, zv);
-      for (int j = 0; j < NB; ++j) {
-        __m512i s = _mm512_add_epi32(t[j][0], t[j][1]);
-        for (int c = 2; c < 2 * C; ++c) s = _mm512_add_epi32(s, t[j][c]);
-        const __m512 d = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dx[j][g]), _mm512_set1_ps(m8[j][g]));
-        acc[j] = _mm512_fmadd_ps(d, sv, acc[j]);
-        cz[j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[j][g]), cz[j]);
-      }
-    }
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(y + (b0 + j) * ldy + m0, _mm512_add_ps(acc[j], cz[j]));
-  }
-}
-
-// Small calls on int8 activations (AVX-512 VNNI; llama.cpp's Q4_0 x Q8_0 at batch 1), streamed as
-// int4t_w16_avx512 streams: per chunk of 8 columns x 16 rows 2 vpdpbusd (the low and high
-// nibbles against 4 bytes of xqt each), half the multiply-adds of the split int16 form. Per group the
-// centred dot sum((q - 8) xq) = dot - 8 sum(xq) (Act::xqs) is exact in int32; then
-// y = sum_g s dx_g centred_g + (z + zr) xsum_g, int4tq8_avx512's terms in another order. The tile's
-// (s, z) line and residuals are read where used and the next tile's prefetched, with no per-tile
-// unpacked block (int4tq8_avx512 fills one: at batch 1 that pass and its second stream cost more
-// than the multiply-adds it saves).
+// Tiled int4 on int8 activations (AVX-512 VNNI; llama.cpp's Q4_0 x Q8_0), every call size (passes of
+// up to 8 rows), streamed as int4t_w16_avx512 streams: per chunk of 8 columns x 16 rows 2 vpdpbusd
+// (the low and high nibbles against 4 bytes of xqt each), half the multiply-adds of the split int16
+// form. Per group the centred dot sum((q - 8) xq) = dot - 8 sum(xq) (Act::xqs) is exact in int32;
+// then y = sum_g s dx_g centred_g + (z + zr) xsum_g. The tile's (s, z) line and residuals are read
+// where used and the next tile's prefetched, with no per-tile block of scales: a kernel that filled
+// one for calls of 5+ rows spent most of its time in that pass (at 8 rows, 768 x 2048: ~100 us
+// against ~60-85 reading them in the loop), and with the scales inline it waited on lines 320 B apart.
 template <int NB>
 TIERED_AVX512 void int4tq8s_avx512(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
                                    int64_t ldy) {
@@ -1747,7 +1697,7 @@ constexpr int64_t kQ8StreamRows = 4;
 struct Int4TGemv : Int4Gemv {
   int64_t q8_from = kNeverQ8;
   // AVX2 and AVX-512 without VBMI read int16 activations below q8_from (more exact than int8, and
-  // at batch 1 bound by memory either way), int8 from it (int4tq8_avx2 / int4tq8_avx512).
+  // at batch 1 bound by memory either way), int8 from it (int4tq8_avx2, int4tq8s_avx2 / int4tq8s_avx512).
   static bool int16_below_q8() {
     const int isa = current_isa();
     return isa == kAvx2 || (isa == kAvx512 && (!has_vbmi() || g_int4_w16));
@@ -1767,10 +1717,8 @@ struct Int4TGemv : Int4Gemv {
         TIERED_DISPATCH_NB(int4t_w16_avx2, w)
       }
     } else if (a.B >= q8_from) {
-      if (isa == kAvx512 && nb <= kQ8StreamRows) {
+      if (isa == kAvx512) {
         TIERED_DISPATCH_NB(int4tq8s_avx512, w)
-      } else if (isa == kAvx512) {
-        TIERED_DISPATCH_NB(int4tq8_avx512, w)
       } else if (isa == kAvx2 && nb <= kQ8StreamRows) {
         TIERED_DISPATCH_NB(int4tq8s_avx2, w)
       } else if (isa == kAvx2) {
