@@ -12,6 +12,7 @@
 #   trace    the MoE and dense default plans once more with EngineConfig(trace=True) (timelines)
 #   stall    benchmarks/gpu_stall_probe.py: where an offloaded decode step's host time goes (profiler
 #            ops, thread samples, late samples); stall_passive: the same with OMP_WAIT_POLICY=PASSIVE
+#   share    benchmarks/gpu_dram_share.py: CPU expert GB/s beside H2D copies (shared DRAM? spinning waits?)
 #   fullprofile  the full `tiered profile` (several minutes)
 # GPU_DEADLINE (seconds, default 540) bounds the whole call: each stage gets at most its own cap and
 # what is left, so the call ends inside the device tool's limit with its partial results.
@@ -23,7 +24,7 @@
 # benchmarks/results/gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense trace stall stall_passive fullprofile all)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense trace stall stall_passive share fullprofile all)" >&2; exit 2; }
 start=$(date +%s)
 deadline=$((start + ${GPU_DEADLINE:-540}))
 out=${OUT:-benchmarks/results/gpu}
@@ -78,6 +79,7 @@ for stage in "${stages[@]}"; do
     stall) run 200 stall_probe python3 benchmarks/gpu_stall_probe.py --out "$res/stall" ${prof:+--profile "$prof"} ;;
     stall_passive) run 200 stall_probe_passive python3 benchmarks/gpu_stall_probe.py --out "$res/stall_passive" \
              --env OMP_WAIT_POLICY=PASSIVE ${prof:+--profile "$prof"} ;;
+    share) run 90 dram_share python3 benchmarks/gpu_dram_share.py --out "$res" ;;
     fullprofile) run 540 profile_full python3 -m tiered.cli profile --out "$res/profile_full.json" ;;
     moe) bench moe 240 ;;
     dense) bench dense 150 ;;

@@ -104,3 +104,14 @@ def test_the_stall_probe_runs_on_the_stand_in(tmp_path):
     for name in ("moe_resident_balanced", "dense_default"):
         text = (tmp_path / f"stall_{name}.txt").read_text()
         assert "Self CPU" in text and "late samples" in text
+
+
+def test_the_dram_share_probe_runs_without_a_gpu(tmp_path):
+    """benchmarks/gpu_dram_share.py --smoke: every configuration gives its rates (host copies stand in
+    for H2D), so `gpu_checks.sh share` runs on the next lent GPU."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_dram_share.py"), "--smoke",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_dram_share.json").read_text())["rows"]
+    assert len(rows) == 6 and rows[0]["cpu_GBps"] > 0 and rows[1]["h2d_GBps"] > 0
+    assert all(r["cpu_GBps"] > 0 and r["h2d_GBps"] > 0 for r in rows[2:5])

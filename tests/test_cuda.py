@@ -63,3 +63,31 @@ def test_real_device_allocations_stay_inside_the_gpu_budget(rt, kind):  # noqa: 
     check_parity(rt, kind, llm)
     assert torch.cuda.max_memory_allocated() - base <= budget
     llm.close()
+
+
+def test_attention_on_cuda_skips_cudnn_and_restores_the_flag():
+    """tiered's attention on CUDA runs with cuDNN attention off (its per-shape plan cost 33-36 ms of
+    host time per decode step, 2026-11-26) and gives back the process's setting; same values as math."""
+    from tiered.models.layers import attend
+
+    q = torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 37, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    out = attend(q, k, v, None, False, 0.125, True)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(4, 1),
+                                                           v.float().repeat_interleave(4, 1), scale=0.125)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_stream_waits_sleep_on_a_blocking_event():
+    """A worker's wait for its CUDA stream is a blocking event (no spinning core beside the CPU experts'
+    OpenMP team); the work is done when the context exits."""
+    from tiered.hardware.cuda import CudaAccelerator
+
+    acc = CudaAccelerator()
+    src = torch.ones(1 << 20, pin_memory=True)
+    dst = torch.empty(1 << 20, device="cuda")
+    with acc.stream("copy"):
+        acc.copy_to_device(dst, src)
+    assert acc._streams["copy"].query() and float(dst.sum()) == float(1 << 20)

@@ -40,10 +40,20 @@ class CudaAccelerator(Accelerator):
 
     @contextmanager
     def stream(self, name: str):
+        """Run the body's CUDA work on stream `name`, then wait for it on a blocking event.
+
+        `Stream.synchronize` spin-waits on a 16-core host (CUDA's default schedule spins while cores
+        outnumber contexts), so a worker waiting on its copy took a core from the OpenMP team that
+        computes CPU experts and CC slices at the same moment (H200 host, 2026-11-26: copy worker
+        in `synchronize` for most samples while the CC slice ran at ~49 GB/s of ~93). A blocking
+        event sleeps in the driver instead.
+        """
         s = self._streams[name]
         with torch.cuda.stream(s):
             yield
-        s.synchronize()
+        done = torch.cuda.Event(blocking=True)
+        done.record(s)
+        done.synchronize()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -161,6 +161,29 @@ class KVCache:
         return ck[meta.slots, :, :S], cv[meta.slots, :, :S]
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+           scale: float, gqa: bool) -> torch.Tensor:
+    """torch's scaled_dot_product_attention, without the cuDNN backend on CUDA.
+
+    q [B, H, T, hd], k/v [B, Hkv, S, hd] (any float dtype) -> [B, H, T, hd] in q's dtype.
+    On a GPU torch (2.5+) ranks cuDNN attention first for Hopper, and cuDNN builds an execution plan
+    for every new (T, S): a decode step grows S by one, so the first attention of every step paid
+    33-36 ms of host time for the plan (H200, torch 2.11, 2026-11-26: ~10 ms per call on average
+    over the offloaded MoE and dense decode; `benchmarks/gpu_stall_probe.py`). Flash and
+    memory-efficient attention have no per-shape plan. The flag is process-wide; it is restored
+    before returning, so other users of torch in the process keep their choice.
+    """
+    if not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 class Attention(nn.Module):
     """Grouped-query attention with RoPE, optional q/k/v bias (Qwen2), q/k RMSNorm per head (Qwen3)
     or over the whole projection (OLMoE), and optional q/k/v clipping (OLMoE)."""
@@ -203,8 +226,7 @@ class Attention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), meta.cos, meta.sin)  # (B, Hkv, T, hd)
         k, v = cache.update(self.layer_idx, k, v.transpose(1, 2), meta)  # (B, Hkv, S, hd)
         k, v = k.to(q.dtype), v.to(q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, is_causal=meta.causal,
-                                             scale=self.scale, enable_gqa=self.H != self.Hkv)
+        out = attend(q, k, v, meta.mask, meta.causal, self.scale, self.H != self.Hkv)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
 
 

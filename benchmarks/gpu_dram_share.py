@@ -1,0 +1,192 @@
+"""Do CPU expert compute and H2D copies share the host's memory bandwidth? (CUDA machines)
+
+Offloaded decode runs two streams out of host RAM at once: the CPU computes some experts (or a
+dense FFN's CC slice) while the copy engine ships others over the link. The planner prices them as
+independent. On the H200 (2026-11-26) a CC slice that streams ~93 GB/s alone ran at ~49 GB/s while
+CG slices were copied beside it; this probe separates the two suspects:
+
+  * the copy engine's reads take DRAM bandwidth from the cores (a shared ceiling), or
+  * the thread waiting for the copy spins (`Stream.synchronize`) on a core the OpenMP team needs.
+
+Rows, each over ~`--seconds` (medians of `--repeats` windows):
+  cpu alone             native bf16 expert GEMV (batch 1) over `--experts` Mixtral-width experts
+  h2d alone             pinned H2D copies of one expert-sized buffer, waited on a blocking event
+  cpu + h2d (blocking)  both at once; the copy thread sleeps on a blocking event
+  cpu + h2d (spin)      both at once; the copy thread waits with Stream.synchronize
+  cpu (n-1 threads) + h2d (spin)   the OpenMP team one thread smaller
+
+    python benchmarks/gpu_dram_share.py --out DIR     # a CUDA machine
+    python benchmarks/gpu_dram_share.py --smoke --out DIR   # no GPU: host copies stand in for H2D
+
+Writes DIR/gpu_dram_share.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+import torch
+
+from tiered import kernels
+from tiered.bench.report import Column, write_report
+
+GB = 1e9
+
+
+def make_experts(n: int, hidden: int, ffn: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """n experts (gate [F, D], up [F, D], down [D, F], bf16, small random values)."""
+    out = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(i)
+        out.append(tuple((torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)
+                         for s in ((ffn, hidden), (ffn, hidden), (hidden, ffn))))
+    return out
+
+
+class CpuLoop:
+    """Runs single-token expert forwards over the experts in turn until stopped; counts bytes."""
+
+    def __init__(self, experts, hidden: int) -> None:
+        self.experts = experts
+        self.x = torch.randn(1, hidden).to(torch.bfloat16)
+        ext = kernels.load()
+        self.fn = ext.bf16_expert_forward if ext is not None else None
+        self.bytes_per = sum(t.numel() * t.element_size() for t in experts[0])
+
+    def one(self, e) -> None:
+        if self.fn is not None:
+            self.fn(*e, self.x)
+        else:
+            g, u, d = e
+            torch.nn.functional.linear(torch.nn.functional.silu(self.x @ g.t()) * (self.x @ u.t()), d)
+
+    def rate(self, seconds: float) -> float:
+        """GB/s over `seconds` of back-to-back expert forwards on the calling thread."""
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            self.one(self.experts[n % len(self.experts)])
+            n += 1
+        return n * self.bytes_per / (time.perf_counter() - t0) / GB
+
+
+class CopyLoop(threading.Thread):
+    """A thread copying `src` (pinned host) into `dst` (device) until stopped, waiting on each copy
+    with a blocking event (`blocking=True`) or a spinning Stream.synchronize."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, blocking: bool) -> None:
+        super().__init__(daemon=True)
+        self.src, self.dst, self.blocking = src, dst, blocking
+        self.stop = threading.Event()
+        self.copied = 0
+        self.t0 = self.t1 = 0.0
+
+    def run(self) -> None:
+        torch.set_num_threads(1)
+        cuda = self.dst.is_cuda
+        stream = torch.cuda.Stream() if cuda else None
+        self.t0 = time.perf_counter()
+        while not self.stop.is_set():
+            if cuda:
+                with torch.cuda.stream(stream):
+                    self.dst.copy_(self.src, non_blocking=True)
+                if self.blocking:
+                    ev = torch.cuda.Event(blocking=True)
+                    ev.record(stream)
+                    ev.synchronize()
+                else:
+                    stream.synchronize()
+            else:
+                self.dst.copy_(self.src)
+            self.copied += self.src.numel() * self.src.element_size()
+        self.t1 = time.perf_counter()
+
+    def rate(self) -> float:
+        return self.copied / max(self.t1 - self.t0, 1e-9) / GB
+
+
+def measure(cpu: CpuLoop | None, src, dst, seconds: float, blocking: bool = True,
+            threads: int | None = None) -> dict:
+    """One window: CPU GB/s and/or copy GB/s while both (or one) run."""
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        copier = CopyLoop(src, dst, blocking) if src is not None else None
+        if copier is not None:
+            copier.start()
+            time.sleep(0.05)
+        if cpu is not None:
+            cpu_rate = cpu.rate(seconds)
+        else:
+            time.sleep(seconds)
+            cpu_rate = None
+        if copier is not None:
+            copier.stop.set()
+            copier.join()
+        return {"cpu_GBps": cpu_rate, "h2d_GBps": copier.rate() if copier is not None else None}
+    finally:
+        torch.set_num_threads(old)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    ap.add_argument("--seconds", type=float, default=1.5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--experts", type=int, default=6, help="Mixtral-width bf16 experts the CPU cycles through")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; host copies stand in for H2D")
+    args = ap.parse_args(argv)
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    hidden, ffn = (4096, 14336) if not args.smoke else (256, 512)
+    if args.smoke:
+        args.seconds, args.repeats, args.experts = 0.05, 1, 2
+    experts = make_experts(args.experts, hidden, ffn)
+    cpu = CpuLoop(experts, hidden)
+    nbytes = cpu.bytes_per
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=cuda)
+    src.fill_(1)
+    dst = torch.empty_like(src, device="cuda") if cuda else torch.empty_like(src)
+    cpu.rate(min(args.seconds, 0.5))  # warm-up: pages, kernels, clocks
+    threads = torch.get_num_threads()
+    configs = [
+        ("cpu alone", dict(cpu=cpu, src=None, dst=None)),
+        ("h2d alone", dict(cpu=None, src=src, dst=dst)),
+        ("cpu + h2d, blocking wait", dict(cpu=cpu, src=src, dst=dst, blocking=True)),
+        ("cpu + h2d, spinning wait", dict(cpu=cpu, src=src, dst=dst, blocking=False)),
+        (f"cpu on {max(threads - 1, 1)} threads + h2d, spinning wait",
+         dict(cpu=cpu, src=src, dst=dst, blocking=False, threads=max(threads - 1, 1))),
+        (f"cpu on {max(threads - 1, 1)} threads alone", dict(cpu=cpu, src=None, dst=None, threads=max(threads - 1, 1))),
+    ]
+    rows = []
+    for name, kw in configs:
+        runs = [measure(seconds=args.seconds, **kw) for _ in range(args.repeats)]
+        row = {"config": name}
+        for key in ("cpu_GBps", "h2d_GBps"):
+            vals = [r[key] for r in runs if r[key] is not None]
+            row[key] = statistics.median(vals) if vals else None
+        row["total_GBps"] = (row["cpu_GBps"] or 0) + (row["h2d_GBps"] or 0)
+        rows.append(row)
+        print(f"{name}: cpu {row['cpu_GBps']}, h2d {row['h2d_GBps']}", flush=True)
+    write_report("gpu_dram_share", args.out, title="CPU expert compute beside H2D copies: host bandwidth shared?",
+                 settings={"hidden": hidden, "ffn": ffn, "experts": args.experts, "seconds": args.seconds,
+                           "repeats": args.repeats, "torch_threads": threads, "cuda": cuda,
+                           "native_kernels": cpu.fn is not None, "smoke": args.smoke},
+                 rows=rows,
+                 columns=[Column("configuration", "config"), Column("CPU expert GB/s", "cpu_GBps", "{:.1f}"),
+                          Column("H2D GB/s", "h2d_GBps", "{:.1f}"), Column("sum GB/s", "total_GBps", "{:.1f}")],
+                 notes=["CPU: single-token bf16 expert forwards (tiered's native kernel where built) cycling over "
+                        "the experts (beyond the LLC); H2D: one expert-sized pinned buffer copied again and again "
+                        "from another thread. Medians of the windows."])
+
+
+if __name__ == "__main__":
+    main()
