@@ -14,6 +14,8 @@ Rows, each over ~`--seconds` (medians of `--repeats` windows):
   cpu + h2d (blocking)  both at once; the copy thread sleeps on a blocking event
   cpu + h2d (spin)      both at once; the copy thread waits with Stream.synchronize
   cpu (n-1 threads) + h2d (spin)   the OpenMP team one thread smaller
+  cpu alone / cpu + h2d, pinned weights   the experts in pinned host memory, as tiered holds them (a CC
+                        slice in pinned memory streamed ~39 GB/s in the 2026-11-26 dense run: 4 KiB pages?)
 
     python benchmarks/gpu_dram_share.py --out DIR     # a CUDA machine
     python benchmarks/gpu_dram_share.py --smoke --out DIR   # no GPU: host copies stand in for H2D
@@ -166,6 +168,10 @@ def main(argv: list[str] | None = None) -> None:
          dict(cpu=cpu, src=src, dst=dst, blocking=False, threads=max(threads - 1, 1))),
         (f"cpu on {max(threads - 1, 1)} threads alone", dict(cpu=cpu, src=None, dst=None, threads=max(threads - 1, 1))),
     ]
+    if cuda:  # the weights as tiered holds offloaded experts and CC slices: pinned (page-locked) host memory
+        pinned = CpuLoop([tuple(t.pin_memory() for t in e) for e in experts], hidden)
+        configs += [("cpu alone, pinned weights", dict(cpu=pinned, src=None, dst=None)),
+                    ("cpu + h2d, blocking wait, pinned weights", dict(cpu=pinned, src=src, dst=dst, blocking=True))]
     rows = []
     for name, kw in configs:
         runs = [measure(seconds=args.seconds, **kw) for _ in range(args.repeats)]

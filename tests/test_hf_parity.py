@@ -263,7 +263,7 @@ def test_qwen_sliding_window_follows_layer_types(zoo, overrides, window):
 def test_attention_turns_cudnn_off_only_for_cuda_tensors(monkeypatch):
     """`attend` calls torch's attention with the cuDNN backend off for tensors on a CUDA device (it built
     a plan per new KV length: 33-36 ms per decode step on the H200), restores the flag, even when
-    attention raises, and leaves CPU tensors' calls as they are."""
+    attention raises, and leaves CPU tensors' calls and CUDA-graph captures (static shapes) as they are."""
     import types
 
     from tiered.models import layers
@@ -277,6 +277,7 @@ def test_attention_turns_cudnn_off_only_for_cuda_tensors(monkeypatch):
         return "out"
 
     monkeypatch.setattr(layers.F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     torch.backends.cuda.enable_cudnn_sdp(True)
     fake_cuda = types.SimpleNamespace(is_cuda=True)
     assert layers.attend(fake_cuda, None, None, None, False, 1.0, False) == "out"
@@ -284,3 +285,6 @@ def test_attention_turns_cudnn_off_only_for_cuda_tensors(monkeypatch):
     with pytest.raises(RuntimeError):
         layers.attend(fake_cuda, None, None, None, False, -1.0, False)
     assert seen == [False, True, False] and torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # a CUDA graph's capture
+    layers.attend(fake_cuda, None, None, None, False, 1.0, False)
+    assert seen[-1] is True

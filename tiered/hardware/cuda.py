@@ -40,17 +40,23 @@ class CudaAccelerator(Accelerator):
 
     @contextmanager
     def stream(self, name: str):
-        """Run the body's CUDA work on stream `name`, then wait for it on a blocking event.
+        """Run the body's CUDA work on stream `name`, then wait for it: on a blocking event for "copy".
 
         `Stream.synchronize` spin-waits on a 16-core host (CUDA's default schedule spins while cores
         outnumber contexts), so a worker waiting on its copy took a core from the OpenMP team that
         computes CPU experts and CC slices at the same moment (H200 host, 2026-11-26: copy worker
-        in `synchronize` for most samples while the CC slice ran at ~49 GB/s of ~93). A blocking
-        event sleeps in the driver instead.
+        in `synchronize` for most samples while the CC slice ran at ~49 GB/s of ~93;
+        benchmarks/gpu_dram_share.py: a CPU expert streamed 24 GB/s beside a spinning copy wait and
+        75 beside a blocking one, of 81 alone). A blocking event sleeps in the driver instead, at the
+        price of a wake-up: copies take milliseconds, so they wait that way; the compute stream's
+        kernels (tens to hundreds of microseconds) keep the spin.
         """
         s = self._streams[name]
         with torch.cuda.stream(s):
             yield
+        if name != "copy":  # kernels: sub-millisecond, a spin ends soonest and steals a core that long
+            s.synchronize()
+            return
         done = torch.cuda.Event(blocking=True)
         done.record(s)
         done.synchronize()

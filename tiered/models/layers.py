@@ -170,10 +170,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     for every new (T, S): a decode step grows S by one, so the first attention of every step paid
     33-36 ms of host time for the plan (H200, torch 2.11, 2026-11-26: ~10 ms per call on average
     over the offloaded MoE and dense decode; `benchmarks/gpu_stall_probe.py`). Flash and
-    memory-efficient attention have no per-shape plan. The flag is process-wide; it is restored
-    before returning, so other users of torch in the process keep their choice.
+    memory-efficient attention have no per-shape plan. While a CUDA graph is captured (static
+    shapes, a mask: runtime/graphs.py) cuDNN stays allowed: its plan is built once, at capture, and
+    it beat memory-efficient attention with a mask there (graphed dense decode 486 vs 398 tok/s).
+    The flag is process-wide; it is restored before returning, so other users of torch in the
+    process keep their choice.
     """
-    if not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()):
+    if not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()) or torch.cuda.is_current_stream_capturing():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                               enable_gqa=gqa)
     torch.backends.cuda.enable_cudnn_sdp(False)
