@@ -16,6 +16,8 @@ Rows, each over ~`--seconds` (medians of `--repeats` windows):
   cpu (n-1 threads) + h2d (spin)   the OpenMP team one thread smaller
   cpu alone / cpu + h2d, pinned weights   the experts in pinned host memory, as tiered holds them (a CC
                         slice in pinned memory streamed ~39 GB/s in the 2026-11-26 dense run: 4 KiB pages?)
+  ... huge-page weights pinned by cudaHostRegister   ordinary (THP-advised) memory page-locked in place:
+                        the candidate fix, if the pinned rows are slow
 
     python benchmarks/gpu_dram_share.py --out DIR     # a CUDA machine
     python benchmarks/gpu_dram_share.py --smoke --out DIR   # no GPU: host copies stand in for H2D
@@ -50,6 +52,29 @@ def make_experts(n: int, hidden: int, ffn: int) -> list[tuple[torch.Tensor, torc
         g = torch.Generator().manual_seed(i)
         out.append(tuple((torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)
                          for s in ((ffn, hidden), (ffn, hidden), (hidden, ffn))))
+    return out
+
+
+def registered_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of CPU tensor t in ordinary memory advised to transparent huge pages (MADV_HUGEPAGE
+    before the first touch), then page-locked in place with cudaHostRegister: pinned like
+    `pin_memory()`'s, but in the pages the CPU's own allocations get."""
+    import ctypes
+    import mmap
+
+    nbytes = t.numel() * t.element_size()
+    huge = 2 << 20
+    raw = torch.empty(nbytes + huge, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % huge
+    buf = raw[start:start + nbytes]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(nbytes), getattr(mmap, "MADV_HUGEPAGE", 14))
+    out = buf.view(t.dtype).view(t.shape)
+    out.copy_(t)
+    err = torch.cuda.cudart().cudaHostRegister(out.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed: {err}")
+    out._keep = raw  # the allocation the view lives in
     return out
 
 
@@ -170,8 +195,12 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if cuda:  # the weights as tiered holds offloaded experts and CC slices: pinned (page-locked) host memory
         pinned = CpuLoop([tuple(t.pin_memory() for t in e) for e in experts], hidden)
+        registered = CpuLoop([tuple(registered_copy(t) for t in e) for e in experts], hidden)
         configs += [("cpu alone, pinned weights", dict(cpu=pinned, src=None, dst=None)),
-                    ("cpu + h2d, blocking wait, pinned weights", dict(cpu=pinned, src=src, dst=dst, blocking=True))]
+                    ("cpu + h2d, blocking wait, pinned weights", dict(cpu=pinned, src=src, dst=dst, blocking=True)),
+                    ("cpu alone, huge-page weights pinned by cudaHostRegister", dict(cpu=registered, src=None, dst=None))]
+        reg_src = registered_copy(src)
+        configs += [("h2d alone from huge-page cudaHostRegister memory", dict(cpu=None, src=reg_src, dst=dst))]
     rows = []
     for name, kw in configs:
         runs = [measure(seconds=args.seconds, **kw) for _ in range(args.repeats)]
