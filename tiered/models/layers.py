@@ -28,10 +28,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same math
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        dtype = x.dtype  # fp32 math, the result rounded to x's dtype before the weight (HF's order)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(dtype)
 
 
 class Rotary(nn.Module):
@@ -49,17 +47,35 @@ class Rotary(nn.Module):
         """positions int64 [B, T] -> (cos, sin), each [B, 1, T, hd] fp32."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
+    @staticmethod
+    def signed(sin: torch.Tensor) -> torch.Tensor:
+        """sin [..., hd] -> sin with its first half negated (`apply_rotary`); made once per step, for
+        every layer, so no third table sits beside cos and sin."""
+        half = sin.shape[-1] // 2
+        return torch.cat((-sin[..., :half], sin[..., half:]), -1)
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, hd]; cos/sin [B, 1, T, hd] fp32 -> rotated x in x's dtype."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 sin_signed: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, H, T, hd]; cos/sin [B, 1, T, hd] fp32 -> rotated x in x's dtype.
+
+    With sin_signed (`Rotary.signed`: sin with its first half negated), rotate_half(x) * sin is
+    computed as roll(x, hd/2) * sin_signed: one op for chunk, neg and cat, the same values bit for
+    bit (a sign moves from a factor to the other). Each op is a kernel launch on a GPU, where a
+    decode step's host time is mostly such launches.
+    """
     dtype = x.dtype
     xf = x.float() if dtype != torch.float32 else x
-    return (xf * cos + _rotate_half(xf) * sin).to(dtype)
+    if sin_signed is None:
+        out = xf * cos + _rotate_half(xf) * sin
+    else:
+        out = xf * cos + xf.roll(x.shape[-1] // 2, -1) * sin_signed
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 class AttentionMetadata:
@@ -68,7 +84,8 @@ class AttentionMetadata:
     Attributes:
         positions: int64 [B, T] absolute position of each new token.
         slots: int64 [B] KV-cache row of each sequence.
-        cos, sin: RoPE tables gathered for `positions`, [B, 1, T, hd] fp32.
+        cos, sin: RoPE tables gathered for `positions`, [B, 1, T, hd] fp32; sin_signed the same for
+            Rotary.signed (or None: apply_rotary then takes the three-op rotate-half).
         mask: bool [B, 1, T, S] (True = attend), or None when `causal` or one sequence's single
             newest token needs no mask.
         causal: a single sequence's prefill from position 0 (SDPA's built-in causal mask).
@@ -77,12 +94,15 @@ class AttentionMetadata:
             (every prefill and single-sequence decode): the KV write is then a plain slice copy.
     """
 
-    __slots__ = ("positions", "slots", "cos", "sin", "mask", "causal", "kv_len", "contiguous_slots", "single")
+    __slots__ = ("positions", "slots", "cos", "sin", "mask", "causal", "kv_len", "contiguous_slots", "single",
+                 "sin_signed")
 
-    def __init__(self, positions, slots, cos, sin, mask, causal, kv_len, contiguous_slots, single=None) -> None:
+    def __init__(self, positions, slots, cos, sin, mask, causal, kv_len, contiguous_slots, single=None,
+                 sin_signed=None) -> None:
         self.positions, self.slots, self.cos, self.sin = positions, slots, cos, sin
         self.mask, self.causal, self.kv_len, self.contiguous_slots = mask, causal, kv_len, contiguous_slots
         self.single = single  # (slot, first position) when one sequence writes consecutive positions
+        self.sin_signed = sin_signed  # sin, first half negated (Rotary.signed), or None
 
 
 def attention_mask(positions: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
@@ -110,7 +130,8 @@ def build_attention_metadata(rotary: Rotary, positions: torch.Tensor, slots: tor
     single = None
     if B == 1 and kv_len - T == int(positions[0, 0]):  # positions are start .. kv_len - 1
         single = (int(slots[0]), kv_len - T)
-    return AttentionMetadata(positions, slots, cos, sin, mask, causal, kv_len, contiguous, single)
+    return AttentionMetadata(positions, slots, cos, sin, mask, causal, kv_len, contiguous, single,
+                             rotary.signed(sin))
 
 
 def build_static_decode_metadata(rotary: Rotary, positions: torch.Tensor, slots: torch.Tensor, kv_len: int,
@@ -122,7 +143,8 @@ def build_static_decode_metadata(rotary: Rotary, positions: torch.Tensor, slots:
     carry no weight."""
     cos, sin = rotary(positions)
     mask = attention_mask(positions, kv_len, sliding_window)
-    return AttentionMetadata(positions, slots, cos, sin, mask, False, kv_len, contiguous_slots, None)
+    return AttentionMetadata(positions, slots, cos, sin, mask, False, kv_len, contiguous_slots, None,
+                             rotary.signed(sin))
 
 
 class KVCache:
@@ -225,10 +247,11 @@ class Attention(nn.Module):
         v = v.view(B, T, self.Hkv, self.hd)
         if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), meta.cos, meta.sin)  # (B, H, T, hd)
-        k = apply_rotary(k.transpose(1, 2), meta.cos, meta.sin)  # (B, Hkv, T, hd)
+        q = apply_rotary(q.transpose(1, 2), meta.cos, meta.sin, meta.sin_signed)  # (B, H, T, hd)
+        k = apply_rotary(k.transpose(1, 2), meta.cos, meta.sin, meta.sin_signed)  # (B, Hkv, T, hd)
         k, v = cache.update(self.layer_idx, k, v.transpose(1, 2), meta)  # (B, Hkv, S, hd)
-        k, v = k.to(q.dtype), v.to(q.dtype)
+        if k.dtype != q.dtype:  # an fp8 / other KV cache format
+            k, v = k.to(q.dtype), v.to(q.dtype)
         out = attend(q, k, v, meta.mask, meta.causal, self.scale, self.H != self.Hkv)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
 
