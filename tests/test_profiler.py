@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import math
 
 import pytest
@@ -215,3 +216,54 @@ def test_profile_command_lists_presets_and_writes(monkeypatch, tmp_path, capsys)
     assert HardwareProfile.load(path) == get_preset("t4-pcie3")
     out = capsys.readouterr().out
     assert "gemm/gpu/fp16" in out and "GFLOP/s" in out and "wrote" in out
+
+
+# ---- the memory's speed at planning -----------------------------------------------------------
+
+def test_scaling_the_cpu_bandwidth_moves_only_bandwidth_bound_cpu_terms():
+    from tiered.hardware.profile import scale_cpu_bandwidth
+
+    hw = HardwareProfile("box", "test", {k: LinearModel(1e-6, 2e-11, 0.9) for k in (
+        "gemv/cpu/bf16", "attn/cpu/fp32", "memory/bandwidth/cpu", "memory/bandwidth_dram/cpu", "memory/copy/cpu",
+        "gemm/cpu/bf16", "gemv/gpu/bf16", "runtime/decode_step/bf16", "copy/h2d_pinned")})
+    slow = scale_cpu_bandwidth(hw, 1.5, "why")
+    for key, m in slow.models.items():
+        moved = key.split("/")[1] == "cpu" and not key.startswith(("gemm/", "runtime/")) or key.endswith("/cpu")
+        assert m.alpha == 1e-6 and m.beta == pytest.approx(2e-11 * (1.5 if moved else 1.0)), key
+    assert slow.meta["cpu_bandwidth_ratio"] == 1.5 and slow.meta["notes"] == ["why"] and "notes" not in hw.meta
+    with pytest.raises(ValueError):
+        scale_cpu_bandwidth(hw, 0.0)
+
+
+def test_the_bandwidth_check_reads_beyond_the_cache_against_the_profile():
+    from tiered.hardware.profiler import cpu_bandwidth_ratio
+
+    hw = HardwareProfile("box", "test", {"memory/bandwidth/cpu": LinearModel(0.0, 1 / 20e9, None)},
+                         meta={"llc_bytes": 32 * 2**20})
+    ratio, now = cpu_bandwidth_ratio(hw, seconds=0.01)
+    assert ratio > 0 and now > 1e8 and ratio == pytest.approx(20e9 / now)
+    assert cpu_bandwidth_ratio(HardwareProfile("box", "test", {})) is None
+
+
+def test_a_plan_follows_the_memory_speed_of_its_moment(monkeypatch):
+    """bandwidth_now scales the machine's cached profile when the memory reads slower or faster than
+    the profile says (beyond 15%), and the CPU plan's predicted decode follows; a small difference,
+    TIERED_BANDWIDTH_CHECK=0 and a profile already checked are left as they are."""
+    from tiered.hardware import profiler
+    from tiered.planner import auto
+    from tiered.planner.make import make_plan
+    from test_plan import LLAMA70B
+
+    hw = get_preset("scheinfer-a")
+    ratio = {"value": 1.6}
+    monkeypatch.setattr(profiler, "cpu_bandwidth_ratio", lambda p: (ratio["value"], 10e9))
+    slow = auto.bandwidth_now(hw)
+    assert slow.meta["cpu_bandwidth_ratio"] == 1.6 and auto.bandwidth_now(slow) is slow
+    cpu_only = lambda p: make_plan(LLAMA70B, replace(p, gpu_memory=None), precision="int4",  # noqa: E731
+                                   cpu_memory=10**12).predicted_decode_tokens_per_s
+    assert cpu_only(slow) < 0.8 * cpu_only(hw)
+    ratio["value"] = 1.1
+    assert auto.bandwidth_now(hw) is hw
+    ratio["value"] = 1.6
+    monkeypatch.setenv("TIERED_BANDWIDTH_CHECK", "0")
+    assert auto.bandwidth_now(hw) is hw

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tiered.errors import ConfigError
@@ -108,3 +108,27 @@ def default_profile_path() -> Path:
     """Where `tiered profile` saves by default: <cache dir>/hardware_profile.json."""
     from tiered.checkpoint.tokenizer import cache_dir
     return cache_dir() / "hardware_profile.json"
+
+
+# CPU cost models whose per-byte term is the memory's rate: what a change of the machine's memory
+# bandwidth since the profile moves (a VM's neighbours; the compute-bound GEMM fits and the host
+# overhead keys stay as measured).
+BANDWIDTH_BOUND_CPU = ("gemv/cpu/", "attn/cpu/", "memory/bandwidth/cpu", "memory/bandwidth_dram/cpu", "memory/copy/cpu")
+
+
+def scale_cpu_bandwidth(profile: HardwareProfile, ratio: float, why: str = "") -> HardwareProfile:
+    """`profile` with the per-byte terms of its bandwidth-bound CPU models multiplied by `ratio`
+    (seconds now / seconds then: 1.25 = the memory is 1.25x slower than when profiled). The fixed
+    terms (alpha) stay. meta["cpu_bandwidth_ratio"] records the ratio, meta["notes"] `why`.
+
+    Raises:
+        ValueError: ratio is not positive.
+    """
+    if not ratio > 0:
+        raise ValueError(f"bandwidth ratio must be positive, got {ratio}")
+    models = {k: (LinearModel(m.alpha, m.beta * ratio, m.r2) if k.startswith(BANDWIDTH_BOUND_CPU) else m)
+              for k, m in profile.models.items()}
+    meta = dict(profile.meta, cpu_bandwidth_ratio=ratio)
+    if why:
+        meta["notes"] = list(profile.meta.get("notes", [])) + [why]
+    return replace(profile, models=models, meta=meta)

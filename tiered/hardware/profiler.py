@@ -447,6 +447,32 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_bandwidth_ratio(profile: HardwareProfile, seconds: float = 0.06) -> tuple[float, float] | None:
+    """(seconds now / seconds the profile predicts, bytes/s now) for reading a buffer beyond the
+    last-level cache (4 x meta["llc_bytes"], at least 128 MiB, at most 512 MiB), the median of the
+    reads of `seconds` (at least 5): how much slower (> 1) or faster the memory is now than when
+    `profile` was measured. None when the profile has no CPU bandwidth model.
+
+    A VM's memory bandwidth swings with its neighbours: the 2-core EPYC read 25-34 GB/s in one
+    minute of 2026-11-26 where its profile of 40 minutes before said 49.
+    """
+    llc = profile.meta.get("llc_bytes") or 0
+    nbytes = int(min(512 * MiB, max(128 * MiB, 4 * llc)))
+    model = profile.models.get("memory/bandwidth_dram/cpu") if llc and nbytes > llc else None
+    model = model or profile.models.get("memory/bandwidth/cpu")
+    if model is None:
+        return None
+    src = torch.ones(nbytes // 4)
+    src.sum()  # first touch
+    samples, end = [], time.perf_counter() + seconds
+    while len(samples) < 5 or time.perf_counter() < end:
+        t0 = time.perf_counter()
+        src.sum()
+        samples.append(time.perf_counter() - t0)
+    now = float(np.median(samples))
+    return now / model(nbytes), nbytes / now
+
+
 def last_level_cache_bytes() -> int | None:
     """Size of the CPU's largest data cache (Linux sysfs, cpu0), or None when unknown."""
     best = None

@@ -35,7 +35,8 @@ def engine_profile(profile: str | None, accelerator=None, progress: Callable[[st
     Args:
         profile: a HardwareProfile JSON path or a preset name (`tiered profile --presets`); None =
             the cached profile of this machine, measured now (quick run) and cached if there is none
-            or if it lacks the GPU while a CUDA accelerator is in use.
+            or if it lacks the GPU while a CUDA accelerator is in use; its bandwidth-bound CPU
+            models follow the memory's speed of this moment (`bandwidth_now`).
         accelerator: the engine's Accelerator (None = CPU only). For the host stand-in, this
             machine's CPU profile (or a given one without GPU keys) is turned into a GPU-shaped one
             (`standin_profile`); a given profile with GPU keys is used as is, to plan as if on
@@ -57,9 +58,39 @@ def engine_profile(profile: str | None, accelerator=None, progress: Callable[[st
                               "pass a JSON from `tiered profile` or one of: " + ", ".join(PRESETS))
     else:
         hw = _cached_or_measured(cuda=accelerator is not None and not accelerator.is_host, progress=progress)
+        hw = bandwidth_now(hw)
     if accelerator is not None and accelerator.is_host and (measured or not op_time.has_device(hw, "gpu")):
         hw = standin_profile(hw, accelerator.link_bandwidth)
     return hw
+
+
+BANDWIDTH_TOLERANCE = 0.15  # a memory speed within this fraction of the profile's is taken as the same
+
+
+def bandwidth_now(hw: HardwareProfile) -> HardwareProfile:
+    """This machine's profile with its bandwidth-bound CPU models scaled to the memory's speed now.
+
+    A quick read beyond the last-level cache (hardware/profiler.cpu_bandwidth_ratio, ~10-50 ms)
+    against the profile's prediction for it: outside BANDWIDTH_TOLERANCE, the per-byte terms of the
+    CPU's GEMV, attention and memory models are scaled by the ratio (hardware/profile.
+    scale_cpu_bandwidth), so that the plan's choices and its predicted tokens/s are those of this
+    minute's machine. A VM's bandwidth swings with its neighbours (the 2-core EPYC: 25-50 GB/s within
+    an hour), and decode at batch 1 moves with it: `make run` decoded at 240 tok/s where a profile of
+    a faster minute predicted 303. TIERED_BANDWIDTH_CHECK=0 turns the check off.
+    """
+    if os.environ.get("TIERED_BANDWIDTH_CHECK", "1") == "0" or hw.meta.get("cpu_bandwidth_ratio") is not None:
+        return hw
+    from tiered.hardware.profile import scale_cpu_bandwidth
+    from tiered.hardware.profiler import cpu_bandwidth_ratio
+
+    found = cpu_bandwidth_ratio(hw)
+    if found is None:
+        return hw
+    ratio, now = found
+    if abs(ratio - 1.0) <= BANDWIDTH_TOLERANCE:
+        return hw
+    return scale_cpu_bandwidth(hw, ratio, f"CPU memory read {now / 1e9:.1f} GB/s at planning, {1 / ratio:.2f}x the "
+                                          "profile's: its bandwidth-bound CPU costs scaled to match")
 
 
 def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> HardwareProfile:
@@ -250,6 +281,10 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                      head_precision=head_precision if dense_cpu else None, expert_act=expert_activations(ec))
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
+    ratio = profile.meta.get("cpu_bandwidth_ratio")
+    if ratio is not None:
+        plan.notes.append(f"the CPU's memory ran {1 / ratio:.2f}x the profile's speed at planning; its "
+                          "bandwidth-bound costs were scaled to match")
     return plan, profile
 
 
