@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", help="where the dummy checkpoints are written (default ~/.cache/tiered/bench; "
                                       "--smoke: a temp directory, removed after)")
     ap.add_argument("--repeats", type=int, help="medians of this many runs (default 3; --smoke 1)")
-    ap.add_argument("--rows", help="comma list of row ids to run (default all): " + ", ".join(ROW_IDS))
+    ap.add_argument("--rows", help="comma list of row ids to run, in that order (default all): " + ", ".join(ROW_IDS))
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own; --smoke: 1, since "
                                                 "OpenMP slows down 10-30x on a shared machine when oversubscribed)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the host stand-in: no GPU needed, < 1 min")
@@ -261,9 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     trace_dir = Path(a.trace_dir) if a.trace_dir else None
     if trace_dir is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)
-    wanted = set(a.rows.split(",")) if a.rows else None
-    if wanted is not None and wanted - set(ROW_IDS):
-        ap.error(f"unknown rows {sorted(wanted - set(ROW_IDS))}; pick from {', '.join(ROW_IDS)}")
+    order = list(dict.fromkeys(a.rows.split(","))) if a.rows else None  # in the order given
+    if order is not None and set(order) - set(ROW_IDS):
+        ap.error(f"unknown rows {sorted(set(order) - set(ROW_IDS))}; pick from {', '.join(ROW_IDS)}")
     repeats = a.repeats or (1 if a.smoke else 3)
     setups = []
     for sn in shapes:
@@ -289,9 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                                            s.shape, torch.bfloat16)
             p = prompts(s)
             offload = workdir / "accelerate_offload"
-            for row in rows_for(s):
-                if wanted is not None and row.id not in wanted:
-                    continue
+            by_id = {row.id: row for row in rows_for(s)}
+            for row in (by_id.values() if order is None else [by_id[i] for i in order if i in by_id]):
                 print(f"-- {s.shape_name} / {row.label}", flush=True)
                 r = measure(row, s, model, p, offload)
                 shutil.rmtree(offload, ignore_errors=True)

@@ -9,6 +9,8 @@
 #   moe      benchmarks/gpu_offload.py, 4 Mixtral layers, --gpu-mem 4GiB (no transformers + accelerate row:
 #            0.57 tok/s, section 2 of shared/gpu-runs/2026-11-22-h200 has it)
 #   dense    the same, 8 Llama-3-8B layers, --gpu-mem 2GiB
+#   moe_ab   plan off, then the default plan, 3 repeats each (the default ran first and 17% slower than plan
+#            off with the same paths and hit rate on 2026-11-26: order, or the plan?)
 #   trace    the MoE and dense default plans once more with EngineConfig(trace=True) (timelines)
 #   stall    benchmarks/gpu_stall_probe.py: where an offloaded decode step's host time goes (profiler
 #            ops, thread samples, late samples); stall_passive: the same with OMP_WAIT_POLICY=PASSIVE
@@ -24,7 +26,7 @@
 # benchmarks/results/gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense trace stall stall_passive share fullprofile all)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense trace stall stall_passive share moe_ab fullprofile all)" >&2; exit 2; }
 start=$(date +%s)
 deadline=$((start + ${GPU_DEADLINE:-540}))
 out=${OUT:-benchmarks/results/gpu}
@@ -83,6 +85,9 @@ for stage in "${stages[@]}"; do
     fullprofile) run 540 profile_full python3 -m tiered.cli profile --out "$res/profile_full.json" ;;
     moe) bench moe 240 ;;
     dense) bench dense 150 ;;
+    moe_ab) mkdir -p "$res/ab"
+            run 240 gpu_offload_moe_ab python3 benchmarks/gpu_offload.py --shape moe --repeats 3 --rows plan_off,plan_auto \
+              --out "$res/ab" --name gpu_offload_moe_ab ${prof:+--profile "$prof"} ;;
     trace) mkdir -p "$res/traces"
            run 120 trace_moe python3 benchmarks/gpu_offload.py --shape moe --repeats 1 --rows plan_auto \
              --out "$res/traces" --name trace_moe ${prof:+--profile "$prof"} --trace-dir "$res/traces"
