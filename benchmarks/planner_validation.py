@@ -7,7 +7,9 @@ disk; and SmolLM2-135M dense in bf16 and fp32 — the planner's CPU + disk model
 time and the whole decode step; the runtime measures them (executor trace spans per MoE layer,
 inter-token latency end to end, from a second run without the trace's instrumentation). Expert hit rates come from replaying the measured run's routing
 trace through the cache simulator, so the comparison tests the timing model, not a routing
-forecast. Writes benchmarks/results/planner_validation.{json,md}.
+forecast. Each row is priced with the profile scaled to the memory's speed just before it runs, as
+the engine plans with this machine's profile (planner/auto.bandwidth_now; TIERED_BANDWIDTH_CHECK=0
+prices every row with the profile as measured). Writes benchmarks/results/planner_validation.{json,md}.
 
     python benchmarks/planner_validation.py [--profile F] [--quick] [--out DIR]
 """
@@ -198,6 +200,14 @@ def main() -> None:
     print(md.read_text())
 
 
+def bandwidth_now(hw):
+    """`hw` scaled to the memory's speed of this moment, as the engine plans with this machine's
+    profile (planner/auto.bandwidth_now); the profile itself when TIERED_BANDWIDTH_CHECK=0."""
+    from tiered.planner.auto import bandwidth_now as check
+
+    return check(hw)
+
+
 def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
     """The Mixtral-shaped dummy under four explicit placements: predicted vs measured per layer and end to end."""
     model = write_checkpoint(Path(args.workdir) / ("mixtral-dummy-quick" if args.quick else "mixtral-dummy"),
@@ -229,10 +239,11 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
                                                  read_ahead=False),
     }
     for name, cfg in plans.items():
+        now = bandwidth_now(hw)  # as the engine plans: the memory's speed of this moment
         m = measure(model, cfg, prompt, args.new_tokens, files)
         mc = m["config"]
         hits = simulate_hits(m["trace"], m["resident"], m["slots"])
-        layers, step = predict_decode(mc, hw, "bf16", context=len(prompt) + args.new_tokens // 2, hits=hits,
+        layers, step = predict_decode(mc, now, "bf16", context=len(prompt) + args.new_tokens // 2, hits=hits,
                                       read_ahead=m["read_ahead"])
         per_layer = []
         for l, meas in sorted(m["layer_s"].items()):
@@ -261,6 +272,7 @@ def dense_rows(args, hw, rows: list, errors: list) -> None:
              ("SmolLM2-135M dense, fp32 weights", EngineConfig(dtype="float32", decode_weights="fp32", plan="off"), "fp32"),
              ("SmolLM2-135M default (auto plan: one int4/int8 copy, native step)", EngineConfig(), None))
     for name, cfg, dw in cases:
+        now = bandwidth_now(hw)  # as the engine plans (the default row's engine checks on its own)
         llm = LLM(None, cfg)
         ids = list(range(100, 132))
         llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -269,7 +281,7 @@ def dense_rows(args, hw, rows: list, errors: list) -> None:
         if dw is None:
             step = 1.0 / llm.plan.predicted_decode_tokens_per_s
         else:
-            _, step = predict_decode(llm.config, hw, dw, context=len(ids) + args.new_tokens // 2)
+            _, step = predict_decode(llm.config, now, dw, context=len(ids) + args.new_tokens // 2)
         err = abs(step - itl) / itl
         errors.append(err)
         rows.append({"plan": name, "predicted_step_s": step, "measured_itl_s": itl, "e2e_error": err,
