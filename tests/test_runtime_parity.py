@@ -10,6 +10,7 @@ uses all three paths (resident, copy, cpu) in one run.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from runtime_fixtures import GREEDY, MOE_KINDS, REL_TOL, engine_config, prompt, rel_err, rt  # noqa: F401
 
@@ -116,3 +117,27 @@ def test_mixed_placement_uses_all_three_paths(rt, kind, tmp_path, close_after):
     assert paths["resident"] > 0 and paths["copy"] > 0 and paths["cpu"] > 0, dict(paths)
     assert llm.experts.bytes_read > 0  # disk-tier experts were read
     assert llm.experts.bytes_h2d == paths["copy"] * s.expert
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_a_decode_token_on_resident_gpu_experts_takes_the_one_token_path(rt, kind, close_after, monkeypatch):
+    """Every expert resident behind the (stand-in) accelerator: a decode step's MoE layer runs
+    _one_token_on_fast (no argsort, per-expert tasks or index_add_), and its logits equal the general
+    path's bit for bit."""
+    from fixtures import stepwise_logits
+    from tiered.runtime.moe_runner import TieredExperts
+
+    llm = load(rt, kind, accelerator="host")
+    close_after(llm)
+    assert llm.experts.placement.count(FAST) == rt.sizes(kind).total_experts
+    calls = []
+    real = TieredExperts._one_token_on_fast
+    monkeypatch.setattr(TieredExperts, "_one_token_on_fast", lambda self, *a: calls.append(1) or real(self, *a))
+    ids = prompt()
+    fast = stepwise_logits(llm, ids, 8)
+    n_fast = len(calls)
+    assert n_fast >= (len(ids) - 8) * llm.config.num_hidden_layers // 2  # decode steps x MoE layers
+    llm.experts.one_token_path = False
+    general = stepwise_logits(llm, ids, 8)
+    assert len(calls) == n_fast and torch.equal(fast, general)
+    assert set(llm.experts.path_counts) == {"resident"}

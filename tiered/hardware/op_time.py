@@ -61,6 +61,11 @@ def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float
     bf16 GEMV fit runs at 93 GB/s against 84 GB/s for a plain read; on 2 cores the GEMV is the
     slower of the two and the floor never binds.
 
+    Bandwidth models price bytes by their per-byte term alone: their points are reads of 8-512 MiB,
+    and an intercept fitted to them is noise that, charged to every small read, once priced
+    SmolLM2's bf16 decode step at 23 ms against 10.5 measured (a 0.46 ms intercept on a VM whose
+    bandwidth swung during the full profile's reads).
+
     `working_set`: bytes read between two reads of the same weight (a decode step's weights). When
     it exceeds the last-level cache (meta["llc_bytes"]), no read hits the cache and the floor is the
     memory's own rate beyond it, memory/bandwidth_dram/<dev>, when profiled.
@@ -68,8 +73,8 @@ def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float
     m = find(profile, op, device, dtype)
     bw = profile.models.get(f"memory/bandwidth/{device}")
     floor = max(bw.beta if bw is not None else 0.0, dram_floor(profile, device, working_set))
-    if m is None:
-        return max(bw(nbytes) if bw is not None else 0.0, nbytes * floor)
+    if m is None:  # a read's time is its bytes at the memory's rate (bandwidth fits' intercepts are noise)
+        return nbytes * floor
     return max(m(nbytes), nbytes * floor)
 
 
@@ -111,7 +116,7 @@ def attention_time(profile: HardwareProfile, device: str, dtype: str, macs: floa
     m = find(profile, "attn", device, dtype)
     compute = (calls * m.alpha + m.beta * macs) if m is not None else gemm_time(profile, device, dtype, macs, 0.0, calls)
     bw = profile.models.get(f"memory/bandwidth/{device}")
-    return max(compute, bw(kv_bytes / calls) * calls if bw is not None and kv_bytes > 0 else 0.0)
+    return max(compute, bw.beta * kv_bytes if bw is not None else 0.0)
 
 
 def launch_time(profile: HardwareProfile, device: str) -> float:

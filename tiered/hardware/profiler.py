@@ -74,6 +74,23 @@ def fit_affine(xs, ys) -> LinearModel:
     return LinearModel(float(alpha), float(beta), float(r2))
 
 
+def fit_proportional(xs, ys) -> LinearModel:
+    """Least-squares t = beta * n through the origin (alpha = 0), and R^2: for reads and copies of
+    8 MiB and more, whose fixed cost is microseconds; an affine fit's intercept there is the noise
+    of a machine whose bandwidth moved between sizes.
+
+    Raises:
+        ValueError: no points, or xs and ys of different lengths.
+    """
+    x, y = np.asarray(xs, float), np.asarray(ys, float)
+    if len(x) != len(y) or len(x) == 0:
+        raise ValueError(f"need matching, non-empty samples (got {len(x)} and {len(y)})")
+    beta = float((x * y).sum() / (x * x).sum()) if (x * x).sum() > 0 else 0.0
+    ss = ((y - y.mean()) ** 2).sum()
+    r2 = 1.0 - ((y - beta * x) ** 2).sum() / ss if ss > 0 and len(x) > 1 else None
+    return LinearModel(0.0, max(beta, 0.0), None if r2 is None else float(r2))
+
+
 def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None,
                 min_sample: float = 10e-3) -> float:
     """Median seconds per call of `fn` over `repeats` samples, after a warm-up call."""
@@ -109,7 +126,8 @@ class _Bench:
 
     def fit(self, key: str, points: list[tuple[float, float]]) -> None:
         self.points[key] = points
-        self.models[key] = fit_affine([n for n, _ in points], [t for _, t in points])
+        fit = fit_proportional if key.startswith("memory/") else fit_affine  # reads and copies of MiBs
+        self.models[key] = fit([n for n, _ in points], [t for _, t in points])
         m = self.models[key]
         self.say(f"{key}: alpha={m.alpha:.3g} s beta={m.beta:.3g} s/unit R^2={m.r2 if m.r2 is None else round(m.r2, 3)}")
 

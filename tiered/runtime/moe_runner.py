@@ -114,6 +114,7 @@ class TieredExperts:
         self.low = None if low is None else _Side(low.store.fmt, low.store, low.cache, low.view)
         self.mixed = None if low is None else low.mixed
         self.precision_counts: Counter = Counter()  # misses by precision: high / low loads, skips; low hits
+        self.one_token_path = True  # _one_token_on_fast for a decode token whose experts are all on the GPU
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                  block) -> torch.Tensor:
@@ -124,15 +125,19 @@ class TieredExperts:
                 return out
         k = topk_idx.shape[1]
         flat = topk_idx.flatten()  # (N*k,)
-        order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
         t_sync = time.perf_counter()
-        counts_t = torch.bincount(flat, minlength=self.num_experts)  # (E,)
-        if self.mixed is None:
-            counts, needs = counts_t.tolist(), None  # the one host sync
+        ids = None
+        if x.shape[0] == 1 and self.mixed is None:  # one token: its k experts, read once (no bincount)
+            ids = flat.tolist()  # the one host sync
+            counts, needs = [0] * self.num_experts, None
+            for e in ids:
+                counts[e] += 1
+        elif self.mixed is None:
+            counts, needs = torch.bincount(flat, minlength=self.num_experts).tolist(), None  # the one host sync
         else:  # HOBBIT Eq. 2 per slot -> highest precision per expert, in the same sync
+            counts_t = torch.bincount(flat, minlength=self.num_experts)  # (E,)
             counts, needs = torch.stack([counts_t, self.mixed.expert_needs(topk_idx, topk_weight, self.num_experts)]).tolist()
         self.executor.record(f"host sync L{layer_idx}", "main", t_sync, time.perf_counter(), layer=layer_idx)
-        tok_all, slot_all = order // k, order % k  # (N*k,) token row and top-k slot of each entry
         groups, start = {}, 0
         for e, c in enumerate(counts):
             if c:
@@ -150,6 +155,13 @@ class TieredExperts:
         side = {e: self.high for e in groups}
         if needs is not None:
             misses = self._choose_precision(misses, needs, keys, on_fast, side, groups)
+        if (ids is not None and self.one_token_path and not misses and self.accelerator is not None
+                and self.prefetcher is None and all(side[e] is self.high for e in groups)):
+            out = self._one_token_on_fast(ids, x, topk_weight, on_fast, side)
+            self.executor.record(f"moe layer {layer_idx}", "main", t_layer, time.perf_counter(), layer=layer_idx)
+            return out
+        order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order within
+        tok_all, slot_all = order // k, order % k  # (N*k,) token row and top-k slot of each entry
         if self.group_layers and not misses and all(side[e] is self.high for e in groups):
             out = self._all_on_fast(layer_idx, x, groups, keys, on_fast, tok_all, slot_all, topk_weight)
             if out is not None:
@@ -284,6 +296,22 @@ class TieredExperts:
             if need != HIGH:
                 side[e] = self.low
             out.append(e)
+        return out
+
+    def _one_token_on_fast(self, ids: list[int], x, topk_weight, on_fast, side) -> torch.Tensor:
+        """One token (x [1, D]) whose routed experts `ids` (its top-k, slot order) are all on the
+        accelerator: each expert launched here, on the current stream, and their weighted sum, in
+        ascending expert order as the general path's index_add_ sums them (same values). A GPU
+        decode step's MoE layer is host-bound: this skips the argsort, the per-expert tasks and
+        events, the gathers and the index_add_ (about 20 launches and 2 event records per layer)."""
+        out = None
+        for e in sorted(set(ids)):
+            self.path_counts[RESIDENT] += 1
+            y = side[e].fmt.forward(x, on_fast[e])
+            for j, routed in enumerate(ids):  # top-k holds an expert once; a repeat would add again
+                if routed == e:
+                    wy = y * topk_weight[:, j, None].to(y.dtype)
+                    out = wy if out is None else out + wy
         return out
 
     def _weights_on_fast(self, key):
