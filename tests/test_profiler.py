@@ -282,3 +282,21 @@ def test_bandwidth_keys_price_bytes_at_their_rate_alone():
     assert op_time.attention_time(noisy, "cpu", "fp32", 0.0, 1e6) == 0.0
     with pytest.raises(ValueError):
         fit_proportional([], [])
+
+
+def test_a_decode_gemv_beyond_the_cache_streams_at_the_kernels_own_dram_rate():
+    """Beyond the last-level cache a GEMV's floor is the slower of plain DRAM reads and the kernel's own
+    DRAM rate (gemv_dram/cpu/<dtype>, when profiled): on the H200's host a bf16 expert streamed 81 GB/s
+    where plain reads did 98, and the dense plan's CPU slices ran at 65-70 priced at 98."""
+    llc = 300 * 2**20
+    models = {"gemv/cpu/bf16": LinearModel(0.0, 1 / 221e9, 0.99),  # timed on weights the cache holds
+              "memory/bandwidth/cpu": LinearModel(0.0, 1 / 216e9, 0.99),
+              "memory/bandwidth_dram/cpu": LinearModel(0.0, 1 / 98e9, 0.99)}
+    plain = HardwareProfile("box", "test", dict(models), meta={"llc_bytes": llc})
+    kernel = HardwareProfile("box", "test", dict(models, **{"gemv_dram/cpu/bf16": LinearModel(2e-5, 1 / 80e9, 0.99)}),
+                             meta={"llc_bytes": llc})
+    n = 100e6
+    assert op_time.memory_time(plain, "cpu", "bf16", n, working_set=2 * llc) == pytest.approx(n / 98e9)
+    assert op_time.memory_time(kernel, "cpu", "bf16", n, working_set=2 * llc) == pytest.approx(n / 80e9)
+    assert op_time.memory_time(kernel, "cpu", "bf16", n, working_set=llc / 2) == pytest.approx(n / 216e9)
+    assert op_time.dram_floor(kernel, "cpu", 2 * llc) == pytest.approx(1 / 98e9)  # plain reads, no dtype

@@ -72,19 +72,26 @@ def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float
     """
     m = find(profile, op, device, dtype)
     bw = profile.models.get(f"memory/bandwidth/{device}")
-    floor = max(bw.beta if bw is not None else 0.0, dram_floor(profile, device, working_set))
+    floor = max(bw.beta if bw is not None else 0.0,
+                dram_floor(profile, device, working_set, dtype if op == "gemv" else None))
     if m is None:  # a read's time is its bytes at the memory's rate (bandwidth fits' intercepts are noise)
         return nbytes * floor
     return max(m(nbytes), nbytes * floor)
 
 
-def dram_floor(profile: HardwareProfile, device: str, working_set: float) -> float:
+def dram_floor(profile: HardwareProfile, device: str, working_set: float, dtype: str | None = None) -> float:
     """Seconds per byte below which `device` cannot stream operands when `working_set` bytes pass
-    between two reads of the same one [s/byte]: memory/bandwidth_dram/<dev>'s per-byte term once the
-    working set exceeds the last-level cache (meta["llc_bytes"]), else 0 (the cache may serve it)."""
+    between two reads of the same one [s/byte]: once the working set exceeds the last-level cache
+    (meta["llc_bytes"]), the slower of memory/bandwidth_dram/<dev> (plain reads) and, for a `dtype`
+    GEMV, gemv_dram/<dev>/<dtype> (the decode kernel itself over weights no cache holds: on the
+    H200's host one bf16 expert streamed 81 GB/s where plain reads did 98); else 0 (the cache may
+    serve it)."""
     llc = profile.meta.get("llc_bytes") if profile.meta else None
-    dram = profile.models.get(f"memory/bandwidth_dram/{device}") if llc and working_set > llc else None
-    return dram.beta if dram is not None else 0.0
+    if not (llc and working_set > llc):
+        return 0.0
+    dram = profile.models.get(f"memory/bandwidth_dram/{device}")
+    kernel = find(profile, "gemv_dram", device, dtype) if dtype else None
+    return max(m.beta for m in (dram, kernel, LinearModel(0.0, 0.0, None)) if m is not None)
 
 
 def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, weight_bytes: float = 0.0,

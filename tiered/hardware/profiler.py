@@ -10,6 +10,7 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     attn/<dev>/<dtype>   decode attention (bmm q.K^T, p.V)      n = MACs
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
     memory/bandwidth_dram/cpu  reads of 2-4 x the last-level cache (meta["llc_bytes"])   n = bytes
+    gemv_dram/cpu/<dtype>      the native decode GEMVs over 3 x the last-level cache      n = weight bytes
     launch/<dev>         a tiny op (alpha only)
     runtime/task         one task through tiered's executor and back (alpha only)
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
@@ -205,12 +206,14 @@ def _cuda_int8_kernel(w: torch.Tensor):
 COLD_WEIGHT_BYTES = 64 * MiB  # CPU GEMVs rotate over this many weight bytes: beyond the last-level cache
 
 
-def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: bool):
+def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: bool, cold_bytes: int | None = None):
     """(n, seconds) per shape (T tokens, K in, N out): n = MACs, or weight bytes when by_bytes.
 
-    CPU GEMVs (by_bytes) cycle over enough copies of the weight to exceed COLD_WEIGHT_BYTES, so
-    each call streams its weight from DRAM as a decode step does (a model's weights do not fit in
-    the cache); timing one small weight again and again would measure the cache instead.
+    CPU GEMVs (by_bytes) cycle over enough copies of the weight to exceed COLD_WEIGHT_BYTES (at most
+    32 copies), so each call streams its weight from memory as a decode step does (a model's
+    weights do not fit in the cache); timing one small weight again and again would measure the
+    cache instead. `cold_bytes`: cycle over that many bytes instead, however many copies it takes
+    (gemv_dram: beyond a last-level cache of hundreds of MiB).
     """
     points = []
     for T, K, N in shapes:
@@ -218,7 +221,8 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
         fn, xdtype, bpe = _linear_kernel(device, dtype, w, gemv=by_bytes)
         dev = "cuda" if device == "gpu" else "cpu"
         x = (torch.randint(-8, 8, (T, K), dtype=torch.int8) if xdtype == torch.int8 else torch.randn(T, K)).to(dev, xdtype)
-        copies = min(32, -(-COLD_WEIGHT_BYTES // int(K * N * bpe))) if by_bytes and device == "cpu" else 1
+        need = -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(K * N * bpe))
+        copies = (need if cold_bytes else min(32, need)) if by_bytes and device == "cpu" else 1
         turn = itertools.cycle([fn] + [_linear_kernel(device, dtype, w, gemv=by_bytes)[0] for _ in range(copies - 1)])
         t = median_time(lambda: next(turn)(x), repeats, sync)
         points.append((K * N * bpe if by_bytes else T * K * N, t))
@@ -582,6 +586,11 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.llc = llc
         dram = [2 * llc // MiB, 3 * llc // MiB, 4 * llc // MiB]
         b.attempt("memory/bandwidth_dram/cpu", lambda: _memory_points("cpu", dram, nosync, max(3, r // 2), copy=False))
+        if kernels.available():  # the decode kernels' own rate from DRAM, weights no cache holds
+            big = [(1, 2048, 2048), (1, 4096, 2048), (1, 4096, 4096)]
+            for dtype in ("bf16",) if quick else ("fp32", "bf16", "int8", "int4"):
+                b.attempt(f"gemv_dram/cpu/{dtype}", lambda d=dtype: _gemm_points(
+                    "cpu", d, big, nosync, max(3, r // 2), True, cold_bytes=3 * llc))
     b.attempt("memory/copy/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=True))
     b.models["launch/cpu"] = LinearModel(_launch_time("cpu", nosync), 0.0, None)
     b.say(f"launch/cpu: {b.models['launch/cpu'].alpha:.3g} s")

@@ -5,7 +5,7 @@ runtime applies: each expert's home tier and the cache (Fiddler §3.4 placement)
 model, and with an accelerator too small for a dense model the ScheInfer slicing rates (r_CC, r_CG,
 r_GG) of each layer's MLP with the prompt-token assignment n_g re-solved per prompt length (Eq. 15).
 The profile is, in order: EngineConfig.profile (a JSON path or a preset name), the one `tiered
-profile` saved in the cache directory, or a quick measurement (~3 s on 2 cores) saved there for
+profile` saved in the cache directory, or a quick measurement (~10 s on 2 cores) saved there for
 next time.
 """
 

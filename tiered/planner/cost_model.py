@@ -186,7 +186,7 @@ def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerS
                if shape is not None else None)
         if mem is None:
             return m.alpha, m.beta
-        mem_beta = max(mem.beta, op_time.dram_floor(profile, "cpu", cpu_working_set)) if device == "cpu" else mem.beta
+        mem_beta = max(mem.beta, op_time.dram_floor(profile, "cpu", cpu_working_set, precision)) if device == "cpu" else mem.beta
         return max(m.alpha, mem.alpha), max(m.beta, mem_beta * shape.bytes_per_weight / shape.tokens)
 
     (ag, bg), (ac, bc) = gemm("gpu"), gemm("cpu")
