@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from tiered import EngineConfig  # noqa: E402
+from tiered import EngineConfig, SamplingParams  # noqa: E402
 from tiered.bench import Column, ModelShape, PeakMemory, llama3_8b, machine_info, mixtral_8x7b, write_report  # noqa: E402
 from tiered.bench.runners import HFRunner, TieredRunner, free_memory, measure_latency  # noqa: E402
 from tiered.bench.checkpoint import write_dummy_checkpoint  # noqa: E402
@@ -50,7 +50,8 @@ SHAPES = {"moe": (mixtral_8x7b(layers=4), 4 * GiB), "dense": (llama3_8b(layers=8
 # --smoke: the real layer counts at width 256 (a few MB), so budgets scale with the same proportions
 SMOKE_SHAPES = {"moe": ModelShape(layers=4, hidden=256, ffn=768, heads=4, kv_heads=2, vocab=2048, experts=8),
                 "dense": ModelShape(layers=8, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=2048)}
-ROW_IDS = ("plan_auto", "plan_off", "forced_copy", "forced_cpu", "no_gpu", "unconstrained", "hf_accelerate", "hf_all_gpu")
+ROW_IDS = ("plan_auto", "plan_off", "plan_auto_profiled", "forced_copy", "forced_cpu", "no_gpu", "unconstrained",
+           "hf_accelerate", "hf_all_gpu")
 SMOKE_LINK = 2e9  # bytes/s of the stand-in's emulated PCIe link in --smoke
 
 
@@ -71,6 +72,7 @@ class Setup:
     trace_dir: Path | None
     smoke: bool
     workspace: int = 0        # of gpu_memory, the activation room tiered's plan keeps (smoke: not given to accelerate)
+    expert_profile: Path | None = None  # MoE: `tiered profile-experts`' JSON for the plan_auto_profiled row
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,10 @@ def rows_for(s: Setup) -> list[Row]:
     rows = [Row("plan_auto", "tiered, plan auto (default)", base),
             Row("plan_off", "tiered, plan off", replace(base, plan="off"))]
     if s.shape.is_moe:
+        # the plan a user gets after `tiered profile-experts`: popularity-led residents, and a predicted hit
+        # rate from the profile's routing (the plans above price i.i.d. routing; the dummy weights are skewed)
+        rows += [Row("plan_auto_profiled", "tiered, plan auto with an expert profile (--expert-profile)",
+                     replace(base, expert_profile=str(s.expert_profile)) if s.expert_profile else base)]
         rows += [Row("forced_copy", 'tiered, every miss copied (force_expert_path="copy")',
                      replace(base, force_expert_path="copy")),
                  Row("forced_cpu", 'tiered, every miss on the CPU (force_expert_path="cpu")',
@@ -138,6 +144,27 @@ def prompts(s: Setup) -> dict[str, list[int]]:
     g = torch.Generator().manual_seed(1)
     draw = lambda n: torch.randint(3, s.shape.vocab, (n,), generator=g).tolist()  # noqa: E731
     return {"ttft": draw(s.ttft_tokens), "warmup": draw(s.ttft_tokens), "decode": draw(s.decode_prompt_tokens)}
+
+
+def record_expert_profile(s: Setup, model: Path, out: Path) -> Path:
+    """Tokens routed per (layer, expert) over 4 prompts other than the measured ones, recorded as
+    `tiered profile-experts` records them (runtime/expert_profile.ExpertProfiler), with every weight
+    on the accelerator: out/expert_profile_SHAPE.json."""
+    from tiered import LLM
+    from tiered.runtime.expert_profile import ExpertProfiler
+
+    g = torch.Generator().manual_seed(7)
+    lines = [torch.randint(3, s.shape.vocab, (s.decode_prompt_tokens,), generator=g).tolist() for _ in range(4)]
+    llm = LLM(model, EngineConfig(dtype="bfloat16", accelerator=s.accelerator, link_bandwidth=s.link_bandwidth,
+                                  max_context=2 * s.ttft_tokens, plan="off"))
+    try:
+        profiler = ExpertProfiler.attach(llm.model, llm.config)
+        llm.generate(lines, SamplingParams(temperature=0, max_tokens=s.new_tokens, ignore_eos=True))
+        path = out / f"expert_profile_{s.shape_name}.json"
+        profiler.save(path, model=str(model), prompts=len(lines))
+        return path
+    finally:
+        llm.close()
 
 
 def measure(row: Row, s: Setup, model: Path, p: dict, offload_dir: Path) -> dict:
@@ -288,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
             model = write_dummy_checkpoint(workdir / f"{tag}{s.shape_name}-{s.shape.layers}L-{s.shape.hidden}",
                                            s.shape, torch.bfloat16)
             p = prompts(s)
+            if s.shape.is_moe and (order is None or "plan_auto_profiled" in order):
+                print(f"-- {s.shape_name}: recording an expert profile (4 other prompts)", flush=True)
+                s = replace(s, expert_profile=record_expert_profile(s, model, out_dir))
             offload = workdir / "accelerate_offload"
             by_id = {row.id: row for row in rows_for(s)}
             for row in (by_id.values() if order is None else [by_id[i] for i in order if i in by_id]):

@@ -20,7 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_offload.py"
 TIERED_ROWS = ("plan_auto", "plan_off", "no_gpu", "unconstrained")
-ROWS = {"moe": TIERED_ROWS + ("forced_copy", "forced_cpu", "hf_accelerate", "hf_all_gpu"),
+ROWS = {"moe": TIERED_ROWS + ("plan_auto_profiled", "forced_copy", "forced_cpu", "hf_accelerate", "hf_all_gpu"),
         "dense": TIERED_ROWS + ("hf_accelerate", "hf_all_gpu")}
 # dense with `plan="off"` has no way to offload FFN rows (the H200 run recorded a BudgetError)
 MAY_FAIL = {("dense", "plan_off")}
@@ -72,6 +72,9 @@ def test_offloading_happened_along_the_forced_paths(report):
     assert "copy" not in rows["moe", "forced_cpu"]["paths"]
     assert rows["moe", "forced_cpu"]["paths"].get("cpu", 0) > 0
     assert set(rows["moe", "unconstrained"]["paths"]) == {"resident"}
+    # the expert profile the plan_auto_profiled row planned with was recorded, and the plan priced its skew
+    profiled = rows["moe", "plan_auto_profiled"]
+    assert "expert_profile=" in profiled["engine_config"] and "expert_profile=None" not in profiled["engine_config"]
 
 
 def test_plan_predictions_are_reported(report):
