@@ -55,8 +55,8 @@ def test_cpu_experts_on_the_calling_thread_beat_the_old_worker_thread_row(rows):
 
 def test_default_moe_plan_on_the_h200_is_sensible():
     """The planner's own default for the README's MoE shape and budget: without an expert profile, an
-    LRU cache in the room (7 slots; 2026-11-26 on the H200: 80.1 tok/s where 7 blind residents made
-    14.2), misses split between CPU and link, faster than either forced path and slower than no
+    LRU cache in the room (7 slots; 2026-11-26 on the H200, one probe run after the cuDNN fix: 56.0
+    tok/s where 7 blind residents made 27.7), misses split between CPU and link, faster than either forced path and slower than no
     offloading; with a profile, its most popular experts resident."""
     import numpy as np
     from tiered.planner import make_plan

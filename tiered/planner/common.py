@@ -84,8 +84,9 @@ def fastest_expert_choice(experts: ExpertChoices, num_experts: int, top_k: int, 
     predictions say: residents would be picked blind, in layer order, and the predictions draw
     routing i.i.d., under which a cache's hit rate is its worst case, no better than a blind
     resident set's. Real decode routing repeats experts from token to token, which a cache learns
-    and a blind resident set does not: on the H200 (shared/gpu-runs/2026-11-26-h200) 7 LRU slots hit
-    78% (80.1 tok/s) where 7 blind residents served 25% (14.2 tok/s, with the same link and CPU).
+    and a blind resident set does not: on the H200 (benchmarks/results/gpu/2026-11-26-session20,
+    call 2's stall probe) 7 LRU slots made 56.0 tok/s where 7 blind residents made 27.7, with the
+    same link and CPU (hit rates 78-81% against 21-25% in the benchmark's runs).
 
     Raises:
         BudgetError: no candidate fits (the last one's error).
