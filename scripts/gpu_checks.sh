@@ -23,7 +23,8 @@
 # wheels in .whl/ (scripts/gpu_wheels.sh fetches them; carry .whl); they go to /tmp/site.
 # Everything goes to one folder, packed into $OUT/gpu_results.tgz after every stage (the device
 # tool brings back at most 8 files), with the console in $OUT/run.log; without $OUT, to
-# benchmarks/results/gpu.
+# benchmarks/results/gpu. Back here, `scripts/gpu_unpack.sh TGZ benchmarks/results/gpu/DATE/callN`
+# keeps its tables and logs in the repo (shared/gpu-runs is read-only to sessions).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense trace stall stall_passive share moe_ab fullprofile all)" >&2; exit 2; }
