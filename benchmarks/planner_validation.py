@@ -33,6 +33,7 @@ from moe_offload import write_checkpoint  # noqa: E402
 from tiered import LLM, EngineConfig, SamplingParams  # noqa: E402
 from tiered.bench import Column, median, write_report  # noqa: E402
 from tiered.hardware.profile import HardwareProfile  # noqa: E402
+from tiered.planner.auto import bandwidth_now  # noqa: E402  (as the engine plans)
 from tiered.memory.expert_store import drop_page_cache  # noqa: E402
 from tiered.planner.cpu_predict import predict_decode, simulate_hits  # noqa: E402
 from tiered.runtime.expert_profile import ExpertProfiler  # noqa: E402
@@ -198,14 +199,6 @@ def main() -> None:
     _, md = write_report(stem, out_dir, title="Planner validation", settings=settings, rows=rows, columns=columns,
                          notes=notes, extra={"median_abs_error": med, "h200": h200})
     print(md.read_text())
-
-
-def bandwidth_now(hw):
-    """`hw` scaled to the memory's speed of this moment, as the engine plans with this machine's
-    profile (planner/auto.bandwidth_now); the profile itself when TIERED_BANDWIDTH_CHECK=0."""
-    from tiered.planner.auto import bandwidth_now as check
-
-    return check(hw)
 
 
 def moe_rows(args, hw, shape, rows: list, errors: list) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reference_cases import TOLERANCE, cases, compared_rows
+from reference_cases import assert_within_tolerance, cases, rows_fixture
 from tiered.planner.reference import load_reference, model_config
 
 REF = Path(__file__).resolve().parents[1] / "benchmarks" / "reference" / "h200-2026-11-22" / "measured.json"
@@ -29,15 +29,12 @@ UNMET = {
 }
 
 
-@pytest.fixture(scope="module")
-def rows():
-    return compared_rows(REF)
+rows = rows_fixture(REF)
 
 
 @pytest.mark.parametrize("name, metric", cases(REF, UNMET))
 def test_prediction_within_25_percent_of_the_h200_measurement(rows, name, metric):
-    r = rows[name]
-    assert r["error"][metric] <= TOLERANCE, (name, metric, r["predicted"][metric], r["measured"][metric])
+    assert_within_tolerance(rows, name, metric)
 
 
 def test_cpu_experts_on_the_calling_thread_beat_the_old_worker_thread_row(rows):

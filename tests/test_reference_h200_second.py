@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from reference_cases import TOLERANCE, cases, compared_rows
+from reference_cases import assert_within_tolerance, cases, rows_fixture
 from tiered.planner.reference import load_reference
 
 REF = Path(__file__).resolve().parents[1] / "benchmarks" / "reference" / "h200-2026-11-26" / "measured.json"
@@ -29,15 +29,12 @@ UNMET = {
 }
 
 
-@pytest.fixture(scope="module")
-def rows():
-    return compared_rows(REF)
+rows = rows_fixture(REF)
 
 
 @pytest.mark.parametrize("name, metric", cases(REF, UNMET))
 def test_prediction_within_25_percent_of_the_second_h200_run(rows, name, metric):
-    r = rows[name]
-    assert r["error"][metric] <= TOLERANCE, (name, metric, r["predicted"][metric], r["measured"][metric])
+    assert_within_tolerance(rows, name, metric)
 
 
 def test_cpu_experts_are_priced_at_the_dram_rate(rows):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reference_cases import TOLERANCE, cases, compared_rows
+from reference_cases import assert_within_tolerance, cases, rows_fixture
 
 REF = Path(__file__).resolve().parents[1] / "benchmarks" / "reference" / "h200-2026-11-26b" / "measured.json"
 GEMM = "CPU prefill GEMMs on 112 MiB weight matrices ran at ~1.0e12 MAC/s; the quick profile's GEMM fit says 2.9e12"
@@ -36,13 +36,10 @@ UNMET = {
 }
 
 
-@pytest.fixture(scope="module")
-def rows():
-    return compared_rows(REF)
+rows = rows_fixture(REF)
 
 
 @pytest.mark.parametrize("name, metric", cases(REF, UNMET))
 def test_prediction_within_25_percent_of_the_third_h200_run(rows, name, metric):
-    r = rows[name]
-    assert r["error"][metric] <= TOLERANCE, (name, metric, r["predicted"][metric], r["measured"][metric])
+    assert_within_tolerance(rows, name, metric)
 

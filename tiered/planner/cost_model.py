@@ -172,8 +172,9 @@ def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerS
 
     `cpu_working_set`: bytes the CPU reads between two reads of one weight (a decode step's CPU-side
     slices). Beyond the last-level cache (meta["llc_bytes"]) the CPU's memory term is floored by
-    memory/bandwidth_dram/cpu (op_time.dram_floor, as op_time.memory_time): the GEMV keys are timed on operands a
-    large cache partly holds (the H200 host's quick profile: bf16 GEMV 221 GB/s, DRAM 98 GB/s).
+    op_time.dram_floor (as op_time.memory_time): the slower of memory/bandwidth_dram/cpu and, where
+    profiled, gemv_dram/cpu/<precision>; the GEMV keys are timed on operands a large cache partly
+    holds (the H200 host's quick profile: bf16 GEMV 221 GB/s, DRAM 98 GB/s).
 
     Raises ConfigError naming a missing key.
     """

@@ -305,9 +305,9 @@ class TieredExperts:
         decode step's MoE layer is host-bound: this skips the argsort, the per-expert tasks and
         events, the gathers and the index_add_ (about 20 launches and 2 event records per layer)."""
         out = None
-        for e in sorted(set(ids)):
+        for e, w in on_fast.items():  # the layer's experts, ascending (the general path's groups)
             self.path_counts[RESIDENT] += 1
-            y = side[e].fmt.forward(x, on_fast[e])
+            y = side[e].fmt.forward(x, w)
             for j, routed in enumerate(ids):  # top-k holds an expert once; a repeat would add again
                 if routed == e:
                     wy = y * topk_weight[:, j, None].to(y.dtype)
