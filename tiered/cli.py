@@ -56,6 +56,7 @@ OPT = {
     "cache_slots": typer.Option(None, "--cache-slots", help="Experts in the fast-tier cache (default: as many as fit, up to one layer; 0 = none)."),
     "cache_policy": typer.Option("lru", "--cache-policy", help="Expert-cache eviction: random, lru, lfu, lhu, fld or hobbit (HOBBIT Eq. 3)."),
     "expert_profile": typer.Option(None, "--expert-profile", help="JSON from `tiered profile-experts`: popular experts go to the fast tier."),
+    "graphs": typer.Option("auto", "--graphs", help="CUDA-graph decode steps: auto (on a GPU: the whole step when every weight is there, else piecewise between the offloaded MLPs), on (also on the host stand-in, to check capture rules), off."),
     "read_ahead": typer.Option(True, "--read-ahead/--no-read-ahead", help="Read all of a layer's missing experts at once."),
     "prefetch": typer.Option(False, "--prefetch/--no-prefetch", help="Predict the next MoE layers' experts from each layer's gate input and load them early (HOBBIT)."),
     "prefetch_lookahead": typer.Option(2, "--prefetch-lookahead", help="MoE layers ahead the prefetcher predicts (HOBBIT's p, 1-3)."),
@@ -118,6 +119,7 @@ def run(
     prefetch_lookahead: int = OPT["prefetch_lookahead"],
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON of every runtime task (open in Perfetto)."),
     plan: str = OPT["plan"],
+    graphs: str = OPT["graphs"],
     profile_file: Optional[str] = OPT["profile_file"],
     show_plan: bool = typer.Option(False, "--show-plan", help="Print the whole plan before generating."),
 ) -> None:
@@ -177,7 +179,7 @@ def _print_stats(llm, out) -> None:
 
 ENGINE_OPTIONS = ("dtype", "decode_weights", "batch_activations", "expert_activations", "weights", "low_weights", "mixed_thresholds", "max_context", "threads",
                   "gpu_mem", "cpu_mem", "offload_dir", "accelerator", "cache_slots", "cache_policy", "expert_profile",
-                  "read_ahead", "prefetch", "prefetch_lookahead", "plan", "profile_file")
+                  "read_ahead", "prefetch", "prefetch_lookahead", "plan", "graphs", "profile_file")
 
 
 def _engine_config(args: dict, trace: bool = False, max_batch: int = 1):
@@ -189,7 +191,7 @@ def _engine_config(args: dict, trace: bool = False, max_batch: int = 1):
 
 def _config(*, dtype, decode_weights, batch_activations, expert_activations, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
             cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch,
-            prefetch_lookahead, weights, low_weights, mixed_thresholds, max_batch):
+            prefetch_lookahead, weights, low_weights, mixed_thresholds, max_batch, graphs="auto"):
     from tiered import EngineConfig
 
     if plan not in ("auto", "off"):
@@ -213,7 +215,7 @@ def _config(*, dtype, decode_weights, batch_activations, expert_activations, max
                         accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
                         expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
                         trace=trace, plan=plan, profile=profile_file, prefetch=prefetch,
-                        prefetch_lookahead=prefetch_lookahead, max_batch=max_batch)
+                        prefetch_lookahead=prefetch_lookahead, max_batch=max_batch, graphs=graphs)
 
 
 @app.command()
@@ -248,6 +250,7 @@ def serve(
     prefetch: bool = OPT["prefetch"],
     prefetch_lookahead: int = OPT["prefetch_lookahead"],
     plan: str = OPT["plan"],
+    graphs: str = OPT["graphs"],
     profile_file: Optional[str] = OPT["profile_file"],
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching across requests."""
@@ -323,6 +326,7 @@ def chat(
     prefetch: bool = OPT["prefetch"],
     prefetch_lookahead: int = OPT["prefetch_lookahead"],
     plan: str = OPT["plan"],
+    graphs: str = OPT["graphs"],
     profile_file: Optional[str] = OPT["profile_file"],
 ) -> None:
     """Chat with the model in the terminal through its chat template: history, streamed answers,

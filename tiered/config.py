@@ -87,6 +87,11 @@ class EngineConfig:
             slicing from a hardware profile (planner/auto.py); "off" leaves them to the runtime's
             own rules; any other value is the path of a saved plan (`tiered plan --json`) to replay.
             Explicit resident_experts / expert_cache_slots always win over the plan.
+        graphs: CUDA-graph decode steps (runtime/graphs.py): "auto" captures them on a CUDA
+            accelerator (the whole step when every weight is on the GPU, else piecewise: each
+            layer's attention as a graph, its MLP or experts eager in between); "on" also on the
+            host stand-in, where the captured parts rerun at each replay with host syncs refused
+            (what a capture forbids); "off" decodes eagerly.
         profile: HardwareProfile JSON path or preset name the planner uses; None = this machine's
             cached profile (measured once, quickly, if there is none).
         force_expert_path: tests only: "copy" or "cpu" for every non-resident expert.
@@ -118,6 +123,7 @@ class EngineConfig:
     staging_buffers: int = 2
     trace: bool = False
     plan: str = "auto"
+    graphs: str = "auto"
     profile: str | None = None
     force_expert_path: str | None = None
 
@@ -148,6 +154,8 @@ class EngineConfig:
             raise ConfigError("link_bandwidth must be > 0 bytes/s", "pass e.g. 16e9")
         if self.force_expert_path not in (None, "copy", "cpu"):
             raise ConfigError("force_expert_path must be None, 'copy' or 'cpu'", "leave it unset")
+        if self.graphs not in ("auto", "on", "off"):
+            raise ConfigError(f"graphs must be 'auto', 'on' or 'off', got {self.graphs!r}", "pass auto")
         if not self.plan:
             raise ConfigError("plan must be 'auto', 'off' or the path of a saved plan", "pass plan='auto'")
         if self.dtype not in DTYPES:

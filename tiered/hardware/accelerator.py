@@ -15,11 +15,12 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 
 from tiered.hardware.budget import MemoryBudget
-from tiered.hardware.standin import STANDIN_DEVICE, StandinDeviceError, StandinScope, StandinTensor
+from tiered.hardware.standin import STANDIN_DEVICE, StandinDeviceError, StandinScope, StandinTensor, capturing
 
 
 class Accelerator(ABC):
@@ -102,12 +103,51 @@ class Accelerator(ABC):
     def wait_event(self, event) -> None:
         """Make the current stream wait for `event` (from record_event) without blocking the host."""
 
+    def graph_pool(self):
+        """A memory pool for graphs captured to replay one after another, always in the order they
+        were captured (`capture(..., pool=)`); None where there are no graph pools (the stand-in)."""
+        return None
+
+    def capture(self, fn: Callable[[], object], pool=None) -> tuple[Callable[[], None], object]:
+        """Capture `fn()` as a graph: device work only, with no host sync and no shape that depends
+        on tensor values. Every `replay()` then recomputes fn's outputs in place from the values the
+        tensors fn read hold at that moment, on the calling stream (CUDA graphs, gpt-fast's and
+        vLLM's decode recipe: one launch instead of one per kernel).
+
+        Here (the host stand-in) fn runs once now and again at every replay, with host syncs
+        refused as CUDA refuses them during capture (standin.capturing), and its new outputs are
+        copied into the first ones: what CUDA's replay does, checked for what breaks a capture.
+
+        Args:
+            fn: () -> a tensor or a tuple of tensors on the device.
+            pool: graph_pool() shared by graphs that replay in capture order, or None.
+        Returns:
+            (replay, outputs): outputs are fn's tensors; keep them, they are rewritten by replay().
+        Raises:
+            StandinDeviceError (stand-in) or torch's RuntimeError (CUDA): fn synced with the host.
+        """
+        with capturing():
+            out = fn()
+
+        def replay() -> None:
+            with capturing():
+                new = fn()
+            for o, n in zip(_flat(out), _flat(new)):
+                with torch._C.DisableTorchFunctionSubclass():
+                    o.copy_(n)
+        return replay, out
+
     @contextmanager
     def scope(self):
         """Run the enclosed code as the engine's device code on this thread: on the host stand-in,
         tensor factories given the device (`torch.arange(n, device=x.device)`) then make device
         tensors; CUDA needs nothing."""
         yield
+
+
+def _flat(out) -> tuple:
+    """A captured function's outputs as a tuple of tensors."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def _nbytes(shape, dtype) -> int:

@@ -64,6 +64,24 @@ class CudaAccelerator(Accelerator):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def graph_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn, pool=None):
+        """torch.cuda.CUDAGraph capture of fn (see Accelerator.capture): two warm-up runs on a side
+        stream first, as torch requires (lazy cuBLAS / cuDNN set-up must not happen in a capture)."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph.replay, out
+
     def record_event(self):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))

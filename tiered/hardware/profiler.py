@@ -16,6 +16,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
                          n = layers (the fixed per-step and per-layer cost of the model code)
     runtime/decode_step_gpu/<dtype>  the same on CUDA, model in <dtype> (CUDA only)
+    runtime/decode_step_graphed_gpu/<dtype>  the same stepped through piecewise CUDA graphs
+                                 (runtime/graphs.PiecewiseGraphs; CUDA only)
     runtime/moe_step/bf16  the same for a tiny MoE model opened by the engine (router, top-k and
                          the expert runner per MoE layer; every expert in RAM)   n = layers
     copy/{h2d,d2h}_{pinned,pageable}   (CUDA only)             n = bytes
@@ -295,7 +297,8 @@ class _NoCheckpoint:
         return False
 
 
-def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") -> list[tuple[float, float]]:
+def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
+                        graphed: bool = False) -> list[tuple[float, float]]:
     """(layers, seconds) of one decode step of tiny dense tiered models (hidden 64) with 2..8 layers.
 
     The weights are so small that what is timed is the fixed cost of a decode step and of each
@@ -305,6 +308,12 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") 
     `dtype`; on CUDA
     (runtime/decode_step_gpu) the model is cast to `dtype` as the engine does there, and each step
     ends with the device synchronized: the host's cost of issuing the ops, or the GPU's if slower.
+    With `graphed` (CUDA; runtime/decode_step_graphed_gpu) the step runs through
+    runtime/graphs.PiecewiseGraphs, as an offloading plan's does: each layer's attention one graph
+    replay, its MLP eager between.
+
+    Raises:
+        RuntimeError: `graphed` and the graphs could not be captured (the reason is in the message).
     """
     from tiered.checkpoint.model_config import ModelConfig
     from tiered.models import build_model
@@ -333,6 +342,15 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu") 
             model(torch.ones(1, 32, dtype=torch.long, device=dev), torch.arange(32, device=dev).unsqueeze(0), slots, cache)
             # the engine's CPU decode path is the lean step (runtime/cpu_decode), CUDA's the modules
             step = model if cuda else CPUDecodeStep(model, native=kernels.available())
+            if graphed:
+                from tiered.hardware.cuda import CudaAccelerator
+                from tiered.runtime.graphs import PiecewiseGraphs
+
+                graphs = PiecewiseGraphs(model, CudaAccelerator(), None)
+                step = lambda i, p, s, c: graphs(i, p, s, c, 33, True)  # noqa: E731
+                step(ids, pos, slots, cache)
+                if graphs.disabled is not None:
+                    raise RuntimeError(f"piecewise graphs: {graphs.disabled}")
             t = median_time(lambda: step(ids, pos, slots, cache), repeats, sync)
         points.append((float(layers), t))
     return points
@@ -626,6 +644,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt("memory/copy/gpu", lambda: _memory_points("gpu", [64, 256, 1024], sync, r, copy=True))
         b.models["launch/gpu"] = LinearModel(_launch_time("gpu", sync), 0.0, None)
         b.attempt("runtime/decode_step_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda"))
+        b.attempt("runtime/decode_step_graphed_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda", True))
         copy_sizes = [1, 4, 16, 64] if quick else [1, 4, 16, 64, 256]
         for kind in ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable"):
             b.attempt(f"copy/{kind}", lambda k=kind: _copy_points(k, copy_sizes, r))

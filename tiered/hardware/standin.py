@@ -28,6 +28,9 @@ for the "privateuseone" slot, which reports no real device, says so.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -136,6 +139,37 @@ def _retarget(args, kwargs):
     return args, kwargs
 
 
+# Ops that read a device tensor's values on the host, or need them to size their output: host syncs,
+# which CUDA refuses while a stream is captured into a graph ("operation not permitted when stream is
+# capturing"). `capturing()` makes the stand-in refuse them the same way.
+_SYNCS = frozenset({
+    _T.item, _T.tolist, _T.cpu, _T.__bool__, _T.__int__, _T.__float__, _T.__index__,
+    _T.nonzero, torch.nonzero, _T.unique, torch.unique, torch.unique_consecutive, _T.bincount, torch.bincount,
+    _T.masked_select, torch.masked_select, _T.repeat_interleave, torch.repeat_interleave,
+})
+_capture = threading.local()
+
+
+@contextmanager
+def capturing():
+    """While active on this thread, a host sync on a stand-in tensor (`.item()`, `.tolist()`, `int()`,
+    `.cpu()`, `.to("cpu")`, `nonzero`, `unique`, `bincount`, ...) raises StandinDeviceError, as
+    CUDA refuses it inside a captured graph (Accelerator.capture on the stand-in)."""
+    before = getattr(_capture, "on", False)
+    _capture.on = True
+    try:
+        yield
+    finally:
+        _capture.on = before
+
+
+def _sync_error(what: str) -> StandinDeviceError:
+    return StandinDeviceError(
+        f"stand-in device check: {what} on a tensor on the accelerator ({STANDIN_DEVICE}) while a graph is "
+        f"captured: a host sync, which CUDA refuses there too (\"operation not permitted when stream is "
+        f"capturing\"); keep the captured work on the device (static shapes, device-side indices)")
+
+
 def _device_get(args, kwargs):
     return STANDIN_DEVICE
 
@@ -160,6 +194,8 @@ def _to(args, kwargs):
         raise _h2d_error("Tensor.to")
     target = _to_target(args, kwargs)
     if target is not None and not is_standin_device(target):  # D2H
+        if getattr(_capture, "on", False):
+            raise _sync_error("Tensor.to(cpu)")
         if not _is_host_device(target):
             raise StandinDeviceError(f"stand-in device check: Tensor.to({target}) from the stand-in's device")
         if len(args) > 1 and isinstance(args[1], _T):
@@ -214,6 +250,8 @@ class StandinTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if func in _SYNCS and getattr(_capture, "on", False):
+            raise _sync_error(_name(func))
         special = _SPECIAL.get(func)
         if special is not None:
             return special(args, kwargs)

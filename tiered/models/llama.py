@@ -27,8 +27,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), meta, cache)
+        h = self.attention_residual(x, meta, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def attention_residual(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        """x + attn(norm(x)): the layer up to its MLP (x [B, T, D] -> [B, T, D]). A piecewise-graphed
+        decode step (runtime/graphs.PiecewiseGraphs) captures this part and runs the MLP eagerly."""
+        return x + self.self_attn(self.input_layernorm(x), meta, cache)
 
 
 class Backbone(nn.Module):

@@ -181,9 +181,13 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                                    experts_format=experts_format, dense_copies=dense_copies,
                                    head_precision=head_precision)
     plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
-    # a model wholly on a real GPU decodes through captured CUDA graphs: nothing in its step syncs
-    plan.decode_graphs = (accelerator is not None and not accelerator.is_host and not cfg.is_moe
-                          and plan.fast_tier == "gpu" and not plan.sliced_layers())
+    # decode steps as CUDA graphs: a model wholly on the GPU as one graph (nothing in its step syncs);
+    # an offloading plan with attention on the GPU piecewise, its MLPs (expert runner, sliced FFNs:
+    # they sync with the host) eager between the layers' graphs
+    graphs = (graphs_allowed(ec, accelerator) and plan.fast_tier == "gpu" and plan.attention_tier == "gpu"
+              and plan.flexgen is None)
+    plan.decode_graphs = graphs and not cfg.is_moe and not plan.sliced_layers()
+    plan.piecewise_graphs = graphs and not plan.decode_graphs
     # without an accelerator every decode step runs on the CPU: through the lean step
     plan.cpu_decode_step = accelerator is None
     # ... and in C++ when tiered/kernels is built (setup builds it; TIERED_NATIVE=0 turns it off)
@@ -202,6 +206,12 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     # models: an MoE layer's FFN runs as a module, which takes one token per sequence)
     plan.mixed_rows = mixed_rows(kernels.isa(), plan.batch_act) if plan.native_decode and not cfg.is_moe else 0
     return plan, profile
+
+
+def graphs_allowed(ec, accelerator) -> bool:
+    """EngineConfig.graphs on this accelerator: "auto" graphs decode steps on a real GPU, "on" on the
+    host stand-in too, "off" never; never without an accelerator."""
+    return accelerator is not None and (ec.graphs == "on" or (ec.graphs == "auto" and not accelerator.is_host))
 
 
 def expert_activations(ec) -> str:
@@ -278,7 +288,8 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                      read_ahead=ec.read_ahead,
                      dense_copies=dense_copies,
                      experts_format=experts_format, kv_slots=ec.max_batch,
-                     head_precision=head_precision if dense_cpu else None, expert_act=expert_activations(ec))
+                     head_precision=head_precision if dense_cpu else None, expert_act=expert_activations(ec),
+                     graphs=graphs_allowed(ec, accelerator))
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     ratio = profile.meta.get("cpu_bandwidth_ratio")

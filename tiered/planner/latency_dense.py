@@ -56,7 +56,7 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])
     attn_pre = attention_time(cfg, profile, "gpu", fmt, plan.prompt_tokens, plan.prompt_tokens, plan.dtypes["kv_cache"])
     # the model code's host cost per layer and per step (module calls, small ops, their launches)
-    per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu")
+    per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu", graphed=plan.piecewise_graphs)
     ffn_gpu_bytes = 0.0
     for i, rates in enumerate(layer_rates):
         tok = solve_n_g(prompt_shape, rates, pparams)

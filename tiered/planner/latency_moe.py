@@ -102,7 +102,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     disk = profile.models.get("disk/read_cold")
     t_disk = disk(eb) if disk is not None else 0.0
     costs = _LayerCosts.of(profile)
-    per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu")
+    per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu", graphed=plan.piecewise_graphs)
     act_bpe = sizes.bytes_per_element(plan.dtypes["kv_cache"])  # activations: 16-bit, fp32 with fp32 weights
     matrices = expert.shape.matrices
     attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])

@@ -28,7 +28,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               cache_policy: str = "lru", dispatch_mode: str = "balanced", staging_buffers: int = 2,
               read_ahead: bool = True, extra_cpu_bytes: int = 0, workspace: int | None = None,
               dense_copies: bool = True, experts_format: str | None = None, kv_slots: int = 1,
-              head_precision: str | None = None, expert_act: str = "bf16") -> Plan:
+              head_precision: str | None = None, expert_act: str = "bf16", graphs: bool = False) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -53,6 +53,9 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         kv_slots: sequences of context_tokens whose KV cache the fast tier keeps room for.
         head_precision: the lm_head's format where it differs from `precision` (CPU decode copies
             of a GGUF file: quant/linear.head_precision), recorded as dtypes["lm_head"] and priced.
+        graphs: the engine will graph GPU decode steps (EngineConfig.graphs on a CUDA device): the
+            GPU plans price the model code's host cost of a graphed step (op_time.step_overhead);
+            the caller records which graphs (Plan.decode_graphs / piecewise_graphs) once planned.
     Raises:
         ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
         BudgetError: the budgets cannot hold what the goal needs on the fast tier.
@@ -75,6 +78,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.staging_buffers, plan.read_ahead = staging_buffers, read_ahead
     plan.dense_copies, plan.kv_slots = dense_copies, kv_slots
     plan.expert_act = expert_act
+    plan.piecewise_graphs = graphs  # priced as graphed; planner/auto.engine_plan settles the kind
     sizes.bytes_per_element(fmt)  # a ConfigError for an unknown format, before any work
     experts = ExpertChoices(popularity, expert_cache_slots, max_resident)
     if goal == "latency" and op_time.has_device(profile, "gpu") and gpu:

@@ -78,6 +78,9 @@ class Plan:
         staging_buffers, read_ahead          expert staging ring size; issue a layer's reads at once
         decode_graphs                        capture decode steps as CUDA graphs (every weight on
                                              the GPU, no expert runner or slices: runtime/graphs.py)
+        piecewise_graphs                     capture each layer's attention as a graph and run the
+                                             MLPs (expert runner, sliced FFNs) eagerly between
+                                             replays (attention on the GPU, some weights off it)
         dense_copies                         keep the dense weights beside the decode copies (prefill
                                              runs on them; lossless in fp32). False: each weight's
                                              one copy is its decode copy, which serves every step
@@ -135,6 +138,7 @@ class Plan:
     expert_act: str = "bf16"
     int4_layout: str = "cpu"
     decode_graphs: bool = False
+    piecewise_graphs: bool = False
     cpu_decode_step: bool = False
     native_decode: bool = False
     mixed_rows: int = 0

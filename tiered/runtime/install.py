@@ -27,7 +27,7 @@ class Runtime:
     executor: Executor
     experts: object = None  # TieredExperts
     sliced: list = field(default_factory=list)
-    graphs: object = None  # DecodeGraphs: CUDA-graph decode steps (plan.decode_graphs on CUDA)
+    graphs: object = None  # DecodeGraphs / PiecewiseGraphs: graphed decode steps (plan.decode_graphs / piecewise_graphs)
     cpu_decode: object = None  # CPUDecodeStep: the lean CPU decode step (plan.cpu_decode_step)
 
     def new_sequence(self) -> None:
@@ -74,9 +74,10 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
         from tiered.runtime.sliced import install_sliced_mlps
         rt.sliced = install_sliced_mlps(model, sliced, accelerator, executor, n_g=n_g or 0, weights=sliced_weights,
                                         host_budget=host_budget)
-    if plan.decode_graphs and accelerator is not None and not accelerator.is_host and not trace:
-        from tiered.runtime.graphs import DecodeGraphs
-        rt.graphs = DecodeGraphs(model, model.config.sliding_window)
+    if (plan.decode_graphs or plan.piecewise_graphs) and accelerator is not None and not trace:
+        from tiered.runtime.graphs import DecodeGraphs, PiecewiseGraphs
+        rt.graphs = (DecodeGraphs if plan.decode_graphs else PiecewiseGraphs)(model, accelerator,
+                                                                              model.config.sliding_window)
     if plan.cpu_decode_step and accelerator is None and not trace:  # the trace wants the modules' spans
         from tiered.runtime.cpu_decode import CPUDecodeStep
         rt.cpu_decode = CPUDecodeStep(model, native=plan.native_decode)
