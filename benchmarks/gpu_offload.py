@@ -50,7 +50,7 @@ SHAPES = {"moe": (mixtral_8x7b(layers=4), 4 * GiB), "dense": (llama3_8b(layers=8
 # --smoke: the real layer counts at width 256 (a few MB), so budgets scale with the same proportions
 SMOKE_SHAPES = {"moe": ModelShape(layers=4, hidden=256, ffn=768, heads=4, kv_heads=2, vocab=2048, experts=8),
                 "dense": ModelShape(layers=8, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=2048)}
-ROW_IDS = ("plan_auto", "plan_off", "plan_auto_profiled", "forced_copy", "forced_cpu", "no_gpu", "unconstrained",
+ROW_IDS = ("plan_auto", "plan_auto_eager", "plan_off", "plan_auto_profiled", "forced_copy", "forced_cpu", "no_gpu", "unconstrained",
            "hf_accelerate", "hf_all_gpu")
 SMOKE_LINK = 2e9  # bytes/s of the stand-in's emulated PCIe link in --smoke
 
@@ -89,10 +89,12 @@ def rows_for(s: Setup) -> list[Row]:
     """The configurations of section 2: tiered's modes, then the transformers baselines."""
     base = EngineConfig(dtype="bfloat16", accelerator=s.accelerator, gpu_memory=s.gpu_memory,
                         link_bandwidth=s.link_bandwidth, max_context=2 * s.ttft_tokens, profile=s.profile,
-                        trace=s.trace_dir is not None)
+                        trace=s.trace_dir is not None,
+                        graphs="on" if s.accelerator == "host" else "auto")  # --smoke: the stand-in's graphs too
     hf_budget = (f'max_memory={{0: "{s.gpu_memory / GiB:.3g}GiB"}}' if s.accelerator == "cuda" else
                  f'max_memory={{"cpu": "{s.gpu_memory / 2**20:.3g}MiB"}}, the rest on disk')
     rows = [Row("plan_auto", "tiered, plan auto (default)", base),
+            Row("plan_auto_eager", "tiered, plan auto, decode not graphed (--graphs off)", replace(base, graphs="off")),
             Row("plan_off", "tiered, plan off", replace(base, plan="off"))]
     if s.shape.is_moe:
         # the plan a user gets after `tiered profile-experts`: popularity-led residents, and a predicted hit

@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_offload.py"
-TIERED_ROWS = ("plan_auto", "plan_off", "no_gpu", "unconstrained")
+TIERED_ROWS = ("plan_auto", "plan_auto_eager", "plan_off", "no_gpu", "unconstrained")
 ROWS = {"moe": TIERED_ROWS + ("plan_auto_profiled", "forced_copy", "forced_cpu", "hf_accelerate", "hf_all_gpu"),
         "dense": TIERED_ROWS + ("hf_accelerate", "hf_all_gpu")}
 # dense with `plan="off"` has no way to offload FFN rows (the H200 run recorded a BudgetError)
@@ -118,3 +118,13 @@ def test_the_dram_share_probe_runs_without_a_gpu(tmp_path):
     rows = json.loads((tmp_path / "gpu_dram_share.json").read_text())["rows"]
     assert len(rows) == 6 and rows[0]["cpu_GBps"] > 0 and rows[1]["h2d_GBps"] > 0
     assert all(r["cpu_GBps"] > 0 and r["h2d_GBps"] > 0 for r in rows[2:5])
+
+
+def test_default_rows_decode_through_graphs_and_the_eager_row_does_not(report):
+    """--smoke turns the stand-in's graphs on: the default plan's decode steps go through piecewise
+    (MoE, sliced dense) graphs, recorded per row; the --graphs off row has none."""
+    rows = _rows(report[0])
+    for shape in ROWS:
+        g = rows[(shape, "plan_auto")]["graphs"]
+        assert g["disabled"] is None and g["steps"] > 0 and g["captures"] >= 1
+        assert "graphs" not in rows[(shape, "plan_auto_eager")]

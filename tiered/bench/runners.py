@@ -53,7 +53,8 @@ class TieredRunner:
 
     def info(self) -> dict:
         """load_s; the plan's predicted decode tok/s, TTFT [s] (None for a rules plan, `--plan off`,
-        which predicts nothing) and summary; for MoE the runtime's hit rate, misses, expert paths
+        which predicts nothing) and summary; the decode graphs' kind, steps and captures (or why they
+        were switched off) when the plan graphs; for MoE the runtime's hit rate, misses, expert paths
         and placement."""
         plan = self.llm.plan
         predicts = plan.source != "rules"
@@ -62,6 +63,9 @@ class TieredRunner:
                "predicted_ttft_s": plan.predicted_ttft_s if predicts else None,
                "plan_prompt_tokens": plan.prompt_tokens if predicts else None,
                "plan": plan.summary()}
+        g = self.llm.runtime.graphs
+        if g is not None:  # which graphs decoded, how many steps, or why they were switched off
+            out["graphs"] = {"kind": type(g).__name__, "steps": g.steps, "captures": g.captures, "disabled": g.disabled}
         rt = self.llm.runtime_stats()
         for key in ("hit_rate", "hits", "misses", "resident_hits", "paths", "placement", "peak_fast_bytes",
                     "bytes_h2d", "bytes_read"):
