@@ -17,6 +17,7 @@ from tiered.errors import ConfigError
 from tiered.hardware.accelerator import HostAccelerator
 from tiered.hardware.standin import StandinDeviceError
 from tiered.models.layers import Attention
+from tiered.models.moe import moe_blocks
 from tiered.runtime.graphs import DecodeGraphs, PiecewiseGraphs
 from tiered.runtime.sliced import SlicedMLP
 
@@ -78,6 +79,30 @@ def test_model_wholly_on_the_standin_decodes_through_one_graph(zoo):
     finally:
         graphed.close()
         eager.close()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_moe_model_with_every_expert_resident_decodes_through_one_graph(rt, kind):
+    """Every expert resident on the stand-in: the layers compute with grouped GEMMs and no host sync
+    (moe_runner._grouped), so the plan graphs the whole step; tokens equal transformers'. A routing
+    hook (an expert profile) is Python a replay would skip: with one set, steps run eagerly and the
+    hook sees every decode step."""
+    _, want = rt.reference(kind)
+    llm = LLM(rt.dir(kind), engine_config(accelerator="host", graphs="on"))
+    try:
+        assert llm.plan.all_experts_resident() and llm.plan.decode_graphs and not llm.plan.piecewise_graphs
+        g = llm.runtime.graphs
+        assert isinstance(g, DecodeGraphs) and not isinstance(g, PiecewiseGraphs)
+        assert llm.generate([prompt()], GREEDY)[0].token_ids == want
+        assert g.disabled is None and g.steps == len(want) - 1 and g.captures == 1
+        seen = []
+        for block in moe_blocks(llm.model):
+            block.on_route = lambda layer, idx, w: seen.append(idx.shape[0])
+        assert llm.generate([prompt()], GREEDY)[0].token_ids == want
+        assert g.steps == len(want) - 1  # no replay while hooked
+        assert seen.count(1) == (len(want) - 1) * len(moe_blocks(llm.model))
+    finally:
+        llm.close()
 
 
 def test_a_host_sync_inside_a_captured_part_turns_graphs_off_and_decode_goes_on(zoo, box, monkeypatch):

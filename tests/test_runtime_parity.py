@@ -121,15 +121,16 @@ def test_mixed_placement_uses_all_three_paths(rt, kind, tmp_path, close_after):
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_a_decode_token_on_resident_gpu_experts_takes_the_one_token_path(rt, kind, close_after, monkeypatch):
-    """Every expert resident behind the (stand-in) accelerator: a decode step's MoE layer runs
-    _one_token_on_fast (no argsort, per-expert tasks or index_add_), and its logits equal the general
-    path's bit for bit."""
+    """Every expert resident behind the (stand-in) accelerator, the grouped path off: a decode step's
+    MoE layer runs _one_token_on_fast (no argsort, per-expert tasks or index_add_), and its logits
+    equal the general path's bit for bit."""
     from fixtures import stepwise_logits
     from tiered.runtime.moe_runner import TieredExperts
 
     llm = load(rt, kind, accelerator="host")
     close_after(llm)
     assert llm.experts.placement.count(FAST) == rt.sizes(kind).total_experts
+    llm.experts.grouped = False
     calls = []
     real = TieredExperts._one_token_on_fast
     monkeypatch.setattr(TieredExperts, "_one_token_on_fast", lambda self, *a: calls.append(1) or real(self, *a))
@@ -141,3 +142,32 @@ def test_a_decode_token_on_resident_gpu_experts_takes_the_one_token_path(rt, kin
     general = stepwise_logits(llm, ids, 8)
     assert len(calls) == n_fast and torch.equal(fast, general)
     assert set(llm.experts.path_counts) == {"resident"}
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_layers_of_resident_stacked_experts_take_the_sync_free_grouped_path(rt, kind, close_after, monkeypatch):
+    """Every expert resident behind the (stand-in) accelerator: each layer's experts are views of one
+    stack per projection, every MoE layer of prefill and decode runs _grouped (grouped GEMMs, the
+    routing kept on the device), and the logits equal the general path's to fp32 rounding (on the
+    CPU the grouped GEMM is a loop of the same GEMMs, written into slices of one output: BLAS may
+    block them differently)."""
+    from fixtures import stepwise_logits
+    from tiered.runtime.moe_runner import TieredExperts
+
+    llm = load(rt, kind, accelerator="host")
+    close_after(llm)
+    store = llm.experts.store
+    assert sorted(store.stacks) == sorted({l for l, _ in store.placement.tiers})
+    for (layer, e), ws in store.resident.items():
+        assert all(w.data_ptr() == s[e].data_ptr() for w, s in zip(ws, store.stacks[layer]))
+    calls = []
+    real = TieredExperts._grouped
+    monkeypatch.setattr(TieredExperts, "_grouped", lambda self, *a: calls.append(a[-2]) or real(self, *a))
+    ids = prompt()
+    grouped = stepwise_logits(llm, ids, 8)
+    moe_layers = len(store.stacks)
+    assert len(calls) == (1 + len(ids) - 8) * moe_layers and set(calls) == {"grouped"}
+    llm.experts.grouped = False
+    general = stepwise_logits(llm, ids, 8)
+    assert len(calls) == (1 + len(ids) - 8) * moe_layers
+    assert rel_err(grouped, general) <= 1e-6

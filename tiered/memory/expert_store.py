@@ -92,6 +92,20 @@ class ExpertStore:
         self.handles: dict = {}
         self.resident: dict = {}  # FAST: tensors on the compute device
         self.host: dict = {}  # CPU: host tensors
+        # layer -> (gate [E, F, D], up [E, F, D], down [E, D, F]) on the accelerator, for layers whose
+        # every expert is resident there at full precision: resident[key] are views of them, and the
+        # runtime computes such a layer with grouped GEMMs and no host sync (moe_runner._grouped)
+        self.stacks: dict = {}
+        if fmt.is_dense and accelerator is not None:
+            by_layer: dict = {}
+            for (layer, e), tier in placement.tiers.items():
+                by_layer.setdefault(layer, []).append(tier == FAST)
+            for layer, fast in by_layer.items():
+                if all(fast) and len(fast) == self.num_experts:
+                    names = expert_tensor_names(cfg.model_type, layer, 0)
+                    self.stacks[layer] = tuple(
+                        accelerator.alloc((self.num_experts, *checkpoint.handle(n).shape), dtype,
+                                          f"resident experts of layer {layer}") for n in names)
         needs_conversion = []
         filled = 0  # quantized expert bytes encoded since the file's pages were last released
         for key, tier in placement.tiers.items():
@@ -113,7 +127,9 @@ class ExpertStore:
                     filled = 0
                 continue
             if tier == FAST:
-                self.resident[key] = tuple(self._alloc_fast(h.shape, f"resident expert {h.name}") for h in hs)
+                stack = self.stacks.get(key[0])
+                self.resident[key] = (tuple(w[key[1]] for w in stack) if stack is not None else
+                                      tuple(self._alloc_fast(h.shape, f"resident expert {h.name}") for h in hs))
                 for h, t in zip(hs, self.resident[key]):
                     self._fill(t, h)
             elif tier == CPU:

@@ -186,7 +186,10 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     # they sync with the host) eager between the layers' graphs
     graphs = (graphs_allowed(ec, accelerator) and plan.fast_tier == "gpu" and plan.attention_tier == "gpu"
               and plan.flexgen is None)
-    plan.decode_graphs = graphs and not cfg.is_moe and not plan.sliced_layers()
+    # (an MoE step syncs unless every expert is resident at full precision: moe_runner._grouped)
+    moe_sync_free = (plan.all_experts_resident() and plan.dtypes.get("experts") in ("bf16", "fp16", "fp32")
+                     and plan.mixed_precision is None and not plan.prefetch)
+    plan.decode_graphs = graphs and not plan.sliced_layers() and (not cfg.is_moe or moe_sync_free)
     plan.piecewise_graphs = graphs and not plan.decode_graphs
     # without an accelerator every decode step runs on the CPU: through the lean step
     plan.cpu_decode_step = accelerator is None

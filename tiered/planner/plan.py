@@ -77,7 +77,8 @@ class Plan:
         cpu_threads                          torch intra-op threads for CPU compute (0 = leave as is)
         staging_buffers, read_ahead          expert staging ring size; issue a layer's reads at once
         decode_graphs                        capture decode steps as CUDA graphs (every weight on
-                                             the GPU, no expert runner or slices: runtime/graphs.py)
+                                             the GPU, no slices; MoE: every expert resident at full
+                                             precision, computed by grouped GEMMs: runtime/graphs.py)
         piecewise_graphs                     capture each layer's attention as a graph and run the
                                              MLPs (expert runner, sliced FFNs) eagerly between
                                              replays (attention on the GPU, some weights off it)
@@ -175,6 +176,12 @@ class Plan:
     def resident_experts(self) -> int:
         """Experts the plan makes resident on its fast tier (the GPU, or CPU RAM without one)."""
         return sum(l.experts_gpu if self.fast_tier == "gpu" else l.experts_cpu for l in self.layers if l.kind == "moe")
+
+    def all_experts_resident(self) -> bool:
+        """Every routed expert is resident on the fast tier (False for a dense model)."""
+        moe = [l for l in self.layers if l.kind == "moe"]
+        total = sum(l.experts_gpu + l.experts_cpu + l.experts_disk for l in moe)
+        return bool(moe) and self.resident_experts() == total
 
     def expert_placement(self):
         """The experts' home tiers and cache size as the runtime's ExpertPlacement (planner/placement.py)."""

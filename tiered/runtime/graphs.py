@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from tiered.models.layers import KVCache, build_static_decode_metadata
+from tiered.models.moe import moe_blocks
 
 MIN_BUCKET = 256
 
@@ -59,6 +60,7 @@ class DecodeGraphs:
 
     def __init__(self, model, accelerator, sliding_window: int | None) -> None:
         self.model, self.accelerator, self.window = model, accelerator, sliding_window
+        self._blocks = moe_blocks(model)
         self._graphs: dict = {}
         self.disabled: str | None = None
         self.captures = 0
@@ -68,7 +70,7 @@ class DecodeGraphs:
                  kv_len: int, contiguous: bool) -> torch.Tensor | None:
         """Logits [B, V] of one decode step (ids, positions int64 [B, 1], slots int64 [B], on the
         device), or None when graphs are off (the caller then runs the step eagerly)."""
-        if self.disabled is not None:
+        if self.disabled is not None or self._hooked():
             return None
         bucket = kv_bucket(kv_len, cache.max_len)
         key = (ids.shape[0], bucket, contiguous, id(cache))
@@ -88,6 +90,11 @@ class DecodeGraphs:
         s_slots.copy_(slots)
         self.steps += 1
         return run()
+
+    def _hooked(self) -> bool:
+        """A routing hook (MoEBlock.on_route: an expert profile, a routing trace) is set: Python code a
+        replay of the whole step would skip, so such steps run eagerly."""
+        return any(b.on_route is not None for b in self._blocks)
 
     def _meta(self, positions, slots, bucket, contiguous):
         return build_static_decode_metadata(self.model.rotary, positions, slots, bucket, self.window, contiguous)
@@ -127,7 +134,11 @@ class PiecewiseGraphs(DecodeGraphs):
 
     Same arguments and attributes as DecodeGraphs. `model`'s attention, norms, embedding and head
     must be on the accelerator; its MLPs may be anything that takes and returns [B, 1, D] there.
+    Routing hooks fire as in eager decode: the MoE blocks (router included) run eagerly.
     """
+
+    def _hooked(self) -> bool:
+        return False
 
     def _capture(self, static, cache, bucket, contiguous):
         ids, positions, slots = static

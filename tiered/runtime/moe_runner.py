@@ -13,6 +13,10 @@ Per layer and step (dimension legend: N tokens, D hidden, k top-k, E experts):
      a disk-tier expert is read first (pread on reader threads) into a host staging buffer (with an
      accelerator) or into a fast-tier slot (without one, where every miss computes on the CPU);
   3. combine the weighted outputs in expert order (as transformers does: identical sums).
+With an accelerator, a layer whose experts are all resident there at full precision (stacked per
+layer: ExpertStore.stacks) skips all of that: grouped GEMMs over the stacked weights with the routing
+kept on the device (runtime/grouped_experts.py), no host sync, so the decode step can be one CUDA
+graph (Plan.decode_graphs).
 Without an accelerator, a layer whose experts are all in RAM at full precision (the common CPU
 decode step) skips the per-expert tasks: one native call computes every expert of the layer in two
 parallel regions (ExpertFormat.forward_group), and one index_add combines them in the same order.
@@ -44,6 +48,7 @@ from tiered.planner.placement import DISK
 from tiered.quant.experts import NATIVE_ROWS
 from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, LatencyModel, split_misses
 from tiered.runtime.executor import Executor
+from tiered.runtime.grouped_experts import grouped_experts_forward, grouped_method
 from tiered.runtime.precision import HIGH, NAMES, SKIP
 
 
@@ -115,10 +120,17 @@ class TieredExperts:
         self.mixed = None if low is None else low.mixed
         self.precision_counts: Counter = Counter()  # misses by precision: high / low loads, skips; low hits
         self.one_token_path = True  # _one_token_on_fast for a decode token whose experts are all on the GPU
+        # layers whose experts are all resident on the accelerator, stacked: grouped GEMMs, no host sync
+        self.grouped = accelerator is not None and low is None
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                  block) -> torch.Tensor:
         t_layer = time.perf_counter()
+        stack = self.store.stacks.get(layer_idx) if self.grouped and self.prefetcher is None else None
+        if stack is not None:
+            method = grouped_method(x, topk_idx.numel())
+            if method is not None:
+                return self._grouped(layer_idx, x, topk_idx, topk_weight, stack, method, t_layer)
         if layer_idx in self._layer_calls and topk_idx.numel() <= LAYER_CALL_ENTRIES:
             out = self._resident_layer(layer_idx, x, topk_idx, topk_weight, t_layer)
             if out is not None:
@@ -296,6 +308,18 @@ class TieredExperts:
             if need != HIGH:
                 side[e] = self.low
             out.append(e)
+        return out
+
+    def _grouped(self, layer_idx, x, topk_idx, topk_weight, stack, method: str, t_layer: float) -> torch.Tensor:
+        """A layer whose every expert is resident on the accelerator, stacked (ExpertStore.stacks):
+        computed with no host sync (runtime/grouped_experts.py), so a decode step of such layers
+        can be one CUDA graph. Every routing slot counts as a resident use (N*k: a decode token's k
+        experts; a prompt's are counted per token, not per distinct expert)."""
+        self.cache.begin_layer(layer_idx, x.shape[0])
+        self.resident_hits += topk_idx.numel()
+        self.path_counts[RESIDENT] += topk_idx.numel()
+        out = grouped_experts_forward(x, topk_idx, topk_weight, *stack, method=method)
+        self.executor.record(f"moe layer {layer_idx} ({method})", "main", t_layer, time.perf_counter(), layer=layer_idx)
         return out
 
     def _one_token_on_fast(self, ids: list[int], x, topk_weight, on_fast, side) -> torch.Tensor:
