@@ -69,7 +69,9 @@ class CudaAccelerator(Accelerator):
 
     def capture(self, fn, pool=None):
         """torch.cuda.CUDAGraph capture of fn (see Accelerator.capture): two warm-up runs on a side
-        stream first, as torch requires (lazy cuBLAS / cuDNN set-up must not happen in a capture)."""
+        stream first, as torch requires (lazy cuBLAS / cuDNN set-up must not happen in a capture).
+        The capture is thread-local: the executor's copy and prefetch workers may still be waiting
+        on their own streams' events, which a global capture would refuse them."""
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
@@ -78,7 +80,7 @@ class CudaAccelerator(Accelerator):
                 fn()
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = fn()
         return graph.replay, out
 

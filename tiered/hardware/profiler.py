@@ -329,9 +329,12 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
         cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
         model = build_model(cfg, 64).eval()
-        if cuda:  # as the engine: weights in `dtype`, RoPE tables fp32
+        if cuda:  # as the engine: weights in `dtype`, RoPE tables fp32, q/k/v and gate/up fused
+            from tiered.runtime.install import fuse_projections
+
             model = model.to("cuda", td)
             model.rotary = Rotary(cfg, 64).to("cuda")
+            fuse_projections(model)
         elif dtype != "fp32":  # the engine's CPU decode path: fp32 activations, weights read in `dtype`
             install_decode_weights(model, _NoCheckpoint(), dtype, 8)
         dev = "cuda" if cuda else "cpu"

@@ -209,6 +209,36 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         torch.backends.cuda.enable_cudnn_sdp(True)
 
 
+def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One weight [sum(out), in] (and bias) holding `linears`' weights one after another, on their
+    device; each linear's parameters become views of it (no second copy stays). None when a weight
+    is not materialized (meta) or they differ in device or dtype."""
+    ws = [l.weight for l in linears]
+    if any(w.is_meta for w in ws) or len({(w.device, w.dtype) for w in ws}) != 1:
+        return None
+    biases = [l.bias for l in linears]
+    has_bias = all(b is not None for b in biases)
+    if not has_bias and any(b is not None for b in biases):
+        return None
+
+    def fuse(parts: list[torch.Tensor]) -> torch.Tensor:
+        out = parts[0].detach().new_empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
+        start = 0
+        for p in parts:
+            out[start:start + p.shape[0]].copy_(p.detach())
+            start += p.shape[0]
+        return out
+    weight, bias = fuse(ws), fuse(biases) if has_bias else None
+    start = 0
+    for l in linears:
+        n = l.weight.shape[0]
+        l.weight = nn.Parameter(weight[start:start + n], requires_grad=False)
+        if has_bias:
+            l.bias = nn.Parameter(bias[start:start + n], requires_grad=False)
+        start += n
+    return weight, bias
+
+
 class Attention(nn.Module):
     """Grouped-query attention with RoPE, optional q/k/v bias (Qwen2), q/k RMSNorm per head (Qwen3)
     or over the whole projection (OLMoE), and optional q/k/v clipping (OLMoE)."""
@@ -232,11 +262,34 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.clip_qkv = config.clip_qkv  # OLMoE: clamp q, k, v to [-clip, clip], or None
         self.scale = hd ** -0.5
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_qkv's (weight, bias)
+
+    def fuse_qkv(self) -> bool:
+        """Compute q, k and v with one GEMM: their weights (and biases) concatenated into one tensor
+        [(H + 2 Hkv) hd, D], of which q/k/v_proj's parameters become views (same bytes). Without
+        q/k norms, RoPE then rotates q and k in one pass. Fewer kernels per layer: what a GPU decode
+        step, graphed or not, is made of (gpt-fast's fused wqkv). Returns whether it fused (not when
+        a weight is not materialized)."""
+        if self.qkv is None:
+            self.qkv = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        return self.qkv is not None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]; writes this step's k/v into `cache`."""
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, H*hd), (B, T, Hkv*hd) x2
+        qd, kd = self.H * self.hd, self.Hkv * self.hd
+        if self.qkv is not None and self.q_norm is None and self.clip_qkv is None:
+            qkv = F.linear(x, *self.qkv)  # (B, T, (H + 2 Hkv) hd)
+            # q and k rotated together: their heads side by side, one pass of apply_rotary's ops
+            qk = qkv[..., :qd + kd].view(B, T, self.H + self.Hkv, self.hd).transpose(1, 2)
+            qk = apply_rotary(qk, meta.cos, meta.sin, meta.sin_signed)  # (B, H + Hkv, T, hd)
+            q, k = qk[:, :self.H], qk[:, self.H:]
+            v = qkv[..., qd + kd:].view(B, T, self.Hkv, self.hd)
+            return self._attend(q, k, v, meta, cache, B, T)
+        if self.qkv is not None:
+            q, k, v = F.linear(x, *self.qkv).split((qd, kd, kd), -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, H*hd), (B, T, Hkv*hd) x2
         if self.q_norm is not None and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -249,6 +302,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), meta.cos, meta.sin, meta.sin_signed)  # (B, H, T, hd)
         k = apply_rotary(k.transpose(1, 2), meta.cos, meta.sin, meta.sin_signed)  # (B, Hkv, T, hd)
+        return self._attend(q, k, v, meta, cache, B, T)
+
+    def _attend(self, q, k, v, meta: AttentionMetadata, cache: KVCache, B: int, T: int) -> torch.Tensor:
+        """q [B, H, T, hd] and k [B, Hkv, T, hd] rotated, v [B, T, Hkv, hd]: write this step's k/v,
+        attend over the cache, project out -> [B, T, D]."""
         k, v = cache.update(self.layer_idx, k, v.transpose(1, 2), meta)  # (B, Hkv, S, hd)
         if k.dtype != q.dtype:  # an fp8 / other KV cache format
             k, v = k.to(q.dtype), v.to(q.dtype)
@@ -264,6 +322,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up: torch.Tensor | None = None  # fuse_gate_up's weight [2F, D]
+
+    def fuse_gate_up(self) -> bool:
+        """Compute gate and up with one GEMM: their weights concatenated [2F, D], gate/up_proj's
+        parameters views of it (same bytes). Returns whether it fused (not for meta weights)."""
+        if self.gate_up is None:
+            fused = _fuse_linears([self.gate_proj, self.up_proj])
+            self.gate_up = None if fused is None else fused[0]
+        return self.gate_up is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, -1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

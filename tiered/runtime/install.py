@@ -74,6 +74,8 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
         from tiered.runtime.sliced import install_sliced_mlps
         rt.sliced = install_sliced_mlps(model, sliced, accelerator, executor, n_g=n_g or 0, weights=sliced_weights,
                                         host_budget=host_budget)
+    if accelerator is not None and plan.fast_tier == "gpu" and plan.attention_tier == "gpu":
+        fuse_projections(model)
     if (plan.decode_graphs or plan.piecewise_graphs) and accelerator is not None and not trace:
         from tiered.runtime.graphs import DecodeGraphs, PiecewiseGraphs
         rt.graphs = (DecodeGraphs if plan.decode_graphs else PiecewiseGraphs)(model, accelerator,
@@ -84,6 +86,23 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
     if trace:
         _trace_layers(model, executor)
     return rt
+
+
+def fuse_projections(model) -> int:
+    """Give each attention one q/k/v GEMM and each dense MLP on the device one gate/up GEMM
+    (Attention.fuse_qkv, MLP.fuse_gate_up: the parameters become views of the fused weight, no
+    second copy). A layer then launches 3 GEMMs and 6 RoPE ops fewer (gpt-fast's wqkv): a GPU
+    decode step is made of such launches. Sliced FFNs and experts keep their own weights.
+    Returns the number of modules fused."""
+    from tiered.models.layers import MLP, Attention
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Attention):
+            n += m.fuse_qkv()
+        elif isinstance(m, MLP):
+            n += m.fuse_gate_up()
+    return n
 
 
 def _trace_layers(model, executor: Executor) -> None:

@@ -1,0 +1,64 @@
+"""Fused q/k/v and gate/up GEMMs (Attention.fuse_qkv, MLP.fuse_gate_up; runtime/install.fuse_projections):
+the same outputs as the separate projections, the parameters views of the fused weight (no second
+copy), and the engine on an accelerator fuses them and still matches transformers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tiered import LLM, EngineConfig
+from tiered.models.layers import MLP, Attention, AttentionMetadata, KVCache, build_attention_metadata
+from tiered.runtime.install import fuse_projections
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
+def test_fused_attention_and_mlp_equal_the_separate_projections(zoo, name):
+    """qwen2: q/k/v biases; qwen3: per-head q/k norms (fused GEMM, separate RoPE)."""
+    llm = LLM(zoo.dir(name), EngineConfig(accelerator="none", decode_weights="fp32", dtype="float32",
+                                          max_context=32, plan="off"))
+    layer = llm.model.model.layers[0]
+    attn, mlp = copy.deepcopy(layer.self_attn), copy.deepcopy(layer.mlp)
+    cfg = llm.config
+    x = torch.randn(2, 5, cfg.hidden_size)
+    positions = torch.arange(5).repeat(2, 1)
+    slots = torch.tensor([0, 1])
+    meta = build_attention_metadata(llm.model.rotary, positions, slots, cfg.sliding_window)
+    caches = [KVCache(cfg, 2, 8, torch.float32) for _ in range(2)]
+    want, want_mlp = attn(x, meta, caches[0]), mlp(x)
+    assert attn.fuse_qkv() and mlp.fuse_gate_up()
+    fused_w, fused_b = attn.qkv
+    for lin in (attn.q_proj, attn.k_proj, attn.v_proj):  # views of the fused tensor: one copy of the bytes
+        assert lin.weight.untyped_storage().data_ptr() == fused_w.untyped_storage().data_ptr()
+    assert (fused_b is not None) == (attn.q_proj.bias is not None)
+    assert mlp.gate_proj.weight.untyped_storage().data_ptr() == mlp.gate_up.untyped_storage().data_ptr()
+    got = attn(x, meta, caches[1])
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(mlp(x), want_mlp, rtol=1e-5, atol=1e-6)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    llm.close()
+
+
+def test_meta_weights_are_left_unfused():
+    mlp = MLP(8, 16).to("meta")
+    assert not mlp.fuse_gate_up() and mlp.gate_up is None
+
+
+def test_engine_on_an_accelerator_fuses_and_matches_transformers(zoo):
+    ids = list(range(2, 18))
+    llm = LLM(zoo.dir("qwen2"), EngineConfig(accelerator="host", decode_weights="fp32", max_context=32))
+    try:
+        layers = llm.model.model.layers
+        assert all(l.self_attn.qkv is not None and l.mlp.gate_up is not None for l in layers)
+        assert fuse_projections(llm.model) == 2 * len(layers)  # idempotent: already fused
+        with torch.no_grad():
+            ref = zoo.hf("qwen2")(torch.tensor([ids])).logits[0]
+        out = llm.logits(ids)
+        assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-4
+    finally:
+        llm.close()
+    cpu = LLM(zoo.dir("qwen2"), EngineConfig(accelerator="none", decode_weights="fp32", max_context=32))
+    assert all(l.self_attn.qkv is None for l in cpu.model.model.layers)  # the CPU keeps its own decode step
+    cpu.close()
