@@ -294,3 +294,28 @@ def test_a_dense_model_that_fits_the_gpu_is_not_sliced():
                                "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 8,
                                "max_position_embeddings": 4096})
     assert make_plan(big, hw, gpu_memory=2 * GiB, prompt_tokens=32, gen_tokens=32).sliced_layers()
+
+
+def test_a_graphed_all_resident_moe_step_is_priced_without_the_runners_syncs():
+    """Every expert resident and graphs on (the engine's grouped GEMMs in one CUDA graph): a decode
+    layer costs its small kernels or attention, then its k experts from GPU memory; no host sync, no
+    per-expert launches. An offloading plan keeps the runner's costs either way."""
+    from dataclasses import replace
+
+    from tiered.hardware import op_time
+
+    hw = get_preset("scheinfer-b")
+    small = replace(MIXTRAL, num_hidden_layers=4)
+    eager = make_plan(small, hw, gpu_memory=80 * GiB, precision="bf16")
+    graphed = make_plan(small, hw, gpu_memory=80 * GiB, precision="bf16", graphs=True)
+    assert eager.all_experts_resident() and graphed.all_experts_resident()
+    assert graphed.predicted_decode_tokens_per_s > eager.predicted_decode_tokens_per_s
+    _, per_layer = op_time.step_overhead(hw, "bf16", "gpu", graphed=True)
+    for l in graphed.layers:
+        assert per_layer <= l.decode_s < min(e.decode_s for e in eager.layers)
+    offload = make_plan(small, hw, gpu_memory=4 * GiB, precision="bf16", graphs=True)
+    offload_eager = make_plan(small, hw, gpu_memory=4 * GiB, precision="bf16")
+    assert not offload.all_experts_resident()
+    # the preset has no graphed-step key: the host cost per layer falls back to the eager step's
+    assert "runtime/decode_step_graphed_gpu/bf16" not in hw.models
+    assert offload.predicted_decode_tokens_per_s == pytest.approx(offload_eager.predicted_decode_tokens_per_s)

@@ -145,14 +145,24 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     def copied(tokens: list[int]) -> list[bool]:  # which misses take the copy path and fill a cache slot
         return [p != CPU for p in split_misses(tokens, lat, eb, plan.dispatch_mode)]
 
+    # every expert resident at full precision: grouped GEMMs with no host sync (moe_runner._grouped),
+    # and the engine graphs the whole decode step (planner/auto: Plan.decode_graphs)
+    sync_free = plan.piecewise_graphs and plan.dtypes["experts"] in ("bf16", "fp16", "fp32")
+
+    def graphed_layer_time(attn: float) -> float:
+        """A decode layer of the whole-step graph: the layer's small kernels (the graphed tiny step's
+        per-layer cost) or its attention, then the k routed experts read from GPU memory."""
+        return max(per_layer, attn) + k * expert.gpu_lat(1)
+
     def predict(choice: ExpertChoices):
         placement, hits = place_experts(plan, cfg, moe_layers, eb, gpu - fixed, cpu_room, choice, copied)
+        graphed = sync_free and placement.count("fast") == len(moe_layers) * E
         rows = []
         for i in moe_layers:
             g, c, d = (placement.count(t, i) for t in ("fast", "cpu", "disk"))
             res, cached = hits.rates(i)
             d_share = d / max(c + d, 1)
-            rows.append((i, g, c, d, layer_time(1, res + cached, d_share, attn_dec),
+            rows.append((i, g, c, d, graphed_layer_time(attn_dec) if graphed else layer_time(1, res + cached, d_share, attn_dec),
                          layer_time(plan.prompt_tokens, g / E, d_share, attn_pre)))
         step = sum(r[4] for r in rows) + step_fixed
         return step, (step, placement, hits, rows)
