@@ -51,6 +51,7 @@ SHAPES = {"moe": (mixtral_8x7b(layers=4), 4 * GiB), "dense": (llama3_8b(layers=8
 SMOKE_SHAPES = {"moe": ModelShape(layers=4, hidden=256, ffn=768, heads=4, kv_heads=2, vocab=2048, experts=8),
                 "dense": ModelShape(layers=8, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=2048)}
 ROW_IDS = ("plan_auto", "plan_auto_eager", "plan_off", "plan_auto_profiled", "forced_copy", "forced_cpu", "no_gpu", "unconstrained",
+           "unconstrained_eager",
            "hf_accelerate", "hf_all_gpu")
 SMOKE_LINK = 2e9  # bytes/s of the stand-in's emulated PCIe link in --smoke
 
@@ -108,6 +109,8 @@ def rows_for(s: Setup) -> list[Row]:
     rows += [Row("no_gpu", 'tiered, no GPU (accelerator="none")', replace(base, accelerator="none", gpu_memory=None,
                                                                           link_bandwidth=None)),
              Row("unconstrained", "tiered, unconstrained GPU (gpu_memory=None)", replace(base, gpu_memory=None)),
+             Row("unconstrained_eager", "tiered, unconstrained GPU, decode not graphed (--graphs off)",
+                 replace(base, gpu_memory=None, graphs="off")),
              Row("hf_accelerate", f"transformers + accelerate, {hf_budget}", hf="accelerate"),
              Row("hf_all_gpu", "transformers, all on GPU" if s.accelerator == "cuda" else
                  "transformers, all on the CPU (for all on GPU)", hf="all")]

@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_offload.py"
-TIERED_ROWS = ("plan_auto", "plan_auto_eager", "plan_off", "no_gpu", "unconstrained")
+TIERED_ROWS = ("plan_auto", "plan_auto_eager", "plan_off", "no_gpu", "unconstrained", "unconstrained_eager")
 ROWS = {"moe": TIERED_ROWS + ("plan_auto_profiled", "forced_copy", "forced_cpu", "hf_accelerate", "hf_all_gpu"),
         "dense": TIERED_ROWS + ("hf_accelerate", "hf_all_gpu")}
 # dense with `plan="off"` has no way to offload FFN rows (the H200 run recorded a BudgetError)
@@ -122,9 +122,11 @@ def test_the_dram_share_probe_runs_without_a_gpu(tmp_path):
 
 def test_default_rows_decode_through_graphs_and_the_eager_row_does_not(report):
     """--smoke turns the stand-in's graphs on: the default plan's decode steps go through piecewise
-    (MoE, sliced dense) graphs, recorded per row; the --graphs off row has none."""
+    (MoE, sliced dense) graphs and the unconstrained rows' through whole-step graphs (MoE: grouped
+    expert GEMMs), recorded per row; the --graphs off rows have none."""
     rows = _rows(report[0])
     for shape in ROWS:
-        g = rows[(shape, "plan_auto")]["graphs"]
-        assert g["disabled"] is None and g["steps"] > 0 and g["captures"] >= 1
-        assert "graphs" not in rows[(shape, "plan_auto_eager")]
+        for rid, kind in (("plan_auto", "PiecewiseGraphs"), ("unconstrained", "DecodeGraphs")):
+            g = rows[(shape, rid)]["graphs"]
+            assert g["kind"] == kind and g["disabled"] is None and g["steps"] > 0 and g["captures"] >= 1
+        assert "graphs" not in rows[(shape, "plan_auto_eager")] and "graphs" not in rows[(shape, "unconstrained_eager")]
