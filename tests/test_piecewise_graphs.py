@@ -105,6 +105,20 @@ def test_moe_model_with_every_expert_resident_decodes_through_one_graph(rt, kind
         llm.close()
 
 
+def test_resident_experts_in_another_dtype_take_the_general_path_and_piecewise_graphs(rt):
+    """bf16 experts under fp32 activations: the stacks' dtype is not the activations', so the layers
+    take the general path (it casts per expert), which syncs: the plan graphs piecewise instead."""
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", graphs="on", expert_weights="bf16",
+                                               dtype="float32"))
+    try:
+        assert llm.plan.all_experts_resident() and not llm.plan.decode_graphs and llm.plan.piecewise_graphs
+        out = llm.generate([prompt()], GREEDY)[0]
+        assert len(out.token_ids) == GREEDY.max_tokens and llm.runtime.graphs.disabled is None
+        assert llm.runtime.graphs.steps == GREEDY.max_tokens - 1
+    finally:
+        llm.close()
+
+
 def test_a_host_sync_inside_a_captured_part_turns_graphs_off_and_decode_goes_on(zoo, box, monkeypatch):
     """What a CUDA capture refuses, the stand-in refuses: an attention that reads a device value on
     the host (here `.item()`) fails the capture; the engine records why and decodes eagerly."""

@@ -188,6 +188,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
               and plan.flexgen is None)
     # (an MoE step syncs unless every expert is resident at full precision: moe_runner._grouped)
     moe_sync_free = (plan.all_experts_resident() and plan.dtypes.get("experts") in ("bf16", "fp16", "fp32")
+                     and plan.dtypes.get("experts") == plan.dtypes.get("weights")
                      and plan.mixed_precision is None and not plan.prefetch)
     plan.decode_graphs = graphs and not plan.sliced_layers() and (not cfg.is_moe or moe_sync_free)
     plan.piecewise_graphs = graphs and not plan.decode_graphs

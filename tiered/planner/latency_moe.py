@@ -147,7 +147,8 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
 
     # every expert resident at full precision: grouped GEMMs with no host sync (moe_runner._grouped),
     # and the engine graphs the whole decode step (planner/auto: Plan.decode_graphs)
-    sync_free = plan.piecewise_graphs and plan.dtypes["experts"] in ("bf16", "fp16", "fp32")
+    sync_free = (plan.piecewise_graphs and plan.dtypes["experts"] in ("bf16", "fp16", "fp32")
+                 and plan.dtypes["experts"] == plan.dtypes["weights"])
 
     def graphed_layer_time(attn: float) -> float:
         """A decode layer of the whole-step graph: the layer's small kernels (the graphed tiny step's

@@ -127,7 +127,7 @@ class TieredExperts:
                  block) -> torch.Tensor:
         t_layer = time.perf_counter()
         stack = self.store.stacks.get(layer_idx) if self.grouped and self.prefetcher is None else None
-        if stack is not None:
+        if stack is not None and stack[0].dtype == x.dtype:  # (experts stored in another dtype: general path)
             method = grouped_method(x, topk_idx.numel())
             if method is not None:
                 return self._grouped(layer_idx, x, topk_idx, topk_weight, stack, method, t_layer)
