@@ -50,9 +50,8 @@ SHAPES = {"moe": (mixtral_8x7b(layers=4), 4 * GiB), "dense": (llama3_8b(layers=8
 # --smoke: the real layer counts at width 256 (a few MB), so budgets scale with the same proportions
 SMOKE_SHAPES = {"moe": ModelShape(layers=4, hidden=256, ffn=768, heads=4, kv_heads=2, vocab=2048, experts=8),
                 "dense": ModelShape(layers=8, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=2048)}
-ROW_IDS = ("plan_auto", "plan_auto_eager", "plan_off", "plan_auto_profiled", "forced_copy", "forced_cpu", "no_gpu", "unconstrained",
-           "unconstrained_eager",
-           "hf_accelerate", "hf_all_gpu")
+ROW_IDS = ("plan_auto", "plan_auto_eager", "plan_off", "plan_auto_profiled", "forced_copy", "forced_cpu",
+           "forced_split", "no_gpu", "unconstrained", "unconstrained_eager", "hf_accelerate", "hf_all_gpu")
 SMOKE_LINK = 2e9  # bytes/s of the stand-in's emulated PCIe link in --smoke
 
 
@@ -105,7 +104,9 @@ def rows_for(s: Setup) -> list[Row]:
         rows += [Row("forced_copy", 'tiered, every miss copied (force_expert_path="copy")',
                      replace(base, force_expert_path="copy")),
                  Row("forced_cpu", 'tiered, every miss on the CPU (force_expert_path="cpu")',
-                     replace(base, force_expert_path="cpu"))]
+                     replace(base, force_expert_path="cpu")),
+                 Row("forced_split", 'tiered, every miss split by rows between the CPU and the link '
+                     '(force_expert_path="split")', replace(base, force_expert_path="split"))]
     rows += [Row("no_gpu", 'tiered, no GPU (accelerator="none")', replace(base, accelerator="none", gpu_memory=None,
                                                                           link_bandwidth=None)),
              Row("unconstrained", "tiered, unconstrained GPU (gpu_memory=None)", replace(base, gpu_memory=None)),

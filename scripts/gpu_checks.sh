@@ -61,7 +61,7 @@ run() {
 }
 bench() {  # bench SHAPE CAP [extra args]
   local shape=$1 cap=$2; shift 2
-  local rows=plan_auto,plan_auto_eager,plan_auto_profiled,plan_off,forced_copy,forced_cpu,no_gpu,unconstrained,unconstrained_eager,hf_all_gpu
+  local rows=plan_auto,plan_auto_eager,plan_auto_profiled,plan_off,forced_copy,forced_cpu,forced_split,no_gpu,unconstrained,unconstrained_eager,hf_all_gpu
   run "$cap" "gpu_offload_$shape" python3 benchmarks/gpu_offload.py --shape "$shape" --repeats 1 --rows "$rows" \
     --out "$res" ${prof:+--profile "$prof"} "$@"
 }

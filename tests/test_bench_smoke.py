@@ -20,7 +20,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_offload.py"
 TIERED_ROWS = ("plan_auto", "plan_auto_eager", "plan_off", "no_gpu", "unconstrained", "unconstrained_eager")
-ROWS = {"moe": TIERED_ROWS + ("plan_auto_profiled", "forced_copy", "forced_cpu", "hf_accelerate", "hf_all_gpu"),
+ROWS = {"moe": TIERED_ROWS + ("plan_auto_profiled", "forced_copy", "forced_cpu", "forced_split", "hf_accelerate",
+                              "hf_all_gpu"),
         "dense": TIERED_ROWS + ("hf_accelerate", "hf_all_gpu")}
 # dense with `plan="off"` has no way to offload FFN rows (the H200 run recorded a BudgetError)
 MAY_FAIL = {("dense", "plan_off")}

@@ -176,8 +176,8 @@ def _decode_paths(llm):
 
     seen, real = [], mr.split_misses
 
-    def spy(tokens, lat, nbytes, mode="balanced"):
-        out = real(tokens, lat, nbytes, mode)
+    def spy(tokens, lat, nbytes, mode="balanced", **kw):
+        out = real(tokens, lat, nbytes, mode, **kw)
         if tokens == [1, 1]:
             seen.append(out)
         return out

@@ -94,7 +94,7 @@ class EngineConfig:
             (what a capture forbids); "off" decodes eagerly.
         profile: HardwareProfile JSON path or preset name the planner uses; None = this machine's
             cached profile (measured once, quickly, if there is none).
-        force_expert_path: tests only: "copy" or "cpu" for every non-resident expert.
+        force_expert_path: tests only: "copy", "cpu" or "split" for every non-resident expert.
     """
 
     dtype: str = "auto"
@@ -152,8 +152,8 @@ class EngineConfig:
             raise ConfigError("staging_buffers must be >= 1", "pass a positive count")
         if self.link_bandwidth is not None and self.link_bandwidth <= 0:
             raise ConfigError("link_bandwidth must be > 0 bytes/s", "pass e.g. 16e9")
-        if self.force_expert_path not in (None, "copy", "cpu"):
-            raise ConfigError("force_expert_path must be None, 'copy' or 'cpu'", "leave it unset")
+        if self.force_expert_path not in (None, "copy", "cpu", "split"):
+            raise ConfigError("force_expert_path must be None, 'copy', 'cpu' or 'split'", "leave it unset")
         if self.graphs not in ("auto", "on", "off"):
             raise ConfigError(f"graphs must be 'auto', 'on' or 'off', got {self.graphs!r}", "pass auto")
         if not self.plan:

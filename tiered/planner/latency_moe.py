@@ -72,7 +72,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
         BudgetError: the GPU cannot hold the non-expert weights, KV cache and staging buffers.
     """
     from tiered.planner.fiddler import ExpertLatency, ExpertShape, step_expert_bytes
-    from tiered.runtime.dispatcher import CPU, split_misses
+    from tiered.runtime.dispatcher import COPY, CPU, SPLIT, split_misses
 
     from tiered.quant.experts import pricing_precision
 
@@ -102,6 +102,9 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     disk = profile.models.get("disk/read_cold")
     t_disk = disk(eb) if disk is not None else 0.0
     costs = _LayerCosts.of(profile)
+    # a miss can be split by rows between the CPU and the link (runtime: dense experts in RAM, one
+    # precision; disk-tier misses are priced as if splittable too, a small optimism)
+    splittable = plan.dtypes["experts"] in ("bf16", "fp16", "fp32") and plan.mixed_precision is None
     per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu", graphed=plan.piecewise_graphs)
     act_bpe = sizes.bytes_per_element(plan.dtypes["kv_cache"])  # activations: 16-bit, fp32 with fp32 weights
     matrices = expert.shape.matrices
@@ -114,7 +117,10 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     def expert_phase(tokens: int, s: int, hits: int, misses: int, d_share: float) -> float:
         """Seconds from the layer's sync to its last expert's output, `hits` + `misses` active experts
         with s tokens each, `d_share` of the misses read from disk first."""
-        paths = split_misses([s] * misses, lat, eb, plan.dispatch_mode)
+        paths = split_misses([s] * misses, lat, eb, plan.dispatch_mode, splittable=splittable)
+        n_split = sum(1 for p in paths if p == SPLIT)
+        if n_split:  # each split miss keeps both the CPU and the link busy until it is done
+            return n_split * lat.split_share(s, eb)[1] + misses * d_share * t_disk
         n_cpu = sum(1 for p in paths if p == CPU)
         n_copy = misses - n_cpu
         gpu_task = costs.task + expert.gpu_lat(s)
@@ -143,7 +149,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
         return front + total + combine
 
     def copied(tokens: list[int]) -> list[bool]:  # which misses take the copy path and fill a cache slot
-        return [p != CPU for p in split_misses(tokens, lat, eb, plan.dispatch_mode)]
+        return [p == COPY for p in split_misses(tokens, lat, eb, plan.dispatch_mode, splittable=splittable)]
 
     # every expert resident at full precision: grouped GEMMs with no host sync (moe_runner._grouped),
     # and the engine graphs the whole decode step (planner/auto: Plan.decode_graphs)
@@ -181,7 +187,8 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
                    "cpu": (n_cpu + plan.staging_buffers) * eb, "disk": n_disk * eb}
     h = hits.fast_share()
     how = {"balanced": "are split between CPU compute and H2D copies", "per-expert": "go where Fiddler's rule says",
-           "copy": "are copied to the GPU", "cpu": "run on the CPU"}[plan.dispatch_mode]
+           "copy": "are copied to the GPU", "cpu": "run on the CPU",
+           "split": "are split by rows between the CPU and the link"}[plan.dispatch_mode]
     total = len(moe_layers) * E
     plan.binding = (f"GPU memory: {n_gpu}/{total} experts resident and {placement.cache_slots} cache slots "
                     f"(hit rate {h:.0%}) beside the non-expert weights and KV cache; "

@@ -17,7 +17,7 @@ from pathlib import Path
 from tiered.errors import ConfigError
 from tiered.hardware.budget import format_bytes
 
-DISPATCH_MODES = ("balanced", "per-expert", "copy", "cpu")
+DISPATCH_MODES = ("balanced", "per-expert", "copy", "cpu", "split")
 
 
 @dataclass
@@ -53,8 +53,10 @@ class Plan:
         dispatch_mode, dispatch_latency      where a non-resident expert runs (Fiddler Alg. 1):
                                              "balanced" splits a layer's misses between the CPU and
                                              the H2D link so both finish together (latency model
-                                             fields of runtime/dispatcher.LatencyModel); "copy" /
-                                             "cpu" send every miss one way
+                                             fields of runtime/dispatcher.LatencyModel), a layer's
+                                             single dense miss split by rows between them when that
+                                             is faster (SPLIT); "copy" / "cpu" / "split" send every
+                                             miss one way
         dtypes                               formats: "weights" (compute dtype of loaded weights),
                                              "experts", "kv_cache", "decode" (decode-copy format,
                                              "none" = no copies), "lm_head" (its decode copy's
@@ -253,12 +255,14 @@ class Plan:
                 out.append(f"{span:<10} {l.kind:<8} {l.r_cc:5.2f} {l.r_cg:5.2f} {l.r_gg:5.2f} {l.n_g:5d}  "
                            f"{experts:>19}  {l.decode_s * 1e3:9.2f}  {l.prefill_s * 1e3:10.2f}")
         if self.dispatch_mode != "balanced" and self.dispatch_latency is not None:
-            out.append(f"dispatch: every non-resident expert {'is copied to the GPU' if self.dispatch_mode == 'copy' else 'runs on the CPU'}")
+            how = {"copy": "is copied to the GPU", "cpu": "runs on the CPU",
+                   "split": "is split by rows between the CPU and the link"}.get(self.dispatch_mode, "runs as Fiddler's rule says")
+            out.append(f"dispatch: every non-resident expert {how}")
         elif self.dispatch_threshold_tokens is not None:
             s = self.dispatch_threshold_tokens
             out.append(f"dispatch: a non-resident expert runs on the CPU when it has <= {s:.1f} tokens, "
                        f"else its weights are copied to the GPU (Fiddler Alg. 1); a layer's misses are split "
-                       f"between the CPU and the link so both finish together")
+                       f"between the CPU and the link so both finish together (a single dense miss by rows)")
         if self.expert_cache_slots:
             out.append(f"expert cache: {self.expert_cache_slots} slots ({self.cache_policy}) on the {self.fast_tier} "
                        "for experts that are not resident"

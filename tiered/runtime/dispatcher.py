@@ -18,6 +18,10 @@ from dataclasses import dataclass
 RESIDENT = "resident"  # weights already on the accelerator (resident or cached): run there
 COPY = "copy"  # copy weights H2D into a cache slot, run on the accelerator
 CPU = "cpu"  # run on the CPU, moving only activations
+SPLIT = "split"  # the CPU computes some gate/up rows while the rest and down are copied (split_share)
+
+# Share of a SwiGLU expert's bytes in its gate and up projections (the rows a SPLIT divides).
+GATE_UP_SHARE = 2 / 3
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,21 @@ class LatencyModel:
     def transfer_lat(self, nbytes: int) -> float:
         return self.h2d_alpha + nbytes / self.h2d_bandwidth
 
+    def split_share(self, s: int, nbytes: int) -> tuple[float, float]:
+        """(a, seconds): SPLIT's share `a` in (0, 1] of the gate/up rows that the CPU computes (into
+        the hidden activations, sent H2D), while the link copies the other rows and the whole down
+        projection, and the makespan: max(CPU, link) then the accelerator's part (the rest of
+        gate/up, then down). `a` makes the CPU and the link finish together:
+            cpu_alpha + a g C' = h2d_alpha + (1 - a g) L,  C' = cpu_lat(s) - cpu_alpha, L = nbytes/bw,
+        with g = GATE_UP_SHARE (ScheInfer's CC/CG row split, ALGORITHMS.md 1.a, applied to one
+        missing expert: the misses of a decode step are often one per layer, which Fiddler sends
+        wholly one way, leaving the other side idle)."""
+        g, c, link = GATE_UP_SHARE, self.cpu_lat(s) - self.cpu_alpha, nbytes / self.h2d_bandwidth
+        a = (self.h2d_alpha + link - self.cpu_alpha) / (g * (c + link)) if c + link > 0 else 1.0
+        a = min(1.0, max(a, 1e-3))
+        t = max(self.cpu_alpha + a * g * c, self.h2d_alpha + (1 - a * g) * link) + self.gpu_lat(s)
+        return a, t
+
     def cpu_threshold(self, nbytes: int) -> float:
         """Largest token count for which the CPU path wins (Fiddler's s*), in tokens.
 
@@ -69,7 +88,12 @@ def choose_path(tokens: int, on_accelerator: bool, expert_bytes: int, lat: Laten
     return CPU
 
 
-def split_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mode: str = "balanced") -> list[str]:
+# A SPLIT must beat the better whole path by this factor (it launches more, and fills no cache slot).
+SPLIT_GAIN = 0.9
+
+
+def split_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mode: str = "balanced",
+                 splittable: bool = False) -> list[str]:
     """Paths (COPY or CPU) for one layer's experts that are not on the accelerator, so that the CPU
     and the H2D link (with the accelerator computing what lands) finish together.
 
@@ -83,13 +107,21 @@ def split_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mode: 
         tokens: routed tokens of each missing expert (> 0), in any order.
         lat: the latency model (seconds).
         expert_bytes: bytes copied per expert.
-        mode: "balanced" (above), "per-expert" (Algorithm 1 for each expert alone), "copy" or
-            "cpu" (every miss one way).
+        mode: "balanced" (above), "per-expert" (Algorithm 1 for each expert alone), "copy",
+            "cpu" or "split" (every miss one way).
+        splittable: a miss may be SPLIT (dense experts in CPU RAM, with an accelerator): in
+            "balanced" mode a layer's single miss is split between the CPU and the link when that
+            beats the better whole path by SPLIT_GAIN (LatencyModel.split_share).
     Returns:
         One path per entry of `tokens`, in its order.
     """
-    if mode in (COPY, CPU):
+    if mode in (COPY, CPU, SPLIT):
         return [mode] * len(tokens)
+    if mode == "balanced" and splittable and len(tokens) == 1:
+        s = tokens[0]
+        whole = min(lat.cpu_lat(s), lat.transfer_lat(expert_bytes) + lat.gpu_lat(s))
+        if lat.split_share(s, expert_bytes)[1] < SPLIT_GAIN * whole:
+            return [SPLIT]
     if mode == "per-expert":  # Algorithm 1 for each expert alone
         return [choose_path(s, False, expert_bytes, lat) for s in tokens]
     order = sorted(range(len(tokens)), key=lambda i: tokens[i])

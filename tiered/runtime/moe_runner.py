@@ -10,6 +10,9 @@ Per layer and step (dimension legend: N tokens, D hidden, k top-k, E experts):
                 from this thread on its own device stream once the copy is done;
        CPU   -> compute with the host copy on the calling thread (torch's OpenMP team belongs to
                 it; a worker thread's second team is slower and fights it for the cores);
+       SPLIT -> a layer's single dense miss in RAM divided by gate/up rows: the CPU computes its
+                share of the hidden activations on this thread while the link copies the rest
+                and down, then the accelerator finishes it (_split);
      a disk-tier expert is read first (pread on reader threads) into a host staging buffer (with an
      accelerator) or into a fast-tier slot (without one, where every miss computes on the CPU);
   3. combine the weighted outputs in expert order (as transformers does: identical sums).
@@ -46,7 +49,7 @@ import torch
 from tiered.memory.apply import PlacedExperts, StagingPool
 from tiered.planner.placement import DISK
 from tiered.quant.experts import NATIVE_ROWS
-from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, LatencyModel, split_misses
+from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, SPLIT, LatencyModel, split_misses
 from tiered.runtime.executor import Executor
 from tiered.runtime.grouped_experts import grouped_experts_forward, grouped_method
 from tiered.runtime.precision import HIGH, NAMES, SKIP
@@ -182,14 +185,17 @@ class TieredExperts:
         if self.accelerator is None:
             paths = {e: "disk" for e in misses}
         else:
-            chosen = split_misses([counts[e] for e in misses], self.latency, self.store.expert_bytes, self.dispatch_mode)
-            paths = dict(zip(misses, chosen))
+            can_split = {e: self._splittable(keys[e], side[e]) for e in misses}
+            chosen = split_misses([counts[e] for e in misses], self.latency, self.store.expert_bytes, self.dispatch_mode,
+                                  splittable=all(can_split.values()))
+            # (a forced split of an expert that cannot be split runs on the CPU)
+            paths = {e: CPU if p == SPLIT and not can_split[e] else p for e, p in zip(misses, chosen)}
         if self.read_ahead:
             for e in misses:
                 if side[e].store.tier(keys[e]) == DISK:
                     side[e].store.advise(keys[e])
         host = None
-        if any(p == CPU for p in paths.values()):  # activations and token rows cross once per layer
+        if any(p in (CPU, SPLIT) for p in paths.values()):  # activations and token rows cross once per layer
             t_d2h = time.perf_counter()
             host = (self.accelerator.to_host(x), self.accelerator.to_host(tok_all))
             self.host_syncs += 1
@@ -198,7 +204,7 @@ class TieredExperts:
         # CPU-path experts are submitted (and so run, on this thread) first: the copies and launches
         # submitted after them proceed on the streams meanwhile. Inline tasks run in submission
         # order and every dependency points to an earlier task, so no task waits on one that waits on it.
-        order = sorted(groups, key=lambda e: (paths.get(e) != CPU, e))
+        order = sorted(groups, key=lambda e: (paths.get(e) not in (CPU, SPLIT), e))
         results: dict[int, Future] = {}
         for e in order:
             a, b = groups[e]
@@ -387,6 +393,8 @@ class TieredExperts:
             if idx is not None:
                 self.fast_staging.release_after(idx, fut)
             return fut
+        if path == SPLIT:
+            return self._split(key, x, tok, tok_host, x_host, ready, side)
         deps, host_w, host_idx = [], store.host.get(key), None
         if on_disk:
             buf, dep, host_idx = self.host_staging.take()
@@ -412,6 +420,49 @@ class TieredExperts:
             self.host_staging.release_after(host_idx, fut)
         return fut
 
+    def _splittable(self, key, side: _Side) -> bool:
+        """A miss can be SPLIT: dense weights in CPU RAM (not on disk), an accelerator, one precision."""
+        return self.accelerator is not None and self.low is None and side.fmt.is_dense and key in side.store.host
+
+    def _split(self, key, x, tok, tok_host, x_host, ready, side: _Side) -> Future:
+        """A missing expert split by rows between the CPU and the link (dispatcher SPLIT; ScheInfer's
+        CC/CG split of one FFN, ALGORITHMS.md 1.a): the CPU computes the hidden activations of the
+        first r gate/up rows on this thread (inline "cpu" task, tiered's bf16 GEMV where built),
+        while the copy stream moves the other rows and the whole down projection into a staging
+        buffer (not a cache slot: the expert is not whole there); then the accelerator computes its
+        rows, joins the CPU's hidden activations (a small H2D) and applies down. r comes from the
+        latency model (LatencyModel.split_share) so both sides finish together, rounded to
+        SPLIT_ROW_ALIGN rows."""
+        ex, acc, (layer, e) = self.executor, self.accelerator, key
+        gate, up, down = side.store.host[key]
+        F_rows = gate.shape[0]
+        share = self.latency.split_share(int(tok_host.shape[0]), side.store.expert_bytes)[0] if self.latency else 0.5
+        r = split_rows_of(F_rows, share)
+        buf, dep, idx = self.fast_staging.take()
+        slot = side.view(buf)
+        parts = [(slot[0][r:], gate[r:]), (slot[1][r:], up[r:]), (slot[2], down)] if r < F_rows else [(slot[2], down)]
+        nbytes = sum(src.numel() * src.element_size() for _, src in parts)
+        copy = ex.submit("copy", lambda: [acc.copy_to_device(d, src) for d, src in parts], deps=[dep] if dep else [],
+                         name=f"h2d split L{layer}E{e}", nbytes=nbytes, layer=layer, expert=e, after_event=ready)
+        self.bytes_h2d += nbytes
+        x_rows = x_host[tok_host]
+        cpu = ex.submit("cpu", lambda: swiglu_rows(x_rows, gate[:r], up[:r]), name=f"cpu split L{layer}E{e}",
+                        layer=layer, expert=e)
+
+        def accelerator_part():
+            xs = x[tok]
+            h = acc.to_device(cpu.result())  # (n, r)
+            if r < F_rows:
+                h = torch.cat([h, swiglu_rows(xs, slot[0][r:], slot[1][r:])], -1)  # (n, F)
+            w = slot[2] if slot[2].dtype == xs.dtype else slot[2].to(xs.dtype)
+            return torch.nn.functional.linear(h, w)
+        # the CPU part first (this thread), then the copy's wait: both sides run at once
+        fut = ex.submit("launch", accelerator_part, deps=[cpu, copy], name=f"expert split L{layer}E{e}",
+                        layer=layer, expert=e)
+        if idx is not None:
+            self.fast_staging.release_after(idx, fut)
+        return fut
+
     def _slot_or_staging(self, key, staging: StagingPool, side: _Side):
         """A slot of `side`'s cache for `key`, or a staging buffer (viewed for `side`, with the future
         it must wait for) when none is free."""
@@ -420,6 +471,36 @@ class TieredExperts:
             return slot, None, None
         buf, dep, idx = staging.take()
         return side.view(buf), dep, idx
+
+
+# A SPLIT's CPU rows are a multiple of this (whole cache lines of the GEMV's output and SIMD tiles).
+SPLIT_ROW_ALIGN = 64
+
+
+def split_rows_of(F: int, share: float) -> int:
+    """Rows of F that a SPLIT's CPU part takes for `share` in (0, 1]: a multiple of SPLIT_ROW_ALIGN
+    (or F), at least one alignment unit."""
+    if F <= SPLIT_ROW_ALIGN:
+        return F
+    r = int(round(share * F / SPLIT_ROW_ALIGN)) * SPLIT_ROW_ALIGN
+    return min(F, max(SPLIT_ROW_ALIGN, r))
+
+
+def swiglu_rows(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """silu(x @ w_gate.T) * (x @ w_up.T): x [n, D], w_gate / w_up [r, D] (rows of an expert) -> [n, r]
+    in x's dtype. On the CPU, bf16 rows take tiered's bf16 GEMV (fp32 out) where it is built and the
+    rows are contiguous; otherwise torch (weights cast to x's dtype)."""
+    ext = None
+    if (x.device.type == "cpu" and w_gate.dtype == torch.bfloat16 and x.shape[0] <= NATIVE_ROWS
+            and w_gate.is_contiguous() and w_up.is_contiguous()):
+        from tiered import kernels
+        ext = kernels.load()
+    if ext is not None:
+        g, u = ext.bf16_kernel(w_gate)(x), ext.bf16_kernel(w_up)(x)  # fp32 (n, r)
+        return (torch.nn.functional.silu(g) * u).to(x.dtype)
+    dt = x.dtype
+    wg, wu = (w if w.dtype == dt else w.to(dt) for w in (w_gate, w_up))
+    return torch.nn.functional.silu(torch.nn.functional.linear(x, wg)) * torch.nn.functional.linear(x, wu)
 
 
 def _drain(futures) -> None:

@@ -1,0 +1,104 @@
+"""SPLIT: a missing dense expert divided by gate/up rows between the CPU and the H2D link
+(runtime/dispatcher.LatencyModel.split_share, moe_runner._split): the share that balances both
+sides, when balanced dispatch picks it, and parity with transformers through the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime_fixtures import GREEDY, REL_TOL, engine_config, prompt, rel_err, rt  # noqa: F401
+
+from tiered import LLM
+from tiered.runtime.dispatcher import COPY, CPU, GATE_UP_SHARE, SPLIT, LatencyModel, split_misses
+from tiered.runtime.moe_runner import SPLIT_ROW_ALIGN, split_rows_of, swiglu_rows
+
+MB = 2**20
+
+
+def _lat(cpu_s: float, link_s: float, nbytes: int, alpha: float = 0.0) -> LatencyModel:
+    """One expert of `nbytes`: cpu_s seconds on the CPU, link_s over the link, the GPU instant."""
+    return LatencyModel(alpha, cpu_s - alpha, 0.0, 0.0, alpha, nbytes / link_s)
+
+
+@settings(max_examples=50, deadline=None)
+@given(cpu=st.floats(1e-3, 1e-2), link=st.floats(1e-3, 1e-2), alpha=st.floats(0, 1e-4))
+def test_split_share_makes_cpu_and_link_finish_together(cpu, link, alpha):
+    nbytes = 352 * MB
+    lat = _lat(cpu + alpha, link, nbytes, alpha)
+    a, t = lat.split_share(1, nbytes)
+    g = GATE_UP_SHARE
+    t_cpu = alpha + a * g * cpu
+    t_link = alpha + (1 - a * g) * link
+    assert t == pytest.approx(max(t_cpu, t_link))
+    if a < 1:  # interior: balanced, and faster than either whole path
+        assert t_cpu == pytest.approx(t_link, abs=1e-9)
+        assert t <= min(cpu + alpha, link + alpha) + 1e-12
+
+
+def test_balanced_dispatch_splits_a_single_miss_only_when_it_pays():
+    nbytes = 352 * MB
+    even = _lat(4.7e-3, 7.0e-3, nbytes)  # the H200 host: CPU expert 4.7 ms, its copy 7 ms
+    assert split_misses([1], even, nbytes, splittable=True) == [SPLIT]
+    assert split_misses([1], even, nbytes) == [CPU]  # not splittable: Fiddler's better side
+    assert split_misses([1, 1], even, nbytes, splittable=True) in ([CPU, COPY], [COPY, CPU])  # two: one each way
+    lopsided = _lat(40e-3, 2e-3, nbytes)  # a link 20x faster: splitting saves under SPLIT_GAIN
+    assert split_misses([1], lopsided, nbytes, splittable=True) == [COPY]
+    assert split_misses([1, 3], even, nbytes, "split") == [SPLIT, SPLIT]
+
+
+def test_split_rows_are_aligned_and_never_empty():
+    assert split_rows_of(14336, 0.9) % SPLIT_ROW_ALIGN == 0 and split_rows_of(14336, 0.9) == 12928
+    assert split_rows_of(14336, 1e-3) == SPLIT_ROW_ALIGN and split_rows_of(14336, 1.0) == 14336
+    assert split_rows_of(48, 0.5) == 48
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_rows_are_the_experts_hidden_rows(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g).to(dtype)
+    wg, wu = (torch.randn(128, 64, generator=g).to(dtype) / 8 for _ in range(2))
+    want = torch.nn.functional.silu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)
+    got = swiglu_rows(x, wg[:64], wu[:64])
+    assert got.dtype == dtype and got.shape == (3, 64)
+    assert torch.allclose(got.float(), want[:, :64], rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_forced_split_matches_transformers(rt, kind):  # noqa: F811
+    s = rt.sizes(kind)
+    ref_logits, want = rt.reference(kind)
+    llm = LLM(rt.dir(kind), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2), cpu_memory="64MiB",
+                                          force_expert_path="split"))
+    try:
+        assert llm.generate([prompt()], GREEDY)[0].token_ids == want
+        assert set(llm.experts.path_counts) <= {"split", "resident"} and llm.experts.path_counts["split"] > 0
+        assert rel_err(llm.logits(prompt()), ref_logits) <= REL_TOL
+        assert llm.experts.cache.stats.bytes_in == 0  # a split expert never fills a cache slot
+    finally:
+        llm.close()
+
+
+def test_balanced_plan_splits_single_misses_in_the_engine(rt, tmp_path):  # noqa: F811
+    """The production path: a replayed balanced plan whose latency model prices the CPU and the
+    link alike; decode layers with one miss take SPLIT, two misses one each way, same tokens."""
+    s = rt.sizes("mixtral")
+    kw = dict(gpu_memory=s.fast(cache_slots=2), cpu_memory="64MiB")
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", plan="off", **kw))
+    plan = llm.plan
+    llm.close()
+    plan.expert_cache_slots, plan.dispatch_mode = 2, "balanced"  # cache hits leave layers with one miss
+    nbytes = s.expert
+    plan.dispatch_latency = {"cpu_alpha": 0.0, "cpu_beta": 1e-3, "gpu_alpha": 0.0, "gpu_beta": 0.0,
+                             "h2d_alpha": 0.0, "h2d_bandwidth": nbytes / 1e-3, "disk_alpha": 0.0,
+                             "disk_bandwidth": float("inf")}
+    plan.save(tmp_path / "p.json")
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", plan=str(tmp_path / "p.json"), **kw))
+    try:
+        assert llm.generate([prompt()], GREEDY)[0].token_ids == rt.reference("mixtral")[1]
+        paths = llm.experts.path_counts
+        assert paths["split"] > 0 and paths["cpu"] + paths["copy"] > 0
+    finally:
+        llm.close()
