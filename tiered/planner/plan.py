@@ -275,6 +275,9 @@ class Plan:
         if self.dtypes:
             out.append("formats: " + ", ".join(f"{k} {v}" for k, v in self.dtypes.items())
                        + (f"; {self.cpu_threads} CPU threads" if self.cpu_threads else ""))
+        if self.decode_graphs or self.piecewise_graphs:
+            out.append("decode: " + ("one CUDA graph per step" if self.decode_graphs else
+                                     "piecewise CUDA graphs (each layer's attention; MLPs / experts eager)"))
         mem = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.memory.items())
         out.append(f"memory: {mem}")
         if self.predicted_throughput_tokens_per_s is not None:
