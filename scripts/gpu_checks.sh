@@ -7,10 +7,14 @@
 #   tests    cuda, then suite
 #   profile  `tiered profile --quick` of this machine (results/profile_quick.json); moe/dense plan with it
 #   moe      benchmarks/gpu_offload.py, 4 Mixtral layers, --gpu-mem 4GiB (no transformers + accelerate row:
-#            0.57 tok/s, section 2 of shared/gpu-runs/2026-11-22-h200 has it)
+#            0.57 tok/s, section 2 of shared/gpu-runs/2026-11-22-h200 has it); the default plan graphed
+#            piecewise and with --graphs off (plan_auto_eager), every miss split (forced_split), all on
+#            the GPU as one graph (grouped experts) and eager (unconstrained_eager)
 #   dense    the same, 8 Llama-3-8B layers, --gpu-mem 2GiB
 #   moe_ab   plan off, then the default plan, 3 repeats each (the default ran first and 17% slower than plan
 #            off with the same paths and hit rate on 2026-11-26: order, or the plan?)
+#   graphs   the CUDA graph tests, then both shapes' graphed rows beside their eager twins only
+#            (plan_auto, plan_auto_eager, unconstrained, unconstrained_eager): the short A/B
 #   trace    the MoE and dense default plans once more with EngineConfig(trace=True) (timelines)
 #   stall    benchmarks/gpu_stall_probe.py: where an offloaded decode step's host time goes (profiler
 #            ops, thread samples, late samples); stall_passive: the same with OMP_WAIT_POLICY=PASSIVE
@@ -27,7 +31,7 @@
 # keeps its tables and logs in the repo (shared/gpu-runs is read-only to sessions).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense trace stall stall_passive share moe_ab fullprofile all)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense graphs trace stall stall_passive share moe_ab fullprofile all)" >&2; exit 2; }
 start=$(date +%s)
 deadline=$((start + ${GPU_DEADLINE:-540}))
 out=${OUT:-benchmarks/results/gpu}
@@ -89,6 +93,14 @@ for stage in "${stages[@]}"; do
     moe_ab) mkdir -p "$res/ab"
             run 240 gpu_offload_moe_ab python3 benchmarks/gpu_offload.py --shape moe --repeats 3 --rows plan_off,plan_auto \
               --out "$res/ab" --name gpu_offload_moe_ab ${prof:+--profile "$prof"} ;;
+    graphs) mkdir -p "$res/graphs"
+            run 150 pytest_graphs python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/test_piecewise_graphs.py \
+              tests/test_grouped_experts.py tests/test_graphs.py tests/test_split_dispatch.py
+            for shape in moe dense; do
+              run 150 "graphs_$shape" python3 benchmarks/gpu_offload.py --shape "$shape" --repeats 1 \
+                --rows plan_auto,plan_auto_eager,unconstrained,unconstrained_eager --out "$res/graphs" \
+                --name "graphs_$shape" ${prof:+--profile "$prof"}
+            done ;;
     trace) mkdir -p "$res/traces"
            run 120 trace_moe python3 benchmarks/gpu_offload.py --shape moe --repeats 1 --rows plan_auto \
              --out "$res/traces" --name trace_moe ${prof:+--profile "$prof"} --trace-dir "$res/traces"
