@@ -285,6 +285,11 @@ def test_attention_turns_cudnn_off_only_for_cuda_tensors(monkeypatch):
     with pytest.raises(RuntimeError):
         layers.attend(fake_cuda, None, None, None, False, -1.0, False)
     assert seen == [False, True, False] and torch.backends.cuda.cudnn_sdp_enabled()
+    from tiered.hardware.accelerator import _building_graph
+
+    with _building_graph():  # a graph's warm-up runs: the kernels the capture will use
+        layers.attend(fake_cuda, None, None, None, False, 1.0, False)
+    assert seen[-1] is True
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # a CUDA graph's capture
     layers.attend(fake_cuda, None, None, None, False, 1.0, False)
     assert seen[-1] is True

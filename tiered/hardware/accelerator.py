@@ -12,6 +12,7 @@ as CUDA does. `CudaAccelerator` (hardware/cuda.py) is the real one.
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -126,11 +127,11 @@ class Accelerator(ABC):
         Raises:
             StandinDeviceError (stand-in) or torch's RuntimeError (CUDA): fn synced with the host.
         """
-        with capturing():
+        with capturing(), _building_graph():
             out = fn()
 
         def replay() -> None:
-            with capturing():
+            with capturing(), _building_graph():
                 new = fn()
             for o, n in zip(_flat(out), _flat(new)):
                 with torch._C.DisableTorchFunctionSubclass():
@@ -143,6 +144,26 @@ class Accelerator(ABC):
         tensor factories given the device (`torch.arange(n, device=x.device)`) then make device
         tensors; CUDA needs nothing."""
         yield
+
+
+_graph = threading.local()
+
+
+def building_graph() -> bool:
+    """True while this thread warms up or captures a graph (Accelerator.capture): code whose choice
+    of kernels must be the same in the warm-up runs and in the capture asks (models/layers.attend
+    keeps cuDNN attention then, so its plan is built in the warm-up, never inside the capture)."""
+    return getattr(_graph, "on", False)
+
+
+@contextmanager
+def _building_graph():
+    before = building_graph()
+    _graph.on = True
+    try:
+        yield
+    finally:
+        _graph.on = before
 
 
 def _flat(out) -> tuple:

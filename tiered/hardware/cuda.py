@@ -7,7 +7,7 @@ from contextlib import contextmanager
 import torch
 
 from tiered.errors import ConfigError
-from tiered.hardware.accelerator import Accelerator
+from tiered.hardware.accelerator import Accelerator, _building_graph
 from tiered.hardware.budget import MemoryBudget
 
 
@@ -75,13 +75,14 @@ class CudaAccelerator(Accelerator):
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            out = fn()
+        with _building_graph():  # the warm-ups pick the kernels the capture will (cuDNN attention)
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    fn()
+            current.wait_stream(side)
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                out = fn()
         return graph.replay, out
 
     def record_event(self):

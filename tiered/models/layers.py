@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiered.checkpoint.model_config import ModelConfig, rope_inv_freq
+from tiered.hardware.accelerator import building_graph
 
 
 class RMSNorm(nn.Module):
@@ -193,12 +194,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     33-36 ms of host time for the plan (H200, torch 2.11, 2026-11-26: ~10 ms per call on average
     over the offloaded MoE and dense decode; `benchmarks/gpu_stall_probe.py`). Flash and
     memory-efficient attention have no per-shape plan. While a CUDA graph is captured (static
-    shapes, a mask: runtime/graphs.py) cuDNN stays allowed: its plan is built once, at capture, and
-    it beat memory-efficient attention with a mask there (graphed dense decode 486 vs 398 tok/s).
+    shapes, a mask: runtime/graphs.py) cuDNN stays allowed, and in the warm-up runs before it
+    (hardware/accelerator.building_graph), so its plan is built once, outside the capture; it beat
+    memory-efficient attention with a mask there (graphed dense decode 486 vs 398 tok/s).
     The flag is process-wide; it is restored before returning, so other users of torch in the
     process keep their choice.
     """
-    if not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()) or torch.cuda.is_current_stream_capturing():
+    if (not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()) or torch.cuda.is_current_stream_capturing()
+            or building_graph()):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                               enable_gqa=gqa)
     torch.backends.cuda.enable_cudnn_sdp(False)
