@@ -293,3 +293,23 @@ def test_attention_turns_cudnn_off_only_for_cuda_tensors(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # a CUDA graph's capture
     layers.attend(fake_cuda, None, None, None, False, 1.0, False)
     assert seen[-1] is True
+
+
+def test_the_lm_head_of_a_prefill_gets_the_last_token_with_plain_strides(zoo):
+    """A prefill's last-token hidden state reaches the lm_head as a [1, 1, D] tensor with plain strides:
+    the bare slice keeps the prompt's batch stride, and torch's matmul then ran the head as a bmm over
+    a copy of the whole [V, D] weight (51 ms of a SmolLM2 prefill's 0.7 s on 2 cores)."""
+    from tiered import LLM, EngineConfig
+
+    llm = LLM(zoo.dir("llama"), EngineConfig(accelerator="none", decode_weights="fp32", max_context=32, plan="off"))
+    seen = []
+    hook = llm.model.lm_head.register_forward_pre_hook(lambda m, args: seen.append((args[0].shape, args[0].stride())))
+    try:
+        with torch.inference_mode():
+            llm.model(torch.tensor([list(range(2, 14))]), torch.arange(12).unsqueeze(0), torch.tensor([0]),
+                      llm._kv_cache(1, 32))
+    finally:
+        hook.remove()
+        llm.close()
+    D = llm.config.hidden_size
+    assert seen == [(torch.Size([1, 1, D]), (D, D, 1))]

@@ -87,6 +87,11 @@ class CausalLM(nn.Module):
         right-padded (a batched prefill of prompts of different lengths); None = column T - 1."""
         h = self.hidden_states(input_ids, positions, slots, cache, meta)
         if last_only:
-            h = h[:, -1:] if last is None else h[torch.arange(h.shape[0], device=h.device), last].unsqueeze(1)
+            B, D = h.shape[0], h.shape[-1]
+            # reshape, not the slice alone: the slice keeps the prompt's batch stride, and torch's
+            # matmul then runs the lm_head as a bmm over a copied weight (a SmolLM2 prefill's head:
+            # 51 ms of its 0.7 s on 2 cores, the [V, D] weight copied, against ~4 ms)
+            h = (h[:, -1:].reshape(B, 1, D) if last is None else
+                 h[torch.arange(B, device=h.device), last].unsqueeze(1))
         logits = self.lm_head(h)
         return logits[:, -1] if last_only else logits
