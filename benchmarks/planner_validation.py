@@ -35,7 +35,7 @@ from tiered.bench import Column, median, write_report  # noqa: E402
 from tiered.hardware.profile import HardwareProfile  # noqa: E402
 from tiered.planner.auto import bandwidth_now  # noqa: E402  (as the engine plans)
 from tiered.memory.expert_store import drop_page_cache  # noqa: E402
-from tiered.planner.cpu_predict import predict_decode, simulate_hits  # noqa: E402
+from tiered.planner.cpu_predict import predict_decode, predict_prefill, simulate_hits  # noqa: E402
 from tiered.runtime.expert_profile import ExpertProfiler  # noqa: E402
 
 
@@ -190,9 +190,16 @@ def main() -> None:
                Column("error", "e2e_error", "{:.0%}"),
                Column("traced run ms/token", lambda r: r.get("instrumented_itl_s") and r["instrumented_itl_s"] * 1e3, "{:.1f}"),
                Column("per-layer median error", "layer_median_error", "{:.0%}"),
-               Column("fast hit rate", "hit_rate", "{:.0%}")]
+               Column("fast hit rate", "hit_rate", "{:.0%}"),
+               Column("predicted TTFT s", "predicted_ttft_s", "{:.3f}"),
+               Column("measured TTFT s", "measured_ttft_s", "{:.3f}"),
+               Column("TTFT error", "ttft_error", "{:.0%}")]
     notes = [f"Profile `{hw.name}` ({hw.source})."] + [r.pop("note") for r in rows if "note" in r] + \
         [f"Median absolute error over all per-layer and end-to-end comparisons: **{med:.0%}** (target < 20%)."]
+    ttft_errors = [r["ttft_error"] for r in rows if r.get("ttft_error") is not None]
+    if ttft_errors:
+        notes.append(f"TTFT of a {TTFT_TOKENS}-token prompt (SmolLM2 rows, median of 3): median absolute error "
+                     f"**{median(ttft_errors):.0%}**, largest {max(ttft_errors):.0%}.")
     h200, h200_lines = h200_table()
     notes.append("\n".join(h200_lines))  # one block: its table's rows must stay adjacent
     stem = "planner_validation_quick" if args.quick else "planner_validation_dense" if args.dense_only else "planner_validation"
@@ -257,13 +264,20 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
                        f"read-ahead issues them ({1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s).")
 
 
+TTFT_TOKENS = 512  # the prompt the plans price TTFT for (planner/auto: min(512, max_context / 2))
+
+
 def dense_rows(args, hw, rows: list, errors: list) -> None:
     """SmolLM2-135M from its GGUF, end to end: explicit bf16 and fp32 weights (plan off, priced by the
     cost model with `hw`), and the default engine (one int4/int8 copy, the native decode step when
-    built) as its own auto plan predicts it (the plan's predicted_decode_tokens_per_s)."""
+    built) as its own auto plan predicts it (the plan's predicted_decode_tokens_per_s). Each row also
+    compares the TTFT of a TTFT_TOKENS-token prompt with the prefill prediction (the plan's
+    predicted_ttft_s; cpu_predict.predict_prefill for the plan-off rows); those errors are reported
+    apart from the decode median."""
     cases = (("SmolLM2-135M dense, bf16 weights", EngineConfig(dtype="bfloat16", decode_weights="bf16", plan="off"), "bf16"),
              ("SmolLM2-135M dense, fp32 weights", EngineConfig(dtype="float32", decode_weights="fp32", plan="off"), "fp32"),
              ("SmolLM2-135M default (auto plan: one int4/int8 copy, native step)", EngineConfig(), None))
+    long_prompt = [(i * 7) % 40000 + 100 for i in range(TTFT_TOKENS)]
     for name, cfg, dw in cases:
         now = bandwidth_now(hw)  # as the engine plans (the default row's engine checks on its own)
         llm = LLM(None, cfg)
@@ -277,9 +291,20 @@ def dense_rows(args, hw, rows: list, errors: list) -> None:
             _, step = predict_decode(llm.config, now, dw, context=len(ids) + args.new_tokens // 2)
         err = abs(step - itl) / itl
         errors.append(err)
+        ttft = median([llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=1))[0].stats.ttft_s
+                       for _ in range(3)])
+        if dw is None:
+            assert llm.plan.prompt_tokens == TTFT_TOKENS, llm.plan.prompt_tokens
+            p_ttft = llm.plan.predicted_ttft_s
+        else:  # plan off: weights and activations in dw, no decode copies
+            p_ttft = predict_prefill(llm.config, now, dw, TTFT_TOKENS, act_dtype=dw)
+        llm.close()
         rows.append({"plan": name, "predicted_step_s": step, "measured_itl_s": itl, "e2e_error": err,
-                     "layer_median_error": None, "layers": []})
-        print(f"{name}: predicted {step * 1e3:.1f} ms/token, measured {itl * 1e3:.1f} ms ({err:.0%})", flush=True)
+                     "layer_median_error": None, "layers": [], "predicted_ttft_s": p_ttft, "measured_ttft_s": ttft,
+                     "ttft_error": abs(p_ttft - ttft) / ttft})
+        print(f"{name}: predicted {step * 1e3:.1f} ms/token, measured {itl * 1e3:.1f} ms ({err:.0%}); "
+              f"TTFT {TTFT_TOKENS} tokens predicted {p_ttft:.3f} s, measured {ttft:.3f} s "
+              f"({rows[-1]['ttft_error']:.0%})", flush=True)
 
 
 if __name__ == "__main__":

@@ -319,3 +319,24 @@ def test_a_graphed_all_resident_moe_step_is_priced_without_the_runners_syncs():
     # the preset has no graphed-step key: the host cost per layer falls back to the eager step's
     assert "runtime/decode_step_graphed_gpu/bf16" not in hw.models
     assert offload.predicted_decode_tokens_per_s == pytest.approx(offload_eager.predicted_decode_tokens_per_s)
+
+
+def test_prefill_attention_is_priced_by_its_own_key_in_the_activations_dtype():
+    """A prompt's causal attention runs in the activations' dtype through torch's SDPA, several times
+    slower per MAC than a GEMM on 2 CPU cores: attn_prefill/cpu/<dtype> prices it where profiled (else
+    the GEMM fit, two calls), and predict_prefill asks for the activations' dtype."""
+    from dataclasses import replace
+
+    from tiered.hardware import op_time
+    from tiered.planner.cpu_predict import predict_prefill
+
+    hw = cpu_only_profile()
+    macs = 1e9
+    assert op_time.prefill_attention_time(hw, "cpu", "bf16", macs) == pytest.approx(2 * 0.0 + 1e-11 * macs)
+    slow = replace(hw, models={**hw.models, "attn_prefill/cpu/fp32": LinearModel(1e-4, 2.5e-11, 1.0),
+                               "gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)})
+    assert op_time.prefill_attention_time(slow, "cpu", "fp32", macs) == pytest.approx(1e-4 + 2.5e-11 * macs)
+    small = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+    base = predict_prefill(small, slow, "bf16", 256)
+    assert predict_prefill(small, slow, "bf16", 256, act_dtype="fp32") > base  # the fp32 SDPA, not the bf16 GEMM

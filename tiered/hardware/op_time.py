@@ -126,6 +126,19 @@ def attention_time(profile: HardwareProfile, device: str, dtype: str, macs: floa
     return max(compute, bw.beta * kv_bytes if bw is not None else 0.0)
 
 
+def prefill_attention_time(profile: HardwareProfile, device: str, dtype: str, macs: float, calls: int = 1) -> float:
+    """Seconds of a prompt's causal attention: `macs` (q.K^T and p.V over the causal half) in `calls`
+    calls. attn_prefill/<dev>/<dtype> (torch's SDPA on whole prompts) where profiled, else the GEMM fit.
+
+    Raises:
+        ConfigError: neither is profiled for `device` in `dtype` (or a fallback dtype).
+    """
+    m = profile.models.get(f"attn_prefill/{device}/{dtype}")
+    if m is None:  # q.K^T and p.V as two GEMMs a call
+        return gemm_time(profile, device, dtype, macs, 0.0, 2 * calls)
+    return calls * m.alpha + m.beta * macs if macs > 0 else 0.0
+
+
 def launch_time(profile: HardwareProfile, device: str) -> float:
     """Per-kernel launch cost on `device` [s]; 0 when not profiled."""
     m = profile.models.get(f"launch/{device}")

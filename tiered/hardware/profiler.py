@@ -8,6 +8,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     gemm/<dev>/<dtype>   compute-bound GEMMs (64..512 tokens)   n = MACs
     gemv/<dev>/<dtype>   memory-bound GEMVs (1 token)           n = weight bytes
     attn/<dev>/<dtype>   decode attention (bmm q.K^T, p.V)      n = MACs
+    attn_prefill/cpu/<dtype>  a prompt's causal attention (torch's SDPA, as the model runs it)
+                         n = MACs (2 * heads * T (T + 1) / 2 * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
     memory/bandwidth_dram/cpu  reads of 2-4 x the last-level cache (meta["llc_bytes"])   n = bytes
     gemv_dram/cpu/<dtype>      the native decode GEMVs over 3 x the last-level cache      n = weight bytes
@@ -241,6 +243,23 @@ def _attn_points(device: str, dtype: str, shapes, sync, repeats: int):
         v = torch.randn(bh, S, hd, device=dev, dtype=td)
         t = median_time(lambda: torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)), -1), v), repeats, sync)
         points.append((2 * bh * S * hd, t))
+    return points
+
+
+def _attn_prefill_points(dtype: str, shapes, repeats: int):
+    """(MACs, seconds) of causal self-attention over a whole prompt on the CPU, as models/layers.attend
+    runs it (torch's scaled_dot_product_attention, is_causal): (heads, T tokens, head_dim) per shape,
+    MACs = 2 * heads * T (T + 1) / 2 * head_dim (q.K^T and p.V over the causal half). On 2 Zen 4
+    cores torch's flash kernel ran a SmolLM2 prompt's attention at several times the GEMM fit's
+    time per MAC, which the prefill prediction had used."""
+    import torch.nn.functional as F
+
+    td = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    points = []
+    for heads, T, hd in shapes:
+        q, k, v = (torch.randn(1, heads, T, hd, dtype=td) for _ in range(3))
+        t = median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats, lambda: None)
+        points.append((2 * heads * T * (T + 1) / 2 * hd, t))
     return points
 
 
@@ -550,8 +569,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # native fp32 kernel, kernels/linear.f32_kernel, which the lossless mode's decode step now calls;
 # and runtime/moe_step/bf16 is measured; 6: runtime/moe_step/bf16 times the native step running its
 # resident MoE layers itself, DecodeStep.set_moe; 7: gemv/cpu/int4q8, tiled int4 on int8 activations,
-# what routed int4 experts run at batch 1).
-PROFILER_VERSION = 7
+# what routed int4 experts run at batch 1; 8: attn_prefill/cpu/<dtype>, a prompt's causal attention,
+# and on CUDA runtime/decode_step_graphed_gpu/<dtype>).
+PROFILER_VERSION = 8
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -600,6 +620,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         [(32, 256, 128), (32, 512, 128), (32, 1024, 128), (32, 2048, 128), (64, 2048, 128)]
     for dtype in ("fp32",) if quick else ("fp32", "bf16"):
         b.attempt(f"attn/cpu/{dtype}", lambda d=dtype: _attn_points("cpu", d, attn_shapes, nosync, r))
+    prefill_shapes = [(8, 128, 64), (8, 256, 64), (8, 512, 64)]
+    for dtype in ("fp32", "bf16"):  # prefill attention runs in the activations' dtype
+        b.attempt(f"attn_prefill/cpu/{dtype}", lambda d=dtype: _attn_prefill_points(d, prefill_shapes, r))
     mem_sizes = [8, 32, 96] if quick else [16, 64, 256, 512]
     b.attempt("memory/bandwidth/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=False))
     llc = last_level_cache_bytes()

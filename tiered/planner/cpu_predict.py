@@ -239,7 +239,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
 
 def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int,
                     moe_layers: list[int] | None = None, disk_share: float = 0.0,
-                    experts_dtype: str | None = None) -> float:
+                    experts_dtype: str | None = None, act_dtype: str | None = None) -> float:
     """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
 
     Per layer: the attention projections and each FFN / active expert as GEMMs of all their
@@ -251,7 +251,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     per-step cost. Prefill runs the dense weights in `dtype` (decode copies serve <= 8 rows).
     `experts_dtype`: the dtype expert GEMMs of more than 8 rows compute in (None = `dtype`): the
     activations' (quant/experts.ExpertFormat.forward converts or dequantizes the expert's weights to
-    it once per call), whatever format the experts are stored in.
+    it once per call), whatever format the experts are stored in. `act_dtype`: the activations'
+    dtype, which the attention runs in (None = `dtype`), priced by op_time.prefill_attention_time.
     """
     import math
 
@@ -264,7 +265,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     total = per_step + _gemv(hw, dtype, d * cfg.vocab_size * bpe)
     for i in range(cfg.num_hidden_layers):
         t = per_layer + op_time.gemm_time(hw, "cpu", dtype, T * w_attn, w_attn * bpe, calls=4)
-        t += op_time.gemm_time(hw, "cpu", dtype, 2 * T * (T + 1) / 2 * q, 0.0, calls=2)  # q.K^T and p.V, causal
+        t += op_time.prefill_attention_time(hw, "cpu", act_dtype or dtype, 2 * T * (T + 1) / 2 * q)  # causal
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size
