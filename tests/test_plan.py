@@ -340,3 +340,24 @@ def test_prefill_attention_is_priced_by_its_own_key_in_the_activations_dtype():
                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
     base = predict_prefill(small, slow, "bf16", 256)
     assert predict_prefill(small, slow, "bf16", 256, act_dtype="fp32") > base  # the fp32 SDPA, not the bf16 GEMM
+
+
+def test_prompt_gemms_on_big_weights_are_priced_by_gemm_big():
+    """The GEMM fit is timed on 1-4 MiB weights; a call over BIG_GEMM_BYTES or more of weights is no
+    faster per MAC than gemm_big (timed on 32-112 MiB FFN matrices), in op_time and in ScheInfer's
+    cost parameters; smaller calls and profiles without the key keep the fit."""
+    from dataclasses import replace
+
+    from tiered.hardware import op_time
+    from tiered.planner.cost_model import LayerShape, cost_params
+
+    hw = get_preset("scheinfer-b")
+    fit = op_time.find(hw, "gemm", "cpu", "bf16")
+    slow = replace(hw, models={**hw.models, "gemm_big/cpu/bf16": LinearModel(0.0, 3 * fit.beta, 1.0)})
+    macs, big, small = 512 * 4096 * 14336, 4096 * 14336 * 2, 1024 * 1024 * 2
+    assert op_time.gemm_time(slow, "cpu", "bf16", macs, big) == pytest.approx(fit.alpha + 3 * fit.beta * macs)
+    assert op_time.gemm_time(slow, "cpu", "bf16", macs, small) == op_time.gemm_time(hw, "cpu", "bf16", macs, small)
+    assert op_time.gemm_time(slow, "cpu", "bf16", macs, big, calls=4) == op_time.gemm_time(hw, "cpu", "bf16", macs, big, calls=4)
+    prompt = LayerShape(512, 4096, 14336, 3, 2.0)
+    assert cost_params(slow, "bf16", prompt).beta_cpu == pytest.approx(max(3 * fit.beta, cost_params(hw, "bf16", prompt).beta_cpu))
+    assert cost_params(slow, "bf16", LayerShape(512, 512, 1024, 3, 2.0)) == cost_params(hw, "bf16", LayerShape(512, 512, 1024, 3, 2.0))

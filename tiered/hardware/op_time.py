@@ -94,9 +94,26 @@ def dram_floor(profile: HardwareProfile, device: str, working_set: float, dtype:
     return max(m.beta for m in (dram, kernel, LinearModel(0.0, 0.0, None)) if m is not None)
 
 
+# A GEMM over at least this many weight bytes a call is priced no faster per MAC than
+# gemm_big/<dev>/<dtype>, timed on 32-112 MiB matrices: the GEMM fit's shapes are 1-4 MiB weights, and
+# on the H200's host (16 cores, AMX) prompt GEMMs on 112 MiB matrices ran at ~1.0e12 MAC/s where the
+# quick fit said 2.9e12 (2 Zen 4 cores: the same rate in bf16, fp32 ~25% slower).
+BIG_GEMM_BYTES = 32 * 2**20
+
+
+def big_gemm_beta(profile: HardwareProfile, device: str, dtype: str, bytes_per_call: float) -> float:
+    """Seconds per MAC below which a GEMM over `bytes_per_call` weight bytes is not priced: gemm_big's
+    rate from BIG_GEMM_BYTES on, where profiled (with the dtype fallbacks); else 0."""
+    if bytes_per_call < BIG_GEMM_BYTES:
+        return 0.0
+    m = find(profile, "gemm_big", device, dtype)
+    return m.beta if m is not None else 0.0
+
+
 def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, weight_bytes: float = 0.0,
               calls: int = 1) -> float:
     """Seconds for `calls` GEMMs totalling `macs` multiply-accumulates over `weight_bytes` of weights.
+    Calls over big weights are floored by gemm_big (big_gemm_beta).
 
     Raises:
         ConfigError: the profile prices no GEMM on `device` in `dtype` (or a fallback dtype).
@@ -107,7 +124,7 @@ def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, we
                           "re-run `tiered profile` on this machine or pick a preset that covers it")
     if macs <= 0:
         return 0.0
-    compute = calls * m.alpha + m.beta * macs
+    compute = calls * m.alpha + max(m.beta, big_gemm_beta(profile, device, dtype, weight_bytes / calls)) * macs
     mem = memory_time(profile, device, dtype, weight_bytes / calls, "gemv") * calls if weight_bytes > 0 else 0.0
     return max(compute, mem)
 

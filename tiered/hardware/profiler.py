@@ -8,6 +8,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     gemm/<dev>/<dtype>   compute-bound GEMMs (64..512 tokens)   n = MACs
     gemv/<dev>/<dtype>   memory-bound GEMVs (1 token)           n = weight bytes
     attn/<dev>/<dtype>   decode attention (bmm q.K^T, p.V)      n = MACs
+    gemm_big/cpu/<dtype> a prompt's GEMMs (256 tokens) on 32-112 MiB bf16 weights (4096 x 14336:
+                         a Mixtral / Llama-3-8B FFN matrix)                        n = MACs
     attn_prefill/cpu/<dtype>  a prompt's causal attention (torch's SDPA, as the model runs it)
                          n = MACs (2 * heads * T (T + 1) / 2 * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
@@ -570,7 +572,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # and runtime/moe_step/bf16 is measured; 6: runtime/moe_step/bf16 times the native step running its
 # resident MoE layers itself, DecodeStep.set_moe; 7: gemv/cpu/int4q8, tiled int4 on int8 activations,
 # what routed int4 experts run at batch 1; 8: attn_prefill/cpu/<dtype>, a prompt's causal attention,
-# and on CUDA runtime/decode_step_graphed_gpu/<dtype>).
+# gemm_big/cpu/<dtype>, a prompt's GEMM on a real FFN matrix, and on CUDA
+# runtime/decode_step_graphed_gpu/<dtype>).
 PROFILER_VERSION = 8
 
 
@@ -620,6 +623,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         [(32, 256, 128), (32, 512, 128), (32, 1024, 128), (32, 2048, 128), (64, 2048, 128)]
     for dtype in ("fp32",) if quick else ("fp32", "bf16"):
         b.attempt(f"attn/cpu/{dtype}", lambda d=dtype: _attn_points("cpu", d, attn_shapes, nosync, r))
+    for dtype in ("bf16", "fp32"):  # the GEMM fit's shapes are 1-4 MiB weights; real FFN matrices are not
+        big = [(256, 4096, 4096), (256, 4096, 8192), (256, 4096, 14336)]  # 32 to 112 MiB of bf16 weights
+        b.attempt(f"gemm_big/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, big, nosync, max(3, r // 2), False))
     prefill_shapes = [(8, 128, 64), (8, 256, 64), (8, 512, 64)]
     for dtype in ("fp32", "bf16"):  # prefill attention runs in the activations' dtype
         b.attempt(f"attn_prefill/cpu/{dtype}", lambda d=dtype: _attn_prefill_points(d, prefill_shapes, r))

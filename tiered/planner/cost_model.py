@@ -176,6 +176,9 @@ def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerS
     profiled, gemv_dram/cpu/<precision>; the GEMV keys are timed on operands a large cache partly
     holds (the H200 host's quick profile: bf16 GEMV 221 GB/s, DRAM 98 GB/s).
 
+    With `shape`, a GEMM over an FFN matrix of BIG_GEMM_BYTES or more is also priced no faster per
+    MAC than gemm_big/<dev>/<precision> (op_time.big_gemm_beta: timed on a real FFN matrix).
+
     Raises ConfigError naming a missing key.
     """
     def gemm(device: str) -> tuple[float, float]:
@@ -183,12 +186,16 @@ def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerS
         if m is None:
             raise ConfigError(f"hardware profile {profile.name!r} has no gemm/{device}/{precision} model",
                               "re-run `tiered profile` or pick a preset that covers it")
+        beta = m.beta
+        if shape is not None:  # an FFN matrix's GEMM: no faster than gemm_big where it is that big
+            beta = max(beta, op_time.big_gemm_beta(profile, device, precision,
+                                                      shape.d_model * shape.d_ff * shape.bytes_per_weight))
         mem = (op_time.find(profile, "gemv", device, precision) or profile.models.get(f"memory/bandwidth/{device}")
                if shape is not None else None)
         if mem is None:
-            return m.alpha, m.beta
+            return m.alpha, beta
         mem_beta = max(mem.beta, op_time.dram_floor(profile, "cpu", cpu_working_set, precision)) if device == "cpu" else mem.beta
-        return max(m.alpha, mem.alpha), max(m.beta, mem_beta * shape.bytes_per_weight / shape.tokens)
+        return max(m.alpha, mem.alpha), max(beta, mem_beta * shape.bytes_per_weight / shape.tokens)
 
     (ag, bg), (ac, bc) = gemm("gpu"), gemm("cpu")
     h, l = profile.model(copy_key), profile.model(launch_key)
