@@ -17,6 +17,9 @@ A layer's time is what runtime/moe_runner.py does, priced from profile keys (`_L
              expert reads and H2D copies share the host's memory bandwidth (memory/bandwidth/cpu)
     combine  the runner's own kernels: grouping the routing slots per layer, gathering and
              index_add per expert (launch/gpu each)
+A layer whose every expert is resident at full precision is priced as the runtime runs it instead:
+grouped GEMMs over its stacked experts with no sync (runtime/grouped_experts.py), its launches free
+inside the whole-step CUDA graph the engine then captures.
 A decode step adds the per-step host cost, the lm_head and the logits' D2H. Cache hits are the
 routing-trace simulation's with the runtime's fill rule: only copied misses claim a slot.
 """
@@ -39,6 +42,9 @@ from tiered.planner.plan import LayerPlan, Plan
 # Kernels runtime/moe_runner.TieredExperts launches besides the experts' own (counted in its code):
 RUNNER_LAYER_KERNELS = 5  # flatten, argsort, bincount, token = order // k, slot = order % k (+ zeros_like below)
 RUNNER_EXPERT_KERNELS = 4  # x[tok] gather, topk_weight[tok, slot] gather, y * weight, out.index_add_
+# runtime/grouped_experts.grouped_experts_forward's launches besides its 3 grouped GEMMs (top-2): argsort,
+# zeros, scatter_add_, cumsum, gather, silu, mul, empty + index_put, sort, 2 gathers, 2 multiplies, add
+GROUPED_KERNELS = 14
 
 
 @dataclass(frozen=True)
@@ -151,26 +157,36 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     def copied(tokens: list[int]) -> list[bool]:  # which misses take the copy path and fill a cache slot
         return [p == COPY for p in split_misses(tokens, lat, eb, plan.dispatch_mode, splittable=splittable)]
 
-    # every expert resident at full precision: grouped GEMMs with no host sync (moe_runner._grouped),
-    # and the engine graphs the whole decode step (planner/auto: Plan.decode_graphs)
-    sync_free = (plan.piecewise_graphs and plan.dtypes["experts"] in ("bf16", "fp16", "fp32")
-                 and plan.dtypes["experts"] == plan.dtypes["weights"])
+    # a layer whose every expert is resident at full precision runs grouped GEMMs over its stacked
+    # experts with no host sync (moe_runner._grouped); with every layer so and graphs allowed, the
+    # engine graphs the whole decode step (planner/auto: Plan.decode_graphs)
+    groupable = (plan.dtypes["experts"] in ("bf16", "fp16", "fp32") and plan.dtypes["experts"] == plan.dtypes["weights"]
+                 and plan.mixed_precision is None)
 
-    def graphed_layer_time(attn: float) -> float:
-        """A decode layer of the whole-step graph: the layer's small kernels (the graphed tiny step's
-        per-layer cost) or its attention, then the k routed experts read from GPU memory."""
-        return max(per_layer, attn) + k * expert.gpu_lat(1)
+    def grouped_layer_time(tokens: int, attn: float, graphed: bool) -> float:
+        """A layer of stacked resident experts: the model code's per-layer cost (a graph replay's
+        when graphed) or its attention, the grouped path's launches (none inside a graph), then the
+        active experts' GEMMs (each expert's weights read once for its tokens)."""
+        active = min(E, max(k, math.ceil(E * (1 - (1 - k / E) ** tokens))))
+        s = max(1, math.ceil(tokens * k / active))
+        launches = 0.0 if graphed else GROUPED_KERNELS * costs.launch
+        return max(per_layer, attn) + launches + active * expert.gpu_lat(s)
 
     def predict(choice: ExpertChoices):
         placement, hits = place_experts(plan, cfg, moe_layers, eb, gpu - fixed, cpu_room, choice, copied)
-        graphed = sync_free and placement.count("fast") == len(moe_layers) * E
+        graphed = groupable and plan.piecewise_graphs and placement.count("fast") == len(moe_layers) * E
         rows = []
         for i in moe_layers:
             g, c, d = (placement.count(t, i) for t in ("fast", "cpu", "disk"))
             res, cached = hits.rates(i)
             d_share = d / max(c + d, 1)
-            rows.append((i, g, c, d, graphed_layer_time(attn_dec) if graphed else layer_time(1, res + cached, d_share, attn_dec),
-                         layer_time(plan.prompt_tokens, g / E, d_share, attn_pre)))
+            if groupable and g == E:
+                dec = grouped_layer_time(1, attn_dec, graphed)
+                pre = grouped_layer_time(plan.prompt_tokens, attn_pre, False)
+            else:
+                dec = layer_time(1, res + cached, d_share, attn_dec)
+                pre = layer_time(plan.prompt_tokens, g / E, d_share, attn_pre)
+            rows.append((i, g, c, d, dec, pre))
         step = sum(r[4] for r in rows) + step_fixed
         return step, (step, placement, hits, rows)
 
