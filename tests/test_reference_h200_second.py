@@ -25,7 +25,6 @@ UNMET = {
                                                        "(runtime/decode_step_gpu is timed on a dense step)",
     ("dense, unconstrained GPU", "decode_tokens_per_s"): "the step runs as a CUDA graph (2.1 ms); the plan prices "
                                                          "the eager step's host overhead",
-    ("dense, unconstrained GPU", "ttft_s"): "0.011 s measured against 0.016 s: the prefill's host overhead is overpriced",
 }
 
 

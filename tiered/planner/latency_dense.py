@@ -55,15 +55,20 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     pparams = cost_params(profile, fmt, prompt_shape, cpu_working_set=ffn_total)
     attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])
     attn_pre = attention_time(cfg, profile, "gpu", fmt, plan.prompt_tokens, plan.prompt_tokens, plan.dtypes["kv_cache"])
-    # the model code's host cost per layer and per step (module calls, small ops, their launches)
+    # the model code's host cost per layer and per step (module calls, small ops, their launches):
+    # decode's graphed when the engine graphs it, prefill's always eager
     per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu", graphed=plan.piecewise_graphs)
+    _, per_layer_prefill = op_time.step_overhead(profile, fmt, "gpu")
     ffn_gpu_bytes = 0.0
     for i, rates in enumerate(layer_rates):
         tok = solve_n_g(prompt_shape, rates, pparams)
+        prefill = prompt_layer_time(prompt_shape, rates, tok.n_g, pparams) + attn_pre
+        # a layer wholly on the GPU: the host issues its ops while the GPU runs the prompt's GEMMs; a
+        # sliced one's host also computes the CC slice, after issuing them
+        prefill = max(prefill, per_layer_prefill) if rates.r_gg >= 1 - 1e-9 else prefill + per_layer_prefill
         plan.layers.append(LayerPlan(i, "dense", fmt, rates.r_cc, rates.r_cg, rates.r_gg, tok.n_g,
                                      decode_s=decode_layer_time(decode_shape, rates, params) + attn_dec + per_layer,
-                                     prefill_s=prompt_layer_time(prompt_shape, rates, tok.n_g, pparams) + attn_pre
-                                     + per_layer))
+                                     prefill_s=prefill))
         ffn_gpu_bytes += rates.r_gg * 3 * M * H * bpe
     head = head_time(cfg, profile, "gpu", fmt)
     plan.predicted_decode_tokens_per_s = 1.0 / (sum(l.decode_s for l in plan.layers) + head + per_step)

@@ -111,7 +111,9 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     # a miss can be split by rows between the CPU and the link (runtime: dense experts in RAM, one
     # precision; disk-tier misses are priced as if splittable too, a small optimism)
     splittable = plan.dtypes["experts"] in ("bf16", "fp16", "fp32") and plan.mixed_precision is None
-    per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu", graphed=plan.piecewise_graphs)
+    # the model code's host cost per layer: decode's graphed when the engine graphs it, prefill's eager
+    per_step, per_layer_decode = op_time.step_overhead(profile, fmt, "gpu", graphed=plan.piecewise_graphs)
+    _, per_layer_prefill = op_time.step_overhead(profile, fmt, "gpu")
     act_bpe = sizes.bytes_per_element(plan.dtypes["kv_cache"])  # activations: 16-bit, fp32 with fp32 weights
     matrices = expert.shape.matrices
     attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])
@@ -145,6 +147,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
         # Expected over how many of the step's active experts miss the GPU (binomial in the miss share 1 - h).
         active = min(E, max(k, math.ceil(E * (1 - (1 - k / E) ** tokens))))
         s = max(1, math.ceil(tokens * k / active))
+        per_layer = per_layer_decode if tokens == 1 else per_layer_prefill
         front = max(per_layer, attn) + costs.sync + RUNNER_LAYER_KERNELS * costs.launch
         combine = (1 + active * RUNNER_EXPERT_KERNELS) * costs.launch
         total = 0.0
@@ -170,6 +173,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
         active = min(E, max(k, math.ceil(E * (1 - (1 - k / E) ** tokens))))
         s = max(1, math.ceil(tokens * k / active))
         launches = 0.0 if graphed else GROUPED_KERNELS * costs.launch
+        per_layer = per_layer_decode if tokens == 1 else per_layer_prefill
         return max(per_layer, attn) + launches + active * expert.gpu_lat(s)
 
     def predict(choice: ExpertChoices):
