@@ -310,7 +310,7 @@ def test_a_graphed_all_resident_moe_step_is_priced_without_the_runners_syncs():
     graphed = make_plan(small, hw, gpu_memory=80 * GiB, precision="bf16", graphs=True)
     assert eager.all_experts_resident() and graphed.all_experts_resident()
     assert graphed.predicted_decode_tokens_per_s > eager.predicted_decode_tokens_per_s
-    _, per_layer = op_time.step_overhead(hw, "bf16", "gpu", graphed=True)
+    _, per_layer = op_time.step_overhead(hw, "bf16", "gpu", graphed="whole")
     for l in graphed.layers:
         assert per_layer <= l.decode_s < min(e.decode_s for e in eager.layers)
     offload = make_plan(small, hw, gpu_memory=4 * GiB, precision="bf16", graphs=True)
@@ -361,3 +361,22 @@ def test_prompt_gemms_on_big_weights_are_priced_by_gemm_big():
     prompt = LayerShape(512, 4096, 14336, 3, 2.0)
     assert cost_params(slow, "bf16", prompt).beta_cpu == pytest.approx(max(3 * fit.beta, cost_params(hw, "bf16", prompt).beta_cpu))
     assert cost_params(slow, "bf16", LayerShape(512, 512, 1024, 3, 2.0)) == cost_params(hw, "bf16", LayerShape(512, 512, 1024, 3, 2.0))
+
+
+def test_step_overhead_follows_how_the_step_is_graphed():
+    """Each way the engine runs a GPU decode step has its own profiled tiny-model step; a profile
+    without a key falls back to the next (whole graph -> piecewise -> eager)."""
+    from dataclasses import replace
+
+    from tiered.hardware import op_time
+
+    hw = get_preset("scheinfer-b")
+    keys = {"runtime/decode_step_gpu/bf16": LinearModel(3e-4, 4e-4, 1.0),
+            "runtime/decode_step_graphed_gpu/bf16": LinearModel(2e-4, 1e-4, 1.0),
+            "runtime/decode_step_graph_gpu/bf16": LinearModel(1e-4, 2e-5, 1.0)}
+    full = replace(hw, models={**hw.models, **keys})
+    assert op_time.step_overhead(full, "bf16", "gpu") == (3e-4, 4e-4)
+    assert op_time.step_overhead(full, "bf16", "gpu", graphed="piecewise") == (2e-4, 1e-4)
+    assert op_time.step_overhead(full, "bf16", "gpu", graphed="whole") == (1e-4, 2e-5)
+    no_whole = replace(hw, models={**hw.models, **{k: v for k, v in keys.items() if "graph_gpu" not in k}})
+    assert op_time.step_overhead(no_whole, "bf16", "gpu", graphed="whole") == (2e-4, 1e-4)

@@ -175,20 +175,23 @@ def moe_layer_overhead(profile: HardwareProfile) -> float:
 
 
 def step_overhead(profile: HardwareProfile, dtype: str, device: str = "cpu",
-                  graphed: bool = False) -> tuple[float, float]:
+                  graphed: str | None = None) -> tuple[float, float]:
     """(per step, per layer) seconds of the model code's own fixed costs in a decode step: module
     calls, small ops and their launches, KV-cache writes (runtime/decode_step: a tiny model's decode
     step, n = layers). (0, 0) when not profiled.
 
     With device "gpu", runtime/decode_step_gpu/<dtype> (the same tiny model on the accelerator)
     when profiled; else the CPU measurement stands in: the same Python issues the same ops, each a
-    kernel launch instead of a small CPU kernel. With `graphed` (the engine graphs its GPU decode
-    steps), runtime/decode_step_graphed_gpu/<dtype> first: that model stepped through
-    runtime/graphs.PiecewiseGraphs, each layer's attention one replay and its MLP eager. int4/int8
-    decode weights run with 16-bit activations, so their nearest profiled step is bf16.
+    kernel launch instead of a small CPU kernel. `graphed` (how the engine graphs its GPU decode
+    steps) looks first for that model stepped the same way: "piecewise",
+    runtime/decode_step_graphed_gpu/<dtype> (runtime/graphs.PiecewiseGraphs: each layer's attention
+    one replay, its MLP eager); "whole", runtime/decode_step_graph_gpu/<dtype> (DecodeGraphs: the
+    step one replay), then the piecewise key. int4/int8 decode weights run with 16-bit activations,
+    so their nearest profiled step is bf16.
     """
     fallback = (dtype, "fp32") if dtype == "fp32" else (dtype, "bf16", "fp32")
-    gpu = ["decode_step_graphed_gpu", "decode_step_gpu"] if graphed else ["decode_step_gpu"]
+    gpu = {"whole": ["decode_step_graph_gpu", "decode_step_graphed_gpu"],
+           "piecewise": ["decode_step_graphed_gpu"]}.get(graphed or "", []) + ["decode_step_gpu"]
     keys = ([f"runtime/{k}/{d}" for k in gpu for d in fallback] if device == "gpu" else []) + \
         [f"runtime/decode_step/{d}" for d in fallback]
     m = next((profile.models[k] for k in keys if k in profile.models), None)

@@ -22,6 +22,7 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     runtime/decode_step_gpu/<dtype>  the same on CUDA, model in <dtype> (CUDA only)
     runtime/decode_step_graphed_gpu/<dtype>  the same stepped through piecewise CUDA graphs
                                  (runtime/graphs.PiecewiseGraphs; CUDA only)
+    runtime/decode_step_graph_gpu/<dtype>    the same as one CUDA graph a step (DecodeGraphs)
     runtime/moe_step/bf16  the same for a tiny MoE model opened by the engine (router, top-k and
                          the expert runner per MoE layer; every expert in RAM)   n = layers
     copy/{h2d,d2h}_{pinned,pageable}   (CUDA only)             n = bytes
@@ -319,7 +320,7 @@ class _NoCheckpoint:
 
 
 def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
-                        graphed: bool = False) -> list[tuple[float, float]]:
+                        graphed: str | None = None) -> list[tuple[float, float]]:
     """(layers, seconds) of one decode step of tiny dense tiered models (hidden 64) with 2..8 layers.
 
     The weights are so small that what is timed is the fixed cost of a decode step and of each
@@ -329,9 +330,10 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
     `dtype`; on CUDA
     (runtime/decode_step_gpu) the model is cast to `dtype` as the engine does there, and each step
     ends with the device synchronized: the host's cost of issuing the ops, or the GPU's if slower.
-    With `graphed` (CUDA; runtime/decode_step_graphed_gpu) the step runs through
-    runtime/graphs.PiecewiseGraphs, as an offloading plan's does: each layer's attention one graph
-    replay, its MLP eager between.
+    With `graphed` (CUDA) the step runs through runtime/graphs: "piecewise"
+    (runtime/decode_step_graphed_gpu, PiecewiseGraphs, as an offloading plan's does: each layer's
+    attention one graph replay, its MLP eager between) or "whole" (runtime/decode_step_graph_gpu,
+    DecodeGraphs: the step one replay, as a model wholly on the GPU decodes).
 
     Raises:
         RuntimeError: `graphed` and the graphs could not be captured (the reason is in the message).
@@ -368,13 +370,14 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
             step = model if cuda else CPUDecodeStep(model, native=kernels.available())
             if graphed:
                 from tiered.hardware.cuda import CudaAccelerator
-                from tiered.runtime.graphs import PiecewiseGraphs
+                from tiered.runtime.graphs import DecodeGraphs, PiecewiseGraphs
 
-                graphs = PiecewiseGraphs(model, CudaAccelerator(), None)
+                kind = {"whole": DecodeGraphs, "piecewise": PiecewiseGraphs}[graphed]
+                graphs = kind(model, CudaAccelerator(), None)
                 step = lambda i, p, s, c: graphs(i, p, s, c, 33, True)  # noqa: E731
                 step(ids, pos, slots, cache)
                 if graphs.disabled is not None:
-                    raise RuntimeError(f"piecewise graphs: {graphs.disabled}")
+                    raise RuntimeError(f"{graphed} graphs: {graphs.disabled}")
             t = median_time(lambda: step(ids, pos, slots, cache), repeats, sync)
         points.append((float(layers), t))
     return points
@@ -573,7 +576,7 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # resident MoE layers itself, DecodeStep.set_moe; 7: gemv/cpu/int4q8, tiled int4 on int8 activations,
 # what routed int4 experts run at batch 1; 8: attn_prefill/cpu/<dtype>, a prompt's causal attention,
 # gemm_big/cpu/<dtype>, a prompt's GEMM on a real FFN matrix, and on CUDA
-# runtime/decode_step_graphed_gpu/<dtype>).
+# runtime/decode_step_graphed_gpu/<dtype> and runtime/decode_step_graph_gpu/<dtype>).
 PROFILER_VERSION = 8
 
 
@@ -676,7 +679,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt("memory/copy/gpu", lambda: _memory_points("gpu", [64, 256, 1024], sync, r, copy=True))
         b.models["launch/gpu"] = LinearModel(_launch_time("gpu", sync), 0.0, None)
         b.attempt("runtime/decode_step_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda"))
-        b.attempt("runtime/decode_step_graphed_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda", True))
+        b.attempt("runtime/decode_step_graphed_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda", "piecewise"))
+        b.attempt("runtime/decode_step_graph_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda", "whole"))
         copy_sizes = [1, 4, 16, 64] if quick else [1, 4, 16, 64, 256]
         for kind in ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable"):
             b.attempt(f"copy/{kind}", lambda k=kind: _copy_points(k, copy_sizes, r))

@@ -56,9 +56,11 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])
     attn_pre = attention_time(cfg, profile, "gpu", fmt, plan.prompt_tokens, plan.prompt_tokens, plan.dtypes["kv_cache"])
     # the model code's host cost per layer and per step (module calls, small ops, their launches):
-    # decode's graphed when the engine graphs it, prefill's always eager
-    per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu", graphed=plan.piecewise_graphs)
-    _, per_layer_prefill = op_time.step_overhead(profile, fmt, "gpu")
+    # decode's graphed as the engine will graph it (every FFN on the GPU: the whole step; else
+    # piecewise), prefill's always eager
+    graphed = None if not plan.piecewise_graphs else "whole" if budget >= ffn_total else "piecewise"
+    per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu", graphed=graphed)
+    per_step_prefill, per_layer_prefill = op_time.step_overhead(profile, fmt, "gpu")
     ffn_gpu_bytes = 0.0
     for i, rates in enumerate(layer_rates):
         tok = solve_n_g(prompt_shape, rates, pparams)
@@ -72,7 +74,7 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
         ffn_gpu_bytes += rates.r_gg * 3 * M * H * bpe
     head = head_time(cfg, profile, "gpu", fmt)
     plan.predicted_decode_tokens_per_s = 1.0 / (sum(l.decode_s for l in plan.layers) + head + per_step)
-    plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + head + per_step
+    plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + head + per_step_prefill
     sliced = ffn_gpu_bytes < ffn_total - 1
     plan.memory = {"gpu": non_ffn + kv + plan.workspace_bytes + (staging if sliced else 0) + ffn_gpu_bytes,
                    "cpu": ffn_total - ffn_gpu_bytes}

@@ -111,16 +111,20 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     # a miss can be split by rows between the CPU and the link (runtime: dense experts in RAM, one
     # precision; disk-tier misses are priced as if splittable too, a small optimism)
     splittable = plan.dtypes["experts"] in ("bf16", "fp16", "fp32") and plan.mixed_precision is None
-    # the model code's host cost per layer: decode's graphed when the engine graphs it, prefill's eager
-    per_step, per_layer_decode = op_time.step_overhead(profile, fmt, "gpu", graphed=plan.piecewise_graphs)
-    _, per_layer_prefill = op_time.step_overhead(profile, fmt, "gpu")
+    # the model code's host cost per layer: decode's graphed when the engine graphs it (piecewise;
+    # a whole-step graph's in grouped_layer_time), prefill's eager
+    graphs_on = plan.piecewise_graphs
+    per_step_decode, per_layer_decode = op_time.step_overhead(profile, fmt, "gpu",
+                                                              graphed="piecewise" if graphs_on else None)
+    per_step_prefill, per_layer_prefill = op_time.step_overhead(profile, fmt, "gpu")
+    per_step_whole, per_layer_whole = op_time.step_overhead(profile, fmt, "gpu", graphed="whole")
     act_bpe = sizes.bytes_per_element(plan.dtypes["kv_cache"])  # activations: 16-bit, fp32 with fp32 weights
     matrices = expert.shape.matrices
     attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])
     attn_pre = attention_time(cfg, profile, "gpu", fmt, plan.prompt_tokens, plan.prompt_tokens, plan.dtypes["kv_cache"])
     head = head_time(cfg, profile, "gpu", fmt)
     logits = costs.d2h(4 * cfg.vocab_size) if costs.d2h is not None else 0.0
-    step_fixed = head + per_step + logits
+    step_fixed = head + logits  # plus the per-step cost of the step's kind (eager prefill, graphed decode)
 
     def expert_phase(tokens: int, s: int, hits: int, misses: int, d_share: float) -> float:
         """Seconds from the layer's sync to its last expert's output, `hits` + `misses` active experts
@@ -173,12 +177,12 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
         active = min(E, max(k, math.ceil(E * (1 - (1 - k / E) ** tokens))))
         s = max(1, math.ceil(tokens * k / active))
         launches = 0.0 if graphed else GROUPED_KERNELS * costs.launch
-        per_layer = per_layer_decode if tokens == 1 else per_layer_prefill
+        per_layer = per_layer_whole if graphed else per_layer_decode if tokens == 1 else per_layer_prefill
         return max(per_layer, attn) + launches + active * expert.gpu_lat(s)
 
     def predict(choice: ExpertChoices):
         placement, hits = place_experts(plan, cfg, moe_layers, eb, gpu - fixed, cpu_room, choice, copied)
-        graphed = groupable and plan.piecewise_graphs and placement.count("fast") == len(moe_layers) * E
+        graphed = groupable and graphs_on and placement.count("fast") == len(moe_layers) * E
         rows = []
         for i in moe_layers:
             g, c, d = (placement.count(t, i) for t in ("fast", "cpu", "disk"))
@@ -191,7 +195,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
                 dec = layer_time(1, res + cached, d_share, attn_dec)
                 pre = layer_time(plan.prompt_tokens, g / E, d_share, attn_pre)
             rows.append((i, g, c, d, dec, pre))
-        step = sum(r[4] for r in rows) + step_fixed
+        step = sum(r[4] for r in rows) + step_fixed + (per_step_whole if graphed else per_step_decode)
         return step, (step, placement, hits, rows)
 
     step, placement, hits, rows = fastest_expert_choice(experts, E, k, predict, cache_fills=plan.dispatch_mode != "cpu")
@@ -201,7 +205,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
                                      r_cc=0.0, r_cg=0.0, r_gg=g / E, decode_s=dec, prefill_s=pre,
                                      expert_tiers=expert_tiers(placement, i, E)))
     plan.predicted_decode_tokens_per_s = 1.0 / step
-    plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + step_fixed
+    plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + step_fixed + per_step_prefill
     n_gpu, n_cpu, n_disk = (placement.count(t) for t in ("fast", "cpu", "disk"))
     plan.memory = {"gpu": fixed + (n_gpu + placement.cache_slots) * eb,
                    "cpu": (n_cpu + plan.staging_buffers) * eb, "disk": n_disk * eb}
