@@ -80,6 +80,7 @@ class DecodeGraphs:
                 entry = self._capture_checked(ids, positions, slots, cache, bucket, contiguous)
             except Exception as e:  # noqa: BLE001 - a capture failure falls back to eager decode
                 self.disabled = f"capture failed: {type(e).__name__}: {e}"
+                self.accelerator.synchronize()  # a broken device (not just a refused capture) raises here
                 return None
             if entry is None:
                 return None
