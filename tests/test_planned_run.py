@@ -332,6 +332,10 @@ def test_run_prints_the_plan_and_its_prediction(zoo, box):
     js = CliRunner().invoke(app, [*args, "--json", "1 2 3"])
     data = json.loads(js.stdout.strip().splitlines()[-1])
     assert data["plan"]["predicted_decode_tokens_per_s"] > 0 and "sliced" in data["plan"]["summary"]
+    graphed = CliRunner().invoke(app, [*args, "--graphs", "on", "--show-plan", "1 2 3"])  # the stand-in's graphs
+    assert graphed.exit_code == 0, graphed.output
+    assert "decode: piecewise CUDA graphs" in graphed.output and "decode: " not in shown.output
+    assert graphed.stdout.strip() == res.stdout.strip()  # greedy: the same text graphed or not
 
 
 def test_a_failing_expert_raises_and_leaves_the_engine_closable(rt, monkeypatch, tmp_path):
