@@ -12,7 +12,6 @@ as CUDA does. `CudaAccelerator` (hardware/cuda.py) is the real one.
 
 from __future__ import annotations
 
-import threading
 import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -21,7 +20,8 @@ from typing import Callable
 import torch
 
 from tiered.hardware.budget import MemoryBudget
-from tiered.hardware.standin import STANDIN_DEVICE, StandinDeviceError, StandinScope, StandinTensor, capturing
+from tiered.hardware.standin import (STANDIN_DEVICE, StandinDeviceError, StandinScope, StandinTensor, ThreadFlag,
+                                     capturing)
 
 
 class Accelerator(ABC):
@@ -146,24 +146,15 @@ class Accelerator(ABC):
         yield
 
 
-_graph = threading.local()
+# On while this thread warms up or captures a graph (Accelerator.capture): `with _building_graph():`.
+_building_graph = ThreadFlag()
 
 
 def building_graph() -> bool:
     """True while this thread warms up or captures a graph (Accelerator.capture): code whose choice
     of kernels must be the same in the warm-up runs and in the capture asks (models/layers.attend
     keeps cuDNN attention then, so its plan is built in the warm-up, never inside the capture)."""
-    return getattr(_graph, "on", False)
-
-
-@contextmanager
-def _building_graph():
-    before = building_graph()
-    _graph.on = True
-    try:
-        yield
-    finally:
-        _graph.on = before
+    return bool(_building_graph)
 
 
 def _flat(out) -> tuple:

@@ -626,9 +626,11 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         [(32, 256, 128), (32, 512, 128), (32, 1024, 128), (32, 2048, 128), (64, 2048, 128)]
     for dtype in ("fp32",) if quick else ("fp32", "bf16"):
         b.attempt(f"attn/cpu/{dtype}", lambda d=dtype: _attn_points("cpu", d, attn_shapes, nosync, r))
-    for dtype in ("bf16", "fp32"):  # the GEMM fit's shapes are 1-4 MiB weights; real FFN matrices are not
-        big = [(256, 4096, 4096), (256, 4096, 8192), (256, 4096, 14336)]  # 32 to 112 MiB of bf16 weights
-        b.attempt(f"gemm_big/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, big, nosync, max(3, r // 2), False))
+    # the GEMM fit's shapes are 1-4 MiB weights; real FFN matrices are not: 32 to 112 MiB of bf16 weights
+    big_gemms = [(256, 4096, 4096), (256, 4096, 8192), (256, 4096, 14336)]
+    for dtype in ("bf16", "fp32"):
+        b.attempt(f"gemm_big/cpu/{dtype}",
+                  lambda d=dtype: _gemm_points("cpu", d, big_gemms, nosync, max(3, r // 2), False))
     prefill_shapes = [(8, 128, 64), (8, 256, 64), (8, 512, 64)]
     for dtype in ("fp32", "bf16"):  # prefill attention runs in the activations' dtype
         b.attempt(f"attn_prefill/cpu/{dtype}", lambda d=dtype: _attn_prefill_points(d, prefill_shapes, r))
@@ -640,10 +642,10 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         dram = [2 * llc // MiB, 3 * llc // MiB, 4 * llc // MiB]
         b.attempt("memory/bandwidth_dram/cpu", lambda: _memory_points("cpu", dram, nosync, max(3, r // 2), copy=False))
         if kernels.available():  # the decode kernels' own rate from DRAM, weights no cache holds
-            big = [(1, 2048, 2048), (1, 4096, 2048), (1, 4096, 4096)]
+            dram_gemvs = [(1, 2048, 2048), (1, 4096, 2048), (1, 4096, 4096)]
             for dtype in ("bf16",) if quick else ("fp32", "bf16", "int8", "int4"):
                 b.attempt(f"gemv_dram/cpu/{dtype}", lambda d=dtype: _gemm_points(
-                    "cpu", d, big, nosync, max(3, r // 2), True, cold_bytes=3 * llc))
+                    "cpu", d, dram_gemvs, nosync, max(3, r // 2), True, cold_bytes=3 * llc))
     b.attempt("memory/copy/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=True))
     b.models["launch/cpu"] = LinearModel(_launch_time("cpu", nosync), 0.0, None)
     b.say(f"launch/cpu: {b.models['launch/cpu'].alpha:.3g} s")

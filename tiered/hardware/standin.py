@@ -147,20 +147,32 @@ _SYNCS = frozenset({
     _T.nonzero, torch.nonzero, _T.unique, torch.unique, torch.unique_consecutive, _T.bincount, torch.bincount,
     _T.masked_select, torch.masked_select, _T.repeat_interleave, torch.repeat_interleave,
 })
-_capture = threading.local()
 
 
-@contextmanager
-def capturing():
-    """While active on this thread, a host sync on a stand-in tensor (`.item()`, `.tolist()`, `int()`,
-    `.cpu()`, `.to("cpu")`, `nonzero`, `unique`, `bincount`, ...) raises StandinDeviceError, as
-    CUDA refuses it inside a captured graph (Accelerator.capture on the stand-in)."""
-    before = getattr(_capture, "on", False)
-    _capture.on = True
-    try:
-        yield
-    finally:
-        _capture.on = before
+class ThreadFlag:
+    """A per-thread switch: `with flag():` turns it on for the block on the calling thread (nested
+    blocks restore what was there), `bool(flag)` reads it for the calling thread."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __bool__(self) -> bool:
+        return getattr(self._local, "on", False)
+
+    @contextmanager
+    def __call__(self):
+        before = bool(self)
+        self._local.on = True
+        try:
+            yield
+        finally:
+            self._local.on = before
+
+
+# While on for a thread, a host sync on a stand-in tensor (`.item()`, `.tolist()`, `int()`, `.cpu()`,
+# `.to("cpu")`, `nonzero`, `unique`, `bincount`, ...) raises StandinDeviceError, as CUDA refuses it
+# inside a captured graph (Accelerator.capture on the stand-in): `with capturing(): ...`.
+capturing = ThreadFlag()
 
 
 def _sync_error(what: str) -> StandinDeviceError:
@@ -194,7 +206,7 @@ def _to(args, kwargs):
         raise _h2d_error("Tensor.to")
     target = _to_target(args, kwargs)
     if target is not None and not is_standin_device(target):  # D2H
-        if getattr(_capture, "on", False):
+        if capturing:
             raise _sync_error("Tensor.to(cpu)")
         if not _is_host_device(target):
             raise StandinDeviceError(f"stand-in device check: Tensor.to({target}) from the stand-in's device")
@@ -250,7 +262,7 @@ class StandinTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if func in _SYNCS and getattr(_capture, "on", False):
+        if func in _SYNCS and capturing:
             raise _sync_error(_name(func))
         special = _SPECIAL.get(func)
         if special is not None:

@@ -40,6 +40,14 @@ MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 SWIGLU_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
+def swiglu_hidden(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """silu(x @ w_gate.T) * (x @ w_up.T): x [n, D], w_gate / w_up [r, D] (all of an expert's rows,
+    or some) -> [n, r] in x's dtype; weights cast to x's dtype when they differ."""
+    dt = x.dtype
+    w_gate, w_up = (w if w.dtype == dt else w.to(dt) for w in (w_gate, w_up))
+    return F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
+
+
 def expert_forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                    w_down: torch.Tensor) -> torch.Tensor:
     """One SwiGLU expert: (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T.
@@ -50,9 +58,7 @@ def expert_forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     Returns:
         [n, D] in x's dtype.
     """
-    dt = x.dtype
-    w_gate, w_up, w_down = (w if w.dtype == dt else w.to(dt) for w in (w_gate, w_up, w_down))
-    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+    return F.linear(swiglu_hidden(x, w_gate, w_up), w_down if w_down.dtype == x.dtype else w_down.to(x.dtype))
 
 
 class Expert(nn.Module):

@@ -24,7 +24,7 @@ from tiered.errors import ConfigError
 from tiered.hardware import op_time
 from tiered.hardware.profile import HardwareProfile, LinearModel, default_profile_path
 from tiered.memory import sizes
-from tiered.planner.make import make_plan
+from tiered.planner.make import make_plan, settle_gpu_decode
 from tiered.planner.plan import Plan
 
 
@@ -181,17 +181,9 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                                    experts_format=experts_format, dense_copies=dense_copies,
                                    head_precision=head_precision)
     plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
-    # decode steps as CUDA graphs: a model wholly on the GPU as one graph (nothing in its step syncs);
-    # an offloading plan with attention on the GPU piecewise, its MLPs (expert runner, sliced FFNs:
-    # they sync with the host) eager between the layers' graphs
-    graphs = (graphs_allowed(ec, accelerator) and plan.fast_tier == "gpu" and plan.attention_tier == "gpu"
-              and plan.flexgen is None)
-    # (an MoE step syncs unless every expert is resident at full precision: moe_runner._grouped)
-    moe_sync_free = (plan.all_experts_resident() and plan.dtypes.get("experts") in ("bf16", "fp16", "fp32")
-                     and plan.dtypes.get("experts") == plan.dtypes.get("weights")
-                     and plan.mixed_precision is None and not plan.prefetch)
-    plan.decode_graphs = graphs and not plan.sliced_layers() and (not cfg.is_moe or moe_sync_free)
-    plan.piecewise_graphs = graphs and not plan.decode_graphs
+    # decode steps as CUDA graphs (a model wholly on the GPU as one graph, an offloading plan with
+    # attention on the GPU piecewise), settled again now that prefetch is known (the rules plan's first)
+    settle_gpu_decode(plan, cfg, graphs_allowed(ec, accelerator))
     # without an accelerator every decode step runs on the CPU: through the lean step
     plan.cpu_decode_step = accelerator is None
     # ... and in C++ when tiered/kernels is built (setup builds it; TIERED_NATIVE=0 turns it off)

@@ -22,8 +22,10 @@ def is_mlp_param(name: str) -> bool:
     return ".mlp." in name
 
 
-def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: int, cpu: int | None) -> Plan:
-    """Fill `plan` for a dense model on a GPU of `gpu` bytes.
+def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: int, cpu: int | None,
+                       graphs: bool = False) -> Plan:
+    """Fill `plan` for a dense model on a GPU of `gpu` bytes. `graphs`: the engine may graph decode
+    steps (make.settle_gpu_decode): decode is priced with the graphed step's host cost.
 
     Raises:
         BudgetError: the GPU cannot hold the non-FFN weights, KV cache and staging.
@@ -58,7 +60,7 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     # the model code's host cost per layer and per step (module calls, small ops, their launches):
     # decode's graphed as the engine will graph it (every FFN on the GPU: the whole step; else
     # piecewise), prefill's always eager
-    graphed = None if not plan.piecewise_graphs else "whole" if budget >= ffn_total else "piecewise"
+    graphed = None if not graphs else "whole" if budget >= ffn_total else "piecewise"
     per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu", graphed=graphed)
     per_step_prefill, per_layer_prefill = op_time.step_overhead(profile, fmt, "gpu")
     ffn_gpu_bytes = 0.0

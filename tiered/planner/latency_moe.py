@@ -71,8 +71,10 @@ class _LayerCosts:
 
 
 def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu: int, cpu: int | None,
-                     experts: ExpertChoices = ExpertChoices()) -> Plan:
+                     experts: ExpertChoices = ExpertChoices(), graphs: bool = False) -> Plan:
     """Fill `plan` for an MoE model on a GPU of `gpu` bytes and `cpu` bytes of RAM (None = unlimited).
+    `graphs`: the engine may graph decode steps (make.settle_gpu_decode): decode is priced with the
+    graphed step's host cost, the whole step's when every expert is resident and groupable.
 
     Raises:
         BudgetError: the GPU cannot hold the non-expert weights, KV cache and staging buffers.
@@ -110,12 +112,11 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     costs = _LayerCosts.of(profile)
     # a miss can be split by rows between the CPU and the link (runtime: dense experts in RAM, one
     # precision; disk-tier misses are priced as if splittable too, a small optimism)
-    splittable = plan.dtypes["experts"] in ("bf16", "fp16", "fp32") and plan.mixed_precision is None
+    splittable = plan.experts_splittable()
     # the model code's host cost per layer: decode's graphed when the engine graphs it (piecewise;
     # a whole-step graph's in grouped_layer_time), prefill's eager
-    graphs_on = plan.piecewise_graphs
     per_step_decode, per_layer_decode = op_time.step_overhead(profile, fmt, "gpu",
-                                                              graphed="piecewise" if graphs_on else None)
+                                                              graphed="piecewise" if graphs else None)
     per_step_prefill, per_layer_prefill = op_time.step_overhead(profile, fmt, "gpu")
     per_step_whole, per_layer_whole = op_time.step_overhead(profile, fmt, "gpu", graphed="whole")
     act_bpe = sizes.bytes_per_element(plan.dtypes["kv_cache"])  # activations: 16-bit, fp32 with fp32 weights
@@ -167,8 +168,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     # a layer whose every expert is resident at full precision runs grouped GEMMs over its stacked
     # experts with no host sync (moe_runner._grouped); with every layer so and graphs allowed, the
     # engine graphs the whole decode step (planner/auto: Plan.decode_graphs)
-    groupable = (plan.dtypes["experts"] in ("bf16", "fp16", "fp32") and plan.dtypes["experts"] == plan.dtypes["weights"]
-                 and plan.mixed_precision is None)
+    groupable = plan.experts_groupable()
 
     def grouped_layer_time(tokens: int, attn: float, graphed: bool) -> float:
         """A layer of stacked resident experts: the model code's per-layer cost (a graph replay's
@@ -182,7 +182,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
 
     def predict(choice: ExpertChoices):
         placement, hits = place_experts(plan, cfg, moe_layers, eb, gpu - fixed, cpu_room, choice, copied)
-        graphed = groupable and graphs_on and placement.count("fast") == len(moe_layers) * E
+        graphed = groupable and graphs and placement.count("fast") == len(moe_layers) * E
         rows = []
         for i in moe_layers:
             g, c, d = (placement.count(t, i) for t in ("fast", "cpu", "disk"))

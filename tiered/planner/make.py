@@ -53,9 +53,9 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         kv_slots: sequences of context_tokens whose KV cache the fast tier keeps room for.
         head_precision: the lm_head's format where it differs from `precision` (CPU decode copies
             of a GGUF file: quant/linear.head_precision), recorded as dtypes["lm_head"] and priced.
-        graphs: the engine will graph GPU decode steps (EngineConfig.graphs on a CUDA device): the
-            GPU plans price the model code's host cost of a graphed step (op_time.step_overhead);
-            the caller records which graphs (Plan.decode_graphs / piecewise_graphs) once planned.
+        graphs: the engine may graph GPU decode steps (EngineConfig.graphs on a CUDA device): the
+            GPU plans price the host cost of the graphed step they will get (op_time.step_overhead),
+            and settle_gpu_decode records which (Plan.decode_graphs / piecewise_graphs).
     Raises:
         ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
         BudgetError: the budgets cannot hold what the goal needs on the fast tier.
@@ -78,20 +78,39 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.staging_buffers, plan.read_ahead = staging_buffers, read_ahead
     plan.dense_copies, plan.kv_slots = dense_copies, kv_slots
     plan.expert_act = expert_act
-    plan.piecewise_graphs = graphs  # priced as graphed; planner/auto.engine_plan settles the kind
     sizes.bytes_per_element(fmt)  # a ConfigError for an unknown format, before any work
     experts = ExpertChoices(popularity, expert_cache_slots, max_resident)
     if goal == "latency" and op_time.has_device(profile, "gpu") and gpu:
         plan.workspace_bytes = workspace if workspace is not None else sizes.workspace_bytes(cfg, fmt)
     if goal == "throughput":
         from tiered.planner.throughput import plan_throughput
-        return plan_throughput(plan, cfg, profile, gpu, cpu)
-    if not op_time.has_device(profile, "gpu") or not gpu:
+        plan = plan_throughput(plan, cfg, profile, gpu, cpu)
+    elif not op_time.has_device(profile, "gpu") or not gpu:
         from tiered.planner.latency_cpu import plan_cpu_latency
         plan.fast_tier = "cpu"
-        return plan_cpu_latency(plan, cfg, profile, cpu, experts, extra_cpu_bytes)
-    if cfg.is_moe:
+        plan = plan_cpu_latency(plan, cfg, profile, cpu, experts, extra_cpu_bytes)
+    elif cfg.is_moe:
         from tiered.planner.latency_moe import plan_moe_latency
-        return plan_moe_latency(plan, cfg, profile, gpu, cpu, experts)
-    from tiered.planner.latency_dense import plan_dense_latency
-    return plan_dense_latency(plan, cfg, profile, gpu, cpu)
+        plan = plan_moe_latency(plan, cfg, profile, gpu, cpu, experts, graphs=graphs)
+    else:
+        from tiered.planner.latency_dense import plan_dense_latency
+        plan = plan_dense_latency(plan, cfg, profile, gpu, cpu, graphs=graphs)
+    return settle_gpu_decode(plan, cfg, graphs)
+
+
+def settle_gpu_decode(plan: Plan, cfg: ModelConfig, graphs: bool) -> Plan:
+    """Record how `plan`'s GPU decode steps run (in place; returns it):
+      fused_projections  attention on the GPU: q/k/v and gate/up as one GEMM each;
+      decode_graphs      `graphs` allowed and nothing in the step syncs with the host: every weight on
+                         the GPU, MoE experts all resident and groupable (Plan.experts_groupable), no
+                         prefetch (runtime/graphs.DecodeGraphs);
+      piecewise_graphs   `graphs` allowed otherwise, attention on the GPU (PiecewiseGraphs).
+    `graphs`: EngineConfig.graphs allows graphs on this accelerator (planner/auto.graphs_allowed)."""
+    on_gpu = plan.fast_tier == "gpu" and plan.attention_tier == "gpu"
+    plan.fused_projections = on_gpu
+    graphs = graphs and on_gpu and plan.flexgen is None
+    # an MoE step syncs unless every expert is resident and stacked (moe_runner._grouped)
+    moe_sync_free = plan.all_experts_resident() and plan.experts_groupable() and not plan.prefetch
+    plan.decode_graphs = graphs and not plan.sliced_layers() and (not cfg.is_moe or moe_sync_free)
+    plan.piecewise_graphs = graphs and not plan.decode_graphs
+    return plan

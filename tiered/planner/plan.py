@@ -84,6 +84,8 @@ class Plan:
         piecewise_graphs                     capture each layer's attention as a graph and run the
                                              MLPs (expert runner, sliced FFNs) eagerly between
                                              replays (attention on the GPU, some weights off it)
+        fused_projections                    q/k/v and each dense MLP's gate/up as one GEMM on the
+                                             GPU (runtime/install.fuse_projections)
         dense_copies                         keep the dense weights beside the decode copies (prefill
                                              runs on them; lossless in fp32). False: each weight's
                                              one copy is its decode copy, which serves every step
@@ -142,6 +144,7 @@ class Plan:
     int4_layout: str = "cpu"
     decode_graphs: bool = False
     piecewise_graphs: bool = False
+    fused_projections: bool = False
     cpu_decode_step: bool = False
     native_decode: bool = False
     mixed_rows: int = 0
@@ -184,6 +187,20 @@ class Plan:
         moe = [l for l in self.layers if l.kind == "moe"]
         total = sum(l.experts_gpu + l.experts_cpu + l.experts_disk for l in moe)
         return bool(moe) and self.resident_experts() == total
+
+    def experts_splittable(self) -> bool:
+        """A missing routed expert can be split by rows between the CPU and the link (dispatcher
+        SPLIT): stored dense, one precision (no HOBBIT low copies)."""
+        from tiered.quant.experts import is_dense_format
+
+        name = self.dtypes.get("experts")
+        return name is not None and is_dense_format(name) and self.mixed_precision is None
+
+    def experts_groupable(self) -> bool:
+        """Resident routed experts can be stacked per layer and run as grouped GEMMs with no host sync
+        (memory/expert_store.ExpertStore.stacks, moe_runner._grouped): splittable, and stored in the
+        activations' dtype."""
+        return self.experts_splittable() and self.dtypes.get("experts") == self.dtypes.get("weights")
 
     def expert_placement(self):
         """The experts' home tiers and cache size as the runtime's ExpertPlacement (planner/placement.py)."""

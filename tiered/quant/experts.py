@@ -136,6 +136,13 @@ def pricing_precision(name: str) -> str:
     return max(kinds, key=order.index)
 
 
+def is_dense_format(name: str) -> bool:
+    """An expert format whose three projections are plain dense tensors ("bf16", "fp32"): what
+    ExpertFormat.is_dense says of it, from the name alone (the planner has no shapes)."""
+    kinds = parse_kinds(name)
+    return len(set(kinds)) == 1 and kinds[0] in DENSE
+
+
 def format_name(kinds) -> str:
     """The format name of (gate, up, down) kinds: "int4" when all equal, else "a,b,c"."""
     return kinds[0] if len(set(kinds)) == 1 else ",".join(kinds)
@@ -199,7 +206,7 @@ class ExpertFormat:
     @cached_property
     def is_dense(self) -> bool:
         """True when every projection is a dense tensor: the expert is kept as three tensors."""
-        return len(set(self.kinds)) == 1 and self.kinds[0] in DENSE
+        return is_dense_format(self.name)
 
     @property
     def dense_dtype(self) -> torch.dtype:

@@ -74,7 +74,7 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
         from tiered.runtime.sliced import install_sliced_mlps
         rt.sliced = install_sliced_mlps(model, sliced, accelerator, executor, n_g=n_g or 0, weights=sliced_weights,
                                         host_budget=host_budget)
-    if accelerator is not None and plan.fast_tier == "gpu" and plan.attention_tier == "gpu":
+    if plan.fused_projections and accelerator is not None:
         fuse_projections(model)
     if (plan.decode_graphs or plan.piecewise_graphs) and accelerator is not None and not trace:
         from tiered.runtime.graphs import DecodeGraphs, PiecewiseGraphs

@@ -47,6 +47,7 @@ from typing import Callable
 import torch
 
 from tiered.memory.apply import PlacedExperts, StagingPool
+from tiered.models.moe import swiglu_hidden
 from tiered.planner.placement import DISK
 from tiered.quant.experts import NATIVE_ROWS
 from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, SPLIT, LatencyModel, split_misses
@@ -453,7 +454,7 @@ class TieredExperts:
             xs = x[tok]
             h = acc.to_device(cpu.result())  # (n, r)
             if r < F_rows:
-                h = torch.cat([h, swiglu_rows(xs, slot[0][r:], slot[1][r:])], -1)  # (n, F)
+                h = torch.cat([h, swiglu_hidden(xs, slot[0][r:], slot[1][r:])], -1)  # (n, F)
             w = slot[2] if slot[2].dtype == xs.dtype else slot[2].to(xs.dtype)
             return torch.nn.functional.linear(h, w)
         # the CPU part first (this thread), then the copy's wait: both sides run at once
@@ -489,7 +490,7 @@ def split_rows_of(F: int, share: float) -> int:
 def swiglu_rows(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     """silu(x @ w_gate.T) * (x @ w_up.T): x [n, D], w_gate / w_up [r, D] (rows of an expert) -> [n, r]
     in x's dtype. On the CPU, bf16 rows take tiered's bf16 GEMV (fp32 out) where it is built and the
-    rows are contiguous; otherwise torch (weights cast to x's dtype)."""
+    rows are contiguous; otherwise models/moe.swiglu_hidden."""
     ext = None
     if (x.device.type == "cpu" and w_gate.dtype == torch.bfloat16 and x.shape[0] <= NATIVE_ROWS
             and w_gate.is_contiguous() and w_up.is_contiguous()):
@@ -498,9 +499,7 @@ def swiglu_rows(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> to
     if ext is not None:
         g, u = ext.bf16_kernel(w_gate)(x), ext.bf16_kernel(w_up)(x)  # fp32 (n, r)
         return (torch.nn.functional.silu(g) * u).to(x.dtype)
-    dt = x.dtype
-    wg, wu = (w if w.dtype == dt else w.to(dt) for w in (w_gate, w_up))
-    return torch.nn.functional.silu(torch.nn.functional.linear(x, wg)) * torch.nn.functional.linear(x, wu)
+    return swiglu_hidden(x, w_gate, w_up)
 
 
 def _drain(futures) -> None:
