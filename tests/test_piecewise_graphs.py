@@ -154,6 +154,13 @@ def test_standin_capture_refuses_host_syncs_and_replays_in_place():
             with pytest.raises(StandinDeviceError, match="capturing"):
                 acc.capture(sync)
         assert x.sum().item() == 10.0  # outside a capture, syncs are allowed again
+        reps = acc.to_device(torch.tensor([1, 2, 0, 1]))
+        with pytest.raises(StandinDeviceError, match="capturing"):  # the output's size is on the device
+            acc.capture(lambda: x.repeat_interleave(reps))
+        _, out = acc.capture(lambda: x.repeat_interleave(reps, output_size=4))  # sizes given: no sync
+        assert out.cpu().tolist() == [1.0, 2.0, 2.0, 4.0]
+        _, out = acc.capture(lambda: torch.repeat_interleave(x, 2))  # int repeats: no sync
+        assert out.shape == (8,)
 
 
 def test_graphs_setting_is_checked():

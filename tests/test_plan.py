@@ -166,14 +166,14 @@ def test_an_moe_layer_adds_its_blocks_fixed_cost():
 def test_the_lossless_modes_projections_are_not_fused():
     """fp32 decode weights are the dense ones, one kernel per projection (q, k, v, o; gate, up, down):
     each call pays the GEMV fit's alpha, where the decode copies' fused q/k/v and gate/up pay it twice."""
-    from tiered.planner.cpu_predict import fused_projections, predict_decode
+    from tiered.planner.cpu_predict import native_fused_projections, predict_decode
 
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     m = {f"gemv/cpu/{d}": LinearModel(1e-4, 0.0, 1.0) for d in ("fp32", "bf16")}
     hw = HardwareProfile("cpu-box", "test", {**m, "attn/cpu/fp32": LinearModel(0.0, 0.0, 1.0)}, None, None,
                          meta={"native_kernels": True})
-    assert fused_projections(hw, "bf16") and not fused_projections(hw, "fp32")
+    assert native_fused_projections(hw, "bf16") and not native_fused_projections(hw, "fp32")
     (attn, ffn), = predict_decode(cfg, hw, "fp32", context=0)[0]
     assert (attn, ffn) == (pytest.approx(4e-4), pytest.approx(3e-4))
     (attn, ffn), = predict_decode(cfg, hw, "bf16", context=0)[0]

@@ -171,21 +171,21 @@ def test_balanced_dispatch_splits_a_layers_misses(rt, tmp_path):
 
 
 def _decode_paths(llm):
-    """Paths the runner chose for each decode-step layer with two misses (a spy on split_misses)."""
+    """Paths the runner chose for each decode-step layer with two misses (a spy on dispatch_misses)."""
     import tiered.runtime.moe_runner as mr
 
-    seen, real = [], mr.split_misses
+    seen, real = [], mr.dispatch_misses
 
-    def spy(tokens, lat, nbytes, mode="balanced", **kw):
-        out = real(tokens, lat, nbytes, mode, **kw)
+    def spy(tokens, *a, **kw):
+        out = real(tokens, *a, **kw)
         if tokens == [1, 1]:
-            seen.append(out)
+            seen.append(out.paths)
         return out
-    mr.split_misses = spy
+    mr.dispatch_misses = spy
     try:
         assert llm.generate(prompt(), GREEDY)[0].token_ids == llm_reference(llm)
     finally:
-        mr.split_misses = real
+        mr.dispatch_misses = real
     return seen
 
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from runtime_fixtures import GREEDY, REL_TOL, engine_config, prompt, rel_err, rt  # noqa: F401
 
 from tiered import LLM
-from tiered.runtime.dispatcher import COPY, CPU, GATE_UP_SHARE, SPLIT, LatencyModel, split_misses
+from tiered.runtime.dispatcher import (COPY, CPU, GATE_UP_SHARE, SPLIT, SPLIT_GAIN, LatencyModel, dispatch_misses,
+                                       split_misses)
 from tiered.runtime.moe_runner import SPLIT_ROW_ALIGN, split_rows_of, swiglu_rows
 
 MB = 2**20
@@ -43,10 +44,61 @@ def test_balanced_dispatch_splits_a_single_miss_only_when_it_pays():
     even = _lat(4.7e-3, 7.0e-3, nbytes)  # the H200 host: CPU expert 4.7 ms, its copy 7 ms
     assert split_misses([1], even, nbytes, splittable=True) == [SPLIT]
     assert split_misses([1], even, nbytes) == [CPU]  # not splittable: Fiddler's better side
-    assert split_misses([1, 1], even, nbytes, splittable=True) in ([CPU, COPY], [COPY, CPU])  # two: one each way
+    assert split_misses([1, 1], even, nbytes) == [CPU, COPY]  # two, whole: one each way
+    two = dispatch_misses([1, 1], even, nbytes, splittable=True)  # two: one on the CPU, the other split
+    assert two.paths == [CPU, SPLIT] and two.shares[0] is None
+    assert two.seconds == pytest.approx(5.6e-3, rel=0.01)  # 4.7 ms + a third of what is left, not 7
+    assert split_misses([1, 1], _lat(1e-3, 1e-3, nbytes), nbytes, splittable=True) == [CPU, COPY]  # nothing to gain
     lopsided = _lat(40e-3, 2e-3, nbytes)  # a link 20x faster: splitting saves under SPLIT_GAIN
     assert split_misses([1], lopsided, nbytes, splittable=True) == [COPY]
     assert split_misses([1, 3], even, nbytes, "split") == [SPLIT, SPLIT]
+
+
+@settings(max_examples=80, deadline=None)
+@given(cpu=st.floats(1e-3, 1e-2), link=st.floats(1e-3, 1e-2), cpu_busy=st.floats(0, 2e-2),
+       link_busy=st.floats(0, 2e-2))
+def test_split_share_balances_the_work_each_side_already_has(cpu, link, cpu_busy, link_busy):
+    nbytes = 352 * MB
+    lat = _lat(cpu, link, nbytes)
+    a, t = lat.split_share(1, nbytes, cpu_busy, link_busy)
+    t_cpu, t_link = cpu_busy + a * GATE_UP_SHARE * cpu, link_busy + (1 - a * GATE_UP_SHARE) * link
+    assert t == pytest.approx(max(t_cpu, t_link))
+    if 1e-3 < a < 1:  # interior: both sides end together
+        assert t_cpu == pytest.approx(t_link, abs=1e-9)
+
+
+def _lanes(tokens, d, lat, nbytes):
+    """The makespan of a LayerDispatch run as the runner runs it: the CPU's whole experts and split
+    rows in turn on one lane, the copies (whole, and a split's rest) in turn on the link."""
+    cpu = link = 0.0
+    for s, p, a in zip(tokens, d.paths, d.shares):
+        if p == CPU:
+            cpu += lat.cpu_lat(s)
+        elif p == COPY:
+            link += lat.transfer_lat(nbytes)
+        else:
+            cpu += lat.cpu_alpha + a * GATE_UP_SHARE * (lat.cpu_lat(s) - lat.cpu_alpha)
+            link += lat.h2d_alpha + (1 - a * GATE_UP_SHARE) * nbytes / lat.h2d_bandwidth
+    return max(cpu, link)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.lists(st.integers(1, 4), min_size=1, max_size=6), cpu=st.floats(1e-3, 1e-2),
+       link=st.floats(1e-3, 1e-2))
+def test_balanced_dispatch_with_splits_never_loses_to_whole_experts(tokens, cpu, link):
+    """At most one miss is split, its share counts what the others load on each side, and the
+    result beats the best whole assignment by SPLIT_GAIN or is that assignment."""
+    nbytes = 352 * MB
+    lat = LatencyModel(0.0, cpu, 0.0, 0.0, 0.0, nbytes / link)  # cpu seconds per token, link per expert
+    whole = dispatch_misses(tokens, lat, nbytes)
+    split = dispatch_misses(tokens, lat, nbytes, splittable=True)
+    assert SPLIT not in whole.paths and split.paths.count(SPLIT) <= 1
+    assert whole.seconds == pytest.approx(_lanes(tokens, whole, lat, nbytes))
+    assert split.seconds == pytest.approx(_lanes(tokens, split, lat, nbytes))
+    if SPLIT in split.paths:
+        assert split.seconds < SPLIT_GAIN * whole.seconds
+    else:
+        assert split == whole
 
 
 def test_split_rows_are_aligned_and_never_empty():
@@ -102,3 +154,37 @@ def test_balanced_plan_splits_single_misses_in_the_engine(rt, tmp_path):  # noqa
         assert paths["split"] > 0 and paths["cpu"] + paths["copy"] > 0
     finally:
         llm.close()
+
+
+def test_balanced_plan_splits_one_of_two_misses_in_the_engine(rt, tmp_path):  # noqa: F811
+    """With no cache slots every decode layer misses both experts; with the link twice the CPU's
+    time, one goes to the CPU whole and the other is split (its share counting the CPU's expert);
+    the tokens are transformers'."""
+    import tiered.runtime.moe_runner as mr
+
+    s = rt.sizes("mixtral")
+    kw = dict(gpu_memory=s.fast(cache_slots=0), cpu_memory="64MiB")
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", plan="off", **kw))
+    plan = llm.plan
+    llm.close()
+    plan.expert_cache_slots, plan.dispatch_mode = 0, "balanced"
+    plan.dispatch_latency = {"cpu_alpha": 0.0, "cpu_beta": 1e-3, "gpu_alpha": 0.0, "gpu_beta": 0.0,
+                             "h2d_alpha": 0.0, "h2d_bandwidth": s.expert / 2e-3, "disk_alpha": 0.0,
+                             "disk_bandwidth": float("inf")}
+    plan.save(tmp_path / "p.json")
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", plan=str(tmp_path / "p.json"), **kw))
+    seen, real = [], mr.dispatch_misses
+
+    def spy(tokens, *a, **k):
+        out = real(tokens, *a, **k)
+        if tokens == [1, 1]:
+            seen.append(out)
+        return out
+    mr.dispatch_misses = spy
+    try:
+        assert llm.generate([prompt()], GREEDY)[0].token_ids == rt.reference("mixtral")[1]
+    finally:
+        mr.dispatch_misses = real
+        llm.close()
+    assert seen and all(d.paths == [CPU, SPLIT] and d.shares[1] == pytest.approx(0.5) for d in seen)
+    assert llm.experts.path_counts["split"] >= len(seen) and llm.experts.path_counts["cpu"] >= len(seen)

@@ -149,6 +149,18 @@ _SYNCS = frozenset({
 })
 
 
+def _syncs(func, args, kwargs) -> bool:
+    """Whether a call of a function in _SYNCS reads device data on the host. repeat_interleave does
+    only with repeats given as a tensor (or as its one argument) and no output_size, as on CUDA."""
+    if func not in (_T.repeat_interleave, torch.repeat_interleave):
+        return True
+    if len(args) < 2 and "repeats" not in kwargs:  # torch.repeat_interleave(repeats)
+        return True
+    repeats = args[1] if len(args) > 1 else kwargs["repeats"]
+    output_size = args[3] if len(args) > 3 else kwargs.get("output_size")
+    return isinstance(repeats, torch.Tensor) and output_size is None
+
+
 class ThreadFlag:
     """A per-thread switch: `with flag():` turns it on for the block on the calling thread (nested
     blocks restore what was there), `bool(flag)` reads it for the calling thread."""
@@ -262,7 +274,7 @@ class StandinTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if func in _SYNCS and capturing:
+        if func in _SYNCS and capturing and _syncs(func, args, kwargs):
             raise _sync_error(_name(func))
         special = _SPECIAL.get(func)
         if special is not None:

@@ -140,7 +140,7 @@ def native_step(hw: HardwareProfile) -> bool:
     return bool(hw.meta and hw.meta.get("native_kernels"))
 
 
-def fused_projections(hw: HardwareProfile, dtype: str) -> bool:
+def native_fused_projections(hw: HardwareProfile, dtype: str) -> bool:
     """Whether a decode step runs q/k/v and gate/up as one kernel call each: the native step over the
     decode copies (quant/linear.install_decode_weights fuses them). The lossless fp32 mode keeps the
     dense weights, one kernel per projection (runtime/cpu_decode._group)."""
@@ -152,7 +152,7 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, 
     kv = cfg.num_key_value_heads * cfg.head_dim
     w = 2 * d * q + 2 * d * kv
     native = native_step(hw)
-    proj = _gemv(hw, dtype, w * op_time.bytes_per_element(dtype), calls=2 if fused_projections(hw, dtype) else 4,
+    proj = _gemv(hw, dtype, w * op_time.bytes_per_element(dtype), calls=2 if native_fused_projections(hw, dtype) else 4,
                  working_set=working_set)
     act = dtype if dtype in ("fp32", "bf16", "fp16") else "bf16"  # int4/int8 weights keep a 16-bit KV cache
     kv_bytes = 2 * kv * context * op_time.bytes_per_element(act)
@@ -199,7 +199,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size
-            t += _gemv(hw, dtype, 3 * d * F * bpe, calls=2 if fused_projections(hw, dtype) else 3, working_set=ws)
+            t += _gemv(hw, dtype, 3 * d * F * bpe, calls=2 if native_fused_projections(hw, dtype) else 3, working_set=ws)
         else:
             F, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
             ekind = op_time.gemv_dtype((experts_format or dtype).split(",")[0], expert_act)

@@ -80,7 +80,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
         BudgetError: the GPU cannot hold the non-expert weights, KV cache and staging buffers.
     """
     from tiered.planner.fiddler import ExpertLatency, ExpertShape, step_expert_bytes
-    from tiered.runtime.dispatcher import COPY, CPU, SPLIT, split_misses
+    from tiered.runtime.dispatcher import COPY, CPU, SPLIT, dispatch_misses, split_misses
 
     from tiered.quant.experts import pricing_precision
 
@@ -111,7 +111,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     t_disk = disk(eb) if disk is not None else 0.0
     costs = _LayerCosts.of(profile)
     # a miss can be split by rows between the CPU and the link (runtime: dense experts in RAM, one
-    # precision; disk-tier misses are priced as if splittable too, a small optimism)
+    # precision, and only in a layer none of whose misses is read from disk: expert_phase)
     splittable = plan.experts_splittable()
     # the model code's host cost per layer: decode's graphed when the engine graphs it (piecewise;
     # a whole-step graph's in grouped_layer_time), prefill's eager
@@ -129,21 +129,30 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
 
     def expert_phase(tokens: int, s: int, hits: int, misses: int, d_share: float) -> float:
         """Seconds from the layer's sync to its last expert's output, `hits` + `misses` active experts
-        with s tokens each, `d_share` of the misses read from disk first."""
-        paths = split_misses([s] * misses, lat, eb, plan.dispatch_mode, splittable=splittable)
-        n_split = sum(1 for p in paths if p == SPLIT)
-        if n_split:  # each split miss keeps both the CPU and the link busy until it is done
-            return n_split * lat.split_share(s, eb)[1] + misses * d_share * t_disk
-        n_cpu = sum(1 for p in paths if p == CPU)
-        n_copy = misses - n_cpu
+        with s tokens each, `d_share` of the misses read from disk first. The runner splits a miss
+        only when none of the layer's misses is on disk: expected over that chance."""
+        if not (splittable and misses and d_share > 0):
+            return dispatched_phase(tokens, s, hits, misses, d_share, splittable)
+        in_ram = (1 - d_share) ** misses
+        return (in_ram * dispatched_phase(tokens, s, hits, misses, 0.0, True)
+                + (1 - in_ram) * dispatched_phase(tokens, s, hits, misses, d_share / (1 - in_ram), False))
+
+    def dispatched_phase(tokens: int, s: int, hits: int, misses: int, d_share: float, can_split: bool) -> float:
+        dispatch = dispatch_misses([s] * misses, lat, eb, plan.dispatch_mode, splittable=can_split)
+        paths = dispatch.paths
         gpu_task = costs.task + expert.gpu_lat(s)
         compute = hits * gpu_task
+        to_host = costs.d2h(tokens * cfg.hidden_size * act_bpe) if costs.d2h is not None else 0.0
+        if SPLIT in paths:  # a split keeps the CPU and the link busy together: the dispatcher's makespan
+            misses_end = to_host + dispatch.seconds + misses * costs.task
+            return max(compute, misses_end) + misses * d_share * t_disk
+        n_cpu = sum(1 for p in paths if p == CPU)
+        n_copy = misses - n_cpu
         link = n_copy * (costs.task + matrices * costs.copy_alpha + eb * costs.copy_beta)
         gpu_end = max(compute, link + gpu_task) if n_copy else compute
         cpu_end = 0.0
         if n_cpu:
             out = costs.h2d(s * cfg.hidden_size * act_bpe) if costs.h2d is not None else 0.0
-            to_host = costs.d2h(tokens * cfg.hidden_size * act_bpe) if costs.d2h is not None else 0.0
             cpu_end = to_host + n_cpu * (expert.cpu_lat(s) + out)
         shared = (n_cpu + n_copy) * eb * costs.host_read_beta if n_cpu and n_copy else 0.0
         return max(gpu_end, cpu_end, shared) + misses * d_share * t_disk

@@ -50,20 +50,24 @@ class LatencyModel:
     def transfer_lat(self, nbytes: int) -> float:
         return self.h2d_alpha + nbytes / self.h2d_bandwidth
 
-    def split_share(self, s: int, nbytes: int) -> tuple[float, float]:
+    def split_share(self, s: int, nbytes: int, cpu_busy: float = 0.0, link_busy: float = 0.0) -> tuple[float, float]:
         """(a, seconds): SPLIT's share `a` in (0, 1] of the gate/up rows that the CPU computes (into
         the hidden activations, sent H2D), while the link copies the other rows and the whole down
         projection, and the makespan: max(CPU, link) then the accelerator's part (the rest of
         gate/up, then down). `a` makes the CPU and the link finish together:
-            cpu_alpha + a g C' = h2d_alpha + (1 - a g) L,  C' = cpu_lat(s) - cpu_alpha, L = nbytes/bw,
-        with g = GATE_UP_SHARE (ScheInfer's CC/CG row split, ALGORITHMS.md 1.a, applied to one
-        missing expert: the misses of a decode step are often one per layer, which Fiddler sends
-        wholly one way, leaving the other side idle)."""
+            cpu_busy + cpu_alpha + a g C' = link_busy + h2d_alpha + (1 - a g) L,
+        C' = cpu_lat(s) - cpu_alpha, L = nbytes / bw, g = GATE_UP_SHARE, where cpu_busy and
+        link_busy (seconds) are the work already given to each side in the same layer (whole
+        experts on the CPU, whole copies). ScheInfer's CC/CG row split (ALGORITHMS.md 1.a) applied
+        to one missing expert: the misses of a decode step are few per layer, and Fiddler sends
+        each wholly one way, leaving the other side idle. When the CPU side is already the busier
+        (a <= 0), the smallest share is returned and the makespan shows the loss."""
         g, c, link = GATE_UP_SHARE, self.cpu_lat(s) - self.cpu_alpha, nbytes / self.h2d_bandwidth
-        a = (self.h2d_alpha + link - self.cpu_alpha) / (g * (c + link)) if c + link > 0 else 1.0
+        gap = link_busy + self.h2d_alpha + link - cpu_busy - self.cpu_alpha
+        a = gap / (g * (c + link)) if c + link > 0 else 1.0
         a = min(1.0, max(a, 1e-3))
-        t = max(self.cpu_alpha + a * g * c, self.h2d_alpha + (1 - a * g) * link) + self.gpu_lat(s)
-        return a, t
+        t = max(cpu_busy + self.cpu_alpha + a * g * c, link_busy + self.h2d_alpha + (1 - a * g) * link)
+        return a, t + self.gpu_lat(s)
 
     def cpu_threshold(self, nbytes: int) -> float:
         """Largest token count for which the CPU path wins (Fiddler's s*), in tokens.
@@ -92,50 +96,95 @@ def choose_path(tokens: int, on_accelerator: bool, expert_bytes: int, lat: Laten
 SPLIT_GAIN = 0.9
 
 
-def split_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mode: str = "balanced",
-                 splittable: bool = False) -> list[str]:
-    """Paths (COPY or CPU) for one layer's experts that are not on the accelerator, so that the CPU
-    and the H2D link (with the accelerator computing what lands) finish together.
+@dataclass(frozen=True)
+class LayerDispatch:
+    """One layer's misses, dispatched (dispatch_misses).
+
+    Attributes:
+        paths: COPY, CPU or SPLIT per missing expert, in the order of the tokens given.
+        shares: for each SPLIT entry, the CPU's share of its gate/up rows in (0, 1]; None elsewhere.
+        seconds: predicted makespan from the layer's dispatch to its last expert's output (the
+            latency model's sides only: no task or launch overheads).
+    """
+
+    paths: list[str]
+    shares: list[float | None]
+    seconds: float
+
+
+def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mode: str = "balanced",
+                    splittable: bool = False) -> LayerDispatch:
+    """Paths for one layer's experts that are not on the accelerator, so that the CPU and the H2D
+    link (with the accelerator computing what lands) finish together.
 
     Fiddler's Algorithm 1 picks one side per expert by its own latencies; when several experts of a
     step miss, sending all of them one way leaves the other idle. tiered sorts the misses by token
     count and gives the CPU the prefix (fewest tokens: where it loses least to the GPU) of the length
     that minimizes the makespan max(sum cpu_lat, sum transfer_lat + last gpu_lat); with one miss this
-    is Algorithm 1 itself.
+    is Algorithm 1 itself. With `splittable`, the expert at the boundary may instead be SPLIT by
+    rows, its share balancing what each side already has (LatencyModel.split_share with busy
+    times): on the H200 host's rates (CPU 4.7 ms, link 7 ms per Mixtral expert) one miss takes
+    ~2.8 ms instead of 4.7, and two ~5.6 ms instead of 7. A split is taken only when it beats the
+    best whole assignment by SPLIT_GAIN.
 
     Args:
         tokens: routed tokens of each missing expert (> 0), in any order.
         lat: the latency model (seconds).
         expert_bytes: bytes copied per expert.
         mode: "balanced" (above), "per-expert" (Algorithm 1 for each expert alone), "copy",
-            "cpu" or "split" (every miss one way).
-        splittable: a miss may be SPLIT (dense experts in CPU RAM, with an accelerator): in
-            "balanced" mode a layer's single miss is split between the CPU and the link when that
-            beats the better whole path by SPLIT_GAIN (LatencyModel.split_share).
+            "cpu" or "split" (every miss one way; "split" balances each expert alone).
+        splittable: a miss may be SPLIT (dense experts in CPU RAM, with an accelerator).
     Returns:
-        One path per entry of `tokens`, in its order.
+        LayerDispatch, its lists in the order of `tokens`.
     """
-    if mode in (COPY, CPU, SPLIT):
-        return [mode] * len(tokens)
-    if mode == "balanced" and splittable and len(tokens) == 1:
-        s = tokens[0]
-        whole = min(lat.cpu_lat(s), lat.transfer_lat(expert_bytes) + lat.gpu_lat(s))
-        if lat.split_share(s, expert_bytes)[1] < SPLIT_GAIN * whole:
-            return [SPLIT]
-    if mode == "per-expert":  # Algorithm 1 for each expert alone
-        return [choose_path(s, False, expert_bytes, lat) for s in tokens]
-    order = sorted(range(len(tokens)), key=lambda i: tokens[i])
+    n = len(tokens)
+    if mode == SPLIT:
+        splits = [lat.split_share(s, expert_bytes) for s in tokens]
+        return LayerDispatch([SPLIT] * n, [a for a, _ in splits], sum(t for _, t in splits))
+    if mode in (COPY, CPU, "per-expert"):
+        paths = [mode] * n if mode != "per-expert" else [choose_path(s, False, expert_bytes, lat) for s in tokens]
+        return LayerDispatch(paths, [None] * n, _whole_makespan(tokens, paths, lat, expert_bytes))
+    order = sorted(range(n), key=lambda i: tokens[i])
+    copy_lat = lat.transfer_lat(expert_bytes)
+    cpu_before = [0.0]  # CPU seconds of order[:j]
+    for i in order:
+        cpu_before.append(cpu_before[-1] + lat.cpu_lat(tokens[i]))
     best_j, best_t = 0, float("inf")
-    cpu_sum = 0.0
-    for j in range(len(order) + 1):  # CPU takes order[:j]
-        if j:
-            cpu_sum += lat.cpu_lat(tokens[order[j - 1]])
+    for j in range(n + 1):  # CPU takes order[:j] whole, the rest is copied
         rest = order[j:]
-        link = sum(lat.transfer_lat(expert_bytes) for _ in rest) + (lat.gpu_lat(tokens[rest[-1]]) if rest else 0.0)
-        t = max(cpu_sum, link)
+        link = len(rest) * copy_lat + (lat.gpu_lat(tokens[rest[-1]]) if rest else 0.0)
+        t = max(cpu_before[j], link)
         if t < best_t - 1e-12:
             best_j, best_t = j, t
-    paths = [COPY] * len(tokens)
+    paths, shares = [COPY] * n, [None] * n
     for i in order[:best_j]:
         paths[i] = CPU
-    return paths
+    if mode == "balanced" and splittable and n:
+        split_j, split_a, split_t = None, 0.0, float("inf")
+        for j in range(n):  # CPU takes order[:j] whole, order[j] is split, order[j+1:] is copied
+            a, t = lat.split_share(tokens[order[j]], expert_bytes, cpu_before[j], (n - j - 1) * copy_lat)
+            if n - j - 1:
+                t = max(t, (n - j - 1) * copy_lat + lat.gpu_lat(tokens[order[-1]]))
+            if t < split_t - 1e-12:
+                split_j, split_a, split_t = j, a, t
+        if split_t < SPLIT_GAIN * best_t:
+            paths, shares = [COPY] * n, [None] * n
+            for i in order[:split_j]:
+                paths[i] = CPU
+            paths[order[split_j]], shares[order[split_j]] = SPLIT, split_a
+            best_t = split_t
+    return LayerDispatch(paths, shares, best_t)
+
+
+def _whole_makespan(tokens: list[int], paths: list[str], lat: LatencyModel, expert_bytes: int) -> float:
+    """max(CPU experts in turn, copies in turn then the last one's compute): seconds."""
+    cpu = sum(lat.cpu_lat(s) for s, p in zip(tokens, paths) if p == CPU)
+    copied = [s for s, p in zip(tokens, paths) if p == COPY]
+    link = len(copied) * lat.transfer_lat(expert_bytes) + (lat.gpu_lat(copied[-1]) if copied else 0.0)
+    return max(cpu, link)
+
+
+def split_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mode: str = "balanced",
+                 splittable: bool = False) -> list[str]:
+    """The paths of dispatch_misses (same arguments): COPY, CPU or SPLIT per entry of `tokens`."""
+    return dispatch_misses(tokens, lat, expert_bytes, mode, splittable).paths

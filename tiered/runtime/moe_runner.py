@@ -10,9 +10,10 @@ Per layer and step (dimension legend: N tokens, D hidden, k top-k, E experts):
                 from this thread on its own device stream once the copy is done;
        CPU   -> compute with the host copy on the calling thread (torch's OpenMP team belongs to
                 it; a worker thread's second team is slower and fights it for the cores);
-       SPLIT -> a layer's single dense miss in RAM divided by gate/up rows: the CPU computes its
-                share of the hidden activations on this thread while the link copies the rest
-                and down, then the accelerator finishes it (_split);
+       SPLIT -> one dense miss in RAM per layer divided by gate/up rows (the others whole, each
+                side's load counted in its share): the CPU computes its share of the hidden
+                activations on this thread while the link copies the rest and down, then the
+                accelerator finishes it (_split);
      a disk-tier expert is read first (pread on reader threads) into a host staging buffer (with an
      accelerator) or into a fast-tier slot (without one, where every miss computes on the CPU);
   3. combine the weighted outputs in expert order (as transformers does: identical sums).
@@ -50,7 +51,7 @@ from tiered.memory.apply import PlacedExperts, StagingPool
 from tiered.models.moe import swiglu_hidden
 from tiered.planner.placement import DISK
 from tiered.quant.experts import NATIVE_ROWS
-from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, SPLIT, LatencyModel, split_misses
+from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, SPLIT, LatencyModel, dispatch_misses
 from tiered.runtime.executor import Executor
 from tiered.runtime.grouped_experts import grouped_experts_forward, grouped_method
 from tiered.runtime.precision import HIGH, NAMES, SKIP
@@ -183,14 +184,16 @@ class TieredExperts:
             if out is not None:
                 self.executor.record(f"moe layer {layer_idx}", "main", t_layer, time.perf_counter(), layer=layer_idx)
                 return out
+        shares: dict = {}
         if self.accelerator is None:
             paths = {e: "disk" for e in misses}
         else:
             can_split = {e: self._splittable(keys[e], side[e]) for e in misses}
-            chosen = split_misses([counts[e] for e in misses], self.latency, self.store.expert_bytes, self.dispatch_mode,
-                                  splittable=all(can_split.values()))
+            chosen = dispatch_misses([counts[e] for e in misses], self.latency, self.store.expert_bytes,
+                                     self.dispatch_mode, splittable=all(can_split.values()))
             # (a forced split of an expert that cannot be split runs on the CPU)
-            paths = {e: CPU if p == SPLIT and not can_split[e] else p for e, p in zip(misses, chosen)}
+            paths = {e: CPU if p == SPLIT and not can_split[e] else p for e, p in zip(misses, chosen.paths)}
+            shares = dict(zip(misses, chosen.shares))
         if self.read_ahead:
             for e in misses:
                 if side[e].store.tier(keys[e]) == DISK:
@@ -216,7 +219,7 @@ class TieredExperts:
             else:
                 self.path_counts[paths[e]] += 1
                 results[e] = self._miss(keys[e], paths[e], x, tok, host and host[1][a:b], host and host[0], ready,
-                                        side[e])
+                                        side[e], shares.get(e))
             if not self.read_ahead:
                 results[e].result()
         try:
@@ -382,7 +385,7 @@ class TieredExperts:
         return self.executor.submit("disk", lambda: store.read(key, into), deps=deps, name=f"read L{layer}E{e}",
                                     nbytes=store.expert_bytes, layer=layer, expert=e)
 
-    def _miss(self, key, path: str, x, tok, tok_host, x_host, ready, side: _Side) -> Future:
+    def _miss(self, key, path: str, x, tok, tok_host, x_host, ready, side: _Side, share: float | None = None) -> Future:
         ex, (layer, e) = self.executor, key
         store, fmt = side.store, side.fmt
         on_disk = store.tier(key) == DISK
@@ -395,7 +398,7 @@ class TieredExperts:
                 self.fast_staging.release_after(idx, fut)
             return fut
         if path == SPLIT:
-            return self._split(key, x, tok, tok_host, x_host, ready, side)
+            return self._split(key, x, tok, tok_host, x_host, ready, side, share)
         deps, host_w, host_idx = [], store.host.get(key), None
         if on_disk:
             buf, dep, host_idx = self.host_staging.take()
@@ -425,19 +428,19 @@ class TieredExperts:
         """A miss can be SPLIT: dense weights in CPU RAM (not on disk), an accelerator, one precision."""
         return self.accelerator is not None and self.low is None and side.fmt.is_dense and key in side.store.host
 
-    def _split(self, key, x, tok, tok_host, x_host, ready, side: _Side) -> Future:
+    def _split(self, key, x, tok, tok_host, x_host, ready, side: _Side, share: float | None) -> Future:
         """A missing expert split by rows between the CPU and the link (dispatcher SPLIT; ScheInfer's
         CC/CG split of one FFN, ALGORITHMS.md 1.a): the CPU computes the hidden activations of the
         first r gate/up rows on this thread (inline "cpu" task, tiered's bf16 GEMV where built),
         while the copy stream moves the other rows and the whole down projection into a staging
         buffer (not a cache slot: the expert is not whole there); then the accelerator computes its
         rows, joins the CPU's hidden activations (a small H2D) and applies down. r comes from the
-        latency model (LatencyModel.split_share) so both sides finish together, rounded to
-        SPLIT_ROW_ALIGN rows."""
+        dispatcher's `share` (dispatch_misses: both sides finish together, counting the layer's
+        whole CPU experts and copies), rounded to SPLIT_ROW_ALIGN rows; half without one."""
         ex, acc, (layer, e) = self.executor, self.accelerator, key
         gate, up, down = side.store.host[key]
         F_rows = gate.shape[0]
-        share = self.latency.split_share(int(tok_host.shape[0]), side.store.expert_bytes)[0] if self.latency else 0.5
+        share = 0.5 if share is None else share
         r = split_rows_of(F_rows, share)
         buf, dep, idx = self.fast_staging.take()
         slot = side.view(buf)
