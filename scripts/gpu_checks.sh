@@ -9,7 +9,8 @@
 #   moe      benchmarks/gpu_offload.py, 4 Mixtral layers, --gpu-mem 4GiB (no transformers + accelerate row:
 #            0.57 tok/s, section 2 of shared/gpu-runs/2026-11-22-h200 has it); the default plan graphed
 #            piecewise and with --graphs off (plan_auto_eager), every miss split (forced_split), all on
-#            the GPU as one graph (grouped experts) and eager (unconstrained_eager)
+#            the GPU as one graph (grouped experts) and eager (unconstrained_eager), and the default plan with
+#            torch's pinned memory (plan_auto_cuda_pinned: 4 KiB pages) instead of registered huge pages
 #   dense    the same, 8 Llama-3-8B layers, --gpu-mem 2GiB
 #   moe_ab   plan off, then the default plan, 3 repeats each (the default ran first and 17% slower than plan
 #            off with the same paths and hit rate on 2026-11-26: order, or the plan?)
@@ -46,6 +47,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$res/gpu.csv" 2>&1
 lscpu > "$res/lscpu.txt" 2>&1
+grep -H . /sys/kernel/mm/transparent_hugepage/{enabled,defrag} > "$res/thp.txt" 2>&1
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee "$res/versions.txt"
 # the 2026-11-26 H200's quick profile, until the `profile` stage measures this machine's
 prof=benchmarks/reference/h200-2026-11-26/profile_quick.json
@@ -65,7 +67,7 @@ run() {
 }
 bench() {  # bench SHAPE CAP [extra args]
   local shape=$1 cap=$2; shift 2
-  local rows=plan_auto,plan_auto_eager,plan_auto_profiled,plan_off,forced_copy,forced_cpu,forced_split,no_gpu,unconstrained,unconstrained_eager,hf_all_gpu
+  local rows=plan_auto,plan_auto_eager,plan_auto_cuda_pinned,plan_auto_profiled,plan_off,forced_copy,forced_cpu,forced_split,no_gpu,unconstrained,unconstrained_eager,hf_all_gpu
   run "$cap" "gpu_offload_$shape" python3 benchmarks/gpu_offload.py --shape "$shape" --repeats 1 --rows "$rows" \
     --out "$res" ${prof:+--profile "$prof"} "$@"
 }

@@ -398,3 +398,83 @@ def test_large_host_tensors_sit_on_huge_pages(monkeypatch):
     monkeypatch.setenv("TIERED_HUGEPAGES", "0")
     plain = b.empty((HUGE_PAGES_FROM,), torch.uint8)
     assert plain.numel() == HUGE_PAGES_FROM and b.used == t.numel() * 4 + small.numel() * 4 + plain.numel()
+
+
+def test_locked_host_tensors_are_unlocked_when_their_last_view_dies(monkeypatch):
+    """host_empty(lock=...) (CudaAccelerator.host_buffer's cudaHostRegister): the lock sees the
+    tensor's 2 MiB-aligned start and its bytes rounded up to whole pages, once; the unlock runs when
+    the last view is freed, not before; a refused lock, a small tensor or TIERED_HUGEPAGES=0 gives
+    None (the caller falls back to its own pinned allocator)."""
+    import gc
+    import mmap
+    import sys
+
+    from tiered.hardware.budget import HUGE_PAGE, HUGE_PAGES_FROM, host_empty, huge_pages_enabled
+
+    if not sys.platform.startswith("linux") or not huge_pages_enabled():
+        pytest.skip("transparent huge pages are Linux-only")
+    locked, unlocked = [], []
+
+    def lock(address, nbytes):
+        locked.append((address, nbytes))
+        return lambda: unlocked.append(address)
+    t = host_empty((HUGE_PAGES_FROM + 10,), torch.uint8, lock=lock)
+    assert locked == [(t.data_ptr(), -(-(HUGE_PAGES_FROM + 10) // mmap.PAGESIZE) * mmap.PAGESIZE)]
+    assert t.data_ptr() % HUGE_PAGE == 0
+    view = t[100:].view(torch.uint8)
+    del t
+    gc.collect()
+    assert unlocked == []  # a view still holds the memory
+    view.fill_(3)
+    del view
+    gc.collect()
+    assert unlocked == [locked[0][0]]
+    assert host_empty((HUGE_PAGES_FROM,), torch.uint8, lock=lambda a, n: None) is None  # refused
+    assert host_empty((HUGE_PAGES_FROM - 1,), torch.uint8, lock=lock) is None and len(locked) == 1  # small
+    monkeypatch.setenv("TIERED_HUGEPAGES", "0")
+    assert host_empty((HUGE_PAGES_FROM,), torch.uint8, lock=lock) is None and len(locked) == 1
+
+
+def test_weights_the_link_reads_are_the_accelerators_host_buffers(rt, monkeypatch):  # noqa: F811
+    """Experts kept in RAM for the link, and the CPU-side slices of a sliced MLP, come from
+    Accelerator.host_buffer (pinned memory on CUDA): on the stand-in, huge-page memory."""
+    from tiered.hardware.accelerator import HostAccelerator
+    from tiered.hardware.budget import HUGE_PAGE, HUGE_PAGES_FROM, huge_pages_enabled
+    from tiered.runtime.executor import Executor
+    from tiered.runtime.sliced import SlicedMLP
+
+    calls, real = [], HostAccelerator.host_buffer
+
+    def spy(self, shape, dtype):
+        calls.append(tuple(shape))
+        return real(self, shape, dtype)
+    monkeypatch.setattr(HostAccelerator, "host_buffer", spy)
+    acc = HostAccelerator()
+    big = acc.host_buffer((HUGE_PAGES_FROM,), torch.uint8)
+    assert big.data_ptr() % HUGE_PAGE == 0 or not huge_pages_enabled()
+    D, F = 16, 64
+    w = [torch.randn(F, D), torch.randn(F, D), torch.randn(D, F)]
+    ex = Executor(acc)
+    try:
+        with acc.scope():
+            SlicedMLP(*w, 0.5, 0.25, acc, ex)
+    finally:
+        ex.close()
+    assert calls[1:] == [(32, D), (32, D), (D, 32), (16, D), (16, D), (D, 16)]  # CC, then CG parts
+    s = rt.sizes("mixtral")
+    calls.clear()
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2),
+                                               cpu_memory="64MiB"))
+    try:
+        n_host = len(llm.experts.store.host)
+        assert n_host > 0 and len(calls) >= 3 * n_host  # every RAM expert's three matrices (and staging)
+    finally:
+        llm.close()
+
+
+def test_pinned_setting_is_checked():
+    from tiered import EngineConfig
+
+    assert EngineConfig().pinned == "huge" and EngineConfig(pinned="cuda").pinned == "cuda"
+    with pytest.raises(ConfigError, match="pinned must be"):
+        EngineConfig(pinned="4k")

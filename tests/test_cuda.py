@@ -91,3 +91,29 @@ def test_stream_waits_sleep_on_a_blocking_event():
     with acc.stream("copy"):
         acc.copy_to_device(dst, src)
     assert acc._streams["copy"].query() and float(dst.sum()) == float(1 << 20)
+
+
+@pytest.mark.parametrize("pinned", ["huge", "cuda"])
+def test_large_host_buffers_are_pinned_and_copy_asynchronously(pinned):
+    """CudaAccelerator.host_buffer: a large buffer is page-locked (registered huge-page memory with
+    "huge", cudaHostAlloc with "cuda"), copies from it run on the copy stream without blocking,
+    and what lands equals what was written; freeing it unregisters it (a second buffer reuses
+    nothing stale)."""
+    import gc
+
+    from tiered.hardware.budget import HUGE_PAGE, HUGE_PAGES_FROM, huge_pages_enabled
+    from tiered.hardware.cuda import CudaAccelerator
+
+    acc = CudaAccelerator(pinned=pinned)
+    for _ in range(2):
+        h = acc.host_buffer((HUGE_PAGES_FROM // 2 + 3,), torch.bfloat16)
+        assert h.is_pinned()
+        if pinned == "huge" and huge_pages_enabled():
+            assert h.data_ptr() % HUGE_PAGE == 0  # tiered's own memory, not torch's pinned allocator
+        h.copy_(torch.arange(h.numel()).to(torch.bfloat16))
+        d = acc.alloc(tuple(h.shape), h.dtype, "test")
+        with acc.stream("copy"):
+            acc.copy_to_device(d, h)
+        assert torch.equal(d.cpu(), h)
+        del h, d
+        gc.collect()

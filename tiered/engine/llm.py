@@ -90,7 +90,7 @@ class LLM:
         self.config = self.checkpoint.config
         self.tokenizer = self.checkpoint.tokenizer()
         self.max_context = context_window(self.config, ec.max_context)
-        self.accelerator = make_accelerator(ec.accelerator, ec.gpu_memory, ec.link_bandwidth)
+        self.accelerator = make_accelerator(ec.accelerator, ec.gpu_memory, ec.link_bandwidth, ec.pinned)
         self.device = self.accelerator.device if self.accelerator is not None else torch.device("cpu")
         self.dtype = resolve_dtype(ec, self.accelerator, self.checkpoint)
         self.cpu_budget = MemoryBudget("cpu", ec.cpu_memory)

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from tiered.hardware.budget import MemoryBudget
+from tiered.hardware.budget import MemoryBudget, host_empty
 from tiered.hardware.standin import (STANDIN_DEVICE, StandinDeviceError, StandinScope, StandinTensor, ThreadFlag,
                                      capturing)
 
@@ -87,7 +87,14 @@ class Accelerator(ABC):
 
     @abstractmethod
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A host staging tensor for H2D copies (pinned memory on CUDA)."""
+        """An uninitialized host tensor that H2D copies read from: staging buffers, and weights kept
+        in RAM for the link and the CPU alike (pinned memory on CUDA; huge pages when large)."""
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of host tensor `t` in a host_buffer (contiguous)."""
+        out = self.host_buffer(tuple(t.shape), t.dtype)
+        out.copy_(t)
+        return out
 
     @contextmanager
     def stream(self, name: str):
@@ -221,7 +228,7 @@ class HostAccelerator(Accelerator):
         return t.cpu() if type(t) is StandinTensor else t
 
     def host_buffer(self, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype)
+        return host_empty(shape, dtype)
 
     @contextmanager
     def scope(self):
@@ -236,8 +243,10 @@ class HostAccelerator(Accelerator):
             yield
 
 
-def make_accelerator(kind: str, capacity: int | None, link_bandwidth: float | None = None) -> Accelerator | None:
-    """'none' -> None (CPU only); 'host' -> HostAccelerator; 'cuda' -> CudaAccelerator; 'auto' picks CUDA if present."""
+def make_accelerator(kind: str, capacity: int | None, link_bandwidth: float | None = None,
+                     pinned: str = "huge") -> Accelerator | None:
+    """'none' -> None (CPU only); 'host' -> HostAccelerator; 'cuda' -> CudaAccelerator (its host
+    buffers pinned as `pinned` says: EngineConfig.pinned); 'auto' picks CUDA if present."""
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "none"
     if kind == "none":
@@ -245,4 +254,4 @@ def make_accelerator(kind: str, capacity: int | None, link_bandwidth: float | No
     if kind == "host":
         return HostAccelerator(capacity, link_bandwidth)
     from tiered.hardware.cuda import CudaAccelerator
-    return CudaAccelerator(capacity)
+    return CudaAccelerator(capacity, pinned=pinned)

@@ -186,7 +186,7 @@ def place_experts(plan: Plan, checkpoint, accelerator, fast_budget: MemoryBudget
         return fast_budget.empty(shape, dt, what)
 
     def host_alloc(shape, dt, what):
-        return cpu_budget.empty(shape, dt, what, pin=not accelerator.is_host)
+        return cpu_budget.empty(shape, dt, what, alloc=accelerator.host_buffer)
 
     fast_staging = StagingPool([staging_buffer(fast_alloc, fmt, "staging") for _ in range(n_stage)])
     host_staging = None

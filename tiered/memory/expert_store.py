@@ -149,8 +149,8 @@ class ExpertStore:
         return self.fast_budget.empty(tuple(shape), self.dtype, what)
 
     def _alloc_host(self, shape, what: str) -> torch.Tensor:
-        pin = self.accelerator is not None and not self.accelerator.is_host
-        return self.cpu_budget.empty(tuple(shape), self.dtype, what, pin=pin)
+        alloc = self.accelerator.host_buffer if self.accelerator is not None else None  # pinned on CUDA
+        return self.cpu_budget.empty(tuple(shape), self.dtype, what, alloc=alloc)
 
     def encode(self, key, slot: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
         """Expert `key` in the store's format, built from the checkpoint (GGUF blocks repacked where

@@ -86,12 +86,11 @@ class SlicedMLP(nn.Module):
         F, D = w_gate.shape
         self.f_cc, self.f_cg, self.f_gg = split_rows(F, r_cc, r_cg)
         a, b = self.f_cc, self.f_cc + self.f_cg
-        pin = not accelerator.is_host
         if host_budget is not None:
             host_budget.reserve(3 * b * D * w_gate.element_size(), "CPU-side MLP slices")
-        def host(t: torch.Tensor) -> torch.Tensor:
-            t = accelerator.to_host(t.detach()).contiguous()
-            return t.pin_memory() if pin else t
+
+        def host(t: torch.Tensor) -> torch.Tensor:  # pinned on CUDA, huge pages when large
+            return accelerator.pin(accelerator.to_host(t.detach()))
         self.cc = (host(w_gate[:a]), host(w_up[:a]), host(w_down[:, :a]))
         self.cg = (host(w_gate[a:b]), host(w_up[a:b]), host(w_down[:, a:b]))
         self.gg = tuple(self._to_device(accelerator, t, "GG slice") for t in (w_gate[b:], w_up[b:], w_down[:, b:]))
