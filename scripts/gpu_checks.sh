@@ -15,7 +15,7 @@
 #   moe_ab   plan off, then the default plan, 3 repeats each (the default ran first and 17% slower than plan
 #            off with the same paths and hit rate on 2026-11-26: order, or the plan?)
 #   graphs   the CUDA graph tests, then both shapes' graphed rows beside their eager twins only
-#            (plan_auto, plan_auto_eager, unconstrained, unconstrained_eager): the short A/B
+#            (plan_auto, plan_auto_eager, plan_auto_cuda_pinned, unconstrained, unconstrained_eager): the short A/B
 #   trace    the MoE and dense default plans once more with EngineConfig(trace=True) (timelines)
 #   stall    benchmarks/gpu_stall_probe.py: where an offloaded decode step's host time goes (profiler
 #            ops, thread samples, late samples); stall_passive: the same with OMP_WAIT_POLICY=PASSIVE
@@ -100,7 +100,7 @@ for stage in "${stages[@]}"; do
               tests/test_grouped_experts.py tests/test_graphs.py tests/test_split_dispatch.py
             for shape in moe dense; do
               run 150 "graphs_$shape" python3 benchmarks/gpu_offload.py --shape "$shape" --repeats 1 \
-                --rows plan_auto,plan_auto_eager,unconstrained,unconstrained_eager --out "$res/graphs" \
+                --rows plan_auto,plan_auto_eager,plan_auto_cuda_pinned,unconstrained,unconstrained_eager --out "$res/graphs" \
                 --name "graphs_$shape" ${prof:+--profile "$prof"}
             done ;;
     trace) mkdir -p "$res/traces"

@@ -478,3 +478,47 @@ def test_pinned_setting_is_checked():
     assert EngineConfig().pinned == "huge" and EngineConfig(pinned="cuda").pinned == "cuda"
     with pytest.raises(ConfigError, match="pinned must be"):
         EngineConfig(pinned="4k")
+
+
+def test_move_to_huge_pages_repoints_a_modules_large_tensors_in_place(monkeypatch):
+    """move_to_huge_pages: a module's large torch-allocated storages move onto 2 MiB-aligned huge-page
+    memory with the same values; every tensor viewing one (parameter, buffer, a view and its base,
+    a plain tensor attribute) is re-pointed in place, so the module's objects stay the same; a
+    storage something outside the module also holds stays (both copies would live), as do small
+    ones, skipped attributes and everything under TIERED_HUGEPAGES=0."""
+    import sys
+
+    from torch import nn
+
+    from tiered.hardware.budget import HUGE_PAGE, HUGE_PAGES_FROM, huge_pages_enabled, move_to_huge_pages
+
+    if not sys.platform.startswith("linux") or not huge_pages_enabled():
+        pytest.skip("transparent huge pages are Linux-only")
+    n = HUGE_PAGES_FROM // 4 + 1024  # fp32 elements: a large storage
+    m = nn.Module()
+    m.w = nn.Parameter(torch.randn(n), requires_grad=False)
+    buf = torch.randn(2, n)
+    m.register_buffer("row", buf[1].view(torch.int32))  # a view (of a view: with a base)
+    m.plain = buf[0]  # a plain attribute on the same storage
+    m.small = nn.Parameter(torch.randn(16), requires_grad=False)
+    m.child = nn.Module()
+    m.child.held = nn.Parameter(torch.randn(n), requires_grad=False)
+    outside = m.child.held.view(-1)  # held outside the module too
+    m.child.skipped = nn.Parameter(torch.randn(n), requires_grad=False)
+    want = {k: v.clone() for k, v in (("w", m.w), ("row", m.row), ("plain", m.plain))}
+    w_obj, held_ptr, skipped_ptr, small_ptr = m.w, m.child.held.data_ptr(), m.child.skipped.data_ptr(), m.small.data_ptr()
+    del buf
+    moved = move_to_huge_pages(m, skip=lambda mod, name: name == "skipped")
+    assert moved == n * 4 + 2 * n * 4
+    assert m.w is w_obj and m.w.data_ptr() % HUGE_PAGE == 0 and isinstance(m.w, nn.Parameter)
+    assert m.plain.untyped_storage().data_ptr() == m.row.untyped_storage().data_ptr()
+    assert m.plain.data_ptr() % HUGE_PAGE == 0  # buf[0] began its storage, which now starts on a huge page
+    for k, v in want.items():
+        assert torch.equal(getattr(m, k), v)
+    assert (m.child.held.data_ptr(), m.child.skipped.data_ptr(), m.small.data_ptr()) == (held_ptr, skipped_ptr, small_ptr)
+    assert outside.data_ptr() == held_ptr
+    assert move_to_huge_pages(m) == n * 4  # again: only `skipped` (its own storage) is left to move
+    m2 = nn.Module()
+    m2.w = nn.Parameter(torch.randn(n), requires_grad=False)
+    monkeypatch.setenv("TIERED_HUGEPAGES", "0")
+    assert move_to_huge_pages(m2) == 0

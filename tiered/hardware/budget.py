@@ -108,6 +108,62 @@ def host_empty(shape: tuple[int, ...], dtype, lock: Callable[[int, int], Callabl
     return buf.view(dtype).view(shape)
 
 
+def move_to_huge_pages(module, skip: Callable | None = None) -> int:
+    """Move `module`'s large CPU tensors (parameters, buffers and tensor attributes of every
+    submodule) onto transparent huge pages in place: each torch-allocated storage of at least
+    HUGE_PAGES_FROM bytes is copied into host_empty memory and every tensor viewing it is re-pointed
+    (Tensor.set_, same offsets and strides), so the modules, and anything holding those tensor
+    objects, see the new memory. Why: host_empty's (decode streams weights; 4 KiB pages cost a TLB
+    miss per 4 KiB).
+
+    A storage is left where it is when something outside the module also holds it (its use count
+    exceeds the module's tensors: moving it would keep both copies), when torch did not allocate
+    it (a file or numpy mapping: not resizable; host_empty's own memory), or when huge pages are
+    off. Call it before native kernels take pointers to these tensors.
+
+    Args:
+        skip: skip(submodule, attribute name) -> True for tensors to leave where they are (the
+            dense weights of projections that decode through their own copies: read by prompts
+            only, where the GEMMs are compute-bound).
+    Returns:
+        Bytes moved.
+    """
+    import torch
+
+    if not huge_pages_enabled():
+        return 0
+    groups: dict[int, dict[int, torch.Tensor]] = {}
+    for m in module.modules():
+        found = list(m._parameters.items()) + list(m._buffers.items()) + \
+            [(k, v) for k, v in vars(m).items() if isinstance(v, torch.Tensor) and not k.startswith("_")]
+        for name, t in found:
+            if t is None or (skip is not None and skip(m, name)):
+                continue
+            if t.device.type == "cpu" and type(t) in (torch.Tensor, torch.nn.Parameter):
+                group = groups.setdefault(t.untyped_storage().data_ptr(), {})
+                group[id(t)] = t
+                if t._base is not None:  # a view keeps its base tensor alive: it moves too
+                    group[id(t._base)] = t._base
+    moved = 0
+    for tensors in groups.values():
+        first = next(iter(tensors.values()))
+        storage = first.untyped_storage()
+        n = storage.nbytes()
+        # one reference per tensor found, plus `storage` itself: nobody else holds this memory
+        if n < HUGE_PAGES_FROM or not storage.resizable() or \
+                torch._C._storage_Use_Count(storage._cdata) != len(tensors) + 1:
+            continue
+        new = host_empty((n,), torch.uint8)
+        new.copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,), (1,)))
+        base = new.storage_offset()  # bytes into the mapping: a whole number of pages
+        with torch.no_grad():
+            for t in tensors.values():
+                size = t.element_size()
+                t.set_(new.untyped_storage(), (base + t.storage_offset() * size) // size, t.shape, t.stride())
+        moved += n
+    return moved
+
+
 class MemoryBudget:
     """A tier's byte budget. Thread-safe; `reserve` raises before the limit is crossed.
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiered.hardware.budget import MemoryBudget
+from tiered.hardware.budget import MemoryBudget, move_to_huge_pages
 from tiered.memory import sizes
 from tiered.memory.expert_cache import ExpertCache, make_policy
 from tiered.memory.expert_store import ExpertStore, expert_tensor_names
@@ -163,6 +163,9 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
         extra += install_decode_weights(model, checkpoint, decode, plan.decode_threshold, dense=not one_copy,
                                         skip=skip, int4_layout=plan.int4_layout, batch_act=plan.batch_act)
         fast_budget.reserve(extra, "the decode-format weight copies")
+    if accelerator is None:  # CPU decode streams these from RAM every token: onto huge pages (TLB)
+        from tiered.quant.linear import PhaseLinear
+        move_to_huge_pages(model, skip=lambda m, name: isinstance(m, PhaseLinear) and name == "weight")
     return nbytes, extra
 
 
