@@ -32,25 +32,30 @@
 # keeps its tables and logs in the repo (shared/gpu-runs is read-only to sessions).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# GPU_CHECKS_SMOKE=1: the benchmarks' --smoke (host stand-in, tiny shapes), no installs: this script's own
+# plumbing checked on a CPU machine (tests/test_gpu_checks_script.py), with PYTHON naming the interpreter
+smoke=${GPU_CHECKS_SMOKE:+--smoke}
 [ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense graphs trace stall stall_passive share moe_ab fullprofile all)" >&2; exit 2; }
 start=$(date +%s)
 deadline=$((start + ${GPU_DEADLINE:-540}))
 out=${OUT:-benchmarks/results/gpu}
-res=${OUT:+/tmp/gpu_res}; res=${res:-$out/res}  # not under $OUT: only its packed copy travels back
+res=${OUT:+/tmp/gpu_res}; res=${GPU_RES:-${res:-$out/res}}  # not under $OUT: only its packed copy travels back
 mkdir -p "$res"
 exec > >(tee -a "$out/run.log") 2>&1
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+if [ -z "$smoke" ] && compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+[ -n "$smoke" ] || $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$res/gpu.csv" 2>&1
 lscpu > "$res/lscpu.txt" 2>&1
 grep -H . /sys/kernel/mm/transparent_hugepage/{enabled,defrag} > "$res/thp.txt" 2>&1
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee "$res/versions.txt"
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee "$res/versions.txt"
 # the 2026-11-26 H200's quick profile, until the `profile` stage measures this machine's
 prof=benchmarks/reference/h200-2026-11-26/profile_quick.json
+[ -z "$smoke" ] || prof=  # the stand-in's tiny shapes: the profile of this machine
 
 pack() { tar czf "$out/gpu_results.tgz" -C "$res" . 2>/dev/null; }
 # run CAP NAME CMD...: the command under `timeout min(CAP, time left - 10 s)`, its output in res/NAME.log
@@ -68,45 +73,45 @@ run() {
 bench() {  # bench SHAPE CAP [extra args]
   local shape=$1 cap=$2; shift 2
   local rows=plan_auto,plan_auto_eager,plan_auto_cuda_pinned,plan_auto_profiled,plan_off,forced_copy,forced_cpu,forced_split,no_gpu,unconstrained,unconstrained_eager,hf_all_gpu
-  run "$cap" "gpu_offload_$shape" python3 benchmarks/gpu_offload.py --shape "$shape" --repeats 1 --rows "$rows" \
+  run "$cap" "gpu_offload_$shape" $PY benchmarks/gpu_offload.py $smoke --shape "$shape" --repeats 1 --rows "$rows" \
     --out "$res" ${prof:+--profile "$prof"} "$@"
 }
 xdist=""
-python3 -c "import xdist" 2>/dev/null && xdist="-n 8"
+$PY -c "import xdist" 2>/dev/null && xdist="-n 8"
 
 stages=("$@")
 [ "${stages[*]}" = all ] && stages=(kernels cuda profile moe dense suite trace stall)
 for stage in "${stages[@]}"; do
   case "$stage" in
-    kernels) run 180 kernels python3 -m tiered.kernels ;;
-    cuda) run 120 pytest_cuda_marked python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/ ;;
-    suite) run 300 pytest_cuda_all python3 -m pytest -q -p no:cacheprovider $xdist -rfE --durations=15 tests/ ;;
-    tests) run 120 pytest_cuda_marked python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/
-           run 300 pytest_cuda_all python3 -m pytest -q -p no:cacheprovider $xdist -rfE --durations=15 tests/ ;;
-    profile) run 120 profile_quick python3 -m tiered.cli profile --quick --out "$res/profile_quick.json"
+    kernels) run 180 kernels $PY -m tiered.kernels ;;
+    cuda) run 120 pytest_cuda_marked $PY -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/ ;;
+    suite) run 300 pytest_cuda_all $PY -m pytest -q -p no:cacheprovider $xdist -rfE --durations=15 tests/ ;;
+    tests) run 120 pytest_cuda_marked $PY -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/
+           run 300 pytest_cuda_all $PY -m pytest -q -p no:cacheprovider $xdist -rfE --durations=15 tests/ ;;
+    profile) run 120 profile_quick $PY -m tiered.cli profile --quick --out "$res/profile_quick.json"
              [ -s "$res/profile_quick.json" ] && prof=$res/profile_quick.json ;;
-    stall) run 200 stall_probe python3 benchmarks/gpu_stall_probe.py --out "$res/stall" ${prof:+--profile "$prof"} ;;
-    stall_passive) run 200 stall_probe_passive python3 benchmarks/gpu_stall_probe.py --out "$res/stall_passive" \
+    stall) run 200 stall_probe $PY benchmarks/gpu_stall_probe.py $smoke --out "$res/stall" ${prof:+--profile "$prof"} ;;
+    stall_passive) run 200 stall_probe_passive $PY benchmarks/gpu_stall_probe.py $smoke --out "$res/stall_passive" \
              --env OMP_WAIT_POLICY=PASSIVE ${prof:+--profile "$prof"} ;;
-    share) run 90 dram_share python3 benchmarks/gpu_dram_share.py --out "$res" ;;
-    fullprofile) run 540 profile_full python3 -m tiered.cli profile --out "$res/profile_full.json" ;;
+    share) run 90 dram_share $PY benchmarks/gpu_dram_share.py $smoke --out "$res" ;;
+    fullprofile) run 540 profile_full $PY -m tiered.cli profile --out "$res/profile_full.json" ;;
     moe) bench moe 240 ;;
     dense) bench dense 150 ;;
     moe_ab) mkdir -p "$res/ab"
-            run 240 gpu_offload_moe_ab python3 benchmarks/gpu_offload.py --shape moe --repeats 3 --rows plan_off,plan_auto \
+            run 240 gpu_offload_moe_ab $PY benchmarks/gpu_offload.py $smoke --shape moe --repeats 3 --rows plan_off,plan_auto \
               --out "$res/ab" --name gpu_offload_moe_ab ${prof:+--profile "$prof"} ;;
     graphs) mkdir -p "$res/graphs"
-            run 150 pytest_graphs python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/test_piecewise_graphs.py \
+            run 150 pytest_graphs $PY -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/test_piecewise_graphs.py \
               tests/test_grouped_experts.py tests/test_graphs.py tests/test_split_dispatch.py
             for shape in moe dense; do
-              run 150 "graphs_$shape" python3 benchmarks/gpu_offload.py --shape "$shape" --repeats 1 \
+              run 150 "graphs_$shape" $PY benchmarks/gpu_offload.py $smoke --shape "$shape" --repeats 1 \
                 --rows plan_auto,plan_auto_eager,plan_auto_cuda_pinned,unconstrained,unconstrained_eager --out "$res/graphs" \
                 --name "graphs_$shape" ${prof:+--profile "$prof"}
             done ;;
     trace) mkdir -p "$res/traces"
-           run 120 trace_moe python3 benchmarks/gpu_offload.py --shape moe --repeats 1 --rows plan_auto \
+           run 120 trace_moe $PY benchmarks/gpu_offload.py $smoke --shape moe --repeats 1 --rows plan_auto \
              --out "$res/traces" --name trace_moe ${prof:+--profile "$prof"} --trace-dir "$res/traces"
-           run 90 trace_dense python3 benchmarks/gpu_offload.py --shape dense --repeats 1 --rows plan_auto \
+           run 90 trace_dense $PY benchmarks/gpu_offload.py $smoke --shape dense --repeats 1 --rows plan_auto \
              --out "$res/traces" --name trace_dense ${prof:+--profile "$prof"} --trace-dir "$res/traces" ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac
