@@ -480,17 +480,18 @@ def test_pinned_setting_is_checked():
         EngineConfig(pinned="4k")
 
 
-def test_move_to_huge_pages_repoints_a_modules_large_tensors_in_place(monkeypatch):
-    """move_to_huge_pages: a module's large torch-allocated storages move onto 2 MiB-aligned huge-page
-    memory with the same values; every tensor viewing one (parameter, buffer, a view and its base,
-    a plain tensor attribute) is re-pointed in place, so the module's objects stay the same; a
-    storage something outside the module also holds stays (both copies would live), as do small
-    ones, skipped attributes and everything under TIERED_HUGEPAGES=0."""
+def test_move_to_huge_pages_repoints_a_modules_tensors_into_one_arena(monkeypatch):
+    """move_to_huge_pages: a module's torch-allocated storages (from ARENA_FROM bytes) move into one
+    huge-page arena, each on a page boundary, with the same values; every tensor viewing one
+    (parameter, buffer, a view and its base, a plain tensor attribute) is re-pointed in place, so
+    the module's objects stay the same; a storage something outside the module also holds stays
+    (both copies would live), as do small ones, skipped attributes and everything under
+    TIERED_HUGEPAGES=0."""
     import sys
 
     from torch import nn
 
-    from tiered.hardware.budget import HUGE_PAGE, HUGE_PAGES_FROM, huge_pages_enabled, move_to_huge_pages
+    from tiered.hardware.budget import ARENA_FROM, HUGE_PAGE, HUGE_PAGES_FROM, huge_pages_enabled, move_to_huge_pages
 
     if not sys.platform.startswith("linux") or not huge_pages_enabled():
         pytest.skip("transparent huge pages are Linux-only")
@@ -500,19 +501,23 @@ def test_move_to_huge_pages_repoints_a_modules_large_tensors_in_place(monkeypatc
     buf = torch.randn(2, n)
     m.register_buffer("row", buf[1].view(torch.int32))  # a view (of a view: with a base)
     m.plain = buf[0]  # a plain attribute on the same storage
+    m.mid = nn.Parameter(torch.randn(ARENA_FROM // 4 + 3), requires_grad=False)  # small, but in the arena
     m.small = nn.Parameter(torch.randn(16), requires_grad=False)
     m.child = nn.Module()
     m.child.held = nn.Parameter(torch.randn(n), requires_grad=False)
     outside = m.child.held.view(-1)  # held outside the module too
     m.child.skipped = nn.Parameter(torch.randn(n), requires_grad=False)
-    want = {k: v.clone() for k, v in (("w", m.w), ("row", m.row), ("plain", m.plain))}
-    w_obj, held_ptr, skipped_ptr, small_ptr = m.w, m.child.held.data_ptr(), m.child.skipped.data_ptr(), m.small.data_ptr()
+    want = {k: getattr(m, k).clone() for k in ("w", "row", "plain", "mid")}
+    w_obj = m.w
+    held_ptr, skipped_ptr, small_ptr = m.child.held.data_ptr(), m.child.skipped.data_ptr(), m.small.data_ptr()
     del buf
     moved = move_to_huge_pages(m, skip=lambda mod, name: name == "skipped")
-    assert moved == n * 4 + 2 * n * 4
-    assert m.w is w_obj and m.w.data_ptr() % HUGE_PAGE == 0 and isinstance(m.w, nn.Parameter)
-    assert m.plain.untyped_storage().data_ptr() == m.row.untyped_storage().data_ptr()
-    assert m.plain.data_ptr() % HUGE_PAGE == 0  # buf[0] began its storage, which now starts on a huge page
+    assert moved == n * 4 + 2 * n * 4 + m.mid.numel() * 4
+    assert m.w is w_obj and isinstance(m.w, nn.Parameter)
+    arena = m.w.untyped_storage().data_ptr()
+    assert all(getattr(m, k).untyped_storage().data_ptr() == arena for k in want)  # one arena
+    assert m.w.data_ptr() % HUGE_PAGE == 0  # the first storage moved opens the 2 MiB-aligned arena
+    assert m.plain.data_ptr() % 4096 == 0 and m.mid.data_ptr() % 4096 == 0  # each storage on a page
     for k, v in want.items():
         assert torch.equal(getattr(m, k), v)
     assert (m.child.held.data_ptr(), m.child.skipped.data_ptr(), m.small.data_ptr()) == (held_ptr, skipped_ptr, small_ptr)

@@ -97,6 +97,13 @@ def test_logits_equal_transformers(lossless, lossless_out, hf_logits):
 def test_default_int4_decode_is_close_to_lossless(smollm2_path, lossless, lossless_out):
     int4 = LLM(smollm2_path, EngineConfig(accelerator="none"))  # the CPU's decode copies
     assert int4.decode_weight_bytes > 0
+    from tiered.hardware.budget import ARENA_FROM, huge_pages_enabled
+    from tiered.quant.int4 import Int4Linear
+    from tiered.quant.int8 import Int8Linear
+    if huge_pages_enabled():  # every decode copy streams from one huge-page arena (move_to_huge_pages)
+        copies = [t for m in int4.model.modules() if isinstance(m, (Int4Linear, Int8Linear)) for t in m.buffers()
+                  if t.numel() * t.element_size() >= ARENA_FROM]
+        assert len(copies) >= 4 * 30 and len({t.untyped_storage().data_ptr() for t in copies}) == 1
     prompt, cont = lossless_out.prompt_token_ids, lossless_out.token_ids
     # Teacher-forced along the lossless continuation: int4 decode steps vs fp32 scoring. These are
     # exactly the steps generate() runs, so the argmax agreement prefix is the number of greedy

@@ -108,23 +108,33 @@ def host_empty(shape: tuple[int, ...], dtype, lock: Callable[[int, int], Callabl
     return buf.view(dtype).view(shape)
 
 
-def move_to_huge_pages(module, skip: Callable | None = None) -> int:
-    """Move `module`'s large CPU tensors (parameters, buffers and tensor attributes of every
-    submodule) onto transparent huge pages in place: each torch-allocated storage of at least
-    HUGE_PAGES_FROM bytes is copied into host_empty memory and every tensor viewing it is re-pointed
-    (Tensor.set_, same offsets and strides), so the modules, and anything holding those tensor
-    objects, see the new memory. Why: host_empty's (decode streams weights; 4 KiB pages cost a TLB
-    miss per 4 KiB).
+# Storages from this size on join move_to_huge_pages' arena [bytes]: a small model's projections
+# (SmolLM2's int4 decode copies: 0.1-1 MB each) stream from RAM every token as a large one's do.
+ARENA_FROM = 64 << 10
+_ARENA_ALIGN = 4096  # each storage starts on a page in the arena (native kernels need 64 B)
+TRIM_EVERY = 16 << 20  # bytes moved between heap trims (glibc keeps freed chunks resident until one)
+
+
+def move_to_huge_pages(module, skip: Callable | None = None, min_bytes: int = ARENA_FROM) -> int:
+    """Move `module`'s CPU tensors (parameters, buffers and tensor attributes of every submodule)
+    onto transparent huge pages in place: every torch-allocated storage of at least `min_bytes` is
+    copied into one host_empty arena (each at a page boundary) and every tensor viewing it is
+    re-pointed (Tensor.set_, same offsets and strides), so the modules, and anything holding those
+    tensor objects, see the new memory. Why: host_empty's (decode streams the weights every token,
+    and with 4 KiB pages each 4 KiB costs a TLB miss); one arena puts a small model's many small
+    matrices on huge pages too, as a large model's.
 
     A storage is left where it is when something outside the module also holds it (its use count
     exceeds the module's tensors: moving it would keep both copies), when torch did not allocate
     it (a file or numpy mapping: not resizable; host_empty's own memory), or when huge pages are
-    off. Call it before native kernels take pointers to these tensors.
+    off or the arena would be under HUGE_PAGES_FROM. Call it before native kernels take pointers
+    to these tensors.
 
     Args:
         skip: skip(submodule, attribute name) -> True for tensors to leave where they are (the
             dense weights of projections that decode through their own copies: read by prompts
             only, where the GEMMs are compute-bound).
+        min_bytes: the smallest storage moved.
     Returns:
         Bytes moved.
     """
@@ -144,24 +154,35 @@ def move_to_huge_pages(module, skip: Callable | None = None) -> int:
                 group[id(t)] = t
                 if t._base is not None:  # a view keeps its base tensor alive: it moves too
                     group[id(t._base)] = t._base
-    moved = 0
+    todo, total = [], 0
     for tensors in groups.values():
-        first = next(iter(tensors.values()))
-        storage = first.untyped_storage()
+        storage = next(iter(tensors.values())).untyped_storage()
         n = storage.nbytes()
         # one reference per tensor found, plus `storage` itself: nobody else holds this memory
-        if n < HUGE_PAGES_FROM or not storage.resizable() or \
-                torch._C._storage_Use_Count(storage._cdata) != len(tensors) + 1:
-            continue
-        new = host_empty((n,), torch.uint8)
-        new.copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,), (1,)))
-        base = new.storage_offset()  # bytes into the mapping: a whole number of pages
+        if n >= min_bytes and storage.resizable() and torch._C._storage_Use_Count(storage._cdata) == len(tensors) + 1:
+            todo.append((total, n, tensors))
+            total += -(-n // _ARENA_ALIGN) * _ARENA_ALIGN
+        del storage
+    if total < HUGE_PAGES_FROM:
+        return 0
+    from tiered.memory.host import trim_heap
+
+    arena = host_empty((total,), torch.uint8)
+    base, target = arena.storage_offset(), arena.untyped_storage()  # bytes into the mapping: whole pages
+    since_trim = 0
+    for off, n, tensors in todo:
+        first = next(iter(tensors.values()))
+        arena[off:off + n].copy_(torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage(), 0, (n,), (1,)))
         with torch.no_grad():
             for t in tensors.values():
                 size = t.element_size()
-                t.set_(new.untyped_storage(), (base + t.storage_offset() * size) // size, t.shape, t.stride())
-        moved += n
-    return moved
+                t.set_(target, (base + off + t.storage_offset() * size) // size, t.shape, t.stride())
+        since_trim += n
+        if since_trim >= TRIM_EVERY:  # the old copies go back to the OS as the arena fills: peak RSS
+            trim_heap()
+            since_trim = 0
+    trim_heap()
+    return sum(n for _, n, _ in todo)
 
 
 class MemoryBudget:

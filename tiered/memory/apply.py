@@ -164,7 +164,9 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
                                         skip=skip, int4_layout=plan.int4_layout, batch_act=plan.batch_act)
         fast_budget.reserve(extra, "the decode-format weight copies")
     if accelerator is None:  # CPU decode streams these from RAM every token: onto huge pages (TLB)
+        from tiered.memory.host import release_load_memory
         from tiered.quant.linear import PhaseLinear
+        release_load_memory(checkpoint)  # first the file pages and temporaries the load left: peak RSS
         move_to_huge_pages(model, skip=lambda m, name: isinstance(m, PhaseLinear) and name == "weight")
     return nbytes, extra
 
