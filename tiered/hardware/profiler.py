@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from scipy.optimize import nnls
 
 from tiered import kernels
+from tiered.hardware.budget import move_to_huge_pages
 from tiered.hardware.profile import HardwareProfile, LinearModel
 
 MiB = 2**20
@@ -155,31 +156,48 @@ def _native(module):
     return kernel_for(module)
 
 
+def _native_gemv_format(device: str, dtype: str, gemv: bool) -> bool:
+    """Whether a `dtype` GEMV on `device` runs tiered's native kernel (tiered/kernels built)."""
+    return gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int4", "int4q8") and kernels.available()
+
+
+def _native_gemv_module(dtype: str, w: torch.Tensor):
+    """The module holding a `dtype` decode copy of w [N, K] as the engine's CPU decode step keeps it
+    (fp32 nn.Linear, bf16 CastLinear, tiled int4 Int4Linear, Int8Linear), and its weight bytes per
+    element."""
+    if dtype == "fp32":  # the lossless mode's decode weights: f32_kernel
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight.data = w.contiguous()
+        return lin, 4
+    if dtype == "bf16":
+        from tiered.quant.linear import CastLinear
+
+        return CastLinear(w.to(torch.bfloat16), None), 2
+    if dtype in ("int4", "int4q8"):  # the tiled layout the engine's int4 decode copies take
+        from tiered.quant.int4 import Int4Linear, quantize_int4
+        lin = Int4Linear.from_codes(*quantize_int4(w), layout="tiled")
+        return lin, 0.5 + 4 / lin.group
+    from tiered.quant.int8 import Int8Linear
+    return Int8Linear.from_dense(w), 1 + 2 / w.shape[1]
+
+
+def _native_gemv(dtype: str, module):
+    """The native Kernel the CPU decode step calls for `module` (_native_gemv_module's)."""
+    if dtype == "int4q8":  # on int8 activations at batch 1, as routed int4 experts run (Plan.expert_act)
+        from tiered.kernels.linear import int4_tiled_kernel
+        return int4_tiled_kernel(module.packed, None, None, None, "q8")
+    return _native(module)
+
+
 def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False):
     """(fn(x) -> y, x's dtype, weight bytes per element) of the kernel the engine runs for a `dtype`
     weight w [N, K] on `device`. gemv: a decode-step GEMV: on a CPU with tiered/kernels built, the
     native Kernel the native decode step calls for that format (kernels/linear.kernel_for), with
     its per-call cost, not a module's Python-side reshapes and casts."""
-    native = gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int4", "int4q8") and kernels.available()
     dev = torch.device("cuda" if device == "gpu" else "cpu")
-    if native and dtype == "fp32":  # the lossless mode's decode weights: f32_kernel
-        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-        lin.weight.data = w.contiguous()
-        return _native(lin), torch.float32, 4
-    if native and dtype == "bf16":
-        from tiered.quant.linear import CastLinear
-
-        return _native(CastLinear(w.to(torch.bfloat16), None)), torch.float32, 2
-    if native and dtype in ("int4", "int4q8"):  # the tiled layout the engine's int4 decode copies take
-        from tiered.kernels.linear import int4_tiled_kernel
-        from tiered.quant.int4 import Int4Linear, quantize_int4
-        lin = Int4Linear.from_codes(*quantize_int4(w), layout="tiled")
-        # int4q8: on int8 activations at batch 1, as routed int4 experts run (Plan.expert_act)
-        fn = _native(lin) if dtype == "int4" else int4_tiled_kernel(lin.packed, None, None, None, "q8")
-        return fn, torch.float32, 0.5 + 4 / lin.group
-    if native:  # int8: the module the branches below build, through its native Kernel
-        lin, _, bpe = _linear_kernel(device, dtype, w)
-        return _native(lin), torch.float32, bpe
+    if _native_gemv_format(device, dtype, gemv):
+        module, bpe = _native_gemv_module(dtype, w)
+        return _native_gemv(dtype, module), torch.float32, bpe
     if dtype in ("fp32", "bf16", "fp16"):
         td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         wd = w.to(dev, td)
@@ -230,7 +248,14 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
         x = (torch.randint(-8, 8, (T, K), dtype=torch.int8) if xdtype == torch.int8 else torch.randn(T, K)).to(dev, xdtype)
         need = -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(K * N * bpe))
         copies = (need if cold_bytes else min(32, need)) if by_bytes and device == "cpu" else 1
-        turn = itertools.cycle([fn] + [_linear_kernel(device, dtype, w, gemv=by_bytes)[0] for _ in range(copies - 1)])
+        if _native_gemv_format(device, dtype, by_bytes) and copies > 1:
+            # the copies in one huge-page arena, as a CPU-only engine holds its decode copies
+            modules = [_native_gemv_module(dtype, w)[0] for _ in range(copies)]
+            move_to_huge_pages(torch.nn.ModuleList(modules))
+            fns = [_native_gemv(dtype, m) for m in modules]
+        else:
+            fns = [fn] + [_linear_kernel(device, dtype, w, gemv=by_bytes)[0] for _ in range(copies - 1)]
+        turn = itertools.cycle(fns)
         t = median_time(lambda: next(turn)(x), repeats, sync)
         points.append((K * N * bpe if by_bytes else T * K * N, t))
     return points
@@ -576,8 +601,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # resident MoE layers itself, DecodeStep.set_moe; 7: gemv/cpu/int4q8, tiled int4 on int8 activations,
 # what routed int4 experts run at batch 1; 8: attn_prefill/cpu/<dtype>, a prompt's causal attention,
 # gemm_big/cpu/<dtype>, a prompt's GEMM on a real FFN matrix, and on CUDA
-# runtime/decode_step_graphed_gpu/<dtype> and runtime/decode_step_graph_gpu/<dtype>).
-PROFILER_VERSION = 8
+# runtime/decode_step_graphed_gpu/<dtype> and runtime/decode_step_graph_gpu/<dtype>; 9: the native CPU gemv
+# keys stream their weight copies from one huge-page arena, as a CPU-only engine's decode copies sit,
+# hardware/budget.move_to_huge_pages).
+PROFILER_VERSION = 9
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
