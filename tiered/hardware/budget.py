@@ -108,6 +108,19 @@ def host_empty(shape: tuple[int, ...], dtype, lock: Callable[[int, int], Callabl
     return buf.view(dtype).view(shape)
 
 
+def host_zeros(shape: tuple[int, ...], dtype):
+    """A zero CPU tensor [shape] of `dtype`: from HUGE_PAGES_FROM bytes on, host_empty's fresh
+    anonymous mapping, which the kernel zero-fills page by page on first touch, so only the pages
+    written become resident (a KV cache sized for the whole context costs RAM for the positions
+    used) and they are huge pages; smaller, or with huge pages off, torch.zeros."""
+    import torch
+
+    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if n < HUGE_PAGES_FROM or not huge_pages_enabled():
+        return torch.zeros(shape, dtype=dtype)
+    return host_empty(shape, dtype)
+
+
 # Storages from this size on join move_to_huge_pages' arena [bytes]: a small model's projections
 # (SmolLM2's int4 decode copies: 0.1-1 MB each) stream from RAM every token as a large one's do.
 ARENA_FROM = 64 << 10
