@@ -443,11 +443,13 @@ def test_weights_the_link_reads_are_the_accelerators_host_buffers(rt, monkeypatc
     from tiered.runtime.executor import Executor
     from tiered.runtime.sliced import SlicedMLP
 
-    calls, real = [], HostAccelerator.host_buffer
+    calls, spans, real = [], [], HostAccelerator.host_buffer
 
     def spy(self, shape, dtype):
         calls.append(tuple(shape))
-        return real(self, shape, dtype)
+        out = real(self, shape, dtype)
+        spans.append((out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()))
+        return out
     monkeypatch.setattr(HostAccelerator, "host_buffer", spy)
     acc = HostAccelerator()
     big = acc.host_buffer((HUGE_PAGES_FROM,), torch.uint8)
@@ -466,8 +468,10 @@ def test_weights_the_link_reads_are_the_accelerators_host_buffers(rt, monkeypatc
     llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2),
                                                cpu_memory="64MiB"))
     try:
-        n_host = len(llm.experts.store.host)
-        assert n_host > 0 and len(calls) >= 3 * n_host  # every RAM expert's three matrices (and staging)
+        host = [t for ts in llm.experts.store.host.values() for t in ts]
+        assert host and all(any(lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
+                                for lo, hi in spans) for t in host)  # each RAM expert in a host buffer (a slab)
+        assert all(t.data_ptr() % 4096 == 0 for t in host)  # each on a page of its own
     finally:
         llm.close()
 
@@ -551,3 +555,18 @@ def test_host_zeros_are_zero_and_resident_only_where_written():
 
 def _rss_kib() -> int:
     return int(open("/proc/self/smaps_rollup").read().split("\nRss:")[1].split()[0])
+
+
+def test_host_slab_carves_page_aligned_tensors_until_full():
+    from tiered.hardware.budget import HostSlab
+
+    shapes = [(3, 100), (100, 3)]
+    slab = HostSlab(HostSlab.bytes_for(2, shapes, torch.float32))
+    assert HostSlab.bytes_for(2, shapes, torch.float32) == 2 * 2 * 4096
+    got = [slab.take(s, torch.float32) for _ in range(2) for s in shapes]
+    assert [tuple(t.shape) for t in got] == shapes * 2 and all(t.data_ptr() % 4096 == 0 for t in got)
+    for i, t in enumerate(got):
+        t.fill_(i)
+    assert [float(t.mean()) for t in got] == [0.0, 1.0, 2.0, 3.0]  # no two overlap
+    with pytest.raises(MemoryError, match="full"):
+        slab.take((1,), torch.float32)

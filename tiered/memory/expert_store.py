@@ -22,7 +22,7 @@ import torch
 from tiered.checkpoint.handle import STORED_DTYPES, TensorHandle, _fd
 from tiered.checkpoint.hf_dir import _check_safetensors_file
 from tiered.errors import ConfigError
-from tiered.hardware.budget import MemoryBudget
+from tiered.hardware.budget import HostSlab, MemoryBudget
 from tiered.memory.host import release_load_memory
 from tiered.planner.placement import CPU, DISK, FAST, ExpertPlacement
 from tiered.quant.experts import ExpertFormat
@@ -106,6 +106,15 @@ class ExpertStore:
                     self.stacks[layer] = tuple(
                         accelerator.alloc((self.num_experts, *checkpoint.handle(n).shape), dtype,
                                           f"resident experts of layer {layer}") for n in names)
+        # the experts kept in host RAM come from one slab per tier, page-aligned, on huge pages
+        # (hardware/budget.HostSlab: small experts stream as fast as large ones)
+        tiers = list(placement.tiers.values())
+        self._fast_slab = self._host_slab = None
+        if accelerator is None and FAST in tiers:
+            self._fast_slab = HostSlab(HostSlab.bytes_for(tiers.count(FAST), fmt.slot_shapes, dtype))
+        if CPU in tiers:
+            self._host_slab = HostSlab(HostSlab.bytes_for(tiers.count(CPU), fmt.slot_shapes, dtype),
+                                       accelerator.host_buffer if accelerator is not None else None)
         needs_conversion = []
         filled = 0  # quantized expert bytes encoded since the file's pages were last released
         for key, tier in placement.tiers.items():
@@ -146,11 +155,11 @@ class ExpertStore:
     def _alloc_fast(self, shape, what: str) -> torch.Tensor:
         if self.accelerator is not None:
             return self.accelerator.alloc(tuple(shape), self.dtype, what)
-        return self.fast_budget.empty(tuple(shape), self.dtype, what)
+        return self.fast_budget.empty(tuple(shape), self.dtype, what, alloc=self._fast_slab.take)
 
     def _alloc_host(self, shape, what: str) -> torch.Tensor:
-        alloc = self.accelerator.host_buffer if self.accelerator is not None else None  # pinned on CUDA
-        return self.cpu_budget.empty(tuple(shape), self.dtype, what, alloc=alloc)
+        # from the slab of Accelerator.host_buffer's memory (pinned on CUDA), or host_empty's
+        return self.cpu_budget.empty(tuple(shape), self.dtype, what, alloc=self._host_slab.take)
 
     def encode(self, key, slot: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
         """Expert `key` in the store's format, built from the checkpoint (GGUF blocks repacked where
