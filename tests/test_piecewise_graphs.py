@@ -105,6 +105,25 @@ def test_moe_model_with_every_expert_resident_decodes_through_one_graph(rt, kind
         llm.close()
 
 
+def test_prefetch_is_priced_and_graphed_as_the_runner_runs_it(rt):
+    """With HOBBIT's prefetch the runner takes neither the grouped path nor a whole-step graph (its
+    hooks are Python): the plan knows it before pricing, so an all-resident MoE plan is piecewise
+    and its decode is not priced as grouped GEMMs in one graph."""
+    kw = dict(accelerator="host", graphs="on")
+    plain = LLM(rt.dir("mixtral"), engine_config(**kw))
+    fetching = LLM(rt.dir("mixtral"), engine_config(prefetch=True, **kw))
+    try:
+        assert plain.plan.decode_graphs and plain.plan.experts_groupable()
+        p = fetching.plan
+        assert p.prefetch and p.all_experts_resident() and not p.experts_groupable()
+        assert not p.decode_graphs and p.piecewise_graphs
+        assert p.predicted_decode_tokens_per_s < plain.plan.predicted_decode_tokens_per_s
+        assert fetching.generate([prompt()], GREEDY)[0].token_ids == rt.reference("mixtral")[1]
+    finally:
+        plain.close()
+        fetching.close()
+
+
 def test_resident_experts_in_another_dtype_take_the_general_path_and_piecewise_graphs(rt):
     """bf16 experts under fp32 activations: the stacks' dtype is not the activations', so the layers
     take the general path (it casts per expert), which syncs: the plan graphs piecewise instead."""

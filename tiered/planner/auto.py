@@ -182,7 +182,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                                    head_precision=head_precision)
     plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
     # decode steps as CUDA graphs (a model wholly on the GPU as one graph, an offloading plan with
-    # attention on the GPU piecewise), settled again now that prefetch is known (the rules plan's first)
+    # attention on the GPU piecewise), settled again with prefetch known (the rules plan has it only now)
     settle_gpu_decode(plan, cfg, graphs_allowed(ec, accelerator))
     # without an accelerator every decode step runs on the CPU: through the lean step
     plan.cpu_decode_step = accelerator is None
@@ -285,7 +285,8 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                      dense_copies=dense_copies,
                      experts_format=experts_format, kv_slots=ec.max_batch,
                      head_precision=head_precision if dense_cpu else None, expert_act=expert_activations(ec),
-                     graphs=graphs_allowed(ec, accelerator))
+                     graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
+                     prefetch_lookahead=ec.prefetch_lookahead)
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     ratio = profile.meta.get("cpu_bandwidth_ratio")

@@ -28,7 +28,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               cache_policy: str = "lru", dispatch_mode: str = "balanced", staging_buffers: int = 2,
               read_ahead: bool = True, extra_cpu_bytes: int = 0, workspace: int | None = None,
               dense_copies: bool = True, experts_format: str | None = None, kv_slots: int = 1,
-              head_precision: str | None = None, expert_act: str = "bf16", graphs: bool = False) -> Plan:
+              head_precision: str | None = None, expert_act: str = "bf16", graphs: bool = False,
+              prefetch: bool = False, prefetch_lookahead: int = 2) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -56,6 +57,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         graphs: the engine may graph GPU decode steps (EngineConfig.graphs on a CUDA device): the
             GPU plans price the host cost of the graphed step they will get (op_time.step_overhead),
             and settle_gpu_decode records which (Plan.decode_graphs / piecewise_graphs).
+        prefetch, prefetch_lookahead: HOBBIT's expert prefetch (MoE), recorded before pricing: the
+            runner then takes neither the grouped expert path nor a whole-step graph.
     Raises:
         ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
         BudgetError: the budgets cannot hold what the goal needs on the fast tier.
@@ -78,6 +81,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.staging_buffers, plan.read_ahead = staging_buffers, read_ahead
     plan.dense_copies, plan.kv_slots = dense_copies, kv_slots
     plan.expert_act = expert_act
+    plan.prefetch, plan.prefetch_lookahead = prefetch and cfg.is_moe, prefetch_lookahead
     sizes.bytes_per_element(fmt)  # a ConfigError for an unknown format, before any work
     experts = ExpertChoices(popularity, expert_cache_slots, max_resident)
     if goal == "latency" and op_time.has_device(profile, "gpu") and gpu:
@@ -110,7 +114,7 @@ def settle_gpu_decode(plan: Plan, cfg: ModelConfig, graphs: bool) -> Plan:
     plan.fused_projections = on_gpu
     graphs = graphs and on_gpu and plan.flexgen is None
     # an MoE step syncs unless every expert is resident and stacked (moe_runner._grouped)
-    moe_sync_free = plan.all_experts_resident() and plan.experts_groupable() and not plan.prefetch
+    moe_sync_free = plan.all_experts_resident() and plan.experts_groupable()
     plan.decode_graphs = graphs and not plan.sliced_layers() and (not cfg.is_moe or moe_sync_free)
     plan.piecewise_graphs = graphs and not plan.decode_graphs
     return plan

@@ -198,9 +198,10 @@ class Plan:
 
     def experts_groupable(self) -> bool:
         """Resident routed experts can be stacked per layer and run as grouped GEMMs with no host sync
-        (memory/expert_store.ExpertStore.stacks, moe_runner._grouped): splittable, and stored in the
-        activations' dtype."""
-        return self.experts_splittable() and self.dtypes.get("experts") == self.dtypes.get("weights")
+        (memory/expert_store.ExpertStore.stacks, moe_runner._grouped): splittable, stored in the
+        activations' dtype, and no prefetch (whose hooks the grouped path skips)."""
+        return (self.experts_splittable() and self.dtypes.get("experts") == self.dtypes.get("weights")
+                and not self.prefetch)
 
     def expert_placement(self):
         """The experts' home tiers and cache size as the runtime's ExpertPlacement (planner/placement.py)."""
