@@ -167,7 +167,9 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
         from tiered.memory.host import release_load_memory
         from tiered.quant.linear import PhaseLinear
         release_load_memory(checkpoint)  # first the file pages and temporaries the load left: peak RSS
-        move_to_huge_pages(model, skip=lambda m, name: isinstance(m, PhaseLinear) and name == "weight")
+        # (not the dense weights prompts alone read, nor embedding tables: one row per token)
+        move_to_huge_pages(model, skip=lambda m, name: (isinstance(m, PhaseLinear) and name == "weight")
+                           or isinstance(m, torch.nn.Embedding))
     return nbytes, extra
 
 
