@@ -533,30 +533,6 @@ def test_move_to_huge_pages_repoints_a_modules_tensors_into_one_arena(monkeypatc
     assert move_to_huge_pages(m2) == 0
 
 
-def test_host_zeros_are_zero_and_resident_only_where_written():
-    """budget.host_zeros (the CPU KV cache's memory): zeros without touching a page, so a cache sized
-    for the whole context holds RAM only for the positions written, on huge pages."""
-    import sys
-
-    from tiered.hardware.budget import HUGE_PAGE, HUGE_PAGES_FROM, host_zeros, huge_pages_enabled
-
-    small = host_zeros((3, 5), torch.bfloat16)
-    assert small.dtype == torch.bfloat16 and not small.any()
-    if not sys.platform.startswith("linux") or not huge_pages_enabled():
-        pytest.skip("transparent huge pages are Linux-only")
-    before = _rss_kib()
-    t = host_zeros((64 * HUGE_PAGE // 4,), torch.float32)  # 128 MiB
-    assert t.data_ptr() % HUGE_PAGE == 0 and _rss_kib() - before < 8 * 1024  # nothing resident yet
-    t[: HUGE_PAGE // 4].fill_(1.0)  # the first 2 MiB written
-    assert _rss_kib() - before < 16 * 1024
-    assert float(t[HUGE_PAGE // 4:].abs().sum()) == 0.0 and float(t.sum()) == HUGE_PAGE // 4
-    assert HUGE_PAGES_FROM <= t.numel() * 4
-
-
-def _rss_kib() -> int:
-    return int(open("/proc/self/smaps_rollup").read().split("\nRss:")[1].split()[0])
-
-
 def test_host_slab_carves_page_aligned_tensors_until_full():
     from tiered.hardware.budget import HostSlab
 

@@ -108,19 +108,6 @@ def host_empty(shape: tuple[int, ...], dtype, lock: Callable[[int, int], Callabl
     return buf.view(dtype).view(shape)
 
 
-def host_zeros(shape: tuple[int, ...], dtype):
-    """A zero CPU tensor [shape] of `dtype`: from HUGE_PAGES_FROM bytes on, host_empty's fresh
-    anonymous mapping, which the kernel zero-fills page by page on first touch, so only the pages
-    written become resident (a KV cache sized for the whole context costs RAM for the positions
-    used) and they are huge pages; smaller, or with huge pages off, torch.zeros."""
-    import torch
-
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if n < HUGE_PAGES_FROM or not huge_pages_enabled():
-        return torch.zeros(shape, dtype=dtype)
-    return host_empty(shape, dtype)
-
-
 class HostSlab:
     """Host tensors carved from one buffer, each starting on a page: `alloc`'s (Accelerator.host_buffer:
     pinned on CUDA) or host_empty's, so many tensors too small for huge pages of their own (a MoE

@@ -158,12 +158,8 @@ class KVCache:
     def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
         shape = (config.num_hidden_layers, num_slots, config.num_key_value_heads, max_len, config.head_dim)
-        if torch.device(device).type == "cpu":  # huge pages, resident only where written (budget.host_zeros)
-            from tiered.hardware.budget import host_zeros
-            self.k, self.v = host_zeros(shape, dtype), host_zeros(shape, dtype)
-        else:
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
     @property
