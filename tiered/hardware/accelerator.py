@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from tiered.hardware.budget import MemoryBudget, host_empty
+from tiered.hardware.budget import MemoryBudget, host_empty, nbytes_of
 from tiered.hardware.standin import (STANDIN_DEVICE, StandinDeviceError, StandinScope, StandinTensor, ThreadFlag,
                                      capturing)
 
@@ -43,7 +43,7 @@ class Accelerator(ABC):
         Raises:
             BudgetError: it does not fit (nothing is reserved).
         """
-        nbytes = _nbytes(shape, dtype)
+        nbytes = nbytes_of(shape, dtype)
         self.budget.reserve(nbytes, what)
         try:
             return self._empty(shape, dtype)
@@ -169,11 +169,6 @@ def _flat(out) -> tuple:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def _nbytes(shape, dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * torch.empty((), dtype=dtype).element_size()
 
 
 class HostAccelerator(Accelerator):

@@ -46,6 +46,17 @@ def huge_pages_enabled() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("TIERED_HUGEPAGES", "1") not in ("0", "false", "no", "off")
 
 
+def nbytes_of(shape, dtype) -> int:
+    """Bytes of a tensor [shape] of `dtype`."""
+    import torch
+
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
 class _Mapping(mmap.mmap):
     """An anonymous mapping that runs `release` (when set) as the last tensor viewing it is freed,
     before it is unmapped (a page-locked range is unregistered first)."""
@@ -97,12 +108,12 @@ def host_empty(shape: tuple[int, ...], dtype, lock: Callable[[int, int], Callabl
     """
     import torch
 
-    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    n = nbytes_of(shape, dtype)
     if n < HUGE_PAGES_FROM or not huge_pages_enabled():
         return torch.empty(shape, dtype=dtype) if lock is None else None
     m, buf = _huge_mapping(n)
     if lock is not None:
-        m.release = lock(buf.data_ptr(), -(-n // mmap.PAGESIZE) * mmap.PAGESIZE)
+        m.release = lock(buf.data_ptr(), _round_up(n, mmap.PAGESIZE))
         if m.release is None:
             return None
     return buf.view(dtype).view(shape)
@@ -122,18 +133,19 @@ class HostSlab:
     Args:
         nbytes: capacity (use `bytes_for`).
         alloc: alloc((nbytes,), torch.uint8) -> the buffer (default host_empty).
+        prefault: touch host_empty's huge pages in one pass now (False: as the tensors are written).
     """
 
     ALIGN = 4096
 
-    def __init__(self, nbytes: int, alloc: Callable | None = None) -> None:
+    def __init__(self, nbytes: int, alloc: Callable | None = None, prefault: bool = True) -> None:
         import torch
 
         raw = (alloc or host_empty)((nbytes + self.ALIGN,), torch.uint8)  # a small one may start off a page
         start = -raw.data_ptr() % self.ALIGN
         self.buf = raw[start:start + nbytes]
         self.used = 0
-        if alloc is None and nbytes >= HUGE_PAGES_FROM and huge_pages_enabled():
+        if prefault and alloc is None and nbytes >= HUGE_PAGES_FROM and huge_pages_enabled():
             # fault the huge pages in now, in one pass: faulted inside the experts' parallel repacking
             # (two threads on one huge page) the cpu_moe model loaded in 14.9 s, touched first in 10.7-12.5
             self.buf.zero_()
@@ -141,11 +153,7 @@ class HostSlab:
     @classmethod
     def bytes_for(cls, count: int, shapes, dtype) -> int:
         """Bytes `count` groups of tensors of `shapes` (each tensor page-aligned) take in a slab."""
-        import torch
-
-        size = torch.empty((), dtype=dtype).element_size()
-        per = sum(-(-torch.Size(s).numel() * size // cls.ALIGN) * cls.ALIGN for s in shapes)
-        return count * per
+        return count * sum(_round_up(nbytes_of(s, dtype), cls.ALIGN) for s in shapes)
 
     def take(self, shape, dtype):
         """The next uninitialized [shape] tensor of `dtype` in the slab.
@@ -153,27 +161,24 @@ class HostSlab:
         Raises:
             MemoryError: the slab is full (it was sized for fewer tensors).
         """
-        import torch
-
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = nbytes_of(shape, dtype)
         if self.used + n > self.buf.numel():
             raise MemoryError(f"host slab of {self.buf.numel()} bytes is full")
         out = self.buf[self.used:self.used + n].view(dtype).view(tuple(shape))
-        self.used += -(-n // self.ALIGN) * self.ALIGN
+        self.used += _round_up(n, self.ALIGN)
         return out
 
 
 # Storages from this size on join move_to_huge_pages' arena [bytes]: a small model's projections
 # (SmolLM2's int4 decode copies: 0.1-1 MB each) stream from RAM every token as a large one's do.
 ARENA_FROM = 64 << 10
-_ARENA_ALIGN = 4096  # each storage starts on a page in the arena (native kernels need 64 B)
 TRIM_EVERY = 16 << 20  # bytes moved between heap trims (glibc keeps freed chunks resident until one)
 
 
 def move_to_huge_pages(module, skip: Callable | None = None, min_bytes: int = ARENA_FROM) -> int:
     """Move `module`'s CPU tensors (parameters, buffers and tensor attributes of every submodule)
     onto transparent huge pages in place: every torch-allocated storage of at least `min_bytes` is
-    copied into one host_empty arena (each at a page boundary) and every tensor viewing it is
+    copied into one HostSlab arena (each at a page boundary) and every tensor viewing it is
     re-pointed (Tensor.set_, same offsets and strides), so the modules, and anything holding those
     tensor objects, see the new memory. Why: host_empty's (decode streams the weights every token,
     and with 4 KiB pages each 4 KiB costs a TLB miss); one arena puts a small model's many small
@@ -209,35 +214,37 @@ def move_to_huge_pages(module, skip: Callable | None = None, min_bytes: int = AR
                 group[id(t)] = t
                 if t._base is not None:  # a view keeps its base tensor alive: it moves too
                     group[id(t._base)] = t._base
-    todo, total = [], 0
+    todo = []
     for tensors in groups.values():
         storage = next(iter(tensors.values())).untyped_storage()
         n = storage.nbytes()
         # one reference per tensor found, plus `storage` itself: nobody else holds this memory
         if n >= min_bytes and storage.resizable() and torch._C._storage_Use_Count(storage._cdata) == len(tensors) + 1:
-            todo.append((total, n, tensors))
-            total += -(-n // _ARENA_ALIGN) * _ARENA_ALIGN
+            todo.append((n, tensors))
         del storage
+    total = HostSlab.bytes_for(1, [(n,) for n, _ in todo], torch.uint8)
     if total < HUGE_PAGES_FROM:
         return 0
     from tiered.memory.host import trim_heap
 
-    arena = host_empty((total,), torch.uint8)
-    base, target = arena.storage_offset(), arena.untyped_storage()  # bytes into the mapping: whole pages
+    # not prefaulted: each old copy is freed as its new one fills in (peak RSS)
+    arena = HostSlab(total, prefault=False)
     since_trim = 0
-    for off, n, tensors in todo:
+    for n, tensors in todo:
+        dst = arena.take((n,), torch.uint8)
         first = next(iter(tensors.values()))
-        arena[off:off + n].copy_(torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage(), 0, (n,), (1,)))
+        dst.copy_(torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage(), 0, (n,), (1,)))
+        base, target = dst.storage_offset(), dst.untyped_storage()  # bytes into the mapping: whole pages
         with torch.no_grad():
             for t in tensors.values():
                 size = t.element_size()
-                t.set_(target, (base + off + t.storage_offset() * size) // size, t.shape, t.stride())
+                t.set_(target, (base + t.storage_offset() * size) // size, t.shape, t.stride())
         since_trim += n
         if since_trim >= TRIM_EVERY:  # the old copies go back to the OS as the arena fills: peak RSS
             trim_heap()
             since_trim = 0
     trim_heap()
-    return sum(n for _, n, _ in todo)
+    return sum(n for n, _ in todo)
 
 
 class MemoryBudget:
@@ -279,9 +286,7 @@ class MemoryBudget:
 
         Raises BudgetError (nothing reserved) when it does not fit.
         """
-        import torch
-
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = nbytes_of(shape, dtype)
         self.reserve(n, what)
         try:
             return (alloc or host_empty)(shape, dtype)

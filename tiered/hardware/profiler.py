@@ -241,17 +241,22 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
     (gemv_dram: beyond a last-level cache of hundreds of MiB).
     """
     points = []
+    native = _native_gemv_format(device, dtype, by_bytes)
     for T, K, N in shapes:
         w = torch.randn(N, K) * 0.02
-        fn, xdtype, bpe = _linear_kernel(device, dtype, w, gemv=by_bytes)
+        if native:  # the module first: its copies join it in one huge-page arena before any kernel is made
+            first, bpe = _native_gemv_module(dtype, w)
+            xdtype = torch.float32
+        else:
+            fn, xdtype, bpe = _linear_kernel(device, dtype, w, gemv=by_bytes)
         dev = "cuda" if device == "gpu" else "cpu"
         x = (torch.randint(-8, 8, (T, K), dtype=torch.int8) if xdtype == torch.int8 else torch.randn(T, K)).to(dev, xdtype)
         need = -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(K * N * bpe))
         copies = (need if cold_bytes else min(32, need)) if by_bytes and device == "cpu" else 1
-        if _native_gemv_format(device, dtype, by_bytes) and copies > 1:
-            # the copies in one huge-page arena, as a CPU-only engine holds its decode copies
-            modules = [_native_gemv_module(dtype, w)[0] for _ in range(copies)]
-            move_to_huge_pages(torch.nn.ModuleList(modules))
+        if native:
+            modules = [first] + [_native_gemv_module(dtype, w)[0] for _ in range(copies - 1)]
+            if copies > 1:  # the copies in one huge-page arena, as a CPU-only engine holds its decode copies
+                move_to_huge_pages(torch.nn.ModuleList(modules))
             fns = [_native_gemv(dtype, m) for m in modules]
         else:
             fns = [fn] + [_linear_kernel(device, dtype, w, gemv=by_bytes)[0] for _ in range(copies - 1)]

@@ -180,10 +180,6 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                                    decode_precision=decode_precision, popularity=popularity, progress=progress,
                                    experts_format=experts_format, dense_copies=dense_copies,
                                    head_precision=head_precision)
-    plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
-    # decode steps as CUDA graphs (a model wholly on the GPU as one graph, an offloading plan with
-    # attention on the GPU piecewise), settled again with prefetch known (the rules plan has it only now)
-    settle_gpu_decode(plan, cfg, graphs_allowed(ec, accelerator))
     # without an accelerator every decode step runs on the CPU: through the lean step
     plan.cpu_decode_step = accelerator is None
     # ... and in C++ when tiered/kernels is built (setup builds it; TIERED_NATIVE=0 turns it off)
@@ -266,7 +262,10 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
         plan = rules_plan(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
                           weights_format=weights_format, popularity=popularity, experts_format=experts_format)
         plan.dtypes["decode"], plan.dense_copies = decode_format, dense_copies
-        return plan, None
+        plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
+        # its decode steps as CUDA graphs, as make_plan settles an auto plan's (a model wholly on
+        # the GPU as one graph, an offloading plan with attention on the GPU piecewise)
+        return settle_gpu_decode(plan, cfg, graphs_allowed(ec, accelerator)), None
     profile = engine_profile(ec.profile, accelerator, progress=progress)
     if accelerator is None:  # no GPU tier: make_plan then plans CPU + disk
         profile = replace(profile, gpu_memory=None)

@@ -156,9 +156,6 @@ def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mod
         t = max(cpu_before[j], link)
         if t < best_t - 1e-12:
             best_j, best_t = j, t
-    paths, shares = [COPY] * n, [None] * n
-    for i in order[:best_j]:
-        paths[i] = CPU
     if mode == "balanced" and splittable and n:
         split_j, split_a, split_t = None, 0.0, float("inf")
         for j in range(n):  # CPU takes order[:j] whole, order[j] is split, order[j+1:] is copied
@@ -168,12 +165,19 @@ def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mod
             if t < split_t - 1e-12:
                 split_j, split_a, split_t = j, a, t
         if split_t < SPLIT_GAIN * best_t:
-            paths, shares = [COPY] * n, [None] * n
-            for i in order[:split_j]:
-                paths[i] = CPU
-            paths[order[split_j]], shares[order[split_j]] = SPLIT, split_a
-            best_t = split_t
-    return LayerDispatch(paths, shares, best_t)
+            return _prefix_dispatch(order, split_j, split_t, split_a)
+    return _prefix_dispatch(order, best_j, best_t)
+
+
+def _prefix_dispatch(order: list[int], j: int, seconds: float, share: float | None = None) -> LayerDispatch:
+    """CPU for order[:j], SPLIT at `share` for order[j] when a share is given, COPY for the rest."""
+    n = len(order)
+    paths, shares = [COPY] * n, [None] * n
+    for i in order[:j]:
+        paths[i] = CPU
+    if share is not None:
+        paths[order[j]], shares[order[j]] = SPLIT, share
+    return LayerDispatch(paths, shares, seconds)
 
 
 def _whole_makespan(tokens: list[int], paths: list[str], lat: LatencyModel, expert_bytes: int) -> float:
