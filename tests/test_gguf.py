@@ -259,6 +259,11 @@ def test_fast_reader_parses_what_gguf_parses(tmp_path):
     w.add_block_count(1)
     w.add_token_list([f"tok{i}" for i in range(3000)])
     w.add_token_types([1] * 3000)
+    w.add_array("test.empty_strings", [])
+    w.add_array("test.strings", ["", "é", "a" * 300])
+    w.add_array("test.floats", [0.5, -1.0, 3.25])
+    w.add_array("test.bools", [True, False])
+    w.add_array("test.nested", [[1, 2], [3]])
     w.add_rope_freq_base(10000.0)
     w.add_tensor("token_embd.weight", quantize(np.random.default_rng(0).standard_normal((8, 64), np.float32), Q.Q8_0),
                  raw_dtype=Q.Q8_0)

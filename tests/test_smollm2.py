@@ -170,3 +170,25 @@ def test_one_copy_per_weight_fits_a_budget_the_dense_copies_do_not(smollm2_path)
     assert server.dense_copies != server.native_decode
     assert server.mixed_rows > 0 or not server.native_decode
     assert not LLM(smollm2_path, EngineConfig(cpu_memory=budget, max_context=256, max_batch=8)).plan.dense_copies
+
+
+def test_cached_tokenizer_equals_the_converted_one(smollm2_path, tmp_path, monkeypatch):
+    """The first load converts the GGUF vocabulary through transformers and caches it; later loads
+    read the cache (checkpoint/tokenizer._load_cached, TokenizersBackend directly). Both must give
+    the same ids, text, special tokens and chat template."""
+    from pathlib import Path
+
+    from tiered.checkpoint.tokenizer import load_gguf_tokenizer
+
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path))
+    converted = load_gguf_tokenizer(Path(smollm2_path))
+    assert list((tmp_path / "tokenizers").iterdir())  # the conversion was cached ...
+    cached = load_gguf_tokenizer(Path(smollm2_path))  # ... and this load reads it
+    text = "Héllo wörld <|im_end|> 12345 \n\tdef f(x): return x**2"
+    msgs = [{"role": "user", "content": text}]
+    assert converted(text).input_ids == cached(text).input_ids
+    ids = converted(text).input_ids
+    assert converted.decode(ids) == cached.decode(ids) == text
+    assert converted.apply_chat_template(msgs, tokenize=False) == cached.apply_chat_template(msgs, tokenize=False)
+    assert (converted.eos_token_id, converted.bos_token_id, len(converted)) == \
+        (cached.eos_token_id, cached.bos_token_id, len(cached))

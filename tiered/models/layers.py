@@ -38,6 +38,11 @@ class Rotary(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
+        if torch.get_default_device().type == "meta":  # shapes only: RoPE math on the meta device would
+            shape = (max_positions, config.head_dim)  # run Python decompositions that import torch._dynamo
+            self.register_buffer("cos", torch.empty(shape), persistent=False)
+            self.register_buffer("sin", torch.empty(shape), persistent=False)
+            return
         inv_freq = rope_inv_freq(config)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -41,7 +41,10 @@ class Backbone(nn.Module):
 
     def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # an explicit weight skips nn.Embedding's normal_ init: on the meta device that op runs a
+        # Python decomposition whose first call imports torch._dynamo (~1.4 s of every load)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
