@@ -109,3 +109,23 @@ def test_cli_and_engine_share_one_opened_checkpoint(zoo):
     assert tok is not None and ckpt.tokenizer() is tok
     llm = LLM(ckpt, EngineConfig(accelerator="none", plan="off", max_context=32))
     assert llm.checkpoint is ckpt and llm.tokenizer is tok
+
+
+def test_only_the_console_process_freezes_the_heap(monkeypatch):
+    """cli._freeze_heap (gc.freeze after a load) acts in the console entry point only: a program
+    that runs the commands in its own process (this one) keeps its collector whole."""
+    import gc
+
+    from tiered import cli
+
+    assert gc.get_freeze_count() == 0
+    monkeypatch.setattr(cli, "_CONSOLE", False)
+    cli._freeze_heap()
+    assert gc.get_freeze_count() == 0
+    seen = []
+    monkeypatch.setattr(cli, "app", lambda: (cli._freeze_heap(), seen.append(gc.get_freeze_count())))
+    try:
+        cli.main()
+    finally:
+        gc.unfreeze()
+    assert seen and seen[0] > 0
