@@ -567,3 +567,37 @@ def test_kernel_errors_are_formatted_without_iostreams():
         assert not bad, f"{f.name}: {bad[:3]}: use TIERED_CHECK / tiered::cat"
     with pytest.raises(RuntimeError, match=r"int8_kernel: scale must have N = 4 elements, got 3"):
         load().int8_kernel(torch.zeros(4, 32, dtype=torch.int8), torch.ones(3), None)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+def test_decode_copies_from_gguf_blocks_are_the_unpacked_path_bit_for_bit(fmt):
+    """quant/linear.build_decode_module packs GGUF Q4 decode copies (a fused q/k/v group here) in one
+    native pass (_tiled_from_blocks): the same tiled bytes and outputs as unpacking the blocks and
+    Int4Linear.from_codes. A group with a part not in blocks, or torch's "cpu" layout, unpacks as before."""
+    import numpy as np
+
+    from tiered.bench.gguf_moe import random_blocks
+    from tiered.quant.int4 import Int4Linear, unpack_q4_blocks
+    from tiered.quant.linear import DecodeWeight, build_decode_module
+
+    rng = np.random.default_rng(1)
+    raws = [random_blocks(rng, n, 96, "Q4_0", 0.02) for n in (48, 16, 32)]
+    if fmt == "Q4_1":
+        raws = [np.concatenate([r.reshape(r.shape[0], -1, 18)[:, :, :2],
+                                (rng.standard_normal((r.shape[0], 3)) * 0.01).astype(np.float16).view(np.uint8)
+                                .reshape(r.shape[0], 3, 2), r.reshape(r.shape[0], -1, 18)[:, :, 2:]], -1)
+                .reshape(r.shape[0], -1) for r in raws]
+    parts = [DecodeWeight("int4", blocks=r, block_format=fmt) for r in raws]
+    bias = torch.randn(96)
+    got = build_decode_module(parts, [bias[:48], None, bias[64:]], "tiled", "q8")
+    codes, scale, zero = (torch.cat(t) for t in zip(*(unpack_q4_blocks(r, fmt) for r in raws)))
+    want_bias = torch.cat([bias[:48], torch.zeros(16), bias[64:]])
+    want = Int4Linear.from_codes(codes, scale, zero, 32, want_bias, "tiled", "q8")
+    assert (got.layout, got.batch_act, got.in_features, got.out_features) == ("tiled", "q8", 96, 96)
+    assert torch.equal(got.packed, want.packed) and torch.equal(got.bias, want.bias)
+    x = torch.randn(3, 96)
+    assert torch.equal(got(x[:1]), want(x[:1])) and torch.equal(got(x), want(x))
+    cpu = build_decode_module(parts, [None] * 3, "cpu")  # torch's layout: through the codes
+    assert cpu.layout == "cpu" and torch.equal(cpu.packed, Int4Linear.from_codes(codes, scale, zero).packed)
+    mixed = [parts[0], DecodeWeight("int4", *unpack_q4_blocks(raws[1], fmt)), parts[2]]  # unpacked codes in it
+    assert torch.equal(build_decode_module(mixed, [None] * 3, "tiled").packed, want.packed)
