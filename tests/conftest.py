@@ -78,7 +78,7 @@ class TinyZoo:
 
         key = (name, qtype)
         if key not in self._gguf:
-            arch = {"llama": "llama", "llama_tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[name]
+            arch = {"llama": "llama", "llama_tied": "llama", "llama_wide": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[name]
             path = self.root / f"{name}-{qtype}.gguf"
             self._gguf[key] = write_gguf(self.hf(name), path, arch, GGMLQuantizationType[qtype])
         return self._gguf[key]

@@ -62,6 +62,8 @@ TINY_SPECS: dict[str, TinySpec] = {
         use_sliding_window=True, sliding_window=8, max_window_layers=0)),
     # q/k norm; head_dim 32 != hidden / heads, so head_dim must come from config.json.
     "qwen3": TinySpec("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    # rows of 256: GGUF's K-quant super-blocks (Q4_K, Q6_K) fit every projection
+    "llama_wide": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=256, intermediate_size=512)),
 }
 
 
@@ -86,7 +88,7 @@ def build_hf_model(name: str, vocab_size: int):
 
     spec = TINY_SPECS[name]
     config = getattr(transformers, spec.config_cls)(
-        **TINY_DIMS, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, **spec.overrides)
+        **{**TINY_DIMS, **spec.overrides}, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
     model = getattr(transformers, spec.model_cls)(config).float().eval()
     with torch.no_grad():

@@ -54,6 +54,9 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+_K_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
+
+
 def encode(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """w fp32 [rows, cols] -> the array GGUFWriter stores for `qtype` (F32/F16 dense, else bytes)."""
     if qtype == GGMLQuantizationType.F32:
@@ -116,8 +119,9 @@ def write_gguf(model, path: Path, arch: str, qtype: GGMLQuantizationType = GGMLQ
             w.add_tensor(gguf_name(name), t.astype(np.float32))
         elif qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             w.add_tensor(gguf_name(name), t.astype(np.float32 if qtype == GGMLQuantizationType.F32 else np.float16))
-        else:
-            w.add_tensor(gguf_name(name), encode(t, qtype), raw_dtype=qtype)
+        else:  # K types through encode_any (gguf cannot quantize them; rows they cannot split: F16)
+            arr, qt = encode_any(t, qtype) if qtype in _K_TYPES else (encode(t, qtype), qtype)
+            w.add_tensor(gguf_name(name), arr, raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -285,3 +285,29 @@ def test_fast_reader_parses_what_gguf_parses(tmp_path):
         assert (ta.name, ta.tensor_type, list(ta.shape), ta.data_offset, ta.n_bytes) == \
             (tb.name, tb.tensor_type, list(tb.shape), tb.data_offset, tb.n_bytes)
         assert ta.data.dtype == tb.data.dtype and np.array_equal(ta.data, tb.data)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quant_decode_copies(zoo, qtype):
+    """A Q4_K_M file's types on the CPU's decode path ("auto"): Q4_K projections decode as int4 from
+    their blocks (scale d*sc and zero 8*scale - dmin*m per group of 32, rounded to bf16: no
+    re-quantization), Q6_K ones keep bf16 copies; both close to the same file dequantized to fp32."""
+    from fixtures import stepwise_logits
+    from tiered.eval.kl import kl_divergence
+    from tiered.quant.int8 import Int8Linear
+    from tiered.quant.linear import decode_precision
+
+    path = zoo.gguf("llama_wide", qtype)
+    auto = zoo.llm(path, decode_weights="auto", accelerator="none")
+    int4 = [m for m in auto.model.modules() if isinstance(m, Int4Linear)]
+    assert decode_precision(auto.checkpoint, "auto") == ("int4" if qtype == "Q4_K" else "bf16")
+    if qtype == "Q4_K":  # every projection and the head: qkv, o, gate_up, down in each of 2 layers, + 1
+        assert len(int4) == 2 * 4 + 1 and all(m.in_features % 256 == 0 for m in int4)
+    else:
+        assert not int4 and not any(isinstance(m, Int8Linear) for m in auto.model.modules())
+    fp32 = zoo.llm(path, accelerator="none")
+    ids = prompt_ids(zoo.vocab_size, 24)
+    ref = fp32.logits(ids)[7:]
+    got = stepwise_logits(auto, ids, 8)
+    assert float(kl_divergence(ref, got).max()) < 1e-3
+    assert rel_err(got, ref) < 5e-2

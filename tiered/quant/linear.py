@@ -135,13 +135,17 @@ class DecodeWeight:
         return self.codes, self.scale, self.zero
 
 
-GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # GGUF blocks "auto" keeps packed
+# GGUF blocks "auto" keeps packed. Q4_K (a Q4_K_M file's main type) maps exactly onto int4 groups of 32
+# (scale d*sc, zero 8*scale - dmin*m, each rounded to bf16 as Q4_1's are); Q6_K (its head, and attn_v
+# and ffn_down in half its layers) has no exact int4/int8 form here, and stays bf16 rather than lose
+# precision to a per-row int8 re-quantization.
+GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8"}
 
 
 def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     """The decode representation of `linear` under format `fmt`, or None to keep the dense module.
 
-    "auto": GGUF Q4_0/Q4_1 blocks -> int4 as stored; GGUF Q8_0 -> per-row int8; others -> bf16.
+    "auto": GGUF Q4_0/Q4_1/Q4_K blocks -> int4 as stored; GGUF Q8_0 -> per-row int8; others -> bf16.
     "int4": everything with K % 32 == 0 -> int4 (GGUF Q4 blocks as stored); "int8": everything ->
     per-row int8; "bf16"; "fp32".
     A module left on the meta device (one-copy mode) has its weight read from `handle` when the
@@ -150,6 +154,10 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     stored = handle.format if handle is not None else None
     kind = GGUF_DECODE_KIND.get(stored)
     if fmt in ("auto", "int4") and kind == "int4":  # GGUF Q4 blocks: int4 as stored
+        if stored == "Q4_K":
+            from tiered.quant.gguf_experts import unpack_q4k_blocks
+
+            return DecodeWeight("int4", *unpack_q4k_blocks(handle.blocks()))
         return DecodeWeight("int4", blocks=handle.blocks(), block_format=stored)
     if fmt == "auto" and kind == "int8":  # row chunks: no whole dense copy
         return DecodeWeight("int8", *quantize_int8_blocks(handle))
@@ -204,7 +212,7 @@ def weight_of(linear: nn.Linear, handle) -> torch.Tensor:
 def decode_precision(checkpoint, fmt: str) -> str:
     """The precision most decode-path weight bytes will have under format `fmt` (for the planner):
     "fp32", "bf16", "int8" or "int4". "auto" follows the storage format of the decoder layers'
-    matrices (GGUF Q4_0/Q4_1 -> int4, Q8_0 -> int8, anything else -> bf16), weighted by elements."""
+    matrices (GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 -> int8, anything else -> bf16), weighted by elements."""
     if fmt != "auto":
         return fmt
     count: dict[str, int] = {}
@@ -219,7 +227,7 @@ def decode_precision(checkpoint, fmt: str) -> str:
 def head_precision(checkpoint, fmt: str) -> str:
     """The lm_head's decode-copy precision under format `fmt` (for the planner), as
     install_decode_weights makes it: `fmt` itself, or for "auto" the head's storage format (the
-    token embedding's when tied): GGUF Q4_0/Q4_1 -> int4, Q8_0 -> int8, anything else -> bf16. A
+    token embedding's when tied): GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 -> int8, anything else -> bf16. A
     GGUF Q4 file often stores its embedding as Q8_0, so its head reads twice the bytes per weight
     of its layers (SmolLM2's Q4_1 file: a 28 MB int8 head beside ~70 MB of int4 layers)."""
     if fmt != "auto":
