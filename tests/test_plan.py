@@ -271,6 +271,55 @@ def test_the_lm_head_is_priced_in_its_own_decode_format():
     assert "lm_head" not in make_plan(cfg, hw, precision="int4", weights_format="fp32", head_precision="int4").dtypes
 
 
+def test_mixed_decode_copies_are_priced_at_each_precision():
+    """A Q4_K_M file decodes its Q4_K projections from int4 copies and its Q6_K ones (attn_v, ffn_down
+    in half the layers) from bf16 copies. quant/linear.decode_mix gives the shares by elements; the
+    plan records them (Plan.precision_mix, replayed with the plan) and the CPU prediction prices each
+    share at its own GEMV rate and bytes: between all-int4 and all-bf16, and in one-copy mode the
+    held bytes too."""
+    from types import SimpleNamespace
+
+    from tiered.planner.cpu_predict import predict_decode
+    from tiered.quant.linear import decode_mix, decode_precision
+
+    D, F = 576, 1536
+    shapes = {"q_proj": (D, D), "k_proj": (192, D), "v_proj": (192, D), "o_proj": (D, D), "gate_proj": (F, D),
+              "up_proj": (F, D), "down_proj": (D, F)}
+    formats = {f"model.layers.{i}.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}.weight":
+               ("Q6_K" if p in ("v_proj", "down_proj") and i % 2 == 0 else "Q4_K", n * k)
+               for i in range(2) for p, (n, k) in shapes.items()}
+
+    class Ckpt:
+        def names(self):
+            return list(formats)
+
+        def handle(self, name):
+            return SimpleNamespace(format=formats[name][0], numel=formats[name][1])
+
+    q6 = sum(n for f, n in formats.values() if f == "Q6_K")
+    mix = decode_mix(Ckpt(), "auto")
+    assert mix == pytest.approx({"bf16": q6 / sum(n for _, n in formats.values()), "int4": 1 - q6 / sum(n for _, n in formats.values())})
+    assert decode_precision(Ckpt(), "auto") == "int4" and decode_mix(Ckpt(), "int4") is None
+    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=D, intermediate_size=F, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    m = {"gemv/cpu/int4": LinearModel(0.0, 5e-11, 1.0), "gemv/cpu/bf16": LinearModel(0.0, 4e-11, 1.0),
+         "attn/cpu/fp32": LinearModel(0.0, 1e-10, 1.0), "gemm/cpu/fp32": LinearModel(1e-4, 1e-11, 1.0),
+         "gemm/cpu/int4": LinearModel(1e-4, 1e-11, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", m, None, None)  # no per-call cost: the bytes alone
+    _, int4 = predict_decode(cfg, hw, "int4", context=64, head_dtype="int4")
+    _, bf16 = predict_decode(cfg, hw, "bf16", context=64, head_dtype="int4")
+    _, mixed = predict_decode(cfg, hw, "int4", context=64, head_dtype="int4", mix=mix)
+    assert int4 < mixed < bf16
+    # the layers' weight bytes are read at each precision's rate: the share of the difference is the mix's
+    assert (mixed - int4) / (bf16 - int4) == pytest.approx(mix["bf16"])
+    one = make_plan(cfg, hw, precision="int4", weights_format="bf16", dense_copies=False, precision_mix=mix)
+    plain = make_plan(cfg, hw, precision="int4", weights_format="bf16", dense_copies=False)
+    assert one.precision_mix == mix and plain.precision_mix is None
+    assert Plan.from_json(one.to_json()).precision_mix == mix
+    assert one.predicted_decode_tokens_per_s < plain.predicted_decode_tokens_per_s
+    assert one.memory["cpu"] > plain.memory["cpu"]  # the bf16 copies held beside the int4 ones
+
+
 def test_a_dense_model_that_fits_the_gpu_is_not_sliced():
     """ScheInfer slices what the GPU cannot hold. On a host whose CPU GEMVs look as fast as the GPU's
     (here: the H200 host's profile with CPU rates made 100x faster), splitting a layer that fits

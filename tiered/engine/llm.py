@@ -101,7 +101,7 @@ class LLM:
         HardwareProfile it was made with (None for rules or a replayed plan)."""
         from tiered.planner.auto import engine_plan
         from tiered.planner.placement import load_popularity
-        from tiered.quant.linear import decode_precision, head_precision
+        from tiered.quant.linear import decode_mix, decode_precision, head_precision
 
         ec, cfg = self.engine_config, self.config
         weights = sizes.format_of(self.dtype)
@@ -116,8 +116,8 @@ class LLM:
             plan, profile = engine_plan(cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name,
                                         max_context=self.max_context, weights_format=weights, decode_format=decode,
                                         decode_precision=precision, head_precision=head, popularity=popularity,
-                                        progress=say,
-                                        experts_format=self._experts_format(weights))
+                                        progress=say, experts_format=self._experts_format(weights),
+                                        decode_mix=decode_mix(self.checkpoint, decode) if decode != "none" else None)
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
             plan.decode_threshold = max(ec.decode_weights_threshold, ec.max_batch)
         if cfg.is_moe and ec.plan in ("auto", "off"):  # a replayed plan keeps its own notes and choices

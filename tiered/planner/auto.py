@@ -148,7 +148,8 @@ def standin_profile(cpu: HardwareProfile, link_bandwidth: float | None) -> Hardw
 def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
                 decode_format: str, decode_precision: str, popularity=None,
                 progress: Callable[[str], None] | None = None,
-                experts_format: str | None = None, head_precision: str | None = None) -> tuple[Plan, HardwareProfile | None]:
+                experts_format: str | None = None, head_precision: str | None = None,
+                decode_mix: dict | None = None) -> tuple[Plan, HardwareProfile | None]:
     """The Plan an LLM applies, per EngineConfig.plan: "auto" plans now (latency goal), "off" writes
     the runtime's plain rules into a Plan (planner/rules.py), a path replays a saved plan as is.
 
@@ -165,6 +166,8 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
         decode_format: EngineConfig.decode_weights when decode copies are installed, else "none".
         decode_precision: the format most decode-copy bytes have ("int4", "int8", "bf16", "fp32").
         head_precision: the lm_head decode copy's format (quant/linear.head_precision), or None.
+        decode_mix: the decode copies' precisions by share of the layers' projection elements where
+            they mix (quant/linear.decode_mix), or None.
         popularity: float [L, E] tokens routed per expert, or None.
     Returns:
         (plan, the HardwareProfile it was made with, or None for rules / replayed plans).
@@ -179,7 +182,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                                    weights_format=weights_format, decode_format=decode_format,
                                    decode_precision=decode_precision, popularity=popularity, progress=progress,
                                    experts_format=experts_format, dense_copies=dense_copies,
-                                   head_precision=head_precision)
+                                   head_precision=head_precision, decode_mix=decode_mix)
     # without an accelerator every decode step runs on the CPU: through the lean step
     plan.cpu_decode_step = accelerator is None
     # ... and in C++ when tiered/kernels is built (setup builds it; TIERED_NATIVE=0 turns it off)
@@ -254,7 +257,8 @@ def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_form
 def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
                    decode_format: str, decode_precision: str, popularity=None,
                    progress: Callable[[str], None] | None = None, experts_format: str | None = None,
-                   dense_copies: bool = True, head_precision: str | None = None) -> tuple[Plan, HardwareProfile | None]:
+                   dense_copies: bool = True, head_precision: str | None = None,
+                   decode_mix: dict | None = None) -> tuple[Plan, HardwareProfile | None]:
     """engine_plan's "auto" (the planner) and "off" (the runtime's rules) cases."""
     gpu = accelerator.budget.capacity if accelerator is not None else None
     if ec.plan == "off":
@@ -285,7 +289,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                      experts_format=experts_format, kv_slots=ec.max_batch,
                      head_precision=head_precision if dense_cpu else None, expert_act=expert_activations(ec),
                      graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
-                     prefetch_lookahead=ec.prefetch_lookahead)
+                     prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None)
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     ratio = profile.meta.get("cpu_bandwidth_ratio")

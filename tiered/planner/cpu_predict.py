@@ -118,10 +118,27 @@ def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, 
     return op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set) * calls
 
 
-def step_weight_bytes(cfg: ModelConfig, dtype: str, moe_layers: list[int] | None = None) -> float:
+def _projections(hw: HardwareProfile, dtype: str, mix: dict | None, elements: float, calls: int,
+                 working_set: float) -> float:
+    """Seconds of `calls` one-token matmuls over `elements` weights in `dtype`, or split by `mix`
+    (precision -> share of the elements, Plan.precision_mix), each share at its precision's rate."""
+    if not mix:
+        return _gemv(hw, dtype, elements * op_time.bytes_per_element(dtype), calls=calls, working_set=working_set)
+    return sum(_gemv(hw, k, elements * share * op_time.bytes_per_element(k), calls=max(1, round(calls * share)),
+                     working_set=working_set) for k, share in mix.items() if share > 0)
+
+
+def mixed_bytes_per_element(dtype: str, mix: dict | None) -> float:
+    """Bytes per weight of `dtype`, or the element-weighted mean over `mix` (Plan.precision_mix)."""
+    if not mix:
+        return op_time.bytes_per_element(dtype)
+    return sum(share * op_time.bytes_per_element(k) for k, share in mix.items())
+
+
+def step_weight_bytes(cfg: ModelConfig, dtype: str, moe_layers: list[int] | None = None, mix: dict | None = None) -> float:
     """Weight bytes one decode step reads: every layer's attention and dense MLP or router + top-k
-    experts, and the lm_head."""
-    bpe = op_time.bytes_per_element(dtype)
+    experts, and the lm_head (`mix`: the layers' precisions by share, Plan.precision_mix)."""
+    bpe = mixed_bytes_per_element(dtype, mix)
     d = cfg.hidden_size
     attn = 2 * d * cfg.num_attention_heads * cfg.head_dim + 2 * d * cfg.num_key_value_heads * cfg.head_dim
     total = d * cfg.vocab_size
@@ -147,13 +164,13 @@ def native_fused_projections(hw: HardwareProfile, dtype: str) -> bool:
     return native_step(hw) and dtype != "fp32"
 
 
-def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, working_set: float = 0.0) -> float:
+def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, working_set: float = 0.0,
+               mix: dict | None = None) -> float:
     d, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     w = 2 * d * q + 2 * d * kv
     native = native_step(hw)
-    proj = _gemv(hw, dtype, w * op_time.bytes_per_element(dtype), calls=2 if native_fused_projections(hw, dtype) else 4,
-                 working_set=working_set)
+    proj = _projections(hw, dtype, mix, w, 2 if native_fused_projections(hw, dtype) else 4, working_set)
     act = dtype if dtype in ("fp32", "bf16", "fp16") else "bf16"  # int4/int8 weights keep a 16-bit KV cache
     kv_bytes = 2 * kv * context * op_time.bytes_per_element(act)
     if native:  # the native step's attention streams the cached keys and values once (GQA heads share them)
@@ -165,7 +182,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
                    read_ahead: bool = True, readers: int = 2, task_overhead: float | None = None,
                    moe_layers: list[int] | None = None,
                    experts_format: str | None = None,
-                   head_dtype: str | None = None, expert_act: str = "bf16") -> tuple[list[tuple[float, float]], float]:
+                   head_dtype: str | None = None, expert_act: str = "bf16",
+                   mix: dict | None = None) -> tuple[list[tuple[float, float]], float]:
     """Per-layer (attention, FFN or MoE) seconds of one decode step, and the whole step
     (layers + lm_head) on CPU + disk.
 
@@ -182,6 +200,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             are priced by gemv/cpu/int4q8 (op_time.gemv_dtype), int4's where the profile lacks it.
         head_dtype: the lm_head's format (quant/linear.head_precision: a GGUF file's Q8_0 embedding
             stays int8 beside int4 layers); None = `dtype`.
+        mix: the layers' dense projections' precisions by share of their elements (Plan.precision_mix:
+            a Q4_K_M file's Q6_K tensors decode from bf16 copies beside int4 ones); None = `dtype`.
     """
     bpe = op_time.bytes_per_element(dtype)
     d = cfg.hidden_size
@@ -191,15 +211,15 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     # the model code's own fixed costs (module calls, small ops) per layer and per step, when profiled
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     moe_fixed = op_time.moe_layer_overhead(hw)  # the MoE block's own code, beyond a dense layer's
-    ws = step_weight_bytes(cfg, dtype, moe_layers)  # beyond the last-level cache: DRAM's rate
+    ws = step_weight_bytes(cfg, dtype, moe_layers, mix)  # beyond the last-level cache: DRAM's rate
     layers = []
     for i in range(cfg.num_hidden_layers):
-        attn = _attention(cfg, hw, dtype, context, ws) + per_layer
+        attn = _attention(cfg, hw, dtype, context, ws, mix) + per_layer
         t = 0.0
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size
-            t += _gemv(hw, dtype, 3 * d * F * bpe, calls=2 if native_fused_projections(hw, dtype) else 3, working_set=ws)
+            t += _projections(hw, dtype, mix, 3 * d * F, 2 if native_fused_projections(hw, dtype) else 3, ws)
         else:
             F, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
             ekind = op_time.gemv_dtype((experts_format or dtype).split(",")[0], expert_act)

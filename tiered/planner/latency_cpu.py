@@ -33,7 +33,11 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     L = cfg.num_hidden_layers
     moe = [i for i in range(L) if cfg.is_moe and cfg.is_moe_layer(i)]
     held = fmt if plan.dense_copies else dtype  # one-copy mode: the decode copies are the weights
-    fixed = (sizes.weight_bytes(cfg, held, sizes.is_expert_param if moe else None)
+    mix = plan.precision_mix if not plan.dense_copies else None  # ... in their precisions, where they mix
+    skip = sizes.is_expert_param if moe else None
+    held_bytes = (sum(share * sizes.weight_bytes(cfg, k, skip) for k, share in mix.items()) if mix else
+                  sizes.weight_bytes(cfg, held, skip))
+    fixed = (held_bytes
              + sizes.rotary_bytes(cfg, plan.context_tokens)
              + sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"]) + extra_bytes)
     plan.kv_cache_tier = plan.attention_tier = "cpu"
@@ -46,7 +50,8 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     def predict(hits):
         return predict_decode(cfg, profile, dtype, context=ctx, hits=hits, read_ahead=plan.read_ahead,
                               readers=max(2, plan.staging_buffers), experts_format=plan.dtypes["experts"] if moe else None,
-                              head_dtype=plan.dtypes.get("lm_head"), expert_act=plan.expert_act)
+                              head_dtype=plan.dtypes.get("lm_head"), expert_act=plan.expert_act,
+                              mix=plan.precision_mix)
     if moe:
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         eb = sizes.expert_bytes(cfg, plan.dtypes["experts"])

@@ -29,12 +29,14 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               read_ahead: bool = True, extra_cpu_bytes: int = 0, workspace: int | None = None,
               dense_copies: bool = True, experts_format: str | None = None, kv_slots: int = 1,
               head_precision: str | None = None, expert_act: str = "bf16", graphs: bool = False,
-              prefetch: bool = False, prefetch_lookahead: int = 2) -> Plan:
+              prefetch: bool = False, prefetch_lookahead: int = 2, precision_mix: dict | None = None) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
         precision: the weight format the time models price ("fp32", "bf16", "int8", "int4"); on a
             CPU-only plan of a dense model, the decode copies' format.
+        precision_mix: on a CPU-only plan, the decode copies' precisions by share of the layers'
+            projection elements where they mix (quant/linear.decode_mix; Plan.precision_mix).
         weights_format: format the weights are stored in on their tiers (default: `precision`);
             the KV cache is fp32 with fp32 weights, else 16-bit.
         context_tokens: KV-cache positions to keep room for [tokens] (default prompt + generated);
@@ -73,6 +75,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     cpu = cpu_memory if cpu_memory is not None else profile.cpu_memory
     plan = Plan(model_name or cfg.model_type, goal, profile.name, gpu, cpu, prompt_tokens, gen_tokens, precision)
     plan.context_tokens = context_tokens or prompt_tokens + gen_tokens
+    plan.precision_mix = precision_mix
     fmt = weights_format or precision
     plan.dtypes = {"weights": fmt, "experts": experts_format or fmt, "kv_cache": "fp32" if fmt == "fp32" else "bf16", "decode": precision}
     if head_precision and head_precision != precision:

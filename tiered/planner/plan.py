@@ -100,6 +100,14 @@ class Plan:
                                              most this many rows (Sarathi-style mixed prefill and
                                              decode); longer prompts, and 0, prefill on their own
         source                               who decided: "planner", "rules" (plan off) or a file
+
+    Pricing inputs recorded beside the decisions:
+        precision, precision_mix             the format the time models price the weights in; on
+                                             the CPU's decode copies, the shares of the layers'
+                                             projection elements by copy precision where they mix
+                                             (quant/linear.decode_mix: a Q4_K_M file's Q6_K
+                                             tensors keep bf16 copies beside int4), None = all
+                                             `precision`
     """
 
     model: str
@@ -111,6 +119,7 @@ class Plan:
     gen_tokens: int
     precision: str
     layers: list[LayerPlan] = field(default_factory=list)
+    precision_mix: dict | None = None  # decode-copy precision -> share of the layers' projection elements
     kv_cache_tier: str = "gpu"
     attention_tier: str = "gpu"
     fast_tier: str = "gpu"  # where resident experts / GG slices live: "gpu", or "cpu" when there is no GPU

@@ -209,19 +209,37 @@ def weight_of(linear: nn.Linear, handle) -> torch.Tensor:
     return handle.load(None)
 
 
+def _decode_counts(checkpoint) -> dict[str, int]:
+    """Elements of the decoder layers' projections by the precision "auto" gives their decode copies."""
+    count: dict[str, int] = {}
+    for name in checkpoint.names():
+        if ".layers." in name and name.endswith("_proj.weight"):
+            h = checkpoint.handle(name)
+            kind = GGUF_DECODE_KIND.get(h.format, "bf16")
+            count[kind] = count.get(kind, 0) + h.numel
+    return count
+
+
 def decode_precision(checkpoint, fmt: str) -> str:
     """The precision most decode-path weight bytes will have under format `fmt` (for the planner):
     "fp32", "bf16", "int8" or "int4". "auto" follows the storage format of the decoder layers'
     matrices (GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 -> int8, anything else -> bf16), weighted by elements."""
     if fmt != "auto":
         return fmt
-    count: dict[str, int] = {}
-    for name in checkpoint.names():
-        if ".layers." in name and name.endswith("_proj.weight"):
-            stored = checkpoint.handle(name).format
-            kind = GGUF_DECODE_KIND.get(stored, "bf16")
-            count[kind] = count.get(kind, 0) + checkpoint.handle(name).numel
+    count = _decode_counts(checkpoint)
     return max(count, key=count.get) if count else "bf16"
+
+
+def decode_mix(checkpoint, fmt: str) -> dict[str, float] | None:
+    """Shares of the decoder layers' projection elements by decode-copy precision when "auto" gives
+    them more than one (Plan.precision_mix, which the CPU decode prediction prices): a Q4_K_M file's
+    Q6_K attn_v and ffn_down (half its layers) keep bf16 copies beside its int4 ones, ~17% of the
+    elements and ~40% of the bytes. None when one precision holds them all, or `fmt` is not "auto"."""
+    count = _decode_counts(checkpoint) if fmt == "auto" else {}
+    if len(count) < 2:
+        return None
+    total = sum(count.values())
+    return {k: n / total for k, n in sorted(count.items())}
 
 
 def head_precision(checkpoint, fmt: str) -> str:
