@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tiered import kernels
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import BudgetError
 from tiered.hardware.presets import get_preset
@@ -251,11 +252,13 @@ def test_the_lm_head_is_priced_in_its_own_decode_format():
             return name in self.formats
 
         def handle(self, name):
-            return SimpleNamespace(format=self.formats[name])
+            return SimpleNamespace(format=self.formats[name], shape=(49152, 576))
 
     assert head_precision(Ckpt({"model.embed_tokens.weight": "Q8_0"}), "auto") == "int8"  # tied
     assert head_precision(Ckpt({"lm_head.weight": "Q4_1", "model.embed_tokens.weight": "Q8_0"}), "auto") == "int4"
-    assert head_precision(Ckpt({"lm_head.weight": "Q6_K"}), "auto") == "bf16"
+    # Q6_K: int8 per group of 32 where tiered's kernels are built (quant/int8.Int8G32Linear), else bf16
+    assert head_precision(Ckpt({"lm_head.weight": "Q6_K"}), "auto") == ("int8-g32" if kernels.available() else "bf16")
+    assert head_precision(Ckpt({"lm_head.weight": "IQ2_XS"}), "auto") == "bf16"
     assert head_precision(Ckpt({"model.embed_tokens.weight": "Q8_0"}), "int4") == "int4"
     cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64)
@@ -294,11 +297,13 @@ def test_mixed_decode_copies_are_priced_at_each_precision():
             return list(formats)
 
         def handle(self, name):
-            return SimpleNamespace(format=formats[name][0], numel=formats[name][1])
+            return SimpleNamespace(format=formats[name][0], numel=formats[name][1], shape=(16, 32))
 
-    q6 = sum(n for f, n in formats.values() if f == "Q6_K")
+    q6 = sum(n for f, n in formats.values() if f == "Q6_K") / sum(n for _, n in formats.values())
     mix = decode_mix(Ckpt(), "auto")
-    assert mix == pytest.approx({"bf16": q6 / sum(n for _, n in formats.values()), "int4": 1 - q6 / sum(n for _, n in formats.values())})
+    six = "int8-g32" if kernels.available() else "bf16"  # Q6_K's copies (quant/linear.auto_kind)
+    assert mix == pytest.approx({six: q6, "int4": 1 - q6})
+    mix = {"bf16": q6, "int4": 1 - q6}  # priced below as bf16 copies, whatever this machine builds
     assert decode_precision(Ckpt(), "auto") == "int4" and decode_mix(Ckpt(), "int4") is None
     cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=D, intermediate_size=F, num_hidden_layers=2,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64)

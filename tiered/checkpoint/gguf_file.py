@@ -288,6 +288,8 @@ class GGUFCheckpoint(HandleTable):
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
+        from tiered.quant.gguf_dequant import dequantize_blocks
+
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists ne0 first
         data, offset, nbytes = t.data, int(t.data_offset), int(t.n_bytes)  # numpy memmap
         if expert is not None:  # [E, rows, cols] -> this expert's [rows, cols]
@@ -307,6 +309,10 @@ class GGUFCheckpoint(HandleTable):
                                         "re-quantize with F32/F16/BF16/Q4_0/Q4_1/Q5_x/Q8_0/Qk_K types")
 
         def load() -> torch.Tensor:
+            t = dequantize_blocks(np.asarray(data), fmt) if fmt in BLOCK_FORMATS else None  # torch, threaded
+            if t is not None:
+                t = t.reshape(shape)
+                return (t[torch.from_numpy(perm)] if perm is not None else t).contiguous()
             arr = dequantize(np.asarray(data), qtype).reshape(shape)
             if perm is not None:
                 arr = arr[perm]

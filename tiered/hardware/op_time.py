@@ -24,6 +24,7 @@ DTYPE_FALLBACK = {
     "bf16": ("bf16", "fp16", "fp32"),
     "fp16": ("fp16", "bf16", "fp32"),
     "int8": ("int8",),
+    "int8-g32": ("int8-g32", "int8"),  # the same tiled int8 stream with a scale per 32 weights
     "int4": ("int4",),
     "int4q8": ("int4q8", "int4"),  # int4 on int8 activations (routed experts); older profiles: int4's
 }

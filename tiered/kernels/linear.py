@@ -226,19 +226,21 @@ def kernel_for(m: nn.Module):
     """The best native Kernel computing module `m` (x [B, K] -> y [B, N] fp32 with m's bias).
 
     Args:
-        m: Int4Linear, Int8Linear, CastLinear or nn.Linear (any weight dtype).
+        m: Int4Linear, Int8Linear, Int8G32Linear, CastLinear or nn.Linear (any weight dtype).
     Returns:
         A Kernel, or None when the extension is unavailable.
     Raises:
         TypeError: a module of another type.
     """
     from tiered.quant.int4 import Int4Linear
-    from tiered.quant.int8 import Int8Linear
+    from tiered.quant.int8 import Int8G32Linear, Int8Linear
     from tiered.quant.linear import CastLinear
 
     ext = load()
     if ext is None:
         return None
+    if isinstance(m, Int8G32Linear):
+        return m.kernel()
     bias = getattr(m, "bias", None)
     bias = None if bias is None else bias.detach().float()
     if isinstance(m, Int4Linear):

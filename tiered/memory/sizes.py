@@ -32,10 +32,12 @@ def bytes_per_element(fmt: str, group: int = INT4_GROUP) -> float:
     """
     if fmt == "int4":
         return 0.5 + 4.0 / group
+    if fmt == "int8-g32":  # int8 and an fp16 scale per 32 (quant/int8.Int8G32Linear)
+        return 1.0 + 2.0 / 32
     try:
         return _DENSE_BYTES[fmt]
     except KeyError:
-        raise ConfigError(f"unknown weight format {fmt!r}", "use fp32, bf16, fp16, int8 or int4") from None
+        raise ConfigError(f"unknown weight format {fmt!r}", "use fp32, bf16, fp16, int8, int8-g32 or int4") from None
 
 
 def format_of(dtype: torch.dtype) -> str:

@@ -113,9 +113,9 @@ class PhaseLinear(nn.Module):
 class DecodeWeight:
     """One projection's decode-format weight before packing: int4 codes or a dense tensor."""
 
-    kind: str  # "int4" | "int8" | "dense"
-    codes: torch.Tensor | None = None  # int32 [N, K] (int4) or int8 [N, K] (int8, already quantized)
-    scale: torch.Tensor | None = None  # fp32 [N, K/32] (int4) or [N] (int8)
+    kind: str  # "int4" | "int8" | "int8-g32" | "dense"
+    codes: torch.Tensor | None = None  # int32 [N, K] (int4), int8 [N, K] (int8) or tiled uint8 [N, K] (int8-g32)
+    scale: torch.Tensor | None = None  # fp32 [N, K/32] (int4), [N] (int8) or fp16 [N/16, K/32, 16] (int8-g32)
     zero: torch.Tensor | None = None  # fp32 [N, K/32] (int4)
     dense: torch.Tensor | None = None  # [N, K] (dense, int8 source)
     # int4 from a GGUF file: its Q4_0/Q4_1 blocks uint8 [N, K/32 * block bytes], unpacked only if the
@@ -136,23 +136,39 @@ class DecodeWeight:
 
 
 # GGUF blocks "auto" keeps packed. Q4_K (a Q4_K_M file's main type) maps exactly onto int4 groups of 32
-# (scale d*sc, zero 8*scale - dmin*m, each rounded to bf16 as Q4_1's are); Q6_K (its head, and attn_v
-# and ffn_down in half its layers) has no exact int4/int8 form here, and stays bf16 rather than lose
-# precision to a per-row int8 re-quantization.
-GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8"}
+# (scale d*sc, zero 8*scale - dmin*m, each rounded to bf16 as Q4_1's are). Q5_x and Q6_K (a Q4_K_M
+# file's head, and its attn_v and ffn_down in half the layers) become int8 per group of 32
+# (Int8G32Linear: their codes re-quantized, ~2^-8 of a group's max) where tiered's kernels are built.
+GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8",
+                    "Q5_0": "int8-g32", "Q5_1": "int8-g32", "Q5_K": "int8-g32", "Q6_K": "int8-g32"}
+
+
+def auto_kind(handle) -> str:
+    """The decode-copy precision "auto" gives a checkpoint tensor: GGUF_DECODE_KIND by its storage
+    format ("bf16" for the rest), int8-g32 only where tiered's kernels are built and the shape takes
+    their tiled layout (N % 16, K % 32; else bf16)."""
+    kind = GGUF_DECODE_KIND.get(handle.format, "bf16")
+    if kind == "int8-g32":
+        from tiered.kernels import load
+        from tiered.kernels.linear import int8_tiles
+
+        if len(handle.shape) != 2 or not int8_tiles(*handle.shape) or load() is None:
+            return "bf16"
+    return kind
 
 
 def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     """The decode representation of `linear` under format `fmt`, or None to keep the dense module.
 
-    "auto": GGUF Q4_0/Q4_1/Q4_K blocks -> int4 as stored; GGUF Q8_0 -> per-row int8; others -> bf16.
+    "auto": GGUF Q4_0/Q4_1/Q4_K blocks -> int4 as stored; GGUF Q8_0 -> per-row int8; GGUF Q5_x / Q6_K
+    -> int8 per group of 32 (with tiered's kernels); others -> bf16.
     "int4": everything with K % 32 == 0 -> int4 (GGUF Q4 blocks as stored); "int8": everything ->
     per-row int8; "bf16"; "fp32".
     A module left on the meta device (one-copy mode) has its weight read from `handle` when the
     format needs the dense values (Q4 blocks are unpacked without dequantizing).
     """
     stored = handle.format if handle is not None else None
-    kind = GGUF_DECODE_KIND.get(stored)
+    kind = auto_kind(handle) if handle is not None else None
     if fmt in ("auto", "int4") and kind == "int4":  # GGUF Q4 blocks: int4 as stored
         if stored == "Q4_K":
             from tiered.quant.gguf_experts import unpack_q4k_blocks
@@ -161,6 +177,12 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
         return DecodeWeight("int4", blocks=handle.blocks(), block_format=stored)
     if fmt == "auto" and kind == "int8":  # row chunks: no whole dense copy
         return DecodeWeight("int8", *quantize_int8_blocks(handle))
+    if fmt == "auto" and kind == "int8-g32":  # Q5_x / Q6_K: re-quantized per group of 32, tiled
+        from tiered.kernels.linear import tiled_group_scales, tiled_int8
+        from tiered.quant.int8 import quantize_int8_g32
+
+        q, scale = quantize_int8_g32(weight_of(linear, handle))
+        return DecodeWeight("int8-g32", tiled_int8(q), tiled_group_scales(scale))
     w = weight_of(linear, handle)
     if fmt == "fp32":
         return None if w.dtype == torch.float32 else DecodeWeight("dense", dense=w.float())
@@ -180,11 +202,16 @@ def quantize_int8_blocks(handle, rows: int = 4096) -> tuple[torch.Tensor, torch.
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    from tiered.quant.gguf_dequant import dequantize_blocks
+
     raw, (N, K) = handle.blocks(), handle.shape
     qtype = GGMLQuantizationType[handle.format]
     q, scale = torch.empty(N, K, dtype=torch.int8), torch.empty(N)
     for i in range(0, N, rows):
-        w = torch.from_numpy(dequantize(np.asarray(raw[i:i + rows]), qtype).reshape(-1, K))
+        chunk = np.asarray(raw[i:i + rows])
+        w = dequantize_blocks(chunk, handle.format)
+        if w is None:
+            w = torch.from_numpy(dequantize(chunk, qtype).reshape(-1, K))
         q[i:i + rows], scale[i:i + rows] = quantize_int8(w)
     return q, scale
 
@@ -215,15 +242,16 @@ def _decode_counts(checkpoint) -> dict[str, int]:
     for name in checkpoint.names():
         if ".layers." in name and name.endswith("_proj.weight"):
             h = checkpoint.handle(name)
-            kind = GGUF_DECODE_KIND.get(h.format, "bf16")
+            kind = auto_kind(h)
             count[kind] = count.get(kind, 0) + h.numel
     return count
 
 
 def decode_precision(checkpoint, fmt: str) -> str:
     """The precision most decode-path weight bytes will have under format `fmt` (for the planner):
-    "fp32", "bf16", "int8" or "int4". "auto" follows the storage format of the decoder layers'
-    matrices (GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 -> int8, anything else -> bf16), weighted by elements."""
+    "fp32", "bf16", "int8", "int8-g32" or "int4". "auto" follows the storage format of the decoder
+    layers' matrices (`auto_kind`: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 -> int8, Q5_x / Q6_K -> int8-g32,
+    anything else -> bf16), weighted by elements."""
     if fmt != "auto":
         return fmt
     count = _decode_counts(checkpoint)
@@ -245,7 +273,8 @@ def decode_mix(checkpoint, fmt: str) -> dict[str, float] | None:
 def head_precision(checkpoint, fmt: str) -> str:
     """The lm_head's decode-copy precision under format `fmt` (for the planner), as
     install_decode_weights makes it: `fmt` itself, or for "auto" the head's storage format (the
-    token embedding's when tied): GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 -> int8, anything else -> bf16. A
+    token embedding's when tied) by `auto_kind`: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 -> int8, Q5_x / Q6_K
+    -> int8-g32, anything else -> bf16. A
     GGUF Q4 file often stores its embedding as Q8_0, so its head reads twice the bytes per weight
     of its layers (SmolLM2's Q4_1 file: a 28 MB int8 head beside ~70 MB of int4 layers)."""
     if fmt != "auto":
@@ -253,7 +282,7 @@ def head_precision(checkpoint, fmt: str) -> str:
     key = "lm_head.weight" if checkpoint.has("lm_head.weight") else "model.embed_tokens.weight"
     if not checkpoint.has(key):
         return "bf16"
-    return GGUF_DECODE_KIND.get(checkpoint.handle(key).format, "bf16")
+    return auto_kind(checkpoint.handle(key))
 
 
 def _tiled_from_blocks(parts: list[DecodeWeight], bias: torch.Tensor | None, batch_act: str) -> Int4Linear | None:
@@ -295,6 +324,10 @@ def build_decode_module(parts: list[DecodeWeight], biases: list[torch.Tensor | N
         codes, scale, zero = zip(*(p.int4_parts() for p in parts))
         return Int4Linear.from_codes(torch.cat(codes), torch.cat(scale), torch.cat(zero), GROUP, bias, int4_layout,
                                      batch_act)
+    if kind == "int8-g32":  # tiled rows side by side: each part's tiles are whole 16-row tiles
+        from tiered.quant.int8 import Int8G32Linear
+
+        return Int8G32Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), bias)
     if kind == "int8" and all(p.codes is not None for p in parts):
         return Int8Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), bias)
     if kind == "int8":  # mixed or dense sources: quantize the dense values

@@ -1,0 +1,66 @@
+"""CPU dense benchmark on llama.cpp's Q4_K_M: tiered against llama.cpp on one Llama GGUF at batch 1.
+
+Q4_K_M is the GGUF most people download. This writes a dummy-weight file at Llama-3-8B's layer
+widths (tiered/bench/gguf_dense.py: hidden 4096, FFN 14336, 32 / 8 heads of 128; Q4_K matrices,
+Q6_K for the output matrix and for attn_v / ffn_down in the layers llama.cpp's use_more_bits picks;
+N layers of the real 32; SmolLM2's tokenizer copied in so that both engines load it as a real
+model file), then runs benchmarks/cpu_dense.py's side-by-side harness on it: every engine in its
+own worker process, interleaved rounds, prefill at 32 / 128 / 512 tokens, decode tok/s over 128
+greedy tokens after a 32-token prompt, peak RSS, and the bandwidth bound from the bytes a token
+reads.
+
+    tiered-int4   tiered, EngineConfig() (the default engine): the Q4_K blocks repacked as int4
+                  groups of 32, the Q6_K tensors as bf16 copies (quant/linear.GGUF_DECODE_KIND),
+                  decode in the native step
+    llama.cpp     llama-cpp-python on the same file (mmap), same thread count
+
+Usage:
+    .venv/bin/python benchmarks/cpu_dense_q4km.py                 # 8 layers (~1.3 GB file)
+    .venv/bin/python benchmarks/cpu_dense_q4km.py --layers 2 --quick --out /tmp/q4km
+Results: benchmarks/results/cpu_dense_q4km.json and .md. The GGUF is cached under
+~/.cache/tiered/bench/ (written once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))
+
+import cpu_dense  # noqa: E402
+
+from tiered.bench.gguf_dense import llama3_8b, write_dummy_dense_gguf  # noqa: E402
+
+
+def model_file(layers: int) -> Path:
+    """The cached dummy Llama Q4_K_M GGUF of `layers` layers (written when missing)."""
+    from tiered.checkpoint import default_model_path
+
+    shape = llama3_8b(layers)
+    path = Path.home() / ".cache" / "tiered" / "bench" / f"{shape.tag('Q4_K_M')}-smollm2-tok-v1.gguf"
+    if not path.exists():
+        print(f"writing {path} ...", flush=True)
+        tmp = path.with_suffix(".part")
+        write_dummy_dense_gguf(tmp, shape, tokenizer_from=default_model_path())
+        tmp.rename(path)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers at Llama-3-8B's widths (real: 32)")
+    ap.add_argument("--engines", default="tiered-int4,llama.cpp")
+    ap.add_argument("--out", default=str(HERE / "results" / "cpu_dense_q4km"), help="output path stem (.json / .md added)")
+    a, rest = ap.parse_known_args(argv)
+    path = model_file(a.layers)
+    name = f"Llama-3-8B widths, {a.layers} of 32 layers (dummy Q4_K_M weights)"
+    return cpu_dense.main(["--model", str(path), "--name", name, "--engines", a.engines, "--out", a.out,
+                           "--title", f"CPU dense benchmark on Q4_K_M: {name}, at batch 1"] + rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""tiered/bench/gguf_dense.py: the dummy Llama GGUF in llama.cpp's Q4_K_M mix that
+benchmarks/cpu_dense_q4km.py compares engines on.
+
+At tiny widths: the file is a real "llama" GGUF with llama.cpp's Q4_K_M types (Q6_K for the output
+matrix and for attn_v / ffn_down in the use_more_bits layers), its K-quant blocks are well formed
+(weights of the asked std, about centred), and tiered decodes it from int4 copies of the Q4_K
+blocks beside int8-g32 copies of the Q6_K ones, priced as a mix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from tiered import LLM, EngineConfig, SamplingParams, kernels
+from tiered.bench.gguf_dense import DenseShape, q4_k_m_type, random_k_blocks, write_dummy_dense_gguf
+from tiered.quant.int4 import Int4Linear
+from tiered.quant.int8 import Int8G32Linear
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_random_k_blocks_have_the_asked_spread(qtype):
+    rng = np.random.default_rng(0)
+    w = dequantize(random_k_blocks(rng, 64, 512, qtype, 0.02), GGMLQuantizationType[qtype]).reshape(64, 512)
+    assert np.isfinite(w).all()
+    assert abs(float(w.std()) - 0.02) < 0.002
+    assert abs(float(w.mean())) < 0.02 * 0.05  # Q6_K's codes minus 32 lean -0.5 of 18.5: ~3% of the std
+    with pytest.raises(ValueError, match="multiple of 256"):
+        random_k_blocks(rng, 4, 96, qtype, 0.02)
+
+
+def test_q4_k_m_types_follow_llama_cpp():
+    """llama_tensor_get_type's use_more_bits for 8 layers: layers 0, 3, 6 and 7 get Q6_K attn_v / ffn_down."""
+    more = [i for i in range(8) if q4_k_m_type(f"blk.{i}.ffn_down.weight", i, 8) == "Q6_K"]
+    assert more == [0, 3, 6, 7]
+    assert [q4_k_m_type(f"blk.{i}.attn_v.weight", i, 8) for i in (0, 1)] == ["Q6_K", "Q4_K"]
+    assert q4_k_m_type("blk.0.ffn_up.weight", 0, 8) == "Q4_K" and q4_k_m_type("output.weight", -1, 8) == "Q6_K"
+
+
+def test_dummy_q4_k_m_gguf_loads_and_decodes(tmp_path):
+    shape = DenseShape(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64, vocab=512)
+    path = write_dummy_dense_gguf(tmp_path / "tiny.gguf", shape)
+    r = GGUFReader(str(path))
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert r.fields["general.architecture"].contents() == "llama"
+    # of 2 layers, use_more_bits picks layer 1 (the last eighth)
+    assert types["blk.1.ffn_down.weight"] == types["blk.1.attn_v.weight"] == types["output.weight"] == "Q6_K"
+    assert types["blk.0.ffn_down.weight"] == types["blk.0.ffn_gate.weight"] == types["token_embd.weight"] == "Q4_K"
+
+    llm = LLM(path, EngineConfig(max_context=64, accelerator="none"))
+    six = "int8-g32" if kernels.available() else "bf16"  # Q6_K's copies (quant/linear.auto_kind)
+    mix = llm.plan.precision_mix
+    assert set(mix) == {"int4", six} and 0 < mix[six] < 0.5 and llm.plan.dtypes.get("lm_head") == six
+    assert sum(isinstance(m, Int4Linear) for m in llm.model.modules()) >= 4
+    # Q6_K v_proj and down_proj of layer 1, and the head
+    assert sum(isinstance(m, Int8G32Linear) for m in llm.model.modules()) == (3 if kernels.available() else 0)
+    out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and all(0 <= t < 512 for t in out.token_ids)
+    llm.close()

@@ -1,0 +1,159 @@
+"""A dummy-weight dense Llama GGUF at real layer widths, quantized as llama.cpp's Q4_K_M, for
+comparing engines on the file type most people download.
+
+Q4_K_M is llama.cpp's default recommendation: Q4_K super-blocks (256 weights: fp16 d and dmin,
+eight 6-bit sub-block scales and mins, 4-bit codes; w = d*sc*q - dmin*m) for most matrices, and
+Q6_K (256 weights: 16 int8 sub-scales, 6-bit codes; w = d*sc*(q - 32)) for the output matrix and
+for attn_v and ffn_down in the layers `use_more_bits` picks (llama.cpp's llama_tensor_get_type:
+the first and last eighth of the layers and every third one between). Real 8B files are ~5 GB and
+nothing is downloaded here, so this writes N layers of Llama-3-8B's widths (hidden 4096, FFN
+14336, 32 query / 8 KV heads of 128) with random blocks, as tiered/bench/gguf_moe.py does for MoE.
+
+Blocks are drawn directly, centred and with weights of std about 0.02 (the embedding's about 1,
+attn_output's 0.004, as gguf_moe.py explains): Q4_K with every sub-block scale and min 8, dmin =
+7.5 d, so w = 8 d (q - 7.5) over uniform 4-bit codes; Q6_K with every sub-scale 8, w = 8 d (q - 32)
+over uniform 6-bit codes; d per super-block times a uniform factor in [0.5, 1.5]. The tokenizer is
+copied from another GGUF (SmolLM2's), so llama.cpp loads the file as a real model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tiered.bench.gguf_moe import _STD, _TOKENIZER_KEYS
+
+K_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # bytes per super-block of 256 weights
+_K_CODE_STD = {"Q4_K": 8 * 4.61, "Q6_K": 8 * 18.47}  # std of w / d: 8 (q - 7.5), q in 0..15; 8 (q - 32), q in 0..63
+
+
+@dataclass(frozen=True)
+class DenseShape:
+    """The widths of a Llama decoder (elements unless noted): layers [count], hidden D, FFN F,
+    heads / kv_heads of head_dim, vocab (when no tokenizer is copied)."""
+
+    layers: int = 8
+    hidden: int = 4096
+    ffn: int = 14336
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    vocab: int = 32000
+
+    def tag(self, scheme: str) -> str:
+        """A file-name tag of this shape and quantization scheme."""
+        return f"llama-L{self.layers}-D{self.hidden}-F{self.ffn}-H{self.heads}x{self.head_dim}kv{self.kv_heads}-{scheme}"
+
+
+def llama3_8b(layers: int = 8) -> DenseShape:
+    """Llama-3-8B's layer widths (32 layers in the real model), `layers` of them."""
+    return DenseShape(layers=layers)
+
+
+def random_k_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: float) -> np.ndarray:
+    """uint8 [rows, cols / 256 * block bytes]: random Q4_K / Q6_K super-blocks of centred weights
+    with about `std` (module docstring).
+
+    Raises:
+        ValueError: another block type, or cols not a multiple of 256.
+    """
+    if qtype not in K_BLOCK_BYTES or cols % 256:
+        raise ValueError(f"random_k_blocks: {qtype} with {cols} columns (Q4_K / Q6_K, a multiple of 256)")
+    nb, bs = cols // 256, K_BLOCK_BYTES[qtype]
+    b = np.frombuffer(rng.bytes(rows * nb * bs), np.uint8).reshape(rows, nb, bs).copy()
+    d = (std / _K_CODE_STD[qtype] * rng.uniform(0.5, 1.5, (rows, nb, 1))).astype(np.float16)
+    if qtype == "Q4_K":  # d, dmin (fp16), scales[12] (6-bit sc and m of 8 sub-blocks), qs[128]
+        b[..., 0:2] = d.view(np.uint8)
+        b[..., 2:4] = (d.astype(np.float32) * 7.5).astype(np.float16).view(np.uint8)
+        # sub-blocks 0-3: sc = scales[j] & 63, m = scales[j + 4] & 63; 4-7: the low nibbles of
+        # scales[j + 4] and the top bits of scales[j - 4] / scales[j] (zero here): sc = m = 8
+        b[..., 4:8], b[..., 8:12], b[..., 12:16] = 8, 8, 8 | (8 << 4)
+    else:  # ql[128], qh[64], scales[16] (int8), d (fp16)
+        b[..., 192:208] = 8
+        b[..., 208:210] = d.view(np.uint8)
+    return b.reshape(rows, nb * bs)
+
+
+def q4_k_m_type(name: str, layer: int, layers: int) -> str:
+    """The block type llama.cpp's Q4_K_M gives a tensor (llama_tensor_get_type, use_more_bits)."""
+    more = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+    if name == "output.weight" or (name.split(".")[-2] in ("attn_v", "ffn_down") and more):
+        return "Q6_K"
+    return "Q4_K"
+
+
+def write_dummy_dense_gguf(path: str | os.PathLike, shape: DenseShape, tokenizer_from: str | os.PathLike | None = None,
+                           seed: int = 0) -> Path:
+    """Write `shape` as a llama.cpp "llama" GGUF in the Q4_K_M mix at `path` (module docstring).
+
+    Args:
+        tokenizer_from: a GGUF whose tokenizer metadata is copied (its vocabulary sets the
+            embedding's and output's rows), or None: no tokenizer, `shape.vocab` rows.
+    Returns the path.
+    """
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok, vocab = {}, shape.vocab
+    if tokenizer_from is not None:
+        src = GGUFReader(str(tokenizer_from))
+        tok = {k: src.fields[k].contents() for k in _TOKENIZER_KEYS if k in src.fields}
+        vocab = len(tok["tokenizer.ggml.tokens"])
+    s = shape
+    w = GGUFWriter(str(path), "llama")
+    w.add_name(f"dummy {s.tag('Q4_K_M')}")
+    w.add_block_count(s.layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.ffn)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(500000.0)
+    w.add_vocab_size(vocab)
+    w.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    if tok:
+        w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+        if "tokenizer.ggml.pre" in tok:
+            w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+        w.add_token_list(tok["tokenizer.ggml.tokens"])
+        w.add_token_types(tok["tokenizer.ggml.token_type"])
+        if "tokenizer.ggml.merges" in tok:
+            w.add_token_merges(tok["tokenizer.ggml.merges"])
+        w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
+        w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    D, F, hd = s.hidden, s.ffn, s.head_dim
+    specs = [("token_embd.weight", (vocab, D), "Q4_K", -1)]  # (name, torch-order shape, type, layer)
+    for i in range(s.layers):
+        p = f"blk.{i}."
+        specs += [(p + "attn_norm.weight", (D,), "ONES", i), (p + "attn_q.weight", (s.heads * hd, D), None, i),
+                  (p + "attn_k.weight", (s.kv_heads * hd, D), None, i), (p + "attn_v.weight", (s.kv_heads * hd, D), None, i),
+                  (p + "attn_output.weight", (D, s.heads * hd), None, i), (p + "ffn_norm.weight", (D,), "ONES", i),
+                  (p + "ffn_gate.weight", (F, D), None, i), (p + "ffn_up.weight", (F, D), None, i),
+                  (p + "ffn_down.weight", (D, F), None, i)]
+    specs += [("output_norm.weight", (D,), "ONES", -1), ("output.weight", (vocab, D), "Q6_K", -1)]
+    specs = [(n, shp, kind or q4_k_m_type(n, i, s.layers)) for n, shp, kind, i in specs]
+    for name, shp, kind in specs:
+        if kind == "ONES":
+            w.add_tensor_info(name, shp, np.dtype(np.float32), int(np.prod(shp)) * 4)
+        else:
+            raw = shp[:-1] + (shp[-1] // 256 * K_BLOCK_BYTES[kind],)
+            w.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, shp, kind in specs:
+        if kind == "ONES":
+            arr = np.ones(shp, np.float32)
+        else:
+            std = _STD.get(name.split(".")[-2], 0.02)
+            arr = random_k_blocks(rng, shp[0], shp[1], kind, std)
+        w.write_tensor_data(arr)
+    w.close()
+    return path

@@ -1,0 +1,66 @@
+"""GGUF blocks dequantized in torch: the `gguf` package's arithmetic (the same fp32 values, bit for
+bit: tested), in torch's threaded element-wise ops instead of numpy's single thread.
+
+The package's numpy dequantizers run at ~40 M weights/s on the 2-core EPYC: a Q4_K_M file's Q6_K
+output matrix at Llama-3-8B width with SmolLM2's 49k vocabulary (201 M weights) took 5.2 s of the
+load; here ~1 s. Formats without a torch version return None (the caller uses the package's).
+
+Block layouts (ggml-quants.c): Q8_0 {fp16 d; int8 qs[32]}: w = d q. Q4_K {fp16 d, dmin; 12 bytes of
+6-bit sub-block scales and mins; 4-bit qs[128]}: w = (d sc) q - (dmin m) per 32. Q6_K {ql[128] low
+nibbles; qh[64] high 2 bits; int8 scales[16]; fp16 d}: w = (d sc) (q - 32) per 16.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+BLOCK = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}  # weights and bytes per block
+
+
+def _u8(raw: np.ndarray, block_bytes: int) -> torch.Tensor:
+    """raw blocks as a torch uint8 [blocks, block_bytes] view (no copy when contiguous)."""
+    with warnings.catch_warnings():  # a read-only view of the file's map: only read here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(raw).reshape(-1, block_bytes))
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Byte pairs uint8 [n, 2] -> their fp16 values as fp32 [n, 1]."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _shifted(b: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
+    """(b >> shift) & mask for each shift, stacked on a new dim before the last: [..., S, n]."""
+    s = torch.tensor(shifts, dtype=torch.uint8).reshape(len(shifts), 1)
+    return (b.unsqueeze(-2) >> s) & mask
+
+
+def dequantize_blocks(raw: np.ndarray, fmt: str) -> torch.Tensor | None:
+    """GGUF blocks of format `fmt`, uint8 [..., bytes per row], -> fp32 [rows, weights per row]
+    (rows = the product of the leading dims), or None for a format without a torch version here."""
+    if fmt not in BLOCK:
+        return None
+    per, nbytes = BLOCK[fmt]
+    rows = int(np.prod(raw.shape[:-1])) if raw.ndim > 1 else 1
+    b = _u8(raw, nbytes)
+    n = b.shape[0]
+    if fmt == "Q8_0":
+        out = b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
+    elif fmt == "Q4_K":
+        d, dmin, sc = _f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:16].reshape(n, 3, 4)
+        lo, mid, top = sc[:, 0], sc[:, 1], sc[:, 2]  # gguf's get_scale_min: d, m, m_d
+        scale = torch.cat([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], -1).float()  # [n, 8]
+        mins = torch.cat([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], -1).float()
+        q = _shifted(b[:, 16:].reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32).float()
+        out = (d * scale).reshape(n, 8, 1) * q - (dmin * mins).reshape(n, 8, 1)
+    else:  # Q6_K
+        ql, qh = b[:, :128], b[:, 128:192]
+        dd = (_f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(n, 16, 1)
+        low = _shifted(ql.reshape(n, 2, 64), [0, 4], 0x0F).reshape(n, 8, 32)
+        high = _shifted(qh.reshape(n, 2, 32), [0, 2, 4, 6], 0x03).reshape(n, 8, 32)
+        q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+        out = dd * q
+    return out.reshape(rows, -1)
