@@ -601,3 +601,32 @@ def test_decode_copies_from_gguf_blocks_are_the_unpacked_path_bit_for_bit(fmt):
     assert cpu.layout == "cpu" and torch.equal(cpu.packed, Int4Linear.from_codes(codes, scale, zero).packed)
     mixed = [parts[0], DecodeWeight("int4", *unpack_q4_blocks(raws[1], fmt)), parts[2]]  # unpacked codes in it
     assert torch.equal(build_decode_module(mixed, [None] * 3, "tiled").packed, want.packed)
+
+
+def test_int4_prefill_path_by_isa(monkeypatch):
+    """Int4Linear.dense (a prompt through a one-copy int4 weight) takes the bf16-activation kernel
+    up to quant/int4.dequantize_rows() rows (every row count on AVX-512), the dequantized weight and
+    one fp32 GEMM beyond; both give the same product within bf16 activation rounding."""
+    import tiered.quant.int4 as I
+    from tiered import kernels
+
+    assert I.dequantize_rows() == I.DEQUANTIZE_ROWS.get(kernels.isa(), I.DEQUANTIZE_ROWS_OTHER)
+    g = torch.Generator().manual_seed(0)
+    lin = I.Int4Linear.from_codes(*I.quantize_int4(torch.randn(64, 128, generator=g) * 0.05), 32, None, "tiled")
+    x = torch.randn(80, 128, generator=g)
+    calls = []
+    monkeypatch.setattr(I.Int4Linear, "kernel", lambda self, act=None: calls.append(act) or
+                        (lambda t: t.to(torch.bfloat16).float() @ tiled_dequantize_ref(self).T))
+    monkeypatch.setattr(I, "DEQUANTIZE_ROWS", {kernels.isa(): None})
+    by_kernel = lin.dense(x)
+    assert calls == ["bf16"]
+    monkeypatch.setattr(I, "DEQUANTIZE_ROWS", {kernels.isa(): 48})
+    by_gemm = lin.dense(x)
+    assert calls == ["bf16"]  # 80 rows > 48: dequantized, no kernel call
+    assert float((by_kernel - by_gemm).norm() / by_gemm.norm()) < 1e-2
+
+
+def tiled_dequantize_ref(lin):
+    from tiered.kernels.linear import tiled_dequantize
+
+    return tiled_dequantize(lin.packed, None)

@@ -17,7 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 
 GROUP = 32  # elements per Q4_0 / Q4_1 block
-DEQUANTIZE_ROWS = 48  # Int4Linear.dense: larger calls dequantize for one fp32 GEMM (crossover ~40-64 rows)
+# Int4Linear.dense: calls of more rows dequantize the weight for one fp32 GEMM, by the native kernels'
+# ISA (kernels.isa). Measured on the 2-core Zen 4 EPYC (2026-11-26), the bf16-activation kernel against
+# dequantize + GEMM at 64 / 128 / 512 rows: 1536 x 576 0.7 / 1.6 / 5.9 ms vs 1.9 / 2.6 / 7.1; 4096 x 4096
+# 7.4 / 15.3 / 59.7 vs 22.3 / 35.1 / 106.1; 14336 x 4096 33.5 / 65.3 / 289 vs 106 / 151 / 413 (the
+# dequantized weight leaves the cache, and writing it costs more than the GEMM saves). Its AVX2 path
+# on the same cores: ahead to 128 rows, even at 512 (5.9 vs 5.2, 113 vs 107, 383 vs 388 ms).
+DEQUANTIZE_ROWS = {"avx512": None, "avx2": 256}
+DEQUANTIZE_ROWS_OTHER = 48  # the scalar path
 
 
 def unpack_q4_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,6 +74,14 @@ LAYOUTS = ("cpu", "tiled")
 def tiled_fits(out_features: int, in_features: int, group: int = GROUP) -> bool:
     """Whether a weight [N, K] can take the "tiled" layout (tiered's kernels: N % 16, K % 32, group 32)."""
     return group == GROUP and out_features % 16 == 0 and in_features % GROUP == 0
+
+
+def dequantize_rows() -> int | None:
+    """Rows beyond which Int4Linear.dense dequantizes for one GEMM (DEQUANTIZE_ROWS by the native
+    kernels' ISA; None: never, the kernel at every row count)."""
+    from tiered import kernels
+
+    return DEQUANTIZE_ROWS.get(kernels.isa(), DEQUANTIZE_ROWS_OTHER)
 
 
 class Int4Linear(nn.Module):
@@ -159,16 +174,15 @@ class Int4Linear(nn.Module):
         return k
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
-        """The prefill path: x [..., K] -> [..., N] in x's dtype, never on int8 activations. Up to
-        DEQUANTIZE_ROWS rows, the bf16-activation kernel; more, the weight dequantized once (fp32,
-        into a reused buffer) for one fp32 GEMM, which wins once the GEMM outweighs writing 4*N*K
-        bytes (SmolLM2 prefill, 2 cores: 1.6x the kernel at 272 and 512 tokens, even at ~48). torch's packed layout:
-        `forward`."""
+        """The prefill path: x [..., K] -> [..., N] in x's dtype, never on int8 activations: the
+        bf16-activation kernel, or beyond `dequantize_rows()` rows the weight dequantized once
+        (fp32, into a reused buffer) for one fp32 GEMM. torch's packed layout: `forward`."""
         if self.layout != "tiled":
             return self.forward(x)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= DEQUANTIZE_ROWS:
+        limit = dequantize_rows()
+        if limit is None or x2.shape[0] <= limit:
             y = self.kernel("bf16")(x2)
         else:
             from tiered.kernels.linear import tiled_dequantize
