@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tiered.bench.gguf_moe import _STD, _TOKENIZER_KEYS
+from tiered.bench.gguf_moe import _STD, add_tokenizer, read_tokenizer, write_tensors
 
 K_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # bytes per super-block of 256 weights
 _K_CODE_STD = {"Q4_K": 8 * 4.61, "Q6_K": 8 * 18.47}  # std of w / d: 8 (q - 7.5), q in 0..15; 8 (q - 32), q in 0..63
@@ -94,15 +94,11 @@ def write_dummy_dense_gguf(path: str | os.PathLike, shape: DenseShape, tokenizer
             embedding's and output's rows), or None: no tokenizer, `shape.vocab` rows.
     Returns the path.
     """
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf import GGUFWriter
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tok, vocab = {}, shape.vocab
-    if tokenizer_from is not None:
-        src = GGUFReader(str(tokenizer_from))
-        tok = {k: src.fields[k].contents() for k in _TOKENIZER_KEYS if k in src.fields}
-        vocab = len(tok["tokenizer.ggml.tokens"])
+    tok, vocab = read_tokenizer(tokenizer_from, shape.vocab)
     s = shape
     w = GGUFWriter(str(path), "llama")
     w.add_name(f"dummy {s.tag('Q4_K_M')}")
@@ -117,16 +113,7 @@ def write_dummy_dense_gguf(path: str | os.PathLike, shape: DenseShape, tokenizer
     w.add_rope_freq_base(500000.0)
     w.add_vocab_size(vocab)
     w.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-    if tok:
-        w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-        if "tokenizer.ggml.pre" in tok:
-            w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-        w.add_token_list(tok["tokenizer.ggml.tokens"])
-        w.add_token_types(tok["tokenizer.ggml.token_type"])
-        if "tokenizer.ggml.merges" in tok:
-            w.add_token_merges(tok["tokenizer.ggml.merges"])
-        w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
-        w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    add_tokenizer(w, tok)
     D, F, hd = s.hidden, s.ffn, s.head_dim
     specs = [("token_embd.weight", (vocab, D), "Q4_K", -1)]  # (name, torch-order shape, type, layer)
     for i in range(s.layers):
@@ -138,22 +125,7 @@ def write_dummy_dense_gguf(path: str | os.PathLike, shape: DenseShape, tokenizer
                   (p + "ffn_down.weight", (D, F), None, i)]
     specs += [("output_norm.weight", (D,), "ONES", -1), ("output.weight", (vocab, D), "Q6_K", -1)]
     specs = [(n, shp, kind or q4_k_m_type(n, i, s.layers)) for n, shp, kind, i in specs]
-    for name, shp, kind in specs:
-        if kind == "ONES":
-            w.add_tensor_info(name, shp, np.dtype(np.float32), int(np.prod(shp)) * 4)
-        else:
-            raw = shp[:-1] + (shp[-1] // 256 * K_BLOCK_BYTES[kind],)
-            w.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=GGMLQuantizationType[kind])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    for name, shp, kind in specs:
-        if kind == "ONES":
-            arr = np.ones(shp, np.float32)
-        else:
-            std = _STD.get(name.split(".")[-2], 0.02)
-            arr = random_k_blocks(rng, shp[0], shp[1], kind, std)
-        w.write_tensor_data(arr)
-    w.close()
+    write_tensors(w, specs, {k: (256, b) for k, b in K_BLOCK_BYTES.items()},
+                  lambda rng, name, shp, kind: random_k_blocks(rng, shp[0], shp[1], kind, _STD.get(name.split(".")[-2], 0.02)),
+                  seed)
     return path

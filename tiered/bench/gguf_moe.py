@@ -110,19 +110,14 @@ def write_dummy_moe_gguf(path: str | os.PathLike, shape: MoEShape, qtype: str = 
             embedding's rows), or None: no tokenizer, `shape.vocab` rows (prompts are token ids).
     Returns the path. Raises ValueError for block types other than Q4_0 / Q8_0.
     """
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
 
     for q in (qtype, embed_qtype):
         if q not in _BLOCK_BYTES:
             raise ValueError(f"write_dummy_moe_gguf: block type {q!r} (Q4_0 or Q8_0)")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tok = {}
-    vocab = shape.vocab
-    if tokenizer_from is not None:
-        src = GGUFReader(str(tokenizer_from))
-        tok = {k: src.fields[k].contents() for k in _TOKENIZER_KEYS if k in src.fields}
-        vocab = len(tok["tokenizer.ggml.tokens"])
+    tok, vocab = read_tokenizer(tokenizer_from, shape.vocab)
     s = shape
     w = GGUFWriter(str(path), "qwen3moe")
     w.add_name(f"dummy {s.tag(qtype)}")
@@ -141,16 +136,7 @@ def write_dummy_moe_gguf(path: str | os.PathLike, shape: MoEShape, qtype: str = 
     w.add_expert_used_count(s.top_k)
     w.add_expert_feed_forward_length(s.expert_ffn)
     w.add_file_type(int(GGMLQuantizationType[qtype]))
-    if tok:
-        w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-        if "tokenizer.ggml.pre" in tok:
-            w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-        w.add_token_list(tok["tokenizer.ggml.tokens"])
-        w.add_token_types(tok["tokenizer.ggml.token_type"])
-        if "tokenizer.ggml.merges" in tok:
-            w.add_token_merges(tok["tokenizer.ggml.merges"])
-        w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
-        w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+    add_tokenizer(w, tok)
     D, E, F, hd = s.hidden, s.experts, s.expert_ffn, s.head_dim
     # (name, torch-order shape, block type or "F32" (Gaussian) or "ONES")
     specs = [("token_embd.weight", (vocab, D), embed_qtype)]
@@ -163,11 +149,55 @@ def write_dummy_moe_gguf(path: str | os.PathLike, shape: MoEShape, qtype: str = 
                   (p + "ffn_gate_inp.weight", (E, D), "F32"), (p + "ffn_gate_exps.weight", (E, F, D), qtype),
                   (p + "ffn_up_exps.weight", (E, F, D), qtype), (p + "ffn_down_exps.weight", (E, D, F), qtype)]
     specs.append(("output_norm.weight", (D,), "ONES"))
+
+    def blocks(rng, name, shp, kind):
+        std = _STD.get(name.split(".")[-2], 0.02)
+        return random_blocks(rng, int(np.prod(shp[:-1])), shp[-1], kind, std).reshape(shp[:-1] + (-1,))
+    write_tensors(w, specs, {k: (32, b) for k, b in _BLOCK_BYTES.items()}, blocks, seed)
+    return path
+
+
+def read_tokenizer(tokenizer_from: str | os.PathLike | None, vocab: int) -> tuple[dict, int]:
+    """(tokenizer metadata of the GGUF `tokenizer_from` by key, its vocabulary size), or ({}, vocab)
+    when None."""
+    if tokenizer_from is None:
+        return {}, vocab
+    from gguf import GGUFReader
+
+    src = GGUFReader(str(tokenizer_from))
+    tok = {k: src.fields[k].contents() for k in _TOKENIZER_KEYS if k in src.fields}
+    return tok, len(tok["tokenizer.ggml.tokens"])
+
+
+def add_tokenizer(w, tok: dict) -> None:
+    """Write `read_tokenizer`'s metadata into GGUFWriter `w` (nothing when empty)."""
+    if not tok:
+        return
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    if "tokenizer.ggml.pre" in tok:
+        w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    if "tokenizer.ggml.merges" in tok:
+        w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
+
+
+def write_tensors(w, specs, block_sizes: dict, blocks, seed: int) -> None:
+    """Write the tensors `specs` [(name, torch-order shape, kind)] with GGUFWriter `w`'s streaming
+    calls (header, metadata, tensor infos, then one tensor at a time), and close it. kind "ONES"
+    (norms) and "F32" (Gaussian, std 0.02) are float32; a block type's data comes from
+    blocks(rng, name, shape, kind) -> uint8 rows, its size from block_sizes[kind] = (weights, bytes)
+    per block."""
+    from gguf import GGMLQuantizationType
+
     for name, shp, kind in specs:
         if kind in ("ONES", "F32"):
             w.add_tensor_info(name, shp, np.dtype(np.float32), int(np.prod(shp)) * 4)
         else:
-            raw = shp[:-1] + (shp[-1] // 32 * _BLOCK_BYTES[kind],)
+            per, nbytes = block_sizes[kind]
+            raw = shp[:-1] + (shp[-1] // per * nbytes,)
             w.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=GGMLQuantizationType[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -179,11 +209,9 @@ def write_dummy_moe_gguf(path: str | os.PathLike, shape: MoEShape, qtype: str = 
         elif kind == "F32":
             arr = rng.standard_normal(shp, np.float32) * np.float32(0.02)
         else:
-            std = _STD.get(name.split(".")[-2], 0.02)
-            arr = random_blocks(rng, int(np.prod(shp[:-1])), shp[-1], kind, std).reshape(shp[:-1] + (-1,))
+            arr = blocks(rng, name, shp, kind)
         w.write_tensor_data(arr)
     w.close()
-    return path
 
 
 def active_bytes_per_token(path: str | os.PathLike) -> dict | None:
