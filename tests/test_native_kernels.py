@@ -569,7 +569,7 @@ def test_kernel_errors_are_formatted_without_iostreams():
         load().int8_kernel(torch.zeros(4, 32, dtype=torch.int8), torch.ones(3), None)
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_K"])
 def test_decode_copies_from_gguf_blocks_are_the_unpacked_path_bit_for_bit(fmt):
     """quant/linear.build_decode_module packs GGUF Q4 decode copies (a fused q/k/v group here) in one
     native pass (_tiled_from_blocks): the same tiled bytes and outputs as unpacking the blocks and
@@ -580,8 +580,13 @@ def test_decode_copies_from_gguf_blocks_are_the_unpacked_path_bit_for_bit(fmt):
     from tiered.quant.int4 import Int4Linear, unpack_q4_blocks
     from tiered.quant.linear import DecodeWeight, build_decode_module
 
+    from tiered.bench.gguf_dense import random_k_blocks
+    from tiered.quant.gguf_experts import unpack_q4k_blocks
+
     rng = np.random.default_rng(1)
-    raws = [random_blocks(rng, n, 96, "Q4_0", 0.02) for n in (48, 16, 32)]
+    K = 256 if fmt == "Q4_K" else 96
+    raws = [random_blocks(rng, n, 96, "Q4_0", 0.02) if fmt != "Q4_K" else random_k_blocks(rng, n, K, "Q4_K", 0.02)
+            for n in (48, 16, 32)]
     if fmt == "Q4_1":
         raws = [np.concatenate([r.reshape(r.shape[0], -1, 18)[:, :, :2],
                                 (rng.standard_normal((r.shape[0], 3)) * 0.01).astype(np.float16).view(np.uint8)
@@ -590,16 +595,17 @@ def test_decode_copies_from_gguf_blocks_are_the_unpacked_path_bit_for_bit(fmt):
     parts = [DecodeWeight("int4", blocks=r, block_format=fmt) for r in raws]
     bias = torch.randn(96)
     got = build_decode_module(parts, [bias[:48], None, bias[64:]], "tiled", "q8")
-    codes, scale, zero = (torch.cat(t) for t in zip(*(unpack_q4_blocks(r, fmt) for r in raws)))
+    unpack = unpack_q4k_blocks if fmt == "Q4_K" else (lambda r: unpack_q4_blocks(r, fmt))
+    codes, scale, zero = (torch.cat(t) for t in zip(*(unpack(r) for r in raws)))
     want_bias = torch.cat([bias[:48], torch.zeros(16), bias[64:]])
     want = Int4Linear.from_codes(codes, scale, zero, 32, want_bias, "tiled", "q8")
-    assert (got.layout, got.batch_act, got.in_features, got.out_features) == ("tiled", "q8", 96, 96)
+    assert (got.layout, got.batch_act, got.in_features, got.out_features) == ("tiled", "q8", K, 96)
     assert torch.equal(got.packed, want.packed) and torch.equal(got.bias, want.bias)
-    x = torch.randn(3, 96)
+    x = torch.randn(3, K)
     assert torch.equal(got(x[:1]), want(x[:1])) and torch.equal(got(x), want(x))
     cpu = build_decode_module(parts, [None] * 3, "cpu")  # torch's layout: through the codes
     assert cpu.layout == "cpu" and torch.equal(cpu.packed, Int4Linear.from_codes(codes, scale, zero).packed)
-    mixed = [parts[0], DecodeWeight("int4", *unpack_q4_blocks(raws[1], fmt)), parts[2]]  # unpacked codes in it
+    mixed = [parts[0], DecodeWeight("int4", *unpack(raws[1])), parts[2]]  # unpacked codes in it
     assert torch.equal(build_decode_module(mixed, [None] * 3, "tiled").packed, want.packed)
 
 
@@ -630,3 +636,38 @@ def tiled_dequantize_ref(lin):
     from tiered.kernels.linear import tiled_dequantize
 
     return tiled_dequantize(lin.packed, None)
+
+
+def test_k_quant_blocks_repack_natively_bit_for_bit():
+    """Q4_K super-blocks -> the tiled int4 layout (q4_blocks_tiled with block 144) and Q6_K -> tiled
+    int8-g32 (q6k_blocks_tiled) in one native pass each: the same bytes as the numpy / torch paths
+    (unpack_q4k_blocks + int4_segments; gguf_dequant + quantize_int8_g32 + tiled_int8), on blocks
+    whose every byte is random except finite fp16 scales (all 6-bit sub-scale patterns)."""
+    import sys
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType as Q
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_writer import random_k_blocks
+    from tiered.kernels.linear import tiled_group_scales, tiled_int8
+    from tiered.quant.experts import int4_segments
+    from tiered.quant.gguf_dequant import dequantize_blocks
+    from tiered.quant.gguf_experts import unpack_q4k_blocks
+    from tiered.quant.int8 import quantize_int8_g32
+
+    raw = random_k_blocks(48, 512, Q.Q4_K, seed=5)
+    gw, zr = ext.q4_blocks_tiled(torch.from_numpy(raw), 144, inline_sz=True)
+    ref = int4_segments(*unpack_q4k_blocks(raw), "tiled")
+    assert torch.equal(gw, ref["gw"]) and torch.equal(zr.view(torch.int16), ref["zr"].view(torch.int16))
+    codes, sz, zr2 = ext.q4_blocks_tiled(torch.from_numpy(raw), 144)
+    assert torch.equal(codes, tiled_codes(unpack_q4k_blocks(raw)[0])) and torch.equal(zr2.view(torch.int16), zr.view(torch.int16))
+    with pytest.raises(RuntimeError, match="block must be"):
+        ext.q4_blocks_tiled(torch.from_numpy(raw), 143)
+
+    raw6 = random_k_blocks(32, 512, Q.Q6_K, seed=6)
+    qt, st = ext.q6k_blocks_tiled(torch.from_numpy(raw6))
+    q, s = quantize_int8_g32(dequantize_blocks(raw6, "Q6_K"))
+    assert torch.equal(qt, tiled_int8(q)) and torch.equal(st.view(torch.int16), tiled_group_scales(s).view(torch.int16))
+    with pytest.raises(RuntimeError, match="N % 16"):
+        ext.q6k_blocks_tiled(torch.from_numpy(raw6[:8]))

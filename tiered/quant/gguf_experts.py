@@ -79,7 +79,11 @@ def unpack_q4k_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torc
     return torch.from_numpy(codes), torch.from_numpy(scale.reshape(N, -1)), torch.from_numpy(zero.reshape(N, -1))
 
 
-def _raw_blocks(handle) -> torch.Tensor:
+# bytes per block of the GGUF int4 types the native repacking takes (Q4_K: a super-block of 256 weights)
+Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+
+
+def raw_blocks(handle) -> torch.Tensor:
     """A block-format handle's raw blocks uint8 [rows, bytes_per_row] as a tensor over the file's map
     (no copy when contiguous), for the native repacking passes."""
     with warnings.catch_warnings():  # a read-only view of the file's map: only read here
@@ -94,19 +98,27 @@ def projection_segments(handle, kind: str, int4_layout: str,
     the projection's segment views in an expert's slot (ExpertFormat.views), which the native
     repacking passes write in place (then the returned segments are those views)."""
     out = out or {}
-    if handle.format in ("Q4_0", "Q4_1") and kind == "int4":
+    if handle.format in Q4_BLOCK_BYTES and kind == "int4":
         ext = load() if int4_layout == "tiled" else None
         if ext is not None:  # the same bytes in one native pass (~50x the numpy / torch path below)
-            gw, zr = ext.q4_blocks_tiled(_raw_blocks(handle), 18 if handle.format == "Q4_0" else 20,
+            gw, zr = ext.q4_blocks_tiled(raw_blocks(handle), Q4_BLOCK_BYTES[handle.format],
                                          zr_out=out.get("zr"), inline_sz=True, inline_out=out.get("gw"))
             return {"gw": gw, "zr": zr}
+        if handle.format == "Q4_K":
+            return int4_segments(*unpack_q4k_blocks(handle.blocks()), int4_layout)
         return int4_segments(*unpack_q4_blocks(handle.blocks(), handle.format), int4_layout)
-    if handle.format == "Q4_K" and kind == "int4":
-        return int4_segments(*unpack_q4k_blocks(handle.blocks()), int4_layout)
+    if handle.format == "Q6_K" and kind == "int8-g32":
+        ext = load() if int8_tiled(int4_layout, *handle.shape) else None
+        if ext is not None:  # dequantized and re-quantized per 32 in one native pass, the same bytes
+            qt, st = ext.q6k_blocks_tiled(raw_blocks(handle))
+            if out:
+                out["qt"].copy_(qt), out["st"].copy_(st)
+                return {"qt": out["qt"], "st": out["st"]}
+            return {"qt": qt, "st": st}
     if handle.format == "Q8_0" and kind == "int8-g32":
         ext = load() if int8_tiled(int4_layout, *handle.shape) else None
         if ext is not None:  # the same bytes in one native pass
-            qt, st = ext.q8_blocks_tiled(_raw_blocks(handle), out.get("qt"), out.get("st"))
+            qt, st = ext.q8_blocks_tiled(raw_blocks(handle), out.get("qt"), out.get("st"))
             return {"qt": qt, "st": st}
         return int8_g32_segments(*unpack_q8_blocks(handle.blocks()), int4_layout)
     return quantize_projection(handle.load(torch.float32), kind, int4_layout)

@@ -130,6 +130,10 @@ class DecodeWeight:
 
     def int4_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes int32 [N, K], scale fp32 [N, K/32], zero fp32 [N, K/32]) of an int4 weight."""
+        if self.codes is None and self.block_format == "Q4_K":
+            from tiered.quant.gguf_experts import unpack_q4k_blocks
+
+            return unpack_q4k_blocks(self.blocks)
         if self.codes is None:
             return unpack_q4_blocks(self.blocks, self.block_format)
         return self.codes, self.scale, self.zero
@@ -170,17 +174,17 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     stored = handle.format if handle is not None else None
     kind = auto_kind(handle) if handle is not None else None
     if fmt in ("auto", "int4") and kind == "int4":  # GGUF Q4 blocks: int4 as stored
-        if stored == "Q4_K":
-            from tiered.quant.gguf_experts import unpack_q4k_blocks
-
-            return DecodeWeight("int4", *unpack_q4k_blocks(handle.blocks()))
         return DecodeWeight("int4", blocks=handle.blocks(), block_format=stored)
     if fmt == "auto" and kind == "int8":  # row chunks: no whole dense copy
         return DecodeWeight("int8", *quantize_int8_blocks(handle))
     if fmt == "auto" and kind == "int8-g32":  # Q5_x / Q6_K: re-quantized per group of 32, tiled
+        from tiered.kernels import load
         from tiered.kernels.linear import tiled_group_scales, tiled_int8
+        from tiered.quant.gguf_experts import raw_blocks
         from tiered.quant.int8 import quantize_int8_g32
 
+        if stored == "Q6_K":  # one native pass, the same bytes as below (auto_kind: the extension is there)
+            return DecodeWeight("int8-g32", *load().q6k_blocks_tiled(raw_blocks(handle)))
         q, scale = quantize_int8_g32(weight_of(linear, handle))
         return DecodeWeight("int8-g32", tiled_int8(q), tiled_group_scales(scale))
     w = weight_of(linear, handle)
@@ -286,27 +290,31 @@ def head_precision(checkpoint, fmt: str) -> str:
 
 
 def _tiled_from_blocks(parts: list[DecodeWeight], bias: torch.Tensor | None, batch_act: str) -> Int4Linear | None:
-    """int4 `parts` that are all GGUF blocks of one format, repacked into the tiled layout in one native
-    pass over their rows side by side: the same bytes as unpack_q4_blocks then Int4Linear.from_codes
-    (tested), and SmolLM2's 210 projections take ~0.1 s instead of ~0.5 s of its load. None when the
-    blocks, the shape (`tiled_fits`) or the native extension do not allow it."""
+    """int4 `parts` that are all GGUF blocks of one format (Q4_0, Q4_1 or Q4_K), repacked into the tiled
+    layout in one native pass over their rows side by side: the same bytes as unpacking
+    (unpack_q4_blocks, unpack_q4k_blocks) then Int4Linear.from_codes (tested), and SmolLM2's 210
+    projections take ~0.1 s instead of ~0.5 s of its load. None when the blocks, the shape
+    (`tiled_fits`) or the native extension do not allow it."""
     from tiered.kernels import load
     from tiered.kernels.linear import inline_scales
     from tiered.quant.int4 import tiled_fits
 
+    from tiered.quant.gguf_experts import Q4_BLOCK_BYTES
+
     fmts = {p.block_format for p in parts}
     if any(p.blocks is None for p in parts) or len(fmts) != 1:
         return None
-    block = {"Q4_0": 18, "Q4_1": 20}[fmts.pop()]
+    fmt = fmts.pop()
+    block = Q4_BLOCK_BYTES[fmt]
     raw = np.concatenate([p.blocks for p in parts]) if len(parts) > 1 else np.ascontiguousarray(parts[0].blocks)
-    N, K = raw.shape[0], raw.shape[1] // block * GROUP
+    N, K = raw.shape[0], raw.shape[1] // block * (256 if fmt == "Q4_K" else GROUP)
     ext = load() if tiled_fits(N, K) else None
     if ext is None:
         return None
     with warnings.catch_warnings():  # a read-only view of the file's map: only read
         warnings.simplefilter("ignore", UserWarning)
         src = torch.from_numpy(raw)
-    gw, _ = ext.q4_blocks_tiled(src, block, inline_sz=True)
+    gw, _ = ext.q4_blocks_tiled(src, block, inline_sz=True)  # the zero residual is dropped: bf16 zeros
     return Int4Linear(gw, inline_scales(gw), K, N, GROUP, bias, "tiled", batch_act)
 
 

@@ -1934,11 +1934,13 @@ at::Tensor out_or_empty(const c10::optional<at::Tensor>& out, at::IntArrayRef sh
 std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, const c10::optional<at::Tensor>& codes_out,
                                         const c10::optional<at::Tensor>& sz_out, const c10::optional<at::Tensor>& zr_out,
                                         bool inline_sz, const c10::optional<at::Tensor>& inline_out) {
-  TIERED_CHECK(block == 18 || block == 20, "q4_blocks_tiled: block must be 18 (Q4_0) or 20 (Q4_1)");
+  TIERED_CHECK(block == 18 || block == 20 || block == 144,
+              "q4_blocks_tiled: block must be 18 (Q4_0), 20 (Q4_1) or 144 (Q4_K)");
+  const int64_t per = block == 144 ? 256 : kGroup;  // weights per block: Q4_K's super-blocks hold 8 groups
   TIERED_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
-              "q4_blocks_tiled: raw must be CPU uint8 [N, K/32 * ", block, "], got ", raw0.sizes());
+              "q4_blocks_tiled: raw must be CPU uint8 [N, K/", per, " * ", block, "], got ", raw0.sizes());
   const at::Tensor raw = raw0.contiguous();
-  const int64_t N = raw.size(0), G = raw.size(1) / block, K = G * kGroup;
+  const int64_t N = raw.size(0), G = raw.size(1) / block * (per / kGroup), K = G * kGroup;
   TIERED_CHECK(N % kBlock == 0 && G > 0, "q4_blocks_tiled: needs N % 16 == 0, got N = ", N);
   inline_sz = inline_sz || inline_out.has_value();
   TIERED_CHECK(!inline_sz || (!codes_out && !sz_out),
@@ -1971,19 +1973,35 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
     uint8_t q[kGroup];
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t r = 0; r < kBlock; ++r) {
-        const uint8_t* row = src + (t * kBlock + r) * G * block;
+        const uint8_t* row = src + (t * kBlock + r) * (K / per) * block;
         for (int64_t g = 0; g < G; ++g) {
-          const uint8_t* b = row + g * block;
-          const float d = half(b);
-          volatile float e = 8.f * d;  // two roundings, as numpy's m + 8.0 * d (no fused multiply-add)
-          const float zero = block == 20 ? half(b + 2) + e : 0.f;
+          float d, zero;
+          if (block == 144) {  // Q4_K: group g is sub-block j of super-block g / 8 (gguf's get_scale_min)
+            const uint8_t* b = row + (g / 8) * block;
+            const uint8_t* sc = b + 4;
+            const int j = int(g % 8);
+            const int s6 = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+            const int m6 = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+            volatile float scale = half(b) * float(s6);  // each product rounded, as numpy's (no FMA)
+            volatile float dm = half(b + 2) * float(m6);
+            volatile float s8 = 8.f * scale;
+            d = scale;
+            zero = s8 - dm;  // w = d*sc*q - dmin*m = (q - 8) * scale + zero
+            const uint8_t* qs = b + 16 + 32 * (j / 2);
+            for (int e = 0; e < 32; ++e) q[e] = (qs[e] >> (4 * (j % 2))) & 0x0F;
+          } else {
+            const uint8_t* b = row + g * block;
+            d = half(b);
+            volatile float e = 8.f * d;  // two roundings, as numpy's m + 8.0 * d (no fused multiply-add)
+            zero = block == 20 ? half(b + 2) + e : 0.f;
+            const uint8_t* qs = b + block - 16;
+            for (int j = 0; j < 16; ++j) q[j] = qs[j] & 0x0F, q[16 + j] = qs[j] >> 4;
+          }
           const uint16_t zb = to_bf16(zero);
           uint16_t* szp = group_sz(t, g);
           szp[2 * r] = to_bf16(d);
           szp[2 * r + 1] = zb;
           group_zr(t, g)[r] = to_bf16(zero - bf16f(zb));
-          const uint8_t* qs = b + block - 16;
-          for (int j = 0; j < 16; ++j) q[j] = qs[j] & 0x0F, q[16 + j] = qs[j] >> 4;
           uint8_t* gc = group_codes(t, g);
           for (int c = 0; c < 4; ++c) {  // the group's 4 chunks of 8 columns: byte 4r + j = q[8c + j] | q[8c + 4 + j] << 4
             uint8_t* out = gc + c * 64 + 4 * r;
@@ -2023,6 +2041,60 @@ std::vector<at::Tensor> q8_blocks_tiled(const at::Tensor& raw0, const c10::optio
           for (int c = 0; c < 8; ++c) {  // the group's 8 chunks of 4 columns
             uint8_t* out = dst + t * kBlock * K + (8 * g + c) * 64 + 4 * r;
             for (int j = 0; j < 4; ++j) out[j] = uint8_t(b[2 + 4 * c + j] ^ 0x80);  // int8 q + 128
+          }
+        }
+      }
+  });
+  return {qt, st};
+}
+
+// GGUF Q6_K super-blocks (ql[128] low nibbles, qh[64] high 2 bits, int8 scales[16], fp16 d: w = d sc (q -
+// 32) per 16 weights) -> int8-g32 in the tiled int8 layout (as q8_blocks_tiled): each group of 32 weights
+// dequantized with gguf's arithmetic (fp32 d * sc, then * (q - 32)) and re-quantized symmetric, s = max |w|
+// / 127 (at least 1e-12) rounded to fp16, q = round-half-even(w / s) in [-127, 127]: quant/gguf_dequant.
+// dequantize_blocks then quant/int8.quantize_int8_g32 and the tiled layout, bit for bit.
+std::vector<at::Tensor> q6k_blocks_tiled(const at::Tensor& raw0) {
+  constexpr int64_t block = 210;
+  TIERED_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
+              "q6k_blocks_tiled: raw must be CPU uint8 [N, K/256 * 210], got ", raw0.sizes());
+  const at::Tensor raw = raw0.contiguous();
+  const int64_t N = raw.size(0), G = raw.size(1) / block * 8, K = G * kGroup;
+  TIERED_CHECK(N % kBlock == 0 && G > 0, "q6k_blocks_tiled: needs N % 16 == 0, got N = ", N);
+  auto qt = at::empty({N, K}, at::TensorOptions().dtype(at::kByte));
+  auto st = at::empty({N / kBlock, G, kBlock}, at::TensorOptions().dtype(at::kHalf));
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = qt.data_ptr<uint8_t>();
+  at::Half* stp = st.data_ptr<at::Half>();
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
+    float w[kGroup];
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t r = 0; r < kBlock; ++r) {
+        const uint8_t* row = src + (t * kBlock + r) * (K / 256) * block;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* b = row + (g / 8) * block;
+          const uint8_t *ql = b, *qh = b + 128;
+          const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+          uint16_t dh;
+          std::memcpy(&dh, b + 208, 2);
+          const float d = half_to_float(dh);
+          float amax = 0.f;
+          for (int e = 0; e < kGroup; ++e) {
+            const int i = int(g % 8) * kGroup + e, h = i / 128, rem = i % 128;  // element i of the super-block
+            const int lo = (ql[h * 64 + rem % 64] >> (4 * (rem / 64))) & 0x0F;
+            const int hi = (qh[h * 32 + rem % 32] >> (2 * (rem / 32))) & 0x03;
+            volatile float dd = d * float(sc[i / 16]);  // gguf: (d * scales) first, then * q
+            w[e] = dd * float((lo | (hi << 4)) - 32);
+            amax = std::max(amax, std::fabs(w[e]));
+          }
+          const at::Half sh(std::max(amax / 127.f, 1e-12f));
+          stp[(t * G + g) * kBlock + r] = sh;
+          const float s = float(sh);
+          for (int c = 0; c < 8; ++c) {  // the group's 8 chunks of 4 columns
+            uint8_t* out = dst + t * kBlock * K + (8 * g + c) * 64 + 4 * r;
+            for (int j = 0; j < 4; ++j) {
+              const float v = std::min(127.f, std::max(-127.f, std::nearbyint(w[4 * c + j] / s)));
+              out[j] = uint8_t(int(v) + 128);
+            }
           }
         }
       }
@@ -2822,11 +2894,17 @@ void register_gemv(pybind11::module& m) {
   m.def("q4_blocks_tiled", &q4_blocks_tiled, py::arg("raw"), py::arg("block"), py::arg("codes_out") = py::none(),
         py::arg("sz_out") = py::none(), py::arg("zr_out") = py::none(), py::arg("inline_sz") = false,
         py::arg("inline_out") = py::none(),
-        "GGUF Q4_0 (block 18) / Q4_1 (block 20) blocks uint8 [N, K/32 * block] -> (codes uint8 [N, K/2] in the tiled "
-        "layout, sz bf16 [N/16, K/32, 16, 2], zero residual bf16 [N/16, K/32, 16]): quant/int4.unpack_q4_blocks then "
+        "GGUF Q4_0 (block 18) / Q4_1 (block 20) blocks uint8 [N, K/32 * block], or Q4_K super-blocks (block 144) uint8 "
+        "[N, K/256 * 144], -> (codes uint8 [N, K/2] in the tiled "
+        "layout, sz bf16 [N/16, K/32, 16, 2], zero residual bf16 [N/16, K/32, 16]): quant/int4.unpack_q4_blocks (Q4_K: "
+        "quant/gguf_experts.unpack_q4k_blocks) then "
         "kernels/linear.tiled_codes / tiled_scales / tiled_residual, bit for bit. *_out: write into these (contiguous, "
         "those shapes and dtypes, e.g. views of an expert's slot) instead of new tensors. inline_sz (or inline_out "
         "given): (codes and scales inline, uint8 [N/16, K/32, 320] as kernels/linear.tiled_inline, and the residual).");
+  m.def("q6k_blocks_tiled", &q6k_blocks_tiled, py::arg("raw"),
+        "GGUF Q6_K blocks uint8 [N, K/256 * 210] -> (qt uint8 [N, K] in the tiled int8 layout, st float16 [N/16, K/32, "
+        "16]): quant/gguf_dequant.dequantize_blocks, quant/int8.quantize_int8_g32 and kernels/linear.tiled_int8 / "
+        "tiled_group_scales, bit for bit.");
   m.def("q8_blocks_tiled", &q8_blocks_tiled, py::arg("raw"), py::arg("qt_out") = py::none(), py::arg("st_out") = py::none(),
         "GGUF Q8_0 blocks uint8 [N, K/32 * 34] -> (qt uint8 [N, K] in the tiled int8 layout, st float16 [N/16, K/32, 16]): "
         "quant/gguf_experts.unpack_q8_blocks then quant/experts.int8_g32_segments(layout='tiled'), bit for bit. *_out: "
