@@ -208,7 +208,10 @@ def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False)
         lin = Int8Linear.from_dense(w)
         return lin, torch.bfloat16, 1 + 2 / w.shape[1]
     if dtype == "int4" and device == "cpu":
-        from tiered.quant.int4 import Int4Linear
+        from tiered.quant.int4 import GROUP, Int4Linear, quantize_int4
+        if kernels.available():  # a prompt through a one-copy int4 weight: the tiled layout's dense path
+            lin = Int4Linear.from_codes(*quantize_int4(w), GROUP, None, "tiled")
+            return lin.dense, torch.float32, 0.5 + 4 / GROUP
         lin = Int4Linear.from_dense(w)
         return lin, torch.bfloat16, 0.5 + 4 / lin.group
     if dtype == "int8":  # CUDA: int8 x int8 -> int32 (activations quantized too)
@@ -609,8 +612,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # gemm_big/cpu/<dtype>, a prompt's GEMM on a real FFN matrix, and on CUDA
 # runtime/decode_step_graphed_gpu/<dtype> and runtime/decode_step_graph_gpu/<dtype>; 9: the native CPU gemv
 # keys stream their weight copies from one huge-page arena, as a CPU-only engine's decode copies sit,
-# hardware/budget.move_to_huge_pages).
-PROFILER_VERSION = 9
+# hardware/budget.move_to_huge_pages); 10: gemm/cpu/int4 times the tiled layout's prompt path
+# (Int4Linear.dense: the bf16-activation kernel, by quant/int4.dequantize_rows) when tiered/kernels is
+# built, as a one-copy engine's prompts run, instead of torch's int4pack.
+PROFILER_VERSION = 10
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
