@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
+from tiered import kernels
 from tiered.errors import ConfigError
 from tiered.hardware import op_time
 from tiered.hardware.presets import PRESETS, get_preset
@@ -56,6 +57,9 @@ def test_quick_profile_structure(measured):
         assert key in p.models, key
     for dtype in ("bf16", "int8", "int4"):  # present, or skipped with a reason
         assert f"gemm/cpu/{dtype}" in p.models or f"gemm/cpu/{dtype}" in p.meta["skipped"]
+    if kernels.available():  # the native kernels' own keys: int4 experts on int8 x, int8 per group of 32
+        assert "gemv/cpu/int4q8" in p.models and "gemv/cpu/int8-g32" in p.models
+        assert op_time.find(p, "gemv", "cpu", "int8-g32") is p.models["gemv/cpu/int8-g32"]
     for key, m in p.models.items():
         assert m.alpha >= 0 and m.beta >= 0, key
         if key.startswith("launch/") or key == "runtime/task":  # constants: alpha only, no fit

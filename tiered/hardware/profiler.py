@@ -159,13 +159,14 @@ def _native(module):
 
 def _native_gemv_format(device: str, dtype: str, gemv: bool) -> bool:
     """Whether a `dtype` GEMV on `device` runs tiered's native kernel (tiered/kernels built)."""
-    return gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int4", "int4q8") and kernels.available()
+    return gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int8-g32", "int4", "int4q8") and \
+        kernels.available()
 
 
 def _native_gemv_module(dtype: str, w: torch.Tensor):
     """The module holding a `dtype` decode copy of w [N, K] as the engine's CPU decode step keeps it
-    (fp32 nn.Linear, bf16 CastLinear, tiled int4 Int4Linear, Int8Linear), and its weight bytes per
-    element."""
+    (fp32 nn.Linear, bf16 CastLinear, tiled int4 Int4Linear, Int8Linear, Int8G32Linear: a GGUF
+    Q5_x/Q6_K tensor's copy and Q8_0 / Q6_K experts' kernel), and its weight bytes per element."""
     if dtype == "fp32":  # the lossless mode's decode weights: f32_kernel
         lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
         lin.weight.data = w.contiguous()
@@ -178,6 +179,9 @@ def _native_gemv_module(dtype: str, w: torch.Tensor):
         from tiered.quant.int4 import Int4Linear, quantize_int4
         lin = Int4Linear.from_codes(*quantize_int4(w), layout="tiled")
         return lin, 0.5 + 4 / lin.group
+    if dtype == "int8-g32":
+        from tiered.quant.int8 import Int8G32Linear
+        return Int8G32Linear.from_dense(w), 1 + 2 / 32
     from tiered.quant.int8 import Int8Linear
     return Int8Linear.from_dense(w), 1 + 2 / w.shape[1]
 
@@ -614,7 +618,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # keys stream their weight copies from one huge-page arena, as a CPU-only engine's decode copies sit,
 # hardware/budget.move_to_huge_pages); 10: gemm/cpu/int4 times the tiled layout's prompt path
 # (Int4Linear.dense: the bf16-activation kernel, by quant/int4.dequantize_rows) when tiered/kernels is
-# built, as a one-copy engine's prompts run, instead of torch's int4pack.
+# built, as a one-copy engine's prompts run, instead of torch's int4pack; and gemv/cpu/int8-g32 is
+# measured (quant/int8.Int8G32Linear's kernel), which int8-g32 weights fell back to gemv/cpu/int8 for.
 PROFILER_VERSION = 10
 
 
@@ -660,6 +665,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt(f"gemv/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemv_shapes, nosync, r, True))
     if kernels.available():  # routed int4 experts' batch-1 kernel (op_time.gemv_dtype)
         b.attempt("gemv/cpu/int4q8", lambda: _gemm_points("cpu", "int4q8", gemv_shapes, nosync, r, True))
+        # int8 per group of 32: Q5_x/Q6_K decode copies and Q8_0/Q6_K experts (tiled, N % 16 == 0)
+        b.attempt("gemv/cpu/int8-g32", lambda: _gemm_points("cpu", "int8-g32", gemv_shapes, nosync, r, True))
     attn_shapes = [(32, 256, 128), (32, 1024, 128), (32, 2048, 128)] if quick else \
         [(32, 256, 128), (32, 512, 128), (32, 1024, 128), (32, 2048, 128), (64, 2048, 128)]
     for dtype in ("fp32",) if quick else ("fp32", "bf16"):
