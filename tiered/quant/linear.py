@@ -299,6 +299,7 @@ def _tiled_from_blocks(parts: list[DecodeWeight], bias: torch.Tensor | None, bat
     from tiered.kernels.linear import inline_scales
     from tiered.quant.int4 import tiled_fits
 
+    from tiered.hardware.budget import host_empty
     from tiered.quant.gguf_experts import Q4_BLOCK_BYTES
 
     fmts = {p.block_format for p in parts}
@@ -314,7 +315,10 @@ def _tiled_from_blocks(parts: list[DecodeWeight], bias: torch.Tensor | None, bat
     with warnings.catch_warnings():  # a read-only view of the file's map: only read
         warnings.simplefilter("ignore", UserWarning)
         src = torch.from_numpy(raw)
-    gw, _ = ext.q4_blocks_tiled(src, block, inline_sz=True)  # the zero residual is dropped: bf16 zeros
+    # written straight into huge pages when large (budget.host_empty): move_to_huge_pages then leaves
+    # it where it is instead of copying it into its arena
+    out = host_empty((N // 16, K // GROUP, 320), torch.uint8)
+    gw, _ = ext.q4_blocks_tiled(src, block, inline_sz=True, inline_out=out)  # the zero residual is dropped
     return Int4Linear(gw, inline_scales(gw), K, N, GROUP, bias, "tiled", batch_act)
 
 
