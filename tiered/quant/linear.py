@@ -118,7 +118,7 @@ class DecodeWeight:
     scale: torch.Tensor | None = None  # fp32 [N, K/32] (int4), [N] (int8) or fp16 [N/16, K/32, 16] (int8-g32)
     zero: torch.Tensor | None = None  # fp32 [N, K/32] (int4)
     dense: torch.Tensor | None = None  # [N, K] (dense, int8 source)
-    # int4 from a GGUF file: its Q4_0/Q4_1 blocks uint8 [N, K/32 * block bytes], unpacked only if the
+    # int4 from a GGUF file: its Q4_0/Q4_1/Q4_K blocks uint8 [N, bytes per row], unpacked only if the
     # tiled layout's native repacking cannot take them (`int4_parts`)
     blocks: np.ndarray | None = None
     block_format: str | None = None
