@@ -671,3 +671,9 @@ def test_k_quant_blocks_repack_natively_bit_for_bit():
     assert torch.equal(qt, tiled_int8(q)) and torch.equal(st.view(torch.int16), tiled_group_scales(s).view(torch.int16))
     with pytest.raises(RuntimeError, match="N % 16"):
         ext.q6k_blocks_tiled(torch.from_numpy(raw6[:8]))
+    outs = [torch.full_like(qt, 7), torch.full_like(st, 7)]  # written in place: the same bytes
+    got = ext.q6k_blocks_tiled(torch.from_numpy(raw6), *outs)
+    assert all(g.data_ptr() == o.data_ptr() for g, o in zip(got, outs))
+    assert torch.equal(got[0], qt) and torch.equal(got[1].view(torch.int16), st.view(torch.int16))
+    with pytest.raises(RuntimeError, match="st_out: must be a contiguous CPU Half tensor"):
+        ext.q6k_blocks_tiled(torch.from_numpy(raw6), None, st.float())

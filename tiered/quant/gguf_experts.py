@@ -110,10 +110,7 @@ def projection_segments(handle, kind: str, int4_layout: str,
     if handle.format == "Q6_K" and kind == "int8-g32":
         ext = load() if int8_tiled(int4_layout, *handle.shape) else None
         if ext is not None:  # dequantized and re-quantized per 32 in one native pass, the same bytes
-            qt, st = ext.q6k_blocks_tiled(raw_blocks(handle))
-            if out:
-                out["qt"].copy_(qt), out["st"].copy_(st)
-                return {"qt": out["qt"], "st": out["st"]}
+            qt, st = ext.q6k_blocks_tiled(raw_blocks(handle), out.get("qt"), out.get("st"))
             return {"qt": qt, "st": st}
     if handle.format == "Q8_0" and kind == "int8-g32":
         ext = load() if int8_tiled(int4_layout, *handle.shape) else None

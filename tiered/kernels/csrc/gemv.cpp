@@ -2053,15 +2053,16 @@ std::vector<at::Tensor> q8_blocks_tiled(const at::Tensor& raw0, const c10::optio
 // dequantized with gguf's arithmetic (fp32 d * sc, then * (q - 32)) and re-quantized symmetric, s = max |w|
 // / 127 (at least 1e-12) rounded to fp16, q = round-half-even(w / s) in [-127, 127]: quant/gguf_dequant.
 // dequantize_blocks then quant/int8.quantize_int8_g32 and the tiled layout, bit for bit.
-std::vector<at::Tensor> q6k_blocks_tiled(const at::Tensor& raw0) {
+std::vector<at::Tensor> q6k_blocks_tiled(const at::Tensor& raw0, const c10::optional<at::Tensor>& qt_out,
+                                         const c10::optional<at::Tensor>& st_out) {
   constexpr int64_t block = 210;
   TIERED_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
               "q6k_blocks_tiled: raw must be CPU uint8 [N, K/256 * 210], got ", raw0.sizes());
   const at::Tensor raw = raw0.contiguous();
   const int64_t N = raw.size(0), G = raw.size(1) / block * 8, K = G * kGroup;
   TIERED_CHECK(N % kBlock == 0 && G > 0, "q6k_blocks_tiled: needs N % 16 == 0, got N = ", N);
-  auto qt = at::empty({N, K}, at::TensorOptions().dtype(at::kByte));
-  auto st = at::empty({N / kBlock, G, kBlock}, at::TensorOptions().dtype(at::kHalf));
+  auto qt = out_or_empty(qt_out, {N, K}, at::kByte, "q6k_blocks_tiled: qt_out");
+  auto st = out_or_empty(st_out, {N / kBlock, G, kBlock}, at::kHalf, "q6k_blocks_tiled: st_out");
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = qt.data_ptr<uint8_t>();
   at::Half* stp = st.data_ptr<at::Half>();
@@ -2901,10 +2902,12 @@ void register_gemv(pybind11::module& m) {
         "kernels/linear.tiled_codes / tiled_scales / tiled_residual, bit for bit. *_out: write into these (contiguous, "
         "those shapes and dtypes, e.g. views of an expert's slot) instead of new tensors. inline_sz (or inline_out "
         "given): (codes and scales inline, uint8 [N/16, K/32, 320] as kernels/linear.tiled_inline, and the residual).");
-  m.def("q6k_blocks_tiled", &q6k_blocks_tiled, py::arg("raw"),
+  m.def("q6k_blocks_tiled", &q6k_blocks_tiled, py::arg("raw"), py::arg("qt_out") = py::none(),
+        py::arg("st_out") = py::none(),
         "GGUF Q6_K blocks uint8 [N, K/256 * 210] -> (qt uint8 [N, K] in the tiled int8 layout, st float16 [N/16, K/32, "
         "16]): quant/gguf_dequant.dequantize_blocks, quant/int8.quantize_int8_g32 and kernels/linear.tiled_int8 / "
-        "tiled_group_scales, bit for bit.");
+        "tiled_group_scales, bit for bit. *_out: write into these (contiguous, those shapes and dtypes) instead of "
+        "new tensors.");
   m.def("q8_blocks_tiled", &q8_blocks_tiled, py::arg("raw"), py::arg("qt_out") = py::none(), py::arg("st_out") = py::none(),
         "GGUF Q8_0 blocks uint8 [N, K/32 * 34] -> (qt uint8 [N, K] in the tiled int8 layout, st float16 [N/16, K/32, 16]): "
         "quant/gguf_experts.unpack_q8_blocks then quant/experts.int8_g32_segments(layout='tiled'), bit for bit. *_out: "
