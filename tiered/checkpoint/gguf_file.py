@@ -309,7 +309,7 @@ class GGUFCheckpoint(HandleTable):
                                         "re-quantize with F32/F16/BF16/Q4_0/Q4_1/Q5_x/Q8_0/Qk_K types")
 
         def load() -> torch.Tensor:
-            t = dequantize_blocks(np.asarray(data), fmt) if fmt in BLOCK_FORMATS else None  # torch, threaded
+            t = dequantize_blocks(np.asarray(data), fmt)  # torch, threaded (None: a format it leaves to gguf)
             if t is not None:
                 t = t.reshape(shape)
                 return (t[torch.from_numpy(perm)] if perm is not None else t).contiguous()

@@ -122,17 +122,13 @@ def _projections(hw: HardwareProfile, dtype: str, mix: dict | None, elements: fl
                  working_set: float) -> float:
     """Seconds of `calls` one-token matmuls over `elements` weights in `dtype`, or split by `mix`
     (precision -> share of the elements, Plan.precision_mix), each share at its precision's rate."""
-    if not mix:
-        return _gemv(hw, dtype, elements * op_time.bytes_per_element(dtype), calls=calls, working_set=working_set)
     return sum(_gemv(hw, k, elements * share * op_time.bytes_per_element(k), calls=max(1, round(calls * share)),
-                     working_set=working_set) for k, share in mix.items() if share > 0)
+                     working_set=working_set) for k, share in (mix or {dtype: 1.0}).items() if share > 0)
 
 
 def mixed_bytes_per_element(dtype: str, mix: dict | None) -> float:
     """Bytes per weight of `dtype`, or the element-weighted mean over `mix` (Plan.precision_mix)."""
-    if not mix:
-        return op_time.bytes_per_element(dtype)
-    return sum(share * op_time.bytes_per_element(k) for k, share in mix.items())
+    return sum(share * op_time.bytes_per_element(k) for k, share in (mix or {dtype: 1.0}).items())
 
 
 def step_weight_bytes(cfg: ModelConfig, dtype: str, moe_layers: list[int] | None = None, mix: dict | None = None) -> float:

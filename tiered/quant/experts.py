@@ -401,11 +401,9 @@ def quantize_projection(w: torch.Tensor, kind: str, int4_layout: str = "cpu") ->
             return {"qt": tiled_int8(q), "scale": s.to(torch.bfloat16)}
         return {"q": q, "scale": s.to(torch.bfloat16)}
     if kind == "int8-g32":
-        N, K = w.shape
-        g = w.float().reshape(N, K // GROUP, GROUP)
-        s = (g.abs().amax(-1) / 127).clamp_min(1e-12).to(torch.float16)  # (N, G)
-        q = (g / s.float()[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(N, K)
-        return int8_g32_segments(q, s, int4_layout)
+        from tiered.quant.int8 import quantize_int8_g32
+
+        return int8_g32_segments(*quantize_int8_g32(w), int4_layout)
     if kind == "int4":
         return int4_segments(*quantize_int4(w), int4_layout)
     raise ConfigError(f"unknown expert format {kind!r}", "use " + ", ".join(KINDS))

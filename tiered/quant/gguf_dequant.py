@@ -17,14 +17,17 @@ import warnings
 import numpy as np
 import torch
 
-BLOCK = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210)}  # weights and bytes per block
+from tiered.checkpoint.handle import BLOCK_FORMATS
+
+TORCH_FORMATS = ("Q8_0", "Q4_K", "Q6_K")  # the formats dequantize_blocks computes here
 
 
-def _u8(raw: np.ndarray, block_bytes: int) -> torch.Tensor:
-    """raw blocks as a torch uint8 [blocks, block_bytes] view (no copy when contiguous)."""
-    with warnings.catch_warnings():  # a read-only view of the file's map: only read here
+def blocks_tensor(raw: np.ndarray) -> torch.Tensor:
+    """GGUF blocks (uint8, often a read-only view of the file's map) as a torch uint8 tensor of the
+    same shape, no copy when contiguous: for reading only."""
+    with warnings.catch_warnings():  # torch warns that the array is not writable: it is only read
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(np.ascontiguousarray(raw).reshape(-1, block_bytes))
+        return torch.from_numpy(np.ascontiguousarray(raw))
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -41,11 +44,10 @@ def _shifted(b: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
 def dequantize_blocks(raw: np.ndarray, fmt: str) -> torch.Tensor | None:
     """GGUF blocks of format `fmt`, uint8 [..., bytes per row], -> fp32 [rows, weights per row]
     (rows = the product of the leading dims), or None for a format without a torch version here."""
-    if fmt not in BLOCK:
+    if fmt not in TORCH_FORMATS:
         return None
-    per, nbytes = BLOCK[fmt]
     rows = int(np.prod(raw.shape[:-1])) if raw.ndim > 1 else 1
-    b = _u8(raw, nbytes)
+    b = blocks_tensor(raw).reshape(-1, BLOCK_FORMATS[fmt][1])
     n = b.shape[0]
     if fmt == "Q8_0":
         out = b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])

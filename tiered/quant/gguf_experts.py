@@ -19,14 +19,14 @@ block_q8_0 {d; qs[32]}); the `gguf` package dequantizes the K types.
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
 
+from tiered.checkpoint.handle import BLOCK_FORMATS
 from tiered.kernels import load
 from tiered.quant.experts import (ExpertFormat, fit_format, format_name, int4_segments, int8_g32_segments,
                                   int8_tiled, quantize_projection)
+from tiered.quant.gguf_dequant import blocks_tensor
 from tiered.quant.int4 import unpack_q4_blocks
 
 GGUF_EXPERT_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8-g32", "Q4_K": "int4", "Q2_K": "int4",
@@ -79,16 +79,21 @@ def unpack_q4k_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torc
     return torch.from_numpy(codes), torch.from_numpy(scale.reshape(N, -1)), torch.from_numpy(zero.reshape(N, -1))
 
 
-# bytes per block of the GGUF int4 types the native repacking takes (Q4_K: a super-block of 256 weights)
-Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+# the GGUF types that map onto int4 groups of 32 as stored (q4_blocks_tiled takes each, its block
+# size from checkpoint/handle.BLOCK_FORMATS: Q4_K's super-blocks hold 256 weights)
+INT4_BLOCK_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def unpack_int4_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks of an INT4_BLOCK_FORMATS type -> (codes int32 [N, K], scale fp32 [N, K/32], zero fp32
+    [N, K/32]): unpack_q4k_blocks for Q4_K, quant/int4.unpack_q4_blocks for Q4_0 / Q4_1."""
+    return unpack_q4k_blocks(raw) if fmt == "Q4_K" else unpack_q4_blocks(raw, fmt)
 
 
 def raw_blocks(handle) -> torch.Tensor:
     """A block-format handle's raw blocks uint8 [rows, bytes_per_row] as a tensor over the file's map
     (no copy when contiguous), for the native repacking passes."""
-    with warnings.catch_warnings():  # a read-only view of the file's map: only read here
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(np.ascontiguousarray(handle.blocks()))
+    return blocks_tensor(handle.blocks())
 
 
 def projection_segments(handle, kind: str, int4_layout: str,
@@ -98,15 +103,13 @@ def projection_segments(handle, kind: str, int4_layout: str,
     the projection's segment views in an expert's slot (ExpertFormat.views), which the native
     repacking passes write in place (then the returned segments are those views)."""
     out = out or {}
-    if handle.format in Q4_BLOCK_BYTES and kind == "int4":
+    if handle.format in INT4_BLOCK_FORMATS and kind == "int4":
         ext = load() if int4_layout == "tiled" else None
         if ext is not None:  # the same bytes in one native pass (~50x the numpy / torch path below)
-            gw, zr = ext.q4_blocks_tiled(raw_blocks(handle), Q4_BLOCK_BYTES[handle.format],
+            gw, zr = ext.q4_blocks_tiled(raw_blocks(handle), BLOCK_FORMATS[handle.format][1],
                                          zr_out=out.get("zr"), inline_sz=True, inline_out=out.get("gw"))
             return {"gw": gw, "zr": zr}
-        if handle.format == "Q4_K":
-            return int4_segments(*unpack_q4k_blocks(handle.blocks()), int4_layout)
-        return int4_segments(*unpack_q4_blocks(handle.blocks(), handle.format), int4_layout)
+        return int4_segments(*unpack_int4_blocks(handle.blocks(), handle.format), int4_layout)
     if handle.format == "Q6_K" and kind == "int8-g32":
         ext = load() if int8_tiled(int4_layout, *handle.shape) else None
         if ext is not None:  # dequantized and re-quantized per 32 in one native pass, the same bytes

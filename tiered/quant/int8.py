@@ -66,6 +66,18 @@ def quantize_int8_g32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def tiled_int8_g32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w float [N, K] quantized by `quantize_int8_g32` into the tiled int8 layout of tiered's kernels:
+    (qt uint8 [N, K], st fp16 [N/16, K/32, 16]) (kernels/linear.tiled_int8, tiled_group_scales).
+
+    Raises:
+        ValueError: a shape the tiled layout does not take (N % 16, K % 32)."""
+    from tiered.kernels.linear import tiled_group_scales, tiled_int8
+
+    q, s = quantize_int8_g32(w)
+    return tiled_int8(q), tiled_group_scales(s)
+
+
 class Int8G32Linear(nn.Module):
     """y = x @ W^T (+ b) with W int8 in groups of 32 along K, each group with its own fp16 scale
     (w = q * s_g): the decode copy of GGUF Q5_x / Q6_K tensors (their 6-bit codes and 16-weight
@@ -90,14 +102,11 @@ class Int8G32Linear(nn.Module):
 
     @classmethod
     def from_dense(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8G32Linear":
-        """Quantize a dense float weight [N, K] (`quantize_int8_g32`).
+        """Quantize a dense float weight [N, K] (`tiled_int8_g32`).
 
         Raises:
             ValueError: a shape the tiled layout does not take."""
-        from tiered.kernels.linear import tiled_group_scales, tiled_int8
-
-        q, s = quantize_int8_g32(w)
-        return cls(tiled_int8(q), tiled_group_scales(s), bias)
+        return cls(*tiled_int8_g32(w), bias)
 
     def kernel(self):
         """The native kernel (x [B, K] -> y [B, N] fp32, bias added).
@@ -115,11 +124,11 @@ class Int8G32Linear(nn.Module):
         return self._native
 
     def dequantize(self) -> torch.Tensor:
-        """W fp32 [N, K]."""
-        from tiered.kernels.linear import untiled_group_scales, untiled_int8
+        """W fp32 [N, K] (quant/experts.dequantize_projection, the experts' int8-g32 arithmetic)."""
+        from tiered.quant.experts import dequantize_projection
 
-        s = untiled_group_scales(self.st).float()
-        return (untiled_int8(self.qt).float().unflatten(1, (-1, 32)) * s[..., None]).flatten(1)
+        return dequantize_projection({"qt": self.qt, "st": self.st}, "int8-g32", self.out_features,
+                                     self.in_features, "tiled")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

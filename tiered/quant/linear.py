@@ -12,7 +12,6 @@ weights keep their HF names).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiered.quant.int4 import GROUP, Int4Linear, quantize_int4, unpack_q4_blocks
+from tiered.quant.int4 import GROUP, Int4Linear, quantize_int4
 from tiered.quant.int8 import Int8Linear, quantize_int8
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -130,12 +129,10 @@ class DecodeWeight:
 
     def int4_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes int32 [N, K], scale fp32 [N, K/32], zero fp32 [N, K/32]) of an int4 weight."""
-        if self.codes is None and self.block_format == "Q4_K":
-            from tiered.quant.gguf_experts import unpack_q4k_blocks
-
-            return unpack_q4k_blocks(self.blocks)
         if self.codes is None:
-            return unpack_q4_blocks(self.blocks, self.block_format)
+            from tiered.quant.gguf_experts import unpack_int4_blocks
+
+            return unpack_int4_blocks(self.blocks, self.block_format)
         return self.codes, self.scale, self.zero
 
 
@@ -179,16 +176,14 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
         return DecodeWeight("int8", *quantize_int8_blocks(handle))
     if fmt == "auto" and kind == "int8-g32":  # Q5_x / Q6_K: re-quantized per group of 32, tiled
         from tiered.kernels import load
-        from tiered.kernels.linear import tiled_group_scales, tiled_int8
         from tiered.quant.gguf_experts import raw_blocks
-        from tiered.quant.int8 import quantize_int8_g32
+        from tiered.quant.int8 import tiled_int8_g32
 
         if stored == "Q6_K":  # one native pass, the same bytes as below (auto_kind: the extension is there);
             # not written into host_empty's huge pages as the int4 copies are: faulting them inside this
             # pass loaded the 8-layer Q4_K_M model 0.3-0.6 s slower than move_to_huge_pages' copy
             return DecodeWeight("int8-g32", *load().q6k_blocks_tiled(raw_blocks(handle)))
-        q, scale = quantize_int8_g32(weight_of(linear, handle))
-        return DecodeWeight("int8-g32", tiled_int8(q), tiled_group_scales(scale))
+        return DecodeWeight("int8-g32", *tiled_int8_g32(weight_of(linear, handle)))
     w = weight_of(linear, handle)
     if fmt == "fp32":
         return None if w.dtype == torch.float32 else DecodeWeight("dense", dense=w.float())
@@ -301,22 +296,20 @@ def _tiled_from_blocks(parts: list[DecodeWeight], bias: torch.Tensor | None, bat
     from tiered.kernels.linear import inline_scales
     from tiered.quant.int4 import tiled_fits
 
+    from tiered.checkpoint.handle import BLOCK_FORMATS
     from tiered.hardware.budget import host_empty
-    from tiered.quant.gguf_experts import Q4_BLOCK_BYTES
+    from tiered.quant.gguf_dequant import blocks_tensor
 
     fmts = {p.block_format for p in parts}
     if any(p.blocks is None for p in parts) or len(fmts) != 1:
         return None
-    fmt = fmts.pop()
-    block = Q4_BLOCK_BYTES[fmt]
-    raw = np.concatenate([p.blocks for p in parts]) if len(parts) > 1 else np.ascontiguousarray(parts[0].blocks)
-    N, K = raw.shape[0], raw.shape[1] // block * (256 if fmt == "Q4_K" else GROUP)
+    per, block = BLOCK_FORMATS[fmts.pop()]  # weights and bytes per block
+    raw = np.concatenate([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks
+    N, K = raw.shape[0], raw.shape[1] // block * per
     ext = load() if tiled_fits(N, K) else None
     if ext is None:
         return None
-    with warnings.catch_warnings():  # a read-only view of the file's map: only read
-        warnings.simplefilter("ignore", UserWarning)
-        src = torch.from_numpy(raw)
+    src = blocks_tensor(raw)
     # written straight into huge pages when large (budget.host_empty): move_to_huge_pages then leaves
     # it where it is instead of copying it into its arena
     out = host_empty((N // 16, K // GROUP, 320), torch.uint8)
