@@ -12,6 +12,8 @@
 #            the GPU as one graph (grouped experts) and eager (unconstrained_eager), and the default plan with
 #            torch's pinned memory (plan_auto_cuda_pinned: 4 KiB pages) instead of registered huge pages
 #   dense    the same, 8 Llama-3-8B layers, --gpu-mem 2GiB
+#   pinned   both shapes' default plan (Plan.pinned: "cuda" where dense FFNs are sliced, else "huge") beside
+#            either pinning forced, and no GPU, 3 repeats each: the A/B of the plan's pinned-memory choice
 #   moe_ab   plan off, then the default plan, 3 repeats each (the default ran first and 17% slower than plan
 #            off with the same paths and hit rate on 2026-11-26: order, or the plan?)
 #   graphs   the CUDA graph tests, then both shapes' graphed rows beside their eager twins only
@@ -36,7 +38,7 @@ PY=${PYTHON:-python3}
 # GPU_CHECKS_SMOKE=1: the benchmarks' --smoke (host stand-in, tiny shapes), no installs: this script's own
 # plumbing checked on a CPU machine (tests/test_gpu_checks_script.py), with PYTHON naming the interpreter
 smoke=${GPU_CHECKS_SMOKE:+--smoke}
-[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense graphs trace stall stall_passive share moe_ab fullprofile all)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense graphs pinned trace stall stall_passive share moe_ab fullprofile all)" >&2; exit 2; }
 start=$(date +%s)
 deadline=$((start + ${GPU_DEADLINE:-540}))
 out=${OUT:-benchmarks/results/gpu}
@@ -53,8 +55,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$res/gpu
 lscpu > "$res/lscpu.txt" 2>&1
 grep -H . /sys/kernel/mm/transparent_hugepage/{enabled,defrag} > "$res/thp.txt" 2>&1
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" | tee "$res/versions.txt"
-# the 2026-11-26 H200's quick profile, until the `profile` stage measures this machine's
-prof=benchmarks/reference/h200-2026-11-26/profile_quick.json
+# a quick profile of this machine kind (GPU_PROFILE; default the 2026-11-26 H100's), until the `profile`
+# stage measures this machine's
+prof=${GPU_PROFILE:-benchmarks/reference/h100-2026-11-26/profile_quick.json}
 [ -z "$smoke" ] || prof=  # the stand-in's tiny shapes: the profile of this machine
 
 pack() { tar czf "$out/gpu_results.tgz" -C "$res" . 2>/dev/null; }
@@ -95,6 +98,12 @@ for stage in "${stages[@]}"; do
              --env OMP_WAIT_POLICY=PASSIVE ${prof:+--profile "$prof"} ;;
     share) run 90 dram_share $PY benchmarks/gpu_dram_share.py $smoke --out "$res" ;;
     fullprofile) run 540 profile_full $PY -m tiered.cli profile --out "$res/profile_full.json" ;;
+    pinned) mkdir -p "$res/pinned"
+            for shape in dense moe; do
+              run 150 "pinned_$shape" $PY benchmarks/gpu_offload.py $smoke --shape "$shape" --repeats 3 \
+                --rows plan_auto,plan_auto_cuda_pinned,plan_auto_huge_pinned,no_gpu --out "$res/pinned" \
+                --name "pinned_$shape" ${prof:+--profile "$prof"}
+            done ;;
     moe) bench moe 240 ;;
     dense) bench dense 150 ;;
     moe_ab) mkdir -p "$res/ab"

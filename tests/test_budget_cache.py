@@ -479,7 +479,7 @@ def test_weights_the_link_reads_are_the_accelerators_host_buffers(rt, monkeypatc
 def test_pinned_setting_is_checked():
     from tiered import EngineConfig
 
-    assert EngineConfig().pinned == "huge" and EngineConfig(pinned="cuda").pinned == "cuda"
+    assert EngineConfig().pinned == "auto" and EngineConfig(pinned="cuda").pinned == "cuda"
     with pytest.raises(ConfigError, match="pinned must be"):
         EngineConfig(pinned="4k")
 

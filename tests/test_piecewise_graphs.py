@@ -24,7 +24,7 @@ from tiered.runtime.sliced import SlicedMLP
 
 def _sliced_config(zoo, box, graphs: str) -> EngineConfig:
     non_ffn, layer, kv, L = dense_sizes(zoo.dir("llama"))
-    return EngineConfig(decode_weights="fp32", accelerator="host", gpu_memory=non_ffn + kv + 2 * layer + layer * L // 2,
+    return EngineConfig(decode_weights="fp32", accelerator="host", gpu_memory=non_ffn + kv + layer + layer * L // 4,
                         max_context=CTX, profile=box, graphs=graphs)
 
 
@@ -209,7 +209,7 @@ def test_cuda_piecewise_graphs_decode_a_sliced_dense_plan_as_eager(zoo, box):
     ids = list(range(2, 18))
     non_ffn, layer, kv, L = dense_sizes(zoo.dir("llama"))
     cfg = dict(decode_weights="fp32", dtype="float32", accelerator="cuda", max_context=CTX, profile=box,
-               gpu_memory=non_ffn + kv + 2 * layer + layer * L // 2)
+               gpu_memory=non_ffn + kv + layer + layer * L // 4)
     graphed, eager = LLM(zoo.dir("llama"), EngineConfig(**cfg)), LLM(zoo.dir("llama"), EngineConfig(graphs="off", **cfg))
     try:
         assert graphed.plan.sliced_layers() and isinstance(graphed.runtime.graphs, PiecewiseGraphs)

@@ -58,12 +58,20 @@ def dense_sizes(path, max_context: int = CTX) -> tuple[int, int, int, int]:
 def test_dense_plan_slices_ffns_and_matches_transformers(zoo, box):
     path = zoo.dir("llama")
     non_ffn, layer, kv, L = dense_sizes(path)
-    gpu = non_ffn + kv + 2 * layer + layer * L // 2  # staging + half of the FFN weights
+    gpu = non_ffn + kv + layer + layer * L // 4  # staging (one FFN) + a quarter of the FFN weights
     llm = LLM(path, EngineConfig(decode_weights="fp32", accelerator="host", gpu_memory=gpu, max_context=CTX,
                                  profile=box, trace=True))
     try:
         sliced = [l for l in llm.plan.layers if l.r_gg < 1]
         assert sliced and len(llm.sliced) == len(sliced)
+        # the staging the runtime allocates (the largest CG and the largest CC rows) is what the plan kept
+        # room for: at most one FFN's bytes and two rows, not two FFNs
+        staging = llm.model.model.layers[sliced[0].layer].mlp.staging
+        staged = sum(t.numel() * t.element_size() for part in (staging.cg, staging.cc) if part for t in part)
+        F = llm.config.intermediate_size
+        assert staged <= layer * (F + 2) / F
+        assert llm.plan.memory["gpu"] <= gpu and gpu - llm.fast_budget.peak < layer  # the rest went to GG rows
+        assert llm.plan.pinned == "cuda" and llm.accelerator.pinned == "cuda"  # sliced: cudaHostAlloc (Plan.pinned)
         for lp in sliced:  # each planned layer runs as a SlicedMLP with the plan's row split
             mlp = llm.model.model.layers[lp.layer].mlp
             assert isinstance(mlp, SlicedMLP)
@@ -318,7 +326,7 @@ def test_routing_trace_follows_popularity():
 def test_run_prints_the_plan_and_its_prediction(zoo, box):
     path = zoo.dir("llama")
     non_ffn, layer, kv, L = dense_sizes(path)
-    gpu = non_ffn + kv + 2 * layer + layer * L // 2
+    gpu = non_ffn + kv + layer + layer * L // 4
     args = ["run", "--model", str(path), "--no-chat", "-n", "4", "-t", "0", "--decode-weights", "fp32",
             "--max-context", str(CTX), "--accelerator", "host", "--gpu-mem", str(gpu), "--profile", box]
     res = CliRunner().invoke(app, [*args, "1 2 3"])

@@ -93,9 +93,9 @@ class EngineConfig:
             host stand-in, where the captured parts rerun at each replay with host syncs refused
             (what a capture forbids); "off" decodes eagerly.
         pinned: how a CUDA accelerator pins host memory (weights kept in RAM for the CPU and the
-            link, staging buffers): "huge" (default) registers tiered's transparent-huge-page
-            memory in place (cudaHostRegister), so CPU experts and CC slices read it as fast as
-            ordinary memory; "cuda" takes torch's pinned allocator (cudaHostAlloc, 4 KiB pages).
+            link, staging buffers): "auto" (default) lets the plan choose (Plan.pinned); "huge"
+            registers tiered's transparent-huge-page memory in place (cudaHostRegister); "cuda"
+            takes torch's pinned allocator (cudaHostAlloc, 4 KiB pages).
         profile: HardwareProfile JSON path or preset name the planner uses; None = this machine's
             cached profile (measured once, quickly, if there is none).
         force_expert_path: tests only: "copy", "cpu" or "split" for every non-resident expert.
@@ -128,7 +128,7 @@ class EngineConfig:
     trace: bool = False
     plan: str = "auto"
     graphs: str = "auto"
-    pinned: str = "huge"
+    pinned: str = "auto"
     profile: str | None = None
     force_expert_path: str | None = None
 
@@ -159,8 +159,8 @@ class EngineConfig:
             raise ConfigError("link_bandwidth must be > 0 bytes/s", "pass e.g. 16e9")
         if self.force_expert_path not in (None, "copy", "cpu", "split"):
             raise ConfigError("force_expert_path must be None, 'copy', 'cpu' or 'split'", "leave it unset")
-        if self.pinned not in ("huge", "cuda"):
-            raise ConfigError(f"pinned must be 'huge' or 'cuda', got {self.pinned!r}", "pass huge")
+        if self.pinned not in ("auto", "huge", "cuda"):
+            raise ConfigError(f"pinned must be 'auto', 'huge' or 'cuda', got {self.pinned!r}", "pass auto")
         if self.graphs not in ("auto", "on", "off"):
             raise ConfigError(f"graphs must be 'auto', 'on' or 'off', got {self.graphs!r}", "pass auto")
         if not self.plan:

@@ -175,6 +175,8 @@ class LLM:
         """PLACE: materialize every weight on the tier the plan gives it (memory/apply.py)."""
         from tiered.memory.apply import place_experts, place_weights
 
+        if self.accelerator is not None:
+            self.accelerator.pinned = self.plan.pinned  # how the weights kept in RAM are pinned (CUDA)
         with torch.device("meta"):
             self.model = build_model(self.config, self.max_context)
         self.fast_budget.reserve(sizes.rotary_bytes(self.config, self.max_context), "the rotary tables")

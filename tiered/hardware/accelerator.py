@@ -31,11 +31,14 @@ class Accelerator(ABC):
         device: torch device where its tensors live.
         budget: MemoryBudget of its memory; every `alloc` reserves against it.
         is_host: True for the host stand-in (its memory is CPU memory).
+        pinned: how `host_buffer` pins on CUDA ("huge" or "cuda": EngineConfig.pinned, set from
+            Plan.pinned before anything is placed); the stand-in's buffers are ordinary memory.
     """
 
     device: torch.device
     budget: MemoryBudget
     is_host: bool = False
+    pinned: str = "huge"
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "") -> torch.Tensor:
         """An uninitialized tensor `shape` of `dtype` on the device, reserved against the budget.
@@ -249,4 +252,4 @@ def make_accelerator(kind: str, capacity: int | None, link_bandwidth: float | No
     if kind == "host":
         return HostAccelerator(capacity, link_bandwidth)
     from tiered.hardware.cuda import CudaAccelerator
-    return CudaAccelerator(capacity, pinned=pinned)
+    return CudaAccelerator(capacity, pinned="huge" if pinned == "auto" else pinned)  # "auto": the plan's, at PLACE

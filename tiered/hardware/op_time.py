@@ -95,26 +95,40 @@ def dram_floor(profile: HardwareProfile, device: str, working_set: float, dtype:
     return max(m.beta for m in (dram, kernel, LinearModel(0.0, 0.0, None)) if m is not None)
 
 
-# A GEMM over at least this many weight bytes a call is priced no faster per MAC than
-# gemm_big/<dev>/<dtype>, timed on 32-112 MiB matrices: the GEMM fit's shapes are 1-4 MiB weights, and
-# on the H200's host (16 cores, AMX) prompt GEMMs on 112 MiB matrices ran at ~1.0e12 MAC/s where the
-# quick fit said 2.9e12 (2 Zen 4 cores: the same rate in bf16, fp32 ~25% slower).
-BIG_GEMM_BYTES = 32 * 2**20
+# A GEMM over at least this many weight bytes a call is priced by gemm_big/<dev>/<dtype>'s line, timed on
+# 32-112 MiB matrices, where profiled: the GEMM fit's shapes are 2-4 MiB weights, whose rate says little
+# about a real projection's either way. On the H200's host (16 cores, AMX) prompt GEMMs on 112 MiB
+# matrices ran at ~1.0e12 MAC/s where the quick fit said 2.9e12; on the H100's (2026-11-26) at 2.8e12
+# where the quick fit (R^2 0.25) said 1.0e11, and the no-GPU 512-token TTFTs were priced 14x too slow
+# (9.0 s predicted, 0.58 s measured). On 2 Zen 4 cores the two agree (bf16). From 16 MiB on (a
+# 4096 x 2048 bf16 matrix; Llama-3-8B's attention projections are 8 and 32 MiB) the big line is nearer.
+BIG_GEMM_BYTES = 16 * 2**20
 
 
-def big_gemm_beta(profile: HardwareProfile, device: str, dtype: str, bytes_per_call: float) -> float:
-    """Seconds per MAC below which a GEMM over `bytes_per_call` weight bytes is not priced: gemm_big's
-    rate from BIG_GEMM_BYTES on, where profiled (with the dtype fallbacks); else 0."""
+# A GEMM of at least this many rows is a prompt's: it pays gemm_big's intercept per call.
+PROMPT_GEMM_ROWS = 64
+
+
+def gemm_line(profile: HardwareProfile, device: str, dtype: str, bytes_per_call: float, fit: LinearModel,
+              tokens: float | None = None) -> LinearModel:
+    """The affine model [s per call, s per MAC] of a GEMM over `bytes_per_call` weight bytes a call:
+    from BIG_GEMM_BYTES on where profiled, gemm_big/<dev>/<dtype>'s (with the dtype fallbacks), else
+    `fit` (the gemm key's). gemm_big's intercept (1.5 ms a call on the H100's host, where oneDNN packs
+    the weight for AMX at every call) is charged only to calls of PROMPT_GEMM_ROWS `tokens` or more;
+    fewer rows, or `tokens` None, keep `fit`'s: charged per call, it priced CPU experts' and CC slices'
+    decode GEMVs 4x too slow."""
     if bytes_per_call < BIG_GEMM_BYTES:
-        return 0.0
+        return fit
     m = find(profile, "gemm_big", device, dtype)
-    return m.beta if m is not None else 0.0
+    if m is None:
+        return fit
+    return m if tokens is not None and tokens >= PROMPT_GEMM_ROWS else LinearModel(fit.alpha, m.beta, m.r2)
 
 
 def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, weight_bytes: float = 0.0,
               calls: int = 1) -> float:
     """Seconds for `calls` GEMMs totalling `macs` multiply-accumulates over `weight_bytes` of weights.
-    Calls over big weights are floored by gemm_big (big_gemm_beta).
+    Calls over big weights take gemm_big's line (gemm_line).
 
     Raises:
         ConfigError: the profile prices no GEMM on `device` in `dtype` (or a fallback dtype).
@@ -125,7 +139,9 @@ def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, we
                           "re-run `tiered profile` on this machine or pick a preset that covers it")
     if macs <= 0:
         return 0.0
-    compute = calls * m.alpha + max(m.beta, big_gemm_beta(profile, device, dtype, weight_bytes / calls)) * macs
+    tokens = macs / (weight_bytes / bytes_per_element(dtype)) if weight_bytes > 0 else None
+    line = gemm_line(profile, device, dtype, weight_bytes / calls, m, tokens)
+    compute = calls * line.alpha + line.beta * macs
     mem = memory_time(profile, device, dtype, weight_bytes / calls, "gemv") * calls if weight_bytes > 0 else 0.0
     return max(compute, mem)
 

@@ -197,6 +197,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     # expert from cache on 2 Zen 4 cores: 91-96 GB/s on int8 x against 45 on bf16 x with AVX-512, 71
     # against 31-50 on int16 x with AVX2)
     plan.expert_act = expert_activations(ec)
+    plan.pinned = pinned_memory(ec, plan)
     # short prompts run as rows of the native decode step, beside the running sequences (dense
     # models: an MoE layer's FFN runs as a module, which takes one token per sequence)
     plan.mixed_rows = mixed_rows(kernels.isa(), plan.batch_act) if plan.native_decode and not cfg.is_moe else 0
@@ -207,6 +208,21 @@ def graphs_allowed(ec, accelerator) -> bool:
     """EngineConfig.graphs on this accelerator: "auto" graphs decode steps on a real GPU, "on" on the
     host stand-in too, "off" never; never without an accelerator."""
     return accelerator is not None and (ec.graphs == "on" or (ec.graphs == "auto" and not accelerator.is_host))
+
+
+def pinned_memory(ec, plan: Plan) -> str:
+    """How a CUDA accelerator pins the weights the plan keeps in RAM (EngineConfig.pinned; "auto":
+    "cuda" where dense FFNs are sliced, else "huge").
+
+    Measured on the H100's host (2026-11-26, benchmarks/results/gpu/2026-11-26-h100/call1, one run
+    each of the graphs stage and the full table): the dense default plan (sliced) decoded at 28.9 and
+    28.9 tok/s with its CC and CG slices in cudaHostAlloc memory against 21.3 and 19.1 in registered
+    huge pages; the MoE default plan at 114.0 and 140.9 tok/s in huge pages against 105.8 and 110.7,
+    and loaded in 3.8 s against 10.3 (cudaHostAlloc of 11 GiB of experts).
+    """
+    if ec.pinned != "auto":
+        return ec.pinned
+    return "cuda" if plan.sliced_layers() else "huge"
 
 
 def expert_activations(ec) -> str:

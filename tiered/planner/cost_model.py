@@ -123,6 +123,12 @@ class CostParams:
 
     alpha_* are start-up times [s]; beta_gpu / beta_cpu [s per MAC]; beta_c2g [s per byte];
     t_launch is the constant per-kernel (or per-copy) launch cost [s].
+
+    beta_dram [s per byte], not in the paper: the host memory that the CPU's reads of the CC weights
+    and the link's DMA of the CG weights share. A layer takes at least (CC + CG bytes) * beta_dram
+    (`shared_dram_time`). 0 = each side has its own bandwidth, as in ScheInfer's model. On the H100's
+    host (2026-11-26, 16 cores, DRAM ~105 GB/s, H2D 55 GB/s) the dense default plan, priced without it,
+    predicted 50 tok/s and ran at 29: its CC and CG slices together streamed ~80 GB/s.
     """
 
     alpha_gpu: float
@@ -132,6 +138,7 @@ class CostParams:
     alpha_c2g: float
     beta_c2g: float
     t_launch: float
+    beta_dram: float = 0.0
 
     def __post_init__(self) -> None:
         for name, v in self.__dict__.items():
@@ -154,7 +161,7 @@ def roofline_params(p: CostParams, tokens: int, gpu_peak_macs: float, cpu_peak_m
     if tokens < 1 or gpu_peak_macs <= 0 or cpu_peak_macs <= 0:
         raise ConfigError("roofline_params needs tokens >= 1 and positive peaks")
     return CostParams(p.alpha_gpu, max(1.0 / gpu_peak_macs, p.beta_gpu / tokens), p.alpha_cpu,
-                      max(1.0 / cpu_peak_macs, p.beta_cpu / tokens), p.alpha_c2g, p.beta_c2g, p.t_launch)
+                      max(1.0 / cpu_peak_macs, p.beta_cpu / tokens), p.alpha_c2g, p.beta_c2g, p.t_launch, p.beta_dram)
 
 
 def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerShape | None = None, *,
@@ -176,8 +183,11 @@ def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerS
     profiled, gemv_dram/cpu/<precision>; the GEMV keys are timed on operands a large cache partly
     holds (the H200 host's quick profile: bf16 GEMV 221 GB/s, DRAM 98 GB/s).
 
-    With `shape`, a GEMM over an FFN matrix of BIG_GEMM_BYTES or more is also priced no faster per
-    MAC than gemm_big/<dev>/<precision> (op_time.big_gemm_beta: timed on a real FFN matrix).
+    With `shape`, a GEMM over an FFN matrix of BIG_GEMM_BYTES or more is priced by
+    gemm_big/<dev>/<precision>'s line where profiled (op_time.gemm_line: timed on real FFN matrices).
+
+    Beyond the LLC, beta_dram is memory/bandwidth_dram/cpu's rate: the CPU's reads of the CC slices
+    and the link's DMA of the CG slices draw on the one host memory (CostParams.beta_dram).
 
     Raises ConfigError naming a missing key.
     """
@@ -186,10 +196,10 @@ def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerS
         if m is None:
             raise ConfigError(f"hardware profile {profile.name!r} has no gemm/{device}/{precision} model",
                               "re-run `tiered profile` or pick a preset that covers it")
+        if shape is not None:  # an FFN matrix's GEMM: gemm_big's line where it is that big
+            m = op_time.gemm_line(profile, device, precision, shape.d_model * shape.d_ff * shape.bytes_per_weight, m,
+                                  shape.tokens)
         beta = m.beta
-        if shape is not None:  # an FFN matrix's GEMM: no faster than gemm_big where it is that big
-            beta = max(beta, op_time.big_gemm_beta(profile, device, precision,
-                                                      shape.d_model * shape.d_ff * shape.bytes_per_weight))
         mem = (op_time.find(profile, "gemv", device, precision) or profile.models.get(f"memory/bandwidth/{device}")
                if shape is not None else None)
         if mem is None:
@@ -199,7 +209,10 @@ def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerS
 
     (ag, bg), (ac, bc) = gemm("gpu"), gemm("cpu")
     h, l = profile.model(copy_key), profile.model(launch_key)
-    return CostParams(ag, bg, ac, bc, h.alpha, h.beta, l.alpha)
+    llc = profile.meta.get("llc_bytes") if profile.meta else None
+    dram = profile.models.get("memory/bandwidth_dram/cpu")
+    shared = dram.beta if dram is not None and llc and cpu_working_set > llc else 0.0
+    return CostParams(ag, bg, ac, bc, h.alpha, h.beta, l.alpha, shared)
 
 
 @dataclass(frozen=True)
@@ -340,11 +353,22 @@ def layer_time(st: StageTimes, n_gemms: int) -> float:
     return max(gpu_finish_pipeline(st, n_gemms), n_gemms * st.cpu)
 
 
+def shared_dram_time(shape: LayerShape, host_share: float, p: CostParams) -> float:
+    """Seconds the host memory needs for a layer's host-side weight traffic: `host_share` of each of
+    its n_l weight matrices read from RAM (by the CPU, or by the link's DMA), at p.beta_dram."""
+    return host_share * shape.n_gemms * shape.weight_bytes * p.beta_dram
+
+
 def decode_layer_time(shape: LayerShape, rates: SliceRates, p: CostParams) -> float:
-    """t_fin of one layer at slicing `rates` with the whole input on every part (Eq. 4-5) [s]."""
-    return layer_time(gemm_times(shape, rates, p), shape.n_gemms)
+    """t_fin of one layer at slicing `rates` with the whole input on every part (Eq. 4-5) [s], no
+    less than the host memory's time for the CC and CG weights (shared_dram_time)."""
+    return max(layer_time(gemm_times(shape, rates, p), shape.n_gemms),
+               shared_dram_time(shape, rates.r_cc + rates.r_cg, p))
 
 
 def prompt_layer_time(shape: LayerShape, rates: SliceRates, n_g: int, p: CostParams) -> float:
-    """t_fin of one layer in the prompt phase with n_g tokens on CG' (Eq. 15 in Eq. 5) [s]."""
-    return layer_time(prompt_gemm_times(shape, rates, n_g, p), shape.n_gemms)
+    """t_fin of one layer in the prompt phase with n_g tokens on CG' (Eq. 15 in Eq. 5) [s], no less
+    than the host memory's time for what the CPU reads (CC, when it has tokens) and the link ships
+    (CG, and CC for CG')."""
+    host = rates.r_cg + rates.r_cc * (sgn(shape.tokens - n_g) + sgn(n_g))
+    return max(layer_time(prompt_gemm_times(shape, rates, n_g, p), shape.n_gemms), shared_dram_time(shape, host, p))

@@ -121,9 +121,9 @@ class ExpertLatency:
         bw = p.models.get(f"memory/bandwidth/{device}")
         # silu(gate) and gate * up read 3 and write 2 vectors of `intermediate` 16-bit values per token
         act_beta = 5 * sh.intermediate * 2 * bw.beta if bw is not None else 0.0
-        # a prompt's GEMM on an expert matrix of 32 MiB or more: no faster per MAC than gemm_big
-        beta = max(m.beta, op_time.big_gemm_beta(p, device, dtype, sh.weight_bytes(dtype) / sh.matrices))
-        return _Piecewise(const, sh.matrices * m.alpha, sh.macs_per_token * beta, floor, act_beta)
+        # a prompt's GEMM on a big expert matrix: gemm_big's line where profiled (op_time.gemm_line)
+        m = op_time.gemm_line(p, device, dtype, sh.weight_bytes(dtype) / sh.matrices, m)
+        return _Piecewise(const, sh.matrices * m.alpha, sh.macs_per_token * m.beta, floor, act_beta)
 
     @property
     def cpu(self) -> _Piecewise:

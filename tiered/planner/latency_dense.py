@@ -30,8 +30,9 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     Raises:
         BudgetError: the GPU cannot hold the non-FFN weights, KV cache and staging.
     """
-    from tiered.planner.cost_model import LayerShape, cost_params, decode_layer_time, prompt_layer_time
-    from tiered.planner.scheinfer import assign_gpu_memory, ffn_gpu_budget, solve_n_g, solve_r_cg
+    from tiered.planner.cost_model import (LayerShape, cost_params, decode_layer_time, prompt_layer_time,
+                                           shared_dram_time)
+    from tiered.planner.scheinfer import ffn_gpu_budget, solve_n_g, solve_r_cg
 
     fmt = plan.dtypes["weights"]
     bpe = sizes.bytes_per_element(fmt)
@@ -39,20 +40,23 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     ctx = plan.prompt_tokens + plan.gen_tokens
     non_ffn = sizes.weight_bytes(cfg, fmt, is_mlp_param) + sizes.rotary_bytes(cfg, plan.context_tokens)
     kv = sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"])
-    staging = 2 * sizes.ffn_bytes(cfg, fmt)  # CG and CG' staging of the largest FFN
-    budget = ffn_gpu_budget(gpu, non_ffn_bytes=non_ffn, kv_cache_bytes=kv, staging_bytes=staging,
-                            activation_bytes=plan.workspace_bytes, margin=0.0)
+    fixed = dict(non_ffn_bytes=non_ffn, kv_cache_bytes=kv, activation_bytes=plan.workspace_bytes, margin=0.0)
+    room = ffn_gpu_budget(gpu, **fixed)  # GPU bytes for FFN weights and, when sliced, their staging
     decode_shape = LayerShape(1, M, H, 3, bpe)
     ffn_total = L * 3 * M * H * bpe
     # what the CPU streams per decode step is at most every FFN weight: beyond the LLC, at DRAM speed
     params = cost_params(profile, fmt, decode_shape, cpu_working_set=ffn_total)
-    if budget >= ffn_total:
+    staging = budget = 0.0
+    if room >= ffn_total:
         # every FFN fits: none is sliced. ScheInfer slices what the GPU cannot hold; a split layer also
         # pays host syncs and thread hops that the cost model leaves out (a tiny model's FFNs, split
         # "for speed" on an idle H200, lost its CUDA graphs)
         layer_rates = [solve_r_cg(decode_shape, 1.0, params).rates] * L
+        budget = room
     else:
-        layer_rates = list(assign_gpu_memory([decode_shape] * L, params, budget).rates)
+        layer_rates = _sliced_rates(decode_shape, L, params, gpu, fixed, sizes.ffn_bytes(cfg, fmt))
+        staging = _staging_bytes(_staging_share(layer_rates), sizes.ffn_bytes(cfg, fmt), H)
+        budget = room - staging
     prompt_shape = LayerShape(plan.prompt_tokens, M, H, 3, bpe)
     pparams = cost_params(profile, fmt, prompt_shape, cpu_working_set=ffn_total)
     attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])
@@ -60,7 +64,7 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     # the model code's host cost per layer and per step (module calls, small ops, their launches):
     # decode's graphed as the engine will graph it (every FFN on the GPU: the whole step; else
     # piecewise), prefill's always eager
-    graphed = None if not graphs else "whole" if budget >= ffn_total else "piecewise"
+    graphed = None if not graphs else "whole" if room >= ffn_total else "piecewise"
     per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu", graphed=graphed)
     per_step_prefill, per_layer_prefill = op_time.step_overhead(profile, fmt, "gpu")
     ffn_gpu_bytes = 0.0
@@ -81,8 +85,15 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     plan.memory = {"gpu": non_ffn + kv + plan.workspace_bytes + (staging if sliced else 0) + ffn_gpu_bytes,
                    "cpu": ffn_total - ffn_gpu_bytes}
     mean_cc = sum(l.r_cc for l in plan.layers) / L
+    # the host memory binds where the CC reads and CG copies together take longer than either side
+    dram = sum(shared_dram_time(decode_shape, r.r_cc + r.r_cg, params) for r in layer_rates)
+    ffn = sum(decode_layer_time(decode_shape, r, params) for r in layer_rates)
     if not sliced:
         plan.binding = "GPU compute: every FFN fits on the GPU"
+    elif dram >= ffn * (1 - 1e-9):
+        plan.binding = (f"host memory: {format_bytes(budget)} for FFN weights holds {ffn_gpu_bytes / ffn_total:.0%} of "
+                        f"them; the CPU's reads of the CC rows ({mean_cc:.0%}) and the link's copies of the CG rows "
+                        f"share ~{1e-9 / params.beta_dram:.0f} GB/s of DRAM")
     elif mean_cc > 0.5:
         plan.binding = (f"GPU memory: {format_bytes(budget)} for FFN weights holds {ffn_gpu_bytes / ffn_total:.0%} of them; "
                         f"the CPU computes {mean_cc:.0%} of the rest's rows (CPU GEMM bound)")
@@ -90,3 +101,38 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
         plan.binding = (f"GPU memory and PCIe: {ffn_gpu_bytes / ffn_total:.0%} of FFN weights resident, "
                         f"the rest split between CPU compute and H2D copies")
     return plan
+
+
+def _staging_share(rates) -> float:
+    """The GPU staging the runtime allocates for sliced FFNs, as a share of one FFN's bytes: a CG buffer
+    of the largest layer's CG rows and a CG' buffer of the largest CC (runtime/sliced.SliceStaging)."""
+    return max(r.r_cg for r in rates) + max(r.r_cc for r in rates)
+
+
+def _staging_bytes(share: float, ffn_bytes: int, rows: int) -> float:
+    """Bytes of `share` of an FFN of `rows` rows, and two rows more: the runtime rounds each part's
+    rows (runtime/sliced.split_rows)."""
+    return share * ffn_bytes + 2 * ffn_bytes / rows
+
+
+def _sliced_rates(shape, layers: int, params, gpu: int, fixed: dict, ffn_bytes: int) -> list:
+    """ScheInfer's stage 2 under a GPU budget less the slices' staging, which depends on the rates it
+    chooses: first one FFN's bytes (the CG and CC rows of one layer add up to at most its rows), then,
+    when the layers' largest CG and largest CC rows add up to more, that much, until it holds (the
+    engine used to keep two whole FFNs: on the dense bench shape at 2 GiB, 352 MB of GPU memory that
+    holds 12% of the FFN weights).
+
+    Raises BudgetError: the GPU cannot hold the fixed parts and the staging.
+    """
+    from tiered.planner.scheinfer import assign_gpu_memory, ffn_gpu_budget
+
+    share = 1.0
+    for _ in range(4):
+        budget = ffn_gpu_budget(gpu, staging_bytes=_staging_bytes(share, ffn_bytes, shape.d_ff), **fixed)
+        rates = list(assign_gpu_memory([shape] * layers, params, budget).rates)
+        need = _staging_share(rates)
+        if need <= share + 1e-9:
+            return rates
+        share = need
+    budget = ffn_gpu_budget(gpu, staging_bytes=_staging_bytes(2.0, ffn_bytes, shape.d_ff), **fixed)  # the bound
+    return list(assign_gpu_memory([shape] * layers, params, budget).rates)

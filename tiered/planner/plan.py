@@ -99,6 +99,10 @@ class Plan:
                                              beside the running sequences, while the step has at
                                              most this many rows (Sarathi-style mixed prefill and
                                              decode); longer prompts, and 0, prefill on their own
+        pinned                               how a CUDA accelerator pins the weights kept in RAM:
+                                             "cuda" (cudaHostAlloc) where dense FFNs are sliced,
+                                             "huge" (registered huge pages) otherwise
+                                             (planner/auto.pinned_memory)
         source                               who decided: "planner", "rules" (plan off) or a file
 
     Pricing inputs recorded beside the decisions:
@@ -160,6 +164,7 @@ class Plan:
     dense_copies: bool = True
     mixed_precision: dict | None = None
     expert_cache_slots_low: int = 0
+    pinned: str = "huge"
     source: str = "planner"
 
     def summary(self, measured_tokens_per_s: float | None = None) -> str:

@@ -10,7 +10,8 @@ A reference file (JSON, e.g. benchmarks/reference/h200-2026-11-22/measured.json)
                                         fixed placement), accelerator ("none" = no GPU tier, as
                                         `EngineConfig(accelerator="none")` plans), measured
                                         {decode_tokens_per_s, ttft_s}, comparable (false: the runtime
-                                        has changed since), note
+                                        has changed since), expert_profile (a routing profile
+                                        beside the file, as --expert-profile plans with it), note
 Decode is predicted with the measurement's own prompt and generation lengths (its context), TTFT
 with its prompt; both plans keep the same budgets and KV room, so their placement is the same.
 """
@@ -32,6 +33,7 @@ def load_reference(path: str | Path) -> tuple[dict, HardwareProfile]:
     """(the reference file's content, the measuring machine's HardwareProfile)."""
     path = Path(path)
     ref = json.loads(path.read_text())
+    ref["_dir"] = str(path.parent)
     return ref, HardwareProfile.load(path.parent / ref["profile"])
 
 
@@ -45,6 +47,10 @@ def predict_row(ref: dict, row: dict, profile: HardwareProfile) -> dict:
     if row.get("accelerator") == "none":  # as engine_plan: no GPU tier, CPU RAM is the fast tier
         profile = replace(profile, gpu_memory=None)
     base = dict(ref["plans"].get("all", {}), **row.get("plan", {}))
+    if row.get("expert_profile"):  # `tiered profile-experts` output beside the file, as --expert-profile
+        from tiered.planner.placement import load_popularity
+        base["popularity"] = load_popularity(Path(ref["_dir"]) / row["expert_profile"], cfg.num_hidden_layers,
+                                             cfg.num_experts)
     decode = make_plan(cfg, profile, model_name=row["model"], **dict(base, **ref["plans"]["decode"]))
     ttft = make_plan(cfg, profile, model_name=row["model"], **dict(base, **ref["plans"]["ttft"]))
     return {"decode_tokens_per_s": decode.predicted_decode_tokens_per_s, "ttft_s": ttft.predicted_ttft_s,
