@@ -49,6 +49,27 @@ def test_sliced_equals_unsliced_for_any_rates(stand_in, r_cc, frac_cg, tokens, n
         acc.free(t)
 
 
+def test_a_smaller_layer_stages_into_contiguous_views(stand_in):
+    """Layers share one staging sized for the largest; a layer with fewer CG / CC rows gets
+    contiguous [rows, D] and [D, rows] views of it (an H2D copy into a strided view goes through a
+    device temporary), and computes what the unsliced MLP does."""
+    from tiered.runtime.sliced import SliceStaging
+
+    acc, ex = stand_in
+    big = SliceStaging(acc, D, 40, 40, torch.float32)
+    m = SlicedMLP(*W, 0.3, 0.2, acc, ex, n_g=2, staging=big)
+    assert m.f_cg < 40 and m.f_cc < 40
+    for view in m._cg_stage + m._cc_stage:
+        assert view.is_contiguous()
+    assert m._cg_stage[2].shape == (D, m.f_cg) and m._cc_stage[2].shape == (D, m.f_cc)
+    x = torch.randn(5, D)
+    ref = expert_forward(x, *W)
+    y = acc.to_host(m(acc.to_device(x)))
+    assert (y - ref).abs().max() / ref.abs().max() <= 1e-4
+    for t in m.gg + big.cg + big.cc:
+        acc.free(t)
+
+
 def test_parts_run_on_their_streams(stand_in):
     acc, ex = stand_in
     ex.events.clear()

@@ -44,7 +44,9 @@ def split_rows(F: int, r_cc: float, r_cg: float) -> tuple[int, int, int]:
 class SliceStaging:
     """Accelerator buffers for the copied parts of sliced MLPs, shared by all layers (they run one
     after another): `cg` holds a CG part, `cc` the CC part shipped for the CG' tokens; each is a
-    (gate [rows, D], up [rows, D], down [D, rows]) triple sized for the largest layer, or None.
+    (gate [rows, D], up [rows, D], down [D * rows] flat) triple sized for the largest layer, or None.
+    The down buffer is flat so that a smaller layer's [D, rows] view of it is contiguous (`_rows`):
+    a column slice of a [D, max rows] buffer made each H2D copy into it go through a temporary.
     """
 
     def __init__(self, accelerator, d_model: int, cg_rows: int, cc_rows: int, dtype: torch.dtype) -> None:
@@ -52,14 +54,16 @@ class SliceStaging:
             if not rows:
                 return None
             return (accelerator.alloc((rows, d_model), dtype, what), accelerator.alloc((rows, d_model), dtype, what),
-                    accelerator.alloc((d_model, rows), dtype, what))
+                    accelerator.alloc((d_model * rows,), dtype, what))
         self.cg = triple(cg_rows, "CG staging")
         self.cc = triple(cc_rows, "CG' staging")
 
 
 def _rows(buf, rows: int):
-    """The first `rows` rows of a staging triple (columns of its down matrix)."""
-    return (buf[0][:rows], buf[1][:rows], buf[2][:, :rows])
+    """A staging triple's views for a part of `rows` rows: gate and up [rows, D], down [D, rows], each
+    contiguous (the down matrix from the front of its flat buffer)."""
+    d_model = buf[0].shape[1]
+    return (buf[0][:rows], buf[1][:rows], buf[2][:d_model * rows].view(d_model, rows))
 
 
 class SlicedMLP(nn.Module):
