@@ -112,13 +112,16 @@ def measure(model: Path, config: EngineConfig, prompt: list[int], new_tokens: in
     return res
 
 
-H200_REFERENCE = ROOT / "reference" / "h200-2026-11-22" / "measured.json"
+# runs on lent GPUs, each priced from its machine's profile: the first H200 run, the third (cc9c1b1), the H100's
+GPU_REFERENCES = {"h200-2026-11-22": ROOT / "reference" / "h200-2026-11-22" / "measured.json",
+                  "h200-2026-11-26b": ROOT / "reference" / "h200-2026-11-26b" / "measured.json",
+                  "h100-2026-11-26": ROOT / "reference" / "h100-2026-11-26" / "measured.json"}
 
 
-def h200_table(path: Path = H200_REFERENCE) -> tuple[dict, list[str]]:
-    """The H200 rows (tiered measured on an NVIDIA H200 + 16-core Xeon host, 2026-11-22): predicted
-    from that machine's profile through the real make_plan (planner/reference.py) vs the measured
-    values, which are data cited in the reference file (they cannot be re-measured here).
+def gpu_table(path: Path) -> tuple[dict, list[str]]:
+    """One GPU run's rows (tiered measured on a lent GPU machine): predicted from that machine's profile
+    through the real make_plan (planner/reference.py) vs the measured values, which are data cited in
+    the reference file (they cannot be re-measured here).
 
     Returns:
         (the table for the results JSON, its markdown lines).
@@ -135,7 +138,7 @@ def h200_table(path: Path = H200_REFERENCE) -> tuple[dict, list[str]]:
 
     def err(r, m):
         return f"{r['error'][m]:.0%}" if r["error"][m] is not None else "not comparable"
-    lines = ["", f"## H200 rows: predicted from `{ref['profile']}` vs measured", "",
+    lines = ["", f"## GPU rows ({path.parent.name}): predicted from `{ref['profile']}` vs measured", "",
              f"Measured: {ref['source']}. Machine: {ref['machine']}. Method: {ref['method']}. {ref['context']}",
              "", "| row | measured tok/s | predicted tok/s | error | measured TTFT s | predicted TTFT s | error |",
              "|---|---|---|---|---|---|---|"]
@@ -156,14 +159,15 @@ def main() -> None:
     ap.add_argument("--workdir", default=os.path.expanduser("~/.cache/tiered/bench"))
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--out", default=str(ROOT / "results"), help="results directory (also gets this machine's profile)")
-    ap.add_argument("--h200-only", action="store_true", help="print the H200 table only (no measurement)")
+    ap.add_argument("--gpu-only", action="store_true", help="print the GPU runs' tables only (no measurement)")
     ap.add_argument("--dense-only", action="store_true", help="only the SmolLM2 rows (no MoE checkpoint)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads for profiling and every run (default: torch's); on a shared machine "
                          "1 keeps other processes from stalling OpenMP teams")
     args = ap.parse_args()
-    if args.h200_only:
-        print("\n".join(h200_table()[1]))
+    if args.gpu_only:
+        for path in GPU_REFERENCES.values():
+            print("\n".join(gpu_table(path)[1]))
         return
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -200,11 +204,13 @@ def main() -> None:
     if ttft_errors:
         notes.append(f"TTFT of a {TTFT_TOKENS}-token prompt (SmolLM2 rows, median of 3): median absolute error "
                      f"**{median(ttft_errors):.0%}**, largest {max(ttft_errors):.0%}.")
-    h200, h200_lines = h200_table()
-    notes.append("\n".join(h200_lines))  # one block: its table's rows must stay adjacent
+    gpu = {}
+    for name, path in GPU_REFERENCES.items():
+        gpu[name], lines = gpu_table(path)
+        notes.append("\n".join(lines))  # one block: its table's rows must stay adjacent
     stem = "planner_validation_quick" if args.quick else "planner_validation_dense" if args.dense_only else "planner_validation"
     _, md = write_report(stem, out_dir, title="Planner validation", settings=settings, rows=rows, columns=columns,
-                         notes=notes, extra={"median_abs_error": med, "h200": h200})
+                         notes=notes, extra={"median_abs_error": med, "gpu": gpu})
     print(md.read_text())
 
 
