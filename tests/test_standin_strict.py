@@ -18,6 +18,7 @@ import torch
 from fixtures import hf_greedy, prompt_ids
 from runtime_fixtures import GREEDY as MOE_GREEDY
 from runtime_fixtures import engine_config, prompt, rt  # noqa: F401  (rt is a fixture)
+from test_planned_run import box  # noqa: F401  (a fixture)
 from test_runtime_parity import check_parity
 
 from tiered import LLM, EngineConfig, SamplingParams
@@ -258,3 +259,62 @@ def test_standin_allocations_are_exactly_what_the_budget_counts(rt, tmp_path):  
         assert held + llm.plan.workspace_bytes <= llm.fast_budget.capacity
     finally:
         llm.close()
+
+
+def test_device_memory_meter_counts_storages_and_their_peak(acc):
+    """device_memory() counts each storage once, from its first device tensor to its last, and keeps
+    the peak: what torch.cuda.max_memory_allocated reports on CUDA."""
+    import gc
+
+    from tiered.hardware.standin import device_memory
+
+    with device_memory() as m:
+        a = acc.alloc((1024,), torch.float32)           # 4 KiB
+        view = a[:10]                                   # the same storage
+        with acc.scope():
+            b = (a * 2).sum()                           # a transient [1024] product, then a scalar
+        assert m.bytes == 4096 + 4 and m.peak == 2 * 4096 + 4  # the product lived until the sum was made
+        del a
+        gc.collect()
+        assert m.bytes == 4096 + 4                      # the view keeps the storage
+        del view, b
+        gc.collect()
+        assert m.bytes == 0
+    with pytest.raises(RuntimeError, match="already open"):
+        with device_memory(), device_memory():
+            pass
+
+
+def test_what_the_engine_holds_on_the_device_stays_inside_its_budget(zoo, rt, box):  # noqa: F811
+    """Issue 8: real device allocations stay inside the budget. Metered on the stand-in through a
+    load, a prompt of most of the context and decode: a sliced dense plan and an offloaded MoE
+    plan (resident experts, cache slots, misses copied and computed on the CPU). After the load the
+    device holds exactly what the budget reserved but the activation workspace (GG rows and staging,
+    or resident experts and slots, all counted); the peak it held, transients included, is at most
+    the budget's capacity."""
+    import gc
+
+    from test_planned_run import CTX, dense_sizes
+
+    from tiered.hardware.standin import device_memory
+
+    non_ffn, layer, kv, L = dense_sizes(zoo.dir("llama"))
+    s = rt.sizes("mixtral")
+    cases = [(zoo.dir("llama"), EngineConfig(decode_weights="fp32", accelerator="host", max_context=CTX, profile=box,
+                                             gpu_memory=non_ffn + kv + layer + layer * L // 4)),
+             (rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2, resident=1)))]
+    for path, config in cases:
+        gc.collect()
+        with device_memory() as m:
+            llm = LLM(path, config)
+            try:
+                # offloaded either way: GG rows beside CC / CG ones, or experts beside cache slots
+                assert any(0 < l.r_gg < 1 for l in llm.plan.layers) or llm.experts.cache.num_slots
+                gc.collect()
+                assert m.bytes == llm.fast_budget.used - llm.plan.workspace_bytes, path.name
+                llm.generate(list(range(2, llm.max_context - 10)), SamplingParams(temperature=0, max_tokens=8,
+                                                                                  ignore_eos=True))
+                assert 0 < m.peak <= llm.fast_budget.capacity, (path.name, m.peak, llm.fast_budget.capacity,
+                                                                m.largest)
+            finally:
+                llm.close()

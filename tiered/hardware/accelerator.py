@@ -21,7 +21,7 @@ import torch
 
 from tiered.hardware.budget import MemoryBudget, host_empty, nbytes_of
 from tiered.hardware.standin import (STANDIN_DEVICE, StandinDeviceError, StandinScope, StandinTensor, ThreadFlag,
-                                     capturing)
+                                     capturing, made_on_device)
 
 
 class Accelerator(ABC):
@@ -196,7 +196,7 @@ class HostAccelerator(Accelerator):
         self.link_bandwidth = link_bandwidth
 
     def _empty(self, shape, dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype).as_subclass(StandinTensor)
+        return made_on_device(torch.empty(shape, dtype=dtype).as_subclass(StandinTensor))
 
     def _throttle(self, t0: float, nbytes: int) -> None:
         if self.link_bandwidth:
@@ -218,7 +218,7 @@ class HostAccelerator(Accelerator):
         if type(t) is StandinTensor:
             return t
         t0 = time.perf_counter()
-        out = t.detach().clone().as_subclass(StandinTensor)
+        out = made_on_device(t.detach().clone().as_subclass(StandinTensor))
         self._throttle(t0, t.numel() * t.element_size())
         return out
 

@@ -20,6 +20,11 @@ and a device bug that passes on the stand-in crashes on the first real GPU (it d
   (`torch.arange(n, device=x.device)`, `torch.zeros(..., device=...)`) makes a device tensor. A
   factory without a device makes a host tensor, exactly as on CUDA.
 
+`device_memory()` meters what the device holds while it is open, as `torch.cuda.max_memory_allocated`
+does on CUDA: every storage a device tensor is made on counts from its first device tensor until its
+last one is gone, and the peak of the sum is kept. A budget's checks say what the engine reserved;
+the meter says what it really held, transients included.
+
 Errors are `StandinDeviceError` (a RuntimeError) naming the op, both sides, the CUDA message it
 stands for, and the accelerator call that fixes it. A device tensor asked for outside the scope
 (e.g. `torch.zeros(n, device=acc.device)` on a worker thread) raises one too: a stub runtime module
@@ -77,10 +82,79 @@ def _scan(items, found: list) -> None:
             _scan(a, found)
 
 
+class DeviceMemoryMeter:
+    """Bytes the stand-in's device holds, and their peak, over the storages of live device tensors
+    (made while the meter is open: `device_memory()`). A storage counts once however many tensors
+    view it, from its first device tensor until the last is collected."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # a finalizer may run (on a collection) inside `add`
+        self._live: dict[int, list[int]] = {}  # storage data_ptr -> [bytes, device tensors viewing it]
+        self.bytes = 0
+        self.peak = 0
+        self.largest: list[tuple[int, str]] = []  # (bytes, shape/dtype) of the storages made, largest first
+
+    def add(self, t: torch.Tensor) -> None:
+        with _DisableSubclass():
+            st = t.untyped_storage()
+            ptr, nbytes = st.data_ptr(), st.nbytes()
+        if not nbytes:
+            return
+        with self._lock:
+            entry = self._live.get(ptr)
+            if entry is None:
+                self._live[ptr] = entry = [nbytes, 0]
+                self.bytes += nbytes
+                self.peak = max(self.peak, self.bytes)
+                self.largest = sorted(self.largest + [(nbytes, f"{tuple(t.shape)} {t.dtype}")], reverse=True)[:8]
+            entry[1] += 1
+        import weakref
+        weakref.finalize(t, self._drop, ptr)
+
+    def _drop(self, ptr: int) -> None:
+        with self._lock:
+            entry = self._live.get(ptr)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._live[ptr]
+                self.bytes -= entry[0]
+
+
+_meter: DeviceMemoryMeter | None = None
+
+
+@contextmanager
+def device_memory():
+    """Meter the stand-in device's memory while the block runs (DeviceMemoryMeter; one at a time):
+
+        with device_memory() as m:
+            llm = LLM(...)
+        m.peak  # bytes the device held at most, transients included
+    """
+    global _meter
+    if _meter is not None:
+        raise RuntimeError("a device memory meter is already open")
+    _meter = m = DeviceMemoryMeter()
+    try:
+        yield m
+    finally:
+        _meter = None
+
+
+def made_on_device(t: torch.Tensor) -> torch.Tensor:
+    """`t` (a StandinTensor just made) counted by the open meter, if any; returns it."""
+    m = _meter
+    if m is not None:
+        m.add(t)
+    return t
+
+
 def _wrap(out):
     """Outputs of an op on device tensors: tensors become StandinTensors (lists/tuples/structseqs kept)."""
     if isinstance(out, _T):
-        return out if type(out) is StandinTensor else out.as_subclass(StandinTensor)
+        return out if type(out) is StandinTensor else made_on_device(out.as_subclass(StandinTensor))
     if isinstance(out, (tuple, list)):
         return type(out)(_wrap(o) for o in out)
     return out
