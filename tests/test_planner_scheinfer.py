@@ -312,3 +312,76 @@ def test_token_assignment_beats_both_ends_when_the_model_says_so():
     assert solve_n_g(prompt, SliceRates(0.0, 0.5, 0.5), TESTBED_A_INT4).n_g == 0
     slow_link = dataclasses.replace(TESTBED_A_INT4, beta_c2g=1e-7)
     assert solve_n_g(LLAMA70B.with_tokens(4), SliceRates(0.7, 0.0, 0.3), slow_link).n_g == 0
+
+
+# ------------------------------------------------------------------ beyond the paper: the host's shared DRAM
+def test_shared_dram_floors_a_layer_and_leaves_scheinfers_model_without_it():
+    """CostParams.beta_dram: a layer takes at least (CC + CG bytes) * beta_dram, since the CPU's CC
+    reads and the link's CG copies draw on one host memory; at 0 the layer time is Eq. 4-5's. The
+    floor does not depend on how the host rows split, so stage 1 keeps its edge-point optimum."""
+    from tiered.planner.cost_model import shared_dram_time
+
+    shape = LayerShape(1, 4096, 14336, 3, 2.0)
+    p = CostParams(2e-5, 3e-13, 1e-5, 1e-11, 7e-6, 1.8e-11, 1e-6)           # CPU 100 GB/s, link 55 GB/s
+    shared = dataclasses.replace(p, beta_dram=1 / 105e9)                      # both from one 105 GB/s DRAM
+    rates = SliceRates.from_gg_cg(0.16, 0.29)
+    assert decode_layer_time(shape, rates, p) == layer_time(gemm_times(shape, rates, p), 3)
+    host = 0.84 * 3 * shape.weight_bytes
+    assert shared_dram_time(shape, 0.84, shared) == pytest.approx(host / 105e9)
+    assert decode_layer_time(shape, rates, shared) == pytest.approx(max(decode_layer_time(shape, rates, p),
+                                                                        host / 105e9))
+    assert decode_layer_time(shape, rates, shared) > 1.1 * decode_layer_time(shape, rates, p)  # it binds here
+    # a prompt: the CPU reads the CC rows for its tokens and the link ships CG, plus CC for CG'
+    T = shape.with_tokens(64)
+    assert prompt_layer_time(T, rates, 0, shared) >= shared_dram_time(T, rates.r_cc + rates.r_cg, shared)
+    assert prompt_layer_time(T, rates, 8, shared) >= shared_dram_time(T, 2 * rates.r_cc + rates.r_cg, shared)
+    assert roofline_params(shared, 8, 1e15, 1e12).beta_dram == shared.beta_dram
+    sol = solve_r_cg(shape, 0.16, shared)
+    assert sol.time == pytest.approx(min(decode_layer_time(shape, SliceRates.from_gg_cg(0.16, r), shared)
+                                         for r in np.linspace(0, 0.84, 169)), rel=1e-6)
+
+
+def test_cost_params_share_dram_only_beyond_the_llc():
+    models = {"gemm/gpu/bf16": LinearModel(2e-5, 2e-15, 1.0), "gemm/cpu/bf16": LinearModel(0.0, 1e-12, 1.0),
+              "copy/h2d_pinned": LinearModel(7e-6, 1.8e-11, 1.0), "launch/gpu": LinearModel(5e-6, 0.0),
+              "memory/bandwidth_dram/cpu": LinearModel(0.0, 1 / 105e9, 1.0)}
+    hw = HardwareProfile("h", "test", models, 80 * 2**30, 128 * 2**30, meta={"llc_bytes": 64 * 2**20})
+    shape = LayerShape(1, 4096, 14336, 3, 2.0)
+    assert cost_params(hw, "bf16", shape, cpu_working_set=2.8e9).beta_dram == pytest.approx(1 / 105e9)
+    assert cost_params(hw, "bf16", shape, cpu_working_set=32 * 2**20).beta_dram == 0.0
+    assert cost_params(hw, "bf16", shape).beta_dram == 0.0
+
+
+def test_a_sliced_dense_plan_prices_its_host_round_trip_and_keeps_one_ffn_of_staging():
+    """latency_dense: each sliced layer with CC rows pays the activations' D2H, the CC output's H2D
+    and a task hop (sliced_layer_syncs); the staging the plan keeps is the runtime's, the largest CG
+    plus the largest CC rows (at most one FFN and two rows), and the rest of the budget holds GG rows."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.memory import sizes
+    from tiered.planner.latency_dense import sliced_layer_syncs
+    from tiered.planner.make import make_plan
+
+    cfg = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+                               "intermediate_size": 14336, "num_hidden_layers": 8, "num_attention_heads": 32,
+                               "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4096})
+    from pathlib import Path
+
+    hw = HardwareProfile.load(Path(__file__).resolve().parents[1] / "benchmarks" / "reference" / "h100-2026-11-26"
+                              / "profile_quick.json")
+    plan = make_plan(cfg, hw, gpu_memory=2 * 2**30, prompt_tokens=32, gen_tokens=32, context_tokens=1024,
+                     precision="bf16", graphs=True)
+    sliced = [l for l in plan.layers if l.r_gg < 1]
+    assert sliced and plan.memory["gpu"] <= 2 * 2**30
+    ffn = sizes.ffn_bytes(cfg, "bf16")
+    share = max(l.r_cg for l in sliced) + max(l.r_cc for l in sliced)
+    assert share <= 1 + 1e-9
+    gg = sum(l.r_gg for l in plan.layers) * ffn
+    assert gg > 0.3 * ffn  # the second FFN of staging the plan used to keep holds GG rows now
+    free = dataclasses.replace(hw, models={k: v for k, v in hw.models.items()
+                                           if k not in ("copy/d2h_pageable", "copy/h2d_pageable", "runtime/task")})
+    base = make_plan(cfg, free, gpu_memory=2 * 2**30, prompt_tokens=32, gen_tokens=32, context_tokens=1024,
+                     precision="bf16", graphs=True)
+    syncs = sum(sliced_layer_syncs(hw, 4096 * 2, 1) for l in plan.layers if l.r_cc > 0)
+    assert syncs > 0
+    assert 1 / plan.predicted_decode_tokens_per_s == pytest.approx(1 / base.predicted_decode_tokens_per_s + syncs,
+                                                                   rel=1e-6)

@@ -36,10 +36,6 @@ UNMET = {
     ("MoE, unconstrained GPU, eager", "ttft_s"): GPU_PREFILL,
     ("dense, no GPU", "ttft_s"): "0.573 s (median of 3) against 0.420: 72 ms a layer measured, 52 priced (prompt "
                                  "GEMMs at the gemm_big line; the attention's 512 x 512 causal SDPA in bf16)",
-    ("dense, default plan (sliced, one FFN of staging, cudaHostAlloc)", "decode_tokens_per_s"):
-        "30.3 tok/s against 40.6: ~4 ms a layer where the CC reads (194 MB at the ~76 GB/s the CPU streams beside "
-        "H2D copies, gpu_dram_share) and the CG copies (102 MB at ~47 GB/s) take ~2.6; the sliced layer's host "
-        "syncs and hand-offs are not priced",
     ("dense, unconstrained GPU, eager", "decode_tokens_per_s"): "128, 229 and 268 tok/s in three runs (median 229 "
                                                                 "against 162 priced): the eager step's host cost swings",
     ("dense, unconstrained GPU", "decode_tokens_per_s"): "411 tok/s as one CUDA graph against 294 priced: the GEMVs' "

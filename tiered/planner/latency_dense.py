@@ -67,15 +67,18 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     graphed = None if not graphs else "whole" if room >= ffn_total else "piecewise"
     per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu", graphed=graphed)
     per_step_prefill, per_layer_prefill = op_time.step_overhead(profile, fmt, "gpu")
+    act_bpe = sizes.bytes_per_element(plan.dtypes["kv_cache"])  # activations: 16-bit, fp32 with fp32 weights
     ffn_gpu_bytes = 0.0
     for i, rates in enumerate(layer_rates):
         tok = solve_n_g(prompt_shape, rates, pparams)
         prefill = prompt_layer_time(prompt_shape, rates, tok.n_g, pparams) + attn_pre
+        prefill += sliced_layer_syncs(profile, M * act_bpe, plan.prompt_tokens - tok.n_g) if rates.r_cc > 0 else 0.0
         # a layer wholly on the GPU: the host issues its ops while the GPU runs the prompt's GEMMs; a
         # sliced one's host also computes the CC slice, after issuing them
         prefill = max(prefill, per_layer_prefill) if rates.r_gg >= 1 - 1e-9 else prefill + per_layer_prefill
         plan.layers.append(LayerPlan(i, "dense", fmt, rates.r_cc, rates.r_cg, rates.r_gg, tok.n_g,
-                                     decode_s=decode_layer_time(decode_shape, rates, params) + attn_dec + per_layer,
+                                     decode_s=decode_layer_time(decode_shape, rates, params) + attn_dec + per_layer
+                                     + (sliced_layer_syncs(profile, M * act_bpe, 1) if rates.r_cc > 0 else 0.0),
                                      prefill_s=prefill))
         ffn_gpu_bytes += rates.r_gg * 3 * M * H * bpe
     head = head_time(cfg, profile, "gpu", fmt)
@@ -101,6 +104,22 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
         plan.binding = (f"GPU memory and PCIe: {ffn_gpu_bytes / ffn_total:.0%} of FFN weights resident, "
                         f"the rest split between CPU compute and H2D copies")
     return plan
+
+
+def sliced_layer_syncs(profile: HardwareProfile, row_bytes: float, rows: int) -> float:
+    """Seconds a sliced layer's host round trip adds to its critical path when its CC part has `rows`
+    rows (runtime/sliced.SlicedMLP.forward): the activations' D2H to the CPU, which waits for the
+    GPU's work before it (copy/d2h_pageable), the CC output's H2D back (copy/h2d_pageable), and the
+    hop of the GPU parts' results to the calling thread (runtime/task); `row_bytes` per row. Not in
+    ScheInfer's model (S4: the D2H of X1 and the H2D of Y^CC are left out). On the H100's host
+    (2026-11-26) these keys give ~0.21 ms a layer: the dense default plan, priced 40.6 tok/s
+    without them, decoded at 29.5-31.1."""
+    if rows <= 0:
+        return 0.0
+    m = profile.models
+    d2h, h2d, task = m.get("copy/d2h_pageable"), m.get("copy/h2d_pageable"), m.get("runtime/task")
+    n = rows * row_bytes
+    return sum(k(n) for k in (d2h, h2d) if k is not None) + (task.alpha if task is not None else 0.0)
 
 
 def _staging_share(rates) -> float:
