@@ -29,13 +29,8 @@ UNMET = {
     ("dense, default plan (sliced)", "ttft_s"): "0.114 s against 0.064: the sliced prefill's CPU GEMMs (" + GEMM + ")",
     ("MoE, unconstrained GPU", "decode_tokens_per_s"): "an eager MoE step on that host: 6.6 ms against 4.3 priced "
                                                        "(runtime/decode_step_gpu is timed on a dense step)",
-    ("MoE, unconstrained GPU", "ttft_s"): "0.008 s measured (per-expert path, cc9c1b1) against 0.0105 s priced for the "
-                                          "grouped GEMMs the runtime now runs: not yet measured",
     ("dense, unconstrained GPU", "decode_tokens_per_s"): "the step runs as a CUDA graph (2.5 ms); the plan prices "
                                                          "the eager step's host overhead",
-    ("dense, unconstrained GPU", "ttft_s"): "0.008 s measured against 0.012 s: an overlapped host (the prefill priced "
-                                            "as the GPU's work or the host's ops, whichever is longer) still misses the "
-                                            "cuDNN fix's 3 ms",
 }
 
 

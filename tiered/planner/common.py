@@ -26,11 +26,18 @@ class ExpertChoices:
 
 def attention_time(cfg: ModelConfig, profile: HardwareProfile, device: str, precision: str, tokens: int,
                    context: int, kv_format: str = "bf16") -> float:
-    """One layer's attention projections + attention over `context` cached positions [s]."""
+    """One layer's attention projections + attention over `context` cached positions [s]: decode's
+    (tokens = 1) at the attn key's rate over the KV cache; a prompt's causal, each of its tokens
+    over the context - tokens positions before it and the prompt up to itself, at attn_prefill's
+    rate (op_time.prefill_attention_time). The decode key over every (query, key) pair had priced
+    a 512-token prompt's attention at 1.7 ms a layer on the H100, 85% of its layer."""
     d = cfg.hidden_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     w = 2 * d * q + 2 * d * kv
     proj = op_time.gemm_time(profile, device, precision, tokens * w, w * sizes.bytes_per_element(precision), calls=4)
+    if tokens > 1:  # a prompt: causal attention, its tokens after context - tokens cached ones
+        macs = 2 * q * (tokens * (context - tokens) + tokens * (tokens + 1) / 2)
+        return proj + op_time.prefill_attention_time(profile, device, precision, macs) + 6 * op_time.launch_time(profile, device)
     macs = 2 * tokens * context * q
     kv_layer = sizes.kv_cache_bytes(cfg, 1, context, kv_format) / cfg.num_hidden_layers
     attn = op_time.attention_time(profile, device, precision, macs, kv_layer)
