@@ -638,6 +638,26 @@ def tiled_dequantize_ref(lin):
     return tiled_dequantize(lin.packed, None)
 
 
+def test_q6k_blocks_repack_bit_for_bit_on_every_isa(isa):
+    """q6k_blocks_tiled's vectorized (AVX-512, AVX2) and baseline builds of one loop give the torch
+    path's bytes: gguf's dequantization, quantize_int8_g32's fp16 scales and round-half-even codes."""
+    import sys
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType as Q
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_writer import random_k_blocks
+    from tiered.kernels.linear import tiled_group_scales, tiled_int8
+    from tiered.quant.gguf_dequant import dequantize_blocks
+    from tiered.quant.int8 import quantize_int8_g32
+
+    raw6 = random_k_blocks(48, 768, Q.Q6_K, seed=7)
+    qt, st = ext.q6k_blocks_tiled(torch.from_numpy(raw6))
+    q, s = quantize_int8_g32(dequantize_blocks(raw6, "Q6_K"))
+    assert torch.equal(qt, tiled_int8(q)) and torch.equal(st.view(torch.int16), tiled_group_scales(s).view(torch.int16))
+
+
 def test_k_quant_blocks_repack_natively_bit_for_bit():
     """Q4_K super-blocks -> the tiled int4 layout (q4_blocks_tiled with block 144) and Q6_K -> tiled
     int8-g32 (q6k_blocks_tiled) in one native pass each: the same bytes as the numpy / torch paths
