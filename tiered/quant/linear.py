@@ -304,16 +304,20 @@ def _tiled_from_blocks(parts: list[DecodeWeight], bias: torch.Tensor | None, bat
     if any(p.blocks is None for p in parts) or len(fmts) != 1:
         return None
     per, block = BLOCK_FORMATS[fmts.pop()]  # weights and bytes per block
-    raw = np.concatenate([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks
-    N, K = raw.shape[0], raw.shape[1] // block * per
-    ext = load() if tiled_fits(N, K) else None
+    rows = [p.blocks.shape[0] for p in parts]
+    N, K = sum(rows), parts[0].blocks.shape[1] // block * per
+    ext = load() if tiled_fits(N, K) and all(n % 16 == 0 for n in rows) else None
     if ext is None:
         return None
-    src = blocks_tensor(raw)
     # written straight into huge pages when large (budget.host_empty): move_to_huge_pages then leaves
-    # it where it is instead of copying it into its arena
-    out = host_empty((N // 16, K // GROUP, 320), torch.uint8)
-    gw, _ = ext.q4_blocks_tiled(src, block, inline_sz=True, inline_out=out)  # the zero residual is dropped
+    # it where it is instead of copying it into its arena. A fused group's parts go to their own whole
+    # tiles of it, one call each, with no concatenated copy of their blocks (0.6 s of the 8-layer
+    # Q4_K_M model's load)
+    gw = host_empty((N // 16, K // GROUP, 320), torch.uint8)
+    t = 0
+    for p, n in zip(parts, rows):  # the zero residual is dropped
+        ext.q4_blocks_tiled(blocks_tensor(p.blocks), block, inline_sz=True, inline_out=gw[t:t + n // 16])
+        t += n // 16
     return Int4Linear(gw, inline_scales(gw), K, N, GROUP, bias, "tiled", batch_act)
 
 
