@@ -34,6 +34,7 @@ for the "privateuseone" slot, which reports no real device, says so.
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -108,7 +109,6 @@ class DeviceMemoryMeter:
                 self.peak = max(self.peak, self.bytes)
                 self.largest = sorted(self.largest + [(nbytes, f"{tuple(t.shape)} {t.dtype}")], reverse=True)[:8]
             entry[1] += 1
-        import weakref
         weakref.finalize(t, self._drop, ptr)
 
     def _drop(self, ptr: int) -> None:
