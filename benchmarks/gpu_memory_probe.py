@@ -1,0 +1,190 @@
+"""What the GPU holds beyond tiered's budget: the peak of torch.cuda.max_memory_allocated, by allocation site.
+
+On the H100 (benchmarks/results/gpu/2026-11-26-h100) the dense default plan under a 2 GiB budget peaked
+at 2.37 GiB of allocated device memory, and the MoE default plan under 4 GiB at 4.09-4.14 GiB. The budget
+counts every tensor tiered allocates (the stand-in's meter, hardware/standin.device_memory, says so);
+what exceeds it is below tiered's Python code. This probe runs each configuration in its own process
+(fresh allocator statistics) through a load, a 512-token TTFT and a 16-token decode, with the CUDA
+caching allocator recording every allocation and its Python stack
+(torch.cuda.memory._record_memory_history). It then replays the recorded events, finds the moment of
+the peak, and groups the blocks live at that moment by their allocation site: the innermost frame
+in tiered's own code, else the innermost Python frame.
+
+    python benchmarks/gpu_memory_probe.py --out DIR [--profile PROFILE.json]
+    python benchmarks/gpu_memory_probe.py --smoke --out DIR   # the host stand-in: its meter's peak only
+
+Reuses benchmarks/gpu_offload.py's dummy checkpoints (written there first if missing). Writes
+DIR/memory_probe.md and DIR/memory_probe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+sys.path.insert(0, str(ROOT))
+
+GiB = 2**30
+MiB = 2**20
+CONFIGS = {"dense_default": "dense", "moe_default": "moe"}
+
+
+def site(frames: list[dict]) -> str:
+    """An allocation's site: the innermost frame in tiered's code (file:line function), else the innermost
+    Python frame, else "(no Python frame)". `frames` innermost first, as the allocator records them."""
+    py = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
+    ours = [f for f in py if "/tiered/" in str(f.get("filename", "")) or "/benchmarks/" in str(f.get("filename", ""))]
+    f = (ours or py or [None])[0]
+    if f is None:
+        return "(no Python frame)"
+    name = str(f["filename"])
+    short = name[name.rfind("/tiered/") + 1:] if "/tiered/" in name else Path(name).name
+    return f"{short}:{f.get('line')} {f.get('name')}"
+
+
+def peak_sites(events: list[dict], top: int = 15) -> dict:
+    """Replay allocator events (alloc / free_completed, else free_requested) in order: the peak of live
+    bytes and the live blocks at that moment grouped by `site` and stream, largest first."""
+    free_action = "free_completed" if any(e.get("action") == "free_completed" for e in events) else "free_requested"
+    live: dict[int, tuple[int, str, int]] = {}
+    cur = peak = 0
+    at_peak: dict[int, tuple[int, str, int]] = {}
+    for e in events:
+        action = e.get("action")
+        if action == "alloc":
+            live[e["addr"]] = (e["size"], site(e.get("frames", [])), e.get("stream", 0))
+            cur += e["size"]
+            if cur > peak:
+                peak, at_peak = cur, dict(live)
+        elif action == free_action and e["addr"] in live:
+            cur -= live.pop(e["addr"])[0]
+    groups: dict[tuple[str, int], list[int]] = {}
+    for size, where, stream in at_peak.values():
+        g = groups.setdefault((where, stream), [0, 0])
+        g[0] += size
+        g[1] += 1
+    rows = sorted(((b, n, w, s) for (w, s), (b, n) in groups.items()), reverse=True)[:top]
+    return {"peak_bytes": peak, "events": len(events),
+            "sites": [{"bytes": b, "blocks": n, "site": w, "stream": s} for b, n, w, s in rows]}
+
+
+def child(name: str, profile: str | None, smoke: bool) -> dict:
+    import torch
+
+    from gpu_offload import SHAPES, SMOKE_LINK, SMOKE_SHAPES, kv_bytes, smoke_budget
+    from tiered import EngineConfig
+    from tiered.bench.checkpoint import write_dummy_checkpoint
+    from tiered.bench.runners import TieredRunner
+
+    shape_name = CONFIGS[name]
+    shape, budget = SHAPES[shape_name]
+    if smoke:
+        budget = smoke_budget(SMOKE_SHAPES[shape_name], kv_bytes(SMOKE_SHAPES[shape_name], 128), shape, budget)
+        shape = SMOKE_SHAPES[shape_name]
+    workdir = Path(tempfile.gettempdir()) / "tiered_stall_probe" if smoke else Path.home() / ".cache" / "tiered" / "bench"
+    model = write_dummy_checkpoint(workdir / f"{shape_name}-{shape.layers}L-{shape.hidden}", shape, torch.bfloat16)
+    cfg = EngineConfig(dtype="bfloat16", accelerator="host" if smoke else "cuda", gpu_memory=budget,
+                       max_context=128 if smoke else 1024, profile=profile, link_bandwidth=SMOKE_LINK if smoke else None)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, shape.vocab, (32,), generator=g).tolist()
+    long = torch.randint(3, shape.vocab, (64 if smoke else 512,), generator=g).tolist()
+    cuda = torch.cuda.is_available() and not smoke
+    result: dict = {"config": name, "budget_bytes": budget}
+    if cuda:
+        torch.cuda.memory._record_memory_history(max_entries=500_000)
+        torch.cuda.reset_peak_memory_stats()
+        meter = None
+    else:
+        from tiered.hardware.standin import device_memory
+        meter_cm = device_memory()
+        meter = meter_cm.__enter__()
+    runner = TieredRunner(model, cfg)
+    try:
+        llm = runner.llm
+        if cuda:
+            torch.cuda.synchronize()
+            result["after_load"] = {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated(),
+                                    "reserved": torch.cuda.memory_reserved()}
+        result["ttft_s"] = runner.ttft_s(long)
+        result["decode_tokens_per_s"] = runner.decode_tokens_per_s(prompt, 16)
+        result["budget"] = {"capacity": llm.fast_budget.capacity, "used": llm.fast_budget.used,
+                            "peak": llm.fast_budget.peak, "workspace": llm.plan.workspace_bytes,
+                            "plan_gpu": llm.plan.memory.get("gpu")}
+        result["plan"] = llm.plan.summary()
+        if cuda:
+            torch.cuda.synchronize()
+            result["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+            result["max_memory_reserved"] = torch.cuda.max_memory_reserved()
+            snap = torch.cuda.memory._snapshot()
+            events = [e for dev in snap.get("device_traces", []) for e in dev]
+            result["replay"] = peak_sites(events)
+            torch.cuda.memory._record_memory_history(enabled=None)
+        else:
+            result["max_memory_allocated"] = meter.peak
+            result["replay"] = {"peak_bytes": meter.peak, "events": 0,
+                                "sites": [{"bytes": b, "blocks": 1, "site": what, "stream": 0} for b, what in meter.largest]}
+    finally:
+        runner.close()
+        if meter is not None:
+            meter_cm.__exit__(None, None, None)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + ", ".join(CONFIGS))
+    ap.add_argument("--profile", help="hardware profile JSON the plans use")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the host stand-in (no GPU): checks the probe runs")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.child:
+        print(json.dumps(child(a.child, a.profile, a.smoke)), flush=True)
+        return 0
+    lines, results = ["# GPU memory beyond the budget: the allocator's peak by allocation site", ""], []
+    for name in a.configs.split(","):
+        t0 = time.perf_counter()
+        cmd = [sys.executable, __file__, "--out", str(out), "--child", name] + (["--profile", a.profile] if a.profile else []) \
+            + (["--smoke"] if a.smoke else [])
+        p = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True)
+        last = (p.stdout.strip().splitlines() or [""])[-1]
+        try:
+            r = json.loads(last)
+        except json.JSONDecodeError:
+            lines += [f"## {name}: failed (rc {p.returncode})", "```", (p.stderr or p.stdout)[-3000:], "```", ""]
+            continue
+        results.append(r)
+        b = r["budget"]
+        lines += [f"## {name} ({time.perf_counter() - t0:.0f} s)", "", f"plan: {r['plan']}", "",
+                  f"- budget {b['capacity'] / MiB:.1f} MiB; reserved at most {b['peak'] / MiB:.1f} MiB (workspace "
+                  f"{b['workspace'] / MiB:.1f}); peak allocated {r['max_memory_allocated'] / MiB:.1f} MiB "
+                  f"({(r['max_memory_allocated'] - b['capacity']) / MiB:+.1f} MiB against the budget)",
+                  f"- TTFT {r['ttft_s']:.3f} s, decode {r['decode_tokens_per_s']:.1f} tok/s"]
+        if "after_load" in r:
+            al = r["after_load"]
+            lines += [f"- after the load: allocated {al['allocated'] / MiB:.1f} MiB, peak {al['peak'] / MiB:.1f}, "
+                      f"reserved {al['reserved'] / MiB:.1f}; max reserved over the run "
+                      f"{r['max_memory_reserved'] / MiB:.1f} MiB"]
+        rp = r["replay"]
+        lines += ["", f"live at the replayed peak ({rp['peak_bytes'] / MiB:.1f} MiB, {rp['events']} events), by site:", "",
+                  "| MiB | blocks | stream | site |", "|---|---|---|---|"]
+        lines += [f"| {s['bytes'] / MiB:.1f} | {s['blocks']} | {s['stream']} | {s['site']} |" for s in rp["sites"]]
+        lines += [""]
+    (out / "memory_probe.md").write_text("\n".join(lines) + "\n")
+    (out / "memory_probe.json").write_text(json.dumps(results, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
