@@ -99,7 +99,11 @@ def child(name: str, profile: str | None, smoke: bool) -> dict:
     cuda = torch.cuda.is_available() and not smoke
     result: dict = {"config": name, "budget_bytes": budget}
     if cuda:
-        torch.cuda.memory._record_memory_history(max_entries=500_000)
+        try:  # Python stacks of allocations only: C++ unwinding at every allocation would slow the run
+            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                                     max_entries=500_000)
+        except TypeError:  # an older signature
+            torch.cuda.memory._record_memory_history(max_entries=500_000)
         torch.cuda.reset_peak_memory_stats()
         meter = None
     else:
