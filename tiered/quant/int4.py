@@ -23,8 +23,13 @@ GROUP = 32  # elements per Q4_0 / Q4_1 block
 # 7.4 / 15.3 / 59.7 vs 22.3 / 35.1 / 106.1; 14336 x 4096 33.5 / 65.3 / 289 vs 106 / 151 / 413 (the
 # dequantized weight leaves the cache, and writing it costs more than the GEMM saves). Its AVX2 path
 # on the same cores: ahead to 128 rows, even at 512 (5.9 vs 5.2, 113 vs 107, 383 vs 388 ms).
-DEQUANTIZE_ROWS = {"avx512": None, "avx2": 256}
+# On AVX-512 (which the kernels' ISA means only with AVX512_BF16) the weight is dequantized to bf16
+# instead, for oneDNN's bf16 GEMM (DEQUANTIZE_DTYPE): on the same cores, 2026-11-26, kernel against
+# bf16 dequantize + GEMM at 32 / 64 / 128 / 512 rows: 1536 x 576 0.3 / 0.5 / 1.1 / 4.2 ms vs 0.3 / 0.4 /
+# 0.7 / 2.3; 14336 x 4096 14.8 / 28.0 / 55.8 / 231 vs 25.7 / 34.1 / 49.8 / 152: from 96 rows.
+DEQUANTIZE_ROWS = {"avx512": 96, "avx2": 256}
 DEQUANTIZE_ROWS_OTHER = 48  # the scalar path
+DEQUANTIZE_DTYPE = {"avx512": torch.bfloat16}  # the GEMM's dtype beyond DEQUANTIZE_ROWS (else fp32)
 
 
 def unpack_q4_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,6 +89,14 @@ def dequantize_rows() -> int | None:
     return DEQUANTIZE_ROWS.get(kernels.isa(), DEQUANTIZE_ROWS_OTHER)
 
 
+def dequantize_dtype() -> torch.dtype:
+    """The dtype Int4Linear.dense dequantizes to and computes its GEMM in beyond dequantize_rows()
+    (DEQUANTIZE_DTYPE by the native kernels' ISA, else float32)."""
+    from tiered import kernels
+
+    return DEQUANTIZE_DTYPE.get(kernels.isa(), torch.float32)
+
+
 class Int4Linear(nn.Module):
     """y = x @ W^T (+ b) with W in int4 groups of 32 (w = (q - 8) * scale + zero), one copy in one of
     two layouts:
@@ -97,7 +110,7 @@ class Int4Linear(nn.Module):
                  One activation row reads bf16 x (as torch's kernel does); calls of two or more rows
                  read `batch_act` ("q8": x rounded to int8 per group of 32, llama.cpp's Q8_0 -
                  about 2x faster at batch 8 - or "bf16"). `dense(x)` is the prefill path of a weight
-                 held only in this form (bf16 kernel, or the weight dequantized for one fp32 GEMM).
+                 held only in this form (bf16 kernel, or the weight dequantized for one GEMM).
 
     x [..., K] any float dtype -> [..., N] in x's dtype. Built by `from_codes`, `from_gguf` or
     `from_dense`; holds ~K*N/2 + 4*N*K/group bytes.
@@ -175,8 +188,10 @@ class Int4Linear(nn.Module):
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """The prefill path: x [..., K] -> [..., N] in x's dtype, never on int8 activations: the
-        bf16-activation kernel, or beyond `dequantize_rows()` rows the weight dequantized once
-        (fp32, into a reused buffer) for one fp32 GEMM. torch's packed layout: `forward`."""
+        bf16-activation kernel, or beyond `dequantize_rows()` rows the weight dequantized once (into a
+        reused buffer) for one GEMM in `dequantize_dtype()`: bf16 on AVX-512 (activations, weights and
+        the product rounded to bf16, accumulated in fp32 by oneDNN), else fp32. torch's packed
+        layout: `forward`."""
         if self.layout != "tiled":
             return self.forward(x)
         shape = x.shape
@@ -187,8 +202,9 @@ class Int4Linear(nn.Module):
         else:
             from tiered.kernels.linear import tiled_dequantize
 
-            bias = None if self.bias is None else self.bias.float()
-            y = F.linear(x2.float(), tiled_dequantize(self.packed, None), bias)
+            dt = dequantize_dtype()
+            bias = None if self.bias is None else self.bias.to(dt)
+            y = F.linear(x2.to(dt), tiled_dequantize(self.packed, None, fp32=dt == torch.float32), bias)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
