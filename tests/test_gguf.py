@@ -340,6 +340,37 @@ def test_int8_g32_linear_is_its_dequantized_weight():
     assert lin(x.to(torch.bfloat16)).dtype == torch.bfloat16
 
 
+def test_int8_g32_prompts_through_bf16_gemm(monkeypatch):
+    """Int8G32Linear.dense: beyond quant/int4.dequantize_rows() rows where dequantize_dtype() is bf16,
+    the weight dequantized natively to bf16 ((qt - 128) * s rounded to nearest even: dequantize()'s
+    values, rounded) for one bf16 GEMM; otherwise, and below the rows, the kernel."""
+    import tiered.quant.int4 as I
+    from tiered import kernels
+    from tiered.kernels.linear import tiled_int8_g32_dequantize
+    from tiered.quant.int8 import Int8G32Linear
+
+    if not kernels.available():
+        pytest.skip("needs tiered/kernels")
+    g = torch.Generator().manual_seed(1)
+    lin = Int8G32Linear.from_dense(torch.randn(64, 256, generator=g) * 0.05, torch.randn(64, generator=g))
+    assert torch.equal(tiled_int8_g32_dequantize(lin.qt, lin.st).view(torch.int16),
+                       lin.dequantize().to(torch.bfloat16).view(torch.int16))
+    with pytest.raises(RuntimeError, match="N % 16"):
+        kernels.load().int8g32_tiled_dequantize(lin.qt[:8], lin.st)
+    x = torch.randn(40, 256, generator=g)
+    ref = x @ lin.dequantize().T + lin.bias
+    monkeypatch.setattr(I, "DEQUANTIZE_ROWS", {kernels.isa(): 16})
+    monkeypatch.setattr(I, "DEQUANTIZE_DTYPE", {kernels.isa(): torch.bfloat16})
+    calls = []
+    monkeypatch.setattr(Int8G32Linear, "forward", lambda self, t: calls.append(t.shape) or torch.zeros(*t.shape[:-1], 64))
+    y = lin.dense(x)
+    assert calls == [] and y.dtype == x.dtype and rel_err(y, ref) < 1e-2
+    lin.dense(x[:16])  # 16 rows: the kernel
+    monkeypatch.setattr(I, "DEQUANTIZE_DTYPE", {})  # fp32 machines: the kernel at every row count
+    lin.dense(x)
+    assert calls == [(16, 256), (40, 256)]
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q6_K"])
 def test_torch_dequantize_is_the_gguf_packages_bit_for_bit(fmt):
     """quant/gguf_dequant.dequantize_blocks (torch, threaded) gives gguf.quants.dequantize's fp32

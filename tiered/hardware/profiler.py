@@ -619,8 +619,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # hardware/budget.move_to_huge_pages); 10: gemm/cpu/int4 times the tiled layout's prompt path
 # (Int4Linear.dense: the bf16-activation kernel, by quant/int4.dequantize_rows) when tiered/kernels is
 # built, as a one-copy engine's prompts run, instead of torch's int4pack; and gemv/cpu/int8-g32 is
-# measured (quant/int8.Int8G32Linear's kernel), which int8-g32 weights fell back to gemv/cpu/int8 for.
-PROFILER_VERSION = 10
+# measured (quant/int8.Int8G32Linear's kernel), which int8-g32 weights fell back to gemv/cpu/int8 for;
+# 11: gemm/cpu/int4's Int4Linear.dense takes oneDNN's bf16 GEMM beyond quant/int4.dequantize_rows() rows
+# on AVX-512 (its 128- and 256-row shapes).
+PROFILER_VERSION = 11
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,

@@ -191,11 +191,30 @@ def tiled_dequantize(codes: torch.Tensor, sz: torch.Tensor | None, residual: tor
         raise RuntimeError("tiled_dequantize needs tiered/kernels built")
     N, K = (codes.shape[0] * TILE, codes.shape[1] * 32) if codes.dim() == 3 else (codes.shape[0], codes.shape[1] * 2)
     dtype = torch.float32 if fp32 else torch.bfloat16
+    return ext.int4_tiled_dequantize(codes, sz, residual, 0, -1, fp32, _scratch_view(N, K, dtype))
+
+
+def _scratch_view(N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] of this thread's reused `dtype` buffer (grown as needed)."""
     buf = getattr(_scratch, str(dtype), None)
     if buf is None or buf.numel() < N * K:
         buf = torch.empty(N * K, dtype=dtype)
         setattr(_scratch, str(dtype), buf)
-    return ext.int4_tiled_dequantize(codes, sz, residual, 0, -1, fp32, buf[:N * K].view(N, K))
+    return buf[:N * K].view(N, K)
+
+
+def tiled_int8_g32_dequantize(qt: torch.Tensor, st: torch.Tensor) -> torch.Tensor:
+    """A tiled int8-g32 weight (qt uint8 [N, K], st fp16 [N/16, K/32, 16]) dequantized to bf16 [N, K],
+    (qt - 128) * s rounded to nearest even, into this thread's reused buffer as `tiled_dequantize`'s:
+    valid until the next call on the same thread.
+
+    Raises:
+        RuntimeError: the extension is unavailable, or bad shapes."""
+    ext = load()
+    if ext is None:
+        raise RuntimeError("tiled_int8_g32_dequantize needs tiered/kernels built")
+    N, K = qt.shape
+    return ext.int8g32_tiled_dequantize(qt, st, _scratch_view(N, K, torch.bfloat16))
 
 
 def untiled_codes(packed: torch.Tensor) -> torch.Tensor:

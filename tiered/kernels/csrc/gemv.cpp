@@ -2129,6 +2129,57 @@ std::vector<at::Tensor> q6k_blocks_tiled(const at::Tensor& raw0, const c10::opti
   return {qt, st};
 }
 
+// A tiled int8-g32 weight (qt uint8 [N, K]: byte 4r + j of chunk c of tile t = q[16 t + r, 4 c + j] + 128;
+// st fp16 [N/16, K/32, 16]) dequantized to bf16 [N, K]: w = (qt - 128) * s in fp32, rounded to nearest
+// even. The prefill path of a weight held only so (quant/int8.Int8G32Linear.dense): the same w as
+// quant/experts.dequantize_projection, rounded to bf16 for oneDNN's bf16 GEMM.
+inline __attribute__((always_inline)) void int8g32_bf16_tiles(const uint8_t* qt, const at::Half* st, uint16_t* out,
+                                                               int64_t t0, int64_t t1, int64_t K) {
+  const int64_t G = K / kGroup;
+  float sc[64];        // a chunk's 64 bytes are 16 rows x 4 columns: each row's scale 4 times
+  uint16_t w[64];
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = qt + t * kBlock * K;
+    uint16_t* rows = out + t * kBlock * K;
+    for (int64_t g = 0; g < G; ++g) {
+      for (int i = 0; i < 64; ++i) sc[i] = float(st[(t * G + g) * kBlock + i / 4]);
+      for (int64_t c = 8 * g; c < 8 * g + 8; ++c) {  // the group's 8 chunks of 4 columns
+        const uint8_t* p = tile + c * 64;
+        for (int i = 0; i < 64; ++i) w[i] = to_bf16(float(int(p[i]) - 128) * sc[i]);
+        for (int r = 0; r < kBlock; ++r) std::memcpy(rows + r * K + 4 * c, w + 4 * r, 8);
+      }
+    }
+  }
+}
+
+TIERED_AVX512 void int8g32_bf16_avx512(const uint8_t* qt, const at::Half* st, uint16_t* out, int64_t t0, int64_t t1,
+                                       int64_t K) {
+  int8g32_bf16_tiles(qt, st, out, t0, t1, K);
+}
+
+void int8g32_bf16_base(const uint8_t* qt, const at::Half* st, uint16_t* out, int64_t t0, int64_t t1, int64_t K) {
+  int8g32_bf16_tiles(qt, st, out, t0, t1, K);
+}
+
+at::Tensor int8g32_tiled_dequantize_bf16(const at::Tensor& qt, const at::Tensor& st, const c10::optional<at::Tensor>& out_) {
+  TIERED_CHECK(qt.device().is_cpu() && qt.scalar_type() == at::kByte && qt.dim() == 2 && qt.is_contiguous(),
+              "int8g32_tiled_dequantize: qt must be a contiguous CPU uint8 [N, K], got ", qt.sizes());
+  const int64_t N = qt.size(0), K = qt.size(1);
+  TIERED_CHECK(N % kBlock == 0 && K % kGroup == 0, "int8g32_tiled_dequantize: needs N % 16 == 0 and K % 32 == 0, got ",
+              qt.sizes());
+  TIERED_CHECK(st.device().is_cpu() && st.scalar_type() == at::kHalf && st.is_contiguous() &&
+                  st.sizes() == at::IntArrayRef({N / kBlock, K / kGroup, kBlock}),
+              "int8g32_tiled_dequantize: st must be a contiguous CPU Half [", N / kBlock, ", ", K / kGroup, ", 16], got ",
+              st.sizes());
+  at::Tensor out = out_or_empty(out_, {N, K}, at::kBFloat16, "int8g32_tiled_dequantize: out");
+  const uint8_t* q = qt.data_ptr<uint8_t>();
+  const at::Half* s = st.data_ptr<at::Half>();
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const auto fn = current_isa() == kAvx512 ? int8g32_bf16_avx512 : int8g32_bf16_base;
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) { fn(q, s, o, t0, t1, K); });
+  return out;
+}
+
 // swiglu_group's checks and call from Python: xs [M, D] any float dtype, bounds [E + 1] (rows of
 // each expert, at most kMaxNB each) -> ys [M, D] fp32.
 at::Tensor run_swiglu_group(const std::vector<const Gemv*>& k, const at::Tensor& xs0, const std::vector<int64_t>& bounds,
@@ -2934,6 +2985,10 @@ void register_gemv(pybind11::module& m) {
         "16]): quant/gguf_dequant.dequantize_blocks, quant/int8.quantize_int8_g32 and kernels/linear.tiled_int8 / "
         "tiled_group_scales, bit for bit. *_out: write into these (contiguous, those shapes and dtypes) instead of "
         "new tensors.");
+  m.def("int8g32_tiled_dequantize", &int8g32_tiled_dequantize_bf16, py::arg("qt"), py::arg("st"),
+        py::arg("out") = py::none(),
+        "A tiled int8-g32 weight (qt uint8 [N, K], st float16 [N/16, K/32, 16]) -> bf16 [N, K]: (qt - 128) * s "
+        "rounded to nearest even; out: write into it (contiguous bf16 [N, K]) instead of a new tensor.");
   m.def("q8_blocks_tiled", &q8_blocks_tiled, py::arg("raw"), py::arg("qt_out") = py::none(), py::arg("st_out") = py::none(),
         "GGUF Q8_0 blocks uint8 [N, K/32 * 34] -> (qt uint8 [N, K] in the tiled int8 layout, st float16 [N/16, K/32, 16]): "
         "quant/gguf_experts.unpack_q8_blocks then quant/experts.int8_g32_segments(layout='tiled'), bit for bit. *_out: "
