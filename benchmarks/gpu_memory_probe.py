@@ -19,10 +19,7 @@ DIR/memory_probe.md and DIR/memory_probe.json.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -143,13 +140,9 @@ def child(name: str, profile: str | None, smoke: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + ", ".join(CONFIGS))
-    ap.add_argument("--profile", help="hardware profile JSON the plans use")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the host stand-in (no GPU): checks the probe runs")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
+    from tiered.bench.child import probe_parser, run_child
+
+    a = probe_parser(__doc__, CONFIGS).parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.child:
@@ -158,14 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     lines, results = ["# GPU memory beyond the budget: the allocator's peak by allocation site", ""], []
     for name in a.configs.split(","):
         t0 = time.perf_counter()
-        cmd = [sys.executable, __file__, "--out", str(out), "--child", name] + (["--profile", a.profile] if a.profile else []) \
-            + (["--smoke"] if a.smoke else [])
-        p = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True)
-        last = (p.stdout.strip().splitlines() or [""])[-1]
-        try:
-            r = json.loads(last)
-        except json.JSONDecodeError:
-            lines += [f"## {name}: failed (rc {p.returncode})", "```", (p.stderr or p.stdout)[-3000:], "```", ""]
+        r, error = run_child(__file__, name, out, a)
+        if r is None:
+            lines += [f"## {name}: failed ({error.splitlines()[0]})", "```", error, "```", ""]
             continue
         results.append(r)
         b = r["budget"]

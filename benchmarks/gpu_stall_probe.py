@@ -21,12 +21,10 @@ DIR/stall_<config>.trace.json.gz (the profiled steps' timeline, every op and CUD
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -157,13 +155,10 @@ class Sampler:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + ", ".join(CONFIGS))
+    from tiered.bench.child import probe_parser, run_child
+
+    ap = probe_parser(__doc__, CONFIGS)
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the child processes (repeatable)")
-    ap.add_argument("--profile", help="hardware profile JSON the plans use")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the host stand-in (no GPU): checks the probe runs")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,14 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# Decode-step stall probe ({tag})", ""]
     for name in a.configs.split(","):
         t0 = time.perf_counter()
-        cmd = [sys.executable, __file__, "--out", str(out), "--child", name] + (["--profile", a.profile] if a.profile else []) \
-            + (["--smoke"] if a.smoke else [])
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        last = (p.stdout.strip().splitlines() or [""])[-1]
-        try:
-            r = json.loads(last)
-        except json.JSONDecodeError:
-            lines += [f"## {name}: failed (rc {p.returncode})", "```", (p.stderr or p.stdout)[-3000:], "```", ""]
+        r, error = run_child(__file__, name, out, a, env)
+        if r is None:
+            lines += [f"## {name}: failed ({error.splitlines()[0]})", "```", error, "```", ""]
             continue
         lines += [f"## {name} ({time.perf_counter() - t0:.0f} s)", "", f"plan: {r.get('plan', '')}", "",
                   f"decode {r['decode_tokens_per_s']:.1f} tok/s, under the profiler {r['decode_tokens_per_s_profiled']:.1f}",

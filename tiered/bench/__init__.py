@@ -6,6 +6,7 @@
     checkpoint.py  dummy-weight checkpoints at real layer shapes (Mixtral-8x7B, Llama-3-8B slices)
     runners.py     tiered and transformers behind one interface: TTFT and decode of a prompt
     report.py      results/NAME.json (machine, versions, settings, rows) and NAME.md (a table)
+    child.py       probes that run each configuration in a process of its own (their options and call)
 """
 
 from tiered.bench.checkpoint import ModelShape, llama3_8b, mixtral_8x7b, write_dummy_checkpoint
