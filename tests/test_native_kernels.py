@@ -635,6 +635,9 @@ def test_int4_prefill_path_by_isa(monkeypatch):
         assert calls == ["bf16"]  # 80 rows > 48: dequantized, no kernel call
         assert by_gemm.dtype == x.dtype and by_gemm.shape == (80, 64)
         assert float((by_kernel - by_gemm).norm() / by_gemm.norm()) < 1e-2
+        monkeypatch.setattr(I, "DEQUANTIZE_CHUNK", 16 * 128)  # 16-row chunks of W, y^T by rows: the same product
+        assert torch.equal(lin.dense(x), by_gemm)
+        monkeypatch.setattr(I, "DEQUANTIZE_CHUNK", 32 * 2**20)
 
 
 def tiled_dequantize_ref(lin):

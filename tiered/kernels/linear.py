@@ -178,11 +178,12 @@ _scratch = threading.local()  # tiled_dequantize's per-thread buffers, by dtype
 
 
 def tiled_dequantize(codes: torch.Tensor, sz: torch.Tensor | None, residual: torch.Tensor | None = None,
-                     fp32: bool = True) -> torch.Tensor:
+                     fp32: bool = True, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """A tiled int4 weight (`int4_tiled_kernel`'s tensors, either form) dequantized, [N, K] fp32 (bf16 with
-    fp32=False), written into this thread's reused buffer: the result is valid until the next call
-    on the same thread (use it at once, e.g. in one F.linear). A fresh tensor per call would fault
-    in new pages every time: a SmolLM2 prefill dequantizes ~0.5 GB.
+    fp32=False), or its rows [n0, n1) (whole tiles of 16), written into this thread's reused buffer:
+    the result is valid until the next call on the same thread (use it at once, e.g. in one
+    F.linear). A fresh tensor per call would fault in new pages every time: a SmolLM2 prefill
+    dequantizes ~0.5 GB.
 
     Raises:
         RuntimeError: the extension is unavailable, or bad shapes (as `int4_tiled_kernel`)."""
@@ -191,7 +192,8 @@ def tiled_dequantize(codes: torch.Tensor, sz: torch.Tensor | None, residual: tor
         raise RuntimeError("tiled_dequantize needs tiered/kernels built")
     N, K = (codes.shape[0] * TILE, codes.shape[1] * 32) if codes.dim() == 3 else (codes.shape[0], codes.shape[1] * 2)
     dtype = torch.float32 if fp32 else torch.bfloat16
-    return ext.int4_tiled_dequantize(codes, sz, residual, 0, -1, fp32, _scratch_view(N, K, dtype))
+    n0, n1 = rows if rows is not None else (0, N)
+    return ext.int4_tiled_dequantize(codes, sz, residual, n0, n1, fp32, _scratch_view(n1 - n0, K, dtype))
 
 
 def _scratch_view(N: int, K: int, dtype: torch.dtype) -> torch.Tensor:

@@ -30,6 +30,9 @@ GROUP = 32  # elements per Q4_0 / Q4_1 block
 DEQUANTIZE_ROWS = {"avx512": 96, "avx2": 256}
 DEQUANTIZE_ROWS_OTHER = 48  # the scalar path
 DEQUANTIZE_DTYPE = {"avx512": torch.bfloat16}  # the GEMM's dtype beyond DEQUANTIZE_ROWS (else fp32)
+# Weights of more elements are dequantized and multiplied this many elements' rows at a time: the
+# reused buffer stays 64 MiB in bf16 (a 70B model's fused gate/up would take 0.9 GB whole)
+DEQUANTIZE_CHUNK = 32 * 2**20
 
 
 def unpack_q4_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -204,7 +207,17 @@ class Int4Linear(nn.Module):
 
             dt = dequantize_dtype()
             bias = None if self.bias is None else self.bias.to(dt)
-            y = F.linear(x2.to(dt), tiled_dequantize(self.packed, None, fp32=dt == torch.float32), bias)
+            fp32, xd = dt == torch.float32, x2.to(dt)
+            N, K = self.out_features, self.in_features
+            step = max(16, DEQUANTIZE_CHUNK // K // 16 * 16)  # rows per chunk, whole tiles
+            if step >= N:
+                y = F.linear(xd, tiled_dequantize(self.packed, None, fp32=fp32), bias)
+            else:  # y^T by row chunks of W, each GEMM writing its own contiguous rows
+                yt = torch.empty(N, xd.shape[0], dtype=dt)
+                for n0 in range(0, N, step):
+                    n1 = min(N, n0 + step)
+                    torch.mm(tiled_dequantize(self.packed, None, fp32=fp32, rows=(n0, n1)), xd.t(), out=yt[n0:n1])
+                y = yt.t() if bias is None else yt.t() + bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
