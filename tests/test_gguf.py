@@ -365,6 +365,8 @@ def test_int8_g32_prompts_through_bf16_gemm(monkeypatch):
     monkeypatch.setattr(Int8G32Linear, "forward", lambda self, t: calls.append(t.shape) or torch.zeros(*t.shape[:-1], 64))
     y = lin.dense(x)
     assert calls == [] and y.dtype == x.dtype and rel_err(y, ref) < 1e-2
+    monkeypatch.setattr(I, "DEQUANTIZE_CHUNK", 16 * 256)  # 16-row chunks: the same product up to the bias add
+    assert rel_err(lin.dense(x), y) < 1e-2 and calls == []
     lin.dense(x[:16])  # 16 rows: the kernel
     monkeypatch.setattr(I, "DEQUANTIZE_DTYPE", {})  # fp32 machines: the kernel at every row count
     lin.dense(x)

@@ -139,17 +139,28 @@ class Int8G32Linear(nn.Module):
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """The prefill path: x [..., K] -> [..., N] in x's dtype. Beyond quant/int4.dequantize_rows()
         rows where quant/int4.dequantize_dtype() is bf16 (AVX-512), the weight dequantized to bf16
-        natively (kernels/linear.tiled_int8_g32_dequantize) for oneDNN's bf16 GEMM, as Int4Linear.dense
-        does; else the native kernel. On the 2-core EPYC (2026-11-26), 4096 x 14336 at 512 rows: 396 ms
+        natively (kernels/linear.tiled_int8_g32_dequantize; in row chunks beyond
+        quant/int4.DEQUANTIZE_CHUNK elements) for oneDNN's bf16 GEMM, as Int4Linear.dense does; else the
+        native kernel. On the 2-core EPYC (2026-11-26), 4096 x 14336 at 512 rows: 396 ms
         through the kernel, ~160 ms so."""
-        from tiered.quant.int4 import dequantize_dtype, dequantize_rows
+        import tiered.quant.int4 as int4
 
         x2 = x.reshape(-1, self.in_features)
-        limit = dequantize_rows()
-        if limit is None or x2.shape[0] <= limit or dequantize_dtype() != torch.bfloat16:
+        limit = int4.dequantize_rows()
+        if limit is None or x2.shape[0] <= limit or int4.dequantize_dtype() != torch.bfloat16:
             return self.forward(x)
         from tiered.kernels.linear import tiled_int8_g32_dequantize
 
         bias = None if self.bias is None else self.bias.to(torch.bfloat16)
-        y = F.linear(x2.to(torch.bfloat16), tiled_int8_g32_dequantize(self.qt, self.st), bias)
+        xd, (N, K) = x2.to(torch.bfloat16), self.qt.shape
+        step = max(16, int4.DEQUANTIZE_CHUNK // K // 16 * 16)  # rows per chunk, whole tiles (as Int4Linear)
+        if step >= N:
+            y = F.linear(xd, tiled_int8_g32_dequantize(self.qt, self.st), bias)
+        else:  # y^T by row chunks of W
+            yt = torch.empty(N, xd.shape[0], dtype=torch.bfloat16)
+            for n0 in range(0, N, step):
+                n1 = min(N, n0 + step)
+                w = tiled_int8_g32_dequantize(self.qt[n0:n1], self.st[n0 // 16:n1 // 16])
+                torch.mm(w, xd.t(), out=yt[n0:n1])
+            y = yt.t() if bias is None else yt.t() + bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
