@@ -92,6 +92,21 @@ def dequantize_rows() -> int | None:
     return DEQUANTIZE_ROWS.get(kernels.isa(), DEQUANTIZE_ROWS_OTHER)
 
 
+def gemm_by_row_chunks(x: torch.Tensor, out_features: int, weight_rows, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, K] @ W^T (+ bias) -> [T, N] in x's dtype, where `weight_rows(n0, n1)` gives W's rows [n0, n1)
+    dequantized in x's dtype (into a reused buffer: used at once): the whole W in one GEMM up to
+    DEQUANTIZE_CHUNK elements, else in chunks of whole 16-row tiles, each GEMM writing its rows of y^T."""
+    N, K = out_features, x.shape[1]
+    step = max(16, DEQUANTIZE_CHUNK // K // 16 * 16)
+    if step >= N:
+        return F.linear(x, weight_rows(0, N), bias)
+    yt = torch.empty(N, x.shape[0], dtype=x.dtype)
+    for n0 in range(0, N, step):
+        n1 = min(N, n0 + step)
+        torch.mm(weight_rows(n0, n1), x.t(), out=yt[n0:n1])
+    return yt.t() if bias is None else yt.t() + bias
+
+
 def dequantize_dtype() -> torch.dtype:
     """The dtype Int4Linear.dense dequantizes to and computes its GEMM in beyond dequantize_rows()
     (DEQUANTIZE_DTYPE by the native kernels' ISA, else float32)."""
@@ -207,17 +222,9 @@ class Int4Linear(nn.Module):
 
             dt = dequantize_dtype()
             bias = None if self.bias is None else self.bias.to(dt)
-            fp32, xd = dt == torch.float32, x2.to(dt)
-            N, K = self.out_features, self.in_features
-            step = max(16, DEQUANTIZE_CHUNK // K // 16 * 16)  # rows per chunk, whole tiles
-            if step >= N:
-                y = F.linear(xd, tiled_dequantize(self.packed, None, fp32=fp32), bias)
-            else:  # y^T by row chunks of W, each GEMM writing its own contiguous rows
-                yt = torch.empty(N, xd.shape[0], dtype=dt)
-                for n0 in range(0, N, step):
-                    n1 = min(N, n0 + step)
-                    torch.mm(tiled_dequantize(self.packed, None, fp32=fp32, rows=(n0, n1)), xd.t(), out=yt[n0:n1])
-                y = yt.t() if bias is None else yt.t() + bias
+            fp32 = dt == torch.float32
+            y = gemm_by_row_chunks(x2.to(dt), self.out_features, bias=bias, weight_rows=lambda n0, n1:
+                                   tiled_dequantize(self.packed, None, fp32=fp32, rows=(n0, n1)))
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,6 @@ of dense tensors when asked. Activations and scales are bf16 for the kernel's fa
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 NATIVE_ROWS = 4  # rows up to which forward uses tiered's own int8 GEMV (faster than torch's there: cpu_gemv.md)
@@ -152,15 +151,6 @@ class Int8G32Linear(nn.Module):
         from tiered.kernels.linear import tiled_int8_g32_dequantize
 
         bias = None if self.bias is None else self.bias.to(torch.bfloat16)
-        xd, (N, K) = x2.to(torch.bfloat16), self.qt.shape
-        step = max(16, int4.DEQUANTIZE_CHUNK // K // 16 * 16)  # rows per chunk, whole tiles (as Int4Linear)
-        if step >= N:
-            y = F.linear(xd, tiled_int8_g32_dequantize(self.qt, self.st), bias)
-        else:  # y^T by row chunks of W
-            yt = torch.empty(N, xd.shape[0], dtype=torch.bfloat16)
-            for n0 in range(0, N, step):
-                n1 = min(N, n0 + step)
-                w = tiled_int8_g32_dequantize(self.qt[n0:n1], self.st[n0 // 16:n1 // 16])
-                torch.mm(w, xd.t(), out=yt[n0:n1])
-            y = yt.t() if bias is None else yt.t() + bias
+        y = int4.gemm_by_row_chunks(x2.to(torch.bfloat16), self.out_features, bias=bias, weight_rows=lambda n0, n1:
+                                    tiled_int8_g32_dequantize(self.qt[n0:n1], self.st[n0 // 16:n1 // 16]))
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
