@@ -19,9 +19,9 @@ DIR/memory_probe.md and DIR/memory_probe.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -76,20 +76,11 @@ def peak_sites(events: list[dict], top: int = 15) -> dict:
 def child(name: str, profile: str | None, smoke: bool) -> dict:
     import torch
 
-    from gpu_offload import SHAPES, SMOKE_LINK, SMOKE_SHAPES, kv_bytes, smoke_budget
-    from tiered import EngineConfig
-    from tiered.bench.checkpoint import write_dummy_checkpoint
+    from gpu_offload import probe_engine
     from tiered.bench.runners import TieredRunner
 
-    shape_name = CONFIGS[name]
-    shape, budget = SHAPES[shape_name]
-    if smoke:
-        budget = smoke_budget(SMOKE_SHAPES[shape_name], kv_bytes(SMOKE_SHAPES[shape_name], 128), shape, budget)
-        shape = SMOKE_SHAPES[shape_name]
-    workdir = Path(tempfile.gettempdir()) / "tiered_stall_probe" if smoke else Path.home() / ".cache" / "tiered" / "bench"
-    model = write_dummy_checkpoint(workdir / f"{shape_name}-{shape.layers}L-{shape.hidden}", shape, torch.bfloat16)
-    cfg = EngineConfig(dtype="bfloat16", accelerator="host" if smoke else "cuda", gpu_memory=budget,
-                       max_context=128 if smoke else 1024, profile=profile, link_bandwidth=SMOKE_LINK if smoke else None)
+    shape, model, cfg = probe_engine(CONFIGS[name], profile, smoke)
+    budget = cfg.gpu_memory
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, shape.vocab, (32,), generator=g).tolist()
     long = torch.randint(3, shape.vocab, (64 if smoke else 512,), generator=g).tolist()
@@ -102,13 +93,12 @@ def child(name: str, profile: str | None, smoke: bool) -> dict:
         except TypeError:  # an older signature
             torch.cuda.memory._record_memory_history(max_entries=500_000)
         torch.cuda.reset_peak_memory_stats()
-        meter = None
-    else:
-        from tiered.hardware.standin import device_memory
-        meter_cm = device_memory()
-        meter = meter_cm.__enter__()
-    runner = TieredRunner(model, cfg)
-    try:
+    with contextlib.ExitStack() as stack:
+        if not cuda:
+            from tiered.hardware.standin import device_memory
+            meter = stack.enter_context(device_memory())
+        runner = TieredRunner(model, cfg)
+        stack.callback(runner.close)
         llm = runner.llm
         if cuda:
             torch.cuda.synchronize()
@@ -132,10 +122,6 @@ def child(name: str, profile: str | None, smoke: bool) -> dict:
             result["max_memory_allocated"] = meter.peak
             result["replay"] = {"peak_bytes": meter.peak, "events": 0,
                                 "sites": [{"bytes": b, "blocks": 1, "site": what, "stream": 0} for b, what in meter.largest]}
-    finally:
-        runner.close()
-        if meter is not None:
-            meter_cm.__exit__(None, None, None)
     return result
 
 

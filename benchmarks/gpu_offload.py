@@ -151,6 +151,21 @@ def kv_bytes(shape: ModelShape, tokens: int) -> int:
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * 2
 
 
+def probe_engine(shape_name: str, profile: str | None, smoke: bool) -> tuple[ModelShape, Path, EngineConfig]:
+    """A GPU probe's model and default engine (gpu_stall_probe.py, gpu_memory_probe.py): the shape's dummy
+    checkpoint (written once) and the default plan's EngineConfig under the shape's GPU budget, max
+    context 1024; with `smoke`, the stand-in at width 256 with a budget of the same proportions."""
+    shape, budget = SHAPES[shape_name]
+    if smoke:  # the host stand-in at width 256: checks that the probe runs, not where time goes
+        budget = smoke_budget(SMOKE_SHAPES[shape_name], kv_bytes(SMOKE_SHAPES[shape_name], 128), shape, budget)
+        shape = SMOKE_SHAPES[shape_name]
+    workdir = Path(tempfile.gettempdir()) / "tiered_stall_probe" if smoke else Path.home() / ".cache" / "tiered" / "bench"
+    model = write_dummy_checkpoint(workdir / f"{shape_name}-{shape.layers}L-{shape.hidden}", shape, torch.bfloat16)
+    cfg = EngineConfig(dtype="bfloat16", accelerator="host" if smoke else "cuda", gpu_memory=budget,
+                       max_context=128 if smoke else 1024, profile=profile, link_bandwidth=SMOKE_LINK if smoke else None)
+    return shape, model, cfg
+
+
 def prompts(s: Setup) -> dict[str, list[int]]:
     g = torch.Generator().manual_seed(1)
     draw = lambda n: torch.randint(3, s.shape.vocab, (n,), generator=g).tolist()  # noqa: E731

@@ -24,9 +24,7 @@ from __future__ import annotations
 import collections
 import json
 import os
-import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,21 +45,13 @@ def child(name: str, out: Path, profile: str | None, smoke: bool) -> dict:
     import torch
     from dataclasses import replace
 
-    from gpu_offload import SHAPES, SMOKE_LINK, SMOKE_SHAPES, kv_bytes, smoke_budget
-    from tiered import EngineConfig
-    from tiered.bench.checkpoint import write_dummy_checkpoint
+    from gpu_offload import probe_engine
     from tiered.bench.runners import TieredRunner
 
     shape_name, extra = CONFIGS[name]
-    shape, budget = SHAPES[shape_name]
-    if smoke:  # the host stand-in at width 256: checks that the probe runs, not where time goes
-        budget = smoke_budget(SMOKE_SHAPES[shape_name], kv_bytes(SMOKE_SHAPES[shape_name], 128), shape, budget)
-        shape = SMOKE_SHAPES[shape_name]
+    shape, model, cfg = probe_engine(shape_name, profile, smoke)
+    if smoke:
         extra = {k: (min(v, 2) if k == "resident_experts" else v) for k, v in extra.items()}
-    workdir = Path(tempfile.gettempdir()) / "tiered_stall_probe" if smoke else Path.home() / ".cache" / "tiered" / "bench"
-    model = write_dummy_checkpoint(workdir / f"{shape_name}-{shape.layers}L-{shape.hidden}", shape, torch.bfloat16)
-    cfg = EngineConfig(dtype="bfloat16", accelerator="host" if smoke else "cuda", gpu_memory=budget, max_context=128 if smoke else 1024,
-                       profile=profile, link_bandwidth=SMOKE_LINK if smoke else None)
     cfg = replace(cfg, **extra)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, shape.vocab, (32,), generator=g).tolist()

@@ -46,7 +46,7 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     ffn_total = L * 3 * M * H * bpe
     # what the CPU streams per decode step is at most every FFN weight: beyond the LLC, at DRAM speed
     params = cost_params(profile, fmt, decode_shape, cpu_working_set=ffn_total)
-    staging = budget = 0.0
+    staging = 0.0
     if room >= ffn_total:
         # every FFN fits: none is sliced. ScheInfer slices what the GPU cannot hold; a split layer also
         # pays host syncs and thread hops that the cost model leaves out (a tiny model's FFNs, split
@@ -54,8 +54,7 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
         layer_rates = [solve_r_cg(decode_shape, 1.0, params).rates] * L
         budget = room
     else:
-        layer_rates = _sliced_rates(decode_shape, L, params, gpu, fixed, sizes.ffn_bytes(cfg, fmt))
-        staging = _staging_bytes(_staging_share(layer_rates), sizes.ffn_bytes(cfg, fmt), H)
+        layer_rates, staging = _sliced_rates(decode_shape, L, params, gpu, fixed, sizes.ffn_bytes(cfg, fmt))
         budget = room - staging
     prompt_shape = LayerShape(plan.prompt_tokens, M, H, 3, bpe)
     pparams = cost_params(profile, fmt, prompt_shape, cpu_working_set=ffn_total)
@@ -116,12 +115,12 @@ def sliced_layer_syncs(profile: HardwareProfile, row_bytes: float, rows: int) ->
     ScheInfer's model (S4: the D2H of X1 and the H2D of Y^CC are left out). On the H100's host
     (2026-11-26) these keys give ~0.21 ms a layer: the dense default plan, priced 40.6 tok/s
     without them, decoded at 29.5-31.1."""
+    from tiered.planner.latency_moe import LayerCosts
+
     if rows <= 0:
         return 0.0
-    m = profile.models
-    d2h, h2d, task = m.get("copy/d2h_pageable"), m.get("copy/h2d_pageable"), m.get("runtime/task")
-    n = rows * row_bytes
-    return sum(k(n) for k in (d2h, h2d) if k is not None) + (task.alpha if task is not None else 0.0)
+    costs, n = LayerCosts.of(profile), rows * row_bytes
+    return sum(k(n) for k in (costs.d2h, costs.h2d) if k is not None) + costs.task
 
 
 def _staging_share(rates) -> float:
@@ -136,24 +135,24 @@ def _staging_bytes(share: float, ffn_bytes: int, rows: int) -> float:
     return share * ffn_bytes + 2 * ffn_bytes / rows
 
 
-def _sliced_rates(shape, layers: int, params, gpu: int, fixed: dict, ffn_bytes: int) -> list:
+def _sliced_rates(shape, layers: int, params, gpu: int, fixed: dict, ffn_bytes: int) -> tuple[list, float]:
     """ScheInfer's stage 2 under a GPU budget less the slices' staging, which depends on the rates it
     chooses: first one FFN's bytes (the CG and CC rows of one layer add up to at most its rows), then,
     when the layers' largest CG and largest CC rows add up to more, that much, until it holds (the
     engine used to keep two whole FFNs: on the dense bench shape at 2 GiB, 352 MB of GPU memory that
-    holds 12% of the FFN weights).
+    holds 12% of the FFN weights). Returns (the layers' rates, the staging bytes the runtime allocates
+    for them).
 
     Raises BudgetError: the GPU cannot hold the fixed parts and the staging.
     """
     from tiered.planner.scheinfer import assign_gpu_memory, ffn_gpu_budget
 
-    share = 1.0
-    for _ in range(4):
+    for share in (1.0, None, None, None, 2.0):  # None: what the last rates need; 2.0: the bound
+        if share is None:
+            share = need
         budget = ffn_gpu_budget(gpu, staging_bytes=_staging_bytes(share, ffn_bytes, shape.d_ff), **fixed)
         rates = list(assign_gpu_memory([shape] * layers, params, budget).rates)
         need = _staging_share(rates)
         if need <= share + 1e-9:
-            return rates
-        share = need
-    budget = ffn_gpu_budget(gpu, staging_bytes=_staging_bytes(2.0, ffn_bytes, shape.d_ff), **fixed)  # the bound
-    return list(assign_gpu_memory([shape] * layers, params, budget).rates)
+            break
+    return rates, _staging_bytes(need, ffn_bytes, shape.d_ff)

@@ -7,7 +7,7 @@ live in (pinned) CPU RAM, then on disk. Each step's missing experts are split be
 and H2D copies (runtime/dispatcher.split_misses) with the latency model priced from the profile
 (planner/fiddler.py), which is also what the runtime dispatches with.
 
-A layer's time is what runtime/moe_runner.py does, priced from profile keys (`_LayerCosts`):
+A layer's time is what runtime/moe_runner.py does, priced from profile keys (`LayerCosts`):
     front    the model code's host cost per layer (runtime/decode_step, op_time.step_overhead)
              against the GPU's attention (the host issues while the GPU runs)
     sync     the layer's one host sync: the per-expert token counts come back (a small D2H)
@@ -48,8 +48,9 @@ GROUPED_KERNELS = 14
 
 
 @dataclass(frozen=True)
-class _LayerCosts:
-    """Fixed costs of one MoE layer's expert phase on this machine [s], from profile keys."""
+class LayerCosts:
+    """Fixed costs of one MoE layer's expert phase on this machine [s], from profile keys (a sliced dense
+    layer's host round trip takes the same: latency_dense.sliced_layer_syncs)."""
 
     task: float  # a task's hop to a stream worker and back (runtime/task)
     launch: float  # one kernel launch (launch/gpu)
@@ -61,7 +62,7 @@ class _LayerCosts:
     host_read_beta: float  # host memory per byte read (memory/bandwidth/cpu), shared by CPU experts and DMA
 
     @classmethod
-    def of(cls, profile: HardwareProfile) -> "_LayerCosts":
+    def of(cls, profile: HardwareProfile) -> "LayerCosts":
         m = profile.models
         task = m["runtime/task"].alpha if "runtime/task" in m else 0.0
         d2h, h2d, pinned = m.get("copy/d2h_pageable"), m.get("copy/h2d_pageable"), profile.model("copy/h2d_pinned")
@@ -109,7 +110,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     lat = plan.latency_model()  # what the runtime splits misses with; times below are the exact sides
     disk = profile.models.get("disk/read_cold")
     t_disk = disk(eb) if disk is not None else 0.0
-    costs = _LayerCosts.of(profile)
+    costs = LayerCosts.of(profile)
     # a miss can be split by rows between the CPU and the link (runtime: dense experts in RAM, one
     # precision, and only in a layer none of whose misses is read from disk: expert_phase)
     splittable = plan.experts_splittable()

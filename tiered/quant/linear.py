@@ -287,18 +287,17 @@ def head_precision(checkpoint, fmt: str) -> str:
 
 
 def _tiled_from_blocks(parts: list[DecodeWeight], bias: torch.Tensor | None, batch_act: str) -> Int4Linear | None:
-    """int4 `parts` that are all GGUF blocks of one format (Q4_0, Q4_1 or Q4_K), repacked into the tiled
-    layout in one native pass over their rows side by side: the same bytes as unpacking
-    (unpack_q4_blocks, unpack_q4k_blocks) then Int4Linear.from_codes (tested), and SmolLM2's 210
-    projections take ~0.1 s instead of ~0.5 s of its load. None when the blocks, the shape
-    (`tiled_fits`) or the native extension do not allow it."""
-    from tiered.kernels import load
-    from tiered.kernels.linear import inline_scales
-    from tiered.quant.int4 import tiled_fits
-
+    """int4 `parts` that are all GGUF blocks of one format (Q4_0, Q4_1 or Q4_K), repacked natively into
+    the tiled layout, each part into its own whole tiles of one weight (rows side by side): the same
+    bytes as unpacking (unpack_q4_blocks, unpack_q4k_blocks) then Int4Linear.from_codes (tested), and
+    SmolLM2's 210 projections take ~0.1 s instead of ~0.5 s of its load. None when the blocks, the
+    shape (`tiled_fits`, whole tiles per part) or the native extension do not allow it."""
     from tiered.checkpoint.handle import BLOCK_FORMATS
     from tiered.hardware.budget import host_empty
+    from tiered.kernels import load
+    from tiered.kernels.linear import inline_scales
     from tiered.quant.gguf_dequant import blocks_tensor
+    from tiered.quant.int4 import tiled_fits
 
     fmts = {p.block_format for p in parts}
     if any(p.blocks is None for p in parts) or len(fmts) != 1:

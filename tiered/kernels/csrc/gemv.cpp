@@ -1931,17 +1931,39 @@ at::Tensor out_or_empty(const c10::optional<at::Tensor>& out, at::IntArrayRef sh
   return *out;
 }
 
+// GGUF blocks for a native repacking pass: `what`'s raw checked (CPU uint8 [N, K/per * block], N % 16
+// == 0) and made contiguous, with its N rows, G groups of 32 and K columns.
+struct BlockRows {
+  at::Tensor raw;
+  int64_t N, G, K;
+};
+
+BlockRows checked_blocks(const at::Tensor& raw0, int64_t block, int64_t per, const char* what) {
+  TIERED_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
+              what, ": raw must be CPU uint8 [N, K/", per, " * ", block, "], got ", raw0.sizes());
+  BlockRows b{raw0.contiguous(), raw0.size(0), raw0.size(1) / block * (per / kGroup), 0};
+  b.K = b.G * kGroup;
+  TIERED_CHECK(b.N % kBlock == 0 && b.G > 0, what, ": needs N % 16 == 0, got N = ", b.N);
+  return b;
+}
+
+// The tiled int8-g32 outputs of a repacking pass: qt uint8 [N, K] and st fp16 [N/16, K/32, 16], given
+// (written in place, checked) or new.
+std::pair<at::Tensor, at::Tensor> tiled_int8_outputs(const BlockRows& b, const c10::optional<at::Tensor>& qt_out,
+                                                     const c10::optional<at::Tensor>& st_out, const char* what) {
+  return {out_or_empty(qt_out, {b.N, b.K}, at::kByte, (std::string(what) + ": qt_out").c_str()),
+          out_or_empty(st_out, {b.N / kBlock, b.G, kBlock}, at::kHalf, (std::string(what) + ": st_out").c_str())};
+}
+
 std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, const c10::optional<at::Tensor>& codes_out,
                                         const c10::optional<at::Tensor>& sz_out, const c10::optional<at::Tensor>& zr_out,
                                         bool inline_sz, const c10::optional<at::Tensor>& inline_out) {
   TIERED_CHECK(block == 18 || block == 20 || block == 144,
               "q4_blocks_tiled: block must be 18 (Q4_0), 20 (Q4_1) or 144 (Q4_K)");
   const int64_t per = block == 144 ? 256 : kGroup;  // weights per block: Q4_K's super-blocks hold 8 groups
-  TIERED_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
-              "q4_blocks_tiled: raw must be CPU uint8 [N, K/", per, " * ", block, "], got ", raw0.sizes());
-  const at::Tensor raw = raw0.contiguous();
-  const int64_t N = raw.size(0), G = raw.size(1) / block * (per / kGroup), K = G * kGroup;
-  TIERED_CHECK(N % kBlock == 0 && G > 0, "q4_blocks_tiled: needs N % 16 == 0, got N = ", N);
+  const BlockRows br = checked_blocks(raw0, block, per, "q4_blocks_tiled");
+  const at::Tensor& raw = br.raw;
+  const int64_t N = br.N, G = br.G, K = br.K;
   inline_sz = inline_sz || inline_out.has_value();
   TIERED_CHECK(!inline_sz || (!codes_out && !sz_out),
               "q4_blocks_tiled: with the scales inline, codes and scales go to inline_out");
@@ -2021,14 +2043,10 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
 std::vector<at::Tensor> q8_blocks_tiled(const at::Tensor& raw0, const c10::optional<at::Tensor>& qt_out,
                                         const c10::optional<at::Tensor>& st_out) {
   constexpr int64_t block = 34;
-  TIERED_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
-              "q8_blocks_tiled: raw must be CPU uint8 [N, K/32 * 34], got ", raw0.sizes());
-  const at::Tensor raw = raw0.contiguous();
-  const int64_t N = raw.size(0), G = raw.size(1) / block, K = G * kGroup;
-  TIERED_CHECK(N % kBlock == 0 && G > 0, "q8_blocks_tiled: needs N % 16 == 0, got N = ", N);
-  auto qt = out_or_empty(qt_out, {N, K}, at::kByte, "q8_blocks_tiled: qt_out");
-  auto st = out_or_empty(st_out, {N / kBlock, G, kBlock}, at::kHalf, "q8_blocks_tiled: st_out");
-  const uint8_t* src = raw.data_ptr<uint8_t>();
+  const BlockRows br = checked_blocks(raw0, block, kGroup, "q8_blocks_tiled");
+  const int64_t N = br.N, G = br.G, K = br.K;
+  auto [qt, st] = tiled_int8_outputs(br, qt_out, st_out, "q8_blocks_tiled");
+  const uint8_t* src = br.raw.data_ptr<uint8_t>();
   uint8_t* dst = qt.data_ptr<uint8_t>();
   uint16_t* stp = reinterpret_cast<uint16_t*>(st.data_ptr<at::Half>());
   at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
@@ -2112,15 +2130,10 @@ void q6k_tiles_base(const uint8_t* src, uint8_t* dst, at::Half* stp, int64_t t0,
 
 std::vector<at::Tensor> q6k_blocks_tiled(const at::Tensor& raw0, const c10::optional<at::Tensor>& qt_out,
                                          const c10::optional<at::Tensor>& st_out) {
-  constexpr int64_t block = 210;
-  TIERED_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
-              "q6k_blocks_tiled: raw must be CPU uint8 [N, K/256 * 210], got ", raw0.sizes());
-  const at::Tensor raw = raw0.contiguous();
-  const int64_t N = raw.size(0), G = raw.size(1) / block * 8, K = G * kGroup;
-  TIERED_CHECK(N % kBlock == 0 && G > 0, "q6k_blocks_tiled: needs N % 16 == 0, got N = ", N);
-  auto qt = out_or_empty(qt_out, {N, K}, at::kByte, "q6k_blocks_tiled: qt_out");
-  auto st = out_or_empty(st_out, {N / kBlock, G, kBlock}, at::kHalf, "q6k_blocks_tiled: st_out");
-  const uint8_t* src = raw.data_ptr<uint8_t>();
+  const BlockRows br = checked_blocks(raw0, 210, 256, "q6k_blocks_tiled");
+  const int64_t N = br.N, G = br.G, K = br.K;
+  auto [qt, st] = tiled_int8_outputs(br, qt_out, st_out, "q6k_blocks_tiled");
+  const uint8_t* src = br.raw.data_ptr<uint8_t>();
   uint8_t* dst = qt.data_ptr<uint8_t>();
   at::Half* stp = st.data_ptr<at::Half>();
   const int isa = current_isa();
