@@ -223,6 +223,7 @@ def measure(row: Row, s: Setup, model: Path, p: dict, offload_dir: Path) -> dict
     out["peak_rss_gib"] = peak.rss_bytes / GiB
     if cuda:
         out["peak_gpu_gib"] = peak.gpu_bytes / GiB
+        out["left_gpu_gib"] = peak.gpu_left_bytes / GiB  # still allocated after the engine closed
     elif row.config is not None and row.config.accelerator == "host" and "peak_fast_bytes" in out:
         out["peak_gpu_gib"] = out["peak_fast_bytes"] / GiB  # the stand-in's budget high-water mark
     elif row.config is not None and row.config.accelerator == "none":
@@ -246,7 +247,7 @@ def hf_runner(row: Row, s: Setup, model: Path, offload_dir: Path) -> HFRunner:
 
 COLUMNS = [Column("configuration", "config"), Column("TTFT s", "ttft_s", "{:.3f}"),
            Column("decode tok/s", "decode_tokens_per_s", "{:.1f}"), Column("peak GPU GiB", "peak_gpu_gib", "{:.2f}"),
-           Column("peak RSS GiB", "peak_rss_gib", "{:.2f}"),
+           Column("left GPU GiB", "left_gpu_gib", "{:.2f}"), Column("peak RSS GiB", "peak_rss_gib", "{:.2f}"),
            Column("predicted tok/s", "predicted_decode_tokens_per_s", "{:.1f}"),
            Column("predicted TTFT s", "predicted_ttft_s", "{:.3f}"),
            Column("expert hit rate", "hit_rate", "{:.0%}")]
@@ -268,7 +269,8 @@ def report(name: str, out_dir: Path, setups: list[Setup], rows: list[dict], mach
     notes.append(f"TTFT of a {s0.ttft_tokens}-token prompt; decode = (N-1)/(t(N)-t(1)) for N = {s0.new_tokens} new "
                  f"tokens after a {s0.decode_prompt_tokens}-token prompt, greedy, EOS ignored; medians of "
                  f"{s0.repeats} after a warm-up; every configuration in its own engine. Peak GPU: "
-                 + ("torch.cuda.max_memory_allocated." if s0.accelerator == "cuda" else
+                 + ("torch.cuda.max_memory_allocated less what was allocated when the row began; left: what "
+                    "was still allocated after its engine closed (a leak)." if s0.accelerator == "cuda" else
                     "the host stand-in's budget high-water mark (MoE rows; – where the runtime does not report it)."))
     if s0.smoke:
         notes.append("SMOKE run: tiny shapes, the host stand-in accelerator for the GPU (link "

@@ -117,3 +117,58 @@ def test_large_host_buffers_are_pinned_and_copy_asynchronously(pinned):
         assert torch.equal(d.cpu(), h)
         del h, d
         gc.collect()
+
+
+def test_captures_leave_no_cublas_workspace_behind():
+    """CudaAccelerator.capture warms up and captures on one stream of its own and clears cuBLAS's
+    workspaces around each capture: 16 captures of a GEMM add their outputs and at most one workspace to
+    what is allocated. A fresh side stream per capture had left one workspace (32 MiB on Hopper) per
+    capture, up to torch's 32 pooled streams (H100, 2026-11-26: ~1 GiB left after the engines closed)."""
+    from tiered.hardware.cuda import CudaAccelerator, cublas_workspace_bytes
+
+    acc = CudaAccelerator()
+    a = torch.randn(256, 256, device="cuda")
+    ref = a @ a
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    pool = acc.graph_pool()
+    graphs = [acc.capture(lambda: a @ a, pool) for _ in range(16)]
+    for replay, out in graphs:
+        replay()
+    torch.cuda.synchronize()
+    assert all(torch.allclose(out, ref) for _, out in graphs)
+    workspace = cublas_workspace_bytes(torch.cuda.get_device_capability()[0])
+    grown = torch.cuda.memory_allocated() - base
+    assert grown <= 16 * ref.numel() * 4 + workspace, (grown, workspace)
+
+
+def test_a_closed_engine_leaves_nothing_allocated(zoo):
+    """Issue 8 §8: an engine that sliced its FFNs and captured piecewise decode graphs, once closed and
+    collected, leaves the device's allocated bytes where they were (LLM.close -> Accelerator.release
+    drops the cuBLAS workspaces of its streams); its peak stayed inside its budget, library workspaces
+    included (the plan keeps room for them: memory/sizes.device_workspace_bytes)."""
+    import gc
+
+    from test_planned_run import CTX, dense_sizes
+
+    from tiered import EngineConfig, SamplingParams
+
+    path = zoo.dir("llama")
+    non_ffn, layer, kv, L = dense_sizes(path)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    from tiered.hardware.cuda import CudaAccelerator
+    library = CudaAccelerator(1).library_workspace_bytes()
+    budget = non_ffn + kv + layer + layer * L // 4 + library
+    llm = LLM(path, EngineConfig(decode_weights="fp32", accelerator="cuda", gpu_memory=budget, max_context=CTX,
+                                 graphs="on"))
+    assert any(0 < l.r_gg < 1 for l in llm.plan.layers)
+    llm.generate(list(range(2, 40)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert torch.cuda.max_memory_allocated() - base <= budget
+    llm.close()
+    del llm
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= base

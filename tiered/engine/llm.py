@@ -471,8 +471,11 @@ class LLM:
         return None
 
     def close(self) -> None:
-        """Stop the expert runtime's worker threads (the LLM cannot generate afterwards)."""
+        """Stop the runtime's worker threads and free what the device keeps for them beyond tensors
+        (Accelerator.release: cuBLAS workspaces on CUDA); the LLM cannot generate afterwards."""
         self.executor.close()
+        if self.accelerator is not None:
+            self.accelerator.release()
 
     def __enter__(self) -> "LLM":
         return self

@@ -107,6 +107,15 @@ class Accelerator(ABC):
     def synchronize(self) -> None:
         """Wait for all device work."""
 
+    def library_workspace_bytes(self) -> int:
+        """Device bytes that libraries under torch hold for the engine beyond its tensors (cuBLAS
+        workspaces on CUDA); the plan keeps them inside the budget. 0 for the stand-in."""
+        return 0
+
+    def release(self) -> None:
+        """Free what the device keeps for this engine beyond its tensors (at LLM.close, after its
+        worker threads stopped); the stand-in keeps nothing."""
+
     def record_event(self):
         """A marker after the work issued so far on the calling thread's stream (None: nothing to wait for)."""
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
@@ -9,6 +10,38 @@ import torch
 from tiered.errors import ConfigError
 from tiered.hardware.accelerator import Accelerator, _building_graph
 from tiered.hardware.budget import MemoryBudget, host_empty
+
+
+MiB = 2**20
+BLAS_WORKSPACES = 3
+"""cuBLAS workspaces a CUDA engine holds at once: the calling thread's on its current stream (attention,
+the head, eager GEMMs), the compute worker's on the "compute" stream (GG and CG slices, GPU experts),
+and, while a graph is captured, the one its GEMMs are captured with (`CudaAccelerator.capture`)."""
+
+
+def cublas_workspace_bytes(major: int, config: str | None = None) -> int:
+    """Bytes of one cuBLAS workspace as torch sizes it (aten/src/ATen/cuda/CublasHandlePool.cpp): the
+    ":SIZE:COUNT" pairs of CUBLAS_WORKSPACE_CONFIG (`config`; SIZE in KiB) summed, else 32 MiB on
+    compute capability 9.x, 10.x and 12.x (Hopper, Blackwell) and ":4096:2:16:8" (8.125 MiB) before.
+    torch allocates one per (thread, stream) that runs a GEMM, from its caching allocator
+    (counted by torch.cuda.memory_allocated), and keeps it until its workspaces are cleared.
+    cuBLASLt shares it (TORCH_CUBLASLT_UNIFIED_WORKSPACE, on by default)."""
+    import re
+
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+    if pairs:
+        return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    return 32 * MiB if major in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def clear_blas_workspaces() -> None:
+    """Drop the cuBLAS workspaces torch keeps per (thread, stream) (all threads' on torch versions that
+    keep one map; the calling thread's where the maps are thread-local). Each is allocated again at
+    its next GEMM. A graph captured while one existed would replay into freed memory, so `capture`
+    clears them around its captures (its graphs' own come from their pool)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 class CudaAccelerator(Accelerator):
@@ -25,6 +58,7 @@ class CudaAccelerator(Accelerator):
         free, _total = torch.cuda.mem_get_info(self.device)
         self.budget = MemoryBudget("gpu", capacity if capacity is not None else free)
         self._streams = {"copy": torch.cuda.Stream(self.device), "compute": torch.cuda.Stream(self.device)}
+        self._graph_stream = None  # every warm-up and capture of this engine's graphs (`capture`)
         self.pinned = pinned  # host_buffer's kind: "huge" (registered huge pages) or "cuda" (cudaHostAlloc)
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -78,16 +112,39 @@ class CudaAccelerator(Accelerator):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def library_workspace_bytes(self) -> int:
+        """BLAS_WORKSPACES cuBLAS workspaces of this device's size (cublas_workspace_bytes): 96 MiB on an
+        H100 or H200."""
+        major = torch.cuda.get_device_capability(self.device)[0]
+        return BLAS_WORKSPACES * cublas_workspace_bytes(major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+
+    def release(self) -> None:
+        """Wait for the device, then drop the cuBLAS workspaces (clear_blas_workspaces): a closed engine's
+        would otherwise stay allocated for the life of the process."""
+        torch.cuda.synchronize(self.device)
+        clear_blas_workspaces()
+
     def graph_pool(self):
         return torch.cuda.graph_pool_handle()
 
     def capture(self, fn, pool=None):
-        """torch.cuda.CUDAGraph capture of fn (see Accelerator.capture): two warm-up runs on a side
-        stream first, as torch requires (lazy cuBLAS / cuDNN set-up must not happen in a capture).
+        """torch.cuda.CUDAGraph capture of fn (see Accelerator.capture): two warm-up runs first, as torch
+        requires (lazy cuBLAS / cuDNN set-up must not happen in a capture).
         The capture is thread-local: the executor's copy and prefetch workers may still be waiting
-        on their own streams' events, which a global capture would refuse them."""
+        on their own streams' events, which a global capture would refuse them.
+
+        Warm-ups and captures run on one stream per accelerator, passed to every capture that shares
+        `pool` (as torch.cuda.graph asks). cuBLAS keeps a workspace per (thread, stream) until cleared:
+        a fresh side stream per capture left one 32 MiB workspace per capture, up to torch's 32 pooled
+        streams (H100, 2026-11-26: the dense default plan's peak exceeded its 2 GiB budget by 0.37 GiB,
+        and ~1 GiB stayed allocated after its engines closed). The workspaces are also cleared around
+        each capture, as torch inductor's CUDA graph trees do: the workspace the captured GEMMs use is
+        then allocated in the capture, from the graphs' pool, and no workspace a graph uses can be
+        freed under it by a later clear (`release`, another engine's or inductor's)."""
         current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        if self._graph_stream is None:
+            self._graph_stream = torch.cuda.Stream(self.device)
+        side = self._graph_stream
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         with _building_graph():  # the warm-ups pick the kernels the capture will (cuDNN attention)
@@ -95,8 +152,12 @@ class CudaAccelerator(Accelerator):
                 for _ in range(2):
                     fn()
             current.wait_stream(side)
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                out = fn()
+            clear_blas_workspaces()
+            try:
+                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                    out = fn()
+            finally:
+                clear_blas_workspaces()
         return graph.replay, out
 
     def record_event(self):

@@ -152,3 +152,12 @@ def workspace_bytes(cfg: ModelConfig, fmt: str, tokens: int = WORKSPACE_TOKENS) 
     ffn = max(cfg.intermediate_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
     per_token = (4 * cfg.hidden_size + qkv + 3 * ffn) * elem + rot
     return int(1.25 * (tokens * per_token + 4 * cfg.vocab_size))
+
+
+def device_workspace_bytes(cfg: ModelConfig, fmt: str, accelerator) -> int | None:
+    """Device bytes a plan keeps free beyond its tensors: one step's activations (`workspace_bytes`) plus
+    what libraries hold for the engine (Accelerator.library_workspace_bytes: three cuBLAS workspaces on
+    CUDA, 96 MiB on Hopper). None without an accelerator."""
+    if accelerator is None:
+        return None
+    return workspace_bytes(cfg, fmt) + accelerator.library_workspace_bytes()
