@@ -228,8 +228,8 @@ def test_scaling_the_cpu_bandwidth_moves_only_bandwidth_bound_cpu_terms():
     from tiered.hardware.profile import scale_cpu_bandwidth
 
     hw = HardwareProfile("box", "test", {k: LinearModel(1e-6, 2e-11, 0.9) for k in (
-        "gemv/cpu/bf16", "attn/cpu/fp32", "memory/bandwidth/cpu", "memory/bandwidth_dram/cpu", "memory/copy/cpu",
-        "gemm/cpu/bf16", "gemv/gpu/bf16", "runtime/decode_step/bf16", "copy/h2d_pinned")})
+        "gemv/cpu/bf16", "gemv_dram/cpu/int4", "attn/cpu/fp32", "memory/bandwidth/cpu", "memory/bandwidth_dram/cpu",
+        "memory/copy/cpu", "gemm/cpu/bf16", "gemv/gpu/bf16", "runtime/decode_step/bf16", "copy/h2d_pinned")})
     slow = scale_cpu_bandwidth(hw, 1.5, "why")
     for key, m in slow.models.items():
         moved = key.split("/")[1] == "cpu" and not key.startswith(("gemm/", "runtime/")) or key.endswith("/cpu")
@@ -247,6 +247,29 @@ def test_the_bandwidth_check_reads_beyond_the_cache_against_the_profile():
     ratio, now = cpu_bandwidth_ratio(hw, seconds=0.01)
     assert ratio > 0 and now > 1e8 and ratio == pytest.approx(20e9 / now)
     assert cpu_bandwidth_ratio(HardwareProfile("box", "test", {})) is None
+
+
+def test_where_the_decode_kernel_was_timed_from_dram_the_check_times_it_again(monkeypatch):
+    """With gemv_dram/cpu/bf16 in the profile (tiered/kernels built) the check times the bf16 decode kernel
+    the way the profile did (a 4096 x 4096 weight cycled over 3 x the cache), not torch's sum(): on the
+    2-core EPYC the two swung 1.1-1.9x apart from minute to minute, and SmolLM2's native step follows
+    the kernel."""
+    from tiered import kernels
+    from tiered.hardware import profiler
+
+    calls = []
+
+    def points(device, dtype, shapes, sync, repeats, by_bytes, cold_bytes=None):
+        calls.append((device, dtype, shapes, by_bytes, cold_bytes))
+        return [(32 * 2**20, 2e-3)]
+    monkeypatch.setattr(profiler, "_gemm_points", points)
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    hw = HardwareProfile("box", "test", {"gemv_dram/cpu/bf16": LinearModel(0.0, 1 / 32e9, None),
+                                         "memory/bandwidth_dram/cpu": LinearModel(0.0, 1 / 20e9, None)},
+                         meta={"llc_bytes": 32 * 2**20})
+    ratio, now = profiler.cpu_bandwidth_ratio(hw)
+    assert calls == [("cpu", "bf16", [(1, 4096, 4096)], True, 3 * 32 * 2**20)]
+    assert ratio == pytest.approx(2e-3 / (32 * 2**20 / 32e9)) and now == pytest.approx(32 * 2**20 / 2e-3)
 
 
 def test_a_plan_follows_the_memory_speed_of_its_moment(monkeypatch):

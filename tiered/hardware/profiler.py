@@ -553,15 +553,27 @@ def cpu_model() -> str:
 
 
 def cpu_bandwidth_ratio(profile: HardwareProfile, seconds: float = 0.06) -> tuple[float, float] | None:
-    """(seconds now / seconds the profile predicts, bytes/s now) for reading a buffer beyond the
-    last-level cache (4 x meta["llc_bytes"], at least 128 MiB, at most 512 MiB), the median of the
-    reads of `seconds` (at least 5): how much slower (> 1) or faster the memory is now than when
-    `profile` was measured. None when the profile has no CPU bandwidth model.
+    """(seconds now / seconds the profile predicts, bytes/s now) for streaming weights beyond the
+    last-level cache: how much slower (> 1) or faster the memory is now than when `profile` was
+    measured. None when the profile has no CPU bandwidth model.
+
+    Where the profile timed the decode kernel itself from DRAM (gemv_dram/cpu/bf16: tiered/kernels
+    built), the check times that kernel again, the same way (a 4096 x 4096 bf16 weight, copies
+    cycled over 3 x meta["llc_bytes"], the median of 5 calls; ~0.3 s with its set-up). Else it reads a
+    buffer of 4 x the cache (at least 128 MiB, at most 512 MiB) for `seconds` (at least 5 reads) against
+    memory/bandwidth_dram/cpu (memory/bandwidth/cpu without it).
 
     A VM's memory bandwidth swings with its neighbours: the 2-core EPYC read 25-34 GB/s in one
-    minute of 2026-11-26 where its profile of 40 minutes before said 49.
+    minute of 2026-11-26 where its profile of 40 minutes before said 49. The two ways do not swing
+    alike: an hour later torch's sum() read 1.7-1.9x slower than the quick profile had, the bf16 decode
+    kernel 1.3-1.6x, and SmolLM2's native decode step ran 3.7 ms where the profile priced 2.7; scaled
+    by sum()'s ratio the plan had priced it at 4.9 ms (planner_validation's default row: 28% off).
     """
     llc = profile.meta.get("llc_bytes") or 0
+    kernel = profile.models.get("gemv_dram/cpu/bf16")
+    if kernel is not None and llc and kernels.available():
+        n, t = _gemm_points("cpu", "bf16", [(1, 4096, 4096)], lambda: None, 5, True, cold_bytes=3 * llc)[0]
+        return t / kernel(n), n / t
     nbytes = int(min(512 * MiB, max(128 * MiB, 4 * llc)))
     model = profile.models.get("memory/bandwidth_dram/cpu") if llc and nbytes > llc else None
     model = model or profile.models.get("memory/bandwidth/cpu")
