@@ -27,8 +27,6 @@ UNMET = {
     ("MoE, every miss split by rows", "decode_tokens_per_s"): "14.4 tok/s against 31.4: the split path splits cached "
                                                               "experts too (hit rate 0%) and its two halves' joins "
                                                               "are not priced",
-    ("MoE, default plan with the routing profile", "ttft_s"): ROUTING + "the prompt's ~2 experts a layer are "
-                                                              "resident (0.051 s); priced on i.i.d. prompt routing",
     ("MoE, unconstrained GPU, eager", "decode_tokens_per_s"): "an eager grouped-expert step on that host: 8 ms "
                                                               "against 3.9 priced (runtime/decode_step_gpu is timed "
                                                               "on a dense step)",
