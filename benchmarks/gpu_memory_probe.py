@@ -20,6 +20,7 @@ DIR/memory_probe.md and DIR/memory_probe.json.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import sys
 import time
@@ -122,6 +123,11 @@ def child(name: str, profile: str | None, smoke: bool) -> dict:
             result["max_memory_allocated"] = meter.peak
             result["replay"] = {"peak_bytes": meter.peak, "events": 0,
                                 "sites": [{"bytes": b, "blocks": 1, "site": what, "stream": 0} for b, what in meter.largest]}
+    if cuda:  # the engine closed (LLM.close: its cuBLAS workspaces dropped) and collected: what it left
+        del runner, llm
+        gc.collect()
+        torch.cuda.synchronize()
+        result["left_after_close"] = torch.cuda.memory_allocated()
     return result
 
 
@@ -152,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             al = r["after_load"]
             lines += [f"- after the load: allocated {al['allocated'] / MiB:.1f} MiB, peak {al['peak'] / MiB:.1f}, "
                       f"reserved {al['reserved'] / MiB:.1f}; max reserved over the run "
-                      f"{r['max_memory_reserved'] / MiB:.1f} MiB"]
+                      f"{r['max_memory_reserved'] / MiB:.1f} MiB; still allocated after close "
+                      f"{r.get('left_after_close', 0) / MiB:.1f} MiB"]
         rp = r["replay"]
         lines += ["", f"live at the replayed peak ({rp['peak_bytes'] / MiB:.1f} MiB, {rp['events']} events), by site:", "",
                   "| MiB | blocks | stream | site |", "|---|---|---|---|"]
