@@ -23,6 +23,8 @@
 #            ops, thread samples, late samples); stall_passive: the same with OMP_WAIT_POLICY=PASSIVE
 #   memory   benchmarks/gpu_memory_probe.py: both default plans' peak allocated GPU memory against their budget,
 #            the blocks live at the peak by allocation site (the caching allocator's recorded history)
+#   kernelprobe  benchmarks/gpu_kernel_probe.py: both shapes wholly on the GPU, graphed and eager decode tok/s, the
+#            eager step's kernels by category (device us a step) and the GEMMs' bandwidth over the weights (§5)
 #   share    benchmarks/gpu_dram_share.py: CPU expert GB/s beside H2D copies (shared DRAM? spinning waits?)
 #   fullprofile  the full `tiered profile` (several minutes)
 # GPU_DEADLINE (seconds, default 540) bounds the whole call: each stage gets at most its own cap and
@@ -40,7 +42,7 @@ PY=${PYTHON:-python3}
 # GPU_CHECKS_SMOKE=1: the benchmarks' --smoke (host stand-in, tiny shapes), no installs: this script's own
 # plumbing checked on a CPU machine (tests/test_gpu_checks_script.py), with PYTHON naming the interpreter
 smoke=${GPU_CHECKS_SMOKE:+--smoke}
-[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense graphs pinned memory trace stall stall_passive share moe_ab fullprofile all)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense graphs pinned memory kernelprobe trace stall stall_passive share moe_ab fullprofile all)" >&2; exit 2; }
 start=$(date +%s)
 deadline=$((start + ${GPU_DEADLINE:-540}))
 out=${OUT:-benchmarks/results/gpu}
@@ -99,6 +101,7 @@ for stage in "${stages[@]}"; do
     stall_passive) run 200 stall_probe_passive $PY benchmarks/gpu_stall_probe.py $smoke --out "$res/stall_passive" \
              --env OMP_WAIT_POLICY=PASSIVE ${prof:+--profile "$prof"} ;;
     memory) run 150 memory_probe $PY benchmarks/gpu_memory_probe.py $smoke --out "$res/memory" ${prof:+--profile "$prof"} ;;
+    kernelprobe) run 150 kernel_probe $PY benchmarks/gpu_kernel_probe.py $smoke --out "$res/kernelprobe" ${prof:+--profile "$prof"} ;;
     share) run 90 dram_share $PY benchmarks/gpu_dram_share.py $smoke --out "$res" ;;
     fullprofile) run 540 profile_full $PY -m tiered.cli profile --out "$res/profile_full.json" ;;
     pinned) mkdir -p "$res/pinned"

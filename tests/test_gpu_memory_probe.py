@@ -55,3 +55,25 @@ def test_the_probe_runs_on_the_stand_in(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     md = (tmp_path / "memory_probe.md").read_text()
     assert "## dense_default" in md and "## moe_default" in md and "failed" not in md
+
+
+def test_kernels_fall_into_their_categories():
+    from gpu_kernel_probe import category
+
+    assert category("void cutlass::Kernel2<cutlass_80_grouped_gemm_bf16>(...)") == "grouped"
+    assert category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x32x64") == "gemm"
+    assert category("void at::native::(anonymous namespace)::cunn_SoftMaxForward") == "attention"
+    assert category("void at::native::radixSortKVInPlace<...>") == "routing"
+    assert category("Memcpy DtoH (Device -> Pageable)") == "copy"
+    assert category("void at::native::vectorized_elementwise_kernel<4, silu>") == "elementwise"
+    assert category("some_kernel") == "other"
+
+
+@pytest.mark.slow
+def test_the_kernel_probe_runs_on_the_stand_in(tmp_path):
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_kernel_probe.py"), "--smoke", "--out", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    md = (tmp_path / "kernel_probe.md").read_text()
+    assert "## moe_all_gpu" in md and "## dense_all_gpu" in md and "failed" not in md
+    assert "| gemm |" in md  # the stand-in's aten::mm / aten::linear, per decode step
