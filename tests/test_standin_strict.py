@@ -368,3 +368,50 @@ def test_cublas_workspace_size_follows_torch():
     assert cublas_workspace_bytes(9, ":4096:8") == 32 * 2**20
     assert cublas_workspace_bytes(8, ":4096:2:16:8") == cublas_workspace_bytes(8)
     assert cublas_workspace_bytes(9, ":16:8") == 128 * 1024
+
+
+def test_a_prompt_longer_than_the_workspace_prefills_in_chunks(zoo, rt, box, monkeypatch):  # noqa: F811
+    """Issue 8 §8: the plan keeps device room for one prefill step of WORKSPACE_TOKENS tokens, so a longer
+    prompt prefills in chunks of that many (Plan.prefill_chunk, LLM._prefill): each writes its KV and attends
+    to the cache the earlier ones wrote. Here the workspace is made for 16 tokens and prompts of most of the
+    context take 2 (MoE) and 4 (dense) chunks; the greedy tokens are the unchunked engine's, and the device
+    peak stays inside the budget, sized with the smaller workspace."""
+    import gc
+
+    from test_planned_run import CTX, dense_sizes
+
+    from tiered.hardware.standin import device_memory
+    from tiered.memory import sizes
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(path, config):
+        gc.collect()
+        with device_memory() as m:
+            llm = LLM(path, config)
+            spans = []
+            forward = llm._forward
+            monkeypatch.setattr(llm, "_forward", lambda seqs, cache, prefill, span=None:
+                                spans.append(span) or forward(seqs, cache, prefill, span))
+            try:
+                prompt_ids = list(range(2, llm.max_context - 7))
+                out = llm.generate(prompt_ids, params)[0].token_ids
+                assert 0 < m.peak <= llm.fast_budget.capacity, (m.peak, llm.fast_budget.capacity)
+                return out, llm.plan.prefill_chunk, [s for s in spans if s is not None], len(prompt_ids)
+            finally:
+                llm.close()
+
+    def cases():
+        non_ffn, layer, kv, L = dense_sizes(zoo.dir("llama"))
+        s = rt.sizes("mixtral")
+        return [(zoo.dir("llama"), EngineConfig(decode_weights="fp32", accelerator="host", max_context=CTX,
+                                                profile=box, gpu_memory=non_ffn + kv + layer + layer * L // 4)),
+                (rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2, resident=1)))]
+
+    whole = [run(path, config) for path, config in cases()]
+    monkeypatch.setattr(sizes, "WORKSPACE_TOKENS", 16)
+    chunked = [run(path, config) for path, config in cases()]
+    for (tokens, chunk, spans, n), (ref, ref_chunk, ref_spans, _) in zip(chunked, whole):
+        assert ref_chunk == 512 and not ref_spans
+        assert chunk == 16 and spans == [(a, min(a + 16, n)) for a in range(0, n, 16)] and len(spans) > 1
+        assert tokens == ref

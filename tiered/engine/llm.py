@@ -298,7 +298,7 @@ class LLM:
                 for seq in seqs:
                     seq.t_prefill_start = t0
                 with dense_weights(self.model):
-                    logits = self._forward(seqs, cache, prefill=True)
+                    logits = self._prefill(seqs, cache)
                 self.executor.record("prefill", "step", t0, time.perf_counter())
                 events += self._postprocess(seqs, logits)
             running = [s for s in plan.running if not s.finished and id(s) not in joined]
@@ -378,17 +378,45 @@ class LLM:
                         slot=-1, generator=gen, t_start=time.perf_counter() if t_start is None else t_start,
                         logprobs=None if params.logprobs is None else [])
 
-    def _forward(self, seqs: list[Sequence], cache: KVCache, prefill: bool) -> torch.Tensor:
+    def _prefill(self, seqs: list[Sequence], cache: KVCache) -> torch.Tensor:
+        """Prefill `seqs` (one group of LLM.step): logits [len(seqs), V] fp32 of each prompt's last token.
+
+        Prompts of at most Plan.prefill_chunk uncached tokens go through one forward together. With a
+        longer one in the group, each sequence prefills alone, chunk by chunk: a chunk writes its KV
+        and attends to the cache the earlier chunks wrote (the prefix-reuse path), so the device
+        never holds more than one chunk's activations, the tokens the plan's workspace was sized for
+        (Plan.workspace_bytes: a 4096-token prompt's whole activations, 8 times as many, had no room
+        in the budget).
+        """
+        chunk = self.plan.prefill_chunk
+        if not chunk or all(len(s.prompt_ids) - s.cached_tokens <= chunk for s in seqs):
+            return self._forward(seqs, cache, prefill=True)
+        out = []
+        for s in seqs:
+            start = s.cached_tokens
+            while True:
+                end = min(start + chunk, len(s.prompt_ids))
+                logits = self._forward([s], cache, prefill=True, span=(start, end))
+                if end == len(s.prompt_ids):
+                    break
+                start = end
+            out.append(logits)
+        return torch.cat(out)
+
+    def _forward(self, seqs: list[Sequence], cache: KVCache, prefill: bool,
+                 span: tuple[int, int] | None = None) -> torch.Tensor:
         """One model step. Prefill: the prompt tokens of each sequence from its cached_tokens on,
         rows right-padded to the longest (a padded position's key is written past its row's prompt,
-        never attended to: decode overwrites it before any query reaches it). Decode: the last
-        token of each."""
+        never attended to: decode overwrites it before any query reaches it); `span` (start, end):
+        only those prompt positions of the one sequence, whose KV before `start` the cache holds
+        (a chunk of LLM._prefill). Decode: the last token of each."""
         last = None
         if prefill:  # the prompt tokens past those whose KV the slot holds already (prefix reuse)
-            rows = [s.prompt_ids[s.cached_tokens:] for s in seqs]
+            spans = [span or (s.cached_tokens, len(s.prompt_ids)) for s in seqs]
+            rows = [s.prompt_ids[a:b] for s, (a, b) in zip(seqs, spans)]
             T = max(len(r) for r in rows)
             ids = torch.tensor([r + r[-1:] * (T - len(r)) for r in rows])
-            positions = torch.arange(T) + torch.tensor([[s.cached_tokens] for s in seqs])
+            positions = torch.arange(T) + torch.tensor([[a] for a, _ in spans])
             if any(len(r) < T for r in rows):
                 last = torch.tensor([len(r) - 1 for r in rows])
         else:

@@ -138,14 +138,16 @@ def tensor_bytes(shape, dtype: torch.dtype) -> int:
 WORKSPACE_TOKENS = 512  # prefill steps the device workspace is sized for
 
 
-def workspace_bytes(cfg: ModelConfig, fmt: str, tokens: int = WORKSPACE_TOKENS) -> int:
+def workspace_bytes(cfg: ModelConfig, fmt: str, tokens: int | None = None) -> int:
     """Device bytes for one step's activations of `tokens` tokens (the GPU budget keeps room for them).
 
     Counts the live tensors of a decoder layer at its widest: hidden states and residual (4 x D),
     q/k/v and the attention output ((2H + 2Hkv) x hd), their fp32 rotary copies, the MLP's gate, up
     and product (3 x F, the wider of the dense and expert FFN), plus the last token's fp32 logits;
-    then 25% for the caching allocator's rounding. Prompts longer than `tokens` may use more.
+    then 25% for the caching allocator's rounding. `tokens`: WORKSPACE_TOKENS when None; a plan with
+    a workspace prefills longer prompts in chunks of that many tokens (Plan.prefill_chunk).
     """
+    tokens = WORKSPACE_TOKENS if tokens is None else tokens
     elem = bytes_per_element(fmt)
     qkv = (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     rot = (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim * 4 * 2

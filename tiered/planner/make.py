@@ -89,6 +89,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     experts = ExpertChoices(popularity, expert_cache_slots, max_resident)
     if goal == "latency" and op_time.has_device(profile, "gpu") and gpu:
         plan.workspace_bytes = workspace if workspace is not None else sizes.workspace_bytes(cfg, fmt)
+        plan.prefill_chunk = sizes.WORKSPACE_TOKENS  # the prompt tokens that workspace holds
     if goal == "throughput":
         from tiered.planner.throughput import plan_throughput
         plan = plan_throughput(plan, cfg, profile, gpu, cpu)

@@ -99,6 +99,10 @@ class Plan:
                                              beside the running sequences, while the step has at
                                              most this many rows (Sarathi-style mixed prefill and
                                              decode); longer prompts, and 0, prefill on their own
+        prefill_chunk                        prompt tokens one prefill forward takes at most: a longer
+                                             prompt prefills alone, chunk by chunk, each chunk
+                                             attending to the KV cache the earlier ones wrote (the
+                                             tokens workspace_bytes was sized for); 0 = whole prompts
         pinned                               how a CUDA accelerator pins the weights kept in RAM:
                                              "cuda" (cudaHostAlloc) where dense FFNs are sliced,
                                              "huge" (registered huge pages) otherwise
@@ -161,6 +165,7 @@ class Plan:
     cpu_decode_step: bool = False
     native_decode: bool = False
     mixed_rows: int = 0
+    prefill_chunk: int = 0
     dense_copies: bool = True
     mixed_precision: dict | None = None
     expert_cache_slots_low: int = 0
