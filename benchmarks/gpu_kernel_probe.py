@@ -22,7 +22,6 @@ DIR/kernel_probe.json.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import replace
@@ -125,6 +124,8 @@ def child(name: str, profile: str | None, smoke: bool) -> dict:
 
 
 def summarize(r: dict) -> list[str]:
+    """The report's lines for one configuration's result: the device, the plan, decode speeds against the
+    HBM bound, the kernels by category and the top kernels."""
     cats: dict[str, list] = {}
     for name, calls, us in r.get("kernels", []):
         c = cats.setdefault(category(name), [0.0, 0.0])
@@ -136,7 +137,8 @@ def summarize(r: dict) -> list[str]:
     nbytes = r["step_weight_bytes"]
     hbm = next((bw for key, bw in HBM_BYTES_PER_S.items() if key in r.get("device", "")), None)
     gemm_us = sum(cats.get(c, [0, 0.0])[1] for c in ("gemm", "grouped"))
-    lines = [f"decode: graphed {r['decode_tokens_per_s_graphs_auto']:.1f} tok/s ({step_graphed * 1e3:.3f} ms a step), "
+    lines = [f"on {r['device']}; plan: {r['plan']}", "",
+             f"decode: graphed {r['decode_tokens_per_s_graphs_auto']:.1f} tok/s ({step_graphed * 1e3:.3f} ms a step), "
              f"eager {r['decode_tokens_per_s_graphs_off']:.1f} tok/s ({step_eager * 1e3:.3f} ms)",
              f"weights a step reads: {nbytes / 1e9:.3f} GB: {nbytes / step_graphed / 1e12:.2f} TB/s graphed"
              + (f", {nbytes / step_graphed / hbm:.0%} of the HBM bound ({hbm / 1e12:.2f} TB/s; half: "
@@ -153,28 +155,10 @@ def summarize(r: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tiered.bench.child import probe_parser, run_child
+    from tiered.bench.child import probe_main
 
-    a = probe_parser(__doc__, CONFIGS).parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if a.child:
-        print(json.dumps(child(a.child, a.profile, a.smoke)), flush=True)
-        return 0
-    lines, results = ["# All-on-GPU decode: where a step's device time goes", ""], []
-    for name in a.configs.split(","):
-        t0 = time.perf_counter()
-        r, error = run_child(__file__, name, out, a)
-        if r is None:
-            lines += [f"## {name}: failed ({error.splitlines()[0]})", "```", error, "```", ""]
-            continue
-        results.append(r)
-        lines += [f"## {name} on {r['device']} ({time.perf_counter() - t0:.0f} s)", "", f"plan: {r['plan']}", ""]
-        lines += summarize(r) + [""]
-    (out / "kernel_probe.md").write_text("\n".join(lines) + "\n")
-    (out / "kernel_probe.json").write_text(json.dumps(results, indent=1))
-    print("\n".join(lines))
-    return 0
+    return probe_main(__file__, __doc__, CONFIGS, child, "All-on-GPU decode: where a step's device time goes",
+                      summarize, "kernel_probe", argv)
 
 
 if __name__ == "__main__":

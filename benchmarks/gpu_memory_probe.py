@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -131,44 +129,31 @@ def child(name: str, profile: str | None, smoke: bool) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    from tiered.bench.child import probe_parser, run_child
+def section(r: dict) -> list[str]:
+    """The report's lines for one configuration's result."""
+    b = r["budget"]
+    lines = [f"plan: {r['plan']}", "",
+             f"- budget {b['capacity'] / MiB:.1f} MiB; reserved at most {b['peak'] / MiB:.1f} MiB (workspace "
+             f"{b['workspace'] / MiB:.1f}); peak allocated {r['max_memory_allocated'] / MiB:.1f} MiB "
+             f"({(r['max_memory_allocated'] - b['capacity']) / MiB:+.1f} MiB against the budget)",
+             f"- TTFT {r['ttft_s']:.3f} s, decode {r['decode_tokens_per_s']:.1f} tok/s"]
+    if "after_load" in r:
+        al = r["after_load"]
+        lines += [f"- after the load: allocated {al['allocated'] / MiB:.1f} MiB, peak {al['peak'] / MiB:.1f}, "
+                  f"reserved {al['reserved'] / MiB:.1f}; max reserved over the run "
+                  f"{r['max_memory_reserved'] / MiB:.1f} MiB; still allocated after close "
+                  f"{r.get('left_after_close', 0) / MiB:.1f} MiB"]
+    rp = r["replay"]
+    lines += ["", f"live at the replayed peak ({rp['peak_bytes'] / MiB:.1f} MiB, {rp['events']} events), by site:", "",
+              "| MiB | blocks | stream | site |", "|---|---|---|---|"]
+    return lines + [f"| {s['bytes'] / MiB:.1f} | {s['blocks']} | {s['stream']} | {s['site']} |" for s in rp["sites"]]
 
-    a = probe_parser(__doc__, CONFIGS).parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if a.child:
-        print(json.dumps(child(a.child, a.profile, a.smoke)), flush=True)
-        return 0
-    lines, results = ["# GPU memory beyond the budget: the allocator's peak by allocation site", ""], []
-    for name in a.configs.split(","):
-        t0 = time.perf_counter()
-        r, error = run_child(__file__, name, out, a)
-        if r is None:
-            lines += [f"## {name}: failed ({error.splitlines()[0]})", "```", error, "```", ""]
-            continue
-        results.append(r)
-        b = r["budget"]
-        lines += [f"## {name} ({time.perf_counter() - t0:.0f} s)", "", f"plan: {r['plan']}", "",
-                  f"- budget {b['capacity'] / MiB:.1f} MiB; reserved at most {b['peak'] / MiB:.1f} MiB (workspace "
-                  f"{b['workspace'] / MiB:.1f}); peak allocated {r['max_memory_allocated'] / MiB:.1f} MiB "
-                  f"({(r['max_memory_allocated'] - b['capacity']) / MiB:+.1f} MiB against the budget)",
-                  f"- TTFT {r['ttft_s']:.3f} s, decode {r['decode_tokens_per_s']:.1f} tok/s"]
-        if "after_load" in r:
-            al = r["after_load"]
-            lines += [f"- after the load: allocated {al['allocated'] / MiB:.1f} MiB, peak {al['peak'] / MiB:.1f}, "
-                      f"reserved {al['reserved'] / MiB:.1f}; max reserved over the run "
-                      f"{r['max_memory_reserved'] / MiB:.1f} MiB; still allocated after close "
-                      f"{r.get('left_after_close', 0) / MiB:.1f} MiB"]
-        rp = r["replay"]
-        lines += ["", f"live at the replayed peak ({rp['peak_bytes'] / MiB:.1f} MiB, {rp['events']} events), by site:", "",
-                  "| MiB | blocks | stream | site |", "|---|---|---|---|"]
-        lines += [f"| {s['bytes'] / MiB:.1f} | {s['blocks']} | {s['stream']} | {s['site']} |" for s in rp["sites"]]
-        lines += [""]
-    (out / "memory_probe.md").write_text("\n".join(lines) + "\n")
-    (out / "memory_probe.json").write_text(json.dumps(results, indent=1))
-    print("\n".join(lines))
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    from tiered.bench.child import probe_main
+
+    return probe_main(__file__, __doc__, CONFIGS, child, "GPU memory beyond the budget: the allocator's peak by "
+                      "allocation site", section, "memory_probe", argv)
 
 
 if __name__ == "__main__":

@@ -48,15 +48,6 @@ def test_peak_sites_replays_allocs_and_frees_to_the_peak():
     assert peak_sites(no_completed)["peak_bytes"] == 150
 
 
-@pytest.mark.slow
-def test_the_probe_runs_on_the_stand_in(tmp_path):
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_memory_probe.py"), "--smoke", "--out", str(tmp_path)],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    md = (tmp_path / "memory_probe.md").read_text()
-    assert "## dense_default" in md and "## moe_default" in md and "failed" not in md
-
-
 def test_kernels_fall_into_their_categories():
     from gpu_kernel_probe import category
 
@@ -70,10 +61,13 @@ def test_kernels_fall_into_their_categories():
 
 
 @pytest.mark.slow
-def test_the_kernel_probe_runs_on_the_stand_in(tmp_path):
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_kernel_probe.py"), "--smoke", "--out", str(tmp_path)],
+@pytest.mark.parametrize("script, report, sections, expect", [
+    ("gpu_memory_probe.py", "memory_probe.md", ("dense_default", "moe_default"), "peak allocated"),
+    ("gpu_kernel_probe.py", "kernel_probe.md", ("moe_all_gpu", "dense_all_gpu"), "| gemm |"),  # the stand-in's aten::mm
+])
+def test_the_probes_run_on_the_stand_in(tmp_path, script, report, sections, expect):
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--out", str(tmp_path)],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    md = (tmp_path / "kernel_probe.md").read_text()
-    assert "## moe_all_gpu" in md and "## dense_all_gpu" in md and "failed" not in md
-    assert "| gemm |" in md  # the stand-in's aten::mm / aten::linear, per decode step
+    md = (tmp_path / report).read_text()
+    assert all(f"## {name}" in md for name in sections) and "failed" not in md and expect in md

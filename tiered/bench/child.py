@@ -3,6 +3,7 @@ CUDA settings from the environment): the parent's argument parser and its call o
 
     ap = probe_parser(__doc__, CONFIGS)                      # --out, --configs, --profile, --smoke, --child
     result, error = run_child(__file__, name, out, a)         # the child prints one JSON line last
+    return probe_main(__file__, __doc__, CONFIGS, child, title, section, "stem")  # all of a probe's main
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 
 def probe_parser(doc: str, configs) -> argparse.ArgumentParser:
@@ -41,3 +44,30 @@ def run_child(script: str | Path, name: str, out: Path, args: argparse.Namespace
         return json.loads(last), ""
     except json.JSONDecodeError:
         return None, f"rc {p.returncode}\n{(p.stderr or p.stdout)[-3000:]}"
+
+
+def probe_main(script: str | Path, doc: str, configs, child: Callable[[str, str | None, bool], dict], title: str,
+               section: Callable[[dict], list[str]], stem: str, argv: list[str] | None = None) -> int:
+    """A probe's main: with --child NAME, print child(NAME, --profile, --smoke) as one JSON line; else run
+    each configuration in its own process (run_child) and write OUT/STEM.md (`title`, then per
+    configuration a "## name (seconds)" header and section(result), or why it failed) and OUT/STEM.json
+    (the results). Returns the exit status (0)."""
+    a = probe_parser(doc, configs).parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.child:
+        print(json.dumps(child(a.child, a.profile, a.smoke)), flush=True)
+        return 0
+    lines, results = [f"# {title}", ""], []
+    for name in a.configs.split(","):
+        t0 = time.perf_counter()
+        r, error = run_child(script, name, out, a)
+        if r is None:
+            lines += [f"## {name}: failed ({error.splitlines()[0]})", "```", error, "```", ""]
+            continue
+        results.append(r)
+        lines += [f"## {name} ({time.perf_counter() - t0:.0f} s)", ""] + section(r) + [""]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    print("\n".join(lines))
+    return 0
