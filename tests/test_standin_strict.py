@@ -373,9 +373,11 @@ def test_cublas_workspace_size_follows_torch():
 def test_a_prompt_longer_than_the_workspace_prefills_in_chunks(zoo, rt, box, monkeypatch):  # noqa: F811
     """Issue 8 §8: the plan keeps device room for one prefill step of WORKSPACE_TOKENS tokens, so a longer
     prompt prefills in chunks of that many (Plan.prefill_chunk, LLM._prefill): each writes its KV and attends
-    to the cache the earlier ones wrote. Here the workspace is made for 16 tokens and prompts of most of the
-    context take 2 (MoE) and 4 (dense) chunks; the greedy tokens are the unchunked engine's, and the device
-    peak stays inside the budget, sized with the smaller workspace."""
+    to the cache the earlier ones wrote; and admitted prompts are grouped only while a group's padded tokens
+    fit the chunk. Here the workspace is made for 16 tokens: a prompt of most of the context takes 2 (MoE)
+    or 4 (dense) chunks and three 12-token prompts admitted with it (dense) go one by one; the greedy tokens are the unchunked
+    engine's, every prefill forward takes at most 16 tokens, and the device peak stays inside the budget,
+    sized with the smaller workspace."""
     import gc
 
     from test_planned_run import CTX, dense_sizes
@@ -389,29 +391,38 @@ def test_a_prompt_longer_than_the_workspace_prefills_in_chunks(zoo, rt, box, mon
         gc.collect()
         with device_memory() as m:
             llm = LLM(path, config)
-            spans = []
+            spans, tokens = [], []
             forward = llm._forward
-            monkeypatch.setattr(llm, "_forward", lambda seqs, cache, prefill, span=None:
-                                spans.append(span) or forward(seqs, cache, prefill, span))
+
+            def counted(seqs, cache, prefill, span=None):
+                if prefill:
+                    spans.append(span)
+                    a, b = zip(*[span or (s.cached_tokens, len(s.prompt_ids)) for s in seqs])
+                    tokens.append(len(seqs) * max(e - s for s, e in zip(a, b)))
+                return forward(seqs, cache, prefill, span)
+            monkeypatch.setattr(llm, "_forward", counted)
             try:
-                prompt_ids = list(range(2, llm.max_context - 7))
-                out = llm.generate(prompt_ids, params)[0].token_ids
+                long = list(range(2, llm.max_context - 7))
+                shorts = [list(range(100 + 20 * i, 112 + 20 * i)) for i in range(llm.engine_config.max_batch - 1)]
+                out = [r.token_ids for r in llm.generate([long] + shorts, params)]
                 assert 0 < m.peak <= llm.fast_budget.capacity, (m.peak, llm.fast_budget.capacity)
-                return out, llm.plan.prefill_chunk, [s for s in spans if s is not None], len(prompt_ids)
+                return out, llm.plan.prefill_chunk, [s for s in spans if s is not None], len(long), max(tokens)
             finally:
                 llm.close()
 
     def cases():
         non_ffn, layer, kv, L = dense_sizes(zoo.dir("llama"))
         s = rt.sizes("mixtral")
-        return [(zoo.dir("llama"), EngineConfig(decode_weights="fp32", accelerator="host", max_context=CTX,
-                                                profile=box, gpu_memory=non_ffn + kv + layer + layer * L // 4)),
-                (rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2, resident=1)))]
+        return [(zoo.dir("llama"), EngineConfig(decode_weights="fp32", accelerator="host", max_context=CTX, max_batch=4,
+                                                profile=box, gpu_memory=non_ffn + 4 * kv + layer + layer * L // 4)),
+                (rt.dir("mixtral"), engine_config(accelerator="host", max_batch=1,
+                                                  gpu_memory=s.fast(cache_slots=2, resident=1)))]
 
     whole = [run(path, config) for path, config in cases()]
     monkeypatch.setattr(sizes, "WORKSPACE_TOKENS", 16)
     chunked = [run(path, config) for path, config in cases()]
-    for (tokens, chunk, spans, n), (ref, ref_chunk, ref_spans, _) in zip(chunked, whole):
+    for (tokens, chunk, spans, n, most), (ref, ref_chunk, ref_spans, _, _) in zip(chunked, whole):
         assert ref_chunk == 512 and not ref_spans
         assert chunk == 16 and spans == [(a, min(a + 16, n)) for a in range(0, n, 16)] and len(spans) > 1
+        assert most <= 16
         assert tokens == ref

@@ -290,7 +290,9 @@ class LLM:
             for seq in plan.prefill:
                 seq.t_prefill_start = t0
                 self.runtime.new_sequence()  # the expert cache's per-sequence usage (HOBBIT)
-            groups = prefill_groups([len(s.prompt_ids) - s.cached_tokens for s in alone], self.max_context,
+            # a group's padded tokens stay within the plan's prefill chunk (the device workspace's tokens)
+            groups = prefill_groups([len(s.prompt_ids) - s.cached_tokens for s in alone],
+                                    min(self.max_context, self.plan.prefill_chunk or self.max_context),
                                     padding=not self.config.is_moe)
             for group in groups:  # prefill: a group of admitted sequences per forward
                 seqs = [alone[i] for i in group]
@@ -381,12 +383,12 @@ class LLM:
     def _prefill(self, seqs: list[Sequence], cache: KVCache) -> torch.Tensor:
         """Prefill `seqs` (one group of LLM.step): logits [len(seqs), V] fp32 of each prompt's last token.
 
-        Prompts of at most Plan.prefill_chunk uncached tokens go through one forward together. With a
-        longer one in the group, each sequence prefills alone, chunk by chunk: a chunk writes its KV
-        and attends to the cache the earlier chunks wrote (the prefix-reuse path), so the device
-        never holds more than one chunk's activations, the tokens the plan's workspace was sized for
-        (Plan.workspace_bytes: a 4096-token prompt's whole activations, 8 times as many, had no room
-        in the budget).
+        LLM.step groups prompts only while a group's padded tokens fit Plan.prefill_chunk, so a group
+        goes through one forward, unless it is one prompt longer than the chunk. That prompt prefills
+        chunk by chunk: a chunk writes its KV and attends to the cache the earlier chunks wrote (the
+        prefix-reuse path), so the device never holds more than one chunk's activations, the tokens
+        the plan's workspace was sized for (Plan.workspace_bytes: a 4096-token prompt's whole
+        activations, 8 times as many, had no room in the budget).
         """
         chunk = self.plan.prefill_chunk
         if not chunk or all(len(s.prompt_ids) - s.cached_tokens <= chunk for s in seqs):
