@@ -478,3 +478,25 @@ def test_a_routing_profile_prices_the_prompt_on_the_experts_it_routes_to():
     profiled = make_plan(small, hw, gpu_memory=4 * GiB, precision="bf16", popularity=skew)
     assert not profiled.all_experts_resident() and profiled.layers[0].experts_gpu >= 2
     assert profiled.predicted_ttft_s < 0.7 * uniform.predicted_ttft_s
+
+
+def test_a_gpu_plan_keeps_room_for_the_profile_gpus_cublas_workspaces():
+    """memory/sizes.library_workspace_bytes: a plan made on a CUDA machine's profile (`tiered plan`) keeps
+    three cuBLAS workspaces of that GPU's size beside one step's activations, as the engine does with its
+    accelerator's; 0 where the profile names no CUDA device (presets) or when told (the references measured
+    before the engine kept them)."""
+    from pathlib import Path
+
+    from tiered.memory import sizes
+
+    hw = HardwareProfile.load(Path(__file__).resolve().parents[1] / "benchmarks" / "reference" / "h100-2026-11-26"
+                              / "profile_quick.json")
+    assert hw.meta["gpu_capability"] == "9.0"
+    small = LLAMA70B.__class__.from_hf({**{"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+                                          "intermediate_size": 14336, "num_hidden_layers": 8,
+                                          "num_attention_heads": 32, "num_key_value_heads": 8}})
+    act = sizes.workspace_bytes(small, "bf16")
+    assert sizes.library_workspace_bytes("9.0") == sizes.library_workspace_bytes(9) == 3 * 32 * 2**20
+    assert make_plan(small, hw, gpu_memory=2 * GiB).workspace_bytes == act + 3 * 32 * 2**20
+    assert make_plan(small, hw, gpu_memory=2 * GiB, library_workspace=0).workspace_bytes == act
+    assert make_plan(small, get_preset("scheinfer-b"), gpu_memory=2 * GiB).workspace_bytes == act

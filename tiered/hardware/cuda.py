@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import torch
@@ -113,10 +112,11 @@ class CudaAccelerator(Accelerator):
         torch.cuda.synchronize(self.device)
 
     def library_workspace_bytes(self) -> int:
-        """BLAS_WORKSPACES cuBLAS workspaces of this device's size (cublas_workspace_bytes): 96 MiB on an
-        H100 or H200."""
-        major = torch.cuda.get_device_capability(self.device)[0]
-        return BLAS_WORKSPACES * cublas_workspace_bytes(major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+        """memory/sizes.library_workspace_bytes of this device: BLAS_WORKSPACES cuBLAS workspaces, 96 MiB on
+        an H100 or H200."""
+        from tiered.memory.sizes import library_workspace_bytes
+
+        return library_workspace_bytes(torch.cuda.get_device_capability(self.device)[0])
 
     def release(self) -> None:
         """Wait for the device, then drop the cuBLAS workspaces (clear_blas_workspaces): a closed engine's

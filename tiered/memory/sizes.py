@@ -9,6 +9,7 @@ so they match `materialize` parameter for parameter.
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -154,6 +155,18 @@ def workspace_bytes(cfg: ModelConfig, fmt: str, tokens: int | None = None) -> in
     ffn = max(cfg.intermediate_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
     per_token = (4 * cfg.hidden_size + qkv + 3 * ffn) * elem + rot
     return int(1.25 * (tokens * per_token + 4 * cfg.vocab_size))
+
+
+def library_workspace_bytes(capability: str | int | None) -> int:
+    """GPU bytes libraries under torch hold for one engine on a CUDA device of compute `capability`
+    ("9.0" or its major, 9): hardware/cuda.BLAS_WORKSPACES cuBLAS workspaces of that device's size
+    (96 MiB on Hopper, ~24 MiB before it). 0 when None (no CUDA device: the stand-in, presets)."""
+    if capability is None:
+        return 0
+    from tiered.hardware.cuda import BLAS_WORKSPACES, cublas_workspace_bytes
+
+    major = int(str(capability).split(".")[0])
+    return BLAS_WORKSPACES * cublas_workspace_bytes(major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
 
 
 def device_workspace_bytes(cfg: ModelConfig, fmt: str, accelerator) -> int | None:

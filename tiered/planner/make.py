@@ -29,7 +29,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               read_ahead: bool = True, extra_cpu_bytes: int = 0, workspace: int | None = None,
               dense_copies: bool = True, experts_format: str | None = None, kv_slots: int = 1,
               head_precision: str | None = None, expert_act: str = "bf16", graphs: bool = False,
-              prefetch: bool = False, prefetch_lookahead: int = 2, precision_mix: dict | None = None) -> Plan:
+              prefetch: bool = False, prefetch_lookahead: int = 2, precision_mix: dict | None = None,
+              library_workspace: int | None = None) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -50,7 +51,10 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         experts_format: storage format of routed experts ("bf16", "int8", "int4", ... see
             quant/experts.py); None = the weights format. Expert bytes on every tier follow it.
         extra_cpu_bytes: RAM the engine holds beyond weights and KV cache (CPU-only plans).
-        workspace: GPU bytes kept for activations (None = memory/sizes.workspace_bytes).
+        workspace: GPU bytes kept beyond the plan's tensors (None = memory/sizes.workspace_bytes, one
+            step's activations, plus `library_workspace`); the engine passes its accelerator's.
+        library_workspace: GPU bytes libraries hold for the engine, with workspace None (None = the
+            profile's GPU's: memory/sizes.library_workspace_bytes of meta["gpu_capability"], 0 without).
         dense_copies: Plan.dense_copies; False (the CPU's one-copy mode) counts and prices the
             non-expert weights in `precision`, the format of their one copy.
         kv_slots: sequences of context_tokens whose KV cache the fast tier keeps room for.
@@ -88,7 +92,11 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     sizes.bytes_per_element(fmt)  # a ConfigError for an unknown format, before any work
     experts = ExpertChoices(popularity, expert_cache_slots, max_resident)
     if goal == "latency" and op_time.has_device(profile, "gpu") and gpu:
-        plan.workspace_bytes = workspace if workspace is not None else sizes.workspace_bytes(cfg, fmt)
+        if workspace is None:
+            library = library_workspace if library_workspace is not None else sizes.library_workspace_bytes(
+                profile.meta.get("gpu_capability") if profile.meta else None)
+            workspace = sizes.workspace_bytes(cfg, fmt) + library
+        plan.workspace_bytes = workspace
         plan.prefill_chunk = sizes.WORKSPACE_TOKENS  # the prompt tokens that workspace holds
     if goal == "throughput":
         from tiered.planner.throughput import plan_throughput

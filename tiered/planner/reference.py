@@ -6,6 +6,9 @@ A reference file (JSON, e.g. benchmarks/reference/h200-2026-11-22/measured.json)
     profile                             that machine's `tiered profile` JSON (path relative to the file)
     plans                               make_plan arguments: "all" rows, "decode" and "ttft" predictions
     models                              name -> HF-style config.json fields (keys starting "_" are notes)
+    library_workspace                   GPU bytes the measured engine kept for cuBLAS's workspaces (make_plan's
+                                        library_workspace; default 0: the runs before 2026-11-26's session 25
+                                        kept none; null: the profile GPU's, as the engine now keeps)
     rows                                name, model, plan (make_plan arguments: budgets, forced dispatch,
                                         fixed placement), accelerator ("none" = no GPU tier, as
                                         `EngineConfig(accelerator="none")` plans), measured
@@ -46,7 +49,8 @@ def predict_row(ref: dict, row: dict, profile: HardwareProfile) -> dict:
     cfg = model_config(ref, row["model"])
     if row.get("accelerator") == "none":  # as engine_plan: no GPU tier, CPU RAM is the fast tier
         profile = replace(profile, gpu_memory=None)
-    base = dict(ref["plans"].get("all", {}), **row.get("plan", {}))
+    # runs measured before the plans kept cuBLAS's workspaces in the budget (2026-11-26) planned without them
+    base = dict({"library_workspace": ref.get("library_workspace", 0)}, **ref["plans"].get("all", {}), **row.get("plan", {}))
     if row.get("expert_profile"):  # `tiered profile-experts` output beside the file, as --expert-profile
         from tiered.planner.placement import load_popularity
         base["popularity"] = load_popularity(Path(ref["_dir"]) / row["expert_profile"], cfg.num_hidden_layers,
