@@ -99,7 +99,8 @@ def child(name: str, profile: str | None, smoke: bool) -> dict:
         runner = TieredRunner(model, replace(cfg, graphs=graphs))
         try:
             runner.decode_tokens_per_s(prompt, 4)  # warm-up (and the graphs' capture)
-            result[f"decode_tokens_per_s_graphs_{graphs}"] = max(runner.decode_tokens_per_s(prompt, 32) for _ in range(3))
+            best = max(runner.decode_tokens_per_s(prompt, 32) for _ in range(3))
+            result[f"decode_tokens_per_s_graphs_{graphs}"] = best
             if graphs == "off":
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
                 totals = []
@@ -112,8 +113,10 @@ def child(name: str, profile: str | None, smoke: bool) -> dict:
                         wall = time.perf_counter() - t0
                     totals.append((kernel_totals(prof, cuda), wall))
                 (base, w1), (full, wn) = totals
-                per_step = {k: [(c - base.get(k, [0, 0.0])[0]) / DECODE_TOKENS, (us - base.get(k, [0, 0.0])[1]) / DECODE_TOKENS]
-                            for k, (c, us) in full.items()}
+                per_step = {}  # the decode steps' share: the N + 1 token run less the 1 token one
+                for k, (c, us) in full.items():
+                    c0, us0 = base.get(k, [0, 0.0])
+                    per_step[k] = [(c - c0) / DECODE_TOKENS, (us - us0) / DECODE_TOKENS]
                 result["kernels"] = sorted(([k, c, us] for k, (c, us) in per_step.items() if c > 0 or us > 0),
                                            key=lambda r: -r[2])
                 result["profiled_step_s"] = (wn - w1) / DECODE_TOKENS
@@ -144,8 +147,8 @@ def summarize(r: dict) -> list[str]:
              + (f", {nbytes / step_graphed / hbm:.0%} of the HBM bound ({hbm / 1e12:.2f} TB/s; half: "
                 f"{hbm / 2 / nbytes:.0f} tok/s)" if hbm else ""),
              f"eager step's kernels: {busy / 1e3:.3f} ms of device time a step ({busy / 1e6 / step_graphed:.0%} of the "
-             f"graphed step)" + (f"; GEMM kernels {gemm_us / 1e3:.3f} ms: {nbytes / (gemm_us / 1e6) / 1e12:.2f} TB/s over "
-                                 "the weights" if gemm_us else ""),
+             f"graphed step)" + (f"; GEMM kernels {gemm_us / 1e3:.3f} ms: "
+                                 f"{nbytes / (gemm_us / 1e6) / 1e12:.2f} TB/s over the weights" if gemm_us else ""),
              "", "| category | kernels a step | device us a step | share |", "|---|---|---|---|"]
     lines += [f"| {c} | {n:.1f} | {us:.1f} | {us / busy:.0%} |" for c, (n, us) in
               sorted(cats.items(), key=lambda kv: -kv[1][1])] if busy else ["| (no device kernels recorded) | | | |"]

@@ -145,7 +145,7 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
     what = "the non-expert weights" if cfg.is_moe else "the non-FFN weights" if sliced else "the model's weights"
     fast_budget.reserve(sizes.weight_bytes(cfg, fmt, dense_skip), what)
     if plan.workspace_bytes:  # kept free for activations: allocated by torch, not by us
-        fast_budget.reserve(plan.workspace_bytes, "the activation workspace")
+        fast_budget.reserve(plan.workspace_bytes, "the workspace (activations, cuBLAS)")
     nbytes = materialize(model, checkpoint, sizes.torch_dtype(fmt), on_tensor=on_tensor, skip=dense_skip,
                          accelerator=accelerator)
     extra = 0

@@ -116,8 +116,8 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     fixed = non_expert + kv + staging + plan.workspace_bytes
     if fixed > gpu:
         raise BudgetError(f"GPU budget {format_bytes(gpu)} cannot hold the non-expert weights "
-                          f"({format_bytes(non_expert)}), KV cache ({format_bytes(kv)}), activation workspace "
-                          f"({format_bytes(plan.workspace_bytes)}) and staging ({format_bytes(staging)})",
+                          f"({format_bytes(non_expert)}), KV cache ({format_bytes(kv)}), workspace for activations "
+                          f"and cuBLAS ({format_bytes(plan.workspace_bytes)}) and staging ({format_bytes(staging)})",
                           f"raise --gpu-mem by {format_bytes(fixed - gpu)}")
     cpu_room = (cpu - plan.staging_buffers * eb) if cpu is not None else None  # host staging ring
     if cpu_room is not None and cpu_room < 0:
