@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 
 import torch
@@ -25,8 +26,6 @@ def cublas_workspace_bytes(major: int, config: str | None = None) -> int:
     torch allocates one per (thread, stream) that runs a GEMM, from its caching allocator
     (counted by torch.cuda.memory_allocated), and keeps it until its workspaces are cleared.
     cuBLASLt shares it (TORCH_CUBLASLT_UNIFIED_WORKSPACE, on by default)."""
-    import re
-
     pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
     if pairs:
         return sum(int(size) * 1024 * int(count) for size, count in pairs)
