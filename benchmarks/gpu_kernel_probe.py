@@ -81,14 +81,16 @@ def kernel_totals(prof, cuda: bool) -> dict[str, list]:
     return out
 
 
-def child(name: str, profile: str | None, smoke: bool) -> dict:
+def child(name: str, a) -> dict:
+    """One configuration's run in this process (a: the probe's options: profile, smoke)."""
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     from gpu_offload import probe_engine
     from tiered.bench.runners import TieredRunner
 
-    shape, model, cfg = probe_engine(CONFIGS[name], profile, smoke)
+    smoke = a.smoke
+    shape, model, cfg = probe_engine(CONFIGS[name], a.profile, smoke)
     cfg = replace(cfg, gpu_memory=None)  # the whole model on the device
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, shape.vocab, (32,), generator=g).tolist()

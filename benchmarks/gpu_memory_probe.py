@@ -72,13 +72,15 @@ def peak_sites(events: list[dict], top: int = 15) -> dict:
             "sites": [{"bytes": b, "blocks": n, "site": w, "stream": s} for b, n, w, s in rows]}
 
 
-def child(name: str, profile: str | None, smoke: bool) -> dict:
+def child(name: str, a) -> dict:
+    """One configuration's run in this process (a: the probe's options: profile, smoke)."""
     import torch
 
     from gpu_offload import probe_engine
     from tiered.bench.runners import TieredRunner
 
-    shape, model, cfg = probe_engine(CONFIGS[name], profile, smoke)
+    smoke = a.smoke
+    shape, model, cfg = probe_engine(CONFIGS[name], a.profile, smoke)
     budget = cfg.gpu_memory
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, shape.vocab, (32,), generator=g).tolist()

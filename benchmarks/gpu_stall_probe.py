@@ -15,7 +15,7 @@ CUDA settings from the environment apply) and, for a few decode steps of each:
     python benchmarks/gpu_stall_probe.py --env OMP_WAIT_POLICY=PASSIVE --out DIR
 
 It reuses benchmarks/gpu_offload.py's dummy checkpoints (written there first if missing). Writes
-DIR/stall_probe.md (the summary), DIR/stall_<config>.txt (the profiler table, the samples) and
+DIR/stall_probe.md (the summary) and .json, DIR/stall_<config>.txt (the profiler table, the samples) and
 DIR/stall_<config>.trace.json.gz (the profiled steps' timeline, every op and CUDA runtime call).
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,8 @@ CONFIGS = {  # name -> (shape, EngineConfig fields beyond the base)
 }
 
 
-def child(name: str, out: Path, profile: str | None, smoke: bool) -> dict:
+def child(name: str, a) -> dict:
+    """One configuration's run in this process (a: the probe's options: out, profile, smoke)."""
     import torch
     from dataclasses import replace
 
@@ -49,7 +49,8 @@ def child(name: str, out: Path, profile: str | None, smoke: bool) -> dict:
     from tiered.bench.runners import TieredRunner
 
     shape_name, extra = CONFIGS[name]
-    shape, model, cfg = probe_engine(shape_name, profile, smoke)
+    out, smoke = Path(a.out), a.smoke
+    shape, model, cfg = probe_engine(shape_name, a.profile, smoke)
     if smoke:
         extra = {k: (min(v, 2) if k == "resident_experts" else v) for k, v in extra.items()}
     cfg = replace(cfg, **extra)
@@ -144,37 +145,23 @@ class Sampler:
         return counts.most_common(top), gaps[:20]
 
 
-def main(argv: list[str] | None = None) -> int:
-    from tiered.bench.child import probe_parser, run_child
+def section(r: dict) -> list[str]:
+    """The report's lines for one configuration's result."""
+    lines = [f"plan: {r.get('plan', '')}", "",
+             f"decode {r['decode_tokens_per_s']:.1f} tok/s, under the profiler {r['decode_tokens_per_s_profiled']:.1f}",
+             "", "ops with the most host time (ms over 9 tokens, calls):", ""]
+    lines += [f"- {k}: {ms:.1f} ms, {n}" for k, ms, n in r["top_ops"]]
+    lines += ["", "stack samples (innermost frame per thread, every 5 ms):", ""]
+    lines += [f"- {n} x {k}" for k, n in r["samples"][:12]] + [""]
+    lines += ["late samples (ms late: each thread's frame after):", ""]
+    return lines + [f"- {g} ms: {w}" for g, w in r["gaps"][:8]]
 
-    ap = probe_parser(__doc__, CONFIGS)
-    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the child processes (repeatable)")
-    a = ap.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if a.child:
-        print(json.dumps(child(a.child, out, a.profile, a.smoke)), flush=True)
-        return 0
-    env = dict(os.environ, **dict(e.split("=", 1) for e in a.env))
-    tag = ",".join(a.env) or "default environment"
-    lines = [f"# Decode-step stall probe ({tag})", ""]
-    for name in a.configs.split(","):
-        t0 = time.perf_counter()
-        r, error = run_child(__file__, name, out, a, env)
-        if r is None:
-            lines += [f"## {name}: failed ({error.splitlines()[0]})", "```", error, "```", ""]
-            continue
-        lines += [f"## {name} ({time.perf_counter() - t0:.0f} s)", "", f"plan: {r.get('plan', '')}", "",
-                  f"decode {r['decode_tokens_per_s']:.1f} tok/s, under the profiler {r['decode_tokens_per_s_profiled']:.1f}",
-                  "", "ops with the most host time (ms over 9 tokens, calls):", ""]
-        lines += [f"- {k}: {ms:.1f} ms, {n}" for k, ms, n in r["top_ops"]]
-        lines += ["", "stack samples (innermost frame per thread, every 5 ms):", ""]
-        lines += [f"- {n} x {k}" for k, n in r["samples"][:12]] + [""]
-        lines += ["late samples (ms late: each thread's frame after):", ""]
-        lines += [f"- {g} ms: {w}" for g, w in r["gaps"][:8]] + [""]
-    (out / "stall_probe.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    from tiered.bench.child import probe_main
+
+    return probe_main(__file__, __doc__, CONFIGS, child, "Decode-step stall probe", section, "stall_probe", argv,
+                      env_option=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ CUDA settings from the environment): the parent's argument parser and its call o
 
     ap = probe_parser(__doc__, CONFIGS)                      # --out, --configs, --profile, --smoke, --child
     result, error = run_child(__file__, name, out, a)         # the child prints one JSON line last
-    return probe_main(__file__, __doc__, CONFIGS, child, title, section, "stem")  # all of a probe's main
+    return probe_main(__file__, __doc__, CONFIGS, child, title, section, "stem")  # all of a probe's main:
+                                                              # child(name, options) -> the result dict
 """
 
 from __future__ import annotations
@@ -46,22 +47,31 @@ def run_child(script: str | Path, name: str, out: Path, args: argparse.Namespace
         return None, f"rc {p.returncode}\n{(p.stderr or p.stdout)[-3000:]}"
 
 
-def probe_main(script: str | Path, doc: str, configs, child: Callable[[str, str | None, bool], dict], title: str,
-               section: Callable[[dict], list[str]], stem: str, argv: list[str] | None = None) -> int:
-    """A probe's main: with --child NAME, print child(NAME, --profile, --smoke) as one JSON line; else run
+def probe_main(script: str | Path, doc: str, configs, child: Callable[[str, argparse.Namespace], dict], title: str,
+               section: Callable[[dict], list[str]], stem: str, argv: list[str] | None = None,
+               env_option: bool = False) -> int:
+    """A probe's main: with --child NAME, print child(NAME, the parsed options) as one JSON line; else run
     each configuration in its own process (run_child) and write OUT/STEM.md (`title`, then per
     configuration a "## name (seconds)" header and section(result), or why it failed) and OUT/STEM.json
-    (the results). Returns the exit status (0)."""
-    a = probe_parser(doc, configs).parse_args(argv)
+    (the results). `env_option`: a repeatable --env NAME=VALUE for the children's environment, named in
+    the title. Returns the exit status (0)."""
+    ap = probe_parser(doc, configs)
+    if env_option:
+        ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the child processes (repeatable)")
+    a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.child:
-        print(json.dumps(child(a.child, a.profile, a.smoke)), flush=True)
+        print(json.dumps(child(a.child, a)), flush=True)
         return 0
+    env = None
+    if env_option:
+        env = dict(os.environ, **dict(e.split("=", 1) for e in a.env))
+        title = f"{title} ({','.join(a.env) or 'default environment'})"
     lines, results = [f"# {title}", ""], []
     for name in a.configs.split(","):
         t0 = time.perf_counter()
-        r, error = run_child(script, name, out, a)
+        r, error = run_child(script, name, out, a, env)
         if r is None:
             lines += [f"## {name}: failed ({error.splitlines()[0]})", "```", error, "```", ""]
             continue

@@ -169,10 +169,9 @@ def library_workspace_bytes(capability: str | int | None) -> int:
     return BLAS_WORKSPACES * cublas_workspace_bytes(major, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
 
 
-def device_workspace_bytes(cfg: ModelConfig, fmt: str, accelerator) -> int | None:
-    """Device bytes a plan keeps free beyond its tensors: one step's activations (`workspace_bytes`) plus
-    what libraries hold for the engine (Accelerator.library_workspace_bytes: three cuBLAS workspaces on
-    CUDA, 96 MiB on Hopper). None without an accelerator."""
-    if accelerator is None:
-        return None
-    return workspace_bytes(cfg, fmt) + accelerator.library_workspace_bytes()
+def device_workspace_bytes(cfg: ModelConfig, fmt: str, library: int) -> int:
+    """Device bytes a GPU plan keeps free beyond its tensors (Plan.workspace_bytes): one step's activations
+    (`workspace_bytes`) plus the `library` bytes libraries hold for the engine (Accelerator.
+    library_workspace_bytes, or `library_workspace_bytes` of a profile's GPU: three cuBLAS workspaces,
+    96 MiB on Hopper)."""
+    return workspace_bytes(cfg, fmt) + library

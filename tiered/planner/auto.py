@@ -306,7 +306,8 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                      head_precision=head_precision if dense_cpu else None, expert_act=expert_activations(ec),
                      graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
                      prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None,
-                     workspace=sizes.device_workspace_bytes(cfg, weights_format, accelerator))
+                     workspace=None if accelerator is None else
+                     sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()))
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     ratio = profile.meta.get("cpu_bandwidth_ratio")

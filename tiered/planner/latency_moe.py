@@ -39,6 +39,7 @@ from tiered.hardware.profile import HardwareProfile
 from tiered.memory import sizes
 from tiered.planner.common import (ExpertChoices, attention_time, expert_tiers, fastest_expert_choice, head_time,
                                    place_experts, popularity_note)
+from tiered.planner.placement import FAST
 from tiered.planner.plan import LayerPlan, Plan
 
 # Kernels runtime/moe_runner.TieredExperts launches besides the experts' own (counted in its code):
@@ -227,7 +228,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
             else:
                 dec = layer_time(1, res + cached, d_share, attn_dec)
                 if popularity is not None:  # the prompt routes as the profile's tokens did
-                    fast = {e for e in range(E) if placement.tiers.get((i, e)) == "fast"}
+                    fast = {e for e in range(E) if placement.tiers.get((i, e)) == FAST}
                     active, h_pre = prompt_experts(popularity[i], fast, plan.prompt_tokens, k)
                     pre = layer_time(plan.prompt_tokens, h_pre, d_share, attn_pre, active)
                 else:

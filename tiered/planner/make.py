@@ -95,7 +95,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         if workspace is None:
             library = library_workspace if library_workspace is not None else sizes.library_workspace_bytes(
                 profile.meta.get("gpu_capability") if profile.meta else None)
-            workspace = sizes.workspace_bytes(cfg, fmt) + library
+            workspace = sizes.device_workspace_bytes(cfg, fmt, library)
         plan.workspace_bytes = workspace
         plan.prefill_chunk = sizes.WORKSPACE_TOKENS  # the prompt tokens that workspace holds
     if goal == "throughput":

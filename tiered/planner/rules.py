@@ -48,7 +48,7 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
     plan.kv_slots = ec.max_batch
     kv = sizes.kv_cache_bytes(cfg, plan.kv_slots, max_context, plan.dtypes["kv_cache"])
     if accelerator is not None:  # activations live on the device (the stand-in's too)
-        plan.workspace_bytes = sizes.device_workspace_bytes(cfg, weights_format, accelerator)
+        plan.workspace_bytes = sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes())
         plan.prefill_chunk = sizes.WORKSPACE_TOKENS
     kv += plan.workspace_bytes + sizes.rotary_bytes(cfg, max_context)
     if not cfg.is_moe:
