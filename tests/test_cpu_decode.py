@@ -35,13 +35,14 @@ def _prefill(llm, cache, prompts: list[list[int]]) -> None:
             llm.model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), torch.tensor([slot]), cache)
 
 
-def _compare(llm, prompts: list[list[int]], steps: int, tol: float, native: bool = False) -> float:
+def _compare(llm, prompts: list[list[int]], steps: int, tol: float, native: bool = False,
+             kv: str | None = None) -> float:
     """Decode `steps` tokens for every prompt at once through the lean step (torch ops, or the native
-    C++ step) and through the modules, each over its own cache; returns the largest relative logits
-    difference (asserting caches match)."""
+    C++ step) and through the modules, each over its own cache (in format `kv`, default the plan's);
+    returns the largest relative logits difference (asserting caches match)."""
     step = CPUDecodeStep(llm.model, native=native)
     lengths = [len(p) for p in prompts]
-    caches = [llm._kv_cache(len(prompts), max(lengths) + steps) for _ in range(2)]
+    caches = [llm._kv_cache(len(prompts), max(lengths) + steps, kv) for _ in range(2)]
     worst = 0.0
     with torch.inference_mode():
         for c in caches:
@@ -67,6 +68,69 @@ def test_lean_step_equals_modules_fp32(zoo, kind, native):
     assert _compare(llm, [ids], steps=12, tol=1e-5, native=native) <= 1e-5  # batch 1: the in-place KV write
     # two sequences of different lengths: the masked path (past mistral's window of 8 too)
     assert _compare(llm, [ids, prompt_ids(zoo.vocab_size, 5, seed=3)], steps=6, tol=1e-5, native=native) <= 1e-5
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_attention_splits_long_contexts_between_threads(zoo, threads):
+    """Past DecodeStep::kSplitKeys key rows (x KV heads, over the batch) the native step cuts the
+    keys into one run a thread and merges the runs' partial softmaxes (split-K). Two sequences of
+    150 and 40 prompt tokens: on 2 and 3 threads runs cut one sequence's keys, and hold parts of
+    several (row, KV head) items; the logits and KV cache equal the modules' as on one thread."""
+    llm = zoo.llm(zoo.dir("llama"), dtype="float32", max_context=256, accelerator="none")
+    assert (150 + 40) * llm.config.num_key_value_heads >= 256  # DecodeStep::kSplitKeys
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        worst = _compare(llm, [prompt_ids(zoo.vocab_size, 150), prompt_ids(zoo.vocab_size, 40, seed=2)],
+                         steps=3, tol=1e-5, native=True)
+    finally:
+        torch.set_num_threads(before)
+    assert worst <= 1e-5
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+@pytest.mark.parametrize("kv", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["qwen3", "llama_wide", "llama_gqa7"])
+def test_native_attention_vector_path_matches_the_modules(zoo, kind, kv):
+    """head_dim 32 or 64 (qwen3, llama_gqa7; llama_wide): the native attention's vector loops, keys 8
+    at a time then one by one (prompts of 21 and 13 tokens), values weighed for query-head groups
+    of 2 and of 7 (3 + 3 + 1), over an fp32 or a bf16 cache: the modules' logits and cache."""
+    llm = zoo.llm(zoo.dir(kind), dtype="float32", max_context=64, accelerator="none")
+    assert llm.config.head_dim % 32 == 0
+    # bf16: a key's rounding can fall either side between the paths' fp32 sums (one bf16 step)
+    tol, logits = (1e-5, 1e-5) if kv == "fp32" else (1e-2, 1e-3)
+    assert _compare(llm, [prompt_ids(zoo.vocab_size, 21), prompt_ids(zoo.vocab_size, 13, seed=3)],
+                    steps=5, tol=tol, native=True, kv=kv) <= logits
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_a_bf16_kv_cache_beside_fp32_activations(zoo, native):
+    """Lossy decode copies keep a bf16 KV cache (the plan's dtypes["kv_cache"], memory/sizes.
+    kv_cache_format) beside fp32 activations: the lean and native steps read and write it as the
+    modules do (keys and values rounded to bf16 as written), and prompt rows still join the native
+    step over it; the engine's caches and its budget follow the plan, and the lossless mode keeps fp32."""
+    from tiered import EngineConfig
+    from tiered.memory import sizes
+
+    lossless = zoo.llm(zoo.dir("llama"), dtype="float32", max_context=64, accelerator="none")
+    assert lossless.plan.dtypes["kv_cache"] == "fp32" and lossless._cache_for(1, 8).k.dtype == torch.float32
+    # bf16's rounding of a key can fall either side between the two paths' fp32 sums: one bf16 step
+    assert _compare(lossless, [prompt_ids(zoo.vocab_size, 12), prompt_ids(zoo.vocab_size, 5, seed=3)],
+                    steps=6, tol=1e-2, native=native, kv="bf16") <= 1e-3
+    if native:
+        assert CPUDecodeStep(lossless.model, native=True).takes_prefill_rows(lossless._kv_cache(1, 8, "bf16"))
+    # dtype float32 keeps the dense weights beside the int4 decode copies (Plan.dense_copies)
+    lossy = LLM(zoo.dir("llama"), EngineConfig(decode_weights="int4", dtype="float32", max_context=64,
+                                               accelerator="none"))
+    assert lossy.plan.dtypes["kv_cache"] == "bf16" and lossy.plan.dense_copies
+    used = lossy.fast_budget.used
+    cache = lossy._cache_for(2, 32)
+    assert cache.k.dtype == cache.v.dtype == torch.bfloat16
+    assert lossy.fast_budget.used - used == cache.nbytes == sizes.kv_cache_bytes(lossy.config, 2, 32, "bf16")
+    # scoring with the dense weights keeps its cache in the compute dtype (eval's lossless reference)
+    ids = prompt_ids(zoo.vocab_size, 16)
+    assert torch.equal(lossy.logits(ids), lossless.logits(ids))
 
 
 @pytest.mark.parametrize("native", NATIVE)

@@ -529,10 +529,11 @@ class LLM:
         Args:
             lossless: True scores with the dense weights (lossless when the plan keeps them:
                 Plan.dense_copies, e.g. --dtype float32; in the CPU's one-copy mode every
-                projection has only its decode copy, which then scores); False lets each layer choose
+                projection has only its decode copy, which then scores) and a KV cache in the
+                compute dtype; False lets each layer choose
                 as a generate() step of len(token_ids) tokens would: the decode-format copies when
                 len(token_ids) <= decode_weights_threshold (so a huge threshold scores every
-                projection in the decode format; tiered/eval).
+                projection in the decode format; tiered/eval), over the plan's KV cache format.
         Returns:
             fp32 [T, vocab]; row t scores the token after token_ids[t].
         Raises:
@@ -542,7 +543,7 @@ class LLM:
         if T == 0 or T > self.max_context:
             raise ContextLengthError(f"{T} tokens to score; the context window is {self.max_context}",
                                      "score between 1 and max_context tokens")
-        cache = self._kv_cache(1, T)
+        cache = self._kv_cache(1, T, sizes.format_of(self.dtype) if lossless else None)
         dev = self._to_device
         weights = dense_weights(self.model) if lossless else contextlib.nullcontext()
         with torch.inference_mode(), weights, self._device_scope():
@@ -570,13 +571,15 @@ class LLM:
             self._static_cache = self._kv_cache(1, self.max_context)
         return self._static_cache
 
-    def _kv_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """A KV cache on the compute tier, accounted against its budget (before it is allocated) while it lives."""
-        nbytes = sizes.kv_cache_bytes(self.config, num_slots, max_len, sizes.format_of(self.dtype))
+    def _kv_cache(self, num_slots: int, max_len: int, fmt: str | None = None) -> KVCache:
+        """A KV cache on the compute tier in format `fmt` (default the plan's, Plan.dtypes["kv_cache"]),
+        accounted against its budget (before it is allocated) while it lives."""
+        fmt = fmt or self.plan.dtypes.get("kv_cache") or sizes.format_of(self.dtype)
+        nbytes = sizes.kv_cache_bytes(self.config, num_slots, max_len, fmt)
         self.fast_budget.reserve(nbytes, "the KV cache")
         try:
             with self._device_scope():  # on the accelerator's device (a stand-in tensor on the stand-in)
-                cache = KVCache(self.config, num_slots, max_len, self.dtype, self.device)
+                cache = KVCache(self.config, num_slots, max_len, sizes.torch_dtype(fmt), self.device)
         except BaseException:
             self.fast_budget.release(nbytes)
             raise

@@ -125,6 +125,20 @@ def ffn_bytes(cfg: ModelConfig, fmt: str) -> int:
     return int(3 * cfg.hidden_size * cfg.intermediate_size * bytes_per_element(fmt))
 
 
+def kv_cache_format(weights: str, decode: str | None = None) -> str:
+    """The KV cache's format (Plan.dtypes["kv_cache"]) for weights computing in `weights` ("fp32",
+    "bf16", "fp16") with decode copies in `decode` (their precision; None or "none": no copies).
+
+    The weights' 16-bit format; with fp32 weights, fp32 only in the lossless mode (no decode copies,
+    or fp32 ones), else bf16: lossy decode copies (int4, int8, bf16) keep a bf16 cache, as llama.cpp
+    keeps an f16 one, so each CPU decode step streams half the keys and values (SmolLM2 at 1024
+    positions: 24 MB of its 47 MB a token).
+    """
+    if weights != "fp32":
+        return weights if weights in ("bf16", "fp16") else "bf16"
+    return "fp32" if decode in (None, "none", "fp32") else "bf16"
+
+
 def kv_cache_bytes(cfg: ModelConfig, slots: int, tokens: int, fmt: str) -> int:
     """Bytes of a KVCache of `slots` sequences x `tokens` positions (keys and values of every layer)."""
     n = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * tokens * cfg.head_dim

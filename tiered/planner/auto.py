@@ -280,7 +280,8 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
     if ec.plan == "off":
         from tiered.planner.rules import rules_plan
         plan = rules_plan(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
-                          weights_format=weights_format, popularity=popularity, experts_format=experts_format)
+                          weights_format=weights_format, popularity=popularity, experts_format=experts_format,
+                          decode_precision=decode_precision if decode_format != "none" else None)
         plan.dtypes["decode"], plan.dense_copies = decode_format, dense_copies
         plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
         # its decode steps as CUDA graphs, as make_plan settles an auto plan's (a model wholly on

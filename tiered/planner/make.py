@@ -39,7 +39,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         precision_mix: on a CPU-only plan, the decode copies' precisions by share of the layers'
             projection elements where they mix (quant/linear.decode_mix; Plan.precision_mix).
         weights_format: format the weights are stored in on their tiers (default: `precision`);
-            the KV cache is fp32 with fp32 weights, else 16-bit.
+            the KV cache's format follows from it and `precision` (memory/sizes.kv_cache_format).
         context_tokens: KV-cache positions to keep room for [tokens] (default prompt + generated);
             the engine passes its max_context, the room its runtime reserves.
         popularity: float [L, E] tokens routed per expert (`tiered profile-experts`): the most
@@ -81,7 +81,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.context_tokens = context_tokens or prompt_tokens + gen_tokens
     plan.precision_mix = precision_mix
     fmt = weights_format or precision
-    plan.dtypes = {"weights": fmt, "experts": experts_format or fmt, "kv_cache": "fp32" if fmt == "fp32" else "bf16", "decode": precision}
+    plan.dtypes = {"weights": fmt, "experts": experts_format or fmt, "kv_cache": sizes.kv_cache_format(fmt, precision),
+                   "decode": precision}
     if head_precision and head_precision != precision:
         plan.dtypes["lm_head"] = head_precision
     plan.cache_policy, plan.dispatch_mode = cache_policy, dispatch_mode

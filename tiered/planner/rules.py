@@ -26,7 +26,7 @@ from tiered.planner.plan import LayerPlan, Plan
 
 
 def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
-               popularity=None, experts_format: str | None = None) -> Plan:
+               popularity=None, experts_format: str | None = None, decode_precision: str | None = None) -> Plan:
     """The plain-rules Plan for `cfg` under EngineConfig `ec` on `accelerator` (None = CPU only).
 
     Raises:
@@ -41,7 +41,7 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
                 ec.cpu_memory, 0, 0, weights_format, fast_tier=tier, kv_cache_tier=tier, attention_tier=tier,
                 context_tokens=max_context, source="rules")
     plan.dtypes = {"weights": weights_format, "experts": experts_format or weights_format,
-                   "kv_cache": "fp32" if weights_format == "fp32" else "bf16"}
+                   "kv_cache": sizes.kv_cache_format(weights_format, decode_precision)}
     plan.cache_policy, plan.dispatch_mode = ec.cache_policy, ec.force_expert_path or "per-expert"
     plan.staging_buffers, plan.read_ahead = ec.staging_buffers, ec.read_ahead
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()

@@ -306,13 +306,18 @@ class CPUDecodeStep:
     def takes_prefill_rows(self, cache: KVCache) -> bool:
         """Whether a call over `cache` may carry several rows of one sequence (see the class): the
         native step running every layer itself (no module fallbacks, which assume one token per
-        slot), over a cache in the model's dtype."""
-        return (self.native is not None and cache.k.dtype == self.final_norm.dtype
-                and all(seg[0] == "native" for seg in self.fallback))
+        slot), over a cache it reads (native_cache)."""
+        return self.native_cache(cache) and all(seg[0] == "native" for seg in self.fallback)
+
+    def native_cache(self, cache: KVCache) -> bool:
+        """Whether the native step runs over `cache`: in the model's dtype, or bf16 beside an fp32
+        model (the plan's KV cache under lossy decode copies, memory/sizes.kv_cache_format)."""
+        kv, model = cache.k.dtype, self.final_norm.dtype
+        return self.native is not None and (kv == model or (kv == torch.bfloat16 and model == torch.float32))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  cache: KVCache, rows: torch.Tensor | None = None) -> torch.Tensor:
-        if self.native is not None and cache.k.dtype == self.final_norm.dtype:
+        if self.native_cache(cache):
             return self._native_call(input_ids, positions, slots, cache, rows)
         meta = build_attention_metadata(self.model.rotary, positions, slots, self.sliding_window)
         B = input_ids.shape[0]
@@ -382,6 +387,8 @@ class CPUDecodeStep:
             k, v = ck[None, :, :S], cv[None, :, :S]
         else:
             k, v = cache.update(L.idx, k, v, meta)
+        if k.dtype != q.dtype:  # a bf16 cache beside fp32 activations (memory/sizes.kv_cache_format)
+            k, v = k.to(q.dtype), v.to(q.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask,
                                              scale=self.scale, enable_gqa=self.gqa)
         return L.o(out.view(B, H * hd))

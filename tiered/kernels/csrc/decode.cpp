@@ -187,8 +187,9 @@ __attribute__((always_inline)) inline float hsum8(v8f s) {
   return s[0];
 }
 
-// p [rows, n] <- softmax of each row, in place.
-__attribute__((always_inline)) inline void softmax_rows(float* p, int64_t rows, int64_t n) {
+// p [rows, n] <- softmax of each row, in place. With `ml` (a part of the keys, split attention):
+// p <- exp(p - max) unnormalized, and ml [rows, 2] <- (max, sum) of each row, for merge_parts.
+__attribute__((always_inline)) inline void softmax_rows(float* p, int64_t rows, int64_t n, float* ml) {
   for (int64_t j = 0; j < rows; ++j) {
     float* pj = p + j * n;
     float mx = -INFINITY;
@@ -196,23 +197,100 @@ __attribute__((always_inline)) inline void softmax_rows(float* p, int64_t rows, 
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; ++t) sum += (pj[t] = exp_fast(pj[t] - mx));
+    if (ml) {
+      ml[2 * j] = mx;
+      ml[2 * j + 1] = sum;
+      continue;
+    }
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < n; ++t) pj[t] *= inv;
   }
 }
 
+// p[0..4) = scale x the sums of a0..a3's 8 lanes (4 dot products' partial sums), one shuffle tree.
+__attribute__((always_inline)) inline void hsum8x4(v8f a0, v8f a1, v8f a2, v8f a3, float scale, float* p) {
+  // unpack lo / hi within each 128-bit lane: [a0_0+a0_2, a1_0+a1_2, a0_1+a0_3, a1_1+a1_3 | same for 4..7]
+  const v8f s01 = __builtin_shufflevector(a0, a1, 0, 8, 1, 9, 4, 12, 5, 13) +
+                  __builtin_shufflevector(a0, a1, 2, 10, 3, 11, 6, 14, 7, 15);
+  const v8f s23 = __builtin_shufflevector(a2, a3, 0, 8, 1, 9, 4, 12, 5, 13) +
+                  __builtin_shufflevector(a2, a3, 2, 10, 3, 11, 6, 14, 7, 15);
+  // [a0_0..3, a1_0..3, a2_0..3, a3_0..3 | the same over lanes 4..7]
+  const v8f u = __builtin_shufflevector(s01, s23, 0, 1, 8, 9, 4, 5, 12, 13) +
+                __builtin_shufflevector(s01, s23, 2, 3, 10, 11, 6, 7, 14, 15);
+  const v8f w = u + __builtin_shufflevector(u, u, 4, 5, 6, 7, 0, 1, 2, 3);
+  for (int i = 0; i < 4; ++i) p[i] = w[i] * scale;
+}
+
+// o [J, hd] = p [J, n] V [n, hd] for J query heads (rows of p n apart): 32 columns at a time in
+// J x 4 registers, each value row loaded (a bf16 cache: converted) once for the J heads.
+template <int J, typename E>
+__attribute__((always_inline)) inline void weigh_values(const float* p, int64_t n, const E* V, int64_t hd, float* o) {
+  for (int64_t c0 = 0; c0 < hd; c0 += 32) {
+    v8f acc[J][4] = {};
+    for (int64_t t = 0; t < n; ++t) {
+      const E* v = V + t * hd + c0;
+      const v8f v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+      for (int j = 0; j < J; ++j) {
+        const float w = p[j * n + t];
+        acc[j][0] += w * v0;
+        acc[j][1] += w * v1;
+        acc[j][2] += w * v2;
+        acc[j][3] += w * v3;
+      }
+    }
+    for (int j = 0; j < J; ++j)
+      for (int c = 0; c < 4; ++c) std::memcpy(o + j * hd + c0 + 8 * c, &acc[j][c], sizeof(v8f));
+  }
+}
+
 // One KV head's attention for its `group` query heads q [group, hd] over n cached rows K, V [n, hd]:
 // o [group, hd] = softmax(q K^T * scale) V, each key and value row read once for the whole group.
-// p: scratch [group, n]. E is the cache's element: float, or bf16 as its bits.
+// p: scratch [group, n]. E is the cache's element: float, or bf16 as its bits. With `ml` (a part of
+// the keys): o unnormalized and ml [group, 2] the parts' (max, sum) of scores (softmax_rows).
 // always_inline: each target_clones copy of attend() below must get its own wide-vector copy of this
 // loop (an out-of-line template would be compiled once, for the x86-64 baseline's SSE: measured 4-wide
 // and FMA-less, ~18% of a 16-row SmolLM2 step).
 template <typename E, typename Load>
 __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale,
-                        float* p, float* o, Load load) {
+                        float* p, float* o, float* ml, Load load) {
   if constexpr (std::is_same_v<E, float> || std::is_same_v<E, uint16_t>) {
-    if (hd % 64 == 0) {  // head_dim 64, 128, ..: vector loops with no per-element reduction
-      for (int64_t t = 0; t < n; ++t) {  // scores: two FMA chains a dot product, one shuffle-tree sum
+    if (hd % 32 == 0 && hd <= 256) {  // head_dim 64, 96, 128, ..: vector loops
+      // scores, 8 keys at a time: each key row converted to fp32 once for the whole group (a bf16
+      // cache), 8 independent FMA chains a query head, one shuffle tree for 4 dot products
+      alignas(32) float kb[8 * 256];
+      int64_t t = 0;
+      const int64_t row_bytes = hd * int64_t(sizeof(E));
+      for (; t + 8 <= n; t += 8) {
+        // the cache comes from DRAM (another layer's ran in between): ask for the keys two blocks
+        // ahead, and for this block's values, which the weighing below reads from the L2 then
+        const char* kn = reinterpret_cast<const char*>(K + std::min(t + 16, n - 1) * hd);
+        const char* vn = reinterpret_cast<const char*>(V + t * hd);
+        for (int64_t b = 0; b < 8 * row_bytes; b += 64) {
+          __builtin_prefetch(kn + b);
+          __builtin_prefetch(vn + b);
+        }
+        const float* kf;
+        if constexpr (std::is_same_v<E, uint16_t>) {
+          for (int64_t i = 0; i < 8 * hd; i += 8) {
+            const v8f x = load8(K + t * hd + i);
+            std::memcpy(kb + i, &x, sizeof(v8f));
+          }
+          kf = kb;
+        } else {
+          kf = K + t * hd;
+        }
+        for (int64_t j = 0; j < group; ++j) {
+          const float* qj = q + j * hd;
+          v8f a[8] = {};
+          for (int64_t c = 0; c < hd; c += 8) {
+            const v8f qv = load8(qj + c);
+            for (int u = 0; u < 8; ++u) a[u] += qv * load8(kf + u * hd + c);
+          }
+          hsum8x4(a[0], a[1], a[2], a[3], scale, p + j * n + t);
+          hsum8x4(a[4], a[5], a[6], a[7], scale, p + j * n + t + 4);
+        }
+      }
+      for (; t < n; ++t) {  // the last keys one at a time: two FMA chains a dot product
         const E* k = K + t * hd;
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = q + j * hd;
@@ -224,18 +302,12 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
           p[j * n + t] = hsum8(a0 + a1) * scale;
         }
       }
-      softmax_rows(p, group, n);
-      for (int64_t j = 0; j < group; ++j)  // o_j: 64 columns at a time in 8 registers over every row of V
-        for (int64_t c0 = 0; c0 < hd; c0 += 64) {
-          v8f acc[8] = {};
-          const float* pj = p + j * n;
-          for (int64_t t = 0; t < n; ++t) {
-            const E* v = V + t * hd + c0;
-            const float w = pj[t];
-            for (int c = 0; c < 8; ++c) acc[c] += w * load8(v + 8 * c);
-          }
-          for (int c = 0; c < 8; ++c) std::memcpy(o + j * hd + c0 + 8 * c, &acc[c], sizeof(v8f));
-        }
+      softmax_rows(p, group, n, ml);
+      // o: up to 3 query heads x 32 columns in 12 registers, each value row converted once for them
+      int64_t j = 0;
+      for (; j + 3 <= group; j += 3) weigh_values<3>(p + j * n, n, V, hd, o + j * hd);
+      if (group - j == 2) weigh_values<2>(p + j * n, n, V, hd, o + j * hd);
+      if (group - j == 1) weigh_values<1>(p + j * n, n, V, hd, o + j * hd);
       return;
     }
   }
@@ -249,7 +321,7 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
       p[j * n + t] = d * scale;
     }
   }
-  softmax_rows(p, group, n);
+  softmax_rows(p, group, n, ml);
   std::fill(o, o + group * hd, 0.f);
   for (int64_t t = 0; t < n; ++t) {
     const E* v = V + t * hd;
@@ -263,19 +335,19 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
 }
 
 TIERED_CLONES void attend(const float* q, int64_t group, const float* K, const float* V, int64_t n, int64_t hd,
-                          float scale, float* p, float* o) {
-  attend_impl(q, group, K, V, n, hd, scale, p, o, [](float v) { return v; });
+                          float scale, float* p, float* o, float* ml) {
+  attend_impl(q, group, K, V, n, hd, scale, p, o, ml, [](float v) { return v; });
 }
 
 TIERED_CLONES void attend(const float* q, int64_t group, const uint16_t* K, const uint16_t* V, int64_t n, int64_t hd,
-                          float scale, float* p, float* o) {
-  attend_impl(q, group, K, V, n, hd, scale, p, o, bf16_to_float);
+                          float scale, float* p, float* o, float* ml) {
+  attend_impl(q, group, K, V, n, hd, scale, p, o, ml, bf16_to_float);
 }
 
 template <typename E>  // other cache dtypes (fp16, fp64): the plain loops
 void attend(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale, float* p,
-            float* o) {
-  attend_impl(q, group, K, V, n, hd, scale, p, o, [](E v) { return float(v); });
+            float* o, float* ml) {
+  attend_impl(q, group, K, V, n, hd, scale, p, o, ml, [](E v) { return float(v); });
 }
 
 // The cache's element type as the vector loops see it (bf16 as its bits).
@@ -372,17 +444,22 @@ class DecodeStep {
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
   // x [B, D] (model dtype, updated in place); cos, sin [B, hd] fp32; slots, positions int64 [B];
-  // k_cache, v_cache [L, num_slots, Hkv, max_len, hd] in x's dtype. Runs layers [first, last); a
+  // k_cache, v_cache [L, num_slots, Hkv, max_len, hd] in x's dtype, or bfloat16 beside float32 x (the
+  // plan's 16-bit KV cache under quantized decode weights: half the bytes each step's attention
+  // streams; keys and values are rounded to bf16 as they are written). Runs layers [first, last); a
   // layer with set_moe runs its MoE block too when `moe` (float32 or bfloat16 x), else attention only.
   void forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache, int64_t first, int64_t last,
                bool moe = true) {
     TIERED_CHECK(x.dim() == 2 && x.size(1) == D && x.is_contiguous(), "decode step: x must be contiguous [B, ", D, "]");
     TIERED_CHECK(0 <= first && first <= last && last <= num_layers(), "decode step: bad layer range");
-    TIERED_CHECK(k_cache.scalar_type() == x.scalar_type() && v_cache.scalar_type() == x.scalar_type() &&
+    const bool bf16_cache = x.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;
+    TIERED_CHECK((k_cache.scalar_type() == x.scalar_type() || bf16_cache) &&
+                v_cache.scalar_type() == k_cache.scalar_type() &&
                 k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5 &&
                 k_cache.size(2) == Hkv && k_cache.size(4) == hd,
-                "decode step: the KV cache must be contiguous [L, slots, Hkv, max_len, hd] in x's dtype");
+                "decode step: the KV cache must be contiguous [L, slots, Hkv, max_len, hd] in x's dtype "
+                "(or bfloat16 beside float32 x)");
     const int64_t B = x.size(0);
     auto c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
     auto sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
@@ -401,10 +478,16 @@ class DecodeStep {
     }
     pybind11::gil_scoped_release nogil;
     RECORD_FUNCTION("tiered::decode_layers", std::vector<c10::IValue>());  // its self time: the glue
+    if (bf16_cache) {
+      run<float, at::BFloat16>(x.data_ptr<float>(), B, c.data_ptr<float>(), s.data_ptr<float>(),
+                               sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(), k_cache.data_ptr<at::BFloat16>(),
+                               v_cache.data_ptr<at::BFloat16>(), n_slots, max_len, first, last, moe);
+      return;
+    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "tiered_decode", [&] {
-      run<scalar_t>(x.data_ptr<scalar_t>(), B, c.data_ptr<float>(), s.data_ptr<float>(), sl.data_ptr<int64_t>(),
-                    ps.data_ptr<int64_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), n_slots,
-                    max_len, first, last, moe);
+      run<scalar_t, scalar_t>(x.data_ptr<scalar_t>(), B, c.data_ptr<float>(), s.data_ptr<float>(),
+                              sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(), k_cache.data_ptr<scalar_t>(),
+                              v_cache.data_ptr<scalar_t>(), n_slots, max_len, first, last, moe);
     });
   }
 
@@ -448,10 +531,10 @@ class DecodeStep {
 
   // The glue runs row-parallel in four regions a layer: [x += y; h = norm(x)] (the previous
   // layer's FFN residual with this layer's input norm), RoPE and the KV write, [x += y; h = norm(x)]
-  // (the attention residual with the post-attention norm), SwiGLU; attention splits over (row, KV head).
-  template <typename T>
-  void run(T* xs, int64_t B, const float* cos, const float* sin, const int64_t* slots, const int64_t* pos, T* kc,
-           T* vc, int64_t n_slots, int64_t max_len, int64_t first, int64_t last, bool moe) {
+  // (the attention residual with the post-attention norm), SwiGLU; attention splits its key rows over the threads (split-K).
+  template <typename T, typename C>
+  void run(T* xs, int64_t B, const float* cos, const float* sin, const int64_t* slots, const int64_t* pos, C* kc,
+           C* vc, int64_t n_slots, int64_t max_len, int64_t first, int64_t last, bool moe) {
     const int64_t QK = (H + Hkv) * hd, QKV = (H + 2 * Hkv) * hd, half = hd / 2;
     std::vector<float> x(B * D), h(B * D), qkv(B * QKV), att(B * H * hd), y(B * D), tmp;
     for (int64_t i = 0; i < B * D; ++i) x[i] = float(xs[i]);
@@ -491,12 +574,12 @@ class DecodeStep {
         for (int64_t g = 0; g < Hkv; ++g) {
           const int64_t at_ = (((l * n_slots + slots[b]) * Hkv + g) * max_len + pos[b]) * hd;
           for (int64_t i = 0; i < hd; ++i) {
-            kc[at_ + i] = T(r[H * hd + g * hd + i]);
-            vc[at_ + i] = T(r[QK + g * hd + i]);
+            kc[at_ + i] = C(r[H * hd + g * hd + i]);
+            vc[at_ + i] = C(r[QK + g * hd + i]);
           }
         }
       });
-      attention<T>(l, B, qkv.data(), kc, vc, slots, pos, n_slots, max_len, att.data());
+      attention<T, C>(l, B, qkv.data(), kc, vc, slots, pos, n_slots, max_len, att.data());
       L.o.run(att.data(), B, y.data(), tmp);
       pending = false;
       if (L.moe && moe) {  // x += the routed experts' weighted sum of norm(x)
@@ -579,7 +662,7 @@ class DecodeStep {
     });
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t e = 0; e < E; ++e) p[e] = rnd<T>(logits[b * E + e]);
-      softmax_rows(p.data(), 1, E);
+      softmax_rows(p.data(), 1, E, nullptr);
       std::iota(order.begin(), order.end(), int64_t(0));
       std::partial_sort(order.begin(), order.begin() + k, order.end(),
                         [&](int64_t a, int64_t c) { return p[a] > p[c] || (p[a] == p[c] && a < c); });
@@ -618,48 +701,108 @@ class DecodeStep {
 
   // att [B, H*hd] = softmax(q k^T * scale) v over each row's cached positions, rounded to T. The
   // H / Hkv query heads of one KV head share each key and value row as it is read.
-  template <typename T>
-  void attention(int64_t l, int64_t B, const float* qkv, const T* kc, const T* vc, const int64_t* slots,
+  //
+  // Parallel, the (row, KV head) items' key rows are cut into nt runs of equal length, one a thread
+  // (split-K, as flash-decoding splits a long context): an item cut in parts gives each part's
+  // unnormalized output with its scores' max and sum, and merge_parts rescales and adds them. At
+  // batch 1 an item per KV head left threads idle (SmolLM2's 3 KV heads on 2 threads: 2 and 1), and
+  // below ~450 keys the step ran attention on one thread while the others waited (measured ~71 ns a
+  // key and layer, 14% of a 128-key SmolLM2 step on 2 cores).
+  template <typename T, typename C>
+  void attention(int64_t l, int64_t B, const float* qkv, const C* kc, const C* vc, const int64_t* slots,
                  const int64_t* pos, int64_t n_slots, int64_t max_len, float* att) const {
-    using E = typename Elem<T>::type;
+    using E = typename Elem<C>::type;
     const int64_t QKV = (H + 2 * Hkv) * hd, group = H / Hkv;
     // the cached rows row b attends to: the last `window_` of its pos[b] + 1 (all without a window)
     auto keys_of = [&](int64_t b) { return window_ > 0 ? std::min(pos[b] + 1, window_) : pos[b] + 1; };
     int64_t keys = 0;  // key rows read per KV head, over the batch
     for (int64_t b = 0; b < B; ++b) keys += keys_of(b);
-    auto body = [&](int64_t begin, int64_t end) {
+    // keys [t0, t1) of item bg's (row b, KV head g); `ml` null: the whole item, normalized into att
+    auto part = [&](int64_t bg, int64_t t0, int64_t t1, float* o, float* ml, std::vector<float>& p) {
+      const int64_t b = bg / Hkv, g = bg % Hkv;
+      const int64_t lo = pos[b] + 1 - keys_of(b) + t0;
+      const int64_t base = (((l * n_slots + slots[b]) * Hkv + g) * max_len + lo) * hd;
+      const float* q = qkv + b * QKV + g * group * hd;  // the group's query heads, consecutive
+      p.resize(group * (t1 - t0));
+      attend(q, group, reinterpret_cast<const E*>(kc + base), reinterpret_cast<const E*>(vc + base), t1 - t0, hd,
+             scale_, p.data(), o, ml);
+    };
+    auto out_of = [&](int64_t bg) { return att + (bg / Hkv) * H * hd + (bg % Hkv) * group * hd; };
+    const int64_t nt = at::get_num_threads(), items = B * Hkv, work = keys * Hkv;
+    if (work < kSplitKeys || nt < 2) {
       std::vector<float> p;
-      for (int64_t bg = begin; bg < end; ++bg) {
-        const int64_t b = bg / Hkv, g = bg % Hkv;
-        const int64_t n = keys_of(b), lo = pos[b] + 1 - n;
-        const int64_t base = (((l * n_slots + slots[b]) * Hkv + g) * max_len + lo) * hd;
-        const E* K = reinterpret_cast<const E*>(kc + base);
-        const E* V = reinterpret_cast<const E*>(vc + base);
-        const float* q = qkv + b * QKV + g * group * hd;  // the group's query heads, consecutive
-        p.resize(group * n);
-        float* o = att + b * H * hd + g * group * hd;
-        attend(q, group, K, V, n, hd, scale_, p.data(), o);
+      for (int64_t bg = 0; bg < items; ++bg) {
+        float* o = out_of(bg);
+        part(bg, 0, keys_of(bg / Hkv), o, nullptr, p);
         for (int64_t i = 0; i < group * hd; ++i) o[i] = rnd<T>(o[i]);
       }
-    };
-    const int64_t nt = at::get_num_threads(), items = B * Hkv;
-    if (keys * H * hd < (1 << 18) || nt < 2) {
-      body(0, items);
       return;
     }
-    // contiguous runs of (row, KV head) items of about equal work (keys read) per thread: rows of a
-    // batch differ in length, and parallel_for's equal item counts left one thread waiting
-    std::vector<int64_t> cut(nt + 1, items);
-    cut[0] = 0;
-    int64_t done = 0, t = 1;
-    for (int64_t i = 0; i < items && t < nt; ++i) {
-      done += keys_of(i / Hkv);
-      while (t < nt && done * nt >= keys * Hkv * t) cut[t++] = i + 1;
+    // the runs: thread k takes key rows [k * work / nt, (k + 1) * work / nt) of the items in order
+    struct Seg { int64_t bg, t0, t1, slot; };  // slot: its partial output's index, -1 = whole item
+    std::vector<std::vector<Seg>> runs(nt);
+    std::vector<int64_t> first_part(items, -1), parts(items, 0);
+    int64_t start = 0, nparts = 0;
+    for (int64_t bg = 0; bg < items; ++bg) {
+      const int64_t n = keys_of(bg / Hkv);
+      for (int64_t k = start * nt / work; k < nt && k * work / nt < start + n; ++k) {
+        const int64_t a = std::max(k * work / nt, start), e = std::min((k + 1) * work / nt, start + n);
+        if (a < e) runs[k].push_back({bg, a - start, e - start, -1}), ++parts[bg];
+      }
+      if (parts[bg] > 1) {
+        first_part[bg] = nparts;
+        int64_t s = nparts;
+        for (auto& run : runs)
+          for (auto& seg : run) if (seg.bg == bg) seg.slot = s++;
+        nparts = s;
+      }
+      start += n;
     }
-    at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t k = t0; k < t1; ++k) body(cut[k], cut[k + 1]);
+    const int64_t stride = group * hd + 2 * group;  // a part's o [group, hd], then (max, sum) [group, 2]
+    std::vector<float> partial(nparts * stride);
+    at::parallel_for(0, nt, 1, [&](int64_t k0, int64_t k1) {
+      std::vector<float> p;
+      for (int64_t k = k0; k < k1; ++k)
+        for (const Seg& seg : runs[k]) {
+          if (seg.slot < 0) {
+            float* o = out_of(seg.bg);
+            part(seg.bg, seg.t0, seg.t1, o, nullptr, p);
+            for (int64_t i = 0; i < group * hd; ++i) o[i] = rnd<T>(o[i]);
+          } else {
+            float* o = partial.data() + seg.slot * stride;
+            part(seg.bg, seg.t0, seg.t1, o, o + group * hd, p);
+          }
+        }
     });
+    for (int64_t bg = 0; bg < items; ++bg)
+      if (parts[bg] > 1)
+        merge_parts<T>(partial.data() + first_part[bg] * stride, parts[bg], group, hd, out_of(bg));
   }
+
+  // o [group, hd] <- sum_s e^(m_s - m) o_s / sum_s e^(m_s - m) l_s over `n` parts of one item's keys
+  // (each part: o_s [group, hd] unnormalized, then (m_s, l_s) a query head), rounded to T.
+  template <typename T>
+  static void merge_parts(const float* part, int64_t n, int64_t group, int64_t hd, float* o) {
+    const int64_t stride = group * hd + 2 * group;
+    for (int64_t j = 0; j < group; ++j) {
+      float m = -INFINITY;
+      for (int64_t s = 0; s < n; ++s) m = std::max(m, part[s * stride + group * hd + 2 * j]);
+      float l = 0.f;
+      float* oj = o + j * hd;
+      std::fill(oj, oj + hd, 0.f);
+      for (int64_t s = 0; s < n; ++s) {
+        const float* ps = part + s * stride;
+        const float w = std::exp(ps[group * hd + 2 * j] - m);
+        l += w * ps[group * hd + 2 * j + 1];
+        for (int64_t i = 0; i < hd; ++i) oj[i] += w * ps[j * hd + i];
+      }
+      const float inv = 1.f / l;
+      for (int64_t i = 0; i < hd; ++i) oj[i] = rnd<T>(oj[i] * inv);
+    }
+  }
+
+  // attention runs on one thread below this many (key row, KV head) pairs over the batch
+  static constexpr int64_t kSplitKeys = 256;
 
   int64_t D, H, Hkv, hd;
   float scale_;
