@@ -11,7 +11,8 @@ processes used during each engine's measurements is recorded beside its figures.
     llama.cpp     llama-cpp-python on the same GGUF (only if importable; see --install-llama-cpp)
 
 Measured per engine: load time, peak RSS, prefill time at 32/128/512 prompt tokens, decode
-tokens/s over 128 new tokens (greedy, EOS ignored). The same prompt token ids feed every engine.
+tokens/s over 128 new tokens (greedy, EOS ignored) after a 32-token prompt and after a 1024-token one
+(where the KV cache's reads weigh: tiered keeps it in bf16 beside its int4 weights, llama.cpp in f16). The same prompt token ids feed every engine.
 Memory bandwidth (torch sum / copy over 512 MiB, same thread count) is measured in the same run
 and gives each decode figure its bandwidth bound: bandwidth / bytes of weights read per token.
 
@@ -60,6 +61,7 @@ if str(REPO) not in sys.path:
 ENGINES = ("tiered-int4", "tiered-fp32", "hf-fp32", "hf-bf16", "llama.cpp")
 PREFILL_LENGTHS = (32, 128, 512)
 DECODE_PROMPT = 32
+LONG_PROMPT = 1024  # decode after a long prompt too: each token's attention then reads ~1k cached positions
 
 
 # ============================================================================ child-side helpers
@@ -105,7 +107,7 @@ def child_prompts(spec: dict) -> dict:
     tok = open_checkpoint(MODEL).tokenizer()
     text = Path(textwrap.__file__).read_text()  # stdlib source: deterministic, ~5k tokens
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    n = max(spec["lengths"] + [spec["decode_prompt"]])
+    n = max(spec["lengths"] + [spec["decode_prompt"], spec.get("long_prompt", 0)])
     if len(ids) < n:
         ids = (ids * (n // len(ids) + 1))
     # the planner's hardware profile of this machine, measured now if none is cached for these kernels
@@ -398,7 +400,7 @@ def child_server(spec: dict) -> None:
     elif name.startswith("hf"):
         eng = HFEngine("float32" if name == "hf-fp32" else "bfloat16")
     else:
-        eng = LlamaCppEngine(threads, n_ctx=max(spec["lengths"]) + spec["new_tokens"] + 64)
+        eng = LlamaCppEngine(threads, n_ctx=max(spec["lengths"] + [spec["long_prompt"]]) + spec["new_tokens"] + 64)
     res["load_s"] = time.perf_counter() - t0
     res["rss_after_load"] = _rss_now()
     res.update(eng.extra())
@@ -420,6 +422,8 @@ def child_server(spec: dict) -> None:
                 out = eng.prefill(ids_all[:req["n"]])
             elif op == "decode":
                 out = eng.decode(dec_ids, spec["new_tokens"])
+            elif op == "decode_long":
+                out = eng.decode(ids_all[:spec["long_prompt"]], spec["new_tokens"])
             elif op == "fwd_only":
                 out = {"tokens_per_s": eng.forward_only_decode(dec_ids, spec["new_tokens"])}
             elif op == "generate_check":
@@ -659,7 +663,7 @@ def build_report(res: dict) -> str:
     L.append(f"- model: `{res['model']['file']}` ({res['model']['bytes'] / 1e6:.1f} MB)")
     L.append(f"- settings: {s['threads']} threads; prefill medians of {s['prefill_repeats']} (after 1 warm-up; engines loaded side by side in their own processes, measured in interleaved rounds), "
              f"decode medians of {s['decode_repeats']} runs of {s['new_tokens']} new tokens after a "
-             f"{DECODE_PROMPT}-token prompt, greedy, EOS ignored; prompts: {res['prompts']['source']}"
+             f"{DECODE_PROMPT}-token prompt (and after a {s['long_prompt']}-token one), greedy, EOS ignored; prompts: {res['prompts']['source']}"
              f"{'; QUICK smoke run' if s['quick'] else ''}")
     L.append(f"- memory bandwidth (torch, {bw['threads']} threads, {bw['bytes'] >> 20} MiB on transparent huge pages, "
              f"median of {bw['repeats']}): sum {bw['sum_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s "
@@ -671,7 +675,8 @@ def build_report(res: dict) -> str:
              f"processes used while each engine ran (of {m['cores']} cores); where it is well above 0 the "
              f"engine's figures are pessimistic (OpenMP thread pools degrade sharply when oversubscribed)\n")
     hdr = ["engine", "load s", "peak RSS MB"] + [f"prefill {n} ms" for n in s["lengths"]] + \
-          [f"prefill {s['lengths'][-1]} tok/s", "decode tok/s", "fwd-only tok/s", "weights MB/tok", "bound tok/s", "% of bound", "other procs' CPU"]
+          [f"prefill {s['lengths'][-1]} tok/s", "decode tok/s", f"decode tok/s after {s['long_prompt']}",
+           "fwd-only tok/s", "weights MB/tok", "bound tok/s", "% of bound", "other procs' CPU"]
     L.append("| " + " | ".join(hdr) + " |")
     L.append("|" + "|".join(["---"] + ["---:"] * (len(hdr) - 1)) + "|")
     for name in s["engines"]:
@@ -686,6 +691,7 @@ def build_report(res: dict) -> str:
         cells += [_fmt(r["prefill"][str(n)]["median_s"] * 1e3, "{:.1f}") for n in s["lengths"]]
         cells += [_fmt(r["prefill"][str(s["lengths"][-1])]["tokens_per_s"], "{:.0f}"),
                   _fmt(d["median_tokens_per_s"], "{:.1f}"),
+                  _fmt(r.get("decode_long", {}).get("median_tokens_per_s"), "{:.1f}"),
                   _fmt(d.get("forward_only_median_tokens_per_s"), "{:.1f}"),
                   _fmt(bpt / 1e6, "{:.1f}"), _fmt(bound, "{:.1f}"),
                   _fmt(100 * d["median_tokens_per_s"] / bound, "{:.0f}%"),
@@ -790,6 +796,12 @@ def compute_targets(res: dict) -> dict:
             ratios.update({"tiered-int4_peak_rss_vs_llama_cpp": rss, "tiered-int4_share_of_bound": frac})
             met = lambda ok_: "MET" if ok_ else "NOT met"  # noqa: E731
             lines.append(f"tiered-int4 decode {r:.2f}x llama.cpp; target >= 1.0x: {met(r >= 1.0)}")
+            if "decode_long" in t and "decode_long" in l:
+                rl = t["decode_long"]["median_tokens_per_s"] / l["decode_long"]["median_tokens_per_s"]
+                ratios["tiered-int4_decode_long_vs_llama_cpp"] = rl
+                lines.append(f"tiered-int4 decode after a {t['decode_long']['prompt_tokens']}-token prompt "
+                             f"{t['decode_long']['median_tokens_per_s']:.1f} tok/s = {rl:.2f}x llama.cpp's "
+                             f"{l['decode_long']['median_tokens_per_s']:.1f}")
             if frac is not None:
                 lines.append(f"tiered-int4 decode at {100 * frac:.0f}% of its bandwidth bound; target >= 40%: {met(frac >= 0.4)}")
             if rss is not None:
@@ -865,6 +877,7 @@ def main(argv=None) -> int:
     decode_repeats = a.decode_repeats or (1 if a.quick else (max(1, prefill_repeats * 3 // 5) if a.repeats else 3))
     new_tokens = a.new_tokens or (16 if a.quick else 128)
     spec = {"threads": a.threads, "lengths": list(PREFILL_LENGTHS), "decode_prompt": DECODE_PROMPT,
+            "long_prompt": 256 if a.quick else LONG_PROMPT,
             "prefill_repeats": prefill_repeats, "decode_repeats": decode_repeats, "new_tokens": new_tokens,
             "warmup": not a.quick, "hf_generate_check": not (a.quick or a.no_hf_generate_check),
             "bw_mib": 128 if a.quick else 512, "bw_repeats": 3 if a.quick else 7,
@@ -945,6 +958,7 @@ def main(argv=None) -> int:
         names = list(workers)
         prefill_runs = {e: {n: [] for n in spec["lengths"]} for e in names}
         decode_runs = {e: [] for e in names}
+        long_runs = {e: [] for e in names}
         fwd_runs = {e: [] for e in names}
         # interleaved rounds: each round visits every engine (rotating order), so slow changes in
         # the machine's background load hit all engines alike
@@ -964,13 +978,14 @@ def main(argv=None) -> int:
             order = names[rep % len(names):] + names[:rep % len(names)] if names else []
             for e in order:
                 decode_runs[e].append(workers[e].call("decode"))
+                long_runs[e].append(workers[e].call("decode_long"))
                 if e.startswith("tiered"):
                     fwd_runs[e].append(workers[e].call("fwd_only"))
             print(f"decode round {rep + 1}/{spec['decode_repeats']}: " + ", ".join(
                 f"{e} {decode_runs[e][-1].get('tokens_per_s', float('nan')):.1f}" for e in names) + " tok/s", flush=True)
         for e in names:
             r, w = res["engines"][e], workers[e]
-            errs = [x["error"] for x in [*decode_runs[e], *fwd_runs[e], *(y for v in prefill_runs[e].values() for y in v)]
+            errs = [x["error"] for x in [*decode_runs[e], *long_runs[e], *fwd_runs[e], *(y for v in prefill_runs[e].values() for y in v)]
                     if "error" in x]
             if errs:
                 r["status"] = "error"
@@ -991,6 +1006,11 @@ def main(argv=None) -> int:
                            "runs_tokens_per_s": [x["tokens_per_s"] for x in dr],
                            "median_itl_s": _median([x["itl_s"] for x in dr]),
                            "token_ids": dr[0]["token_ids"]}
+            lr = long_runs[e]
+            r["decode_long"] = {"prompt_tokens": spec["long_prompt"], "new_tokens": spec["new_tokens"],
+                                "median_tokens_per_s": _median([x["tokens_per_s"] for x in lr]),
+                                "runs_tokens_per_s": [x["tokens_per_s"] for x in lr],
+                                "median_itl_s": _median([x["itl_s"] for x in lr])}
             if fwd_runs[e]:
                 fo = [x["tokens_per_s"] for x in fwd_runs[e]]
                 r["decode"]["forward_only_median_tokens_per_s"] = _median(fo)
