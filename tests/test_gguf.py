@@ -244,6 +244,16 @@ def test_q8_0_embedding_rows_equal_the_gguf_packages():
     ref = dequantize(rows, Q.Q8_0).reshape(-1, 576)
     got = q8_0_rows(rows, 576)
     assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(ref))
+    from tiered import kernels
+
+    ext = kernels.load()
+    if ext is None:
+        pytest.skip("tiered/kernels not built: the native lookup")
+    # the native lookup BlockEmbedding takes when the kernels are built: the same bits
+    native = ext.q8_0_rows(torch.from_numpy(blocks), torch.tensor([3, 7, 7, 39, 0]), 576)
+    assert torch.equal(native, torch.from_numpy(ref))
+    with pytest.raises(RuntimeError, match="outside the table of 40 rows"):
+        ext.q8_0_rows(torch.from_numpy(blocks), torch.tensor([40]), 576)
 
 
 def test_fast_reader_parses_what_gguf_parses(tmp_path):

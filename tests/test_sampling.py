@@ -356,3 +356,14 @@ def test_sample_filtered_draws_from_the_torch_filters_distribution(params):
     assert float((counts / n - probs).abs().sum()) < 0.02  # total variation of the u-grid's draws
     draw = lambda s: sample_tokens(logits[None], [sp], [seen], [torch.Generator().manual_seed(s)])
     assert draw(7) == draw(7)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")]), min_size=1, max_size=40))
+def test_greedy_token_is_torch_argmax(values):
+    """The numpy argmax greedy decoding takes on the CPU picks what torch.argmax picks: the first of
+    equal maxima, a NaN as the maximum, all -inf rows at 0."""
+    from tiered.engine.sampling import greedy_token
+
+    x = torch.tensor(values, dtype=torch.float32)
+    assert greedy_token(x) == int(torch.argmax(x))

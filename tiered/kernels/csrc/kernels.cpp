@@ -123,8 +123,43 @@ std::string cpu_isa() {
 
 }  // namespace
 
+namespace {
+
+// GGUF Q8_0 rows of an embedding table blocks uint8 [V, dim / 32 * 34] (per block of 32: an fp16
+// scale d, then 32 int8 q) at ids int64 [n] -> fp32 [n, dim] = q * d, the products of
+// gguf.quants.dequantize (quant/embedding.q8_0_rows) in one call: a decode step's lookup right after
+// the step's weights have streamed through the caches took ~60 us as numpy ops, cold.
+at::Tensor q8_0_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t dim) {
+  TIERED_CHECK(dim > 0 && dim % 32 == 0 && blocks.dim() == 2 && blocks.scalar_type() == at::kByte &&
+              blocks.is_contiguous() && blocks.size(1) == dim / 32 * 34,
+              "q8_0_rows: blocks must be contiguous uint8 [V, dim / 32 * 34]");
+  auto idx = ids.to(at::kLong).contiguous().view(-1);
+  const int64_t n = idx.numel(), V = blocks.size(0), rb = blocks.size(1);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TIERED_CHECK(0 <= ip[i] && ip[i] < V, "q8_0_rows: token id ", ip[i], " outside the table of ", V, " rows");
+  auto out = at::empty({n, dim}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* base = blocks.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* row = base + ip[i] * rb;
+    for (int64_t g = 0; g < dim / 32; ++g) {
+      const uint8_t* b = row + g * 34;
+      const float d = float(c10::Half(uint16_t(b[0] | (b[1] << 8)), c10::Half::from_bits()));
+      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+      float* og = o + i * dim + g * 32;
+      for (int j = 0; j < 32; ++j) og[j] = float(q[j]) * d;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 void register_kernels(pybind11::module& m) {
   namespace py = pybind11;
+  m.def("q8_0_rows", &q8_0_rows, py::arg("blocks"), py::arg("ids"), py::arg("dim"),
+        "GGUF Q8_0 embedding rows: blocks uint8 [V, dim / 32 * 34], ids int64 [n] -> fp32 [n, dim]");
   py::class_<Kernel, KernelPtr>(m, "Kernel", "One projection y [B, N] fp32 = x [B, K] . W^T (+ bias).")
       .def_readonly("in_features", &Kernel::in_features)
       .def_readonly("out_features", &Kernel::out_features)
