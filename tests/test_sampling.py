@@ -363,7 +363,12 @@ def test_sample_filtered_draws_from_the_torch_filters_distribution(params):
 def test_greedy_token_is_torch_argmax(values):
     """The numpy argmax greedy decoding takes on the CPU picks what torch.argmax picks: the first of
     equal maxima, a NaN as the maximum, all -inf rows at 0."""
-    from tiered.engine.sampling import greedy_token
+    from tiered.engine.sampling import greedy_token, sample_tokens
 
     x = torch.tensor(values, dtype=torch.float32)
     assert greedy_token(x) == int(torch.argmax(x))
+    # rows of a batch, all greedy: sample_tokens' one numpy argmax over the rows
+    rows = torch.stack([x, x.flip(0)])
+    greedy = SamplingParams(temperature=0.0)
+    assert sample_tokens(rows, [greedy, greedy], [torch.empty(0, dtype=torch.long)] * 2, [None, None]) == \
+        [int(torch.argmax(r)) for r in rows]

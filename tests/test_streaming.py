@@ -152,6 +152,22 @@ def feed(tokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> tuple[Sequenc
     return seq, streamed
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_the_window_fallback_gives_the_streams_text(zoo, data):
+    """append_token_text runs tokenizers' DecodeStream where the tokenizer has a `tokenizers` backend,
+    else decodes a window per token (vLLM's rule): both give the same text, special tokens,
+    incomplete UTF-8 and all."""
+    class Plain:  # no `_tokenizer`: the window fallback
+        def decode(self, ids, skip_special_tokens=False):
+            return zoo.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = data.draw(st.lists(st.integers(0, zoo.vocab_size - 1), min_size=1, max_size=30))
+    (stream, _), (window, _) = feed(zoo.tokenizer, ids), feed(Plain(), ids)
+    assert stream.decode_stream is not None and window.decode_stream is None
+    assert stream.text == window.text
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_incremental_detokenization_equals_full_decode(zoo, data):

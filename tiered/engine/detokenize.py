@@ -10,7 +10,20 @@ def append_token_text(tokenizer, seq: Sequence) -> None:
 
     Decodes a short window (prefix_offset..end) so multi-token characters and leading-space rules
     come out right; text ending in U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
+    With a `tokenizers` backend (transformers' fast tokenizers) the same window rule runs in Rust,
+    one call a token (tokenizers.decoders.DecodeStream): two `decode` calls cost ~50 us a token
+    inside a CPU decode loop, whose weights leave the interpreter's caches cold.
     """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if seq.decode_stream is None and _stream_class() is not None and backend is not None and not seq.text:
+        seq.decode_stream = _stream_class()(skip_special_tokens=True)
+        for t in seq.output_ids[:-1]:  # a sequence that had text decoded before: none here (text is empty)
+            seq.decode_stream.step(backend, t)
+    if seq.decode_stream is not None:
+        piece = seq.decode_stream.step(backend, seq.output_ids[-1])
+        if piece:
+            seq.text += piece
+        return
     ids = seq.output_ids
     prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
     full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
@@ -18,6 +31,15 @@ def append_token_text(tokenizer, seq: Sequence) -> None:
         seq.text += full[len(prefix):]
         seq.prefix_offset = seq.read_offset
         seq.read_offset = len(ids)
+
+
+def _stream_class():
+    """tokenizers' DecodeStream (tokenizers >= 0.21), or None."""
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    return DecodeStream
 
 
 def apply_stop_strings(seq: Sequence) -> None:

@@ -75,6 +75,7 @@ class Sequence:
     emitted: int = 0  # characters of `text` already streamed
     prefix_offset: int = 0
     read_offset: int = 0
+    decode_stream: object = None  # tokenizers.decoders.DecodeStream of output_ids (engine/detokenize.py)
     finish_reason: str | None = None
     t_start: float = field(default_factory=time.perf_counter)
     t_prefill_start: float = 0.0
