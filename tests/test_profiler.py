@@ -59,6 +59,10 @@ def test_quick_profile_structure(measured):
         assert f"gemm/cpu/{dtype}" in p.models or f"gemm/cpu/{dtype}" in p.meta["skipped"]
     if kernels.available():  # the native kernels' own keys: int4 experts on int8 x, int8 per group of 32
         assert "gemv/cpu/int4q8" in p.models and "gemv/cpu/int8-g32" in p.models
+        if p.meta.get("llc_bytes"):  # the native step's attention from DRAM, a bf16 cache cheaper a position
+            assert "attn_decode/cpu/bf16" in p.models and "attn_decode/cpu/fp32" in p.models
+            bf16, fp32 = (p.meta["points"][f"attn_decode/cpu/{k}"] for k in ("bf16", "fp32"))
+            assert [n for n, _ in fp32] == [2 * n for n, _ in bf16]  # the same positions, twice the bytes
         assert op_time.find(p, "gemv", "cpu", "int8-g32") is p.models["gemv/cpu/int8-g32"]
     for key, m in p.models.items():
         assert m.alpha >= 0 and m.beta >= 0, key
@@ -228,7 +232,8 @@ def test_scaling_the_cpu_bandwidth_moves_only_bandwidth_bound_cpu_terms():
     from tiered.hardware.profile import scale_cpu_bandwidth
 
     hw = HardwareProfile("box", "test", {k: LinearModel(1e-6, 2e-11, 0.9) for k in (
-        "gemv/cpu/bf16", "gemv_dram/cpu/int4", "attn/cpu/fp32", "memory/bandwidth/cpu", "memory/bandwidth_dram/cpu",
+        "gemv/cpu/bf16", "gemv_dram/cpu/int4", "attn/cpu/fp32", "attn_decode/cpu/bf16", "memory/bandwidth/cpu",
+        "memory/bandwidth_dram/cpu",
         "memory/copy/cpu", "gemm/cpu/bf16", "gemv/gpu/bf16", "runtime/decode_step/bf16", "copy/h2d_pinned")})
     slow = scale_cpu_bandwidth(hw, 1.5, "why")
     for key, m in slow.models.items():
@@ -309,6 +314,29 @@ def test_bandwidth_keys_price_bytes_at_their_rate_alone():
     assert op_time.attention_time(noisy, "cpu", "fp32", 0.0, 1e6) == 0.0
     with pytest.raises(ValueError):
         fit_proportional([], [])
+
+
+def test_the_native_steps_attention_is_priced_at_its_measured_rate():
+    """A CPU decode step's native attention costs its KV bytes at attn_decode/cpu/<kv> where profiled
+    (measured ~14 GB/s on 2 Zen 4 cores), never less than the memory's rate, and the memory's rate
+    alone without the key: SmolLM2 after 1024 positions with a bf16 cache."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.planner.cpu_predict import _attention
+
+    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    models = {"gemv/cpu/bf16": LinearModel(0.0, 1 / 40e9, 0.99), "memory/bandwidth/cpu": LinearModel(0.0, 1 / 40e9, 0.99)}
+    meta = {"native_kernels": True}
+    plain = HardwareProfile("box", "test", dict(models), meta=meta)
+    slow = HardwareProfile("box", "test", dict(models, **{"attn_decode/cpu/bf16": LinearModel(1e-4, 1 / 14e9, 0.99)}),
+                           meta=meta)
+    fast = HardwareProfile("box", "test", dict(models, **{"attn_decode/cpu/bf16": LinearModel(0.0, 1 / 80e9, 0.99)}),
+                           meta=meta)
+    kv = 2 * 3 * 64 * 1024 * 2  # a layer's cached keys and values, bf16
+    base = _attention(cfg, plain, "int4", 1024)
+    proj = base - kv / 40e9
+    assert _attention(cfg, slow, "int4", 1024) == pytest.approx(proj + kv / 14e9)
+    assert _attention(cfg, fast, "int4", 1024) == pytest.approx(base)  # never faster than the memory
 
 
 def test_a_decode_gemv_beyond_the_cache_streams_at_the_kernels_own_dram_rate():

@@ -113,7 +113,7 @@ def default_profile_path() -> Path:
 # CPU cost models whose per-byte term is the memory's rate: what a change of the machine's memory
 # bandwidth since the profile moves (a VM's neighbours; the compute-bound GEMM fits and the host
 # overhead keys stay as measured).
-BANDWIDTH_BOUND_CPU = ("gemv/cpu/", "gemv_dram/cpu/", "attn/cpu/", "memory/bandwidth/cpu", "memory/bandwidth_dram/cpu",
+BANDWIDTH_BOUND_CPU = ("gemv/cpu/", "gemv_dram/cpu/", "attn/cpu/", "attn_decode/cpu/", "memory/bandwidth/cpu", "memory/bandwidth_dram/cpu",
                        "memory/copy/cpu")
 
 

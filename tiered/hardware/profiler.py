@@ -17,6 +17,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     gemv_dram/cpu/<dtype>      the native decode GEMVs over 3 x the last-level cache      n = weight bytes
     launch/<dev>         a tiny op (alpha only)
     runtime/task         one task through tiered's executor and back (alpha only)
+    attn_decode/cpu/<kv>         the native decode step's attention per KV-cache byte (cache in <kv>,
+                                 from DRAM; with tiered/kernels built and the LLC's size known)
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
                          n = layers (the fixed per-step and per-layer cost of the model code)
     runtime/decode_step_gpu/<dtype>  the same on CUDA, model in <dtype> (CUDA only)
@@ -284,6 +286,39 @@ def _attn_points(device: str, dtype: str, shapes, sync, repeats: int):
         v = torch.randn(bh, S, hd, device=dev, dtype=td)
         t = median_time(lambda: torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)), -1), v), repeats, sync)
         points.append((2 * bh * S * hd, t))
+    return points
+
+
+def _attn_decode_points(kv: str, repeats: int, cold_bytes: int) -> list[tuple[float, float]]:
+    """(KV-cache bytes a decode step reads, seconds) of the native CPU decode step (runtime/
+    cpu_decode, tiered/kernels) over a cache in `kv` ("fp32" or "bf16", beside fp32 activations):
+    a 2-layer model of Llama-3's attention at head_dim 64 (8 query heads on 2 KV heads, hidden 512,
+    a tiny MLP) decoding one token after 256 / 1024 / 4096 cached positions. Each call attends in
+    the next of as many cache slots as `cold_bytes` takes, so its keys and values come from DRAM as
+    a real step's do (its weights evict the cache between layers). The slope is what the step's
+    attention costs a KV byte: split over the threads and prefetched, but below the memory's rate
+    (SmolLM2 after 1000 positions on 2 Zen 4 cores: ~15 GB/s against ~38 for its weights)."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.memory import sizes
+    from tiered.models import build_model
+    from tiered.models.layers import KVCache
+    from tiered.runtime.cpu_decode import CPUDecodeStep
+
+    layers, points = 2, []
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=512, intermediate_size=64,
+                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    for ctx in (256, 1024, 4096):
+        model = build_model(cfg, ctx + 1).eval()
+        step = CPUDecodeStep(model, native=True)
+        per_slot = sizes.kv_cache_bytes(cfg, 1, ctx + 1, kv)
+        n = max(2, min(4096, -(-cold_bytes // per_slot)))
+        cache = KVCache(cfg, n, ctx + 1, sizes.torch_dtype(kv))
+        cache.k.normal_()
+        cache.v.normal_()
+        ids, pos, turn = torch.tensor([[1]]), torch.tensor([[ctx]]), itertools.cycle([torch.tensor([s]) for s in range(n)])
+        with torch.inference_mode():
+            t = median_time(lambda: step(ids, pos, next(turn), cache), max(5, repeats))
+        points.append((float(sizes.kv_cache_bytes(cfg, 1, ctx, kv)), t))  # the cached positions it reads
     return points
 
 
@@ -633,8 +668,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # built, as a one-copy engine's prompts run, instead of torch's int4pack; and gemv/cpu/int8-g32 is
 # measured (quant/int8.Int8G32Linear's kernel), which int8-g32 weights fell back to gemv/cpu/int8 for;
 # 11: gemm/cpu/int4's Int4Linear.dense takes oneDNN's bf16 GEMM beyond quant/int4.dequantize_rows() rows
-# on AVX-512 (its 128- and 256-row shapes).
-PROFILER_VERSION = 11
+# on AVX-512 (its 128- and 256-row shapes); 12: attn_decode/cpu/<kv>, the native decode step's
+# attention a KV byte from DRAM, which had been priced at the memory's rate.
+PROFILER_VERSION = 12
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -705,6 +741,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
             for dtype in ("bf16",) if quick else ("fp32", "bf16", "int8", "int4"):
                 b.attempt(f"gemv_dram/cpu/{dtype}", lambda d=dtype: _gemm_points(
                     "cpu", d, dram_gemvs, nosync, max(3, r // 2), True, cold_bytes=3 * llc))
+            for kv in ("bf16", "fp32"):  # the native step's attention over a cache in DRAM
+                b.attempt(f"attn_decode/cpu/{kv}", lambda k=kv: _attn_decode_points(k, r, min(3 * llc, 2**30)))
     b.attempt("memory/copy/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=True))
     b.models["launch/cpu"] = LinearModel(_launch_time("cpu", nosync), 0.0, None)
     b.say(f"launch/cpu: {b.models['launch/cpu'].alpha:.3g} s")
