@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -333,6 +334,8 @@ def test_run_prints_the_plan_and_its_prediction(zoo, box):
     assert res.exit_code == 0, res.output
     assert "[plan (box): " in res.output and "FFNs sliced" in res.output
     assert "predicted decode" in res.output and "(measured " in res.output
+    # the positions each figure is at: the plan's priced context (prompt + generated), the run's mean
+    assert re.search(r"tok/s at \d+ positions \(measured [\d.]+ at \d+\)", res.output), res.output
     shown = CliRunner().invoke(app, [*args, "--show-plan", "1 2 3"])
     assert shown.exit_code == 0 and "r_CC  r_CG  r_GG" in shown.output
     off = CliRunner().invoke(app, [*args[:-4], "--plan", "off", "1 2 3"])

@@ -172,9 +172,16 @@ class Plan:
     pinned: str = "huge"
     source: str = "planner"
 
-    def summary(self, measured_tokens_per_s: float | None = None) -> str:
+    def summary(self, measured_tokens_per_s: float | None = None, measured_positions: int | None = None) -> str:
         """One line: what the plan decided, its prediction (beside a measured speed, when given)
-        and the binding resource."""
+        and the binding resource.
+
+        Args:
+            measured_tokens_per_s: a run's decode speed to show beside the prediction.
+            measured_positions: the mean cached positions of that run's decode steps (prompt plus
+                half the generated tokens): shown beside the positions the prediction priced
+                (prompt_tokens + gen_tokens), since a decode step's attention grows with them.
+        """
         moe = [l for l in self.layers if l.kind == "moe"]
         sliced = [l for l in self.layers if l.kind == "dense" and l.r_gg < 1 - 1e-9 and self.fast_tier == "gpu"]
         if self.flexgen:
@@ -192,8 +199,12 @@ class Plan:
                  f"decode {self.predicted_decode_tokens_per_s:.1f} tok/s")
         if self.source == "rules":
             speed = "nothing (no cost model)"
+        priced = self.prompt_tokens + self.gen_tokens
+        if measured_positions is not None and self.source != "rules" and not self.flexgen and priced:
+            speed += f" at {priced} positions"
         if measured_tokens_per_s is not None:
-            speed += f" (measured {measured_tokens_per_s:.1f})"
+            at = f" at {measured_positions}" if measured_positions is not None and " positions" in speed else ""
+            speed += f" (measured {measured_tokens_per_s:.1f}{at})"
         src = {"planner": self.profile, "rules": "runtime rules"}.get(self.source, f"{self.source}, {self.profile}")
         return f"plan ({src}): {what}; predicted {speed}; binding: {self.binding}"
 
