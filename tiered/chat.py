@@ -113,7 +113,7 @@ class Chat:
                          f"{s.prefill_tokens_per_s:.1f} tok/s | decode {s.decode_tokens_per_s:.1f} tok/s | "
                          f"ITL {s.itl_s * 1e3:.1f} ms")
         measured = self.last.stats.decode_tokens_per_s if self.last and self.last.stats.generated_tokens > 1 else None
-        positions = (self.last.stats.prompt_tokens + self.last.stats.generated_tokens // 2) if measured else None
+        positions = self.last.stats.mean_decode_positions if measured else None
         lines.append(f"plan: {self.llm.plan.summary(measured, positions)}")
         rt = self.llm.runtime_stats()
         if rt:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from tiered.engine.sequence import Sequence
 
+try:  # tokenizers >= 0.21: the window rule below, incrementally in Rust
+    from tokenizers.decoders import DecodeStream
+except ImportError:
+    DecodeStream = None
+
 
 def append_token_text(tokenizer, seq: Sequence) -> None:
     """Extend seq.text with the text of its newest output token.
@@ -15,10 +20,8 @@ def append_token_text(tokenizer, seq: Sequence) -> None:
     inside a CPU decode loop, whose weights leave the interpreter's caches cold.
     """
     backend = getattr(tokenizer, "_tokenizer", None)
-    if seq.decode_stream is None and _stream_class() is not None and backend is not None and not seq.text:
-        seq.decode_stream = _stream_class()(skip_special_tokens=True)
-        for t in seq.output_ids[:-1]:  # a sequence that had text decoded before: none here (text is empty)
-            seq.decode_stream.step(backend, t)
+    if seq.decode_stream is None and DecodeStream is not None and backend is not None and len(seq.output_ids) == 1:
+        seq.decode_stream = DecodeStream(skip_special_tokens=True)  # from the first token on
     if seq.decode_stream is not None:
         piece = seq.decode_stream.step(backend, seq.output_ids[-1])
         if piece:
@@ -31,15 +34,6 @@ def append_token_text(tokenizer, seq: Sequence) -> None:
         seq.text += full[len(prefix):]
         seq.prefix_offset = seq.read_offset
         seq.read_offset = len(ids)
-
-
-def _stream_class():
-    """tokenizers' DecodeStream (tokenizers >= 0.21), or None."""
-    try:
-        from tokenizers.decoders import DecodeStream
-    except ImportError:
-        return None
-    return DecodeStream
 
 
 def apply_stop_strings(seq: Sequence) -> None:

@@ -29,7 +29,14 @@ class RequestStats:
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
+
     cached_tokens: int = 0  # prompt tokens whose KV a served slot held already (prefill skipped them)
+
+    @property
+    def mean_decode_positions(self) -> int:
+        """Cached positions a decode step of this request attended to on average [tokens]: the
+        prompt and half the generated tokens."""
+        return self.prompt_tokens + self.generated_tokens // 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,13 +161,15 @@ def native_fused_projections(hw: HardwareProfile, dtype: str) -> bool:
 
 
 def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, working_set: float = 0.0,
-               mix: dict | None = None) -> float:
+               mix: dict | None = None, kv_format: str | None = None) -> float:
     d, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     w = 2 * d * q + 2 * d * kv
     native = native_step(hw)
     proj = _projections(hw, dtype, mix, w, 2 if native_fused_projections(hw, dtype) else 4, working_set)
-    act = dtype if dtype in ("fp32", "bf16", "fp16") else "bf16"  # int4/int8 weights keep a 16-bit KV cache
+    # the KV cache's format: the plan's, else the engine's rule for weights read in `dtype` (CPU: fp32
+    # activations; a 16-bit cache beside lossy copies)
+    act = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
     kv_bytes = 2 * kv * context * op_time.bytes_per_element(act)
     if native:  # the native step's attention streams the cached keys and values once (GQA heads share them),
         # at its own measured rate where profiled (attn_decode/cpu: below the memory's, ~15 GB/s on 2 Zen 4 cores)
@@ -182,7 +184,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
                    moe_layers: list[int] | None = None,
                    experts_format: str | None = None,
                    head_dtype: str | None = None, expert_act: str = "bf16",
-                   mix: dict | None = None) -> tuple[list[tuple[float, float]], float]:
+                   mix: dict | None = None, kv_format: str | None = None) -> tuple[list[tuple[float, float]], float]:
     """Per-layer (attention, FFN or MoE) seconds of one decode step, and the whole step
     (layers + lm_head) on CPU + disk.
 
@@ -201,6 +203,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             stays int8 beside int4 layers); None = `dtype`.
         mix: the layers' dense projections' precisions by share of their elements (Plan.precision_mix:
             a Q4_K_M file's Q6_K tensors decode from bf16 copies beside int4 ones); None = `dtype`.
+        kv_format: the KV cache's format (Plan.dtypes["kv_cache"]); None = memory/sizes.kv_cache_format's
+            for `dtype`.
     """
     bpe = op_time.bytes_per_element(dtype)
     d = cfg.hidden_size
@@ -213,7 +217,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     ws = step_weight_bytes(cfg, dtype, moe_layers, mix)  # beyond the last-level cache: DRAM's rate
     layers = []
     for i in range(cfg.num_hidden_layers):
-        attn = _attention(cfg, hw, dtype, context, ws, mix) + per_layer
+        attn = _attention(cfg, hw, dtype, context, ws, mix, kv_format) + per_layer
         t = 0.0
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:

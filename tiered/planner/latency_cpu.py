@@ -51,7 +51,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
         return predict_decode(cfg, profile, dtype, context=ctx, hits=hits, read_ahead=plan.read_ahead,
                               readers=max(2, plan.staging_buffers), experts_format=plan.dtypes["experts"] if moe else None,
                               head_dtype=plan.dtypes.get("lm_head"), expert_act=plan.expert_act,
-                              mix=plan.precision_mix)
+                              mix=plan.precision_mix, kv_format=plan.dtypes["kv_cache"])
     if moe:
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         eb = sizes.expert_bytes(cfg, plan.dtypes["experts"])

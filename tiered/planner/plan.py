@@ -200,11 +200,11 @@ class Plan:
         if self.source == "rules":
             speed = "nothing (no cost model)"
         priced = self.prompt_tokens + self.gen_tokens
-        if measured_positions is not None and self.source != "rules" and not self.flexgen and priced:
+        positions = measured_positions is not None and self.source != "rules" and not self.flexgen and priced > 0
+        if positions:
             speed += f" at {priced} positions"
         if measured_tokens_per_s is not None:
-            at = f" at {measured_positions}" if measured_positions is not None and " positions" in speed else ""
-            speed += f" (measured {measured_tokens_per_s:.1f}{at})"
+            speed += f" (measured {measured_tokens_per_s:.1f}" + (f" at {measured_positions})" if positions else ")")
         src = {"planner": self.profile, "rules": "runtime rules"}.get(self.source, f"{self.source}, {self.profile}")
         return f"plan ({src}): {what}; predicted {speed}; binding: {self.binding}"
 

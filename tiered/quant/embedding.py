@@ -34,33 +34,26 @@ class BlockEmbedding(nn.Module):
         self.blocks: np.ndarray = handle.blocks()
         self.num_embeddings, self.embedding_dim = handle.shape
         self.dtype = dtype
-        self._ext, self._table = False, None  # tiered/kernels and the table as a tensor: on first use
+        # tiered/kernels when built, with the table as a uint8 tensor over the same read-only memory
+        # map (no copy; the kernel only reads it): a Q8_0 lookup is then one native call
+        from tiered import kernels
+
+        self._ext, self._table = kernels.load(build=False), None
+        if self._ext is not None and self.qtype.name == "Q8_0":
+            import warnings
+
+            with warnings.catch_warnings():  # not writable: the file's map; nothing writes through it
+                warnings.simplefilter("ignore", UserWarning)
+                self._table = torch.from_numpy(np.ascontiguousarray(self.blocks))
 
     @property
     def nbytes(self) -> int:
         return int(self.blocks.nbytes)
 
-    def _native(self):
-        """tiered/kernels when built (None otherwise; looked up once), with the table as a uint8
-        tensor over the same read-only memory map (no copy; the kernel only reads it)."""
-        if self._ext is False:
-            from tiered import kernels
-
-            self._ext = kernels.load(build=False)
-            if self._ext is not None:
-                import warnings
-
-                with warnings.catch_warnings():  # not writable: the file's map; nothing writes through it
-                    warnings.simplefilter("ignore", UserWarning)
-                    self._table = torch.from_numpy(np.ascontiguousarray(self.blocks))
-        return self._ext
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.qtype.name == "Q8_0" and input_ids.device.type == "cpu":
-            ext = self._native()
-            if ext is not None:  # one native call (tiered/kernels), the same fp32 products
-                out = ext.q8_0_rows(self._table, input_ids.reshape(-1), self.embedding_dim)
-                return out.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)
+        if self._table is not None and input_ids.device.type == "cpu":  # the same fp32 products, natively
+            out = self._ext.q8_0_rows(self._table, input_ids.reshape(-1), self.embedding_dim)
+            return out.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)
         rows = self.blocks[input_ids.reshape(-1).cpu().numpy()]
         if self.qtype.name == "Q8_0":
             out = q8_0_rows(rows, self.embedding_dim)

@@ -728,16 +728,9 @@ class DecodeStep {
              scale_, p.data(), o, ml);
     };
     auto out_of = [&](int64_t bg) { return att + (bg / Hkv) * H * hd + (bg % Hkv) * group * hd; };
-    const int64_t nt = at::get_num_threads(), items = B * Hkv, work = keys * Hkv;
-    if (work < kSplitKeys || nt < 2) {
-      std::vector<float> p;
-      for (int64_t bg = 0; bg < items; ++bg) {
-        float* o = out_of(bg);
-        part(bg, 0, keys_of(bg / Hkv), o, nullptr, p);
-        for (int64_t i = 0; i < group * hd; ++i) o[i] = rnd<T>(o[i]);
-      }
-      return;
-    }
+    const int64_t items = B * Hkv, work = keys * Hkv;
+    // one run (every item whole, on this thread) below kSplitKeys, else one a thread
+    const int64_t nt = work < kSplitKeys ? 1 : std::max<int64_t>(1, at::get_num_threads());
     // the runs: thread k takes key rows [k * work / nt, (k + 1) * work / nt) of the items in order
     struct Seg { int64_t bg, t0, t1, slot; };  // slot: its partial output's index, -1 = whole item
     std::vector<std::vector<Seg>> runs(nt);
@@ -760,7 +753,7 @@ class DecodeStep {
     }
     const int64_t stride = group * hd + 2 * group;  // a part's o [group, hd], then (max, sum) [group, 2]
     std::vector<float> partial(nparts * stride);
-    at::parallel_for(0, nt, 1, [&](int64_t k0, int64_t k1) {
+    auto run_threads = [&](int64_t k0, int64_t k1) {
       std::vector<float> p;
       for (int64_t k = k0; k < k1; ++k)
         for (const Seg& seg : runs[k]) {
@@ -773,7 +766,11 @@ class DecodeStep {
             part(seg.bg, seg.t0, seg.t1, o, o + group * hd, p);
           }
         }
-    });
+    };
+    if (nt == 1)
+      run_threads(0, 1);
+    else
+      at::parallel_for(0, nt, 1, run_threads);
     for (int64_t bg = 0; bg < items; ++bg)
       if (parts[bg] > 1)
         merge_parts<T>(partial.data() + first_part[bg] * stride, parts[bg], group, hd, out_of(bg));
