@@ -91,9 +91,9 @@ stages=("$@")
 for stage in "${stages[@]}"; do
   case "$stage" in
     kernels) run 180 kernels $PY -m tiered.kernels ;;
-    cuda) run 120 pytest_cuda_marked $PY -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/ ;;
+    cuda) run 300 pytest_cuda_marked $PY -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/ ;;
     suite) run 300 pytest_cuda_all $PY -m pytest -q -p no:cacheprovider $xdist -rfE --durations=15 tests/ ;;
-    tests) run 120 pytest_cuda_marked $PY -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/
+    tests) run 300 pytest_cuda_marked $PY -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/
            run 300 pytest_cuda_all $PY -m pytest -q -p no:cacheprovider $xdist -rfE --durations=15 tests/ ;;
     profile) run 120 profile_quick $PY -m tiered.cli profile --quick --out "$res/profile_quick.json"
              [ -s "$res/profile_quick.json" ] && prof=$res/profile_quick.json ;;

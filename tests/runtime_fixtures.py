@@ -70,15 +70,25 @@ class Sizes:
     def total_experts(self) -> int:
         return self.num_experts * self.moe_layers
 
-    def fast(self, cache_slots: int, resident: int = 0, staging: int = STAGING, accelerator: bool = True) -> int:
+    def fast(self, cache_slots: int, resident: int = 0, staging: int = STAGING, accelerator: bool = True,
+             library: int = 0) -> int:
         """Fast-tier budget that yields exactly `resident` fast-resident experts with `cache_slots` slots
-        (behind an accelerator, or in RAM without one: no activation workspace then)."""
-        fixed = self.nonexpert + self.kv + self.rotary + (self.workspace if accelerator else 0)
+        (behind an accelerator, or in RAM without one: no activation workspace then). `library`: the
+        bytes the plan keeps for libraries' workspaces on a real GPU (`cuda_library()`; 0 on the stand-in)."""
+        fixed = self.nonexpert + self.kv + self.rotary + (self.workspace + library if accelerator else 0)
         return fixed + (staging + cache_slots + resident) * self.expert
 
     def cpu(self, experts: int, staging: int = STAGING) -> int:
         """CPU-tier budget (behind an accelerator) for `experts` CPU-resident experts."""
         return (staging + experts) * self.expert
+
+
+def cuda_library() -> int:
+    """Bytes a CUDA engine's plan keeps for cuBLAS workspaces on this machine's GPU
+    (CudaAccelerator.library_workspace_bytes: 96 MiB on Hopper), for budgets of tests marked `cuda`."""
+    from tiered.hardware.cuda import CudaAccelerator
+
+    return CudaAccelerator(1).library_workspace_bytes()
 
 
 class RuntimeZoo:

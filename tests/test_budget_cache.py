@@ -435,6 +435,48 @@ def test_locked_host_tensors_are_unlocked_when_their_last_view_dies(monkeypatch)
     assert host_empty((HUGE_PAGES_FROM,), torch.uint8, lock=lock) is None and len(locked) == 1
 
 
+
+def test_registered_host_memory_copies_asynchronously(monkeypatch):
+    """hardware/cuda.page_locked: a view anywhere inside a range `_register` page-locked counts as pinned
+    (its H2D copies are issued non-blocking), also where torch's Tensor.is_pinned() says False (it did
+    once on the H100 host, 2026-11-26, in one pytest-xdist worker; True in a plain process); the range is
+    forgotten when it is unlocked, and a tensor running past its end does not count. cudart is faked
+    here (no CUDA): registration succeeds and unregistration is recorded."""
+    import gc
+    import sys
+
+    from tiered.hardware import cuda
+    from tiered.hardware.budget import HUGE_PAGES_FROM, host_empty, huge_pages_enabled
+
+    if not sys.platform.startswith("linux") or not huge_pages_enabled():
+        pytest.skip("transparent huge pages are Linux-only")
+    unregistered = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, address, nbytes, flags):
+            return 0
+
+        def cudaHostUnregister(self, address):
+            unregistered.append(address)
+            return 0
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    t = host_empty((HUGE_PAGES_FROM,), torch.uint8, lock=cuda._register)
+    start = t.data_ptr()
+    assert cuda.page_locked(t) and cuda.page_locked(t[HUGE_PAGES_FROM // 2:]) and cuda.page_locked(t[-1:])
+    assert not cuda.page_locked(torch.empty(16))  # ordinary memory
+    past = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), HUGE_PAGES_FROM - 8, (4096 + 16,))
+    assert not cuda.page_locked(past)  # runs past the locked range (a page beyond it)
+    cpu_copies = []
+
+    class Dst:
+        def copy_(self, src, non_blocking=False):
+            cpu_copies.append(non_blocking)
+    cuda.CudaAccelerator.copy_to_device(None, Dst(), t[:64])
+    assert cpu_copies == [True]
+    del t, past
+    gc.collect()
+    assert unregistered == [start] and start not in cuda._LOCKED and start not in cuda._LOCKED_STARTS
+
 def test_weights_the_link_reads_are_the_accelerators_host_buffers(rt, monkeypatch):  # noqa: F811
     """Experts kept in RAM for the link, and the CPU-side slices of a sliced MLP, come from
     Accelerator.host_buffer (pinned memory on CUDA): on the stand-in, huge-page memory."""

@@ -113,19 +113,22 @@ def test_cli_and_engine_share_one_opened_checkpoint(zoo):
 
 def test_only_the_console_process_freezes_the_heap(monkeypatch):
     """cli._freeze_heap (gc.freeze after a load) acts in the console entry point only: a program
-    that runs the commands in its own process (this one) keeps its collector whole."""
+    that runs the commands in its own process (this one) keeps its collector whole. Counted from what
+    the process had frozen before (on the H100 machine, 2026-11-26, a pytest-xdist worker started with
+    375 objects frozen by something other than tiered)."""
     import gc
 
     from tiered import cli
 
-    assert gc.get_freeze_count() == 0
+    before = gc.get_freeze_count()
     monkeypatch.setattr(cli, "_CONSOLE", False)
     cli._freeze_heap()
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == before
+    gc.collect()
     seen = []
     monkeypatch.setattr(cli, "app", lambda: (cli._freeze_heap(), seen.append(gc.get_freeze_count())))
     try:
         cli.main()
     finally:
         gc.unfreeze()
-    assert seen and seen[0] > 0
+    assert seen and seen[0] > before

@@ -287,7 +287,7 @@ def _moe_steps(llm, step, prompts: list[list[int]], steps: int, hooked: bool):
 
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
-@pytest.mark.parametrize("dtype,weights,tol", [("float32", "int4", 1e-3), ("float32", "int8", 1e-3),
+@pytest.mark.parametrize("dtype,weights,tol", [("float32", "int4", 1e-3), ("float32", "int8", 3e-3),
                                                ("bfloat16", "bf16", 3e-2), ("bfloat16", "int4", 3e-2)])
 def test_native_step_runs_resident_moe_layers_itself(rt, kind, dtype, weights, tol):  # noqa: F811
     """With every expert resident in RAM (the runner's one-call layers), the native step runs each MoE
@@ -295,7 +295,7 @@ def test_native_step_runs_resident_moe_layers_itself(rt, kind, dtype, weights, t
     Its logits equal the modules' path (a routing hook forces it) to rounding: the post-attention
     norm and the router's logits are the step's own loops (fp32: summation order, ~1 ulp, which can
     flip the int16 rounding of an activation in the int8 / int4 kernels: measured 2e-4 relative for
-    int8, 0 for int4; bf16: then one bf16 rounding of each), at batch 1 and for 10
+    int8 on the 2-core EPYC, 1.7e-3 for olmoe on the H100 host's Xeon (2026-11-26), 0 for int4; bf16: then one bf16 rounding of each), at batch 1 and for 10
     sequences (some expert then has more than 8 rows: split into groups of 8), and it counts the
     same resident expert uses. qwen2_moe: a shared expert scaled by its sigmoid gate, and a dense
     MLP layer between MoE layers. In fp32 its shared expert has bf16 decode copies, whose outputs the

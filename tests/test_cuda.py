@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime_fixtures import MOE_KINDS, engine_config, rt  # noqa: F401  (rt is a fixture)
+from runtime_fixtures import MOE_KINDS, cuda_library, engine_config, rt  # noqa: F401  (rt is a fixture)
+from test_planned_run import box  # noqa: F401  (a fixture)
 from test_runtime_parity import check_parity
 
 from tiered import LLM
@@ -27,11 +28,13 @@ def test_moe_parity_all_on_gpu(rt, kind):  # noqa: F811
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_moe_parity_experts_in_pinned_cpu_ram(rt, kind):  # noqa: F811
     """Experts in pinned host memory, a 2-slot GPU cache: the dispatcher copies or runs on the CPU."""
+    from tiered.hardware.cuda import page_locked
+
     s = rt.sizes(kind)
-    llm = LLM(rt.dir(kind), engine_config(accelerator="cuda", gpu_memory=s.fast(cache_slots=2),
+    llm = LLM(rt.dir(kind), engine_config(accelerator="cuda", gpu_memory=s.fast(cache_slots=2, library=cuda_library()),
                                           cpu_memory="64MiB", expert_cache_slots=2))
     assert llm.experts.placement.count("cpu") == s.total_experts
-    assert all(t.is_pinned() for w in llm.experts.store.host.values() for t in w)
+    assert all(page_locked(t) for w in llm.experts.store.host.values() for t in w)
     check_parity(rt, kind, llm)
     paths = llm.experts.path_counts
     assert paths["copy"] + paths["cpu"] > 0
@@ -58,7 +61,7 @@ def test_real_device_allocations_stay_inside_the_gpu_budget(rt, kind):  # noqa: 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    budget = s.fast(cache_slots=2)  # includes the plan's workspace for a 512-token step
+    budget = s.fast(cache_slots=2, library=cuda_library())  # the plan's workspace: a 512-token step, cuBLAS
     llm = LLM(rt.dir(kind), engine_config(accelerator="cuda", gpu_memory=budget, cpu_memory="64MiB"))
     check_parity(rt, kind, llm)
     assert torch.cuda.max_memory_allocated() - base <= budget
@@ -102,12 +105,12 @@ def test_large_host_buffers_are_pinned_and_copy_asynchronously(pinned):
     import gc
 
     from tiered.hardware.budget import HUGE_PAGE, HUGE_PAGES_FROM, huge_pages_enabled
-    from tiered.hardware.cuda import CudaAccelerator
+    from tiered.hardware.cuda import CudaAccelerator, page_locked
 
     acc = CudaAccelerator(pinned=pinned)
     for _ in range(2):
         h = acc.host_buffer((HUGE_PAGES_FROM // 2 + 3,), torch.bfloat16)
-        assert h.is_pinned()
+        assert page_locked(h)
         if pinned == "huge" and huge_pages_enabled():
             assert h.data_ptr() % HUGE_PAGE == 0  # tiered's own memory, not torch's pinned allocator
         h.copy_(torch.arange(h.numel()).to(torch.bfloat16))
@@ -142,7 +145,7 @@ def test_captures_leave_no_cublas_workspace_behind():
     assert grown <= 16 * ref.numel() * 4 + workspace, (grown, workspace)
 
 
-def test_a_closed_engine_leaves_nothing_allocated(zoo):
+def test_a_closed_engine_leaves_nothing_allocated(zoo, box):
     """Issue 8 §8: an engine that sliced its FFNs and captured piecewise decode graphs, once closed and
     collected, leaves the device's allocated bytes where they were (LLM.close -> Accelerator.release
     drops the cuBLAS workspaces of its streams); its peak stayed inside its budget, library workspaces
@@ -159,11 +162,9 @@ def test_a_closed_engine_leaves_nothing_allocated(zoo):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    from tiered.hardware.cuda import CudaAccelerator
-    library = CudaAccelerator(1).library_workspace_bytes()
-    budget = non_ffn + kv + layer + layer * L // 4 + library
+    budget = non_ffn + kv + layer + layer * L // 4 + cuda_library()
     llm = LLM(path, EngineConfig(decode_weights="fp32", accelerator="cuda", gpu_memory=budget, max_context=CTX,
-                                 graphs="on"))
+                                 graphs="on", profile=box))  # the made-up machine: it slices (a real one may not)
     assert any(0 < l.r_gg < 1 for l in llm.plan.layers)
     llm.generate(list(range(2, 40)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert torch.cuda.max_memory_allocated() - base <= budget

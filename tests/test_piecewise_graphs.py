@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime_fixtures import GREEDY, engine_config, prompt, rt  # noqa: F401
+from runtime_fixtures import GREEDY, cuda_library, engine_config, prompt, rt  # noqa: F401
 from test_planned_run import CTX, box, dense_sizes  # noqa: F401
 
 from tiered import LLM, EngineConfig, SamplingParams
@@ -193,8 +193,8 @@ def test_graphs_setting_is_checked():
 def test_cuda_piecewise_graphs_decode_offloaded_experts_as_transformers(rt, kind):
     s = rt.sizes(kind)
     _, want = rt.reference(kind)
-    llm = LLM(rt.dir(kind), engine_config(accelerator="cuda", gpu_memory=s.fast(cache_slots=2), cpu_memory="64MiB",
-                                          expert_cache_slots=2))
+    llm = LLM(rt.dir(kind), engine_config(accelerator="cuda", gpu_memory=s.fast(cache_slots=2, library=cuda_library()),
+                                          cpu_memory="64MiB", expert_cache_slots=2))
     try:
         assert isinstance(llm.runtime.graphs, PiecewiseGraphs)
         assert llm.generate([prompt()], GREEDY)[0].token_ids == want
@@ -209,7 +209,7 @@ def test_cuda_piecewise_graphs_decode_a_sliced_dense_plan_as_eager(zoo, box):
     ids = list(range(2, 18))
     non_ffn, layer, kv, L = dense_sizes(zoo.dir("llama"))
     cfg = dict(decode_weights="fp32", dtype="float32", accelerator="cuda", max_context=CTX, profile=box,
-               gpu_memory=non_ffn + kv + layer + layer * L // 4)
+               gpu_memory=non_ffn + kv + layer + layer * L // 4 + cuda_library())
     graphed, eager = LLM(zoo.dir("llama"), EngineConfig(**cfg)), LLM(zoo.dir("llama"), EngineConfig(graphs="off", **cfg))
     try:
         assert graphed.plan.sliced_layers() and isinstance(graphed.runtime.graphs, PiecewiseGraphs)

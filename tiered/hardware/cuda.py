@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import re
 from contextlib import contextmanager
 
@@ -60,10 +61,10 @@ class CudaAccelerator(Accelerator):
         self.pinned = pinned  # host_buffer's kind: "huge" (registered huge pages) or "cuda" (cudaHostAlloc)
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=src.is_pinned())
+        dst.copy_(src, non_blocking=page_locked(src))
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, non_blocking=t.is_pinned())
+        return t.to(self.device, non_blocking=page_locked(t))
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return t.to("cpu")
@@ -169,14 +170,45 @@ class CudaAccelerator(Accelerator):
             torch.cuda.current_stream(self.device).wait_event(event)
 
 
+# Host ranges this process page-locked in place (`_register`): start address -> end address, and the
+# starts sorted. Whether to issue a copy non-blocking is then our own record, not torch's
+# Tensor.is_pinned() (cudaPointerGetAttributes): on the H100 host (torch 2.11, 2026-11-26) that answered
+# False for a registered huge-page buffer in one pytest-xdist worker of the suite, so its copies would
+# have been issued blocking; in a plain process it answered True. Why it differed is not known.
+_LOCKED: dict[int, int] = {}
+_LOCKED_STARTS: list[int] = []
+
+
+def page_locked(t: torch.Tensor) -> bool:
+    """Whether CPU tensor `t`'s bytes are page-locked, so an H2D copy from them can run asynchronously:
+    inside a range `_register` locked (tiered's registered huge pages), or pinned by torch's
+    allocator (Tensor.is_pinned, cudaHostAlloc)."""
+    ptr = t.data_ptr()
+    i = bisect.bisect_right(_LOCKED_STARTS, ptr) - 1
+    if i >= 0 and ptr + t.numel() * t.element_size() <= _LOCKED[_LOCKED_STARTS[i]]:
+        return True
+    return t.is_pinned()
+
+
 def _register(address: int, nbytes: int):
-    """Page-lock [address, address + nbytes) in place for DMA (cudaHostRegister): its unlock
-    function (cudaHostUnregister), or None when the driver refuses."""
+    """Page-lock [address, address + nbytes) in place for DMA (cudaHostRegister) and record the range
+    for `page_locked`: its unlock function (cudaHostUnregister, forgetting the range), or None when
+    the driver refuses."""
     cudart = torch.cuda.cudart()
     if int(cudart.cudaHostRegister(address, nbytes, 0)) != 0:
         _clear_last_error()  # else torch's next launch check on this thread reports it
         return None
-    return lambda: cudart.cudaHostUnregister(address)
+    _LOCKED[address] = address + nbytes
+    bisect.insort(_LOCKED_STARTS, address)
+
+    def unlock() -> None:
+        _LOCKED.pop(address, None)
+        i = bisect.bisect_left(_LOCKED_STARTS, address)
+        if i < len(_LOCKED_STARTS) and _LOCKED_STARTS[i] == address:
+            del _LOCKED_STARTS[i]
+        cudart.cudaHostUnregister(address)
+
+    return unlock
 
 
 def _clear_last_error() -> None:
