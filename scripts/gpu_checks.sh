@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # What a session with a lent CUDA machine runs there. Stages run in the order given, in one device call:
-#   bash scripts/gpu_checks.sh tests moe dense     # e.g.; `all` = kernels cuda profile moe dense suite trace
+#   bash scripts/gpu_checks.sh tests moe dense     # e.g.; `all` = kernels profile cuda moe dense suite trace
 #   kernels  build the native CPU kernels (and their tuning) first, so no test or row pays for it
-#   cuda     the CUDA-marked tests
+#   cuda     the CUDA-marked tests (the first engine without a profile measures a quick one, ~2 min on the H100,
+#            unless the `profile` stage ran before)
 #   suite    the whole suite with CUDA present (pytest-xdist, 8 workers, where installed)
 #   tests    cuda, then suite
-#   profile  `tiered profile --quick` of this machine (results/profile_quick.json); moe/dense plan with it
+#   profile  `tiered profile --quick` of this machine (results/profile_quick.json, and the engine's default
+#            profile path); moe/dense and the tests after it plan with it
 #   moe      benchmarks/gpu_offload.py, 4 Mixtral layers, --gpu-mem 4GiB (no transformers + accelerate row:
 #            0.57 tok/s, section 2 of shared/gpu-runs/2026-11-22-h200 has it); the default plan graphed
 #            piecewise and with --graphs off (plan_auto_eager), every miss split (forced_split), all on
@@ -87,7 +89,7 @@ xdist=""
 $PY -c "import xdist" 2>/dev/null && xdist="-n 8"
 
 stages=("$@")
-[ "${stages[*]}" = all ] && stages=(kernels cuda profile moe dense suite trace stall)
+[ "${stages[*]}" = all ] && stages=(kernels profile cuda moe dense suite trace stall)
 for stage in "${stages[@]}"; do
   case "$stage" in
     kernels) run 180 kernels $PY -m tiered.kernels ;;
@@ -95,8 +97,11 @@ for stage in "${stages[@]}"; do
     suite) run 300 pytest_cuda_all $PY -m pytest -q -p no:cacheprovider $xdist -rfE --durations=15 tests/ ;;
     tests) run 300 pytest_cuda_marked $PY -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/
            run 300 pytest_cuda_all $PY -m pytest -q -p no:cacheprovider $xdist -rfE --durations=15 tests/ ;;
-    profile) run 120 profile_quick $PY -m tiered.cli profile --quick --out "$res/profile_quick.json"
-             [ -s "$res/profile_quick.json" ] && prof=$res/profile_quick.json ;;
+    profile) run 240 profile_quick $PY -m tiered.cli profile --quick --out "$res/profile_quick.json"
+             # also where engines look for this machine's profile (hardware/profile.default_profile_path), so
+             # the tests and benchmarks after this stage plan with it instead of measuring their own (~2 min)
+             [ -s "$res/profile_quick.json" ] && prof=$res/profile_quick.json && [ -z "$smoke" ] && \
+               cp "$prof" "$($PY -c 'from tiered.hardware.profile import default_profile_path as p; print(p())')" ;;
     stall) run 200 stall_probe $PY benchmarks/gpu_stall_probe.py $smoke --out "$res/stall" ${prof:+--profile "$prof"} ;;
     stall_passive) run 200 stall_probe_passive $PY benchmarks/gpu_stall_probe.py $smoke --out "$res/stall_passive" \
              --env OMP_WAIT_POLICY=PASSIVE ${prof:+--profile "$prof"} ;;
