@@ -323,6 +323,33 @@ def test_routing_trace_follows_popularity():
     assert hot > 0.9 and cold < 0.5
 
 
+
+def test_decode_is_priced_again_at_a_runs_context(zoo, box, monkeypatch):
+    """LLM.predicted_decode_at (planner/auto.decode_at): the plan made again with the same arguments at
+    another context. At the plan's own priced positions it gives the plan's figure; fewer cached
+    positions price faster (the attention reads less KV cache); a plan of the runtime's rules, a
+    replayed plan, or one the planner would decide differently at that context gives None."""
+    from tiered.planner import auto
+
+    path = zoo.dir("llama")
+    llm = LLM(path, EngineConfig(accelerator="none", max_context=CTX, profile=box))
+    plan = llm.plan
+    priced = plan.prompt_tokens + plan.gen_tokens
+    assert llm.predicted_decode_at(priced) == pytest.approx(plan.predicted_decode_tokens_per_s, rel=1e-9)
+    assert llm.predicted_decode_at(4) > llm.predicted_decode_at(priced)
+    assert LLM(path, EngineConfig(accelerator="none", max_context=CTX, plan="off")).predicted_decode_at(4) is None
+    saved = zoo.root / "decode_at_plan.json"
+    plan.save(saved)
+    assert LLM(path, EngineConfig(accelerator="none", max_context=CTX, plan=str(saved))).predicted_decode_at(4) is None
+    real = auto.make_plan
+
+    def one_more_slot(*a, **kw):  # the same plan but another decision: not a prediction for this engine
+        p = real(*a, **kw)
+        p.expert_cache_slots += 1
+        return p
+    monkeypatch.setattr(auto, "make_plan", one_more_slot)
+    assert llm.predicted_decode_at(4) is None
+
 # ------------------------------------------------------------------ the CLI
 def test_run_prints_the_plan_and_its_prediction(zoo, box):
     path = zoo.dir("llama")
@@ -334,8 +361,9 @@ def test_run_prints_the_plan_and_its_prediction(zoo, box):
     assert res.exit_code == 0, res.output
     assert "[plan (box): " in res.output and "FFNs sliced" in res.output
     assert "predicted decode" in res.output and "(measured " in res.output
-    # the positions each figure is at: the plan's priced context (prompt + generated), the run's mean
-    assert re.search(r"tok/s at \d+ positions \(measured [\d.]+ at \d+\)", res.output), res.output
+    # the positions each figure is at: the plan's priced context (prompt + generated), the plan priced again
+    # at the run's mean context (LLM.predicted_decode_at), and the run's measured speed there
+    assert re.search(r"tok/s at \d+ positions, [\d.]+ at (\d+) \(measured [\d.]+ at \1\)", res.output), res.output
     shown = CliRunner().invoke(app, [*args, "--show-plan", "1 2 3"])
     assert shown.exit_code == 0 and "r_CC  r_CG  r_GG" in shown.output
     off = CliRunner().invoke(app, [*args[:-4], "--plan", "off", "1 2 3"])

@@ -113,11 +113,11 @@ class LLM:
         precision = decode_precision(self.checkpoint, decode) if decode != "none" else weights
         head = head_precision(self.checkpoint, decode) if decode != "none" else None
         with _transient_notes(progress) as say:  # "measuring a quick profile ...", while it runs
-            plan, profile = engine_plan(cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name,
-                                        max_context=self.max_context, weights_format=weights, decode_format=decode,
-                                        decode_precision=precision, head_precision=head, popularity=popularity,
-                                        progress=say, experts_format=self._experts_format(weights),
-                                        decode_mix=decode_mix(self.checkpoint, decode) if decode != "none" else None)
+            plan, profile, self._plan_args = engine_plan(
+                cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name, max_context=self.max_context,
+                weights_format=weights, decode_format=decode, decode_precision=precision, head_precision=head,
+                popularity=popularity, progress=say, experts_format=self._experts_format(weights),
+                decode_mix=decode_mix(self.checkpoint, decode) if decode != "none" else None)
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
             plan.decode_threshold = max(ec.decode_weights_threshold, ec.max_batch)
         if cfg.is_moe and ec.plan in ("auto", "off"):  # a replayed plan keeps its own notes and choices
@@ -473,6 +473,14 @@ class LLM:
         return events
 
     # ----------------------------------------------------------------- runtime
+    def predicted_decode_at(self, positions: int) -> float | None:
+        """The plan's decode speed [tokens/s] priced again at `positions` cached positions (a run's
+        RequestStats.mean_decode_positions), with the profile and arguments it was made with
+        (planner/auto.decode_at); None where the plan cannot be re-priced or would decide otherwise."""
+        from tiered.planner.auto import decode_at
+
+        return decode_at(self.plan, self.config, self._profile, self._plan_args, positions)
+
     def runtime_stats(self) -> dict:
         """Expert runtime counters (empty for dense models): placement, hit rate, paths, bytes moved."""
         if self.experts is None:

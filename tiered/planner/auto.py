@@ -122,6 +122,35 @@ def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> H
     return hw
 
 
+def decisions(plan: Plan) -> tuple:
+    """What a plan decided that a decode step runs by: each layer's kind, precision, slice rates and
+    expert tiers, the expert cache, the dispatch mode and the formats (not its predicted times, nor
+    n_g, a prompt's token split)."""
+    return (tuple((l.kind, l.precision, l.r_cc, l.r_cg, l.r_gg, tuple(l.expert_tiers)) for l in plan.layers),
+            plan.expert_cache_slots, plan.cache_policy, plan.dispatch_mode, tuple(sorted(plan.dtypes.items())))
+
+
+def decode_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, args: dict | None,
+              positions: int) -> float | None:
+    """The plan's decode speed [tokens/s] priced again at `positions` cached positions (a run's mean
+    context: its prompt and half its generated tokens), where the plan priced prompt_tokens +
+    gen_tokens: make_plan with the arguments that made it (`args`, engine_plan's third value), a
+    prompt of positions - 1 tokens and one generated. A decode step's attention grows with its context, so a short run and
+    the plan's priced 640 positions differ (SmolLM2 on 2 cores: ~3.3 ms a token after 32 tokens,
+    ~4.2 ms after 640).
+
+    Returns None where there is nothing to re-price (a plan of the runtime's rules, a replayed or
+    FlexGen plan, mixed-precision experts, no profile) or where the plan made for that context
+    decides anything differently (another placement would be a prediction for another engine)."""
+    if args is None or profile is None or plan.flexgen or plan.mixed_precision is not None or positions < 2:
+        return None
+    again = make_plan(cfg, profile, **dict(args, prompt_tokens=positions - 1, gen_tokens=1))
+    again.dtypes["decode"] = plan.dtypes["decode"]
+    if decisions(again) != decisions(plan):
+        return None
+    return again.predicted_decode_tokens_per_s
+
+
 def standin_profile(cpu: HardwareProfile, link_bandwidth: float | None) -> HardwareProfile:
     """A GPU-shaped profile of the host stand-in accelerator (hardware/accelerator.HostAccelerator).
 
@@ -149,7 +178,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                 decode_format: str, decode_precision: str, popularity=None,
                 progress: Callable[[str], None] | None = None,
                 experts_format: str | None = None, head_precision: str | None = None,
-                decode_mix: dict | None = None) -> tuple[Plan, HardwareProfile | None]:
+                decode_mix: dict | None = None) -> tuple[Plan, HardwareProfile | None, dict | None]:
     """The Plan an LLM applies, per EngineConfig.plan: "auto" plans now (latency goal), "off" writes
     the runtime's plain rules into a Plan (planner/rules.py), a path replays a saved plan as is.
 
@@ -170,15 +199,16 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
             they mix (quant/linear.decode_mix), or None.
         popularity: float [L, E] tokens routed per expert, or None.
     Returns:
-        (plan, the HardwareProfile it was made with, or None for rules / replayed plans).
+        (plan, the HardwareProfile it was made with, or None for rules / replayed plans, the make_plan
+        arguments that made it, or None likewise: `decode_at` prices it again at a run's context).
     Raises:
         BudgetError: the budgets cannot hold what must stay on the fast tier.
         ConfigError: an unreadable plan or profile.
     """
     if ec.plan not in ("auto", "off"):
-        return Plan.load(ec.plan), None
+        return Plan.load(ec.plan), None, None
     dense_copies = not one_copy(ec, accelerator, decode_format, cfg, weights_format, decode_precision)
-    plan, profile = _auto_or_rules(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
+    plan, profile, args = _auto_or_rules(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
                                    weights_format=weights_format, decode_format=decode_format,
                                    decode_precision=decode_precision, popularity=popularity, progress=progress,
                                    experts_format=experts_format, dense_copies=dense_copies,
@@ -201,7 +231,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     # short prompts run as rows of the native decode step, beside the running sequences (dense
     # models: an MoE layer's FFN runs as a module, which takes one token per sequence)
     plan.mixed_rows = mixed_rows(kernels.isa(), plan.batch_act) if plan.native_decode and not cfg.is_moe else 0
-    return plan, profile
+    return plan, profile, args
 
 
 def graphs_allowed(ec, accelerator) -> bool:
@@ -274,8 +304,9 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                    decode_format: str, decode_precision: str, popularity=None,
                    progress: Callable[[str], None] | None = None, experts_format: str | None = None,
                    dense_copies: bool = True, head_precision: str | None = None,
-                   decode_mix: dict | None = None) -> tuple[Plan, HardwareProfile | None]:
-    """engine_plan's "auto" (the planner) and "off" (the runtime's rules) cases."""
+                   decode_mix: dict | None = None) -> tuple[Plan, HardwareProfile | None, dict | None]:
+    """engine_plan's "auto" (the planner) and "off" (the runtime's rules) cases: (plan, profile, make_plan's
+    arguments), the last two None for the rules."""
     gpu = accelerator.budget.capacity if accelerator is not None else None
     if ec.plan == "off":
         from tiered.planner.rules import rules_plan
@@ -286,7 +317,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
         plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
         # its decode steps as CUDA graphs, as make_plan settles an auto plan's (a model wholly on
         # the GPU as one graph, an offloading plan with attention on the GPU piecewise)
-        return settle_gpu_decode(plan, cfg, graphs_allowed(ec, accelerator)), None
+        return settle_gpu_decode(plan, cfg, graphs_allowed(ec, accelerator)), None, None
     profile = engine_profile(ec.profile, accelerator, progress=progress)
     if accelerator is None:  # no GPU tier: make_plan then plans CPU + disk
         profile = replace(profile, gpu_memory=None)
@@ -295,27 +326,28 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
     # the copies' format, MoE models included (their experts are priced in their own format)
     dense_cpu = accelerator is None and decode_format != "none"
 
-    plan = make_plan(cfg, profile, model_name=model_name, gpu_memory=gpu, cpu_memory=ec.cpu_memory, goal="latency",
-                     prompt_tokens=prompt, gen_tokens=max(1, min(128, max_context - prompt)),
-                     precision=decode_precision if dense_cpu else weights_format, weights_format=weights_format,
-                     context_tokens=max_context, popularity=popularity, expert_cache_slots=ec.expert_cache_slots,
-                     max_resident=ec.resident_experts, cache_policy=ec.cache_policy,
-                     dispatch_mode=ec.force_expert_path or "balanced", staging_buffers=ec.staging_buffers,
-                     read_ahead=ec.read_ahead,
-                     dense_copies=dense_copies,
-                     experts_format=experts_format, kv_slots=ec.max_batch,
-                     head_precision=head_precision if dense_cpu else None, expert_act=expert_activations(ec),
-                     graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
-                     prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None,
-                     workspace=None if accelerator is None else
-                     sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()))
+    args = dict(model_name=model_name, gpu_memory=gpu, cpu_memory=ec.cpu_memory, goal="latency",
+                prompt_tokens=prompt, gen_tokens=max(1, min(128, max_context - prompt)),
+                precision=decode_precision if dense_cpu else weights_format, weights_format=weights_format,
+                context_tokens=max_context, popularity=popularity, expert_cache_slots=ec.expert_cache_slots,
+                max_resident=ec.resident_experts, cache_policy=ec.cache_policy,
+                dispatch_mode=ec.force_expert_path or "balanced", staging_buffers=ec.staging_buffers,
+                read_ahead=ec.read_ahead,
+                dense_copies=dense_copies,
+                experts_format=experts_format, kv_slots=ec.max_batch,
+                head_precision=head_precision if dense_cpu else None, expert_act=expert_activations(ec),
+                graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
+                prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None,
+                workspace=None if accelerator is None else
+                sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()))
+    plan = make_plan(cfg, profile, **args)
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     ratio = profile.meta.get("cpu_bandwidth_ratio")
     if ratio is not None:
         plan.notes.append(f"the CPU's memory ran {1 / ratio:.2f}x the profile's speed at planning; its "
                           "bandwidth-bound costs were scaled to match")
-    return plan, profile
+    return plan, profile, args
 
 
 def token_assignment(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None) -> Callable[[int, int], int]:

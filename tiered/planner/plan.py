@@ -172,7 +172,8 @@ class Plan:
     pinned: str = "huge"
     source: str = "planner"
 
-    def summary(self, measured_tokens_per_s: float | None = None, measured_positions: int | None = None) -> str:
+    def summary(self, measured_tokens_per_s: float | None = None, measured_positions: int | None = None,
+                predicted_at_positions: float | None = None) -> str:
         """One line: what the plan decided, its prediction (beside a measured speed, when given)
         and the binding resource.
 
@@ -181,6 +182,8 @@ class Plan:
             measured_positions: the mean cached positions of that run's decode steps (prompt plus
                 half the generated tokens): shown beside the positions the prediction priced
                 (prompt_tokens + gen_tokens), since a decode step's attention grows with them.
+            predicted_at_positions: the plan's decode speed [tokens/s] priced at measured_positions
+                (LLM.predicted_decode_at), shown beside the planned figure.
         """
         moe = [l for l in self.layers if l.kind == "moe"]
         sliced = [l for l in self.layers if l.kind == "dense" and l.r_gg < 1 - 1e-9 and self.fast_tier == "gpu"]
@@ -203,6 +206,8 @@ class Plan:
         positions = measured_positions is not None and self.source != "rules" and not self.flexgen and priced > 0
         if positions:
             speed += f" at {priced} positions"
+            if predicted_at_positions is not None and measured_positions != priced:
+                speed += f", {predicted_at_positions:.1f} at {measured_positions}"
         if measured_tokens_per_s is not None:
             speed += f" (measured {measured_tokens_per_s:.1f}" + (f" at {measured_positions})" if positions else ")")
         src = {"planner": self.profile, "rules": "runtime rules"}.get(self.source, f"{self.source}, {self.profile}")
