@@ -17,6 +17,12 @@ benchmarks/results/gpu_offload.{json,md} (gpu_offload_moe / _dense for one shape
     python benchmarks/gpu_offload.py --profile PROFILE.json        # a CUDA machine, both shapes
     python benchmarks/gpu_offload.py --shape moe --repeats 1       # one shape, quicker
     python benchmarks/gpu_offload.py --smoke                       # no GPU needed, < 1 min
+    python benchmarks/gpu_offload.py --shape moe --routing uniform # MoE routed like the plans price it
+
+--routing uniform writes the MoE checkpoint without its skew (ModelShape.routing): each token routes
+by its own hidden state, as the plans' i.i.d. pricing assumes, and an expert cache hits about as often
+as they price it (the skewed weights send ~98% of a layer's tokens to its top 2-3 experts, so an LRU
+of 7 slots hit ~80% where 16% was priced, and such rows are not comparable with the plans).
 
 --smoke runs the same rows at tiny shapes (a few MB) with the host stand-in accelerator (CPU
 memory under its own byte budget, a throttled link) in place of the GPU, budgets scaled so that
@@ -43,7 +49,7 @@ sys.path.insert(0, str(ROOT.parent))
 from tiered import EngineConfig, SamplingParams  # noqa: E402
 from tiered.bench import Column, ModelShape, PeakMemory, llama3_8b, machine_info, mixtral_8x7b, write_report  # noqa: E402
 from tiered.bench.runners import HFRunner, TieredRunner, free_memory, measure_latency  # noqa: E402
-from tiered.bench.checkpoint import write_dummy_checkpoint  # noqa: E402
+from tiered.bench.checkpoint import ROUTINGS, write_dummy_checkpoint  # noqa: E402
 
 GiB = 2**30
 SHAPES = {"moe": (mixtral_8x7b(layers=4), 4 * GiB), "dense": (llama3_8b(layers=8), 2 * GiB)}
@@ -259,7 +265,7 @@ def report(name: str, out_dir: Path, setups: list[Setup], rows: list[dict], mach
     for s in setups:
         mine = [r for r in rows if r["shape"] == s.shape_name]
         sh = s.shape
-        what = (f"{sh.layers} Mixtral-8x7B-shaped layers ({sh.experts} experts top-{sh.top_k}"
+        what = (f"{sh.layers} Mixtral-8x7B-shaped layers ({sh.experts} experts top-{sh.top_k}, {sh.routing} routing"
                 if sh.is_moe else f"{sh.layers} Llama-3-8B-shaped layers (dense") + \
             f", hidden {sh.hidden}, FFN {sh.ffn}, GQA {sh.heads}/{sh.kv_heads}, vocab {sh.vocab}, " \
             f"{2 * sh.params() / GiB:.3g} GiB bf16)"
@@ -280,6 +286,7 @@ def report(name: str, out_dir: Path, setups: list[Setup], rows: list[dict], mach
                 "accelerator": s0.accelerator, "link_bandwidth": s0.link_bandwidth, "ttft_tokens": s0.ttft_tokens,
                 "decode_prompt_tokens": s0.decode_prompt_tokens, "new_tokens": s0.new_tokens, "repeats": s0.repeats,
                 "profile": s0.profile, "smoke": s0.smoke, "dtype": "bfloat16",
+                "routing": {s.shape_name: s.shape.routing for s in setups if s.shape.is_moe},
                 "torch_threads": torch.get_num_threads()}
     extra = {"model_shapes": {s.shape_name: vars(s.shape) for s in setups}}
     return write_report(name, out_dir, title="GPU offloading at real layer width" + (" (smoke)" if s0.smoke else ""),
@@ -300,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own; --smoke: 1, since "
                                                 "OpenMP slows down 10-30x on a shared machine when oversubscribed)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the host stand-in: no GPU needed, < 1 min")
+    ap.add_argument("--routing", choices=ROUTINGS, default="skewed",
+                    help="the MoE dummy weights' routing (default skewed: the runs before 2026-11-26 all were)")
     a = ap.parse_args(argv)
     threads = a.threads or (1 if a.smoke else None)
     if threads:
@@ -323,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     setups = []
     for sn in shapes:
         real, budget = SHAPES[sn]
+        real = replace(real, routing=a.routing) if real.is_moe else real
         if a.smoke:
-            shape = SMOKE_SHAPES[sn]
+            shape = replace(SMOKE_SHAPES[sn], routing=real.routing)
             setups.append(Setup(sn, shape, smoke_budget(shape, kv_bytes(shape, 128), real, budget), "host", SMOKE_LINK,
                                 ttft_tokens=64, decode_prompt_tokens=16, new_tokens=8, repeats=repeats,
                                 profile=a.profile, trace_dir=trace_dir, smoke=True,
@@ -340,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {s.shape_name}: writing / reusing the dummy checkpoint ({2 * s.shape.params() / GiB:.3g} GiB) ...",
                   flush=True)
             tag = "smoke-" if s.smoke else ""
-            model = write_dummy_checkpoint(workdir / f"{tag}{s.shape_name}-{s.shape.layers}L-{s.shape.hidden}",
+            routed = "" if s.shape.routing == "skewed" else f"-{s.shape.routing}"
+            model = write_dummy_checkpoint(workdir / f"{tag}{s.shape_name}-{s.shape.layers}L-{s.shape.hidden}{routed}",
                                            s.shape, torch.bfloat16)
             p = prompts(s)
             if s.shape.is_moe and (order is None or "plan_auto_profiled" in order):

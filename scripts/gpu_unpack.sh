@@ -14,7 +14,7 @@ tar xzf "$tgz" -C "$tmp"
 mkdir -p "$dir"
 find "$tmp" -maxdepth 1 -type f \( -name '*.md' -o -name '*.json' -o -name '*.log' -o -name '*.csv' -o -name '*.txt' \) \
   -exec cp {} "$dir"/ \;
-for sub in stall stall_passive ab graphs pinned memory kernelprobe; do
+for sub in stall stall_passive ab graphs pinned memory kernelprobe uniform; do
   if [ -d "$tmp/$sub" ]; then
     mkdir -p "$dir/$sub"
     find "$tmp/$sub" -maxdepth 1 -type f \( -name '*.md' -o -name '*.txt' -o -name '*.json' \) -exec cp {} "$dir/$sub"/ \;

@@ -52,6 +52,39 @@ def test_dummy_checkpoint_is_deterministic_and_reused(tmp_path):
     assert (a / "layer001.safetensors").stat().st_mtime_ns == mtime
 
 
+
+def test_uniform_routing_spreads_the_tokens_and_skewed_stays_as_it_was(tmp_path):
+    """ModelShape.routing: the skewed default keeps its config.json (earlier directories are reused) and
+    sends a layer's prompt tokens to a few experts; "uniform" says so in config.json (never reused for the
+    other), leaves the tensors' shapes and every non-routing draw alone, and spreads a 256-token prompt's
+    routing over all 8 experts of every layer, as the plans' i.i.d. pricing assumes."""
+    import dataclasses
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from tiered import LLM, EngineConfig
+    from tiered.runtime.expert_profile import ExpertProfiler
+
+    shape = ModelShape(layers=3, hidden=256, ffn=128, heads=4, kv_heads=2, vocab=2048, experts=8)
+    uniform = dataclasses.replace(shape, routing="uniform")
+    assert "tiered_dummy_routing" not in shape.config_json()
+    assert uniform.config_json()["tiered_dummy_routing"] == "uniform"
+    with pytest.raises(ValueError, match="routing"):
+        dataclasses.replace(shape, routing="zipf")
+    shares = {}
+    for s in (shape, uniform):
+        path = write_dummy_checkpoint(tmp_path / s.routing, s)
+        llm = LLM(str(path), EngineConfig(accelerator="none", max_context=512))
+        prof = ExpertProfiler.attach(llm.model, llm.config)
+        llm.logits(torch.randint(3, s.vocab, (256,), generator=torch.Generator().manual_seed(0)).tolist())
+        shares[s.routing] = prof.tokens / prof.tokens.sum(1, keepdims=True)  # [L, E]
+    top2 = np.sort(shares["skewed"], 1)[:, -2:].sum(1)
+    assert (top2 > 0.9).all(), shares["skewed"]
+    assert (shares["uniform"] > 0.04).all() and (shares["uniform"] < 0.25).all(), shares["uniform"]
+    a, b = (load_file(tmp_path / r / "layer001.safetensors") for r in ("skewed", "uniform"))
+    assert all(torch.equal(a[k], b[k]) for k in a if ".gate." not in k)  # the experts and attention: the same draws
+
 def test_decode_speed_excludes_the_first_token():
     assert decode_tokens_per_s([10.0, 10.5, 11.0, 11.5]) == pytest.approx(3 / 1.5)
     with pytest.raises(ValueError):

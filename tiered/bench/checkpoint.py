@@ -13,6 +13,12 @@ shares one direction `common`, and each layer's router gives its experts graded 
 (a different order per layer). At hidden 4096 the top 2-3 experts of a layer take about 98% of its
 routed tokens (random prompt tokens), so popularity placement and expert caches have something to
 find. These are the weights benchmarks/moe_offload.py has always written (same seed, same draws).
+
+`ModelShape.routing = "uniform"` writes the same draws without that shared direction (no `common` in
+the embedding rows, no graded affinities in the routers): each token then routes by its own random
+hidden state, close to the independent, uniform routing the plans price (cpu_predict.routing_trace
+without a popularity), the expert cache's worst case. Its config.json says so
+(`tiered_dummy_routing`), so a directory of the other routing is never reused for it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Iterator
 import torch
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+ROUTINGS = ("skewed", "uniform")
 _INDEX = "model.safetensors.index.json"
 
 
@@ -40,6 +47,8 @@ class ModelShape:
         vocab: vocabulary size; the lm_head is untied.
         experts, top_k: routed experts per layer and experts per token (experts 0 = dense).
         max_position_embeddings [tokens], rope_theta, rms_norm_eps: written to config.json.
+        routing: the dummy weights' routing, "skewed" (the top 2-3 experts of a layer take ~98% of
+            its tokens) or "uniform" (each token by its own hidden state); see the module's doc.
     """
 
     layers: int
@@ -53,6 +62,11 @@ class ModelShape:
     max_position_embeddings: int = 4096
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-5
+    routing: str = "skewed"
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, not {self.routing!r}")
 
     @property
     def is_moe(self) -> bool:
@@ -89,8 +103,9 @@ class ModelShape:
                "max_position_embeddings": self.max_position_embeddings, "rms_norm_eps": self.rms_norm_eps,
                "rope_theta": self.rope_theta, "tie_word_embeddings": False, "torch_dtype": str(dtype)[6:]}
         if self.is_moe:
+            routing = {} if self.routing == "skewed" else {"tiered_dummy_routing": self.routing}  # skewed: as ever
             return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **cfg,
-                    "num_local_experts": self.experts, "num_experts_per_tok": self.top_k}
+                    "num_local_experts": self.experts, "num_experts_per_tok": self.top_k, **routing}
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **cfg,
                 "bos_token_id": 1, "eos_token_id": 2}
 
@@ -149,11 +164,16 @@ def _shards(shape: ModelShape, dtype: torch.dtype, seed: int) -> Iterator[tuple[
 
     common = torch.randn(h, generator=g)       # a direction every hidden state shares
     skew = torch.linspace(1.0, -1.0, max(E, 1))  # expert e's affinity for it
+    embed_std = 0.02
+    if shape.is_moe and shape.routing == "uniform":  # drawn all the same, so the other draws stay as they were
+        # and each token's own embedding row, not what attention averages over the prompt, leads its
+        # hidden state through the layers (at std 0.02 the attention outputs, alike for every token, did)
+        common, skew, embed_std = torch.zeros(h), torch.zeros(max(E, 1)), 1.0
 
     glob = {"model.embed_tokens.weight": (shape.vocab, h), "model.norm.weight": (h,), "lm_head.weight": (shape.vocab, h)}
 
     def glob_tensors():
-        yield "model.embed_tokens.weight", (torch.randn(shape.vocab, h, generator=g) * 0.02 + 0.05 * common).to(dtype)
+        yield "model.embed_tokens.weight", (torch.randn(shape.vocab, h, generator=g) * embed_std + 0.05 * common).to(dtype)
         yield "model.norm.weight", torch.ones(h, dtype=dtype)
         yield "lm_head.weight", rnd(shape.vocab, h)
 
@@ -181,7 +201,7 @@ def _layer_tensors(shape: ModelShape, p: str, g: torch.Generator, rnd, common: t
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     if shape.is_moe:  # each layer favours different experts
         perm = torch.randperm(E, generator=g)
-        router = torch.randn(E, h, generator=g) * 0.02 + 0.5 * skew[perm, None] * common / common.norm()
+        router = torch.randn(E, h, generator=g) * 0.02 + 0.5 * skew[perm, None] * common / common.norm().clamp_min(1e-12)
     yield f"{p}.input_layernorm.weight", torch.ones(h, dtype=dtype)
     yield f"{p}.post_attention_layernorm.weight", torch.ones(h, dtype=dtype)
     yield f"{p}.self_attn.q_proj.weight", rnd(q, h)
