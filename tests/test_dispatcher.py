@@ -89,12 +89,15 @@ _slope = st.one_of(st.just(0.0), st.floats(min_value=1e-7, max_value=1e-1))
 @st.composite
 def latency_models(draw) -> LatencyModel:
     """Random fitted models with cpu_beta >= gpu_beta (the CPU's time per token is not below the
-    accelerator's: the regime Algorithm 1 describes, and calibration's non-negative fitted slopes can be equal)."""
+    accelerator's: the regime Algorithm 1 describes, and calibration's non-negative fitted slopes can be equal),
+    some with a prompt's per-call intercept on the CPU from some row count on (ExpertLatency's gemm_big step)."""
     gpu_beta = draw(_slope)
     cpu_beta = gpu_beta + draw(_slope)
+    step = draw(st.one_of(st.just((0.0, math.inf)), st.tuples(_pos, st.integers(min_value=1, max_value=10_000))))
     return LatencyModel(cpu_alpha=draw(_pos), cpu_beta=cpu_beta, gpu_alpha=draw(_pos), gpu_beta=gpu_beta,
                         h2d_alpha=draw(_pos), h2d_bandwidth=draw(st.floats(min_value=1e6, max_value=1e12)),
-                        disk_alpha=draw(_pos), disk_bandwidth=draw(st.floats(min_value=1e6, max_value=1e12)))
+                        disk_alpha=draw(_pos), disk_bandwidth=draw(st.floats(min_value=1e6, max_value=1e12)),
+                        cpu_prompt_alpha=step[0], cpu_prompt_rows=step[1])
 
 
 @settings(max_examples=300, deadline=None)
@@ -110,6 +113,22 @@ def test_threshold_equivalent_to_algorithm_1(lat, s, nbytes):
     got = choose_path(s, False, nbytes, lat)
     assert (got == CPU) == (s <= s_star)
     assert choose_path(s, True, nbytes, lat) == RESIDENT
+
+
+def test_a_prompts_cpu_intercept_moves_the_threshold_to_its_step():
+    """LatencyModel.cpu_prompt_alpha: from cpu_prompt_rows tokens the CPU side pays it once more (a prompt's
+    GEMMs packing big weights, gemm_big's intercept); where the line alone would keep the CPU past that
+    step and the step makes it lose, s* lies just below the step; a step it still wins past changes nothing."""
+    line = LatencyModel(cpu_alpha=1e-3, cpu_beta=1e-5, gpu_alpha=1e-4, gpu_beta=0.0, h2d_alpha=1e-4, h2d_bandwidth=1e9)
+    nbytes = 5_000_000  # 5 ms over the link: the line alone keeps the CPU up to ~420 tokens
+    assert line.cpu_threshold(nbytes) == pytest.approx((1e-4 + 1e-4 + 5e-3 - 1e-3) / 1e-5)
+    stepped = LatencyModel(**{**line.__dict__, "cpu_prompt_alpha": 4.5e-3, "cpu_prompt_rows": 64})
+    assert stepped.cpu_lat(63) == line.cpu_lat(63) and stepped.cpu_lat(64) == pytest.approx(line.cpu_lat(64) + 4.5e-3)
+    assert 63 < stepped.cpu_threshold(nbytes) < 64
+    assert choose_path(63, False, nbytes, stepped) == CPU and choose_path(64, False, nbytes, stepped) == COPY
+    small = LatencyModel(**{**line.__dict__, "cpu_prompt_alpha": 1e-4, "cpu_prompt_rows": 64})
+    assert small.cpu_threshold(nbytes) == pytest.approx(line.cpu_threshold(nbytes) - 10)  # the step costs 10 tokens
+    assert choose_path(64, False, nbytes, small) == CPU
 
 
 @settings(max_examples=100, deadline=None)

@@ -62,21 +62,28 @@ class ExpertShape:
 
 @dataclass(frozen=True)
 class _Piecewise:
-    """t(s) = const + act * s + max(alpha + beta * s, floor) [s]."""
+    """t(s) = const + act * s + max(a(s) + beta * s, floor) [s], a(s) = alpha below `prompt_rows` tokens and
+    `prompt_alpha` from there on (gemm_big's per-call intercept, which a prompt's GEMM on a big matrix
+    pays: op_time.gemm_line; None = alpha throughout)."""
 
     const: float
     alpha: float
     beta: float
     floor: float
     act: float = 0.0
+    prompt_alpha: float | None = None
+    prompt_rows: float = math.inf
+
+    def _alpha(self, s: float) -> float:
+        return self.prompt_alpha if self.prompt_alpha is not None and s >= self.prompt_rows else self.alpha
 
     def __call__(self, s: float) -> float:
-        return self.const + self.act * s + max(self.alpha + self.beta * s, self.floor)
+        return self.const + self.act * s + max(self._alpha(s) + self.beta * s, self.floor)
 
     def piece(self, s: float) -> tuple[float, float]:
         """(alpha, beta) of the affine piece active at s."""
-        if self.alpha + self.beta * s >= self.floor:
-            return self.const + self.alpha, self.beta + self.act
+        if self._alpha(s) + self.beta * s >= self.floor:
+            return self.const + self._alpha(s), self.beta + self.act
         return self.const + self.floor, self.act
 
 
@@ -121,9 +128,15 @@ class ExpertLatency:
         bw = p.models.get(f"memory/bandwidth/{device}")
         # silu(gate) and gate * up read 3 and write 2 vectors of `intermediate` 16-bit values per token
         act_beta = 5 * sh.intermediate * 2 * bw.beta if bw is not None else 0.0
-        # a prompt's GEMM on a big expert matrix: gemm_big's line where profiled (op_time.gemm_line)
-        m = op_time.gemm_line(p, device, dtype, sh.weight_bytes(dtype) / sh.matrices, m)
-        return _Piecewise(const, sh.matrices * m.alpha, sh.macs_per_token * m.beta, floor, act_beta)
+        # a GEMM on a big expert matrix: gemm_big's slope where profiled, and from PROMPT_GEMM_ROWS tokens its
+        # per-call intercept too, as a dense prompt's GEMM on a matrix that size pays it (op_time.gemm_line;
+        # on the H100's Xeon host 1.5 ms a call, oneDNN packing the weight for AMX: a forced-CPU prompt of
+        # ~128 tokens an expert ran 0.357 s where the fit's intercept priced 0.217)
+        per_call = sh.weight_bytes(dtype) / sh.matrices
+        few, many = (op_time.gemm_line(p, device, dtype, per_call, m, rows)
+                     for rows in (None, op_time.PROMPT_GEMM_ROWS))
+        return _Piecewise(const, sh.matrices * few.alpha, sh.macs_per_token * few.beta, floor, act_beta,
+                          prompt_alpha=sh.matrices * many.alpha, prompt_rows=op_time.PROMPT_GEMM_ROWS)
 
     @property
     def cpu(self) -> _Piecewise:
@@ -204,7 +217,11 @@ class ExpertLatency:
         else:
             cb, gb = cpu.beta + cpu.act, gpu.beta + gpu.act
         h2d = self.profile.model("copy/h2d_pinned")
-        return LatencyModel(cpu(1) - cb, cb, gpu(1) - gb, gb, h2d.alpha, 1.0 / h2d.beta, disk_alpha, disk_bw)
+        # a prompt's expert GEMMs from PROMPT_GEMM_ROWS rows: the step to the exact side there, above the line
+        rows = cpu.prompt_rows
+        step = max(0.0, cpu(rows) - (cpu(1) - cb + cb * rows)) if cpu.prompt_alpha is not None and rows < math.inf else 0.0
+        return LatencyModel(cpu(1) - cb, cb, gpu(1) - gb, gb, h2d.alpha, 1.0 / h2d.beta, disk_alpha, disk_bw,
+                            cpu_prompt_alpha=step, cpu_prompt_rows=rows if step > 0 else math.inf)
 
 def step_expert_bytes(cfg: ModelConfig, dtype: str) -> float:
     """Bytes of the routed experts one decode step of one sequence reads [bytes]: top-k experts of

@@ -13,6 +13,7 @@ Both sides include the disk read when the expert's home is disk. The latency mod
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 RESIDENT = "resident"  # weights already on the accelerator (resident or cached): run there
@@ -28,8 +29,12 @@ GATE_UP_SHARE = 2 / 3
 class LatencyModel:
     """Fitted latencies of one expert (seconds).
 
-    cpu_lat(s) = cpu_alpha + cpu_beta * s; gpu_lat(s) = gpu_alpha + gpu_beta * s;
+    cpu_lat(s) = cpu_alpha + cpu_beta * s (+ cpu_prompt_alpha from cpu_prompt_rows tokens on);
+    gpu_lat(s) = gpu_alpha + gpu_beta * s;
     transfer_lat(b) = h2d_alpha + b / h2d_bandwidth; disk_lat(b) = disk_alpha + b / disk_bandwidth.
+    cpu_prompt_alpha: what a prompt's GEMMs of an expert pay once a call on the CPU from cpu_prompt_rows
+    rows (op_time.gemm_line: gemm_big's intercept, 1.5 ms a matrix on the H100's Xeon host, oneDNN
+    packing the weight for AMX); 0 where not profiled.
     """
 
     cpu_alpha: float
@@ -40,9 +45,11 @@ class LatencyModel:
     h2d_bandwidth: float  # bytes/s
     disk_alpha: float = 0.0
     disk_bandwidth: float = float("inf")  # bytes/s
+    cpu_prompt_alpha: float = 0.0
+    cpu_prompt_rows: float = float("inf")
 
     def cpu_lat(self, s: int) -> float:
-        return self.cpu_alpha + self.cpu_beta * s
+        return self.cpu_alpha + self.cpu_beta * s + (self.cpu_prompt_alpha if s >= self.cpu_prompt_rows else 0.0)
 
     def gpu_lat(self, s: int) -> float:
         return self.gpu_alpha + self.gpu_beta * s
@@ -73,14 +80,25 @@ class LatencyModel:
         """Largest token count for which the CPU path wins (Fiddler's s*), in tokens.
 
         When cpu_beta >= gpu_beta, choose_path picks the CPU iff s <= s*. Equal slopes make the
-        choice independent of s: +inf (the CPU always wins) or -inf (it never does).
+        choice independent of s: +inf (the CPU always wins) or -inf (it never does). A prompt's
+        intercept (cpu_prompt_alpha from cpu_prompt_rows tokens) puts s* just below that step where
+        the CPU wins up to it and loses at it, or moves the crossing past it by its cost.
         """
+        def crossing(margin: float) -> float:
+            if self.cpu_beta == self.gpu_beta:
+                return float("inf") if margin >= 0 else float("-inf")
+            if self.cpu_beta < self.gpu_beta:
+                return float("inf")
+            return margin / (self.cpu_beta - self.gpu_beta)
+
         margin = self.gpu_alpha + self.transfer_lat(nbytes) - self.cpu_alpha
-        if self.cpu_beta == self.gpu_beta:
-            return float("inf") if margin >= 0 else float("-inf")
-        if self.cpu_beta < self.gpu_beta:
-            return float("inf")
-        return margin / (self.cpu_beta - self.gpu_beta)
+        s = crossing(margin)
+        if s < self.cpu_prompt_rows:
+            return s
+        rows = self.cpu_prompt_rows  # the CPU wins below its prompt intercept's step: past it?
+        if self.cpu_lat(rows) > self.gpu_lat(rows) + self.transfer_lat(nbytes):
+            return math.nextafter(rows, 0.0)
+        return crossing(margin - self.cpu_prompt_alpha)
 
 
 def choose_path(tokens: int, on_accelerator: bool, expert_bytes: int, lat: LatencyModel) -> str:
