@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import json
 from dataclasses import replace
 import math
@@ -15,7 +17,7 @@ from tiered.errors import ConfigError
 from tiered.hardware import op_time
 from tiered.hardware.presets import PRESETS, get_preset
 from tiered.hardware.profile import HardwareProfile, LinearModel
-from tiered.hardware.profiler import fit_affine, median_time, profile_machine
+from tiered.hardware.profiler import fit_affine, median_time, median_times, profile_machine
 from tiered.planner.fiddler import ExpertLatency, ExpertShape, dispatch_latency
 from tiered.runtime.dispatcher import CPU, choose_path
 
@@ -41,6 +43,17 @@ def test_fit_affine_never_returns_a_negative_intercept():
 
 def test_median_time_is_positive():
     assert median_time(lambda: sum(range(100)), 3) > 0
+
+
+def test_memory_points_interleave_their_samples():
+    """median_times: one warm-up call each, then every repeat samples each function in turn (so points
+    timed while the memory's bandwidth drifts see the same moments), one median per function."""
+    calls = []
+    fns = [lambda i=i: calls.append(i) for i in range(3)]
+    out = median_times(fns, 4, min_sample=0.0)  # one call a sample
+    assert calls == [0, 1, 2] + [0, 1, 2] * 4 and len(out) == 3 and all(t >= 0 for t in out)
+    slow = median_times([lambda: time.sleep(2e-3), lambda: None], 3, min_sample=0.0)
+    assert slow[0] >= 2e-3 > slow[1]
 
 
 # ---- the quick profiler on this machine -------------------------------------------------------

@@ -103,24 +103,38 @@ def fit_proportional(xs, ys) -> LinearModel:
     return LinearModel(0.0, max(beta, 0.0), None if r2 is None else float(r2))
 
 
-def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None,
-                min_sample: float = 10e-3) -> float:
-    """Median seconds per call of `fn` over `repeats` samples, after a warm-up call."""
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    warm = time.perf_counter() - t0
-    inner = max(1, min(1000, int(min_sample / max(warm, 1e-7))))
-    samples = []
-    for _ in range(repeats):
+def median_times(fns: list[Callable[[], object]], repeats: int, sync: Callable[[], None] = lambda: None,
+                 min_sample: float = 10e-3) -> list[float]:
+    """median_time of each of `fns`, their samples interleaved (fn 0, 1, ..., then again): on a machine whose
+    memory bandwidth drifts (a VM's neighbours), every point then samples the same moments, and a fit
+    across them sees their sizes, not when each was timed. The 2-core EPYC's DRAM reads (2, 3 and 4 x
+    its 32 MiB LLC, 2026-11-26), eight fits each way: one size after the other, 31-52 GB/s, R^2
+    0.86-0.96, the first size always the fastest (38-81 GB/s against 30-49); interleaved, 48-51 GB/s,
+    R^2 0.93-0.995."""
+    inner = []
+    for fn in fns:  # one warm-up call each, which sizes its samples
         sync()
         t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
+        fn()
         sync()
-        samples.append((time.perf_counter() - t0) / inner)
-    return float(np.median(samples))
+        inner.append(max(1, min(1000, int(min_sample / max(time.perf_counter() - t0, 1e-7)))))
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, n, out in zip(fns, inner, samples):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            out.append((time.perf_counter() - t0) / n)
+    return [float(np.median(x)) for x in samples]
+
+
+def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None,
+                min_sample: float = 10e-3) -> float:
+    """Median seconds per call of `fn` over `repeats` samples, after a warm-up call (each sample as many
+    calls as take `min_sample` seconds, at most 1000)."""
+    return median_times([fn], repeats, sync, min_sample)[0]
 
 
 class _Bench:
@@ -340,17 +354,17 @@ def _attn_prefill_points(dtype: str, shapes, repeats: int):
 
 
 def _memory_points(device: str, sizes_mib, sync, repeats: int, copy: bool):
+    """(bytes, seconds) of a read (sum) or a copy of each size, timed interleaved (median_times)."""
     dev = "cuda" if device == "gpu" else "cpu"
-    points = []
+    fns = []
     for mib in sizes_mib:
         src = torch.ones(mib * MiB // 4, device=dev)
         if copy:
             dst = torch.empty_like(src)
-            t = median_time(lambda: dst.copy_(src), repeats, sync)
+            fns.append(lambda s=src, d=dst: d.copy_(s))
         else:
-            t = median_time(lambda: src.sum(), repeats, sync)
-        points.append((mib * MiB, t))
-    return points
+            fns.append(lambda s=src: s.sum())
+    return [(mib * MiB, t) for mib, t in zip(sizes_mib, median_times(fns, repeats, sync))]
 
 
 def _launch_time(device: str, sync) -> float:
@@ -735,7 +749,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     if llc and 4 * llc <= 4 * 2**30:  # reads no cache holds: a decode step whose weights exceed the cache
         b.llc = llc
         dram = [2 * llc // MiB, 3 * llc // MiB, 4 * llc // MiB]
-        b.attempt("memory/bandwidth_dram/cpu", lambda: _memory_points("cpu", dram, nosync, max(3, r // 2), copy=False))
+        b.attempt("memory/bandwidth_dram/cpu", lambda: _memory_points("cpu", dram, nosync, max(5, r // 2), copy=False))
         if kernels.available():  # the decode kernels' own rate from DRAM, weights no cache holds
             dram_gemvs = [(1, 2048, 2048), (1, 4096, 2048), (1, 4096, 4096)]
             for dtype in ("bf16",) if quick else ("fp32", "bf16", "int8", "int4"):
