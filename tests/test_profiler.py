@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import json
 from dataclasses import replace
 import math
+import time
 
 import pytest
 import torch
