@@ -449,6 +449,40 @@ def test_step_overhead_follows_how_the_step_is_graphed():
     assert op_time.step_overhead(no_whole, "bf16", "gpu", graphed="whole") == (2e-4, 1e-4)
 
 
+
+def test_graphed_gemvs_are_priced_by_their_graph_key_where_profiled():
+    """gemv_graph/gpu/<dtype> (op_time.graph_gemv): a whole-step graph's GEMVs (attention, FFN, head) and a
+    piecewise graph's attention projections at the rate the profile timed GEMVs replayed in a captured
+    graph. A profile without it (every reference profile so far) prices them as before, and an eager
+    step never takes it."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from tiered.hardware import op_time
+    from tiered.planner.common import attention_time
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "reference" / "h100-2026-11-26"
+    hw = HardwareProfile.load(root / "profile_quick.json")
+    graph = LinearModel(4e-6, 3.3e-13, 1.0)  # a few us a kernel, the GEMV's bytes at ~3 TB/s
+    keyed = replace(hw, models={**hw.models, "gemv_graph/gpu/bf16": graph})
+    n = 4096 * 14336
+    assert op_time.gemm_time(keyed, "gpu", "bf16", n, 2 * n, graphed=True) == pytest.approx(4e-6 + 3.3e-13 * 2 * n)
+    assert op_time.gemm_time(keyed, "gpu", "bf16", 512 * n, 2 * n, graphed=True) == \
+        op_time.gemm_time(hw, "gpu", "bf16", 512 * n, 2 * n)  # a prompt's GEMM is not a GEMV
+    assert op_time.gemm_time(hw, "gpu", "bf16", n, 2 * n, graphed=True) == op_time.gemm_time(hw, "gpu", "bf16", n, 2 * n)
+    dense = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+                                 "intermediate_size": 14336, "num_hidden_layers": 8, "num_attention_heads": 32,
+                                 "num_key_value_heads": 8, "max_position_embeddings": 4096})
+    assert attention_time(dense, keyed, "gpu", "bf16", 1, 64, graphed=True) < attention_time(dense, keyed, "gpu", "bf16", 1, 64)
+    kw = dict(prompt_tokens=32, gen_tokens=32, context_tokens=1024, library_workspace=0)
+    for graphs in (True, False):
+        before, after = (make_plan(dense, h, graphs=graphs, **kw) for h in (hw, keyed))
+        assert after.predicted_ttft_s == before.predicted_ttft_s  # prompts run eager
+        if graphs:  # the whole step as one graph: 2.42 ms a step measured on the H100, 3.4 priced without the key
+            assert 1 / after.predicted_decode_tokens_per_s < 1 / before.predicted_decode_tokens_per_s - 0.5e-3
+        else:
+            assert after.predicted_decode_tokens_per_s == before.predicted_decode_tokens_per_s
+
 def test_a_routing_profile_prices_the_prompt_on_the_experts_it_routes_to():
     """planner/latency_moe.prompt_experts: a prompt's tokens pick experts as the profile's did. A profile
     that routes a layer to two experts makes a 512-token prompt touch two, and those resident ones cost no

@@ -125,14 +125,25 @@ def gemm_line(profile: HardwareProfile, device: str, dtype: str, bytes_per_call:
     return m if tokens is not None and tokens >= PROMPT_GEMM_ROWS else LinearModel(fit.alpha, m.beta, m.r2)
 
 
+def graph_gemv(profile: HardwareProfile, device: str, dtype: str) -> LinearModel | None:
+    """gemv_graph/<dev>/<dtype> (with the dtype fallbacks): a GEMV's cost replayed in a captured CUDA
+    graph, [s a call, s a weight byte]; None where the profile did not time it (then the eager
+    gemv fit prices graphed GEMVs too, its intercept being mostly the host's)."""
+    return find(profile, "gemv_graph", device, dtype)
+
+
 def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, weight_bytes: float = 0.0,
-              calls: int = 1) -> float:
+              calls: int = 1, graphed: bool = False) -> float:
     """Seconds for `calls` GEMMs totalling `macs` multiply-accumulates over `weight_bytes` of weights.
-    Calls over big weights take gemm_big's line (gemm_line).
+    Calls over big weights take gemm_big's line (gemm_line). `graphed`: GEMVs (a token a call)
+    replayed in a CUDA graph, priced by gemv_graph/<dev>/<dtype> where profiled (graph_gemv).
 
     Raises:
         ConfigError: the profile prices no GEMM on `device` in `dtype` (or a fallback dtype).
     """
+    g = graph_gemv(profile, device, dtype) if graphed and weight_bytes > 0 else None
+    if g is not None and macs <= weight_bytes / bytes_per_element(dtype) * 1.5:  # one token a call
+        return calls * g.alpha + g.beta * weight_bytes
     m = find(profile, "gemm", device, dtype)
     if m is None:
         raise ConfigError(f"hardware profile {profile.name!r} has no gemm/{device}/{dtype} model",

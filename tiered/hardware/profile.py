@@ -8,6 +8,8 @@ ALGORITHMS.md 1.b, 5.2), with the fit quality R^2 kept beside it (ScheInfer Tabl
                              (compute-bound regime: many tokens per call)
     gemv/<device>/<dtype>    weight bytes streamed    start-up          s per byte
                              (memory-bound regime, fitted at 1 token; ALGORITHMS.md 1.f S2)
+    gemv_graph/gpu/<dtype>   weight bytes streamed    the kernel's own  s per byte
+                             (the same GEMVs replayed in a captured CUDA graph: no host launch)
     attn/<device>/<dtype>    MACs of decode attention (q.K^T + p.V, one query per sequence)
     copy/h2d_pinned, copy/h2d_pageable, copy/d2h_pinned, copy/d2h_pageable     bytes
     disk/read_cold           bytes (page cache dropped before each read)

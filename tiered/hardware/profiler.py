@@ -15,6 +15,7 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
     memory/bandwidth_dram/cpu  reads of 2-4 x the last-level cache (meta["llc_bytes"])   n = bytes
     gemv_dram/cpu/<dtype>      the native decode GEMVs over 3 x the last-level cache      n = weight bytes
+    gemv_graph/gpu/<dtype>     GEMVs replayed in a captured CUDA graph (CUDA only)       n = weight bytes
     launch/<dev>         a tiny op (alpha only)
     runtime/task         one task through tiered's executor and back (alpha only)
     attn_decode/cpu/<kv>         the native decode step's attention per KV-cache byte (cache in <kv>,
@@ -288,6 +289,41 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
         t = median_time(lambda: next(turn)(x), repeats, sync)
         points.append((K * N * bpe if by_bytes else T * K * N, t))
     return points
+
+
+def _gemv_graph_points(dtype: str, shapes, repeats: int) -> list[tuple[float, float]]:
+    """(weight bytes, seconds a call) of `dtype` GEMVs (1 x K by N x K, F.linear) replayed in a captured
+    CUDA graph, as a graphed decode step runs its projections: no host issues them, so what is left
+    beyond the bytes is the kernel's own start and tail. Each graph holds GEMV_GRAPH_CALLS calls over
+    enough weight copies to exceed twice the GPU's L2 (a decode step reads each weight once), and a
+    point is one replay's median time over its calls. The eager gemv/gpu key times back-to-back calls
+    the host issues; on the H100 its 18 us intercept was the host's, and priced a whole-step graph of
+    8 Llama-3-8B layers at 3.4 ms a step where it ran in 2.4 (the bytes alone priced 1.9)."""
+    td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * MiB)
+    points = []
+    for _, K, N in shapes:
+        nbytes = K * N * torch.tensor([], dtype=td).element_size()
+        copies = max(1, min(GEMV_GRAPH_CALLS, -(-2 * l2 // nbytes)))
+        ws = [torch.randn(N, K, device="cuda", dtype=td) * 0.02 for _ in range(copies)]
+        x = torch.randn(1, K, device="cuda", dtype=td)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+            for w in ws:
+                F.linear(x, w)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [F.linear(x, ws[i % copies]) for i in range(GEMV_GRAPH_CALLS)]
+        t = median_time(graph.replay, repeats, torch.cuda.synchronize)
+        points.append((float(nbytes), t / GEMV_GRAPH_CALLS))
+        del graph, outs, ws
+    return points
+
+
+GEMV_GRAPH_CALLS = 16  # GEMVs in one captured graph (gemv_graph/gpu/<dtype>)
 
 
 def _attn_points(device: str, dtype: str, shapes, sync, repeats: int):
@@ -791,6 +827,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt("memory/bandwidth/gpu", lambda: _memory_points("gpu", [64, 256, 1024], sync, r, copy=False))
         b.attempt("memory/copy/gpu", lambda: _memory_points("gpu", [64, 256, 1024], sync, r, copy=True))
         b.models["launch/gpu"] = LinearModel(_launch_time("gpu", sync), 0.0, None)
+        b.attempt("gemv_graph/gpu/bf16", lambda: _gemv_graph_points("bf16", g_gemv, r))
         b.attempt("runtime/decode_step_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda"))
         b.attempt("runtime/decode_step_graphed_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda", "piecewise"))
         b.attempt("runtime/decode_step_graph_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda", "whole"))

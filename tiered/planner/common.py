@@ -25,29 +25,33 @@ class ExpertChoices:
 
 
 def attention_time(cfg: ModelConfig, profile: HardwareProfile, device: str, precision: str, tokens: int,
-                   context: int, kv_format: str = "bf16") -> float:
+                   context: int, kv_format: str = "bf16", graphed: bool = False) -> float:
     """One layer's attention projections + attention over `context` cached positions [s]: decode's
     (tokens = 1) at the attn key's rate over the KV cache; a prompt's causal, each of its tokens
     over the context - tokens positions before it and the prompt up to itself, at attn_prefill's
     rate (op_time.prefill_attention_time). The decode key over every (query, key) pair had priced
-    a 512-token prompt's attention at 1.7 ms a layer on the H100, 85% of its layer."""
+    a 512-token prompt's attention at 1.7 ms a layer on the H100, 85% of its layer.
+    `graphed`: a decode step's attention replayed in a CUDA graph: where the profile timed GEMVs in
+    a graph (op_time.graph_gemv), its projections at that rate and no launches."""
     d = cfg.hidden_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     w = 2 * d * q + 2 * d * kv
-    proj = op_time.gemm_time(profile, device, precision, tokens * w, w * sizes.bytes_per_element(precision), calls=4)
+    graphed = graphed and tokens == 1 and op_time.graph_gemv(profile, device, precision) is not None
+    proj = op_time.gemm_time(profile, device, precision, tokens * w, w * sizes.bytes_per_element(precision), calls=4,
+                             graphed=graphed)
     if tokens > 1:  # a prompt: causal attention, its tokens after context - tokens cached ones
         macs = 2 * q * (tokens * (context - tokens) + tokens * (tokens + 1) / 2)
         return proj + op_time.prefill_attention_time(profile, device, precision, macs) + 6 * op_time.launch_time(profile, device)
     macs = 2 * tokens * context * q
     kv_layer = sizes.kv_cache_bytes(cfg, 1, context, kv_format) / cfg.num_hidden_layers
     attn = op_time.attention_time(profile, device, precision, macs, kv_layer)
-    return proj + attn + 6 * op_time.launch_time(profile, device)
+    return proj + attn + (0 if graphed else 6) * op_time.launch_time(profile, device)
 
 
-def head_time(cfg: ModelConfig, profile: HardwareProfile, device: str, precision: str) -> float:
-    """The lm_head projection of one token [s]."""
+def head_time(cfg: ModelConfig, profile: HardwareProfile, device: str, precision: str, graphed: bool = False) -> float:
+    """The lm_head projection of one token [s] (`graphed`: inside a whole-step CUDA graph, op_time.gemm_time)."""
     n = cfg.hidden_size * cfg.vocab_size
-    return op_time.gemm_time(profile, device, precision, n, n * sizes.bytes_per_element(precision))
+    return op_time.gemm_time(profile, device, precision, n, n * sizes.bytes_per_element(precision), graphed=graphed)
 
 
 def place_experts(plan: Plan, cfg: ModelConfig, moe_layers: list[int], expert_bytes: int, fast_free: float,

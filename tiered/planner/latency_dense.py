@@ -8,6 +8,8 @@ double-buffered CG staging of the largest FFN.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.hardware import op_time
 from tiered.hardware.budget import format_bytes
@@ -58,12 +60,16 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
         budget = room - staging
     prompt_shape = LayerShape(plan.prompt_tokens, M, H, 3, bpe)
     pparams = cost_params(profile, fmt, prompt_shape, cpu_working_set=ffn_total)
-    attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])
-    attn_pre = attention_time(cfg, profile, "gpu", fmt, plan.prompt_tokens, plan.prompt_tokens, plan.dtypes["kv_cache"])
     # the model code's host cost per layer and per step (module calls, small ops, their launches):
     # decode's graphed as the engine will graph it (every FFN on the GPU: the whole step; else
     # piecewise), prefill's always eager
     graphed = None if not graphs else "whole" if room >= ffn_total else "piecewise"
+    # a graphed step's GEMVs (the attention's, and in a whole-step graph the FFNs' and the head's) at the
+    # rate the profile timed them replayed in a graph, where it did (op_time.graph_gemv)
+    attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"], graphed=graphed is not None)
+    attn_pre = attention_time(cfg, profile, "gpu", fmt, plan.prompt_tokens, plan.prompt_tokens, plan.dtypes["kv_cache"])
+    g = op_time.graph_gemv(profile, "gpu", fmt) if graphed == "whole" else None
+    dparams = params if g is None else replace(params, alpha_gpu=g.alpha, beta_gpu=g.beta * bpe, t_launch=0.0)
     per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu", graphed=graphed)
     per_step_prefill, per_layer_prefill = op_time.step_overhead(profile, fmt, "gpu")
     act_bpe = sizes.bytes_per_element(plan.dtypes["kv_cache"])  # activations: 16-bit, fp32 with fp32 weights
@@ -78,12 +84,13 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
         # added, 7.3 and 7.9 ms
         prefill += per_layer_prefill
         plan.layers.append(LayerPlan(i, "dense", fmt, rates.r_cc, rates.r_cg, rates.r_gg, tok.n_g,
-                                     decode_s=decode_layer_time(decode_shape, rates, params) + attn_dec + per_layer
+                                     decode_s=decode_layer_time(decode_shape, rates, dparams) + attn_dec + per_layer
                                      + (sliced_layer_syncs(profile, M * act_bpe, 1) if rates.r_cc > 0 else 0.0),
                                      prefill_s=prefill))
         ffn_gpu_bytes += rates.r_gg * 3 * M * H * bpe
     head = head_time(cfg, profile, "gpu", fmt)
-    plan.predicted_decode_tokens_per_s = 1.0 / (sum(l.decode_s for l in plan.layers) + head + per_step)
+    head_dec = head_time(cfg, profile, "gpu", fmt, graphed=graphed == "whole")
+    plan.predicted_decode_tokens_per_s = 1.0 / (sum(l.decode_s for l in plan.layers) + head_dec + per_step)
     plan.predicted_ttft_s = sum(l.prefill_s for l in plan.layers) + head + per_step_prefill
     sliced = ffn_gpu_bytes < ffn_total - 1
     plan.memory = {"gpu": non_ffn + kv + plan.workspace_bytes + (staging if sliced else 0) + ffn_gpu_bytes,

@@ -143,7 +143,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     per_step_whole, per_layer_whole = op_time.step_overhead(profile, fmt, "gpu", graphed="whole")
     act_bpe = sizes.bytes_per_element(plan.dtypes["kv_cache"])  # activations: 16-bit, fp32 with fp32 weights
     matrices = expert.shape.matrices
-    attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"])
+    attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"], graphed=graphs)
     attn_pre = attention_time(cfg, profile, "gpu", fmt, plan.prompt_tokens, plan.prompt_tokens, plan.dtypes["kv_cache"])
     head = head_time(cfg, profile, "gpu", fmt)
     logits = costs.d2h(4 * cfg.vocab_size) if costs.d2h is not None else 0.0
