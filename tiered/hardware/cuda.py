@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import re
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -177,6 +178,7 @@ class CudaAccelerator(Accelerator):
 # have been issued blocking; in a plain process it answered True. Why it differed is not known.
 _LOCKED: dict[int, int] = {}
 _LOCKED_STARTS: list[int] = []
+_LOCKED_MUTEX = threading.Lock()  # loader threads register buffers while others copy from theirs
 
 
 def page_locked(t: torch.Tensor) -> bool:
@@ -184,8 +186,10 @@ def page_locked(t: torch.Tensor) -> bool:
     inside a range `_register` locked (tiered's registered huge pages), or pinned by torch's
     allocator (Tensor.is_pinned, cudaHostAlloc)."""
     ptr = t.data_ptr()
-    i = bisect.bisect_right(_LOCKED_STARTS, ptr) - 1
-    if i >= 0 and ptr + t.numel() * t.element_size() <= _LOCKED[_LOCKED_STARTS[i]]:
+    with _LOCKED_MUTEX:
+        i = bisect.bisect_right(_LOCKED_STARTS, ptr) - 1
+        end = _LOCKED[_LOCKED_STARTS[i]] if i >= 0 else 0
+    if ptr + t.numel() * t.element_size() <= end:
         return True
     return t.is_pinned()
 
@@ -198,14 +202,16 @@ def _register(address: int, nbytes: int):
     if int(cudart.cudaHostRegister(address, nbytes, 0)) != 0:
         _clear_last_error()  # else torch's next launch check on this thread reports it
         return None
-    _LOCKED[address] = address + nbytes
-    bisect.insort(_LOCKED_STARTS, address)
+    with _LOCKED_MUTEX:
+        _LOCKED[address] = address + nbytes
+        bisect.insort(_LOCKED_STARTS, address)
 
     def unlock() -> None:
-        _LOCKED.pop(address, None)
-        i = bisect.bisect_left(_LOCKED_STARTS, address)
-        if i < len(_LOCKED_STARTS) and _LOCKED_STARTS[i] == address:
-            del _LOCKED_STARTS[i]
+        with _LOCKED_MUTEX:
+            _LOCKED.pop(address, None)
+            i = bisect.bisect_left(_LOCKED_STARTS, address)
+            if i < len(_LOCKED_STARTS) and _LOCKED_STARTS[i] == address:
+                del _LOCKED_STARTS[i]
         cudart.cudaHostUnregister(address)
 
     return unlock
