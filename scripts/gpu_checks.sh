@@ -5,7 +5,7 @@
 #   cuda     the CUDA-marked tests (the first engine without a profile measures a quick one, ~2 min on the H100,
 #            unless the `profile` stage ran before)
 #   suite    the whole suite with CUDA present (pytest-xdist, 8 workers, where installed)
-#   tests    cuda, then suite
+#   tests    cuda, then the rest of the suite (-m "not cuda"; together the whole suite, each test once)
 #   profile  `tiered profile --quick` of this machine (results/profile_quick.json, and the engine's default
 #            profile path); moe/dense and the tests after it plan with it
 #   moe      benchmarks/gpu_offload.py, 4 Mixtral layers, --gpu-mem 4GiB (no transformers + accelerate row:
@@ -99,7 +99,7 @@ for stage in "${stages[@]}"; do
     cuda) run 300 pytest_cuda_marked $PY -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/ ;;
     suite) run 300 pytest_cuda_all $PY -m pytest -q -p no:cacheprovider $xdist -rfE --durations=15 tests/ ;;
     tests) run 300 pytest_cuda_marked $PY -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/
-           run 300 pytest_cuda_all $PY -m pytest -q -p no:cacheprovider $xdist -rfE --durations=15 tests/ ;;
+           run 300 pytest_cuda_rest $PY -m pytest -q -p no:cacheprovider $xdist -m "not cuda" -rfE --durations=15 tests/ ;;
     profile) run 240 profile_quick $PY -m tiered.cli profile --quick --out "$res/profile_quick.json"
              # also where engines look for this machine's profile (hardware/profile.default_profile_path), so
              # the tests and benchmarks after this stage plan with it instead of measuring their own (~2 min)
