@@ -371,6 +371,8 @@ def test_run_prints_the_plan_and_its_prediction(zoo, box):
     js = CliRunner().invoke(app, [*args, "--json", "1 2 3"])
     data = json.loads(js.stdout.strip().splitlines()[-1])
     assert data["plan"]["predicted_decode_tokens_per_s"] > 0 and "sliced" in data["plan"]["summary"]
+    assert data["plan"]["run_positions"] == data["stats"]["prompt_tokens"] + data["stats"]["generated_tokens"] // 2
+    assert data["plan"]["predicted_decode_tokens_per_s_at_run"] > 0 and data["plan"]["priced_positions"] > 0
     graphed = CliRunner().invoke(app, [*args, "--graphs", "on", "--show-plan", "1 2 3"])  # the stand-in's graphs
     assert graphed.exit_code == 0, graphed.output
     assert "decode: piecewise CUDA graphs" in graphed.output and "decode: " not in shown.output

@@ -159,8 +159,11 @@ def run(
         typer.echo(llm.plan.render(), err=True)
     if as_json:
         out = llm.generate(prompt, params, chat=chat)[0]
+        positions = out.stats.mean_decode_positions
         plan_info = {"summary": llm.plan.summary(), "source": llm.plan.source,
                      "predicted_decode_tokens_per_s": llm.plan.predicted_decode_tokens_per_s,
+                     "priced_positions": llm.plan.prompt_tokens + llm.plan.gen_tokens,
+                     "run_positions": positions, "predicted_decode_tokens_per_s_at_run": llm.predicted_decode_at(positions),
                      "predicted_ttft_s": llm.plan.predicted_ttft_s, "binding": llm.plan.binding}
         typer.echo(json.dumps({"model": str(llm.checkpoint.path), **out.as_dict(), "runtime": llm.runtime_stats(),
                                "plan": plan_info}))
