@@ -466,6 +466,10 @@ def test_registered_host_memory_copies_asynchronously(monkeypatch):
     assert not cuda.page_locked(torch.empty(16))  # ordinary memory
     past = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), HUGE_PAGES_FROM - 8, (4096 + 16,))
     assert not cuda.page_locked(past)  # runs past the locked range (a page beyond it)
+    rows = t[: HUGE_PAGES_FROM // 4096 * 4096].view(-1, 4096)
+    assert cuda.page_locked(rows[:, :8]) and cuda.page_locked(rows.t())  # strided views inside it
+    strided = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), HUGE_PAGES_FROM - 64, (8,), (4096,))
+    assert not cuda.page_locked(strided)  # 8 bytes, but spanning 28 KiB past the end
     cpu_copies = []
 
     class Dst:
@@ -473,7 +477,7 @@ def test_registered_host_memory_copies_asynchronously(monkeypatch):
             cpu_copies.append(non_blocking)
     cuda.CudaAccelerator.copy_to_device(None, Dst(), t[:64])
     assert cpu_copies == [True]
-    del t, past
+    del t, past, rows, strided
     gc.collect()
     assert unregistered == [start] and start not in cuda._LOCKED and start not in cuda._LOCKED_STARTS
 

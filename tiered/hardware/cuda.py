@@ -186,10 +186,11 @@ def page_locked(t: torch.Tensor) -> bool:
     inside a range `_register` locked (tiered's registered huge pages), or pinned by torch's
     allocator (Tensor.is_pinned, cudaHostAlloc)."""
     ptr = t.data_ptr()
+    span = (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size() if t.numel() else 0
     with _LOCKED_MUTEX:
         i = bisect.bisect_right(_LOCKED_STARTS, ptr) - 1
         end = _LOCKED[_LOCKED_STARTS[i]] if i >= 0 else 0
-    if ptr + t.numel() * t.element_size() <= end:
+    if ptr + span <= end:  # the bytes the view spans (a strided one spans more than its elements)
         return True
     return t.is_pinned()
 
