@@ -112,10 +112,7 @@ class Chat:
                          f"({self.last.finish_reason}) | TTFT {s.ttft_s * 1e3:.0f} ms | prefill "
                          f"{s.prefill_tokens_per_s:.1f} tok/s | decode {s.decode_tokens_per_s:.1f} tok/s | "
                          f"ITL {s.itl_s * 1e3:.1f} ms")
-        measured = self.last.stats.decode_tokens_per_s if self.last and self.last.stats.generated_tokens > 1 else None
-        positions = self.last.stats.mean_decode_positions if measured else None
-        at = self.llm.predicted_decode_at(positions) if positions else None
-        lines.append(f"plan: {self.llm.plan.summary(measured, positions, at)}")
+        lines.append(f"plan: {self.llm.plan_summary(self.last.stats if self.last else None)}")
         rt = self.llm.runtime_stats()
         if rt:
             lines.append(f"experts: {rt['placement']} | hit rate {rt['hit_rate']:.1%} | disk "

@@ -184,10 +184,7 @@ def _print_stats(llm, out) -> None:
         f"TTFT {s.ttft_s * 1e3:.0f} ms | prefill {s.prefill_tokens_per_s:.1f} tok/s | "
         f"decode {s.decode_tokens_per_s:.1f} tok/s | ITL {s.itl_s * 1e3:.1f} ms | load {llm.load_s:.1f} s]",
         err=True)
-    measured = s.decode_tokens_per_s if s.generated_tokens > 1 else None
-    positions = s.mean_decode_positions if measured is not None else None
-    at = llm.predicted_decode_at(positions) if positions is not None else None
-    typer.echo(f"[{llm.plan.summary(measured, positions, at)}]", err=True)
+    typer.echo(f"[{llm.plan_summary(s)}]", err=True)
     rt = llm.runtime_stats()
     if rt:
         typer.echo(f"[experts: {rt['placement']} | hit rate {rt['hit_rate']:.1%} | paths {rt['paths']} | "

@@ -481,6 +481,14 @@ class LLM:
 
         return decode_at(self.plan, self.config, self._profile, self._plan_args, positions)
 
+    def plan_summary(self, stats=None) -> str:
+        """Plan.summary beside a run's RequestStats `stats` (None: the plan alone): its measured decode speed
+        (when it generated more than one token) at its mean positions, and the plan priced again there."""
+        if stats is None or stats.generated_tokens <= 1:
+            return self.plan.summary()
+        positions = stats.mean_decode_positions
+        return self.plan.summary(stats.decode_tokens_per_s, positions, self.predicted_decode_at(positions))
+
     def runtime_stats(self) -> dict:
         """Expert runtime counters (empty for dense models): placement, hit rate, paths, bytes moved."""
         if self.experts is None:

@@ -141,9 +141,6 @@ def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, we
     Raises:
         ConfigError: the profile prices no GEMM on `device` in `dtype` (or a fallback dtype).
     """
-    g = graph_gemv(profile, device, dtype) if graphed and weight_bytes > 0 else None
-    if g is not None and macs <= weight_bytes / bytes_per_element(dtype) * 1.5:  # one token a call
-        return calls * g.alpha + g.beta * weight_bytes
     m = find(profile, "gemm", device, dtype)
     if m is None:
         raise ConfigError(f"hardware profile {profile.name!r} has no gemm/{device}/{dtype} model",
@@ -151,6 +148,9 @@ def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, we
     if macs <= 0:
         return 0.0
     tokens = macs / (weight_bytes / bytes_per_element(dtype)) if weight_bytes > 0 else None
+    g = graph_gemv(profile, device, dtype) if graphed and tokens is not None and tokens <= 1.5 else None
+    if g is not None:  # GEMVs (a token a call) replayed in a graph
+        return calls * g.alpha + g.beta * weight_bytes
     line = gemm_line(profile, device, dtype, weight_bytes / calls, m, tokens)
     compute = calls * line.alpha + line.beta * macs
     mem = memory_time(profile, device, dtype, weight_bytes / calls, "gemv") * calls if weight_bytes > 0 else 0.0

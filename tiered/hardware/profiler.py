@@ -299,11 +299,13 @@ def _gemv_graph_points(dtype: str, shapes, repeats: int) -> list[tuple[float, fl
     point is one replay's median time over its calls. The eager gemv/gpu key times back-to-back calls
     the host issues; on the H100 its 18 us intercept was the host's, and priced a whole-step graph of
     8 Llama-3-8B layers at 3.4 ms a step where it ran in 2.4 (the bytes alone priced 1.9)."""
-    td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    from tiered.memory import sizes
+
+    td = sizes.torch_dtype(dtype)
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * MiB)
     points = []
     for _, K, N in shapes:
-        nbytes = K * N * torch.tensor([], dtype=td).element_size()
+        nbytes = int(K * N * sizes.bytes_per_element(dtype))
         copies = max(1, min(GEMV_GRAPH_CALLS, -(-2 * l2 // nbytes)))
         ws = [torch.randn(N, K, device="cuda", dtype=td) * 0.02 for _ in range(copies)]
         x = torch.randn(1, K, device="cuda", dtype=td)

@@ -64,18 +64,18 @@ class ExpertShape:
 class _Piecewise:
     """t(s) = const + act * s + max(a(s) + beta * s, floor) [s], a(s) = alpha below `prompt_rows` tokens and
     `prompt_alpha` from there on (gemm_big's per-call intercept, which a prompt's GEMM on a big matrix
-    pays: op_time.gemm_line; None = alpha throughout)."""
+    pays: op_time.gemm_line)."""
 
     const: float
     alpha: float
     beta: float
     floor: float
     act: float = 0.0
-    prompt_alpha: float | None = None
+    prompt_alpha: float = 0.0
     prompt_rows: float = math.inf
 
     def _alpha(self, s: float) -> float:
-        return self.prompt_alpha if self.prompt_alpha is not None and s >= self.prompt_rows else self.alpha
+        return self.prompt_alpha if s >= self.prompt_rows else self.alpha
 
     def __call__(self, s: float) -> float:
         return self.const + self.act * s + max(self._alpha(s) + self.beta * s, self.floor)
@@ -219,7 +219,7 @@ class ExpertLatency:
         h2d = self.profile.model("copy/h2d_pinned")
         # a prompt's expert GEMMs from PROMPT_GEMM_ROWS rows: the step to the exact side there, above the line
         rows = cpu.prompt_rows
-        step = max(0.0, cpu(rows) - (cpu(1) - cb + cb * rows)) if cpu.prompt_alpha is not None and rows < math.inf else 0.0
+        step = max(0.0, cpu(rows) - (cpu(1) - cb + cb * rows)) if rows < math.inf else 0.0
         return LatencyModel(cpu(1) - cb, cb, gpu(1) - gb, gb, h2d.alpha, 1.0 / h2d.beta, disk_alpha, disk_bw,
                             cpu_prompt_alpha=step, cpu_prompt_rows=rows if step > 0 else math.inf)
 
