@@ -44,6 +44,22 @@ def test_median_time_is_positive():
     assert median_time(lambda: sum(range(100)), 3) > 0
 
 
+def test_a_fit_with_no_slope_takes_the_points_median_rate():
+    """_Bench.fit: three points whose least-squares slope clamps to 0 (one stalled: the fresh machine's
+    gemv_dram/cpu/bf16, 2026-11-26) give the median of their rates through the origin, with a note; a
+    sound set of points keeps its affine fit."""
+    from tiered.hardware.profiler import _Bench
+
+    b = _Bench(True, None, None)
+    stalled = [(8388608.0, 1.37e-4), (16777216.0, 4.28e-3), (33554432.0, 5.0e-4)]
+    b.fit("gemv_dram/cpu/bf16", stalled)
+    m = b.models["gemv_dram/cpu/bf16"]
+    assert m.alpha == 0.0 and m.beta == pytest.approx(1.37e-4 / 8388608.0)
+    assert b.notes and "gemv_dram/cpu/bf16" in b.notes[0]
+    b.fit("gemv/cpu/bf16", [(1e6, 2e-5 + 1e-5), (2e6, 2e-5 + 2e-5), (4e6, 2e-5 + 4e-5)])
+    assert b.models["gemv/cpu/bf16"].alpha == pytest.approx(2e-5) and len(b.notes) == 1
+
+
 def test_memory_points_interleave_their_samples():
     """median_times: one warm-up call each, then every repeat samples each function in turn (so points
     timed while the memory's bandwidth drifts see the same moments), one median per function."""

@@ -148,14 +148,24 @@ class _Bench:
         self.say = progress or (lambda msg: None)
         self.models: dict[str, LinearModel] = {}
         self.skipped: dict[str, str] = {}
+        self.notes: list[str] = []  # fits replaced (Bench.fit), into meta["notes"]
         self.points: dict[str, list[tuple[float, float]]] = {}
         self.llc: int | None = None  # last-level cache [bytes], when the OS says
 
     def fit(self, key: str, points: list[tuple[float, float]]) -> None:
         self.points[key] = points
         fit = fit_proportional if key.startswith("memory/") else fit_affine  # reads and copies of MiBs
-        self.models[key] = fit([n for n, _ in points], [t for _, t in points])
-        m = self.models[key]
+        m = fit([n for n, _ in points], [t for _, t in points])
+        if m.beta == 0.0 and len(points) >= 3 and all(n > 0 for n, _ in points):
+            # no cost per unit is no real operation's: a stalled point made the least-squares slope
+            # negative, clamped to 0 (gemv_dram/cpu/bf16 under a fresh machine's build load: 8 and 32 MiB at
+            # ~65 GB/s, 16 MiB at 4 GB/s, fitted a constant 1.6 ms, and the plan priced SmolLM2 at 826 tok/s
+            # where it ran 315). The median of the points' rates instead, through the origin.
+            rate = float(np.median([t / n for n, t in points]))
+            m = LinearModel(0.0, rate, None)
+            self.notes.append(f"{key}: no slope in a least-squares fit of its points (one stalled); their "
+                              "median rate instead")
+        self.models[key] = m
         self.say(f"{key}: alpha={m.alpha:.3g} s beta={m.beta:.3g} s/unit R^2={m.r2 if m.r2 is None else round(m.r2, 3)}")
 
     def attempt(self, key: str, fn: Callable[[], list[tuple[float, float]]]) -> None:
@@ -844,9 +854,12 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     meta["kernel_tuning"] = kernels.tuning()  # ... tuned so (None without them)
     meta["disk_note"] = note
     meta["load_average"] = load_before
+    notes = list(b.notes)
     if load_before is not None and load_before > (os.cpu_count() or 1) - 0.5:
-        meta["notes"] = [f"load average {load_before:.1f} on {os.cpu_count()} cores while profiling: other "
-                         "processes competed for the CPU, so CPU timings are noisy (see R^2)"]
+        notes.append(f"load average {load_before:.1f} on {os.cpu_count()} cores while profiling: other "
+                     "processes competed for the CPU, so CPU timings are noisy (see R^2)")
+    if notes:
+        meta["notes"] = notes
     return HardwareProfile(
         name=host,
         source=f"measured on {host} {_dt.datetime.now().isoformat(timespec='seconds')} by `tiered profile`"
