@@ -19,6 +19,10 @@
 #   moe_uniform  the MoE shape with --routing uniform (each token routed by its own hidden state, as the plans
 #            price it; the skewed weights' LRU hit ~80% where 16% was priced): the default plan, plan off,
 #            every miss copied, every miss on the CPU, so the default plan's prediction is comparable (§6)
+#   threads  the default plan, every miss on the CPU and plan off with uniform routing on all cores but one
+#            (--threads nproc-1): beside moe_uniform (torch's default, every core), the A/B of the CPU team
+#            leaving a core to the copy and launch workers (session 28: copies started up to 3.6 ms late
+#            beside a 16-thread CPU expert; gpu_dram_share: 15 threads streamed 95 GB/s against 83 on 16)
 #   moe_ab   plan off, then the default plan, 3 repeats each (the default ran first and 17% slower than plan
 #            off with the same paths and hit rate on 2026-11-26: order, or the plan?)
 #   graphs   the CUDA graph tests, then both shapes' graphed rows beside their eager twins only
@@ -47,7 +51,7 @@ PY=${PYTHON:-python3}
 # GPU_CHECKS_SMOKE=1: the benchmarks' --smoke (host stand-in, tiny shapes), no installs: this script's own
 # plumbing checked on a CPU machine (tests/test_gpu_checks_script.py), with PYTHON naming the interpreter
 smoke=${GPU_CHECKS_SMOKE:+--smoke}
-[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense graphs pinned memory kernelprobe trace stall stall_passive share moe_uniform moe_ab fullprofile all)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: gpu_checks.sh STAGE... (kernels cuda suite tests profile moe dense graphs pinned memory kernelprobe trace stall stall_passive share moe_uniform threads moe_ab fullprofile all)" >&2; exit 2; }
 start=$(date +%s)
 deadline=$((start + ${GPU_DEADLINE:-540}))
 out=${OUT:-benchmarks/results/gpu}
@@ -121,9 +125,13 @@ for stage in "${stages[@]}"; do
     moe) bench moe 240 ;;
     dense) bench dense 150 ;;
     moe_uniform) mkdir -p "$res/uniform"
-            run 300 gpu_offload_moe_uniform $PY benchmarks/gpu_offload.py $smoke --shape moe --routing uniform --repeats 1 \
+            run 300 gpu_offload_moe_uniform $PY benchmarks/gpu_offload.py $smoke --shape moe --routing uniform --repeats 3 \
               --rows plan_auto,plan_off,forced_copy,forced_cpu --out "$res/uniform" --name gpu_offload_moe_uniform \
               ${prof:+--profile "$prof"} ;;
+    threads) mkdir -p "$res/uniform"
+            run 200 gpu_offload_moe_uniform_t15 $PY benchmarks/gpu_offload.py $smoke --shape moe --routing uniform \
+              --repeats 3 --threads $(( $(nproc) > 2 ? $(nproc) - 1 : 1 )) --rows plan_auto,forced_cpu,plan_off \
+              --out "$res/uniform" --name gpu_offload_moe_uniform_t15 ${prof:+--profile "$prof"} ;;
     moe_ab) mkdir -p "$res/ab"
             run 240 gpu_offload_moe_ab $PY benchmarks/gpu_offload.py $smoke --shape moe --repeats 3 --rows plan_off,plan_auto \
               --out "$res/ab" --name gpu_offload_moe_ab ${prof:+--profile "$prof"} ;;

@@ -323,6 +323,30 @@ def test_routing_trace_follows_popularity():
     assert hot > 0.9 and cold < 0.5
 
 
+def test_routing_trace_opens_with_the_prompt_whose_copies_fill_the_cache():
+    """The prompt's prefill heads the trace (its active experts per layer, as many tokens as the prompt)
+    and leaves the decode draws as they were; its copied misses fill the cache, so a decode whose
+    misses all run on the CPU still hits what the prompt brought in, and one with no copies at all
+    hits nothing (the runtime's rule: only copied misses claim a slot)."""
+    from tiered.planner.cpu_predict import simulate_hits
+
+    plain = routing_trace([0, 1], 8, 2, 100)
+    trace = routing_trace([0, 1], 8, 2, 100, prompt_tokens=512)
+    assert [t for t in trace if t[1] == 1] == plain
+    assert trace[:2] == [(0, 512, list(range(8))), (1, 512, list(range(8)))]  # 512 tokens touch every expert
+    short = routing_trace([0, 1], 8, 2, 100, prompt_tokens=2)[:2]
+    assert all(t == 2 and 2 <= len(e) <= 4 for _, t, e in short)
+
+    def prompt_copies(tokens):  # prefill misses (many tokens) are copied, decode's (one token) run on the CPU
+        return [s > 1 for s in tokens]
+
+    warm = simulate_hits(trace, set(), 4, copied=prompt_copies)
+    cold = simulate_hits(plain, set(), 4, copied=prompt_copies)
+    assert sum(cold.cache.values()) == 0
+    assert 0.15 < warm.fast_share() < 0.35  # 4 of 16 experts, drawn uniformly
+    assert sum(simulate_hits(trace, set(), 4, copied=lambda tokens: [False] * len(tokens)).cache.values()) == 0
+
+
 
 def test_decode_is_priced_again_at_a_runs_context(zoo, box, monkeypatch):
     """LLM.predicted_decode_at (planner/auto.decode_at): the plan made again with the same arguments at

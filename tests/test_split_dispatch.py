@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from runtime_fixtures import GREEDY, REL_TOL, engine_config, prompt, rel_err, rt  # noqa: F401
 
 from tiered import LLM
-from tiered.runtime.dispatcher import (COPY, CPU, GATE_UP_SHARE, SPLIT, SPLIT_GAIN, LatencyModel, dispatch_misses,
-                                       split_misses)
+from tiered.runtime.dispatcher import (COPY, CPU, GATE_UP_SHARE, MIX_GAIN, SPLIT, SPLIT_GAIN, LatencyModel,
+                                       dispatch_misses, split_misses)
 from tiered.runtime.moe_runner import SPLIT_ROW_ALIGN, split_rows_of, swiglu_rows
 
 MB = 2**20
@@ -99,6 +99,38 @@ def test_balanced_dispatch_with_splits_never_loses_to_whole_experts(tokens, cpu,
         assert split.seconds < SPLIT_GAIN * whole.seconds
     else:
         assert split == whole
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.lists(st.integers(1, 64), min_size=1, max_size=8), cpu=st.floats(1e-4, 1e-3),
+       link=st.floats(1e-3, 1e-2))
+def test_a_layer_sends_misses_both_ways_only_when_that_beats_one_side_by_mix_gain(tokens, cpu, link):
+    """Whole misses go both ways only when the best such mix (a prefix by token count on the CPU)
+    beats the better of all-CPU and all-copied by MIX_GAIN; otherwise one side takes them all."""
+    nbytes = 352 * MB
+    lat = LatencyModel(0.0, cpu, 0.0, 0.0, 0.0, nbytes / link)
+    got = dispatch_misses(tokens, lat, nbytes)
+    one = min(dispatch_misses(tokens, lat, nbytes, mode).seconds for mode in (CPU, COPY))
+    order = sorted(range(len(tokens)), key=lambda i: tokens[i])
+    mixes = [max(cpu * sum(tokens[i] for i in order[:j]), (len(tokens) - j) * link) for j in range(1, len(tokens))]
+    if mixes and min(mixes) < MIX_GAIN * one - 1e-12:
+        assert CPU in got.paths and COPY in got.paths and got.seconds == pytest.approx(min(mixes))
+    else:
+        assert len(set(got.paths)) == 1 and got.seconds == pytest.approx(one)
+
+
+def test_decode_misses_stay_on_the_cpu_where_a_mix_gains_little():
+    """The H100 host's rates (session 28: CPU 3.47 ms, link 6.41 ms per Mixtral expert): a mix of a
+    decode step's two misses priced 5% faster than both on the CPU, and measured 16% slower. Both
+    stay on the CPU; a prompt's eight misses still go both ways; on the H200 host's rates (CPU 4.7 ms,
+    link 7 ms) two misses are worth mixing (7.0 against 9.4 ms)."""
+    nbytes = 352 * MB
+    h100 = LatencyModel(3.46e-3, 9.4e-6, 2.0e-4, 0.0, 7e-6, 54.9e9)
+    assert split_misses([1, 1], h100, nbytes) == [CPU, CPU]
+    paths = split_misses([4] * 8, h100, nbytes)
+    assert CPU in paths and COPY in paths
+    h200 = LatencyModel(4.7e-3, 0.0, 0.0, 0.0, 0.0, nbytes / 7e-3)
+    assert sorted(split_misses([1, 1], h200, nbytes)) == [COPY, CPU]
 
 
 def test_split_rows_are_aligned_and_never_empty():

@@ -77,7 +77,8 @@ def place_experts(plan: Plan, cfg: ModelConfig, moe_layers: list[int], expert_by
     placement = plan_expert_placement(moe_layers, E, int(expert_bytes), fast_free, cpu_free, experts.popularity,
                                       cache_slots=experts.cache_slots, max_resident=experts.max_resident)
     resident = {key for key, tier in placement.tiers.items() if tier == "fast"}
-    trace = routing_trace(moe_layers, E, k, max(plan.gen_tokens, 64), experts.popularity)
+    trace = routing_trace(moe_layers, E, k, max(plan.gen_tokens, 64), experts.popularity,
+                          prompt_tokens=plan.prompt_tokens)
     plan.expert_cache_slots, plan.expected_hit_rate = placement.cache_slots, placement.expected_hit_rate
     plan.expert_bytes = int(expert_bytes)
     return placement, simulate_hits(trace, resident, placement.cache_slots, plan.cache_policy, copied=copied)

@@ -49,16 +49,34 @@ class HitStats:
 
 
 def routing_trace(moe_layers: list[int], num_experts: int, top_k: int, steps: int,
-                  popularity: np.ndarray | None = None, seed: int = 0) -> list[tuple[int, int, list[int]]]:
-    """A synthetic decode routing trace [(layer, 1, experts)] for `simulate_hits`.
+                  popularity: np.ndarray | None = None, seed: int = 0,
+                  prompt_tokens: int = 0) -> list[tuple[int, int, list[int]]]:
+    """A synthetic routing trace [(layer, tokens, experts)] for `simulate_hits`: the prompt's prefill,
+    then decode.
 
-    Each of `steps` decode steps routes one token through every MoE layer to `top_k` distinct
-    experts drawn with probability proportional to `popularity[layer]` (float [L, E], tokens routed
-    per expert from `tiered profile-experts`), or uniformly when None. Seeded: the same arguments
-    give the same trace.
+    With `prompt_tokens` > 1, the trace opens with the prompt through every MoE layer: each expert
+    is active with probability 1 - (1 - q_e)^prompt_tokens, q_e = min(1, top_k p_e) (at least top_k
+    active; as latency_moe.prompt_experts counts them). Its misses fill the cache as the runtime's
+    prefill does: on the H100 (session 28) the decode that followed a prompt's copies hit the slots
+    20% of the time with every decode miss on the CPU, where a trace of decode alone priced 0%.
+    Each of `steps` decode steps then routes one token through every MoE layer to `top_k` distinct
+    experts drawn with probability p_e, proportional to `popularity[layer]` (float [L, E], tokens
+    routed per expert from `tiered profile-experts`), or uniformly when None. Seeded: the same
+    arguments give the same trace (the prompt draws from its own generator: the decode steps are
+    the same with or without it).
     """
     rng = np.random.default_rng(seed)
     trace = []
+    if prompt_tokens > 1:
+        prompt_rng = np.random.default_rng(seed + 1)
+        for layer in moe_layers:
+            w = (np.asarray(popularity[layer], dtype=np.float64) + 1e-9 if popularity is not None
+                 else np.ones(num_experts))
+            q = np.minimum(1.0, top_k * w / w.sum())
+            used = prompt_rng.random(num_experts) < 1.0 - (1.0 - q) ** prompt_tokens
+            if used.sum() < top_k:  # every token picks top_k distinct experts
+                used[np.argsort(-q, kind="stable")[:top_k]] = True
+            trace.append((layer, prompt_tokens, [int(e) for e in np.flatnonzero(used)]))
     for _ in range(steps):
         for layer in moe_layers:
             p = None

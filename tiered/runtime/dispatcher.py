@@ -112,6 +112,14 @@ def choose_path(tokens: int, on_accelerator: bool, expert_bytes: int, lat: Laten
 
 # A SPLIT must beat the better whole path by this factor (it launches more, and fills no cache slot).
 SPLIT_GAIN = 0.9
+# A layer whose whole misses go both ways (some on the CPU, some copied) must beat the better one-sided
+# assignment by this factor. What the latency model leaves out costs the mix: the CPU's reads and the
+# copy's DMA share the host's DRAM (each ~10% slower together: benchmarks/results/gpu/2026-11-26-h100,
+# gpu_dram_share), the copy is a task on a worker thread that waits for a core while the CPU team holds
+# them all, then its expert's launch and join. On the H100 host (session 28, uniform routing) a decode
+# layer of one CPU expert and one copy took 10.1 ms (median; copies starting up to 3.6 ms late) against
+# 8.7 ms for both on the CPU, where the model priced 6.6 against 6.9.
+MIX_GAIN = 0.9
 
 
 @dataclass(frozen=True)
@@ -139,7 +147,8 @@ def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mod
     step miss, sending all of them one way leaves the other idle. tiered sorts the misses by token
     count and gives the CPU the prefix (fewest tokens: where it loses least to the GPU) of the length
     that minimizes the makespan max(sum cpu_lat, sum transfer_lat + last gpu_lat); with one miss this
-    is Algorithm 1 itself. With `splittable`, the expert at the boundary may instead be SPLIT by
+    is Algorithm 1 itself. A mix of sides is taken only when it beats the better one-sided
+    assignment by MIX_GAIN. With `splittable`, the expert at the boundary may instead be SPLIT by
     rows, its share balancing what each side already has (LatencyModel.split_share with busy
     times): on the H200 host's rates (CPU 4.7 ms, link 7 ms per Mixtral expert) one miss takes
     ~2.8 ms instead of 4.7, and two ~5.6 ms instead of 7. A split is taken only when it beats the
@@ -167,13 +176,17 @@ def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mod
     cpu_before = [0.0]  # CPU seconds of order[:j]
     for i in order:
         cpu_before.append(cpu_before[-1] + lat.cpu_lat(tokens[i]))
-    best_j, best_t = 0, float("inf")
-    for j in range(n + 1):  # CPU takes order[:j] whole, the rest is copied
+
+    def whole(j: int) -> float:  # CPU takes order[:j] whole, the rest is copied
         rest = order[j:]
         link = len(rest) * copy_lat + (lat.gpu_lat(tokens[rest[-1]]) if rest else 0.0)
-        t = max(cpu_before[j], link)
-        if t < best_t - 1e-12:
-            best_j, best_t = j, t
+        return max(cpu_before[j], link)
+
+    best_j, best_t = min(((j, whole(j)) for j in (0, n)), key=lambda jt: jt[1])  # one side takes every miss
+    if n > 1:
+        mix_j, mix_t = min(((j, whole(j)) for j in range(1, n)), key=lambda jt: jt[1])
+        if mix_t < MIX_GAIN * best_t - 1e-12:
+            best_j, best_t = mix_j, mix_t
     if mode == "balanced" and splittable and n:
         split_j, split_a, split_t = None, 0.0, float("inf")
         for j in range(n):  # CPU takes order[:j] whole, order[j] is split, order[j+1:] is copied
