@@ -94,10 +94,11 @@ def latency_models(draw) -> LatencyModel:
     gpu_beta = draw(_slope)
     cpu_beta = gpu_beta + draw(_slope)
     step = draw(st.one_of(st.just((0.0, math.inf)), st.tuples(_pos, st.integers(min_value=1, max_value=10_000))))
+    prompt_beta = draw(st.one_of(st.none(), _slope.map(lambda d: gpu_beta + d)))  # past the step, >= the GPU's
     return LatencyModel(cpu_alpha=draw(_pos), cpu_beta=cpu_beta, gpu_alpha=draw(_pos), gpu_beta=gpu_beta,
                         h2d_alpha=draw(_pos), h2d_bandwidth=draw(st.floats(min_value=1e6, max_value=1e12)),
                         disk_alpha=draw(_pos), disk_bandwidth=draw(st.floats(min_value=1e6, max_value=1e12)),
-                        cpu_prompt_alpha=step[0], cpu_prompt_rows=step[1])
+                        cpu_prompt_alpha=step[0], cpu_prompt_rows=step[1], cpu_prompt_beta=prompt_beta)
 
 
 @settings(max_examples=300, deadline=None)
@@ -129,6 +130,32 @@ def test_a_prompts_cpu_intercept_moves_the_threshold_to_its_step():
     small = LatencyModel(**{**line.__dict__, "cpu_prompt_alpha": 1e-4, "cpu_prompt_rows": 64})
     assert small.cpu_threshold(nbytes) == pytest.approx(line.cpu_threshold(nbytes) - 10)  # the step costs 10 tokens
     assert choose_path(64, False, nbytes, small) == CPU
+
+
+def test_past_the_step_the_cpu_line_is_the_prompts_own():
+    """LatencyModel.cpu_prompt_beta: from the step on, the CPU side is its own prompt piece (ExpertLatency.cpu:
+    the GEMMs' compute slope), not the secant's memory-bound slope continued. On the H100 host's profile the
+    secant continued priced a 128-token Mixtral expert at 9.2 ms; the piece gives 12.5. Below the step and
+    at s* nothing moves."""
+    from pathlib import Path
+
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.hardware.profile import HardwareProfile
+    from tiered.planner.fiddler import ExpertLatency, ExpertShape
+
+    ref = Path(__file__).resolve().parents[1] / "benchmarks" / "reference" / "h100-2026-11-26"
+    hw = HardwareProfile.load(ref / "profile_quick.json")
+    cfg = ModelConfig.from_hf({"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
+                               "intermediate_size": 14336, "num_hidden_layers": 4, "num_attention_heads": 32,
+                               "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2})
+    expert = ExpertLatency(hw, ExpertShape.from_config(cfg), working_set=4 * 2 * 352_321_536)
+    lm = expert.latency_model()
+    assert lm.cpu_prompt_rows == 64 and lm.cpu_prompt_beta > 5 * lm.cpu_beta
+    for s in (64, 128, 512, 4096):
+        assert lm.cpu_lat(s) == pytest.approx(expert.cpu_lat(s), rel=1e-9)
+    assert lm.cpu_lat(128) > 1.3 * LatencyModel(**{**lm.__dict__, "cpu_prompt_beta": None}).cpu_lat(128)
+    assert lm.cpu_lat(1) == pytest.approx(expert.cpu_lat(1), rel=1e-9)
+    assert lm.cpu_threshold(int(expert.transfer_bytes)) == pytest.approx(expert.threshold(), rel=1e-6)
 
 
 @settings(max_examples=100, deadline=None)

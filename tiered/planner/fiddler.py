@@ -220,8 +220,12 @@ class ExpertLatency:
         # a prompt's expert GEMMs from PROMPT_GEMM_ROWS rows: the step to the exact side there, above the line
         rows = cpu.prompt_rows
         step = max(0.0, cpu(rows) - (cpu(1) - cb + cb * rows)) if rows < math.inf else 0.0
+        # past the step the CPU's own piece there: a prompt's GEMMs at their compute slope (the secant's is
+        # the memory-bound side's); exact at s* still, where s* lies past the step on that piece
+        prompt_beta = cpu.piece(rows)[1] if rows < math.inf else None
         return LatencyModel(cpu(1) - cb, cb, gpu(1) - gb, gb, h2d.alpha, 1.0 / h2d.beta, disk_alpha, disk_bw,
-                            cpu_prompt_alpha=step, cpu_prompt_rows=rows if step > 0 else math.inf)
+                            cpu_prompt_alpha=step, cpu_prompt_rows=rows if step > 0 else math.inf,
+                            cpu_prompt_beta=prompt_beta if step > 0 else None)
 
 def step_expert_bytes(cfg: ModelConfig, dtype: str) -> float:
     """Bytes of the routed experts one decode step of one sequence reads [bytes]: top-k experts of

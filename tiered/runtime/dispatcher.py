@@ -29,12 +29,17 @@ GATE_UP_SHARE = 2 / 3
 class LatencyModel:
     """Fitted latencies of one expert (seconds).
 
-    cpu_lat(s) = cpu_alpha + cpu_beta * s (+ cpu_prompt_alpha from cpu_prompt_rows tokens on);
+    cpu_lat(s) = cpu_alpha + cpu_beta * s below cpu_prompt_rows tokens, and from there on
+               cpu_lat(rows) + cpu_prompt_alpha + cpu_prompt_beta * (s - rows), rows = cpu_prompt_rows;
     gpu_lat(s) = gpu_alpha + gpu_beta * s;
     transfer_lat(b) = h2d_alpha + b / h2d_bandwidth; disk_lat(b) = disk_alpha + b / disk_bandwidth.
     cpu_prompt_alpha: what a prompt's GEMMs of an expert pay once a call on the CPU from cpu_prompt_rows
     rows (op_time.gemm_line: gemm_big's intercept, 1.5 ms a matrix on the H100's Xeon host, oneDNN
-    packing the weight for AMX); 0 where not profiled.
+    packing the weight for AMX); 0 where not profiled. cpu_prompt_beta [s per token]: the CPU's slope
+    from there on, a prompt's GEMMs' compute (the CPU side's own piece there: ExpertLatency.cpu); None
+    = cpu_beta (plans saved before it). The line below the step is the secant between 1 token and s*,
+    whose slope is the memory-bound side's: continued past the step it priced a 128-token expert on
+    the H100's host at 9.2 ms where the piece gives 12.5 (and the traces 14-33).
     """
 
     cpu_alpha: float
@@ -47,9 +52,17 @@ class LatencyModel:
     disk_bandwidth: float = float("inf")  # bytes/s
     cpu_prompt_alpha: float = 0.0
     cpu_prompt_rows: float = float("inf")
+    cpu_prompt_beta: float | None = None
 
     def cpu_lat(self, s: int) -> float:
-        return self.cpu_alpha + self.cpu_beta * s + (self.cpu_prompt_alpha if s >= self.cpu_prompt_rows else 0.0)
+        rows = self.cpu_prompt_rows
+        if s < rows:
+            return self.cpu_alpha + self.cpu_beta * s
+        return self.cpu_alpha + self.cpu_beta * rows + self.cpu_prompt_alpha + self._prompt_beta * (s - rows)
+
+    @property
+    def _prompt_beta(self) -> float:
+        return self.cpu_beta if self.cpu_prompt_beta is None else self.cpu_prompt_beta
 
     def gpu_lat(self, s: int) -> float:
         return self.gpu_alpha + self.gpu_beta * s
@@ -93,12 +106,14 @@ class LatencyModel:
 
         margin = self.gpu_alpha + self.transfer_lat(nbytes) - self.cpu_alpha
         s = crossing(margin)
-        if s < self.cpu_prompt_rows:
+        if s < self.cpu_prompt_rows or math.isinf(self.cpu_prompt_rows):
             return s
         rows = self.cpu_prompt_rows  # the CPU wins below its prompt intercept's step: past it?
-        if self.cpu_lat(rows) > self.gpu_lat(rows) + self.transfer_lat(nbytes):
+        at_rows = self.gpu_lat(rows) + self.transfer_lat(nbytes) - self.cpu_lat(rows)
+        if at_rows < 0:
             return math.nextafter(rows, 0.0)
-        return crossing(margin - self.cpu_prompt_alpha)
+        slope = self._prompt_beta - self.gpu_beta  # past the step, the prompt line against the GPU's
+        return rows + at_rows / slope if slope > 0 else float("inf")
 
 
 def choose_path(tokens: int, on_accelerator: bool, expert_bytes: int, lat: LatencyModel) -> str:
