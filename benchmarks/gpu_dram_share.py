@@ -18,6 +18,9 @@ Rows, each over ~`--seconds` (medians of `--repeats` windows):
                         slice in pinned memory streamed ~39 GB/s in the 2026-11-26 dense run: 4 KiB pages?)
   ... huge-page weights pinned by cudaHostRegister   ordinary (THP-advised) memory page-locked in place:
                         the candidate fix, if the pinned rows are slow
+  prompt expert (T tokens) ...   a prefill's CPU expert (--prompt-tokens, default 128): one expert again
+                        (its weights hot, as gemm_big times them) or cycling (cold), alone and beside H2D
+                        copies, on every thread and on all but one; ms an expert beside the GB/s
 
     python benchmarks/gpu_dram_share.py --out DIR     # a CUDA machine
     python benchmarks/gpu_dram_share.py --smoke --out DIR   # no GPU: host copies stand in for H2D
@@ -79,29 +82,37 @@ def registered_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 class CpuLoop:
-    """Runs single-token expert forwards over the experts in turn until stopped; counts bytes."""
+    """Runs expert forwards over the experts in turn until stopped; counts bytes and calls.
 
-    def __init__(self, experts, hidden: int) -> None:
+    `tokens` 1: a decode step's expert, tiered's native bf16 kernel where built. More: a prompt's
+    expert as the runtime computes a dense bf16 one past its native rows (quant/experts.ExpertFormat.
+    forward: three torch GEMMs, oneDNN on the CPU)."""
+
+    def __init__(self, experts, hidden: int, tokens: int = 1) -> None:
         self.experts = experts
-        self.x = torch.randn(1, hidden).to(torch.bfloat16)
+        self.x = torch.randn(tokens, hidden).to(torch.bfloat16)
         ext = kernels.load()
-        self.fn = ext.bf16_expert_forward if ext is not None else None
+        self.fn = ext.bf16_expert_forward if ext is not None and tokens == 1 else None
         self.bytes_per = sum(t.numel() * t.element_size() for t in experts[0])
+        self.ms_per_expert = None
 
     def one(self, e) -> None:
         if self.fn is not None:
             self.fn(*e, self.x)
         else:
-            g, u, d = e
-            torch.nn.functional.linear(torch.nn.functional.silu(self.x @ g.t()) * (self.x @ u.t()), d)
+            F, (wg, wu, wd) = torch.nn.functional, e
+            F.linear(F.silu(F.linear(self.x, wg)) * F.linear(self.x, wu), wd)
 
     def rate(self, seconds: float) -> float:
-        """GB/s over `seconds` of back-to-back expert forwards on the calling thread."""
+        """GB/s of weights over `seconds` of back-to-back expert forwards on the calling thread (at least
+        3 forwards); ms_per_expert is set to their mean."""
         n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
+        while n < 3 or time.perf_counter() - t0 < seconds:
             self.one(self.experts[n % len(self.experts)])
             n += 1
-        return n * self.bytes_per / (time.perf_counter() - t0) / GB
+        elapsed = time.perf_counter() - t0
+        self.ms_per_expert = 1e3 * elapsed / n
+        return n * self.bytes_per / elapsed / GB
 
 
 class CopyLoop(threading.Thread):
@@ -158,7 +169,8 @@ def measure(cpu: CpuLoop | None, src, dst, seconds: float, blocking: bool = True
         if copier is not None:
             copier.stop.set()
             copier.join()
-        return {"cpu_GBps": cpu_rate, "h2d_GBps": copier.rate() if copier is not None else None}
+        return {"cpu_GBps": cpu_rate, "h2d_GBps": copier.rate() if copier is not None else None,
+                "cpu_ms": cpu.ms_per_expert if cpu is not None else None}
     finally:
         torch.set_num_threads(old)
 
@@ -169,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=1.5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--experts", type=int, default=6, help="Mixtral-width bf16 experts the CPU cycles through")
+    ap.add_argument("--prompt-tokens", type=int, default=128,
+                    help="tokens a layer's prompt expert gets in the prompt rows (a 512-token prompt, top-2 of 8: 128)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; host copies stand in for H2D")
     args = ap.parse_args(argv)
 
@@ -193,6 +207,18 @@ def main(argv: list[str] | None = None) -> None:
          dict(cpu=cpu, src=src, dst=dst, blocking=False, threads=max(threads - 1, 1))),
         (f"cpu on {max(threads - 1, 1)} threads alone", dict(cpu=cpu, src=None, dst=None, threads=max(threads - 1, 1))),
     ]
+    # a prompt's CPU experts (the H100 of session 28: 14-33 ms at ~128 tokens in a forced-CPU prefill, 21-36 beside
+    # copies, where the profile priced 12.5): the weights again and again (what gemm_big times) or cycled (as a
+    # prefill meets them: beyond the last-level cache), alone and beside the copies of a balanced prefill
+    T = args.prompt_tokens
+    hot, cold = CpuLoop(experts[:1], hidden, T), CpuLoop(experts, hidden, T)
+    cold.rate(0.0)  # warm-up: oneDNN's kernels for this shape
+    configs += [(f"prompt expert ({T} tokens), one expert again", dict(cpu=hot, src=None, dst=None)),
+                (f"prompt expert ({T} tokens), cycling the experts", dict(cpu=cold, src=None, dst=None)),
+                (f"prompt expert ({T} tokens), cycling + h2d, blocking wait",
+                 dict(cpu=cold, src=src, dst=dst, blocking=True)),
+                (f"prompt expert ({T} tokens), cycling, {max(threads - 1, 1)} threads + h2d, blocking wait",
+                 dict(cpu=cold, src=src, dst=dst, blocking=True, threads=max(threads - 1, 1)))]
     if cuda:  # the weights as tiered holds offloaded experts and CC slices: pinned (page-locked) host memory
         pinned = CpuLoop([tuple(t.pin_memory() for t in e) for e in experts], hidden)
         registered = CpuLoop([tuple(registered_copy(t) for t in e) for e in experts], hidden)
@@ -205,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, kw in configs:
         runs = [measure(seconds=args.seconds, **kw) for _ in range(args.repeats)]
         row = {"config": name}
-        for key in ("cpu_GBps", "h2d_GBps"):
+        for key in ("cpu_GBps", "h2d_GBps", "cpu_ms"):
             vals = [r[key] for r in runs if r[key] is not None]
             row[key] = statistics.median(vals) if vals else None
         row["total_GBps"] = (row["cpu_GBps"] or 0) + (row["h2d_GBps"] or 0)
@@ -213,14 +239,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: cpu {row['cpu_GBps']}, h2d {row['h2d_GBps']}", flush=True)
     write_report("gpu_dram_share", args.out, title="CPU expert compute beside H2D copies: host bandwidth shared?",
                  settings={"hidden": hidden, "ffn": ffn, "experts": args.experts, "seconds": args.seconds,
+                           "prompt_tokens": T,
                            "repeats": args.repeats, "torch_threads": threads, "cuda": cuda,
                            "native_kernels": cpu.fn is not None, "smoke": args.smoke},
                  rows=rows,
                  columns=[Column("configuration", "config"), Column("CPU expert GB/s", "cpu_GBps", "{:.1f}"),
-                          Column("H2D GB/s", "h2d_GBps", "{:.1f}"), Column("sum GB/s", "total_GBps", "{:.1f}")],
+                          Column("H2D GB/s", "h2d_GBps", "{:.1f}"), Column("sum GB/s", "total_GBps", "{:.1f}"),
+                          Column("CPU ms an expert", "cpu_ms", "{:.2f}")],
                  notes=["CPU: single-token bf16 expert forwards (tiered's native kernel where built) cycling over "
                         "the experts (beyond the LLC); H2D: one expert-sized pinned buffer copied again and again "
-                        "from another thread. Medians of the windows."])
+                        "from another thread. Medians of the windows.",
+                        f"Prompt rows: {T}-token bf16 expert forwards as the runtime runs them past its native rows "
+                        "(three torch GEMMs); 'one expert again' keeps its weights in the last-level cache where they "
+                        "fit, as the profile's gemm_big key times them, 'cycling' reads them from DRAM as a prefill "
+                        "does."])
 
 
 if __name__ == "__main__":

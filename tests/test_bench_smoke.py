@@ -118,8 +118,11 @@ def test_the_dram_share_probe_runs_without_a_gpu(tmp_path):
                            "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu_dram_share.json").read_text())["rows"]
-    assert len(rows) == 6 and rows[0]["cpu_GBps"] > 0 and rows[1]["h2d_GBps"] > 0
+    assert len(rows) == 10 and rows[0]["cpu_GBps"] > 0 and rows[1]["h2d_GBps"] > 0
     assert all(r["cpu_GBps"] > 0 and r["h2d_GBps"] > 0 for r in rows[2:5])
+    prompt = rows[6:]  # a prefill's CPU experts: hot, cold, cold beside the copies (all threads, all but one)
+    assert all(r["config"].startswith("prompt expert (128 tokens)") and r["cpu_ms"] > 0 for r in prompt)
+    assert all(r["h2d_GBps"] > 0 for r in prompt[2:])
 
 
 def test_default_rows_decode_through_graphs_and_the_eager_row_does_not(report):
