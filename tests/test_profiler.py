@@ -305,6 +305,33 @@ def test_where_the_decode_kernel_was_timed_from_dram_the_check_times_it_again(mo
     assert ratio == pytest.approx(2e-3 / (32 * 2**20 / 32e9)) and now == pytest.approx(32 * 2**20 / 2e-3)
 
 
+def test_a_prompts_gemms_on_big_weights_are_timed_cold(monkeypatch):
+    """gemm_big's GEMMs (cold_bytes) cycle over as many weight copies as fill that many bytes, as a prompt
+    meets each of a model's FFN matrices once: one matrix timed again and again sat in the H100 host's
+    300 MiB last-level cache. Without cold_bytes a GEMM times its one weight."""
+    from tiered.hardware import profiler
+
+    seen, made = [], []
+    real = profiler._linear_kernel
+
+    def kernel(device, dtype, w, gemv=False):
+        fn, xdtype, bpe = real(device, dtype, w, gemv)
+        made.append(fn)
+
+        def call(x, fn=fn, i=len(made) - 1):
+            seen.append(i)
+            return fn(x)
+        return call, xdtype, bpe
+    monkeypatch.setattr(profiler, "_linear_kernel", kernel)
+    weight = 64 * 32 * 4  # bytes of one fp32 [64, 32] weight
+    (n, t), = profiler._gemm_points("cpu", "fp32", [(8, 32, 64)], lambda: None, 6, False, cold_bytes=5 * weight)
+    assert n == 8 * 32 * 64 and t > 0
+    assert sorted(set(seen)) == [0, 1, 2, 3, 4]  # five copies, each called in turn
+    seen.clear()
+    profiler._gemm_points("cpu", "fp32", [(8, 32, 64)], lambda: None, 6, False)
+    assert len(set(seen)) == 1 and len(made) == 6
+
+
 def test_a_plan_follows_the_memory_speed_of_its_moment(monkeypatch):
     """bandwidth_now scales the machine's cached profile when the memory reads slower or faster than
     the profile says (beyond 15%), and the CPU plan's predicted decode follows; a small difference,

@@ -9,7 +9,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     gemv/<dev>/<dtype>   memory-bound GEMVs (1 token)           n = weight bytes
     attn/<dev>/<dtype>   decode attention (bmm q.K^T, p.V)      n = MACs
     gemm_big/cpu/<dtype> a prompt's GEMMs (256 tokens) on 32-112 MiB bf16 weights (4096 x 14336:
-                         a Mixtral / Llama-3-8B FFN matrix)                        n = MACs
+                         a Mixtral / Llama-3-8B FFN matrix), copies cycled over 2 x the
+                         last-level cache (cold, as a prompt meets a model's FFNs)  n = MACs
     attn_prefill/cpu/<dtype>  a prompt's causal attention (torch's SDPA, as the model runs it)
                          n = MACs (2 * heads * T (T + 1) / 2 * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
@@ -273,7 +274,8 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
     32 copies), so each call streams its weight from memory as a decode step does (a model's
     weights do not fit in the cache); timing one small weight again and again would measure the
     cache instead. `cold_bytes`: cycle over that many bytes instead, however many copies it takes
-    (gemv_dram: beyond a last-level cache of hundreds of MiB).
+    (gemv_dram: beyond a last-level cache of hundreds of MiB), GEMMs too (gemm_big: a prompt's FFN
+    matrices, which it meets once each).
     """
     points = []
     native = _native_gemv_format(device, dtype, by_bytes)
@@ -287,7 +289,7 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
         dev = "cuda" if device == "gpu" else "cpu"
         x = (torch.randint(-8, 8, (T, K), dtype=torch.int8) if xdtype == torch.int8 else torch.randn(T, K)).to(dev, xdtype)
         need = -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(K * N * bpe))
-        copies = (need if cold_bytes else min(32, need)) if by_bytes and device == "cpu" else 1
+        copies = (need if cold_bytes else min(32, need)) if device == "cpu" and (by_bytes or cold_bytes) else 1
         if native:
             modules = [first] + [_native_gemv_module(dtype, w)[0] for _ in range(copies - 1)]
             if copies > 1:  # the copies in one huge-page arena, as a CPU-only engine holds its decode copies
@@ -731,8 +733,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # measured (quant/int8.Int8G32Linear's kernel), which int8-g32 weights fell back to gemv/cpu/int8 for;
 # 11: gemm/cpu/int4's Int4Linear.dense takes oneDNN's bf16 GEMM beyond quant/int4.dequantize_rows() rows
 # on AVX-512 (its 128- and 256-row shapes); 12: attn_decode/cpu/<kv>, the native decode step's
-# attention a KV byte from DRAM, which had been priced at the memory's rate.
-PROFILER_VERSION = 12
+# attention a KV byte from DRAM, which had been priced at the memory's rate; 13: gemm_big/cpu/<dtype> cycles
+# its weights over 2 x the last-level cache: one matrix timed again and again sat in the H100 host's 300 MiB
+# cache, and a prompt's CPU experts ran 14-33 ms at ~128 tokens where that key priced 12.5.
+PROFILER_VERSION = 13
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -783,17 +787,19 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         [(32, 256, 128), (32, 512, 128), (32, 1024, 128), (32, 2048, 128), (64, 2048, 128)]
     for dtype in ("fp32",) if quick else ("fp32", "bf16"):
         b.attempt(f"attn/cpu/{dtype}", lambda d=dtype: _attn_points("cpu", d, attn_shapes, nosync, r))
-    # the GEMM fit's shapes are 1-4 MiB weights; real FFN matrices are not: 32 to 112 MiB of bf16 weights
+    # the GEMM fit's shapes are 1-4 MiB weights; real FFN matrices are not: 32 to 112 MiB of bf16 weights, met
+    # once a prompt, beyond the last-level cache (copies cycled over twice its size)
+    llc = last_level_cache_bytes()
     big_gemms = [(256, 4096, 4096), (256, 4096, 8192), (256, 4096, 14336)]
+    big_cold = 2 * llc if llc and 2 * llc <= 2 * 2**30 else None
     for dtype in ("bf16", "fp32"):
         b.attempt(f"gemm_big/cpu/{dtype}",
-                  lambda d=dtype: _gemm_points("cpu", d, big_gemms, nosync, max(3, r // 2), False))
+                  lambda d=dtype: _gemm_points("cpu", d, big_gemms, nosync, max(3, r // 2), False, cold_bytes=big_cold))
     prefill_shapes = [(8, 128, 64), (8, 256, 64), (8, 512, 64)]
     for dtype in ("fp32", "bf16"):  # prefill attention runs in the activations' dtype
         b.attempt(f"attn_prefill/cpu/{dtype}", lambda d=dtype: _attn_prefill_points(d, prefill_shapes, r))
     mem_sizes = [8, 32, 96] if quick else [16, 64, 256, 512]
     b.attempt("memory/bandwidth/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=False))
-    llc = last_level_cache_bytes()
     if llc and 4 * llc <= 4 * 2**30:  # reads no cache holds: a decode step whose weights exceed the cache
         b.llc = llc
         dram = [2 * llc // MiB, 3 * llc // MiB, 4 * llc // MiB]
