@@ -252,6 +252,11 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     how = {"balanced": "are split between CPU compute and H2D copies", "per-expert": "go where Fiddler's rule says",
            "copy": "are copied to the GPU", "cpu": "run on the CPU",
            "split": "are split by rows between the CPU and the link"}[plan.dispatch_mode]
+    if plan.dispatch_mode == "balanced":  # what the dispatch does with a decode step's 1..k one-token misses
+        sides = {p for m in range(1, k + 1) for p in split_misses([1] * m, lat, eb, "balanced", splittable=splittable)}
+        if len(sides) == 1:
+            side = {CPU: "run on the CPU", COPY: "are copied to the GPU", SPLIT: "are split by rows"}[sides.pop()]
+            how = f"{side}; a prompt's are split between CPU compute and H2D copies"
     total = len(moe_layers) * E
     plan.binding = (f"GPU memory: {n_gpu}/{total} experts resident and {placement.cache_slots} cache slots "
                     f"(hit rate {h:.0%}) beside the non-expert weights and KV cache; "
