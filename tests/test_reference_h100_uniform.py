@@ -51,5 +51,6 @@ def test_the_default_plan_keeps_decode_misses_on_the_cpu_and_fills_its_slots_fro
     lat = plan.latency_model()
     assert all(set(split_misses([1] * m, lat, plan.expert_bytes)) == {CPU} for m in (1, 2))
     assert plan.expert_cache_slots == 7 and plan.dispatch_mode == "balanced"
+    assert "each decode step's missing experts run on the CPU" in plan.binding  # the plan says what it does
     hit_rate = int(re.search(r"hit rate (\d+)%", plan.binding).group(1))  # the simulation's, as the plan states it
     assert 15 <= hit_rate <= 30
