@@ -152,11 +152,10 @@ def test_runtime_applies_a_hand_edited_plan_bit_for_bit(rt, box, accelerator, tm
         llm.close()
 
 
-def test_balanced_dispatch_splits_a_layers_misses(rt, tmp_path):
-    """The production dispatch path: with CPU and link equally fast, two misses of a decode step go one
-    to the CPU and one over the link (Fiddler's per-expert rule would send both the same way)."""
-    from tiered.runtime.dispatcher import LatencyModel
-
+def _balanced_engine(rt, tmp_path, cpu_s: float, link_s: float):
+    """An engine on the stand-in from a saved plan of no resident experts and no cache, its misses
+    dispatched "balanced" with a latency model of cpu_s seconds an expert on the CPU and link_s over
+    the link (the GPU instant)."""
     s = rt.sizes("mixtral")
     kw = dict(gpu_memory=s.fast(cache_slots=0), cpu_memory="64MiB")
     llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", plan="off", **kw))
@@ -165,16 +164,36 @@ def test_balanced_dispatch_splits_a_layers_misses(rt, tmp_path):
     assert plan.resident_experts() == 0 and plan.dispatch_mode == "per-expert"
     plan.expert_cache_slots = 0
     plan.dispatch_mode = "balanced"
-    plan.dispatch_latency = {"cpu_alpha": 1e-3, "cpu_beta": 0.0, "gpu_alpha": 0.0, "gpu_beta": 0.0,
-                             "h2d_alpha": 1e-3, "h2d_bandwidth": float("inf"), "disk_alpha": 0.0,
+    plan.dispatch_latency = {"cpu_alpha": cpu_s, "cpu_beta": 0.0, "gpu_alpha": 0.0, "gpu_beta": 0.0,
+                             "h2d_alpha": link_s, "h2d_bandwidth": float("inf"), "disk_alpha": 0.0,
                              "disk_bandwidth": float("inf")}
     plan.save(tmp_path / "p.json")
-    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", plan=str(tmp_path / "p.json"), **kw))
+    return LLM(rt.dir("mixtral"), engine_config(accelerator="host", plan=str(tmp_path / "p.json"), **kw)), plan
+
+
+def test_balanced_dispatch_splits_a_layers_misses(rt, tmp_path):
+    """The production dispatch path: with CPU and link equally fast, two misses of a decode step go one
+    to the CPU and one over the link (Fiddler's per-expert rule would send both the same way)."""
+    from tiered.runtime.dispatcher import LatencyModel
+
+    llm, plan = _balanced_engine(rt, tmp_path, 1e-3, 1e-3)
     try:
         assert llm.experts.latency == LatencyModel(**plan.dispatch_latency)
         one_token = [p for p in _decode_paths(llm)]
         assert one_token and all(sorted(p) == ["copy", "cpu"] for p in one_token)
         assert llm.experts.host_syncs > 0
+    finally:
+        llm.close()
+
+
+def test_balanced_dispatch_keeps_both_misses_on_the_cpu_where_a_mix_gains_little(rt, tmp_path):
+    """The H100 host's rates (CPU 3.47 ms, link 6.41 ms an expert): one miss each way is priced 6.41 ms
+    against 6.94 for both on the CPU, less than MIX_GAIN's 10%, and measured slower there (10.1 ms a layer
+    against 8.7). The engine's decode layers with two misses run both on the CPU, with the same tokens."""
+    llm, _ = _balanced_engine(rt, tmp_path, 3.47e-3, 6.41e-3)
+    try:
+        one_token = [p for p in _decode_paths(llm)]
+        assert one_token and all(p == ["cpu", "cpu"] for p in one_token)
     finally:
         llm.close()
 
