@@ -29,8 +29,8 @@ GATE_UP_SHARE = 2 / 3
 class LatencyModel:
     """Fitted latencies of one expert (seconds).
 
-    cpu_lat(s) = cpu_alpha + cpu_beta * s below cpu_prompt_rows tokens, and from there on
-               cpu_lat(rows) + cpu_prompt_alpha + cpu_prompt_beta * (s - rows), rows = cpu_prompt_rows;
+    cpu_lat(s) = cpu_alpha + cpu_beta * s below rows = cpu_prompt_rows tokens, and from there on
+               cpu_alpha + cpu_beta * rows + cpu_prompt_alpha + cpu_prompt_beta * (s - rows);
     gpu_lat(s) = gpu_alpha + gpu_beta * s;
     transfer_lat(b) = h2d_alpha + b / h2d_bandwidth; disk_lat(b) = disk_alpha + b / disk_bandwidth.
     cpu_prompt_alpha: what a prompt's GEMMs of an expert pay once a call on the CPU from cpu_prompt_rows
