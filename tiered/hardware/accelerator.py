@@ -116,6 +116,11 @@ class Accelerator(ABC):
         """Free what the device keeps for this engine beyond its tensors (at LLM.close, after its
         worker threads stopped); the stand-in keeps nothing."""
 
+    def trim(self) -> None:
+        """Give the device memory that the allocator caches but no tensor uses back to the driver: a
+        load's temporaries (a fused projection replacing its parts) would otherwise stay reserved
+        beyond the budget for the life of the process; the stand-in caches nothing."""
+
     def record_event(self):
         """A marker after the work issued so far on the calling thread's stream (None: nothing to wait for)."""
         return None

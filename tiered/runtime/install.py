@@ -10,6 +10,7 @@ second team is slower and fights it for the cores (5.3 vs 7.0 ms per Mixtral exp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -75,7 +76,7 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
         rt.sliced = install_sliced_mlps(model, sliced, accelerator, executor, n_g=n_g or 0, weights=sliced_weights,
                                         host_budget=host_budget)
     if plan.fused_projections and accelerator is not None:
-        fuse_projections(model)
+        fuse_projections(model, trim=accelerator.trim)
     if (plan.decode_graphs or plan.piecewise_graphs) and accelerator is not None and not trace:
         from tiered.runtime.graphs import DecodeGraphs, PiecewiseGraphs
         rt.graphs = (DecodeGraphs if plan.decode_graphs else PiecewiseGraphs)(model, accelerator,
@@ -88,20 +89,22 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
     return rt
 
 
-def fuse_projections(model) -> int:
+def fuse_projections(model, trim: Callable[[], None] | None = None) -> int:
     """Give each attention one q/k/v GEMM and each dense MLP on the device one gate/up GEMM
     (Attention.fuse_qkv, MLP.fuse_gate_up: the parameters become views of the fused weight, no
     second copy). A layer then launches 3 GEMMs and 6 RoPE ops fewer (gpt-fast's wqkv): a GPU
     decode step is made of such launches. Sliced FFNs and experts keep their own weights.
-    Returns the number of modules fused."""
+    `trim` (Accelerator.trim) runs after each module fused: the parts it freed go back to the driver
+    instead of staying reserved (no later fused weight fits in them), so the load reserves at most one
+    module's fused weight beyond what it allocates. Returns the number of modules fused."""
     from tiered.models.layers import MLP, Attention
 
     n = 0
     for m in model.modules():
-        if isinstance(m, Attention):
-            n += m.fuse_qkv()
-        elif isinstance(m, MLP):
-            n += m.fuse_gate_up()
+        fused = m.fuse_qkv() if isinstance(m, Attention) else m.fuse_gate_up() if isinstance(m, MLP) else False
+        if fused and trim is not None:
+            trim()
+        n += fused
     return n
 
 
