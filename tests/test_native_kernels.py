@@ -519,25 +519,42 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
     saved tuning.json is what load() applies, unless TIERED_KERNEL_TUNING=0."""
     from tiered.kernels import tune
 
+    switches = {k: tune.DEFAULTS[k] for k in tune.EXT_OPTIONS}  # the extension's own; bf16_native_rows is Python's
     saved = ext.tuning()
     try:
         result = tune.measure(ext, total_bytes=16 << 20, rounds=3)
-        assert set(tune.DEFAULTS) <= set(result) and ext.tuning() == {k: result[k] for k in tune.DEFAULTS}
+        assert set(tune.DEFAULTS) <= set(result) and ext.tuning() == {k: result[k] for k in tune.EXT_OPTIONS}
         assert len(result["ratios"]["stream_prefetch"]) == 3
         assert ("int4_int16_act" in result["ratios"]) == (ext.best_gemv_isa() == "avx512" and ext.has_vbmi())
-        flipped = {k: not v for k, v in tune.DEFAULTS.items()}
+        assert result["bf16_native_rows"] == tune.choose_rows(
+            {n: result["ratios"][f"bf16_rows_{n}"] for n in tune.ROW_CHOICES}, result["margin"])
+        assert tune.measured(tmp_path) is False
+        flipped = {k: not v for k, v in switches.items()}
         tune.save({**result, **flipped}, tmp_path)
-        ext.set_tuning(**tune.DEFAULTS)
+        assert tune.measured(tmp_path)
+        ext.set_tuning(**switches)
         assert tune.apply(ext, tmp_path)["stream_prefetch"] == flipped["stream_prefetch"]
         assert ext.tuning() == flipped
-        ext.set_tuning(**tune.DEFAULTS)
+        ext.set_tuning(**switches)
         monkeypatch.setenv("TIERED_KERNEL_TUNING", "0")
-        assert tune.apply(ext, tmp_path) is None and ext.tuning() == tune.DEFAULTS
+        assert tune.apply(ext, tmp_path) is None and ext.tuning() == switches
         monkeypatch.delenv("TIERED_KERNEL_TUNING")
+        tune.save({k: v for k, v in result.items() if k != "bf16_native_rows"}, tmp_path)
+        assert not tune.measured(tmp_path)  # a tuning saved before a choice was added is measured again
         (tmp_path / "tuning.json").write_text("{not json")
-        assert tune.apply(ext, tmp_path) is None and ext.tuning() == tune.DEFAULTS
+        assert tune.apply(ext, tmp_path) is None and ext.tuning() == switches
     finally:
         ext.set_tuning(**saved)
+
+
+def test_bf16_expert_rows_go_native_up_to_where_torch_first_wins():
+    """tune.choose_rows: the largest row count, ascending, before torch's GEMMs win by the margin."""
+    from tiered.kernels.tune import choose_rows
+
+    assert choose_rows({2: [1.6], 4: [1.4], 8: [0.86], 32: [0.5]}) == 4  # the Zen 4 VM's medians
+    assert choose_rows({2: [1.2], 4: [1.1], 8: [1.05], 32: [1.3]}) == 32  # native throughout: as before tuning
+    assert choose_rows({2: [0.9], 4: [1.2], 8: [1.1], 32: [1.0]}) == 1  # torch from 2 rows: stop there
+    assert choose_rows({2: [0.98], 4: [0.5]}) == 2  # within the margin keeps the native kernel
 
 
 def test_tuning_takes_the_alternative_only_past_the_margin():

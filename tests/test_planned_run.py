@@ -267,9 +267,9 @@ def test_engine_profile_sources(tmp_path, monkeypatch):
     from tiered.hardware.profiler import PROFILER_VERSION
     from tiered.kernels import available as native_kernels
     from tiered.kernels import build_name
-    from tiered.kernels import load as load_kernels
+    from tiered.kernels import tuning as kernel_tuning
     build = build_name() if native_kernels() else None
-    tuning = dict(load_kernels().tuning()) if native_kernels() else None
+    tuning = kernel_tuning()  # the extension's switches and the Python-side bf16_native_rows
     fake = HardwareProfile("measured", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)},
                            meta={"profiler_version": PROFILER_VERSION, "native_kernels": native_kernels(),
                                  "kernels_build": build, "kernel_tuning": tuning})

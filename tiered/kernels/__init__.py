@@ -35,6 +35,7 @@ CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
 _loaded: object = None
 _failed: str | None = None
+_applied: dict = {}  # the tuning.json load() applied (tune.apply), for the Python-side choices
 
 
 def cache_dir() -> Path:
@@ -106,13 +107,14 @@ def load(build: bool = True, verbose: bool = False):
         if _loaded is not None:
             from tiered.kernels import tune
 
-            if built and tune.enabled() and not tune.path(directory).exists():
+            if built and tune.enabled() and not tune.measured(directory):
                 # a fresh build (new sources: an upgrade, an edit) is tuned now, as setup's
                 # `python -m tiered.kernels` tunes its build: else it would run the defaults
                 print("tiered: measuring this machine's kernel tuning (once per build, a few seconds) ...",
                       file=sys.stderr, flush=True)
                 tune.save(tune.measure(_loaded), directory)
-            tune.apply(_loaded, directory)  # this machine's measured tuning (tune.py), if any
+            _applied.clear()
+            _applied.update(tune.apply(_loaded, directory) or {})  # this machine's measured tuning (tune.py)
     except Exception as e:  # noqa: BLE001  (a failed build falls back; say why once)
         lines = str(e).strip().splitlines() or [""]
         _failed = f"{type(e).__name__}: " + next((ln for ln in lines if "error:" in ln), lines[-1]).strip()
@@ -135,11 +137,21 @@ def isa() -> str | None:
 
 
 def tuning() -> dict | None:
-    """The kernel tuning this process runs with ({"stream_prefetch", "int4_int16_act"}: tune.py's
-    measurement, applied by `load()`), or None without the extension: what a hardware profile's
-    native keys were timed under."""
+    """The kernel tuning this process runs with ({"stream_prefetch", "int4_int16_act",
+    "bf16_native_rows"}: tune.py's measurement, applied by `load()`), or None without the extension:
+    what a hardware profile's native keys were timed under."""
     ext = load()
-    return None if ext is None else dict(ext.tuning())
+    return None if ext is None else dict(ext.tuning(), bf16_native_rows=bf16_native_rows())
+
+
+def bf16_native_rows() -> int:
+    """Rows up to which a bf16 expert runs the native kernel (in groups of 8 beyond 8) rather than
+    torch's GEMMs: this machine's tuning (tune.choose_rows), else the built-in 32."""
+    from tiered.kernels import tune
+
+    if load() is None:
+        return tune.DEFAULTS["bf16_native_rows"]
+    return int(_applied.get("bf16_native_rows", tune.DEFAULTS["bf16_native_rows"]))
 
 
 def build_dir() -> Path:

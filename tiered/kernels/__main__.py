@@ -17,7 +17,7 @@ print(f"tiered: native kernels ready in {time.perf_counter() - t0:.1f} s ({kerne
 
 from tiered.kernels import tune  # noqa: E402
 
-if tune.enabled() and ("--tune" in sys.argv or not tune.path(kernels.build_dir()).exists()):
+if tune.enabled() and ("--tune" in sys.argv or not tune.measured(kernels.build_dir())):
     t0 = time.perf_counter()
     tune.save(tune.measure(mod), kernels.build_dir())
     took = f" measured in {time.perf_counter() - t0:.1f} s"
@@ -27,5 +27,6 @@ result = tune.apply(mod, kernels.build_dir()) if tune.enabled() else None
 if result is not None:
     med = {k: statistics.median(v) for k, v in result.get("ratios", {}).items()}
     print(f"tiered: kernel tuning{took}: stream prefetch {'on' if result['stream_prefetch'] else 'off'}, tiled "
-          f"int4 batch-1 activations {'int16' if result['int4_int16_act'] else 'bf16'} on AVX-512 (median time "
+          f"int4 batch-1 activations {'int16' if result['int4_int16_act'] else 'bf16'} on AVX-512, bf16 experts on "
+          f"the native kernel up to {result.get('bf16_native_rows', tune.DEFAULTS['bf16_native_rows'])} rows (median time "
           f"ratios of the alternatives: {', '.join(f'{k} {v:.2f}' for k, v in med.items())})", file=sys.stderr)

@@ -1,7 +1,6 @@
 """Per-machine tuning of the native kernels, measured once after the build (`python -m tiered.kernels`).
 
-Two choices of the batch-1 weight stream depend on the CPU more than on the code, so they are
-measured here rather than fixed:
+Three choices depend on the CPU more than on the code, so they are measured here rather than fixed:
 
 - ``stream_prefetch``: whether the weight-stream loops issue software prefetches ahead of their
   loads. On the 2-core Zen 3 VMs (AVX2) they lifted batch-1 int4 decode; on a Zen 4 VM (AVX-512)
@@ -9,13 +8,18 @@ measured here rather than fixed:
 - ``int4_int16_act``: on AVX-512 CPUs with VBMI, whether tiled int4 at batch 1 reads int16
   activations (the AVX2 path, more exact than bf16) instead of bf16 pairs (vdpbf16ps). On that
   Zen 4 VM the bf16 path was compute-bound near DRAM speed (74% of it, against 86%).
+- ``bf16_native_rows``: rows up to which a bf16 expert (and a sliced FFN's CC rows) runs the native
+  kernel (one call up to 8 rows, then groups of 8, reading the weights once a group) rather than
+  torch's GEMMs (`choose_rows`): 32 on 2 AVX2 cores, 4 on the Zen 4 VM (oneDNN's bf16 GEMM there ran
+  8 / 16 / 32 rows of a Mixtral-width expert in 12 / 15 / 20 ms against the native 19 / 34 / 66).
 
 Each choice is an interleaved A/B over cold weights: OLMoE-width SwiGLU experts (hidden 2048,
 intermediate 1024, bf16 and tiled int4, the latter on bf16 / int16 and on int8 activations) cycled through so that they exceed the last-level cache,
 one token each, `rounds` times in alternating order; the other option is taken only when the
 median of its per-round time ratios is at least `margin` faster (VM neighbours move a single pass by
 10-20%). The result lives beside the built library (``tuning.json``); `tiered.kernels.load()` applies
-it, and ``TIERED_KERNEL_TUNING=0`` keeps the built-in defaults (prefetch on, bf16 activations).
+it, and ``TIERED_KERNEL_TUNING=0`` keeps the built-in defaults (prefetch on, bf16 activations, native
+bf16 experts up to 32 rows).
 """
 
 from __future__ import annotations
@@ -26,8 +30,13 @@ import statistics
 import time
 from pathlib import Path
 
-DEFAULTS = {"stream_prefetch": True, "int4_int16_act": False}
+DEFAULTS = {"stream_prefetch": True, "int4_int16_act": False, "bf16_native_rows": 32}
+EXT_OPTIONS = ("stream_prefetch", "int4_int16_act")  # the extension's own switches (ext.set_tuning)
 WIDTH = (2048, 1024)  # (hidden D, expert intermediate F): OLMoE's experts, a short stream per call
+ROW_CHOICES = (2, 4, 8, 32)
+# Rows at which a bf16 expert's native kernel (one call up to 8 rows, then groups of 8, its weights read
+# once a group) is timed against torch's three GEMMs (oneDNN: the weights read once): bf16_native_rows is
+# the largest of these up to which the native kernel is not slower, 1 when it is slower at 2 rows.
 
 
 def enabled() -> bool:
@@ -63,6 +72,55 @@ def _experts(fmt: str, total_bytes: int, act: str = "bf16"):
     n = max(2, total_bytes // ef.nbytes)
     slots = [tuple(host_empty(tuple(t.shape), t.dtype).copy_(t) for t in first) for _ in range(n)]
     return ef, slots
+
+
+def choose_rows(ratios: dict[int, list[float]], margin: float = 0.03) -> int:
+    """bf16_native_rows from {rows: per-round time ratios torch / native}: the largest row count, in
+    ascending order, up to which torch's GEMMs never win by `margin` (`choose`); 1 when they win at the
+    first. On the 2-core Zen 4 (AVX-512 BF16, 2026-11-26) torch won from 8 rows (0.65-0.74 at 8, 0.31-0.51
+    at 32, Mixtral and OLMoE widths); on 2 AVX2 cores the native groups won at 16 (2.4 ms against 4.4)."""
+    rows = 1
+    for n in sorted(ratios):
+        if choose(ratios[n], margin):
+            break
+        rows = n
+    return rows
+
+
+def _rows_ab(ext, ef, slots, rows: int, rounds: int) -> list[float]:
+    """Per-round ratios torch / native of `rows`-row bf16 expert sweeps over `slots`, alternating which
+    side goes first: the native kernel in one call up to 8 rows, then in groups of 8 rows."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(rows, WIDTH[0]).to(torch.bfloat16)
+    bounds = list(range(0, rows, 8)) + [rows]
+
+    def native() -> float:
+        t = time.perf_counter()
+        for s in slots:
+            if rows <= 8:
+                ext.bf16_expert_forward(*s, x)
+            else:
+                ext.bf16_experts_forward_group([w for _ in bounds[1:] for w in s], x, bounds)
+        return time.perf_counter() - t
+
+    def torch_gemms() -> float:
+        t = time.perf_counter()
+        for wg, wu, wd in slots:
+            F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+        return time.perf_counter() - t
+
+    ratios = []
+    with torch.inference_mode():
+        native(), torch_gemms()  # warm-up: oneDNN's kernels for this shape, first-call buffers
+        for r in range(rounds):
+            if r % 2 == 0:
+                a, b = native(), torch_gemms()
+            else:
+                b, a = torch_gemms(), native()
+            ratios.append(b / a)
+    return ratios
 
 
 def _sweep(ef, slots, x) -> float:
@@ -103,7 +161,7 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
     from tiered.hardware.profiler import cpu_model, last_level_cache_bytes
 
     total = total_bytes or max(256 << 20, 4 * (last_level_cache_bytes() or 32 << 20))
-    ext.set_tuning(**DEFAULTS)
+    ext.set_tuning(**{k: DEFAULTS[k] for k in EXT_OPTIONS})
     # int4 twice: on int8 activations (routed experts, Plan.expert_act) and on bf16 / int16 ones (the
     # dense decode copies' batch-1 path, what int4_int16_act picks between)
     bf16, int4, int4q8 = _experts("bf16", total), _experts("int4", total), _experts("int4", total, "q8")
@@ -118,7 +176,11 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
         out["ratios"]["int4_int16_act"] = ratios
         if choose(ratios, margin):
             ext.set_tuning(int4_int16_act=not DEFAULTS["int4_int16_act"])
+    # bf16 experts past one row: the native kernel or torch's GEMMs (ExpertFormat.native_rows / grouped_rows)
+    rows_ratios = {n: _rows_ab(ext, *bf16, n, max(3, rounds // 2)) for n in ROW_CHOICES}
+    out["ratios"].update({f"bf16_rows_{n}": r for n, r in rows_ratios.items()})
     out.update(ext.tuning())
+    out["bf16_native_rows"] = choose_rows(rows_ratios, margin)
     out.update(isa=ext.gemv_isa(), cpu=cpu_model(), bytes_per_format=total,
                rounds=rounds, margin=margin, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     return out
@@ -127,6 +189,15 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
 def path(directory: Path) -> Path:
     """Where a build directory keeps its tuning."""
     return Path(directory) / "tuning.json"
+
+
+def measured(directory: Path) -> bool:
+    """Whether `directory` holds a tuning of every choice in DEFAULTS (a tuning.json saved before a
+    choice was added is measured again)."""
+    try:
+        return set(DEFAULTS) <= set(json.loads(path(directory).read_text()))
+    except (ValueError, OSError):
+        return False
 
 
 def save(result: dict, directory: Path) -> Path:
@@ -143,7 +214,9 @@ def apply(ext, directory: Path) -> dict | None:
         return None
     try:
         saved = json.loads(p.read_text())
-        ext.set_tuning(**{k: bool(saved[k]) for k in DEFAULTS if k in saved})
-    except (ValueError, TypeError, KeyError, OSError):
+        ext.set_tuning(**{k: bool(saved[k]) for k in EXT_OPTIONS if k in saved})
+        if not isinstance(saved.get("bf16_native_rows", DEFAULTS["bf16_native_rows"]), int):
+            raise TypeError("bf16_native_rows")
+    except (ValueError, TypeError, KeyError, OSError, AttributeError):
         return None
     return saved

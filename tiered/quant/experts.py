@@ -279,22 +279,39 @@ class ExpertFormat:
         return expert_spec(self)
 
     @cached_property
+    def native_rows(self) -> int:
+        """Rows up to which a CPU expert of this format runs the native fused kernel in one call:
+        NATIVE_ROWS, for bf16 no more than this machine's kernel tuning gives it (kernels.
+        bf16_native_rows: where oneDNN's bf16 GEMM is faster from fewer rows)."""
+        if self.name == "bf16":
+            from tiered import kernels
+
+            return min(NATIVE_ROWS, kernels.bf16_native_rows())
+        return NATIVE_ROWS
+
+    @cached_property
     def grouped_rows(self) -> int:
         """Rows up to which a CPU expert of this format runs the native kernel in groups of
-        NATIVE_ROWS (GROUPED_ROWS, the least over its kinds); more: dequantized for one matmul."""
+        NATIVE_ROWS (GROUPED_ROWS, the least over its kinds; bf16's from this machine's kernel tuning,
+        0 where it stops at NATIVE_ROWS or below); more: dequantized for one matmul."""
+        if self.name == "bf16":
+            from tiered import kernels
+
+            rows = kernels.bf16_native_rows()
+            return rows if rows > NATIVE_ROWS else 0
         return min(GROUPED_ROWS[k] for k in self.kinds)
 
     def forward(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """SwiGLU expert from the stored form: x [n, D] -> [n, D] in x's dtype.
 
         (silu(x @ Wg^T) * (x @ Wu^T)) @ Wd^T, each projection with its kind's kernel. On the CPU, the
-        native fused kernel when the extension is loaded (one call, fp32 between the projections; more
-        than NATIVE_ROWS tokens in groups of NATIVE_ROWS: `forward_group`); otherwise torch ops (tiled
-        int4: the weight dequantized once per call, then bf16 matmuls).
+        native fused kernel when the extension is loaded (one call up to `native_rows` tokens, fp32
+        between the projections; up to `grouped_rows` in groups of NATIVE_ROWS: `forward_group`);
+        otherwise torch ops (tiled int4: the weight dequantized once per call, then bf16 matmuls).
         """
         if x.device.type == "cpu":
             n = x.shape[0]
-            y = (self._native_forward(x, slot) if n <= NATIVE_ROWS else
+            y = (self._native_forward(x, slot) if n <= self.native_rows else
                  self.forward_group(x, [slot], [0, n]) if n <= self.grouped_rows else None)
             if y is not None:
                 return y
@@ -336,7 +353,7 @@ class ExpertFormat:
         if xs.device.type != "cpu":
             return None
         most = max(b - a for a, b in zip(bounds, bounds[1:]))
-        if most > max(NATIVE_ROWS, self.grouped_rows):
+        if most > max(self.native_rows, self.grouped_rows):
             return None
         ext = self._native_ext(slots)
         if ext is None:
@@ -367,7 +384,8 @@ class ExpertFormat:
         float32 or bfloat16 on the CPU): call(topk_idx int64 [N, k], topk_weight [N, k] in x's dtype,
         experts) -> out [N, D] in x's dtype, for x [N, D], `experts` the routed ids ascending and
         `slots` their slots. Bit for bit the per-expert path: `forward` per expert on its rows (at
-        most NATIVE_ROWS each, else the call raises), then index_add_ of ys * weight in expert order."""
+        most `native_rows` each: the caller checks; more than NATIVE_ROWS and the call raises), then
+        index_add_ of ys * weight in expert order."""
         if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
             return None
         ext = self._native_ext(slots)

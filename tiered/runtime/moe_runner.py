@@ -245,10 +245,10 @@ class TieredExperts:
         (argsort, bincount, gathers, index_add_: ~0.13 ms per layer on 2 cores, against ~0.03 ms
         here). Same result bit for bit, same counters and trace spans. Only for layers in
         _layer_calls (every expert resident). None, with nothing counted, when one expert has more
-        than NATIVE_ROWS rows or the call cannot take the layer: the general path then runs it."""
+        than the format's native_rows or the call cannot take the layer: the general path then runs it."""
         flat = topk_idx.flatten().tolist()  # the one host sync
         experts = sorted(set(flat))
-        if max(map(flat.count, experts)) > NATIVE_ROWS:
+        if max(map(flat.count, experts)) > self.fmt.native_rows:
             return None
         keys = [(layer_idx, e) for e in experts]
         resident = self.store.resident
@@ -493,11 +493,14 @@ def split_rows_of(F: int, share: float) -> int:
 def swiglu_rows(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     """silu(x @ w_gate.T) * (x @ w_up.T): x [n, D], w_gate / w_up [r, D] (rows of an expert) -> [n, r]
     in x's dtype. On the CPU, bf16 rows take tiered's bf16 GEMV (fp32 out) where it is built and the
-    rows are contiguous; otherwise models/moe.swiglu_hidden."""
+    rows are contiguous and no more than this machine's tuning gives the native kernel
+    (kernels.bf16_native_rows); otherwise models/moe.swiglu_hidden."""
+    from tiered import kernels
+
     ext = None
-    if (x.device.type == "cpu" and w_gate.dtype == torch.bfloat16 and x.shape[0] <= NATIVE_ROWS
+    if (x.device.type == "cpu" and w_gate.dtype == torch.bfloat16
+            and x.shape[0] <= min(NATIVE_ROWS, kernels.bf16_native_rows())
             and w_gate.is_contiguous() and w_up.is_contiguous()):
-        from tiered import kernels
         ext = kernels.load()
     if ext is not None:
         g, u = ext.bf16_kernel(w_gate)(x), ext.bf16_kernel(w_up)(x)  # fp32 (n, r)
