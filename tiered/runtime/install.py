@@ -86,6 +86,8 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
         rt.cpu_decode = CPUDecodeStep(model, native=plan.native_decode)
     if trace:
         _trace_layers(model, executor)
+    if accelerator is not None:  # what the load freed (placement's temporaries, fused parts) goes back
+        accelerator.trim()
     return rt
 
 
