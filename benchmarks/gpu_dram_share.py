@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT.parent))
 import torch
 
 from tiered import kernels
+from tiered.models.moe import expert_forward
 from tiered.bench.report import Column, write_report
 
 GB = 1e9
@@ -100,8 +101,7 @@ class CpuLoop:
         if self.fn is not None:
             self.fn(*e, self.x)
         else:
-            F, (wg, wu, wd) = torch.nn.functional, e
-            F.linear(F.silu(F.linear(self.x, wg)) * F.linear(self.x, wu), wd)
+            expert_forward(self.x, *e)
 
     def rate(self, seconds: float) -> float:
         """GB/s of weights over `seconds` of back-to-back expert forwards on the calling thread (at least

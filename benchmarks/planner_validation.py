@@ -271,9 +271,8 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
     llm = LLM(str(model), EngineConfig(**dict(base, trace=False, max_context=2 * TTFT_TOKENS)))
     try:
         long_prompt = [(i * 7) % (shape["vocab"] - 10) + 10 for i in range(TTFT_TOKENS)]
-        llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=1))  # warm-up
-        ttft = median([llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=1))[0].stats.ttft_s
-                       for _ in range(3)])
+        first_token_s(llm, long_prompt)  # warm-up
+        ttft = median([first_token_s(llm, long_prompt) for _ in range(3)])
         p_ttft = predict_prefill(llm.config, now, "bf16", TTFT_TOKENS, act_dtype="bf16")
     finally:
         llm.close()
@@ -288,6 +287,11 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
 
 
 TTFT_TOKENS = 512  # the prompt the plans price TTFT for (planner/auto: min(512, max_context / 2))
+
+
+def first_token_s(llm: LLM, prompt: list[int]) -> float:
+    """The time to first token of `prompt` [s]: one greedy token generated."""
+    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0].stats.ttft_s
 
 
 def dense_rows(args, hw, rows: list, errors: list) -> None:
@@ -314,8 +318,7 @@ def dense_rows(args, hw, rows: list, errors: list) -> None:
             _, step = predict_decode(llm.config, now, dw, context=len(ids) + args.new_tokens // 2)
         err = abs(step - itl) / itl
         errors.append(err)
-        ttft = median([llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=1))[0].stats.ttft_s
-                       for _ in range(3)])
+        ttft = median([first_token_s(llm, long_prompt) for _ in range(3)])
         if dw is None:
             assert llm.plan.prompt_tokens == TTFT_TOKENS, llm.plan.prompt_tokens
             p_ttft = llm.plan.predicted_ttft_s

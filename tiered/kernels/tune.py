@@ -91,7 +91,8 @@ def _rows_ab(ext, ef, slots, rows: int, rounds: int) -> list[float]:
     """Per-round ratios torch / native of `rows`-row bf16 expert sweeps over `slots`, alternating which
     side goes first: the native kernel in one call up to 8 rows, then in groups of 8 rows."""
     import torch
-    import torch.nn.functional as F
+
+    from tiered.models.moe import expert_forward
 
     x = torch.randn(rows, WIDTH[0]).to(torch.bfloat16)
     bounds = list(range(0, rows, 8)) + [rows]
@@ -107,8 +108,8 @@ def _rows_ab(ext, ef, slots, rows: int, rounds: int) -> list[float]:
 
     def torch_gemms() -> float:
         t = time.perf_counter()
-        for wg, wu, wd in slots:
-            F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+        for s in slots:
+            expert_forward(x, *s)
         return time.perf_counter() - t
 
     ratios = []

@@ -48,6 +48,15 @@ class HitStats:
         return (r + c) / max(r + c + m, 1)
 
 
+def prompt_activity(shares, tokens: int, top_k: int) -> np.ndarray:
+    """Probability that each expert of a layer computes some of a `tokens`-token prompt, when each token
+    picks expert e with probability q_e = min(1, top_k p_e), p_e = shares[e] / sum(shares): 1 - (1 - q_e)^tokens
+    (float [E]; latency_moe.prompt_experts sums it, routing_trace draws from it)."""
+    p = np.asarray(shares, dtype=np.float64)
+    q = np.minimum(1.0, top_k * p / p.sum())
+    return 1.0 - (1.0 - q) ** tokens
+
+
 def routing_trace(moe_layers: list[int], num_experts: int, top_k: int, steps: int,
                   popularity: np.ndarray | None = None, seed: int = 0,
                   prompt_tokens: int = 0) -> list[tuple[int, int, list[int]]]:
@@ -55,8 +64,8 @@ def routing_trace(moe_layers: list[int], num_experts: int, top_k: int, steps: in
     then decode.
 
     With `prompt_tokens` > 1, the trace opens with the prompt through every MoE layer: each expert
-    is active with probability 1 - (1 - q_e)^prompt_tokens, q_e = min(1, top_k p_e) (at least top_k
-    active; as latency_moe.prompt_experts counts them). Its misses fill the cache as the runtime's
+    is active with its `prompt_activity` (at least top_k active; as latency_moe.prompt_experts counts
+    them). Its misses fill the cache as the runtime's
     prefill does: on the H100 (session 28) the decode that followed a prompt's copies hit the slots
     20% of the time with every decode miss on the CPU, where a trace of decode alone priced 0%.
     Each of `steps` decode steps then routes one token through every MoE layer to `top_k` distinct
@@ -72,10 +81,10 @@ def routing_trace(moe_layers: list[int], num_experts: int, top_k: int, steps: in
         for layer in moe_layers:
             w = (np.asarray(popularity[layer], dtype=np.float64) + 1e-9 if popularity is not None
                  else np.ones(num_experts))
-            q = np.minimum(1.0, top_k * w / w.sum())
-            used = prompt_rng.random(num_experts) < 1.0 - (1.0 - q) ** prompt_tokens
+            active = prompt_activity(w, prompt_tokens, top_k)
+            used = prompt_rng.random(num_experts) < active
             if used.sum() < top_k:  # every token picks top_k distinct experts
-                used[np.argsort(-q, kind="stable")[:top_k]] = True
+                used[np.argsort(-active, kind="stable")[:top_k]] = True
             trace.append((layer, prompt_tokens, [int(e) for e in np.flatnonzero(used)]))
     for _ in range(steps):
         for layer in moe_layers:

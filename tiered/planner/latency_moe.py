@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-import numpy as np
 
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import BudgetError
@@ -83,10 +82,9 @@ def prompt_experts(shares, resident: set[int], tokens: int, k: int) -> tuple[int
     Without a profile the planner draws routing uniformly (q_e = k / E): a 512-token prompt then touches
     every expert. On the H100 (2026-11-26) the dummy weights' prompts touched ~2 experts a layer, the 7 the
     profile made resident: 0.051 s measured where the uniform draw priced 0.103."""
-    p = np.asarray(shares, dtype=np.float64)
-    p = p / p.sum()
-    q = np.minimum(1.0, k * p)
-    used = 1.0 - (1.0 - q) ** tokens
+    from tiered.planner.cpu_predict import prompt_activity
+
+    used = prompt_activity(shares, tokens, k)
     total = float(used.sum())
     on_fast = float(sum(used[e] for e in resident))
     return max(k, round(total)), (on_fast / total if total > 0 else 0.0)
@@ -249,14 +247,13 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     plan.memory = {"gpu": fixed + (n_gpu + placement.cache_slots) * eb,
                    "cpu": (n_cpu + plan.staging_buffers) * eb, "disk": n_disk * eb}
     h = hits.fast_share()
-    how = {"balanced": "are split between CPU compute and H2D copies", "per-expert": "go where Fiddler's rule says",
-           "copy": "are copied to the GPU", "cpu": "run on the CPU",
-           "split": "are split by rows between the CPU and the link"}[plan.dispatch_mode]
+    ways = {"balanced": "are split between CPU compute and H2D copies", "per-expert": "go where Fiddler's rule says",
+            COPY: "are copied to the GPU", CPU: "run on the CPU", SPLIT: "are split by rows between the CPU and the link"}
+    how = ways[plan.dispatch_mode]
     if plan.dispatch_mode == "balanced":  # what the dispatch does with a decode step's 1..k one-token misses
         sides = {p for m in range(1, k + 1) for p in split_misses([1] * m, lat, eb, "balanced", splittable=splittable)}
         if len(sides) == 1:
-            side = {CPU: "run on the CPU", COPY: "are copied to the GPU", SPLIT: "are split by rows"}[sides.pop()]
-            how = f"{side}; a prompt's are split between CPU compute and H2D copies"
+            how = f"{ways[sides.pop()]}; a prompt's {ways['balanced']}"
     total = len(moe_layers) * E
     plan.binding = (f"GPU memory: {n_gpu}/{total} experts resident and {placement.cache_slots} cache slots "
                     f"(hit rate {h:.0%}) beside the non-expert weights and KV cache; "

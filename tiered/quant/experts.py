@@ -67,6 +67,15 @@ NATIVE_ROWS = 8  # tokens up to which a CPU expert runs the native fused GEMV ke
 GROUPED_ROWS = {"int4": 128, "int8": 1 << 30, "int8-g32": 1 << 30, "bf16": 32, "fp32": 0}
 
 
+def bf16_native_rows() -> int:
+    """Rows up to which bf16 weights (an expert, a sliced FFN's CC rows, a split's CPU rows) take the
+    native fused kernel in one call: NATIVE_ROWS, or fewer where this machine's kernel tuning found
+    torch's GEMMs faster (kernels.bf16_native_rows)."""
+    from tiered import kernels
+
+    return min(NATIVE_ROWS, kernels.bf16_native_rows())
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -283,11 +292,7 @@ class ExpertFormat:
         """Rows up to which a CPU expert of this format runs the native fused kernel in one call:
         NATIVE_ROWS, for bf16 no more than this machine's kernel tuning gives it (kernels.
         bf16_native_rows: where oneDNN's bf16 GEMM is faster from fewer rows)."""
-        if self.name == "bf16":
-            from tiered import kernels
-
-            return min(NATIVE_ROWS, kernels.bf16_native_rows())
-        return NATIVE_ROWS
+        return bf16_native_rows() if self.name == "bf16" else NATIVE_ROWS
 
     @cached_property
     def grouped_rows(self) -> int:

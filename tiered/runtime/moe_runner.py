@@ -50,7 +50,7 @@ import torch
 from tiered.memory.apply import PlacedExperts, StagingPool
 from tiered.models.moe import swiglu_hidden
 from tiered.planner.placement import DISK
-from tiered.quant.experts import NATIVE_ROWS
+from tiered.quant.experts import bf16_native_rows
 from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, SPLIT, LatencyModel, dispatch_misses
 from tiered.runtime.executor import Executor
 from tiered.runtime.grouped_experts import grouped_experts_forward, grouped_method
@@ -494,13 +494,11 @@ def swiglu_rows(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> to
     """silu(x @ w_gate.T) * (x @ w_up.T): x [n, D], w_gate / w_up [r, D] (rows of an expert) -> [n, r]
     in x's dtype. On the CPU, bf16 rows take tiered's bf16 GEMV (fp32 out) where it is built and the
     rows are contiguous and no more than this machine's tuning gives the native kernel
-    (kernels.bf16_native_rows); otherwise models/moe.swiglu_hidden."""
-    from tiered import kernels
-
+    (quant/experts.bf16_native_rows); otherwise models/moe.swiglu_hidden."""
     ext = None
-    if (x.device.type == "cpu" and w_gate.dtype == torch.bfloat16
-            and x.shape[0] <= min(NATIVE_ROWS, kernels.bf16_native_rows())
+    if (x.device.type == "cpu" and w_gate.dtype == torch.bfloat16 and x.shape[0] <= bf16_native_rows()
             and w_gate.is_contiguous() and w_up.is_contiguous()):
+        from tiered import kernels
         ext = kernels.load()
     if ext is not None:
         g, u = ext.bf16_kernel(w_gate)(x), ext.bf16_kernel(w_up)(x)  # fp32 (n, r)

@@ -24,7 +24,7 @@ from torch import nn
 
 from tiered import kernels
 from tiered.models.moe import expert_forward
-from tiered.quant.experts import NATIVE_ROWS
+from tiered.quant.experts import bf16_native_rows
 from tiered.runtime.executor import Executor
 
 
@@ -119,12 +119,11 @@ class SlicedMLP(nn.Module):
 
     def _cc_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The CC slice on the CPU: x [n, D] (host) -> [n, D] in x's dtype. Decode-sized steps (at most
-        NATIVE_ROWS rows, fewer where this machine's kernel tuning says: kernels.bf16_native_rows) of
+        NATIVE_ROWS rows, fewer where this machine's kernel tuning says: quant/experts.bf16_native_rows) of
         bf16 slices run tiered's fused GEMV expert (kernels: ~93 GB/s on the
         H200's host, where torch's bf16 F.linear streamed the CC slices at ~47 GB/s, 2026-11-26);
         prompts, other dtypes and machines without the kernels take torch's GEMMs."""
-        native = x.shape[0] <= min(NATIVE_ROWS, kernels.bf16_native_rows()) and self.cc[0].dtype == torch.bfloat16
-        ext = kernels.load() if native else None
+        ext = kernels.load() if x.shape[0] <= bf16_native_rows() and self.cc[0].dtype == torch.bfloat16 else None
         if ext is None:
             return expert_forward(x, *self.cc)
         y = ext.bf16_expert_forward(*self.cc, x)
