@@ -220,3 +220,31 @@ def test_balanced_plan_splits_one_of_two_misses_in_the_engine(rt, tmp_path):  # 
         llm.close()
     assert seen and all(d.paths == [CPU, SPLIT] and d.shares[1] == pytest.approx(0.5) for d in seen)
     assert llm.experts.path_counts["split"] >= len(seen) and llm.experts.path_counts["cpu"] >= len(seen)
+
+
+def test_bf16_cpu_experts_past_the_native_rows_on_the_standin(rt, monkeypatch):  # noqa: F811
+    """bf16 experts on the CPU path of an offloading engine on the strict stand-in: a prompt's experts
+    past the machine's native rows (kernels.bf16_native_rows) take torch's GEMMs on the host copies of
+    the activations, with no device mixing, and give the logits the native kernel gives (bf16 rounding)."""
+    from tiered import kernels
+    from tiered.quant.experts import ExpertFormat
+
+    if kernels.load() is None:
+        pytest.skip("the native kernels are not built")
+    s = rt.sizes("mixtral")
+    cfg = engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=0), cpu_memory="64MiB", dtype="bfloat16",
+                        decode_weights="bf16", expert_weights="bf16", force_expert_path="cpu")
+    calls, real = [], ExpertFormat.forward
+    monkeypatch.setattr(ExpertFormat, "forward", lambda self, x, slot: calls.append(
+        (self.name, x.shape[0], x.device.type, self.native_rows)) or real(self, x, slot))
+    logits = {}
+    for rows in (2, 32):  # torch's GEMMs from 3 rows, and the native kernel (8-row groups) throughout
+        monkeypatch.setattr(kernels, "bf16_native_rows", lambda rows=rows: rows)
+        llm = LLM(rt.dir("mixtral"), cfg)
+        try:
+            logits[rows] = llm.logits(prompt()).float()
+        finally:
+            llm.close()
+    assert any(name == "bf16" and n > native and dev == "cpu" for name, n, dev, native in calls if native == 2)
+    assert all(dev == "cpu" for _, _, dev, _ in calls)
+    assert rel_err(logits[2], logits[32]) <= 2e-2
