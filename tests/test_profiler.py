@@ -257,12 +257,12 @@ def test_profile_command_lists_presets_and_writes(monkeypatch, tmp_path, capsys)
 # ---- the memory's speed at planning -----------------------------------------------------------
 
 def test_scaling_the_cpu_bandwidth_moves_only_bandwidth_bound_cpu_terms():
+    """A profile without DRAM floors (no last-level cache size, a preset) moves every bandwidth-bound
+    CPU key."""
     from tiered.hardware.profile import scale_cpu_bandwidth
 
     hw = HardwareProfile("box", "test", {k: LinearModel(1e-6, 2e-11, 0.9) for k in (
-        "gemv/cpu/bf16", "gemv_dram/cpu/int4", "attn/cpu/fp32", "attn_decode/cpu/bf16", "memory/bandwidth/cpu",
-        "memory/bandwidth_dram/cpu",
-        "memory/copy/cpu", "gemm/cpu/bf16", "gemv/gpu/bf16", "runtime/decode_step/bf16", "copy/h2d_pinned")})
+        "gemv/cpu/bf16", "attn/cpu/fp32", "memory/bandwidth/cpu", "memory/copy/cpu", "gemm/cpu/bf16", "gemv/gpu/bf16", "runtime/decode_step/bf16", "copy/h2d_pinned")})
     slow = scale_cpu_bandwidth(hw, 1.5, "why")
     for key, m in slow.models.items():
         moved = key.split("/")[1] == "cpu" and not key.startswith(("gemm/", "runtime/")) or key.endswith("/cpu")
@@ -303,6 +303,26 @@ def test_where_the_decode_kernel_was_timed_from_dram_the_check_times_it_again(mo
     ratio, now = profiler.cpu_bandwidth_ratio(hw)
     assert calls == [("cpu", "bf16", [(1, 4096, 4096)], True, 3 * 32 * 2**20)]
     assert ratio == pytest.approx(2e-3 / (32 * 2**20 / 32e9)) and now == pytest.approx(32 * 2**20 / 2e-3)
+
+
+def test_a_gemv_key_cycles_over_cold_weight_bytes_however_many_copies_it_takes(monkeypatch):
+    """The CPU GEMV keys' small weights are timed over copies that fill COLD_WEIGHT_BYTES: stopped at 32
+    copies, a 512 x 512 int4 weight's 5 MiB sat in a 32 MiB cache and the fit priced SmolLM2's cold int4
+    matrices 1.35-2x fast."""
+    from tiered.hardware import profiler
+
+    made = []
+    monkeypatch.setattr(profiler, "_native_gemv_format", lambda *a: False)
+    real = profiler._linear_kernel
+
+    def kernel(device, dtype, w, gemv=False):
+        made.append(w.shape)
+        return real(device, dtype, w, gemv)
+    monkeypatch.setattr(profiler, "_linear_kernel", kernel)
+    weight = 64 * 32 * 4  # bytes of one fp32 [64, 32] weight
+    monkeypatch.setattr(profiler, "COLD_WEIGHT_BYTES", 100 * weight)
+    (n, t), = profiler._gemm_points("cpu", "fp32", [(1, 32, 64)], lambda: None, 3, True)
+    assert n == weight and t > 0 and len(made) == 100
 
 
 def test_a_prompts_gemms_on_big_weights_are_timed_cold(monkeypatch):
@@ -354,6 +374,41 @@ def test_a_plan_follows_the_memory_speed_of_its_moment(monkeypatch):
     ratio["value"] = 1.6
     monkeypatch.setenv("TIERED_BANDWIDTH_CHECK", "0")
     assert auto.bandwidth_now(hw) is hw
+
+
+def test_the_bandwidth_check_scales_only_on_two_readings_that_agree(monkeypatch):
+    """Two readings on the same side beyond 15%: scaled by the one nearer the profile; readings either
+    side of it, or one within 15%, leave the profile as it is (the 2-core EPYC's read flapped between
+    ~45 and ~80 GB/s from one minute to the next)."""
+    from tiered.hardware import profiler
+    from tiered.planner import auto
+
+    hw = get_preset("scheinfer-a")
+    for seen, want in (([1.6, 1.3], 1.3), ([0.5, 0.7], 0.7), ([0.5, 1.4], None), ([1.6, 1.05], None),
+                       ([1.05, 1.6], None)):
+        readings = iter(seen)
+        monkeypatch.setattr(profiler, "cpu_bandwidth_ratio", lambda p: (next(readings), 10e9))
+        got = auto.bandwidth_now(hw)
+        assert (got is hw) if want is None else got.meta["cpu_bandwidth_ratio"] == want, seen
+
+
+def test_where_a_profile_has_dram_floors_only_they_follow_the_memory():
+    """With DRAM-floor keys (gemv_dram, bandwidth_dram, attn_decode) the scaling moves only them: a read
+    beyond the cache costs max(kernel rate, floor), so a faster memory leaves a kernel at its own rate
+    and a slower one raises the floor under it."""
+    from tiered.hardware.profile import DRAM_BOUND_CPU, scale_cpu_bandwidth
+
+    keys = ("gemv/cpu/int4", "gemv_dram/cpu/bf16", "attn/cpu/fp32", "attn_decode/cpu/bf16", "memory/bandwidth/cpu",
+            "memory/bandwidth_dram/cpu", "memory/copy/cpu", "gemm/cpu/bf16")
+    hw = HardwareProfile("box", "test", {k: LinearModel(1e-6, 2e-11, 0.9) for k in keys},
+                         meta={"llc_bytes": 32 * 2**20})
+    fast = scale_cpu_bandwidth(hw, 0.5)
+    for key, m in fast.models.items():
+        assert m.beta == pytest.approx(2e-11 * (0.5 if key.startswith(DRAM_BOUND_CPU) else 1.0)), key
+    step = 64 * 2**20  # a decode step's int4 weights, twice the cache
+    then = op_time.memory_time(hw, "cpu", "int4", 2**20, "gemv", step)
+    assert op_time.memory_time(fast, "cpu", "int4", 2**20, "gemv", step) == pytest.approx(then)
+    assert op_time.memory_time(scale_cpu_bandwidth(hw, 2.0), "cpu", "int4", 2**20, "gemv", step) > 1.5 * then
 
 
 def test_bandwidth_keys_price_bytes_at_their_rate_alone():

@@ -118,18 +118,31 @@ def default_profile_path() -> Path:
 BANDWIDTH_BOUND_CPU = ("gemv/cpu/", "gemv_dram/cpu/", "attn/cpu/", "attn_decode/cpu/", "memory/bandwidth/cpu", "memory/bandwidth_dram/cpu",
                        "memory/copy/cpu")
 
+# Of those, the ones timed over operands no cache holds (beyond meta["llc_bytes"]): the DRAM floors
+# (op_time.dram_floor) under every CPU read of a step bigger than the cache. Where a profile has them,
+# only they follow the memory's speed. The other keys are the kernels' own rates over operands the
+# cache partly holds, which a faster memory does not speed up: on the 2-core EPYC (2026-11-26) the bf16
+# decode kernel's DRAM read swung between ~45 and ~80 GB/s from minute to minute while SmolLM2's int4
+# native decode step moved ~1.1x (311-386 tok/s against 369-437), and scaling every key by the fast
+# reading priced it at 760 tok/s where it ran 381-409.
+DRAM_BOUND_CPU = ("gemv_dram/cpu/", "memory/bandwidth_dram/cpu", "attn_decode/cpu/")
+
 
 def scale_cpu_bandwidth(profile: HardwareProfile, ratio: float, why: str = "") -> HardwareProfile:
     """`profile` with the per-byte terms of its bandwidth-bound CPU models multiplied by `ratio`
     (seconds now / seconds then: 1.25 = the memory is 1.25x slower than when profiled). The fixed
-    terms (alpha) stay. meta["cpu_bandwidth_ratio"] records the ratio, meta["notes"] `why`.
+    terms (alpha) stay. Where the profile has DRAM-floor keys (DRAM_BOUND_CPU) only those move: a
+    read that exceeds the cache is priced by max(kernel rate, DRAM floor), so a slower memory raises
+    the floor and a faster one leaves a kernel at its own rate. Without them every
+    BANDWIDTH_BOUND_CPU key moves. meta["cpu_bandwidth_ratio"] records the ratio, meta["notes"] `why`.
 
     Raises:
         ValueError: ratio is not positive.
     """
     if not ratio > 0:
         raise ValueError(f"bandwidth ratio must be positive, got {ratio}")
-    models = {k: (LinearModel(m.alpha, m.beta * ratio, m.r2) if k.startswith(BANDWIDTH_BOUND_CPU) else m)
+    moved = DRAM_BOUND_CPU if any(k.startswith(DRAM_BOUND_CPU) for k in profile.models) else BANDWIDTH_BOUND_CPU
+    models = {k: (LinearModel(m.alpha, m.beta * ratio, m.r2) if k.startswith(moved) else m)
               for k, m in profile.models.items()}
     meta = dict(profile.meta, cpu_bandwidth_ratio=ratio)
     if why:

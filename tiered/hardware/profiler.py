@@ -270,8 +270,8 @@ COLD_WEIGHT_BYTES = 64 * MiB  # CPU GEMVs rotate over this many weight bytes: be
 def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: bool, cold_bytes: int | None = None):
     """(n, seconds) per shape (T tokens, K in, N out): n = MACs, or weight bytes when by_bytes.
 
-    CPU GEMVs (by_bytes) cycle over enough copies of the weight to exceed COLD_WEIGHT_BYTES (at most
-    32 copies), so each call streams its weight from memory as a decode step does (a model's
+    CPU GEMVs (by_bytes) cycle over enough copies of the weight to exceed COLD_WEIGHT_BYTES (however
+    many that takes: 32 copies of a 512 x 512 int4 weight sat in a 32 MiB cache), so each call streams its weight from memory as a decode step does (a model's
     weights do not fit in the cache); timing one small weight again and again would measure the
     cache instead. `cold_bytes`: cycle over that many bytes instead, however many copies it takes
     (gemv_dram: beyond a last-level cache of hundreds of MiB), GEMMs too (gemm_big: a prompt's FFN
@@ -289,7 +289,7 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
         dev = "cuda" if device == "gpu" else "cpu"
         x = (torch.randint(-8, 8, (T, K), dtype=torch.int8) if xdtype == torch.int8 else torch.randn(T, K)).to(dev, xdtype)
         need = -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(K * N * bpe))
-        copies = (need if cold_bytes else min(32, need)) if device == "cpu" and (by_bytes or cold_bytes) else 1
+        copies = need if device == "cpu" and (by_bytes or cold_bytes) else 1
         if native:
             modules = [first] + [_native_gemv_module(dtype, w)[0] for _ in range(copies - 1)]
             if copies > 1:  # the copies in one huge-page arena, as a CPU-only engine holds its decode copies
@@ -735,8 +735,11 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # on AVX-512 (its 128- and 256-row shapes); 12: attn_decode/cpu/<kv>, the native decode step's
 # attention a KV byte from DRAM, which had been priced at the memory's rate; 13: gemm_big/cpu/<dtype> cycles
 # its weights over 2 x the last-level cache: one matrix timed again and again sat in the H100 host's 300 MiB
-# cache, and a prompt's CPU experts ran 14-33 ms at ~128 tokens where that key priced 12.5.
-PROFILER_VERSION = 13
+# cache, and a prompt's CPU experts ran 14-33 ms at ~128 tokens where that key priced 12.5; 14: the CPU
+# gemv keys cycle over COLD_WEIGHT_BYTES however many copies it takes (they stopped at 32: a 512 x 512 int4
+# weight's 32 copies, 5 MiB, sat in the 2-core EPYC's 32 MiB cache, and its fit priced SmolLM2's int4
+# matrices, 576 x 1536 cold, 1.35-2.0x fast; without the stop 1.22-1.5x).
+PROFILER_VERSION = 14
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,

@@ -11,6 +11,7 @@ next time.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -70,27 +71,34 @@ BANDWIDTH_TOLERANCE = 0.15  # a memory speed within this fraction of the profile
 def bandwidth_now(hw: HardwareProfile) -> HardwareProfile:
     """This machine's profile with its bandwidth-bound CPU models scaled to the memory's speed now.
 
-    A quick read beyond the last-level cache (hardware/profiler.cpu_bandwidth_ratio, ~10-50 ms)
-    against the profile's prediction for it: outside BANDWIDTH_TOLERANCE, the per-byte terms of the
-    CPU's GEMV, attention and memory models are scaled by the ratio (hardware/profile.
-    scale_cpu_bandwidth), so that the plan's choices and its predicted tokens/s are those of this
-    minute's machine. A VM's bandwidth swings with its neighbours (the 2-core EPYC: 25-50 GB/s within
-    an hour), and decode at batch 1 moves with it: `make run` decoded at 240 tok/s where a profile of
-    a faster minute predicted 303. TIERED_BANDWIDTH_CHECK=0 turns the check off.
+    Two quick reads beyond the last-level cache (hardware/profiler.cpu_bandwidth_ratio, ~0.2 s each)
+    against the profile's prediction for them: when both fall outside BANDWIDTH_TOLERANCE on the same
+    side, the DRAM floors of the CPU's GEMV, attention and memory models are scaled by the reading
+    nearer the profile (hardware/profile.scale_cpu_bandwidth), so that the plan's choices and its
+    predicted tokens/s are those of this minute's machine. A VM's bandwidth swings with its neighbours
+    (the 2-core EPYC: 25-50 GB/s within an hour), and decode at batch 1 moves with it: `make run`
+    decoded at 240 tok/s where a profile of a faster minute predicted 303. One reading alone is not
+    trusted: the same machine's read flapped between ~45 and ~80 GB/s from one minute to the next
+    (2026-11-26), and a single fast reading priced SmolLM2's decode 58% fast. TIERED_BANDWIDTH_CHECK=0
+    turns the check off.
     """
     if os.environ.get("TIERED_BANDWIDTH_CHECK", "1") == "0" or hw.meta.get("cpu_bandwidth_ratio") is not None:
         return hw
     from tiered.hardware.profile import scale_cpu_bandwidth
     from tiered.hardware.profiler import cpu_bandwidth_ratio
 
-    found = cpu_bandwidth_ratio(hw)
-    if found is None:
+    readings = []
+    for _ in range(2):
+        found = cpu_bandwidth_ratio(hw)
+        if found is None or abs(found[0] - 1.0) <= BANDWIDTH_TOLERANCE:
+            return hw
+        readings.append(found)
+    (r1, _), (r2, _) = readings
+    if (r1 > 1.0) != (r2 > 1.0):  # one slower, one faster than the profile: no speed to follow
         return hw
-    ratio, now = found
-    if abs(ratio - 1.0) <= BANDWIDTH_TOLERANCE:
-        return hw
-    return scale_cpu_bandwidth(hw, ratio, f"CPU memory read {now / 1e9:.1f} GB/s at planning, {1 / ratio:.2f}x the "
-                                          "profile's: its bandwidth-bound CPU costs scaled to match")
+    ratio, now = min(readings, key=lambda r: abs(math.log(r[0])))
+    return scale_cpu_bandwidth(hw, ratio, f"CPU memory read {now / 1e9:.1f} GB/s at planning (twice), {1 / ratio:.2f}x "
+                                          "the profile's: its DRAM-bound CPU costs scaled to match")
 
 
 def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> HardwareProfile:
