@@ -119,29 +119,31 @@ BANDWIDTH_BOUND_CPU = ("gemv/cpu/", "gemv_dram/cpu/", "attn/cpu/", "attn_decode/
                        "memory/copy/cpu")
 
 # Of those, the ones timed over operands no cache holds (beyond meta["llc_bytes"]): the DRAM floors
-# (op_time.dram_floor) under every CPU read of a step bigger than the cache. Where a profile has them,
-# only they follow the memory's speed. The other keys are the kernels' own rates over operands the
-# cache partly holds, which a faster memory does not speed up: on the 2-core EPYC (2026-11-26) the bf16
-# decode kernel's DRAM read swung between ~45 and ~80 GB/s from minute to minute while SmolLM2's int4
-# native decode step moved ~1.1x (311-386 tok/s against 369-437), and scaling every key by the fast
-# reading priced it at 760 tok/s where it ran 381-409.
+# (op_time.dram_floor) under every CPU read of a step bigger than the cache. When the memory reads
+# faster than the profile, only they move (the kernels keep their profiled rates); when it reads
+# slower, every bandwidth-bound key moves. A faster memory does not speed up a kernel in proportion:
+# on the 2-core EPYC (2026-11-26) the bf16 decode kernel's 32 MiB read swung between ~45 and ~80 GB/s
+# from minute to minute while SmolLM2's int4 native decode step moved ~1.1x (311-386 tok/s against
+# 369-437) and its fp32 step and a bf16 MoE's ~1.35x; scaling every key by the fast reading priced
+# the int4 step at 760 tok/s where it ran 381-409.
 DRAM_BOUND_CPU = ("gemv_dram/cpu/", "memory/bandwidth_dram/cpu", "attn_decode/cpu/")
 
 
 def scale_cpu_bandwidth(profile: HardwareProfile, ratio: float, why: str = "") -> HardwareProfile:
     """`profile` with the per-byte terms of its bandwidth-bound CPU models multiplied by `ratio`
     (seconds now / seconds then: 1.25 = the memory is 1.25x slower than when profiled). The fixed
-    terms (alpha) stay. Where the profile has DRAM-floor keys (DRAM_BOUND_CPU) only those move: a
-    read that exceeds the cache is priced by max(kernel rate, DRAM floor), so a slower memory raises
-    the floor and a faster one leaves a kernel at its own rate. Without them every
-    BANDWIDTH_BOUND_CPU key moves. meta["cpu_bandwidth_ratio"] records the ratio, meta["notes"] `why`.
+    terms (alpha) stay. A slower memory (ratio > 1) moves every BANDWIDTH_BOUND_CPU key. A faster one
+    moves only the DRAM floors (DRAM_BOUND_CPU) where the profile has them: a read beyond the cache is
+    priced max(kernel rate, DRAM floor), so the floor drops and each kernel keeps its own measured
+    rate. meta["cpu_bandwidth_ratio"] records the ratio, meta["notes"] `why`.
 
     Raises:
         ValueError: ratio is not positive.
     """
     if not ratio > 0:
         raise ValueError(f"bandwidth ratio must be positive, got {ratio}")
-    moved = DRAM_BOUND_CPU if any(k.startswith(DRAM_BOUND_CPU) for k in profile.models) else BANDWIDTH_BOUND_CPU
+    floors_only = ratio < 1.0 and any(k.startswith(DRAM_BOUND_CPU) for k in profile.models)
+    moved = DRAM_BOUND_CPU if floors_only else BANDWIDTH_BOUND_CPU
     models = {k: (LinearModel(m.alpha, m.beta * ratio, m.r2) if k.startswith(moved) else m)
               for k, m in profile.models.items()}
     meta = dict(profile.meta, cpu_bandwidth_ratio=ratio)

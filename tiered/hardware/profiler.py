@@ -197,7 +197,7 @@ def _native_gemv_module(dtype: str, w: torch.Tensor):
     Q5_x/Q6_K tensor's copy and Q8_0 / Q6_K experts' kernel), and its weight bytes per element."""
     if dtype == "fp32":  # the lossless mode's decode weights: f32_kernel
         lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-        lin.weight.data = w.contiguous()
+        lin.weight.data = w.clone()  # its own memory: copies that shared w's were timed in the cache
         return lin, 4
     if dtype == "bf16":
         from tiered.quant.linear import CastLinear
@@ -233,7 +233,7 @@ def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False)
         return _native_gemv(dtype, module), torch.float32, bpe
     if dtype in ("fp32", "bf16", "fp16"):
         td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        wd = w.to(dev, td)
+        wd = w.to(dev, td, copy=True)  # its own memory, as every copy of a cycled GEMV needs
         return (lambda x: F.linear(x, wd)), td, wd.element_size()
     if dtype == "int8" and device == "cpu":
         from tiered.quant.int8 import Int8Linear
@@ -738,7 +738,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # cache, and a prompt's CPU experts ran 14-33 ms at ~128 tokens where that key priced 12.5; 14: the CPU
 # gemv keys cycle over COLD_WEIGHT_BYTES however many copies it takes (they stopped at 32: a 512 x 512 int4
 # weight's 32 copies, 5 MiB, sat in the 2-core EPYC's 32 MiB cache, and its fit priced SmolLM2's int4
-# matrices, 576 x 1536 cold, 1.35-2.0x fast; without the stop 1.22-1.5x).
+# matrices, 576 x 1536 cold, 1.35-2.0x fast; without the stop 1.22-1.5x), and the fp32 copies have memory of
+# their own (every fp32 copy had viewed the one weight, so gemv/cpu/fp32 read a cache: 147-163 GB/s up to 16
+# MiB on the 2-core EPYC, whose DRAM reads 40-80).
 PROFILER_VERSION = 14
 
 

@@ -73,9 +73,9 @@ def bandwidth_now(hw: HardwareProfile) -> HardwareProfile:
 
     Two quick reads beyond the last-level cache (hardware/profiler.cpu_bandwidth_ratio, ~0.2 s each)
     against the profile's prediction for them: when both fall outside BANDWIDTH_TOLERANCE on the same
-    side, the DRAM floors of the CPU's GEMV, attention and memory models are scaled by the reading
-    nearer the profile (hardware/profile.scale_cpu_bandwidth), so that the plan's choices and its
-    predicted tokens/s are those of this minute's machine. A VM's bandwidth swings with its neighbours
+    side, the CPU's bandwidth-bound models are scaled by the reading nearer the profile
+    (hardware/profile.scale_cpu_bandwidth: a faster memory moves only the DRAM floors), so that the
+    plan's choices and its predicted tokens/s are those of this minute's machine. A VM's bandwidth swings with its neighbours
     (the 2-core EPYC: 25-50 GB/s within an hour), and decode at batch 1 moves with it: `make run`
     decoded at 240 tok/s where a profile of a faster minute predicted 303. One reading alone is not
     trusted: the same machine's read flapped between ~45 and ~80 GB/s from one minute to the next
@@ -97,8 +97,9 @@ def bandwidth_now(hw: HardwareProfile) -> HardwareProfile:
     if (r1 > 1.0) != (r2 > 1.0):  # one slower, one faster than the profile: no speed to follow
         return hw
     ratio, now = min(readings, key=lambda r: abs(math.log(r[0])))
+    what = "bandwidth-bound CPU costs" if ratio > 1.0 else "DRAM floors (the kernels keep their measured rates)"
     return scale_cpu_bandwidth(hw, ratio, f"CPU memory read {now / 1e9:.1f} GB/s at planning (twice), {1 / ratio:.2f}x "
-                                          "the profile's: its DRAM-bound CPU costs scaled to match")
+                                          f"the profile's: its {what} scaled to match")
 
 
 def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> HardwareProfile:
