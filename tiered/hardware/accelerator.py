@@ -33,12 +33,16 @@ class Accelerator(ABC):
         is_host: True for the host stand-in (its memory is CPU memory).
         pinned: how `host_buffer` pins on CUDA ("huge" or "cuda": EngineConfig.pinned, set from
             Plan.pinned before anything is placed); the stand-in's buffers are ordinary memory.
+        async_copies: an H2D copy from page-locked memory returns at once while the device runs it
+            (CUDA), so the thread that issues it need not wait (Executor.submit's `issue_here`); the
+            stand-in's copies run on the calling thread.
     """
 
     device: torch.device
     budget: MemoryBudget
     is_host: bool = False
     pinned: str = "huge"
+    async_copies: bool = False
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "") -> torch.Tensor:
         """An uninitialized tensor `shape` of `dtype` on the device, reserved against the budget.
@@ -100,9 +104,15 @@ class Accelerator(ABC):
         return out
 
     @contextmanager
-    def stream(self, name: str):
-        """Run the enclosed work on the device stream `name` ("copy", "compute"), then wait for it."""
+    def stream(self, name: str, wait: bool = True):
+        """Run the enclosed work on the device stream `name` ("copy", "compute"), then wait for it
+        (`wait` False: return once it is issued; record_event inside marks its end)."""
         yield
+
+    def page_locked(self, t: torch.Tensor) -> bool:
+        """Whether an H2D copy from host tensor `t` can run asynchronously (CUDA: page-locked memory);
+        False for the stand-in."""
+        return False
 
     def synchronize(self) -> None:
         """Wait for all device work."""
@@ -121,9 +131,13 @@ class Accelerator(ABC):
         load's temporaries (a fused projection replacing its parts) would otherwise stay reserved
         beyond the budget for the life of the process; the stand-in caches nothing."""
 
-    def record_event(self):
-        """A marker after the work issued so far on the calling thread's stream (None: nothing to wait for)."""
+    def record_event(self, blocking: bool = False):
+        """A marker after the work issued so far on the calling thread's stream (None: nothing to wait
+        for). `blocking`: a host waiting for it (wait_event_host) sleeps instead of spinning."""
         return None
+
+    def wait_event_host(self, event) -> None:
+        """Block the calling thread until `event` (from record_event) has passed on the device."""
 
     def wait_event(self, event) -> None:
         """Make the current stream wait for `event` (from record_event) without blocking the host."""
@@ -248,9 +262,9 @@ class HostAccelerator(Accelerator):
             yield
 
     @contextmanager
-    def stream(self, name: str):
+    def stream(self, name: str, wait: bool = True):
         """The stand-in's streams are the executor's worker threads; this makes the task's
-        factories land on the device (see `scope`)."""
+        factories land on the device (see `scope`). Its work is done when issued (`wait` is moot)."""
         with StandinScope():
             yield
 

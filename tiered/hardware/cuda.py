@@ -51,6 +51,8 @@ class CudaAccelerator(Accelerator):
         ConfigError: CUDA is not available.
     """
 
+    async_copies = True  # cudaMemcpyAsync from page-locked memory returns once issued
+
     def __init__(self, capacity: int | None = None, index: int = 0, pinned: str = "huge") -> None:
         if not torch.cuda.is_available():
             raise ConfigError("no CUDA device is available", "use --accelerator none or host")
@@ -87,8 +89,9 @@ class CudaAccelerator(Accelerator):
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     @contextmanager
-    def stream(self, name: str):
-        """Run the body's CUDA work on stream `name`, then wait for it: on a blocking event for "copy".
+    def stream(self, name: str, wait: bool = True):
+        """Run the body's CUDA work on stream `name`, then wait for it: on a blocking event for "copy"
+        (`wait` False: return as soon as it is issued).
 
         `Stream.synchronize` spin-waits on a 16-core host (CUDA's default schedule spins while cores
         outnumber contexts), so a worker waiting on its copy took a core from the OpenMP team that
@@ -102,6 +105,8 @@ class CudaAccelerator(Accelerator):
         s = self._streams[name]
         with torch.cuda.stream(s):
             yield
+        if not wait:
+            return
         if name != "copy":  # kernels: sub-millisecond, a spin ends soonest and steals a core that long
             s.synchronize()
             return
@@ -168,10 +173,17 @@ class CudaAccelerator(Accelerator):
                 clear_blas_workspaces()
         return graph.replay, out
 
-    def record_event(self):
-        event = torch.cuda.Event()
+    def record_event(self, blocking: bool = False):
+        event = torch.cuda.Event(blocking=blocking)
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+    def wait_event_host(self, event) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def page_locked(self, t: torch.Tensor) -> bool:
+        return page_locked(t)
 
     def wait_event(self, event) -> None:
         if event is not None:

@@ -107,6 +107,10 @@ class Plan:
                                              "cuda" (cudaHostAlloc) where dense FFNs are sliced,
                                              "huge" (registered huge pages) otherwise
                                              (planner/auto.pinned_memory)
+        copy_issue                           who issues an H2D copy from page-locked RAM on CUDA:
+                                             "thread" (the layer's own thread, before its CPU
+                                             work, where nothing the copy waits for is pending) or
+                                             "worker" (the copy stream's worker thread)
         source                               who decided: "planner", "rules" (plan off) or a file
 
     Pricing inputs recorded beside the decisions:
@@ -170,6 +174,7 @@ class Plan:
     mixed_precision: dict | None = None
     expert_cache_slots_low: int = 0
     pinned: str = "huge"
+    copy_issue: str = "thread"
     source: str = "planner"
 
     def summary(self, measured_tokens_per_s: float | None = None, measured_positions: int | None = None,

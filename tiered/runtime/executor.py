@@ -10,7 +10,10 @@ Inline streams run on the submitting thread when it asks for the result (Deferre
 (torch's OpenMP team belongs to that thread) and "launch": accelerator work issued on the calling
 thread's current stream without waiting for it (a task's trace span is its launch). A "launch"
 task records a device event after its work; device-stream tasks that depend on it wait for that
-event on the device (e.g. a copy into a buffer that a launched kernel still reads).
+event on the device (e.g. a copy into a buffer that a launched kernel still reads). A copy from
+page-locked memory may instead be issued by the submitting thread itself (`Executor.issue`, CUDA):
+its future is done at once and carries the event of its end, which the tasks after it wait for on
+the device.
 """
 
 from __future__ import annotations
@@ -116,15 +119,24 @@ class Executor:
         self.t0 = time.perf_counter()
 
     def submit(self, stream: str, fn: Callable[[], Any], deps: Iterable[Future] = (), name: str = "",
-               nbytes: int = 0, layer: int | None = None, expert: int | None = None, after_event=None) -> Future:
+               nbytes: int = 0, layer: int | None = None, expert: int | None = None, after_event=None,
+               issue_here: bool = False) -> Future:
         """Run `fn()` on `stream` after every future in `deps` is done. Returns its Future.
 
         `after_event` (from Accelerator.record_event) makes a device stream wait, on the device, for
         the work that event marks (e.g. the router's output) instead of the host waiting for it.
 
+        `issue_here`: a device-stream task whose dependencies are all done, on an accelerator whose
+        copies run asynchronously (Accelerator.async_copies; the caller vouches that `fn` issues
+        nothing that blocks, e.g. copies from page-locked memory), is issued on this thread at once
+        (`issue`) instead of by the stream's worker: see there.
+
         Raises (through the future): whatever `fn` or a dependency raised.
         """
         deps = tuple(deps)
+        if (issue_here and stream in DEVICE_STREAMS and self.accelerator.async_copies
+                and all(d.done() for d in deps)):
+            return self.issue(stream, fn, deps, name, nbytes, layer, expert, after_event)
 
         task: list = []
 
@@ -139,6 +151,9 @@ class Executor:
                         self.accelerator.wait_event(getattr(d, "event", None))
                     out = fn()
             else:
+                if stream == "launch":  # after copies issued here (`issue`): their end, on the device
+                    for d in deps:
+                        self.accelerator.wait_event(getattr(d, "event", None))
                 out = fn()
                 if stream == "launch":
                     task[0].event = self.accelerator.record_event()
@@ -155,6 +170,41 @@ class Executor:
             return task[0]  # type: ignore[return-value]
         pool = self._disk if stream == "disk" else self._pools[stream]
         return pool.submit(job)
+
+    def issue(self, stream: str, fn: Callable[[], Any], deps: tuple = (), name: str = "", nbytes: int = 0,
+              layer: int | None = None, expert: int | None = None, after_event=None) -> Future:
+        """Issue `fn()` on device stream `stream` from this thread, without waiting for the device: a
+        done Future whose `.event` marks the work's end, which "launch" and device-stream tasks that
+        depend on it wait for on the device. `deps` must be done.
+
+        Why: the worker of the "copy" stream needs a core to issue its copy, and while this thread's
+        OpenMP team computes CPU experts it has none. On the H100's 16-core host (2026-11-26) a layer's
+        H2D copy beside a CPU expert started up to 3.6 ms late. Issued here, before the CPU work, a
+        copy costs this thread microseconds and the link starts at once. Traced, the worker still waits
+        for the event (a blocking one) and records the span from issue to the copy's end."""
+        start = time.perf_counter()
+        done: Future = Future()
+        done.event = None  # type: ignore[attr-defined]
+        try:
+            with self.accelerator.stream(stream, wait=False):
+                self.accelerator.wait_event(after_event)
+                for d in deps:
+                    d.result()
+                    self.accelerator.wait_event(getattr(d, "event", None))
+                out = fn()
+                done.event = event = self.accelerator.record_event(blocking=self.tracing)  # type: ignore[attr-defined]
+        except BaseException as e:  # through the future, as a worker's task raises
+            done.set_exception(e)
+            return done
+        done.set_result(out)
+        if self.tracing:
+            def landed():
+                self.accelerator.wait_event_host(event)
+                with self._lock:
+                    self.events.append(TraceEvent(name or stream, stream, start - self.t0, time.perf_counter() - self.t0,
+                                                  nbytes, layer, expert))
+            self._pools[stream].submit(landed)
+        return done
 
     def _disk_id(self) -> int:
         ident = threading.get_ident()

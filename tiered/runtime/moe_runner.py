@@ -88,6 +88,9 @@ class TieredExperts:
         read_ahead: issue all of a layer's expert reads at once.
         group_layers: the plan's native_decode: without an accelerator, a layer whose experts are
             all in RAM computes them in one native call (_all_on_fast).
+        copy_issue: the plan's Plan.copy_issue: "thread" issues a miss's H2D copy from page-locked
+            memory on the layer's own thread before its CPU experts run (Executor.issue), where
+            nothing it waits for is pending; "worker" leaves every copy to the copy stream's worker.
     Attributes:
         path_counts: Counter of paths over all dispatched experts; bytes_read: disk bytes read;
         bytes_h2d: bytes copied to the accelerator; resident_hits: uses of fast-resident experts
@@ -97,8 +100,10 @@ class TieredExperts:
     """
 
     def __init__(self, placed: PlacedExperts, executor: Executor, latency: LatencyModel | None, accelerator,
-                 dispatch_mode: str = "balanced", read_ahead: bool = True, group_layers: bool = False) -> None:
+                 dispatch_mode: str = "balanced", read_ahead: bool = True, group_layers: bool = False,
+                 copy_issue: str = "thread") -> None:
         self.store, self.cache = placed.store, placed.cache
+        self.copy_issue = copy_issue
         self.fast_staging, self.host_staging = placed.fast_staging, placed.host_staging
         self.executor, self.latency, self.accelerator = executor, latency, accelerator
         self.dispatch_mode, self.read_ahead = dispatch_mode, read_ahead
@@ -414,7 +419,8 @@ class TieredExperts:
             # may still be read by a kernel launched for an earlier layer
             copy = ex.submit("copy", lambda: [self.accelerator.copy_to_device(d, s) for d, s in zip(slot, host_w)],
                              deps=deps + ([dep] if dep else []), name=f"h2d L{layer}E{e}",
-                             nbytes=store.expert_bytes, layer=layer, expert=e, after_event=ready)
+                             nbytes=store.expert_bytes, layer=layer, expert=e, after_event=ready,
+                             issue_here=self._issuable(host_w))
             self.bytes_h2d += store.expert_bytes
             fut = ex.submit("launch", lambda: fmt.forward(x[tok], slot), deps=[copy],
                             name=f"expert L{layer}E{e}", layer=layer, expert=e)
@@ -423,6 +429,12 @@ class TieredExperts:
         if host_idx is not None:
             self.host_staging.release_after(host_idx, fut)
         return fut
+
+    def _issuable(self, sources) -> bool:
+        """Whether an H2D copy of host tensors `sources` may be issued on this thread (copy_issue
+        "thread", asynchronous copies, every source page-locked): Executor.submit's issue_here."""
+        acc = self.accelerator
+        return self.copy_issue == "thread" and acc.async_copies and all(acc.page_locked(t) for t in sources)
 
     def _splittable(self, key, side: _Side) -> bool:
         """A miss can be SPLIT: dense weights in CPU RAM (not on disk), an accelerator, one precision."""
@@ -447,7 +459,8 @@ class TieredExperts:
         parts = [(slot[0][r:], gate[r:]), (slot[1][r:], up[r:]), (slot[2], down)] if r < F_rows else [(slot[2], down)]
         nbytes = sum(src.numel() * src.element_size() for _, src in parts)
         copy = ex.submit("copy", lambda: [acc.copy_to_device(d, src) for d, src in parts], deps=[dep] if dep else [],
-                         name=f"h2d split L{layer}E{e}", nbytes=nbytes, layer=layer, expert=e, after_event=ready)
+                         name=f"h2d split L{layer}E{e}", nbytes=nbytes, layer=layer, expert=e, after_event=ready,
+                         issue_here=self._issuable([src for _, src in parts]))
         self.bytes_h2d += nbytes
         x_rows = x_host[tok_host]
         cpu = ex.submit("cpu", lambda: swiglu_rows(x_rows, gate[:r], up[:r]), name=f"cpu split L{layer}E{e}",

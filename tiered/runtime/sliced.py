@@ -78,10 +78,15 @@ class SlicedMLP(nn.Module):
             count T (ScheInfer Eq. 15 re-solved per prompt); capped at T.
         staging: shared SliceStaging (None = this layer allocates its own).
         host_budget: MemoryBudget the CPU-side parts (CC and CG) are reserved against (None = not counted).
+    Attributes:
+        copy_issue: Plan.copy_issue: "thread" issues the CG / CG' copies from the forward's own thread
+            where the slices are page-locked (`_copy`), "worker" on the copy stream's worker.
     Forward: x [..., D] on the accelerator -> [..., D].
     Raises:
         BudgetError: the accelerator or host budget cannot hold the parts.
     """
+
+    copy_issue = "thread"
 
     def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, r_cc: float, r_cg: float,
                  accelerator, executor: Executor, n_g: int | Callable[[int], int] = 0,
@@ -111,11 +116,16 @@ class SlicedMLP(nn.Module):
         return out
 
     def _copy(self, dst, src, name: str):
+        """H2D copy of the slices `src` into the staging views `dst` on the copy stream; issued from this
+        thread (Executor.issue) where copy_issue is "thread" and the slices are page-locked, so the link
+        starts before this thread's CC slice takes every core."""
         def run():
             for d, s in zip(dst, src):
                 self.accelerator.copy_to_device(d, s)
         nbytes = sum(s.numel() * s.element_size() for s in src)
-        return self.executor.submit("copy", run, name=name, nbytes=nbytes)
+        acc = self.accelerator
+        here = self.copy_issue == "thread" and acc.async_copies and all(acc.page_locked(s) for s in src)
+        return self.executor.submit("copy", run, name=name, nbytes=nbytes, issue_here=here)
 
     def _cc_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The CC slice on the CPU: x [n, D] (host) -> [n, D] in x's dtype. Decode-sized steps (at most
@@ -179,7 +189,7 @@ class SlicedMLP(nn.Module):
 def install_sliced_mlps(model: nn.Module, rates: Sequence[tuple[float, float]] | Mapping[int, tuple[float, float]],
                         accelerator, executor: Executor, n_g: int | Callable[[int, int], int] = 0,
                         weights: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
-                        host_budget=None) -> list[SlicedMLP]:
+                        host_budget=None, copy_issue: str = "thread") -> list[SlicedMLP]:
     """Replace dense layers' `mlp` by SlicedMLPs sharing one SliceStaging. Returns them in layer order.
 
     Args:
@@ -188,6 +198,7 @@ def install_sliced_mlps(model: nn.Module, rates: Sequence[tuple[float, float]] |
         weights: weights(layer) -> (gate [F, D], up [F, D], down [D, F]) on the CPU; default: the
             layer's dense MLP weights (which must then be materialized).
         host_budget: MemoryBudget the CPU-side slices are reserved against.
+        copy_issue: Plan.copy_issue (SlicedMLP.copy_issue).
     Raises:
         BudgetError: the accelerator (GG parts and staging) or the host budget is too small.
     """
@@ -214,6 +225,7 @@ def install_sliced_mlps(model: nn.Module, rates: Sequence[tuple[float, float]] |
         w_gate, w_up, w_down = weights(i)
         sliced = SlicedMLP(w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype), *todo[i], accelerator, executor,
                            per_layer, staging, host_budget)
+        sliced.copy_issue = copy_issue
         layers[i].mlp = sliced
         out.append(sliced)
     return out

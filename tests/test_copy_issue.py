@@ -1,0 +1,161 @@
+"""H2D copies issued by the thread that needs them (Executor.issue, Plan.copy_issue), on the stand-in made
+to report asynchronous copies from page-locked memory as CUDA does."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from runtime_fixtures import GREEDY, engine_config, prompt, rt  # noqa: F401
+
+from tiered import LLM
+from tiered.hardware.accelerator import HostAccelerator
+from tiered.models.moe import expert_forward
+from tiered.runtime.executor import Executor
+from tiered.runtime.sliced import SlicedMLP
+
+
+class AsyncStandin(HostAccelerator):
+    """The stand-in as a CUDA device looks to the executor: copies from page-locked memory (here: every
+    host tensor) issue asynchronously, and events mark work. Records which thread issued each H2D copy
+    and which events the current stream waited for."""
+
+    async_copies = True
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.copy_threads: list[int] = []
+        self.waited: list = []
+        self.recorded = 0
+
+    def page_locked(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu"
+
+    def copy_to_device(self, dst, src) -> None:
+        self.copy_threads.append(threading.get_ident())
+        super().copy_to_device(dst, src)
+
+    def record_event(self, blocking: bool = False):
+        self.recorded += 1
+        return ("event", self.recorded)
+
+    def wait_event(self, event) -> None:
+        if event is not None:
+            self.waited.append(event)
+
+
+def test_a_copy_whose_dependencies_are_done_is_issued_here_and_its_event_is_waited_on_the_device():
+    acc = AsyncStandin(capacity=2**20)
+    ex = Executor(acc, trace=True)
+    try:
+        dst, src = acc.alloc((4,), torch.float32), torch.arange(4.0)
+        copy = ex.submit("copy", lambda: acc.copy_to_device(dst, src), name="h2d", nbytes=16, issue_here=True)
+        assert copy.done() and copy.event is not None and acc.copy_threads == [threading.get_ident()]
+        launch = ex.submit("launch", lambda: dst * 2, deps=[copy])
+        assert torch.equal(acc.to_host(launch.result()), src * 2)
+        assert copy.event in acc.waited  # the launch waits for the copy on the device, not the host
+        ex.close()  # the worker records the issued copy's span once it has landed
+        assert [(e.name, e.stream, e.nbytes) for e in ex.events if e.stream == "copy"] == [("h2d", "copy", 16)]
+    finally:
+        ex.close()
+
+
+def test_an_issued_copy_that_fails_raises_through_its_future():
+    acc = AsyncStandin(capacity=2**20)
+    ex = Executor(acc)
+    try:
+        fut = ex.submit("copy", lambda: acc.copy_to_device(torch.empty(4), torch.zeros(4)), issue_here=True)
+        with pytest.raises(Exception, match="not one on the accelerator"):
+            fut.result()
+    finally:
+        ex.close()
+
+
+def test_a_copy_waiting_on_pending_work_or_not_asked_goes_to_the_worker():
+    acc = AsyncStandin(capacity=2**20)
+    ex = Executor(acc, inline=("cpu",))
+    try:
+        dst, src = acc.alloc((4,), torch.float32), torch.arange(4.0)
+        pending = ex.submit("cpu", lambda: None)  # a deferred task not yet run: not done
+        copy = ex.submit("copy", lambda: acc.copy_to_device(dst, src), deps=[pending], issue_here=True)
+        pending.result()
+        copy.result()
+        ex.submit("copy", lambda: acc.copy_to_device(dst, src)).result()
+        assert len(acc.copy_threads) == 2 and threading.get_ident() not in acc.copy_threads
+        plain = Executor(HostAccelerator(capacity=2**20))  # copies that block: never issued here
+        assert not plain.accelerator.async_copies
+        plain.close()
+    finally:
+        ex.close()
+
+
+@pytest.mark.parametrize("copy_issue", ["thread", "worker"])
+def test_sliced_copies_are_issued_by_the_forward_thread_where_the_plan_says(copy_issue):
+    torch.manual_seed(0)
+    D, F = 32, 80
+    w = (torch.randn(F, D), torch.randn(F, D), torch.randn(D, F))
+    acc = AsyncStandin(capacity=64 * 2**20)
+    ex = Executor(acc, inline=("cpu",))
+    try:
+        m = SlicedMLP(*w, 0.4, 0.3, acc, ex, n_g=2)
+        m.copy_issue = copy_issue
+        x = torch.randn(6, D)
+        acc.copy_threads.clear()
+        y = acc.to_host(m(acc.to_device(x)))
+        here = [t == threading.get_ident() for t in acc.copy_threads]
+        assert here and all(here) if copy_issue == "thread" else not any(here)
+        assert torch.allclose(y, expert_forward(x, *w), rtol=1e-4, atol=1e-4)
+    finally:
+        ex.close()
+
+
+@pytest.mark.parametrize("copy_issue", ["auto", "worker"])
+def test_moe_misses_are_copied_from_the_layer_thread_before_its_cpu_experts(rt, monkeypatch, copy_issue):
+    """Every miss copied, then every miss split by rows (the CPU's rows computed on the layer's thread
+    beside the copy of the rest): the engine issues each copy from the thread that runs the layer
+    (copy_issue "auto") or leaves it to the worker ("worker"); the tokens are the reference's either way."""
+    import tiered.hardware.accelerator as accel
+
+    monkeypatch.setattr(accel, "HostAccelerator", AsyncStandin)
+    s = rt.sizes("mixtral")
+    for path in ("copy", "split"):
+        llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2),
+                                                   cpu_memory="64MiB", force_expert_path=path, copy_issue=copy_issue))
+        try:
+            assert isinstance(llm.accelerator, AsyncStandin)
+            assert llm.plan.copy_issue == ("worker" if copy_issue == "worker" else "thread")
+            me = threading.get_ident()
+            llm.accelerator.copy_threads.clear()
+            assert llm.generate(prompt(), GREEDY)[0].token_ids == rt.reference("mixtral")[1]
+            assert llm.experts.path_counts[path] > 0
+            here = [t == me for t in llm.accelerator.copy_threads]
+            assert any(here) if copy_issue == "auto" else not any(here)
+        finally:
+            llm.close()
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_copy_issued_here_is_waited_for_on_the_device_by_the_launch_after_it():
+    """A 256 MiB H2D copy issued by this thread returns before the link has moved it; the launch that
+    depends on it reads it whole, because the current stream waits for the copy's event."""
+    from tiered.hardware.cuda import CudaAccelerator
+
+    acc = CudaAccelerator(capacity=2**30)
+    ex = Executor(acc, trace=True)
+    try:
+        src = acc.host_buffer((64 * 2**20,), torch.float32)
+        src.copy_(torch.arange(src.numel(), dtype=torch.float32))
+        assert acc.page_locked(src)
+        dst = acc.alloc(tuple(src.shape), torch.float32)
+        dst.zero_()
+        copy = ex.submit("copy", lambda: acc.copy_to_device(dst, src), name="h2d", nbytes=src.numel() * 4,
+                         after_event=acc.record_event(), issue_here=True)
+        assert copy.done() and copy.event is not None
+        total = ex.submit("launch", lambda: dst.sum(dtype=torch.float64), deps=[copy]).result()
+        assert float(total) == float(src.double().sum())
+    finally:
+        ex.close()
+    spans = [e for e in ex.events if e.stream == "copy"]
+    assert len(spans) == 1 and spans[0].end - spans[0].start > 0
