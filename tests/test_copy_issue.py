@@ -28,6 +28,7 @@ class AsyncStandin(HostAccelerator):
         super().__init__(*a, **kw)
         self.copy_threads: list[int] = []
         self.waited: list = []
+        self.host_waited: list = []
         self.recorded = 0
 
     def page_locked(self, t: torch.Tensor) -> bool:
@@ -45,6 +46,9 @@ class AsyncStandin(HostAccelerator):
         if event is not None:
             self.waited.append(event)
 
+    def wait_event_host(self, event) -> None:
+        self.host_waited.append((event, threading.current_thread().name))
+
 
 def test_a_copy_whose_dependencies_are_done_is_issued_here_and_its_event_is_waited_on_the_device():
     acc = AsyncStandin(capacity=2**20)
@@ -56,6 +60,10 @@ def test_a_copy_whose_dependencies_are_done_is_issued_here_and_its_event_is_wait
         launch = ex.submit("launch", lambda: dst * 2, deps=[copy])
         assert torch.equal(acc.to_host(launch.result()), src * 2)
         assert copy.event in acc.waited  # the launch waits for the copy on the device, not the host
+        assert not any(t == threading.current_thread().name for _, t in acc.host_waited)
+        gemm = ex.submit("compute", lambda: dst + 1, deps=[copy])  # a device stream's worker sleeps on it
+        assert torch.equal(acc.to_host(gemm.result()), src + 1)
+        assert any(e == copy.event and t.startswith("tiered-compute") for e, t in acc.host_waited)
         ex.close()  # the worker records the issued copy's span once it has landed
         assert [(e.name, e.stream, e.nbytes) for e in ex.events if e.stream == "copy"] == [("h2d", "copy", 16)]
     finally:

@@ -143,6 +143,10 @@ class Executor:
         def job():
             for d in deps:
                 d.result()
+            if stream in DEVICE_STREAMS:  # a copy issued by another thread: sleep until it lands (see `issue`)
+                for d in deps:
+                    if getattr(d, "issued", False):
+                        self.accelerator.wait_event_host(d.event)
             start = time.perf_counter()
             if stream in DEVICE_STREAMS:
                 with self.accelerator.stream(stream):
@@ -181,10 +185,15 @@ class Executor:
         OpenMP team computes CPU experts it has none. On the H100's 16-core host (2026-11-26) a layer's
         H2D copy beside a CPU expert started up to 3.6 ms late. Issued here, before the CPU work, a
         copy costs this thread microseconds and the link starts at once. Traced, the worker still waits
-        for the event (a blocking one) and records the span from issue to the copy's end."""
+        for the event and records the span from issue to the copy's end.
+
+        The event is a blocking one: a device-stream task that depends on the copy (a sliced FFN's CG
+        GEMM on the compute stream) sleeps on it before issuing its kernels, as it slept on the copy
+        worker's future before, instead of spinning in its stream's synchronize for the whole copy
+        (a core taken from the CPU's OpenMP team)."""
         start = time.perf_counter()
         done: Future = Future()
-        done.event = None  # type: ignore[attr-defined]
+        done.event, done.issued = None, True  # type: ignore[attr-defined]
         try:
             with self.accelerator.stream(stream, wait=False):
                 self.accelerator.wait_event(after_event)
@@ -192,7 +201,7 @@ class Executor:
                     d.result()
                     self.accelerator.wait_event(getattr(d, "event", None))
                 out = fn()
-                done.event = event = self.accelerator.record_event(blocking=self.tracing)  # type: ignore[attr-defined]
+                done.event = event = self.accelerator.record_event(blocking=True)  # type: ignore[attr-defined]
         except BaseException as e:  # through the future, as a worker's task raises
             done.set_exception(e)
             return done
