@@ -87,7 +87,7 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
             lp = LayerPlan(i, "dense", weights_format)
         plan.layers.append(lp)
     if accelerator is not None:
-        plan.dispatch_latency = asdict(_calibrated(cfg, accelerator, weights_format))
+        plan.dispatch_latency = asdict(_calibrated(cfg, accelerator, weights_format, plan.dtypes["experts"]))
     n_fast = placement.count("fast")
     plan.memory = {tier: fixed + (n_fast + placement.cache_slots) * eb}
     plan.binding = (f"runtime rules: {n_fast} experts resident, {placement.cache_slots} cache slots, "
@@ -95,17 +95,25 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
     return plan
 
 
-def _calibrated(cfg: ModelConfig, accelerator, fmt: str):
-    """The dispatcher's LatencyModel measured now on one expert-sized buffer pair (freed after)."""
+def _calibrated(cfg: ModelConfig, accelerator, fmt: str, experts_format: str | None = None):
+    """The dispatcher's LatencyModel measured now on one expert-sized buffer pair (freed after). Where
+    the experts are stored in the compute format `fmt` (dense), the CPU side is timed through the
+    runtime's own CPU expert (quant/experts.ExpertFormat.forward: the native kernel at few rows);
+    quantized experts are timed as dense `fmt` ones."""
+    from tiered import kernels
+    from tiered.quant.experts import ExpertFormat, is_dense_format
     from tiered.runtime.calibrate import calibrate
 
     dtype = sizes.torch_dtype(fmt)
     D, F = cfg.hidden_size, cfg.moe_intermediate_size
     shapes = ((F, D), (F, D), (D, F))
+    cpu_forward = None
+    if (experts_format or fmt) == fmt and is_dense_format(fmt):
+        cpu_forward = ExpertFormat(fmt, shapes, "tiled" if kernels.available() else "cpu").forward
     dev = [accelerator.alloc(s, dtype, "calibration") for s in shapes]
     try:
         host = [accelerator.host_buffer(s, dtype) for s in shapes]
-        return calibrate(shapes, dtype, accelerator, D, dev, host)
+        return calibrate(shapes, dtype, accelerator, D, dev, host, cpu_forward=cpu_forward)
     finally:
         for t in dev:
             accelerator.free(t)

@@ -25,15 +25,22 @@ def _fit(xs, ys) -> tuple[float, float]:
 
 
 def calibrate(shapes, dtype: torch.dtype, accelerator, hidden: int, dev_w=None, staged=None,
-              tokens=(1, 2, 4, 8, 16)) -> LatencyModel:
+              tokens=(1, 2, 4, 8, 16), cpu_forward=None) -> LatencyModel:
     """Fit the dispatcher's LatencyModel for experts of `shapes` ((F, D), (F, D), (D, F)) in `dtype`.
 
     Args:
         dev_w, staged: an expert-sized buffer on the accelerator and a host staging buffer to
             measure with (the runtime's own staging buffers, so calibration needs no extra memory).
+        cpu_forward: cpu_forward(x [s, hidden], (gate, up, down)) -> [s, hidden]: the CPU expert the
+            runtime will run (ExpertFormat.forward: tiered's native kernel at few rows); None = torch's
+            GEMMs (models/moe.expert_forward). Timed with torch's bf16 GEMV where the runtime runs the
+            native kernel at about twice its speed, the CPU side was priced slow and the rules sent
+            misses to the link: `--plan off` once decoded at 18.4 tok/s where its CPU path ran 33
+            (H100, 2026-11-26).
     """
-    host_w = [torch.randn(s, dtype=dtype) * 0.02 for s in shapes]
-    cpu = [_median_time(lambda s=s: expert_forward(torch.randn(s, hidden, dtype=dtype), *host_w)) for s in tokens]
+    host_w = tuple(torch.randn(s, dtype=dtype) * 0.02 for s in shapes)
+    forward = cpu_forward or (lambda x, w: expert_forward(x, *w))
+    cpu = [_median_time(lambda s=s: forward(torch.randn(s, hidden, dtype=dtype), host_w)) for s in tokens]
     cpu_a, cpu_b = _fit(tokens, cpu)
     if accelerator is None:
         return LatencyModel(cpu_a, cpu_b, cpu_a, cpu_b, 0.0, float("inf"))
