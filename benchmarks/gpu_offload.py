@@ -261,8 +261,71 @@ COLUMNS = [Column("configuration", "config"), Column("TTFT s", "ttft_s", "{:.3f}
            Column("expert hit rate", "hit_rate", "{:.0%}")]
 
 
+# Issue 8's targets on the README's shapes, with a real GPU (the smoke run checks the arithmetic only).
+TARGET_DECODE = {"moe": 40.0, "dense": 30.0}  # tok/s of the default plan (sections 3 and 4)
+TARGET_TTFT = {"dense": 0.15}  # s at 512 tokens (section 4)
+BEST_OF = {"moe": ("forced_copy", "forced_cpu", "no_gpu")}  # the default within 5% of their best (section 3)
+PREDICTION_TOLERANCE = 0.25  # section 6
+PREDICTED_ROWS = ("plan_auto", "forced_copy", "forced_cpu", "no_gpu")
+
+
+def targets(shape: str, rows: list[dict]) -> list[dict]:
+    """Issue 8's checks on one shape's measured rows: {"check", "measured", "target", "met"} each; "met"
+    None where a row it needs is missing or failed. Section 3 (MoE): the default plan decodes at 40 tok/s
+    or more and is never more than 5% slower than the best of every miss copied, every miss on the CPU
+    and no GPU, in decode tok/s and in TTFT. Section 4 (dense): 30 tok/s or more and TTFT at most 0.15 s.
+    Section 5: all on the GPU at least as fast as transformers all on the GPU. Section 6: each of the
+    default, forced and no-GPU rows' predicted decode tok/s and TTFT within 25% of what was measured."""
+    ok = {r["id"]: r for r in rows if "error" not in r}
+    out = []
+
+    def add(check, measured, target, met):
+        out.append({"check": check, "measured": measured, "target": target, "met": met})
+    auto = ok.get("plan_auto")
+    if shape in TARGET_DECODE:
+        v = auto and auto["decode_tokens_per_s"]
+        add("default plan decode tok/s", v, f">= {TARGET_DECODE[shape]:.0f}", None if v is None else v >= TARGET_DECODE[shape])
+    if shape in TARGET_TTFT:
+        v = auto and auto["ttft_s"]
+        add("default plan TTFT s", v, f"<= {TARGET_TTFT[shape]}", None if v is None else v <= TARGET_TTFT[shape])
+    others = [ok[i] for i in BEST_OF.get(shape, ()) if i in ok]
+    if shape in BEST_OF:
+        for key, label, faster in (("decode_tokens_per_s", "decode tok/s", max), ("ttft_s", "TTFT s", min)):
+            best = faster((r[key] for r in others), default=None)
+            v = auto and auto[key]
+            bound = None if best is None else (0.95 * best if faster is max else best / 0.95)
+            met = None if v is None or bound is None else (v >= bound if faster is max else v <= bound)
+            add(f"default plan {label} within 5% of the best of {', '.join(BEST_OF[shape])}", v,
+                None if bound is None else f"{'>=' if faster is max else '<='} {bound:.3g}", met)
+    gpu, hf = ok.get("unconstrained"), ok.get("hf_all_gpu")
+    if gpu is not None or hf is not None:
+        v, h = gpu and gpu["decode_tokens_per_s"], hf and hf["decode_tokens_per_s"]
+        add("all on the GPU: decode tok/s at least transformers'", v, None if h is None else f">= {h:.1f}",
+            None if v is None or h is None else v >= h)
+    for rid in PREDICTED_ROWS:
+        r = ok.get(rid)
+        for key, pred, label in (("decode_tokens_per_s", "predicted_decode_tokens_per_s", "decode"),
+                                 ("ttft_s", "predicted_ttft_s", "TTFT")):
+            if r is None or not r.get(pred) or not r.get(key):
+                continue
+            err = abs(r[pred] - r[key]) / r[key]
+            add(f"{rid}: {label} prediction's error (|predicted - measured| / measured)", round(err, 3),
+                f"<= {PREDICTION_TOLERANCE}", err <= PREDICTION_TOLERANCE)
+    return out
+
+
+def _targets_table(checks: list[dict]) -> str:
+    def fmt(v):
+        return "–" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
+    lines = ["| check | measured | target | met |", "|---|---|---|---|"]
+    for c in checks:
+        met = "not measured" if c["met"] is None else "yes" if c["met"] else "**no**"
+        lines.append(f"| {c['check']} | {fmt(c['measured'])} | {fmt(c['target'])} | {met} |")
+    return "\n".join(lines)
+
+
 def report(name: str, out_dir: Path, setups: list[Setup], rows: list[dict], machine: dict) -> tuple[Path, Path]:
-    parts, notes = [], []
+    parts, notes, checks = [], [], {}
     from tiered.bench.report import markdown_table
     for s in setups:
         mine = [r for r in rows if r["shape"] == s.shape_name]
@@ -273,6 +336,10 @@ def report(name: str, out_dir: Path, setups: list[Setup], rows: list[dict], mach
             f"{2 * sh.params() / GiB:.3g} GiB bf16)"
         parts.append(f"**{s.shape_name}: {what}**, GPU budget {s.gpu_memory / GiB:.3g} GiB"
                      f"{' (host stand-in)' if s.smoke else ''}:\n\n" + markdown_table(mine, COLUMNS))
+        checks[s.shape_name] = targets(s.shape_name, mine)
+        if checks[s.shape_name]:
+            parts.append(f"Issue 8's targets, {s.shape_name}{' (smoke: the arithmetic only)' if s.smoke else ''}:\n\n"
+                         + _targets_table(checks[s.shape_name]))
     s0 = setups[0]
     notes.append(f"TTFT of a {s0.ttft_tokens}-token prompt; decode = (N-1)/(t(N)-t(1)) for N = {s0.new_tokens} new "
                  f"tokens after a {s0.decode_prompt_tokens}-token prompt, greedy, EOS ignored; medians of "
@@ -290,7 +357,7 @@ def report(name: str, out_dir: Path, setups: list[Setup], rows: list[dict], mach
                 "profile": s0.profile, "smoke": s0.smoke, "dtype": "bfloat16",
                 "routing": {s.shape_name: s.shape.routing for s in setups if s.shape.is_moe},
                 "torch_threads": torch.get_num_threads()}
-    extra = {"model_shapes": {s.shape_name: vars(s.shape) for s in setups}}
+    extra = {"model_shapes": {s.shape_name: vars(s.shape) for s in setups}, "targets": checks}
     return write_report(name, out_dir, title="GPU offloading at real layer width" + (" (smoke)" if s0.smoke else ""),
                         settings=settings, rows=rows, body="\n\n".join(parts), notes=notes, machine=machine, extra=extra)
 
