@@ -56,7 +56,7 @@ SHAPES = {"moe": (mixtral_8x7b(layers=4), 4 * GiB), "dense": (llama3_8b(layers=8
 # --smoke: the real layer counts at width 256 (a few MB), so budgets scale with the same proportions
 SMOKE_SHAPES = {"moe": ModelShape(layers=4, hidden=256, ffn=768, heads=4, kv_heads=2, vocab=2048, experts=8),
                 "dense": ModelShape(layers=8, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=2048)}
-ROW_IDS = ("plan_auto", "plan_auto_eager", "plan_auto_cuda_pinned", "plan_auto_huge_pinned", "plan_auto_worker_copies", "plan_off",
+ROW_IDS = ("plan_auto", "plan_auto_eager", "plan_auto_cuda_pinned", "plan_auto_huge_pinned", "plan_auto_worker_issue", "plan_off",
            "plan_auto_profiled", "forced_copy",
            "forced_cpu", "forced_split", "no_gpu", "unconstrained", "unconstrained_eager", "hf_accelerate", "hf_all_gpu")
 SMOKE_LINK = 2e9  # bytes/s of the stand-in's emulated PCIe link in --smoke
@@ -106,8 +106,8 @@ def rows_for(s: Setup) -> list[Row]:
                 '4 KiB pages)', replace(base, pinned="cuda")),
             Row("plan_auto_huge_pinned", 'tiered, plan auto, RAM weights in registered huge pages (pinned="huge")',
                 replace(base, pinned="huge")),
-            Row("plan_auto_worker_copies", 'tiered, plan auto, every H2D copy issued by the copy worker '
-                '(copy_issue="worker")', replace(base, copy_issue="worker")),
+            Row("plan_auto_worker_issue", 'tiered, plan auto, every H2D copy issued by the copy worker '
+                '(device_issue="worker")', replace(base, device_issue="worker")),
             Row("plan_off", "tiered, plan off", replace(base, plan="off"))]
     if s.shape.is_moe:
         # the plan a user gets after `tiered profile-experts`: popularity-led residents, and a predicted hit

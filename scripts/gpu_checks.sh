@@ -23,9 +23,10 @@
 #            (--threads nproc-1): beside moe_uniform (torch's default, every core), the A/B of the CPU team
 #            leaving a core to the copy and launch workers (session 28: copies started up to 3.6 ms late
 #            beside a 16-thread CPU expert; gpu_dram_share: 15 threads streamed 95 GB/s against 83 on 16)
-#   copies   both shapes (MoE with uniform routing), the default plan against the same with every H2D copy issued
-#            by the copy worker (plan_auto_worker_copies, copy_issue="worker"), 3 repeats each: the A/B of
-#            Executor.issue (copies from page-locked RAM issued by the layer's own thread, before its CPU work)
+#   issue    both shapes (MoE with uniform routing), the default plan against the same with its device work issued
+#            by the stream workers (plan_auto_worker_issue, device_issue="worker"), 3 repeats each: the A/B of
+#            Executor.issue (H2D copies from page-locked RAM and a sliced FFN's GPU GEMMs issued by the thread
+#            that needs them, before its CPU work)
 #   moe_ab   plan off, then the default plan, 3 repeats each (the default ran first and 17% slower than plan
 #            off with the same paths and hit rate on 2026-11-26: order, or the plan?)
 #   graphs   the CUDA graph tests, then both shapes' graphed rows beside their eager twins only
@@ -135,10 +136,10 @@ for stage in "${stages[@]}"; do
             run 200 gpu_offload_moe_uniform_t15 $PY benchmarks/gpu_offload.py $smoke --shape moe --routing uniform \
               --repeats 3 --threads $(( $(nproc) > 2 ? $(nproc) - 1 : 1 )) --rows plan_auto,forced_cpu,plan_off \
               --out "$res/uniform" --name gpu_offload_moe_uniform_t15 ${prof:+--profile "$prof"} ;;
-    copies) mkdir -p "$res/copies"  # H2D copies issued by the layer's thread (default) against by the copy worker
+    issue) mkdir -p "$res/issue"  # device work issued by the thread that needs it (default) against by the workers
             for shape in moe dense; do
-              run 200 "copies_$shape" $PY benchmarks/gpu_offload.py $smoke --shape "$shape" --routing uniform --repeats 3 \
-                --rows plan_auto,plan_auto_worker_copies --out "$res/copies" --name "copies_$shape" ${prof:+--profile "$prof"}
+              run 200 "issue_$shape" $PY benchmarks/gpu_offload.py $smoke --shape "$shape" --routing uniform --repeats 3 \
+                --rows plan_auto,plan_auto_worker_issue --out "$res/issue" --name "issue_$shape" ${prof:+--profile "$prof"}
             done ;;
     moe_ab) mkdir -p "$res/ab"
             run 240 gpu_offload_moe_ab $PY benchmarks/gpu_offload.py $smoke --shape moe --repeats 3 --rows plan_off,plan_auto \

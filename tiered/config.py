@@ -96,11 +96,11 @@ class EngineConfig:
             link, staging buffers): "auto" (default) lets the plan choose (Plan.pinned); "huge"
             registers tiered's transparent-huge-page memory in place (cudaHostRegister); "cuda"
             takes torch's pinned allocator (cudaHostAlloc, 4 KiB pages).
-        copy_issue: who issues an H2D copy from page-locked RAM on CUDA (Plan.copy_issue): "auto"
-            (default) and "thread" the thread that needs it, before its CPU work, where nothing the
-            copy waits for is pending; "worker" always the copy stream's worker thread (the way
-            before: on the H100's 16-core host such copies started up to 3.6 ms late beside CPU
-            experts, their worker waiting for a core).
+        device_issue: who issues device work on CUDA (Plan.device_issue): H2D copies from page-locked
+            RAM and a sliced FFN's GPU GEMMs. "auto" (default) and "thread": the thread that needs
+            them, before its CPU work, where nothing they wait for is pending; "worker": the copy and
+            compute streams' worker threads (the way before: on the H100's 16-core host such copies
+            started up to 3.6 ms late beside CPU experts, their worker waiting for a core).
         profile: HardwareProfile JSON path or preset name the planner uses; None = this machine's
             cached profile (measured once, quickly, if there is none).
         force_expert_path: tests only: "copy", "cpu" or "split" for every non-resident expert.
@@ -134,7 +134,7 @@ class EngineConfig:
     plan: str = "auto"
     graphs: str = "auto"
     pinned: str = "auto"
-    copy_issue: str = "auto"
+    device_issue: str = "auto"
     profile: str | None = None
     force_expert_path: str | None = None
 
@@ -167,8 +167,8 @@ class EngineConfig:
             raise ConfigError("force_expert_path must be None, 'copy', 'cpu' or 'split'", "leave it unset")
         if self.pinned not in ("auto", "huge", "cuda"):
             raise ConfigError(f"pinned must be 'auto', 'huge' or 'cuda', got {self.pinned!r}", "pass auto")
-        if self.copy_issue not in ("auto", "thread", "worker"):
-            raise ConfigError(f"copy_issue must be 'auto', 'thread' or 'worker', got {self.copy_issue!r}", "pass auto")
+        if self.device_issue not in ("auto", "thread", "worker"):
+            raise ConfigError(f"device_issue must be 'auto', 'thread' or 'worker', got {self.device_issue!r}", "pass auto")
         if self.graphs not in ("auto", "on", "off"):
             raise ConfigError(f"graphs must be 'auto', 'on' or 'off', got {self.graphs!r}", "pass auto")
         if not self.plan:

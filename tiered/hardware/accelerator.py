@@ -33,16 +33,16 @@ class Accelerator(ABC):
         is_host: True for the host stand-in (its memory is CPU memory).
         pinned: how `host_buffer` pins on CUDA ("huge" or "cuda": EngineConfig.pinned, set from
             Plan.pinned before anything is placed); the stand-in's buffers are ordinary memory.
-        async_copies: an H2D copy from page-locked memory returns at once while the device runs it
-            (CUDA), so the thread that issues it need not wait (Executor.submit's `issue_here`); the
-            stand-in's copies run on the calling thread.
+        async_streams: work issued on its streams (kernels, H2D copies from page-locked memory)
+            returns at once while the device runs it (CUDA), so the thread that issues it need not
+            wait (Executor.submit's `issue_here`); the stand-in's work runs on the calling thread.
     """
 
     device: torch.device
     budget: MemoryBudget
     is_host: bool = False
     pinned: str = "huge"
-    async_copies: bool = False
+    async_streams: bool = False
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "") -> torch.Tensor:
         """An uninitialized tensor `shape` of `dtype` on the device, reserved against the budget.

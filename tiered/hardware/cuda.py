@@ -51,7 +51,7 @@ class CudaAccelerator(Accelerator):
         ConfigError: CUDA is not available.
     """
 
-    async_copies = True  # cudaMemcpyAsync from page-locked memory returns once issued
+    async_streams = True  # kernels and cudaMemcpyAsync from page-locked memory return once issued
 
     def __init__(self, capacity: int | None = None, index: int = 0, pinned: str = "huge") -> None:
         if not torch.cuda.is_available():

@@ -237,7 +237,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     # against 31-50 on int16 x with AVX2)
     plan.expert_act = expert_activations(ec)
     plan.pinned = pinned_memory(ec, plan)
-    plan.copy_issue = "worker" if ec.copy_issue == "worker" else "thread"
+    plan.device_issue = "worker" if ec.device_issue == "worker" else "thread"
     # short prompts run as rows of the native decode step, beside the running sequences (dense
     # models: an MoE layer's FFN runs as a module, which takes one token per sequence)
     plan.mixed_rows = mixed_rows(kernels.isa(), plan.batch_act) if plan.native_decode and not cfg.is_moe else 0

@@ -107,10 +107,11 @@ class Plan:
                                              "cuda" (cudaHostAlloc) where dense FFNs are sliced,
                                              "huge" (registered huge pages) otherwise
                                              (planner/auto.pinned_memory)
-        copy_issue                           who issues an H2D copy from page-locked RAM on CUDA:
-                                             "thread" (the layer's own thread, before its CPU
-                                             work, where nothing the copy waits for is pending) or
-                                             "worker" (the copy stream's worker thread)
+        device_issue                         who issues device work on CUDA (H2D copies from
+                                             page-locked RAM, a sliced FFN's GPU GEMMs): "thread"
+                                             (the layer's own, before its CPU work, where nothing
+                                             it waits for is pending) or "worker" (the streams'
+                                             worker threads)
         source                               who decided: "planner", "rules" (plan off) or a file
 
     Pricing inputs recorded beside the decisions:
@@ -174,7 +175,7 @@ class Plan:
     mixed_precision: dict | None = None
     expert_cache_slots_low: int = 0
     pinned: str = "huge"
-    copy_issue: str = "thread"
+    device_issue: str = "thread"
     source: str = "planner"
 
     def summary(self, measured_tokens_per_s: float | None = None, measured_positions: int | None = None,

@@ -127,14 +127,14 @@ class Executor:
         the work that event marks (e.g. the router's output) instead of the host waiting for it.
 
         `issue_here`: a device-stream task whose dependencies are all done, on an accelerator whose
-        copies run asynchronously (Accelerator.async_copies; the caller vouches that `fn` issues
-        nothing that blocks, e.g. copies from page-locked memory), is issued on this thread at once
-        (`issue`) instead of by the stream's worker: see there.
+        streams run asynchronously (Accelerator.async_streams; the caller vouches that `fn` issues
+        nothing that blocks: kernels, copies from page-locked memory), is issued on this thread at
+        once (`issue`) instead of by the stream's worker: see there. Take its result with `join`.
 
         Raises (through the future): whatever `fn` or a dependency raised.
         """
         deps = tuple(deps)
-        if (issue_here and stream in DEVICE_STREAMS and self.accelerator.async_copies
+        if (issue_here and stream in DEVICE_STREAMS and self.accelerator.async_streams
                 and all(d.done() for d in deps)):
             return self.issue(stream, fn, deps, name, nbytes, layer, expert, after_event)
 
@@ -179,18 +179,19 @@ class Executor:
               layer: int | None = None, expert: int | None = None, after_event=None) -> Future:
         """Issue `fn()` on device stream `stream` from this thread, without waiting for the device: a
         done Future whose `.event` marks the work's end, which "launch" and device-stream tasks that
-        depend on it wait for on the device. `deps` must be done.
+        depend on it wait for on the device (`join` for this thread's own stream). Its result (a
+        kernel's output tensor) may still be computing until that event. `deps` must be done.
 
-        Why: the worker of the "copy" stream needs a core to issue its copy, and while this thread's
-        OpenMP team computes CPU experts it has none. On the H100's 16-core host (2026-11-26) a layer's
-        H2D copy beside a CPU expert started up to 3.6 ms late. Issued here, before the CPU work, a
-        copy costs this thread microseconds and the link starts at once. Traced, the worker still waits
-        for the event and records the span from issue to the copy's end.
+        Why: a stream's worker needs a core to issue its work, and while this thread's OpenMP team
+        computes CPU experts or a CC slice it has none. On the H100's 16-core host (2026-11-26) a
+        layer's H2D copy beside a CPU expert started up to 3.6 ms late. Issued here, before the CPU
+        work, a copy or a GEMM costs this thread microseconds and the device starts at once. Traced,
+        the worker still waits for the event and records the span from issue to the work's end.
 
-        The event is a blocking one: a device-stream task that depends on the copy (a sliced FFN's CG
-        GEMM on the compute stream) sleeps on it before issuing its kernels, as it slept on the copy
-        worker's future before, instead of spinning in its stream's synchronize for the whole copy
-        (a core taken from the CPU's OpenMP team)."""
+        The event is a blocking one: a device-stream task that depends on the work (a sliced FFN's
+        CG GEMM issued by the compute worker after a copy issued here) sleeps on it before issuing
+        its kernels, as it slept on the copy worker's future before, instead of spinning in its
+        stream's synchronize for the whole copy (a core taken from the CPU's OpenMP team)."""
         start = time.perf_counter()
         done: Future = Future()
         done.event, done.issued = None, True  # type: ignore[attr-defined]
@@ -214,6 +215,15 @@ class Executor:
                                                   nbytes, layer, expert))
             self._pools[stream].submit(landed)
         return done
+
+    def join(self, fut: Future) -> Any:
+        """`fut`'s result for work on the calling thread's current stream: where `fut` was issued here
+        (`issue`: its result may still be computing on a device stream) the current stream first waits
+        for its event, on the device; a worker's device task has finished on its stream already."""
+        out = fut.result()
+        if getattr(fut, "issued", False):
+            self.accelerator.wait_event(fut.event)
+        return out
 
     def _disk_id(self) -> int:
         ident = threading.get_ident()

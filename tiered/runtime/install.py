@@ -64,7 +64,7 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
         from tiered.runtime.moe_runner import TieredExperts
         rt.experts = TieredExperts(placed, executor, plan.latency_model(), accelerator, plan.dispatch_mode,
                                    read_ahead=plan.read_ahead, group_layers=plan.native_decode,
-                                   copy_issue=plan.copy_issue)
+                                   device_issue=plan.device_issue)
         for block in moe_blocks(model):
             block.runner = rt.experts
         if plan.prefetch:
@@ -75,7 +75,7 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
     if sliced:
         from tiered.runtime.sliced import install_sliced_mlps
         rt.sliced = install_sliced_mlps(model, sliced, accelerator, executor, n_g=n_g or 0, weights=sliced_weights,
-                                        host_budget=host_budget, copy_issue=plan.copy_issue)
+                                        host_budget=host_budget, device_issue=plan.device_issue)
     if plan.fused_projections and accelerator is not None:
         fuse_projections(model, trim=accelerator.trim)
     if (plan.decode_graphs or plan.piecewise_graphs) and accelerator is not None and not trace:

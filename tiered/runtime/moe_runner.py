@@ -88,7 +88,7 @@ class TieredExperts:
         read_ahead: issue all of a layer's expert reads at once.
         group_layers: the plan's native_decode: without an accelerator, a layer whose experts are
             all in RAM computes them in one native call (_all_on_fast).
-        copy_issue: the plan's Plan.copy_issue: "thread" issues a miss's H2D copy from page-locked
+        device_issue: the plan's Plan.device_issue: "thread" issues a miss's H2D copy from page-locked
             memory on the layer's own thread before its CPU experts run (Executor.issue), where
             nothing it waits for is pending; "worker" leaves every copy to the copy stream's worker.
     Attributes:
@@ -101,9 +101,9 @@ class TieredExperts:
 
     def __init__(self, placed: PlacedExperts, executor: Executor, latency: LatencyModel | None, accelerator,
                  dispatch_mode: str = "balanced", read_ahead: bool = True, group_layers: bool = False,
-                 copy_issue: str = "thread") -> None:
+                 device_issue: str = "thread") -> None:
         self.store, self.cache = placed.store, placed.cache
-        self.copy_issue = copy_issue
+        self.device_issue = device_issue
         self.fast_staging, self.host_staging = placed.fast_staging, placed.host_staging
         self.executor, self.latency, self.accelerator = executor, latency, accelerator
         self.dispatch_mode, self.read_ahead = dispatch_mode, read_ahead
@@ -431,10 +431,10 @@ class TieredExperts:
         return fut
 
     def _issuable(self, sources) -> bool:
-        """Whether an H2D copy of host tensors `sources` may be issued on this thread (copy_issue
+        """Whether an H2D copy of host tensors `sources` may be issued on this thread (device_issue
         "thread", asynchronous copies, every source page-locked): Executor.submit's issue_here."""
         acc = self.accelerator
-        return self.copy_issue == "thread" and acc.async_copies and all(acc.page_locked(t) for t in sources)
+        return self.device_issue == "thread" and acc.async_streams and all(acc.page_locked(t) for t in sources)
 
     def _splittable(self, key, side: _Side) -> bool:
         """A miss can be SPLIT: dense weights in CPU RAM (not on disk), an accelerator, one precision."""

@@ -79,14 +79,15 @@ class SlicedMLP(nn.Module):
         staging: shared SliceStaging (None = this layer allocates its own).
         host_budget: MemoryBudget the CPU-side parts (CC and CG) are reserved against (None = not counted).
     Attributes:
-        copy_issue: Plan.copy_issue: "thread" issues the CG / CG' copies from the forward's own thread
-            where the slices are page-locked (`_copy`), "worker" on the copy stream's worker.
+        device_issue: Plan.device_issue: "thread" issues the CG / CG' copies (where the slices are
+            page-locked, `_copy`) and the GG / CG / CG' GEMMs from the forward's own thread, before its
+            CC slice takes every core (Executor.issue); "worker" leaves them to the streams' workers.
     Forward: x [..., D] on the accelerator -> [..., D].
     Raises:
         BudgetError: the accelerator or host budget cannot hold the parts.
     """
 
-    copy_issue = "thread"
+    device_issue = "thread"
 
     def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, r_cc: float, r_cg: float,
                  accelerator, executor: Executor, n_g: int | Callable[[int], int] = 0,
@@ -117,14 +118,14 @@ class SlicedMLP(nn.Module):
 
     def _copy(self, dst, src, name: str):
         """H2D copy of the slices `src` into the staging views `dst` on the copy stream; issued from this
-        thread (Executor.issue) where copy_issue is "thread" and the slices are page-locked, so the link
+        thread (Executor.issue) where device_issue is "thread" and the slices are page-locked, so the link
         starts before this thread's CC slice takes every core."""
         def run():
             for d, s in zip(dst, src):
                 self.accelerator.copy_to_device(d, s)
         nbytes = sum(s.numel() * s.element_size() for s in src)
         acc = self.accelerator
-        here = self.copy_issue == "thread" and acc.async_copies and all(acc.page_locked(s) for s in src)
+        here = self.device_issue == "thread" and acc.async_streams and all(acc.page_locked(s) for s in src)
         return self.executor.submit("copy", run, name=name, nbytes=nbytes, issue_here=here)
 
     def _cc_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,21 +154,23 @@ class SlicedMLP(nn.Module):
         n_g = self.tokens_on_gpu(T)
         ex, acc = self.executor, self.accelerator
         ready = acc.record_event()  # device streams wait for x on the device, the host does not
+        here = self.device_issue == "thread"  # GEMMs issued by this thread where they can be (Executor.issue)
         futures = []
         if self.f_gg:
-            futures.append(ex.submit("compute", lambda: expert_forward(x2, *self.gg), name="GG", after_event=ready))
+            futures.append(ex.submit("compute", lambda: expert_forward(x2, *self.gg), name="GG", after_event=ready,
+                                     issue_here=here))
         if self.f_cg:
             cg = self._cg_stage
             copy = self._copy(cg, self.cg, "H2D CG")
             futures.append(ex.submit("compute", lambda: expert_forward(x2, *cg), deps=[copy], name="CG",
-                                     after_event=ready))
+                                     after_event=ready, issue_here=here))
         cc_rows = T - n_g
         cgp_fut = None
         if n_g:
             cc = self._cc_stage
             copy = self._copy(cc, self.cc, "H2D CG'")
             cgp_fut = ex.submit("compute", lambda: expert_forward(x2[cc_rows:], *cc), deps=[copy], name="CG'",
-                                after_event=ready)
+                                after_event=ready, issue_here=here)
         y_cc = None
         if self.f_cc and cc_rows:  # CC on the CPU: on this thread (inline stream), while the streams work
             x_host = acc.to_host(x2[:cc_rows])
@@ -175,21 +178,21 @@ class SlicedMLP(nn.Module):
         # the parts' sum, in place in the first part's (fresh) output: no zeros_like and one add fewer
         y = None
         for f in futures:
-            part = f.result()
+            part = ex.join(f)
             y = part if y is None else y.add_(part)
         if y is None:
             y = torch.zeros_like(x2)
         if y_cc is not None:
             y[:cc_rows] += acc.to_device(y_cc)
         if cgp_fut is not None:
-            y[cc_rows:] += cgp_fut.result()
+            y[cc_rows:] += ex.join(cgp_fut)
         return y.reshape(shape)
 
 
 def install_sliced_mlps(model: nn.Module, rates: Sequence[tuple[float, float]] | Mapping[int, tuple[float, float]],
                         accelerator, executor: Executor, n_g: int | Callable[[int, int], int] = 0,
                         weights: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
-                        host_budget=None, copy_issue: str = "thread") -> list[SlicedMLP]:
+                        host_budget=None, device_issue: str = "thread") -> list[SlicedMLP]:
     """Replace dense layers' `mlp` by SlicedMLPs sharing one SliceStaging. Returns them in layer order.
 
     Args:
@@ -198,7 +201,7 @@ def install_sliced_mlps(model: nn.Module, rates: Sequence[tuple[float, float]] |
         weights: weights(layer) -> (gate [F, D], up [F, D], down [D, F]) on the CPU; default: the
             layer's dense MLP weights (which must then be materialized).
         host_budget: MemoryBudget the CPU-side slices are reserved against.
-        copy_issue: Plan.copy_issue (SlicedMLP.copy_issue).
+        device_issue: Plan.device_issue (SlicedMLP.device_issue).
     Raises:
         BudgetError: the accelerator (GG parts and staging) or the host budget is too small.
     """
@@ -225,7 +228,7 @@ def install_sliced_mlps(model: nn.Module, rates: Sequence[tuple[float, float]] |
         w_gate, w_up, w_down = weights(i)
         sliced = SlicedMLP(w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype), *todo[i], accelerator, executor,
                            per_layer, staging, host_budget)
-        sliced.copy_issue = copy_issue
+        sliced.device_issue = device_issue
         layers[i].mlp = sliced
         out.append(sliced)
     return out

@@ -1,9 +1,10 @@
-"""H2D copies issued by the thread that needs them (Executor.issue, Plan.copy_issue), on the stand-in made
-to report asynchronous copies from page-locked memory as CUDA does."""
+"""Device work issued by the thread that needs it (Executor.issue, Plan.device_issue), on the stand-in made
+to report asynchronous streams and page-locked memory as CUDA does."""
 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,18 +19,25 @@ from tiered.runtime.sliced import SlicedMLP
 
 
 class AsyncStandin(HostAccelerator):
-    """The stand-in as a CUDA device looks to the executor: copies from page-locked memory (here: every
-    host tensor) issue asynchronously, and events mark work. Records which thread issued each H2D copy
-    and which events the current stream waited for."""
+    """The stand-in as a CUDA device looks to the executor: kernels and copies from page-locked memory
+    (here: every host tensor) issue asynchronously, and events mark work. Records which thread issued
+    each H2D copy and entered each stream, and which events the current stream waited for."""
 
-    async_copies = True
+    async_streams = True
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
         self.copy_threads: list[int] = []
+        self.stream_threads: list[tuple[str, int]] = []
         self.waited: list = []
         self.host_waited: list = []
         self.recorded = 0
+
+    @contextmanager
+    def stream(self, name: str, wait: bool = True):
+        self.stream_threads.append((name, threading.get_ident()))
+        with super().stream(name, wait):
+            yield
 
     def page_locked(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu"
@@ -93,14 +101,14 @@ def test_a_copy_waiting_on_pending_work_or_not_asked_goes_to_the_worker():
         ex.submit("copy", lambda: acc.copy_to_device(dst, src)).result()
         assert len(acc.copy_threads) == 2 and threading.get_ident() not in acc.copy_threads
         plain = Executor(HostAccelerator(capacity=2**20))  # copies that block: never issued here
-        assert not plain.accelerator.async_copies
+        assert not plain.accelerator.async_streams
         plain.close()
     finally:
         ex.close()
 
 
-@pytest.mark.parametrize("copy_issue", ["thread", "worker"])
-def test_sliced_copies_are_issued_by_the_forward_thread_where_the_plan_says(copy_issue):
+@pytest.mark.parametrize("device_issue", ["thread", "worker"])
+def test_sliced_copies_and_gemms_are_issued_by_the_forward_thread_where_the_plan_says(device_issue):
     torch.manual_seed(0)
     D, F = 32, 80
     w = (torch.randn(F, D), torch.randn(F, D), torch.randn(D, F))
@@ -108,44 +116,49 @@ def test_sliced_copies_are_issued_by_the_forward_thread_where_the_plan_says(copy
     ex = Executor(acc, inline=("cpu",))
     try:
         m = SlicedMLP(*w, 0.4, 0.3, acc, ex, n_g=2)
-        m.copy_issue = copy_issue
+        m.device_issue = device_issue
         x = torch.randn(6, D)
         acc.copy_threads.clear()
+        acc.stream_threads.clear()
         y = acc.to_host(m(acc.to_device(x)))
         here = [t == threading.get_ident() for t in acc.copy_threads]
-        assert here and all(here) if copy_issue == "thread" else not any(here)
+        assert here and all(here) if device_issue == "thread" else not any(here)
+        gemms = [t == threading.get_ident() for name, t in acc.stream_threads if name == "compute"]
+        assert len(gemms) == 3 and (all(gemms) if device_issue == "thread" else not any(gemms))  # GG, CG, CG'
+        if device_issue == "thread":  # the sum waits for each GEMM's event on the device
+            assert len(acc.waited) >= 3
         assert torch.allclose(y, expert_forward(x, *w), rtol=1e-4, atol=1e-4)
     finally:
         ex.close()
 
 
-@pytest.mark.parametrize("copy_issue", ["auto", "worker"])
-def test_moe_misses_are_copied_from_the_layer_thread_before_its_cpu_experts(rt, monkeypatch, copy_issue):
+@pytest.mark.parametrize("device_issue", ["auto", "worker"])
+def test_moe_misses_are_copied_from_the_layer_thread_before_its_cpu_experts(rt, monkeypatch, device_issue):
     """Every miss copied, then every miss split by rows (the CPU's rows computed on the layer's thread
     beside the copy of the rest): the engine issues each copy from the thread that runs the layer
-    (copy_issue "auto") or leaves it to the worker ("worker"); the tokens are the reference's either way."""
+    (device_issue "auto") or leaves it to the worker ("worker"); the tokens are the reference's either way."""
     import tiered.hardware.accelerator as accel
 
     monkeypatch.setattr(accel, "HostAccelerator", AsyncStandin)
     s = rt.sizes("mixtral")
     for path in ("copy", "split"):
         llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2),
-                                                   cpu_memory="64MiB", force_expert_path=path, copy_issue=copy_issue))
+                                                   cpu_memory="64MiB", force_expert_path=path, device_issue=device_issue))
         try:
             assert isinstance(llm.accelerator, AsyncStandin)
-            assert llm.plan.copy_issue == ("worker" if copy_issue == "worker" else "thread")
+            assert llm.plan.device_issue == ("worker" if device_issue == "worker" else "thread")
             me = threading.get_ident()
             llm.accelerator.copy_threads.clear()
             assert llm.generate(prompt(), GREEDY)[0].token_ids == rt.reference("mixtral")[1]
             assert llm.experts.path_counts[path] > 0
             here = [t == me for t in llm.accelerator.copy_threads]
-            assert any(here) if copy_issue == "auto" else not any(here)
+            assert any(here) if device_issue == "auto" else not any(here)
         finally:
             llm.close()
 
 
 @pytest.mark.cuda
-def test_on_cuda_a_copy_issued_here_is_waited_for_on_the_device_by_the_launch_after_it():
+def test_on_cuda_a_device_issued_here_is_waited_for_on_the_device_by_the_launch_after_it():
     """A 256 MiB H2D copy issued by this thread returns before the link has moved it; the launch that
     depends on it reads it whole, because the current stream waits for the copy's event."""
     from tiered.hardware.cuda import CudaAccelerator
@@ -163,7 +176,32 @@ def test_on_cuda_a_copy_issued_here_is_waited_for_on_the_device_by_the_launch_af
         assert copy.done() and copy.event is not None
         total = ex.submit("launch", lambda: dst.sum(dtype=torch.float64), deps=[copy]).result()
         assert float(total) == float(src.double().sum())
+        # a GEMM-like kernel issued here on the compute stream after the copy, joined on this thread's stream
+        tripled = ex.join(ex.submit("compute", lambda: dst * 3, deps=[copy], issue_here=True))
+        assert float(tripled.sum(dtype=torch.float64)) == 3 * float(src.double().sum())
     finally:
         ex.close()
     spans = [e for e in ex.events if e.stream == "copy"]
     assert len(spans) == 1 and spans[0].end - spans[0].start > 0
+    assert [e.stream for e in ex.events].count("compute") == 1
+
+
+def test_a_sliced_model_whose_device_work_is_issued_here_matches_transformers(zoo, monkeypatch):
+    import tiered.hardware.accelerator as accel
+    from tiered import EngineConfig
+    from tiered.runtime.sliced import install_sliced_mlps
+
+    monkeypatch.setattr(accel, "HostAccelerator", AsyncStandin)
+    llm = LLM(zoo.dir("llama"), EngineConfig(decode_weights="fp32", accelerator="host"))
+    ids = list(range(2, 18))
+    with torch.no_grad():
+        ref = zoo.hf("llama")(torch.tensor([ids])).logits[0]
+    ex = Executor(llm.accelerator, inline=("cpu",))
+    try:
+        install_sliced_mlps(llm.model, [(0.5, 0.25), (0.2, 0.6)], llm.accelerator, ex, n_g=4, device_issue="thread")
+        llm.accelerator.stream_threads.clear()
+        out = llm.logits(ids)
+        assert any(name == "compute" and t == threading.get_ident() for name, t in llm.accelerator.stream_threads)
+    finally:
+        ex.close()
+    assert (out - ref).abs().max() / ref.abs().max() <= 1e-4
