@@ -271,9 +271,9 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
     """(n, seconds) per shape (T tokens, K in, N out): n = MACs, or weight bytes when by_bytes.
 
     CPU GEMVs (by_bytes) cycle over enough copies of the weight to exceed COLD_WEIGHT_BYTES (however
-    many that takes: 32 copies of a 512 x 512 int4 weight sat in a 32 MiB cache), so each call streams its weight from memory as a decode step does (a model's
-    weights do not fit in the cache); timing one small weight again and again would measure the
-    cache instead. `cold_bytes`: cycle over that many bytes instead, however many copies it takes
+    many that takes: 32 copies of a 512 x 512 int4 weight sat in a 32 MiB cache), so each call
+    streams its weight from memory as a decode step does (a model's weights do not fit in the
+    cache); timing one small weight again and again would measure the cache instead. `cold_bytes`: cycle over that many bytes instead, however many copies it takes
     (gemv_dram: beyond a last-level cache of hundreds of MiB), GEMMs too (gemm_big: a prompt's FFN
     matrices, which it meets once each).
     """

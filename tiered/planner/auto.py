@@ -75,12 +75,12 @@ def bandwidth_now(hw: HardwareProfile) -> HardwareProfile:
     against the profile's prediction for them: when both fall outside BANDWIDTH_TOLERANCE on the same
     side, the CPU's bandwidth-bound models are scaled by the reading nearer the profile
     (hardware/profile.scale_cpu_bandwidth: a faster memory moves only the DRAM floors), so that the
-    plan's choices and its predicted tokens/s are those of this minute's machine. A VM's bandwidth swings with its neighbours
-    (the 2-core EPYC: 25-50 GB/s within an hour), and decode at batch 1 moves with it: `make run`
-    decoded at 240 tok/s where a profile of a faster minute predicted 303. One reading alone is not
-    trusted: the same machine's read flapped between ~45 and ~80 GB/s from one minute to the next
-    (2026-11-26), and a single fast reading priced SmolLM2's decode 58% fast. TIERED_BANDWIDTH_CHECK=0
-    turns the check off.
+    plan's choices and its predicted tokens/s are those of this minute's machine. A VM's bandwidth
+    swings with its neighbours (the 2-core EPYC: 25-50 GB/s within an hour), and decode at batch 1
+    moves with it: `make run` decoded at 240 tok/s where a profile of a faster minute predicted 303.
+    One reading alone is not trusted: the same machine's read flapped between ~45 and ~80 GB/s from
+    one minute to the next (2026-11-26), and a single fast reading priced SmolLM2's decode 58% fast.
+    TIERED_BANDWIDTH_CHECK=0 turns the check off.
     """
     if os.environ.get("TIERED_BANDWIDTH_CHECK", "1") == "0" or hw.meta.get("cpu_bandwidth_ratio") is not None:
         return hw
