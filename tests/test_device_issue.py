@@ -205,3 +205,46 @@ def test_a_sliced_model_whose_device_work_is_issued_here_matches_transformers(zo
     finally:
         ex.close()
     assert (out - ref).abs().max() / ref.abs().max() <= 1e-4
+
+
+def test_copies_of_experts_read_from_disk_stay_with_the_worker(rt, monkeypatch, tmp_path):
+    """An expert read from disk into a host staging buffer is copied by the worker, which waits for the
+    copy to land before the expert's launch runs: the buffer goes to the next disk read once that launch
+    has run, and a copy issued here would still be reading it. Experts in RAM are issued here."""
+    import tiered.hardware.accelerator as accel
+    from tiered.planner.placement import DISK
+    from tiered.runtime.executor import Executor as Ex
+
+    monkeypatch.setattr(accel, "HostAccelerator", AsyncStandin)
+    issued = []
+    real = Ex.issue
+
+    def spy(self, stream, fn, deps=(), name="", *a, **kw):
+        issued.append((stream, name))
+        return real(self, stream, fn, deps, name, *a, **kw)
+    monkeypatch.setattr(Ex, "issue", spy)
+    from concurrent.futures import Future
+
+    import tiered.runtime.moe_runner as mr
+
+    def read_now(self, key, into, deps, side):  # the read done before its copy is submitted, as a fast disk may
+        for d in deps:
+            d.result()
+        side.store.read(key, into)
+        done = Future()
+        done.set_result(None)
+        return done
+    monkeypatch.setattr(mr.TieredExperts, "_read", read_now)
+    s = rt.sizes("mixtral")
+    llm = LLM(rt.dir("mixtral"), engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2),
+                                               cpu_memory=s.cpu(experts=s.total_experts // 2),
+                                               offload_dir=str(tmp_path), force_expert_path="copy"))
+    try:
+        store = llm.experts.store
+        on_disk = {f"h2d L{l}E{e}" for (l, e) in store.placement.tiers if store.tier((l, e)) == DISK}
+        assert on_disk
+        assert llm.generate(prompt(), GREEDY)[0].token_ids == rt.reference("mixtral")[1]
+        names = {n for stream, n in issued if stream == "copy"}
+        assert names and not names & on_disk
+    finally:
+        llm.close()

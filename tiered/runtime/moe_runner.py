@@ -420,7 +420,7 @@ class TieredExperts:
             copy = ex.submit("copy", lambda: [self.accelerator.copy_to_device(d, s) for d, s in zip(slot, host_w)],
                              deps=deps + ([dep] if dep else []), name=f"h2d L{layer}E{e}",
                              nbytes=store.expert_bytes, layer=layer, expert=e, after_event=ready,
-                             issue_here=self._issuable(host_w))
+                             issue_here=not on_disk and self._issuable(host_w))
             self.bytes_h2d += store.expert_bytes
             fut = ex.submit("launch", lambda: fmt.forward(x[tok], slot), deps=[copy],
                             name=f"expert L{layer}E{e}", layer=layer, expert=e)
@@ -432,7 +432,10 @@ class TieredExperts:
 
     def _issuable(self, sources) -> bool:
         """Whether an H2D copy of host tensors `sources` may be issued on this thread (device_issue
-        "thread", asynchronous copies, every source page-locked): Executor.submit's issue_here."""
+        "thread", asynchronous copies, every source page-locked): Executor.submit's issue_here. Only
+        for sources nothing overwrites (an expert's home copy in RAM): a host staging buffer that a disk
+        read filled is handed to the next read once the expert's launch has run, which an issued copy
+        does not wait for (the copy worker's does)."""
         acc = self.accelerator
         return self.device_issue == "thread" and acc.async_streams and all(acc.page_locked(t) for t in sources)
 
