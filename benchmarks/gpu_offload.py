@@ -80,6 +80,7 @@ class Setup:
     smoke: bool
     workspace: int = 0        # of gpu_memory, the activation room tiered's plan keeps (smoke: not given to accelerate)
     expert_profile: Path | None = None  # MoE: `tiered profile-experts`' JSON for the plan_auto_profiled row
+    bandwidth: str = "off"    # what --bandwidth-check found (checked_profile)
 
 
 @dataclass(frozen=True)
@@ -354,12 +355,31 @@ def report(name: str, out_dir: Path, setups: list[Setup], rows: list[dict], mach
     settings = {"shapes": [s.shape_name for s in setups], "gpu_memory_bytes": {s.shape_name: s.gpu_memory for s in setups},
                 "accelerator": s0.accelerator, "link_bandwidth": s0.link_bandwidth, "ttft_tokens": s0.ttft_tokens,
                 "decode_prompt_tokens": s0.decode_prompt_tokens, "new_tokens": s0.new_tokens, "repeats": s0.repeats,
-                "profile": s0.profile, "smoke": s0.smoke, "dtype": "bfloat16",
+                "profile": s0.profile, "bandwidth_check": s0.bandwidth, "smoke": s0.smoke, "dtype": "bfloat16",
                 "routing": {s.shape_name: s.shape.routing for s in setups if s.shape.is_moe},
                 "torch_threads": torch.get_num_threads()}
     extra = {"model_shapes": {s.shape_name: vars(s.shape) for s in setups}, "targets": checks}
     return write_report(name, out_dir, title="GPU offloading at real layer width" + (" (smoke)" if s0.smoke else ""),
                         settings=settings, rows=rows, body="\n\n".join(parts), notes=notes, machine=machine, extra=extra)
+
+
+def checked_profile(profile: str, dest: Path) -> tuple[str, str]:
+    """(the profile to plan with, what the check found) for --bandwidth-check: `profile` (a JSON path or
+    a preset) scaled to the CPU memory's speed now by planner/auto.bandwidth_now, as an engine scales its
+    own cached profile, and saved to `dest` (for the replays) where it was scaled; else `profile` as is.
+    On the H100 host two quick profiles of the same machine kind read the bf16 decode kernel from DRAM at
+    69.4 and 101.7 GB/s (2026-11-26), and every miss on the CPU decoded at 31.1 tok/s where the faster
+    one priced 39.9."""
+    from tiered.planner.auto import bandwidth_now, engine_profile
+
+    hw = engine_profile(profile)
+    now = bandwidth_now(hw)
+    if now is hw:
+        return profile, "within 15% of the profile (or not checked: TIERED_BANDWIDTH_CHECK=0, no DRAM key)"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    now.save(dest)
+    ratio = now.meta["cpu_bandwidth_ratio"]
+    return str(dest), f"memory {1 / ratio:.2f}x the profile's speed: planned with {dest.name}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the host stand-in: no GPU needed, < 1 min")
     ap.add_argument("--routing", choices=ROUTINGS, default="skewed",
                     help="the MoE dummy weights' routing (default skewed: the runs before 2026-11-26 all were)")
+    ap.add_argument("--bandwidth-check", action="store_true",
+                    help="plan with --profile scaled to this minute's CPU memory speed (planner/auto.bandwidth_now), "
+                         "as an engine plans with its own cached profile; the scaled profile is saved beside the report")
     a = ap.parse_args(argv)
     threads = a.threads or (1 if a.smoke else None)
     if threads:
@@ -398,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     if order is not None and set(order) - set(ROW_IDS):
         ap.error(f"unknown rows {sorted(set(order) - set(ROW_IDS))}; pick from {', '.join(ROW_IDS)}")
     repeats = a.repeats or (1 if a.smoke else 3)
+    profile, bandwidth = a.profile, "off"
+    if a.bandwidth_check and a.profile:
+        profile, bandwidth = checked_profile(a.profile, out_dir / f"{name}_profile.json")
     setups = []
     for sn in shapes:
         real, budget = SHAPES[sn]
@@ -406,11 +432,12 @@ def main(argv: list[str] | None = None) -> int:
             shape = replace(SMOKE_SHAPES[sn], routing=real.routing)
             setups.append(Setup(sn, shape, smoke_budget(shape, kv_bytes(shape, 128), real, budget), "host", SMOKE_LINK,
                                 ttft_tokens=64, decode_prompt_tokens=16, new_tokens=8, repeats=repeats,
-                                profile=a.profile, trace_dir=trace_dir, smoke=True,
+                                profile=profile, trace_dir=trace_dir, smoke=True, bandwidth=bandwidth,
                                 workspace=smoke_workspace(shape)))
         else:
             setups.append(Setup(sn, real, budget, "cuda", None, ttft_tokens=512, decode_prompt_tokens=32,
-                                new_tokens=32, repeats=repeats, profile=a.profile, trace_dir=trace_dir, smoke=False))
+                                new_tokens=32, repeats=repeats, profile=profile, trace_dir=trace_dir, smoke=False,
+                                bandwidth=bandwidth))
     machine = machine_info()
     rows: list[dict] = []
     json_path = md_path = None

@@ -76,6 +76,10 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', to
 # stage measures this machine's
 prof=${GPU_PROFILE:-benchmarks/reference/h100-2026-11-26/profile_quick.json}
 [ -z "$smoke" ] || prof=  # the stand-in's tiny shapes: the profile of this machine
+# the benchmarks plan with that profile scaled to this minute's CPU memory speed, as an engine does with its own
+# (gpu_offload --bandwidth-check: the scaled profile is saved beside each report); GPU_BANDWIDTH_CHECK=0: as given
+check=--bandwidth-check
+[ "${GPU_BANDWIDTH_CHECK:-1}" = 1 ] || check=
 
 pack() { tar czf "$out/gpu_results.tgz" -C "$res" . 2>/dev/null; }
 # run CAP NAME CMD...: the command under `timeout min(CAP, time left - 10 s)`, its output in res/NAME.log
@@ -93,7 +97,7 @@ run() {
 bench() {  # bench SHAPE CAP [extra args]
   local shape=$1 cap=$2; shift 2
   local rows=plan_auto,plan_auto_eager,plan_auto_cuda_pinned,plan_auto_profiled,plan_off,forced_copy,forced_cpu,forced_split,no_gpu,unconstrained,unconstrained_eager,hf_all_gpu
-  run "$cap" "gpu_offload_$shape" $PY benchmarks/gpu_offload.py $smoke --shape "$shape" --repeats 1 --rows "$rows" \
+  run "$cap" "gpu_offload_$shape" $PY benchmarks/gpu_offload.py $smoke $check --shape "$shape" --repeats 1 --rows "$rows" \
     --out "$res" ${prof:+--profile "$prof"} "$@"
 }
 xdist=""
@@ -122,40 +126,40 @@ for stage in "${stages[@]}"; do
     fullprofile) run 540 profile_full $PY -m tiered.cli profile --out "$res/profile_full.json" ;;
     pinned) mkdir -p "$res/pinned"
             for shape in dense moe; do
-              run 150 "pinned_$shape" $PY benchmarks/gpu_offload.py $smoke --shape "$shape" --repeats 3 \
+              run 150 "pinned_$shape" $PY benchmarks/gpu_offload.py $smoke $check --shape "$shape" --repeats 3 \
                 --rows plan_auto,plan_auto_cuda_pinned,plan_auto_huge_pinned,no_gpu --out "$res/pinned" \
                 --name "pinned_$shape" ${prof:+--profile "$prof"}
             done ;;
     moe) bench moe 240 ;;
     dense) bench dense 150 ;;
     moe_uniform) mkdir -p "$res/uniform"
-            run 300 gpu_offload_moe_uniform $PY benchmarks/gpu_offload.py $smoke --shape moe --routing uniform --repeats 3 \
+            run 300 gpu_offload_moe_uniform $PY benchmarks/gpu_offload.py $smoke $check --shape moe --routing uniform --repeats 3 \
               --rows plan_auto,plan_off,forced_copy,forced_cpu --out "$res/uniform" --name gpu_offload_moe_uniform \
               ${prof:+--profile "$prof"} ;;
     threads) mkdir -p "$res/uniform"
-            run 200 gpu_offload_moe_uniform_t15 $PY benchmarks/gpu_offload.py $smoke --shape moe --routing uniform \
+            run 200 gpu_offload_moe_uniform_t15 $PY benchmarks/gpu_offload.py $smoke $check --shape moe --routing uniform \
               --repeats 3 --threads $(( $(nproc) > 2 ? $(nproc) - 1 : 1 )) --rows plan_auto,forced_cpu,plan_off \
               --out "$res/uniform" --name gpu_offload_moe_uniform_t15 ${prof:+--profile "$prof"} ;;
     issue) mkdir -p "$res/issue"  # device work issued by the thread that needs it (default) against by the workers
             for shape in moe dense; do
-              run 200 "issue_$shape" $PY benchmarks/gpu_offload.py $smoke --shape "$shape" --routing uniform --repeats 3 \
+              run 200 "issue_$shape" $PY benchmarks/gpu_offload.py $smoke $check --shape "$shape" --routing uniform --repeats 3 \
                 --rows plan_auto,plan_auto_worker_issue --out "$res/issue" --name "issue_$shape" ${prof:+--profile "$prof"}
             done ;;
     moe_ab) mkdir -p "$res/ab"
-            run 240 gpu_offload_moe_ab $PY benchmarks/gpu_offload.py $smoke --shape moe --repeats 3 --rows plan_off,plan_auto \
+            run 240 gpu_offload_moe_ab $PY benchmarks/gpu_offload.py $smoke $check --shape moe --repeats 3 --rows plan_off,plan_auto \
               --out "$res/ab" --name gpu_offload_moe_ab ${prof:+--profile "$prof"} ;;
     graphs) mkdir -p "$res/graphs"
             run 150 pytest_graphs $PY -m pytest -q -p no:cacheprovider -m cuda -rfEs tests/test_piecewise_graphs.py \
               tests/test_grouped_experts.py tests/test_graphs.py tests/test_split_dispatch.py
             for shape in moe dense; do
-              run 150 "graphs_$shape" $PY benchmarks/gpu_offload.py $smoke --shape "$shape" --repeats 1 \
+              run 150 "graphs_$shape" $PY benchmarks/gpu_offload.py $smoke $check --shape "$shape" --repeats 1 \
                 --rows plan_auto,plan_auto_eager,plan_auto_cuda_pinned,unconstrained,unconstrained_eager --out "$res/graphs" \
                 --name "graphs_$shape" ${prof:+--profile "$prof"}
             done ;;
     trace) mkdir -p "$res/traces"
-           run 120 trace_moe $PY benchmarks/gpu_offload.py $smoke --shape moe --repeats 1 --rows plan_auto \
+           run 120 trace_moe $PY benchmarks/gpu_offload.py $smoke $check --shape moe --repeats 1 --rows plan_auto \
              --out "$res/traces" --name trace_moe ${prof:+--profile "$prof"} --trace-dir "$res/traces"
-           run 90 trace_dense $PY benchmarks/gpu_offload.py $smoke --shape dense --repeats 1 --rows plan_auto \
+           run 90 trace_dense $PY benchmarks/gpu_offload.py $smoke $check --shape dense --repeats 1 --rows plan_auto \
              --out "$res/traces" --name trace_dense ${prof:+--profile "$prof"} --trace-dir "$res/traces" ;;
     *) echo "unknown stage $stage" >&2 ;;
   esac

@@ -158,3 +158,23 @@ def test_the_report_checks_issue_8s_targets(report):
     doc, md = report
     assert set(doc["targets"]) == {"moe", "dense"} and "Issue 8's targets, moe" in md
     assert {c["check"] for c in doc["targets"]["dense"]} >= {"default plan decode tok/s", "default plan TTFT s"}
+
+
+def test_the_bandwidth_check_plans_with_the_scaled_profile_and_saves_it(tmp_path, monkeypatch):
+    """--bandwidth-check: the given profile scaled as the engine scales its own (bandwidth_now), saved beside
+    the report for the replays; unscaled, the profile as given."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_offload import checked_profile
+    from tiered.hardware.presets import get_preset
+    from tiered.hardware.profile import scale_cpu_bandwidth
+    from tiered.planner import auto
+
+    src = tmp_path / "hw.json"
+    get_preset("scheinfer-a").save(src)
+    monkeypatch.setattr(auto, "bandwidth_now", lambda hw: scale_cpu_bandwidth(hw, 1.4))
+    path, what = checked_profile(str(src), tmp_path / "out" / "run_profile.json")
+    assert path == str(tmp_path / "out" / "run_profile.json") and "0.71x" in what
+    from tiered.hardware.profile import HardwareProfile
+    assert HardwareProfile.load(path).meta["cpu_bandwidth_ratio"] == 1.4
+    monkeypatch.setattr(auto, "bandwidth_now", lambda hw: hw)
+    assert checked_profile(str(src), tmp_path / "again.json")[0] == str(src) and not (tmp_path / "again.json").exists()
