@@ -196,6 +196,48 @@ def test_cpu_moe_prefill_prices_experts_in_the_activations_dtype():
     assert by_copies - by_acts == pytest.approx(experts * 5e-11, rel=1e-6)
 
 
+def test_torch_gemms_of_few_rows_pay_the_profiled_small_row_gemm():
+    """gemm_rows/cpu/bf16 (torch's GEMM at 8 rows over cold weights) floors a torch GEMM: its time for the
+    weights plus the rows past 8 at the GEMM slope. On 2 Zen 4 cores a 3584 x 1024 bf16 weight took 321 /
+    713 us at 8 / 64 rows, where max(compute, stream) priced 155 / 508. Without the key, gemm_time."""
+    from tiered.hardware import op_time
+    from tiered.planner.cpu_predict import GEMM_ROWS, torch_gemm_time
+
+    m = {"gemm/cpu/bf16": LinearModel(0.0, 1e-12, 1.0), "gemv/cpu/bf16": LinearModel(0.0, 1 / 45e9, 1.0)}
+    plain = HardwareProfile("cpu-box", "test", m, None, None)
+    rows_key = LinearModel(2e-6, 2 / 45e9, 1.0)  # two streams of the weight a call
+    hw = HardwareProfile("cpu-box", "test", {**m, "gemm_rows/cpu/bf16": rows_key}, None, None)
+    n, k = 3584, 1024
+    w = n * k * 2
+    for rows in (1, GEMM_ROWS, 64, 512):
+        macs = rows * n * k
+        old = op_time.gemm_time(plain, "cpu", "bf16", macs, w)
+        assert torch_gemm_time(plain, "bf16", macs, w) == old
+        want = rows_key(w) + max(0, rows - GEMM_ROWS) * n * k * 1e-12
+        assert torch_gemm_time(hw, "bf16", macs, w) == pytest.approx(max(old, want))
+    assert torch_gemm_time(hw, "bf16", 64 * n * k, w) > 1.3 * op_time.gemm_time(hw, "cpu", "bf16", 64 * n * k, w)
+    assert torch_gemm_time(hw, "bf16", 3 * 16 * n * k, 3 * w, calls=3) == pytest.approx(
+        3 * torch_gemm_time(hw, "bf16", 16 * n * k, w))
+
+
+def test_cpu_moe_prefill_prices_bf16_experts_past_their_native_rows_as_torch_gemms():
+    """A CPU MoE prefill's bf16 experts run tiered's native kernel up to the machine's tuned rows and
+    torch's GEMMs past them (quant/experts.bf16_native_rows, recorded in the profile's kernel tuning):
+    only the latter pay the small-row GEMM key. Quantized experts keep their kernels' price."""
+    from tiered.planner.cpu_predict import expert_native_rows, predict_prefill
+
+    m = {"gemm/cpu/bf16": LinearModel(0.0, 1e-12, 1.0), "gemv/cpu/bf16": LinearModel(0.0, 1 / 45e9, 1.0)}
+    meta = {"native_kernels": True, "kernel_tuning": {"bf16_native_rows": 4}}
+    plain = HardwareProfile("cpu-box", "test", m, None, None, meta=meta)
+    hw = HardwareProfile("cpu-box", "test", {**m, "gemm_rows/cpu/bf16": LinearModel(0.0, 3 / 45e9, 1.0)}, None, None,
+                         meta=meta)
+    assert expert_native_rows(hw, "bf16") == 4 and expert_native_rows(hw, "int4") > 4096
+    # 8 tokens top-2 of 8: 2 rows an expert (native), 8 rows a projection (decode copies); 64 tokens: 16 rows (torch)
+    assert predict_prefill(MIXTRAL, hw, "bf16", 8) == predict_prefill(MIXTRAL, plain, "bf16", 8)
+    assert predict_prefill(MIXTRAL, hw, "bf16", 64) > 1.3 * predict_prefill(MIXTRAL, plain, "bf16", 64)
+    assert predict_prefill(MIXTRAL, hw, "bf16", 64, experts_format="int4") < predict_prefill(MIXTRAL, hw, "bf16", 64)
+
+
 def test_parallel_reads_make_read_ahead_faster():
     from tiered.planner.cpu_predict import HitStats, predict_decode
 

@@ -486,3 +486,26 @@ def test_a_decode_gemv_beyond_the_cache_streams_at_the_kernels_own_dram_rate():
     assert op_time.memory_time(kernel, "cpu", "bf16", n, working_set=2 * llc) == pytest.approx(n / 80e9)
     assert op_time.memory_time(kernel, "cpu", "bf16", n, working_set=llc / 2) == pytest.approx(n / 216e9)
     assert op_time.dram_floor(kernel, "cpu", 2 * llc) == pytest.approx(1 / 98e9)  # plain reads, no dtype
+
+
+def test_the_small_row_gemm_key_times_torch_over_cold_copies(monkeypatch):
+    """gemm_rows/cpu/<dtype>: torch's GEMM of GEMM_ROWS rows, n = weight bytes, over as many copies of the
+    weight as fill `cold_bytes` (each called in turn)."""
+    from tiered.hardware import profiler
+
+    made, seen = [], []
+    real = profiler._linear_kernel
+
+    def kernel(device, dtype, w, gemv=False):
+        fn, xdtype, bpe = real(device, dtype, w, gemv)
+        made.append(gemv)
+
+        def call(x, fn=fn, i=len(made) - 1):
+            seen.append((i, x.shape[0]))
+            return fn(x)
+        return call, xdtype, bpe
+    monkeypatch.setattr(profiler, "_linear_kernel", kernel)
+    weight = 64 * 32 * 2  # bytes of one bf16 [64, 32] weight
+    (n, t), = profiler._gemm_rows_points("bf16", [(64, 32)], 3, 6 * weight)
+    assert n == weight and t > 0 and made == [False] * 6  # torch's GEMM, not the native GEMV
+    assert {i for i, _ in seen} == set(range(6)) and {r for _, r in seen} == {profiler.GEMM_ROWS}

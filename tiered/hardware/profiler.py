@@ -11,6 +11,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     gemm_big/cpu/<dtype> a prompt's GEMMs (256 tokens) on 32-112 MiB bf16 weights (4096 x 14336:
                          a Mixtral / Llama-3-8B FFN matrix), copies cycled over 2 x the
                          last-level cache (cold, as a prompt meets a model's FFNs)  n = MACs
+    gemm_rows/cpu/<dtype> torch's GEMM of GEMM_ROWS (8) rows on cold 7-32 MiB weights (a short
+                         prompt's, an expert's past its native rows)             n = weight bytes
     attn_prefill/cpu/<dtype>  a prompt's causal attention (torch's SDPA, as the model runs it)
                          n = MACs (2 * heads * T (T + 1) / 2 * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
@@ -300,6 +302,28 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
         turn = itertools.cycle(fns)
         t = median_time(lambda: next(turn)(x), repeats, sync)
         points.append((K * N * bpe if by_bytes else T * K * N, t))
+    return points
+
+
+GEMM_ROWS = 8  # rows the gemm_rows/cpu/<dtype> key times a GEMM at
+
+
+def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
+    """(weight bytes, seconds a call) of torch's `dtype` GEMM (F.linear, as a prompt's projections and a CPU
+    expert past its native rows run) of GEMM_ROWS rows by an N x K weight, cycled over `cold_bytes` of
+    copies (beyond the last-level cache; 64 MiB without it). What a small-row GEMM costs beyond its
+    multiply-adds: oneDNN reads (and packs) the weight at every call. On 2 Zen 4 cores a 3584 x 1024 bf16
+    weight took 321 us at 8 rows, 1.97x its bytes at the DRAM rate, and each row more ~7.5 us (64 rows:
+    713 us, where max(compute, stream) priced 508)."""
+    points = []
+    for N, K in shapes:
+        w = torch.randn(N, K) * 0.02
+        fn, xdtype, bpe = _linear_kernel("cpu", dtype, w)
+        copies = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(N * K * bpe)))
+        fns = [fn] + [_linear_kernel("cpu", dtype, w)[0] for _ in range(copies - 1)]
+        x = torch.randn(GEMM_ROWS, K).to(xdtype)
+        turn = itertools.cycle(fns)
+        points.append((N * K * bpe, median_time(lambda: next(turn)(x), repeats)))
     return points
 
 
@@ -740,8 +764,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # weight's 32 copies, 5 MiB, sat in the 2-core EPYC's 32 MiB cache, and its fit priced SmolLM2's int4
 # matrices, 576 x 1536 cold, 1.35-2.0x fast; without the stop 1.22-1.5x), and the fp32 copies have memory of
 # their own (every fp32 copy had viewed the one weight, so gemv/cpu/fp32 read a cache: 147-163 GB/s up to 16
-# MiB on the 2-core EPYC, whose DRAM reads 40-80).
-PROFILER_VERSION = 14
+# MiB on the 2-core EPYC, whose DRAM reads 40-80); 15: gemm_rows/cpu/bf16, torch's GEMM at 8 rows over cold
+# weights (a short prompt's, an expert's past its native rows): 1.4-2x the weights' bytes at the DRAM rate, where
+# max(compute, stream) priced the stream alone (a uniformly routed CPU MoE's 16-128-token prefill 39-56% fast).
+PROFILER_VERSION = 15
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -797,6 +823,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     llc = last_level_cache_bytes()
     big_gemms = [(256, 4096, 4096), (256, 4096, 8192), (256, 4096, 14336)]
     big_cold = 2 * llc if llc and 2 * llc <= 2 * 2**30 else None
+    # torch's bf16 GEMMs at a few rows (a short prompt's, an expert's past its native rows) over cold weights
+    b.attempt("gemm_rows/cpu/bf16", lambda: _gemm_rows_points("bf16", [(3584, 1024), (4096, 2048), (4096, 4096)],
+                                                              max(3, r // 2), big_cold))
     for dtype in ("bf16", "fp32"):
         b.attempt(f"gemm_big/cpu/{dtype}",
                   lambda d=dtype: _gemm_points("cpu", d, big_gemms, nosync, max(3, r // 2), False, cold_bytes=big_cold))

@@ -287,13 +287,49 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     return layers, sum(a + f for a, f in layers) + head + per_step
 
 
+# Rows the profiler's gemm_rows/cpu/<dtype> key times torch's GEMM at (hardware/profiler.GEMM_ROWS).
+GEMM_ROWS = 8
+
+
+def torch_gemm_time(hw: HardwareProfile, dtype: str, macs: float, weight_bytes: float, calls: int = 1) -> float:
+    """Seconds of `calls` torch GEMMs (F.linear: a prompt's projections, an expert past its native rows)
+    totalling `macs` over `weight_bytes`: op_time.gemm_time (compute, floored by one stream of the
+    weights), and no less than gemm_rows/cpu/<dtype> where profiled: its time for each call's weights
+    (torch's GEMM of GEMM_ROWS rows over cold weights: oneDNN reads and packs them every call) plus the
+    multiply-adds of the rows beyond GEMM_ROWS at the GEMM line's slope. On 2 Zen 4 cores a 3584 x 1024
+    bf16 weight took 321 / 378 / 713 / 1193 us at 8 / 16 / 64 / 128 rows, where max(compute, stream)
+    priced 155 / 171 / 508 / 959 and this 321 / 381 / 741 / 1221; a uniformly routed CPU MoE's prefill of
+    16-128 tokens had been priced 39-56% fast."""
+    t = op_time.gemm_time(hw, "cpu", dtype, macs, weight_bytes, calls=calls)
+    rows_key = hw.models.get(f"gemm_rows/cpu/{dtype}")
+    if rows_key is None or weight_bytes <= 0 or macs <= 0:
+        return t
+    per_call = weight_bytes / calls
+    elements = weight_bytes / op_time.bytes_per_element(dtype)
+    line = op_time.gemm_line(hw, "cpu", dtype, per_call, op_time.find(hw, "gemm", "cpu", dtype), macs / elements)
+    return max(t, calls * rows_key(per_call) + max(0.0, macs - GEMM_ROWS * elements) * line.beta)
+
+
+def expert_native_rows(hw: HardwareProfile, dtype: str) -> int:
+    """Rows up to which a CPU expert of `dtype` runs tiered's native kernel on the profiled machine, not
+    torch's GEMMs (quant/experts.bf16_native_rows: the kernel tuning the profile recorded); 0 without
+    the kernels. Only bf16 experts switch to torch (quantized formats keep their kernels)."""
+    if not native_step(hw) or dtype != "bf16":
+        return 0 if dtype == "bf16" else 1 << 30
+    from tiered.quant.experts import NATIVE_ROWS
+
+    return int(((hw.meta or {}).get("kernel_tuning") or {}).get("bf16_native_rows", NATIVE_ROWS))
+
+
 def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int,
                     moe_layers: list[int] | None = None, disk_share: float = 0.0,
-                    experts_dtype: str | None = None, act_dtype: str | None = None) -> float:
+                    experts_dtype: str | None = None, act_dtype: str | None = None,
+                    experts_format: str | None = None) -> float:
     """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
 
     Per layer: the attention projections and each FFN / active expert as GEMMs of all their
-    tokens (op_time.gemm_time: compute, floored by streaming the weights once), causal attention
+    tokens (torch_gemm_time: compute, floored by streaming the weights once, and by the profile's
+    small-row GEMM key where profiled and torch runs the GEMM), causal attention
     over the prompt (half the positions on average), the model code's per-layer cost, and for an
     MoE layer the router and, for the `disk_share` of its experts not in RAM, a cold read each.
     Experts: with T tokens routed top-k of E uniformly, E * (1 - (1 - k/E)^T) are active with T * k
@@ -303,6 +339,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     activations' (quant/experts.ExpertFormat.forward converts or dequantizes the expert's weights to
     it once per call), whatever format the experts are stored in. `act_dtype`: the activations'
     dtype, which the attention runs in (None = `dtype`), priced by op_time.prefill_attention_time.
+    `experts_format`: the experts' stored format (None = the experts' compute dtype): bf16 ones run
+    torch's GEMMs past their native rows (expert_native_rows), priced by torch_gemm_time.
     """
     import math
 
@@ -312,14 +350,21 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     w_attn = 2 * d * q + 2 * d * kv
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     disk = hw.models.get("disk/read_cold")
+
+    def gemm(dt: str, macs: float, nbytes: float, calls: int, torch_runs: bool) -> float:
+        """torch's GEMMs past the decode copies' and the native experts' rows; within them the native
+        kernels stream the weights (gemm_time)."""
+        if torch_runs:
+            return torch_gemm_time(hw, dt, macs, nbytes, calls)
+        return op_time.gemm_time(hw, "cpu", dt, macs, nbytes, calls=calls)
     total = per_step + _gemv(hw, dtype, d * cfg.vocab_size * bpe)
     for i in range(cfg.num_hidden_layers):
-        t = per_layer + op_time.gemm_time(hw, "cpu", dtype, T * w_attn, w_attn * bpe, calls=4)
+        t = per_layer + gemm(dtype, T * w_attn, w_attn * bpe, 4, T > GEMM_ROWS)
         t += op_time.prefill_attention_time(hw, "cpu", act_dtype or dtype, 2 * T * (T + 1) / 2 * q)  # causal
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size
-            t += op_time.gemm_time(hw, "cpu", dtype, 3 * T * d * F, 3 * d * F * bpe, calls=3)
+            t += gemm(dtype, 3 * T * d * F, 3 * d * F * bpe, 3, T > GEMM_ROWS)
         else:
             E, k, F = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
             active = min(E, max(k, math.ceil(E * (1 - (1 - k / E) ** T) - 1e-9)))
@@ -327,8 +372,9 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             edt = experts_dtype or dtype
             eb = 3 * d * F * bpe
             t += op_time.gemm_time(hw, "cpu", dtype, T * d * E, d * E * bpe)  # router
-            t += active * op_time.gemm_time(hw, "cpu", edt, 3 * s * d * F, 3 * d * F * op_time.bytes_per_element(edt),
-                                            calls=3)
+            stored = experts_format or edt
+            t += active * gemm(edt, 3 * s * d * F, 3 * d * F * op_time.bytes_per_element(edt), 3,
+                               stored == edt and s > expert_native_rows(hw, stored))
             if disk is not None:
                 t += active * disk_share * disk(eb)
         total += t
