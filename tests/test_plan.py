@@ -238,6 +238,29 @@ def test_cpu_moe_prefill_prices_bf16_experts_past_their_native_rows_as_torch_gem
     assert predict_prefill(MIXTRAL, hw, "bf16", 64, experts_format="int4") < predict_prefill(MIXTRAL, hw, "bf16", 64)
 
 
+def test_a_native_experts_rows_past_the_first_cost_the_profiled_slope():
+    """expert_rows/cpu/bf16 (the native bf16 expert at 1-8 rows): a native expert of r rows costs one
+    stream of its weights plus r - 1 rows at the key's slope (a 1024 x 3584 expert on 2 Zen 4 cores: 414
+    / 725 / 942 us at 1 / 4 / 8 rows, where one stream priced ~490 whatever the rows); one row, or no
+    key, gemm_time. A CPU MoE prefill of 16 tokens (4 rows an expert) pays it."""
+    from tiered.hardware import op_time
+    from tiered.planner.cpu_predict import native_expert_time, predict_prefill
+
+    m = {"gemm/cpu/bf16": LinearModel(0.0, 1e-12, 1.0), "gemv/cpu/bf16": LinearModel(0.0, 1 / 45e9, 1.0)}
+    meta = {"native_kernels": True, "kernel_tuning": {"bf16_native_rows": 8}}
+    plain = HardwareProfile("cpu-box", "test", m, None, None, meta=meta)
+    hw = HardwareProfile("cpu-box", "test", {**m, "expert_rows/cpu/bf16": LinearModel(3e-4, 7e-12, 1.0)}, None, None,
+                         meta=meta)
+    macs, w = 3 * 1024 * 3584, 3 * 1024 * 3584 * 2
+    for rows in (1, 4, 8):
+        old = op_time.gemm_time(plain, "cpu", "bf16", rows * macs, w, calls=3)
+        assert native_expert_time(plain, "bf16", rows, w, macs) == old
+        want = old if rows == 1 else max(old, w / 45e9 + 7e-12 * (rows - 1) * macs)
+        assert native_expert_time(hw, "bf16", rows, w, macs) == pytest.approx(want)
+    assert native_expert_time(hw, "bf16", 4, w, macs) > 1.4 * native_expert_time(plain, "bf16", 4, w, macs)
+    assert predict_prefill(MIXTRAL, hw, "bf16", 16) > predict_prefill(MIXTRAL, plain, "bf16", 16)
+
+
 def test_parallel_reads_make_read_ahead_faster():
     from tiered.planner.cpu_predict import HitStats, predict_decode
 

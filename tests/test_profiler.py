@@ -509,3 +509,22 @@ def test_the_small_row_gemm_key_times_torch_over_cold_copies(monkeypatch):
     (n, t), = profiler._gemm_rows_points("bf16", [(64, 32)], 3, 6 * weight)
     assert n == weight and t > 0 and made == [False] * 6  # torch's GEMM, not the native GEMV
     assert {i for i, _ in seen} == set(range(6)) and {r for _, r in seen} == {profiler.GEMM_ROWS}
+
+
+@pytest.mark.skipif(not kernels.available(), reason="tiered/kernels not built")
+def test_the_native_expert_rows_key_times_1_to_8_rows_over_cold_copies(monkeypatch):
+    """expert_rows/cpu/bf16: the native bf16 expert at 1, 2, 4 and 8 rows, n = MACs, each call on the next
+    of the copies that fill `cold_bytes`."""
+    from tiered.hardware import profiler
+
+    ext, calls = kernels.load(), []
+
+    class Spy:
+        def bf16_expert_forward(self, g, u, d, x):
+            calls.append((g.data_ptr(), x.shape[0]))
+            return ext.bf16_expert_forward(g, u, d, x)
+    monkeypatch.setattr(kernels, "load", lambda: Spy())
+    expert = 3 * 1024 * 3584 * 2
+    points = profiler._expert_rows_points(3, 3 * expert)
+    assert [n for n, _ in points] == [r * 3 * 1024 * 3584 for r in (1, 2, 4, 8)] and all(t > 0 for _, t in points)
+    assert {r for _, r in calls} == {1, 2, 4, 8} and len({p for p, _ in calls}) == 3

@@ -13,6 +13,7 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                          last-level cache (cold, as a prompt meets a model's FFNs)  n = MACs
     gemm_rows/cpu/<dtype> torch's GEMM of GEMM_ROWS (8) rows on cold 7-32 MiB weights (a short
                          prompt's, an expert's past its native rows)             n = weight bytes
+    expert_rows/cpu/bf16 the native bf16 expert at 1-8 rows, cold (its slope: each row's cost)  n = MACs
     attn_prefill/cpu/<dtype>  a prompt's causal attention (torch's SDPA, as the model runs it)
                          n = MACs (2 * heads * T (T + 1) / 2 * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
@@ -324,6 +325,29 @@ def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) 
         x = torch.randn(GEMM_ROWS, K).to(xdtype)
         turn = itertools.cycle(fns)
         points.append((N * K * bpe, median_time(lambda: next(turn)(x), repeats)))
+    return points
+
+
+def _expert_rows_points(repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
+    """(multiply-adds, seconds a call) of tiered's native bf16 SwiGLU expert (ext.bf16_expert_forward,
+    what a CPU expert of a few rows runs: quant/experts.ExpertFormat.forward) at 1, 2, 4 and 8 rows of a
+    1024 x 3584 expert (22 MiB), copies cycled over `cold_bytes` (64 MiB without it). The slope is what each
+    row beyond the first costs: the weights stream once a call whatever the rows, but each row's
+    multiply-adds come on top (on 2 Zen 4 cores a Mixtral-width expert took 8.5 ms at 1 row and 17.6 at 8).
+    Raises RuntimeError without the kernels."""
+    ext = kernels.load()
+    if ext is None:
+        raise RuntimeError("tiered/kernels is not built")
+    D, F = 1024, 3584
+    g = torch.Generator().manual_seed(0)
+    first = tuple((torch.randn(*sh, generator=g) * 0.02).to(torch.bfloat16) for sh in ((F, D), (F, D), (D, F)))
+    copies = max(2, -(-(cold_bytes or COLD_WEIGHT_BYTES) // (3 * D * F * 2)))
+    slots = [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)]
+    points = []
+    for rows in (1, 2, 4, 8):
+        x = torch.randn(rows, D).to(torch.bfloat16)
+        turn = itertools.cycle(slots)
+        points.append((float(rows * 3 * D * F), median_time(lambda: ext.bf16_expert_forward(*next(turn), x), repeats)))
     return points
 
 
@@ -766,7 +790,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # their own (every fp32 copy had viewed the one weight, so gemv/cpu/fp32 read a cache: 147-163 GB/s up to 16
 # MiB on the 2-core EPYC, whose DRAM reads 40-80); 15: gemm_rows/cpu/bf16, torch's GEMM at 8 rows over cold
 # weights (a short prompt's, an expert's past its native rows): 1.4-2x the weights' bytes at the DRAM rate, where
-# max(compute, stream) priced the stream alone (a uniformly routed CPU MoE's 16-128-token prefill 39-56% fast).
+# max(compute, stream) priced the stream alone (a uniformly routed CPU MoE's 16-128-token prefill 39-56% fast),
+# and expert_rows/cpu/bf16, the native bf16 expert at 1-8 rows (each row's multiply-adds beyond the stream).
 PROFILER_VERSION = 15
 
 
@@ -826,6 +851,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     # torch's bf16 GEMMs at a few rows (a short prompt's, an expert's past its native rows) over cold weights
     b.attempt("gemm_rows/cpu/bf16", lambda: _gemm_rows_points("bf16", [(3584, 1024), (4096, 2048), (4096, 4096)],
                                                               max(3, r // 2), big_cold))
+    if kernels.available():  # the native bf16 expert at 1-8 rows (a short prompt's experts)
+        b.attempt("expert_rows/cpu/bf16", lambda: _expert_rows_points(max(3, r // 2), big_cold))
     for dtype in ("bf16", "fp32"):
         b.attempt(f"gemm_big/cpu/{dtype}",
                   lambda d=dtype: _gemm_points("cpu", d, big_gemms, nosync, max(3, r // 2), False, cold_bytes=big_cold))

@@ -310,6 +310,20 @@ def torch_gemm_time(hw: HardwareProfile, dtype: str, macs: float, weight_bytes: 
     return max(t, calls * rows_key(per_call) + max(0.0, macs - GEMM_ROWS * elements) * line.beta)
 
 
+def native_expert_time(hw: HardwareProfile, dtype: str, rows: int, weight_bytes: float, macs_per_row: float) -> float:
+    """Seconds of one CPU expert of `rows` rows in tiered's native kernel (within its native rows):
+    op_time.gemm_time (compute, floored by one stream of the weights), and where the profile timed the
+    native bf16 expert at 1-8 rows (expert_rows/cpu/bf16) no less than one stream of the weights plus
+    each row past the first at that key's slope. On 2 Zen 4 cores a 1024 x 3584 bf16 expert took 414 /
+    421 / 725 / 942 us at 1 / 2 / 4 / 8 rows, where one stream priced ~490 us whatever the rows."""
+    t = op_time.gemm_time(hw, "cpu", dtype, rows * macs_per_row, weight_bytes, calls=3)
+    key = hw.models.get(f"expert_rows/cpu/{dtype}")
+    if key is None or rows <= 1:
+        return t
+    stream = 3 * op_time.memory_time(hw, "cpu", dtype, weight_bytes / 3, "gemv")
+    return max(t, stream + key.beta * (rows - 1) * macs_per_row)
+
+
 def expert_native_rows(hw: HardwareProfile, dtype: str) -> int:
     """Rows up to which a CPU expert of `dtype` runs tiered's native kernel on the profiled machine, not
     torch's GEMMs (quant/experts.bf16_native_rows: the kernel tuning the profile recorded); 0 without
@@ -373,8 +387,11 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             eb = 3 * d * F * bpe
             t += op_time.gemm_time(hw, "cpu", dtype, T * d * E, d * E * bpe)  # router
             stored = experts_format or edt
-            t += active * gemm(edt, 3 * s * d * F, 3 * d * F * op_time.bytes_per_element(edt), 3,
-                               stored == edt and s > expert_native_rows(hw, stored))
+            ebytes = 3 * d * F * op_time.bytes_per_element(edt)
+            if stored == edt and s <= expert_native_rows(hw, stored):  # tiered's native kernel
+                t += active * native_expert_time(hw, edt, s, ebytes, 3 * d * F)
+            else:  # torch's GEMMs past the native rows (bf16), or a quantized format's own kernels
+                t += active * gemm(edt, 3 * s * d * F, ebytes, 3, stored == edt)
             if disk is not None:
                 t += active * disk_share * disk(eb)
         total += t
