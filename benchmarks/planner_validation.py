@@ -183,9 +183,10 @@ def main() -> None:
         hw.save(out_dir / "hardware_profile_this_machine.json")
     shape = dict(layers=4, hidden=512, ffn=1792, experts=8, vocab=4096) if args.quick else \
         dict(layers=8, hidden=1024, ffn=3584, experts=8, vocab=8192)
-    rows, errors = [], []
+    rows, errors, short = [], [], []
     if not args.dense_only:
         moe_rows(args, hw, shape, rows, errors)
+        short = prompt_rows(args, hw, shape)
     dense_rows(args, hw, rows, errors)
     med = median(errors)
     settings = {"profile": hw.name, "profile_source": hw.source, "model_shape": None if args.dense_only else shape,
@@ -206,13 +207,18 @@ def main() -> None:
         notes.append(f"TTFT of a {TTFT_TOKENS}-token prompt (SmolLM2 rows and the all-in-RAM MoE row, median of 3): "
                      f"median absolute error "
                      f"**{median(ttft_errors):.0%}**, largest {max(ttft_errors):.0%}.")
+    if short:
+        notes.append("TTFT of short prompts on the MoE shape routed uniformly, every expert in RAM (median of 3): "
+                     + ", ".join(f"{r['tokens']} tokens {r['predicted_ttft_s'] * 1e3:.1f} ms priced against "
+                                 f"{r['measured_ttft_s'] * 1e3:.1f} ({r['error']:.0%})" for r in short)
+                     + f"; largest error **{max(r['error'] for r in short):.0%}**.")
     gpu = {}
     for name, path in GPU_REFERENCES.items():
         gpu[name], lines = gpu_table(path)
         notes.append("\n".join(lines))  # one block: its table's rows must stay adjacent
     stem = "planner_validation_quick" if args.quick else "planner_validation_dense" if args.dense_only else "planner_validation"
     _, md = write_report(stem, out_dir, title="Planner validation", settings=settings, rows=rows, columns=columns,
-                         notes=notes, extra={"median_abs_error": med, "gpu": gpu})
+                         notes=notes, extra={"median_abs_error": med, "gpu": gpu, "short_prompts": short})
     print(md.read_text())
 
 
@@ -287,6 +293,39 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
 
 
 TTFT_TOKENS = 512  # the prompt the plans price TTFT for (planner/auto: min(512, max_context / 2))
+SHORT_PROMPTS = (8, 16, 64, 128)  # prompt_rows' lengths: 2, 4, 16 and 32 rows an expert, uniformly routed
+
+
+def prompt_rows(args, hw, shape) -> list[dict]:
+    """The TTFT of short prompts on the MoE dummy's shape routed uniformly (ModelShape.routing, as the
+    plans draw routing: the skewed dummy sends most tokens to 2-3 experts a layer), every expert in RAM,
+    against cpu_predict.predict_prefill: a few rows an expert run tiered's native kernel, more run
+    torch's GEMMs (quant/experts.bf16_native_rows), each priced by its own profile key (expert_rows,
+    gemm_rows). Medians of 3 after a warm-up."""
+    from dataclasses import replace
+
+    from moe_offload import mixtral_like
+    from tiered.bench.checkpoint import write_dummy_checkpoint
+
+    uniform = replace(mixtral_like(**shape), routing="uniform")
+    model = write_dummy_checkpoint(Path(args.workdir) / ("mixtral-dummy-uniform-quick" if args.quick else
+                                                         "mixtral-dummy-uniform"), uniform, torch.bfloat16)
+    llm = LLM(str(model), EngineConfig(dtype="bfloat16", decode_weights="bf16", accelerator="none", plan="off",
+                                       max_context=2 * max(SHORT_PROMPTS)))
+    out = []
+    try:
+        for n in SHORT_PROMPTS:
+            prompt = [(i * 7) % (shape["vocab"] - 10) + 10 for i in range(n)]
+            first_token_s(llm, prompt)  # warm-up
+            measured = median([first_token_s(llm, prompt) for _ in range(3)])
+            predicted = predict_prefill(llm.config, bandwidth_now(hw), "bf16", n, act_dtype="bf16")
+            out.append({"tokens": n, "predicted_ttft_s": predicted, "measured_ttft_s": measured,
+                        "error": abs(predicted - measured) / measured})
+            print(f"uniform MoE, {n}-token prompt: TTFT predicted {predicted * 1e3:.1f} ms, measured "
+                  f"{measured * 1e3:.1f} ms ({out[-1]['error']:.0%})", flush=True)
+    finally:
+        llm.close()
+    return out
 
 
 def first_token_s(llm: LLM, prompt: list[int]) -> float:
