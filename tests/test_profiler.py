@@ -345,31 +345,40 @@ def test_each_copy_of_a_timed_gemv_has_memory_of_its_own(dtype):
         assert wd.data_ptr() != w.data_ptr() and torch.equal(wd, w)
 
 
+def _spy_linear_kernels(monkeypatch) -> tuple[list, list]:
+    """profiler._linear_kernel wrapped: (made: each kernel's `gemv` flag, in order; seen: (kernel index,
+    rows) of every call)."""
+    from tiered.hardware import profiler
+
+    made, seen = [], []
+    real = profiler._linear_kernel
+
+    def kernel(device, dtype, w, gemv=False):
+        fn, xdtype, bpe = real(device, dtype, w, gemv)
+        made.append(gemv)
+
+        def call(x, fn=fn, i=len(made) - 1):
+            seen.append((i, x.shape[0]))
+            return fn(x)
+        return call, xdtype, bpe
+    monkeypatch.setattr(profiler, "_linear_kernel", kernel)
+    return made, seen
+
+
 def test_a_prompts_gemms_on_big_weights_are_timed_cold(monkeypatch):
     """gemm_big's GEMMs (cold_bytes) cycle over as many weight copies as fill that many bytes, as a prompt
     meets each of a model's FFN matrices once: one matrix timed again and again sat in the H100 host's
     300 MiB last-level cache. Without cold_bytes a GEMM times its one weight."""
     from tiered.hardware import profiler
 
-    seen, made = [], []
-    real = profiler._linear_kernel
-
-    def kernel(device, dtype, w, gemv=False):
-        fn, xdtype, bpe = real(device, dtype, w, gemv)
-        made.append(fn)
-
-        def call(x, fn=fn, i=len(made) - 1):
-            seen.append(i)
-            return fn(x)
-        return call, xdtype, bpe
-    monkeypatch.setattr(profiler, "_linear_kernel", kernel)
+    made, seen = _spy_linear_kernels(monkeypatch)
     weight = 64 * 32 * 4  # bytes of one fp32 [64, 32] weight
     (n, t), = profiler._gemm_points("cpu", "fp32", [(8, 32, 64)], lambda: None, 6, False, cold_bytes=5 * weight)
     assert n == 8 * 32 * 64 and t > 0
-    assert sorted(set(seen)) == [0, 1, 2, 3, 4]  # five copies, each called in turn
+    assert sorted({i for i, _ in seen}) == [0, 1, 2, 3, 4]  # five copies, each called in turn
     seen.clear()
     profiler._gemm_points("cpu", "fp32", [(8, 32, 64)], lambda: None, 6, False)
-    assert len(set(seen)) == 1 and len(made) == 6
+    assert len({i for i, _ in seen}) == 1 and len(made) == 6
 
 
 def test_a_plan_follows_the_memory_speed_of_its_moment(monkeypatch):
@@ -493,18 +502,7 @@ def test_the_small_row_gemm_key_times_torch_over_cold_copies(monkeypatch):
     weight as fill `cold_bytes` (each called in turn)."""
     from tiered.hardware import profiler
 
-    made, seen = [], []
-    real = profiler._linear_kernel
-
-    def kernel(device, dtype, w, gemv=False):
-        fn, xdtype, bpe = real(device, dtype, w, gemv)
-        made.append(gemv)
-
-        def call(x, fn=fn, i=len(made) - 1):
-            seen.append((i, x.shape[0]))
-            return fn(x)
-        return call, xdtype, bpe
-    monkeypatch.setattr(profiler, "_linear_kernel", kernel)
+    made, seen = _spy_linear_kernels(monkeypatch)
     weight = 64 * 32 * 2  # bytes of one bf16 [64, 32] weight
     (n, t), = profiler._gemm_rows_points("bf16", [(64, 32)], 3, 6 * weight)
     assert n == weight and t > 0 and made == [False] * 6  # torch's GEMM, not the native GEMV
