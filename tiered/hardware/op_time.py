@@ -108,6 +108,10 @@ BIG_GEMM_BYTES = 16 * 2**20
 # A GEMM of at least this many rows is a prompt's: it pays gemm_big's intercept per call.
 PROMPT_GEMM_ROWS = 64
 
+# Rows at which the profiler times torch's GEMM over cold weights (gemm_rows/cpu/<dtype>): a short prompt's,
+# an expert's past its native rows (planner/cpu_predict.torch_gemm_time prices the rows beyond).
+GEMM_ROWS = 8
+
 
 def gemm_line(profile: HardwareProfile, device: str, dtype: str, bytes_per_call: float, fit: LinearModel,
               tokens: float | None = None) -> LinearModel:

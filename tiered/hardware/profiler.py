@@ -63,6 +63,7 @@ import torch.nn.functional as F
 
 from tiered import kernels
 from tiered.hardware.budget import move_to_huge_pages
+from tiered.hardware.op_time import GEMM_ROWS, bytes_per_element
 from tiered.hardware.profile import HardwareProfile, LinearModel
 
 MiB = 2**20
@@ -306,9 +307,6 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
     return points
 
 
-GEMM_ROWS = 8  # rows the gemm_rows/cpu/<dtype> key times a GEMM at
-
-
 def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
     """(weight bytes, seconds a call) of torch's `dtype` GEMM (F.linear, as a prompt's projections and a CPU
     expert past its native rows run) of GEMM_ROWS rows by an N x K weight, cycled over `cold_bytes` of
@@ -316,16 +314,10 @@ def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) 
     multiply-adds: oneDNN reads (and packs) the weight at every call. On 2 Zen 4 cores a 3584 x 1024 bf16
     weight took 321 us at 8 rows, 1.97x its bytes at the DRAM rate, and each row more ~7.5 us (64 rows:
     713 us, where max(compute, stream) priced 508)."""
-    points = []
-    for N, K in shapes:
-        w = torch.randn(N, K) * 0.02
-        fn, xdtype, bpe = _linear_kernel("cpu", dtype, w)
-        copies = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(N * K * bpe)))
-        fns = [fn] + [_linear_kernel("cpu", dtype, w)[0] for _ in range(copies - 1)]
-        x = torch.randn(GEMM_ROWS, K).to(xdtype)
-        turn = itertools.cycle(fns)
-        points.append((N * K * bpe, median_time(lambda: next(turn)(x), repeats)))
-    return points
+    bpe = bytes_per_element(dtype)
+    points = _gemm_points("cpu", dtype, [(GEMM_ROWS, K, N) for N, K in shapes], lambda: None, repeats, False,
+                          cold_bytes=cold_bytes or COLD_WEIGHT_BYTES)
+    return [(macs / GEMM_ROWS * bpe, t) for macs, t in points]
 
 
 def _expert_rows_points(repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:

@@ -23,6 +23,7 @@ import torch
 
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.hardware import op_time
+from tiered.hardware.op_time import GEMM_ROWS
 from tiered.hardware.profile import HardwareProfile
 from tiered.memory import sizes
 from tiered.memory.expert_cache import ExpertCache, make_policy
@@ -285,10 +286,6 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     hd = head_dtype or dtype
     head = _gemv(hw, hd, d * cfg.vocab_size * op_time.bytes_per_element(hd), working_set=ws)
     return layers, sum(a + f for a, f in layers) + head + per_step
-
-
-# Rows the profiler's gemm_rows/cpu/<dtype> key times torch's GEMM at (hardware/profiler.GEMM_ROWS).
-GEMM_ROWS = 8
 
 
 def torch_gemm_time(hw: HardwareProfile, dtype: str, macs: float, weight_bytes: float, calls: int = 1) -> float:

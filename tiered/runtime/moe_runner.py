@@ -103,7 +103,6 @@ class TieredExperts:
                  dispatch_mode: str = "balanced", read_ahead: bool = True, group_layers: bool = False,
                  device_issue: str = "thread") -> None:
         self.store, self.cache = placed.store, placed.cache
-        self.device_issue = device_issue
         self.fast_staging, self.host_staging = placed.fast_staging, placed.host_staging
         self.executor, self.latency, self.accelerator = executor, latency, accelerator
         self.dispatch_mode, self.read_ahead = dispatch_mode, read_ahead
@@ -128,6 +127,11 @@ class TieredExperts:
         low = placed.low
         self.low = None if low is None else _Side(low.store.fmt, low.store, low.cache, low.view)
         self.mixed = None if low is None else low.mixed
+        # whether misses' copies from each side's home copies in RAM are issued on the layer's thread
+        # (Executor.issue): device_issue "thread" and every home copy page-locked, known once at install
+        self._issue_copies = {id(side.store): device_issue == "thread" and accelerator is not None and all(
+            accelerator.page_locked(t) for w in side.store.host.values() for t in w)
+            for side in (self.high, self.low) if side is not None}
         self.precision_counts: Counter = Counter()  # misses by precision: high / low loads, skips; low hits
         self.one_token_path = True  # _one_token_on_fast for a decode token whose experts are all on the GPU
         # layers whose experts are all resident on the accelerator, stacked: grouped GEMMs, no host sync
@@ -416,11 +420,13 @@ class TieredExperts:
             assert path == COPY
             slot, dep, idx = self._slot_or_staging(key, self.fast_staging, side)
             # the copy waits (on the device) for all work issued before this layer: an evicted slot
-            # may still be read by a kernel launched for an earlier layer
+            # may still be read by a kernel launched for an earlier layer. It is issued here only from
+            # the expert's home copy: a host staging buffer that a disk read filled goes to the next
+            # read once this expert's launch has run, which an issued copy does not wait for
             copy = ex.submit("copy", lambda: [self.accelerator.copy_to_device(d, s) for d, s in zip(slot, host_w)],
                              deps=deps + ([dep] if dep else []), name=f"h2d L{layer}E{e}",
                              nbytes=store.expert_bytes, layer=layer, expert=e, after_event=ready,
-                             issue_here=not on_disk and self._issuable(host_w))
+                             issue_here=not on_disk and self._issue_copies[id(store)])
             self.bytes_h2d += store.expert_bytes
             fut = ex.submit("launch", lambda: fmt.forward(x[tok], slot), deps=[copy],
                             name=f"expert L{layer}E{e}", layer=layer, expert=e)
@@ -429,15 +435,6 @@ class TieredExperts:
         if host_idx is not None:
             self.host_staging.release_after(host_idx, fut)
         return fut
-
-    def _issuable(self, sources) -> bool:
-        """Whether an H2D copy of host tensors `sources` may be issued on this thread (device_issue
-        "thread", asynchronous copies, every source page-locked): Executor.submit's issue_here. Only
-        for sources nothing overwrites (an expert's home copy in RAM): a host staging buffer that a disk
-        read filled is handed to the next read once the expert's launch has run, which an issued copy
-        does not wait for (the copy worker's does)."""
-        acc = self.accelerator
-        return self.device_issue == "thread" and acc.async_streams and all(acc.page_locked(t) for t in sources)
 
     def _splittable(self, key, side: _Side) -> bool:
         """A miss can be SPLIT: dense weights in CPU RAM (not on disk), an accelerator, one precision."""
@@ -463,7 +460,7 @@ class TieredExperts:
         nbytes = sum(src.numel() * src.element_size() for _, src in parts)
         copy = ex.submit("copy", lambda: [acc.copy_to_device(d, src) for d, src in parts], deps=[dep] if dep else [],
                          name=f"h2d split L{layer}E{e}", nbytes=nbytes, layer=layer, expert=e, after_event=ready,
-                         issue_here=self._issuable([src for _, src in parts]))
+                         issue_here=self._issue_copies[id(side.store)])
         self.bytes_h2d += nbytes
         x_rows = x_host[tok_host]
         cpu = ex.submit("cpu", lambda: swiglu_rows(x_rows, gate[:r], up[:r]), name=f"cpu split L{layer}E{e}",

@@ -78,7 +78,6 @@ class SlicedMLP(nn.Module):
             count T (ScheInfer Eq. 15 re-solved per prompt); capped at T.
         staging: shared SliceStaging (None = this layer allocates its own).
         host_budget: MemoryBudget the CPU-side parts (CC and CG) are reserved against (None = not counted).
-    Attributes:
         device_issue: Plan.device_issue: "thread" issues the CG / CG' copies (where the slices are
             page-locked, `_copy`) and the GG / CG / CG' GEMMs from the forward's own thread, before its
             CC slice takes every core (Executor.issue); "worker" leaves them to the streams' workers.
@@ -87,11 +86,9 @@ class SlicedMLP(nn.Module):
         BudgetError: the accelerator or host budget cannot hold the parts.
     """
 
-    device_issue = "thread"
-
     def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, r_cc: float, r_cg: float,
                  accelerator, executor: Executor, n_g: int | Callable[[int], int] = 0,
-                 staging: SliceStaging | None = None, host_budget=None) -> None:
+                 staging: SliceStaging | None = None, host_budget=None, device_issue: str = "thread") -> None:
         super().__init__()
         F, D = w_gate.shape
         self.f_cc, self.f_cg, self.f_gg = split_rows(F, r_cc, r_cg)
@@ -109,6 +106,9 @@ class SlicedMLP(nn.Module):
         self._cg_stage = _rows(self.staging.cg, self.f_cg) if self.f_cg else None
         self._cc_stage = _rows(self.staging.cc, self.f_cc) if self.f_cc else None
         self.accelerator, self.executor, self.n_g = accelerator, executor, n_g
+        self.device_issue = device_issue
+        # the CPU-side slices never move: whether each part is page-locked (its copies issued here) is known now
+        self._cc_locked, self._cg_locked = (all(accelerator.page_locked(t) for t in part) for part in (self.cc, self.cg))
 
     @staticmethod
     def _to_device(acc, t: torch.Tensor, what: str) -> torch.Tensor:
@@ -116,16 +116,15 @@ class SlicedMLP(nn.Module):
         acc.copy_to_device(out, t)
         return out
 
-    def _copy(self, dst, src, name: str):
+    def _copy(self, dst, src, name: str, locked: bool):
         """H2D copy of the slices `src` into the staging views `dst` on the copy stream; issued from this
-        thread (Executor.issue) where device_issue is "thread" and the slices are page-locked, so the link
-        starts before this thread's CC slice takes every core."""
+        thread (Executor.issue) where device_issue is "thread" and the slices are page-locked (`locked`),
+        so the link starts before this thread's CC slice takes every core."""
         def run():
             for d, s in zip(dst, src):
                 self.accelerator.copy_to_device(d, s)
         nbytes = sum(s.numel() * s.element_size() for s in src)
-        acc = self.accelerator
-        here = self.device_issue == "thread" and acc.async_streams and all(acc.page_locked(s) for s in src)
+        here = self.device_issue == "thread" and locked
         return self.executor.submit("copy", run, name=name, nbytes=nbytes, issue_here=here)
 
     def _cc_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,14 +160,14 @@ class SlicedMLP(nn.Module):
                                      issue_here=here))
         if self.f_cg:
             cg = self._cg_stage
-            copy = self._copy(cg, self.cg, "H2D CG")
+            copy = self._copy(cg, self.cg, "H2D CG", self._cg_locked)
             futures.append(ex.submit("compute", lambda: expert_forward(x2, *cg), deps=[copy], name="CG",
                                      after_event=ready, issue_here=here))
         cc_rows = T - n_g
         cgp_fut = None
         if n_g:
             cc = self._cc_stage
-            copy = self._copy(cc, self.cc, "H2D CG'")
+            copy = self._copy(cc, self.cc, "H2D CG'", self._cc_locked)
             cgp_fut = ex.submit("compute", lambda: expert_forward(x2[cc_rows:], *cc), deps=[copy], name="CG'",
                                 after_event=ready, issue_here=here)
         y_cc = None
@@ -201,7 +200,7 @@ def install_sliced_mlps(model: nn.Module, rates: Sequence[tuple[float, float]] |
         weights: weights(layer) -> (gate [F, D], up [F, D], down [D, F]) on the CPU; default: the
             layer's dense MLP weights (which must then be materialized).
         host_budget: MemoryBudget the CPU-side slices are reserved against.
-        device_issue: Plan.device_issue (SlicedMLP.device_issue).
+        device_issue: Plan.device_issue (SlicedMLP's).
     Raises:
         BudgetError: the accelerator (GG parts and staging) or the host budget is too small.
     """
@@ -227,8 +226,7 @@ def install_sliced_mlps(model: nn.Module, rates: Sequence[tuple[float, float]] |
         per_layer = (lambda T, i=i: n_g(i, T)) if callable(n_g) else n_g
         w_gate, w_up, w_down = weights(i)
         sliced = SlicedMLP(w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype), *todo[i], accelerator, executor,
-                           per_layer, staging, host_budget)
-        sliced.device_issue = device_issue
+                           per_layer, staging, host_budget, device_issue)
         layers[i].mlp = sliced
         out.append(sliced)
     return out
