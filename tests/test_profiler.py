@@ -365,6 +365,22 @@ def _spy_linear_kernels(monkeypatch) -> tuple[list, list]:
     return made, seen
 
 
+def test_a_cpu_keys_shapes_are_timed_interleaved(monkeypatch):
+    """_gemm_points times a CPU key's shapes in turn, repeat after repeat (median_times), not one shape's
+    samples and then the next's: on a VM whose memory bandwidth drifts, shapes timed one after the other
+    moved the quick int4 fit's intercept 0.38-6 us. Each shape keeps its own weight size."""
+    from tiered.hardware import profiler
+
+    monkeypatch.setattr(profiler, "_native_gemv_format", lambda *a: False)
+    made, seen = _spy_linear_kernels(monkeypatch)
+    monkeypatch.setattr(profiler, "COLD_WEIGHT_BYTES", 1)  # one copy each: kernel index = shape
+    points = profiler._gemm_points("cpu", "fp32", [(1, 32, 64), (1, 64, 64), (1, 64, 128)], lambda: None, 3, True)
+    assert [n for n, _ in points] == [32 * 64 * 4, 64 * 64 * 4, 64 * 128 * 4] and all(t > 0 for _, t in points)
+    order = [i for i, _ in seen]
+    switches = sum(a != b for a, b in zip(order, order[1:]))
+    assert set(order) == {0, 1, 2} and switches >= 3 * 3 - 1  # warm-ups, then every repeat visits each shape
+
+
 def test_a_prompts_gemms_on_big_weights_are_timed_cold(monkeypatch):
     """gemm_big's GEMMs (cold_bytes) cycle over as many weight copies as fill that many bytes, as a prompt
     meets each of a model's FFN matrices once: one matrix timed again and again sat in the H100 host's

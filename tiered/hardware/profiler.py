@@ -280,8 +280,17 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
     cache); timing one small weight again and again would measure the cache instead. `cold_bytes`: cycle over that many bytes instead, however many copies it takes
     (gemv_dram: beyond a last-level cache of hundreds of MiB), GEMMs too (gemm_big: a prompt's FFN
     matrices, which it meets once each).
+
+    CPU shapes are timed interleaved (median_times: every shape's samples in turn), so a VM whose memory
+    bandwidth drifts moves all of a fit's points together rather than its slope and intercept. The
+    quick int4 fit's intercept, which prices SmolLM2's 200-1100 KiB matrices, came out 0.38 us in one
+    fresh clone's profile (one shape after the other) where this 2-core EPYC's is 2.5-6 us, and that
+    plan priced `make run` 20-28% fast. Four fits each way, side by side: interleaved, the quick shapes
+    priced SmolLM2's four fused int4 shapes (cold) within 1-4% of their measured sum; one after the
+    other, 3-10% fast. GPU shapes are timed one at a time, each freed before the next is made.
     """
-    points = []
+    cpu_calls: list[tuple[float, Callable[[], object]]] = []  # (n, one call) per shape, timed together
+    points: list[tuple[float, float]] = []  # GPU: (n, seconds) per shape
     native = _native_gemv_format(device, dtype, by_bytes)
     for T, K, N in shapes:
         w = torch.randn(N, K) * 0.02
@@ -302,8 +311,14 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
         else:
             fns = [fn] + [_linear_kernel(device, dtype, w, gemv=by_bytes)[0] for _ in range(copies - 1)]
         turn = itertools.cycle(fns)
-        t = median_time(lambda: next(turn)(x), repeats, sync)
-        points.append((K * N * bpe if by_bytes else T * K * N, t))
+        n = K * N * bpe if by_bytes else T * K * N
+        call = lambda turn=turn, x=x: next(turn)(x)  # noqa: E731
+        if device == "cpu":
+            cpu_calls.append((n, call))
+        else:
+            points.append((n, median_time(call, repeats, sync)))
+    if cpu_calls:
+        points = list(zip((n for n, _ in cpu_calls), median_times([fn for _, fn in cpu_calls], repeats, sync)))
     return points
 
 
@@ -335,12 +350,13 @@ def _expert_rows_points(repeats: int, cold_bytes: int | None) -> list[tuple[floa
     first = tuple((torch.randn(*sh, generator=g) * 0.02).to(torch.bfloat16) for sh in ((F, D), (F, D), (D, F)))
     copies = max(2, -(-(cold_bytes or COLD_WEIGHT_BYTES) // (3 * D * F * 2)))
     slots = [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)]
-    points = []
-    for rows in (1, 2, 4, 8):
+    row_counts = (1, 2, 4, 8)
+    calls = []
+    for rows in row_counts:  # timed interleaved (median_times), as _gemm_points' CPU shapes
         x = torch.randn(rows, D).to(torch.bfloat16)
         turn = itertools.cycle(slots)
-        points.append((float(rows * 3 * D * F), median_time(lambda: ext.bf16_expert_forward(*next(turn), x), repeats)))
-    return points
+        calls.append(lambda turn=turn, x=x: ext.bf16_expert_forward(*next(turn), x))
+    return [(float(rows * 3 * D * F), t) for rows, t in zip(row_counts, median_times(calls, repeats))]
 
 
 def _gemv_graph_points(dtype: str, shapes, repeats: int) -> list[tuple[float, float]]:
@@ -408,10 +424,10 @@ def _attn_decode_points(kv: str, repeats: int, cold_bytes: int) -> list[tuple[fl
     from tiered.models.layers import KVCache
     from tiered.runtime.cpu_decode import CPUDecodeStep
 
-    layers, points = 2, []
+    layers, contexts, calls = 2, (256, 1024, 4096), []
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=512, intermediate_size=64,
                       num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-    for ctx in (256, 1024, 4096):
+    for ctx in contexts:
         model = build_model(cfg, ctx + 1).eval()
         step = CPUDecodeStep(model, native=True)
         per_slot = sizes.kv_cache_bytes(cfg, 1, ctx + 1, kv)
@@ -420,10 +436,11 @@ def _attn_decode_points(kv: str, repeats: int, cold_bytes: int) -> list[tuple[fl
         cache.k.normal_()
         cache.v.normal_()
         ids, pos, turn = torch.tensor([[1]]), torch.tensor([[ctx]]), itertools.cycle([torch.tensor([s]) for s in range(n)])
-        with torch.inference_mode():
-            t = median_time(lambda: step(ids, pos, next(turn), cache), max(5, repeats))
-        points.append((float(sizes.kv_cache_bytes(cfg, 1, ctx, kv)), t))  # the cached positions it reads
-    return points
+        calls.append(lambda step=step, ids=ids, pos=pos, turn=turn, cache=cache: step(ids, pos, next(turn), cache))
+    with torch.inference_mode():  # the contexts timed interleaved, as _gemm_points' CPU shapes
+        times = median_times(calls, max(5, repeats))
+    # n: the cached positions each step reads
+    return [(float(sizes.kv_cache_bytes(cfg, 1, ctx, kv)), t) for ctx, t in zip(contexts, times)]
 
 
 def _attn_prefill_points(dtype: str, shapes, repeats: int):
@@ -783,8 +800,11 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # MiB on the 2-core EPYC, whose DRAM reads 40-80); 15: gemm_rows/cpu/bf16, torch's GEMM at 8 rows over cold
 # weights (a short prompt's, an expert's past its native rows): 1.4-2x the weights' bytes at the DRAM rate, where
 # max(compute, stream) priced the stream alone (a uniformly routed CPU MoE's 16-128-token prefill 39-56% fast),
-# and expert_rows/cpu/bf16, the native bf16 expert at 1-8 rows (each row's multiply-adds beyond the stream).
-PROFILER_VERSION = 15
+# and expert_rows/cpu/bf16, the native bf16 expert at 1-8 rows (each row's multiply-adds beyond the stream);
+# 16: every CPU GEMM / GEMV key's shapes, expert_rows' rows and attn_decode's contexts are timed interleaved
+# (median_times), not one after the other: a fresh clone's quick int4 fit, shape by shape, had a 0.38 us
+# intercept where the 2-core EPYC's is 2.5-6 us, and its plan priced `make run` 20-28% fast.
+PROFILER_VERSION = 16
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
