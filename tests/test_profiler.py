@@ -443,8 +443,8 @@ def test_a_faster_memory_moves_only_the_dram_floors_a_slower_one_every_key():
     slower memory moves every bandwidth-bound key, and the read's price with it."""
     from tiered.hardware.profile import BANDWIDTH_BOUND_CPU, DRAM_BOUND_CPU, scale_cpu_bandwidth
 
-    keys = ("gemv/cpu/int4", "gemv_dram/cpu/bf16", "attn/cpu/fp32", "attn_decode/cpu/bf16", "memory/bandwidth/cpu",
-            "memory/bandwidth_dram/cpu", "memory/copy/cpu", "gemm/cpu/bf16")
+    keys = ("gemv/cpu/int4", "gemv_dram/cpu/bf16", "expert_dram/cpu/bf16", "attn/cpu/fp32", "attn_decode/cpu/bf16",
+            "memory/bandwidth/cpu", "memory/bandwidth_dram/cpu", "memory/copy/cpu", "gemm/cpu/bf16")
     hw = HardwareProfile("box", "test", {k: LinearModel(1e-6, 2e-11, 0.9) for k in keys},
                          meta={"llc_bytes": 32 * 2**20})
     for ratio, moved in ((0.5, DRAM_BOUND_CPU), (2.0, BANDWIDTH_BOUND_CPU)):
@@ -511,6 +511,79 @@ def test_a_decode_gemv_beyond_the_cache_streams_at_the_kernels_own_dram_rate():
     assert op_time.memory_time(kernel, "cpu", "bf16", n, working_set=2 * llc) == pytest.approx(n / 80e9)
     assert op_time.memory_time(kernel, "cpu", "bf16", n, working_set=llc / 2) == pytest.approx(n / 216e9)
     assert op_time.dram_floor(kernel, "cpu", 2 * llc) == pytest.approx(1 / 98e9)  # plain reads, no dtype
+
+
+def test_a_cpu_experts_weights_beyond_the_cache_stream_at_the_expert_kernels_own_rate():
+    """An expert's weights beyond the cache are floored by expert_dram/cpu/<dtype> where profiled (the native
+    expert kernel on real-width experts: ~90 GB/s on the H100's host where the decode GEMV's 8-32 MiB
+    matrices read 69), by gemv_dram's without it, never below plain DRAM reads; dense projections keep
+    gemv_dram's. The CPU side of a Mixtral expert's dispatch latency follows, and so does a CPU-only MoE
+    step's price."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.planner.cpu_predict import predict_decode
+    from tiered.planner.fiddler import ExpertLatency
+
+    llc = 300 * 2**20
+    models = {"gemv/cpu/bf16": LinearModel(2e-5, 1 / 200e9, 0.99), "gemm/cpu/bf16": LinearModel(0.0, 1e-12, 0.99),
+              "memory/bandwidth/cpu": LinearModel(0.0, 1 / 150e9, 0.99),
+              "memory/bandwidth_dram/cpu": LinearModel(0.0, 1 / 92e9, 0.99),
+              "gemv_dram/cpu/bf16": LinearModel(0.0, 1 / 69e9, 0.99)}
+    gemv_only = HardwareProfile("box", "test", dict(models), meta={"llc_bytes": llc})
+    with_key = HardwareProfile("box", "test", dict(models, **{"expert_dram/cpu/bf16": LinearModel(1e-5, 1 / 90e9, 0.99)}),
+                               meta={"llc_bytes": llc})
+    too_fast = HardwareProfile("box", "test", dict(models, **{"expert_dram/cpu/bf16": LinearModel(0.0, 1 / 120e9, 0.9)}),
+                               meta={"llc_bytes": llc})
+    n, ws = 117e6, 2 * llc
+    assert op_time.memory_time(with_key, "cpu", "bf16", n, working_set=ws, expert=True) == pytest.approx(n / 90e9)
+    assert op_time.memory_time(with_key, "cpu", "bf16", n, working_set=ws) == pytest.approx(n / 69e9)  # a projection
+    assert op_time.memory_time(gemv_only, "cpu", "bf16", n, working_set=ws, expert=True) == pytest.approx(n / 69e9)
+    assert op_time.memory_time(too_fast, "cpu", "bf16", n, working_set=ws, expert=True) == pytest.approx(n / 92e9)
+    assert op_time.memory_time(with_key, "cpu", "int4", n, working_set=ws, expert=True) == pytest.approx(n / 92e9)
+    lat = {name: ExpertLatency(hw, MIXTRAL_EXPERT, working_set=ws).cpu_lat(1) for name, hw in
+           (("gemv", gemv_only), ("expert", with_key))}
+    expert_bytes = 3 * 4096 * 14336 * 2
+    assert lat["gemv"] == pytest.approx(expert_bytes / 69e9, rel=0.02)
+    assert lat["expert"] == pytest.approx(expert_bytes / 90e9, rel=0.02)
+    cfg = ModelConfig.from_hf({"model_type": "mixtral", "vocab_size": 1000, "hidden_size": 4096,
+                               "intermediate_size": 14336, "num_hidden_layers": 2, "num_attention_heads": 32,
+                               "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 8,
+                               "num_experts_per_tok": 2})
+    steps = {name: predict_decode(cfg, hw, "bf16", 64)[1] for name, hw in (("gemv", gemv_only), ("expert", with_key))}
+    experts = 2 * 2 * expert_bytes  # two layers of two experts
+    assert steps["gemv"] - steps["expert"] == pytest.approx(experts / 69e9 - experts / 90e9, rel=0.02)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="tiered/kernels not built")
+def test_the_expert_dram_key_times_the_native_expert_on_slab_copies_interleaved(monkeypatch):
+    """expert_dram/cpu/bf16: the native bf16 expert at one row, n = an expert's weight bytes, each shape over
+    as many copies as fill `cold_bytes`, every copy in one HostSlab (page-aligned, as the runtime's CPU
+    experts), the shapes timed in turn."""
+    from tiered.hardware import budget, profiler
+
+    ext, calls, slabs = kernels.load(), [], []
+
+    class Spy:
+        def bf16_expert_forward(self, g, u, d, x):
+            calls.append((g.data_ptr(), x.shape))
+            return ext.bf16_expert_forward(g, u, d, x)
+    monkeypatch.setattr(kernels, "load", lambda: Spy())
+    real = budget.HostSlab
+
+    class Slab(real):
+        def __init__(self, nbytes, *a, **k):
+            super().__init__(nbytes, *a, **k)
+            slabs.append(self)
+    monkeypatch.setattr(budget, "HostSlab", Slab)
+    shapes = ((64, 128), (128, 256))
+    small, large = (3 * d * f * 2 for d, f in shapes)
+    points = profiler._expert_dram_points(3, 4 * small, shapes)
+    assert [n for n, _ in points] == [small, large] and all(t > 0 for _, t in points)
+    assert len(slabs) == 2 and slabs[0].used == 4 * small and slabs[1].used == 2 * large  # at least 2 copies
+    ptrs = [p for p, _ in calls]
+    assert all(any(s.buf.data_ptr() <= p < s.buf.data_ptr() + s.buf.numel() for s in slabs) for p in ptrs)
+    assert len(set(ptrs)) == 6 and {x[0] for _, x in calls} == {1}
+    widths = [x[1] for _, x in calls]
+    assert sum(a != b for a, b in zip(widths, widths[1:])) >= 5  # warm-ups, then each repeat visits both
 
 
 def test_the_small_row_gemm_key_times_torch_over_cold_copies(monkeypatch):

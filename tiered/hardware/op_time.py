@@ -52,7 +52,7 @@ def has_device(profile: HardwareProfile, device: str) -> bool:
 
 
 def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float, op: str = "gemv",
-                working_set: float = 0.0) -> float:
+                working_set: float = 0.0, expert: bool = False) -> float:
     """Seconds to stream `nbytes` of operands through `device`; 0 when the profile cannot say.
 
     The op's own fit (gemv/<dev>/<dtype>), floored by the device's read bandwidth
@@ -70,28 +70,38 @@ def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float
     `working_set`: bytes read between two reads of the same weight (a decode step's weights). When
     it exceeds the last-level cache (meta["llc_bytes"]), no read hits the cache and the floor is the
     memory's own rate beyond it, memory/bandwidth_dram/<dev>, when profiled.
+
+    `expert`: the bytes are a routed expert's, read by the native expert kernel (dram_floor).
     """
     m = find(profile, op, device, dtype)
     bw = profile.models.get(f"memory/bandwidth/{device}")
     floor = max(bw.beta if bw is not None else 0.0,
-                dram_floor(profile, device, working_set, dtype if op == "gemv" else None))
+                dram_floor(profile, device, working_set, dtype if op == "gemv" else None, expert))
     if m is None:  # a read's time is its bytes at the memory's rate (bandwidth fits' intercepts are noise)
         return nbytes * floor
     return max(m(nbytes), nbytes * floor)
 
 
-def dram_floor(profile: HardwareProfile, device: str, working_set: float, dtype: str | None = None) -> float:
+def dram_floor(profile: HardwareProfile, device: str, working_set: float, dtype: str | None = None,
+               expert: bool = False) -> float:
     """Seconds per byte below which `device` cannot stream operands when `working_set` bytes pass
     between two reads of the same one [s/byte]: once the working set exceeds the last-level cache
     (meta["llc_bytes"]), the slower of memory/bandwidth_dram/<dev> (plain reads) and, for a `dtype`
-    GEMV, gemv_dram/<dev>/<dtype> (the decode kernel itself over weights no cache holds: on the
-    H200's host one bf16 expert streamed 81 GB/s where plain reads did 98); else 0 (the cache may
-    serve it)."""
+    GEMV, the kernel's own rate over weights no cache holds: gemv_dram/<dev>/<dtype> (the decode
+    GEMV: on the H200's host one bf16 expert streamed 81 GB/s where plain reads did 98); for an
+    `expert`'s weights, expert_dram/<dev>/<dtype> where profiled (the native expert kernel on
+    experts of real width in huge pages, as the runtime holds them: on the H100's 16-core host the
+    decode GEMV over 8-32 MiB matrices read 69 GB/s where a Mixtral expert streamed ~90, and the
+    plans priced each CPU expert 5.1 ms against 3.9 measured). Else 0 (the cache may serve it)."""
     llc = profile.meta.get("llc_bytes") if profile.meta else None
     if not (llc and working_set > llc):
         return 0.0
     dram = profile.models.get(f"memory/bandwidth_dram/{device}")
-    kernel = find(profile, "gemv_dram", device, dtype) if dtype else None
+    kernel = None
+    if dtype and expert:
+        kernel = find(profile, "expert_dram", device, dtype)
+    if dtype and kernel is None:
+        kernel = find(profile, "gemv_dram", device, dtype)
     return max(m.beta for m in (dram, kernel, LinearModel(0.0, 0.0, None)) if m is not None)
 
 

@@ -115,8 +115,8 @@ def default_profile_path() -> Path:
 # CPU cost models whose per-byte term is the memory's rate: what a change of the machine's memory
 # bandwidth since the profile moves (a VM's neighbours; the compute-bound GEMM fits and the host
 # overhead keys stay as measured).
-BANDWIDTH_BOUND_CPU = ("gemv/cpu/", "gemv_dram/cpu/", "attn/cpu/", "attn_decode/cpu/", "memory/bandwidth/cpu", "memory/bandwidth_dram/cpu",
-                       "memory/copy/cpu")
+BANDWIDTH_BOUND_CPU = ("gemv/cpu/", "gemv_dram/cpu/", "expert_dram/cpu/", "attn/cpu/", "attn_decode/cpu/",
+                       "memory/bandwidth/cpu", "memory/bandwidth_dram/cpu", "memory/copy/cpu")
 
 # Of those, the ones timed over operands no cache holds (beyond meta["llc_bytes"]): the DRAM floors
 # (op_time.dram_floor) under every CPU read of a step bigger than the cache. When the memory reads
@@ -126,7 +126,7 @@ BANDWIDTH_BOUND_CPU = ("gemv/cpu/", "gemv_dram/cpu/", "attn/cpu/", "attn_decode/
 # from minute to minute while SmolLM2's int4 native decode step moved ~1.1x (311-386 tok/s against
 # 369-437) and its fp32 step and a bf16 MoE's ~1.35x; scaling every key by the fast reading priced
 # the int4 step at 760 tok/s where it ran 381-409.
-DRAM_BOUND_CPU = ("gemv_dram/cpu/", "memory/bandwidth_dram/cpu", "attn_decode/cpu/")
+DRAM_BOUND_CPU = ("gemv_dram/cpu/", "expert_dram/cpu/", "memory/bandwidth_dram/cpu", "attn_decode/cpu/")
 
 
 def scale_cpu_bandwidth(profile: HardwareProfile, ratio: float, why: str = "") -> HardwareProfile:

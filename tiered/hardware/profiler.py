@@ -359,6 +359,47 @@ def _expert_rows_points(repeats: int, cold_bytes: int | None) -> list[tuple[floa
     return [(float(rows * 3 * D * F), t) for rows, t in zip(row_counts, median_times(calls, repeats))]
 
 
+# Experts the native bf16 expert kernel is timed on beyond the cache (expert_dram/cpu/bf16): (hidden,
+# intermediate) of a small MoE's, Mixtral's at half width, and Mixtral's (22, 88 and 336 MiB).
+EXPERT_DRAM_SHAPES = ((1024, 3584), (2048, 7168), (4096, 14336))
+
+
+def _expert_dram_points(repeats: int, cold_bytes: int, shapes=EXPERT_DRAM_SHAPES) -> list[tuple[float, float]]:
+    """(weight bytes, seconds a call) of tiered's native bf16 SwiGLU expert at one row (a decode step's CPU
+    expert: quant/experts.ExpertFormat.forward), for experts of `shapes` (hidden, intermediate), each
+    cycled over copies filling `cold_bytes` (beyond the last-level cache) carved from one HostSlab (page-
+    aligned, on huge pages where the OS gives them) as the runtime's CPU experts are
+    (memory/expert_store). The shapes are timed interleaved (median_times). Why a key of its own: on the
+    H100's 16-core host the decode GEMV's DRAM rate (gemv_dram/cpu/bf16, 8-32 MiB matrices) read 69 GB/s
+    where a Mixtral expert streamed ~90 (its weights pinned: 98.7; pageable 82.8), so the plans priced a
+    CPU expert 5.1 ms against 3.9 measured and copied misses a CPU would have finished first.
+
+    Raises RuntimeError without the kernels."""
+    from tiered.hardware.budget import HostSlab
+
+    ext = kernels.load()
+    if ext is None:
+        raise RuntimeError("tiered/kernels is not built")
+    g = torch.Generator().manual_seed(0)
+    calls, sizes = [], []
+    for D, F in shapes:
+        mats = ((F, D), (F, D), (D, F))
+        nbytes = 3 * D * F * 2
+        copies = max(2, -(-cold_bytes // nbytes))
+        slab = HostSlab(HostSlab.bytes_for(copies, mats, torch.bfloat16))
+        first = [(torch.randn(*sh, generator=g) * 0.02).to(torch.bfloat16) for sh in mats]
+        slots = []
+        for _ in range(copies):
+            slot = tuple(slab.take(sh, torch.bfloat16) for sh in mats)
+            for dst, src in zip(slot, first):
+                dst.copy_(src)
+            slots.append(slot)
+        turn, x = itertools.cycle(slots), torch.randn(1, D).to(torch.bfloat16)
+        calls.append(lambda turn=turn, x=x: ext.bf16_expert_forward(*next(turn), x))
+        sizes.append(float(nbytes))
+    return list(zip(sizes, median_times(calls, repeats)))
+
+
 def _gemv_graph_points(dtype: str, shapes, repeats: int) -> list[tuple[float, float]]:
     """(weight bytes, seconds a call) of `dtype` GEMVs (1 x K by N x K, F.linear) replayed in a captured
     CUDA graph, as a graphed decode step runs its projections: no host issues them, so what is left
@@ -803,8 +844,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # and expert_rows/cpu/bf16, the native bf16 expert at 1-8 rows (each row's multiply-adds beyond the stream);
 # 16: every CPU GEMM / GEMV key's shapes, expert_rows' rows and attn_decode's contexts are timed interleaved
 # (median_times), not one after the other: a fresh clone's quick int4 fit, shape by shape, had a 0.38 us
-# intercept where the 2-core EPYC's is 2.5-6 us, and its plan priced `make run` 20-28% fast.
-PROFILER_VERSION = 16
+# intercept where the 2-core EPYC's is 2.5-6 us, and its plan priced `make run` 20-28% fast; 17:
+# expert_dram/cpu/bf16, the native bf16 expert at one row over experts of 22-336 MiB beyond the cache in a
+# HostSlab, which prices CPU experts where gemv_dram had (69 GB/s on the H100's host against ~90 streamed).
+PROFILER_VERSION = 17
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -882,6 +925,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
             for dtype in ("bf16",) if quick else ("fp32", "bf16", "int8", "int4"):
                 b.attempt(f"gemv_dram/cpu/{dtype}", lambda d=dtype: _gemm_points(
                     "cpu", d, dram_gemvs, nosync, max(3, r // 2), True, cold_bytes=3 * llc))
+            # the native bf16 expert at one row over experts of real width, as a CPU expert streams them
+            b.attempt("expert_dram/cpu/bf16", lambda: _expert_dram_points(max(3, r // 2), 3 * llc))
             for kv in ("bf16", "fp32"):  # the native step's attention over a cache in DRAM
                 b.attempt(f"attn_decode/cpu/{kv}", lambda k=kv: _attn_decode_points(k, r, min(3 * llc, 2**30)))
     b.attempt("memory/copy/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=True))

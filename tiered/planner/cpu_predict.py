@@ -139,11 +139,13 @@ def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_
     return st
 
 
-def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, working_set: float = 0.0) -> float:
+def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, working_set: float = 0.0,
+          expert: bool = False) -> float:
     """Seconds of `calls` one-token matmuls reading `weight_bytes` in all: the memory-bound regime
     (gemv/cpu/<dtype>), which is what a decode step runs; the many-token GEMM fit does not apply.
-    `working_set`: the step's weight bytes (op_time.memory_time: beyond the cache, DRAM's rate)."""
-    return op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set) * calls
+    `working_set`: the step's weight bytes (op_time.memory_time: beyond the cache, DRAM's rate);
+    `expert`: routed experts' weights, beyond the cache at the native expert kernel's own rate."""
+    return op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set, expert) * calls
 
 
 def _projections(hw: HardwareProfile, dtype: str, mix: dict | None, elements: float, calls: int,
@@ -261,12 +263,12 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             if misses <= 1e-9 and native_step(hw):
                 # every expert in RAM: the layer's k experts in one native call of two parallel
                 # regions (runtime/moe_runner._all_on_fast, the plan's native_decode), no task per expert
-                layers.append((attn, t + _gemv(hw, ekind, k * eb, calls=2, working_set=ws)))
+                layers.append((attn, t + _gemv(hw, ekind, k * eb, calls=2, working_set=ws, expert=True)))
                 continue
             # computes run inline on the calling thread (the executor's "cpu" stream): no task hop;
             # each miss's read is a task on a reader thread and pays `over`
             calls = 2 if native_step(hw) else 3  # the native expert: gate and up in one call, then down
-            compute = _gemv(hw, ekind, eb, calls=calls, working_set=ws)
+            compute = _gemv(hw, ekind, eb, calls=calls, working_set=ws, expert=True)
             read = disk(eb) if disk is not None and misses > 0 else 0.0
             if read_ahead and misses > 0:
                 # all of a layer's reads are issued at once to the reader threads; the CPU computes

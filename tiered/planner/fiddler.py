@@ -123,7 +123,8 @@ class ExpertLatency:
             op_time.gemm_time(p, device, dtype, 1.0)
         key = op_time.gemv_dtype(dtype, self.cpu_act) if device == "cpu" else dtype
         floor = op_time.memory_time(p, device, key, sh.weight_bytes(dtype) / sh.matrices,
-                                    working_set=self.working_set if device == "cpu" else 0.0) * sh.matrices
+                                    working_set=self.working_set if device == "cpu" else 0.0,
+                                    expert=device == "cpu") * sh.matrices
         const = sh.kernels * op_time.launch_time(p, device)
         bw = p.models.get(f"memory/bandwidth/{device}")
         # silu(gate) and gate * up read 3 and write 2 vectors of `intermediate` 16-bit values per token
