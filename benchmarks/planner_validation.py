@@ -336,7 +336,9 @@ def first_token_s(llm: LLM, prompt: list[int]) -> float:
 def dense_rows(args, hw, rows: list, errors: list) -> None:
     """SmolLM2-135M from its GGUF, end to end: explicit bf16 and fp32 weights (plan off, priced by the
     cost model with `hw`), and the default engine (one int4/int8 copy, the native decode step when
-    built) as its own auto plan predicts it (the plan's predicted_decode_tokens_per_s). Each row also
+    built) as its own auto plan predicts it at the measured positions (LLM.predicted_decode_at, what
+    `tiered run` prints beside its measured speed; the plan's own predicted_decode_tokens_per_s is at its
+    prompt + generation length). Each row also
     compares the TTFT of a TTFT_TOKENS-token prompt with the prefill prediction (the plan's
     predicted_ttft_s; cpu_predict.predict_prefill for the plan-off rows); those errors are reported
     apart from the decode median."""
@@ -351,8 +353,9 @@ def dense_rows(args, hw, rows: list, errors: list) -> None:
         llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         itl = median([llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.new_tokens,
                                                          ignore_eos=True))[0].stats.itl_s for _ in range(3)])
-        if dw is None:
-            step = 1.0 / llm.plan.predicted_decode_tokens_per_s
+        if dw is None:  # the plan priced again at this run's positions (its own figure is at prompt + generation:
+            # 640 positions, where attention reads 10x the KV bytes), as `tiered run` reports it
+            step = 1.0 / (llm.predicted_decode_at(len(ids) + args.new_tokens // 2) or llm.plan.predicted_decode_tokens_per_s)
         else:
             _, step = predict_decode(llm.config, now, dw, context=len(ids) + args.new_tokens // 2)
         err = abs(step - itl) / itl
