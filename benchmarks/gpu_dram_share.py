@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -42,11 +40,8 @@ sys.path.insert(0, str(ROOT.parent))
 
 import torch
 
-from tiered import kernels
-from tiered.models.moe import expert_forward
 from tiered.bench.report import Column, write_report
-
-GB = 1e9
+from tiered.hardware.host_share import CpuLoop, measure
 
 
 def make_experts(n: int, hidden: int, ffn: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -80,99 +75,6 @@ def registered_copy(t: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"cudaHostRegister failed: {err}")
     out._keep = raw  # the allocation the view lives in
     return out
-
-
-class CpuLoop:
-    """Runs expert forwards over the experts in turn until stopped; counts bytes and calls.
-
-    `tokens` 1: a decode step's expert, tiered's native bf16 kernel where built. More: a prompt's
-    expert as the runtime computes a dense bf16 one past its native rows (quant/experts.ExpertFormat.
-    forward: three torch GEMMs, oneDNN on the CPU)."""
-
-    def __init__(self, experts, hidden: int, tokens: int = 1) -> None:
-        self.experts = experts
-        self.x = torch.randn(tokens, hidden).to(torch.bfloat16)
-        ext = kernels.load()
-        self.fn = ext.bf16_expert_forward if ext is not None and tokens == 1 else None
-        self.bytes_per = sum(t.numel() * t.element_size() for t in experts[0])
-        self.ms_per_expert = None
-
-    def one(self, e) -> None:
-        if self.fn is not None:
-            self.fn(*e, self.x)
-        else:
-            expert_forward(self.x, *e)
-
-    def rate(self, seconds: float) -> float:
-        """GB/s of weights over `seconds` of back-to-back expert forwards on the calling thread (at least
-        3 forwards); ms_per_expert is set to their mean."""
-        n, t0 = 0, time.perf_counter()
-        while n < 3 or time.perf_counter() - t0 < seconds:
-            self.one(self.experts[n % len(self.experts)])
-            n += 1
-        elapsed = time.perf_counter() - t0
-        self.ms_per_expert = 1e3 * elapsed / n
-        return n * self.bytes_per / elapsed / GB
-
-
-class CopyLoop(threading.Thread):
-    """A thread copying `src` (pinned host) into `dst` (device) until stopped, waiting on each copy
-    with a blocking event (`blocking=True`) or a spinning Stream.synchronize."""
-
-    def __init__(self, src: torch.Tensor, dst: torch.Tensor, blocking: bool) -> None:
-        super().__init__(daemon=True)
-        self.src, self.dst, self.blocking = src, dst, blocking
-        self.stop = threading.Event()
-        self.copied = 0
-        self.t0 = self.t1 = 0.0
-
-    def run(self) -> None:
-        torch.set_num_threads(1)
-        cuda = self.dst.is_cuda
-        stream = torch.cuda.Stream() if cuda else None
-        self.t0 = time.perf_counter()
-        while not self.stop.is_set():
-            if cuda:
-                with torch.cuda.stream(stream):
-                    self.dst.copy_(self.src, non_blocking=True)
-                if self.blocking:
-                    ev = torch.cuda.Event(blocking=True)
-                    ev.record(stream)
-                    ev.synchronize()
-                else:
-                    stream.synchronize()
-            else:
-                self.dst.copy_(self.src)
-            self.copied += self.src.numel() * self.src.element_size()
-        self.t1 = time.perf_counter()
-
-    def rate(self) -> float:
-        return self.copied / max(self.t1 - self.t0, 1e-9) / GB
-
-
-def measure(cpu: CpuLoop | None, src, dst, seconds: float, blocking: bool = True,
-            threads: int | None = None) -> dict:
-    """One window: CPU GB/s and/or copy GB/s while both (or one) run."""
-    old = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        copier = CopyLoop(src, dst, blocking) if src is not None else None
-        if copier is not None:
-            copier.start()
-            time.sleep(0.05)
-        if cpu is not None:
-            cpu_rate = cpu.rate(seconds)
-        else:
-            time.sleep(seconds)
-            cpu_rate = None
-        if copier is not None:
-            copier.stop.set()
-            copier.join()
-        return {"cpu_GBps": cpu_rate, "h2d_GBps": copier.rate() if copier is not None else None,
-                "cpu_ms": cpu.ms_per_expert if cpu is not None else None}
-    finally:
-        torch.set_num_threads(old)
 
 
 def main(argv: list[str] | None = None) -> None:

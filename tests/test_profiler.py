@@ -553,6 +553,38 @@ def test_a_cpu_experts_weights_beyond_the_cache_stream_at_the_expert_kernels_own
     assert steps["gemv"] - steps["expert"] == pytest.approx(experts / 69e9 - experts / 90e9, rel=0.02)
 
 
+def test_the_dispatch_latency_carries_the_profiles_host_share():
+    """ExpertLatency.latency_model takes the slowdowns of CPU experts and H2D copies run together from
+    meta["host_share"] (the profiler's, CUDA machines), 1.0 without it; a plan's saved dispatch latency
+    without the fields loads as unshared."""
+    from dataclasses import asdict
+
+    from tiered.planner.fiddler import ExpertLatency
+    from tiered.runtime.dispatcher import LatencyModel
+
+    hw = get_preset("rtx4090-pcie4")
+    plain = ExpertLatency(hw, MIXTRAL_EXPERT).latency_model()
+    assert (plain.cpu_shared, plain.link_shared) == (1.0, 1.0)
+    shared_hw = replace(hw, meta=dict(hw.meta or {}, host_share={"cpu": 1.13, "h2d": 1.11}))
+    shared = ExpertLatency(shared_hw, MIXTRAL_EXPERT).latency_model()
+    assert (shared.cpu_shared, shared.link_shared) == (1.13, 1.11)
+    assert replace(shared, cpu_shared=1.0, link_shared=1.0) == plain  # nothing else moves
+    old = {k: v for k, v in asdict(shared).items() if k not in ("cpu_shared", "link_shared")}
+    assert LatencyModel(**old) == plain
+
+
+def test_host_share_times_cpu_experts_and_copies_alone_and_together():
+    """profiler._host_share (hardware/host_share): rates alone and together, and each side's slowdown
+    (>= 1), here with host copies standing in for H2D and tiny experts."""
+    from tiered.hardware.profiler import _host_share
+
+    share = _host_share(0, 0.02, hidden=64, ffn=128, device="cpu")
+    assert share["cpu"] >= 1.0 and share["h2d"] >= 1.0
+    assert len(share["cpu_GBps"]) == 2 and len(share["h2d_GBps"]) == 2
+    assert all(r > 0 for r in share["cpu_GBps"] + share["h2d_GBps"])
+    assert share["cpu"] == pytest.approx(max(1.0, share["cpu_GBps"][0] / share["cpu_GBps"][1]))
+
+
 @pytest.mark.skipif(not kernels.available(), reason="tiered/kernels not built")
 def test_the_expert_dram_key_times_the_native_expert_on_slab_copies_interleaved(monkeypatch):
     """expert_dram/cpu/bf16: the native bf16 expert at one row, n = an expert's weight bytes, each shape over

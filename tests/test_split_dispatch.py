@@ -119,6 +119,41 @@ def test_a_layer_sends_misses_both_ways_only_when_that_beats_one_side_by_mix_gai
         assert len(set(got.paths)) == 1 and got.seconds == pytest.approx(one)
 
 
+@settings(max_examples=60, deadline=None)
+@given(cpu=st.floats(1e-4, 2e-2), link=st.floats(1e-4, 2e-2), fc=st.floats(1.0, 1.5), fl=st.floats(1.0, 1.5))
+def test_cpu_work_and_copies_together_each_slow_while_both_run(cpu, link, fc, fl):
+    """LatencyModel.together: while both run each goes at its shared rate (1 / factor of its own), then the
+    one left finishes alone; with no slowdown each ends at its own time."""
+    lat = LatencyModel(0.0, cpu, 0.0, 0.0, 0.0, 1e9, cpu_shared=fc, link_shared=fl)
+    c_end, l_end = lat.together(cpu, link)
+    first = min(c_end, l_end)
+    assert first == pytest.approx(min(cpu * fc, link * fl))
+    # the work done: each side's share at the shared rate until the first ends, alone after
+    assert min(c_end, first) / fc + max(0.0, c_end - first) == pytest.approx(cpu)
+    assert min(l_end, first) / fl + max(0.0, l_end - first) == pytest.approx(link)
+    assert cpu <= c_end <= cpu * fc + 1e-15 and link <= l_end <= link * fl + 1e-15
+    plain = LatencyModel(0.0, cpu, 0.0, 0.0, 0.0, 1e9)
+    assert plain.together(cpu, link) == pytest.approx((cpu, link))
+    assert lat.together(cpu, 0.0) == (cpu, 0.0) and lat.together(0.0, link) == (0.0, link)
+
+
+def test_a_mix_is_priced_with_the_host_memory_the_two_sides_share():
+    """The H100 host measured alone and together (gpu_dram_share: CPU expert 82.8 -> 73.4 GB/s, H2D 52.7 ->
+    47.5): a decode layer's two misses, one on the CPU (3.9 ms) beside one copied (6.4 ms), end at 6.9 ms
+    once the copy's slower start is priced, not 6.4; the choice between that and 7.8 ms on the CPU alone is
+    then made on the shared figure."""
+    nbytes = 352 * MB
+    alone = LatencyModel(3.9e-3, 0.0, 0.0, 0.0, 0.0, nbytes / 6.4e-3)
+    shared = LatencyModel(3.9e-3, 0.0, 0.0, 0.0, 0.0, nbytes / 6.4e-3, cpu_shared=82.8 / 73.4, link_shared=52.7 / 47.5)
+    c, l = shared.together(3.9e-3, 6.4e-3)
+    assert c == pytest.approx(3.9e-3 * 82.8 / 73.4) and l == pytest.approx(6.4e-3 + c * (1 - 47.5 / 52.7))
+    mix = dispatch_misses([1, 1], shared, nbytes, mode="balanced")  # 6.84 ms still beats 7.8 by MIX_GAIN
+    assert sorted(mix.paths) == [COPY, CPU] and mix.seconds == pytest.approx(l) and l < MIX_GAIN * 7.8e-3
+    assert dispatch_misses([1, 1], alone, nbytes).seconds == pytest.approx(6.4e-3)  # the mix, unshared
+    heavier = LatencyModel(3.9e-3, 0.0, 0.0, 0.0, 0.0, nbytes / 6.4e-3, cpu_shared=1.3, link_shared=1.3)
+    assert split_misses([1, 1], alone, nbytes) != [CPU, CPU] and split_misses([1, 1], heavier, nbytes) == [CPU, CPU]
+
+
 def test_decode_misses_stay_on_the_cpu_where_a_mix_gains_little():
     """The H100 host's rates (session 28: CPU 3.47 ms, link 6.41 ms per Mixtral expert): a mix of a
     decode step's two misses priced 5% faster than both on the CPU, and measured 16% slower. Both

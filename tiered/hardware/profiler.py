@@ -156,6 +156,7 @@ class _Bench:
         self.notes: list[str] = []  # fits replaced (Bench.fit), into meta["notes"]
         self.points: dict[str, list[tuple[float, float]]] = {}
         self.llc: int | None = None  # last-level cache [bytes], when the OS says
+        self.host_share: dict | None = None  # CUDA: CPU experts and H2D copies at once (_host_share)
 
     def fit(self, key: str, points: list[tuple[float, float]]) -> None:
         self.points[key] = points
@@ -398,6 +399,28 @@ def _expert_dram_points(repeats: int, cold_bytes: int, shapes=EXPERT_DRAM_SHAPES
         calls.append(lambda turn=turn, x=x: ext.bf16_expert_forward(*next(turn), x))
         sizes.append(float(nbytes))
     return list(zip(sizes, median_times(calls, repeats)))
+
+
+def _host_share(cold_bytes: int, seconds: float, hidden: int = 4096, ffn: int = 14336,
+                device: str = "cuda") -> dict:
+    """hardware/host_share.host_share on this machine: Mixtral-width bf16 experts (`hidden` x `ffn`) in
+    page-locked memory, as an offloading engine holds its CPU experts, enough of them to exceed
+    `cold_bytes` (at least 2), computed at one token by the calling thread while another copies one
+    expert-sized page-locked buffer to `device` again and again. On a machine without CUDA (tests) pass
+    device="cpu": host copies stand in, from ordinary memory."""
+    from tiered.hardware.host_share import CpuLoop, host_share
+
+    cuda = device == "cuda"
+    nbytes = 3 * hidden * ffn * 2
+    g = torch.Generator().manual_seed(0)
+    first = [(torch.randn(*sh, generator=g) * 0.02).to(torch.bfloat16) for sh in ((ffn, hidden), (ffn, hidden), (hidden, ffn))]
+    experts = [tuple(t.pin_memory() if cuda else t.clone() for t in first)
+               for _ in range(max(2, -(-cold_bytes // nbytes)))]
+    cpu = CpuLoop(experts, hidden)
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=cuda).fill_(1)
+    dst = torch.empty_like(src, device=device)
+    cpu.rate(min(seconds, 0.1))  # warm-up: pages, kernels, clocks
+    return host_share(cpu, src, dst, seconds)
 
 
 def _gemv_graph_points(dtype: str, shapes, repeats: int) -> list[tuple[float, float]]:
@@ -847,6 +870,7 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # intercept where the 2-core EPYC's is 2.5-6 us, and its plan priced `make run` 20-28% fast; 17:
 # expert_dram/cpu/bf16, the native bf16 expert at one row over experts of 22-336 MiB beyond the cache in a
 # HostSlab, which prices CPU experts where gemv_dram had (69 GB/s on the H100's host against ~90 streamed).
+# meta["host_share"] on CUDA machines: a CPU expert's and an H2D copy's slowdown when they run at once.
 PROFILER_VERSION = 17
 
 
@@ -970,6 +994,11 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         copy_sizes = [1, 4, 16, 64] if quick else [1, 4, 16, 64, 256]
         for kind in ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable"):
             b.attempt(f"copy/{kind}", lambda k=kind: _copy_points(k, copy_sizes, r))
+        try:  # CPU experts beside H2D copies: how much each slows the other (dispatcher: LatencyModel.together)
+            b.host_share = _host_share(2 * (llc or 0), 0.2 if quick else 0.5)
+            b.say(f"host_share: CPU expert x{b.host_share['cpu']:.2f}, H2D x{b.host_share['h2d']:.2f} together")
+        except Exception as e:  # noqa: BLE001  (as Bench.attempt: note it, keep going)
+            b.skipped["host_share"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     host = socket.gethostname()
     meta = _meta(b, cuda)
     meta["profiler_version"] = PROFILER_VERSION
@@ -978,6 +1007,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     meta["kernel_tuning"] = kernels.tuning()  # ... tuned so (None without them)
     meta["disk_note"] = note
     meta["load_average"] = load_before
+    if b.host_share is not None:
+        meta["host_share"] = b.host_share
     notes = list(b.notes)
     if load_before is not None and load_before > (os.cpu_count() or 1) - 0.5:
         notes.append(f"load average {load_before:.1f} on {os.cpu_count()} cores while profiling: other "

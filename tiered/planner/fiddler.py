@@ -224,9 +224,14 @@ class ExpertLatency:
         # past the step the CPU's own piece there: a prompt's GEMMs at their compute slope (the secant's is
         # the memory-bound side's); exact at s* still, where s* lies past the step on that piece
         prompt_beta = cpu.piece(rows)[1] if rows < math.inf else None
+        # CPU experts and H2D copies at once, each slowed by the other where the profile measured it
+        share = (self.profile.meta or {}).get("host_share") or {}
         return LatencyModel(cpu(1) - cb, cb, gpu(1) - gb, gb, h2d.alpha, 1.0 / h2d.beta, disk_alpha, disk_bw,
                             cpu_prompt_alpha=step, cpu_prompt_rows=rows if step > 0 else math.inf,
-                            cpu_prompt_beta=prompt_beta if step > 0 else None)
+                            cpu_prompt_beta=prompt_beta if step > 0 else None,
+                            cpu_shared=max(1.0, float(share.get("cpu", 1.0))),
+                            link_shared=max(1.0, float(share.get("h2d", 1.0))))
+
 
 def step_expert_bytes(cfg: ModelConfig, dtype: str) -> float:
     """Bytes of the routed experts one decode step of one sequence reads [bytes]: top-k experts of

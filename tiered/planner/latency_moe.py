@@ -169,11 +169,13 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
         n_cpu = sum(1 for p in paths if p == CPU)
         n_copy = misses - n_cpu
         link = n_copy * (costs.task + matrices * costs.copy_alpha + eb * costs.copy_beta)
-        gpu_end = max(compute, link + gpu_task) if n_copy else compute
         cpu_end = 0.0
         if n_cpu:
             out = costs.h2d(s * cfg.hidden_size * act_bpe) if costs.h2d is not None else 0.0
             cpu_end = to_host + n_cpu * (expert.cpu_lat(s) + out)
+        if n_cpu and n_copy:  # both out of host memory at once (LatencyModel.together)
+            cpu_end, link = lat.together(cpu_end, link)
+        gpu_end = max(compute, link + gpu_task) if n_copy else compute
         shared = (n_cpu + n_copy) * eb * costs.host_read_beta if n_cpu and n_copy else 0.0
         return max(gpu_end, cpu_end, shared) + misses * d_share * t_disk
 

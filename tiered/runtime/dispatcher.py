@@ -53,6 +53,8 @@ class LatencyModel:
     cpu_prompt_alpha: float = 0.0
     cpu_prompt_rows: float = float("inf")
     cpu_prompt_beta: float | None = None
+    cpu_shared: float = 1.0  # CPU expert seconds while H2D copies run beside it, per second alone (>= 1)
+    link_shared: float = 1.0  # H2D copy seconds while a CPU expert runs beside it, per second alone (>= 1)
 
     def cpu_lat(self, s: int) -> float:
         rows = self.cpu_prompt_rows
@@ -66,6 +68,20 @@ class LatencyModel:
 
     def gpu_lat(self, s: int) -> float:
         return self.gpu_alpha + self.gpu_beta * s
+
+    def together(self, cpu_s: float, link_s: float) -> tuple[float, float]:
+        """(CPU end, link end) [s] of `cpu_s` seconds of CPU expert work and `link_s` seconds of H2D copies
+        (each timed alone) started together: both draw on the host's memory, so while both run each
+        goes slower by its factor (cpu_shared, link_shared: the profile's meta["host_share"], measured
+        by hardware/host_share), and the one left alone finishes at its own speed. On the H100's host
+        ~1.13 and ~1.11: a Mixtral expert on the CPU (3.9 ms) beside one copied (6.4 ms) ends at 4.4 ms,
+        the copy at 6.8."""
+        if cpu_s <= 0 or link_s <= 0:
+            return cpu_s, link_s
+        c, l = cpu_s * self.cpu_shared, link_s * self.link_shared  # each one's time were the other always there
+        if c <= l:  # the CPU ends first; the copy's remaining work then runs alone
+            return c, c + (link_s - c / self.link_shared)
+        return l + (cpu_s - l / self.cpu_shared), l
 
     def transfer_lat(self, nbytes: int) -> float:
         return self.h2d_alpha + nbytes / self.h2d_bandwidth
@@ -128,10 +144,12 @@ def choose_path(tokens: int, on_accelerator: bool, expert_bytes: int, lat: Laten
 # A SPLIT must beat the better whole path by this factor (it launches more, and fills no cache slot).
 SPLIT_GAIN = 0.9
 # A layer whose whole misses go both ways (some on the CPU, some copied) must beat the better one-sided
-# assignment by this factor. What the latency model leaves out costs the mix: the CPU's reads and the
-# copy's DMA share the host's DRAM (each ~10% slower together: benchmarks/results/gpu/2026-11-26-h100,
-# gpu_dram_share), the copy is a task on a worker thread that waits for a core while the CPU team holds
-# them all, then its expert's launch and join. On the H100 host (session 28, uniform routing) a decode
+# assignment by this factor. What the latency model leaves out costs the mix: the copy is a task (or, issued
+# by the calling thread, a launch) and its expert's launch and join; the CPU's reads and the copy's DMA
+# sharing the host's DRAM (each ~10% slower together: benchmarks/results/gpu/2026-11-26-h100,
+# gpu_dram_share) is priced where the profile measured it (LatencyModel.together). Before copies were
+# issued by the calling thread, a copy was a task on a worker thread that waited for a core while the CPU
+# team held them all. On the H100 host (session 28, uniform routing) a decode
 # layer of one CPU expert and one copy took 10.1 ms (median; copies starting up to 3.6 ms late) against
 # 8.7 ms for both on the CPU, where the model priced 6.6 against 6.9.
 MIX_GAIN = 0.9
@@ -192,10 +210,10 @@ def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mod
     for i in order:
         cpu_before.append(cpu_before[-1] + lat.cpu_lat(tokens[i]))
 
-    def whole(j: int) -> float:  # CPU takes order[:j] whole, the rest is copied
+    def whole(j: int) -> float:  # CPU takes order[:j] whole, the rest is copied (the two sharing host memory)
         rest = order[j:]
-        link = len(rest) * copy_lat + (lat.gpu_lat(tokens[rest[-1]]) if rest else 0.0)
-        return max(cpu_before[j], link)
+        cpu_end, link_end = lat.together(cpu_before[j], len(rest) * copy_lat)
+        return max(cpu_end, link_end + (lat.gpu_lat(tokens[rest[-1]]) if rest else 0.0))
 
     best_j, best_t = min(((j, whole(j)) for j in (0, n)), key=lambda jt: jt[1])  # one side takes every miss
     if n > 1:
