@@ -31,7 +31,8 @@
 #            off with the same paths and hit rate on 2026-11-26: order, or the plan?)
 #   graphs   the CUDA graph tests, then both shapes' graphed rows beside their eager twins only
 #            (plan_auto, plan_auto_eager, plan_auto_cuda_pinned, unconstrained, unconstrained_eager): the short A/B
-#   trace    the MoE and dense default plans once more with EngineConfig(trace=True) (timelines)
+#   trace    the MoE default plan and every miss on the CPU (uniform routing: where the default's dispatch is
+#            decided), and the dense default plan, once more with EngineConfig(trace=True) (timelines)
 #   stall    benchmarks/gpu_stall_probe.py: where an offloaded decode step's host time goes (profiler
 #            ops, thread samples, late samples); stall_passive: the same with OMP_WAIT_POLICY=PASSIVE
 #   memory   benchmarks/gpu_memory_probe.py: both default plans' peak allocated GPU memory against their budget,
@@ -157,8 +158,8 @@ for stage in "${stages[@]}"; do
                 --name "graphs_$shape" ${prof:+--profile "$prof"}
             done ;;
     trace) mkdir -p "$res/traces"
-           run 120 trace_moe $PY benchmarks/gpu_offload.py $smoke $check --shape moe --repeats 1 --rows plan_auto \
-             --out "$res/traces" --name trace_moe ${prof:+--profile "$prof"} --trace-dir "$res/traces"
+           run 150 trace_moe $PY benchmarks/gpu_offload.py $smoke $check --shape moe --routing uniform --repeats 1 \
+             --rows plan_auto,forced_cpu --out "$res/traces" --name trace_moe ${prof:+--profile "$prof"} --trace-dir "$res/traces"
            run 90 trace_dense $PY benchmarks/gpu_offload.py $smoke $check --shape dense --repeats 1 --rows plan_auto \
              --out "$res/traces" --name trace_dense ${prof:+--profile "$prof"} --trace-dir "$res/traces" ;;
     *) echo "unknown stage $stage" >&2 ;;
