@@ -647,3 +647,26 @@ def test_the_native_expert_rows_key_times_1_to_8_rows_over_cold_copies(monkeypat
     points = profiler._expert_rows_points(3, 3 * expert)
     assert [n for n, _ in points] == [r * 3 * 1024 * 3584 for r in (1, 2, 4, 8)] and all(t > 0 for _, t in points)
     assert {r for _, r in calls} == {1, 2, 4, 8} and len({p for p, _ in calls}) == 3
+
+
+def test_the_cpu_path_moe_layer_probe_times_tiny_engines_with_every_expert_on_the_cpu(monkeypatch):
+    """_moe_cpu_layer_points: decode ITL of tiny MoE engines of 2, 4 and 8 layers on the accelerator given (the
+    host stand-in here; CUDA in a profile), no expert on it, every miss on the CPU path."""
+    from tiered.engine import llm as llm_module
+    from tiered.hardware import profiler
+
+    made = []
+    real = llm_module.LLM
+
+    class Spy(real):
+        def __init__(self, path, config):
+            super().__init__(path, config)
+            made.append((config, self.runtime_stats()["placement"]))
+    monkeypatch.setattr(llm_module, "LLM", Spy)
+    points = profiler._moe_cpu_layer_points(1, "host")
+    assert [n for n, _ in points] == [2.0, 4.0, 8.0] and all(t > 0 for _, t in points)
+    assert points[2][1] > points[0][1]  # six more layers cost something
+    for config, placement in made:
+        assert (config.accelerator, config.force_expert_path, config.resident_experts, config.expert_cache_slots) == \
+            ("host", "cpu", 0, 0)
+        assert "0 resident on the fast tier" in placement

@@ -54,3 +54,33 @@ def test_the_default_plan_keeps_decode_misses_on_the_cpu_and_fills_its_slots_fro
     assert "each decode step's missing experts run on the CPU" in plan.binding  # the plan says what it does
     hit_rate = int(re.search(r"hit rate (\d+)%", plan.binding).group(1))  # the simulation's, as the plan states it
     assert 15 <= hit_rate <= 30
+
+
+def test_a_cpu_path_layers_unpriced_host_time_comes_from_its_probe_key():
+    """runtime/moe_cpu_layer_gpu/bf16 (a tiny MoE's decode layers, every expert on the CPU path): what a layer
+    took beyond the model's price for it (LayerCosts.cpu_layer_extra) is added to each decode layer with
+    CPU-path experts. Without the key nothing moves; the prompt's price never does. Replayed on the
+    uniform rows' profile (what-if: the key was not measured there)."""
+    from dataclasses import replace
+
+    from tiered.hardware import op_time
+    from tiered.hardware.profile import LinearModel
+    from tiered.planner.latency_moe import RUNNER_EXPERT_KERNELS, RUNNER_LAYER_KERNELS, LayerCosts
+
+    ref, hw = load_reference(REF)
+    assert LayerCosts.of(hw).cpu_layer_extra == 0.0
+    probed = replace(hw, models=dict(hw.models, **{"runtime/moe_cpu_layer_gpu/bf16": LinearModel(3e-4, 1.2e-3, 0.99)}))
+    m, k = hw.models, op_time.MOE_PROBE_TOP_K
+    _, per_layer = op_time.step_overhead(hw, "bf16", "gpu", graphed="piecewise")
+    priced = (per_layer + 2 * m["copy/d2h_pageable"].alpha + k * m["copy/h2d_pageable"].alpha
+              + (RUNNER_LAYER_KERNELS + 1 + k * RUNNER_EXPERT_KERNELS) * op_time.launch_time(hw, "gpu"))
+    extra = LayerCosts.of(probed).cpu_layer_extra
+    assert extra == pytest.approx(1.2e-3 - priced) and extra > 0
+    cfg = model_config(ref, "Mixtral-8x7B, 4 layers, uniform routing")
+    args = dict(ref["plans"]["all"], library_workspace=None, gpu_memory=4 * 2**30, dispatch_mode="cpu", graphs=True)
+    plans = {name: make_plan(cfg, p, **dict(args, **ref["plans"]["decode"])) for name, p in (("plain", hw), ("probed", probed))}
+    step = {name: 1.0 / p.predicted_decode_tokens_per_s for name, p in plans.items()}
+    # every layer of the 4 has ~2 misses (hit rate ~20%): each pays the extra once when any of its experts misses
+    assert 3.0 * extra < step["probed"] - step["plain"] <= 4.0 * extra + 1e-9
+    ttfts = [make_plan(cfg, p, **dict(args, **ref["plans"]["ttft"])).predicted_ttft_s for p in (hw, probed)]
+    assert ttfts[0] == pytest.approx(ttfts[1])

@@ -118,6 +118,10 @@ BIG_GEMM_BYTES = 16 * 2**20
 # A GEMM of at least this many rows is a prompt's: it pays gemm_big's intercept per call.
 PROMPT_GEMM_ROWS = 64
 
+# Top-k of the tiny MoE whose CPU-path decode layers the profiler times on CUDA (runtime/moe_cpu_layer_gpu/bf16);
+# planner/latency_moe.LayerCosts prices that layer with it.
+MOE_PROBE_TOP_K = 2
+
 # Rows at which the profiler times torch's GEMM over cold weights (gemm_rows/cpu/<dtype>): a short prompt's,
 # an expert's past its native rows (planner/cpu_predict.torch_gemm_time prices the rows beyond).
 GEMM_ROWS = 8

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from tiered import kernels
 from tiered.hardware.budget import move_to_huge_pages
-from tiered.hardware.op_time import GEMM_ROWS, bytes_per_element
+from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K, bytes_per_element
 from tiered.hardware.profile import HardwareProfile, LinearModel
 
 MiB = 2**20
@@ -674,6 +674,38 @@ def _moe_step_points(repeats: int) -> list[tuple[float, float]]:
     return points
 
 
+def _moe_cpu_layer_points(repeats: int, device: str = "cuda") -> list[tuple[float, float]]:
+    """(layers, seconds) of one decode step of tiny Mixtral-shaped models (hidden 64, 8 experts, top-2, bf16)
+    with 2, 4 and 8 layers, opened by the engine on `device` ("cuda"; "host", the stand-in, in tests) with
+    no expert on it and every miss computed on the CPU (plan "off", resident_experts 0, no cache slots,
+    force_expert_path "cpu"), decode graphed as the engine does by default. The weights are too small to
+    matter: the slope is the host's fixed cost of a decode layer whose experts run on the CPU path of
+    runtime/moe_runner (the model code, the router, the layer's sync, the activations' D2H, the CPU
+    expert calls, their outputs' H2D, the combine). On the H100's host session 28's traces had ~1.5 ms
+    of such time in each forced-CPU layer beside its experts, where the plan priced ~0.9."""
+    from tiered.bench.checkpoint import ModelShape, write_dummy_checkpoint
+    from tiered.config import EngineConfig
+    from tiered.engine.llm import LLM
+    from tiered.engine.sampling import SamplingParams
+
+    points = []
+    with tempfile.TemporaryDirectory(prefix="tiered-profile-moe-gpu-") as tmp:
+        for layers in (2, 4, 8):
+            shape = ModelShape(layers=layers, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=64, experts=8,
+                               top_k=MOE_PROBE_TOP_K, max_position_embeddings=128)
+            path = write_dummy_checkpoint(Path(tmp) / f"moe-{layers}", shape)
+            llm = LLM(path, EngineConfig(accelerator=device, dtype="bfloat16", plan="off", max_context=64,
+                                         resident_experts=0, expert_cache_slots=0, force_expert_path="cpu"))
+            try:
+                ids, params = list(range(1, 9)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+                llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up, graphs
+                itl = float(np.median([llm.generate([ids], params)[0].stats.itl_s for _ in range(max(3, repeats))]))
+                points.append((float(layers), itl))
+            finally:
+                llm.close()
+    return points
+
+
 def _copy_points(kind: str, sizes_mib, repeats: int):
     sync = torch.cuda.synchronize
     points = []
@@ -870,7 +902,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # intercept where the 2-core EPYC's is 2.5-6 us, and its plan priced `make run` 20-28% fast; 17:
 # expert_dram/cpu/bf16, the native bf16 expert at one row over experts of 22-336 MiB beyond the cache in a
 # HostSlab, which prices CPU experts where gemv_dram had (69 GB/s on the H100's host against ~90 streamed).
-# meta["host_share"] on CUDA machines: a CPU expert's and an H2D copy's slowdown when they run at once.
+# On CUDA machines also meta["host_share"] (a CPU expert's and an H2D copy's slowdown when they run at once)
+# and runtime/moe_cpu_layer_gpu/bf16 (a tiny MoE's decode layers with every expert on the CPU path).
 PROFILER_VERSION = 17
 
 
@@ -991,6 +1024,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt("runtime/decode_step_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda"))
         b.attempt("runtime/decode_step_graphed_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda", "piecewise"))
         b.attempt("runtime/decode_step_graph_gpu/bf16", lambda: _decode_step_points(r, "bf16", "cuda", "whole"))
+        b.attempt("runtime/moe_cpu_layer_gpu/bf16", lambda: _moe_cpu_layer_points(r, "cuda"))
         copy_sizes = [1, 4, 16, 64] if quick else [1, 4, 16, 64, 256]
         for kind in ("h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable"):
             b.attempt(f"copy/{kind}", lambda k=kind: _copy_points(k, copy_sizes, r))

@@ -17,6 +17,8 @@ A layer's time is what runtime/moe_runner.py does, priced from profile keys (`La
              expert reads and H2D copies share the host's memory bandwidth (memory/bandwidth/cpu)
     combine  the runner's own kernels: grouping the routing slots per layer, gathering and
              index_add per expert (launch/gpu each)
+    extra    in decode, a layer with CPU-path experts: the host time beyond those terms that a tiny
+             MoE's such layers took (runtime/moe_cpu_layer_gpu/bf16, where profiled: LayerCosts.of)
 A layer whose every expert is resident at full precision is priced as the runtime runs it instead:
 grouped GEMMs over its stacked experts with no sync (runtime/grouped_experts.py), its launches free
 inside the whole-step CUDA graph the engine then captures.
@@ -62,15 +64,28 @@ class LayerCosts:
     d2h: object  # copy/d2h_pageable model (activations to the host) or None
     h2d: object  # copy/h2d_pageable model (a CPU expert's output back) or None
     host_read_beta: float  # host memory per byte read (memory/bandwidth/cpu), shared by CPU experts and DMA
+    cpu_layer_extra: float = 0.0  # a decode layer with CPU-path experts: host time the terms above leave out
 
     @classmethod
     def of(cls, profile: HardwareProfile) -> "LayerCosts":
+        """The costs from `profile`'s keys. cpu_layer_extra: where the profile timed a tiny MoE's decode
+        layers with every expert on the CPU path (runtime/moe_cpu_layer_gpu/bf16, CUDA), what that layer
+        took beyond this model's price for it (the model code's per-layer cost, the sync, the runner's
+        launches, the activations' D2H and each CPU expert's output H2D); 0 without the key."""
         m = profile.models
         task = m["runtime/task"].alpha if "runtime/task" in m else 0.0
         d2h, h2d, pinned = m.get("copy/d2h_pageable"), m.get("copy/h2d_pageable"), profile.model("copy/h2d_pinned")
         bw = m.get("memory/bandwidth/cpu")
-        return cls(task, op_time.launch_time(profile, "gpu"), d2h.alpha if d2h is not None else 0.0,
-                   pinned.alpha, pinned.beta, d2h, h2d, bw.beta if bw is not None else 0.0)
+        launch, sync = op_time.launch_time(profile, "gpu"), d2h.alpha if d2h is not None else 0.0
+        extra, probe = 0.0, m.get("runtime/moe_cpu_layer_gpu/bf16")
+        if probe is not None:  # measured with the engine's default (piecewise) graphs, its experts ~free
+            k = op_time.MOE_PROBE_TOP_K
+            _, per_layer = op_time.step_overhead(profile, "bf16", "gpu", graphed="piecewise")
+            priced = (per_layer + 2 * sync  # the layer's host sync and its activations' D2H, both small D2H
+                      + (RUNNER_LAYER_KERNELS + 1 + k * RUNNER_EXPERT_KERNELS) * launch
+                      + k * (h2d.alpha if h2d is not None else 0.0))
+            extra = max(0.0, probe.beta - priced)
+        return cls(task, launch, sync, pinned.alpha, pinned.beta, d2h, h2d, bw.beta if bw is not None else 0.0, extra)
 
 
 def prompt_experts(shares, resident: set[int], tokens: int, k: int) -> tuple[int, float]:
@@ -172,7 +187,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
         cpu_end = 0.0
         if n_cpu:
             out = costs.h2d(s * cfg.hidden_size * act_bpe) if costs.h2d is not None else 0.0
-            cpu_end = to_host + n_cpu * (expert.cpu_lat(s) + out)
+            cpu_end = to_host + n_cpu * (expert.cpu_lat(s) + out) + (costs.cpu_layer_extra if tokens == 1 else 0.0)
         if n_cpu and n_copy:  # both out of host memory at once (LatencyModel.together)
             cpu_end, link = lat.together(cpu_end, link)
         gpu_end = max(compute, link + gpu_task) if n_copy else compute
