@@ -59,6 +59,18 @@ def drop_page_cache(paths) -> None:
             os.close(fd)
 
 
+def read_uncached(handles, out) -> None:
+    """Read each tensor of `handles` into the host tensor of `out` beside it (pread, no mapping), then drop
+    the pages read from the OS page cache (posix_fadvise DONTNEED): what tiered keeps in RAM is what its
+    budget and cache hold, not a second, unaccounted copy in the page cache (real offloading engines
+    read with O_DIRECT for the same reason). So a re-read of an evicted expert costs a real disk read,
+    as it would for a model bigger than RAM. How a disk-tier expert is read (ExpertStore.read)."""
+    for h, t in zip(handles, out):
+        h.read_into(t)
+        if h.offset is not None:
+            os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_DONTNEED)
+
+
 class ExpertStore:
     """Home copies of all experts.
 
@@ -236,17 +248,8 @@ class ExpertStore:
         return sorted({h.path for k, hs in self.handles.items() if self.tier(k) == DISK for h in hs})
 
     def read(self, key, out: tuple[torch.Tensor, ...]) -> int:
-        """Read a disk-tier expert into host tensors `out` (pread, no mapping). Returns bytes read.
-
-        The pages read are then dropped from the OS page cache (posix_fadvise DONTNEED): what
-        tiered keeps in RAM is what its budget and cache hold, not a second, unaccounted copy in
-        the page cache (real offloading engines read with O_DIRECT for the same reason). So a
-        re-read of an evicted expert costs a real disk read, as it would for a model bigger than RAM.
-        """
-        for h, t in zip(self.handles[key], out):
-            h.read_into(t)
-            if h.offset is not None:
-                os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_DONTNEED)
+        """Read a disk-tier expert into host tensors `out` (read_uncached). Returns bytes read."""
+        read_uncached(self.handles[key], out)
         return self.expert_bytes
 
     def advise(self, key) -> None:
