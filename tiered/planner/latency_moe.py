@@ -187,9 +187,10 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
         cpu_end = 0.0
         if n_cpu:
             out = costs.h2d(s * cfg.hidden_size * act_bpe) if costs.h2d is not None else 0.0
-            cpu_end = to_host + n_cpu * (expert.cpu_lat(s) + out) + (costs.cpu_layer_extra if tokens == 1 else 0.0)
-        if n_cpu and n_copy:  # both out of host memory at once (LatencyModel.together)
-            cpu_end, link = lat.together(cpu_end, link)
+            experts_s = n_cpu * (expert.cpu_lat(s) + out)
+            if n_copy:  # the CPU's experts and the copies both out of host memory at once (LatencyModel.together)
+                experts_s, link = lat.together(experts_s, link)
+            cpu_end = to_host + experts_s + (costs.cpu_layer_extra if tokens == 1 else 0.0)
         gpu_end = max(compute, link + gpu_task) if n_copy else compute
         shared = (n_cpu + n_copy) * eb * costs.host_read_beta if n_cpu and n_copy else 0.0
         return max(gpu_end, cpu_end, shared) + misses * d_share * t_disk
