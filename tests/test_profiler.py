@@ -670,3 +670,16 @@ def test_the_cpu_path_moe_layer_probe_times_tiny_engines_with_every_expert_on_th
         assert (config.accelerator, config.force_expert_path, config.resident_experts, config.expert_cache_slots) == \
             ("host", "cpu", 0, 0)
         assert "0 resident on the fast tier" in placement
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_host_share_and_the_cpu_path_layer_probe_measure():
+    """The CUDA-only profile measurements run on a real GPU: CPU experts in page-locked memory beside H2D
+    copies (both sides' rates, slowdowns >= 1), and the tiny MoE engines with every miss on the CPU path
+    (three positive points, more layers costing more)."""
+    from tiered.hardware.profiler import _host_share, _moe_cpu_layer_points
+
+    share = _host_share(0, 0.05, hidden=1024, ffn=3584, device="cuda")
+    assert share["cpu"] >= 1.0 and share["h2d"] >= 1.0 and all(r > 0 for r in share["cpu_GBps"] + share["h2d_GBps"])
+    points = _moe_cpu_layer_points(1, "cuda")
+    assert [n for n, _ in points] == [2.0, 4.0, 8.0] and all(t > 0 for _, t in points) and points[2][1] > points[0][1]
