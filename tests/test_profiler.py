@@ -254,6 +254,21 @@ def test_profile_command_lists_presets_and_writes(monkeypatch, tmp_path, capsys)
     assert "gemm/gpu/fp16" in out and "GFLOP/s" in out and "wrote" in out
 
 
+def test_the_profile_table_gives_rates_where_n_is_bytes_or_macs_and_the_host_share():
+    """format_profile: a GB/s or GFLOP/s rate only where n is bytes or multiply-adds (runtime/* keys are
+    seconds a layer), and a CUDA profile's host share."""
+    from tiered.profile_cli import format_profile
+
+    hw = HardwareProfile("box", "test", {"runtime/moe_cpu_layer_gpu/bf16": LinearModel(3e-4, 1.2e-3, 0.99),
+                                         "expert_dram/cpu/bf16": LinearModel(0.0, 1 / 90e9, 0.99),
+                                         "expert_rows/cpu/bf16": LinearModel(2e-4, 1e-11, 0.9)},
+                         meta={"host_share": {"cpu": 1.13, "h2d": 1.11, "cpu_GBps": [82.8, 73.4], "h2d_GBps": [52.7, 47.5]}})
+    rows = {line.split()[0]: line for line in format_profile(hw).splitlines()[2:]}
+    assert "GB/s" not in rows["runtime/moe_cpu_layer_gpu/bf16"] and "90.00 GB/s" in rows["expert_dram/cpu/bf16"]
+    assert "GFLOP/s" in rows["expert_rows/cpu/bf16"]
+    assert "host share: CPU experts 82.8 -> 73.4 GB/s (x1.13), H2D 52.7 -> 47.5 GB/s (x1.11)" in format_profile(hw)
+
+
 # ---- the memory's speed at planning -----------------------------------------------------------
 
 def test_scaling_the_cpu_bandwidth_moves_only_bandwidth_bound_cpu_terms():

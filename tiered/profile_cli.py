@@ -27,9 +27,9 @@ def run_profile(quick: bool = True, out: Path | None = None, threads: int | None
 
 def _rate(key: str, beta: float) -> str:
     """1 / beta in the unit natural for the key."""
-    if beta <= 0:
+    if beta <= 0 or key.startswith(("runtime/", "launch/")):  # seconds per layer or per call: no rate
         return ""
-    if key.startswith(("gemm/", "attn/")):
+    if key.startswith(("gemm/", "attn/", "expert_rows/")):  # n = multiply-adds
         return f"{2 / beta / 1e9:.1f} GFLOP/s"
     return f"{1 / beta / 1e9:.2f} GB/s"
 
@@ -46,6 +46,10 @@ def format_profile(profile: HardwareProfile) -> str:
                                                      ("disk", profile.meta.get("disk_memory"))) if v]
     if caps:
         lines.append("capacity: " + ", ".join(caps))
+    share = profile.meta.get("host_share")
+    if share:  # CUDA: CPU experts and H2D copies at once (hardware/host_share)
+        lines.append(f"host share: CPU experts {share['cpu_GBps'][0]:.1f} -> {share['cpu_GBps'][1]:.1f} GB/s (x{share['cpu']:.2f}), "
+                     f"H2D {share['h2d_GBps'][0]:.1f} -> {share['h2d_GBps'][1]:.1f} GB/s (x{share['h2d']:.2f}) when both run")
     for note in profile.meta.get("notes", []):
         lines.append(f"note: {note}")
     for key, why in profile.meta.get("skipped", {}).items():
