@@ -154,6 +154,20 @@ def test_a_mix_is_priced_with_the_host_memory_the_two_sides_share():
     assert split_misses([1, 1], alone, nbytes) != [CPU, CPU] and split_misses([1, 1], heavier, nbytes) == [CPU, CPU]
 
 
+def test_a_split_runs_both_sides_together_at_their_shared_rates():
+    """split_share with the host-share factors balances and prices the CPU's rows and the link's bytes at
+    their shared rates (both run from start to end): the same as a model whose CPU and link are that
+    much slower; without factors it is unchanged."""
+    nbytes = 352 * MB
+    plain = LatencyModel(1e-4, 3.9e-3, 0.0, 0.0, 7e-6, nbytes / 6.4e-3)
+    shared = LatencyModel(1e-4, 3.9e-3, 0.0, 0.0, 7e-6, nbytes / 6.4e-3, cpu_shared=1.13, link_shared=1.11)
+    slower = LatencyModel(1e-4, 3.9e-3 * 1.13, 0.0, 0.0, 7e-6, nbytes / (6.4e-3 * 1.11))
+    for busy in ((0.0, 0.0), (2e-3, 0.0), (0.0, 6.4e-3)):
+        assert shared.split_share(1, nbytes, *busy) == pytest.approx(slower.split_share(1, nbytes, *busy))
+        a, t = shared.split_share(1, nbytes, *busy)
+        assert t > plain.split_share(1, nbytes, *busy)[1]
+
+
 def test_decode_misses_stay_on_the_cpu_where_a_mix_gains_little():
     """The H100 host's rates (session 28: CPU 3.47 ms, link 6.41 ms per Mixtral expert): a mix of a
     decode step's two misses priced 5% faster than both on the CPU, and measured 16% slower. Both

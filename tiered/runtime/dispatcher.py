@@ -97,8 +97,12 @@ class LatencyModel:
         experts on the CPU, whole copies). ScheInfer's CC/CG row split (ALGORITHMS.md 1.a) applied
         to one missing expert: the misses of a decode step are few per layer, and Fiddler sends
         each wholly one way, leaving the other side idle. When the CPU side is already the busier
-        (a <= 0), the smallest share is returned and the makespan shows the loss."""
-        g, c, link = GATE_UP_SHARE, self.cpu_lat(s) - self.cpu_alpha, nbytes / self.h2d_bandwidth
+        (a <= 0), the smallest share is returned and the makespan shows the loss. The two sides run
+        together from start to end, so each goes at its shared rate throughout (cpu_shared,
+        link_shared: `together`)."""
+        g = GATE_UP_SHARE
+        c = (self.cpu_lat(s) - self.cpu_alpha) * self.cpu_shared
+        link = nbytes / self.h2d_bandwidth * self.link_shared
         gap = link_busy + self.h2d_alpha + link - cpu_busy - self.cpu_alpha
         a = gap / (g * (c + link)) if c + link > 0 else 1.0
         a = min(1.0, max(a, 1e-3))
