@@ -115,8 +115,7 @@ def test_sliced_copies_and_gemms_are_issued_by_the_forward_thread_where_the_plan
     acc = AsyncStandin(capacity=64 * 2**20)
     ex = Executor(acc, inline=("cpu",))
     try:
-        m = SlicedMLP(*w, 0.4, 0.3, acc, ex, n_g=2)
-        m.device_issue = device_issue
+        m = SlicedMLP(*w, 0.4, 0.3, acc, ex, n_g=2, device_issue=device_issue)
         x = torch.randn(6, D)
         acc.copy_threads.clear()
         acc.stream_threads.clear()

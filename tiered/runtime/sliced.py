@@ -106,9 +106,11 @@ class SlicedMLP(nn.Module):
         self._cg_stage = _rows(self.staging.cg, self.f_cg) if self.f_cg else None
         self._cc_stage = _rows(self.staging.cc, self.f_cc) if self.f_cc else None
         self.accelerator, self.executor, self.n_g = accelerator, executor, n_g
-        self.device_issue = device_issue
-        # the CPU-side slices never move: whether each part is page-locked (its copies issued here) is known now
-        self._cc_locked, self._cg_locked = (all(accelerator.page_locked(t) for t in part) for part in (self.cc, self.cg))
+        # who issues this layer's device work (Executor.issue), known now: the GEMMs by the forward's thread
+        # under "thread", and each part's copies too where its slices (which never move) are page-locked
+        self._gemms_here = device_issue == "thread"
+        self._cc_copy_here, self._cg_copy_here = (self._gemms_here and all(accelerator.page_locked(t) for t in part)
+                                                  for part in (self.cc, self.cg))
 
     @staticmethod
     def _to_device(acc, t: torch.Tensor, what: str) -> torch.Tensor:
@@ -116,15 +118,14 @@ class SlicedMLP(nn.Module):
         acc.copy_to_device(out, t)
         return out
 
-    def _copy(self, dst, src, name: str, locked: bool):
+    def _copy(self, dst, src, name: str, here: bool):
         """H2D copy of the slices `src` into the staging views `dst` on the copy stream; issued from this
-        thread (Executor.issue) where device_issue is "thread" and the slices are page-locked (`locked`),
-        so the link starts before this thread's CC slice takes every core."""
+        thread (Executor.issue) where `here` (device_issue "thread" and the slices page-locked), so the
+        link starts before this thread's CC slice takes every core."""
         def run():
             for d, s in zip(dst, src):
                 self.accelerator.copy_to_device(d, s)
         nbytes = sum(s.numel() * s.element_size() for s in src)
-        here = self.device_issue == "thread" and locked
         return self.executor.submit("copy", run, name=name, nbytes=nbytes, issue_here=here)
 
     def _cc_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,23 +154,22 @@ class SlicedMLP(nn.Module):
         n_g = self.tokens_on_gpu(T)
         ex, acc = self.executor, self.accelerator
         ready = acc.record_event()  # device streams wait for x on the device, the host does not
-        here = self.device_issue == "thread"  # GEMMs issued by this thread where they can be (Executor.issue)
         futures = []
         if self.f_gg:
             futures.append(ex.submit("compute", lambda: expert_forward(x2, *self.gg), name="GG", after_event=ready,
-                                     issue_here=here))
+                                     issue_here=self._gemms_here))
         if self.f_cg:
             cg = self._cg_stage
-            copy = self._copy(cg, self.cg, "H2D CG", self._cg_locked)
+            copy = self._copy(cg, self.cg, "H2D CG", self._cg_copy_here)
             futures.append(ex.submit("compute", lambda: expert_forward(x2, *cg), deps=[copy], name="CG",
-                                     after_event=ready, issue_here=here))
+                                     after_event=ready, issue_here=self._gemms_here))
         cc_rows = T - n_g
         cgp_fut = None
         if n_g:
             cc = self._cc_stage
-            copy = self._copy(cc, self.cc, "H2D CG'", self._cc_locked)
+            copy = self._copy(cc, self.cc, "H2D CG'", self._cc_copy_here)
             cgp_fut = ex.submit("compute", lambda: expert_forward(x2[cc_rows:], *cc), deps=[copy], name="CG'",
-                                after_event=ready, issue_here=here)
+                                after_event=ready, issue_here=self._gemms_here)
         y_cc = None
         if self.f_cc and cc_rows:  # CC on the CPU: on this thread (inline stream), while the streams work
             x_host = acc.to_host(x2[:cc_rows])
