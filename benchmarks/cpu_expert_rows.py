@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from moe_offload import write_checkpoint  # noqa: E402
 from tiered import LLM, EngineConfig, SamplingParams, kernels  # noqa: E402
 from tiered.bench import Column, median, write_report  # noqa: E402
-from tiered.hardware.profiler import last_level_cache_bytes  # noqa: E402
+from tiered.hardware.profiler import cold_copies, last_level_cache_bytes, random_expert  # noqa: E402
 from tiered.kernels import tune  # noqa: E402
 from tiered.models.moe import expert_forward  # noqa: E402
 
@@ -44,9 +44,8 @@ def expert_rows(ext, width: str, rows_list, repeats: int) -> list[dict]:
     """ms an expert, native and torch, at each row count over cold bf16 experts of `width`."""
     D, F = WIDTHS[width]
     nbytes = 3 * D * F * 2
-    n = max(2, -(-max(256 << 20, 3 * (last_level_cache_bytes() or 32 << 20)) // nbytes))
-    g = torch.Generator().manual_seed(0)
-    first = tuple((torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16) for s in ((F, D), (F, D), (D, F)))
+    n = cold_copies(max(256 << 20, 3 * (last_level_cache_bytes() or 32 << 20)), nbytes)
+    first = random_expert(D, F, torch.Generator().manual_seed(0))
     slots = [tuple(t.clone() for t in first) for _ in range(n)]
     out = []
     for rows in rows_list:

@@ -42,16 +42,12 @@ import torch
 
 from tiered.bench.report import Column, write_report
 from tiered.hardware.host_share import CpuLoop, measure
+from tiered.hardware.profiler import random_expert
 
 
 def make_experts(n: int, hidden: int, ffn: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """n experts (gate [F, D], up [F, D], down [D, F], bf16, small random values)."""
-    out = []
-    for i in range(n):
-        g = torch.Generator().manual_seed(i)
-        out.append(tuple((torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)
-                         for s in ((ffn, hidden), (ffn, hidden), (hidden, ffn))))
-    return out
+    """n experts (gate [F, D], up [F, D], down [D, F], bf16, small random values: profiler.random_expert)."""
+    return [random_expert(hidden, ffn, torch.Generator().manual_seed(i)) for i in range(n)]
 
 
 def registered_copy(t: torch.Tensor) -> torch.Tensor:

@@ -178,8 +178,12 @@ class _Bench:
         try:
             self.fit(key, fn())
         except Exception as e:  # a kernel this torch build or device lacks: note it, keep going
-            self.skipped[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-            self.say(f"{key}: skipped ({self.skipped[key]})")
+            self.skip(key, e)
+
+    def skip(self, key: str, e: Exception) -> None:
+        """Note that `key` could not be measured (meta["skipped"]) and why."""
+        self.skipped[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        self.say(f"{key}: skipped ({self.skipped[key]})")
 
 
 # ---- GEMM kernels: (device, dtype, weight [N, K] fp32 on CPU) -> (callable on x [T, K], x dtype, bytes/elem)
@@ -269,6 +273,19 @@ def _cuda_int8_kernel(w: torch.Tensor):
     return (lambda x: torch._int_mm(x, wq)), torch.int8, 1.0
 
 
+def random_expert(hidden: int, ffn: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+    """One bf16 SwiGLU expert of small random weights (N(0, 0.02^2)): gate [ffn, hidden], up [ffn, hidden],
+    down [hidden, ffn], what the profiler's and benchmarks' expert timings run on."""
+    return tuple((torch.randn(*sh, generator=generator) * 0.02).to(torch.bfloat16)
+                 for sh in ((ffn, hidden), (ffn, hidden), (hidden, ffn)))
+
+
+def cold_copies(cold_bytes: int, nbytes: int) -> int:
+    """Copies of an `nbytes` operand that fill `cold_bytes` (at least 2): cycled, each call reads memory
+    no cache holds."""
+    return max(2, -(-cold_bytes // nbytes))
+
+
 COLD_WEIGHT_BYTES = 64 * MiB  # CPU GEMVs rotate over this many weight bytes: beyond the last-level cache
 
 
@@ -347,10 +364,9 @@ def _expert_rows_points(repeats: int, cold_bytes: int | None) -> list[tuple[floa
     if ext is None:
         raise RuntimeError("tiered/kernels is not built")
     D, F = 1024, 3584
-    g = torch.Generator().manual_seed(0)
-    first = tuple((torch.randn(*sh, generator=g) * 0.02).to(torch.bfloat16) for sh in ((F, D), (F, D), (D, F)))
-    copies = max(2, -(-(cold_bytes or COLD_WEIGHT_BYTES) // (3 * D * F * 2)))
-    slots = [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)]
+    first = random_expert(D, F, torch.Generator().manual_seed(0))
+    slots = [first] + [tuple(t.clone() for t in first) for _ in range(cold_copies(cold_bytes or COLD_WEIGHT_BYTES,
+                                                                                 3 * D * F * 2) - 1)]
     row_counts = (1, 2, 4, 8)
     calls = []
     for rows in row_counts:  # timed interleaved (median_times), as _gemm_points' CPU shapes
@@ -386,9 +402,9 @@ def _expert_dram_points(repeats: int, cold_bytes: int, shapes=EXPERT_DRAM_SHAPES
     for D, F in shapes:
         mats = ((F, D), (F, D), (D, F))
         nbytes = 3 * D * F * 2
-        copies = max(2, -(-cold_bytes // nbytes))
+        copies = cold_copies(cold_bytes, nbytes)
         slab = HostSlab(HostSlab.bytes_for(copies, mats, torch.bfloat16))
-        first = [(torch.randn(*sh, generator=g) * 0.02).to(torch.bfloat16) for sh in mats]
+        first = random_expert(D, F, g)
         slots = []
         for _ in range(copies):
             slot = tuple(slab.take(sh, torch.bfloat16) for sh in mats)
@@ -412,10 +428,8 @@ def _host_share(cold_bytes: int, seconds: float, hidden: int = 4096, ffn: int = 
 
     cuda = device == "cuda"
     nbytes = 3 * hidden * ffn * 2
-    g = torch.Generator().manual_seed(0)
-    first = [(torch.randn(*sh, generator=g) * 0.02).to(torch.bfloat16) for sh in ((ffn, hidden), (ffn, hidden), (hidden, ffn))]
-    experts = [tuple(t.pin_memory() if cuda else t.clone() for t in first)
-               for _ in range(max(2, -(-cold_bytes // nbytes)))]
+    first = random_expert(hidden, ffn, torch.Generator().manual_seed(0))
+    experts = [tuple(t.pin_memory() if cuda else t.clone() for t in first) for _ in range(cold_copies(cold_bytes, nbytes))]
     cpu = CpuLoop(experts, hidden)
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=cuda).fill_(1)
     dst = torch.empty_like(src, device=device)
@@ -1032,7 +1046,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
             b.host_share = _host_share(2 * (llc or 0), 0.2 if quick else 0.5)
             b.say(f"host_share: CPU expert x{b.host_share['cpu']:.2f}, H2D x{b.host_share['h2d']:.2f} together")
         except Exception as e:  # noqa: BLE001  (as Bench.attempt: note it, keep going)
-            b.skipped["host_share"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            b.skip("host_share", e)
     host = socket.gethostname()
     meta = _meta(b, cuda)
     meta["profiler_version"] = PROFILER_VERSION
