@@ -65,6 +65,7 @@ class _Side:
     store: object  # memory/expert_store.ExpertStore
     cache: object  # memory/expert_cache.ExpertCache
     view: Callable
+    issue_copies: bool = False  # misses' H2D copies from the home copies issued on the layer's thread
 
 
 def _same(buffers):
@@ -123,15 +124,16 @@ class TieredExperts:
         self.prefetcher = None
         self.num_experts = placed.store.num_experts
         self.fmt = placed.store.fmt  # computes an expert from its stored (maybe quantized) form
-        self.high = _Side(placed.store.fmt, placed.store, placed.cache, _same)
+        def issue_copies(store) -> bool:
+            # whether misses' copies from this store's home copies in RAM are issued on the layer's thread
+            # (Executor.issue): device_issue "thread" and every home copy page-locked, known once at install
+            return device_issue == "thread" and accelerator is not None and all(
+                accelerator.page_locked(t) for w in store.host.values() for t in w)
+        self.high = _Side(placed.store.fmt, placed.store, placed.cache, _same, issue_copies(placed.store))
         low = placed.low
-        self.low = None if low is None else _Side(low.store.fmt, low.store, low.cache, low.view)
+        self.low = None if low is None else _Side(low.store.fmt, low.store, low.cache, low.view,
+                                                  issue_copies(low.store))
         self.mixed = None if low is None else low.mixed
-        # whether misses' copies from each side's home copies in RAM are issued on the layer's thread
-        # (Executor.issue): device_issue "thread" and every home copy page-locked, known once at install
-        self._issue_copies = {id(side.store): device_issue == "thread" and accelerator is not None and all(
-            accelerator.page_locked(t) for w in side.store.host.values() for t in w)
-            for side in (self.high, self.low) if side is not None}
         self.precision_counts: Counter = Counter()  # misses by precision: high / low loads, skips; low hits
         self.one_token_path = True  # _one_token_on_fast for a decode token whose experts are all on the GPU
         # layers whose experts are all resident on the accelerator, stacked: grouped GEMMs, no host sync
@@ -426,7 +428,7 @@ class TieredExperts:
             copy = ex.submit("copy", lambda: [self.accelerator.copy_to_device(d, s) for d, s in zip(slot, host_w)],
                              deps=deps + ([dep] if dep else []), name=f"h2d L{layer}E{e}",
                              nbytes=store.expert_bytes, layer=layer, expert=e, after_event=ready,
-                             issue_here=not on_disk and self._issue_copies[id(store)])
+                             issue_here=not on_disk and side.issue_copies)
             self.bytes_h2d += store.expert_bytes
             fut = ex.submit("launch", lambda: fmt.forward(x[tok], slot), deps=[copy],
                             name=f"expert L{layer}E{e}", layer=layer, expert=e)
@@ -460,7 +462,7 @@ class TieredExperts:
         nbytes = sum(src.numel() * src.element_size() for _, src in parts)
         copy = ex.submit("copy", lambda: [acc.copy_to_device(d, src) for d, src in parts], deps=[dep] if dep else [],
                          name=f"h2d split L{layer}E{e}", nbytes=nbytes, layer=layer, expert=e, after_event=ready,
-                         issue_here=self._issue_copies[id(side.store)])
+                         issue_here=side.issue_copies)
         self.bytes_h2d += nbytes
         x_rows = x_host[tok_host]
         cpu = ex.submit("cpu", lambda: swiglu_rows(x_rows, gate[:r], up[:r]), name=f"cpu split L{layer}E{e}",
