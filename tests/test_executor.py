@@ -12,7 +12,7 @@ from tiered.runtime.executor import Executor
 
 def test_workers_run_their_cpu_ops_alone_and_leave_other_threads_be():
     """A copy / compute / disk worker with torch's default thread count grows a second OpenMP team
-    that fights the calling thread's (executor._one_cpu_thread). Its own count is 1; the calling
+    that fights the calling thread's (executor.one_cpu_thread). Its own count is 1; the calling
     thread's, and the default of a thread that starts afterwards (a server's engine thread), stay."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -67,7 +67,9 @@ class CopyLoop(threading.Thread):
         self.t0 = self.t1 = 0.0
 
     def run(self) -> None:
-        torch.set_num_threads(1)
+        from tiered.runtime.executor import one_cpu_thread
+
+        one_cpu_thread()  # as the runtime's copy worker: this thread alone, torch's default for others kept
         cuda = self.dst.is_cuda
         stream = torch.cuda.Stream() if cuda else None
         self.t0 = time.perf_counter()

@@ -63,7 +63,7 @@ class DeferredTask:
         return self._event.is_set()
 
 
-def _one_cpu_thread() -> None:
+def one_cpu_thread() -> None:
     """Thread initializer of the copy / compute / disk workers: their torch CPU ops (a staging copy,
     a gather of weight rows) run on the worker alone. With torch's default a worker grows a second
     OpenMP team of every core, whose threads spin after each of its ops and fight the team of the
@@ -109,9 +109,9 @@ class Executor:
         self.inline = set(inline) | {"launch"}  # "launch" always issues from the submitting thread
         names = ["cpu"] + (list(DEVICE_STREAMS) if accelerator is not None else [])
         self._pools = {n: ThreadPoolExecutor(1, thread_name_prefix=f"tiered-{n}",
-                                             initializer=None if n == "cpu" else _one_cpu_thread) for n in names}
+                                             initializer=None if n == "cpu" else one_cpu_thread) for n in names}
         self._disk = ThreadPoolExecutor(max(1, disk_readers), thread_name_prefix="tiered-disk",
-                                        initializer=_one_cpu_thread)
+                                        initializer=one_cpu_thread)
         self._disk_ids: dict[int, int] = {}
         self.tracing = trace
         self.events: list[TraceEvent] = []
