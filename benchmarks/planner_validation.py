@@ -9,7 +9,8 @@ inter-token latency end to end, from a second run without the trace's instrument
 trace through the cache simulator, so the comparison tests the timing model, not a routing
 forecast. Each row is priced with the profile scaled to the memory's speed just before it runs, as
 the engine plans with this machine's profile (planner/auto.bandwidth_now; TIERED_BANDWIDTH_CHECK=0
-prices every row with the profile as measured). Writes benchmarks/results/planner_validation.{json,md}.
+prices every row with the profile as measured), and with its disk reads timed on the checkpoint's
+own expert reads, as the engine prices a plan that reads experts from disk (hardware/disk_reads). Writes benchmarks/results/planner_validation.{json,md}.
 
     python benchmarks/planner_validation.py [--profile F] [--quick] [--out DIR]
 """
@@ -32,47 +33,14 @@ from moe_offload import write_checkpoint  # noqa: E402
 
 from tiered import LLM, EngineConfig, SamplingParams  # noqa: E402
 from tiered.bench import Column, median, write_report  # noqa: E402
+from tiered.checkpoint import open_checkpoint  # noqa: E402
+from tiered.hardware.disk_reads import fit_expert_reads  # noqa: E402  (as the engine prices disk reads)
 from tiered.hardware.profile import HardwareProfile  # noqa: E402
+from tiered.hardware.profiler import DISK_READERS  # noqa: E402
 from tiered.planner.auto import bandwidth_now  # noqa: E402  (as the engine plans)
 from tiered.memory.expert_store import drop_page_cache  # noqa: E402
 from tiered.planner.cpu_predict import predict_decode, predict_prefill, simulate_hits  # noqa: E402
 from tiered.runtime.expert_profile import ExpertProfiler  # noqa: E402
-
-
-def fit_checkpoint_reads(model: Path, files: list[str], expert_names, readers: int = 1) -> "LinearModel":
-    """disk/read_cold (readers=1) or disk/read_cold_parallel (readers=2) refitted on this
-    checkpoint's own files, read the way the runtime reads them: 1 to 4 whole experts (each its
-    gate, up and down tensors) of one layer, by pread, each tensor's pages dropped from the page cache
-    after its read (memory/expert_store.read_uncached: ~2 ms an expert of 22 MiB on the 2-core EPYC,
-    which the refit had left out), back to back on one reader or spread over
-    `readers` threads at once (read-ahead), the page cache dropped before each sample and each
-    range after its read. The profiler's benchmark reads a freshly written temp file, which a VM's
-    host cache can serve far faster than older files; single tensors read alone were too noisy to
-    fit (R^2 0.75)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tiered.checkpoint import open_checkpoint
-    from tiered.hardware.profiler import fit_affine
-    from tiered.memory.expert_store import read_uncached
-
-    ck = open_checkpoint(model)
-
-    def read_expert(layer: int, e: int) -> int:  # as ExpertStore.read: pread, then its pages dropped
-        hs = [ck.handle(name) for name in expert_names(ck.config.model_type, layer, e)]
-        read_uncached(hs, [torch.empty(h.shape, dtype=torch.bfloat16) for h in hs])
-        return sum(h.nbytes for h in hs)
-
-    points = []
-    with ThreadPoolExecutor(readers) as pool:
-        for rep in range(2):
-            for layer in range(ck.config.num_hidden_layers):
-                for n in (1, 2, 3, 4) if readers == 1 else (2, 3, 4):
-                    first = (layer + rep * 4 + n) % (ck.config.num_experts - n + 1)
-                    drop_page_cache(files)
-                    t = time.perf_counter()
-                    nbytes = sum(pool.map(lambda e: read_expert(layer, e), range(first, first + n)))
-                    points.append((nbytes, time.perf_counter() - t))
-    return fit_affine([p[0] for p in points], [p[1] for p in points])
 
 
 def measure(model: Path, config: EngineConfig, prompt: list[int], new_tokens: int, files: list[str]) -> dict:
@@ -235,14 +203,15 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
     prompt = torch.randint(0, shape["vocab"], (32,), generator=g).tolist()
     cpu_mem = int(ckpt_bytes / 3.2)
     from dataclasses import replace
-    from tiered.memory.expert_store import expert_tensor_names
-    reads = fit_checkpoint_reads(model, files, expert_tensor_names)
-    print(f"disk/read_cold: profile {1 / hw.models['disk/read_cold'].beta / 1e9:.2f} GB/s, this checkpoint's files "
-          f"{1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s (R^2 {reads.r2:.2f}); using the latter", flush=True)
+    # the disk reads as the engine prices them when its plan reads experts from disk (hardware/disk_reads):
+    # timed on the checkpoint's own expert reads, one reader and the runtime's two
+    ck = open_checkpoint(model)
+    reads = fit_expert_reads(ck, ck.config, torch.bfloat16)
+    par_reads = fit_expert_reads(ck, ck.config, torch.bfloat16, readers=DISK_READERS)
     hw_disk_beta = hw.models["disk/read_cold"].beta
-    par_reads = fit_checkpoint_reads(model, files, expert_tensor_names, readers=2)
-    print(f"disk/read_cold_parallel (2 readers): this checkpoint's files {1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s "
-          f"(R^2 {par_reads.r2:.2f})", flush=True)
+    print(f"disk/read_cold: profile {1 / hw_disk_beta / 1e9:.2f} GB/s, this checkpoint's expert reads "
+          f"{1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s (R^2 {reads.r2:.2f}), {DISK_READERS} readers "
+          f"{1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s (R^2 {par_reads.r2:.2f}); using the latter", flush=True)
     hw = replace(hw, models={**hw.models, "disk/read_cold": reads, "disk/read_cold_parallel": par_reads})
     # explicit placements (plan="off"): this validates the timing model, not the planner's choices
     base = dict(dtype="bfloat16", decode_weights="bf16", accelerator="none", trace=True, max_context=256, plan="off")
@@ -288,10 +257,11 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
     print(f"{rows[0]['plan']}: TTFT {TTFT_TOKENS} tokens predicted {p_ttft:.3f} s, measured {ttft:.3f} s "
           f"({rows[0]['ttft_error']:.0%})", flush=True)
     rows[0]["note"] = (f"MoE: Mixtral-shaped dummy {shape}, bf16; `--cpu-mem` {cpu_mem / 2**20:.0f} MiB where limited. "
-                       f"Decode at batch 1, page cache dropped. disk/read_cold refitted on the checkpoint's own files "
-                       f"({1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s; the profiler's fresh temp file read at "
-                       f"{1 / hw_disk_beta / 1e9:.2f} GB/s), and so was disk/read_cold_parallel, two readers at once as "
-                       f"read-ahead issues them ({1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s).")
+                       f"Decode at batch 1, page cache dropped. disk/read_cold timed on the checkpoint's own expert reads, "
+                       f"as the engine does when its plan reads experts from disk (hardware/disk_reads: "
+                       f"{1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s; the profiler's fresh temp file read at "
+                       f"{1 / hw_disk_beta / 1e9:.2f} GB/s), and so was disk/read_cold_parallel, {DISK_READERS} readers at "
+                       f"once as read-ahead issues them ({1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s).")
 
 
 TTFT_TOKENS = 512  # the prompt the plans price TTFT for (planner/auto: min(512, max_context / 2))

@@ -112,12 +112,14 @@ class LLM:
             popularity = load_popularity(ec.expert_profile, cfg.num_hidden_layers, cfg.num_experts)
         precision = decode_precision(self.checkpoint, decode) if decode != "none" else weights
         head = head_precision(self.checkpoint, decode) if decode != "none" else None
+        experts = self._experts_format(weights)
         with _transient_notes(progress) as say:  # "measuring a quick profile ...", while it runs
             plan, profile, self._plan_args = engine_plan(
                 cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name, max_context=self.max_context,
                 weights_format=weights, decode_format=decode, decode_precision=precision, head_precision=head,
-                popularity=popularity, progress=say, experts_format=self._experts_format(weights),
-                decode_mix=decode_mix(self.checkpoint, decode) if decode != "none" else None)
+                popularity=popularity, progress=say, experts_format=experts,
+                decode_mix=decode_mix(self.checkpoint, decode) if decode != "none" else None,
+                disk_reads=self._disk_reads(experts or weights, say))
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
             plan.decode_threshold = max(ec.decode_weights_threshold, ec.max_batch)
         if cfg.is_moe and ec.plan in ("auto", "off"):  # a replayed plan keeps its own notes and choices
@@ -127,6 +129,24 @@ class LLM:
         if plan.dtypes.get("weights") != weights:  # a replayed plan decides the compute dtype too
             self.dtype = sizes.torch_dtype(plan.dtypes["weights"])
         return plan, profile
+
+    def _disk_reads(self, experts: str, say):
+        """engine_plan's `disk_reads`: the profile with disk/read_cold(_parallel) timed on this checkpoint's
+        expert reads (hardware/disk_reads), when its disk-tier experts in format `experts` would be read
+        straight from its files; None (keep the profile's) for formats the store converts first."""
+        if experts not in ("bf16", "fp32", "fp16"):
+            return None
+        dtype = sizes.torch_dtype(experts)
+
+        def refit(hw):
+            from tiered.hardware.disk_reads import fitted_disk_reads, with_disk_reads
+            from tiered.hardware.profiler import DISK_READERS
+
+            if say is not None:
+                say("the plan reads experts from disk: timing a few expert reads from the checkpoint's files")
+            fits = fitted_disk_reads(hw, self.checkpoint, self.config, dtype, DISK_READERS)
+            return with_disk_reads(hw, fits, "the checkpoint's files") if fits else None
+        return refit
 
     def _experts_format(self, weights: str) -> str | None:
         """The routed experts' storage format (EngineConfig.expert_weights; "auto": a GGUF file's

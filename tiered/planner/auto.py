@@ -187,7 +187,8 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                 decode_format: str, decode_precision: str, popularity=None,
                 progress: Callable[[str], None] | None = None,
                 experts_format: str | None = None, head_precision: str | None = None,
-                decode_mix: dict | None = None) -> tuple[Plan, HardwareProfile | None, dict | None]:
+                decode_mix: dict | None = None, disk_reads: Callable[[HardwareProfile], HardwareProfile | None] | None = None,
+                ) -> tuple[Plan, HardwareProfile | None, dict | None]:
     """The Plan an LLM applies, per EngineConfig.plan: "auto" plans now (latency goal), "off" writes
     the runtime's plain rules into a Plan (planner/rules.py), a path replays a saved plan as is.
 
@@ -207,6 +208,10 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
         decode_mix: the decode copies' precisions by share of the layers' projection elements where
             they mix (quant/linear.decode_mix), or None.
         popularity: float [L, E] tokens routed per expert, or None.
+        disk_reads: when this machine's own profile plans ("auto", no EngineConfig.profile) and the
+            plan reads experts from disk: the profile with its disk reads timed on the files the
+            experts would be read from (hardware/disk_reads), or None to keep it; the plan is then
+            made again with it.
     Returns:
         (plan, the HardwareProfile it was made with, or None for rules / replayed plans, the make_plan
         arguments that made it, or None likewise: `decode_at` prices it again at a run's context).
@@ -221,7 +226,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                                    weights_format=weights_format, decode_format=decode_format,
                                    decode_precision=decode_precision, popularity=popularity, progress=progress,
                                    experts_format=experts_format, dense_copies=dense_copies,
-                                   head_precision=head_precision, decode_mix=decode_mix)
+                                   head_precision=head_precision, decode_mix=decode_mix, disk_reads=disk_reads)
     # without an accelerator every decode step runs on the CPU: through the lean step
     plan.cpu_decode_step = accelerator is None
     # ... and in C++ when tiered/kernels is built (setup builds it; TIERED_NATIVE=0 turns it off)
@@ -314,7 +319,9 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                    decode_format: str, decode_precision: str, popularity=None,
                    progress: Callable[[str], None] | None = None, experts_format: str | None = None,
                    dense_copies: bool = True, head_precision: str | None = None,
-                   decode_mix: dict | None = None) -> tuple[Plan, HardwareProfile | None, dict | None]:
+                   decode_mix: dict | None = None,
+                   disk_reads: Callable[[HardwareProfile], HardwareProfile | None] | None = None,
+                   ) -> tuple[Plan, HardwareProfile | None, dict | None]:
     """engine_plan's "auto" (the planner) and "off" (the runtime's rules) cases: (plan, profile, make_plan's
     arguments), the last two None for the rules."""
     gpu = accelerator.budget.capacity if accelerator is not None else None
@@ -351,6 +358,12 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                 workspace=None if accelerator is None else
                 sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()))
     plan = make_plan(cfg, profile, **args)
+    if disk_reads is not None and ec.profile is None and any(l.experts_disk for l in plan.layers):
+        fitted = disk_reads(profile)  # the disk the experts live on, not the profiler's temp file
+        if fitted is not None:
+            profile = fitted
+            plan = make_plan(cfg, profile, **args)
+            plan.notes.append(profile.meta["notes"][-1])
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     ratio = profile.meta.get("cpu_bandwidth_ratio")

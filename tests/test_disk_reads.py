@@ -1,0 +1,129 @@
+"""Disk reads priced on the checkpoint's own files (hardware/disk_reads): what a plan with experts on
+disk is priced with, when this machine's own profile plans."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from runtime_fixtures import engine_config, rt  # noqa: F401  (fixture)
+from tiered import LLM
+from tiered.checkpoint import open_checkpoint
+from tiered.hardware import disk_reads
+from tiered.hardware.profile import HardwareProfile, LinearModel
+from tiered.planner import auto
+
+BOX = {"gemm/cpu/fp32": LinearModel(1e-5, 2e-11, 1.0), "gemv/cpu/fp32": LinearModel(0.0, 5e-11, 1.0),
+       "attn/cpu/fp32": LinearModel(0.0, 1e-10, 1.0), "memory/bandwidth/cpu": LinearModel(0.0, 5e-11, 1.0),
+       "memory/copy/cpu": LinearModel(0.0, 1e-10, 1.0), "disk/read_cold": LinearModel(1e-4, 5e-10, 1.0),
+       "launch/cpu": LinearModel(1e-6, 0.0), "runtime/task": LinearModel(5e-5, 0.0)}
+
+
+@pytest.fixture
+def own_profile(monkeypatch, tmp_path):
+    """The engine plans with 'this machine's own profile' (no EngineConfig.profile): a made-up CPU with a
+    2 GB/s temp-file disk; tiered's cache directory is empty."""
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
+    hw = HardwareProfile("own", "measured on box", dict(BOX), None, 16 * 2**30)
+    monkeypatch.setattr(auto, "engine_profile", lambda *a, **kw: hw)
+    return hw
+
+
+def disk_budget(rt) -> int:
+    """A RAM budget that leaves most of the tiny Mixtral's experts on disk."""
+    return rt.sizes("mixtral").fast(cache_slots=1, resident=1, accelerator=False)
+
+
+def test_fit_expert_reads_times_the_runtimes_reads_of_distinct_cold_experts(rt, monkeypatch):
+    """Each sample reads whole experts with the function ExpertStore.read uses (read_uncached), into
+    buffers that exist already, none read by an earlier sample while the checkpoint has experts left;
+    n = the sample's bytes. A checkpoint not stored in the compute dtype is refused (the runtime would
+    read a converted copy)."""
+    import tiered.memory.expert_store as es
+
+    ck = open_checkpoint(rt.dir("mixtral"))
+    cfg = ck.config
+    reads, outs = [], set()
+    real = es.read_uncached
+
+    def spy(handles, out):
+        reads.append(tuple(h.name for h in handles))
+        outs.add(tuple(t.data_ptr() for t in out))
+        real(handles, out)
+    monkeypatch.setattr(es, "read_uncached", spy)
+    import tiered.hardware.profiler as profiler
+    fitted = []
+    monkeypatch.setattr(profiler, "fit_affine", lambda xs, ys: fitted.append(list(xs)) or LinearModel(0.0, 1e-9))
+    disk_reads.fit_expert_reads(ck, cfg, torch.float32)
+    expert = sum(ck.handle(n).nbytes for n in es.expert_tensor_names(cfg.model_type, es.moe_layers(ck, cfg)[0], 0))
+    assert fitted == [[n * expert for n in (1, 2, 3, 4, 1, 2, 3, 4)]]
+    # samples of 1, 2, 3, 4 experts, twice: 20 reads; every expert of the checkpoint once before any again
+    n_keys = len(es.moe_layers(ck, cfg)) * cfg.num_experts
+    assert len(reads) == 20 and len(set(reads[:min(20, n_keys)])) == min(20, n_keys)
+    assert all(len(r) == 3 for r in reads) and len(outs) == 1  # one expert's buffers, reused
+    reads.clear(), outs.clear()
+    disk_reads.fit_expert_reads(ck, cfg, torch.float32, readers=2)
+    assert len(reads) == 12 and len(outs) == 2  # (2, 4) twice over two readers, a buffer each
+    # a small budget: fewer, smaller samples (never fewer than two)
+    reads.clear()
+    disk_reads.fit_expert_reads(ck, cfg, torch.float32, budget_bytes=1)
+    assert len(reads) == 3  # samples of 1 and 2 experts
+    with pytest.raises(ValueError, match="not stored in the compute dtype"):
+        disk_reads.fit_expert_reads(ck, cfg, torch.bfloat16)
+
+
+def test_a_plan_with_experts_on_disk_is_priced_with_reads_of_the_checkpoint(rt, own_profile, monkeypatch):
+    """engine_plan plans, sees experts on disk, times the checkpoint's expert reads (one reader and the
+    runtime's two) and plans again with them: the plan's profile has the fits, its notes say so, and a
+    slower disk prices a slower decode. The fit is cached (a second engine measures nothing)."""
+    fits = []
+    real = disk_reads.fit_expert_reads
+
+    def counted(*a, **kw):
+        fits.append(kw.get("readers", 1))
+        return real(*a, **kw)
+    monkeypatch.setattr(disk_reads, "fit_expert_reads", counted)
+    llm = LLM(rt.dir("mixtral"), engine_config(cpu_memory=disk_budget(rt)))
+    try:
+        assert any(l.experts_disk for l in llm.plan.layers)
+        assert fits == [1, 2]
+        hw = llm._profile
+        assert hw.meta["disk_reads_fitted"] == "the checkpoint's files"
+        assert hw.models["disk/read_cold"] != BOX["disk/read_cold"] and "disk/read_cold_parallel" in hw.models
+        assert any("disk reads of experts timed on the checkpoint's files" in n for n in llm.plan.notes)
+        cached = json.loads(disk_reads._cache_path().read_text())
+        (entry,) = cached.values()
+        assert LinearModel(**entry["disk/read_cold"]) == hw.models["disk/read_cold"]
+        tokens_s = llm.plan.predicted_decode_tokens_per_s
+    finally:
+        llm.close()
+    again = LLM(rt.dir("mixtral"), engine_config(cpu_memory=disk_budget(rt)))
+    assert fits == [1, 2] and again._profile.models["disk/read_cold"] == hw.models["disk/read_cold"]
+    again.close()
+    # a disk 100x slower than the fit (and 1 ms more a read): the same engine prices its decode slower
+    slow = {k: LinearModel(m.alpha * 100 + 1e-3, m.beta * 100, m.r2) for k, m in hw.models.items() if k.startswith("disk/read")}
+    monkeypatch.setattr(disk_reads, "fitted_disk_reads", lambda *a, **kw: slow)
+    llm = LLM(rt.dir("mixtral"), engine_config(cpu_memory=disk_budget(rt)))
+    assert llm.plan.predicted_decode_tokens_per_s < tokens_s
+    llm.close()
+
+
+def test_no_disk_fit_without_experts_on_disk_with_a_given_profile_or_when_turned_off(rt, own_profile, monkeypatch,
+                                                                                   tmp_path):
+    calls = []
+    monkeypatch.setattr(disk_reads, "fitted_disk_reads", lambda *a, **kw: calls.append(a) or None)
+    LLM(rt.dir("mixtral"), engine_config()).close()  # everything in RAM
+    given = tmp_path / "given.json"
+    own_profile.save(given)
+    LLM(rt.dir("mixtral"), engine_config(cpu_memory=disk_budget(rt), profile=str(given))).close()
+    assert calls == []
+    monkeypatch.undo()
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(auto, "engine_profile", lambda *a, **kw: own_profile)
+    monkeypatch.setenv("TIERED_DISK_FIT", "0")
+    llm = LLM(rt.dir("mixtral"), engine_config(cpu_memory=disk_budget(rt)))
+    assert llm._profile.models["disk/read_cold"] == BOX["disk/read_cold"]
+    assert not (tmp_path / "cache" / "disk_reads.json").exists()
+    llm.close()

@@ -1,0 +1,152 @@
+"""Disk reads of experts, timed on the files the runtime will read them from.
+
+The profiler times `disk/read_cold` on a temp file it has just written in the temp directory. Two
+things can make that the wrong disk for a plan that keeps experts on disk:
+
+- the checkpoint may live on another device than the temp directory (a second drive, a network
+  mount);
+- a VM's host may still cache a file its guest has just written: on the 2-core EPYC (2026-11-27)
+  the profiler's fresh temp file read at 3.3-3.5 GB/s, the first read of a checkpoint's layer
+  file at 0.7-1.4 GB/s (then 3.1 once the host had it), and a 22 MiB expert of the validation
+  checkpoint, read as the runtime reads it, at ~1.0 GB/s. A plan priced with the temp file's rate
+  put a disk-bound decode step at about half its time.
+
+So when a plan reads experts from disk, the engine times a few expert reads from the checkpoint
+itself, the way `ExpertStore.read` does them (memory/expert_store.read_uncached: each tensor by
+pread into a buffer already in memory, its pages dropped after), one reader and the runtime's
+parallel readers, and plans again with those fits (`with_disk_reads`). The fit is cached per
+device and expert layout in <cache dir>/disk_reads.json, keyed also by the profile it refines, so
+a new `tiered profile` measures it again. TIERED_DISK_FIT=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tiered.hardware.profile import HardwareProfile, LinearModel
+
+SAMPLE_BYTES = 1 << 30  # at most about this many bytes read by one fit (reads of 1-4 experts)
+
+
+def expert_reads_direct(checkpoint, config, dtype: torch.dtype) -> bool:
+    """Whether a disk-tier expert of `checkpoint` in `dtype` is read straight from the checkpoint's
+    files (ExpertStore: dense experts stored in `dtype` at a known offset), so that timing reads of
+    those files times the runtime's; else the experts would be converted to an offload directory."""
+    from tiered.checkpoint.handle import STORED_DTYPES
+    from tiered.memory.expert_store import expert_tensor_names, moe_layers
+
+    layers = moe_layers(checkpoint, config)
+    if not layers:
+        return False
+    hs = [checkpoint.handle(n) for n in expert_tensor_names(config.model_type, layers[0], 0)]
+    return all(h.offset is not None and STORED_DTYPES.get(h.format) == dtype for h in hs)
+
+
+def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
+                     budget_bytes: int = SAMPLE_BYTES) -> LinearModel:
+    """disk/read_cold (readers=1) or disk/read_cold_parallel (readers > 1) of `checkpoint`'s experts:
+    t [s] = alpha + beta * bytes, fitted on reads of 1-4 whole experts, each read as ExpertStore.read
+    reads one (read_uncached: its gate, up and down tensors by pread, each tensor's pages dropped from
+    the page cache after its read) into host buffers filled once before (the runtime reads into cache
+    slots and staging buffers that exist already). With several readers the sample's experts are
+    spread over that many threads at once (read-ahead); n = all bytes of the sample. Each sample reads
+    experts no earlier sample read (spread over layers), their pages dropped first. At most about
+    `budget_bytes` are read, at least two samples of two sizes where the experts allow; the buffers
+    take `readers` experts of RAM while the fit runs.
+
+    Raises:
+        ValueError: the checkpoint has no routed experts stored in `dtype` (expert_reads_direct).
+    """
+    from tiered.checkpoint.handle import _fd
+    from tiered.hardware.profiler import fit_affine
+    from tiered.memory.expert_store import expert_tensor_names, moe_layers, read_uncached
+
+    if not expert_reads_direct(checkpoint, config, dtype):
+        raise ValueError("the checkpoint's experts are not stored in the compute dtype: the runtime reads them "
+                         "from a converted copy, not from these files")
+    names = lambda layer, e: expert_tensor_names(config.model_type, layer, e)  # noqa: E731
+    keys = [(layer, e) for e in range(config.num_experts) for layer in moe_layers(checkpoint, config)]
+    handles = {k: [checkpoint.handle(n) for n in names(*k)] for k in keys}
+    expert_bytes = sum(h.nbytes for h in handles[keys[0]])
+    plan = [1, 2, 3, 4] * 2 if readers == 1 else [2, 4] * 2  # experts per sample
+    while sum(plan) * expert_bytes > budget_bytes and len(plan) > 2:
+        big = max(plan)  # big experts: fewer and smaller samples, of two sizes still
+        plan.remove(big if plan.count(big) > 1 or len(set(plan)) > 2 else min(plan))
+    outs = [[torch.zeros(h.shape, dtype=dtype) for h in handles[keys[0]]] for _ in range(readers)]
+    points, at = [], 0
+    with ThreadPoolExecutor(readers) as pool:
+        for n in plan:
+            if at + n > len(keys):
+                at = 0
+            sample = keys[at:at + n]
+            at += n
+            for k in sample:  # cold: none of the sample's pages in the page cache
+                for h in handles[k]:
+                    os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_DONTNEED)
+            parts = [sample[i::readers] for i in range(readers)]
+
+            def read_part(i: int) -> None:
+                for k in parts[i]:
+                    read_uncached(handles[k], outs[i])
+
+            t = time.perf_counter()
+            list(pool.map(read_part, range(readers)))
+            points.append((len(sample) * expert_bytes, time.perf_counter() - t))
+    return fit_affine([p[0] for p in points], [p[1] for p in points])
+
+
+def _cache_path() -> Path:
+    from tiered.checkpoint.tokenizer import cache_dir
+    return cache_dir() / "disk_reads.json"
+
+
+def fitted_disk_reads(profile: HardwareProfile, checkpoint, config, dtype: torch.dtype,
+                      readers: int) -> dict[str, LinearModel] | None:
+    """{"disk/read_cold", "disk/read_cold_parallel"} fitted on `checkpoint`'s expert reads
+    (fit_expert_reads), from the cache when this device, expert layout and profile were fitted before;
+    None when the experts are not read from these files, or TIERED_DISK_FIT=0."""
+    if os.environ.get("TIERED_DISK_FIT", "1") == "0" or not expert_reads_direct(checkpoint, config, dtype):
+        return None
+    from tiered.memory.expert_store import expert_tensor_names, moe_layers
+
+    hs = [checkpoint.handle(n) for n in expert_tensor_names(config.model_type, moe_layers(checkpoint, config)[0], 0)]
+    key = (f"dev {os.stat(hs[0].path).st_dev}; expert {[list(h.shape) for h in hs]} {dtype}; readers {readers}; "
+           f"profile {profile.source}")
+    path = _cache_path()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key in cached:
+        try:
+            return {k: LinearModel(**v) for k, v in cached[key].items()}
+        except TypeError:
+            pass  # malformed entry: fit again
+    fits = {"disk/read_cold": fit_expert_reads(checkpoint, config, dtype)}
+    if readers > 1:
+        fits["disk/read_cold_parallel"] = fit_expert_reads(checkpoint, config, dtype, readers=readers)
+    cached[key] = {k: {"alpha": m.alpha, "beta": m.beta, "r2": m.r2} for k, m in fits.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cached, indent=1))
+    except OSError:
+        pass  # a read-only cache directory: fit again next time
+    return fits
+
+
+def with_disk_reads(profile: HardwareProfile, fits: dict[str, LinearModel], where: str) -> HardwareProfile:
+    """`profile` with its disk read models replaced by `fits` (fitted_disk_reads), and a note in
+    meta["notes"] giving both rates."""
+    old, new = profile.models.get("disk/read_cold"), fits["disk/read_cold"]
+    rate = lambda m: f"{1 / m.beta / 1e9:.2f} GB/s" if m is not None and m.beta > 0 else "?"  # noqa: E731
+    note = (f"disk reads of experts timed on {where}: {rate(new)} (alpha {new.alpha * 1e3:.1f} ms), where the "
+            f"profile's temp file read {rate(old)}; the plan prices its disk reads with the former")
+    meta = dict(profile.meta, notes=list(profile.meta.get("notes", [])) + [note], disk_reads_fitted=where)
+    return replace(profile, models={**profile.models, **fits}, meta=meta)
