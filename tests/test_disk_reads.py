@@ -58,18 +58,18 @@ def test_fit_expert_reads_times_the_runtimes_reads_of_distinct_cold_experts(rt, 
     monkeypatch.setattr(profiler, "fit_affine", lambda xs, ys: fitted.append(list(xs)) or LinearModel(0.0, 1e-9))
     disk_reads.fit_expert_reads(ck, cfg, torch.float32)
     expert = sum(ck.handle(n).nbytes for n in es.expert_tensor_names(cfg.model_type, es.moe_layers(ck, cfg)[0], 0))
-    assert fitted == [[n * expert for n in (1, 2, 3, 4, 1, 2, 3, 4)]]
-    # samples of 1, 2, 3, 4 experts, twice: 20 reads; every expert of the checkpoint once before any again
+    assert fitted == [[n * expert for n in (1, 2, 3, 4)]]  # through each size's median
+    # samples of 1, 2, 3, 4 experts, three times: 30 reads; every expert of the checkpoint once before any again
     n_keys = len(es.moe_layers(ck, cfg)) * cfg.num_experts
-    assert len(reads) == 20 and len(set(reads[:min(20, n_keys)])) == min(20, n_keys)
+    assert len(reads) == 30 and len(set(reads[:min(30, n_keys)])) == min(30, n_keys)
     assert all(len(r) == 3 for r in reads) and len(outs) == 1  # one expert's buffers, reused
     reads.clear(), outs.clear()
     disk_reads.fit_expert_reads(ck, cfg, torch.float32, readers=2)
-    assert len(reads) == 12 and len(outs) == 2  # (2, 4) twice over two readers, a buffer each
+    assert len(reads) == 27 and len(outs) == 2  # (2, 3, 4) three times over two readers, a buffer each
     # a small budget: fewer, smaller samples (never fewer than two)
     reads.clear()
     disk_reads.fit_expert_reads(ck, cfg, torch.float32, budget_bytes=1)
-    assert len(reads) == 3  # samples of 1 and 2 experts
+    assert len(reads) == 3  # one sample each of 1 and 2 experts
     with pytest.raises(ValueError, match="not stored in the compute dtype"):
         disk_reads.fit_expert_reads(ck, cfg, torch.bfloat16)
 
@@ -127,3 +127,35 @@ def test_no_disk_fit_without_experts_on_disk_with_a_given_profile_or_when_turned
     assert llm._profile.models["disk/read_cold"] == BOX["disk/read_cold"]
     assert not (tmp_path / "cache" / "disk_reads.json").exists()
     llm.close()
+
+
+def test_an_experts_tensors_stored_side_by_side_are_read_with_one_preadv(rt, monkeypatch):
+    """read_uncached (ExpertStore.read): an expert's gate, up and down tensors, adjacent in the file,
+    come in one preadv into their three buffers, in any order asked, with the right bytes; a buffer of
+    another dtype than the stored one is read by itself (converted), the others still together; each
+    run's pages are dropped with one call."""
+    import os
+
+    import tiered.memory.expert_store as es
+
+    ck = open_checkpoint(rt.dir("mixtral"))
+    names = es.expert_tensor_names(ck.config.model_type, es.moe_layers(ck, ck.config)[0], 1)
+    hs = [ck.handle(n) for n in names]
+    assert sorted(h.offset for h in hs)[1] == min(h.offset for h in hs) + min(hs, key=lambda h: h.offset).nbytes
+    calls, drops = [], []
+    real_preadv, real_advise = os.preadv, os.posix_fadvise
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: calls.append(len(bufs)) or real_preadv(fd, bufs, off))
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: drops.append(n) or real_advise(fd, off, n, advice))
+    order = [2, 0, 1]
+    out = [torch.empty(hs[i].shape, dtype=torch.float32) for i in order]
+    es.read_uncached([hs[i] for i in order], out)
+    assert calls == [3] and drops == [sum(h.nbytes for h in hs)]
+    for i, t in zip(order, out):
+        assert torch.equal(t, hs[i].load(torch.float32))
+    calls.clear(), drops.clear()
+    out = [torch.empty(hs[0].shape, dtype=torch.bfloat16)] + [torch.empty(h.shape, dtype=torch.float32) for h in hs[1:]]
+    es.read_uncached(hs, out)
+    assert torch.equal(out[0], hs[0].load(torch.float32).bfloat16())
+    assert all(torch.equal(t, h.load(torch.float32)) for h, t in zip(hs[1:], out[1:]))
+    contiguous_rest = sorted(h.offset for h in hs[1:])[1] == min(h.offset for h in hs[1:]) + hs[1].nbytes
+    assert len(drops) == (2 if contiguous_rest else 3)

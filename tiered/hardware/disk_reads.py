@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -33,6 +34,9 @@ import torch
 from tiered.hardware.profile import HardwareProfile, LinearModel
 
 SAMPLE_BYTES = 1 << 30  # at most about this many bytes read by one fit (reads of 1-4 experts)
+# how ExpertStore.read reads, in the cache key: a fit of another way of reading is measured again
+# (2: an expert's adjacent tensors in one preadv; 3: medians of three repeats)
+READ_VERSION = 3
 
 
 def expert_reads_direct(checkpoint, config, dtype: torch.dtype) -> bool:
@@ -56,9 +60,12 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
     reads one (read_uncached: its gate, up and down tensors by pread, each tensor's pages dropped from
     the page cache after its read) into host buffers filled once before (the runtime reads into cache
     slots and staging buffers that exist already). With several readers the sample's experts are
-    spread over that many threads at once (read-ahead); n = all bytes of the sample. Each sample reads
-    experts no earlier sample read (spread over layers), their pages dropped first. At most about
-    `budget_bytes` are read, at least two samples of two sizes where the experts allow; the buffers
+    spread over that many threads at once (read-ahead: samples of 2-4 experts); n = all bytes of the
+    sample. Each sample reads experts no earlier sample read (spread over layers) while the checkpoint
+    has any left, their pages dropped first. The sizes are interleaved, three repeats each, and the
+    line is fitted through each size's median (one slow read does not tilt it: four single samples
+    of two sizes once fitted 2 readers at 27.9 ms + 2.6 GB/s, R^2 0.42). At most about `budget_bytes`
+    are read (big experts: fewer repeats, then fewer sizes, never under two sizes once); the buffers
     take `readers` experts of RAM while the fit runs.
 
     Raises:
@@ -75,31 +82,37 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
     keys = [(layer, e) for e in range(config.num_experts) for layer in moe_layers(checkpoint, config)]
     handles = {k: [checkpoint.handle(n) for n in names(*k)] for k in keys}
     expert_bytes = sum(h.nbytes for h in handles[keys[0]])
-    plan = [1, 2, 3, 4] * 2 if readers == 1 else [2, 4] * 2  # experts per sample
-    while sum(plan) * expert_bytes > budget_bytes and len(plan) > 2:
-        big = max(plan)  # big experts: fewer and smaller samples, of two sizes still
-        plan.remove(big if plan.count(big) > 1 or len(set(plan)) > 2 else min(plan))
+    sizes = [1, 2, 3, 4] if readers == 1 else [2, 3, 4]  # experts per sample
+    reps = 3
+    while sum(sizes) * reps * expert_bytes > budget_bytes and (reps > 1 or len(sizes) > 2):
+        if reps > 1 and (reps > 2 or len(sizes) == 2):  # big experts: fewer repeats, then fewer sizes
+            reps -= 1
+        else:
+            sizes.pop()
     outs = [[torch.zeros(h.shape, dtype=dtype) for h in handles[keys[0]]] for _ in range(readers)]
-    points, at = [], 0
+    times: dict[int, list[float]] = {}
+    at = 0
     with ThreadPoolExecutor(readers) as pool:
-        for n in plan:
-            if at + n > len(keys):
-                at = 0
-            sample = keys[at:at + n]
-            at += n
-            for k in sample:  # cold: none of the sample's pages in the page cache
-                for h in handles[k]:
-                    os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_DONTNEED)
-            parts = [sample[i::readers] for i in range(readers)]
+        for _ in range(reps):
+            for n in sizes:  # the sizes interleaved, repeat after repeat
+                if at + n > len(keys):
+                    at = 0
+                sample = keys[at:at + n]
+                at += n
+                for k in sample:  # cold: none of the sample's pages in the page cache
+                    for h in handles[k]:
+                        os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_DONTNEED)
+                parts = [sample[i::readers] for i in range(readers)]
 
-            def read_part(i: int) -> None:
-                for k in parts[i]:
-                    read_uncached(handles[k], outs[i])
+                def read_part(i: int) -> None:
+                    for k in parts[i]:
+                        read_uncached(handles[k], outs[i])
 
-            t = time.perf_counter()
-            list(pool.map(read_part, range(readers)))
-            points.append((len(sample) * expert_bytes, time.perf_counter() - t))
-    return fit_affine([p[0] for p in points], [p[1] for p in points])
+                t = time.perf_counter()
+                list(pool.map(read_part, range(readers)))
+                times.setdefault(len(sample) * expert_bytes, []).append(time.perf_counter() - t)
+    nbytes = sorted(times)
+    return fit_affine(nbytes, [statistics.median(times[n]) for n in nbytes])
 
 
 def _cache_path() -> Path:
@@ -117,7 +130,7 @@ def fitted_disk_reads(profile: HardwareProfile, checkpoint, config, dtype: torch
     from tiered.memory.expert_store import expert_tensor_names, moe_layers
 
     hs = [checkpoint.handle(n) for n in expert_tensor_names(config.model_type, moe_layers(checkpoint, config)[0], 0)]
-    key = (f"dev {os.stat(hs[0].path).st_dev}; expert {[list(h.shape) for h in hs]} {dtype}; readers {readers}; "
+    key = (f"reads v{READ_VERSION}; dev {os.stat(hs[0].path).st_dev}; expert {[list(h.shape) for h in hs]} {dtype}; readers {readers}; "
            f"profile {profile.source}")
     path = _cache_path()
     try:

@@ -64,14 +64,47 @@ def read_uncached(handles, out) -> None:
     the pages read from the OS page cache (posix_fadvise DONTNEED): what tiered keeps in RAM is what its
     budget and cache hold, not a second, unaccounted copy in the page cache (real offloading engines
     read with O_DIRECT for the same reason). So a re-read of an evicted expert costs a real disk read,
-    as it would for a model bigger than RAM. How a disk-tier expert is read (ExpertStore.read). The drop
-    costs ~2 ms a 22 MiB expert on the 2-core EPYC; queued as a disk task of its own after the read, so an
-    expert's compute need not wait for it, it did not pay there (LRU decode 446 against 456 ms a token,
-    read-ahead decode 311 against 295: the drops then compete with the reads)."""
-    for h, t in zip(handles, out):
+    as it would for a model bigger than RAM. How a disk-tier expert is read (ExpertStore.read).
+
+    Tensors stored next to each other in one file (an expert's gate, up and down weights, as
+    safetensors writers lay them out) are read with one preadv into their several buffers and dropped
+    with one call: on the 2-core EPYC's disk, a Mixtral-width-1024 expert (22 MiB) on demand decoded
+    at 280 ms a token against 409 with a read per tensor (4 interleaved runs each, 8 layers, no
+    read-ahead). A tensor not stored in its buffer's dtype, or not beside the others, is read alone
+    (TensorHandle.read_into). The drop costs ~2 ms a 22 MiB expert there; queued as a disk task of
+    its own after the read, so an expert's compute need not wait for it, it did not pay (LRU decode
+    446 against 456 ms a token, read-ahead decode 311 against 295: the drops then compete with the
+    reads).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    runs: list[list] = []  # [path, offset, bytes, [(handle, out)]]: contiguous bytes of one file
+    alone = []
+    for h, t in sorted(zip(handles, out), key=lambda p: (p[0].path, p[0].offset if p[0].offset is not None else -1)):
+        if not (h.offset is not None and STORED_DTYPES.get(h.format) == t.dtype and t.is_contiguous()
+                and t.nbytes == h.nbytes):
+            alone.append((h, t))
+        elif runs and runs[-1][0] == h.path and runs[-1][1] + runs[-1][2] == h.offset:
+            runs[-1][2] += h.nbytes
+            runs[-1][3].append((h, t))
+        else:
+            runs.append([h.path, h.offset, h.nbytes, [(h, t)]])
+    for path, offset, nbytes, members in runs:
+        fd = _fd(path)
+        if len(members) == 1 or os.preadv(fd, [_bytes_of(t) for _, t in members], offset) != nbytes:
+            for h, t in members:  # one tensor, or a short read: each by itself (read_into retries)
+                h.read_into(t)
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    for h, t in alone:
         h.read_into(t)
         if h.offset is not None:
             os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_DONTNEED)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, writable in place."""
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
 
 
 class ExpertStore:
