@@ -159,3 +159,60 @@ def test_an_experts_tensors_stored_side_by_side_are_read_with_one_preadv(rt, mon
     assert all(torch.equal(t, h.load(torch.float32)) for h, t in zip(hs[1:], out[1:]))
     contiguous_rest = sorted(h.offset for h in hs[1:])[1] == min(h.offset for h in hs[1:]) + hs[1].nbytes
     assert len(drops) == (2 if contiguous_rest else 3)
+
+
+def _resident_pages(path: str) -> set[int]:
+    """Indices of `path`'s 4 KiB pages in the OS page cache (mincore over a read-only mapping)."""
+    import ctypes
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+    os.close(fd)
+    pages = (size + 4095) // 4096
+    vec = (ctypes.c_ubyte * pages)()
+    try:
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
+    finally:
+        libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+    return {i for i in range(pages) if vec[i] & 1}
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "posix_fadvise"), reason="needs posix_fadvise and mincore (Linux)")
+def test_an_expert_read_leaves_no_page_of_the_file_in_the_page_cache(tmp_path):
+    """read_uncached reads with the kernel's read-ahead off and drops what it read: afterwards no page of
+    the file is cached but the two its range shares with its neighbours (with read-ahead on, a 22 MiB
+    expert left the next 11 MiB of its file cached, outside every budget)."""
+    import os
+    import struct
+
+    from safetensors.torch import save_file
+
+    import tiered.memory.expert_store as es
+    from tiered.checkpoint.handle import TensorHandle
+
+    path = str(tmp_path / "experts.safetensors")
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"e{i}.{w}": torch.randn(512, 1024, generator=g) for i in range(2) for w in ("w1", "w2", "w3")}
+    save_file(tensors, path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    base = 8 + n
+    hs = [TensorHandle(k, (512, 1024), "F32", 512 * 1024 * 4, path, lambda k=k: tensors[k],
+                       offset=base + header[k]["data_offsets"][0]) for k in ("e0.w1", "e0.w2", "e0.w3")]
+    first, end = min(h.offset for h in hs), min(h.offset for h in hs) + sum(h.nbytes for h in hs)
+    assert end == max(h.offset + h.nbytes for h in hs)  # the three side by side
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)  # written back, so that the drop below takes every page
+    os.close(fd)
+    es.drop_page_cache([path])
+    assert _resident_pages(path) == set()
+    out = [torch.empty(512, 1024) for _ in hs]
+    es.read_uncached(hs, out)
+    assert all(torch.equal(t, tensors[h.name]) for h, t in zip(hs, out))
+    assert _resident_pages(path) <= {first // 4096, (end - 1) // 4096}

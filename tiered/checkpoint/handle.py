@@ -24,16 +24,22 @@ BLOCK_FORMATS = {
 
 
 STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
-_FDS: dict[str, int] = {}
+_FDS: dict[tuple[str, bool], int] = {}
 _FD_LOCK = threading.Lock()
 
 
-def _fd(path: str) -> int:
-    """A read-only descriptor per file, opened once and shared by reader threads (pread is positional)."""
+def _fd(path: str, random_access: bool = False) -> int:
+    """A read-only descriptor per file, opened once and shared by reader threads (pread is positional).
+    random_access: a second descriptor of the file with the kernel's read-ahead off
+    (POSIX_FADV_RANDOM, which holds per open file), for reads of exactly the bytes asked
+    (memory/expert_store.read_uncached); the plain one keeps read-ahead for loads."""
     with _FD_LOCK:
-        if path not in _FDS:
-            _FDS[path] = os.open(path, os.O_RDONLY)
-        return _FDS[path]
+        if (path, random_access) not in _FDS:
+            fd = os.open(path, os.O_RDONLY)
+            if random_access:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            _FDS[path, random_access] = fd
+        return _FDS[path, random_access]
 
 
 @dataclass(frozen=True, eq=False)

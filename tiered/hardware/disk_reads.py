@@ -35,8 +35,8 @@ from tiered.hardware.profile import HardwareProfile, LinearModel
 
 SAMPLE_BYTES = 1 << 30  # at most about this many bytes read by one fit (reads of 1-4 experts)
 # how ExpertStore.read reads, in the cache key: a fit of another way of reading is measured again
-# (2: an expert's adjacent tensors in one preadv; 3: medians of three repeats)
-READ_VERSION = 3
+# (2: an expert's adjacent tensors in one preadv; 3: medians of three repeats; 4: read-ahead off)
+READ_VERSION = 4
 
 
 def expert_reads_direct(checkpoint, config, dtype: torch.dtype) -> bool:

@@ -68,11 +68,15 @@ def read_uncached(handles, out) -> None:
 
     Tensors stored next to each other in one file (an expert's gate, up and down weights, as
     safetensors writers lay them out) are read with one preadv into their several buffers and dropped
-    with one call: on the 2-core EPYC's disk, a Mixtral-width-1024 expert (22 MiB) on demand decoded
-    at 280 ms a token against 409 with a read per tensor (4 interleaved runs each, 8 layers, no
-    read-ahead). A tensor not stored in its buffer's dtype, or not beside the others, is read alone
-    (TensorHandle.read_into). The drop costs ~2 ms a 22 MiB expert there; queued as a disk task of
-    its own after the read, so an expert's compute need not wait for it, it did not pay (LRU decode
+    with one call, through a descriptor with the kernel's read-ahead off (POSIX_FADV_RANDOM). With
+    read-ahead on, one 22 MiB read left the next 11 MiB of the file in the page cache, outside every
+    budget (155 MiB over a run of the validation checkpoint), and decode on demand from disk ran at
+    244-297 ms a token against 376-416 with a read per tensor, helped by what the kernel had read
+    past each expert outside the budget. With read-ahead off the two ways ran alike on the 2-core EPYC
+    (407-425 against 420 ms a token, interleaved runs; one expert alone 17-23 ms either way). A tensor
+    not stored in its buffer's dtype, or not beside the others, is read alone (TensorHandle.read_into).
+    The drop costs ~2 ms a 22 MiB expert there; queued as a disk task of its own after the read, so an
+    expert's compute need not wait for it, it did not pay (LRU decode
     446 against 456 ms a token, read-ahead decode 311 against 295: the drops then compete with the
     reads).
 
@@ -91,9 +95,9 @@ def read_uncached(handles, out) -> None:
         else:
             runs.append([h.path, h.offset, h.nbytes, [(h, t)]])
     for path, offset, nbytes, members in runs:
-        fd = _fd(path)
-        if len(members) == 1 or os.preadv(fd, [_bytes_of(t) for _, t in members], offset) != nbytes:
-            for h, t in members:  # one tensor, or a short read: each by itself (read_into retries)
+        fd = _fd(path, random_access=True)
+        if os.preadv(fd, [_bytes_of(t) for _, t in members], offset) != nbytes:
+            for h, t in members:  # a short read (a run over 2 GiB): each by itself (read_into retries)
                 h.read_into(t)
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
     for h, t in alone:
