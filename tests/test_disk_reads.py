@@ -4,6 +4,7 @@ disk is priced with, when this machine's own profile plans."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -134,8 +135,6 @@ def test_an_experts_tensors_stored_side_by_side_are_read_with_one_preadv(rt, mon
     come in one preadv into their three buffers, in any order asked, with the right bytes; a buffer of
     another dtype than the stored one is read by itself (converted), the others still together; each
     run's pages are dropped with one call."""
-    import os
-
     import tiered.memory.expert_store as es
 
     ck = open_checkpoint(rt.dir("mixtral"))
@@ -164,7 +163,6 @@ def test_an_experts_tensors_stored_side_by_side_are_read_with_one_preadv(rt, mon
 def _resident_pages(path: str) -> set[int]:
     """Indices of `path`'s 4 KiB pages in the OS page cache (mincore over a read-only mapping)."""
     import ctypes
-    import os
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
@@ -182,12 +180,11 @@ def _resident_pages(path: str) -> set[int]:
     return {i for i in range(pages) if vec[i] & 1}
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "posix_fadvise"), reason="needs posix_fadvise and mincore (Linux)")
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore (Linux)")
 def test_an_expert_read_leaves_no_page_of_the_file_in_the_page_cache(tmp_path):
     """read_uncached reads with the kernel's read-ahead off and drops what it read: afterwards no page of
     the file is cached but the two its range shares with its neighbours (with read-ahead on, a 22 MiB
     expert left the next 11 MiB of its file cached, outside every budget)."""
-    import os
     import struct
 
     from safetensors.torch import save_file
@@ -216,3 +213,28 @@ def test_an_expert_read_leaves_no_page_of_the_file_in_the_page_cache(tmp_path):
     es.read_uncached(hs, out)
     assert all(torch.equal(t, tensors[h.name]) for h, t in zip(hs, out))
     assert _resident_pages(path) <= {first // 4096, (end - 1) // 4096}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps (Linux)")
+def test_closing_an_llm_unmaps_its_checkpoint_so_the_page_cache_can_be_dropped(rt, tmp_path):
+    """LLM.close() unmaps the checkpoint's files (checkpoint.release_pages) while the LLM object lives on
+    (an engine's reference cycles keep it until the garbage collector runs): else the OS cannot drop the
+    file's pages, and the next engine's disk reads come from the page cache."""
+    import shutil
+
+    import tiered.memory.expert_store as es
+
+    path = shutil.copytree(rt.dir("mixtral"), tmp_path / "mixtral")
+    mapped = lambda: [line for line in open("/proc/self/maps") if str(path) in line]  # noqa: E731
+    llm = LLM(path, engine_config(expert_weights="int4", offload_dir=str(tmp_path / "offload")))
+    llm.checkpoint.handle(llm.checkpoint.names()[0]).load()  # a load after the engine's: mapped again
+    assert mapped()
+    llm.close()
+    assert mapped() == []
+    files = [str(p) for p in path.glob("*.safetensors")]
+    for f in files:  # written back, so that the drop takes every page
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    es.drop_page_cache(files)
+    assert all(_resident_pages(f) == set() for f in files)

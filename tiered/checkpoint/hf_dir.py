@@ -100,6 +100,14 @@ class HFDirCheckpoint(HandleTable):
             return self._open[file].get_tensor(key).clone()
         return load
 
+    def release_pages(self) -> int:
+        """Close the files' memory maps (safe_open handles): their pages leave this process, so the
+        OS can drop them from its page cache (posix_fadvise DONTNEED skips mapped pages), and a later
+        load maps the file again. Returns the bytes of the files that were mapped."""
+        mapped = sum(os.path.getsize(f) for f in self._open)
+        self._open.clear()
+        return mapped
+
     def _load_tokenizer(self):
         """The HF tokenizer saved beside the weights, or None when the directory has none."""
         from tiered.checkpoint.tokenizer import load_hf_tokenizer

@@ -537,11 +537,16 @@ class LLM:
         return None
 
     def close(self) -> None:
-        """Stop the runtime's worker threads and free what the device keeps for them beyond tensors
-        (Accelerator.release: cuBLAS workspaces on CUDA); the LLM cannot generate afterwards."""
+        """Stop the runtime's worker threads, free what the device keeps for them beyond tensors
+        (Accelerator.release: cuBLAS workspaces on CUDA) and unmap the checkpoint's files
+        (checkpoint.release_pages), now rather than whenever the garbage collector frees this LLM: an
+        engine's objects hold reference cycles, and while a file stays mapped the OS cannot drop its
+        pages (a second engine of the same checkpoint then read its "disk" experts from the page
+        cache: 32 tok/s on demand where a fresh process read 3.6). The LLM cannot generate afterwards."""
         self.executor.close()
         if self.accelerator is not None:
             self.accelerator.release()
+        self.checkpoint.release_pages()
 
     def __enter__(self) -> "LLM":
         return self
