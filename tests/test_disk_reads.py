@@ -66,7 +66,7 @@ def test_fit_expert_reads_times_the_runtimes_reads_of_distinct_cold_experts(rt, 
     assert all(len(r) == 3 for r in reads) and len(outs) == 1  # one expert's buffers, reused
     reads.clear(), outs.clear()
     disk_reads.fit_expert_reads(ck, cfg, torch.float32, readers=2)
-    assert len(reads) == 27 and len(outs) == 2  # (2, 3, 4) three times over two readers, a buffer each
+    assert len(reads) == 42 and len(outs) == 2  # (2, 4, 8) three times over two readers, a buffer each
     # a small budget: fewer, smaller samples (never fewer than two)
     reads.clear()
     disk_reads.fit_expert_reads(ck, cfg, torch.float32, budget_bytes=1)
@@ -238,3 +238,28 @@ def test_closing_an_llm_unmaps_its_checkpoint_so_the_page_cache_can_be_dropped(r
         os.close(fd)
     es.drop_page_cache(files)
     assert all(_resident_pages(f) == set() for f in files)
+
+
+def test_a_layers_expert_reads_are_priced_as_the_runtime_issues_them(rt):
+    """cpu_predict.experts_with_reads: decode overlaps read-ahead's stream (disk/read_cold_parallel) with the
+    computes; a prompt (predict_prefill) streams its reads the same way but beside the computes, not under
+    them; without read-ahead each miss is read, then computed."""
+    from tiered.planner.cpu_predict import experts_with_reads, predict_prefill
+
+    par = LinearModel(5e-3, 1e-10)
+    hw = HardwareProfile("box", "test", {**BOX, "disk/read_cold_parallel": par})
+    eb, c, over = 1e7, 2e-3, 1e-4
+    read = BOX["disk/read_cold"](eb)
+    assert experts_with_reads(hw, 8, 0, eb, c, True, 2, over) == pytest.approx(8 * c)
+    assert experts_with_reads(hw, 8, 6, eb, c, False, 2, over) == pytest.approx(8 * c + 6 * (read + over))
+    stream = par(6 * eb) + 6 * over
+    assert experts_with_reads(hw, 8, 6, eb, c, True, 2, over) == pytest.approx(max(stream + c, 8 * c))
+    assert experts_with_reads(hw, 8, 6, eb, c, True, 2, over, overlap=False) == pytest.approx(stream + 8 * c)
+    # one reader: the single-reader line back to back
+    assert experts_with_reads(hw, 8, 6, eb, c, True, 1, over) == pytest.approx(max(6 * (read + over) + c, 8 * c))
+    cfg = open_checkpoint(rt.dir("mixtral")).config
+    hw = HardwareProfile("box", "test", {**BOX, "disk/read_cold_parallel": LinearModel(0.0, 1e-11)})
+    ahead = predict_prefill(cfg, hw, "fp32", 64, disk_share=0.8, read_ahead=True)
+    serial = predict_prefill(cfg, hw, "fp32", 64, disk_share=0.8, read_ahead=False)
+    in_ram = predict_prefill(cfg, hw, "fp32", 64)
+    assert in_ram < ahead < serial  # two readers stream faster than BOX's one, here

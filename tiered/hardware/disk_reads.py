@@ -35,8 +35,8 @@ from tiered.hardware.profile import HardwareProfile, LinearModel
 
 SAMPLE_BYTES = 1 << 30  # at most about this many bytes read by one fit (reads of 1-4 experts)
 # how ExpertStore.read reads, in the cache key: a fit of another way of reading is measured again
-# (2: an expert's adjacent tensors in one preadv; 3: medians of three repeats; 4: read-ahead off)
-READ_VERSION = 4
+# (2: an expert's adjacent tensors in one preadv; 3: medians of three repeats; 4: read-ahead off; 5: parallel samples advised, up to 8 experts)
+READ_VERSION = 5
 
 
 def expert_reads_direct(checkpoint, config, dtype: torch.dtype) -> bool:
@@ -60,7 +60,8 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
     reads one (read_uncached: its gate, up and down tensors by pread, each tensor's pages dropped from
     the page cache after its read) into host buffers filled once before (the runtime reads into cache
     slots and staging buffers that exist already). With several readers the sample's experts are
-    spread over that many threads at once (read-ahead: samples of 2-4 experts); n = all bytes of the
+    spread over that many threads at once after each was advised (posix_fadvise WILLNEED), as the
+    runtime's read-ahead issues a layer's misses (samples of 2, 4 and 8 experts); n = all bytes of the
     sample. Each sample reads experts no earlier sample read (spread over layers) while the checkpoint
     has any left, their pages dropped first. The sizes are interleaved, three repeats each, and the
     line is fitted through each size's median (one slow read does not tilt it: four single samples
@@ -73,7 +74,7 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
     """
     from tiered.checkpoint.handle import _fd
     from tiered.hardware.profiler import fit_affine
-    from tiered.memory.expert_store import expert_tensor_names, moe_layers, read_uncached
+    from tiered.memory.expert_store import advise, expert_tensor_names, moe_layers, read_uncached
 
     if not expert_reads_direct(checkpoint, config, dtype):
         raise ValueError("the checkpoint's experts are not stored in the compute dtype: the runtime reads them "
@@ -82,7 +83,8 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
     keys = [(layer, e) for e in range(config.num_experts) for layer in moe_layers(checkpoint, config)]
     handles = {k: [checkpoint.handle(n) for n in names(*k)] for k in keys}
     expert_bytes = sum(h.nbytes for h in handles[keys[0]])
-    sizes = [1, 2, 3, 4] if readers == 1 else [2, 3, 4]  # experts per sample
+    # experts per sample: a decode layer's few misses (up to top-k: 8 for Qwen-MoE widths)
+    sizes = [1, 2, 3, 4] if readers == 1 else [2, 4, 8]
     reps = 3
     while sum(sizes) * reps * expert_bytes > budget_bytes and (reps > 1 or len(sizes) > 2):
         if reps > 1 and (reps > 2 or len(sizes) == 2):  # big experts: fewer repeats, then fewer sizes
@@ -109,6 +111,9 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
                         read_uncached(handles[k], outs[i])
 
                 t = time.perf_counter()
+                if readers > 1:  # read-ahead: the runtime advises every miss of the layer first
+                    for k in sample:
+                        advise(handles[k])
                 list(pool.map(read_part, range(readers)))
                 times.setdefault(len(sample) * expert_bytes, []).append(time.perf_counter() - t)
     nbytes = sorted(times)

@@ -106,6 +106,14 @@ def read_uncached(handles, out) -> None:
             os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_DONTNEED)
 
 
+def advise(handles) -> None:
+    """Hint the kernel to start reading the tensors of `handles` now (posix_fadvise WILLNEED): how
+    read-ahead issues a layer's disk reads before its reader threads read them (read_uncached)."""
+    for h in handles:
+        if h.offset is not None:
+            os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_WILLNEED)
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's bytes, writable in place."""
     return memoryview(t.view(-1).view(torch.uint8).numpy())
@@ -293,8 +301,6 @@ class ExpertStore:
         return self.expert_bytes
 
     def advise(self, key) -> None:
-        """Hint the kernel to start reading a disk-tier expert now (posix_fadvise WILLNEED)."""
-        for h in self.handles[key]:
-            if h.offset is not None:
-                os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_WILLNEED)
+        """Hint the kernel to start reading a disk-tier expert now (`advise`)."""
+        advise(self.handles[key])
 
