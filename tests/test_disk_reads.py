@@ -263,3 +263,15 @@ def test_a_layers_expert_reads_are_priced_as_the_runtime_issues_them(rt):
     serial = predict_prefill(cfg, hw, "fp32", 64, disk_share=0.8, read_ahead=False)
     in_ram = predict_prefill(cfg, hw, "fp32", 64)
     assert in_ram < ahead < serial  # two readers stream faster than BOX's one, here
+
+
+def test_a_disk_fit_that_cannot_read_keeps_the_profiles_rate_and_says_so(rt, own_profile, monkeypatch):
+    def unreadable(*a, **kw):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(disk_reads, "fit_expert_reads", unreadable)
+    llm = LLM(rt.dir("mixtral"), engine_config(cpu_memory=disk_budget(rt)))
+    try:
+        assert llm._profile.models["disk/read_cold"] == BOX["disk/read_cold"]
+        assert any("could not time expert reads" in n and "Input/output error" in n for n in llm.plan.notes)
+    finally:
+        llm.close()

@@ -144,7 +144,12 @@ class LLM:
 
             if say is not None:
                 say("the plan reads experts from disk: timing a few expert reads from the checkpoint's files")
-            fits = fitted_disk_reads(hw, self.checkpoint, self.config, dtype, DISK_READERS)
+            try:
+                fits = fitted_disk_reads(hw, self.checkpoint, self.config, dtype, DISK_READERS)
+            except OSError as e:  # the plan keeps the profile's rate and says why
+                from dataclasses import replace
+                note = f"could not time expert reads from the checkpoint's files ({e}): disk reads priced by the profile"
+                return replace(hw, meta=dict(hw.meta, notes=list(hw.meta.get("notes", [])) + [note]))
             return with_disk_reads(hw, fits, "the checkpoint's files") if fits else None
         return refit
 
