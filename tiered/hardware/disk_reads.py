@@ -56,10 +56,11 @@ def expert_reads_direct(checkpoint, config, dtype: torch.dtype) -> bool:
 def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
                      budget_bytes: int = SAMPLE_BYTES) -> LinearModel:
     """disk/read_cold (readers=1) or disk/read_cold_parallel (readers > 1) of `checkpoint`'s experts:
-    t [s] = alpha + beta * bytes, fitted on reads of 1-4 whole experts, each read as ExpertStore.read
-    reads one (read_uncached: its gate, up and down tensors by pread, each tensor's pages dropped from
-    the page cache after its read) into host buffers filled once before (the runtime reads into cache
-    slots and staging buffers that exist already). With several readers the sample's experts are
+    t [s] = alpha + beta * bytes, fitted on reads of whole experts (1-4 a sample on one reader), each
+    read as ExpertStore.read reads one (read_uncached: its adjacent gate, up and down tensors in one
+    preadv with the kernel's read-ahead off, their pages dropped from the page cache after) into host
+    buffers filled once before (the runtime reads into cache slots and staging buffers that exist
+    already). With several readers the sample's experts are
     spread over that many threads at once after each was advised (posix_fadvise WILLNEED), as the
     runtime's read-ahead issues a layer's misses (samples of 2, 4 and 8 experts); n = all bytes of the
     sample. Each sample reads experts no earlier sample read (spread over layers) while the checkpoint
