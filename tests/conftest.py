@@ -19,6 +19,14 @@ from fixtures import build_tokenizer, load_hf_model, write_tiny_checkpoint  # no
 
 
 def pytest_configure(config):
+    # CI (.ci/run sets TIERED_HYPOTHESIS=ci): the property tests draw the same examples every run, so a
+    # red CI is reproducible and one draw cannot turn main red (a random one found LatencyModel.together
+    # an ulp below its bound, now an @example); elsewhere they keep exploring new ones.
+    if os.environ.get("TIERED_HYPOTHESIS") == "ci":
+        from hypothesis import settings
+
+        settings.register_profile("ci", derandomize=True)
+        settings.load_profile("ci")
     # Keep tiered's tokenizer cache out of the user's home directory.
     os.environ.setdefault("TIERED_CACHE", str(Path(config.rootpath) / ".pytest_cache" / "tiered"))
     # One intra-op thread by default: on a small shared machine (2 cores here) torch's OpenMP
