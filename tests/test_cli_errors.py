@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
+from runtime_fixtures import rt  # noqa: F401  (fixture)
 from tiered.cli import app
 
 
@@ -132,3 +133,16 @@ def test_only_the_console_process_freezes_the_heap(monkeypatch):
     finally:
         gc.unfreeze()
     assert seen and seen[0] > before
+
+
+def test_tiered_run_takes_token_ids_for_a_checkpoint_without_a_tokenizer(rt):
+    """`tiered run` on a generated checkpoint (no tokenizer): the prompt as space-separated token ids, the
+    generated ids printed; text is refused with a one-line error saying so, before anything loads."""
+    path = str(rt.dir("mixtral"))
+    args = ["run", "--model", path, "--no-chat", "-n", "3", "-t", "0", "--max-context", "64"]
+    res = CliRunner().invoke(app, [*args, "5 6 7"])
+    assert res.exit_code == 0, res.output
+    lines = [line.split() for line in res.output.splitlines()]
+    assert any(len(ids) == 3 and all(i.isdigit() for i in ids) for ids in lines), res.output  # the 3 new ids
+    bad = CliRunner().invoke(app, [*args, "hello there"])
+    assert bad.exit_code != 0 and "space-separated token ids" in bad.output

@@ -275,3 +275,4 @@ def test_a_disk_fit_that_cannot_read_keeps_the_profiles_rate_and_says_so(rt, own
         assert any("could not time expert reads" in n and "Input/output error" in n for n in llm.plan.notes)
     finally:
         llm.close()
+

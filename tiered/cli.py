@@ -151,6 +151,12 @@ def run(
     config = _engine_config(locals(), trace=trace is not None)
     # a prompt that cannot run is refused before anything loads, or the planner measures this machine
     ckpt = open_checkpoint(model)
+    if ckpt.tokenizer() is None:  # a checkpoint without a tokenizer (a generated one): the prompt's token ids
+        try:
+            prompt = [int(t) for t in prompt.split()]
+        except ValueError:
+            raise typer.BadParameter(f"{ckpt.path} has no tokenizer: pass the prompt as space-separated token ids, "
+                                     "e.g. \"1 2 3\"") from None
     check_prompt_fits(0, len(encode_prompt(ckpt.tokenizer(), prompt, chat)),
                       context_window(ckpt.config, config.max_context), ckpt.config.max_position_embeddings)
     llm = LLM(ckpt, config, progress=not as_json)
@@ -170,6 +176,8 @@ def run(
     else:
         on_text = lambda _i, delta: (sys.stdout.write(delta), sys.stdout.flush())  # noqa: E731
         out = llm.generate(prompt, params, chat=chat, on_text=on_text)[0]
+        if llm.tokenizer is None:  # no text to stream: the generated token ids
+            sys.stdout.write(" ".join(map(str, out.token_ids)))
         sys.stdout.write("\n")
         _print_stats(llm, out)
     if trace is not None:
