@@ -134,9 +134,10 @@ class LLM:
         """engine_plan's `disk_reads`: the profile with disk/read_cold(_parallel) timed on this checkpoint's
         expert reads (hardware/disk_reads), when its disk-tier experts in format `experts` would be read
         straight from its files; None (keep the profile's) for formats the store converts first."""
-        if experts not in ("bf16", "fp32", "fp16"):
+        try:
+            dtype = sizes.torch_dtype(experts)
+        except ConfigError:  # a quantized format: converted to the offload directory, read from there
             return None
-        dtype = sizes.torch_dtype(experts)
 
         def refit(hw):
             from tiered.hardware.disk_reads import fitted_disk_reads, with_disk_reads

@@ -12,9 +12,9 @@ things can make that the wrong disk for a plan that keeps experts on disk:
   put a disk-bound decode step at about half its time.
 
 So when a plan reads experts from disk, the engine times a few expert reads from the checkpoint
-itself, the way `ExpertStore.read` does them (memory/expert_store.read_uncached: each tensor by
-pread into a buffer already in memory, its pages dropped after), one reader and the runtime's
-parallel readers, and plans again with those fits (`with_disk_reads`). The fit is cached per
+itself, the way `ExpertStore.read` does them (memory/expert_store.read_uncached: an expert's adjacent
+tensors in one preadv into buffers already in memory, read-ahead off, its pages dropped after), one
+reader and the runtime's parallel readers, and plans again with those fits (`with_disk_reads`). The fit is cached per
 device and expert layout in <cache dir>/disk_reads.json, keyed also by the profile it refines, so
 a new `tiered profile` measures it again. TIERED_DISK_FIT=0 turns it off.
 """
@@ -39,18 +39,22 @@ SAMPLE_BYTES = 1 << 30  # at most about this many bytes read by one fit (reads o
 READ_VERSION = 5
 
 
+def _first_expert(checkpoint, config) -> list | None:
+    """The TensorHandles of the first MoE layer's expert 0 (gate, up, down), or None without experts."""
+    from tiered.memory.expert_store import expert_tensor_names, moe_layers
+
+    layers = moe_layers(checkpoint, config)
+    return [checkpoint.handle(n) for n in expert_tensor_names(config.model_type, layers[0], 0)] if layers else None
+
+
 def expert_reads_direct(checkpoint, config, dtype: torch.dtype) -> bool:
     """Whether a disk-tier expert of `checkpoint` in `dtype` is read straight from the checkpoint's
     files (ExpertStore: dense experts stored in `dtype` at a known offset), so that timing reads of
     those files times the runtime's; else the experts would be converted to an offload directory."""
     from tiered.checkpoint.handle import STORED_DTYPES
-    from tiered.memory.expert_store import expert_tensor_names, moe_layers
 
-    layers = moe_layers(checkpoint, config)
-    if not layers:
-        return False
-    hs = [checkpoint.handle(n) for n in expert_tensor_names(config.model_type, layers[0], 0)]
-    return all(h.offset is not None and STORED_DTYPES.get(h.format) == dtype for h in hs)
+    hs = _first_expert(checkpoint, config)
+    return hs is not None and all(h.offset is not None and STORED_DTYPES.get(h.format) == dtype for h in hs)
 
 
 def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
@@ -133,9 +137,7 @@ def fitted_disk_reads(profile: HardwareProfile, checkpoint, config, dtype: torch
     None when the experts are not read from these files, or TIERED_DISK_FIT=0."""
     if os.environ.get("TIERED_DISK_FIT", "1") == "0" or not expert_reads_direct(checkpoint, config, dtype):
         return None
-    from tiered.memory.expert_store import expert_tensor_names, moe_layers
-
-    hs = [checkpoint.handle(n) for n in expert_tensor_names(config.model_type, moe_layers(checkpoint, config)[0], 0)]
+    hs = _first_expert(checkpoint, config)
     key = (f"reads v{READ_VERSION}; dev {os.stat(hs[0].path).st_dev}; expert {[list(h.shape) for h in hs]} {dtype}; readers {readers}; "
            f"profile {profile.source}")
     path = _cache_path()

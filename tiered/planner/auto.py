@@ -361,9 +361,10 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
     if disk_reads is not None and ec.profile is None and any(l.experts_disk for l in plan.layers):
         fitted = disk_reads(profile)  # the disk the experts live on, not the profiler's temp file
         if fitted is not None:
+            said = fitted.meta.get("notes", [])[len(profile.meta.get("notes", [])):]  # what the fit says of itself
             profile = fitted
             plan = make_plan(cfg, profile, **args)
-            plan.notes.append(profile.meta["notes"][-1])
+            plan.notes.extend(said)
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = ec.num_threads or torch.get_num_threads()
     ratio = profile.meta.get("cpu_bandwidth_ratio")
