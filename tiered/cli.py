@@ -137,9 +137,14 @@ def run(
     graphs: str = OPT["graphs"],
     profile_file: Optional[str] = OPT["profile_file"],
     show_plan: bool = typer.Option(False, "--show-plan", help="Print the whole plan before generating."),
+    beams: int = typer.Option(1, "--beams", min=1, help="Beam search with this many beams (1 = off): prints the best "
+                              "hypothesis (--json: all of them, best first); sampling flags do not apply. The plan "
+                              "keeps room for that many sequences."),
+    length_penalty: float = typer.Option(1.0, "--length-penalty", help="Beam search: a hypothesis scores "
+                                         "sum(log p) / tokens ** this (> 0 favours longer ones)."),
 ) -> None:
     """Generate text from PROMPT, streaming it to stdout and the stats to stderr."""
-    from tiered import LLM, SamplingParams
+    from tiered import LLM, BeamSearchParams, SamplingParams
     from tiered.checkpoint import open_checkpoint
     from tiered.engine.prompt import check_prompt_fits, context_window, encode_prompt
 
@@ -148,7 +153,10 @@ def run(
     prompt = prompt or DEFAULT_PROMPT
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
-    config = _engine_config(locals(), trace=trace is not None)
+    if beams > 1 and stop:
+        raise typer.BadParameter("--stop strings do not apply to beam search (--beams): beams end at the model's "
+                                 "end-of-sequence token or --max-tokens")
+    config = _engine_config(locals(), trace=trace is not None, max_batch=beams)
     # a prompt that cannot run is refused before anything loads, or the planner measures this machine
     ckpt = open_checkpoint(model)
     if ckpt.tokenizer() is None:  # a checkpoint without a tokenizer (a generated one): the prompt's token ids
@@ -163,16 +171,13 @@ def run(
     _freeze_heap()
     if show_plan and not as_json:
         typer.echo(llm.plan.render(), err=True)
-    if as_json:
+    if beams > 1:
+        _beam_search(llm, prompt, BeamSearchParams(width=beams, max_tokens=max_tokens, length_penalty=length_penalty),
+                     chat, as_json)
+    elif as_json:
         out = llm.generate(prompt, params, chat=chat)[0]
-        positions = out.stats.mean_decode_positions
-        plan_info = {"summary": llm.plan.summary(), "source": llm.plan.source,
-                     "predicted_decode_tokens_per_s": llm.plan.predicted_decode_tokens_per_s,
-                     "priced_positions": llm.plan.prompt_tokens + llm.plan.gen_tokens,
-                     "run_positions": positions, "predicted_decode_tokens_per_s_at_run": llm.predicted_decode_at(positions),
-                     "predicted_ttft_s": llm.plan.predicted_ttft_s, "binding": llm.plan.binding}
         typer.echo(json.dumps({"model": str(llm.checkpoint.path), **out.as_dict(), "runtime": llm.runtime_stats(),
-                               "plan": plan_info}))
+                               "plan": _plan_info(llm, out.stats)}))
     else:
         on_text = lambda _i, delta: (sys.stdout.write(delta), sys.stdout.flush())  # noqa: E731
         out = llm.generate(prompt, params, chat=chat, on_text=on_text)[0]
@@ -183,6 +188,34 @@ def run(
     if trace is not None:
         llm.write_trace(trace)
         typer.echo(f"trace: {trace} ({len(llm.trace_events())} tasks)", err=True)
+
+
+def _plan_info(llm, stats) -> dict:
+    """The plan's figures beside a run's RequestStats (`--json`)."""
+    positions = stats.mean_decode_positions
+    return {"summary": llm.plan.summary(), "source": llm.plan.source,
+            "predicted_decode_tokens_per_s": llm.plan.predicted_decode_tokens_per_s,
+            "priced_positions": llm.plan.prompt_tokens + llm.plan.gen_tokens,
+            "run_positions": positions, "predicted_decode_tokens_per_s_at_run": llm.predicted_decode_at(positions),
+            "predicted_ttft_s": llm.plan.predicted_ttft_s, "binding": llm.plan.binding}
+
+
+def _beam_search(llm, prompt, params, chat, as_json: bool) -> None:
+    """`run --beams`: the best hypothesis' text (token ids without a tokenizer) and the stats, or one JSON
+    object with every hypothesis."""
+    out = llm.beam_search(prompt, params, chat=chat)
+    best = out.best
+    if as_json:
+        typer.echo(json.dumps({"model": str(llm.checkpoint.path), "text": best.text, "token_ids": best.token_ids,
+                               "finish_reason": best.finish_reason, **out.as_dict(), "runtime": llm.runtime_stats()}))
+        return
+    sys.stdout.write((best.text if llm.tokenizer is not None else " ".join(map(str, best.token_ids))) + "\n")
+    s = out.stats
+    typer.echo(f"[beam search, {params.width} beams: {s.prompt_tokens} prompt tokens, {s.generated_tokens} steps, "
+               f"best {len(best.token_ids)} tokens ({best.finish_reason}, score {best.score:.3f}) | "
+               f"TTFT {s.ttft_s * 1e3:.0f} ms | {s.decode_tokens_per_s:.1f} steps/s "
+               f"({s.decode_tokens_per_s * params.width:.1f} beam tokens/s) | load {llm.load_s:.1f} s]", err=True)
+    typer.echo(f"[{llm.plan.summary()}]", err=True)
 
 
 def _print_stats(llm, out) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import time
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence as Seq
 
@@ -18,6 +19,8 @@ import torch
 
 from tiered.checkpoint import open_checkpoint
 from tiered.config import EngineConfig
+from tiered.engine.beam import (BeamSearch, BeamSearchOutput, BeamSearchParams, Hypothesis, check_width,
+                                stop_ids_of)
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
 from tiered.engine.dtype import resolve_dtype
 from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt
@@ -272,6 +275,71 @@ class LLM:
         for _, delta, _ in self._run([prompt], params or SamplingParams(), chat):
             if delta:
                 yield delta
+
+    def beam_search(self, prompt: Prompt, params: BeamSearchParams | None = None,
+                    chat: bool | None = None) -> BeamSearchOutput:
+        """The `params.width` most likely continuations of one prompt (engine/beam.py).
+
+        The prompt is prefilled once in slot 0 of a KV cache of `width` slots; every step then
+        decodes all running beams together (`width` rows, the plan's decode path) and each new beam
+        takes over its parent's KV rows. The selection is transformers' beam search (same candidates,
+        length penalty and stopping rule), so in a lossless mode (--dtype float32) the hypotheses are
+        transformers' `generate(num_beams=width)` sequences.
+
+        Args:
+            prompt: a string, chat messages or token ids (see `encode`).
+            params: BeamSearchParams (default: width 4, 128 tokens).
+            chat: apply the chat template (None = when the tokenizer has one).
+        Returns:
+            BeamSearchOutput: hypotheses best first, and the search's stats.
+        Raises:
+            ContextLengthError, ConfigError: the prompt is empty or does not fit the context window,
+                a token id is outside the vocabulary, or the width exceeds it.
+            BudgetError: `width` KV-cache slots do not fit the fast tier's budget.
+        """
+        params = params or BeamSearchParams()
+        check_width(params.width, self.config.vocab_size)
+        seq = self.make_sequence(prompt, SamplingParams(max_tokens=params.max_tokens, temperature=0), chat)
+        search = BeamSearch(replace(params, max_tokens=seq.max_tokens),
+                            stop_ids_of(params, self.config.eos_token_ids))
+        P, w = len(seq.prompt_ids), params.width
+        cache = self._kv_cache(w, P + seq.max_tokens)
+        seq.slot = 0
+        self.runtime.new_sequence()
+        times = []
+        with torch.inference_mode():
+            seq.t_prefill_start = t0 = time.perf_counter()
+            with dense_weights(self.model):
+                logits = self._prefill([seq], cache)
+            self.executor.record("prefill", "step", t0, time.perf_counter())
+            parents = search.advance(logits)
+            times.append(time.perf_counter())
+            while not search.done:
+                with self._device_scope():  # each beam's slot takes its parent's KV (the prompt's, at first)
+                    cache.copy_slots(parents, P + len(search.running[0]) - 1)
+                beams = [Sequence(index=0, prompt=seq.prompt, prompt_ids=seq.prompt_ids, params=seq.params,
+                                  max_tokens=seq.max_tokens, slot=j, generator=None, output_ids=toks)
+                         for j, toks in enumerate(search.running)]
+                t0 = time.perf_counter()
+                logits = self._forward(beams, cache, prefill=False)
+                t1 = time.perf_counter()
+                parents = search.advance(logits)
+                times.append(time.perf_counter())
+                self.executor.record("decode step", "step", t0, t1)
+                self.executor.record("beam selection", "step", t1, times[-1])
+        seq.token_times = times
+        seq.output_ids = [0] * len(times)  # stats count decode steps (tokens per beam)
+        hyps = search.result()
+        for h in hyps:
+            h.text = self._beam_text(h)
+        return BeamSearchOutput(seq.prompt, seq.prompt_ids, hyps, seq.stats())
+
+    def _beam_text(self, hyp: Hypothesis) -> str:
+        """A hypothesis' text: its tokens decoded, a final stop token left out (as generate() does)."""
+        if self.tokenizer is None:
+            return ""
+        ids = hyp.token_ids[:-1] if hyp.finish_reason == "stop" else hyp.token_ids
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _run(self, prompts: list[Prompt], params: SamplingParams, chat: bool | None):
         """Generator of (Sequence, text delta, RequestOutput | None) events: every prompt takes a slot

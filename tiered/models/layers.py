@@ -171,6 +171,24 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def copy_slots(self, parents: list[int], length: int) -> None:
+        """Slot j takes over slot parents[j]'s first `length` positions in every layer (beam search:
+        a beam continuing another beam inherits its KV). Slots with parents[j] == j keep theirs; the
+        sources are read before any slot is written, so slots may swap.
+
+        Args:
+            parents: for each slot 0..len(parents)-1, the slot whose KV it takes.
+            length: positions copied (<= max_len).
+        """
+        moved = [j for j, p in enumerate(parents) if p != j]
+        if not moved or length <= 0:
+            return
+        dev = self.k.device
+        dst = torch.tensor(moved, device=dev)
+        src = torch.tensor([parents[j] for j in moved], device=dev)
+        for t in (self.k, self.v):
+            t[:, dst, :, :length] = t[:, src, :, :length]  # the right side is gathered into a new tensor first
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         """Write new k/v [B, Hkv, T, hd] at meta.positions; return cached k/v [B, Hkv, S, hd]."""
         ck, cv = self.k[layer], self.v[layer]
