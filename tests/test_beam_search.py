@@ -175,3 +175,15 @@ def test_cli_beams(zoo, tmp_path):
     assert len(doc["hypotheses"]) == 3 and doc["text"] == doc["hypotheses"][0]["text"]
     scores = [h["score"] for h in doc["hypotheses"]]
     assert scores == sorted(scores, reverse=True)
+
+
+def test_beams_beyond_the_planned_batch_say_how_to_plan_for_them(rt):
+    """A budget planned for one sequence has no room for 4 beams' KV: the error says to plan for them."""
+    from tiered.errors import BudgetError
+
+    kind = "mixtral"
+    s = rt.sizes(kind)
+    with LLM(rt.dir(kind), engine_config(accelerator="none", expert_cache_slots=3,
+                                         cpu_memory=s.fast(cache_slots=3, accelerator=False))) as llm:
+        with pytest.raises(BudgetError, match="max_batch=4"):
+            llm.beam_search(prompt(12), BeamSearchParams(width=4, max_tokens=10))

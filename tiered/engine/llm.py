@@ -27,7 +27,7 @@ from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, enco
 from tiered.engine.sampling import SamplingParams, sample_tokens, token_logprobs
 from tiered.engine.scheduler import Scheduler, prefill_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
-from tiered.errors import ConfigError, ContextLengthError
+from tiered.errors import BudgetError, ConfigError, ContextLengthError
 from tiered.hardware.accelerator import make_accelerator
 from tiered.hardware.budget import MemoryBudget
 from tiered.memory import sizes
@@ -295,7 +295,8 @@ class LLM:
         Raises:
             ContextLengthError, ConfigError: the prompt is empty or does not fit the context window,
                 a token id is outside the vocabulary, or the width exceeds it.
-            BudgetError: `width` KV-cache slots do not fit the fast tier's budget.
+            BudgetError: `width` KV-cache slots do not fit the fast tier's budget (an EngineConfig with
+                max_batch >= width plans room for them).
         """
         params = params or BeamSearchParams()
         check_width(params.width, self.config.vocab_size)
@@ -303,7 +304,14 @@ class LLM:
         search = BeamSearch(replace(params, max_tokens=seq.max_tokens),
                             stop_ids_of(params, self.config.eos_token_ids))
         P, w = len(seq.prompt_ids), params.width
-        cache = self._kv_cache(w, P + seq.max_tokens)
+        try:
+            cache = self._kv_cache(w, P + seq.max_tokens)
+        except BudgetError as e:
+            if self.engine_config.max_batch >= w:
+                raise
+            raise BudgetError(f"{w} beams' KV cache does not fit: {e.message}",
+                              f"plan for the beams with EngineConfig(max_batch={w}) (tiered run --beams does), "
+                              "or use fewer beams or tokens") from None
         seq.slot = 0
         self.runtime.new_sequence()
         times = []
