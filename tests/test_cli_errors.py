@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -146,3 +148,34 @@ def test_tiered_run_takes_token_ids_for_a_checkpoint_without_a_tokenizer(rt):
     assert any(len(ids) == 3 and all(i.isdigit() for i in ids) for ids in lines), res.output  # the 3 new ids
     bad = CliRunner().invoke(app, [*args, "hello there"])
     assert bad.exit_code != 0 and "space-separated token ids" in bad.output
+
+
+@pytest.mark.parametrize("prompt, stdin, expect", [
+    ("", None, "the prompt is empty"),
+    ("-", "  \n", "read from stdin is empty"),
+    ("-", b"caf\xe9 au lait", "not UTF-8"),
+    ("caf\udce9", None, "not UTF-8"),  # how a non-UTF-8 argument reaches Python
+])
+def test_an_empty_or_undecodable_prompt_is_refused(runner, zoo, prompt, stdin, expect):
+    res = runner.invoke(app, ["run", prompt, "--model", str(zoo.dir("llama")), "-n", "2"], input=stdin)
+    assert res.exit_code == 2 and expect in res.output and "Traceback" not in res.output, res.output
+    assert "haiku" not in res.output  # not replaced by the default prompt
+
+
+def test_stdin_prompt_is_read_when_piped(runner, zoo):
+    res = runner.invoke(app, ["run", "--model", str(zoo.dir("llama")), "-n", "2", "--json", "--no-chat"],
+                        input="hello there\n")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["prompt"] == "hello there"
+
+
+def test_an_unwritable_trace_path_is_refused_before_loading(runner, zoo, tmp_path):
+    _bad(runner, ["run", "hi", "--model", str(zoo.dir("llama")), "-n", "2", "--trace",
+                  str(tmp_path / "missing" / "t.json")], "--trace")
+
+
+def test_stop_and_chat_need_a_tokenizer(rt):
+    args = ["run", "5 6 7", "--model", str(rt.dir("mixtral")), "-n", "2", "--max-context", "64"]
+    for extra in (["--stop", "x"], ["--chat"]):
+        res = CliRunner().invoke(app, [*args, *extra])
+        assert res.exit_code == 2 and "need" in res.output and "tokenizer" in res.output, res.output

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -19,7 +20,7 @@ import threading
 
 import typer
 
-from tiered.errors import TieredError
+from tiered.errors import ConfigError, TieredError
 
 app = typer.Typer(
     help="tiered: run dense and Mixture-of-Experts LLMs across GPU, CPU RAM and disk tiers.",
@@ -101,7 +102,7 @@ def friendly_errors(fn):
 @app.command()
 @friendly_errors
 def run(
-    prompt: Optional[str] = typer.Argument(None, help="Prompt text; '-' reads stdin. Default: a haiku request."),
+    prompt: Optional[str] = typer.Argument(None, help="Prompt text; '-' reads stdin to its end (so does no PROMPT when stdin is a pipe). Default: a haiku request."),
     model: Optional[Path] = OPT["model"],
     max_tokens: int = OPT["max_tokens"],
     temperature: float = OPT["temperature"],
@@ -148,14 +149,12 @@ def run(
     from tiered.checkpoint import open_checkpoint
     from tiered.engine.prompt import check_prompt_fits, context_window, encode_prompt
 
-    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        prompt = sys.stdin.read().strip() or DEFAULT_PROMPT
-    prompt = prompt or DEFAULT_PROMPT
+    prompt = _prompt_text(prompt)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
     if beams > 1 and stop:
-        raise typer.BadParameter("--stop strings do not apply to beam search (--beams): beams end at the model's "
-                                 "end-of-sequence token or --max-tokens")
+        raise ConfigError("--stop strings do not apply to beam search (--beams)",
+                          "beams end at the model's end-of-sequence token or --max-tokens")
     config = _engine_config(locals(), trace=trace is not None, max_batch=beams)
     # a prompt that cannot run is refused before anything loads, or the planner measures this machine
     ckpt = open_checkpoint(model)
@@ -163,8 +162,15 @@ def run(
         try:
             prompt = [int(t) for t in prompt.split()]
         except ValueError:
-            raise typer.BadParameter(f"{ckpt.path} has no tokenizer: pass the prompt as space-separated token ids, "
-                                     "e.g. \"1 2 3\"") from None
+            raise ConfigError(f"{ckpt.path} has no tokenizer", "pass the prompt as space-separated token ids, "
+                              "e.g. \"1 2 3\"") from None
+        needs = [flag for flag, given in (("--stop", bool(stop)), ("--chat", bool(chat))) if given]
+        if needs:
+            raise ConfigError(f"{' and '.join(needs)} need{'s' if len(needs) == 1 else ''} a tokenizer, and "
+                              f"{ckpt.path} has none", "leave it out (--max-tokens bounds the output), or use a "
+                              "checkpoint with a tokenizer")
+    if trace is not None:  # an unwritable trace path is refused now, not after the whole generation
+        _check_writable(trace, "--trace")
     check_prompt_fits(0, len(encode_prompt(ckpt.tokenizer(), prompt, chat)),
                       context_window(ckpt.config, config.max_context), ckpt.config.max_position_embeddings)
     llm = LLM(ckpt, config, progress=not as_json)
@@ -188,6 +194,38 @@ def run(
     if trace is not None:
         llm.write_trace(trace)
         typer.echo(f"trace: {trace} ({len(llm.trace_events())} tasks)", err=True)
+
+
+def _prompt_text(prompt: str | None) -> str:
+    """`run`'s PROMPT argument: '-' (or no argument with stdin not a terminal, e.g. a pipe) reads stdin to its
+    end; no argument on a terminal is DEFAULT_PROMPT. Raises ConfigError for an empty prompt or one
+    that is not UTF-8 (a Latin-1 file, binary input)."""
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        raw = sys.stdin.buffer.read()
+        try:
+            prompt = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"the prompt read from stdin is not UTF-8 text (byte {e.start})",
+                              "convert it first, e.g. with iconv -t utf-8") from None
+        prompt = prompt.strip()
+        if not prompt:
+            raise ConfigError("the prompt read from stdin is empty", "pipe some text, or pass PROMPT")
+    elif prompt is None:
+        return DEFAULT_PROMPT
+    try:  # an argument that is not UTF-8 reaches Python as lone surrogates
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("the prompt is not UTF-8 text", "convert it first, e.g. with iconv -t utf-8") from None
+    if not prompt.strip():
+        raise ConfigError("the prompt is empty", "pass some text, or leave PROMPT out for the default")
+    return prompt
+
+
+def _check_writable(path: Path, flag: str) -> None:
+    """Raise ConfigError unless a file can be written at `path` (its folder exists and is writable)."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ConfigError(f"{flag} {path}: cannot write a file there", "name a file in an existing, writable folder")
 
 
 def _plan_info(llm, stats) -> dict:
@@ -343,8 +381,10 @@ def serve(
     except KeyboardInterrupt:
         pass
     finally:
-        server.should_exit = True
+        # End every request in flight first (503, or an error event ending its stream): uvicorn's
+        # graceful shutdown waits for open requests, which would otherwise never hear back.
         engine.stop()
+        server.should_exit = True
         web.join(timeout=30)
     if not server.started:
         raise typer.Exit(1)  # uvicorn said why (e.g. the port is taken)
