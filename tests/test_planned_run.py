@@ -473,3 +473,56 @@ def test_a_failing_expert_raises_and_leaves_the_engine_closable(rt, monkeypatch,
     with pytest.raises(RuntimeError, match="expert failed"):
         llm.generate(prompt(), GREEDY)
     llm.close()
+
+
+def _saved_plan(rt, kind: str, tmp_path, **kw) -> str:
+    with LLM(rt.dir(kind), engine_config(accelerator="none", **kw)) as llm:
+        path = tmp_path / f"{kind}.json"
+        llm.plan.save(path)
+    return str(path)
+
+
+def test_a_plan_for_another_model_is_refused(rt, zoo, tmp_path):
+    """A replayed plan must fit the model's structure: a MoE plan on a dense model, a 2-layer plan on a
+    3-layer model and a dense plan on a MoE model each fail with one error naming the mismatch."""
+    moe = _saved_plan(rt, "mixtral", tmp_path)
+    with pytest.raises(ConfigError, match="layers|layer 0"):
+        LLM(zoo.dir("llama"), EngineConfig(plan=moe, decode_weights="fp32"))
+    with pytest.raises(ConfigError, match="layers"):
+        LLM(rt.dir("qwen2_moe"), engine_config(plan=moe))
+    doc = json.loads(open(moe).read())
+    doc["layers"][0]["expert_tiers"] = doc["layers"][0]["expert_tiers"][:3]
+    few = tmp_path / "few.json"
+    few.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="places 3 experts"):
+        LLM(rt.dir("mixtral"), engine_config(plan=str(few)))
+    doc = json.loads(open(moe).read())
+    doc["expert_cache_slots"] = -3
+    neg = tmp_path / "neg.json"
+    neg.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match="expert_cache_slots -3"):
+        LLM(rt.dir("mixtral"), engine_config(plan=str(neg)))
+
+
+def test_settings_that_contradict_a_replayed_plan_are_refused(rt, tmp_path):
+    path = _saved_plan(rt, "mixtral", tmp_path, expert_cache_slots=2)
+    with LLM(rt.dir("mixtral"), engine_config(plan=path, expert_cache_slots=2)) as llm:  # agreeing: fine
+        assert llm.plan.expert_cache_slots == 2
+    for kw, flag in ((dict(expert_cache_slots=5), "--cache-slots 5"), (dict(cache_policy="lfu"), "--cache-policy lfu"),
+                     (dict(prefetch=True), "--prefetch")):
+        with pytest.raises(ConfigError, match=flag):
+            LLM(rt.dir("mixtral"), engine_config(plan=path, **kw))
+
+
+def test_raising_the_cpu_budget_by_the_amount_asked_is_enough(rt):
+    """The first budget check counts what the placement needs (non-expert weights, KV cache and the
+    expert staging buffers): raising --cpu-mem by what it asks for gets past it (it had left the
+    staging out, so the next check asked for ~2 experts more)."""
+    from tiered.hardware.budget import parse_bytes
+
+    cpu = 64 * 2**10
+    with pytest.raises(BudgetError) as err:
+        LLM(rt.dir("mixtral"), engine_config(accelerator="none", cpu_memory=cpu))
+    short = parse_bytes(re.search(r"by ([\d.]+ \w+)", err.value.hint).group(1).replace(" ", ""))
+    with LLM(rt.dir("mixtral"), engine_config(accelerator="none", cpu_memory=cpu + short + 1024)) as llm:
+        assert llm.experts.placement.count(FAST) == 0  # every expert on disk, the staging in the budget

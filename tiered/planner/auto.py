@@ -220,7 +220,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
         ConfigError: an unreadable plan or profile.
     """
     if ec.plan not in ("auto", "off"):
-        return Plan.load(ec.plan), None, None
+        return replayed_plan(ec, cfg), None, None
     dense_copies = not one_copy(ec, accelerator, decode_format, cfg, weights_format, decode_precision)
     plan, profile, args = _auto_or_rules(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
                                    weights_format=weights_format, decode_format=decode_format,
@@ -313,6 +313,29 @@ def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_form
         return True
     both = sizes.weight_bytes(cfg, weights_format) + sizes.weight_bytes(cfg, decode_precision)
     return ec.cpu_memory is not None and both > ec.cpu_memory
+
+
+def replayed_plan(ec, cfg: ModelConfig) -> Plan:
+    """The saved plan EngineConfig.plan names, checked against the model (Plan.check_model). Settings the
+    plan decides cannot also be given: an explicit cache size, resident cap, cache policy or prefetch
+    that differs from the plan's is refused rather than silently replaced by the plan's.
+
+    Raises:
+        ConfigError: the file is unreadable, made for another model, or contradicted by the settings.
+    """
+    plan = Plan.load(ec.plan)
+    plan.check_model(cfg)
+    given = [(flag, value, mine) for flag, value, mine in (
+        ("--cache-slots", ec.expert_cache_slots, plan.expert_cache_slots),
+        ("--cache-policy", ec.cache_policy if ec.cache_policy != "lru" else None, plan.cache_policy),
+        ("--prefetch", True if ec.prefetch else None, plan.prefetch),
+        ("resident_experts", ec.resident_experts, None)) if value is not None and value != mine]
+    if given:
+        flag, value, mine = given[0]
+        raise ConfigError(f"{flag} {value} contradicts the replayed plan {ec.plan}"
+                          + (f" (which has {mine})" if mine is not None else ""),
+                          "a replayed plan keeps its own decisions: edit the file, or plan anew without --plan")
+    return plan
 
 
 def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,

@@ -41,9 +41,13 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
              + sizes.rotary_bytes(cfg, plan.context_tokens)
              + sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"]) + extra_bytes)
     plan.kv_cache_tier = plan.attention_tier = "cpu"
-    if cpu is not None and fixed > cpu:
-        raise BudgetError(f"CPU budget {format_bytes(cpu)} cannot hold the non-expert weights and KV cache "
-                          f"({format_bytes(fixed)})", f"raise --cpu-mem by {format_bytes(fixed - cpu)}")
+    # a MoE model also needs its staging buffers for experts read from disk, whatever else fits
+    eb = sizes.expert_bytes(cfg, plan.dtypes["experts"]) if moe else 0
+    staging = plan.staging_buffers * eb
+    if cpu is not None and fixed + staging > cpu:
+        what = "the non-expert weights, KV cache" + (" and expert staging buffers" if moe else "")
+        raise BudgetError(f"CPU budget {format_bytes(cpu)} cannot hold {what} ({format_bytes(fixed + staging)})",
+                          f"raise --cpu-mem by {format_bytes(fixed + staging - cpu)}")
     hits = None
     memory = {"cpu": fixed}
 
@@ -54,8 +58,6 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
                               mix=plan.precision_mix, kv_format=plan.dtypes["kv_cache"])
     if moe:
         E, k = cfg.num_experts, cfg.num_experts_per_tok
-        eb = sizes.expert_bytes(cfg, plan.dtypes["experts"])
-        staging = plan.staging_buffers * eb
         room = float("inf") if cpu is None else cpu - fixed - staging
         def score(choice: ExpertChoices):  # on the routing-trace simulation's hit rates
             placement, hits = place_experts(plan, cfg, moe, eb, room, None, choice)

@@ -292,6 +292,29 @@ class Plan:
             raise ConfigError(f"not a plan: dispatch_mode {plan.dispatch_mode!r}", f"use one of {DISPATCH_MODES}")
         return plan
 
+    def check_model(self, cfg) -> None:
+        """Raise ConfigError unless this (replayed) plan was made for a model of `cfg`'s structure: as many
+        layers, the same layers with experts and as many experts each, and the decisions every plan
+        carries (the weights' format, non-negative slot and thread counts). A plan for another model would
+        otherwise fail deep in placement, or run with its predictions meaning nothing."""
+        where = f"the plan for {self.model}"
+        hint = "replay a plan made for this model (`tiered plan --model M --json > FILE`), or leave --plan out"
+        if len(self.layers) != cfg.num_hidden_layers:
+            raise ConfigError(f"{where} has {len(self.layers)} layers; this model has {cfg.num_hidden_layers}", hint)
+        for i, lp in enumerate(self.layers):
+            moe = cfg.is_moe and cfg.is_moe_layer(i)
+            if (lp.kind == "moe") != moe:
+                raise ConfigError(f"{where} has a {lp.kind} layer {i}; this model's layer {i} is "
+                                  f"{'MoE' if moe else 'dense'}", hint)
+            if moe and lp.expert_tiers and len(lp.expert_tiers) != cfg.num_experts:
+                raise ConfigError(f"{where} places {len(lp.expert_tiers)} experts in layer {i}; this model has "
+                                  f"{cfg.num_experts}", hint)
+        if "weights" not in self.dtypes:
+            raise ConfigError(f"{where} has no weights format (dtypes['weights'])", hint)
+        for name in ("expert_cache_slots", "expert_cache_slots_low", "staging_buffers", "cpu_threads"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where} has {name} {getattr(self, name)}", "a count must be >= 0: fix the file")
+
     def render(self) -> str:
         """A one-screen text summary: header, per-layer table (runs of equal layers folded), totals."""
         gm = format_bytes(self.gpu_memory) if self.gpu_memory else "none"
