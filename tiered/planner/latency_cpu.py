@@ -47,7 +47,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     if cpu is not None and fixed + staging > cpu:
         what = "the non-expert weights, KV cache" + (" and expert staging buffers" if moe else "")
         raise BudgetError(f"CPU budget {format_bytes(cpu)} cannot hold {what} ({format_bytes(fixed + staging)})",
-                          f"raise --cpu-mem by {format_bytes(fixed + staging - cpu)}")
+                          f"raise --cpu-mem by {format_bytes(fixed + staging - cpu)} or lower --max-context")
     hits = None
     memory = {"cpu": fixed}
 
