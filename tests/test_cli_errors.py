@@ -179,3 +179,13 @@ def test_stop_and_chat_need_a_tokenizer(rt):
     for extra in (["--stop", "x"], ["--chat"]):
         res = CliRunner().invoke(app, [*args, *extra])
         assert res.exit_code == 2 and "need" in res.output and "tokenizer" in res.output, res.output
+
+
+def test_plan_takes_a_preset_as_its_profile_and_checks_its_lengths(runner, zoo):
+    model = str(zoo.dir("llama"))  # 256 positions
+    ok = runner.invoke(app, ["plan", "--model", model, "--profile", "t4-pcie3"])
+    assert ok.exit_code == 0 and "profile: t4-pcie3" in ok.output, ok.output
+    assert "prompt 128 tokens, 128 generated" in ok.output  # the defaults fit the model's positions
+    _bad(runner, ["plan", "--model", model, "--prompt-tokens", "300"], "exceed the model's 256 positions")
+    res = runner.invoke(app, ["plan", "--model", model, "--prompt-tokens", "0"])
+    assert res.exit_code == 2 and "Traceback" not in res.output

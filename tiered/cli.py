@@ -646,11 +646,11 @@ def plan(
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="HF model directory, .gguf file, or a config.json (no weights needed)."),
     gpu_mem: Optional[str] = typer.Option(None, "--gpu-mem", help="GPU budget, e.g. 24GB (default: the profile's GPU)."),
     cpu_mem: Optional[str] = typer.Option(None, "--cpu-mem", help="CPU RAM budget (default: the profile's)."),
-    profile_file: Optional[Path] = typer.Option(None, "--profile", help="HardwareProfile JSON from `tiered profile`."),
+    profile_file: Optional[str] = typer.Option(None, "--profile", help="HardwareProfile JSON from `tiered profile`, or a preset name (as `run --profile`)."),
     preset: Optional[str] = typer.Option(None, "--preset", help="A preset machine instead (see `tiered profile --presets`)."),
     goal: str = typer.Option("latency", "--goal", help="latency (one conversation) or throughput (a batch of prompts)."),
-    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length to plan for."),
-    gen_tokens: int = typer.Option(128, "--gen-tokens", help="Tokens generated per prompt."),
+    prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", min=1, help="Prompt length to plan for (default 512, at most half the model's positions)."),
+    gen_tokens: Optional[int] = typer.Option(None, "--gen-tokens", min=1, help="Tokens generated per prompt (default 128, at most what the positions leave)."),
     precision: str = typer.Option("bf16", "--precision", help="Weight precision: fp32, bf16, fp16, int8 or int4."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (replay it with `run --plan FILE`)."),
 ) -> None:
@@ -670,12 +670,23 @@ def plan(
         cfg, name = ckpt.config, Path(ckpt.path).name
     if preset:
         hw = get_preset(preset)
+    elif profile_file is not None and not Path(profile_file).exists():  # a preset's name, as `run --profile` takes
+        from tiered.planner.auto import engine_profile
+
+        hw = engine_profile(profile_file, None)
     else:
         path = profile_file or default_profile_path()
         if not Path(path).is_file():
             typer.echo(f"error: no hardware profile at {path} — run `tiered profile` or pass --preset", err=True)
             raise typer.Exit(2)
         hw = HardwareProfile.load(path)
+    positions = cfg.max_position_embeddings
+    given = prompt_tokens is not None or gen_tokens is not None
+    prompt_tokens = prompt_tokens or min(512, max(positions // 2, 1))
+    gen_tokens = gen_tokens or max(min(128, positions - prompt_tokens), 1)
+    if given and prompt_tokens + gen_tokens > positions:
+        raise ConfigError(f"--prompt-tokens {prompt_tokens} + --gen-tokens {gen_tokens} exceed the model's "
+                          f"{positions} positions", "plan for a shorter prompt or output")
     p = make_plan(cfg, hw, model_name=name, gpu_memory=parse_bytes(gpu_mem), cpu_memory=parse_bytes(cpu_mem),
                   goal=goal, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, precision=precision)
     typer.echo(p.to_json() if as_json else p.render())

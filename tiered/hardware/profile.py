@@ -103,7 +103,7 @@ class HardwareProfile:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"cannot read hardware profile {path} ({e})",
-                              "run `tiered profile` to write one, or pass --preset") from None
+                              "run `tiered profile` to write one, or name a preset (`tiered profile --presets`)") from None
 
 
 def default_profile_path() -> Path:
