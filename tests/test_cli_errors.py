@@ -189,3 +189,11 @@ def test_plan_takes_a_preset_as_its_profile_and_checks_its_lengths(runner, zoo):
     _bad(runner, ["plan", "--model", model, "--prompt-tokens", "300"], "exceed the model's 256 positions")
     res = runner.invoke(app, ["plan", "--model", model, "--prompt-tokens", "0"])
     assert res.exit_code == 2 and "Traceback" not in res.output
+
+
+def test_settings_without_effect_are_noted(runner, zoo):
+    res = runner.invoke(app, ["run", "hi", "--model", str(zoo.dir("llama")), "-n", "2", "--accelerator", "none",
+                              "--gpu-mem", "1GB", "--threads", "4096", "--max-context", "100000"])
+    assert res.exit_code == 0, res.output
+    notes = [line for line in res.output.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 3 and "--gpu-mem is ignored" in notes[0] and "using 256" in notes[2], res.output

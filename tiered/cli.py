@@ -175,6 +175,7 @@ def run(
                       context_window(ckpt.config, config.max_context), ckpt.config.max_position_embeddings)
     llm = LLM(ckpt, config, progress=not as_json)
     _freeze_heap()
+    _setting_notes(llm, config)
     if show_plan and not as_json:
         typer.echo(llm.plan.render(), err=True)
     if beams > 1:
@@ -194,6 +195,22 @@ def run(
     if trace is not None:
         llm.write_trace(trace)
         typer.echo(f"trace: {trace} ({len(llm.trace_events())} tasks)", err=True)
+
+
+def _setting_notes(llm, config) -> None:
+    """One stderr line per engine setting that took no effect as given: a GPU budget with no GPU in use,
+    more CPU threads than cores, a context window beyond the model's positions."""
+    notes = []
+    if config.gpu_memory is not None and llm.accelerator is None:
+        notes.append("no GPU is in use: --gpu-mem is ignored")
+    cores = os.cpu_count() or 1
+    if config.num_threads is not None and config.num_threads > cores:
+        notes.append(f"--threads {config.num_threads} is more than this machine's {cores} cores: expect slower steps")
+    if config.max_context is not None and config.max_context > llm.max_context:
+        notes.append(f"--max-context {config.max_context} is beyond the model's {llm.max_context} positions: "
+                     f"using {llm.max_context}")
+    for note in notes:
+        typer.echo(f"note: {note}", err=True)
 
 
 def _prompt_text(prompt: str | None) -> str:
@@ -439,6 +456,7 @@ def chat(
     config = _engine_config(locals())
     with LLM(model, config, progress=True) as llm:
         _freeze_heap()
+        _setting_notes(llm, config)
         repl(Chat(llm, params, system))
 
 
