@@ -11,8 +11,8 @@ from hypothesis import given, settings
 
 from fixtures import prompt_ids
 from tiered import SamplingParams, kernels
-from tiered.engine.sampling import (apply_repetition_penalty, filter_min_p, filter_top_k, filter_top_p,
-                                    sample_token)
+from tiered.engine.sampling import (GREEDY_TEMPERATURE, apply_repetition_penalty, filter_min_p, filter_top_k,
+                                    filter_top_p, sample_token)
 
 # Logit rows of distinct values at least 1/16 apart in [-20, 20] (ties, or values closer than
 # fp32 softmax resolves, make "the k largest" and "the argmax" ambiguous).
@@ -372,3 +372,49 @@ def test_greedy_token_is_torch_argmax(values):
     greedy = SamplingParams(temperature=0.0)
     assert sample_tokens(rows, [greedy, greedy], [torch.empty(0, dtype=torch.long)] * 2, [None, None]) == \
         [int(torch.argmax(r)) for r in rows]
+
+
+@pytest.mark.parametrize("temperature", [GREEDY_TEMPERATURE / 2, 1e-40, 1e-44, 5e-324])
+def test_tiny_temperatures_are_greedy_and_spare_the_batch(temperature):
+    """A temperature whose 1/T overflows fp32, or that rounds to 0 there, samples the argmax on every
+    path (native plain rows, native filtered rows, torch): the native samplers used to refuse it,
+    failing every row of the batch, or to draw garbage."""
+    from tiered.engine.sampling import sample_tokens
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 5000, generator=g) * 3
+    none = torch.tensor([], dtype=torch.long)
+    tiny = [SamplingParams(temperature=temperature), SamplingParams(temperature=temperature, top_p=0.5),
+            SamplingParams(temperature=temperature, repetition_penalty=1.1)]
+    assert all(p.greedy for p in tiny) and not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+    other = SamplingParams(temperature=1.0)  # a neighbour in the batch still samples
+    tokens = sample_tokens(logits, tiny + [other], [none] * 4, [torch.Generator().manual_seed(s) for s in range(4)])
+    assert tokens[:3] == logits[:3].argmax(-1).tolist() and 0 <= tokens[3] < 5000
+    for row, p in zip(logits, tiny):
+        assert sample_token(row, p, none, None) == int(row.argmax())
+
+
+def test_a_tiny_top_p_keeps_the_most_likely_token():
+    """top_p = 1e-320 (0 in fp32) keeps the top token alone on the native and torch paths, as any
+    top_p below the top token's probability does; it used to keep none and draw token 0."""
+    from tiered.engine.sampling import sample_tokens
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 5000, generator=g) * 3
+    none = torch.tensor([], dtype=torch.long)
+    params = [SamplingParams(temperature=1.0, top_p=1e-320), SamplingParams(temperature=0.7, top_p=1e-45),
+              SamplingParams(temperature=1.0, top_p=1e-320, repetition_penalty=1.0, top_k=10)]
+    for seed in range(5):
+        gens = [torch.Generator().manual_seed(seed + i) for i in range(3)]
+        assert sample_tokens(logits, params, [none] * 3, gens) == logits.argmax(-1).tolist()
+    assert sample_token(logits[0], params[0], none, None) == int(logits[0].argmax())
+
+
+def test_sampling_params_refuse_what_the_sampler_cannot_take():
+    from tiered.errors import ConfigError
+
+    for bad in (dict(temperature=float("inf")), dict(temperature=float("nan")), dict(seed=2**63),
+                dict(seed=-2**63 - 1), dict(repetition_penalty=float("inf"))):
+        with pytest.raises(ConfigError):
+            SamplingParams(**bad)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1 and SamplingParams(seed=-2**63).seed == -2**63

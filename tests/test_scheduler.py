@@ -35,14 +35,33 @@ def test_slots_are_handed_out_lowest_first_and_reused():
 
 def test_queue_is_bounded():
     sched = Scheduler(max_batch=1, max_queue=2)
-    sched.add(_seq(0))
-    sched.add(_seq(1))
+    for i in range(3):  # one for the free slot, two more in the queue
+        sched.add(_seq(i))
     with pytest.raises(QueueFullError):
-        sched.add(_seq(2))
-    sched.schedule()  # one leaves the queue for the slot: room for one more
-    sched.add(_seq(3))
+        sched.add(_seq(3))
+    sched.schedule()  # one leaves the queue for the slot: the slot is taken, two wait
+    with pytest.raises(QueueFullError):
+        sched.add(_seq(4))
     with pytest.raises(ValueError):
         Scheduler(max_batch=0, max_queue=1)
+
+
+def test_max_queue_counts_only_requests_beyond_the_free_slots():
+    """max_queue 0: an idle scheduler still takes a request per free slot (it used to refuse every
+    one), and refuses only when no slot is free."""
+    sched = Scheduler(max_batch=2, max_queue=0)
+    a, b = _seq(0), _seq(1)
+    sched.add(a)
+    sched.add(b)
+    with pytest.raises(QueueFullError):
+        sched.add(_seq(2))
+    assert sched.schedule().prefill == [a, b]
+    with pytest.raises(QueueFullError):
+        sched.add(_seq(3))
+    sched.finish(a)  # a slot frees: room for one again
+    c = _seq(4)
+    sched.add(c)
+    assert sched.schedule().prefill == [c]
 
 
 def test_cancel_frees_the_slot_or_the_queue_place_at_the_next_boundary():

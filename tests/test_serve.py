@@ -207,12 +207,27 @@ def test_a_failed_step_fails_its_requests_and_the_server_goes_on(server, monkeyp
     assert out.choices[0].text == _greedy(server, PROMPTS[0], 4, chat=False).text
 
 
-def test_queue_full_answers_503_with_retry_after(server, monkeypatch):
-    monkeypatch.setattr(server.engine.scheduler, "max_queue", 0)  # every place in the queue taken
-    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   json={"model": MODEL, "prompt": "hi"})
-    assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
+def test_queue_full_answers_503_with_retry_after(server, monkeypatch, slow_steps):
+    """With no queue (--max-queue 0) a request still takes a free slot (an idle server used to
+    refuse every one); with every slot taken it gets 503 with Retry-After."""
+    prompt = PROMPTS[6]
+    assert _greedy(server, prompt, 100, chat=False).finish_reason == "length"  # it would run 100 steps (2+ s)
+    monkeypatch.setattr(server.engine.scheduler, "max_queue", 0)
+    assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
+    slow_steps(server.llm)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with contextlib.ExitStack() as stack:
+        lines = []  # kept: a line iterator that is dropped closes its connection
+        for _ in range(4):  # the 4 slots taken
+            r = stack.enter_context(httpx.stream("POST", server.url + "/v1/completions", headers=auth, json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 100, "temperature": 0, "stream": True}))
+            lines.append(r.iter_lines())
+            assert next(lines[-1]).startswith("data: {")
+        assert server.engine.scheduler.num_running == 4
+        r = httpx.post(server.url + "/v1/completions", headers=auth, json={"model": MODEL, "prompt": "hi"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full"
     monkeypatch.undo()
+    _idle(server, timeout=1.5)  # the streams' clients went away: their slots are free again
     assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
 
 
@@ -404,3 +419,184 @@ def test_max_batch_is_planned_for(rt):
                                                expert_cache_slots=2))
     with pytest.raises(BudgetError):  # planned for one sequence: no room for four
         ServingEngine(one, max_batch=4, max_queue=4)
+
+
+# ------------------------------------------------------------------------------ QA regressions
+def test_a_tiny_temperature_or_top_p_is_greedy_and_spares_the_batch(server, slow_steps):
+    """temperature 1e-320 (0 in fp32) or 1e-40 (1/T overflows fp32) is greedy and top_p 1e-320 keeps the
+    most likely token; such a request used to fail every request in its step with a 500."""
+    ref = _greedy(server, PROMPTS[0], 8, chat=False)
+    slow_steps(server.llm)
+
+    def one(kw: dict) -> str:
+        return server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, **kw).choices[0].text
+    cases = [dict(temperature=0), dict(temperature=1e-320), dict(temperature=1e-40), dict(temperature=1, top_p=1e-320),
+             dict(temperature=1e-40, top_p=0.5)]
+    with ThreadPoolExecutor(len(cases)) as pool:  # in one batch with each other
+        got = list(pool.map(one, cases))
+    assert got == [ref.text] * len(cases)
+
+
+@pytest.fixture
+def own_server(server):
+    """A second server (1 slot, queue of 2) over the same LLM, with an engine of its own that a test
+    may stop; yields (url, engine)."""
+    engine = ServingEngine(server.llm, max_batch=1, max_queue=2)
+    with running_server(engine, None) as url:
+        yield url, engine
+
+
+def test_stopping_ends_every_request_in_flight_at_once(own_server, server, slow_steps):
+    """engine.stop() (what `tiered serve` does on SIGTERM or Ctrl-C) ends the running and the
+    waiting requests at once: 503 server_shutting_down for a whole answer, an error event then
+    [DONE] for a stream; later requests get 503 too, and the HTTP server then exits promptly. They
+    used to wait forever (the command: until its 30 s join gave up, dropping them without a word)."""
+    url, engine = own_server
+    prompt = PROMPTS[6]
+    assert _greedy(server, prompt, 100, chat=False).finish_reason == "length"  # 100 slow steps: 2+ s
+    slow_steps(server.llm)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 100, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool, httpx.stream("POST", url + "/v1/completions", timeout=10,
+                                                     json={**body, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: {")  # running
+        waiting = [pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=10) for _ in range(2)]
+        deadline = time.monotonic() + 5
+        while engine.scheduler.num_waiting < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        engine.stop()
+        rest = [line for line in lines if line]
+        for r in (f.result() for f in waiting):
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+        assert time.monotonic() - t0 < 1.0  # not the 2 s the requests had left
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
+    r = httpx.post(url + "/v1/completions", json=body)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+    assert _metrics(SimpleNamespace(url=url))['tiered_requests_total{outcome="shutdown"}'] == 4
+
+
+def test_encoding_runs_off_the_event_loop_and_huge_prompts_are_refused_early(server, monkeypatch):
+    """A prompt's encoding runs on a worker thread (the server answers meanwhile: an 8 MB prompt
+    used to stall every client for ~12 s); a prompt too long to fit by its characters is refused
+    before it is encoded, and a body too large to hold any prompt that fits before it is read."""
+    make = server.llm.make_sequence
+
+    def slow_make(*a, **kw):
+        time.sleep(1.0)
+        return make(*a, **kw)
+    monkeypatch.setattr(server.llm, "make_sequence", slow_make)
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(server.client.completions.create, model=MODEL, prompt="hi", max_tokens=2)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert time.monotonic() - t0 < 0.5
+        assert done.result().choices
+    monkeypatch.undo()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    chars = 32 * server.llm.max_context + 1
+    r = httpx.post(server.url + "/v1/chat/completions", headers=auth,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "a" * chars}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "messages" and f"{chars} characters" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", headers=auth, json={"model": MODEL, "prompt": "a" * (8 << 20)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # a chunked body (no Content-Length): refused once it passes the limit
+        yield b'{"model": "tiny-llama", "prompt": "'
+        for _ in range(64):
+            yield b"a" * (1 << 17)
+        yield b'"}'
+    r = httpx.post(server.url + "/v1/completions", headers={**auth, "content-type": "application/json"},
+                   content=chunks())
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+
+
+def test_seed_outside_64_bits_and_handler_failures_get_json_errors(server, monkeypatch):
+    """A seed outside the signed 64-bit range is a 400 on param "seed" (it was a plain-text 500 that
+    reset the connection), and any exception a handler raises is answered as OpenAI's JSON 500 on a
+    connection that stays usable."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server.url, headers=auth) as http:
+        for seed in (2**64, 2**63, -2**63 - 1):
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": seed})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+        for seed in (2**63 - 1, -2**63):
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": seed})
+            assert r.status_code == 200, r.text
+
+        def broken(*a, **kw):
+            raise RuntimeError("a bug (simulated)")
+        monkeypatch.setattr(server.engine, "submit", broken)
+        before = _metrics(server).get('tiered_requests_total{outcome="error",status="500"}', 0)
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "simulated" in r.json()["error"]["message"]
+        assert _metrics(server)['tiered_requests_total{outcome="error",status="500"}'] == before + 1
+        monkeypatch.undo()
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_error_shapes_models_endpoint_and_the_authorization_scheme(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for method, path, status, code in (("GET", "/v1/nope", 404, "unknown_url"), ("GET", "/nope", 404, "unknown_url"),
+                                       ("GET", "/v1/completions", 405, "method_not_allowed"),
+                                       ("GET", "/v1/models/gpt-x", 404, "model_not_found")):
+        r = httpx.request(method, server.url + path, headers=auth)
+        assert r.status_code == status and set(r.json()) == {"error"}, r.text
+        assert r.json()["error"]["code"] == code and r.json()["error"]["type"] == "invalid_request_error"
+    assert server.client.models.retrieve(MODEL).id == MODEL
+    r = httpx.get(server.url + f"/v1/models/{MODEL}", headers=auth)
+    assert r.json() == httpx.get(server.url + "/v1/models", headers=auth).json()["data"][0]
+    assert httpx.get(server.url + f"/v1/models/{MODEL}").status_code == 401
+    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"model": "x", "messages": [}',
+                   headers={**auth, "content-type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] is None
+    assert error["message"] == "the body is not valid JSON: Expecting value at character 28", error
+    for header in (f"bearer {KEY}", f"BEARER {KEY}", f"Bearer  {KEY}"):
+        assert httpx.get(server.url + "/v1/models", headers={"Authorization": header}).status_code == 200
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Basic {KEY}"}).status_code == 401
+
+
+@pytest.mark.parametrize("endpoint,field,value", [
+    ("completions", "echo", True), ("completions", "best_of", 2), ("completions", "suffix", "x"),
+    ("completions", "logit_bias", {"5": 10}), ("chat", "logit_bias", {"5": -100}),
+    ("completions", "frequency_penalty", 0.5), ("chat", "presence_penalty", -1.0),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("chat", "functions", [{"name": "f"}]), ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "x"}})])
+def test_unsupported_parameters_are_refused(server, endpoint, field, value):
+    """Parameters that would change what the answer means are refused by name (they were ignored
+    with a 200); their neutral values, which common clients send, are accepted."""
+    body = ({"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else {"prompt": "hi"})
+    r = httpx.post(f"{server.url}/v1/{endpoint.replace('chat', 'chat/completions')}",
+                   headers={"Authorization": f"Bearer {KEY}"}, json={"model": MODEL, "max_tokens": 2, **body, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert "not supported" in r.json()["error"]["message"]
+
+
+def test_neutral_values_of_unsupported_parameters_are_accepted(server):
+    neutral = dict(logit_bias={}, frequency_penalty=0, presence_penalty=0.0)
+    out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=False,
+                                           best_of=1, suffix=None, **neutral)
+    assert out.choices[0].text == _greedy(server, PROMPTS[0], 4, chat=False).text
+    assert server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2, response_format={"type": "text"},
+                                                 extra_body={"logit_bias": None, "tools": []}, **neutral).choices
+
+
+def test_refused_requests_are_counted_by_status(server):
+    before = _metrics(server)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    httpx.post(server.url + "/v1/completions", headers=auth, json={"model": MODEL, "prompt": "hi", "max_tokens": 0})
+    httpx.post(server.url + "/v1/completions", headers=auth, json={"model": "gpt-x", "prompt": "hi"})
+    httpx.get(server.url + "/v1/models")
+    after = _metrics(server)
+    key = 'tiered_requests_total{outcome="invalid",status="%d"}'
+    assert after[key % 400] == before.get(key % 400, 0) + 2 and after[key % 401] == before.get(key % 401, 0) + 1

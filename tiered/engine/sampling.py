@@ -2,11 +2,13 @@
 
 Order of operations (as in HF's logits processors and vLLM): repetition penalty, temperature,
 top-k, top-p, min-p, then a draw from the remaining distribution with the request's generator.
-Temperature 0 means greedy (argmax after the repetition penalty).
+Temperature 0 means greedy (argmax after the repetition penalty), and so does any temperature below
+GREEDY_TEMPERATURE.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +17,16 @@ from tiered.errors import ConfigError
 from tiered.kernels import load
 
 MAX_LOGPROBS = 20  # most alternatives recorded per token (OpenAI's top_logprobs bound)
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS). At T = 1e-5 two logits 1e-3 apart
+# already have odds of e^-100, so the draw is the argmax anyway; far below it logits / T overflows
+# fp32 (1/T does below ~3e-39, and T itself rounds to 0 below ~1e-45), which would draw garbage or
+# make the native samplers refuse the whole batch.
+GREEDY_TEMPERATURE = 1e-5
+# The least top_p the filters use: they compare top_p in fp32, where a smaller positive value (1e-320)
+# rounds to 0 and would keep no token. Any top_p at or below the top token's probability (>= 1/V)
+# keeps that token alone, so raising it to fp32's smallest normal number changes nothing else.
+MIN_TOP_P = float(torch.finfo(torch.float32).tiny)
+SEED_RANGE = (-2**63, 2**63 - 1)  # a generator's seed: a signed 64-bit integer
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,12 +35,12 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most tokens to generate per prompt.
-        temperature: softmax temperature; 0 = greedy.
+        temperature: softmax temperature; 0 (or anything below GREEDY_TEMPERATURE) = greedy.
         top_k: keep the k most likely tokens (0 = off).
         top_p: keep the smallest set with cumulative probability >= top_p (1 = off).
         min_p: drop tokens with probability < min_p * max probability (0 = off).
         repetition_penalty: CTRL-style penalty (>1 discourages tokens already in prompt or output).
-        seed: seed of this request's generator (None = nondeterministic).
+        seed: seed of this request's generator, a signed 64-bit integer (None = nondeterministic).
         stop: strings that end generation; the stop string is not included in the text.
         stop_token_ids: extra token ids that end generation (the model's EOS always does,
             unless ignore_eos).
@@ -57,17 +69,26 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         checks = [
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.temperature >= 0 and math.isfinite(self.temperature), "temperature must be a finite number >= 0"),
             (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty),
+             "repetition_penalty must be a finite number > 0"),
+            (self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+             f"seed must be a signed 64-bit integer ({SEED_RANGE[0]}..{SEED_RANGE[1]})"),
             (all(self.stop), "stop strings must be non-empty"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in 0..{MAX_LOGPROBS}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg, "fix the sampling parameters")
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are the argmax (after the repetition penalty): temperature below
+        GREEDY_TEMPERATURE, 0 included."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -89,9 +110,11 @@ def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus filter on logits [V]: keep the most likely tokens whose cumulative probability reaches p."""
+    """Nucleus filter on logits [V]: keep the most likely tokens whose cumulative probability reaches p
+    (at least the most likely one, however small p is)."""
     if p >= 1.0:
         return logits
+    p = max(p, MIN_TOP_P)
     # Fast path: the nucleus almost always lies in the few most likely tokens. If the tokens of
     # probability >= 1e-4 x the top one already hold mass p, the nucleus is a prefix of them in
     # descending order and every other token is dropped: the same result as sorting all V (49k on
@@ -138,7 +161,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tenso
                  generator: torch.Generator | None) -> int:
     """Pick the next token from one row of logits [V] (fp32). Returns a token id."""
     logits = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)
-    if params.temperature == 0.0:
+    if params.greedy:
         return greedy_token(logits)
     logits = logits / params.temperature
     logits = filter_min_p(filter_top_p(filter_top_k(logits, params.top_k), params.top_p), params.min_p)
@@ -147,7 +170,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tenso
 
 def _plain(params: SamplingParams) -> bool:
     """True when a draw needs only the temperature: no filter, no penalty, not greedy."""
-    return (params.temperature > 0.0 and params.top_k == 0 and params.top_p >= 1.0 and params.min_p <= 0.0
+    return (not params.greedy and params.top_k == 0 and params.top_p >= 1.0 and params.min_p <= 0.0
             and params.repetition_penalty == 1.0)
 
 
@@ -163,7 +186,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seen: list
     as `sample_token` in C++ (0.28 ms a token with the CLI defaults on 49k logits, 0.58 through torch ops), at one uniform
     number the same way. Greedy rows, and every row without the native kernels, take `sample_token`.
     Returns B token ids."""
-    if all(p.temperature == 0.0 and p.repetition_penalty == 1.0 for p in params):
+    if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
         # every row greedy: one argmax over the rows (~70 us a token through the per-row path inside
         # a CPU decode loop, whose weights leave the interpreter's caches cold)
         return greedy_tokens(logits)
@@ -178,10 +201,10 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seen: list
         for i, t in zip(plain, ext.sample_rows(rows.float().contiguous(), temps, u).tolist()):
             tokens[i] = t
     for i, p in enumerate(params):
-        if native and tokens[i] < 0 and p.temperature > 0.0:
+        if native and tokens[i] < 0 and not p.greedy:
             u = float(torch.rand((), generator=generators[i], dtype=torch.float64))
             tokens[i] = ext.sample_filtered(logits[i].float().contiguous(), seen[i], p.repetition_penalty, p.temperature,
-                                            p.top_k, p.top_p, p.min_p, u)
+                                            p.top_k, max(p.top_p, MIN_TOP_P), p.min_p, u)
     for i, p in enumerate(params):
         if tokens[i] < 0:
             tokens[i] = sample_token(logits[i], p, seen[i], generators[i])

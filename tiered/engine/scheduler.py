@@ -1,6 +1,6 @@
 """Scheduler: continuous batching over a fixed number of KV-cache slots (nano-vllm's scheduler.py).
 
-Requests wait in a bounded FIFO queue. At each step boundary the engine asks `schedule()`: waiting
+Requests wait in a bounded FIFO queue (at most `max_queue` beyond the free slots). At each step boundary the engine asks `schedule()`: waiting
 sequences take free slots (they are prefilled this step), cancelled ones leave the queue or give
 back their slot, and every running sequence decodes one token. A finished sequence gives its slot
 back at once (`finish`), so a waiting request can join at the next step.
@@ -27,7 +27,7 @@ from tiered.errors import TieredError
 
 
 class QueueFullError(TieredError):
-    """The waiting queue holds `max_queue` requests already; retry later."""
+    """Every free slot is spoken for and `max_queue` more requests wait already; retry later."""
 
 
 @dataclass(slots=True)
@@ -46,7 +46,9 @@ class Scheduler:
 
     Args:
         max_batch: KV-cache slots, i.e. the most sequences decoded together (>= 1).
-        max_queue: most sequences waiting for a slot (>= 0); `add` refuses more.
+        max_queue: most sequences waiting beyond those the free slots will take at the next step
+            (>= 0; 0 = never wait for a slot to free); `add` refuses more. At most
+            max_batch + max_queue sequences are running or waiting.
         prefix_reuse: reuse the KV a freed slot still holds for a new prompt's shared prefix (the
             cache passed to LLM.step must be the same one every step).
     Raises:
@@ -67,10 +69,11 @@ class Scheduler:
 
     # ------------------------------------------------------- any thread
     def add(self, seq: Sequence) -> None:
-        """Queue `seq` for a slot. Raises QueueFullError when `max_queue` sequences wait already."""
+        """Queue `seq` for a slot. Raises QueueFullError when the waiting sequences fill every free
+        slot and `max_queue` more wait already."""
         with self._lock:
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting)",
+            if len(self.waiting) >= self.max_queue + len(self._free):
+                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting for a slot)",
                                      "retry later or raise --max-queue")
             self.waiting.append(seq)
 

@@ -1,17 +1,21 @@
 """The OpenAI-compatible HTTP API over a ServingEngine (FastAPI).
 
-Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON or SSE stream,
-`data: [DONE]` last), GET /health, GET /metrics (Prometheus text), GET /state (the tiers, JSON)
-and GET / (a chat page with the live tiers). With an API key, /v1/* needs
-`Authorization: Bearer KEY` (401 otherwise). Errors are OpenAI's JSON shape
-{"error": {"message", "type", "param", "code"}}: 400 for a bad body, an unknown model or a prompt
-over the context window, 401 for a wrong key, 503 with Retry-After when the queue is full.
+Endpoints: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST
+/v1/chat/completions (JSON or SSE stream, `data: [DONE]` last), GET /health, GET /metrics
+(Prometheus text), GET /state (the tiers, JSON) and GET / (a chat page with the live tiers). With
+an API key, /v1/* needs `Authorization: Bearer KEY` (401 otherwise). Errors are OpenAI's JSON shape
+{"error": {"message", "type", "param", "code"}}: 400 for a bad body, an unknown model, an
+unsupported parameter or a prompt over the context window, 401 for a wrong key, 404 / 405 for an
+unknown path or method, 413 for a body larger than any prompt that fits, 500 for a failure, 503
+with Retry-After when the queue is full and 503 when the server shuts down (a stream ends with an
+error event and `data: [DONE]` instead).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -21,16 +25,26 @@ from pathlib import Path
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tiered.engine.sequence import RequestOutput
 from tiered.errors import ContextLengthError, TieredError
-from tiered.serve.engine import Handle, QueueFullError, ServingEngine
-from tiered.serve.metrics import tier_state
+from tiered.serve.engine import Handle, QueueFullError, ServerShuttingDownError, ServingEngine
+from tiered.serve.metrics import ServerMetrics, tier_state
 from tiered.serve.protocol import ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs
 
 STATIC = Path(__file__).parent / "static"  # the page at /
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+# A prompt of more characters than CHARS_PER_TOKEN x the context window cannot fit it: tokenizers put
+# a few characters in a token on real text (~4 in English) and a few dozen at most on any. Such a
+# prompt is refused before it is encoded (an 8 MB message took ~12 s to encode on 2 cores), and a
+# body too large to hold a prompt that fits is refused before it is read.
+CHARS_PER_TOKEN = 32
+BODY_BYTES_PER_CHAR = 6  # JSON's worst case: a character as a \uXXXX escape
+BODY_OVERHEAD_BYTES = 1 << 20  # room for the rest of a body (message structure, stop strings, token ids)
+log = logging.getLogger("tiered.serve")
 
 
 class APIError(Exception):
@@ -42,10 +56,68 @@ class APIError(Exception):
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
         self.headers = headers
 
+    def body(self) -> dict:
+        """{"error": {"message", "type", "param", "code"}}."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        """The error as an HTTP response: {"error": {"message", "type", "param", "code"}}."""
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        """The error as an HTTP response."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry once it is back", "server_error", "server_shutting_down")
+
+
+class _Guard:
+    """ASGI middleware around the app: refuses a body over `max_body_bytes` with 413 (by its
+    Content-Length before reading it, or as soon as a chunked body passes the limit), and answers an
+    exception that no handler caught with OpenAI's JSON 500 (and a logged traceback) instead of a
+    plain-text 500 on a dropped connection. Counts both in `metrics` for /v1/* paths."""
+
+    def __init__(self, app, max_body_bytes: int, metrics: ServerMetrics) -> None:
+        self.app, self.max_body_bytes, self.metrics = app, max_body_bytes, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        api = scope["path"].startswith("/v1/")
+        too_large = APIError(413, f"the request body is larger than this server takes ({self.max_body_bytes} bytes: "
+                             "more than a prompt that fits the context window)", code="request_too_large")
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            if api:
+                self.metrics.count_request("invalid", 413)
+            await too_large.response()(scope, receive, send)
+            return
+        started = False
+        received = 0
+
+        async def guarded_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:  # FastAPI answers it through the HTTPException handler
+                    raise StarletteHTTPException(413, too_large.message)
+            return message
+
+        async def watched_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, guarded_receive, watched_send)
+        except Exception as e:  # noqa: BLE001 - a bug in a handler: answer it as OpenAI's error object
+            if started:
+                raise  # mid-response (a stream): nothing else can be said
+            log.exception("%s %s failed", scope.get("method"), scope["path"])
+            if api:
+                self.metrics.count_request("error", 500)
+            await APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response()(
+                scope, receive, send)
 
 
 def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -70,25 +142,48 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
 
     app = FastAPI(title="tiered", lifespan=lifespan)
     created = int(time.time())
+    max_prompt_chars = CHARS_PER_TOKEN * engine.llm.max_context
+    app.add_middleware(_Guard, max_body_bytes=BODY_BYTES_PER_CHAR * max_prompt_chars + BODY_OVERHEAD_BYTES,
+                       metrics=engine.metrics)
+
+    def refused(request: Request, error: APIError) -> JSONResponse:
+        """The response of a /v1/* request refused before the engine saw it, counted in the metrics
+        (what the engine refuses or fails, it counts itself)."""
+        if request.url.path.startswith("/v1/") and 400 <= error.status < 500:
+            engine.metrics.count_request("invalid", error.status)
+        return error.response()
 
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError):
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError):
+        return refused(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        status, where = exc.status_code, f"{request.method} {request.url.path}"
+        message, code = {404: (f"no such endpoint: {where}", "unknown_url"),
+                         405: (f"method not allowed: {where}", "method_not_allowed")}.get(
+            status, (str(exc.detail), "request_too_large" if status == 413 else None))
+        return refused(request, APIError(status, message, code=code, headers=exc.headers))
 
     @app.exception_handler(RequestValidationError)
-    async def _bad_body(_request: Request, exc: RequestValidationError):
+    async def _bad_body(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":  # loc is ("body", character offset)
+            at = first.get("loc", ("body", "?"))[-1]
+            reason = (first.get("ctx") or {}).get("error", "malformed JSON")
+            return refused(request, APIError(400, f"the body is not valid JSON: {reason} at character {at}"))
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}",
-                        param=where or None).response()
+        return refused(request, APIError(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}",
+                                         param=where or None))
 
     async def check_key(request: Request) -> None:
-        """Raise APIError 401 unless the request carries `Authorization: Bearer <api_key>`."""
+        """Raise APIError 401 unless the request carries `Authorization: Bearer <api_key>` (the
+        scheme in any case, as HTTP has it)."""
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
             raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
                            "authentication_error", "invalid_api_key")
 
@@ -115,11 +210,20 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         """The chat page with the live view of the tiers (plain HTML and JS, tiered/serve/static)."""
         return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 
+    model_object = {"id": model_name, "object": "model", "created": created, "owned_by": "tiered"}
+
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models() -> dict:
         """The one model this server serves."""
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "tiered"}]}
+        return {"object": "list", "data": [model_object]}
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(check_key)])
+    async def model_info(model: str) -> dict:
+        """The model object of `model` (404 model_not_found for any other id)."""
+        if model != model_name:
+            raise APIError(404, f"model {model!r} is not served here; this server serves {model_name!r}",
+                           code="model_not_found", param="model")
+        return model_object
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(body: CompletionRequest, request: Request):
@@ -142,11 +246,21 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         if body.model != model_name:
             raise APIError(400, f"model {body.model!r} is not served here; this server serves {model_name!r}",
                            code="model_not_found", param="model")
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"] or "") for m in prompt
+                                                                if isinstance(m, dict))
+        if chars > max_prompt_chars:  # cannot fit: refused without the seconds its encoding would take
+            raise APIError(400, f"the prompt has {chars} characters, more than a context window of "
+                           f"{engine.llm.max_context} tokens holds", code="context_length_exceeded",
+                           param="messages" if chat else "prompt")
         try:
-            handle = engine.submit(prompt, body.sampling(default_max_tokens), chat)
+            params = body.sampling(default_max_tokens)
+            # encoding a long prompt takes a while: on a worker thread, not the event loop's
+            handle = await run_in_threadpool(engine.submit, prompt, params, chat, asyncio.get_running_loop())
         except QueueFullError as e:
             raise APIError(503, e.message, "server_error", "queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except ServerShuttingDownError as e:
+            raise _shutting_down() from e
         except ContextLengthError as e:
             raise APIError(400, e.message, code="context_length_exceeded", param="messages" if chat else "prompt")
         except TieredError as e:
@@ -181,6 +295,8 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                         return None
                 if event is None:
                     continue
+                if isinstance(event, ServerShuttingDownError):
+                    raise _shutting_down()
                 if isinstance(event, Exception):
                     raise APIError(500, f"generation failed: {event}", "server_error")
                 _, out, _ = event
@@ -220,10 +336,11 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                 yield chunk(None, role=True)
             while True:
                 event = await handle.events.get()
-                if isinstance(event, Exception):
-                    err = {"error": {"message": f"generation failed: {event}", "type": "server_error",
-                                     "param": None, "code": None}}
-                    yield f"data: {json.dumps(err)}\n\n"
+                if isinstance(event, Exception):  # an error event, then the stream's usual end
+                    err = (_shutting_down() if isinstance(event, ServerShuttingDownError) else
+                           APIError(500, f"generation failed: {event}", "server_error"))
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    yield "data: [DONE]\n\n"
                     return
                 delta, out, new_logprobs = event
                 if new_logprobs is not None:

@@ -3,7 +3,9 @@
 Handlers live on the asyncio event loop; the model runs on the engine thread. A request's events
 (text deltas, then its RequestOutput) reach the handler through an asyncio.Queue fed with
 `loop.call_soon_threadsafe`. A handler whose client goes away cancels its request: the scheduler
-frees the slot at the next step boundary.
+frees the slot at the next step boundary. `stop` ends every request in flight at once with
+ServerShuttingDownError, so that a server shutting down answers its clients instead of leaving
+them waiting.
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ from tiered.engine.prompt import Prompt
 from tiered.engine.sampling import SamplingParams
 from tiered.engine.scheduler import QueueFullError, Scheduler
 from tiered.engine.sequence import RequestOutput, Sequence
+from tiered.errors import TieredError
 from tiered.serve.metrics import ServerMetrics
 
-__all__ = ["Handle", "QueueFullError", "ServingEngine"]
+__all__ = ["Handle", "QueueFullError", "ServerShuttingDownError", "ServingEngine"]
+
+
+class ServerShuttingDownError(TieredError):
+    """The server is shutting down: the request ends (or is refused) without an answer."""
 
 
 @dataclass(eq=False)
@@ -36,8 +43,12 @@ class Handle:
     logprobs_sent: int = 0  # entries of seq.logprobs already delivered
 
     def push(self, event) -> None:
-        """Deliver an event from the engine thread to the handler's loop."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        """Deliver an event from the engine thread to the handler's loop (dropped once that loop is
+        closed: nobody listens any more)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed (the HTTP server has gone)
+            pass
 
 
 class ServingEngine:
@@ -46,7 +57,8 @@ class ServingEngine:
     Args:
         llm: the loaded LLM (the engine thread is its only user while the server runs).
         max_batch: KV-cache slots: the most requests decoded together.
-        max_queue: most requests waiting for a slot; more are refused (QueueFullError -> HTTP 503).
+        max_queue: most requests waiting beyond those the free slots take; more are refused
+            (QueueFullError -> HTTP 503). At most max_batch + max_queue requests run or wait.
         prefix_reuse: a new request reuses the KV its slot still holds for the prefix it shares with
             the slot's last request (a common system prompt, a conversation's history): Scheduler.
     Raises:
@@ -79,33 +91,60 @@ class ServingEngine:
         self._loop(alive)
 
     def stop(self) -> None:
-        """Stop the engine thread after its current step (requests still running get no more events)."""
-        self._stopping = True
+        """Shut down: every request running or waiting ends at once with a ServerShuttingDownError
+        event (its handler answers 503, or ends its stream with an error), later submits are
+        refused with it, and the engine thread stops after its current step. Safe to call again
+        and from any thread."""
+        with self._lock:
+            self._stopping = True
+            handles, self._handles = list(self._handles.values()), {}
         self._wake.set()
-        if self._thread.is_alive():
+        error = ServerShuttingDownError("the server is shutting down", "retry once it is back")
+        for h in handles:
+            self.scheduler.cancel(h.seq)
+            self.metrics.count_request("shutdown")
+            h.push(error)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
 
     # ------------------------------------------------------------ handlers' side
-    def submit(self, prompt: Prompt, params: SamplingParams, chat: bool | None) -> Handle:
-        """Queue one request; call from the event loop.
+    def submit(self, prompt: Prompt, params: SamplingParams, chat: bool | None,
+               loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+        """Queue one request. Callable from any thread: encoding a long prompt takes a while, so the
+        app calls it from a worker thread, off its event loop.
 
+        Args:
+            loop: the event loop whose handler awaits the request's events (default: the running one).
         Raises:
             ContextLengthError, ConfigError: the prompt does not fit or cannot be encoded.
-            QueueFullError: max_queue requests wait already.
+            QueueFullError: every free slot is spoken for and max_queue requests wait already.
+            ServerShuttingDownError: stop() was called.
         """
+        loop = loop or asyncio.get_running_loop()
+        if self._stopping:  # before the encoding: a server going down does no more work
+            raise self._refuse_for_shutdown()
         seq = self.llm.make_sequence(prompt, params, chat)
-        handle = Handle(seq, asyncio.Queue(), asyncio.get_running_loop())
-        with self._lock:
-            self._handles[id(seq)] = handle
+        handle = Handle(seq, asyncio.Queue(), loop)
+        with self._lock:  # under the lock stop() takes: a request either gets refused here or ended by stop()
+            stopping = self._stopping
+            if not stopping:
+                self._handles[id(seq)] = handle
+        if stopping:
+            raise self._refuse_for_shutdown()
         try:
             self.scheduler.add(seq)
         except QueueFullError:
             with self._lock:
-                del self._handles[id(seq)]
+                self._handles.pop(id(seq), None)  # gone already if stop() came in between
             self.metrics.count_request("rejected")
             raise
         self._wake.set()
         return handle
+
+    def _refuse_for_shutdown(self) -> ServerShuttingDownError:
+        """The error a request submitted after stop() gets (counted as a shutdown)."""
+        self.metrics.count_request("shutdown")
+        return ServerShuttingDownError("the server is shutting down", "retry once it is back")
 
     def cancel(self, handle: Handle) -> None:
         """The client went away: free the request's slot (or queue place) at the next step.

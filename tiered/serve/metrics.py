@@ -39,7 +39,10 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.requests: dict[str, int] = {}  # outcome -> count: finished, cancelled, rejected, error
+        # (outcome, HTTP status or None) -> count; outcomes: finished, cancelled, rejected (queue
+        # full), error (a failed step, or status 500: a handler's own failure), shutdown, invalid
+        # (refused with a 4xx status before it reached the engine)
+        self.requests: dict[tuple[str, int | None], int] = {}
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0  # of prompt_tokens, those prefix reuse skipped
         self.generation_tokens = 0
@@ -50,10 +53,11 @@ class ServerMetrics:
         self.batch = Summary()  # running sequences per decode step
         self.peak_batch = 0
 
-    def count_request(self, outcome: str) -> None:
-        """Count a request that ended without finishing: cancelled, rejected or error."""
+    def count_request(self, outcome: str, status: int | None = None) -> None:
+        """Count a request that ended without finishing: cancelled, rejected, error, shutdown, or
+        invalid; `status` is the HTTP status it was answered with, where that labels it (4xx, 500)."""
         with self._lock:
-            self.requests[outcome] = self.requests.get(outcome, 0) + 1
+            self.requests[outcome, status] = self.requests.get((outcome, status), 0) + 1
 
     def observe_first_token(self, ttft_s: float) -> None:
         """A request's first token came `ttft_s` seconds after it arrived (queueing included)."""
@@ -64,7 +68,7 @@ class ServerMetrics:
         """A finished request: its prompt tokens (cached_tokens of them reused from its slot's KV)
         and its tokens' times [perf_counter s]."""
         with self._lock:
-            self.requests["finished"] = self.requests.get("finished", 0) + 1
+            self.requests["finished", None] = self.requests.get(("finished", None), 0) + 1
             self.prompt_tokens += prompt_tokens
             self.cached_prompt_tokens += cached_tokens
             self.generation_tokens += len(token_times)
@@ -97,9 +101,11 @@ class ServerMetrics:
             out.append(f"{name}_count {s.count}")
 
         with self._lock:
-            outcomes = sorted(set(self.requests) | {"finished"})
-            metric("tiered_requests_total", "counter", "Requests by outcome (finished, cancelled, rejected, error).",
-                   [(f'{{outcome="{o}"}}', self.requests.get(o, 0)) for o in outcomes])
+            keys = sorted(set(self.requests) | {("finished", None)}, key=lambda k: (k[0], k[1] or 0))
+            metric("tiered_requests_total", "counter", "Requests by outcome (finished, cancelled, rejected, error, "
+                   "shutdown, invalid) and, for those refused with an error, HTTP status.",
+                   [('{outcome="%s"%s}' % (o, "" if st is None else f',status="{st}"'), self.requests.get((o, st), 0))
+                    for o, st in keys])
             metric("tiered_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                    [("", self.prompt_tokens)])
             metric("tiered_prompt_tokens_cached_total", "counter",

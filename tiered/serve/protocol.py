@@ -1,18 +1,29 @@
-"""Request bodies of the OpenAI-compatible API (the fields tiered honours; others are ignored), and
-the logprobs objects of its answers.
+"""Request bodies of the OpenAI-compatible API (the fields tiered honours; unknown ones are ignored),
+and the logprobs objects of its answers.
 
 Field bounds are checked by pydantic; a body that breaks them is answered 400 with an OpenAI-style
-error (tiered/serve/app.py).
+error (tiered/serve/app.py). OpenAI parameters that would change what the answer means but that
+tiered does not implement (echo, logit_bias, tools, response_format json, best_of, suffix, the
+frequency and presence penalties) are refused the same way unless they carry their neutral value,
+which common clients send: an answer that silently ignored them would be wrong.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from tiered.engine.sampling import MAX_LOGPROBS, SamplingParams
+from tiered.engine.sampling import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from tiered.engine.sequence import TokenLogprob
+
+
+def _unsupported(neutral: str):
+    """The pydantic error for an OpenAI parameter tiered does not implement, sent with a value
+    other than its neutral one (`neutral` says which values are accepted)."""
+    return PydanticCustomError("unsupported_parameter", "not supported by this server (send {neutral} or leave it "
+                               "out)", {"neutral": neutral})
 
 
 class StreamOptions(BaseModel):
@@ -30,10 +41,28 @@ class _Generation(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="a signed 64-bit integer")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only one choice per request")
+    # accepted only at their neutral values (_unsupported)
+    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict | None) -> dict | None:
+        if v:
+            raise _unsupported("{} or null")
+        return v
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float | None) -> float | None:
+        if v:
+            raise _unsupported("0")
+        return v
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams. Raises ConfigError for values it refuses (e.g. an empty stop)."""
@@ -57,6 +86,31 @@ class CompletionRequest(_Generation):
     prompt: str | list[int] | list[str] = Field(..., description="text, token ids, or a list of one text")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probabilities of the generated "
                                  "tokens with this many most likely alternatives each")
+    # accepted only at their neutral values (_unsupported)
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool | None) -> bool | None:
+        if v:
+            raise _unsupported("false")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise _unsupported("1")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise _unsupported("null")
+        return v
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -89,6 +143,24 @@ class ChatCompletionRequest(_Generation):
     logprobs: bool = Field(False, description="return the generated tokens' log-probabilities")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="most likely alternatives per token "
                                      "(needs logprobs: true)")
+    # accepted only at their neutral values (_unsupported)
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v: list | None) -> list | None:
+        if v:
+            raise _unsupported("[] or null")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict | None) -> dict | None:
+        if v is not None and v.get("type", "text") != "text":
+            raise _unsupported('{"type": "text"}')
+        return v
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
