@@ -76,3 +76,11 @@ def test_sampling_params_accept_valid(max_tokens, t, k, p, min_p, rep, seed, sto
     sp = SamplingParams(max_tokens=max_tokens, temperature=t, top_k=k, top_p=p, min_p=min_p,
                         repetition_penalty=rep, seed=seed, stop=stop)
     assert sp.stop == tuple(stop)
+
+
+def test_threads_beyond_the_cores_are_capped():
+    """An OpenMP team of 4096 threads on 2 cores crashed torch later in the process: plans cap it."""
+    from tiered.config import cpu_threads, usable_cores
+
+    assert cpu_threads(EngineConfig(num_threads=4096)) == usable_cores()
+    assert cpu_threads(EngineConfig(num_threads=1)) == 1

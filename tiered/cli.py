@@ -200,12 +200,14 @@ def run(
 def _setting_notes(llm, config) -> None:
     """One stderr line per engine setting that took no effect as given: a GPU budget with no GPU in use,
     more CPU threads than cores, a context window beyond the model's positions."""
+    from tiered.config import usable_cores
+
     notes = []
     if config.gpu_memory is not None and llm.accelerator is None:
         notes.append("no GPU is in use: --gpu-mem is ignored")
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     if config.num_threads is not None and config.num_threads > cores:
-        notes.append(f"--threads {config.num_threads} is more than this machine's {cores} cores: expect slower steps")
+        notes.append(f"--threads {config.num_threads} is more than the {cores} cores this process may use: using {cores}")
     if config.max_context is not None and config.max_context > llm.max_context:
         notes.append(f"--max-context {config.max_context} is beyond the model's {llm.max_context} positions: "
                      f"using {llm.max_context}")

@@ -60,7 +60,8 @@ class EngineConfig:
         max_context: context window in tokens; None uses the model's max_position_embeddings.
         max_batch: sequences decoded together (`tiered serve --max-batch`): the plan keeps KV-cache
             room for this many sequences of max_context tokens on the fast tier.
-        num_threads: CPU threads for torch; None keeps torch's default (one per core).
+        num_threads: CPU threads for torch; None keeps torch's default (one per core); more than the
+            cores this process may run on are capped at them (`cpu_threads`).
         gpu_memory: accelerator budget [bytes, or a string like "12GiB"]; None = all free memory.
         cpu_memory: CPU RAM budget for weights, experts and (without accelerator) the expert
             cache [bytes or string]; None = unlimited.
@@ -201,3 +202,22 @@ class EngineConfig:
             raise ConfigError("max_context must be >= 1 token", "pass a positive token count or None")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads must be >= 1", "pass a positive thread count or None")
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_threads(ec: EngineConfig) -> int:
+    """The CPU threads a plan gives compute: EngineConfig.num_threads capped at the usable cores (an
+    OpenMP team of thousands of threads runs far slower, and at 4096 crashed torch), else torch's
+    default."""
+    import torch
+
+    return min(ec.num_threads, usable_cores()) if ec.num_threads else torch.get_num_threads()

@@ -17,10 +17,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from tiered import kernels
 from tiered.checkpoint.model_config import ModelConfig
+from tiered.config import cpu_threads
 from tiered.errors import ConfigError
 from tiered.hardware import op_time
 from tiered.hardware.profile import HardwareProfile, LinearModel, default_profile_path
@@ -389,7 +388,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
             plan = make_plan(cfg, profile, **args)
             plan.notes.extend(said)
     plan.dtypes["decode"] = decode_format
-    plan.cpu_threads = ec.num_threads or torch.get_num_threads()
+    plan.cpu_threads = cpu_threads(ec)
     ratio = profile.meta.get("cpu_bandwidth_ratio")
     if ratio is not None:
         plan.notes.append(f"the CPU's memory ran {1 / ratio:.2f}x the profile's speed at planning; its "

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-import torch
-
 from tiered.checkpoint.model_config import ModelConfig
+from tiered.config import cpu_threads
 from tiered.errors import BudgetError
 from tiered.hardware.budget import format_bytes
 from tiered.memory import sizes
@@ -44,7 +43,7 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
                    "kv_cache": sizes.kv_cache_format(weights_format, decode_precision)}
     plan.cache_policy, plan.dispatch_mode = ec.cache_policy, ec.force_expert_path or "per-expert"
     plan.staging_buffers, plan.read_ahead = ec.staging_buffers, ec.read_ahead
-    plan.cpu_threads = ec.num_threads or torch.get_num_threads()
+    plan.cpu_threads = cpu_threads(ec)
     plan.kv_slots = ec.max_batch
     kv = sizes.kv_cache_bytes(cfg, plan.kv_slots, max_context, plan.dtypes["kv_cache"])
     if accelerator is not None:  # activations live on the device (the stand-in's too)
