@@ -154,13 +154,36 @@ _TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenize
                      "tokenizer.ggml.scores")
 
 
+def _header_error(path: Path, size: int, e: Exception) -> CheckpointError:
+    """The CheckpointError for a GGUF file whose header the gguf package failed to parse with `e`:
+    no GGUF magic, a version its reader does not handle, else a file cut short or damaged (the reader then fails
+    with whatever reading past the end or garbage gives: a reshape, an index, an unpack error)."""
+    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:4] != b"GGUF":
+        return CheckpointError(f"{path} does not start with the GGUF magic bytes", "re-download the file")
+    if len(head) == 8:
+        version = int.from_bytes(head[4:], "little")
+        if not version & 0xFFFF:  # written on a big-endian machine (the reader handles those)
+            version = int.from_bytes(head[4:], "big")
+        if version not in READER_SUPPORTED_VERSIONS:
+            return CheckpointError(f"{path} is GGUF version {version}; tiered reads versions "
+                                   + ", ".join(map(str, READER_SUPPORTED_VERSIONS)),
+                                   "re-convert the file with a current llama.cpp, or re-download it if it is damaged")
+    return CheckpointError(f"{path} is truncated or corrupt: its GGUF header cannot be read "
+                           f"({size} bytes on disk; {type(e).__name__}: {e})", "re-download or re-convert the file")
+
+
 class GGUFCheckpoint(HandleTable):
     """One .gguf file read as a checkpoint with HF tensor names.
 
     Args:
         path: the .gguf file.
     Raises:
-        CheckpointError: not a GGUF file, or truncated.
+        CheckpointError: not a GGUF file, of a GGUF version the reader does not handle, or
+            truncated or corrupt.
         UnsupportedModelError: an architecture tiered does not run.
     """
 
@@ -173,8 +196,7 @@ class GGUFCheckpoint(HandleTable):
         try:
             self.reader = fast_reader(self.path)
         except Exception as e:  # the gguf package raises ValueError/struct errors/IndexError
-            raise CheckpointError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e})",
-                                  "re-download or re-convert the file") from None
+            raise _header_error(self.path, size, e) from None
         for t in self.reader.tensors:
             if t.data_offset + t.n_bytes > size:
                 raise CheckpointError(f"{self.path} is truncated: tensor {t.name} ends past the file's "

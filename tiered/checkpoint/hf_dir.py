@@ -20,13 +20,32 @@ from tiered.errors import CheckpointError
 INDEX = "model.safetensors.index.json"
 
 
+# Bits per element of every dtype the safetensors format defines (its Dtype enum): a header naming
+# another dtype is corrupt (or from a newer writer), and the library refuses it at the first load.
+SAFETENSORS_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16,
+    "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+MAX_HEADER = 100_000_000  # bytes: the largest header the safetensors library reads
+
+
+def _is_count(x) -> bool:
+    """x is a non-negative int (a bool is not)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def _check_safetensors_file(path: Path) -> tuple[dict, int]:
-    """Parse a safetensors header and check the file holds every byte it promises.
+    """Parse a safetensors header and check it the way the safetensors library will at the first load.
+
+    Every tensor must name a known dtype, a shape of non-negative ints and data_offsets [begin, end]
+    with prod(shape) x dtype size == end - begin; the tensors' byte ranges must follow each other
+    with no gap or overlap from offset 0, and the file must hold exactly the bytes they cover.
 
     Returns:
         The header dict (tensor name -> {dtype, shape, data_offsets}) and the header's length.
     Raises:
-        CheckpointError: the file is truncated or its header is not valid JSON.
+        CheckpointError: the file is truncated, its header is not valid JSON, or a tensor's entry
+            is inconsistent (named in the message).
     """
     size = path.stat().st_size
     try:
@@ -34,15 +53,84 @@ def _check_safetensors_file(path: Path) -> tuple[dict, int]:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > size - 8:
                 raise ValueError("header longer than file")
+            if n > MAX_HEADER:
+                raise ValueError(f"header of {n} bytes, the format allows {MAX_HEADER}")
             header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError(f"header is a JSON {type(header).__name__}, not an object")
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not a valid safetensors file ({e})",
                               "re-download or re-convert the checkpoint") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    spans = []
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        spans.append((_tensor_span(path, key, meta), key))
+    end = 0
+    for (begin, stop), key in sorted(spans):
+        if begin != end:
+            what = f"a gap of {begin - end} bytes" if begin > end else f"an overlap of {end - begin} bytes"
+            raise CheckpointError(f"{path} is corrupt: tensor {key!r} starts at byte {begin} of the data, "
+                                  f"leaving {what} after the tensor before it",
+                                  "re-download or re-convert the checkpoint")
+        end = stop
     if 8 + n + end > size:
         raise CheckpointError(f"{path} is truncated: {size} bytes on disk, {8 + n + end} expected",
                               "re-download or re-copy the file")
+    if 8 + n + end < size:
+        raise CheckpointError(f"{path} is corrupt: {size - 8 - n - end} bytes past its last tensor "
+                              f"({size} bytes on disk, {8 + n + end} expected)", "re-download or re-copy the file")
     return header, n
+
+
+def _tensor_span(path: Path, key: str, meta) -> tuple[int, int]:
+    """(begin, end) of tensor `key`'s bytes in the data section, after checking its header entry.
+
+    Raises:
+        CheckpointError: the entry lacks a field, names an unknown dtype, or its byte range does
+            not hold prod(shape) elements of its dtype.
+    """
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path} is corrupt: tensor {key!r} {why}", "re-download or re-convert the checkpoint")
+
+    if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= meta.keys():
+        raise bad("has no dtype, shape and data_offsets in the header")
+    dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPE_BITS:
+        raise bad(f"has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+        raise bad(f"has invalid shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise bad(f"has invalid data_offsets {offsets!r}")
+    bits = SAFETENSORS_DTYPE_BITS[dtype]
+    for s in shape:
+        bits *= s
+    begin, end = offsets
+    if bits % 8 or bits // 8 != end - begin:
+        raise bad(f"of dtype {dtype} and shape {tuple(shape)} needs {bits / 8:g} bytes, but its data_offsets "
+                  f"[{begin}, {end}] hold {end - begin}")
+    return begin, end
+
+
+def _read_index(index: Path) -> list[str]:
+    """The shard files named by a model.safetensors.index.json, sorted.
+
+    Raises:
+        CheckpointError: the index is not valid JSON or has no weight_map of tensor -> file names.
+    """
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index} is not valid JSON ({e})",
+                              "restore the file, or delete it if the directory holds one model.safetensors") from None
+    except AttributeError:  # valid JSON, but not an object
+        weight_map = None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(v, str) and v for v in weight_map.values()):
+        raise CheckpointError(f"{index} has no \"weight_map\" of tensor names to shard files",
+                              "restore the file, or delete it if the directory holds one model.safetensors")
+    return sorted(set(weight_map.values()))
 
 
 class HFDirCheckpoint(HandleTable):
@@ -51,7 +139,9 @@ class HFDirCheckpoint(HandleTable):
     Args:
         path: directory with config.json and *.safetensors (optionally sharded with an index).
     Raises:
-        CheckpointError: no config.json, no safetensors, a shard missing or truncated.
+        CheckpointError: no config.json, or one that is not valid JSON or lacks a field (or gives it
+            a value of the wrong type); no safetensors; a malformed index; a shard missing,
+            truncated or with an inconsistent header.
         UnsupportedModelError: the architecture is not one tiered runs.
     """
 
@@ -65,13 +155,12 @@ class HFDirCheckpoint(HandleTable):
                                   "pass a Hugging Face model directory or a .gguf file")
         try:
             self.hf_config = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{cfg_path} is not valid JSON ({e})", "restore the file") from None
-        self.config = ModelConfig.from_hf(self.hf_config)
+        self.config = ModelConfig.from_hf(self.hf_config, source=cfg_path)
         index = self.path / INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            files = _read_index(index)
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
         if not files:

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiered.errors import UnsupportedModelError
+from tiered.errors import CheckpointError, UnsupportedModelError
 
 # HF `model_type` -> family. Dense families share one implementation (models/llama.py); MoE
 # families share models/moe.py.
@@ -133,18 +133,27 @@ class ModelConfig:
         return total + emb + d
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, cfg: dict[str, Any], source: object = "config.json") -> "ModelConfig":
         """Build from a parsed HF config.json (transformers 4.x or 5.x layout).
 
+        Args:
+            cfg: the parsed JSON.
+            source: the file it came from, named in errors.
         Raises:
+            CheckpointError: the config is not a JSON object, lacks a required field, or gives a
+                field a value of the wrong type or range (`_check_hf_fields`).
             UnsupportedModelError: unknown model_type or RoPE scaling, MLP biases, or a mix of
                 sliding-window and full-attention layers.
         """
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{source} is a JSON {type(cfg).__name__}, not an object of model settings",
+                                  "restore the checkpoint's config.json")
         model_type = cfg.get("model_type", "")
         if model_type not in DENSE_TYPES + MOE_TYPES:
             archs = ", ".join(cfg.get("architectures") or []) or model_type or "unknown"
             raise UnsupportedModelError(f"unsupported architecture {archs!r}",
                                         "tiered runs " + ", ".join(DENSE_TYPES + MOE_TYPES))
+        _check_hf_fields(cfg, model_type, source)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         # transformers 5 nests RoPE settings in rope_parameters; 4.x has rope_theta + rope_scaling.
@@ -200,6 +209,90 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
         )
+
+
+# HF config.json fields read as ints: (required, smallest value). A field given as null counts as
+# absent (configs write e.g. "head_dim": null), so required ones must hold a number.
+_INT_FIELDS = {
+    "vocab_size": (True, 1), "hidden_size": (True, 1), "num_hidden_layers": (True, 1),
+    "num_attention_heads": (True, 1), "num_key_value_heads": (False, 1), "head_dim": (False, 1),
+    "intermediate_size": (False, 0), "max_position_embeddings": (False, 1), "sliding_window": (False, 0),
+    "max_window_layers": (False, 0), "num_local_experts": (False, 0), "num_experts": (False, 0),
+    "num_experts_per_tok": (False, 0), "moe_intermediate_size": (False, 0),
+    "shared_expert_intermediate_size": (False, 0), "decoder_sparse_step": (False, 1),
+    "bos_token_id": (False, 0),
+}
+# fields read as numbers (int or float, finite): each must be above this value
+_FLOAT_FIELDS = {"rms_norm_eps": 0.0, "rope_theta": 0.0, "clip_qkv": 0.0}
+# RoPE scaling factors each rope_type reads (rope_inv_freq)
+_ROPE_FACTORS = {"linear": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_hf_fields(cfg: dict[str, Any], model_type: str, source: object) -> None:
+    """Check that an HF config holds every field tiered reads, with values of the right type and
+    range: the model's sizes are ints (a bool is not), positive where a zero makes no model.
+
+    Raises:
+        CheckpointError: a required field is missing, or a field has a value of the wrong type or
+            range; the message names the field and `source`.
+    """
+    hint = "fix or restore the checkpoint's config.json"
+
+    def bad(field: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{source}: {field} {why}", hint)
+
+    for field, (required, least) in _INT_FIELDS.items():
+        v = cfg.get(field)
+        if v is None:
+            if required:
+                raise bad(field, "is missing")
+            continue
+        if not _is_int(v):
+            raise bad(field, f"must be an integer, got {v!r}")
+        if v < least:
+            raise bad(field, f"must be {'positive' if least == 1 else '>= 0'}, got {v}")
+    if cfg.get("intermediate_size") is None and (model_type in DENSE_TYPES or not cfg.get("moe_intermediate_size")):
+        raise bad("intermediate_size", "is missing")
+    if model_type in DENSE_TYPES and cfg["intermediate_size"] < 1:
+        raise bad("intermediate_size", f"must be positive, got {cfg['intermediate_size']}")
+    if cfg.get("head_dim") is None and cfg["hidden_size"] % cfg["num_attention_heads"]:
+        raise bad("hidden_size", f"{cfg['hidden_size']} is not a multiple of num_attention_heads "
+                                 f"{cfg['num_attention_heads']} (and no head_dim is given)")
+    for field, above in _FLOAT_FIELDS.items():
+        v = cfg.get(field)
+        if v is not None and not (_is_number(v) and v > above):
+            raise bad(field, f"must be a positive number, got {v!r}")
+    eos = cfg.get("eos_token_id")
+    if eos is not None and not all(_is_int(i) and i >= 0 for i in (eos if isinstance(eos, list) else [eos])):
+        raise bad("eos_token_id", f"must be a token id or a list of them, got {eos!r}")
+    layers = cfg.get("mlp_only_layers")
+    if layers is not None and not (isinstance(layers, list) and all(_is_int(i) for i in layers)):
+        raise bad("mlp_only_layers", f"must be a list of layer indices, got {layers!r}")
+    types = cfg.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        raise bad("layer_types", f"must be a list of strings, got {types!r}")
+    for field in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(field)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise bad(field, f"must be an object, got {rope!r}")
+        theta = rope.get("rope_theta")
+        if theta is not None and not (_is_number(theta) and theta > 0):
+            raise bad(f"{field}.rope_theta", f"must be a positive number, got {theta!r}")
+        for k in _ROPE_FACTORS.get(rope.get("rope_type", rope.get("type")), ()):
+            if not (_is_number(rope.get(k)) and rope[k] > 0):
+                raise bad(f"{field}.{k}",
+                          "is missing" if k not in rope else f"must be a positive number, got {rope[k]!r}")
 
 
 def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:

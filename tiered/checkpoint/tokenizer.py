@@ -8,9 +8,14 @@ path, size and modification time.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import warnings
 from pathlib import Path
+
+from tiered.errors import CheckpointError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
 def cache_dir() -> Path:
@@ -21,19 +26,48 @@ def cache_dir() -> Path:
 
 
 def load_hf_tokenizer(path: Path):
-    """AutoTokenizer of a model directory, or None when it has no tokenizer files."""
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    """AutoTokenizer of a model directory, or None when it has no tokenizer files.
+
+    Raises:
+        CheckpointError: the tokenizer files cannot be loaded (tokenizer.json or
+            tokenizer_config.json is not valid JSON, or transformers rejects them).
+    """
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers/tokenizers raise JSON, Key, Value and their own errors
+        raise _tokenizer_error(path, e) from None
+
+
+def _tokenizer_error(path: Path, e: Exception) -> CheckpointError:
+    """The CheckpointError for tokenizer files in `path` that transformers failed to load with `e`,
+    naming the file at fault where one can be found."""
+    hint = "restore the tokenizer files from the model's source, or pass prompts as token ids"
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            json.loads(f.read_text())
+        except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            return CheckpointError(f"{f} is corrupt: not valid JSON ({err})", hint)
+    f = path / "tokenizer.json"
+    if f.is_file():
+        try:
+            from tokenizers import Tokenizer
+            Tokenizer.from_file(str(f))
+        except Exception as err:
+            return CheckpointError(f"{f} is corrupt: the tokenizers library rejects it "
+                                   f"({type(err).__name__}: {err})", hint)
+    return CheckpointError(f"the tokenizer in {path} cannot be loaded ({type(e).__name__}: {e})", hint)
 
 
 def _load_cached(cached: Path):
     """A converted tokenizer from the cache: its saved class straight from transformers when that is
     the generic TokenizersBackend (importing AutoTokenizer's class registry costs ~0.3 s of every
     start), else through AutoTokenizer."""
-    import json
-
     import transformers
 
     cls = json.loads((cached / "tokenizer_config.json").read_text()).get("tokenizer_class")
@@ -43,7 +77,11 @@ def _load_cached(cached: Path):
 
 
 def load_gguf_tokenizer(path: Path):
-    """The fast tokenizer embedded in a GGUF file (converted once, then cached)."""
+    """The fast tokenizer embedded in a GGUF file (converted once, then cached).
+
+    Raises:
+        CheckpointError: transformers cannot convert the file's tokenizer metadata.
+    """
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = cache_dir() / "tokenizers" / key
@@ -56,7 +94,11 @@ def load_gguf_tokenizer(path: Path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as e:  # corrupt or unsupported tokenizer metadata
+            raise CheckpointError(f"the tokenizer embedded in {path} cannot be loaded ({type(e).__name__}: {e})",
+                                  "re-convert the file, or pass prompts as token ids") from None
     try:
         cached.mkdir(parents=True, exist_ok=True)
         tok.save_pretrained(str(cached))

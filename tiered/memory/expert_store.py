@@ -15,6 +15,7 @@ kernel format are repacked without dequantizing (quant/gguf_experts.py says whic
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from tiered.checkpoint.handle import STORED_DTYPES, TensorHandle, _fd
 from tiered.checkpoint.hf_dir import _check_safetensors_file
 from tiered.errors import ConfigError
-from tiered.hardware.budget import HostSlab, MemoryBudget
+from tiered.hardware.budget import HostSlab, MemoryBudget, format_bytes
 from tiered.memory.host import release_load_memory
 from tiered.planner.placement import CPU, DISK, FAST, ExpertPlacement
 from tiered.quant.experts import ExpertFormat
@@ -114,6 +115,29 @@ def advise(handles) -> None:
             os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_WILLNEED)
 
 
+def _save_whole(tensors: dict, path: Path, hint: str) -> None:
+    """save_file `tensors` to `path` whole or not at all: written under a temporary name beside it
+    and renamed, so a failed write (disk full, permission denied) leaves no partial file.
+
+    Raises:
+        ConfigError: the file cannot be written; names the directory and why.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as e:
+        tmp.unlink(missing_ok=True)
+        why = getattr(e, "strerror", None) or str(e).removeprefix("Error while serializing: ")
+        raise ConfigError(f"offload directory {path.parent}: writing {path.name} failed ({why})", hint) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's bytes, writable in place."""
     return memoryview(t.view(-1).view(torch.uint8).numpy())
@@ -133,7 +157,8 @@ class ExpertStore:
             cannot be read directly in `fmt` (always, for quantized formats).
     Raises:
         BudgetError: a tier overflows (budgets are checked at each allocation).
-        ConfigError: disk-tier experts need conversion but no offload_dir is set.
+        ConfigError: disk-tier experts need conversion but no offload_dir is set, or it cannot be
+            written (`_convert`).
     """
 
     def __init__(self, checkpoint, placement: ExpertPlacement, fmt: ExpertFormat | torch.dtype, accelerator,
@@ -242,51 +267,73 @@ class ExpertStore:
             self.accelerator.copy_to_device(dst, h.load(self.dtype))
 
     def _convert(self, checkpoint, keys, offload_dir) -> None:
-        """Write disk-tier experts in the compute dtype to offload_dir (one safetensors file per layer)."""
+        """Write disk-tier experts in the store's format to offload_dir (one safetensors file per
+        layer): in the compute dtype (dense), or as flat format buffers (quantized, one uint8
+        tensor per expert), which `read` then preads into a slot.
+
+        Raises:
+            ConfigError: no offload_dir is set, or it cannot be created or written (not a
+                directory, permission denied, too little free space); no file of this call is
+                left behind then.
+        """
         if not offload_dir:
             raise ConfigError("experts on disk must be converted to the compute dtype but no offload directory is set",
                               "pass --offload-dir PATH (or EngineConfig(offload_dir=...))")
-        from safetensors.torch import save_file
-
         out = Path(offload_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        if not self.fmt.is_dense:
-            return self._convert_quantized(keys, out)
+        tag = (_TORCH_TO_ST[self.dtype] if self.fmt.is_dense
+               else f"{self.fmt.name.replace(',', '-')}-{self.fmt.int4_layout}")
         by_layer: dict[int, list] = {}
         for key in keys:
             by_layer.setdefault(key[0], []).append(key)
-        for layer, ks in by_layer.items():
-            path = out / f"experts-layer{layer:03d}-{_TORCH_TO_ST[self.dtype]}.safetensors"
-            tensors = {h.name: h.load(self.dtype) for k in ks for h in self.handles[k]}
-            save_file(tensors, str(path))
-            del tensors
-            header, n = _check_safetensors_file(path)
-            for k in ks:
-                new = []
-                for h in self.handles[k]:
-                    begin, end = header[h.name]["data_offsets"]
-                    new.append(TensorHandle(h.name, h.shape, _TORCH_TO_ST[self.dtype], end - begin, str(path),
-                                            h._load, offset=8 + n + begin))
-                self.handles[k] = tuple(new)
-
-    def _convert_quantized(self, keys, out: Path) -> None:
-        """Write disk-tier experts as flat format buffers (one uint8 tensor per expert, one
-        safetensors file per layer); `read` then preads each expert's bytes into a slot."""
-        from safetensors.torch import save_file
-
-        tag = self.fmt.name.replace(",", "-")
-        by_layer: dict[int, list] = {}
-        for key in keys:
-            by_layer.setdefault(key[0], []).append(key)
-        for layer, ks in by_layer.items():
-            path = out / f"experts-layer{layer:03d}-{tag}-{self.fmt.int4_layout}.safetensors"
-            save_file({f"expert.{e}": self.encode((l, e))[0] for l, e in ks}, str(path))
-            header, n = _check_safetensors_file(path)
-            for l, e in ks:
-                name = f"expert.{e}"
-                begin, end = header[name]["data_offsets"]
-                self.handles[(l, e)] = (TensorHandle(f"layer {l} {name}", (end - begin,), "U8", end - begin, str(path),
-                                                     lambda: None, offset=8 + n + begin),)
+        files = {layer: out / f"experts-layer{layer:03d}-{tag}.safetensors" for layer in by_layer}
+        need = len(keys) * self.fmt.nbytes
+        hint = f"pass a writable --offload-dir with room for {format_bytes(need)} (or EngineConfig(offload_dir=...))"
+        written, created = [], False
+        try:
+            try:
+                if out.exists() and not out.is_dir():
+                    raise ConfigError(f"offload directory {out} is a file, not a directory", hint)
+                created = not out.exists()
+                out.mkdir(parents=True, exist_ok=True)
+                # files of an earlier run that this one replaces give their room back
+                free = shutil.disk_usage(out).free + sum(f.stat().st_size for f in files.values() if f.is_file())
+            except OSError as e:
+                raise ConfigError(f"offload directory {out} cannot be used ({e.strerror or e})", hint) from None
+            if free < need:
+                raise ConfigError(f"offload directory {out} has {format_bytes(free)} free, the {len(keys)} converted "
+                                  f"experts need {format_bytes(need)}", hint)
+            for layer, ks in by_layer.items():
+                path = files[layer]
+                if self.fmt.is_dense:
+                    tensors = {h.name: h.load(self.dtype) for k in ks for h in self.handles[k]}
+                else:
+                    tensors = {f"expert.{e}": self.encode((l, e))[0] for l, e in ks}
+                _save_whole(tensors, path, hint)
+                del tensors
+                written.append(path)
+                header, n = _check_safetensors_file(path)
+                for l, e in ks:
+                    if self.fmt.is_dense:
+                        new = []
+                        for h in self.handles[(l, e)]:
+                            begin, end = header[h.name]["data_offsets"]
+                            new.append(TensorHandle(h.name, h.shape, _TORCH_TO_ST[self.dtype], end - begin, str(path),
+                                                    h._load, offset=8 + n + begin))
+                        self.handles[(l, e)] = tuple(new)
+                    else:
+                        name = f"expert.{e}"
+                        begin, end = header[name]["data_offsets"]
+                        self.handles[(l, e)] = (TensorHandle(f"layer {l} {name}", (end - begin,), "U8", end - begin,
+                                                             str(path), lambda: None, offset=8 + n + begin),)
+        except BaseException:
+            for path in written:  # half a conversion is of no use to a later run: leave nothing behind
+                path.unlink(missing_ok=True)
+            if created:
+                try:
+                    out.rmdir()
+                except OSError:
+                    pass  # not empty: something else was written there meanwhile
+            raise
 
     def tier(self, key) -> str:
         return self.placement.tiers[key]
