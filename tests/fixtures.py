@@ -152,3 +152,22 @@ def stepwise_logits(llm, ids: list[int], n_prompt: int, step=None) -> torch.Tens
 
     return decode_logits(llm, ids, n_prompt, step)
 
+
+def copy_dir(zoo, name: str, tmp_path: Path) -> Path:
+    """A copy of the tiny checkpoint `name` under tmp_path, to corrupt without touching the shared one."""
+    import shutil
+
+    dst = tmp_path / name
+    shutil.copytree(zoo.dir(name), dst)
+    return dst
+
+
+def check(excinfo, *words) -> None:
+    """The error is user-facing: every word in its message, and a non-empty hint."""
+    from tiered.errors import TieredError
+
+    err = excinfo.value
+    assert isinstance(err, TieredError)
+    for w in words:
+        assert w in err.message, (w, err.message)
+    assert err.hint and err.hint in str(err)

@@ -15,28 +15,14 @@ import struct
 import pytest
 from typer.testing import CliRunner
 
+from fixtures import check, copy_dir
 from runtime_fixtures import rt  # noqa: F401  (fixture)
 from tiered import LLM, EngineConfig
 from tiered.checkpoint import open_checkpoint
 from tiered.cli import app
-from tiered.errors import CheckpointError, ConfigError, TieredError
+from tiered.errors import CheckpointError, ConfigError
 
 TENSOR = "model.layers.0.self_attn.q_proj.weight"  # [64, 64] F32 in the tiny Llama
-
-
-def copy_dir(zoo, name, tmp_path):
-    dst = tmp_path / name
-    shutil.copytree(zoo.dir(name), dst)
-    return dst
-
-
-def check(excinfo, *words):
-    """The error is user-facing: every word in its message, and a non-empty hint."""
-    err = excinfo.value
-    assert isinstance(err, TieredError)
-    for w in words:
-        assert w in err.message, (w, err.message)
-    assert err.hint and err.hint in str(err)
 
 
 def read_header(f):

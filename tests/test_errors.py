@@ -3,30 +3,13 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
-from fixtures import prompt_ids
+from fixtures import check, copy_dir, prompt_ids
 from tiered import LLM, SamplingParams
 from tiered.checkpoint import open_checkpoint
-from tiered.errors import (CheckpointError, ConfigError, ContextLengthError, TieredError,
-                           UnsupportedModelError)
-
-
-def copy_dir(zoo, name, tmp_path):
-    dst = tmp_path / name
-    shutil.copytree(zoo.dir(name), dst)
-    return dst
-
-
-def check(excinfo, *words):
-    """The error is user-facing: every word in its message, and a non-empty hint."""
-    err = excinfo.value
-    assert isinstance(err, TieredError)
-    for w in words:
-        assert w in err.message, (w, err.message)
-    assert err.hint and err.hint in str(err)
+from tiered.errors import CheckpointError, ConfigError, ContextLengthError, UnsupportedModelError
 
 
 # ------------------------------------------------------------------------------- checkpoints
