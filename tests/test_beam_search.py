@@ -132,6 +132,9 @@ def test_copy_slots_moves_each_slot_its_parents_rows():
         assert torch.equal(t[:, 0, :, :3], old[:, 1, :, :3]) and torch.equal(t[:, 1, :, :3], old[:, 0, :, :3])
         assert torch.equal(t[:, 2, :, :3], old[:, 0, :, :3])
         assert torch.equal(t[:, :, :, 3:], old[:, :, :, 3:])  # positions past `length` untouched
+    k1 = cache.k.clone()
+    cache.copy_slots([0, 0, 2], 4, start=2)  # slot 1 takes slot 0's positions 2 and 3 only
+    assert torch.equal(cache.k[:, 1, :, 2:4], k1[:, 0, :, 2:4]) and torch.equal(cache.k[:, 1, :, :2], k1[:, 1, :, :2])
 
 
 def test_selection_keeps_the_best_continuations_of_all_beams():

@@ -323,8 +323,9 @@ class LLM:
             parents = search.advance(logits)
             times.append(time.perf_counter())
             while not search.done:
-                with self._device_scope():  # each beam's slot takes its parent's KV (the prompt's, at first)
-                    cache.copy_slots(parents, P + len(search.running[0]) - 1)
+                with self._device_scope():  # each beam's slot takes its parent's KV: the prompt's at first,
+                    g = len(search.running[0])   # then only the generated positions (the prompt's are shared)
+                    cache.copy_slots(parents, P + g - 1, start=0 if g == 1 else P)
                 beams = [Sequence(index=0, prompt=seq.prompt, prompt_ids=seq.prompt_ids, params=seq.params,
                                   max_tokens=seq.max_tokens, slot=j, generator=None, output_ids=toks)
                          for j, toks in enumerate(search.running)]
