@@ -268,15 +268,6 @@ def test_malformed_index(zoo, tmp_path, content, words):
 
 
 # -------------------------------------------------------------------------------------- GGUF
-@pytest.mark.parametrize("size", [8, 300, 2000])
-def test_gguf_cut_inside_its_header(zoo, tmp_path, size):
-    f = tmp_path / "cut.gguf"
-    f.write_bytes(zoo.gguf("llama", "F32").read_bytes()[:size])
-    with pytest.raises(CheckpointError) as e:
-        open_checkpoint(f)
-    check(e, str(f), "truncated or corrupt")
-
-
 def test_gguf_of_an_unknown_version(zoo, tmp_path):
     f = tmp_path / "v99.gguf"
     data = bytearray(zoo.gguf("llama", "F32").read_bytes())
