@@ -690,13 +690,13 @@ def plan(
         cfg, name = ckpt.config, Path(ckpt.path).name
     if preset:
         hw = get_preset(preset)
-    elif profile_file is not None and not Path(profile_file).exists():  # a preset's name, as `run --profile` takes
+    elif profile_file is not None:  # a file or a preset's name, as `run --profile` takes
         from tiered.planner.auto import engine_profile
 
         hw = engine_profile(profile_file, None)
     else:
-        path = profile_file or default_profile_path()
-        if not Path(path).is_file():
+        path = default_profile_path()
+        if not path.is_file():
             typer.echo(f"error: no hardware profile at {path} — run `tiered profile` or pass --preset", err=True)
             raise typer.Exit(2)
         hw = HardwareProfile.load(path)

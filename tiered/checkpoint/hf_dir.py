@@ -14,7 +14,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from tiered.checkpoint.handle import DENSE_BYTES, HandleTable, TensorHandle
-from tiered.checkpoint.model_config import ModelConfig
+from tiered.checkpoint.model_config import ModelConfig, is_int
 from tiered.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -31,7 +31,7 @@ MAX_HEADER = 100_000_000  # bytes: the largest header the safetensors library re
 
 def _is_count(x) -> bool:
     """x is a non-negative int (a bool is not)."""
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return is_int(x) and x >= 0
 
 
 def _check_safetensors_file(path: Path) -> tuple[dict, int]:

@@ -229,7 +229,8 @@ _ROPE_FACTORS = {"linear": ("factor",),
                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """x is an int of JSON (a bool is not)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -256,7 +257,7 @@ def _check_hf_fields(cfg: dict[str, Any], model_type: str, source: object) -> No
             if required:
                 raise bad(field, "is missing")
             continue
-        if not _is_int(v):
+        if not is_int(v):
             raise bad(field, f"must be an integer, got {v!r}")
         if v < least:
             raise bad(field, f"must be {'positive' if least == 1 else '>= 0'}, got {v}")
@@ -272,10 +273,10 @@ def _check_hf_fields(cfg: dict[str, Any], model_type: str, source: object) -> No
         if v is not None and not (_is_number(v) and v > above):
             raise bad(field, f"must be a positive number, got {v!r}")
     eos = cfg.get("eos_token_id")
-    if eos is not None and not all(_is_int(i) and i >= 0 for i in (eos if isinstance(eos, list) else [eos])):
+    if eos is not None and not all(is_int(i) and i >= 0 for i in (eos if isinstance(eos, list) else [eos])):
         raise bad("eos_token_id", f"must be a token id or a list of them, got {eos!r}")
     layers = cfg.get("mlp_only_layers")
-    if layers is not None and not (isinstance(layers, list) and all(_is_int(i) for i in layers)):
+    if layers is not None and not (isinstance(layers, list) and all(is_int(i) for i in layers)):
         raise bad("mlp_only_layers", f"must be a list of layer indices, got {layers!r}")
     types = cfg.get("layer_types")
     if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):

@@ -21,9 +21,6 @@ import torch
 from tiered.engine.sequence import RequestStats
 from tiered.errors import ConfigError
 
-_EXCLUDED = -1.0e9  # transformers' score for a candidate that may not continue or be kept
-
-
 @dataclass(frozen=True, slots=True)
 class BeamSearchParams:
     """How a beam search runs and stops.

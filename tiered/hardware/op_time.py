@@ -208,6 +208,12 @@ def launch_time(profile: HardwareProfile, device: str) -> float:
     return m.alpha if m is not None else 0.0
 
 
+def task_overhead(profile: HardwareProfile) -> float:
+    """One task's hop through tiered's executor and back [s] (runtime/task); 0 when not profiled."""
+    m = profile.models.get("runtime/task")
+    return m.alpha if m is not None else 0.0
+
+
 def moe_layer_overhead(profile: HardwareProfile) -> float:
     """Seconds an MoE layer's fixed cost exceeds a dense layer's in a CPU decode step: the MoE block's
     own code (router, top-k, the experts' call and combine), the slope of runtime/moe_step/bf16 (a

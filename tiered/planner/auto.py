@@ -171,7 +171,7 @@ def standin_profile(cpu: HardwareProfile, link_bandwidth: float | None) -> Hardw
     for key, m in cpu.models.items():
         if key.startswith(("gemm/cpu/", "gemv/cpu/", "attn/cpu/")) or key in ("memory/bandwidth/cpu", "memory/copy/cpu"):
             models[key.replace("/cpu", "/gpu", 1)] = m
-    hop = cpu.models["runtime/task"].alpha if cpu.has("runtime/task") else 0.0
+    hop = op_time.task_overhead(cpu)
     models["launch/gpu"] = LinearModel(hop, 0.0, None)
     copy = cpu.models.get("memory/copy/cpu") or LinearModel(0.0, 0.0, None)
     models["copy/h2d_pinned"] = (LinearModel(hop, 1.0 / link_bandwidth, None) if link_bandwidth

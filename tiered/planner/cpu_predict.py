@@ -238,8 +238,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     """
     bpe = op_time.bytes_per_element(dtype)
     d = cfg.hidden_size
-    over = task_overhead if task_overhead is not None else (
-        hw.models["runtime/task"].alpha if hw.has("runtime/task") else 0.0)
+    over = task_overhead if task_overhead is not None else op_time.task_overhead(hw)
     # the model code's own fixed costs (module calls, small ops) per layer and per step, when profiled
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     moe_fixed = op_time.moe_layer_overhead(hw)  # the MoE block's own code, beyond a dense layer's
@@ -380,8 +379,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     w_attn = 2 * d * q + 2 * d * kv
     per_step, per_layer = op_time.step_overhead(hw, dtype)
-    over = task_overhead if task_overhead is not None else (
-        hw.models["runtime/task"].alpha if hw.has("runtime/task") else 0.0)
+    over = task_overhead if task_overhead is not None else op_time.task_overhead(hw)
 
     def gemm(dt: str, macs: float, nbytes: float, calls: int, torch_runs: bool) -> float:
         """torch's GEMMs past the decode copies' and the native experts' rows; within them the native

@@ -73,7 +73,7 @@ class LayerCosts:
         took beyond this model's price for it (the model code's per-layer cost, the sync, the runner's
         launches, the activations' D2H and each CPU expert's output H2D); 0 without the key."""
         m = profile.models
-        task = m["runtime/task"].alpha if "runtime/task" in m else 0.0
+        task = op_time.task_overhead(profile)
         d2h, h2d, pinned = m.get("copy/d2h_pageable"), m.get("copy/h2d_pageable"), profile.model("copy/h2d_pinned")
         bw = m.get("memory/bandwidth/cpu")
         launch, sync = op_time.launch_time(profile, "gpu"), d2h.alpha if d2h is not None else 0.0

@@ -19,11 +19,16 @@ from tiered.engine.sampling import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from tiered.engine.sequence import TokenLogprob
 
 
-def _unsupported(neutral: str):
-    """The pydantic error for an OpenAI parameter tiered does not implement, sent with a value
-    other than its neutral one (`neutral` says which values are accepted)."""
-    return PydanticCustomError("unsupported_parameter", "not supported by this server (send {neutral} or leave it "
-                               "out)", {"neutral": neutral})
+def _neutral_only(*fields: str, neutral: str, is_neutral=lambda v: not v):
+    """A validator of OpenAI parameters tiered does not implement: each of `fields` passes when absent
+    (None) or when is_neutral(value) (default: falsy: false, 0, {} or []), else it is refused with a
+    pydantic error saying it is not supported (`neutral`: the values accepted, for the message)."""
+    def check(cls, v):
+        if v is not None and not is_neutral(v):
+            raise PydanticCustomError("unsupported_parameter", "not supported by this server (send {neutral} or "
+                                      "leave it out)", {"neutral": neutral})
+        return v
+    return field_validator(*fields)(classmethod(check))
 
 
 class StreamOptions(BaseModel):
@@ -45,24 +50,12 @@ class _Generation(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only one choice per request")
-    # accepted only at their neutral values (_unsupported)
+    # accepted only at their neutral values (_neutral_only)
     logit_bias: dict[str, float] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise _unsupported("{} or null")
-        return v
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v:
-            raise _unsupported("0")
-        return v
+    _no_logit_bias = _neutral_only("logit_bias", neutral="{} or null")
+    _no_penalty = _neutral_only("frequency_penalty", "presence_penalty", neutral="0")
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams. Raises ConfigError for values it refuses (e.g. an empty stop)."""
@@ -86,31 +79,13 @@ class CompletionRequest(_Generation):
     prompt: str | list[int] | list[str] = Field(..., description="text, token ids, or a list of one text")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probabilities of the generated "
                                  "tokens with this many most likely alternatives each")
-    # accepted only at their neutral values (_unsupported)
+    # accepted only at their neutral values (_neutral_only)
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool | None) -> bool | None:
-        if v:
-            raise _unsupported("false")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise _unsupported("1")
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise _unsupported("null")
-        return v
+    _no_echo = _neutral_only("echo", neutral="false")
+    _no_best_of = _neutral_only("best_of", neutral="1", is_neutral=lambda v: v == 1)
+    _no_suffix = _neutral_only("suffix", neutral="null")
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -143,24 +118,13 @@ class ChatCompletionRequest(_Generation):
     logprobs: bool = Field(False, description="return the generated tokens' log-probabilities")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="most likely alternatives per token "
                                      "(needs logprobs: true)")
-    # accepted only at their neutral values (_unsupported)
+    # accepted only at their neutral values (_neutral_only)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tools(cls, v: list | None) -> list | None:
-        if v:
-            raise _unsupported("[] or null")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict | None) -> dict | None:
-        if v is not None and v.get("type", "text") != "text":
-            raise _unsupported('{"type": "text"}')
-        return v
+    _no_tools = _neutral_only("tools", "functions", neutral="[] or null")
+    _text_only = _neutral_only("response_format", neutral='{"type": "text"}',
+                               is_neutral=lambda v: v.get("type", "text") == "text")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
