@@ -193,18 +193,26 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
 
 
 def test_a_failed_step_fails_its_requests_and_the_server_goes_on(server, monkeypatch):
+    """A step that raises every time fails its request with a 500; a step that raised once is taken
+    again request by request (ServingEngine._isolate), and the request gets its answer."""
     step = server.llm.step
 
     def broken(*a, **kw):
-        monkeypatch.setattr(server.llm, "step", step)  # only this one step fails
         raise RuntimeError("out of memory (simulated)")
     monkeypatch.setattr(server.llm, "step", broken)
     with pytest.raises(openai.InternalServerError, match="simulated"):
         server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4)
+    monkeypatch.undo()
     _idle(server)
     assert server.engine.scheduler.num_running == 0
+    ref = _greedy(server, PROMPTS[0], 4, chat=False).text
+
+    def once(*a, **kw):
+        monkeypatch.setattr(server.llm, "step", step)  # only this one step fails
+        raise RuntimeError("out of memory (simulated)")
+    monkeypatch.setattr(server.llm, "step", once)
     out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
-    assert out.choices[0].text == _greedy(server, PROMPTS[0], 4, chat=False).text
+    assert out.choices[0].text == ref
 
 
 def test_queue_full_answers_503_with_retry_after(server, monkeypatch, slow_steps):

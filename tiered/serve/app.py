@@ -32,7 +32,7 @@ from tiered.engine.sequence import RequestOutput
 from tiered.errors import ContextLengthError, TieredError
 from tiered.serve.engine import Handle, QueueFullError, ServerShuttingDownError, ServingEngine
 from tiered.serve.metrics import ServerMetrics, tier_state
-from tiered.serve.protocol import ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs
+from tiered.serve.protocol import ChatCompletionRequest, CompletionLogprobs, CompletionRequest, chat_logprobs
 
 STATIC = Path(__file__).parent / "static"  # the page at /
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
@@ -272,7 +272,8 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         out = await _collect(request, handle)
         if out is None:  # the client went away
             return JSONResponse({}, status_code=499)
-        logprobs = None if out.logprobs is None else _logprobs(kind, out.logprobs)
+        logprobs = (None if out.logprobs is None else
+                    _logprobs(kind, out.logprobs, CompletionLogprobs(engine.llm.tokenizer)))
         choice = ({"index": 0, "message": {"role": "assistant", "content": out.text},
                    "finish_reason": out.finish_reason, "logprobs": logprobs} if kind == "chat" else
                   {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": logprobs})
@@ -310,17 +311,15 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         created = int(time.time())
         pending: list | None = None  # logprobs of tokens whose text is not streamed yet (None: not asked)
-        offset = 0  # the next token's text_offset (completions): its tokens' text so far, in characters
+        completion = CompletionLogprobs(engine.llm.tokenizer)  # a completion's tokens so far (their offsets)
 
         def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
             """One SSE event: a text delta, the finishing chunk, or chat's opening role chunk; it
             carries the pending logprobs."""
-            nonlocal pending, offset
+            nonlocal pending
             logprobs = None
             if pending is not None and not role:
-                logprobs, pending = _logprobs(kind, pending, offset), []
-                if kind != "chat" and logprobs["tokens"]:
-                    offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                logprobs, pending = _logprobs(kind, pending, completion), []
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
@@ -358,9 +357,9 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         finally:
             engine.cancel(handle)  # the client went away mid-stream (a no-op when it finished)
 
-    def _logprobs(kind: str, entries: list, offset: int = 0) -> dict:
-        tok = engine.llm.tokenizer
-        return chat_logprobs(tok, entries) if kind == "chat" else completion_logprobs(tok, entries, offset)
+    def _logprobs(kind: str, entries: list, completion: CompletionLogprobs) -> dict:
+        """A choice's logprobs of `entries`: chat's, or the next of `completion` (its tokens so far)."""
+        return chat_logprobs(engine.llm.tokenizer, entries) if kind == "chat" else completion.add(entries)
 
     return app
 

@@ -6,22 +6,33 @@ Handlers live on the asyncio event loop; the model runs on the engine thread. A 
 frees the slot at the next step boundary. `stop` ends every request in flight at once with
 ServerShuttingDownError, so that a server shutting down answers its clients instead of leaving
 them waiting.
+
+A step that raises fails only the requests that fail alone: the engine puts back what the step
+changed in its sequences and steps each of them by itself (ServingEngine._isolate). One request's
+bad prefill, sampling or detokenizing thus ends that request, while those batched with it go on
+with the tokens they would have had; a failure of every step (the model's forward) still fails
+every request in its steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import logging
 import threading
 from dataclasses import dataclass
 
+import torch
+
 from tiered.engine.prompt import Prompt
 from tiered.engine.sampling import SamplingParams
-from tiered.engine.scheduler import QueueFullError, Scheduler
+from tiered.engine.scheduler import QueueFullError, Scheduler, StepPlan
 from tiered.engine.sequence import RequestOutput, Sequence
 from tiered.errors import TieredError
 from tiered.serve.metrics import ServerMetrics
 
 __all__ = ["Handle", "QueueFullError", "ServerShuttingDownError", "ServingEngine"]
+log = logging.getLogger("tiered.serve")
 
 
 class ServerShuttingDownError(TieredError):
@@ -164,14 +175,41 @@ class ServingEngine:
                 self._wake.clear()
                 continue
             try:
-                events = self.llm.step(self.scheduler, self.cache)
-            except Exception as e:  # noqa: BLE001 - every waiting handler must hear of it
+                events = self._step()
+            except Exception as e:  # noqa: BLE001 - the scheduler's own failure: every handler must hear of it
                 self._fail_all(e)
                 continue
             if events:
                 self.metrics.observe_step(len({id(seq) for seq, _, _ in events}), len(events))
             for seq, delta, out in events:
                 self._deliver(seq, delta, out)
+
+    def _step(self) -> list[tuple[Sequence, str, RequestOutput | None]]:
+        """One LLM.step over the scheduler's next plan; where it raises, _isolate's events instead."""
+        plan = self.scheduler.schedule()
+        saved = [_Saved.of(seq) for seq in plan.running]
+        try:
+            return self.llm.step(_Planned(self.scheduler, plan), self.cache)
+        except Exception:  # noqa: BLE001 - which sequence failed is found by _isolate
+            return self._isolate(plan, saved)
+
+    def _isolate(self, plan: StepPlan, saved: list["_Saved"]) -> list[tuple[Sequence, str, RequestOutput | None]]:
+        """The step of `plan` raised: put back what it changed in its sequences (`saved` before it
+        ran), then step each alone (a prefill for those it admitted). A sequence whose step raises
+        again ends with that error and its slot is freed at the next step; the others' events
+        are returned. The KV a failed step wrote is written again where a sequence steps again."""
+        admitted = {id(seq) for seq in plan.prefill}
+        for s in saved:
+            s.restore()
+        events = []
+        for s in saved:
+            alone = StepPlan(prefill=[s.seq] if id(s.seq) in admitted else [], running=[s.seq])
+            try:
+                events += self.llm.step(_Planned(self.scheduler, alone), self.cache)
+            except Exception as e:  # noqa: BLE001 - this request's failure: its handler hears of it
+                s.restore()
+                self._fail(s.seq, e)
+        return events
 
     def _deliver(self, seq: Sequence, delta: str, out: RequestOutput | None) -> None:
         with self._lock:
@@ -190,11 +228,74 @@ class ServingEngine:
             new, handle.logprobs_sent = seq.logprobs[handle.logprobs_sent:], len(seq.logprobs)
         handle.push((delta, out, new))
 
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """`seq`'s step raised `error`: its request ends with it (HTTP 500, or a stream's error
+        event) and its slot is freed at the next step."""
+        log.error("a request failed: %s: %s", type(error).__name__, error, exc_info=error)
+        with self._lock:
+            handle = self._handles.pop(id(seq), None)
+        self.scheduler.cancel(seq)
+        if handle is not None:  # else cancelled already: nobody listens
+            self.metrics.count_request("error")
+            handle.push(error)
+
     def _fail_all(self, error: Exception) -> None:
-        """A step raised: every request in flight ends with `error`, and their slots are freed."""
+        """Scheduling raised: every request in flight ends with `error`, and their slots are freed."""
+        log.error("the engine's step failed: %s: %s", type(error).__name__, error, exc_info=error)
         with self._lock:
             handles, self._handles = list(self._handles.values()), {}
         for h in handles:
             self.scheduler.cancel(h.seq)
             self.metrics.count_request("error")
             h.push(error)
+
+
+class _Planned:
+    """The scheduler LLM.step is given: schedule() returns the plan the engine made (its step's, or
+    one sequence's in _isolate), finish() gives a finished sequence's slot back to the engine's
+    Scheduler. LLM.step calls nothing else."""
+
+    def __init__(self, scheduler: Scheduler, plan: StepPlan) -> None:
+        self.scheduler, self.plan = scheduler, plan
+
+    def schedule(self) -> StepPlan:
+        return self.plan
+
+    def finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+
+
+@dataclass(frozen=True, slots=True)
+class _Saved:
+    """What a step may change in a running sequence, saved before the step: the tokens it appends
+    (with their times and logprobs), the detokenizer's text and state, the finish, the generator's
+    state (a seeded request draws the same numbers when it steps again). The KV cache and the
+    slot are not saved: a sequence stepped again writes the same KV over the same positions."""
+
+    seq: Sequence
+    tokens: int  # len(output_ids), also len(token_times) and len(logprobs)
+    text: str
+    emitted: int
+    prefix_offset: int
+    read_offset: int
+    decode_stream: object  # a copy: tokenizers' DecodeStream copies its state
+    finish_reason: str | None
+    rng: torch.Tensor | None  # the generator's state (None: no generator)
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "_Saved":
+        rng = seq.generator.get_state() if seq.generator is not None else None
+        return cls(seq, len(seq.output_ids), seq.text, seq.emitted, seq.prefix_offset, seq.read_offset,
+                   copy.copy(seq.decode_stream), seq.finish_reason, rng)
+
+    def restore(self) -> None:
+        """Put the sequence back as it was when saved (may be called again)."""
+        seq, n = self.seq, self.tokens
+        del seq.output_ids[n:], seq.token_times[n:]
+        if seq.logprobs is not None:
+            del seq.logprobs[n:]
+        seq.text, seq.emitted, seq.finish_reason = self.text, self.emitted, self.finish_reason
+        seq.prefix_offset, seq.read_offset = self.prefix_offset, self.read_offset
+        seq.decode_stream = copy.copy(self.decode_stream)
+        if self.rng is not None:
+            seq.generator.set_state(self.rng)

@@ -157,20 +157,56 @@ def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
                         for e in entries]}
 
 
-def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0) -> dict:
-    """A completion choice's `logprobs`: {"tokens", "token_logprobs", "top_logprobs" (token text ->
-    log-probability; of alternatives that decode to the same text, the most likely), "text_offset"
-    (characters into the completion, from `offset`)}."""
-    def top(e: TokenLogprob) -> dict[str, float]:
-        d: dict[str, float] = {}
-        for t, lp in e.top:
-            d.setdefault(_token_text(tokenizer, t), lp)
-        return d
-    tokens = [_token_text(tokenizer, e.token) for e in entries]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [top(e) for e in entries],
-            "text_offset": offsets}
+class CompletionLogprobs:
+    """A completion choice's `logprobs`, over one call (a whole answer) or several (a stream's
+    chunks, in order): {"tokens", "token_logprobs", "top_logprobs", "text_offset"}.
+
+    A token's text is the text it adds to the completion, decoded after the tokens before it by the
+    window rule of engine/detokenize.py (the rule the completion's text is built with): a token
+    that ends inside a multi-byte character adds "" and the token completing the character carries
+    all of it; a special token, which the completion's text leaves out, adds "". So the tokens' texts
+    join to the completion's text (up to where a stop string cut it), and a token's text_offset is
+    the completion's length in characters before it. top_logprobs maps the text each alternative
+    would have added in the sampled token's place to its log-probability (of alternatives adding the
+    same text, the most likely).
+
+    Args:
+        tokenizer: the model's tokenizer (None: a token's text is its id, and offsets count those).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []  # the completion's tokens so far
+        self.prefix_offset = self.read_offset = 0  # the decoding window, as Sequence's
+        self.offset = 0  # the completion's characters so far
+
+    def add(self, entries: list[TokenLogprob]) -> dict:
+        """The logprobs of the completion's next tokens `entries` (the next chunk's, in a stream)."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            window = self.ids[self.prefix_offset:]
+            done = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            text = self._piece(window, done, e.token)
+            top: dict[str, float] = {}
+            for t, lp in e.top:
+                top.setdefault(self._piece(window, done, t), lp)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.ids.append(e.token)
+            self.offset += len(text)
+            if text and self.tokenizer is not None:  # the window moves on past a token with text
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _piece(self, window: list[int], done: str, token: int) -> str:
+        """The text `token` adds after `window`, whose first `done` text came out already: "" while
+        the decoded text ends inside a character (U+FFFD)."""
+        if self.tokenizer is None:
+            return str(token)
+        full = self._decode(window + [token])
+        return full[len(done):] if len(full) > len(done) and not full.endswith("\ufffd") else ""
