@@ -51,6 +51,10 @@ TINY_SPECS: dict[str, TinySpec] = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "llama_linear_rope": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters={
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
+    # YaRN (Qwen2.5's long-context setting): a short original context so the ramp bends frequencies, and
+    # its attention factor (0.1 ln(factor) + 1) scales the tables
+    "qwen2_yarn_rope": TinySpec("Qwen2Config", "Qwen2ForCausalLM", dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})),
     "llama_tied": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
     # HF Llama's attention_bias puts biases on q/k/v and on o_proj.
     "llama_attn_bias": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True)),

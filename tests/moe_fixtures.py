@@ -15,6 +15,12 @@ Sizes: hidden 64, 4 query heads, 2 KV heads, 8 experts, top-2, vocab 256. Per ki
                (!= hidden / heads), per-head q/k norm, norm_topk_prob True.
     olmoe      2 layers, expert F 32, q/k norm over the whole projection, clip_qkv 1.5,
                norm_topk_prob False.
+    deepseek_v2  3 layers (layer 0 dense, F 96: first_k_dense_replace), latent attention (kv rank 32,
+               q without low rank, per-head key 16 + 8 RoPE, value 16), expert F 32, 2 ungated shared
+               experts, softmax routing limited to the best of 2 groups, routed scaling 1.5.
+    deepseek_v3  3 layers (layer 0 dense), latent attention with a low-rank query (rank 24) and YaRN
+               RoPE (factor 4, mscale_all_dim 0.8: the softmax scale and the tables' factor), sigmoid
+               routing with a score-correction bias (randomized) in the best group of 2, scaling 2.5.
 """
 
 from __future__ import annotations
@@ -25,12 +31,16 @@ import torch
 
 from fixtures import perturb_norm_or_bias
 
-MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 VOCAB = 256
 
 _COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                rms_norm_eps=1e-6, initializer_range=0.1, vocab_size=VOCAB, bos_token_id=0,
                eos_token_id=1, pad_token_id=0, num_experts_per_tok=2, tie_word_embeddings=False)
+
+_DEEPSEEK = dict(num_hidden_layers=3, n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96,
+                 n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16,
+                 qk_rope_head_dim=8, v_head_dim=16)
 
 # kind -> (config class, model class, config overrides)
 MOE_SPECS: dict[str, tuple[str, str, dict]] = {
@@ -46,6 +56,14 @@ MOE_SPECS: dict[str, tuple[str, str, dict]] = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
               dict(num_hidden_layers=2, num_experts=8, intermediate_size=32, clip_qkv=1.5,
                    norm_topk_prob=False)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(_DEEPSEEK, num_key_value_heads=4,
+                    q_lora_rank=None, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+                    routed_scaling_factor=1.5)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_DEEPSEEK, num_key_value_heads=4,
+                    q_lora_rank=24, n_group=2, topk_group=1, routed_scaling_factor=2.5, rope_parameters={
+                        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                        "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                        "mscale_all_dim": 0.8})),
 }
 
 
@@ -64,6 +82,9 @@ def build_hf_moe_model(kind: str, vocab_size: int = VOCAB, **changes):
                 continue
             if name.endswith("gate.weight") and "shared" not in name:  # routers (some start at 0)
                 p.copy_(config.initializer_range * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's (zeros at init)
+                b.copy_(0.05 * torch.randn_like(b))
     return model
 
 

@@ -147,7 +147,10 @@ def stored_elements(path: Path, keep) -> int:
 
 
 def kv_bytes(cfg, max_context: int, elem: int = 4) -> int:
-    """Keys and values of every layer for one sequence: 2 x L x Hkv x max_context x head_dim x elem."""
+    """Keys and values of every layer for one sequence: 2 x L x Hkv x max_context x head_dim x elem
+    (latent attention: L x max_context x (kv_lora_rank + qk_rope_head_dim) x elem)."""
+    if cfg.is_mla:
+        return cfg.num_hidden_layers * max_context * (cfg.kv_lora_rank + cfg.head_dim) * elem
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_context * cfg.head_dim * elem
 
 

@@ -122,7 +122,8 @@ def test_moe_beams_with_experts_on_disk_match_transformers(rt):
 
 def test_copy_slots_moves_each_slot_its_parents_rows():
     class Cfg:
-        num_hidden_layers, num_key_value_heads, head_dim = 2, 1, 2
+        num_hidden_layers = 2
+        kv_widths = staticmethod(lambda: (1, 2, 2))  # ModelConfig's: KV heads, key and value widths
     cache = KVCache(Cfg, 3, 5, torch.float32)
     for t, base in ((cache.k, 0), (cache.v, 100)):
         t.copy_(torch.arange(t.numel(), dtype=torch.float32).reshape(t.shape) + base)

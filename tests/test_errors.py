@@ -116,11 +116,22 @@ def test_unsupported_architecture(tmp_path, archs, named):
 def test_unsupported_rope_scaling(zoo, tmp_path):
     d = copy_dir(zoo, "llama", tmp_path)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError) as e:
         open_checkpoint(d)
-    check(e, "yarn")
+    check(e, "longrope")
+
+
+def test_yarn_rope_without_its_original_context_is_refused(zoo, tmp_path):
+    """YaRN (DeepSeek's RoPE) needs the context it was trained at: a config without it is named."""
+    d = copy_dir(zoo, "llama", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(d)
+    check(e, "original_max_position_embeddings", "missing")
 
 
 def test_mlp_bias_is_refused(zoo, tmp_path):

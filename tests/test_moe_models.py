@@ -21,6 +21,7 @@ from runtime_fixtures import rt  # noqa: E402,F401  (the shared checkpoint zoo f
 
 from tiered import LLM, EngineConfig, SamplingParams  # noqa: E402
 from tiered.checkpoint import open_checkpoint  # noqa: E402
+from tiered.checkpoint.model_config import rope_attention_factor  # noqa: E402
 from tiered.memory.materialize import materialize  # noqa: E402
 from tiered.models import build_model  # noqa: E402
 from tiered.models.layers import KVCache, Rotary  # noqa: E402
@@ -125,11 +126,13 @@ def test_greedy_equals_transformers(moe, kind):
     assert len(set(out)) > 1  # not a degenerate repeat of one token
 
 
-def test_batched_decode_equals_transformers(moe):
-    """Two sequences decoded together (B = 2 through the MoE block) match one-by-one HF."""
+@pytest.mark.parametrize("kind", ["qwen2_moe", "deepseek_v3"])
+def test_batched_decode_equals_transformers(moe, kind):
+    """Two sequences decoded together (B = 2 through the MoE block; for DeepSeek through latent
+    attention's masked decode over slots of different lengths) match one-by-one HF."""
     a, b = prompt(16, seed=2), prompt(9, seed=3)
-    outs = moe.llm("qwen2_moe").generate([a, b], GREEDY)
-    assert [o.token_ids for o in outs] == [hf_greedy(moe.hf("qwen2_moe"), p, 16) for p in (a, b)]
+    outs = moe.llm(kind).generate([a, b], GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(moe.hf(kind), p, 16) for p in (a, b)]
 
 
 @pytest.mark.parametrize("kind", MOE_KINDS)
@@ -151,11 +154,19 @@ def test_model_config(moe, kind):
                           qk_norm=True, qk_norm_scope="head", moe_layers=[1]),
         "olmoe": dict(moe_intermediate_size=32, norm_topk_prob=False, qk_norm=True, qk_norm_scope="proj",
                       clip_qkv=1.5, moe_layers=[0, 1]),
+        "deepseek_v2": dict(moe_intermediate_size=32, intermediate_size=96, shared_expert_intermediate_size=64,
+                            shared_expert_gated=False, norm_topk_prob=False, kv_lora_rank=32, q_lora_rank=0,
+                            head_dim=8, num_key_value_heads=1, topk_method="group_limited_greedy", n_group=2,
+                            topk_group=1, routed_scaling_factor=1.5, rope_interleave=True, moe_layers=[1, 2]),
+        "deepseek_v3": dict(moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=True,
+                            kv_lora_rank=32, q_lora_rank=24, topk_method="noaux_tc", n_group=2, topk_group=1,
+                            routed_scaling_factor=2.5, moe_layers=[1, 2]),
     }[kind]
     assert [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)] == expect.pop("moe_layers")
     for k, v in expect.items():
         assert getattr(cfg, k) == v, k
-    assert cfg.num_parameters() == sum(p.numel() for p in moe.hf(kind).parameters())
+    # every tensor the checkpoint stores (DeepSeek-V3's score-correction bias is a buffer in transformers)
+    assert cfg.num_parameters() == sum(t.numel() for t in moe.hf(kind).state_dict().values())
 
 
 def test_olmoe_clip_qkv_is_exercised(moe):
@@ -171,6 +182,35 @@ def test_olmoe_clip_qkv_is_exercised(moe):
         for a in attns:
             a.clip_qkv = 1.5
     assert rel_err(unclipped, hf_logits(moe.hf("olmoe"), ids)) > 1e-3
+
+
+@pytest.mark.parametrize("kind, change", [
+    ("deepseek_v2", "groups"), ("deepseek_v3", "groups"), ("deepseek_v3", "bias"), ("deepseek_v3", "yarn")])
+def test_deepseek_options_are_exercised(moe, kind, change):
+    """Each DeepSeek option of the fixtures changes the logits, so the parity tests cover it: routing
+    within the best groups, V3's score-correction bias, YaRN's attention factor on the RoPE tables."""
+    llm = moe.llm(kind)
+    ids = prompt()
+    routers = [b.gate for b in moe_blocks(llm.model)]
+    saved = [(r.topk_group, r.e_score_correction_bias) for r in routers]
+    rotary = llm.model.rotary
+    tables = rotary.cos, rotary.sin
+    try:
+        for r in routers:
+            if change == "groups":
+                r.topk_group = r.n_group
+            elif change == "bias":
+                r.e_score_correction_bias = torch.nn.Parameter(torch.zeros_like(r.e_score_correction_bias))
+        if change == "yarn":
+            f = rope_attention_factor(llm.config)
+            assert f != 1.0
+            rotary.cos, rotary.sin = tables[0] / f, tables[1] / f
+        changed = llm.logits(ids)
+    finally:
+        for r, (g, b) in zip(routers, saved):
+            r.topk_group, r.e_score_correction_bias = g, b
+        rotary.cos, rotary.sin = tables
+    assert rel_err(changed, hf_logits(moe.hf(kind), ids)) > 1e-3
 
 
 # ---------------------------------------------------------------- routing is not degenerate
@@ -191,8 +231,8 @@ def test_routing_spreads_tokens_and_hook_sees_it(moe, kind):
     for _, idx, w in seen:
         assert idx.shape == w.shape == (16, 2) and idx.dtype == torch.int64 and w.dtype == torch.float32
         assert len(idx.unique()) >= 4  # most of the 8 experts receive tokens
-        if cfg.norm_topk_prob:
-            torch.testing.assert_close(w.sum(-1).cpu(), torch.ones(16))  # w is on the engine's device
+        if cfg.norm_topk_prob:  # w is on the engine's device; DeepSeek scales the normalized weights
+            torch.testing.assert_close(w.sum(-1).cpu(), torch.full((16,), cfg.routed_scaling_factor))
 
 
 # -------------------------------------------------------------------------- pure functions

@@ -159,7 +159,8 @@ def test_factories_make_device_tensors_only_inside_the_scope(acc):
 
 
 class _TinyCfg:
-    num_hidden_layers, num_key_value_heads, head_dim = 2, 1, 4
+    num_hidden_layers = 2
+    kv_widths = staticmethod(lambda: (1, 4, 4))  # ModelConfig's: KV heads, key and value widths
 
 
 # ------------------------------------------------- (b) the engine's own paths, on the stand-in

@@ -725,10 +725,18 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
     formats = Counter(ckpt.handle(n).format for n in ckpt.names())
     typer.echo(f"path:        {ckpt.path} ({ckpt.format_name}, {ckpt.nbytes() / 2**20:.1f} MiB of tensors)")
     typer.echo(f"model_type:  {cfg.model_type}, {cfg.num_parameters() / 1e6:.1f} M parameters")
-    typer.echo(f"layers:      {cfg.num_hidden_layers}, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}/"
-               f"{cfg.num_key_value_heads} (q/kv), head_dim {cfg.head_dim}")
+    if cfg.is_mla:
+        typer.echo(f"layers:      {cfg.num_hidden_layers}, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads of "
+                   f"latent attention (KV latent {cfg.kv_lora_rank} + RoPE key {cfg.head_dim} per position, "
+                   f"q rank {cfg.q_lora_rank or 'full'})")
+    else:
+        typer.echo(f"layers:      {cfg.num_hidden_layers}, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}/"
+                   f"{cfg.num_key_value_heads} (q/kv), head_dim {cfg.head_dim}")
     if cfg.is_moe:
-        typer.echo(f"experts:     {cfg.num_experts}, top-{cfg.num_experts_per_tok}, expert FFN {cfg.moe_intermediate_size}")
+        shared = f", shared FFN {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else ""
+        routing = f", routing {cfg.topk_method}" if cfg.topk_method != "softmax" else ""
+        typer.echo(f"experts:     {cfg.num_experts}, top-{cfg.num_experts_per_tok}, expert FFN "
+                   f"{cfg.moe_intermediate_size}{shared}{routing}")
     else:
         typer.echo(f"mlp:         {cfg.intermediate_size}")
     typer.echo(f"context:     {cfg.max_position_embeddings} tokens, RoPE theta {cfg.rope_theta:g}"

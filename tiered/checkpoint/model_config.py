@@ -14,9 +14,13 @@ from tiered.errors import CheckpointError, UnsupportedModelError
 # HF `model_type` -> family. Dense families share one implementation (models/llama.py); MoE
 # families share models/moe.py.
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")  # read decoder_sparse_step / mlp_only_layers
-ROPE_TYPES = ("default", "linear", "llama3")
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared experts, grouped routing
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# DeepSeek routers (models/moe.DeepSeekRouter): V2's softmax with plain or group-limited top-k, V3's
+# sigmoid with a score-correction bias and group-limited top-k (topk_method "noaux_tc")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,24 @@ class ModelConfig:
         decoder_sparse_step, mlp_only_layers: which layers are MoE (Qwen-MoE): layer i is MoE when
             i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
         bos_token_id, eos_token_ids: special tokens from the checkpoint.
+
+    Multi-head latent attention (DeepSeek-V2 §2.1; `is_mla` when kv_lora_rank > 0): each position
+    caches one latent of kv_lora_rank elements plus one shared RoPE key of head_dim elements (=
+    qk_rope_head_dim) instead of per-head keys and values; num_key_value_heads is then 1.
+        q_lora_rank: rank of the low-rank query projection (q_a_proj, q_b_proj), 0 = one q_proj.
+        kv_lora_rank: rank of the compressed key-value latent (kv_a_proj_with_mqa, kv_b_proj).
+        qk_nope_head_dim, v_head_dim: per-head key part without RoPE and value width [elements].
+        rope_interleave: RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek) instead
+            of the two halves (Llama's rotate-half).
+    DeepSeek MoE (DeepSeek-V2 §2.2, DeepSeek-V3 §2.1.2):
+        topk_method: a TOPK_METHODS name, "softmax" otherwise (every other MoE family's router).
+        n_group, topk_group: experts split in n_group groups; tokens pick experts only from their
+            topk_group best groups.
+        routed_scaling_factor: multiplies the routed experts' weights.
+        first_k_dense_replace, moe_layer_freq: layer i is MoE when i >= first_k_dense_replace and
+            i % moe_layer_freq == 0 (DeepSeek); 0 and 1 for the other families.
+        shared_expert_gated: the shared expert's output is scaled by sigmoid(shared_expert_gate(x))
+            (Qwen2-MoE), else added as is (DeepSeek's shared experts).
     """
 
     model_type: str
@@ -77,6 +99,18 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    topk_method: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    shared_expert_gated: bool = True
 
     def __post_init__(self) -> None:
         if self.model_type not in DENSE_TYPES + MOE_TYPES:
@@ -98,34 +132,94 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"top-{self.num_experts_per_tok} routing over {self.num_experts} experts",
                 "check num_experts_per_tok in the checkpoint's config.json")
-        if self.decoder_sparse_step < 1:
-            raise UnsupportedModelError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}",
+        if self.decoder_sparse_step < 1 or self.moe_layer_freq < 1:
+            raise UnsupportedModelError(f"decoder_sparse_step and moe_layer_freq must be >= 1, got "
+                                        f"{self.decoder_sparse_step} and {self.moe_layer_freq}",
                                         "check the checkpoint's config.json")
+        if self.topk_method not in ("softmax",) + TOPK_METHODS:
+            raise UnsupportedModelError(f"unsupported expert routing topk_method {self.topk_method!r}",
+                                        "tiered routes DeepSeek experts by " + ", ".join(TOPK_METHODS))
+        if self.is_moe and (self.n_group < 1 or self.num_experts % self.n_group
+                            or not 1 <= self.topk_group <= self.n_group):
+            raise UnsupportedModelError(f"{self.num_experts} experts in {self.n_group} groups, top {self.topk_group} "
+                                        "groups", "check n_group and topk_group in the checkpoint's config.json")
+        if self.is_mla and self.num_key_value_heads != 1:
+            raise UnsupportedModelError("latent attention caches one latent per position (num_key_value_heads 1)",
+                                        "ModelConfig.from_hf sets it")
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3): the KV cache holds a latent per position."""
+        return self.kv_lora_rank > 0
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Layer `layer_idx` has a routed-expert block (else a dense MLP of intermediate_size)."""
         return (self.is_moe and layer_idx not in self.mlp_only_layers
-                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+                and (layer_idx + 1) % self.decoder_sparse_step == 0
+                and layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0)
+
+    def kv_widths(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) of one layer's KV cache per position [elements]: Hkv, hd, hd;
+        for latent attention 1, kv_lora_rank + head_dim (the latent and the RoPE key side by side), 0."""
+        if self.is_mla:
+            return 1, self.kv_lora_rank + self.head_dim, 0
+        return self.num_key_value_heads, self.head_dim, self.head_dim
+
+    def kv_elements_per_token(self) -> int:
+        """KV-cache elements one position takes in one layer (keys and values)."""
+        heads, k, v = self.kv_widths()
+        return heads * (k + v)
+
+    def attention_weight_elements(self) -> int:
+        """Elements of one layer's attention projection weights (no norms, no biases): q, k, v and o;
+        for latent attention q (or q_a, q_b), kv_a_proj_with_mqa, kv_b_proj and o."""
+        d, H = self.hidden_size, self.num_attention_heads
+        if self.is_mla:
+            qk = self.qk_nope_head_dim + self.head_dim
+            q = d * self.q_lora_rank + self.q_lora_rank * H * qk if self.q_lora_rank else d * H * qk
+            kv = d * (self.kv_lora_rank + self.head_dim) + self.kv_lora_rank * H * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + H * self.v_head_dim * d
+        return 2 * d * H * self.head_dim + 2 * d * self.num_key_value_heads * self.head_dim
+
+    def attention_macs_per_pair(self, decode: bool) -> int:
+        """Multiply-adds of one (query token, cached position) pair over all heads: 2 H hd (scores and
+        values); latent attention's decode step H (2 kv_lora_rank + r) (models/deepseek: absorbed),
+        a prompt's H (n + r + v) (expanded keys and values)."""
+        H = self.num_attention_heads
+        if not self.is_mla:
+            return 2 * H * self.head_dim
+        if decode:
+            return H * (2 * self.kv_lora_rank + self.head_dim)
+        return H * (self.qk_nope_head_dim + self.head_dim + self.v_head_dim)
+
+    def attention_out_width(self) -> int:
+        """Width of the attention's output before o_proj [elements]: H * hd (H * v_head_dim for MLA)."""
+        return self.num_attention_heads * (self.v_head_dim if self.is_mla else self.head_dim)
 
     def num_parameters(self) -> int:
         """Exact parameter count [elements]: weights, biases and norms; MoE counts every expert."""
         d, L = self.hidden_size, self.num_hidden_layers
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        attn = d * q * 2 + d * kv * 2
-        attn += (q + 2 * kv) * self.attention_bias + d * self.o_proj_bias
+        attn = self.attention_weight_elements()
+        if self.is_mla:  # q_a and kv_a norms, kv_a_proj_with_mqa's and o_proj's biases
+            attn += self.q_lora_rank + self.kv_lora_rank
+            attn += (self.q_lora_rank + self.kv_lora_rank + self.head_dim + d) * self.attention_bias
+        else:
+            attn += (q + 2 * kv) * self.attention_bias + d * self.o_proj_bias
         if self.qk_norm:
             attn += q + kv if self.qk_norm_scope == "proj" else 2 * self.head_dim
         total = 0
         for i in range(L):
             if self.is_moe_layer(i):
                 mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+                mlp += self.num_experts * (self.topk_method == "noaux_tc")  # e_score_correction_bias
                 if self.shared_expert_intermediate_size:
-                    mlp += 3 * d * self.shared_expert_intermediate_size + d  # + shared_expert_gate
+                    mlp += 3 * d * self.shared_expert_intermediate_size + d * self.shared_expert_gated
             else:
                 mlp = 3 * d * self.intermediate_size
             total += attn + mlp + 2 * d
@@ -156,6 +250,9 @@ class ModelConfig:
         _check_hf_fields(cfg, model_type, source)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        deepseek = _deepseek_fields(cfg, model_type) if model_type in DEEPSEEK_TYPES else {}
+        if deepseek:
+            head_dim = deepseek.pop("head_dim")
         # transformers 5 nests RoPE settings in rope_parameters; 4.x has rope_theta + rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
@@ -172,12 +269,12 @@ class ModelConfig:
             raise UnsupportedModelError("MLP biases (mlp_bias=true in config.json) are not supported",
                                         "use a checkpoint without MLP biases")
         moe = model_type in MOE_TYPES
-        n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+        n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
         if model_type == "qwen2_moe":  # Qwen2-MoE names its q/k/v bias flag qkv_bias
             bias = bool(cfg.get("qkv_bias", cfg.get("attention_bias", True)))
         else:
             bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
-        return cls(
+        fields = dict(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -209,6 +306,63 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
         )
+        return cls(**{**fields, **deepseek})
+
+
+# transformers' defaults for DeepSeek fields a config.json may leave out (DeepseekV2Config / V3Config)
+_DEEPSEEK_DEFAULTS = {
+    "deepseek_v2": dict(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, n_shared_experts=2, routed_scaling_factor=1.0, first_k_dense_replace=0,
+                        topk_method="greedy"),
+    "deepseek_v3": dict(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=3,
+                        n_group=8, topk_group=4, norm_topk_prob=True),
+}
+
+
+def _deepseek_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """ModelConfig fields of a DeepSeek-V2/V3 config.json (transformers' deepseek_v2 / deepseek_v3),
+    plus "head_dim" (the RoPE part of a key, qk_rope_head_dim).
+
+    As transformers computes them: V2 routes by softmax with `topk_method` "greedy" or
+    "group_limited_greedy" and never renormalizes the top-k weights (its router ignores
+    norm_topk_prob); V3 routes by sigmoid scores plus the score-correction bias within the best
+    groups ("noaux_tc") and renormalizes per norm_topk_prob. Both rotate interleaved RoPE pairs (V3
+    unless rope_interleave is false) and add n_shared_experts ungated shared experts of
+    moe_intermediate_size each.
+
+    Raises:
+        UnsupportedModelError: an unknown topk_method or scoring function.
+    """
+    d = _DEEPSEEK_DEFAULTS[model_type]
+
+    def get(key):  # an absent field takes transformers' default; a null one stays None (q_lora_rank: none)
+        return cfg[key] if key in cfg else d.get(key)
+
+    v3 = model_type == "deepseek_v3"
+    method = "noaux_tc" if v3 else (get("topk_method") or "greedy")
+    if method not in TOPK_METHODS or (v3 and cfg.get("topk_method") not in (None, "noaux_tc")):
+        raise UnsupportedModelError(f"unsupported expert routing topk_method {cfg.get('topk_method')!r} for {model_type}",
+                                    "tiered routes DeepSeek experts by " + ", ".join(TOPK_METHODS))
+    scoring = cfg.get("scoring_func")
+    if scoring is not None and scoring != ("sigmoid" if v3 else "softmax"):
+        raise UnsupportedModelError(f"unsupported router scoring_func {scoring!r} for {model_type}",
+                                    "transformers' DeepSeek-V2 routes by softmax, V3 by sigmoid")
+    grouped = method != "greedy"
+    shared = get("n_shared_experts") or 0
+    return dict(
+        head_dim=get("qk_rope_head_dim") or d["qk_rope_head_dim"], num_key_value_heads=1,
+        q_lora_rank=get("q_lora_rank") or 0, kv_lora_rank=get("kv_lora_rank") or d["kv_lora_rank"],
+        qk_nope_head_dim=get("qk_nope_head_dim") or 0, v_head_dim=get("v_head_dim") or d["v_head_dim"],
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+        topk_method=method, n_group=(get("n_group") or 1) if grouped else 1,
+        topk_group=(get("topk_group") or 1) if grouped else 1,
+        routed_scaling_factor=float(get("routed_scaling_factor") or 1.0),
+        first_k_dense_replace=get("first_k_dense_replace") or 0, moe_layer_freq=cfg.get("moe_layer_freq") or 1,
+        shared_expert_intermediate_size=shared * (cfg.get("moe_intermediate_size") or 0),
+        shared_expert_gated=False, o_proj_bias=bool(cfg.get("attention_bias", False)),
+        norm_topk_prob=bool(get("norm_topk_prob")) if v3 else False,
+    )
 
 
 # HF config.json fields read as ints: (required, smallest value). A field given as null counts as
@@ -220,12 +374,15 @@ _INT_FIELDS = {
     "max_window_layers": (False, 0), "num_local_experts": (False, 0), "num_experts": (False, 0),
     "num_experts_per_tok": (False, 0), "moe_intermediate_size": (False, 0),
     "shared_expert_intermediate_size": (False, 0), "decoder_sparse_step": (False, 1),
-    "bos_token_id": (False, 0),
+    "bos_token_id": (False, 0), "n_routed_experts": (False, 0), "n_shared_experts": (False, 0),
+    "kv_lora_rank": (False, 1), "q_lora_rank": (False, 1), "qk_nope_head_dim": (False, 0),
+    "qk_rope_head_dim": (False, 2), "v_head_dim": (False, 1), "first_k_dense_replace": (False, 0),
+    "moe_layer_freq": (False, 1), "n_group": (False, 1), "topk_group": (False, 1),
 }
 # fields read as numbers (int or float, finite): each must be above this value
-_FLOAT_FIELDS = {"rms_norm_eps": 0.0, "rope_theta": 0.0, "clip_qkv": 0.0}
+_FLOAT_FIELDS = {"rms_norm_eps": 0.0, "rope_theta": 0.0, "clip_qkv": 0.0, "routed_scaling_factor": 0.0}
 # RoPE scaling factors each rope_type reads (rope_inv_freq)
-_ROPE_FACTORS = {"linear": ("factor",),
+_ROPE_FACTORS = {"linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
@@ -265,7 +422,7 @@ def _check_hf_fields(cfg: dict[str, Any], model_type: str, source: object) -> No
         raise bad("intermediate_size", "is missing")
     if model_type in DENSE_TYPES and cfg["intermediate_size"] < 1:
         raise bad("intermediate_size", f"must be positive, got {cfg['intermediate_size']}")
-    if cfg.get("head_dim") is None and cfg["hidden_size"] % cfg["num_attention_heads"]:
+    if cfg.get("head_dim") is None and model_type not in DEEPSEEK_TYPES and cfg["hidden_size"] % cfg["num_attention_heads"]:
         raise bad("hidden_size", f"{cfg['hidden_size']} is not a multiple of num_attention_heads "
                                  f"{cfg['num_attention_heads']} (and no head_dim is given)")
     for field, above in _FLOAT_FIELDS.items():
@@ -337,6 +494,8 @@ def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":
         return inv
     if s["rope_type"] == "linear":
         return inv / s["factor"]
+    if s["rope_type"] == "yarn":
+        return _yarn_inv_freq(inv, dim, config.rope_theta, s)
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
@@ -345,3 +504,46 @@ def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(inv: "torch.Tensor", dim: int, base: float, s: dict) -> "torch.Tensor":
+    """YaRN's inverse frequencies (Peng et al. 2023, "YaRN", §3.2 "NTK-by-parts"): dimensions that
+    turn more than beta_fast times over the original context keep their frequency, those that turn
+    fewer than beta_slow times are divided by `factor`, and a linear ramp blends the band between
+    (its ends rounded outwards unless `truncate` is false), as transformers computes them."""
+    import torch
+
+    factor, old = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over `old` positions
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+    return inv / factor * (1 - keep) + inv * keep
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature factor 0.1 mscale ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor RoPE's cos and sin tables are multiplied by: 1, or for YaRN its `attention_factor`
+    (given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given, else
+    mscale(factor)), as transformers' _compute_yarn_parameters."""
+    s = config.rope_scaling
+    if s is None or s["rope_type"] != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return yarn_mscale(s["factor"], s["mscale"]) / yarn_mscale(s["factor"], s["mscale_all_dim"])
+    return yarn_mscale(s["factor"])

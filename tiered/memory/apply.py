@@ -140,8 +140,8 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
     blocks = one_copy and checkpoint.handle(embed).is_quantized
     dense_skip = skip
     if one_copy:  # the projections' one copy is their decode copy; a block-quantized embedding stays in blocks
-        dense_skip = lambda n: (skip is not None and skip(n)) or n.endswith("_proj.weight") or \
-            n == "lm_head.weight" or (blocks and n == embed)  # noqa: E731
+        copied = sizes.decode_copied(cfg)
+        dense_skip = lambda n: (skip is not None and skip(n)) or n in copied or (blocks and n == embed)  # noqa: E731
     what = "the non-expert weights" if cfg.is_moe else "the non-FFN weights" if sliced else "the model's weights"
     fast_budget.reserve(sizes.weight_bytes(cfg, fmt, dense_skip), what)
     if plan.workspace_bytes:  # kept free for activations: allocated by torch, not by us

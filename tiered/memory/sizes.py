@@ -86,6 +86,47 @@ def _param_counts(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
     return _COUNTS[key]
 
 
+_COPIED: dict[str, frozenset[str]] = {}
+
+
+def decode_copied(cfg: ModelConfig) -> frozenset[str]:
+    """Names of the weights that get a decode-format copy: those of the model's plain nn.Linear layers,
+    which quant/linear.install_decode_weights swaps (attention and FFN projections, a shared expert's
+    gate, the lm_head; not the routers nor latent attention's kv_b_proj, which are nn.Linear
+    subclasses, nor routed experts, which the expert runtime holds). In the CPU's one-copy mode these
+    are held only as their copies (memory/apply.place_dense)."""
+    key = repr(cfg)
+    if key not in _COPIED:
+        from torch import nn
+
+        from tiered.models import build_model
+
+        with torch.device("meta"):
+            model = build_model(cfg, 1)
+        _COPIED[key] = frozenset(f"{name}.weight" for name, m in model.named_modules()
+                                 if type(m) is nn.Linear and not is_expert_param(f"{name}.weight"))
+    return _COPIED[key]
+
+
+def one_copy_weight_bytes(cfg: ModelConfig, fmt: str, copies: dict[str, float],
+                          skip: Callable[[str], bool] | None = None) -> float:
+    """Bytes of the model's parameters in the CPU's one-copy mode (Plan.dense_copies False): those with a
+    decode copy (`decode_copied`) as the copy, in `copies`' formats by share of their elements
+    (format -> share, e.g. {"int4": 1.0}), every other (embedding, norms, routers, kv_b_proj) in the
+    dense format `fmt`; `skip`ped names (routed experts) left out. A GGUF file's block-quantized
+    embedding, kept in its blocks, is counted dense: an upper bound."""
+    dense = copied = 0
+    copies_of = decode_copied(cfg)
+    for name, n in _param_counts(cfg):
+        if skip is not None and skip(name):
+            continue
+        if name in copies_of:
+            copied += n
+        else:
+            dense += n
+    return dense * bytes_per_element(fmt) + copied * sum(share * bytes_per_element(k) for k, share in copies.items())
+
+
 def weight_bytes(cfg: ModelConfig, fmt: str, skip: Callable[[str], bool] | None = None) -> int:
     """Bytes `materialize` allocates for the model's parameters in dense format `fmt`, leaving out
     those for which `skip(name)` is True (tied lm_head counted once). Exact, in bytes."""
@@ -141,7 +182,7 @@ def kv_cache_format(weights: str, decode: str | None = None) -> str:
 
 def kv_cache_bytes(cfg: ModelConfig, slots: int, tokens: int, fmt: str) -> int:
     """Bytes of a KVCache of `slots` sequences x `tokens` positions (keys and values of every layer)."""
-    n = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * tokens * cfg.head_dim
+    n = cfg.num_hidden_layers * slots * tokens * cfg.kv_elements_per_token()
     return int(n * bytes_per_element(fmt))
 
 
@@ -166,6 +207,9 @@ def workspace_bytes(cfg: ModelConfig, fmt: str, tokens: int | None = None) -> in
     elem = bytes_per_element(fmt)
     qkv = (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     rot = (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim * 4 * 2
+    if cfg.is_mla:  # a prefill expands the latents: per head q and k (n + r), k_nope + v, the output v
+        H, n, r, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.head_dim, cfg.v_head_dim
+        qkv = H * (2 * (n + r) + (n + v) + v) + cfg.kv_lora_rank + r
     ffn = max(cfg.intermediate_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
     per_token = (4 * cfg.hidden_size + qkv + 3 * ffn) * elem + rot
     return int(1.25 * (tokens * per_token + 4 * cfg.vocab_size))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiered.checkpoint.model_config import ModelConfig, rope_inv_freq
+from tiered.checkpoint.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
 from tiered.hardware.accelerator import building_graph
 
 
@@ -46,8 +46,12 @@ class Rotary(nn.Module):
         inv_freq = rope_inv_freq(config)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = emb.cos(), emb.sin()
+        factor = rope_attention_factor(config)  # YaRN's: scales q . k through both rotated vectors
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [B, T] -> (cos, sin), each [B, 1, T, hd] fp32."""
@@ -157,19 +161,21 @@ class KVCache:
     """Keys and values of every layer for up to `num_slots` sequences of `max_len` positions.
 
     Tensors k, v: [L, num_slots, Hkv, max_len, hd] in `dtype`; mutable run state, kept apart from
-    the weights (llama2.c's RunState).
+    the weights (llama2.c's RunState). Under latent attention (ModelConfig.is_mla) k is
+    [L, num_slots, 1, max_len, kv_lora_rank + qk_rope_head_dim] (the latent and the RoPE key, see
+    models/deepseek.py) and v is empty ([..., 0]): ModelConfig.kv_widths.
     """
 
     def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
-        shape = (config.num_hidden_layers, num_slots, config.num_key_value_heads, max_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        heads, kw, vw = config.kv_widths()
+        self.k = torch.zeros((config.num_hidden_layers, num_slots, heads, max_len, kw), dtype=dtype, device=device)
+        self.v = torch.zeros((config.num_hidden_layers, num_slots, heads, max_len, vw), dtype=dtype, device=device)
         self.max_len = max_len
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return (self.k.numel() + self.v.numel()) * self.k.element_size()
 
     def copy_slots(self, parents: list[int], length: int, start: int = 0) -> None:
         """Slot j takes over slot parents[j]'s positions start..length-1 in every layer (beam search:

@@ -21,7 +21,12 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        if config.is_mla:  # DeepSeek's multi-head latent attention
+            from tiered.models.deepseek import LatentAttention
+
+            self.self_attn = LatentAttention(config, layer_idx)
+        else:
+            self.self_attn = Attention(config, layer_idx)
         self.mlp = mlp if mlp is not None else MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -107,11 +107,16 @@ class Router(nn.Linear):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (topk_idx int64 [N, k], topk_weight [N, k] in x's dtype)."""
         logits = F.linear(x, self.weight.to(x.dtype))  # (N, E), activation dtype like HF
-        probs = logits.float().softmax(dim=-1)
-        topk_weight, topk_idx = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        topk_idx, topk_weight = self.select(logits.float())
+        return topk_idx, topk_weight.to(x.dtype)
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing rule on router logits fp32 [N, E] -> (topk_idx int64 [N, k], topk_weight fp32
+        [N, k]); runtime/prefetch applies it to predicted logits."""
+        topk_weight, topk_idx = torch.topk(logits.softmax(dim=-1), self.top_k, dim=-1)  # (N, k)
         if self.norm_topk_prob:
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
-        return topk_idx, topk_weight.to(x.dtype)
+        return topk_idx, topk_weight
 
 
 class ExpertRunner(Protocol):
@@ -150,8 +155,11 @@ class LocalExperts(ExpertRunner):
 class MoEBlock(nn.Module):
     """Routed experts (+ optional shared expert): x [B, T, D] -> [B, T, D].
 
-    Children (HF names): `gate` (Router), `experts` (ModuleList of Expert), and for Qwen2-MoE
-    `shared_expert` (MLP) and `shared_expert_gate` (nn.Linear D -> 1); else those two are None.
+    Children (HF names): `gate` (Router; DeepSeek's: models/deepseek.DeepSeekRouter), `experts`
+    (ModuleList of Expert), and for Qwen2-MoE `shared_expert` (MLP) and `shared_expert_gate`
+    (nn.Linear D -> 1), whose sigmoid scales the shared expert's output; for DeepSeek the shared
+    experts (one MLP of n_shared_experts x moe_intermediate_size, HF name `shared_experts`, reached
+    as `shared_expert` too) are added ungated and `shared_expert_gate` is None; else both are None.
 
     Attributes:
         layer_idx: index of the decoder layer that owns the block.
@@ -166,13 +174,21 @@ class MoEBlock(nn.Module):
         super().__init__()
         D, E = config.hidden_size, config.num_experts
         self.layer_idx = layer_idx
-        self.gate = Router(D, E, config.num_experts_per_tok, config.norm_topk_prob)
+        if config.topk_method != "softmax":
+            from tiered.models.deepseek import DeepSeekRouter
+
+            self.gate = DeepSeekRouter(config)
+        else:
+            self.gate = Router(D, E, config.num_experts_per_tok, config.norm_topk_prob)
         self.experts = nn.ModuleList(Expert(D, config.moe_intermediate_size, expert_names) for _ in range(E))
-        if config.shared_expert_intermediate_size:
+        self.shared_expert_gate = None
+        if not config.shared_expert_intermediate_size:
+            self.shared_expert = None
+        elif config.shared_expert_gated:
             self.shared_expert = MLP(D, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(D, 1, bias=False)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
+        else:  # DeepSeek's HF name; `shared_expert` (__getattr__) stays the one attribute other code reads
+            self.shared_experts = MLP(D, config.shared_expert_intermediate_size)
         self.runner: ExpertRunner = LocalExperts()
         self.on_route: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
@@ -183,9 +199,16 @@ class MoEBlock(nn.Module):
         if self.on_route is not None:
             self.on_route(self.layer_idx, topk_idx, topk_weight)
         out = self.runner(self.layer_idx, h, topk_idx, topk_weight, self)  # (N, D)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        shared = self.shared_expert
+        if shared is not None:
+            out = out + (shared(h) if self.shared_expert_gate is None
+                         else torch.sigmoid(self.shared_expert_gate(h)) * shared(h))
         return out.view(B, T, D)
+
+    def __getattr__(self, name: str):
+        if name == "shared_expert" and "shared_experts" in self._modules:  # DeepSeek's shared experts
+            return self._modules["shared_experts"]
+        return super().__getattr__(name)
 
 
 class MixtralDecoderLayer(DecoderLayer):

@@ -33,16 +33,14 @@ def attention_time(cfg: ModelConfig, profile: HardwareProfile, device: str, prec
     a 512-token prompt's attention at 1.7 ms a layer on the H100, 85% of its layer.
     `graphed`: a decode step's attention replayed in a CUDA graph: where the profile timed GEMVs in
     a graph (op_time.graph_gemv), its projections at that rate and no launches."""
-    d = cfg.hidden_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    w = 2 * d * q + 2 * d * kv
+    w = cfg.attention_weight_elements()
     graphed = graphed and tokens == 1 and op_time.graph_gemv(profile, device, precision) is not None
     proj = op_time.gemm_time(profile, device, precision, tokens * w, w * sizes.bytes_per_element(precision), calls=4,
                              graphed=graphed)
     if tokens > 1:  # a prompt: causal attention, its tokens after context - tokens cached ones
-        macs = 2 * q * (tokens * (context - tokens) + tokens * (tokens + 1) / 2)
+        macs = cfg.attention_macs_per_pair(False) * (tokens * (context - tokens) + tokens * (tokens + 1) / 2)
         return proj + op_time.prefill_attention_time(profile, device, precision, macs) + 6 * op_time.launch_time(profile, device)
-    macs = 2 * tokens * context * q
+    macs = tokens * context * cfg.attention_macs_per_pair(True)
     kv_layer = sizes.kv_cache_bytes(cfg, 1, context, kv_format) / cfg.num_hidden_layers
     attn = op_time.attention_time(profile, device, precision, macs, kv_layer)
     return proj + attn + (0 if graphed else 6) * op_time.launch_time(profile, device)

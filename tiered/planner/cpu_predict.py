@@ -166,7 +166,7 @@ def step_weight_bytes(cfg: ModelConfig, dtype: str, moe_layers: list[int] | None
     experts, and the lm_head (`mix`: the layers' precisions by share, Plan.precision_mix)."""
     bpe = mixed_bytes_per_element(dtype, mix)
     d = cfg.hidden_size
-    attn = 2 * d * cfg.num_attention_heads * cfg.head_dim + 2 * d * cfg.num_key_value_heads * cfg.head_dim
+    attn = cfg.attention_weight_elements()
     total = d * cfg.vocab_size
     for i in range(cfg.num_hidden_layers):
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
@@ -192,21 +192,19 @@ def native_fused_projections(hw: HardwareProfile, dtype: str) -> bool:
 
 def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, working_set: float = 0.0,
                mix: dict | None = None, kv_format: str | None = None) -> float:
-    d, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    w = 2 * d * q + 2 * d * kv
-    native = native_step(hw)
+    w = cfg.attention_weight_elements()
+    native = native_step(hw) and not cfg.is_mla  # the native step runs latent attention as its module
     proj = _projections(hw, dtype, mix, w, 2 if native_fused_projections(hw, dtype) else 4, working_set)
     # the KV cache's format: the plan's, else the engine's rule for weights read in `dtype` (CPU: fp32
     # activations; a 16-bit cache beside lossy copies)
     act = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
-    kv_bytes = 2 * kv * context * op_time.bytes_per_element(act)
+    kv_bytes = cfg.kv_elements_per_token() * context * op_time.bytes_per_element(act)
     if native:  # the native step's attention streams the cached keys and values once (GQA heads share them),
         # at its own measured rate where profiled (attn_decode/cpu: below the memory's, ~15 GB/s on 2 Zen 4 cores)
         stream = op_time.memory_time(hw, "cpu", act, kv_bytes, "memory", working_set)
         m = hw.models.get(f"attn_decode/cpu/{act}")
         return proj + (max(stream, m.beta * kv_bytes) if m is not None else stream)
-    return proj + op_time.attention_time(hw, "cpu", act, 2 * context * q, kv_bytes)
+    return proj + op_time.attention_time(hw, "cpu", act, context * cfg.attention_macs_per_pair(True), kv_bytes)
 
 
 def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, hits: HitStats | None = None,
@@ -376,8 +374,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
 
     bpe = op_time.bytes_per_element(dtype)
     d, T = cfg.hidden_size, tokens
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    w_attn = 2 * d * q + 2 * d * kv
+    w_attn = cfg.attention_weight_elements()
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     over = task_overhead if task_overhead is not None else op_time.task_overhead(hw)
 
@@ -390,7 +387,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     total = per_step + _gemv(hw, dtype, d * cfg.vocab_size * bpe)
     for i in range(cfg.num_hidden_layers):
         t = per_layer + gemm(dtype, T * w_attn, w_attn * bpe, 4, T > GEMM_ROWS)
-        t += op_time.prefill_attention_time(hw, "cpu", act_dtype or dtype, 2 * T * (T + 1) / 2 * q)  # causal
+        t += op_time.prefill_attention_time(hw, "cpu", act_dtype or dtype,
+                                            T * (T + 1) / 2 * cfg.attention_macs_per_pair(False))  # causal
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size

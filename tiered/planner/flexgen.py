@@ -91,8 +91,7 @@ class FlexGenModel:
         active = 0.0
         inner = 0.0
         for i in range(L):
-            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-            attn = 2 * d * q + 2 * d * kv
+            attn = cfg.attention_weight_elements()
             if cfg.is_moe_layer(i):
                 f = cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size
                 active += attn + 3 * d * f + d * cfg.num_experts
@@ -100,7 +99,9 @@ class FlexGenModel:
                 f = cfg.intermediate_size
                 active += attn + 3 * d * f
             inner += f
-        return cls(name or cfg.model_type, L, d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+        # latent attention (MLA) as one KV "head" whose K and V halves hold the latent and RoPE key
+        kv_heads, hd = (1, -(-cfg.kv_elements_per_token() // 2)) if cfg.is_mla else (cfg.num_key_value_heads, cfg.head_dim)
+        return cls(name or cfg.model_type, L, d, cfg.num_attention_heads, kv_heads, hd,
                    cfg.vocab_size, round(per_layer), round(active / L), embed, round(inner / L), 3,
                    cfg.num_experts, cfg.num_experts_per_tok, bytes_per_element)
 
