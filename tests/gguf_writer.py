@@ -357,3 +357,133 @@ def dequantized_moe_model(model, qtype: GGMLQuantizationType):
                 a = roundtrip_any(a, qtype)
             p.copy_(torch.from_numpy(a))
     return m
+
+
+_TOKENIZER = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+              "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+
+
+def write_deepseek_gguf(model, path: Path, legacy: bool = False,
+                        experts_qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+                        tokenizer_from: Path | None = None) -> Path:
+    """Write a transformers DeepSeek-V2/V3 model as llama.cpp's deepseek2 converter does.
+
+    Restated from llama.cpp's converter (not from tiered's reader), and loaded by llama.cpp itself
+    (ec98e2002, early 2026) with logits equal to transformers' up to its f16 KV cache:
+    - MLA layout (`legacy` False, llama.cpp since April 2025): head_count_kv 1, key_length R + r,
+      value_length R, key_length_mla n + r, value_length_mla v, and kv_b_proj split per head into
+      attn_k_b (numpy [H, R, n]: each head's key rows transposed) and attn_v_b ([H, v, R]);
+      legacy: one attn_kv_b, head_count_kv = heads, key_length n + r, value_length v.
+    - RoPE rows as they are (llama.cpp's NORM RoPE rotates DeepSeek's interleaved pairs).
+    - expert_gating_func 2 (sigmoid) for V3, with exp_probs_b.bias and the group counts; 1 (softmax)
+      for V2; expert_weights_scale / _norm; YaRN's yarn_log_multiplier = 0.1 mscale_all_dim.
+    - tokenizer.ggml.model "none" (the fixtures have no tokenizer) with deepseek2.vocab_size, or
+      the tokenizer keys of another GGUF file (`tokenizer_from`).
+    Routed experts (stacked) in `experts_qtype`, everything else F32.
+    """
+    import gguf
+
+    c = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    L, H, nh = c.num_hidden_layers, c.hidden_size, c.num_attention_heads
+    dn, dr, dv, kr, qr = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank, c.q_lora_rank
+    rp = dict(c.rope_parameters or {})
+    w = GGUFWriter(str(path), "deepseek2")
+    w.add_name(f"tiny-{c.model_type}")
+    w.add_block_count(L)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(nh)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(float(rp.get("rope_theta", 10000.0)))
+    w.add_rope_dimension_count(dr)
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    w.add_vocab_size(c.vocab_size)
+    w.add_q_lora_rank(qr or 0)
+    w.add_kv_lora_rank(kr)
+    if legacy:
+        w.add_head_count_kv(nh)
+        w.add_key_length(dn + dr)
+        w.add_value_length(dv)
+    else:
+        w.add_head_count_kv(1)
+        w.add_key_length(kr + dr)
+        w.add_value_length(kr)
+        w.add_key_length_mla(dn + dr)
+        w.add_value_length_mla(dv)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(float(c.routed_scaling_factor))
+    v3 = c.model_type == "deepseek_v3"
+    w.add_expert_weights_norm(bool(v3 and c.norm_topk_prob))
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    if v3 and (c.n_group or 1) > 1:
+        w.add_expert_group_count(c.n_group)
+        w.add_expert_group_used_count(c.topk_group)
+    if rp.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rp["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rp["original_max_position_embeddings"]))
+        w.add_rope_scaling_yarn_log_mul(0.1 * float(rp["mscale_all_dim"]))
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if tokenizer_from is None:
+        w.add_tokenizer_model("none")
+    else:
+        fields = gguf.GGUFReader(tokenizer_from).fields
+        for key in _TOKENIZER:
+            if key in fields:
+                f = fields[key]
+                w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+
+    def put(name: str, a: np.ndarray, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> None:
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if qtype == GGMLQuantizationType.F32:
+            w.add_tensor(name, a)
+        else:
+            w.add_tensor(name, encode(a, qtype), raw_dtype=qtype)
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    put("output.weight", sd["lm_head.weight"])
+    for i in range(L):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        if qr:
+            put(b + "attn_q_a.weight", sd[p + "self_attn.q_a_proj.weight"])
+            put(b + "attn_q_a_norm.weight", sd[p + "self_attn.q_a_layernorm.weight"])
+            put(b + "attn_q_b.weight", sd[p + "self_attn.q_b_proj.weight"])
+        else:
+            put(b + "attn_q.weight", sd[p + "self_attn.q_proj.weight"])
+        put(b + "attn_kv_a_mqa.weight", sd[p + "self_attn.kv_a_proj_with_mqa.weight"])
+        put(b + "attn_kv_a_norm.weight", sd[p + "self_attn.kv_a_layernorm.weight"])
+        kvb = sd[p + "self_attn.kv_b_proj.weight"]  # [nh (dn + dv), kr]
+        if legacy:
+            put(b + "attn_kv_b.weight", kvb)
+        else:
+            kv = kvb.reshape(nh, dn + dv, kr)
+            put(b + "attn_k_b.weight", kv[:, :dn, :].transpose(0, 2, 1))
+            put(b + "attn_v_b.weight", kv[:, dn:, :])
+        put(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        if i < c.first_k_dense_replace:
+            for n in ("gate", "up", "down"):
+                put(b + f"ffn_{n}.weight", sd[p + f"mlp.{n}_proj.weight"])
+            continue
+        put(b + "ffn_gate_inp.weight", sd[p + "mlp.gate.weight"])
+        if p + "mlp.gate.e_score_correction_bias" in sd:
+            put(b + "exp_probs_b.bias", sd[p + "mlp.gate.e_score_correction_bias"])
+        gu = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2 Ie, H], gate first
+        Ie = c.moe_intermediate_size
+        put(b + "ffn_gate_exps.weight", gu[:, :Ie, :], experts_qtype)
+        put(b + "ffn_up_exps.weight", gu[:, Ie:, :], experts_qtype)
+        put(b + "ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"], experts_qtype)
+        for n in ("gate", "up", "down"):
+            put(b + f"ffn_{n}_shexp.weight", sd[p + f"mlp.shared_experts.{n}_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -7,10 +7,18 @@ projections of "llama"-architecture models for its interleaved RoPE; we undo tha
 the result equals the Hugging Face layout exactly.
 
 MoE files (Mixtral as "llama" with `llama.expert_count`, Qwen2-MoE "qwen2moe", Qwen3-MoE
-"qwen3moe") store each layer's routed experts stacked: `blk.N.ffn_{gate,up,down}_exps.weight`
+"qwen3moe", DeepSeek-V2/V3 "deepseek2") store each layer's routed experts stacked: `blk.N.ffn_{gate,up,down}_exps.weight`
 [E, F, D] / [E, D, F]. Each expert becomes its own handle with the HF per-expert name, a view of
 its rows of the stacked tensor: its blocks are handed to the expert formats as stored
 (quant/gguf_experts.py), nothing is dequantized at load.
+
+"deepseek2" files (llama.cpp's DeepSeek-V2/V3 converter) hold multi-head latent attention: the
+latent's up-projection kv_b_proj [H (n + v), R] either as one tensor `attn_kv_b` (files converted
+before llama.cpp's MLA support, April 2025) or split per head into `attn_k_b` (torch [H, R, n], the
+key half transposed) and `attn_v_b` ([H, v, R]); the split pair is read back as one kv_b_proj. The
+RoPE rows are in DeepSeek's interleaved-pair order (llama.cpp's NORM RoPE, no permutation). The
+router's scoring function is `expert_gating_func` (1 softmax: DeepSeek-V2; 2 sigmoid with the
+`exp_probs_b` selection bias: DeepSeek-V3), YaRN's mscale is `yarn_log_multiplier` / 0.1.
 """
 
 from __future__ import annotations
@@ -26,9 +34,9 @@ from tiered.checkpoint.handle import BLOCK_FORMATS, HandleTable, TensorHandle
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import CheckpointError, UnsupportedModelError
 
-# GGUF architecture -> HF model_type.
+# GGUF architecture -> HF model_type ("deepseek2": deepseek_v3 when its router is sigmoid, else v2).
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v2"}
 # top-k weights renormalized to sum 1 (llama.cpp's expert_weights_norm default per architecture)
 NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 # Architectures whose converter permutes q/k rows (llama.cpp convert_hf_to_gguf.py LlamaModel).
@@ -56,6 +64,18 @@ _BLOCK_NAMES = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# DeepSeek's names (latent attention, the router's selection bias, the ungated shared experts)
+_DEEPSEEK_NAMES = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 # stacked expert tensors -> the per-expert projection name (Qwen / OLMoE style, Mixtral style)
 _EXPERT_NAMES = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
@@ -136,6 +156,11 @@ def gguf_to_hf_name(name: str, model_type: str = "") -> str | None:
     if part in _EXPERT_NAMES:
         proj = _EXPERT_NAMES[part][model_type == "mixtral"]
         return f"model.layers.{layer}.{mlp}.experts.{{e}}.{proj}.{kind}"
+    if model_type.startswith("deepseek"):
+        if part == "exp_probs_b":  # llama.cpp's `exp_probs_b.bias`: the router's selection bias
+            return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        if part in _DEEPSEEK_NAMES:
+            return f"model.layers.{layer}.{_DEEPSEEK_NAMES[part]}.{kind}"
     if part in _BLOCK_NAMES:
         hf = _BLOCK_NAMES[part]
         if model_type == "mixtral" and hf == "mlp.gate":
@@ -206,7 +231,12 @@ class GGUFCheckpoint(HandleTable):
         for key in _TOKENIZER_ARRAYS:  # ~90 MB of parsed views for a 49k vocabulary; the tokenizer re-reads the file
             self.reader.fields.pop(key, None)
         self._handles: dict[str, TensorHandle] = {}
+        split: dict[int, dict[str, object]] = {}  # layer -> {"k": attn_k_b, "v": attn_v_b} (latent attention)
         for t in self.reader.tensors:
+            m = _BLOCK_RE.match(t.name)
+            if self.arch == "deepseek2" and m and m.group(2) in ("attn_k_b", "attn_v_b"):
+                split.setdefault(int(m.group(1)), {})[m.group(2)[5]] = t
+                continue
             hf = gguf_to_hf_name(t.name, self.config.model_type)
             if hf is None:
                 continue
@@ -215,6 +245,13 @@ class GGUFCheckpoint(HandleTable):
                     self._handles[hf.format(e=e)] = self._make_handle(hf.format(e=e), t, expert=e)
             else:
                 self._handles[hf] = self._make_handle(hf, t)
+        for layer, parts in split.items():
+            if set(parts) != {"k", "v"}:
+                raise CheckpointError(f"{self.path}: layer {layer} has only one of attn_k_b / attn_v_b",
+                                      "re-convert the file")
+            name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+            self._handles[name] = self._kv_b_handle(name, self._make_handle(name + ".k", parts["k"]),
+                                                    self._make_handle(name + ".v", parts["v"]))
 
     def release_pages(self) -> int:
         """The GGUF file is one numpy memmap: MADV_DONTNEED on it drops the pages the load read
@@ -236,6 +273,65 @@ class GGUFCheckpoint(HandleTable):
         except Exception:
             return None
 
+    def _kv_b_handle(self, name: str, k: TensorHandle, v: TensorHandle) -> TensorHandle:
+        """kv_b_proj [H (n + v), R] read back from llama.cpp's split pair: attn_k_b torch [H, R, n]
+        (each head's key rows, transposed) and attn_v_b [H, v, R]."""
+        (H, R, n), (_, dv, _) = k.shape, v.shape
+
+        def load() -> torch.Tensor:
+            kb, vb = k.load(torch.float32), v.load(torch.float32)
+            return torch.cat((kb.transpose(1, 2), vb), 1).reshape(H * (n + dv), R).contiguous()
+
+        fmt = k.format if k.format == v.format else "F32"
+        return TensorHandle(name=name, shape=(H * (n + dv), R), format=fmt, nbytes=k.nbytes + v.nbytes,
+                            path=str(self.path), _load=load)
+
+    def _deepseek_config(self, g, names: set[str], common: dict) -> ModelConfig:
+        """The ModelConfig of a "deepseek2" file (see the module docstring for the layout).
+
+        Raises:
+            UnsupportedModelError: softmax routing within expert groups (llama.cpp scores a group
+                by its two best experts, which no transformers DeepSeek router does), or YaRN
+                without its yarn_log_multiplier.
+        """
+        r = int(g("rope.dimension_count"))
+        kr = int(g("attention.kv_lora_rank"))
+        mla = bool(g("attention.key_length_mla") and g("attention.value_length_mla"))
+        k_len = g("attention.key_length_mla") if mla else g("attention.key_length")
+        v_len = g("attention.value_length_mla") if mla else g("attention.value_length")
+        sigmoid = g("expert_gating_func") == 2 or any(n.endswith("exp_probs_b.bias") for n in names)
+        groups, used = int(g("expert_group_count") or 1), int(g("expert_group_used_count") or 1)
+        if groups > 1 and not sigmoid:
+            raise UnsupportedModelError("deepseek2 GGUF with softmax routing within expert groups is not read",
+                                        "load the Hugging Face safetensors directory instead")
+        scaling = None
+        if g("rope.scaling.type") == "yarn":
+            log_mul = g("rope.scaling.yarn_log_multiplier")
+            if not log_mul:
+                raise UnsupportedModelError("deepseek2 GGUF with YaRN but no rope.scaling.yarn_log_multiplier",
+                                            "re-convert the file with a current llama.cpp")
+            m = float(log_mul) / 0.1  # llama.cpp takes mscale = mscale_all_dim
+            scaling = {"rope_type": "yarn", "factor": float(g("rope.scaling.factor")),
+                       "original_max_position_embeddings": int(g("rope.scaling.original_context_length")
+                                                               or common["max_position_embeddings"]),
+                       "beta_fast": float(g("rope.scaling.yarn_beta_fast") or 32),
+                       "beta_slow": float(g("rope.scaling.yarn_beta_slow") or 1), "mscale": m, "mscale_all_dim": m}
+        elif g("rope.scaling.type") not in (None, "none"):
+            raise UnsupportedModelError(f"unsupported GGUF RoPE scaling {g('rope.scaling.type')!r} for deepseek2",
+                                        "tiered reads YaRN deepseek2 files")
+        shared = int(g("expert_shared_count") or 0)
+        Ie = int(g("expert_feed_forward_length"))
+        return ModelConfig(
+            **common, model_type="deepseek_v3" if sigmoid else "deepseek_v2", num_key_value_heads=1, head_dim=r,
+            rope_scaling=scaling, q_lora_rank=int(g("attention.q_lora_rank") or 0) if "blk.0.attn_q_a.weight" in names else 0,
+            kv_lora_rank=kr, qk_nope_head_dim=int(k_len) - r, v_head_dim=int(v_len), rope_interleave=True,
+            num_experts=int(g("expert_count")), num_experts_per_tok=int(g("expert_used_count")),
+            moe_intermediate_size=Ie, shared_expert_intermediate_size=shared * Ie, shared_expert_gated=False,
+            norm_topk_prob=bool(g("expert_weights_norm") or False), topk_method="noaux_tc" if sigmoid else "greedy",
+            n_group=groups if sigmoid else 1, topk_group=used if sigmoid and groups > 1 else 1,
+            routed_scaling_factor=float(g("expert_weights_scale") or 1.0),
+            first_k_dense_replace=int(g("leading_dense_block_count") or 0))
+
     def _model_config(self) -> ModelConfig:
         md = self.metadata
         arch = md.get("general.architecture")
@@ -254,6 +350,17 @@ class GGUFCheckpoint(HandleTable):
         if not vocab:
             emb = next(t for t in self.reader.tensors if t.name == "token_embd.weight")
             vocab = int(emb.shape[1])
+        eos = md.get("tokenizer.ggml.eos_token_id")
+        eot = md.get("tokenizer.ggml.eot_token_id")
+        eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+        if arch == "deepseek2":
+            return self._deepseek_config(g, names, dict(
+                vocab_size=int(vocab), hidden_size=hidden, intermediate_size=g("feed_forward_length") or 0,
+                num_hidden_layers=g("block_count"), num_attention_heads=heads,
+                rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+                rope_theta=float(g("rope.freq_base", 10000.0)), max_position_embeddings=g("context_length", 2048),
+                tie_word_embeddings="output.weight" not in names, bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+                eos_token_ids=eos_ids))
         scaling = None
         if g("rope.scaling.type") == "linear":
             scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
@@ -280,9 +387,6 @@ class GGUFCheckpoint(HandleTable):
             model_type = ARCH_TO_MODEL_TYPE[arch]
             if model_type.endswith("_moe"):
                 raise CheckpointError(f"{self.path}: {arch} file without {arch}.expert_count", "re-convert the file")
-        eos = md.get("tokenizer.ggml.eos_token_id")
-        eot = md.get("tokenizer.ggml.eot_token_id")
-        eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
         return ModelConfig(
             model_type=model_type,
             vocab_size=int(vocab),
@@ -350,7 +454,7 @@ class GGUFCheckpoint(HandleTable):
 
     def _load_tokenizer(self):
         """The tokenizer embedded in the GGUF (converted by transformers, cached), or None."""
-        if "tokenizer.ggml.model" not in self.metadata:
+        if self.metadata.get("tokenizer.ggml.model") in (None, "none"):  # "none": llama.cpp's vocabulary-only files
             return None
         from tiered.checkpoint.tokenizer import load_gguf_tokenizer
         return load_gguf_tokenizer(self.path)

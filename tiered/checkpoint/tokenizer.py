@@ -76,6 +76,18 @@ def _load_cached(cached: Path):
     return transformers.AutoTokenizer.from_pretrained(str(cached))
 
 
+def _gguf_tokenizer_of_any_architecture(path: Path):
+    """The GGUF file's tokenizer built by transformers' GGUF tokenizer converters directly, for an
+    architecture whose model transformers does not load from GGUF (AutoTokenizer then refuses the
+    file, e.g. llama.cpp's "deepseek2", although its tokenizer is an ordinary gpt2-style BPE)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, tokenizer, config = get_gguf_tokenizer(str(path))
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+
+
 def load_gguf_tokenizer(path: Path):
     """The fast tokenizer embedded in a GGUF file (converted once, then cached).
 
@@ -95,7 +107,12 @@ def load_gguf_tokenizer(path: Path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            try:
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            except ValueError as e:
+                if "not supported" not in str(e):
+                    raise
+                tok = _gguf_tokenizer_of_any_architecture(path)
         except Exception as e:  # corrupt or unsupported tokenizer metadata
             raise CheckpointError(f"the tokenizer embedded in {path} cannot be loaded ({type(e).__name__}: {e})",
                                   "re-convert the file, or pass prompts as token ids") from None

@@ -137,7 +137,8 @@ class DeepSeekRouter(Router):
     """DeepSeek's router (HF `mlp.gate`): weight [E, D], logits in fp32 as transformers computes them.
 
     topk_method:
-        "greedy": softmax scores, top-k (DeepSeek-V2).
+        "greedy": softmax scores, top-k (DeepSeek-V2), renormalized when norm_topk_prob (a GGUF
+            file's expert_weights_norm; transformers' V2 config never sets it).
         "group_limited_greedy": softmax scores; each group of E / n_group experts is scored by its
             best expert, tokens choose among the topk_group best groups (DeepSeek-V2 §2.2.2).
         "noaux_tc": sigmoid scores; the choice adds `e_score_correction_bias` [E] (fp32), each group
@@ -183,4 +184,6 @@ class DeepSeekRouter(Router):
             if self.method == "group_limited_greedy" and self.n_group > 1:
                 scores = scores.masked_fill(~self._group_mask(scores, 1), 0.0)
             weight, idx = scores.topk(self.top_k, dim=-1)
+            if self.norm_topk_prob:  # a llama.cpp file's expert_weights_norm (transformers' V2 never sets it)
+                weight = weight / weight.sum(-1, keepdim=True)
         return idx, weight * self.scaling
