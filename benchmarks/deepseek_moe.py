@@ -37,72 +37,20 @@ sys.path.insert(0, str(ROOT.parent))
 
 from tiered import LLM, EngineConfig, SamplingParams  # noqa: E402
 from tiered.bench import Column, median, write_report  # noqa: E402
+from tiered.bench.checkpoint import DEEPSEEK_V2_LITE, write_dummy_deepseek_checkpoint  # noqa: E402
 from tiered.bench.runners import free_memory  # noqa: E402
 from tiered.hardware.budget import format_bytes  # noqa: E402
 from tiered.memory.expert_store import drop_page_cache  # noqa: E402
 
-# DeepSeek-V2-Lite's config.json (deepseek-ai/DeepSeek-V2-Lite), but for the layer count
-V2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-               num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2,
-               num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
-               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy",
-               routed_scaling_factor=1.0, norm_topk_prob=False, max_position_embeddings=163840, rms_norm_eps=1e-6,
-               rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
-                                "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
-                                "mscale": 0.707, "mscale_all_dim": 0.707},
-               bos_token_id=100000, eos_token_id=100001, tie_word_embeddings=False)
 QUICK = dict(hidden_size=512, intermediate_size=2048, moe_intermediate_size=352, num_attention_heads=4,
              num_key_value_heads=4, n_routed_experts=16, vocab_size=8192, kv_lora_rank=128, qk_nope_head_dim=32,
-             qk_rope_head_dim=16, v_head_dim=32)
+             qk_rope_head_dim=16, v_head_dim=32, bos_token_id=0, eos_token_id=1)
 
 
 def write_checkpoint(path: Path, layers: int, quick: bool) -> Path:
     """The dummy DeepSeek-V2-Lite-shaped checkpoint in `path` (written once; bf16, transformers' names)."""
-    import transformers
-    from safetensors.torch import save_file
-
-    done = path / "model.safetensors"
-    if done.is_file() and (path / "config.json").is_file():
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    config = transformers.DeepseekV2Config(**{**V2_LITE, **(QUICK if quick else {}), "num_hidden_layers": layers})
-    config.dtype = "bfloat16"
-    D, V, H = config.hidden_size, config.vocab_size, config.num_attention_heads
-    n, r, v, R = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank
-    F, Fe, E = config.intermediate_size, config.moe_intermediate_size, config.n_routed_experts
-    g = torch.Generator().manual_seed(0)
-
-    def rnd(*shape, std=0.02):
-        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
-
-    def ones(k):
-        return torch.ones(k, dtype=torch.bfloat16)
-
-    t = {"model.embed_tokens.weight": rnd(V, D), "lm_head.weight": rnd(V, D), "model.norm.weight": ones(D)}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        t.update({f"{p}.input_layernorm.weight": ones(D), f"{p}.post_attention_layernorm.weight": ones(D),
-                  f"{p}.self_attn.q_proj.weight": rnd(H * (n + r), D),
-                  f"{p}.self_attn.kv_a_proj_with_mqa.weight": rnd(R + r, D),
-                  f"{p}.self_attn.kv_a_layernorm.weight": ones(R),
-                  f"{p}.self_attn.kv_b_proj.weight": rnd(H * (n + v), R),
-                  f"{p}.self_attn.o_proj.weight": rnd(D, H * v)})
-        if i < config.first_k_dense_replace:
-            t.update({f"{p}.mlp.gate_proj.weight": rnd(F, D), f"{p}.mlp.up_proj.weight": rnd(F, D),
-                      f"{p}.mlp.down_proj.weight": rnd(D, F)})
-            continue
-        Fs = Fe * config.n_shared_experts
-        t.update({f"{p}.mlp.gate.weight": rnd(E, D, std=0.1), f"{p}.mlp.shared_experts.gate_proj.weight": rnd(Fs, D),
-                  f"{p}.mlp.shared_experts.up_proj.weight": rnd(Fs, D),
-                  f"{p}.mlp.shared_experts.down_proj.weight": rnd(D, Fs)})
-        for e in range(E):
-            t.update({f"{p}.mlp.experts.{e}.gate_proj.weight": rnd(Fe, D),
-                      f"{p}.mlp.experts.{e}.up_proj.weight": rnd(Fe, D),
-                      f"{p}.mlp.experts.{e}.down_proj.weight": rnd(D, Fe)})
-    config.save_pretrained(path)
-    save_file(t, str(path / "model.safetensors.partial"), metadata={"format": "pt"})
-    os.replace(path / "model.safetensors.partial", done)
-    return path
+    return write_dummy_deepseek_checkpoint(path, {**DEEPSEEK_V2_LITE, **(QUICK if quick else {}),
+                                                  "num_hidden_layers": layers})
 
 
 def run_tiered(path: Path, config: EngineConfig, prompt: list[int], new_tokens: int, repeats: int,
@@ -224,7 +172,7 @@ def main() -> None:
                Column("TTFT vs transformers", "ttft_speedup", "{:.2f}x"),
                Column("KV bytes/token", "kv_bytes_per_token", "{:,}"),
                Column("greedy tokens equal to transformers' (first)", "same_tokens")]
-    shape = {**V2_LITE, **(QUICK if args.quick else {}), "num_hidden_layers": layers}
+    shape = {**DEEPSEEK_V2_LITE, **(QUICK if args.quick else {}), "num_hidden_layers": layers}
     settings = {"shape": shape, "checkpoint_bytes": size, "prompt_tokens": args.prompt_tokens,
                 "new_tokens": new_tokens, "repeats": repeats, "cpu_memory_disk_row": cpu_mem,
                 "threads": torch.get_num_threads()}

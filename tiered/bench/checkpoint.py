@@ -258,3 +258,74 @@ class _ShardWriter:
         self.file.close()
         if exc_type is None and self.pending:
             raise ValueError(f"tensors never written: {sorted(self.pending)[:3]}")
+
+
+# DeepSeek-V2-Lite's config.json (deepseek-ai/DeepSeek-V2-Lite) as transformers' deepseek_v2 reads it
+DEEPSEEK_V2_LITE = dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], vocab_size=102400,
+                        hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                        num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2,
+                        num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1, kv_lora_rank=512,
+                        q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        topk_method="greedy", n_group=None, topk_group=None, routed_scaling_factor=1.0,
+                        norm_topk_prob=False, max_position_embeddings=163840, rms_norm_eps=1e-6,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                                         "mscale": 0.707, "mscale_all_dim": 0.707},
+                        bos_token_id=100000, eos_token_id=100001, tie_word_embeddings=False, hidden_act="silu",
+                        attention_bias=False, dtype="bfloat16")
+
+
+def write_dummy_deepseek_checkpoint(path: str | os.PathLike, config: dict, dtype: torch.dtype = torch.bfloat16,
+                                    seed: int = 0) -> Path:
+    """A transformers `deepseek_v2` directory (config.json + model.safetensors) with random weights.
+
+    Args:
+        config: config.json's fields (e.g. DEEPSEEK_V2_LITE, or it with fewer layers / narrower widths);
+            q_lora_rank must be None (a full q_proj).
+        dtype: the tensors' dtype. Weights are Gaussian, std 0.02; routers 0.1 (tokens spread over the
+            experts); norms 1.
+    Returns the directory (written once: an existing complete one is kept). Holds every tensor in
+    memory until it is written (4.5 GB for 4 of V2-Lite's layers in bf16).
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    done = path / "model.safetensors"
+    if done.is_file() and (path / "config.json").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    c = config
+    D, V, H = c["hidden_size"], c["vocab_size"], c["num_attention_heads"]
+    n, r, v, R = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    F, Fe, E = c["intermediate_size"], c["moe_intermediate_size"], c["n_routed_experts"]
+    Fs = Fe * c["n_shared_experts"]
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+    t = {"model.embed_tokens.weight": rnd(V, D), "lm_head.weight": rnd(V, D), "model.norm.weight": torch.ones(D, dtype=dtype)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        t.update({f"{p}.input_layernorm.weight": torch.ones(D, dtype=dtype),
+                  f"{p}.post_attention_layernorm.weight": torch.ones(D, dtype=dtype),
+                  f"{p}.self_attn.q_proj.weight": rnd(H * (n + r), D),
+                  f"{p}.self_attn.kv_a_proj_with_mqa.weight": rnd(R + r, D),
+                  f"{p}.self_attn.kv_a_layernorm.weight": torch.ones(R, dtype=dtype),
+                  f"{p}.self_attn.kv_b_proj.weight": rnd(H * (n + v), R),
+                  f"{p}.self_attn.o_proj.weight": rnd(D, H * v)})
+        if i < c["first_k_dense_replace"]:
+            t.update({f"{p}.mlp.{k}_proj.weight": rnd(*((F, D) if k != "down" else (D, F))) for k in ("gate", "up", "down")})
+            continue
+        t[f"{p}.mlp.gate.weight"] = rnd(E, D, std=0.1)
+        t.update({f"{p}.mlp.shared_experts.{k}_proj.weight": rnd(*((Fs, D) if k != "down" else (D, Fs)))
+                  for k in ("gate", "up", "down")})
+        for e in range(E):
+            t.update({f"{p}.mlp.experts.{e}.{k}_proj.weight": rnd(*((Fe, D) if k != "down" else (D, Fe)))
+                      for k in ("gate", "up", "down")})
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(t, str(path / "model.safetensors.partial"), metadata={"format": "pt"})
+    os.replace(path / "model.safetensors.partial", done)
+    return path

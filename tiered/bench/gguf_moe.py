@@ -227,8 +227,11 @@ def active_bytes_per_token(path: str | os.PathLike) -> dict | None:
     E = int(r.fields[f"{arch}.expert_count"].contents())
     k = int(r.fields[f"{arch}.expert_used_count"].contents())
     parts = {"experts (top-k of E)": 0, "attention and router": 0, "embedding / output": 0, "norms": 0}
+    untied = any(t.name == "output.weight" for t in r.tensors)
     for t in r.tensors:
         n = int(t.n_bytes)
+        if untied and t.name == "token_embd.weight":
+            continue  # one row per token: the output matrix is its own tensor
         if "_exps." in t.name:
             parts["experts (top-k of E)"] += n * k // E
         elif t.name.startswith(("token_embd", "output.")):
@@ -238,4 +241,5 @@ def active_bytes_per_token(path: str | os.PathLike) -> dict | None:
         else:
             parts["attention and router"] += n
     return {"bytes": sum(parts.values()), "breakdown": parts,
-            "note": f"{k} of {E} experts per layer; the embedding counted once (tied output matrix)"}
+            "note": f"{k} of {E} experts per layer; " + ("the output matrix (the embedding: one row)" if untied
+                                                          else "the embedding counted once (tied output matrix)")}

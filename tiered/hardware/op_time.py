@@ -226,6 +226,14 @@ def moe_layer_overhead(profile: HardwareProfile) -> float:
     return max(0.0, moe.beta - dense.beta) if moe is not None and dense is not None else 0.0
 
 
+def mla_layer_overhead(profile: HardwareProfile) -> float | None:
+    """Seconds of one DeepSeek layer's fixed cost in a CPU decode step (latent attention and the MoE
+    block run as modules: the slope of runtime/mla_step/bf16, a tiny DeepSeek-V2's step, n = layers),
+    in place of step_overhead's per-layer cost and moe_layer_overhead; None when not profiled."""
+    m = profile.models.get("runtime/mla_step/bf16")
+    return m.beta if m is not None else None
+
+
 def step_overhead(profile: HardwareProfile, dtype: str, device: str = "cpu",
                   graphed: str | None = None) -> tuple[float, float]:
     """(per step, per layer) seconds of the model code's own fixed costs in a decode step: module

@@ -30,6 +30,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     runtime/decode_step_graphed_gpu/<dtype>  the same stepped through piecewise CUDA graphs
                                  (runtime/graphs.PiecewiseGraphs; CUDA only)
     runtime/decode_step_graph_gpu/<dtype>    the same as one CUDA graph a step (DecodeGraphs)
+    runtime/mla_step/bf16  the same for a tiny DeepSeek-V2 model (latent attention, DeepSeek's router
+                                 and shared expert; every layer its modules)
     runtime/moe_step/bf16  the same for a tiny MoE model opened by the engine (router, top-k and
                          the expert runner per MoE layer; every expert in RAM)   n = layers
     copy/{h2d,d2h}_{pinned,pageable}   (CUDA only)             n = bytes
@@ -688,6 +690,40 @@ def _moe_step_points(repeats: int) -> list[tuple[float, float]]:
     return points
 
 
+def _mla_step_points(repeats: int) -> list[tuple[float, float]]:
+    """(layers, seconds) of one decode step of tiny DeepSeek-V2-shaped models (hidden 64, multi-head
+    latent attention with 4 heads, a latent of 32 and a RoPE key of 8; 8 experts, top-2, one shared
+    expert, every layer MoE; bf16, every expert in RAM) with 2..8 layers, opened by the engine (plan
+    "off"). The native step runs no latent attention: each such layer is its modules (the attention
+    in the latent space, DeepSeek's router, the expert runner, the shared expert), whose fixed cost
+    per layer is the slope (runtime/mla_step/bf16), where runtime/moe_step's layers run in C++."""
+    from tiered.bench.checkpoint import DEEPSEEK_V2_LITE, write_dummy_deepseek_checkpoint
+    from tiered.config import EngineConfig
+    from tiered.engine.llm import LLM
+
+    tiny = dict(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+                num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                first_k_dense_replace=0, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                max_position_embeddings=128, bos_token_id=0, eos_token_id=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    points = []
+    with tempfile.TemporaryDirectory(prefix="tiered-profile-mla-") as tmp:
+        for layers in (2, 4, 8):
+            path = write_dummy_deepseek_checkpoint(Path(tmp) / f"mla-{layers}",
+                                                   {**DEEPSEEK_V2_LITE, **tiny, "num_hidden_layers": layers})
+            llm = LLM(path, EngineConfig(accelerator="none", dtype="bfloat16", decode_weights="bf16", plan="off",
+                                         max_context=64))
+            try:
+                step, cache = llm.runtime.cpu_decode, llm._kv_cache(1, 64)
+                slots, ids, pos = torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[32]])
+                with torch.inference_mode():
+                    llm.model(torch.ones(1, 32, dtype=torch.long), torch.arange(32).unsqueeze(0), slots, cache)
+                    points.append((float(layers), median_time(lambda: step(ids, pos, slots, cache), repeats)))
+            finally:
+                llm.close()
+    return points
+
+
 def _moe_cpu_layer_points(repeats: int, device: str = "cuda") -> list[tuple[float, float]]:
     """(layers, seconds) of one decode step of tiny Mixtral-shaped models (hidden 64, 8 experts, top-2, bf16)
     with 2, 4 and 8 layers, opened by the engine on `device` ("cuda"; "host", the stand-in, in tests) with
@@ -918,7 +954,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # HostSlab, which prices CPU experts where gemv_dram had (69 GB/s on the H100's host against ~90 streamed).
 # On CUDA machines also meta["host_share"] (a CPU expert's and an H2D copy's slowdown when they run at once)
 # and runtime/moe_cpu_layer_gpu/bf16 (a tiny MoE's decode layers with every expert on the CPU path).
-PROFILER_VERSION = 17
+# 18: runtime/mla_step/bf16 (a tiny DeepSeek-V2's decode layers: latent attention and DeepSeek's MoE block
+# as modules inside the CPU decode step).
+PROFILER_VERSION = 18
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -1007,6 +1045,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     for dtype in ("fp32", "bf16"):
         b.attempt(f"runtime/decode_step/{dtype}", lambda d=dtype: _decode_step_points(r, d))
     b.attempt("runtime/moe_step/bf16", lambda: _moe_step_points(r))
+    b.attempt("runtime/mla_step/bf16", lambda: _mla_step_points(r))
     b.say(f"runtime/task: {b.models['runtime/task'].alpha:.3g} s")
     # disk
     disk_sizes = [1, 4, 16] if quick else [1, 4, 16, 64, 128]

@@ -170,7 +170,8 @@ def step_weight_bytes(cfg: ModelConfig, dtype: str, moe_layers: list[int] | None
     total = d * cfg.vocab_size
     for i in range(cfg.num_hidden_layers):
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
-        ffn = (d * cfg.num_experts + cfg.num_experts_per_tok * 3 * d * cfg.moe_intermediate_size if is_moe
+        ffn = (d * cfg.num_experts + 3 * d * (cfg.num_experts_per_tok * cfg.moe_intermediate_size
+                                              + cfg.shared_expert_intermediate_size) if is_moe
                else 3 * d * cfg.intermediate_size)
         total += attn + ffn
     return total * bpe
@@ -240,6 +241,9 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     # the model code's own fixed costs (module calls, small ops) per layer and per step, when profiled
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     moe_fixed = op_time.moe_layer_overhead(hw)  # the MoE block's own code, beyond a dense layer's
+    mla = op_time.mla_layer_overhead(hw) if cfg.is_mla else None
+    if mla is not None:  # DeepSeek's layers run as modules: their own measured fixed cost
+        per_layer, moe_fixed = mla, 0.0
     ws = step_weight_bytes(cfg, dtype, moe_layers, mix)  # beyond the last-level cache: DRAM's rate
     layers = []
     for i in range(cfg.num_hidden_layers):
@@ -254,6 +258,9 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             ekind = op_time.gemv_dtype((experts_format or dtype).split(",")[0], expert_act)
             eb = sizes.expert_bytes(cfg, experts_format) if experts_format else 3 * d * F * bpe
             t += _gemv(hw, dtype, d * cfg.num_experts * bpe, working_set=ws) + moe_fixed
+            Fs = cfg.shared_expert_intermediate_size  # the always-on shared expert(s): a dense SwiGLU
+            if Fs:
+                t += _projections(hw, dtype, mix, 3 * d * Fs, 2 if native_fused_projections(hw, dtype) else 3, ws)
             res, hit = hits.rates(i) if hits is not None else (1.0, 0.0)
             misses = k * (1 - res - hit)
             if misses <= 1e-9 and native_step(hw):
@@ -400,6 +407,9 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             edt = experts_dtype or dtype
             eb = 3 * d * F * bpe
             t += op_time.gemm_time(hw, "cpu", dtype, T * d * E, d * E * bpe)  # router
+            Fs = cfg.shared_expert_intermediate_size
+            if Fs:  # the shared expert(s), a dense FFN every token runs
+                t += gemm(dtype, 3 * T * d * Fs, 3 * d * Fs * bpe, 3, T > GEMM_ROWS)
             stored = experts_format or edt
             ebytes = 3 * d * F * op_time.bytes_per_element(edt)
             if stored == edt and s <= expert_native_rows(hw, stored):  # tiered's native kernel
