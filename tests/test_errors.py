@@ -113,25 +113,18 @@ def test_unsupported_architecture(tmp_path, archs, named):
     check(e, "unsupported architecture", named)
 
 
-def test_unsupported_rope_scaling(zoo, tmp_path):
+@pytest.mark.parametrize("rope_type, error, words", [
+    ("longrope", UnsupportedModelError, ("longrope",)),
+    # YaRN (DeepSeek's, Qwen2.5's long context) needs the context it was trained at
+    ("yarn", CheckpointError, ("original_max_position_embeddings", "missing"))])
+def test_unsupported_or_incomplete_rope_scaling(zoo, tmp_path, rope_type, error, words):
     d = copy_dir(zoo, "llama", tmp_path)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": rope_type, "factor": 4.0, "rope_theta": 10000.0}
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError) as e:
+    with pytest.raises(error) as e:
         open_checkpoint(d)
-    check(e, "longrope")
-
-
-def test_yarn_rope_without_its_original_context_is_refused(zoo, tmp_path):
-    """YaRN (DeepSeek's RoPE) needs the context it was trained at: a config without it is named."""
-    d = copy_dir(zoo, "llama", tmp_path)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
-    (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError) as e:
-        open_checkpoint(d)
-    check(e, "original_max_position_embeddings", "missing")
+    check(e, *words)
 
 
 def test_mlp_bias_is_refused(zoo, tmp_path):

@@ -668,8 +668,6 @@ def _moe_step_points(repeats: int) -> list[tuple[float, float]]:
     fixed cost per step and per MoE layer (runtime/moe_step/bf16, n = layers), which
     runtime/decode_step's dense layers do not have."""
     from tiered.bench.checkpoint import ModelShape, write_dummy_checkpoint
-    from tiered.config import EngineConfig
-    from tiered.engine.llm import LLM
 
     points = []
     with tempfile.TemporaryDirectory(prefix="tiered-profile-moe-") as tmp:
@@ -677,17 +675,26 @@ def _moe_step_points(repeats: int) -> list[tuple[float, float]]:
             shape = ModelShape(layers=layers, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=64, experts=8, top_k=2,
                                max_position_embeddings=128)
             path = write_dummy_checkpoint(Path(tmp) / f"moe-{layers}", shape)
-            llm = LLM(path, EngineConfig(accelerator="none", dtype="bfloat16", decode_weights="bf16", plan="off",
-                                         max_context=64))
-            try:
-                step, cache = llm.runtime.cpu_decode, llm._kv_cache(1, 64)
-                slots, ids, pos = torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[32]])
-                with torch.inference_mode():
-                    llm.model(torch.ones(1, 32, dtype=torch.long), torch.arange(32).unsqueeze(0), slots, cache)
-                    points.append((float(layers), median_time(lambda: step(ids, pos, slots, cache), repeats)))
-            finally:
-                llm.close()
+            points.append((float(layers), _engine_decode_step(path, repeats)))
     return points
+
+
+def _engine_decode_step(path: Path, repeats: int) -> float:
+    """Median seconds of one CPU decode step (after a 32-token prompt) of the checkpoint at `path`
+    opened by the engine: bf16, bf16 decode copies, plan "off" (the runtime's rules)."""
+    from tiered.config import EngineConfig
+    from tiered.engine.llm import LLM
+
+    llm = LLM(path, EngineConfig(accelerator="none", dtype="bfloat16", decode_weights="bf16", plan="off",
+                                 max_context=64))
+    try:
+        step, cache = llm.runtime.cpu_decode, llm._kv_cache(1, 64)
+        slots, ids, pos = torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[32]])
+        with torch.inference_mode():
+            llm.model(torch.ones(1, 32, dtype=torch.long), torch.arange(32).unsqueeze(0), slots, cache)
+            return median_time(lambda: step(ids, pos, slots, cache), repeats)
+    finally:
+        llm.close()
 
 
 def _mla_step_points(repeats: int) -> list[tuple[float, float]]:
@@ -698,8 +705,6 @@ def _mla_step_points(repeats: int) -> list[tuple[float, float]]:
     in the latent space, DeepSeek's router, the expert runner, the shared expert), whose fixed cost
     per layer is the slope (runtime/mla_step/bf16), where runtime/moe_step's layers run in C++."""
     from tiered.bench.checkpoint import DEEPSEEK_V2_LITE, write_dummy_deepseek_checkpoint
-    from tiered.config import EngineConfig
-    from tiered.engine.llm import LLM
 
     tiny = dict(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
                 num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
@@ -711,16 +716,7 @@ def _mla_step_points(repeats: int) -> list[tuple[float, float]]:
         for layers in (2, 4, 8):
             path = write_dummy_deepseek_checkpoint(Path(tmp) / f"mla-{layers}",
                                                    {**DEEPSEEK_V2_LITE, **tiny, "num_hidden_layers": layers})
-            llm = LLM(path, EngineConfig(accelerator="none", dtype="bfloat16", decode_weights="bf16", plan="off",
-                                         max_context=64))
-            try:
-                step, cache = llm.runtime.cpu_decode, llm._kv_cache(1, 64)
-                slots, ids, pos = torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[32]])
-                with torch.inference_mode():
-                    llm.model(torch.ones(1, 32, dtype=torch.long), torch.arange(32).unsqueeze(0), slots, cache)
-                    points.append((float(layers), median_time(lambda: step(ids, pos, slots, cache), repeats)))
-            finally:
-                llm.close()
+            points.append((float(layers), _engine_decode_step(path, repeats)))
     return points
 
 
