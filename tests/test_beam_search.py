@@ -92,10 +92,11 @@ def moe_params(rt, kind: str) -> tuple[list[int], BeamSearchParams]:
     return ids, BeamSearchParams(width=4, max_tokens=10, stop_token_ids=stop, ignore_eos=True)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_moe_beams_behind_the_host_accelerator_match_transformers(rt, kind):
     """Experts in CPU RAM behind the strict host stand-in, 2 cache slots: a step's 4 beams are rows of
-    the dispatch (CPU or copied), and the KV rows move between slots on the device."""
+    the dispatch (CPU or copied), and the KV rows move between slots on the device (DeepSeek's: the
+    latent attention's one latent row per position)."""
     s = rt.sizes(kind)
     ids, p = moe_params(rt, kind)
     with LLM(rt.dir(kind), engine_config(accelerator="host", max_batch=p.width, expert_cache_slots=2,

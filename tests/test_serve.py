@@ -284,13 +284,15 @@ def test_concurrent_streaming_clients_batch_together(server, slow_steps):
     assert m["tiered_time_to_first_token_seconds_count"] >= len(PROMPTS)
 
 
-def test_moe_under_a_budget_batches_requests(rt, zoo, tmp_path, slow_steps):
-    """A tiny Mixtral behind the host stand-in, experts in CPU RAM with a 2-slot cache, 2 KV slots:
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+def test_moe_under_a_budget_batches_requests(rt, zoo, tmp_path, slow_steps, kind):
+    """A tiny Mixtral (or DeepSeek-V3: latent attention's masked decode over slots of different
+    lengths) behind the host stand-in, experts in CPU RAM with a 2-slot cache, 2 KV slots:
     concurrent requests equal LLM.generate, within the budget; /metrics shows the expert hit rate."""
-    d = tmp_path / "mixtral"
-    shutil.copytree(rt.dir("mixtral"), d)
+    d = tmp_path / kind
+    shutil.copytree(rt.dir(kind), d)
     zoo.tokenizer.save_pretrained(d)  # to stream text; prompts stay token ids below the MoE vocab
-    s = rt.sizes("mixtral")
+    s = rt.sizes(kind)
     llm = LLM(d, engine_config(accelerator="host", gpu_memory=s.fast(cache_slots=2) + s.kv, cpu_memory="64MiB",
                                expert_cache_slots=2))
     try:
