@@ -376,3 +376,32 @@ def test_default_decode_weights_generate(moe):
     assert rel_err(llm.logits(ids), ref) <= 3e-2
     lossless = moe.llm("qwen2_moe", decode_weights="auto", dtype="float32")
     assert rel_err(lossless.logits(ids), ref) <= REL_TOL
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_latent_attention_decodes_through_native_absorbed_kernels(moe, kind):
+    """The CPU's default engine gives each latent attention bf16 per-head copies of kv_b_proj's halves,
+    run by tiered's kernels in a decode step; its logits stay those of the fp32 matmuls up to bf16
+    rounding, and the planner's byte count holds what the engine holds."""
+    from tiered import kernels
+    from tiered.models.deepseek import LatentAttention
+
+    if not kernels.available():
+        pytest.skip("tiered/kernels is not built")
+    llm = LLM(moe.dir(kind), EngineConfig(max_context=64, accelerator="none"))
+    attns = [m for m in llm.model.modules() if isinstance(m, LatentAttention)]
+    assert attns and all(a.absorbed is not None for a in attns)
+    ids = prompt(12, seed=5)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    native = llm.generate([ids], sp)[0]
+    saved = [a.absorbed for a in attns]
+    for a in attns:
+        a.absorbed = None
+    try:
+        plain = llm.generate([ids], sp)[0]
+    finally:
+        for a, s in zip(attns, saved):
+            a.absorbed = s
+    assert native.token_ids[:3] == plain.token_ids[:3]
+    assert llm.fast_budget.peak <= llm.plan.memory["cpu"]
+    llm.close()

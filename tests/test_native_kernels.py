@@ -722,3 +722,20 @@ def test_k_quant_blocks_repack_natively_bit_for_bit():
     assert torch.equal(got[0], qt) and torch.equal(got[1].view(torch.int16), st.view(torch.int16))
     with pytest.raises(RuntimeError, match="st_out: must be a contiguous CPU Half tensor"):
         ext.q6k_blocks_tiled(torch.from_numpy(raw6), None, st.float())
+
+
+def test_run_grouped_is_each_kernel_on_its_rows():
+    """run_grouped(kernels, x [G, B, K]) -> [G, B, N], row block g through kernels[g] (latent
+    attention's per-head absorbed matrices); mismatched kernels or x are refused."""
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(24, 32, generator=g).to(torch.bfloat16) for _ in range(3)]
+    ks = [ext.bf16_kernel(w) for w in ws]
+    x = torch.randn(3, 2, 32, generator=g)
+    y = ext.run_grouped(ks, x)
+    assert y.shape == (3, 2, 24) and y.dtype == torch.float32
+    for i, k in enumerate(ks):
+        assert torch.equal(y[i], k(x[i]))
+    with pytest.raises(RuntimeError, match="run_grouped"):
+        ext.run_grouped(ks, x[:2].contiguous())  # 2 row blocks for 3 kernels
+    with pytest.raises(RuntimeError, match="run_grouped"):
+        ext.run_grouped(ks + [ext.bf16_kernel(torch.randn(8, 32).to(torch.bfloat16))], torch.randn(4, 2, 32))

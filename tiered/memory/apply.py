@@ -162,6 +162,10 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
                               "built", "build them (python -m tiered.kernels) or re-plan (--plan auto)")
         extra += install_decode_weights(model, checkpoint, decode, plan.decode_threshold, dense=not one_copy,
                                         skip=skip, int4_layout=plan.int4_layout, batch_act=plan.batch_act)
+        if one_copy and cfg.is_mla and available():  # latent attention's absorbed halves, bf16 per head
+            from tiered.kernels import load
+            from tiered.models.deepseek import LatentAttention
+            extra += sum(m.install_absorbed(load()) for m in model.modules() if isinstance(m, LatentAttention))
         fast_budget.reserve(extra, "the decode-format weight copies")
     if accelerator is None:  # CPU decode streams these from RAM every token: onto huge pages (TLB)
         from tiered.memory.host import release_load_memory

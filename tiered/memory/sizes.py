@@ -113,9 +113,9 @@ def one_copy_weight_bytes(cfg: ModelConfig, fmt: str, copies: dict[str, float],
     """Bytes of the model's parameters in the CPU's one-copy mode (Plan.dense_copies False): those with a
     decode copy (`decode_copied`) as the copy, in `copies`' formats by share of their elements
     (format -> share, e.g. {"int4": 1.0}), every other (embedding, norms, routers, kv_b_proj) in the
-    dense format `fmt`; `skip`ped names (routed experts) left out. A GGUF file's block-quantized
+    dense format `fmt`, latent attention's kv_b_proj also as its bf16 decode copy; `skip`ped names (routed experts) left out. A GGUF file's block-quantized
     embedding, kept in its blocks, is counted dense: an upper bound."""
-    dense = copied = 0
+    dense = copied = latent = 0
     copies_of = decode_copied(cfg)
     for name, n in _param_counts(cfg):
         if skip is not None and skip(name):
@@ -124,7 +124,10 @@ def one_copy_weight_bytes(cfg: ModelConfig, fmt: str, copies: dict[str, float],
             copied += n
         else:
             dense += n
-    return dense * bytes_per_element(fmt) + copied * sum(share * bytes_per_element(k) for k, share in copies.items())
+            latent += n if name.endswith(".self_attn.kv_b_proj.weight") else 0
+    # latent attention's kv_b_proj also has a bf16 copy for the CPU decode step (LatentAttention.install_absorbed)
+    return (dense * bytes_per_element(fmt) + latent * bytes_per_element("bf16")
+            + copied * sum(share * bytes_per_element(k) for k, share in copies.items()))
 
 
 def weight_bytes(cfg: ModelConfig, fmt: str, skip: Callable[[str], bool] | None = None) -> int:

@@ -90,10 +90,37 @@ class LatentAttention(nn.Module):
         self.o_proj = nn.Linear(H * self.v, D, bias=bias)
         self.interleave = config.rope_interleave
         self._pairs: dict = {}  # device -> int64 [r]: the even RoPE dimensions, then the odd ones
+        self.absorbed: tuple | None = None  # install_absorbed's native per-head kernels (CPU decode)
         self.scale = qk ** -0.5
         s = config.rope_scaling
         if s is not None and s.get("rope_type") == "yarn" and s.get("mscale_all_dim"):
             self.scale *= yarn_mscale(s["factor"], s["mscale_all_dim"]) ** 2
+
+    def install_absorbed(self, ext) -> int:
+        """Give the CPU decode step bf16 copies of kv_b_proj's halves in GEMV layout, per head W_UK^T
+        [R, n] and W_UV [v, R] (llama.cpp's attn_k_b / attn_v_b), each a native bf16 kernel of
+        tiered/kernels (`ext`), run as one `run_grouped` call per half: the absorbed products read
+        half the bytes of the fp32 weight (V2-Lite: 4 of 8 MB a layer a token) without torch's
+        batched matmuls (in fp32 ~270 us a layer on 2 Zen 4 cores; these ~110). Returns the copies'
+        bytes. The dense weight stays for prompts (expanded attention)."""
+        H, n, v, R = self.H, self.n, self.v, self.R
+        w = self.kv_b_proj.weight.detach().view(H, n + v, R)
+        uk = w[:, :n].transpose(1, 2).to(torch.bfloat16).contiguous()  # [H, R, n]
+        uv = w[:, n:].to(torch.bfloat16).contiguous()  # [H, v, R]
+        self.absorbed = ([ext.bf16_kernel(uk[h]) for h in range(H)], [ext.bf16_kernel(uv[h]) for h in range(H)],
+                         ext.run_grouped, (uk, uv))
+        return 2 * (uk.numel() + uv.numel())
+
+    def _absorbed_native(self, q_nope: torch.Tensor, meta: AttentionMetadata, q_pe: torch.Tensor,
+                         cached: torch.Tensor) -> torch.Tensor:
+        """The absorbed decode step through install_absorbed's kernels: q_nope [B, H, 1, n] -> [B, H, 1, v]."""
+        ks_uk, ks_uv, run, _ = self.absorbed
+        B, H = q_nope.shape[0], self.H
+        q_lat = run(ks_uk, q_nope.view(B, H, -1).transpose(0, 1).float().contiguous())  # [H, B, R] fp32
+        q_lat = q_lat.transpose(0, 1).unsqueeze(2).to(q_pe.dtype)  # [B, H, 1, R]
+        o_lat = _latent_attend(torch.cat((q_lat, q_pe), -1), cached, self.R, meta.mask, self.scale)
+        out = run(ks_uv, o_lat.view(B, H, -1).transpose(0, 1).float().contiguous())  # [H, B, v]
+        return out.transpose(0, 1).unsqueeze(2).to(q_pe.dtype)
 
     def _rotate(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [B, h, T, r] -> rotated (pairs gathered first when interleaved)."""
@@ -121,7 +148,9 @@ class LatentAttention(nn.Module):
         # in the model's dtype: torch's bf16 batched matmuls of these shapes run 2-5x slower than fp32
         # ones on the CPU (V2-Lite's widths, 27 layers, 2 Zen 4 cores: ~560 against ~295 us a layer)
         w = self.kv_b_proj.weight.view(H, n + v, R)
-        if T == 1:  # absorbed: attend over the latents, one shared "KV head" of R + r
+        if T == 1 and self.absorbed is not None and not x.is_cuda:  # absorbed, tiered's kernels
+            out = self._absorbed_native(q_nope, meta, q_pe.to(q.dtype), cached)
+        elif T == 1:  # absorbed: attend over the latents, one shared "KV head" of R + r
             q_lat = torch.matmul(q_nope, w[:, :n].to(q.dtype))  # [B, H, 1, R]
             o_lat = _latent_attend(torch.cat((q_lat, q_pe.to(q_lat.dtype)), -1), cached, R, meta.mask, self.scale)
             out = torch.matmul(o_lat, w[:, n:].transpose(1, 2).to(o_lat.dtype))  # [B, H, 1, v]

@@ -154,6 +154,28 @@ at::Tensor q8_0_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t di
   return out;
 }
 
+// y [G, B, N_g] = for each group g, kernels[g](x [G, B, K] row block g): G independent projections in
+// one call (latent attention's per-head absorbed matrices, models/deepseek.py). x fp32 contiguous
+// [G, B, K]; every kernel takes K inputs and gives N outputs. The GIL is released; each kernel's run
+// may use torch's OpenMP team, one group after another.
+at::Tensor run_grouped(const std::vector<KernelPtr>& kernels, const at::Tensor& x) {
+  const int64_t G = int64_t(kernels.size());
+  TIERED_CHECK(G > 0 && x.dim() == 3 && x.size(0) == G && x.scalar_type() == at::kFloat && x.is_contiguous(),
+               "run_grouped: x must be contiguous float32 [G, B, K] with G = ", G, " kernels, got ", x.sizes());
+  const int64_t B = x.size(1), K = kernels[0]->in_features, N = kernels[0]->out_features;
+  for (const auto& k : kernels)
+    TIERED_CHECK(k && k->in_features == K && k->out_features == N && x.size(2) == K,
+                 "run_grouped: every kernel must map ", x.size(2), " inputs to ", N, " outputs");
+  auto y = at::empty({G, B, N}, at::TensorOptions().dtype(at::kFloat));
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  {
+    pybind11::gil_scoped_release nogil;
+    for (int64_t g = 0; g < G; ++g) kernels[g]->run(xp + g * B * K, B, yp + g * B * N);
+  }
+  return y;
+}
+
 }  // namespace
 
 void register_kernels(pybind11::module& m) {
@@ -166,6 +188,8 @@ void register_kernels(pybind11::module& m) {
       .def("weight_bytes", &Kernel::weight_bytes)
       .def("name", &Kernel::name)
       .def("__call__", &call_kernel, "x [B, K] any float dtype -> y [B, N] fp32");
+  m.def("run_grouped", &run_grouped, py::arg("kernels"), py::arg("x"),
+        "G projections in one call: x float32 [G, B, K] -> y float32 [G, B, N], y[g] = kernels[g](x[g]).");
   m.def("int4pack_kernel", [](at::Tensor packed, int64_t group, at::Tensor scales_zeros, int64_t in_features,
                               int64_t out_features, c10::optional<at::Tensor> bias) -> KernelPtr {
     auto k = std::make_shared<Int4PackKernel>();
