@@ -405,3 +405,23 @@ def test_latent_attention_decodes_through_native_absorbed_kernels(moe, kind):
     assert native.token_ids[:3] == plain.token_ids[:3]
     assert llm.fast_budget.peak <= llm.plan.memory["cpu"]
     llm.close()
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "mixtral"])
+def test_deepseek_routers_stay_fp32_in_a_bf16_engine(moe, kind):
+    """DeepSeek's routers and correction biases load in fp32 in a bf16 engine, as transformers keeps
+    them; the byte count the budgets use (memory/sizes.weight_bytes) counts them so. Other routers
+    follow the model's dtype."""
+    from tiered.memory import sizes
+
+    llm = LLM(moe.dir(kind), EngineConfig(max_context=32, dtype="bfloat16", decode_weights="fp32",
+                                          accelerator="none"))
+    gates = [b.gate for b in moe_blocks(llm.model)]
+    want = torch.float32 if kind.startswith("deepseek") else torch.bfloat16
+    assert all(g.weight.dtype == want for g in gates)
+    if kind == "deepseek_v3":
+        assert all(g.e_score_correction_bias.dtype == torch.float32 for g in gates)
+    held = sum(p.numel() * p.element_size() for n, p in llm.model.named_parameters()
+               if not p.is_meta and ".decode." not in n)  # the model's own weights, not the decode copies
+    assert held == sizes.weight_bytes(llm.config, "bf16", sizes.is_expert_param)
+    llm.close()

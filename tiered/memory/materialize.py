@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tiered.errors import CheckpointError
+from tiered.memory.sizes import kept_fp32
 
 
 def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -25,7 +26,8 @@ def materialize(model: nn.Module, checkpoint, dtype: torch.dtype, device: torch.
                 skip: Callable[[str], bool] | None = None, accelerator=None) -> int:
     """Fill every meta parameter of `model` from `checkpoint`, converted to `dtype` on `device`.
 
-    Norm weights and biases stay fp32-precise only if `dtype` is fp32, as in HF.
+    Norm weights and biases stay fp32-precise only if `dtype` is fp32, as in HF; DeepSeek's routers
+    are loaded in fp32 whatever `dtype` (memory/sizes.kept_fp32), as transformers keeps them.
 
     Args:
         model: module tree built under torch.device("meta"), HF parameter names.
@@ -53,7 +55,7 @@ def materialize(model: nn.Module, checkpoint, dtype: torch.dtype, device: torch.
         if tuple(handle.shape) != tuple(param.shape):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(handle.shape)}, config implies "
                                   f"{tuple(param.shape)}", "the checkpoint does not match its config")
-        t = handle.load(dtype)
+        t = handle.load(torch.float32 if kept_fp32(cfg, name) else dtype)
         t = accelerator.to_device(t) if accelerator is not None else t.to(device)
         _set_param(model, name, t)
         total += t.numel() * t.element_size()

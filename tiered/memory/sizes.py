@@ -122,7 +122,7 @@ def one_copy_weight_bytes(cfg: ModelConfig, fmt: str, copies: dict[str, float],
             continue
         if name in copies_of:
             copied += n
-        else:
+        else:  # (the one-copy mode computes in fp32: kept_fp32 weights are at fmt's bytes)
             dense += n
             latent += n if name.endswith(".self_attn.kv_b_proj.weight") else 0
     # latent attention's kv_b_proj also has a bf16 copy for the CPU decode step (LatentAttention.install_absorbed)
@@ -130,11 +130,25 @@ def one_copy_weight_bytes(cfg: ModelConfig, fmt: str, copies: dict[str, float],
             + copied * sum(share * bytes_per_element(k) for k, share in copies.items()))
 
 
+def kept_fp32(cfg: ModelConfig, name: str) -> bool:
+    """Whether parameter `name` is held in fp32 whatever the model's dtype: DeepSeek's routers and
+    their score-correction biases, which transformers keeps in fp32 (`_keep_in_fp32_modules_strict`;
+    sigmoid scores plus a bias choose among close experts) and `materialize` loads so."""
+    return cfg.topk_method != "softmax" and name.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"))
+
+
 def weight_bytes(cfg: ModelConfig, fmt: str, skip: Callable[[str], bool] | None = None) -> int:
     """Bytes `materialize` allocates for the model's parameters in dense format `fmt`, leaving out
-    those for which `skip(name)` is True (tied lm_head counted once). Exact, in bytes."""
-    n = sum(n for name, n in _param_counts(cfg) if skip is None or not skip(name))
-    return int(n * bytes_per_element(fmt))
+    those for which `skip(name)` is True (tied lm_head counted once; `kept_fp32` ones at 4 bytes).
+    Exact, in bytes."""
+    n = f32 = 0
+    for name, k in _param_counts(cfg):
+        if skip is None or not skip(name):
+            if kept_fp32(cfg, name):
+                f32 += k
+            else:
+                n += k
+    return int(n * bytes_per_element(fmt) + f32 * 4)
 
 
 def skip_params(cfg: ModelConfig, sliced_layers=()) -> Callable[[str], bool] | None:
