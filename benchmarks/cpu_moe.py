@@ -20,11 +20,11 @@ would be 17 GB in bf16) and its MoE block loops over experts in Python.
 
 With `--arch deepseek2` the file is DeepSeek-V2-Lite at its real widths and all 27 layers
 (tiered/bench/gguf_deepseek.py: multi-head latent attention, 64 experts of 1408 top-6 plus 2 shared,
-layer 0 dense; 8.4 GB in Q4_0), llama.cpp's current deepseek2 layout.
+layer 0 dense; 8.9 GB in Q4_0), llama.cpp's current deepseek2 layout.
 
 Usage:
     .venv/bin/python benchmarks/cpu_moe.py                 # 8 layers (2.9 GB file), ~6 min
-    .venv/bin/python benchmarks/cpu_moe.py --arch deepseek2   # DeepSeek-V2-Lite (27 layers, 8.4 GB)
+    .venv/bin/python benchmarks/cpu_moe.py --arch deepseek2   # DeepSeek-V2-Lite (27 layers, 8.9 GB, ~7 min)
     .venv/bin/python benchmarks/cpu_moe.py --layers 4 --quick --out /tmp/cpu_moe
     .venv/bin/python benchmarks/cpu_moe.py --qtype Q8_0    # Q8_0 attention and experts (5.4 GB)
 Results: benchmarks/results/cpu_moe.json and cpu_moe.md (cpu_moe_q8_0.* with --qtype Q8_0). The GGUF is cached under
