@@ -128,11 +128,10 @@ def main() -> None:
     path = write_checkpoint(Path(args.workdir) / name, layers, args.quick)
     print(f"checkpoint {path} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     size = (path / "model.safetensors").stat().st_size
-    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(2, min(vocab, 100000), (args.prompt_tokens,), generator=g).tolist()
-    context = args.prompt_tokens + new_tokens + 8
     cfg = json.loads((path / "config.json").read_text())
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(2, min(cfg["vocab_size"], 100000), (args.prompt_tokens,), generator=g).tolist()
+    context = args.prompt_tokens + new_tokens + 8
     experts = (3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * cfg["n_routed_experts"] * 2
                * (layers - cfg["first_k_dense_replace"]))
     # room for every non-expert weight (twice its bf16 bytes: the CPU computes the embedding and norms in

@@ -359,10 +359,6 @@ def dequantized_moe_model(model, qtype: GGMLQuantizationType):
     return m
 
 
-_TOKENIZER = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
-              "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
-
-
 def write_deepseek_gguf(model, path: Path, legacy: bool = False,
                         experts_qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
                         tokenizer_from: Path | None = None) -> Path:
@@ -431,12 +427,10 @@ def write_deepseek_gguf(model, path: Path, legacy: bool = False,
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     if tokenizer_from is None:
         w.add_tokenizer_model("none")
-    else:
-        fields = gguf.GGUFReader(tokenizer_from).fields
-        for key in _TOKENIZER:
-            if key in fields:
-                f = fields[key]
-                w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    else:  # the tokenizer keys as tiered's benchmark writers copy them
+        from tiered.bench.gguf_moe import add_tokenizer, read_tokenizer
+
+        add_tokenizer(w, read_tokenizer(tokenizer_from, c.vocab_size)[0])
 
     def put(name: str, a: np.ndarray, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> None:
         a = np.ascontiguousarray(a, dtype=np.float32)

@@ -233,8 +233,8 @@ class GGUFCheckpoint(HandleTable):
         self._handles: dict[str, TensorHandle] = {}
         split: dict[int, dict[str, object]] = {}  # layer -> {"k": attn_k_b, "v": attn_v_b} (latent attention)
         for t in self.reader.tensors:
-            m = _BLOCK_RE.match(t.name)
-            if self.arch == "deepseek2" and m and m.group(2) in ("attn_k_b", "attn_v_b"):
+            m = self.arch == "deepseek2" and _BLOCK_RE.match(t.name)
+            if m and m.group(2) in ("attn_k_b", "attn_v_b"):
                 split.setdefault(int(m.group(1)), {})[m.group(2)[5]] = t
                 continue
             hf = gguf_to_hf_name(t.name, self.config.model_type)

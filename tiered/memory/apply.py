@@ -162,7 +162,7 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
                               "built", "build them (python -m tiered.kernels) or re-plan (--plan auto)")
         extra += install_decode_weights(model, checkpoint, decode, plan.decode_threshold, dense=not one_copy,
                                         skip=skip, int4_layout=plan.int4_layout, batch_act=plan.batch_act)
-        if one_copy and cfg.is_mla and available():  # latent attention's absorbed halves, bf16 per head
+        if one_copy and cfg.is_mla and plan.native_decode:  # latent attention's absorbed halves, bf16 per head
             from tiered.kernels import load
             from tiered.models.deepseek import LatentAttention
             extra += sum(m.install_absorbed(load()) for m in model.modules() if isinstance(m, LatentAttention))

@@ -69,24 +69,31 @@ def ffn_param(layer: int) -> Callable[[str], bool]:
     return lambda name: name.startswith(prefix)
 
 
-_COUNTS: dict[str, tuple[tuple[str, int], ...]] = {}
+_TREES: dict[str, tuple[tuple[tuple[str, int], ...], frozenset[str]]] = {}
 
 
-def _param_counts(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
-    """(name, elements) of every parameter `materialize` fills, from the meta-device module tree."""
+def _tree(cfg: ModelConfig) -> tuple[tuple[tuple[str, int], ...], frozenset[str]]:
+    """The meta-device module tree of `cfg`, read once: ((name, elements) of every parameter
+    `materialize` fills, names of the weights that get a decode copy)."""
     key = repr(cfg)  # configs hold dicts (rope_scaling): not hashable, but their repr is exact
-    if key not in _COUNTS:
+    if key not in _TREES:
+        from torch import nn
+
         from tiered.models import build_model
 
         with torch.device("meta"):
             model = build_model(cfg, 1)
         tied = cfg.tie_word_embeddings
-        _COUNTS[key] = tuple((n, p.numel()) for n, p in model.named_parameters()
-                             if not (tied and n == "lm_head.weight"))
-    return _COUNTS[key]
+        counts = tuple((n, p.numel()) for n, p in model.named_parameters() if not (tied and n == "lm_head.weight"))
+        copied = frozenset(f"{name}.weight" for name, m in model.named_modules()
+                           if type(m) is nn.Linear and not is_expert_param(f"{name}.weight"))
+        _TREES[key] = counts, copied
+    return _TREES[key]
 
 
-_COPIED: dict[str, frozenset[str]] = {}
+def _param_counts(cfg: ModelConfig) -> tuple[tuple[str, int], ...]:
+    """(name, elements) of every parameter `materialize` fills, from the meta-device module tree."""
+    return _tree(cfg)[0]
 
 
 def decode_copied(cfg: ModelConfig) -> frozenset[str]:
@@ -94,18 +101,8 @@ def decode_copied(cfg: ModelConfig) -> frozenset[str]:
     which quant/linear.install_decode_weights swaps (attention and FFN projections, a shared expert's
     gate, the lm_head; not the routers nor latent attention's kv_b_proj, which are nn.Linear
     subclasses, nor routed experts, which the expert runtime holds). In the CPU's one-copy mode these
-    are held only as their copies (memory/apply.place_dense)."""
-    key = repr(cfg)
-    if key not in _COPIED:
-        from torch import nn
-
-        from tiered.models import build_model
-
-        with torch.device("meta"):
-            model = build_model(cfg, 1)
-        _COPIED[key] = frozenset(f"{name}.weight" for name, m in model.named_modules()
-                                 if type(m) is nn.Linear and not is_expert_param(f"{name}.weight"))
-    return _COPIED[key]
+    are held only as their copies (memory/apply.place_weights)."""
+    return _tree(cfg)[1]
 
 
 def one_copy_weight_bytes(cfg: ModelConfig, fmt: str, copies: dict[str, float],
@@ -113,8 +110,9 @@ def one_copy_weight_bytes(cfg: ModelConfig, fmt: str, copies: dict[str, float],
     """Bytes of the model's parameters in the CPU's one-copy mode (Plan.dense_copies False): those with a
     decode copy (`decode_copied`) as the copy, in `copies`' formats by share of their elements
     (format -> share, e.g. {"int4": 1.0}), every other (embedding, norms, routers, kv_b_proj) in the
-    dense format `fmt`, latent attention's kv_b_proj also as its bf16 decode copy; `skip`ped names (routed experts) left out. A GGUF file's block-quantized
-    embedding, kept in its blocks, is counted dense: an upper bound."""
+    dense format `fmt`, latent attention's kv_b_proj also as its bf16 decode copy
+    (LatentAttention.install_absorbed); `skip`ped names (routed experts) left out. A GGUF file's
+    block-quantized embedding, kept in its blocks, is counted dense: an upper bound."""
     dense = copied = latent = 0
     copies_of = decode_copied(cfg)
     for name, n in _param_counts(cfg):

@@ -38,8 +38,6 @@ class LatentProjection(nn.Linear):
     absorbed decode step reads it per head as a matrix."""
 
 
-
-
 def _latent_attend(q: torch.Tensor, cached: torch.Tensor, R: int, mask: torch.Tensor | None,
                    scale: float) -> torch.Tensor:
     """One decode token per sequence over its cached latents: q [B, H, 1, R + r], cached [B, 1, S, R + r],
@@ -145,12 +143,12 @@ class LatentAttention(nn.Module):
         cached, _ = cache.update(self.layer_idx, entry, entry[..., :0], meta)  # [B, 1, S, R + r]
         if cached.dtype != q.dtype:  # a 16-bit KV cache beside fp32 activations
             cached = cached.to(q.dtype)
-        # in the model's dtype: torch's bf16 batched matmuls of these shapes run 2-5x slower than fp32
-        # ones on the CPU (V2-Lite's widths, 27 layers, 2 Zen 4 cores: ~560 against ~295 us a layer)
-        w = self.kv_b_proj.weight.view(H, n + v, R)
-        if T == 1 and self.absorbed is not None and not x.is_cuda:  # absorbed, tiered's kernels
+        if T == 1 and self.absorbed is not None:  # absorbed, tiered's kernels (the plan's native CPU decode)
             out = self._absorbed_native(q_nope, meta, q_pe.to(q.dtype), cached)
         elif T == 1:  # absorbed: attend over the latents, one shared "KV head" of R + r
+            # in the model's dtype: torch's bf16 batched matmuls of these shapes run 2-5x slower than fp32
+            # ones on the CPU (V2-Lite's widths, 27 layers, 2 Zen 4 cores: ~560 against ~295 us a layer)
+            w = self.kv_b_proj.weight.view(H, n + v, R)
             q_lat = torch.matmul(q_nope, w[:, :n].to(q.dtype))  # [B, H, 1, R]
             o_lat = _latent_attend(torch.cat((q_lat, q_pe.to(q_lat.dtype)), -1), cached, R, meta.mask, self.scale)
             out = torch.matmul(o_lat, w[:, n:].transpose(1, 2).to(o_lat.dtype))  # [B, H, 1, v]

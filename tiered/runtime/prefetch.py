@@ -44,14 +44,12 @@ class StackedGates:
     """
 
     def __init__(self, model, lookahead: int, fold_norms: bool = True) -> None:
-        from tiered.models.moe import Router, moe_blocks
+        from tiered.models.moe import moe_blocks
 
         blocks = moe_blocks(model)
         self.lookahead, self.num_experts = lookahead, blocks[0].gate.out_features if blocks else 0
-        self.top_k = blocks[0].gate.top_k if blocks else 0
-        self.norm_topk = blocks[0].gate.norm_topk_prob if blocks else False
-        # a router with its own rule (DeepSeek's groups, bias, scaling) predicts through Router.select
-        self.routers = {b.layer_idx: b.gate for b in blocks if type(b.gate) is not Router}
+        # each target layer's routing rule (Router.select: softmax top-k, or DeepSeek's groups, bias, scaling)
+        self.routers = {b.layer_idx: b.gate for b in blocks}
         layers = model.model.layers
         self.stacks: dict[int, tuple[torch.Tensor, list[int]]] = {}
         for j, b in enumerate(blocks):
@@ -81,13 +79,7 @@ class StackedGates:
         w, targets = self.stacks[layer]
         E = self.num_experts
         logits = F.linear(x.float(), w).view(x.shape[0], len(targets), E)  # (N, r, E)
-        if self.routers:
-            return [(t, *self.routers[t].select(logits[:, r])) for r, t in enumerate(targets)]
-        probs = logits.softmax(dim=-1)
-        topw, topi = torch.topk(probs, self.top_k, dim=-1)  # (N, r, k)
-        if self.norm_topk:
-            topw = topw / topw.sum(dim=-1, keepdim=True)
-        return [(t, topi[:, r], topw[:, r]) for r, t in enumerate(targets)]
+        return [(t, *self.routers[t].select(logits[:, r])) for r, t in enumerate(targets)]
 
 
 class Prefetcher:
