@@ -11,7 +11,14 @@ spread over the experts). Rows:
   attention and dense FFN projections, the native CPU kernels), every weight in RAM;
 - tiered, experts on disk: `cpu_memory` = twice the non-expert bf16 bytes + a third of the experts'
   bytes, the rest read per step (page cache dropped before each run);
-- transformers `generate` in bf16 (its default eager MoE loop), the same prompt.
+- transformers `generate` in bf16 (its default eager MoE loop), the same prompt;
+- tiered on the checkpoint converted to DeepSeek-V3's release format, block-scaled fp8
+  (`tiered.bench.checkpoint.write_fp8_checkpoint`: every decoder projection e4m3 with a scale per
+  128 x 128 block): the routed experts kept in fp8 as stored (tiered's native fp8 kernel), the rest
+  dequantized to bf16. Against the transformers row: transformers on a CPU dequantizes an fp8
+  checkpoint to bf16 at load, so it computes what that row computes (and it refuses this one: its
+  dequantization derives the block from the scale grid, and V2-Lite's 576-row kv_a_proj_with_mqa and
+  10944-wide dense FFN are not whole blocks).
 
 Each: TTFT of a `--prompt-tokens` prompt, decode tokens/s over `--new-tokens` (median of `--repeats`), peak
 KV-cache bytes per token, and whether the greedy tokens equal transformers'. Results:
@@ -51,6 +58,13 @@ def write_checkpoint(path: Path, layers: int, quick: bool) -> Path:
     """The dummy DeepSeek-V2-Lite-shaped checkpoint in `path` (written once; bf16, transformers' names)."""
     return write_dummy_deepseek_checkpoint(path, {**DEEPSEEK_V2_LITE, **(QUICK if quick else {}),
                                                   "num_hidden_layers": layers})
+
+
+def fp8_checkpoint(path: Path) -> Path:
+    """`path` converted to block-scaled fp8 beside it (written once)."""
+    from tiered.bench.checkpoint import write_fp8_checkpoint
+
+    return write_fp8_checkpoint(path, path.with_name(path.name + "-fp8"))
 
 
 def run_tiered(path: Path, config: EngineConfig, prompt: list[int], new_tokens: int, repeats: int,
@@ -116,7 +130,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 64)")
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--engines", default="tiered,tiered_disk,transformers")
+    ap.add_argument("--engines", default="tiered,tiered_disk,transformers,tiered_fp8")
     ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args()
     layers = args.layers or (3 if args.quick else 4)
@@ -153,8 +167,15 @@ def main() -> None:
         rows.append({"engine": "transformers", "setting": "bf16, every weight in RAM",
                      **run_hf(path, prompt, new_tokens, repeats)})
         print(rows[-1]["engine"], rows[-1]["setting"], rows[-1]["decode_tokens_per_s"], flush=True)
+    fp8 = fp8_checkpoint(path) if "tiered_fp8" in engines else None
+    if fp8 is not None:
+        rows.append({"engine": "tiered", "checkpoint": "fp8", "setting": "experts fp8 as stored, every weight in RAM",
+                     **run_tiered(fp8, EngineConfig(dtype="bfloat16", max_context=context), prompt, new_tokens,
+                                 repeats)})
+        print(rows[-1]["engine"], rows[-1]["setting"], rows[-1]["decode_tokens_per_s"], flush=True)
     hf = next((r for r in rows if r["engine"] == "transformers"), None)
     for r in rows:
+        r.setdefault("checkpoint", "bf16")
         if r["engine"] == "tiered" and hf is not None:
             r["decode_speedup"] = r["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
             r["ttft_speedup"] = hf["ttft_s"] / r["ttft_s"]
@@ -164,7 +185,7 @@ def main() -> None:
                     break
                 same += 1
             r["same_tokens"] = same
-    columns = [Column("engine", "engine"), Column("setting", "setting"),
+    columns = [Column("engine", "engine"), Column("checkpoint", "checkpoint"), Column("setting", "setting"),
                Column("decode tok/s", "decode_tokens_per_s", "{:.2f}"), Column("vs transformers", "decode_speedup", "{:.2f}x"),
                Column("plan's prediction", "predicted_decode_tokens_per_s", "{:.1f}"),
                Column(f"TTFT s ({args.prompt_tokens} tokens)", "ttft_s", "{:.3f}"),
@@ -173,10 +194,13 @@ def main() -> None:
                Column("greedy tokens equal to transformers' (first)", "same_tokens")]
     shape = {**DEEPSEEK_V2_LITE, **(QUICK if args.quick else {}), "num_hidden_layers": layers}
     settings = {"shape": shape, "checkpoint_bytes": size, "prompt_tokens": args.prompt_tokens,
+                "fp8_checkpoint_bytes": sum(f.stat().st_size for f in fp8.glob("*.safetensors")) if fp8 else None,
                 "new_tokens": new_tokens, "repeats": repeats, "cpu_memory_disk_row": cpu_mem,
                 "threads": torch.get_num_threads()}
     notes = [f"Checkpoint: DeepSeek-V2-Lite's widths, {layers} of its 27 layers (layer 0 dense), dummy bf16 weights, "
-             f"{format_bytes(size)}. Both engines in this process, one after the other.",
+             f"{format_bytes(size)}" + (f"; its fp8 conversion {format_bytes(settings['fp8_checkpoint_bytes'])}" if fp8 else "")
+             + ". Both engines in this process, one after the other. transformers on a CPU dequantizes an fp8 "
+             "checkpoint to bf16 at load: its bf16 row is what it would compute from the fp8 one.",
              "decode tok/s: tokens after the first over their time (tiered: its RequestStats; transformers: "
              f"the extra tokens of a {new_tokens}-token generate over a {max(1, new_tokens // 4)}-token one, both "
              f"with the same prefill); TTFT: the prompt's prefill and first token; median of {repeats}.",

@@ -60,7 +60,7 @@ OPT = {
                                       help="Activations of int4 decode weights and experts in steps of 2+ rows: q8 (faster), bf16 (batch-1 numerics; int16 on AVX2) or auto (q8 when --max-batch > 1 or for MoE models)."),
     "expert_activations": typer.Option("auto", "--expert-activations",
                                        help="Activations of int4 routed experts at batch 1: q8 (llama.cpp's Q4_0 x Q8_0; 1.4-2x faster from cache), bf16 (more exact; int16 on AVX2) or auto (q8)."),
-    "weights": typer.Option("auto", "--weights", help="Expert weight format on every tier: auto (a GGUF's quantized experts as stored, else the compute dtype), bf16, fp32, int8 or int4 (re-quantized at load; lossy). bf16/int4 also set the dense decode weights unless --decode-weights is given."),
+    "weights": typer.Option("auto", "--weights", help="Expert weight format on every tier: auto (a GGUF's quantized experts or an fp8 checkpoint's as stored, else the compute dtype), bf16, fp32, int8, int4 or fp8 (re-quantized at load; lossy). bf16/int4 also set the dense decode weights unless --decode-weights is given."),
     "low_weights": typer.Option(None, "--low-weights", help="HOBBIT mixed precision: low format (int4 or int8) of offloaded experts; misses load high, low or nothing by the router's unimportance score."),
     "mixed_thresholds": typer.Option("0.6,0.9", "--mixed-thresholds", help="HOBBIT's T1,T2 for --low-weights (the paper's 0.6,0.9)."),
     "max_context": typer.Option(None, "--max-context", help="Context window in tokens (default: the model's)."),
@@ -745,10 +745,10 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
     if cfg.is_moe:
         from tiered.memory.expert_store import expert_tensor_names, moe_layers
         from tiered.quant.experts import ExpertFormat
-        from tiered.quant.gguf_experts import auto_format, requantized_note
+        from tiered.quant.gguf_experts import requantized_note, stored_format
 
         hs = [ckpt.handle(n) for n in expert_tensor_names(cfg.model_type, moe_layers(ckpt, cfg)[0], 0)]
-        fmt = auto_format(hs) if any(h.is_quantized for h in hs) else "as --dtype"
+        fmt = stored_format(hs) or "as --dtype"
         note = requantized_note(hs, ExpertFormat(fmt, [h.shape for h in hs])) if fmt != "as --dtype" else None
         typer.echo(f"expert fmt:  stored {'/'.join(h.format for h in hs)} (gate/up/down) -> kept as {fmt}"
                    + (f"; {note}" if note else "; exact"))

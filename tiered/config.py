@@ -11,7 +11,7 @@ BATCH_ACTIVATIONS = ("auto", "q8", "bf16")
 DTYPES = ("auto", "float32", "bfloat16")
 ACCELERATORS = ("auto", "cuda", "host", "none")
 CACHE_POLICIES = ("random", "lru", "lfu", "lhu", "fld", "hobbit")  # memory/expert_cache.POLICIES
-EXPERT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
+EXPERT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4", "fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,9 +31,11 @@ class EngineConfig:
             Only "fp32" is lossless.
         expert_weights: storage format of routed experts on every tier (disk, RAM, accelerator
             cache): "auto" keeps a GGUF file's quantized experts as stored (Q4_0/Q4_1 -> int4,
-            Q8_0 -> int8 group 32 exactly; K-quants re-quantized, quant/gguf_experts.py) and HF
-            checkpoints' in the compute dtype; "bf16", "fp32", "int8" (per-row scales) or "int4"
-            (group 32) re-quantize every expert at load. Quantized experts are lossy.
+            Q8_0 -> int8 group 32 exactly; K-quants re-quantized, quant/gguf_experts.py), a
+            block-scaled fp8 safetensors checkpoint's (DeepSeek-V3, Qwen3-FP8) as stored ("fp8")
+            and other HF checkpoints' in the compute dtype; "bf16", "fp32", "int8" (per-row
+            scales), "int4" (group 32) or "fp8" (e4m3, a scale per 128 x 128 block) re-quantize
+            every expert at load. Quantized experts are lossy.
         expert_low_weights: None (off), or the low-precision format ("int4" / "int8") of HOBBIT's
             mixed-precision experts (ALGORITHMS.md §3): every offloaded expert also gets a low copy,
             and a miss loads the high copy, the low copy or nothing by the token's unimportance score.

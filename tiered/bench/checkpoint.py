@@ -329,3 +329,56 @@ def write_dummy_deepseek_checkpoint(path: str | os.PathLike, config: dict, dtype
     save_file(t, str(path / "model.safetensors.partial"), metadata={"format": "pt"})
     os.replace(path / "model.safetensors.partial", done)
     return path
+
+
+# the linear layers fine-grained FP8 releases store in fp8 (DeepSeek-V3's: every projection of the
+# decoder layers, their experts' too); embeddings, norms, routers and the lm_head stay as they are
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+               "kv_a_proj_with_mqa", "kv_b_proj", "w1", "w2", "w3")
+
+
+def write_fp8_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """A Hugging Face directory converted to block-scaled fp8 as DeepSeek-V3 and Qwen3-FP8 ship:
+    every decoder layer's projection weight (FP8_LINEARS) becomes float8_e4m3fn `X.weight` with fp32
+    `X.weight_scale_inv` [ceil(N/128), ceil(K/128)] (quant/fp8.quantize_fp8), and config.json gets
+    `quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128]}`. Other files (tokenizer) are copied. One shard in memory at a time.
+
+    Returns the directory (written once: an existing complete one is kept).
+    """
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tiered.quant.fp8 import BLOCK, quantize_fp8
+
+    src, dst = Path(src), Path(dst)
+    if (dst / "config.json").is_file():
+        return dst
+    dst.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for f in sorted(src.iterdir()):
+        if f.suffix == ".safetensors":
+            out = {}
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    t = st.get_tensor(name)
+                    parts = name.split(".")
+                    if ".layers." in name and parts[-1] == "weight" and parts[-2] in FP8_LINEARS and t.dim() == 2:
+                        q, s = quantize_fp8(t)
+                        out[name], out[name + "_scale_inv"] = q.view(torch.float8_e4m3fn), s
+                    else:
+                        out[name] = t
+            save_file(out, str(dst / f.name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(out, f.name))
+        elif f.is_file() and f.name not in ("config.json", _INDEX):
+            shutil.copy(f, dst / f.name)
+    if (src / _INDEX).is_file():
+        (dst / _INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK]}
+    (dst / "config.json.partial").write_text(json.dumps(config, indent=1))
+    os.replace(dst / "config.json.partial", dst / "config.json")
+    return dst

@@ -49,9 +49,10 @@ class TensorHandle:
     Attributes:
         name: Hugging Face parameter name, e.g. "model.layers.0.self_attn.q_proj.weight".
         shape: logical shape in the HF (PyTorch) layout, e.g. (out_features, in_features).
-        format: storage format: a dense dtype ("F32", "F16", "BF16", ...) or a GGUF block format
-            ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", ...).
-        nbytes: bytes the tensor occupies in its file.
+        format: storage format: a dense dtype ("F32", "F16", "BF16", ...), a GGUF block format
+            ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", ...) or "F8_E4M3": an fp8 weight with block
+            scales (quant/fp8.py; `load` dequantizes, `scaled_fp8` gives the stored form).
+        nbytes: bytes the tensor occupies in its file (an fp8 weight's with its scales).
         path: the file holding it.
     """
 
@@ -63,6 +64,9 @@ class TensorHandle:
     _load: Callable[[], torch.Tensor]
     _blocks: Callable[[], np.ndarray] | None = None
     offset: int | None = None  # byte offset of raw dense data in `path` (None: not readable raw)
+    # F8_E4M3: () -> (q float8_e4m3fn [N, K], scales fp32 [N / br, K / bc] (ceil)) as stored, and (br, bc)
+    _fp8: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    fp8_block: tuple[int, int] | None = None
 
     @property
     def numel(self) -> int:
@@ -106,6 +110,17 @@ class TensorHandle:
                 done += n
             return
         out.copy_(self._load())
+
+    def scaled_fp8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """An fp8 weight as stored: (q float8_e4m3fn [N, K], block scales fp32 [ceil(N/br), ceil(K/bc)])
+        with w = q * s per block of (br, bc) = `fp8_block` (quant/fp8.py).
+
+        Raises:
+            ValueError: the tensor is not stored as block-scaled fp8.
+        """
+        if self._fp8 is None:
+            raise ValueError(f"{self.name} is stored as {self.format}, not as block-scaled fp8")
+        return self._fp8()
 
     def blocks(self) -> np.ndarray:
         """Raw quantized blocks in HF row order: uint8 [rows, bytes_per_row] (block formats only).

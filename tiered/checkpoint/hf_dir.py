@@ -11,11 +11,12 @@ import os
 import struct
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
 from tiered.checkpoint.handle import DENSE_BYTES, HandleTable, TensorHandle
 from tiered.checkpoint.model_config import ModelConfig, is_int
-from tiered.errors import CheckpointError
+from tiered.errors import CheckpointError, UnsupportedModelError
 
 INDEX = "model.safetensors.index.json"
 
@@ -180,6 +181,62 @@ class HFDirCheckpoint(HandleTable):
                     name=key, shape=tuple(meta["shape"]), format=meta["dtype"], nbytes=end - begin,
                     path=str(f), _load=self._loader(str(f), key), offset=8 + header_len + begin)
         self._open: dict[str, object] = {}
+        self._scaled_fp8(self.hf_config.get("quantization_config"))
+
+    def _scaled_fp8(self, qc) -> None:
+        """Fold block-scaled fp8 weights (transformers' "fine-grained FP8": DeepSeek-V3's and Qwen3's
+        FP8 releases) into one handle each: `X.weight` (F8_E4M3) and `X.weight_scale_inv` become an
+        F8_E4M3 handle that loads dequantized (quant/fp8.dequantize_fp8, as transformers does) and
+        gives its stored form through `scaled_fp8` (the "fp8" expert kind keeps it). Activation
+        scales (a "static" scheme's) are dropped: weights are dequantized, activations stay in the
+        compute dtype (transformers' dequantizing load does the same).
+
+        Raises:
+            UnsupportedModelError: another quantization method, or fp8 other than e4m3.
+            CheckpointError: an fp8 tensor without quantization_config or without its scales, or
+                scales of the wrong shape.
+        """
+        from tiered.quant.fp8 import check_scales, dequantize_fp8
+
+        fp8 = [k for k, h in self._handles.items() if h.format == "F8_E4M3"]
+        if qc is None:
+            if fp8:
+                raise CheckpointError(f"{self.path} stores float8 tensor {fp8[0]!r} but its config.json has no "
+                                      "quantization_config", "restore the checkpoint's config.json")
+            return
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        if method != "fp8":
+            raise UnsupportedModelError(
+                f"{self.path} is quantized with {method!r}; tiered reads block-scaled fp8 safetensors "
+                "(quant_method \"fp8\"), GGUF files and unquantized safetensors",
+                "use the model's bf16 release or a GGUF conversion")
+        if qc.get("fmt", "e4m3") != "e4m3" or any(h.format.startswith("F8_") and h.format != "F8_E4M3"
+                                                   for h in self._handles.values()):
+            raise UnsupportedModelError(f"{self.path} stores fp8 weights as {qc.get('fmt')!r}; tiered reads e4m3",
+                                        "use the model's bf16 release")
+        block = qc.get("weight_block_size") or (128, 128)
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(is_int(b) and b > 0 for b in block)):
+            raise CheckpointError(f"{self.path / 'config.json'}: quantization_config.weight_block_size is "
+                                  f"{block!r}, two positive ints expected", "restore the checkpoint's config.json")
+        block = (int(block[0]), int(block[1]))
+        for key in fp8:
+            scale_key = key + "_scale_inv"
+            if scale_key not in self._handles:
+                raise CheckpointError(f"{self.path} lacks tensor {scale_key!r}, the block scales of fp8 weight {key!r}",
+                                      "re-download the checkpoint's shards")
+            w, sc = self._handles[key], self._handles.pop(scale_key)
+            check_scales(key, w.shape, sc.shape, block)
+
+            def stored(w=w, sc=sc):
+                return w.load(None), sc.load(torch.float32)
+
+            def dequantized(stored=stored):
+                return dequantize_fp8(*stored(), torch.float32, block)
+
+            self._handles[key] = TensorHandle(name=key, shape=w.shape, format="F8_E4M3", nbytes=w.nbytes + sc.nbytes,
+                                              path=w.path, _load=dequantized, _fp8=stored, fp8_block=block)
+        for key in [k for k in self._handles if k.endswith(("activation_scale", "input_scale"))]:
+            del self._handles[key]
 
     def _loader(self, file: str, key: str):
         def load():

@@ -159,9 +159,10 @@ class LLM:
 
     def _experts_format(self, weights: str) -> str | None:
         """The routed experts' storage format (EngineConfig.expert_weights; "auto": a GGUF file's
-        quantized experts as stored, else the compute format). None for dense models."""
+        quantized experts or a safetensors file's fp8 ones as stored, else the compute format). None
+        for dense models."""
         from tiered.memory.expert_store import expert_tensor_names, moe_layers
-        from tiered.quant.gguf_experts import auto_format
+        from tiered.quant.gguf_experts import stored_format
 
         ec, cfg = self.engine_config, self.config
         if not cfg.is_moe:
@@ -169,7 +170,7 @@ class LLM:
         if ec.expert_weights != "auto":
             return ec.expert_weights
         handles = [self.checkpoint.handle(n) for n in expert_tensor_names(cfg.model_type, moe_layers(self.checkpoint, cfg)[0], 0)]
-        return auto_format(handles) if any(h.is_quantized for h in handles) else weights
+        return stored_format(handles) or weights
 
     def _plan_mixed(self, plan) -> None:
         """HOBBIT mixed precision into `plan`: the low format and thresholds, and the low cache pool

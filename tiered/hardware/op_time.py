@@ -25,6 +25,7 @@ DTYPE_FALLBACK = {
     "fp16": ("fp16", "bf16", "fp32"),
     "int8": ("int8",),
     "int8-g32": ("int8-g32", "int8"),  # the same tiled int8 stream with a scale per 32 weights
+    "fp8": ("fp8", "int8"),  # a byte per weight too (quant/fp8.py), until a profile measures fp8
     "int4": ("int4",),
     "int4q8": ("int4q8", "int4"),  # int4 on int8 activations (routed experts); older profiles: int4's
 }

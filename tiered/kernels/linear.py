@@ -16,6 +16,7 @@ TIERED_NATIVE=0, or no compiler); callers then keep their torch-op paths.
     Int4Linear (torch's packed layout only)  int4pack_kernel (torch's _weight_int4pack_mm_for_cpu)
     CastLinear / nn.Linear, bf16 weight      bf16_kernel (ours)
     nn.Linear, fp32 weight                   f32_kernel (ours; at::linear above 16 rows)
+    fp8 E4M3, 128 x 128 block scales         fp8_kernel (ours: DeepSeek-V3 / Qwen3-FP8 weights as stored)
     nn.Linear, other dtypes                  dense_kernel (at::linear)
 
 A Kernel is called as kernel(x [B, K] any float dtype) -> y [B, N] fp32 (bias added).
@@ -247,20 +248,21 @@ def kernel_for(m: nn.Module):
     """The best native Kernel computing module `m` (x [B, K] -> y [B, N] fp32 with m's bias).
 
     Args:
-        m: Int4Linear, Int8Linear, Int8G32Linear, CastLinear or nn.Linear (any weight dtype).
+        m: Int4Linear, Int8Linear, Int8G32Linear, Fp8Linear, CastLinear or nn.Linear (any weight dtype).
     Returns:
         A Kernel, or None when the extension is unavailable.
     Raises:
         TypeError: a module of another type.
     """
     from tiered.quant.int4 import Int4Linear
+    from tiered.quant.fp8 import Fp8Linear
     from tiered.quant.int8 import Int8G32Linear, Int8Linear
     from tiered.quant.linear import CastLinear
 
     ext = load()
     if ext is None:
         return None
-    if isinstance(m, Int8G32Linear):
+    if isinstance(m, (Int8G32Linear, Fp8Linear)):
         return m.kernel()
     bias = getattr(m, "bias", None)
     bias = None if bias is None else bias.detach().float()
@@ -282,7 +284,7 @@ def kernel_for(m: nn.Module):
     raise TypeError(f"no native kernel for {type(m).__name__}")
 
 
-NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4", "int8-g32")  # int8-g32: tiled layout only
+NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4", "int8-g32", "fp8")  # int8-g32: tiled layout only
 
 
 def expert_spec(fmt):
@@ -301,6 +303,8 @@ def expert_spec(fmt):
     offsets = []
     for segs, kind in zip(fmt._layout, fmt.kinds):
         o = [off for _, off, _, _ in segs]
+        if kind == "fp8":  # the kernel's two offsets: q (e4m3fn bits [N, K]), bs (fp32 block scales)
+            o = [next(off for f, off, _, _ in segs if f == field) for field in ("q", "bs")]
         if kind == "int4" and fmt.int4_layout == "tiled":
             # codes with their scales inline, then residuals: the kernel's three offsets are the codes,
             # the first (s, z) line (+256: how ExpertSpec tells the inline form) and the residuals

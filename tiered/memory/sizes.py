@@ -2,7 +2,8 @@
 staging buffer takes. The planner and the engine both count with it, so a plan that fits is exactly
 what the runtime can hold.
 
-Formats are named as the planner names precisions: "fp32", "bf16", "fp16", "int8", "int4".
+Formats are named as the planner names precisions: "fp32", "bf16", "fp16", "int8", "int8-g32",
+"int4", "fp8".
 Weight counts come from the model's own module tree built on the meta device (nothing allocated),
 so they match `materialize` parameter for parameter.
 """
@@ -35,10 +36,12 @@ def bytes_per_element(fmt: str, group: int = INT4_GROUP) -> float:
         return 0.5 + 4.0 / group
     if fmt == "int8-g32":  # int8 and an fp16 scale per 32 (quant/int8.Int8G32Linear)
         return 1.0 + 2.0 / 32
+    if fmt == "fp8":  # e4m3 and an fp32 scale per 128 x 128 block (quant/fp8.py)
+        return 1.0 + 4.0 / (128 * 128)
     try:
         return _DENSE_BYTES[fmt]
     except KeyError:
-        raise ConfigError(f"unknown weight format {fmt!r}", "use fp32, bf16, fp16, int8, int8-g32 or int4") from None
+        raise ConfigError(f"unknown weight format {fmt!r}", "use fp32, bf16, fp16, int8, int8-g32, fp8 or int4") from None
 
 
 def format_of(dtype: torch.dtype) -> str:

@@ -1,4 +1,5 @@
-"""GGUF expert tensors -> tiered's expert formats, without dequantizing where the mapping is exact.
+"""Stored expert tensors (GGUF blocks, block-scaled fp8) -> tiered's expert formats, without
+dequantizing where the mapping is exact.
 
     GGUF block  -> expert kind   how                                                   exact?
     Q4_0        -> int4 (g32)    d, 4-bit q: scale = d, zero = 0, codes = q             yes (d rounded to bf16)
@@ -12,6 +13,8 @@
                                  then symmetric int8 per 32 (two sub-scales per group)  (~2^-8 of a group's max)
     Q2_K, Q3_K  -> int4 (g32)    dequantized, then min/max int4 per 32                 no: re-quantized
     F32/F16/BF16-> bf16          cast                                                  F32 no, F16 no, BF16 yes
+    F8_E4M3     -> fp8           safetensors fp8 + 128 x 128 block scales, as stored   yes, bit for bit
+    (DeepSeek-V3 / Qwen3-FP8: checkpoint/hf_dir; other block sizes are dequantized to bf16)
 
 Sources: ggml-quants.c block layouts (block_q4_0 {d; qs[16]}, block_q4_1 {d; m; qs[16]},
 block_q8_0 {d; qs[32]}); the `gguf` package dequantizes the K types.
@@ -31,12 +34,29 @@ from tiered.quant.int4 import unpack_q4_blocks
 
 GGUF_EXPERT_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8-g32", "Q4_K": "int4", "Q2_K": "int4",
                     "Q3_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8-g32"}
-EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+STORED_KIND = {**GGUF_EXPERT_KIND, "F8_E4M3": "fp8"}
+EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3")
+
+
+def _fp8_as_stored(handle) -> bool:
+    """An fp8 tensor whose blocks are the fp8 kind's 128 x 128 (else it is dequantized)."""
+    from tiered.quant.fp8 import BLOCK
+
+    return handle.format == "F8_E4M3" and handle.fp8_block == (BLOCK, BLOCK)
 
 
 def stored_kind(handle) -> str:
-    """The expert kind a tensor stored as `handle.format` maps to ("bf16" for dense formats)."""
-    return GGUF_EXPERT_KIND.get(handle.format, "bf16")
+    """The expert kind a tensor stored as `handle.format` maps to ("bf16" for dense formats and fp8
+    of other blocks than 128 x 128)."""
+    if handle.format == "F8_E4M3" and not _fp8_as_stored(handle):
+        return "bf16"
+    return STORED_KIND.get(handle.format, "bf16")
+
+
+def stored_format(handles) -> str | None:
+    """`auto_format` of (gate, up, down) handles stored in a format an expert kind keeps (GGUF
+    blocks, fp8), or None for dense storage (the experts then take the compute format)."""
+    return auto_format(handles) if any(h.format in STORED_KIND for h in handles) else None
 
 
 def auto_format(handles) -> str:
@@ -48,7 +68,7 @@ def auto_format(handles) -> str:
 def requantized_note(handles, fmt: ExpertFormat) -> str | None:
     """A sentence naming the stored formats that `fmt` re-quantizes (None when every map is exact)."""
     lossy = sorted({f"{h.format} -> {k}" for h, k in zip(handles, fmt.kinds)
-                    if not (h.format in EXACT and GGUF_EXPERT_KIND[h.format] == k)
+                    if not (h.format in EXACT and STORED_KIND[h.format] == k)
                     and not (h.format == "BF16" and k == "bf16") and not (h.format == "F32" and k == "fp32")})
     return ("experts re-quantized on load: " + ", ".join(lossy)) if lossy else None
 
@@ -103,6 +123,9 @@ def projection_segments(handle, kind: str, int4_layout: str,
     the projection's segment views in an expert's slot (ExpertFormat.views), which the native
     repacking passes write in place (then the returned segments are those views)."""
     out = out or {}
+    if kind == "fp8" and handle.format == "F8_E4M3" and _fp8_as_stored(handle):
+        q, bs = handle.scaled_fp8()
+        return {"q": q.view(torch.uint8), "bs": bs}
     if handle.format in INT4_BLOCK_FORMATS and kind == "int4":
         ext = load() if int4_layout == "tiled" else None
         if ext is not None:  # the same bytes in one native pass (~50x the numpy / torch path below)

@@ -112,9 +112,11 @@ class PhaseLinear(nn.Module):
 class DecodeWeight:
     """One projection's decode-format weight before packing: int4 codes or a dense tensor."""
 
-    kind: str  # "int4" | "int8" | "int8-g32" | "dense"
-    codes: torch.Tensor | None = None  # int32 [N, K] (int4), int8 [N, K] (int8) or tiled uint8 [N, K] (int8-g32)
-    scale: torch.Tensor | None = None  # fp32 [N, K/32] (int4), [N] (int8) or fp16 [N/16, K/32, 16] (int8-g32)
+    kind: str  # "int4" | "int8" | "int8-g32" | "fp8" | "dense"
+    # int32 [N, K] (int4), int8 [N, K] (int8), tiled uint8 [N, K] (int8-g32) or e4m3fn bits uint8 [N, K] (fp8)
+    codes: torch.Tensor | None = None
+    # fp32 [N, K/32] (int4), [N] (int8), fp16 [N/16, K/32, 16] (int8-g32) or fp32 [N/128, K/128] (fp8)
+    scale: torch.Tensor | None = None
     zero: torch.Tensor | None = None  # fp32 [N, K/32] (int4)
     dense: torch.Tensor | None = None  # [N, K] (dense, int8 source)
     # int4 from a GGUF file: its Q4_0/Q4_1/Q4_K blocks uint8 [N, bytes per row], unpacked only if the
@@ -147,7 +149,14 @@ GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int
 def auto_kind(handle) -> str:
     """The decode-copy precision "auto" gives a checkpoint tensor: GGUF_DECODE_KIND by its storage
     format ("bf16" for the rest), int8-g32 only where tiered's kernels are built and the shape takes
-    their tiled layout (N % 16, K % 32; else bf16)."""
+    their tiled layout (N % 16, K % 32; else bf16); a block-scaled fp8 weight (128 x 128 blocks,
+    N % 128 == 0: fused groups stay whole blocks) as stored where tiered's kernels are built."""
+    if handle.format == "F8_E4M3":
+        from tiered.kernels import load
+        from tiered.quant.fp8 import BLOCK
+
+        ok = handle.fp8_block == (BLOCK, BLOCK) and handle.shape[0] % BLOCK == 0 and load() is not None
+        return "fp8" if ok else "bf16"
     kind = GGUF_DECODE_KIND.get(handle.format, "bf16")
     if kind == "int8-g32":
         from tiered.kernels import load
@@ -162,7 +171,8 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     """The decode representation of `linear` under format `fmt`, or None to keep the dense module.
 
     "auto": GGUF Q4_0/Q4_1/Q4_K blocks -> int4 as stored; GGUF Q8_0 -> per-row int8; GGUF Q5_x / Q6_K
-    -> int8 per group of 32 (with tiered's kernels); others -> bf16.
+    -> int8 per group of 32 (with tiered's kernels); block-scaled fp8 -> fp8 as stored (with tiered's
+    kernels, whole 128-row blocks); others -> bf16.
     "int4": everything with K % 32 == 0 -> int4 (GGUF Q4 blocks as stored); "int8": everything ->
     per-row int8; "bf16"; "fp32".
     A module left on the meta device (one-copy mode) has its weight read from `handle` when the
@@ -172,6 +182,9 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     kind = auto_kind(handle) if handle is not None else None
     if fmt in ("auto", "int4") and kind == "int4":  # GGUF Q4 blocks: int4 as stored
         return DecodeWeight("int4", blocks=handle.blocks(), block_format=stored)
+    if fmt == "auto" and kind == "fp8":  # as stored
+        q, bs = handle.scaled_fp8()
+        return DecodeWeight("fp8", q.view(torch.uint8), bs)
     if fmt == "auto" and kind == "int8":  # row chunks: no whole dense copy
         return DecodeWeight("int8", *quantize_int8_blocks(handle))
     if fmt == "auto" and kind == "int8-g32":  # Q5_x / Q6_K: re-quantized per group of 32, tiled
@@ -250,9 +263,9 @@ def _decode_counts(checkpoint) -> dict[str, int]:
 
 def decode_precision(checkpoint, fmt: str) -> str:
     """The precision most decode-path weight bytes will have under format `fmt` (for the planner):
-    "fp32", "bf16", "int8", "int8-g32" or "int4". "auto" follows the storage format of the decoder
-    layers' matrices (`auto_kind`: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 -> int8, Q5_x / Q6_K -> int8-g32,
-    anything else -> bf16), weighted by elements."""
+    "fp32", "bf16", "int8", "int8-g32", "fp8" or "int4". "auto" follows the storage format of the
+    decoder layers' matrices (`auto_kind`: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 -> int8, Q5_x / Q6_K ->
+    int8-g32, block-scaled fp8 -> fp8, anything else -> bf16), weighted by elements."""
     if fmt != "auto":
         return fmt
     count = _decode_counts(checkpoint)
@@ -334,6 +347,10 @@ def build_decode_module(parts: list[DecodeWeight], biases: list[torch.Tensor | N
         codes, scale, zero = zip(*(p.int4_parts() for p in parts))
         return Int4Linear.from_codes(torch.cat(codes), torch.cat(scale), torch.cat(zero), GROUP, bias, int4_layout,
                                      batch_act)
+    if kind == "fp8":  # rows side by side: each part is whole 128-row blocks (auto_kind)
+        from tiered.quant.fp8 import Fp8Linear
+
+        return Fp8Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), bias)
     if kind == "int8-g32":  # tiled rows side by side: each part's tiles are whole 16-row tiles
         from tiered.quant.int8 import Int8G32Linear
 

@@ -40,6 +40,7 @@ from torch import nn
 from tiered.kernels.linear import kernel_for
 from tiered.models.layers import MLP, Attention, AttentionMetadata, KVCache, build_attention_metadata
 from tiered.quant.int4 import Int4Linear
+from tiered.quant.fp8 import Fp8Linear
 from tiered.quant.int8 import Int8G32Linear, Int8Linear
 from tiered.quant.linear import CastLinear, PhaseLinear, Slice
 from tiered.runtime.dispatcher import RESIDENT
@@ -51,7 +52,8 @@ _int8mm = torch.ops.aten._weight_int8pack_mm
 class Kernel:
     """One decode-path weight as a bare call: y [B, N] = kernel(x [B, K] in `dtype`), no reshapes.
 
-    Built from an Int4Linear, Int8Linear, Int8G32Linear, CastLinear or nn.Linear (the last in its own dtype).
+    Built from an Int4Linear, Int8Linear, Int8G32Linear, Fp8Linear, CastLinear or nn.Linear (the last in its
+    own dtype).
     The output is in the kernel's dtype (bf16 for the packed kernels) with the bias added.
     """
 
@@ -59,7 +61,7 @@ class Kernel:
 
     def __init__(self, m: nn.Module) -> None:
         bias = getattr(m, "bias", None)
-        if isinstance(m, Int4Linear) and m.layout == "tiled" or isinstance(m, Int8G32Linear):
+        if isinstance(m, Int4Linear) and m.layout == "tiled" or isinstance(m, (Int8G32Linear, Fp8Linear)):
             # tiered's kernels: fp32 out, bias added
             self.fn, self.dtype, self.out_features = m.kernel(), torch.float32, m.out_features
         elif isinstance(m, Int4Linear):

@@ -1,5 +1,5 @@
-// tiered's own GEMV kernels (see gemv.h): int4 group-32 (bf16 or int8 activations), int8 per-row, bf16;
-// AVX-512 / AVX2 / scalar.
+// tiered's own GEMV kernels (see gemv.h): int4 group-32 (bf16 or int8 activations), int8 per-row, bf16,
+// fp8 (E4M3, 128 x 128 block scales); AVX-512 / AVX2 / scalar.
 //
 // Layouts (read as stored, no repacking at call time):
 //   int4: codes uint8 [N, K/2], two codes per byte, column 2i in the low nibble, 2i+1 in the high
@@ -8,8 +8,10 @@
 //         w = (q - 8) * scale + zero + residual.
 //   int8: q int8 [N, K], scale [N] (w = q * scale).
 //   bf16: w bf16 [N, K].
+//   fp8: q uint8 [N, K] (FP8 E4M3 "fn" bit patterns), bs fp32 [ceil(N/128), ceil(K/128)] (a scale
+//         per 128 x 128 block, DeepSeek-V3's "weight_scale_inv"): w = e4m3(q) * bs[n/128, k/128].
 // Numerics: int4 and bf16 read activations rounded to bf16 (as torch's int4 / bf16 kernels do) and
-// accumulate in fp32; int8 reads fp32 activations. The AVX-512 int4 path turns a code q into the
+// accumulate in fp32; int8 and fp8 read fp32 activations. The AVX-512 int4 path turns a code q into the
 // bf16 number 128 + q (bits 0x4300 | q: exact) and takes the 136 * sum(x) it adds out with the
 // zero term, so each group is one vdpbf16ps per activation row. int4 with act "q8" (Int4Q8Gemv)
 // reads x quantized to int8 per group of 32 (llama.cpp's Q8_0) and does 4 groups per vpdpbusd pair
@@ -20,6 +22,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -118,6 +121,12 @@ struct Bf16W {
 
 struct F32W {
   const float* w;
+  const float* bias;
+};
+
+struct Fp8W {  // see "fp8" below
+  const uint8_t* q;  // [N, K] e4m3fn bit patterns
+  const float* bs;  // [ceil(N/128), ceil(K/128)] block scales
   const float* bias;
 };
 
@@ -1626,6 +1635,221 @@ TIERED_AVX512 void int8t_avx512(const Int8W& w, const Act& a, int64_t b0, int64_
   }
 }
 
+// ------------------------------------------------------------------------------------ fp8
+// FP8 E4M3 weights with a fp32 scale per 128 x 128 block (DeepSeek-V3 / Qwen3-FP8 checkpoints' "weight"
+// and "weight_scale_inv"; Fp8W): q uint8 [N, K] the float8_e4m3fn bit patterns, bs fp32
+// [ceil(N/128), ceil(K/128)], w[n, k] = e4m3(q[n, k]) * bs[n / 128, k / 128]; any N and K (a last
+// partial block in either direction). Against the fp32 activations as given (Act::x, unrounded).
+// A code b (sign, 4 exponent bits e with bias 7, 3 mantissa bits m) becomes the fp16 number with bits
+// ((b & 0x80) << 8) | ((b & 0x7f) << 7): e and m land in fp16's exponent (bias 15) and top mantissa
+// bits, so its value is e4m3(b) / 256 exactly, subnormals too (e = 0: 2^-14 m/8 = 2^-6 m/8 / 256), and
+// vcvtph2ps makes it fp32 exactly; the factor 256 goes into the block scale (kFp8Unit). In SIMD: the byte
+// sign-extended to int16, shifted left by 7 (the sign lands on bit 15, a copy on bit 14) and ANDed
+// with 0xBFFF. e4m3fn has no infinities, and its NaN codes 0x7f / 0xff (exponent 15, a number in fp16)
+// read as +-480 on every path: a checkpoint's weights hold none.
+// Per row and 128-column block, each activation row's products are summed in fp32 vector accumulators
+// (U of them, so that short passes still have independent FMA chains), then multiply-added by the
+// block's scale into the row's total: one FMA per block and activation row beyond the products. One
+// byte per weight streamed, read once per pass of up to kMaxNB activation rows. The work is the
+// conversion (4 vector ops per 16 weights) and one FMA per 16 weights and activation row: on the 2-core
+// Zen 4 VM one thread computed ~33 GB/s of weights from cache at batch 1, and two read ~40-45 GB/s from
+// DRAM, near the tiled int8 kernel (2026-11-27, [2048, 7168] and [768, 2048]).
+constexpr int64_t kFp8Block = 128;
+constexpr float kFp8Unit = 256.f;  // e4m3(b) = 256 x the fp16 form's value
+
+inline uint16_t fp8_half_bits(uint8_t b) { return uint16_t(((b & 0x80) << 8) | ((b & 0x7f) << 7)); }
+
+// e4m3(b) / 256 for every code b (the fp16 form above): the scalar path's table.
+const float* fp8_table() {
+  static const std::array<float, 256> t = [] {
+    std::array<float, 256> v{};
+    for (int b = 0; b < 256; ++b) v[b] = half_to_float(fp8_half_bits(uint8_t(b)));
+    return v;
+  }();
+  return t.data();
+}
+
+void fp8_scalar(const Fp8W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t K = a.K, KB = (K + kFp8Block - 1) / kFp8Block;
+  const float* lut = fp8_table();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* r = w.q + n * K;
+    const float* bs = w.bs + (n / kFp8Block) * KB;
+    for (int64_t j = 0; j < nb; ++j) {
+      const float* x = a.x + (b0 + j) * K;
+      float acc = 0.f;
+      for (int64_t c = 0; c < KB; ++c) {
+        float blk = 0.f;
+        for (int64_t k = c * kFp8Block; k < std::min(K, (c + 1) * kFp8Block); ++k) blk += lut[r[k]] * x[k];
+        acc += blk * (bs[c] * kFp8Unit);
+      }
+      y[(b0 + j) * ldy + n] = acc + (w.bias ? w.bias[n] : 0.f);
+    }
+  }
+}
+
+// AVX2 + F16C: 16 codes -> their values / 256, two vectors of 8.
+TIERED_AVX2 inline __attribute__((always_inline)) void fp8_load16_avx2(const uint8_t* q, __m256& w0, __m256& w1) {
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(int16_t(0xBFFF)));
+  w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+template <int NB>
+TIERED_AVX2 void fp8_avx2(const Fp8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  constexpr int U = NB <= 2 ? 4 : (NB <= 4 ? 2 : 1);  // accumulators per activation row
+  const int64_t K = a.K, KB = (K + kFp8Block - 1) / kFp8Block, full = K / kFp8Block;
+  const float* lut = fp8_table();
+  const float* x[NB];
+  for (int j = 0; j < NB; ++j) x[j] = a.x + (b0 + j) * K;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* r = w.q + n * K;
+    const float* bs = w.bs + (n / kFp8Block) * KB;
+    __m256 tot[NB];
+    float rest[NB];  // the last block's columns past its whole 16s, scaled
+    for (int j = 0; j < NB; ++j) tot[j] = _mm256_setzero_ps(), rest[j] = 0.f;
+    for (int64_t c = 0; c < full; ++c) {
+      const uint8_t* q = r + c * kFp8Block;
+      prefetch_stream(q + kPrefetchAhead);
+      prefetch_stream(q + kPrefetchAhead + 64);
+      __m256 acc[NB][U];
+      for (int j = 0; j < NB; ++j)
+        for (int u = 0; u < U; ++u) acc[j][u] = _mm256_setzero_ps();
+      for (int i = 0; i < kFp8Block / 16; ++i) {
+        __m256 w0, w1;
+        fp8_load16_avx2(q + 16 * i, w0, w1);
+        for (int j = 0; j < NB; ++j) {
+          const float* xk = x[j] + c * kFp8Block + 16 * i;
+          acc[j][(2 * i) % U] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xk), acc[j][(2 * i) % U]);
+          acc[j][(2 * i + 1) % U] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xk + 8), acc[j][(2 * i + 1) % U]);
+        }
+      }
+      const __m256 s = _mm256_set1_ps(bs[c] * kFp8Unit);
+      for (int j = 0; j < NB; ++j) {
+        __m256 t = acc[j][0];
+        for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[j][u]);
+        tot[j] = _mm256_fmadd_ps(t, s, tot[j]);
+      }
+    }
+    if (full < KB) {  // the last block, K % 128 columns
+      __m256 acc[NB];
+      float tail[NB];
+      for (int j = 0; j < NB; ++j) acc[j] = _mm256_setzero_ps(), tail[j] = 0.f;
+      int64_t k = full * kFp8Block;
+      for (; k + 16 <= K; k += 16) {
+        __m256 w0, w1;
+        fp8_load16_avx2(r + k, w0, w1);
+        for (int j = 0; j < NB; ++j) {
+          acc[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[j] + k), acc[j]);
+          acc[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[j] + k + 8), acc[j]);
+        }
+      }
+      for (; k < K; ++k)
+        for (int j = 0; j < NB; ++j) tail[j] += lut[r[k]] * x[j][k];
+      const float sc = bs[full] * kFp8Unit;
+      for (int j = 0; j < NB; ++j) tot[j] = _mm256_fmadd_ps(acc[j], _mm256_set1_ps(sc), tot[j]), rest[j] = tail[j] * sc;
+    }
+    for (int j = 0; j < NB; ++j) y[(b0 + j) * ldy + n] = hsum256(tot[j]) + rest[j] + (w.bias ? w.bias[n] : 0.f);
+  }
+}
+
+// AVX-512 (F/BW): 32 codes per load, sign-extended to 32 int16 in one vector; the last block's columns
+// in masked loads of 16 (masked-off codes 0 and x 0: no scalar tail). R weight rows at a time (R > 1 from
+// two activation rows on; AVX2's 16 registers keep one): each x vector loaded feeds R rows' FMAs. A
+// pass of 8 activation rows holds 32 K bytes of x, more than L1 from K = 1024: one weight row at a
+// time, it streamed all of x from L2 per row, and 8 rows of a [2048, 7168] weight took 4.0 ms on one
+// Zen 4 thread where two rows at a time take 1.9 ms (about the FMA bound); at batch 1 two rows at a
+// time only slowed the stream (24 -> 17-20 GB/s from DRAM).
+template <int NB, int R>
+TIERED_AVX512 inline __attribute__((always_inline)) void fp8_rows_avx512(const Fp8W& w, const float* const* x,
+                                                                          int64_t K, int64_t n, float* y, int64_t b0,
+                                                                          int64_t ldy) {
+  constexpr int U = NB * R >= 4 ? 1 : 4 / (NB * R);  // accumulators per weight and activation row
+  const int64_t KB = (K + kFp8Block - 1) / kFp8Block, full = K / kFp8Block;
+  const __m512i keep = _mm512_set1_epi16(int16_t(0xBFFF));
+  const uint8_t* q0 = w.q + n * K;  // row n + r's codes at q0 + r K
+  const float* bs[R];
+  for (int r = 0; r < R; ++r) bs[r] = w.bs + ((n + r) / kFp8Block) * KB;
+  __m512 tot[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) tot[r][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < full; ++c) {
+    const uint8_t* q = q0 + c * kFp8Block;
+    // prefetch_stream's test and _mm_prefetch written out: GCC 12 deletes a call to that inline helper
+    // from an always_inline function (it finds the helper free of side effects before inlining it, and
+    // drops the call as dead when this function is inlined into its caller).
+    if (g_stream_prefetch)
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(q + r * K + kPrefetchAhead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(q + r * K + kPrefetchAhead + 64), _MM_HINT_T0);
+      }
+    __m512 acc[R][NB][U];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j)
+        for (int u = 0; u < U; ++u) acc[r][j][u] = _mm512_setzero_ps();
+    for (int i = 0; i < kFp8Block / 32; ++i) {
+      __m512 wv[R][2];
+      for (int r = 0; r < R; ++r) {
+        const __m512i s = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + 32 * i)));
+        const __m512i h = _mm512_and_si512(_mm512_slli_epi16(s, 7), keep);
+        wv[r][0] = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+        wv[r][1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+      }
+      for (int j = 0; j < NB; ++j) {
+        const float* xk = x[j] + c * kFp8Block + 32 * i;
+        const __m512 x0 = _mm512_loadu_ps(xk), x1 = _mm512_loadu_ps(xk + 16);
+        for (int r = 0; r < R; ++r) {
+          acc[r][j][(2 * i) % U] = _mm512_fmadd_ps(wv[r][0], x0, acc[r][j][(2 * i) % U]);
+          acc[r][j][(2 * i + 1) % U] = _mm512_fmadd_ps(wv[r][1], x1, acc[r][j][(2 * i + 1) % U]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sc = _mm512_set1_ps(bs[r][c] * kFp8Unit);
+      for (int j = 0; j < NB; ++j) {
+        __m512 t = acc[r][j][0];
+        for (int u = 1; u < U; ++u) t = _mm512_add_ps(t, acc[r][j][u]);
+        tot[r][j] = _mm512_fmadd_ps(t, sc, tot[r][j]);
+      }
+    }
+  }
+  if (full < KB) {  // the last block, K % 128 columns
+    __m512 acc[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = full * kFp8Block; k < K; k += 16) {
+      const __mmask16 m = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+      __m512 wv[R];
+      for (int r = 0; r < R; ++r) {
+        const __m256i s = _mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(m, q0 + r * K + k));
+        wv[r] = _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(s, 7), _mm512_castsi512_si256(keep)));
+      }
+      for (int j = 0; j < NB; ++j) {
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x[j] + k);
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(wv[r], xv, acc[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sc = _mm512_set1_ps(bs[r][full] * kFp8Unit);
+      for (int j = 0; j < NB; ++j) tot[r][j] = _mm512_fmadd_ps(acc[r][j], sc, tot[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j)
+      y[(b0 + j) * ldy + n + r] = _mm512_reduce_add_ps(tot[r][j]) + (w.bias ? w.bias[n + r] : 0.f);
+}
+
+template <int NB>
+TIERED_AVX512 void fp8_avx512(const Fp8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  constexpr int R = NB == 1 ? 1 : (NB <= 4 ? 4 : 2);  // weight rows at a time: 8 to 16 accumulators
+  const float* x[NB];
+  for (int j = 0; j < NB; ++j) x[j] = a.x + (b0 + j) * a.K;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) fp8_rows_avx512<NB, R>(w, x, a.K, n, y, b0, ldy);
+  for (; n < n1; ++n) fp8_rows_avx512<NB, 1>(w, x, a.K, n, y, b0, ldy);
+}
+
 // ------------------------------------------------------------------------------------ dispatch
 // Runs fn<NB, extra template arguments...> over activation rows [b0, b0 + nb) in passes of at most
 // kMaxNB rows.
@@ -1828,6 +2052,26 @@ struct F32Gemv : Gemv {
   }
   int64_t weight_bytes() const override { return out_features * in_features * 4; }
   std::string name() const override { return std::string("fp32(tiered,") + isa_name(current_isa()) + ")"; }
+};
+
+// fp8 E4M3 weights with 128 x 128 block scales (see "fp8").
+struct Fp8Gemv : Gemv {
+  at::Tensor q, bs;  // held so the pointers in w stay valid (none when bound to an expert's slot)
+  std::vector<float> bias;
+  Fp8W w{};
+  void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
+    switch (current_isa()) {
+      case kAvx512: TIERED_DISPATCH_NB(fp8_avx512, w) break;
+      case kAvx2: TIERED_DISPATCH_NB(fp8_avx2, w) break;
+      default: fp8_scalar(w, a, b0, nb, n0, n1, y, ldy);
+    }
+  }
+  ActNeeds needs(int64_t) const override { return {false, false, false, false}; }  // reads x as given
+  int64_t weight_bytes() const override {
+    return out_features * in_features +
+           (out_features + kFp8Block - 1) / kFp8Block * ((in_features + kFp8Block - 1) / kFp8Block) * 4;
+  }
+  std::string name() const override { return std::string("fp8(tiered,") + isa_name(current_isa()) + ")"; }
 };
 
 // ------------------------------------------------------------------------------------ running
@@ -2321,12 +2565,13 @@ struct ExpertGemv : Kernel {
 // An ExpertFormat's layout (per projection: kind and byte offsets of its segments in the flat
 // slot), so that one call computes an expert straight from any slot holding it.
 struct ExpertSpec {
-  enum Kind { kBf16 = 0, kInt8 = 1, kInt4 = 2, kInt8G32 = 3 };
+  enum Kind { kBf16 = 0, kInt8 = 1, kInt4 = 2, kInt8G32 = 3, kFp8 = 4 };
   struct Proj {
     int kind;
     int64_t N, K;
     // bf16: w; int8: q, scale; int4: codes, sz, zr (-1: zeros exact, no residual read); int4 tiled with the
-    // scales inline ([N/16, K/32, 320] then zr): its offset, + 256, zr's (or -1); int8-g32 (tiled): qt, st
+    // scales inline ([N/16, K/32, 320] then zr): its offset, + 256, zr's (or -1); int8-g32 (tiled): qt, st;
+    // fp8: q uint8 [N, K], bs fp32 [ceil(N/128), ceil(K/128)]
     int64_t off[3];
   };
   Proj p[3];
@@ -2335,8 +2580,13 @@ struct ExpertSpec {
   bool int4_tiled = false;  // int4 codes in the tiled layout (Int4TGemv)
   int64_t q8_from = kNeverQ8;  // the tiled layout's calls from this many rows read int8 activations
 
-  void bind(const Proj& pr, const uint8_t* buf, Int4Gemv& k4, Int8Gemv& k8, Bf16Gemv& kb, const Gemv*& out) const {
-    if (pr.kind == kInt4) {
+  void bind(const Proj& pr, const uint8_t* buf, Int4Gemv& k4, Int8Gemv& k8, Bf16Gemv& kb, Fp8Gemv& kf,
+            const Gemv*& out) const {
+    if (pr.kind == kFp8) {
+      kf.in_features = pr.K, kf.out_features = pr.N;
+      kf.w = {buf + pr.off[0], reinterpret_cast<const float*>(buf + pr.off[1]), nullptr};
+      out = &kf;
+    } else if (pr.kind == kInt4) {
       k4.in_features = pr.K, k4.out_features = pr.N;
       const auto* sz = reinterpret_cast<const uint16_t*>(buf + pr.off[1]);
       k4.w = {buf + pr.off[0], pr.K / 2, sz, sz + 1,
@@ -2370,6 +2620,7 @@ struct ExpertSpec {
     Int4TGemv k4t[3];
     Int8Gemv k8[3];
     Bf16Gemv kb[3];
+    Fp8Gemv kf[3];
     const Gemv* g[3];
   };
 
@@ -2380,7 +2631,7 @@ struct ExpertSpec {
     for (int i = 0; i < 3; ++i) {
       b.k4t[i].q8_from = q8_from;
       Int4Gemv& k = int4_tiled ? static_cast<Int4Gemv&>(b.k4t[i]) : int4_q8 ? b.k4q[i] : b.k4[i];
-      bind(p[i], base, k, b.k8[i], b.kb[i], b.g[i]);
+      bind(p[i], base, k, b.k8[i], b.kb[i], b.kf[i], b.g[i]);
     }
   }
 
@@ -2605,6 +2856,29 @@ std::shared_ptr<Int8Gemv> make_int8g32_tiled(at::Tensor qt, at::Tensor st, c10::
   return k;
 }
 
+// fp8 weights (see "fp8"): q uint8 (or float8_e4m3fn) [N, K] and bs fp32 [ceil(N/128), ceil(K/128)],
+// contiguous, held (no copy).
+std::shared_ptr<Fp8Gemv> make_fp8(at::Tensor q, at::Tensor bs, c10::optional<at::Tensor> bias) {
+  TIERED_CHECK(q.dim() == 2 && q.size(0) > 0 && q.size(1) > 0 &&
+                  (q.scalar_type() == at::kByte || q.scalar_type() == at::kFloat8_e4m3fn),
+              "fp8_kernel: q must be uint8 (the e4m3fn bit patterns) or float8_e4m3fn [N, K], N, K >= 1, got ",
+              q.scalar_type(), " ", q.sizes());
+  if (q.scalar_type() == at::kFloat8_e4m3fn) q = q.view(at::kByte);
+  const int64_t N = q.size(0), K = q.size(1);
+  check_rows(q, at::kByte, N, K, "fp8_kernel: q");
+  const int64_t NB = (N + kFp8Block - 1) / kFp8Block, KB = (K + kFp8Block - 1) / kFp8Block;
+  TIERED_CHECK(bs.device().is_cpu() && bs.scalar_type() == at::kFloat && bs.is_contiguous() &&
+                  bs.sizes() == at::IntArrayRef({NB, KB}),
+              "fp8_kernel: bs must be a contiguous CPU float32 [ceil(N/128), ceil(K/128)] = [", NB, ", ", KB,
+              "] tensor, got ", bs.scalar_type(), " ", bs.sizes());
+  auto k = std::make_shared<Fp8Gemv>();
+  k->in_features = K, k->out_features = N;
+  k->q = q, k->bs = bs;
+  k->bias = bias_vector(bias, N);
+  k->w = {q.data_ptr<uint8_t>(), bs.data_ptr<float>(), k->bias.empty() ? nullptr : k->bias.data()};
+  return k;
+}
+
 // A kernel G over dense weight rows w [N, K] of dtype dt (contiguous, checked; `ptr` its data).
 template <class G, class Ptr>
 std::shared_ptr<G> make_rows(at::Tensor w, c10::optional<at::Tensor> bias, at::ScalarType dt, const char* what, Ptr ptr) {
@@ -2631,7 +2905,7 @@ std::shared_ptr<Gemv> make_f32(at::Tensor w, c10::optional<at::Tensor> bias) {
 
 std::shared_ptr<Gemv> as_gemv(const KernelPtr& k, const char* what) {
   auto g = std::dynamic_pointer_cast<Gemv>(k);
-  TIERED_CHECK(g, "expert_kernel: ", what, " must be one of tiered's own kernels (int4/int8/bf16_kernel), got ",
+  TIERED_CHECK(g, "expert_kernel: ", what, " must be one of tiered's own kernels (int4/int8/bf16/fp8_kernel), got ",
               k ? k->name() : std::string("None"));
   return g;
 }
@@ -2957,6 +3231,15 @@ void register_gemv(pybind11::module& m) {
         "tiered's int8 GEMV with fp16 scales per group of 32 (GGUF Q8_0's), tiled layout "
         "(kernels/linear.tiled_int8, tiled_group_scales). qt uint8 [N, K] contiguous (N % 16 == 0, K % 32 == 0), "
         "st float16 [N/16, K/32, 16]: w = (q - 128) * s.");
+  m.def("fp8_kernel", [](at::Tensor q, at::Tensor bs, c10::optional<at::Tensor> bias) -> KernelPtr {
+          return make_fp8(q, bs, bias);
+        },
+        py::arg("q"), py::arg("bs"), py::arg("bias") = py::none(),
+        "tiered's fp8 GEMV: FP8 E4M3 weights with a float32 scale per 128 x 128 block (DeepSeek-V3 / Qwen3-FP8's "
+        "weight and weight_scale_inv). q uint8 [N, K] contiguous, the float8_e4m3fn bit patterns (or that "
+        "float8_e4m3fn tensor itself), bs float32 [ceil(N/128), ceil(K/128)] contiguous: w[n, k] = e4m3(q[n, k]) * "
+        "bs[n // 128, k // 128]; any N, K >= 1. Reads x in fp32 as given, accumulates in fp32. Holds the tensors "
+        "(no copy).");
   m.def("bf16_kernel", [](at::Tensor w, c10::optional<at::Tensor> bias) -> KernelPtr { return make_bf16(w, bias); },
         py::arg("w"), py::arg("bias") = py::none(), "tiered's bf16 GEMV. w bf16 [N, K] contiguous.");
   m.def("f32_kernel", [](at::Tensor w, c10::optional<at::Tensor> bias) -> KernelPtr { return make_f32(w, bias); },
@@ -3035,7 +3318,7 @@ void register_gemv(pybind11::module& m) {
             auto& pr = sp->p[i];
             const auto& k = kinds[i];
             pr.kind = k == "int4" ? ExpertSpec::kInt4 : k == "int8" ? ExpertSpec::kInt8 : k == "bf16" ? ExpertSpec::kBf16
-                      : k == "int8-g32" ? ExpertSpec::kInt8G32 : -1;
+                      : k == "int8-g32" ? ExpertSpec::kInt8G32 : k == "fp8" ? ExpertSpec::kFp8 : -1;
             TIERED_CHECK(pr.kind >= 0, "expert_spec: no native kernel for kind ", k);
             TIERED_CHECK(shapes[i].size() == 2, "expert_spec: shapes are (N, K)");
             pr.N = shapes[i][0], pr.K = shapes[i][1];
@@ -3049,6 +3332,13 @@ void register_gemv(pybind11::module& m) {
               TIERED_CHECK(pr.off[j] >= 0 ? pr.off[j] < nbytes : pr.kind == ExpertSpec::kInt4 && j == 2,
                           "expert_spec: offset ", pr.off[j], " out of the slot's ", nbytes,
                           " bytes (only an int4 residual may be -1: not read)");
+            if (pr.kind == ExpertSpec::kFp8) {
+              const int64_t bs_bytes = (pr.N + kFp8Block - 1) / kFp8Block * ((pr.K + kFp8Block - 1) / kFp8Block) * 4;
+              TIERED_CHECK(pr.N > 0 && pr.K > 0 && pr.off[0] + pr.N * pr.K <= nbytes && pr.off[1] % 4 == 0 &&
+                              pr.off[1] + bs_bytes <= nbytes,
+                          "expert_spec: fp8's q [N, K] and bs float32 [ceil(N/128), ceil(K/128)] (4-byte aligned) must "
+                          "lie in the slot's ", nbytes, " bytes");
+            }
           }
           TIERED_CHECK(sp->p[0].K == sp->p[1].K && sp->p[0].N == sp->p[1].N && sp->p[2].K == sp->p[0].N &&
                           sp->p[2].N == sp->p[0].K, "expert_spec: shapes do not make a SwiGLU expert");
@@ -3056,8 +3346,10 @@ void register_gemv(pybind11::module& m) {
         },
         py::arg("kinds"), py::arg("shapes"), py::arg("offsets"), py::arg("nbytes"), py::arg("int4_act") = "bf16",
         py::arg("int4_layout") = "plain", py::arg("int4_batch_act") = "",
-        "An ExpertSpec from per-projection kinds ('bf16', 'int8', 'int4' in int4_layout 'plain' or 'tiled'), (N, K) shapes "
-        "and segment byte offsets (bf16: w; int8: q, scale bf16 [N]; int4: codes, sz bf16 [G, N, 2], zr bf16 [G, N]); "
+        "An ExpertSpec from per-projection kinds ('bf16', 'int8', 'int4' in int4_layout 'plain' or 'tiled', 'int8-g32' "
+        "in the tiled layout, 'fp8'), (N, K) shapes and segment byte offsets (bf16: w; int8: q, scale bf16 [N]; int4: "
+        "codes, sz bf16 [G, N, 2], zr bf16 [G, N]; fp8: q uint8 [N, K] e4m3fn bits, bs float32 [ceil(N/128), "
+        "ceil(K/128)], as fp8_kernel); "
         "int4_act as int4_kernel's act; int4_batch_act (tiled layout, '' = int4_act) for calls of two or more rows, "
         "as int4_tiled_kernel's batch_act.");
   m.def("bf16_expert_forward", [](at::Tensor wg, at::Tensor wu, at::Tensor wd, at::Tensor x0) {

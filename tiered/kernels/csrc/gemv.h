@@ -1,13 +1,14 @@
 // tiered's own GEMV kernels for CPU decode (batch 1..8, any batch works): int4 group-32 and int8
-// per-row weights (each also in a tiled layout of 16 rows side by side) and bf16 weights, read as
-// stored, fp32 rows in and out; and a fused SwiGLU expert.
+// per-row weights (each also in a tiled layout of 16 rows side by side), bf16 weights, and fp8 E4M3
+// weights with fp32 scales per 128 x 128 block (DeepSeek-V3 / Qwen3-FP8's), read as stored, fp32 rows
+// in and out; and a fused SwiGLU expert (any mix of those kinds).
 //
 // Each kernel is a `Gemv`: besides Kernel::run it computes any range of output rows from an `Act`
 // (one call's activations, prepared once: bf16 copy, group sums), so a fused expert prepares x once
 // for gate and up and runs both in one parallel region.
 //
 // ISA: one build, chosen at run time. AVX-512 (F/BW/VL + BF16: vdpbf16ps, VNNI: vpdpbusd) -> AVX2 + F16C +
-// FMA -> scalar.
+// FMA (F16C: fp8 codes widened as fp16) -> scalar.
 // `set_isa` forces a lower path (tests run every path on an AVX-512 machine).
 #pragma once
 #include "kernel.h"

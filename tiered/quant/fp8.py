@@ -1,0 +1,147 @@
+"""FP8 E4M3 weights with one fp32 scale per 128 x 128 block: the "fine-grained FP8" of DeepSeek-V3's
+release (DeepSeek-V3 technical report, section 3.3) and of Qwen3's FP8 checkpoints, as transformers
+names it (`quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}`; each
+`X.weight` float8_e4m3fn [N, K] beside `X.weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)]).
+
+    w[n, k] = e4m3(q[n, k]) * s[n // 128, k // 128]
+
+The same bytes are the "fp8" expert kind (quant/experts.py: segments q uint8 [N, K], the bit patterns,
+and bs fp32 [ceil(N/128), ceil(K/128)]), which tiered's native kernel computes from as stored.
+Dequantization follows transformers' (integrations/finegrained_fp8.Fp8Dequantize): the product in
+fp32, then rounded to the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiered.errors import CheckpointError
+
+BLOCK = 128  # rows and columns per scale
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def _blocks(n: int) -> int:
+    return (n + BLOCK - 1) // BLOCK
+
+
+def scale_shape(N: int, K: int) -> tuple[int, int]:
+    """Shape of the block scales of an [N, K] weight: (ceil(N/128), ceil(K/128))."""
+    return _blocks(N), _blocks(K)
+
+
+def expand_scales(bs: torch.Tensor, N: int, K: int, block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
+    """Block scales [ceil(N/br), ceil(K/bc)] (any float dtype) -> one per weight, fp32 [N, K]."""
+    br, bc = block
+    return bs.float().repeat_interleave(br, 0)[:N].repeat_interleave(bc, 1)[:, :K]
+
+
+def dequantize_fp8(q: torch.Tensor, bs: torch.Tensor, dtype: torch.dtype = torch.float32,
+                   block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
+    """The weight [N, K] in `dtype` from q (float8_e4m3fn, or its bit patterns as uint8) [N, K] and
+    block scales bs [ceil(N/br), ceil(K/bc)] (any float dtype) for blocks of `block` = (br, bc):
+    e4m3(q) * s in fp32, then `dtype` (transformers' arithmetic). On q's device."""
+    if q.dtype == torch.uint8:
+        q = q.view(torch.float8_e4m3fn)
+    N, K = q.shape
+    return (q.float() * expand_scales(bs.to(q.device), N, K, block)).to(dtype)
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense weight w [N, K] -> (q uint8 [N, K] e4m3fn bit patterns, bs fp32 [ceil(N/128), ceil(K/128)]):
+    each block's scale is its largest |w| / 448 (1 for an all-zero block), q = round-to-nearest e4m3
+    of w / scale (transformers' Fp8Quantize rule)."""
+    N, K = w.shape
+    w = w.float()
+    gn, gk = scale_shape(N, K)
+    padded = torch.zeros(gn * BLOCK, gk * BLOCK, dtype=torch.float32, device=w.device)
+    padded[:N, :K] = w
+    amax = padded.reshape(gn, BLOCK, gk, BLOCK).abs().amax(dim=(1, 3))
+    bs = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (w / expand_scales(bs, N, K)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), bs
+
+
+def check_scales(name: str, shape: tuple[int, ...], scale_shape_: tuple[int, ...], block: tuple[int, int]) -> None:
+    """Check that a weight [N, K]'s `weight_scale_inv` has one scale per `block` (rows, columns).
+
+    Raises:
+        CheckpointError: the weight is not 2-D or the scales' shape is not (ceil(N/br), ceil(K/bc)).
+    """
+    if len(shape) != 2:
+        raise CheckpointError(f"fp8 weight {name!r} has shape {tuple(shape)}; block-scaled weights are matrices",
+                              "re-convert the checkpoint")
+    (N, K), (br, bc) = shape, block
+    want = ((N + br - 1) // br, (K + bc - 1) // bc)
+    if tuple(scale_shape_) != want:
+        raise CheckpointError(f"fp8 weight {name!r} [{N}, {K}] has block scales of shape {tuple(scale_shape_)}, "
+                              f"{want} expected for blocks of {br} x {bc}", "re-download or re-convert the checkpoint")
+
+
+class Fp8Linear(torch.nn.Module):
+    """y = x @ W^T (+ b) with W block-scaled fp8 as a checkpoint stores it: the decode copy (and, in
+    the one-copy mode, the only copy) of a DeepSeek-V3 / Qwen3-FP8 projection, a byte a weight where
+    a bf16 copy takes two.
+
+    x [..., K] any float dtype -> [..., N] in x's dtype: up to `dequantize_rows()` rows through tiered's
+    native fp8 kernel (fp32 activations, every 128-column block's dot scaled once); more rows (a
+    prompt) dequantize W in row chunks to quant/int4.dequantize_dtype() for GEMMs, as Int4Linear.dense
+    does. Needs the native extension (`kernel`).
+
+    Args:
+        q: uint8 [N, K] e4m3fn bit patterns; bs: fp32 [ceil(N/128), ceil(K/128)]; bias: [N] or None.
+    """
+
+    def __init__(self, q: torch.Tensor, bs: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("q", q.contiguous())
+        self.register_buffer("bs", bs.float().contiguous())
+        self.bias = None if bias is None else torch.nn.Parameter(bias.float(), requires_grad=False)
+        self.out_features, self.in_features = q.shape
+        self._native = None
+
+    def kernel(self):
+        """The native kernel (x [B, K] -> y [B, N] fp32, bias added).
+
+        Raises:
+            RuntimeError: the native extension is unavailable."""
+        if self._native is None:
+            from tiered.kernels import load
+
+            ext = load()
+            if ext is None:
+                raise RuntimeError("Fp8Linear needs tiered/kernels built")
+            bias = None if self.bias is None else self.bias.detach().float()
+            self._native = ext.fp8_kernel(self.q, self.bs, bias)
+        return self._native
+
+    def dequantize(self) -> torch.Tensor:
+        """W fp32 [N, K]."""
+        return dequantize_fp8(self.q, self.bs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        import tiered.quant.int4 as int4
+
+        limit = int4.dequantize_rows()
+        if limit is not None and x2.shape[0] > limit:
+            return self.dense(x)
+        return self.kernel()(x2).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype through W dequantized (in row chunks) for GEMMs in
+        quant/int4.dequantize_dtype() (bf16 where the CPU has AVX512_BF16, else fp32)."""
+        import tiered.quant.int4 as int4
+
+        dt = int4.dequantize_dtype()
+        x2 = x.reshape(-1, self.in_features).to(dt)
+        bias = None if self.bias is None else self.bias.to(dt)
+        y = int4.gemm_by_row_chunks(x2, self.out_features, bias=bias, weight_rows=lambda n0, n1: self._rows(n0, n1, dt))
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _rows(self, n0: int, n1: int, dtype: torch.dtype) -> torch.Tensor:
+        """W's rows [n0, n1) in `dtype`."""
+        K = self.in_features
+        s = self.bs[n0 // BLOCK:(n1 + BLOCK - 1) // BLOCK]
+        return (self.q[n0:n1].view(torch.float8_e4m3fn).float()
+                * expand_scales(s, n1 - n0 + n0 % BLOCK, K)[n0 % BLOCK:]).to(dtype)
