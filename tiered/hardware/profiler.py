@@ -198,14 +198,15 @@ def _native(module):
 
 def _native_gemv_format(device: str, dtype: str, gemv: bool) -> bool:
     """Whether a `dtype` GEMV on `device` runs tiered's native kernel (tiered/kernels built)."""
-    return gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int8-g32", "int4", "int4q8") and \
+    return gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int8-g32", "int4", "int4q8", "fp8") and \
         kernels.available()
 
 
 def _native_gemv_module(dtype: str, w: torch.Tensor):
     """The module holding a `dtype` decode copy of w [N, K] as the engine's CPU decode step keeps it
     (fp32 nn.Linear, bf16 CastLinear, tiled int4 Int4Linear, Int8Linear, Int8G32Linear: a GGUF
-    Q5_x/Q6_K tensor's copy and Q8_0 / Q6_K experts' kernel), and its weight bytes per element."""
+    Q5_x/Q6_K tensor's copy and Q8_0 / Q6_K experts' kernel; Fp8Linear: an fp8 checkpoint's weights
+    and fp8 experts' kernel), and its weight bytes per element."""
     if dtype == "fp32":  # the lossless mode's decode weights: f32_kernel
         lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
         lin.weight.data = w.clone()  # its own memory: copies that shared w's were timed in the cache
@@ -221,6 +222,10 @@ def _native_gemv_module(dtype: str, w: torch.Tensor):
     if dtype == "int8-g32":
         from tiered.quant.int8 import Int8G32Linear
         return Int8G32Linear.from_dense(w), 1 + 2 / 32
+    if dtype == "fp8":
+        from tiered.memory.sizes import bytes_per_element
+        from tiered.quant.fp8 import Fp8Linear, quantize_fp8
+        return Fp8Linear(*quantize_fp8(w)), bytes_per_element("fp8")
     from tiered.quant.int8 import Int8Linear
     return Int8Linear.from_dense(w), 1 + 2 / w.shape[1]
 
@@ -952,7 +957,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # and runtime/moe_cpu_layer_gpu/bf16 (a tiny MoE's decode layers with every expert on the CPU path).
 # 18: runtime/mla_step/bf16 (a tiny DeepSeek-V2's decode layers: latent attention and DeepSeek's MoE block
 # as modules inside the CPU decode step).
-PROFILER_VERSION = 18
+# 19: gemv/cpu/fp8 (tiered's fp8 kernel: an fp8 checkpoint's decode weights and fp8 experts, priced
+# at int8's rate before; the kernel converts each byte through fp16 and is slower than int8's from cache).
+PROFILER_VERSION = 19
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -999,6 +1006,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt("gemv/cpu/int4q8", lambda: _gemm_points("cpu", "int4q8", gemv_shapes, nosync, r, True))
         # int8 per group of 32: Q5_x/Q6_K decode copies and Q8_0/Q6_K experts (tiled, N % 16 == 0)
         b.attempt("gemv/cpu/int8-g32", lambda: _gemm_points("cpu", "int8-g32", gemv_shapes, nosync, r, True))
+        # e4m3 with 128 x 128 block scales: an fp8 checkpoint's weights and fp8 experts (quant/fp8.py)
+        b.attempt("gemv/cpu/fp8", lambda: _gemm_points("cpu", "fp8", gemv_shapes, nosync, r, True))
     attn_shapes = [(32, 256, 128), (32, 1024, 128), (32, 2048, 128)] if quick else \
         [(32, 256, 128), (32, 512, 128), (32, 1024, 128), (32, 2048, 128), (64, 2048, 128)]
     for dtype in ("fp32",) if quick else ("fp32", "bf16"):

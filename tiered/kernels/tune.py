@@ -4,7 +4,11 @@ Three choices depend on the CPU more than on the code, so they are measured here
 
 - ``stream_prefetch``: whether the weight-stream loops issue software prefetches ahead of their
   loads. On the 2-core Zen 3 VMs (AVX2) they lifted batch-1 int4 decode; on a Zen 4 VM (AVX-512)
-  the same loops read 81-88% of the DRAM rate with them and 95-100% without.
+  the same loops read 81-88% of the DRAM rate with them and 95-100% without. Until 2026-11-27 the
+  int4 kernels' prefetches were missing from the built library (GCC deleted the calls to the
+  prefetch helpers, now always_inline), so this choice only moved bf16 and int8; with them the Zen 4
+  VM measures prefetch off 6% slower, and cold OLMoE-width int4 experts stream at 44-46 GB/s where
+  they read 41-42 (bf16 activations; 2 threads, same run, `tiered/kernels/tune.py`'s experts).
 - ``int4_int16_act``: on AVX-512 CPUs with VBMI, whether tiled int4 at batch 1 reads int16
   activations (the AVX2 path, more exact than bf16) instead of bf16 pairs (vdpbf16ps). On that
   Zen 4 VM the bf16 path was compute-bound near DRAM speed (74% of it, against 86%).

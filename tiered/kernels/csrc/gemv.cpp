@@ -30,6 +30,7 @@
 
 #define TIERED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma")))
 #define TIERED_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TIERED_FORCE_INLINE inline __attribute__((always_inline))
 
 namespace tiered {
 namespace gemv {
@@ -72,7 +73,10 @@ inline bool g_stream_prefetch = true;
 inline bool g_int4_w16 = false;
 
 // A software prefetch of the weight stream at p (when the machine's tuning asks for them).
-inline void prefetch_stream(const void* p) {
+// The prefetch helpers are always_inline: GCC's IPA finds a plain inline helper free of side effects
+// (a prefetch does not count) and deletes the calls it did not inline early, e.g. from a kernel of
+// another target attribute: every int4 kernel had lost its stream and scale prefetches that way.
+TIERED_FORCE_INLINE void prefetch_stream(const void* p) {
   if (g_stream_prefetch) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
@@ -653,7 +657,7 @@ TIERED_AVX512 inline __attribute__((always_inline)) void int4q8_rows_avx512(
 
 // Scale (and zero residual) lines of the block at row m0, one share per call (share of shares):
 // they sit one group per N * 4 bytes apart, too far for the hardware prefetcher.
-inline void prefetch_block_scales(const Int4W& w, int64_t m0, int64_t G, int64_t share, int64_t shares) {
+TIERED_FORCE_INLINE void prefetch_block_scales(const Int4W& w, int64_t m0, int64_t G, int64_t share, int64_t shares) {
   for (int64_t g = share * G / shares; g < (share + 1) * G / shares; ++g) {
     _mm_prefetch(reinterpret_cast<const char*>(w.s + m0 * w.s_n + g * w.s_g), _MM_HINT_T0);
     if (w.zr) _mm_prefetch(reinterpret_cast<const char*>(w.zr + m0 * w.zr_n + g * w.zr_g), _MM_HINT_T0);
@@ -864,7 +868,7 @@ void int4t_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t 
 // the hardware prefetcher alone did not keep up). Even so, int4t_fill_block_avx2's pass still spent
 // ~30% of int4t_w16_avx2's time waiting on them, so that kernel reads each group's scales where it
 // uses them (scales8_avx2), and their loads overlap the code stream's.
-inline void prefetch_tile_scales(const Int4W& w, int64_t m0, int64_t G, int64_t g) {
+TIERED_FORCE_INLINE void prefetch_tile_scales(const Int4W& w, int64_t m0, int64_t G, int64_t g) {
   _mm_prefetch(reinterpret_cast<const char*>(w.tile_sz(m0, G, g)), _MM_HINT_T0);
   if (w.zr && !(g & 1)) _mm_prefetch(reinterpret_cast<const char*>(w.tile_zr(m0, G, g)), _MM_HINT_T0);
 }
@@ -874,8 +878,8 @@ inline void prefetch_tile_scales(const Int4W& w, int64_t m0, int64_t G, int64_t 
 // With the scales inline they are in the code stream, so only kernels that read a tile's scales in
 // a pass of their own before its codes (block_fill: int4_fill_block_avx512, int4t_fill_block_avx2)
 // fetch them ahead: that pass reads G lines 320 bytes apart.
-inline void prefetch_group(const Int4W& w, const uint8_t* codes, int64_t next, int64_t G, int64_t g,
-                           bool block_fill = false) {
+TIERED_FORCE_INLINE void prefetch_group(const Int4W& w, const uint8_t* codes, int64_t next, int64_t G, int64_t g,
+                                        bool block_fill = false) {
   for (int l = 0; l < 4; ++l) prefetch_stream(codes + kPrefetchAhead + 64 * l);
   if (w.inline_sz) prefetch_stream(codes + kPrefetchAhead + 256);  // the group's (s, z) line, in the stream
   if (next >= 0 && (!w.inline_sz || block_fill)) prefetch_tile_scales(w, next, G, g);
@@ -1776,14 +1780,10 @@ TIERED_AVX512 inline __attribute__((always_inline)) void fp8_rows_avx512(const F
     for (int j = 0; j < NB; ++j) tot[r][j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < full; ++c) {
     const uint8_t* q = q0 + c * kFp8Block;
-    // prefetch_stream's test and _mm_prefetch written out: GCC 12 deletes a call to that inline helper
-    // from an always_inline function (it finds the helper free of side effects before inlining it, and
-    // drops the call as dead when this function is inlined into its caller).
-    if (g_stream_prefetch)
-      for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(q + r * K + kPrefetchAhead), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(q + r * K + kPrefetchAhead + 64), _MM_HINT_T0);
-      }
+    for (int r = 0; r < R; ++r) {
+      prefetch_stream(q + r * K + kPrefetchAhead);
+      prefetch_stream(q + r * K + kPrefetchAhead + 64);
+    }
     __m512 acc[R][NB][U];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NB; ++j)
