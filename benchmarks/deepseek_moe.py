@@ -207,7 +207,8 @@ def main() -> None:
              "KV bytes/token: the bf16 KV cache per position over all layers; both engines cache MLA's latent "
              "(512 + 64 per layer), not per-head keys and values (16 x (192 + 128)).",
              "Greedy tokens: how many of the first generated tokens equal transformers' (both bf16; the "
-             "kernels round differently, so they may part)."]
+             "kernels round differently, so they may part). The fp8 row's weights are the bf16 ones rounded to "
+             "fp8, so its tokens are not expected to match."]
     for r in rows:
         r.pop("tokens", None)
     _, md = write_report("deepseek_moe_quick" if args.quick else "deepseek_moe", args.out,

@@ -101,6 +101,16 @@ def test_quantize_round_trips_to_block_precision():
     assert torch.equal(dequantize_fp8(q2, bs2), back)  # representable values are kept exactly
 
 
+def test_whole_blocks_dequantize_as_partial_ones():
+    """The broadcast path (whole 128 x 128 blocks) and the per-weight scales agree bit for bit."""
+    from tiered.quant.fp8 import expand_scales
+
+    q, bs = quantize_fp8(torch.randn(256, 384))
+    ref = q.view(torch.float8_e4m3fn).float() * expand_scales(bs, 256, 384)
+    assert torch.equal(dequantize_fp8(q, bs), ref)
+    assert torch.equal(dequantize_fp8(q, bs, torch.bfloat16), ref.to(torch.bfloat16))
+
+
 def test_fp8_expert_kind_encodes_and_dequantizes():
     shapes = ((160, 256), (160, 256), (256, 160))
     fmt = ExpertFormat("fp8", shapes)

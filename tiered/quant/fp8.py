@@ -43,8 +43,11 @@ def dequantize_fp8(q: torch.Tensor, bs: torch.Tensor, dtype: torch.dtype = torch
     e4m3(q) * s in fp32, then `dtype` (transformers' arithmetic). On q's device."""
     if q.dtype == torch.uint8:
         q = q.view(torch.float8_e4m3fn)
-    N, K = q.shape
-    return (q.float() * expand_scales(bs.to(q.device), N, K, block)).to(dtype)
+    (N, K), (br, bc) = q.shape, block
+    s = bs.to(device=q.device, dtype=torch.float32)
+    if N % br == 0 and K % bc == 0:  # whole blocks: the scales broadcast, one fp32 temporary
+        return q.float().view(N // br, br, K // bc, bc).mul_(s[:, None, :, None]).view(N, K).to(dtype)
+    return (q.float() * expand_scales(s, N, K, block)).to(dtype)
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
