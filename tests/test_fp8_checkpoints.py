@@ -198,16 +198,24 @@ def test_experts_keep_the_stored_bytes(zoo):
 
 
 def test_experts_on_disk_and_behind_the_stand_in(zoo, tmp_path):
-    """fp8 experts converted to the offload directory and read back through a small cache, and
-    resident behind the strict host stand-in: the same logits."""
+    """fp8 experts on disk read segment by segment from the checkpoint's own files (no converted
+    copy) through a small cache, and resident behind the strict host stand-in: the same logits."""
     ids = prompt()
     ref = hf_logits(zoo.hf("wide"), ids)
     cfg = open_checkpoint(zoo.dir("wide")).config
     room = sizes.weight_bytes(cfg, "fp32", sizes.is_expert_param) + 2 ** 18 + 5 * sizes.expert_bytes(cfg, "fp8")
     llm = LLM(zoo.dir("wide"), EngineConfig(decode_weights="fp32", max_context=32, cpu_memory=room,
                                             offload_dir=str(tmp_path / "off")))
-    assert llm.plan.dtypes["experts"] == "fp8" and any((tmp_path / "off").iterdir())
+    store = llm.experts.store
+    assert llm.plan.dtypes["experts"] == "fp8" and store.raw
+    assert not (tmp_path / "off").exists() or not any((tmp_path / "off").iterdir())
+    assert store.disk_files() == sorted(str(f) for f in zoo.dir("wide").glob("*.safetensors"))
     assert rel(llm.logits(ids), ref) <= REL_TOL
+    key = next(iter(store.raw))
+    slot = store.fmt.empty()
+    store.read(key, slot)
+    encoded = store.fmt.segment_views(store.encode(key))  # the bytes an in-RAM expert is encoded to
+    assert all(torch.equal(a, b) for a, b in zip(store.fmt.segment_views(slot), encoded))
     llm = LLM(zoo.dir("wide"), EngineConfig(decode_weights="fp32", max_context=32, accelerator="host"))
     assert rel(llm.logits(ids), ref) <= REL_TOL
 

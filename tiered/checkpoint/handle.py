@@ -67,6 +67,9 @@ class TensorHandle:
     # F8_E4M3: () -> (q float8_e4m3fn [N, K], scales fp32 [N / br, K / bc] (ceil)) as stored, and (br, bc)
     _fp8: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
     fp8_block: tuple[int, int] | None = None
+    # F8_E4M3: (the e4m3 bytes as a "U8" handle, the scales' handle), each readable raw where its file
+    # holds it: what a disk-tier fp8 expert is read through, segment by segment
+    fp8_parts: tuple["TensorHandle", "TensorHandle"] | None = None
 
     @property
     def numel(self) -> int:

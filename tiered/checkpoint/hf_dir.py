@@ -233,8 +233,11 @@ class HFDirCheckpoint(HandleTable):
             def dequantized(stored=stored):
                 return dequantize_fp8(*stored(), torch.float32, block)
 
+            raw = TensorHandle(name=key, shape=w.shape, format="U8", nbytes=w.nbytes, path=w.path,
+                               _load=lambda w=w: w.load(None).view(torch.uint8), offset=w.offset)
             self._handles[key] = TensorHandle(name=key, shape=w.shape, format="F8_E4M3", nbytes=w.nbytes + sc.nbytes,
-                                              path=w.path, _load=dequantized, _fp8=stored, fp8_block=block)
+                                              path=w.path, _load=dequantized, _fp8=stored, fp8_block=block,
+                                              fp8_parts=(raw, sc))
         for key in [k for k in self._handles if k.endswith(("activation_scale", "input_scale"))]:
             del self._handles[key]
 

@@ -200,7 +200,12 @@ class ExpertStore:
         if CPU in tiers:
             self._host_slab = HostSlab(HostSlab.bytes_for(tiers.count(CPU), fmt.slot_shapes, dtype),
                                        accelerator.host_buffer if accelerator is not None else None)
+        from tiered.quant.gguf_experts import stored_segments
+
         needs_conversion = []
+        # disk-tier experts whose segments the checkpoint holds as the format stores them (fp8): read
+        # segment by segment from its files (`read`), no converted copy
+        self.raw: dict = {}
         filled = 0  # quantized expert bytes encoded since the file's pages were last released
         for key, tier in placement.tiers.items():
             hs = tuple(checkpoint.handle(n) for n in expert_tensor_names(cfg.model_type, *key))
@@ -213,7 +218,11 @@ class ExpertStore:
                     self.host[key] = tuple(self._alloc_host(s, f"expert {key}") for s in fmt.slot_shapes)
                     self._fill_quantized(self.host[key], key, on_device=False)
                 else:
-                    needs_conversion.append(key)
+                    raw = stored_segments(fmt, hs)
+                    if raw is None:
+                        needs_conversion.append(key)
+                    else:
+                        self.raw[key] = raw
                     continue
                 filled += fmt.nbytes
                 if filled >= RELEASE_EVERY:  # else the file's pages read so far stay in RSS until the load ends
@@ -340,14 +349,19 @@ class ExpertStore:
 
     def disk_files(self) -> list[str]:
         """Files that disk-tier experts are read from."""
-        return sorted({h.path for k, hs in self.handles.items() if self.tier(k) == DISK for h in hs})
+        return sorted({h.path for k, hs in self.handles.items() if self.tier(k) == DISK
+                       for h in self.raw.get(k, hs)})
 
     def read(self, key, out: tuple[torch.Tensor, ...]) -> int:
-        """Read a disk-tier expert into host tensors `out` (read_uncached). Returns bytes read."""
-        read_uncached(self.handles[key], out)
+        """Read a disk-tier expert into host tensors `out` (read_uncached; one read per segment for
+        an expert read as the checkpoint stores it). Returns bytes read."""
+        if key in self.raw:
+            read_uncached(self.raw[key], self.fmt.segment_views(out))
+        else:
+            read_uncached(self.handles[key], out)
         return self.expert_bytes
 
     def advise(self, key) -> None:
         """Hint the kernel to start reading a disk-tier expert now (`advise`)."""
-        advise(self.handles[key])
+        advise(self.raw.get(key, self.handles[key]))
 

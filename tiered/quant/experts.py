@@ -266,6 +266,10 @@ class ExpertFormat:
         return [{f: buf[o:o + torch.Size(s).numel() * torch.empty((), dtype=dt).element_size()].view(dt).view(s)
                  for f, o, s, dt in segs} for segs in self._layout]
 
+    def segment_views(self, slot: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """Every segment of `slot` in storage order (gate's, up's, down's), as typed views."""
+        return [v for proj in self.views(slot) for v in proj.values()]
+
     # ----------------------------------------------------------------- encode
     def encode(self, parts: list[dict[str, torch.Tensor]], slot: tuple[torch.Tensor, ...]) -> None:
         """Write per-projection segments (as `quantize_projection` returns) into `slot` (host tensors);

@@ -53,6 +53,15 @@ def stored_kind(handle) -> str:
     return STORED_KIND.get(handle.format, "bf16")
 
 
+def stored_segments(fmt: ExpertFormat, handles) -> list | None:
+    """The raw handles of an expert's segments in `fmt`'s slot order when the checkpoint holds them
+    as that format stores them (fp8 experts: each projection's e4m3 bytes and block scales, read
+    straight into the slot's segments: no converted copy on disk), else None."""
+    if any(k != "fp8" for k in fmt.kinds) or not all(_fp8_as_stored(h) and h.fp8_parts for h in handles):
+        return None
+    return [part for h in handles for part in h.fp8_parts]
+
+
 def stored_format(handles) -> str | None:
     """`auto_format` of (gate, up, down) handles stored in a format an expert kind keeps (GGUF
     blocks, fp8), or None for dense storage (the experts then take the compute format)."""
