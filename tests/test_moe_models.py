@@ -407,6 +407,37 @@ def test_latent_attention_decodes_through_native_absorbed_kernels(moe, kind):
     llm.close()
 
 
+def test_bf16_latent_layers_decode_on_native_kernels(moe):
+    """A bf16 engine (no decode copies: the weights are bf16 already) on the CPU: the latent layers,
+    which the decode step runs as modules, get the absorbed bf16 kernels and their plain bf16
+    projections (attention, the shared experts) become CastLinears over the same tensors, whose
+    one-token calls take tiered's bf16 kernel; the decode steps' logits stay those of the torch
+    path up to bf16 rounding."""
+    from tiered import kernels
+    from tiered.memory import sizes
+    from tiered.models.deepseek import LatentAttention
+    from tiered.quant.linear import CastLinear
+
+    if not kernels.available():
+        pytest.skip("tiered/kernels is not built")
+    from fixtures import stepwise_logits
+    from tiered.eval.kl import kl_divergence
+
+    llm = LLM(moe.dir("deepseek_v2"), EngineConfig(max_context=64, dtype="bfloat16", accelerator="none"))
+    assert llm.plan.native_decode and llm.plan.dense_copies
+    attns = [m for m in llm.model.modules() if isinstance(m, LatentAttention)]
+    ids = prompt(12, seed=5)
+    got = stepwise_logits(llm, ids, 6)  # decode steps through the native path (generate warms the step up)
+    assert all(a.absorbed is not None for a in attns)
+    layer = llm.model.model.layers[1]
+    assert type(layer.self_attn.q_proj) is CastLinear and type(layer.mlp.shared_experts.down_proj) is CastLinear
+    held = sum(p.numel() * p.element_size() for p in llm.model.parameters() if not p.is_meta)
+    assert held == sizes.weight_bytes(llm.config, "bf16", sizes.is_expert_param)  # shared, not copied
+    ref = moe.llm("deepseek_v2").logits(ids)[5:]  # the lossless fp32 engine
+    assert float(kl_divergence(ref, got).max()) < 2e-3
+    llm.close()
+
+
 @pytest.mark.parametrize("kind", ["deepseek_v3", "mixtral"])
 def test_deepseek_routers_stay_fp32_in_a_bf16_engine(moe, kind):
     """DeepSeek's routers and correction biases load in fp32 in a bf16 engine, as transformers keeps

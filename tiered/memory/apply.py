@@ -162,11 +162,15 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
                               "built", "build them (python -m tiered.kernels) or re-plan (--plan auto)")
         extra += install_decode_weights(model, checkpoint, decode, plan.decode_threshold, dense=not one_copy,
                                         skip=skip, int4_layout=plan.int4_layout, batch_act=plan.batch_act)
-        if one_copy and cfg.is_mla and plan.native_decode:  # latent attention's absorbed halves, bf16 per head
-            from tiered.kernels import load
-            from tiered.models.deepseek import LatentAttention
-            extra += sum(m.install_absorbed(load()) for m in model.modules() if isinstance(m, LatentAttention))
         fast_budget.reserve(extra, "the decode-format weight copies")
+    if accelerator is None and cfg.is_mla and plan.native_decode and (one_copy or fmt == "bf16"):
+        # latent attention's absorbed halves as bf16 per-head kernels, where the decode copies are lossy
+        # (one copy) or the weights bf16 already (nothing lost): the lossless fp32 mode keeps fp32 ones
+        from tiered.kernels import load
+        from tiered.models.deepseek import LatentAttention
+        absorbed = sum(m.install_absorbed(load()) for m in model.modules() if isinstance(m, LatentAttention))
+        fast_budget.reserve(absorbed, "latent attention's absorbed bf16 kernels")
+        extra += absorbed
     if accelerator is None:  # CPU decode streams these from RAM every token: onto huge pages (TLB)
         from tiered.memory.host import release_load_memory
         from tiered.quant.linear import PhaseLinear

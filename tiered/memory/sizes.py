@@ -116,7 +116,7 @@ def one_copy_weight_bytes(cfg: ModelConfig, fmt: str, copies: dict[str, float],
     dense format `fmt`, latent attention's kv_b_proj also as its bf16 decode copy
     (LatentAttention.install_absorbed); `skip`ped names (routed experts) left out. A GGUF file's
     block-quantized embedding, kept in its blocks, is counted dense: an upper bound."""
-    dense = copied = latent = 0
+    dense = copied = 0
     copies_of = decode_copied(cfg)
     for name, n in _param_counts(cfg):
         if skip is not None and skip(name):
@@ -125,10 +125,16 @@ def one_copy_weight_bytes(cfg: ModelConfig, fmt: str, copies: dict[str, float],
             copied += n
         else:  # (the one-copy mode computes in fp32: kept_fp32 weights are at fmt's bytes)
             dense += n
-            latent += n if name.endswith(".self_attn.kv_b_proj.weight") else 0
-    # latent attention's kv_b_proj also has a bf16 copy for the CPU decode step (LatentAttention.install_absorbed)
-    return (dense * bytes_per_element(fmt) + latent * bytes_per_element("bf16")
+    return (dense * bytes_per_element(fmt) + absorbed_bytes(cfg)
             + copied * sum(share * bytes_per_element(k) for k, share in copies.items()))
+
+
+def absorbed_bytes(cfg: ModelConfig) -> int:
+    """Bytes of latent attention's absorbed kernels (LatentAttention.install_absorbed: kv_b_proj's two
+    halves as bf16 per-head copies) over every layer, which the CPU's native decode step holds beside
+    the dense kv_b_proj (memory/apply.place_weights: in the one-copy mode and in a bf16 engine); 0
+    for other attention."""
+    return sum(n for name, n in _param_counts(cfg) if name.endswith(".self_attn.kv_b_proj.weight")) * 2
 
 
 def kept_fp32(cfg: ModelConfig, name: str) -> bool:

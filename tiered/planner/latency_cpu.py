@@ -35,8 +35,9 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     held = fmt if plan.dense_copies else dtype  # one-copy mode: the decode copies are the weights
     mix = plan.precision_mix if not plan.dense_copies else None  # ... in their precisions, where they mix
     skip = sizes.is_expert_param if moe else None
-    held_bytes = (sizes.weight_bytes(cfg, held, skip) if plan.dense_copies else
-                  sizes.one_copy_weight_bytes(cfg, fmt, mix or {dtype: 1.0}, skip))
+    # with the dense weights kept, a bf16 engine's latent attention also holds its absorbed bf16 kernels
+    held_bytes = (sizes.weight_bytes(cfg, held, skip) + (sizes.absorbed_bytes(cfg) if fmt == "bf16" else 0)
+                  if plan.dense_copies else sizes.one_copy_weight_bytes(cfg, fmt, mix or {dtype: 1.0}, skip))
     fixed = (held_bytes
              + sizes.rotary_bytes(cfg, plan.context_tokens)
              + sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"]) + extra_bytes)

@@ -28,16 +28,38 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class CastLinear(nn.Module):
     """Dense linear whose weight is stored in another dtype (e.g. bf16) than the activations.
 
-    x [..., K] -> [..., N] in x's dtype; computes in the weight's dtype.
+    x [..., K] -> [..., N] in x's dtype; computes in the weight's dtype. A bf16 weight on the CPU takes
+    tiered's native bf16 kernel (kernels/linear.kernel_for: x rounded to bf16, fp32 accumulation, as
+    the native decode step runs it) up to quant/experts.bf16_native_rows() rows, where torch's bf16
+    GEMV read ~27 GB/s against the kernel's ~47 (2-core Zen 4): the path of projections a decode step
+    runs as modules (DeepSeek's latent-attention layers, a routing hook's fallback).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(weight.dtype), requires_grad=False)
+        self.__dict__["_native"] = None  # (kernel, rows) once looked up; False: none for this weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = self.__dict__["_native"]
+        if native is None:
+            native = self.__dict__["_native"] = self._native_kernel()
+        if native and x.numel() // x.shape[-1] <= native[1] and x.device.type == "cpu":
+            y = native[0](x.reshape(-1, x.shape[-1]))
+            return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+    def _native_kernel(self):
+        """(native kernel, rows it takes) for a contiguous bf16 CPU weight with the extension built, else False."""
+        w = self.weight
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous():
+            return False
+        from tiered.kernels.linear import kernel_for
+        from tiered.quant.experts import bf16_native_rows
+
+        k = kernel_for(self)
+        return (k, bf16_native_rows()) if k is not None else False
 
 
 class SharedOutput(nn.Module):
