@@ -244,6 +244,29 @@ def int4_kernel(codes: torch.Tensor, scales_zeros: torch.Tensor, residual: torch
     return ext.int4_kernel(codes, scales_zeros[..., 0].T, scales_zeros[..., 1].T, zr, bias, act)
 
 
+class NativeLinear(nn.Module):
+    """A linear layer held only in a format tiered's native kernels compute (quant/int8.Int8G32Linear,
+    quant/fp8.Fp8Linear): `kernel()` builds that kernel on first use from the subclass's
+    `_build(ext, bias fp32 [N] or None)`; `self.bias` is the layer's bias or None."""
+
+    _native = None
+
+    def kernel(self):
+        """The native kernel (x [B, K] -> y [B, N] fp32, bias added).
+
+        Raises:
+            RuntimeError: the native extension is unavailable."""
+        if self._native is None:
+            ext = load()
+            if ext is None:
+                raise RuntimeError(f"{type(self).__name__} needs tiered/kernels built")
+            self._native = self._build(ext, None if self.bias is None else self.bias.detach().float())
+        return self._native
+
+    def _build(self, ext, bias):
+        raise NotImplementedError
+
+
 def kernel_for(m: nn.Module):
     """The best native Kernel computing module `m` (x [B, K] -> y [B, N] fp32 with m's bias).
 
@@ -255,14 +278,13 @@ def kernel_for(m: nn.Module):
         TypeError: a module of another type.
     """
     from tiered.quant.int4 import Int4Linear
-    from tiered.quant.fp8 import Fp8Linear
-    from tiered.quant.int8 import Int8G32Linear, Int8Linear
+    from tiered.quant.int8 import Int8Linear
     from tiered.quant.linear import CastLinear
 
     ext = load()
     if ext is None:
         return None
-    if isinstance(m, (Int8G32Linear, Fp8Linear)):
+    if isinstance(m, NativeLinear):
         return m.kernel()
     bias = getattr(m, "bias", None)
     bias = None if bias is None else bias.detach().float()

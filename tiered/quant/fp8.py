@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from tiered.errors import CheckpointError
+from tiered.kernels.linear import NativeLinear
 
 BLOCK = 128  # rows and columns per scale
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -81,7 +82,7 @@ def check_scales(name: str, shape: tuple[int, ...], scale_shape_: tuple[int, ...
                               f"{want} expected for blocks of {br} x {bc}", "re-download or re-convert the checkpoint")
 
 
-class Fp8Linear(torch.nn.Module):
+class Fp8Linear(NativeLinear):
     """y = x @ W^T (+ b) with W block-scaled fp8 as a checkpoint stores it: the decode copy (and, in
     the one-copy mode, the only copy) of a DeepSeek-V3 / Qwen3-FP8 projection, a byte a weight where
     a bf16 copy takes two.
@@ -101,22 +102,9 @@ class Fp8Linear(torch.nn.Module):
         self.register_buffer("bs", bs.float().contiguous())
         self.bias = None if bias is None else torch.nn.Parameter(bias.float(), requires_grad=False)
         self.out_features, self.in_features = q.shape
-        self._native = None
 
-    def kernel(self):
-        """The native kernel (x [B, K] -> y [B, N] fp32, bias added).
-
-        Raises:
-            RuntimeError: the native extension is unavailable."""
-        if self._native is None:
-            from tiered.kernels import load
-
-            ext = load()
-            if ext is None:
-                raise RuntimeError("Fp8Linear needs tiered/kernels built")
-            bias = None if self.bias is None else self.bias.detach().float()
-            self._native = ext.fp8_kernel(self.q, self.bs, bias)
-        return self._native
+    def _build(self, ext, bias):
+        return ext.fp8_kernel(self.q, self.bs, bias)
 
     def dequantize(self) -> torch.Tensor:
         """W fp32 [N, K]."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tiered.kernels.linear import NativeLinear
+
 NATIVE_ROWS = 4  # rows up to which forward uses tiered's own int8 GEMV (faster than torch's there: cpu_gemv.md)
 
 
@@ -78,7 +80,7 @@ def tiled_int8_g32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tiled_int8(q), tiled_group_scales(s)
 
 
-class Int8G32Linear(nn.Module):
+class Int8G32Linear(NativeLinear):
     """y = x @ W^T (+ b) with W int8 in groups of 32 along K, each group with its own fp16 scale
     (w = q * s_g): the decode copy of GGUF Q5_x / Q6_K tensors (their 6-bit codes and 16-weight
     sub-scales re-quantized per 32 weights: ~2^-8 of a group's max, where one scale per row, as
@@ -98,7 +100,6 @@ class Int8G32Linear(nn.Module):
         self.register_buffer("st", st.contiguous())  # fp16 [N/16, K/32, 16]
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.out_features, self.in_features = qt.shape
-        self._native = None  # the native kernel, built on first use
 
     @classmethod
     def from_dense(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8G32Linear":
@@ -108,20 +109,8 @@ class Int8G32Linear(nn.Module):
             ValueError: a shape the tiled layout does not take."""
         return cls(*tiled_int8_g32(w), bias)
 
-    def kernel(self):
-        """The native kernel (x [B, K] -> y [B, N] fp32, bias added).
-
-        Raises:
-            RuntimeError: the native extension is unavailable."""
-        if self._native is None:
-            from tiered.kernels import load
-
-            ext = load()
-            if ext is None:
-                raise RuntimeError("Int8G32Linear needs tiered/kernels built")
-            bias = None if self.bias is None else self.bias.detach().float()
-            self._native = ext.int8g32_tiled_kernel(self.qt, self.st, bias)
-        return self._native
+    def _build(self, ext, bias):
+        return ext.int8g32_tiled_kernel(self.qt, self.st, bias)
 
     def dequantize(self) -> torch.Tensor:
         """W fp32 [N, K] (quant/experts.dequantize_projection, the experts' int8-g32 arithmetic)."""

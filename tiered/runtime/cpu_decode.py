@@ -37,11 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiered.kernels.linear import kernel_for
+from tiered.kernels.linear import NativeLinear, kernel_for
 from tiered.models.layers import MLP, Attention, AttentionMetadata, KVCache, build_attention_metadata
 from tiered.quant.int4 import Int4Linear
-from tiered.quant.fp8 import Fp8Linear
-from tiered.quant.int8 import Int8G32Linear, Int8Linear
+from tiered.quant.int8 import Int8Linear
 from tiered.quant.linear import CastLinear, PhaseLinear, Slice
 from tiered.runtime.dispatcher import RESIDENT
 
@@ -61,7 +60,7 @@ class Kernel:
 
     def __init__(self, m: nn.Module) -> None:
         bias = getattr(m, "bias", None)
-        if isinstance(m, Int4Linear) and m.layout == "tiled" or isinstance(m, (Int8G32Linear, Fp8Linear)):
+        if isinstance(m, Int4Linear) and m.layout == "tiled" or isinstance(m, NativeLinear):
             # tiered's kernels: fp32 out, bias added
             self.fn, self.dtype, self.out_features = m.kernel(), torch.float32, m.out_features
         elif isinstance(m, Int4Linear):
