@@ -265,6 +265,30 @@ def test_bad_quantization_config_is_refused(zoo, tmp_path, change, error, words)
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
+def test_exponent_byte_scales_load_as_powers_of_two(zoo, tmp_path):
+    """UE8M0 block scales (one exponent byte, 2^(b - 127): DeepSeek-V3.1's "scale_fmt" and MXFP8 files)
+    are read as transformers reads uint8 scales."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    exps = {}
+
+    def to_exponents(t):
+        s = t[name + "_scale_inv"]
+        e = (s.log2().round() + 127).to(torch.uint8)
+        t[name + "_scale_inv"] = exps["e"] = e
+
+    ckpt = open_checkpoint(_broken(zoo, tmp_path, drop=to_exponents))
+    h = ckpt.handle(name)
+    q, bs = h.scaled_fp8()
+    assert bs.dtype == torch.float32 and torch.equal(bs, (exps["e"].float() - 127).exp2())
+    assert torch.equal(h.load(torch.float32), dequantize_fp8(q, bs))
+
+
+def test_scales_of_another_dtype_are_refused(zoo, tmp_path):
+    name = "model.layers.0.self_attn.k_proj.weight_scale_inv"
+    with pytest.raises(CheckpointError, match="stored as I32"):
+        open_checkpoint(_broken(zoo, tmp_path, drop=lambda t: t.__setitem__(name, t[name].to(torch.int32))))
+
+
 def test_missing_scales_are_refused(zoo, tmp_path):
     name = "model.layers.0.self_attn.k_proj.weight_scale_inv"
     with pytest.raises(CheckpointError, match="lacks tensor .*k_proj.weight_scale_inv"):

@@ -134,6 +134,14 @@ def _read_index(index: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
+def _exponent_scales(h: TensorHandle) -> TensorHandle:
+    """Block scales stored as UE8M0 exponent bytes (safetensors U8 or F8_E8M0): a handle that loads
+    them as fp32 2^(byte - 127), as transformers reads them (never read raw: offset None)."""
+    def load(h=h):
+        return (h.load(None).view(torch.uint8).float() - 127.0).exp2()
+    return TensorHandle(name=h.name, shape=h.shape, format="F32", nbytes=h.nbytes, path=h.path, _load=load)
+
+
 class HFDirCheckpoint(HandleTable):
     """A model directory in the Hugging Face layout.
 
@@ -226,6 +234,11 @@ class HFDirCheckpoint(HandleTable):
                                       "re-download the checkpoint's shards")
             w, sc = self._handles[key], self._handles.pop(scale_key)
             check_scales(key, w.shape, sc.shape, block)
+            if sc.format in ("U8", "F8_E8M0"):  # power-of-two scales (UE8M0, "MXFP8"): 2^(byte - 127)
+                sc = _exponent_scales(sc)
+            elif sc.format not in ("F32", "BF16", "F16"):
+                raise CheckpointError(f"{self.path}: the block scales {scale_key!r} are stored as {sc.format}",
+                                      "re-convert the checkpoint (scales in F32, BF16, F16 or UE8M0)")
 
             def stored(w=w, sc=sc):
                 return w.load(None), sc.load(torch.float32)
