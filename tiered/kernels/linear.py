@@ -325,8 +325,6 @@ def expert_spec(fmt):
     offsets = []
     for segs, kind in zip(fmt._layout, fmt.kinds):
         o = [off for _, off, _, _ in segs]
-        if kind == "fp8":  # the kernel's two offsets: q (e4m3fn bits [N, K]), bs (fp32 block scales)
-            o = [next(off for f, off, _, _ in segs if f == field) for field in ("q", "bs")]
         if kind == "int4" and fmt.int4_layout == "tiled":
             # codes with their scales inline, then residuals: the kernel's three offsets are the codes,
             # the first (s, z) line (+256: how ExpertSpec tells the inline form) and the residuals

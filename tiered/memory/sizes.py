@@ -37,7 +37,8 @@ def bytes_per_element(fmt: str, group: int = INT4_GROUP) -> float:
     if fmt == "int8-g32":  # int8 and an fp16 scale per 32 (quant/int8.Int8G32Linear)
         return 1.0 + 2.0 / 32
     if fmt == "fp8":  # e4m3 and an fp32 scale per 128 x 128 block (quant/fp8.py)
-        return 1.0 + 4.0 / (128 * 128)
+        from tiered.quant.fp8 import BLOCK
+        return 1.0 + 4.0 / (BLOCK * BLOCK)
     try:
         return _DENSE_BYTES[fmt]
     except KeyError:

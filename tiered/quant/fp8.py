@@ -22,13 +22,16 @@ BLOCK = 128  # rows and columns per scale
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
-def _blocks(n: int) -> int:
-    return (n + BLOCK - 1) // BLOCK
+def scale_shape(N: int, K: int, block: tuple[int, int] = (BLOCK, BLOCK)) -> tuple[int, int]:
+    """Shape of the block scales of an [N, K] weight in blocks of `block` = (br, bc): (ceil(N/br), ceil(K/bc))."""
+    br, bc = block
+    return (N + br - 1) // br, (K + bc - 1) // bc
 
 
-def scale_shape(N: int, K: int) -> tuple[int, int]:
-    """Shape of the block scales of an [N, K] weight: (ceil(N/128), ceil(K/128))."""
-    return _blocks(N), _blocks(K)
+def as_stored(handle) -> bool:
+    """Whether a checkpoint tensor is block-scaled fp8 in this format's 128 x 128 blocks, which the fp8
+    expert kind and Fp8Linear keep as stored (other blocks are dequantized)."""
+    return handle.format == "F8_E4M3" and handle.fp8_block == (BLOCK, BLOCK)
 
 
 def expand_scales(bs: torch.Tensor, N: int, K: int, block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
@@ -76,7 +79,7 @@ def check_scales(name: str, shape: tuple[int, ...], scale_shape_: tuple[int, ...
         raise CheckpointError(f"fp8 weight {name!r} has shape {tuple(shape)}; block-scaled weights are matrices",
                               "re-convert the checkpoint")
     (N, K), (br, bc) = shape, block
-    want = ((N + br - 1) // br, (K + bc - 1) // bc)
+    want = scale_shape(N, K, block)
     if tuple(scale_shape_) != want:
         raise CheckpointError(f"fp8 weight {name!r} [{N}, {K}] has block scales of shape {tuple(scale_shape_)}, "
                               f"{want} expected for blocks of {br} x {bc}", "re-download or re-convert the checkpoint")

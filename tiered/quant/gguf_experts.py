@@ -29,6 +29,7 @@ from tiered.checkpoint.handle import BLOCK_FORMATS
 from tiered.kernels import load
 from tiered.quant.experts import (ExpertFormat, fit_format, format_name, int4_segments, int8_g32_segments,
                                   int8_tiled, quantize_projection)
+from tiered.quant import fp8
 from tiered.quant.gguf_dequant import blocks_tensor
 from tiered.quant.int4 import unpack_q4_blocks
 
@@ -38,17 +39,10 @@ STORED_KIND = {**GGUF_EXPERT_KIND, "F8_E4M3": "fp8"}
 EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3")
 
 
-def _fp8_as_stored(handle) -> bool:
-    """An fp8 tensor whose blocks are the fp8 kind's 128 x 128 (else it is dequantized)."""
-    from tiered.quant.fp8 import BLOCK
-
-    return handle.format == "F8_E4M3" and handle.fp8_block == (BLOCK, BLOCK)
-
-
 def stored_kind(handle) -> str:
     """The expert kind a tensor stored as `handle.format` maps to ("bf16" for dense formats and fp8
     of other blocks than 128 x 128)."""
-    if handle.format == "F8_E4M3" and not _fp8_as_stored(handle):
+    if handle.format == "F8_E4M3" and not fp8.as_stored(handle):
         return "bf16"
     return STORED_KIND.get(handle.format, "bf16")
 
@@ -57,7 +51,7 @@ def stored_segments(fmt: ExpertFormat, handles) -> list | None:
     """The raw handles of an expert's segments in `fmt`'s slot order when the checkpoint holds them
     as that format stores them (fp8 experts: each projection's e4m3 bytes and block scales, read
     straight into the slot's segments: no converted copy on disk), else None."""
-    if any(k != "fp8" for k in fmt.kinds) or not all(_fp8_as_stored(h) and h.fp8_parts for h in handles):
+    if any(k != "fp8" for k in fmt.kinds) or not all(fp8.as_stored(h) and h.fp8_parts for h in handles):
         return None
     return [part for h in handles for part in h.fp8_parts]
 
@@ -132,7 +126,7 @@ def projection_segments(handle, kind: str, int4_layout: str,
     the projection's segment views in an expert's slot (ExpertFormat.views), which the native
     repacking passes write in place (then the returned segments are those views)."""
     out = out or {}
-    if kind == "fp8" and handle.format == "F8_E4M3" and _fp8_as_stored(handle):
+    if kind == "fp8" and fp8.as_stored(handle):
         q, bs = handle.scaled_fp8()
         return {"q": q.view(torch.uint8), "bs": bs}
     if handle.format in INT4_BLOCK_FORMATS and kind == "int4":

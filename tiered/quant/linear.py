@@ -175,10 +175,9 @@ def auto_kind(handle) -> str:
     N % 128 == 0: fused groups stay whole blocks) as stored where tiered's kernels are built."""
     if handle.format == "F8_E4M3":
         from tiered.kernels import load
-        from tiered.quant.fp8 import BLOCK
+        from tiered.quant.fp8 import BLOCK, as_stored
 
-        ok = handle.fp8_block == (BLOCK, BLOCK) and handle.shape[0] % BLOCK == 0 and load() is not None
-        return "fp8" if ok else "bf16"
+        return "fp8" if as_stored(handle) and handle.shape[0] % BLOCK == 0 and load() is not None else "bf16"
     kind = GGUF_DECODE_KIND.get(handle.format, "bf16")
     if kind == "int8-g32":
         from tiered.kernels import load

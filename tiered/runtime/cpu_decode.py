@@ -192,21 +192,18 @@ def _native_moe(block, dtype: torch.dtype) -> tuple | None:
     return (block.gate.weight, block.gate.top_k, block.gate.norm_topk_prob, bound) + shared
 
 
-def _native_linears(module: nn.Module) -> int:
+def _native_linears(module: nn.Module) -> None:
     """Swap the plain bf16 nn.Linear layers under `module` (a part the decode step runs as modules:
     DeepSeek's latent-attention layers, module-run MoE blocks' shared experts) for CastLinears over the
     same tensors, whose one-token calls take tiered's native bf16 kernel instead of torch's bf16 GEMV
     (~47 against ~27 GB/s on 2 Zen 4 cores; with the absorbed kernels a bf16 engine now also gets, a
     4-layer DeepSeek-V2-Lite-shaped bf16 model decoded 27.7 -> 37.6 tok/s, benchmarks/deepseek_moe.py).
-    No copy: the parameters are shared. Returns how many were swapped."""
-    swapped = 0
+    No copy: the parameters are shared."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             w = getattr(child, "weight", None)
             if type(child) is nn.Linear and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous():
                 setattr(parent, name, CastLinear(w, child.bias))
-                swapped += 1
-    return swapped
 
 
 def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list, list]:
