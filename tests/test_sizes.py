@@ -42,3 +42,32 @@ def test_kv_cache_bytes_match_an_allocated_cache(rt, fmt, dtype):  # noqa: F811
 def test_int4_counts_its_group_scales():
     assert sizes.bytes_per_element("int4") == pytest.approx(0.625)  # tiered's group 32
     assert sizes.bytes_per_element("int4", 64) == pytest.approx(0.5625)  # FlexGen's group 64
+
+
+@pytest.mark.parametrize("name,qtype,config", [
+    ("llama_tied", "Q8_0", dict(decode_weights="auto")),  # one copy: the Q8_0 embedding in its blocks, the tied head's int8 copy
+    ("llama_tied", "Q4_0", dict(decode_weights="int4")),  # one copy: int4 layers and head
+    ("llama", "Q4_0", dict(decode_weights="int4", dtype="bfloat16")),  # bf16 weights and int4 copies beside them
+    ("llama_tied", "Q4_0", dict(decode_weights="bf16", dtype="float32")),  # fp32 weights and bf16 copies beside them
+])
+def test_cpu_plan_counts_what_the_engine_holds(zoo, name, qtype, config):
+    """The CPU plan's RAM (plan.memory["cpu"]) is what the engine reserves for its weights and decode
+    copies plus the KV cache it reserves at the first generate: before, the planner left out the tied
+    lm_head's decode copy and, with the dense weights kept, every decode copy (a budget the plan
+    accepted then failed at load), and counted a GGUF file's block-quantized embedding dense."""
+    from tiered import EngineConfig
+
+    path = zoo.gguf(name, qtype)
+    llm = LLM(path, EngineConfig(accelerator="none", max_context=64, **config))
+    try:
+        plan = llm.plan
+        assert plan.dense_copies == ("dtype" in config)
+        kv = sizes.kv_cache_bytes(llm.config, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"])
+        held = llm.cpu_budget.used + kv
+        assert llm.decode_weight_bytes > 0
+        # per-row int8 scales (4 bytes a row) are the planner's only omission
+        rows = sum(m.out_features for m in llm.model.modules() if isinstance(m, torch.nn.Linear) or hasattr(m, "out_features"))
+        assert held <= plan.memory["cpu"] + 4 * rows
+        assert plan.memory["cpu"] <= held * 1.001
+    finally:
+        llm.close()

@@ -115,11 +115,14 @@ class LLM:
             popularity = load_popularity(ec.expert_profile, cfg.num_hidden_layers, cfg.num_experts)
         precision = decode_precision(self.checkpoint, decode) if decode != "none" else weights
         head = head_precision(self.checkpoint, decode) if decode != "none" else None
+        embed = "model.embed_tokens.weight"  # kept in its file's blocks in the one-copy mode (place_weights)
+        blocks = decode != "none" and self.checkpoint.has(embed) and self.checkpoint.handle(embed).is_quantized
         experts = self._experts_format(weights)
         with _transient_notes(progress) as say:  # "measuring a quick profile ...", while it runs
             plan, profile, self._plan_args = engine_plan(
                 cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name, max_context=self.max_context,
                 weights_format=weights, decode_format=decode, decode_precision=precision, head_precision=head,
+                embedding_bytes=self.checkpoint.handle(embed).nbytes if blocks else None,
                 popularity=popularity, progress=say, experts_format=experts,
                 decode_mix=decode_mix(self.checkpoint, decode) if decode != "none" else None,
                 disk_reads=self._disk_reads(experts or weights, say))

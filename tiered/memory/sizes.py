@@ -109,25 +109,46 @@ def decode_copied(cfg: ModelConfig) -> frozenset[str]:
     return _tree(cfg)[1]
 
 
-def one_copy_weight_bytes(cfg: ModelConfig, fmt: str, copies: dict[str, float],
-                          skip: Callable[[str], bool] | None = None) -> float:
-    """Bytes of the model's parameters in the CPU's one-copy mode (Plan.dense_copies False): those with a
-    decode copy (`decode_copied`) as the copy, in `copies`' formats by share of their elements
-    (format -> share, e.g. {"int4": 1.0}), every other (embedding, norms, routers, kv_b_proj) in the
-    dense format `fmt`, latent attention's kv_b_proj also as its bf16 decode copy
-    (LatentAttention.install_absorbed); `skip`ped names (routed experts) left out. A GGUF file's
-    block-quantized embedding, kept in its blocks, is counted dense: an upper bound."""
-    dense = copied = 0
-    copies_of = decode_copied(cfg)
-    for name, n in _param_counts(cfg):
+def decode_copy_bytes(cfg: ModelConfig, copies: dict[str, float], head: str | None = None,
+                      skip: Callable[[str], bool] | None = None, dense: str | None = None) -> float:
+    """Bytes of the decode copies quant/linear.install_decode_weights makes: every `decode_copied`
+    weight not `skip`ped (routed experts), in `copies`' formats by share of their elements (format ->
+    share, e.g. {"int4": 1.0}), the lm_head in `head`'s format where given (a GGUF file's head often
+    has another: quant/linear.head_precision). A tied lm_head (cfg.tie_word_embeddings) gets a copy
+    of its own, of the embedding's [vocab, hidden] elements.
+
+    `dense`: the format the dense weights are held in beside the copies (Plan.dense_copies): a weight
+    whose copy would be in that format gets none (quant/linear.decode_weight keeps the module). None
+    (the one-copy mode) counts every copied weight: there its copy is its only copy."""
+    counts = dict(_param_counts(cfg))
+    per = lambda fmts: sum(share * bytes_per_element(k) for k, share in fmts.items() if k != dense)  # noqa: E731
+    total = 0.0
+    for name in decode_copied(cfg):
         if skip is not None and skip(name):
             continue
-        if name in copies_of:
-            copied += n
-        else:  # (the one-copy mode computes in fp32: kept_fp32 weights are at fmt's bytes)
-            dense += n
-    return (dense * bytes_per_element(fmt) + absorbed_bytes(cfg)
-            + copied * sum(share * bytes_per_element(k) for k, share in copies.items()))
+        n = counts.get(name)
+        if n is None:  # the tied lm_head, counted once as the embedding: its copy is its own
+            n = cfg.vocab_size * cfg.hidden_size
+        total += n * (per({head: 1.0}) if head is not None and name == "lm_head.weight" else per(copies))
+    return total
+
+
+def one_copy_weight_bytes(cfg: ModelConfig, fmt: str, copies: dict[str, float],
+                          skip: Callable[[str], bool] | None = None, head: str | None = None,
+                          embedding: int | None = None) -> float:
+    """Bytes of the model's parameters in the CPU's one-copy mode (Plan.dense_copies False): those with a
+    decode copy (`decode_copied`) as the copy (decode_copy_bytes: `copies`' formats, the lm_head's
+    `head` where given), every other (embedding, norms, routers, kv_b_proj) in the dense format `fmt`,
+    latent attention's kv_b_proj also as its bf16 decode copy (LatentAttention.install_absorbed);
+    `skip`ped names (routed experts) left out. `embedding`: the token embedding's bytes where it is kept
+    in its file's blocks (quant/embedding.BlockEmbedding: a GGUF file's), else None (dense)."""
+    copies_of = decode_copied(cfg)
+    embed = "model.embed_tokens.weight"
+    dense = sum(n for name, n in _param_counts(cfg) if name not in copies_of and not (skip is not None and skip(name))
+                and not (embedding is not None and name == embed))
+    # (the one-copy mode computes in fp32: kept_fp32 weights are at fmt's bytes)
+    return (dense * bytes_per_element(fmt) + (embedding or 0) + absorbed_bytes(cfg)
+            + decode_copy_bytes(cfg, copies, head, skip))
 
 
 def absorbed_bytes(cfg: ModelConfig) -> int:

@@ -186,6 +186,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                 decode_format: str, decode_precision: str, popularity=None,
                 progress: Callable[[str], None] | None = None,
                 experts_format: str | None = None, head_precision: str | None = None,
+                embedding_bytes: int | None = None,
                 decode_mix: dict | None = None, disk_reads: Callable[[HardwareProfile], HardwareProfile | None] | None = None,
                 ) -> tuple[Plan, HardwareProfile | None, dict | None]:
     """The Plan an LLM applies, per EngineConfig.plan: "auto" plans now (latency goal), "off" writes
@@ -204,6 +205,8 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
         decode_format: EngineConfig.decode_weights when decode copies are installed, else "none".
         decode_precision: the format most decode-copy bytes have ("int4", "int8", "bf16", "fp32").
         head_precision: the lm_head decode copy's format (quant/linear.head_precision), or None.
+        embedding_bytes: the token embedding's bytes in its file's blocks when it is block-quantized
+            (a GGUF file's), or None: the CPU's one-copy mode keeps it so (make_plan).
         decode_mix: the decode copies' precisions by share of the layers' projection elements where
             they mix (quant/linear.decode_mix), or None.
         popularity: float [L, E] tokens routed per expert, or None.
@@ -225,7 +228,8 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                                    weights_format=weights_format, decode_format=decode_format,
                                    decode_precision=decode_precision, popularity=popularity, progress=progress,
                                    experts_format=experts_format, dense_copies=dense_copies,
-                                   head_precision=head_precision, decode_mix=decode_mix, disk_reads=disk_reads)
+                                   head_precision=head_precision, decode_mix=decode_mix, disk_reads=disk_reads,
+                                   embedding_bytes=embedding_bytes if not dense_copies else None)
     # without an accelerator every decode step runs on the CPU: through the lean step
     plan.cpu_decode_step = accelerator is None
     # ... and in C++ when tiered/kernels is built (setup builds it; TIERED_NATIVE=0 turns it off)
@@ -340,7 +344,7 @@ def replayed_plan(ec, cfg: ModelConfig) -> Plan:
 def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_context: int, weights_format: str,
                    decode_format: str, decode_precision: str, popularity=None,
                    progress: Callable[[str], None] | None = None, experts_format: str | None = None,
-                   dense_copies: bool = True, head_precision: str | None = None,
+                   dense_copies: bool = True, head_precision: str | None = None, embedding_bytes: int | None = None,
                    decode_mix: dict | None = None,
                    disk_reads: Callable[[HardwareProfile], HardwareProfile | None] | None = None,
                    ) -> tuple[Plan, HardwareProfile | None, dict | None]:
@@ -374,7 +378,8 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                 read_ahead=ec.read_ahead,
                 dense_copies=dense_copies,
                 experts_format=experts_format, kv_slots=ec.max_batch,
-                head_precision=head_precision if dense_cpu else None, expert_act=expert_activations(ec),
+                head_precision=head_precision if dense_cpu else None, embedding_bytes=embedding_bytes,
+                expert_act=expert_activations(ec),
                 graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
                 prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None,
                 workspace=None if accelerator is None else

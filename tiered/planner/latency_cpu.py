@@ -17,11 +17,13 @@ from tiered.planner.plan import LayerPlan, Plan
 
 
 def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu: int | None,
-                     experts: ExpertChoices = ExpertChoices(), extra_bytes: int = 0) -> Plan:
+                     experts: ExpertChoices = ExpertChoices(), embedding_bytes: int | None = None) -> Plan:
     """Fill `plan` for CPU + disk within `cpu` bytes of RAM (None = unlimited).
 
     Args:
-        extra_bytes: RAM the engine holds besides the weights and KV cache (its decode-format copies).
+        embedding_bytes: the token embedding's bytes where the one-copy mode keeps it in its file's
+            blocks (make_plan), None = dense.
+
     Raises:
         BudgetError: RAM cannot hold the non-expert weights, KV cache and staging.
     """
@@ -35,18 +37,28 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     held = fmt if plan.dense_copies else dtype  # one-copy mode: the decode copies are the weights
     mix = plan.precision_mix if not plan.dense_copies else None  # ... in their precisions, where they mix
     skip = sizes.is_expert_param if moe else None
-    # with the dense weights kept, a bf16 engine's latent attention also holds its absorbed bf16 kernels
-    held_bytes = (sizes.weight_bytes(cfg, held, skip) + (sizes.absorbed_bytes(cfg) if fmt == "bf16" else 0)
-                  if plan.dense_copies else sizes.one_copy_weight_bytes(cfg, fmt, mix or {dtype: 1.0}, skip))
+    head = plan.dtypes.get("lm_head")
+    if plan.dense_copies:  # the dense weights, and beside them the decode copies where there are any
+        copies = plan.dtypes.get("decode") not in ("none", None)
+        held_bytes = (sizes.weight_bytes(cfg, held, skip)
+                      + (sizes.decode_copy_bytes(cfg, plan.precision_mix or {dtype: 1.0}, head, skip, dense=fmt)
+                         if copies else 0)
+                      # a bf16 engine's latent attention also holds its absorbed bf16 kernels
+                      + (sizes.absorbed_bytes(cfg) if fmt == "bf16" else 0))
+    else:
+        held_bytes = sizes.one_copy_weight_bytes(cfg, fmt, mix or {dtype: 1.0}, skip, head, embedding_bytes)
     fixed = (held_bytes
              + sizes.rotary_bytes(cfg, plan.context_tokens)
-             + sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"]) + extra_bytes)
+             + sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"]))
     plan.kv_cache_tier = plan.attention_tier = "cpu"
     # a MoE model also needs its staging buffers for experts read from disk, whatever else fits
     eb = sizes.expert_bytes(cfg, plan.dtypes["experts"]) if moe else 0
     staging = plan.staging_buffers * eb
     if cpu is not None and fixed + staging > cpu:
-        what = "the non-expert weights, KV cache" + (" and expert staging buffers" if moe else "")
+        parts = [("the non-expert weights" if moe else "the weights")
+                 + (" with their decode copies" if plan.dtypes.get("decode") not in ("none", None) else ""),
+                 "the KV cache"] + (["expert staging buffers"] if moe else [])
+        what = ", ".join(parts[:-1]) + " and " + parts[-1]
         raise BudgetError(f"CPU budget {format_bytes(cpu)} cannot hold {what} ({format_bytes(fixed + staging)})",
                           f"raise --cpu-mem by {format_bytes(fixed + staging - cpu)} or lower --max-context")
     hits = None

@@ -26,9 +26,10 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               precision: str = "bf16", weights_format: str | None = None, context_tokens: int | None = None,
               popularity=None, expert_cache_slots: int | None = None, max_resident: int | None = None,
               cache_policy: str = "lru", dispatch_mode: str = "balanced", staging_buffers: int = 2,
-              read_ahead: bool = True, extra_cpu_bytes: int = 0, workspace: int | None = None,
+              read_ahead: bool = True, workspace: int | None = None,
               dense_copies: bool = True, experts_format: str | None = None, kv_slots: int = 1,
-              head_precision: str | None = None, expert_act: str = "bf16", graphs: bool = False,
+              head_precision: str | None = None, embedding_bytes: int | None = None,
+              expert_act: str = "bf16", graphs: bool = False,
               prefetch: bool = False, prefetch_lookahead: int = 2, precision_mix: dict | None = None,
               library_workspace: int | None = None) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
@@ -50,7 +51,6 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
             records and prices (dispatch_mode "copy" / "cpu" forces every miss one way).
         experts_format: storage format of routed experts ("bf16", "int8", "int4", ... see
             quant/experts.py); None = the weights format. Expert bytes on every tier follow it.
-        extra_cpu_bytes: RAM the engine holds beyond weights and KV cache (CPU-only plans).
         workspace: GPU bytes kept beyond the plan's tensors (None = memory/sizes.workspace_bytes, one
             step's activations, plus `library_workspace`); the engine passes its accelerator's.
         library_workspace: GPU bytes libraries hold for the engine, with workspace None (None = the
@@ -60,6 +60,9 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         kv_slots: sequences of context_tokens whose KV cache the fast tier keeps room for.
         head_precision: the lm_head's format where it differs from `precision` (CPU decode copies
             of a GGUF file: quant/linear.head_precision), recorded as dtypes["lm_head"] and priced.
+        embedding_bytes: bytes of the token embedding where the CPU's one-copy mode keeps it in its
+            file's blocks (quant/embedding.BlockEmbedding: a GGUF file's Q8_0 / Q4_K table), None =
+            counted dense in the weights' format.
         graphs: the engine may graph GPU decode steps (EngineConfig.graphs on a CUDA device): the
             GPU plans price the host cost of the graphed step they will get (op_time.step_overhead),
             and settle_gpu_decode records which (Plan.decode_graphs / piecewise_graphs).
@@ -105,7 +108,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     elif not op_time.has_device(profile, "gpu") or not gpu:
         from tiered.planner.latency_cpu import plan_cpu_latency
         plan.fast_tier = "cpu"
-        plan = plan_cpu_latency(plan, cfg, profile, cpu, experts, extra_cpu_bytes)
+        plan = plan_cpu_latency(plan, cfg, profile, cpu, experts, embedding_bytes)
     elif cfg.is_moe:
         from tiered.planner.latency_moe import plan_moe_latency
         plan = plan_moe_latency(plan, cfg, profile, gpu, cpu, experts, graphs=graphs)
