@@ -116,6 +116,26 @@ def test_fp8_kernel(isa, N, K):
 
 
 @native
+@pytest.mark.parametrize("N,K", [(1, 1), (33, 100), (130, 257), (96, 2048)])
+@pytest.mark.parametrize("layout", ["channel", "tensor", "channel per 128 columns"])
+def test_fp8_kernel_channel_and_tensor_scales(isa, N, K, layout):
+    """Scales per output channel (row_block 1) or per tensor (row_block N), one across all columns
+    (bs [., 1]: compressed-tensors' and fbgemm's FP8) or one per 128 columns, against fp64."""
+    q, _, _ = fp8_weight(N, K, N + K)
+    g = torch.Generator().manual_seed(N * K)
+    rb = N if layout == "tensor" else 1
+    cols = -(-K // BLOCK) if layout.endswith("columns") else 1
+    bs = (torch.rand(-(-N // rb), cols, generator=g) + 0.5) * 1e-2
+    s = bs.double().repeat_interleave(rb, 0)[:N].repeat_interleave(BLOCK if cols > 1 else K, 1)[:, :K]
+    w = q.view(torch.float8_e4m3fn).double() * s
+    k = ext.fp8_kernel(q, bs, row_block=rb)
+    assert k.weight_bytes() == N * K + bs.numel() * 4
+    for B in (1, 2, 5, 9):
+        x = torch.randn(B, K, generator=g)
+        assert rel(k(x), x.double() @ w.T) < 1e-5, (isa, B)
+
+
+@native
 def test_every_path_and_prefetch_agree():
     """The paths sum in different orders: the same results to fp32 rounding; the stream prefetch changes
     no bits."""
@@ -149,8 +169,8 @@ def test_fp8_kernel_rejects_bad_inputs():
         ext.fp8_kernel(q[:, :0], bs)
     with pytest.raises(RuntimeError, match=r"fp8_kernel: q must be a contiguous CPU Byte tensor \[130, 129\]"):
         ext.fp8_kernel(q[:, ::2], bs)
-    with pytest.raises(RuntimeError, match=r"fp8_kernel: bs must be a contiguous CPU float32 .* = \[2, 3\] tensor, "
-                                           r"got Float \[2, 2\]"):
+    with pytest.raises(RuntimeError, match=r"fp8_kernel: bs must be a contiguous CPU float32 .* = \[2, 3\] or \[2, 1\] "
+                                           r"tensor, got Float \[2, 2\]"):
         ext.fp8_kernel(q, bs[:, :2].contiguous())
     with pytest.raises(RuntimeError, match=r"fp8_kernel: bs must be .* got BFloat16 \[2, 3\]"):
         ext.fp8_kernel(q, bs.bfloat16())
@@ -158,6 +178,10 @@ def test_fp8_kernel_rejects_bad_inputs():
         ext.fp8_kernel(q, bs.T)
     with pytest.raises(RuntimeError, match=r"gemv: bias must have 130 elements, got 3"):
         ext.fp8_kernel(q, bs, torch.zeros(3))
+    with pytest.raises(RuntimeError, match=r"fp8_kernel: row_block must be >= 1, got 0"):
+        ext.fp8_kernel(q, bs, row_block=0)
+    with pytest.raises(RuntimeError, match=r"fp8_kernel: bs must be .* \[ceil\(N/1\), ceil\(K/128\)\] = \[130, 3\]"):
+        ext.fp8_kernel(q, bs, row_block=1)  # per-channel scales need a row each
     with pytest.raises(RuntimeError, match=r"x must be \[B, 257\]"):
         ext.fp8_kernel(q, bs)(torch.zeros(1, 256))
 

@@ -742,6 +742,9 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
     typer.echo(f"context:     {cfg.max_position_embeddings} tokens, RoPE theta {cfg.rope_theta:g}"
                + (f", scaling {cfg.rope_scaling}" if cfg.rope_scaling else ""))
     typer.echo("formats:     " + ", ".join(f"{k} x{v}" for k, v in formats.most_common()))
+    if formats.get("F8_E4M3"):  # how the fp8 weights are scaled (checkpoint/hf_dir._scaled_fp8)
+        scaled = Counter(_fp8_scaling(h) for h in map(ckpt.handle, ckpt.names()) if h.format == "F8_E4M3")
+        typer.echo("fp8 scales:  " + ", ".join(f"{k} x{v}" for k, v in scaled.most_common()))
     if cfg.is_moe:
         from tiered.memory.expert_store import expert_tensor_names, moe_layers
         from tiered.quant.experts import ExpertFormat
@@ -752,6 +755,16 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
         note = requantized_note(hs, ExpertFormat(fmt, [h.shape for h in hs])) if fmt != "as --dtype" else None
         typer.echo(f"expert fmt:  stored {'/'.join(h.format for h in hs)} (gate/up/down) -> kept as {fmt}"
                    + (f"; {note}" if note else "; exact"))
+
+
+def _fp8_scaling(h) -> str:
+    """How one fp8 weight handle is scaled, in words: per 128 x 128 block, per output channel, per tensor."""
+    (N, K), (br, bc) = h.shape, h.fp8_block
+    if br >= N and bc >= K:
+        return "per tensor"
+    if br == 1 and bc >= K:
+        return "per output channel"
+    return f"per {br} x {bc} block"
 
 
 eval_app = typer.Typer(help="Measure accuracy: perplexity, and KL divergence to the lossless weights.",

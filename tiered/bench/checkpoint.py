@@ -337,22 +337,66 @@ FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
                "kv_a_proj_with_mqa", "kv_b_proj", "w1", "w2", "w3")
 
 
-def write_fp8_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
-    """A Hugging Face directory converted to block-scaled fp8 as DeepSeek-V3 and Qwen3-FP8 ship:
-    every decoder layer's projection weight (FP8_LINEARS) becomes float8_e4m3fn `X.weight` with fp32
-    `X.weight_scale_inv` [ceil(N/128), ceil(K/128)] (quant/fp8.quantize_fp8), and config.json gets
-    `quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-    "weight_block_size": [128, 128]}`. Other files (tokenizer) are copied. One shard in memory at a time.
+# The FP8 layouts write_fp8_checkpoint writes: how each release names and shapes its scales, and its config.
+FP8_SCHEMES = {
+    # transformers' fine-grained FP8 (DeepSeek-V3, Qwen3-FP8): fp32 scales per 128 x 128 block
+    "block": dict(block=(128, 128), suffix="_scale_inv", scale_dtype=torch.float32, shape=None,
+                  config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                          "weight_block_size": [128, 128]}),
+    # compressed-tensors float-quantized, per output channel, dynamic per-token activations (RedHatAI's
+    # Llama-3.1-70B-Instruct-FP8): bf16 scales [N, 1]
+    "channel": dict(block="channel", suffix="_scale", scale_dtype=torch.bfloat16, shape="column",
+                    config={"quant_method": "compressed-tensors", "format": "float-quantized",
+                            "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
+                            "config_groups": {"group_0": {
+                                "targets": ["Linear"],
+                                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                                            "dynamic": False, "group_size": None, "block_structure": None},
+                                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                      "symmetric": True, "dynamic": True}}}}),
+    # compressed-tensors per tensor with static activation scales (input_scale, dropped by tiered)
+    "tensor": dict(block="tensor", suffix="_scale", scale_dtype=torch.float32, shape="one", static=True,
+                   config={"quant_method": "compressed-tensors", "format": "float-quantized",
+                           "quantization_status": "compressed", "ignore": ["lm_head"],
+                           "config_groups": {"group_0": {
+                               "targets": ["Linear"],
+                               "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                                           "dynamic": False},
+                               "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                     "symmetric": True, "dynamic": False}}}}),
+    # fbgemm_fp8 (Meta's Llama-3.1-405B-Instruct-FP8): fp32 scales [N, 1]
+    "fbgemm": dict(block="channel", suffix="_scale", scale_dtype=torch.float32, shape="column",
+                   config={"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                           "modules_to_not_convert": ["lm_head"]}),
+    # AutoFP8 (Neural Magic's older FP8 releases): quant_method "fp8" without a block, a 0-d scale per tensor
+    "autofp8": dict(block="tensor", suffix="_scale", scale_dtype=torch.float32, shape="scalar", static=True,
+                    config={"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}),
+}
+
+
+def write_fp8_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, scheme: str = "block") -> Path:
+    """A Hugging Face directory converted to FP8 as the releases ship it: every decoder layer's
+    projection weight (FP8_LINEARS) becomes float8_e4m3fn `X.weight` with its scales in `scheme`'s
+    layout (FP8_SCHEMES: "block" = DeepSeek-V3 / Qwen3-FP8's fp32 `X.weight_scale_inv` [ceil(N/128),
+    ceil(K/128)]; "channel" = compressed-tensors' bf16 `X.weight_scale` [N, 1]; "tensor" = its [1] with a
+    static `X.input_scale`; "fbgemm" = fbgemm_fp8's fp32 [N, 1]; "autofp8" = a 0-d per-tensor scale),
+    quantized by quant/fp8.quantize_fp8, and config.json gets the scheme's `quantization_config`.
+    Other files (tokenizer) are copied. One shard in memory at a time.
 
     Returns the directory (written once: an existing complete one is kept).
+    Raises:
+        ValueError: an unknown scheme.
     """
     import shutil
 
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from tiered.quant.fp8 import BLOCK, quantize_fp8
+    from tiered.quant.fp8 import quantize_fp8
 
+    if scheme not in FP8_SCHEMES:
+        raise ValueError(f"unknown fp8 scheme {scheme!r}: one of {sorted(FP8_SCHEMES)}")
+    sch = FP8_SCHEMES[scheme]
     src, dst = Path(src), Path(dst)
     if (dst / "config.json").is_file():
         return dst
@@ -366,8 +410,15 @@ def write_fp8_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path
                     t = st.get_tensor(name)
                     parts = name.split(".")
                     if ".layers." in name and parts[-1] == "weight" and parts[-2] in FP8_LINEARS and t.dim() == 2:
-                        q, s = quantize_fp8(t)
-                        out[name], out[name + "_scale_inv"] = q.view(torch.float8_e4m3fn), s
+                        N, K = t.shape
+                        block = {"channel": (1, K), "tensor": (N, K)}.get(sch["block"], sch["block"])
+                        q, s = quantize_fp8(t, block)
+                        if sch["shape"] in ("scalar", "one"):  # the per-tensor scale, 0-d or [1]
+                            s = s.reshape(() if sch["shape"] == "scalar" else (1,))
+                        s = s.to(sch["scale_dtype"])
+                        out[name], out[name + sch["suffix"]] = q.view(torch.float8_e4m3fn), s.contiguous()
+                        if sch.get("static"):  # an activation scale, as calibration writes one
+                            out[name[:-len("weight")] + "input_scale"] = torch.tensor(0.02).reshape(s.shape)
                     else:
                         out[name] = t
             save_file(out, str(dst / f.name), metadata={"format": "pt"})
@@ -377,8 +428,7 @@ def write_fp8_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path
     if (src / _INDEX).is_file():
         (dst / _INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK]}
+    config["quantization_config"] = json.loads(json.dumps(sch["config"]))
     (dst / "config.json.partial").write_text(json.dumps(config, indent=1))
     os.replace(dst / "config.json.partial", dst / "config.json")
     return dst

@@ -142,6 +142,45 @@ def _exponent_scales(h: TensorHandle) -> TensorHandle:
     return TensorHandle(name=h.name, shape=h.shape, format="F32", nbytes=h.nbytes, path=h.path, _load=load)
 
 
+# quantization_config.quant_method values whose fp8 weights tiered reads (HFDirCheckpoint._scaled_fp8)
+FP8_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
+# per-layer tensors of those schemes that tiered does not use: activation and KV-cache scales, zero points
+FP8_DROPPED = ("activation_scale", "input_scale", "input_scale_ub", "input_zero_point", "weight_zero_point",
+               ".k_scale", ".v_scale", "output_scale")
+
+
+def _scale_block(shape: tuple[int, ...], scale_shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, int]:
+    """The block (rows, columns) one scale of an fp8 weight `shape` [N, K] covers: the config's `block`
+    where it names one; else (N, K) for a single scale (per tensor), (1, K) for one per row ([N] or
+    [N, 1]: per output channel), else 128 x 128 (transformers' default)."""
+    if block is not None or len(shape) != 2:
+        return block or (128, 128)
+    N, K = shape
+    if _numel(scale_shape) == 1:
+        return N, K
+    if tuple(scale_shape) in ((N,), (N, 1)):
+        return 1, K
+    return 128, 128
+
+
+def _scale_grid(scale_shape: tuple[int, ...], block: tuple[int, int], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The scales' shape as the grid [ceil(N/br), ceil(K/bc)] where they are that grid stored flat (a
+    per-tensor [] or [1] scale, a per-channel [N]), else as stored (check_scales names a mismatch)."""
+    from tiered.quant.fp8 import scale_shape as grid_of
+
+    if len(shape) != 2 or len(scale_shape) > 1:
+        return tuple(scale_shape)
+    want = grid_of(*shape, block)
+    return want if _numel(scale_shape) == want[0] * want[1] and 1 in want else tuple(scale_shape)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 class HFDirCheckpoint(HandleTable):
     """A model directory in the Hugging Face layout.
 
@@ -192,17 +231,28 @@ class HFDirCheckpoint(HandleTable):
         self._scaled_fp8(self.hf_config.get("quantization_config"))
 
     def _scaled_fp8(self, qc) -> None:
-        """Fold block-scaled fp8 weights (transformers' "fine-grained FP8": DeepSeek-V3's and Qwen3's
-        FP8 releases) into one handle each: `X.weight` (F8_E4M3) and `X.weight_scale_inv` become an
-        F8_E4M3 handle that loads dequantized (quant/fp8.dequantize_fp8, as transformers does) and
-        gives its stored form through `scaled_fp8` (the "fp8" expert kind keeps it). Activation
-        scales (a "static" scheme's) are dropped: weights are dequantized, activations stay in the
-        compute dtype (transformers' dequantizing load does the same).
+        """Fold scaled fp8 weights into one handle each: `X.weight` (F8_E4M3) and its scales become an
+        F8_E4M3 handle that loads dequantized (quant/fp8.dequantize_fp8, as transformers does: the
+        product in fp32) and gives its stored form through `scaled_fp8` with its block (`fp8_block`):
+
+          quant_method "fp8"      transformers' fine-grained FP8 (DeepSeek-V3, Qwen3-FP8):
+                                  `X.weight_scale_inv` per weight_block_size block (128 x 128); AutoFP8's
+                                  per-tensor `X.weight_scale` (Neural Magic's older FP8 releases)
+          "compressed-tensors"    float-quantized 8-bit float weights, strategy "channel" (`X.weight_scale`
+                                  [N, 1]: RedHatAI's Llama-3.1-70B-Instruct-FP8), "tensor" ([1]) or
+                                  "block" (block_structure)
+          "fbgemm_fp8"            `X.weight_scale` [N, 1] per output channel (Meta's Llama-3.1-405B-FP8)
+
+        A scale per channel is the block (1, K), per tensor (N, K). Activation scales (static schemes'
+        `input_scale`, fbgemm's bound) and KV-cache scales are dropped: weights are dequantized or
+        computed as stored against activations in the compute dtype (transformers' dequantizing loads
+        do the same).
 
         Raises:
-            UnsupportedModelError: another quantization method, or fp8 other than e4m3.
+            UnsupportedModelError: another quantization method or scheme (integer, 4-bit, asymmetric,
+                grouped, sparse), or fp8 other than e4m3.
             CheckpointError: an fp8 tensor without quantization_config or without its scales, or
-                scales of the wrong shape.
+                scales of the wrong shape or dtype.
         """
         from tiered.quant.fp8 import check_scales, dequantize_fp8
 
@@ -213,46 +263,79 @@ class HFDirCheckpoint(HandleTable):
                                       "quantization_config", "restore the checkpoint's config.json")
             return
         method = qc.get("quant_method") if isinstance(qc, dict) else None
-        if method != "fp8":
+        if method not in FP8_METHODS:
             raise UnsupportedModelError(
-                f"{self.path} is quantized with {method!r}; tiered reads block-scaled fp8 safetensors "
-                "(quant_method \"fp8\"), GGUF files and unquantized safetensors",
-                "use the model's bf16 release or a GGUF conversion")
+                f"{self.path} is quantized with {method!r}; tiered reads fp8 safetensors (quant_method "
+                "\"fp8\", \"fbgemm_fp8\" or float-quantized \"compressed-tensors\"), GGUF files and unquantized "
+                "safetensors", "use the model's bf16 release or a GGUF conversion")
+        block = self._fp8_scheme(qc, method)
         if qc.get("fmt", "e4m3") != "e4m3" or any(h.format.startswith("F8_") and h.format != "F8_E4M3"
                                                    for h in self._handles.values()):
             raise UnsupportedModelError(f"{self.path} stores fp8 weights as {qc.get('fmt')!r}; tiered reads e4m3",
                                         "use the model's bf16 release")
-        block = qc.get("weight_block_size") or (128, 128)
-        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(is_int(b) and b > 0 for b in block)):
-            raise CheckpointError(f"{self.path / 'config.json'}: quantization_config.weight_block_size is "
-                                  f"{block!r}, two positive ints expected", "restore the checkpoint's config.json")
-        block = (int(block[0]), int(block[1]))
         for key in fp8:
-            scale_key = key + "_scale_inv"
-            if scale_key not in self._handles:
-                raise CheckpointError(f"{self.path} lacks tensor {scale_key!r}, the block scales of fp8 weight {key!r}",
-                                      "re-download the checkpoint's shards")
+            scale_key = next((key + s for s in ("_scale_inv", "_scale") if key + s in self._handles), None)
+            if scale_key is None:
+                raise CheckpointError(f"{self.path} lacks tensor {key + '_scale_inv'!r} (or {key + '_scale'!r}), the "
+                                      f"scales of fp8 weight {key!r}", "re-download the checkpoint's shards")
             w, sc = self._handles[key], self._handles.pop(scale_key)
-            check_scales(key, w.shape, sc.shape, block)
+            wblock = _scale_block(w.shape, sc.shape, block)
+            check_scales(key, w.shape, _scale_grid(sc.shape, wblock, w.shape), wblock)
             if sc.format in ("U8", "F8_E8M0"):  # power-of-two scales (UE8M0, "MXFP8"): 2^(byte - 127)
                 sc = _exponent_scales(sc)
             elif sc.format not in ("F32", "BF16", "F16"):
-                raise CheckpointError(f"{self.path}: the block scales {scale_key!r} are stored as {sc.format}",
+                raise CheckpointError(f"{self.path}: the scales {scale_key!r} are stored as {sc.format}",
                                       "re-convert the checkpoint (scales in F32, BF16, F16 or UE8M0)")
+            grid = _scale_grid(sc.shape, wblock, w.shape)
 
-            def stored(w=w, sc=sc):
-                return w.load(None), sc.load(torch.float32)
+            def stored(w=w, sc=sc, grid=grid):
+                return w.load(None), sc.load(torch.float32).reshape(grid)
 
-            def dequantized(stored=stored):
-                return dequantize_fp8(*stored(), torch.float32, block)
+            def dequantized(stored=stored, wblock=wblock):
+                return dequantize_fp8(*stored(), torch.float32, wblock)
 
             raw = TensorHandle(name=key, shape=w.shape, format="U8", nbytes=w.nbytes, path=w.path,
                                _load=lambda w=w: w.load(None).view(torch.uint8), offset=w.offset)
             self._handles[key] = TensorHandle(name=key, shape=w.shape, format="F8_E4M3", nbytes=w.nbytes + sc.nbytes,
-                                              path=w.path, _load=dequantized, _fp8=stored, fp8_block=block,
+                                              path=w.path, _load=dequantized, _fp8=stored, fp8_block=wblock,
                                               fp8_parts=(raw, sc))
-        for key in [k for k in self._handles if k.endswith(("activation_scale", "input_scale"))]:
+        for key in [k for k in self._handles if k.endswith(FP8_DROPPED)]:
             del self._handles[key]
+
+    def _fp8_scheme(self, qc: dict, method: str) -> tuple[int, int] | None:
+        """The block (rows, columns) `qc` gives the weights' scales, or None where their shapes say it
+        (per channel or per tensor). Raises UnsupportedModelError for compressed-tensors schemes other
+        than symmetric 8-bit float weights, CheckpointError for a malformed block size."""
+        where = self.path / "config.json"
+        block, what = None, "quantization_config.weight_block_size"
+        if method == "fp8":
+            block = qc.get("weight_block_size")
+        elif method == "compressed-tensors":
+            fmt = qc.get("format")
+            groups = qc.get("config_groups")
+            if fmt not in ("float-quantized", "naive-quantized") or not isinstance(groups, dict) or not groups:
+                raise UnsupportedModelError(
+                    f"{self.path} is compressed-tensors {fmt!r}; tiered reads its float-quantized 8-bit float "
+                    "weights (FP8), not integer, packed 4-bit or sparse ones", "use the model's bf16 release")
+            sparse = qc.get("sparsity_config")
+            if isinstance(sparse, dict) and sparse.get("format") not in (None, "dense"):
+                raise UnsupportedModelError(f"{self.path} is sparse ({sparse.get('format')!r})",
+                                            "use the model's dense bf16 release")
+            for name, g in groups.items():
+                wq = g.get("weights") if isinstance(g, dict) else None
+                if not isinstance(wq, dict) or wq.get("type") != "float" or wq.get("num_bits") != 8 or \
+                        wq.get("symmetric") is False or wq.get("strategy") not in ("tensor", "channel", "block"):
+                    raise UnsupportedModelError(
+                        f"{self.path}: compressed-tensors group {name!r} quantizes weights as {wq!r}; tiered reads "
+                        "symmetric 8-bit float weights per tensor, channel or block", "use the model's bf16 release")
+                if wq.get("strategy") == "block":
+                    block, what = wq.get("block_structure"), f"quantization_config.config_groups.{name}.weights.block_structure"
+        if block is None:
+            return None
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(is_int(b) and b > 0 for b in block)):
+            raise CheckpointError(f"{where}: {what} is {block!r}, two positive ints expected",
+                                  "restore the checkpoint's config.json")
+        return int(block[0]), int(block[1])
 
     def _loader(self, file: str, key: str):
         def load():

@@ -58,8 +58,10 @@ def stored_segments(fmt: ExpertFormat, handles) -> list | None:
 
 def stored_format(handles) -> str | None:
     """`auto_format` of (gate, up, down) handles stored in a format an expert kind keeps (GGUF
-    blocks, fp8), or None for dense storage (the experts then take the compute format)."""
-    return auto_format(handles) if any(h.format in STORED_KIND for h in handles) else None
+    blocks, fp8 in 128 x 128 blocks), or None for dense storage and fp8 scaled otherwise (per channel or
+    tensor: the experts then take the compute format, each weight dequantized exactly in fp32)."""
+    kept = [h for h in handles if h.format in STORED_KIND and (h.format != "F8_E4M3" or fp8.as_stored(h))]
+    return auto_format(handles) if kept else None
 
 
 def auto_format(handles) -> str:

@@ -145,6 +145,7 @@ class DecodeWeight:
     # tiled layout's native repacking cannot take them (`int4_parts`)
     blocks: np.ndarray | None = None
     block_format: str | None = None
+    row_block: int | None = None  # fp8: rows per scale (quant/fp8.kernel_scales: 128, or 1 per channel)
 
     @property
     def rows(self) -> int:
@@ -171,13 +172,16 @@ GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int
 def auto_kind(handle) -> str:
     """The decode-copy precision "auto" gives a checkpoint tensor: GGUF_DECODE_KIND by its storage
     format ("bf16" for the rest), int8-g32 only where tiered's kernels are built and the shape takes
-    their tiled layout (N % 16, K % 32; else bf16); a block-scaled fp8 weight (128 x 128 blocks,
-    N % 128 == 0: fused groups stay whole blocks) as stored where tiered's kernels are built."""
+    their tiled layout (N % 16, K % 32; else bf16); a scaled fp8 weight as stored where tiered's kernels
+    are built and take its scales (quant/fp8.kernel_scales: 128 x 128 blocks with N % 128 == 0, so that
+    fused groups stay whole blocks; or a scale per output channel or tensor)."""
     if handle.format == "F8_E4M3":
         from tiered.kernels import load
-        from tiered.quant.fp8 import BLOCK, as_stored
+        from tiered.quant.fp8 import BLOCK
 
-        return "fp8" if as_stored(handle) and handle.shape[0] % BLOCK == 0 and load() is not None else "bf16"
+        block = _fp8_kernel_block(handle)
+        return "fp8" if block is not None and (block == 1 or handle.shape[0] % BLOCK == 0) and load() is not None \
+            else "bf16"
     kind = GGUF_DECODE_KIND.get(handle.format, "bf16")
     if kind == "int8-g32":
         from tiered.kernels import load
@@ -186,6 +190,13 @@ def auto_kind(handle) -> str:
         if len(handle.shape) != 2 or not int8_tiles(*handle.shape) or load() is None:
             return "bf16"
     return kind
+
+
+def _fp8_kernel_block(handle) -> int | None:
+    """The native fp8 kernel's row_block for an F8_E4M3 handle's scales (quant/fp8.kernel_row_block), or None."""
+    from tiered.quant.fp8 import kernel_row_block
+
+    return kernel_row_block(*handle.shape, handle.fp8_block)
 
 
 def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
@@ -204,8 +215,11 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     if fmt in ("auto", "int4") and kind == "int4":  # GGUF Q4 blocks: int4 as stored
         return DecodeWeight("int4", blocks=handle.blocks(), block_format=stored)
     if fmt == "auto" and kind == "fp8":  # as stored
+        from tiered.quant.fp8 import kernel_scales
+
         q, bs = handle.scaled_fp8()
-        return DecodeWeight("fp8", q.view(torch.uint8), bs)
+        bs, row_block = kernel_scales(bs, *q.shape, handle.fp8_block)
+        return DecodeWeight("fp8", q.view(torch.uint8), bs, row_block=row_block)
     if fmt == "auto" and kind == "int8":  # row chunks: no whole dense copy
         return DecodeWeight("int8", *quantize_int8_blocks(handle))
     if fmt == "auto" and kind == "int8-g32":  # Q5_x / Q6_K: re-quantized per group of 32, tiled
@@ -368,10 +382,11 @@ def build_decode_module(parts: list[DecodeWeight], biases: list[torch.Tensor | N
         codes, scale, zero = zip(*(p.int4_parts() for p in parts))
         return Int4Linear.from_codes(torch.cat(codes), torch.cat(scale), torch.cat(zero), GROUP, bias, int4_layout,
                                      batch_act)
-    if kind == "fp8":  # rows side by side: each part is whole 128-row blocks (auto_kind)
+    if kind == "fp8":  # rows side by side: each part whole 128-row blocks (auto_kind) or a scale per row
         from tiered.quant.fp8 import Fp8Linear
 
-        return Fp8Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), bias)
+        return Fp8Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), bias,
+                         parts[0].row_block)
     if kind == "int8-g32":  # tiled rows side by side: each part's tiles are whole 16-row tiles
         from tiered.quant.int8 import Int8G32Linear
 
@@ -446,8 +461,9 @@ def install_decode_weights(model: nn.Module, checkpoint, fmt: str, threshold: in
         for group in FUSED_GROUPS:
             parts = [prepared.get(n) for n in group]
             if any(p is None for p in parts) or len({p.kind for p in parts}) != 1 or \
-                    len({linears[n].in_features for n in group}) != 1:
-                continue
+                    len({linears[n].in_features for n in group}) != 1 or \
+                    len({(p.row_block, None if p.scale is None else p.scale.shape[1:]) for p in parts}) != 1:
+                continue  # (fp8 parts fuse when scaled alike: all 128-row blocks, or all per channel)
             shared = SharedOutput(build_decode_module(parts, [linears[n].bias for n in group], int4_layout, batch_act),
                                   len(group))
             extra += _module_bytes(shared.fused)

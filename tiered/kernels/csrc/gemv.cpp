@@ -130,8 +130,10 @@ struct F32W {
 
 struct Fp8W {  // see "fp8" below
   const uint8_t* q;  // [N, K] e4m3fn bit patterns
-  const float* bs;  // [ceil(N/128), ceil(K/128)] block scales
+  const float* bs;  // [ceil(N/rb), ceil(K/128)] block scales, or [ceil(N/rb), 1] (cs 0: one per row block)
   const float* bias;
+  int64_t rb = 128;  // rows per scale: 128 (blocks), 1 (per output channel), >= N (one per tensor)
+  int64_t cs = 1;  // 1: a scale per 128 columns; 0: one across all columns
 };
 
 // ------------------------------------------------------------------------------------ scalar
@@ -1644,6 +1646,10 @@ TIERED_AVX512 void int8t_avx512(const Int8W& w, const Act& a, int64_t b0, int64_
 // and "weight_scale_inv"; Fp8W): q uint8 [N, K] the float8_e4m3fn bit patterns, bs fp32
 // [ceil(N/128), ceil(K/128)], w[n, k] = e4m3(q[n, k]) * bs[n / 128, k / 128]; any N and K (a last
 // partial block in either direction). Against the fp32 activations as given (Act::x, unrounded).
+// The same kernel takes scales per output channel (Fp8W::rb 1) or per tensor (rb >= N), over 128
+// columns or over all of them (Fp8W::cs 0: bs [ceil(N/rb), 1]): compressed-tensors' and fbgemm's
+// "channel" and "tensor" FP8 (Llama-3.1-70B/405B-FP8); each 128-column block's dot is still scaled
+// once, by the one scale (fp8_row_scales).
 // A code b (sign, 4 exponent bits e with bias 7, 3 mantissa bits m) becomes the fp16 number with bits
 // ((b & 0x80) << 8) | ((b & 0x7f) << 7): e and m land in fp16's exponent (bias 15) and top mantissa
 // bits, so its value is e4m3(b) / 256 exactly, subnormals too (e = 0: 2^-14 m/8 = 2^-6 m/8 / 256), and
@@ -1660,6 +1666,9 @@ TIERED_AVX512 void int8t_avx512(const Int8W& w, const Act& a, int64_t b0, int64_
 // DRAM, near the tiled int8 kernel (2026-11-27, [2048, 7168] and [768, 2048]).
 constexpr int64_t kFp8Block = 128;
 constexpr float kFp8Unit = 256.f;  // e4m3(b) = 256 x the fp16 form's value
+
+// Row n's scales: bs[(n / rb) * KB + c * cs] for 128-column block c (KB = ceil(K/128)).
+inline const float* fp8_row_scales(const Fp8W& w, int64_t n, int64_t KB) { return w.bs + (n / w.rb) * (w.cs ? KB : 1); }
 
 inline uint16_t fp8_half_bits(uint8_t b) { return uint16_t(((b & 0x80) << 8) | ((b & 0x7f) << 7)); }
 
@@ -1678,14 +1687,15 @@ void fp8_scalar(const Fp8W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0,
   const float* lut = fp8_table();
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* r = w.q + n * K;
-    const float* bs = w.bs + (n / kFp8Block) * KB;
+    const float* bs = fp8_row_scales(w, n, KB);
+    const int64_t cs = w.cs;
     for (int64_t j = 0; j < nb; ++j) {
       const float* x = a.x + (b0 + j) * K;
       float acc = 0.f;
       for (int64_t c = 0; c < KB; ++c) {
         float blk = 0.f;
         for (int64_t k = c * kFp8Block; k < std::min(K, (c + 1) * kFp8Block); ++k) blk += lut[r[k]] * x[k];
-        acc += blk * (bs[c] * kFp8Unit);
+        acc += blk * (bs[c * cs] * kFp8Unit);
       }
       y[(b0 + j) * ldy + n] = acc + (w.bias ? w.bias[n] : 0.f);
     }
@@ -1709,7 +1719,8 @@ TIERED_AVX2 void fp8_avx2(const Fp8W& w, const Act& a, int64_t b0, int64_t n0, i
   for (int j = 0; j < NB; ++j) x[j] = a.x + (b0 + j) * K;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* r = w.q + n * K;
-    const float* bs = w.bs + (n / kFp8Block) * KB;
+    const float* bs = fp8_row_scales(w, n, KB);
+    const int64_t cs = w.cs;
     __m256 tot[NB];
     float rest[NB];  // the last block's columns past its whole 16s, scaled
     for (int j = 0; j < NB; ++j) tot[j] = _mm256_setzero_ps(), rest[j] = 0.f;
@@ -1729,7 +1740,7 @@ TIERED_AVX2 void fp8_avx2(const Fp8W& w, const Act& a, int64_t b0, int64_t n0, i
           acc[j][(2 * i + 1) % U] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xk + 8), acc[j][(2 * i + 1) % U]);
         }
       }
-      const __m256 s = _mm256_set1_ps(bs[c] * kFp8Unit);
+      const __m256 s = _mm256_set1_ps(bs[c * cs] * kFp8Unit);
       for (int j = 0; j < NB; ++j) {
         __m256 t = acc[j][0];
         for (int u = 1; u < U; ++u) t = _mm256_add_ps(t, acc[j][u]);
@@ -1751,7 +1762,7 @@ TIERED_AVX2 void fp8_avx2(const Fp8W& w, const Act& a, int64_t b0, int64_t n0, i
       }
       for (; k < K; ++k)
         for (int j = 0; j < NB; ++j) tail[j] += lut[r[k]] * x[j][k];
-      const float sc = bs[full] * kFp8Unit;
+      const float sc = bs[full * cs] * kFp8Unit;
       for (int j = 0; j < NB; ++j) tot[j] = _mm256_fmadd_ps(acc[j], _mm256_set1_ps(sc), tot[j]), rest[j] = tail[j] * sc;
     }
     for (int j = 0; j < NB; ++j) y[(b0 + j) * ldy + n] = hsum256(tot[j]) + rest[j] + (w.bias ? w.bias[n] : 0.f);
@@ -1774,7 +1785,8 @@ TIERED_AVX512 inline __attribute__((always_inline)) void fp8_rows_avx512(const F
   const __m512i keep = _mm512_set1_epi16(int16_t(0xBFFF));
   const uint8_t* q0 = w.q + n * K;  // row n + r's codes at q0 + r K
   const float* bs[R];
-  for (int r = 0; r < R; ++r) bs[r] = w.bs + ((n + r) / kFp8Block) * KB;
+  for (int r = 0; r < R; ++r) bs[r] = fp8_row_scales(w, n + r, KB);
+  const int64_t cs = w.cs;
   __m512 tot[R][NB];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) tot[r][j] = _mm512_setzero_ps();
@@ -1806,7 +1818,7 @@ TIERED_AVX512 inline __attribute__((always_inline)) void fp8_rows_avx512(const F
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 sc = _mm512_set1_ps(bs[r][c] * kFp8Unit);
+      const __m512 sc = _mm512_set1_ps(bs[r][c * cs] * kFp8Unit);
       for (int j = 0; j < NB; ++j) {
         __m512 t = acc[r][j][0];
         for (int u = 1; u < U; ++u) t = _mm512_add_ps(t, acc[r][j][u]);
@@ -1831,7 +1843,7 @@ TIERED_AVX512 inline __attribute__((always_inline)) void fp8_rows_avx512(const F
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 sc = _mm512_set1_ps(bs[r][full] * kFp8Unit);
+      const __m512 sc = _mm512_set1_ps(bs[r][full * cs] * kFp8Unit);
       for (int j = 0; j < NB; ++j) tot[r][j] = _mm512_fmadd_ps(acc[r][j], sc, tot[r][j]);
     }
   }
@@ -2054,7 +2066,7 @@ struct F32Gemv : Gemv {
   std::string name() const override { return std::string("fp32(tiered,") + isa_name(current_isa()) + ")"; }
 };
 
-// fp8 E4M3 weights with 128 x 128 block scales (see "fp8").
+// fp8 E4M3 weights with 128 x 128 block scales, or scales per channel or tensor (see "fp8").
 struct Fp8Gemv : Gemv {
   at::Tensor q, bs;  // held so the pointers in w stay valid (none when bound to an expert's slot)
   std::vector<float> bias;
@@ -2069,7 +2081,7 @@ struct Fp8Gemv : Gemv {
   ActNeeds needs(int64_t) const override { return {false, false, false, false}; }  // reads x as given
   int64_t weight_bytes() const override {
     return out_features * in_features +
-           (out_features + kFp8Block - 1) / kFp8Block * ((in_features + kFp8Block - 1) / kFp8Block) * 4;
+           (out_features + w.rb - 1) / w.rb * (w.cs ? (in_features + kFp8Block - 1) / kFp8Block : 1) * 4;
   }
   std::string name() const override { return std::string("fp8(tiered,") + isa_name(current_isa()) + ")"; }
 };
@@ -2856,9 +2868,10 @@ std::shared_ptr<Int8Gemv> make_int8g32_tiled(at::Tensor qt, at::Tensor st, c10::
   return k;
 }
 
-// fp8 weights (see "fp8"): q uint8 (or float8_e4m3fn) [N, K] and bs fp32 [ceil(N/128), ceil(K/128)],
+// fp8 weights (see "fp8"): q uint8 (or float8_e4m3fn) [N, K] and bs fp32 [ceil(N/rb), ceil(K/128)] or
+// [ceil(N/rb), 1] (one scale across the columns) for `row_block` rb rows a scale (128, 1, or >= N),
 // contiguous, held (no copy).
-std::shared_ptr<Fp8Gemv> make_fp8(at::Tensor q, at::Tensor bs, c10::optional<at::Tensor> bias) {
+std::shared_ptr<Fp8Gemv> make_fp8(at::Tensor q, at::Tensor bs, c10::optional<at::Tensor> bias, int64_t row_block = kFp8Block) {
   TIERED_CHECK(q.dim() == 2 && q.size(0) > 0 && q.size(1) > 0 &&
                   (q.scalar_type() == at::kByte || q.scalar_type() == at::kFloat8_e4m3fn),
               "fp8_kernel: q must be uint8 (the e4m3fn bit patterns) or float8_e4m3fn [N, K], N, K >= 1, got ",
@@ -2866,16 +2879,18 @@ std::shared_ptr<Fp8Gemv> make_fp8(at::Tensor q, at::Tensor bs, c10::optional<at:
   if (q.scalar_type() == at::kFloat8_e4m3fn) q = q.view(at::kByte);
   const int64_t N = q.size(0), K = q.size(1);
   check_rows(q, at::kByte, N, K, "fp8_kernel: q");
-  const int64_t NB = (N + kFp8Block - 1) / kFp8Block, KB = (K + kFp8Block - 1) / kFp8Block;
-  TIERED_CHECK(bs.device().is_cpu() && bs.scalar_type() == at::kFloat && bs.is_contiguous() &&
-                  bs.sizes() == at::IntArrayRef({NB, KB}),
-              "fp8_kernel: bs must be a contiguous CPU float32 [ceil(N/128), ceil(K/128)] = [", NB, ", ", KB,
-              "] tensor, got ", bs.scalar_type(), " ", bs.sizes());
+  TIERED_CHECK(row_block >= 1, "fp8_kernel: row_block must be >= 1, got ", row_block);
+  const int64_t NB = (N + row_block - 1) / row_block, KB = (K + kFp8Block - 1) / kFp8Block;
+  TIERED_CHECK(bs.device().is_cpu() && bs.scalar_type() == at::kFloat && bs.is_contiguous() && bs.dim() == 2 &&
+                  bs.size(0) == NB && (bs.size(1) == KB || bs.size(1) == 1),
+              "fp8_kernel: bs must be a contiguous CPU float32 [ceil(N/", row_block, "), ceil(K/128)] = [", NB, ", ", KB,
+              "] or [", NB, ", 1] tensor, got ", bs.scalar_type(), " ", bs.sizes());
   auto k = std::make_shared<Fp8Gemv>();
   k->in_features = K, k->out_features = N;
   k->q = q, k->bs = bs;
   k->bias = bias_vector(bias, N);
-  k->w = {q.data_ptr<uint8_t>(), bs.data_ptr<float>(), k->bias.empty() ? nullptr : k->bias.data()};
+  k->w = {q.data_ptr<uint8_t>(), bs.data_ptr<float>(), k->bias.empty() ? nullptr : k->bias.data(), row_block,
+          bs.size(1) == KB ? 1 : 0};
   return k;
 }
 
@@ -3231,15 +3246,17 @@ void register_gemv(pybind11::module& m) {
         "tiered's int8 GEMV with fp16 scales per group of 32 (GGUF Q8_0's), tiled layout "
         "(kernels/linear.tiled_int8, tiled_group_scales). qt uint8 [N, K] contiguous (N % 16 == 0, K % 32 == 0), "
         "st float16 [N/16, K/32, 16]: w = (q - 128) * s.");
-  m.def("fp8_kernel", [](at::Tensor q, at::Tensor bs, c10::optional<at::Tensor> bias) -> KernelPtr {
-          return make_fp8(q, bs, bias);
+  m.def("fp8_kernel", [](at::Tensor q, at::Tensor bs, c10::optional<at::Tensor> bias, int64_t row_block) -> KernelPtr {
+          return make_fp8(q, bs, bias, row_block);
         },
-        py::arg("q"), py::arg("bs"), py::arg("bias") = py::none(),
+        py::arg("q"), py::arg("bs"), py::arg("bias") = py::none(), py::arg("row_block") = kFp8Block,
         "tiered's fp8 GEMV: FP8 E4M3 weights with a float32 scale per 128 x 128 block (DeepSeek-V3 / Qwen3-FP8's "
         "weight and weight_scale_inv). q uint8 [N, K] contiguous, the float8_e4m3fn bit patterns (or that "
         "float8_e4m3fn tensor itself), bs float32 [ceil(N/128), ceil(K/128)] contiguous: w[n, k] = e4m3(q[n, k]) * "
-        "bs[n // 128, k // 128]; any N, K >= 1. Reads x in fp32 as given, accumulates in fp32. Holds the tensors "
-        "(no copy).");
+        "bs[n // 128, k // 128]; any N, K >= 1. row_block rb: rows per scale (1: per output channel; >= N: per "
+        "tensor), bs [ceil(N/rb), ceil(K/128)], or [ceil(N/rb), 1] for one scale across the columns "
+        "(compressed-tensors' / fbgemm's channel and tensor FP8). Reads x in fp32 as given, accumulates in fp32. "
+        "Holds the tensors (no copy).");
   m.def("bf16_kernel", [](at::Tensor w, c10::optional<at::Tensor> bias) -> KernelPtr { return make_bf16(w, bias); },
         py::arg("w"), py::arg("bias") = py::none(), "tiered's bf16 GEMV. w bf16 [N, K] contiguous.");
   m.def("f32_kernel", [](at::Tensor w, c10::optional<at::Tensor> bias) -> KernelPtr { return make_f32(w, bias); },
