@@ -156,14 +156,31 @@ def test_cpu_decode_keeps_channel_and_tensor_scales(zoo, scheme):
     assert auto.plan.memory["cpu"] >= auto.cpu_budget.used - 4 * rows
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-def test_moe_experts_scaled_per_channel_are_dequantized(zoo, kind):
-    """Routed experts of a per-channel checkpoint take the compute dtype (the fp8 expert kind keeps
-    128 x 128 blocks only): logits of transformers on the dequantized weights."""
-    llm = LLM(zoo.fp8(kind, "channel"), EngineConfig(max_context=32, decode_weights="fp32", accelerator="none"))
-    assert llm.plan.dtypes["experts"] == "fp32"
+@pytest.mark.parametrize("kind,scheme", [("qwen3_moe", "channel"), ("mixtral", "fbgemm"), ("qwen3_moe", "tensor")])
+def test_moe_experts_keep_row_scales(zoo, kind, scheme):
+    """Routed experts scaled per channel (or per tensor, repeated per row) stay fp8 as stored (the
+    "fp8-row" expert kind: q and one fp32 scale a row), computed by the native kernel: logits of
+    transformers on the dequantized weights, in the lossless mode and the default one."""
+    from tiered.quant.experts import ExpertFormat
+    from tiered.quant.gguf_experts import encode_expert, requantized_note, stored_format
+    from tiered.memory.expert_store import expert_tensor_names, moe_layers
+
+    path = zoo.fp8(kind, scheme)
+    ckpt = open_checkpoint(path)
+    hs = [ckpt.handle(n) for n in expert_tensor_names(ckpt.config.model_type, moe_layers(ckpt, ckpt.config)[0], 1)]
+    assert stored_format(hs) == "fp8-row"
+    fmt = ExpertFormat("fp8-row", [h.shape for h in hs])
+    assert requantized_note(hs, fmt) is None
+    for w, h in zip(fmt.dequantize(encode_expert(fmt, hs)), hs):
+        assert torch.equal(w, h.load(torch.float32))  # bit for bit
     ids = prompt()
-    assert rel(llm.logits(ids), hf_logits(zoo.hf(kind, "channel"), ids)) <= REL_TOL
+    ref = hf_logits(zoo.hf(kind, scheme), ids)
+    llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none"))
+    assert llm.plan.dtypes["experts"] == "fp8-row"
+    assert rel(llm.logits(ids), ref) <= REL_TOL
+    auto = LLM(path, EngineConfig(max_context=32, accelerator="none"))
+    got = stepwise_logits(auto, ids, 8)
+    assert rel(got[-1], ref[-1]) < 0.05
 
 
 def _edit(zoo, tmp_path, scheme, config=None, tensors=None) -> Path:
@@ -228,3 +245,29 @@ def test_block_strategy_reads_its_block_structure(zoo, tmp_path):
     with pytest.raises(CheckpointError, match="block_structure"):
         open_checkpoint(_edit(zoo, tmp_path / "b", "channel",
                               config=lambda q: _weights(q).update(strategy="block", block_structure=[128])))
+
+
+def test_fp8_row_expert_kind_computes_its_weights():
+    """The fp8-row expert format: quantized per row, dequantized exactly, computed by the native fused
+    kernel (few rows) and by dequantize-then-matmul (many rows) to the same SwiGLU."""
+    import torch.nn.functional as F
+
+    from tiered.quant.experts import ExpertFormat, quantize_projection
+
+    shapes = ((160, 256), (160, 256), (256, 160))
+    fmt = ExpertFormat("fp8-row", shapes)
+    assert fmt.nbytes == sum(N * K + 4 * N for N, K in shapes)  # each segment already 64-byte aligned here
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(s, generator=g) * 0.05 for s in shapes]
+    slot = fmt.empty()
+    fmt.quantize(ws, slot)
+    deq = fmt.dequantize(slot)
+    for w, d, (N, K) in zip(ws, deq, shapes):
+        v = quantize_projection(w, "fp8-row")
+        assert v["bs"].shape == (N, 1)
+        assert torch.equal(d, v["q"].view(torch.float8_e4m3fn).float() * v["bs"])
+        assert ((d - w).abs() <= w.abs().amax(1, keepdim=True) / 16).all()
+    for n in (1, 5, 300):
+        x = torch.randn(n, 256, generator=g)
+        ref = (F.silu(x.double() @ deq[0].double().T) * (x.double() @ deq[1].double().T)) @ deq[2].double().T
+        assert rel(fmt.forward(x, slot).double(), ref) < 1e-4, n

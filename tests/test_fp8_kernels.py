@@ -217,6 +217,11 @@ def expert(kinds, D, Fi, seed):
         if kind == "fp8":
             q, bs, w = fp8_weight(N, K, seed + i, scale=2e-4)  # |w| up to ~0.1
             fields.append([("q", q), ("bs", bs)])
+        elif kind == "fp8-row":  # one fp32 scale a row
+            q, _, _ = fp8_weight(N, K, seed + i)
+            s = (torch.rand(N, 1, generator=torch.Generator().manual_seed(seed + i)) + 0.5) * 2e-4
+            w = q.view(torch.float8_e4m3fn).double() * s.double()
+            fields.append([("q", q), ("bs", s)])
         else:
             (q, s), w = int8_weight(N, K, seed + i)
             fields.append([("q", q), ("scale", s)])
@@ -237,7 +242,7 @@ def swiglu(x, ws):
 
 
 # D not a multiple of 128 (a partial block), Fi not a multiple of 32 (so int8's kernel reads fp32 x: exact too)
-KINDS = [("fp8", "fp8", "fp8"), ("fp8", "fp8", "int8")]
+KINDS = [("fp8", "fp8", "fp8"), ("fp8", "fp8", "int8"), ("fp8-row",) * 3, ("fp8-row", "fp8-row", "fp8")]
 
 
 @native
@@ -252,7 +257,7 @@ def test_fused_expert(isa, kinds):
         assert y.dtype == torch.float32 and y.shape == (B, D)
         assert rel(y, swiglu(x, ws)) < 1e-5, (isa, kinds, B)
     # kernels/linear.expert_spec passes the same offsets from an ExpertFormat's layout
-    assert "fp8" in NATIVE_EXPERT_KINDS
+    assert "fp8" in NATIVE_EXPERT_KINDS and "fp8-row" in NATIVE_EXPERT_KINDS
     assert torch.equal(expert_spec(fmt).forward(slot, x), y)
 
 
@@ -294,10 +299,14 @@ def test_expert_spec_checks_fp8_segments():
     _, slot, _, fmt = expert(("fp8",) * 3, D, Fi, 0)
     shapes = [[Fi, D], [Fi, D], [D, Fi]]
     offsets = [[o for _, o, _, _ in segs] for segs in fmt._layout]
-    with pytest.raises(RuntimeError, match=r"expert_spec: fp8's q \[N, K\] and bs .* must lie in the slot's"):
+    with pytest.raises(RuntimeError, match=r"expert_spec: fp8's q \[N, K\] and scales float32 .* must lie in the slot's"):
         ext.expert_spec(["fp8"] * 3, shapes, offsets[:2] + [[offsets[2][0], slot.numel() - 4]], slot.numel())
     with pytest.raises(RuntimeError, match=r"expert_spec: fp8's q"):
         ext.expert_spec(["fp8"] * 3, shapes, offsets[:2] + [[offsets[2][0], offsets[2][1] + 2]], slot.numel())
+    # fp8-row's scales are [N] fp32: 4 N bytes from their offset
+    with pytest.raises(RuntimeError, match=r"expert_spec: fp8-row's q \[N, K\] and scales float32 \[N\]"):
+        ext.expert_spec(["fp8-row"] * 3, shapes, offsets[:2] + [[offsets[2][0], slot.numel() - 4 * D + 64]],
+                        slot.numel())
     spec = ext.expert_spec(["fp8"] * 3, shapes, offsets, slot.numel())
     with pytest.raises(RuntimeError, match=r"the slot must be a contiguous CPU uint8 tensor"):
         spec.forward(slot[:-64], torch.zeros(1, D))

@@ -306,7 +306,7 @@ def kernel_for(m: nn.Module):
     raise TypeError(f"no native kernel for {type(m).__name__}")
 
 
-NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4", "int8-g32", "fp8")  # int8-g32: tiled layout only
+NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4", "int8-g32", "fp8", "fp8-row")  # int8-g32: tiled layout only
 
 
 def expert_spec(fmt):

@@ -19,6 +19,9 @@ Projection kinds (what each of gate / up / down is stored as):
               (w = (q - 8) * s_g + z_g, FlexGen-style group-wise asymmetric, ALGORITHMS.md §4)
     fp8       q e4m3fn bits u8 [N, K], bs fp32 [N/128, K/128] (ceil)  ~1.0001       dequantize-then-matmul
               (w = e4m3(q) * s_block: DeepSeek-V3's / Qwen3-FP8's checkpoints as stored, quant/fp8.py)
+    fp8-row   q e4m3fn bits u8 [N, K], s fp32 [N]                    1 + 4/K       dequantize-then-matmul
+              (w = e4m3(q) * s_row: compressed-tensors' / fbgemm's per-channel FP8 as stored; a
+              per-tensor scale repeated per row)
 
 The int4 kernels take the zero in bf16; rounding it shifts all 32 weights of a group the same way
 (|z| ~ 8 s, so up to s/64 each, a bias that adds up in a dot product). The residual z - bf16(z) is
@@ -58,7 +61,8 @@ from tiered.kernels.linear import int8_tiles, tiled_group_scales, tiled_int8, un
 from tiered.quant import fp8
 from tiered.quant.int4 import GROUP
 
-KINDS = ("fp32", "bf16", "int8", "int8-g32", "int4", "fp8")
+KINDS = ("fp32", "bf16", "int8", "int8-g32", "int4", "fp8", "fp8-row")
+FP8_KINDS = ("fp8", "fp8-row")
 DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ALIGN = 64  # bytes: every segment starts on a cache line (and any dtype's alignment)
 NATIVE_ROWS = 8  # tokens up to which a CPU expert runs the native fused GEMV kernel (a batch-1..8 kernel)
@@ -67,7 +71,7 @@ NATIVE_ROWS = 8  # tokens up to which a CPU expert runs the native fused GEMV ke
 # Qwen3-30B-A3B expert (2048 x 768), ms at 16 / 64 / 256 rows, groups vs dequantize + matmul:
 # int4 1.3 / 6.1 / 24.5 vs 5.0 / 8.3 / 22.3; int8 1.4 / 6.3 / 25.9 vs 2.6 / 10.5 / 40.4; bf16
 # 2.4 / 9.4 / 39.5 vs 4.4 / 7.6 / 20.1 (torch's bf16 GEMM reads the weight once).
-GROUPED_ROWS = {"int4": 128, "int8": 1 << 30, "int8-g32": 1 << 30, "bf16": 32, "fp32": 0, "fp8": 64}
+GROUPED_ROWS = {"int4": 128, "int8": 1 << 30, "int8-g32": 1 << 30, "bf16": 32, "fp32": 0, "fp8": 64, "fp8-row": 64}
 
 
 def bf16_native_rows() -> int:
@@ -111,6 +115,8 @@ def _segments(kind: str, N: int, K: int, int4_layout: str = "cpu") -> list[tuple
                 ("zr", (K // GROUP, N), torch.bfloat16)]
     if kind == "fp8":  # any layout: the native kernel reads rows as stored
         return [("q", (N, K), torch.uint8), ("bs", fp8.scale_shape(N, K), torch.float32)]
+    if kind == "fp8-row":  # the kernel's row_block 1, one scale across the columns
+        return [("q", (N, K), torch.uint8), ("bs", (N, 1), torch.float32)]
     raise ConfigError(f"unknown expert format {kind!r}", "use " + ", ".join(KINDS))
 
 
@@ -145,7 +151,7 @@ def fit_format(name: str, shapes) -> str:
 def pricing_precision(name: str) -> str:
     """The precision the planner's cost models price a format in (hardware profiles have rows for
     fp32, bf16, int8 and int4): the kind holding the most bytes, int8-g32 priced as int8."""
-    kinds = [{"int8-g32": "int8", "fp8": "int8"}.get(k, k) for k in parse_kinds(name)]
+    kinds = [{"int8-g32": "int8", "fp8": "int8", "fp8-row": "int8"}.get(k, k) for k in parse_kinds(name)]
     order = ["int4", "int8", "bf16", "fp32"]
     return max(kinds, key=order.index)
 
@@ -420,6 +426,12 @@ class ExpertFormat:
 
 
 # ---------------------------------------------------------------- projections
+def fp8_block(kind: str, K: int) -> tuple[int, int]:
+    """The block one scale of an fp8 kind covers in a projection of K in-features: 128 x 128 ("fp8"),
+    a row ("fp8-row": (1, K))."""
+    return (fp8.BLOCK, fp8.BLOCK) if kind == "fp8" else (1, max(K, 1))
+
+
 def quantize_projection(w: torch.Tensor, kind: str, int4_layout: str = "cpu") -> dict[str, torch.Tensor]:
     """Segments of one dense projection w [N, K] in `kind` (host tensors, as `_segments` lays out)."""
     from tiered.quant.int4 import quantize_int4
@@ -438,8 +450,8 @@ def quantize_projection(w: torch.Tensor, kind: str, int4_layout: str = "cpu") ->
         return int8_g32_segments(*quantize_int8_g32(w), int4_layout)
     if kind == "int4":
         return int4_segments(*quantize_int4(w), int4_layout)
-    if kind == "fp8":
-        q, bs = fp8.quantize_fp8(w)
+    if kind in FP8_KINDS:
+        q, bs = fp8.quantize_fp8(w, fp8_block(kind, w.shape[1]))
         return {"q": q, "bs": bs}
     raise ConfigError(f"unknown expert format {kind!r}", "use " + ", ".join(KINDS))
 
@@ -516,11 +528,12 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
             pass  # no kernel for this device / shape: dequantize below
     if kind == "int4" and int4_layout == "tiled":
         return _tiled_int4(x, xb, v, act)
-    if kind == "fp8":
-        ext = kernels.load() if x.device.type == "cpu" and x.shape[0] <= GROUPED_ROWS["fp8"] else None
+    if kind in FP8_KINDS:
+        ext = kernels.load() if x.device.type == "cpu" and x.shape[0] <= GROUPED_ROWS[kind] else None
+        block = fp8_block(kind, x.shape[-1])
         if ext is not None:
-            return ext.fp8_kernel(v["q"], v["bs"])(x).to(x.dtype)
-        return F.linear(x, fp8.dequantize_fp8(v["q"], v["bs"], x.dtype))
+            return ext.fp8_kernel(v["q"], v["bs"], row_block=block[0])(x).to(x.dtype)
+        return F.linear(x, fp8.dequantize_fp8(v["q"], v["bs"], x.dtype, block))
     if kind == "int4":
         try:
             return _zero_residual(x, _int4_kernel(x, xb, v, cuda, int4_layout), v)
@@ -596,8 +609,8 @@ def dequantize_projection(v: dict[str, torch.Tensor], kind: str, N: int, K: int,
     if kind == "int8-g32":
         q, s = (untiled_int8(v["qt"]), untiled_group_scales(v["st"])) if "qt" in v else (v["q"], v["scale"])
         return (q.float().reshape(N, K // GROUP, GROUP) * s.float()[..., None]).reshape(N, K)
-    if kind == "fp8":
-        return fp8.dequantize_fp8(v["q"], v["bs"])
+    if kind in FP8_KINDS:
+        return fp8.dequantize_fp8(v["q"], v["bs"], block=fp8_block(kind, K))
     sz, zr = _group_tensors(v, int4_layout)
     sz = sz.float()  # (G, N, 2)
     residual = zr.float().T.repeat_interleave(GROUP, dim=1)  # (N, K)

@@ -14,7 +14,8 @@ dequantizing where the mapping is exact.
     Q2_K, Q3_K  -> int4 (g32)    dequantized, then min/max int4 per 32                 no: re-quantized
     F32/F16/BF16-> bf16          cast                                                  F32 no, F16 no, BF16 yes
     F8_E4M3     -> fp8           safetensors fp8 + 128 x 128 block scales, as stored   yes, bit for bit
-    (DeepSeek-V3 / Qwen3-FP8: checkpoint/hf_dir; other block sizes are dequantized to bf16)
+    F8_E4M3     -> fp8-row       fp8 + a scale per output channel or tensor            yes (fp32 scales)
+    (checkpoint/hf_dir; fp8 of other block sizes takes the compute format, dequantized)
 
 Sources: ggml-quants.c block layouts (block_q4_0 {d; qs[16]}, block_q4_1 {d; m; qs[16]},
 block_q8_0 {d; qs[32]}); the `gguf` package dequantizes the K types.
@@ -40,11 +41,18 @@ EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3")
 
 
 def stored_kind(handle) -> str:
-    """The expert kind a tensor stored as `handle.format` maps to ("bf16" for dense formats and fp8
-    of other blocks than 128 x 128)."""
+    """The expert kind a tensor stored as `handle.format` maps to: fp8 in 128 x 128 blocks -> "fp8",
+    fp8 scaled per output channel or per tensor -> "fp8-row" (quant/fp8.kernel_row_block 1); "bf16"
+    for dense formats and fp8 of other blocks."""
     if handle.format == "F8_E4M3" and not fp8.as_stored(handle):
-        return "bf16"
+        return "fp8-row" if _row_scaled(handle) else "bf16"
     return STORED_KIND.get(handle.format, "bf16")
+
+
+def _row_scaled(handle) -> bool:
+    """An fp8 handle whose scales are one per row (or tensor) across all columns: the fp8-row kind."""
+    (N, K), (br, bc) = handle.shape, handle.fp8_block
+    return bc >= K and (br == 1 or br >= N)
 
 
 def stored_segments(fmt: ExpertFormat, handles) -> list | None:
@@ -58,9 +66,9 @@ def stored_segments(fmt: ExpertFormat, handles) -> list | None:
 
 def stored_format(handles) -> str | None:
     """`auto_format` of (gate, up, down) handles stored in a format an expert kind keeps (GGUF
-    blocks, fp8 in 128 x 128 blocks), or None for dense storage and fp8 scaled otherwise (per channel or
-    tensor: the experts then take the compute format, each weight dequantized exactly in fp32)."""
-    kept = [h for h in handles if h.format in STORED_KIND and (h.format != "F8_E4M3" or fp8.as_stored(h))]
+    blocks, fp8 per 128 x 128 block, row or tensor), or None for dense storage and fp8 scaled otherwise
+    (the experts then take the compute format, each weight dequantized exactly in fp32)."""
+    kept = [h for h in handles if h.format in STORED_KIND and (h.format != "F8_E4M3" or stored_kind(h) != "bf16")]
     return auto_format(handles) if kept else None
 
 
@@ -73,7 +81,7 @@ def auto_format(handles) -> str:
 def requantized_note(handles, fmt: ExpertFormat) -> str | None:
     """A sentence naming the stored formats that `fmt` re-quantizes (None when every map is exact)."""
     lossy = sorted({f"{h.format} -> {k}" for h, k in zip(handles, fmt.kinds)
-                    if not (h.format in EXACT and STORED_KIND[h.format] == k)
+                    if not (h.format in EXACT and stored_kind(h) == k)
                     and not (h.format == "BF16" and k == "bf16") and not (h.format == "F32" and k == "fp32")})
     return ("experts re-quantized on load: " + ", ".join(lossy)) if lossy else None
 
@@ -131,6 +139,9 @@ def projection_segments(handle, kind: str, int4_layout: str,
     if kind == "fp8" and fp8.as_stored(handle):
         q, bs = handle.scaled_fp8()
         return {"q": q.view(torch.uint8), "bs": bs}
+    if kind == "fp8-row" and handle.format == "F8_E4M3" and _row_scaled(handle):  # a per-tensor scale per row
+        q, bs = handle.scaled_fp8()
+        return {"q": q.view(torch.uint8), "bs": bs.float().reshape(-1, 1).expand(q.shape[0], 1)}
     if handle.format in INT4_BLOCK_FORMATS and kind == "int4":
         ext = load() if int4_layout == "tiled" else None
         if ext is not None:  # the same bytes in one native pass (~50x the numpy / torch path below)

@@ -2577,13 +2577,13 @@ struct ExpertGemv : Kernel {
 // An ExpertFormat's layout (per projection: kind and byte offsets of its segments in the flat
 // slot), so that one call computes an expert straight from any slot holding it.
 struct ExpertSpec {
-  enum Kind { kBf16 = 0, kInt8 = 1, kInt4 = 2, kInt8G32 = 3, kFp8 = 4 };
+  enum Kind { kBf16 = 0, kInt8 = 1, kInt4 = 2, kInt8G32 = 3, kFp8 = 4, kFp8Row = 5 };
   struct Proj {
     int kind;
     int64_t N, K;
     // bf16: w; int8: q, scale; int4: codes, sz, zr (-1: zeros exact, no residual read); int4 tiled with the
     // scales inline ([N/16, K/32, 320] then zr): its offset, + 256, zr's (or -1); int8-g32 (tiled): qt, st;
-    // fp8: q uint8 [N, K], bs fp32 [ceil(N/128), ceil(K/128)]
+    // fp8: q uint8 [N, K], bs fp32 [ceil(N/128), ceil(K/128)]; fp8-row: q uint8 [N, K], s fp32 [N]
     int64_t off[3];
   };
   Proj p[3];
@@ -2594,9 +2594,10 @@ struct ExpertSpec {
 
   void bind(const Proj& pr, const uint8_t* buf, Int4Gemv& k4, Int8Gemv& k8, Bf16Gemv& kb, Fp8Gemv& kf,
             const Gemv*& out) const {
-    if (pr.kind == kFp8) {
+    if (pr.kind == kFp8 || pr.kind == kFp8Row) {  // fp8-row: one scale a row across the columns
       kf.in_features = pr.K, kf.out_features = pr.N;
-      kf.w = {buf + pr.off[0], reinterpret_cast<const float*>(buf + pr.off[1]), nullptr};
+      kf.w = {buf + pr.off[0], reinterpret_cast<const float*>(buf + pr.off[1]), nullptr,
+              pr.kind == kFp8 ? kFp8Block : 1, pr.kind == kFp8 ? 1 : 0};
       out = &kf;
     } else if (pr.kind == kInt4) {
       k4.in_features = pr.K, k4.out_features = pr.N;
@@ -3335,7 +3336,8 @@ void register_gemv(pybind11::module& m) {
             auto& pr = sp->p[i];
             const auto& k = kinds[i];
             pr.kind = k == "int4" ? ExpertSpec::kInt4 : k == "int8" ? ExpertSpec::kInt8 : k == "bf16" ? ExpertSpec::kBf16
-                      : k == "int8-g32" ? ExpertSpec::kInt8G32 : k == "fp8" ? ExpertSpec::kFp8 : -1;
+                      : k == "int8-g32" ? ExpertSpec::kInt8G32 : k == "fp8" ? ExpertSpec::kFp8
+                      : k == "fp8-row" ? ExpertSpec::kFp8Row : -1;
             TIERED_CHECK(pr.kind >= 0, "expert_spec: no native kernel for kind ", k);
             TIERED_CHECK(shapes[i].size() == 2, "expert_spec: shapes are (N, K)");
             pr.N = shapes[i][0], pr.K = shapes[i][1];
@@ -3349,12 +3351,14 @@ void register_gemv(pybind11::module& m) {
               TIERED_CHECK(pr.off[j] >= 0 ? pr.off[j] < nbytes : pr.kind == ExpertSpec::kInt4 && j == 2,
                           "expert_spec: offset ", pr.off[j], " out of the slot's ", nbytes,
                           " bytes (only an int4 residual may be -1: not read)");
-            if (pr.kind == ExpertSpec::kFp8) {
-              const int64_t bs_bytes = (pr.N + kFp8Block - 1) / kFp8Block * ((pr.K + kFp8Block - 1) / kFp8Block) * 4;
+            if (pr.kind == ExpertSpec::kFp8 || pr.kind == ExpertSpec::kFp8Row) {
+              const int64_t bs_bytes = pr.kind == ExpertSpec::kFp8Row ? pr.N * 4 :
+                  (pr.N + kFp8Block - 1) / kFp8Block * ((pr.K + kFp8Block - 1) / kFp8Block) * 4;
               TIERED_CHECK(pr.N > 0 && pr.K > 0 && pr.off[0] + pr.N * pr.K <= nbytes && pr.off[1] % 4 == 0 &&
                               pr.off[1] + bs_bytes <= nbytes,
-                          "expert_spec: fp8's q [N, K] and bs float32 [ceil(N/128), ceil(K/128)] (4-byte aligned) must "
-                          "lie in the slot's ", nbytes, " bytes");
+                          "expert_spec: ", k, "'s q [N, K] and scales float32 ",
+                          pr.kind == ExpertSpec::kFp8Row ? "[N]" : "[ceil(N/128), ceil(K/128)]",
+                          " (4-byte aligned) must lie in the slot's ", nbytes, " bytes");
             }
           }
           TIERED_CHECK(sp->p[0].K == sp->p[1].K && sp->p[0].N == sp->p[1].N && sp->p[2].K == sp->p[0].N &&
