@@ -51,7 +51,8 @@ class TensorHandle:
         shape: logical shape in the HF (PyTorch) layout, e.g. (out_features, in_features).
         format: storage format: a dense dtype ("F32", "F16", "BF16", ...), a GGUF block format
             ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", ...) or "F8_E4M3": an fp8 weight with block
-            scales (quant/fp8.py; `load` dequantizes, `scaled_fp8` gives the stored form).
+            scales (quant/fp8.py; `load` dequantizes, `scaled_fp8` gives the stored form), or "INT4": a
+            GPTQ / AWQ / compressed-tensors 4-bit weight (checkpoint/int4_packed.py; `int4_parts`).
         nbytes: bytes the tensor occupies in its file (an fp8 weight's with its scales).
         path: the file holding it.
     """
@@ -70,6 +71,10 @@ class TensorHandle:
     # F8_E4M3: (the e4m3 bytes as a "U8" handle, the scales' handle), each readable raw where its file
     # holds it: what a disk-tier fp8 expert is read through, segment by segment
     fp8_parts: tuple["TensorHandle", "TensorHandle"] | None = None
+    # INT4 (a GPTQ / AWQ / compressed-tensors 4-bit weight, checkpoint/int4_packed.py): () -> (codes int32
+    # [N, K] 0..15, scale fp32 [N, K / int4_group], zero fp32 [N, K / int4_group]), w = (c - 8) s + z
+    _int4: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    int4_group: int | None = None
 
     @property
     def numel(self) -> int:
@@ -124,6 +129,22 @@ class TensorHandle:
         if self._fp8 is None:
             raise ValueError(f"{self.name} is stored as {self.format}, not as block-scaled fp8")
         return self._fp8()
+
+    def int4_parts(self, group: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A 4-bit weight as stored (format "INT4"), in groups of `group` inputs: (codes int32 [N, K]
+        in 0..15, scale fp32 [N, K/group], zero fp32 [N, K/group]) with w = (codes - 8) * scale + zero,
+        tiered's int4 convention (quant/int4.py). Exact for a `group` dividing the stored one.
+
+        Raises:
+            ValueError: not a 4-bit weight, or `group` does not divide its groups.
+        """
+        if self._int4 is None:
+            raise ValueError(f"{self.name} is stored as {self.format}, not as a 4-bit weight")
+        if self.int4_group % group:
+            raise ValueError(f"{self.name}'s groups of {self.int4_group} cannot be split into groups of {group}")
+        codes, scale, zero = self._int4()
+        r = self.int4_group // group
+        return codes, scale.repeat_interleave(r, 1), zero.repeat_interleave(r, 1)
 
     def blocks(self) -> np.ndarray:
         """Raw quantized blocks in HF row order: uint8 [rows, bytes_per_row] (block formats only).

@@ -263,11 +263,20 @@ class HFDirCheckpoint(HandleTable):
                                       "quantization_config", "restore the checkpoint's config.json")
             return
         method = qc.get("quant_method") if isinstance(qc, dict) else None
+        if method in ("gptq", "awq") or (method == "compressed-tensors" and qc.get("format") == "pack-quantized"):
+            from tiered.checkpoint import int4_packed
+
+            if fp8:
+                raise UnsupportedModelError(f"{self.path} mixes fp8 tensors into a {method} checkpoint",
+                                            "use the model's bf16 release")
+            int4_packed.fold(self._handles, qc, self.path)
+            return
         if method not in FP8_METHODS:
             raise UnsupportedModelError(
                 f"{self.path} is quantized with {method!r}; tiered reads fp8 safetensors (quant_method "
-                "\"fp8\", \"fbgemm_fp8\" or float-quantized \"compressed-tensors\"), GGUF files and unquantized "
-                "safetensors", "use the model's bf16 release or a GGUF conversion")
+                "\"fp8\", \"fbgemm_fp8\" or float-quantized \"compressed-tensors\"), 4-bit GPTQ, AWQ and "
+                "pack-quantized compressed-tensors ones, GGUF files and unquantized safetensors",
+                "use the model's bf16 release or a GGUF conversion")
         block = self._fp8_scheme(qc, method)
         if qc.get("fmt", "e4m3") != "e4m3" or any(h.format.startswith("F8_") and h.format != "F8_E4M3"
                                                    for h in self._handles.values()):

@@ -15,6 +15,8 @@ dequantizing where the mapping is exact.
     F32/F16/BF16-> bf16          cast                                                  F32 no, F16 no, BF16 yes
     F8_E4M3     -> fp8           safetensors fp8 + 128 x 128 block scales, as stored   yes, bit for bit
     F8_E4M3     -> fp8-row       fp8 + a scale per output channel or tensor            yes (fp32 scales)
+    INT4        -> int4 (g32)    GPTQ / AWQ / compressed-tensors 4-bit codes, groups     yes (up to the bf16
+                                 of a multiple of 32 split into 32s                      scale, zero ~2^-16)
     (checkpoint/hf_dir; fp8 of other block sizes takes the compute format, dequantized)
 
 Sources: ggml-quants.c block layouts (block_q4_0 {d; qs[16]}, block_q4_1 {d; m; qs[16]},
@@ -36,8 +38,8 @@ from tiered.quant.int4 import unpack_q4_blocks
 
 GGUF_EXPERT_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8-g32", "Q4_K": "int4", "Q2_K": "int4",
                     "Q3_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8-g32"}
-STORED_KIND = {**GGUF_EXPERT_KIND, "F8_E4M3": "fp8"}
-EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3")
+STORED_KIND = {**GGUF_EXPERT_KIND, "F8_E4M3": "fp8", "INT4": "int4"}
+EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3", "INT4")
 
 
 def stored_kind(handle) -> str:
@@ -46,6 +48,8 @@ def stored_kind(handle) -> str:
     for dense formats and fp8 of other blocks."""
     if handle.format == "F8_E4M3" and not fp8.as_stored(handle):
         return "fp8-row" if _row_scaled(handle) else "bf16"
+    if handle.format == "INT4" and handle.int4_group % 32:
+        return "bf16"
     return STORED_KIND.get(handle.format, "bf16")
 
 
@@ -68,7 +72,7 @@ def stored_format(handles) -> str | None:
     """`auto_format` of (gate, up, down) handles stored in a format an expert kind keeps (GGUF
     blocks, fp8 per 128 x 128 block, row or tensor), or None for dense storage and fp8 scaled otherwise
     (the experts then take the compute format, each weight dequantized exactly in fp32)."""
-    kept = [h for h in handles if h.format in STORED_KIND and (h.format != "F8_E4M3" or stored_kind(h) != "bf16")]
+    kept = [h for h in handles if h.format in STORED_KIND and stored_kind(h) != "bf16"]
     return auto_format(handles) if kept else None
 
 
@@ -142,6 +146,8 @@ def projection_segments(handle, kind: str, int4_layout: str,
     if kind == "fp8-row" and handle.format == "F8_E4M3" and _row_scaled(handle):  # a per-tensor scale per row
         q, bs = handle.scaled_fp8()
         return {"q": q.view(torch.uint8), "bs": bs.float().reshape(-1, 1).expand(q.shape[0], 1)}
+    if handle.format == "INT4" and kind == "int4":  # GPTQ / AWQ / compressed-tensors codes as stored
+        return int4_segments(*handle.int4_parts(), int4_layout)
     if handle.format in INT4_BLOCK_FORMATS and kind == "int4":
         ext = load() if int4_layout == "tiled" else None
         if ext is not None:  # the same bytes in one native pass (~50x the numpy / torch path below)

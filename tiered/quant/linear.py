@@ -175,6 +175,8 @@ def auto_kind(handle) -> str:
     their tiled layout (N % 16, K % 32; else bf16); a scaled fp8 weight as stored where tiered's kernels
     are built and take its scales (quant/fp8.kernel_scales: 128 x 128 blocks with N % 128 == 0, so that
     fused groups stay whole blocks; or a scale per output channel or tensor)."""
+    if handle.format == "INT4":  # GPTQ / AWQ / compressed-tensors 4-bit: as stored where groups of 32 hold it
+        return "int4" if handle.int4_group % GROUP == 0 else "bf16"
     if handle.format == "F8_E4M3":
         from tiered.kernels import load
         from tiered.quant.fp8 import BLOCK
@@ -212,6 +214,8 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     """
     stored = handle.format if handle is not None else None
     kind = auto_kind(handle) if handle is not None else None
+    if fmt in ("auto", "int4") and kind == "int4" and handle.format == "INT4":  # GPTQ / AWQ codes as stored
+        return DecodeWeight("int4", *handle.int4_parts(GROUP))
     if fmt in ("auto", "int4") and kind == "int4":  # GGUF Q4 blocks: int4 as stored
         return DecodeWeight("int4", blocks=handle.blocks(), block_format=stored)
     if fmt == "auto" and kind == "fp8":  # as stored

@@ -1,0 +1,269 @@
+"""4-bit safetensors checkpoints: GPTQ (v1 and v2 zeros), AWQ (GEMM packing) and compressed-tensors'
+pack-quantized W4A16, packed here from known codes by writers that share no code with tiered's reader
+(checkpoint/int4_packed.py), against transformers on the weights those codes encode (dequantized here
+in fp32). compressed-tensors' own packer (pack_to_int32) was checked to give the same words as the
+writer below (2026-11-27, compressed-tensors 0.20.0); transformers' loads of these formats need
+optimum / gptqmodel / autoawq / compressed-tensors, which the CPU image lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fixtures import load_hf_model, stepwise_logits, write_tiny_checkpoint  # noqa: E402
+from moe_fixtures import VOCAB, build_hf_moe_model, load_hf_moe_model  # noqa: E402
+
+from tiered import LLM, EngineConfig  # noqa: E402
+from tiered.checkpoint import open_checkpoint  # noqa: E402
+from tiered.errors import CheckpointError, UnsupportedModelError  # noqa: E402
+
+REL_TOL = 1e-4
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def pack_words(fields: torch.Tensor) -> torch.Tensor:
+    """[R, 8 W] values 0..15 -> int32 [R, W], field j of each 8 at bits 4j."""
+    f = fields.to(torch.int64).reshape(fields.shape[0], -1, 8)
+    words = sum(f[..., j] << (4 * j) for j in range(8))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def quantize(w: torch.Tensor, group: int, symmetric: bool):
+    """w [N, K] -> (codes [N, K] 0..15, zero [N, G] 0..15, scale fp16 [N, G]) with w ~ (codes - zero) * scale."""
+    N, K = w.shape
+    g = w.reshape(N, K // group, group)
+    if symmetric:
+        scale = (g.abs().amax(-1) / 7.5).clamp_min(1e-8).half()
+        zero = torch.full(scale.shape, 8)
+    else:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-8).half()
+        zero = (-lo / scale.float()).round().clamp(0, 15).long()
+    codes = (g / scale.float()[..., None] + zero[..., None]).round().clamp(0, 15).long()
+    return codes.reshape(N, K), zero, scale
+
+
+def packed_tensors(w: torch.Tensor, method: str, group: int) -> tuple[dict, torch.Tensor]:
+    """One projection's tensors in `method`'s layout (suffix -> tensor) and the weight they encode, fp32."""
+    N, K = w.shape
+    codes, zero, scale = quantize(w, group, symmetric=method == "compressed-tensors")
+    ref = ((codes.reshape(N, K // group, group) - zero[..., None]).float() * scale.float()[..., None]).reshape(N, K)
+    if method.startswith("gptq"):
+        stored_zero = zero if method == "gptq_v2" else (zero - 1) & 0xF
+        out = {"qweight": _gptq_qweight(codes),
+               "qzeros": pack_words(stored_zero.T.contiguous()), "scales": scale.T.contiguous(),
+               "g_idx": (torch.arange(K) // group).to(torch.int32)}
+    elif method == "awq":
+        def awq(x):  # [R, N] -> [R, N/8] words, nibble i holding column 8c + AWQ_ORDER[i]
+            return pack_words(x.reshape(x.shape[0], -1, 8)[..., AWQ_ORDER].reshape(x.shape[0], -1))
+        out = {"qweight": awq(codes.T.contiguous()), "qzeros": awq(zero.T.contiguous()), "scales": scale.T.contiguous()}
+    else:
+        out = {"weight_packed": pack_words(codes), "weight_scale": scale, "weight_shape": torch.tensor([N, K])}
+    return out, ref
+
+
+def _gptq_qweight(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] -> GPTQ's qweight int32 [K/8, N]: word [k // 8, n] holds input k at bits 4 (k % 8)."""
+    N, K = codes.shape
+    f = codes.T.reshape(K // 8, 8, N).permute(0, 2, 1).reshape(K // 8, N * 8)  # [K/8, N, 8] flattened
+    return pack_words(f)
+
+
+CONFIGS = {
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False,
+             "checkpoint_format": "gptq"},
+    "gptq_v2": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False,
+                "checkpoint_format": "gptq_v2"},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                           "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                               "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
+                               "symmetric": True}}}},
+}
+
+
+def write_int4(src: Path, dst: Path, method: str, group: int = 128) -> tuple[Path, Path]:
+    """`src` with every decoder projection packed as `method` (dst), and the weights those codes encode as
+    a plain fp32 checkpoint (dst-dequantized): the oracle's."""
+    from safetensors.torch import load_file, save_file
+
+    ref_dir = dst.with_name(dst.name + "-dequantized")
+    for d in (dst, ref_dir):
+        shutil.copytree(src, d)
+    t = load_file(str(src / "model.safetensors"))
+    out, ref = {}, {}
+    for name, w in t.items():
+        parts = name.split(".")
+        if ".layers." in name and parts[-1] == "weight" and parts[-2] in LINEARS and w.dim() == 2:
+            packed, deq = packed_tensors(w.float(), method, group)
+            base = name[:-len(".weight")]
+            out.update({f"{base}.{k}": v for k, v in packed.items()})
+            ref[name] = deq
+        else:
+            out[name] = ref[name] = w
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file(ref, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = CONFIGS[method]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst, ref_dir
+
+
+class Zoo:
+    def __init__(self, root: Path) -> None:
+        self.root, self._made, self._hf = root, {}, {}
+
+    def get(self, kind: str, method: str) -> tuple[Path, Path]:
+        key = (kind, method)
+        if key not in self._made:
+            src = self.root / kind
+            if not src.is_dir():
+                if kind == "llama_wide":
+                    write_tiny_checkpoint(kind, src)
+                else:  # expert widths of a multiple of 128 (groups of 128 over their inputs)
+                    build_hf_moe_model(kind, VOCAB, hidden_size=256, moe_intermediate_size=256,
+                                       intermediate_size=256).save_pretrained(src, safe_serialization=True)
+            self._made[key] = write_int4(src, self.root / f"{kind}-{method}", method)
+        return self._made[key]
+
+    def hf(self, kind: str, method: str):
+        key = (kind, method)
+        if key not in self._hf:
+            ref = self.get(kind, method)[1]
+            self._hf[key] = load_hf_model(ref) if kind == "llama_wide" else load_hf_moe_model(ref)
+        return self._hf[key]
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory) -> Zoo:
+    return Zoo(tmp_path_factory.mktemp("int4ckpt"))
+
+
+def prompt(n: int = 12, seed: int = 0) -> list[int]:
+    return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def rel(a, ref) -> float:
+    return float((a - ref).abs().max() / ref.abs().max())
+
+
+METHODS = tuple(CONFIGS)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_weights_unpack_to_the_encoded_values(zoo, method):
+    from safetensors.torch import load_file
+
+    path, ref_dir = zoo.get("llama_wide", method)
+    ref = load_file(str(ref_dir / "model.safetensors"))
+    ckpt = open_checkpoint(path)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        h = ckpt.handle(name)
+        assert h.format == "INT4" and h.int4_group == 128 and h.shape == tuple(ref[name].shape)
+        assert torch.equal(h.load(torch.float32), ref[name])
+        codes, scale, zero = h.int4_parts(32)  # tiered's groups of 32: the same weight
+        N, K = h.shape
+        w = ((codes.float() - 8).view(N, K // 32, 32) * scale[..., None] + zero[..., None]).view(N, K)
+        assert (w - ref[name]).abs().max() <= 1e-6 * ref[name].abs().max()
+    assert not any(n.endswith((".qweight", ".qzeros", ".scales", ".g_idx", "weight_packed", "weight_scale"))
+                   for n in ckpt.names())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_dense_model_equals_transformers(zoo, method):
+    path, _ = zoo.get("llama_wide", method)
+    llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", dtype="float32", accelerator="none"))
+    ids = prompt()
+    assert rel(llm.logits(ids), hf_logits(zoo.hf("llama_wide", method), ids)) <= REL_TOL
+
+
+@pytest.mark.parametrize("method", ["gptq", "compressed-tensors"])
+def test_cpu_decode_keeps_the_codes(zoo, method):
+    """The CPU's default engine keeps each projection's codes as its one copy (Int4Linear, groups of 32
+    from the stored 128s), and decodes like transformers on the encoded weights."""
+    from tiered.eval.kl import kl_divergence
+    from tiered.quant.int4 import Int4Linear
+
+    path, _ = zoo.get("llama_wide", method)
+    auto = LLM(path, EngineConfig(max_context=32, accelerator="none"))
+    assert not auto.plan.dense_copies and auto.plan.precision == "int4"
+    assert len([m for m in auto.model.modules() if isinstance(m, Int4Linear)]) == 2 * 4
+    ids = prompt(16)
+    ref = hf_logits(zoo.hf("llama_wide", method), ids)
+    kl = kl_divergence(ref[7:], stepwise_logits(auto, ids, 8))
+    assert float(kl.max()) < 2e-3, kl  # bf16 activations and bf16 scales / zeros (residual kept)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_moe_experts_stay_int4(zoo, method):
+    from tiered.memory.expert_store import expert_tensor_names, moe_layers
+    from tiered.quant.experts import ExpertFormat
+    from tiered.quant.gguf_experts import encode_expert, requantized_note, stored_format
+
+    path, _ = zoo.get("qwen3_moe", method)
+    ckpt = open_checkpoint(path)
+    hs = [ckpt.handle(n) for n in expert_tensor_names(ckpt.config.model_type, moe_layers(ckpt, ckpt.config)[0], 1)]
+    assert stored_format(hs) == "int4"
+    fmt = ExpertFormat("int4", [h.shape for h in hs], int4_layout="plain")
+    assert requantized_note(hs, fmt) is None
+    for w, h in zip(fmt.dequantize(encode_expert(fmt, hs)), hs):
+        ref = h.load(torch.float32)
+        assert (w - ref).abs().max() <= 2**-8 * ref.abs().max()  # bf16 scales, zeros to ~2^-16
+    llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none"))
+    assert llm.plan.dtypes["experts"] == "int4"
+    ids = prompt()
+    assert rel(llm.logits(ids), hf_logits(zoo.hf("qwen3_moe", method), ids)) < 0.02
+
+
+def _edit(zoo, tmp_path, method, config=None, drop=None) -> Path:
+    out = tmp_path / "edited"
+    shutil.copytree(zoo.get("llama_wide", method)[0], out)
+    if config:
+        cfg = json.loads((out / "config.json").read_text())
+        config(cfg["quantization_config"])
+        (out / "config.json").write_text(json.dumps(cfg))
+    if drop:
+        from safetensors.torch import load_file, save_file
+
+        f = out / "model.safetensors"
+        t = load_file(str(f))
+        drop(t)
+        save_file(t, str(f), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("method, change, error, words", [
+    ("gptq", lambda q: q.update(bits=8), UnsupportedModelError, ("8-bit",)),
+    ("gptq", lambda q: q.update(desc_act=True), UnsupportedModelError, ("act-order",)),
+    ("awq", lambda q: q.update(version="gemv"), UnsupportedModelError, ("GEMM",)),
+])
+def test_unsupported_schemes_are_refused(zoo, tmp_path, method, change, error, words):
+    with pytest.raises(error) as e:
+        open_checkpoint(_edit(zoo, tmp_path, method, config=change))
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_damaged_tensors_are_refused(zoo, tmp_path):
+    base = "model.layers.0.self_attn.o_proj"
+    with pytest.raises(CheckpointError, match=r"lacks tensor .*o_proj.qzeros"):
+        open_checkpoint(_edit(zoo, tmp_path, "gptq", drop=lambda t: t.pop(base + ".qzeros")))
+    with pytest.raises(CheckpointError, match=r"o_proj's gptq tensors disagree"):
+        open_checkpoint(_edit(zoo, tmp_path / "b", "gptq", drop=lambda t: t.__setitem__(base + ".scales",
+                                                                                         t[base + ".scales"][:, :8].contiguous())))
+    with pytest.raises(UnsupportedModelError, match="asymmetrically"):
+        open_checkpoint(_edit(zoo, tmp_path / "c", "compressed-tensors",
+                              drop=lambda t: t.__setitem__(base + ".weight_zero_point", torch.zeros(256, 2))))
