@@ -246,9 +246,47 @@ def _edit(zoo, tmp_path, method, config=None, drop=None) -> Path:
     return out
 
 
+def test_gptq_act_order_loads_through_g_idx(zoo, tmp_path):
+    """desc_act: inputs are assigned to groups by g_idx (a permutation's order), so the groups are not
+    runs of 32: the weights load dequantized through g_idx, exactly, and decode on bf16 copies."""
+    from safetensors.torch import load_file, save_file
+
+    path = _edit(zoo, tmp_path, "gptq", config=lambda q: q.update(desc_act=True))
+    ref_dir = tmp_path / "reference"
+    shutil.copytree(zoo.get("llama_wide", "gptq")[1], ref_dir)
+    t, ref = load_file(str(path / "model.safetensors")), load_file(str(ref_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    for base in [k[:-len(".qweight")] for k in t if k.endswith(".qweight")]:
+        K, N = t[base + ".qweight"].shape[0] * 8, t[base + ".qweight"].shape[1]
+        w = ref[base + ".weight"]
+        g_idx = torch.argsort(torch.randperm(K, generator=g)) // 128  # input k in group g_idx[k]
+        codes = torch.empty(N, K, dtype=torch.long)
+        zeros, scales = [], []
+        for grp in range(K // 128):
+            cols = (g_idx == grp).nonzero().flatten()
+            c, z, s = quantize(w[:, cols], len(cols), symmetric=False)
+            codes[:, cols] = c
+            zeros.append(z[:, 0])
+            scales.append(s[:, 0])
+        zero, scale = torch.stack(zeros), torch.stack(scales)  # [G, N]
+        ref[base + ".weight"] = (codes - zero[g_idx].T).float() * scale[g_idx].T.float()
+        t[base + ".qweight"] = _gptq_qweight(codes)
+        t[base + ".qzeros"] = pack_words(((zero - 1) & 0xF).contiguous())
+        t[base + ".scales"], t[base + ".g_idx"] = scale.contiguous(), g_idx.to(torch.int32)
+    save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(ref, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    h = open_checkpoint(path).handle("model.layers.1.mlp.down_proj.weight")
+    assert h.format == "INT4" and h.int4_group == 0
+    assert torch.equal(h.load(torch.float32), ref["model.layers.1.mlp.down_proj.weight"])
+    llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", dtype="float32", accelerator="none"))
+    ids = prompt()
+    assert rel(llm.logits(ids), hf_logits(load_hf_model(ref_dir), ids)) <= REL_TOL
+    auto = LLM(path, EngineConfig(max_context=32, accelerator="none"))
+    assert auto.plan.precision == "bf16"
+
+
 @pytest.mark.parametrize("method, change, error, words", [
     ("gptq", lambda q: q.update(bits=8), UnsupportedModelError, ("8-bit",)),
-    ("gptq", lambda q: q.update(desc_act=True), UnsupportedModelError, ("act-order",)),
     ("awq", lambda q: q.update(version="gemv"), UnsupportedModelError, ("GEMM",)),
 ])
 def test_unsupported_schemes_are_refused(zoo, tmp_path, method, change, error, words):

@@ -138,8 +138,8 @@ class TensorHandle:
         Raises:
             ValueError: not a 4-bit weight, or `group` does not divide its groups.
         """
-        if self._int4 is None:
-            raise ValueError(f"{self.name} is stored as {self.format}, not as a 4-bit weight")
+        if self._int4 is None or not self.int4_group:
+            raise ValueError(f"{self.name} is stored as {self.format}, not as a 4-bit weight in runs of groups")
         if self.int4_group % group:
             raise ValueError(f"{self.name}'s groups of {self.int4_group} cannot be split into groups of {group}")
         codes, scale, zero = self._int4()

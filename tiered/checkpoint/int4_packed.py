@@ -23,7 +23,10 @@ All three become tiered's int4 convention, w = (c - 8) * s + z with c in 0..15 a
 of `group` inputs: GPTQ / AWQ z = (8 - zero) * s, compressed-tensors z = 0. Groups of a multiple of 32
 inputs map exactly onto tiered's groups of 32 (quant/int4.py; the scales repeated), so the CPU's int4
 decode copies and int4 experts keep the checkpoint's codes: `int4_parts` gives them, `load` the weight
-dequantized in fp32 (the product of the fp16/bf16 scale and the code, exact).
+dequantized in fp32 (the product of the fp16/bf16 scale and the code, exact). GPTQ with act-order
+(`desc_act`: g_idx assigns inputs to groups in the order of a permutation) has no runs of consecutive
+inputs per group: such weights load dequantized through g_idx (int4_group 0), and "auto" gives them
+bf16 decode copies.
 """
 
 from __future__ import annotations
@@ -82,12 +85,23 @@ def _handle(w: TensorHandle, shape, nbytes: int, parts, group: int) -> TensorHan
                         _load=lambda: dequantize(*parts(), group), _int4=parts, int4_group=group)
 
 
+def _act_order_handle(w: TensorHandle, shape, nbytes: int, parts) -> TensorHandle:
+    """A handle of format INT4 for an act-order GPTQ weight: `parts()` gives (codes int32 [N, K], scale fp32
+    [N, G], zero fp32 [N, G], g_idx int64 [K]); its groups are not runs of consecutive inputs, so it has
+    no int4 parts (int4_group 0) and loads dequantized, w[n, k] = (c - 8) s[n, g_idx[k]] + z[n, g_idx[k]]."""
+    def load():
+        codes, scale, zero, g = parts()
+        return (codes.float() - 8) * scale[:, g] + zero[:, g]
+    return TensorHandle(name=w.name, shape=tuple(shape), format=INT4_FORMAT, nbytes=nbytes, path=w.path,
+                        _load=load, int4_group=0)
+
+
 def fold(handles: dict[str, TensorHandle], qc: dict, where) -> None:
     """Replace each packed 4-bit projection in `handles` (name -> TensorHandle, in place) by one INT4
     handle named `<module>.weight`, per `qc` (the config's quantization_config) and its method.
 
     Raises:
-        UnsupportedModelError: not 4 bits, act-order (a permuted g_idx), asymmetric compressed-tensors.
+        UnsupportedModelError: not 4 bits, AWQ's GEMV packing, asymmetric compressed-tensors.
         CheckpointError: a tensor of the scheme is missing or mis-shaped.
     """
     method = qc.get("quant_method")
@@ -96,9 +110,6 @@ def fold(handles: dict[str, TensorHandle], qc: dict, where) -> None:
         if bits != 4:
             raise UnsupportedModelError(f"{where}: {method} with {bits}-bit weights; tiered reads 4-bit ones",
                                         "use a 4-bit release or a GGUF conversion")
-        if method == "gptq" and qc.get("desc_act"):
-            raise UnsupportedModelError(f"{where}: GPTQ with act-order (desc_act: the groups follow a permutation "
-                                        "of the inputs)", "use a release without act-order or a GGUF conversion")
         if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
             raise UnsupportedModelError(f"{where}: AWQ version {qc.get('version')!r}; tiered reads the GEMM packing",
                                         "use the model's GEMM AWQ release or a GGUF conversion")
@@ -130,18 +141,28 @@ def _fold_gptq_awq(handles, base, method, qc, where) -> None:
                               f"{tuple(qz.shape)}, scales {tuple(sc.shape)})", "re-download the checkpoint")
     group = K // G
     v2 = method == "gptq" and qc.get("checkpoint_format") == "gptq_v2"
+    # act-order (GPTQ's desc_act): the groups follow a permutation of the inputs, g_idx [K]
+    act_order = method == "gptq" and bool(qc.get("desc_act")) and gi is not None
 
     def parts(qw=qw, qz=qz, sc=sc, gi=gi):
         if method == "gptq":
             codes, zero, scale = unpack_gptq(qw.load(None), qz.load(None), sc.load(None), v2)
         else:
             codes, zero, scale = unpack_awq(qw.load(None), qz.load(None), sc.load(None))
-        if gi is not None and not torch.equal(gi.load(None).long(), torch.arange(K) // group):
-            raise UnsupportedModelError(f"{where}: {base} is quantized with act-order (desc_act: a permuted "
-                                        "g_idx)", "use a release without act-order or a GGUF conversion")
         s = scale.T.contiguous()  # [N, G]
-        return codes, s, (8 - zero.T.float()) * s
-    handles[base + ".weight"] = _handle(qw, (N, K), qw.nbytes + qz.nbytes + sc.nbytes, parts, group)
+        z = (8 - zero.T.float()) * s
+        if act_order:
+            g = gi.load(None).long()
+            if tuple(g.shape) != (K,) or int(g.min()) < 0 or int(g.max()) >= G:
+                raise CheckpointError(f"{where}: {base}.g_idx is not a group per input", "re-download the checkpoint")
+            return codes, s, z, g
+        if gi is not None and not torch.equal(gi.load(None).long(), torch.arange(K) // group):
+            raise CheckpointError(f"{where}: {base}.g_idx permutes the groups but the config has no desc_act",
+                                  "restore the checkpoint's config.json (desc_act: true)")
+        return codes, s, z
+    nbytes = qw.nbytes + qz.nbytes + sc.nbytes
+    handles[base + ".weight"] = (_act_order_handle(qw, (N, K), nbytes, parts) if act_order
+                                 else _handle(qw, (N, K), nbytes, parts, group))
 
 
 def _fold_compressed(handles, base, where) -> None:

@@ -48,7 +48,7 @@ def stored_kind(handle) -> str:
     for dense formats and fp8 of other blocks."""
     if handle.format == "F8_E4M3" and not fp8.as_stored(handle):
         return "fp8-row" if _row_scaled(handle) else "bf16"
-    if handle.format == "INT4" and handle.int4_group % 32:
+    if handle.format == "INT4" and (not handle.int4_group or handle.int4_group % 32):
         return "bf16"
     return STORED_KIND.get(handle.format, "bf16")
 

@@ -176,7 +176,7 @@ def auto_kind(handle) -> str:
     are built and take its scales (quant/fp8.kernel_scales: 128 x 128 blocks with N % 128 == 0, so that
     fused groups stay whole blocks; or a scale per output channel or tensor)."""
     if handle.format == "INT4":  # GPTQ / AWQ / compressed-tensors 4-bit: as stored where groups of 32 hold it
-        return "int4" if handle.int4_group % GROUP == 0 else "bf16"
+        return "int4" if handle.int4_group and handle.int4_group % GROUP == 0 else "bf16"
     if handle.format == "F8_E4M3":
         from tiered.kernels import load
         from tiered.quant.fp8 import BLOCK
