@@ -271,3 +271,14 @@ def test_fp8_row_expert_kind_computes_its_weights():
         x = torch.randn(n, 256, generator=g)
         ref = (F.silu(x.double() @ deq[0].double().T) * (x.double() @ deq[1].double().T)) @ deq[2].double().T
         assert rel(fmt.forward(x, slot).double(), ref) < 1e-4, n
+
+
+def test_info_names_the_scaling(zoo):
+    from typer.testing import CliRunner
+
+    from tiered.cli import app
+
+    res = CliRunner().invoke(app, ["info", str(zoo.fp8("llama_wide", "channel"))])
+    assert res.exit_code == 0 and "fp8 scales:  per output channel x14" in res.output, res.output
+    res = CliRunner().invoke(app, ["info", str(zoo.fp8("llama_wide", "autofp8"))])
+    assert res.exit_code == 0 and "fp8 scales:  per tensor x14" in res.output, res.output

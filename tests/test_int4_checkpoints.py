@@ -305,3 +305,13 @@ def test_damaged_tensors_are_refused(zoo, tmp_path):
     with pytest.raises(UnsupportedModelError, match="asymmetrically"):
         open_checkpoint(_edit(zoo, tmp_path / "c", "compressed-tensors",
                               drop=lambda t: t.__setitem__(base + ".weight_zero_point", torch.zeros(256, 2))))
+
+
+def test_info_names_the_groups(zoo):
+    from typer.testing import CliRunner
+
+    from tiered.cli import app
+
+    res = CliRunner().invoke(app, ["info", str(zoo.get("llama_wide", "awq")[0])])
+    assert res.exit_code == 0, res.output
+    assert "INT4 x14" in res.output and "int4:        groups of 128 x14" in res.output

@@ -745,6 +745,10 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
     if formats.get("F8_E4M3"):  # how the fp8 weights are scaled (checkpoint/hf_dir._scaled_fp8)
         scaled = Counter(_fp8_scaling(h) for h in map(ckpt.handle, ckpt.names()) if h.format == "F8_E4M3")
         typer.echo("fp8 scales:  " + ", ".join(f"{k} x{v}" for k, v in scaled.most_common()))
+    if formats.get("INT4"):  # GPTQ / AWQ / compressed-tensors 4-bit weights (checkpoint/int4_packed.py)
+        groups = Counter(f"groups of {h.int4_group}" if h.int4_group else "act-order groups (dequantized)"
+                         for h in map(ckpt.handle, ckpt.names()) if h.format == "INT4")
+        typer.echo("int4:        " + ", ".join(f"{k} x{v}" for k, v in groups.most_common()))
     if cfg.is_moe:
         from tiered.memory.expert_store import expert_tensor_names, moe_layers
         from tiered.quant.experts import ExpertFormat
