@@ -698,3 +698,68 @@ def test_on_cuda_the_host_share_and_the_cpu_path_layer_probe_measure():
     assert share["cpu"] >= 1.0 and share["h2d"] >= 1.0 and all(r > 0 for r in share["cpu_GBps"] + share["h2d_GBps"])
     points = _moe_cpu_layer_points(1, "cuda")
     assert [n for n, _ in points] == [2.0, 4.0, 8.0] and all(t > 0 for _, t in points) and points[2][1] > points[0][1]
+
+
+# ---- the memory-speed probe beside each CPU GEMV key ------------------------------------------------
+
+def test_the_probe_is_timed_among_a_keys_samples(monkeypatch):
+    """_gemm_points times a Probe's call interleaved with the key's shapes and leaves its median in
+    probe.last; the key's points are the shapes' alone."""
+    from types import SimpleNamespace
+
+    from tiered.hardware import profiler
+
+    monkeypatch.setattr(profiler, "_native_gemv_format", lambda *a: False)
+    calls = []
+    probe = SimpleNamespace(fn=lambda: calls.append(1) or time.sleep(2e-4), last=None)
+    points = profiler._gemm_points("cpu", "fp32", [(1, 64, 64), (1, 128, 64)], lambda: None, 3, True, probe=probe)
+    assert [n for n, _ in points] == [64 * 64 * 4, 128 * 64 * 4]
+    assert probe.last is not None and probe.last >= 2e-4 and len(calls) >= 4  # warm-up + 3 samples
+
+
+def _probed_profile():
+    keys = ("gemv/cpu/bf16", "gemv/cpu/int4", "gemv_dram/cpu/bf16", "memory/bandwidth/cpu",
+            "memory/bandwidth_dram/cpu", "attn_decode/cpu/bf16", "gemm/cpu/bf16")
+    # gemv/cpu/bf16 measured in a slow minute (its probe 1.5x the others')
+    seconds = {"gemv/cpu/bf16": 6e-4, "gemv/cpu/int4": 4e-4, "gemv_dram/cpu/bf16": 4e-4}
+    return HardwareProfile("box", "test", {k: LinearModel(1e-6, 2e-11, 0.9) for k in keys},
+                           meta={"llc_bytes": 32 * 2**20, "probe": {"shape": [1, 4096, 4096], "bytes": 2**25,
+                                                                    "seconds": seconds}})
+
+
+def test_each_gemv_key_follows_its_own_minutes_speed(monkeypatch):
+    """With probe times in the profile, planning scales each GEMV key by the probe's time now against the
+    probe's time among that key's samples (faster or slower), when two readings agree beyond 15%: a key
+    measured in a slow minute is not slowed again by a reference measured in a fast one."""
+    from tiered.hardware import profiler
+    from tiered.planner import auto
+
+    hw = _probed_profile()
+    monkeypatch.setattr(profiler, "Probe", lambda llc: object())
+    now = iter([6e-4, 5.8e-4])  # the memory now as slow as gemv/cpu/bf16's minute
+
+    def ratios(profile, probe=None, repeats=5):
+        t = next(now)
+        got = {k: t / s for k, s in profile.meta["probe"]["seconds"].items()}
+        got["*"] = t / 4e-4
+        return got
+    monkeypatch.setattr(profiler, "cpu_probe_ratios", ratios)
+    got = auto.bandwidth_now(hw)
+    m = got.models
+    assert m["gemv/cpu/bf16"].beta == pytest.approx(2e-11)  # 1.0 / 0.97: within 15%, kept
+    assert m["gemv/cpu/int4"].beta == pytest.approx(2e-11 * 5.8 / 4) and m["gemv/cpu/int4"].alpha == 1e-6
+    assert m["gemv_dram/cpu/bf16"].beta == pytest.approx(2e-11 * 5.8 / 4)
+    assert m["memory/bandwidth/cpu"].beta == pytest.approx(2e-11 * 5.8 / 4)  # "*": slower moves every key
+    assert m["gemm/cpu/bf16"].beta == 2e-11  # compute-bound: never
+    assert got.meta["cpu_key_ratios"]["gemv/cpu/int4"] == pytest.approx(1.45)
+    assert "gemv/cpu/bf16" not in got.meta["cpu_key_ratios"] and auto.bandwidth_now(got) is got
+    # faster now than every key's minute: each key by its own ratio; the rest only at the DRAM floors
+    now = iter([2.5e-4, 2.6e-4])
+    got = auto.bandwidth_now(hw)
+    assert got.models["gemv/cpu/bf16"].beta == pytest.approx(2e-11 * 2.6 / 6)
+    assert got.models["gemv/cpu/int4"].beta == pytest.approx(2e-11 * 2.6 / 4)
+    assert got.models["memory/bandwidth/cpu"].beta == 2e-11
+    assert got.models["memory/bandwidth_dram/cpu"].beta == pytest.approx(2e-11 * 2.6 / 4)
+    # readings either side of a key's minute: nothing to follow
+    now = iter([3e-4, 7.5e-4])
+    assert auto.bandwidth_now(hw) is hw

@@ -150,3 +150,29 @@ def scale_cpu_bandwidth(profile: HardwareProfile, ratio: float, why: str = "") -
     if why:
         meta["notes"] = list(profile.meta.get("notes", [])) + [why]
     return replace(profile, models=models, meta=meta)
+
+
+def scale_cpu_keys(profile: HardwareProfile, ratios: dict[str, float], why: str = "") -> HardwareProfile:
+    """`profile` with the per-byte term of each CPU GEMV key in `ratios` multiplied by its ratio (seconds
+    now / seconds when that key was measured, hardware/profiler.Probe), faster or slower; "*" (the
+    probes' median ratio), where given, moves the other bandwidth-bound CPU keys as scale_cpu_bandwidth
+    does (a faster memory only the DRAM floors). The fixed terms stay. meta["cpu_bandwidth_ratio"]
+    records "*" (1.0 without it), meta["cpu_key_ratios"] the ratios, meta["notes"] `why`.
+
+    Raises:
+        ValueError: a ratio is not positive.
+    """
+    if any(not r > 0 for r in ratios.values()):
+        raise ValueError(f"bandwidth ratios must be positive, got {ratios}")
+    rest = ratios.get("*")
+    base = scale_cpu_bandwidth(profile, rest) if rest is not None else profile
+    models = dict(base.models)
+    probed = set((profile.meta.get("probe") or {}).get("seconds", {})) | (set(ratios) - {"*"})
+    for k in probed & set(profile.models):  # each probed key by its own ratio alone (1: kept as measured)
+        m = profile.models[k]
+        models[k] = LinearModel(m.alpha, m.beta * ratios.get(k, 1.0), m.r2)
+    meta = dict(base.meta, cpu_bandwidth_ratio=rest if rest is not None else 1.0,
+                cpu_key_ratios={k: round(r, 4) for k, r in ratios.items()})
+    if why:
+        meta["notes"] = list(profile.meta.get("notes", [])) + [why]
+    return replace(profile, models=models, meta=meta)

@@ -145,6 +145,41 @@ def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]
     return median_times([fn], repeats, sync, min_sample)[0]
 
 
+PROBE_SHAPE = (1, 4096, 4096)  # the memory-speed probe: tiered's bf16 decode kernel on a 32 MiB weight
+
+
+class Probe:
+    """The memory's speed at a moment, as the bf16 decode kernel sees it: one call of tiered's native bf16
+    GEMV on a 4096 x 4096 weight, its copies cycled over 3 x the last-level cache (no cache holds it).
+
+    The profiler times it among the samples of every CPU GEMV key (`_gemm_points`: interleaved with
+    the key's shapes), so each key carries the speed of the minutes it was measured in
+    (meta["probe"]); at planning it is timed again (cpu_probe_seconds) and each key is scaled by its
+    own ratio (planner/auto.bandwidth_now). A VM's memory speed moves between minutes: one quick
+    profile of the 2-core EPYC (2026-11-27) timed gemv/cpu/bf16 at 42 GB/s and, a minute later,
+    gemv_dram/cpu/bf16 at 81; scaled by gemv_dram's ratio alone, every key was priced 1.4x slow and
+    `make run` 27% slow.
+
+    Attributes:
+        fn: one call (cycles to the next copy); nbytes: its weight's bytes; last: its median seconds
+        in the last key's samples (set by _gemm_points), or None.
+    """
+
+    def __init__(self, llc: int) -> None:
+        (T, K, N), cold = PROBE_SHAPE, 3 * llc
+        w = torch.randn(N, K) * 0.02
+        first, _ = _native_gemv_module("bf16", w)
+        copies = max(2, -(-cold // (K * N * 2)))
+        modules = [first] + [_native_gemv_module("bf16", w)[0] for _ in range(copies - 1)]
+        move_to_huge_pages(torch.nn.ModuleList(modules))
+        turn = itertools.cycle([_native_gemv("bf16", m) for m in modules])
+        x = torch.randn(T, K)
+        self.fn = lambda: next(turn)(x)
+        self.nbytes = K * N * 2
+        self.last: float | None = None
+        self._keep = modules
+
+
 class _Bench:
     """One profiling run: settings, the fitted models so far, and notes."""
 
@@ -159,6 +194,8 @@ class _Bench:
         self.points: dict[str, list[tuple[float, float]]] = {}
         self.llc: int | None = None  # last-level cache [bytes], when the OS says
         self.host_share: dict | None = None  # CUDA: CPU experts and H2D copies at once (_host_share)
+        self.probe: Probe | None = None  # the memory-speed probe timed beside each CPU GEMV key (Probe)
+        self.probes: dict[str, float] = {}  # key -> the probe's seconds among that key's samples
 
     def fit(self, key: str, points: list[tuple[float, float]]) -> None:
         self.points[key] = points
@@ -178,7 +215,11 @@ class _Bench:
 
     def attempt(self, key: str, fn: Callable[[], list[tuple[float, float]]]) -> None:
         try:
+            if self.probe is not None:
+                self.probe.last = None
             self.fit(key, fn())
+            if self.probe is not None and self.probe.last is not None:
+                self.probes[key] = self.probe.last
         except Exception as e:  # a kernel this torch build or device lacks: note it, keep going
             self.skip(key, e)
 
@@ -296,7 +337,8 @@ def cold_copies(cold_bytes: int, nbytes: int) -> int:
 COLD_WEIGHT_BYTES = 64 * MiB  # CPU GEMVs rotate over this many weight bytes: beyond the last-level cache
 
 
-def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: bool, cold_bytes: int | None = None):
+def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: bool, cold_bytes: int | None = None,
+                 probe: "Probe | None" = None):
     """(n, seconds) per shape (T tokens, K in, N out): n = MACs, or weight bytes when by_bytes.
 
     CPU GEMVs (by_bytes) cycle over enough copies of the weight to exceed COLD_WEIGHT_BYTES (however
@@ -313,6 +355,8 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
     plan priced `make run` 20-28% fast. Four fits each way, side by side: interleaved, the quick shapes
     priced SmolLM2's four fused int4 shapes (cold) within 1-4% of their measured sum; one after the
     other, 3-10% fast. GPU shapes are timed one at a time, each freed before the next is made.
+
+    `probe` (CPU): a Probe timed among the shapes' samples; its median goes to probe.last.
     """
     cpu_calls: list[tuple[float, Callable[[], object]]] = []  # (n, one call) per shape, timed together
     points: list[tuple[float, float]] = []  # GPU: (n, seconds) per shape
@@ -343,7 +387,11 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
         else:
             points.append((n, median_time(call, repeats, sync)))
     if cpu_calls:
-        points = list(zip((n for n, _ in cpu_calls), median_times([fn for _, fn in cpu_calls], repeats, sync)))
+        fns = [fn for _, fn in cpu_calls] + ([probe.fn] if probe is not None else [])
+        times = median_times(fns, repeats, sync)
+        if probe is not None:
+            probe.last = times.pop()
+        points = list(zip((n for n, _ in cpu_calls), times))
     return points
 
 
@@ -855,6 +903,25 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+PROBE_REFERENCE = "gemv_dram/cpu/bf16"  # the key whose probe time cpu_bandwidth_ratio compares against
+
+
+def cpu_probe_ratios(profile: HardwareProfile, probe: Probe | None = None, repeats: int = 5) -> dict[str, float] | None:
+    """{key: the probe's seconds now / its seconds among that key's samples} for every CPU GEMV key of a
+    profile with meta["probe"] (Probe; > 1: the memory is slower now than when the key was measured),
+    and "*": now / the median over the keys. None without probe times or tiered's kernels. `probe`:
+    one built before (its copies reused)."""
+    info = profile.meta.get("probe") if profile.meta else None
+    llc = profile.meta.get("llc_bytes") if profile.meta else None
+    if not info or not info.get("seconds") or not llc or not kernels.available():
+        return None
+    probe = probe or Probe(llc)
+    now = median_times([probe.fn], repeats)[0]
+    ratios = {k: now / t for k, t in info["seconds"].items()}
+    ratios["*"] = now / float(np.median(list(info["seconds"].values())))
+    return ratios
+
+
 def cpu_bandwidth_ratio(profile: HardwareProfile, seconds: float = 0.06) -> tuple[float, float] | None:
     """(seconds now / seconds the profile predicts, bytes/s now) for streaming weights beyond the
     last-level cache: how much slower (> 1) or faster the memory is now than when `profile` was
@@ -959,7 +1026,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # as modules inside the CPU decode step).
 # 19: gemv/cpu/fp8 (tiered's fp8 kernel: an fp8 checkpoint's decode weights and fp8 experts, priced
 # at int8's rate before; the kernel converts each byte through fp16 and is slower than int8's from cache).
-PROFILER_VERSION = 19
+# 20: meta["probe"]: a memory-speed probe (Probe: the bf16 decode kernel from DRAM) timed among each CPU
+# GEMV key's samples, so that planning scales each key by the memory's speed now against its own minute's.
+PROFILER_VERSION = 20
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -999,22 +1068,28 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     gemv_shapes = [(1, 512, 512), (1, 1024, 1024), (1, 2048, 2048), (1, 4096, 2048)] if quick else \
         [(1, 512, 512), (1, 1024, 512), (1, 1024, 1024), (1, 2048, 1024), (1, 2048, 2048), (1, 4096, 2048),
          (1, 4096, 4096), (1, 8192, 4096)]
+    llc = last_level_cache_bytes()
+    if kernels.available() and llc and 3 * llc <= 3 * 2**30:
+        try:  # the memory-speed probe timed beside every CPU GEMV key (Probe)
+            b.probe = Probe(llc)
+        except Exception as e:  # noqa: BLE001  (as Bench.attempt: note it, keep going)
+            b.skip("probe", e)
+    pr = b.probe
     for dtype in ("fp32", "bf16", "int8", "int4"):
         b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemm_shapes, nosync, r, False))
-        b.attempt(f"gemv/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemv_shapes, nosync, r, True))
+        b.attempt(f"gemv/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemv_shapes, nosync, r, True, probe=pr))
     if kernels.available():  # routed int4 experts' batch-1 kernel (op_time.gemv_dtype)
-        b.attempt("gemv/cpu/int4q8", lambda: _gemm_points("cpu", "int4q8", gemv_shapes, nosync, r, True))
+        b.attempt("gemv/cpu/int4q8", lambda: _gemm_points("cpu", "int4q8", gemv_shapes, nosync, r, True, probe=pr))
         # int8 per group of 32: Q5_x/Q6_K decode copies and Q8_0/Q6_K experts (tiled, N % 16 == 0)
-        b.attempt("gemv/cpu/int8-g32", lambda: _gemm_points("cpu", "int8-g32", gemv_shapes, nosync, r, True))
+        b.attempt("gemv/cpu/int8-g32", lambda: _gemm_points("cpu", "int8-g32", gemv_shapes, nosync, r, True, probe=pr))
         # e4m3 with 128 x 128 block scales: an fp8 checkpoint's weights and fp8 experts (quant/fp8.py)
-        b.attempt("gemv/cpu/fp8", lambda: _gemm_points("cpu", "fp8", gemv_shapes, nosync, r, True))
+        b.attempt("gemv/cpu/fp8", lambda: _gemm_points("cpu", "fp8", gemv_shapes, nosync, r, True, probe=pr))
     attn_shapes = [(32, 256, 128), (32, 1024, 128), (32, 2048, 128)] if quick else \
         [(32, 256, 128), (32, 512, 128), (32, 1024, 128), (32, 2048, 128), (64, 2048, 128)]
     for dtype in ("fp32",) if quick else ("fp32", "bf16"):
         b.attempt(f"attn/cpu/{dtype}", lambda d=dtype: _attn_points("cpu", d, attn_shapes, nosync, r))
     # the GEMM fit's shapes are 1-4 MiB weights; real FFN matrices are not: 32 to 112 MiB of bf16 weights, met
     # once a prompt, beyond the last-level cache (copies cycled over twice its size)
-    llc = last_level_cache_bytes()
     big_gemms = [(256, 4096, 4096), (256, 4096, 8192), (256, 4096, 14336)]
     big_cold = 2 * llc if llc and 2 * llc <= 2 * 2**30 else None
     # torch's bf16 GEMMs at a few rows (a short prompt's, an expert's past its native rows) over cold weights
@@ -1038,7 +1113,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
             dram_gemvs = [(1, 2048, 2048), (1, 4096, 2048), (1, 4096, 4096)]
             for dtype in ("bf16",) if quick else ("fp32", "bf16", "int8", "int4"):
                 b.attempt(f"gemv_dram/cpu/{dtype}", lambda d=dtype: _gemm_points(
-                    "cpu", d, dram_gemvs, nosync, max(3, r // 2), True, cold_bytes=3 * llc))
+                    "cpu", d, dram_gemvs, nosync, max(3, r // 2), True, cold_bytes=3 * llc, probe=pr))
             # the native bf16 expert at one row over experts of real width, as a CPU expert streams them
             b.attempt("expert_dram/cpu/bf16", lambda: _expert_dram_points(max(3, r // 2), 3 * llc))
             for kv in ("bf16", "fp32"):  # the native step's attention over a cache in DRAM
@@ -1101,6 +1176,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     meta["load_average"] = load_before
     if b.host_share is not None:
         meta["host_share"] = b.host_share
+    if b.probes:  # the memory-speed probe's seconds beside each CPU GEMV key (Probe)
+        meta["probe"] = {"shape": list(PROBE_SHAPE), "bytes": b.probe.nbytes, "seconds": dict(b.probes)}
+    b.probe = None  # its copies' memory back before the profile is returned
     notes = list(b.notes)
     if load_before is not None and load_before > (os.cpu_count() or 1) - 0.5:
         notes.append(f"load average {load_before:.1f} on {os.cpu_count()} cores while profiling: other "

@@ -70,7 +70,15 @@ BANDWIDTH_TOLERANCE = 0.15  # a memory speed within this fraction of the profile
 def bandwidth_now(hw: HardwareProfile) -> HardwareProfile:
     """This machine's profile with its bandwidth-bound CPU models scaled to the memory's speed now.
 
-    Two quick reads beyond the last-level cache (hardware/profiler.cpu_bandwidth_ratio, ~0.2 s each)
+    Where the profile timed a memory-speed probe beside each CPU GEMV key (hardware/profiler.Probe,
+    meta["probe"]: the bf16 decode kernel from DRAM), the probe is timed again, twice (~0.3 s each), and
+    each key whose two readings fall outside BANDWIDTH_TOLERANCE of its own minute's on the same side
+    is scaled by the reading nearer it, faster or slower (hardware/profile.scale_cpu_keys); the other
+    bandwidth-bound keys follow the probes' median as below. A VM's memory speed moves between minutes
+    within one profile too: a quick profile of the 2-core EPYC timed gemv/cpu/bf16 at 42 GB/s and a
+    minute later gemv_dram/cpu/bf16 at 81, and one ratio for all priced `make run` 27% slow.
+
+    Without probes: two quick reads beyond the last-level cache (hardware/profiler.cpu_bandwidth_ratio)
     against the profile's prediction for them: when both fall outside BANDWIDTH_TOLERANCE on the same
     side, the CPU's bandwidth-bound models are scaled by the reading nearer the profile
     (hardware/profile.scale_cpu_bandwidth: a faster memory moves only the DRAM floors), so that the
@@ -83,9 +91,30 @@ def bandwidth_now(hw: HardwareProfile) -> HardwareProfile:
     """
     if os.environ.get("TIERED_BANDWIDTH_CHECK", "1") == "0" or hw.meta.get("cpu_bandwidth_ratio") is not None:
         return hw
-    from tiered.hardware.profile import scale_cpu_bandwidth
-    from tiered.hardware.profiler import cpu_bandwidth_ratio
+    from tiered.hardware.profile import scale_cpu_bandwidth, scale_cpu_keys
+    from tiered.hardware.profiler import Probe, cpu_bandwidth_ratio, cpu_probe_ratios
 
+    if hw.meta.get("probe") and hw.meta.get("llc_bytes"):
+        probe = None
+        try:
+            probe = Probe(hw.meta["llc_bytes"])
+            first = cpu_probe_ratios(hw, probe)
+            second = cpu_probe_ratios(hw, probe) if first is not None else None
+        except Exception:  # noqa: BLE001  (no kernels, no memory for the probe: plan with the profile)
+            first = second = None
+        finally:
+            del probe
+        if first is not None and second is not None:
+            ratios = {k: _agreeing(first[k], second[k]) for k in first}
+            ratios = {k: r for k, r in ratios.items() if r is not None}
+            if ratios:
+                keys = len(ratios) - ("*" in ratios)
+                rest = (f"; the other bandwidth-bound CPU costs by its median ratio, {1 / ratios['*']:.2f}x the "
+                        "profile's speed" if "*" in ratios else "")
+                return scale_cpu_keys(hw, ratios, "the memory-speed probe (the bf16 decode kernel from DRAM) "
+                                      f"timed twice at planning: {keys} GEMV keys scaled to the speed it "
+                                      f"found against each key's own minute{rest}")
+            return hw
     readings = []
     for _ in range(2):
         found = cpu_bandwidth_ratio(hw)
@@ -99,6 +128,14 @@ def bandwidth_now(hw: HardwareProfile) -> HardwareProfile:
     what = "bandwidth-bound CPU costs" if ratio > 1.0 else "DRAM floors (the kernels keep their measured rates)"
     return scale_cpu_bandwidth(hw, ratio, f"CPU memory read {now / 1e9:.1f} GB/s at planning (twice), {1 / ratio:.2f}x "
                                           f"the profile's: its {what} scaled to match")
+
+
+def _agreeing(r1: float, r2: float) -> float | None:
+    """Of two readings of a speed ratio, the one nearer 1 when both lie beyond BANDWIDTH_TOLERANCE on the
+    same side of it, else None (no speed to follow)."""
+    if abs(r1 - 1.0) <= BANDWIDTH_TOLERANCE or abs(r2 - 1.0) <= BANDWIDTH_TOLERANCE or (r1 > 1.0) != (r2 > 1.0):
+        return None
+    return min(r1, r2, key=lambda r: abs(math.log(r)))
 
 
 def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> HardwareProfile:
@@ -395,7 +432,13 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = cpu_threads(ec)
     ratio = profile.meta.get("cpu_bandwidth_ratio")
-    if ratio is not None:
+    keys = profile.meta.get("cpu_key_ratios")
+    if keys:
+        moved = ", ".join(f"{k} x{r:.2f}" for k, r in sorted(keys.items()) if k != "*")
+        plan.notes.append("the memory-speed probe differed from the profile's minutes at planning; scaled to "
+                          f"match: {moved or 'no GEMV key'}" + (f", other bandwidth-bound costs x{ratio:.2f}"
+                                                              if "*" in keys else ""))
+    elif ratio is not None:
         plan.notes.append(f"the CPU's memory ran {1 / ratio:.2f}x the profile's speed at planning; its "
                           "bandwidth-bound costs were scaled to match")
     return plan, profile, args
