@@ -150,6 +150,17 @@ def prompt_ids(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     return torch.randint(2, vocab_size, (length,), generator=g).tolist()
 
 
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' logits for one prompt: float32 [len(ids), V]."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def max_rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref|."""
+    return float((a - ref).abs().max() / ref.abs().max())
+
+
 def stepwise_logits(llm, ids: list[int], n_prompt: int, step=None) -> torch.Tensor:
     """Teacher-forced logits, prefill then one token per step: tiered.eval.decode_logits."""
     from tiered.eval import decode_logits

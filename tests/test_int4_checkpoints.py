@@ -18,7 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fixtures import load_hf_model, stepwise_logits, write_tiny_checkpoint  # noqa: E402
+from fixtures import hf_logits, load_hf_model, prompt_ids, stepwise_logits, write_tiny_checkpoint  # noqa: E402
+from fixtures import max_rel_err as rel  # noqa: E402
 from moe_fixtures import VOCAB, build_hf_moe_model, load_hf_moe_model  # noqa: E402
 
 from tiered import LLM, EngineConfig  # noqa: E402
@@ -149,16 +150,7 @@ def zoo(tmp_path_factory) -> Zoo:
 
 
 def prompt(n: int = 12, seed: int = 0) -> list[int]:
-    return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
-def rel(a, ref) -> float:
-    return float((a - ref).abs().max() / ref.abs().max())
+    return prompt_ids(VOCAB, n, seed)
 
 
 METHODS = tuple(CONFIGS)
