@@ -197,7 +197,8 @@ def _weights(group):
 
 
 @pytest.mark.parametrize("change, words", [
-    (lambda q: q.update(format="pack-quantized"), ("pack-quantized", "float-quantized")),
+    (lambda q: q.update(format="marlin-24"), ("marlin-24", "float-quantized")),
+    (lambda q: q.update(format="pack-quantized"), ("mixes fp8 tensors", "compressed-tensors")),
     (lambda q: _weights(q).update(type="int"), ("group_0", "8-bit float")),
     (lambda q: _weights(q).update(num_bits=4), ("group_0", "8-bit float")),
     (lambda q: _weights(q).update(symmetric=False), ("group_0", "symmetric")),
