@@ -55,6 +55,7 @@ def test_a_fit_with_no_slope_takes_the_points_median_rate():
     b.fit("gemv_dram/cpu/bf16", stalled)
     m = b.models["gemv_dram/cpu/bf16"]
     assert m.alpha == 0.0 and m.beta == pytest.approx(1.37e-4 / 8388608.0)
+    assert isinstance(m.r2, float) and m.r2 <= 1.0  # that line's R^2, as every fitted key has one
     assert b.notes and "gemv_dram/cpu/bf16" in b.notes[0]
     b.fit("gemv/cpu/bf16", [(1e6, 2e-5 + 1e-5), (2e6, 2e-5 + 2e-5), (4e6, 2e-5 + 4e-5)])
     assert b.models["gemv/cpu/bf16"].alpha == pytest.approx(2e-5) and len(b.notes) == 1

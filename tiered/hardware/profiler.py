@@ -207,7 +207,10 @@ class _Bench:
             # ~65 GB/s, 16 MiB at 4 GB/s, fitted a constant 1.6 ms, and the plan priced SmolLM2 at 826 tok/s
             # where it ran 315). The median of the points' rates instead, through the origin.
             rate = float(np.median([t / n for n, t in points]))
-            m = LinearModel(0.0, rate, None)
+            ts = np.array([t for _, t in points])
+            ss = float(((ts - ts.mean()) ** 2).sum())
+            resid = float(((ts - rate * np.array([n for n, _ in points])) ** 2).sum())
+            m = LinearModel(0.0, rate, min(1.0, 1.0 - resid / ss) if ss > 0 else 1.0)  # (R^2 of that line)
             self.notes.append(f"{key}: no slope in a least-squares fit of its points (one stalled); their "
                               "median rate instead")
         self.models[key] = m
