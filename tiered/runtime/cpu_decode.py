@@ -28,10 +28,16 @@ layer's own forward; the result is the same model.
 With `native=True` (Plan.native_decode: tiered/kernels built), the same step runs in C++
 (tiered/kernels/csrc/decode.cpp): one call per run of consecutive plain layers, the glue as plain
 loops and only the weight kernels left, so a SmolLM2 step issues a handful of Python calls instead
-of ~1,400 torch ops.
+of ~1,400 torch ops. DeepSeek's latent-attention layers (models/deepseek.LatentAttention) run their
+attention half there too, in the absorbed form (DeepSeek-V2 §2.1, Appendix C; `_native_latent`),
+their MoE block as its module (a dense first layer's MLP in C++ as well); the torch-op step runs them
+whole as modules. TIERED_NATIVE_MLA=0 keeps them whole as modules in the native step as well (to
+compare the two; the native layer is the default).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -192,6 +198,41 @@ def _native_moe(block, dtype: torch.dtype) -> tuple | None:
     return (block.gate.weight, block.gate.top_k, block.gate.norm_topk_prob, bound) + shared
 
 
+def _native_latent(layer: nn.Module, dtype: torch.dtype) -> dict | None:
+    """DecodeStep.set_latent's keyword arguments for a DeepSeek layer whose latent attention the native
+    step runs (its absorbed decode form: models/deepseek.LatentAttention, DeepSeek-V2 arXiv 2405.04434
+    §2.1 and Appendix C), or None: the layer then runs whole as its modules.
+
+    It runs when the model computes in float32 or bfloat16 and the absorbed products have weights the
+    step reads: install_absorbed's bf16 per-head kernels (W_UK^T [R, n], W_UV [v, R]: one-copy mode,
+    bf16 engines), or else kv_b_proj's own fp32 weight [H (n + v), R] read in place (the lossless fp32
+    mode: no copy, the module's fp32 products). The projections are their decode kernels
+    (kernels/linear.kernel_for), the norms' weights widened to fp32. TIERED_NATIVE_MLA=0: None."""
+    from tiered.models.deepseek import LatentAttention
+
+    attn = layer.self_attn
+    if (type(attn) is not LatentAttention or dtype not in (torch.float32, torch.bfloat16)
+            or os.environ.get("TIERED_NATIVE_MLA", "1") in ("0", "false", "no", "off")):
+        return None
+    w = attn.kv_b_proj.weight
+    if attn.absorbed is not None:
+        uk, uv, kv_b = attn.absorbed[0], attn.absorbed[1], torch.empty(0)
+    elif w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous():
+        uk, uv, kv_b = [], [], w.detach()
+    else:
+        return None
+
+    def k(m):
+        return [kernel_for(_decode_module(m))]
+
+    lora = attn.q_proj is None  # q_a_proj -> q_a_layernorm -> q_b_proj (DeepSeek-V3, V2), else q_proj (V2-Lite)
+    return dict(q=[] if lora else k(attn.q_proj), q_a=k(attn.q_a_proj) if lora else [],
+                q_a_norm=attn.q_a_layernorm.weight if lora else torch.empty(0),
+                q_a_eps=attn.q_a_layernorm.eps if lora else 0.0, q_b=k(attn.q_b_proj) if lora else [],
+                kv_a=k(attn.kv_a_proj_with_mqa), kv_a_norm=attn.kv_a_layernorm.weight, kv_a_eps=attn.kv_a_layernorm.eps,
+                uk=uk, uv=uv, kv_b=kv_b, scale=attn.scale, interleave=attn.interleave)
+
+
 def _native_linears(module: nn.Module) -> None:
     """Swap the plain bf16 nn.Linear layers under `module` (a part the decode step runs as modules:
     DeepSeek's latent-attention layers, module-run MoE blocks' shared experts) for CastLinears over the
@@ -211,33 +252,45 @@ def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list, 
     step runs whole, ("attn", i) for a layer whose FFN is a module, ("whole", i) for one the step
     cannot run. The first schedule runs MoE blocks in the step (DecodeStep.set_moe) where every MoE
     layer allows it (_native_moe), else equals the second, which runs every MoE block as its module
-    (routing hooks: MoEBlock.on_route)."""
+    (routing hooks: MoEBlock.on_route). Latent-attention layers (_native_latent) are step layers
+    (DecodeStep.set_latent) like plain ones: "native" with a dense MLP, "attn" with a MoE block."""
     cfg = model.config
-    step = native.DecodeStep(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                             cfg.head_dim ** -0.5, cfg.sliding_window or 0)
     dtype = model.model.norm.weight.dtype  # the residual stream's (the final norm keeps the model dtype)
+    # latent attention: one cache "head" of R + r per layer (ModelConfig.kv_widths), r = head_dim
+    step = native.DecodeStep(cfg.hidden_size, cfg.num_attention_heads, 1 if cfg.is_mla else cfg.num_key_value_heads,
+                             cfg.head_dim, cfg.head_dim ** -0.5, cfg.sliding_window or 0)
+    latent = {}  # layer -> _native_latent's arguments
     moe = {}  # layer -> _native_moe's tuple
     for L, layer in layers:
         if not L.whole and L.ffn is not None:
             moe[L.idx] = _native_moe(L.ffn, dtype)
+        if L.whole and (args := _native_latent(layer, dtype)) is not None:
+            latent[L.idx] = args
     if not moe or None in moe.values():  # all MoE layers in the step, or none (one token count per step)
         moe = {}
     schedule: list = []
     fallback: list = []
     for L, layer in layers:
         i = L.idx
-        if L.whole:
+        attn = layer.self_attn
+        if i in latent:  # the attention half in the step, the FFN too when it is a plain MLP
+            plain = type(layer.mlp) is MLP
+            step.add_layer(L.in_norm, L.post_norm, L.eps, [], [kernel_for(_decode_module(attn.o_proj))],
+                           _native_group(layer.mlp, ("gate_proj", "up_proj")) if plain else [],
+                           [kernel_for(_decode_module(layer.mlp.down_proj))] if plain else [])
+            step.set_latent(i, **latent[i])
+        elif L.whole:
             schedule.append(("whole", i))
             fallback.append(("whole", i))
             step.add_layer(L.in_norm, L.post_norm, L.eps, [], [], [], [])  # a placeholder: never run
             continue
-        attn = layer.self_attn
-        plain = L.ffn is None
-        step.add_layer(L.in_norm, L.post_norm, L.eps, _native_group(attn, ("q_proj", "k_proj", "v_proj")),
-                       [kernel_for(_decode_module(attn.o_proj))],
-                       _native_group(layer.mlp, ("gate_proj", "up_proj")) if plain else [],
-                       [kernel_for(_decode_module(layer.mlp.down_proj))] if plain else [])
-        if attn.q_norm is not None or attn.clip_qkv is not None:
+        else:
+            plain = L.ffn is None
+            step.add_layer(L.in_norm, L.post_norm, L.eps, _native_group(attn, ("q_proj", "k_proj", "v_proj")),
+                           [kernel_for(_decode_module(attn.o_proj))],
+                           _native_group(layer.mlp, ("gate_proj", "up_proj")) if plain else [],
+                           [kernel_for(_decode_module(layer.mlp.down_proj))] if plain else [])
+        if i not in latent and (attn.q_norm is not None or attn.clip_qkv is not None):
             qn, kn = ((attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None
                       else (torch.empty(0), torch.empty(0)))
             step.set_qk(i, qn, kn, attn.q_norm.eps if attn.q_norm is not None else 0.0, attn.qk_norm_per_head,
@@ -289,6 +342,8 @@ class CPUDecodeStep:
             L.eps = layer.input_layernorm.eps
             L.qkv = L.o = L.gate_up = L.down = L.ffn = L.attn = None
             L.F = 0
+            if L.whole and type(layer.mlp) is not MLP:  # the FFN module of a latent layer the native step runs
+                L.ffn = layer.mlp
             if not L.whole:
                 attn = L.attn = layer.self_attn
                 L.qkv = _group(attn, ("q_proj", "k_proj", "v_proj"))
@@ -370,9 +425,9 @@ class CPUDecodeStep:
                 continue
             i = seg[1]
             L, layer = self.layers[i]
-            if seg[0] == "attn":
-                self.native.forward(x, cos, sin, slots, pos, cache.k, cache.v, i, i + 1, moe=False)
-                h = F.rms_norm(x, x.shape[-1:], L.post_norm, L.eps)
+            if seg[0] == "attn":  # the step's attention, its post-attention norm, then the FFN module
+                h = torch.empty_like(x)
+                self.native.forward(x, cos, sin, slots, pos, cache.k, cache.v, i, i + 1, moe=False, post_norm=h)
                 x = (x + L.ffn(h.view(B, 1, -1)).view(B, -1)).contiguous()
             else:
                 if meta is None:

@@ -9,6 +9,10 @@
 // Numerics follow runtime/cpu_decode.py's torch-op step: the residual stream, q, k, the KV cache
 // and the attention output are rounded to the model's dtype where that step rounds them; norms,
 // RoPE, softmax and SwiGLU compute in fp32.
+//
+// DeepSeek's multi-head latent attention layers (set_latent) run here too, in the absorbed decode
+// form (DeepSeek-V2 §2.1, Appendix C), rounded where models/deepseek.LatentAttention and the layer's
+// modules round: the step's result is theirs up to the kernels' own rounding.
 #include "gemv.h"
 #include "kernel.h"
 
@@ -72,6 +76,21 @@ struct Moe {
   Group shared_gu, shared_down, shared_gate;  // Qwen-MoE's shared expert and its gate [D -> 1], or empty
 };
 
+// A DeepSeek layer's multi-head latent attention run in the step (set_latent; models/deepseek.py).
+struct Latent {
+  Group q, q_a, q_b, kv_a;  // q_proj [H (n + r), D], or q_a_proj -> q_a_layernorm -> q_b_proj; kv_a_proj_with_mqa
+  std::vector<float> q_a_norm, kv_a_norm;  // [q_lora_rank] (or empty), [R]
+  float q_a_eps = 1e-6f, kv_a_eps = 1e-6f;
+  // the absorbed products: per head h, uk[h] W_UK^T (n -> R) and uv[h] W_UV (R -> v) (install_absorbed's
+  // kernels); or, both empty, kv_b_proj's fp32 weight [H (n + v), R] read in place (kvb its data)
+  std::vector<KernelPtr> uk, uv;
+  at::Tensor kv_b;
+  const float* kvb = nullptr;
+  int64_t R = 0, n = 0, v = 0;
+  float scale = 1.f;  // (n + r)^-0.5, times YaRN's mscale^2
+  bool interleave = false;  // RoPE pairs (x0, x1), (x2, x3), ..: gathered evens-then-odds first
+};
+
 struct Layer {
   std::vector<float> in_norm, post_norm;
   float eps = 1e-6f;
@@ -83,6 +102,8 @@ struct Layer {
   bool extras() const { return !q_norm.empty() || clip > 0.f; }
   Group qkv, o, gate_up, down;  // gate_up/down empty: attention only (the layer's FFN runs elsewhere)
   std::shared_ptr<Moe> moe;  // or its FFN is these routed experts (when forward's `moe`)
+  std::shared_ptr<Latent> mla;  // its attention is latent attention (qkv empty), or null
+  bool runs() const { return !qkv.empty() || mla; }  // false: a placeholder its caller runs
 };
 
 std::vector<float> to_floats(const at::Tensor& t) {
@@ -221,17 +242,22 @@ __attribute__((always_inline)) inline void hsum8x4(v8f a0, v8f a1, v8f a2, v8f a
   for (int i = 0; i < 4; ++i) p[i] = w[i] * scale;
 }
 
-// o [J, hd] = p [J, n] V [n, hd] for J query heads (rows of p n apart): 32 columns at a time in
-// J x 4 registers, each value row loaded (a bf16 cache: converted) once for the J heads.
+// o [J, hd] = p [J, n] V [n, hd] for J query heads (rows of p ldp apart, of V ldv apart; `add`: o +=
+// instead): 32 columns at a time in J x 4 registers, each value row loaded (a bf16 cache: converted)
+// once for the J heads.
 template <int J, typename E>
-__attribute__((always_inline)) inline void weigh_values(const float* p, int64_t n, const E* V, int64_t hd, float* o) {
+__attribute__((always_inline)) inline void weigh_values(const float* p, int64_t n, const E* V, int64_t hd, float* o,
+                                                        int64_t ldv, int64_t ldp, bool add) {
   for (int64_t c0 = 0; c0 < hd; c0 += 32) {
     v8f acc[J][4] = {};
+    if (add)
+      for (int j = 0; j < J; ++j)
+        for (int c = 0; c < 4; ++c) std::memcpy(&acc[j][c], o + j * hd + c0 + 8 * c, sizeof(v8f));
     for (int64_t t = 0; t < n; ++t) {
-      const E* v = V + t * hd + c0;
+      const E* v = V + t * ldv + c0;
       const v8f v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
       for (int j = 0; j < J; ++j) {
-        const float w = p[j * n + t];
+        const float w = p[j * ldp + t];
         acc[j][0] += w * v0;
         acc[j][1] += w * v1;
         acc[j][2] += w * v2;
@@ -305,9 +331,9 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
       softmax_rows(p, group, n, ml);
       // o: up to 3 query heads x 32 columns in 12 registers, each value row converted once for them
       int64_t j = 0;
-      for (; j + 3 <= group; j += 3) weigh_values<3>(p + j * n, n, V, hd, o + j * hd);
-      if (group - j == 2) weigh_values<2>(p + j * n, n, V, hd, o + j * hd);
-      if (group - j == 1) weigh_values<1>(p + j * n, n, V, hd, o + j * hd);
+      for (; j + 3 <= group; j += 3) weigh_values<3>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
+      if (group - j == 2) weigh_values<2>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
+      if (group - j == 1) weigh_values<1>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
       return;
     }
   }
@@ -350,6 +376,159 @@ void attend(const float* q, int64_t group, const E* K, const E* V, int64_t n, in
   attend_impl(q, group, K, V, n, hd, scale, p, o, ml, [](E v) { return float(v); });
 }
 
+// Multi-head latent attention's decode step (DeepSeek-V2, arXiv 2405.04434, §2.1 and Appendix C's
+// absorbed form; models/deepseek.LatentAttention): every query head attends over one shared cache
+// row per position, [c_kv (R) | k_pe (r)], W = R + r wide. Dimension legend as there: R =
+// kv_lora_rank, r = qk_rope_head_dim, n = qk_nope_head_dim, v = v_head_dim, G = query heads.
+//
+// One decode row's G heads: q [G, W] fp32, each head's absorbed query [q_lat (R) | q_pe (r)]; K [S, W]
+// its S cached rows (E: float, or bf16 as its bits). o [G, R] = softmax(q K^T * scale) K[:, :R]: the
+// weighted latents, each cached row read once for the G heads. With `bf16` (a bf16 model) the scores,
+// the probabilities and o are rounded to bf16 where the module's bf16 matmuls round them (scores
+// before the scale, as `.float() * scale`). p [G, S] and kb [8 W] are scratch.
+template <typename E>
+__attribute__((always_inline)) inline void latent_attend_impl(const float* q, int64_t G, const E* K, int64_t S,
+                                                              int64_t W, int64_t R, float scale, bool bf16, float* p,
+                                                              float* kb, float* o) {
+  auto load = [](E e) -> float {
+    if constexpr (std::is_same_v<E, uint16_t>) return bf16_to_float(e);
+    else return float(e);
+  };
+  if (W % 8 == 0) {  // scores 8 rows at a time, 8 independent FMA chains a head (as attend_impl)
+    int64_t t = 0;
+    const int64_t row_bytes = W * int64_t(sizeof(E));
+    for (; t + 8 <= S; t += 8) {
+      const char* kn = reinterpret_cast<const char*>(K + std::min(t + 16, S - 1) * W);
+      for (int64_t b = 0; b < 8 * row_bytes; b += 64) __builtin_prefetch(kn + b);
+      const float* kf;
+      if constexpr (std::is_same_v<E, uint16_t>) {
+        for (int64_t i = 0; i < 8 * W; i += 8) {
+          const v8f x = load8(K + t * W + i);
+          std::memcpy(kb + i, &x, sizeof(v8f));
+        }
+        kf = kb;
+      } else {
+        kf = K + t * W;
+      }
+      int64_t j = 0;
+      for (; j + 4 <= G; j += 4)  // 4 heads x 4 rows in 16 registers: 8 loads for 16 FMAs
+        for (int h = 0; h < 8; h += 4) {
+          const float* k0 = kf + h * W;
+          v8f a[4][4] = {};
+          for (int64_t c = 0; c < W; c += 8) {
+            v8f kv[4], qv[4];
+            for (int u = 0; u < 4; ++u) kv[u] = load8(k0 + u * W + c), qv[u] = load8(q + (j + u) * W + c);
+            for (int i = 0; i < 4; ++i)
+              for (int u = 0; u < 4; ++u) a[i][u] += qv[i] * kv[u];
+          }
+          for (int i = 0; i < 4; ++i) hsum8x4(a[i][0], a[i][1], a[i][2], a[i][3], 1.f, p + (j + i) * S + t + h);
+        }
+      for (; j < G; ++j) {
+        const float* qj = q + j * W;
+        v8f a[8] = {};
+        for (int64_t c = 0; c < W; c += 8) {
+          const v8f qv = load8(qj + c);
+          for (int u = 0; u < 8; ++u) a[u] += qv * load8(kf + u * W + c);
+        }
+        hsum8x4(a[0], a[1], a[2], a[3], 1.f, p + j * S + t);
+        hsum8x4(a[4], a[5], a[6], a[7], 1.f, p + j * S + t + 4);
+      }
+    }
+    for (; t < S; ++t) {
+      const E* k = K + t * W;
+      for (int64_t j = 0; j < G; ++j) {
+        const float* qj = q + j * W;
+        v8f a0 = {};
+        for (int64_t c = 0; c < W; c += 8) a0 += load8(qj + c) * load8(k + c);
+        p[j * S + t] = hsum8(a0);
+      }
+    }
+  } else {
+    for (int64_t t = 0; t < S; ++t) {
+      const E* k = K + t * W;
+      for (int64_t j = 0; j < G; ++j) {
+        const float* qj = q + j * W;
+        float d = 0.f;
+#pragma omp simd reduction(+ : d)
+        for (int64_t c = 0; c < W; ++c) d += qj[c] * load(k[c]);
+        p[j * S + t] = d;
+      }
+    }
+  }
+  for (int64_t i = 0; i < G * S; ++i) p[i] = (bf16 ? rnd<at::BFloat16>(p[i]) : p[i]) * scale;
+  softmax_rows(p, G, S, nullptr);
+  if (bf16)
+    for (int64_t i = 0; i < G * S; ++i) p[i] = rnd<at::BFloat16>(p[i]);
+  if (R % 32 == 0) {
+    // up to 3 heads x 32 latent columns in 12 registers, each row converted once for them; in blocks of
+    // rows that stay in the L2 while every column and head passes over them (over all S rows at once,
+    // V2-Lite's 4096 positions were re-read from DRAM for each of the 16 x 3 passes: ~5x slower)
+    const int64_t block = std::max<int64_t>(8, (int64_t(128) << 10) / (W * int64_t(sizeof(E))));
+    for (int64_t t0 = 0; t0 < S; t0 += block) {
+      const int64_t m = std::min(block, S - t0);
+      const E* Kb = K + t0 * W;
+      int64_t j = 0;
+      for (; j + 3 <= G; j += 3) weigh_values<3>(p + j * S + t0, m, Kb, R, o + j * R, W, S, t0 > 0);
+      if (G - j == 2) weigh_values<2>(p + j * S + t0, m, Kb, R, o + j * R, W, S, t0 > 0);
+      if (G - j == 1) weigh_values<1>(p + j * S + t0, m, Kb, R, o + j * R, W, S, t0 > 0);
+    }
+  } else {
+    std::fill(o, o + G * R, 0.f);
+    for (int64_t t = 0; t < S; ++t) {
+      const E* k = K + t * W;
+      for (int64_t j = 0; j < G; ++j) {
+        const float w = p[j * S + t];
+        float* oj = o + j * R;
+#pragma omp simd
+        for (int64_t c = 0; c < R; ++c) oj[c] += w * load(k[c]);
+      }
+    }
+  }
+  if (bf16)
+    for (int64_t i = 0; i < G * R; ++i) o[i] = rnd<at::BFloat16>(o[i]);
+}
+
+TIERED_CLONES void latent_attend(const float* q, int64_t G, const float* K, int64_t S, int64_t W, int64_t R,
+                                 float scale, bool bf16, float* p, float* kb, float* o) {
+  latent_attend_impl(q, G, K, S, W, R, scale, bf16, p, kb, o);
+}
+
+TIERED_CLONES void latent_attend(const float* q, int64_t G, const uint16_t* K, int64_t S, int64_t W, int64_t R,
+                                 float scale, bool bf16, float* p, float* kb, float* o) {
+  latent_attend_impl(q, G, K, S, W, R, scale, bf16, p, kb, o);
+}
+
+// The absorbed products on kv_b_proj's fp32 weight itself (the lossless mode, where no bf16 per-head
+// copies are made: LatentAttention.install_absorbed), one head at a time. Keys: q_lat [B, R] =
+// W_UK^T q_nope, W_UK [n, R] the head's key rows, qn [B, n]. Values: out [B, v] (rows ldo apart) =
+// W_UV o_lat, W_UV [v, R] the head's value rows, ol [B, R].
+TIERED_CLONES void absorb_keys(const float* Wk, int64_t n, int64_t R, const float* qn, int64_t B, float* ql) {
+  std::fill(ql, ql + B * R, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* w = Wk + i * R;
+    for (int64_t b = 0; b < B; ++b) {
+      const float a = qn[b * n + i];
+      float* y = ql + b * R;
+#pragma omp simd
+      for (int64_t c = 0; c < R; ++c) y[c] += a * w[c];
+    }
+  }
+}
+
+TIERED_CLONES void absorb_values(const float* Wv, int64_t v, int64_t R, const float* ol, int64_t B, float* out,
+                                 int64_t ldo) {
+  for (int64_t j = 0; j < v; ++j) {
+    const float* w = Wv + j * R;
+    for (int64_t b = 0; b < B; ++b) {
+      const float* x = ol + b * R;
+      float d = 0.f;
+#pragma omp simd reduction(+ : d)
+      for (int64_t c = 0; c < R; ++c) d += w[c] * x[c];
+      out[b * ldo + j] = d;
+    }
+  }
+}
+
 // The cache's element type as the vector loops see it (bf16 as its bits).
 template <typename T> struct Elem { using type = T; };
 template <> struct Elem<at::BFloat16> { using type = uint16_t; };
@@ -371,10 +550,11 @@ class DecodeStep {
     L.o = Group(std::move(o));
     L.gate_up = Group(std::move(gate_up));
     L.down = Group(std::move(down));
-    if (L.qkv.empty()) {  // a placeholder for a layer the caller runs itself (never run here)
+    if (L.qkv.empty()) {  // a placeholder for a layer the caller runs itself (never run here), or set_latent's
       layers_.push_back(std::move(L));
       return;
     }
+    TIERED_CHECK(latent_width_ == 0, "decode step: a step of latent-attention layers takes no q/k/v layers");
     TIERED_CHECK(L.qkv.in == D && L.qkv.out == (H + 2 * Hkv) * hd, "decode step: q/k/v kernels are ", L.qkv.in,
                 " -> ", L.qkv.out, ", expected ", D, " -> ", (H + 2 * Hkv) * hd);
     TIERED_CHECK(L.o.in == H * hd && L.o.out == D, "decode step: o_proj kernel has the wrong shape");
@@ -403,6 +583,82 @@ class DecodeStep {
     L.clip = clip > 0 ? float(clip) : 0.f;
   }
 
+  // Layer l (added with no q/k/v kernels: add_layer's in_norm, post_norm, eps, o_proj and FFN) runs
+  // DeepSeek's multi-head latent attention (models/deepseek.LatentAttention; DeepSeek-V2 §2.1) in its
+  // absorbed decode form (Appendix C), with the step's head_dim as the RoPE key width r:
+  //   q = W_q h (q: [H (n + r), D]), or W_qb norm(W_qa h) (q_a [q_lora, D], q_a_norm [q_lora], q_b);
+  //   [c_kv | k_pe] = W_kva h (kv_a [R + r, D]), c_kv = norm(c_kv) (kv_a_norm [R]);
+  //   RoPE on each head's q_pe and on k_pe (interleave: pairs gathered evens-then-odds first);
+  //   [c_kv | k_pe] into the cache row (the cache is [L, slots, 1, max_len, R + r]);
+  //   per head q_lat = W_UK^T q_nope, o_lat = softmax([q_lat | q_pe] . rows * scale) c_kv,
+  //   out = W_UV o_lat: through uk / uv (H kernels each, n -> R and R -> v), or both empty and
+  //   kv_b fp32 [H (n + v), R] (kv_b_proj's weight, read in place);
+  //   x += W_o out.
+  // Every layer of the step is then latent (or a placeholder): one cache layout.
+  void set_latent(int64_t l, std::vector<KernelPtr> q, std::vector<KernelPtr> q_a, const at::Tensor& q_a_norm,
+                  double q_a_eps, std::vector<KernelPtr> q_b, std::vector<KernelPtr> kv_a, const at::Tensor& kv_a_norm,
+                  double kv_a_eps, std::vector<KernelPtr> uk, std::vector<KernelPtr> uv, const at::Tensor& kv_b,
+                  double scale, bool interleave) {
+    TIERED_CHECK(0 <= l && l < num_layers() && layers_[l].qkv.empty() && !layers_[l].o.empty(),
+                "decode step: set_latent needs a layer added with no q/k/v kernels and an o_proj, got ", l);
+    TIERED_CHECK(window_ == 0, "decode step: latent attention has no sliding window");
+    for (const Layer& other : layers_)
+      TIERED_CHECK(other.qkv.empty(), "decode step: a step of latent-attention layers takes no q/k/v layers");
+    Layer& L = layers_[l];
+    auto A = std::make_shared<Latent>();
+    A->q = Group(std::move(q));
+    A->q_a = Group(std::move(q_a));
+    A->q_b = Group(std::move(q_b));
+    A->kv_a = Group(std::move(kv_a));
+    const int64_t r = hd;
+    TIERED_CHECK(A->kv_a.in == D && A->kv_a.out > r && kv_a_norm.numel() == A->kv_a.out - r,
+                "decode step: kv_a_proj_with_mqa must be [R + ", r, ", ", D, "] and kv_a_layernorm [R]");
+    A->R = A->kv_a.out - r;
+    if (A->q.empty()) {
+      TIERED_CHECK(!A->q_a.empty() && A->q_a.in == D && q_a_norm.numel() == A->q_a.out && A->q_b.in == A->q_a.out,
+                  "decode step: a latent layer needs q_proj, or q_a_proj [q_lora, ", D,
+                  "], q_a_layernorm [q_lora] and q_b_proj [H (n + r), q_lora]");
+      A->q_a_norm = to_floats(q_a_norm);
+      A->q_a_eps = float(q_a_eps);
+    } else {
+      TIERED_CHECK(A->q.in == D && A->q_a.empty() && A->q_b.empty(), "decode step: q_proj must be [H (n + r), ", D,
+                  "] (and no q_a / q_b beside it)");
+    }
+    const Group& qg = A->q.empty() ? A->q_b : A->q;
+    TIERED_CHECK(qg.out % H == 0 && qg.out / H > r, "decode step: the query projection gives ", qg.out,
+                " values, not H (n + r) for ", H, " heads with r = ", r);
+    A->n = qg.out / H - r;
+    TIERED_CHECK(L.o.in % H == 0 && L.o.out == D, "decode step: o_proj must be [", D, ", H v]");
+    A->v = L.o.in / H;
+    const int64_t R = A->R, n = A->n, v = A->v;
+    TIERED_CHECK(uk.size() == uv.size() && (uk.empty() || int64_t(uk.size()) == H),
+                "decode step: the absorbed kernels must be H = ", H, " per half, or none");
+    for (int64_t h = 0; h < int64_t(uk.size()); ++h)
+      TIERED_CHECK(uk[h] && uv[h] && uk[h]->in_features == n && uk[h]->out_features == R && uv[h]->in_features == R &&
+                      uv[h]->out_features == v,
+                  "decode step: absorbed kernels must map n = ", n, " -> R = ", R, " (keys) and R -> v = ", v,
+                  " (values)");
+    if (uk.empty()) {
+      TIERED_CHECK(kv_b.dim() == 2 && kv_b.scalar_type() == at::kFloat && kv_b.is_contiguous() && kv_b.is_cpu() &&
+                      kv_b.size(0) == H * (n + v) && kv_b.size(1) == R,
+                  "decode step: without absorbed kernels kv_b must be contiguous float32 [", H * (n + v), ", ", R, "]");
+      A->kv_b = kv_b;
+      A->kvb = kv_b.data_ptr<float>();
+    }
+    A->uk = std::move(uk);
+    A->uv = std::move(uv);
+    A->kv_a_norm = to_floats(kv_a_norm);
+    A->kv_a_eps = float(kv_a_eps);
+    A->scale = float(scale);
+    A->interleave = interleave;
+    if (!L.gate_up.empty())
+      TIERED_CHECK(L.gate_up.in == D && L.gate_up.out % 2 == 0 && L.down.in == L.gate_up.out / 2 && L.down.out == D,
+                  "decode step: gate/up and down kernels have the wrong shapes");
+    TIERED_CHECK(latent_width_ == 0 || latent_width_ == R + r, "decode step: latent layers of different widths");
+    latent_width_ = R + r;
+    L.mla = std::move(A);
+  }
+
   // Layer l's FFN becomes a MoE block run in the step: router weight [E, D] (models/moe.Router),
   // top_k, norm_topk_prob, every expert's kernels (BoundExperts, E of them), and Qwen-MoE's shared
   // expert (gate/up, down and its [1, D] gate kernels; all empty: none). Routing hooks and the
@@ -410,7 +666,7 @@ class DecodeStep {
   void set_moe(int64_t l, const at::Tensor& router, int64_t top_k, bool norm_topk,
                std::shared_ptr<gemv::BoundExperts> experts, std::vector<KernelPtr> shared_gate_up,
                std::vector<KernelPtr> shared_down, std::vector<KernelPtr> shared_gate) {
-    TIERED_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty() && layers_[l].gate_up.empty(),
+    TIERED_CHECK(0 <= l && l < num_layers() && layers_[l].runs() && layers_[l].gate_up.empty(),
                 "decode step: set_moe needs an attention-only layer, got ", l);
     TIERED_CHECK(router.dim() == 2 && router.size(1) == D, "decode step: the router must be [E, ", D, "]");
     const int64_t E = router.size(0);
@@ -446,27 +702,36 @@ class DecodeStep {
   // x [B, D] (model dtype, updated in place); cos, sin [B, hd] fp32; slots, positions int64 [B];
   // k_cache, v_cache [L, num_slots, Hkv, max_len, hd] in x's dtype, or bfloat16 beside float32 x (the
   // plan's 16-bit KV cache under quantized decode weights: half the bytes each step's attention
-  // streams; keys and values are rounded to bf16 as they are written). Runs layers [first, last); a
-  // layer with set_moe runs its MoE block too when `moe` (float32 or bfloat16 x), else attention only.
+  // streams; keys and values are rounded to bf16 as they are written); latent layers' (set_latent) k
+  // [L, num_slots, 1, max_len, R + r] and v [..., 0]. Runs layers [first, last); a layer with set_moe
+  // runs its MoE block too when `moe` (float32 or bfloat16 x), else attention only. post_norm [B, D]
+  // (x's dtype), when given, receives the last layer's post-attention RMSNorm of the new x: the input
+  // of the FFN module its caller runs (a latent layer's rounded as models/layers.RMSNorm rounds).
   void forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache, int64_t first, int64_t last,
-               bool moe = true) {
+               bool moe = true, c10::optional<at::Tensor> post_norm = c10::nullopt) {
     TIERED_CHECK(x.dim() == 2 && x.size(1) == D && x.is_contiguous(), "decode step: x must be contiguous [B, ", D, "]");
     TIERED_CHECK(0 <= first && first <= last && last <= num_layers(), "decode step: bad layer range");
+    TIERED_CHECK(!post_norm || (first < last && post_norm->sizes() == x.sizes() && post_norm->is_contiguous() &&
+                                post_norm->scalar_type() == x.scalar_type()),
+                "decode step: post_norm must be contiguous, x's shape and dtype, after at least one layer");
     const bool bf16_cache = x.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;
     TIERED_CHECK((k_cache.scalar_type() == x.scalar_type() || bf16_cache) &&
                 v_cache.scalar_type() == k_cache.scalar_type() &&
                 k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5 &&
-                k_cache.size(2) == Hkv && k_cache.size(4) == hd,
+                (latent_width_ ? k_cache.size(2) == 1 && k_cache.size(4) == latent_width_
+                               : k_cache.size(2) == Hkv && k_cache.size(4) == hd),
                 "decode step: the KV cache must be contiguous [L, slots, Hkv, max_len, hd] in x's dtype "
-                "(or bfloat16 beside float32 x)");
+                "(or bfloat16 beside float32 x); latent attention's k [L, slots, 1, max_len, R + r]");
+    TIERED_CHECK(!latent_width_ || x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                "decode step: latent attention runs in float32 or bfloat16, got ", x.scalar_type());
     const int64_t B = x.size(0);
     auto c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
     auto sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
     TIERED_CHECK(c.numel() == B * hd && s.numel() == B * hd && sl.numel() == B && ps.numel() == B,
                 "decode step: cos/sin must be [B, hd], slots/positions [B]");
     for (int64_t l = first; l < last; ++l)
-      TIERED_CHECK(!layers_[l].qkv.empty(), "decode step: layer ", l, " is a placeholder (its caller runs it)");
+      TIERED_CHECK(layers_[l].runs(), "decode step: layer ", l, " is a placeholder (its caller runs it)");
     for (int64_t l = first; l < last && moe; ++l)
       TIERED_CHECK(!layers_[l].moe || x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                   "decode step: a MoE layer runs in float32 or bfloat16, got ", x.scalar_type());
@@ -481,13 +746,15 @@ class DecodeStep {
     if (bf16_cache) {
       run<float, at::BFloat16>(x.data_ptr<float>(), B, c.data_ptr<float>(), s.data_ptr<float>(),
                                sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(), k_cache.data_ptr<at::BFloat16>(),
-                               v_cache.data_ptr<at::BFloat16>(), n_slots, max_len, first, last, moe);
+                               v_cache.data_ptr<at::BFloat16>(), n_slots, max_len, first, last, moe,
+                               post_norm ? post_norm->data_ptr<float>() : nullptr);
       return;
     }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "tiered_decode", [&] {
       run<scalar_t, scalar_t>(x.data_ptr<scalar_t>(), B, c.data_ptr<float>(), s.data_ptr<float>(),
                               sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(), k_cache.data_ptr<scalar_t>(),
-                              v_cache.data_ptr<scalar_t>(), n_slots, max_len, first, last, moe);
+                              v_cache.data_ptr<scalar_t>(), n_slots, max_len, first, last, moe,
+                              post_norm ? post_norm->data_ptr<scalar_t>() : nullptr);
     });
   }
 
@@ -534,12 +801,13 @@ class DecodeStep {
   // (the attention residual with the post-attention norm), SwiGLU; attention splits its key rows over the threads (split-K).
   template <typename T, typename C>
   void run(T* xs, int64_t B, const float* cos, const float* sin, const int64_t* slots, const int64_t* pos, C* kc,
-           C* vc, int64_t n_slots, int64_t max_len, int64_t first, int64_t last, bool moe) {
+           C* vc, int64_t n_slots, int64_t max_len, int64_t first, int64_t last, bool moe, T* hs) {
     const int64_t QK = (H + Hkv) * hd, QKV = (H + 2 * Hkv) * hd, half = hd / 2;
     std::vector<float> x(B * D), h(B * D), qkv(B * QKV), att(B * H * hd), y(B * D), tmp;
     for (int64_t i = 0; i < B * D; ++i) x[i] = float(xs[i]);
     // x_b += y_b (when add), rounded; then h_b = norm(x_b) with `w`, rounded
-    auto residual_norm = [&](bool add, const std::vector<float>& w, float eps) {
+    // (module_order: as models/layers.RMSNorm rounds, qk_norm: the latent layers, which replace it)
+    auto residual_norm = [&](bool add, const std::vector<float>& w, float eps, bool module_order = false) {
       each_row(B, [&](int64_t b) {
         float* xb = x.data() + b * D;
         if (add) {
@@ -547,6 +815,11 @@ class DecodeStep {
           for (int64_t i = 0; i < D; ++i) xb[i] = rnd<T>(xb[i] + yb[i]);
         }
         float* hb = h.data() + b * D;
+        if (module_order) {
+          std::copy(xb, xb + D, hb);
+          qk_norm<T>(hb, D, w.data(), eps);
+          return;
+        }
         rms_norm(xb, w.data(), eps, D, hb);
         for (int64_t i = 0; i < D; ++i) hb[i] = rnd<T>(hb[i]);
       });
@@ -555,33 +828,37 @@ class DecodeStep {
     for (int64_t l = first; l < last; ++l) {
       const Layer& L = layers_[l];
       // attention: h = norm(x); qkv = W_qkv h
-      residual_norm(pending, L.in_norm, L.eps);
-      L.qkv.run(h.data(), B, qkv.data(), tmp);
-      // RoPE on q and k (rotate-half), rounded to the model's dtype; then k, v into the cache
-      each_row(B, [&](int64_t b) {
-        const float* cb = cos + b * hd;
-        const float* sb = sin + b * hd;
-        float* r = qkv.data() + b * QKV;
-        if (L.extras()) qk_extras<T>(L, r);
-        for (int64_t j = 0; j < H + Hkv; ++j) {
-          float* v = r + j * hd;
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = v[i], x2 = v[i + half];
-            v[i] = rnd<T>(x1 * cb[i] - x2 * sb[i]);
-            v[i + half] = rnd<T>(x2 * cb[i + half] + x1 * sb[i + half]);
-          }
-        }
-        for (int64_t g = 0; g < Hkv; ++g) {
-          const int64_t at_ = (((l * n_slots + slots[b]) * Hkv + g) * max_len + pos[b]) * hd;
-          for (int64_t i = 0; i < hd; ++i) {
-            kc[at_ + i] = C(r[H * hd + g * hd + i]);
-            vc[at_ + i] = C(r[QK + g * hd + i]);
-          }
-        }
-      });
-      attention<T, C>(l, B, qkv.data(), kc, vc, slots, pos, n_slots, max_len, att.data());
-      L.o.run(att.data(), B, y.data(), tmp);
+      residual_norm(pending, L.in_norm, L.eps, L.mla != nullptr);
       pending = false;
+      if (L.mla) {
+        latent_attention<T, C>(L, l, B, h.data(), cos, sin, slots, pos, kc, n_slots, max_len, y.data());
+      } else {
+        L.qkv.run(h.data(), B, qkv.data(), tmp);
+        // RoPE on q and k (rotate-half), rounded to the model's dtype; then k, v into the cache
+        each_row(B, [&](int64_t b) {
+          const float* cb = cos + b * hd;
+          const float* sb = sin + b * hd;
+          float* r = qkv.data() + b * QKV;
+          if (L.extras()) qk_extras<T>(L, r);
+          for (int64_t j = 0; j < H + Hkv; ++j) {
+            float* v = r + j * hd;
+            for (int64_t i = 0; i < half; ++i) {
+              const float x1 = v[i], x2 = v[i + half];
+              v[i] = rnd<T>(x1 * cb[i] - x2 * sb[i]);
+              v[i + half] = rnd<T>(x2 * cb[i + half] + x1 * sb[i + half]);
+            }
+          }
+          for (int64_t g = 0; g < Hkv; ++g) {
+            const int64_t at_ = (((l * n_slots + slots[b]) * Hkv + g) * max_len + pos[b]) * hd;
+            for (int64_t i = 0; i < hd; ++i) {
+              kc[at_ + i] = C(r[H * hd + g * hd + i]);
+              vc[at_ + i] = C(r[QK + g * hd + i]);
+            }
+          }
+        });
+        attention<T, C>(l, B, qkv.data(), kc, vc, slots, pos, n_slots, max_len, att.data());
+        L.o.run(att.data(), B, y.data(), tmp);
+      }
       if (L.moe && moe) {  // x += the routed experts' weighted sum of norm(x)
         residual_norm(true, L.post_norm, L.eps);
         moe_block<T>(*L.moe, B, h.data(), y.data());
@@ -595,16 +872,23 @@ class DecodeStep {
         continue;
       }
       // FFN: x += W_down (silu(g) * u), [g | u] = W_gu norm(x)
-      residual_norm(true, L.post_norm, L.eps);
+      residual_norm(true, L.post_norm, L.eps, L.mla != nullptr);
       const int64_t F = L.down.in;
       gu_.resize(B * 2 * F);
       act_.resize(B * F);
       L.gate_up.run(h.data(), B, gu_.data(), tmp);
       each_row(B, [&](int64_t b) {
         const float* g = gu_.data() + b * 2 * F;
-        silu_mul(g, g + F, act_.data() + b * F, F);
+        float* a = act_.data() + b * F;
+        if (std::is_same<T, float>::value || !L.mla) return silu_mul(g, g + F, a, F);
+        for (int64_t i = 0; i < F; ++i) {  // a latent layer's MLP module in T: g, u, silu(g), the product rounded
+          const float gi = rnd<T>(g[i]), ui = rnd<T>(g[F + i]);
+          a[i] = rnd<T>(rnd<T>(gi / (1.f + std::exp(-gi))) * ui);
+        }
       });
       L.down.run(act_.data(), B, y.data(), tmp);
+      if (L.mla)
+        for (int64_t i = 0; i < B * D; ++i) y[i] = rnd<T>(y[i]);
       pending = true;
     }
     if (pending)
@@ -612,6 +896,116 @@ class DecodeStep {
         for (int64_t i = b * D; i < (b + 1) * D; ++i) x[i] = rnd<T>(x[i] + y[i]);
       });
     for (int64_t i = 0; i < B * D; ++i) xs[i] = T(x[i]);
+    if (hs) {  // the last layer's post-attention norm of x, for the caller's FFN module
+      const Layer& L = layers_[last - 1];
+      residual_norm(false, L.post_norm, L.eps, L.mla != nullptr);
+      for (int64_t i = 0; i < B * D; ++i) hs[i] = T(h[i]);
+    }
+  }
+
+  // y [B, D] = W_o (latent attention of h [B, D]) for latent layer l (set_latent), rounded to T, its
+  // cache rows written; as models/deepseek.LatentAttention computes a decode step: each projection's
+  // output, the normed latents, RoPE's outputs, q_lat, the scores before the scale, the
+  // probabilities, o_lat and W_UV o_lat rounded to T where the module rounds them (identities in
+  // fp32). The heads are split over the threads: each thread's heads take their absorbed queries,
+  // attend over each row's cached positions (every row read once for them) and map their weighted
+  // latents back, in one parallel region a layer (the kernels inside run on their caller's thread).
+  template <typename T, typename C>
+  void latent_attention(const Layer& L, int64_t l, int64_t B, const float* h, const float* cos, const float* sin,
+                        const int64_t* slots, const int64_t* pos, C* kc, int64_t n_slots, int64_t max_len, float* y) {
+    if constexpr (!(std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) ||
+                  !(std::is_same_v<C, float> || std::is_same_v<C, at::BFloat16>)) {
+      TIERED_CHECK(false, "decode step: latent attention runs in float32 or bfloat16");
+    } else {
+      using E = typename Elem<C>::type;
+      constexpr bool low = std::is_same_v<T, at::BFloat16>;
+      const Latent& A = *L.mla;
+      const int64_t R = A.R, r = hd, n = A.n, v = A.v, W = R + r, QW = H * (n + r), half = r / 2;
+      std::vector<float> q(B * QW), kv(B * W), att(B * H * v), qa, tmp;
+      // q [B, H (n + r)]: W_q h, or W_qb norm(W_qa h); [c_kv | k_pe] [B, R + r] = W_kva h
+      if (A.q.empty()) {
+        const int64_t QA = A.q_a.out;
+        qa.resize(B * QA);
+        A.q_a.run(h, B, qa.data(), tmp);
+        each_row(B, [&](int64_t b) {
+          float* z = qa.data() + b * QA;
+          for (int64_t i = 0; i < QA; ++i) z[i] = rnd<T>(z[i]);
+          qk_norm<T>(z, QA, A.q_a_norm.data(), A.q_a_eps);
+        });
+        A.q_b.run(qa.data(), B, q.data(), tmp);
+      } else {
+        A.q.run(h, B, q.data(), tmp);
+      }
+      A.kv_a.run(h, B, kv.data(), tmp);
+      // the latent normed; RoPE on k_pe and each head's q_pe; [c_kv | k_pe] into the row's cache row
+      each_row(B, [&](int64_t b) {
+        float* qb = q.data() + b * QW;
+        float* kb = kv.data() + b * W;
+        for (int64_t i = 0; i < QW; ++i) qb[i] = rnd<T>(qb[i]);
+        for (int64_t i = 0; i < W; ++i) kb[i] = rnd<T>(kb[i]);
+        qk_norm<T>(kb, R, A.kv_a_norm.data(), A.kv_a_eps);
+        const float* cb = cos + b * r;
+        const float* sb = sin + b * r;
+        std::vector<float> g(r);
+        auto rope = [&](float* z) {
+          if (A.interleave) {  // (x0, x1), (x2, x3), .. -> x0, x2, .., x1, x3, ..: then rotate-half
+            for (int64_t i = 0; i < half; ++i) g[i] = z[2 * i], g[half + i] = z[2 * i + 1];
+            std::copy(g.begin(), g.end(), z);
+          }
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = z[i], x2 = z[i + half];
+            z[i] = rnd<T>(x1 * cb[i] - x2 * sb[i]);
+            z[i + half] = rnd<T>(x2 * cb[i + half] + x1 * sb[i + half]);
+          }
+        };
+        rope(kb + R);
+        for (int64_t j = 0; j < H; ++j) rope(qb + j * (n + r) + n);
+        C* row = kc + ((l * n_slots + slots[b]) * max_len + pos[b]) * W;
+        for (int64_t i = 0; i < W; ++i) row[i] = C(kb[i]);
+      });
+      at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+        const int64_t G = h1 - h0;
+        std::vector<float> qf(B * G * W), ol(B * G * R), xin(B * std::max(n, R)), yout(B * std::max(R, v)), p,
+            kbuf(8 * W);
+        for (int64_t j = 0; j < G; ++j) {  // qf [B, G, W]: [W_UK^T q_nope | q_pe] of each head
+          const int64_t hh = h0 + j;
+          for (int64_t b = 0; b < B; ++b)
+            std::memcpy(xin.data() + b * n, q.data() + b * QW + hh * (n + r), n * sizeof(float));
+          if (A.uk.empty())
+            absorb_keys(A.kvb + hh * (n + v) * R, n, R, xin.data(), B, yout.data());
+          else
+            A.uk[hh]->run(xin.data(), B, yout.data());
+          for (int64_t b = 0; b < B; ++b) {
+            float* dst = qf.data() + (b * G + j) * W;
+            for (int64_t c = 0; c < R; ++c) dst[c] = rnd<T>(yout[b * R + c]);
+            std::memcpy(dst + R, q.data() + b * QW + hh * (n + r) + n, r * sizeof(float));
+          }
+        }
+        for (int64_t b = 0; b < B; ++b) {  // ol [B, G, R]: the weighted latents over positions 0..pos[b]
+          const int64_t S = pos[b] + 1;
+          p.resize(G * S);
+          const C* rows = kc + (l * n_slots + slots[b]) * max_len * W;
+          latent_attend(qf.data() + b * G * W, G, reinterpret_cast<const E*>(rows), S, W, R, A.scale, low, p.data(),
+                        kbuf.data(), ol.data() + b * G * R);
+        }
+        for (int64_t j = 0; j < G; ++j) {  // att [B, H v]: W_UV o_lat of each head
+          const int64_t hh = h0 + j;
+          for (int64_t b = 0; b < B; ++b)
+            std::memcpy(xin.data() + b * R, ol.data() + (b * G + j) * R, R * sizeof(float));
+          float* out = att.data() + hh * v;
+          if (A.uv.empty()) {
+            absorb_values(A.kvb + (hh * (n + v) + n) * R, v, R, xin.data(), B, out, H * v);
+          } else {
+            A.uv[hh]->run(xin.data(), B, yout.data());
+            for (int64_t b = 0; b < B; ++b) std::memcpy(out + b * H * v, yout.data() + b * v, v * sizeof(float));
+          }
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t c = 0; c < v; ++c) out[b * H * v + c] = rnd<T>(out[b * H * v + c]);
+        }
+      });
+      L.o.run(att.data(), B, y, tmp);
+      for (int64_t i = 0; i < B * D; ++i) y[i] = rnd<T>(y[i]);
+    }
   }
 
   // One row's q, k, v (r [(H + 2 Hkv) hd], the fused projection's fp32 outputs) as the module has
@@ -804,6 +1198,7 @@ class DecodeStep {
   int64_t D, H, Hkv, hd;
   float scale_;
   int64_t window_;
+  int64_t latent_width_ = 0;  // R + r when the layers are latent attention's (set_latent): the cache row's width
   std::vector<Layer> layers_;
   std::vector<float> final_norm_;
   float final_eps_ = 1e-6f;
@@ -972,7 +1367,8 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
 void register_decode(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<DecodeStep>(m, "DecodeStep",
-                         "Native decode step of dense Llama-family layers (tiered/kernels/csrc/decode.cpp).")
+                         "Native decode step of dense Llama-family layers and DeepSeek latent-attention layers "
+                         "(tiered/kernels/csrc/decode.cpp).")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("hidden"), py::arg("heads"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("window") = 0)
       .def("add_layer", &DecodeStep::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("eps"),
@@ -981,12 +1377,15 @@ void register_decode(pybind11::module& m) {
       .def("num_layers", &DecodeStep::num_layers)
       .def("forward", &DecodeStep::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
            py::arg("positions"), py::arg("k_cache"), py::arg("v_cache"), py::arg("first"), py::arg("last"),
-           py::arg("moe") = true)
+           py::arg("moe") = true, py::arg("post_norm") = py::none())
       .def("set_moe", &DecodeStep::set_moe, py::arg("layer"), py::arg("router"), py::arg("top_k"),
            py::arg("norm_topk_prob"), py::arg("experts"), py::arg("shared_gate_up") = std::vector<KernelPtr>{},
            py::arg("shared_down") = std::vector<KernelPtr>{}, py::arg("shared_gate") = std::vector<KernelPtr>{})
       .def("set_qk", &DecodeStep::set_qk, py::arg("layer"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
            py::arg("per_head"), py::arg("clip") = 0.0)
+      .def("set_latent", &DecodeStep::set_latent, py::arg("layer"), py::arg("q"), py::arg("q_a"), py::arg("q_a_norm"),
+           py::arg("q_a_eps"), py::arg("q_b"), py::arg("kv_a"), py::arg("kv_a_norm"), py::arg("kv_a_eps"), py::arg("uk"),
+           py::arg("uv"), py::arg("kv_b"), py::arg("scale"), py::arg("interleave"))
       .def("take_moe_uses", &DecodeStep::take_moe_uses)
       .def("logits", &DecodeStep::logits, py::arg("x"));
   m.def("sample_filtered", &sample_filtered, py::arg("logits"), py::arg("seen"), py::arg("penalty"),
