@@ -289,13 +289,13 @@ class HFDirCheckpoint(HandleTable):
                                       f"scales of fp8 weight {key!r}", "re-download the checkpoint's shards")
             w, sc = self._handles[key], self._handles.pop(scale_key)
             wblock = _scale_block(w.shape, sc.shape, block)
-            check_scales(key, w.shape, _scale_grid(sc.shape, wblock, w.shape), wblock)
+            grid = _scale_grid(sc.shape, wblock, w.shape)
+            check_scales(key, w.shape, grid, wblock)
             if sc.format in ("U8", "F8_E8M0"):  # power-of-two scales (UE8M0, "MXFP8"): 2^(byte - 127)
                 sc = _exponent_scales(sc)
             elif sc.format not in ("F32", "BF16", "F16"):
                 raise CheckpointError(f"{self.path}: the scales {scale_key!r} are stored as {sc.format}",
                                       "re-convert the checkpoint (scales in F32, BF16, F16 or UE8M0)")
-            grid = _scale_grid(sc.shape, wblock, w.shape)
 
             def stored(w=w, sc=sc, grid=grid):
                 return w.load(None), sc.load(torch.float32).reshape(grid)

@@ -145,7 +145,7 @@ def projection_segments(handle, kind: str, int4_layout: str,
         return {"q": q.view(torch.uint8), "bs": bs}
     if kind == "fp8-row" and handle.format == "F8_E4M3" and _row_scaled(handle):  # a per-tensor scale per row
         q, bs = handle.scaled_fp8()
-        return {"q": q.view(torch.uint8), "bs": bs.float().reshape(-1, 1).expand(q.shape[0], 1)}
+        return {"q": q.view(torch.uint8), "bs": fp8.kernel_scales(bs, *q.shape, handle.fp8_block)[0]}
     if handle.format == "INT4" and kind == "int4":  # GPTQ / AWQ / compressed-tensors codes as stored
         return int4_segments(*handle.int4_parts(), int4_layout)
     if handle.format in INT4_BLOCK_FORMATS and kind == "int4":
