@@ -394,3 +394,22 @@ def test_bf16_experts_take_torch_gemms_past_the_machines_native_rows(monkeypatch
         assert (calls == [6]) == native_at_6 and torch.allclose(y, ref, rtol=2e-2, atol=2e-3)
         assert fmt.forward(x[:4], slot) is not None and calls[-1] == 4  # 4 rows: native either way
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("K", [8, 24, 33, 40, 48])
+def test_int8_weights_of_any_width(K):
+    """torch's `_weight_int8pack_mm` needs K % 16 == 0 on the CPU (torch 2.13: K = 24, a small query
+    rank's q_b_proj, segfaults; K = 8 or 40 returns wrong rows). Int8Linear past its native rows, the
+    decode step's Kernel and an int8 expert projection give the dequantized product at every width."""
+    from tiered.quant.experts import project
+    from tiered.quant.int8 import Int8Linear
+    from tiered.runtime.cpu_decode import Kernel
+
+    torch.manual_seed(K)
+    m = Int8Linear.from_dense(torch.randn(40, K))
+    wq = m.q.float() * m.scale.float()[:, None]
+    for rows in (1, 9):
+        x = torch.randn(rows, K)
+        ref = x @ wq.T
+        for got in (m(x), Kernel(m)(x), project(x, {"q": m.q, "scale": m.scale}, "int8", "cpu")):
+            assert float((got.float() - ref).abs().max() / ref.abs().max()) < 2e-2

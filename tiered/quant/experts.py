@@ -60,6 +60,7 @@ from tiered.errors import ConfigError
 from tiered.kernels.linear import int8_tiles, tiled_group_scales, tiled_int8, untiled_group_scales, untiled_int8
 from tiered.quant import fp8
 from tiered.quant.int4 import GROUP
+from tiered.quant.int8 import int8pack_mm
 
 KINDS = ("fp32", "bf16", "int8", "int8-g32", "int4", "fp8", "fp8-row")
 FP8_KINDS = ("fp8", "fp8-row")
@@ -523,7 +524,7 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
             return k(x).to(x.dtype)
     elif kind == "int8":
         try:
-            return torch.ops.aten._weight_int8pack_mm(xb, v["q"], v["scale"]).to(x.dtype)
+            return int8pack_mm(xb, v["q"], v["scale"]).to(x.dtype)
         except (RuntimeError, NotImplementedError):
             pass  # no kernel for this device / shape: dequantize below
     if kind == "int4" and int4_layout == "tiled":

@@ -14,6 +14,19 @@ from torch import nn
 from tiered.kernels.linear import NativeLinear
 
 NATIVE_ROWS = 4  # rows up to which forward uses tiered's own int8 GEMV (faster than torch's there: cpu_gemv.md)
+INT8PACK_K = 16  # torch's CPU `_weight_int8pack_mm` needs K % 16 == 0: other widths crash or are wrong
+
+
+def int8pack_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x bf16 [M, K] @ (q int8 [N, K] * scale bf16 [N])^T -> bf16 [M, N].
+
+    torch's `_weight_int8pack_mm` where its CPU kernel is right: on torch 2.13 a K that is not a
+    multiple of 16 segfaults (K = 24: DeepSeek-V3-style q_b_proj on a small query rank) or returns
+    wrong rows (K = 8, 40), so such weights (small in practice) run dequantized through F.linear.
+    """
+    if q.shape[1] % INT8PACK_K == 0 or x.device.type != "cpu":
+        return torch.ops.aten._weight_int8pack_mm(x, q, scale)
+    return torch.nn.functional.linear(x, q.to(x.dtype) * scale.to(x.dtype)[:, None])
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +65,7 @@ class Int8Linear(nn.Module):
             if k:  # ours reads fp32 activations; bias added inside
                 return k(x.reshape(-1, self.in_features)).to(x.dtype).reshape(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)
+        y = int8pack_mm(x2, self.q, self.scale)
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

@@ -46,12 +46,12 @@ from torch import nn
 from tiered.kernels.linear import NativeLinear, kernel_for
 from tiered.models.layers import MLP, Attention, AttentionMetadata, KVCache, build_attention_metadata
 from tiered.quant.int4 import Int4Linear
-from tiered.quant.int8 import Int8Linear
+from tiered.quant.int8 import Int8Linear, int8pack_mm
 from tiered.quant.linear import CastLinear, PhaseLinear, Slice
 from tiered.runtime.dispatcher import RESIDENT
 
 _int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-_int8mm = torch.ops.aten._weight_int8pack_mm
+_int8mm = int8pack_mm
 
 
 class Kernel:

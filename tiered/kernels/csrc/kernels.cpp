@@ -200,6 +200,8 @@ void register_kernels(pybind11::module& m) {
      py::arg("bias") = py::none());
   m.def("int8pack_kernel", [](at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> bias) -> KernelPtr {
     TIERED_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "int8pack_kernel: q must be int8 [N, K]");
+    TIERED_CHECK(q.size(1) % 16 == 0, "int8pack_kernel: torch's _weight_int8pack_mm needs K % 16 == 0, got K = ",
+                 q.size(1), " (quant/int8.int8pack_mm)");
     auto k = std::make_shared<Int8PackKernel>();
     k->q = q.contiguous(); k->scale = scale; k->bias = bias;
     k->out_features = q.size(0); k->in_features = q.size(1);
