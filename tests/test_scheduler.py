@@ -83,6 +83,28 @@ def llm(zoo):
     return zoo.llm(zoo.dir("llama"))
 
 
+def test_a_cancel_names_its_own_request_only():
+    """A cancel that comes after its request finished (a client gone at its last token) must not drop
+    a later request: keyed by id(), a new sequence allocated at the finished one's address was
+    dropped in its place. Two requests with equal fields stay two."""
+    sched = Scheduler(max_batch=2, max_queue=2)
+    done = _seq(0)
+    gone = id(done)
+    sched.cancel(done)
+    del done
+    for _ in range(200):  # CPython hands a freed block out again: find the address if it is free
+        new = _seq(0)
+        if id(new) == gone:
+            break
+    twin = _seq(0)
+    sched.add(new)
+    sched.add(twin)
+    plan = sched.schedule()
+    assert plan.cancelled == [] and plan.prefill == [new, twin] and new.slot == 0 and twin.slot == 1
+    sched.cancel(twin)
+    assert sched.schedule().cancelled == [twin] and sched.running == [new]
+
+
 @pytest.mark.parametrize("mixed_rows", [None, 0])
 def test_requests_joining_a_running_batch_match_generate(llm, zoo, monkeypatch, mixed_rows):
     """Three slots, five requests of different lengths arriving at different steps. By default a

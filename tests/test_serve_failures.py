@@ -156,6 +156,33 @@ def test_a_step_that_always_fails_fails_every_request_and_frees_the_slots(server
     assert texts == [(200, _greedy(server, p, 12, chat=False).text) for p in PROMPTS[:4]]
 
 
+def test_a_failure_delivering_one_request_spares_the_engine(server, monkeypatch, held_steps):
+    """An exception while the engine thread hands one request its event (its metrics, its logprobs:
+    outside the step) ends that request with the error, its last event too; the thread goes on
+    serving the requests stepped with it and later ones. It used to stop the thread: every request
+    in flight then waited forever."""
+    engine = server.engine
+    observe = engine.metrics.observe_finished
+
+    def bad_observe(prompt_tokens, times, cached):
+        if prompt_tokens == poisoned_len:
+            raise ZeroDivisionError("metrics bug (simulated)")
+        return observe(prompt_tokens, times, cached)
+
+    poisoned_len = len(server.llm.encode(PROMPTS[1], chat=False))
+    assert poisoned_len not in {len(server.llm.encode(p, chat=False)) for p in (PROMPTS[0], PROMPTS[4])}
+    monkeypatch.setattr(engine.metrics, "observe_finished", bad_observe)
+    held_steps(engine, 3)
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda i: _complete(server.url, PROMPTS[i], i == 4), (0, 1, 4)))
+    assert [(s, t) for s, t, _ in got[::2]] == [(200, _greedy(server, PROMPTS[i], 12, chat=False).text) for i in (0, 4)]
+    assert got[1][0] == 500 and "metrics bug (simulated)" in got[1][2]["message"]
+    monkeypatch.undo()
+    _idle(server)
+    assert engine.scheduler.num_running == 0 and engine._thread.is_alive()
+    assert _complete(server.url, PROMPTS[2], True)[:2] == (200, _greedy(server, PROMPTS[2], 12, chat=False).text)
+
+
 # ------------------------------------------------------------------ logprobs of split characters
 def test_completion_token_texts_join_to_the_text_where_characters_span_tokens(zoo):
     """Each token carries the text it adds: "" for a token ending inside a character, the whole

@@ -64,7 +64,7 @@ class Scheduler:
         self._free = list(range(max_batch - 1, -1, -1))  # pop() hands out the lowest slot first
         self.prefix_reuse = prefix_reuse
         self._slot_tokens: list[list[int]] = [[] for _ in range(max_batch)]  # tokens whose KV each slot holds
-        self._cancel: set[int] = set()  # id() of sequences to drop at the next boundary
+        self._cancel: set[Sequence] = set()  # sequences to drop at the next boundary
         self._lock = threading.Lock()
 
     # ------------------------------------------------------- any thread
@@ -80,7 +80,7 @@ class Scheduler:
     def cancel(self, seq: Sequence) -> None:
         """Drop `seq` (waiting or running) at the next step boundary, freeing its slot."""
         with self._lock:
-            self._cancel.add(id(seq))
+            self._cancel.add(seq)
 
     @property
     def num_waiting(self) -> int:
@@ -103,10 +103,10 @@ class Scheduler:
         with self._lock:
             cancel, self._cancel = self._cancel, set()
             if cancel:
-                for seq in [s for s in self.waiting if id(s) in cancel]:
+                for seq in [s for s in self.waiting if s in cancel]:
                     self.waiting.remove(seq)
                     plan.cancelled.append(seq)
-                for seq in [s for s in self.running if id(s) in cancel]:
+                for seq in [s for s in self.running if s in cancel]:
                     self._release(seq)
                     plan.cancelled.append(seq)
             while self.waiting and self._free:

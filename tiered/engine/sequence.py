@@ -66,9 +66,11 @@ class RequestOutput:
                 "stats": self.stats.as_dict()}
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Sequence:
-    """Run state of one request: tokens so far, detokenizer offsets, timings."""
+    """Run state of one request: tokens so far, detokenizer offsets, timings. Compared and hashed by
+    identity (the scheduler's and the server's keys): two requests with equal fields stay two, and a
+    key holds its sequence alive (an id() key could name a new request at a finished one's address)."""
 
     index: int
     prompt: str

@@ -81,7 +81,7 @@ class ServingEngine:
         self.scheduler = Scheduler(max_batch, max_queue, prefix_reuse)
         self.cache = llm.kv_cache(max_batch)
         self.metrics = ServerMetrics()
-        self._handles: dict[int, Handle] = {}  # id(seq) -> handle, while it runs or waits
+        self._handles: dict[Sequence, Handle] = {}  # its handle while a sequence runs or waits
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
@@ -139,14 +139,14 @@ class ServingEngine:
         with self._lock:  # under the lock stop() takes: a request either gets refused here or ended by stop()
             stopping = self._stopping
             if not stopping:
-                self._handles[id(seq)] = handle
+                self._handles[seq] = handle
         if stopping:
             raise self._refuse_for_shutdown()
         try:
             self.scheduler.add(seq)
         except QueueFullError:
             with self._lock:
-                self._handles.pop(id(seq), None)  # gone already if stop() came in between
+                self._handles.pop(seq, None)  # gone already if stop() came in between
             self.metrics.count_request("rejected")
             raise
         self._wake.set()
@@ -161,7 +161,7 @@ class ServingEngine:
         """The client went away: free the request's slot (or queue place) at the next step.
         A no-op for a request that finished already."""
         with self._lock:
-            if self._handles.pop(id(handle.seq), None) is None:
+            if self._handles.pop(handle.seq, None) is None:
                 return  # finished already
         self.scheduler.cancel(handle.seq)
         self.metrics.count_request("cancelled")
@@ -180,7 +180,7 @@ class ServingEngine:
                 self._fail_all(e)
                 continue
             if events:
-                self.metrics.observe_step(len({id(seq) for seq, _, _ in events}), len(events))
+                self.metrics.observe_step(len({seq for seq, _, _ in events}), len(events))
             for seq, delta, out in events:
                 self._deliver(seq, delta, out)
 
@@ -198,12 +198,12 @@ class ServingEngine:
         ran), then step each alone (a prefill for those it admitted). A sequence whose step raises
         again ends with that error and its slot is freed at the next step; the others' events
         are returned. The KV a failed step wrote is written again where a sequence steps again."""
-        admitted = {id(seq) for seq in plan.prefill}
+        admitted = set(plan.prefill)
         for s in saved:
             s.restore()
         events = []
         for s in saved:
-            alone = StepPlan(prefill=[s.seq] if id(s.seq) in admitted else [], running=[s.seq])
+            alone = StepPlan(prefill=[s.seq] if s.seq in admitted else [], running=[s.seq])
             try:
                 events += self.llm.step(_Planned(self.scheduler, alone), self.cache)
             except Exception as e:  # noqa: BLE001 - this request's failure: its handler hears of it
@@ -213,27 +213,32 @@ class ServingEngine:
 
     def _deliver(self, seq: Sequence, delta: str, out: RequestOutput | None) -> None:
         with self._lock:
-            handle = self._handles.get(id(seq))
+            handle = self._handles.get(seq)
             if out is not None:
-                self._handles.pop(id(seq), None)
+                self._handles.pop(seq, None)
         if handle is None:
             return  # cancelled: nobody listens
-        if not handle.first_token_seen and seq.token_times:
-            handle.first_token_seen = True
-            self.metrics.observe_first_token(seq.token_times[0] - seq.t_start)
-        if out is not None:
-            self.metrics.observe_finished(len(seq.prompt_ids), list(seq.token_times), seq.cached_tokens)
-        new = None
-        if seq.logprobs is not None:
-            new, handle.logprobs_sent = seq.logprobs[handle.logprobs_sent:], len(seq.logprobs)
+        try:
+            if not handle.first_token_seen and seq.token_times:
+                handle.first_token_seen = True
+                self.metrics.observe_first_token(seq.token_times[0] - seq.t_start)
+            if out is not None:
+                self.metrics.observe_finished(len(seq.prompt_ids), list(seq.token_times), seq.cached_tokens)
+            new = None
+            if seq.logprobs is not None:
+                new, handle.logprobs_sent = seq.logprobs[handle.logprobs_sent:], len(seq.logprobs)
+        except Exception as e:  # noqa: BLE001 - a bug delivering one event ends that request, not the engine thread
+            self._fail(seq, e, handle)
+            return
         handle.push((delta, out, new))
 
-    def _fail(self, seq: Sequence, error: Exception) -> None:
-        """`seq`'s step raised `error`: its request ends with it (HTTP 500, or a stream's error
-        event) and its slot is freed at the next step."""
+    def _fail(self, seq: Sequence, error: Exception, handle: Handle | None = None) -> None:
+        """`seq`'s step (or the delivery of its event, whose `handle` the caller holds) raised `error`:
+        its request ends with it (HTTP 500, or a stream's error event) and its slot is freed at the
+        next step."""
         log.error("a request failed: %s: %s", type(error).__name__, error, exc_info=error)
         with self._lock:
-            handle = self._handles.pop(id(seq), None)
+            handle = self._handles.pop(seq, None) or handle
         self.scheduler.cancel(seq)
         if handle is not None:  # else cancelled already: nobody listens
             self.metrics.count_request("error")
