@@ -61,6 +61,30 @@ def test_a_fit_with_no_slope_takes_the_points_median_rate():
     assert b.models["gemv/cpu/bf16"].alpha == pytest.approx(2e-5) and len(b.notes) == 1
 
 
+def test_a_stalled_bandwidth_key_is_timed_again_and_its_best_run_kept():
+    """_Bench.attempt: gemv/cpu/int4 as a loaded machine timed it (2026-11-27: 2.6 MB at 2.5 ms, R^2
+    0.02, a 0.6 ms intercept that priced SmolLM2's decode 27x slow) is timed again and the sound run
+    kept, with a note; a key that is not a memory stream keeps its one run; one that stalls every
+    time keeps its best run."""
+    from tiered.hardware.profiler import STALL_RETRIES, _Bench
+
+    stalled = [(163840.0, 1.41e-5), (655360.0, 3.57e-4), (2621440.0, 2.53e-3), (5242880.0, 1.56e-4)]
+    sound = [(163840.0, 7.4e-6), (655360.0, 2.19e-5), (2621440.0, 7.5e-5), (5242880.0, 1.47e-4)]
+    runs = iter([stalled, sound])
+    b = _Bench(True, None, None)
+    b.attempt("gemv/cpu/int4", lambda: next(runs))
+    m = b.models["gemv/cpu/int4"]
+    assert m.r2 > 0.99 and m.alpha < 5e-6 and b.points["gemv/cpu/int4"] == sound
+    assert len(b.notes) == 1 and "gemv/cpu/int4: timed 2 times" in b.notes[0]
+    calls = []
+    b.attempt("attn/cpu/fp32", lambda: calls.append(1) or stalled)
+    assert len(calls) == 1 and b.models["attn/cpu/fp32"].r2 < 0.5
+    worse = [(163840.0, 1e-3), (655360.0, 1e-5), (2621440.0, 1e-3), (5242880.0, 1e-5)]  # R^2 ~0
+    runs = iter([worse, stalled, worse])
+    b.attempt("gemv_dram/cpu/int4", lambda: next(runs))
+    assert b.points["gemv_dram/cpu/int4"] == stalled and f"timed {STALL_RETRIES + 1} times" in b.notes[-1]
+
+
 def test_memory_points_interleave_their_samples():
     """median_times: one warm-up call each, then every repeat samples each function in turn (so points
     timed while the memory's bandwidth drifts see the same moments), one median per function."""

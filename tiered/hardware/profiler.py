@@ -180,6 +180,11 @@ class Probe:
         self._keep = modules
 
 
+STREAM_KEYS = ("gemv/cpu/", "gemv_dram/cpu/", "memory/bandwidth")  # time = bytes / rate
+STALL_R2 = 0.95  # below it such a key's samples stalled (sound runs fit at 0.98-0.9999): timed again
+STALL_RETRIES = 2
+
+
 class _Bench:
     """One profiling run: settings, the fitted models so far, and notes."""
 
@@ -217,12 +222,37 @@ class _Bench:
         self.say(f"{key}: alpha={m.alpha:.3g} s beta={m.beta:.3g} s/unit R^2={m.r2 if m.r2 is None else round(m.r2, 3)}")
 
     def attempt(self, key: str, fn: Callable[[], list[tuple[float, float]]]) -> None:
+        """Time `key` by `fn` (its (n, seconds) points) and fit it; a key skipped where `fn` raises.
+
+        A bandwidth-bound key (STREAM_KEYS: its time is bytes over a rate, a straight line by
+        construction) whose fit has R^2 below STALL_R2 had stalled samples: it is timed again, up
+        to STALL_RETRIES times, and the best-fitting run kept, with a note. A quick profile taken
+        while another process ran (load 1.9 on the 2-core EPYC, 2026-11-27) timed gemv/cpu/int4's
+        2.6 MB weight at 2.5 ms for ~70 us: its fit (R^2 0.02) gave each GEMV a 0.6 ms intercept,
+        and the plan priced SmolLM2's decode at 76 ms a token where it ran 2.8."""
         try:
-            if self.probe is not None:
-                self.probe.last = None
-            self.fit(key, fn())
-            if self.probe is not None and self.probe.last is not None:
-                self.probes[key] = self.probe.last
+            best = None
+            for tries in range(1 + (STALL_RETRIES if key.startswith(STREAM_KEYS) else 0)):
+                if self.probe is not None:
+                    self.probe.last = None
+                notes = len(self.notes)
+                self.fit(key, fn())
+                r2 = self.models[key].r2
+                run = (r2 if r2 is not None else 1.0, self.models[key], self.points[key], self.notes[notes:],
+                       self.probe.last if self.probe is not None else None)
+                del self.notes[notes:]
+                if best is None or run[0] > best[0]:
+                    best = run
+                if best[0] >= STALL_R2:
+                    break
+                self.say(f"{key}: R^2 {run[0]:.2f}: stalled samples, timing it again")
+            r2, self.models[key], self.points[key], notes, probe = best
+            self.notes += notes
+            if tries:
+                self.notes.append(f"{key}: timed {tries + 1} times (R^2 below {STALL_R2}: stalled samples); the "
+                                  f"best fit kept (R^2 {r2:.3f})")
+            if probe is not None:
+                self.probes[key] = probe
         except Exception as e:  # a kernel this torch build or device lacks: note it, keep going
             self.skip(key, e)
 
