@@ -27,6 +27,7 @@ from runtime_fixtures import prompt as moe_prompt
 from tiered import LLM, SamplingParams
 from tiered.serve.app import build_app
 from tiered.serve.engine import ServingEngine
+from tiered.serve.protocol import token_bytes
 
 KEY = "sk-test-key"
 MODEL = "tiny-llama"
@@ -396,7 +397,8 @@ def test_chat_logprobs(server):
     assert [c.logprob for c in content] == pytest.approx(
         _reference_logprobs(server.llm, ref.prompt_token_ids, ref.token_ids), abs=1e-3)
     for c, e in zip(content, ref.logprobs):
-        assert c.token == server.llm.tokenizer.decode([e.token]) and bytes(c.bytes) == c.token.encode()
+        assert c.token == server.llm.tokenizer.decode([e.token])
+        assert bytes(c.bytes) == token_bytes(server.llm.tokenizer, e.token)
         assert [t.logprob for t in c.top_logprobs] == pytest.approx([lp for _, lp in e.top], abs=1e-5)
         assert len(c.top_logprobs) == 2
         assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob  # greedy

@@ -205,6 +205,35 @@ def test_completion_token_texts_join_to_the_text_where_characters_span_tokens(zo
         assert sum((p[key] for p in parts), []) == whole[key]
 
 
+def test_chat_logprob_bytes_of_characters_split_over_tokens(zoo):
+    """A chat logprob's `bytes` are the token's own raw bytes where its text alone is part of a
+    character (U+FFFD): the bytes of a text's tokens join to its UTF-8, in byte-level BPE (the test
+    tokenizer, SmolLM2's kind) and in SentencePiece's byte fallback (Llama 2, Mistral). They used to
+    be U+FFFD's three bytes."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from tiered.serve.protocol import chat_logprobs, token_bytes
+
+    tok = zoo.tokenizer
+    text = "Caf\u00e9 \U0001f600 and \u65e5\u672c\u8a9e."
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([t]) for t in ids)
+    content = chat_logprobs(tok, [TokenLogprob(t, -1.0, [(t, -1.0)]) for t in ids])["content"]
+    assert b"".join(bytes(c["bytes"]) for c in content) == text.encode("utf-8")
+    assert all(c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)
+    assert [c["token"] for c in content] == [tok.decode([t]) for t in ids]  # the text field as before
+    # SentencePiece with byte fallback: no merges, each character of 3 bytes as three <0xNN> pieces
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581": 257, "a": 258}
+    sp = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    sp = PreTrainedTokenizerFast(tokenizer_object=sp, unk_token="<unk>")
+    ids = sp.encode("a\u65e5", add_special_tokens=False)
+    assert ids == [258, 1 + 0xE6, 1 + 0x97, 1 + 0xA5]
+    assert b"".join(token_bytes(sp, t) for t in ids) == "a\u65e5".encode("utf-8")
+    assert token_bytes(None, 7) == b"7"
+
+
 def test_completion_logprobs_of_characters_split_over_tokens(server):
     """Through the server, whole and streamed: the tokens' texts join to the completion and each
     text_offset is the completion's length before the token (a piece of a character used to count

@@ -10,6 +10,9 @@ which common clients send: an answer that silently ignored them would be wrong.
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -148,11 +151,53 @@ def _token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token]) if tokenizer is not None else str(token)
 
 
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2, Llama 3, Qwen, SmolLM2): the character each byte 0..255 is
+    written as in the vocabulary -> that byte. Printable Latin-1 bytes stand for themselves; the
+    other 68 take the code points from 256 up, in byte order."""
+    own = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    alphabet, shifted = {chr(b): b for b in own}, 0
+    for b in range(256):
+        if b not in own:
+            alphabet[chr(256 + shifted)] = b
+            shifted += 1
+    return alphabet
+
+
+def _decoder_types(tokenizer) -> set[str]:
+    """The types of a fast tokenizer's decoder and of its parts ("ByteLevel", "ByteFallback", ...)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None:
+        return set()
+    state = json.loads(decoder.__getstate__())
+    return {state.get("type")} | {d.get("type") for d in state.get("decoders", [])}
+
+
+def token_bytes(tokenizer, token: int) -> bytes:
+    """A token's UTF-8 bytes for a chat logprob's `bytes` field: its text's, or, for a token that
+    holds part of a multi-byte character (its text alone is U+FFFD), its own raw bytes, read from its
+    vocabulary piece: byte-level BPE's alphabet (`_byte_level_alphabet`) or SentencePiece's byte
+    fallback pieces "<0xNN>". The bytes of a character's tokens then join to the character, as
+    OpenAI's field is for. Other vocabularies keep the U+FFFD bytes."""
+    text = _token_text(tokenizer, token)
+    if "\ufffd" not in text or tokenizer is None:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token)
+    types = _decoder_types(tokenizer)
+    alphabet = _byte_level_alphabet()
+    if "ByteLevel" in types and piece and all(c in alphabet for c in piece):
+        return bytes(alphabet[c] for c in piece)
+    if "ByteFallback" in types and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece or ""):
+        return bytes([int(piece[3:5], 16)])
+    return text.encode("utf-8")
+
+
 def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
-    """A chat choice's `logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}."""
+    """A chat choice's `logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}; a
+    token's bytes are its own raw bytes where its text alone is part of a character (`token_bytes`)."""
     def item(token: int, logprob: float) -> dict:
-        text = _token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": _token_text(tokenizer, token), "logprob": logprob, "bytes": list(token_bytes(tokenizer, token))}
     return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries]}
 
