@@ -272,6 +272,7 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
 
 
 TTFT_TOKENS = 512  # the prompt the plans price TTFT for (planner/auto: min(512, max_context / 2))
+BATCH = 8  # sequences of the batched SmolLM2 row (a server's --max-batch 8 step)
 SHORT_PROMPTS = (8, 16, 64, 128)  # prompt_rows' lengths: 2, 4, 16 and 32 rows an expert, uniformly routed
 
 
@@ -342,30 +343,42 @@ def dense_rows(args, hw, rows: list, errors: list) -> None:
     cost model with `hw`), and the default engine (one int4/int8 copy, the native decode step when
     built) as its own auto plan predicts it at the measured positions (LLM.predicted_decode_at, what
     `tiered run` prints beside its measured speed; the plan's own predicted_decode_tokens_per_s is at its
-    prompt + generation length). Each row also
+    prompt + generation length), and the default engine stepping BATCH sequences together against
+    its plan's batch figure (predicted_batch_decode_tokens_per_s, priced again there). Each row also
     compares the TTFT of a TTFT_TOKENS-token prompt with the prefill prediction (the plan's
     predicted_ttft_s; cpu_predict.predict_prefill for the plan-off rows); those errors are reported
     apart from the decode median."""
     cases = (("SmolLM2-135M dense, bf16 weights", EngineConfig(dtype="bfloat16", decode_weights="bf16", plan="off"), "bf16"),
              ("SmolLM2-135M dense, fp32 weights", EngineConfig(dtype="float32", decode_weights="fp32", plan="off"), "fp32"),
-             ("SmolLM2-135M default (auto plan: one int4/int8 copy, native step)", EngineConfig(), None))
+             ("SmolLM2-135M default (auto plan: one int4/int8 copy, native step)", EngineConfig(), None),
+             (f"SmolLM2-135M default, {BATCH} sequences at once (ms per token of the step)",
+              EngineConfig(max_batch=BATCH), "batch"))
     long_prompt = [(i * 7) % 40000 + 100 for i in range(TTFT_TOKENS)]
     for name, cfg, dw in cases:
         now = bandwidth_now(hw)  # as the engine plans (the default row's engine checks on its own)
         llm = LLM(None, cfg)
         ids = list(range(100, 132))
         llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        itl = median([llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.new_tokens,
-                                                         ignore_eos=True))[0].stats.itl_s for _ in range(3)])
-        if dw is None:  # the plan priced again at this run's positions (its own figure is at prompt + generation:
+        positions = len(ids) + args.new_tokens // 2
+        if dw == "batch":  # BATCH prompts decoded together: the step's time over its BATCH tokens
+            prompts = [[i + 7 * b for i in ids] for b in range(BATCH)]
+            sp = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+            itl = median([max(o.stats.decode_s for o in llm.generate(prompts, sp)) / (args.new_tokens - 1) / BATCH
+                          for _ in range(3)])
+        else:
+            itl = median([llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.new_tokens,
+                                                             ignore_eos=True))[0].stats.itl_s for _ in range(3)])
+        if dw == "batch":  # the plan's batch figure priced again at this run's positions
+            step = 1.0 / llm.predicted_decode_at(positions, batch=True)
+        elif dw is None:  # the plan priced again at this run's positions (its own figure is at prompt + generation:
             # 640 positions, where attention reads 10x the KV bytes), as `tiered run` reports it
-            step = 1.0 / (llm.predicted_decode_at(len(ids) + args.new_tokens // 2) or llm.plan.predicted_decode_tokens_per_s)
+            step = 1.0 / (llm.predicted_decode_at(positions) or llm.plan.predicted_decode_tokens_per_s)
         else:
             _, step = predict_decode(llm.config, now, dw, context=len(ids) + args.new_tokens // 2)
         err = abs(step - itl) / itl
         errors.append(err)
         ttft = median([first_token_s(llm, long_prompt) for _ in range(3)])
-        if dw is None:
+        if dw in (None, "batch"):
             assert llm.plan.prompt_tokens == TTFT_TOKENS, llm.plan.prompt_tokens
             p_ttft = llm.plan.predicted_ttft_s
         else:  # plan off: weights and activations in dw, no decode copies

@@ -23,6 +23,7 @@ from tiered.memory import sizes
 from tiered.planner.placement import FAST
 from tiered.planner.auto import engine_profile, standin_profile, token_assignment
 from tiered.planner.cost_model import LayerShape, SliceRates, cost_params
+from tiered.planner.plan import Plan
 from tiered.planner.cpu_predict import routing_trace
 from tiered.planner.plan import Plan
 from tiered.planner.scheinfer import solve_n_g
@@ -422,6 +423,21 @@ def test_decode_is_priced_again_at_a_runs_context(zoo, box, monkeypatch):
         return p
     monkeypatch.setattr(auto, "make_plan", one_more_slot)
     assert llm.predicted_decode_at(4) is None
+
+def test_a_cpu_plan_prices_a_servers_full_step(zoo, box):
+    """With max_batch sequences (serve's --max-batch) a CPU plan also prices their steps together
+    (cpu_predict.predict_decode's batch): more tokens/s than one sequence, fewer than max_batch
+    separate ones; the summary and the rendered plan say it; one sequence prices none."""
+    path = zoo.dir("llama")
+    one = LLM(path, EngineConfig(accelerator="none", max_context=CTX, profile=box, decode_weights="fp32")).plan
+    four = LLM(path, EngineConfig(accelerator="none", max_context=CTX, profile=box, decode_weights="fp32",
+                                  max_batch=4)).plan
+    assert one.predicted_batch_decode_tokens_per_s is None and "sequences at once" not in one.summary()
+    batch = four.predicted_batch_decode_tokens_per_s
+    assert four.kv_slots == 4 and one.predicted_decode_tokens_per_s < batch < 4 * one.predicted_decode_tokens_per_s
+    assert f"{batch:.1f} tok/s over 4 sequences at once" in four.summary() and "over 4 sequences" in four.render()
+    assert Plan.from_json(four.to_json()) == four
+
 
 # ------------------------------------------------------------------ the CLI
 def test_run_prints_the_plan_and_its_prediction(zoo, box):

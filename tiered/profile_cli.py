@@ -29,7 +29,7 @@ def _rate(key: str, beta: float) -> str:
     """1 / beta in the unit natural for the key."""
     if beta <= 0 or key.startswith(("runtime/", "launch/")):  # seconds per layer or per call: no rate
         return ""
-    if key.startswith(("gemm/", "attn/", "expert_rows/")):  # n = multiply-adds
+    if key.startswith(("gemm/", "attn/", "expert_rows/", "decode_rows/")):  # n = multiply-adds
         return f"{2 / beta / 1e9:.1f} GFLOP/s"
     return f"{1 / beta / 1e9:.2f} GB/s"
 

@@ -580,13 +580,14 @@ class LLM:
         return events
 
     # ----------------------------------------------------------------- runtime
-    def predicted_decode_at(self, positions: int) -> float | None:
+    def predicted_decode_at(self, positions: int, batch: bool = False) -> float | None:
         """The plan's decode speed [tokens/s] priced again at `positions` cached positions (a run's
         RequestStats.mean_decode_positions), with the profile and arguments it was made with
-        (planner/auto.decode_at); None where the plan cannot be re-priced or would decide otherwise."""
+        (planner/auto.decode_at); `batch`: max_batch sequences stepped together (all their tokens/s).
+        None where the plan cannot be re-priced or would decide otherwise."""
         from tiered.planner.auto import decode_at
 
-        return decode_at(self.plan, self.config, self._profile, self._plan_args, positions)
+        return decode_at(self.plan, self.config, self._profile, self._plan_args, positions, batch)
 
     def plan_summary(self, stats=None) -> str:
         """Plan.summary beside a run's RequestStats `stats` (None: the plan alone): its measured decode speed

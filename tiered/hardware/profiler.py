@@ -14,6 +14,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     gemm_rows/cpu/<dtype> torch's GEMM of GEMM_ROWS (8) rows on cold 7-32 MiB weights (a short
                          prompt's, an expert's past its native rows)             n = weight bytes
     expert_rows/cpu/bf16 the native bf16 expert at 1-8 rows, cold (its slope: each row's cost)  n = MACs
+    decode_rows/cpu/<dtype> tiered's decode kernels at 8-32 rows (a batched decode step: a server's
+                         or a beam search's rows), cold 4096 x 4096 weights      n = MACs
     attn_prefill/cpu/<dtype>  a prompt's causal attention (torch's SDPA, as the model runs it)
                          n = MACs (2 * heads * T (T + 1) / 2 * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
@@ -427,6 +429,27 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
             probe.last = times.pop()
         points = list(zip((n for n, _ in cpu_calls), times))
     return points
+
+
+DECODE_ROWS = (8, 16, 32)  # rows of the decode_rows keys: past the few rows one weight stream covers
+
+
+def _decode_rows_points(dtype: str, repeats: int, cold_bytes: int | None, probe: "Probe | None" = None
+                        ) -> list[tuple[float, float]]:
+    """(multiply-adds, seconds a call) of tiered's `dtype` decode kernel (the module the engine's CPU
+    decode step holds: _native_gemv_module) at DECODE_ROWS rows of a 4096 x 4096 weight, copies cycled
+    over `cold_bytes` (COLD_WEIGHT_BYTES without it), the rows timed interleaved. What a batched decode
+    step's projection costs once its rows' multiply-adds outweigh one stream of the weight: on 2 Zen 4
+    cores the int4 kernel took 0.30 ms at 1-4 rows (the stream), then 66 us a row (0.53 / 1.05 / 2.10 ms
+    at 8 / 16 / 32 rows); bf16 1.04 ms at 1 row, 0.32 ms a row from 8 (2026-11-27). The fit's slope is
+    a row's cost per multiply-add (cpu_predict.predict_decode's `batch`). Raises RuntimeError without
+    the kernels."""
+    if not _native_gemv_format("cpu", dtype, True):
+        raise RuntimeError("tiered/kernels is not built")
+    K = N = 4096
+    points = _gemm_points("cpu", dtype, [(rows, K, N) for rows in DECODE_ROWS], lambda: None, repeats, True,
+                          cold_bytes=cold_bytes, probe=probe)
+    return [(float(rows * K * N), t) for rows, (_, t) in zip(DECODE_ROWS, points)]
 
 
 def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
@@ -1062,7 +1085,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # at int8's rate before; the kernel converts each byte through fp16 and is slower than int8's from cache).
 # 20: meta["probe"]: a memory-speed probe (Probe: the bf16 decode kernel from DRAM) timed among each CPU
 # GEMV key's samples, so that planning scales each key by the memory's speed now against its own minute's.
-PROFILER_VERSION = 20
+# 21: decode_rows/cpu/<dtype>, the decode kernels at 8-32 rows: a batched decode step (a server's rows)
+# is priced at its multiply-adds where they outweigh the weights' stream (cpu_predict.predict_decode).
+PROFILER_VERSION = 21
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -1131,6 +1156,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
                                                               max(3, r // 2), big_cold))
     if kernels.available():  # the native bf16 expert at 1-8 rows (a short prompt's experts)
         b.attempt("expert_rows/cpu/bf16", lambda: _expert_rows_points(max(3, r // 2), big_cold))
+        for dtype in ("int4", "int8", "bf16", "fp32"):  # the decode kernels at a batched step's rows
+            b.attempt(f"decode_rows/cpu/{dtype}", lambda d=dtype: _decode_rows_points(d, max(3, r // 2), None))
     for dtype in ("bf16", "fp32"):
         b.attempt(f"gemm_big/cpu/{dtype}",
                   lambda d=dtype: _gemm_points("cpu", d, big_gemms, nosync, max(3, r // 2), False, cold_bytes=big_cold))

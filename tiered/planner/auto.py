@@ -176,7 +176,7 @@ def decisions(plan: Plan) -> tuple:
 
 
 def decode_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, args: dict | None,
-              positions: int) -> float | None:
+              positions: int, batch: bool = False) -> float | None:
     """The plan's decode speed [tokens/s] priced again at `positions` cached positions (a run's mean
     context: its prompt and half its generated tokens), where the plan priced prompt_tokens +
     gen_tokens: make_plan with the arguments that made it (`args`, engine_plan's third value), a
@@ -184,16 +184,20 @@ def decode_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, arg
     the plan's priced 640 positions differ (SmolLM2 on 2 cores: ~3.3 ms a token after 32 tokens,
     ~4.2 ms after 640).
 
+    `batch`: the plan's kv_slots sequences stepped together at that context (its
+    predicted_batch_decode_tokens_per_s: all their tokens/s), not one.
+
     Returns None where there is nothing to re-price (a plan of the runtime's rules, a replayed or
-    FlexGen plan, mixed-precision experts, no profile) or where the plan made for that context
-    decides anything differently (another placement would be a prediction for another engine)."""
+    FlexGen plan, mixed-precision experts, no profile, no batch figure) or where the plan made for
+    that context decides anything differently (another placement would be a prediction for another
+    engine)."""
     if args is None or profile is None or plan.flexgen or plan.mixed_precision is not None or positions < 2:
         return None
     again = make_plan(cfg, profile, **dict(args, prompt_tokens=positions - 1, gen_tokens=1))
     again.dtypes["decode"] = plan.dtypes["decode"]
     if decisions(again) != decisions(plan):
         return None
-    return again.predicted_decode_tokens_per_s
+    return again.predicted_batch_decode_tokens_per_s if batch else again.predicted_decode_tokens_per_s
 
 
 def standin_profile(cpu: HardwareProfile, link_bandwidth: float | None) -> HardwareProfile:

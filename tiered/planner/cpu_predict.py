@@ -139,21 +139,39 @@ def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_
     return st
 
 
+def _row_time(hw: HardwareProfile, kind: str, weight_bytes: float, macs: float | None = None) -> float:
+    """Seconds each row past the first adds to a decode-kernel call over `weight_bytes` of `kind`
+    weights (gemv key names: "int4q8" is int4's kernel): its multiply-adds (`macs`, None = the weights'
+    elements) at decode_rows/cpu/<kind>'s slope where profiled (tiered's kernels at 8-32 rows), else
+    at the GEMM fit's (0 without either)."""
+    base = "int4" if kind == "int4q8" else kind
+    macs = macs if macs is not None else weight_bytes / op_time.bytes_per_element(base)
+    m = op_time.find(hw, "decode_rows", "cpu", base) or op_time.find(hw, "gemm", "cpu", base)
+    return m.beta * macs if m is not None else 0.0
+
+
 def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, working_set: float = 0.0,
-          expert: bool = False) -> float:
+          expert: bool = False, rows: float = 1, macs: float | None = None) -> float:
     """Seconds of `calls` one-token matmuls reading `weight_bytes` in all: the memory-bound regime
     (gemv/cpu/<dtype>), which is what a decode step runs; the many-token GEMM fit does not apply.
     `working_set`: the step's weight bytes (op_time.memory_time: beyond the cache, DRAM's rate);
-    `expert`: routed experts' weights, beyond the cache at the native expert kernel's own rate."""
-    return op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set, expert) * calls
+    `expert`: routed experts' weights, beyond the cache at the native expert kernel's own rate.
+    `rows` > 1 (a batched step): the weights stream once a call, and each row past the first adds
+    its multiply-adds (`_row_time`; `macs` a row, None = the weights' elements), as
+    native_expert_time prices a CPU expert's rows. On 2 Zen 4
+    cores SmolLM2's default engine stepped 2.42 / 4.17 / 6.99 ms at 1 / 4 / 8 rows: 0.65-0.7 ms a
+    row past the first, what its weights' multiply-adds cost at decode_rows' slopes (2026-11-27)."""
+    t = op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set, expert) * calls
+    return t + (rows - 1) * _row_time(hw, dtype, weight_bytes, macs) if rows > 1 else t
 
 
 def _projections(hw: HardwareProfile, dtype: str, mix: dict | None, elements: float, calls: int,
-                 working_set: float) -> float:
+                 working_set: float, rows: float = 1) -> float:
     """Seconds of `calls` one-token matmuls over `elements` weights in `dtype`, or split by `mix`
-    (precision -> share of the elements, Plan.precision_mix), each share at its precision's rate."""
+    (precision -> share of the elements, Plan.precision_mix), each share at its precision's rate;
+    `rows` per call (`_gemv`)."""
     return sum(_gemv(hw, k, elements * share * op_time.bytes_per_element(k), calls=max(1, round(calls * share)),
-                     working_set=working_set) for k, share in (mix or {dtype: 1.0}).items() if share > 0)
+                     working_set=working_set, rows=rows) for k, share in (mix or {dtype: 1.0}).items() if share > 0)
 
 
 def mixed_bytes_per_element(dtype: str, mix: dict | None) -> float:
@@ -192,20 +210,22 @@ def native_fused_projections(hw: HardwareProfile, dtype: str) -> bool:
 
 
 def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, working_set: float = 0.0,
-               mix: dict | None = None, kv_format: str | None = None) -> float:
+               mix: dict | None = None, kv_format: str | None = None, rows: int = 1) -> float:
+    """Seconds of one layer's attention in a decode step of `rows` sequences of `context` cached
+    positions each: the projections (`rows` per call) and each row's pass over its own cache."""
     w = cfg.attention_weight_elements()
     native = native_step(hw) and not cfg.is_mla  # the native step runs latent attention as its module
-    proj = _projections(hw, dtype, mix, w, 2 if native_fused_projections(hw, dtype) else 4, working_set)
+    proj = _projections(hw, dtype, mix, w, 2 if native_fused_projections(hw, dtype) else 4, working_set, rows)
     # the KV cache's format: the plan's, else the engine's rule for weights read in `dtype` (CPU: fp32
     # activations; a 16-bit cache beside lossy copies)
     act = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
-    kv_bytes = cfg.kv_elements_per_token() * context * op_time.bytes_per_element(act)
+    kv_bytes = rows * cfg.kv_elements_per_token() * context * op_time.bytes_per_element(act)
     if native:  # the native step's attention streams the cached keys and values once (GQA heads share them),
         # at its own measured rate where profiled (attn_decode/cpu: below the memory's, ~15 GB/s on 2 Zen 4 cores)
         stream = op_time.memory_time(hw, "cpu", act, kv_bytes, "memory", working_set)
         m = hw.models.get(f"attn_decode/cpu/{act}")
         return proj + (max(stream, m.beta * kv_bytes) if m is not None else stream)
-    return proj + op_time.attention_time(hw, "cpu", act, context * cfg.attention_macs_per_pair(True), kv_bytes)
+    return proj + op_time.attention_time(hw, "cpu", act, rows * context * cfg.attention_macs_per_pair(True), kv_bytes)
 
 
 def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, hits: HitStats | None = None,
@@ -213,7 +233,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
                    moe_layers: list[int] | None = None,
                    experts_format: str | None = None,
                    head_dtype: str | None = None, expert_act: str = "bf16",
-                   mix: dict | None = None, kv_format: str | None = None) -> tuple[list[tuple[float, float]], float]:
+                   mix: dict | None = None, kv_format: str | None = None,
+                   batch: int = 1) -> tuple[list[tuple[float, float]], float]:
     """Per-layer (attention, FFN or MoE) seconds of one decode step, and the whole step
     (layers + lm_head) on CPU + disk.
 
@@ -234,6 +255,11 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             a Q4_K_M file's Q6_K tensors decode from bf16 copies beside int4 ones); None = `dtype`.
         kv_format: the KV cache's format (Plan.dtypes["kv_cache"]); None = memory/sizes.kv_cache_format's
             for `dtype`.
+        batch: sequences decoded together, each at `context` positions (a server's step over its
+            slots): each projection streams its weights once for all rows and is no less than its
+            rows' multiply-adds (decode_rows/cpu/<dtype>, `_gemv`); each row attends over its own
+            cache; an MoE layer runs the experts its rows choose, E (1 - (1 - k/E)^batch) of them
+            under uniform routing (the most a batch can activate), with batch k / that many rows each.
     """
     bpe = op_time.bytes_per_element(dtype)
     d = cfg.hidden_size
@@ -246,37 +272,58 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         per_layer, moe_fixed = mla, 0.0
     ws = step_weight_bytes(cfg, dtype, moe_layers, mix)  # beyond the last-level cache: DRAM's rate
     layers = []
+    B = max(1, int(batch))
     for i in range(cfg.num_hidden_layers):
-        attn = _attention(cfg, hw, dtype, context, ws, mix, kv_format) + per_layer
+        attn = _attention(cfg, hw, dtype, context, ws, mix, kv_format, B) + per_layer
         t = 0.0
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size
-            t += _projections(hw, dtype, mix, 3 * d * F, 2 if native_fused_projections(hw, dtype) else 3, ws)
+            t += _projections(hw, dtype, mix, 3 * d * F, 2 if native_fused_projections(hw, dtype) else 3, ws, B)
         else:
-            F, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok
+            E, F, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
             ekind = op_time.gemv_dtype((experts_format or dtype).split(",")[0], expert_act)
             eb = sizes.expert_bytes(cfg, experts_format) if experts_format else 3 * d * F * bpe
-            t += _gemv(hw, dtype, d * cfg.num_experts * bpe, working_set=ws) + moe_fixed
+            t += _gemv(hw, dtype, d * E * bpe, working_set=ws, rows=B) + moe_fixed
             Fs = cfg.shared_expert_intermediate_size  # the always-on shared expert(s): a dense SwiGLU
             if Fs:
-                t += _projections(hw, dtype, mix, 3 * d * Fs, 2 if native_fused_projections(hw, dtype) else 3, ws)
+                t += _projections(hw, dtype, mix, 3 * d * Fs, 2 if native_fused_projections(hw, dtype) else 3, ws, B)
             res, hit = hits.rates(i) if hits is not None else (1.0, 0.0)
-            misses = k * (1 - res - hit)
-            if misses <= 1e-9 and native_step(hw):
+            active = k if B == 1 else E * (1 - (1 - k / E) ** B)  # experts the step's rows choose (uniform)
+            misses = active * (1 - res - hit)
+            calls = 2 if native_step(hw) else 3  # the native expert: gate and up in one call, then down
+            if B > 1:  # each active expert once, over its share of the rows
+                compute = _expert_rows(hw, ekind, experts_format or dtype, eb, 3 * d * F, k * B / active, calls, ws)
+                t += experts_with_reads(hw, active, misses, eb, compute, read_ahead, readers, over)
+            elif misses <= 1e-9 and native_step(hw):
                 # every expert in RAM: the layer's k experts in one native call of two parallel
                 # regions (runtime/moe_runner._all_on_fast, the plan's native_decode), no task per expert
-                layers.append((attn, t + _gemv(hw, ekind, k * eb, calls=2, working_set=ws, expert=True)))
-                continue
-            # computes run inline on the calling thread (the executor's "cpu" stream): no task hop;
-            # each miss's read is a task on a reader thread and pays `over`
-            calls = 2 if native_step(hw) else 3  # the native expert: gate and up in one call, then down
-            compute = _gemv(hw, ekind, eb, calls=calls, working_set=ws, expert=True)
-            t += experts_with_reads(hw, k, misses, eb, compute, read_ahead, readers, over)
+                t += _gemv(hw, ekind, k * eb, calls=2, working_set=ws, expert=True)
+            else:
+                # computes run inline on the calling thread (the executor's "cpu" stream): no task hop;
+                # each miss's read is a task on a reader thread and pays `over`
+                compute = _gemv(hw, ekind, eb, calls=calls, working_set=ws, expert=True)
+                t += experts_with_reads(hw, k, misses, eb, compute, read_ahead, readers, over)
         layers.append((attn, t))
     hd = head_dtype or dtype
-    head = _gemv(hw, hd, d * cfg.vocab_size * op_time.bytes_per_element(hd), working_set=ws)
+    head = _gemv(hw, hd, d * cfg.vocab_size * op_time.bytes_per_element(hd), working_set=ws, rows=B)
     return layers, sum(a + f for a, f in layers) + head + per_step
+
+
+def _expert_rows(hw: HardwareProfile, kind: str, stored: str, expert_bytes: float, macs_per_row: float, rows: float,
+                 calls: int, working_set: float) -> float:
+    """Seconds of one routed expert over `rows` rows of a batched decode step (`kind`: its gemv key,
+    `stored`: its format): bf16 experts on the native kernel within its rows (native_expert_time),
+    torch's GEMMs past them; quantized ones on their decode kernels (`_gemv` with rows)."""
+    import math
+
+    if stored == "bf16" and native_step(hw):
+        r = max(1, math.ceil(rows - 1e-9))
+        if r <= expert_native_rows(hw, "bf16"):
+            return native_expert_time(hw, "bf16", r, expert_bytes, macs_per_row)
+        return torch_gemm_time(hw, "bf16", r * macs_per_row, expert_bytes, 3)
+    return _gemv(hw, kind, expert_bytes, calls=calls, working_set=working_set, expert=True, rows=rows,
+                 macs=macs_per_row)
 
 
 def experts_with_reads(hw: HardwareProfile, active: float, misses: float, expert_bytes: float, compute: float,

@@ -64,11 +64,11 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     hits = None
     memory = {"cpu": fixed}
 
-    def predict(hits):
+    def predict(hits, batch: int = 1):
         return predict_decode(cfg, profile, dtype, context=ctx, hits=hits, read_ahead=plan.read_ahead,
                               readers=max(2, plan.staging_buffers), experts_format=plan.dtypes["experts"] if moe else None,
                               head_dtype=plan.dtypes.get("lm_head"), expert_act=plan.expert_act,
-                              mix=plan.precision_mix, kv_format=plan.dtypes["kv_cache"])
+                              mix=plan.precision_mix, kv_format=plan.dtypes["kv_cache"], batch=batch)
     if moe:
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         room = float("inf") if cpu is None else cpu - fixed - staging
@@ -87,6 +87,8 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
             lp.expert_tiers = expert_tiers(placement, i, cfg.num_experts)
         plan.layers.append(lp)
     plan.predicted_decode_tokens_per_s = 1.0 / step
+    if plan.kv_slots > 1:  # a server's full step: kv_slots sequences at the priced context each
+        plan.predicted_batch_decode_tokens_per_s = plan.kv_slots / predict(hits, plan.kv_slots)[1]
     disk_share = 1.0 - hits.fast_share() if hits else 0.0
     plan.predicted_ttft_s = predict_prefill(cfg, profile, held, plan.prompt_tokens, moe or None, disk_share,
                                             experts_dtype=fmt, act_dtype=fmt, experts_format=plan.dtypes["experts"],

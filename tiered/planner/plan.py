@@ -143,6 +143,9 @@ class Plan:
     expert_cache_slots: int = 0
     predicted_ttft_s: float = 0.0
     predicted_decode_tokens_per_s: float = 0.0
+    # decode tokens/s of all kv_slots sequences together (each at the priced context): a server's full
+    # step, priced where the plan is the CPU's (planner/cpu_predict.predict_decode's `batch`); else None
+    predicted_batch_decode_tokens_per_s: float | None = None
     predicted_throughput_tokens_per_s: float | None = None
     memory: dict = field(default_factory=dict)  # tier -> bytes
     binding: str = ""
@@ -216,6 +219,8 @@ class Plan:
                 speed += f", {predicted_at_positions:.1f} at {measured_positions}"
         if measured_tokens_per_s is not None:
             speed += f" (measured {measured_tokens_per_s:.1f}" + (f" at {measured_positions})" if positions else ")")
+        if self.predicted_batch_decode_tokens_per_s is not None and self.source != "rules":
+            speed += f"; {self.predicted_batch_decode_tokens_per_s:.1f} tok/s over {self.kv_slots} sequences at once"
         src = {"planner": self.profile, "rules": "runtime rules"}.get(self.source, f"{self.source}, {self.profile}")
         return f"plan ({src}): {what}; predicted {speed}; binding: {self.binding}"
 
@@ -365,7 +370,9 @@ class Plan:
         if self.predicted_throughput_tokens_per_s is not None:
             out.append(f"predicted: throughput {self.predicted_throughput_tokens_per_s:.2f} tokens/s")
         else:
-            out.append(f"predicted: TTFT {self.predicted_ttft_s:.3f} s, decode {self.predicted_decode_tokens_per_s:.2f} tokens/s")
+            out.append(f"predicted: TTFT {self.predicted_ttft_s:.3f} s, decode {self.predicted_decode_tokens_per_s:.2f} tokens/s"
+                       + (f", {self.predicted_batch_decode_tokens_per_s:.2f} tokens/s over {self.kv_slots} sequences "
+                          "at once" if self.predicted_batch_decode_tokens_per_s is not None else ""))
         out.append(f"binding: {self.binding}")
         out.extend(f"note: {n}" for n in self.notes)
         return "\n".join(out)
