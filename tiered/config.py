@@ -32,8 +32,9 @@ class EngineConfig:
         expert_weights: storage format of routed experts on every tier (disk, RAM, accelerator
             cache): "auto" keeps a GGUF file's quantized experts as stored (Q4_0/Q4_1 -> int4,
             Q8_0 -> int8 group 32 exactly; K-quants re-quantized, quant/gguf_experts.py), a
-            block-scaled fp8 safetensors checkpoint's (DeepSeek-V3, Qwen3-FP8) as stored ("fp8")
-            and other HF checkpoints' in the compute dtype; "bf16", "fp32", "int8" (per-row
+            block-scaled fp8 safetensors checkpoint's (DeepSeek-V3, Qwen3-FP8) as stored ("fp8"),
+            bf16 ones as stored on the CPU's default (lossy, compact-copy) engine, and other HF
+            checkpoints' in the compute dtype; "bf16", "fp32", "int8" (per-row
             scales), "int4" (group 32) or "fp8" (e4m3, a scale per 128 x 128 block) re-quantize
             every expert at load. Quantized experts are lossy.
         expert_low_weights: None (off), or the low-precision format ("int4" / "int8") of HOBBIT's

@@ -117,7 +117,7 @@ class LLM:
         head = head_precision(self.checkpoint, decode) if decode != "none" else None
         embed = "model.embed_tokens.weight"  # kept in its file's blocks in the one-copy mode (place_weights)
         blocks = decode != "none" and self.checkpoint.has(embed) and self.checkpoint.handle(embed).is_quantized
-        experts = self._experts_format(weights)
+        experts = self._experts_format(weights, decode)
         with _transient_notes(progress) as say:  # "measuring a quick profile ...", while it runs
             plan, profile, self._plan_args = engine_plan(
                 cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name, max_context=self.max_context,
@@ -160,10 +160,13 @@ class LLM:
             return with_disk_reads(hw, fits, "the checkpoint's files") if fits else None
         return refit
 
-    def _experts_format(self, weights: str) -> str | None:
+    def _experts_format(self, weights: str, decode: str) -> str | None:
         """The routed experts' storage format (EngineConfig.expert_weights; "auto": a GGUF file's
-        quantized experts or a safetensors file's fp8 ones as stored, else the compute format). None
-        for dense models."""
+        quantized experts or a safetensors file's fp8 ones as stored; bf16 ones as stored where the
+        CPU engine's decode path is lossy anyway (dtype "auto", compact decode copies `decode`: the
+        one-copy mode, planner/auto.one_copy), not widened to its fp32 compute format, which doubled
+        their RAM and ran them off the native kernels (a bf16 Mixtral-shaped checkpoint decoded at
+        22 tok/s with fp32 experts); else the compute format). None for dense models."""
         from tiered.memory.expert_store import expert_tensor_names, moe_layers
         from tiered.quant.gguf_experts import stored_format
 
@@ -173,7 +176,13 @@ class LLM:
         if ec.expert_weights != "auto":
             return ec.expert_weights
         handles = [self.checkpoint.handle(n) for n in expert_tensor_names(cfg.model_type, moe_layers(self.checkpoint, cfg)[0], 0)]
-        return stored_format(handles) or weights
+        stored = stored_format(handles)
+        if stored is not None:
+            return stored
+        if (weights == "fp32" and self.accelerator is None and ec.dtype == "auto" and decode not in ("none", "fp32")
+                and all(h.format == "BF16" for h in handles)):
+            return "bf16"
+        return weights
 
     def _plan_mixed(self, plan) -> None:
         """HOBBIT mixed precision into `plan`: the low format and thresholds, and the low cache pool
