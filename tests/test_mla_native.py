@@ -1,10 +1,14 @@
-"""DeepSeek's multi-head latent attention (MLA) inside the native C++ decode step.
+"""DeepSeek's multi-head latent attention (MLA) and MoE block inside the native C++ decode step.
 
 The CPU decode step (runtime/cpu_decode.CPUDecodeStep, kernels/csrc/decode.cpp DecodeStep.set_latent)
 runs a DeepSeek layer's attention half itself, in MLA's absorbed decode form (DeepSeek-V2, arXiv
-2405.04434, §2.1 and Appendix C), and its MoE block as the module. The oracle is the same step with
-those layers run whole as modules (TIERED_NATIVE_MLA=0: schedule entries ("whole", i)), over the same
-weights and the same cache contents: logits within 1e-4 in fp32, within bf16 rounding otherwise.
+2405.04434, §2.1 and Appendix C), and its MoE block too (DecodeStep.set_moe: DeepSeek's router, the
+ungated shared experts, the routed scaling; DeepSeek-V2 §2.2, DeepSeek-V3 arXiv 2412.19437 §2.1.2)
+where every expert has native kernels (bf16 or quantized experts; fp32 ones have none: the block is
+then its module). The oracle is the same step with those layers run whole as modules
+(TIERED_NATIVE_MLA=0: schedule entries ("whole", i)), or with the MoE blocks as modules
+(TIERED_NATIVE_MOE=0: ("attn", i)), over the same weights and the same cache contents: logits within
+1e-4 in fp32, within bf16 rounding otherwise. tests/test_native_routing.py checks the routing rules alone.
 
 Models are the tiny V2 (no query rank) and V3 (query rank, YaRN) checkpoints of tests/moe_fixtures.py
 (both rotate interleaved RoPE pairs), in three engine modes: the lossless fp32 one (kv_b_proj's fp32
@@ -30,7 +34,7 @@ from runtime_fixtures import rt  # noqa: E402,F401  (the shared checkpoint zoo f
 
 from tiered import LLM, EngineConfig, SamplingParams, kernels  # noqa: E402
 from tiered.memory import sizes  # noqa: E402
-from tiered.models.deepseek import LatentAttention  # noqa: E402
+from tiered.models.deepseek import DeepSeekRouter, LatentAttention  # noqa: E402
 from tiered.models.layers import KVCache  # noqa: E402
 from tiered.runtime.cpu_decode import CPUDecodeStep  # noqa: E402
 
@@ -42,16 +46,23 @@ MODES = {
     "default": dict(),  # fp32 weights, bf16 decode copies and absorbed kernels, bf16 KV cache
     "bf16": dict(dtype="bfloat16"),  # bf16 weights, absorbed kernels, bf16 KV cache
 }
+# the MoE block in the step needs native expert kernels: bf16 experts beside the lossless fp32 weights,
+# int4 experts in the default engine (its decode copies and bf16 KV cache), a bf16 engine's bf16 ones
+MOE_MODES = {
+    "fp32": dict(decode_weights="fp32", expert_weights="bf16"),
+    "default": dict(expert_weights="int4"),
+    "bf16": dict(dtype="bfloat16"),
+}
 MAX_CONTEXT = 48
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 _engines: dict = {}
 
 
-def engine(rt, kind: str, mode: str) -> LLM:  # noqa: F811
-    """The CPU engine over the tiny `kind` checkpoint in `mode` (one per module, kept open)."""
-    key = (kind, mode)
+def engine(rt, kind: str, mode: str, modes: dict = MODES) -> LLM:  # noqa: F811
+    """The CPU engine over the tiny `kind` checkpoint in `modes[mode]` (one per module, kept open)."""
+    key = (kind, tuple(sorted(modes[mode].items())))
     if key not in _engines:
-        _engines[key] = LLM(rt.dir(kind), EngineConfig(max_context=MAX_CONTEXT, accelerator="none", **MODES[mode]))
+        _engines[key] = LLM(rt.dir(kind), EngineConfig(max_context=MAX_CONTEXT, accelerator="none", **modes[mode]))
     return _engines[key]
 
 
@@ -66,6 +77,14 @@ def module_step(model, monkeypatch) -> CPUDecodeStep:
     monkeypatch.setenv("TIERED_NATIVE_MLA", "0")
     step = CPUDecodeStep(model, native=True)
     monkeypatch.delenv("TIERED_NATIVE_MLA")
+    return step
+
+
+def moe_module_step(model, monkeypatch) -> CPUDecodeStep:
+    """The native step with every MoE block run as its module (the path set_moe replaces)."""
+    monkeypatch.setenv("TIERED_NATIVE_MOE", "0")
+    step = CPUDecodeStep(model, native=True)
+    monkeypatch.delenv("TIERED_NATIVE_MOE")
     return step
 
 
@@ -97,13 +116,15 @@ def kl(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", KINDS)
 def test_latent_layers_run_in_the_native_step(rt, kind, mode, monkeypatch):  # noqa: F811
     """No latent layer is a ("whole", i) module call: the dense first layer is a native segment
-    (its MLP in C++ too), the MoE layers native attention plus their block; LatentAttention.forward
-    is not called in a decode step. TIERED_NATIVE_MLA=0 brings the module path back."""
+    (its MLP in C++ too), the MoE layers native attention plus their block, in the step with bf16
+    experts (a bf16 engine), as modules with fp32 ones (no native kernel); LatentAttention.forward is
+    not called in a decode step. TIERED_NATIVE_MLA=0 brings the module path back."""
     llm = engine(rt, kind, mode)
     step = llm.runtime.cpu_decode
     assert llm.plan.native_decode and step.native is not None
     assert llm.plan.dtypes["kv_cache"] == ("fp32" if mode == "fp32" else "bf16")  # default: bf16 beside fp32
-    assert step.schedule == [("native", 0, 1), ("attn", 1), ("attn", 2)]
+    modules = [("native", 0, 1), ("attn", 1), ("attn", 2)]
+    assert step.schedule == ([("native", 0, 3)] if mode == "bf16" else modules) and step.fallback == modules
     assert module_step(llm.model, monkeypatch).schedule == [("whole", 0), ("whole", 1), ("whole", 2)]
     attns = [m for m in llm.model.modules() if isinstance(m, LatentAttention)]
     assert all((a.absorbed is None) == (mode == "fp32") for a in attns)  # lossless: kv_b_proj's fp32 weight
@@ -144,6 +165,54 @@ def test_native_latent_step_equals_module_step(rt, kind, mode, threads, monkeypa
         assert float((got - ref).abs().max() / ref.abs().max()) < 2e-2 and float(kl(ref, got).max()) < 1e-3
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
         assert float((cache.k.float() - ref_cache.k.float()).abs().max()) <= 8e-3 * float(ref_cache.k.abs().max())
+
+
+@pytest.mark.parametrize("mode", list(MOE_MODES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_moe_block_equals_module_block(rt, kind, mode, monkeypatch):  # noqa: F811
+    """DeepSeek's MoE block in the step (V2: group_limited_greedy, best 1 of 2 groups, scaling 1.5; V3:
+    noaux_tc with its bias, scaling 2.5, renormalized; both with 2 ungated shared experts) against the
+    same step running the block as its module (TIERED_NATIVE_MOE=0): batches of 3 rows in slots 2, 0,
+    3 at positions 1.., 6.., 17.. for 12 steps. The attention half and the block's input are the same
+    code on both sides, so only the router's fp32 logits (summation order) and exponentials differ:
+    fp32 within 1e-4 (measured 2.4e-7); bf16 roundings within a bf16 ulp, the same tokens winning
+    (measured: equal bit for bit; without the scaling, the groups, the bias or the shared experts
+    0.15-1.0 apart). MoEBlock.forward is not called in the step's decode, and the runner counts its
+    resident uses."""
+    from tiered.models.moe import MoEBlock
+
+    # the module path's bf16 experts take the native kernel at these rows whatever this machine's tuning
+    # chose (kernels.bf16_native_rows: torch's GEMMs past 4 rows in one tuning, 1e-3 apart in fp32)
+    monkeypatch.setattr(kernels, "bf16_native_rows", lambda: 32)
+    llm = engine(rt, kind, mode, MOE_MODES)
+    step, blocks = llm.runtime.cpu_decode, [layer.mlp for layer in llm.model.model.layers[1:]]
+    assert all(type(b.gate) is DeepSeekRouter and b.shared_expert_gate is None for b in blocks)
+    method = {"deepseek_v2": "group_limited_greedy", "deepseek_v3": "noaux_tc"}[kind]
+    assert all(b.gate.method == method and b.gate.n_group == 2 for b in blocks)
+    assert step.schedule == [("native", 0, 3)] and step.moe_blocks == blocks
+    ref_step = moe_module_step(llm.model, monkeypatch)
+    assert ref_step.schedule == ref_step.fallback == step.fallback == [("native", 0, 1), ("attn", 1), ("attn", 2)]
+    calls, forward = [], MoEBlock.forward
+
+    def spy(self, x):  # records decode calls (3 rows of one token); prompts (one row) run the module
+        if x.shape[:2] == (3, 1):
+            calls.append(self.layer_idx)
+        return forward(self, x)
+
+    monkeypatch.setattr(MoEBlock, "forward", spy)
+    runner = blocks[0].runner
+    hits = runner.resident_hits
+    lens, slots = [1, 6, 17], [2, 0, 3]
+    got, cache = run_steps(llm, step, lens, slots, 12)
+    assert calls == [] and runner.resident_hits > hits
+    ref, ref_cache = run_steps(llm, ref_step, lens, slots, 12)
+    assert len(calls) == 12 * 2  # the spy sees the module path's calls
+    if mode == "fp32":
+        assert float((got - ref).abs().max() / ref.abs().max()) < 1e-4
+        assert float((cache.k - ref_cache.k).abs().max() / ref_cache.k.abs().max()) < 1e-4
+    else:
+        assert float((got - ref).abs().max() / ref.abs().max()) < 2e-2 and float(kl(ref, got).max()) < 1e-3
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -224,7 +293,9 @@ def test_deepseek2_gguf_decodes_natively(kind, tmp_path, monkeypatch):
         monkeypatch.setenv("TIERED_NATIVE_MLA", flag)
         llm = LLM(path, EngineConfig(max_context=MAX_CONTEXT, accelerator="none"))
         try:
-            assert (llm.runtime.cpu_decode.schedule[0] == ("whole", 0)) == (flag == "0")
+            # Q8_0 experts (int8 per 32): the MoE blocks run in the step too
+            assert llm.runtime.cpu_decode.schedule == ([("native", 0, 3)] if flag == "1" else
+                                                       [("whole", 0), ("whole", 1), ("whole", 2)])
             tokens[flag] = llm.generate([ids], GREEDY)[0].token_ids
         finally:
             llm.close()

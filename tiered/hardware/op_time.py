@@ -229,8 +229,9 @@ def moe_layer_overhead(profile: HardwareProfile) -> float:
 
 def mla_layer_overhead(profile: HardwareProfile) -> float | None:
     """Seconds of one DeepSeek layer's fixed cost in a CPU decode step (latent attention and the MoE
-    block run as modules: the slope of runtime/mla_step/bf16, a tiny DeepSeek-V2's step, n = layers),
-    in place of step_overhead's per-layer cost and moe_layer_overhead; None when not profiled."""
+    block, in C++ where the native step runs them: the slope of runtime/mla_step/bf16, a tiny
+    DeepSeek-V2's step, n = layers), in place of step_overhead's per-layer cost and moe_layer_overhead;
+    None when not profiled."""
     m = profile.models.get("runtime/mla_step/bf16")
     return m.beta if m is not None else None
 

@@ -811,9 +811,10 @@ def _mla_step_points(repeats: int) -> list[tuple[float, float]]:
     """(layers, seconds) of one decode step of tiny DeepSeek-V2-shaped models (hidden 64, multi-head
     latent attention with 4 heads, a latent of 32 and a RoPE key of 8; 8 experts, top-2, one shared
     expert, every layer MoE; bf16, every expert in RAM) with 2..8 layers, opened by the engine (plan
-    "off"). The native step runs no latent attention: each such layer is its modules (the attention
-    in the latent space, DeepSeek's router, the expert runner, the shared expert), whose fixed cost
-    per layer is the slope (runtime/mla_step/bf16), where runtime/moe_step's layers run in C++."""
+    "off"). The native step runs each such layer in C++ (DecodeStep.set_latent: the attention in the
+    latent space; set_moe: DeepSeek's router, the bf16 experts as stored, the shared expert), or as its
+    modules where it cannot (TIERED_NATIVE_MLA=0 / TIERED_NATIVE_MOE=0, fp32 experts); the fixed cost
+    per layer is the slope (runtime/mla_step/bf16), beside runtime/moe_step's for plain MoE layers."""
     from tiered.bench.checkpoint import DEEPSEEK_V2_LITE, write_dummy_deepseek_checkpoint
 
     tiny = dict(vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
@@ -1080,7 +1081,7 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # On CUDA machines also meta["host_share"] (a CPU expert's and an H2D copy's slowdown when they run at once)
 # and runtime/moe_cpu_layer_gpu/bf16 (a tiny MoE's decode layers with every expert on the CPU path).
 # 18: runtime/mla_step/bf16 (a tiny DeepSeek-V2's decode layers: latent attention and DeepSeek's MoE block
-# as modules inside the CPU decode step).
+# inside the CPU decode step, as modules then; in C++ since).
 # 19: gemv/cpu/fp8 (tiered's fp8 kernel: an fp8 checkpoint's decode weights and fp8 experts, priced
 # at int8's rate before; the kernel converts each byte through fp16 and is slower than int8's from cache).
 # 20: meta["probe"]: a memory-speed probe (Probe: the bf16 decode kernel from DRAM) timed among each CPU

@@ -268,7 +268,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     moe_fixed = op_time.moe_layer_overhead(hw)  # the MoE block's own code, beyond a dense layer's
     mla = op_time.mla_layer_overhead(hw) if cfg.is_mla else None
-    if mla is not None:  # DeepSeek's layers run as modules: their own measured fixed cost
+    if mla is not None:  # DeepSeek's layers (latent attention, their MoE block): their own measured fixed cost
         per_layer, moe_fixed = mla, 0.0
     ws = step_weight_bytes(cfg, dtype, moe_layers, mix)  # beyond the last-level cache: DRAM's rate
     layers = []

@@ -28,11 +28,13 @@ layer's own forward; the result is the same model.
 With `native=True` (Plan.native_decode: tiered/kernels built), the same step runs in C++
 (tiered/kernels/csrc/decode.cpp): one call per run of consecutive plain layers, the glue as plain
 loops and only the weight kernels left, so a SmolLM2 step issues a handful of Python calls instead
-of ~1,400 torch ops. DeepSeek's latent-attention layers (models/deepseek.LatentAttention) run their
-attention half there too, in the absorbed form (DeepSeek-V2 §2.1, Appendix C; `_native_latent`),
-their MoE block as its module (a dense first layer's MLP in C++ as well); the torch-op step runs them
-whole as modules. TIERED_NATIVE_MLA=0 keeps them whole as modules in the native step as well (to
-compare the two; the native layer is the default).
+of ~1,400 torch ops. MoE blocks whose experts are all resident run there too (`_native_moe`: the
+router, the top-k experts, the shared expert), with the standard router or DeepSeek's (DeepSeek-V2
+§2.2, DeepSeek-V3 §2.1.2). DeepSeek's latent-attention layers (models/deepseek.LatentAttention) run
+their attention half there, in the absorbed form (DeepSeek-V2 §2.1, Appendix C; `_native_latent`),
+and their MoE block or dense MLP after it; the torch-op step runs them whole as modules.
+TIERED_NATIVE_MLA=0 keeps latent layers whole as modules in the native step as well, and
+TIERED_NATIVE_MOE=0 every MoE block its module (to compare; the native parts are the default).
 """
 
 from __future__ import annotations
@@ -168,26 +170,47 @@ def _native_group(parent: nn.Module, names: tuple[str, ...]) -> list:
     return [kernel_for(m) for m in _group_modules(parent, names)]
 
 
-def _native_moe(block, dtype: torch.dtype) -> tuple | None:
-    """DecodeStep.set_moe's arguments after the layer (router weight [E, D], top_k, norm_topk_prob,
-    ext.BoundExperts, and the shared expert's gate/up, down and gate kernels, or empty lists) for a
-    MoE block the native step can run whole, or None. It can when the block has the standard router
-    (and a plain SwiGLU shared expert with a bias-free gate, if any), the model computes in float32
-    or bfloat16, and its runner (runtime/moe_runner.TieredExperts) keeps every expert of the layer
-    resident in RAM in one format (its one-call layers, `_layer_calls`), with no accelerator,
-    prefetcher or mixed-precision copies: nothing it would decide per step."""
+def _native_moe(block, dtype: torch.dtype) -> dict | None:
+    """DecodeStep.set_moe's keyword arguments after the layer for a MoE block the native step can run
+    whole, or None: the block then runs as its module. They are the router's weight [E, D] (fp32 or
+    the model's dtype, widened exactly), top_k, norm_topk_prob, ext.BoundExperts (every expert's
+    kernels), the shared expert's gate/up and down kernels and its gate's ([1, D]; none for DeepSeek's
+    ungated shared experts), or empty lists, and DeepSeek's routing (models/deepseek.DeepSeekRouter):
+    method (its topk_method: "greedy", "group_limited_greedy" or "noaux_tc"), n_group, topk_group,
+    scaling (routed_scaling_factor) and bias (noaux_tc's e_score_correction_bias fp32 [E]); from
+    DeepSeek-V2 (arXiv 2405.04434) §2.2 and, for noaux_tc, DeepSeek-V3 (arXiv 2412.19437) §2.1.2.
+
+    It can when the block has the standard router (models/moe.Router) or DeepSeek's (no other
+    subclass), a plain SwiGLU shared expert with a bias-free gate or none (if any), the model computes
+    in float32 or bfloat16, and its runner (runtime/moe_runner.TieredExperts) keeps every expert of the
+    layer resident in RAM in one format (its one-call layers, `_layer_calls`), with no accelerator,
+    prefetcher or mixed-precision copies: nothing it would decide per step. TIERED_NATIVE_MOE=0: None
+    (every MoE block its module, to compare the two)."""
+    from tiered.models.deepseek import DeepSeekRouter
     from tiered.models.moe import MoEBlock, Router
     from tiered.runtime.moe_runner import TieredExperts
 
-    if not isinstance(block, MoEBlock) or type(block.gate) is not Router:
+    if (not isinstance(block, MoEBlock) or type(block.gate) not in (Router, DeepSeekRouter)
+            or os.environ.get("TIERED_NATIVE_MOE", "1") in ("0", "false", "no", "off")):
         return None
-    shared: tuple = ([], [], [])
+    gate = block.gate
+    args = dict(router=gate.weight, top_k=gate.top_k, norm_topk_prob=gate.norm_topk_prob)
+    if type(gate) is DeepSeekRouter:
+        grouped = gate.method != "greedy" and gate.n_group > 1
+        if grouped and gate.top_k > gate.topk_group * (gate.out_features // gate.n_group):
+            return None  # fewer experts in the kept groups than top_k: torch.topk's pick among masked ties
+        bias = gate.e_score_correction_bias
+        args.update(method=gate.method, n_group=gate.n_group if grouped else 1,
+                    topk_group=gate.topk_group if grouped else 1, scaling=gate.scaling,
+                    bias=None if bias is None else bias.detach())
     if block.shared_expert is not None:
-        if type(block.shared_expert) is not MLP or block.shared_expert_gate.bias is not None:
+        gated = block.shared_expert_gate is not None
+        if type(block.shared_expert) is not MLP or (gated and block.shared_expert_gate.bias is not None):
             return None
         se = block.shared_expert
-        shared = (_native_group(se, ("gate_proj", "up_proj")), [kernel_for(_decode_module(se.down_proj))],
-                  [kernel_for(_decode_module(block.shared_expert_gate))])
+        args.update(shared_gate_up=_native_group(se, ("gate_proj", "up_proj")),
+                    shared_down=[kernel_for(_decode_module(se.down_proj))],
+                    shared_gate=[kernel_for(_decode_module(block.shared_expert_gate))] if gated else [])
     r = block.runner
     if (dtype not in (torch.float32, torch.bfloat16) or not isinstance(r, TieredExperts) or r.accelerator is not None
             or r.prefetcher is not None or r.low is not None or block.layer_idx not in r._layer_calls):
@@ -195,7 +218,7 @@ def _native_moe(block, dtype: torch.dtype) -> tuple | None:
     bound = r.fmt.bind_layer([r.store.resident[(block.layer_idx, e)] for e in range(r.num_experts)])
     if bound is None:
         return None
-    return (block.gate.weight, block.gate.top_k, block.gate.norm_topk_prob, bound) + shared
+    return dict(args, experts=bound)
 
 
 def _native_latent(layer: nn.Module, dtype: torch.dtype) -> dict | None:
@@ -253,19 +276,20 @@ def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list, 
     cannot run. The first schedule runs MoE blocks in the step (DecodeStep.set_moe) where every MoE
     layer allows it (_native_moe), else equals the second, which runs every MoE block as its module
     (routing hooks: MoEBlock.on_route). Latent-attention layers (_native_latent) are step layers
-    (DecodeStep.set_latent) like plain ones: "native" with a dense MLP, "attn" with a MoE block."""
+    (DecodeStep.set_latent) like plain ones: "native" with a dense MLP or a MoE block the step runs,
+    "attn" with a MoE block it does not."""
     cfg = model.config
     dtype = model.model.norm.weight.dtype  # the residual stream's (the final norm keeps the model dtype)
     # latent attention: one cache "head" of R + r per layer (ModelConfig.kv_widths), r = head_dim
     step = native.DecodeStep(cfg.hidden_size, cfg.num_attention_heads, 1 if cfg.is_mla else cfg.num_key_value_heads,
                              cfg.head_dim, cfg.head_dim ** -0.5, cfg.sliding_window or 0)
     latent = {}  # layer -> _native_latent's arguments
-    moe = {}  # layer -> _native_moe's tuple
+    moe = {}  # layer -> _native_moe's arguments
     for L, layer in layers:
-        if not L.whole and L.ffn is not None:
-            moe[L.idx] = _native_moe(L.ffn, dtype)
         if L.whole and (args := _native_latent(layer, dtype)) is not None:
             latent[L.idx] = args
+        if L.ffn is not None and (not L.whole or L.idx in latent):  # an FFN after the step's attention
+            moe[L.idx] = _native_moe(L.ffn, dtype)
     if not moe or None in moe.values():  # all MoE layers in the step, or none (one token count per step)
         moe = {}
     schedule: list = []
@@ -296,7 +320,7 @@ def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list, 
             step.set_qk(i, qn, kn, attn.q_norm.eps if attn.q_norm is not None else 0.0, attn.qk_norm_per_head,
                         attn.clip_qkv or 0.0)
         if i in moe:
-            step.set_moe(i, *moe[i])
+            step.set_moe(i, **moe[i])
         for sched, whole in ((schedule, plain or i in moe), (fallback, plain)):
             if whole and sched and sched[-1][0] == "native" and sched[-1][2] == i:
                 sched[-1] = ("native", sched[-1][1], i + 1)

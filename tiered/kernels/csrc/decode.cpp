@@ -26,6 +26,8 @@
 #include <cstring>
 #include <functional>
 #include <numeric>
+#include <string>
+#include <tuple>
 #include <utility>
 #include <type_traits>
 #include <vector>
@@ -66,14 +68,24 @@ struct Group {
   }
 };
 
-// A MoE layer's FFN run in the step (set_moe): models/moe.Router's rule, then every routed expert
-// of the layer, whose kernels stay bound to their resident weights.
+// How a MoE layer's router turns its logits into top_k experts and their weights (set_moe's `method`):
+// models/moe.Router's softmax, or one of models/deepseek.DeepSeekRouter's topk_methods.
+enum class Routing { kSoftmax, kGreedy, kGroupLimitedGreedy, kNoauxTc };
+
+// A MoE layer's FFN run in the step (set_moe): its router's rule, then every routed expert of the
+// layer, whose kernels stay bound to their resident weights, and its shared expert.
 struct Moe {
   std::vector<float> router;  // [E, D] fp32 (the router's weights, widened exactly)
   int64_t top_k = 0;
   bool norm_topk = false;
+  Routing method = Routing::kSoftmax;
+  int64_t n_group = 1, topk_group = 1;  // group-limited methods: E / n_group experts a group, topk_group kept
+  float scaling = 1.f;  // DeepSeek's routed_scaling_factor (every weight times it)
+  std::vector<float> bias;  // [E] noaux_tc's e_score_correction_bias (the choice only), else empty
   std::shared_ptr<gemv::BoundExperts> experts;
-  Group shared_gu, shared_down, shared_gate;  // Qwen-MoE's shared expert and its gate [D -> 1], or empty
+  // the shared expert (Qwen-MoE's, DeepSeek's shared experts as one MLP) and its gate [D -> 1] (Qwen-MoE;
+  // empty: added ungated, DeepSeek), all empty for none
+  Group shared_gu, shared_down, shared_gate;
 };
 
 // A DeepSeek layer's multi-head latent attention run in the step (set_latent; models/deepseek.py).
@@ -225,6 +237,74 @@ __attribute__((always_inline)) inline void softmax_rows(float* p, int64_t rows, 
     }
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < n; ++t) pj[t] *= inv;
+  }
+}
+
+// ord[0..kk) <- the indices of the kk largest of v[0..n), largest first, the lower index first among
+// equals (torch.topk leaves the order of equals to its partial sort: the lower expert here, as before).
+inline void top_indices(const float* v, int64_t n, int64_t kk, int64_t* ord) {
+  std::iota(ord, ord + n, int64_t(0));
+  std::partial_sort(ord, ord + kk, ord + n,
+                    [&](int64_t a, int64_t c) { return v[a] > v[c] || (v[a] == v[c] && a < c); });
+}
+
+// v [E] <- `fill` outside the topk_group best of m's n_group groups of E / n_group consecutive experts,
+// a group scored by its best value (best = 1) or the sum of its two best (best = 2): as
+// models/deepseek.DeepSeekRouter._group_mask.
+void mask_groups(const Moe& m, float* v, int64_t E, int best, float fill) {
+  const int64_t G = m.n_group, S = E / G;
+  std::vector<float> score(G);
+  std::vector<int64_t> ord(std::max(G, S));
+  for (int64_t g = 0; g < G; ++g) {
+    const float* vg = v + g * S;
+    if (best == 1) {
+      score[g] = *std::max_element(vg, vg + S);
+    } else {
+      top_indices(vg, S, 2, ord.data());
+      score[g] = vg[ord[0]] + vg[ord[1]];
+    }
+  }
+  top_indices(score.data(), G, m.topk_group, ord.data());
+  std::vector<char> keep(G, 0);
+  for (int64_t j = 0; j < m.topk_group; ++j) keep[ord[j]] = 1;
+  for (int64_t g = 0; g < G; ++g)
+    if (!keep[g]) std::fill(v + g * S, v + (g + 1) * S, fill);
+}
+
+// One row's routing (set_moe's rule) on its logits l fp32 [E] (kSoftmax: already rounded to the
+// model's dtype) -> idx [k] and weight fp32 [k], the best choice first:
+//   softmax, greedy: p = softmax(l); the top k of p, divided by their sum when norm_topk;
+//   group_limited_greedy: the same with p set to 0 outside the topk_group groups of best max(p)
+//     (DeepSeek-V2, arXiv 2405.04434, §2.2.2's device-limited routing as transformers' V2 has it);
+//   noaux_tc: p = sigmoid(l), choice c = p + bias, c = -inf outside the topk_group groups of best
+//     top-2 sum of c; the top k of c keep their p, divided by (their sum + 1e-20) when norm_topk
+//     (DeepSeek-V3, arXiv 2412.19437, §2.1.2);
+// then every weight times `scaling`: models/deepseek.DeepSeekRouter.select op for op in fp32.
+void route_row(const Moe& m, const float* l, int64_t E, int64_t* idx, float* wt) {
+  const int64_t k = m.top_k;
+  std::vector<float> p(l, l + E), c;
+  std::vector<int64_t> order(E);
+  float s = 0.f;
+  if (m.method == Routing::kNoauxTc) {
+    c.resize(E);
+    for (int64_t e = 0; e < E; ++e) {
+      p[e] = 1.f / (1.f + std::exp(-l[e]));
+      c[e] = p[e] + m.bias[e];
+    }
+    if (m.n_group > 1) mask_groups(m, c.data(), E, 2, -INFINITY);
+    top_indices(c.data(), E, k, order.data());
+    for (int64_t j = 0; j < k; ++j) s += p[order[j]];
+    s += 1e-20f;
+  } else {
+    softmax_rows(p.data(), 1, E, nullptr);
+    if (m.method == Routing::kGroupLimitedGreedy && m.n_group > 1) mask_groups(m, p.data(), E, 1, 0.f);
+    top_indices(p.data(), E, k, order.data());
+    for (int64_t j = 0; j < k; ++j) s += p[order[j]];
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    idx[j] = order[j];
+    const float w = m.norm_topk ? p[order[j]] / s : p[order[j]];
+    wt[j] = w * m.scaling;
   }
 }
 
@@ -659,13 +739,19 @@ class DecodeStep {
     L.mla = std::move(A);
   }
 
-  // Layer l's FFN becomes a MoE block run in the step: router weight [E, D] (models/moe.Router),
-  // top_k, norm_topk_prob, every expert's kernels (BoundExperts, E of them), and Qwen-MoE's shared
-  // expert (gate/up, down and its [1, D] gate kernels; all empty: none). Routing hooks and the
-  // trace are the caller's: it runs such steps through the block's module instead.
+  // Layer l's FFN becomes a MoE block run in the step: router weight [E, D], top_k, norm_topk_prob,
+  // every expert's kernels (BoundExperts, E of them), the shared expert (gate/up, down; all empty:
+  // none) with its [1, D] gate kernel (Qwen-MoE: out + sigmoid(gate h) shared(h)) or none (DeepSeek's
+  // shared experts: out + shared(h)), and the routing rule (route_row):
+  //   method "softmax": models/moe.Router (logits rounded to the model's dtype, as it computes them);
+  //   "greedy", "group_limited_greedy", "noaux_tc": models/deepseek.DeepSeekRouter's topk_method
+  //   (fp32 logits), over n_group groups of which topk_group are kept (grouped methods), bias [E] fp32
+  //   (noaux_tc's e_score_correction_bias; none otherwise), every weight times `scaling`.
+  // Routing hooks and the trace are the caller's: it runs such steps through the block's module instead.
   void set_moe(int64_t l, const at::Tensor& router, int64_t top_k, bool norm_topk,
                std::shared_ptr<gemv::BoundExperts> experts, std::vector<KernelPtr> shared_gate_up,
-               std::vector<KernelPtr> shared_down, std::vector<KernelPtr> shared_gate) {
+               std::vector<KernelPtr> shared_down, std::vector<KernelPtr> shared_gate, const std::string& method,
+               int64_t n_group, int64_t topk_group, double scaling, c10::optional<at::Tensor> bias) {
     TIERED_CHECK(0 <= l && l < num_layers() && layers_[l].runs() && layers_[l].gate_up.empty(),
                 "decode step: set_moe needs an attention-only layer, got ", l);
     TIERED_CHECK(router.dim() == 2 && router.size(1) == D, "decode step: the router must be [E, ", D, "]");
@@ -674,16 +760,68 @@ class DecodeStep {
                 " experts of width ", D, " expected");
     TIERED_CHECK(1 <= top_k && top_k <= E, "decode step: top_k must be in [1, ", E, "]");
     auto m = std::make_shared<Moe>();
+    const std::pair<const char*, Routing> methods[] = {{"softmax", Routing::kSoftmax}, {"greedy", Routing::kGreedy},
+        {"group_limited_greedy", Routing::kGroupLimitedGreedy}, {"noaux_tc", Routing::kNoauxTc}};
+    auto it = std::find_if(std::begin(methods), std::end(methods), [&](const auto& p) { return method == p.first; });
+    TIERED_CHECK(it != std::end(methods), "decode step: unknown routing method '", method,
+                "' (softmax, greedy, group_limited_greedy or noaux_tc)");
+    m->method = it->second;
+    const bool grouped = m->method == Routing::kGroupLimitedGreedy || m->method == Routing::kNoauxTc;
+    TIERED_CHECK(grouped || (n_group == 1 && topk_group == 1), "decode step: routing method '", method,
+                "' takes no groups, got n_group ", n_group, ", topk_group ", topk_group);
+    TIERED_CHECK(n_group >= 1 && E % n_group == 0, "decode step: ", E, " experts do not split into n_group = ",
+                n_group, " groups");
+    TIERED_CHECK(1 <= topk_group && topk_group <= n_group, "decode step: topk_group must be in [1, ", n_group,
+                "], got ", topk_group);
+    TIERED_CHECK(n_group == 1 || top_k <= topk_group * (E / n_group), "decode step: top_k = ", top_k,
+                " exceeds the ", topk_group * (E / n_group), " experts of the topk_group kept groups");
+    TIERED_CHECK(m->method != Routing::kNoauxTc || n_group == 1 || E / n_group >= 2,
+                "decode step: noaux_tc scores a group by its two best experts: groups need 2 or more, got ",
+                E / n_group);
+    TIERED_CHECK(std::isfinite(scaling) && scaling > 0, "decode step: the routed scaling must be > 0, got ", scaling);
+    TIERED_CHECK(m->method != Routing::kSoftmax || scaling == 1.0,
+                "decode step: routing method 'softmax' has no routed scaling, got ", scaling);
+    const bool has_bias = bias && bias->defined() && bias->numel() > 0;
+    TIERED_CHECK(has_bias == (m->method == Routing::kNoauxTc), "decode step: noaux_tc takes a bias [E] ",
+                "(e_score_correction_bias), the other methods none");
+    if (has_bias) {
+      TIERED_CHECK(bias->dim() == 1 && bias->numel() == E, "decode step: the bias must be [", E, "], got ",
+                  bias->sizes());
+      m->bias = to_floats(*bias);
+    }
     m->router = to_floats(router);
     m->top_k = top_k, m->norm_topk = norm_topk, m->experts = std::move(experts);
+    m->n_group = n_group, m->topk_group = topk_group, m->scaling = float(scaling);
     m->shared_gu = Group(std::move(shared_gate_up));
     m->shared_down = Group(std::move(shared_down));
     m->shared_gate = Group(std::move(shared_gate));
+    TIERED_CHECK(!m->shared_gu.empty() || (m->shared_down.empty() && m->shared_gate.empty()),
+                "decode step: shared_down / shared_gate given without shared_gate_up");
     if (!m->shared_gu.empty())
       TIERED_CHECK(m->shared_gu.in == D && m->shared_gu.out % 2 == 0 && m->shared_down.in == m->shared_gu.out / 2 &&
-                      m->shared_down.out == D && m->shared_gate.in == D && m->shared_gate.out == 1,
-                  "decode step: the shared expert's kernels (gate/up, down, gate [1, D]) have the wrong shapes");
+                      m->shared_down.out == D &&
+                      (m->shared_gate.empty() || (m->shared_gate.in == D && m->shared_gate.out == 1)),
+                  "decode step: the shared expert's kernels (gate/up [2F, ", D, "], down [", D,
+                  ", F], gate [1, ", D, "] or none) have the wrong shapes");
     layers_[l].moe = std::move(m);
+  }
+
+  // Layer l's routing rule (set_moe) on logits fp32 [N, E]: (idx int64 [N, k], weight fp32 [N, k]), the
+  // best choice first, the weights before the step rounds them to the model's dtype. For tests: the
+  // step itself routes its rows in moe_block.
+  std::tuple<at::Tensor, at::Tensor> route(int64_t l, const at::Tensor& logits) {
+    TIERED_CHECK(0 <= l && l < num_layers() && layers_[l].moe, "decode step: layer ", l, " has no set_moe");
+    const Moe& m = *layers_[l].moe;
+    const int64_t E = m.experts->num_experts(), k = m.top_k;
+    TIERED_CHECK(logits.dim() == 2 && logits.size(1) == E && logits.scalar_type() == at::kFloat,
+                "decode step: logits must be float32 [N, ", E, "]");
+    auto lf = logits.contiguous();
+    const int64_t N = lf.size(0);
+    auto idx = at::empty({N, k}, at::TensorOptions().dtype(at::kLong));
+    auto wt = at::empty({N, k}, at::TensorOptions().dtype(at::kFloat));
+    for (int64_t b = 0; b < N; ++b)
+      route_row(m, lf.data_ptr<float>() + b * E, E, idx.data_ptr<int64_t>() + b * k, wt.data_ptr<float>() + b * k);
+    return {idx, wt};
   }
 
   // Routed experts the step's MoE layers have run since the last call (distinct experts per layer
@@ -860,7 +998,7 @@ class DecodeStep {
         L.o.run(att.data(), B, y.data(), tmp);
       }
       if (L.moe && moe) {  // x += the routed experts' weighted sum of norm(x)
-        residual_norm(true, L.post_norm, L.eps);
+        residual_norm(true, L.post_norm, L.eps, L.mla != nullptr);
         moe_block<T>(*L.moe, B, h.data(), y.data());
         pending = true;
         continue;
@@ -1040,32 +1178,25 @@ class DecodeStep {
   }
 
   // y [B, D] = the MoE block of h [B, D] (rounded to T), as models/moe.MoEBlock computes it with
-  // the runner's one-call layer: logits = W_router h rounded to T; probs = softmax(logits) in fp32;
-  // the top_k largest (lower expert id first among equals), divided by their sum when norm_topk,
-  // rounded to T; then gemv::moe_experts (bf16 rounding of its sums when T is bf16).
+  // the runner's one-call layer: logits = W_router h (rounded to T for models/moe.Router, fp32 for
+  // DeepSeek's); route_row's experts and weights, the weights rounded to T; then gemv::moe_experts
+  // (bf16 rounding of its sums when T is bf16); then the shared expert, gated or not.
   template <typename T>
   void moe_block(const Moe& m, int64_t B, const float* h, float* y) {
     const int64_t E = m.experts->num_experts(), k = m.top_k;
-    std::vector<int64_t> idx(B * k), order(E);
-    std::vector<float> wt(B * k), p(E);
+    std::vector<int64_t> idx(B * k);
+    std::vector<float> wt(B * k);
     std::vector<float> logits(B * E);
     // the router's logits of every row, its [E, D] weight split over the threads (Qwen3-MoE's 1 MB
     // fp32 router comes from DRAM each token: ~0.1 ms a layer on one core)
     at::parallel_for(0, E, E * D >= (1 << 16) ? 8 : E, [&](int64_t e0, int64_t e1) {
       for (int64_t b = 0; b < B; ++b) dot_rows(m.router.data() + e0 * D, h + b * D, e1 - e0, D, logits.data() + b * E + e0);
     });
+    if (m.method == Routing::kSoftmax)  // models/moe.Router's logits are in the activation dtype
+      for (int64_t i = 0; i < B * E; ++i) logits[i] = rnd<T>(logits[i]);
     for (int64_t b = 0; b < B; ++b) {
-      for (int64_t e = 0; e < E; ++e) p[e] = rnd<T>(logits[b * E + e]);
-      softmax_rows(p.data(), 1, E, nullptr);
-      std::iota(order.begin(), order.end(), int64_t(0));
-      std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                        [&](int64_t a, int64_t c) { return p[a] > p[c] || (p[a] == p[c] && a < c); });
-      float s = 0.f;
-      for (int64_t j = 0; j < k; ++j) s += p[order[j]];
-      for (int64_t j = 0; j < k; ++j) {
-        idx[b * k + j] = order[j];
-        wt[b * k + j] = rnd<T>(m.norm_topk ? p[order[j]] / s : p[order[j]]);
-      }
+      route_row(m, logits.data() + b * E, E, idx.data() + b * k, wt.data() + b * k);
+      for (int64_t j = 0; j < k; ++j) wt[b * k + j] = rnd<T>(wt[b * k + j]);
     }
     std::vector<int64_t> used(idx);
     std::sort(used.begin(), used.end());
@@ -1073,8 +1204,8 @@ class DecodeStep {
     gemv::moe_experts(m.experts->k.data(), h, B, D, idx.data(), wt.data(), k, std::is_same<T, at::BFloat16>::value,
                       y);
     if (m.shared_gu.empty()) return;
-    // y += sigmoid(W_sg h) * W_down (silu(g) * u), [g | u] = W_gu h: each term rounded to T as the
-    // block's torch ops round it (out + sigmoid(gate(h)) * shared_expert(h))
+    // y += sigmoid(W_sg h) * W_down (silu(g) * u), [g | u] = W_gu h, or without a gate y += W_down (..):
+    // each term rounded to T as the block's torch ops round it (out + [sigmoid(gate(h)) *] shared(h))
     const int64_t F = m.shared_down.in;
     std::vector<float> gu(B * 2 * F), act(B * F), e(B * D), g(B), tmp;
     m.shared_gu.run(h, B, gu.data(), tmp);
@@ -1084,11 +1215,16 @@ class DecodeStep {
         act[b * F + i] = rnd<T>(rnd<T>(gi / (1.f + std::exp(-gi))) * ui);
       }
     m.shared_down.run(act.data(), B, e.data(), tmp);
-    m.shared_gate.run(h, B, g.data(), tmp);
+    const bool gated = !m.shared_gate.empty();
+    if (gated) m.shared_gate.run(h, B, g.data(), tmp);
     for (int64_t b = 0; b < B; ++b) {
-      const float sg = rnd<T>(1.f / (1.f + std::exp(-rnd<T>(g[b]))));
       float* yb = y + b * D;
       const float* eb = e.data() + b * D;
+      if (!gated) {
+        for (int64_t i = 0; i < D; ++i) yb[i] = rnd<T>(yb[i] + rnd<T>(eb[i]));
+        continue;
+      }
+      const float sg = rnd<T>(1.f / (1.f + std::exp(-rnd<T>(g[b]))));
       for (int64_t i = 0; i < D; ++i) yb[i] = rnd<T>(yb[i] + rnd<T>(sg * rnd<T>(eb[i])));
     }
   }
@@ -1380,7 +1516,10 @@ void register_decode(pybind11::module& m) {
            py::arg("moe") = true, py::arg("post_norm") = py::none())
       .def("set_moe", &DecodeStep::set_moe, py::arg("layer"), py::arg("router"), py::arg("top_k"),
            py::arg("norm_topk_prob"), py::arg("experts"), py::arg("shared_gate_up") = std::vector<KernelPtr>{},
-           py::arg("shared_down") = std::vector<KernelPtr>{}, py::arg("shared_gate") = std::vector<KernelPtr>{})
+           py::arg("shared_down") = std::vector<KernelPtr>{}, py::arg("shared_gate") = std::vector<KernelPtr>{},
+           py::arg("method") = "softmax", py::arg("n_group") = 1, py::arg("topk_group") = 1, py::arg("scaling") = 1.0,
+           py::arg("bias") = py::none())
+      .def("route", &DecodeStep::route, py::arg("layer"), py::arg("logits"))
       .def("set_qk", &DecodeStep::set_qk, py::arg("layer"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
            py::arg("per_head"), py::arg("clip") = 0.0)
       .def("set_latent", &DecodeStep::set_latent, py::arg("layer"), py::arg("q"), py::arg("q_a"), py::arg("q_a_norm"),
