@@ -529,6 +529,9 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         assert result["bf16_native_rows"] == tune.choose_rows(
             {n: result["ratios"][f"bf16_rows_{n}"] for n in tune.ROW_CHOICES}, result["margin"])
         assert tune.measured(tmp_path) is False
+        assert result["attempts"] == 1 and isinstance(result["contended"], bool)
+        assert tune.measure(ext, total_bytes=16 << 20, rounds=1, previous=result)["attempts"] == 2
+        ext.set_tuning(**{k: result[k] for k in tune.EXT_OPTIONS})
         flipped = {k: not v for k, v in switches.items()}
         tune.save({**result, **flipped}, tmp_path)
         assert tune.measured(tmp_path)
@@ -545,6 +548,31 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         assert tune.apply(ext, tmp_path) is None and ext.tuning() == switches
     finally:
         ext.set_tuning(**saved)
+
+
+def test_a_tuning_other_processes_disturbed_is_measured_again(tmp_path, monkeypatch):
+    """tune.others_share: the share of the cores other processes ran meanwhile (/proc/stat's busy
+    seconds less this process's own); a tuning with more than CONTENDED_SHARE of them is "contended"
+    and tune.measured says measure again, up to RETUNES tunings; one saved before the field kept."""
+    from tiered.kernels import tune
+
+    clock = {"busy": 100.0, "own": 10.0, "wall": 50.0}
+    monkeypatch.setattr(tune, "_busy_seconds", lambda: clock["busy"])
+    monkeypatch.setattr(tune, "_own_seconds", lambda: clock["own"])
+    monkeypatch.setattr(tune.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(tune.os, "cpu_count", lambda: 2)
+    start = (tune._busy_seconds(), tune._own_seconds(), tune.time.monotonic())
+    clock.update(busy=104.0, own=12.0, wall=52.0)  # 4 CPU seconds in 2 s on 2 cores, 2 of them ours
+    assert tune.others_share(*start) == pytest.approx(0.5)
+    assert tune.others_share(None, *start[1:]) is None
+    base = dict(tune.DEFAULTS)
+    for fields, keep in ((dict(contended=False, attempts=1), True), (dict(contended=True, attempts=1), False),
+                         (dict(contended=True, attempts=tune.RETUNES), True), ({}, True)):
+        tune.save({**base, **fields}, tmp_path)
+        assert tune.measured(tmp_path) is keep, fields
+    assert tune.saved(tmp_path) == base
+    (tmp_path / "tuning.json").write_text("[1, 2]")
+    assert tune.saved(tmp_path) is None and not tune.measured(tmp_path)
 
 
 def test_bf16_expert_rows_go_native_up_to_where_torch_first_wins():

@@ -19,7 +19,7 @@ from tiered.kernels import tune  # noqa: E402
 
 if tune.enabled() and ("--tune" in sys.argv or not tune.measured(kernels.build_dir())):
     t0 = time.perf_counter()
-    tune.save(tune.measure(mod), kernels.build_dir())
+    tune.save(tune.measure(mod, previous=tune.saved(kernels.build_dir())), kernels.build_dir())
     took = f" measured in {time.perf_counter() - t0:.1f} s"
 else:
     took = ""  # load() measured it right after building, or an earlier run did
