@@ -107,13 +107,12 @@ def load(build: bool = True, verbose: bool = False):
         if _loaded is not None:
             from tiered.kernels import tune
 
-            if tune.enabled() and not tune.measured(directory):
+            if built and tune.enabled() and not tune.complete(directory):
                 # a fresh build (new sources: an upgrade, an edit) is tuned now, as setup's
-                # `python -m tiered.kernels` tunes its build: else it would run the defaults; and a
-                # tuning other processes disturbed is measured again (tune.measured)
+                # `python -m tiered.kernels` tunes its build: else it would run the defaults
                 print("tiered: measuring this machine's kernel tuning (once per build, a few seconds) ...",
                       file=sys.stderr, flush=True)
-                tune.save(tune.measure(_loaded, previous=tune.saved(directory)), directory)
+                tune.save(tune.measure(_loaded), directory)
             _applied.clear()
             _applied.update(tune.apply(_loaded, directory) or {})  # this machine's measured tuning (tune.py)
     except Exception as e:  # noqa: BLE001  (a failed build falls back; say why once)

@@ -37,8 +37,8 @@ from pathlib import Path
 DEFAULTS = {"stream_prefetch": True, "int4_int16_act": False, "bf16_native_rows": 32}
 # A tuning during which other processes took more than this share of the cores is "contended": its A/Bs
 # timed the neighbours. Two builds of the same sources tuned at once on the 2-core Zen 4 VM (2026-11-27)
-# chose bf16_native_rows 32 and 4, int4_int16_act false and true. A contended tuning is measured again
-# at a later load, up to RETUNES times (a machine that is never quiet keeps its last one).
+# chose bf16_native_rows 32 and 4, int4_int16_act false and true. `python -m tiered.kernels` (setup)
+# measures a contended tuning again, up to RETUNES times (a machine that is never quiet keeps its last).
 CONTENDED_SHARE = 0.3
 RETUNES = 3
 EXT_OPTIONS = ("stream_prefetch", "int4_int16_act")  # the extension's own switches (ext.set_tuning)
@@ -196,8 +196,8 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
     """This machine's tuning, measured (see the module docstring): {"stream_prefetch": bool,
     "int4_int16_act": bool, "ratios": {option: per-round time ratios}, "others_share": the share of
     the cores other processes took meanwhile (others_share), "contended": that share above
-    CONTENDED_SHARE, "attempts": tunings so far (`previous`: the one it replaces), ...}. Leaves `ext`
-    set to it.
+    CONTENDED_SHARE, "attempts": tunings in a row since the last uncontended one (`previous`: the
+    one it replaces), ...}. Leaves `ext` set to it.
 
     total_bytes: weight bytes per format cycled through (default: 4x the last-level cache, at least
     256 MiB). Takes ~2-5 s on 2 cores at the default size."""
@@ -230,7 +230,7 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
                rounds=rounds, margin=margin, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                others_share=None if share is None else round(share, 3),
                contended=share is not None and share > CONTENDED_SHARE,
-               attempts=int((previous or {}).get("attempts", 0)) + 1)
+               attempts=int(previous.get("attempts", 1)) + 1 if previous and previous.get("contended") else 1)
     return out
 
 
@@ -248,12 +248,20 @@ def saved(directory: Path) -> dict | None:
     return out if isinstance(out, dict) else None
 
 
-def measured(directory: Path) -> bool:
-    """Whether `directory` holds a tuning to keep: one of every choice in DEFAULTS (a tuning.json
-    saved before a choice was added is measured again), not contended (other processes took more
-    than CONTENDED_SHARE of the cores while it ran), or contended RETUNES times already."""
+def complete(directory: Path) -> bool:
+    """Whether `directory` holds a tuning of every choice in DEFAULTS (a tuning.json saved before a
+    choice was added is measured again)."""
     t = saved(directory)
-    if t is None or not set(DEFAULTS) <= set(t):
+    return t is not None and set(DEFAULTS) <= set(t)
+
+
+def measured(directory: Path) -> bool:
+    """Whether `directory` holds a tuning to keep (`complete`) that is not contended (other processes
+    took more than CONTENDED_SHARE of the cores while it ran) or was contended RETUNES times already.
+    `python -m tiered.kernels` (setup) measures until it is; the engine's load() only tunes a fresh
+    build (`complete`), so that a running engine's kernels never change between its processes."""
+    t = saved(directory)
+    if not complete(directory):
         return False
     return not t.get("contended") or int(t.get("attempts", 1)) >= RETUNES
 
