@@ -535,6 +535,31 @@ def test_the_native_steps_attention_is_priced_at_its_measured_rate():
     assert _attention(cfg, fast, "int4", 1024) == pytest.approx(base)  # never faster than the memory
 
 
+def test_the_native_steps_latent_attention_is_priced_at_its_reads_and_fp32_multiply_adds():
+    """DeepSeek's latent attention in the native step (DecodeStep.set_latent): each cached latent row is
+    read once for every head, and each position costs H (2 R + r) multiply-adds in fp32 loops, at the
+    fp32 GEMM fit's slope: V2-Lite's 27 layers after 1040 positions priced 24.0 tok/s against 22.6
+    measured (2 Zen 4 cores), where torch's attention key (attn/cpu, the module path) had priced 8.3."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.planner.cpu_predict import _attention
+
+    cfg = ModelConfig(model_type="deepseek_v2", vocab_size=1000, hidden_size=2048, intermediate_size=4096,
+                      num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=1, head_dim=64,
+                      kv_lora_rank=512, qk_nope_head_dim=128, v_head_dim=128)
+    models = {"gemv/cpu/int4": LinearModel(0.0, 1 / 40e9, 0.99), "memory/bandwidth/cpu": LinearModel(0.0, 1 / 40e9, 0.99),
+              "gemm/cpu/fp32": LinearModel(1e-5, 2e-11, 0.99), "attn/cpu/bf16": LinearModel(0.0, 3e-10, 0.99)}
+    native = HardwareProfile("box", "test", dict(models), meta={"native_kernels": True})
+    proj = _attention(cfg, native, "int4", 0)
+    kv = (512 + 64) * 1024 * 2  # one layer's latent rows, bf16
+    macs = 1024 * 16 * (2 * 512 + 64)
+    assert _attention(cfg, native, "int4", 1024, kv_format="bf16") == pytest.approx(proj + max(kv / 40e9, 2e-11 * macs))
+    assert _attention(cfg, native, "int4", 1024, kv_format="bf16", rows=4) == pytest.approx(
+        _attention(cfg, native, "int4", 0, rows=4) + 4 * 2e-11 * macs)
+    module = HardwareProfile("box", "test", dict(models), meta={})  # no kernels: the module path's attention
+    assert _attention(cfg, module, "int4", 1024, kv_format="bf16") == pytest.approx(
+        _attention(cfg, module, "int4", 0) + 3e-10 * macs)
+
+
 def test_a_decode_gemv_beyond_the_cache_streams_at_the_kernels_own_dram_rate():
     """Beyond the last-level cache a GEMV's floor is the slower of plain DRAM reads and the kernel's own
     DRAM rate (gemv_dram/cpu/<dtype>, when profiled): on the H200's host a bf16 expert streamed 81 GB/s

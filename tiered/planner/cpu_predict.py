@@ -214,7 +214,7 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, 
     """Seconds of one layer's attention in a decode step of `rows` sequences of `context` cached
     positions each: the projections (`rows` per call) and each row's pass over its own cache."""
     w = cfg.attention_weight_elements()
-    native = native_step(hw) and not cfg.is_mla  # the native step runs latent attention as its module
+    native = native_step(hw)  # the native step runs plain and latent attention (DecodeStep.set_latent)
     proj = _projections(hw, dtype, mix, w, 2 if native_fused_projections(hw, dtype) else 4, working_set, rows)
     # the KV cache's format: the plan's, else the engine's rule for weights read in `dtype` (CPU: fp32
     # activations; a 16-bit cache beside lossy copies)
@@ -224,7 +224,14 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, 
         # at its own measured rate where profiled (attn_decode/cpu: below the memory's, ~15 GB/s on 2 Zen 4 cores)
         stream = op_time.memory_time(hw, "cpu", act, kv_bytes, "memory", working_set)
         m = hw.models.get(f"attn_decode/cpu/{act}")
-        return proj + (max(stream, m.beta * kv_bytes) if m is not None else stream)
+        read = max(stream, m.beta * kv_bytes) if m is not None else stream
+        if cfg.is_mla:  # each cached latent row serves every head: H (2 R + r) multiply-adds a position, in
+            # fp32 loops, at the fp32 GEMM fit's slope (the 27-layer V2-Lite GGUF: ~0.3 ms a layer at 1024
+            # positions on 2 Zen 4 cores, where torch's attention key had priced ~3 ms at 640)
+            g = op_time.find(hw, "gemm", "cpu", "fp32")
+            macs = rows * context * cfg.attention_macs_per_pair(True)
+            read = max(read, g.beta * macs if g is not None else 0.0)
+        return proj + read
     return proj + op_time.attention_time(hw, "cpu", act, rows * context * cfg.attention_macs_per_pair(True), kv_bytes)
 
 
