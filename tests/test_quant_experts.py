@@ -413,3 +413,23 @@ def test_int8_weights_of_any_width(K):
         ref = x @ wq.T
         for got in (m(x), Kernel(m)(x), project(x, {"q": m.q, "scale": m.scale}, "int8", "cpu")):
             assert float((got.float() - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+def test_f16_gguf_experts_run_as_bf16_on_the_cpus_default_engine(tmp_path):
+    """An F16 GGUF's experts on the CPU's default (lossy) engine: rounded to bf16, as its dense tensors'
+    decode copies are, and noted as re-quantized, not widened to fp32 (twice the RAM, run as modules);
+    the lossless mode keeps them exact in fp32. Logits near transformers' on the F16 weights."""
+    from fixtures import hf_logits, max_rel_err, prompt_ids
+    from gguf_writer import dequantized_moe_model
+
+    model = build_hf_moe_model("qwen3_moe")
+    path = write_moe_gguf(model, tmp_path / "f16.gguf", Q.F16)
+    ids = prompt_ids(model.config.vocab_size, 12, 0)
+    ref = hf_logits(dequantized_moe_model(model, Q.F16), ids)
+    auto = LLM(path, EngineConfig(max_context=32, accelerator="none"))
+    assert auto.plan.dtypes["experts"] == "bf16" and any("F16 -> bf16" in n for n in auto.plan.notes)
+    assert max_rel_err(auto.logits(ids), ref) < 2e-2
+    auto.close()
+    exact = LLM(path, EngineConfig(max_context=32, accelerator="none", dtype="float32", decode_weights="fp32"))
+    assert exact.plan.dtypes["experts"] == "fp32" and max_rel_err(exact.logits(ids), ref) < 1e-4
+    exact.close()

@@ -162,8 +162,8 @@ class LLM:
 
     def _experts_format(self, weights: str, decode: str) -> str | None:
         """The routed experts' storage format (EngineConfig.expert_weights; "auto": a GGUF file's
-        quantized experts or a safetensors file's fp8 ones as stored; bf16 ones as stored where the
-        CPU engine's decode path is lossy anyway (dtype "auto", compact decode copies `decode`: the
+        quantized experts or a safetensors file's fp8 ones as stored; bf16 ones as stored (fp16 ones
+        rounded to bf16) where the CPU engine's decode path is lossy anyway (dtype "auto", compact decode copies `decode`: the
         one-copy mode, planner/auto.one_copy), not widened to its fp32 compute format, which doubled
         their RAM and ran them off the native kernels (a bf16 Mixtral-shaped checkpoint decoded at
         22 tok/s with fp32 experts); else the compute format). None for dense models."""
@@ -180,8 +180,8 @@ class LLM:
         if stored is not None:
             return stored
         if (weights == "fp32" and self.accelerator is None and ec.dtype == "auto" and decode not in ("none", "fp32")
-                and all(h.format == "BF16" for h in handles)):
-            return "bf16"
+                and all(h.format in ("BF16", "F16") for h in handles)):
+            return "bf16"  # an F16 GGUF's too, as its dense tensors' decode copies (the plan notes it)
         return weights
 
     def _plan_mixed(self, plan) -> None:
