@@ -163,11 +163,12 @@ class LLM:
     def _experts_format(self, weights: str, decode: str) -> str | None:
         """The routed experts' storage format (EngineConfig.expert_weights; "auto": a GGUF file's
         quantized experts or a safetensors file's fp8 ones as stored; bf16 ones as stored (fp16 ones
-        rounded to bf16) where the CPU engine's decode path is lossy anyway (dtype "auto", compact decode copies `decode`: the
-        one-copy mode, planner/auto.one_copy), not widened to its fp32 compute format, which doubled
-        their RAM and ran them off the native kernels (a bf16 Mixtral-shaped checkpoint decoded at
-        22 tok/s with fp32 experts); else the compute format). None for dense models."""
+        rounded to bf16) where the CPU engine decodes from compact copies `decode` anyway
+        (planner/auto.compact_cpu_decode), not widened to its fp32 compute format, which doubled their
+        RAM and ran them off the native kernels (a bf16 Mixtral-shaped checkpoint decoded at 41 ms a
+        token with fp32 experts, 8.4 with bf16 ones); else the compute format). None for dense models."""
         from tiered.memory.expert_store import expert_tensor_names, moe_layers
+        from tiered.planner.auto import compact_cpu_decode
         from tiered.quant.gguf_experts import stored_format
 
         ec, cfg = self.engine_config, self.config
@@ -179,7 +180,7 @@ class LLM:
         stored = stored_format(handles)
         if stored is not None:
             return stored
-        if (weights == "fp32" and self.accelerator is None and ec.dtype == "auto" and decode not in ("none", "fp32")
+        if (weights == "fp32" and compact_cpu_decode(ec, self.accelerator, decode)
                 and all(h.format in ("BF16", "F16") for h in handles)):
             return "bf16"  # an F16 GGUF's too, as its dense tensors' decode copies (the plan notes it)
         return weights

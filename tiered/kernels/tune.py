@@ -251,7 +251,10 @@ def saved(directory: Path) -> dict | None:
 def complete(directory: Path) -> bool:
     """Whether `directory` holds a tuning of every choice in DEFAULTS (a tuning.json saved before a
     choice was added is measured again)."""
-    t = saved(directory)
+    return _complete(saved(directory))
+
+
+def _complete(t: dict | None) -> bool:
     return t is not None and set(DEFAULTS) <= set(t)
 
 
@@ -261,9 +264,7 @@ def measured(directory: Path) -> bool:
     `python -m tiered.kernels` (setup) measures until it is; the engine's load() only tunes a fresh
     build (`complete`), so that a running engine's kernels never change between its processes."""
     t = saved(directory)
-    if not complete(directory):
-        return False
-    return not t.get("contended") or int(t.get("attempts", 1)) >= RETUNES
+    return _complete(t) and (not t.get("contended") or int(t.get("attempts", 1)) >= RETUNES)
 
 
 def save(result: dict, directory: Path) -> Path:

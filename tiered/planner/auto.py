@@ -339,6 +339,14 @@ def mixed_rows(isa: str | None, batch_act: str) -> int:
     return MIXED_ROWS.get(isa, MIXED_ROWS["avx512"])[batch_act]
 
 
+def compact_cpu_decode(ec, accelerator, decode_format: str) -> bool:
+    """Whether the engine decodes on the CPU from compact (lossy) copies: no accelerator, `--dtype`
+    left to the engine, decode copies other than fp32 (`--dtype float32 --decode-weights fp32` is the
+    lossless mode). Its weights then keep one copy (`one_copy`) and bf16 / fp16 experts stay 16-bit
+    (LLM._experts_format)."""
+    return accelerator is None and ec.dtype == "auto" and decode_format not in ("none", "fp32")
+
+
 def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_format: str, decode_precision: str) -> bool:
     """Whether each weight keeps one copy, its decode copy (Plan.dense_copies False).
 
@@ -351,7 +359,7 @@ def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_form
     would run on torch's packed int4 kernels, so it keeps the dense weights unless the RAM budget
     cannot hold them beside the copies.
     """
-    if not (accelerator is None and ec.dtype == "auto" and decode_format not in ("none", "fp32")):
+    if not compact_cpu_decode(ec, accelerator, decode_format):
         return False
     if ec.max_batch == 1 or kernels.available():
         return True

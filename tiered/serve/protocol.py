@@ -154,15 +154,10 @@ def _token_text(tokenizer, token: int) -> str:
 @functools.lru_cache(maxsize=1)
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's alphabet (GPT-2, Llama 3, Qwen, SmolLM2): the character each byte 0..255 is
-    written as in the vocabulary -> that byte. Printable Latin-1 bytes stand for themselves; the
-    other 68 take the code points from 256 up, in byte order."""
-    own = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
-    alphabet, shifted = {chr(b): b for b in own}, 0
-    for b in range(256):
-        if b not in own:
-            alphabet[chr(256 + shifted)] = b
-            shifted += 1
-    return alphabet
+    written as in the vocabulary -> that byte (transformers' bytes_to_unicode, inverted)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _decoder_types(tokenizer) -> set[str]:
@@ -174,13 +169,14 @@ def _decoder_types(tokenizer) -> set[str]:
     return {state.get("type")} | {d.get("type") for d in state.get("decoders", [])}
 
 
-def token_bytes(tokenizer, token: int) -> bytes:
-    """A token's UTF-8 bytes for a chat logprob's `bytes` field: its text's, or, for a token that
-    holds part of a multi-byte character (its text alone is U+FFFD), its own raw bytes, read from its
-    vocabulary piece: byte-level BPE's alphabet (`_byte_level_alphabet`) or SentencePiece's byte
-    fallback pieces "<0xNN>". The bytes of a character's tokens then join to the character, as
-    OpenAI's field is for. Other vocabularies keep the U+FFFD bytes."""
-    text = _token_text(tokenizer, token)
+def token_bytes(tokenizer, token: int, text: str | None = None) -> bytes:
+    """A token's UTF-8 bytes for a chat logprob's `bytes` field: its text's (`text`: its
+    _token_text, where the caller has it), or, for a token that holds part of a multi-byte character
+    (its text alone is U+FFFD), its own raw bytes, read from its vocabulary piece: byte-level BPE's
+    alphabet (`_byte_level_alphabet`) or SentencePiece's byte fallback pieces "<0xNN>". The bytes of
+    a character's tokens then join to the character, as OpenAI's field is for. Other vocabularies
+    keep the U+FFFD bytes."""
+    text = _token_text(tokenizer, token) if text is None else text
     if "\ufffd" not in text or tokenizer is None:
         return text.encode("utf-8")
     piece = tokenizer.convert_ids_to_tokens(token)
@@ -197,7 +193,8 @@ def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
     """A chat choice's `logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}; a
     token's bytes are its own raw bytes where its text alone is part of a character (`token_bytes`)."""
     def item(token: int, logprob: float) -> dict:
-        return {"token": _token_text(tokenizer, token), "logprob": logprob, "bytes": list(token_bytes(tokenizer, token))}
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(token_bytes(tokenizer, token, text))}
     return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries]}
 

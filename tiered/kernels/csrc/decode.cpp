@@ -213,6 +213,20 @@ __attribute__((always_inline)) inline v8f load8(const uint16_t* p) {  // 8 bf16 
   std::memcpy(&v, &u, sizeof(v));
   return v;
 }
+// rows [t, t + 8) of a cache K [., w] as fp32: K's own rows when E is float, else (bf16 bits) widened
+// into kb [8 w] (w % 8 == 0), which the caller's scratch holds.
+template <typename E>
+__attribute__((always_inline)) inline const float* rows8_f32(const E* K, int64_t t, int64_t w, float* kb) {
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    for (int64_t i = 0; i < 8 * w; i += 8) {
+      const v8f x = load8(K + t * w + i);
+      std::memcpy(kb + i, &x, sizeof(v8f));
+    }
+    return kb;
+  } else {
+    return K + t * w;
+  }
+}
 __attribute__((always_inline)) inline float hsum8(v8f s) {
   s += __builtin_shufflevector(s, s, 4, 5, 6, 7, 0, 1, 2, 3);
   s += __builtin_shufflevector(s, s, 2, 3, 0, 1, 6, 7, 4, 5);
@@ -375,16 +389,7 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
           __builtin_prefetch(kn + b);
           __builtin_prefetch(vn + b);
         }
-        const float* kf;
-        if constexpr (std::is_same_v<E, uint16_t>) {
-          for (int64_t i = 0; i < 8 * hd; i += 8) {
-            const v8f x = load8(K + t * hd + i);
-            std::memcpy(kb + i, &x, sizeof(v8f));
-          }
-          kf = kb;
-        } else {
-          kf = K + t * hd;
-        }
+        const float* kf = rows8_f32(K, t, hd, kb);
         for (int64_t j = 0; j < group; ++j) {
           const float* qj = q + j * hd;
           v8f a[8] = {};
@@ -480,16 +485,7 @@ __attribute__((always_inline)) inline void latent_attend_impl(const float* q, in
     for (; t + 8 <= S; t += 8) {
       const char* kn = reinterpret_cast<const char*>(K + std::min(t + 16, S - 1) * W);
       for (int64_t b = 0; b < 8 * row_bytes; b += 64) __builtin_prefetch(kn + b);
-      const float* kf;
-      if constexpr (std::is_same_v<E, uint16_t>) {
-        for (int64_t i = 0; i < 8 * W; i += 8) {
-          const v8f x = load8(K + t * W + i);
-          std::memcpy(kb + i, &x, sizeof(v8f));
-        }
-        kf = kb;
-      } else {
-        kf = K + t * W;
-      }
+      const float* kf = rows8_f32(K, t, W, kb);
       int64_t j = 0;
       for (; j + 4 <= G; j += 4)  // 4 heads x 4 rows in 16 registers: 8 loads for 16 FMAs
         for (int h = 0; h < 8; h += 4) {
