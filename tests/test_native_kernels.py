@@ -552,22 +552,26 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
 
 
 def test_a_tuning_other_processes_disturbed_is_measured_again(tmp_path, monkeypatch):
-    """tune.others_share: the share of the cores other processes ran meanwhile (/proc/stat's busy
+    """contention.others_share: the share of the cores other processes ran meanwhile (/proc/stat's busy
     seconds less this process's own); a tuning with more than CONTENDED_SHARE of them is "contended"
     and tune.measured (setup's `python -m tiered.kernels`) says measure again, up to RETUNES tunings
     in a row; one saved before the field is kept. tune.complete (the engine's load(), which tunes only
     a fresh build) keeps every tuning of all choices."""
+    from tiered.hardware import contention
     from tiered.kernels import tune
 
     clock = {"busy": 100.0, "own": 10.0, "wall": 50.0}
-    monkeypatch.setattr(tune, "_busy_seconds", lambda: clock["busy"])
-    monkeypatch.setattr(tune, "_own_seconds", lambda: clock["own"])
-    monkeypatch.setattr(tune.time, "monotonic", lambda: clock["wall"])
-    monkeypatch.setattr(tune.os, "cpu_count", lambda: 2)
-    start = (tune._busy_seconds(), tune._own_seconds(), tune.time.monotonic())
+    monkeypatch.setattr(contention, "_busy_seconds", lambda: clock["busy"])
+    monkeypatch.setattr(contention, "_own_seconds", lambda: clock["own"])
+    monkeypatch.setattr(contention.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(contention.os, "cpu_count", lambda: 2)
+    start = contention.start()
     clock.update(busy=104.0, own=12.0, wall=52.0)  # 4 CPU seconds in 2 s on 2 cores, 2 of them ours
-    assert tune.others_share(*start) == pytest.approx(0.5)
-    assert tune.others_share(None, *start[1:]) is None
+    assert contention.others_share(*start) == pytest.approx(0.5)
+    assert contention.others_share(None, *start[1:]) is None
+    assert contention.record(start, None) == {"others_share": 0.5, "contended": True, "attempts": 1}
+    assert contention.record(start, {"contended": True, "attempts": 2})["attempts"] == 3
+    assert contention.record(start, {"contended": False, "attempts": 2})["attempts"] == 1
     base = dict(tune.DEFAULTS)
     for fields, keep in ((dict(contended=False, attempts=1), True), (dict(contended=True, attempts=1), False),
                          (dict(contended=True, attempts=tune.RETUNES), True), ({}, True)):

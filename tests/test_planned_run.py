@@ -333,6 +333,46 @@ def test_engine_profile_sources(tmp_path, monkeypatch):
         assert engine_profile(None).name == "measured" and len(calls) == 5
 
 
+
+def test_a_profile_measured_while_other_processes_took_the_cores_is_measured_again(tmp_path, monkeypatch):
+    """A cached profile whose meta says other processes took more than CONTENDED_SHARE of the cores
+    while it was measured (hardware/contention.record) is measured again when the engine plans, told
+    to the user, its attempts counted on; one contended RETRIES times in a row is kept, as is an
+    uncontended one and one saved before the fields existed."""
+    from tiered.hardware import contention
+    from tiered.hardware.profiler import PROFILER_VERSION
+    from tiered.kernels import available as native_kernels
+    from tiered.kernels import build_name
+    from tiered.kernels import tuning as kernel_tuning
+
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path))
+    base = {"profiler_version": PROFILER_VERSION, "native_kernels": native_kernels(),
+            "kernels_build": build_name() if native_kernels() else None, "kernel_tuning": kernel_tuning()}
+    calls = []
+
+    def measure(**kw):
+        calls.append(kw)
+        prev = kw["previous"]
+        return HardwareProfile("again", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)},
+                               meta={**base, **contention.record(contention.start(), prev and prev.meta)})
+    monkeypatch.setattr("tiered.hardware.profiler.profile_machine", measure)
+    path = tmp_path / "hardware_profile.json"
+    for fields, kept in ((dict(others_share=0.1, contended=False, attempts=1), True),
+                         (dict(others_share=0.55, contended=True, attempts=1), False),
+                         (dict(others_share=0.55, contended=True, attempts=contention.RETRIES - 1), False),
+                         (dict(others_share=0.55, contended=True, attempts=contention.RETRIES), True),
+                         ({}, True)):
+        HardwareProfile("cached", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)},
+                        meta={**base, **fields}).save(path)
+        said, n = [], len(calls)
+        hw = engine_profile(None, progress=said.append)
+        assert (hw.name == "cached") is kept and len(calls) == n + (not kept), fields
+        if not kept:
+            assert calls[-1]["previous"].meta["attempts"] == fields["attempts"]
+            assert "other processes took 55% of the cores" in said[0]
+            assert HardwareProfile.load(path).meta["attempts"] == fields["attempts"] + 1  # counted on
+
+
 def test_standin_profile_mirrors_cpu_keys_and_link():
     cpu = HardwareProfile("box", "test", {"gemm/cpu/fp32": LinearModel(1e-4, 1e-11, 1.0),
                                           "gemv/cpu/fp32": LinearModel(0.0, 5e-11, 1.0),

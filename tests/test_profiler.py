@@ -130,6 +130,10 @@ def test_quick_profile_structure(measured):
         assert p.meta[field] not in (None, "")
     assert p.meta["torch"] == torch.__version__
     assert p.source.startswith("measured on")
+    # how much of the cores other processes took meanwhile (hardware/contention.record; Linux's /proc/stat)
+    assert p.meta["attempts"] == 1 and isinstance(p.meta["contended"], bool)
+    assert p.meta["others_share"] is None or 0.0 <= p.meta["others_share"] <= 1.05
+    assert p.meta["contended"] == (p.meta["others_share"] is not None and p.meta["others_share"] > 0.3)
 
 
 def test_quick_profile_round_trips_json(measured, tmp_path):
@@ -277,6 +281,23 @@ def test_profile_command_lists_presets_and_writes(monkeypatch, tmp_path, capsys)
     assert HardwareProfile.load(path) == get_preset("t4-pcie3")
     out = capsys.readouterr().out
     assert "gemm/gpu/fp16" in out and "GFLOP/s" in out and "wrote" in out
+    # a profile other processes disturbed (hardware/contention) is measured again, RETRIES times at most
+    from tiered.hardware import contention
+
+    calls = []
+
+    def contended(**kw):
+        calls.append(kw["previous"])
+        prev = kw["previous"].meta["attempts"] if kw["previous"] is not None else 0
+        hw = get_preset("t4-pcie3")
+        return HardwareProfile(hw.name, hw.source, hw.models, hw.gpu_memory, hw.cpu_memory,
+                               meta={"others_share": 0.6, "contended": True, "attempts": prev + 1})
+    monkeypatch.setattr(profiler, "profile_machine", contended)
+    said = []
+    profile, _ = profile_cli.run_profile(True, tmp_path / "busy.json", progress=said.append)
+    assert len(calls) == contention.RETRIES and calls[0] is None and calls[1].meta["attempts"] == 1
+    assert profile.meta["attempts"] == contention.RETRIES and HardwareProfile.load(tmp_path / "busy.json") == profile
+    assert sum("took 60% of the cores while profiling: measuring again" in s for s in said) == contention.RETRIES - 1
 
 
 def test_the_profile_table_gives_rates_where_n_is_bytes_or_macs_and_the_host_share():

@@ -16,10 +16,19 @@ from tiered.hardware.profile import HardwareProfile, default_profile_path
 def run_profile(quick: bool = True, out: Path | None = None, threads: int | None = None,
                 disk_dir: Path | None = None, progress: Callable[[str], None] | None = None
                 ) -> tuple[HardwareProfile, Path]:
-    """Profile this machine and save the JSON to `out` (default: default_profile_path())."""
+    """Profile this machine and save the JSON to `out` (default: default_profile_path()). A profile
+    measured while other processes took more than contention.CONTENDED_SHARE of the cores is measured
+    again, contention.RETRIES times at most (the last is kept), as the engine would on loading it."""
+    from tiered.hardware import contention
     from tiered.hardware.profiler import profile_machine
 
-    profile = profile_machine(quick=quick, disk_dir=disk_dir, threads=threads, progress=progress)
+    profile = None
+    while profile is None or not contention.keep(profile.meta):
+        if profile is not None and progress is not None:
+            progress(f"other processes took {profile.meta['others_share']:.0%} of the cores while profiling: "
+                     "measuring again")
+        profile = profile_machine(quick=quick, disk_dir=disk_dir, threads=threads, progress=progress,
+                                  previous=profile)
     path = Path(out) if out is not None else default_profile_path()
     profile.save(path)
     return profile, path

@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from tiered import kernels
+from tiered.hardware import contention
 from tiered.hardware.budget import move_to_huge_pages
 from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K, bytes_per_element
 from tiered.hardware.profile import HardwareProfile, LinearModel
@@ -1092,7 +1093,8 @@ PROFILER_VERSION = 21
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
-                    threads: int | None = None, progress: Progress | None = None) -> HardwareProfile:
+                    threads: int | None = None, progress: Progress | None = None,
+                    previous: HardwareProfile | None = None) -> HardwareProfile:
     """Measure this machine and fit its HardwareProfile.
 
     Args:
@@ -1102,22 +1104,29 @@ def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda
         threads: CPU threads for torch during the run (restored after); None = torch's current
             setting. Profile with the thread count the engine will use.
         progress: called with one line per fitted model.
+        previous: the profile this one replaces, whose meta["attempts"] it counts on from when that
+            one was contended (hardware/contention.record).
     Returns:
         A HardwareProfile named after the host, with meta (CPU model, threads, torch version, GPU
-        name, raw points, skipped kernels) and the CPU/GPU/disk capacities in bytes.
+        name, raw points, skipped kernels, and "others_share" / "contended" / "attempts": how much of
+        the cores other processes took meanwhile, hardware/contention.py) and the CPU/GPU/disk
+        capacities in bytes.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
     saved_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _run(quick, Path(disk_dir) if disk_dir else None, cuda, progress)
+        return _run(quick, Path(disk_dir) if disk_dir else None, cuda, progress,
+                    previous.meta if previous is not None else None)
     finally:
         torch.set_num_threads(saved_threads)
 
 
-def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | None) -> HardwareProfile:
+def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | None,
+         previous: dict | None = None) -> HardwareProfile:
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    neighbours = contention.start()
     b = _Bench(quick, disk_dir, progress)
     nosync = lambda: None  # noqa: E731
     r = b.repeats
@@ -1236,15 +1245,20 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     meta["kernel_tuning"] = kernels.tuning()  # ... tuned so (None without them)
     meta["disk_note"] = note
     meta["load_average"] = load_before
+    meta.update(contention.record(neighbours, previous))
     if b.host_share is not None:
         meta["host_share"] = b.host_share
     if b.probes:  # the memory-speed probe's seconds beside each CPU GEMV key (Probe)
         meta["probe"] = {"shape": list(PROBE_SHAPE), "bytes": b.probe.nbytes, "seconds": dict(b.probes)}
     b.probe = None  # its copies' memory back before the profile is returned
     notes = list(b.notes)
-    if load_before is not None and load_before > (os.cpu_count() or 1) - 0.5:
-        notes.append(f"load average {load_before:.1f} on {os.cpu_count()} cores while profiling: other "
-                     "processes competed for the CPU, so CPU timings are noisy (see R^2)")
+    if meta["contended"]:
+        notes.append(f"other processes took {meta['others_share']:.0%} of the cores while profiling: CPU timings "
+                     "are theirs as much as this machine's (the engine measures such a profile again, "
+                     f"{contention.RETRIES} times at most)")
+    elif load_before is not None and load_before > (os.cpu_count() or 1) - 0.5:
+        notes.append(f"load average {load_before:.1f} on {os.cpu_count()} cores before profiling: other "
+                     "processes competed for the CPU, so CPU timings may be noisy (see R^2)")
     if notes:
         meta["notes"] = notes
     return HardwareProfile(

@@ -34,13 +34,14 @@ import statistics
 import time
 from pathlib import Path
 
+from tiered.hardware import contention
+
 DEFAULTS = {"stream_prefetch": True, "int4_int16_act": False, "bf16_native_rows": 32}
-# A tuning during which other processes took more than this share of the cores is "contended": its A/Bs
-# timed the neighbours. Two builds of the same sources tuned at once on the 2-core Zen 4 VM (2026-11-27)
-# chose bf16_native_rows 32 and 4, int4_int16_act false and true. `python -m tiered.kernels` (setup)
-# measures a contended tuning again, up to RETUNES times (a machine that is never quiet keeps its last).
-CONTENDED_SHARE = 0.3
-RETUNES = 3
+# A tuning during which other processes took more than CONTENDED_SHARE of the cores is "contended": its
+# A/Bs timed the neighbours. Two builds of the same sources tuned at once on the 2-core Zen 4 VM
+# (2026-11-27) chose bf16_native_rows 32 and 4, int4_int16_act false and true. `python -m tiered.kernels`
+# (setup) measures a contended tuning again, up to RETUNES times (hardware/contention.py).
+RETUNES = contention.RETRIES
 EXT_OPTIONS = ("stream_prefetch", "int4_int16_act")  # the extension's own switches (ext.set_tuning)
 WIDTH = (2048, 1024)  # (hidden D, expert intermediate F): OLMoE's experts, a short stream per call
 ROW_CHOICES = (2, 4, 8, 32)
@@ -163,47 +164,17 @@ def _ab(ext, sets, option: str, rounds: int) -> list[float]:
     return ratios
 
 
-def _busy_seconds() -> float | None:
-    """CPU seconds every process on this machine has run (/proc/stat's user + nice + system + irq +
-    softirq + steal over USER_HZ), or None where /proc/stat is not readable (not Linux)."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return None
-    busy = sum(fields[i] for i in (0, 1, 2, 5, 6, 7) if i < len(fields))
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds() -> float:
-    """CPU seconds this process has run (all its threads)."""
-    t = os.times()
-    return t.user + t.system
-
-
-def others_share(busy0: float | None, own0: float, wall0: float) -> float | None:
-    """The share of the cores other processes ran since (busy0, own0, wall0) = (_busy_seconds(),
-    _own_seconds(), time.monotonic()) were read: (all processes' CPU seconds - this one's) / (wall
-    seconds x cores); None without /proc/stat."""
-    busy1 = _busy_seconds()
-    wall = time.monotonic() - wall0
-    if busy0 is None or busy1 is None or wall <= 0:
-        return None
-    return max(0.0, (busy1 - busy0) - (_own_seconds() - own0)) / (wall * (os.cpu_count() or 1))
-
-
 def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float = 0.03,
             previous: dict | None = None) -> dict:
     """This machine's tuning, measured (see the module docstring): {"stream_prefetch": bool,
-    "int4_int16_act": bool, "ratios": {option: per-round time ratios}, "others_share": the share of
-    the cores other processes took meanwhile (others_share), "contended": that share above
-    CONTENDED_SHARE, "attempts": tunings in a row since the last uncontended one (`previous`: the
-    one it replaces), ...}. Leaves `ext` set to it.
+    "int4_int16_act": bool, "ratios": {option: per-round time ratios}, "others_share", "contended",
+    "attempts" (hardware/contention.record; `previous`: the tuning it replaces), ...}. Leaves `ext` set to it.
 
     total_bytes: weight bytes per format cycled through (default: 4x the last-level cache, at least
     256 MiB). Takes ~2-5 s on 2 cores at the default size."""
     from tiered.hardware.profiler import cpu_model, last_level_cache_bytes
 
-    start = (_busy_seconds(), _own_seconds(), time.monotonic())
+    start = contention.start()
     total = total_bytes or max(256 << 20, 4 * (last_level_cache_bytes() or 32 << 20))
     ext.set_tuning(**{k: DEFAULTS[k] for k in EXT_OPTIONS})
     # int4 twice: on int8 activations (routed experts, Plan.expert_act) and on bf16 / int16 ones (the
@@ -225,12 +196,9 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
     out["ratios"].update({f"bf16_rows_{n}": r for n, r in rows_ratios.items()})
     out.update(ext.tuning())
     out["bf16_native_rows"] = choose_rows(rows_ratios, margin)
-    share = others_share(*start)
     out.update(isa=ext.gemv_isa(), cpu=cpu_model(), bytes_per_format=total,
                rounds=rounds, margin=margin, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               others_share=None if share is None else round(share, 3),
-               contended=share is not None and share > CONTENDED_SHARE,
-               attempts=int(previous.get("attempts", 1)) + 1 if previous and previous.get("contended") else 1)
+               **contention.record(start, previous))
     return out
 
 
@@ -264,7 +232,7 @@ def measured(directory: Path) -> bool:
     `python -m tiered.kernels` (setup) measures until it is; the engine's load() only tunes a fresh
     build (`complete`), so that a running engine's kernels never change between its processes."""
     t = saved(directory)
-    return _complete(t) and (not t.get("contended") or int(t.get("attempts", 1)) >= RETUNES)
+    return _complete(t) and contention.keep(t)
 
 
 def save(result: dict, directory: Path) -> Path:

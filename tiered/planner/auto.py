@@ -21,7 +21,7 @@ from tiered import kernels
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.config import cpu_threads
 from tiered.errors import ConfigError
-from tiered.hardware import op_time
+from tiered.hardware import contention, op_time
 from tiered.hardware.profile import HardwareProfile, LinearModel, default_profile_path
 from tiered.memory import sizes
 from tiered.planner.make import make_plan, settle_gpu_decode
@@ -140,6 +140,7 @@ def _agreeing(r1: float, r2: float) -> float | None:
 
 def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> HardwareProfile:
     path = default_profile_path()
+    previous = None
     if path.is_file():
         try:
             hw = HardwareProfile.load(path)
@@ -151,15 +152,18 @@ def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> H
                        and (not native or (hw.meta.get("kernels_build") == kernels.build_name()  # ... or others
                                            and hw.meta.get("kernel_tuning") == kernels.tuning())))
             if current and (not cuda or op_time.has_device(hw, "gpu")):
-                return hw
+                if contention.keep(hw.meta):
+                    return hw
+                previous = hw  # measured while other processes took the cores: once more, RETRIES at most
         except ConfigError:
             pass  # unreadable: measure again
     from tiered.hardware.profiler import profile_machine
 
     if progress is not None:
-        progress(f"no current hardware profile of this machine: measuring a quick one for the planner, saved to {path} "
-                 "(`tiered profile` makes a full one)")
-    hw = profile_machine(quick=True, cuda=cuda)
+        why = (f"the cached hardware profile was measured while other processes took {previous.meta['others_share']:.0%}"
+               " of the cores" if previous is not None else "no current hardware profile of this machine")
+        progress(f"{why}: measuring a quick one for the planner, saved to {path} (`tiered profile` makes a full one)")
+    hw = profile_machine(quick=True, cuda=cuda, previous=previous)
     try:
         hw.save(path)
     except OSError:
