@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fixtures import hf_logits, load_hf_model, prompt_ids, stepwise_logits, write_tiny_checkpoint  # noqa: E402
 from fixtures import max_rel_err as rel  # noqa: E402
 from moe_fixtures import VOCAB, build_hf_moe_model, load_hf_moe_model  # noqa: E402
+from quant_fixtures import edited  # noqa: E402
 
 from tiered import LLM, EngineConfig  # noqa: E402
 from tiered.bench.checkpoint import FP8_SCHEMES, write_fp8_checkpoint  # noqa: E402
@@ -180,20 +181,7 @@ def test_moe_experts_keep_row_scales(zoo, kind, scheme):
 
 
 def _edit(zoo, tmp_path, scheme, config=None, tensors=None) -> Path:
-    out = tmp_path / "edited"
-    shutil.copytree(zoo.fp8("llama_wide", scheme), out)
-    if config:
-        cfg = json.loads((out / "config.json").read_text())
-        config(cfg["quantization_config"])
-        (out / "config.json").write_text(json.dumps(cfg))
-    if tensors:
-        from safetensors.torch import load_file, save_file
-
-        f = out / "model.safetensors"
-        t = load_file(str(f))
-        tensors(t)
-        save_file(t, str(f), metadata={"format": "pt"})
-    return out
+    return edited(zoo.fp8("llama_wide", scheme), tmp_path / "edited", config, tensors)
 
 
 def _weights(group):
@@ -203,6 +191,8 @@ def _weights(group):
 @pytest.mark.parametrize("change, words", [
     (lambda q: q.update(format="marlin-24"), ("marlin-24", "float-quantized")),
     (lambda q: q.update(format="pack-quantized"), ("mixes fp8 tensors", "compressed-tensors")),
+    # integer schemes are read (test_int8_checkpoints), but not over float8 tensors
+    (lambda q: q.update(format="int-quantized"), ("mixes fp8 tensors", "compressed-tensors")),
     (lambda q: _weights(q).update(type="int"), ("group_0", "8-bit float")),
     (lambda q: _weights(q).update(num_bits=4), ("group_0", "8-bit float")),
     (lambda q: _weights(q).update(symmetric=False), ("group_0", "symmetric")),

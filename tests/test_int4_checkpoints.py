@@ -8,7 +8,6 @@ optimum / gptqmodel / autoawq / compressed-tensors, which the CPU image lacks.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -18,9 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fixtures import hf_logits, load_hf_model, prompt_ids, stepwise_logits, write_tiny_checkpoint  # noqa: E402
+from fixtures import hf_logits, load_hf_model, prompt_ids, stepwise_logits  # noqa: E402
 from fixtures import max_rel_err as rel  # noqa: E402
-from moe_fixtures import VOCAB, build_hf_moe_model, load_hf_moe_model  # noqa: E402
+from moe_fixtures import VOCAB  # noqa: E402
+from quant_fixtures import QuantZoo, edited, write_quantized  # noqa: E402
 
 from tiered import LLM, EngineConfig  # noqa: E402
 from tiered.checkpoint import open_checkpoint  # noqa: E402
@@ -95,58 +95,19 @@ CONFIGS = {
 def write_int4(src: Path, dst: Path, method: str, group: int = 128) -> tuple[Path, Path]:
     """`src` with every decoder projection packed as `method` (dst), and the weights those codes encode as
     a plain fp32 checkpoint (dst-dequantized): the oracle's."""
-    from safetensors.torch import load_file, save_file
-
-    ref_dir = dst.with_name(dst.name + "-dequantized")
-    for d in (dst, ref_dir):
-        shutil.copytree(src, d)
-    t = load_file(str(src / "model.safetensors"))
-    out, ref = {}, {}
-    for name, w in t.items():
+    def quantize(name, w):
         parts = name.split(".")
         if ".layers." in name and parts[-1] == "weight" and parts[-2] in LINEARS and w.dim() == 2:
-            packed, deq = packed_tensors(w.float(), method, group)
-            base = name[:-len(".weight")]
-            out.update({f"{base}.{k}": v for k, v in packed.items()})
-            ref[name] = deq
-        else:
-            out[name] = ref[name] = w
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    save_file(ref, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = CONFIGS[method]
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst, ref_dir
-
-
-class Zoo:
-    def __init__(self, root: Path) -> None:
-        self.root, self._made, self._hf = root, {}, {}
-
-    def get(self, kind: str, method: str) -> tuple[Path, Path]:
-        key = (kind, method)
-        if key not in self._made:
-            src = self.root / kind
-            if not src.is_dir():
-                if kind == "llama_wide":
-                    write_tiny_checkpoint(kind, src)
-                else:  # expert widths of a multiple of 128 (groups of 128 over their inputs)
-                    build_hf_moe_model(kind, VOCAB, hidden_size=256, moe_intermediate_size=256,
-                                       intermediate_size=256).save_pretrained(src, safe_serialization=True)
-            self._made[key] = write_int4(src, self.root / f"{kind}-{method}", method)
-        return self._made[key]
-
-    def hf(self, kind: str, method: str):
-        key = (kind, method)
-        if key not in self._hf:
-            ref = self.get(kind, method)[1]
-            self._hf[key] = load_hf_model(ref) if kind == "llama_wide" else load_hf_moe_model(ref)
-        return self._hf[key]
+            return packed_tensors(w.float(), method, group)
+        return None
+    return write_quantized(src, dst, CONFIGS[method], quantize)
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory) -> Zoo:
-    return Zoo(tmp_path_factory.mktemp("int4ckpt"))
+def zoo(tmp_path_factory) -> QuantZoo:
+    # expert widths of a multiple of 128 (groups of 128 over their inputs)
+    return QuantZoo(tmp_path_factory.mktemp("int4ckpt"), write_int4, "llama_wide",
+                    hidden_size=256, moe_intermediate_size=256, intermediate_size=256)
 
 
 def prompt(n: int = 12, seed: int = 0) -> list[int]:
@@ -226,20 +187,7 @@ def test_moe_experts_stay_int4(zoo, method):
 
 
 def _edit(zoo, tmp_path, method, config=None, drop=None) -> Path:
-    out = tmp_path / "edited"
-    shutil.copytree(zoo.get("llama_wide", method)[0], out)
-    if config:
-        cfg = json.loads((out / "config.json").read_text())
-        config(cfg["quantization_config"])
-        (out / "config.json").write_text(json.dumps(cfg))
-    if drop:
-        from safetensors.torch import load_file, save_file
-
-        f = out / "model.safetensors"
-        t = load_file(str(f))
-        drop(t)
-        save_file(t, str(f), metadata={"format": "pt"})
-    return out
+    return edited(zoo.get("llama_wide", method)[0], tmp_path / "edited", config, drop)
 
 
 def test_gptq_act_order_loads_through_g_idx(zoo, tmp_path):
@@ -282,7 +230,7 @@ def test_gptq_act_order_loads_through_g_idx(zoo, tmp_path):
 
 
 @pytest.mark.parametrize("method, change, error, words", [
-    ("gptq", lambda q: q.update(bits=8), UnsupportedModelError, ("8-bit",)),
+    ("gptq", lambda q: q.update(bits=3), UnsupportedModelError, ("3-bit", "4- and 8-bit")),  # 8: test_int8_checkpoints
     ("awq", lambda q: q.update(version="gemv"), UnsupportedModelError, ("GEMM",)),
 ])
 def test_unsupported_schemes_are_refused(zoo, tmp_path, method, change, error, words):
@@ -298,7 +246,8 @@ def test_damaged_tensors_are_refused(zoo, tmp_path):
     with pytest.raises(CheckpointError, match=r"o_proj's gptq tensors disagree"):
         open_checkpoint(_edit(zoo, tmp_path / "b", "gptq", drop=lambda t: t.__setitem__(base + ".scales",
                                                                                          t[base + ".scales"][:, :8].contiguous())))
-    with pytest.raises(UnsupportedModelError, match="asymmetrically"):
+    # asymmetric pack-quantized reads zero points packed along the outputs (test_int8_checkpoints): not floats
+    with pytest.raises(CheckpointError, match=r"o_proj.weight_zero_point is F32 \(256, 2\), not zero points"):
         open_checkpoint(_edit(zoo, tmp_path / "c", "compressed-tensors",
                               drop=lambda t: t.__setitem__(base + ".weight_zero_point", torch.zeros(256, 2))))
 

@@ -749,6 +749,9 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
         groups = Counter(f"groups of {h.int4_group}" if h.int4_group else "act-order groups (dequantized)"
                          for h in map(ckpt.handle, ckpt.names()) if h.format == "INT4")
         typer.echo("int4:        " + ", ".join(f"{k} x{v}" for k, v in groups.most_common()))
+    if formats.get("INT8"):  # GPTQ / compressed-tensors 8-bit integer weights (checkpoint/int8_packed.py)
+        schemes = Counter(_int8_scheme(h) for h in map(ckpt.handle, ckpt.names()) if h.format == "INT8")
+        typer.echo("int8:        " + ", ".join(f"{k} x{v}" for k, v in schemes.most_common()))
     if cfg.is_moe:
         from tiered.memory.expert_store import expert_tensor_names, moe_layers
         from tiered.quant.experts import ExpertFormat
@@ -759,6 +762,17 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
         note = requantized_note(hs, ExpertFormat(fmt, [h.shape for h in hs])) if fmt != "as --dtype" else None
         typer.echo(f"expert fmt:  stored {'/'.join(h.format for h in hs)} (gate/up/down) -> kept as {fmt}"
                    + (f"; {note}" if note else "; exact"))
+
+
+def _int8_scheme(h) -> str:
+    """How one int8 weight handle is quantized, in words: as tiered's per-row int8 or held dequantized."""
+    if h.int8_per_row:
+        return "per output channel, kept as stored"
+    if not h.int8_group:
+        return "act-order groups (dequantized)"
+    if h.int8_group == h.shape[1]:
+        return "per output channel, asymmetric (dequantized)"
+    return f"groups of {h.int8_group} (dequantized)"
 
 
 def _fp8_scaling(h) -> str:

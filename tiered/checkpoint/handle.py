@@ -51,8 +51,12 @@ class TensorHandle:
         shape: logical shape in the HF (PyTorch) layout, e.g. (out_features, in_features).
         format: storage format: a dense dtype ("F32", "F16", "BF16", ...), a GGUF block format
             ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", ...) or "F8_E4M3": an fp8 weight with block
-            scales (quant/fp8.py; `load` dequantizes, `scaled_fp8` gives the stored form), or "INT4": a
-            GPTQ / AWQ / compressed-tensors 4-bit weight (checkpoint/int4_packed.py; `int4_parts`).
+            scales (quant/fp8.py; `load` dequantizes, `scaled_fp8` gives the stored form), "INT4": a
+            GPTQ / AWQ / compressed-tensors 4-bit weight (checkpoint/int4_packed.py; `int4_parts`), or
+            "INT8": a GPTQ / compressed-tensors 8-bit integer weight (checkpoint/int8_packed.py;
+            `int8_parts` where it is symmetric per output channel or tensor) or a bitsandbytes LLM.int8
+            one (checkpoint/bnb.py), or "BNB_NF4" / "BNB_FP4": a bitsandbytes 4-bit weight (checkpoint/
+            bnb.py; `load` dequantizes).
         nbytes: bytes the tensor occupies in its file (an fp8 weight's with its scales).
         path: the file holding it.
     """
@@ -75,6 +79,11 @@ class TensorHandle:
     # [N, K] 0..15, scale fp32 [N, K / int4_group], zero fp32 [N, K / int4_group]), w = (c - 8) s + z
     _int4: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     int4_group: int | None = None
+    # INT8 (a GPTQ / compressed-tensors 8-bit integer weight, checkpoint/int8_packed.py): () -> (q int8
+    # [N, K], scale fp32 [N]), w = q * scale, where the checkpoint's codes are that (symmetric, one scale
+    # per output channel or per tensor); None for grouped or asymmetric ones (they load dequantized)
+    _int8: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    int8_group: int | None = None  # INT8: inputs per scale (K: per channel or tensor; 0: act-order groups)
 
     @property
     def numel(self) -> int:
@@ -145,6 +154,23 @@ class TensorHandle:
         codes, scale, zero = self._int4()
         r = self.int4_group // group
         return codes, scale.repeat_interleave(r, 1), zero.repeat_interleave(r, 1)
+
+    @property
+    def int8_per_row(self) -> bool:
+        """An INT8 weight whose codes are tiered's per-row int8 as stored (`int8_parts` gives them)."""
+        return self._int8 is not None
+
+    def int8_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """An 8-bit integer weight as stored (format "INT8"), symmetric with one scale per output channel
+        (a per-tensor scale repeated per row): (q int8 [N, K], scale fp32 [N]) with w = q * scale,
+        tiered's per-row int8 (quant/int8.py), exactly.
+
+        Raises:
+            ValueError: not an 8-bit weight, or one quantized per group or asymmetrically.
+        """
+        if self._int8 is None:
+            raise ValueError(f"{self.name} is stored as {self.format}, not as symmetric int8 per output channel")
+        return self._int8()
 
     def blocks(self) -> np.ndarray:
         """Raw quantized blocks in HF row order: uint8 [rows, bytes_per_row] (block formats only).

@@ -249,8 +249,9 @@ class HFDirCheckpoint(HandleTable):
         do the same).
 
         Raises:
-            UnsupportedModelError: another quantization method or scheme (integer, 4-bit, asymmetric,
-                grouped, sparse), or fp8 other than e4m3.
+            UnsupportedModelError: another quantization method or scheme (float weights of other widths,
+                asymmetric, grouped or sparse; integer ones: checkpoint/int4_packed.py, int8_packed.py), or
+                fp8 other than e4m3.
             CheckpointError: an fp8 tensor without quantization_config or without its scales, or
                 scales of the wrong shape or dtype.
         """
@@ -263,6 +264,14 @@ class HFDirCheckpoint(HandleTable):
                                       "quantization_config", "restore the checkpoint's config.json")
             return
         method = qc.get("quant_method") if isinstance(qc, dict) else None
+        from tiered.checkpoint import int8_packed
+
+        if int8_packed.reads(qc):  # 8-bit integer weights: GPTQ Int8, compressed-tensors W8A8 / W8A16 int8
+            if fp8:
+                raise UnsupportedModelError(f"{self.path} mixes fp8 tensors into a {method} checkpoint",
+                                            "use the model's bf16 release")
+            int8_packed.fold(self._handles, qc, self.path)
+            return
         if method in ("gptq", "awq") or (method == "compressed-tensors" and qc.get("format") == "pack-quantized"):
             from tiered.checkpoint import int4_packed
 
@@ -271,11 +280,20 @@ class HFDirCheckpoint(HandleTable):
                                             "use the model's bf16 release")
             int4_packed.fold(self._handles, qc, self.path)
             return
+        if method == "bitsandbytes":  # 4-bit NF4 / FP4 and 8-bit LLM.int8 (checkpoint/bnb.py)
+            from tiered.checkpoint import bnb
+
+            if fp8:
+                raise UnsupportedModelError(f"{self.path} mixes fp8 tensors into a bitsandbytes checkpoint",
+                                            "use the model's bf16 release")
+            bnb.fold(self._handles, qc, self.path)
+            return
         if method not in FP8_METHODS:
             raise UnsupportedModelError(
                 f"{self.path} is quantized with {method!r}; tiered reads fp8 safetensors (quant_method "
                 "\"fp8\", \"fbgemm_fp8\" or float-quantized \"compressed-tensors\"), 4-bit GPTQ, AWQ and "
-                "pack-quantized compressed-tensors ones, GGUF files and unquantized safetensors",
+                "pack-quantized compressed-tensors ones, 8-bit GPTQ and int-quantized compressed-tensors ones, "
+                "bitsandbytes 4-bit (nf4, fp4) and 8-bit ones, GGUF files and unquantized safetensors",
                 "use the model's bf16 release or a GGUF conversion")
         block = self._fp8_scheme(qc, method)
         if qc.get("fmt", "e4m3") != "e4m3" or any(h.format.startswith("F8_") and h.format != "F8_E4M3"
@@ -325,7 +343,8 @@ class HFDirCheckpoint(HandleTable):
             if fmt not in ("float-quantized", "naive-quantized") or not isinstance(groups, dict) or not groups:
                 raise UnsupportedModelError(
                     f"{self.path} is compressed-tensors {fmt!r}; tiered reads its float-quantized 8-bit float "
-                    "weights (FP8), not integer, packed 4-bit or sparse ones", "use the model's bf16 release")
+                    "weights (FP8), int-quantized 8-bit integer and pack-quantized 4- and 8-bit integer ones, not "
+                    "other or sparse ones", "use the model's bf16 release")
             sparse = qc.get("sparsity_config")
             if isinstance(sparse, dict) and sparse.get("format") not in (None, "dense"):
                 raise UnsupportedModelError(f"{self.path} is sparse ({sparse.get('format')!r})",

@@ -15,18 +15,23 @@ zero points), laid out differently by each producer:
       X.qzeros  int32 [G, N/8] in the same order;  X.scales fp16 [G, N]
       w[n, k] = (q - zero) * scale, groups of group_size consecutive inputs
   compressed-tensors "pack-quantized" (llm-compressor's W4A16, e.g. RedHatAI's *-quantized.w4a16)
-      X.weight_packed int32 [N, K/8]: nibble j of word [n, c] holds input 8c + j, as q + 8 (symmetric:
-                q in [-8, 7]);  X.weight_scale [N, G] (or [N, 1]: per channel);  X.weight_shape [2]
-      w[n, k] = q * scale
+      X.weight_packed int32 [N, K/8]: nibble j of word [n, c] holds input 8c + j, as q + 8 (q in
+                [-8, 7]);  X.weight_scale [N, G] (or [N, 1]: per channel);  X.weight_shape [2]
+      X.weight_zero_point (asymmetric schemes only): int32 [ceil(N/8), G], nibble j of word [r, g] holding
+                output 8r + j as zp + 8 (compressors/pack_quantized.pack_to_int32 along dim 0, compressed-
+                tensors >= 0.9.4), or int8 [N, G] unpacked (earlier releases)
+      X.weight_g_idx int32 [K] (activation order "group": the group of each input)
+      w[n, k] = (q - zp) * scale  (zp = 0 when symmetric)
 
 All three become tiered's int4 convention, w = (c - 8) * s + z with c in 0..15 and one (s, z) per group
-of `group` inputs: GPTQ / AWQ z = (8 - zero) * s, compressed-tensors z = 0. Groups of a multiple of 32
+of `group` inputs: GPTQ / AWQ z = (8 - zero) * s, compressed-tensors z = -zp * s (0 when symmetric).
+8-bit GPTQ and compressed-tensors weights are read by checkpoint/int8_packed.py. Groups of a multiple of 32
 inputs map exactly onto tiered's groups of 32 (quant/int4.py; the scales repeated), so the CPU's int4
 decode copies and int4 experts keep the checkpoint's codes: `int4_parts` gives them, `load` the weight
 dequantized in fp32 (the product of the fp16/bf16 scale and the code, exact). GPTQ with act-order
-(`desc_act`: g_idx assigns inputs to groups in the order of a permutation) has no runs of consecutive
-inputs per group: such weights load dequantized through g_idx (int4_group 0), and "auto" gives them
-bf16 decode copies.
+(`desc_act`: g_idx assigns inputs to groups in the order of a permutation; compressed-tensors'
+weight_g_idx) has no runs of consecutive inputs per group: such weights load dequantized through g_idx
+(int4_group 0), and "auto" gives them bf16 decode copies.
 """
 
 from __future__ import annotations
@@ -38,12 +43,18 @@ from tiered.errors import CheckpointError, UnsupportedModelError
 
 INT4_FORMAT = "INT4"  # TensorHandle.format of a weight folded here
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: nibble i holds column AWQ_ORDER[i] of its 8
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def fields(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words [..., W] -> their `bits`-bit fields [..., W * 32 / bits] (field j of a word at bits
+    bits * j), int32 in 0..2^bits - 1. bits: 4 or 8 (2 also works; 3 does not divide a word)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    return ((words.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(*words.shape[:-1], -1)
 
 
 def nibbles(words: torch.Tensor) -> torch.Tensor:
     """int32 words [..., W] -> their 4-bit fields [..., W * 8] (field j of a word at bits 4j), int32 0..15."""
-    return ((words.to(torch.int32).unsqueeze(-1) >> _SHIFTS) & 0xF).reshape(*words.shape[:-1], -1)
+    return fields(words, 4)
 
 
 def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, v2: bool = False):
@@ -101,15 +112,16 @@ def fold(handles: dict[str, TensorHandle], qc: dict, where) -> None:
     handle named `<module>.weight`, per `qc` (the config's quantization_config) and its method.
 
     Raises:
-        UnsupportedModelError: not 4 bits, AWQ's GEMV packing, asymmetric compressed-tensors.
+        UnsupportedModelError: not 4 bits (GPTQ's 8 bits: checkpoint/int8_packed.py), AWQ's GEMV packing.
         CheckpointError: a tensor of the scheme is missing or mis-shaped.
     """
     method = qc.get("quant_method")
     if method in ("gptq", "awq"):
         bits = qc.get("bits", qc.get("w_bit"))
         if bits != 4:
-            raise UnsupportedModelError(f"{where}: {method} with {bits}-bit weights; tiered reads 4-bit ones",
-                                        "use a 4-bit release or a GGUF conversion")
+            reads = "4- and 8-bit ones" if method == "gptq" else "4-bit ones"
+            raise UnsupportedModelError(f"{where}: {method} with {bits}-bit weights; tiered reads {reads}",
+                                        "use a 4-bit or 8-bit release or a GGUF conversion")
         if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
             raise UnsupportedModelError(f"{where}: AWQ version {qc.get('version')!r}; tiered reads the GEMM packing",
                                         "use the model's GEMM AWQ release or a GGUF conversion")
@@ -160,7 +172,7 @@ def _fold_gptq_awq(handles, base, method, qc, where) -> None:
             raise CheckpointError(f"{where}: {base}.g_idx permutes the groups but the config has no desc_act",
                                   "restore the checkpoint's config.json (desc_act: true)")
         return codes, s, z
-    nbytes = qw.nbytes + qz.nbytes + sc.nbytes
+    nbytes = qw.nbytes + qz.nbytes + sc.nbytes + (gi.nbytes if gi is not None else 0)
     handles[base + ".weight"] = (_act_order_handle(qw, (N, K), nbytes, parts) if act_order
                                  else _handle(qw, (N, K), nbytes, parts, group))
 
@@ -169,9 +181,8 @@ def _fold_compressed(handles, base, where) -> None:
     wp = _take(handles, base + ".weight_packed", where)
     sc = _take(handles, base + ".weight_scale", where)
     shape = handles.pop(base + ".weight_shape", None)
-    if base + ".weight_zero_point" in handles:
-        raise UnsupportedModelError(f"{where}: {base} is quantized asymmetrically (weight_zero_point)",
-                                    "use a symmetric release or a GGUF conversion")
+    zp = handles.pop(base + ".weight_zero_point", None)
+    gi = handles.pop(base + ".weight_g_idx", None)
     N = wp.shape[0]
     K = int(shape.load(None).reshape(-1)[1]) if shape is not None else wp.shape[1] * 8
     G = sc.shape[1] if len(sc.shape) == 2 else 0
@@ -179,8 +190,32 @@ def _fold_compressed(handles, base, where) -> None:
         raise CheckpointError(f"{where}: {base}'s pack-quantized tensors disagree (weight_packed "
                               f"{tuple(wp.shape)}, weight_scale {tuple(sc.shape)}, {K} inputs)",
                               "re-download the checkpoint")
+    if zp is not None and not ((zp.format == "I32" and tuple(zp.shape) == (-(-N // 8), G))
+                               or (zp.format == "I8" and tuple(zp.shape) == (N, G))):
+        raise CheckpointError(f"{where}: {base}.weight_zero_point is {zp.format} {tuple(zp.shape)}, not zero points "
+                              f"of [{N}, {G}] packed along the outputs (int32 [{-(-N // 8)}, {G}]) or int8 [{N}, {G}]",
+                              "re-download the checkpoint")
+    act_order = gi is not None and G > 1
 
-    def parts(wp=wp, sc=sc, K=K):
+    def parts(wp=wp, sc=sc, zp=zp, K=K):
         codes, s = unpack_compressed(wp.load(None), sc.load(None), K)
-        return codes, s, torch.zeros_like(s)
-    handles[base + ".weight"] = _handle(wp, (N, K), wp.nbytes + sc.nbytes, parts, K // G)
+        if zp is None:
+            return codes, s, torch.zeros_like(s)
+        z = zp.load(None)
+        if z.dtype == torch.int32:  # packed: nibble j of word [r, g] is output 8r + j, as zp + 8
+            zq = nibbles(z.T.contiguous())[:, :N].T.float() - 8
+        else:
+            zq = z.float()
+        return codes, s, -zq * s  # (c - 8 - zp) s = (c - 8) s + z
+
+    def act_parts(parts=parts, gi=gi):
+        g = gi.load(None).long()
+        if tuple(g.shape) == (K,) and bool((g == -1).any()):  # not set: the groups in column order
+            g = torch.arange(K) // (K // G)
+        if tuple(g.shape) != (K,) or int(g.min()) < 0 or int(g.max()) >= G:
+            raise CheckpointError(f"{where}: {base}.weight_g_idx is not a group per input",
+                                  "re-download the checkpoint")
+        return (*parts(), g)
+    nbytes = sum(h.nbytes for h in (wp, sc, shape, zp, gi) if h is not None)  # every tensor of the weight
+    handles[base + ".weight"] = (_act_order_handle(wp, (N, K), nbytes, act_parts) if act_order
+                                 else _handle(wp, (N, K), nbytes, parts, K // G))

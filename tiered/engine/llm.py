@@ -104,7 +104,7 @@ class LLM:
         HardwareProfile it was made with (None for rules or a replayed plan)."""
         from tiered.planner.auto import engine_plan
         from tiered.planner.placement import load_popularity
-        from tiered.quant.linear import decode_mix, decode_precision, head_precision
+        from tiered.quant.linear import decode_mix, decode_precision, head_precision, int8_note
 
         ec, cfg = self.engine_config, self.config
         weights = sizes.format_of(self.dtype)
@@ -128,6 +128,10 @@ class LLM:
                 disk_reads=self._disk_reads(experts or weights, say))
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
             plan.decode_threshold = max(ec.decode_weights_threshold, ec.max_batch)
+        # GPTQ / compressed-tensors int8 weights that the decode copies re-quantize (a replayed plan keeps its notes)
+        note = int8_note(self.checkpoint, decode) if decode != "none" and ec.plan in ("auto", "off") else None
+        if note:
+            plan.notes.append(note)
         if cfg.is_moe and ec.plan in ("auto", "off"):  # a replayed plan keeps its own notes and choices
             plan.notes.append(self._experts_note(plan.dtypes["experts"]))
             if ec.expert_low_weights:

@@ -17,6 +17,12 @@ dequantizing where the mapping is exact.
     F8_E4M3     -> fp8-row       fp8 + a scale per output channel or tensor            yes (fp32 scales)
     INT4        -> int4 (g32)    GPTQ / AWQ / compressed-tensors 4-bit codes, groups     yes (up to the bf16
                                  of a multiple of 32 split into 32s                      scale, zero ~2^-16)
+    INT8        -> int8 (row)    GPTQ / compressed-tensors 8-bit codes, symmetric with   yes (up to the bf16
+                                 one scale per output channel or tensor                  scale)
+    INT4, INT8 of act-order or other groups, INT8 asymmetric -> the compute format,      fp32 yes
+                                 dequantized
+    BNB_NF4, BNB_FP4 (bitsandbytes 4-bit: a code table, no tiered kind) -> the compute    fp32 yes
+                                 format, dequantized (LLM.int8 is INT8 per row)
     (checkpoint/hf_dir; fp8 of other block sizes takes the compute format, dequantized)
 
 Sources: ggml-quants.c block layouts (block_q4_0 {d; qs[16]}, block_q4_1 {d; m; qs[16]},
@@ -30,6 +36,7 @@ import torch
 
 from tiered.checkpoint.handle import BLOCK_FORMATS
 from tiered.kernels import load
+from tiered.kernels.linear import tiled_int8
 from tiered.quant.experts import (ExpertFormat, fit_format, format_name, int4_segments, int8_g32_segments,
                                   int8_tiled, quantize_projection)
 from tiered.quant import fp8
@@ -38,8 +45,11 @@ from tiered.quant.int4 import unpack_q4_blocks
 
 GGUF_EXPERT_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8-g32", "Q4_K": "int4", "Q2_K": "int4",
                     "Q3_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8-g32"}
-STORED_KIND = {**GGUF_EXPERT_KIND, "F8_E4M3": "fp8", "INT4": "int4"}
-EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3", "INT4")
+STORED_KIND = {**GGUF_EXPERT_KIND, "F8_E4M3": "fp8", "INT4": "int4", "INT8": "int8"}
+EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3", "INT4", "INT8")
+# stored formats whose `load` is exact in fp32: integer codes x fp16 / bf16 scale, bitsandbytes' 4-bit table
+# value x absmax (checkpoint/bnb.py)
+DEQUANTIZED = ("INT4", "INT8", "BNB_NF4", "BNB_FP4")
 
 
 def stored_kind(handle) -> str:
@@ -49,6 +59,8 @@ def stored_kind(handle) -> str:
     if handle.format == "F8_E4M3" and not fp8.as_stored(handle):
         return "fp8-row" if _row_scaled(handle) else "bf16"
     if handle.format == "INT4" and (not handle.int4_group or handle.int4_group % 32):
+        return "bf16"
+    if handle.format == "INT8" and not handle.int8_per_row:  # grouped or asymmetric: held dequantized
         return "bf16"
     return STORED_KIND.get(handle.format, "bf16")
 
@@ -86,7 +98,8 @@ def requantized_note(handles, fmt: ExpertFormat) -> str | None:
     """A sentence naming the stored formats that `fmt` re-quantizes (None when every map is exact)."""
     lossy = sorted({f"{h.format} -> {k}" for h, k in zip(handles, fmt.kinds)
                     if not (h.format in EXACT and stored_kind(h) == k)
-                    and not (h.format == "BF16" and k == "bf16") and not (h.format == "F32" and k == "fp32")})
+                    and not (h.format == "BF16" and k == "bf16") and not (h.format == "F32" and k == "fp32")
+                    and not (h.format in DEQUANTIZED and k == "fp32")})
     return ("experts re-quantized on load: " + ", ".join(lossy)) if lossy else None
 
 
@@ -148,6 +161,11 @@ def projection_segments(handle, kind: str, int4_layout: str,
         return {"q": q.view(torch.uint8), "bs": fp8.kernel_scales(bs, *q.shape, handle.fp8_block)[0]}
     if handle.format == "INT4" and kind == "int4":  # GPTQ / AWQ / compressed-tensors codes as stored
         return int4_segments(*handle.int4_parts(), int4_layout)
+    if handle.format == "INT8" and kind == "int8" and handle.int8_per_row:  # GPTQ / compressed-tensors codes
+        q, scale = handle.int8_parts()
+        if int8_tiled(int4_layout, *q.shape):
+            return {"qt": tiled_int8(q), "scale": scale.to(torch.bfloat16)}
+        return {"q": q, "scale": scale.to(torch.bfloat16)}
     if handle.format in INT4_BLOCK_FORMATS and kind == "int4":
         ext = load() if int4_layout == "tiled" else None
         if ext is not None:  # the same bytes in one native pass (~50x the numpy / torch path below)

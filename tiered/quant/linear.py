@@ -177,6 +177,8 @@ def auto_kind(handle) -> str:
     fused groups stay whole blocks; or a scale per output channel or tensor)."""
     if handle.format == "INT4":  # GPTQ / AWQ / compressed-tensors 4-bit: as stored where groups of 32 hold it
         return "int4" if handle.int4_group and handle.int4_group % GROUP == 0 else "bf16"
+    if handle.format == "INT8":  # GPTQ / compressed-tensors 8-bit: as stored per row, else re-quantized per row
+        return "int8"
     if handle.format == "F8_E4M3":
         from tiered.kernels import load
         from tiered.quant.fp8 import BLOCK
@@ -206,7 +208,9 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
 
     "auto": GGUF Q4_0/Q4_1/Q4_K blocks -> int4 as stored; GGUF Q8_0 -> per-row int8; GGUF Q5_x / Q6_K
     -> int8 per group of 32 (with tiered's kernels); block-scaled fp8 -> fp8 as stored (with tiered's
-    kernels, whole 128-row blocks); others -> bf16.
+    kernels, whole 128-row blocks); GPTQ / AWQ / compressed-tensors int4 -> int4 as stored (groups of a
+    multiple of 32); their int8 -> per-row int8, as stored where symmetric per channel or tensor, else
+    re-quantized per row (int8_note); others -> bf16.
     "int4": everything with K % 32 == 0 -> int4 (GGUF Q4 blocks as stored); "int8": everything ->
     per-row int8; "bf16"; "fp32".
     A module left on the meta device (one-copy mode) has its weight read from `handle` when the
@@ -216,6 +220,11 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     kind = auto_kind(handle) if handle is not None else None
     if fmt in ("auto", "int4") and kind == "int4" and handle.format == "INT4":  # GPTQ / AWQ codes as stored
         return DecodeWeight("int4", *handle.int4_parts(GROUP))
+    if fmt in ("auto", "int8") and stored == "INT8":  # GPTQ / compressed-tensors int8
+        if handle.int8_per_row:  # symmetric per row: the codes as stored
+            return DecodeWeight("int8", *handle.int8_parts())
+        if fmt == "auto":  # grouped or asymmetric: re-quantized per row (int8_note)
+            return DecodeWeight("int8", *quantize_int8(weight_of(linear, handle)))
     if fmt in ("auto", "int4") and kind == "int4":  # GGUF Q4 blocks: int4 as stored
         return DecodeWeight("int4", blocks=handle.blocks(), block_format=stored)
     if fmt == "auto" and kind == "fp8":  # as stored
@@ -298,6 +307,19 @@ def _decode_counts(checkpoint) -> dict[str, int]:
             kind = auto_kind(h)
             count[kind] = count.get(kind, 0) + h.numel
     return count
+
+
+def int8_note(checkpoint, fmt: str) -> str | None:
+    """The plan's line on 8-bit integer checkpoint weights (format "INT8") that `fmt`'s decode copies
+    re-quantize ("auto" or "int8": grouped or asymmetric ones, per row), or None when there are none."""
+    if fmt not in ("auto", "int8"):
+        return None
+    handles = [checkpoint.handle(n) for n in checkpoint.names() if ".experts." not in n]  # routed: no copies
+    lossy = sum(1 for h in handles if h.format == "INT8" and not h.int8_per_row)
+    if not lossy:
+        return None
+    return (f"decode copies of {lossy} grouped or asymmetric int8 checkpoint weights re-quantized per row "
+            "(symmetric int8 per channel, as tiered's copies hold it, is kept as stored)")
 
 
 def decode_precision(checkpoint, fmt: str) -> str:
