@@ -21,6 +21,12 @@ Sizes: hidden 64, 4 query heads, 2 KV heads, 8 experts, top-2, vocab 256. Per ki
     deepseek_v3  3 layers (layer 0 dense), latent attention with a low-rank query (rank 24) and YaRN
                RoPE (factor 4, mscale_all_dim 0.8: the softmax scale and the tables' factor), sigmoid
                routing with a score-correction bias (randomized) in the best group of 2, scaling 2.5.
+Not in MOE_KINDS (tests/test_glm4_moe.py runs them), GLM-4.5 MoE (transformers' glm4_moe):
+    glm4_moe   3 layers (layer 0 dense, F 96), head_dim 32 with partial RoPE 0.5 (16 features rotated),
+               q/k/v biases, per-head q/k norm, DeepSeek-V3's routing in the best group of 2 with a
+               randomized score-correction bias, scaling 2.5, 2 ungated shared experts of F 32.
+    glm4_moe_air  the same shapes at head_dim 16 (8 features rotated), no biases, no q/k norm, the best
+               2 of 4 groups, one shared expert, scaling 1.0 (GLM-4.5-Air's attention options).
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ _COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max
 _DEEPSEEK = dict(num_hidden_layers=3, n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96,
                  n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16,
                  qk_rope_head_dim=8, v_head_dim=16)
+
+_GLM4_MOE = dict(num_hidden_layers=3, n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96,
+                 first_k_dense_replace=1)
 
 # kind -> (config class, model class, config overrides)
 MOE_SPECS: dict[str, tuple[str, str, dict]] = {
@@ -64,6 +73,12 @@ MOE_SPECS: dict[str, tuple[str, str, dict]] = {
                         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
                         "mscale_all_dim": 0.8})),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(_GLM4_MOE, head_dim=32, attention_bias=True,
+                 use_qk_norm=True, n_group=2, topk_group=1, n_shared_experts=2, routed_scaling_factor=2.5,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    "glm4_moe_air": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(_GLM4_MOE, attention_bias=False, use_qk_norm=False,
+                     n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=1.0,
+                     rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5})),
 }
 
 
@@ -83,7 +98,7 @@ def build_hf_moe_model(kind: str, vocab_size: int = VOCAB, **changes):
             if name.endswith("gate.weight") and "shared" not in name:  # routers (some start at 0)
                 p.copy_(config.initializer_range * torch.randn_like(p))
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's (zeros at init)
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's and GLM-4.5's (zeros at init)
                 b.copy_(0.05 * torch.randn_like(b))
     return model
 

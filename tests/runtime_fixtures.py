@@ -165,7 +165,7 @@ def sizes_of(path: Path, max_context: int = MAX_CONTEXT) -> Sizes:
                  kv=kv_bytes(cfg, max_context),
                  num_experts=cfg.num_experts,
                  moe_layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
-                 rotary=2 * max_context * cfg.head_dim * 4,
+                 rotary=2 * max_context * cfg.rotary_dim * 4,
                  workspace=sizes.workspace_bytes(cfg, "fp32"))
 
 

@@ -14,9 +14,10 @@ from tiered.errors import CheckpointError, UnsupportedModelError
 # HF `model_type` -> family. Dense families share one implementation (models/llama.py); MoE
 # families share models/moe.py.
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")  # read decoder_sparse_step / mlp_only_layers
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared experts, grouped routing
+# GLM-4.5 / 4.5-Air / 4.6: Llama-style attention with partial RoPE and DeepSeek-V3's MoE block
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # DeepSeek routers (models/moe.DeepSeekRouter): V2's softmax with plain or group-limited top-k, V3's
 # sigmoid with a score-correction bias and group-limited top-k (topk_method "noaux_tc")
@@ -60,6 +61,9 @@ class ModelConfig:
         qk_nope_head_dim, v_head_dim: per-head key part without RoPE and value width [elements].
         rope_interleave: RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek) instead
             of the two halves (Llama's rotate-half).
+        partial_rotary_factor: RoPE rotates the first `rotary_dim` = head_dim * factor features of
+            each query and key head (rotate-half over those) and passes the rest through (GLM-4.5:
+            0.5); 1.0 = every feature.
     DeepSeek MoE (DeepSeek-V2 §2.2, DeepSeek-V3 §2.1.2):
         topk_method: a TOPK_METHODS name, "softmax" otherwise (every other MoE family's router).
         n_group, topk_group: experts split in n_group groups; tokens pick experts only from their
@@ -69,6 +73,9 @@ class ModelConfig:
             i % moe_layer_freq == 0 (DeepSeek); 0 and 1 for the other families.
         shared_expert_gated: the shared expert's output is scaled by sigmoid(shared_expert_gate(x))
             (Qwen2-MoE), else added as is (DeepSeek's shared experts).
+    GLM-4.5 MoE (`glm4_moe`) is plain grouped-query attention (q/k/v biases per attention_bias,
+    per-head q/k norms per use_qk_norm, partial RoPE) with DeepSeek-V3's MoE block: topk_method
+    "noaux_tc", ungated shared experts, the first first_k_dense_replace layers dense.
     """
 
     model_type: str
@@ -111,6 +118,7 @@ class ModelConfig:
     first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
     shared_expert_gated: bool = True
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.model_type not in DENSE_TYPES + MOE_TYPES:
@@ -143,6 +151,13 @@ class ModelConfig:
                             or not 1 <= self.topk_group <= self.n_group):
             raise UnsupportedModelError(f"{self.num_experts} experts in {self.n_group} groups, top {self.topk_group} "
                                         "groups", "check n_group and topk_group in the checkpoint's config.json")
+        if not (0 < self.partial_rotary_factor <= 1 and self.rotary_dim >= 2 and self.rotary_dim % 2 == 0):
+            raise UnsupportedModelError(
+                f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} gives no even "
+                "rotary width", "check partial_rotary_factor in the checkpoint's config.json")
+        if self.is_mla and self.rotary_dim != self.head_dim:
+            raise UnsupportedModelError("latent attention rotates its whole RoPE key (partial_rotary_factor 1)",
+                                        "ModelConfig.from_hf sets it")
         if self.is_mla and self.num_key_value_heads != 1:
             raise UnsupportedModelError("latent attention caches one latent per position (num_key_value_heads 1)",
                                         "ModelConfig.from_hf sets it")
@@ -150,6 +165,12 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each query / key head RoPE rotates, the first ones [elements]: head_dim *
+        partial_rotary_factor, truncated as transformers' int(); the width of the RoPE tables."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def is_mla(self) -> bool:
@@ -235,9 +256,11 @@ class ModelConfig:
             source: the file it came from, named in errors.
         Raises:
             CheckpointError: the config is not a JSON object, lacks a required field, or gives a
-                field a value of the wrong type or range (`_check_hf_fields`).
-            UnsupportedModelError: unknown model_type or RoPE scaling, MLP biases, or a mix of
-                sliding-window and full-attention layers.
+                field a value of the wrong type or range (`_check_hf_fields`; glm4_moe's
+                partial_rotary_factor outside (0, 1]).
+            UnsupportedModelError: unknown model_type or RoPE scaling, MLP biases, a mix of
+                sliding-window and full-attention layers, a partial RoPE of no even width, or a
+                glm4_moe activation other than SiLU.
         """
         if not isinstance(cfg, dict):
             raise CheckpointError(f"{source} is a JSON {type(cfg).__name__}, not an object of model settings",
@@ -250,15 +273,19 @@ class ModelConfig:
         _check_hf_fields(cfg, model_type, source)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        deepseek = _deepseek_fields(cfg, model_type) if model_type in DEEPSEEK_TYPES else {}
-        if deepseek:
-            head_dim = deepseek.pop("head_dim")
+        # a family's own fields, over the common ones below
+        family = _deepseek_fields(cfg, model_type) if model_type in DEEPSEEK_TYPES else {}
+        if family:
+            head_dim = family.pop("head_dim")
+        if model_type == "glm4_moe":
+            family = _glm4_moe_fields(cfg, source)
         # transformers 5 nests RoPE settings in rope_parameters; 4.x has rope_theta + rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
+        rope.pop("partial_rotary_factor", None)  # a field of its own (glm4_moe's), not a scaling
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         scaling = cfg.get("rope_scaling") or (rope or None)
         if scaling is not None:
-            scaling = dict(scaling)
+            scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
             scaling.setdefault("rope_type", scaling.pop("type", "default"))
             if scaling["rope_type"] == "default":
                 scaling = None
@@ -306,7 +333,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
         )
-        return cls(**{**fields, **deepseek})
+        return cls(**{**fields, **family})
 
 
 # transformers' defaults for DeepSeek fields a config.json may leave out (DeepseekV2Config / V3Config)
@@ -362,6 +389,58 @@ def _deepseek_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         shared_expert_intermediate_size=shared * (cfg.get("moe_intermediate_size") or 0),
         shared_expert_gated=False, o_proj_bias=bool(cfg.get("attention_bias", False)),
         norm_topk_prob=bool(get("norm_topk_prob")) if v3 else False,
+    )
+
+
+# transformers' defaults for glm4_moe fields a config.json may leave out (Glm4MoeConfig)
+_GLM4_MOE_DEFAULTS = dict(intermediate_size=10944, moe_intermediate_size=1408, num_experts_per_tok=8,
+                          n_shared_experts=1, n_routed_experts=128, routed_scaling_factor=1.0, n_group=1,
+                          topk_group=1, first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=False,
+                          partial_rotary_factor=0.5)
+
+
+def _glm4_moe_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
+    """ModelConfig fields of a GLM-4.5 / GLM-4.5-Air / GLM-4.6 config.json (transformers' glm4_moe),
+    transformers' defaults for those it leaves out (_GLM4_MOE_DEFAULTS).
+
+    As transformers' modeling_glm4_moe computes them: grouped-query attention with q/k/v biases per
+    attention_bias (o_proj never has one), RMSNorm per head on q and k when use_qk_norm, RoPE on the
+    first head_dim * partial_rotary_factor features of each head (given at the top level, as the
+    released config.json files have it, or in rope_parameters, as transformers 5 writes it; 0.5 when
+    neither); layers >= first_k_dense_replace hold DeepSeek-V3's MoE block (sigmoid scores, the
+    score-correction bias for the choice, the two best biased scores of each group ranking the groups,
+    renormalized per norm_topk_prob, times routed_scaling_factor: "noaux_tc") with n_shared_experts
+    ungated shared experts of moe_intermediate_size each, the others a dense MLP of intermediate_size.
+    The multi-token-prediction layers (num_nextn_predict_layers, stored as model.layers.<L>.* past
+    num_hidden_layers) are not part of the model: transformers ignores them too.
+
+    Raises:
+        CheckpointError: partial_rotary_factor is not a number in (0, 1].
+        UnsupportedModelError: an activation other than SiLU.
+    """
+    d = _GLM4_MOE_DEFAULTS
+
+    def get(key):
+        return cfg[key] if cfg.get(key) is not None else d[key]
+
+    factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+    if factor is None:
+        factor = get("partial_rotary_factor")
+    if not (_is_number(factor) and 0 < factor <= 1):
+        raise CheckpointError(f"{source}: partial_rotary_factor must be a number in (0, 1], got {factor!r}",
+                              "fix or restore the checkpoint's config.json")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"unsupported activation {cfg['hidden_act']!r} for glm4_moe",
+                                    "tiered's MLPs and experts are SwiGLU (silu)")
+    return dict(
+        intermediate_size=get("intermediate_size"), moe_intermediate_size=get("moe_intermediate_size"),
+        num_experts=cfg.get("n_routed_experts") or cfg.get("num_local_experts") or d["n_routed_experts"],
+        num_experts_per_tok=get("num_experts_per_tok"), topk_method="noaux_tc", n_group=get("n_group"),
+        topk_group=get("topk_group"), routed_scaling_factor=float(get("routed_scaling_factor")),
+        first_k_dense_replace=get("first_k_dense_replace"), moe_layer_freq=1,
+        shared_expert_intermediate_size=get("n_shared_experts") * get("moe_intermediate_size"),
+        shared_expert_gated=False, norm_topk_prob=bool(get("norm_topk_prob")), o_proj_bias=False,
+        qk_norm=bool(get("use_qk_norm")), qk_norm_scope="head", partial_rotary_factor=float(factor),
     )
 
 
@@ -479,7 +558,8 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
 
 
 def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":
-    """RoPE inverse frequencies [head_dim // 2] fp32, with linear or llama3 scaling applied.
+    """RoPE inverse frequencies [rotary_dim // 2] fp32 (rotary_dim = head_dim unless a partial RoPE
+    rotates fewer features, ModelConfig.rotary_dim), with linear, llama3 or YaRN scaling applied.
 
     The llama3 rule (Llama 3.1 report): wavelengths longer than original_ctx / low_freq_factor are
     divided by `factor`, shorter than original_ctx / high_freq_factor are kept, and the band
@@ -487,7 +567,7 @@ def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":
     """
     import torch
 
-    dim = config.head_dim
+    dim = config.rotary_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = config.rope_scaling
     if s is None:

@@ -190,8 +190,9 @@ def skip_params(cfg: ModelConfig, sliced_layers=()) -> Callable[[str], bool] | N
 
 
 def rotary_bytes(cfg: ModelConfig, max_positions: int) -> int:
-    """Bytes of the RoPE cos and sin tables (fp32 [max_positions, head_dim] each), on the compute tier."""
-    return 2 * max_positions * cfg.head_dim * 4
+    """Bytes of the RoPE cos and sin tables (fp32 [max_positions, rotary_dim] each: head_dim, or
+    fewer under a partial RoPE), on the compute tier."""
+    return 2 * max_positions * cfg.rotary_dim * 4
 
 
 def expert_bytes(cfg: ModelConfig, fmt: str) -> int:

@@ -9,7 +9,7 @@ def build_model(config: ModelConfig, max_positions: int) -> CausalLM:
     """Build the module tree for `config` (call under torch.device('meta') to allocate nothing).
 
     Dense Llama-family types get models/llama.py's layers; MoE types (Mixtral, Qwen2-MoE,
-    Qwen3-MoE, OLMoE) get models/moe.py's MoEBlock layers.
+    Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5) get models/moe.py's MoEBlock layers.
 
     Raises:
         UnsupportedModelError: an architecture with no implementation yet.

@@ -34,12 +34,13 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """RoPE cos/sin tables [max_positions, hd] (fp32), rotate-half convention (HF Llama)."""
+    """RoPE cos/sin tables [max_positions, rd] (fp32), rotate-half convention (HF Llama); rd =
+    config.rotary_dim, hd unless a partial RoPE (GLM-4.5) rotates only each head's first rd features."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         if torch.get_default_device().type == "meta":  # shapes only: RoPE math on the meta device would
-            shape = (max_positions, config.head_dim)  # run Python decompositions that import torch._dynamo
+            shape = (max_positions, config.rotary_dim)  # run Python decompositions that import torch._dynamo
             self.register_buffer("cos", torch.empty(shape), persistent=False)
             self.register_buffer("sin", torch.empty(shape), persistent=False)
             return
@@ -54,7 +55,7 @@ class Rotary(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int64 [B, T] -> (cos, sin), each [B, 1, T, hd] fp32."""
+        """positions int64 [B, T] -> (cos, sin), each [B, 1, T, rd] fp32."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
@@ -72,13 +73,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  sin_signed: torch.Tensor | None = None) -> torch.Tensor:
-    """x [B, H, T, hd]; cos/sin [B, 1, T, hd] fp32 -> rotated x in x's dtype.
+    """x [B, H, T, hd]; cos/sin [B, 1, T, rd] fp32 (rd <= hd) -> rotated x in x's dtype.
+
+    A partial RoPE (rd < hd: GLM-4.5's partial_rotary_factor) rotates each head's first rd features
+    (rotate-half over those) and passes the other hd - rd through unchanged, as transformers'
+    apply_rotary_pos_emb with tables narrower than the head.
 
     With sin_signed (`Rotary.signed`: sin with its first half negated), rotate_half(x) * sin is
     computed as roll(x, hd/2) * sin_signed: one op for chunk, neg and cat, the same values bit for
     bit (a sign moves from a factor to the other). Each op is a kernel launch on a GPU, where a
     decode step's host time is mostly such launches.
     """
+    rd = cos.shape[-1]
+    if rd != x.shape[-1]:  # partial RoPE: rotate the first rd features, pass the rest through
+        return torch.cat((apply_rotary(x[..., :rd], cos, sin, sin_signed), x[..., rd:]), -1)
     dtype = x.dtype
     xf = x.float() if dtype != torch.float32 else x
     if sin_signed is None:
@@ -94,8 +102,9 @@ class AttentionMetadata:
     Attributes:
         positions: int64 [B, T] absolute position of each new token.
         slots: int64 [B] KV-cache row of each sequence.
-        cos, sin: RoPE tables gathered for `positions`, [B, 1, T, hd] fp32; sin_signed the same for
-            Rotary.signed (or None: apply_rotary then takes the three-op rotate-half).
+        cos, sin: RoPE tables gathered for `positions`, [B, 1, T, rd] fp32 (rd = config.rotary_dim);
+            sin_signed the same for Rotary.signed (or None: apply_rotary then takes the three-op
+            rotate-half).
         mask: bool [B, 1, T, S] (True = attend), or None when `causal` or one sequence's single
             newest token needs no mask.
         causal: a single sequence's prefill from position 0 (SDPA's built-in causal mask).

@@ -1,5 +1,6 @@
 # N = tokens, E = experts, D = hidden, F = expert intermediate, k = top-k
-"""Mixture-of-Experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
+"""Mixture-of-Experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE (and the MoE blocks of
+DeepSeek-V2/V3 and GLM-4.5, whose router is models/deepseek.DeepSeekRouter).
 
 Each layer's MLP is a `MoEBlock`: a router picks the top-k of E SwiGLU experts per token, the
 chosen experts' outputs are summed with the router weights, and Qwen2-MoE adds an always-on shared

@@ -33,6 +33,9 @@ router, the top-k experts, the shared expert), with the standard router or DeepS
 §2.2, DeepSeek-V3 §2.1.2). DeepSeek's latent-attention layers (models/deepseek.LatentAttention) run
 their attention half there, in the absorbed form (DeepSeek-V2 §2.1, Appendix C; `_native_latent`),
 and their MoE block or dense MLP after it; the torch-op step runs them whole as modules.
+A partial RoPE (GLM-4.5: ModelConfig.rotary_dim < head_dim) rotates each head's first rotary_dim
+features in both steps and passes the rest through (DecodeStep's rotary_dim; the torch-op step's
+rotate-half matrix is 0 there, its cos 1 and sin 0).
 TIERED_NATIVE_MLA=0 keeps latent layers whole as modules in the native step as well, and
 TIERED_NATIVE_MOE=0 every MoE block its module (to compare; the native parts are the default).
 """
@@ -126,9 +129,10 @@ def _group(parent: nn.Module, names: tuple[str, ...]) -> Kernel | _Side:
     return Kernel(mods[0]) if len(mods) == 1 else _Side([Kernel(m) for m in mods])
 
 
-def _rotate_half_matrix(hd: int, dtype: torch.dtype) -> torch.Tensor:
-    """R [hd, hd] with x @ R = rotate_half(x) = cat(-x2, x1) (HF Llama's RoPE convention)."""
-    h = hd // 2
+def _rotate_half_matrix(hd: int, dtype: torch.dtype, rd: int | None = None) -> torch.Tensor:
+    """R [hd, hd] with x @ R = rotate_half(x) = cat(-x2, x1) (HF Llama's RoPE convention) over x's
+    first rd features (default hd) and 0 over the rest, which a partial RoPE passes through."""
+    h = (hd if rd is None else rd) // 2
     r = torch.zeros(hd, hd, dtype=dtype)
     r[torch.arange(h) + h, torch.arange(h)] = -1.0  # out[j] = -x[j + h] for j < h
     r[torch.arange(h), torch.arange(h) + h] = 1.0  # out[j + h] = x[j]
@@ -282,7 +286,7 @@ def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list, 
     dtype = model.model.norm.weight.dtype  # the residual stream's (the final norm keeps the model dtype)
     # latent attention: one cache "head" of R + r per layer (ModelConfig.kv_widths), r = head_dim
     step = native.DecodeStep(cfg.hidden_size, cfg.num_attention_heads, 1 if cfg.is_mla else cfg.num_key_value_heads,
-                             cfg.head_dim, cfg.head_dim ** -0.5, cfg.sliding_window or 0)
+                             cfg.head_dim, cfg.head_dim ** -0.5, cfg.sliding_window or 0, cfg.rotary_dim)
     latent = {}  # layer -> _native_latent's arguments
     moe = {}  # layer -> _native_moe's arguments
     for L, layer in layers:
@@ -355,6 +359,7 @@ class CPUDecodeStep:
         cfg = model.config
         self.model = model
         self.H, self.Hkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.rd = cfg.rotary_dim  # RoPE's width (< hd: a partial RoPE's, GLM-4.5)
         self.scale = self.hd ** -0.5
         self.gqa = self.H != self.Hkv
         self.sliding_window = cfg.sliding_window
@@ -383,7 +388,7 @@ class CPUDecodeStep:
         self.final_eps = model.model.norm.eps
         self.embed = model.model.embed_tokens
         self.lm_head = Kernel(_decode_module(model.lm_head))
-        self.rot = _rotate_half_matrix(self.hd, torch.float32)
+        self.rot = _rotate_half_matrix(self.hd, torch.float32, self.rd)
         self.native = self.schedule = self.fallback = None
         self.moe_blocks: list = []
         if native:
@@ -419,7 +424,9 @@ class CPUDecodeStep:
         meta = build_attention_metadata(self.model.rotary, positions, slots, self.sliding_window)
         B = input_ids.shape[0]
         x = self.embed(input_ids).view(B, -1)  # [B, D] residual stream, model dtype
-        cos, sin = meta.cos.view(B, 1, self.hd), meta.sin.view(B, 1, self.hd)
+        cos, sin = meta.cos.view(B, 1, self.rd), meta.sin.view(B, 1, self.rd)
+        if self.rd != self.hd:  # partial RoPE: cos 1 and sin 0 past rd (self.rot is 0 there) pass those through
+            cos, sin = F.pad(cos, (0, self.hd - self.rd), value=1.0), F.pad(sin, (0, self.hd - self.rd))
         for L, layer in self.layers:
             if L.whole:
                 x = layer(x.view(B, 1, -1), meta, cache).view(B, -1)
@@ -438,7 +445,7 @@ class CPUDecodeStep:
         B = input_ids.shape[0]
         pos = positions.view(B)
         x = self.embed(input_ids).view(B, -1).contiguous()  # [B, D] residual stream, model dtype
-        cos, sin = self.model.rotary.cos[pos], self.model.rotary.sin[pos]  # [B, hd] fp32
+        cos, sin = self.model.rotary.cos[pos], self.model.rotary.sin[pos]  # [B, rd] fp32
         meta = None
         schedule = self.schedule
         if self.moe_blocks and any(b.on_route is not None for b in self.moe_blocks):

@@ -611,9 +611,15 @@ template <> struct Elem<at::BFloat16> { using type = uint16_t; };
 
 class DecodeStep {
  public:
-  DecodeStep(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int64_t window)
-      : D(hidden), H(heads), Hkv(kv_heads), hd(head_dim), scale_(float(scale)), window_(window) {
+  // rotary_dim: RoPE rotates each q / k head's first rotary_dim features (rotate-half over them) and
+  // leaves the rest as they are (a partial RoPE: GLM-4.5's partial_rotary_factor); 0 = head_dim.
+  DecodeStep(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int64_t window,
+             int64_t rotary_dim)
+      : D(hidden), H(heads), Hkv(kv_heads), hd(head_dim), rd(rotary_dim ? rotary_dim : head_dim),
+        scale_(float(scale)), window_(window) {
     TIERED_CHECK(H % Hkv == 0 && hd % 2 == 0, "decode step: heads must be a multiple of kv heads, head_dim even");
+    TIERED_CHECK(rd % 2 == 0 && 2 <= rd && rd <= hd, "decode step: rotary_dim must be even, in [2, head_dim], got ",
+                rd);
   }
 
   void add_layer(const at::Tensor& in_norm, const at::Tensor& post_norm, double eps, std::vector<KernelPtr> qkv,
@@ -678,6 +684,7 @@ class DecodeStep {
     TIERED_CHECK(0 <= l && l < num_layers() && layers_[l].qkv.empty() && !layers_[l].o.empty(),
                 "decode step: set_latent needs a layer added with no q/k/v kernels and an o_proj, got ", l);
     TIERED_CHECK(window_ == 0, "decode step: latent attention has no sliding window");
+    TIERED_CHECK(rd == hd, "decode step: latent attention rotates its whole RoPE key (rotary_dim = head_dim)");
     for (const Layer& other : layers_)
       TIERED_CHECK(other.qkv.empty(), "decode step: a step of latent-attention layers takes no q/k/v layers");
     Layer& L = layers_[l];
@@ -833,7 +840,7 @@ class DecodeStep {
 
   int64_t num_layers() const { return int64_t(layers_.size()); }
 
-  // x [B, D] (model dtype, updated in place); cos, sin [B, hd] fp32; slots, positions int64 [B];
+  // x [B, D] (model dtype, updated in place); cos, sin [B, rotary_dim] fp32; slots, positions int64 [B];
   // k_cache, v_cache [L, num_slots, Hkv, max_len, hd] in x's dtype, or bfloat16 beside float32 x (the
   // plan's 16-bit KV cache under quantized decode weights: half the bytes each step's attention
   // streams; keys and values are rounded to bf16 as they are written); latent layers' (set_latent) k
@@ -862,8 +869,8 @@ class DecodeStep {
     const int64_t B = x.size(0);
     auto c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
     auto sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
-    TIERED_CHECK(c.numel() == B * hd && s.numel() == B * hd && sl.numel() == B && ps.numel() == B,
-                "decode step: cos/sin must be [B, hd], slots/positions [B]");
+    TIERED_CHECK(c.numel() == B * rd && s.numel() == B * rd && sl.numel() == B && ps.numel() == B,
+                "decode step: cos/sin must be [B, rotary_dim], slots/positions [B]");
     for (int64_t l = first; l < last; ++l)
       TIERED_CHECK(layers_[l].runs(), "decode step: layer ", l, " is a placeholder (its caller runs it)");
     for (int64_t l = first; l < last && moe; ++l)
@@ -936,7 +943,7 @@ class DecodeStep {
   template <typename T, typename C>
   void run(T* xs, int64_t B, const float* cos, const float* sin, const int64_t* slots, const int64_t* pos, C* kc,
            C* vc, int64_t n_slots, int64_t max_len, int64_t first, int64_t last, bool moe, T* hs) {
-    const int64_t QK = (H + Hkv) * hd, QKV = (H + 2 * Hkv) * hd, half = hd / 2;
+    const int64_t QK = (H + Hkv) * hd, QKV = (H + 2 * Hkv) * hd, half = rd / 2;
     std::vector<float> x(B * D), h(B * D), qkv(B * QKV), att(B * H * hd), y(B * D), tmp;
     for (int64_t i = 0; i < B * D; ++i) x[i] = float(xs[i]);
     // x_b += y_b (when add), rounded; then h_b = norm(x_b) with `w`, rounded
@@ -968,10 +975,11 @@ class DecodeStep {
         latent_attention<T, C>(L, l, B, h.data(), cos, sin, slots, pos, kc, n_slots, max_len, y.data());
       } else {
         L.qkv.run(h.data(), B, qkv.data(), tmp);
-        // RoPE on q and k (rotate-half), rounded to the model's dtype; then k, v into the cache
+        // RoPE on q and k (rotate-half over each head's first rd features; the rest, a partial
+        // RoPE's, pass through), rounded to the model's dtype; then k, v into the cache
         each_row(B, [&](int64_t b) {
-          const float* cb = cos + b * hd;
-          const float* sb = sin + b * hd;
+          const float* cb = cos + b * rd;
+          const float* sb = sin + b * rd;
           float* r = qkv.data() + b * QKV;
           if (L.extras()) qk_extras<T>(L, r);
           for (int64_t j = 0; j < H + Hkv; ++j) {
@@ -981,6 +989,7 @@ class DecodeStep {
               v[i] = rnd<T>(x1 * cb[i] - x2 * sb[i]);
               v[i + half] = rnd<T>(x2 * cb[i + half] + x1 * sb[i + half]);
             }
+            for (int64_t i = rd; i < hd; ++i) v[i] = rnd<T>(v[i]);
           }
           for (int64_t g = 0; g < Hkv; ++g) {
             const int64_t at_ = (((l * n_slots + slots[b]) * Hkv + g) * max_len + pos[b]) * hd;
@@ -1328,6 +1337,7 @@ class DecodeStep {
   static constexpr int64_t kSplitKeys = 256;
 
   int64_t D, H, Hkv, hd;
+  int64_t rd;  // RoPE's width: each q / k head's first rd features rotate (rd = hd unless partial)
   float scale_;
   int64_t window_;
   int64_t latent_width_ = 0;  // R + r when the layers are latent attention's (set_latent): the cache row's width
@@ -1501,8 +1511,9 @@ void register_decode(pybind11::module& m) {
   py::class_<DecodeStep>(m, "DecodeStep",
                          "Native decode step of dense Llama-family layers and DeepSeek latent-attention layers "
                          "(tiered/kernels/csrc/decode.cpp).")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("hidden"), py::arg("heads"),
-           py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("window") = 0)
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, int64_t, int64_t>(), py::arg("hidden"),
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("window") = 0,
+           py::arg("rotary_dim") = 0)
       .def("add_layer", &DecodeStep::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("eps"),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"))
       .def("set_head", &DecodeStep::set_head, py::arg("norm"), py::arg("eps"), py::arg("lm_head"))
