@@ -113,6 +113,13 @@ def test_model_config(rt, kind):  # noqa: F811
     # every tensor transformers holds (the score-correction bias is a buffer there)
     assert cfg.num_parameters() == sum(t.numel() for t in rt.hf(kind).state_dict().values())
     assert cfg.rope_scaling is None  # rope_parameters' partial_rotary_factor is not a scaling
+    from typer.testing import CliRunner
+
+    from tiered.cli import app
+
+    res = CliRunner().invoke(app, ["info", str(rt.dir(kind))])
+    assert res.exit_code == 0, res.output
+    assert f"partial: {expect['rotary_dim']} of {expect['head_dim']} features a head rotated" in res.output
 
 
 def test_config_as_released(rt, tmp_path):  # noqa: F811

@@ -740,7 +740,9 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
     else:
         typer.echo(f"mlp:         {cfg.intermediate_size}")
     typer.echo(f"context:     {cfg.max_position_embeddings} tokens, RoPE theta {cfg.rope_theta:g}"
-               + (f", scaling {cfg.rope_scaling}" if cfg.rope_scaling else ""))
+               + (f", scaling {cfg.rope_scaling}" if cfg.rope_scaling else "")
+               + (f", partial: {cfg.rotary_dim} of {cfg.head_dim} features a head rotated"
+                  if cfg.rotary_dim != cfg.head_dim and not cfg.is_mla else ""))
     typer.echo("formats:     " + ", ".join(f"{k} x{v}" for k, v in formats.most_common()))
     if formats.get("F8_E4M3"):  # how the fp8 weights are scaled (checkpoint/hf_dir._scaled_fp8)
         scaled = Counter(_fp8_scaling(h) for h in map(ckpt.handle, ckpt.names()) if h.format == "F8_E4M3")
