@@ -481,3 +481,148 @@ def write_deepseek_gguf(model, path: Path, legacy: bool = False,
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_glm4_moe_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+                        mtp: bool = False, tokenizer_from: Path | None = None, drop: tuple[str, ...] = (),
+                        extra=None) -> Path:
+    """Write a transformers GLM-4.5 MoE model (glm4_moe) as llama.cpp's glm4moe converter does.
+
+    Restated from llama.cpp's convert_hf_to_gguf.py (Glm4MoeModel and its TextModel base, early
+    2026) and its loader (src/models/glm4-moe.cpp), not from tiered's reader; llama.cpp itself
+    (llama-cpp-python 0.3.36) scores the F32 files as transformers does, to 1e-6:
+    - TextModel's keys (context_length, embedding_length, feed_forward_length, head_count(_kv),
+      rope.freq_base, layer_norm_rms_epsilon, expert_used_count, expert_group_count /
+      expert_group_used_count from n_group / topk_group, key_length / value_length only when the
+      config has a head_dim), then Glm4MoeModel's: rope.dimension_count int(head_dim *
+      partial_rotary_factor), expert_count, expert_feed_forward_length, expert_shared_count,
+      leading_dense_block_count, expert_gating_func 2 (sigmoid), expert_weights_scale / _norm.
+    - q/k rows as they are (no llama permutation: llama.cpp runs glm4moe with NEOX RoPE);
+      post_attention_layernorm is `post_attention_norm`; the score-correction bias
+      `exp_probs_b.bias`; routed experts stacked; shared experts `ffn_*_shexp`.
+    - `mtp`: one multi-token-prediction layer appended as llama.cpp writes GLM-4.5's
+      (block_count = num_hidden_layers + 1, nextn_predict_layers 1): an ordinary MoE block
+      (here a copy of the last layer's tensors, scaled) plus its nextn.* tensors (random).
+    - tokenizer.ggml.model "none" with vocab_size, or the tokenizer keys of `tokenizer_from`.
+    1-D tensors and the routers F32, the other 2-D tensors and the experts `qtype` (F16 where the
+    block type cannot split a row). `drop`: metadata keys left out; then `extra(writer)` adds any.
+    """
+    import gguf
+
+    c = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    L, H = c.num_hidden_layers, c.hidden_size
+    head_dim = getattr(c, "head_dim", None)
+    rp = dict(c.rope_parameters or {})
+    w = GGUFWriter(str(path), "glm4moe")
+    w.add_name(f"tiny-{c.model_type}")
+    w.add_block_count(L + mtp)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(float(rp.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_group_count(c.n_group)
+    w.add_expert_group_used_count(c.topk_group)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_file_type(int(qtype))
+    hd = head_dim or H // c.num_attention_heads
+    w.add_rope_dimension_count(int(hd * rp.get("partial_rotary_factor", 0.5)))
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(float(c.routed_scaling_factor))
+    w.add_expert_weights_norm(bool(c.norm_topk_prob))
+    if mtp:
+        w.add_nextn_predict_layers(1)
+    w.add_vocab_size(c.vocab_size)
+    if tokenizer_from is None:
+        w.add_tokenizer_model("none")
+    else:  # the tokenizer keys as tiered's benchmark writers copy them
+        from tiered.bench.gguf_moe import add_tokenizer, read_tokenizer
+
+        add_tokenizer(w, read_tokenizer(tokenizer_from, c.vocab_size)[0])
+    for key in drop:
+        del w.kv_data[0][key]
+    if extra is not None:
+        extra(w)
+
+    def put(name: str, a: np.ndarray, router: bool = False) -> None:
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if a.ndim == 1 or router:
+            w.add_tensor(name, a)
+            return
+        arr, qt = encode_any(a, qtype)
+        if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, arr, raw_dtype=qt)
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    put("output.weight", sd["lm_head.weight"])
+    Ie = c.moe_intermediate_size
+    for i in range(L + mtp):
+        src = min(i, L - 1)
+        p, b = f"model.layers.{src}.", f"blk.{i}."
+        scale = 0.5 if i >= L else 1.0  # the MTP layer: other weights than any main layer's
+        put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(b + "post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        for n in ("q", "k", "v"):
+            put(b + f"attn_{n}.weight", scale * sd[p + f"self_attn.{n}_proj.weight"])
+            if p + f"self_attn.{n}_proj.bias" in sd:
+                put(b + f"attn_{n}.bias", sd[p + f"self_attn.{n}_proj.bias"])
+        if p + "self_attn.q_norm.weight" in sd:
+            put(b + "attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
+            put(b + "attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
+        put(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        if src < c.first_k_dense_replace:
+            for n in ("gate", "up", "down"):
+                put(b + f"ffn_{n}.weight", sd[p + f"mlp.{n}_proj.weight"])
+        else:
+            put(b + "ffn_gate_inp.weight", sd[p + "mlp.gate.weight"], router=True)
+            put(b + "exp_probs_b.bias", sd[p + "mlp.gate.e_score_correction_bias"])
+            gu = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2 Ie, H], gate first
+            put(b + "ffn_gate_exps.weight", scale * gu[:, :Ie, :])
+            put(b + "ffn_up_exps.weight", gu[:, Ie:, :])
+            put(b + "ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"])
+            for n in ("gate", "up", "down"):
+                put(b + f"ffn_{n}_shexp.weight", sd[p + f"mlp.shared_experts.{n}_proj.weight"])
+        if i >= L:
+            rng = np.random.default_rng(i)
+            put(b + "nextn.eh_proj.weight", rng.standard_normal((H, 2 * H)).astype(np.float32))
+            put(b + "nextn.enorm.weight", np.ones(H, np.float32))
+            put(b + "nextn.hnorm.weight", np.ones(H, np.float32))
+            put(b + "nextn.shared_head_norm.weight", np.ones(H, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def dequantized_glm4_moe_model(model, qtype: GGMLQuantizationType):
+    """A deep copy of the transformers glm4_moe `model` whose weights are what
+    `write_glm4_moe_gguf` stores for them (qtype), read back: its lossless reference."""
+    import copy
+
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            a = p.detach().numpy()
+            if a.ndim == 1 or name.endswith("mlp.gate.weight"):
+                continue
+            if name.endswith("experts.gate_up_proj"):  # written as two tensors, gate then up
+                f = a.shape[1] // 2
+                a = np.concatenate([roundtrip_any(a[:, :f], qtype), roundtrip_any(a[:, f:], qtype)], axis=1)
+            else:
+                a = roundtrip_any(a, qtype)
+            p.copy_(torch.from_numpy(a))
+    return m

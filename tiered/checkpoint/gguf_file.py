@@ -19,6 +19,15 @@ key half transposed) and `attn_v_b` ([H, v, R]); the split pair is read back as 
 RoPE rows are in DeepSeek's interleaved-pair order (llama.cpp's NORM RoPE, no permutation). The
 router's scoring function is `expert_gating_func` (1 softmax: DeepSeek-V2; 2 sigmoid with the
 `exp_probs_b` selection bias: DeepSeek-V3), YaRN's mscale is `yarn_log_multiplier` / 0.1.
+
+"glm4moe" files (llama.cpp's Glm4MoeModel converter: GLM-4.5, 4.5-Air, 4.6) are read as
+transformers' glm4_moe: q/k rows as they are (llama.cpp's NEOX RoPE is HF's rotate-half, so no
+permutation), `rope.dimension_count` the rotated features per head (head_dim * partial_rotary_factor),
+the pre-MLP norm named `post_attention_norm`, DeepSeek-V3's router (sigmoid, `exp_probs_b`, expert
+groups when `expert_group_count` > 1, `expert_weights_norm` / `_scale`) after
+`leading_dense_block_count` dense layers, `expert_shared_count` ungated shared experts of
+`expert_feed_forward_length`. `block_count` counts the multi-token-prediction layers too: the last
+`nextn_predict_layers` blocks (their `nextn.*` tensors and their ordinary ones) are not read.
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ from tiered.errors import CheckpointError, UnsupportedModelError
 
 # GGUF architecture -> HF model_type ("deepseek2": deepseek_v3 when its router is sigmoid, else v2).
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v2"}
+                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v2",
+                      "glm4moe": "glm4_moe"}
 # top-k weights renormalized to sum 1 (llama.cpp's expert_weights_norm default per architecture)
 NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 # Architectures whose converter permutes q/k rows (llama.cpp convert_hf_to_gguf.py LlamaModel).
@@ -77,6 +87,9 @@ _DEEPSEEK_NAMES = {
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
+# GLM-4.5's names: its pre-MLP norm is llama.cpp's ATTN_POST_NORM, its shared experts DeepSeek's
+_GLM4_MOE_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                   **{k: v for k, v in _DEEPSEEK_NAMES.items() if k.endswith("_shexp")}}
 # stacked expert tensors -> the per-expert projection name (Qwen / OLMoE style, Mixtral style)
 _EXPERT_NAMES = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
                  "ffn_down_exps": ("down_proj", "w2")}
@@ -156,11 +169,12 @@ def gguf_to_hf_name(name: str, model_type: str = "") -> str | None:
     if part in _EXPERT_NAMES:
         proj = _EXPERT_NAMES[part][model_type == "mixtral"]
         return f"model.layers.{layer}.{mlp}.experts.{{e}}.{proj}.{kind}"
-    if model_type.startswith("deepseek"):
+    if model_type.startswith("deepseek") or model_type == "glm4_moe":
         if part == "exp_probs_b":  # llama.cpp's `exp_probs_b.bias`: the router's selection bias
             return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
-        if part in _DEEPSEEK_NAMES:
-            return f"model.layers.{layer}.{_DEEPSEEK_NAMES[part]}.{kind}"
+        names = _GLM4_MOE_NAMES if model_type == "glm4_moe" else _DEEPSEEK_NAMES
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     if part in _BLOCK_NAMES:
         hf = _BLOCK_NAMES[part]
         if model_type == "mixtral" and hf == "mlp.gate":
@@ -233,13 +247,13 @@ class GGUFCheckpoint(HandleTable):
         self._handles: dict[str, TensorHandle] = {}
         split: dict[int, dict[str, object]] = {}  # layer -> {"k": attn_k_b, "v": attn_v_b} (latent attention)
         for t in self.reader.tensors:
-            m = self.arch == "deepseek2" and _BLOCK_RE.match(t.name)
-            if m and m.group(2) in ("attn_k_b", "attn_v_b"):
+            m = _BLOCK_RE.match(t.name)
+            if self.arch == "deepseek2" and m and m.group(2) in ("attn_k_b", "attn_v_b"):
                 split.setdefault(int(m.group(1)), {})[m.group(2)[5]] = t
                 continue
             hf = gguf_to_hf_name(t.name, self.config.model_type)
-            if hf is None:
-                continue
+            if hf is None or (m and int(m.group(1)) >= self.config.num_hidden_layers):
+                continue  # unused, or a multi-token-prediction layer past the model's (glm4moe)
             if "{e}" in hf:  # stacked experts: one handle per expert, a view of its rows
                 for e in range(int(t.shape[-1])):
                     self._handles[hf.format(e=e)] = self._make_handle(hf.format(e=e), t, expert=e)
@@ -332,6 +346,72 @@ class GGUFCheckpoint(HandleTable):
             routed_scaling_factor=float(g("expert_weights_scale") or 1.0),
             first_k_dense_replace=int(g("leading_dense_block_count") or 0))
 
+    def _glm4_moe_config(self, g, names: set[str], common: dict) -> ModelConfig:
+        """The ModelConfig of a "glm4moe" file (GLM-4.5 / 4.5-Air / 4.6; see the module docstring).
+
+        `common`: the fields every architecture reads (vocabulary, RoPE base and scaling, tokens).
+        Raises:
+            CheckpointError: a key llama.cpp requires of glm4moe files is missing (block_count,
+                embedding_length, attention.head_count, attention.layer_norm_rms_epsilon,
+                expert_count, expert_used_count, expert_shared_count, expert_feed_forward_length;
+                feed_forward_length when leading_dense_block_count > 0), expert groups without
+                expert_group_used_count, nextn_predict_layers leaving no layer, nextn tensors in a
+                main layer, or a rope.dimension_count the head does not hold.
+            UnsupportedModelError: a router other than sigmoid (expert_gating_func 2, or absent:
+                llama.cpp's default for glm4moe), or M-RoPE sections (GLM-4.5V's vision files).
+        """
+        arch = self.arch
+
+        def need(key: str):
+            value = g(key)
+            if value is None:
+                raise CheckpointError(f"{self.path}: the {arch} GGUF metadata lacks {arch}.{key}",
+                                      "re-convert the file with a current llama.cpp")
+            return value
+
+        if g("expert_gating_func") not in (None, 0, 2):
+            raise UnsupportedModelError(f"{arch} GGUF with expert_gating_func {g('expert_gating_func')} "
+                                        "(GLM-4.5 routes by sigmoid, 2)",
+                                        "re-convert the file with a current llama.cpp")
+        if any(g("rope.dimension_sections") or ()):
+            raise UnsupportedModelError(f"{arch} GGUF with M-RoPE sections (a vision-language model) is not read",
+                                        "tiered runs GLM-4.5 / 4.5-Air / 4.6 text models")
+        heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
+        head_dim = int(g("attention.key_length") or hidden // heads)
+        rot = int(g("rope.dimension_count") or head_dim)  # llama.cpp's n_rot: the rotated features per head
+        factor = rot / head_dim
+        if not 0 < rot <= head_dim or int(head_dim * factor) != rot:
+            raise CheckpointError(f"{self.path}: {arch}.rope.dimension_count {rot} does not fit head_dim {head_dim}",
+                                  "re-convert the file with a current llama.cpp")
+        nextn = int(g("nextn_predict_layers") or 0)  # MTP layers, stored after the model's
+        layers = int(need("block_count")) - nextn
+        if layers < 1:
+            raise CheckpointError(f"{self.path}: {arch}.nextn_predict_layers {nextn} leaves no layer",
+                                  "re-convert the file with a current llama.cpp")
+        if any(n.startswith("blk.") and ".nextn." in n and int(n.split(".")[1]) < layers for n in names):
+            raise CheckpointError(f"{self.path}: nextn (multi-token-prediction) tensors in one of the {layers} "
+                                  f"main layers: {arch}.nextn_predict_layers is {nextn}", "re-convert the file")
+        groups = int(g("expert_group_count") or 1)
+        used = int(g("expert_group_used_count") or 0) if groups > 1 else 1
+        if not used:
+            raise CheckpointError(f"{self.path}: the {arch} GGUF metadata has {groups} expert groups but lacks "
+                                  f"{arch}.expert_group_used_count", "re-convert the file with a current llama.cpp")
+        dense = int(g("leading_dense_block_count") or 0)
+        moe_ff = int(need("expert_feed_forward_length"))
+        return ModelConfig(
+            **common, model_type="glm4_moe", hidden_size=hidden, num_hidden_layers=layers,
+            intermediate_size=int(need("feed_forward_length") if dense else g("feed_forward_length") or 0),
+            num_attention_heads=heads, num_key_value_heads=int(g("attention.head_count_kv") or heads),
+            head_dim=head_dim, partial_rotary_factor=factor,
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            attention_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
+            qk_norm_scope="head", num_experts=int(need("expert_count")),
+            num_experts_per_tok=int(need("expert_used_count")), moe_intermediate_size=moe_ff,
+            shared_expert_intermediate_size=int(need("expert_shared_count")) * moe_ff, shared_expert_gated=False,
+            norm_topk_prob=bool(g("expert_weights_norm") or False), topk_method="noaux_tc", n_group=groups,
+            topk_group=used, routed_scaling_factor=float(g("expert_weights_scale") or 1.0),
+            first_k_dense_replace=dense)
+
     def _model_config(self) -> ModelConfig:
         md = self.metadata
         arch = md.get("general.architecture")
@@ -370,6 +450,11 @@ class GGUFCheckpoint(HandleTable):
         if "rope_freqs.weight" in names:
             raise UnsupportedModelError("GGUF files with rope_freqs (Llama 3.1 scaling) are not read yet",
                                         "load the Hugging Face safetensors directory instead")
+        if arch == "glm4moe":
+            return self._glm4_moe_config(g, names, dict(
+                vocab_size=int(vocab), rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
+                max_position_embeddings=g("context_length", 2048), tie_word_embeddings="output.weight" not in names,
+                bos_token_id=md.get("tokenizer.ggml.bos_token_id"), eos_token_ids=eos_ids))
         moe = {}
         n_exp = g("expert_count") or 0
         if n_exp:
