@@ -735,8 +735,14 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
     if cfg.is_moe:
         shared = f", shared FFN {cfg.shared_expert_intermediate_size}" if cfg.shared_expert_intermediate_size else ""
         routing = f", routing {cfg.topk_method}" if cfg.topk_method != "softmax" else ""
+        glu = f", biased clamped GLU (limit {cfg.swiglu_limit:g})" if cfg.swiglu_limit is not None else ""
         typer.echo(f"experts:     {cfg.num_experts}, top-{cfg.num_experts_per_tok}, expert FFN "
-                   f"{cfg.moe_intermediate_size}{shared}{routing}")
+                   f"{cfg.moe_intermediate_size}{shared}{routing}{glu}")
+    if cfg.attention_sinks or cfg.local_layers:  # gpt-oss
+        typer.echo("attention:   " + ", ".join(
+            (["a sink logit per head"] if cfg.attention_sinks else [])
+            + ([f"window {cfg.local_window} on layers {list(cfg.local_layers)}, full on the others"]
+               if cfg.local_layers else [])))
     else:
         typer.echo(f"mlp:         {cfg.intermediate_size}")
     typer.echo(f"context:     {cfg.max_position_embeddings} tokens, RoPE theta {cfg.rope_theta:g}"

@@ -228,7 +228,14 @@ class HFDirCheckpoint(HandleTable):
                     name=key, shape=tuple(meta["shape"]), format=meta["dtype"], nbytes=end - begin,
                     path=str(f), _load=self._loader(str(f), key), offset=8 + header_len + begin)
         self._open: dict[str, object] = {}
-        self._scaled_fp8(self.hf_config.get("quantization_config"))
+        qc = self.hf_config.get("quantization_config")
+        if self.config.model_type == "gpt_oss":  # fused (MXFP4) experts -> per-expert handles
+            from tiered.checkpoint import gpt_oss
+
+            gpt_oss.fold(self._handles, self.config, qc, self.path, self._expert_slice)
+            if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4":
+                qc = None  # the rest (attention, router, embeddings, head) is stored unquantized
+        self._scaled_fp8(qc)
 
     def _scaled_fp8(self, qc) -> None:
         """Fold scaled fp8 weights into one handle each: `X.weight` (F8_E4M3) and its scales become an
@@ -372,6 +379,14 @@ class HFDirCheckpoint(HandleTable):
             # safe_open tensors alias the memory map; clone so callers own their memory.
             return self._open[file].get_tensor(key).clone()
         return load
+
+    def _expert_slice(self, h: TensorHandle):
+        """e -> h[e], read alone from its file (safetensors' get_slice): one expert of a fused [E, ...] tensor."""
+        def get(e: int) -> torch.Tensor:
+            if h.path not in self._open:
+                self._open[h.path] = safe_open(h.path, framework="pt")
+            return self._open[h.path].get_slice(h.name)[e]
+        return get
 
     def release_pages(self) -> int:
         """Close the files' memory maps (safe_open handles): their pages leave this process, so the

@@ -14,7 +14,7 @@ from tiered.errors import CheckpointError, UnsupportedModelError
 # HF `model_type` -> family. Dense families share one implementation (models/llama.py); MoE
 # families share models/moe.py.
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")  # read decoder_sparse_step / mlp_only_layers
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared experts, grouped routing
 # GLM-4.5 / 4.5-Air / 4.6: Llama-style attention with partial RoPE and DeepSeek-V3's MoE block
@@ -76,6 +76,16 @@ class ModelConfig:
     GLM-4.5 MoE (`glm4_moe`) is plain grouped-query attention (q/k/v biases per attention_bias,
     per-head q/k norms per use_qk_norm, partial RoPE) with DeepSeek-V3's MoE block: topk_method
     "noaux_tc", ungated shared experts, the first first_k_dense_replace layers dense.
+    gpt-oss (`gpt_oss`, OpenAI's gpt-oss-20b / -120b; `_gpt_oss_fields`):
+        local_window, local_layers: the layers in local_layers attend only to their last local_window
+            positions (the query's own included), the others to the whole context (gpt-oss alternates
+            the two per `layer_types`); None and () elsewhere (`sliding_window` is a window every layer
+            shares). `window_of` gives a layer's window.
+        attention_sinks: each attention head has a learned logit (`self_attn.sinks` [H]) that joins
+            every query's softmax denominator and is then dropped.
+        expert_bias: the router and every routed expert's gate, up and down projections carry biases.
+        swiglu_limit, swiglu_alpha: the experts' clamped GLU, or None for SiLU's SwiGLU: gate clamped
+            to <= limit, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
     """
 
     model_type: str
@@ -119,6 +129,12 @@ class ModelConfig:
     moe_layer_freq: int = 1
     shared_expert_gated: bool = True
     partial_rotary_factor: float = 1.0
+    local_window: int | None = None
+    local_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.model_type not in DENSE_TYPES + MOE_TYPES:
@@ -161,6 +177,11 @@ class ModelConfig:
         if self.is_mla and self.num_key_value_heads != 1:
             raise UnsupportedModelError("latent attention caches one latent per position (num_key_value_heads 1)",
                                         "ModelConfig.from_hf sets it")
+        if self.local_layers and (self.local_window is None or self.local_window < 1 or self.sliding_window is not None
+                                  or not all(0 <= i < self.num_hidden_layers for i in self.local_layers)):
+            raise UnsupportedModelError(f"per-layer attention windows {self.local_window} over layers "
+                                        f"{self.local_layers}",
+                                        "check sliding_window and layer_types in the checkpoint's config.json")
 
     @property
     def is_moe(self) -> bool:
@@ -182,6 +203,22 @@ class ModelConfig:
         return (self.is_moe and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0
                 and layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0)
+
+    def window_of(self, layer_idx: int) -> int | None:
+        """The attention window of layer `layer_idx` [positions, the query's own included], None = the
+        whole context: `sliding_window` where every layer shares it, else `local_window` for the
+        layers in `local_layers` (gpt-oss's sliding layers)."""
+        if self.sliding_window is not None:
+            return self.sliding_window
+        return self.local_window if layer_idx in self.local_layers else None
+
+    def expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """Shapes of one routed expert's (gate, up, down) tensors as tiered holds them on every tier:
+        (F, D), (F, D), (D, F); with expert_bias (gpt-oss) each projection's bias is its weight's last
+        input column, (F, D + 1), (F, D + 1), (D, F + 1), computed against an input with a 1 appended
+        (models/gpt_oss.py, quant/experts.ExpertFormat.swiglu_limit)."""
+        D, F, b = self.hidden_size, self.moe_intermediate_size, int(self.expert_bias)
+        return (F, D + b), (F, D + b), (D, F + b)
 
     def kv_widths(self) -> tuple[int, int, int]:
         """(heads, key width, value width) of one layer's KV cache per position [elements]: Hkv, hd, hd;
@@ -234,10 +271,13 @@ class ModelConfig:
             attn += (q + 2 * kv) * self.attention_bias + d * self.o_proj_bias
         if self.qk_norm:
             attn += q + kv if self.qk_norm_scope == "proj" else 2 * self.head_dim
+        attn += self.num_attention_heads * self.attention_sinks
         total = 0
         for i in range(L):
             if self.is_moe_layer(i):
                 mlp = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+                # expert biases (gate, up [F], down [D]) and the router's [E]
+                mlp += self.num_experts * (2 * self.moe_intermediate_size + d + 1) * self.expert_bias
                 mlp += self.num_experts * (self.topk_method == "noaux_tc")  # e_score_correction_bias
                 if self.shared_expert_intermediate_size:
                     mlp += 3 * d * self.shared_expert_intermediate_size + d * self.shared_expert_gated
@@ -257,9 +297,10 @@ class ModelConfig:
         Raises:
             CheckpointError: the config is not a JSON object, lacks a required field, or gives a
                 field a value of the wrong type or range (`_check_hf_fields`; glm4_moe's
-                partial_rotary_factor outside (0, 1]).
+                partial_rotary_factor outside (0, 1]; gpt_oss's layer_types, swiglu_limit or
+                swiglu_alpha: `_gpt_oss_fields`).
             UnsupportedModelError: unknown model_type or RoPE scaling, MLP biases, a mix of
-                sliding-window and full-attention layers, a partial RoPE of no even width, or a
+                sliding-window and full-attention layers (but gpt_oss's), a partial RoPE of no even width, or a
                 glm4_moe activation other than SiLU.
         """
         if not isinstance(cfg, dict):
@@ -279,6 +320,8 @@ class ModelConfig:
             head_dim = family.pop("head_dim")
         if model_type == "glm4_moe":
             family = _glm4_moe_fields(cfg, source)
+        if model_type == "gpt_oss":
+            family = _gpt_oss_fields(cfg, source)
         # transformers 5 nests RoPE settings in rope_parameters; 4.x has rope_theta + rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
         rope.pop("partial_rotary_factor", None)  # a field of its own (glm4_moe's), not a scaling
@@ -442,6 +485,59 @@ def _glm4_moe_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
         shared_expert_gated=False, norm_topk_prob=bool(get("norm_topk_prob")), o_proj_bias=False,
         qk_norm=bool(get("use_qk_norm")), qk_norm_scope="head", partial_rotary_factor=float(factor),
     )
+
+
+# transformers' defaults for gpt_oss fields a config.json may leave out (GptOssConfig)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def _gpt_oss_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
+    """ModelConfig fields of a gpt-oss-20b / gpt-oss-120b config.json (transformers' gpt_oss), with
+    transformers' defaults (GptOssConfig) for those it leaves out.
+
+    As transformers' modeling_gpt_oss computes them: grouped-query attention with q/k/v/o biases per
+    attention_bias (default true) and a learned sink logit per head; YaRN RoPE (rope_theta 150000,
+    factor 32 over 4096 positions, truncate false, when the config gives no RoPE settings); layers
+    alternating `sliding_attention` (window sliding_window, default 128) and `full_attention` per
+    layer_types (default: even layers slide); every layer an MoE block of num_local_experts experts of
+    intermediate_size, routed by a biased linear router whose top num_experts_per_tok logits are
+    softmaxed (norm_topk_prob), experts with biases and the clamped GLU of swiglu_limit (7.0) and
+    swiglu_alpha (1.702); RMSNorm eps 1e-5.
+
+    Raises:
+        CheckpointError: layer_types of another length than num_hidden_layers or with an unknown
+            type; swiglu_limit / swiglu_alpha not positive numbers.
+    """
+    L = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)]
+    if len(types) != L or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise CheckpointError(f"{source}: layer_types must give sliding_attention or full_attention for each of the "
+                              f"{L} layers, got {types!r}", "fix or restore the checkpoint's config.json")
+    limit, alpha = cfg.get("swiglu_limit", 7.0), cfg.get("swiglu_alpha", 1.702)
+    for name, v in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if not (_is_number(v) and v > 0):
+            raise CheckpointError(f"{source}: {name} must be a positive number, got {v!r}",
+                                  "fix or restore the checkpoint's config.json")
+    window = cfg.get("sliding_window", 128)
+    local = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
+    rope = cfg.get("rope_parameters") or {}
+    theta = rope.get("rope_theta") or cfg.get("rope_theta") or 150000.0
+    out = dict(
+        intermediate_size=cfg["intermediate_size"], moe_intermediate_size=cfg["intermediate_size"],
+        num_experts=cfg.get("num_local_experts") or 128,
+        num_experts_per_tok=cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 4,
+        norm_topk_prob=True, o_proj_bias=bool(cfg.get("attention_bias", True)),
+        attention_bias=bool(cfg.get("attention_bias", True)), rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        local_window=window if local else None, local_layers=local, sliding_window=None, attention_sinks=True,
+        expert_bias=True, swiglu_limit=float(limit), swiglu_alpha=float(alpha), rope_theta=float(theta),
+        # GptOssConfig's head_dim is 64 when absent, hidden / heads when null
+        head_dim=64 if "head_dim" not in cfg else cfg["head_dim"] or cfg["hidden_size"] // cfg["num_attention_heads"])
+    if not rope.get("rope_type", rope.get("type")) and not cfg.get("rope_scaling"):
+        out["rope_scaling"] = dict(_GPT_OSS_ROPE)  # transformers' default (GptOssConfig.__post_init__)
+    return out
 
 
 # HF config.json fields read as ints: (required, smallest value). A field given as null counts as

@@ -185,8 +185,9 @@ class LLM:
         if stored is not None:
             return stored
         if (weights == "fp32" and compact_cpu_decode(ec, self.accelerator, decode)
-                and all(h.format in ("BF16", "F16") for h in handles)):
-            return "bf16"  # an F16 GGUF's too, as its dense tensors' decode copies (the plan notes it)
+                and all(h.format in ("BF16", "F16", "MXFP4") for h in handles)):
+            return "bf16"  # an F16 GGUF's too, as its dense tensors' decode copies (the plan notes it); gpt-oss's
+            # MXFP4 experts are exact in bf16 (checkpoint/gpt_oss.py)
         return weights
 
     def _plan_mixed(self, plan) -> None:

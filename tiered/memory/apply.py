@@ -33,8 +33,9 @@ def expert_format(name: str, checkpoint, layer: int, accelerator, batch_act: str
     shapes = [tuple(checkpoint.handle(n).shape) for n in expert_tensor_names(checkpoint.config.model_type, layer, 0)]
     cuda = accelerator is not None and getattr(accelerator.device, "type", "") == "cuda"
     fitted = fit_format(name, shapes)
+    cfg = checkpoint.config
     return ExpertFormat(fitted, shapes, "plain" if cuda else "tiled" if available() else "cpu", batch_act, act,
-                        exact_int4_zeros(checkpoint, parse_kinds(fitted)))
+                        exact_int4_zeros(checkpoint, parse_kinds(fitted)), cfg.swiglu_limit, cfg.swiglu_alpha)
 
 
 def exact_int4_zeros(checkpoint, kinds) -> bool:

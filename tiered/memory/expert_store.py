@@ -169,7 +169,8 @@ class ExpertStore:
         self.checkpoint = checkpoint
         if isinstance(fmt, torch.dtype):
             shapes = [checkpoint.handle(n).shape for n in expert_tensor_names(cfg.model_type, *next(iter(placement.tiers)))]
-            fmt = ExpertFormat({torch.float32: "fp32", torch.bfloat16: "bf16"}[fmt], shapes)
+            fmt = ExpertFormat({torch.float32: "fp32", torch.bfloat16: "bf16"}[fmt], shapes,
+                               swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
         self.fmt = fmt
         dtype = fmt.slot_dtype
         self.placement, self.dtype, self.accelerator = placement, dtype, accelerator

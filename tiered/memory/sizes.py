@@ -196,15 +196,16 @@ def rotary_bytes(cfg: ModelConfig, max_positions: int) -> int:
 
 
 def expert_bytes(cfg: ModelConfig, fmt: str) -> int:
-    """Bytes of one routed expert (gate, up [F, D] and down [D, F]) in expert format `fmt`: the
+    """Bytes of one routed expert (gate, up [F, D] and down [D, F]; with gpt-oss's biases as last
+    columns [F, D + 1], [F, D + 1], [D, F + 1]: ModelConfig.expert_shapes) in expert format `fmt`: the
     exact slot size of quant/experts.ExpertFormat (quantized formats count their scales, zeros and
     64-byte segment alignment; projections the format cannot hold are counted as it falls back)."""
     from tiered.quant.experts import ExpertFormat, fit_format
 
-    D, F = cfg.hidden_size, cfg.moe_intermediate_size
+    D, F, b = cfg.hidden_size, cfg.moe_intermediate_size, int(getattr(cfg, "expert_bias", False))
+    shapes = ((F, D + b), (F, D + b), (D, F + b))  # ModelConfig.expert_shapes (of any config-like object)
     if fmt in _FORMAT_TORCH:
-        return int(3 * D * F * bytes_per_element(fmt))
-    shapes = ((F, D), (F, D), (D, F))
+        return int(sum(n * k for n, k in shapes) * bytes_per_element(fmt))
     return ExpertFormat(fit_format(fmt, shapes), shapes).nbytes
 
 

@@ -114,7 +114,7 @@ class AttentionMetadata:
     """
 
     __slots__ = ("positions", "slots", "cos", "sin", "mask", "causal", "kv_len", "contiguous_slots", "single",
-                 "sin_signed")
+                 "sin_signed", "local")
 
     def __init__(self, positions, slots, cos, sin, mask, causal, kv_len, contiguous_slots, single=None,
                  sin_signed=None) -> None:
@@ -122,6 +122,19 @@ class AttentionMetadata:
         self.mask, self.causal, self.kv_len, self.contiguous_slots = mask, causal, kv_len, contiguous_slots
         self.single = single  # (slot, first position) when one sequence writes consecutive positions
         self.sin_signed = sin_signed  # sin, first half negated (Rotary.signed), or None
+        self.local = None  # window_mask's (window, mask, causal), made by the first layer with that window
+
+
+def window_mask(meta: AttentionMetadata, window: int) -> tuple[torch.Tensor | None, bool]:
+    """(mask, causal) of a layer that attends only to its last `window` positions (gpt-oss's sliding
+    layers, ModelConfig.local_window) in a step whose own mask (`meta.mask`, `meta.causal`) has no
+    window: the step's own while no query sees more than `window` positions (kv_len <= window), else
+    attention_mask's with the window. Made once per step (kept in meta.local)."""
+    if meta.kv_len <= window:
+        return meta.mask, meta.causal
+    if meta.local is None or meta.local[0] != window:
+        meta.local = (window, attention_mask(meta.positions, meta.kv_len, window), False)
+    return meta.local[1], meta.local[2]
 
 
 def attention_mask(positions: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
@@ -305,6 +318,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.clip_qkv = config.clip_qkv  # OLMoE: clamp q, k, v to [-clip, clip], or None
+        # a window of this layer's own (gpt-oss's sliding layers), or None: the step's mask (meta.mask)
+        self.local_window = config.local_window if layer_idx in config.local_layers else None
         self.scale = hd ** -0.5
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_qkv's (weight, bias)
 
@@ -354,8 +369,13 @@ class Attention(nn.Module):
         k, v = cache.update(self.layer_idx, k, v.transpose(1, 2), meta)  # (B, Hkv, S, hd)
         if k.dtype != q.dtype:  # an fp8 / other KV cache format
             k, v = k.to(q.dtype), v.to(q.dtype)
-        out = attend(q, k, v, meta.mask, meta.causal, self.scale, self.H != self.Hkv)
+        mask, causal = (meta.mask, meta.causal) if self.local_window is None else window_mask(meta, self.local_window)
+        out = self.attend(q, k, v, mask, causal)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
+
+    def attend(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """q [B, H, T, hd], cached k/v [B, Hkv, S, hd], the layer's mask -> [B, H, T, hd] (`attend`)."""
+        return attend(q, k, v, mask, causal, self.scale, self.H != self.Hkv)
 
 
 class MLP(nn.Module):

@@ -148,7 +148,7 @@ class LocalExperts(ExpertRunner):
         out = torch.zeros_like(x)  # (N, D)
         for e in torch.unique(topk_idx).tolist():
             rows, slot = torch.where(topk_idx == e)  # (n,), (n,): tokens routed to e, their k slot
-            y = expert_forward(x[rows], *block.experts[e].weights())  # (n, D)
+            y = block.experts[e](x[rows])  # (n, D): the expert's own math (Expert.forward: expert_forward)
             out.index_add_(0, rows, y * topk_weight[rows, slot, None])
         return out
 

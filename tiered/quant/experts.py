@@ -193,6 +193,11 @@ class ExpertFormat:
             kernels then skip the residual segment, a third memory stream beside codes and scales
             (one thread, a 2048 x 2048 int4 weight: 160 -> 110-116 us a call). The segment is still
             stored (all zeros), so the slot size is the same either way.
+        swiglu_limit, swiglu_alpha: None for SiLU's SwiGLU; else gpt-oss's experts (models/gpt_oss.py):
+            each projection's bias is its weight's last input column (shapes (F, D + 1), (F, D + 1),
+            (D, F + 1): ModelConfig.expert_shapes), computed against the input with a 1 appended, and
+            the activation is the clamped GLU (models/gpt_oss.clamped_glu). Such experts compute with
+            torch ops per projection (`project`), never the native fused SwiGLU kernels.
     Raises:
         ConfigError: unknown kind or layout, or a shape the kind cannot hold (K % 32 for grouped
             kinds; the CPU and tiled int4 layouts also need N % 16).
@@ -204,6 +209,8 @@ class ExpertFormat:
     batch_act: str = "bf16"
     act: str = "bf16"
     exact_zeros: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shapes", tuple(tuple(int(d) for d in s) for s in self.shapes))
@@ -330,6 +337,8 @@ class ExpertFormat:
         between the projections; up to `grouped_rows` in groups of NATIVE_ROWS: `forward_group`);
         otherwise torch ops (tiled int4: the weight dequantized once per call, then bf16 matmuls).
         """
+        if self.swiglu_limit is not None:  # gpt-oss: biases as last columns, the clamped GLU
+            return self._biased_glu(x, slot)
         if x.device.type == "cpu":
             n = x.shape[0]
             y = (self._native_forward(x, slot) if n <= self.native_rows else
@@ -345,9 +354,28 @@ class ExpertFormat:
         h = F.silu(project(x, vg, kg, lay, self.act)) * project(x, vu, ku, lay, self.act)
         return project(h, vd, kd, lay, self.act)
 
+    def _biased_glu(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """A gpt-oss expert (swiglu_limit set) from the stored form: x [n, D] -> [n, D] in x's dtype."""
+        from tiered.models.gpt_oss import clamped_glu, with_one
+
+        x1 = with_one(x)  # (n, D + 1): the 1 each bias column multiplies
+        if self.is_dense:
+            dt = x.dtype
+            wg, wu, wd = (w if w.dtype == dt else w.to(dt) for w in slot)
+            h = clamped_glu(F.linear(x1, wg), F.linear(x1, wu), self.swiglu_alpha, self.swiglu_limit)
+            return F.linear(with_one(h), wd)
+        vg, vu, vd = self.views(slot)
+        (kg, ku, kd), lay = self.kinds, self.int4_layout
+        h = clamped_glu(project(x1, vg, kg, lay, self.act), project(x1, vu, ku, lay, self.act),
+                        self.swiglu_alpha, self.swiglu_limit)
+        return project(with_one(h), vd, kd, lay, self.act)
+
     def _native_ext(self, slots: list[tuple[torch.Tensor, ...]]):
         """The native extension when its expert kernels can compute from these slots (a dense format:
-        bf16 and contiguous; a quantized one: a kernel for its kinds and layout), else None."""
+        bf16 and contiguous; a quantized one: a kernel for its kinds and layout; never gpt-oss's
+        biased clamped-GLU experts, which they do not compute), else None."""
+        if self.swiglu_limit is not None:
+            return None
         if self.is_dense:
             ok = self.dense_dtype == torch.bfloat16 and all(w.is_contiguous() for s in slots for w in s)
         else:

@@ -48,8 +48,8 @@ GGUF_EXPERT_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8-g32", "Q4_K": 
 STORED_KIND = {**GGUF_EXPERT_KIND, "F8_E4M3": "fp8", "INT4": "int4", "INT8": "int8"}
 EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3", "INT4", "INT8")
 # stored formats whose `load` is exact in fp32: integer codes x fp16 / bf16 scale, bitsandbytes' 4-bit table
-# value x absmax (checkpoint/bnb.py)
-DEQUANTIZED = ("INT4", "INT8", "BNB_NF4", "BNB_FP4")
+# value x absmax (checkpoint/bnb.py), gpt-oss's MXFP4 e2m1 value x 2^k (checkpoint/gpt_oss.py: exact in bf16 too)
+DEQUANTIZED = ("INT4", "INT8", "BNB_NF4", "BNB_FP4", "MXFP4")
 
 
 def stored_kind(handle) -> str:
@@ -99,7 +99,7 @@ def requantized_note(handles, fmt: ExpertFormat) -> str | None:
     lossy = sorted({f"{h.format} -> {k}" for h, k in zip(handles, fmt.kinds)
                     if not (h.format in EXACT and stored_kind(h) == k)
                     and not (h.format == "BF16" and k == "bf16") and not (h.format == "F32" and k == "fp32")
-                    and not (h.format in DEQUANTIZED and k == "fp32")})
+                    and not (h.format in DEQUANTIZED and k == "fp32") and not (h.format == "MXFP4" and k == "bf16")})
     return ("experts re-quantized on load: " + ", ".join(lossy)) if lossy else None
 
 

@@ -147,8 +147,9 @@ class _Layer:
 
 def supported_attention(attn) -> bool:
     """Whether the lean step can run this attention module: models/layers.Attention with any of its
-    options (q/k/v bias, sliding window, q/k norms per head or over the projection, q/k/v clip)."""
-    return type(attn) is Attention
+    options (q/k/v bias, sliding window, q/k norms per head or over the projection, q/k/v clip), but
+    no window of its own (a layer of gpt-oss's, whose window others lack: it runs as its module)."""
+    return type(attn) is Attention and attn.local_window is None
 
 
 def _qk_extras(attn, qkv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

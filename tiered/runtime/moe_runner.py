@@ -137,7 +137,8 @@ class TieredExperts:
         self.precision_counts: Counter = Counter()  # misses by precision: high / low loads, skips; low hits
         self.one_token_path = True  # _one_token_on_fast for a decode token whose experts are all on the GPU
         # layers whose experts are all resident on the accelerator, stacked: grouped GEMMs, no host sync
-        self.grouped = accelerator is not None and low is None
+        # (not gpt-oss's biased clamped-GLU experts: grouped_experts computes SwiGLU)
+        self.grouped = accelerator is not None and low is None and self.fmt.swiglu_limit is None
 
     def __call__(self, layer_idx: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                  block) -> torch.Tensor:
@@ -440,7 +441,8 @@ class TieredExperts:
 
     def _splittable(self, key, side: _Side) -> bool:
         """A miss can be SPLIT: dense weights in CPU RAM (not on disk), an accelerator, one precision."""
-        return self.accelerator is not None and self.low is None and side.fmt.is_dense and key in side.store.host
+        return (self.accelerator is not None and self.low is None and side.fmt.is_dense and key in side.store.host
+                and side.fmt.swiglu_limit is None)  # (a split computes SwiGLU rows)
 
     def _split(self, key, x, tok, tok_host, x_host, ready, side: _Side, share: float | None) -> Future:
         """A missing expert split by rows between the CPU and the link (dispatcher SPLIT; ScheInfer's

@@ -1,0 +1,470 @@
+"""gpt-oss (OpenAI's gpt-oss-20b / -120b, transformers' gpt_oss) against transformers.
+
+gpt-oss's decoder: grouped-query attention with q/k/v/o biases, YaRN RoPE and a learned sink logit
+per head in every softmax, layers alternating a sliding window and full attention (layer_types); an
+MoE block in every layer: a biased router whose top-k logits are softmaxed, experts with biases and
+a clamped GLU (gate <= limit, up in [-limit, limit], (up + 1) * gate * sigmoid(1.702 gate)), stored
+fused per layer (gate and up interleaved by column) and, as released, MXFP4-quantized
+(transformers' modeling_gpt_oss.py, integrations/mxfp4.py).
+
+Checkpoints (written here, deterministic): transformers' GptOssForCausalLM at hidden 64, 4 heads of
+16 (2 KV heads), 4 layers sliding (window 4: every prompt is longer) / full alternating, 8 experts of
+F 32 top-4, YaRN (factor 4 over 64 positions, truncate false), random biases and sinks, swiglu_limit
+1.0 so the clamps act. Layouts:
+    fp32   transformers' save_pretrained (fused experts, fp32);
+    bf16   the same model saved in bf16 (the reference: transformers reading that file in fp32);
+    mxfp4  the released layout (gate_up_proj_blocks / _scales, down_proj_blocks / _scales, biases,
+           quantization_config mxfp4) written by this file's own quantizer (no code shared with
+           tiered's reader); the reference: the model with its experts replaced by the values this
+           quantizer meant, which transformers' own MXFP4 loader reproduces (checked).
+Checked: the config and parameter count, prefill logits (model code alone; the engine with experts
+in RAM, on disk behind a 3-slot cache, in CPU RAM behind the host stand-in accelerator), step-by-step
+decode past the window through the CPU decode step's torch-op and native forms (which run gpt-oss's
+layers as modules), greedy tokens, that each feature changes the logits, and damaged MXFP4 files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from runtime_fixtures import GREEDY, REL_TOL, engine_config, prompt, rel_err, stored_elements  # noqa: E402
+
+from tiered import LLM, EngineConfig, kernels  # noqa: E402
+from tiered.checkpoint import open_checkpoint  # noqa: E402
+from tiered.checkpoint.model_config import ModelConfig  # noqa: E402
+from tiered.errors import CheckpointError  # noqa: E402
+from tiered.memory import sizes  # noqa: E402
+from tiered.memory.materialize import materialize  # noqa: E402
+from tiered.models import build_model  # noqa: E402
+from tiered.models.layers import KVCache, Rotary  # noqa: E402
+from tiered.models.moe import LocalExperts, moe_blocks  # noqa: E402
+from tiered.planner.placement import CPU, DISK, FAST  # noqa: E402
+from tiered.runtime.cpu_decode import CPUDecodeStep  # noqa: E402
+
+VOCAB = 256
+WINDOW = 4
+LAYOUTS = ("fp32", "bf16", "mxfp4")
+native_only = pytest.mark.skipif(not kernels.available(), reason="tiered/kernels is not built")
+CONFIG = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+              num_local_experts=8, num_experts_per_tok=4, num_hidden_layers=4, vocab_size=VOCAB,
+              sliding_window=WINDOW, max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-5,
+              swiglu_limit=1.0, bos_token_id=0, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+
+
+# ----------------------------------------------------------------------------- the test's own MXFP4
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # magnitudes of codes 0..7; bit 3 = sign
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w fp32 [..., R, K] (K % 32 == 0) -> (blocks uint8 [..., R, K/32, 16], scales uint8 [..., R, K/32],
+    the values they encode fp32 [..., R, K]): per group of 32 the smallest power of two 2^x with
+    max|w| / 2^x <= 6, each weight the nearest e2m1 value times it; byte j holds elements 2j (low
+    nibble) and 2j + 1 (high)."""
+    *lead, K = w.shape
+    g = w.reshape(*lead, K // 32, 32)
+    amax = g.abs().amax(-1).clamp(min=2.0 ** -120)
+    x = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)  # (..., G)
+    q = g / torch.exp2(x)[..., None]
+    mag = (q.abs()[..., None] - E2M1).abs().argmin(-1)  # (..., G, 32): nearest magnitude
+    code = mag | ((q < 0).long() << 3)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)  # (..., G, 16)
+    values = (torch.where(q < 0, -1.0, 1.0) * E2M1[mag] * torch.exp2(x)[..., None]).reshape(*lead, K)
+    return blocks, (x + 127).to(torch.uint8), values
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def build_hf(changes: dict | None = None):
+    """transformers' tiny GptOssForCausalLM (fp32, eval): seeded weights, random biases, sinks, norms."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**CONFIG, **(changes or {})})).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith(("bias", "sinks")):
+                p.copy_(0.3 * torch.randn_like(p))
+    return model
+
+
+def write_mxfp4(model, path: Path) -> None:
+    """Save `model` in the released layout; its experts' weights become the values MXFP4 encodes."""
+    model.save_pretrained(path)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(key).transpose(1, 2).contiguous()  # (E, out, in): nn.Linear's layout
+        blocks, scales, values = quantize_mxfp4(w)
+        tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+        with torch.no_grad():
+            model.get_parameter(key).copy_(values.transpose(1, 2))
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+class Zoo:
+    """The checkpoints of every layout, their transformers references, cached per session."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self._dirs, self._hf, self._engines = root, {}, {}, {}
+
+    def dir(self, layout: str) -> Path:
+        if layout not in self._dirs:
+            path, model = self.root / layout, build_hf()
+            if layout == "mxfp4":
+                write_mxfp4(model, path)
+                self._hf[layout] = model  # its experts are the MXFP4 values now
+            else:
+                (model.to(torch.bfloat16) if layout == "bf16" else model).save_pretrained(path)
+            self._dirs[layout] = path
+        return self._dirs[layout]
+
+    def hf(self, layout: str):
+        from transformers import AutoModelForCausalLM
+
+        path = self.dir(layout)
+        if layout not in self._hf:
+            self._hf[layout] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                    attn_implementation="eager").eval()
+        return self._hf[layout]
+
+    def logits(self, layout: str, ids: list[int]) -> torch.Tensor:
+        """transformers' fp32 logits [T, V] of one prompt."""
+        with torch.no_grad():
+            return self.hf(layout)(torch.tensor([ids])).logits[0].float()
+
+    def engine(self, layout: str, **kw) -> LLM:
+        key = (layout, tuple(sorted(kw.items())))
+        if key not in self._engines:
+            self._engines[key] = LLM(self.dir(layout), engine_config(**{"accelerator": "none", **kw}))
+        return self._engines[key]
+
+    def close(self) -> None:
+        for llm in self._engines.values():
+            llm.close()
+        self._engines.clear()
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    z = Zoo(tmp_path_factory.mktemp("gpt_oss"))
+    yield z
+    z.close()
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False, max_new_tokens=n,
+                             min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def local_model(path: Path, max_positions: int = 64):
+    """The model code alone: built on meta, every tensor (experts too) materialized in fp32."""
+    ckpt = open_checkpoint(path)
+    with torch.device("meta"):
+        model = build_model(ckpt.config, max_positions)
+    model.rotary = Rotary(ckpt.config, max_positions)
+    materialize(model, ckpt, torch.float32)
+    return model.eval()
+
+
+def model_logits(model, ids: list[int]) -> torch.Tensor:
+    cache = KVCache(model.config, 1, len(ids), torch.float32)
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), torch.arange(len(ids))[None], torch.tensor([0]), cache, last_only=False)[0]
+
+
+def fast_bytes(path: Path, cache_slots: int, accelerator: bool) -> int:
+    """A fast-tier budget that holds the non-expert weights, one 32-token sequence's KV cache, the RoPE
+    tables, 2 staging buffers and `cache_slots` cache slots, no resident expert (fp32; behind an
+    accelerator its activation workspace too): counted from the files' headers and the config."""
+    cfg = open_checkpoint(path).config
+    nonexpert = 4 * stored_elements(path, lambda n: ".experts." not in n)
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 32 * cfg.head_dim * 4
+    extra = sizes.workspace_bytes(cfg, "fp32") if accelerator else 0
+    return nonexpert + kv + 2 * 32 * cfg.head_dim * 4 + extra + (2 + cache_slots) * sizes.expert_bytes(cfg, "fp32")
+
+
+def decode_logits(llm: LLM, step, ids: list[int], n_prompt: int) -> torch.Tensor:
+    """Prefill ids[:n_prompt] through the modules, then one token a step through `step`: logits fp32
+    [len(ids) - n_prompt, V] of positions n_prompt.."""
+    cache = KVCache(llm.config, 1, len(ids), sizes.torch_dtype(llm.plan.dtypes["kv_cache"]))
+    out = []
+    with torch.inference_mode():
+        llm.model(torch.tensor([ids[:n_prompt]]), torch.arange(n_prompt)[None], torch.tensor([0]), cache)
+        for p in range(n_prompt, len(ids)):
+            out.append(step(torch.tensor([[ids[p]]]), torch.tensor([[p]]), torch.tensor([0]), cache)[0].float())
+    return torch.stack(out)
+
+
+# ---------------------------------------------------------------------------------------- config
+def test_model_config(zoo):
+    cfg = open_checkpoint(zoo.dir("fp32")).config
+    expect = dict(model_type="gpt_oss", num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32, head_dim=16,
+                  attention_bias=True, o_proj_bias=True, attention_sinks=True, expert_bias=True, swiglu_limit=1.0,
+                  swiglu_alpha=1.702, norm_topk_prob=True, sliding_window=None, local_window=WINDOW,
+                  local_layers=(0, 2), rms_norm_eps=1e-5, rope_theta=150000.0)
+    for k, v in expect.items():
+        assert getattr(cfg, k) == v, k
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["truncate"] is False
+    assert [cfg.window_of(i) for i in range(4)] == [WINDOW, None, WINDOW, None]
+    assert all(cfg.is_moe_layer(i) for i in range(4))
+    hf = zoo.hf("fp32")
+    assert cfg.num_parameters() == sum(t.numel() for t in hf.state_dict().values())
+    assert cfg.num_parameters() == sum(p.numel() for p in hf.parameters())
+    D, F = 64, 32  # an expert: its weights and biases, as every tier holds it
+    assert cfg.expert_shapes() == ((F, D + 1), (F, D + 1), (D, F + 1))
+    assert sizes.expert_bytes(cfg, "fp32") == 4 * (3 * D * F + 2 * F + D)
+    assert sizes.expert_bytes(cfg, "bf16") == 2 * (3 * D * F + 2 * F + D)
+    with torch.device("meta"):  # what the planner counts for the non-expert weights is the model's
+        model = build_model(cfg, 8)
+    nonexpert = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    assert sizes.weight_bytes(cfg, "fp32", sizes.skip_params(cfg)) == 4 * nonexpert
+    assert nonexpert + 4 * 8 * (3 * D * F + 2 * F + D) == cfg.num_parameters()
+
+
+def test_config_as_released(zoo):
+    """The released config.json layout (transformers 4.x: rope_scaling and rope_theta at the top level,
+    no swiglu_alpha, experts_per_token, quantization_config) reads as transformers 5's does; missing
+    fields take GptOssConfig's defaults; malformed ones are refused."""
+    hf = json.loads((zoo.dir("fp32") / "config.json").read_text())
+    rope = dict(hf.pop("rope_parameters"))
+    theta = rope.pop("rope_theta")
+    released = dict(hf, rope_theta=theta, rope_scaling=rope, experts_per_token=4,
+                    quantization_config={"quant_method": "mxfp4"})
+    del released["swiglu_alpha"]
+    as_saved = {**hf, "rope_parameters": {**rope, "rope_theta": theta}}
+    assert ModelConfig.from_hf(released) == ModelConfig.from_hf(as_saved)
+    bare = {k: v for k, v in released.items() if k not in ("rope_theta", "rope_scaling", "layer_types",
+                                                             "sliding_window", "swiglu_limit", "head_dim")}
+    cfg = ModelConfig.from_hf(bare)
+    assert cfg.rope_theta == 150000.0 and cfg.rope_scaling == {
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 4096}
+    assert cfg.local_window == 128 and cfg.local_layers == (0, 2) and cfg.swiglu_limit == 7.0 and cfg.head_dim == 64
+    for bad in (dict(layer_types=["sliding_attention"]), dict(layer_types=["full_attention", "chunked"] * 2),
+                dict(swiglu_limit=-1), dict(swiglu_alpha="x")):
+        with pytest.raises(CheckpointError):
+            ModelConfig.from_hf({**released, **bad})
+    full = ModelConfig.from_hf(dict(released, layer_types=["full_attention"] * 4))
+    assert full.local_window is None and full.local_layers == ()
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    """checkpoint/gpt_oss.dequantize_mxfp4 equals transformers' convert_moe_packed_tensors (before its
+    transpose) on random bytes and scales, and this file's quantizer encodes what it means."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tiered.checkpoint.gpt_oss import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 6, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(110, 140, (3, 6, 2), dtype=torch.uint8, generator=g)
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)  # (E, R, K)
+    got = dequantize_mxfp4(blocks.reshape(18, 2, 16), scales.reshape(18, 2)).reshape(3, 6, 64)
+    assert torch.equal(got, ref)
+    w = torch.randn(5, 64, generator=g)
+    b, s, values = quantize_mxfp4(w)
+    assert torch.equal(dequantize_mxfp4(b, s), values)
+    assert float((values - w).abs().max()) <= 0.25 * float(w.abs().max())
+
+
+def test_mxfp4_writer_equals_transformers_loader(zoo):
+    """transformers' own MXFP4 loader (dequantizing on the CPU) reads this file's MXFP4 checkpoint as
+    the model whose experts are the encoded values: the reference the mxfp4 tests use."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(zoo.dir("mxfp4"), dtype=torch.float32,
+                                                      attn_implementation="eager").eval()
+    except Exception as e:  # noqa: BLE001 (an optional cross-check: transformers' loader needs its extras)
+        pytest.skip(f"transformers cannot load MXFP4 here ({type(e).__name__}: {e})")
+    ids = prompt()
+    with torch.no_grad():
+        got = loaded(torch.tensor([ids])).logits[0].float()
+    assert rel_err(got, zoo.logits("mxfp4", ids)) <= 1e-2  # (its loader may round the experts to bf16)
+
+
+# ---------------------------------------------------------------------------------- prefill parity
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_local_model_equals_transformers(zoo, layout):
+    """The model code alone (LocalExperts, every weight resident): a 16-token prompt (4 windows)."""
+    model = local_model(zoo.dir(layout))
+    assert all(type(b.runner) is LocalExperts for b in moe_blocks(model))
+    assert {n for n, _ in model.named_parameters()} == set(open_checkpoint(zoo.dir(layout)).names())
+    ids = prompt()
+    assert rel_err(model_logits(model, ids), zoo.logits(layout, ids)) <= REL_TOL
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_engine_logits_and_greedy_equal_transformers(zoo, layout):
+    """The lossless engine (experts in RAM, its expert runtime): prompt logits and 16 greedy tokens."""
+    llm = zoo.engine(layout)
+    assert llm.experts.placement.count(FAST) == len(llm.experts.placement.tiers) == 32
+    ids = prompt()
+    assert rel_err(llm.logits(ids), zoo.logits(layout, ids)) <= REL_TOL
+    out = llm.generate([ids], GREEDY)[0].token_ids
+    assert out == hf_greedy(zoo.hf(layout), ids, 16) and len(set(out)) > 2
+
+
+@pytest.mark.parametrize("layout", ["fp32", "mxfp4"])
+def test_experts_on_disk_small_cache(zoo, layout, tmp_path):
+    """No accelerator, RAM for the non-expert weights and a 3-slot expert cache: every expert is read
+    from disk (a converted copy in the offload directory: fused experts are not readable in place),
+    the logits and greedy tokens stay transformers'."""
+    path = zoo.dir(layout)
+    llm = LLM(path, engine_config(accelerator="none", cpu_memory=fast_bytes(path, 3, False), expert_cache_slots=3,
+                                  offload_dir=str(tmp_path / "offload")))
+    try:
+        assert llm.experts.placement.count(DISK) == 32
+        ids = prompt()
+        assert rel_err(llm.logits(ids), zoo.logits(layout, ids)) <= REL_TOL
+        assert llm.generate([ids], GREEDY)[0].token_ids == hf_greedy(zoo.hf(layout), ids, 16)
+        assert llm.experts.bytes_read > 0 and llm.experts.cache.stats.evictions > 0
+        assert llm.cpu_budget.peak <= llm.cpu_budget.capacity
+    finally:
+        llm.close()
+
+
+def test_experts_in_cpu_ram_behind_host_accelerator(zoo):
+    """The accelerator's path (the host stand-in) holds the non-expert weights and a 2-slot cache, the
+    experts live in CPU RAM and go through the dispatcher (copies or CPU compute; no grouped or split
+    path, which compute SwiGLU): logits and greedy tokens stay transformers'."""
+    path = zoo.dir("fp32")
+    llm = LLM(path, engine_config(accelerator="host", gpu_memory=fast_bytes(path, 2, True), cpu_memory="64MiB",
+                                  expert_cache_slots=2))
+    try:
+        assert llm.experts.placement.count(CPU) == 32 and not llm.experts.grouped
+        ids = prompt()
+        assert rel_err(llm.logits(ids), zoo.logits("fp32", ids)) <= REL_TOL
+        assert llm.generate([ids], GREEDY)[0].token_ids == hf_greedy(zoo.hf("fp32"), ids, 16)
+        assert llm.experts.path_counts["copy"] + llm.experts.path_counts["cpu"] > 0
+    finally:
+        llm.close()
+
+
+# ----------------------------------------------------------------------------------- decode parity
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=native_only)], ids=["torch_ops", "native"])
+@pytest.mark.parametrize("layout", ["fp32", "mxfp4"])
+def test_decode_steps_equal_transformers(zoo, layout, native):
+    """Lossless fp32: a 3-token prompt, then 17 tokens fed one a step (past the window) through the CPU
+    decode step: each step's logits equal transformers' at that position. The native step runs gpt-oss's
+    layers as their modules (sinks, per-layer windows and biased experts have no native kernels)."""
+    llm = zoo.engine(layout)
+    step = CPUDecodeStep(llm.model, native=native)
+    if native:
+        assert step.schedule == step.fallback == [("whole", i) for i in range(4)]
+        assert llm.plan.native_decode and llm.runtime.cpu_decode.native is not None
+    ids = prompt(20, seed=4)
+    assert rel_err(decode_logits(llm, step, ids, 3), zoo.logits(layout, ids)[3:]) <= REL_TOL
+
+
+def test_batched_generation_equals_transformers(zoo):
+    """Prompts of 16 and 9 tokens decoded together: each gets transformers' greedy tokens."""
+    a, b = prompt(16, seed=2), prompt(9, seed=3)
+    outs = zoo.engine("fp32").generate([a, b], GREEDY)
+    assert [o.token_ids for o in outs] == [hf_greedy(zoo.hf("fp32"), p, 16) for p in (a, b)]
+
+
+def test_default_engine_generates(zoo):
+    """EngineConfig() defaults on the CPU (bf16 decode copies and experts, a bf16 KV cache) over the
+    MXFP4 checkpoint: prompt logits within bf16 rounding of transformers', the same next token."""
+    llm = LLM(zoo.dir("mxfp4"), EngineConfig(max_context=32, accelerator="none"))
+    try:
+        ids = prompt()
+        ref = zoo.logits("mxfp4", ids)
+        got = llm.logits(ids)
+        assert rel_err(got, ref) <= 5e-2 and bool((got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9)
+        assert len(llm.generate([ids], GREEDY)[0].token_ids) == 16
+    finally:
+        llm.close()
+
+
+# ------------------------------------------------------------------------- the features are exercised
+@pytest.mark.parametrize("change", ["sinks", "window", "clamp", "expert_bias", "router_bias"])
+def test_features_are_exercised(zoo, change):
+    """Each gpt-oss feature changes the logits, so the parity tests cover it: the sinks (a sink of
+    -inf takes no weight), the sliding layers' window, the GLU's clamps, the experts' and router's biases."""
+    model = local_model(zoo.dir("fp32"))
+    for layer in model.model.layers:
+        attn, block = layer.self_attn, layer.mlp
+        if change == "sinks":
+            attn.sinks.data.fill_(-float("inf"))
+        elif change == "window":
+            attn.local_window = None
+        elif change == "router_bias":
+            block.router.bias.data.zero_()
+        for e in block.experts:
+            if change == "clamp":
+                e.limit = 1e4
+            elif change == "expert_bias":
+                for w in e.weights():
+                    w.data[:, -1] = 0
+    ids = prompt()
+    assert rel_err(model_logits(model, ids), zoo.logits("fp32", ids)) > 1e-3
+
+
+# ------------------------------------------------------------------------------- damaged checkpoints
+@pytest.mark.parametrize("damage", ["no_scales", "blocks_shape", "scales_shape", "no_bias", "no_quant_config"])
+def test_damaged_mxfp4_checkpoint_is_refused(zoo, tmp_path, damage):
+    """An MXFP4 checkpoint missing an expert tensor, with one of the wrong shape, or whose config.json
+    does not say mxfp4 raises CheckpointError when opened, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / damage
+    shutil.copytree(zoo.dir("mxfp4"), d)
+    tensors = load_file(str(d / "model.safetensors"))
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    if damage == "no_scales":
+        del tensors[key + "_scales"]
+    elif damage == "blocks_shape":
+        tensors[key + "_blocks"] = tensors[key + "_blocks"][:, :, :1].contiguous()
+    elif damage == "scales_shape":
+        tensors[key + "_scales"] = tensors[key + "_scales"][:4].contiguous()
+    elif damage == "no_bias":
+        del tensors["model.layers.1.mlp.experts.down_proj_bias"]
+    else:
+        cfg = json.loads((d / "config.json").read_text())
+        del cfg["quantization_config"]
+        (d / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="layers.1.mlp.experts|mxfp4"):
+        open_checkpoint(d)
+
+
+def test_tokenizer_json_through_transformers(tmp_path):
+    """A checkpoint's tokenizer.json loads through transformers (checkpoint/tokenizer.py): a text prompt
+    encodes as transformers' tokenizer encodes it and decodes to transformers' greedy tokens."""
+    from fixtures import build_tokenizer
+
+    tok = build_tokenizer()
+    model = build_hf({"vocab_size": len(tok)})
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    llm = LLM(tmp_path, engine_config(accelerator="none"))
+    try:
+        text = "the quick brown fox"
+        ids = tok(text)["input_ids"]
+        assert llm.encode(text, chat=False) == ids
+        out = llm.generate(text, GREEDY, chat=False)[0]
+        assert out.token_ids == hf_greedy(model, ids, 16)
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    finally:
+        llm.close()
