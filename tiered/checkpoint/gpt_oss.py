@@ -22,11 +22,23 @@ two layouts:
 
 `fold` replaces them with three handles per expert, named as the model's parameters
 (models/gpt_oss.GptOssExpert): `model.layers.N.mlp.experts.J.{gate_proj,up_proj,down_proj}.weight`,
-gate / up [F, D + 1] and down [D, F + 1], each projection's bias as its last column
-(ModelConfig.expert_shapes). A handle reads only its expert's slice of the fused tensors and loads
-it dequantized (MXFP4 values are exact in bf16 and fp32); it is not readable raw (offset None), so
-disk-tier experts are read from a converted copy in the offload directory (memory/expert_store).
-Keeping MXFP4 experts packed as an expert format of their own is not done (a later step).
+gate / up [F, Db] and down [D, Fb], each projection's bias as its input column D (F), zeros after it
+up to a multiple of 32 (Db = biased_width(D), Fb = biased_width(F): ModelConfig.expert_shapes). A
+handle reads only its expert's slice of the fused tensors and loads it dequantized (MXFP4 values are
+exact in bf16 and fp32); it is not readable raw (offset None), so disk-tier experts are read from a
+converted copy in the offload directory (memory/expert_store).
+
+MXFP4 as int8-g32, exactly: an e2m1 value times 2 is an integer in {0, +-1, +-2, +-3, +-4, +-6, +-8,
++-12}, so with code q = 2 * value and scale 2^(e - 127) / 2 = 2^(e - 128) per group of 32 inputs,
+q * scale is the MXFP4 weight bit for bit wherever that scale is an fp16 number: e in [104, 143]
+(2^-24, the smallest fp16 subnormal, .. 2^15). The bias group holds q = 1 at column D (F) with the
+bias as its fp16 scale (zeros after it): exact for bf16 / fp16 biases of magnitude 2^-17 .. 65504
+(fp16 keeps bf16's 8 significant bits there; smaller bf16 biases round to fp16's subnormal grid,
+an error of at most 2^-25). An MXFP4 handle whose biases are bf16 / fp16 (as released) offers this
+form (`TensorHandle.int8_g32_parts`, `mxfp4_int8_g32`), straight from the codes and scales without
+dequantizing: tiered's int8-g32 expert kind (1.0625 bytes a weight against bf16's 2) then holds the
+experts as stored (quant/gguf_experts.stored_kind). A group of non-zero codes whose scale lies
+outside that range, or a bias beyond 65504, is refused (CheckpointError) when the expert is read.
 """
 
 from __future__ import annotations
@@ -36,11 +48,16 @@ from typing import Callable
 import torch
 
 from tiered.checkpoint.handle import TensorHandle
+from tiered.checkpoint.model_config import biased_width
 from tiered.errors import CheckpointError
 
 # the 16 FP4 e2m1 values by code (sign bit 3): transformers' integrations/mxfp4.FP4_VALUES
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_GROUP = 32  # inputs per scale
+# 2 * FP4_E2M1 by code: the int8-g32 codes of an MXFP4 group whose scale is halved
+FP4_E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+# E8M0 bytes e whose halved scale 2^(e - 128) is an fp16 number (subnormals down to 2^-24)
+INT8_G32_EXPONENTS = (128 - 24, 128 + 15)
 FUSED = ("gate_up_proj", "down_proj")
 
 
@@ -59,6 +76,44 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     values = torch.tensor(FP4_E2M1, dtype=torch.float32)[codes.long()]
     scale = torch.exp2(scales.float() - 127.0)  # (R, G)
     return (values * scale[..., None]).reshape(R, G * MXFP4_GROUP)
+
+
+def mxfp4_int8_g32(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor,
+                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MXFP4 projection and its bias as tiered's int8-g32 (module docstring), exactly.
+
+    Args:
+        blocks: uint8 [R, G, 16], scales: uint8 [R, G] (as `dequantize_mxfp4` takes them; K = G * 32).
+        bias: [R], bf16 or fp16.
+        width: the padded in-features, biased_width(K) (> K, a multiple of 32).
+    Returns:
+        (q int8 [R, width], scale fp16 [R, width / 32]): columns < K the MXFP4 weight (q = 2 * e2m1
+        value, scale 2^(e - 128) per group), column K q = 1 with the bias as its group's scale, zeros
+        after; q * scale equals `_with_bias(dequantize_mxfp4(...), bias, width)` bit for bit but for
+        bf16 biases below 2^-17 in magnitude (rounded to fp16's subnormal grid: error <= 2^-25).
+    Raises:
+        ValueError: a group with a non-zero code whose scale byte lies outside INT8_G32_EXPONENTS, or a
+            bias of magnitude above 65504 (the caller names the expert).
+    """
+    R, G, _ = blocks.shape
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), -1).reshape(R, G, MXFP4_GROUP).long()  # (R, G, 32)
+    q = torch.zeros(R, width, dtype=torch.int8)
+    q[:, :G * MXFP4_GROUP] = torch.tensor(FP4_E2M1_X2, dtype=torch.int8)[codes].reshape(R, G * MXFP4_GROUP)
+    q[:, G * MXFP4_GROUP] = 1
+    e = scales.to(torch.int32)  # (R, G)
+    lo, hi = INT8_G32_EXPONENTS
+    live = (codes & 7).any(-1)  # (R, G): groups with a non-zero value (an all-zero group takes any scale)
+    bad = live & ((e < lo) | (e > hi))
+    if bool(bad.any()):
+        r, g = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"row {r} group {g} has MXFP4 scale 2^{int(e[r, g]) - 127}, which int8-g32's fp16 "
+                         f"scales hold exactly only within 2^{lo - 127} .. 2^{hi - 127}")
+    if bool((bias.float().abs() > 65504).any()):
+        raise ValueError(f"a bias of magnitude {float(bias.float().abs().max()):g} exceeds fp16's range")
+    scale = torch.zeros(R, width // MXFP4_GROUP, dtype=torch.float16)
+    scale[:, :G] = torch.exp2((e.clamp(lo, hi) - 128).float()).to(torch.float16)
+    scale[:, G] = bias.float().to(torch.float16)
+    return q, scale
 
 
 def expert_names(layer: int, expert: int) -> tuple[str, str, str]:
@@ -117,6 +172,7 @@ def fold(handles: dict[str, TensorHandle], config, quantization_config, path,
             fmt = "MXFP4"
             gate_up = _mxfp4_rows(gu, expert_slice)  # e -> W [2F, D], nn.Linear layout
             down = _mxfp4_rows(dn, expert_slice)  # e -> W [D, F]
+            gu_raw, dn_raw = _mxfp4_raw(gu, expert_slice), _mxfp4_raw(dn, expert_slice)  # the int8-g32 form
             parts_bytes = [sum(h.nbytes for h in gu) // (2 * E)] * 2 + [sum(h.nbytes for h in dn) // E]
             files = (gu[0].path, gu[0].path, dn[0].path)
         else:
@@ -130,17 +186,27 @@ def fold(handles: dict[str, TensorHandle], config, quantization_config, path,
             files = (gu_w.path, gu_w.path, dn_w.path)
         gb_get, db_get = expert_slice(gate_b), expert_slice(down_b)
         bias_bytes = (gate_b.nbytes // (2 * E), gate_b.nbytes // (2 * E), down_b.nbytes // E)
+        Db, Fb = biased_width(D), biased_width(F)
+        shapes = ((F, Db), (F, Db), (D, Fb))  # ModelConfig.expert_shapes
         for e in range(E):
             # (this layer's readers bound as defaults: the loop rebinds the names)
             loads = (
-                lambda e=e, w=gate_up, b=gb_get: _with_bias(w(e)[0::2], b(e)[0::2]),  # (F, D + 1)
-                lambda e=e, w=gate_up, b=gb_get: _with_bias(w(e)[1::2], b(e)[1::2]),
-                lambda e=e, w=down, b=db_get: _with_bias(w(e), b(e)),  # (D, F + 1)
+                lambda e=e, w=gate_up, b=gb_get: _with_bias(w(e)[0::2], b(e)[0::2], Db),  # (F, Db)
+                lambda e=e, w=gate_up, b=gb_get: _with_bias(w(e)[1::2], b(e)[1::2], Db),
+                lambda e=e, w=down, b=db_get: _with_bias(w(e), b(e), Fb),  # (D, Fb)
             )
-            shapes = ((F, D + 1), (F, D + 1), (D, F + 1))
-            for name, load, shape, n, b, f in zip(expert_names(layer, e), loads, shapes, parts_bytes, bias_bytes,
-                                                  files):
-                handles[name] = TensorHandle(name=name, shape=shape, format=fmt, nbytes=n + b, path=f, _load=load)
+            int8s = (None,) * 3  # offered for MXFP4 with 16-bit biases (fp32 ones: fp16 cannot hold them)
+            if packed and gate_b.format in ("BF16", "F16") and down_b.format in ("BF16", "F16"):
+                names = expert_names(layer, e)
+                int8s = (
+                    lambda e=e, r=gu_raw, b=gb_get, n=names[0]: _int8_g32(n, *r(e, 0), b(e)[0::2], Db),
+                    lambda e=e, r=gu_raw, b=gb_get, n=names[1]: _int8_g32(n, *r(e, 1), b(e)[1::2], Db),
+                    lambda e=e, r=dn_raw, b=db_get, n=names[2]: _int8_g32(n, *r(e, None), b(e), Fb),
+                )
+            for name, load, shape, n, b, f, i8 in zip(expert_names(layer, e), loads, shapes, parts_bytes, bias_bytes,
+                                                      files, int8s):
+                handles[name] = TensorHandle(name=name, shape=shape, format=fmt, nbytes=n + b, path=f, _load=load,
+                                             _int8_g32=i8)
     leftover = sorted(k for k in handles if ".mlp.experts." in k and k.split(".mlp.experts.")[1].split(".")[0] in
                       {"gate_up_proj", "down_proj"} | {f"{n}_{s}" for n in FUSED for s in ("blocks", "scales", "bias")})
     if leftover:
@@ -157,7 +223,33 @@ def _mxfp4_rows(parts: tuple[TensorHandle, TensorHandle], expert_slice) -> Calla
     return load
 
 
-def _with_bias(w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """w [N, K], b [N] -> [N, K + 1] (w's dtype where both are floats of one dtype, else fp32)."""
+def _mxfp4_raw(parts: tuple[TensorHandle, TensorHandle], expert_slice) -> Callable:
+    """(e, rows) -> expert e's (blocks uint8 [R, G, 16], scales uint8 [R, G]) as stored, rows 0::2
+    (rows 0: gate of gate_up), 1::2 (up) or all (None)."""
+    blocks, scales = expert_slice(parts[0]), expert_slice(parts[1])
+
+    def raw(e: int, rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s = blocks(e), scales(e)
+        s = s.view(torch.uint8) if s.dtype != torch.uint8 else s
+        return (b, s) if rows is None else (b[rows::2], s[rows::2])
+    return raw
+
+
+def _int8_g32(name: str, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor,
+              width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mxfp4_int8_g32` of one expert projection, its refusal a CheckpointError naming the tensor."""
+    try:
+        return mxfp4_int8_g32(blocks, scales, bias, width)
+    except ValueError as e:
+        raise CheckpointError(f"{name}: {e}", "hold gpt-oss's experts as bf16 (--weights bf16: exact) "
+                              "or re-quantized (--weights int8)") from None
+
+
+def _with_bias(w: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
+    """w [N, K], b [N] -> [N, width]: w, b as column K, zeros after it (width > K; w's dtype where both
+    are floats of one dtype, else fp32)."""
     dt = w.dtype if w.dtype == b.dtype else torch.float32
-    return torch.cat((w.to(dt), b.to(dt)[:, None]), 1)
+    out = torch.zeros(w.shape[0], width, dtype=dt)
+    out[:, :w.shape[1]] = w
+    out[:, w.shape[1]] = b
+    return out

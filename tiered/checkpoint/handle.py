@@ -56,7 +56,9 @@ class TensorHandle:
             "INT8": a GPTQ / compressed-tensors 8-bit integer weight (checkpoint/int8_packed.py;
             `int8_parts` where it is symmetric per output channel or tensor) or a bitsandbytes LLM.int8
             one (checkpoint/bnb.py), or "BNB_NF4" / "BNB_FP4": a bitsandbytes 4-bit weight (checkpoint/
-            bnb.py; `load` dequantizes).
+            bnb.py; `load` dequantizes), or "MXFP4": one gpt-oss expert projection, its bias a padded
+            input column (checkpoint/gpt_oss.py; `load` dequantizes, `int8_g32_parts` gives the codes
+            as int8-g32 where its biases are 16-bit floats).
         nbytes: bytes the tensor occupies in its file (an fp8 weight's with its scales).
         path: the file holding it.
     """
@@ -84,6 +86,9 @@ class TensorHandle:
     # per output channel or per tensor); None for grouped or asymmetric ones (they load dequantized)
     _int8: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
     int8_group: int | None = None  # INT8: inputs per scale (K: per channel or tensor; 0: act-order groups)
+    # MXFP4 (gpt-oss's experts, checkpoint/gpt_oss.py) with 16-bit biases: () -> (q int8 [N, K], scale fp16
+    # [N, K / 32]), w = q * scale per group of 32 inputs, tiered's int8-g32 exactly; None where not offered
+    _int8_g32: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def numel(self) -> int:
@@ -171,6 +176,24 @@ class TensorHandle:
         if self._int8 is None:
             raise ValueError(f"{self.name} is stored as {self.format}, not as symmetric int8 per output channel")
         return self._int8()
+
+    @property
+    def int8_g32_exact(self) -> bool:
+        """A weight whose stored form is tiered's int8-g32 exactly (`int8_g32_parts` gives it)."""
+        return self._int8_g32 is not None
+
+    def int8_g32_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight as tiered's int8-g32 straight from its stored codes (gpt-oss's MXFP4 experts,
+        checkpoint/gpt_oss.py): (q int8 [N, K], scale fp16 [N, K/32]) with w = q * scale[group],
+        bit for bit what `load` gives.
+
+        Raises:
+            ValueError: the weight offers no such form.
+            CheckpointError: a scale or bias the form cannot hold exactly (checkpoint/gpt_oss.py).
+        """
+        if self._int8_g32 is None:
+            raise ValueError(f"{self.name} is stored as {self.format}, with no exact int8-g32 form")
+        return self._int8_g32()
 
     def blocks(self) -> np.ndarray:
         """Raw quantized blocks in HF row order: uint8 [rows, bytes_per_row] (block formats only).

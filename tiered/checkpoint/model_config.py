@@ -24,6 +24,28 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
+
+BIAS_ALIGN = 32  # a biased expert projection's in-features are padded to a multiple of this (int8-g32 / int4 groups)
+
+
+def biased_width(k: int) -> int:
+    """In-features of an expert projection over k inputs whose bias is an extra input column (gpt-oss):
+    k + 1 rounded up to a multiple of BIAS_ALIGN (32): the weight's columns are [W | b | 0 ...], the
+    input's [x | 1 | 0 ...]. E.g. 2880 -> 2912 (gpt-oss-20b / -120b), 64 -> 96."""
+    return (k + 1 + BIAS_ALIGN - 1) // BIAS_ALIGN * BIAS_ALIGN
+
+
+def expert_shapes(hidden: int, intermediate: int, bias: bool) -> tuple[tuple[int, int], tuple[int, int],
+                                                                       tuple[int, int]]:
+    """(gate, up, down) shapes [out, in] of one routed expert (ModelConfig.expert_shapes): (F, D),
+    (F, D), (D, F), or with biases as padded input columns (F, biased_width(D)) twice and
+    (D, biased_width(F))."""
+    D, F = hidden, intermediate
+    if not bias:
+        return (F, D), (F, D), (D, F)
+    return (F, biased_width(D)), (F, biased_width(D)), (D, biased_width(F))
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Hyperparameters of a decoder-only transformer (dense or MoE).
@@ -214,11 +236,13 @@ class ModelConfig:
 
     def expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
         """Shapes of one routed expert's (gate, up, down) tensors as tiered holds them on every tier:
-        (F, D), (F, D), (D, F); with expert_bias (gpt-oss) each projection's bias is its weight's last
-        input column, (F, D + 1), (F, D + 1), (D, F + 1), computed against an input with a 1 appended
-        (models/gpt_oss.py, quant/experts.ExpertFormat.swiglu_limit)."""
-        D, F, b = self.hidden_size, self.moe_intermediate_size, int(self.expert_bias)
-        return (F, D + b), (F, D + b), (D, F + b)
+        (F, D), (F, D), (D, F); with expert_bias (gpt-oss) each projection's bias is its weight's
+        input column K (K = D for gate / up, F for down) and zero columns follow it up to a multiple of
+        32 inputs: (F, Db), (F, Db), (D, Fb) with Db = biased_width(D), Fb = biased_width(F), computed
+        against an input with a 1 then zeros appended (models/gpt_oss.with_one,
+        quant/experts.ExpertFormat.swiglu_limit). The padding keeps every projection's in-features a
+        multiple of 32, so the grouped expert kinds (int8-g32, int4) hold gpt-oss experts."""
+        return expert_shapes(self.hidden_size, self.moe_intermediate_size, self.expert_bias)
 
     def kv_widths(self) -> tuple[int, int, int]:
         """(heads, key width, value width) of one layer's KV cache per position [elements]: Hkv, hd, hd;

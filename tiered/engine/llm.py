@@ -166,8 +166,12 @@ class LLM:
 
     def _experts_format(self, weights: str, decode: str) -> str | None:
         """The routed experts' storage format (EngineConfig.expert_weights; "auto": a GGUF file's
-        quantized experts or a safetensors file's fp8 ones as stored; bf16 ones as stored (fp16 ones
-        rounded to bf16) where the CPU engine decodes from compact copies `decode` anyway
+        quantized experts or a safetensors file's fp8 ones as stored, gpt-oss's MXFP4 ones as int8-g32
+        (exactly, from the codes: checkpoint/gpt_oss.py; 1.06 bytes a weight against bf16's 2) except
+        in the lossless fp32 mode (`--dtype float32 --decode-weights fp32` on the CPU, or fp32 compute
+        behind an accelerator), which keeps them in fp32 so that the experts' activations stay fp32;
+        bf16 ones as stored (fp16 ones rounded to bf16) where the CPU engine decodes from compact
+        copies `decode` anyway
         (planner/auto.compact_cpu_decode), not widened to its fp32 compute format, which doubled their
         RAM and ran them off the native kernels (a bf16 Mixtral-shaped checkpoint decoded at 41 ms a
         token with fp32 experts, 8.4 with bf16 ones); else the compute format). None for dense models."""
@@ -182,12 +186,13 @@ class LLM:
             return ec.expert_weights
         handles = [self.checkpoint.handle(n) for n in expert_tensor_names(cfg.model_type, moe_layers(self.checkpoint, cfg)[0], 0)]
         stored = stored_format(handles)
-        if stored is not None:
-            return stored
+        lossless = weights == "fp32" and not compact_cpu_decode(ec, self.accelerator, decode)
+        if stored is not None and not (lossless and all(h.format == "MXFP4" for h in handles)):
+            return stored  # gpt-oss's MXFP4 as int8-g32 (exact weights) but in the lossless fp32 mode
         if (weights == "fp32" and compact_cpu_decode(ec, self.accelerator, decode)
                 and all(h.format in ("BF16", "F16", "MXFP4") for h in handles)):
             return "bf16"  # an F16 GGUF's too, as its dense tensors' decode copies (the plan notes it); gpt-oss's
-            # MXFP4 experts are exact in bf16 (checkpoint/gpt_oss.py)
+            # MXFP4 experts with fp32 biases (no exact int8-g32 form) are exact in bf16 but for those biases
         return weights
 
     def _plan_mixed(self, plan) -> None:

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from tiered.checkpoint.model_config import ModelConfig
+from tiered.checkpoint.model_config import ModelConfig, expert_shapes
 from tiered.errors import ConfigError
 
 INT4_GROUP = 32  # tiered's int4 (quant/int4.py): one fp16 scale and zero per 32 weights
@@ -196,14 +196,15 @@ def rotary_bytes(cfg: ModelConfig, max_positions: int) -> int:
 
 
 def expert_bytes(cfg: ModelConfig, fmt: str) -> int:
-    """Bytes of one routed expert (gate, up [F, D] and down [D, F]; with gpt-oss's biases as last
-    columns [F, D + 1], [F, D + 1], [D, F + 1]: ModelConfig.expert_shapes) in expert format `fmt`: the
+    """Bytes of one routed expert (gate, up [F, D] and down [D, F]; with gpt-oss's biases as padded
+    input columns [F, Db], [F, Db], [D, Fb], Db = D + 1 and Fb = F + 1 rounded up to multiples of 32:
+    ModelConfig.expert_shapes) in expert format `fmt`: the
     exact slot size of quant/experts.ExpertFormat (quantized formats count their scales, zeros and
     64-byte segment alignment; projections the format cannot hold are counted as it falls back)."""
     from tiered.quant.experts import ExpertFormat, fit_format
 
-    D, F, b = cfg.hidden_size, cfg.moe_intermediate_size, int(getattr(cfg, "expert_bias", False))
-    shapes = ((F, D + b), (F, D + b), (D, F + b))  # ModelConfig.expert_shapes (of any config-like object)
+    # ModelConfig.expert_shapes (of any config-like object)
+    shapes = expert_shapes(cfg.hidden_size, cfg.moe_intermediate_size, bool(getattr(cfg, "expert_bias", False)))
     if fmt in _FORMAT_TORCH:
         return int(sum(n * k for n, k in shapes) * bytes_per_element(fmt))
     return ExpertFormat(fit_format(fmt, shapes), shapes).nbytes

@@ -17,10 +17,13 @@ Expert layout: the checkpoint stores a layer's experts fused (`mlp.experts.gate_
 with gate and up interleaved by column, `down_proj` [E, F, D], their biases [E, 2F] and [E, D]; the
 released files MXFP4-quantized): checkpoint/gpt_oss.py gives each expert its own tensors, named
 `model.layers.N.mlp.experts.J.{gate_proj,up_proj,down_proj}.weight`, each projection's bias stored
-as its weight's last input column: gate/up [F, D + 1], down [D, F + 1] (ModelConfig.expert_shapes),
-computed against the input with a 1 appended (`biased_glu_expert`). So an expert is three tensors
-like every other architecture's, and the expert runtime moves and caches it unchanged
-(quant/experts.ExpertFormat computes it with `swiglu_limit` set).
+as its weight's input column K (K = D for gate / up, F for down), zero columns after it up to a
+multiple of 32: gate/up [F, Db], down [D, Fb] with Db = biased_width(D), Fb = biased_width(F)
+(ModelConfig.expert_shapes; 2880 -> 2912 for gpt-oss-20b / -120b), computed against the input with a
+1 then zeros appended (`with_one`, `biased_glu_expert`). So an expert is three tensors like every
+other architecture's, whose in-features are multiples of 32 (the grouped kinds int8-g32 and int4 hold
+them: MXFP4's codes and scales map onto int8-g32 exactly, checkpoint/gpt_oss.py), and the expert
+runtime moves and caches it unchanged (quant/experts.ExpertFormat computes it with `swiglu_limit` set).
 
 Source: transformers' modeling_gpt_oss.py (GptOssAttention, eager_attention_forward, GptOssTopKRouter,
 GptOssExperts) and the gpt-oss model card (OpenAI, 2025).
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiered.checkpoint.model_config import ModelConfig
+from tiered.checkpoint.model_config import ModelConfig, biased_width
 from tiered.models.layers import Attention
 from tiered.models.llama import CausalLM, DecoderLayer
 from tiered.models.moe import LocalExperts, MoEBlock, SWIGLU_EXPERT_NAMES
@@ -103,10 +106,13 @@ class GptOssRouter(nn.Linear):
         return idx, top.softmax(dim=-1)
 
 
-def with_one(x: torch.Tensor) -> torch.Tensor:
-    """x [n, K] -> [n, K + 1] with a last column of ones: what a projection whose bias is its
-    weight's last input column multiplies."""
-    return F.pad(x, (0, 1), value=1.0)
+def with_one(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [n, K] -> [n, width] (width > K, biased_width(K) for tiered's experts): x, then a column of
+    ones (column K), then zeros: what a projection whose bias is its weight's input column K multiplies
+    (the zero columns meet the weight's zero padding). In x's dtype and on its device."""
+    out = F.pad(x, (0, width - x.shape[-1]))  # (n, width): zeros after x
+    out[..., x.shape[-1]] = 1.0
+    return out
 
 
 def clamped_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -119,29 +125,31 @@ def clamped_glu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float
 
 def biased_glu_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                       alpha: float, limit: float) -> torch.Tensor:
-    """One gpt-oss expert: x [n, D]; w_gate, w_up [F, D + 1] and w_down [D, F + 1], each projection's
-    bias its last column (ModelConfig.expert_shapes) -> [n, D] in x's dtype (weights cast to it)."""
+    """One gpt-oss expert: x [n, D]; w_gate, w_up [F, Db] and w_down [D, Fb], each projection's bias
+    its input column D (resp. F), zeros after it (Db = biased_width(D), Fb = biased_width(F):
+    ModelConfig.expert_shapes) -> [n, D] in x's dtype (weights cast to it)."""
     dt = x.dtype
     w_gate, w_up, w_down = (w if w.dtype == dt else w.to(dt) for w in (w_gate, w_up, w_down))
-    x1 = with_one(x)  # (n, D + 1)
+    x1 = with_one(x, w_gate.shape[1])  # (n, Db)
     h = clamped_glu(F.linear(x1, w_gate), F.linear(x1, w_up), alpha, limit)  # (n, F)
-    return F.linear(with_one(h), w_down)
+    return F.linear(with_one(h, w_down.shape[1]), w_down)
 
 
 class GptOssExpert(nn.Module):
-    """One routed gpt-oss expert: gate_proj, up_proj [F, D + 1], down_proj [D, F + 1] (bias last column)."""
+    """One routed gpt-oss expert: gate_proj, up_proj [F, Db], down_proj [D, Fb] (bias at input column
+    D / F, then zeros: Db = biased_width(D), Fb = biased_width(F))."""
 
     names = SWIGLU_EXPERT_NAMES
 
     def __init__(self, hidden: int, intermediate: int, alpha: float, limit: float) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden + 1, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden + 1, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate + 1, hidden, bias=False)
+        self.gate_proj = nn.Linear(biased_width(hidden), intermediate, bias=False)
+        self.up_proj = nn.Linear(biased_width(hidden), intermediate, bias=False)
+        self.down_proj = nn.Linear(biased_width(intermediate), hidden, bias=False)
         self.alpha, self.limit = alpha, limit
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w_gate [F, D + 1], w_up [F, D + 1], w_down [D, F + 1]) as stored."""
+        """(w_gate [F, Db], w_up [F, Db], w_down [D, Fb]) as stored."""
         return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

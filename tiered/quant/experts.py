@@ -194,8 +194,9 @@ class ExpertFormat:
             (one thread, a 2048 x 2048 int4 weight: 160 -> 110-116 us a call). The segment is still
             stored (all zeros), so the slot size is the same either way.
         swiglu_limit, swiglu_alpha: None for SiLU's SwiGLU; else gpt-oss's experts (models/gpt_oss.py):
-            each projection's bias is its weight's last input column (shapes (F, D + 1), (F, D + 1),
-            (D, F + 1): ModelConfig.expert_shapes), computed against the input with a 1 appended, and
+            each projection's bias is its weight's input column D (F for down), zero columns after it
+            up to a multiple of 32 (shapes (F, Db), (F, Db), (D, Fb): ModelConfig.expert_shapes),
+            computed against the input with a 1 then zeros appended (models/gpt_oss.with_one), and
             the activation is the clamped GLU (models/gpt_oss.clamped_glu). Such experts compute with
             torch ops per projection (`project`), never the native fused SwiGLU kernels.
     Raises:
@@ -337,7 +338,7 @@ class ExpertFormat:
         between the projections; up to `grouped_rows` in groups of NATIVE_ROWS: `forward_group`);
         otherwise torch ops (tiled int4: the weight dequantized once per call, then bf16 matmuls).
         """
-        if self.swiglu_limit is not None:  # gpt-oss: biases as last columns, the clamped GLU
+        if self.swiglu_limit is not None:  # gpt-oss: biases as padded input columns, the clamped GLU
             return self._biased_glu(x, slot)
         if x.device.type == "cpu":
             n = x.shape[0]
@@ -358,17 +359,17 @@ class ExpertFormat:
         """A gpt-oss expert (swiglu_limit set) from the stored form: x [n, D] -> [n, D] in x's dtype."""
         from tiered.models.gpt_oss import clamped_glu, with_one
 
-        x1 = with_one(x)  # (n, D + 1): the 1 each bias column multiplies
+        x1 = with_one(x, self.shapes[0][1])  # (n, Db): the 1 each bias column multiplies, then zeros
         if self.is_dense:
             dt = x.dtype
             wg, wu, wd = (w if w.dtype == dt else w.to(dt) for w in slot)
             h = clamped_glu(F.linear(x1, wg), F.linear(x1, wu), self.swiglu_alpha, self.swiglu_limit)
-            return F.linear(with_one(h), wd)
+            return F.linear(with_one(h, self.shapes[2][1]), wd)
         vg, vu, vd = self.views(slot)
         (kg, ku, kd), lay = self.kinds, self.int4_layout
         h = clamped_glu(project(x1, vg, kg, lay, self.act), project(x1, vu, ku, lay, self.act),
                         self.swiglu_alpha, self.swiglu_limit)
-        return project(with_one(h), vd, kd, lay, self.act)
+        return project(with_one(h, self.shapes[2][1]), vd, kd, lay, self.act)
 
     def _native_ext(self, slots: list[tuple[torch.Tensor, ...]]):
         """The native extension when its expert kernels can compute from these slots (a dense format:

@@ -23,6 +23,10 @@ dequantizing where the mapping is exact.
                                  dequantized
     BNB_NF4, BNB_FP4 (bitsandbytes 4-bit: a code table, no tiered kind) -> the compute    fp32 yes
                                  format, dequantized (LLM.int8 is INT8 per row)
+    MXFP4       -> int8-g32      gpt-oss's experts: code = 2 * e2m1 value, scale =      yes, bit for bit (scales
+                                 2^(e - 128) per 32, the bias a group of its own        2^-24..2^15; biases
+                                 (checkpoint/gpt_oss.mxfp4_int8_g32)                    bf16/fp16, >= 2^-17)
+    MXFP4 with fp32 biases -> bf16 (or the compute format), dequantized                  weights yes
     (checkpoint/hf_dir; fp8 of other block sizes takes the compute format, dequantized)
 
 Sources: ggml-quants.c block layouts (block_q4_0 {d; qs[16]}, block_q4_1 {d; m; qs[16]},
@@ -45,8 +49,8 @@ from tiered.quant.int4 import unpack_q4_blocks
 
 GGUF_EXPERT_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8-g32", "Q4_K": "int4", "Q2_K": "int4",
                     "Q3_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8-g32"}
-STORED_KIND = {**GGUF_EXPERT_KIND, "F8_E4M3": "fp8", "INT4": "int4", "INT8": "int8"}
-EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3", "INT4", "INT8")
+STORED_KIND = {**GGUF_EXPERT_KIND, "F8_E4M3": "fp8", "INT4": "int4", "INT8": "int8", "MXFP4": "int8-g32"}
+EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3", "INT4", "INT8", "MXFP4")
 # stored formats whose `load` is exact in fp32: integer codes x fp16 / bf16 scale, bitsandbytes' 4-bit table
 # value x absmax (checkpoint/bnb.py), gpt-oss's MXFP4 e2m1 value x 2^k (checkpoint/gpt_oss.py: exact in bf16 too)
 DEQUANTIZED = ("INT4", "INT8", "BNB_NF4", "BNB_FP4", "MXFP4")
@@ -55,12 +59,15 @@ DEQUANTIZED = ("INT4", "INT8", "BNB_NF4", "BNB_FP4", "MXFP4")
 def stored_kind(handle) -> str:
     """The expert kind a tensor stored as `handle.format` maps to: fp8 in 128 x 128 blocks -> "fp8",
     fp8 scaled per output channel or per tensor -> "fp8-row" (quant/fp8.kernel_row_block 1); "bf16"
-    for dense formats and fp8 of other blocks."""
+    for dense formats and fp8 of other blocks; gpt-oss's MXFP4 -> "int8-g32" where the handle offers
+    that form exactly (16-bit biases: TensorHandle.int8_g32_exact), else "bf16"."""
     if handle.format == "F8_E4M3" and not fp8.as_stored(handle):
         return "fp8-row" if _row_scaled(handle) else "bf16"
     if handle.format == "INT4" and (not handle.int4_group or handle.int4_group % 32):
         return "bf16"
     if handle.format == "INT8" and not handle.int8_per_row:  # grouped or asymmetric: held dequantized
+        return "bf16"
+    if handle.format == "MXFP4" and not handle.int8_g32_exact:  # fp32 biases: held dequantized
         return "bf16"
     return STORED_KIND.get(handle.format, "bf16")
 
@@ -149,7 +156,8 @@ def raw_blocks(handle) -> torch.Tensor:
 def projection_segments(handle, kind: str, int4_layout: str,
                         out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Segments of one projection in `kind` from its checkpoint handle: GGUF Q4_0/Q4_1/Q4_K -> int4
-    and Q8_0 -> int8-g32 straight from the blocks; anything else through the dense weight. `out`:
+    and Q8_0 -> int8-g32 straight from the blocks, gpt-oss's MXFP4 -> int8-g32 from its codes and
+    scales (TensorHandle.int8_g32_parts); anything else through the dense weight. `out`:
     the projection's segment views in an expert's slot (ExpertFormat.views), which the native
     repacking passes write in place (then the returned segments are those views)."""
     out = out or {}
@@ -166,6 +174,8 @@ def projection_segments(handle, kind: str, int4_layout: str,
         if int8_tiled(int4_layout, *q.shape):
             return {"qt": tiled_int8(q), "scale": scale.to(torch.bfloat16)}
         return {"q": q, "scale": scale.to(torch.bfloat16)}
+    if handle.format == "MXFP4" and kind == "int8-g32" and handle.int8_g32_exact:  # gpt-oss: codes x 2, scales / 2
+        return int8_g32_segments(*handle.int8_g32_parts(), int4_layout)
     if handle.format in INT4_BLOCK_FORMATS and kind == "int4":
         ext = load() if int4_layout == "tiled" else None
         if ext is not None:  # the same bytes in one native pass (~50x the numpy / torch path below)
