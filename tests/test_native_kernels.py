@@ -572,6 +572,12 @@ def test_a_tuning_other_processes_disturbed_is_measured_again(tmp_path, monkeypa
     assert contention.record(start, None) == {"others_share": 0.5, "contended": True, "attempts": 1}
     assert contention.record(start, {"contended": True, "attempts": 2})["attempts"] == 3
     assert contention.record(start, {"contended": False, "attempts": 2})["attempts"] == 1
+    monkeypatch.setattr(contention.time, "sleep", lambda s: clock.update(busy=clock["busy"] + 2 * s * 0.2,
+                                                                       wall=clock["wall"] + s))
+    assert contention.quiet_now(0.5) is True  # others took 20% of the 2 cores while this one slept
+    monkeypatch.setattr(contention.time, "sleep", lambda s: clock.update(busy=clock["busy"] + 2 * s * 0.9,
+                                                                       wall=clock["wall"] + s))
+    assert contention.quiet_now(0.5) is False
     base = dict(tune.DEFAULTS)
     for fields, keep in ((dict(contended=False, attempts=1), True), (dict(contended=True, attempts=1), False),
                          (dict(contended=True, attempts=tune.RETUNES), True), ({}, True)):

@@ -336,9 +336,10 @@ def test_engine_profile_sources(tmp_path, monkeypatch):
 
 def test_a_profile_measured_while_other_processes_took_the_cores_is_measured_again(tmp_path, monkeypatch):
     """A cached profile whose meta says other processes took more than CONTENDED_SHARE of the cores
-    while it was measured (hardware/contention.record) is measured again when the engine plans, told
-    to the user, its attempts counted on; one contended RETRIES times in a row is kept, as is an
-    uncontended one and one saved before the fields existed."""
+    while it was measured (hardware/contention.record) is measured again when the engine plans on a
+    quiet machine (contention.quiet_now), told to the user, its attempts counted on; on a busy machine,
+    or without /proc/stat, it is kept (a new one would be disturbed too), whatever its attempts; an
+    uncontended one and one saved before the fields existed are kept."""
     from tiered.hardware import contention
     from tiered.hardware.profiler import PROFILER_VERSION
     from tiered.kernels import available as native_kernels
@@ -357,16 +358,19 @@ def test_a_profile_measured_while_other_processes_took_the_cores_is_measured_aga
                                meta={**base, **contention.record(contention.start(), prev and prev.meta)})
     monkeypatch.setattr("tiered.hardware.profiler.profile_machine", measure)
     path = tmp_path / "hardware_profile.json"
-    for fields, kept in ((dict(others_share=0.1, contended=False, attempts=1), True),
-                         (dict(others_share=0.55, contended=True, attempts=1), False),
-                         (dict(others_share=0.55, contended=True, attempts=contention.RETRIES - 1), False),
-                         (dict(others_share=0.55, contended=True, attempts=contention.RETRIES), True),
-                         ({}, True)):
+    busy = dict(others_share=0.55, contended=True)
+    for fields, quiet, kept in ((dict(others_share=0.1, contended=False, attempts=1), True, True),
+                                (dict(busy, attempts=1), True, False),
+                                (dict(busy, attempts=contention.RETRIES), True, False),
+                                (dict(busy, attempts=1), False, True),
+                                (dict(busy, attempts=2), None, True),
+                                ({}, True, True)):
+        monkeypatch.setattr(contention, "quiet_now", lambda q=quiet: q)
         HardwareProfile("cached", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)},
                         meta={**base, **fields}).save(path)
         said, n = [], len(calls)
         hw = engine_profile(None, progress=said.append)
-        assert (hw.name == "cached") is kept and len(calls) == n + (not kept), fields
+        assert (hw.name == "cached") is kept and len(calls) == n + (not kept), (fields, quiet)
         if not kept:
             assert calls[-1]["previous"].meta["attempts"] == fields["attempts"]
             assert "other processes took 55% of the cores" in said[0]

@@ -5,8 +5,10 @@ hardware/profiler.py) taken while other processes ran times the neighbours as mu
 two builds of the same sources tuned at once on the 2-core Zen 4 VM (2026-11-27) chose opposite
 kernel options, and a quick profile measured while CI's tests ran priced SmolLM2's decode at half
 the speed it then ran. Each such measurement records `others_share` over its run and is "contended"
-above CONTENDED_SHARE; whoever keeps it measures a contended one again, RETRIES times at most (a
-machine that is never quiet keeps its last).
+above CONTENDED_SHARE. Setup's kernel tuning and `tiered profile` measure a contended one again at
+once, RETRIES times at most (a machine that is never quiet keeps its last); the engine, finding a
+contended cached profile, measures it again when the machine is quiet now (`quiet_now`), and else
+plans with it (a measurement now would be disturbed too).
 """
 
 from __future__ import annotations
@@ -68,3 +70,12 @@ def keep(fields: dict) -> bool:
     """Whether a measurement with these `record` fields is kept: not contended, or contended RETRIES
     times in a row already. One saved before the fields existed is kept."""
     return not fields.get("contended") or int(fields.get("attempts", 1)) >= RETRIES
+
+
+def quiet_now(seconds: float = 0.3) -> bool | None:
+    """Whether other processes take at most CONTENDED_SHARE of the cores now: their share over
+    `seconds` of this process sleeping. None without /proc/stat."""
+    reading = start()
+    time.sleep(seconds)
+    share = others_share(*reading)
+    return None if share is None else share <= CONTENDED_SHARE

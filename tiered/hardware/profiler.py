@@ -1254,8 +1254,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     notes = list(b.notes)
     if meta["contended"]:
         notes.append(f"other processes took {meta['others_share']:.0%} of the cores while profiling: CPU timings "
-                     "are theirs as much as this machine's (the engine measures such a profile again, "
-                     f"{contention.RETRIES} times at most)")
+                     "are theirs as much as this machine's (the engine measures such a profile again once "
+                     "the machine is quiet)")
     elif load_before is not None and load_before > (os.cpu_count() or 1) - 0.5:
         notes.append(f"load average {load_before:.1f} on {os.cpu_count()} cores before profiling: other "
                      "processes competed for the CPU, so CPU timings may be noisy (see R^2)")

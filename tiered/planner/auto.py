@@ -167,9 +167,12 @@ def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> H
                        and (not native or (hw.meta.get("kernels_build") == kernels.build_name()  # ... or others
                                            and hw.meta.get("kernel_tuning") == kernels.tuning())))
             if current and (not cuda or op_time.has_device(hw, "gpu")):
-                if contention.keep(hw.meta):
+                # one measured while other processes took the cores: again once the machine is quiet (a busy
+                # machine now would disturb the new one too; a profile kept after RETRIES disturbed tries
+                # in a row had priced SmolLM2 at 1.1 tok/s where `make run`, on the quiet machine, ran 389)
+                if not hw.meta.get("contended") or contention.quiet_now() is not True:
                     return hw
-                previous = hw  # measured while other processes took the cores: once more, RETRIES at most
+                previous = hw
         except ConfigError:
             pass  # unreadable: measure again
     from tiered.hardware.profiler import profile_machine
