@@ -43,6 +43,23 @@ def prompt(length: int = PROMPT_LEN, seed: int = 0) -> list[int]:
     return torch.randint(2, VOCAB, (length,), generator=g).tolist()
 
 
+def decode_logits(llm, step, ids: list[int], n_prompt: int, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Prefill ids[:n_prompt] through `llm`'s modules, then feed ids[n_prompt:] one token a step through
+    `step` (a runtime/cpu_decode.CPUDecodeStep, or any callable of the model's forward arguments): each
+    decode step's logits fp32 [len(ids) - n_prompt, V], those of positions n_prompt .. len(ids) - 1. The
+    KV cache holds `kv_dtype` (default: the plan's)."""
+    from tiered.memory import sizes
+    from tiered.models.layers import KVCache
+
+    cache = KVCache(llm.config, 1, len(ids), kv_dtype or sizes.torch_dtype(llm.plan.dtypes["kv_cache"]))
+    out = []
+    with torch.inference_mode():
+        llm.model(torch.tensor([ids[:n_prompt]]), torch.arange(n_prompt)[None], torch.tensor([0]), cache)
+        for p in range(n_prompt, len(ids)):
+            out.append(step(torch.tensor([[ids[p]]]), torch.tensor([[p]]), torch.tensor([0]), cache)[0].float())
+    return torch.stack(out)
+
+
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max() / ref.abs().max())
 

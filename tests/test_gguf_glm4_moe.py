@@ -27,6 +27,7 @@ from gguf import GGMLQuantizationType as Q
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fixtures import hf_greedy  # noqa: E402
+from runtime_fixtures import decode_logits, rel_err  # noqa: E402
 from gguf_writer import dequantized_glm4_moe_model, write_glm4_moe_gguf  # noqa: E402
 from moe_fixtures import build_hf_moe_model  # noqa: E402
 
@@ -34,7 +35,6 @@ from tiered import LLM, EngineConfig, SamplingParams, kernels  # noqa: E402
 from tiered.checkpoint import open_checkpoint  # noqa: E402
 from tiered.checkpoint.model_config import ModelConfig  # noqa: E402
 from tiered.errors import CheckpointError, UnsupportedModelError  # noqa: E402
-from tiered.models.layers import KVCache  # noqa: E402
 from tiered.runtime.cpu_decode import CPUDecodeStep  # noqa: E402
 
 KINDS = ("glm4_moe", "glm4_moe_air")
@@ -53,26 +53,10 @@ def model(kind: str):
     return _models[kind]
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got - ref).abs().max() / ref.abs().max())
-
-
 def hf_logits(m, ids: list[int]) -> torch.Tensor:
     """transformers' fp32 logits [T, V] of one prompt."""
     with torch.no_grad():
         return m(torch.tensor([ids])).logits[0].float()
-
-
-def decode_logits(llm: LLM, step, ids: list[int], n_prompt: int) -> torch.Tensor:
-    """Prefill ids[:n_prompt] through the model's modules, then feed ids[n_prompt:] one token a step
-    through `step` (a CPUDecodeStep); each step's logits fp32 [len(ids) - n_prompt, V]."""
-    cache = KVCache(llm.config, 1, len(ids), torch.float32)
-    out = []
-    with torch.inference_mode():
-        llm.model(torch.tensor([ids[:n_prompt]]), torch.arange(n_prompt)[None], torch.tensor([0]), cache)
-        for p in range(n_prompt, len(ids)):
-            out.append(step(torch.tensor([[ids[p]]]), torch.tensor([[p]]), torch.tensor([0]), cache)[0].float())
-    return torch.stack(out)
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -129,7 +113,7 @@ def test_decode_steps_equal_transformers(kind, native, tmp_path):
     llm = LLM(write_glm4_moe_gguf(m, tmp_path / "m.gguf"), EngineConfig(**LOSSLESS))
     try:
         ids = torch.randint(2, 256, (20,), generator=torch.Generator().manual_seed(4)).tolist()
-        got = decode_logits(llm, CPUDecodeStep(llm.model, native=native), ids, 6)
+        got = decode_logits(llm, CPUDecodeStep(llm.model, native=native), ids, 6, torch.float32)
         assert rel_err(got, hf_logits(m, ids)[6:]) <= REL_TOL
     finally:
         llm.close()
@@ -165,8 +149,8 @@ def test_quantized_file_equals_transformers_on_its_weights(kind, qtype, kept, tm
         assert rel_err(llm.logits(PROMPT), ref) < 2e-2
         if kernels.available():
             ids = PROMPT[:10]
-            torch_ops = decode_logits(llm, CPUDecodeStep(llm.model, native=False), ids, 4)
-            assert rel_err(decode_logits(llm, CPUDecodeStep(llm.model, native=True), ids, 4), torch_ops) < 2e-2
+            torch_ops = decode_logits(llm, CPUDecodeStep(llm.model, native=False), ids, 4, torch.float32)
+            assert rel_err(decode_logits(llm, CPUDecodeStep(llm.model, native=True), ids, 4, torch.float32), torch_ops) < 2e-2
     finally:
         llm.close()
 

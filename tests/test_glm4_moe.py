@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from moe_fixtures import VOCAB  # noqa: E402
-from runtime_fixtures import GREEDY, REL_TOL, engine_config, prompt, rel_err, rt  # noqa: E402,F401
+from runtime_fixtures import GREEDY, REL_TOL, decode_logits, engine_config, prompt, rel_err, rt  # noqa: E402,F401
 
 from tiered import LLM, EngineConfig, SamplingParams, kernels  # noqa: E402
 from tiered.checkpoint import open_checkpoint  # noqa: E402
@@ -77,21 +77,6 @@ def local_model(rt, kind: str, max_positions: int = 64):  # noqa: F811
     model.rotary = Rotary(ckpt.config, max_positions)
     materialize(model, ckpt, torch.float32)
     return model.eval()
-
-
-def decode_logits(llm: LLM, step, ids: list[int], n_prompt: int) -> torch.Tensor:
-    """Prefill ids[:n_prompt] through the model's modules, then feed ids[n_prompt:] one token a step
-    through `step` (a CPUDecodeStep); returns each decode step's logits fp32 [len(ids) - n_prompt, V]:
-    those of positions n_prompt .. len(ids) - 1."""
-    from tiered.memory import sizes
-
-    cache = KVCache(llm.config, 1, len(ids), sizes.torch_dtype(llm.plan.dtypes["kv_cache"]))
-    out = []
-    with torch.inference_mode():
-        llm.model(torch.tensor([ids[:n_prompt]]), torch.arange(n_prompt)[None], torch.tensor([0]), cache)
-        for p in range(n_prompt, len(ids)):
-            out.append(step(torch.tensor([[ids[p]]]), torch.tensor([[p]]), torch.tensor([0]), cache)[0].float())
-    return torch.stack(out)
 
 
 # ---------------------------------------------------------------------------------------- config

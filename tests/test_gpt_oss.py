@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from runtime_fixtures import GREEDY, REL_TOL, engine_config, prompt, rel_err, stored_elements  # noqa: E402
+from runtime_fixtures import GREEDY, REL_TOL, decode_logits, engine_config, prompt, rel_err, stored_elements  # noqa: E402
 
 from tiered import LLM, EngineConfig, kernels  # noqa: E402
 from tiered.checkpoint import open_checkpoint  # noqa: E402
@@ -206,18 +206,6 @@ def fast_bytes(path: Path, cache_slots: int, accelerator: bool) -> int:
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 32 * cfg.head_dim * 4
     extra = sizes.workspace_bytes(cfg, "fp32") if accelerator else 0
     return nonexpert + kv + 2 * 32 * cfg.head_dim * 4 + extra + (2 + cache_slots) * sizes.expert_bytes(cfg, "fp32")
-
-
-def decode_logits(llm: LLM, step, ids: list[int], n_prompt: int) -> torch.Tensor:
-    """Prefill ids[:n_prompt] through the modules, then one token a step through `step`: logits fp32
-    [len(ids) - n_prompt, V] of positions n_prompt.."""
-    cache = KVCache(llm.config, 1, len(ids), sizes.torch_dtype(llm.plan.dtypes["kv_cache"]))
-    out = []
-    with torch.inference_mode():
-        llm.model(torch.tensor([ids[:n_prompt]]), torch.arange(n_prompt)[None], torch.tensor([0]), cache)
-        for p in range(n_prompt, len(ids)):
-            out.append(step(torch.tensor([[ids[p]]]), torch.tensor([[p]]), torch.tensor([0]), cache)[0].float())
-    return torch.stack(out)
 
 
 # ---------------------------------------------------------------------------------------- config
