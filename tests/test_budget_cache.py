@@ -392,9 +392,10 @@ def test_large_host_tensors_sit_on_huge_pages(monkeypatch):
     if "[madvise]" in mode:  # only what asked for them: at most the full runs, never the tail
         assert grown in (0, HUGE_PAGE // 1024, 2 * HUGE_PAGE // 1024)
     small = b.empty((HUGE_PAGES_FROM // 4 - 1,), torch.float32)
-    before = _anon_huge_kib()
     small.fill_(1.0)
-    assert _anon_huge_kib() == before or "[always]" in mode
+    # not advised (this process's AnonHugePages is no witness: khugepaged may collapse t's advised runs
+    # at any moment, and did once during CI, 2 MiB between two reads around this fill)
+    assert "hg" not in _vm_flags(small.data_ptr()) and "hg" not in _vm_flags(small.data_ptr() + small.numel() * 4 - 1)
     monkeypatch.setenv("TIERED_HUGEPAGES", "0")
     plain = b.empty((HUGE_PAGES_FROM,), torch.uint8)
     assert plain.numel() == HUGE_PAGES_FROM and b.used == t.numel() * 4 + small.numel() * 4 + plain.numel()
