@@ -54,6 +54,7 @@ import re
 import torch
 
 from tiered.checkpoint.handle import TensorHandle
+from tiered.checkpoint.int4_packed import take
 from tiered.checkpoint.int8_packed import INT8_FORMAT
 from tiered.errors import CheckpointError, UnsupportedModelError
 
@@ -162,12 +163,6 @@ def fold(handles: dict[str, TensorHandle], qc: dict, where) -> None:
                                   f"{key + '.quant_state.bitsandbytes__nf4'!r} or __fp4)", _FIX)
 
 
-def _take(handles, name, where) -> TensorHandle:
-    if name not in handles:
-        raise CheckpointError(f"{where} lacks tensor {name!r}", _FIX)
-    return handles.pop(name)
-
-
 def _quant_state(handles, base, where) -> tuple[dict, TensorHandle]:
     """The JSON of `base`'s 4-bit quant_state and its handle (taken out of `handles`), checked against
     the quant_type its tensor name gives."""
@@ -201,9 +196,9 @@ def _positive(state, key, base, where, default=None) -> int:
 def _fold_4bit(handles, base, where) -> None:
     state, qs = _quant_state(handles, base, where)
     quant_type = state.get("quant_type", qs.name.rsplit("__", 1)[-1])
-    w = _take(handles, base + ".weight", where)
-    absmax = _take(handles, base + ".weight.absmax", where)
-    qmap = _take(handles, base + ".weight.quant_map", where)
+    w = take(handles, base + ".weight", where)
+    absmax = take(handles, base + ".weight.absmax", where)
+    qmap = take(handles, base + ".weight.quant_map", where)
     shape = state.get("shape")
     if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(d, int) and d > 0 for d in shape)):
         raise CheckpointError(f"{where}: {base}.weight's quant_state gives shape {shape!r}; a Linear weight "
@@ -221,8 +216,8 @@ def _fold_4bit(handles, base, where) -> None:
     nested = base + ".weight.nested_absmax" in handles or base + ".weight.nested_quant_map" in handles
     pieces = [w, absmax, qmap, qs]
     if nested:
-        nabs = _take(handles, base + ".weight.nested_absmax", where)
-        nmap = _take(handles, base + ".weight.nested_quant_map", where)
+        nabs = take(handles, base + ".weight.nested_absmax", where)
+        nmap = take(handles, base + ".weight.nested_quant_map", where)
         nb = _positive(state, "nested_blocksize", base, where, 256)
         offset = state.get("nested_offset")
         if not isinstance(offset, (int, float)) or isinstance(offset, bool):
@@ -253,7 +248,7 @@ def _fold_4bit(handles, base, where) -> None:
 
 
 def _fold_int8(handles, base, where) -> None:
-    w = _take(handles, base + ".weight", where)
+    w = take(handles, base + ".weight", where)
     scb = handles.pop(base + ".SCB")
     layout = handles.pop(base + ".weight_format", None)
     pieces = [w, scb] + ([layout] if layout is not None else [])

@@ -55,10 +55,16 @@ from tiered.errors import CheckpointError
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_GROUP = 32  # inputs per scale
 # 2 * FP4_E2M1 by code: the int8-g32 codes of an MXFP4 group whose scale is halved
-FP4_E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+FP4_E2M1_X2 = tuple(int(2 * v) for v in FP4_E2M1)
 # E8M0 bytes e whose halved scale 2^(e - 128) is an fp16 number (subnormals down to 2^-24)
 INT8_G32_EXPONENTS = (128 - 24, 128 + 15)
 FUSED = ("gate_up_proj", "down_proj")
+
+
+def _codes(blocks: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks uint8 [R, G, 16] -> their e2m1 codes int64 [R, G, 32] (input 2j in byte j's low nibble)."""
+    R, G, _ = blocks.shape
+    return torch.stack((blocks & 0x0F, blocks >> 4), -1).reshape(R, G, MXFP4_GROUP).long()
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -72,8 +78,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
         fp32 [R, G * 32], each value FP4_E2M1[code] * scale (exact).
     """
     R, G, _ = blocks.shape
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), -1).reshape(R, G, MXFP4_GROUP)  # (R, G, 32)
-    values = torch.tensor(FP4_E2M1, dtype=torch.float32)[codes.long()]
+    values = torch.tensor(FP4_E2M1, dtype=torch.float32)[_codes(blocks)]  # (R, G, 32)
     scale = torch.exp2(scales.float() - 127.0)  # (R, G)
     return (values * scale[..., None]).reshape(R, G * MXFP4_GROUP)
 
@@ -96,7 +101,7 @@ def mxfp4_int8_g32(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tenso
             bias of magnitude above 65504 (the caller names the expert).
     """
     R, G, _ = blocks.shape
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), -1).reshape(R, G, MXFP4_GROUP).long()  # (R, G, 32)
+    codes = _codes(blocks)  # (R, G, 32)
     q = torch.zeros(R, width, dtype=torch.int8)
     q[:, :G * MXFP4_GROUP] = torch.tensor(FP4_E2M1_X2, dtype=torch.int8)[codes].reshape(R, G * MXFP4_GROUP)
     q[:, G * MXFP4_GROUP] = 1

@@ -132,16 +132,30 @@ def fold(handles: dict[str, TensorHandle], qc: dict, where) -> None:
             _fold_compressed(handles, base, where)
 
 
-def _take(handles, name, where):
+def take(handles: dict[str, TensorHandle], name: str, where) -> TensorHandle:
+    """handles.pop(name) (a quantized weight's piece, folded into its weight's handle). Raises
+    CheckpointError naming `where` when the checkpoint lacks it."""
     if name not in handles:
         raise CheckpointError(f"{where} lacks tensor {name!r}", "re-download the checkpoint's shards")
     return handles.pop(name)
 
 
+def input_groups(gi: TensorHandle, K: int, G: int, where, unset_ok: bool = False) -> torch.Tensor:
+    """The group of each of K inputs, int64 [K] in 0..G-1, from a GPTQ `g_idx` / compressed-tensors
+    `weight_g_idx` handle. `unset_ok`: a compressed-tensors index holding -1 (not set) means the groups
+    in column order. Raises CheckpointError for another shape or a group out of range."""
+    g = gi.load(None).long()
+    if unset_ok and tuple(g.shape) == (K,) and bool((g == -1).any()):
+        return torch.arange(K) // (K // G)
+    if tuple(g.shape) != (K,) or int(g.min()) < 0 or int(g.max()) >= G:
+        raise CheckpointError(f"{where}: {gi.name} is not a group per input", "re-download the checkpoint")
+    return g
+
+
 def _fold_gptq_awq(handles, base, method, qc, where) -> None:
-    qw = _take(handles, base + ".qweight", where)
-    qz = _take(handles, base + ".qzeros", where)
-    sc = _take(handles, base + ".scales", where)
+    qw = take(handles, base + ".qweight", where)
+    qz = take(handles, base + ".qzeros", where)
+    sc = take(handles, base + ".scales", where)
     gi = handles.pop(base + ".g_idx", None)
     if method == "gptq":
         K, N = qw.shape[0] * 8, qw.shape[1]
@@ -164,10 +178,7 @@ def _fold_gptq_awq(handles, base, method, qc, where) -> None:
         s = scale.T.contiguous()  # [N, G]
         z = (8 - zero.T.float()) * s
         if act_order:
-            g = gi.load(None).long()
-            if tuple(g.shape) != (K,) or int(g.min()) < 0 or int(g.max()) >= G:
-                raise CheckpointError(f"{where}: {base}.g_idx is not a group per input", "re-download the checkpoint")
-            return codes, s, z, g
+            return codes, s, z, input_groups(gi, K, G, where)
         if gi is not None and not torch.equal(gi.load(None).long(), torch.arange(K) // group):
             raise CheckpointError(f"{where}: {base}.g_idx permutes the groups but the config has no desc_act",
                                   "restore the checkpoint's config.json (desc_act: true)")
@@ -178,8 +189,8 @@ def _fold_gptq_awq(handles, base, method, qc, where) -> None:
 
 
 def _fold_compressed(handles, base, where) -> None:
-    wp = _take(handles, base + ".weight_packed", where)
-    sc = _take(handles, base + ".weight_scale", where)
+    wp = take(handles, base + ".weight_packed", where)
+    sc = take(handles, base + ".weight_scale", where)
     shape = handles.pop(base + ".weight_shape", None)
     zp = handles.pop(base + ".weight_zero_point", None)
     gi = handles.pop(base + ".weight_g_idx", None)
@@ -209,13 +220,7 @@ def _fold_compressed(handles, base, where) -> None:
         return codes, s, -zq * s  # (c - 8 - zp) s = (c - 8) s + z
 
     def act_parts(parts=parts, gi=gi):
-        g = gi.load(None).long()
-        if tuple(g.shape) == (K,) and bool((g == -1).any()):  # not set: the groups in column order
-            g = torch.arange(K) // (K // G)
-        if tuple(g.shape) != (K,) or int(g.min()) < 0 or int(g.max()) >= G:
-            raise CheckpointError(f"{where}: {base}.weight_g_idx is not a group per input",
-                                  "re-download the checkpoint")
-        return (*parts(), g)
+        return (*parts(), input_groups(gi, K, G, where, unset_ok=True))
     nbytes = sum(h.nbytes for h in (wp, sc, shape, zp, gi) if h is not None)  # every tensor of the weight
     handles[base + ".weight"] = (_act_order_handle(wp, (N, K), nbytes, act_parts) if act_order
                                  else _handle(wp, (N, K), nbytes, parts, K // G))

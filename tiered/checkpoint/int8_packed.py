@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from tiered.checkpoint.handle import TensorHandle
-from tiered.checkpoint.int4_packed import fields
+from tiered.checkpoint.int4_packed import fields, input_groups, take
 from tiered.errors import CheckpointError, UnsupportedModelError
 
 INT8_FORMAT = "INT8"  # TensorHandle.format of a weight folded here
@@ -136,12 +136,6 @@ def _check_ct(qc: dict, where) -> bool:
     return all(w.get("symmetric", True) is not False for w in weights)
 
 
-def _take(handles, name, where) -> TensorHandle:
-    if name not in handles:
-        raise CheckpointError(f"{where} lacks tensor {name!r}", "re-download the checkpoint's shards")
-    return handles.pop(name)
-
-
 def _scale_dtype(sc: TensorHandle, where) -> None:
     """Raises CheckpointError when scales `sc` are not stored as a float dtype."""
     if sc.format not in SCALE_FORMATS:
@@ -189,9 +183,9 @@ def _handle(w: TensorHandle, shape, nbytes: int, parts, group: int, g_idx, row: 
 
 
 def _fold_gptq(handles, base, qc, where) -> None:
-    qw = _take(handles, base + ".qweight", where)
-    qz = _take(handles, base + ".qzeros", where)
-    sc = _take(handles, base + ".scales", where)
+    qw = take(handles, base + ".qweight", where)
+    qz = take(handles, base + ".qzeros", where)
+    sc = take(handles, base + ".scales", where)
     gi = handles.pop(base + ".g_idx", None)
     K, N = qw.shape[0] * 4, (qw.shape[1] if len(qw.shape) == 2 else 0)
     G = sc.shape[0] if len(sc.shape) == 2 else 0
@@ -206,10 +200,7 @@ def _fold_gptq(handles, base, qc, where) -> None:
     act_order = bool(qc.get("desc_act")) and gi is not None and G > 1
 
     def g_idx(gi=gi):
-        g = gi.load(None).long()
-        if tuple(g.shape) != (K,) or int(g.min()) < 0 or int(g.max()) >= G:
-            raise CheckpointError(f"{where}: {base}.g_idx is not a group per input", "re-download the checkpoint")
-        return g
+        return input_groups(gi, K, G, where)
 
     def parts(qw=qw, qz=qz, sc=sc):
         if gi is not None and not act_order and G > 1 and not torch.equal(g_idx(), torch.arange(K) // group):
@@ -239,8 +230,8 @@ def _zero_points(zp: TensorHandle, N: int, G: int, where):
 
 
 def _fold_ct(handles, base, symmetric: bool, where, packed: bool) -> None:
-    w = _take(handles, base + (".weight_packed" if packed else ".weight"), where)
-    sc = _take(handles, base + ".weight_scale", where)
+    w = take(handles, base + (".weight_packed" if packed else ".weight"), where)
+    sc = take(handles, base + ".weight_scale", where)
     shape = handles.pop(base + ".weight_shape", None)
     zp = handles.pop(base + ".weight_zero_point", None)
     gi = handles.pop(base + ".weight_g_idx", None)
@@ -266,13 +257,7 @@ def _fold_ct(handles, base, symmetric: bool, where, packed: bool) -> None:
         return q, scale, zero
 
     def g_idx(gi=gi):
-        g = gi.load(None).long()
-        if tuple(g.shape) == (K,) and bool((g == -1).any()):  # not set: the groups in column order
-            return torch.arange(K) // (K // G)
-        if tuple(g.shape) != (K,) or int(g.min()) < 0 or int(g.max()) >= G:
-            raise CheckpointError(f"{where}: {base}.weight_g_idx is not a group per input",
-                                  "re-download the checkpoint")
-        return g
+        return input_groups(gi, K, G, where, unset_ok=True)
 
     row = G == 1 and symmetric
     nbytes = sum(h.nbytes for h in (w, sc, shape, zp, gi) if h is not None)  # every tensor of the weight
