@@ -339,16 +339,18 @@ def write_moe_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantiza
     return path
 
 
-def dequantized_moe_model(model, qtype: GGMLQuantizationType):
+def dequantized_moe_model(model, qtype: GGMLQuantizationType, kept=None):
     """A deep copy of the transformers MoE `model` whose weights are what `write_moe_gguf` stores
-    for them, read back (the lossless reference of a quantized MoE GGUF)."""
+    for them, read back (the lossless reference of a quantized MoE GGUF). `kept(name, array)`: the
+    tensors the writer keeps in F32 (default: write_moe_gguf's)."""
     import copy
 
+    kept = kept or _kept_f32
     m = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in m.named_parameters():
             a = p.detach().numpy()
-            if _kept_f32(name, a):
+            if kept(name, a):
                 continue
             if name.endswith("experts.gate_up_proj"):  # gate and up are written as separate tensors
                 f = a.shape[1] // 2
@@ -611,18 +613,4 @@ def write_glm4_moe_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQua
 def dequantized_glm4_moe_model(model, qtype: GGMLQuantizationType):
     """A deep copy of the transformers glm4_moe `model` whose weights are what
     `write_glm4_moe_gguf` stores for them (qtype), read back: its lossless reference."""
-    import copy
-
-    m = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            a = p.detach().numpy()
-            if a.ndim == 1 or name.endswith("mlp.gate.weight"):
-                continue
-            if name.endswith("experts.gate_up_proj"):  # written as two tensors, gate then up
-                f = a.shape[1] // 2
-                a = np.concatenate([roundtrip_any(a[:, :f], qtype), roundtrip_any(a[:, f:], qtype)], axis=1)
-            else:
-                a = roundtrip_any(a, qtype)
-            p.copy_(torch.from_numpy(a))
-    return m
+    return dequantized_moe_model(model, qtype, kept=lambda name, a: a.ndim == 1 or name.endswith("mlp.gate.weight"))

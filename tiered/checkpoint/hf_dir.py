@@ -271,29 +271,21 @@ class HFDirCheckpoint(HandleTable):
                                       "quantization_config", "restore the checkpoint's config.json")
             return
         method = qc.get("quant_method") if isinstance(qc, dict) else None
-        from tiered.checkpoint import int8_packed
+        from tiered.checkpoint import bnb, int4_packed, int8_packed
 
         if int8_packed.reads(qc):  # 8-bit integer weights: GPTQ Int8, compressed-tensors W8A8 / W8A16 int8
+            fold = int8_packed.fold
+        elif method in ("gptq", "awq") or (method == "compressed-tensors" and qc.get("format") == "pack-quantized"):
+            fold = int4_packed.fold
+        elif method == "bitsandbytes":  # 4-bit NF4 / FP4 and 8-bit LLM.int8 (checkpoint/bnb.py)
+            fold = bnb.fold
+        else:
+            fold = None
+        if fold is not None:  # integer weights: no fp8 tensor belongs beside them
             if fp8:
                 raise UnsupportedModelError(f"{self.path} mixes fp8 tensors into a {method} checkpoint",
                                             "use the model's bf16 release")
-            int8_packed.fold(self._handles, qc, self.path)
-            return
-        if method in ("gptq", "awq") or (method == "compressed-tensors" and qc.get("format") == "pack-quantized"):
-            from tiered.checkpoint import int4_packed
-
-            if fp8:
-                raise UnsupportedModelError(f"{self.path} mixes fp8 tensors into a {method} checkpoint",
-                                            "use the model's bf16 release")
-            int4_packed.fold(self._handles, qc, self.path)
-            return
-        if method == "bitsandbytes":  # 4-bit NF4 / FP4 and 8-bit LLM.int8 (checkpoint/bnb.py)
-            from tiered.checkpoint import bnb
-
-            if fp8:
-                raise UnsupportedModelError(f"{self.path} mixes fp8 tensors into a bitsandbytes checkpoint",
-                                            "use the model's bf16 release")
-            bnb.fold(self._handles, qc, self.path)
+            fold(self._handles, qc, self.path)
             return
         if method not in FP8_METHODS:
             raise UnsupportedModelError(

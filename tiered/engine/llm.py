@@ -186,11 +186,11 @@ class LLM:
             return ec.expert_weights
         handles = [self.checkpoint.handle(n) for n in expert_tensor_names(cfg.model_type, moe_layers(self.checkpoint, cfg)[0], 0)]
         stored = stored_format(handles)
-        lossless = weights == "fp32" and not compact_cpu_decode(ec, self.accelerator, decode)
+        compact = weights == "fp32" and compact_cpu_decode(ec, self.accelerator, decode)
+        lossless = weights == "fp32" and not compact
         if stored is not None and not (lossless and all(h.format == "MXFP4" for h in handles)):
             return stored  # gpt-oss's MXFP4 as int8-g32 (exact weights) but in the lossless fp32 mode
-        if (weights == "fp32" and compact_cpu_decode(ec, self.accelerator, decode)
-                and all(h.format in ("BF16", "F16", "MXFP4") for h in handles)):
+        if compact and all(h.format in ("BF16", "F16", "MXFP4") for h in handles):
             return "bf16"  # an F16 GGUF's too, as its dense tensors' decode copies (the plan notes it); gpt-oss's
             # MXFP4 experts with fp32 biases (no exact int8-g32 form) are exact in bf16 but for those biases
         return weights
