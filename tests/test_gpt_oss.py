@@ -19,8 +19,9 @@ F 32 top-4, YaRN (factor 4 over 64 positions, truncate false), random biases and
            quantizer meant, which transformers' own MXFP4 loader reproduces (checked).
 Checked: the config and parameter count, prefill logits (model code alone; the engine with experts
 in RAM, on disk behind a 3-slot cache, in CPU RAM behind the host stand-in accelerator), step-by-step
-decode past the window through the CPU decode step's torch-op and native forms (which run gpt-oss's
-layers as modules), greedy tokens, that each feature changes the logits, and damaged MXFP4 files; the
+decode past the window through the CPU decode step's torch-op and native forms (the native step runs
+gpt-oss's attention, router and experts itself: sinks merged across split keys, windows per layer,
+biased clamped-GLU experts), greedy tokens, that each feature changes the logits, and damaged MXFP4 files; the
 default CPU engine's int8-g32 experts (bit for bit the MXFP4 weights), --weights int4.
 """
 
@@ -363,15 +364,58 @@ def test_experts_in_cpu_ram_behind_host_accelerator(zoo):
 @pytest.mark.parametrize("layout", ["fp32", "mxfp4"])
 def test_decode_steps_equal_transformers(zoo, layout, native):
     """Lossless fp32: a 3-token prompt, then 17 tokens fed one a step (past the window) through the CPU
-    decode step: each step's logits equal transformers' at that position. The native step runs gpt-oss's
-    layers as their modules (sinks, per-layer windows and biased experts have no native kernels)."""
+    decode step: each step's logits equal transformers' at that position. The torch-op step runs gpt-oss's
+    layers as their modules; the native one runs their attention (sinks, the sliding layers' windows:
+    DecodeStep.set_attention) and the MoE block as its module (the lossless mode's fp32 experts)."""
     llm = zoo.engine(layout)
     step = CPUDecodeStep(llm.model, native=native)
     if native:
-        assert step.schedule == step.fallback == [("whole", i) for i in range(4)]
+        assert step.schedule == step.fallback == [("attn", i) for i in range(4)]
         assert llm.plan.native_decode and llm.runtime.cpu_decode.native is not None
     ids = prompt(20, seed=4)
     assert rel_err(decode_logits(llm, step, ids, 3), zoo.logits(layout, ids)[3:]) <= REL_TOL
+
+
+@native_only
+def test_native_sink_attention_split_over_threads(zoo):
+    """Past 256 cached (key, KV head) pairs the native step splits each sequence's keys over the threads
+    and merges the parts (split-K); the sinks join the merged denominator: a 140-token prompt, then 10
+    decode steps, each within REL_TOL of transformers (full layers read 140+ keys, sliding ones 4)."""
+    llm = zoo.engine("fp32", max_context=160)
+    step = CPUDecodeStep(llm.model, native=True)
+    ids = prompt(150, seed=5)
+    assert rel_err(decode_logits(llm, step, ids, 140), zoo.logits("fp32", ids)[140:]) <= REL_TOL
+
+
+@native_only
+@pytest.mark.parametrize("dtype", [None, "bfloat16"], ids=["default", "bfloat16"])
+def test_default_engine_runs_the_whole_step_natively(zoo, dtype):
+    """The default CPU engine (int8-g32 experts straight from MXFP4, all resident) runs every layer whole
+    in the native step: its attention with sinks and windows, the biased router, and the experts' biases
+    and clamped GLU (DecodeStep.set_moe's router_bias, swiglu_limit). Its decode logits equal the same
+    engine's step with the MoE blocks run as modules (the fallback schedule) within 1e-3 (fp32
+    activations, the default; bf16: 1e-2), and transformers' within the int8-g32 tolerance of 2e-2
+    (fp32); the step counts its resident expert uses."""
+    llm = LLM(zoo.dir("mxfp4"), EngineConfig(max_context=32, accelerator="none", **({"dtype": dtype} if dtype else {})))
+    try:
+        step = llm.runtime.cpu_decode
+        assert step.schedule == [("native", 0, 4)] and step.fallback == [("attn", i) for i in range(4)]
+        ids = prompt(20, seed=4)
+        assert router_gap(zoo.dir("mxfp4"), ids) > 1e-3
+        runner = step.moe_blocks[0].runner
+        hits = runner.resident_hits
+        native = decode_logits(llm, step, ids, 3)
+        assert runner.resident_hits - hits >= 17 * 4 * 4  # 17 steps, 4 layers, top-4 distinct experts each
+        step.schedule = step.fallback
+        try:
+            modules = decode_logits(llm, step, ids, 3)
+        finally:
+            step.schedule = [("native", 0, 4)]
+        assert rel_err(native, modules) <= (1e-3 if dtype is None else 1e-2)
+        if dtype is None:
+            assert rel_err(native, zoo.logits("mxfp4", ids)[3:]) <= 2e-2
+    finally:
+        llm.close()
 
 
 def test_batched_generation_equals_transformers(zoo):

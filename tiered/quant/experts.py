@@ -371,11 +371,12 @@ class ExpertFormat:
                         self.swiglu_alpha, self.swiglu_limit)
         return project(with_one(h, self.shapes[2][1]), vd, kd, lay, self.act)
 
-    def _native_ext(self, slots: list[tuple[torch.Tensor, ...]]):
+    def _native_ext(self, slots: list[tuple[torch.Tensor, ...]], glu: bool = False):
         """The native extension when its expert kernels can compute from these slots (a dense format:
-        bf16 and contiguous; a quantized one: a kernel for its kinds and layout; never gpt-oss's
-        biased clamped-GLU experts, which they do not compute), else None."""
-        if self.swiglu_limit is not None:
+        bf16 and contiguous; a quantized one: a kernel for its kinds and layout; gpt-oss's biased
+        clamped-GLU experts only where the caller computes their GLU, `glu`: a native decode step's
+        layer, DecodeStep.set_moe's swiglu_limit), else None."""
+        if self.swiglu_limit is not None and not glu:
             return None
         if self.is_dense:
             ok = self.dense_dtype == torch.bfloat16 and all(w.is_contiguous() for s in slots for w in s)
@@ -420,8 +421,9 @@ class ExpertFormat:
         """Every expert of one MoE layer bound once as native kernels over its slot (slots[e]: expert
         e's, resident for as long as the result is used), for a native decode step's MoE layer
         (DecodeStep.set_moe: runtime/cpu_decode._native_moe); None when the native kernels cannot
-        compute this format (see layer_call)."""
-        ext = self._native_ext(slots)
+        compute this format (see layer_call). gpt-oss's experts (swiglu_limit) are bound too: the
+        kernels are their projections, the step computes their biases and clamped GLU."""
+        ext = self._native_ext(slots, glu=True)
         if ext is None:
             return None
         if self.is_dense:

@@ -142,14 +142,21 @@ def _rotate_half_matrix(hd: int, dtype: torch.dtype, rd: int | None = None) -> t
 class _Layer:
     """One layer's weights as the lean step uses them (plain attributes: no module machinery)."""
 
-    __slots__ = ("idx", "in_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "ffn", "F", "whole", "attn")
+    __slots__ = ("idx", "in_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "ffn", "F", "whole", "attn",
+                 "module_attn")
 
 
-def supported_attention(attn) -> bool:
+def supported_attention(attn, native: bool = False) -> bool:
     """Whether the lean step can run this attention module: models/layers.Attention with any of its
-    options (q/k/v bias, sliding window, q/k norms per head or over the projection, q/k/v clip), but
-    no window of its own (a layer of gpt-oss's, whose window others lack: it runs as its module)."""
-    return type(attn) is Attention and attn.local_window is None
+    options (q/k/v bias, sliding window, q/k norms per head or over the projection, q/k/v clip). A
+    window of the layer's own (gpt-oss's sliding layers, ModelConfig.local_window) and gpt-oss's
+    attention sinks (models/gpt_oss.SinkAttention) only in the native step (`native`:
+    DecodeStep.set_attention); the torch-op step runs such layers as their modules."""
+    from tiered.models.gpt_oss import SinkAttention
+
+    if type(attn) is Attention and attn.local_window is None:
+        return True
+    return native and type(attn) in (Attention, SinkAttention)
 
 
 def _qk_extras(attn, qkv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -192,14 +199,17 @@ def _native_moe(block, dtype: torch.dtype) -> dict | None:
     prefetcher or mixed-precision copies: nothing it would decide per step. TIERED_NATIVE_MOE=0: None
     (every MoE block its module, to compare the two)."""
     from tiered.models.deepseek import DeepSeekRouter
+    from tiered.models.gpt_oss import GptOssRouter
     from tiered.models.moe import MoEBlock, Router
     from tiered.runtime.moe_runner import TieredExperts
 
-    if (not isinstance(block, MoEBlock) or type(block.gate) not in (Router, DeepSeekRouter)
+    if (not isinstance(block, MoEBlock) or type(block.gate) not in (Router, DeepSeekRouter, GptOssRouter)
             or os.environ.get("TIERED_NATIVE_MOE", "1") in ("0", "false", "no", "off")):
         return None
     gate = block.gate
     args = dict(router=gate.weight, top_k=gate.top_k, norm_topk_prob=gate.norm_topk_prob)
+    if type(gate) is GptOssRouter:  # its bias; its top-k softmax is the full softmax's top k renormalized
+        args.update(router_bias=gate.bias.detach())
     if type(gate) is DeepSeekRouter:
         grouped = gate.method != "greedy" and gate.n_group > 1
         if grouped and gate.top_k > gate.topk_group * (gate.out_features // gate.n_group):
@@ -223,6 +233,8 @@ def _native_moe(block, dtype: torch.dtype) -> dict | None:
     bound = r.fmt.bind_layer([r.store.resident[(block.layer_idx, e)] for e in range(r.num_experts)])
     if bound is None:
         return None
+    if r.fmt.swiglu_limit is not None:  # gpt-oss's biased clamped-GLU experts
+        args.update(swiglu_limit=r.fmt.swiglu_limit, swiglu_alpha=r.fmt.swiglu_alpha)
     return dict(args, experts=bound)
 
 
@@ -319,6 +331,9 @@ def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list, 
                            [kernel_for(_decode_module(attn.o_proj))],
                            _native_group(layer.mlp, ("gate_proj", "up_proj")) if plain else [],
                            [kernel_for(_decode_module(layer.mlp.down_proj))] if plain else [])
+        if i not in latent and (attn.local_window is not None or getattr(attn, "sinks", None) is not None):
+            step.set_attention(i, -1 if attn.local_window is None else attn.local_window,
+                               getattr(attn, "sinks", torch.empty(0)).detach())
         if i not in latent and (attn.q_norm is not None or attn.clip_qkv is not None):
             qn, kn = ((attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None
                       else (torch.empty(0), torch.empty(0)))
@@ -367,7 +382,8 @@ class CPUDecodeStep:
         self.layers = []
         for i, layer in enumerate(model.model.layers):
             L = _Layer()
-            L.idx, L.whole = i, not supported_attention(layer.self_attn)
+            L.idx, L.whole = i, not supported_attention(layer.self_attn, native)
+            L.module_attn = not supported_attention(layer.self_attn)  # the torch-op step runs the layer whole
             L.in_norm, L.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
             L.eps = layer.input_layernorm.eps
             L.qkv = L.o = L.gate_up = L.down = L.ffn = L.attn = None
@@ -429,7 +445,7 @@ class CPUDecodeStep:
         if self.rd != self.hd:  # partial RoPE: cos 1 and sin 0 past rd (self.rot is 0 there) pass those through
             cos, sin = F.pad(cos, (0, self.hd - self.rd), value=1.0), F.pad(sin, (0, self.hd - self.rd))
         for L, layer in self.layers:
-            if L.whole:
+            if L.whole or L.module_attn:
                 x = layer(x.view(B, 1, -1), meta, cache).view(B, -1)
                 continue
             x.add_(self._attention(L, x, meta, cache, cos, sin))  # in place: the residual keeps its dtype

@@ -82,6 +82,8 @@ struct Moe {
   int64_t n_group = 1, topk_group = 1;  // group-limited methods: E / n_group experts a group, topk_group kept
   float scaling = 1.f;  // DeepSeek's routed_scaling_factor (every weight times it)
   std::vector<float> bias;  // [E] noaux_tc's e_score_correction_bias (the choice only), else empty
+  std::vector<float> router_bias;  // [E] added to the logits (gpt-oss's biased router), else empty
+  std::unique_ptr<gemv::Glu> glu;  // gpt-oss's biased clamped-GLU experts (gemv.h), else null: SwiGLU
   std::shared_ptr<gemv::BoundExperts> experts;
   // the shared expert (Qwen-MoE's, DeepSeek's shared experts as one MLP) and its gate [D -> 1] (Qwen-MoE;
   // empty: added ungated, DeepSeek), all empty for none
@@ -111,6 +113,10 @@ struct Layer {
   std::vector<float> q_norm, k_norm;
   float qk_eps = 1e-6f, clip = 0.f;
   bool qk_per_head = true;
+  // (set_attention) the layer's own sliding window (0: none; -1: the step's) and each query head's
+  // sink logit [H] (gpt-oss; empty: none)
+  int64_t window = -1;
+  std::vector<float> sinks;
   bool extras() const { return !q_norm.empty() || clip > 0.f; }
   Group qkv, o, gate_up, down;  // gate_up/down empty: attention only (the layer's FFN runs elsewhere)
   std::shared_ptr<Moe> moe;  // or its FFN is these routed experts (when forward's `moe`)
@@ -188,6 +194,14 @@ TIERED_CLONES void dot_rows(const float* W, const float* x, int64_t n, int64_t D
 TIERED_CLONES void silu_mul(const float* g, const float* u, float* a, int64_t n) {  // kernel.h
 #pragma omp simd  // scalar without it (~5% of a 32-row SmolLM2 step)
   for (int64_t i = 0; i < n; ++i) a[i] = g[i] / (1.f + exp_fast(-g[i])) * u[i];
+}
+
+TIERED_CLONES void clamped_glu(const float* g, const float* u, float* a, int64_t n, float alpha, float limit) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {  // kernel.h
+    const float gi = std::min(g[i], limit), ui = std::max(std::min(u[i], limit), -limit);
+    a[i] = (ui + 1.f) * (gi / (1.f + exp_fast(-alpha * gi)));
+  }
 }
 
 namespace {
@@ -665,6 +679,20 @@ class DecodeStep {
     L.clip = clip > 0 ? float(clip) : 0.f;
   }
 
+  // Layer l's attention (a q/k/v layer) attends only to each row's last `window` positions (> 0), to all
+  // of them (0), or as the step's window says (-1); and with `sinks` [H] (gpt-oss's attention sinks,
+  // models/gpt_oss.attend_with_sinks; empty: none) each query head's softmax has one more logit, its
+  // sink, which takes weight and is dropped: o = sum_t e^(s_t) v_t / (sum_t e^(s_t) + e^(sink)).
+  void set_attention(int64_t l, int64_t window, const at::Tensor& sinks) {
+    TIERED_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty(), "decode step: set_attention needs a ",
+                "q/k/v layer, got ", l);
+    TIERED_CHECK(window >= -1, "decode step: window must be > 0, 0 (none) or -1 (the step's), got ", window);
+    TIERED_CHECK(sinks.numel() == 0 || (sinks.dim() == 1 && sinks.numel() == H), "decode step: sinks must be [",
+                H, "] or empty, got ", sinks.sizes());
+    layers_[l].window = window;
+    layers_[l].sinks = sinks.numel() ? to_floats(sinks) : std::vector<float>{};
+  }
+
   // Layer l (added with no q/k/v kernels: add_layer's in_norm, post_norm, eps, o_proj and FFN) runs
   // DeepSeek's multi-head latent attention (models/deepseek.LatentAttention; DeepSeek-V2 §2.1) in its
   // absorbed decode form (Appendix C), with the step's head_dim as the RoPE key width r:
@@ -750,17 +778,26 @@ class DecodeStep {
   //   "greedy", "group_limited_greedy", "noaux_tc": models/deepseek.DeepSeekRouter's topk_method
   //   (fp32 logits), over n_group groups of which topk_group are kept (grouped methods), bias [E] fp32
   //   (noaux_tc's e_score_correction_bias; none otherwise), every weight times `scaling`.
+  // gpt-oss (models/gpt_oss.py): router_bias [E] added to the "softmax" method's logits (its top-k
+  // softmaxed among themselves = the full softmax's top k renormalized, norm_topk_prob), and
+  // swiglu_limit > 0: the experts are its biased clamped-GLU ones (gemv::Glu; their kernels Db / Fb
+  // wide, the bias an input column), with swiglu_alpha; 0: SiLU's SwiGLU.
   // Routing hooks and the trace are the caller's: it runs such steps through the block's module instead.
   void set_moe(int64_t l, const at::Tensor& router, int64_t top_k, bool norm_topk,
                std::shared_ptr<gemv::BoundExperts> experts, std::vector<KernelPtr> shared_gate_up,
                std::vector<KernelPtr> shared_down, std::vector<KernelPtr> shared_gate, const std::string& method,
-               int64_t n_group, int64_t topk_group, double scaling, c10::optional<at::Tensor> bias) {
+               int64_t n_group, int64_t topk_group, double scaling, c10::optional<at::Tensor> bias,
+               c10::optional<at::Tensor> router_bias, double swiglu_limit, double swiglu_alpha) {
     TIERED_CHECK(0 <= l && l < num_layers() && layers_[l].runs() && layers_[l].gate_up.empty(),
                 "decode step: set_moe needs an attention-only layer, got ", l);
     TIERED_CHECK(router.dim() == 2 && router.size(1) == D, "decode step: the router must be [E, ", D, "]");
     const int64_t E = router.size(0);
-    TIERED_CHECK(experts && experts->num_experts() == E && experts->hidden() == D, "decode step: ", E,
-                " experts of width ", D, " expected");
+    const bool glu = swiglu_limit > 0;  // gpt-oss's experts: input width Db, the bias column, then zeros
+    const int64_t width = glu ? (D + 32) / 32 * 32 : D;  // ModelConfig.expert_shapes' biased_width(D)
+    TIERED_CHECK(experts && experts->num_experts() == E && experts->hidden() == width, "decode step: ", E,
+                " experts of input width ", width, " expected");
+    TIERED_CHECK(!glu || (experts->k[2]->out_features == D && experts->k[2]->in_features > experts->k[0]->out_features),
+                "decode step: gpt-oss experts' down projections must be [", D, ", Fb] with Fb > F");
     TIERED_CHECK(1 <= top_k && top_k <= E, "decode step: top_k must be in [1, ", E, "]");
     auto m = std::make_shared<Moe>();
     const std::pair<const char*, Routing> methods[] = {{"softmax", Routing::kSoftmax}, {"greedy", Routing::kGreedy},
@@ -791,6 +828,15 @@ class DecodeStep {
       TIERED_CHECK(bias->dim() == 1 && bias->numel() == E, "decode step: the bias must be [", E, "], got ",
                   bias->sizes());
       m->bias = to_floats(*bias);
+    }
+    if (router_bias && router_bias->numel()) {
+      TIERED_CHECK(router_bias->dim() == 1 && router_bias->numel() == E && m->method == Routing::kSoftmax,
+                  "decode step: router_bias must be [", E, "] (softmax routing only), got ", router_bias->sizes());
+      m->router_bias = to_floats(*router_bias);
+    }
+    if (glu) {
+      TIERED_CHECK(std::isfinite(swiglu_alpha) && std::isfinite(swiglu_limit), "decode step: bad swiglu limit / alpha");
+      m->glu = std::make_unique<gemv::Glu>(gemv::Glu{float(swiglu_limit), float(swiglu_alpha)});
     }
     m->router = to_floats(router);
     m->top_k = top_k, m->norm_topk = norm_topk, m->experts = std::move(experts);
@@ -1197,6 +1243,8 @@ class DecodeStep {
     at::parallel_for(0, E, E * D >= (1 << 16) ? 8 : E, [&](int64_t e0, int64_t e1) {
       for (int64_t b = 0; b < B; ++b) dot_rows(m.router.data() + e0 * D, h + b * D, e1 - e0, D, logits.data() + b * E + e0);
     });
+    if (!m.router_bias.empty())  // gpt-oss's router: W h + b
+      for (int64_t i = 0; i < B * E; ++i) logits[i] += m.router_bias[i % E];
     if (m.method == Routing::kSoftmax)  // models/moe.Router's logits are in the activation dtype
       for (int64_t i = 0; i < B * E; ++i) logits[i] = rnd<T>(logits[i]);
     for (int64_t b = 0; b < B; ++b) {
@@ -1207,7 +1255,7 @@ class DecodeStep {
     std::sort(used.begin(), used.end());
     moe_uses_ += std::unique(used.begin(), used.end()) - used.begin();
     gemv::moe_experts(m.experts->k.data(), h, B, D, idx.data(), wt.data(), k, std::is_same<T, at::BFloat16>::value,
-                      y);
+                      y, m.glu.get());
     if (m.shared_gu.empty()) return;
     // y += sigmoid(W_sg h) * W_down (silu(g) * u), [g | u] = W_gu h, or without a gate y += W_down (..):
     // each term rounded to T as the block's torch ops round it (out + [sigmoid(gate(h)) *] shared(h))
@@ -1248,8 +1296,11 @@ class DecodeStep {
                  const int64_t* pos, int64_t n_slots, int64_t max_len, float* att) const {
     using E = typename Elem<C>::type;
     const int64_t QKV = (H + 2 * Hkv) * hd, group = H / Hkv;
-    // the cached rows row b attends to: the last `window_` of its pos[b] + 1 (all without a window)
-    auto keys_of = [&](int64_t b) { return window_ > 0 ? std::min(pos[b] + 1, window_) : pos[b] + 1; };
+    const Layer& L = layers_[l];
+    const int64_t window = L.window < 0 ? window_ : L.window;
+    const float* sinks = L.sinks.empty() ? nullptr : L.sinks.data();  // [H]: KV head g's at g * group
+    // the cached rows row b attends to: the last `window` of its pos[b] + 1 (all without a window)
+    auto keys_of = [&](int64_t b) { return window > 0 ? std::min(pos[b] + 1, window) : pos[b] + 1; };
     int64_t keys = 0;  // key rows read per KV head, over the batch
     for (int64_t b = 0; b < B; ++b) keys += keys_of(b);
     // keys [t0, t1) of item bg's (row b, KV head g); `ml` null: the whole item, normalized into att
@@ -1288,11 +1339,15 @@ class DecodeStep {
     }
     const int64_t stride = group * hd + 2 * group;  // a part's o [group, hd], then (max, sum) [group, 2]
     std::vector<float> partial(nparts * stride);
+    auto sink_of = [&](int64_t bg) { return sinks ? sinks + (bg % Hkv) * group : nullptr; };
     auto run_threads = [&](int64_t k0, int64_t k1) {
-      std::vector<float> p;
+      std::vector<float> p, whole(sinks ? stride : 0);
       for (int64_t k = k0; k < k1; ++k)
         for (const Seg& seg : runs[k]) {
-          if (seg.slot < 0) {
+          if (seg.slot < 0 && sinks) {  // a whole item, normalized with its heads' sinks
+            part(seg.bg, seg.t0, seg.t1, whole.data(), whole.data() + group * hd, p);
+            merge_parts<T>(whole.data(), 1, group, hd, out_of(seg.bg), sink_of(seg.bg));
+          } else if (seg.slot < 0) {
             float* o = out_of(seg.bg);
             part(seg.bg, seg.t0, seg.t1, o, nullptr, p);
             for (int64_t i = 0; i < group * hd; ++i) o[i] = rnd<T>(o[i]);
@@ -1308,18 +1363,20 @@ class DecodeStep {
       at::parallel_for(0, nt, 1, run_threads);
     for (int64_t bg = 0; bg < items; ++bg)
       if (parts[bg] > 1)
-        merge_parts<T>(partial.data() + first_part[bg] * stride, parts[bg], group, hd, out_of(bg));
+        merge_parts<T>(partial.data() + first_part[bg] * stride, parts[bg], group, hd, out_of(bg), sink_of(bg));
   }
 
   // o [group, hd] <- sum_s e^(m_s - m) o_s / sum_s e^(m_s - m) l_s over `n` parts of one item's keys
-  // (each part: o_s [group, hd] unnormalized, then (m_s, l_s) a query head), rounded to T.
+  // (each part: o_s [group, hd] unnormalized, then (m_s, l_s) a query head), rounded to T. With `sink`
+  // [group] (the heads' sink logits) the denominator has e^(sink_j - m) more, m then at least sink_j.
   template <typename T>
-  static void merge_parts(const float* part, int64_t n, int64_t group, int64_t hd, float* o) {
+  static void merge_parts(const float* part, int64_t n, int64_t group, int64_t hd, float* o,
+                          const float* sink = nullptr) {
     const int64_t stride = group * hd + 2 * group;
     for (int64_t j = 0; j < group; ++j) {
-      float m = -INFINITY;
+      float m = sink ? sink[j] : -INFINITY;
       for (int64_t s = 0; s < n; ++s) m = std::max(m, part[s * stride + group * hd + 2 * j]);
-      float l = 0.f;
+      float l = sink ? std::exp(sink[j] - m) : 0.f;
       float* oj = o + j * hd;
       std::fill(oj, oj + hd, 0.f);
       for (int64_t s = 0; s < n; ++s) {
@@ -1525,7 +1582,9 @@ void register_decode(pybind11::module& m) {
            py::arg("norm_topk_prob"), py::arg("experts"), py::arg("shared_gate_up") = std::vector<KernelPtr>{},
            py::arg("shared_down") = std::vector<KernelPtr>{}, py::arg("shared_gate") = std::vector<KernelPtr>{},
            py::arg("method") = "softmax", py::arg("n_group") = 1, py::arg("topk_group") = 1, py::arg("scaling") = 1.0,
-           py::arg("bias") = py::none())
+           py::arg("bias") = py::none(), py::arg("router_bias") = py::none(), py::arg("swiglu_limit") = 0.0,
+           py::arg("swiglu_alpha") = 1.702)
+      .def("set_attention", &DecodeStep::set_attention, py::arg("layer"), py::arg("window"), py::arg("sinks"))
       .def("route", &DecodeStep::route, py::arg("layer"), py::arg("logits"))
       .def("set_qk", &DecodeStep::set_qk, py::arg("layer"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
            py::arg("per_head"), py::arg("clip") = 0.0)

@@ -2139,14 +2139,19 @@ void run_parts(const Part* parts, int n_parts, const Act& a) {
 // kMaxNB rows each; none: skipped), k its (gate, up, down) kernels (3 E of them, the same shapes):
 // every gate and up projection in one parallel region, then every down projection in a second, so
 // a layer pays two forks and joins instead of two per expert. ys [M, D] fp32: each row's expert
-// output, the same values as swiglu on that expert's rows.
-void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_t* r, float* ys) {
+// output, the same values as swiglu on that expert's rows. With `glu` (gpt-oss's biased experts,
+// gemv.h): xs [M, Db] each row with its 1 and zeros appended, gate / up F wide, down's input [F | 1 |
+// zeros] Fb wide, the clamped GLU between them; ys [M, D] with D down's out-features.
+void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_t* r, float* ys,
+                  const Glu* glu = nullptr) {
   thread_local std::vector<ActBuffers> bufs;
   thread_local std::vector<float> gu, h;
   const int64_t D = k[0]->in_features, F = k[0]->out_features, M = r[E];
+  const int64_t Fin = k[2]->in_features, Dout = k[2]->out_features;  // Fb and D with glu, else F and D
   if (int64_t(bufs.size()) < E) bufs.resize(E);
   gu.resize(M * 2 * F);
-  h.resize(M * F);
+  if (glu) h.assign(M * Fin, 0.f);  // down's input: [a | 1 | zeros]
+  else h.resize(M * Fin);
   std::vector<Act> acts(E);
   std::vector<Part> parts;
   parts.reserve(2 * E);
@@ -2160,14 +2165,23 @@ void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_
     parts.push_back({u, o + F, 2 * F, &acts[e], 0, n});
   }
   run_region(parts.data(), int64_t(parts.size()));
-  for (int64_t m = 0; m < M; ++m) silu_mul(gu.data() + m * 2 * F, gu.data() + m * 2 * F + F, h.data() + m * F, F);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = gu.data() + m * 2 * F;
+    float* a = h.data() + m * Fin;
+    if (!glu) {
+      silu_mul(g, g + F, a, F);
+      continue;
+    }
+    clamped_glu(g, g + F, a, F, glu->alpha, glu->limit);
+    a[F] = 1.f;  // down's bias column
+  }
   parts.clear();
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = r[e + 1] - r[e];
     if (n == 0) continue;
     const Gemv* d = k[3 * e + 2];
-    acts[e] = bufs[e].prepare(h.data() + r[e] * F, n, F, d->needs(n));
-    parts.push_back({d, ys + r[e] * D, D, &acts[e], 0, n});
+    acts[e] = bufs[e].prepare(h.data() + r[e] * Fin, n, Fin, d->needs(n));
+    parts.push_back({d, ys + r[e] * Dout, Dout, &acts[e], 0, n});
   }
   run_region(parts.data(), int64_t(parts.size()));
 }
@@ -2477,7 +2491,7 @@ at::Tensor run_swiglu_group(const std::vector<const Gemv*>& k, const at::Tensor&
 // them; an expert with more than kMaxNB entries runs as several groups of at most kMaxNB (the same
 // rows in the same order: the same sums).
 void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, const int64_t* idx, const float* wt,
-                 int64_t top_k, bool bf16, float* out) {
+                 int64_t top_k, bool bf16, float* out, const Glu* glu) {
   const int64_t M = N * top_k;
   std::vector<int64_t> entry(M), bounds{0};
   std::iota(entry.begin(), entry.end(), int64_t(0));
@@ -2491,9 +2505,13 @@ void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, con
     }
   }
   bounds.push_back(M);
-  std::vector<float> xs(M * D), ys(M * D);
-  for (int64_t m = 0; m < M; ++m) std::memcpy(xs.data() + m * D, x + (entry[m] / top_k) * D, D * sizeof(float));
-  swiglu_group(ks.data(), int64_t(bounds.size()) - 1, xs.data(), bounds.data(), ys.data());
+  const int64_t Din = k[0]->in_features;  // D, or gpt-oss's Db: x, its bias column's 1, zeros
+  std::vector<float> xs(M * Din, 0.f), ys(M * D);
+  for (int64_t m = 0; m < M; ++m) {
+    std::memcpy(xs.data() + m * Din, x + (entry[m] / top_k) * D, D * sizeof(float));
+    if (glu) xs[m * Din + D] = 1.f;
+  }
+  swiglu_group(ks.data(), int64_t(bounds.size()) - 1, xs.data(), bounds.data(), ys.data(), glu);
   std::fill(out, out + N * D, 0.f);
   auto rd = [bf16](float v) { return bf16 ? bf16f(to_bf16(v)) : v; };
   for (int64_t m = 0; m < M; ++m) {
@@ -2591,6 +2609,7 @@ struct ExpertSpec {
   bool int4_q8 = false;  // int4 projections on int8 activations (Int4Q8Gemv)
   bool int4_tiled = false;  // int4 codes in the tiled layout (Int4TGemv)
   int64_t q8_from = kNeverQ8;  // the tiled layout's calls from this many rows read int8 activations
+  bool biased = false;  // gpt-oss's experts (gemv.h's Glu): only bind_layer (a decode step computes their GLU)
 
   void bind(const Proj& pr, const uint8_t* buf, Int4Gemv& k4, Int8Gemv& k8, Bf16Gemv& kb, Fp8Gemv& kf,
             const Gemv*& out) const {
@@ -2650,6 +2669,7 @@ struct ExpertSpec {
 
   // x [B, D] any float dtype; buf uint8 [nbytes] (one slot) -> y [B, D] fp32.
   at::Tensor forward(const at::Tensor& buf, const at::Tensor& x0) const {
+    TIERED_CHECK(!biased, "expert spec: gpt-oss's biased experts run in a decode step only (set_moe's swiglu_limit)");
     TIERED_CHECK(x0.dim() == 2 && x0.size(1) == p[0].K, "expert spec: x must be [B, ", p[0].K, "], got ", x0.sizes());
     Bound b;
     bind_slot(buf, b);
@@ -2679,6 +2699,7 @@ struct ExpertSpec {
 
   // Several experts in this format at once (swiglu_group): slots [E] uint8, xs [M, D], bounds [E + 1].
   at::Tensor forward_group(const std::vector<at::Tensor>& slots, const at::Tensor& xs, const std::vector<int64_t>& bounds) const {
+    TIERED_CHECK(!biased, "expert spec: gpt-oss's biased experts run in a decode step only (set_moe's swiglu_limit)");
     const BoundSlots s = bind_slots(slots);
     return run_swiglu_group(s.ptrs, xs, bounds, "expert spec forward_group");
   }
@@ -2695,6 +2716,7 @@ struct ExpertSpec {
   // A layer's routed experts and their weighted sum (run_swiglu_layer): slots [E], one per routed expert.
   at::Tensor forward_layer(const std::vector<at::Tensor>& slots, const at::Tensor& x, const at::Tensor& topk_idx,
                            const at::Tensor& topk_weight, const std::vector<int64_t>& experts) const {
+    TIERED_CHECK(!biased, "expert spec: gpt-oss's biased experts run in a decode step only (set_moe's swiglu_limit)");
     TIERED_CHECK(slots.size() == experts.size(), "expert spec forward_layer: one slot per routed expert");
     const BoundSlots s = bind_slots(slots);
     return run_swiglu_layer(s.ptrs, x, topk_idx, topk_weight, experts, "expert spec forward_layer");
@@ -2711,10 +2733,16 @@ void check_rows(const at::Tensor& t, at::ScalarType dt, int64_t N, int64_t K, co
 
 // One bf16 expert's kernels k[0..2] over w[0..2] = w_gate, w_up [F, D], w_down [D, F] (contiguous
 // bf16, checked).
-void bind_bf16_expert(const at::Tensor* w, int64_t F, int64_t D, Bf16Gemv* k, const std::string& what) {
+// With `biased` (gpt-oss's experts, gemv.h's Glu): w_down [D', F'] with D' < D and F' > F (D, F the
+// gate's input width and rows: the bias columns pad each input to a multiple of 32).
+void bind_bf16_expert(const at::Tensor* w, int64_t F, int64_t D, Bf16Gemv* k, const std::string& what,
+                      bool biased = false) {
   check_rows(w[0], at::kBFloat16, F, D, (what + ": w_gate").c_str());
   check_rows(w[1], at::kBFloat16, F, D, (what + ": w_up").c_str());
-  check_rows(w[2], at::kBFloat16, D, F, (what + ": w_down").c_str());
+  const int64_t Dd = biased ? w[2].size(0) : D, Fd = biased ? w[2].size(1) : F;
+  TIERED_CHECK(!biased || (w[2].dim() == 2 && Dd < D && Fd > F), what, ": a biased expert's w_down must be [D, Fb] "
+              "with D below the gate's and Fb above its rows, got ", w[2].sizes());
+  check_rows(w[2], at::kBFloat16, Dd, Fd, (what + ": w_down").c_str());
   for (int i = 0; i < 3; ++i) {
     k[i].out_features = w[i].size(0), k[i].in_features = w[i].size(1);
     k[i].w = {bf16_ptr(w[i]), nullptr};
@@ -2729,9 +2757,10 @@ struct Bf16Experts {
   Bf16Experts(const std::vector<at::Tensor>& ws, const std::string& what) {
     TIERED_CHECK(!ws.empty() && ws.size() % 3 == 0, what, ": weights are (gate, up, down) per expert");
     const int64_t F = ws[0].size(0), D = ws[0].size(1);
+    const bool biased = ws[2].dim() == 2 && ws[2].size(1) != F;  // gpt-oss's [D, Fb] down projections
     k.reset(new Bf16Gemv[ws.size()]);
     for (size_t i = 0; i < ws.size(); i += 3) {
-      bind_bf16_expert(&ws[i], F, D, &k[i], what);
+      bind_bf16_expert(&ws[i], F, D, &k[i], what, biased);
       for (size_t j = i; j < i + 3; ++j) ptrs.push_back(&k[j]);
     }
   }
@@ -3361,8 +3390,11 @@ void register_gemv(pybind11::module& m) {
                           " (4-byte aligned) must lie in the slot's ", nbytes, " bytes");
             }
           }
-          TIERED_CHECK(sp->p[0].K == sp->p[1].K && sp->p[0].N == sp->p[1].N && sp->p[2].K == sp->p[0].N &&
-                          sp->p[2].N == sp->p[0].K, "expert_spec: shapes do not make a SwiGLU expert");
+          // gpt-oss's biased experts (gemv.h's Glu): gate / up [F, Db], down [D, Fb], Db > D and Fb > F
+          sp->biased = sp->p[2].K > sp->p[0].N && sp->p[2].N < sp->p[0].K;
+          TIERED_CHECK(sp->p[0].K == sp->p[1].K && sp->p[0].N == sp->p[1].N &&
+                          ((sp->p[2].K == sp->p[0].N && sp->p[2].N == sp->p[0].K) || sp->biased),
+                      "expert_spec: shapes do not make a SwiGLU expert");
           return sp;
         },
         py::arg("kinds"), py::arg("shapes"), py::arg("offsets"), py::arg("nbytes"), py::arg("int4_act") = "bf16",

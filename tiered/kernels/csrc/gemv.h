@@ -105,13 +105,21 @@ struct Gemv : Kernel {
   void run(const float* x, int64_t B, float* y) const override;
 };
 
+// gpt-oss's experts (models/gpt_oss.py): each projection's bias is its weight's input column D (F for
+// down), zero columns after it (gate / up [F, Db], down [D, Fb]), so each projection multiplies its
+// input with a 1 then zeros appended; the activation is the clamped GLU (clamped_glu, kernel.h).
+struct Glu {
+  float limit = 7.f, alpha = 1.702f;
+};
+
 // A MoE layer's routed SwiGLU experts and their weighted sum for N tokens: k[3 e..3 e + 2] the
-// (gate, up, down) kernels of expert e (each D -> F -> D), x fp32 [N, D], idx int64 [N, top_k]
+// (gate, up, down) kernels of expert e (each D -> F -> D; with `glu`, gpt-oss's biased experts
+// Db -> F, Fb -> D), x fp32 [N, D], idx int64 [N, top_k]
 // (expert of each slot, distinct within a row), wt fp32 [N, top_k] -> out fp32 [N, D] =
 // sum_j wt[n, j] * expert_idx[n, j](x[n]), added in ascending expert order, then token order, each
 // expert output, product and sum rounded to bf16 when `bf16` (torch's bf16 index_add_ of ys * w).
 void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, const int64_t* idx, const float* wt,
-                 int64_t top_k, bool bf16, float* out);
+                 int64_t top_k, bool bf16, float* out, const Glu* glu = nullptr);
 
 // The kernels of every expert of one MoE layer, bound once to where their weights stay (resident
 // in RAM): k[3 e + j] = projection j (gate, up, down) of expert e. `owner` keeps them alive.

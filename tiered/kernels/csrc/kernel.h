@@ -66,6 +66,9 @@ void rows_from(const at::Tensor& t, float* y);  // t [B, N] contiguous any float
 
 // a [n] = silu(g) * u (SwiGLU's activation), fp32, vectorized with a polynomial exp (decode.cpp).
 void silu_mul(const float* g, const float* u, float* a, int64_t n);
+// a [n] = (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit): gpt-oss's clamped
+// GLU (models/gpt_oss.clamped_glu), fp32, the same polynomial exp (decode.cpp).
+void clamped_glu(const float* g, const float* u, float* a, int64_t n, float alpha, float limit);
 
 void register_kernels(pybind11::module& m);
 void register_decode(pybind11::module& m);
