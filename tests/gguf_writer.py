@@ -614,3 +614,184 @@ def dequantized_glm4_moe_model(model, qtype: GGMLQuantizationType):
     """A deep copy of the transformers glm4_moe `model` whose weights are what
     `write_glm4_moe_gguf` stores for them (qtype), read back: its lossless reference."""
     return dequantized_moe_model(model, qtype, kept=lambda name, a: a.ndim == 1 or name.endswith("mlp.gate.weight"))
+
+
+# ------------------------------------------------------------------------------------------ gpt-oss
+def quantize_mxfp4_ggml(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w fp32 [..., K] (K % 32 == 0) -> (ggml MXFP4 blocks uint8 [..., K / 32 * 17], the values they
+    encode fp32 [..., K]), restated from ggml's quantize_row_mxfp4_ref and block_mxfp4: per 32 inputs
+    the byte e = floor(log2(amax)) - 2 + 127, then 16 bytes, input j in byte j's low nibble and 16 + j
+    in its high one; a value is kvalues_mxfp4[code] (the doubled e2m1 table) * 2^(e - 128), the code the
+    nearest (the first of equals)."""
+    kvalues = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+    *lead, K = w.shape
+    g = w.astype(np.float32).reshape(-1, 32)  # (blocks, 32)
+    amax = np.abs(g).max(-1)
+    e = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 2.0 ** -126))) - 2 + 127, 0).astype(np.uint8)
+    d = np.ldexp(np.float32(1), e.astype(np.int32) - 128).astype(np.float32)  # (blocks,)
+    code = np.abs(g[..., None] / d[:, None, None] - kvalues).argmin(-1).astype(np.uint8)  # (blocks, 32)
+    qs = code[:, :16] | (code[:, 16:] << 4)
+    values = (kvalues[code] * d[:, None]).reshape(*lead, K)
+    return np.concatenate([e[:, None], qs], 1).reshape(*lead, K // 32 * 17), values
+
+
+def mxfp4_experts(model) -> dict:
+    """The MXFP4 encoding of every expert weight of a transformers GptOssForCausalLM, as llama.cpp's file
+    holds it: HF name -> (ggml blocks of gate [E, F, K/32*17], of up, their values fp32 as the HF
+    parameter's layout) for gate_up_proj, (blocks [E, D, F/32*17], values) for down_proj."""
+    out = {}
+    for name, p in model.named_parameters():
+        if name.endswith("experts.gate_up_proj"):
+            a = p.detach().float().numpy().transpose(0, 2, 1)  # (E, 2F, D)
+            (gb, gv), (ub, uv) = quantize_mxfp4_ggml(a[:, 0::2]), quantize_mxfp4_ggml(a[:, 1::2])
+            values = np.empty_like(a)
+            values[:, 0::2], values[:, 1::2] = gv, uv
+            out[name] = (gb, ub, values.transpose(0, 2, 1))
+        elif name.endswith("experts.down_proj"):
+            blocks, values = quantize_mxfp4_ggml(p.detach().float().numpy().transpose(0, 2, 1))  # (E, D, F)
+            out[name] = (blocks, values.transpose(0, 2, 1))
+    return out
+
+
+def write_gpt_oss_gguf(model, path: Path, experts: str = "F32", qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+                       drop: tuple[str, ...] = (), extra=None, tokenizer_from: Path | None = None,
+                       skip_tensors: tuple[str, ...] = (), swap_tensors: dict | None = None) -> Path:
+    """Write a transformers GptOssForCausalLM as llama.cpp's gpt-oss converter does.
+
+    Restated from llama.cpp's convert_hf_to_gguf.py (TextModel.set_gguf_parameters, GptOssModel; its
+    conversion/gpt_oss.py, 2026) and its loader (src/models/openai-moe.cpp), not from tiered's reader:
+    - arch "gpt-oss"; TextModel's keys: block_count, context_length, embedding_length,
+      feed_forward_length (intermediate_size), head_count(_kv), YaRN's rope.scaling.{type, factor,
+      original_context_length, yarn_beta_fast, yarn_beta_slow}, rope.freq_base,
+      attention.layer_norm_rms_epsilon, expert_count, expert_used_count, key_length / value_length
+      (head_dim), file_type; GptOssModel's attention.sliding_window and expert_feed_forward_length.
+    - names: attn_norm, post_attention_norm (the pre-MLP norm), attn_{q,k,v,output}.{weight,bias}
+      (rows as they are), attn_sinks.weight, ffn_gate_inp.{weight,bias} (the router), and the experts
+      stacked with gate and up apart: gate_up_proj transposed to [E, 2F, D], its even rows
+      ffn_gate_exps, odd rows ffn_up_exps, the bias split alike; down_proj transposed to [E, D, F].
+    - types: 1-D tensors, every bias and the router F32; the other 2-D tensors `qtype` (F16 where the
+      block type cannot split a row); the experts `experts`: "MXFP4" (ggml's block_mxfp4 from
+      `quantize_mxfp4_ggml`, as the converter repacks OpenAI's MXFP4 experts) or a GGML type name.
+    - tokenizer.ggml.model "none" with vocab_size, or the tokenizer keys of `tokenizer_from`.
+    Malformed files for the refusal tests: `drop` metadata keys, then `extra(writer)`; `skip_tensors`
+    GGUF names left out; `swap_tensors` GGUF name -> (array, type) written instead.
+    """
+    import gguf
+
+    c = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    rp = dict(c.rope_parameters or {})
+    w = GGUFWriter(str(path), "gpt-oss")
+    w.add_name("tiny-gpt-oss")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    if rp.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rp["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rp["original_max_position_embeddings"]))
+        w.add_rope_scaling_yarn_beta_fast(float(rp["beta_fast"]))
+        w.add_rope_scaling_yarn_beta_slow(float(rp["beta_slow"]))
+    w.add_rope_freq_base(float(rp["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_file_type(int(qtype))
+    w.add_sliding_window(c.sliding_window)
+    w.add_expert_feed_forward_length(c.intermediate_size)
+    w.add_vocab_size(c.vocab_size)
+    if tokenizer_from is None:
+        w.add_tokenizer_model("none")
+    else:  # the tokenizer keys as tiered's benchmark writers copy them
+        from tiered.bench.gguf_moe import add_tokenizer, read_tokenizer
+
+        add_tokenizer(w, read_tokenizer(tokenizer_from, c.vocab_size)[0])
+    for key in drop:
+        del w.kv_data[0][key]
+    if extra is not None:
+        extra(w)
+    mx = mxfp4_experts(model) if experts == "MXFP4" else {}
+
+    def put(name: str, a: np.ndarray, qt: GGMLQuantizationType | None = qtype) -> None:
+        if name in skip_tensors:
+            return
+        if name in (swap_tensors or {}):
+            a, qt = swap_tensors[name]
+        elif qt is None:  # already ggml blocks (MXFP4)
+            qt = GGMLQuantizationType.MXFP4
+        elif a.ndim == 1 or qt == GGMLQuantizationType.F32:
+            a, qt = np.ascontiguousarray(a, dtype=np.float32), GGMLQuantizationType.F32
+        else:
+            a, qt = encode_any(np.ascontiguousarray(a, dtype=np.float32), qt)
+        if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            w.add_tensor(name, a)
+        else:
+            w.add_tensor(name, a, raw_dtype=qt)
+
+    F32 = GGMLQuantizationType.F32
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    put("output.weight", sd["lm_head.weight"])
+    ex = GGMLQuantizationType.F32 if experts == "MXFP4" else GGMLQuantizationType[experts]
+    for i in range(c.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        put(b + "attn_norm.weight", sd[p + "input_layernorm.weight"])
+        put(b + "post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        for n, hf in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj")):
+            put(b + f"attn_{n}.weight", sd[p + f"self_attn.{hf}.weight"])
+            put(b + f"attn_{n}.bias", sd[p + f"self_attn.{hf}.bias"], F32)
+        put(b + "attn_sinks.weight", sd[p + "self_attn.sinks"], F32)
+        put(b + "ffn_gate_inp.weight", sd[p + "mlp.router.weight"], F32)
+        put(b + "ffn_gate_inp.bias", sd[p + "mlp.router.bias"], F32)
+        gu = sd[p + "mlp.experts.gate_up_proj"].transpose(0, 2, 1)  # (E, 2F, D): gate the even rows
+        gub = sd[p + "mlp.experts.gate_up_proj_bias"]
+        if experts == "MXFP4":
+            gate_blocks, up_blocks, _ = mx[p + "mlp.experts.gate_up_proj"]
+            put(b + "ffn_gate_exps.weight", gate_blocks, None)
+            put(b + "ffn_up_exps.weight", up_blocks, None)
+            put(b + "ffn_down_exps.weight", mx[p + "mlp.experts.down_proj"][0], None)
+        else:
+            put(b + "ffn_gate_exps.weight", gu[:, 0::2], ex)
+            put(b + "ffn_up_exps.weight", gu[:, 1::2], ex)
+            put(b + "ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"].transpose(0, 2, 1), ex)
+        put(b + "ffn_gate_exps.bias", gub[:, 0::2], F32)
+        put(b + "ffn_up_exps.bias", gub[:, 1::2], F32)
+        put(b + "ffn_down_exps.bias", sd[p + "mlp.experts.down_proj_bias"], F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def dequantized_gpt_oss_model(model, experts: str = "F32", qtype: GGMLQuantizationType = GGMLQuantizationType.F32):
+    """A deep copy of the transformers GptOssForCausalLM `model` whose weights are what
+    `write_gpt_oss_gguf(model, ..., experts, qtype)` stores for them, read back: its lossless reference."""
+    import copy
+
+    m = copy.deepcopy(model)
+    mx = mxfp4_experts(model) if experts == "MXFP4" else {}
+    ex = None if experts == "MXFP4" else GGMLQuantizationType[experts]
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            a = p.detach().numpy()
+            if name in mx:
+                a = mx[name][-1]
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # written as [E, out, in]
+                t = a.transpose(0, 2, 1)
+                if name.endswith("gate_up_proj"):  # gate and up apart
+                    t = np.stack([roundtrip_any(t[:, 0::2], ex), roundtrip_any(t[:, 1::2], ex)], 2).reshape(t.shape)
+                else:
+                    t = roundtrip_any(t, ex)
+                a = t.transpose(0, 2, 1)
+            elif a.ndim == 2 and not name.endswith("mlp.router.weight"):
+                a = roundtrip_any(a, qtype)
+            else:
+                continue
+            p.copy_(torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)))
+    return m

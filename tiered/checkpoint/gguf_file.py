@@ -28,12 +28,21 @@ groups when `expert_group_count` > 1, `expert_weights_norm` / `_scale`) after
 `leading_dense_block_count` dense layers, `expert_shared_count` ungated shared experts of
 `expert_feed_forward_length`. `block_count` counts the multi-token-prediction layers too: the last
 `nextn_predict_layers` blocks (their `nextn.*` tensors and their ordinary ones) are not read.
+
+"gpt-oss" files (llama.cpp's GptOssModel converter: OpenAI's gpt-oss-20b / -120b, e.g.
+ggml-org/gpt-oss-20b-GGUF) are read as transformers' gpt_oss (`_gpt_oss_config`): q/k rows as they are
+(NEOX RoPE), `post_attention_norm` the pre-MLP norm, `attn_sinks.weight` the sinks, `ffn_gate_inp`
+the router (weight and bias), the even layers sliding (`attention.sliding_window_pattern`, default
+2). The experts' stacked weights and biases (`ffn_{gate,up,down}_exps.{weight,bias}`, gate and up
+apart) become per-expert handles of gpt-oss's biased layout (checkpoint/gpt_oss.py), MXFP4 blocks
+read in ggml's layout and offered as int8-g32 exactly (`_biased_experts`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +55,7 @@ from tiered.errors import CheckpointError, UnsupportedModelError
 # GGUF architecture -> HF model_type ("deepseek2": deepseek_v3 when its router is sigmoid, else v2).
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v2",
-                      "glm4moe": "glm4_moe"}
+                      "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss"}
 # top-k weights renormalized to sum 1 (llama.cpp's expert_weights_norm default per architecture)
 NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 # Architectures whose converter permutes q/k rows (llama.cpp convert_hf_to_gguf.py LlamaModel).
@@ -90,6 +99,8 @@ _DEEPSEEK_NAMES = {
 # GLM-4.5's names: its pre-MLP norm is llama.cpp's ATTN_POST_NORM, its shared experts DeepSeek's
 _GLM4_MOE_NAMES = {"post_attention_norm": "post_attention_layernorm",
                    **{k: v for k, v in _DEEPSEEK_NAMES.items() if k.endswith("_shexp")}}
+# gpt-oss's names: the pre-MLP norm is ATTN_POST_NORM, the router's weight and bias FFN_GATE_INP
+_GPT_OSS_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"}
 # stacked expert tensors -> the per-expert projection name (Qwen / OLMoE style, Mixtral style)
 _EXPERT_NAMES = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
                  "ffn_down_exps": ("down_proj", "w2")}
@@ -169,6 +180,11 @@ def gguf_to_hf_name(name: str, model_type: str = "") -> str | None:
     if part in _EXPERT_NAMES:
         proj = _EXPERT_NAMES[part][model_type == "mixtral"]
         return f"model.layers.{layer}.{mlp}.experts.{{e}}.{proj}.{kind}"
+    if model_type == "gpt_oss":
+        if part == "attn_sinks":  # llama.cpp's `attn_sinks.weight` is HF's bare `self_attn.sinks`
+            return f"model.layers.{layer}.self_attn.sinks"
+        if part in _GPT_OSS_NAMES:
+            return f"model.layers.{layer}.{_GPT_OSS_NAMES[part]}.{kind}"
     if model_type.startswith("deepseek") or model_type == "glm4_moe":
         if part == "exp_probs_b":  # llama.cpp's `exp_probs_b.bias`: the router's selection bias
             return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
@@ -246,10 +262,17 @@ class GGUFCheckpoint(HandleTable):
             self.reader.fields.pop(key, None)
         self._handles: dict[str, TensorHandle] = {}
         split: dict[int, dict[str, object]] = {}  # layer -> {"k": attn_k_b, "v": attn_v_b} (latent attention)
+        biased: dict[int, dict[tuple[str, str], object]] = {}  # gpt-oss: layer -> {(part, kind): stacked tensor}
         for t in self.reader.tensors:
             m = _BLOCK_RE.match(t.name)
+            if m and m.group(2) == "ffn_gate_up_exps":
+                raise UnsupportedModelError(f"{self.path}: fused gate/up experts ({t.name}) are not read",
+                                            "re-convert the file without --fuse-gate-up-exps")
             if self.arch == "deepseek2" and m and m.group(2) in ("attn_k_b", "attn_v_b"):
                 split.setdefault(int(m.group(1)), {})[m.group(2)[5]] = t
+                continue
+            if self.arch == "gpt-oss" and m and m.group(2) in _EXPERT_NAMES:
+                biased.setdefault(int(m.group(1)), {})[m.group(2), m.group(3)] = t
                 continue
             hf = gguf_to_hf_name(t.name, self.config.model_type)
             if hf is None or (m and int(m.group(1)) >= self.config.num_hidden_layers):
@@ -266,6 +289,9 @@ class GGUFCheckpoint(HandleTable):
             name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
             self._handles[name] = self._kv_b_handle(name, self._make_handle(name + ".k", parts["k"]),
                                                     self._make_handle(name + ".v", parts["v"]))
+        for layer, parts in biased.items():
+            if layer < self.config.num_hidden_layers:
+                self._handles.update(self._biased_experts(layer, parts))
 
     def release_pages(self) -> int:
         """The GGUF file is one numpy memmap: MADV_DONTNEED on it drops the pages the load read
@@ -346,6 +372,19 @@ class GGUFCheckpoint(HandleTable):
             routed_scaling_factor=float(g("expert_weights_scale") or 1.0),
             first_k_dense_replace=int(g("leading_dense_block_count") or 0))
 
+    def _need(self, g, key: str):
+        """The value of metadata key `{arch}.key` (`g`: key -> value or None), which the architecture's
+        llama.cpp loader requires.
+
+        Raises:
+            CheckpointError: the file lacks the key.
+        """
+        value = g(key)
+        if value is None:
+            raise CheckpointError(f"{self.path}: the {self.arch} GGUF metadata lacks {self.arch}.{key}",
+                                  "re-convert the file with a current llama.cpp")
+        return value
+
     def _glm4_moe_config(self, g, names: set[str], common: dict) -> ModelConfig:
         """The ModelConfig of a "glm4moe" file (GLM-4.5 / 4.5-Air / 4.6; see the module docstring).
 
@@ -361,14 +400,7 @@ class GGUFCheckpoint(HandleTable):
                 llama.cpp's default for glm4moe), or M-RoPE sections (GLM-4.5V's vision files).
         """
         arch = self.arch
-
-        def need(key: str):
-            value = g(key)
-            if value is None:
-                raise CheckpointError(f"{self.path}: the {arch} GGUF metadata lacks {arch}.{key}",
-                                      "re-convert the file with a current llama.cpp")
-            return value
-
+        need = partial(self._need, g)
         if g("expert_gating_func") not in (None, 0, 2):
             raise UnsupportedModelError(f"{arch} GGUF with expert_gating_func {g('expert_gating_func')} "
                                         "(GLM-4.5 routes by sigmoid, 2)",
@@ -412,6 +444,103 @@ class GGUFCheckpoint(HandleTable):
             topk_group=used, routed_scaling_factor=float(g("expert_weights_scale") or 1.0),
             first_k_dense_replace=dense)
 
+    def _gpt_oss_config(self, g, names: set[str], common: dict) -> ModelConfig:
+        """The ModelConfig of a "gpt-oss" file (gpt-oss-20b / -120b): what transformers' GptOssConfig
+        gives for the config.json llama.cpp converted (convert_hf_to_gguf.py GptOssModel), read as
+        llama.cpp loads it (src/models/openai-moe.cpp, llama-model.cpp's common keys):
+        - sizes: block_count, embedding_length, attention.head_count(_kv), attention.key_length (else
+          embedding_length / head_count; value_length and rope.dimension_count, where given, must
+          equal it: llama.cpp's graph rotates and attends over whole heads), expert_count,
+          expert_used_count, expert_feed_forward_length (GptOssConfig's intermediate_size: every
+          expert's F), context_length, attention.layer_norm_rms_epsilon;
+        - the sliding layers: attention.sliding_window_pattern, a period n (default 2) sliding layer i
+          when n == 0 or i % n < n - 1 (llama_hparams::set_swa_pattern: the even layers, transformers'
+          default layer_types) or one flag per layer; their window attention.sliding_window;
+        - RoPE: rope.freq_base (llama.cpp's default 10000); YaRN from rope.scaling.type "yarn" with
+          factor, original_context_length (default context_length), yarn_beta_fast / _slow (default
+          32 / 1) and OpenAI's truncate false (ggml_rope_yarn_corr_dims rounds YaRN's correction range
+          outwards; transformers, and so tiered, keep it unrounded);
+        - fixed in llama.cpp's graph as in transformers: a sink logit per head, o_proj, router and
+          expert biases (q/k/v biases where the file has them), the softmax over the router's top-k
+          logits (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT), the clamped GLU of alpha 1.702 and
+          limit 7.0 (llama-graph.cpp LLM_FFN_SWIGLU_OAI_MOE); no tied output.
+
+        `common`: vocab_size, bos_token_id, eos_token_ids.
+        Raises:
+            CheckpointError: a key llama.cpp requires is missing (block_count, context_length,
+                embedding_length, attention.head_count, attention.layer_norm_rms_epsilon,
+                attention.sliding_window, expert_count, expert_used_count, expert_feed_forward_length),
+                or a sliding-window pattern of another length than block_count.
+            UnsupportedModelError: what tiered's gpt_oss model does not compute: sizes that differ per
+                layer, a value_length or rope.dimension_count other than the head size, fused q/k/v
+                (attn_qkv), a RoPE base of the sliding layers' own (rope.freq_base_swa), RoPE scaling
+                other than YaRN or none, YaRN attention / extrapolation factors other than llama.cpp's
+                defaults.
+        """
+        arch = self.arch
+        need = partial(self._need, g)
+
+        def size(key: str, value) -> int:  # llama.cpp reads these as a value or one per layer
+            if isinstance(value, list):
+                if len(set(value)) != 1:
+                    raise UnsupportedModelError(f"{arch} GGUF with {arch}.{key} per layer ({value}) is not read",
+                                                "tiered's gpt_oss layers share one size")
+                value = value[0]
+            return int(value)
+
+        L = int(need("block_count"))
+        heads, hidden = size("attention.head_count", need("attention.head_count")), int(need("embedding_length"))
+        kv = size("attention.head_count_kv", g("attention.head_count_kv") or heads)
+        head_dim = int(g("attention.key_length") or hidden // heads)
+        for key in ("attention.value_length", "rope.dimension_count"):
+            if g(key) not in (None, head_dim):
+                raise UnsupportedModelError(f"{arch} GGUF with {arch}.{key} {g(key)} other than the head size "
+                                            f"{head_dim}", "llama.cpp's gpt-oss graph rotates and attends whole heads")
+        if "blk.0.attn_qkv.weight" in names:
+            raise UnsupportedModelError(f"{arch} GGUF with fused q/k/v projections (attn_qkv) is not read",
+                                        "re-convert the file with llama.cpp's convert_hf_to_gguf.py")
+        if g("rope.freq_base_swa") not in (None, g("rope.freq_base")):
+            raise UnsupportedModelError(f"{arch} GGUF with a RoPE base of the sliding layers' own "
+                                        f"(rope.freq_base_swa {g('rope.freq_base_swa')}) is not read",
+                                        "tiered's gpt_oss layers share one RoPE base")
+        pattern = g("attention.sliding_window_pattern", 2)
+        if isinstance(pattern, list):
+            if len(pattern) != L:
+                raise CheckpointError(f"{self.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} "
+                                      f"flags for {L} layers", "re-convert the file with a current llama.cpp")
+            sliding = [bool(f) for f in pattern]
+        else:
+            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(L)]
+        window = int(need("attention.sliding_window"))
+        local = tuple(i for i in range(L) if sliding[i]) if window else ()
+        context = int(need("context_length"))
+        stype = g("rope.scaling.type")
+        scaling = None
+        if stype == "yarn":
+            for key, neutral in (("attn_factor", 1.0), ("yarn_attn_factor", 1.0), ("yarn_ext_factor", 1.0),
+                                 ("yarn_log_multiplier", 0.0)):
+                if g(f"rope.scaling.{key}") not in (None, neutral):
+                    raise UnsupportedModelError(f"{arch} GGUF with {arch}.rope.scaling.{key} "
+                                                f"{g(f'rope.scaling.{key}')} is not read",
+                                                "gpt-oss's YaRN takes llama.cpp's default factors")
+            scaling = {"rope_type": "yarn", "factor": float(g("rope.scaling.factor") or 1.0),
+                       "beta_fast": float(g("rope.scaling.yarn_beta_fast") or 32.0),
+                       "beta_slow": float(g("rope.scaling.yarn_beta_slow") or 1.0), "truncate": False,
+                       "original_max_position_embeddings": int(g("rope.scaling.original_context_length") or context)}
+        elif stype not in (None, "none"):
+            raise UnsupportedModelError(f"unsupported GGUF RoPE scaling {stype!r} for {arch}",
+                                        "tiered reads gpt-oss files with YaRN or no RoPE scaling")
+        ff = size("expert_feed_forward_length", need("expert_feed_forward_length"))
+        return ModelConfig(
+            **common, model_type="gpt_oss", hidden_size=hidden, intermediate_size=ff, num_hidden_layers=L,
+            num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(g("rope.freq_base") or 10000.0), rope_scaling=scaling, max_position_embeddings=context,
+            tie_word_embeddings=False, attention_bias="blk.0.attn_q.bias" in names, o_proj_bias=True,
+            local_window=window if local else None, local_layers=local, attention_sinks=True,
+            num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+            moe_intermediate_size=ff, norm_topk_prob=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
+
     def _model_config(self) -> ModelConfig:
         md = self.metadata
         arch = md.get("general.architecture")
@@ -441,6 +570,9 @@ class GGUFCheckpoint(HandleTable):
                 rope_theta=float(g("rope.freq_base", 10000.0)), max_position_embeddings=g("context_length", 2048),
                 tie_word_embeddings="output.weight" not in names, bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=eos_ids))
+        if arch == "gpt-oss":
+            return self._gpt_oss_config(g, names, dict(vocab_size=int(vocab), eos_token_ids=eos_ids,
+                                                       bos_token_id=md.get("tokenizer.ggml.bos_token_id")))
         scaling = None
         if g("rope.scaling.type") == "linear":
             scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
@@ -536,6 +668,83 @@ class GGUFCheckpoint(HandleTable):
         return TensorHandle(name=hf, shape=shape, format=fmt, nbytes=nbytes, path=str(self.path),
                             _load=load, _blocks=blocks if fmt in BLOCK_FORMATS else None,
                             offset=offset if fmt in ("F32", "F16", "BF16") and perm is None else None)
+
+    def _biased_experts(self, layer: int, parts: dict) -> dict[str, TensorHandle]:
+        """Layer `layer`'s per-expert handles of a "gpt-oss" file from its stacked `ffn_{gate,up,down}_exps`
+        weights [E, F, D] / [E, D, F] and biases [E, F] / [E, D] (`parts`: (part, "weight" | "bias") ->
+        tensor): gate / up [F, Db] and down [D, Fb], each projection's bias as its input column D (F),
+        zeros after it (checkpoint/gpt_oss.py, ModelConfig.expert_shapes), reading only expert e's rows.
+
+        Weights stored as MXFP4 (ggml's block_mxfp4) or Q8_0 load dequantized (exact in fp32) and offer
+        int8-g32 (`TensorHandle.int8_g32_parts`): MXFP4's codes and scales (checkpoint/gpt_oss.
+        mxfp4_int8_g32, ggml's nibble order), Q8_0's int8 codes and fp16 scales as stored; the bias a group
+        of its own (int8_g32_with_bias: refused on read where fp16 cannot hold it). F32 / F16 / BF16
+        weights load as stored.
+
+        Raises:
+            CheckpointError: a stacked weight or bias missing, or of another shape than the config's.
+            UnsupportedModelError: experts stored in another type (K-quants, Q4_x, ...: their blocks
+                cannot carry the bias column), biases in a type other than F32 / F16 / BF16.
+        """
+        cfg = self.config
+        E, D, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        out: dict[str, TensorHandle] = {}
+        for part, (rows, cols) in (("ffn_gate_exps", (F, D)), ("ffn_up_exps", (F, D)), ("ffn_down_exps", (D, F))):
+            w, b = parts.get((part, "weight")), parts.get((part, "bias"))
+            for kind, t, shape in (("weight", w, (E, rows, cols)), ("bias", b, (E, rows))):
+                name = f"blk.{layer}.{part}.{kind}"
+                if t is None:
+                    raise CheckpointError(f"{self.path} lacks tensor {name}", "re-convert the file with llama.cpp")
+                if tuple(int(n) for n in reversed(t.shape.tolist())) != shape:
+                    raise CheckpointError(f"{self.path}: tensor {name} has shape "
+                                          f"{tuple(int(n) for n in reversed(t.shape.tolist()))}, the config implies "
+                                          f"{shape}", "re-convert the file with llama.cpp")
+            fmt = w.tensor_type.name
+            if fmt not in ("MXFP4", "Q8_0", "F32", "F16", "BF16") or b.tensor_type.name not in ("F32", "F16", "BF16"):
+                raise UnsupportedModelError(f"gpt-oss GGUF experts stored as {fmt} with {b.tensor_type.name} biases "
+                                            f"(blk.{layer}.{part}) are not read",
+                                            "use a file whose experts are MXFP4, Q8_0, F32, F16 or BF16")
+            proj = _EXPERT_NAMES[part][0]
+            for e in range(E):
+                hf = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                out[hf] = self._biased_expert(hf, w, b, e)
+        return out
+
+    def _biased_expert(self, hf: str, w, b, e: int) -> TensorHandle:
+        """Expert `e`'s handle `hf` [rows, biased_width(cols)] from the stacked weight `w` [E, rows, cols]
+        and bias `b` [E, rows] of a "gpt-oss" file (`_biased_experts`)."""
+        from tiered.checkpoint.gpt_oss import (MXFP4_GROUP, checked_int8_g32, dequantize_mxfp4, int8_g32_with_bias,
+                                               mxfp4_int8_g32, with_bias)
+        from tiered.checkpoint.model_config import biased_width
+        from tiered.quant.gguf_dequant import blocks_tensor
+        from tiered.quant.gguf_experts import unpack_q8_blocks
+
+        E, rows, cols = (int(n) for n in reversed(w.shape.tolist()))
+        width, fmt = biased_width(cols), w.tensor_type.name
+        bias = self._make_handle(hf, b, expert=e)  # [rows]
+        int8 = None
+        if fmt == "MXFP4":
+            def raw() -> tuple[torch.Tensor, torch.Tensor]:  # (blocks uint8 [rows, G, 16], e8m0 uint8 [rows, G])
+                r = blocks_tensor(w.data[e]).reshape(rows, cols // MXFP4_GROUP, 1 + MXFP4_GROUP // 2)  # e, then qs
+                return r[..., 1:], r[..., 0]
+
+            def load() -> torch.Tensor:
+                return with_bias(dequantize_mxfp4(*raw(), halves=True), bias.load(), width)
+
+            def int8() -> tuple[torch.Tensor, torch.Tensor]:
+                return checked_int8_g32(hf, mxfp4_int8_g32, *raw(), bias.load(), width, True)
+        else:
+            weight = self._make_handle(hf, w, expert=e)  # [rows, cols]
+
+            def load() -> torch.Tensor:
+                return with_bias(weight.load(), bias.load(), width)
+
+            if fmt == "Q8_0":
+                def int8() -> tuple[torch.Tensor, torch.Tensor]:
+                    return checked_int8_g32(hf, int8_g32_with_bias, *unpack_q8_blocks(weight.blocks()), bias.load(),
+                                            width)
+        return TensorHandle(name=hf, shape=(rows, width), format=fmt, nbytes=(int(w.n_bytes) + int(b.n_bytes)) // E,
+                            path=str(self.path), _load=load, _int8_g32=int8)
 
     def _load_tokenizer(self):
         """The tokenizer embedded in the GGUF (converted by transformers, cached), or None."""

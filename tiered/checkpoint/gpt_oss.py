@@ -38,7 +38,19 @@ an error of at most 2^-25). An MXFP4 handle whose biases are bf16 / fp16 (as rel
 form (`TensorHandle.int8_g32_parts`, `mxfp4_int8_g32`), straight from the codes and scales without
 dequantizing: tiered's int8-g32 expert kind (1.0625 bytes a weight against bf16's 2) then holds the
 experts as stored (quant/gguf_experts.stored_kind). A group of non-zero codes whose scale lies
-outside that range, or a bias beyond 65504, is refused (CheckpointError) when the expert is read.
+outside that range, or a bias fp16 cannot hold (beyond 65504; an fp32 bias of more significant bits),
+is refused (CheckpointError) when the expert is read.
+
+llama.cpp's GGUF files (architecture "gpt-oss", read by checkpoint/gguf_file.py) hold the same experts
+stacked per layer with gate and up apart (convert_hf_to_gguf.py GptOssModel: `ffn_gate_exps` /
+`ffn_up_exps` the even / odd rows of gate_up_proj, [E, F, D]; `ffn_down_exps` [E, D, F]; the biases
+`ffn_*_exps.bias` [E, F] / [E, D], written F32 as every converted bias), MXFP4 as ggml's block_mxfp4
+(ggml-common.h): per 32 inputs one E8M0 byte e, then 16 bytes with input j in byte j's low nibble and
+16 + j in its high one (`halves`; the converter's transform_nibble_layout reorders OpenAI's nibbles and
+copies e), valued kvalues_mxfp4[code] (= FP4_E2M1_X2) * GGML_E8M0_TO_FP32_HALF(e) = 2^(e - 128)
+(ggml-quants.c dequantize_row_mxfp4, ggml-impl.h): the int8-g32 form above, byte for byte the same
+scales. Their experts offer it whatever the biases' storage (`int8_g32_with_bias` checks each bias on
+read; F32 biases converted from OpenAI's bf16 release hold bf16 values).
 """
 
 from __future__ import annotations
@@ -61,50 +73,56 @@ INT8_G32_EXPONENTS = (128 - 24, 128 + 15)
 FUSED = ("gate_up_proj", "down_proj")
 
 
-def _codes(blocks: torch.Tensor) -> torch.Tensor:
-    """MXFP4 blocks uint8 [R, G, 16] -> their e2m1 codes int64 [R, G, 32] (input 2j in byte j's low nibble)."""
+def _codes(blocks: torch.Tensor, halves: bool) -> torch.Tensor:
+    """MXFP4 blocks uint8 [R, G, 16] -> their e2m1 codes int64 [R, G, 32]: input 2j in byte j's low
+    nibble and 2j + 1 in its high one (OpenAI's / transformers' order), or with `halves` input j in the
+    low nibble and 16 + j in the high one (ggml's block_mxfp4, as its Q4_0)."""
     R, G, _ = blocks.shape
-    return torch.stack((blocks & 0x0F, blocks >> 4), -1).reshape(R, G, MXFP4_GROUP).long()
+    lo, hi = blocks & 0x0F, blocks >> 4
+    return (torch.cat((lo, hi), -1) if halves else torch.stack((lo, hi), -1).reshape(R, G, MXFP4_GROUP)).long()
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, halves: bool = False) -> torch.Tensor:
     """MXFP4 weights -> fp32 [R, G * 32].
 
     Args:
         blocks: uint8 [R, G, 16]: per row and group of 32 inputs, 16 bytes of two e2m1 codes each,
-            input 2j in the low nibble of byte j, input 2j + 1 in the high one.
-        scales: uint8 [R, G]: E8M0 exponents, the group's scale 2^(byte - 127).
+            input 2j in the low nibble of byte j, input 2j + 1 in the high one; with `halves` (ggml's
+            block_mxfp4 qs, GGUF type MXFP4) input j in the low nibble, 16 + j in the high one.
+        scales: uint8 [R, G]: E8M0 exponents, the group's scale 2^(byte - 127) (ggml's
+            GGML_E8M0_TO_FP32_HALF(byte) = 2^(byte - 128) times its doubled values kvalues_mxfp4 =
+            2 * FP4_E2M1: the same weights).
     Returns:
         fp32 [R, G * 32], each value FP4_E2M1[code] * scale (exact).
     """
     R, G, _ = blocks.shape
-    values = torch.tensor(FP4_E2M1, dtype=torch.float32)[_codes(blocks)]  # (R, G, 32)
+    values = torch.tensor(FP4_E2M1, dtype=torch.float32)[_codes(blocks, halves)]  # (R, G, 32)
     scale = torch.exp2(scales.float() - 127.0)  # (R, G)
     return (values * scale[..., None]).reshape(R, G * MXFP4_GROUP)
 
 
-def mxfp4_int8_g32(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor,
-                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp4_int8_g32(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, width: int,
+                   halves: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One MXFP4 projection and its bias as tiered's int8-g32 (module docstring), exactly.
 
     Args:
-        blocks: uint8 [R, G, 16], scales: uint8 [R, G] (as `dequantize_mxfp4` takes them; K = G * 32).
-        bias: [R], bf16 or fp16.
+        blocks: uint8 [R, G, 16], scales: uint8 [R, G], halves: as `dequantize_mxfp4` takes them
+            (K = G * 32).
+        bias: [R], any float dtype (`int8_g32_with_bias`).
         width: the padded in-features, biased_width(K) (> K, a multiple of 32).
     Returns:
         (q int8 [R, width], scale fp16 [R, width / 32]): columns < K the MXFP4 weight (q = 2 * e2m1
-        value, scale 2^(e - 128) per group), column K q = 1 with the bias as its group's scale, zeros
-        after; q * scale equals `_with_bias(dequantize_mxfp4(...), bias, width)` bit for bit but for
-        bf16 biases below 2^-17 in magnitude (rounded to fp16's subnormal grid: error <= 2^-25).
+        value, ggml's kvalues_mxfp4; scale 2^(e - 128) per group), column K q = 1 with the bias as its
+        group's scale, zeros after; q * scale equals `with_bias(dequantize_mxfp4(...), bias, width)`
+        bit for bit but for biases below 2^-17 in magnitude (rounded to fp16's subnormal grid: error
+        <= 2^-25).
     Raises:
         ValueError: a group with a non-zero code whose scale byte lies outside INT8_G32_EXPONENTS, or a
-            bias of magnitude above 65504 (the caller names the expert).
+            bias fp16 cannot hold (`int8_g32_with_bias`; the caller names the expert).
     """
     R, G, _ = blocks.shape
-    codes = _codes(blocks)  # (R, G, 32)
-    q = torch.zeros(R, width, dtype=torch.int8)
-    q[:, :G * MXFP4_GROUP] = torch.tensor(FP4_E2M1_X2, dtype=torch.int8)[codes].reshape(R, G * MXFP4_GROUP)
-    q[:, G * MXFP4_GROUP] = 1
+    codes = _codes(blocks, halves)  # (R, G, 32)
+    q = torch.tensor(FP4_E2M1_X2, dtype=torch.int8)[codes].reshape(R, G * MXFP4_GROUP)
     e = scales.to(torch.int32)  # (R, G)
     lo, hi = INT8_G32_EXPONENTS
     live = (codes & 7).any(-1)  # (R, G): groups with a non-zero value (an all-zero group takes any scale)
@@ -113,12 +131,39 @@ def mxfp4_int8_g32(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tenso
         r, g = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"row {r} group {g} has MXFP4 scale 2^{int(e[r, g]) - 127}, which int8-g32's fp16 "
                          f"scales hold exactly only within 2^{lo - 127} .. 2^{hi - 127}")
-    if bool((bias.float().abs() > 65504).any()):
-        raise ValueError(f"a bias of magnitude {float(bias.float().abs().max()):g} exceeds fp16's range")
-    scale = torch.zeros(R, width // MXFP4_GROUP, dtype=torch.float16)
-    scale[:, :G] = torch.exp2((e.clamp(lo, hi) - 128).float()).to(torch.float16)
-    scale[:, G] = bias.float().to(torch.float16)
-    return q, scale
+    scale = torch.exp2((e.clamp(lo, hi) - 128).float()).to(torch.float16)
+    return int8_g32_with_bias(q, scale, bias, width)
+
+
+def int8_g32_with_bias(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
+                       width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8-g32 weight and its bias as one int8-g32 weight over the input with a 1 appended
+    (ModelConfig.expert_shapes): the bias is a group of its own, q = 1 at column K with the bias as
+    its fp16 scale, zeros after.
+
+    Args:
+        q: int8 [R, K], scale: fp16 [R, K / 32] (w = q * scale per group of 32 inputs; K % 32 == 0).
+        bias: [R], any float dtype; width: biased_width(K).
+    Returns:
+        (q int8 [R, width], scale fp16 [R, width / 32]).
+    Raises:
+        ValueError: a bias fp16 does not hold to within 2^-25: beyond 65504 in magnitude, or with more
+            significant bits than fp16 keeps (an fp32 bias that is no bf16 / fp16 value); bf16 and
+            fp16 biases always fit but for rounding below 2^-17 (error <= 2^-25).
+    """
+    R, K = q.shape
+    b = bias.float()
+    b16 = b.to(torch.float16)
+    err = (b16.float() - b).abs()
+    if bool((~torch.isfinite(err) | (err > 2.0 ** -25)).any()):
+        i = int((~torch.isfinite(err) | (err > 2.0 ** -25)).nonzero()[0])
+        raise ValueError(f"bias {float(b[i]):.9g} (row {i}) is not an fp16 number (beyond 65504 in magnitude, "
+                         "or more significant bits than fp16 keeps)")
+    out_q = torch.zeros(R, width, dtype=torch.int8)
+    out_q[:, :K], out_q[:, K] = q, 1
+    out_s = torch.zeros(R, width // MXFP4_GROUP, dtype=torch.float16)
+    out_s[:, :K // MXFP4_GROUP], out_s[:, K // MXFP4_GROUP] = scale, b16
+    return out_q, out_s
 
 
 def expert_names(layer: int, expert: int) -> tuple[str, str, str]:
@@ -196,17 +241,20 @@ def fold(handles: dict[str, TensorHandle], config, quantization_config, path,
         for e in range(E):
             # (this layer's readers bound as defaults: the loop rebinds the names)
             loads = (
-                lambda e=e, w=gate_up, b=gb_get: _with_bias(w(e)[0::2], b(e)[0::2], Db),  # (F, Db)
-                lambda e=e, w=gate_up, b=gb_get: _with_bias(w(e)[1::2], b(e)[1::2], Db),
-                lambda e=e, w=down, b=db_get: _with_bias(w(e), b(e), Fb),  # (D, Fb)
+                lambda e=e, w=gate_up, b=gb_get: with_bias(w(e)[0::2], b(e)[0::2], Db),  # (F, Db)
+                lambda e=e, w=gate_up, b=gb_get: with_bias(w(e)[1::2], b(e)[1::2], Db),
+                lambda e=e, w=down, b=db_get: with_bias(w(e), b(e), Fb),  # (D, Fb)
             )
             int8s = (None,) * 3  # offered for MXFP4 with 16-bit biases (fp32 ones: fp16 cannot hold them)
             if packed and gate_b.format in ("BF16", "F16") and down_b.format in ("BF16", "F16"):
                 names = expert_names(layer, e)
                 int8s = (
-                    lambda e=e, r=gu_raw, b=gb_get, n=names[0]: _int8_g32(n, *r(e, 0), b(e)[0::2], Db),
-                    lambda e=e, r=gu_raw, b=gb_get, n=names[1]: _int8_g32(n, *r(e, 1), b(e)[1::2], Db),
-                    lambda e=e, r=dn_raw, b=db_get, n=names[2]: _int8_g32(n, *r(e, None), b(e), Fb),
+                    lambda e=e, r=gu_raw, b=gb_get, n=names[0]: checked_int8_g32(
+                        n, mxfp4_int8_g32, *r(e, 0), b(e)[0::2], Db),
+                    lambda e=e, r=gu_raw, b=gb_get, n=names[1]: checked_int8_g32(
+                        n, mxfp4_int8_g32, *r(e, 1), b(e)[1::2], Db),
+                    lambda e=e, r=dn_raw, b=db_get, n=names[2]: checked_int8_g32(
+                        n, mxfp4_int8_g32, *r(e, None), b(e), Fb),
                 )
             for name, load, shape, n, b, f, i8 in zip(expert_names(layer, e), loads, shapes, parts_bytes, bias_bytes,
                                                       files, int8s):
@@ -240,17 +288,18 @@ def _mxfp4_raw(parts: tuple[TensorHandle, TensorHandle], expert_slice) -> Callab
     return raw
 
 
-def _int8_g32(name: str, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor,
-              width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`mxfp4_int8_g32` of one expert projection, its refusal a CheckpointError naming the tensor."""
+def checked_int8_g32(name: str, convert: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                     *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`convert(*args)` (`mxfp4_int8_g32` or `int8_g32_with_bias`) of one expert projection, its
+    ValueError (a scale or bias int8-g32 cannot hold exactly) a CheckpointError naming the tensor."""
     try:
-        return mxfp4_int8_g32(blocks, scales, bias, width)
+        return convert(*args)
     except ValueError as e:
-        raise CheckpointError(f"{name}: {e}", "hold gpt-oss's experts as bf16 (--weights bf16: exact) "
+        raise CheckpointError(f"{name}: {e}", "hold gpt-oss's experts dequantized (--weights bf16 or fp32) "
                               "or re-quantized (--weights int8)") from None
 
 
-def _with_bias(w: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
+def with_bias(w: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
     """w [N, K], b [N] -> [N, width]: w, b as column K, zeros after it (width > K; w's dtype where both
     are floats of one dtype, else fp32)."""
     dt = w.dtype if w.dtype == b.dtype else torch.float32

@@ -58,7 +58,8 @@ class TensorHandle:
             one (checkpoint/bnb.py), or "BNB_NF4" / "BNB_FP4": a bitsandbytes 4-bit weight (checkpoint/
             bnb.py; `load` dequantizes), or "MXFP4": one gpt-oss expert projection, its bias a padded
             input column (checkpoint/gpt_oss.py; `load` dequantizes, `int8_g32_parts` gives the codes
-            as int8-g32 where its biases are 16-bit floats).
+            as int8-g32 where offered: 16-bit biases in safetensors, always in GGUF files). A GGUF
+            gpt-oss expert stored as Q8_0 has that padded layout too: no `blocks`, `int8_g32_parts`.
         nbytes: bytes the tensor occupies in its file (an fp8 weight's with its scales).
         path: the file holding it.
     """
@@ -86,7 +87,7 @@ class TensorHandle:
     # per output channel or per tensor); None for grouped or asymmetric ones (they load dequantized)
     _int8: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
     int8_group: int | None = None  # INT8: inputs per scale (K: per channel or tensor; 0: act-order groups)
-    # MXFP4 (gpt-oss's experts, checkpoint/gpt_oss.py) with 16-bit biases: () -> (q int8 [N, K], scale fp16
+    # gpt-oss's MXFP4 (or GGUF Q8_0) experts, checkpoint/gpt_oss.py: () -> (q int8 [N, K], scale fp16
     # [N, K / 32]), w = q * scale per group of 32 inputs, tiered's int8-g32 exactly; None where not offered
     _int8_g32: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -183,9 +184,9 @@ class TensorHandle:
         return self._int8_g32 is not None
 
     def int8_g32_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weight as tiered's int8-g32 straight from its stored codes (gpt-oss's MXFP4 experts,
-        checkpoint/gpt_oss.py): (q int8 [N, K], scale fp16 [N, K/32]) with w = q * scale[group],
-        bit for bit what `load` gives.
+        """The weight as tiered's int8-g32 straight from its stored codes (gpt-oss's MXFP4 experts, a
+        GGUF file's Q8_0 ones, checkpoint/gpt_oss.py): (q int8 [N, K], scale fp16 [N, K/32]) with
+        w = q * scale[group], bit for bit what `load` gives.
 
         Raises:
             ValueError: the weight offers no such form.

@@ -109,8 +109,10 @@ def load_gguf_tokenizer(path: Path):
         try:
             try:
                 tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            except ValueError as e:
-                if "not supported" not in str(e):
+            except (ValueError, TypeError) as e:
+                # an architecture transformers does not load from GGUF ("not supported"), or one whose model
+                # settings its GGUF reader fails on (transformers 5's gpt-oss rope.scaling reader: TypeError)
+                if isinstance(e, ValueError) and "not supported" not in str(e):
                     raise
                 tok = _gguf_tokenizer_of_any_architecture(path)
         except Exception as e:  # corrupt or unsupported tokenizer metadata

@@ -28,6 +28,8 @@ dequantizing where the mapping is exact.
                                  (checkpoint/gpt_oss.mxfp4_int8_g32)                    bf16/fp16, >= 2^-17)
     MXFP4 with fp32 biases -> bf16 (or the compute format), dequantized                  weights yes
     (checkpoint/hf_dir; fp8 of other block sizes takes the compute format, dequantized)
+    GGUF gpt-oss experts, MXFP4 or Q8_0 with F32 biases -> int8-g32 as above (the bias checked on read:
+    checkpoint/gpt_oss.int8_g32_with_bias; the converter's F32 biases hold the release's bf16 values)
 
 Sources: ggml-quants.c block layouts (block_q4_0 {d; qs[16]}, block_q4_1 {d; m; qs[16]},
 block_q8_0 {d; qs[32]}); the `gguf` package dequantizes the K types.
@@ -157,7 +159,8 @@ def projection_segments(handle, kind: str, int4_layout: str,
                         out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Segments of one projection in `kind` from its checkpoint handle: GGUF Q4_0/Q4_1/Q4_K -> int4
     and Q8_0 -> int8-g32 straight from the blocks, gpt-oss's MXFP4 -> int8-g32 from its codes and
-    scales (TensorHandle.int8_g32_parts); anything else through the dense weight. `out`:
+    scales, a GGUF gpt-oss Q8_0 expert from its blocks with the bias as a group (TensorHandle.int8_g32_parts,
+    checkpoint/gguf_file.py); anything else through the dense weight. `out`:
     the projection's segment views in an expert's slot (ExpertFormat.views), which the native
     repacking passes write in place (then the returned segments are those views)."""
     out = out or {}
@@ -174,7 +177,7 @@ def projection_segments(handle, kind: str, int4_layout: str,
         if int8_tiled(int4_layout, *q.shape):
             return {"qt": tiled_int8(q), "scale": scale.to(torch.bfloat16)}
         return {"q": q, "scale": scale.to(torch.bfloat16)}
-    if handle.format == "MXFP4" and kind == "int8-g32" and handle.int8_g32_exact:  # gpt-oss: codes x 2, scales / 2
+    if kind == "int8-g32" and handle.int8_g32_exact:  # gpt-oss's MXFP4 (codes x 2, scales / 2) or Q8_0 with its bias
         return int8_g32_segments(*handle.int8_g32_parts(), int4_layout)
     if handle.format in INT4_BLOCK_FORMATS and kind == "int4":
         ext = load() if int4_layout == "tiled" else None
