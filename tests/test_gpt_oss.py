@@ -552,6 +552,30 @@ def test_features_are_exercised(zoo, change):
     assert rel_err(model_logits(model, ids), zoo.logits("fp32", ids)) > 1e-3
 
 
+@pytest.mark.parametrize("T, S, window, dtype", [(37, 37, None, torch.float32), (5, 37, None, torch.float32),
+                                                  (37, 37, 4, torch.float32), (20, 20, None, torch.bfloat16)])
+def test_sink_attention_on_cpu_flash_equals_eager(monkeypatch, T, S, window, dtype):
+    """models/gpt_oss.attend_with_sinks on the CPU (torch's flash attention and its logsumexp, the sink
+    applied after) equals the eager softmax with the sink column: a prompt (T = S, causal), a chunk
+    after cached positions (T < S: the last T queries), a sliding-window mask, bf16 (to its rounding)."""
+    from tiered.models import gpt_oss
+
+    if gpt_oss._FLASH_CPU is None:
+        pytest.skip("this torch has no _scaled_dot_product_flash_attention_for_cpu")
+    g = torch.Generator().manual_seed(T + S)
+    q, k, v = (torch.randn(2, h, n, 64, generator=g).to(dtype) for h, n in ((8, T), (2, S), (2, S)))
+    sinks = 2 * torch.randn(8, generator=g)
+    mask, causal = None, True
+    if window is not None:
+        pos, keys = torch.arange(S - T, S), torch.arange(S)
+        mask, causal = ((keys <= pos[:, None]) & (keys > pos[:, None] - window))[None, None].expand(2, 1, T, S), False
+    got = gpt_oss.attend_with_sinks(q, k, v, mask, causal, 0.125, sinks)
+    monkeypatch.setattr(gpt_oss, "_FLASH_CPU", None)
+    want = gpt_oss.attend_with_sinks(q, k, v, mask, causal, 0.125, sinks)
+    assert got.dtype == want.dtype == dtype
+    assert (got.float() - want.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 # ------------------------------------------------------------------------------- damaged checkpoints
 @pytest.mark.parametrize("damage", ["no_scales", "blocks_shape", "scales_shape", "no_bias", "no_quant_config"])
 def test_damaged_mxfp4_checkpoint_is_refused(zoo, tmp_path, damage):

@@ -41,6 +41,10 @@ from tiered.models.llama import CausalLM, DecoderLayer
 from tiered.models.moe import LocalExperts, MoEBlock, SWIGLU_EXPERT_NAMES
 
 
+# torch's CPU flash attention returning each query's logsumexp (a private op: None where this torch lacks it)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
                       scale: float, sinks: torch.Tensor) -> torch.Tensor:
     """Attention whose softmax has one more logit per head, the sink, dropped after the softmax.
@@ -52,12 +56,23 @@ def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         scale: the logits' factor (hd ** -0.5); sinks: [H], any float dtype.
     Returns:
         [B, H, T, hd] in q's dtype: softmax([q k^T * scale, sink])[:S] @ v, the softmax in fp32.
-    Computed eagerly (scores [B, H, T, S] in fp32), as transformers' eager_attention_forward.
+    On the CPU, torch's flash attention (no [B, H, T, S] scores: 3.5x faster at 512 tokens, 7x at
+    1024, gpt-oss-20b's heads on 2 cores) gives softmax(q k^T * scale) v and each query's logsumexp
+    of its scores, lse; the sink then rescales it exactly: o = o_keys * sigmoid(lse - sink), the share
+    of the weight the keys keep. Elsewhere computed eagerly (scores [B, H, T, S] in fp32), as
+    transformers' eager_attention_forward.
     """
     B, H, T, _ = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if Hkv != H:  # (B, Hkv, S, hd) -> (B, H, S, hd)
         k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+    if q.device.type == "cpu" and T > 1 and _FLASH_CPU is not None:
+        if causal and T != S:  # the kernel's causal mask is top-left aligned: the last T queries' explicitly
+            mask, causal = torch.ones(T, S, dtype=torch.bool).tril(S - T), False
+        bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+        out, lse = _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)[:2]  # (B, H, T, hd), (B, H, T) fp32
+        keep = torch.sigmoid(lse - sinks.float().view(1, H, 1))  # e^lse / (e^lse + e^sink)
+        return (out.float() * keep.unsqueeze(-1)).to(q.dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # (B, H, T, S)
     if causal:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
