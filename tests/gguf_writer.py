@@ -485,6 +485,23 @@ def write_deepseek_gguf(model, path: Path, legacy: bool = False,
     return path
 
 
+def _finish_metadata(w, vocab_size: int, tokenizer_from, drop, extra) -> None:
+    """The metadata every MoE test writer ends with: the vocabulary size, the tokenizer (none, or copied
+    from `tokenizer_from`'s GGUF as tiered's benchmark writers copy it), `drop`'s keys removed and
+    `extra(w)` (a test's own additions)."""
+    w.add_vocab_size(vocab_size)
+    if tokenizer_from is None:
+        w.add_tokenizer_model("none")
+    else:
+        from tiered.bench.gguf_moe import add_tokenizer, read_tokenizer
+
+        add_tokenizer(w, read_tokenizer(tokenizer_from, vocab_size)[0])
+    for key in drop:
+        del w.kv_data[0][key]
+    if extra is not None:
+        extra(w)
+
+
 def write_glm4_moe_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
                         mtp: bool = False, tokenizer_from: Path | None = None, drop: tuple[str, ...] = (),
                         extra=None) -> Path:
@@ -544,17 +561,7 @@ def write_glm4_moe_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQua
     w.add_expert_weights_norm(bool(c.norm_topk_prob))
     if mtp:
         w.add_nextn_predict_layers(1)
-    w.add_vocab_size(c.vocab_size)
-    if tokenizer_from is None:
-        w.add_tokenizer_model("none")
-    else:  # the tokenizer keys as tiered's benchmark writers copy them
-        from tiered.bench.gguf_moe import add_tokenizer, read_tokenizer
-
-        add_tokenizer(w, read_tokenizer(tokenizer_from, c.vocab_size)[0])
-    for key in drop:
-        del w.kv_data[0][key]
-    if extra is not None:
-        extra(w)
+    _finish_metadata(w, c.vocab_size, tokenizer_from, drop, extra)
 
     def put(name: str, a: np.ndarray, router: bool = False) -> None:
         a = np.ascontiguousarray(a, dtype=np.float32)
@@ -704,17 +711,7 @@ def write_gpt_oss_gguf(model, path: Path, experts: str = "F32", qtype: GGMLQuant
     w.add_file_type(int(qtype))
     w.add_sliding_window(c.sliding_window)
     w.add_expert_feed_forward_length(c.intermediate_size)
-    w.add_vocab_size(c.vocab_size)
-    if tokenizer_from is None:
-        w.add_tokenizer_model("none")
-    else:  # the tokenizer keys as tiered's benchmark writers copy them
-        from tiered.bench.gguf_moe import add_tokenizer, read_tokenizer
-
-        add_tokenizer(w, read_tokenizer(tokenizer_from, c.vocab_size)[0])
-    for key in drop:
-        del w.kv_data[0][key]
-    if extra is not None:
-        extra(w)
+    _finish_metadata(w, c.vocab_size, tokenizer_from, drop, extra)
     mx = mxfp4_experts(model) if experts == "MXFP4" else {}
 
     def put(name: str, a: np.ndarray, qt: GGMLQuantizationType | None = qtype) -> None:
