@@ -11,9 +11,10 @@ its high one; checked against the gguf package's MXFP4 dequantizer, llama.cpp's 
 Checked: llama.cpp itself (llama-cpp-python, where installed) scores the files as transformers does;
 the config and tensor names equal the Hugging Face directory's; lossless fp32 prompt logits, greedy
 tokens and decode steps within 1e-4 of transformers on the weights each file holds; MXFP4 and Q8_0
-experts offer int8-g32 bit for bit (codes, 2^(e - 128) / fp16 scales, the bias group) and the default
-CPU engine keeps them so; malformed files and what tiered does not compute refused with clear errors;
-`tiered info`; the tokenizer.
+experts offer int8-g32 bit for bit (codes, 2^(e - 128) / fp16 scales, the bias group), MXFP4 ones the
+mxfp4 kind's raw parts too (bit for bit through quant/mxfp4), and the default CPU engine keeps them as
+mxfp4 / int8-g32, its decode steps in the native step; malformed files and what tiered does not
+compute refused with clear errors; `tiered info`; the tokenizer.
 """
 
 from __future__ import annotations
@@ -248,6 +249,27 @@ def test_mxfp4_experts_are_int8_g32_bit_for_bit(zoo):
                 assert torch.equal(got, want) and torch.equal(h.load(), want), (layer, e, proj)
 
 
+def test_mxfp4_experts_are_the_mxfp4_kind_bit_for_bit(zoo):
+    """Every MXFP4 expert projection offers its raw parts in ggml's nibble order (mxfp4_halves): the
+    blocks' qs and e bytes as stored and the bias; as the mxfp4 kind's segments (tiled and plain) they
+    dequantize to `load`'s values (the encoded weights, the bias as column K, zeros after) bit for bit."""
+    from tiered.checkpoint.gpt_oss import mxfp4_codes
+    from tiered.quant import mxfp4
+
+    ckpt, mx = open_checkpoint(zoo.path("MXFP4")), mxfp4_experts(zoo.model)
+    blocks = torch.from_numpy(mx["model.layers.1.mlp.experts.down_proj"][0][3].copy()).reshape(64, 1, 17)
+    h = ckpt.handle("model.layers.1.mlp.experts.3.down_proj.weight")
+    b, e, bias = h.mxfp4_parts()
+    assert h.mxfp4_exact and h.mxfp4_halves and torch.equal(b, blocks[..., 1:]) and torch.equal(e, blocks[..., 0])
+    assert torch.equal(bias, zoo.model.model.layers[1].mlp.experts.down_proj_bias[3].detach())
+    for name in ckpt.names():
+        if ".experts." in name:
+            h = ckpt.handle(name)
+            codes, scale = mxfp4_codes(*h.mxfp4_parts(), h.shape[1], h.mxfp4_halves)
+            for layout in ("tiled", "plain"):
+                assert torch.equal(mxfp4.dequantize(mxfp4.segments(codes, scale, layout), *h.shape), h.load()), name
+
+
 def test_q8_0_experts_are_int8_g32_bit_for_bit(zoo):
     """Q8_0 experts: int8_g32_parts holds the blocks' int8 codes and fp16 scales as stored, the bias a
     group of its own; q * scale equals `load` (the gguf package's dequantization, bias column added)."""
@@ -270,18 +292,43 @@ def test_q8_0_experts_are_int8_g32_bit_for_bit(zoo):
             assert torch.equal(got, h.load()), name
 
 
-@pytest.mark.parametrize("experts", ["MXFP4", "Q8_0"])
-def test_default_engine_keeps_the_experts_as_int8_g32(zoo, experts):
-    """EngineConfig() on the CPU: experts held as int8-g32 straight from the file (the plan says mapped
-    exactly), logits within the int8-g32 expert tests' 2e-2 of transformers' (bf16 KV cache and decode
-    copies, int16 activations)."""
+@pytest.mark.parametrize("experts, kind", [pytest.param("MXFP4", "mxfp4", marks=native_only), ("Q8_0", "int8-g32")])
+def test_default_engine_keeps_the_experts_exactly(zoo, experts, kind):
+    """EngineConfig() on the CPU: experts held straight from the file (MXFP4 as mxfp4, the e2m1 codes as
+    stored; Q8_0 as int8-g32; the plan says mapped exactly) at sizes.expert_bytes', prompt logits within
+    the quantized expert tests' 2e-2 of transformers' (bf16 KV cache and decode copies, int8 / int16
+    activations) with the same next tokens where transformers' are not near-tied. With the kernels
+    built every layer's decode step runs whole in the native step ([("native", 0, 4)]: the experts'
+    projections bound by DecodeStep.set_moe), its logits within 1e-3 of the same step with the MoE
+    blocks run as modules, and of transformers' within 2e-2 (int8-g32) or 0.1 (mxfp4: its one-row
+    calls read int8 activations, which this model's GLU outliers coarsen; the exact weights on exact
+    activations give 0.02)."""
+    from tiered.memory import sizes
+
     ids = torch.randint(2, 256, (16,), generator=torch.Generator().manual_seed(4)).tolist()
     assert router_gap(zoo.path(experts), ids) > 1e-2  # no near-tied expert choice the activations could flip
     llm = LLM(zoo.path(experts), EngineConfig(max_context=32, accelerator="none"))
     try:
-        assert llm.plan.dtypes["experts"] == "int8-g32"
+        assert llm.plan.dtypes["experts"] == kind and llm.experts.store.fmt.name == kind
+        assert llm.experts.store.expert_bytes == sizes.expert_bytes(llm.config, kind)
         assert any("mapped exactly" in n for n in llm.plan.notes), llm.plan.notes
-        assert rel_err(llm.logits(ids), zoo.logits(experts, ids)) <= 2e-2
+        got, ref = llm.logits(ids), zoo.logits(experts, ids)
+        top = ref.topk(2, -1).values
+        clear = top[:, 0] - top[:, 1] > 0.05  # not near-tied: the bf16 logits alone are ~0.008 apart at 2
+        assert rel_err(got, ref) <= 2e-2 and torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+        if kernels.available():
+            step = llm.runtime.cpu_decode
+            assert step.schedule == [("native", 0, 4)]
+            native = decode_logits(llm, step, ids, 3)
+            step.schedule = step.fallback
+            try:
+                modules = decode_logits(llm, step, ids, 3)
+            finally:
+                step.schedule = [("native", 0, 4)]
+            assert rel_err(native, modules) <= 1e-3
+            # one-row expert calls: mxfp4 on int8 activations (llama.cpp's Q8_0; this model's GLU outputs,
+            # past a clamp of 7 with gate/up x3, put outliers in their groups of 32), int8-g32 on int16 ones
+            assert rel_err(native, ref[3:]) <= (0.1 if kind == "mxfp4" else 2e-2)
     finally:
         llm.close()
 
@@ -297,6 +344,10 @@ def test_bias_fp16_cannot_hold_is_refused_on_read(zoo, tmp_path):
     with pytest.raises(CheckpointError, match="layers.1.mlp.experts.2.down_proj.*bias") as e:
         h.int8_g32_parts()
     assert "--weights" in str(e.value)
+    from tiered.quant.gguf_experts import projection_segments
+
+    with pytest.raises(CheckpointError, match="layers.1.mlp.experts.2.down_proj.*bias.*bf16"):
+        projection_segments(h, "mxfp4", "tiled")  # nor a bf16 one: the mxfp4 kind refuses it too
     assert float(h.load()[5, 32]) == pytest.approx(0.1234567, rel=1e-7)
 
 
@@ -359,7 +410,8 @@ def test_what_tiered_does_not_compute_is_refused(zoo, tmp_path, kw, match):
 
 # ------------------------------------------------------------------------------ info, tokenizer
 def test_tiered_info(zoo):
-    """`tiered info` on an MXFP4 file: gpt-oss's attention and experts, kept as int8-g32 exactly."""
+    """`tiered info` on an MXFP4 file: gpt-oss's attention and experts, kept as mxfp4 exactly (int8-g32
+    without the kernels)."""
     from typer.testing import CliRunner
 
     from tiered.cli import app
@@ -367,7 +419,9 @@ def test_tiered_info(zoo):
     res = CliRunner().invoke(app, ["info", str(zoo.path("MXFP4"))])
     assert res.exit_code == 0, res.output
     for line in ("model_type:  gpt_oss", "experts:     8, top-4, expert FFN 32, biased clamped GLU (limit 7)",
-                 "window 4 on layers [0, 2]", "stored MXFP4/MXFP4/MXFP4 (gate/up/down) -> kept as int8-g32; exact"):
+                 "window 4 on layers [0, 2]",
+                 "stored MXFP4/MXFP4/MXFP4 (gate/up/down) -> kept as "
+                 + ("mxfp4" if kernels.available() else "int8-g32") + "; exact"):
         assert line in res.output, res.output
 
 

@@ -22,7 +22,8 @@ in RAM, on disk behind a 3-slot cache, in CPU RAM behind the host stand-in accel
 decode past the window through the CPU decode step's torch-op and native forms (the native step runs
 gpt-oss's attention, router and experts itself: sinks merged across split keys, windows per layer,
 biased clamped-GLU experts), greedy tokens, that each feature changes the logits, and damaged MXFP4 files; the
-default CPU engine's int8-g32 experts (bit for bit the MXFP4 weights), --weights int4.
+default CPU engine's mxfp4 experts (the e2m1 codes as stored, bit for bit the MXFP4 weights; int8-g32
+where the kernels are not built), behind the host stand-in accelerator too, --weights int4.
 """
 
 from __future__ import annotations
@@ -342,6 +343,48 @@ def test_experts_on_disk_small_cache(zoo, layout, tmp_path):
         llm.close()
 
 
+@native_only
+@pytest.mark.parametrize("where", ["device", "copies"])
+def test_mxfp4_experts_behind_host_accelerator(zoo, where, monkeypatch):
+    """The MXFP4 checkpoint behind the host stand-in accelerator (bf16 compute): experts held as mxfp4,
+    all resident on the device ("device") or in CPU RAM behind a 2-slot device cache ("copies": a fast
+    budget of the bf16 non-expert weights, KV cache, workspace and 4 mxfp4 experts), computed on the
+    device by torch ops (quant/mxfp4.dequantize: the e2m1 table applied there, as a GPU does after its
+    copy) or on the CPU by the native kernels. On the device the weights are the int8-g32 form's bit for
+    bit, so the logits equal that engine's exactly; with copies (CPU misses on int8 activations, int8-g32's
+    on int16 ones) within 2e-2 of them; the same next tokens as transformers either way (whose logits
+    this bf16 accelerator path, of either kind, keeps within ~0.15 on this tiny random model)."""
+    path = zoo.dir("mxfp4")
+    cfg = open_checkpoint(path).config
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 32 * cfg.head_dim * 2
+    fixed = (2 * stored_elements(path, lambda n: ".experts." not in n) + kv + 2 * 32 * cfg.head_dim * 4
+             + sizes.workspace_bytes(cfg, "bf16"))
+    ids = prompt()
+    logits = {}
+    for kind in ("mxfp4", "int8-g32"):
+        if kind == "int8-g32":  # stored_kind without the kernels: MXFP4 as int8-g32
+            monkeypatch.setattr("tiered.quant.gguf_experts.load", lambda: None)
+        gpu = fast_bytes(path, 2, True) if where == "device" else fixed + 4 * sizes.expert_bytes(cfg, kind)
+        llm = LLM(path, EngineConfig(accelerator="host", dtype="bfloat16", max_context=32, cpu_memory="64MiB",
+                                     gpu_memory=gpu, expert_cache_slots=2))
+        try:
+            assert llm.experts.store.fmt.name == kind
+            assert llm.experts.placement.count(FAST if where == "device" else CPU) == 32, llm.experts.placement
+            logits[kind] = llm.logits(ids)
+            if kind == "mxfp4":
+                assert len(llm.generate([ids], GREEDY)[0].token_ids) == 16
+                if where == "copies":
+                    assert llm.experts.path_counts["copy"] > 0, llm.experts.path_counts
+        finally:
+            llm.close()
+    got, ref = logits["mxfp4"], zoo.logits("mxfp4", ids)
+    if where == "device":
+        assert torch.equal(got, logits["int8-g32"])
+    else:
+        assert rel_err(got, logits["int8-g32"]) <= 2e-2
+    assert torch.equal(got.argmax(-1), ref.argmax(-1)) and rel_err(got, ref) <= 0.15
+
+
 def test_experts_in_cpu_ram_behind_host_accelerator(zoo):
     """The accelerator's path (the host stand-in) holds the non-expert weights and a 2-slot cache, the
     experts live in CPU RAM and go through the dispatcher (copies or CPU compute; no grouped or split
@@ -390,14 +433,16 @@ def test_native_sink_attention_split_over_threads(zoo):
 @native_only
 @pytest.mark.parametrize("dtype", [None, "bfloat16"], ids=["default", "bfloat16"])
 def test_default_engine_runs_the_whole_step_natively(zoo, dtype):
-    """The default CPU engine (int8-g32 experts straight from MXFP4, all resident) runs every layer whole
+    """The default CPU engine (mxfp4 experts straight from MXFP4, all resident) runs every layer whole
     in the native step: its attention with sinks and windows, the biased router, and the experts' biases
-    and clamped GLU (DecodeStep.set_moe's router_bias, swiglu_limit). Its decode logits equal the same
-    engine's step with the MoE blocks run as modules (the fallback schedule) within 1e-3 (fp32
-    activations, the default; bf16: 1e-2), and transformers' within the int8-g32 tolerance of 2e-2
-    (fp32); the step counts its resident expert uses."""
+    and clamped GLU (DecodeStep.set_moe's router_bias, swiglu_limit; the experts' projections the tiled
+    int4 kernels through the e2m1 table). Its decode logits equal the same engine's step with the MoE
+    blocks run as modules (the fallback schedule) within 1e-3 (fp32 activations, the default; bf16:
+    1e-2), and transformers' within the quantized experts' tolerance of 2e-2 (fp32); the step counts
+    its resident expert uses."""
     llm = LLM(zoo.dir("mxfp4"), EngineConfig(max_context=32, accelerator="none", **({"dtype": dtype} if dtype else {})))
     try:
+        assert llm.experts.store.fmt.name == "mxfp4"
         step = llm.runtime.cpu_decode
         assert step.schedule == [("native", 0, 4)] and step.fallback == [("attn", i) for i in range(4)]
         ids = prompt(20, seed=4)
@@ -456,20 +501,25 @@ def expected_expert(hf, layer: int, e: int) -> list[torch.Tensor]:
     return out
 
 
-def test_default_engine_holds_mxfp4_experts_as_int8_g32_exactly(zoo):
-    """EngineConfig() defaults on the CPU over the MXFP4 checkpoint: every expert held as int8-g32
-    straight from its codes (the plan says mapped exactly, not re-quantized), whose dequantized values
-    equal the MXFP4 weights and bf16 biases transformers computes with, bit for bit; RAM per expert is
-    sizes.expert_bytes'; prompt logits within the int8-g32 expert tests' 2e-2 of transformers' (bf16
-    KV cache and decode copies, int16 activations), the same next tokens; greedy generation runs."""
+@pytest.mark.parametrize("kind", [pytest.param("mxfp4", marks=native_only), "int8-g32"])
+def test_default_engine_holds_mxfp4_experts_exactly(zoo, kind, monkeypatch):
+    """EngineConfig() defaults on the CPU over the MXFP4 checkpoint: every expert held as mxfp4 (the
+    e2m1 codes as stored; int8-g32 where tiered's kernels are not built, as quant/gguf_experts.stored_kind
+    is made to see here) straight from its codes (the plan says mapped exactly, not re-quantized), whose
+    dequantized values equal the MXFP4 weights and bf16 biases transformers computes with, bit for bit;
+    RAM per expert is sizes.expert_bytes'; prompt logits within the quantized expert tests' 2e-2 of
+    transformers' (bf16 KV cache and decode copies, int8 / int16 activations), the same next tokens;
+    greedy generation runs."""
+    if kind == "int8-g32":
+        monkeypatch.setattr("tiered.quant.gguf_experts.load", lambda: None)
     llm = LLM(zoo.dir("mxfp4"), EngineConfig(max_context=32, accelerator="none"))
     try:
-        assert llm.plan.dtypes["experts"] == "int8-g32" and llm.experts.store.fmt.name == "int8-g32"
-        assert any("experts stored as int8-g32" in n and "mapped exactly" in n for n in llm.plan.notes), llm.plan.notes
+        assert llm.plan.dtypes["experts"] == kind and llm.experts.store.fmt.name == kind
+        assert any(f"experts stored as {kind}" in n and "mapped exactly" in n for n in llm.plan.notes), llm.plan.notes
         assert not any("re-quantized" in n for n in llm.plan.notes)
-        nbytes = sizes.expert_bytes(llm.config, "int8-g32")
+        nbytes = sizes.expert_bytes(llm.config, kind)
         assert llm.experts.store.expert_bytes == llm.experts.store.fmt.nbytes == llm.plan.expert_bytes == nbytes
-        assert nbytes < 0.6 * sizes.expert_bytes(llm.config, "bf16")
+        assert nbytes < (0.35 if kind == "mxfp4" else 0.6) * sizes.expert_bytes(llm.config, "bf16")
         hf, fmt = zoo.hf("mxfp4"), llm.experts.store.fmt
         for layer in range(4):
             for e in range(8):

@@ -35,7 +35,7 @@ ggml-org/gpt-oss-20b-GGUF) are read as transformers' gpt_oss (`_gpt_oss_config`)
 the router (weight and bias), the even layers sliding (`attention.sliding_window_pattern`, default
 2). The experts' stacked weights and biases (`ffn_{gate,up,down}_exps.{weight,bias}`, gate and up
 apart) become per-expert handles of gpt-oss's biased layout (checkpoint/gpt_oss.py), MXFP4 blocks
-read in ggml's layout and offered as int8-g32 exactly (`_biased_experts`).
+read in ggml's layout and offered as int8-g32 and as the mxfp4 kind exactly (`_biased_experts`).
 """
 
 from __future__ import annotations
@@ -678,7 +678,9 @@ class GGUFCheckpoint(HandleTable):
         Weights stored as MXFP4 (ggml's block_mxfp4) or Q8_0 load dequantized (exact in fp32) and offer
         int8-g32 (`TensorHandle.int8_g32_parts`): MXFP4's codes and scales (checkpoint/gpt_oss.
         mxfp4_int8_g32, ggml's nibble order), Q8_0's int8 codes and fp16 scales as stored; the bias a group
-        of its own (int8_g32_with_bias: refused on read where fp16 cannot hold it). F32 / F16 / BF16
+        of its own (int8_g32_with_bias: refused on read where fp16 cannot hold it). MXFP4 with F32 / BF16
+        biases also offers its raw parts (`TensorHandle.mxfp4_parts`, halves: ggml's nibble order) for the
+        mxfp4 kind (gpt_oss.mxfp4_codes refuses on read a bias that is no bf16 number). F32 / F16 / BF16
         weights load as stored.
 
         Raises:
@@ -713,7 +715,7 @@ class GGUFCheckpoint(HandleTable):
     def _biased_expert(self, hf: str, w, b, e: int) -> TensorHandle:
         """Expert `e`'s handle `hf` [rows, biased_width(cols)] from the stacked weight `w` [E, rows, cols]
         and bias `b` [E, rows] of a "gpt-oss" file (`_biased_experts`)."""
-        from tiered.checkpoint.gpt_oss import (MXFP4_GROUP, checked_int8_g32, dequantize_mxfp4, int8_g32_with_bias,
+        from tiered.checkpoint.gpt_oss import (MXFP4_GROUP, checked_form, dequantize_mxfp4, int8_g32_with_bias,
                                                mxfp4_int8_g32, with_bias)
         from tiered.checkpoint.model_config import biased_width
         from tiered.quant.gguf_dequant import blocks_tensor
@@ -722,7 +724,7 @@ class GGUFCheckpoint(HandleTable):
         E, rows, cols = (int(n) for n in reversed(w.shape.tolist()))
         width, fmt = biased_width(cols), w.tensor_type.name
         bias = self._make_handle(hf, b, expert=e)  # [rows]
-        int8 = None
+        int8 = mxfp4 = None
         if fmt == "MXFP4":
             def raw() -> tuple[torch.Tensor, torch.Tensor]:  # (blocks uint8 [rows, G, 16], e8m0 uint8 [rows, G])
                 r = blocks_tensor(w.data[e]).reshape(rows, cols // MXFP4_GROUP, 1 + MXFP4_GROUP // 2)  # e, then qs
@@ -732,7 +734,11 @@ class GGUFCheckpoint(HandleTable):
                 return with_bias(dequantize_mxfp4(*raw(), halves=True), bias.load(), width)
 
             def int8() -> tuple[torch.Tensor, torch.Tensor]:
-                return checked_int8_g32(hf, mxfp4_int8_g32, *raw(), bias.load(), width, True)
+                return checked_form(hf, mxfp4_int8_g32, *raw(), bias.load(), width, True)
+
+            if b.tensor_type.name in ("F32", "BF16"):  # F16 biases: int8-g32's fp16 scales hold them, bf16 may not
+                def mxfp4() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    return (*raw(), bias.load(None))
         else:
             weight = self._make_handle(hf, w, expert=e)  # [rows, cols]
 
@@ -741,10 +747,10 @@ class GGUFCheckpoint(HandleTable):
 
             if fmt == "Q8_0":
                 def int8() -> tuple[torch.Tensor, torch.Tensor]:
-                    return checked_int8_g32(hf, int8_g32_with_bias, *unpack_q8_blocks(weight.blocks()), bias.load(),
-                                            width)
+                    return checked_form(hf, int8_g32_with_bias, *unpack_q8_blocks(weight.blocks()), bias.load(),
+                                        width)
         return TensorHandle(name=hf, shape=(rows, width), format=fmt, nbytes=(int(w.n_bytes) + int(b.n_bytes)) // E,
-                            path=str(self.path), _load=load, _int8_g32=int8)
+                            path=str(self.path), _load=load, _int8_g32=int8, _mxfp4=mxfp4, mxfp4_halves=True)
 
     def _load_tokenizer(self):
         """The tokenizer embedded in the GGUF (converted by transformers, cached), or None."""

@@ -41,6 +41,14 @@ experts as stored (quant/gguf_experts.stored_kind). A group of non-zero codes wh
 outside that range, or a bias fp16 cannot hold (beyond 65504; an fp32 bias of more significant bits),
 is refused (CheckpointError) when the expert is read.
 
+MXFP4 as tiered's mxfp4 kind (quant/mxfp4.py), exactly and in 4 bits: the e2m1 codes as stored, each
+group's scale 2^(e - 128) as bf16 (exact for every E8M0 byte), the kernels mapping a code to 12 + 2 *
+its value and centring on 12. The bias group holds code 1 (2 * 0.5 = 1) at column D (F) with the bias as
+its bf16 scale, codes 0 after it: exact for bf16 biases, refused (CheckpointError on read) for others.
+A handle offers the raw parts for it (`TensorHandle.mxfp4_parts`: blocks, E8M0 bytes and bias; `mxfp4_codes`
+converts them) where its biases are bf16 (as released); quant/gguf_experts.stored_kind takes it over
+int8-g32 where tiered's kernels are built (0.625 bytes a weight against 1.0625).
+
 llama.cpp's GGUF files (architecture "gpt-oss", read by checkpoint/gguf_file.py) hold the same experts
 stacked per layer with gate and up apart (convert_hf_to_gguf.py GptOssModel: `ffn_gate_exps` /
 `ffn_up_exps` the even / odd rows of gate_up_proj, [E, F, D]; `ffn_down_exps` [E, D, F]; the biases
@@ -50,7 +58,8 @@ stacked per layer with gate and up apart (convert_hf_to_gguf.py GptOssModel: `ff
 copies e), valued kvalues_mxfp4[code] (= FP4_E2M1_X2) * GGML_E8M0_TO_FP32_HALF(e) = 2^(e - 128)
 (ggml-quants.c dequantize_row_mxfp4, ggml-impl.h): the int8-g32 form above, byte for byte the same
 scales. Their experts offer it whatever the biases' storage (`int8_g32_with_bias` checks each bias on
-read; F32 biases converted from OpenAI's bf16 release hold bf16 values).
+read; F32 biases converted from OpenAI's bf16 release hold bf16 values), and the mxfp4 form where the
+biases are F32 or BF16 (`mxfp4_codes` checks each on read: the converter's F32 ones are bf16 values).
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ import torch
 from tiered.checkpoint.handle import TensorHandle
 from tiered.checkpoint.model_config import biased_width
 from tiered.errors import CheckpointError
+from tiered.quant.mxfp4 import e8m0_scales
 
 # the 16 FP4 e2m1 values by code (sign bit 3): transformers' integrations/mxfp4.FP4_VALUES
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -133,6 +143,44 @@ def mxfp4_int8_g32(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tenso
                          f"scales hold exactly only within 2^{lo - 127} .. 2^{hi - 127}")
     scale = torch.exp2((e.clamp(lo, hi) - 128).float()).to(torch.float16)
     return int8_g32_with_bias(q, scale, bias, width)
+
+
+def mxfp4_codes(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, width: int,
+                halves: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MXFP4 projection and its bias as tiered's mxfp4 kind (quant/mxfp4.py, module docstring), exactly.
+
+    Args:
+        blocks: uint8 [R, G, 16], scales: uint8 [R, G] (E8M0), halves: as `dequantize_mxfp4` takes them
+            (K = G * 32).
+        bias: [R], any float dtype whose values are bf16 numbers.
+        width: the padded in-features, biased_width(K) (> K, a multiple of 32).
+    Returns:
+        (codes uint8 [R, width] e2m1 codes, scale bf16 [R, width / 32]): columns < K the stored codes
+        with 2^(e - 128) per group, column K code 1 (2 * 0.5) with the bias as its group's scale, codes
+        0 after it; (2 * FP4_E2M1[code]) * scale equals `with_bias(dequantize_mxfp4(...), bias, width)`
+        bit for bit.
+    Raises:
+        ValueError: a group with a non-zero code whose scale byte is 255 (NaN in E8M0), or a bias that
+            is no bf16 number (more significant bits, or not finite); the caller names the expert.
+    """
+    R, G, _ = blocks.shape
+    K = G * MXFP4_GROUP
+    codes = _codes(blocks, halves)  # (R, G, 32)
+    bad = (codes & 7).any(-1) & (scales == 255)
+    if bool(bad.any()):
+        r, g = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"row {r} group {g} has MXFP4 scale byte 255 (NaN in E8M0)")
+    b = bias.float()
+    b16 = b.to(torch.bfloat16)
+    wrong = ~torch.isfinite(b) | (b16.float() != b)
+    if bool(wrong.any()):
+        i = int(wrong.nonzero()[0])
+        raise ValueError(f"bias {float(b[i]):.9g} (row {i}) is not a bf16 number (mxfp4 holds a bias as a bf16 scale)")
+    out_c = torch.zeros(R, width, dtype=torch.uint8)
+    out_c[:, :K], out_c[:, K] = codes.reshape(R, K).to(torch.uint8), 1
+    out_s = torch.zeros(R, width // MXFP4_GROUP, dtype=torch.bfloat16)
+    out_s[:, :G], out_s[:, G] = e8m0_scales(scales), b16
+    return out_c, out_s
 
 
 def int8_g32_with_bias(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,
@@ -249,17 +297,24 @@ def fold(handles: dict[str, TensorHandle], config, quantization_config, path,
             if packed and gate_b.format in ("BF16", "F16") and down_b.format in ("BF16", "F16"):
                 names = expert_names(layer, e)
                 int8s = (
-                    lambda e=e, r=gu_raw, b=gb_get, n=names[0]: checked_int8_g32(
+                    lambda e=e, r=gu_raw, b=gb_get, n=names[0]: checked_form(
                         n, mxfp4_int8_g32, *r(e, 0), b(e)[0::2], Db),
-                    lambda e=e, r=gu_raw, b=gb_get, n=names[1]: checked_int8_g32(
+                    lambda e=e, r=gu_raw, b=gb_get, n=names[1]: checked_form(
                         n, mxfp4_int8_g32, *r(e, 1), b(e)[1::2], Db),
-                    lambda e=e, r=dn_raw, b=db_get, n=names[2]: checked_int8_g32(
+                    lambda e=e, r=dn_raw, b=db_get, n=names[2]: checked_form(
                         n, mxfp4_int8_g32, *r(e, None), b(e), Fb),
                 )
-            for name, load, shape, n, b, f, i8 in zip(expert_names(layer, e), loads, shapes, parts_bytes, bias_bytes,
-                                                      files, int8s):
+            raws = (None,) * 3  # the raw MXFP4 parts, offered with bf16 biases (the mxfp4 kind's bias scales)
+            if packed and gate_b.format == "BF16" and down_b.format == "BF16":
+                raws = (
+                    lambda e=e, r=gu_raw, b=gb_get: (*r(e, 0), b(e)[0::2]),
+                    lambda e=e, r=gu_raw, b=gb_get: (*r(e, 1), b(e)[1::2]),
+                    lambda e=e, r=dn_raw, b=db_get: (*r(e, None), b(e)),
+                )
+            for name, load, shape, n, b, f, i8, mx in zip(expert_names(layer, e), loads, shapes, parts_bytes,
+                                                          bias_bytes, files, int8s, raws):
                 handles[name] = TensorHandle(name=name, shape=shape, format=fmt, nbytes=n + b, path=f, _load=load,
-                                             _int8_g32=i8)
+                                             _int8_g32=i8, _mxfp4=mx)
     leftover = sorted(k for k in handles if ".mlp.experts." in k and k.split(".mlp.experts.")[1].split(".")[0] in
                       {"gate_up_proj", "down_proj"} | {f"{n}_{s}" for n in FUSED for s in ("blocks", "scales", "bias")})
     if leftover:
@@ -288,10 +343,10 @@ def _mxfp4_raw(parts: tuple[TensorHandle, TensorHandle], expert_slice) -> Callab
     return raw
 
 
-def checked_int8_g32(name: str, convert: Callable[..., tuple[torch.Tensor, torch.Tensor]],
-                     *args) -> tuple[torch.Tensor, torch.Tensor]:
-    """`convert(*args)` (`mxfp4_int8_g32` or `int8_g32_with_bias`) of one expert projection, its
-    ValueError (a scale or bias int8-g32 cannot hold exactly) a CheckpointError naming the tensor."""
+def checked_form(name: str, convert: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                 *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`convert(*args)` (`mxfp4_int8_g32`, `int8_g32_with_bias` or `mxfp4_codes`) of one expert projection,
+    its ValueError (a scale or bias the form cannot hold exactly) a CheckpointError naming the tensor."""
     try:
         return convert(*args)
     except ValueError as e:

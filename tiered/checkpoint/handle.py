@@ -58,7 +58,9 @@ class TensorHandle:
             one (checkpoint/bnb.py), or "BNB_NF4" / "BNB_FP4": a bitsandbytes 4-bit weight (checkpoint/
             bnb.py; `load` dequantizes), or "MXFP4": one gpt-oss expert projection, its bias a padded
             input column (checkpoint/gpt_oss.py; `load` dequantizes, `int8_g32_parts` gives the codes
-            as int8-g32 where offered: 16-bit biases in safetensors, always in GGUF files). A GGUF
+            as int8-g32 where offered: 16-bit biases in safetensors, always in GGUF files;
+            `mxfp4_parts` the raw blocks, E8M0 bytes and bias for the mxfp4 kind where offered: bf16
+            biases in safetensors, F32 / BF16 ones in GGUF files). A GGUF
             gpt-oss expert stored as Q8_0 has that padded layout too: no `blocks`, `int8_g32_parts`.
         nbytes: bytes the tensor occupies in its file (an fp8 weight's with its scales).
         path: the file holding it.
@@ -90,6 +92,12 @@ class TensorHandle:
     # gpt-oss's MXFP4 (or GGUF Q8_0) experts, checkpoint/gpt_oss.py: () -> (q int8 [N, K], scale fp16
     # [N, K / 32]), w = q * scale per group of 32 inputs, tiered's int8-g32 exactly; None where not offered
     _int8_g32: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # gpt-oss's MXFP4 experts: () -> (blocks uint8 [N, K0 / 32, 16], e8m0 uint8 [N, K0 / 32], bias [N]) as
+    # stored (K0 = the unpadded in-features), blocks in the checkpoint's nibble order: `mxfp4_halves`
+    # False: input 2j in byte j's low nibble, 2j + 1 in its high one (OpenAI's); True: j low, 16 + j high
+    # (ggml's block_mxfp4). None where not offered.
+    _mxfp4: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    mxfp4_halves: bool = False
 
     @property
     def numel(self) -> int:
@@ -195,6 +203,24 @@ class TensorHandle:
         if self._int8_g32 is None:
             raise ValueError(f"{self.name} is stored as {self.format}, with no exact int8-g32 form")
         return self._int8_g32()
+
+    @property
+    def mxfp4_exact(self) -> bool:
+        """An MXFP4 weight whose raw parts the mxfp4 expert kind holds (`mxfp4_parts` gives them)."""
+        return self._mxfp4 is not None
+
+    def mxfp4_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gpt-oss's MXFP4 expert projection as stored: (blocks uint8 [N, K0/32, 16] in the checkpoint's
+        nibble order (`mxfp4_halves`), E8M0 scale bytes uint8 [N, K0/32], bias [N] as stored), K0 the
+        in-features before the bias column (shape[1] = biased_width(K0)); checkpoint/gpt_oss.mxfp4_codes
+        turns them into the mxfp4 kind's codes and scales.
+
+        Raises:
+            ValueError: the weight offers no such form.
+        """
+        if self._mxfp4 is None:
+            raise ValueError(f"{self.name} is stored as {self.format}, with no raw MXFP4 parts offered")
+        return self._mxfp4()
 
     def blocks(self) -> np.ndarray:
         """Raw quantized blocks in HF row order: uint8 [rows, bytes_per_row] (block formats only).

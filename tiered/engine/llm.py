@@ -166,8 +166,10 @@ class LLM:
 
     def _experts_format(self, weights: str, decode: str) -> str | None:
         """The routed experts' storage format (EngineConfig.expert_weights; "auto": a GGUF file's
-        quantized experts or a safetensors file's fp8 ones as stored, gpt-oss's MXFP4 ones as int8-g32
-        (exactly, from the codes: checkpoint/gpt_oss.py; 1.06 bytes a weight against bf16's 2) except
+        quantized experts or a safetensors file's fp8 ones as stored, gpt-oss's MXFP4 ones as mxfp4
+        where tiered's kernels are built (the codes as stored, exactly: quant/mxfp4.py; 0.625 bytes a
+        weight against bf16's 2), else as int8-g32 (exactly, from the codes: checkpoint/gpt_oss.py;
+        1.06 bytes a weight) except
         in the lossless fp32 mode (`--dtype float32 --decode-weights fp32` on the CPU, or fp32 compute
         behind an accelerator), which keeps them in fp32 so that the experts' activations stay fp32;
         bf16 ones as stored (fp16 ones rounded to bf16) where the CPU engine decodes from compact
@@ -189,7 +191,7 @@ class LLM:
         compact = weights == "fp32" and compact_cpu_decode(ec, self.accelerator, decode)
         lossless = weights == "fp32" and not compact
         if stored is not None and not (lossless and all(h.format == "MXFP4" for h in handles)):
-            return stored  # gpt-oss's MXFP4 as int8-g32 (exact weights) but in the lossless fp32 mode
+            return stored  # gpt-oss's MXFP4 as mxfp4 / int8-g32 (exact weights) but in the lossless fp32 mode
         if compact and all(h.format in ("BF16", "F16", "MXFP4") for h in handles):
             return "bf16"  # an F16 GGUF's too, as its dense tensors' decode copies (the plan notes it); gpt-oss's
             # MXFP4 experts with fp32 biases (no exact int8-g32 form) are exact in bf16 but for those biases

@@ -28,14 +28,16 @@ DTYPE_FALLBACK = {
     "fp8": ("fp8", "int8"),  # a byte per weight too (quant/fp8.py), until a profile measures fp8
     "int4": ("int4",),
     "int4q8": ("int4q8", "int4"),  # int4 on int8 activations (routed experts); older profiles: int4's
+    "mxfp4": ("int4q8", "int4"),  # gpt-oss's MXFP4 experts: the tiled int4 kernels on int8 activations
 }
 
 
 def gemv_dtype(kind: str, act: str = "bf16") -> str:
     """The gemv/cpu/<dtype> key a one-token matmul of a `kind` weight ("bf16", "int8", "int4", ...)
     on `act` activations is priced by: "int4q8" for int4 on int8 ones (Plan.expert_act "q8": half
-    the multiply-adds, so a faster stream where the int16 / bf16 path is compute-bound), else kind."""
-    return "int4q8" if kind == "int4" and act == "q8" else kind
+    the multiply-adds, so a faster stream where the int16 / bf16 path is compute-bound) and for mxfp4
+    (quant/mxfp4.py: the same kernels with a table lookup, always on int8 activations), else kind."""
+    return "int4q8" if (kind == "int4" and act == "q8") or kind == "mxfp4" else kind
 
 
 def find(profile: HardwareProfile, op: str, device: str, dtype: str) -> LinearModel | None:

@@ -12,7 +12,8 @@ TIERED_NATIVE=0, or no compiler); callers then keep their torch-op paths.
     Int4Linear with plain codes              int4_kernel (ours, bf16 activations: act="q8" is faster but
                                              doubles SmolLM2's int4 KL)
     quantized expert (ExpertFormat)          expert_spec (ours: the three projections fused; int4 on
-                                             ExpertFormat.act at one row, .batch_act from two)
+                                             ExpertFormat.act at one row, .batch_act from two; mxfp4:
+                                             the tiled int4 kernels through the e2m1 table, int8 x)
     Int4Linear (torch's packed layout only)  int4pack_kernel (torch's _weight_int4pack_mm_for_cpu)
     CastLinear / nn.Linear, bf16 weight      bf16_kernel (ours)
     nn.Linear, fp32 weight                   f32_kernel (ours; at::linear above 16 rows)
@@ -160,31 +161,33 @@ def int8_tiled_kernel(qt: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor 
 
 
 def int4_tiled_kernel(codes: torch.Tensor, sz: torch.Tensor | None, residual: torch.Tensor | None = None,
-                      bias: torch.Tensor | None = None, act: str = "bf16", batch_act: str | None = None):
+                      bias: torch.Tensor | None = None, act: str = "bf16", batch_act: str | None = None,
+                      e2m1: bool = False):
     """Our int4 kernel over the tiled layout: codes uint8 [N, K/2] (`tiled_codes`), sz bf16
     [N/16, K/32, 16, 2] (`tiled_scales`), optional residual bf16 [N/16, K/32, 16] (`tiled_residual`);
     or the scales inline: codes uint8 [N/16, K/32, 320] (`tiled_inline`), sz None (the residual as before).
     w = (q - 8) * scale + zero + residual. One SIMD lane per output row: at batch 1 it reads near the
     memory bandwidth and at batch 8 it converts each weight once for all 8 rows. act as `int4_kernel`,
-    for calls of one activation row; batch_act (default act) for calls of two or more. None without
-    the extension.
+    for calls of one activation row; batch_act (default act) for calls of two or more. e2m1: the codes
+    are FP4 e2m1 (quant/mxfp4.py: w = (E2M1_U[q] - 12) * scale + zero + residual), on int8 activations
+    at every call size (act and batch_act ignored). None without the extension.
 
     Raises:
         RuntimeError: shapes or dtypes other than the above, or act / batch_act not "bf16" / "q8"."""
     ext = load()
-    return None if ext is None else ext.int4_tiled_kernel(codes, sz, residual, bias, act, batch_act)
+    return None if ext is None else ext.int4_tiled_kernel(codes, sz, residual, bias, act, batch_act, e2m1=e2m1)
 
 
 _scratch = threading.local()  # tiled_dequantize's per-thread buffers, by dtype
 
 
 def tiled_dequantize(codes: torch.Tensor, sz: torch.Tensor | None, residual: torch.Tensor | None = None,
-                     fp32: bool = True, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """A tiled int4 weight (`int4_tiled_kernel`'s tensors, either form) dequantized, [N, K] fp32 (bf16 with
-    fp32=False), or its rows [n0, n1) (whole tiles of 16), written into this thread's reused buffer:
-    the result is valid until the next call on the same thread (use it at once, e.g. in one
-    F.linear). A fresh tensor per call would fault in new pages every time: a SmolLM2 prefill
-    dequantizes ~0.5 GB.
+                     fp32: bool = True, rows: tuple[int, int] | None = None, e2m1: bool = False) -> torch.Tensor:
+    """A tiled int4 weight (`int4_tiled_kernel`'s tensors, either form; e2m1: MXFP4 codes, as there)
+    dequantized, [N, K] fp32 (bf16 with fp32=False), or its rows [n0, n1) (whole tiles of 16), written
+    into this thread's reused buffer: the result is valid until the next call on the same thread (use
+    it at once, e.g. in one F.linear). A fresh tensor per call would fault in new pages every time: a
+    SmolLM2 prefill dequantizes ~0.5 GB.
 
     Raises:
         RuntimeError: the extension is unavailable, or bad shapes (as `int4_tiled_kernel`)."""
@@ -194,7 +197,7 @@ def tiled_dequantize(codes: torch.Tensor, sz: torch.Tensor | None, residual: tor
     N, K = (codes.shape[0] * TILE, codes.shape[1] * 32) if codes.dim() == 3 else (codes.shape[0], codes.shape[1] * 2)
     dtype = torch.float32 if fp32 else torch.bfloat16
     n0, n1 = rows if rows is not None else (0, N)
-    return ext.int4_tiled_dequantize(codes, sz, residual, n0, n1, fp32, _scratch_view(n1 - n0, K, dtype))
+    return ext.int4_tiled_dequantize(codes, sz, residual, n0, n1, fp32, _scratch_view(n1 - n0, K, dtype), e2m1=e2m1)
 
 
 def _scratch_view(N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
@@ -306,19 +309,21 @@ def kernel_for(m: nn.Module):
     raise TypeError(f"no native kernel for {type(m).__name__}")
 
 
-NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4", "int8-g32", "fp8", "fp8-row")  # int8-g32: tiled layout only
+NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4", "int8-g32", "fp8", "fp8-row", "mxfp4")  # int8-g32, mxfp4: tiled only
 
 
 def expert_spec(fmt):
     """A native ExpertSpec for a quantized `quant.experts.ExpertFormat` (spec.forward(slot uint8
     [nbytes], x [n, D]) -> [n, D] fp32), or None: no extension, a dense format (use
     `ext.bf16_expert_forward`), a kind without a native kernel (fp32; int8-g32 outside the tiled
-    layout or with N % 16), or int4 in torch's "cpu" layout (our kernels read the "plain" and
-    "tiled" ones)."""
+    layout or with N % 16; mxfp4 outside the tiled layout), or int4 in torch's "cpu" layout (our
+    kernels read the "plain" and "tiled" ones)."""
     ext = load()
     if ext is None or fmt.is_dense or any(k not in NATIVE_EXPERT_KINDS for k in fmt.kinds):
         return None
     if "int4" in fmt.kinds and fmt.int4_layout not in ("plain", "tiled"):
+        return None
+    if "mxfp4" in fmt.kinds and fmt.int4_layout != "tiled":
         return None
     if any(k == "int8-g32" and (fmt.int4_layout != "tiled" or not int8_tiles(*s)) for k, s in zip(fmt.kinds, fmt.shapes)):
         return None
@@ -331,6 +336,8 @@ def expert_spec(fmt):
             o = [o[0], o[0] + 256, o[1]]
         if kind == "int4" and fmt.exact_zeros:  # the residuals are all zero: not read (offset -1)
             o = o[:2] + [-1]
+        if kind == "mxfp4":  # tiled int4's codes with their scales inline, and no residual
+            o = [o[0], o[0] + 256, -1]
         offsets.append(o)
     if fmt.int4_layout == "tiled":
         return ext.expert_spec(list(fmt.kinds), [list(s) for s in fmt.shapes], offsets, fmt.nbytes,

@@ -3,7 +3,7 @@ staging buffer takes. The planner and the engine both count with it, so a plan t
 what the runtime can hold.
 
 Formats are named as the planner names precisions: "fp32", "bf16", "fp16", "int8", "int8-g32",
-"int4", "fp8".
+"int4", "fp8", and "mxfp4" (gpt-oss's experts as stored, quant/mxfp4.py).
 Weight counts come from the model's own module tree built on the meta device (nothing allocated),
 so they match `materialize` parameter for parameter.
 """
@@ -34,6 +34,8 @@ def bytes_per_element(fmt: str, group: int = INT4_GROUP) -> float:
     """
     if fmt == "int4":
         return 0.5 + 4.0 / group
+    if fmt == "mxfp4":  # e2m1 codes and a (scale, zero) bf16 pair per 32, as int4 at group 32 (quant/mxfp4.py)
+        return 0.5 + 4.0 / 32
     if fmt == "int8-g32":  # int8 and an fp16 scale per 32 (quant/int8.Int8G32Linear)
         return 1.0 + 2.0 / 32
     if fmt == "fp8":  # e4m3 and an fp32 scale per 128 x 128 block (quant/fp8.py)
@@ -42,7 +44,8 @@ def bytes_per_element(fmt: str, group: int = INT4_GROUP) -> float:
     try:
         return _DENSE_BYTES[fmt]
     except KeyError:
-        raise ConfigError(f"unknown weight format {fmt!r}", "use fp32, bf16, fp16, int8, int8-g32, fp8 or int4") from None
+        raise ConfigError(f"unknown weight format {fmt!r}",
+                          "use fp32, bf16, fp16, int8, int8-g32, fp8, mxfp4 or int4") from None
 
 
 def format_of(dtype: torch.dtype) -> str:

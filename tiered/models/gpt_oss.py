@@ -21,8 +21,8 @@ as its weight's input column K (K = D for gate / up, F for down), zero columns a
 multiple of 32: gate/up [F, Db], down [D, Fb] with Db = biased_width(D), Fb = biased_width(F)
 (ModelConfig.expert_shapes; 2880 -> 2912 for gpt-oss-20b / -120b), computed against the input with a
 1 then zeros appended (`with_one`, `biased_glu_expert`). So an expert is three tensors like every
-other architecture's, whose in-features are multiples of 32 (the grouped kinds int8-g32 and int4 hold
-them: MXFP4's codes and scales map onto int8-g32 exactly, checkpoint/gpt_oss.py), and the expert
+other architecture's, whose in-features are multiples of 32 (the grouped kinds mxfp4, int8-g32 and int4
+hold them: MXFP4's codes and scales map onto mxfp4 and int8-g32 exactly, checkpoint/gpt_oss.py), and the expert
 runtime moves and caches it unchanged (quant/experts.ExpertFormat computes it with `swiglu_limit` set).
 
 Source: transformers' modeling_gpt_oss.py (GptOssAttention, eager_attention_forward, GptOssTopKRouter,

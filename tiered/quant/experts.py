@@ -22,6 +22,9 @@ Projection kinds (what each of gate / up / down is stored as):
     fp8-row   q e4m3fn bits u8 [N, K], s fp32 [N]                    1 + 4/K       dequantize-then-matmul
               (w = e4m3(q) * s_row: compressed-tensors' / fbgemm's per-channel FP8 as stored; a
               per-tensor scale repeated per row)
+    mxfp4     tiled: e2m1 codes 4 bit + (scale, 0) bf16 per 32 inline  0.625        dequantize-then-matmul
+              (w = (E2M1_U[q] - 12) * s_g: gpt-oss's MXFP4 experts as stored, bit for bit; no
+              residual segment; other layouts plain codes and sz; quant/mxfp4.py)
 
 The int4 kernels take the zero in bf16; rounding it shifts all 32 weights of a group the same way
 (|z| ~ 8 s, so up to s/64 each, a bias that adds up in a dot product). The residual z - bf16(z) is
@@ -44,7 +47,8 @@ same qt with st fp16 [N/16, K/32, 16] (`tiled_group_scales`). With the extension
 but fp32 computes through tiered's native kernels on the CPU (`native`). Their int4 projections
 multiply activations rounded per group of 32: to int8 (`act` / `batch_act` "q8", llama.cpp's
 Q4_0 x Q8_0; the plan's default for routed experts, Plan.expert_act) or to bf16 / int16 ("bf16");
-int8 projections read int16 activations.
+int8 projections read int16 activations. mxfp4 projections run the tiled int4 kernels with their codes
+through a table, always on int8 activations (quant/mxfp4.py).
 """
 
 from __future__ import annotations
@@ -58,11 +62,11 @@ import torch.nn.functional as F
 from tiered import kernels
 from tiered.errors import ConfigError
 from tiered.kernels.linear import int8_tiles, tiled_group_scales, tiled_int8, untiled_group_scales, untiled_int8
-from tiered.quant import fp8
+from tiered.quant import fp8, mxfp4
 from tiered.quant.int4 import GROUP
 from tiered.quant.int8 import int8pack_mm
 
-KINDS = ("fp32", "bf16", "int8", "int8-g32", "int4", "fp8", "fp8-row")
+KINDS = ("fp32", "bf16", "int8", "int8-g32", "int4", "fp8", "fp8-row", "mxfp4")
 FP8_KINDS = ("fp8", "fp8-row")
 DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ALIGN = 64  # bytes: every segment starts on a cache line (and any dtype's alignment)
@@ -72,7 +76,8 @@ NATIVE_ROWS = 8  # tokens up to which a CPU expert runs the native fused GEMV ke
 # Qwen3-30B-A3B expert (2048 x 768), ms at 16 / 64 / 256 rows, groups vs dequantize + matmul:
 # int4 1.3 / 6.1 / 24.5 vs 5.0 / 8.3 / 22.3; int8 1.4 / 6.3 / 25.9 vs 2.6 / 10.5 / 40.4; bf16
 # 2.4 / 9.4 / 39.5 vs 4.4 / 7.6 / 20.1 (torch's bf16 GEMM reads the weight once).
-GROUPED_ROWS = {"int4": 128, "int8": 1 << 30, "int8-g32": 1 << 30, "bf16": 32, "fp32": 0, "fp8": 64, "fp8-row": 64}
+GROUPED_ROWS = {"int4": 128, "int8": 1 << 30, "int8-g32": 1 << 30, "bf16": 32, "fp32": 0, "fp8": 64, "fp8-row": 64,
+                "mxfp4": 128}  # mxfp4: tiled int4's kernels and dequantization
 
 
 def bf16_native_rows() -> int:
@@ -118,6 +123,10 @@ def _segments(kind: str, N: int, K: int, int4_layout: str = "cpu") -> list[tuple
         return [("q", (N, K), torch.uint8), ("bs", fp8.scale_shape(N, K), torch.float32)]
     if kind == "fp8-row":  # the kernel's row_block 1, one scale across the columns
         return [("q", (N, K), torch.uint8), ("bs", (N, 1), torch.float32)]
+    if kind == "mxfp4" and int4_layout == "tiled":  # tiled int4 with its scales inline, no residual (quant/mxfp4.py)
+        return [("gw", (N // 16, K // GROUP, 320), torch.uint8)]
+    if kind == "mxfp4":  # plain codes, (scale, 0) pairs: dequantized in torch
+        return [("codes", (N, K // 2), torch.uint8), ("sz", (K // GROUP, N, 2), torch.bfloat16)]
     raise ConfigError(f"unknown expert format {kind!r}", "use " + ", ".join(KINDS))
 
 
@@ -138,12 +147,16 @@ def parse_kinds(name: str) -> tuple[str, str, str]:
 
 def fit_format(name: str, shapes) -> str:
     """`name` with each projection the format cannot hold replaced by the nearest kind that can:
-    grouped kinds (int4, int8-g32) need in-features % 32 == 0 and fall back to per-row int8; the
-    CPU and tiled int4 layouts also need out-features % 16 == 0 (so it is asked of every int4). llama.cpp's
-    converter does the same for block types (it writes such tensors in another type)."""
+    grouped kinds (int4, int8-g32, mxfp4) need in-features % 32 == 0 and fall back to per-row int8; the
+    CPU and tiled int4 layouts also need out-features % 16 == 0 (so it is asked of every int4 and
+    mxfp4: an mxfp4 projection with in-features % 32 == 0 falls back to int8-g32, which holds MXFP4
+    exactly too). llama.cpp's converter does the same for block types (it writes such tensors in another
+    type)."""
     kinds = []
     for kind, (N, K) in zip(parse_kinds(name), shapes):
-        if kind in ("int4", "int8-g32") and (K % GROUP or (kind == "int4" and N % 16)):
+        if kind == "mxfp4" and N % 16 and not K % GROUP:
+            kind = "int8-g32"
+        if kind in ("int4", "int8-g32", "mxfp4") and (K % GROUP or (kind in ("int4", "mxfp4") and N % 16)):
             kind = "int8"
         kinds.append(kind)
     return format_name(kinds)
@@ -151,8 +164,10 @@ def fit_format(name: str, shapes) -> str:
 
 def pricing_precision(name: str) -> str:
     """The precision the planner's cost models price a format in (hardware profiles have rows for
-    fp32, bf16, int8 and int4): the kind holding the most bytes, int8-g32 priced as int8."""
-    kinds = [{"int8-g32": "int8", "fp8": "int8", "fp8-row": "int8"}.get(k, k) for k in parse_kinds(name)]
+    fp32, bf16, int8 and int4): the kind holding the most bytes, int8-g32 priced as int8, mxfp4 as int4
+    (the tiled int4 kernels; on int8 activations: hardware/op_time.gemv_dtype)."""
+    priced = {"int8-g32": "int8", "fp8": "int8", "fp8-row": "int8", "mxfp4": "int4"}
+    kinds = [priced.get(k, k) for k in parse_kinds(name)]
     order = ["int4", "int8", "bf16", "fp32"]
     return max(kinds, key=order.index)
 
@@ -174,7 +189,8 @@ class ExpertFormat:
     """How one expert's three projections are stored and computed.
 
     Args:
-        name: "bf16", "fp32", "int8", "int8-g32", "int4", "fp8" or per projection "gate,up,down" kinds.
+        name: "bf16", "fp32", "int8", "int8-g32", "int4", "fp8", "fp8-row", "mxfp4" or per projection
+            "gate,up,down" kinds.
         shapes: ((F, D), (F, D), (D, F)) of gate, up, down.
         int4_layout: "cpu" (torch's CPU packed layout, computed from directly), "plain" (portable:
             what a CUDA device converts) or "tiled" (16-row tiles for tiered's native CPU kernel,
@@ -199,9 +215,11 @@ class ExpertFormat:
             computed against the input with a 1 then zeros appended (models/gpt_oss.with_one), and
             the activation is the clamped GLU (models/gpt_oss.clamped_glu). Such experts compute with
             torch ops per projection (`project`), never the native fused SwiGLU kernels.
+    mxfp4 projections (gpt-oss's MXFP4 as stored, quant/mxfp4.py) read int8 activations in every
+    native call whatever `act` and `batch_act` say, and hold no zero residual (`exact_zeros` moot).
     Raises:
         ConfigError: unknown kind or layout, or a shape the kind cannot hold (K % 32 for grouped
-            kinds; the CPU and tiled int4 layouts also need N % 16).
+            kinds; the CPU and tiled int4 layouts also need N % 16, the tiled layout of mxfp4 too).
     """
 
     name: str
@@ -221,8 +239,11 @@ class ExpertFormat:
             if act not in ("bf16", "q8"):
                 raise ConfigError(f"unknown {what} {act!r}", "use bf16 or q8")
         for kind, (N, K) in zip(self.kinds, self.shapes):
-            if kind in ("int4", "int8-g32") and K % GROUP:
+            if kind in ("int4", "int8-g32", "mxfp4") and K % GROUP:
                 raise ConfigError(f"expert format {kind} needs in-features divisible by {GROUP}, got {K}",
+                                  "use --weights bf16 or int8 for this model")
+            if kind == "mxfp4" and self.int4_layout == "tiled" and N % 16:
+                raise ConfigError(f"the tiled mxfp4 layout needs out-features divisible by 16, got {N}",
                                   "use --weights bf16 or int8 for this model")
             if kind == "int4" and self.int4_layout in ("cpu", "tiled") and N % 16:
                 raise ConfigError(f"the {self.int4_layout} int4 layout needs out-features divisible by 16, got {N}",
@@ -485,6 +506,8 @@ def quantize_projection(w: torch.Tensor, kind: str, int4_layout: str = "cpu") ->
     if kind in FP8_KINDS:
         q, bs = fp8.quantize_fp8(w, fp8_block(kind, w.shape[1]))
         return {"q": q, "bs": bs}
+    if kind == "mxfp4":  # weights not stored as MXFP4: re-quantized (lossy)
+        return mxfp4.segments(*mxfp4.quantize(w), int4_layout)
     raise ConfigError(f"unknown expert format {kind!r}", "use " + ", ".join(KINDS))
 
 
@@ -560,6 +583,8 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
             pass  # no kernel for this device / shape: dequantize below
     if kind == "int4" and int4_layout == "tiled":
         return _tiled_int4(x, xb, v, act)
+    if kind == "mxfp4" and "gw" in v:  # the tiled int4 kernels with the e2m1 table, on int8 activations
+        return _tiled_int4(x, xb, v, "q8", e2m1=True)
     if kind in FP8_KINDS:
         ext = kernels.load() if x.device.type == "cpu" and x.shape[0] <= GROUPED_ROWS[kind] else None
         block = fp8_block(kind, x.shape[-1])
@@ -572,31 +597,36 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
         except (RuntimeError, NotImplementedError):
             pass  # no kernel for this device / shape: dequantize below
     K = x.shape[-1]
-    N = _int4_rows(v) if kind == "int4" else v["qt" if "qt" in v else "q"].shape[0]
+    N = _int4_rows(v) if kind in ("int4", "mxfp4") else v["qt" if "qt" in v else "q"].shape[0]
     return F.linear(x, dequantize_projection(v, kind, N, K, int4_layout).to(x.dtype))
 
 
 def _int4_rows(v: dict[str, torch.Tensor]) -> int:
-    """N of a stored int4 projection: codes [N, K/2], or tiled codes with their scales inline [N/16, K/32, 320]."""
+    """N of a stored int4 / mxfp4 projection: codes [N, K/2], or tiled codes with their scales inline
+    [N/16, K/32, 320]."""
     return v["gw"].shape[0] * 16 if "gw" in v else v["codes"].shape[0]
 
 
-def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor], act: str) -> torch.Tensor:
+def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor], act: str,
+                e2m1: bool = False) -> torch.Tensor:
     """x [n, K] @ W^T for a tiled int4 projection: the native kernel (on `act` activations) up to NATIVE_ROWS rows, else the
     weight dequantized once (native, or in torch without the extension; exact, in fp32 for fp32 x)
-    and one matmul (prefill-sized n: the conversion is paid once for all n rows) -> [n, N] in x's dtype."""
+    and one matmul (prefill-sized n: the conversion is paid once for all n rows) -> [n, N] in x's dtype.
+    e2m1: an mxfp4 projection (its codes through the e2m1 table, no residual; int8 activations)."""
     from tiered.kernels import load
     from tiered.kernels.linear import tiled_dequantize
 
     ext = load() if x.device.type == "cpu" else None
+    zr = v.get("zr")
     if ext is not None and x.shape[0] <= NATIVE_ROWS:
-        return ext.int4_tiled_kernel(v["gw"], None, v["zr"], None, act)(x).to(x.dtype)
+        return ext.int4_tiled_kernel(v["gw"], None, zr, None, act, e2m1=e2m1)(x).to(x.dtype)
     fp32 = x.dtype == torch.float32
     if ext is not None:
-        w = tiled_dequantize(v["gw"], None, v["zr"], fp32)  # a reused buffer: no fresh pages per call
+        w = tiled_dequantize(v["gw"], None, zr, fp32, e2m1=e2m1)  # a reused buffer: no fresh pages per call
     else:
         N, K = _int4_rows(v), x.shape[-1]
-        w = dequantize_projection(v, "int4", N, K, "tiled").to(torch.float32 if fp32 else torch.bfloat16)
+        w = dequantize_projection(v, "mxfp4" if e2m1 else "int4", N, K, "tiled")
+        w = w.to(torch.float32 if fp32 else torch.bfloat16)
     return F.linear(x if fp32 else xb, w).to(x.dtype)
 
 
@@ -643,6 +673,8 @@ def dequantize_projection(v: dict[str, torch.Tensor], kind: str, N: int, K: int,
         return (q.float().reshape(N, K // GROUP, GROUP) * s.float()[..., None]).reshape(N, K)
     if kind in FP8_KINDS:
         return fp8.dequantize_fp8(v["q"], v["bs"], block=fp8_block(kind, K))
+    if kind == "mxfp4":
+        return mxfp4.dequantize(v, N, K)
     sz, zr = _group_tensors(v, int4_layout)
     sz = sz.float()  # (G, N, 2)
     residual = zr.float().T.repeat_interleave(GROUP, dim=1)  # (N, K)

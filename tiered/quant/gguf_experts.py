@@ -23,13 +23,19 @@ dequantizing where the mapping is exact.
                                  dequantized
     BNB_NF4, BNB_FP4 (bitsandbytes 4-bit: a code table, no tiered kind) -> the compute    fp32 yes
                                  format, dequantized (LLM.int8 is INT8 per row)
-    MXFP4       -> int8-g32      gpt-oss's experts: code = 2 * e2m1 value, scale =      yes, bit for bit (scales
-                                 2^(e - 128) per 32, the bias a group of its own        2^-24..2^15; biases
-                                 (checkpoint/gpt_oss.mxfp4_int8_g32)                    bf16/fp16, >= 2^-17)
+    MXFP4       -> mxfp4         gpt-oss's experts where tiered/kernels is built: the   yes, bit for bit (any
+                                 e2m1 codes as stored, scale 2^(e - 128) as bf16 per    E8M0 byte but 255;
+                                 32, the bias a group of its own (checkpoint/gpt_oss.   bf16 biases)
+                                 mxfp4_codes, quant/mxfp4.py): 0.625 bytes a weight
+    MXFP4       -> int8-g32      without the kernels (or with fp16 biases): code =      yes, bit for bit (scales
+                                 2 * e2m1 value, scale 2^(e - 128) per 32, the bias a   2^-24..2^15; biases
+                                 group of its own (checkpoint/gpt_oss.mxfp4_int8_g32)   bf16/fp16, >= 2^-17)
     MXFP4 with fp32 biases -> bf16 (or the compute format), dequantized                  weights yes
     (checkpoint/hf_dir; fp8 of other block sizes takes the compute format, dequantized)
     GGUF gpt-oss experts, MXFP4 or Q8_0 with F32 biases -> int8-g32 as above (the bias checked on read:
-    checkpoint/gpt_oss.int8_g32_with_bias; the converter's F32 biases hold the release's bf16 values)
+    checkpoint/gpt_oss.int8_g32_with_bias; the converter's F32 biases hold the release's bf16 values);
+    MXFP4 with F32 / BF16 biases -> mxfp4 where the kernels are built (each bias checked on read:
+    gpt_oss.mxfp4_codes)
 
 Sources: ggml-quants.c block layouts (block_q4_0 {d; qs[16]}, block_q4_1 {d; m; qs[16]},
 block_q8_0 {d; qs[32]}); the `gguf` package dequantizes the K types.
@@ -45,13 +51,14 @@ from tiered.kernels import load
 from tiered.kernels.linear import tiled_int8
 from tiered.quant.experts import (ExpertFormat, fit_format, format_name, int4_segments, int8_g32_segments,
                                   int8_tiled, quantize_projection)
-from tiered.quant import fp8
+from tiered.quant import fp8, mxfp4
 from tiered.quant.gguf_dequant import blocks_tensor
 from tiered.quant.int4 import unpack_q4_blocks
 
 GGUF_EXPERT_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8-g32", "Q4_K": "int4", "Q2_K": "int4",
                     "Q3_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8-g32"}
 STORED_KIND = {**GGUF_EXPERT_KIND, "F8_E4M3": "fp8", "INT4": "int4", "INT8": "int8", "MXFP4": "int8-g32"}
+# MXFP4 takes "mxfp4" instead where the handle offers its raw parts and tiered/kernels is built (stored_kind)
 EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3", "INT4", "INT8", "MXFP4")
 # stored formats whose `load` is exact in fp32: integer codes x fp16 / bf16 scale, bitsandbytes' 4-bit table
 # value x absmax (checkpoint/bnb.py), gpt-oss's MXFP4 e2m1 value x 2^k (checkpoint/gpt_oss.py: exact in bf16 too)
@@ -61,14 +68,18 @@ DEQUANTIZED = ("INT4", "INT8", "BNB_NF4", "BNB_FP4", "MXFP4")
 def stored_kind(handle) -> str:
     """The expert kind a tensor stored as `handle.format` maps to: fp8 in 128 x 128 blocks -> "fp8",
     fp8 scaled per output channel or per tensor -> "fp8-row" (quant/fp8.kernel_row_block 1); "bf16"
-    for dense formats and fp8 of other blocks; gpt-oss's MXFP4 -> "int8-g32" where the handle offers
-    that form exactly (16-bit biases: TensorHandle.int8_g32_exact), else "bf16"."""
+    for dense formats and fp8 of other blocks; gpt-oss's MXFP4 -> "mxfp4" where the handle offers its
+    raw parts (bf16 biases, or a GGUF file's F32 ones: TensorHandle.mxfp4_exact) and tiered's kernels
+    are built (they compute it; elsewhere it would dequantize per call), else "int8-g32" where the
+    handle offers that form exactly (16-bit biases: TensorHandle.int8_g32_exact), else "bf16"."""
     if handle.format == "F8_E4M3" and not fp8.as_stored(handle):
         return "fp8-row" if _row_scaled(handle) else "bf16"
     if handle.format == "INT4" and (not handle.int4_group or handle.int4_group % 32):
         return "bf16"
     if handle.format == "INT8" and not handle.int8_per_row:  # grouped or asymmetric: held dequantized
         return "bf16"
+    if handle.format == "MXFP4" and handle.mxfp4_exact and load() is not None:
+        return "mxfp4"
     if handle.format == "MXFP4" and not handle.int8_g32_exact:  # fp32 biases: held dequantized
         return "bf16"
     return STORED_KIND.get(handle.format, "bf16")
@@ -108,7 +119,8 @@ def requantized_note(handles, fmt: ExpertFormat) -> str | None:
     lossy = sorted({f"{h.format} -> {k}" for h, k in zip(handles, fmt.kinds)
                     if not (h.format in EXACT and stored_kind(h) == k)
                     and not (h.format == "BF16" and k == "bf16") and not (h.format == "F32" and k == "fp32")
-                    and not (h.format in DEQUANTIZED and k == "fp32") and not (h.format == "MXFP4" and k == "bf16")})
+                    and not (h.format in DEQUANTIZED and k == "fp32") and not (h.format == "MXFP4" and k == "bf16")
+                    and not (h.format == "MXFP4" and k == "int8-g32" and h.int8_g32_exact)})
     return ("experts re-quantized on load: " + ", ".join(lossy)) if lossy else None
 
 
@@ -158,9 +170,10 @@ def raw_blocks(handle) -> torch.Tensor:
 def projection_segments(handle, kind: str, int4_layout: str,
                         out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Segments of one projection in `kind` from its checkpoint handle: GGUF Q4_0/Q4_1/Q4_K -> int4
-    and Q8_0 -> int8-g32 straight from the blocks, gpt-oss's MXFP4 -> int8-g32 from its codes and
-    scales, a GGUF gpt-oss Q8_0 expert from its blocks with the bias as a group (TensorHandle.int8_g32_parts,
-    checkpoint/gguf_file.py); anything else through the dense weight. `out`:
+    and Q8_0 -> int8-g32 straight from the blocks, gpt-oss's MXFP4 -> mxfp4 or int8-g32 from its codes
+    and scales (TensorHandle.mxfp4_parts, int8_g32_parts), a GGUF gpt-oss Q8_0 expert from its blocks
+    with the bias as a group (TensorHandle.int8_g32_parts, checkpoint/gguf_file.py); anything else
+    through the dense weight. `out`:
     the projection's segment views in an expert's slot (ExpertFormat.views), which the native
     repacking passes write in place (then the returned segments are those views)."""
     out = out or {}
@@ -179,6 +192,12 @@ def projection_segments(handle, kind: str, int4_layout: str,
         return {"q": q, "scale": scale.to(torch.bfloat16)}
     if kind == "int8-g32" and handle.int8_g32_exact:  # gpt-oss's MXFP4 (codes x 2, scales / 2) or Q8_0 with its bias
         return int8_g32_segments(*handle.int8_g32_parts(), int4_layout)
+    if kind == "mxfp4" and handle.mxfp4_exact:  # gpt-oss's MXFP4: the e2m1 codes as stored, bf16 scales
+        from tiered.checkpoint.gpt_oss import checked_form, mxfp4_codes
+
+        codes, scale = checked_form(handle.name, mxfp4_codes, *handle.mxfp4_parts(), handle.shape[1],
+                                    handle.mxfp4_halves)
+        return mxfp4.segments(codes, scale, int4_layout)
     if handle.format in INT4_BLOCK_FORMATS and kind == "int4":
         ext = load() if int4_layout == "tiled" else None
         if ext is not None:  # the same bytes in one native pass (~50x the numpy / torch path below)

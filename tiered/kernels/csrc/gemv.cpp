@@ -98,13 +98,25 @@ struct Int4W {
   // lines (1.2-1.4x slower calls of 5-8 rows).
   bool tiled = false;
   bool inline_sz = false;
+  // MXFP4 (ExpertFormat's "mxfp4" kind; tiled): each code is an FP4 e2m1 code, its weight
+  // (kE2m1U[q] - 12) * scale + zero (+ residual): the kernels put the unpacked nibbles through that
+  // table (vpshufb) and centre on 12, not 8 (centre()). Only the int8-activation paths (int4tq8s_*,
+  // int4tq8_avx2, int4t_scalar's q8 form) and int4t_dequantize read it: such a weight's Int4TGemv
+  // has q8_from 1 (make_int4_tiled, ExpertSpec::bind_slot), so the bf16 / int16 paths never see it.
+  bool e2m1 = false;
   int64_t gstride = 256, tstride = 0;  // bytes per group of a tile, per tile
+  int centre() const { return e2m1 ? 12 : 8; }
   const uint8_t* tile(int64_t m0) const { return codes + (m0 / 16) * tstride; }
   const uint16_t* tile_sz(int64_t m0, int64_t G, int64_t g) const {
     return inline_sz ? reinterpret_cast<const uint16_t*>(tile(m0) + g * gstride + 256) : s + ((m0 / 16) * G + g) * 32;
   }
   const uint16_t* tile_zr(int64_t m0, int64_t G, int64_t g) const { return zr + ((m0 / 16) * G + g) * 16; }
 };
+
+// FP4 e2m1 code -> 12 + 2 * its value (codes 0..7: 0, .5, 1, 1.5, 2, 3, 4, 6; 8..15 their negatives, bit 3
+// the sign: transformers' FP4_VALUES): in [0, 24], vpdpbusd's / vpmaddubsw's unsigned operand. The weight
+// is (u - 12) * scale, scale 2^(e - 128) (E8M0 e, halved for the doubled values): the MXFP4 value exactly.
+alignas(16) constexpr uint8_t kE2m1U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 struct Int8W {
   const int8_t* q;  // [N, K] per row, or the tiled layout's bytes (see "int8, tiled") when `tiled`
@@ -270,10 +282,10 @@ TIERED_AVX2 inline __attribute__((always_inline)) float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// 8 rows' scales and zero terms with offset 8 (S = s, Z = z + zr - 8 s, fp32) from their 8 (s, z)
+// 8 rows' scales and zero terms with offset `off` (S = s, Z = z + zr - off s, fp32) from their 8 (s, z)
 // bf16 pairs and 8 bf16 residuals (zr null: none): one 32-byte load.
 TIERED_AVX2 inline __attribute__((always_inline)) void scales8_avx2(const uint16_t* sz, const uint16_t* zr, __m256& S,
-                                                                   __m256& Z) {
+                                                                   __m256& Z, float off = 8.f) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz));
   S = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   __m256 zv = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xFFFF0000u))));
@@ -281,14 +293,14 @@ TIERED_AVX2 inline __attribute__((always_inline)) void scales8_avx2(const uint16
     const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(zr));
     zv = _mm256_add_ps(zv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16)));
   }
-  Z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), S, zv);
+  Z = _mm256_fnmadd_ps(_mm256_set1_ps(off), S, zv);
 }
 
 // The same, stored to S[0..7] and Z[0..7].
 TIERED_AVX2 inline __attribute__((always_inline)) void fill8_avx2(const uint16_t* sz, const uint16_t* zr, float* S,
-                                                                 float* Z) {
+                                                                 float* Z, float off = 8.f) {
   __m256 sv, zv;
-  scales8_avx2(sz, zr, sv, zv);
+  scales8_avx2(sz, zr, sv, zv, off);
   _mm256_storeu_ps(S, sv);
   _mm256_storeu_ps(Z, zv);
 }
@@ -824,6 +836,9 @@ TIERED_AVX512 void bf16_avx512(const Bf16W& w, const Act& a, int64_t b0, int64_t
 //     row, with the 136 * sum(x) it adds taken out with the zero term, as the plain int4 path does.
 //   q8 activations (Act.xqt, plain order): one 64-byte load ANDed with 0x0F, and shifted right by
 //     4, gives two vpdpbusd operands of 4 columns x 16 rows against a broadcast of 4 bytes of x.
+//   MXFP4 (Int4W::e2m1: gpt-oss's experts, quant/mxfp4.py): the same bytes, each nibble an FP4 e2m1
+//     code that one vpshufb per operand maps to u = kE2m1U[q] in [0, 24] right after the unpack; the
+//     dot is centred on 12 (w = (u - 12) s + z), on q8 activations only.
 
 inline bool has_vbmi() {
   static const bool v = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vbmi"));
@@ -834,6 +849,12 @@ inline bool has_vbmi() {
 inline uint8_t tiled_code(const uint8_t* tile, int64_t gstride, int64_t r, int64_t k) {
   const uint8_t b = tile[(k / kGroup) * gstride + ((k % kGroup) / 8) * 64 + r * 4 + (k % 4)];
   return (k % 8) < 4 ? (b & 15) : (b >> 4);
+}
+
+// The same code as the kernels multiply it: through kE2m1U for MXFP4 (Int4W::e2m1)
+inline int32_t tiled_u(const Int4W& w, const uint8_t* tile, int64_t r, int64_t k) {
+  const uint8_t q = tiled_code(tile, w.gstride, r, k);
+  return w.e2m1 ? kE2m1U[q] : q;
 }
 
 void int4t_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y,
@@ -851,8 +872,11 @@ void int4t_scalar(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t 
           const float s = blk.sc[g * kBlock + r], zc = blk.zc[g * kBlock + r];
           if (q8) {  // s dx (sum q xq - 8 sum xq) + z sum x
             int32_t d = 0;
-            for (int64_t i = 0; i < kGroup; ++i) d += int32_t(tiled_code(tile, w.gstride, r, g * kGroup + i)) * a.xqt[b * K + g * kGroup + i];
-            acc += s * a.dxg[b * G + g] * float(d) + s * a.m8[b * a.Gp + g] + zc * a.xsum[b * a.Gp + g];
+            for (int64_t i = 0; i < kGroup; ++i) d += tiled_u(w, tile, r, g * kGroup + i) * a.xqt[b * K + g * kGroup + i];
+            if (w.e2m1)  // the centred dot in integers, as the SIMD paths take it: s dx sum (u - 12) xq + z sum x
+              acc += s * a.dxg[b * G + g] * float(d - 12 * a.xqs[b * G + g]) + zc * a.xsum[b * a.Gp + g];
+            else
+              acc += s * a.dxg[b * G + g] * float(d) + s * a.m8[b * a.Gp + g] + zc * a.xsum[b * a.Gp + g];
           } else {
             float d = 0.f;
             for (int64_t i = 0; i < kGroup; ++i) d += float(tiled_code(tile, w.gstride, r, g * kGroup + i)) * a.xr[b * K + g * kGroup + i];
@@ -887,14 +911,14 @@ TIERED_FORCE_INLINE void prefetch_group(const Int4W& w, const uint8_t* codes, in
   if (next >= 0 && (!w.inline_sz || block_fill)) prefetch_tile_scales(w, next, G, g);
 }
 
-// A tile's scales and zero terms (offset 8) from its contiguous [G, 16, 2] bf16 run (and [G, 16]
-// residual): 8 rows per 32-byte load.
-TIERED_AVX2 void int4t_fill_block_avx2(const Int4W& w, int64_t m0, int64_t G, Int4Block& blk) {
+// A tile's scales and zero terms (offset `off`, 8 or 0) from its contiguous [G, 16, 2] bf16 run (and
+// [G, 16] residual): 8 rows per 32-byte load.
+TIERED_AVX2 void int4t_fill_block_avx2(const Int4W& w, int64_t m0, int64_t G, Int4Block& blk, float off = 8.f) {
   float *S = blk.S(G), *Z = blk.Z(G);
   for (int64_t g = 0; g < G; ++g)
     for (int h = 0; h < 2; ++h)
       fill8_avx2(w.tile_sz(m0, G, g) + 16 * h, w.zr ? w.tile_zr(m0, G, g) + 8 * h : nullptr, S + g * kBlock + 8 * h,
-                 Z + g * kBlock + 8 * h);
+                 Z + g * kBlock + 8 * h, off);
 }
 
 // int4t_w16_avx2's pieces. One 8-row half of a chunk's 64-byte line (32 bytes at c) -> the int16
@@ -1073,32 +1097,41 @@ TIERED_AVX512 void int4t_w16_avx512(const Int4W& w, const Act& a, int64_t b0, in
 // 8 bytes of xq once: a pass does 16 integer ops per 256 multiply-adds and row (8 int16
 // accumulators, 4 code vectors and 2 broadcasts: 14 registers).
 
-// One 64-byte chunk (8 columns x 16 rows) -> its nibble vectors lo0 lo1 hi0 hi1 (rows 0-7, 8-15).
+// One 64-byte chunk (8 columns x 16 rows) -> its nibble vectors lo0 lo1 hi0 hi1 (rows 0-7, 8-15); MXFP4's
+// (E2M1) through kE2m1U, one vpshufb each (the table in both 128-bit lanes).
+template <bool E2M1 = false>
 TIERED_AVX2 inline __attribute__((always_inline)) void int4tq8_chunk_avx2(const uint8_t* c, __m256i* q) {
   const __m256i m4 = _mm256_set1_epi8(15);
   const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
   const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));
   q[0] = _mm256_and_si256(d0, m4), q[1] = _mm256_and_si256(d1, m4);
   q[2] = _mm256_and_si256(_mm256_srli_epi16(d0, 4), m4), q[3] = _mm256_and_si256(_mm256_srli_epi16(d1, 4), m4);
+  if constexpr (E2M1) {
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1U)));
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_shuffle_epi8(lut, q[i]);
+  }
 }
 
 // The tile at m0 unpacked into u (16 vectors a group), prefetching its code stream ahead and, a group
 // at a time, the next tile's scales (next: that tile's row, or -1).
+template <bool E2M1>
 TIERED_AVX2 inline void int4tq8_unpack_avx2(const Int4W& w, int64_t m0, int64_t next, int64_t G, __m256i* u) {
   const uint8_t* tile = w.tile(m0);
   for (int64_t g = 0; g < G; ++g) {
     prefetch_group(w, tile + g * w.gstride, next, G, g, true);
     for (int c4 = 0; c4 < 4; ++c4) {
       __m256i q[4];
-      int4tq8_chunk_avx2(tile + g * w.gstride + 64 * c4, q);
+      int4tq8_chunk_avx2<E2M1>(tile + g * w.gstride + 64 * c4, q);
       for (int i = 0; i < 4; ++i) _mm256_storeu_si256(u + 16 * g + 4 * c4 + i, q[i]);
     }
   }
 }
 
 // One pass of NB activation rows over a tile unpacked in u (calls of more than kQ8StreamRows rows:
-// smaller ones stream, int4tq8s_avx2).
-template <int NB>
+// smaller ones stream, int4tq8s_avx2). MXFP4 (E2M1): u in [0, 24] makes a pair sum up to 2 * 24 * 127,
+// so a group's int16 sums are widened every 2 chunks (<= 4 * 6096), the dot centred on 12 in int32
+// (- 12 sum xq) and scaled by s dx, blk's zero terms of offset 0 and cm unused.
+template <int NB, bool E2M1>
 TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const Int4W& w, const __m256i* u, int64_t next,
                                           const Int4Block& blk, const float* cm, int64_t b0, int64_t m0, float* y,
                                           int64_t ldy) {
@@ -1106,9 +1139,10 @@ TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const Int4W& w, const __
   const int64_t K = a.K, G = K / kGroup;
   const int8_t* xq[NB];
   const float *dx[NB], *xs[NB], *c[NB];
+  const int32_t* xqs[NB];
   for (int j = 0; j < NB; ++j) {
     const int64_t b = b0 + j;
-    xq[j] = a.xqt + b * K, dx[j] = a.dxg + b * G, xs[j] = a.xsum + b * a.Gp, c[j] = cm + j * G;
+    xq[j] = a.xqt + b * K, dx[j] = a.dxg + b * G, xs[j] = a.xsum + b * a.Gp, c[j] = cm + j * G, xqs[j] = a.xqs + b * G;
   }
   const float *S = blk.sc.data(), *Z = blk.zc.data();
   float acc[NB][kBlock];
@@ -1128,8 +1162,8 @@ TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const Int4W& w, const __
   }
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < G; ++g) {
-    __m256i t[NB][2];
-    for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = _mm256_setzero_si256();
+    __m256i t[NB][2], t32[NB][2];
+    for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = t32[j][0] = t32[j][1] = _mm256_setzero_si256();
 #pragma GCC unroll 1  // unrolled, GCC hoists the products of all 4 chunks ahead of their adds and spills them
     for (int c4 = 0; c4 < 4; ++c4) {
       __m256i q[4];
@@ -1142,12 +1176,25 @@ TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const Int4W& w, const __
         t[j][0] = _mm256_add_epi16(t[j][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0), _mm256_maddubs_epi16(hi0, x1)));
         t[j][1] = _mm256_add_epi16(t[j][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x0), _mm256_maddubs_epi16(hi1, x1)));
       }
+      if constexpr (E2M1) {
+        if (c4 == 1)
+          for (int j = 0; j < NB; ++j)
+            for (int h = 0; h < 2; ++h) t32[j][h] = _mm256_madd_epi16(t[j][h], ones), t[j][h] = _mm256_setzero_si256();
+      }
     }
     const __m256 s0 = _mm256_loadu_ps(S + g * kBlock), s1 = _mm256_loadu_ps(S + g * kBlock + 8);
     for (int j = 0; j < NB; ++j) {
-      const __m256 d = _mm256_set1_ps(dx[j][g]), cg = _mm256_set1_ps(c[j][g]);
-      const __m256 v0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t[j][0], ones)), d, cg);
-      const __m256 v1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t[j][1], ones)), d, cg);
+      const __m256 d = _mm256_set1_ps(dx[j][g]);
+      __m256 v0, v1;
+      if constexpr (E2M1) {
+        const __m256i c12 = _mm256_set1_epi32(12 * xqs[j][g]);
+        v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(t[j][0], ones), t32[j][0]), c12)), d);
+        v1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(t[j][1], ones), t32[j][1]), c12)), d);
+      } else {
+        const __m256 cg = _mm256_set1_ps(c[j][g]);
+        v0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t[j][0], ones)), d, cg);
+        v1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t[j][1], ones)), d, cg);
+      }
       _mm256_storeu_ps(acc[j], _mm256_fmadd_ps(v0, s0, _mm256_loadu_ps(acc[j])));
       _mm256_storeu_ps(acc[j] + 8, _mm256_fmadd_ps(v1, s1, _mm256_loadu_ps(acc[j] + 8)));
     }
@@ -1156,14 +1203,15 @@ TIERED_AVX2 inline void int4tq8_tile_avx2(const Act& a, const Int4W& w, const __
 }
 
 // One pass of nb <= 4 activation rows over a tile (int4tq8_tile_avx2 at that width).
+template <bool E2M1>
 TIERED_AVX2 inline void int4tq8_pass_avx2(int64_t nb, const Act& a, const Int4W& w, const __m256i* u, int64_t next,
                                           const Int4Block& blk, const float* cm, int64_t b0, int64_t m0, float* y,
                                           int64_t ldy) {
   switch (nb) {
-    case 1: int4tq8_tile_avx2<1>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
-    case 2: int4tq8_tile_avx2<2>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
-    case 3: int4tq8_tile_avx2<3>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
-    default: int4tq8_tile_avx2<4>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
+    case 1: int4tq8_tile_avx2<1, E2M1>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
+    case 2: int4tq8_tile_avx2<2, E2M1>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
+    case 3: int4tq8_tile_avx2<3, E2M1>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
+    default: int4tq8_tile_avx2<4, E2M1>(a, w, u, next, blk, cm, b0, m0, y, ldy); break;
   }
 }
 
@@ -1185,13 +1233,15 @@ struct Q8Rows {
 
 // Small calls (up to kQ8StreamRows rows) streamed as int4tq8s_avx512 streams: per chunk the tile's 4
 // nibble vectors against each row's 8 bytes of xqt (vpmaddubsw, int16 sums exact per group as in
-// int4tq8_tile_avx2), then per group and 8-row half the centred int32 dot (Act::xqs), its scale
-// s dx and the zero term (z + zr) xsum, with the (s, z) line and residuals read in the stream and
-// the next tile's prefetched: no per-tile block, no separate zero-term pass.
-template <int NB>
+// int4tq8_tile_avx2, MXFP4's widened every 2 chunks as there), then per group and 8-row half the
+// centred int32 dot (Act::xqs; centre 12 for MXFP4), its scale s dx and the zero term (z + zr) xsum,
+// with the (s, z) line and residuals read in the stream and the next tile's prefetched: no per-tile
+// block, no separate zero-term pass.
+template <int NB, bool E2M1 = false>
 TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
                                int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
+  constexpr int32_t kCentre = E2M1 ? 12 : 8;
   const __m256i ones = _mm256_set1_epi16(1), hi = _mm256_set1_epi32(int(0xFFFF0000u));
   const Q8Rows<NB> x(a, b0);
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
@@ -1203,17 +1253,22 @@ TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* pg = tile + g * w.gstride;
       prefetch_group(w, pg, next, G, g);
-      __m256i t[NB][2];
-      for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = _mm256_setzero_si256();
+      __m256i t[NB][2], t32[NB][2];
+      for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = t32[j][0] = t32[j][1] = _mm256_setzero_si256();
       for (int c4 = 0; c4 < 4; ++c4) {
         __m256i q[4];
-        int4tq8_chunk_avx2(pg + 64 * c4, q);
+        int4tq8_chunk_avx2<E2M1>(pg + 64 * c4, q);
         for (int j = 0; j < NB; ++j) {
           int32_t v0, v1;
           std::memcpy(&v0, x.xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&v1, x.xq[j] + g * kGroup + c4 * 8 + 4, 4);
           const __m256i x0 = _mm256_set1_epi32(v0), x1 = _mm256_set1_epi32(v1);
           t[j][0] = _mm256_add_epi16(t[j][0], _mm256_add_epi16(_mm256_maddubs_epi16(q[0], x0), _mm256_maddubs_epi16(q[2], x1)));
           t[j][1] = _mm256_add_epi16(t[j][1], _mm256_add_epi16(_mm256_maddubs_epi16(q[1], x0), _mm256_maddubs_epi16(q[3], x1)));
+        }
+        if constexpr (E2M1) {
+          if (c4 == 1)
+            for (int j = 0; j < NB; ++j)
+              for (int h = 0; h < 2; ++h) t32[j][h] = _mm256_madd_epi16(t[j][h], ones), t[j][h] = _mm256_setzero_si256();
         }
       }
       const uint16_t* sz = w.tile_sz(m0, G, g);
@@ -1226,7 +1281,9 @@ TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t
           zv = _mm256_add_ps(zv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16)));
         }
         for (int j = 0; j < NB; ++j) {
-          const __m256i ti = _mm256_sub_epi32(_mm256_madd_epi16(t[j][h], ones), _mm256_set1_epi32(8 * x.xqs[j][g]));
+          __m256i ti = _mm256_madd_epi16(t[j][h], ones);
+          if constexpr (E2M1) ti = _mm256_add_epi32(ti, t32[j][h]);
+          ti = _mm256_sub_epi32(ti, _mm256_set1_epi32(kCentre * x.xqs[j][g]));
           acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti), _mm256_mul_ps(sv, _mm256_set1_ps(x.dx[j][g])), acc[j][h]);
           corr[j][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(x.xs[j][g]), corr[j][h]);
         }
@@ -1241,26 +1298,28 @@ TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t
   }
 }
 
+template <bool E2M1>
 TIERED_AVX2 void int4tq8_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1,
                               float* y, int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
   thread_local Int4Block blk;
   thread_local std::vector<__m256i> u;  // the unpacked tile: 16 vectors a group
-  thread_local std::vector<float> cm;  // c = m8 + 8 xsum per activation row and group
+  thread_local std::vector<float> cm;  // c = m8 + 8 xsum per activation row and group (MXFP4: unused)
   cm.resize(nb * G);
-  for (int64_t j = 0; j < nb; ++j)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t i = (b0 + j) * a.Gp + g;
-      cm[j * G + g] = a.m8[i] + 8.f * a.xsum[i];
-    }
+  if constexpr (!E2M1)
+    for (int64_t j = 0; j < nb; ++j)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = (b0 + j) * a.Gp + g;
+        cm[j * G + g] = a.m8[i] + 8.f * a.xsum[i];
+      }
   u.resize(16 * G);
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
-    int4tq8_unpack_avx2(w, m0, next, G, u.data());  // first: with the scales inline it streams their lines in,
-    int4t_fill_block_avx2(w, m0, G, blk);             // so this pass over them hits the cache
+    int4tq8_unpack_avx2<E2M1>(w, m0, next, G, u.data());  // first: with the scales inline it streams their lines in,
+    int4t_fill_block_avx2(w, m0, G, blk, E2M1 ? 0.f : 8.f);  // so this pass over them hits the cache
     for (int64_t j0 = b0; j0 < b0 + nb; j0 += 4)
-      int4tq8_pass_avx2(std::min<int64_t>(4, b0 + nb - j0), a, w, u.data(), next, blk, cm.data() + (j0 - b0) * G,
-                               j0, m0, y, ldy);
+      int4tq8_pass_avx2<E2M1>(std::min<int64_t>(4, b0 + nb - j0), a, w, u.data(), next, blk,
+                              cm.data() + (j0 - b0) * G, j0, m0, y, ldy);
   }
 }
 
@@ -1389,25 +1448,34 @@ TIERED_AVX512 void int4tq8s_avx512(const Int4W& w, const Act& a, int64_t b0, int
 // Dequantizing a tiled weight (the prefill path of a weight held only tiled): tile rows
 // 16t..16t+15 as w = q * s + (z + zr - 8 s) (blk from gather(.., 8)), written to rows of ldo
 // elements, fp32 (of) or bf16 rounded to nearest even (ob). Every path computes the same mul and
-// add in fp32, so all give identical bits.
+// add in fp32, so all give identical bits. MXFP4 (E2M1, blk from gather(.., 0)): w = (u - 12) * s +
+// (z + zr), u = kE2m1U[q], the code centred in integers first: (u - 12) s is the MXFP4 weight exactly
+// (2 significant bits times a power of two, or the bias times 1), with no u * s to overflow.
+template <bool E2M1>
 void int4t_dequant_scalar(const Int4Block& blk, const uint8_t* tile, int64_t gstride, int64_t K, float* of, uint16_t* ob,
                           int64_t ldo) {
   for (int64_t r = 0; r < kBlock; ++r)
     for (int64_t k = 0; k < K; ++k) {
       const int64_t gi = (k / kGroup) * kBlock + r;
-      const float v = float(tiled_code(tile, gstride, r, k)) * blk.sc[gi] + blk.zc[gi];
+      const uint8_t q = tiled_code(tile, gstride, r, k);
+      const float v = float(E2M1 ? int32_t(kE2m1U[q]) - 12 : int32_t(q)) * blk.sc[gi] + blk.zc[gi];
       if (of) of[r * ldo + k] = v; else ob[r * ldo + k] = to_bf16(v);
     }
 }
 
 // Row r's 32 codes of group g as bytes in column order: its dword of each of the group's four
-// 64-byte chunks holds columns 8c + j (low nibbles) and 8c + 4 + j (high).
+// 64-byte chunks holds columns 8c + j (low nibbles) and 8c + 4 + j (high). E2M1: through kE2m1U.
+template <bool E2M1>
 TIERED_AVX2 inline void tiled_group_codes(const uint8_t* tile, int64_t gstride, int64_t r, int64_t g, __m128i& c0,
                                           __m128i& c1) {
   int32_t d[4];
   for (int c = 0; c < 4; ++c) std::memcpy(d + c, tile + g * gstride + c * 64 + 4 * r, 4);
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d)), m4 = _mm_set1_epi8(15);
-  const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+  __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+  if constexpr (E2M1) {
+    const __m128i lut = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1U));
+    lo = _mm_shuffle_epi8(lut, lo), hi = _mm_shuffle_epi8(lut, hi);
+  }
   c0 = _mm_unpacklo_epi32(lo, hi);  // columns 0..15
   c1 = _mm_unpackhi_epi32(lo, hi);  // columns 16..31
 }
@@ -1419,7 +1487,7 @@ TIERED_AVX512 void int4t_dequant_avx512(const Int4Block& blk, const uint8_t* til
   for (int64_t r = 0; r < kBlock; ++r)
     for (int64_t g = 0; g < G; ++g) {
       __m128i c[2];
-      tiled_group_codes(tile, gstride, r, g, c[0], c[1]);
+      tiled_group_codes<false>(tile, gstride, r, g, c[0], c[1]);
       const __m512 s = _mm512_set1_ps(blk.sc[g * kBlock + r]), z = _mm512_set1_ps(blk.zc[g * kBlock + r]);
       for (int h = 0; h < 2; ++h) {
         const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c[h])), s), z);
@@ -1435,19 +1503,22 @@ TIERED_AVX512 void int4t_dequant_avx512(const Int4Block& blk, const uint8_t* til
     }
 }
 
+template <bool E2M1>
 TIERED_AVX2 void int4t_dequant_avx2(const Int4Block& blk, const uint8_t* tile, int64_t gstride, int64_t K, float* of,
                                     uint16_t* ob, int64_t ldo) {
   const int64_t G = K / kGroup;
-  const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  const __m256i half = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1), centre = _mm256_set1_epi32(E2M1 ? 12 : 0);
   for (int64_t r = 0; r < kBlock; ++r)
     for (int64_t g = 0; g < G; ++g) {
       __m128i c[2];
-      tiled_group_codes(tile, gstride, r, g, c[0], c[1]);
+      tiled_group_codes<E2M1>(tile, gstride, r, g, c[0], c[1]);
       const __m256 s = _mm256_set1_ps(blk.sc[g * kBlock + r]), z = _mm256_set1_ps(blk.zc[g * kBlock + r]);
       for (int h = 0; h < 2; ++h) {
         __m256 v[2];
-        v[0] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c[h])), s), z);
-        v[1] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c[h], 8))), s), z);
+        const __m256i q0 = _mm256_sub_epi32(_mm256_cvtepu8_epi32(c[h]), centre);
+        const __m256i q1 = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(c[h], 8)), centre);
+        v[0] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q0), s), z);
+        v[1] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q1), s), z);
         const int64_t at = r * ldo + g * kGroup + 16 * h;
         if (of) {
           _mm256_storeu_ps(of + at, v[0]), _mm256_storeu_ps(of + at + 8, v[1]);
@@ -1473,14 +1544,19 @@ void int4t_dequantize(const Int4W& w, int64_t K, int64_t n0, int64_t n1, float* 
     Int4Block blk;
     const int64_t G = K / kGroup;
     for (int64_t t = t0; t < t1; ++t) {
-      blk.gather(w, t * kBlock, kBlock, G, 8.f);
+      blk.gather(w, t * kBlock, kBlock, G, w.e2m1 ? 0.f : 8.f);
       const uint8_t* tile = w.tile(t * kBlock);
       const int64_t at = (t * kBlock - n0) * K;
       float* o32 = of ? of + at : nullptr;
       uint16_t* o16 = of ? nullptr : ob + at;
-      if (isa == kAvx512) int4t_dequant_avx512(blk, tile, w.gstride, K, o32, o16, K);
-      else if (isa == kAvx2) int4t_dequant_avx2(blk, tile, w.gstride, K, o32, o16, K);
-      else int4t_dequant_scalar(blk, tile, w.gstride, K, o32, o16, K);
+      if (w.e2m1) {  // the AVX2 form on AVX-512 machines too (see Int4TGemv::rows)
+        if (isa >= kAvx2) int4t_dequant_avx2<true>(blk, tile, w.gstride, K, o32, o16, K);
+        else int4t_dequant_scalar<true>(blk, tile, w.gstride, K, o32, o16, K);
+      } else {
+        if (isa == kAvx512) int4t_dequant_avx512(blk, tile, w.gstride, K, o32, o16, K);
+        else if (isa == kAvx2) int4t_dequant_avx2<false>(blk, tile, w.gstride, K, o32, o16, K);
+        else int4t_dequant_scalar<false>(blk, tile, w.gstride, K, o32, o16, K);
+      }
     }
   });
 }
@@ -1952,13 +2028,23 @@ struct Int4TGemv : Int4Gemv {
       } else {
         TIERED_DISPATCH_NB(int4t_w16_avx2, w)
       }
+    } else if (a.B >= q8_from && w.e2m1) {  // MXFP4: q8_from is 1 (Int4W::e2m1). Its AVX2 kernels on
+      // AVX-512 machines too: an AVX-512 form (a vpshufb after int4tq8s_avx512's unpack) is not written
+      // until it can be checked on such a machine (the 2-core CI / dev hosts had AVX2 only when it was built)
+      if (isa >= kAvx2 && nb <= kQ8StreamRows) {
+        TIERED_DISPATCH_NB(int4tq8s_avx2, w, true)
+      } else if (isa >= kAvx2) {
+        int4tq8_avx2<true>(w, a, b0, nb, n0, n1, y, ldy);
+      } else {
+        int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, true);
+      }
     } else if (a.B >= q8_from) {
       if (isa == kAvx512) {
         TIERED_DISPATCH_NB(int4tq8s_avx512, w)
       } else if (isa == kAvx2 && nb <= kQ8StreamRows) {
         TIERED_DISPATCH_NB(int4tq8s_avx2, w)
       } else if (isa == kAvx2) {
-        int4tq8_avx2(w, a, b0, nb, n0, n1, y, ldy);
+        int4tq8_avx2<false>(w, a, b0, nb, n0, n1, y, ldy);
       } else {
         int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, true);
       }
@@ -1970,6 +2056,7 @@ struct Int4TGemv : Int4Gemv {
   }
   std::string name() const override {  // "int16 x": the int16-activation path (int4t_w16_avx2 / _avx512)
     const int isa = current_isa();
+    if (w.e2m1) return std::string("mxfp4tq8(tiered,") + isa_name(isa) + ")";
     if (q8_from == 1) return std::string("int4tq8(tiered,") + isa_name(isa) + ")";
     std::string n = std::string("int4t(tiered,") + isa_name(isa);
     if (int16_below_q8()) n += "; int16 x";
@@ -2595,7 +2682,9 @@ struct ExpertGemv : Kernel {
 // An ExpertFormat's layout (per projection: kind and byte offsets of its segments in the flat
 // slot), so that one call computes an expert straight from any slot holding it.
 struct ExpertSpec {
-  enum Kind { kBf16 = 0, kInt8 = 1, kInt4 = 2, kInt8G32 = 3, kFp8 = 4, kFp8Row = 5 };
+  // kMxfp4: gpt-oss's MXFP4 (quant/mxfp4.py), laid out as tiled int4 with the scales inline and no residual,
+  // its codes FP4 e2m1 (Int4W::e2m1), always on int8 activations
+  enum Kind { kBf16 = 0, kInt8 = 1, kInt4 = 2, kInt8G32 = 3, kFp8 = 4, kFp8Row = 5, kMxfp4 = 6 };
   struct Proj {
     int kind;
     int64_t N, K;
@@ -2618,7 +2707,7 @@ struct ExpertSpec {
       kf.w = {buf + pr.off[0], reinterpret_cast<const float*>(buf + pr.off[1]), nullptr,
               pr.kind == kFp8 ? kFp8Block : 1, pr.kind == kFp8 ? 1 : 0};
       out = &kf;
-    } else if (pr.kind == kInt4) {
+    } else if (pr.kind == kInt4 || pr.kind == kMxfp4) {
       k4.in_features = pr.K, k4.out_features = pr.N;
       const auto* sz = reinterpret_cast<const uint16_t*>(buf + pr.off[1]);
       k4.w = {buf + pr.off[0], pr.K / 2, sz, sz + 1,
@@ -2630,6 +2719,7 @@ struct ExpertSpec {
         k4.w.inline_sz = true;
         k4.w.gstride = 320, k4.w.tstride = (pr.K / kGroup) * 320;
       }
+      k4.w.e2m1 = pr.kind == kMxfp4;
       out = &k4;
     } else if (pr.kind == kInt8 || pr.kind == kInt8G32) {
       k8.in_features = pr.K, k8.out_features = pr.N;
@@ -2661,7 +2751,7 @@ struct ExpertSpec {
                 "expert spec: the slot must be a contiguous CPU uint8 tensor of ", nbytes, " bytes");
     const uint8_t* base = buf.data_ptr<uint8_t>();
     for (int i = 0; i < 3; ++i) {
-      b.k4t[i].q8_from = q8_from;
+      b.k4t[i].q8_from = p[i].kind == kMxfp4 ? 1 : q8_from;
       Int4Gemv& k = int4_tiled ? static_cast<Int4Gemv&>(b.k4t[i]) : int4_q8 ? b.k4q[i] : b.k4[i];
       bind(p[i], base, k, b.k8[i], b.kb[i], b.kf[i], b.g[i]);
     }
@@ -2802,11 +2892,13 @@ std::shared_ptr<Gemv> make_int4(at::Tensor codes, at::Tensor scale, at::Tensor z
 // The tiled layout: codes uint8 [N, K/2] (tiles), sz bf16 [N/16, G, 16, 2], zr bf16 [N/16, G, 16] or none.
 // Scales inline (Int4W::inline_sz): codes uint8 [N/16, G, 320] (each group-tile's 256 code bytes, then its
 // 16 (s, z) bf16 pairs), no sz; the residual as above.
+// e2m1: MXFP4 codes (Int4W::e2m1), which read int8 activations at every call size (q8_from 1).
 std::shared_ptr<Int4TGemv> make_int4_tiled(at::Tensor codes, c10::optional<at::Tensor> sz_, c10::optional<at::Tensor> residual,
-                                           c10::optional<at::Tensor> bias, int64_t q8_from) {
+                                           c10::optional<at::Tensor> bias, int64_t q8_from, bool e2m1 = false) {
   auto k = std::make_shared<Int4TGemv>();
-  k->q8_from = q8_from;
+  k->q8_from = e2m1 ? 1 : q8_from;
   k->w.tiled = true;
+  k->w.e2m1 = e2m1;
   int64_t N, K;
   if (codes.dim() == 3) {
     const int64_t T = codes.size(0), G = codes.size(1), GS = codes.size(2);
@@ -3217,23 +3309,25 @@ void register_gemv(pybind11::module& m) {
         "group of 32, vpdpbusd: faster, less exact).");
   m.def("int4_tiled_kernel", [](at::Tensor codes, c10::optional<at::Tensor> sz, c10::optional<at::Tensor> residual,
                                 c10::optional<at::Tensor> bias, const std::string& act,
-                                c10::optional<std::string> batch_act) -> KernelPtr {
+                                c10::optional<std::string> batch_act, bool e2m1) -> KernelPtr {
           const std::string batch = batch_act ? *batch_act : act;
           TIERED_CHECK((act == "bf16" || act == "q8") && (batch == "bf16" || batch == "q8"),
                       "int4_tiled_kernel: act and batch_act must be 'bf16' or 'q8', got '", act, "', '", batch, "'");
           const int64_t q8_from = act == "q8" ? 1 : batch == "q8" ? 2 : kNeverQ8;
-          return make_int4_tiled(codes, sz, residual, bias, q8_from);
+          return make_int4_tiled(codes, sz, residual, bias, q8_from, e2m1);
         },
         py::arg("codes"), py::arg("sz"), py::arg("residual") = py::none(), py::arg("bias") = py::none(),
-        py::arg("act") = "bf16", py::arg("batch_act") = py::none(),
+        py::arg("act") = "bf16", py::arg("batch_act") = py::none(), py::arg("e2m1") = false,
         "tiered's int4 GEMV over the tiled layout (kernels/linear.py tiled_codes / tiled_scales): codes uint8 "
         "[N, K/2], sz bf16 [N/16, K/32, 16, 2] (scale, zero), residual bf16 [N/16, K/32, 16]; or the scales "
         "inline (kernels/linear.py tiled_inline): codes uint8 [N/16, K/32, 320], sz None, the residual as before: "
         "w = (q - 8) * scale + zero + residual; N % 16 == 0. act as int4_kernel's, for calls of one "
-        "activation row; batch_act for calls of two or more (default: act).");
+        "activation row; batch_act for calls of two or more (default: act). e2m1: MXFP4 codes (FP4 e2m1, "
+        "quant/mxfp4.py): w = (E2M1_U[q] - 12) * scale + zero + residual, on int8 activations at every call "
+        "size (act and batch_act ignored).");
   m.def("int4_tiled_dequantize", [](at::Tensor codes, c10::optional<at::Tensor> sz, c10::optional<at::Tensor> residual,
-                                    int64_t n0, int64_t n1, bool fp32, c10::optional<at::Tensor> out_) {
-          auto k = make_int4_tiled(codes, sz, residual, c10::nullopt, kNeverQ8);
+                                    int64_t n0, int64_t n1, bool fp32, c10::optional<at::Tensor> out_, bool e2m1) {
+          auto k = make_int4_tiled(codes, sz, residual, c10::nullopt, kNeverQ8, e2m1);
           const int64_t N = k->out_features, K = k->in_features;
           if (n1 < 0) n1 = N;
           TIERED_CHECK(0 <= n0 && n0 <= n1 && n1 <= N && n0 % kBlock == 0 && (n1 % kBlock == 0 || n1 == N),
@@ -3254,10 +3348,11 @@ void register_gemv(pybind11::module& m) {
           return out;
         },
         py::arg("codes"), py::arg("sz"), py::arg("residual") = py::none(), py::arg("n0") = 0,
-        py::arg("n1") = -1, py::arg("fp32") = false, py::arg("out") = py::none(),
+        py::arg("n1") = -1, py::arg("fp32") = false, py::arg("out") = py::none(), py::arg("e2m1") = false,
         "Rows [n0, n1) of a tiled int4 weight (int4_tiled_kernel's arguments) as bf16 (fp32 with fp32=True) "
         "[n1 - n0, K]: w = (q - 8) * scale + zero + residual, rounded once (the prefill path of a tiled-only weight). "
-        "out: a tensor of that dtype and shape to write (a reused buffer: no fresh pages per call); returned.");
+        "out: a tensor of that dtype and shape to write (a reused buffer: no fresh pages per call); returned. "
+        "e2m1: MXFP4 codes, w = (E2M1_U[q] - 12) * scale + zero + residual (as int4_tiled_kernel's).");
   m.def("int8_kernel", [](at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> bias) -> KernelPtr {
           return make_int8(q, scale, bias);
         },
@@ -3366,7 +3461,7 @@ void register_gemv(pybind11::module& m) {
             const auto& k = kinds[i];
             pr.kind = k == "int4" ? ExpertSpec::kInt4 : k == "int8" ? ExpertSpec::kInt8 : k == "bf16" ? ExpertSpec::kBf16
                       : k == "int8-g32" ? ExpertSpec::kInt8G32 : k == "fp8" ? ExpertSpec::kFp8
-                      : k == "fp8-row" ? ExpertSpec::kFp8Row : -1;
+                      : k == "fp8-row" ? ExpertSpec::kFp8Row : k == "mxfp4" ? ExpertSpec::kMxfp4 : -1;
             TIERED_CHECK(pr.kind >= 0, "expert_spec: no native kernel for kind ", k);
             TIERED_CHECK(shapes[i].size() == 2, "expert_spec: shapes are (N, K)");
             pr.N = shapes[i][0], pr.K = shapes[i][1];
@@ -3377,9 +3472,15 @@ void register_gemv(pybind11::module& m) {
                         "expert_spec: the tiled int4 layout needs N % 16 == 0");
             for (size_t j = 0; j < 3; ++j) pr.off[j] = j < offsets[i].size() ? offsets[i][j] : 0;
             for (size_t j = 0; j < 3; ++j)
-              TIERED_CHECK(pr.off[j] >= 0 ? pr.off[j] < nbytes : pr.kind == ExpertSpec::kInt4 && j == 2,
+              TIERED_CHECK(pr.off[j] >= 0 ? pr.off[j] < nbytes
+                                          : (pr.kind == ExpertSpec::kInt4 || pr.kind == ExpertSpec::kMxfp4) && j == 2,
                           "expert_spec: offset ", pr.off[j], " out of the slot's ", nbytes,
                           " bytes (only an int4 residual may be -1: not read)");
+            TIERED_CHECK(pr.kind != ExpertSpec::kMxfp4 || (sp->int4_tiled && pr.K % kGroup == 0 && pr.N % kBlock == 0 &&
+                                                          pr.off[1] == pr.off[0] + 256 &&
+                                                          pr.off[0] + pr.N / kBlock * (pr.K / kGroup) * 320 <= nbytes),
+                        "expert_spec: mxfp4 has a native kernel in the tiled layout only, its scales inline (offsets "
+                        "codes, codes + 256), N % 16 == 0 and K % 32 == 0");
             if (pr.kind == ExpertSpec::kFp8 || pr.kind == ExpertSpec::kFp8Row) {
               const int64_t bs_bytes = pr.kind == ExpertSpec::kFp8Row ? pr.N * 4 :
                   (pr.N + kFp8Block - 1) / kFp8Block * ((pr.K + kFp8Block - 1) / kFp8Block) * 4;
@@ -3404,7 +3505,9 @@ void register_gemv(pybind11::module& m) {
         "codes, sz bf16 [G, N, 2], zr bf16 [G, N]; fp8: q uint8 [N, K] e4m3fn bits, bs float32 [ceil(N/128), "
         "ceil(K/128)], as fp8_kernel); "
         "int4_act as int4_kernel's act; int4_batch_act (tiled layout, '' = int4_act) for calls of two or more rows, "
-        "as int4_tiled_kernel's batch_act.");
+        "as int4_tiled_kernel's batch_act. 'mxfp4' (tiled layout only): tiled int4 with the scales inline and no "
+        "residual (offsets: codes, codes + 256, -1), the codes FP4 e2m1 (int4_tiled_kernel's e2m1), int8 "
+        "activations at every call size whatever int4_act says.");
   m.def("bf16_expert_forward", [](at::Tensor wg, at::Tensor wu, at::Tensor wd, at::Tensor x0) {
           const int64_t F = wg.size(0), D = wg.size(1);
           const at::Tensor ws[3] = {wg, wu, wd};
