@@ -84,12 +84,12 @@ FUSED = ("gate_up_proj", "down_proj")
 
 
 def _codes(blocks: torch.Tensor, halves: bool) -> torch.Tensor:
-    """MXFP4 blocks uint8 [R, G, 16] -> their e2m1 codes int64 [R, G, 32]: input 2j in byte j's low
+    """MXFP4 blocks uint8 [R, G, 16] -> their e2m1 codes uint8 [R, G, 32]: input 2j in byte j's low
     nibble and 2j + 1 in its high one (OpenAI's / transformers' order), or with `halves` input j in the
     low nibble and 16 + j in the high one (ggml's block_mxfp4, as its Q4_0)."""
     R, G, _ = blocks.shape
     lo, hi = blocks & 0x0F, blocks >> 4
-    return (torch.cat((lo, hi), -1) if halves else torch.stack((lo, hi), -1).reshape(R, G, MXFP4_GROUP)).long()
+    return torch.cat((lo, hi), -1) if halves else torch.stack((lo, hi), -1).reshape(R, G, MXFP4_GROUP)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, halves: bool = False) -> torch.Tensor:
@@ -106,7 +106,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, halves: bool = 
         fp32 [R, G * 32], each value FP4_E2M1[code] * scale (exact).
     """
     R, G, _ = blocks.shape
-    values = torch.tensor(FP4_E2M1, dtype=torch.float32)[_codes(blocks, halves)]  # (R, G, 32)
+    values = torch.tensor(FP4_E2M1, dtype=torch.float32)[_codes(blocks, halves).long()]  # (R, G, 32)
     scale = torch.exp2(scales.float() - 127.0)  # (R, G)
     return (values * scale[..., None]).reshape(R, G * MXFP4_GROUP)
 
@@ -132,7 +132,7 @@ def mxfp4_int8_g32(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tenso
     """
     R, G, _ = blocks.shape
     codes = _codes(blocks, halves)  # (R, G, 32)
-    q = torch.tensor(FP4_E2M1_X2, dtype=torch.int8)[codes].reshape(R, G * MXFP4_GROUP)
+    q = torch.tensor(FP4_E2M1_X2, dtype=torch.int8)[codes.long()].reshape(R, G * MXFP4_GROUP)
     e = scales.to(torch.int32)  # (R, G)
     lo, hi = INT8_G32_EXPONENTS
     live = (codes & 7).any(-1)  # (R, G): groups with a non-zero value (an all-zero group takes any scale)
@@ -166,7 +166,8 @@ def mxfp4_codes(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, 
     R, G, _ = blocks.shape
     K = G * MXFP4_GROUP
     codes = _codes(blocks, halves)  # (R, G, 32)
-    bad = (codes & 7).any(-1) & (scales == 255)
+    nan = scales == 255
+    bad = (codes & 7).any(-1) & nan if bool(nan.any()) else nan  # (only where a scale byte is 255)
     if bool(bad.any()):
         r, g = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"row {r} group {g} has MXFP4 scale byte 255 (NaN in E8M0)")
@@ -177,7 +178,7 @@ def mxfp4_codes(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, 
         i = int(wrong.nonzero()[0])
         raise ValueError(f"bias {float(b[i]):.9g} (row {i}) is not a bf16 number (mxfp4 holds a bias as a bf16 scale)")
     out_c = torch.zeros(R, width, dtype=torch.uint8)
-    out_c[:, :K], out_c[:, K] = codes.reshape(R, K).to(torch.uint8), 1
+    out_c[:, :K], out_c[:, K] = codes.reshape(R, K), 1
     out_s = torch.zeros(R, width // MXFP4_GROUP, dtype=torch.bfloat16)
     out_s[:, :G], out_s[:, G] = e8m0_scales(scales), b16
     return out_c, out_s
