@@ -102,6 +102,18 @@ class TinyZoo:
         return self._llm[key]
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """Each test starts with the session's intra-op thread count and leaves it so: an engine or a
+    benchmark smoke run that sets its own (EngineConfig threads) changed it for every later test, whose
+    torch ops then summed in another order (a native-vs-module MoE comparison's near-tied DeepSeek-V3
+    expert choice flipped at 2 threads on an AVX2 host, 1.3e-4 apart in fp32)."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory) -> TinyZoo:
     return TinyZoo(tmp_path_factory.mktemp("tiny"))
