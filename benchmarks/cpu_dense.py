@@ -157,8 +157,13 @@ class TieredEngine:
         self.llm = LLM(MODEL, config=cfg)
 
     def extra(self) -> dict:
+        """The config, weight bytes, load time, and the plan: its dtypes, summary and predicted decode
+        tok/s (None for a rules plan, which predicts nothing)."""
+        plan = self.llm.plan
         return {"engine_config": self.config_repr, "weight_bytes": self.llm.weight_bytes,
-                "decode_weight_bytes": self.llm.decode_weight_bytes, "internal_load_s": self.llm.load_s}
+                "decode_weight_bytes": self.llm.decode_weight_bytes, "internal_load_s": self.llm.load_s,
+                "plan_dtypes": dict(plan.dtypes), "plan_summary": plan.summary(),
+                "predicted_decode_tokens_per_s": plan.predicted_decode_tokens_per_s if plan.source != "rules" else None}
 
     def decode_bytes_per_token(self) -> dict:
         """Bytes of weights one decode step reads, walking the modules the decode path uses."""
@@ -718,6 +723,11 @@ def build_report(res: dict) -> str:
             other.append("TTFT " + ", ".join(f"{n}: {r['prefill'][str(n)]['median_ttft_s'] * 1e3:.1f} ms" for n in s["lengths"]))
         if "internal_load_s" in r:
             other.append(f"LLM.load_s {r['internal_load_s']:.2f} s (weights only)")
+        if r.get("predicted_decode_tokens_per_s"):
+            other.append(f"plan's predicted decode {r['predicted_decode_tokens_per_s']:.1f} tok/s (measured "
+                         f"{d['median_tokens_per_s']:.1f})")
+        if r.get("plan_dtypes"):
+            other.append("plan dtypes " + ", ".join(f"{k} {v}" for k, v in r["plan_dtypes"].items()))
         if r.get("others_cpu_cores_during_load") is not None:
             other.append(f"others' CPU during load {r['others_cpu_cores_during_load']:.2f} cores")
         L.append(f"| {name} | {r['rss_after_import'] / 1e6:.0f} | {r['rss_after_load'] / 1e6:.0f} | "

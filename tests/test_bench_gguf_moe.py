@@ -4,7 +4,10 @@ At tiny widths: the file is a real "qwen3moe" GGUF (tiered's reader takes it as 
 norms, experts kept as Q4_0 blocks), its blocks are well formed (weights of the asked std, 4-bit
 codes symmetric about 0), the engine decodes it in the native step, and the active bytes a token
 reads count top_k / E of the experts. The "glm4moe" variant (GLM-4.5-Air's layout) is read as glm4_moe,
-and llama.cpp, where importable, loads it and decodes the same greedy tokens.
+and the "gpt-oss" one (gpt-oss-20b's: Q8_0 attention, MXFP4 experts, biases, sinks, sliding windows,
+YaRN) as gpt_oss with its MXFP4 experts kept exactly (tiered's mxfp4 kind where its kernels are built,
+else int8-g32); llama.cpp, where importable, loads both and
+decodes the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from tiered.bench.gguf_moe import MoEShape, active_bytes_per_token, random_block
 TINY = MoEShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32, experts=8, top_k=2, expert_ffn=32, vocab=256)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "MXFP4"])
 def test_random_blocks_have_the_asked_spread_and_no_bias(qtype):
     rng = np.random.default_rng(0)
     raw = random_blocks(rng, 64, 256, qtype, 0.02)
@@ -29,8 +32,11 @@ def test_random_blocks_have_the_asked_spread_and_no_bias(qtype):
     w = dequantize(raw, GGMLQuantizationType[qtype]).reshape(64, 256)
     assert abs(float(w.std()) - 0.02) < 0.002
     assert abs(float(w.mean())) < 0.02 * 0.02  # uniform 4-bit codes minus 8 would give -d/2 on every weight
-    with pytest.raises(ValueError, match="Q4_0 / Q8_0"):
+    with pytest.raises(ValueError, match="Q4_0 / Q8_0 / MXFP4"):
         random_blocks(rng, 4, 48, qtype, 0.02)
+    if qtype == "MXFP4":  # power-of-two scales 2^(e - 128) around the target 0.02 / 5.85 * [0.5, 1.5]
+        e = raw.reshape(64, 8, 17)[:, :, 0]
+        assert set(np.unique(e)) <= {118, 119, 120, 121}
 
 
 def test_dummy_qwen3_moe_gguf_loads_and_decodes(tmp_path):
@@ -85,14 +91,54 @@ def test_dummy_glm4_moe_gguf_loads_and_matches_llama_cpp(tmp_path):
     prompt = list(range(10, 30))
     ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
     llm.close()
+    assert ours == llama_cpp_greedy(path, prompt, 8)
+
+
+def llama_cpp_greedy(path, prompt: list[int], n: int) -> list[int]:
+    """llama.cpp's greedy continuation of `prompt` (skips the test where llama-cpp-python is missing)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     m = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False)
-    theirs = []
+    out = []
     for t in m.generate(prompt, temp=0, top_k=1):
-        theirs.append(t)
-        if len(theirs) == 8:
-            break
-    assert ours == theirs
+        out.append(t)
+        if len(out) == n:
+            return out
+
+
+def test_dummy_gpt_oss_gguf_loads_and_matches_llama_cpp(tmp_path):
+    from collections import Counter
+
+    from tiered.checkpoint import default_model_path
+
+    L = 2
+    shape = MoEShape(arch="gpt-oss", layers=L, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
+                     expert_ffn=64, rope_base=150000.0, sliding_window=4, yarn=(32.0, 4096))
+    path = write_dummy_moe_gguf(tmp_path / "oss.gguf", shape, qtype="Q8_0", expert_qtype="MXFP4",
+                                tokenizer_from=default_model_path())
+    r = GGUFReader(str(path))
+    f = {k: r.fields[k].contents() for k in r.fields if k.startswith(("gpt-oss.", "general.file_type"))}
+    assert (f["gpt-oss.attention.sliding_window"], f["gpt-oss.rope.scaling.type"], f["gpt-oss.rope.scaling.factor"],
+            f["gpt-oss.rope.scaling.original_context_length"], f["general.file_type"]) == (4, "yarn", 32.0, 4096, 38)
+    # ggml-org/gpt-oss-20b-GGUF's split, per layer: 12 F32 (norms, biases, sinks, router), 4 Q8_0, 3 MXFP4
+    assert Counter(t.tensor_type.name for t in r.tensors) == {"F32": 12 * L + 1, "Q8_0": 4 * L + 2, "MXFP4": 3 * L}
+    bias = next(t for t in r.tensors if t.name == "blk.1.ffn_down_exps.bias").data
+    assert np.array_equal(bias.view(np.uint32) & 0xFFFF, np.zeros_like(bias.view(np.uint32)))  # bf16 values
+    with pytest.raises(ValueError, match="gpt-oss's"):
+        MoEShape(sliding_window=4)
+
+    llm = LLM(path, EngineConfig(max_context=64, accelerator="none"))
+    c = llm.config
+    assert (c.model_type, c.local_window, c.local_layers, c.attention_sinks, c.expert_bias, c.o_proj_bias,
+            c.rope_scaling["factor"], c.tie_word_embeddings) == ("gpt_oss", 4, (0,), True, True, True, 32.0, False)
+    # the MXFP4 blocks kept exactly: as their codes where the kernels are built, else as int8-g32
+    assert llm.plan.dtypes["experts"] == ("mxfp4" if kernels.load() is not None else "int8-g32")
+    if kernels.load() is not None:  # sinks, windows and biased experts in the native step
+        assert llm.runtime.cpu_decode.schedule == [("native", 0, L)]
+    prompt = list(range(10, 30))
+    ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    llm.close()
+    assert len(ours) == 8
+    assert ours == llama_cpp_greedy(path, prompt, 8)
 
 
 def test_dense_file_has_no_active_bytes(tmp_path):

