@@ -27,22 +27,7 @@ from tiered.quant.experts import ExpertFormat, fit_format, pricing_precision
 
 ext = load()
 native_only = pytest.mark.skipif(ext is None, reason="native extension unavailable (tiered.kernels.load() is None)")
-ORDER = ["scalar", "avx2", "avx512"]
-ISAS = ORDER[:ORDER.index(ext.best_gemv_isa()) + 1] if ext is not None else []
-if ext is not None and ext.best_gemv_isa() == "avx512" and ext.has_vbmi():
-    ISAS.append("avx512+int16")  # the tuning that gives tiled int4 int16 activations: never mxfp4's
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """An ISA path (and the int16-activation tuning), the machine's own tuning put back afterwards."""
-    saved = ext.tuning()
-    name, _, tuned = request.param.partition("+")
-    ext.set_isa(name)
-    ext.set_tuning(int4_int16_act=tuned == "int16")
-    yield name
-    ext.reset_isa()
-    ext.set_tuning(**saved)
+from test_native_kernels import isa  # noqa: E402,F401  the ISA paths (scalar .. this machine's best) as a fixture
 
 
 def random_mxfp4(R: int, G: int, exponents: torch.Tensor, seed: int):
