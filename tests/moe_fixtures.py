@@ -111,9 +111,10 @@ def make_moe_checkpoint(kind: str, path: str | Path, vocab_size: int = VOCAB) ->
     return path
 
 
-def load_hf_moe_model(path: str | Path):
-    """Reload a saved checkpoint with transformers (fp32, eager attention, eval)."""
+def load_hf_moe_model(path: str | Path, **kwargs):
+    """Reload a saved checkpoint with transformers (fp32, eager attention, eval); `kwargs` go to
+    from_pretrained (a quantization_config, say)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                **kwargs).eval()

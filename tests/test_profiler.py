@@ -511,8 +511,11 @@ def test_the_bandwidth_check_scales_only_on_two_readings_that_agree(monkeypatch)
 
     monkeypatch.setattr(auto.contention, "others_share", lambda *a: 0.0)  # a quiet machine (a busy one: below)
     hw = get_preset("scheinfer-a")
+    monkeypatch.setattr(auto, "SWING_PAUSE_S", 0.0)
+    # beyond 3x either way, a third reading must agree too (a stall of a second is not the memory's speed)
     for seen, want in (([1.6, 1.3], 1.3), ([0.5, 0.7], 0.7), ([0.5, 1.4], None), ([1.6, 1.05], None),
-                       ([1.05, 1.6], None)):
+                       ([1.05, 1.6], None), ([14.0, 13.0, 1.0], None), ([14.0, 13.0, 5.0], 5.0),
+                       ([0.2, 0.25, 0.3], 0.3), ([0.2, 0.25, 2.0], None)):
         readings = iter(seen)
         monkeypatch.setattr(profiler, "cpu_bandwidth_ratio", lambda p: (next(readings), 10e9))
         got = auto.bandwidth_now(hw)
@@ -856,6 +859,37 @@ def test_each_gemv_key_follows_its_own_minutes_speed(monkeypatch):
     # readings either side of a key's minute: nothing to follow
     now = iter([3e-4, 7.5e-4])
     assert auto.bandwidth_now(hw) is hw
+
+
+def test_a_memory_speed_beyond_3x_of_the_profiles_is_read_a_third_time_before_it_is_followed(monkeypatch):
+    """Two probe readings 14x slow in a row (the 2026-11-28 H100 host at planning: a stall, every miss on
+    the CPU then ran at the profile's speed) are not followed when a third, a second later, reads the
+    profile's speed; three such readings are (the one nearest the profile's)."""
+    from tiered.hardware import profiler
+    from tiered.planner import auto
+
+    monkeypatch.setattr(auto.contention, "others_share", lambda *a: 0.0)
+    monkeypatch.setattr(auto, "SWING_PAUSE_S", 0.0)
+    monkeypatch.setattr(profiler, "Probe", lambda llc: object())
+    hw = _probed_profile()
+    seconds = hw.meta["probe"]["seconds"]
+    calls = []
+
+    def ratios(profile, probe=None, repeats=5):
+        t = next(now)
+        calls.append(t)
+        return dict({k: t / s for k, s in seconds.items()}, **{"*": t / 4e-4})
+    monkeypatch.setattr(profiler, "cpu_probe_ratios", ratios)
+    now = iter([56e-4, 55e-4, 4.1e-4])  # 14x, 14x, then the profile's speed
+    assert auto.bandwidth_now(hw) is hw and len(calls) == 3
+    calls.clear()
+    now = iter([56e-4, 55e-4, 50e-4])  # slow three times: followed, by the reading nearest the profile's
+    got = auto.bandwidth_now(hw)
+    assert len(calls) == 3 and got.models["gemv/cpu/int4"].beta == pytest.approx(2e-11 * 50 / 4)
+    assert "timed three times" in " ".join(got.meta["notes"])
+    calls.clear()
+    now = iter([5.8e-4, 6e-4])  # 1.45x: within the swing, two readings as before
+    assert auto.bandwidth_now(hw).models["gemv/cpu/int4"].beta == pytest.approx(2e-11 * 5.8 / 4) and len(calls) == 2
 
 
 def test_a_batched_decode_step_streams_the_weights_once_and_adds_each_rows_multiply_adds():
