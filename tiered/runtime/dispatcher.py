@@ -147,6 +147,11 @@ def choose_path(tokens: int, on_accelerator: bool, expert_bytes: int, lat: Laten
 
 # A SPLIT must beat the better whole path by this factor (it launches more, and fills no cache slot).
 SPLIT_GAIN = 0.9
+# SPLIT_ROWS_NOTE: an expert with cpu_prompt_rows tokens or more (the CPU's compute-bound prompt piece) is
+# never split. Every GPU run that measured prompt splits found them slower than priced and slower than
+# copying every miss: on the H100 host, uniform routing, a 512-token prompt took 0.279 s with every miss
+# split (priced 0.168) against 0.228 copied (2026-11-26), and the default plan's CPU + split + copies
+# 0.257 s (priced 0.223) against 0.212 copied (2026-11-28); on the first H100 run 0.177 against 0.092.
 # A layer whose whole misses go both ways (some on the CPU, some copied) must beat the better one-sided
 # assignment by this factor. What the latency model leaves out costs the mix: the copy is a task (or, issued
 # by the calling thread, a launch) and its expert's launch and join; the CPU's reads and the copy's DMA
@@ -189,7 +194,7 @@ def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mod
     rows, its share balancing what each side already has (LatencyModel.split_share with busy
     times): on the H200 host's rates (CPU 4.7 ms, link 7 ms per Mixtral expert) one miss takes
     ~2.8 ms instead of 4.7, and two ~5.6 ms instead of 7. A split is taken only when it beats the
-    best whole assignment by SPLIT_GAIN.
+    best whole assignment by SPLIT_GAIN, and never at a prompt's token counts (SPLIT_ROWS_NOTE).
 
     Args:
         tokens: routed tokens of each missing expert (> 0), in any order.
@@ -227,6 +232,8 @@ def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mod
     if mode == "balanced" and splittable and n:
         split_j, split_a, split_t = None, 0.0, float("inf")
         for j in range(n):  # CPU takes order[:j] whole, order[j] is split, order[j+1:] is copied
+            if tokens[order[j]] >= lat.cpu_prompt_rows:  # a prompt's GEMM: never split (SPLIT_ROWS_NOTE)
+                break
             a, t = lat.split_share(tokens[order[j]], expert_bytes, cpu_before[j], (n - j - 1) * copy_lat)
             if n - j - 1:
                 t = max(t, (n - j - 1) * copy_lat + lat.gpu_lat(tokens[order[-1]]))
