@@ -127,6 +127,30 @@ def test_refused_forms():
     assert not (codes[1, 32:64] & 7).any()
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["openai_nibbles", "ggml_nibbles"])
+@pytest.mark.parametrize("R, K", [(16, 32), (32, 96), (48, 2880), (64, 64)])
+def test_tiles_straight_from_the_blocks_are_the_tiled_segments(halves, R, K):
+    """tiled_from_blocks (the load path) writes the bytes segments(mxfp4_codes(...), "tiled") gives, bit for
+    bit, into the slot's view it is handed (every byte of it: the view starts as garbage), over every E8M0
+    byte but the NaN; with a strided (fused gate/up) view of the blocks too; and refuses what mxfp4_codes
+    refuses."""
+    G, width = K // 32, biased_width(K)
+    blocks, scales, bias = random_mxfp4(2 * R, G, torch.arange(0, 255), seed=R + K)
+    for rows in (slice(0, R), slice(1, 2 * R, 2)):  # contiguous, and every other row (gate of gate_up)
+        b, s, bb = blocks[rows], scales[rows], bias[rows]
+        want = mxfp4.segments(*mxfp4_codes(b, s, bb, width, halves), "tiled")["gw"]
+        out = torch.full((R // 16, width // 32, 320), 0xA5, dtype=torch.uint8)
+        got = mxfp4.tiled_from_blocks(b, s, bb, width, halves, out=out)
+        assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
+        assert torch.equal(mxfp4.tiled_from_blocks(b, s, bb, width, halves), want)
+    with pytest.raises(ValueError, match="bf16"):
+        mxfp4.tiled_from_blocks(blocks[:R], scales[:R], torch.full((R,), 0.1), width, halves)
+    bad, nonzero = scales[:R].clone(), blocks[:R].clone()
+    bad[3, 0], nonzero[3, 0, 0] = 255, 0x11
+    with pytest.raises(ValueError, match="255"):
+        mxfp4.tiled_from_blocks(nonzero, bad, bias[:R], width, halves)
+
+
 def test_quantize_is_ocp_rounding():
     """Dense weights re-quantized (`quantize`: what the kind does to weights not stored as MXFP4, OCP
     MX's scale 2^(floor(log2 max) - 2)): MXFP4 values come back exactly (the group's scale may be finer

@@ -166,22 +166,37 @@ def mxfp4_codes(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, 
     R, G, _ = blocks.shape
     K = G * MXFP4_GROUP
     codes = _codes(blocks, halves)  # (R, G, 32)
+    checked_scales(codes, scales)
+    b16 = checked_bias(bias)
+    out_c = torch.zeros(R, width, dtype=torch.uint8)
+    out_c[:, :K], out_c[:, K] = codes.reshape(R, K), 1
+    out_s = torch.zeros(R, width // MXFP4_GROUP, dtype=torch.bfloat16)
+    out_s[:, :G], out_s[:, G] = e8m0_scales(scales), b16
+    return out_c, out_s
+
+
+def checked_scales(codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Raises ValueError where a group of e2m1 `codes` uint8 [R, G, 32] with a non-zero value has the
+    E8M0 byte 255 (NaN) in `scales` uint8 [R, G]."""
     nan = scales == 255
-    bad = (codes & 7).any(-1) & nan if bool(nan.any()) else nan  # (only where a scale byte is 255)
+    if not bool(nan.any()):
+        return
+    bad = (codes & 7).any(-1) & nan
     if bool(bad.any()):
         r, g = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"row {r} group {g} has MXFP4 scale byte 255 (NaN in E8M0)")
+
+
+def checked_bias(bias: torch.Tensor) -> torch.Tensor:
+    """A bias [R] (any float dtype) as bf16 [R]. Raises ValueError where a value is no bf16 number (more
+    significant bits, or not finite): the mxfp4 kind holds a bias as a bf16 scale."""
     b = bias.float()
     b16 = b.to(torch.bfloat16)
     wrong = ~torch.isfinite(b) | (b16.float() != b)
     if bool(wrong.any()):
         i = int(wrong.nonzero()[0])
         raise ValueError(f"bias {float(b[i]):.9g} (row {i}) is not a bf16 number (mxfp4 holds a bias as a bf16 scale)")
-    out_c = torch.zeros(R, width, dtype=torch.uint8)
-    out_c[:, :K], out_c[:, K] = codes.reshape(R, K), 1
-    out_s = torch.zeros(R, width // MXFP4_GROUP, dtype=torch.bfloat16)
-    out_s[:, :G], out_s[:, G] = e8m0_scales(scales), b16
-    return out_c, out_s
+    return b16
 
 
 def int8_g32_with_bias(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor,

@@ -195,6 +195,9 @@ def projection_segments(handle, kind: str, int4_layout: str,
     if kind == "mxfp4" and handle.mxfp4_exact:  # gpt-oss's MXFP4: the e2m1 codes as stored, bf16 scales
         from tiered.checkpoint.gpt_oss import checked_form, mxfp4_codes
 
+        if int4_layout == "tiled" and handle.shape[0] % 16 == 0:  # the tile bytes from the blocks, in place
+            return {"gw": checked_form(handle.name, _tiled_mxfp4, *handle.mxfp4_parts(), handle.shape[1],
+                                       handle.mxfp4_halves, out.get("gw"))}
         codes, scale = checked_form(handle.name, mxfp4_codes, *handle.mxfp4_parts(), handle.shape[1],
                                     handle.mxfp4_halves)
         return mxfp4.segments(codes, scale, int4_layout)
@@ -217,6 +220,11 @@ def projection_segments(handle, kind: str, int4_layout: str,
             return {"qt": qt, "st": st}
         return int8_g32_segments(*unpack_q8_blocks(handle.blocks()), int4_layout)
     return quantize_projection(handle.load(torch.float32), kind, int4_layout)
+
+
+def _tiled_mxfp4(blocks, scales, bias, width, halves, out):
+    """quant/mxfp4.tiled_from_blocks as checked_form calls it (its ValueError named there)."""
+    return mxfp4.tiled_from_blocks(blocks, scales, bias, width, halves, out=out)
 
 
 def encode_expert(fmt: ExpertFormat, handles, slot: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:

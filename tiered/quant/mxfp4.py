@@ -74,6 +74,56 @@ def segments(codes: torch.Tensor, scale: torch.Tensor, layout: str) -> dict[str,
     return {"codes": plain_codes(codes), "sz": sz}
 
 
+def tiled_from_blocks(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, width: int, halves: bool,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """One MXFP4 projection and its bias straight to the tiled layout's gw (module docstring), the bytes
+    `segments(*checkpoint/gpt_oss.mxfp4_codes(blocks, scales, bias, width, halves), "tiled")["gw"]` gives,
+    in fewer passes: the tile bytes (q[r, 8c + j] | q[r, 8c + 4 + j] << 4) from each group's 32 codes,
+    moved into place once, and the scales beside them. gpt-oss-20b-shaped experts loaded 3-4x faster
+    (the repack was ~60% of a 4-layer model's load on the 2-core EPYC).
+
+    Args:
+        blocks: uint8 [N, G, 16], scales: uint8 [N, G] E8M0, halves: as checkpoint/gpt_oss.dequantize_mxfp4
+            takes them (K = G * 32; N % 16 == 0).
+        bias: [N], any float dtype whose values are bf16 numbers.
+        width: biased_width(K).
+        out: uint8 [N/16, width/32, 320] to write (an expert slot's view), or None for a new one.
+    Returns:
+        gw uint8 [N/16, width/32, 320].
+    Raises:
+        ValueError: as mxfp4_codes (a NaN scale over non-zero codes, a bias that is no bf16 number), or
+            N not a multiple of 16.
+    """
+    from tiered.checkpoint.gpt_oss import _codes, checked_bias, checked_scales
+
+    N, G, _ = blocks.shape
+    if N % 16:
+        raise ValueError(f"the tiled layout needs out-features a multiple of 16, got {N}")
+    T, W = N // 16, width // GROUP
+    if bool((scales == 255).any()):  # (rare: the codes are only needed to check a NaN scale's group)
+        checked_scales(_codes(blocks, halves), scales)
+    b16 = checked_bias(bias)
+    gw = torch.empty(T, W, 320, dtype=torch.uint8) if out is None else out
+    # four bytes at once: per row, group and 8 columns c8, the tile's 4 bytes q[8c + j] | q[8c + 4 + j] << 4
+    # (j = 0..3) as one int32 x [N, G, 4]; a byte's nibble moved by 4 never carries into the next byte
+    m = 0x0F0F0F0F
+    if halves:  # ggml: byte i holds q[i] (low) and q[16 + i] (high); c8 = 0, 1 from the lows, 2, 3 the highs
+        b = blocks.contiguous().view(torch.int32)  # (N, G, 4): bytes 4w .. 4w + 3
+        even, odd = b[..., 0::2], b[..., 1::2]
+        x = torch.cat(((even & m) | ((odd << 4) & ~m), ((even >> 4) & m) | (odd & ~m)), dim=-1)
+    else:
+        q = _codes(blocks, halves).contiguous().view(torch.int32)  # (N, G, 8): q[4w .. 4w + 3]
+        x = q[..., 0::2] | (q[..., 1::2] << 4)
+    gw[:, :G, :256].view(torch.int32).view(T, G, 4, 16).copy_(x.view(T, 16, G, 4).permute(0, 2, 3, 1))
+    gw[:, G:, :256] = 0
+    gw[:, G, :256].view(T, 4, 16, 4)[:, 0, :, 0] = 1  # the bias column K: code 1 (2 x 0.5) in every row
+    sz = gw[..., 256:].view(torch.bfloat16).view(T, W, 16, 2)
+    sz.zero_()
+    sz[:, :G, :, 0] = e8m0_scales(scales).view(T, 16, G).transpose(1, 2)
+    sz[:, G, :, 0] = b16.view(T, 16)
+    return gw
+
+
 def parts(v: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """A stored projection's (codes int32 [N, K] 0..15, sz bf16 [G, N, 2]) whatever its layout."""
     from tiered.kernels.linear import inline_codes, inline_scales, untiled_codes, untiled_scales
