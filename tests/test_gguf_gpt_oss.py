@@ -300,9 +300,9 @@ def test_default_engine_keeps_the_experts_exactly(zoo, experts, kind):
     activations) with the same next tokens where transformers' are not near-tied. With the kernels
     built every layer's decode step runs whole in the native step ([("native", 0, 4)]: the experts'
     projections bound by DecodeStep.set_moe), its logits within 1e-3 of the same step with the MoE
-    blocks run as modules, and of transformers' within 2e-2 (int8-g32) or 0.1 (mxfp4: its one-row
+    blocks run as modules, and of transformers' within 2e-2 (int8-g32) or 0.1 (mxfp4: its native
     calls read int8 activations, which this model's GLU outliers coarsen; the exact weights on exact
-    activations give 0.02)."""
+    activations give 0.02; the prompt's logits within 5e-2 so)."""
     from tiered.memory import sizes
 
     ids = torch.randint(2, 256, (16,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -315,7 +315,10 @@ def test_default_engine_keeps_the_experts_exactly(zoo, experts, kind):
         got, ref = llm.logits(ids), zoo.logits(experts, ids)
         top = ref.topk(2, -1).values
         clear = top[:, 0] - top[:, 1] > 0.05  # not near-tied: the bf16 logits alone are ~0.008 apart at 2
-        assert rel_err(got, ref) <= 2e-2 and torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+        # a prompt's mxfp4 calls read int8 activations too with the kernels (quant/experts.GROUPED_ROWS: one
+        # native call up to 512 rows, as llama.cpp computes MXFP4): 0.027 here, 0.02 on exact activations
+        prompt_tol = 5e-2 if kind == "mxfp4" and kernels.available() else 2e-2
+        assert rel_err(got, ref) <= prompt_tol and torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
         if kernels.available():
             step = llm.runtime.cpu_decode
             assert step.schedule == [("native", 0, 4)]

@@ -76,8 +76,12 @@ NATIVE_ROWS = 8  # tokens up to which a CPU expert runs the native fused GEMV ke
 # Qwen3-30B-A3B expert (2048 x 768), ms at 16 / 64 / 256 rows, groups vs dequantize + matmul:
 # int4 1.3 / 6.1 / 24.5 vs 5.0 / 8.3 / 22.3; int8 1.4 / 6.3 / 25.9 vs 2.6 / 10.5 / 40.4; bf16
 # 2.4 / 9.4 / 39.5 vs 4.4 / 7.6 / 20.1 (torch's bf16 GEMM reads the weight once).
+# mxfp4: its native kernel in one call (q8 activations, as llama.cpp computes MXFP4 at every size): a
+# gpt-oss-20b expert projection (2880 x 2912) on 2 AVX2 cores, ms at 16 / 64 / 128 / 512 rows, one call 1.5 /
+# 5.9 / 7.9 / 52 against dequantized once + an fp32 matmul 6.7 / 15 / 25 / 85 (a bf16 one 15 / 53 / 105 / -);
+# the prompt's projections had taken the dequantizing path from 9 rows: a 128-token prompt 4.2 s, 2.3x llama.cpp's.
 GROUPED_ROWS = {"int4": 128, "int8": 1 << 30, "int8-g32": 1 << 30, "bf16": 32, "fp32": 0, "fp8": 64, "fp8-row": 64,
-                "mxfp4": 128}  # mxfp4: tiled int4's kernels and dequantization
+                "mxfp4": 512}
 
 
 def bf16_native_rows() -> int:
@@ -609,7 +613,8 @@ def _int4_rows(v: dict[str, torch.Tensor]) -> int:
 
 def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor], act: str,
                 e2m1: bool = False) -> torch.Tensor:
-    """x [n, K] @ W^T for a tiled int4 projection: the native kernel (on `act` activations) up to NATIVE_ROWS rows, else the
+    """x [n, K] @ W^T for a tiled int4 projection: the native kernel (on `act` activations) up to NATIVE_ROWS rows
+    (an mxfp4 one up to GROUPED_ROWS["mxfp4"], in one call), else the
     weight dequantized once (native, or in torch without the extension; exact, in fp32 for fp32 x)
     and one matmul (prefill-sized n: the conversion is paid once for all n rows) -> [n, N] in x's dtype.
     e2m1: an mxfp4 projection (its codes through the e2m1 table, no residual; int8 activations)."""
@@ -618,7 +623,7 @@ def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor], a
 
     ext = load() if x.device.type == "cpu" else None
     zr = v.get("zr")
-    if ext is not None and x.shape[0] <= NATIVE_ROWS:
+    if ext is not None and x.shape[0] <= (GROUPED_ROWS["mxfp4"] if e2m1 else NATIVE_ROWS):
         return ext.int4_tiled_kernel(v["gw"], None, zr, None, act, e2m1=e2m1)(x).to(x.dtype)
     fp32 = x.dtype == torch.float32
     if ext is not None:
