@@ -343,6 +343,34 @@ def test_experts_on_disk_small_cache(zoo, layout, tmp_path):
         llm.close()
 
 
+def test_prefetch_predicts_with_the_routers_biases(zoo, tmp_path):
+    """HOBBIT's stacked next-layer routers (runtime/prefetch.StackedGates) include gpt-oss's router biases:
+    without norm folding each target layer's predicted routing of x is that router's own routing (the
+    weights alone had missed the bias, which moves its top-k); an engine prefetching experts from disk
+    keeps transformers' greedy tokens."""
+    from tiered.runtime.prefetch import StackedGates
+
+    model = local_model(zoo.dir("fp32"))
+    blocks = moe_blocks(model)
+    gates = StackedGates(model, lookahead=2, fold_norms=False)
+    x = torch.randn(7, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    preds = gates.predict(blocks[0].layer_idx, x)
+    assert [t for t, _, _ in preds] == [b.layer_idx for b in blocks[1:3]]
+    for (t, idx, w), b in zip(preds, blocks[1:3]):
+        assert b.gate.bias.abs().max() > 0
+        want_idx, want_w = b.gate.select(torch.nn.functional.linear(x, b.gate.weight, b.gate.bias))
+        assert torch.equal(idx, want_idx) and torch.allclose(w, want_w)
+    path = zoo.dir("fp32")
+    llm = LLM(path, engine_config(accelerator="none", cpu_memory=fast_bytes(path, 3, False), expert_cache_slots=3,
+                                  offload_dir=str(tmp_path / "offload"), prefetch=True, prefetch_lookahead=1))
+    try:
+        assert llm.experts.prefetcher is not None
+        ids = prompt()
+        assert llm.generate([ids], GREEDY)[0].token_ids == hf_greedy(zoo.hf("fp32"), ids, 16)
+    finally:
+        llm.close()
+
+
 @native_only
 @pytest.mark.parametrize("where", ["device", "copies"])
 def test_mxfp4_experts_behind_host_accelerator(zoo, where, monkeypatch):

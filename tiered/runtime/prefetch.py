@@ -41,6 +41,8 @@ class StackedGates:
         fold_norms: fold w_{l+r} / w_l of the post-attention RMSNorms into the stacked routers (H10).
     Attributes:
         stacks: layer -> (weight [r*E, D] fp32 on the routers' device, target layers [r]), r <= p.
+        biases: layer -> the stacked routers' biases [r*E] fp32 (zeros for a router without one), where
+            any of them has one (gpt-oss).
     """
 
     def __init__(self, model, lookahead: int, fold_norms: bool = True) -> None:
@@ -52,12 +54,13 @@ class StackedGates:
         self.routers = {b.layer_idx: b.gate for b in blocks}
         layers = model.model.layers
         self.stacks: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        self.biases: dict[int, torch.Tensor] = {}  # layer -> the stacked routers' biases [r*E] fp32, where any has one
         for j, b in enumerate(blocks):
             nxt = blocks[j + 1:j + 1 + lookahead]
             if not nxt:
                 continue
             w_l = layers[b.layer_idx].post_attention_layernorm.weight.detach().float()
-            rows = []
+            rows, biases = [], []
             for nb in nxt:
                 w = nb.gate.weight.detach().float()
                 if fold_norms:
@@ -65,7 +68,11 @@ class StackedGates:
                     scale = torch.where(w_l.abs() > 1e-6, w_t / w_l, torch.ones_like(w_l))
                     w = w * scale
                 rows.append(w)
+                bias = getattr(nb.gate, "bias", None)  # gpt-oss's router: x W^T + b
+                biases.append(torch.zeros(w.shape[0], device=w.device) if bias is None else bias.detach().float())
             self.stacks[b.layer_idx] = (torch.cat(rows), [nb.layer_idx for nb in nxt])
+            if any(getattr(nb.gate, "bias", None) is not None for nb in nxt):
+                self.biases[b.layer_idx] = torch.cat(biases)
 
     def predict(self, layer: int, x: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Predicted routing of the next MoE layers from layer `layer`'s gate input x [N, D].
@@ -78,7 +85,7 @@ class StackedGates:
             return []
         w, targets = self.stacks[layer]
         E = self.num_experts
-        logits = F.linear(x.float(), w).view(x.shape[0], len(targets), E)  # (N, r, E)
+        logits = F.linear(x.float(), w, self.biases.get(layer)).view(x.shape[0], len(targets), E)  # (N, r, E)
         return [(t, *self.routers[t].select(logits[:, r])) for r, t in enumerate(targets)]
 
 
