@@ -68,11 +68,11 @@ class StackedGates:
                     scale = torch.where(w_l.abs() > 1e-6, w_t / w_l, torch.ones_like(w_l))
                     w = w * scale
                 rows.append(w)
-                bias = getattr(nb.gate, "bias", None)  # gpt-oss's router: x W^T + b
-                biases.append(torch.zeros(w.shape[0], device=w.device) if bias is None else bias.detach().float())
+                biases.append(getattr(nb.gate, "bias", None))  # gpt-oss's router: x W^T + b
             self.stacks[b.layer_idx] = (torch.cat(rows), [nb.layer_idx for nb in nxt])
-            if any(getattr(nb.gate, "bias", None) is not None for nb in nxt):
-                self.biases[b.layer_idx] = torch.cat(biases)
+            if any(v is not None for v in biases):  # (a router without one adds zeros: an op, no device factory)
+                self.biases[b.layer_idx] = torch.cat([w[:, 0] * 0 if v is None else v.detach().float()
+                                                      for w, v in zip(rows, biases)])
 
     def predict(self, layer: int, x: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Predicted routing of the next MoE layers from layer `layer`'s gate input x [N, D].
