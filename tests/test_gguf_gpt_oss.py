@@ -435,3 +435,15 @@ def test_tokenizer_loads(zoo, smollm2_path, tmp_path):
     path = write_gpt_oss_gguf(zoo.model, tmp_path / "tok.gguf", tokenizer_from=smollm2_path)
     text = "Memory is a hierarchy: café, 日本語, 😀."
     assert open_checkpoint(path).tokenizer().encode(text) == open_checkpoint(smollm2_path).tokenizer().encode(text)
+
+
+def test_plan_prices_the_attentions_decode_copies_not_the_experts(zoo, tmp_path):
+    """The planner's decode-copy precision (quant/linear.decode_precision, decode_mix) counts the layers'
+    dense projections only: a file of Q8_0 attention and MXFP4 experts decodes its attention from int8
+    copies, and the routed experts (no copies; the plan prices them as mxfp4) no longer make it 97% bf16."""
+    from tiered.quant.linear import decode_mix, decode_precision
+
+    path = write_gpt_oss_gguf(zoo.model, tmp_path / "q8.gguf", "MXFP4", qtype=Q.Q8_0)
+    ckpt = open_checkpoint(path)
+    assert any(".experts." in n and n.endswith("_proj.weight") for n in ckpt.names())
+    assert decode_precision(ckpt, "auto") == "int8" and decode_mix(ckpt, "auto") is None
