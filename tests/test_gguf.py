@@ -256,6 +256,28 @@ def test_q8_0_embedding_rows_equal_the_gguf_packages():
         ext.q8_0_rows(torch.from_numpy(blocks), torch.tensor([40]), 576)
 
 
+def test_q8_0_decode_copies_equal_quantizing_the_dequantized_weight():
+    """quantize_int8_blocks' Q8_0 path (each row's amax from its blocks, then q d / scale in place) gives
+    quant/int8.quantize_int8 of the dequantized weight bit for bit, in chunks of rows, with codes of
+    -128, all-zero rows and a row of one tiny block among zeros."""
+    from types import SimpleNamespace
+
+    from tiered.quant.int8 import quantize_int8
+    from tiered.quant.linear import quantize_int8_blocks
+
+    x = np.random.default_rng(1).standard_normal((37, 96)).astype(np.float32) * 3
+    x[5] = 0
+    x[6] = 0
+    x[6, 40] = 1e-6
+    blocks = quantize(x, Q.Q8_0).copy()
+    blocks.reshape(37, 3, 34)[2, 1, 2 + 7] = 0x80  # a -128 code (the gguf package never writes one)
+    ref = quantize_int8(torch.from_numpy(dequantize(blocks, Q.Q8_0).reshape(37, 96)))
+    handle = SimpleNamespace(format="Q8_0", shape=(37, 96), blocks=lambda: blocks)
+    for rows in (4096, 8):
+        q, scale = quantize_int8_blocks(handle, rows=rows)
+        assert torch.equal(q, ref[0]) and torch.equal(scale, ref[1])
+
+
 def test_fast_reader_parses_what_gguf_parses(tmp_path):
     """gguf_file.fast_reader (GGUFReader with a cheaper `_get`) gives GGUFReader's fields and tensors:
     names, types, every part's values and dtype, contents, tensor shapes, offsets and data; on a

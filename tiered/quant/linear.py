@@ -271,11 +271,31 @@ def quantize_int8_blocks(handle, rows: int = 4096) -> tuple[torch.Tensor, torch.
     q, scale = torch.empty(N, K, dtype=torch.int8), torch.empty(N)
     for i in range(0, N, rows):
         chunk = np.asarray(raw[i:i + rows])
+        if handle.format == "Q8_0":
+            q[i:i + rows], scale[i:i + rows] = _q8_0_per_row(chunk, K)
+            continue
         w = dequantize_blocks(chunk, handle.format)
         if w is None:
             w = torch.from_numpy(dequantize(chunk, qtype).reshape(-1, K))
         q[i:i + rows], scale[i:i + rows] = quantize_int8(w)
     return q, scale
+
+
+def _q8_0_per_row(chunk: np.ndarray, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_int8 of Q8_0 blocks uint8 [n, K/32 * 34] (w = d q per 32), bit for bit, in fewer passes:
+    each row's amax from its blocks' |d| max|q| (the products are exact in fp32), then w = q d divided,
+    rounded and clamped in place. ~2x the dequantize-then-quantize path (an lm_head of 49152 x 2880:
+    ~1.7 s from ~3.6 on 2 AVX2 cores) -> (q int8 [n, K], scale fp32 [n])."""
+    from tiered.quant.gguf_dequant import blocks_tensor
+
+    n = chunk.shape[0]
+    b = blocks_tensor(chunk).reshape(n, K // 32, 34)  # read only: every write below is to new tensors
+    d = b[..., :2].contiguous().view(torch.float16).float()  # (n, G, 1)
+    codes = b[..., 2:].contiguous().view(torch.int8)  # (n, G, 32)
+    qmax = torch.maximum(codes.amax(-1).to(torch.int16), -codes.amin(-1).to(torch.int16))  # (n, G): max |q|
+    scale = ((d[..., 0].abs() * qmax.float()).amax(1) / 127).clamp_min(1e-12)  # (n,)
+    w = codes.float().mul_(d).view(n, K)
+    return w.div_(scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
 def _check_tensor(name: str, handle, shape) -> None:
