@@ -61,6 +61,16 @@ def e8m0_scales(e: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int16).view(torch.bfloat16)
 
 
+_E8M0: list[torch.Tensor] = []
+
+
+def _e8m0_table() -> torch.Tensor:
+    """e8m0_scales of every byte 0..255, bf16 [256] (built once: one gather per projection at load)."""
+    if not _E8M0:
+        _E8M0.append(e8m0_scales(torch.arange(256)))
+    return _E8M0[0]
+
+
 def segments(codes: torch.Tensor, scale: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
     """The kind's segments of one projection from its e2m1 codes [N, K] (0..15, any integer dtype) and
     scales bf16 [N, K/32] (zeros 0): tiled {"gw"} (N % 16 == 0), else plain {"codes", "sz"} (module
@@ -119,7 +129,7 @@ def tiled_from_blocks(blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Te
     gw[:, G, :256].view(T, 4, 16, 4)[:, 0, :, 0] = 1  # the bias column K: code 1 (2 x 0.5) in every row
     sz = gw[..., 256:].view(torch.bfloat16).view(T, W, 16, 2)
     sz.zero_()
-    sz[:, :G, :, 0] = e8m0_scales(scales).view(T, 16, G).transpose(1, 2)
+    sz[:, :G, :, 0] = _e8m0_table()[scales.long()].view(T, 16, G).transpose(1, 2)
     sz[:, G, :, 0] = b16.view(T, 16)
     return gw
 
