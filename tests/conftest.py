@@ -33,6 +33,10 @@ def pytest_configure(config):
     # threads slow down 10-30x as soon as another process competes for the cores, while the
     # tiny models gain little from a second thread. TIERED_TEST_THREADS=N overrides.
     torch.set_num_threads(int(os.environ.get("TIERED_TEST_THREADS", "1")))
+    # Engines keep the thread count they were given: a CPU team resized with the neighbours' load
+    # (hardware/contention.ThreadGovernor) would change results that depend on it mid-suite.
+    # tests/test_thread_governor.py turns it on where it tests it.
+    os.environ.setdefault("TIERED_ADAPT_THREADS", "0")
     # CI builds tiered/kernels in setup and sets TIERED_REQUIRE_NATIVE=1: the native tests must run
     # there, not skip because a build broke.
     if os.environ.get("TIERED_REQUIRE_NATIVE") == "1":

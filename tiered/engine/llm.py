@@ -75,6 +75,10 @@ class LLM:
         self._place(progress)
         self._install()
         self._release_load_memory()
+        from tiered.hardware.contention import thread_governor
+
+        # fewer CPU threads while other processes take cores (OpenMP teams stall on a busy core)
+        self.threads = thread_governor(self.plan.cpu_threads or torch.get_num_threads(), self.engine_config.num_threads)
         self.load_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------ the pipeline
@@ -409,6 +413,8 @@ class LLM:
         """
         plan = sched.schedule()
         events: list[tuple[Sequence, str, RequestOutput | None]] = []
+        if self.threads is not None:
+            self.threads.check()
         with torch.inference_mode():
             admitted = {id(s) for s in plan.prefill}
             decoding = [s for s in plan.running if not s.finished and id(s) not in admitted]

@@ -79,3 +79,62 @@ def quiet_now(seconds: float = 0.3) -> bool | None:
     time.sleep(seconds)
     share = others_share(*reading)
     return None if share is None else share <= CONTENDED_SHARE
+
+
+ADAPT_MIN_S = 0.25  # seconds between ThreadGovernor's readings (a decode step of SmolLM2 takes ~6 ms)
+
+
+class ThreadGovernor:
+    """The CPU team's threads while other processes take cores: fewer, and the plan's again when they leave.
+
+    An OpenMP team of one thread per core waits at every parallel region for its slowest thread, and
+    a thread whose core another process holds is slowest by a scheduler quantum: SmolLM2's default
+    engine on the 2-core EPYC (2026-11-28) decoded 169.5 tok/s alone and 49.7 beside one busy process
+    on 2 threads, 114.2 and 109.2 on 1 (OMP_WAIT_POLICY=PASSIVE: 54.9 alone, 102.2 beside it). At
+    most every ADAPT_MIN_S seconds `check` reads how many cores the other processes took since the
+    last reading (`others_share` x cores) and gives the team max(1, cores - round(that)) threads, no
+    more than the plan's. It acts only where this process may run on every core (an affinity mask of
+    fewer would count neighbours on cores it never uses) and /proc/stat is readable.
+
+    Args:
+        threads: the plan's CPU threads (Plan.cpu_threads), the most it gives.
+        cores: the machine's cores (default os.cpu_count()).
+    """
+
+    def __init__(self, threads: int, cores: int | None = None) -> None:
+        self.threads = max(1, int(threads))
+        self.cores = cores or os.cpu_count() or 1
+        self.current = self.threads
+        self.changes = 0  # how often the team was resized (for tests and stats)
+        self._reading = start()
+
+    def check(self) -> int:
+        """Resize torch's CPU team (torch.set_num_threads) to this moment's free cores when the last
+        reading is ADAPT_MIN_S old; returns the team's threads."""
+        if time.monotonic() - self._reading[2] < ADAPT_MIN_S:
+            return self.current
+        share = others_share(*self._reading)
+        self._reading = start()
+        if share is None:
+            return self.current
+        target = max(1, min(self.threads, self.cores - int(share * self.cores + 0.5)))
+        if target != self.current:
+            import torch
+
+            torch.set_num_threads(target)
+            self.current, self.changes = target, self.changes + 1
+        return self.current
+
+
+def thread_governor(threads: int, configured: int | None) -> ThreadGovernor | None:
+    """A ThreadGovernor for an engine's CPU team of `threads`, or None where it would not act: threads
+    given explicitly (EngineConfig.num_threads, `configured`), one thread, TIERED_ADAPT_THREADS=0, an
+    affinity mask narrower than the machine, or no /proc/stat."""
+    if configured or threads <= 1 or os.environ.get("TIERED_ADAPT_THREADS", "1") == "0" or _busy_seconds() is None:
+        return None
+    try:
+        if len(os.sched_getaffinity(0)) != (os.cpu_count() or 1):
+            return None
+    except (AttributeError, OSError):
+        return None
+    return ThreadGovernor(threads)
