@@ -299,3 +299,19 @@ def test_bf16_cpu_experts_past_the_native_rows_on_the_standin(rt, monkeypatch): 
     assert any(name == "bf16" and n > native and dev == "cpu" for name, n, dev, native in calls if native == 2)
     assert all(dev == "cpu" for _, _, dev, _ in calls)
     assert rel_err(logits[2], logits[32]) <= 2e-2
+
+
+def test_a_prompts_expert_is_never_split():
+    """Balanced dispatch splits a decode-sized miss where that pays, never one with a prompt's tokens
+    (SPLIT_ROWS_NOTE: the latency model's cpu_prompt_rows, at most PROMPT_GEMM_ROWS where it has none),
+    however the latency model prices the split."""
+    from tiered.hardware.op_time import PROMPT_GEMM_ROWS
+
+    nbytes = 352 * MB
+    flat = LatencyModel(0.0, 4e-3 / 64, 0.0, 0.0, 0.0, nbytes / 4e-3)  # no prompt piece: cpu_prompt_rows inf
+    assert split_misses([PROMPT_GEMM_ROWS - 1], flat, nbytes, splittable=True) == [SPLIT]
+    assert SPLIT not in split_misses([PROMPT_GEMM_ROWS], flat, nbytes, splittable=True)
+    stepped = LatencyModel(0.0, 4e-3 / 16, 0.0, 0.0, 0.0, nbytes / 4e-3, cpu_prompt_rows=16)
+    assert split_misses([15], stepped, nbytes, splittable=True) == [SPLIT]
+    assert SPLIT not in split_misses([16], stepped, nbytes, splittable=True)
+    assert SPLIT not in split_misses([3, 200], stepped, nbytes, splittable=True)[1:]

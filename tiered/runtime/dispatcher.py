@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tiered.hardware.op_time import PROMPT_GEMM_ROWS
+
 RESIDENT = "resident"  # weights already on the accelerator (resident or cached): run there
 COPY = "copy"  # copy weights H2D into a cache slot, run on the accelerator
 CPU = "cpu"  # run on the CPU, moving only activations
@@ -147,9 +149,9 @@ def choose_path(tokens: int, on_accelerator: bool, expert_bytes: int, lat: Laten
 
 # A SPLIT must beat the better whole path by this factor (it launches more, and fills no cache slot).
 SPLIT_GAIN = 0.9
-# SPLIT_ROWS_NOTE: an expert with cpu_prompt_rows tokens or more (the CPU's compute-bound prompt piece) is
-# never split. Every GPU run that measured prompt splits found them slower than priced and slower than
-# copying every miss: on the H100 host, uniform routing, a 512-token prompt took 0.279 s with every miss
+# SPLIT_ROWS_NOTE: an expert with cpu_prompt_rows tokens or more (the CPU's compute-bound prompt piece; at
+# most op_time.PROMPT_GEMM_ROWS, where the latency model has no such piece) is never split. Every GPU run
+# that measured prompt splits found them slower than priced and slower than copying every miss: on the H100 host, uniform routing, a 512-token prompt took 0.279 s with every miss
 # split (priced 0.168) against 0.228 copied (2026-11-26), and the default plan's CPU + split + copies
 # 0.257 s (priced 0.223) against 0.212 copied (2026-11-28); on the first H100 run 0.177 against 0.092.
 # A layer whose whole misses go both ways (some on the CPU, some copied) must beat the better one-sided
@@ -232,7 +234,7 @@ def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mod
     if mode == "balanced" and splittable and n:
         split_j, split_a, split_t = None, 0.0, float("inf")
         for j in range(n):  # CPU takes order[:j] whole, order[j] is split, order[j+1:] is copied
-            if tokens[order[j]] >= lat.cpu_prompt_rows:  # a prompt's GEMM: never split (SPLIT_ROWS_NOTE)
+            if tokens[order[j]] >= min(lat.cpu_prompt_rows, PROMPT_GEMM_ROWS):  # a prompt's: never split (SPLIT_ROWS_NOTE)
                 break
             a, t = lat.split_share(tokens[order[j]], expert_bytes, cpu_before[j], (n - j - 1) * copy_lat)
             if n - j - 1:
