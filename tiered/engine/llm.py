@@ -30,6 +30,7 @@ from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from tiered.errors import BudgetError, ConfigError, ContextLengthError
 from tiered.hardware.accelerator import make_accelerator
 from tiered.hardware.budget import MemoryBudget
+from tiered.hardware.contention import thread_governor
 from tiered.memory import sizes
 from tiered.models import build_model
 from tiered.models.layers import KVCache, Rotary
@@ -75,8 +76,6 @@ class LLM:
         self._place(progress)
         self._install()
         self._release_load_memory()
-        from tiered.hardware.contention import thread_governor
-
         # fewer CPU threads while other processes take cores (OpenMP teams stall on a busy core)
         self.threads = thread_governor(self.plan.cpu_threads or torch.get_num_threads(), self.engine_config.num_threads)
         self.load_s = time.perf_counter() - t0

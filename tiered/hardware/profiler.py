@@ -875,12 +875,12 @@ def _copy_points(kind: str, sizes_mib, repeats: int, rounds: int = COPY_ROUNDS):
     profile 54-55 at 64 MiB), the fit priced the link at 40.7 GB/s, and every miss copied then moved ~53."""
     sync = torch.cuda.synchronize
     pinned = kind.endswith("pinned")
+    # each size's buffers allocated once, its copies timed in every round
+    pairs = {mib * MiB: (torch.empty(mib * MiB, dtype=torch.uint8, pin_memory=pinned),
+                         torch.empty(mib * MiB, dtype=torch.uint8, device="cuda")) for mib in sizes_mib}
     best: dict[int, float] = {}
     for _ in range(max(1, rounds)):
-        for mib in sizes_mib:
-            n = mib * MiB
-            host = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
-            dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+        for n, (host, dev) in pairs.items():
             if kind.startswith("h2d"):
                 t = median_time(lambda: dev.copy_(host, non_blocking=pinned), repeats, sync)
             else:

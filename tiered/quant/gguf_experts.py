@@ -196,7 +196,7 @@ def projection_segments(handle, kind: str, int4_layout: str,
         from tiered.checkpoint.gpt_oss import checked_form, mxfp4_codes
 
         if int4_layout == "tiled" and handle.shape[0] % 16 == 0:  # the tile bytes from the blocks, in place
-            return {"gw": checked_form(handle.name, _tiled_mxfp4, *handle.mxfp4_parts(), handle.shape[1],
+            return {"gw": checked_form(handle.name, mxfp4.tiled_from_blocks, *handle.mxfp4_parts(), handle.shape[1],
                                        handle.mxfp4_halves, out.get("gw"))}
         codes, scale = checked_form(handle.name, mxfp4_codes, *handle.mxfp4_parts(), handle.shape[1],
                                     handle.mxfp4_halves)
@@ -220,11 +220,6 @@ def projection_segments(handle, kind: str, int4_layout: str,
             return {"qt": qt, "st": st}
         return int8_g32_segments(*unpack_q8_blocks(handle.blocks()), int4_layout)
     return quantize_projection(handle.load(torch.float32), kind, int4_layout)
-
-
-def _tiled_mxfp4(blocks, scales, bias, width, halves, out):
-    """quant/mxfp4.tiled_from_blocks as checked_form calls it (its ValueError named there)."""
-    return mxfp4.tiled_from_blocks(blocks, scales, bias, width, halves, out=out)
 
 
 def encode_expert(fmt: ExpertFormat, handles, slot: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:

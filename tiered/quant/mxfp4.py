@@ -28,10 +28,13 @@ Kernels (csrc/gemv.cpp, Int4W::e2m1): the tiled int4 kernels on int8 activations
 x ~ dx * xq per group of 32), the nibbles through E2M1_U by one vpshufb each right after the unpack and
 each group's integer dot centred on 12: y = sum_g s dx sum_i (u_i - 12) xq_i + zero sum_i x_i, i.e. the
 exact weights times the quantized activations, at every call size (this kind has no bf16 / int16
-activation path); int4t_dequantize for prefill-sized calls.
+activation path), in one call up to quant/experts.GROUPED_ROWS["mxfp4"] rows (a prompt's too);
+int4_tiled_dequantize then one matmul past that.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -61,14 +64,10 @@ def e8m0_scales(e: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int16).view(torch.bfloat16)
 
 
-_E8M0: list[torch.Tensor] = []
-
-
+@functools.cache
 def _e8m0_table() -> torch.Tensor:
     """e8m0_scales of every byte 0..255, bf16 [256] (built once: one gather per projection at load)."""
-    if not _E8M0:
-        _E8M0.append(e8m0_scales(torch.arange(256)))
-    return _E8M0[0]
+    return e8m0_scales(torch.arange(256))
 
 
 def segments(codes: torch.Tensor, scale: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:

@@ -149,11 +149,6 @@ def choose_path(tokens: int, on_accelerator: bool, expert_bytes: int, lat: Laten
 
 # A SPLIT must beat the better whole path by this factor (it launches more, and fills no cache slot).
 SPLIT_GAIN = 0.9
-# SPLIT_ROWS_NOTE: an expert with cpu_prompt_rows tokens or more (the CPU's compute-bound prompt piece; at
-# most op_time.PROMPT_GEMM_ROWS, where the latency model has no such piece) is never split. Every GPU run
-# that measured prompt splits found them slower than priced and slower than copying every miss: on the H100 host, uniform routing, a 512-token prompt took 0.279 s with every miss
-# split (priced 0.168) against 0.228 copied (2026-11-26), and the default plan's CPU + split + copies
-# 0.257 s (priced 0.223) against 0.212 copied (2026-11-28); on the first H100 run 0.177 against 0.092.
 # A layer whose whole misses go both ways (some on the CPU, some copied) must beat the better one-sided
 # assignment by this factor. What the latency model leaves out costs the mix: the copy is a task (or, issued
 # by the calling thread, a launch) and its expert's launch and join; the CPU's reads and the copy's DMA
@@ -164,6 +159,12 @@ SPLIT_GAIN = 0.9
 # layer of one CPU expert and one copy took 10.1 ms (median; copies starting up to 3.6 ms late) against
 # 8.7 ms for both on the CPU, where the model priced 6.6 against 6.9.
 MIX_GAIN = 0.9
+# SPLIT_ROWS_NOTE: an expert with cpu_prompt_rows tokens or more (the CPU's compute-bound prompt piece; at
+# most op_time.PROMPT_GEMM_ROWS, where the latency model has no such piece) is never split. Every GPU run
+# that measured prompt splits found them slower than priced and slower than copying every miss: on the
+# H100 host, uniform routing, a 512-token prompt took 0.279 s with every miss split (priced 0.168) against
+# 0.228 copied (2026-11-26), and the default plan's CPU + split + copies 0.257 s (priced 0.223) against
+# 0.212 copied (2026-11-28); on the first H100 run 0.177 against 0.092.
 
 
 @dataclass(frozen=True)
@@ -233,8 +234,9 @@ def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mod
             best_j, best_t = mix_j, mix_t
     if mode == "balanced" and splittable and n:
         split_j, split_a, split_t = None, 0.0, float("inf")
+        prompt_rows = min(lat.cpu_prompt_rows, PROMPT_GEMM_ROWS)  # a prompt's expert is never split (SPLIT_ROWS_NOTE)
         for j in range(n):  # CPU takes order[:j] whole, order[j] is split, order[j+1:] is copied
-            if tokens[order[j]] >= min(lat.cpu_prompt_rows, PROMPT_GEMM_ROWS):  # a prompt's: never split (SPLIT_ROWS_NOTE)
+            if tokens[order[j]] >= prompt_rows:  # (ascending: every later one is too)
                 break
             a, t = lat.split_share(tokens[order[j]], expert_bytes, cpu_before[j], (n - j - 1) * copy_lat)
             if n - j - 1:
