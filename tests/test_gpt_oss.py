@@ -371,6 +371,22 @@ def test_prefetch_predicts_with_the_routers_biases(zoo, tmp_path):
         llm.close()
 
 
+def test_prefetch_with_biased_routers_behind_the_host_stand_in(zoo):
+    """The stacked routers and their biases live on the routers' device: behind the strict host stand-in
+    (its device refuses tensors made outside its scope) a prefetching engine predicts with them and keeps
+    transformers' greedy tokens."""
+    path = zoo.dir("fp32")
+    llm = LLM(path, engine_config(accelerator="host", gpu_memory=fast_bytes(path, 2, True), cpu_memory="64MiB",
+                                  expert_cache_slots=2, prefetch=True, prefetch_lookahead=1))
+    try:
+        gates = llm.experts.prefetcher.gates
+        assert gates.biases and all(b.device == llm.device for b in gates.biases.values())
+        ids = prompt()
+        assert llm.generate([ids], GREEDY)[0].token_ids == hf_greedy(zoo.hf("fp32"), ids, 16)
+    finally:
+        llm.close()
+
+
 @native_only
 @pytest.mark.parametrize("where", ["device", "copies"])
 def test_mxfp4_experts_behind_host_accelerator(zoo, where, monkeypatch):
