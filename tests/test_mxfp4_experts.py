@@ -23,7 +23,7 @@ from tiered.checkpoint.gpt_oss import FP4_E2M1, dequantize_mxfp4, mxfp4_codes, w
 from tiered.checkpoint.model_config import biased_width
 from tiered.kernels import load
 from tiered.quant import mxfp4
-from tiered.quant.experts import ExpertFormat, fit_format, pricing_precision
+from tiered.quant.experts import ExpertFormat, fit_format, pricing_precision, token_activations
 
 ext = load()
 native_only = pytest.mark.skipif(ext is None, reason="native extension unavailable (tiered.kernels.load() is None)")
@@ -166,12 +166,16 @@ def test_quantize_is_ocp_rounding():
 
 
 def test_pricing_and_fitting():
-    """The planner prices mxfp4 as int4 on int8 activations (gemv/cpu/int4q8); shapes the tiled layout
+    """The planner prices mxfp4 as int4 on int8 activations at every setting (gemv/cpu/int4q8); shapes the tiled layout
     cannot hold fall back to int8-g32 (exact for MXFP4 too) or int8."""
+    from tiered.hardware import op_time
     from tiered.hardware.op_time import gemv_dtype
+    from tiered.hardware.profile import HardwareProfile, LinearModel
     from tiered.memory.sizes import bytes_per_element
 
-    assert pricing_precision("mxfp4") == "int4" and gemv_dtype("mxfp4", "bf16") == "int4q8"
+    assert pricing_precision("mxfp4") == "int4" and token_activations("mxfp4", "bf16") == "q8"
+    assert token_activations("int4", "bf16") == "bf16" and gemv_dtype("int4", token_activations("mxfp4", "bf16")) == "int4q8"
+    assert op_time.find(HardwareProfile("p", "test", {"gemv/cpu/int4q8": LinearModel(0.0, 1.0)}), "gemv", "cpu", "mxfp4").beta == 1.0
     assert bytes_per_element("mxfp4") == 0.625
     assert fit_format("mxfp4", ((40, 96), (32, 96), (64, 50))) == "int8-g32,mxfp4,int8"
 

@@ -35,9 +35,10 @@ DTYPE_FALLBACK = {
 def gemv_dtype(kind: str, act: str = "bf16") -> str:
     """The gemv/cpu/<dtype> key a one-token matmul of a `kind` weight ("bf16", "int8", "int4", ...)
     on `act` activations is priced by: "int4q8" for int4 on int8 ones (Plan.expert_act "q8": half
-    the multiply-adds, so a faster stream where the int16 / bf16 path is compute-bound) and for mxfp4
-    (quant/mxfp4.py: the same kernels with a table lookup, always on int8 activations), else kind."""
-    return "int4q8" if (kind == "int4" and act == "q8") or kind == "mxfp4" else kind
+    the multiply-adds, so a faster stream where the int16 / bf16 path is compute-bound), else kind
+    (mxfp4's key falls back to int4q8's: DTYPE_FALLBACK; which activations a format's experts read
+    at one token is quant/experts.token_activations')."""
+    return "int4q8" if kind == "int4" and act == "q8" else kind
 
 
 def find(profile: HardwareProfile, op: str, device: str, dtype: str) -> LinearModel | None:

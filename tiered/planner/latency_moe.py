@@ -117,7 +117,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     from tiered.planner.fiddler import ExpertLatency, ExpertShape, step_expert_bytes
     from tiered.runtime.dispatcher import COPY, CPU, SPLIT, dispatch_misses, split_misses
 
-    from tiered.quant.experts import parse_kinds, pricing_precision
+    from tiered.quant.experts import pricing_precision, token_activations
 
     fmt, efmt = plan.dtypes["weights"], pricing_precision(plan.dtypes["experts"])
     E, k = cfg.num_experts, cfg.num_experts_per_tok
@@ -137,8 +137,8 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
     if cpu_room is not None and cpu_room < 0:
         raise BudgetError(f"CPU budget {format_bytes(cpu)} cannot hold the {plan.staging_buffers} host staging buffers "
                           f"({format_bytes(staging)})", f"raise --cpu-mem by {format_bytes(-cpu_room)}")
-    act = "q8" if "mxfp4" in parse_kinds(plan.dtypes["experts"]) else plan.expert_act  # mxfp4: int8 x always
-    expert = ExpertLatency(profile, ExpertShape.from_config(cfg), efmt, efmt, act,
+    expert = ExpertLatency(profile, ExpertShape.from_config(cfg), efmt, efmt,
+                           token_activations(plan.dtypes["experts"], plan.expert_act),
                            working_set=step_expert_bytes(cfg, efmt))
     plan.dispatch_latency = asdict(expert.latency_model())
     plan.dispatch_threshold_tokens = expert.threshold()

@@ -176,6 +176,13 @@ def pricing_precision(name: str) -> str:
     return max(kinds, key=order.index)
 
 
+def token_activations(name: str, act: str) -> str:
+    """What format `name`'s experts multiply at one token where the plan asks for `act` (Plan.expert_act,
+    "bf16" or "q8"): "q8" wherever a projection is mxfp4 (its kernel reads int8 activations at every
+    size, as llama.cpp computes MXFP4: `project`), else `act`. The planner prices experts with it."""
+    return "q8" if "mxfp4" in parse_kinds(name) else act
+
+
 def is_dense_format(name: str) -> bool:
     """An expert format whose three projections are plain dense tensors ("bf16", "fp32"): what
     ExpertFormat.is_dense says of it, from the name alone (the planner has no shapes)."""
