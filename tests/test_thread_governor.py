@@ -72,8 +72,10 @@ def test_where_the_governor_acts(monkeypatch):
 
 
 def test_an_engine_checks_its_team_every_step(monkeypatch, zoo):
-    """LLM builds a governor where one would act (torch's default threads) and consults it at each step."""
-    from tiered import LLM, EngineConfig, SamplingParams
+    """LLM builds a governor where one would act (torch's default threads) and consults it at each step; a
+    request's stats keep the fewest threads its steps had, and `tiered run` says when they were fewer
+    than the plan's."""
+    from tiered import LLM, EngineConfig, SamplingParams, cli
 
     monkeypatch.setenv("TIERED_ADAPT_THREADS", "1")
     monkeypatch.setattr(contention.os, "cpu_count", lambda: 2)
@@ -86,8 +88,14 @@ def test_an_engine_checks_its_team_every_step(monkeypatch, zoo):
             assert isinstance(llm.threads, contention.ThreadGovernor) and llm.threads.threads == 2
             calls = []
             monkeypatch.setattr(llm.threads, "check", lambda: calls.append(1) or 2)
-            llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+            out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
             assert len(calls) >= 4  # the prefill's step and each decode step
+            assert out.stats.cpu_threads == 2 and cli._fewer_threads(llm, out.stats) == ""
+            teams = iter([2, 2, 1, 2, 2, 2])  # a neighbour took a core for one step: the request says so
+            monkeypatch.setattr(llm.threads, "check", lambda: next(teams))
+            out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+            assert out.stats.cpu_threads == 1 and out.stats.as_dict()["cpu_threads"] == 1
+            assert "CPU threads down to 1 of 2" in cli._fewer_threads(llm, out.stats)
         finally:
             llm.close()
         given = LLM(zoo.dir("llama"), EngineConfig(accelerator="none", max_context=64, num_threads=2))

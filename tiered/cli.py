@@ -275,13 +275,22 @@ def _beam_search(llm, prompt, params, chat, as_json: bool) -> None:
     typer.echo(f"[{llm.plan.summary()}]", err=True)
 
 
+def _fewer_threads(llm, s) -> str:
+    """A note where the CPU team ran below the plan's threads during the request (the thread governor
+    gave cores to other processes; the plan priced its own), else ""."""
+    planned = llm.plan.cpu_threads
+    if not (s.cpu_threads and planned and s.cpu_threads < planned):
+        return ""
+    return f" | CPU threads down to {s.cpu_threads} of {planned}: other processes took cores"
+
+
 def _print_stats(llm, out) -> None:
     s = out.stats
     typer.echo(
         f"[{s.prompt_tokens} prompt tokens, {s.generated_tokens} generated ({out.finish_reason}) | "
         f"TTFT {s.ttft_s * 1e3:.0f} ms | prefill {s.prefill_tokens_per_s:.1f} tok/s | "
-        f"decode {s.decode_tokens_per_s:.1f} tok/s | ITL {s.itl_s * 1e3:.1f} ms | load {llm.load_s:.1f} s]",
-        err=True)
+        f"decode {s.decode_tokens_per_s:.1f} tok/s | ITL {s.itl_s * 1e3:.1f} ms | load {llm.load_s:.1f} s"
+        f"{_fewer_threads(llm, s)}]", err=True)
     typer.echo(f"[{llm.plan_summary(s)}]", err=True)
     rt = llm.runtime_stats()
     if rt:

@@ -412,8 +412,9 @@ class LLM:
         """
         plan = sched.schedule()
         events: list[tuple[Sequence, str, RequestOutput | None]] = []
-        if self.threads is not None:
-            self.threads.check()
+        team = self.threads.check() if self.threads is not None else torch.get_num_threads()
+        for seq in plan.running:
+            seq.cpu_threads = min(seq.cpu_threads or team, team)
         with torch.inference_mode():
             admitted = {id(s) for s in plan.prefill}
             decoding = [s for s in plan.running if not s.finished and id(s) not in admitted]

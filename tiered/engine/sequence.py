@@ -31,6 +31,9 @@ class RequestStats:
         return {k: getattr(self, k) for k in self.__slots__}
 
     cached_tokens: int = 0  # prompt tokens whose KV a served slot held already (prefill skipped them)
+    # the fewest threads torch's CPU team had at a step of this request (0: not recorded): below the plan's
+    # (Plan.cpu_threads) where hardware/contention.ThreadGovernor gave cores back to other processes
+    cpu_threads: int = 0
 
     @property
     def mean_decode_positions(self) -> int:
@@ -91,6 +94,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # filled when params.logprobs is set
     cached_tokens: int = 0  # prompt tokens whose KV its slot already held (prefill skipped them)
+    cpu_threads: int = 0  # the fewest CPU threads at a step of it (LLM.step; RequestStats.cpu_threads)
 
     @property
     def finished(self) -> bool:
@@ -112,7 +116,8 @@ class Sequence:
             prompt_tokens=len(self.prompt_ids), generated_tokens=n, ttft_s=first - self.t_start,
             prefill_s=prefill_s, prefill_tokens_per_s=len(self.prompt_ids) / prefill_s if prefill_s > 0 else 0.0,
             decode_s=decode_s, decode_tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0,
-            itl_s=decode_s / (n - 1) if n > 1 else 0.0, cached_tokens=self.cached_tokens)
+            itl_s=decode_s / (n - 1) if n > 1 else 0.0, cached_tokens=self.cached_tokens,
+            cpu_threads=self.cpu_threads)
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),
