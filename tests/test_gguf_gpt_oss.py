@@ -299,7 +299,7 @@ def test_default_engine_keeps_the_experts_exactly(zoo, experts, kind):
     the quantized expert tests' 2e-2 of transformers' (bf16 KV cache and decode copies, int8 / int16
     activations) with the same next tokens where transformers' are not near-tied. With the kernels
     built every layer's decode step runs whole in the native step ([("native", 0, 4)]: the experts'
-    projections bound by DecodeStep.set_moe), its logits within 1e-3 of the same step with the MoE
+    projections bound by DecodeStep.set_moe), its logits within 2e-3 of the same step with the MoE
     blocks run as modules, and of transformers' within 2e-2 (int8-g32) or 0.1 (mxfp4: its native
     calls read int8 activations, which this model's GLU outliers coarsen; the exact weights on exact
     activations give 0.02; the prompt's logits within 5e-2 so)."""
@@ -328,7 +328,9 @@ def test_default_engine_keeps_the_experts_exactly(zoo, experts, kind):
                 modules = decode_logits(llm, step, ids, 3)
             finally:
                 step.schedule = [("native", 0, 4)]
-            assert rel_err(native, modules) <= 1e-3
+            # 3e-4 on 2 AVX2 cores, 1.4e-3 on AVX-512 (Sapphire Rapids, int8-g32): the two paths' sums differ in
+            # order and rounding there, and are equally near transformers' (mean |error| 0.00583 each, 2026-11-29)
+            assert rel_err(native, modules) <= 2e-3
             # one-row expert calls: mxfp4 on int8 activations (llama.cpp's Q8_0; this model's GLU outputs,
             # past a clamp of 7 with gate/up x3, put outliers in their groups of 32), int8-g32 on int16 ones
             assert rel_err(native, ref[3:]) <= (0.1 if kind == "mxfp4" else 2e-2)
