@@ -85,6 +85,23 @@ def test_a_stalled_bandwidth_key_is_timed_again_and_its_best_run_kept():
     assert b.points["gemv_dram/cpu/int4"] == stalled and f"timed {STALL_RETRIES + 1} times" in b.notes[-1]
 
 
+def test_a_stalled_small_row_gemm_key_is_timed_again():
+    """gemm_rows/cpu/bf16 (torch's GEMM at 8 rows over cold weights, GEMM_ROWS_SHAPES from SmolLM2's 1.8 MB
+    FFN matrix up) is timed again like the memory streams: a full profile on 2 AMX cores (2026-11-29) timed
+    its 7 MB weight at 2.2 ms for ~0.6 (R^2 0.02, a 1.75 ms intercept that priced each of SmolLM2's prompt
+    GEMMs 1.75 ms and its 512-token bf16 TTFT 0.47 s where it took 0.21); these points are that machine's."""
+    from tiered.hardware.profiler import GEMM_ROWS_SHAPES, RETIMED_KEYS, _Bench
+
+    assert "gemm_rows/cpu/bf16".startswith(RETIMED_KEYS) and min(n * k for n, k in GEMM_ROWS_SHAPES) * 2 < 2 * 2**20
+    stalled = [(1769472.0, 6.27e-4), (7340032.0, 1.668e-3), (16777216.0, 1.339e-3), (33554432.0, 2.1e-3)]
+    sound = [(1769472.0, 1.76e-4), (7340032.0, 6.92e-4), (16777216.0, 9.07e-4), (33554432.0, 1.643e-3)]
+    runs = iter([stalled, sound])
+    b = _Bench(True, None, None)
+    b.attempt("gemm_rows/cpu/bf16", lambda: next(runs))
+    m = b.models["gemm_rows/cpu/bf16"]
+    assert b.points["gemm_rows/cpu/bf16"] == sound and m.alpha < 3e-4 and "timed 2 times" in b.notes[0]
+
+
 def test_memory_points_interleave_their_samples():
     """median_times: one warm-up call each, then every repeat samples each function in turn (so points
     timed while the memory's bandwidth drifts see the same moments), one median per function."""

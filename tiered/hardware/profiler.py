@@ -184,6 +184,12 @@ class Probe:
 
 
 STREAM_KEYS = ("gemv/cpu/", "gemv_dram/cpu/", "memory/bandwidth")  # time = bytes / rate
+# Keys timed again like STREAM_KEYS when their fit is poor: those and gemm_rows (a call's cost grows with its
+# weight's bytes, read and packed by oneDNN: 0.07 / 0.16 / 0.53 / 0.88 / 1.67 ms for 0.7 / 1.8 / 7 / 17 / 34 MB
+# of bf16 on 2 Sapphire Rapids cores with AMX, 2026-11-29). There one full profile timed its 7 MB weight at
+# 2.2 ms (R^2 0.02; a fit's intercept of 1.75 ms) and three later timings gave 1.8, 0.66 and 8.5 ms: the plan
+# then priced a uniformly routed CPU MoE's 64-token prefill at 412 ms where it ran 137.
+RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/",)
 STALL_R2 = 0.95  # below it such a key's samples stalled (sound runs fit at 0.98-0.9999): timed again
 STALL_RETRIES = 2
 
@@ -228,14 +234,14 @@ class _Bench:
         """Time `key` by `fn` (its (n, seconds) points) and fit it; a key skipped where `fn` raises.
 
         A bandwidth-bound key (STREAM_KEYS: its time is bytes over a rate, a straight line by
-        construction) whose fit has R^2 below STALL_R2 had stalled samples: it is timed again, up
+        construction; RETIMED_KEYS) whose fit has R^2 below STALL_R2 had stalled samples: it is timed again, up
         to STALL_RETRIES times, and the best-fitting run kept, with a note. A quick profile taken
         while another process ran (load 1.9 on the 2-core EPYC, 2026-11-27) timed gemv/cpu/int4's
         2.6 MB weight at 2.5 ms for ~70 us: its fit (R^2 0.02) gave each GEMV a 0.6 ms intercept,
         and the plan priced SmolLM2's decode at 76 ms a token where it ran 2.8."""
         try:
             best = None
-            runs = 1 + (STALL_RETRIES if key.startswith(STREAM_KEYS) else 0)
+            runs = 1 + (STALL_RETRIES if key.startswith(RETIMED_KEYS) else 0)
             for tries in range(runs):
                 if self.probe is not None:
                     self.probe.last = None
@@ -451,6 +457,12 @@ def _decode_rows_points(dtype: str, repeats: int, cold_bytes: int | None, probe:
     points = _gemm_points("cpu", dtype, [(rows, K, N) for rows in DECODE_ROWS], lambda: None, repeats, True,
                           cold_bytes=cold_bytes, probe=probe)
     return [(float(rows * K * N), t) for rows, (_, t) in zip(DECODE_ROWS, points)]
+
+
+# gemm_rows' weights (N, K): a small model's FFN matrix (SmolLM2's, 1.8 MB of bf16: without it the fit's
+# intercept was an extrapolation from 7 MB, which prices each of a small model's prompt GEMMs), a small
+# MoE's expert projection, Llama-3-8B's attention projections.
+GEMM_ROWS_SHAPES = ((1536, 576), (3584, 1024), (4096, 2048), (4096, 4096))
 
 
 def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
@@ -1098,7 +1110,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # GEMV key's samples, so that planning scales each key by the memory's speed now against its own minute's.
 # 21: decode_rows/cpu/<dtype>, the decode kernels at 8-32 rows: a batched decode step (a server's rows)
 # is priced at its multiply-adds where they outweigh the weights' stream (cpu_predict.predict_decode).
-PROFILER_VERSION = 21
+# 22: gemm_rows/cpu/bf16 also times a 1536 x 576 weight (GEMM_ROWS_SHAPES) and is timed again when its fit
+# is poor (RETIMED_KEYS): on 2 AMX cores its intercept, extrapolated from 7-34 MB through noise, had priced
+# each of SmolLM2's prompt GEMMs 1.75 ms where they take 0.07-0.5 (a 512-token bf16 TTFT 0.47 s for 0.21).
+PROFILER_VERSION = 22
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -1171,8 +1186,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     big_gemms = [(256, 4096, 4096), (256, 4096, 8192), (256, 4096, 14336)]
     big_cold = 2 * llc if llc and 2 * llc <= 2 * 2**30 else None
     # torch's bf16 GEMMs at a few rows (a short prompt's, an expert's past its native rows) over cold weights
-    b.attempt("gemm_rows/cpu/bf16", lambda: _gemm_rows_points("bf16", [(3584, 1024), (4096, 2048), (4096, 4096)],
-                                                              max(3, r // 2), big_cold))
+    b.attempt("gemm_rows/cpu/bf16", lambda: _gemm_rows_points("bf16", GEMM_ROWS_SHAPES, max(3, r // 2), big_cold))
     if kernels.available():  # the native bf16 expert at 1-8 rows (a short prompt's experts)
         b.attempt("expert_rows/cpu/bf16", lambda: _expert_rows_points(max(3, r // 2), big_cold))
         for dtype in ("int4", "int8", "bf16", "fp32"):  # the decode kernels at a batched step's rows
