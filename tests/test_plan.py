@@ -238,6 +238,30 @@ def test_cpu_moe_prefill_prices_bf16_experts_past_their_native_rows_as_torch_gem
     assert predict_prefill(MIXTRAL, hw, "bf16", 64, experts_format="int4") < predict_prefill(MIXTRAL, hw, "bf16", 64)
 
 
+def test_one_copy_int4_prompts_are_priced_on_the_path_their_rows_take():
+    """A one-copy int4 weight's prompt GEMM runs the int4 kernel up to quant/int4.dequantize_rows() rows and a
+    dequantized GEMM past them; the profile records that row count (meta["int4_dequantize_rows"]) and times
+    gemm/cpu/int4 past it. Up to it a prompt's projections cost one stream of the weights and each row past
+    the first at decode_rows/cpu/int4's slope, whatever gemm/cpu/int4 says; past it gemm/cpu/int4 prices
+    them. (On 2 AMX cores both paths in one fit priced SmolLM2's default 512-token TTFT 0.75 s for 0.32.)"""
+    from tiered.planner.cpu_predict import predict_prefill
+
+    m = {"gemm/cpu/int4": LinearModel(1e-3, 2e-12, 1.0), "gemv/cpu/int4": LinearModel(0.0, 1 / 30e9, 1.0),
+         "decode_rows/cpu/int4": LinearModel(0.0, 1.2e-11, 1.0), "gemm/cpu/fp32": LinearModel(0.0, 7e-12, 1.0)}
+    meta = {"native_kernels": True, "int4_dequantize_rows": 96}
+    hw = HardwareProfile("cpu-box", "test", m, None, None, meta=meta)
+    slow = HardwareProfile("cpu-box", "test", {**m, "gemm/cpu/int4": LinearModel(5e-3, 2e-11, 1.0)}, None, None,
+                           meta=meta)
+    faster_rows = HardwareProfile("cpu-box", "test", {**m, "decode_rows/cpu/int4": LinearModel(0.0, 6e-12, 1.0)},
+                                  None, None, meta=meta)
+    assert predict_prefill(LLAMA70B, hw, "int4", 64, act_dtype="fp32") == predict_prefill(LLAMA70B, slow, "int4", 64, act_dtype="fp32")
+    assert predict_prefill(LLAMA70B, faster_rows, "int4", 64, act_dtype="fp32") < 0.7 * predict_prefill(LLAMA70B, hw, "int4", 64, act_dtype="fp32")
+    assert predict_prefill(LLAMA70B, slow, "int4", 512, act_dtype="fp32") > 3 * predict_prefill(LLAMA70B, hw, "int4", 512, act_dtype="fp32")
+    assert predict_prefill(LLAMA70B, faster_rows, "int4", 512, act_dtype="fp32") == predict_prefill(LLAMA70B, hw, "int4", 512, act_dtype="fp32")
+    older = HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True})  # before the key
+    assert predict_prefill(LLAMA70B, older, "int4", 64, act_dtype="fp32") != predict_prefill(LLAMA70B, hw, "int4", 64, act_dtype="fp32")
+
+
 def test_a_native_experts_rows_past_the_first_cost_the_profiled_slope():
     """expert_rows/cpu/bf16 (the native bf16 expert at 1-8 rows): a native expert of r rows costs one
     stream of its weights plus r - 1 rows at the key's slope (a 1024 x 3584 expert on 2 Zen 4 cores: 414

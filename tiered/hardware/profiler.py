@@ -465,6 +465,20 @@ def _decode_rows_points(dtype: str, repeats: int, cold_bytes: int | None, probe:
 GEMM_ROWS_SHAPES = ((1536, 576), (3584, 1024), (4096, 2048), (4096, 4096))
 
 
+def int4_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
+    """gemm/cpu/int4's (T, K, N) shapes with tiered's kernels: the weights of `shapes` (the GEMM fit's), each at
+    2 and 4 x quant/int4.dequantize_rows() rows, where a one-copy int4 weight's prompt GEMM dequantizes it
+    (bf16 for oneDNN on AVX-512, else fp32) for one GEMM: the path a prompt of that many tokens takes. Fewer
+    rows run the int4 kernel, priced by decode_rows/cpu/int4 (cpu_predict.predict_prefill). The two paths in
+    one fit (64-512 rows on 2 AMX cores, 2026-11-29: 75 GMAC/s in the kernel, ~500 dequantized) gave R^2 0.13
+    and priced SmolLM2's default 512-token TTFT 0.75 s where it took 0.32."""
+    from tiered.quant.int4 import dequantize_rows
+
+    d = dequantize_rows()
+    weights = list(dict.fromkeys((K, N) for _, K, N in shapes))[:2]
+    return [(m * d, K, N) for K, N in weights for m in (2, 4)]
+
+
 def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
     """(weight bytes, seconds a call) of torch's `dtype` GEMM (F.linear, as a prompt's projections and a CPU
     expert past its native rows run) of GEMM_ROWS rows by an N x K weight, cycled over `cold_bytes` of
@@ -1112,7 +1126,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # is priced at its multiply-adds where they outweigh the weights' stream (cpu_predict.predict_decode).
 # 22: gemm_rows/cpu/bf16 also times a 1536 x 576 weight (GEMM_ROWS_SHAPES) and is timed again when its fit
 # is poor (RETIMED_KEYS): on 2 AMX cores its intercept, extrapolated from 7-34 MB through noise, had priced
-# each of SmolLM2's prompt GEMMs 1.75 ms where they take 0.07-0.5 (a 512-token bf16 TTFT 0.47 s for 0.21).
+# each of SmolLM2's prompt GEMMs 1.75 ms where they take 0.07-0.5 (a 512-token bf16 TTFT 0.47 s for 0.21);
+# gemm/cpu/int4 with the kernels is timed where a prompt dequantizes (int4_gemm_shapes; meta["int4_dequantize_rows"]).
 PROFILER_VERSION = 22
 
 
@@ -1169,7 +1184,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
             b.skip("probe", e)
     pr = b.probe
     for dtype in ("fp32", "bf16", "int8", "int4"):
-        b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemm_shapes, nosync, r, False))
+        shapes = int4_gemm_shapes(gemm_shapes) if dtype == "int4" and kernels.available() else gemm_shapes
+        b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype, sh=shapes: _gemm_points("cpu", d, sh, nosync, r, False))
         b.attempt(f"gemv/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemv_shapes, nosync, r, True, probe=pr))
     if kernels.available():  # routed int4 experts' batch-1 kernel (op_time.gemv_dtype)
         b.attempt("gemv/cpu/int4q8", lambda: _gemm_points("cpu", "int4q8", gemv_shapes, nosync, r, True, probe=pr))
@@ -1266,6 +1282,10 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     meta["native_kernels"] = kernels.available()
     meta["kernels_build"] = kernels.build_name() if meta["native_kernels"] else None  # what timed the native keys
     meta["kernel_tuning"] = kernels.tuning()  # ... tuned so (None without them)
+    if meta["native_kernels"]:  # rows from which a one-copy int4 weight's prompt GEMM dequantizes (gemm/cpu/int4)
+        from tiered.quant.int4 import dequantize_rows
+
+        meta["int4_dequantize_rows"] = dequantize_rows()
     meta["disk_note"] = note
     meta["load_average"] = load_before
     meta.update(contention.record(neighbours, previous))

@@ -439,9 +439,15 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     over = task_overhead if task_overhead is not None else op_time.task_overhead(hw)
 
+    kernel_rows = (hw.meta or {}).get("int4_dequantize_rows") if native_step(hw) else None
+
     def gemm(dt: str, macs: float, nbytes: float, calls: int, torch_runs: bool) -> float:
         """torch's GEMMs past the decode copies' and the native experts' rows; within them the native
-        kernels stream the weights (gemm_time)."""
+        kernels stream the weights (gemm_time). One-copy int4 weights run the int4 kernel up to the
+        profile's int4_dequantize_rows (its rows at decode_rows/cpu/int4's slope), past them a
+        dequantized GEMM (gemm/cpu/int4, timed there: hardware/profiler.int4_gemm_shapes)."""
+        if dt == "int4" and kernel_rows and T <= kernel_rows:
+            return _gemv(hw, dt, nbytes, calls=calls, rows=T)
         if torch_runs:
             return torch_gemm_time(hw, dt, macs, nbytes, calls)
         return op_time.gemm_time(hw, "cpu", dt, macs, nbytes, calls=calls)
