@@ -82,6 +82,18 @@ NATIVE_ROWS = 8  # tokens up to which a CPU expert runs the native fused GEMV ke
 # the prompt's projections had taken the dequantizing path from 9 rows: a 128-token prompt 4.2 s, 2.3x llama.cpp's.
 GROUPED_ROWS = {"int4": 128, "int8": 1 << 30, "int8-g32": 1 << 30, "bf16": 32, "fp32": 0, "fp8": 64, "fp8-row": 64,
                 "mxfp4": 512}
+# ... except on AVX-512 (kernels.isa(): with AVX512_BF16), where an mxfp4 projection of more rows than this is
+# dequantized to bf16 for oneDNN's GEMM (quant/int4.dequantize_dtype, as a one-copy int4 weight's prompt):
+# the same 2880 x 2912 projection on 2 Sapphire Rapids cores (AMX), 2026-11-29, ms at 32 / 64 / 128 / 512 rows
+# (fastest of 5), the kernel 4.1 / 8.4 / 17.8 / 69 against bf16 dequantize + GEMM 5.3 / 8.2 / 8.0 / 16.2 (fp32:
+# 10.4 / 13.7 / 21.3 / 64). Zen 4 (AVX512_BF16 without AMX) put one-copy int4's crossing at 96 rows.
+MXFP4_KERNEL_ROWS = {"avx512": 64}
+
+
+def mxfp4_kernel_rows() -> int:
+    """Rows up to which an mxfp4 projection runs its native kernel in one call (q8 activations): GROUPED_ROWS's,
+    or MXFP4_KERNEL_ROWS's for the native kernels' ISA; more rows dequantize it for one GEMM."""
+    return MXFP4_KERNEL_ROWS.get(kernels.isa(), GROUPED_ROWS["mxfp4"])
 
 
 def bf16_native_rows() -> int:
@@ -621,18 +633,20 @@ def _int4_rows(v: dict[str, torch.Tensor]) -> int:
 def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor], act: str,
                 e2m1: bool = False) -> torch.Tensor:
     """x [n, K] @ W^T for a tiled int4 projection: the native kernel (on `act` activations) up to NATIVE_ROWS rows
-    (an mxfp4 one up to GROUPED_ROWS["mxfp4"], in one call), else the
-    weight dequantized once (native, or in torch without the extension; exact, in fp32 for fp32 x)
-    and one matmul (prefill-sized n: the conversion is paid once for all n rows) -> [n, N] in x's dtype.
+    (an mxfp4 one up to mxfp4_kernel_rows(), in one call), else the
+    weight dequantized once (native, or in torch without the extension; exact, in fp32 for fp32 x; an
+    mxfp4 one in quant/int4.dequantize_dtype(): bf16 on AVX-512) and one matmul (prefill-sized n: the
+    conversion is paid once for all n rows) -> [n, N] in x's dtype.
     e2m1: an mxfp4 projection (its codes through the e2m1 table, no residual; int8 activations)."""
     from tiered.kernels import load
     from tiered.kernels.linear import tiled_dequantize
+    from tiered.quant.int4 import dequantize_dtype
 
     ext = load() if x.device.type == "cpu" else None
     zr = v.get("zr")
-    if ext is not None and x.shape[0] <= (GROUPED_ROWS["mxfp4"] if e2m1 else NATIVE_ROWS):
+    if ext is not None and x.shape[0] <= (mxfp4_kernel_rows() if e2m1 else NATIVE_ROWS):
         return ext.int4_tiled_kernel(v["gw"], None, zr, None, act, e2m1=e2m1)(x).to(x.dtype)
-    fp32 = x.dtype == torch.float32
+    fp32 = x.dtype == torch.float32 and not (e2m1 and ext is not None and dequantize_dtype() == torch.bfloat16)
     if ext is not None:
         w = tiled_dequantize(v["gw"], None, zr, fp32, e2m1=e2m1)  # a reused buffer: no fresh pages per call
     else:

@@ -28,8 +28,8 @@ Kernels (csrc/gemv.cpp, Int4W::e2m1): the tiled int4 kernels on int8 activations
 x ~ dx * xq per group of 32), the nibbles through E2M1_U by one vpshufb each right after the unpack and
 each group's integer dot centred on 12: y = sum_g s dx sum_i (u_i - 12) xq_i + zero sum_i x_i, i.e. the
 exact weights times the quantized activations, at every call size (this kind has no bf16 / int16
-activation path), in one call up to quant/experts.GROUPED_ROWS["mxfp4"] rows (a prompt's too);
-int4_tiled_dequantize then one matmul past that.
+activation path), in one call up to quant/experts.mxfp4_kernel_rows() rows (a prompt's too);
+int4_tiled_dequantize then one matmul past that (in bf16 on AVX-512).
 """
 
 from __future__ import annotations
