@@ -169,12 +169,11 @@ def test_pricing_and_fitting():
     """The planner prices mxfp4 as int4 on int8 activations at every setting (gemv/cpu/int4q8); shapes the tiled layout
     cannot hold fall back to int8-g32 (exact for MXFP4 too) or int8."""
     from tiered.hardware import op_time
-    from tiered.hardware.op_time import gemv_dtype
     from tiered.hardware.profile import HardwareProfile, LinearModel
     from tiered.memory.sizes import bytes_per_element
 
     assert pricing_precision("mxfp4") == "int4" and token_activations("mxfp4", "bf16") == "q8"
-    assert token_activations("int4", "bf16") == "bf16" and gemv_dtype("int4", token_activations("mxfp4", "bf16")) == "int4q8"
+    assert token_activations("int4", "bf16") == "bf16" and op_time.gemv_dtype("int4", token_activations("mxfp4", "bf16")) == "int4q8"
     assert op_time.find(HardwareProfile("p", "test", {"gemv/cpu/int4q8": LinearModel(0.0, 1.0)}), "gemv", "cpu", "mxfp4").beta == 1.0
     assert bytes_per_element("mxfp4") == 0.625
     assert fit_format("mxfp4", ((40, 96), (32, 96), (64, 50))) == "int8-g32,mxfp4,int8"

@@ -254,12 +254,15 @@ def test_one_copy_int4_prompts_are_priced_on_the_path_their_rows_take():
                            meta=meta)
     faster_rows = HardwareProfile("cpu-box", "test", {**m, "decode_rows/cpu/int4": LinearModel(0.0, 6e-12, 1.0)},
                                   None, None, meta=meta)
-    assert predict_prefill(LLAMA70B, hw, "int4", 64, act_dtype="fp32") == predict_prefill(LLAMA70B, slow, "int4", 64, act_dtype="fp32")
-    assert predict_prefill(LLAMA70B, faster_rows, "int4", 64, act_dtype="fp32") < 0.7 * predict_prefill(LLAMA70B, hw, "int4", 64, act_dtype="fp32")
-    assert predict_prefill(LLAMA70B, slow, "int4", 512, act_dtype="fp32") > 3 * predict_prefill(LLAMA70B, hw, "int4", 512, act_dtype="fp32")
-    assert predict_prefill(LLAMA70B, faster_rows, "int4", 512, act_dtype="fp32") == predict_prefill(LLAMA70B, hw, "int4", 512, act_dtype="fp32")
+    def ttft(profile, tokens):  # one-copy int4 weights, fp32 activations (the planner's act_dtype)
+        return predict_prefill(LLAMA70B, profile, "int4", tokens, act_dtype="fp32")
+
+    assert ttft(hw, 64) == ttft(slow, 64)
+    assert ttft(faster_rows, 64) < 0.7 * ttft(hw, 64)
+    assert ttft(slow, 512) > 3 * ttft(hw, 512)
+    assert ttft(faster_rows, 512) == ttft(hw, 512)
     older = HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True})  # before the key
-    assert predict_prefill(LLAMA70B, older, "int4", 64, act_dtype="fp32") != predict_prefill(LLAMA70B, hw, "int4", 64, act_dtype="fp32")
+    assert ttft(older, 64) != ttft(hw, 64)
 
 
 def test_a_native_experts_rows_past_the_first_cost_the_profiled_slope():

@@ -70,6 +70,7 @@ from tiered.hardware import contention
 from tiered.hardware.budget import move_to_huge_pages
 from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K, bytes_per_element
 from tiered.hardware.profile import HardwareProfile, LinearModel
+from tiered.quant.int4 import dequantize_rows
 
 MiB = 2**20
 DISK_READERS = 2  # the runtime's disk reader threads (runtime/install.py: max(2, staging buffers))
@@ -472,8 +473,6 @@ def int4_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
     rows run the int4 kernel, priced by decode_rows/cpu/int4 (cpu_predict.predict_prefill). The two paths in
     one fit (64-512 rows on 2 AMX cores, 2026-11-29: 75 GMAC/s in the kernel, ~500 dequantized) gave R^2 0.13
     and priced SmolLM2's default 512-token TTFT 0.75 s where it took 0.32."""
-    from tiered.quant.int4 import dequantize_rows
-
     d = dequantize_rows()
     weights = list(dict.fromkeys((K, N) for _, K, N in shapes))[:2]
     return [(m * d, K, N) for K, N in weights for m in (2, 4)]
@@ -1283,8 +1282,6 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     meta["kernels_build"] = kernels.build_name() if meta["native_kernels"] else None  # what timed the native keys
     meta["kernel_tuning"] = kernels.tuning()  # ... tuned so (None without them)
     if meta["native_kernels"]:  # rows from which a one-copy int4 weight's prompt GEMM dequantizes (gemm/cpu/int4)
-        from tiered.quant.int4 import dequantize_rows
-
         meta["int4_dequantize_rows"] = dequantize_rows()
     meta["disk_note"] = note
     meta["load_average"] = load_before

@@ -439,7 +439,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     over = task_overhead if task_overhead is not None else op_time.task_overhead(hw)
 
-    kernel_rows = (hw.meta or {}).get("int4_dequantize_rows") if native_step(hw) else None
+    kernel_rows = (hw.meta or {}).get("int4_dequantize_rows")  # written only where the kernels timed the profile
 
     def gemm(dt: str, macs: float, nbytes: float, calls: int, torch_runs: bool) -> float:
         """torch's GEMMs past the decode copies' and the native experts' rows; within them the native

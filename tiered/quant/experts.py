@@ -646,7 +646,8 @@ def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor], a
     zr = v.get("zr")
     if ext is not None and x.shape[0] <= (mxfp4_kernel_rows() if e2m1 else NATIVE_ROWS):
         return ext.int4_tiled_kernel(v["gw"], None, zr, None, act, e2m1=e2m1)(x).to(x.dtype)
-    fp32 = x.dtype == torch.float32 and not (e2m1 and ext is not None and dequantize_dtype() == torch.bfloat16)
+    # fp32 x keeps an fp32 GEMM, but for an mxfp4 weight where the kernels' ISA GEMMs faster in bf16
+    fp32 = x.dtype == torch.float32 and (not e2m1 or ext is None or dequantize_dtype() == torch.float32)
     if ext is not None:
         w = tiled_dequantize(v["gw"], None, zr, fp32, e2m1=e2m1)  # a reused buffer: no fresh pages per call
     else:
