@@ -483,6 +483,29 @@ def test_a_cpu_plan_prices_a_servers_full_step(zoo, box):
     assert Plan.from_json(four.to_json()) == four
 
 
+def test_a_servers_step_is_priced_on_the_activations_its_int4_rows_read(zoo, box, tmp_path):
+    """Plan.batch_act reaches the batched step's price: int4 decode copies in a server's steps read int8
+    activations ("auto" with max_batch > 1), priced by decode_rows/cpu/int4q8 (on 2 AMX cores 3.4x cheaper
+    a row than bf16 activations' decode_rows/cpu/int4, which had priced an 8-sequence SmolLM2 step 43% slow)."""
+    hw = HardwareProfile.load(box)
+    m = dict(hw.models, **{"gemv/cpu/int4": LinearModel(0.0, 5e-11, 1.0), "gemv/cpu/int4q8": LinearModel(0.0, 5e-11, 1.0),
+                           "gemm/cpu/int4": LinearModel(1e-5, 2e-11, 1.0),
+                           "decode_rows/cpu/int4": LinearModel(0.0, 4e-11, 1.0),
+                           "decode_rows/cpu/int4q8": LinearModel(0.0, 1e-11, 1.0)})
+    rows = tmp_path / "rows.json"
+    HardwareProfile("rows", "test", m, hw.gpu_memory, hw.cpu_memory, meta={"native_kernels": True}).save(rows)
+    path = zoo.dir("llama")
+
+    def plan(**kw):
+        return LLM(path, EngineConfig(accelerator="none", max_context=CTX, profile=str(rows), decode_weights="int4",
+                                      max_batch=4, **kw)).plan
+    auto, q8, bf16 = plan(), plan(batch_activations="q8"), plan(batch_activations="bf16")
+    assert (auto.batch_act, q8.batch_act, bf16.batch_act) == ("q8", "q8", "bf16")
+    assert auto.predicted_batch_decode_tokens_per_s == q8.predicted_batch_decode_tokens_per_s
+    assert q8.predicted_batch_decode_tokens_per_s > 1.2 * bf16.predicted_batch_decode_tokens_per_s
+    assert q8.predicted_decode_tokens_per_s == bf16.predicted_decode_tokens_per_s  # one row reads bf16
+
+
 # ------------------------------------------------------------------ the CLI
 def test_run_prints_the_plan_and_its_prediction(zoo, box):
     path = zoo.dir("llama")

@@ -935,6 +935,18 @@ def test_a_batched_decode_step_streams_the_weights_once_and_adds_each_rows_multi
     plain = HardwareProfile("box", "test", dict(models), meta={"native_kernels": True})
     assert predict_decode(cfg, plain, "int4", context=64, batch=4)[1] == pytest.approx(
         one + 3 * (1e-11 * macs + kv_row), rel=1e-6)
+    # int8 activations in batched steps (Plan.batch_act "q8", a server's): the int4q8 keys where measured
+    # (int4 rows on 2 AMX cores: 3.4 ps a multiply-add on int8 activations, 11.5 on bf16 ones), int4's before
+    assert predict_decode(cfg, rows, "int4", context=64, batch=4, batch_act="q8")[1] == pytest.approx(
+        predict_decode(cfg, rows, "int4", context=64, batch=4)[1], rel=1e-12)
+    q8 = HardwareProfile("box", "test", dict(rows.models, **{"decode_rows/cpu/int4q8": LinearModel(2e-6, 1e-12, 0.99),
+                                                             "gemv/cpu/int4q8": LinearModel(0.0, 1 / 35e9, 0.99)}),
+                         meta={"native_kernels": True})
+    assert predict_decode(cfg, q8, "int4", context=64, batch=1, batch_act="q8")[1] == one  # batch 1 reads bf16
+    stream = macs * sizes.bytes_per_element("int4") * (1 / 35e9 - 1 / 30e9)  # the same bytes at int4q8's rate
+    for B in (2, 8):
+        assert predict_decode(cfg, q8, "int4", context=64, batch=B, batch_act="q8")[1] == pytest.approx(
+            one + stream + (B - 1) * (1e-12 * macs + kv_row), rel=1e-6)
     # MoE: 8 experts top-2, 8 rows choose 8 * (1 - 0.75^8) = 7.2 experts of 16 / 7.2 rows each
     moe = ModelConfig(model_type="mixtral", vocab_size=32000, hidden_size=1024, intermediate_size=3584,
                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, head_dim=128,

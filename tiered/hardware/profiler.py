@@ -317,7 +317,8 @@ def _native_gemv_module(dtype: str, w: torch.Tensor):
 
 def _native_gemv(dtype: str, module):
     """The native Kernel the CPU decode step calls for `module` (_native_gemv_module's)."""
-    if dtype == "int4q8":  # on int8 activations at batch 1, as routed int4 experts run (Plan.expert_act)
+    if dtype == "int4q8":  # on int8 activations at every row count: routed int4 experts at batch 1
+        # (Plan.expert_act), int4 decode copies in a batched step (Plan.batch_act)
         from tiered.kernels.linear import int4_tiled_kernel
         return int4_tiled_kernel(module.packed, None, None, None, "q8")
     return _native(module)
@@ -1127,7 +1128,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # is poor (RETIMED_KEYS): on 2 AMX cores its intercept, extrapolated from 7-34 MB through noise, had priced
 # each of SmolLM2's prompt GEMMs 1.75 ms where they take 0.07-0.5 (a 512-token bf16 TTFT 0.47 s for 0.21);
 # gemm/cpu/int4 with the kernels is timed where a prompt dequantizes (int4_gemm_shapes; meta["int4_dequantize_rows"]).
-PROFILER_VERSION = 22
+# 23: decode_rows/cpu/int4q8, int4 rows on int8 activations (a server's batched steps, Plan.batch_act "q8"), which
+# had been priced at the bf16 rows' slope: 3.4x too slow a row on 2 AMX cores (an 8-sequence SmolLM2 step 43%).
+PROFILER_VERSION = 23
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -1204,7 +1207,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     b.attempt("gemm_rows/cpu/bf16", lambda: _gemm_rows_points("bf16", GEMM_ROWS_SHAPES, max(3, r // 2), big_cold))
     if kernels.available():  # the native bf16 expert at 1-8 rows (a short prompt's experts)
         b.attempt("expert_rows/cpu/bf16", lambda: _expert_rows_points(max(3, r // 2), big_cold))
-        for dtype in ("int4", "int8", "bf16", "fp32"):  # the decode kernels at a batched step's rows
+        # the decode kernels at a batched step's rows; int4q8: int4 on int8 activations (Plan.batch_act "q8",
+        # a server's batches: 3.4 ps a row's multiply-add against 11.5 on bf16 ones, 2 AMX cores, 2026-11-29)
+        for dtype in ("int4", "int4q8", "int8", "bf16", "fp32"):
             b.attempt(f"decode_rows/cpu/{dtype}", lambda d=dtype: _decode_rows_points(d, max(3, r // 2), None))
     for dtype in ("bf16", "fp32"):
         b.attempt(f"gemm_big/cpu/{dtype}",

@@ -330,10 +330,7 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     plan.native_decode = plan.cpu_decode_step and kernels.available()
     # int4 decode copies (CPU-only) in the layout of tiered's own kernels when they are built
     plan.int4_layout = "tiled" if kernels.available() else "cpu"
-    # int4 activations in steps of 2+ rows: int8 for a server's batches and for MoE models (whose
-    # prompts are mostly routed experts: 1.7x faster in int8), bf16 for one sequence of a dense model
-    plan.batch_act = (ec.batch_activations if ec.batch_activations != "auto" else
-                      "q8" if ec.max_batch > 1 or cfg.is_moe else "bf16")
+    plan.batch_act = batch_activations(ec, cfg)
     # routed int4 experts at batch 1: int8 activations, half the multiply-adds (an OLMoE-width int4
     # expert from cache on 2 Zen 4 cores: 91-96 GB/s on int8 x against 45 on bf16 x with AVX-512, 71
     # against 31-50 on int16 x with AVX2)
@@ -365,6 +362,15 @@ def pinned_memory(ec, plan: Plan) -> str:
     if ec.pinned != "auto":
         return ec.pinned
     return "cuda" if plan.sliced_layers() else "huge"
+
+
+def batch_activations(ec, cfg: ModelConfig) -> str:
+    """Plan.batch_act for EngineConfig.batch_activations: "auto" is int8 ("q8") for a server's batches
+    (max_batch > 1) and for MoE models (whose prompts are mostly routed experts: 1.7x faster in int8),
+    bf16 for one sequence of a dense model at a time."""
+    if ec.batch_activations != "auto":
+        return ec.batch_activations
+    return "q8" if ec.max_batch > 1 or cfg.is_moe else "bf16"
 
 
 def expert_activations(ec) -> str:
@@ -481,7 +487,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                 dense_copies=dense_copies,
                 experts_format=experts_format, kv_slots=ec.max_batch,
                 head_precision=head_precision if dense_cpu else None, embedding_bytes=embedding_bytes,
-                expert_act=expert_activations(ec),
+                expert_act=expert_activations(ec), batch_act=batch_activations(ec, cfg),
                 graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
                 prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None,
                 workspace=None if accelerator is None else

@@ -142,11 +142,11 @@ def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_
 def _row_time(hw: HardwareProfile, kind: str, weight_bytes: float, macs: float | None = None) -> float:
     """Seconds each row past the first adds to a decode-kernel call over `weight_bytes` of `kind`
     weights (gemv key names: "int4q8" is int4's kernel): its multiply-adds (`macs`, None = the weights'
-    elements) at decode_rows/cpu/<kind>'s slope where profiled (tiered's kernels at 8-32 rows), else
-    at the GEMM fit's (0 without either)."""
+    elements) at decode_rows/cpu/<kind>'s slope where profiled (tiered's kernels at 8-32 rows; int4q8's
+    falls back to int4's in profiles before version 23), else at the GEMM fit's (0 without either)."""
     base = "int4" if kind == "int4q8" else kind
     macs = macs if macs is not None else weight_bytes / op_time.bytes_per_element(base)
-    m = op_time.find(hw, "decode_rows", "cpu", base) or op_time.find(hw, "gemm", "cpu", base)
+    m = op_time.find(hw, "decode_rows", "cpu", kind) or op_time.find(hw, "gemm", "cpu", base)
     return m.beta * macs if m is not None else 0.0
 
 
@@ -166,12 +166,20 @@ def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, 
 
 
 def _projections(hw: HardwareProfile, dtype: str, mix: dict | None, elements: float, calls: int,
-                 working_set: float, rows: float = 1) -> float:
+                 working_set: float, rows: float = 1, batch_act: str = "bf16") -> float:
     """Seconds of `calls` one-token matmuls over `elements` weights in `dtype`, or split by `mix`
     (precision -> share of the elements, Plan.precision_mix), each share at its precision's rate;
-    `rows` per call (`_gemv`)."""
-    return sum(_gemv(hw, k, elements * share * op_time.bytes_per_element(k), calls=max(1, round(calls * share)),
-                     working_set=working_set, rows=rows) for k, share in (mix or {dtype: 1.0}).items() if share > 0)
+    `rows` per call (`_gemv`), int4 ones on `batch_act` activations when more than one (`_batched`)."""
+    return sum(_gemv(hw, _batched(k, batch_act, rows), elements * share * op_time.bytes_per_element(k),
+                     calls=max(1, round(calls * share)), working_set=working_set, rows=rows)
+               for k, share in (mix or {dtype: 1.0}).items() if share > 0)
+
+
+def _batched(kind: str, batch_act: str, rows: float) -> str:
+    """The gemv key of a `kind` decode copy's call over `rows` rows: int4 copies read int8 activations
+    in calls of 2+ rows where Plan.batch_act is "q8" (the tiled kernel's q8_from 2: a server's batches),
+    "int4q8" (on 2 AMX cores 3.4x cheaper a row than bf16 activations, 2026-11-29); else `kind`."""
+    return op_time.gemv_dtype(kind, batch_act) if rows > 1 else kind
 
 
 def mixed_bytes_per_element(dtype: str, mix: dict | None) -> float:
@@ -210,12 +218,14 @@ def native_fused_projections(hw: HardwareProfile, dtype: str) -> bool:
 
 
 def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, working_set: float = 0.0,
-               mix: dict | None = None, kv_format: str | None = None, rows: int = 1) -> float:
+               mix: dict | None = None, kv_format: str | None = None, rows: int = 1, batch_act: str = "bf16") -> float:
     """Seconds of one layer's attention in a decode step of `rows` sequences of `context` cached
-    positions each: the projections (`rows` per call) and each row's pass over its own cache."""
+    positions each: the projections (`rows` per call, on `batch_act` activations: `_batched`) and
+    each row's pass over its own cache."""
     w = cfg.attention_weight_elements()
     native = native_step(hw)  # the native step runs plain and latent attention (DecodeStep.set_latent)
-    proj = _projections(hw, dtype, mix, w, 2 if native_fused_projections(hw, dtype) else 4, working_set, rows)
+    proj = _projections(hw, dtype, mix, w, 2 if native_fused_projections(hw, dtype) else 4, working_set, rows,
+                        batch_act)
     # the KV cache's format: the plan's, else the engine's rule for weights read in `dtype` (CPU: fp32
     # activations; a 16-bit cache beside lossy copies)
     act = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
@@ -241,7 +251,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
                    experts_format: str | None = None,
                    head_dtype: str | None = None, expert_act: str = "bf16",
                    mix: dict | None = None, kv_format: str | None = None,
-                   batch: int = 1) -> tuple[list[tuple[float, float]], float]:
+                   batch: int = 1, batch_act: str = "bf16") -> tuple[list[tuple[float, float]], float]:
     """Per-layer (attention, FFN or MoE) seconds of one decode step, and the whole step
     (layers + lm_head) on CPU + disk.
 
@@ -267,6 +277,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             rows' multiply-adds (decode_rows/cpu/<dtype>, `_gemv`); each row attends over its own
             cache; an MoE layer runs the experts its rows choose, E (1 - (1 - k/E)^batch) of them
             under uniform routing (the most a batch can activate), with batch k / that many rows each.
+        batch_act: what int4 decode copies multiply in steps of 2+ rows (Plan.batch_act): "q8" prices
+            them by gemv/cpu/int4q8 and decode_rows/cpu/int4q8 (`_batched`).
     """
     bpe = op_time.bytes_per_element(dtype)
     d = cfg.hidden_size
@@ -281,12 +293,13 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     layers = []
     B = max(1, int(batch))
     for i in range(cfg.num_hidden_layers):
-        attn = _attention(cfg, hw, dtype, context, ws, mix, kv_format, B) + per_layer
+        attn = _attention(cfg, hw, dtype, context, ws, mix, kv_format, B, batch_act) + per_layer
         t = 0.0
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size
-            t += _projections(hw, dtype, mix, 3 * d * F, 2 if native_fused_projections(hw, dtype) else 3, ws, B)
+            t += _projections(hw, dtype, mix, 3 * d * F, 2 if native_fused_projections(hw, dtype) else 3, ws, B,
+                              batch_act)
         else:
             E, F, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
             ekind = op_time.gemv_dtype((experts_format or dtype).split(",")[0], expert_act)
@@ -294,7 +307,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             t += _gemv(hw, dtype, d * E * bpe, working_set=ws, rows=B) + moe_fixed
             Fs = cfg.shared_expert_intermediate_size  # the always-on shared expert(s): a dense SwiGLU
             if Fs:
-                t += _projections(hw, dtype, mix, 3 * d * Fs, 2 if native_fused_projections(hw, dtype) else 3, ws, B)
+                t += _projections(hw, dtype, mix, 3 * d * Fs, 2 if native_fused_projections(hw, dtype) else 3, ws, B,
+                                  batch_act)
             res, hit = hits.rates(i) if hits is not None else (1.0, 0.0)
             active = k if B == 1 else E * (1 - (1 - k / E) ** B)  # experts the step's rows choose (uniform)
             misses = active * (1 - res - hit)
@@ -313,7 +327,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
                 t += experts_with_reads(hw, k, misses, eb, compute, read_ahead, readers, over)
         layers.append((attn, t))
     hd = head_dtype or dtype
-    head = _gemv(hw, hd, d * cfg.vocab_size * op_time.bytes_per_element(hd), working_set=ws, rows=B)
+    head = _gemv(hw, _batched(hd, batch_act, B), d * cfg.vocab_size * op_time.bytes_per_element(hd), working_set=ws,
+                 rows=B)
     return layers, sum(a + f for a, f in layers) + head + per_step
 
 

@@ -29,7 +29,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               read_ahead: bool = True, workspace: int | None = None,
               dense_copies: bool = True, experts_format: str | None = None, kv_slots: int = 1,
               head_precision: str | None = None, embedding_bytes: int | None = None,
-              expert_act: str = "bf16", graphs: bool = False,
+              expert_act: str = "bf16", batch_act: str = "bf16", graphs: bool = False,
               prefetch: bool = False, prefetch_lookahead: int = 2, precision_mix: dict | None = None,
               library_workspace: int | None = None) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
@@ -63,6 +63,9 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         embedding_bytes: bytes of the token embedding where the CPU's one-copy mode keeps it in its
             file's blocks (quant/embedding.BlockEmbedding: a GGUF file's Q8_0 / Q4_K table), None =
             counted dense in the weights' format.
+        expert_act, batch_act: what routed int4 experts read at batch 1 and int4 decode copies in steps of
+            2+ rows (Plan.expert_act / batch_act), recorded before pricing: a server's batched step is
+            priced on the activations its int4 rows read (cpu_predict.predict_decode's batch_act).
         graphs: the engine may graph GPU decode steps (EngineConfig.graphs on a CUDA device): the
             GPU plans price the host cost of the graphed step they will get (op_time.step_overhead),
             and settle_gpu_decode records which (Plan.decode_graphs / piecewise_graphs).
@@ -91,7 +94,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.cache_policy, plan.dispatch_mode = cache_policy, dispatch_mode
     plan.staging_buffers, plan.read_ahead = staging_buffers, read_ahead
     plan.dense_copies, plan.kv_slots = dense_copies, kv_slots
-    plan.expert_act = expert_act
+    plan.expert_act, plan.batch_act = expert_act, batch_act
     plan.prefetch, plan.prefetch_lookahead = prefetch and cfg.is_moe, prefetch_lookahead
     sizes.bytes_per_element(fmt)  # a ConfigError for an unknown format, before any work
     experts = ExpertChoices(popularity, expert_cache_slots, max_resident)
