@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import assume, given, settings, strategies as st
 
 from tiered import kernels
@@ -134,6 +135,10 @@ def test_quick_profile_structure(measured):
             bf16, fp32 = (p.meta["points"][f"attn_decode/cpu/{k}"] for k in ("bf16", "fp32"))
             assert [n for n, _ in fp32] == [2 * n for n, _ in bf16]  # the same positions, twice the bytes
         assert op_time.find(p, "gemv", "cpu", "int8-g32") is p.models["gemv/cpu/int8-g32"]
+    for dtype in ("fp32", "bf16"):  # a prompt's model code beyond its GEMMs and attention, per layer
+        from tiered.hardware.profiler import PREFILL_CODE_SHAPES, PREFILL_CODE_TOKENS
+        assert [n for n, _ in p.meta["points"][f"runtime/prefill_code/{dtype}"]] == [
+            T * (d + f) for d, f in PREFILL_CODE_SHAPES for T in PREFILL_CODE_TOKENS]
     for key, m in p.models.items():
         assert m.alpha >= 0 and m.beta >= 0, key
         if key.startswith("launch/") or key == "runtime/task":  # constants: alpha only, no fit
@@ -966,3 +971,43 @@ def test_a_batched_decode_step_streams_the_weights_once_and_adds_each_rows_multi
     ffn8 = layers8[0][1] - (layers1[0][1] - 2 * eb / 30e9)  # the layer's experts at 8 rows (router etc. aside)
     router_rows = 7 * 1e-11 * 1024 * 8  # the router's rows at the bf16 GEMM rate (no decode_rows/cpu/bf16)
     assert ffn8 == pytest.approx(active * expert + router_rows, rel=1e-6)
+
+
+def test_a_prompts_model_code_is_timed_without_its_matmuls_and_priced_per_layer():
+    """runtime/prefill_code/<dtype> times a prefill with every F.linear and attention call an empty result
+    of its shape (_EmptyMatmuls), and predict_prefill charges each layer its fit over the prompt's tokens x
+    the layer's width (hidden + intermediate; an MoE layer's k routed experts' and any shared expert's)
+    where the decode step's per-layer cost stood before: SmolLM2's 512-token bf16 prefill spent 59 of its
+    170 ms there on 2 AMX cores, its TTFT priced 29-36% fast."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.hardware.profiler import _EmptyMatmuls
+    from tiered.planner.cpu_predict import predict_prefill
+
+    x, w = torch.randn(5, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16)
+    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 6)
+    with _EmptyMatmuls():
+        y = F.linear(x, w)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        z = torch.nn.functional.silu(x)  # everything else runs
+    assert (y.shape, y.dtype, o.shape) == ((5, 3), torch.bfloat16, (1, 2, 5, 6))
+    assert torch.equal(z, F.silu(x))
+
+    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    base = {"gemm/cpu/bf16": LinearModel(0.0, 1e-12, 1.0), "gemv/cpu/bf16": LinearModel(0.0, 1 / 30e9, 1.0),
+            "runtime/decode_step/bf16": LinearModel(2e-5, 4e-6, 1.0)}
+    plain = HardwareProfile("box", "test", base)
+    code = HardwareProfile("box", "test", dict(base, **{"runtime/prefill_code/bf16": LinearModel(7e-4, 1.5e-9, 0.9)}))
+    for T in (128, 512):
+        per_layer = 7e-4 + 1.5e-9 * T * (576 + 1536) - 4e-6  # in place of the decode step's per-layer cost
+        assert predict_prefill(cfg, code, "bf16", T) == pytest.approx(predict_prefill(cfg, plain, "bf16", T)
+                                                                      + 30 * per_layer, rel=1e-9)
+    # fp32 activations take bf16's fit where only it is profiled
+    assert op_time.prefill_code_time(code, "fp32", 1e6) == pytest.approx(7e-4 + 1.5e-3)
+    assert op_time.prefill_code_time(plain, "bf16", 1e6) is None
+    moe = ModelConfig(model_type="qwen2_moe", vocab_size=1000, hidden_size=256, intermediate_size=1024,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                      shared_expert_intermediate_size=512)
+    gap = predict_prefill(moe, code, "bf16", 64) - predict_prefill(moe, plain, "bf16", 64)
+    assert gap == pytest.approx(2 * (7e-4 + 1.5e-9 * 64 * (256 + 2 * 128 + 512) - 4e-6), rel=1e-9)

@@ -239,6 +239,18 @@ def mla_layer_overhead(profile: HardwareProfile) -> float | None:
     return m.beta if m is not None else None
 
 
+def prefill_code_time(profile: HardwareProfile, dtype: str, elements: float) -> float | None:
+    """Seconds one layer's own model code takes in a CPU prefill beyond its GEMMs and attention (norms,
+    RoPE, SiLU, residual adds, casts, module calls), `elements` = the prompt's tokens x the layer's width
+    (hidden + intermediate): runtime/prefill_code/<dtype> (profiler._prefill_code_points; activations in
+    `dtype`, bf16 falling back to fp32 and back). None when not profiled (profiles before version 23)."""
+    for d in (dtype, "bf16" if dtype == "fp32" else "fp32"):
+        m = profile.models.get(f"runtime/prefill_code/{d}")
+        if m is not None:
+            return m(elements)
+    return None
+
+
 def step_overhead(profile: HardwareProfile, dtype: str, device: str = "cpu",
                   graphed: str | None = None) -> tuple[float, float]:
     """(per step, per layer) seconds of the model code's own fixed costs in a decode step: module

@@ -64,6 +64,7 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from tiered import kernels
 from tiered.hardware import contention
@@ -816,6 +817,61 @@ def _moe_step_points(repeats: int) -> list[tuple[float, float]]:
     return points
 
 
+class _EmptyMatmuls(TorchFunctionMode):
+    """Inside it, F.linear and F.scaled_dot_product_attention return an empty tensor of their result's
+    shape and dtype, so that a forward pass times the model code around them: norms, RoPE, SiLU,
+    residual adds, casts and module calls (_prefill_code_points)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            x, w = args[0], args[1]
+            return torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device)
+        if func is F.scaled_dot_product_attention:
+            q, v = args[0], args[2]
+            return torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        return func(*args, **(kwargs or {}))
+
+
+# runtime/prefill_code's models: (hidden, intermediate) at 8 layers, prompts of PREFILL_CODE_TOKENS (past the
+# rows a prompt runs in the native decode step: planner/auto.MIXED_ROWS)
+PREFILL_CODE_SHAPES = ((256, 768), (512, 2048))
+PREFILL_CODE_TOKENS = (256, 1024)
+
+
+def _prefill_code_points(dtype: str, repeats: int) -> list[tuple[float, float]]:
+    """(T x (hidden + intermediate), seconds a layer) of a T-token prompt's prefill through the engine
+    (`LLM` over a dummy dense checkpoint of PREFILL_CODE_SHAPES, plan "off", weights and activations in
+    `dtype`, one token generated) with every F.linear and attention call an empty result (_EmptyMatmuls):
+    the layers' own code beyond the GEMMs and attention the planner prices (norms, RoPE, SiLU, residual
+    adds, casts, module calls): runtime/prefill_code/<dtype>, alpha a layer's fixed cost, beta a token's
+    cost per element of its width. On 2 AMX cores SmolLM2's 512-token bf16 prefill (0.17 s) spent 59 ms
+    there, which the decode step's fixed cost (runtime/decode_step, ~4 us a layer) had stood for: its
+    TTFT priced 29-36% fast (2026-11-29)."""
+    from tiered.bench.checkpoint import ModelShape, write_dummy_checkpoint
+    from tiered.config import EngineConfig
+    from tiered.engine.llm import LLM
+    from tiered.engine.sampling import SamplingParams
+
+    layers, points = 8, []
+    with tempfile.TemporaryDirectory(prefix="tiered-profile-prefill-") as tmp:
+        for d, F_ in PREFILL_CODE_SHAPES:
+            shape = ModelShape(layers=layers, hidden=d, ffn=F_, heads=d // 64, kv_heads=max(1, d // 256), vocab=64,
+                               max_position_embeddings=2 * max(PREFILL_CODE_TOKENS))
+            path = write_dummy_checkpoint(Path(tmp) / f"dense-{d}", shape)
+            llm = LLM(path, EngineConfig(accelerator="none", dtype={"bf16": "bfloat16"}.get(dtype, "float32"),
+                                         decode_weights=dtype, plan="off", max_context=2 * max(PREFILL_CODE_TOKENS)))
+            try:
+                sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+                for T in PREFILL_CODE_TOKENS:
+                    ids = [i % 64 for i in range(T)]
+                    with _EmptyMatmuls():
+                        t = median_time(lambda: llm.generate([ids], sp), repeats, lambda: None)
+                    points.append((float(T * (d + F_)), t / layers))
+            finally:
+                llm.close()
+    return points
+
+
 def _engine_decode_step(path: Path, repeats: int) -> float:
     """Median seconds of one CPU decode step (after a 32-token prompt) of the checkpoint at `path`
     opened by the engine: bf16, bf16 decode copies, plan "off" (the runtime's rules)."""
@@ -1238,6 +1294,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     b.models["runtime/task"] = LinearModel(_task_overhead(), 0.0, None)
     for dtype in ("fp32", "bf16"):
         b.attempt(f"runtime/decode_step/{dtype}", lambda d=dtype: _decode_step_points(r, d))
+    for dtype in ("fp32", "bf16"):  # a prompt's model code beyond its GEMMs and attention
+        b.attempt(f"runtime/prefill_code/{dtype}", lambda d=dtype: _prefill_code_points(d, max(5, r)))
     b.attempt("runtime/moe_step/bf16", lambda: _moe_step_points(r))
     b.attempt("runtime/mla_step/bf16", lambda: _mla_step_points(r))
     b.say(f"runtime/task: {b.models['runtime/task'].alpha:.3g} s")

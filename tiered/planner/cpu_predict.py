@@ -430,7 +430,9 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     Per layer: the attention projections and each FFN / active expert as GEMMs of all their
     tokens (torch_gemm_time: compute, floored by streaming the weights once, and by the profile's
     small-row GEMM key where profiled and torch runs the GEMM), causal attention
-    over the prompt (half the positions on average), the model code's per-layer cost, and for an
+    over the prompt (half the positions on average), the layer's own model code (norms, RoPE, SiLU,
+    adds: runtime/prefill_code/<act dtype> over its tokens x width, op_time.prefill_code_time; the
+    decode step's per-layer cost in profiles without it), and for an
     MoE layer the router and, for the `disk_share` of its experts not in RAM, a cold read each, as
     the runtime reads them (`read_ahead` on `readers` threads, or one after the other) but not
     overlapped with the computes (experts_with_reads, overlap False): a prompt's expert GEMMs keep
@@ -468,10 +470,15 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
         return op_time.gemm_time(hw, "cpu", dt, macs, nbytes, calls=calls)
     total = per_step + _gemv(hw, dtype, d * cfg.vocab_size * bpe)
     for i in range(cfg.num_hidden_layers):
-        t = per_layer + gemm(dtype, T * w_attn, w_attn * bpe, 4, T > GEMM_ROWS)
+        is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
+        # the layer's own code (norms, RoPE, SiLU, adds, module calls) over its tokens' widths: an MoE
+        # layer's SiLU runs over its k routed experts' intermediate rows and any shared expert's
+        width = d + (cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size
+                     if is_moe else cfg.intermediate_size)
+        code = op_time.prefill_code_time(hw, act_dtype or dtype, T * width)
+        t = (per_layer if code is None else code) + gemm(dtype, T * w_attn, w_attn * bpe, 4, T > GEMM_ROWS)
         t += op_time.prefill_attention_time(hw, "cpu", act_dtype or dtype,
                                             T * (T + 1) / 2 * cfg.attention_macs_per_pair(False))  # causal
-        is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
         if not is_moe:
             F = cfg.intermediate_size
             t += gemm(dtype, 3 * T * d * F, 3 * d * F * bpe, 3, T > GEMM_ROWS)
