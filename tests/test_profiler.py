@@ -976,9 +976,9 @@ def test_a_batched_decode_step_streams_the_weights_once_and_adds_each_rows_multi
 def test_a_prompts_model_code_is_timed_without_its_matmuls_and_priced_per_layer():
     """runtime/prefill_code/<dtype> times a prefill with every F.linear and attention call an empty result
     of its shape (_EmptyMatmuls), and predict_prefill charges each layer its fit over the prompt's tokens x
-    the layer's width (hidden + intermediate; an MoE layer's k routed experts' and any shared expert's)
-    where the decode step's per-layer cost stood before: SmolLM2's 512-token bf16 prefill spent 59 of its
-    170 ms there on 2 AMX cores, its TTFT priced 29-36% fast."""
+    the layer's width (hidden + intermediate; an MoE layer's k routed copies of each token at the hidden
+    size and its shared expert's intermediate) where the decode step's per-layer cost stood before:
+    SmolLM2's 512-token bf16 prefill spent 59 of its 170 ms there on 2 AMX cores, its TTFT priced 29-36% fast."""
     from tiered.checkpoint.model_config import ModelConfig
     from tiered.hardware.profiler import _EmptyMatmuls
     from tiered.planner.cpu_predict import predict_prefill
@@ -1010,4 +1010,4 @@ def test_a_prompts_model_code_is_timed_without_its_matmuls_and_priced_per_layer(
                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
                       shared_expert_intermediate_size=512)
     gap = predict_prefill(moe, code, "bf16", 64) - predict_prefill(moe, plain, "bf16", 64)
-    assert gap == pytest.approx(2 * (7e-4 + 1.5e-9 * 64 * (256 + 2 * 128 + 512) - 4e-6), rel=1e-9)
+    assert gap == pytest.approx(2 * (7e-4 + 1.5e-9 * 64 * (256 + 2 * 256 + 512) - 4e-6), rel=1e-9)

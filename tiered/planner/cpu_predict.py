@@ -431,8 +431,9 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     tokens (torch_gemm_time: compute, floored by streaming the weights once, and by the profile's
     small-row GEMM key where profiled and torch runs the GEMM), causal attention
     over the prompt (half the positions on average), the layer's own model code (norms, RoPE, SiLU,
-    adds: runtime/prefill_code/<act dtype> over its tokens x width, op_time.prefill_code_time; the
-    decode step's per-layer cost in profiles without it), and for an
+    adds: runtime/prefill_code/<act dtype> over its tokens x width, op_time.prefill_code_time; an MoE
+    layer's width counts each token's k routed copies at the hidden size; the decode step's per-layer
+    cost in profiles without it), and for an
     MoE layer the router and, for the `disk_share` of its experts not in RAM, a cold read each, as
     the runtime reads them (`read_ahead` on `readers` threads, or one after the other) but not
     overlapped with the computes (experts_with_reads, overlap False): a prompt's expert GEMMs keep
@@ -471,10 +472,13 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     total = per_step + _gemv(hw, dtype, d * cfg.vocab_size * bpe)
     for i in range(cfg.num_hidden_layers):
         is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
-        # the layer's own code (norms, RoPE, SiLU, adds, module calls) over its tokens' widths: an MoE
-        # layer's SiLU runs over its k routed experts' intermediate rows and any shared expert's
-        width = d + (cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size
-                     if is_moe else cfg.intermediate_size)
+        # the layer's own code (norms, RoPE, SiLU, adds, module calls) over its tokens' widths; an MoE layer's
+        # over its k routed copies of each token (the dispatch's gathers and weighted sums: its experts' SiLU
+        # runs inside their kernels, priced with them) and any shared expert's intermediate rows. With k
+        # intermediate rows instead, a 512-token prompt of the 8-layer Mixtral-width dummy, every expert in
+        # RAM, was priced 0.250 s where it took 0.190 (2 AMX cores, 2026-11-29)
+        width = d + (cfg.num_experts_per_tok * d + cfg.shared_expert_intermediate_size if is_moe
+                     else cfg.intermediate_size)
         code = op_time.prefill_code_time(hw, act_dtype or dtype, T * width)
         t = (per_layer if code is None else code) + gemm(dtype, T * w_attn, w_attn * bpe, 4, T > GEMM_ROWS)
         t += op_time.prefill_attention_time(hw, "cpu", act_dtype or dtype,
