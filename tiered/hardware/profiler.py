@@ -15,7 +15,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                          prompt's, an expert's past its native rows)             n = weight bytes
     expert_rows/cpu/bf16 the native bf16 expert at 1-8 rows, cold (its slope: each row's cost)  n = MACs
     decode_rows/cpu/<dtype> tiered's decode kernels at 8-32 rows (a batched decode step: a server's
-                         or a beam search's rows), cold 4096 x 4096 weights      n = MACs
+                         or a beam search's rows), cold 4096 x 4096 weights; int4q8: int4 on int8
+                         activations (Plan.batch_act "q8")                       n = MACs
     attn_prefill/cpu/<dtype>  a prompt's causal attention (torch's SDPA, as the model runs it)
                          n = MACs (2 * heads * T (T + 1) / 2 * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
@@ -28,6 +29,9 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                                  from DRAM; with tiered/kernels built and the LLC's size known)
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
                          n = layers (the fixed per-step and per-layer cost of the model code)
+    runtime/prefill_code/<dtype> a prompt's prefill through the engine with every F.linear and attention
+                         call an empty result: the layers' own code (norms, RoPE, SiLU, adds), seconds a
+                         layer                                       n = tokens x (hidden + intermediate)
     runtime/decode_step_gpu/<dtype>  the same on CUDA, model in <dtype> (CUDA only)
     runtime/decode_step_graphed_gpu/<dtype>  the same stepped through piecewise CUDA graphs
                                  (runtime/graphs.PiecewiseGraphs; CUDA only)
