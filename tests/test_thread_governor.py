@@ -49,6 +49,27 @@ def test_the_team_never_grows_past_the_plans_threads(readings):
         torch.set_num_threads(saved)
 
 
+def test_a_reading_across_an_idle_gap_is_not_acted_on(monkeypatch):
+    """A reading older than ADAPT_MAX_S spans an idle gap (between two requests): a neighbour busy then may
+    have left (a 32-token prompt right after llama.cpp's 5 s prompt ran on one thread, 0.51 s for 0.30), so
+    the team is kept and a fresh reading starts; the next check acts on that one."""
+    saved = torch.get_num_threads()
+    clock = [0.0]
+    shares = [1.0]  # the fresh window: the neighbour still there
+    monkeypatch.setattr(contention, "start", lambda: (0.0, 0.0, clock[0]))
+    monkeypatch.setattr(contention, "others_share", lambda *a: shares.pop(0))
+    monkeypatch.setattr(contention.time, "monotonic", lambda: clock[0])
+    try:
+        torch.set_num_threads(2)
+        gov = contention.ThreadGovernor(2, cores=2)
+        clock[0] = contention.ADAPT_MAX_S + 5.0  # idle since the first reading
+        assert gov.check() == 2 and gov.changes == 0 and shares == [1.0]  # not read: a new window started
+        clock[0] += contention.ADAPT_MIN_S
+        assert gov.check() == 1 and shares == []  # the new window's reading acts
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_a_reading_younger_than_the_interval_changes_nothing(monkeypatch):
     gov = contention.ThreadGovernor(2, cores=2)
     monkeypatch.setattr(contention, "others_share", lambda *a: pytest.fail("read too soon"))

@@ -82,6 +82,11 @@ def quiet_now(seconds: float = 0.3) -> bool | None:
 
 
 ADAPT_MIN_S = 0.25  # seconds between ThreadGovernor's readings (a decode step of SmolLM2 takes ~6 ms)
+# A reading older than this spans an idle gap (between two requests): what other processes ran then says
+# little of now, and ThreadGovernor.check starts a fresh one instead of acting on it. Judged on the gap, a
+# gpt-oss-shaped 32-token prompt that followed llama.cpp's 5 s prompt in another process ran on one thread
+# (0.51 s against 0.29-0.30 on two; 2 Sapphire Rapids cores, 2026-11-29): llama.cpp had left by then.
+ADAPT_MAX_S = 2.0
 
 
 class ThreadGovernor:
@@ -93,7 +98,8 @@ class ThreadGovernor:
     on 2 threads, 114.2 and 109.2 on 1 (OMP_WAIT_POLICY=PASSIVE: 54.9 alone, 102.2 beside it). At
     most every ADAPT_MIN_S seconds `check` reads how many cores the other processes took since the
     last reading (`others_share` x cores) and gives the team max(1, cores - round(that)) threads, no
-    more than the plan's. It acts only where this process may run on every core (an affinity mask of
+    more than the plan's; a reading older than ADAPT_MAX_S (an idle gap between requests) is not acted on,
+    a fresh one is started. It acts only where this process may run on every core (an affinity mask of
     fewer would count neighbours on cores it never uses) and /proc/stat is readable.
 
     Args:
@@ -111,9 +117,10 @@ class ThreadGovernor:
     def check(self) -> int:
         """Resize torch's CPU team (torch.set_num_threads) to this moment's free cores when the last
         reading is ADAPT_MIN_S old; returns the team's threads."""
-        if time.monotonic() - self._reading[2] < ADAPT_MIN_S:
+        age = time.monotonic() - self._reading[2]
+        if age < ADAPT_MIN_S:
             return self.current
-        share = others_share(*self._reading)
+        share = others_share(*self._reading) if age <= ADAPT_MAX_S else None  # older: an idle gap's (ADAPT_MAX_S)
         self._reading = start()
         if share is None:
             return self.current
