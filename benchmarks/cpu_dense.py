@@ -157,13 +157,15 @@ class TieredEngine:
         self.llm = LLM(MODEL, config=cfg)
 
     def extra(self) -> dict:
-        """The config, weight bytes, load time, and the plan: its dtypes, summary and predicted decode
-        tok/s (None for a rules plan, which predicts nothing)."""
+        """The config, weight bytes, load time, and the plan: its dtypes, summary, predicted decode
+        tok/s and TTFT at its prompt_tokens (None for a rules plan, which predicts nothing)."""
         plan = self.llm.plan
         return {"engine_config": self.config_repr, "weight_bytes": self.llm.weight_bytes,
                 "decode_weight_bytes": self.llm.decode_weight_bytes, "internal_load_s": self.llm.load_s,
                 "plan_dtypes": dict(plan.dtypes), "plan_summary": plan.summary(),
-                "predicted_decode_tokens_per_s": plan.predicted_decode_tokens_per_s if plan.source != "rules" else None}
+                "predicted_decode_tokens_per_s": plan.predicted_decode_tokens_per_s if plan.source != "rules" else None,
+                "predicted_ttft": ({"tokens": plan.prompt_tokens, "s": plan.predicted_ttft_s}
+                                   if plan.source != "rules" and plan.predicted_ttft_s else None)}
 
     def decode_bytes_per_token(self) -> dict:
         """Bytes of weights one decode step reads, walking the modules the decode path uses."""
@@ -726,6 +728,10 @@ def build_report(res: dict) -> str:
         if r.get("predicted_decode_tokens_per_s"):
             other.append(f"plan's predicted decode {r['predicted_decode_tokens_per_s']:.1f} tok/s (measured "
                          f"{d['median_tokens_per_s']:.1f})")
+        pt = r.get("predicted_ttft")
+        if pt and str(pt["tokens"]) in r["prefill"]:  # the plan's TTFT is priced at its prompt_tokens
+            other.append(f"plan's predicted TTFT at {pt['tokens']} tokens {pt['s'] * 1e3:.0f} ms (measured "
+                         f"{r['prefill'][str(pt['tokens'])]['median_s'] * 1e3:.0f})")
         if r.get("plan_dtypes"):
             other.append("plan dtypes " + ", ".join(f"{k} {v}" for k, v in r["plan_dtypes"].items()))
         if r.get("others_cpu_cores_during_load") is not None:

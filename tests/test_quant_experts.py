@@ -433,3 +433,28 @@ def test_f16_gguf_experts_run_as_bf16_on_the_cpus_default_engine(tmp_path):
     exact = LLM(path, EngineConfig(max_context=32, accelerator="none", dtype="float32", decode_weights="fp32"))
     assert exact.plan.dtypes["experts"] == "fp32" and max_rel_err(exact.logits(ids), ref) < 1e-4
     exact.close()
+
+
+@pytest.mark.skipif(not __import__("tiered").kernels.available(), reason="native extension unavailable")
+def test_int4_projections_past_the_kernel_rows_dequantize_in_the_isas_gemm_dtype(monkeypatch):
+    """A tiled int4 expert projection of more rows than its kernel takes (quant/experts.NATIVE_ROWS in one
+    call; ExpertFormat.forward groups rows up to GROUPED_ROWS["int4"]) is dequantized once for one GEMM in
+    quant/int4.dequantize_dtype(): bf16 where the kernels' ISA is AVX-512 (oneDNN's bf16 GEMM, as a one-copy
+    int4 weight's prompt and an mxfp4 projection take), fp32 for fp32 activations elsewhere (exact)."""
+    import torch.nn.functional as F
+
+    from tiered import kernels as kmod
+    from tiered.quant import experts as ex
+    from tiered.quant.int4 import quantize_int4
+
+    N, K = 48, 96
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(3)) * 0.05
+    v = ex.int4_segments(*quantize_int4(w), "tiled")
+    wq = ex.dequantize_projection(v, "int4", N, K, "tiled")  # fp32 [N, K]
+    x = torch.randn(40, K, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(kmod, "isa", lambda: "avx512")
+    assert torch.equal(ex.project(x, v, "int4", "tiled"), F.linear(x.bfloat16(), wq.bfloat16()).float())
+    monkeypatch.setattr(kmod, "isa", lambda: "avx2")
+    assert torch.equal(ex.project(x, v, "int4", "tiled"), F.linear(x, wq))
+    within = ex.project(x[:ex.NATIVE_ROWS], v, "int4", "tiled")  # the kernel (bf16 activations) either way
+    assert (within - F.linear(x[:ex.NATIVE_ROWS], wq)).abs().max() < 2e-2 * F.linear(x, wq).abs().max()

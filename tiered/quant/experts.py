@@ -633,10 +633,10 @@ def _int4_rows(v: dict[str, torch.Tensor]) -> int:
 def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor], act: str,
                 e2m1: bool = False) -> torch.Tensor:
     """x [n, K] @ W^T for a tiled int4 projection: the native kernel (on `act` activations) up to NATIVE_ROWS rows
-    (an mxfp4 one up to mxfp4_kernel_rows(), in one call), else the
-    weight dequantized once (native, or in torch without the extension; exact, in fp32 for fp32 x; an
-    mxfp4 one in quant/int4.dequantize_dtype(): bf16 on AVX-512) and one matmul (prefill-sized n: the
-    conversion is paid once for all n rows) -> [n, N] in x's dtype.
+    (an mxfp4 one up to mxfp4_kernel_rows(), in one call), else the weight dequantized once (native, or in
+    torch without the extension) in quant/int4.dequantize_dtype() (bf16 on AVX-512, where oneDNN's bf16 GEMM
+    is 3-4x its fp32 one; else fp32, exact for fp32 x) and one matmul (prefill-sized n: the conversion is
+    paid once for all n rows) -> [n, N] in x's dtype; without the extension, fp32 for fp32 x.
     e2m1: an mxfp4 projection (its codes through the e2m1 table, no residual; int8 activations)."""
     from tiered.kernels import load
     from tiered.kernels.linear import tiled_dequantize
@@ -646,8 +646,11 @@ def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor], a
     zr = v.get("zr")
     if ext is not None and x.shape[0] <= (mxfp4_kernel_rows() if e2m1 else NATIVE_ROWS):
         return ext.int4_tiled_kernel(v["gw"], None, zr, None, act, e2m1=e2m1)(x).to(x.dtype)
-    # fp32 x keeps an fp32 GEMM, but for an mxfp4 weight where the kernels' ISA GEMMs faster in bf16
-    fp32 = x.dtype == torch.float32 and (not e2m1 or ext is None or dequantize_dtype() == torch.float32)
+    # fp32 x keeps an fp32 GEMM, but where the kernels' ISA GEMMs faster in bf16 (as a one-copy int4 weight's
+    # prompt does: Int4Linear.dense). A Mixtral-width int4 expert projection (14336 x 4096) on 2 Sapphire
+    # Rapids cores (AMX), fastest of 5, ms at 128 / 256 / 512 rows: fp32 dequantize + GEMM 82 / 129 / 212,
+    # bf16 26 / 33 / 52, the q8 kernel in one call 27 / 54 / 105 (2026-11-29; mxfp4: MXFP4_KERNEL_ROWS' note)
+    fp32 = x.dtype == torch.float32 and (ext is None or dequantize_dtype() == torch.float32)
     if ext is not None:
         w = tiled_dequantize(v["gw"], None, zr, fp32, e2m1=e2m1)  # a reused buffer: no fresh pages per call
     else:
