@@ -1189,7 +1189,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # each of SmolLM2's prompt GEMMs 1.75 ms where they take 0.07-0.5 (a 512-token bf16 TTFT 0.47 s for 0.21);
 # gemm/cpu/int4 with the kernels is timed where a prompt dequantizes (int4_gemm_shapes; meta["int4_dequantize_rows"]).
 # 23: decode_rows/cpu/int4q8, int4 rows on int8 activations (a server's batched steps, Plan.batch_act "q8"), which
-# had been priced at the bf16 rows' slope: 3.4x too slow a row on 2 AMX cores (an 8-sequence SmolLM2 step 43%).
+# had been priced at the bf16 rows' slope: 3.4x too slow a row on 2 AMX cores (an 8-sequence SmolLM2 step 43%);
+# runtime/prefill_code/<dtype>, a prompt's layer code beyond its GEMMs and attention (SmolLM2's bf16 TTFT 36% fast).
 PROFILER_VERSION = 23
 
 

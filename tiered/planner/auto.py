@@ -330,11 +330,8 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     plan.native_decode = plan.cpu_decode_step and kernels.available()
     # int4 decode copies (CPU-only) in the layout of tiered's own kernels when they are built
     plan.int4_layout = "tiled" if kernels.available() else "cpu"
-    plan.batch_act = batch_activations(ec, cfg)
-    # routed int4 experts at batch 1: int8 activations, half the multiply-adds (an OLMoE-width int4
-    # expert from cache on 2 Zen 4 cores: 91-96 GB/s on int8 x against 45 on bf16 x with AVX-512, 71
-    # against 31-50 on int16 x with AVX2)
-    plan.expert_act = expert_activations(ec)
+    # int4 activations (Plan.batch_act, Plan.expert_act): made with the plan (make_plan's arguments, or the
+    # rules' in _auto_or_rules), so that the plan prices what it decides
     plan.pinned = pinned_memory(ec, plan)
     plan.device_issue = "worker" if ec.device_issue == "worker" else "thread"
     # short prompts run as rows of the native decode step, beside the running sequences (dense
@@ -374,7 +371,9 @@ def batch_activations(ec, cfg: ModelConfig) -> str:
 
 
 def expert_activations(ec) -> str:
-    """Plan.expert_act for EngineConfig.expert_activations: "auto" is int8 ("q8")."""
+    """Plan.expert_act for EngineConfig.expert_activations: "auto" is int8 ("q8"): routed int4 experts at
+    batch 1 on half the multiply-adds (an OLMoE-width int4 expert from cache on 2 Zen 4 cores: 91-96 GB/s
+    on int8 x against 45 on bf16 x with AVX-512, 71 against 31-50 on int16 x with AVX2)."""
     return "q8" if ec.expert_activations == "auto" else ec.expert_activations
 
 
@@ -466,6 +465,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                           decode_precision=decode_precision if decode_format != "none" else None)
         plan.dtypes["decode"], plan.dense_copies = decode_format, dense_copies
         plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
+        plan.batch_act, plan.expert_act = batch_activations(ec, cfg), expert_activations(ec)
         # its decode steps as CUDA graphs, as make_plan settles an auto plan's (a model wholly on
         # the GPU as one graph, an offloading plan with attention on the GPU piecewise)
         return settle_gpu_decode(plan, cfg, graphs_allowed(ec, accelerator)), None, None
