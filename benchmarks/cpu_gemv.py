@@ -8,7 +8,7 @@ ours: `bf16_kernel`, `int8_kernel`, `int4_kernel` on bf16 activations (format in
 activations (format int4q8, act="q8")). Each timed sweep calls the next of `n`
 distinct copies of the weight so that a sweep reads more than the last-level cache (DRAM figures, not
 cache hits). GB/s = weight bytes / time; bandwidth is measured in the same run
-(cpu_experts.bandwidth_gbps).
+(cpu_experts.Bandwidth, median of `repeats` readings).
 
 Usage:
     .venv/bin/python benchmarks/cpu_gemv.py [--batches 1 4 8] [--repeats 5]
@@ -28,7 +28,7 @@ if str(HERE.parent) not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.cpu_experts import bandwidth_gbps  # noqa: E402
+from benchmarks.cpu_experts import Bandwidth  # noqa: E402
 from tiered.bench import Column, median, write_report  # noqa: E402
 from tiered.kernels import load  # noqa: E402
 from tiered.kernels.linear import int4_kernel, int4_tiled_kernel, plain_codes, tiled_codes, tiled_scales  # noqa: E402
@@ -88,7 +88,9 @@ def main(argv=None) -> int:
     if ext is None:
         print("native extension unavailable: nothing to compare")
         return 1
-    bw = bandwidth_gbps(1 << 30, args.repeats)
+    reading = Bandwidth(1 << 30)
+    bw = median([reading() for _ in range(args.repeats)])
+    del reading
     print(f"memory bandwidth (torch sum, 1 GiB, {torch.get_num_threads()} threads): {bw:.1f} GB/s; "
           f"ISA {ext.gemv_isa()} ({ext.cpu_isa()})")
     rows = []
