@@ -408,11 +408,41 @@ def test_int8_weights_of_any_width(K):
     torch.manual_seed(K)
     m = Int8Linear.from_dense(torch.randn(40, K))
     wq = m.q.float() * m.scale.float()[:, None]
-    for rows in (1, 9):
+    for rows in (1, 9, 48):  # 48: the bf16 GEMM over the codes where the ISA GEMMs bf16 (Int8Linear.DEQUANTIZE_ROWS)
         x = torch.randn(rows, K)
         ref = x @ wq.T
         for got in (m(x), Kernel(m)(x), project(x, {"q": m.q, "scale": m.scale}, "int8", "cpu")):
             assert float((got.float() - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+def test_int8_prompt_rows_take_one_bf16_gemm_over_the_codes(monkeypatch):
+    """Int8Linear from DEQUANTIZE_ROWS rows, where the native kernels' ISA GEMMs in bf16: the codes converted
+    to bf16 (exact) for oneDNN's GEMM, then the row scales: the same bits in one chunk or several
+    (quant/int4.DEQUANTIZE_CHUNK), as close to the exact product as _weight_int8pack_mm (both round x to
+    bf16), which fewer rows, and every row count where the ISA GEMMs in fp32, still take."""
+    from tiered.quant import int4, int8
+    from tiered.quant.int8 import DEQUANTIZE_ROWS, Int8Linear, int8pack_mm
+
+    g = torch.Generator().manual_seed(5)
+    m = Int8Linear.from_dense(torch.randn(96, 160, generator=g), bias=torch.randn(96, generator=g))
+    wq = m.q.double() * m.scale.double()[:, None]
+    x = torch.randn(DEQUANTIZE_ROWS + 8, 160, generator=g)
+    exact = x.double() @ wq.T + m.bias.double()
+    packed = int8pack_mm(x.bfloat16(), m.q, m.scale).float() + m.bias
+    calls = []
+    monkeypatch.setattr(int8, "int8pack_mm", lambda *a: calls.append(a[0].shape[0]) or int8pack_mm(*a))
+    monkeypatch.setattr(int4, "dequantize_dtype", lambda: torch.bfloat16)
+    one = m(x)
+    want = (torch.nn.functional.linear(x.bfloat16(), m.q.bfloat16()).float() * m.scale.float() + m.bias)
+    assert calls == [] and torch.equal(one, want)
+    monkeypatch.setattr(int4, "DEQUANTIZE_CHUNK", 32 * 160)  # 2 rows of 16-row tiles a chunk: 3 GEMMs
+    assert torch.equal(m(x), one)
+    rel = lambda y: float((y.double() - exact).norm() / exact.norm())
+    assert rel(one) < 1.5 * rel(packed) + 1e-6 and rel(one) < 5e-3
+    m(x[:DEQUANTIZE_ROWS - 1])
+    assert calls == [DEQUANTIZE_ROWS - 1]  # fewer rows: torch's int8 kernel
+    monkeypatch.setattr(int4, "dequantize_dtype", lambda: torch.float32)
+    assert torch.equal(m(x), packed) and calls[-1] == x.shape[0]
 
 
 def test_f16_gguf_experts_run_as_bf16_on_the_cpus_default_engine(tmp_path):

@@ -200,6 +200,13 @@ def tiled_dequantize(codes: torch.Tensor, sz: torch.Tensor | None, residual: tor
     return ext.int4_tiled_dequantize(codes, sz, residual, n0, n1, fp32, _scratch_view(n1 - n0, K, dtype), e2m1=e2m1)
 
 
+def bf16_rows(w: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
+    """Rows [n0, n1) of w [N, K] (int8 codes: exact in bf16, whose 8 significant bits hold any |q| <= 256)
+    converted to bf16 [n1 - n0, K] in this thread's reused buffer, valid until the next call on the
+    thread (as `tiled_dequantize`'s)."""
+    return _scratch_view(n1 - n0, w.shape[1], torch.bfloat16).copy_(w[n0:n1])
+
+
 def _scratch_view(N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
     """[N, K] of this thread's reused `dtype` buffer (grown as needed)."""
     buf = getattr(_scratch, str(dtype), None)

@@ -86,8 +86,11 @@ GROUPED_ROWS = {"int4": 128, "int8": 1 << 30, "int8-g32": 1 << 30, "bf16": 32, "
 # dequantized to bf16 for oneDNN's GEMM (quant/int4.dequantize_dtype, as a one-copy int4 weight's prompt):
 # the same 2880 x 2912 projection on 2 Sapphire Rapids cores (AMX), 2026-11-29, ms at 32 / 64 / 128 / 512 rows
 # (fastest of 5), the kernel 4.1 / 8.4 / 17.8 / 69 against bf16 dequantize + GEMM 5.3 / 8.2 / 8.0 / 16.2 (fp32:
-# 10.4 / 13.7 / 21.3 / 64). Zen 4 (AVX512_BF16 without AMX) put one-copy int4's crossing at 96 rows.
-MXFP4_KERNEL_ROWS = {"avx512": 64}
+# 10.4 / 13.7 / 21.3 / 64). Zen 4 (AVX512_BF16 without AMX) put one-copy int4's crossing at 96 rows. Since the
+# kernel's AVX-512 form (2026-11-29, until then MXFP4 ran its AVX2 kernel there), ms at 32 / 64 / 128 / 256 rows
+# (medians of 5 over 8 copies): the kernel 1.25 / 2.58 / 4.92 / 9.67 (AVX2 form 2.5 / 4.8 / 9.6 / 19.7), bf16
+# dequantize + GEMM 2.9 / 3.2 / 3.7 / 4.9: crossing near 90 rows.
+MXFP4_KERNEL_ROWS = {"avx512": 96}
 
 
 def mxfp4_kernel_rows() -> int:

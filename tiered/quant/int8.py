@@ -14,6 +14,14 @@ from torch import nn
 from tiered.kernels.linear import NativeLinear
 
 NATIVE_ROWS = 4  # rows up to which forward uses tiered's own int8 GEMV (faster than torch's there: cpu_gemv.md)
+# Rows from which forward multiplies the codes converted to bf16 (exact) in one oneDNN GEMM, then the row scales,
+# where the native kernels' ISA GEMMs in bf16 (quant/int4.dequantize_dtype: AVX-512 BF16), instead of
+# _weight_int8pack_mm, whose cost grows ~linearly with the rows. A gpt-oss-20b q/k/v weight (5120 x 2880) on 2
+# Sapphire Rapids cores (AMX), ms at 8 / 16 / 32 / 64 / 128 / 512 rows: int8pack 2.9 / 4.7 / 8.1 / 14.3 / 26.6
+# / 107, bf16 codes + GEMM 4.2 / 4.1 / 4.4 / 4.4 / 5.9 / 14.4 (2026-11-29), the same relative error to the
+# exact product (1.7e-3: both round x to bf16). 32, not the measured 16: a CPU with AVX512_BF16 but no AMX
+# (Zen 4) GEMMs bf16 several times slower.
+DEQUANTIZE_ROWS = 32
 INT8PACK_K = 16  # torch's CPU `_weight_int8pack_mm` needs K % 16 == 0: other widths crash or are wrong
 
 
@@ -65,9 +73,25 @@ class Int8Linear(nn.Module):
             if k:  # ours reads fp32 activations; bias added inside
                 return k(x.reshape(-1, self.in_features)).to(x.dtype).reshape(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        y = int8pack_mm(x2, self.q, self.scale)
+        if self._bf16_gemm(x2):
+            from tiered.kernels.linear import bf16_rows
+            from tiered.quant.int4 import gemm_by_row_chunks
+
+            y = gemm_by_row_chunks(x2, self.out_features, lambda n0, n1: bf16_rows(self.q, n0, n1), None)
+            y = y.float() * self.scale.float()
+        else:
+            y = int8pack_mm(x2, self.q, self.scale)
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _bf16_gemm(self, x2: torch.Tensor) -> bool:
+        """Whether a call of x2 [M, K] (bf16) takes the bf16 GEMM over the codes (DEQUANTIZE_ROWS): a CPU
+        prompt's rows where the native kernels' ISA GEMMs in bf16."""
+        if x2.device.type != "cpu" or x2.shape[0] < DEQUANTIZE_ROWS:
+            return False
+        from tiered.quant.int4 import dequantize_dtype
+
+        return dequantize_dtype() == torch.bfloat16
 
 
 def quantize_int8_g32(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1402,11 +1402,18 @@ TIERED_AVX512_VBMI void int4t_avx512(const Int4W& w, const Act& a, int64_t b0, i
 // where used and the next tile's prefetched, with no per-tile block of scales: a kernel that filled
 // one for calls of 5+ rows spent most of its time in that pass (at 8 rows, 768 x 2048: ~100 us
 // against ~60-85 reading them in the loop), and with the scales inline it waited on lines 320 B apart.
-template <int NB>
+// MXFP4 (E2M1): each nibble vector through kE2m1U (one vpshufb, the table in every 128-bit lane), u in
+// [0, 24] still vpdpbusd's unsigned operand (4 products of at most 24 * 127 a lane: int32 holds a group
+// exactly), the dot centred on 12 instead of 8. Until 2026-11-30 MXFP4 ran int4tq8s_avx2 here: on 2 Sapphire
+// Rapids cores a gpt-oss-20b expert projection (2880 x 2880) at 16 rows took ~1.6 ms, ~12 ps a
+// multiply-add where int4 codes on this kernel took 3.4.
+template <int NB, bool E2M1 = false>
 TIERED_AVX512 void int4tq8s_avx512(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
                                    int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
   const __m512i m4 = _mm512_set1_epi8(15);
+  constexpr int32_t kCentre = E2M1 ? 12 : 8;
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1U)));
   constexpr int C = NB <= 2 ? 2 : 1;  // chains per nibble half and row
   const Q8Rows<NB> x(a, b0);
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
@@ -1422,7 +1429,8 @@ TIERED_AVX512 void int4tq8s_avx512(const Int4W& w, const Act& a, int64_t b0, int
         for (int c = 0; c < 2 * C; ++c) t[j][c] = _mm512_setzero_si512();
       for (int c4 = 0; c4 < 4; ++c4) {
         const __m512i d = _mm512_loadu_si512(chunk + 64 * c4);
-        const __m512i ql = _mm512_and_si512(d, m4), qh = _mm512_and_si512(_mm512_srli_epi16(d, 4), m4);
+        __m512i ql = _mm512_and_si512(d, m4), qh = _mm512_and_si512(_mm512_srli_epi16(d, 4), m4);
+        if constexpr (E2M1) ql = _mm512_shuffle_epi8(lut, ql), qh = _mm512_shuffle_epi8(lut, qh);
         const int c = c4 % C;
         for (int j = 0; j < NB; ++j) {
           int32_t x0, x1;
@@ -1436,7 +1444,7 @@ TIERED_AVX512 void int4tq8s_avx512(const Int4W& w, const Act& a, int64_t b0, int
       for (int j = 0; j < NB; ++j) {
         __m512i ti = _mm512_add_epi32(t[j][0], t[j][1]);
         for (int c = 2; c < 2 * C; ++c) ti = _mm512_add_epi32(ti, t[j][c]);
-        ti = _mm512_sub_epi32(ti, _mm512_set1_epi32(8 * x.xqs[j][g]));
+        ti = _mm512_sub_epi32(ti, _mm512_set1_epi32(kCentre * x.xqs[j][g]));
         acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ti), _mm512_mul_ps(sv, _mm512_set1_ps(x.dx[j][g])), acc[j]);
         corr[j] = _mm512_fmadd_ps(zv, _mm512_set1_ps(x.xs[j][g]), corr[j]);
       }
@@ -1480,17 +1488,19 @@ TIERED_AVX2 inline void tiled_group_codes(const uint8_t* tile, int64_t gstride, 
   c1 = _mm_unpackhi_epi32(lo, hi);  // columns 16..31
 }
 
+template <bool E2M1>
 TIERED_AVX512 void int4t_dequant_avx512(const Int4Block& blk, const uint8_t* tile, int64_t gstride, int64_t K, float* of,
                                         uint16_t* ob, int64_t ldo) {
   const int64_t G = K / kGroup;
-  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), centre = _mm512_set1_epi32(E2M1 ? 12 : 0);
   for (int64_t r = 0; r < kBlock; ++r)
     for (int64_t g = 0; g < G; ++g) {
       __m128i c[2];
-      tiled_group_codes<false>(tile, gstride, r, g, c[0], c[1]);
+      tiled_group_codes<E2M1>(tile, gstride, r, g, c[0], c[1]);
       const __m512 s = _mm512_set1_ps(blk.sc[g * kBlock + r]), z = _mm512_set1_ps(blk.zc[g * kBlock + r]);
       for (int h = 0; h < 2; ++h) {
-        const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c[h])), s), z);
+        const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(c[h]), centre);
+        const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), s), z);
         const int64_t at = r * ldo + g * kGroup + 16 * h;
         if (of) {
           _mm512_storeu_ps(of + at, v);
@@ -1549,11 +1559,12 @@ void int4t_dequantize(const Int4W& w, int64_t K, int64_t n0, int64_t n1, float* 
       const int64_t at = (t * kBlock - n0) * K;
       float* o32 = of ? of + at : nullptr;
       uint16_t* o16 = of ? nullptr : ob + at;
-      if (w.e2m1) {  // the AVX2 form on AVX-512 machines too (see Int4TGemv::rows)
-        if (isa >= kAvx2) int4t_dequant_avx2<true>(blk, tile, w.gstride, K, o32, o16, K);
+      if (w.e2m1) {
+        if (isa == kAvx512) int4t_dequant_avx512<true>(blk, tile, w.gstride, K, o32, o16, K);
+        else if (isa == kAvx2) int4t_dequant_avx2<true>(blk, tile, w.gstride, K, o32, o16, K);
         else int4t_dequant_scalar<true>(blk, tile, w.gstride, K, o32, o16, K);
       } else {
-        if (isa == kAvx512) int4t_dequant_avx512(blk, tile, w.gstride, K, o32, o16, K);
+        if (isa == kAvx512) int4t_dequant_avx512<false>(blk, tile, w.gstride, K, o32, o16, K);
         else if (isa == kAvx2) int4t_dequant_avx2<false>(blk, tile, w.gstride, K, o32, o16, K);
         else int4t_dequant_scalar<false>(blk, tile, w.gstride, K, o32, o16, K);
       }
@@ -2028,10 +2039,10 @@ struct Int4TGemv : Int4Gemv {
       } else {
         TIERED_DISPATCH_NB(int4t_w16_avx2, w)
       }
-    } else if (a.B >= q8_from && w.e2m1) {  // MXFP4: q8_from is 1 (Int4W::e2m1). Its AVX2 kernels on
-      // AVX-512 machines too: an AVX-512 form (a vpshufb after int4tq8s_avx512's unpack) is not written
-      // until it can be checked on such a machine (the 2-core CI / dev hosts had AVX2 only when it was built)
-      if (isa >= kAvx2 && nb <= kQ8StreamRows) {
+    } else if (a.B >= q8_from && w.e2m1) {  // MXFP4: q8_from is 1 (Int4W::e2m1)
+      if (isa == kAvx512) {
+        TIERED_DISPATCH_NB(int4tq8s_avx512, w, true)
+      } else if (isa >= kAvx2 && nb <= kQ8StreamRows) {
         TIERED_DISPATCH_NB(int4tq8s_avx2, w, true)
       } else if (isa >= kAvx2) {
         int4tq8_avx2<true>(w, a, b0, nb, n0, n1, y, ldy);
