@@ -265,6 +265,51 @@ def test_one_copy_int4_prompts_are_priced_on_the_path_their_rows_take():
     assert ttft(older, 64) != ttft(hw, 64)
 
 
+def test_quantized_prompt_experts_are_priced_on_the_paths_their_rows_take():
+    """A CPU prompt's quantized experts run their native kernels (mxfp4: in one call up to the ISA's kernel
+    rows; int4: one call up to 8 rows, groups of 8 up to 128, gpt-oss's biased ones one call up to 8; int8-g32:
+    groups at any rows), past them a dequantized GEMM (gemm/cpu/int4), as quant/experts.prompt_rows says for
+    the profiled machine's kernel ISA (meta["kernel_isa"], else read off meta["int4_dequantize_rows"]). Priced
+    as fp32 GEMMs before, a gpt-oss-20b-width 512-token prompt's experts cost 5.0 s of a TTFT of 1.9."""
+    from tiered.hardware import op_time
+    from tiered.planner.cpu_predict import kernel_isa, predict_prefill, prompt_expert_time
+
+    stream, row, deq = 1 / 30e9, 4e-12, LinearModel(1e-3, 2e-12, 1.0)
+    m = {"gemv/cpu/int4q8": LinearModel(0.0, stream, 1.0), "decode_rows/cpu/int4q8": LinearModel(0.0, row, 1.0),
+         "gemv/cpu/int8-g32": LinearModel(0.0, stream, 1.0), "decode_rows/cpu/int8": LinearModel(0.0, row, 1.0),
+         "gemm/cpu/int4": deq, "gemm/cpu/fp32": LinearModel(0.0, 7e-12, 1.0)}
+    def box(**meta):
+        return HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True, **meta})
+    avx512, avx2 = box(kernel_isa="avx512"), box(kernel_isa="avx2")
+    assert (kernel_isa(box(int4_dequantize_rows=96)), kernel_isa(box(int4_dequantize_rows=256))) == ("avx512", "avx2")
+    assert kernel_isa(HardwareProfile("cpu-box", "test", m, None, None)) is None
+    wb, macs = 3 * 2880 * 2912 * 0.625, 3 * 2880 * 2912
+    kernel = lambda r, groups=1: groups * wb * stream + (r - groups) * row * macs  # noqa: E731
+    dequantized = lambda r: op_time.gemm_time(avx512, "cpu", "int4", r * macs, wb, calls=3)  # noqa: E731
+    for r in (1, 16, 96):
+        assert prompt_expert_time(avx512, "mxfp4", r, wb, macs) == pytest.approx(kernel(r))
+    assert prompt_expert_time(avx512, "mxfp4", 128, wb, macs) == pytest.approx(dequantized(128))
+    assert prompt_expert_time(avx2, "mxfp4", 128, wb, macs) == pytest.approx(kernel(128))  # AVX2: 512 rows
+    assert prompt_expert_time(avx512, "int4", 8, wb, macs, "q8") == pytest.approx(kernel(8))
+    assert prompt_expert_time(avx512, "int4", 20, wb, macs, "q8") == pytest.approx(kernel(20, 3))  # 3 groups
+    assert prompt_expert_time(avx512, "int4", 20, wb, macs, "q8", biased=True) == pytest.approx(dequantized(20))
+    assert prompt_expert_time(avx512, "int4", 200, wb, macs, "q8") == pytest.approx(dequantized(200))
+    assert prompt_expert_time(avx512, "int8-g32", 1000, wb, macs) == pytest.approx(kernel(1000, 125))
+    assert prompt_expert_time(avx512, "int4", 20, wb, macs, "bf16") is None  # no int4 (bf16 rows) keys
+    assert prompt_expert_time(HardwareProfile("cpu-box", "test", m, None, None), "mxfp4", 16, wb, macs) is None
+    # a Mixtral-width prompt of 64 tokens (16 rows an expert) with mxfp4 experts: the kernel's rows, not the
+    # dequantized GEMM nor the fp32 GEMM it was priced as; at 512 tokens (128 rows) the dequantized GEMM
+    ttft = lambda p, tokens: predict_prefill(MIXTRAL, p, "fp32", tokens, experts_format="mxfp4")  # noqa: E731
+    slow_deq = HardwareProfile("cpu-box", "test", {**m, "gemm/cpu/int4": LinearModel(1e-2, 2e-11, 1.0)}, None,
+                               None, meta=avx512.meta)
+    slow_rows = HardwareProfile("cpu-box", "test", {**m, "decode_rows/cpu/int4q8": LinearModel(0.0, 2 * row, 1.0)},
+                                None, None, meta=avx512.meta)
+    assert ttft(slow_deq, 64) == ttft(avx512, 64) < ttft(slow_rows, 64)
+    assert ttft(slow_rows, 512) == ttft(avx512, 512) < ttft(slow_deq, 512)
+    fp32 = HardwareProfile("cpu-box", "test", m, None, None)  # no kernels: the fp32 GEMMs
+    assert ttft(fp32, 64) > 1.3 * ttft(avx512, 64)
+
+
 def test_a_native_experts_rows_past_the_first_cost_the_profiled_slope():
     """expert_rows/cpu/bf16 (the native bf16 expert at 1-8 rows): a native expert of r rows costs one
     stream of its weights plus r - 1 rows at the key's slope (a 1024 x 3584 expert on 2 Zen 4 cores: 414

@@ -1191,7 +1191,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 23: decode_rows/cpu/int4q8, int4 rows on int8 activations (a server's batched steps, Plan.batch_act "q8"), which
 # had been priced at the bf16 rows' slope: 3.4x too slow a row on 2 AMX cores (an 8-sequence SmolLM2 step 43%);
 # runtime/prefill_code/<dtype>, a prompt's layer code beyond its GEMMs and attention (SmolLM2's bf16 TTFT 36% fast).
-PROFILER_VERSION = 23
+# 24: gemm/cpu/int8 times Int8Linear's prompt rows as they now run where the ISA GEMMs bf16 (one bf16 GEMM over
+# the codes, quant/int8.DEQUANTIZE_ROWS: 4.5x _weight_int8pack_mm's speed at 128 rows on 2 AMX cores), and
+# meta["kernel_isa"] names the paths a CPU expert's prompt rows take (cpu_predict.prompt_expert_time).
+PROFILER_VERSION = 24
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -1351,6 +1354,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     meta["kernel_tuning"] = kernels.tuning()  # ... tuned so (None without them)
     if meta["native_kernels"]:  # rows from which a one-copy int4 weight's prompt GEMM dequantizes (gemm/cpu/int4)
         meta["int4_dequantize_rows"] = dequantize_rows()
+        meta["kernel_isa"] = kernels.isa()  # the paths a CPU expert's prompt rows take (cpu_predict.prompt_expert_time)
     meta["disk_note"] = note
     meta["load_average"] = load_before
     meta.update(contention.record(neighbours, previous))

@@ -409,6 +409,55 @@ def native_expert_time(hw: HardwareProfile, dtype: str, rows: int, weight_bytes:
     return max(t, stream + key.beta * (rows - 1) * macs_per_row)
 
 
+def kernel_isa(hw: HardwareProfile) -> str | None:
+    """The native kernels' ISA ("avx512", "avx2", "scalar") where `hw` was measured: meta["kernel_isa"], else
+    read off meta["int4_dequantize_rows"] (quant/int4.DEQUANTIZE_ROWS by ISA; profiles before 2026-11-29);
+    None without the kernels or either."""
+    meta = hw.meta or {}
+    if not meta.get("native_kernels"):
+        return None
+    if meta.get("kernel_isa"):
+        return meta["kernel_isa"]
+    from tiered.quant.int4 import DEQUANTIZE_ROWS
+
+    return next((isa for isa, rows in DEQUANTIZE_ROWS.items() if rows == meta.get("int4_dequantize_rows")), None)
+
+
+def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes: float, macs_per_row: float,
+                       batch_act: str = "bf16", biased: bool = False, working_set: float = 0.0) -> float | None:
+    """Seconds of one CPU expert stored in quantized `kind` ("int4", "mxfp4", "int8-g32", ...: `weight_bytes`
+    in all, `macs_per_row` its three projections' multiply-adds a row) over `rows` rows of a prompt, by the
+    path the runtime takes there (quant/experts.prompt_rows, on the profiled machine's kernel_isa): the native
+    kernel in one call (its weights streamed once, each row past the first at decode_rows' slope, `_gemv`),
+    in groups of NATIVE_ROWS rows (the weights streamed once a group), or, past those rows, int4 and mxfp4
+    projections dequantized for one GEMM each (gemm/cpu/int4: hardware/profiler.int4_gemm_shapes times that
+    path). int4 rows read `batch_act` activations (Plan.batch_act), mxfp4 ones int8 always; `biased`: gpt-oss's
+    experts (ModelConfig.expert_bias), run projection by projection. None where the profile has no native
+    kernels or the path is none of these (a dense kind: native_expert_time / torch_gemm_time). Priced as fp32
+    GEMMs before, a gpt-oss-20b-width prompt's mxfp4 experts cost 5.0 s of a 512-token TTFT that took 1.9
+    (2 Sapphire Rapids cores, 2026-11-29)."""
+    import math
+
+    if not native_step(hw) or kind in ("bf16", "fp32", "fp16"):
+        return None
+    from tiered.quant.experts import GROUPED_ROWS, NATIVE_ROWS, prompt_rows
+
+    if kind not in GROUPED_ROWS:
+        return None
+    one, grouped = prompt_rows(kind, kernel_isa(hw), biased)
+    r = max(1, math.ceil(rows - 1e-9))
+    key = op_time.gemv_dtype(kind, batch_act) if kind != "mxfp4" else kind
+    if r <= one or r <= grouped:
+        if op_time.find(hw, "gemv", "cpu", key) is None:  # a profile without the kernel's stream
+            return None
+        calls = 1 if r <= one else math.ceil(r / NATIVE_ROWS)
+        stream = op_time.memory_time(hw, "cpu", key, weight_bytes / 3, "gemv", working_set, True) * 3
+        return calls * stream + (r - calls) * _row_time(hw, key, weight_bytes, macs_per_row)
+    if kind in ("int4", "mxfp4") and op_time.find(hw, "gemm", "cpu", "int4") is not None:
+        return op_time.gemm_time(hw, "cpu", "int4", r * macs_per_row, weight_bytes, calls=3)
+    return None
+
+
 def expert_native_rows(hw: HardwareProfile, dtype: str) -> int:
     """Rows up to which a CPU expert of `dtype` runs tiered's native kernel on the profiled machine, not
     torch's GEMMs (quant/experts.bf16_native_rows: the kernel tuning the profile recorded); 0 without
@@ -424,7 +473,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                     moe_layers: list[int] | None = None, disk_share: float = 0.0,
                     experts_dtype: str | None = None, act_dtype: str | None = None,
                     experts_format: str | None = None, read_ahead: bool = True, readers: int = 2,
-                    task_overhead: float | None = None) -> float:
+                    task_overhead: float | None = None, batch_act: str = "bf16") -> float:
     """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
 
     Per layer: the attention projections and each FFN / active expert as GEMMs of all their
@@ -447,7 +496,9 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     it once per call), whatever format the experts are stored in. `act_dtype`: the activations'
     dtype, which the attention runs in (None = `dtype`), priced by op_time.prefill_attention_time.
     `experts_format`: the experts' stored format (None = the experts' compute dtype): bf16 ones run
-    torch's GEMMs past their native rows (expert_native_rows), priced by torch_gemm_time.
+    torch's GEMMs past their native rows (expert_native_rows), priced by torch_gemm_time; quantized ones
+    their native kernels or dequantized GEMMs, as the runtime runs them (prompt_expert_time, int4 rows on
+    `batch_act` activations: Plan.batch_act), their reads from disk at their stored bytes.
     """
     import math
 
@@ -470,15 +521,21 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             return torch_gemm_time(hw, dt, macs, nbytes, calls)
         return op_time.gemm_time(hw, "cpu", dt, macs, nbytes, calls=calls)
     total = per_step + _gemv(hw, dtype, d * cfg.vocab_size * bpe)
+    moe_at = [cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
+              for i in range(cfg.num_hidden_layers)]
+    n_moe = sum(moe_at)
     for i in range(cfg.num_hidden_layers):
-        is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
+        is_moe = moe_at[i]
         # the layer's own code (norms, RoPE, SiLU, adds, module calls) over its tokens' widths; an MoE layer's
         # over its k routed copies of each token (the dispatch's gathers and weighted sums: its experts' SiLU
         # runs inside their kernels, priced with them) and any shared expert's intermediate rows. With k
         # intermediate rows instead, a 512-token prompt of the 8-layer Mixtral-width dummy, every expert in
         # RAM, was priced 0.250 s where it took 0.190 (2 AMX cores, 2026-11-29)
-        width = d + (cfg.num_experts_per_tok * d + cfg.shared_expert_intermediate_size if is_moe
-                     else cfg.intermediate_size)
+        # gpt-oss's biased experts (expert_bias) run their clamped GLU and bias columns in torch over each routed
+        # row's intermediate width too: ~0.35 s of a 4-layer gpt-oss-20b-width 512-token prompt's 1.85 (2 Sapphire
+        # Rapids cores, 2026-11-29)
+        routed = cfg.num_experts_per_tok * (d + cfg.moe_intermediate_size * cfg.expert_bias)
+        width = d + (routed + cfg.shared_expert_intermediate_size if is_moe else cfg.intermediate_size)
         code = op_time.prefill_code_time(hw, act_dtype or dtype, T * width)
         t = (per_layer if code is None else code) + gemm(dtype, T * w_attn, w_attn * bpe, 4, T > GEMM_ROWS)
         t += op_time.prefill_attention_time(hw, "cpu", act_dtype or dtype,
@@ -491,18 +548,24 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             active = min(E, max(k, math.ceil(E * (1 - (1 - k / E) ** T) - 1e-9)))
             s = max(1, math.ceil(T * k / active - 1e-9))
             edt = experts_dtype or dtype
-            eb = 3 * d * F * bpe
+            stored = experts_format or edt
+            eb = sizes.expert_bytes(cfg, stored) if experts_format else 3 * d * F * bpe
             t += op_time.gemm_time(hw, "cpu", dtype, T * d * E, d * E * bpe)  # router
             Fs = cfg.shared_expert_intermediate_size
             if Fs:  # the shared expert(s), a dense FFN every token runs
                 t += gemm(dtype, 3 * T * d * Fs, 3 * d * Fs * bpe, 3, T > GEMM_ROWS)
-            stored = experts_format or edt
             ebytes = 3 * d * F * op_time.bytes_per_element(edt)
+            quantized = None if stored == edt else prompt_expert_time(
+                hw, stored, s, eb, 3 * d * F, batch_act, cfg.expert_bias, active * eb * n_moe)
             if stored == edt and s <= expert_native_rows(hw, stored):  # tiered's native kernel
                 compute = native_expert_time(hw, edt, s, ebytes, 3 * d * F)
-            else:  # torch's GEMMs past the native rows (bf16), or a quantized format's own kernels
+            elif quantized is not None:  # a quantized format's own kernels, or dequantized GEMMs past them
+                compute = quantized
+            else:  # torch's GEMMs past the native rows (bf16), or a format without a priced path
                 compute = gemm(edt, 3 * s * d * F, ebytes, 3, stored == edt)
             t += experts_with_reads(hw, active, active * disk_share, eb, compute, read_ahead, readers, over,
                                     overlap=False)
+            if cfg.expert_bias:  # gpt-oss's experts run one by one, each a task of the executor (runtime/task)
+                t += active * over
         total += t
     return total

@@ -93,10 +93,25 @@ GROUPED_ROWS = {"int4": 128, "int8": 1 << 30, "int8-g32": 1 << 30, "bf16": 32, "
 MXFP4_KERNEL_ROWS = {"avx512": 96}
 
 
-def mxfp4_kernel_rows() -> int:
+def mxfp4_kernel_rows(isa: str | None = None) -> int:
     """Rows up to which an mxfp4 projection runs its native kernel in one call (q8 activations): GROUPED_ROWS's,
-    or MXFP4_KERNEL_ROWS's for the native kernels' ISA; more rows dequantize it for one GEMM."""
-    return MXFP4_KERNEL_ROWS.get(kernels.isa(), GROUPED_ROWS["mxfp4"])
+    or MXFP4_KERNEL_ROWS's for the native kernels' ISA (`isa`, None: this machine's); more rows dequantize it
+    for one GEMM."""
+    return MXFP4_KERNEL_ROWS.get(kernels.isa() if isa is None else isa, GROUPED_ROWS["mxfp4"])
+
+
+def prompt_rows(kind: str, isa: str | None, biased: bool = False) -> tuple[int, int]:
+    """(one_call, grouped): the rows up to which a CPU expert's `kind` projections run the native kernels in
+    one call, and up to which in groups of NATIVE_ROWS (each group a call, its weights read once a group; 0:
+    never); more rows dequantize each projection once for one GEMM. ExpertFormat.forward's choice (mxfp4:
+    `_tiled_int4`'s), for the planner's prompt prices (planner/cpu_predict.prompt_expert_time); `isa`: the
+    native kernels' on the priced machine. `biased`: gpt-oss's experts (swiglu_limit), whose projections
+    always run one by one (`project`: no groups)."""
+    if kind == "mxfp4":
+        return mxfp4_kernel_rows(isa), 0
+    if biased:  # `project`: int8 kinds' kernels at any rows, fp8's up to GROUPED_ROWS, tiled int4's up to NATIVE_ROWS
+        return (NATIVE_ROWS if kind == "int4" else GROUPED_ROWS[kind]), 0
+    return NATIVE_ROWS, GROUPED_ROWS[kind]
 
 
 def bf16_native_rows() -> int:
