@@ -450,8 +450,8 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
     if r <= one or r <= grouped:
         if op_time.find(hw, "gemv", "cpu", key) is None:  # a profile without the kernel's stream
             return None
-        calls = 1 if r <= one else math.ceil(r / NATIVE_ROWS)
-        stream = op_time.memory_time(hw, "cpu", key, weight_bytes / 3, "gemv", working_set, True) * 3
+        calls = 1 if r <= one else math.ceil(r / NATIVE_ROWS)  # each call streams the three projections
+        stream = _gemv(hw, key, weight_bytes, calls=3, working_set=working_set, expert=True)
         return calls * stream + (r - calls) * _row_time(hw, key, weight_bytes, macs_per_row)
     if kind in ("int4", "mxfp4") and op_time.find(hw, "gemm", "cpu", "int4") is not None:
         return op_time.gemm_time(hw, "cpu", "int4", r * macs_per_row, weight_bytes, calls=3)
@@ -524,6 +524,9 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     moe_at = [cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
               for i in range(cfg.num_hidden_layers)]
     n_moe = sum(moe_at)
+    # a routed expert's bytes as stored (what a miss reads from disk, what its kernels stream)
+    eb = (sizes.expert_bytes(cfg, experts_format) if experts_format else
+          3 * d * cfg.moe_intermediate_size * bpe) if n_moe else 0
     for i in range(cfg.num_hidden_layers):
         is_moe = moe_at[i]
         # the layer's own code (norms, RoPE, SiLU, adds, module calls) over its tokens' widths; an MoE layer's
@@ -549,7 +552,6 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             s = max(1, math.ceil(T * k / active - 1e-9))
             edt = experts_dtype or dtype
             stored = experts_format or edt
-            eb = sizes.expert_bytes(cfg, stored) if experts_format else 3 * d * F * bpe
             t += op_time.gemm_time(hw, "cpu", dtype, T * d * E, d * E * bpe)  # router
             Fs = cfg.shared_expert_intermediate_size
             if Fs:  # the shared expert(s), a dense FFN every token runs
