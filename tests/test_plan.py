@@ -310,6 +310,37 @@ def test_quantized_prompt_experts_are_priced_on_the_paths_their_rows_take():
     assert ttft(fp32, 64) > 1.3 * ttft(avx512, 64)
 
 
+def test_biased_prompt_experts_pay_torchs_glu_only_past_their_native_rows(monkeypatch):
+    """gpt-oss's experts (expert_bias) run their bias columns and clamped GLU inside the native calls up to
+    their one-call rows (ExpertFormat.biased_rows: mxfp4's kernel rows on AVX-512), so a prompt's layer code
+    is priced over each routed row's hidden width only and no per-expert hop; past those rows torch computes
+    the GLU over the intermediate width too, each expert a hop (cpu_predict.biased_native_rows)."""
+    import dataclasses
+
+    from tiered.hardware import op_time
+    from tiered.planner.cpu_predict import biased_native_rows, predict_prefill
+
+    m = {"gemv/cpu/int4q8": LinearModel(0.0, 1 / 30e9, 1.0), "decode_rows/cpu/int4q8": LinearModel(0.0, 4e-12, 1.0),
+         "gemm/cpu/int4": LinearModel(1e-3, 2e-12, 1.0), "gemm/cpu/fp32": LinearModel(0.0, 7e-12, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True, "kernel_isa": "avx512"})
+    gpt_oss = dataclasses.replace(MIXTRAL, expert_bias=True, swiglu_limit=7.0)
+    assert biased_native_rows(hw, "mxfp4") == 96 and biased_native_rows(hw, "int4") == 8
+    assert biased_native_rows(HardwareProfile("cpu-box", "test", m, None, None), "mxfp4") == 0  # no kernels
+    widths = []
+    real = op_time.prefill_code_time
+    monkeypatch.setattr(op_time, "prefill_code_time", lambda hw_, dt, n: widths.append(n) or real(hw_, dt, n))
+    d, F, k = gpt_oss.hidden_size, gpt_oss.moe_intermediate_size, gpt_oss.num_experts_per_tok
+    short = predict_prefill(gpt_oss, hw, "fp32", 64, experts_format="mxfp4")  # 16 rows an expert: native
+    assert set(widths) == {64 * (d + k * d)}
+    widths.clear()
+    long = predict_prefill(gpt_oss, hw, "fp32", 512, experts_format="mxfp4")  # 128 rows: torch's GLU
+    assert set(widths) == {512 * (d + k * (d + F))}
+    # each expert past its rows also pays a hop (task_overhead): a slower hop moves only the long prompt
+    monkeypatch.setattr(op_time, "task_overhead", lambda hw_: 0.1)
+    assert predict_prefill(gpt_oss, hw, "fp32", 64, experts_format="mxfp4") == short
+    assert predict_prefill(gpt_oss, hw, "fp32", 512, experts_format="mxfp4") > long + 0.1 * MIXTRAL.num_hidden_layers
+
+
 def test_a_native_experts_rows_past_the_first_cost_the_profiled_slope():
     """expert_rows/cpu/bf16 (the native bf16 expert at 1-8 rows): a native expert of r rows costs one
     stream of its weights plus r - 1 rows at the key's slope (a 1024 x 3584 expert on 2 Zen 4 cores: 414

@@ -107,6 +107,73 @@ def test_expert_group_gives_each_experts_own_outputs(name, layout, act):
         fmt.forward_group(xs[:-1], slots, bounds)
 
 
+@pytest.mark.parametrize("name", ["mxfp4", "int4", "int8", "bf16"])
+def test_biased_experts_run_their_clamped_glu_inside_the_native_calls(name):
+    """gpt-oss's experts (swiglu_limit: a bias column on each projection's input, the clamped GLU between
+    them) run the native kernels with both inside: forward_group and forward up to the format's biased_rows
+    (mxfp4: the ISA's one-call kernel rows; tiled int4: 8; int8: any; bf16: its native rows) agree with
+    torch's projection-by-projection path (_biased_glu, models/gpt_oss.clamped_glu) to float rounding
+    (bf16: the activations rounded to bf16 in the kernel), the clamps acting; layer_call equals forward per
+    expert and index_add_ bit for bit; past biased_rows forward_group declines and forward is torch's path.
+    A biased format's spec without the GLU, or a SiLU one with it, is refused."""
+    from tiered.checkpoint.model_config import biased_width
+    from tiered.kernels import load
+
+    if load() is None:
+        pytest.skip("the native kernels are not built")
+    D = F = 64
+    Db, Fb = biased_width(D), biased_width(F)
+    fmt = ExpertFormat(name, ((F, Db), (F, Db), (D, Fb)), "tiled", swiglu_limit=1.0, swiglu_alpha=1.702)
+    g = torch.Generator().manual_seed(0)
+    slots = []
+    for _ in range(3):
+        ws = [0.3 * torch.randn(s, generator=g) for s in fmt.shapes]
+        if fmt.is_dense:
+            slots.append(tuple(w.bfloat16().contiguous() for w in ws))
+        else:
+            slots.append(fmt.empty())
+            fmt.quantize(ws, slots[-1])
+    limit = fmt.biased_rows
+    assert limit == {"mxfp4": fmt.group_rows, "int4": 8, "int8": 1 << 30, "bf16": fmt.native_rows}[name] >= 1
+    tol = 1e-2 if name == "bf16" else 1e-5
+    rows = [1, 0, min(limit, 40)]
+    bounds = [0, *torch.tensor(rows).cumsum(0).tolist()]
+    xs = 2 * torch.randn(bounds[-1], D, generator=g)
+    ys = fmt.forward_group(xs, slots, bounds)
+    assert ys.shape == xs.shape and ys.dtype == xs.dtype
+    for slot, a, b in zip(slots, bounds, bounds[1:]):
+        if b > a:
+            ref = fmt._biased_glu(xs[a:b], slot)
+            assert (ys[a:b] - ref).abs().max() <= tol * ref.abs().max(), (a, b)
+            assert torch.equal(fmt.forward(xs[a:b], slot), ys[a:b])
+    loose = dataclasses.replace(fmt, swiglu_limit=100.0)  # the clamps act on these inputs: unclamped differs
+    assert not torch.allclose(loose.forward_group(xs, slots, bounds), ys, rtol=0.05, atol=0)
+    # the layer call (a decode step's layer): bit for bit forward per expert, then index_add_ in expert order
+    x = torch.randn(3, D, generator=g)
+    idx = torch.tensor([[0, 2], [2, 1], [0, 1]])
+    wt = torch.rand(3, 2, generator=g)
+    out = fmt.layer_call(x, slots)(idx, wt, [0, 1, 2])
+    want = torch.zeros_like(x)
+    for e in range(3):
+        tok, j = (idx == e).nonzero(as_tuple=True)
+        want.index_add_(0, tok, fmt.forward(x[tok], slots[e]) * wt[tok, j, None])
+    assert torch.equal(out, want)
+    if limit < 1024:
+        n = limit + 1
+        x = torch.randn(n, D, generator=g)
+        assert fmt.forward_group(x, slots[:1], [0, n]) is None
+        assert torch.equal(fmt.forward(x, slots[0]), fmt._biased_glu(x, slots[0]))
+    if not fmt.is_dense:
+        codes = [s[0] for s in slots[:1]]
+        with pytest.raises(RuntimeError, match="need swiglu_limit"):
+            fmt.native.forward_group(codes, xs[:1], [0, 1])
+        silu = ExpertFormat(name, ((F, D), (F, D), (D, F)), "tiled")
+        slot = silu.empty()
+        silu.quantize([0.3 * torch.randn(s, generator=g) for s in silu.shapes], slot)
+        with pytest.raises(RuntimeError, match="clamped GLU is for"):
+            silu.native.forward_group([slot[0]], xs[:1], [0, 1], swiglu_limit=7.0)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("experts", ["int4", "bf16"])
 def test_cpu_moe_layer_runs_its_experts_in_one_call(tmp_path, monkeypatch, dtype, experts):
@@ -153,6 +220,37 @@ def test_cpu_moe_layer_runs_its_experts_in_one_call(tmp_path, monkeypatch, dtype
         assert torch.equal(llm.logits(PROMPT[:n]), one), n
         monkeypatch.undo()
     llm.close()
+
+
+def test_a_prompts_experts_past_the_group_rows_run_beside_the_group_call(tmp_path, monkeypatch):
+    """A CPU-only prompt layer whose experts are all in RAM (_all_on_fast) where some experts have more rows
+    than one native call takes (ExpertFormat.group_rows, made 2 here): the others still run in one call
+    and those each by `forward` on this thread, into the same rows: logits bit for bit those of one task
+    per expert, the group call taking fewer experts than the layer routes to."""
+    from moe_fixtures import make_moe_checkpoint
+
+    from tiered.kernels import load
+    from tiered.runtime import moe_runner
+
+    if load() is None:
+        pytest.skip("the native kernels are not built")
+    llm = LLM(make_moe_checkpoint("qwen3_moe", tmp_path / "m"),
+              EngineConfig(max_context=48, accelerator="none", expert_weights="int4"))
+    try:
+        monkeypatch.setattr(ExpertFormat, "group_rows", property(lambda self: 2))
+        grouped, alone = [], []
+        real_group, real_forward = ExpertFormat.forward_group, ExpertFormat.forward
+        monkeypatch.setattr(ExpertFormat, "forward_group", lambda self, xs, slots, bounds: grouped.append(
+            (len(slots), max(b - a for a, b in zip(bounds, bounds[1:])))) or real_group(self, xs, slots, bounds))
+        monkeypatch.setattr(ExpertFormat, "forward", lambda self, x, slot: alone.append(x.shape[0])
+                            or real_forward(self, x, slot))
+        logits = llm.logits(PROMPT)
+        layer = [rows for n, rows in grouped if n > 1]  # (forward's own calls take one slot)
+        assert layer and max(layer) <= 2 and alone and min(alone) > 2  # both sides of the split ran
+        monkeypatch.setattr(moe_runner.TieredExperts, "_all_on_fast", lambda *a, **k: None)
+        assert torch.equal(llm.logits(PROMPT), logits)
+    finally:
+        llm.close()
 
 
 def test_cpu_and_plain_int4_layouts_hold_the_same_weights():

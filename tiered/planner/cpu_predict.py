@@ -432,7 +432,7 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
     in groups of NATIVE_ROWS rows (the weights streamed once a group), or, past those rows, int4 and mxfp4
     projections dequantized for one GEMM each (gemm/cpu/int4: hardware/profiler.int4_gemm_shapes times that
     path). int4 rows read `batch_act` activations (Plan.batch_act), mxfp4 ones int8 always; `biased`: gpt-oss's
-    experts (ModelConfig.expert_bias), run projection by projection. None where the profile has no native
+    experts (ModelConfig.expert_bias), never in row groups. None where the profile has no native
     kernels or the path is none of these (a dense kind: native_expert_time / torch_gemm_time). Priced as fp32
     GEMMs before, a gpt-oss-20b-width prompt's mxfp4 experts cost 5.0 s of a 512-token TTFT that took 1.9
     (2 Sapphire Rapids cores, 2026-11-29)."""
@@ -456,6 +456,20 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
     if kind in ("int4", "mxfp4") and op_time.find(hw, "gemm", "cpu", "int4") is not None:
         return op_time.gemm_time(hw, "cpu", "int4", r * macs_per_row, weight_bytes, calls=3)
     return None
+
+
+def biased_native_rows(hw: HardwareProfile, stored: str) -> int:
+    """Rows up to which one of gpt-oss's biased experts stored as `stored` runs the native kernels with its
+    bias columns and clamped GLU inside on the profiled machine (quant/experts.ExpertFormat.biased_rows:
+    prompt_rows' one-call rows of its kind, bf16's expert_native_rows); past them (or 0: no kernels) torch
+    computes the GLU and the bias columns."""
+    if not native_step(hw):
+        return 0
+    if stored == "bf16":
+        return expert_native_rows(hw, "bf16")
+    from tiered.quant.experts import GROUPED_ROWS, prompt_rows
+
+    return prompt_rows(stored, kernel_isa(hw), True)[0] if stored in GROUPED_ROWS and stored != "fp32" else 0
 
 
 def expert_native_rows(hw: HardwareProfile, dtype: str) -> int:
@@ -527,6 +541,12 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     # a routed expert's bytes as stored (what a miss reads from disk, what its kernels stream)
     eb = (sizes.expert_bytes(cfg, experts_format) if experts_format else
           3 * d * cfg.moe_intermediate_size * bpe) if n_moe else 0
+    edt = experts_dtype or dtype
+    stored = experts_format or edt
+    # experts active in an MoE layer and rows each (T tokens routed top-k of E uniformly; a dense model: unused)
+    E_, k_ = max(cfg.num_experts, 1), max(cfg.num_experts_per_tok, 1)
+    active_experts = min(E_, max(k_, math.ceil(E_ * (1 - (1 - k_ / E_) ** T) - 1e-9)))
+    rows_per_expert = max(1, math.ceil(T * k_ / active_experts - 1e-9))
     for i in range(cfg.num_hidden_layers):
         is_moe = moe_at[i]
         # the layer's own code (norms, RoPE, SiLU, adds, module calls) over its tokens' widths; an MoE layer's
@@ -534,10 +554,12 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
         # runs inside their kernels, priced with them) and any shared expert's intermediate rows. With k
         # intermediate rows instead, a 512-token prompt of the 8-layer Mixtral-width dummy, every expert in
         # RAM, was priced 0.250 s where it took 0.190 (2 AMX cores, 2026-11-29)
-        # gpt-oss's biased experts (expert_bias) run their clamped GLU and bias columns in torch over each routed
-        # row's intermediate width too: ~0.35 s of a 4-layer gpt-oss-20b-width 512-token prompt's 1.85 (2 Sapphire
-        # Rapids cores, 2026-11-29)
-        routed = cfg.num_experts_per_tok * (d + cfg.moe_intermediate_size * cfg.expert_bias)
+        # gpt-oss's biased experts (expert_bias) past their native rows (biased_native_rows) run their clamped GLU
+        # and bias columns in torch over each routed row's intermediate width too: ~0.35 s of a 4-layer
+        # gpt-oss-20b-width 512-token prompt's 1.85 (2 Sapphire Rapids cores, 2026-11-29); within them the native
+        # call computes both inside the kernels
+        torch_glu = is_moe and cfg.expert_bias and rows_per_expert > biased_native_rows(hw, stored)
+        routed = cfg.num_experts_per_tok * (d + cfg.moe_intermediate_size * torch_glu)
         width = d + (routed + cfg.shared_expert_intermediate_size if is_moe else cfg.intermediate_size)
         code = op_time.prefill_code_time(hw, act_dtype or dtype, T * width)
         t = (per_layer if code is None else code) + gemm(dtype, T * w_attn, w_attn * bpe, 4, T > GEMM_ROWS)
@@ -547,11 +569,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             F = cfg.intermediate_size
             t += gemm(dtype, 3 * T * d * F, 3 * d * F * bpe, 3, T > GEMM_ROWS)
         else:
-            E, k, F = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-            active = min(E, max(k, math.ceil(E * (1 - (1 - k / E) ** T) - 1e-9)))
-            s = max(1, math.ceil(T * k / active - 1e-9))
-            edt = experts_dtype or dtype
-            stored = experts_format or edt
+            E, F = cfg.num_experts, cfg.moe_intermediate_size
+            active, s = active_experts, rows_per_expert
             t += op_time.gemm_time(hw, "cpu", dtype, T * d * E, d * E * bpe)  # router
             Fs = cfg.shared_expert_intermediate_size
             if Fs:  # the shared expert(s), a dense FFN every token runs
@@ -567,7 +586,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                 compute = gemm(edt, 3 * s * d * F, ebytes, 3, stored == edt)
             t += experts_with_reads(hw, active, active * disk_share, eb, compute, read_ahead, readers, over,
                                     overlap=False)
-            if cfg.expert_bias:  # gpt-oss's experts run one by one, each a task of the executor (runtime/task)
+            if torch_glu:  # past their native rows gpt-oss's experts run one by one, torch op by op
                 t += active * over
         total += t
     return total

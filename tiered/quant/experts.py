@@ -105,8 +105,9 @@ def prompt_rows(kind: str, isa: str | None, biased: bool = False) -> tuple[int, 
     one call, and up to which in groups of NATIVE_ROWS (each group a call, its weights read once a group; 0:
     never); more rows dequantize each projection once for one GEMM. ExpertFormat.forward's choice (mxfp4:
     `_tiled_int4`'s), for the planner's prompt prices (planner/cpu_predict.prompt_expert_time); `isa`: the
-    native kernels' on the priced machine. `biased`: gpt-oss's experts (swiglu_limit), whose projections
-    always run one by one (`project`: no groups)."""
+    native kernels' on the priced machine. `biased`: gpt-oss's experts (swiglu_limit), never in row groups:
+    up to one_call rows in one native call (ExpertFormat.biased_rows reads it from here), past them
+    projection by projection (`project`'s own rows)."""
     if kind == "mxfp4":
         return mxfp4_kernel_rows(isa), 0
     if biased:  # `project`: int8 kinds' kernels at any rows, fp8's up to GROUPED_ROWS, tiled int4's up to NATIVE_ROWS
@@ -254,8 +255,10 @@ class ExpertFormat:
             each projection's bias is its weight's input column D (F for down), zero columns after it
             up to a multiple of 32 (shapes (F, Db), (F, Db), (D, Fb): ModelConfig.expert_shapes),
             computed against the input with a 1 then zeros appended (models/gpt_oss.with_one), and
-            the activation is the clamped GLU (models/gpt_oss.clamped_glu). Such experts compute with
-            torch ops per projection (`project`), never the native fused SwiGLU kernels.
+            the activation is the clamped GLU (models/gpt_oss.clamped_glu). On the CPU such experts run
+            the native kernels with the bias columns and the clamped GLU inside (`forward_group`,
+            `layer_call`: up to `biased_rows` rows an expert, in one call); past that, or without the
+            kernels, torch ops per projection (`project`).
     mxfp4 projections (gpt-oss's MXFP4 as stored, quant/mxfp4.py) read int8 activations in every
     native call whatever `act` and `batch_act` say, and hold no zero residual (`exact_zeros` moot).
     Raises:
@@ -392,6 +395,29 @@ class ExpertFormat:
             return rows if rows > NATIVE_ROWS else 0
         return min(GROUPED_ROWS[k] for k in self.kinds)
 
+    @cached_property
+    def biased_rows(self) -> int:
+        """gpt-oss's experts (swiglu_limit set): rows up to which one expert's rows run the native kernels
+        in one call, bias columns and clamped GLU inside (`forward_group`): the fewest over its kinds of
+        the rows its projections keep their kernels for one by one (prompt_rows(kind, this machine's ISA,
+        biased): mxfp4's mxfp4_kernel_rows, tiled int4's NATIVE_ROWS, ...), bf16's `native_rows`; past
+        them each projection dequantizes for one GEMM (`project`). 0 for SiLU's experts."""
+        if self.swiglu_limit is None:
+            return 0
+        if self.is_dense:
+            return self.native_rows if self.dense_dtype == torch.bfloat16 else 0
+        return min(prompt_rows(k, None, True)[0] for k in self.kinds)
+
+    @property
+    def group_rows(self) -> int:
+        """Rows of one expert up to which `forward_group` computes it (more: None, call `forward`)."""
+        return self.biased_rows if self.swiglu_limit is not None else max(self.native_rows, self.grouped_rows)
+
+    @property
+    def _glu(self) -> dict:
+        """The native calls' clamped-GLU arguments: gpt-oss's swiglu_limit / swiglu_alpha, or none."""
+        return {} if self.swiglu_limit is None else dict(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
+
     def forward(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """SwiGLU expert from the stored form: x [n, D] -> [n, D] in x's dtype.
 
@@ -399,9 +425,12 @@ class ExpertFormat:
         native fused kernel when the extension is loaded (one call up to `native_rows` tokens, fp32
         between the projections; up to `grouped_rows` in groups of NATIVE_ROWS: `forward_group`);
         otherwise torch ops (tiled int4: the weight dequantized once per call, then bf16 matmuls).
+        gpt-oss's experts (swiglu_limit): the native kernels up to `biased_rows` (`forward_group`),
+        else torch ops per projection with the bias columns and the clamped GLU.
         """
         if self.swiglu_limit is not None:  # gpt-oss: biases as padded input columns, the clamped GLU
-            return self._biased_glu(x, slot)
+            y = self.forward_group(x, [slot], [0, x.shape[0]]) if x.device.type == "cpu" else None
+            return y if y is not None else self._biased_glu(x, slot)
         if x.device.type == "cpu":
             n = x.shape[0]
             y = (self._native_forward(x, slot) if n <= self.native_rows else
@@ -433,13 +462,10 @@ class ExpertFormat:
                         self.swiglu_alpha, self.swiglu_limit)
         return project(with_one(h, self.shapes[2][1]), vd, kd, lay, self.act)
 
-    def _native_ext(self, slots: list[tuple[torch.Tensor, ...]], glu: bool = False):
+    def _native_ext(self, slots: list[tuple[torch.Tensor, ...]]):
         """The native extension when its expert kernels can compute from these slots (a dense format:
-        bf16 and contiguous; a quantized one: a kernel for its kinds and layout; gpt-oss's biased
-        clamped-GLU experts only where the caller computes their GLU, `glu`: a native decode step's
-        layer, DecodeStep.set_moe's swiglu_limit), else None."""
-        if self.swiglu_limit is not None and not glu:
-            return None
+        bf16 and contiguous; a quantized one: a kernel for its kinds and layout), else None. gpt-oss's
+        biased experts pass their clamped GLU to the calls (`_glu`)."""
         if self.is_dense:
             ok = self.dense_dtype == torch.bfloat16 and all(w.is_contiguous() for s in slots for w in s)
         else:
@@ -460,23 +486,25 @@ class ExpertFormat:
         (CPU) -> ys [M, D] in xs's dtype, row m its expert's output: the same values as `forward` on
         each expert's rows. An expert with more than NATIVE_ROWS rows (a prompt's) runs as groups of
         NATIVE_ROWS rows, its weights read once a group (up to `grouped_rows` rows: see
-        GROUPED_ROWS). None when the native kernels cannot run it (no extension, no kernel for this
-        format, a non-contiguous bf16 weight) or an expert has more rows than that: call `forward`
-        per expert instead."""
+        GROUPED_ROWS); gpt-oss's experts (swiglu_limit) up to `biased_rows` rows, all in one call
+        with their bias columns and clamped GLU (the native one: the decode step's, not torch's
+        sigmoid bit for bit). None when the native kernels cannot run it (no extension, no kernel for
+        this format, a non-contiguous bf16 weight) or an expert has more than `group_rows` rows: call
+        `forward` per expert instead."""
         if xs.device.type != "cpu":
             return None
         most = max(b - a for a, b in zip(bounds, bounds[1:]))
-        if most > max(self.native_rows, self.grouped_rows):
+        if most > self.group_rows:
             return None
         ext = self._native_ext(slots)
         if ext is None:
             return None
-        if most > NATIVE_ROWS:  # groups of at most NATIVE_ROWS rows
+        if most > NATIVE_ROWS and self.swiglu_limit is None:  # groups of at most NATIVE_ROWS rows
             slots, bounds = _row_groups(slots, bounds)
         if self.is_dense:
-            ys = ext.bf16_experts_forward_group([w for s in slots for w in s], xs, bounds)
+            ys = ext.bf16_experts_forward_group([w for s in slots for w in s], xs, bounds, **self._glu)
         else:
-            ys = self.native.forward_group([s[0] for s in slots], xs, bounds)
+            ys = self.native.forward_group([s[0] for s in slots], xs, bounds, **self._glu)
         return ys.to(xs.dtype)
 
     def bind_layer(self, slots: list[tuple[torch.Tensor, ...]]):
@@ -485,7 +513,7 @@ class ExpertFormat:
         (DecodeStep.set_moe: runtime/cpu_decode._native_moe); None when the native kernels cannot
         compute this format (see layer_call). gpt-oss's experts (swiglu_limit) are bound too: the
         kernels are their projections, the step computes their biases and clamped GLU."""
-        ext = self._native_ext(slots, glu=True)
+        ext = self._native_ext(slots)
         if ext is None:
             return None
         if self.is_dense:
@@ -499,17 +527,19 @@ class ExpertFormat:
         experts) -> out [N, D] in x's dtype, for x [N, D], `experts` the routed ids ascending and
         `slots` their slots. Bit for bit the per-expert path: `forward` per expert on its rows (at
         most `native_rows` each: the caller checks; more than NATIVE_ROWS and the call raises), then
-        index_add_ of ys * weight in expert order."""
+        index_add_ of ys * weight in expert order (gpt-oss's experts: `forward_group`'s native clamped
+        GLU in place of torch's)."""
         if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
             return None
         ext = self._native_ext(slots)
-        if ext is None:
+        if ext is None or (self.swiglu_limit is not None and not self.biased_rows):
             return None
+        glu = self._glu
         if self.is_dense:
             ws = [w for s in slots for w in s]
-            return lambda idx, wt, experts: ext.bf16_experts_forward_layer(ws, x, idx, wt, experts)
+            return lambda idx, wt, experts: ext.bf16_experts_forward_layer(ws, x, idx, wt, experts, **glu)
         codes = [s[0] for s in slots]
-        return lambda idx, wt, experts: self.native.forward_layer(codes, x, idx, wt, experts)
+        return lambda idx, wt, experts: self.native.forward_layer(codes, x, idx, wt, experts, **glu)
 
     def dequantize(self, slot: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three weights as fp32 (the reference the kernels are checked against)."""

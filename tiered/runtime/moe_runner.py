@@ -285,8 +285,10 @@ class TieredExperts:
         """A CPU-only layer whose experts are all on the fast tier (RAM) at full precision: every
         expert in one native call (ExpertFormat.forward_group: two parallel regions for the layer, no
         task, gather or index_add per expert), combined as the per-expert path combines them (one
-        index_add in the same expert-then-token order: identical sums). None when the call cannot
-        take this layer (too many tokens per expert, no native kernel): one task per expert then."""
+        index_add in the same expert-then-token order: identical sums). A prompt's experts with more
+        rows than the call takes (ExpertFormat.group_rows) run `forward` one by one on this thread
+        after it, into the same rows. None when the call cannot take this layer (no native kernel for
+        the format, or no expert within its rows): one task per expert then."""
         experts = list(groups)  # ascending: the rows of tok_all in expert order
         if not experts:
             return None
@@ -301,7 +303,27 @@ class TieredExperts:
         if bounds[-1] < tok_all.numel():  # skipped experts (mixed precision) left their rows out
             rows = torch.cat([torch.arange(*groups[e], device=tok_all.device) for e in experts])
             tok_all, slot_all = tok_all[rows], slot_all[rows]
-        ys = self.fmt.forward_group(x[tok_all], [on_fast[e] for e in experts], bounds)
+        xs, limit = x[tok_all], self.fmt.group_rows
+        big = [i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b - a > limit]
+        if not big:
+            ys = self.fmt.forward_group(xs, [on_fast[e] for e in experts], bounds)
+        elif len(big) == len(experts):
+            return None
+        else:  # the experts within the call's rows in one call, then each of the others by itself
+            small = [i for i in range(len(experts)) if i not in set(big)]
+            rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in small])
+            part = [0]
+            for i in small:
+                part.append(part[-1] + bounds[i + 1] - bounds[i])
+            ys_small = self.fmt.forward_group(xs[rows], [on_fast[experts[i]] for i in small], part)
+            if ys_small is not None:
+                ys = torch.empty_like(xs)
+                ys[rows] = ys_small
+                for i in big:
+                    a, b = bounds[i], bounds[i + 1]
+                    ys[a:b] = self.fmt.forward(xs[a:b], on_fast[experts[i]])
+            else:
+                ys = None
         if ys is None:
             return None
         self.path_counts[RESIDENT] += len(experts)

@@ -2561,25 +2561,45 @@ at::Tensor int8g32_tiled_dequantize_bf16(const at::Tensor& qt, const at::Tensor&
   return out;
 }
 
-// swiglu_group's checks and call from Python: xs [M, D] any float dtype, bounds [E + 1] (rows of
-// each expert, at most kMaxNB each) -> ys [M, D] fp32.
+// swiglu_group's checks and call from Python: xs [M, D] any float dtype, D the experts' hidden size
+// (their down projection's out-features), bounds [E + 1] (expert e's rows bounds[e]..bounds[e + 1], any
+// number: each work item passes over them kMaxNB at a time, its block of the weights read once for all
+// of them) -> ys [M, D] fp32. With `glu` (gpt-oss's biased experts) each row gets its bias column's 1 and
+// zeros appended here (the gate's input width Db), and the clamped GLU runs between the projections.
 at::Tensor run_swiglu_group(const std::vector<const Gemv*>& k, const at::Tensor& xs0, const std::vector<int64_t>& bounds,
-                            const char* what) {
+                            const char* what, const Glu* glu = nullptr) {
   const int64_t E = int64_t(k.size()) / 3;
   TIERED_CHECK(E >= 1 && int64_t(bounds.size()) == E + 1 && bounds[0] == 0, what, ": bounds must be [E + 1] from 0");
   for (int64_t e = 0; e < E; ++e)
-    TIERED_CHECK(bounds[e + 1] >= bounds[e] && bounds[e + 1] - bounds[e] <= kMaxNB, what, ": expert ", e, " has ",
-                bounds[e + 1] - bounds[e], " rows (0..", kMaxNB, " allowed)");
-  const int64_t D = k[0]->in_features;
-  TIERED_CHECK(xs0.dim() == 2 && xs0.size(0) == bounds[E] && xs0.size(1) == D, what, ": xs must be [", bounds[E], ", ", D,
-              "], got ", xs0.sizes());
-  auto xs = xs0.to(at::kFloat).contiguous();
-  auto ys = at::empty({bounds[E], D}, xs.options());
+    TIERED_CHECK(bounds[e + 1] >= bounds[e], what, ": bounds must not decrease (expert ", e, ")");
+  const int64_t Din = k[0]->in_features, D = k[2]->out_features, M = bounds[E];
+  TIERED_CHECK(glu ? Din > D : Din == D, what, glu ? ": the clamped GLU is for gpt-oss's biased experts (gate [F, Db], "
+              "down [D, Fb], Db > D)" : ": biased experts (gate [F, Db], down [D, Fb]) need swiglu_limit");
+  TIERED_CHECK(xs0.dim() == 2 && xs0.size(0) == M && xs0.size(1) == D, what, ": xs must be [", M, ", ", D, "], got ",
+              xs0.sizes());
+  at::Tensor xs;
+  if (glu) {  // [x | 1 | zeros]: each projection's bias is its input column D
+    xs = at::zeros({M, Din}, at::TensorOptions().dtype(at::kFloat));
+    xs.narrow(1, 0, D).copy_(xs0);
+    xs.select(1, D).fill_(1.f);
+  } else {
+    xs = xs0.to(at::kFloat).contiguous();
+  }
+  auto ys = at::empty({M, D}, xs.options());
   {
     pybind11::gil_scoped_release nogil;
-    swiglu_group(k.data(), E, xs.data_ptr<float>(), bounds.data(), ys.data_ptr<float>());
+    swiglu_group(k.data(), E, xs.data_ptr<float>(), bounds.data(), ys.data_ptr<float>(), glu);
   }
   return ys;
+}
+
+// The clamped GLU of gpt-oss's experts from Python's (swiglu_limit, swiglu_alpha): none where the limit is 0
+// (SiLU's SwiGLU), else checked finite and positive.
+c10::optional<Glu> glu_of(double limit, double alpha, const char* what) {
+  if (limit == 0) return c10::nullopt;
+  TIERED_CHECK(std::isfinite(limit) && limit > 0 && std::isfinite(alpha), what, ": bad swiglu_limit / swiglu_alpha ",
+              limit, " / ", alpha);
+  return Glu{float(limit), float(alpha)};
 }
 
 }  // namespace
@@ -2632,10 +2652,14 @@ namespace {
 // i.e. each product rounded to x's dtype, then added to its token's row in expert order, rounded
 // after every add (torch's bf16 ops compute in float and round to nearest even; fp32 needs none).
 at::Tensor run_swiglu_layer(const std::vector<const Gemv*>& k, const at::Tensor& x0, const at::Tensor& topk_idx,
-                            const at::Tensor& topk_weight, const std::vector<int64_t>& experts, const char* what) {
+                            const at::Tensor& topk_weight, const std::vector<int64_t>& experts, const char* what,
+                            const Glu* glu = nullptr) {
   const int64_t E = int64_t(experts.size());
   TIERED_CHECK(E >= 1 && int64_t(k.size()) == 3 * E, what, ": three kernels per routed expert");
-  const int64_t D = k[0]->in_features;
+  const int64_t D = k[2]->out_features;  // gpt-oss's (glu): the gate's input is Db wide, x's D
+  TIERED_CHECK(glu ? k[0]->in_features > D : k[0]->in_features == D, what, glu ?
+              ": the clamped GLU is for gpt-oss's biased experts (gate [F, Db], down [D, Fb], Db > D)" :
+              ": biased experts (gate [F, Db], down [D, Fb]) need swiglu_limit");
   const bool bf16 = x0.scalar_type() == at::kBFloat16;
   TIERED_CHECK(x0.device().is_cpu() && x0.dim() == 2 && x0.size(1) == D && (bf16 || x0.scalar_type() == at::kFloat),
               what, ": x must be a CPU float32 or bfloat16 [N, ", D, "] tensor, got ", x0.scalar_type(), " ", x0.sizes());
@@ -2663,7 +2687,8 @@ at::Tensor run_swiglu_layer(const std::vector<const Gemv*>& k, const at::Tensor&
   auto out = at::empty({N, D}, at::TensorOptions().dtype(at::kFloat));
   {
     pybind11::gil_scoped_release nogil;
-    moe_experts(k.data(), x.data_ptr<float>(), N, D, pos.data(), wt.data_ptr<float>(), K, bf16, out.data_ptr<float>());
+    moe_experts(k.data(), x.data_ptr<float>(), N, D, pos.data(), wt.data_ptr<float>(), K, bf16, out.data_ptr<float>(),
+                glu);
   }
   return out.to(x0.scalar_type());  // exact: every value is already one of x's dtype
 }
@@ -2709,7 +2734,7 @@ struct ExpertSpec {
   bool int4_q8 = false;  // int4 projections on int8 activations (Int4Q8Gemv)
   bool int4_tiled = false;  // int4 codes in the tiled layout (Int4TGemv)
   int64_t q8_from = kNeverQ8;  // the tiled layout's calls from this many rows read int8 activations
-  bool biased = false;  // gpt-oss's experts (gemv.h's Glu): only bind_layer (a decode step computes their GLU)
+  bool biased = false;  // gpt-oss's experts (gemv.h's Glu): forward_group / forward_layer with their swiglu_limit
 
   void bind(const Proj& pr, const uint8_t* buf, Int4Gemv& k4, Int8Gemv& k8, Bf16Gemv& kb, Fp8Gemv& kf,
             const Gemv*& out) const {
@@ -2770,7 +2795,7 @@ struct ExpertSpec {
 
   // x [B, D] any float dtype; buf uint8 [nbytes] (one slot) -> y [B, D] fp32.
   at::Tensor forward(const at::Tensor& buf, const at::Tensor& x0) const {
-    TIERED_CHECK(!biased, "expert spec: gpt-oss's biased experts run in a decode step only (set_moe's swiglu_limit)");
+    TIERED_CHECK(!biased, "expert spec: gpt-oss's biased experts compute through forward_group (their clamped GLU)");
     TIERED_CHECK(x0.dim() == 2 && x0.size(1) == p[0].K, "expert spec: x must be [B, ", p[0].K, "], got ", x0.sizes());
     Bound b;
     bind_slot(buf, b);
@@ -2799,10 +2824,12 @@ struct ExpertSpec {
   }
 
   // Several experts in this format at once (swiglu_group): slots [E] uint8, xs [M, D], bounds [E + 1].
-  at::Tensor forward_group(const std::vector<at::Tensor>& slots, const at::Tensor& xs, const std::vector<int64_t>& bounds) const {
-    TIERED_CHECK(!biased, "expert spec: gpt-oss's biased experts run in a decode step only (set_moe's swiglu_limit)");
+  // gpt-oss's biased experts need swiglu_limit (> 0) and swiglu_alpha: their clamped GLU (gemv.h's Glu).
+  at::Tensor forward_group(const std::vector<at::Tensor>& slots, const at::Tensor& xs, const std::vector<int64_t>& bounds,
+                           double swiglu_limit, double swiglu_alpha) const {
+    const auto glu = glu_of(swiglu_limit, swiglu_alpha, "expert spec forward_group");
     const BoundSlots s = bind_slots(slots);
-    return run_swiglu_group(s.ptrs, xs, bounds, "expert spec forward_group");
+    return run_swiglu_group(s.ptrs, xs, bounds, "expert spec forward_group", glu ? &*glu : nullptr);
   }
 
   // Every expert of a layer bound once (a decode step's native MoE layer): slots [E], expert e's at e.
@@ -2816,11 +2843,13 @@ struct ExpertSpec {
 
   // A layer's routed experts and their weighted sum (run_swiglu_layer): slots [E], one per routed expert.
   at::Tensor forward_layer(const std::vector<at::Tensor>& slots, const at::Tensor& x, const at::Tensor& topk_idx,
-                           const at::Tensor& topk_weight, const std::vector<int64_t>& experts) const {
-    TIERED_CHECK(!biased, "expert spec: gpt-oss's biased experts run in a decode step only (set_moe's swiglu_limit)");
+                           const at::Tensor& topk_weight, const std::vector<int64_t>& experts, double swiglu_limit,
+                           double swiglu_alpha) const {
     TIERED_CHECK(slots.size() == experts.size(), "expert spec forward_layer: one slot per routed expert");
+    const auto glu = glu_of(swiglu_limit, swiglu_alpha, "expert spec forward_layer");
     const BoundSlots s = bind_slots(slots);
-    return run_swiglu_layer(s.ptrs, x, topk_idx, topk_weight, experts, "expert spec forward_layer");
+    return run_swiglu_layer(s.ptrs, x, topk_idx, topk_weight, experts, "expert spec forward_layer",
+                            glu ? &*glu : nullptr);
   }
 };
 
@@ -3421,15 +3450,19 @@ void register_gemv(pybind11::module& m) {
       "A quantized expert format's flat layout: forward(slot uint8 [nbytes], x [B, D]) -> y [B, D] fp32.")
       .def("forward", &ExpertSpec::forward, py::arg("slot"), py::arg("x"))
       .def("forward_group", &ExpertSpec::forward_group, py::arg("slots"), py::arg("xs"), py::arg("bounds"),
+           py::arg("swiglu_limit") = 0.0, py::arg("swiglu_alpha") = 1.702,
            "Experts of one layer in two parallel regions: slots [E] (one uint8 slot each), xs [M, D] (expert e's "
-           "rows bounds[e]..bounds[e + 1], at most 8 each) -> ys [M, D] fp32, each row its expert's output.")
+           "rows bounds[e]..bounds[e + 1], any number each: the weights are read once for all of them) -> ys [M, D] "
+           "fp32, each row its expert's output. swiglu_limit > 0: gpt-oss's biased experts (their bias columns "
+           "and clamped GLU with swiglu_alpha; xs without the bias columns).")
       .def("bind_layer", &ExpertSpec::bind_layer, py::arg("slots"),
            "Every expert of one layer bound as kernels once (slots [E], expert e's at e), for DecodeStep.set_moe.")
       .def("forward_layer", &ExpertSpec::forward_layer, py::arg("slots"), py::arg("x"), py::arg("topk_idx"),
-           py::arg("topk_weight"), py::arg("experts"),
+           py::arg("topk_weight"), py::arg("experts"), py::arg("swiglu_limit") = 0.0, py::arg("swiglu_alpha") = 1.702,
            "A layer's routed experts and their weighted sum: slots [E] (one per id in experts, ascending), x [N, D] "
            "float32 or bfloat16, topk_idx int64 [N, k], topk_weight [N, k] in x's dtype -> out [N, D] in x's dtype, "
-           "bit for bit the per-expert path's index_add_ of ys * weight in expert order (at most 8 rows per expert).");
+           "bit for bit the per-expert path's index_add_ of ys * weight in expert order (at most 8 rows per expert). "
+           "swiglu_limit > 0: gpt-oss's biased experts, as forward_group.");
   m.def("q4_blocks_tiled", &q4_blocks_tiled, py::arg("raw"), py::arg("block"), py::arg("codes_out") = py::none(),
         py::arg("sz_out") = py::none(), py::arg("zr_out") = py::none(), py::arg("inline_sz") = false,
         py::arg("inline_out") = py::none(),
@@ -3537,13 +3570,16 @@ void register_gemv(pybind11::module& m) {
         "A bf16 SwiGLU expert in one call: w_gate, w_up bf16 [F, D], w_down bf16 [D, F] contiguous, "
         "x [B, D] any float dtype -> y [B, D] fp32.");
   m.def("bf16_experts_forward_group", [](const std::vector<at::Tensor>& ws, const at::Tensor& xs,
-                                         const std::vector<int64_t>& bounds) {
+                                         const std::vector<int64_t>& bounds, double swiglu_limit, double swiglu_alpha) {
+          const auto glu = glu_of(swiglu_limit, swiglu_alpha, "bf16_experts_forward_group");
           const Bf16Experts k(ws, "bf16_experts_forward_group");
-          return run_swiglu_group(k.ptrs, xs, bounds, "bf16_experts_forward_group");
+          return run_swiglu_group(k.ptrs, xs, bounds, "bf16_experts_forward_group", glu ? &*glu : nullptr);
         },
-        py::arg("weights"), py::arg("xs"), py::arg("bounds"),
+        py::arg("weights"), py::arg("xs"), py::arg("bounds"), py::arg("swiglu_limit") = 0.0,
+        py::arg("swiglu_alpha") = 1.702,
         "bf16 SwiGLU experts of one layer in two parallel regions: weights [3 E] (w_gate, w_up [F, D], w_down [D, F] "
-        "per expert), xs [M, D] (expert e's rows bounds[e]..bounds[e + 1], at most 8 each) -> ys [M, D] fp32.");
+        "per expert), xs [M, D] (expert e's rows bounds[e]..bounds[e + 1], any number each) -> ys [M, D] fp32. "
+        "swiglu_limit > 0: gpt-oss's biased experts (w_gate, w_up [F, Db], w_down [D, Fb]), as ExpertSpec's.");
   m.def("bf16_experts_bind", [](const std::vector<at::Tensor>& ws) {
           auto s = std::make_shared<std::pair<Bf16Experts, std::vector<at::Tensor>>>(Bf16Experts(ws, "bf16_experts_bind"), ws);
           auto b = std::make_shared<BoundExperts>();
@@ -3553,11 +3589,15 @@ void register_gemv(pybind11::module& m) {
         },
         py::arg("weights"), "bf16 SwiGLU experts of one layer bound once (weights [3 E]: gate, up, down per expert).");
   m.def("bf16_experts_forward_layer", [](const std::vector<at::Tensor>& ws, const at::Tensor& x, const at::Tensor& topk_idx,
-                                         const at::Tensor& topk_weight, const std::vector<int64_t>& experts) {
+                                         const at::Tensor& topk_weight, const std::vector<int64_t>& experts,
+                                         double swiglu_limit, double swiglu_alpha) {
+          const auto glu = glu_of(swiglu_limit, swiglu_alpha, "bf16_experts_forward_layer");
           const Bf16Experts k(ws, "bf16_experts_forward_layer");
-          return run_swiglu_layer(k.ptrs, x, topk_idx, topk_weight, experts, "bf16_experts_forward_layer");
+          return run_swiglu_layer(k.ptrs, x, topk_idx, topk_weight, experts, "bf16_experts_forward_layer",
+                                  glu ? &*glu : nullptr);
         },
         py::arg("weights"), py::arg("x"), py::arg("topk_idx"), py::arg("topk_weight"), py::arg("experts"),
+        py::arg("swiglu_limit") = 0.0, py::arg("swiglu_alpha") = 1.702,
         "bf16 SwiGLU experts of one layer and their weighted sum (ExpertSpec.forward_layer): weights [3 E].");
   m.def("set_isa", [](const std::string& name) {
           const int want = name == "avx512" ? kAvx512 : name == "avx2" ? kAvx2 : name == "scalar" ? kScalar : -1;
