@@ -668,10 +668,10 @@ def test_decode_copies_from_gguf_blocks_are_the_unpacked_path_bit_for_bit(fmt):
 
 
 def test_int4_prefill_path_by_isa(monkeypatch):
-    """Int4Linear.dense (a prompt through a one-copy int4 weight) takes the bf16-activation kernel
-    up to quant/int4.dequantize_rows() rows, the dequantized weight and one GEMM beyond, in
-    dequantize_dtype() (bf16 on AVX-512, oneDNN's bf16 GEMM; else fp32); all give the same product
-    within bf16 rounding."""
+    """Int4Linear.dense (a prompt through a one-copy int4 weight) takes the kernel on its batch_act
+    activations (Plan.batch_act: int8 by default, bf16 where asked) up to quant/int4.dequantize_rows()
+    rows, the dequantized weight and one GEMM beyond, in dequantize_dtype() (bf16 on AVX-512, oneDNN's
+    bf16 GEMM; else fp32); all give the same product within bf16 rounding."""
     import tiered.quant.int4 as I
     from tiered import kernels
 
@@ -684,13 +684,17 @@ def test_int4_prefill_path_by_isa(monkeypatch):
                         (lambda t: t.to(torch.bfloat16).float() @ tiled_dequantize_ref(self).T))
     monkeypatch.setattr(I, "DEQUANTIZE_ROWS", {kernels.isa(): None})
     by_kernel = lin.dense(x)
-    assert calls == ["bf16"]
+    assert calls == ["bf16"]  # from_codes' batch_act
+    lin.batch_act = "q8"
+    lin.dense(x)
+    assert calls == ["bf16", "q8"]
+    lin.batch_act = "bf16"
     monkeypatch.setattr(I, "DEQUANTIZE_ROWS", {kernels.isa(): 48})
     assert I.dequantize_dtype() == I.DEQUANTIZE_DTYPE.get(kernels.isa(), torch.float32)
     for dtype in (torch.bfloat16, torch.float32):
         monkeypatch.setattr(I, "DEQUANTIZE_DTYPE", {kernels.isa(): dtype})
         by_gemm = lin.dense(x)
-        assert calls == ["bf16"]  # 80 rows > 48: dequantized, no kernel call
+        assert calls == ["bf16", "q8"]  # 80 rows > 48: dequantized, no kernel call
         assert by_gemm.dtype == x.dtype and by_gemm.shape == (80, 64)
         assert float((by_kernel - by_gemm).norm() / by_gemm.norm()) < 1e-2
         monkeypatch.setattr(I, "DEQUANTIZE_CHUNK", 16 * 128)  # 16-row chunks of W, y^T by rows: the same product

@@ -263,6 +263,12 @@ def test_one_copy_int4_prompts_are_priced_on_the_path_their_rows_take():
     assert ttft(faster_rows, 512) == ttft(hw, 512)
     older = HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True})  # before the key
     assert ttft(older, 64) != ttft(hw, 64)
+    # on int8 activations (Plan.batch_act "q8", the default) the rows cost decode_rows/cpu/int4q8's slope
+    q8 = HardwareProfile("cpu-box", "test", {**m, "gemv/cpu/int4q8": m["gemv/cpu/int4"],
+                                             "decode_rows/cpu/int4q8": LinearModel(0.0, 4e-12, 1.0)}, None, None, meta=meta)
+    on_q8 = lambda p, tokens: predict_prefill(LLAMA70B, p, "int4", tokens, act_dtype="fp32", batch_act="q8")  # noqa: E731
+    assert on_q8(q8, 64) < 0.7 * ttft(q8, 64) and ttft(q8, 64) == ttft(hw, 64)
+    assert on_q8(q8, 512) == ttft(q8, 512)  # past the kernel's rows: the dequantized GEMM either way
 
 
 def test_quantized_prompt_experts_are_priced_on_the_paths_their_rows_take():

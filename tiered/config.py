@@ -48,10 +48,9 @@ class EngineConfig:
             native steps of two or more rows (a batch of sequences, or a prompt's tokens run as rows:
             Plan.mixed_rows): "q8" (activations rounded to int8 per group of 32, llama.cpp's Q8_0:
             about 2x the speed of "bf16" at batch 8, more rounding), "bf16" (the batch-1 numerics),
-            or "auto": q8 for a server's batches (max_batch > 1) and for MoE models, bf16 for one
-            sequence of a dense model at a time, whose only multi-row steps are its prompt (SmolLM2
-            next-token KL to lossless, three chat prompts: mean 0.0014-0.0018 nats with bf16 prompt
-            rows, 0.0025-0.0028 with q8). A MoE prompt is mostly its routed experts, run in groups
+            or "auto": q8 (planner/auto.batch_activations: prompts as rows 2-3x faster than on bf16,
+            for ~0.001 nats of SmolLM2 next-token KL to lossless: mean 0.0014-0.0018 nats with bf16
+            prompt rows, 0.0025-0.0028 with q8). A MoE prompt is mostly its routed experts, run in groups
             of 8 rows (quant/experts.ExpertFormat.batch_act): q8 makes them 1.7x faster on AVX2, as
             llama.cpp computes them. Batch 1 always reads bf16. On AVX2, "bf16" reads int16 activations (more exact than bf16) and
             "q8" int8 ones through vpmaddubsw (1.3x int16's speed at 4 and 16 rows, 2 cores).

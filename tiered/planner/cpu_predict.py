@@ -527,10 +527,11 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     def gemm(dt: str, macs: float, nbytes: float, calls: int, torch_runs: bool) -> float:
         """torch's GEMMs past the decode copies' and the native experts' rows; within them the native
         kernels stream the weights (gemm_time). One-copy int4 weights run the int4 kernel up to the
-        profile's int4_dequantize_rows (its rows at decode_rows/cpu/int4's slope), past them a
-        dequantized GEMM (gemm/cpu/int4, timed there: hardware/profiler.int4_gemm_shapes)."""
+        profile's int4_dequantize_rows (its rows at decode_rows' slope for `batch_act` activations:
+        Int4Linear.dense), past them a dequantized GEMM (gemm/cpu/int4, timed there:
+        hardware/profiler.int4_gemm_shapes)."""
         if dt == "int4" and kernel_rows and T <= kernel_rows:
-            return _gemv(hw, dt, nbytes, calls=calls, rows=T)
+            return _gemv(hw, _batched(dt, batch_act, T), nbytes, calls=calls, rows=T)
         if torch_runs:
             return torch_gemm_time(hw, dt, macs, nbytes, calls)
         return op_time.gemm_time(hw, "cpu", dt, macs, nbytes, calls=calls)
