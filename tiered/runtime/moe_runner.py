@@ -310,7 +310,7 @@ class TieredExperts:
         elif len(big) == len(experts):
             return None
         else:  # the experts within the call's rows in one call, then each of the others by itself
-            small = [i for i in range(len(experts)) if i not in set(big)]
+            small = sorted(set(range(len(experts))) - set(big))
             rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in small])
             part = [0]
             for i in small:
