@@ -414,8 +414,9 @@ class ExpertFormat:
         return self.biased_rows if self.swiglu_limit is not None else max(self.native_rows, self.grouped_rows)
 
     @property
-    def _glu(self) -> dict:
-        """The native calls' clamped-GLU arguments: gpt-oss's swiglu_limit / swiglu_alpha, or none."""
+    def glu_args(self) -> dict:
+        """The native calls' clamped-GLU arguments (forward_group, layer_call, DecodeStep.set_moe): gpt-oss's
+        swiglu_limit / swiglu_alpha, or none."""
         return {} if self.swiglu_limit is None else dict(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
 
     def forward(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -465,7 +466,7 @@ class ExpertFormat:
     def _native_ext(self, slots: list[tuple[torch.Tensor, ...]]):
         """The native extension when its expert kernels can compute from these slots (a dense format:
         bf16 and contiguous; a quantized one: a kernel for its kinds and layout), else None. gpt-oss's
-        biased experts pass their clamped GLU to the calls (`_glu`)."""
+        biased experts pass their clamped GLU to the calls (`glu_args`)."""
         if self.is_dense:
             ok = self.dense_dtype == torch.bfloat16 and all(w.is_contiguous() for s in slots for w in s)
         else:
@@ -502,9 +503,9 @@ class ExpertFormat:
         if most > NATIVE_ROWS and self.swiglu_limit is None:  # groups of at most NATIVE_ROWS rows
             slots, bounds = _row_groups(slots, bounds)
         if self.is_dense:
-            ys = ext.bf16_experts_forward_group([w for s in slots for w in s], xs, bounds, **self._glu)
+            ys = ext.bf16_experts_forward_group([w for s in slots for w in s], xs, bounds, **self.glu_args)
         else:
-            ys = self.native.forward_group([s[0] for s in slots], xs, bounds, **self._glu)
+            ys = self.native.forward_group([s[0] for s in slots], xs, bounds, **self.glu_args)
         return ys.to(xs.dtype)
 
     def bind_layer(self, slots: list[tuple[torch.Tensor, ...]]):
@@ -534,7 +535,7 @@ class ExpertFormat:
         ext = self._native_ext(slots)
         if ext is None or (self.swiglu_limit is not None and not self.biased_rows):
             return None
-        glu = self._glu
+        glu = self.glu_args
         if self.is_dense:
             ws = [w for s in slots for w in s]
             return lambda idx, wt, experts: ext.bf16_experts_forward_layer(ws, x, idx, wt, experts, **glu)

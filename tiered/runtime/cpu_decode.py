@@ -233,9 +233,7 @@ def _native_moe(block, dtype: torch.dtype) -> dict | None:
     bound = r.fmt.bind_layer([r.store.resident[(block.layer_idx, e)] for e in range(r.num_experts)])
     if bound is None:
         return None
-    if r.fmt.swiglu_limit is not None:  # gpt-oss's biased clamped-GLU experts
-        args.update(swiglu_limit=r.fmt.swiglu_limit, swiglu_alpha=r.fmt.swiglu_alpha)
-    return dict(args, experts=bound)
+    return dict(args, experts=bound, **r.fmt.glu_args)  # gpt-oss's biased experts: their clamped GLU
 
 
 def _native_latent(layer: nn.Module, dtype: torch.dtype) -> dict | None:

@@ -2561,6 +2561,17 @@ at::Tensor int8g32_tiled_dequantize_bf16(const at::Tensor& qt, const at::Tensor&
   return out;
 }
 
+// The hidden size D of experts with gate kernel `gate` and down kernel `down` (down's out-features),
+// checked against `glu`: gpt-oss's biased experts (gate's input Db > D: the bias column, zeros) need it,
+// SiLU's (gate's input D) refuse it.
+int64_t expert_width(const Gemv* gate, const Gemv* down, const Glu* glu, const char* what) {
+  const int64_t D = down->out_features;
+  TIERED_CHECK(glu ? gate->in_features > D : gate->in_features == D, what, glu ?
+              ": the clamped GLU is for gpt-oss's biased experts (gate [F, Db], down [D, Fb], Db > D)" :
+              ": biased experts (gate [F, Db], down [D, Fb]) need swiglu_limit");
+  return D;
+}
+
 // swiglu_group's checks and call from Python: xs [M, D] any float dtype, D the experts' hidden size
 // (their down projection's out-features), bounds [E + 1] (expert e's rows bounds[e]..bounds[e + 1], any
 // number: each work item passes over them kMaxNB at a time, its block of the weights read once for all
@@ -2572,9 +2583,7 @@ at::Tensor run_swiglu_group(const std::vector<const Gemv*>& k, const at::Tensor&
   TIERED_CHECK(E >= 1 && int64_t(bounds.size()) == E + 1 && bounds[0] == 0, what, ": bounds must be [E + 1] from 0");
   for (int64_t e = 0; e < E; ++e)
     TIERED_CHECK(bounds[e + 1] >= bounds[e], what, ": bounds must not decrease (expert ", e, ")");
-  const int64_t Din = k[0]->in_features, D = k[2]->out_features, M = bounds[E];
-  TIERED_CHECK(glu ? Din > D : Din == D, what, glu ? ": the clamped GLU is for gpt-oss's biased experts (gate [F, Db], "
-              "down [D, Fb], Db > D)" : ": biased experts (gate [F, Db], down [D, Fb]) need swiglu_limit");
+  const int64_t Din = k[0]->in_features, D = expert_width(k[0], k[2], glu, what), M = bounds[E];
   TIERED_CHECK(xs0.dim() == 2 && xs0.size(0) == M && xs0.size(1) == D, what, ": xs must be [", M, ", ", D, "], got ",
               xs0.sizes());
   at::Tensor xs;
@@ -2656,10 +2665,7 @@ at::Tensor run_swiglu_layer(const std::vector<const Gemv*>& k, const at::Tensor&
                             const Glu* glu = nullptr) {
   const int64_t E = int64_t(experts.size());
   TIERED_CHECK(E >= 1 && int64_t(k.size()) == 3 * E, what, ": three kernels per routed expert");
-  const int64_t D = k[2]->out_features;  // gpt-oss's (glu): the gate's input is Db wide, x's D
-  TIERED_CHECK(glu ? k[0]->in_features > D : k[0]->in_features == D, what, glu ?
-              ": the clamped GLU is for gpt-oss's biased experts (gate [F, Db], down [D, Fb], Db > D)" :
-              ": biased experts (gate [F, Db], down [D, Fb]) need swiglu_limit");
+  const int64_t D = expert_width(k[0], k[2], glu, what);
   const bool bf16 = x0.scalar_type() == at::kBFloat16;
   TIERED_CHECK(x0.device().is_cpu() && x0.dim() == 2 && x0.size(1) == D && (bf16 || x0.scalar_type() == at::kFloat),
               what, ": x must be a CPU float32 or bfloat16 [N, ", D, "] tensor, got ", x0.scalar_type(), " ", x0.sizes());
