@@ -750,19 +750,39 @@ def test_the_expert_dram_key_times_the_native_expert_on_slab_copies_interleaved(
     assert sum(a != b for a, b in zip(widths, widths[1:])) >= 5  # warm-ups, then each repeat visits both
 
 
-def test_the_small_row_gemm_key_times_torch_over_cold_copies(monkeypatch):
-    """gemm_rows/cpu/<dtype>: torch's GEMM of GEMM_ROWS rows, n = weight bytes, over as many copies of the
-    weight as fill `cold_bytes` (each called in turn)."""
-    from tiered.hardware import profiler
+def test_the_small_row_gemm_key_times_torch_over_cold_copies_in_one_slab(monkeypatch):
+    """gemm_rows/cpu/<dtype>: torch's GEMM (F.linear) of GEMM_ROWS rows, n = weight bytes, over as many copies
+    of each weight as fill `cold_bytes` (each called in turn), the copies carved from one huge-page slab per
+    shape (slab_copies: clones on 4 KiB pages gave fits of R^2 0.1-0.8), the shapes timed interleaved."""
+    from tiered.hardware import budget, profiler
 
-    made, seen = _spy_linear_kernels(monkeypatch)
-    weight = 64 * 32 * 2  # bytes of one bf16 [64, 32] weight
+    real_linear, real_slab, calls, slabs = torch.nn.functional.linear, budget.HostSlab, [], []
+
+    def linear(x, w, *a):
+        calls.append((w.data_ptr(), tuple(w.shape), x.shape[0], x.dtype))
+        return real_linear(x, w, *a)
+
+    class Slab(real_slab):
+        def __init__(self, nbytes, *a, **k):
+            super().__init__(nbytes, *a, **k)
+            slabs.append(self)
+    monkeypatch.setattr(profiler.F, "linear", linear)
+    monkeypatch.setattr(budget, "HostSlab", Slab)
     # oneDNN's first bf16 GEMM of a process builds its kernels (~8-12 ms here): a warm-up call that slow gets one
     # call a sample (median_times), too few to reach every copy
-    torch.nn.functional.linear(torch.ones(profiler.GEMM_ROWS, 32).bfloat16(), torch.ones(64, 32).bfloat16())
-    (n, t), = profiler._gemm_rows_points("bf16", [(64, 32)], 3, 6 * weight)
-    assert n == weight and t > 0 and made == [False] * 6  # torch's GEMM, not the native GEMV
-    assert {i for i, _ in seen} == set(range(6)) and {r for _, r in seen} == {profiler.GEMM_ROWS}
+    real_linear(torch.ones(profiler.GEMM_ROWS, 32).bfloat16(), torch.ones(64, 32).bfloat16())
+    small, large = 64 * 32 * 2, 128 * 64 * 2  # bytes of the bf16 [64, 32] and [128, 64] weights
+    points = profiler._gemm_rows_points("bf16", [(64, 32), (128, 64)], 3, 6 * small)
+    assert [n for n, _ in points] == [small, large] and all(t > 0 for _, t in points)
+    assert len(slabs) == 2 and slabs[0].used == 6 * 4096 and slabs[1].used == 2 * large  # page-aligned, at least 2
+    inside = lambda p: any(s.buf.data_ptr() <= p < s.buf.data_ptr() + s.buf.numel() for s in slabs)  # noqa: E731
+    assert all(inside(p) for p, *_ in calls)
+    assert len({p for p, sh, *_ in calls if sh == (64, 32)}) == 6 and len({p for p, sh, *_ in calls if sh == (128, 64)}) == 2
+    assert {(r, dt) for *_, r, dt in calls} == {(profiler.GEMM_ROWS, torch.bfloat16)}
+    shapes = [sh for _, sh, *_ in calls]
+    assert sum(a != b for a, b in zip(shapes, shapes[1:])) >= 5  # warm-ups, then each repeat visits both
+    with pytest.raises(ValueError, match="int4"):
+        profiler._gemm_rows_points("int4", [(64, 32)], 3, None)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="tiered/kernels not built")

@@ -11,9 +11,10 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     gemm_big/cpu/<dtype> a prompt's GEMMs (256 tokens) on 32-112 MiB bf16 weights (4096 x 14336:
                          a Mixtral / Llama-3-8B FFN matrix), copies cycled over 2 x the
                          last-level cache (cold, as a prompt meets a model's FFNs)  n = MACs
-    gemm_rows/cpu/<dtype> torch's GEMM of GEMM_ROWS (8) rows on cold 7-32 MiB weights (a short
-                         prompt's, an expert's past its native rows)             n = weight bytes
-    expert_rows/cpu/bf16 the native bf16 expert at 1-8 rows, cold (its slope: each row's cost)  n = MACs
+    gemm_rows/cpu/<dtype> torch's GEMM of GEMM_ROWS (8) rows on cold 1.7-32 MiB weights in a huge-page
+                         slab (a short prompt's, an expert's past its native rows)  n = weight bytes
+    expert_rows/cpu/bf16 the native bf16 expert at 1-8 rows, cold in a slab (its slope: each row's
+                         cost)                                                   n = MACs
     decode_rows/cpu/<dtype> tiered's decode kernels at 8-32 rows (a batched decode step: a server's
                          or a beam search's rows), cold 4096 x 4096 weights; int4q8: int4 on int8
                          activations (Plan.batch_act "q8")                       n = MACs
@@ -73,7 +74,7 @@ from torch.overrides import TorchFunctionMode
 from tiered import kernels
 from tiered.hardware import contention
 from tiered.hardware.budget import move_to_huge_pages
-from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K, bytes_per_element
+from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K
 from tiered.hardware.profile import HardwareProfile, LinearModel
 from tiered.quant.int4 import dequantize_rows
 
@@ -384,6 +385,30 @@ def cold_copies(cold_bytes: int, nbytes: int) -> int:
     return max(2, -(-cold_bytes // nbytes))
 
 
+def slab_copies(first: tuple[torch.Tensor, ...], copies: int) -> list[tuple[torch.Tensor, ...]]:
+    """`copies` copies of the CPU tensors `first` (`first` itself among them only as values), carved from
+    one HostSlab (each tensor page-aligned, on huge pages where the OS gives them), as the runtime holds
+    its CPU experts (memory/expert_store) and a CPU-only engine its decode copies. Why not clones: on the
+    2-core AMX VM (2026-11-29), torch's 8-row bf16 GEMM over clones on 4 KiB pages gave fits of R^2
+    0.10-0.77 with intercepts 0.56-4.9 ms from one run to the next; over the same bytes in a slab, R^2
+    0.85-0.99 and 0.26-0.88 ms."""
+    from tiered.hardware.budget import HostSlab
+
+    shapes = [tuple(t.shape) for t in first]
+    dtypes = {t.dtype for t in first}
+    if len(dtypes) != 1:
+        raise ValueError("slab_copies takes tensors of one dtype")
+    dtype = dtypes.pop()
+    slab = HostSlab(HostSlab.bytes_for(copies, shapes, dtype))
+    out = []
+    for _ in range(copies):
+        slot = tuple(slab.take(sh, dtype) for sh in shapes)
+        for dst, src in zip(slot, first):
+            dst.copy_(src)
+        out.append(slot)
+    return out
+
+
 COLD_WEIGHT_BYTES = 64 * MiB  # CPU GEMVs rotate over this many weight bytes: beyond the last-level cache
 
 
@@ -487,14 +512,25 @@ def int4_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
 def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
     """(weight bytes, seconds a call) of torch's `dtype` GEMM (F.linear, as a prompt's projections and a CPU
     expert past its native rows run) of GEMM_ROWS rows by an N x K weight, cycled over `cold_bytes` of
-    copies (beyond the last-level cache; 64 MiB without it). What a small-row GEMM costs beyond its
-    multiply-adds: oneDNN reads (and packs) the weight at every call. On 2 Zen 4 cores a 3584 x 1024 bf16
-    weight took 321 us at 8 rows, 1.97x its bytes at the DRAM rate, and each row more ~7.5 us (64 rows:
-    713 us, where max(compute, stream) priced 508)."""
-    bpe = bytes_per_element(dtype)
-    points = _gemm_points("cpu", dtype, [(GEMM_ROWS, K, N) for N, K in shapes], lambda: None, repeats, False,
-                          cold_bytes=cold_bytes or COLD_WEIGHT_BYTES)
-    return [(macs / GEMM_ROWS * bpe, t) for macs, t in points]
+    copies (beyond the last-level cache; 64 MiB without it) in one huge-page slab (slab_copies), the
+    shapes timed interleaved (median_times). What a small-row GEMM costs beyond its multiply-adds: oneDNN
+    reads (and packs) the weight at every call. On 2 Zen 4 cores a 3584 x 1024 bf16 weight took 321 us
+    at 8 rows, 1.97x its bytes at the DRAM rate, and each row more ~7.5 us (64 rows: 713 us, where
+    max(compute, stream) priced 508). Raises ValueError for a dtype torch does not GEMM (fp32, bf16,
+    fp16)."""
+    td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    if td is None:
+        raise ValueError(f"gemm_rows times torch's GEMM in fp32, bf16 or fp16, not {dtype!r}")
+    g = torch.Generator().manual_seed(0)
+    calls, sizes = [], []
+    for N, K in shapes:
+        w = (torch.randn(N, K, generator=g) * 0.02).to(td)
+        nbytes = N * K * w.element_size()
+        turn = itertools.cycle([c for c, in slab_copies((w,), cold_copies(cold_bytes or COLD_WEIGHT_BYTES, nbytes))])
+        x = torch.randn(GEMM_ROWS, K, generator=g).to(td)
+        calls.append(lambda turn=turn, x=x: F.linear(x, next(turn)))
+        sizes.append(float(nbytes))
+    return list(zip(sizes, median_times(calls, repeats)))
 
 
 def _expert_rows_points(repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
@@ -508,9 +544,8 @@ def _expert_rows_points(repeats: int, cold_bytes: int | None) -> list[tuple[floa
     if ext is None:
         raise RuntimeError("tiered/kernels is not built")
     D, F = 1024, 3584
-    first = random_expert(D, F, torch.Generator().manual_seed(0))
-    slots = [first] + [tuple(t.clone() for t in first) for _ in range(cold_copies(cold_bytes or COLD_WEIGHT_BYTES,
-                                                                                 3 * D * F * 2) - 1)]
+    slots = slab_copies(random_expert(D, F, torch.Generator().manual_seed(0)),
+                        cold_copies(cold_bytes or COLD_WEIGHT_BYTES, 3 * D * F * 2))
     row_counts = (1, 2, 4, 8)
     calls = []
     for rows in row_counts:  # timed interleaved (median_times), as _gemm_points' CPU shapes
@@ -536,25 +571,14 @@ def _expert_dram_points(repeats: int, cold_bytes: int, shapes=EXPERT_DRAM_SHAPES
     CPU expert 5.1 ms against 3.9 measured and copied misses a CPU would have finished first.
 
     Raises RuntimeError without the kernels."""
-    from tiered.hardware.budget import HostSlab
-
     ext = kernels.load()
     if ext is None:
         raise RuntimeError("tiered/kernels is not built")
     g = torch.Generator().manual_seed(0)
     calls, sizes = [], []
-    for D, F in shapes:
-        mats = ((F, D), (F, D), (D, F))
-        nbytes = 3 * D * F * 2
-        copies = cold_copies(cold_bytes, nbytes)
-        slab = HostSlab(HostSlab.bytes_for(copies, mats, torch.bfloat16))
-        first = random_expert(D, F, g)
-        slots = []
-        for _ in range(copies):
-            slot = tuple(slab.take(sh, torch.bfloat16) for sh in mats)
-            for dst, src in zip(slot, first):
-                dst.copy_(src)
-            slots.append(slot)
+    for D, ffn in shapes:
+        nbytes = 3 * D * ffn * 2
+        slots = slab_copies(random_expert(D, ffn, g), cold_copies(cold_bytes, nbytes))
         turn, x = itertools.cycle(slots), torch.randn(1, D).to(torch.bfloat16)
         calls.append(lambda turn=turn, x=x: ext.bf16_expert_forward(*next(turn), x))
         sizes.append(float(nbytes))
@@ -1194,7 +1218,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 24: gemm/cpu/int8 times Int8Linear's prompt rows as they now run where the ISA GEMMs bf16 (one bf16 GEMM over
 # the codes, quant/int8.DEQUANTIZE_ROWS: 4.5x _weight_int8pack_mm's speed at 128 rows on 2 AMX cores), and
 # meta["kernel_isa"] names the paths a CPU expert's prompt rows take (cpu_predict.prompt_expert_time).
-PROFILER_VERSION = 24
+# 25: gemm_rows/cpu/bf16 and expert_rows/cpu/bf16 cycle over copies in one huge-page slab (slab_copies), as the
+# runtime's CPU experts sit: over clones on 4 KiB pages the 2-core AMX VM's gemm_rows fit had R^2 0.22 and a
+# 1.19 ms intercept (SmolLM2's 512-token bf16 TTFT priced 85% slow); in a slab, R^2 0.94-0.97, 0.39-0.54 ms.
+PROFILER_VERSION = 25
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
