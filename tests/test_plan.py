@@ -110,18 +110,18 @@ def test_cpu_experts_are_priced_in_their_stored_format():
     m = {"gemv/cpu/bf16": LinearModel(1e-5, 5e-11, 1.0), "gemv/cpu/int4": LinearModel(1e-5, 8e-11, 1.0),
          "attn/cpu/bf16": LinearModel(0.0, 1e-10, 1.0)}
     hw = HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True})
-    router = 1e-5 + 5e-11 * 4096 * 8 * 2
+    router = 5e-11 * 4096 * 8 * 2  # inside the native step: bytes alone, no call's intercept (memory_time)
     for fmt, key in (("bf16", "gemv/cpu/bf16"), ("int4", "gemv/cpu/int4")):
         layers, _ = predict_decode(MIXTRAL, hw, "bf16", context=64, experts_format=fmt)
         fit = m[key]
-        assert layers[0][1] == pytest.approx(router + 2 * fit.alpha + fit.beta * 2 * sizes.expert_bytes(MIXTRAL, fmt))
+        assert layers[0][1] == pytest.approx(router + fit.beta * 2 * sizes.expert_bytes(MIXTRAL, fmt))
     per_task, _ = predict_decode(MIXTRAL, replace(hw, meta={}), "bf16", context=64, experts_format="int4")
     assert per_task[0][1] > layers[0][1]  # torch ops: 3 calls per expert
     # int4 experts on int8 activations (Plan.expert_act "q8"): gemv/cpu/int4q8's rate, int4's without it
     q8 = LinearModel(1e-5, 5e-11, 1.0)
     with_q8 = replace(hw, models={**m, "gemv/cpu/int4q8": q8})
     layers_q8, _ = predict_decode(MIXTRAL, with_q8, "bf16", context=64, experts_format="int4", expert_act="q8")
-    assert layers_q8[0][1] == pytest.approx(router + 2 * q8.alpha + q8.beta * 2 * sizes.expert_bytes(MIXTRAL, "int4"))
+    assert layers_q8[0][1] == pytest.approx(router + q8.beta * 2 * sizes.expert_bytes(MIXTRAL, "int4"))
     assert predict_decode(MIXTRAL, hw, "bf16", context=64, experts_format="int4", expert_act="q8")[0] == layers
     assert predict_decode(MIXTRAL, with_q8, "bf16", context=64, experts_format="int4")[0] == layers  # bf16 x: int4's
 
@@ -164,21 +164,29 @@ def test_an_moe_layer_adds_its_blocks_fixed_cost():
     assert layers[0][1] - base_layers[0][1] == pytest.approx(3.2e-4)
 
 
-def test_the_lossless_modes_projections_are_not_fused():
-    """fp32 decode weights are the dense ones, one kernel per projection (q, k, v, o; gate, up, down):
-    each call pays the GEMV fit's alpha, where the decode copies' fused q/k/v and gate/up pay it twice."""
+def test_the_native_steps_projections_pay_their_bytes_not_a_calls_intercept():
+    """Inside the native decode step the projections run back to back in C++: each pays its bytes at the
+    GEMV fit's slope, not the fit's intercept (what a call issued alone from Python pays; the step's fixed
+    cost a layer is runtime/decode_step's), fused (bf16 copies: q/k/v and gate/up) or not (fp32's dense
+    weights). Without the native kernels each torch call pays the intercept: fp32's 7 a layer (q, k, v, o;
+    gate, up, down), as does each of the lm_head's and the layer's calls."""
+    from dataclasses import replace
+
     from tiered.planner.cpu_predict import native_fused_projections, predict_decode
 
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    m = {f"gemv/cpu/{d}": LinearModel(1e-4, 0.0, 1.0) for d in ("fp32", "bf16")}
+    m = {f"gemv/cpu/{d}": LinearModel(1e-4, 1e-10, 1.0) for d in ("fp32", "bf16")}
     hw = HardwareProfile("cpu-box", "test", {**m, "attn/cpu/fp32": LinearModel(0.0, 0.0, 1.0)}, None, None,
                          meta={"native_kernels": True})
     assert native_fused_projections(hw, "bf16") and not native_fused_projections(hw, "fp32")
-    (attn, ffn), = predict_decode(cfg, hw, "fp32", context=0)[0]
-    assert (attn, ffn) == (pytest.approx(4e-4), pytest.approx(3e-4))
-    (attn, ffn), = predict_decode(cfg, hw, "bf16", context=0)[0]
-    assert (attn, ffn) == (pytest.approx(2e-4), pytest.approx(2e-4))
+    attn_elems, mlp_elems = 256 * (256 + 2 * 128) + 256 * 256, 3 * 256 * 512
+    for dtype, bpe in (("fp32", 4), ("bf16", 2)):
+        layers, step = predict_decode(cfg, hw, dtype, context=0)
+        assert layers == [(pytest.approx(1e-10 * attn_elems * bpe), pytest.approx(1e-10 * mlp_elems * bpe))]
+        assert step == pytest.approx(1e-10 * (attn_elems + mlp_elems + 256 * 64) * bpe)
+    (attn, ffn), = predict_decode(cfg, replace(hw, meta={}), "fp32", context=0)[0]
+    assert (attn, ffn) == (pytest.approx(4e-4 + 1e-10 * attn_elems * 4), pytest.approx(3e-4 + 1e-10 * mlp_elems * 4))
 
 
 def test_cpu_moe_prefill_prices_experts_in_the_activations_dtype():

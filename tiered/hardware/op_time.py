@@ -56,7 +56,7 @@ def has_device(profile: HardwareProfile, device: str) -> bool:
 
 
 def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float, op: str = "gemv",
-                working_set: float = 0.0, expert: bool = False) -> float:
+                working_set: float = 0.0, expert: bool = False, intercept: bool = True) -> float:
     """Seconds to stream `nbytes` of operands through `device`; 0 when the profile cannot say.
 
     The op's own fit (gemv/<dev>/<dtype>), floored by the device's read bandwidth
@@ -76,6 +76,13 @@ def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float
     memory's own rate beyond it, memory/bandwidth_dram/<dev>, when profiled.
 
     `expert`: the bytes are a routed expert's, read by the native expert kernel (dram_floor).
+
+    `intercept` False: the op's per-byte term alone, for calls issued back to back inside tiered's native
+    decode step, whose fixed costs a layer runtime/decode_step prices once (op_time.step_overhead). The
+    gemv fits' intercepts are what a call issued alone from Python pays beyond its bytes (the binding, the
+    threads' wake-up, a cold matrix's first reads): on 2 AMX cores the int4 kernel's 21-30 us against
+    1.2 us for a hot 64 x 64 one, where SmolLM2's default engine stepped in 4.7 ms and its 120 int4 calls
+    and int8 head, each priced with that intercept, came to 7.9 (2026-11-29).
     """
     m = find(profile, op, device, dtype)
     bw = profile.models.get(f"memory/bandwidth/{device}")
@@ -83,7 +90,7 @@ def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float
                 dram_floor(profile, device, working_set, dtype if op == "gemv" else None, expert))
     if m is None:  # a read's time is its bytes at the memory's rate (bandwidth fits' intercepts are noise)
         return nbytes * floor
-    return max(m(nbytes), nbytes * floor)
+    return max(m(nbytes) - (0.0 if intercept or nbytes <= 0 else m.alpha), nbytes * floor)
 
 
 def dram_floor(profile: HardwareProfile, device: str, working_set: float, dtype: str | None = None,

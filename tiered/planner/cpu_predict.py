@@ -151,7 +151,7 @@ def _row_time(hw: HardwareProfile, kind: str, weight_bytes: float, macs: float |
 
 
 def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, working_set: float = 0.0,
-          expert: bool = False, rows: float = 1, macs: float | None = None) -> float:
+          expert: bool = False, rows: float = 1, macs: float | None = None, in_step: bool = False) -> float:
     """Seconds of `calls` one-token matmuls reading `weight_bytes` in all: the memory-bound regime
     (gemv/cpu/<dtype>), which is what a decode step runs; the many-token GEMM fit does not apply.
     `working_set`: the step's weight bytes (op_time.memory_time: beyond the cache, DRAM's rate);
@@ -160,8 +160,11 @@ def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, 
     its multiply-adds (`_row_time`; `macs` a row, None = the weights' elements), as
     native_expert_time prices a CPU expert's rows. On 2 Zen 4
     cores SmolLM2's default engine stepped 2.42 / 4.17 / 6.99 ms at 1 / 4 / 8 rows: 0.65-0.7 ms a
-    row past the first, what its weights' multiply-adds cost at decode_rows' slopes (2026-11-27)."""
-    t = op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set, expert) * calls
+    row past the first, what its weights' multiply-adds cost at decode_rows' slopes (2026-11-27).
+    `in_step`: the calls run inside the native decode step (native_step), which pays no per-call
+    intercept beyond its per-layer fixed cost (op_time.memory_time's `intercept`)."""
+    t = op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set, expert,
+                            intercept=not in_step) * calls
     return t + (rows - 1) * _row_time(hw, dtype, weight_bytes, macs) if rows > 1 else t
 
 
@@ -169,9 +172,11 @@ def _projections(hw: HardwareProfile, dtype: str, mix: dict | None, elements: fl
                  working_set: float, rows: float = 1, batch_act: str = "bf16") -> float:
     """Seconds of `calls` one-token matmuls over `elements` weights in `dtype`, or split by `mix`
     (precision -> share of the elements, Plan.precision_mix), each share at its precision's rate;
-    `rows` per call (`_gemv`), int4 ones on `batch_act` activations when more than one (`_batched`)."""
+    `rows` per call (`_gemv`), int4 ones on `batch_act` activations when more than one (`_batched`);
+    inside the native step where the profile has it (native_step: `_gemv`'s in_step)."""
     return sum(_gemv(hw, _batched(k, batch_act, rows), elements * share * op_time.bytes_per_element(k),
-                     calls=max(1, round(calls * share)), working_set=working_set, rows=rows)
+                     calls=max(1, round(calls * share)), working_set=working_set, rows=rows,
+                     in_step=native_step(hw))
                for k, share in (mix or {dtype: 1.0}).items() if share > 0)
 
 
@@ -304,7 +309,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             E, F, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
             ekind = op_time.gemv_dtype((experts_format or dtype).split(",")[0], expert_act)
             eb = sizes.expert_bytes(cfg, experts_format) if experts_format else 3 * d * F * bpe
-            t += _gemv(hw, dtype, d * E * bpe, working_set=ws, rows=B) + moe_fixed
+            t += _gemv(hw, dtype, d * E * bpe, working_set=ws, rows=B, in_step=native_step(hw)) + moe_fixed
             Fs = cfg.shared_expert_intermediate_size  # the always-on shared expert(s): a dense SwiGLU
             if Fs:
                 t += _projections(hw, dtype, mix, 3 * d * Fs, 2 if native_fused_projections(hw, dtype) else 3, ws, B,
@@ -319,7 +324,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             elif misses <= 1e-9 and native_step(hw):
                 # every expert in RAM: the layer's k experts in one native call of two parallel
                 # regions (runtime/moe_runner._all_on_fast, the plan's native_decode), no task per expert
-                t += _gemv(hw, ekind, k * eb, calls=2, working_set=ws, expert=True)
+                t += _gemv(hw, ekind, k * eb, calls=2, working_set=ws, expert=True, in_step=True)
             else:
                 # computes run inline on the calling thread (the executor's "cpu" stream): no task hop;
                 # each miss's read is a task on a reader thread and pays `over`
@@ -328,7 +333,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         layers.append((attn, t))
     hd = head_dtype or dtype
     head = _gemv(hw, _batched(hd, batch_act, B), d * cfg.vocab_size * op_time.bytes_per_element(hd), working_set=ws,
-                 rows=B)
+                 rows=B, in_step=native_step(hw))
     return layers, sum(a + f for a, f in layers) + head + per_step
 
 
