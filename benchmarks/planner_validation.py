@@ -179,7 +179,8 @@ def main() -> None:
                      f"median absolute error "
                      f"**{median(ttft_errors):.0%}**, largest {max(ttft_errors):.0%}.")
     if short:
-        notes.append("TTFT of short prompts on the MoE shape routed uniformly, every expert in RAM (median of 3): "
+        notes.append("TTFT of short prompts on the MoE shape routed uniformly, every expert in RAM (median of "
+                     f"{SHORT_REPEATS} rounds, the lengths in turn): "
                      + ", ".join(f"{r['tokens']} tokens {r['predicted_ttft_s'] * 1e3:.1f} ms priced against "
                                  f"{r['measured_ttft_s'] * 1e3:.1f} ({r['error']:.0%})" for r in short)
                      + f"; largest error **{max(r['error'] for r in short):.0%}**.")
@@ -273,6 +274,7 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
 
 TTFT_TOKENS = 512  # the prompt the plans price TTFT for (planner/auto: min(512, max_context / 2))
 BATCH = 8  # sequences of the batched SmolLM2 row (a server's --max-batch 8 step)
+SHORT_REPEATS = 5  # rounds over SHORT_PROMPTS, each length once a round (prompt_rows)
 SHORT_PROMPTS = (8, 16, 64, 128)  # prompt_rows' lengths: 2, 4, 16 and 32 rows an expert, uniformly routed
 
 
@@ -281,7 +283,7 @@ def prompt_rows(args, hw, shape) -> tuple[list[dict], Path]:
     plans draw routing: the skewed dummy sends most tokens to 2-3 experts a layer), every expert in RAM,
     against cpu_predict.predict_prefill: a few rows an expert run tiered's native kernel, more run
     torch's GEMMs (quant/experts.bf16_native_rows), each priced by its own profile key (expert_rows,
-    gemm_rows). Medians of 3 after a warm-up."""
+    gemm_rows). Medians of SHORT_REPEATS rounds, the lengths in turn, after a warm-up."""
     from dataclasses import replace
 
     from moe_offload import mixtral_like
@@ -294,10 +296,18 @@ def prompt_rows(args, hw, shape) -> tuple[list[dict], Path]:
                                        max_context=2 * max(SHORT_PROMPTS)))
     out = []
     try:
-        for n in SHORT_PROMPTS:
-            prompt = [(i * 7) % (shape["vocab"] - 10) + 10 for i in range(n)]
+        prompts = {n: [(i * 7) % (shape["vocab"] - 10) + 10 for i in range(n)] for n in SHORT_PROMPTS}
+        for prompt in prompts.values():
             first_token_s(llm, prompt)  # warm-up
-            measured = median([first_token_s(llm, prompt) for _ in range(3)])
+        # the lengths timed in turn, SHORT_REPEATS rounds (as the profiler's median_times): a VM's drift then
+        # moves every length's samples together (one length after the other, median of 3, a 16-token prompt
+        # once measured 342 ms where the 64-token one took 179)
+        samples = {n: [] for n in SHORT_PROMPTS}
+        for _ in range(SHORT_REPEATS):
+            for n, prompt in prompts.items():
+                samples[n].append(first_token_s(llm, prompt))
+        for n in SHORT_PROMPTS:
+            measured = median(samples[n])
             predicted = predict_prefill(llm.config, bandwidth_now(hw), "bf16", n, act_dtype="bf16")
             out.append({"tokens": n, "predicted_ttft_s": predicted, "measured_ttft_s": measured,
                         "error": abs(predicted - measured) / measured})

@@ -114,6 +114,27 @@ def test_memory_points_interleave_their_samples():
     assert slow[0] >= 2e-3 > slow[1]
 
 
+def test_cpu_memory_keys_read_huge_page_buffers(monkeypatch):
+    """memory/bandwidth/cpu, memory/bandwidth_dram/cpu and memory/copy/cpu time buffers from host_empty (huge
+    pages where the OS gives them), as the engine's CPU weights and experts sit: every CPU GEMV's price is
+    floored by these keys, and on 4 KiB pages the AMX VM's reads ran 16-18 GB/s against 26."""
+    from tiered.hardware import budget, profiler
+
+    made, real = [], budget.host_empty
+
+    def host_empty(shape, dtype, *a, **k):
+        t = real(shape, dtype, *a, **k)
+        made.append((tuple(shape), dtype, t.data_ptr()))
+        return t
+    monkeypatch.setattr(budget, "host_empty", host_empty)
+    reads = profiler._memory_points("cpu", [1, 2], lambda: None, 3, copy=False)
+    assert [n for n, _ in reads] == [2**20, 2**21] and all(t > 0 for _, t in reads)
+    assert [(sh, dt) for sh, dt, _ in made] == [((2**18,), torch.float32), ((2**19,), torch.float32)]
+    made.clear()
+    copies = profiler._memory_points("cpu", [1], lambda: None, 3, copy=True)
+    assert len(copies) == 1 and len(made) == 2 and made[0][2] != made[1][2]  # source and destination
+
+
 # ---- the quick profiler on this machine -------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -683,6 +704,41 @@ def test_a_cpu_experts_weights_beyond_the_cache_stream_at_the_expert_kernels_own
     steps = {name: predict_decode(cfg, hw, "bf16", 64)[1] for name, hw in (("gemv", gemv_only), ("expert", with_key))}
     experts = 2 * 2 * expert_bytes  # two layers of two experts
     assert steps["gemv"] - steps["expert"] == pytest.approx(experts / 69e9 - experts / 90e9, rel=0.02)
+
+
+def test_a_cpu_expert_is_priced_at_its_own_kernels_rate_where_the_gemv_fit_is_slower():
+    """Where the decode GEMV's fit streams slower than the native expert kernel does from DRAM (2 AMX cores,
+    2026-11-29: 19 GB/s against 27), an expert is priced at the expert kernel's rate, beyond the cache and
+    within it, never faster than the memory's floors; a dense projection keeps the GEMV fit, and an expert
+    whose GEMV fit is the faster keeps that within the cache. A CPU-only MoE step's price follows."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.planner.cpu_predict import predict_decode
+
+    llc = 480 * 2**20
+    models = {"gemv/cpu/bf16": LinearModel(0.0, 1 / 19e9, 0.99), "gemm/cpu/bf16": LinearModel(0.0, 1e-12, 0.99),
+              "memory/bandwidth/cpu": LinearModel(0.0, 1 / 30e9, 0.99),
+              "memory/bandwidth_dram/cpu": LinearModel(0.0, 1 / 25e9, 0.99),
+              "gemv_dram/cpu/bf16": LinearModel(0.0, 1 / 17e9, 0.99)}
+    gemv_only = HardwareProfile("box", "test", dict(models), meta={"llc_bytes": llc, "native_kernels": True})
+    with_key = HardwareProfile("box", "test", dict(models, **{"expert_dram/cpu/bf16": LinearModel(2e-3, 1 / 27e9, 0.98)}),
+                               meta={"llc_bytes": llc, "native_kernels": True})
+    n = 44e6
+    for ws in (llc // 2, 2 * llc):  # within the cache: 27 GB/s, not the GEMV's 19; beyond: plain DRAM reads' 25
+        assert op_time.memory_time(with_key, "cpu", "bf16", n, working_set=ws, expert=True) == \
+            pytest.approx(n / (27e9 if ws < llc else 25e9))
+    assert op_time.memory_time(gemv_only, "cpu", "bf16", n, working_set=llc // 2, expert=True) == pytest.approx(n / 19e9)
+    assert op_time.memory_time(with_key, "cpu", "bf16", n, working_set=llc // 2) == pytest.approx(n / 19e9)  # dense
+    faster = HardwareProfile("box", "test", dict(with_key.models, **{"gemv/cpu/bf16": LinearModel(0.0, 1 / 40e9, 0.99)}),
+                             meta=with_key.meta)
+    # within the cache the faster GEMV fit stands, floored by plain reads (30 GB/s), not by the expert kernel's 27
+    assert op_time.memory_time(faster, "cpu", "bf16", n, working_set=llc // 2, expert=True) == pytest.approx(n / 30e9)
+    cfg = ModelConfig.from_hf({"model_type": "mixtral", "vocab_size": 1000, "hidden_size": 1024,
+                               "intermediate_size": 3584, "num_hidden_layers": 2, "num_attention_heads": 16,
+                               "num_key_value_heads": 4, "head_dim": 64, "num_local_experts": 8,
+                               "num_experts_per_tok": 2})
+    steps = {name: predict_decode(cfg, hw, "bf16", 64)[1] for name, hw in (("gemv", gemv_only), ("expert", with_key))}
+    experts = 2 * 2 * 3 * 1024 * 3584 * 2  # two layers of two experts, all in RAM: one native call a layer
+    assert steps["gemv"] - steps["expert"] == pytest.approx(experts / 19e9 - experts / 27e9, rel=0.02)
 
 
 def test_the_dispatch_latency_carries_the_profiles_host_share():

@@ -75,7 +75,12 @@ def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float
     it exceeds the last-level cache (meta["llc_bytes"]), no read hits the cache and the floor is the
     memory's own rate beyond it, memory/bandwidth_dram/<dev>, when profiled.
 
-    `expert`: the bytes are a routed expert's, read by the native expert kernel (dram_floor).
+    `expert`: the bytes are a routed expert's, read by the native expert kernel. Where the profile timed
+    that kernel (expert_dram/<dev>/<dtype>: beyond the cache, in huge pages, as the runtime holds its
+    experts), its rate is the expert's price beyond the cache (dram_floor) and the most it costs within
+    it: the GEMV fit is another kernel's (the decode GEMV's, over matrices of 0.5-64 MiB). On 2 AMX cores
+    (2026-11-29) that fit read 19 GB/s and the expert kernel 27 from DRAM; the all-in-RAM MoE's decode
+    (2 x 22 MiB experts a layer) was priced at the fit, 23.7 ms a step against 17.1 measured.
 
     `intercept` False: the op's per-byte term alone, for calls issued back to back inside tiered's native
     decode step, whose fixed costs a layer runtime/decode_step prices once (op_time.step_overhead). The
@@ -90,7 +95,13 @@ def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float
                 dram_floor(profile, device, working_set, dtype if op == "gemv" else None, expert))
     if m is None:  # a read's time is its bytes at the memory's rate (bandwidth fits' intercepts are noise)
         return nbytes * floor
-    return max(m(nbytes) - (0.0 if intercept or nbytes <= 0 else m.alpha), nbytes * floor)
+    t = max(m(nbytes) - (0.0 if intercept or nbytes <= 0 else m.alpha), nbytes * floor)
+    kernel = find(profile, "expert_dram", device, dtype) if expert and op == "gemv" else None
+    if kernel is None:
+        return t
+    own = nbytes * max(floor, kernel.beta)  # the expert kernel's own stream, no faster than the memory
+    llc = profile.meta.get("llc_bytes") if profile.meta else None
+    return own if llc and working_set > llc else min(t, own)
 
 
 def dram_floor(profile: HardwareProfile, device: str, working_set: float, dtype: str | None = None,

@@ -707,13 +707,20 @@ def _attn_prefill_points(dtype: str, shapes, repeats: int):
 
 
 def _memory_points(device: str, sizes_mib, sync, repeats: int, copy: bool):
-    """(bytes, seconds) of a read (sum) or a copy of each size, timed interleaved (median_times)."""
+    """(bytes, seconds) of a read (sum) or a copy of each size, timed interleaved (median_times). CPU buffers
+    come from hardware/budget.host_empty (huge pages where the OS gives them), as the engine's CPU weights,
+    experts and staging sit (move_to_huge_pages, HostSlab): these keys floor every CPU GEMV's price
+    (op_time.memory_time), and on 4 KiB pages the 2-core AMX VM's reads ran 16-18 GB/s against 26 on huge
+    pages (2026-11-29), below the bf16 decode kernel's own 19-27."""
+    from tiered.hardware.budget import host_empty
+
     dev = "cuda" if device == "gpu" else "cpu"
     fns = []
     for mib in sizes_mib:
-        src = torch.ones(mib * MiB // 4, device=dev)
+        n = mib * MiB // 4
+        src = torch.ones(n, device=dev) if dev == "cuda" else host_empty((n,), torch.float32).fill_(1.0)
         if copy:
-            dst = torch.empty_like(src)
+            dst = torch.empty_like(src) if dev == "cuda" else host_empty((n,), torch.float32)
             fns.append(lambda s=src, d=dst: d.copy_(s))
         else:
             fns.append(lambda s=src: s.sum())
@@ -1221,7 +1228,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 25: gemm_rows/cpu/bf16 and expert_rows/cpu/bf16 cycle over copies in one huge-page slab (slab_copies), as the
 # runtime's CPU experts sit: over clones on 4 KiB pages the 2-core AMX VM's gemm_rows fit had R^2 0.22 and a
 # 1.19 ms intercept (SmolLM2's 512-token bf16 TTFT priced 85% slow); in a slab, R^2 0.94-0.97, 0.39-0.54 ms.
-PROFILER_VERSION = 25
+# 26: memory/bandwidth/cpu, memory/bandwidth_dram/cpu and memory/copy/cpu read buffers from host_empty (huge
+# pages), as the engine's CPU weights and experts sit: on 4 KiB pages the AMX VM's reads (16-18 GB/s) floored
+# every bf16 GEMV and expert below the kernels' own 19-27.
+PROFILER_VERSION = 26
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
