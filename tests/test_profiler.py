@@ -710,9 +710,10 @@ def test_a_cpu_expert_is_priced_at_its_own_kernels_rate_where_the_gemv_fit_is_sl
     """Where the decode GEMV's fit streams slower than the native expert kernel does from DRAM (2 AMX cores,
     2026-11-29: 19 GB/s against 27), an expert is priced at the expert kernel's rate, beyond the cache and
     within it, never faster than the memory's floors; a dense projection keeps the GEMV fit, and an expert
-    whose GEMV fit is the faster keeps that within the cache. A CPU-only MoE step's price follows."""
+    whose GEMV fit is the faster keeps that within the cache. A CPU-only MoE step's price follows, and so
+    does a prompt's expert in the native kernel (cpu_predict.native_expert_time)."""
     from tiered.checkpoint.model_config import ModelConfig
-    from tiered.planner.cpu_predict import predict_decode
+    from tiered.planner.cpu_predict import native_expert_time, predict_decode
 
     llc = 480 * 2**20
     models = {"gemv/cpu/bf16": LinearModel(0.0, 1 / 19e9, 0.99), "gemm/cpu/bf16": LinearModel(0.0, 1e-12, 0.99),
@@ -732,6 +733,10 @@ def test_a_cpu_expert_is_priced_at_its_own_kernels_rate_where_the_gemv_fit_is_sl
                              meta=with_key.meta)
     # within the cache the faster GEMV fit stands, floored by plain reads (30 GB/s), not by the expert kernel's 27
     assert op_time.memory_time(faster, "cpu", "bf16", n, working_set=llc // 2, expert=True) == pytest.approx(n / 30e9)
+    # a prompt's expert in the native kernel (a few rows): floored by the same stream
+    eb, macs = 3 * 1024 * 3584 * 2, 3 * 1024 * 3584
+    assert native_expert_time(with_key, "bf16", 1, eb, macs) == pytest.approx(eb / 27e9)
+    assert native_expert_time(gemv_only, "bf16", 1, eb, macs) == pytest.approx(eb / 19e9)
     cfg = ModelConfig.from_hf({"model_type": "mixtral", "vocab_size": 1000, "hidden_size": 1024,
                                "intermediate_size": 3584, "num_hidden_layers": 2, "num_attention_heads": 16,
                                "num_key_value_heads": 4, "head_dim": 64, "num_local_experts": 8,

@@ -173,10 +173,12 @@ def graph_gemv(profile: HardwareProfile, device: str, dtype: str) -> LinearModel
 
 
 def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, weight_bytes: float = 0.0,
-              calls: int = 1, graphed: bool = False) -> float:
+              calls: int = 1, graphed: bool = False, expert: bool = False) -> float:
     """Seconds for `calls` GEMMs totalling `macs` multiply-accumulates over `weight_bytes` of weights.
     Calls over big weights take gemm_big's line (gemm_line). `graphed`: GEMVs (a token a call)
     replayed in a CUDA graph, priced by gemv_graph/<dev>/<dtype> where profiled (graph_gemv).
+    `expert`: the weights are a routed expert's in the native expert kernel, whose stream floors the
+    time at that kernel's rate (memory_time's `expert`).
 
     Raises:
         ConfigError: the profile prices no GEMM on `device` in `dtype` (or a fallback dtype).
@@ -193,7 +195,8 @@ def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, we
         return calls * g.alpha + g.beta * weight_bytes
     line = gemm_line(profile, device, dtype, weight_bytes / calls, m, tokens)
     compute = calls * line.alpha + line.beta * macs
-    mem = memory_time(profile, device, dtype, weight_bytes / calls, "gemv") * calls if weight_bytes > 0 else 0.0
+    mem = memory_time(profile, device, dtype, weight_bytes / calls, "gemv", expert=expert) * calls \
+        if weight_bytes > 0 else 0.0
     return max(compute, mem)
 
 

@@ -402,15 +402,16 @@ def torch_gemm_time(hw: HardwareProfile, dtype: str, macs: float, weight_bytes: 
 
 def native_expert_time(hw: HardwareProfile, dtype: str, rows: int, weight_bytes: float, macs_per_row: float) -> float:
     """Seconds of one CPU expert of `rows` rows in tiered's native kernel (within its native rows):
-    op_time.gemm_time (compute, floored by one stream of the weights), and where the profile timed the
+    op_time.gemm_time (compute, floored by one stream of the weights at the expert kernel's rate:
+    memory_time's `expert`), and where the profile timed the
     native bf16 expert at 1-8 rows (expert_rows/cpu/bf16) no less than one stream of the weights plus
     each row past the first at that key's slope. On 2 Zen 4 cores a 1024 x 3584 bf16 expert took 414 /
     421 / 725 / 942 us at 1 / 2 / 4 / 8 rows, where one stream priced ~490 us whatever the rows."""
-    t = op_time.gemm_time(hw, "cpu", dtype, rows * macs_per_row, weight_bytes, calls=3)
+    t = op_time.gemm_time(hw, "cpu", dtype, rows * macs_per_row, weight_bytes, calls=3, expert=True)
     key = hw.models.get(f"expert_rows/cpu/{dtype}")
     if key is None or rows <= 1:
         return t
-    stream = 3 * op_time.memory_time(hw, "cpu", dtype, weight_bytes / 3, "gemv")
+    stream = 3 * op_time.memory_time(hw, "cpu", dtype, weight_bytes / 3, "gemv", expert=True)
     return max(t, stream + key.beta * (rows - 1) * macs_per_row)
 
 
