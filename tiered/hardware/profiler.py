@@ -72,10 +72,12 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tiered import kernels
+from tiered.errors import ConfigError
 from tiered.hardware import contention
 from tiered.hardware.budget import move_to_huge_pages
 from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K
 from tiered.hardware.profile import HardwareProfile, LinearModel
+from tiered.memory.sizes import DENSE_FORMATS, torch_dtype
 from tiered.quant.int4 import dequantize_rows
 
 MiB = 2**20
@@ -339,8 +341,8 @@ def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False)
     if _native_gemv_format(device, dtype, gemv):
         module, bpe = _native_gemv_module(dtype, w)
         return _native_gemv(dtype, module), torch.float32, bpe
-    if dtype in ("fp32", "bf16", "fp16"):
-        td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    if dtype in DENSE_FORMATS:
+        td = torch_dtype(dtype)
         wd = w.to(dev, td, copy=True)  # its own memory, as every copy of a cycled GEMV needs
         return (lambda x: F.linear(x, wd)), td, wd.element_size()
     if dtype == "int8" and device == "cpu":
@@ -518,9 +520,10 @@ def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) 
     at 8 rows, 1.97x its bytes at the DRAM rate, and each row more ~7.5 us (64 rows: 713 us, where
     max(compute, stream) priced 508). Raises ValueError for a dtype torch does not GEMM (fp32, bf16,
     fp16)."""
-    td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
-    if td is None:
-        raise ValueError(f"gemm_rows times torch's GEMM in fp32, bf16 or fp16, not {dtype!r}")
+    try:
+        td = torch_dtype(dtype)
+    except ConfigError:
+        raise ValueError(f"gemm_rows times torch's GEMM in fp32, bf16 or fp16, not {dtype!r}") from None
     g = torch.Generator().manual_seed(0)
     calls, sizes = [], []
     for N, K in shapes:
@@ -644,7 +647,7 @@ GEMV_GRAPH_CALLS = 16  # GEMVs in one captured graph (gemv_graph/gpu/<dtype>)
 
 def _attn_points(device: str, dtype: str, shapes, sync, repeats: int):
     dev = "cuda" if device == "gpu" else "cpu"
-    td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    td = torch_dtype(dtype)
     points = []
     for bh, S, hd in shapes:  # bh = sequences x heads, S cached tokens, hd head dim
         q = torch.randn(bh, 1, hd, device=dev, dtype=td)
@@ -792,7 +795,7 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
     from tiered.runtime.cpu_decode import CPUDecodeStep
 
     cuda = device == "cuda"
-    td = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+    td = torch_dtype(dtype) if dtype in DENSE_FORMATS else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     points = []
     for layers in (2, 4, 8):

@@ -23,6 +23,7 @@ INT4_GROUP = 32  # tiered's int4 (quant/int4.py): one fp16 scale and zero per 32
 _DENSE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}
 _TORCH_FORMAT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8"}
 _FORMAT_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DENSE_FORMATS = frozenset(_FORMAT_TORCH)  # the formats with a torch dtype (torch_dtype)
 
 
 def bytes_per_element(fmt: str, group: int = INT4_GROUP) -> float:
