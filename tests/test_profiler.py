@@ -600,6 +600,39 @@ def test_bandwidth_keys_price_bytes_at_their_rate_alone():
         fit_proportional([], [])
 
 
+@pytest.mark.skipif(not kernels.available(), reason="attn_decode times the native decode step")
+def test_the_attention_key_times_steps_whose_kv_bytes_outweigh_their_fixed_costs(monkeypatch):
+    """attn_decode/cpu/<kv>'s steps read 32-128 MiB of KV each, alternating between two sequences' caches:
+    its slope is the attention's, not the step's fixed costs' (a 2-layer model over 0.25-4 MiB a step had
+    fitted 1 GB/s with R^2 -133 and priced SmolLM2 at 640 positions 2.5x slow)."""
+    from tiered.hardware import profiler
+    from tiered.runtime import cpu_decode
+
+    slots = []
+
+    def times(fns, repeats, *a, **k):  # each step run twice: which caches' slots it reads
+        for fn in fns:
+            for _ in range(2):
+                fn()
+        return [1e-3 * (i + 1) for i in range(len(fns))]
+
+    real = cpu_decode.CPUDecodeStep.__call__
+
+    def call(self, ids, pos, slot, cache):
+        assert self.native_cache(cache)  # the native step's attention, as the engine's
+        slots.append((int(slot), int(pos), cache.k.shape))
+        return real(self, ids, pos, slot, cache)
+
+    monkeypatch.setattr(profiler, "median_times", times)
+    monkeypatch.setattr(cpu_decode.CPUDecodeStep, "__call__", call)
+    points = profiler._attn_decode_points("bf16", 1)
+    nbytes = [n for n, _ in points]
+    assert nbytes[0] >= 32 * 2**20 and nbytes == [nbytes[0], 2 * nbytes[0], 4 * nbytes[0]]
+    assert [s for s, _, _ in slots] == [0, 1] * 3  # two sequences' caches in turn
+    assert [p for _, p, _ in slots][::2] == list(profiler.ATTN_DECODE_CONTEXTS)
+    assert all(shape[1] == profiler.ATTN_DECODE_SLOTS for _, _, shape in slots)
+
+
 def test_the_native_steps_attention_is_priced_at_its_measured_rate():
     """A CPU decode step's native attention costs its KV bytes at attn_decode/cpu/<kv> where profiled
     (measured ~14 GB/s on 2 Zen 4 cores), never less than the memory's rate, and the memory's rate

@@ -658,38 +658,48 @@ def _attn_points(device: str, dtype: str, shapes, sync, repeats: int):
     return points
 
 
-def _attn_decode_points(kv: str, repeats: int, cold_bytes: int) -> list[tuple[float, float]]:
+ATTN_DECODE_LAYERS = 16  # layers of attn_decode's model: its KV bytes, not the step's fixed costs, set the slope
+ATTN_DECODE_CONTEXTS = (2048, 4096, 8192)  # cached positions a timed step reads
+ATTN_DECODE_SLOTS = 2  # sequences whose caches the timed steps alternate between
+
+
+def _attn_decode_points(kv: str, repeats: int) -> list[tuple[float, float]]:
     """(KV-cache bytes a decode step reads, seconds) of the native CPU decode step (runtime/
     cpu_decode, tiered/kernels) over a cache in `kv` ("fp32" or "bf16", beside fp32 activations):
-    a 2-layer model of Llama-3's attention at head_dim 64 (8 query heads on 2 KV heads, hidden 512,
-    a tiny MLP) decoding one token after 256 / 1024 / 4096 cached positions. Each call attends in
-    the next of as many cache slots as `cold_bytes` takes, so its keys and values come from DRAM as
-    a real step's do (its weights evict the cache between layers). The slope is what the step's
-    attention costs a KV byte: split over the threads and prefetched, but below the memory's rate
-    (SmolLM2 after 1000 positions on 2 Zen 4 cores: ~15 GB/s against ~38 for its weights)."""
+    a model of ATTN_DECODE_LAYERS layers of attention only in effect (12 query heads on 4 KV heads of
+    64, SmolLM2's group of 3 and head size; hidden 128, a tiny MLP and vocabulary: ~5 MiB of weights)
+    decoding one token after each of ATTN_DECODE_CONTEXTS cached positions (32-128 MiB of bf16 KV a
+    step), its calls alternating between ATTN_DECODE_SLOTS sequences' caches (models/layers.KVCache,
+    as the engine holds them), so that a step's keys and values were last read 1-2 other caches ago.
+    The slope is what the step's attention costs a KV byte: split over the threads and prefetched,
+    but below the memory's rate. On 2 AMX cores (2026-11-29) SmolLM2's default engine took 2.8 us a
+    position over its 30 layers (8.1 GB/s against ~20 for its weights) and this key read 8.6-9.8.
+    The key's earlier model (2 layers of 8 heads on 2, 0.25-4 MiB a step, cycled over 1 GiB of
+    caches) timed the step's fixed costs and page walks more than its attention (R^2 -133 in one
+    quick profile): it priced SmolLM2's default decode at 640 positions 2.5x slow."""
     from tiered.checkpoint.model_config import ModelConfig
     from tiered.memory import sizes
     from tiered.models import build_model
     from tiered.models.layers import KVCache
     from tiered.runtime.cpu_decode import CPUDecodeStep
 
-    layers, contexts, calls = 2, (256, 1024, 4096), []
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=512, intermediate_size=64,
-                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-    for ctx in contexts:
+    calls = []
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=64,
+                      num_hidden_layers=ATTN_DECODE_LAYERS, num_attention_heads=12, num_key_value_heads=4,
+                      head_dim=64)
+    for ctx in ATTN_DECODE_CONTEXTS:
         model = build_model(cfg, ctx + 1).eval()
         step = CPUDecodeStep(model, native=True)
-        per_slot = sizes.kv_cache_bytes(cfg, 1, ctx + 1, kv)
-        n = max(2, min(4096, -(-cold_bytes // per_slot)))
-        cache = KVCache(cfg, n, ctx + 1, sizes.torch_dtype(kv))
+        cache = KVCache(cfg, ATTN_DECODE_SLOTS, ctx + 1, sizes.torch_dtype(kv))
         cache.k.normal_()
         cache.v.normal_()
-        ids, pos, turn = torch.tensor([[1]]), torch.tensor([[ctx]]), itertools.cycle([torch.tensor([s]) for s in range(n)])
+        ids, pos = torch.tensor([[1]]), torch.tensor([[ctx]])
+        turn = itertools.cycle([torch.tensor([s]) for s in range(ATTN_DECODE_SLOTS)])
         calls.append(lambda step=step, ids=ids, pos=pos, turn=turn, cache=cache: step(ids, pos, next(turn), cache))
     with torch.inference_mode():  # the contexts timed interleaved, as _gemm_points' CPU shapes
         times = median_times(calls, max(5, repeats))
     # n: the cached positions each step reads
-    return [(float(sizes.kv_cache_bytes(cfg, 1, ctx, kv)), t) for ctx, t in zip(contexts, times)]
+    return [(float(sizes.kv_cache_bytes(cfg, 1, ctx, kv)), t) for ctx, t in zip(ATTN_DECODE_CONTEXTS, times)]
 
 
 def _attn_prefill_points(dtype: str, shapes, repeats: int):
@@ -1234,7 +1244,11 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 26: memory/bandwidth/cpu, memory/bandwidth_dram/cpu and memory/copy/cpu read buffers from host_empty (huge
 # pages), as the engine's CPU weights and experts sit: on 4 KiB pages the AMX VM's reads (16-18 GB/s) floored
 # every bf16 GEMV and expert below the kernels' own 19-27.
-PROFILER_VERSION = 26
+# 27: attn_decode/cpu/<kv> times 16 layers over 32-128 MiB of KV a step, alternating between 2 sequences' caches
+# (_attn_decode_points): 2 layers over 0.25-4 MiB, cycled over 1 GiB of caches on 4 KiB pages, had timed the
+# step's fixed costs and page walks, and a quick profile's fit (1 GB/s, R^2 -133) priced SmolLM2's default
+# decode at 640 positions 61 tok/s against 156 measured.
+PROFILER_VERSION = 27
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -1335,7 +1349,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
             # the native bf16 expert at one row over experts of real width, as a CPU expert streams them
             b.attempt("expert_dram/cpu/bf16", lambda: _expert_dram_points(max(3, r // 2), 3 * llc))
             for kv in ("bf16", "fp32"):  # the native step's attention over a cache in DRAM
-                b.attempt(f"attn_decode/cpu/{kv}", lambda k=kv: _attn_decode_points(k, r, min(3 * llc, 2**30)))
+                b.attempt(f"attn_decode/cpu/{kv}", lambda k=kv: _attn_decode_points(k, r))
     b.attempt("memory/copy/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=True))
     b.models["launch/cpu"] = LinearModel(_launch_time("cpu", nosync), 0.0, None)
     b.say(f"launch/cpu: {b.models['launch/cpu'].alpha:.3g} s")
