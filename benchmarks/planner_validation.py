@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -206,7 +205,6 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
                              dtype=torch.bfloat16, **shape)
     files = [str(p) for p in model.glob("*.safetensors")]
     ckpt_bytes = sum(os.path.getsize(f) for f in files)
-    eb = 3 * shape["hidden"] * shape["ffn"] * 2
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, shape["vocab"], (32,), generator=g).tolist()
     cpu_mem = int(ckpt_bytes / 3.2)
@@ -274,6 +272,9 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
 
 TTFT_TOKENS = 512  # the prompt the plans price TTFT for (planner/auto: min(512, max_context / 2))
 BATCH = 8  # sequences of the batched SmolLM2 row (a server's --max-batch 8 step)
+# the prompt of the long-context SmolLM2 row: its decode step reads ~47 MB of KV beside ~100 MB of weights (a
+# 2-layer attn_decode key had priced SmolLM2's default decode at 640 positions 2.5x slow on the AMX VM)
+LONG_PROMPT = 2048
 SHORT_REPEATS = 5  # rounds over SHORT_PROMPTS, each length once a round (prompt_rows)
 SHORT_PROMPTS = (8, 16, 64, 128)  # prompt_rows' lengths: 2, 4, 16 and 32 rows an expert, uniformly routed
 
@@ -362,12 +363,14 @@ def dense_rows(args, hw, rows: list, errors: list) -> None:
              ("SmolLM2-135M dense, fp32 weights", EngineConfig(dtype="float32", decode_weights="fp32", plan="off"), "fp32"),
              ("SmolLM2-135M default (auto plan: one int4/int8 copy, native step)", EngineConfig(), None),
              (f"SmolLM2-135M default, {BATCH} sequences at once (ms per token of the step)",
-              EngineConfig(max_batch=BATCH), "batch"))
+              EngineConfig(max_batch=BATCH), "batch"),
+             (f"SmolLM2-135M default, after a {LONG_PROMPT}-token prompt",
+              EngineConfig(max_context=2 * LONG_PROMPT), "long"))
     long_prompt = [(i * 7) % 40000 + 100 for i in range(TTFT_TOKENS)]
     for name, cfg, dw in cases:
         now = bandwidth_now(hw)  # as the engine plans (the default row's engine checks on its own)
         llm = LLM(None, cfg)
-        ids = list(range(100, 132))
+        ids = [(i * 7) % 40000 + 100 for i in range(LONG_PROMPT)] if dw == "long" else list(range(100, 132))
         llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         positions = len(ids) + args.new_tokens // 2
         if dw == "batch":  # BATCH prompts decoded together: the step's time over its BATCH tokens
@@ -380,15 +383,15 @@ def dense_rows(args, hw, rows: list, errors: list) -> None:
                                                              ignore_eos=True))[0].stats.itl_s for _ in range(3)])
         if dw == "batch":  # the plan's batch figure priced again at this run's positions
             step = 1.0 / llm.predicted_decode_at(positions, batch=True)
-        elif dw is None:  # the plan priced again at this run's positions (its own figure is at prompt + generation:
+        elif dw in (None, "long"):  # the plan priced again at this run's positions (its own figure is at prompt + generation:
             # 640 positions, where attention reads 10x the KV bytes), as `tiered run` reports it
             step = 1.0 / (llm.predicted_decode_at(positions) or llm.plan.predicted_decode_tokens_per_s)
         else:
-            _, step = predict_decode(llm.config, now, dw, context=len(ids) + args.new_tokens // 2)
+            _, step = predict_decode(llm.config, now, dw, context=positions)
         err = abs(step - itl) / itl
         errors.append(err)
         ttft = median([first_token_s(llm, long_prompt) for _ in range(3)])
-        if dw in (None, "batch"):
+        if dw in (None, "batch", "long"):
             assert llm.plan.prompt_tokens == TTFT_TOKENS, llm.plan.prompt_tokens
             p_ttft = llm.plan.predicted_ttft_s
         else:  # plan off: weights and activations in dw, no decode copies
