@@ -366,11 +366,13 @@ def dense_rows(args, hw, rows: list, errors: list) -> None:
               EngineConfig(max_batch=BATCH), "batch"),
              (f"SmolLM2-135M default, after a {LONG_PROMPT}-token prompt",
               EngineConfig(max_context=2 * LONG_PROMPT), "long"))
-    long_prompt = [(i * 7) % 40000 + 100 for i in range(TTFT_TOKENS)]
+    def spread(n: int) -> list[int]:  # n token ids over SmolLM2's vocabulary
+        return [(i * 7) % 40000 + 100 for i in range(n)]
+    long_prompt = spread(TTFT_TOKENS)
     for name, cfg, dw in cases:
         now = bandwidth_now(hw)  # as the engine plans (the default row's engine checks on its own)
         llm = LLM(None, cfg)
-        ids = [(i * 7) % 40000 + 100 for i in range(LONG_PROMPT)] if dw == "long" else list(range(100, 132))
+        ids = spread(LONG_PROMPT) if dw == "long" else list(range(100, 132))
         llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         positions = len(ids) + args.new_tokens // 2
         if dw == "batch":  # BATCH prompts decoded together: the step's time over its BATCH tokens

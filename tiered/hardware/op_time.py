@@ -100,8 +100,14 @@ def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float
     if kernel is None:
         return t
     own = nbytes * max(floor, kernel.beta)  # the expert kernel's own stream, no faster than the memory
+    return own if beyond_cache(profile, working_set) else min(t, own)
+
+
+def beyond_cache(profile: HardwareProfile, working_set: float) -> bool:
+    """Whether `working_set` bytes exceed the profile's last-level cache (meta["llc_bytes"]; False where
+    the profile does not know it): no read of such a set hits the cache."""
     llc = profile.meta.get("llc_bytes") if profile.meta else None
-    return own if llc and working_set > llc else min(t, own)
+    return bool(llc and working_set > llc)
 
 
 def dram_floor(profile: HardwareProfile, device: str, working_set: float, dtype: str | None = None,
@@ -115,8 +121,7 @@ def dram_floor(profile: HardwareProfile, device: str, working_set: float, dtype:
     experts of real width in huge pages, as the runtime holds them: on the H100's 16-core host the
     decode GEMV over 8-32 MiB matrices read 69 GB/s where a Mixtral expert streamed ~90, and the
     plans priced each CPU expert 5.1 ms against 3.9 measured). Else 0 (the cache may serve it)."""
-    llc = profile.meta.get("llc_bytes") if profile.meta else None
-    if not (llc and working_set > llc):
+    if not beyond_cache(profile, working_set):
         return 0.0
     dram = profile.models.get(f"memory/bandwidth_dram/{device}")
     kernel = None

@@ -673,7 +673,7 @@ def _attn_decode_points(kv: str, repeats: int) -> list[tuple[float, float]]:
     as the engine holds them), so that a step's keys and values were last read 1-2 other caches ago.
     The slope is what the step's attention costs a KV byte: split over the threads and prefetched,
     but below the memory's rate. On 2 AMX cores (2026-11-29) SmolLM2's default engine took 2.8 us a
-    position over its 30 layers (8.1 GB/s against ~20 for its weights) and this key read 8.6-9.8.
+    position over its 30 layers (8.1 GB/s against ~20 for its weights) and this key read 11-12 (R^2 0.99).
     The key's earlier model (2 layers of 8 heads on 2, 0.25-4 MiB a step, cycled over 1 GiB of
     caches) timed the step's fixed costs and page walks more than its attention (R^2 -133 in one
     quick profile): it priced SmolLM2's default decode at 640 positions 2.5x slow."""
@@ -698,7 +698,7 @@ def _attn_decode_points(kv: str, repeats: int) -> list[tuple[float, float]]:
         calls.append(lambda step=step, ids=ids, pos=pos, turn=turn, cache=cache: step(ids, pos, next(turn), cache))
     with torch.inference_mode():  # the contexts timed interleaved, as _gemm_points' CPU shapes
         times = median_times(calls, max(5, repeats))
-    # n: the cached positions each step reads
+    # n: the KV bytes of the cached positions each step reads
     return [(float(sizes.kv_cache_bytes(cfg, 1, ctx, kv)), t) for ctx, t in zip(ATTN_DECODE_CONTEXTS, times)]
 
 

@@ -209,9 +209,8 @@ def cost_params(profile: HardwareProfile, precision: str = "fp16", shape: LayerS
 
     (ag, bg), (ac, bc) = gemm("gpu"), gemm("cpu")
     h, l = profile.model(copy_key), profile.model(launch_key)
-    llc = profile.meta.get("llc_bytes") if profile.meta else None
     dram = profile.models.get("memory/bandwidth_dram/cpu")
-    shared = dram.beta if dram is not None and llc and cpu_working_set > llc else 0.0
+    shared = dram.beta if dram is not None and op_time.beyond_cache(profile, cpu_working_set) else 0.0
     return CostParams(ag, bg, ac, bc, h.alpha, h.beta, l.alpha, shared)
 
 
