@@ -246,6 +246,38 @@ def test_cpu_moe_prefill_prices_bf16_experts_past_their_native_rows_as_torch_gem
     assert predict_prefill(MIXTRAL, hw, "bf16", 64, experts_format="int4") < predict_prefill(MIXTRAL, hw, "bf16", 64)
 
 
+def test_a_cpu_moe_prompt_is_priced_on_the_expert_profiles_routing():
+    """With an expert profile (popularity, tokens routed per expert) a CPU MoE prefill prices the experts the
+    profile makes active and their rows (latency_moe.prompt_experts' counting): a prompt whose tokens all go to
+    the same 2 of 8 experts a layer runs 2 experts of every row, not 8 of a quarter of them, and the plan on
+    the CPU prices its TTFT so (latency_cpu hands the profile on). Uniform counts price as no profile does."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from tiered.planner.cpu_predict import predict_prefill, torch_gemm_time
+
+    m = {"gemm/cpu/bf16": LinearModel(0.0, 1e-12, 1.0), "gemv/cpu/bf16": LinearModel(0.0, 1 / 45e9, 1.0),
+         "gemm_rows/cpu/bf16": LinearModel(4e-4, 3 / 45e9, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", m, None, None,
+                         meta={"native_kernels": True, "kernel_tuning": {"bf16_native_rows": 4}})
+    small = replace(MIXTRAL, num_hidden_layers=4)
+    skew = np.zeros((4, 8))
+    skew[:, 2:4] = 100.0
+    T = 512
+    uniform = predict_prefill(small, hw, "bf16", T)
+    assert predict_prefill(small, hw, "bf16", T, popularity=np.ones((4, 8))) == pytest.approx(uniform, rel=1e-6)
+    skewed = predict_prefill(small, hw, "bf16", T, popularity=skew)
+    # the experts' part: 8 experts of 128 rows a layer against 2 of 512; all else the same
+    d, F = small.hidden_size, small.moe_intermediate_size
+    expert = lambda rows: torch_gemm_time(hw, "bf16", 3 * rows * d * F, 3 * d * F * 2, 3)  # noqa: E731
+    assert uniform - skewed == pytest.approx(4 * (8 * expert(128) - 2 * expert(512)), rel=1e-6)
+    assert skewed < 0.9 * uniform
+    plain = make_plan(small, hw, cpu_memory=48 * GiB)
+    profiled = make_plan(small, hw, cpu_memory=48 * GiB, popularity=skew)
+    assert profiled.predicted_ttft_s == pytest.approx(plain.predicted_ttft_s - (uniform - skewed), rel=1e-6)
+
+
 def test_one_copy_int4_prompts_are_priced_on_the_path_their_rows_take():
     """A one-copy int4 weight's prompt GEMM runs the int4 kernel up to quant/int4.dequantize_rows() rows and a
     dequantized GEMM past them; the profile records that row count (meta["int4_dequantize_rows"]) and times

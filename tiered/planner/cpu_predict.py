@@ -493,7 +493,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                     moe_layers: list[int] | None = None, disk_share: float = 0.0,
                     experts_dtype: str | None = None, act_dtype: str | None = None,
                     experts_format: str | None = None, read_ahead: bool = True, readers: int = 2,
-                    task_overhead: float | None = None, batch_act: str = "bf16") -> float:
+                    task_overhead: float | None = None, batch_act: str = "bf16", popularity=None) -> float:
     """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
 
     Per layer: the attention projections and each FFN / active expert as GEMMs of all their
@@ -509,7 +509,14 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     both cores busy. On the 2-core EPYC a 128-token prompt of the uniformly routed validation
     checkpoint (57 of 64 experts read from disk, read-ahead on) took 0.93-1.17 s; its reads
     overlapped as decode's are priced it at 0.70 s. Experts: with T tokens routed top-k of E uniformly, E * (1 - (1 - k/E)^T) are active with T * k
-    / active tokens each. Then the lm_head of the last token only (CausalLM's last_only) and the
+    / active tokens each; with `popularity` (float [L, E], tokens routed per expert: an expert profile,
+    planner/placement.load_popularity), as latency_moe.prompt_experts counts a GPU plan's prompt: expert e
+    takes each token with q_e = min(1, k p_e), is active with a_e = 1 - (1 - q_e)^T (prompt_activity) and then
+    computes T q_e / a_e rows; the layer's experts cost sum_e a_e * (one expert of those rows). Fewer experts
+    of more rows cost less than the uniform draw's: the skew-routed 8-layer Mixtral-width dummy's 512-token
+    prompt sent nearly every token to the same 2 experts a layer and took 0.232 s where the uniform draw (8
+    experts of 128 rows, each a torch GEMM of 3 projections) priced 0.298 (2 Sapphire Rapids cores,
+    2026-11-29). Then the lm_head of the last token only (CausalLM's last_only) and the
     per-step cost. Prefill runs the dense weights in `dtype` (decode copies serve <= 8 rows).
     `experts_dtype`: the dtype expert GEMMs of more than 8 rows compute in (None = `dtype`): the
     activations' (quant/experts.ExpertFormat.forward converts or dequantizes the expert's weights to
@@ -583,14 +590,24 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             if Fs:  # the shared expert(s), a dense FFN every token runs
                 t += gemm(dtype, 3 * T * d * Fs, 3 * d * Fs * bpe, 3, T > GEMM_ROWS)
             ebytes = 3 * d * F * op_time.bytes_per_element(edt)
-            quantized = None if stored == edt else prompt_expert_time(
-                hw, stored, s, eb, 3 * d * F, batch_act, cfg.expert_bias, active * eb * n_moe)
-            if stored == edt and s <= expert_native_rows(hw, stored):  # tiered's native kernel
-                compute = native_expert_time(hw, edt, s, ebytes, 3 * d * F)
-            elif quantized is not None:  # a quantized format's own kernels, or dequantized GEMMs past them
-                compute = quantized
-            else:  # torch's GEMMs past the native rows (bf16), or a format without a priced path
-                compute = gemm(edt, 3 * s * d * F, ebytes, 3, stored == edt)
+
+            def expert(s: int) -> float:  # one expert of `s` rows, as the runtime computes it
+                quantized = None if stored == edt else prompt_expert_time(
+                    hw, stored, s, eb, 3 * d * F, batch_act, cfg.expert_bias, active * eb * n_moe)
+                if stored == edt and s <= expert_native_rows(hw, stored):  # tiered's native kernel
+                    return native_expert_time(hw, edt, s, ebytes, 3 * d * F)
+                if quantized is not None:  # a quantized format's own kernels, or dequantized GEMMs past them
+                    return quantized
+                # torch's GEMMs past the native rows (bf16), or a format without a priced path
+                return gemm(edt, 3 * s * d * F, ebytes, 3, stored == edt)
+            if popularity is not None and np.sum(popularity[i]) > 0:  # the profile's skew
+                w = np.asarray(popularity[i], dtype=np.float64) + 1e-9  # every expert stays drawable
+                a, q = prompt_activity(w, T, k_), np.minimum(1.0, k_ * w / w.sum())
+                active = max(float(k_), float(a.sum()))
+                work = sum(a[e] * expert(max(1, math.ceil(T * q[e] / a[e] - 1e-9))) for e in range(E_) if a[e] > 1e-6)
+                compute = work / active
+            else:
+                compute = expert(s)
             t += experts_with_reads(hw, active, active * disk_share, eb, compute, read_ahead, readers, over,
                                     overlap=False)
             if torch_glu:  # past their native rows gpt-oss's experts run one by one, torch op by op

@@ -94,7 +94,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     plan.predicted_ttft_s = predict_prefill(cfg, profile, held, plan.prompt_tokens, moe or None, disk_share,
                                             experts_dtype=fmt, act_dtype=fmt, experts_format=plan.dtypes["experts"],
                                             read_ahead=plan.read_ahead, readers=max(2, plan.staging_buffers),
-                                            batch_act=plan.batch_act)
+                                            batch_act=plan.batch_act, popularity=experts.popularity if moe else None)
     plan.memory = memory
     plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
                     f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "
