@@ -68,7 +68,7 @@ TINY_SPECS: dict[str, TinySpec] = {
     "qwen3": TinySpec("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
     # rows of 256: GGUF's K-quant super-blocks (Q4_K, Q6_K) fit every projection
     "llama_wide": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=256, intermediate_size=512)),
-    # 7 query heads on one KV head of 32: the native attention's vector path weighs values for 3 + 3 + 1 heads
+    # 7 query heads on one KV head of 32: the native attention's vector path scores and weighs 4 + 3 heads
     "llama_gqa7": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=224, num_attention_heads=7,
                                                                   num_key_value_heads=1, intermediate_size=256)),
 }

@@ -94,8 +94,9 @@ def test_native_attention_splits_long_contexts_between_threads(zoo, threads):
 @pytest.mark.parametrize("kind", ["qwen3", "llama_wide", "llama_gqa7"])
 def test_native_attention_vector_path_matches_the_modules(zoo, kind, kv):
     """head_dim 32 or 64 (qwen3, llama_gqa7; llama_wide): the native attention's vector loops, keys 8
-    at a time then one by one (prompts of 21 and 13 tokens), values weighed for query-head groups
-    of 2 and of 7 (3 + 3 + 1), over an fp32 or a bf16 cache: the modules' logits and cache."""
+    at a time then one by one (prompts of 21 and 13 tokens), keys scored and values weighed for
+    query-head groups of 2 and of 7 (4 + 3), over an fp32 or a bf16 cache (its rows widened as even
+    and odd columns, the queries split to match): the modules' logits and cache."""
     llm = zoo.llm(zoo.dir(kind), dtype="float32", max_context=64, accelerator="none")
     assert llm.config.head_dim % 32 == 0
     # bf16: a key's rounding can fall either side between the paths' fp32 sums (one bf16 step)

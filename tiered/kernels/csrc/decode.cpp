@@ -219,13 +219,27 @@ __attribute__((always_inline)) inline v8f load8(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-__attribute__((always_inline)) inline v8f load8(const uint16_t* p) {  // 8 bf16 -> fp32 (bits << 16)
+// 8 bf16 -> fp32 (bits << 16) by interleaving them with zeros: one permute in the AVX-512 copy, where
+// __builtin_convertvector's widening compiled to two 4-wide ones, a byte shift and an insert.
+__attribute__((always_inline)) inline v8f load8(const uint16_t* p) {
   v8h h;
   std::memcpy(&h, p, sizeof(h));
-  const v8u u = __builtin_convertvector(h, v8u) << 16;
+  typedef uint16_t v16h __attribute__((vector_size(32)));
+  const v8h z = {};
+  const v16h u = __builtin_shufflevector(z, h, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
   v8f v;
   std::memcpy(&v, &u, sizeof(v));
   return v;
+}
+// 16 bf16 -> their even and odd elements as fp32 (bits << 16, and the high halves as they are): no
+// shuffles, so a bf16 cache's rows convert on the ALU ports beside the FMAs (a permutation widening
+// 8 at a time ran on the shuffle port, which the dot products' sums also need).
+__attribute__((always_inline)) inline void load16_split(const uint16_t* p, v8f& even, v8f& odd) {
+  v8u u;
+  std::memcpy(&u, p, sizeof(u));
+  const v8u e = u << 16, o = u & 0xffff0000u;
+  std::memcpy(&even, &e, sizeof(v8f));
+  std::memcpy(&odd, &o, sizeof(v8f));
 }
 // rows [t, t + 8) of a cache K [., w] as fp32: K's own rows when E is float, else (bf16 bits) widened
 // into kb [8 w] (w % 8 == 0), which the caller's scratch holds.
@@ -254,7 +268,8 @@ __attribute__((always_inline)) inline void softmax_rows(float* p, int64_t rows, 
   for (int64_t j = 0; j < rows; ++j) {
     float* pj = p + j * n;
     float mx = -INFINITY;
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, pj[t]);
+#pragma omp simd reduction(max : mx)  // std::max's loop stayed scalar: ~20% of a 1024-key attention
+    for (int64_t t = 0; t < n; ++t) mx = pj[t] > mx ? pj[t] : mx;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; ++t) sum += (pj[t] = exp_fast(pj[t] - mx));
@@ -351,11 +366,43 @@ __attribute__((always_inline)) inline void hsum8x4(v8f a0, v8f a1, v8f a2, v8f a
 }
 
 // o [J, hd] = p [J, n] V [n, hd] for J query heads (rows of p ldp apart, of V ldv apart; `add`: o +=
-// instead): 32 columns at a time in J x 4 registers, each value row loaded (a bf16 cache: converted)
-// once for the J heads.
+// instead): 32 columns at a time in J x 4 registers, each value row loaded (a bf16 cache: widened, as
+// even and odd columns, load16_split; o's columns put back in order when stored) once for the J heads.
 template <int J, typename E>
 __attribute__((always_inline)) inline void weigh_values(const float* p, int64_t n, const E* V, int64_t hd, float* o,
                                                         int64_t ldv, int64_t ldp, bool add) {
+  if constexpr (std::is_same_v<E, uint16_t>) {  // a bf16 cache: acc[j] = o's even / odd columns of c0..c0+32
+    for (int64_t c0 = 0; c0 < hd; c0 += 32) {
+      v8f acc[J][4] = {};
+      alignas(32) float buf[J * 32];
+      if (add) {
+        for (int j = 0; j < J; ++j)
+          for (int c = 0; c < 4; ++c)
+            for (int i = 0; i < 8; ++i) buf[j * 32 + 8 * c + i] = o[j * hd + c0 + 16 * (c / 2) + 2 * i + c % 2];
+        for (int j = 0; j < J; ++j)
+          for (int c = 0; c < 4; ++c) std::memcpy(&acc[j][c], buf + j * 32 + 8 * c, sizeof(v8f));
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const E* v = V + t * ldv + c0;
+        v8f v0, v1, v2, v3;
+        load16_split(v, v0, v1);
+        load16_split(v + 16, v2, v3);
+        for (int j = 0; j < J; ++j) {
+          const float w = p[j * ldp + t];
+          acc[j][0] += w * v0;
+          acc[j][1] += w * v1;
+          acc[j][2] += w * v2;
+          acc[j][3] += w * v3;
+        }
+      }
+      for (int j = 0; j < J; ++j)
+        for (int c = 0; c < 4; ++c) std::memcpy(buf + j * 32 + 8 * c, &acc[j][c], sizeof(v8f));
+      for (int j = 0; j < J; ++j)
+        for (int c = 0; c < 4; ++c)
+          for (int i = 0; i < 8; ++i) o[j * hd + c0 + 16 * (c / 2) + 2 * i + c % 2] = buf[j * 32 + 8 * c + i];
+    }
+    return;
+  }
   for (int64_t c0 = 0; c0 < hd; c0 += 32) {
     v8f acc[J][4] = {};
     if (add)
@@ -377,6 +424,36 @@ __attribute__((always_inline)) inline void weigh_values(const float* p, int64_t 
   }
 }
 
+// p [j * ldp + u] = scale x q_j . K_u for J query heads q [J, hd] and U keys K [U, hd] (U % 4 == 0): J x U
+// accumulators of 8 columns, each key's columns loaded (a bf16 cache: widened, load16_split) once for
+// the J heads, one shuffle tree (hsum8x4) for 4 dot products. A bf16 cache's q comes with each 16
+// columns' even ones first, then the odd ones, as load16_split widens the keys.
+template <int J, int U, typename E>
+__attribute__((always_inline)) inline void score_keys(const float* q, const E* K, int64_t hd, float scale, float* p,
+                                                      int64_t ldp) {
+  v8f a[J][U] = {};
+  if constexpr (std::is_same_v<E, uint16_t>) {  // q: each 16 columns' even, then odd ones (attend_impl's qs)
+    for (int64_t c = 0; c < hd; c += 16) {
+      v8f qe[J], qo[J];
+      for (int j = 0; j < J; ++j) qe[j] = load8(q + j * hd + c), qo[j] = load8(q + j * hd + c + 8);
+      for (int u = 0; u < U; ++u) {
+        v8f ke, ko;
+        load16_split(K + u * hd + c, ke, ko);
+        for (int j = 0; j < J; ++j) a[j][u] += qe[j] * ke + qo[j] * ko;
+      }
+    }
+  } else for (int64_t c = 0; c < hd; c += 8) {
+    v8f qv[J];
+    for (int j = 0; j < J; ++j) qv[j] = load8(q + j * hd + c);
+    for (int u = 0; u < U; ++u) {
+      const v8f k = load8(K + u * hd + c);
+      for (int j = 0; j < J; ++j) a[j][u] += qv[j] * k;
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int u = 0; u < U; u += 4) hsum8x4(a[j][u], a[j][u + 1], a[j][u + 2], a[j][u + 3], scale, p + j * ldp + u);
+}
+
 // One KV head's attention for its `group` query heads q [group, hd] over n cached rows K, V [n, hd]:
 // o [group, hd] = softmax(q K^T * scale) V, each key and value row read once for the whole group.
 // p: scratch [group, n]. E is the cache's element: float, or bf16 as its bits. With `ml` (a part of
@@ -389,9 +466,19 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
                         float* p, float* o, float* ml, Load load) {
   if constexpr (std::is_same_v<E, float> || std::is_same_v<E, uint16_t>) {
     if (hd % 32 == 0 && hd <= 256) {  // head_dim 64, 96, 128, ..: vector loops
-      // scores, 8 keys at a time: each key row converted to fp32 once for the whole group (a bf16
-      // cache), 8 independent FMA chains a query head, one shuffle tree for 4 dot products
-      alignas(32) float kb[8 * 256];
+      // scores, 8 keys at a time (score_keys): up to 4 query heads x 4 keys in registers, each key's
+      // 8 columns loaded (a bf16 cache: widened) once for those heads, one shuffle tree for 4 dot
+      // products. A bf16 cache's keys widen as even and odd columns (load16_split), so the queries
+      // are split likewise: qs [group, hd], each 16 columns' even ones, then their odd ones.
+      alignas(32) float q_local[16 * 256];
+      std::vector<float> q_heap;
+      const float* qs = q;
+      if constexpr (std::is_same_v<E, uint16_t>) {
+        float* split = group * hd <= 16 * 256 ? q_local : (q_heap.resize(group * hd), q_heap.data());
+        for (int64_t j = 0; j < group * hd; j += 16)
+          for (int i = 0; i < 8; ++i) split[j + i] = q[j + 2 * i], split[j + 8 + i] = q[j + 2 * i + 1];
+        qs = split;
+      }
       int64_t t = 0;
       const int64_t row_bytes = hd * int64_t(sizeof(E));
       for (; t + 8 <= n; t += 8) {
@@ -403,17 +490,17 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
           __builtin_prefetch(kn + b);
           __builtin_prefetch(vn + b);
         }
-        const float* kf = rows8_f32(K, t, hd, kb);
-        for (int64_t j = 0; j < group; ++j) {
-          const float* qj = q + j * hd;
-          v8f a[8] = {};
-          for (int64_t c = 0; c < hd; c += 8) {
-            const v8f qv = load8(qj + c);
-            for (int u = 0; u < 8; ++u) a[u] += qv * load8(kf + u * hd + c);
-          }
-          hsum8x4(a[0], a[1], a[2], a[3], scale, p + j * n + t);
-          hsum8x4(a[4], a[5], a[6], a[7], scale, p + j * n + t + 4);
-        }
+        // 4 heads and 4 keys a call: 16 accumulators (AVX2's 16 registers spill a little; AVX-512's 32
+        // do not), 3 heads' 12 fit either. On 2 Sapphire Rapids cores one KV head's 1024 cached keys
+        // (bf16) took 12-13 ns a key for 3 heads of 64 (was 21), 28-29 for 4 of 128 (was 52), one core.
+        const E* k8 = K + t * hd;
+        int64_t j = 0;
+        for (; j + 4 <= group; j += 4)
+          for (int h = 0; h < 8; h += 4) score_keys<4, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
+        for (; j + 3 <= group; j += 3)
+          for (int h = 0; h < 8; h += 4) score_keys<3, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
+        if (group - j == 2) score_keys<2, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
+        if (group - j == 1) score_keys<1, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
       }
       for (; t < n; ++t) {  // the last keys one at a time: two FMA chains a dot product
         const E* k = K + t * hd;
@@ -428,8 +515,9 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
         }
       }
       softmax_rows(p, group, n, ml);
-      // o: up to 3 query heads x 32 columns in 12 registers, each value row converted once for them
+      // o: up to 4 query heads x 32 columns in 16 registers, each value row converted once for them
       int64_t j = 0;
+      for (; j + 4 <= group; j += 4) weigh_values<4>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
       for (; j + 3 <= group; j += 3) weigh_values<3>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
       if (group - j == 2) weigh_values<2>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
       if (group - j == 1) weigh_values<1>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
