@@ -857,6 +857,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-repeats", type=int, default=None, help="decode repeats (default 3)")
     ap.add_argument("--new-tokens", type=int, default=None, help="decode length (default 128)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--long-prompt", type=int, default=LONG_PROMPT, metavar="N",
+                    help=f"the prompt of the long-context decode column (default {LONG_PROMPT} tokens)")
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ",".join(ENGINES))
     ap.add_argument("--install-llama-cpp", action="store_true",
                     help="pip install llama-cpp-python first when it is not importable (builds from source)")
@@ -893,7 +895,7 @@ def main(argv=None) -> int:
     decode_repeats = a.decode_repeats or (1 if a.quick else (max(1, prefill_repeats * 3 // 5) if a.repeats else 3))
     new_tokens = a.new_tokens or (16 if a.quick else 128)
     spec = {"threads": a.threads, "lengths": list(PREFILL_LENGTHS), "decode_prompt": DECODE_PROMPT,
-            "long_prompt": 256 if a.quick else LONG_PROMPT,
+            "long_prompt": 256 if a.quick else a.long_prompt,
             "prefill_repeats": prefill_repeats, "decode_repeats": decode_repeats, "new_tokens": new_tokens,
             "warmup": not a.quick, "hf_generate_check": not (a.quick or a.no_hf_generate_check),
             "bw_mib": 128 if a.quick else 512, "bw_repeats": 3 if a.quick else 7,

@@ -951,6 +951,20 @@ def test_the_probe_is_timed_among_a_keys_samples(monkeypatch):
     assert probe.last is not None and probe.last >= 2e-4 and len(calls) >= 4  # warm-up + 3 samples
 
 
+def test_the_probe_cycles_over_three_caches_up_to_its_cap(monkeypatch):
+    """The memory-speed probe's copies fill 3 x the last-level cache, at most PROBE_MAX_COLD_BYTES: every
+    engine builds it at planning, and 3 x a VM's sysfs L3 of 480 MiB (1.4 GiB of copies) had doubled
+    SmolLM2's engine start and made its peak RSS 4x its steady RSS."""
+    from tiered.hardware import profiler
+
+    monkeypatch.setattr(profiler, "_native_gemv_module", lambda fmt, w: (torch.nn.Linear(1, 1), None))
+    monkeypatch.setattr(profiler, "move_to_huge_pages", lambda m: None)
+    monkeypatch.setattr(profiler, "_native_gemv", lambda fmt, m: (lambda x: x))
+    weight = 4096 * 4096 * 2
+    assert len(profiler.Probe(32 * 2**20)._keep) * weight == 96 * 2**20  # 3 x a 32 MiB cache
+    assert len(profiler.Probe(480 * 2**20)._keep) * weight == profiler.PROBE_MAX_COLD_BYTES == 256 * 2**20
+
+
 def _probed_profile():
     keys = ("gemv/cpu/bf16", "gemv/cpu/int4", "gemv_dram/cpu/bf16", "memory/bandwidth/cpu",
             "memory/bandwidth_dram/cpu", "attn_decode/cpu/bf16", "gemm/cpu/bf16")

@@ -158,11 +158,18 @@ def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]
 
 
 PROBE_SHAPE = (1, 4096, 4096)  # the memory-speed probe: tiered's bf16 decode kernel on a 32 MiB weight
+# ... its copies cycled over 3 x the last-level cache, at most this many bytes. Every engine builds the probe
+# at planning: on the 2-core AMX VM, whose sysfs reports a 480 MiB L3, 3 x that (1.4 GiB of copies) made
+# SmolLM2's engine start take 3.6 s where it had taken 1.5 and its peak RSS 1.9 GB where its steady RSS is
+# ~0.45 (cpu_dense, 2026-11-29). That VM's reads slow to the DRAM's rate between 64 and 256 MiB (torch
+# sum() over 64 / 128 / 256 / 768 / 1536 MiB: 48.6 / 31.2 / 21.3 / 22.9 / 24.1 GB/s): its cache is ~100 MiB.
+PROBE_MAX_COLD_BYTES = 256 * MiB
 
 
 class Probe:
     """The memory's speed at a moment, as the bf16 decode kernel sees it: one call of tiered's native bf16
-    GEMV on a 4096 x 4096 weight, its copies cycled over 3 x the last-level cache (no cache holds it).
+    GEMV on a 4096 x 4096 weight, its copies cycled over 3 x the last-level cache, at most
+    PROBE_MAX_COLD_BYTES (no cache holds it).
 
     The profiler times it among the samples of every CPU GEMV key (`_gemm_points`: interleaved with
     the key's shapes), so each key carries the speed of the minutes it was measured in
@@ -178,7 +185,7 @@ class Probe:
     """
 
     def __init__(self, llc: int) -> None:
-        (T, K, N), cold = PROBE_SHAPE, 3 * llc
+        (T, K, N), cold = PROBE_SHAPE, min(3 * llc, PROBE_MAX_COLD_BYTES)
         w = torch.randn(N, K) * 0.02
         first, _ = _native_gemv_module("bf16", w)
         copies = max(2, -(-cold // (K * N * 2)))
@@ -1248,7 +1255,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # (_attn_decode_points): 2 layers over 0.25-4 MiB, cycled over 1 GiB of caches on 4 KiB pages, had timed the
 # step's fixed costs and page walks, and a quick profile's fit (1 GB/s, R^2 -133) priced SmolLM2's default
 # decode at 640 positions 61 tok/s against 156 measured.
-PROFILER_VERSION = 27
+# 28: the memory-speed probe (Probe, timed among every GEMV key's samples and again at planning) cycles over at
+# most PROBE_MAX_COLD_BYTES (256 MiB), not 3 x a sysfs L3 of 480 MiB; the native decode attention scores 4
+# heads x 4 keys in registers and widens a bf16 cache without shuffles (~1.6x its speed: attn_decode).
+PROFILER_VERSION = 28
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
