@@ -105,6 +105,43 @@ def test_native_attention_vector_path_matches_the_modules(zoo, kind, kv):
                     steps=5, tol=tol, native=True, kv=kv) <= logits
 
 
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+@pytest.mark.parametrize("heads,kv_heads,head_dim,cached", [
+    (4, 4, 64, 45), (5, 1, 64, 300), (8, 1, 32, 45), (12, 3, 64, 45), (72, 1, 64, 300), (8, 2, 128, 45)])
+def test_native_attention_over_a_bf16_cache_for_every_group(heads, kv_heads, head_dim, cached):
+    """The native step's attention over a bf16 cache for query-head groups of 1, 5 (4 + 1), 8 (4 + 4), 3, 72
+    (its split queries beyond the step's stack buffer) and 4 of 128: keys scored 8 at a time then one by
+    one (45 = 5 x 8 + 5 cached positions), 300 split between the threads: the modules' logits to fp32
+    rounding, on a random 2-layer model (attention-heavy: hidden 128) over a random cache whose values move
+    the logits well beyond that tolerance."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.models import build_model
+    from tiered.models.layers import KVCache
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    model = build_model(cfg, cached + 1).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.1)
+    caches = [KVCache(cfg, 1, cached + 1, torch.bfloat16) for _ in range(3)]
+    caches[0].k.normal_()
+    caches[0].v.normal_()
+    for c in caches[1:]:
+        c.k.copy_(caches[0].k)
+        c.v.copy_(caches[0].v)
+    caches[2].v[:, :, :, : cached // 2].mul_(-1)  # the first half of the cached values flipped
+    ids, pos, slot = torch.tensor([[5]]), torch.tensor([[cached]]), torch.tensor([0])
+    with torch.inference_mode():
+        native = CPUDecodeStep(model, native=True)(ids, pos, slot, caches[0]).float()
+        ref = model(ids, pos, slot, caches[1]).float()
+        flipped = model(ids, pos, slot, caches[2]).float()
+    scale = float(ref.abs().max())
+    assert float((native - ref).abs().max()) <= 2e-5 * scale
+    assert float((flipped - ref).abs().max()) >= 1e-2 * scale
+
+
 @pytest.mark.parametrize("native", NATIVE)
 def test_a_bf16_kv_cache_beside_fp32_activations(zoo, native):
     """Lossy decode copies keep a bf16 KV cache (the plan's dtypes["kv_cache"], memory/sizes.
