@@ -365,52 +365,39 @@ __attribute__((always_inline)) inline void hsum8x4(v8f a0, v8f a1, v8f a2, v8f a
   for (int i = 0; i < 4; ++i) p[i] = w[i] * scale;
 }
 
+// 32 columns of a value row as four vectors: fp32 rows as they are; bf16 ones widened as two blocks of 16
+// columns' even, then odd ones (load16_split).
+template <typename E>
+__attribute__((always_inline)) inline void load32(const E* v, v8f& v0, v8f& v1, v8f& v2, v8f& v3) {
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    load16_split(v, v0, v1);
+    load16_split(v + 16, v2, v3);
+  } else {
+    v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+  }
+}
+
 // o [J, hd] = p [J, n] V [n, hd] for J query heads (rows of p ldp apart, of V ldv apart; `add`: o +=
 // instead): 32 columns at a time in J x 4 registers, each value row loaded (a bf16 cache: widened, as
-// even and odd columns, load16_split; o's columns put back in order when stored) once for the J heads.
+// even and odd columns, load32; o's columns put back in order when stored) once for the J heads.
 template <int J, typename E>
 __attribute__((always_inline)) inline void weigh_values(const float* p, int64_t n, const E* V, int64_t hd, float* o,
                                                         int64_t ldv, int64_t ldp, bool add) {
-  if constexpr (std::is_same_v<E, uint16_t>) {  // a bf16 cache: acc[j] = o's even / odd columns of c0..c0+32
-    for (int64_t c0 = 0; c0 < hd; c0 += 32) {
-      v8f acc[J][4] = {};
-      alignas(32) float buf[J * 32];
-      if (add) {
-        for (int j = 0; j < J; ++j)
-          for (int c = 0; c < 4; ++c)
-            for (int i = 0; i < 8; ++i) buf[j * 32 + 8 * c + i] = o[j * hd + c0 + 16 * (c / 2) + 2 * i + c % 2];
-        for (int j = 0; j < J; ++j)
-          for (int c = 0; c < 4; ++c) std::memcpy(&acc[j][c], buf + j * 32 + 8 * c, sizeof(v8f));
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const E* v = V + t * ldv + c0;
-        v8f v0, v1, v2, v3;
-        load16_split(v, v0, v1);
-        load16_split(v + 16, v2, v3);
-        for (int j = 0; j < J; ++j) {
-          const float w = p[j * ldp + t];
-          acc[j][0] += w * v0;
-          acc[j][1] += w * v1;
-          acc[j][2] += w * v2;
-          acc[j][3] += w * v3;
-        }
-      }
-      for (int j = 0; j < J; ++j)
-        for (int c = 0; c < 4; ++c) std::memcpy(buf + j * 32 + 8 * c, &acc[j][c], sizeof(v8f));
-      for (int j = 0; j < J; ++j)
-        for (int c = 0; c < 4; ++c)
-          for (int i = 0; i < 8; ++i) o[j * hd + c0 + 16 * (c / 2) + 2 * i + c % 2] = buf[j * 32 + 8 * c + i];
-    }
-    return;
-  }
+  // the column (of the 32) that lane i of accumulator c holds
+  auto col = [](int c, int i) { return std::is_same_v<E, uint16_t> ? 16 * (c / 2) + 2 * i + c % 2 : 8 * c + i; };
   for (int64_t c0 = 0; c0 < hd; c0 += 32) {
     v8f acc[J][4] = {};
-    if (add)
+    alignas(32) float buf[J * 32];
+    if (add) {
       for (int j = 0; j < J; ++j)
-        for (int c = 0; c < 4; ++c) std::memcpy(&acc[j][c], o + j * hd + c0 + 8 * c, sizeof(v8f));
+        for (int c = 0; c < 4; ++c)
+          for (int i = 0; i < 8; ++i) buf[j * 32 + 8 * c + i] = o[j * hd + c0 + col(c, i)];
+      for (int j = 0; j < J; ++j)
+        for (int c = 0; c < 4; ++c) std::memcpy(&acc[j][c], buf + j * 32 + 8 * c, sizeof(v8f));
+    }
     for (int64_t t = 0; t < n; ++t) {
-      const E* v = V + t * ldv + c0;
-      const v8f v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+      v8f v0, v1, v2, v3;
+      load32(V + t * ldv + c0, v0, v1, v2, v3);
       for (int j = 0; j < J; ++j) {
         const float w = p[j * ldp + t];
         acc[j][0] += w * v0;
@@ -420,7 +407,10 @@ __attribute__((always_inline)) inline void weigh_values(const float* p, int64_t 
       }
     }
     for (int j = 0; j < J; ++j)
-      for (int c = 0; c < 4; ++c) std::memcpy(o + j * hd + c0 + 8 * c, &acc[j][c], sizeof(v8f));
+      for (int c = 0; c < 4; ++c) std::memcpy(buf + j * 32 + 8 * c, &acc[j][c], sizeof(v8f));
+    for (int j = 0; j < J; ++j)
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < 8; ++i) o[j * hd + c0 + col(c, i)] = buf[j * 32 + 8 * c + i];
   }
 }
 
