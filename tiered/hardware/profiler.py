@@ -186,10 +186,10 @@ class Probe:
 
     def __init__(self, llc: int) -> None:
         (T, K, N), cold = PROBE_SHAPE, min(3 * llc, PROBE_MAX_COLD_BYTES)
-        w = torch.randn(N, K) * 0.02
-        first, _ = _native_gemv_module("bf16", w)
+        w = torch.randn(N, K).mul_(0.02)  # fp32 (each copy its own bf16 memory); freed before the huge-page move
         copies = max(2, -(-cold // (K * N * 2)))
-        modules = [first] + [_native_gemv_module("bf16", w)[0] for _ in range(copies - 1)]
+        modules = [_native_gemv_module("bf16", w)[0] for _ in range(copies)]
+        del w
         move_to_huge_pages(torch.nn.ModuleList(modules))
         turn = itertools.cycle([_native_gemv("bf16", m) for m in modules])
         x = torch.randn(T, K)
