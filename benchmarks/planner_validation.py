@@ -235,7 +235,8 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
     for name, cfg in plans.items():
         now = bandwidth_now(hw)  # as the engine plans: the memory's speed of this moment
         m = measure(model, cfg, prompt, args.new_tokens, files)
-        popularity = m["popularity"] if popularity is None else popularity
+        if popularity is None:  # the first row's expert profile prices the TTFT row below
+            popularity = m["popularity"]
         mc = m["config"]
         hits = simulate_hits(m["trace"], m["resident"], m["slots"])
         layers, step = predict_decode(mc, now, "bf16", context=len(prompt) + args.new_tokens // 2, hits=hits,

@@ -49,13 +49,21 @@ class HitStats:
         return (r + c) / max(r + c + m, 1)
 
 
-def prompt_activity(shares, tokens: int, top_k: int) -> np.ndarray:
-    """Probability that each expert of a layer computes some of a `tokens`-token prompt, when each token
-    picks expert e with probability q_e = min(1, top_k p_e), p_e = shares[e] / sum(shares): 1 - (1 - q_e)^tokens
-    (float [E]; latency_moe.prompt_experts sums it, routing_trace draws from it)."""
+def prompt_routing(shares, tokens: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """How a `tokens`-token prompt spreads over a layer's experts when each token picks expert e with
+    probability q_e = min(1, top_k p_e), p_e = shares[e] / sum(shares): (a, rows), float [E] each: a_e =
+    1 - (1 - q_e)^tokens, the probability that e computes some of the prompt, and rows_e = tokens q_e / a_e,
+    its rows when it does (0 where a_e is 0)."""
     p = np.asarray(shares, dtype=np.float64)
     q = np.minimum(1.0, top_k * p / p.sum())
-    return 1.0 - (1.0 - q) ** tokens
+    a = 1.0 - (1.0 - q) ** tokens
+    return a, np.divide(tokens * q, a, out=np.zeros_like(a), where=a > 0)
+
+
+def prompt_activity(shares, tokens: int, top_k: int) -> np.ndarray:
+    """prompt_routing's a: the probability that each expert of a layer computes some of a `tokens`-token
+    prompt (float [E]; latency_moe.prompt_experts sums it, routing_trace draws from it)."""
+    return prompt_routing(shares, tokens, top_k)[0]
 
 
 def routing_trace(moe_layers: list[int], num_experts: int, top_k: int, steps: int,
@@ -511,12 +519,12 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     overlapped as decode's are priced it at 0.70 s. Experts: with T tokens routed top-k of E uniformly, E * (1 - (1 - k/E)^T) are active with T * k
     / active tokens each; with `popularity` (float [L, E], tokens routed per expert: an expert profile,
     planner/placement.load_popularity), as latency_moe.prompt_experts counts a GPU plan's prompt: expert e
-    takes each token with q_e = min(1, k p_e), is active with a_e = 1 - (1 - q_e)^T (prompt_activity) and then
-    computes T q_e / a_e rows; the layer's experts cost sum_e a_e * (one expert of those rows). Fewer experts
+    takes each token with q_e = min(1, k p_e), is active with a_e = 1 - (1 - q_e)^T and then
+    computes T q_e / a_e rows (prompt_routing); the layer's experts cost sum_e a_e * (one expert of those rows). Fewer experts
     of more rows cost less than the uniform draw's: the skew-routed 8-layer Mixtral-width dummy's 512-token
-    prompt sent nearly every token to the same 2 experts a layer and took 0.232 s where the uniform draw (8
-    experts of 128 rows, each a torch GEMM of 3 projections) priced 0.298 (2 Sapphire Rapids cores,
-    2026-11-29). Then the lm_head of the last token only (CausalLM's last_only) and the
+    prompt sent nearly every token to the same 2 experts a layer and took 0.220 s where the uniform draw (8
+    experts of 128 rows, each a torch GEMM of 3 projections) priced 0.298 and its expert profile 0.225 (2
+    Sapphire Rapids cores, 2026-11-29). Then the lm_head of the last token only (CausalLM's last_only) and the
     per-step cost. Prefill runs the dense weights in `dtype` (decode copies serve <= 8 rows).
     `experts_dtype`: the dtype expert GEMMs of more than 8 rows compute in (None = `dtype`): the
     activations' (quant/experts.ExpertFormat.forward converts or dequantizes the expert's weights to
@@ -601,10 +609,10 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                 # torch's GEMMs past the native rows (bf16), or a format without a priced path
                 return gemm(edt, 3 * s * d * F, ebytes, 3, stored == edt)
             if popularity is not None and np.sum(popularity[i]) > 0:  # the profile's skew
-                w = np.asarray(popularity[i], dtype=np.float64) + 1e-9  # every expert stays drawable
-                a, q = prompt_activity(w, T, k_), np.minimum(1.0, k_ * w / w.sum())
+                # every expert stays drawable
+                a, rows = prompt_routing(np.asarray(popularity[i], dtype=np.float64) + 1e-9, T, k_)
                 active = max(float(k_), float(a.sum()))
-                work = sum(a[e] * expert(max(1, math.ceil(T * q[e] / a[e] - 1e-9))) for e in range(E_) if a[e] > 1e-6)
+                work = sum(a[e] * expert(max(1, math.ceil(rows[e] - 1e-9))) for e in range(E_) if a[e] > 1e-6)
                 compute = work / active
             else:
                 compute = expert(s)
