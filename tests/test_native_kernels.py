@@ -494,7 +494,8 @@ def test_q8_blocks_repack_to_the_tiled_layout_bit_for_bit():
 
 def test_stream_prefetch_changes_no_bits(isa):
     """The machine tuning's software prefetch (tune.py) only moves loads earlier: every weight
-    format's kernel gives the same bits with it on and off, at 1 to 9 activation rows."""
+    format's kernel gives the same bits with it off, on into the L1 and on into the L2, at 1 to 9
+    activation rows."""
     codes, sz, zr, bias, _, g = int4_case(96, 576, 11)
     lin = torch.nn.Linear(576, 96).to(torch.bfloat16)
     kernels = [int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), tiled_residual(zr), bias, batch_act="q8"),
@@ -504,12 +505,14 @@ def test_stream_prefetch_changes_no_bits(isa):
     try:
         for B in (1, 2, 9):
             x = torch.randn(B, 576, generator=g)
-            ext.set_tuning(stream_prefetch=True)
+            ext.set_tuning(stream_prefetch=True, prefetch_l2=False)
             on = [k(x) for k in kernels]
+            ext.set_tuning(prefetch_l2=True)
+            on_l2 = [k(x) for k in kernels]
             ext.set_tuning(stream_prefetch=False)
             off = [k(x) for k in kernels]
-            for k, a, b in zip(kernels, on, off):
-                assert torch.equal(a, b), (isa, k.name(), B)
+            for k, a, b, c in zip(kernels, on, on_l2, off):
+                assert torch.equal(a, c) and torch.equal(b, c), (isa, k.name(), B)
     finally:
         ext.set_tuning(**saved)
 
@@ -525,6 +528,7 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         result = tune.measure(ext, total_bytes=16 << 20, rounds=3)
         assert set(tune.DEFAULTS) <= set(result) and ext.tuning() == {k: result[k] for k in tune.EXT_OPTIONS}
         assert len(result["ratios"]["stream_prefetch"]) == 3
+        assert ("prefetch_l2" in result["ratios"]) == result["stream_prefetch"]  # only where prefetches stay on
         assert ("int4_int16_act" in result["ratios"]) == (ext.best_gemv_isa() == "avx512" and ext.has_vbmi())
         assert result["bf16_native_rows"] == tune.choose_rows(
             {n: result["ratios"][f"bf16_rows_{n}"] for n in tune.ROW_CHOICES}, result["margin"])

@@ -87,7 +87,7 @@ def git_commit(repo: str | os.PathLike | None = None) -> dict:
 
 def native_kernels() -> dict | None:
     """tiered's native kernels as this process runs them: {"isa", "tuning"} (the per-machine tuning
-    that tiered/kernels/tune.py measured: stream_prefetch, int4_int16_act), or None without them."""
+    that tiered/kernels/tune.py measured: stream_prefetch, prefetch_l2, int4_int16_act), or None without them."""
     from tiered import kernels
 
     if kernels.load(build=False) is None:
@@ -121,7 +121,7 @@ def describe(info: dict) -> str:
     kern = ""
     if nk:
         t = nk["tuning"]
-        kern = (f"; native kernels {nk['isa']} (stream prefetch {'on' if t['stream_prefetch'] else 'off'}"
+        kern = (f"; native kernels {nk['isa']} (stream prefetch {('on, into L2' if t.get('prefetch_l2') else 'on') if t['stream_prefetch'] else 'off'}"
                 + (", int4 batch-1 on int16 x" if t["int4_int16_act"] else "") + ")")
     return (f"{info['cpu']}, {info['cores']} cores ({', '.join(flags) or 'no avx2'}), {ram}; {gpu}; "
             f"torch {v['torch']}, transformers {v['transformers']}; tiered {commit}{kern}")

@@ -137,8 +137,8 @@ def isa() -> str | None:
 
 
 def tuning() -> dict | None:
-    """The kernel tuning this process runs with ({"stream_prefetch", "int4_int16_act",
-    "bf16_native_rows"}: tune.py's measurement, applied by `load()`), or None without the extension:
+    """The kernel tuning this process runs with ({"stream_prefetch", "prefetch_l2",
+    "int4_int16_act", "bf16_native_rows"}: tune.py's measurement, applied by `load()`), or None without the extension:
     what a hardware profile's native keys were timed under."""
     ext = load()
     return None if ext is None else dict(ext.tuning(), bf16_native_rows=bf16_native_rows())

@@ -9,6 +9,12 @@ Three choices depend on the CPU more than on the code, so they are measured here
   prefetch helpers, now always_inline), so this choice only moved bf16 and int8; with them the Zen 4
   VM measures prefetch off 6% slower, and cold OLMoE-width int4 experts stream at 44-46 GB/s where
   they read 41-42 (bf16 activations; 2 threads, same run, `tiered/kernels/tune.py`'s experts).
+- ``prefetch_l2``: whether those prefetches fill the L2 (prefetcht1) instead of the L1 (prefetcht0). One
+  core's L1 has ~16 miss buffers, and a prefetch into it holds one until its line arrives from DRAM; the
+  L2's queue holds ~48. On the 2-core Sapphire Rapids VM (2026-11-30) the L1 prefetches stalled on those
+  buffers (samples pile up on them), and the L2 ones streamed Qwen3-30B-A3B-width Q4_0 experts 15-30%
+  faster (8 experts of one token 13-14 -> 15.5 GB/s on 2 threads; a prompt's 100 experts of 2 rows
+  14 -> 18).
 - ``int4_int16_act``: on AVX-512 CPUs with VBMI, whether tiled int4 at batch 1 reads int16
   activations (the AVX2 path, more exact than bf16) instead of bf16 pairs (vdpbf16ps). On that
   Zen 4 VM the bf16 path was compute-bound near DRAM speed (74% of it, against 86%).
@@ -36,14 +42,18 @@ from pathlib import Path
 
 from tiered.hardware import contention
 
-DEFAULTS = {"stream_prefetch": True, "int4_int16_act": False, "bf16_native_rows": 32}
+DEFAULTS = {"stream_prefetch": True, "prefetch_l2": False, "int4_int16_act": False, "bf16_native_rows": 32}
 # A tuning during which other processes took more than CONTENDED_SHARE of the cores is "contended": its
 # A/Bs timed the neighbours. Two builds of the same sources tuned at once on the 2-core Zen 4 VM
 # (2026-11-27) chose bf16_native_rows 32 and 4, int4_int16_act false and true. `python -m tiered.kernels`
 # (setup) measures a contended tuning again, up to RETUNES times (hardware/contention.py).
 RETUNES = contention.RETRIES
-EXT_OPTIONS = ("stream_prefetch", "int4_int16_act")  # the extension's own switches (ext.set_tuning)
+EXT_OPTIONS = ("stream_prefetch", "prefetch_l2", "int4_int16_act")  # the extension's own switches (ext.set_tuning)
 WIDTH = (2048, 1024)  # (hidden D, expert intermediate F): OLMoE's experts, a short stream per call
+# prefetch_l2's A/B: one token's routed experts of a layer in one native call (ExpertFormat.forward_group,
+# as a MoE decode step runs them), Qwen3-30B-A3B's width and top-8, int4 on int8 activations with exact
+# zeros (a GGUF's Q4_0 experts), in one huge-page slab as the expert store holds them
+GROUP_WIDTH, GROUP_TOP_K = (2048, 768), 8
 ROW_CHOICES = (2, 4, 8, 32)
 # Rows at which a bf16 expert's native kernel (one call up to 8 rows, then groups of 8, its weights read
 # once a group) is timed against torch's three GEMMs (oneDNN: the weights read once): bf16_native_rows is
@@ -135,6 +145,27 @@ def _rows_ab(ext, ef, slots, rows: int, rounds: int) -> list[float]:
     return ratios
 
 
+def _group_experts(total_bytes: int):
+    """(ExpertFormat, [slots]) for prefetch_l2's A/B (GROUP_WIDTH, GROUP_TOP_K): about `total_bytes` of
+    int4 experts on int8 activations with exact zeros, carved from one HostSlab (the expert store's
+    huge-page arena), copies of one random expert."""
+    import torch
+
+    from tiered.hardware.budget import HostSlab
+    from tiered.quant.experts import ExpertFormat
+
+    D, F = GROUP_WIDTH
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(F, D, generator=g) * 0.02, torch.randn(F, D, generator=g) * 0.02, torch.randn(D, F, generator=g) * 0.02]
+    ef = ExpertFormat("int4", ((F, D), (F, D), (D, F)), "tiled", act="q8", batch_act="q8", exact_zeros=True)
+    first = tuple(torch.empty(s, dtype=ef.slot_dtype) for s in ef.slot_shapes)
+    ef.quantize(ws, first)
+    n = max(2 * GROUP_TOP_K, total_bytes // ef.nbytes)
+    shapes = [tuple(t.shape) for t in first]
+    slab = HostSlab(HostSlab.bytes_for(n, shapes, ef.slot_dtype))
+    return ef, [tuple(slab.take(shape, ef.slot_dtype).copy_(t) for shape, t in zip(shapes, first)) for _ in range(n)]
+
+
 def _sweep(ef, slots, x) -> float:
     """Seconds to run one token through every expert of `slots`."""
     t = time.perf_counter()
@@ -143,22 +174,32 @@ def _sweep(ef, slots, x) -> float:
     return time.perf_counter() - t
 
 
-def _ab(ext, sets, option: str, rounds: int) -> list[float]:
-    """Per-round ratios (option flipped / as set) of the summed sweeps over `sets`, alternating which
-    side goes first; the option is left as it was."""
+def _group_sweep(ef, slots, x) -> float:
+    """Seconds to run one token through every expert of `slots`, GROUP_TOP_K experts a call."""
+    bounds = list(range(GROUP_TOP_K + 1))
+    xs = x.expand(GROUP_TOP_K, -1).contiguous()
+    t = time.perf_counter()
+    for i in range(0, len(slots) - GROUP_TOP_K + 1, GROUP_TOP_K):
+        ef.forward_group(xs, slots[i:i + GROUP_TOP_K], bounds)
+    return time.perf_counter() - t
+
+
+def _ab(ext, sets, option: str, rounds: int, sweep=_sweep) -> list[float]:
+    """Per-round ratios (option flipped / as set) of the summed sweeps over `sets` (`sweep`: one
+    expert a call, or `_group_sweep`), alternating which side goes first; the option is left as it was."""
     import torch
 
-    x = torch.randn(1, WIDTH[0])
+    x = torch.randn(1, sets[0][0].shapes[0][1])
     base = ext.tuning()[option]
     ratios = []
     with torch.inference_mode():
         for ef, slots in sets:  # warm-up: first-call buffers, page faults
-            _sweep(ef, slots, x)
+            sweep(ef, slots, x)
         for r in range(rounds):
             t = {}
             for side in ((base, not base) if r % 2 == 0 else (not base, base)):
                 ext.set_tuning(**{option: side})
-                t[side] = sum(_sweep(ef, slots, x) for ef, slots in sets)
+                t[side] = sum(sweep(ef, slots, x) for ef, slots in sets)
             ratios.append(t[not base] / t[base])
     ext.set_tuning(**{option: base})
     return ratios
@@ -185,6 +226,11 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
     out["ratios"]["stream_prefetch"] = ratios
     if choose(ratios, margin):
         ext.set_tuning(stream_prefetch=not DEFAULTS["stream_prefetch"])
+    if ext.tuning()["stream_prefetch"]:  # where the prefetches stay: into the L1 or the L2
+        ratios = _ab(ext, [_group_experts(total)], "prefetch_l2", rounds, _group_sweep)
+        out["ratios"]["prefetch_l2"] = ratios
+        if choose(ratios, margin):
+            ext.set_tuning(prefetch_l2=not DEFAULTS["prefetch_l2"])
     # the int4 option only changes a kernel on AVX-512 with VBMI (elsewhere the path is fixed)
     if ext.gemv_isa() == "avx512" and ext.has_vbmi():
         ratios = _ab(ext, [int4], "int4_int16_act", rounds)
