@@ -14,7 +14,10 @@ Three choices depend on the CPU more than on the code, so they are measured here
   L2's queue holds ~48. On the 2-core Sapphire Rapids VM (2026-11-30) the L1 prefetches stalled on those
   buffers (samples pile up on them), and the L2 ones streamed Qwen3-30B-A3B-width Q4_0 experts 15-30%
   faster (8 experts of one token 13-14 -> 15.5 GB/s on 2 threads; a prompt's 100 experts of 2 rows
-  14 -> 18).
+  14 -> 18) and that model decoded 11% faster, where a dense Q4_K_M model's long matrices moved 2% and
+  SmolLM2's (in the cache) -2%, both within the noise. Timed on what gains or loses most: one token's 8
+  routed experts of a layer a call (GROUP_WIDTH, `_group_sweep`); the one-expert sweeps below did not
+  separate the two (ratio 0.98-1.1 in the noise).
 - ``int4_int16_act``: on AVX-512 CPUs with VBMI, whether tiled int4 at batch 1 reads int16
   activations (the AVX2 path, more exact than bf16) instead of bf16 pairs (vdpbf16ps). On that
   Zen 4 VM the bf16 path was compute-bound near DRAM speed (74% of it, against 86%).
