@@ -1,6 +1,6 @@
 """Per-machine tuning of the native kernels, measured once after the build (`python -m tiered.kernels`).
 
-Three choices depend on the CPU more than on the code, so they are measured here rather than fixed:
+Four choices depend on the CPU more than on the code, so they are measured here rather than fixed:
 
 - ``stream_prefetch``: whether the weight-stream loops issue software prefetches ahead of their
   loads. On the 2-core Zen 3 VMs (AVX2) they lifted batch-1 int4 decode; on a Zen 4 VM (AVX-512)
@@ -151,10 +151,10 @@ def _rows_ab(ext, ef, slots, rows: int, rounds: int) -> list[float]:
 def _group_experts(total_bytes: int):
     """(ExpertFormat, [slots]) for prefetch_l2's A/B (GROUP_WIDTH, GROUP_TOP_K): about `total_bytes` of
     int4 experts on int8 activations with exact zeros, carved from one HostSlab (the expert store's
-    huge-page arena), copies of one random expert."""
+    huge-page arena: profiler.slab_copies), copies of one random expert."""
     import torch
 
-    from tiered.hardware.budget import HostSlab
+    from tiered.hardware.profiler import slab_copies
     from tiered.quant.experts import ExpertFormat
 
     D, F = GROUP_WIDTH
@@ -163,10 +163,7 @@ def _group_experts(total_bytes: int):
     ef = ExpertFormat("int4", ((F, D), (F, D), (D, F)), "tiled", act="q8", batch_act="q8", exact_zeros=True)
     first = tuple(torch.empty(s, dtype=ef.slot_dtype) for s in ef.slot_shapes)
     ef.quantize(ws, first)
-    n = max(2 * GROUP_TOP_K, total_bytes // ef.nbytes)
-    shapes = [tuple(t.shape) for t in first]
-    slab = HostSlab(HostSlab.bytes_for(n, shapes, ef.slot_dtype))
-    return ef, [tuple(slab.take(shape, ef.slot_dtype).copy_(t) for shape, t in zip(shapes, first)) for _ in range(n)]
+    return ef, slab_copies(first, max(2 * GROUP_TOP_K, total_bytes // ef.nbytes))
 
 
 def _sweep(ef, slots, x) -> float:
