@@ -120,8 +120,10 @@ def describe(info: dict) -> str:
     nk = info.get("native_kernels")
     kern = ""
     if nk:
+        from tiered.kernels import tune
+
         t = nk["tuning"]
-        kern = (f"; native kernels {nk['isa']} (stream prefetch {('on, into L2' if t.get('prefetch_l2') else 'on') if t['stream_prefetch'] else 'off'}"
+        kern = (f"; native kernels {nk['isa']} (stream prefetch {tune.prefetch_name(t)}"
                 + (", int4 batch-1 on int16 x" if t["int4_int16_act"] else "") + ")")
     return (f"{info['cpu']}, {info['cores']} cores ({', '.join(flags) or 'no avx2'}), {ram}; {gpu}; "
             f"torch {v['torch']}, transformers {v['transformers']}; tiered {commit}{kern}")

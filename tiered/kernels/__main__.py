@@ -32,8 +32,7 @@ else:
 result = tune.apply(mod, kernels.build_dir()) if tune.enabled() else None
 if result is not None:
     med = {k: statistics.median(v) for k, v in result.get("ratios", {}).items()}
-    print(f"tiered: kernel tuning{took}: stream prefetch "
-          f"{('on, into the L2' if result.get('prefetch_l2') else 'on') if result['stream_prefetch'] else 'off'}, tiled "
+    print(f"tiered: kernel tuning{took}: stream prefetch {tune.prefetch_name(result)}, tiled "
           f"int4 batch-1 activations {'int16' if result['int4_int16_act'] else 'bf16'} on AVX-512, bf16 experts on "
           f"the native kernel up to {result.get('bf16_native_rows', tune.DEFAULTS['bf16_native_rows'])} rows (median time "
           f"ratios of the alternatives: {', '.join(f'{k} {v:.2f}' for k, v in med.items())})", file=sys.stderr)

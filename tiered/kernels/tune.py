@@ -74,28 +74,40 @@ def choose(ratios: list[float], margin: float = 0.03) -> bool:
     return bool(ratios) and statistics.median(ratios) <= 1.0 - margin
 
 
-def _experts(fmt: str, total_bytes: int, act: str = "bf16"):
-    """(ExpertFormat, [slots]) of OLMoE-width experts in `fmt` filling about `total_bytes` of the
-    engine's host memory (hardware/budget.host_empty, as the expert store allocates), distinct slots
-    holding copies of one random expert (the stream's speed does not depend on the values); act:
-    int4's batch-1 activations (ExpertFormat.act)."""
+def _experts(fmt: str, total_bytes: int, act: str = "bf16", width: tuple[int, int] = WIDTH,
+             exact_zeros: bool = False, slab: bool = False, at_least: int = 2):
+    """(ExpertFormat, [slots]) of `width` (hidden, intermediate; OLMoE's by default) experts in `fmt`
+    filling about `total_bytes` (at least `at_least` of them) of the engine's host memory, distinct slots
+    holding copies of one random expert (the stream's speed does not depend on the values): each slot from
+    hardware/budget.host_empty, or with `slab` all carved from one HostSlab (profiler.slab_copies: the expert
+    store's huge-page arena); act: int4's batch-1 activations (ExpertFormat.act); exact_zeros: the int4
+    kernels skip the zero residual (ExpertFormat.exact_zeros, a GGUF's Q4_0 experts)."""
     import torch
 
     from tiered.hardware.budget import host_empty
+    from tiered.hardware.profiler import slab_copies
     from tiered.quant.experts import ExpertFormat
 
-    D, F = WIDTH
+    D, F = width
     g = torch.Generator().manual_seed(0)
     gu, dn = torch.randn(2 * F, D, generator=g) * 0.02, torch.randn(D, F, generator=g) * 0.02
-    ef = ExpertFormat(fmt, ((F, D), (F, D), (D, F)), "tiled", act=act)
+    ef = ExpertFormat(fmt, ((F, D), (F, D), (D, F)), "tiled", act=act, exact_zeros=exact_zeros)
     if ef.is_dense:
         first = tuple(w.bfloat16() for w in (gu[:F], gu[F:], dn))
     else:
         first = tuple(torch.empty(s, dtype=ef.slot_dtype) for s in ef.slot_shapes)
         ef.quantize([gu[:F], gu[F:], dn], first)
-    n = max(2, total_bytes // ef.nbytes)
-    slots = [tuple(host_empty(tuple(t.shape), t.dtype).copy_(t) for t in first) for _ in range(n)]
-    return ef, slots
+    n = max(at_least, total_bytes // ef.nbytes)
+    if slab:
+        return ef, slab_copies(first, n)
+    return ef, [tuple(host_empty(tuple(t.shape), t.dtype).copy_(t) for t in first) for _ in range(n)]
+
+
+def prefetch_name(tuning: dict) -> str:
+    """How a tuning's stream prefetches run, for a line of output: "off", "on" or "on, into the L2"."""
+    if not tuning["stream_prefetch"]:
+        return "off"
+    return "on, into the L2" if tuning.get("prefetch_l2") else "on"
 
 
 def choose_rows(ratios: dict[int, list[float]], margin: float = 0.03) -> int:
@@ -146,24 +158,6 @@ def _rows_ab(ext, ef, slots, rows: int, rounds: int) -> list[float]:
                 b, a = torch_gemms(), native()
             ratios.append(b / a)
     return ratios
-
-
-def _group_experts(total_bytes: int):
-    """(ExpertFormat, [slots]) for prefetch_l2's A/B (GROUP_WIDTH, GROUP_TOP_K): about `total_bytes` of
-    int4 experts on int8 activations with exact zeros, carved from one HostSlab (the expert store's
-    huge-page arena: profiler.slab_copies), copies of one random expert."""
-    import torch
-
-    from tiered.hardware.profiler import slab_copies
-    from tiered.quant.experts import ExpertFormat
-
-    D, F = GROUP_WIDTH
-    g = torch.Generator().manual_seed(0)
-    ws = [torch.randn(F, D, generator=g) * 0.02, torch.randn(F, D, generator=g) * 0.02, torch.randn(D, F, generator=g) * 0.02]
-    ef = ExpertFormat("int4", ((F, D), (F, D), (D, F)), "tiled", act="q8", batch_act="q8", exact_zeros=True)
-    first = tuple(torch.empty(s, dtype=ef.slot_dtype) for s in ef.slot_shapes)
-    ef.quantize(ws, first)
-    return ef, slab_copies(first, max(2 * GROUP_TOP_K, total_bytes // ef.nbytes))
 
 
 def _sweep(ef, slots, x) -> float:
@@ -227,7 +221,8 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
     if choose(ratios, margin):
         ext.set_tuning(stream_prefetch=not DEFAULTS["stream_prefetch"])
     if ext.tuning()["stream_prefetch"]:  # where the prefetches stay: into the L1 or the L2
-        ratios = _ab(ext, [_group_experts(total)], "prefetch_l2", rounds, _group_sweep)
+        group = _experts("int4", total, "q8", GROUP_WIDTH, exact_zeros=True, slab=True, at_least=2 * GROUP_TOP_K)
+        ratios = _ab(ext, [group], "prefetch_l2", rounds, _group_sweep)
         out["ratios"]["prefetch_l2"] = ratios
         if choose(ratios, margin):
             ext.set_tuning(prefetch_l2=not DEFAULTS["prefetch_l2"])
