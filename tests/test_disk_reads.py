@@ -204,10 +204,7 @@ def test_an_expert_read_leaves_no_page_of_the_file_in_the_page_cache(tmp_path):
                        offset=base + header[k]["data_offsets"][0]) for k in ("e0.w1", "e0.w2", "e0.w3")]
     first, end = min(h.offset for h in hs), min(h.offset for h in hs) + sum(h.nbytes for h in hs)
     assert end == max(h.offset + h.nbytes for h in hs)  # the three side by side
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)  # written back, so that the drop below takes every page
-    os.close(fd)
-    es.drop_page_cache([path])
+    es.drop_page_cache([path])  # just written: its dirty pages are written back first, then dropped
     assert _resident_pages(path) == set()
     out = [torch.empty(512, 1024) for _ in hs]
     es.read_uncached(hs, out)
@@ -232,11 +229,7 @@ def test_closing_an_llm_unmaps_its_checkpoint_so_the_page_cache_can_be_dropped(r
     llm.close()
     assert mapped() == []
     files = [str(p) for p in path.glob("*.safetensors")]
-    for f in files:  # written back, so that the drop takes every page
-        fd = os.open(f, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    es.drop_page_cache(files)
+    es.drop_page_cache(files)  # the copy's dirty pages written back, then dropped
     assert all(_resident_pages(f) == set() for f in files)
 
 

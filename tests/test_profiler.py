@@ -93,7 +93,8 @@ def test_a_stalled_small_row_gemm_key_is_timed_again():
     GEMMs 1.75 ms and its 512-token bf16 TTFT 0.47 s where it took 0.21); these points are that machine's."""
     from tiered.hardware.profiler import GEMM_ROWS_SHAPES, RETIMED_KEYS, _Bench
 
-    assert "gemm_rows/cpu/bf16".startswith(RETIMED_KEYS) and min(n * k for n, k in GEMM_ROWS_SHAPES) * 2 < 2 * 2**20
+    assert all(k.startswith(RETIMED_KEYS) for k in ("gemm_rows/cpu/bf16", "gemm/cpu/fp32", "gemm_big/cpu/bf16"))
+    assert min(n * k for n, k in GEMM_ROWS_SHAPES) * 2 < 2 * 2**20
     stalled = [(1769472.0, 6.27e-4), (7340032.0, 1.668e-3), (16777216.0, 1.339e-3), (33554432.0, 2.1e-3)]
     sound = [(1769472.0, 1.76e-4), (7340032.0, 6.92e-4), (16777216.0, 9.07e-4), (33554432.0, 1.643e-3)]
     runs = iter([stalled, sound])

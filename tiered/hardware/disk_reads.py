@@ -68,9 +68,10 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
     spread over that many threads at once after each was advised (posix_fadvise WILLNEED), as the
     runtime's read-ahead issues a layer's misses (samples of 2, 4 and 8 experts); n = all bytes of the
     sample. Each sample reads experts no earlier sample read (spread over layers) while the checkpoint
-    has any left, their pages dropped first. The sizes are interleaved, three repeats each, and the
-    line is fitted through each size's median (one slow read does not tilt it: four single samples
-    of two sizes once fitted 2 readers at 27.9 ms + 2.6 GB/s, R^2 0.42). At most about `budget_bytes`
+    has any left, their pages dropped first (the files written back before: `write_back`). The sizes are
+    interleaved, three repeats each, and the line is fitted through each size's median (one slow read
+    does not tilt it: four single samples of two sizes once fitted 2 readers at 27.9 ms + 2.6 GB/s,
+    R^2 0.42). At most about `budget_bytes`
     are read (big experts: fewer repeats, then fewer sizes, never under two sizes once); the buffers
     take `readers` experts of RAM while the fit runs.
 
@@ -79,7 +80,7 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
     """
     from tiered.checkpoint.handle import _fd
     from tiered.hardware.profiler import fit_affine
-    from tiered.memory.expert_store import advise, expert_tensor_names, moe_layers, read_uncached
+    from tiered.memory.expert_store import advise, expert_tensor_names, moe_layers, read_uncached, write_back
 
     if not expert_reads_direct(checkpoint, config, dtype):
         raise ValueError("the checkpoint's experts are not stored in the compute dtype: the runtime reads them "
@@ -88,6 +89,7 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
     keys = [(layer, e) for e in range(config.num_experts) for layer in moe_layers(checkpoint, config)]
     handles = {k: [checkpoint.handle(n) for n in names(*k)] for k in keys}
     expert_bytes = sum(h.nbytes for h in handles[keys[0]])
+    write_back(sorted({h.path for hs in handles.values() for h in hs}))  # dirty pages would not drop
     # experts per sample: a decode layer's few misses (up to top-k: 8 for Qwen-MoE widths)
     sizes = [1, 2, 3, 4] if readers == 1 else [2, 4, 8]
     reps = 3

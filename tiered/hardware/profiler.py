@@ -205,7 +205,10 @@ STREAM_KEYS = ("gemv/cpu/", "gemv_dram/cpu/", "memory/bandwidth")  # time = byte
 # of bf16 on 2 Sapphire Rapids cores with AMX, 2026-11-29). There one full profile timed its 7 MB weight at
 # 2.2 ms (R^2 0.02; a fit's intercept of 1.75 ms) and three later timings gave 1.8, 0.66 and 8.5 ms: the plan
 # then priced a uniformly routed CPU MoE's 64-token prefill at 412 ms where it ran 137.
-RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/",)
+# The GEMM keys too: one full profile on the 2-core AVX2-only EPYC timed gemm/cpu/fp32's shapes 1.7-12x
+# slower than they ran before and after (67 M MACs in 15.7 ms against 1.1-1.3; R^2 0.53, an intercept of 9 ms
+# a call) and priced SmolLM2's fp32 512-token TTFT at 3.2 s where it took 0.92 (2026-11-30).
+RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/", "gemm/cpu/", "gemm_big/cpu/")
 STALL_R2 = 0.95  # below it such a key's samples stalled (sound runs fit at 0.98-0.9999): timed again
 STALL_RETRIES = 2
 
@@ -250,9 +253,9 @@ class _Bench:
         """Time `key` by `fn` (its (n, seconds) points) and fit it; a key skipped where `fn` raises.
 
         A bandwidth-bound key (STREAM_KEYS: its time is bytes over a rate, a straight line by
-        construction; RETIMED_KEYS) whose fit has R^2 below STALL_R2 had stalled samples: it is timed again, up
-        to STALL_RETRIES times, and the best-fitting run kept, with a note. A quick profile taken
-        while another process ran (load 1.9 on the 2-core EPYC, 2026-11-27) timed gemv/cpu/int4's
+        construction) or a GEMM key (RETIMED_KEYS) whose fit has R^2 below STALL_R2 had stalled
+        samples: it is timed again, up to STALL_RETRIES times, and the best-fitting run kept, with a
+        note. A quick profile taken while another process ran (load 1.9 on the 2-core EPYC, 2026-11-27) timed gemv/cpu/int4's
         2.6 MB weight at 2.5 ms for ~70 us: its fit (R^2 0.02) gave each GEMV a 0.6 ms intercept,
         and the plan priced SmolLM2's decode at 76 ms a token where it ran 2.8."""
         try:
@@ -1258,7 +1261,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 28: the memory-speed probe (Probe, timed among every GEMV key's samples and again at planning) cycles over at
 # most PROBE_MAX_COLD_BYTES (256 MiB), not 3 x a sysfs L3 of 480 MiB; the native decode attention scores 4
 # heads x 4 keys in registers and widens a bf16 cache without shuffles (~1.6x its speed: attn_decode).
-PROFILER_VERSION = 28
+# 29: gemm/cpu/<dtype> and gemm_big/cpu/<dtype> are timed again when their fit is poor (RETIMED_KEYS).
+PROFILER_VERSION = 29
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,

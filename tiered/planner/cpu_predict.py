@@ -60,6 +60,29 @@ def prompt_routing(shares, tokens: int, top_k: int) -> tuple[np.ndarray, np.ndar
     return a, np.divide(tokens * q, a, out=np.zeros_like(a), where=a > 0)
 
 
+def expected_rows_cost(cost, tokens: int, q: float) -> float:
+    """Expected seconds of one expert over a `tokens`-token prompt when each token picks it with
+    probability `q`: sum over r >= 1 of Binomial(tokens, q)(r) * cost(r) (r = 0: no call), the mass
+    past 8 standard deviations dropped. `cost(r)` is one call over r rows (seconds). Priced at the mean
+    rows instead, a cost that steps where the runtime changes path (a bf16 expert past its native rows
+    runs torch's GEMM) missed the experts the draw puts past the step: uniformly routed over 8 experts
+    top-2, a 128-token prompt gives each expert 32 +- 5 rows, and on 2 AVX2-only Zen 3 cores the half
+    past the native kernel's 32 rows ran torch's bf16 GEMM ~6x slower (1.82 s measured, 0.70 priced at
+    the mean, 2026-11-30)."""
+    import math
+
+    from scipy.stats import binom
+
+    if tokens <= 0 or q <= 0:
+        return 0.0
+    q = min(q, 1.0)
+    mean, sd = tokens * q, math.sqrt(tokens * q * (1 - q))
+    lo, hi = max(1, math.floor(mean - 8 * sd)), min(tokens, math.ceil(mean + 8 * sd))
+    r = np.arange(lo, hi + 1)
+    pmf = binom.pmf(r, tokens, q)
+    return float(sum(p * cost(int(n)) for p, n in zip(pmf, r) if p > 1e-12))
+
+
 def prompt_activity(shares, tokens: int, top_k: int) -> np.ndarray:
     """prompt_routing's a: the probability that each expert of a layer computes some of a `tokens`-token
     prompt (float [E]; latency_moe.prompt_experts sums it, routing_trace draws from it)."""
@@ -414,13 +437,16 @@ def native_expert_time(hw: HardwareProfile, dtype: str, rows: int, weight_bytes:
     memory_time's `expert`), and where the profile timed the
     native bf16 expert at 1-8 rows (expert_rows/cpu/bf16) no less than one stream of the weights plus
     each row past the first at that key's slope. On 2 Zen 4 cores a 1024 x 3584 bf16 expert took 414 /
-    421 / 725 / 942 us at 1 / 2 / 4 / 8 rows, where one stream priced ~490 us whatever the rows."""
-    t = op_time.gemm_time(hw, "cpu", dtype, rows * macs_per_row, weight_bytes, calls=3, expert=True)
+    421 / 725 / 942 us at 1 / 2 / 4 / 8 rows, where one stream priced ~490 us whatever the rows.
+    With that key the GEMM fit's compute line (torch's GEMM) no longer floors the time: the kernel
+    computes at its own rate. On 2 AVX2-only Zen 3 cores torch's bf16 GEMM runs ~10 GMAC/s where the
+    native kernel's rows cost 1.7e-11 s a MAC (~60 GMAC/s): floored by the former, uniformly routed
+    8-16-token prompts of the Mixtral-width dummy were priced 2.5-2.9x slow (2026-11-30)."""
     key = hw.models.get(f"expert_rows/cpu/{dtype}")
-    if key is None or rows <= 1:
-        return t
+    if key is None:
+        return op_time.gemm_time(hw, "cpu", dtype, rows * macs_per_row, weight_bytes, calls=3, expert=True)
     stream = 3 * op_time.memory_time(hw, "cpu", dtype, weight_bytes / 3, "gemv", expert=True)
-    return max(t, stream + key.beta * (rows - 1) * macs_per_row)
+    return stream + key.beta * max(0, rows - 1) * macs_per_row
 
 
 def kernel_isa(hw: HardwareProfile) -> str | None:
@@ -608,14 +634,22 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                     return quantized
                 # torch's GEMMs past the native rows (bf16), or a format without a priced path
                 return gemm(edt, 3 * s * d * F, ebytes, 3, stored == edt)
+            costs: dict[int, float] = {}
+
+            def cached(r: int) -> float:
+                if r not in costs:
+                    costs[r] = expert(r)
+                return costs[r]
             if popularity is not None and np.sum(popularity[i]) > 0:  # the profile's skew
                 # every expert stays drawable
-                a, rows = prompt_routing(np.asarray(popularity[i], dtype=np.float64) + 1e-9, T, k_)
+                shares = np.asarray(popularity[i], dtype=np.float64) + 1e-9
+                a, _ = prompt_routing(shares, T, k_)
                 active = max(float(k_), float(a.sum()))
-                work = sum(a[e] * expert(max(1, math.ceil(rows[e] - 1e-9))) for e in range(E_) if a[e] > 1e-6)
-                compute = work / active
-            else:
-                compute = expert(s)
+                q = np.minimum(1.0, k_ * shares / shares.sum())
+                work = sum(expected_rows_cost(cached, T, float(q[e])) for e in range(E_) if a[e] > 1e-6)
+            else:  # each expert's rows drawn Binomial(T, k / E)
+                work = E_ * expected_rows_cost(cached, T, min(1.0, k_ / E_))
+            compute = work / active
             t += experts_with_reads(hw, active, active * disk_share, eb, compute, read_ahead, readers, over,
                                     overlap=False)
             if torch_glu:  # past their native rows gpt-oss's experts run one by one, torch op by op
