@@ -60,27 +60,70 @@ def prompt_routing(shares, tokens: int, top_k: int) -> tuple[np.ndarray, np.ndar
     return a, np.divide(tokens * q, a, out=np.zeros_like(a), where=a > 0)
 
 
-def expected_rows_cost(cost, tokens: int, q: float) -> float:
-    """Expected seconds of one expert over a `tokens`-token prompt when each token picks it with
-    probability `q`: sum over r >= 1 of Binomial(tokens, q)(r) * cost(r) (r = 0: no call), the mass
-    past 8 standard deviations dropped. `cost(r)` is one call over r rows (seconds). Priced at the mean
-    rows instead, a cost that steps where the runtime changes path (a bf16 expert past its native rows
-    runs torch's GEMM) missed the experts the draw puts past the step: uniformly routed over 8 experts
-    top-2, a 128-token prompt gives each expert 32 +- 5 rows, and on 2 AVX2-only Zen 3 cores the half
-    past the native kernel's 32 rows ran torch's bf16 GEMM ~6x slower (1.82 s measured, 0.70 priced at
-    the mean, 2026-11-30)."""
-    import math
+# RowCosts evaluates its cost at every row count up to this, past it at counts rounded to 32 steps a doubling
+# (~3%; a prompt's costs are linear in the rows there)
+EXACT_ROWS = 128
 
-    from scipy.stats import binom
 
-    if tokens <= 0 or q <= 0:
-        return 0.0
-    q = min(q, 1.0)
-    mean, sd = tokens * q, math.sqrt(tokens * q * (1 - q))
-    lo, hi = max(1, math.floor(mean - 8 * sd)), min(tokens, math.ceil(mean + 8 * sd))
-    r = np.arange(lo, hi + 1)
-    pmf = binom.pmf(r, tokens, q)
-    return float(sum(p * cost(int(n)) for p, n in zip(pmf, r) if p > 1e-12))
+class RowCosts:
+    """One routed expert's cost by the rows a prompt of `tokens` tokens gives it, and its expectation over
+    the routing's draw (`expected`).
+
+    `cost(r)`: seconds of one call over r rows (1 <= r <= tokens), evaluated once per row count (past
+    EXACT_ROWS at counts rounded to ~3%) and kept: a prompt's layers and experts share them."""
+
+    def __init__(self, cost, tokens: int) -> None:
+        import math
+
+        self.cost, self.tokens = cost, tokens
+        self.table = np.full(tokens + 1, np.nan)
+        self.lgamma = np.array([math.lgamma(k + 1) for k in range(tokens + 1)])  # log k!
+
+    def rounded(self, r: np.ndarray) -> np.ndarray:
+        """Row counts past EXACT_ROWS rounded to 32 steps a doubling (int64 array of r's shape)."""
+        r = np.asarray(r, dtype=np.int64)
+        step = np.left_shift(1, np.maximum(0, np.floor(np.log2(np.maximum(r, 1))).astype(np.int64) - 5))
+        out = np.where(r > EXACT_ROWS, np.rint(r / step).astype(np.int64) * step, r)
+        return np.clip(out, 1, self.tokens)
+
+    def at(self, r: np.ndarray) -> np.ndarray:
+        """cost at each of r (rounded), evaluating the row counts not seen before."""
+        r = self.rounded(r)
+        for n in np.unique(r[np.isnan(self.table[r])]):
+            self.table[n] = self.cost(int(n))
+        return self.table[r]
+
+    def expected(self, q) -> np.ndarray:
+        """Expected seconds of the expert over the prompt for each of `q` (float [E]: the probability that
+        a token picks each expert): sum over r >= 1 of Binomial(tokens, q)(r) * cost(r) (r = 0: no call),
+        the mass past 8 standard deviations dropped (float [E]). Priced at the mean rows instead, a cost
+        that steps where the runtime changes path (a bf16 expert past its native rows runs torch's GEMM)
+        missed the experts the draw puts past the step: uniformly routed over 8 experts top-2, a 128-token
+        prompt gives each expert 32 +- 5 rows, and on 2 AVX2-only Zen 3 cores the half past the native
+        kernel's 32 rows ran torch's bf16 GEMM ~6x slower (1.82 s measured, 0.70 priced at the mean,
+        2026-11-30)."""
+        T = self.tokens
+        q = np.clip(np.atleast_1d(np.asarray(q, dtype=np.float64)), 0.0, 1.0)
+        out = np.zeros(len(q))
+        if T <= 0:
+            return out
+        whole = q >= 1.0
+        out[whole] = self.at(np.array([T]))[0]
+        mid = (q > 0) & ~whole
+        if not mid.any():
+            return out
+        qm = q[mid]
+        sd = np.sqrt(T * qm * (1 - qm))
+        lo = int(max(1, np.floor((T * qm - 8 * sd).min())))
+        hi = int(min(T, np.ceil((T * qm + 8 * sd).max())))
+        if lo > hi:
+            return out
+        r = np.arange(lo, hi + 1)
+        log_choose = self.lgamma[T] - self.lgamma[r] - self.lgamma[T - r]  # [R]
+        pmf = np.exp(log_choose[None, :] + r[None, :] * np.log(qm)[:, None] + (T - r)[None, :] * np.log1p(-qm)[:, None])
+        used = pmf.max(axis=0) > 1e-12
+        out[mid] = pmf[:, used] @ self.at(r[used])
+        return out
 
 
 def prompt_activity(shares, tokens: int, top_k: int) -> np.ndarray:
@@ -542,11 +585,14 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     overlapped with the computes (experts_with_reads, overlap False): a prompt's expert GEMMs keep
     both cores busy. On the 2-core EPYC a 128-token prompt of the uniformly routed validation
     checkpoint (57 of 64 experts read from disk, read-ahead on) took 0.93-1.17 s; its reads
-    overlapped as decode's are priced it at 0.70 s. Experts: with T tokens routed top-k of E uniformly, E * (1 - (1 - k/E)^T) are active with T * k
-    / active tokens each; with `popularity` (float [L, E], tokens routed per expert: an expert profile,
+    overlapped as decode's are priced it at 0.70 s. Experts: with T tokens routed top-k of E uniformly,
+    E * (1 - (1 - k/E)^T) are active (the reads), and each expert's rows are drawn Binomial(T, k/E);
+    with `popularity` (float [L, E], tokens routed per expert: an expert profile,
     planner/placement.load_popularity), as latency_moe.prompt_experts counts a GPU plan's prompt: expert e
-    takes each token with q_e = min(1, k p_e), is active with a_e = 1 - (1 - q_e)^T and then
-    computes T q_e / a_e rows (prompt_routing); the layer's experts cost sum_e a_e * (one expert of those rows). Fewer experts
+    takes each token with q_e = min(1, k p_e), is active with a_e = 1 - (1 - q_e)^T (prompt_routing) and
+    computes Binomial(T, q_e) rows. The layer's experts cost the sum of each one's expected cost over
+    its draw (RowCosts.expected: the runtime's path changes with the rows, so the mean rows misprice
+    the draws past a path's end). Fewer experts
     of more rows cost less than the uniform draw's: the skew-routed 8-layer Mixtral-width dummy's 512-token
     prompt sent nearly every token to the same 2 experts a layer and took 0.220 s where the uniform draw (8
     experts of 128 rows, each a torch GEMM of 3 projections) priced 0.298 and its expert profile 0.225 (2
@@ -595,6 +641,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     E_, k_ = max(cfg.num_experts, 1), max(cfg.num_experts_per_tok, 1)
     active_experts = min(E_, max(k_, math.ceil(E_ * (1 - (1 - k_ / E_) ** T) - 1e-9)))
     rows_per_expert = max(1, math.ceil(T * k_ / active_experts - 1e-9))
+    costs = None  # RowCosts: one routed expert's seconds by rows (the same in every MoE layer)
     for i in range(cfg.num_hidden_layers):
         is_moe = moe_at[i]
         # the layer's own code (norms, RoPE, SiLU, adds, module calls) over its tokens' widths; an MoE layer's
@@ -618,7 +665,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             t += gemm(dtype, 3 * T * d * F, 3 * d * F * bpe, 3, T > GEMM_ROWS)
         else:
             E, F = cfg.num_experts, cfg.moe_intermediate_size
-            active, s = active_experts, rows_per_expert
+            active = active_experts
             t += op_time.gemm_time(hw, "cpu", dtype, T * d * E, d * E * bpe)  # router
             Fs = cfg.shared_expert_intermediate_size
             if Fs:  # the shared expert(s), a dense FFN every token runs
@@ -627,28 +674,24 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
 
             def expert(s: int) -> float:  # one expert of `s` rows, as the runtime computes it
                 quantized = None if stored == edt else prompt_expert_time(
-                    hw, stored, s, eb, 3 * d * F, batch_act, cfg.expert_bias, active * eb * n_moe)
+                    hw, stored, s, eb, 3 * d * F, batch_act, cfg.expert_bias, active_experts * eb * n_moe)
                 if stored == edt and s <= expert_native_rows(hw, stored):  # tiered's native kernel
                     return native_expert_time(hw, edt, s, ebytes, 3 * d * F)
                 if quantized is not None:  # a quantized format's own kernels, or dequantized GEMMs past them
                     return quantized
                 # torch's GEMMs past the native rows (bf16), or a format without a priced path
                 return gemm(edt, 3 * s * d * F, ebytes, 3, stored == edt)
-            costs: dict[int, float] = {}
 
-            def cached(r: int) -> float:
-                if r not in costs:
-                    costs[r] = expert(r)
-                return costs[r]
+            costs = costs or RowCosts(expert, T)
             if popularity is not None and np.sum(popularity[i]) > 0:  # the profile's skew
                 # every expert stays drawable
                 shares = np.asarray(popularity[i], dtype=np.float64) + 1e-9
                 a, _ = prompt_routing(shares, T, k_)
                 active = max(float(k_), float(a.sum()))
                 q = np.minimum(1.0, k_ * shares / shares.sum())
-                work = sum(expected_rows_cost(cached, T, float(q[e])) for e in range(E_) if a[e] > 1e-6)
+                work = float(costs.expected(q[a > 1e-6]).sum())
             else:  # each expert's rows drawn Binomial(T, k / E)
-                work = E_ * expected_rows_cost(cached, T, min(1.0, k_ / E_))
+                work = E_ * float(costs.expected(min(1.0, k_ / E_))[0])
             compute = work / active
             t += experts_with_reads(hw, active, active * disk_share, eb, compute, read_ahead, readers, over,
                                     overlap=False)
