@@ -32,7 +32,9 @@ else:
 result = tune.apply(mod, kernels.build_dir()) if tune.enabled() else None
 if result is not None:
     med = {k: statistics.median(v) for k, v in result.get("ratios", {}).items()}
-    print(f"tiered: kernel tuning{took}: stream prefetch {tune.prefetch_name(result)}, tiled "
-          f"int4 batch-1 activations {'int16' if result['int4_int16_act'] else 'bf16'} on AVX-512, bf16 experts on "
+    # the int4 activation choice exists only on AVX-512 with VBMI (tune.measure: elsewhere the path is fixed)
+    int4 = (f"tiled int4 batch-1 activations {'int16' if result['int4_int16_act'] else 'bf16'} on AVX-512, "
+            if "int4_int16_act" in result.get("ratios", {}) else "")
+    print(f"tiered: kernel tuning{took}: stream prefetch {tune.prefetch_name(result)}, {int4}bf16 experts on "
           f"the native kernel up to {result.get('bf16_native_rows', tune.DEFAULTS['bf16_native_rows'])} rows (median time "
           f"ratios of the alternatives: {', '.join(f'{k} {v:.2f}' for k, v in med.items())})", file=sys.stderr)
