@@ -1268,7 +1268,7 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # most PROBE_MAX_COLD_BYTES (256 MiB), not 3 x a sysfs L3 of 480 MiB; the native decode attention scores 4
 # heads x 4 keys in registers and widens a bf16 cache without shuffles (~1.6x its speed: attn_decode).
 # 29: gemm/cpu/<dtype> and gemm_big/cpu/<dtype> are timed again when their fit is poor (RETIMED_KEYS), torch's
-# GEMM keys below R^2 0.99 (GEMM_STALL_R2).
+# GEMM keys below R^2 0.99 (GEMM_STALL_R2); meta["bf16_gemm_native"] (quant/linear.bf16_gemm_native).
 PROFILER_VERSION = 29
 
 
@@ -1430,6 +1430,11 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     if meta["native_kernels"]:  # rows from which a one-copy int4 weight's prompt GEMM dequantizes (gemm/cpu/int4)
         meta["int4_dequantize_rows"] = dequantize_rows()
         meta["kernel_isa"] = kernels.isa()  # the paths a CPU expert's prompt rows take (cpu_predict.prompt_expert_time)
+    from tiered.quant.linear import bf16_gemm_native
+
+    # whether torch's bf16 GEMM is oneDNN's here: where not (AVX2 only), CastLinear's fp32 rows upcast the
+    # weight for torch's fp32 GEMM, and cpu_predict prices them so
+    meta["bf16_gemm_native"] = bf16_gemm_native()
     meta["disk_note"] = note
     meta["load_average"] = load_before
     meta.update(contention.record(neighbours, previous))
