@@ -376,18 +376,40 @@ def test_moe_layers_stay_modules_unless_every_layer_can_run_in_the_step(rt):  # 
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_cast_linear_rows_past_the_kernel_take_fp32_where_the_cpu_has_no_bf16_gemm(monkeypatch, native):
-    """CastLinear's bf16 weight under fp32 activations, past its native kernel's rows: torch's bf16 GEMM where
-    this CPU has one (quant/linear.bf16_gemm_native: oneDNN's), else torch's fp32 GEMM over the weight
-    converted for the call (AVX2 only: the bf16 GEMM there ran ~10 GMAC/s, a one-copy bf16 SmolLM2's
-    512-token prompt 5.8 s against 0.92). What each computes is checked to the bit."""
-    import tiered.quant.linear as ql
+def test_bf16_projections_past_the_kernel_take_fp32_where_the_cpu_has_no_bf16_gemm(monkeypatch, native):
+    """CastLinear's bf16 weight past its native kernel's rows (fp32 or bf16 activations): torch's bf16 GEMM
+    where this CPU has one (hardware/cpu_gemm.bf16_gemm_native: oneDNN's), else torch's fp32 GEMM over the
+    weight converted for the call, rounded to the activations' dtype (AVX2 only: the bf16 GEMM there ran
+    ~10 GMAC/s, SmolLM2's 512-token bf16 prompt 5.8 s against ~1.0). Checked to the bit."""
+    import tiered.hardware.cpu_gemm as cg
+    from tiered.quant.linear import CastLinear
 
-    monkeypatch.setattr(ql, "_BF16_NATIVE", native)
+    monkeypatch.setattr(cg, "_BF16_NATIVE", native)
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(48, 64, generator=g).bfloat16(), torch.randn(48, generator=g).bfloat16()
     x = torch.randn(3, 40, 64, generator=g)  # 120 rows: past any native rows
-    m = ql.CastLinear(w, b)
+    m = CastLinear(w, b)
     want = F.linear(x.bfloat16(), w, b).float() if native else F.linear(x, w.float(), b.float())
     assert m(x).dtype == torch.float32 and torch.equal(m(x), want)
-    assert ql.CastLinear(w, None)(x.bfloat16()).dtype == torch.bfloat16  # bf16 activations: torch's bf16 GEMM
+    xb = x.bfloat16()
+    want = F.linear(xb, w, b) if native else F.linear(xb.float(), w.float(), b.float()).bfloat16()
+    assert torch.equal(m(xb), want)
+
+
+def test_a_bf16_cpu_engine_on_a_cpu_without_a_bf16_gemm_runs_its_projections_as_cast_linears(monkeypatch):
+    """runtime/install: on a CPU without a bf16 GEMM a bf16 engine's plain nn.Linear projections become
+    CastLinears over the same tensors (their prompts upcast; their few-row calls take the native kernel);
+    with a bf16 GEMM they stay nn.Linear."""
+    from torch import nn
+
+    import tiered.hardware.cpu_gemm as cg
+    from tiered.quant.linear import CastLinear
+
+    for native in (True, False):
+        monkeypatch.setattr(cg, "_BF16_NATIVE", native)
+        llm = LLM(None, engine_config(dtype="bfloat16", decode_weights="bf16", plan="off"))
+        try:
+            kinds = {type(m) for n, m in llm.model.named_modules() if n.endswith(("q_proj", "down_proj"))}
+            assert kinds == ({nn.Linear} if native else {CastLinear})
+        finally:
+            llm.close()

@@ -282,29 +282,6 @@ def test_cpu_prompt_experts_are_priced_over_the_rows_the_routing_draws():
     assert predict_prefill(MIXTRAL, hw, "bf16", 128) > 1.5 * predict_prefill(MIXTRAL, box(64), "bf16", 128)
 
 
-def test_one_copy_bf16_prompts_are_priced_as_fp32_gemms_where_the_cpu_has_no_bf16_gemm():
-    """A one-copy bf16 engine's prompt (fp32 activations, CastLinear) runs torch's fp32 GEMM over each weight
-    converted for the call where the profile says torch has no bf16 GEMM (meta["bf16_gemm_native"] False: AVX2
-    only), and is priced so: the fp32 GEMM plus the conversion's reads and writes. bf16 activations, and
-    profiles with a bf16 GEMM or without the flag, keep the bf16 GEMM's price."""
-    from tiered.planner.cpu_predict import predict_prefill
-
-    m = {"gemm/cpu/bf16": LinearModel(0.0, 9.3e-11, 1.0), "gemm/cpu/fp32": LinearModel(0.0, 1.3e-11, 1.0),
-         "gemv/cpu/bf16": LinearModel(0.0, 1 / 30e9, 1.0), "gemv/cpu/fp32": LinearModel(0.0, 1 / 30e9, 1.0),
-         "memory/bandwidth/cpu": LinearModel(0.0, 1 / 30e9, 1.0)}
-    def box(**meta):
-        return HardwareProfile("avx2-box", "test", m, None, None, meta=meta)
-    dense = ModelConfig.from_hf({"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
-                                 "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                                 "vocab_size": 49152, "max_position_embeddings": 8192})
-    avx2, amx, old = box(bf16_gemm_native=False), box(bf16_gemm_native=True), box()
-    ttft = lambda p, act: predict_prefill(dense, p, "bf16", 512, act_dtype=act)  # noqa: E731
-    assert ttft(avx2, "fp32") < 0.3 * ttft(amx, "fp32") and ttft(amx, "fp32") == ttft(old, "fp32")
-    assert ttft(avx2, "bf16") == ttft(amx, "bf16")
-    as_fp32 = predict_prefill(dense, avx2, "fp32", 512, act_dtype="fp32")  # the same GEMMs on fp32 weights
-    assert as_fp32 < ttft(avx2, "fp32") < 1.3 * as_fp32
-
-
 def test_a_cpu_moe_prompt_is_priced_on_the_expert_profiles_routing():
     """With an expert profile (popularity, tokens routed per expert) a CPU MoE prefill prices the experts the
     profile makes active and their rows (latency_moe.prompt_experts' counting): a prompt whose tokens all go to

@@ -125,6 +125,29 @@ def test_a_gemm_key_below_its_stricter_r2_is_timed_again():
     assert b.points["gemv/cpu/bf16"] == burst
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_the_bf16_gemm_keys_time_the_runtimes_gemm(monkeypatch, native):
+    """gemm/cpu/bf16 (and gemm_big, gemm_rows) time hardware/cpu_gemm.linear, as the runtime's bf16
+    projections and experts call it: torch's bf16 GEMM where the CPU has one, else an fp32 GEMM over the
+    converted weight (AVX2 only). _prefill_code_points' empty matmuls leave a weight's conversion out too:
+    the GEMM's key has it."""
+    import torch.nn.functional as F
+
+    import tiered.hardware.cpu_gemm as cg
+    from tiered.hardware.profiler import _EmptyMatmuls, _linear_kernel
+
+    monkeypatch.setattr(cg, "_BF16_NATIVE", native)
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(32, 64, generator=g), torch.randn(16, 64, generator=g)
+    fn, xdtype, bpe = _linear_kernel("cpu", "bf16", w)
+    xb, wb = x.to(xdtype), w.bfloat16()
+    want = F.linear(xb, wb) if native else F.linear(xb.float(), wb.float()).bfloat16()
+    assert (xdtype, bpe) == (torch.bfloat16, 2) and torch.equal(fn(xb), want)
+    p = torch.nn.Parameter(wb, requires_grad=False)
+    with _EmptyMatmuls():
+        assert p.float().dtype == torch.float32 and cg.linear(xb, p).shape == (16, 32)
+
+
 def test_memory_points_interleave_their_samples():
     """median_times: one warm-up call each, then every repeat samples each function in turn (so points
     timed while the memory's bandwidth drifts see the same moments), one median per function."""

@@ -75,6 +75,7 @@ from tiered import kernels
 from tiered.errors import ConfigError
 from tiered.hardware import contention
 from tiered.hardware.budget import move_to_huge_pages
+from tiered.hardware.cpu_gemm import linear
 from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K
 from tiered.hardware.profile import HardwareProfile, LinearModel
 from tiered.memory.sizes import DENSE_FORMATS, torch_dtype
@@ -360,7 +361,7 @@ def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False)
     if dtype in DENSE_FORMATS:
         td = torch_dtype(dtype)
         wd = w.to(dev, td, copy=True)  # its own memory, as every copy of a cycled GEMV needs
-        return (lambda x: F.linear(x, wd)), td, wd.element_size()
+        return (lambda x: linear(x, wd)), td, wd.element_size()  # as the runtime calls it (cpu_gemm)
     if dtype == "int8" and device == "cpu":
         from tiered.quant.int8 import Int8Linear
         lin = Int8Linear.from_dense(w)
@@ -547,7 +548,7 @@ def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) 
         nbytes = N * K * w.element_size()
         turn = itertools.cycle([c for c, in slab_copies((w,), cold_copies(cold_bytes or COLD_WEIGHT_BYTES, nbytes))])
         x = torch.randn(GEMM_ROWS, K, generator=g).to(td)
-        calls.append(lambda turn=turn, x=x: F.linear(x, next(turn)))
+        calls.append(lambda turn=turn, x=x: linear(x, next(turn)))
         sizes.append(float(nbytes))
     return list(zip(sizes, median_times(calls, repeats)))
 
@@ -884,9 +885,13 @@ def _moe_step_points(repeats: int) -> list[tuple[float, float]]:
 class _EmptyMatmuls(TorchFunctionMode):
     """Inside it, F.linear and F.scaled_dot_product_attention return an empty tensor of their result's
     shape and dtype, so that a forward pass times the model code around them: norms, RoPE, SiLU,
-    residual adds, casts and module calls (_prefill_code_points)."""
+    residual adds, casts and module calls (_prefill_code_points). A weight's conversion to fp32 (an
+    nn.Parameter's .float(): hardware/cpu_gemm.linear's, on a CPU without a bf16 GEMM) is its GEMM's, whose
+    key times it: empty too."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.float and isinstance(args[0], torch.nn.Parameter):
+            return torch.empty(args[0].shape, dtype=torch.float32, device=args[0].device)
         if func is F.linear:
             x, w = args[0], args[1]
             return torch.empty(*x.shape[:-1], w.shape[0], dtype=x.dtype, device=x.device)
@@ -1268,7 +1273,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # most PROBE_MAX_COLD_BYTES (256 MiB), not 3 x a sysfs L3 of 480 MiB; the native decode attention scores 4
 # heads x 4 keys in registers and widens a bf16 cache without shuffles (~1.6x its speed: attn_decode).
 # 29: gemm/cpu/<dtype> and gemm_big/cpu/<dtype> are timed again when their fit is poor (RETIMED_KEYS), torch's
-# GEMM keys below R^2 0.99 (GEMM_STALL_R2); meta["bf16_gemm_native"] (quant/linear.bf16_gemm_native).
+# GEMM keys below R^2 0.99 (GEMM_STALL_R2); the bf16 GEMM keys timed through hardware/cpu_gemm.linear (fp32 over
+# the converted weight where the CPU has no bf16 GEMM, as the runtime now runs them).
 PROFILER_VERSION = 29
 
 
@@ -1430,11 +1436,6 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     if meta["native_kernels"]:  # rows from which a one-copy int4 weight's prompt GEMM dequantizes (gemm/cpu/int4)
         meta["int4_dequantize_rows"] = dequantize_rows()
         meta["kernel_isa"] = kernels.isa()  # the paths a CPU expert's prompt rows take (cpu_predict.prompt_expert_time)
-    from tiered.quant.linear import bf16_gemm_native
-
-    # whether torch's bf16 GEMM is oneDNN's here: where not (AVX2 only), CastLinear's fp32 rows upcast the
-    # weight for torch's fp32 GEMM, and cpu_predict prices them so
-    meta["bf16_gemm_native"] = bf16_gemm_native()
     meta["disk_note"] = note
     meta["load_average"] = load_before
     meta.update(contention.record(neighbours, previous))

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tiered.checkpoint.model_config import ModelConfig
+from tiered.hardware.cpu_gemm import linear
 from tiered.models.layers import MLP
 from tiered.models.llama import CausalLM, DecoderLayer
 
@@ -46,7 +47,7 @@ def swiglu_hidden(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> 
     or some) -> [n, r] in x's dtype; weights cast to x's dtype when they differ."""
     dt = x.dtype
     w_gate, w_up = (w if w.dtype == dt else w.to(dt) for w in (w_gate, w_up))
-    return F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
+    return F.silu(linear(x, w_gate)) * linear(x, w_up)
 
 
 def expert_forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -59,7 +60,7 @@ def expert_forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     Returns:
         [n, D] in x's dtype.
     """
-    return F.linear(swiglu_hidden(x, w_gate, w_up), w_down if w_down.dtype == x.dtype else w_down.to(x.dtype))
+    return linear(swiglu_hidden(x, w_gate, w_up), w_down if w_down.dtype == x.dtype else w_down.to(x.dtype))
 
 
 class Expert(nn.Module):

@@ -616,22 +616,17 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     over = task_overhead if task_overhead is not None else op_time.task_overhead(hw)
 
     kernel_rows = (hw.meta or {}).get("int4_dequantize_rows")  # written only where the kernels timed the profile
-    upcast = (act_dtype or dtype) == "fp32" and (hw.meta or {}).get("bf16_gemm_native") is False
 
     def gemm(dt: str, macs: float, nbytes: float, calls: int, torch_runs: bool) -> float:
         """torch's GEMMs past the decode copies' and the native experts' rows; within them the native
         kernels stream the weights (gemm_time). One-copy int4 weights run the int4 kernel up to the
         profile's int4_dequantize_rows (its rows at decode_rows' slope for `batch_act` activations:
         Int4Linear.dense), past them a dequantized GEMM (gemm/cpu/int4, timed there:
-        hardware/profiler.int4_gemm_shapes). One-copy bf16 weights under fp32 activations on a CPU
-        without a bf16 GEMM (meta["bf16_gemm_native"] False: AVX2 only) run torch's fp32 GEMM over
-        each weight converted for the call (quant/linear.CastLinear): that GEMM's price, plus reading
-        the bf16 weight and writing its fp32 copy."""
+        hardware/profiler.int4_gemm_shapes). bf16 weights' GEMMs are priced by the bf16 keys, which the
+        profiler times through hardware/cpu_gemm.linear as the runtime calls it (an fp32 GEMM over the
+        converted weight where the CPU has no bf16 GEMM)."""
         if dt == "int4" and kernel_rows and T <= kernel_rows:
             return _gemv(hw, _batched(dt, batch_act, T), nbytes, calls=calls, rows=T)
-        if torch_runs and upcast and dt == "bf16":
-            bw = hw.models.get("memory/bandwidth/cpu")
-            return torch_gemm_time(hw, "fp32", macs, 2 * nbytes, calls) + 3 * nbytes * (bw.beta if bw else 0.0)
         if torch_runs:
             return torch_gemm_time(hw, dt, macs, nbytes, calls)
         return op_time.gemm_time(hw, "cpu", dt, macs, nbytes, calls=calls)

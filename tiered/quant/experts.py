@@ -61,6 +61,7 @@ import torch.nn.functional as F
 
 from tiered import kernels
 from tiered.errors import ConfigError
+from tiered.hardware.cpu_gemm import linear
 from tiered.kernels.linear import int8_tiles, tiled_group_scales, tiled_int8, untiled_group_scales, untiled_int8
 from tiered.quant import fp8, mxfp4
 from tiered.quant.int4 import GROUP
@@ -441,7 +442,7 @@ class ExpertFormat:
         if self.is_dense:
             dt = x.dtype
             wg, wu, wd = (w if w.dtype == dt else w.to(dt) for w in slot)
-            return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+            return linear(F.silu(linear(x, wg)) * linear(x, wu), wd)  # bf16 on AVX2: fp32 GEMMs (cpu_gemm)
         vg, vu, vd = self.views(slot)
         (kg, ku, kd), lay = self.kinds, self.int4_layout
         h = F.silu(project(x, vg, kg, lay, self.act)) * project(x, vu, ku, lay, self.act)
@@ -455,8 +456,8 @@ class ExpertFormat:
         if self.is_dense:
             dt = x.dtype
             wg, wu, wd = (w if w.dtype == dt else w.to(dt) for w in slot)
-            h = clamped_glu(F.linear(x1, wg), F.linear(x1, wu), self.swiglu_alpha, self.swiglu_limit)
-            return F.linear(with_one(h, self.shapes[2][1]), wd)
+            h = clamped_glu(linear(x1, wg), linear(x1, wu), self.swiglu_alpha, self.swiglu_limit)
+            return linear(with_one(h, self.shapes[2][1]), wd)
         vg, vu, vd = self.views(slot)
         (kg, ku, kd), lay = self.kinds, self.int4_layout
         h = clamped_glu(project(x1, vg, kg, lay, self.act), project(x1, vu, ku, lay, self.act),

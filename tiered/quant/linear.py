@@ -16,30 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tiered.hardware.cpu_gemm import linear
 from tiered.quant.int4 import GROUP, Int4Linear, quantize_int4
 from tiered.quant.int8 import Int8Linear, quantize_int8
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def bf16_gemm_native() -> bool:
-    """Whether torch's CPU GEMM has a bf16 path of its own here (oneDNN's: AVX-512 with BF16 or AMX,
-    or AVX-512's emulation). AVX2-only CPUs have none: torch's bf16 GEMM there runs a reference loop,
-    ~10 GMAC/s on 2 Zen 3 cores where fp32 runs 50-85 (a Mixtral-width expert's projection at 512 rows:
-    183 ms in bf16, 24 ms upcast to fp32 with the weight's conversion, 2026-11-30)."""
-    global _BF16_NATIVE
-    if _BF16_NATIVE is None:
-        try:
-            _BF16_NATIVE = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):  # a torch build without oneDNN: its own loops either way
-            _BF16_NATIVE = True
-    return _BF16_NATIVE
-
-
-_BF16_NATIVE: bool | None = None
 
 
 class CastLinear(nn.Module):
@@ -49,10 +32,10 @@ class CastLinear(nn.Module):
     tiered's native bf16 kernel (kernels/linear.kernel_for: x rounded to bf16, fp32 accumulation, as
     the native decode step runs it) up to quant/experts.bf16_native_rows() rows, where torch's bf16
     GEMV read ~27 GB/s against the kernel's ~47 (2-core Zen 4): the path of projections a decode step
-    runs as modules (DeepSeek's latent-attention layers, a routing hook's fallback). Past them, fp32
-    activations on a CPU without a bf16 GEMM (`bf16_gemm_native`) take torch's fp32 GEMM over the weight
-    converted for the call: on 2 AVX2 cores SmolLM2's one-copy bf16 engine (`--decode-weights bf16`)
-    had taken 5.8 s for a 512-token prompt in torch's bf16 GEMM.
+    runs as modules (DeepSeek's latent-attention layers, a routing hook's fallback). Past them, on a CPU
+    without a bf16 GEMM, torch's fp32 GEMM over the weight converted for the call (hardware/cpu_gemm.linear):
+    on 2 AVX2 cores SmolLM2's one-copy bf16 engine (`--decode-weights bf16`) had taken 5.8 s for a
+    512-token prompt in torch's bf16 GEMM, 0.92-0.98 so.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -68,10 +51,7 @@ class CastLinear(nn.Module):
         if native and x.numel() // x.shape[-1] <= native[1] and x.device.type == "cpu":
             y = native[0](x.reshape(-1, x.shape[-1]))
             return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
-        if (x.dtype == torch.float32 and self.weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and not bf16_gemm_native()):
-            return F.linear(x, self.weight.float(), None if self.bias is None else self.bias.float())
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        return linear(x, self.weight, self.bias)
 
     def _native_kernel(self):
         """(native kernel, rows it takes) for a contiguous bf16 CPU weight with the extension built, else False."""
@@ -148,7 +128,7 @@ class PhaseLinear(nn.Module):
         if x.numel() // x.shape[-1] <= self.threshold:
             return self.decode(x)
         if self.weight is not None:
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias)
         dense = getattr(self.decode, "dense", None)
         return self.decode(x) if dense is None else dense(x)
 

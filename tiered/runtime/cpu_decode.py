@@ -271,13 +271,14 @@ def _native_latent(layer: nn.Module, dtype: torch.dtype) -> dict | None:
                 uk=uk, uv=uv, kv_b=kv_b, scale=attn.scale, interleave=attn.interleave)
 
 
-def _native_linears(module: nn.Module) -> None:
+def cast_bf16_linears(module: nn.Module) -> None:
     """Swap the plain bf16 nn.Linear layers under `module` (a part the decode step runs as modules:
     DeepSeek's latent-attention layers, module-run MoE blocks' shared experts) for CastLinears over the
     same tensors, whose one-token calls take tiered's native bf16 kernel instead of torch's bf16 GEMV
     (~47 against ~27 GB/s on 2 Zen 4 cores; with the absorbed kernels a bf16 engine now also gets, a
     4-layer DeepSeek-V2-Lite-shaped bf16 model decoded 27.7 -> 37.6 tok/s, benchmarks/deepseek_moe.py).
-    No copy: the parameters are shared."""
+    On a CPU without a bf16 GEMM the whole model's (runtime/install): their prompts then run torch's fp32
+    GEMM over the converted weight (hardware/cpu_gemm.linear). No copy: the parameters are shared."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             w = getattr(child, "weight", None)
@@ -415,7 +416,7 @@ class CPUDecodeStep:
             self.native, self.schedule, self.fallback = _native_step(ext, model, self.layers)
             for L, layer in self.layers:  # what the step runs as modules: their bf16 projections on our kernel
                 if L.whole or L.ffn is not None:
-                    _native_linears(layer if L.whole else L.ffn)
+                    cast_bf16_linears(layer if L.whole else L.ffn)
             # MoE blocks the step runs itself (no module call: their runner's counters are kept here)
             self.moe_blocks = [layer.mlp for L, layer in self.layers if L.ffn is not None] \
                 if self.schedule != self.fallback else []
