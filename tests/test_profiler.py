@@ -890,22 +890,23 @@ def test_the_expert_dram_key_times_the_native_expert_on_slab_copies_interleaved(
 
 
 def test_the_small_row_gemm_key_times_torch_over_cold_copies_in_one_slab(monkeypatch):
-    """gemm_rows/cpu/<dtype>: torch's GEMM (F.linear) of GEMM_ROWS rows, n = weight bytes, over as many copies
-    of each weight as fill `cold_bytes` (each called in turn), the copies carved from one huge-page slab per
-    shape (slab_copies: clones on 4 KiB pages gave fits of R^2 0.1-0.8), the shapes timed interleaved."""
-    from tiered.hardware import budget, profiler
+    """gemm_rows/cpu/<dtype>: torch's GEMM (as the runtime calls it, hardware/cpu_gemm.linear) of GEMM_ROWS
+    rows, n = weight bytes, over as many copies of each weight as fill `cold_bytes` (each called in turn), the
+    copies carved from one huge-page slab per shape (slab_copies: clones on 4 KiB pages gave fits of R^2
+    0.1-0.8), the shapes timed interleaved."""
+    from tiered.hardware import budget, cpu_gemm, profiler
 
     real_linear, real_slab, calls, slabs = torch.nn.functional.linear, budget.HostSlab, [], []
 
     def linear(x, w, *a):
         calls.append((w.data_ptr(), tuple(w.shape), x.shape[0], x.dtype))
-        return real_linear(x, w, *a)
+        return cpu_gemm.linear(x, w, *a)
 
     class Slab(real_slab):
         def __init__(self, nbytes, *a, **k):
             super().__init__(nbytes, *a, **k)
             slabs.append(self)
-    monkeypatch.setattr(profiler.F, "linear", linear)
+    monkeypatch.setattr(profiler, "linear", linear)
     monkeypatch.setattr(budget, "HostSlab", Slab)
     # oneDNN's first bf16 GEMM of a process builds its kernels (~8-12 ms here): a warm-up call that slow gets one
     # call a sample (median_times), too few to reach every copy
