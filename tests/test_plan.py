@@ -282,6 +282,26 @@ def test_cpu_prompt_experts_are_priced_over_the_rows_the_routing_draws():
     assert predict_prefill(MIXTRAL, hw, "bf16", 128) > 1.5 * predict_prefill(MIXTRAL, box(64), "bf16", 128)
 
 
+def test_bf16_projections_within_the_native_rows_are_priced_as_the_kernel_where_the_cpu_has_no_bf16_gemm():
+    """Where the profile says torch has no bf16 GEMM (meta["bf16_gemm_native"] False: AVX2 only), a bf16
+    engine's projections are CastLinears (runtime/install), whose calls of up to the native rows run the
+    native kernel: a short prompt's projections are priced as its rows, not as torch's GEMM. Past those rows,
+    and with a bf16 GEMM (or profiles without the flag), torch's GEMM prices them."""
+    from dataclasses import replace
+
+    from tiered.planner.cpu_predict import predict_prefill
+
+    m = {"gemm/cpu/bf16": LinearModel(3e-4, 9e-11, 1.0), "gemv/cpu/bf16": LinearModel(0.0, 1 / 30e9, 1.0),
+         "decode_rows/cpu/bf16": LinearModel(0.0, 2e-11, 1.0), "gemm_rows/cpu/bf16": LinearModel(3e-4, 3e-10, 1.0)}
+    meta = {"native_kernels": True, "kernel_tuning": {"bf16_native_rows": 32}}
+    amx = HardwareProfile("box", "test", m, None, None, meta=meta)
+    avx2 = replace(amx, meta=dict(meta, bf16_gemm_native=False))
+    dense = replace(MIXTRAL, num_experts=0, num_experts_per_tok=0, model_type="llama")
+    for T in (8, 16, 32):
+        assert predict_prefill(dense, avx2, "bf16", T) < 0.8 * predict_prefill(dense, amx, "bf16", T)
+    assert predict_prefill(dense, avx2, "bf16", 64) == predict_prefill(dense, amx, "bf16", 64)
+
+
 def test_a_cpu_moe_prompt_is_priced_on_the_expert_profiles_routing():
     """With an expert profile (popularity, tokens routed per expert) a CPU MoE prefill prices the experts the
     profile makes active and their rows (latency_moe.prompt_experts' counting): a prompt whose tokens all go to

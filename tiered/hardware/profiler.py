@@ -1436,6 +1436,10 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     if meta["native_kernels"]:  # rows from which a one-copy int4 weight's prompt GEMM dequantizes (gemm/cpu/int4)
         meta["int4_dequantize_rows"] = dequantize_rows()
         meta["kernel_isa"] = kernels.isa()  # the paths a CPU expert's prompt rows take (cpu_predict.prompt_expert_time)
+    from tiered.hardware.cpu_gemm import bf16_gemm_native
+
+    # False (AVX2 only): a bf16 engine's projections are CastLinears, on the native kernel up to its rows
+    meta["bf16_gemm_native"] = bf16_gemm_native()
     meta["disk_note"] = note
     meta["load_average"] = load_before
     meta.update(contention.record(neighbours, previous))

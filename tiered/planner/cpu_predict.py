@@ -616,6 +616,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     over = task_overhead if task_overhead is not None else op_time.task_overhead(hw)
 
     kernel_rows = (hw.meta or {}).get("int4_dequantize_rows")  # written only where the kernels timed the profile
+    no_bf16_gemm = (hw.meta or {}).get("bf16_gemm_native") is False
 
     def gemm(dt: str, macs: float, nbytes: float, calls: int, torch_runs: bool) -> float:
         """torch's GEMMs past the decode copies' and the native experts' rows; within them the native
@@ -624,9 +625,13 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
         Int4Linear.dense), past them a dequantized GEMM (gemm/cpu/int4, timed there:
         hardware/profiler.int4_gemm_shapes). bf16 weights' GEMMs are priced by the bf16 keys, which the
         profiler times through hardware/cpu_gemm.linear as the runtime calls it (an fp32 GEMM over the
-        converted weight where the CPU has no bf16 GEMM)."""
+        converted weight where the CPU has no bf16 GEMM). There (meta["bf16_gemm_native"] False) the
+        projections are CastLinears (runtime/install), whose calls of up to the native rows run the native
+        kernel: priced as its rows (`_gemv`; 8-16-token bf16 MoE prompts were priced 49-74% slow as GEMMs)."""
         if dt == "int4" and kernel_rows and T <= kernel_rows:
             return _gemv(hw, _batched(dt, batch_act, T), nbytes, calls=calls, rows=T)
+        if dt == "bf16" and no_bf16_gemm and T <= expert_native_rows(hw, "bf16"):
+            return _gemv(hw, "bf16", nbytes, calls=calls, rows=T)
         if torch_runs:
             return torch_gemm_time(hw, dt, macs, nbytes, calls)
         return op_time.gemm_time(hw, "cpu", dt, macs, nbytes, calls=calls)
