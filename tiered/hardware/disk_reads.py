@@ -71,9 +71,8 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
     has any left, their pages dropped first (the files written back before: `write_back`). The sizes are
     interleaved, three repeats each, and the line is fitted through each size's median (one slow read
     does not tilt it: four single samples of two sizes once fitted 2 readers at 27.9 ms + 2.6 GB/s,
-    R^2 0.42). At most about `budget_bytes`
-    are read (big experts: fewer repeats, then fewer sizes, never under two sizes once); the buffers
-    take `readers` experts of RAM while the fit runs.
+    R^2 0.42). At most about `budget_bytes` are read (big experts: fewer repeats, then fewer sizes, never
+    under two sizes once); the buffers take `readers` experts of RAM while the fit runs.
 
     Raises:
         ValueError: the checkpoint has no routed experts stored in `dtype` (expert_reads_direct).

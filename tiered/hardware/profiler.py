@@ -209,7 +209,8 @@ STREAM_KEYS = ("gemv/cpu/", "gemv_dram/cpu/", "memory/bandwidth")  # time = byte
 # The GEMM keys too: one full profile on the 2-core AVX2-only EPYC timed gemm/cpu/fp32's shapes 1.7-12x
 # slower than they ran before and after (67 M MACs in 15.7 ms against 1.1-1.3; R^2 0.53, an intercept of 9 ms
 # a call) and priced SmolLM2's fp32 512-token TTFT at 3.2 s where it took 0.92 (2026-11-30).
-RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/", "gemm/cpu/", "gemm_big/cpu/")
+GEMM_KEYS = ("gemm/cpu/", "gemm_big/cpu/")  # torch's GEMM lines (GEMM_STALL_R2)
+RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/",) + GEMM_KEYS
 STALL_R2 = 0.95  # below it such a key's samples stalled (sound runs fit at 0.98-0.9999): timed again
 # torch's GEMM keys (gemm, gemm_big; not gemm_rows, whose per-call packing bends its line), stricter: a
 # compute-bound line (sound runs fit at 0.997-0.9999 on 2 AVX2 cores); one full profile there fit gemm/cpu/bf16
@@ -263,11 +264,12 @@ class _Bench:
         had stalled samples: it is timed again, up to STALL_RETRIES times, and the best-fitting run
         kept, with a note. A quick profile taken while another process ran (load 1.9 on the 2-core
         EPYC, 2026-11-27) timed gemv/cpu/int4's 2.6 MB weight at 2.5 ms for ~70 us: its fit (R^2
-        0.02) gave each GEMV a 0.6 ms intercept, and the plan priced SmolLM2's decode at 76 ms a token where it ran 2.8."""
+        0.02) gave each GEMV a 0.6 ms intercept, and the plan priced SmolLM2's decode at 76 ms a token
+        where it ran 2.8."""
         try:
             best = None
             runs = 1 + (STALL_RETRIES if key.startswith(RETIMED_KEYS) else 0)
-            stall_r2 = GEMM_STALL_R2 if key.startswith(("gemm/cpu/", "gemm_big/cpu/")) else STALL_R2
+            stall_r2 = GEMM_STALL_R2 if key.startswith(GEMM_KEYS) else STALL_R2
             for tries in range(runs):
                 if self.probe is not None:
                     self.probe.last = None

@@ -51,13 +51,12 @@ class HitStats:
 
 def prompt_routing(shares, tokens: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """How a `tokens`-token prompt spreads over a layer's experts when each token picks expert e with
-    probability q_e = min(1, top_k p_e), p_e = shares[e] / sum(shares): (a, rows), float [E] each: a_e =
-    1 - (1 - q_e)^tokens, the probability that e computes some of the prompt, and rows_e = tokens q_e / a_e,
-    its rows when it does (0 where a_e is 0)."""
+    probability q_e = min(1, top_k p_e), p_e = shares[e] / sum(shares): (a, q), float [E] each: a_e =
+    1 - (1 - q_e)^tokens, the probability that e computes some of the prompt, and q (its rows are drawn
+    Binomial(tokens, q_e): RowCosts.expected)."""
     p = np.asarray(shares, dtype=np.float64)
     q = np.minimum(1.0, top_k * p / p.sum())
-    a = 1.0 - (1.0 - q) ** tokens
-    return a, np.divide(tokens * q, a, out=np.zeros_like(a), where=a > 0)
+    return 1.0 - (1.0 - q) ** tokens, q
 
 
 # RowCosts evaluates its cost at every row count up to this, past it at counts rounded to 32 steps a doubling
@@ -693,9 +692,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             if popularity is not None and np.sum(popularity[i]) > 0:  # the profile's skew
                 # every expert stays drawable
                 shares = np.asarray(popularity[i], dtype=np.float64) + 1e-9
-                a, _ = prompt_routing(shares, T, k_)
+                a, q = prompt_routing(shares, T, k_)
                 active = max(float(k_), float(a.sum()))
-                q = np.minimum(1.0, k_ * shares / shares.sum())
                 work = float(costs.expected(q[a > 1e-6]).sum())
             else:  # each expert's rows drawn Binomial(T, k / E)
                 work = E_ * float(costs.expected(min(1.0, k_ / E_))[0])
