@@ -82,6 +82,7 @@ class Sizes:
     moe_layers: int
     rotary: int = 0  # RoPE cos/sin tables for max_context positions, fp32
     workspace: int = 0  # activation room the plan keeps on an accelerator (memory/sizes.workspace_bytes)
+    cpu_workspace: int = 0  # a CPU plan's room in RAM for a prefill chunk's activations (of max_context tokens at most)
 
     @property
     def total_experts(self) -> int:
@@ -90,9 +91,9 @@ class Sizes:
     def fast(self, cache_slots: int, resident: int = 0, staging: int = STAGING, accelerator: bool = True,
              library: int = 0) -> int:
         """Fast-tier budget that yields exactly `resident` fast-resident experts with `cache_slots` slots
-        (behind an accelerator, or in RAM without one: no activation workspace then). `library`: the
+        (behind an accelerator, or in RAM without one), and the tier's activation workspace. `library`: the
         bytes the plan keeps for libraries' workspaces on a real GPU (`cuda_library()`; 0 on the stand-in)."""
-        fixed = self.nonexpert + self.kv + self.rotary + (self.workspace + library if accelerator else 0)
+        fixed = self.nonexpert + self.kv + self.rotary + (self.workspace + library if accelerator else self.cpu_workspace)
         return fixed + (staging + cache_slots + resident) * self.expert
 
     def cpu(self, experts: int, staging: int = STAGING) -> int:
@@ -183,7 +184,8 @@ def sizes_of(path: Path, max_context: int = MAX_CONTEXT) -> Sizes:
                  num_experts=cfg.num_experts,
                  moe_layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
                  rotary=2 * max_context * cfg.rotary_dim * 4,
-                 workspace=sizes.workspace_bytes(cfg, "fp32"))
+                 workspace=sizes.workspace_bytes(cfg, "fp32"),
+                 cpu_workspace=sizes.workspace_bytes(cfg, "fp32", min(sizes.CPU_PREFILL_TOKENS, max_context)))
 
 
 def live_device_bytes() -> int:

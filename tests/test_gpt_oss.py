@@ -202,11 +202,12 @@ def model_logits(model, ids: list[int]) -> torch.Tensor:
 def fast_bytes(path: Path, cache_slots: int, accelerator: bool) -> int:
     """A fast-tier budget that holds the non-expert weights, one 32-token sequence's KV cache, the RoPE
     tables, 2 staging buffers and `cache_slots` cache slots, no resident expert (fp32; behind an
-    accelerator its activation workspace too): counted from the files' headers and the config."""
+    accelerator a 512-token step's activation workspace, in RAM a 32-token one's): counted from the files' headers
+    and the config."""
     cfg = open_checkpoint(path).config
     nonexpert = 4 * stored_elements(path, lambda n: ".experts." not in n)
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 32 * cfg.head_dim * 4
-    extra = sizes.workspace_bytes(cfg, "fp32") if accelerator else 0
+    extra = sizes.workspace_bytes(cfg, "fp32", None if accelerator else 32)
     return nonexpert + kv + 2 * 32 * cfg.head_dim * 4 + extra + (2 + cache_slots) * sizes.expert_bytes(cfg, "fp32")
 
 

@@ -455,14 +455,16 @@ class LLM:
     def _mixed_prefills(self, admitted: list[Sequence], decoding: int, cache: KVCache) -> list[Sequence]:
         """The admitted sequences whose prompts join this step's decode rows (LLM.step): shortest
         uncached suffix first, while the step stays within Plan.mixed_rows rows beside the
-        `decoding` sequences' one row each. None unless the CPU step can take prompt rows."""
+        `decoding` sequences' one row each, and within Plan.prefill_chunk (the rows its workspace
+        holds). None unless the CPU step can take prompt rows."""
         step = self.runtime.cpu_decode
         if not admitted or self.plan.mixed_rows <= 0 or step is None or not step.takes_prefill_rows(cache):
             return []
+        most = min(self.plan.mixed_rows, self.plan.prefill_chunk or self.plan.mixed_rows)
         rows, out = decoding, []
         for seq in sorted(admitted, key=lambda s: len(s.prompt_ids) - s.cached_tokens):
             rows += len(seq.prompt_ids) - seq.cached_tokens
-            if rows > self.plan.mixed_rows:
+            if rows > most:
                 break
             out.append(seq)
         return out

@@ -145,8 +145,8 @@ def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: Memor
         dense_skip = lambda n: (skip is not None and skip(n)) or n in copied or (blocks and n == embed)  # noqa: E731
     what = "the non-expert weights" if cfg.is_moe else "the non-FFN weights" if sliced else "the model's weights"
     fast_budget.reserve(sizes.weight_bytes(cfg, fmt, dense_skip), what)
-    if plan.workspace_bytes:  # kept free for activations: allocated by torch, not by us
-        fast_budget.reserve(plan.workspace_bytes, "the workspace (activations, cuBLAS)")
+    if plan.workspace_bytes:  # kept free for a prefill chunk's activations (and cuBLAS): allocated by torch, not by us
+        fast_budget.reserve(plan.workspace_bytes, "the activation workspace")
     nbytes = materialize(model, checkpoint, sizes.torch_dtype(fmt), on_tensor=on_tensor, skip=dense_skip,
                          accelerator=accelerator)
     extra = 0

@@ -245,10 +245,17 @@ def tensor_bytes(shape, dtype: torch.dtype) -> int:
 
 
 WORKSPACE_TOKENS = 512  # prefill steps the device workspace is sized for
+# prompt tokens a CPU plan's prefill forward takes at most (Plan.prefill_chunk; its RAM workspace is sized for
+# them): a longer prompt prefills chunk by chunk, so its activations stay bounded. On 2 Zen 3 cores (AVX2,
+# 2026-11-30) chunks of 1024 against one forward: SmolLM2's 4096-token prompt peaked at 625 MB RSS against 780
+# (11.6-12.2 s against 11.0-11.5), the Mixtral-width bf16 dummy's 2048-token prompt 6.0 s either way (chunks of
+# 512: 6.7, its bf16 experts converted once a chunk), the 8-layer Qwen3-30B-A3B-width Q4_0 one 26.6 s against 37.2
+CPU_PREFILL_TOKENS = 1024
 
 
 def workspace_bytes(cfg: ModelConfig, fmt: str, tokens: int | None = None) -> int:
-    """Device bytes for one step's activations of `tokens` tokens (the GPU budget keeps room for them).
+    """Bytes of one step's activations of `tokens` tokens on the fast tier (room the GPU budget keeps, or
+    a CPU plan's RAM budget).
 
     Counts the live tensors of a decoder layer at its widest: hidden states and residual (4 x D),
     q/k/v and the attention output ((2H + 2Hkv) x hd), their fp32 rotary copies, the MLP's gate, up

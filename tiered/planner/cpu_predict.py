@@ -565,12 +565,35 @@ def expert_native_rows(hw: HardwareProfile, dtype: str) -> int:
     return int(((hw.meta or {}).get("kernel_tuning") or {}).get("bf16_native_rows", NATIVE_ROWS))
 
 
+def chunk_spans(tokens: int, chunk: int = 0) -> list[tuple[int, int]]:
+    """(tokens, past) of each forward a `tokens`-token prompt prefills in: chunks of `chunk` tokens, each
+    after the `past` tokens the earlier ones cached (engine/llm.LLM._prefill); one forward when `chunk` is
+    0 or the prompt fits it."""
+    if chunk <= 0 or tokens <= chunk:
+        return [(tokens, 0)]
+    return [(min(chunk, tokens - start), start) for start in range(0, tokens, chunk)]
+
+
+def prefill_attention_pairs(tokens: int, past: int = 0) -> float:
+    """(query, key) pairs a prefill forward's attention computes: T (T + 1) / 2 for a prompt from position 0
+    (SDPA's causal mask skips the blocks above the diagonal), T (past + T) for a chunk after `past` cached
+    tokens: its mask is explicit (models/layers.attention_mask), and torch's CPU SDPA computes every block
+    under one, masked or not."""
+    return tokens * (tokens + 1) / 2 if past == 0 else tokens * (past + tokens)
+
+
 def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int,
                     moe_layers: list[int] | None = None, disk_share: float = 0.0,
                     experts_dtype: str | None = None, act_dtype: str | None = None,
                     experts_format: str | None = None, read_ahead: bool = True, readers: int = 2,
-                    task_overhead: float | None = None, batch_act: str = "bf16", popularity=None) -> float:
+                    task_overhead: float | None = None, batch_act: str = "bf16", popularity=None,
+                    chunk: int = 0) -> float:
     """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
+
+    `chunk` (Plan.prefill_chunk; 0: one forward): a longer prompt prefills in forwards of `chunk` tokens
+    (engine/llm.LLM._prefill), each priced below on its own tokens (the experts' draws, per-step costs and
+    the last token's lm_head again each chunk, its experts read again where on disk) with its attention over
+    the cache the earlier chunks wrote (`prefill_attention_pairs`).
 
     Per layer: the attention projections and each FFN / active expert as GEMMs of all their
     tokens (torch_gemm_time: compute, floored by streaming the weights once, and by the profile's
@@ -609,7 +632,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     import math
 
     bpe = op_time.bytes_per_element(dtype)
-    d, T = cfg.hidden_size, tokens
+    d = cfg.hidden_size
     w_attn = cfg.attention_weight_elements()
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     over = task_overhead if task_overhead is not None else op_time.task_overhead(hw)
@@ -617,7 +640,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     kernel_rows = (hw.meta or {}).get("int4_dequantize_rows")  # written only where the kernels timed the profile
     no_bf16_gemm = (hw.meta or {}).get("bf16_gemm_native") is False
 
-    def gemm(dt: str, macs: float, nbytes: float, calls: int, torch_runs: bool) -> float:
+    def gemm(T: int, dt: str, macs: float, nbytes: float, calls: int, torch_runs: bool) -> float:
         """torch's GEMMs past the decode copies' and the native experts' rows; within them the native
         kernels stream the weights (gemm_time). One-copy int4 weights run the int4 kernel up to the
         profile's int4_dequantize_rows (its rows at decode_rows' slope for `batch_act` activations:
@@ -626,7 +649,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
         profiler times through hardware/cpu_gemm.linear as the runtime calls it (an fp32 GEMM over the
         converted weight where the CPU has no bf16 GEMM). There (meta["bf16_gemm_native"] False) the
         projections are CastLinears (runtime/install), whose calls of up to the native rows run the native
-        kernel: priced as its rows (`_gemv`; 8-16-token bf16 MoE prompts were priced 49-74% slow as GEMMs)."""
+        kernel: priced as its rows (`_gemv`; 8-16-token bf16 MoE prompts were priced 49-74% slow as GEMMs).
+        T: the forward's tokens."""
         if dt == "int4" and kernel_rows and T <= kernel_rows:
             return _gemv(hw, _batched(dt, batch_act, T), nbytes, calls=calls, rows=T)
         if dt == "bf16" and no_bf16_gemm and T <= expert_native_rows(hw, "bf16"):
@@ -634,7 +658,6 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
         if torch_runs:
             return torch_gemm_time(hw, dt, macs, nbytes, calls)
         return op_time.gemm_time(hw, "cpu", dt, macs, nbytes, calls=calls)
-    total = per_step + _gemv(hw, dtype, d * cfg.vocab_size * bpe)
     moe_at = [cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
               for i in range(cfg.num_hidden_layers)]
     n_moe = sum(moe_at)
@@ -643,64 +666,73 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
           3 * d * cfg.moe_intermediate_size * bpe) if n_moe else 0
     edt = experts_dtype or dtype
     stored = experts_format or edt
-    # experts active in an MoE layer and rows each (T tokens routed top-k of E uniformly; a dense model: unused)
     E_, k_ = max(cfg.num_experts, 1), max(cfg.num_experts_per_tok, 1)
-    active_experts = min(E_, max(k_, math.ceil(E_ * (1 - (1 - k_ / E_) ** T) - 1e-9)))
-    rows_per_expert = max(1, math.ceil(T * k_ / active_experts - 1e-9))
-    costs = None  # RowCosts: one routed expert's seconds by rows (the same in every MoE layer)
-    for i in range(cfg.num_hidden_layers):
-        is_moe = moe_at[i]
-        # the layer's own code (norms, RoPE, SiLU, adds, module calls) over its tokens' widths; an MoE layer's
-        # over its k routed copies of each token (the dispatch's gathers and weighted sums: its experts' SiLU
-        # runs inside their kernels, priced with them) and any shared expert's intermediate rows. With k
-        # intermediate rows instead, a 512-token prompt of the 8-layer Mixtral-width dummy, every expert in
-        # RAM, was priced 0.250 s where it took 0.190 (2 AMX cores, 2026-11-29)
-        # gpt-oss's biased experts (expert_bias) past their native rows (biased_native_rows) run their clamped GLU
-        # and bias columns in torch over each routed row's intermediate width too: ~0.35 s of a 4-layer
-        # gpt-oss-20b-width 512-token prompt's 1.85 (2 Sapphire Rapids cores, 2026-11-29); within them the native
-        # call computes both inside the kernels
-        torch_glu = is_moe and cfg.expert_bias and rows_per_expert > biased_native_rows(hw, stored)
-        routed = cfg.num_experts_per_tok * (d + cfg.moe_intermediate_size * torch_glu)
-        width = d + (routed + cfg.shared_expert_intermediate_size if is_moe else cfg.intermediate_size)
-        code = op_time.prefill_code_time(hw, act_dtype or dtype, T * width)
-        t = (per_layer if code is None else code) + gemm(dtype, T * w_attn, w_attn * bpe, 4, T > GEMM_ROWS)
-        t += op_time.prefill_attention_time(hw, "cpu", act_dtype or dtype,
-                                            T * (T + 1) / 2 * cfg.attention_macs_per_pair(False))  # causal
-        if not is_moe:
-            F = cfg.intermediate_size
-            t += gemm(dtype, 3 * T * d * F, 3 * d * F * bpe, 3, T > GEMM_ROWS)
-        else:
-            E, F = cfg.num_experts, cfg.moe_intermediate_size
-            active = active_experts
-            t += op_time.gemm_time(hw, "cpu", dtype, T * d * E, d * E * bpe)  # router
-            Fs = cfg.shared_expert_intermediate_size
-            if Fs:  # the shared expert(s), a dense FFN every token runs
-                t += gemm(dtype, 3 * T * d * Fs, 3 * d * Fs * bpe, 3, T > GEMM_ROWS)
-            ebytes = 3 * d * F * op_time.bytes_per_element(edt)
 
-            def expert(s: int) -> float:  # one expert of `s` rows, as the runtime computes it
-                quantized = None if stored == edt else prompt_expert_time(
-                    hw, stored, s, eb, 3 * d * F, batch_act, cfg.expert_bias, active_experts * eb * n_moe)
-                if stored == edt and s <= expert_native_rows(hw, stored):  # tiered's native kernel
-                    return native_expert_time(hw, edt, s, ebytes, 3 * d * F)
-                if quantized is not None:  # a quantized format's own kernels, or dequantized GEMMs past them
-                    return quantized
-                # torch's GEMMs past the native rows (bf16), or a format without a priced path
-                return gemm(edt, 3 * s * d * F, ebytes, 3, stored == edt)
+    def forward(T: int) -> float:
+        """Seconds of one forward of T tokens without its attention: the per-step cost, the last token's
+        lm_head, and each layer's projections, FFN or experts (with their reads) and code."""
+        # experts active in an MoE layer and rows each (T tokens routed top-k of E uniformly; a dense model: unused)
+        active_experts = min(E_, max(k_, math.ceil(E_ * (1 - (1 - k_ / E_) ** T) - 1e-9)))
+        rows_per_expert = max(1, math.ceil(T * k_ / active_experts - 1e-9))
+        costs = None  # RowCosts: one routed expert's seconds by rows (the same in every MoE layer)
+        total = per_step + _gemv(hw, dtype, d * cfg.vocab_size * bpe)
+        for i in range(cfg.num_hidden_layers):
+            is_moe = moe_at[i]
+            # the layer's own code (norms, RoPE, SiLU, adds, module calls) over its tokens' widths; an MoE layer's
+            # over its k routed copies of each token (the dispatch's gathers and weighted sums: its experts' SiLU
+            # runs inside their kernels, priced with them) and any shared expert's intermediate rows. With k
+            # intermediate rows instead, a 512-token prompt of the 8-layer Mixtral-width dummy, every expert in
+            # RAM, was priced 0.250 s where it took 0.190 (2 AMX cores, 2026-11-29)
+            # gpt-oss's biased experts (expert_bias) past their native rows (biased_native_rows) run their clamped GLU
+            # and bias columns in torch over each routed row's intermediate width too: ~0.35 s of a 4-layer
+            # gpt-oss-20b-width 512-token prompt's 1.85 (2 Sapphire Rapids cores, 2026-11-29); within them the native
+            # call computes both inside the kernels
+            torch_glu = is_moe and cfg.expert_bias and rows_per_expert > biased_native_rows(hw, stored)
+            routed = cfg.num_experts_per_tok * (d + cfg.moe_intermediate_size * torch_glu)
+            width = d + (routed + cfg.shared_expert_intermediate_size if is_moe else cfg.intermediate_size)
+            code = op_time.prefill_code_time(hw, act_dtype or dtype, T * width)
+            t = (per_layer if code is None else code) + gemm(T, dtype, T * w_attn, w_attn * bpe, 4, T > GEMM_ROWS)
+            if not is_moe:
+                F = cfg.intermediate_size
+                t += gemm(T, dtype, 3 * T * d * F, 3 * d * F * bpe, 3, T > GEMM_ROWS)
+            else:
+                E, F = cfg.num_experts, cfg.moe_intermediate_size
+                active = active_experts
+                t += op_time.gemm_time(hw, "cpu", dtype, T * d * E, d * E * bpe)  # router
+                Fs = cfg.shared_expert_intermediate_size
+                if Fs:  # the shared expert(s), a dense FFN every token runs
+                    t += gemm(T, dtype, 3 * T * d * Fs, 3 * d * Fs * bpe, 3, T > GEMM_ROWS)
+                ebytes = 3 * d * F * op_time.bytes_per_element(edt)
 
-            costs = costs or RowCosts(expert, T)
-            if popularity is not None and np.sum(popularity[i]) > 0:  # the profile's skew
-                # every expert stays drawable
-                shares = np.asarray(popularity[i], dtype=np.float64) + 1e-9
-                a, q = prompt_routing(shares, T, k_)
-                active = max(float(k_), float(a.sum()))
-                work = float(costs.expected(q[a > 1e-6]).sum())
-            else:  # each expert's rows drawn Binomial(T, k / E)
-                work = E_ * float(costs.expected(min(1.0, k_ / E_))[0])
-            compute = work / active
-            t += experts_with_reads(hw, active, active * disk_share, eb, compute, read_ahead, readers, over,
-                                    overlap=False)
-            if torch_glu:  # past their native rows gpt-oss's experts run one by one, torch op by op
-                t += active * over
-        total += t
-    return total
+                def expert(s: int) -> float:  # one expert of `s` rows, as the runtime computes it
+                    quantized = None if stored == edt else prompt_expert_time(
+                        hw, stored, s, eb, 3 * d * F, batch_act, cfg.expert_bias, active_experts * eb * n_moe)
+                    if stored == edt and s <= expert_native_rows(hw, stored):  # tiered's native kernel
+                        return native_expert_time(hw, edt, s, ebytes, 3 * d * F)
+                    if quantized is not None:  # a quantized format's own kernels, or dequantized GEMMs past them
+                        return quantized
+                    # torch's GEMMs past the native rows (bf16), or a format without a priced path
+                    return gemm(T, edt, 3 * s * d * F, ebytes, 3, stored == edt)
+
+                costs = costs or RowCosts(expert, T)
+                if popularity is not None and np.sum(popularity[i]) > 0:  # the profile's skew
+                    # every expert stays drawable
+                    shares = np.asarray(popularity[i], dtype=np.float64) + 1e-9
+                    a, q = prompt_routing(shares, T, k_)
+                    active = max(float(k_), float(a.sum()))
+                    work = float(costs.expected(q[a > 1e-6]).sum())
+                else:  # each expert's rows drawn Binomial(T, k / E)
+                    work = E_ * float(costs.expected(min(1.0, k_ / E_))[0])
+                compute = work / active
+                t += experts_with_reads(hw, active, active * disk_share, eb, compute, read_ahead, readers, over,
+                                        overlap=False)
+                if torch_glu:  # past their native rows gpt-oss's experts run one by one, torch op by op
+                    t += active * over
+            total += t
+        return total
+
+    attn_macs = cfg.attention_macs_per_pair(False)
+    forwards = chunk_spans(tokens, chunk)
+    bodies = {T: forward(T) for T in {n for n, _ in forwards}}
+    return sum(bodies[T] + cfg.num_hidden_layers * op_time.prefill_attention_time(
+        hw, "cpu", act_dtype or dtype, prefill_attention_pairs(T, past) * attn_macs) for T, past in forwards)

@@ -47,9 +47,13 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
                       + (sizes.absorbed_bytes(cfg) if fmt == "bf16" else 0))
     else:
         held_bytes = sizes.one_copy_weight_bytes(cfg, fmt, mix or {dtype: 1.0}, skip, head, embedding_bytes)
+    # a prompt longer than the workspace's tokens prefills chunk by chunk: its activations stay within it
+    plan.prefill_chunk = sizes.CPU_PREFILL_TOKENS
+    plan.workspace_bytes = sizes.workspace_bytes(cfg, fmt, min(plan.prefill_chunk, plan.context_tokens))
     fixed = (held_bytes
              + sizes.rotary_bytes(cfg, plan.context_tokens)
-             + sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"]))
+             + sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"])
+             + plan.workspace_bytes)
     plan.kv_cache_tier = plan.attention_tier = "cpu"
     # a MoE model also needs its staging buffers for experts read from disk, whatever else fits
     eb = sizes.expert_bytes(cfg, plan.dtypes["experts"]) if moe else 0
@@ -57,7 +61,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     if cpu is not None and fixed + staging > cpu:
         parts = [("the non-expert weights" if moe else "the weights")
                  + (" with their decode copies" if plan.dtypes.get("decode") not in ("none", None) else ""),
-                 "the KV cache"] + (["expert staging buffers"] if moe else [])
+                 "the KV cache", "a prefill chunk's activations"] + (["expert staging buffers"] if moe else [])
         what = ", ".join(parts[:-1]) + " and " + parts[-1]
         raise BudgetError(f"CPU budget {format_bytes(cpu)} cannot hold {what} ({format_bytes(fixed + staging)})",
                           f"raise --cpu-mem by {format_bytes(fixed + staging - cpu)} or lower --max-context")
@@ -94,7 +98,8 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     plan.predicted_ttft_s = predict_prefill(cfg, profile, held, plan.prompt_tokens, moe or None, disk_share,
                                             experts_dtype=fmt, act_dtype=fmt, experts_format=plan.dtypes["experts"],
                                             read_ahead=plan.read_ahead, readers=max(2, plan.staging_buffers),
-                                            batch_act=plan.batch_act, popularity=experts.popularity if moe else None)
+                                            batch_act=plan.batch_act, popularity=experts.popularity if moe else None,
+                                            chunk=plan.prefill_chunk)
     plan.memory = memory
     plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
                     f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "

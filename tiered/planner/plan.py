@@ -152,7 +152,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     flexgen: dict | None = None
     expert_bytes: int = 0
-    workspace_bytes: int = 0  # GPU room kept for activations (memory/sizes.workspace_bytes); 0 off the GPU
+    workspace_bytes: int = 0  # fast-tier room kept for a prefill chunk's activations (memory/sizes.workspace_bytes)
     expected_hit_rate: float | None = None  # popularity share of the resident experts (Fiddler's "hit")
     cache_policy: str = "lru"
     prefetch: bool = False

@@ -46,9 +46,11 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
     plan.cpu_threads = cpu_threads(ec)
     plan.kv_slots = ec.max_batch
     kv = sizes.kv_cache_bytes(cfg, plan.kv_slots, max_context, plan.dtypes["kv_cache"])
-    if accelerator is not None:  # activations live on the device (the stand-in's too)
-        plan.workspace_bytes = sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes())
-        plan.prefill_chunk = sizes.WORKSPACE_TOKENS
+    # a long prompt prefills in chunks of the workspace's tokens, on the device (the stand-in's too) or in RAM
+    plan.prefill_chunk = sizes.WORKSPACE_TOKENS if accelerator is not None else sizes.CPU_PREFILL_TOKENS
+    plan.workspace_bytes = (
+        sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()) if accelerator is not None
+        else sizes.workspace_bytes(cfg, weights_format, min(plan.prefill_chunk, max_context)))
     kv += plan.workspace_bytes + sizes.rotary_bytes(cfg, max_context)
     if not cfg.is_moe:
         need = sizes.weight_bytes(cfg, weights_format) + kv
