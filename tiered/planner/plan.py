@@ -366,6 +366,9 @@ class Plan:
             out.append("decode: " + ("one CUDA graph per step" if self.decode_graphs else
                                      "piecewise CUDA graphs (each layer's attention; MLPs / experts eager)"))
         mem = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.memory.items())
+        if self.prefill_chunk and self.workspace_bytes:
+            mem += (f" ({format_bytes(self.workspace_bytes)} of it the activation workspace: longer prompts prefill "
+                    f"in chunks of {self.prefill_chunk} tokens)")
         out.append(f"memory: {mem}")
         if self.predicted_throughput_tokens_per_s is not None:
             out.append(f"predicted: throughput {self.predicted_throughput_tokens_per_s:.2f} tokens/s")
