@@ -619,6 +619,13 @@ class LLM:
 
         return decode_at(self.plan, self.config, self._profile, self._plan_args, positions, batch)
 
+    def predicted_ttft_at(self, tokens: int) -> float | None:
+        """The plan's TTFT [s] priced again for a `tokens`-token prompt (planner/auto.ttft_at: chunk by chunk
+        past Plan.prefill_chunk). None where the plan cannot be re-priced or would decide otherwise."""
+        from tiered.planner.auto import ttft_at
+
+        return ttft_at(self.plan, self.config, self._profile, self._plan_args, tokens)
+
     def plan_summary(self, stats=None) -> str:
         """Plan.summary beside a run's RequestStats `stats` (None: the plan alone): its measured decode speed
         (when it generated more than one token) at its mean positions, and the plan priced again there."""

@@ -20,6 +20,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                          activations (Plan.batch_act "q8")                       n = MACs
     attn_prefill/cpu/<dtype>  a prompt's causal attention (torch's SDPA, as the model runs it)
                          n = MACs (2 * heads * T (T + 1) / 2 * head_dim)
+    attn_prefill_past/cpu/<dtype>  a prefill chunk's attention over the cache before it (1024 queries over
+                         2048-4096 keys, an explicit mask: every pair computed)  n = MACs (2 * heads * T * S * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
     memory/bandwidth_dram/cpu  reads of 2-4 x the last-level cache (meta["llc_bytes"])   n = bytes
     gemv_dram/cpu/<dtype>      the native decode GEMVs over 3 x the last-level cache      n = weight bytes
@@ -738,6 +740,27 @@ def _attn_prefill_points(dtype: str, shapes, repeats: int):
     return points
 
 
+def _attn_past_points(dtype: str, shapes, repeats: int):
+    """(MACs, seconds) of a prefill chunk's attention on the CPU, as models/layers.attend runs a chunk after
+    cached tokens (engine/llm.LLM._prefill): torch's SDPA of T queries over S = past + T keys with an
+    explicit causal mask (the chunk's rows see the past and their own prefix), (heads, T, S, head_dim) per
+    shape, MACs = 2 * heads * T * S * head_dim: every pair, as the kernel computes every block under a mask.
+    The causal key (attn_prefill, whole prompts of up to 512 tokens) runs ~17 GMAC/s at 512 tokens on 2 Zen 3
+    cores and these ~47 (2026-11-30): priced by it, a 4096-token SmolLM2 prompt in chunks of 1024 was 37%
+    slow."""
+    import torch.nn.functional as F
+
+    td = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    points = []
+    for heads, T, S, hd in shapes:
+        q = torch.randn(1, heads, T, hd, dtype=td)
+        k, v = (torch.randn(1, heads, S, hd, dtype=td) for _ in range(2))
+        mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)
+        t = median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats, lambda: None)
+        points.append((2 * heads * T * S * hd, t))
+    return points
+
+
 def _memory_points(device: str, sizes_mib, sync, repeats: int, copy: bool):
     """(bytes, seconds) of a read (sum) or a copy of each size, timed interleaved (median_times). CPU buffers
     come from hardware/budget.host_empty (huge pages where the OS gives them), as the engine's CPU weights,
@@ -1277,7 +1300,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 29: gemm/cpu/<dtype> and gemm_big/cpu/<dtype> are timed again when their fit is poor (RETIMED_KEYS), torch's
 # GEMM keys below R^2 0.99 (GEMM_STALL_R2); the bf16 GEMM keys timed through hardware/cpu_gemm.linear (fp32 over
 # the converted weight where the CPU has no bf16 GEMM, as the runtime now runs them).
-PROFILER_VERSION = 29
+# 30: attn_prefill_past/cpu/<dtype>, a prefill chunk's attention over the cache before it (CPU plans prefill long
+# prompts in chunks: Plan.prefill_chunk).
+PROFILER_VERSION = 30
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -1362,8 +1387,11 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt(f"gemm_big/cpu/{dtype}",
                   lambda d=dtype: _gemm_points("cpu", d, big_gemms, nosync, max(3, r // 2), False, cold_bytes=big_cold))
     prefill_shapes = [(8, 128, 64), (8, 256, 64), (8, 512, 64)]
+    past_shapes = [(8, 1024, 2048, 64), (8, 1024, 3072, 64), (8, 1024, 4096, 64)]
     for dtype in ("fp32", "bf16"):  # prefill attention runs in the activations' dtype
         b.attempt(f"attn_prefill/cpu/{dtype}", lambda d=dtype: _attn_prefill_points(d, prefill_shapes, r))
+        # a chunk after cached tokens (a prompt longer than a CPU plan's prefill_chunk: sizes.CPU_PREFILL_TOKENS)
+        b.attempt(f"attn_prefill_past/cpu/{dtype}", lambda d=dtype: _attn_past_points(d, past_shapes, max(3, r // 2)))
     mem_sizes = [8, 32, 96] if quick else [16, 64, 256, 512]
     b.attempt("memory/bandwidth/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=False))
     if llc and 4 * llc <= 4 * 2**30:  # reads no cache holds: a decode step whose weights exceed the cache

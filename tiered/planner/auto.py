@@ -251,9 +251,10 @@ def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> H
 def decisions(plan: Plan) -> tuple:
     """What a plan decided that a decode step runs by: each layer's kind, precision, slice rates and
     expert tiers, the expert cache, the dispatch mode and the formats (not its predicted times, nor
-    n_g, a prompt's token split)."""
+    n_g, a prompt's token split), and the prefill chunk a prompt runs in."""
     return (tuple((l.kind, l.precision, l.r_cc, l.r_cg, l.r_gg, tuple(l.expert_tiers)) for l in plan.layers),
-            plan.expert_cache_slots, plan.cache_policy, plan.dispatch_mode, tuple(sorted(plan.dtypes.items())))
+            plan.expert_cache_slots, plan.cache_policy, plan.dispatch_mode, tuple(sorted(plan.dtypes.items())),
+            plan.prefill_chunk)
 
 
 def decode_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, args: dict | None,
@@ -272,13 +273,32 @@ def decode_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, arg
     FlexGen plan, mixed-precision experts, no profile, no batch figure) or where the plan made for
     that context decides anything differently (another placement would be a prediction for another
     engine)."""
-    if args is None or profile is None or plan.flexgen or plan.mixed_precision is not None or positions < 2:
-        return None
-    again = make_plan(cfg, profile, **dict(args, prompt_tokens=positions - 1, gen_tokens=1))
-    again.dtypes["decode"] = plan.dtypes["decode"]
-    if decisions(again) != decisions(plan):
+    again = None if positions < 2 else _priced_at(plan, cfg, profile, args, positions - 1)
+    if again is None:
         return None
     return again.predicted_batch_decode_tokens_per_s if batch else again.predicted_decode_tokens_per_s
+
+
+def ttft_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, args: dict | None,
+            tokens: int) -> float | None:
+    """The plan's TTFT [s] priced again for a `tokens`-token prompt (its predicted_ttft_s is for prompt_tokens),
+    as `decode_at` re-prices decode: None where there is nothing to re-price or the plan made for that prompt
+    decides anything differently. A prompt past Plan.prefill_chunk is priced chunk by chunk."""
+    again = None if tokens < 1 else _priced_at(plan, cfg, profile, args, tokens)
+    return None if again is None else again.predicted_ttft_s
+
+
+def _priced_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, args: dict | None,
+               prompt_tokens: int) -> Plan | None:
+    """make_plan again with the arguments that made `plan` (engine_plan's third value) for a prompt of
+    `prompt_tokens` and one generated token; None where there is nothing to re-price (a plan of the runtime's
+    rules, a replayed or FlexGen plan, mixed-precision experts, no profile) or where it decides anything
+    differently from `plan` (another placement would be a prediction for another engine)."""
+    if args is None or profile is None or plan.flexgen or plan.mixed_precision is not None:
+        return None
+    again = make_plan(cfg, profile, **dict(args, prompt_tokens=prompt_tokens, gen_tokens=1))
+    again.dtypes["decode"] = plan.dtypes["decode"]
+    return again if decisions(again) == decisions(plan) else None
 
 
 def standin_profile(cpu: HardwareProfile, link_bandwidth: float | None) -> HardwareProfile:

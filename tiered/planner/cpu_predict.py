@@ -735,4 +735,5 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     forwards = chunk_spans(tokens, chunk)
     bodies = {T: forward(T) for T in {n for n, _ in forwards}}
     return sum(bodies[T] + cfg.num_hidden_layers * op_time.prefill_attention_time(
-        hw, "cpu", act_dtype or dtype, prefill_attention_pairs(T, past) * attn_macs) for T, past in forwards)
+        hw, "cpu", act_dtype or dtype, prefill_attention_pairs(T, past) * attn_macs, past=past > 0)
+        for T, past in forwards)
