@@ -302,6 +302,32 @@ def test_bf16_projections_within_the_native_rows_are_priced_as_the_kernel_where_
     assert predict_prefill(dense, avx2, "bf16", 64) == predict_prefill(dense, amx, "bf16", 64)
 
 
+def test_bf16_gemms_where_the_cpu_has_none_are_priced_as_fp32_gemms_plus_the_conversion():
+    """Where the profile says torch has no bf16 GEMM (meta["bf16_gemm_native"] False) and timed convert/cpu/bf16,
+    a torch bf16 GEMM is priced as hardware/cpu_gemm.linear runs it: the fp32 GEMM over the converted weight
+    (twice the bytes) plus each call's conversion; the bf16 GEMM keys (timed through that helper, conversion
+    and GEMM in one line) price nothing there. Without the key, or with a bf16 GEMM, the bf16 keys price it."""
+    from dataclasses import replace
+
+    from tiered.hardware import op_time
+    from tiered.planner.cpu_predict import torch_gemm_time
+
+    m = {"gemm/cpu/bf16": LinearModel(2e-3, 1.5e-11, 0.34), "gemm/cpu/fp32": LinearModel(3e-4, 1.6e-11, 1.0),
+         "gemv/cpu/bf16": LinearModel(0.0, 1 / 30e9, 1.0), "gemv/cpu/fp32": LinearModel(0.0, 1 / 30e9, 1.0),
+         "gemm_rows/cpu/bf16": LinearModel(3e-4, 3e-10, 1.0)}
+    conv = LinearModel(2e-5, 8e-10, 1.0)
+    native = HardwareProfile("box", "test", m, None, None, meta={"bf16_gemm_native": True})
+    avx2 = replace(native, models={**m, "convert/cpu/bf16": conv}, meta={"bf16_gemm_native": False})
+    unknown = replace(avx2, meta={})
+    n, k = 1536, 576
+    for rows, calls in ((64, 1), (512, 1), (512, 4)):
+        macs, w = calls * rows * n * k, calls * n * k * 2
+        fp32 = op_time.gemm_time(avx2, "cpu", "fp32", macs, 2 * w, calls=calls)
+        assert torch_gemm_time(avx2, "bf16", macs, w, calls) == pytest.approx(fp32 + calls * conv(n * k))
+        assert torch_gemm_time(native, "bf16", macs, w, calls) == torch_gemm_time(unknown, "bf16", macs, w, calls)
+        assert torch_gemm_time(native, "bf16", macs, w, calls) != torch_gemm_time(avx2, "bf16", macs, w, calls)
+
+
 def test_a_cpu_moe_prompt_is_priced_on_the_expert_profiles_routing():
     """With an expert profile (popularity, tokens routed per expert) a CPU MoE prefill prices the experts the
     profile makes active and their rows (latency_moe.prompt_experts' counting): a prompt whose tokens all go to

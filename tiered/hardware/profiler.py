@@ -20,6 +20,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                          activations (Plan.batch_act "q8")                       n = MACs
     attn_prefill/cpu/<dtype>  a prompt's causal attention (torch's SDPA, as the model runs it)
                          n = MACs (2 * heads * T (T + 1) / 2 * head_dim)
+    convert/cpu/bf16     a bf16 weight's conversion to fp32 (CPUs without a bf16 GEMM only: hardware/cpu_gemm),
+                         cold 0.9-59 M-element weights                            n = elements
     attn_prefill_past/cpu/<dtype>  a prefill chunk's attention over the cache before it (1024 queries over
                          2048-4096 keys, an explicit mask: every pair computed)  n = MACs (2 * heads * T * S * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
@@ -554,6 +556,24 @@ def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) 
         x = torch.randn(GEMM_ROWS, K, generator=g).to(td)
         calls.append(lambda turn=turn, x=x: linear(x, next(turn)))
         sizes.append(float(nbytes))
+    return list(zip(sizes, median_times(calls, repeats)))
+
+
+def _convert_points(repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
+    """(elements, seconds a call) of a bf16 weight's conversion to fp32 (`w.float()`: a fresh fp32 tensor each
+    call), as hardware/cpu_gemm.linear runs before each of its fp32 GEMMs on a CPU without a bf16 GEMM, over
+    GEMM_ROWS_SHAPES' weights and a Llama-3-8B FFN matrix's (4096 x 14336), copies cycled over `cold_bytes`
+    (64 MiB without it) in one huge-page slab, timed interleaved (median_times). With it the planner prices a
+    bf16 GEMM there as the fp32 GEMM plus this (op_time.gemm_time): timed as one, through that helper, the
+    conversion (per weight element) and the GEMM (per multiply-add) fitted one line of R^2 0.34-0.95 on 2
+    Zen 3 cores, and 512-token bf16 prompts priced 4-67% slow, profile to profile (2026-11-30)."""
+    g = torch.Generator().manual_seed(0)
+    calls, sizes = [], []
+    for N, K in GEMM_ROWS_SHAPES + ((14336, 4096),):
+        w = (torch.randn(N, K, generator=g) * 0.02).to(torch.bfloat16)
+        turn = itertools.cycle([c for c, in slab_copies((w,), cold_copies(cold_bytes or COLD_WEIGHT_BYTES, 2 * N * K))])
+        calls.append(lambda turn=turn: next(turn).float())
+        sizes.append(float(N * K))
     return list(zip(sizes, median_times(calls, repeats)))
 
 
@@ -1301,7 +1321,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # GEMM keys below R^2 0.99 (GEMM_STALL_R2); the bf16 GEMM keys timed through hardware/cpu_gemm.linear (fp32 over
 # the converted weight where the CPU has no bf16 GEMM, as the runtime now runs them).
 # 30: attn_prefill_past/cpu/<dtype>, a prefill chunk's attention over the cache before it (CPU plans prefill long
-# prompts in chunks: Plan.prefill_chunk).
+# prompts in chunks: Plan.prefill_chunk); convert/cpu/bf16 where the CPU has no bf16 GEMM, whose bf16 GEMMs are
+# then priced as fp32 ones plus the conversion.
 PROFILER_VERSION = 30
 
 
@@ -1377,6 +1398,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     big_cold = 2 * llc if llc and 2 * llc <= 2 * 2**30 else None
     # torch's bf16 GEMMs at a few rows (a short prompt's, an expert's past its native rows) over cold weights
     b.attempt("gemm_rows/cpu/bf16", lambda: _gemm_rows_points("bf16", GEMM_ROWS_SHAPES, max(3, r // 2), big_cold))
+    from tiered.hardware.cpu_gemm import bf16_gemm_native
+    if not bf16_gemm_native():  # its bf16 GEMMs run in fp32 over the converted weight (hardware/cpu_gemm.linear)
+        b.attempt("convert/cpu/bf16", lambda: _convert_points(max(3, r // 2), big_cold))
     if kernels.available():  # the native bf16 expert at 1-8 rows (a short prompt's experts)
         b.attempt("expert_rows/cpu/bf16", lambda: _expert_rows_points(max(3, r // 2), big_cold))
         # the decode kernels at a batched step's rows; int4q8: int4 on int8 activations (Plan.batch_act "q8",

@@ -462,7 +462,16 @@ def torch_gemm_time(hw: HardwareProfile, dtype: str, macs: float, weight_bytes: 
     multiply-adds of the rows beyond GEMM_ROWS at the GEMM line's slope. On 2 Zen 4 cores a 3584 x 1024
     bf16 weight took 321 / 378 / 713 / 1193 us at 8 / 16 / 64 / 128 rows, where max(compute, stream)
     priced 155 / 171 / 508 / 959 and this 321 / 381 / 741 / 1221; a uniformly routed CPU MoE's prefill of
-    16-128 tokens had been priced 39-56% fast."""
+    16-128 tokens had been priced 39-56% fast.
+
+    bf16 on a CPU without a bf16 GEMM (meta["bf16_gemm_native"] False, with convert/cpu/bf16 profiled): each
+    call's fp32 GEMM over its weight converted for it (hardware/cpu_gemm.linear), priced as the fp32 GEMM
+    plus the conversion: timed as one, the two had fitted one line of R^2 0.34-0.95 on 2 Zen 3 cores."""
+    conv = (hw.models.get("convert/cpu/bf16") if dtype == "bf16" and (hw.meta or {}).get("bf16_gemm_native") is False
+            else None)
+    if conv is not None:
+        per_call = weight_bytes / op_time.bytes_per_element(dtype) / calls if calls else 0.0
+        return torch_gemm_time(hw, "fp32", macs, 2 * weight_bytes, calls) + calls * conv(per_call) if macs > 0 else 0.0
     t = op_time.gemm_time(hw, "cpu", dtype, macs, weight_bytes, calls=calls)
     rows_key = hw.models.get(f"gemm_rows/cpu/{dtype}")
     if rows_key is None or weight_bytes <= 0 or macs <= 0:
