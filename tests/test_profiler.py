@@ -104,11 +104,16 @@ def test_a_stalled_small_row_gemm_key_is_timed_again():
     assert b.points["gemm_rows/cpu/bf16"] == sound and m.alpha < 3e-4 and "timed 2 times" in b.notes[0]
 
 
-def test_a_gemm_key_below_its_stricter_r2_is_timed_again():
+def test_a_gemm_key_below_its_stricter_r2_is_timed_again(monkeypatch):
     """torch's GEMM keys are timed again below GEMM_STALL_R2 (0.99), not the streams' 0.95: a compute-bound
     line fits at 0.997+ in sound runs. One full profile on 2 AVX2 cores timed gemm/cpu/bf16 at R^2 0.966,
-    every point 10-60% slow (these points), and priced a 512-token bf16 MoE prompt 12.8 s for 9.8."""
+    every point 10-60% slow (these points), and priced a 512-token bf16 MoE prompt 12.8 s for 9.8. Not the
+    bf16 keys where the CPU has no bf16 GEMM: each call converts its weight there (no line of MACs), and
+    convert/cpu/bf16 prices those GEMMs."""
+    from tiered.hardware import cpu_gemm
     from tiered.hardware.profiler import GEMM_STALL_R2, STALL_R2, _Bench
+
+    monkeypatch.setattr(cpu_gemm, "_BF16_NATIVE", True)
 
     burst = [(67108864.0, 10.51e-3), (134217728.0, 16.16e-3), (268435456.0, 29.6e-3), (536870912.0, 54.07e-3),
              (536870912.0, 68.4e-3), (1073741824.0, 135.37e-3), (536870912.0, 81.26e-3)]
@@ -123,6 +128,13 @@ def test_a_gemm_key_below_its_stricter_r2_is_timed_again():
     runs = iter([burst])
     b.attempt("gemv/cpu/bf16", lambda: next(runs))  # a stream key keeps 0.95: timed once
     assert b.points["gemv/cpu/bf16"] == burst
+    monkeypatch.setattr(cpu_gemm, "_BF16_NATIVE", False)
+    runs = iter([burst])
+    b.attempt("gemm/cpu/bf16", lambda: next(runs))  # timed once
+    assert b.points["gemm/cpu/bf16"] == burst
+    runs = iter([burst, sound])
+    b.attempt("gemm/cpu/fp32", lambda: next(runs))  # fp32's line is still a line
+    assert b.points["gemm/cpu/fp32"] == sound
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -215,6 +215,14 @@ STREAM_KEYS = ("gemv/cpu/", "gemv_dram/cpu/", "memory/bandwidth")  # time = byte
 # a call) and priced SmolLM2's fp32 512-token TTFT at 3.2 s where it took 0.92 (2026-11-30).
 GEMM_KEYS = ("gemm/cpu/", "gemm_big/cpu/")  # torch's GEMM lines (GEMM_STALL_R2)
 RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/",) + GEMM_KEYS
+def _upcast_gemm(key: str) -> bool:
+    """`key` is torch's bf16 GEMM line (gemm, gemm_big) on a CPU without a bf16 GEMM, where hardware/cpu_gemm.linear
+    converts each call's weight and GEMMs in fp32 (the planner prices that by gemm/cpu/fp32 and convert/cpu/bf16)."""
+    from tiered.hardware.cpu_gemm import bf16_gemm_native
+
+    return key.startswith(GEMM_KEYS) and key.endswith("/bf16") and not bf16_gemm_native()
+
+
 STALL_R2 = 0.95  # below it such a key's samples stalled (sound runs fit at 0.98-0.9999): timed again
 # torch's GEMM keys (gemm, gemm_big; not gemm_rows, whose per-call packing bends its line), stricter: a
 # compute-bound line (sound runs fit at 0.997-0.9999 on 2 AVX2 cores); one full profile there fit gemm/cpu/bf16
@@ -269,10 +277,11 @@ class _Bench:
         kept, with a note. A quick profile taken while another process ran (load 1.9 on the 2-core
         EPYC, 2026-11-27) timed gemv/cpu/int4's 2.6 MB weight at 2.5 ms for ~70 us: its fit (R^2
         0.02) gave each GEMV a 0.6 ms intercept, and the plan priced SmolLM2's decode at 76 ms a token
-        where it ran 2.8."""
+        where it ran 2.8. Not torch's bf16 GEMM keys on a CPU without a bf16 GEMM (`_upcast_gemm`): each call
+        converts its weight there, so their points lie on no line of MACs, and convert/cpu/bf16 prices them."""
         try:
             best = None
-            runs = 1 + (STALL_RETRIES if key.startswith(RETIMED_KEYS) else 0)
+            runs = 1 + (STALL_RETRIES if key.startswith(RETIMED_KEYS) and not _upcast_gemm(key) else 0)
             stall_r2 = GEMM_STALL_R2 if key.startswith(GEMM_KEYS) else STALL_R2
             for tries in range(runs):
                 if self.probe is not None:
@@ -1322,7 +1331,7 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # the converted weight where the CPU has no bf16 GEMM, as the runtime now runs them).
 # 30: attn_prefill_past/cpu/<dtype>, a prefill chunk's attention over the cache before it (CPU plans prefill long
 # prompts in chunks: Plan.prefill_chunk); convert/cpu/bf16 where the CPU has no bf16 GEMM, whose bf16 GEMMs are
-# then priced as fp32 ones plus the conversion.
+# then priced as fp32 ones plus the conversion (and their bf16 GEMM keys no longer timed again on a poor fit).
 PROFILER_VERSION = 30
 
 
