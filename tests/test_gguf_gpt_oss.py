@@ -182,9 +182,9 @@ def test_logits_and_greedy_equal_transformers(zoo, experts):
 
 
 def test_experts_on_disk_small_cache(zoo, tmp_path):
-    """No accelerator, RAM for the non-expert weights and a 3-slot expert cache: every MXFP4 expert is
-    read from disk (a converted copy in the offload directory: the biased layout is not readable in
-    place), the logits and greedy tokens stay transformers'."""
+    """No accelerator, RAM for the non-expert weights, a prefill chunk's activations (the 32-token context's)
+    and a 3-slot expert cache: every MXFP4 expert is read from disk (a converted copy in the offload directory:
+    the biased layout is not readable in place), the logits and greedy tokens stay transformers'."""
     from tiered.memory import sizes
     from tiered.planner.placement import DISK
 
@@ -192,7 +192,8 @@ def test_experts_on_disk_small_cache(zoo, tmp_path):
     cfg = open_checkpoint(path).config
     nonexpert = 4 * sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors if "_exps." not in t.name)
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 32 * cfg.head_dim * 4
-    budget = nonexpert + kv + 2 * 32 * cfg.head_dim * 4 + (2 + 3) * sizes.expert_bytes(cfg, "fp32")
+    budget = (nonexpert + kv + 2 * 32 * cfg.head_dim * 4 + sizes.workspace_bytes(cfg, "fp32", 32)
+              + (2 + 3) * sizes.expert_bytes(cfg, "fp32"))
     llm = LLM(path, EngineConfig(**LOSSLESS, cpu_memory=budget, expert_cache_slots=3,
                                  offload_dir=str(tmp_path / "offload")))
     try:
