@@ -573,9 +573,9 @@ def _convert_points(repeats: int, cold_bytes: int | None) -> list[tuple[float, f
     call), as hardware/cpu_gemm.linear runs before each of its fp32 GEMMs on a CPU without a bf16 GEMM, over
     GEMM_ROWS_SHAPES' weights and a Llama-3-8B FFN matrix's (4096 x 14336), copies cycled over `cold_bytes`
     (64 MiB without it) in one huge-page slab, timed interleaved (median_times). With it the planner prices a
-    bf16 GEMM there as the fp32 GEMM plus this (op_time.gemm_time): timed as one, through that helper, the
-    conversion (per weight element) and the GEMM (per multiply-add) fitted one line of R^2 0.34-0.95 on 2
-    Zen 3 cores, and 512-token bf16 prompts priced 4-67% slow, profile to profile (2026-11-30)."""
+    bf16 GEMM there as the fp32 GEMM plus this (planner/cpu_predict.torch_gemm_time): timed as one, through
+    that helper, the conversion (per weight element) and the GEMM (per multiply-add) fitted one line of R^2
+    0.34-0.95 on 2 Zen 3 cores, and 512-token bf16 prompts priced 4-67% slow, profile to profile (2026-11-30)."""
     g = torch.Generator().manual_seed(0)
     calls, sizes = [], []
     for N, K in GEMM_ROWS_SHAPES + ((14336, 4096),):
