@@ -305,7 +305,7 @@ def test_bf16_projections_within_the_native_rows_are_priced_as_the_kernel_where_
 def test_bf16_gemms_where_the_cpu_has_none_are_priced_as_fp32_gemms_plus_the_conversion():
     """Where the profile says torch has no bf16 GEMM (meta["bf16_gemm_native"] False) and timed convert/cpu/bf16,
     a torch bf16 GEMM is priced as hardware/cpu_gemm.linear runs it: the fp32 GEMM over the converted weight
-    (twice the bytes) plus each call's conversion; the bf16 GEMM keys (timed through that helper, conversion
+    (twice the bytes) plus each call's conversion (convert_big/cpu/bf16 past 32 MiB of fp32); the bf16 GEMM keys (timed through that helper, conversion
     and GEMM in one line) price nothing there. Without the key, or with a bf16 GEMM, the bf16 keys price it."""
     from dataclasses import replace
 
@@ -326,6 +326,13 @@ def test_bf16_gemms_where_the_cpu_has_none_are_priced_as_fp32_gemms_plus_the_con
         assert torch_gemm_time(avx2, "bf16", macs, w, calls) == pytest.approx(fp32 + calls * conv(n * k))
         assert torch_gemm_time(native, "bf16", macs, w, calls) == torch_gemm_time(unknown, "bf16", macs, w, calls)
         assert torch_gemm_time(native, "bf16", macs, w, calls) != torch_gemm_time(avx2, "bf16", macs, w, calls)
+    # past 32 MiB of fp32 a call, convert_big/cpu/bf16: the copy's fresh pages fault in every call
+    big = LinearModel(0.0, 1.4e-9, 1.0)
+    both = replace(avx2, models={**avx2.models, "convert_big/cpu/bf16": big})
+    for (n, k), key in (((1536, 576), conv), ((3584, 1024), conv), ((4096, 2048), big), ((14336, 4096), big)):
+        macs, w = 256 * n * k, n * k * 2
+        fp32 = op_time.gemm_time(both, "cpu", "fp32", macs, 2 * w)
+        assert torch_gemm_time(both, "bf16", macs, w) == pytest.approx(fp32 + key(n * k))
 
 
 def test_a_cpu_moe_prompt_is_priced_on_the_expert_profiles_routing():

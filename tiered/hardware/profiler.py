@@ -21,7 +21,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     attn_prefill/cpu/<dtype>  a prompt's causal attention (torch's SDPA, as the model runs it)
                          n = MACs (2 * heads * T (T + 1) / 2 * head_dim)
     convert/cpu/bf16     a bf16 weight's conversion to fp32 (CPUs without a bf16 GEMM only: hardware/cpu_gemm),
-                         cold 0.9-59 M-element weights                            n = elements
+                         cold weights whose fp32 copy is under 32 MiB             n = elements
+    convert_big/cpu/bf16 the same past 32 MiB (each call faults fresh pages in)  n = elements
     attn_prefill_past/cpu/<dtype>  a prefill chunk's attention over the cache before it (1024 queries over
                          2048-4096 keys, an explicit mask: every pair computed)  n = MACs (2 * heads * T * S * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
@@ -214,7 +215,10 @@ STREAM_KEYS = ("gemv/cpu/", "gemv_dram/cpu/", "memory/bandwidth")  # time = byte
 # slower than they ran before and after (67 M MACs in 15.7 ms against 1.1-1.3; R^2 0.53, an intercept of 9 ms
 # a call) and priced SmolLM2's fp32 512-token TTFT at 3.2 s where it took 0.92 (2026-11-30).
 GEMM_KEYS = ("gemm/cpu/", "gemm_big/cpu/")  # torch's GEMM lines (GEMM_STALL_R2)
-RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/",) + GEMM_KEYS
+# The conversion keys (convert, convert_big: a stream of a weight's bytes, page faults past glibc's mmap threshold)
+# too: one quick profile on 2 Zen 3 cores fitted them as one line at R^2 0.89, 5.8 ns an element, where the full
+# one a minute before fitted 1.3 (R^2 0.98), and the plan priced a 128-token bf16 MoE prompt 2x slow
+RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/", "convert/cpu/", "convert_big/cpu/") + GEMM_KEYS
 def _upcast_gemm(key: str) -> bool:
     """`key` is torch's bf16 GEMM line (gemm, gemm_big) on a CPU without a bf16 GEMM, where hardware/cpu_gemm.linear
     converts each call's weight and GEMMs in fp32 (the planner prices that by gemm/cpu/fp32 and convert/cpu/bf16)."""
@@ -568,17 +572,26 @@ def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) 
     return list(zip(sizes, median_times(calls, repeats)))
 
 
-def _convert_points(repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
+# convert/cpu/bf16's weights (N, K): fp32 copies under glibc's largest mmap threshold (32 MiB: freed, they come back
+# from the heap), and convert_big/cpu/bf16's: past it (every call maps fresh pages and faults them in)
+CONVERT_SHAPES = ((1536, 576), (1536, 1536), (3584, 1024), (3072, 2048))
+CONVERT_BIG_SHAPES = ((4096, 2048), (4096, 4096), (14336, 4096))
+
+
+def _convert_points(shapes, repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
     """(elements, seconds a call) of a bf16 weight's conversion to fp32 (`w.float()`: a fresh fp32 tensor each
     call), as hardware/cpu_gemm.linear runs before each of its fp32 GEMMs on a CPU without a bf16 GEMM, over
-    GEMM_ROWS_SHAPES' weights and a Llama-3-8B FFN matrix's (4096 x 14336), copies cycled over `cold_bytes`
-    (64 MiB without it) in one huge-page slab, timed interleaved (median_times). With it the planner prices a
-    bf16 GEMM there as the fp32 GEMM plus this (planner/cpu_predict.torch_gemm_time): timed as one, through
-    that helper, the conversion (per weight element) and the GEMM (per multiply-add) fitted one line of R^2
-    0.34-0.95 on 2 Zen 3 cores, and 512-token bf16 prompts priced 4-67% slow, profile to profile (2026-11-30)."""
+    weights of `shapes` (N, K), copies cycled over `cold_bytes` (64 MiB without it) in one huge-page slab, timed
+    interleaved (median_times). The planner prices a bf16 GEMM there as the fp32 GEMM plus this
+    (planner/cpu_predict.torch_gemm_time): timed as one, through that helper, the conversion (per weight
+    element) and the GEMM (per multiply-add) fitted one line of R^2 0.34-0.95 on 2 Zen 3 cores, and 512-token
+    bf16 prompts priced 4-67% slow, profile to profile (2026-11-30). Two keys, as the fp32 copy's size decides
+    where it comes from: under 32 MiB (CONVERT_SHAPES) the heap gives back the last call's pages, ~0.15-0.3 ns
+    an element there; past it (CONVERT_BIG_SHAPES) every call maps and faults in fresh ones, ~1.4 ns. One line
+    over both had priced a Mixtral-width expert's conversion 8x slow."""
     g = torch.Generator().manual_seed(0)
     calls, sizes = [], []
-    for N, K in GEMM_ROWS_SHAPES + ((14336, 4096),):
+    for N, K in shapes:
         w = (torch.randn(N, K, generator=g) * 0.02).to(torch.bfloat16)
         turn = itertools.cycle([c for c, in slab_copies((w,), cold_copies(cold_bytes or COLD_WEIGHT_BYTES, 2 * N * K))])
         calls.append(lambda turn=turn: next(turn).float())
@@ -1330,7 +1343,7 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # GEMM keys below R^2 0.99 (GEMM_STALL_R2); the bf16 GEMM keys timed through hardware/cpu_gemm.linear (fp32 over
 # the converted weight where the CPU has no bf16 GEMM, as the runtime now runs them).
 # 30: attn_prefill_past/cpu/<dtype>, a prefill chunk's attention over the cache before it (CPU plans prefill long
-# prompts in chunks: Plan.prefill_chunk); convert/cpu/bf16 where the CPU has no bf16 GEMM, whose bf16 GEMMs are
+# prompts in chunks: Plan.prefill_chunk); convert(_big)/cpu/bf16 where the CPU has no bf16 GEMM, whose bf16 GEMMs are
 # then priced as fp32 ones plus the conversion (and their bf16 GEMM keys no longer timed again on a poor fit).
 PROFILER_VERSION = 30
 
@@ -1409,7 +1422,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     b.attempt("gemm_rows/cpu/bf16", lambda: _gemm_rows_points("bf16", GEMM_ROWS_SHAPES, max(3, r // 2), big_cold))
     from tiered.hardware.cpu_gemm import bf16_gemm_native
     if not bf16_gemm_native():  # its bf16 GEMMs run in fp32 over the converted weight (hardware/cpu_gemm.linear)
-        b.attempt("convert/cpu/bf16", lambda: _convert_points(max(3, r // 2), big_cold))
+        b.attempt("convert/cpu/bf16", lambda: _convert_points(CONVERT_SHAPES, max(3, r // 2), big_cold))
+        b.attempt("convert_big/cpu/bf16", lambda: _convert_points(CONVERT_BIG_SHAPES, max(3, r // 2), big_cold))
     if kernels.available():  # the native bf16 expert at 1-8 rows (a short prompt's experts)
         b.attempt("expert_rows/cpu/bf16", lambda: _expert_rows_points(max(3, r // 2), big_cold))
         # the decode kernels at a batched step's rows; int4q8: int4 on int8 activations (Plan.batch_act "q8",

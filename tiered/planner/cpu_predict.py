@@ -467,11 +467,10 @@ def torch_gemm_time(hw: HardwareProfile, dtype: str, macs: float, weight_bytes: 
     bf16 on a CPU without a bf16 GEMM (meta["bf16_gemm_native"] False, with convert/cpu/bf16 profiled): each
     call's fp32 GEMM over its weight converted for it (hardware/cpu_gemm.linear), priced as the fp32 GEMM
     plus the conversion: timed as one, the two had fitted one line of R^2 0.34-0.95 on 2 Zen 3 cores."""
-    conv = (hw.models.get("convert/cpu/bf16") if dtype == "bf16" and (hw.meta or {}).get("bf16_gemm_native") is False
-            else None)
+    per_call = weight_bytes / op_time.bytes_per_element(dtype) / calls if calls else 0.0
+    conv = conversion_time(hw, per_call) if dtype == "bf16" else None
     if conv is not None:
-        per_call = weight_bytes / op_time.bytes_per_element(dtype) / calls if calls else 0.0
-        return torch_gemm_time(hw, "fp32", macs, 2 * weight_bytes, calls) + calls * conv(per_call) if macs > 0 else 0.0
+        return torch_gemm_time(hw, "fp32", macs, 2 * weight_bytes, calls) + calls * conv if macs > 0 else 0.0
     t = op_time.gemm_time(hw, "cpu", dtype, macs, weight_bytes, calls=calls)
     rows_key = hw.models.get(f"gemm_rows/cpu/{dtype}")
     if rows_key is None or weight_bytes <= 0 or macs <= 0:
@@ -480,6 +479,22 @@ def torch_gemm_time(hw: HardwareProfile, dtype: str, macs: float, weight_bytes: 
     elements = weight_bytes / op_time.bytes_per_element(dtype)
     line = op_time.gemm_line(hw, "cpu", dtype, per_call, op_time.find(hw, "gemm", "cpu", dtype), macs / elements)
     return max(t, calls * rows_key(per_call) + max(0.0, macs - GEMM_ROWS * elements) * line.beta)
+
+
+CONVERT_BIG_BYTES = 32 * 2**20  # glibc's largest mmap threshold: fresh fp32 copies past it fault in every call
+
+
+def conversion_time(hw: HardwareProfile, elements: float) -> float | None:
+    """Seconds to convert a bf16 weight of `elements` elements to fp32 on a CPU without a bf16 GEMM (meta
+    ["bf16_gemm_native"] False), as hardware/cpu_gemm.linear does before each fp32 GEMM: convert/cpu/bf16 for
+    fp32 copies under CONVERT_BIG_BYTES (the heap gives the last call's pages back), convert_big/cpu/bf16 past
+    it (fresh pages faulted in: ~1.4 ns an element on 2 Zen 3 cores, against ~0.2 under it). None where the CPU
+    has a bf16 GEMM or the profile did not time the conversion."""
+    if (hw.meta or {}).get("bf16_gemm_native") is not False:
+        return None
+    small, big = hw.models.get("convert/cpu/bf16"), hw.models.get("convert_big/cpu/bf16")
+    key = big if 4 * elements >= CONVERT_BIG_BYTES and big is not None else small
+    return None if key is None else key(elements)
 
 
 def native_expert_time(hw: HardwareProfile, dtype: str, rows: int, weight_bytes: float, macs_per_row: float) -> float:
