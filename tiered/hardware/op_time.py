@@ -219,6 +219,14 @@ def attention_time(profile: HardwareProfile, device: str, dtype: str, macs: floa
     return max(compute, bw.beta * kv_bytes if bw is not None else 0.0)
 
 
+def prefill_attention_pairs(tokens: int, past: int = 0) -> float:
+    """(query, key) pairs a prefill forward's attention computes: T (T + 1) / 2 for a prompt from position 0
+    (SDPA's causal mask skips the blocks above the diagonal), T (past + T) for a chunk after `past` cached
+    tokens: its mask is explicit (models/layers.attention_mask), and torch's CPU SDPA computes every block
+    under one, masked or not."""
+    return tokens * (tokens + 1) / 2 if past == 0 else tokens * (past + tokens)
+
+
 def prefill_attention_time(profile: HardwareProfile, device: str, dtype: str, macs: float, calls: int = 1,
                            past: bool = False) -> float:
     """Seconds of a prompt's causal attention: `macs` (q.K^T and p.V over the causal half) in `calls`

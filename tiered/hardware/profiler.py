@@ -80,8 +80,8 @@ from tiered import kernels
 from tiered.errors import ConfigError
 from tiered.hardware import contention
 from tiered.hardware.budget import move_to_huge_pages
-from tiered.hardware.cpu_gemm import linear
-from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K
+from tiered.hardware.cpu_gemm import bf16_gemm_native, linear
+from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K, prefill_attention_pairs
 from tiered.hardware.profile import HardwareProfile, LinearModel
 from tiered.memory.sizes import DENSE_FORMATS, torch_dtype
 from tiered.quant.int4 import dequantize_rows
@@ -219,11 +219,11 @@ GEMM_KEYS = ("gemm/cpu/", "gemm_big/cpu/")  # torch's GEMM lines (GEMM_STALL_R2)
 # too: one quick profile on 2 Zen 3 cores fitted them as one line at R^2 0.89, 5.8 ns an element, where the full
 # one a minute before fitted 1.3 (R^2 0.98), and the plan priced a 128-token bf16 MoE prompt 2x slow
 RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/", "convert/cpu/", "convert_big/cpu/") + GEMM_KEYS
+
+
 def _upcast_gemm(key: str) -> bool:
     """`key` is torch's bf16 GEMM line (gemm, gemm_big) on a CPU without a bf16 GEMM, where hardware/cpu_gemm.linear
     converts each call's weight and GEMMs in fp32 (the planner prices that by gemm/cpu/fp32 and convert/cpu/bf16)."""
-    from tiered.hardware.cpu_gemm import bf16_gemm_native
-
     return key.startswith(GEMM_KEYS) and key.endswith("/bf16") and not bf16_gemm_native()
 
 
@@ -547,6 +547,14 @@ def int4_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
     return [(m * d, K, N) for K, N in weights for m in (2, 4)]
 
 
+def _cold_turn(w: torch.Tensor, cold_bytes: int | None):
+    """An endless cycle over copies of the CPU weight `w` that fill `cold_bytes` (COLD_WEIGHT_BYTES without it)
+    in one huge-page slab (slab_copies): each call then reads a copy no cache holds, as a prompt meets its
+    weights."""
+    nbytes = w.numel() * w.element_size()
+    return itertools.cycle([c for c, in slab_copies((w,), cold_copies(cold_bytes or COLD_WEIGHT_BYTES, nbytes))])
+
+
 def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
     """(weight bytes, seconds a call) of torch's `dtype` GEMM (F.linear, as a prompt's projections and a CPU
     expert past its native rows run) of GEMM_ROWS rows by an N x K weight, cycled over `cold_bytes` of
@@ -565,7 +573,7 @@ def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) 
     for N, K in shapes:
         w = (torch.randn(N, K, generator=g) * 0.02).to(td)
         nbytes = N * K * w.element_size()
-        turn = itertools.cycle([c for c, in slab_copies((w,), cold_copies(cold_bytes or COLD_WEIGHT_BYTES, nbytes))])
+        turn = _cold_turn(w, cold_bytes)
         x = torch.randn(GEMM_ROWS, K, generator=g).to(td)
         calls.append(lambda turn=turn, x=x: linear(x, next(turn)))
         sizes.append(float(nbytes))
@@ -593,7 +601,7 @@ def _convert_points(shapes, repeats: int, cold_bytes: int | None) -> list[tuple[
     calls, sizes = [], []
     for N, K in shapes:
         w = (torch.randn(N, K, generator=g) * 0.02).to(torch.bfloat16)
-        turn = itertools.cycle([c for c, in slab_copies((w,), cold_copies(cold_bytes or COLD_WEIGHT_BYTES, 2 * N * K))])
+        turn = _cold_turn(w, cold_bytes)
         calls.append(lambda turn=turn: next(turn).float())
         sizes.append(float(N * K))
     return list(zip(sizes, median_times(calls, repeats)))
@@ -766,30 +774,15 @@ def _attn_decode_points(kv: str, repeats: int) -> list[tuple[float, float]]:
 
 
 def _attn_prefill_points(dtype: str, shapes, repeats: int):
-    """(MACs, seconds) of causal self-attention over a whole prompt on the CPU, as models/layers.attend
-    runs it (torch's scaled_dot_product_attention, is_causal): (heads, T tokens, head_dim) per shape,
-    MACs = 2 * heads * T (T + 1) / 2 * head_dim (q.K^T and p.V over the causal half). On 2 Zen 4
-    cores torch's flash kernel ran a SmolLM2 prompt's attention at several times the GEMM fit's
-    time per MAC, which the prefill prediction had used."""
-    import torch.nn.functional as F
-
-    td = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    points = []
-    for heads, T, hd in shapes:
-        q, k, v = (torch.randn(1, heads, T, hd, dtype=td) for _ in range(3))
-        t = median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats, lambda: None)
-        points.append((2 * heads * T * (T + 1) / 2 * hd, t))
-    return points
-
-
-def _attn_past_points(dtype: str, shapes, repeats: int):
-    """(MACs, seconds) of a prefill chunk's attention on the CPU, as models/layers.attend runs a chunk after
-    cached tokens (engine/llm.LLM._prefill): torch's SDPA of T queries over S = past + T keys with an
-    explicit causal mask (the chunk's rows see the past and their own prefix), (heads, T, S, head_dim) per
-    shape, MACs = 2 * heads * T * S * head_dim: every pair, as the kernel computes every block under a mask.
-    The causal key (attn_prefill, whole prompts of up to 512 tokens) runs ~17 GMAC/s at 512 tokens on 2 Zen 3
-    cores and these ~47 (2026-11-30): priced by it, a 4096-token SmolLM2 prompt in chunks of 1024 was 37%
-    slow."""
+    """(MACs, seconds) of a prefill forward's attention on the CPU, as models/layers.attend runs it (torch's
+    scaled_dot_product_attention), per shape (heads, T queries, S keys, head_dim): S == T a whole prompt
+    (is_causal: attn_prefill), S > T a chunk after S - T cached tokens (engine/llm.LLM._prefill), whose rows
+    see the past and their own prefix through an explicit mask (attn_prefill_past). MACs = 2 * heads *
+    head_dim * op_time.prefill_attention_pairs: the causal half of a whole prompt, every pair of a chunk (the
+    kernel computes every block under a mask). On 2 Zen 4 cores torch's flash kernel ran a SmolLM2 prompt's
+    attention at several times the GEMM fit's time per MAC, which the prefill prediction had used; on 2 Zen 3
+    cores the chunks ran ~47 GMAC/s where 512-token prompts ran ~17 (2026-11-30): priced by the causal key, a
+    4096-token SmolLM2 prompt in chunks of 1024 was 37% slow."""
     import torch.nn.functional as F
 
     td = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
@@ -797,9 +790,10 @@ def _attn_past_points(dtype: str, shapes, repeats: int):
     for heads, T, S, hd in shapes:
         q = torch.randn(1, heads, T, hd, dtype=td)
         k, v = (torch.randn(1, heads, S, hd, dtype=td) for _ in range(2))
-        mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)
-        t = median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats, lambda: None)
-        points.append((2 * heads * T * S * hd, t))
+        mask = None if S == T else torch.ones(T, S, dtype=torch.bool).tril(S - T)
+        t = median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None),
+                        repeats, lambda: None)
+        points.append((2 * heads * hd * prefill_attention_pairs(T, S - T), t))
     return points
 
 
@@ -1420,7 +1414,6 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     big_cold = 2 * llc if llc and 2 * llc <= 2 * 2**30 else None
     # torch's bf16 GEMMs at a few rows (a short prompt's, an expert's past its native rows) over cold weights
     b.attempt("gemm_rows/cpu/bf16", lambda: _gemm_rows_points("bf16", GEMM_ROWS_SHAPES, max(3, r // 2), big_cold))
-    from tiered.hardware.cpu_gemm import bf16_gemm_native
     if not bf16_gemm_native():  # its bf16 GEMMs run in fp32 over the converted weight (hardware/cpu_gemm.linear)
         b.attempt("convert/cpu/bf16", lambda: _convert_points(CONVERT_SHAPES, max(3, r // 2), big_cold))
         b.attempt("convert_big/cpu/bf16", lambda: _convert_points(CONVERT_BIG_SHAPES, max(3, r // 2), big_cold))
@@ -1433,12 +1426,12 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     for dtype in ("bf16", "fp32"):
         b.attempt(f"gemm_big/cpu/{dtype}",
                   lambda d=dtype: _gemm_points("cpu", d, big_gemms, nosync, max(3, r // 2), False, cold_bytes=big_cold))
-    prefill_shapes = [(8, 128, 64), (8, 256, 64), (8, 512, 64)]
+    prefill_shapes = [(8, 128, 128, 64), (8, 256, 256, 64), (8, 512, 512, 64)]
     past_shapes = [(8, 1024, 2048, 64), (8, 1024, 3072, 64), (8, 1024, 4096, 64)]
     for dtype in ("fp32", "bf16"):  # prefill attention runs in the activations' dtype
         b.attempt(f"attn_prefill/cpu/{dtype}", lambda d=dtype: _attn_prefill_points(d, prefill_shapes, r))
         # a chunk after cached tokens (a prompt longer than a CPU plan's prefill_chunk: sizes.CPU_PREFILL_TOKENS)
-        b.attempt(f"attn_prefill_past/cpu/{dtype}", lambda d=dtype: _attn_past_points(d, past_shapes, max(3, r // 2)))
+        b.attempt(f"attn_prefill_past/cpu/{dtype}", lambda d=dtype: _attn_prefill_points(d, past_shapes, max(3, r // 2)))
     mem_sizes = [8, 32, 96] if quick else [16, 64, 256, 512]
     b.attempt("memory/bandwidth/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=False))
     if llc and 4 * llc <= 4 * 2**30:  # reads no cache holds: a decode step whose weights exceed the cache
@@ -1513,8 +1506,6 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     if meta["native_kernels"]:  # rows from which a one-copy int4 weight's prompt GEMM dequantizes (gemm/cpu/int4)
         meta["int4_dequantize_rows"] = dequantize_rows()
         meta["kernel_isa"] = kernels.isa()  # the paths a CPU expert's prompt rows take (cpu_predict.prompt_expert_time)
-    from tiered.hardware.cpu_gemm import bf16_gemm_native
-
     # False (AVX2 only): a bf16 engine's projections are CastLinears, on the native kernel up to its rows
     meta["bf16_gemm_native"] = bf16_gemm_native()
     meta["disk_note"] = note

@@ -275,6 +275,13 @@ def workspace_bytes(cfg: ModelConfig, fmt: str, tokens: int | None = None) -> in
     return int(1.25 * (tokens * per_token + 4 * cfg.vocab_size))
 
 
+def cpu_workspace_bytes(cfg: ModelConfig, fmt: str, context: int) -> int:
+    """A CPU plan's RAM for one prefill forward's activations in `fmt` (Plan.workspace_bytes): a chunk of
+    CPU_PREFILL_TOKENS tokens (Plan.prefill_chunk), or the whole `context` where it is shorter (no prompt is
+    longer)."""
+    return workspace_bytes(cfg, fmt, min(CPU_PREFILL_TOKENS, context))
+
+
 def library_workspace_bytes(capability: str | int | None) -> int:
     """GPU bytes libraries under torch hold for one engine on a CUDA device of compute `capability`
     ("9.0" or its major, 9): hardware/cuda.BLAS_WORKSPACES cuBLAS workspaces of that device's size

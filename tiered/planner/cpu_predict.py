@@ -23,7 +23,7 @@ import torch
 
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.hardware import op_time
-from tiered.hardware.op_time import GEMM_ROWS
+from tiered.hardware.op_time import GEMM_ROWS, prefill_attention_pairs
 from tiered.hardware.profile import HardwareProfile
 from tiered.memory import sizes
 from tiered.memory.expert_cache import ExpertCache, make_policy
@@ -467,8 +467,7 @@ def torch_gemm_time(hw: HardwareProfile, dtype: str, macs: float, weight_bytes: 
     bf16 on a CPU without a bf16 GEMM (meta["bf16_gemm_native"] False, with convert/cpu/bf16 profiled): each
     call's fp32 GEMM over its weight converted for it (hardware/cpu_gemm.linear), priced as the fp32 GEMM
     plus the conversion: timed as one, the two had fitted one line of R^2 0.34-0.95 on 2 Zen 3 cores."""
-    per_call = weight_bytes / op_time.bytes_per_element(dtype) / calls if calls else 0.0
-    conv = conversion_time(hw, per_call) if dtype == "bf16" else None
+    conv = conversion_time(hw, weight_bytes / op_time.bytes_per_element(dtype) / calls) if dtype == "bf16" else None
     if conv is not None:
         return torch_gemm_time(hw, "fp32", macs, 2 * weight_bytes, calls) + calls * conv if macs > 0 else 0.0
     t = op_time.gemm_time(hw, "cpu", dtype, macs, weight_bytes, calls=calls)
@@ -598,14 +597,6 @@ def chunk_spans(tokens: int, chunk: int = 0) -> list[tuple[int, int]]:
     return [(min(chunk, tokens - start), start) for start in range(0, tokens, chunk)]
 
 
-def prefill_attention_pairs(tokens: int, past: int = 0) -> float:
-    """(query, key) pairs a prefill forward's attention computes: T (T + 1) / 2 for a prompt from position 0
-    (SDPA's causal mask skips the blocks above the diagonal), T (past + T) for a chunk after `past` cached
-    tokens: its mask is explicit (models/layers.attention_mask), and torch's CPU SDPA computes every block
-    under one, masked or not."""
-    return tokens * (tokens + 1) / 2 if past == 0 else tokens * (past + tokens)
-
-
 def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int,
                     moe_layers: list[int] | None = None, disk_share: float = 0.0,
                     experts_dtype: str | None = None, act_dtype: str | None = None,
@@ -617,7 +608,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     `chunk` (Plan.prefill_chunk; 0: one forward): a longer prompt prefills in forwards of `chunk` tokens
     (engine/llm.LLM._prefill), each priced below on its own tokens (the experts' draws, per-step costs and
     the last token's lm_head again each chunk, its experts read again where on disk) with its attention over
-    the cache the earlier chunks wrote (`prefill_attention_pairs`).
+    the cache the earlier chunks wrote (op_time.prefill_attention_pairs).
 
     Per layer: the attention projections and each FFN / active expert as GEMMs of all their
     tokens (torch_gemm_time: compute, floored by streaming the weights once, and by the profile's

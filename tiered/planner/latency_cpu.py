@@ -49,7 +49,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
         held_bytes = sizes.one_copy_weight_bytes(cfg, fmt, mix or {dtype: 1.0}, skip, head, embedding_bytes)
     # a prompt longer than the workspace's tokens prefills chunk by chunk: its activations stay within it
     plan.prefill_chunk = sizes.CPU_PREFILL_TOKENS
-    plan.workspace_bytes = sizes.workspace_bytes(cfg, fmt, min(plan.prefill_chunk, plan.context_tokens))
+    plan.workspace_bytes = sizes.cpu_workspace_bytes(cfg, fmt, plan.context_tokens)
     fixed = (held_bytes
              + sizes.rotary_bytes(cfg, plan.context_tokens)
              + sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"])
