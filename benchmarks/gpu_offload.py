@@ -58,7 +58,7 @@ SMOKE_SHAPES = {"moe": ModelShape(layers=4, hidden=256, ffn=768, heads=4, kv_hea
                 "dense": ModelShape(layers=8, hidden=256, ffn=1024, heads=4, kv_heads=2, vocab=2048)}
 ROW_IDS = ("plan_auto", "plan_auto_eager", "plan_auto_cuda_pinned", "plan_auto_huge_pinned", "plan_auto_worker_issue", "plan_off",
            "plan_auto_profiled", "forced_copy",
-           "forced_cpu", "forced_split", "no_gpu", "unconstrained", "unconstrained_eager", "hf_accelerate", "hf_all_gpu")
+           "forced_cpu", "forced_split", "forced_priced", "no_gpu", "unconstrained", "unconstrained_eager", "hf_accelerate", "hf_all_gpu")
 SMOKE_LINK = 2e9  # bytes/s of the stand-in's emulated PCIe link in --smoke
 
 
@@ -120,7 +120,12 @@ def rows_for(s: Setup) -> list[Row]:
                  Row("forced_cpu", 'tiered, every miss on the CPU (force_expert_path="cpu")',
                      replace(base, force_expert_path="cpu")),
                  Row("forced_split", 'tiered, every miss split by rows between the CPU and the link '
-                     '(force_expert_path="split")', replace(base, force_expert_path="split"))]
+                     '(force_expert_path="split")', replace(base, force_expert_path="split")),
+                 # the balanced dispatch without its margins (dispatcher.MIX_GAIN, SPLIT_GAIN): a decode layer's
+                 # misses both ways wherever the latency model prices that faster, which the margins, set from
+                 # copies that started late on a worker thread, now forbid on the H100 host's profiles
+                 Row("forced_priced", 'tiered, misses where the latency model prices them fastest, no margins '
+                     '(force_expert_path="priced")', replace(base, force_expert_path="priced"))]
     rows += [Row("no_gpu", 'tiered, no GPU (accelerator="none")', replace(base, accelerator="none", gpu_memory=None,
                                                                           link_bandwidth=None)),
              Row("unconstrained", "tiered, unconstrained GPU (gpu_memory=None)", replace(base, gpu_memory=None)),

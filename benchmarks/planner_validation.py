@@ -83,11 +83,12 @@ def measure(model: Path, config: EngineConfig, prompt: list[int], new_tokens: in
     return res
 
 
-# runs on lent GPUs, each priced from its machine's profile: the first H200 run, the third (cc9c1b1), the H100's
+# runs on lent GPUs, each priced from its machine's profile: the first H200 run, the third (cc9c1b1), the H100's,
 GPU_REFERENCES = {"h200-2026-11-22": ROOT / "reference" / "h200-2026-11-22" / "measured.json",
                   "h200-2026-11-26b": ROOT / "reference" / "h200-2026-11-26b" / "measured.json",
                   "h100-2026-11-26": ROOT / "reference" / "h100-2026-11-26" / "measured.json",
-                  "h100-2026-11-26-uniform": ROOT / "reference" / "h100-2026-11-26-uniform" / "measured.json"}
+                  "h100-2026-11-26-uniform": ROOT / "reference" / "h100-2026-11-26-uniform" / "measured.json",
+                  "h100-2026-11-28-uniform": ROOT / "reference" / "h100-2026-11-28-uniform" / "measured.json"}
 
 
 def gpu_table(path: Path) -> tuple[dict, list[str]]:

@@ -38,6 +38,7 @@ REPLAYABLE = {
     "forced_copy": ("every miss copied", {"dispatch_mode": "copy", "graphs": True}, True, None),
     "forced_cpu": ("every miss on the CPU", {"dispatch_mode": "cpu", "graphs": True}, True, None),
     "forced_split": ("every miss split by rows", {"dispatch_mode": "split", "graphs": True}, True, None),
+    "forced_priced": ("misses as priced, no margins", {"dispatch_mode": "priced", "graphs": True}, True, None),
     "no_gpu": ("no GPU", {}, False, "none"),
     "unconstrained": ("unconstrained GPU", {"graphs": True}, False, None),
     "unconstrained_eager": ("unconstrained GPU, eager", {}, False, None),

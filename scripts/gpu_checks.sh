@@ -17,8 +17,10 @@
 #   pinned   both shapes' default plan (Plan.pinned: "cuda" where dense FFNs are sliced, else "huge") beside
 #            either pinning forced, and no GPU, 3 repeats each: the A/B of the plan's pinned-memory choice
 #   moe_uniform  the MoE shape with --routing uniform (each token routed by its own hidden state, as the plans
-#            price it; the skewed weights' LRU hit ~80% where 16% was priced): the default plan, plan off,
-#            every miss copied, every miss on the CPU, so the default plan's prediction is comparable (§6)
+#            price it; the skewed weights' LRU hit ~80% where 16% was priced): the default plan, its dispatch
+#            without margins (forced_priced: a decode layer's misses both ways where priced faster, which
+#            dispatcher.MIX_GAIN forbids since copies started late on a worker thread; now the thread issues
+#            them), every miss copied, every miss on the CPU, so the default plan's prediction is comparable (§6)
 #   threads  the default plan, every miss on the CPU and plan off with uniform routing on all cores but one
 #            (--threads nproc-1): beside moe_uniform (torch's default, every core), the A/B of the CPU team
 #            leaving a core to the copy and launch workers (session 28: copies started up to 3.6 ms late
@@ -135,7 +137,7 @@ for stage in "${stages[@]}"; do
     dense) bench dense 150 ;;
     moe_uniform) mkdir -p "$res/uniform"
             run 300 gpu_offload_moe_uniform $PY benchmarks/gpu_offload.py $smoke $check --shape moe --routing uniform --repeats 3 \
-              --rows plan_auto,plan_off,forced_copy,forced_cpu --out "$res/uniform" --name gpu_offload_moe_uniform \
+              --rows plan_auto,forced_priced,forced_copy,forced_cpu --out "$res/uniform" --name gpu_offload_moe_uniform \
               ${prof:+--profile "$prof"} ;;
     threads) mkdir -p "$res/uniform"
             run 200 gpu_offload_moe_uniform_t15 $PY benchmarks/gpu_offload.py $smoke $check --shape moe --routing uniform \

@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_offload.py"
 TIERED_ROWS = ("plan_auto", "plan_auto_eager", "plan_auto_cuda_pinned", "plan_auto_huge_pinned", "plan_auto_worker_issue",
                "plan_off", "no_gpu", "unconstrained", "unconstrained_eager")
-ROWS = {"moe": TIERED_ROWS + ("plan_auto_profiled", "forced_copy", "forced_cpu", "forced_split", "hf_accelerate",
+ROWS = {"moe": TIERED_ROWS + ("plan_auto_profiled", "forced_copy", "forced_cpu", "forced_split", "forced_priced",
+                              "hf_accelerate",
                               "hf_all_gpu"),
         "dense": TIERED_ROWS + ("hf_accelerate", "hf_all_gpu")}
 # dense with `plan="off"` has no way to offload FFN rows (the H200 run recorded a BudgetError)

@@ -21,9 +21,6 @@ UNMET = {
     ("MoE, every miss copied", "decode_tokens_per_s"): ROUTING + "the LRU slots hit 42% of expert uses, 10% priced",
     ("MoE, every miss copied", "ttft_s"): ROUTING + "a 512-token prompt routes to ~2 experts a layer (0.092 s); the "
                                           "plan draws routing i.i.d. and copies every expert (0.216 s)",
-    ("MoE, every miss split by rows", "decode_tokens_per_s"): "14.4 tok/s against 31.4: the split path splits cached "
-                                                              "experts too (hit rate 0%) and its two halves' joins "
-                                                              "are not priced",
     ("MoE, unconstrained GPU, eager", "decode_tokens_per_s"): "an eager grouped-expert step on that host: 8 ms "
                                                               "against 3.9 priced (runtime/decode_step_gpu is timed "
                                                               "on a dense step)",

@@ -13,7 +13,7 @@ from reference_cases import assert_within_tolerance, cases, rows_fixture
 
 from tiered.planner.make import make_plan
 from tiered.planner.reference import load_reference, model_config
-from tiered.runtime.dispatcher import COPY, SPLIT, dispatch_misses
+from tiered.runtime.dispatcher import COPY, CPU, SPLIT, dispatch_misses
 
 REF = Path(__file__).resolve().parents[1] / "benchmarks" / "reference" / "h100-2026-11-28-uniform" / "measured.json"
 
@@ -34,7 +34,9 @@ def test_a_prompts_misses_are_copied_whole_not_split():
     """A 512-token prompt puts ~128 tokens on each of a layer's experts: the default plan copies its misses
     whole. Measured on this host: the default's CPU + split + copies took 0.257 s against 0.212 with every
     miss copied (and 0.279 s every miss split against 0.228 copied, 2026-11-26), where the plan had priced
-    the split 0.223 and the copies 0.285. A decode step's single-token misses stay on the CPU."""
+    the split 0.223 and the copies 0.285. A decode step's two single-token misses go one to the CPU whole,
+    the other split by rows between the CPU and the link (LatencyModel.split_share: the CPU's part a share
+    of its whole-expert time, as the forced split's trace measured it)."""
     ref, hw = load_reference(REF)
     row = next(r for r in ref["rows"] if r["name"] == "MoE, default plan")
     cfg = model_config(ref, row["model"])
@@ -45,6 +47,6 @@ def test_a_prompts_misses_are_copied_whole_not_split():
     for n in (2, 6, 8):
         assert dispatch_misses([128] * n, lat, eb, "balanced", splittable=True).paths == [COPY] * n
     assert SPLIT not in dispatch_misses([600, 3, 2], lat, eb, "balanced", splittable=True).paths[:1]
-    assert set(dispatch_misses([1, 1], lat, eb, "balanced", splittable=True).paths) == {"cpu"}
+    assert sorted(dispatch_misses([1, 1], lat, eb, "balanced", splittable=True).paths) == [CPU, SPLIT]
     # the forced split mode still splits (its rows measure the path)
     assert dispatch_misses([128] * 2, lat, eb, SPLIT, splittable=True).paths == [SPLIT] * 2

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from runtime_fixtures import GREEDY, REL_TOL, engine_config, prompt, rel_err, rt  # noqa: F401
 
 from tiered import LLM
-from tiered.runtime.dispatcher import (COPY, CPU, GATE_UP_SHARE, MIX_GAIN, SPLIT, SPLIT_GAIN, LatencyModel,
+from tiered.runtime.dispatcher import (COPY, CPU, GATE_UP_SHARE, MIX_GAIN, PRICED, SPLIT, SPLIT_GAIN, LatencyModel,
                                        dispatch_misses, split_misses)
 from tiered.runtime.moe_runner import SPLIT_ROW_ALIGN, split_rows_of, swiglu_rows
 
@@ -31,7 +31,7 @@ def test_split_share_makes_cpu_and_link_finish_together(cpu, link, alpha):
     lat = _lat(cpu + alpha, link, nbytes, alpha)
     a, t = lat.split_share(1, nbytes)
     g = GATE_UP_SHARE
-    t_cpu = alpha + a * g * cpu
+    t_cpu = a * g * (cpu + alpha)  # the CPU's part: its share of the whole expert's time, intercept included
     t_link = alpha + (1 - a * g) * link
     assert t == pytest.approx(max(t_cpu, t_link))
     if a < 1:  # interior: balanced, and faster than either whole path
@@ -77,7 +77,7 @@ def _lanes(tokens, d, lat, nbytes):
         elif p == COPY:
             link += lat.transfer_lat(nbytes)
         else:
-            cpu += lat.cpu_alpha + a * GATE_UP_SHARE * (lat.cpu_lat(s) - lat.cpu_alpha)
+            cpu += a * GATE_UP_SHARE * lat.cpu_lat(s)  # its share of the whole expert (split_share)
             link += lat.h2d_alpha + (1 - a * GATE_UP_SHARE) * nbytes / lat.h2d_bandwidth
     return max(cpu, link)
 
@@ -163,7 +163,7 @@ def test_a_split_runs_both_sides_together_at_their_shared_rates():
     nbytes = 352 * MB
     plain = LatencyModel(1e-4, 3.9e-3, 0.0, 0.0, 7e-6, nbytes / 6.4e-3)
     shared = LatencyModel(1e-4, 3.9e-3, 0.0, 0.0, 7e-6, nbytes / 6.4e-3, cpu_shared=1.13, link_shared=1.11)
-    slower = LatencyModel(1e-4, 3.9e-3 * 1.13, 0.0, 0.0, 7e-6, nbytes / (6.4e-3 * 1.11))
+    slower = LatencyModel(1e-4 * 1.13, 3.9e-3 * 1.13, 0.0, 0.0, 7e-6, nbytes / (6.4e-3 * 1.11))
     for busy in ((0.0, 0.0), (2e-3, 0.0), (0.0, 6.4e-3)):
         assert shared.split_share(1, nbytes, *busy) == pytest.approx(slower.split_share(1, nbytes, *busy))
         a, t = shared.split_share(1, nbytes, *busy)
@@ -182,6 +182,27 @@ def test_decode_misses_stay_on_the_cpu_where_a_mix_gains_little():
     assert CPU in paths and COPY in paths
     h200 = LatencyModel(4.7e-3, 0.0, 0.0, 0.0, 0.0, nbytes / 7e-3)
     assert sorted(split_misses([1, 1], h200, nbytes)) == [COPY, CPU]
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.lists(st.integers(1, 64), min_size=1, max_size=8), cpu=st.floats(1e-4, 1e-3),
+       link=st.floats(1e-3, 1e-2), splittable=st.booleans())
+def test_priced_dispatch_takes_the_fastest_priced_assignment_without_margins(tokens, cpu, link, splittable):
+    """"priced" is balanced without MIX_GAIN and SPLIT_GAIN: never slower as priced than balanced, the
+    same paths wherever balanced's choice was also the fastest, and a mix or split wherever one is priced
+    faster at all (the H100 host's decode pair, 5% faster mixed, which balanced keeps on the CPU)."""
+    nbytes = 352 * MB
+    lat = LatencyModel(0.0, cpu, 0.0, 0.0, 0.0, nbytes / link)
+    priced = dispatch_misses(tokens, lat, nbytes, PRICED, splittable=splittable)
+    balanced = dispatch_misses(tokens, lat, nbytes, "balanced", splittable=splittable)
+    assert priced.seconds <= balanced.seconds + 1e-12
+    one = min(dispatch_misses(tokens, lat, nbytes, mode).seconds for mode in (CPU, COPY))
+    assert priced.seconds <= one + 1e-12
+    if priced.paths != balanced.paths:  # only where the margins gave up a priced gain
+        assert priced.seconds < balanced.seconds
+    h100 = LatencyModel(3.46e-3, 9.4e-6, 2.0e-4, 0.0, 7e-6, 54.9e9)
+    assert split_misses([1, 1], h100, nbytes) == [CPU, CPU]
+    assert sorted(split_misses([1, 1], h100, nbytes, PRICED)) == [COPY, CPU]
 
 
 def test_split_rows_are_aligned_and_never_empty():

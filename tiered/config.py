@@ -106,7 +106,9 @@ class EngineConfig:
             started up to 3.6 ms late beside CPU experts, their worker waiting for a core).
         profile: HardwareProfile JSON path or preset name the planner uses; None = this machine's
             cached profile (measured once, quickly, if there is none).
-        force_expert_path: tests only: "copy", "cpu" or "split" for every non-resident expert.
+        force_expert_path: tests and benchmarks only: "copy", "cpu" or "split" for every non-resident
+            expert, or "priced": each layer's misses as the latency model prices them fastest, without
+            the balanced dispatch's margins (runtime/dispatcher.MIX_GAIN, SPLIT_GAIN).
     """
 
     dtype: str = "auto"
@@ -166,8 +168,8 @@ class EngineConfig:
             raise ConfigError("staging_buffers must be >= 1", "pass a positive count")
         if self.link_bandwidth is not None and self.link_bandwidth <= 0:
             raise ConfigError("link_bandwidth must be > 0 bytes/s", "pass e.g. 16e9")
-        if self.force_expert_path not in (None, "copy", "cpu", "split"):
-            raise ConfigError("force_expert_path must be None, 'copy', 'cpu' or 'split'", "leave it unset")
+        if self.force_expert_path not in (None, "copy", "cpu", "split", "priced"):
+            raise ConfigError("force_expert_path must be None, 'copy', 'cpu', 'split' or 'priced'", "leave it unset")
         if self.pinned not in ("auto", "huge", "cuda"):
             raise ConfigError(f"pinned must be 'auto', 'huge' or 'cuda', got {self.pinned!r}", "pass auto")
         if self.device_issue not in ("auto", "thread", "worker"):

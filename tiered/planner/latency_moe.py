@@ -267,12 +267,14 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
                    "cpu": (n_cpu + plan.staging_buffers) * eb, "disk": n_disk * eb}
     h = hits.fast_share()
     ways = {"balanced": "are split between CPU compute and H2D copies", "per-expert": "go where Fiddler's rule says",
+            "priced": "are split between CPU compute and H2D copies as the latency model prices them (no margins)",
             COPY: "are copied to the GPU", CPU: "run on the CPU", SPLIT: "are split by rows between the CPU and the link"}
     how = ways[plan.dispatch_mode]
-    if plan.dispatch_mode == "balanced":  # what the dispatch does with a decode step's 1..k one-token misses
-        sides = {p for m in range(1, k + 1) for p in split_misses([1] * m, lat, eb, "balanced", splittable=splittable)}
+    if plan.dispatch_mode in ("balanced", "priced"):  # what the dispatch does with a decode step's 1..k one-token misses
+        sides = {p for m in range(1, k + 1) for p in split_misses([1] * m, lat, eb, plan.dispatch_mode,
+                                                                   splittable=splittable)}
         if len(sides) == 1:
-            how = f"{ways[sides.pop()]}; a prompt's {ways['balanced']}"
+            how = f"{ways[sides.pop()]}; a prompt's {ways[plan.dispatch_mode]}"
     total = len(moe_layers) * E
     plan.binding = (f"GPU memory: {n_gpu}/{total} experts resident and {placement.cache_slots} cache slots "
                     f"(hit rate {h:.0%}) beside the non-expert weights and KV cache; "

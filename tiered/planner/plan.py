@@ -17,7 +17,7 @@ from pathlib import Path
 from tiered.errors import ConfigError
 from tiered.hardware.budget import format_bytes
 
-DISPATCH_MODES = ("balanced", "per-expert", "copy", "cpu", "split")
+DISPATCH_MODES = ("balanced", "priced", "per-expert", "copy", "cpu", "split")
 
 
 @dataclass
@@ -55,8 +55,10 @@ class Plan:
                                              the H2D link so both finish together (latency model
                                              fields of runtime/dispatcher.LatencyModel), a layer's
                                              single dense miss split by rows between them when that
-                                             is faster (SPLIT); "copy" / "cpu" / "split" send every
-                                             miss one way
+                                             is faster (SPLIT); "priced" is balanced without its
+                                             margins (dispatcher.MIX_GAIN, SPLIT_GAIN: the latency
+                                             model's fastest assignment, to measure the margins);
+                                             "copy" / "cpu" / "split" send every miss one way
         dtypes                               formats: "weights" (compute dtype of loaded weights),
                                              "experts", "kv_cache", "decode" (decode-copy format,
                                              "none" = no copies), "lm_head" (its decode copy's
@@ -341,7 +343,7 @@ class Plan:
                 experts = f"{l.experts_gpu}/{l.experts_cpu}/{l.experts_disk}" if l.kind == "moe" else "-"
                 out.append(f"{span:<10} {l.kind:<8} {l.r_cc:5.2f} {l.r_cg:5.2f} {l.r_gg:5.2f} {l.n_g:5d}  "
                            f"{experts:>19}  {l.decode_s * 1e3:9.2f}  {l.prefill_s * 1e3:10.2f}")
-        if self.dispatch_mode != "balanced" and self.dispatch_latency is not None:
+        if self.dispatch_mode not in ("balanced", "priced") and self.dispatch_latency is not None:
             how = {"copy": "is copied to the GPU", "cpu": "runs on the CPU",
                    "split": "is split by rows between the CPU and the link"}.get(self.dispatch_mode, "runs as Fiddler's rule says")
             out.append(f"dispatch: every non-resident expert {how}")

@@ -22,6 +22,7 @@ RESIDENT = "resident"  # weights already on the accelerator (resident or cached)
 COPY = "copy"  # copy weights H2D into a cache slot, run on the accelerator
 CPU = "cpu"  # run on the CPU, moving only activations
 SPLIT = "split"  # the CPU computes some gate/up rows while the rest and down are copied (split_share)
+PRICED = "priced"  # a mode: "balanced" without MIX_GAIN and SPLIT_GAIN, each layer as the latency model prices it
 
 # Share of a SwiGLU expert's bytes in its gate and up projections (the rows a SPLIT divides).
 GATE_UP_SHARE = 2 / 3
@@ -93,22 +94,28 @@ class LatencyModel:
         the hidden activations, sent H2D), while the link copies the other rows and the whole down
         projection, and the makespan: max(CPU, link) then the accelerator's part (the rest of
         gate/up, then down). `a` makes the CPU and the link finish together:
-            cpu_busy + cpu_alpha + a g C' = link_busy + h2d_alpha + (1 - a g) L,
-        C' = cpu_lat(s) - cpu_alpha, L = nbytes / bw, g = GATE_UP_SHARE, where cpu_busy and
-        link_busy (seconds) are the work already given to each side in the same layer (whole
-        experts on the CPU, whole copies). ScheInfer's CC/CG row split (ALGORITHMS.md 1.a) applied
+            cpu_busy + a g C = link_busy + h2d_alpha + (1 - a g) L,
+        C = cpu_lat(s), L = nbytes / bw, g = GATE_UP_SHARE, where cpu_busy and link_busy (seconds)
+        are the work already given to each side in the same layer (whole experts on the CPU, whole
+        copies). The CPU's part is its share of the whole expert's time, cpu_alpha included: the
+        line's intercept is a decode expert's weight stream (cpu_lat(1) - cpu_beta, ~5 ms of ~5.2 for a
+        Mixtral expert on the H100's host), which a share of the rows reads a share of. Pricing the
+        intercept in full, as a fixed cost, had put a lone miss's split at the CPU's own time (no
+        gain, so no plan chose it) and the forced split's shares at ~0.7 of gate/up on the link where
+        ~0.4 balances: on that host every miss split decoded 23.9 tok/s against 31.1 on the CPU
+        (session 28). ScheInfer's CC/CG row split (ALGORITHMS.md 1.a) applied
         to one missing expert: the misses of a decode step are few per layer, and Fiddler sends
         each wholly one way, leaving the other side idle. When the CPU side is already the busier
         (a <= 0), the smallest share is returned and the makespan shows the loss. The two sides run
         together from start to end, so each goes at its shared rate throughout (cpu_shared,
         link_shared: `together`)."""
         g = GATE_UP_SHARE
-        c = (self.cpu_lat(s) - self.cpu_alpha) * self.cpu_shared
+        c = self.cpu_lat(s) * self.cpu_shared
         link = nbytes / self.h2d_bandwidth * self.link_shared
-        gap = link_busy + self.h2d_alpha + link - cpu_busy - self.cpu_alpha
+        gap = link_busy + self.h2d_alpha + link - cpu_busy
         a = gap / (g * (c + link)) if c + link > 0 else 1.0
         a = min(1.0, max(a, 1e-3))
-        t = max(cpu_busy + self.cpu_alpha + a * g * c, link_busy + self.h2d_alpha + (1 - a * g) * link)
+        t = max(cpu_busy + a * g * c, link_busy + self.h2d_alpha + (1 - a * g) * link)
         return a, t + self.gpu_lat(s)
 
     def cpu_threshold(self, nbytes: int) -> float:
@@ -203,8 +210,10 @@ def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mod
         tokens: routed tokens of each missing expert (> 0), in any order.
         lat: the latency model (seconds).
         expert_bytes: bytes copied per expert.
-        mode: "balanced" (above), "per-expert" (Algorithm 1 for each expert alone), "copy",
-            "cpu" or "split" (every miss one way; "split" balances each expert alone).
+        mode: "balanced" (above), "priced" (balanced without the margins MIX_GAIN and SPLIT_GAIN: the
+            assignment the latency model prices fastest, to measure what the margins cost or save),
+            "per-expert" (Algorithm 1 for each expert alone), "copy", "cpu" or "split" (every miss
+            one way; "split" balances each expert alone).
         splittable: a miss may be SPLIT (dense experts in CPU RAM, with an accelerator).
     Returns:
         LayerDispatch, its lists in the order of `tokens`.
@@ -227,12 +236,13 @@ def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mod
         cpu_end, link_end = lat.together(cpu_before[j], len(rest) * copy_lat)
         return max(cpu_end, link_end + (lat.gpu_lat(tokens[rest[-1]]) if rest else 0.0))
 
+    mix_gain, split_gain = (1.0, 1.0) if mode == PRICED else (MIX_GAIN, SPLIT_GAIN)
     best_j, best_t = min(((j, whole(j)) for j in (0, n)), key=lambda jt: jt[1])  # one side takes every miss
     if n > 1:
         mix_j, mix_t = min(((j, whole(j)) for j in range(1, n)), key=lambda jt: jt[1])
-        if mix_t < MIX_GAIN * best_t - 1e-12:
+        if mix_t < mix_gain * best_t - 1e-12:
             best_j, best_t = mix_j, mix_t
-    if mode == "balanced" and splittable and n:
+    if mode in ("balanced", PRICED) and splittable and n:
         split_j, split_a, split_t = None, 0.0, float("inf")
         prompt_rows = min(lat.cpu_prompt_rows, PROMPT_GEMM_ROWS)  # a prompt's expert is never split (SPLIT_ROWS_NOTE)
         for j in range(n):  # CPU takes order[:j] whole, order[j] is split, order[j+1:] is copied
@@ -243,7 +253,7 @@ def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mod
                 t = max(t, (n - j - 1) * copy_lat + lat.gpu_lat(tokens[order[-1]]))
             if t < split_t - 1e-12:
                 split_j, split_a, split_t = j, a, t
-        if split_t < SPLIT_GAIN * best_t:
+        if split_t < split_gain * best_t - 1e-12:
             return _prefix_dispatch(order, split_j, split_t, split_a)
     return _prefix_dispatch(order, best_j, best_t)
 

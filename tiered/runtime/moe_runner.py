@@ -85,7 +85,7 @@ class TieredExperts:
         executor: streams for disk reads, H2D copies, CPU and accelerator compute ("cpu" inline).
         latency: the plan's dispatch latency model (None without an accelerator).
         accelerator: Accelerator or None (the fast tier is then CPU RAM and compute is on the CPU).
-        dispatch_mode: the plan's "balanced", "per-expert", "copy" or "cpu".
+        dispatch_mode: the plan's "balanced", "priced", "per-expert", "copy", "cpu" or "split".
         read_ahead: issue all of a layer's expert reads at once.
         group_layers: the plan's native_decode: without an accelerator, a layer whose experts are
             all in RAM computes them in one native call (_all_on_fast).
