@@ -164,8 +164,9 @@ def test_a_split_runs_both_sides_together_at_their_shared_rates():
     plain = LatencyModel(1e-4, 3.9e-3, 0.0, 0.0, 7e-6, nbytes / 6.4e-3)
     shared = LatencyModel(1e-4, 3.9e-3, 0.0, 0.0, 7e-6, nbytes / 6.4e-3, cpu_shared=1.13, link_shared=1.11)
     slower = LatencyModel(1e-4 * 1.13, 3.9e-3 * 1.13, 0.0, 0.0, 7e-6, nbytes / (6.4e-3 * 1.11))
-    for busy in ((0.0, 0.0), (2e-3, 0.0), (0.0, 6.4e-3)):
-        assert shared.split_share(1, nbytes, *busy) == pytest.approx(slower.split_share(1, nbytes, *busy))
+    for busy in ((0.0, 0.0), (2e-3, 0.0), (0.0, 6.4e-3)):  # the busy sides' work beside each other too
+        assert shared.split_share(1, nbytes, *busy) == pytest.approx(
+            slower.split_share(1, nbytes, busy[0] * 1.13, busy[1] * 1.11))
         a, t = shared.split_share(1, nbytes, *busy)
         assert t > plain.split_share(1, nbytes, *busy)[1]
 

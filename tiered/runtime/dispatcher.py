@@ -108,10 +108,11 @@ class LatencyModel:
         each wholly one way, leaving the other side idle. When the CPU side is already the busier
         (a <= 0), the smallest share is returned and the makespan shows the loss. The two sides run
         together from start to end, so each goes at its shared rate throughout (cpu_shared,
-        link_shared: `together`)."""
+        link_shared: `together`), the busy times (given as each side alone) included."""
         g = GATE_UP_SHARE
         c = self.cpu_lat(s) * self.cpu_shared
         link = nbytes / self.h2d_bandwidth * self.link_shared
+        cpu_busy, link_busy = cpu_busy * self.cpu_shared, link_busy * self.link_shared  # beside the other side too
         gap = link_busy + self.h2d_alpha + link - cpu_busy
         a = gap / (g * (c + link)) if c + link > 0 else 1.0
         a = min(1.0, max(a, 1e-3))
