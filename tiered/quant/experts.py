@@ -440,9 +440,9 @@ class ExpertFormat:
             if y is not None:
                 return y
         if self.is_dense:
-            dt = x.dtype
-            wg, wu, wd = (w if w.dtype == dt else w.to(dt) for w in slot)
-            return linear(F.silu(linear(x, wg)) * linear(x, wu), wd)  # bf16 on AVX2: fp32 GEMMs (cpu_gemm)
+            from tiered.models.moe import expert_forward
+
+            return expert_forward(x, *slot)  # bf16 on AVX2: fp32 GEMMs (cpu_gemm)
         vg, vu, vd = self.views(slot)
         (kg, ku, kd), lay = self.kinds, self.int4_layout
         h = F.silu(project(x, vg, kg, lay, self.act)) * project(x, vu, ku, lay, self.act)
