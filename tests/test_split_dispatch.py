@@ -261,10 +261,13 @@ def test_balanced_plan_splits_single_misses_in_the_engine(rt, tmp_path):  # noqa
         llm.close()
 
 
-def test_balanced_plan_splits_one_of_two_misses_in_the_engine(rt, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("cpu_alpha", [0.0, 0.99e-3], ids=["slope", "intercept"])
+def test_balanced_plan_splits_one_of_two_misses_in_the_engine(rt, tmp_path, cpu_alpha):  # noqa: F811
     """With no cache slots every decode layer misses both experts; with the link twice the CPU's
     time, one goes to the CPU whole and the other is split (its share counting the CPU's expert);
-    the tokens are transformers'."""
+    the tokens are transformers'. "intercept": the CPU's 1 ms a decode expert almost all in the line's
+    intercept, as a fitted profile has it (its weight stream): the same split, the CPU's part its share
+    of that 1 ms (priced as a fixed cost, it had made the split as slow as the whole expert)."""
     import tiered.runtime.moe_runner as mr
 
     s = rt.sizes("mixtral")
@@ -273,7 +276,7 @@ def test_balanced_plan_splits_one_of_two_misses_in_the_engine(rt, tmp_path):  # 
     plan = llm.plan
     llm.close()
     plan.expert_cache_slots, plan.dispatch_mode = 0, "balanced"
-    plan.dispatch_latency = {"cpu_alpha": 0.0, "cpu_beta": 1e-3, "gpu_alpha": 0.0, "gpu_beta": 0.0,
+    plan.dispatch_latency = {"cpu_alpha": cpu_alpha, "cpu_beta": 1e-3 - cpu_alpha, "gpu_alpha": 0.0, "gpu_beta": 0.0,
                              "h2d_alpha": 0.0, "h2d_bandwidth": s.expert / 2e-3, "disk_alpha": 0.0,
                              "disk_bandwidth": float("inf")}
     plan.save(tmp_path / "p.json")
