@@ -351,7 +351,7 @@ class Plan:
             s = self.dispatch_threshold_tokens
             out.append(f"dispatch: a non-resident expert runs on the CPU when it has <= {s:.1f} tokens, "
                        f"else its weights are copied to the GPU (Fiddler Alg. 1); a layer's misses are split "
-                       f"between the CPU and the link so both finish together (a single dense miss by rows)")
+                       f"between the CPU and the link so both finish together (one dense miss of the layer by rows)")
         if self.expert_cache_slots:
             out.append(f"expert cache: {self.expert_cache_slots} slots ({self.cache_policy}) on the {self.fast_tier} "
                        "for experts that are not resident"
