@@ -101,9 +101,9 @@ class LatencyModel:
         line's intercept is a decode expert's weight stream (cpu_lat(1) - cpu_beta, ~5 ms of ~5.2 for a
         Mixtral expert on the H100's host), which a share of the rows reads a share of. Pricing the
         intercept in full, as a fixed cost, had put a lone miss's split at the CPU's own time (no
-        gain, so no plan chose it) and the forced split's shares at ~0.7 of gate/up on the link where
-        ~0.4 balances: on that host every miss split decoded 23.9 tok/s against 31.1 on the CPU
-        (session 28). ScheInfer's CC/CG row split (ALGORITHMS.md 1.a) applied
+        gain, so no plan chose it) and the forced split's CPU share at ~0.69 of gate/up (46% of the
+        expert's bytes, the link 54%) where the trace's rates balance at ~0.9 (59%): on that host every
+        miss split decoded 23.9 tok/s against 31.1 on the CPU, its copies the layer's end (session 28). ScheInfer's CC/CG row split (ALGORITHMS.md 1.a) applied
         to one missing expert: the misses of a decode step are few per layer, and Fiddler sends
         each wholly one way, leaving the other side idle. When the CPU side is already the busier
         (a <= 0), the smallest share is returned and the makespan shows the loss. The two sides run
