@@ -446,6 +446,13 @@ def test_quantized_prompt_experts_are_priced_on_the_paths_their_rows_take():
     assert ttft(avx512, 512) < ttft(slow_deq, 512)
     fp32 = HardwareProfile("cpu-box", "test", m, None, None)  # no kernels: the fp32 GEMMs
     assert ttft(fp32, 64) > 1.3 * ttft(avx512, 64)
+    # where the profile timed the int4 expert's own rows (expert_rows/cpu/int4q8, profiler 31) they price an int4
+    # expert's rows past each call's first; the decode kernels' rows (decode_rows) no longer do, nor for mxfp4
+    expert_rows = HardwareProfile("cpu-box", "test", {**m, "expert_rows/cpu/int4q8": LinearModel(0.0, 3 * row, 1.0)},
+                                  None, None, meta=avx512.meta)
+    expert_kernel = lambda r, groups=1: groups * wb * stream + (r - groups) * 3 * row * macs  # noqa: E731
+    assert prompt_expert_time(expert_rows, "int4", 20, wb, macs, "q8") == pytest.approx(expert_kernel(20, 3))
+    assert prompt_expert_time(expert_rows, "mxfp4", 16, wb, macs) == pytest.approx(kernel(16))
 
 
 def test_biased_prompt_experts_pay_torchs_glu_only_past_their_native_rows(monkeypatch):

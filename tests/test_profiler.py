@@ -956,6 +956,28 @@ def test_the_native_expert_rows_key_times_1_to_8_rows_over_cold_copies(monkeypat
     assert {r for _, r in calls} == {1, 2, 4, 8} and len({p for p, _ in calls}) == 3
 
 
+@pytest.mark.skipif(not kernels.available(), reason="tiered/kernels not built")
+def test_the_int4_expert_rows_key_times_the_engines_q8_expert_over_cold_copies(monkeypatch):
+    """expert_rows/cpu/int4q8: the tiled int4 expert on int8 activations (what a prompt's Q4_0 experts run,
+    ExpertFormat.forward's native call) at 2, 4 and 8 rows, n = MACs, each call on the next of the copies
+    that fill `cold_bytes`; retimed on a poor fit like the other row keys."""
+    from tiered.hardware import profiler
+    from tiered.quant.experts import ExpertFormat
+
+    calls, real = [], ExpertFormat.forward
+
+    def spy(self, x, slot):
+        calls.append((slot[0].data_ptr(), x.shape[0], self.kinds, self.int4_layout, self.batch_act, self.exact_zeros))
+        return real(self, x, slot)
+    monkeypatch.setattr(ExpertFormat, "forward", spy)
+    nbytes = ExpertFormat("int4", ((3584, 1024), (3584, 1024), (1024, 3584)), "tiled").nbytes
+    points = profiler._expert_rows_int4q8_points(3, 3 * nbytes)
+    assert [n for n, _ in points] == [r * 3 * 1024 * 3584 for r in (2, 4, 8)] and all(t > 0 for _, t in points)
+    assert {r for _, r, *_ in calls} == {2, 4, 8} and len({p for p, *_ in calls}) == 3
+    assert {c[2:] for c in calls} == {(("int4",) * 3, "tiled", "q8", True)}
+    assert all(k.startswith(profiler.RETIMED_KEYS) for k in ("expert_rows/cpu/int4q8", "decode_rows/cpu/int4q8"))
+
+
 def test_the_cpu_path_moe_layer_probe_times_tiny_engines_with_every_expert_on_the_cpu(monkeypatch):
     """_moe_cpu_layer_points: decode ITL of tiny MoE engines of 2, 4 and 8 layers on the accelerator given (the
     host stand-in here; CUDA in a profile), no expert on it, every miss on the CPU path."""

@@ -15,6 +15,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                          slab (a short prompt's, an expert's past its native rows)  n = weight bytes
     expert_rows/cpu/bf16 the native bf16 expert at 1-8 rows, cold in a slab (its slope: each row's
                          cost)                                                   n = MACs
+    expert_rows/cpu/int4q8 the tiled int4 expert on int8 activations at 2-8 rows (a prompt's Q4_0
+                         experts), cold in a slab                                n = MACs
     decode_rows/cpu/<dtype> tiered's decode kernels at 8-32 rows (a batched decode step: a server's
                          or a beam search's rows), cold 4096 x 4096 weights; int4q8: int4 on int8
                          activations (Plan.batch_act "q8")                       n = MACs
@@ -218,7 +220,10 @@ GEMM_KEYS = ("gemm/cpu/", "gemm_big/cpu/")  # torch's GEMM lines (GEMM_STALL_R2)
 # The conversion keys (convert, convert_big: a stream of a weight's bytes, page faults past glibc's mmap threshold)
 # too: one quick profile on 2 Zen 3 cores fitted them as one line at R^2 0.89, 5.8 ns an element, where the full
 # one a minute before fitted 1.3 (R^2 0.98), and the plan priced a 128-token bf16 MoE prompt 2x slow
-RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/", "convert/cpu/", "convert_big/cpu/") + GEMM_KEYS
+# The row keys (decode_rows, expert_rows) too: a quick profile on 2 Zen 3 cores fitted decode_rows/cpu/int4q8 at
+# R^2 0.77 (1.5 ms an intercept, 3.9 ps a multiply-add against the full profiles' 0.44-0.51 ms and 5.6-5.8 ps)
+RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/", "convert/cpu/", "convert_big/cpu/", "decode_rows/cpu/",
+                              "expert_rows/cpu/") + GEMM_KEYS
 
 
 def _upcast_gemm(key: str) -> bool:
@@ -627,6 +632,35 @@ def _expert_rows_points(repeats: int, cold_bytes: int | None) -> list[tuple[floa
         turn = itertools.cycle(slots)
         calls.append(lambda turn=turn, x=x: ext.bf16_expert_forward(*next(turn), x))
     return [(float(rows * 3 * D * F), t) for rows, t in zip(row_counts, median_times(calls, repeats))]
+
+
+EXPERT_Q8_ROWS = (2, 4, 8)  # expert_rows/cpu/int4q8's rows: one native call each (NATIVE_ROWS), q8 from 2 rows
+
+
+def _expert_rows_int4q8_points(repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
+    """(multiply-adds, seconds a call) of a tiled int4 expert on int8 activations (quant/experts.ExpertFormat
+    "int4", layout "tiled", batch_act "q8", zeros exact: a GGUF's Q4_0 experts as the engine keeps them) at
+    EXPERT_Q8_ROWS rows in one native call, a 1024 x 3584 expert's copies cycled over `cold_bytes` (64 MiB
+    without it) in a slab. A prompt's int4 expert runs its rows in such calls (cpu_predict.prompt_expert_time):
+    the slope is each row's cost on top of the weights' stream, its three projections and the SwiGLU between
+    them. The 4096 x 4096 projection's decode_rows/cpu/int4q8 had stood for it: on 2 Zen 3 cores a
+    Qwen3-30B-A3B-width expert's rows cost 9.1 ps a multiply-add (0.117 ms at 1 row, 0.417 at 8, 1.53 at 32 in
+    groups of 8) where that key's slope was 5.7 (2026-11-30). Raises RuntimeError without the kernels."""
+    if not kernels.available():
+        raise RuntimeError("tiered/kernels is not built")
+    from tiered.quant.experts import ExpertFormat
+
+    D, F = 1024, 3584
+    fmt = ExpertFormat("int4", ((F, D), (F, D), (D, F)), "tiled", batch_act="q8", exact_zeros=True)
+    first = fmt.empty()
+    fmt.quantize(random_expert(D, F, torch.Generator().manual_seed(0)), first)
+    slots = slab_copies(first, cold_copies(cold_bytes or COLD_WEIGHT_BYTES, fmt.nbytes))
+    calls = []
+    for rows in EXPERT_Q8_ROWS:  # timed interleaved (median_times)
+        x = torch.randn(rows, D).to(torch.bfloat16)
+        turn = itertools.cycle(slots)
+        calls.append(lambda turn=turn, x=x: fmt.forward(x, next(turn)))
+    return [(float(rows * 3 * D * F), t) for rows, t in zip(EXPERT_Q8_ROWS, median_times(calls, repeats))]
 
 
 # Experts the native bf16 expert kernel is timed on beyond the cache (expert_dram/cpu/bf16): (hidden,
@@ -1339,7 +1373,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 30: attn_prefill_past/cpu/<dtype>, a prefill chunk's attention over the cache before it (CPU plans prefill long
 # prompts in chunks: Plan.prefill_chunk); convert(_big)/cpu/bf16 where the CPU has no bf16 GEMM, whose bf16 GEMMs are
 # then priced as fp32 ones plus the conversion (and their bf16 GEMM keys no longer timed again on a poor fit).
-PROFILER_VERSION = 30
+# 31: expert_rows/cpu/int4q8, the tiled int4 expert's rows on int8 activations (a prompt's Q4_0 experts were priced
+# by the 4096 x 4096 projection's decode_rows slope, 1.6x cheaper a row); decode_rows and expert_rows timed again
+# on a poor fit (RETIMED_KEYS).
+PROFILER_VERSION = 31
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -1419,6 +1456,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt("convert_big/cpu/bf16", lambda: _convert_points(CONVERT_BIG_SHAPES, max(3, r // 2), big_cold))
     if kernels.available():  # the native bf16 expert at 1-8 rows (a short prompt's experts)
         b.attempt("expert_rows/cpu/bf16", lambda: _expert_rows_points(max(3, r // 2), big_cold))
+        # the tiled int4 expert on int8 activations at 2-8 rows (a prompt's Q4_0 experts, in calls of 8 rows)
+        b.attempt("expert_rows/cpu/int4q8", lambda: _expert_rows_int4q8_points(max(3, r // 2), big_cold))
         # the decode kernels at a batched step's rows; int4q8: int4 on int8 activations (Plan.batch_act "q8",
         # a server's batches: 3.4 ps a row's multiply-add against 11.5 on bf16 ones, 2 AMX cores, 2026-11-29)
         for dtype in ("int4", "int4q8", "int8", "bf16", "fp32"):

@@ -212,14 +212,21 @@ def simulate_hits(trace, resident: set, slots: int, policy: str = "lru", decode_
     return st
 
 
-def _row_time(hw: HardwareProfile, kind: str, weight_bytes: float, macs: float | None = None) -> float:
+def _row_time(hw: HardwareProfile, kind: str, weight_bytes: float, macs: float | None = None,
+              expert: bool = False) -> float:
     """Seconds each row past the first adds to a decode-kernel call over `weight_bytes` of `kind`
     weights (gemv key names: "int4q8" is int4's kernel): its multiply-adds (`macs`, None = the weights'
     elements) at decode_rows/cpu/<kind>'s slope where profiled (tiered's kernels at 8-32 rows; int4q8's
-    falls back to int4's in profiles before version 23), else at the GEMM fit's (0 without either)."""
+    falls back to int4's in profiles before version 23), else at the GEMM fit's (0 without either).
+    `expert`: a routed expert's call (its three projections and the SwiGLU between them), at
+    expert_rows/cpu/<kind>'s slope where the profile timed that kind's expert kernel (int4q8, profiler 31):
+    on 2 Zen 3 cores a Qwen3-30B-A3B-width Q4_0 expert's rows cost 9.1 ps a multiply-add where the
+    4096 x 4096 projection's decode_rows gave 5.7, and a quick profile's poor fit of the latter (R^2 0.77)
+    3.9: the 512-token prompt of the 8-layer model was priced 2.34 s where it took 3.0 (2026-11-30)."""
     base = "int4" if kind == "int4q8" else kind
     macs = macs if macs is not None else weight_bytes / op_time.bytes_per_element(base)
-    m = op_time.find(hw, "decode_rows", "cpu", kind) or op_time.find(hw, "gemm", "cpu", base)
+    m = (hw.models.get(f"expert_rows/cpu/{kind}") if expert else None) or \
+        op_time.find(hw, "decode_rows", "cpu", kind) or op_time.find(hw, "gemm", "cpu", base)
     return m.beta * macs if m is not None else 0.0
 
 
@@ -238,7 +245,7 @@ def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, 
     intercept beyond its per-layer fixed cost (op_time.memory_time's `intercept`)."""
     t = op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set, expert,
                             intercept=not in_step) * calls
-    return t + (rows - 1) * _row_time(hw, dtype, weight_bytes, macs) if rows > 1 else t
+    return t + (rows - 1) * _row_time(hw, dtype, weight_bytes, macs, expert) if rows > 1 else t
 
 
 def _projections(hw: HardwareProfile, dtype: str, mix: dict | None, elements: float, calls: int,
@@ -557,7 +564,7 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
             return None
         calls = 1 if r <= one else math.ceil(r / NATIVE_ROWS)  # each call streams the three projections
         stream = _gemv(hw, key, weight_bytes, calls=3, working_set=working_set, expert=True)
-        return calls * stream + (r - calls) * _row_time(hw, key, weight_bytes, macs_per_row)
+        return calls * stream + (r - calls) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
     if kind in ("int4", "mxfp4") and op_time.find(hw, "gemm", "cpu", "int4") is not None:
         return op_time.gemm_time(hw, "cpu", "int4", r * macs_per_row, weight_bytes, calls=3)
     return None
