@@ -625,12 +625,18 @@ def _expert_rows_points(repeats: int, cold_bytes: int | None) -> list[tuple[floa
     D, F = 1024, 3584
     slots = slab_copies(random_expert(D, F, torch.Generator().manual_seed(0)),
                         cold_copies(cold_bytes or COLD_WEIGHT_BYTES, 3 * D * F * 2))
-    row_counts = (1, 2, 4, 8)
+    return _expert_row_points(slots, D, F, (1, 2, 4, 8), lambda x, slot: ext.bf16_expert_forward(*slot, x), repeats)
+
+
+def _expert_row_points(slots, D: int, F: int, row_counts, run, repeats: int) -> list[tuple[float, float]]:
+    """(multiply-adds, seconds a call) of `run(x, slot)` on a D x F expert at each of `row_counts` rows (x bf16
+    [rows, D]), each call on the next of `slots` (cold copies), the row counts timed interleaved (median_times,
+    as _gemm_points' CPU shapes): the expert_rows keys' points."""
     calls = []
-    for rows in row_counts:  # timed interleaved (median_times), as _gemm_points' CPU shapes
+    for rows in row_counts:
         x = torch.randn(rows, D).to(torch.bfloat16)
         turn = itertools.cycle(slots)
-        calls.append(lambda turn=turn, x=x: ext.bf16_expert_forward(*next(turn), x))
+        calls.append(lambda turn=turn, x=x: run(x, next(turn)))
     return [(float(rows * 3 * D * F), t) for rows, t in zip(row_counts, median_times(calls, repeats))]
 
 
@@ -655,12 +661,7 @@ def _expert_rows_int4q8_points(repeats: int, cold_bytes: int | None) -> list[tup
     first = fmt.empty()
     fmt.quantize(random_expert(D, F, torch.Generator().manual_seed(0)), first)
     slots = slab_copies(first, cold_copies(cold_bytes or COLD_WEIGHT_BYTES, fmt.nbytes))
-    calls = []
-    for rows in EXPERT_Q8_ROWS:  # timed interleaved (median_times)
-        x = torch.randn(rows, D).to(torch.bfloat16)
-        turn = itertools.cycle(slots)
-        calls.append(lambda turn=turn, x=x: fmt.forward(x, next(turn)))
-    return [(float(rows * 3 * D * F), t) for rows, t in zip(EXPERT_Q8_ROWS, median_times(calls, repeats))]
+    return _expert_row_points(slots, D, F, EXPERT_Q8_ROWS, fmt.forward, repeats)
 
 
 # Experts the native bf16 expert kernel is timed on beyond the cache (expert_dram/cpu/bf16): (hidden,

@@ -115,7 +115,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
         BudgetError: the GPU cannot hold the non-expert weights, KV cache and staging buffers.
     """
     from tiered.planner.fiddler import ExpertLatency, ExpertShape, step_expert_bytes
-    from tiered.runtime.dispatcher import COPY, CPU, SPLIT, dispatch_misses, split_misses
+    from tiered.runtime.dispatcher import BALANCED_MODES, COPY, CPU, PRICED, SPLIT, dispatch_misses, split_misses
 
     from tiered.quant.experts import pricing_precision, token_activations
 
@@ -267,10 +267,10 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
                    "cpu": (n_cpu + plan.staging_buffers) * eb, "disk": n_disk * eb}
     h = hits.fast_share()
     ways = {"balanced": "are split between CPU compute and H2D copies", "per-expert": "go where Fiddler's rule says",
-            "priced": "are split between CPU compute and H2D copies as the latency model prices them (no margins)",
+            PRICED: "are split between CPU compute and H2D copies as the latency model prices them (no margins)",
             COPY: "are copied to the GPU", CPU: "run on the CPU", SPLIT: "are split by rows between the CPU and the link"}
     how = ways[plan.dispatch_mode]
-    if plan.dispatch_mode in ("balanced", "priced"):  # what the dispatch does with a decode step's 1..k one-token misses
+    if plan.dispatch_mode in BALANCED_MODES:  # what the dispatch does with a decode step's 1..k one-token misses
         sides = {p for m in range(1, k + 1) for p in split_misses([1] * m, lat, eb, plan.dispatch_mode,
                                                                    splittable=splittable)}
         if len(sides) == 1:

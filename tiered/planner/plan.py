@@ -343,7 +343,9 @@ class Plan:
                 experts = f"{l.experts_gpu}/{l.experts_cpu}/{l.experts_disk}" if l.kind == "moe" else "-"
                 out.append(f"{span:<10} {l.kind:<8} {l.r_cc:5.2f} {l.r_cg:5.2f} {l.r_gg:5.2f} {l.n_g:5d}  "
                            f"{experts:>19}  {l.decode_s * 1e3:9.2f}  {l.prefill_s * 1e3:10.2f}")
-        if self.dispatch_mode not in ("balanced", "priced") and self.dispatch_latency is not None:
+        from tiered.runtime.dispatcher import BALANCED_MODES
+
+        if self.dispatch_mode not in BALANCED_MODES and self.dispatch_latency is not None:
             how = {"copy": "is copied to the GPU", "cpu": "runs on the CPU",
                    "split": "is split by rows between the CPU and the link"}.get(self.dispatch_mode, "runs as Fiddler's rule says")
             out.append(f"dispatch: every non-resident expert {how}")

@@ -63,6 +63,7 @@ from tiered import kernels
 from tiered.errors import ConfigError
 from tiered.hardware.cpu_gemm import linear
 from tiered.kernels.linear import int8_tiles, tiled_group_scales, tiled_int8, untiled_group_scales, untiled_int8
+from tiered.models.moe import expert_forward
 from tiered.quant import fp8, mxfp4
 from tiered.quant.int4 import GROUP
 from tiered.quant.int8 import int8pack_mm
@@ -440,8 +441,6 @@ class ExpertFormat:
             if y is not None:
                 return y
         if self.is_dense:
-            from tiered.models.moe import expert_forward
-
             return expert_forward(x, *slot)  # bf16 on AVX2: fp32 GEMMs (cpu_gemm)
         vg, vu, vd = self.views(slot)
         (kg, ku, kd), lay = self.kinds, self.int4_layout

@@ -23,6 +23,7 @@ COPY = "copy"  # copy weights H2D into a cache slot, run on the accelerator
 CPU = "cpu"  # run on the CPU, moving only activations
 SPLIT = "split"  # the CPU computes some gate/up rows while the rest and down are copied (split_share)
 PRICED = "priced"  # a mode: "balanced" without MIX_GAIN and SPLIT_GAIN, each layer as the latency model prices it
+BALANCED_MODES = ("balanced", PRICED)  # modes that split a layer's misses between the CPU and the link
 
 # Share of a SwiGLU expert's bytes in its gate and up projections (the rows a SPLIT divides).
 GATE_UP_SHARE = 2 / 3
@@ -243,7 +244,7 @@ def dispatch_misses(tokens: list[int], lat: LatencyModel, expert_bytes: int, mod
         mix_j, mix_t = min(((j, whole(j)) for j in range(1, n)), key=lambda jt: jt[1])
         if mix_t < mix_gain * best_t - 1e-12:
             best_j, best_t = mix_j, mix_t
-    if mode in ("balanced", PRICED) and splittable and n:
+    if mode in BALANCED_MODES and splittable and n:
         split_j, split_a, split_t = None, 0.0, float("inf")
         prompt_rows = min(lat.cpu_prompt_rows, PROMPT_GEMM_ROWS)  # a prompt's expert is never split (SPLIT_ROWS_NOTE)
         for j in range(n):  # CPU takes order[:j] whole, order[j] is split, order[j+1:] is copied
