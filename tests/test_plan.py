@@ -189,6 +189,42 @@ def test_the_native_steps_projections_pay_their_bytes_not_a_calls_intercept():
     assert (attn, ffn) == (pytest.approx(4e-4 + 1e-10 * attn_elems * 4), pytest.approx(3e-4 + 1e-10 * mlp_elems * 4))
 
 
+def test_the_native_steps_int4_layers_run_no_faster_than_the_step_ran_them():
+    """runtime/decode_layer/int4 (profiler 32: the native step over dense int4 layers at real widths, the layer
+    code taken out, per weight byte) floors a one-token step's int4 projections (op_time.step_stream): on 2 Zen 3
+    cores SmolLM2's layers ran at 27-29 GB/s where the int4 GEMV fit read 38.6. A faster key leaves the GEMV
+    fit's price; batched rows (their own keys), routed experts (theirs) and the int8 head keep theirs; without
+    the key nothing moves."""
+    from dataclasses import replace
+
+    from tiered.memory.sizes import bytes_per_element
+    from tiered.planner.cpu_predict import predict_decode
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    m = {"gemv/cpu/int4": LinearModel(1e-4, 1e-11, 1.0), "gemv/cpu/int8": LinearModel(1e-4, 1e-11, 1.0),
+         "attn/cpu/bf16": LinearModel(0.0, 0.0, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True})
+    attn_b, mlp_b = (256 * (256 + 2 * 128) + 256 * 256) * bytes_per_element("int4"), 3 * 256 * 512 * bytes_per_element("int4")
+    base, base_step = predict_decode(cfg, hw, "int4", context=0, head_dtype="int8")
+    assert base[0] == (pytest.approx(1e-11 * attn_b), pytest.approx(1e-11 * mlp_b))
+    slow = replace(hw, models={**m, "runtime/decode_layer/int4": LinearModel(0.0, 3e-11, 1.0)})
+    layers, step = predict_decode(cfg, slow, "int4", context=0, head_dtype="int8")
+    assert layers[0] == (pytest.approx(3e-11 * attn_b), pytest.approx(3e-11 * mlp_b))
+    assert step - base_step == pytest.approx(2 * 2e-11 * (attn_b + mlp_b))  # the head's price unchanged
+    fast = replace(hw, models={**m, "runtime/decode_layer/int4": LinearModel(0.0, 0.5e-11, 1.0)})
+    assert predict_decode(cfg, fast, "int4", context=0, head_dtype="int8") == (base, base_step)
+    assert predict_decode(cfg, slow, "int4", context=0, batch=4) == predict_decode(cfg, hw, "int4", context=0, batch=4)
+    # an MoE model of int4 layers: its attention and router are floored, its int4q8 experts keep their rate
+    moe = replace(hw, models={**m, "gemv/cpu/int4q8": LinearModel(1e-4, 1e-11, 1.0)})
+    moe_slow = replace(moe, models={**moe.models, "runtime/decode_layer/int4": LinearModel(0.0, 3e-11, 1.0)})
+    (a, f), (a_slow, f_slow) = [predict_decode(MIXTRAL, p, "int4", context=0, experts_format="int4",
+                                               expert_act="q8")[0][0] for p in (moe, moe_slow)]
+    router_b = MIXTRAL.hidden_size * MIXTRAL.num_experts * bytes_per_element("int4")
+    assert a_slow - a == pytest.approx(2e-11 * MIXTRAL.attention_weight_elements() * bytes_per_element("int4"))
+    assert f_slow - f == pytest.approx(2e-11 * router_b)
+
+
 def test_cpu_moe_prefill_prices_experts_in_the_activations_dtype():
     """Experts of a prefill (more than 8 rows each) compute in the activations' dtype: the expert's
     weights are converted or dequantized to it once per call. On AVX2, fp32 GEMMs are ~6x faster than

@@ -290,6 +290,17 @@ def prefill_code_time(profile: HardwareProfile, dtype: str, elements: float) -> 
     return None
 
 
+def step_stream(profile: HardwareProfile, dtype: str) -> float:
+    """Seconds a weight byte of `dtype` decode copies takes in tiered's native CPU decode step at one token,
+    its kernel calls' starts and ends in: runtime/decode_layer/<dtype>'s rate (the step over dense layers at
+    real widths, weights from memory, the layer code taken out; profiler 32), 0 where not profiled (int4
+    alone is). The GEMV keys time a kernel alone over its own weight: on 2 Zen 3 cores (2026-11-30) the step
+    ran SmolLM2's 2.2 MB layers at 27-29 GB/s where the int4 GEMV fit read 38.6, and its 30 layers, priced at
+    that fit, came to 2.1 ms a token where they ran 2.3-2.8."""
+    m = profile.models.get(f"runtime/decode_layer/{dtype}")
+    return m.beta if m is not None else 0.0
+
+
 def step_overhead(profile: HardwareProfile, dtype: str, device: str = "cpu",
                   graphed: str | None = None) -> tuple[float, float]:
     """(per step, per layer) seconds of the model code's own fixed costs in a decode step: module

@@ -37,6 +37,9 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                                  from DRAM; with tiered/kernels built and the LLC's size known)
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
                          n = layers (the fixed per-step and per-layer cost of the model code)
+    runtime/decode_layer/int4  the native decode step's dense layers at real widths (SmolLM2's and up), int4
+                         decode copies read from memory, less the layer code (runtime/decode_step's per
+                         layer): its calls, fitted through the origin   n = a layer's int4 weight bytes
     runtime/prefill_code/<dtype> a prompt's prefill through the engine with every F.linear and attention
                          call an empty result: the layers' own code (norms, RoPE, SiLU, adds), seconds a
                          layer                                       n = tokens x (hidden + intermediate)
@@ -223,7 +226,7 @@ GEMM_KEYS = ("gemm/cpu/", "gemm_big/cpu/")  # torch's GEMM lines (GEMM_STALL_R2)
 # The row keys (decode_rows, expert_rows) too: a quick profile on 2 Zen 3 cores fitted decode_rows/cpu/int4q8 at
 # R^2 0.77 (1.5 ms an intercept, 3.9 ps a multiply-add against the full profiles' 0.44-0.51 ms and 5.6-5.8 ps)
 RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/", "convert/cpu/", "convert_big/cpu/", "decode_rows/cpu/",
-                              "expert_rows/cpu/") + GEMM_KEYS
+                              "expert_rows/cpu/", "runtime/decode_layer/") + GEMM_KEYS
 
 
 def _upcast_gemm(key: str) -> bool:
@@ -260,7 +263,8 @@ class _Bench:
 
     def fit(self, key: str, points: list[tuple[float, float]]) -> None:
         self.points[key] = points
-        fit = fit_proportional if key.startswith("memory/") else fit_affine  # reads and copies of MiBs
+        # reads and copies of MiBs; the native step's layers per byte, fixed costs in (_decode_layer_points)
+        fit = fit_proportional if key.startswith(("memory/", "runtime/decode_layer/")) else fit_affine
         m = fit([n for n, _ in points], [t for _, t in points])
         if m.beta == 0.0 and len(points) >= 3 and all(n > 0 for n, _ in points):
             # no cost per unit is no real operation's: a stalled point made the least-squares slope
@@ -956,6 +960,72 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
     return points
 
 
+# runtime/decode_layer/int4's dense layers (hidden, intermediate, heads, KV heads; head_dim 64): SmolLM2-135M's
+# widths, twice them, and a 1.5B-class model's (2.2, 8.8 and 28 MB of int4 a layer)
+DECODE_LAYER_SHAPES = ((576, 1536, 9, 3), (768, 2048, 12, 4), (1152, 3072, 18, 6))
+DECODE_LAYER_RUN = 4  # layers a timed call of the native step runs: its own cost (the binding, buffers) is a 4th's
+
+
+def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: int | None = None,
+                         probe: "Probe | None" = None, layer_code: float = 0.0) -> list[tuple[float, float]]:
+    """(int4 weight bytes a layer, seconds a layer's kernel calls take) in tiered's native decode step over
+    dense layers of `shapes` with the engine's int4 decode copies (tiled, one copy each: q/k/v and gate/up
+    fused), one token at 32 cached positions, less `layer_code` (runtime/decode_step's per-layer cost: the
+    layer's code, whose weights at hidden 64 the cache holds): runtime/decode_layer/int4, fitted through the
+    origin (a layer's calls per weight byte: their stream, and their starts and ends, the wait for the slower
+    thread, which no weight is too small to pay). Each timed call runs DECODE_LAYER_RUN layers of a model of
+    enough layers to hold `cold_bytes` (COLD_WEIGHT_BYTES without it), the next run each call, so every
+    weight comes from memory as a decode step's do; the shapes are timed interleaved (median_times), with
+    `probe` among them (its median to probe.last, as _gemm_points: the key scales with the memory's speed
+    at planning).
+
+    The GEMV keys time each kernel alone, from Python, over its own weight: on 2 Zen 3 cores (2026-11-30) the
+    step ran SmolLM2-width layers (2.2 MB) in 75-81 us, 27-29 GB/s, and 8.8 MB ones at 31-35, where the gemv fit
+    without its intercept and runtime/decode_step's 7.3 us a layer priced 69 us (38.6 GB/s). An affine fit's
+    intercept (a call's fixed cost) came out 3-49 us from run to run of this VM. Raises RuntimeError without
+    the kernels."""
+    if not kernels.available():
+        raise RuntimeError("tiered/kernels is not built")
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.memory.sizes import bytes_per_element
+    from tiered.models import build_model
+    from tiered.models.layers import KVCache
+    from tiered.quant.linear import PhaseLinear, install_decode_weights
+    from tiered.runtime.cpu_decode import CPUDecodeStep
+
+    calls, sizes, keep = [], [], []
+    for D, F_, H, Hkv in shapes:
+        nbytes = (D * (H + 2 * Hkv) * 64 + H * 64 * D + 3 * D * F_) * bytes_per_element("int4")
+        runs = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * nbytes)))
+        cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=D, intermediate_size=F_,
+                          num_hidden_layers=runs * DECODE_LAYER_RUN, num_attention_heads=H, num_key_value_heads=Hkv,
+                          head_dim=64)
+        model = build_model(cfg, 64).eval()
+        install_decode_weights(model, _NoCheckpoint(), "int4", 8, int4_layout="tiled", batch_act="q8")
+        for m in model.modules():  # one copy, as the engine keeps a GGUF's projections: the int4 copies alone
+            if isinstance(m, PhaseLinear):
+                m.weight = None
+        move_to_huge_pages(model)
+        cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")  # the default plan's cache beside fp32 activations
+        step = CPUDecodeStep(model, native=True)
+        x, p, slots = torch.randn(1, D), torch.tensor([32]), torch.tensor([0])
+        cos, sin = model.rotary.cos[p], model.rotary.sin[p]
+        starts = itertools.cycle(range(0, runs * DECODE_LAYER_RUN, DECODE_LAYER_RUN))
+
+        def call(step=step, cache=cache, x=x, cos=cos, sin=sin, p=p, slots=slots, starts=starts):
+            i = next(starts)
+            step.native.forward(x, cos, sin, slots, p, cache.k, cache.v, i, i + DECODE_LAYER_RUN)
+
+        calls.append(call)
+        sizes.append(nbytes)
+        keep.append(model)
+    with torch.inference_mode():
+        times = median_times(calls + ([probe.fn] if probe is not None else []), repeats)
+    if probe is not None:
+        probe.last = times.pop()
+    return [(float(n), max(t / DECODE_LAYER_RUN - layer_code, 1e-9)) for n, t in zip(sizes, times)]
+
+
 def _moe_step_points(repeats: int) -> list[tuple[float, float]]:
     """(layers, seconds) of one decode step of tiny Mixtral-shaped models (hidden 64, 8 experts,
     top-2, bf16, every expert in RAM) with 2..8 layers, each opened by the engine itself (`LLM`
@@ -1377,7 +1447,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 31: expert_rows/cpu/int4q8, the tiled int4 expert's rows on int8 activations (a prompt's Q4_0 experts were priced
 # by the 4096 x 4096 projection's decode_rows slope, 1.6x cheaper a row); decode_rows and expert_rows timed again
 # on a poor fit (RETIMED_KEYS).
-PROFILER_VERSION = 31
+# 32: runtime/decode_layer/int4, the native step's dense int4 layers at real widths with their weights from
+# memory (a layer's kernel calls per weight byte, their starts and ends in: 27-29 GB/s at SmolLM2's widths where
+# the GEMV fit read 38.6): SmolLM2's default decode was priced 10-25% fast on 2 Zen 3 cores.
+PROFILER_VERSION = 32
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -1493,6 +1566,10 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     b.models["runtime/task"] = LinearModel(_task_overhead(), 0.0, None)
     for dtype in ("fp32", "bf16"):
         b.attempt(f"runtime/decode_step/{dtype}", lambda d=dtype: _decode_step_points(r, d))
+    if kernels.available():  # the native step's dense int4 layers at real widths, weights from memory
+        code = b.models.get("runtime/decode_step/bf16")  # the layer code beside int4 copies (step_overhead's)
+        b.attempt("runtime/decode_layer/int4", lambda: _decode_layer_points(
+            r, probe=pr, layer_code=code.beta if code is not None else 0.0))
     for dtype in ("fp32", "bf16"):  # a prompt's model code beyond its GEMMs and attention
         b.attempt(f"runtime/prefill_code/{dtype}", lambda d=dtype: _prefill_code_points(d, max(5, r)))
     b.attempt("runtime/moe_step/bf16", lambda: _moe_step_points(r))

@@ -242,9 +242,13 @@ def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, 
     cores SmolLM2's default engine stepped 2.42 / 4.17 / 6.99 ms at 1 / 4 / 8 rows: 0.65-0.7 ms a
     row past the first, what its weights' multiply-adds cost at decode_rows' slopes (2026-11-27).
     `in_step`: the calls run inside the native decode step (native_step), which pays no per-call
-    intercept beyond its per-layer fixed cost (op_time.memory_time's `intercept`)."""
+    intercept beyond its per-layer fixed cost (op_time.memory_time's `intercept`); one row's calls there
+    run no faster than the step ran its layers' calls where the profile timed it over `dtype` layers
+    (op_time.step_stream: runtime/decode_layer, the calls' starts and ends in)."""
     t = op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set, expert,
                             intercept=not in_step) * calls
+    if in_step and rows == 1 and not expert:  # (a routed expert's stream: its own keys, memory_time's)
+        t = max(t, weight_bytes * op_time.step_stream(hw, dtype))
     return t + (rows - 1) * _row_time(hw, dtype, weight_bytes, macs, expert) if rows > 1 else t
 
 
