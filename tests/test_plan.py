@@ -144,6 +144,28 @@ def test_routed_expert_activations_price_the_fiddler_cpu_side():
     assert fast < 0.6 * slow
 
 
+def test_the_engines_loop_is_priced_once_a_step():
+    """runtime/engine_token (the engine's loop around a decode step: scheduling, inputs, sampling, output; a tiny
+    model's ITL less its step) joins every step's fixed cost (op_time.step_overhead), CPU and GPU, decode and
+    prefill, once a step whatever the layers; without the key nothing moves."""
+    from dataclasses import replace
+
+    from tiered.hardware import op_time
+    from tiered.planner.cpu_predict import predict_decode
+
+    m = {"gemv/cpu/bf16": LinearModel(1e-5, 5e-11, 1.0), "attn/cpu/bf16": LinearModel(0.0, 1e-10, 1.0),
+         "runtime/decode_step/bf16": LinearModel(5e-5, 1e-5, 1.0), "runtime/decode_step_gpu/bf16": LinearModel(2e-4, 3e-5, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True})
+    loop = replace(hw, models={**m, "runtime/engine_token": LinearModel(9e-5, 0.0, None)})
+    for device in ("cpu", "gpu"):
+        (step, layer), (step_loop, layer_loop) = (op_time.step_overhead(p, "int4", device) for p in (hw, loop))
+        assert (step_loop - step, layer_loop) == (pytest.approx(9e-5), layer)
+    assert op_time.step_overhead(HardwareProfile("cpu-box", "test", {}, None, None), "bf16") == (0.0, 0.0)
+    base_layers, base = predict_decode(MIXTRAL, hw, "bf16", context=64)
+    layers, step = predict_decode(MIXTRAL, loop, "bf16", context=64)
+    assert (layers, step - base) == (base_layers, pytest.approx(9e-5))
+
+
 def test_an_moe_layer_adds_its_blocks_fixed_cost():
     """runtime/moe_step's slope (a tiny MoE model's step per layer) less runtime/decode_step's (a dense
     layer's) is what each MoE layer adds to a CPU decode step: router module, top-k, the runner's

@@ -213,6 +213,9 @@ def test_quick_profile_structure(measured):
             bf16, fp32 = (p.meta["points"][f"attn_decode/cpu/{k}"] for k in ("bf16", "fp32"))
             assert [n for n, _ in fp32] == [2 * n for n, _ in bf16]  # the same positions, twice the bytes
         assert op_time.find(p, "gemv", "cpu", "int8-g32") is p.models["gemv/cpu/int8-g32"]
+        # the native step's int4 layers at real widths, per byte through the origin (profiler 32)
+        assert p.models["runtime/decode_layer/int4"].alpha == 0.0 < p.models["runtime/decode_layer/int4"].beta
+    assert "runtime/engine_token" in p.models
     for dtype in ("fp32", "bf16"):  # a prompt's model code beyond its GEMMs and attention, per layer
         from tiered.hardware.profiler import PREFILL_CODE_SHAPES, PREFILL_CODE_TOKENS
         assert [n for n, _ in p.meta["points"][f"runtime/prefill_code/{dtype}"]] == [
@@ -221,6 +224,8 @@ def test_quick_profile_structure(measured):
         assert m.alpha >= 0 and m.beta >= 0, key
         if key.startswith("launch/") or key == "runtime/task":  # constants: alpha only, no fit
             assert m.alpha > 0 and m.r2 is None
+        elif key == "runtime/engine_token":  # the engine's loop a token: a constant, 0 at the least
+            assert m.beta == 0.0 and m.r2 is None
         else:  # noisy machines may flatten a slope to 0, but every predicted time is positive
             assert isinstance(m.r2, float) and m.r2 <= 1.0, key
             points = p.meta["points"][key]
@@ -1019,6 +1024,17 @@ def test_the_decode_layer_key_times_the_native_steps_int4_layers_from_memory(mon
     b.fit("runtime/decode_layer/int4", [(1e6, 3e-5), (2e6, 6.2e-5)])
     assert b.models["runtime/decode_layer/int4"].alpha == 0.0
     assert "runtime/decode_layer/int4".startswith(profiler.RETIMED_KEYS)
+
+
+def test_the_engine_token_key_is_a_tiny_engines_itl_less_its_step(monkeypatch):
+    """runtime/engine_token: the median ITL of a tiny engine's greedy tokens less its model step's median time,
+    at least 0 (a step timed slower than the whole loop's tokens says nothing of the loop)."""
+    from tiered.hardware import profiler
+
+    loop = profiler._engine_token_seconds(3)
+    assert 0.0 < loop < 0.05
+    monkeypatch.setattr(profiler, "median_time", lambda fn, repeats, *a, **k: 1.0)  # a step slower than any ITL
+    assert profiler._engine_token_seconds(1) == 0.0
 
 
 def test_the_cpu_path_moe_layer_probe_times_tiny_engines_with_every_expert_on_the_cpu(monkeypatch):

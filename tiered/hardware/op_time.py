@@ -314,12 +314,15 @@ def step_overhead(profile: HardwareProfile, dtype: str, device: str = "cpu",
     runtime/decode_step_graphed_gpu/<dtype> (runtime/graphs.PiecewiseGraphs: each layer's attention
     one replay, its MLP eager); "whole", runtime/decode_step_graph_gpu/<dtype> (DecodeGraphs: the
     step one replay), then the piecewise key. int4/int8 decode weights run with 16-bit activations,
-    so their nearest profiled step is bf16.
+    so their nearest profiled step is bf16. The per-step cost includes the engine's loop around the step
+    (runtime/engine_token: scheduling, the step's inputs, sampling, output), where profiled.
     """
+    loop = profile.models.get("runtime/engine_token")  # the engine's own loop around every step
     fallback = (dtype, "fp32") if dtype == "fp32" else (dtype, "bf16", "fp32")
     gpu = {"whole": ["decode_step_graph_gpu", "decode_step_graphed_gpu"],
            "piecewise": ["decode_step_graphed_gpu"]}.get(graphed or "", []) + ["decode_step_gpu"]
     keys = ([f"runtime/{k}/{d}" for k in gpu for d in fallback] if device == "gpu" else []) + \
         [f"runtime/decode_step/{d}" for d in fallback]
     m = next((profile.models[k] for k in keys if k in profile.models), None)
-    return (m.alpha, m.beta) if m is not None else (0.0, 0.0)
+    per_step = (m.alpha if m is not None else 0.0) + (loop.alpha if loop is not None else 0.0)
+    return per_step, m.beta if m is not None else 0.0

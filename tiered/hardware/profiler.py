@@ -33,6 +33,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     gemv_graph/gpu/<dtype>     GEMVs replayed in a captured CUDA graph (CUDA only)       n = weight bytes
     launch/<dev>         a tiny op (alpha only)
     runtime/task         one task through tiered's executor and back (alpha only)
+    runtime/engine_token the engine's loop around each decode step (schedule, inputs, sampling, output)
+                         beyond the model step, a tiny model's ITL less its step (alpha only)
     attn_decode/cpu/<kv>         the native decode step's attention per KV-cache byte (cache in <kv>,
                                  from DRAM; with tiered/kernels built and the LLC's size known)
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
@@ -1107,6 +1109,37 @@ def _prefill_code_points(dtype: str, repeats: int) -> list[tuple[float, float]]:
     return points
 
 
+def _engine_token_seconds(repeats: int) -> float:
+    """Seconds the engine's loop adds to each generated token beyond its model step (runtime/engine_token,
+    alpha only): LLM.step's scheduling, the step's input tensors, sampling, the token's bookkeeping and
+    output. The median ITL of 64 greedy tokens from a tiny dense model opened by the engine (hidden 64,
+    vocabulary 64, plan "off", bf16 decode copies, the native step when built) less the median of its model
+    step called alone (_engine_decode_step's way), at least 0. On 2 Zen 3 cores ~90 us a token
+    (2026-11-30), which no step key held: SmolLM2's default decode (3.4-4.0 ms a token) was priced 0.04 ms
+    of its ~0.2-0.4 outside the native step's forward and logits."""
+    from tiered.bench.checkpoint import ModelShape, write_dummy_checkpoint
+    from tiered.config import EngineConfig
+    from tiered.engine.llm import LLM
+    from tiered.engine.sampling import SamplingParams
+
+    with tempfile.TemporaryDirectory(prefix="tiered-profile-loop-") as tmp:
+        shape = ModelShape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=64, max_position_embeddings=128)
+        path = write_dummy_checkpoint(Path(tmp) / "dense", shape)
+        llm = LLM(path, EngineConfig(accelerator="none", dtype="bfloat16", decode_weights="bf16", plan="off",
+                                     max_context=128))
+        try:
+            sp = SamplingParams(temperature=0, max_tokens=65, ignore_eos=True)
+            llm.generate([[1] * 16], sp)
+            itl = float(np.median([llm.generate([[1] * 16], sp)[0].stats.itl_s for _ in range(repeats)]))
+            step, cache = llm.runtime.cpu_decode, llm._kv_cache(1, 64)
+            slots, ids, pos = torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[32]])
+            with torch.inference_mode():
+                llm.model(torch.ones(1, 32, dtype=torch.long), torch.arange(32).unsqueeze(0), slots, cache)
+                return max(0.0, itl - median_time(lambda: step(ids, pos, slots, cache), repeats))
+        finally:
+            llm.close()
+
+
 def _engine_decode_step(path: Path, repeats: int) -> float:
     """Median seconds of one CPU decode step (after a 32-token prompt) of the checkpoint at `path`
     opened by the engine: bf16, bf16 decode copies, plan "off" (the runtime's rules)."""
@@ -1449,7 +1482,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # on a poor fit (RETIMED_KEYS).
 # 32: runtime/decode_layer/int4, the native step's dense int4 layers at real widths with their weights from
 # memory (a layer's kernel calls per weight byte, their starts and ends in: 27-29 GB/s at SmolLM2's widths where
-# the GEMV fit read 38.6): SmolLM2's default decode was priced 10-25% fast on 2 Zen 3 cores.
+# the GEMV fit read 38.6), and runtime/engine_token, the engine's loop around each decode step (~90 us a token
+# there, which no key held): SmolLM2's default decode was priced 10-25% fast on 2 Zen 3 cores.
 PROFILER_VERSION = 32
 
 
@@ -1564,6 +1598,11 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     b.models["launch/cpu"] = LinearModel(_launch_time("cpu", nosync), 0.0, None)
     b.say(f"launch/cpu: {b.models['launch/cpu'].alpha:.3g} s")
     b.models["runtime/task"] = LinearModel(_task_overhead(), 0.0, None)
+    try:
+        b.models["runtime/engine_token"] = LinearModel(_engine_token_seconds(r), 0.0, None)
+        b.say(f"runtime/engine_token: {b.models['runtime/engine_token'].alpha:.3g} s")
+    except Exception as e:  # noqa: BLE001  (as Bench.attempt: note it, keep going)
+        b.skip("runtime/engine_token", e)
     for dtype in ("fp32", "bf16"):
         b.attempt(f"runtime/decode_step/{dtype}", lambda d=dtype: _decode_step_points(r, d))
     if kernels.available():  # the native step's dense int4 layers at real widths, weights from memory
