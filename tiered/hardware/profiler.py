@@ -963,7 +963,7 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
 
 
 # runtime/decode_layer/int4's dense layers (hidden, intermediate, heads, KV heads; head_dim 64): SmolLM2-135M's
-# widths, twice them, and a 1.5B-class model's (2.2, 8.8 and 28 MB of int4 a layer)
+# widths up to twice them (2.2, 3.9 and 8.8 MB of int4 a layer), where a call's start and end weigh most
 DECODE_LAYER_SHAPES = ((576, 1536, 9, 3), (768, 2048, 12, 4), (1152, 3072, 18, 6))
 DECODE_LAYER_RUN = 4  # layers a timed call of the native step runs: its own cost (the binding, buffers) is a 4th's
 
