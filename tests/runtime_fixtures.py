@@ -192,15 +192,18 @@ def live_device_bytes() -> int:
     """Bytes of every distinct storage held by a live StandinTensor: what the host stand-in's
     "device" really holds, counted from the tensors themselves, not from any budget."""
     import gc
+    import warnings
 
     from tiered.hardware.standin import StandinTensor
 
     seen = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, StandinTensor):
-            with torch._C.DisableTorchFunctionSubclass():
-                st = obj.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
+    with warnings.catch_warnings():  # isinstance on torch.distributed.reduce_op (a gc object) warns it is deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, StandinTensor)]
+    for obj in objects:
+        with torch._C.DisableTorchFunctionSubclass():
+            st = obj.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 
 
