@@ -457,6 +457,13 @@ def test_one_copy_int4_prompts_are_priced_on_the_path_their_rows_take():
     on_q8 = lambda p, tokens: predict_prefill(LLAMA70B, p, "int4", tokens, act_dtype="fp32", batch_act="q8")  # noqa: E731
     assert on_q8(q8, 64) < 0.7 * ttft(q8, 64) and ttft(q8, 64) == ttft(hw, 64)
     assert on_q8(q8, 512) == ttft(q8, 512)  # past the kernel's rows: the dequantized GEMM either way
+    # AVX2's kernel on int8 rows outruns its dequantized fp32 GEMM at every row count (quant/int4.DEQUANTIZE_ROWS_Q8):
+    # a 512-token prompt's rows there take the kernel, priced at its rows' slope, not gemm/cpu/int4
+    avx2 = HardwareProfile("cpu-box", "test", q8.models, None, None, meta={**meta, "kernel_isa": "avx2"})
+    avx2_slow_gemm = HardwareProfile("cpu-box", "test", {**q8.models, "gemm/cpu/int4": LinearModel(5e-3, 2e-11, 1.0)},
+                                     None, None, meta={**meta, "kernel_isa": "avx2"})
+    assert on_q8(avx2, 512) == on_q8(avx2_slow_gemm, 512) != on_q8(q8, 512)
+    assert ttft(avx2, 512) == ttft(q8, 512) and ttft(avx2_slow_gemm, 512) > ttft(avx2, 512)  # bf16 rows: past 256
 
 
 def test_quantized_prompt_experts_are_priced_on_the_paths_their_rows_take():

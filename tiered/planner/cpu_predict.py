@@ -663,14 +663,24 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     over = task_overhead if task_overhead is not None else op_time.task_overhead(hw)
 
-    kernel_rows = (hw.meta or {}).get("int4_dequantize_rows")  # written only where the kernels timed the profile
+    # the rows up to which a one-copy int4 weight's prompt GEMM runs the int4 kernel on `batch_act` activations,
+    # by the profiled machine's kernels (quant/int4.dequantize_rows; inf: at every row count); None without them
+    isa = kernel_isa(hw)
+    if isa is not None:
+        from tiered.quant.int4 import dequantize_rows
+
+        kernel_rows = dequantize_rows(batch_act, isa)
+        kernel_rows = math.inf if kernel_rows is None else kernel_rows
+    else:
+        kernel_rows = (hw.meta or {}).get("int4_dequantize_rows")
     no_bf16_gemm = (hw.meta or {}).get("bf16_gemm_native") is False
 
     def gemm(T: int, dt: str, macs: float, nbytes: float, calls: int, torch_runs: bool) -> float:
         """torch's GEMMs past the decode copies' and the native experts' rows; within them the native
-        kernels stream the weights (gemm_time). One-copy int4 weights run the int4 kernel up to the
-        profile's int4_dequantize_rows (its rows at decode_rows' slope for `batch_act` activations:
-        Int4Linear.dense), past them a dequantized GEMM (gemm/cpu/int4, timed there:
+        kernels stream the weights (gemm_time). One-copy int4 weights run the int4 kernel up to
+        quant/int4.dequantize_rows for the profiled ISA and `batch_act` (every row count on AVX2 with int8
+        activations; its rows at decode_rows' slope for `batch_act` activations: Int4Linear.dense), past
+        them a dequantized GEMM (gemm/cpu/int4, timed there:
         hardware/profiler.int4_gemm_shapes). bf16 weights' GEMMs are priced by the bf16 keys, which the
         profiler times through hardware/cpu_gemm.linear as the runtime calls it (an fp32 GEMM over the
         converted weight where the CPU has no bf16 GEMM). There (meta["bf16_gemm_native"] False) the

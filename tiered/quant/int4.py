@@ -29,6 +29,12 @@ GROUP = 32  # elements per Q4_0 / Q4_1 block
 # 0.7 / 2.3; 14336 x 4096 14.8 / 28.0 / 55.8 / 231 vs 25.7 / 34.1 / 49.8 / 152: from 96 rows.
 DEQUANTIZE_ROWS = {"avx512": 96, "avx2": 256}
 DEQUANTIZE_ROWS_OTHER = 48  # the scalar path
+# Calls on int8 activations (batch_act "q8", Plan.batch_act's default), where the ISA is named here: on AVX2 the
+# int4 kernel on int8 rows ran 117-169 GMAC/s at 256-1024 rows on 2 Zen 3 cores against 61-88 for dequantize +
+# fp32 GEMM (2026-11-30: 4096 x 4096 at 512 rows 55 vs 105 ms, 14336 x 4096 207 vs 356, 4096 x 14336 258 vs
+# 342, 1536 x 576 2.9 vs 6.1; at 1024 rows 110 vs 200, 428 vs 695): never dequantized there (None). A
+# Llama-3-8B-width Q4_K_M prompt of 512 tokens had taken 11.8 s where llama.cpp took 9.7.
+DEQUANTIZE_ROWS_Q8 = {"avx2": None}
 DEQUANTIZE_DTYPE = {"avx512": torch.bfloat16}  # the GEMM's dtype beyond DEQUANTIZE_ROWS (else fp32)
 # Weights of more elements are dequantized and multiplied this many elements' rows at a time: the
 # reused buffer stays 64 MiB in bf16 (a 70B model's fused gate/up would take 0.9 GB whole)
@@ -84,12 +90,17 @@ def tiled_fits(out_features: int, in_features: int, group: int = GROUP) -> bool:
     return group == GROUP and out_features % 16 == 0 and in_features % GROUP == 0
 
 
-def dequantize_rows() -> int | None:
-    """Rows beyond which Int4Linear.dense dequantizes for one GEMM (DEQUANTIZE_ROWS by the native
-    kernels' ISA; None: never, the kernel at every row count)."""
-    from tiered import kernels
+def dequantize_rows(batch_act: str = "bf16", isa: str | None = None) -> int | None:
+    """Rows beyond which Int4Linear.dense dequantizes for one GEMM, by the native kernels' ISA (`isa`, None: this
+    machine's): DEQUANTIZE_ROWS for calls on bf16 activations, DEQUANTIZE_ROWS_Q8 for calls on int8 ones
+    (`batch_act` "q8") where it names the ISA. None: never, the kernel at every row count."""
+    if isa is None:
+        from tiered import kernels
 
-    return DEQUANTIZE_ROWS.get(kernels.isa(), DEQUANTIZE_ROWS_OTHER)
+        isa = kernels.isa()
+    if batch_act == "q8" and isa in DEQUANTIZE_ROWS_Q8:
+        return DEQUANTIZE_ROWS_Q8[isa]
+    return DEQUANTIZE_ROWS.get(isa, DEQUANTIZE_ROWS_OTHER)
 
 
 def gemm_by_row_chunks(x: torch.Tensor, out_features: int, weight_rows, bias: torch.Tensor | None) -> torch.Tensor:
@@ -207,7 +218,7 @@ class Int4Linear(nn.Module):
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """The prefill path: x [..., K] -> [..., N] in x's dtype: the kernel on `batch_act` activations
         (Plan.batch_act: int8 by default, as a prompt's rows in the native step read them), or beyond
-        `dequantize_rows()` rows the weight dequantized once (into a reused buffer) for one GEMM in
+        `dequantize_rows(batch_act)` rows the weight dequantized once (into a reused buffer) for one GEMM in
         `dequantize_dtype()`: bf16 on AVX-512 (activations, weights and the product rounded to bf16,
         accumulated in fp32 by oneDNN), else fp32. torch's packed layout: `forward`. A Llama-3-8B-width
         Q4_K_M prompt of 96 tokens (8 layers, 2 Sapphire Rapids cores, 2026-11-29) took 2.45 s on the
@@ -216,7 +227,7 @@ class Int4Linear(nn.Module):
             return self.forward(x)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        limit = dequantize_rows()
+        limit = dequantize_rows(self.batch_act)
         if limit is None or x2.shape[0] <= limit:
             y = self.kernel(self.batch_act)(x2)
         else:
