@@ -93,6 +93,22 @@ GROUPED_ROWS = {"int4": 128, "int8": 1 << 30, "int8-g32": 1 << 30, "bf16": 32, "
 # (medians of 5 over 8 copies): the kernel 1.25 / 2.58 / 4.92 / 9.67 (AVX2 form 2.5 / 4.8 / 9.6 / 19.7), bf16
 # dequantize + GEMM 2.9 / 3.2 / 3.7 / 4.9: crossing near 90 rows.
 MXFP4_KERNEL_ROWS = {"avx512": 96}
+# ... and on int8 activations (batch_act "q8", the default) where the ISA is named here: on AVX2 a tiled int4
+# expert's groups beat dequantizing it for one fp32 matmul at every row count: a Qwen3-30B-A3B expert (2048 x
+# 768) on 2 Zen 3 cores, 2026-11-30, ms at 64 / 128 / 256 / 512 rows, groups 2.8 / 5.4 / 10.5 / 20.4 against
+# 8.6 / 12.5 / 19.9 / 33.4 (the table above was measured on bf16 activations).
+GROUPED_ROWS_Q8 = {"avx2": {"int4": 1 << 30}}
+
+
+def kind_grouped_rows(kind: str, isa: str | None = None, batch_act: str = "bf16") -> int:
+    """Rows up to which a CPU expert's `kind` projections run the native kernel in groups of NATIVE_ROWS:
+    GROUPED_ROWS's, or GROUPED_ROWS_Q8's for the native kernels' ISA (`isa`, None: this machine's) on int8
+    activations (`batch_act` "q8")."""
+    if batch_act == "q8":
+        q8 = GROUPED_ROWS_Q8.get(kernels.isa() if isa is None else isa, {})
+        if kind in q8:
+            return q8[kind]
+    return GROUPED_ROWS[kind]
 
 
 def mxfp4_kernel_rows(isa: str | None = None) -> int:
@@ -102,19 +118,19 @@ def mxfp4_kernel_rows(isa: str | None = None) -> int:
     return MXFP4_KERNEL_ROWS.get(kernels.isa() if isa is None else isa, GROUPED_ROWS["mxfp4"])
 
 
-def prompt_rows(kind: str, isa: str | None, biased: bool = False) -> tuple[int, int]:
+def prompt_rows(kind: str, isa: str | None, biased: bool = False, batch_act: str = "bf16") -> tuple[int, int]:
     """(one_call, grouped): the rows up to which a CPU expert's `kind` projections run the native kernels in
     one call, and up to which in groups of NATIVE_ROWS (each group a call, its weights read once a group; 0:
     never); more rows dequantize each projection once for one GEMM. ExpertFormat.forward's choice (mxfp4:
     `_tiled_int4`'s), for the planner's prompt prices (planner/cpu_predict.prompt_expert_time); `isa`: the
     native kernels' on the priced machine. `biased`: gpt-oss's experts (swiglu_limit), never in row groups:
     up to one_call rows in one native call (ExpertFormat.biased_rows reads it from here), past them
-    projection by projection (`project`'s own rows)."""
+    projection by projection (`project`'s own rows). `batch_act`: the rows' activations (kind_grouped_rows)."""
     if kind == "mxfp4":
         return mxfp4_kernel_rows(isa), 0
     if biased:  # `project`: int8 kinds' kernels at any rows, fp8's up to GROUPED_ROWS, tiled int4's up to NATIVE_ROWS
         return (NATIVE_ROWS if kind == "int4" else GROUPED_ROWS[kind]), 0
-    return NATIVE_ROWS, GROUPED_ROWS[kind]
+    return NATIVE_ROWS, kind_grouped_rows(kind, isa, batch_act)
 
 
 def bf16_native_rows() -> int:
@@ -388,14 +404,15 @@ class ExpertFormat:
     @cached_property
     def grouped_rows(self) -> int:
         """Rows up to which a CPU expert of this format runs the native kernel in groups of
-        NATIVE_ROWS (GROUPED_ROWS, the least over its kinds; bf16's from this machine's kernel tuning,
-        0 where it stops at NATIVE_ROWS or below); more: dequantized for one matmul."""
+        NATIVE_ROWS (GROUPED_ROWS, the least over its kinds, on its batch_act activations: kind_grouped_rows;
+        bf16's from this machine's kernel tuning, 0 where it stops at NATIVE_ROWS or below); more: dequantized
+        for one matmul."""
         if self.name == "bf16":
             from tiered import kernels
 
             rows = kernels.bf16_native_rows()
             return rows if rows > NATIVE_ROWS else 0
-        return min(GROUPED_ROWS[k] for k in self.kinds)
+        return min(kind_grouped_rows(k, None, self.batch_act) for k in self.kinds)
 
     @cached_property
     def biased_rows(self) -> int:
