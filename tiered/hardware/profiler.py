@@ -988,6 +988,8 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
     the kernels."""
     if not kernels.available():
         raise RuntimeError("tiered/kernels is not built")
+    from dataclasses import replace
+
     from tiered.checkpoint.model_config import ModelConfig
     from tiered.memory.sizes import bytes_per_element
     from tiered.models import build_model
@@ -997,11 +999,11 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
 
     calls, sizes, keep = [], [], []
     for D, F_, H, Hkv in shapes:
-        nbytes = (D * (H + 2 * Hkv) * 64 + H * 64 * D + 3 * D * F_) * bytes_per_element("int4")
-        runs = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * nbytes)))
         cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=D, intermediate_size=F_,
-                          num_hidden_layers=runs * DECODE_LAYER_RUN, num_attention_heads=H, num_key_value_heads=Hkv,
-                          head_dim=64)
+                          num_hidden_layers=DECODE_LAYER_RUN, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=64)
+        nbytes = (cfg.attention_weight_elements() + 3 * D * F_) * bytes_per_element("int4")
+        runs = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * nbytes)))
+        cfg = replace(cfg, num_hidden_layers=runs * DECODE_LAYER_RUN)
         model = build_model(cfg, 64).eval()
         install_decode_weights(model, _NoCheckpoint(), "int4", 8, int4_layout="tiled", batch_act="q8")
         for m in model.modules():  # one copy, as the engine keeps a GGUF's projections: the int4 copies alone
@@ -1118,42 +1120,46 @@ def _engine_token_seconds(repeats: int) -> float:
     (2026-11-30), which no step key held: SmolLM2's default decode (3.4-4.0 ms a token) was priced 0.04 ms
     of its ~0.2-0.4 outside the native step's forward and logits."""
     from tiered.bench.checkpoint import ModelShape, write_dummy_checkpoint
-    from tiered.config import EngineConfig
-    from tiered.engine.llm import LLM
     from tiered.engine.sampling import SamplingParams
 
     with tempfile.TemporaryDirectory(prefix="tiered-profile-loop-") as tmp:
         shape = ModelShape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=64, max_position_embeddings=128)
         path = write_dummy_checkpoint(Path(tmp) / "dense", shape)
-        llm = LLM(path, EngineConfig(accelerator="none", dtype="bfloat16", decode_weights="bf16", plan="off",
-                                     max_context=128))
+        llm = _open_engine(path, max_context=128)
         try:
             sp = SamplingParams(temperature=0, max_tokens=65, ignore_eos=True)
             llm.generate([[1] * 16], sp)
             itl = float(np.median([llm.generate([[1] * 16], sp)[0].stats.itl_s for _ in range(repeats)]))
-            step, cache = llm.runtime.cpu_decode, llm._kv_cache(1, 64)
-            slots, ids, pos = torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[32]])
-            with torch.inference_mode():
-                llm.model(torch.ones(1, 32, dtype=torch.long), torch.arange(32).unsqueeze(0), slots, cache)
-                return max(0.0, itl - median_time(lambda: step(ids, pos, slots, cache), repeats))
+            return max(0.0, itl - _model_step_seconds(llm, repeats))
         finally:
             llm.close()
 
 
-def _engine_decode_step(path: Path, repeats: int) -> float:
-    """Median seconds of one CPU decode step (after a 32-token prompt) of the checkpoint at `path`
-    opened by the engine: bf16, bf16 decode copies, plan "off" (the runtime's rules)."""
+def _open_engine(path: Path, max_context: int = 64):
+    """The checkpoint at `path` opened by the engine on the CPU: bf16, bf16 decode copies, plan "off" (the
+    runtime's rules), room for `max_context` tokens."""
     from tiered.config import EngineConfig
     from tiered.engine.llm import LLM
 
-    llm = LLM(path, EngineConfig(accelerator="none", dtype="bfloat16", decode_weights="bf16", plan="off",
-                                 max_context=64))
+    return LLM(path, EngineConfig(accelerator="none", dtype="bfloat16", decode_weights="bf16", plan="off",
+                                  max_context=max_context))
+
+
+def _model_step_seconds(llm, repeats: int) -> float:
+    """Median seconds of one CPU decode step of `llm`'s model (after a 32-token prompt), called alone."""
+    step, cache = llm.runtime.cpu_decode, llm._kv_cache(1, 64)
+    slots, ids, pos = torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[32]])
+    with torch.inference_mode():
+        llm.model(torch.ones(1, 32, dtype=torch.long), torch.arange(32).unsqueeze(0), slots, cache)
+        return median_time(lambda: step(ids, pos, slots, cache), repeats)
+
+
+def _engine_decode_step(path: Path, repeats: int) -> float:
+    """Median seconds of one CPU decode step (after a 32-token prompt) of the checkpoint at `path`
+    opened by the engine (_open_engine)."""
+    llm = _open_engine(path)
     try:
-        step, cache = llm.runtime.cpu_decode, llm._kv_cache(1, 64)
-        slots, ids, pos = torch.tensor([0]), torch.tensor([[1]]), torch.tensor([[32]])
-        with torch.inference_mode():
-            llm.model(torch.ones(1, 32, dtype=torch.long), torch.arange(32).unsqueeze(0), slots, cache)
-            return median_time(lambda: step(ids, pos, slots, cache), repeats)
+        return _model_step_seconds(llm, repeats)
     finally:
         llm.close()
 
