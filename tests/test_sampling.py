@@ -358,6 +358,54 @@ def test_sample_filtered_draws_from_the_torch_filters_distribution(params):
     assert draw(7) == draw(7)
 
 
+def _spike_over_flat() -> torch.Tensor:
+    x = torch.randn(49152, generator=torch.Generator().manual_seed(0)) * 0.1  # no ties (their order is the sort's)
+    x[123] = 10.0  # e^10 against 49151 tokens of weight ~1: the candidates (weight >= 1e-4 of the top) miss p
+    return x
+
+
+def _ties_at_the_kth() -> torch.Tensor:
+    x = torch.full((3000,), -5.0)
+    x[:40] = torch.linspace(4.0, 1.0, 40)
+    x[40:60] = 1.0  # the 40th largest value, tied by 20 more tokens: top-k keeps every tie
+    return x
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+@pytest.mark.parametrize("make,params", [
+    (_spike_over_flat, dict(temperature=1.0, top_p=0.9)),
+    (_spike_over_flat, dict(temperature=1.0, top_p=0.5, min_p=1e-5)),
+    (_ties_at_the_kth, dict(temperature=1.0, top_k=40, top_p=0.8, min_p=0.2)),
+    (_ties_at_the_kth, dict(temperature=0.5, min_p=0.3, repetition_penalty=0.8)),
+])
+def test_sample_filtered_on_rows_that_take_its_rare_paths(make, params):
+    """The native draw's one-pass filters on rows that take their rare paths: a top-p whose
+    candidates (weight >= 1e-4 of the top token's) miss p, so every token competes; min-p after
+    top-p (a ratio to the top token's weight, unchanged by top-p's renormalization); top-k with ties
+    at the k-th value; a penalty below 1 that raises the seen tokens above the unpenalized maximum.
+    At each u of a grid the draw is a token where the torch filters' distribution's CDF, in token
+    order as the native draw inverts it, passes u, within 0.005 (where many tokens of ~1e-5 each sit
+    at top-p's cut, the two keep sets may differ by a few of them, float against double sums)."""
+    ext = kernels.load()
+    sp = SamplingParams(**params)
+    logits = make()
+    seen = torch.arange(0, 60, 7)
+    ref = apply_repetition_penalty(logits, seen, sp.repetition_penalty) / sp.temperature
+    probs = filter_min_p(filter_top_p(filter_top_k(ref, sp.top_k), sp.top_p), sp.min_p).softmax(-1).double()
+    cdf = probs.cumsum(-1) / probs.sum()
+    n = 2000
+    exact = 0
+    for j in range(n):
+        u = (j + 0.5) / n
+        got = ext.sample_filtered(logits, seen, sp.repetition_penalty, sp.temperature, sp.top_k, sp.top_p,
+                                  sp.min_p, u)
+        assert probs[got] > 0  # never a token the filters drop
+        before, upto = float(cdf[got] - probs[got] / probs.sum()), float(cdf[got])
+        assert before - 0.005 <= u <= upto + 0.005
+        exact += before <= u < upto
+    assert exact >= 0.5 * n
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.sampled_from([0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")]), min_size=1, max_size=40))
 def test_greedy_token_is_torch_argmax(values):

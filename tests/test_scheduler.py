@@ -213,3 +213,24 @@ def test_prefix_reuse_gives_the_tokens_of_generate(llm, zoo):
     assert [outs[i].token_ids for i in range(4)] == expected
     assert [s.cached_tokens for s in seqs] == [0, 0, 12, 12]
     assert outs[3].stats.cached_tokens == 12
+
+
+def test_seen_ids_follow_the_tokens_as_they_are_appended():
+    """Sequence.seen_ids (the repetition penalty's operand) is the prompt's and the generated ids
+    so far after every append, as the buffer it keeps grows past its first 64 entries."""
+    import torch
+
+    seq = Sequence(index=0, prompt="", prompt_ids=list(range(50)), params=SamplingParams(), max_tokens=200, slot=0,
+                   generator=None)
+    assert seq.seen_ids().tolist() == list(range(50))
+    for t in range(150):
+        seq.output_ids.append(1000 + t)
+        if t % 3:  # some steps do not ask (no penalty): the next call catches up
+            continue
+        seen = seq.seen_ids()
+        assert seen.dtype == torch.long and seen.tolist() == seq.prompt_ids + seq.output_ids
+    seq.output_ids += [7, 8]
+    assert seq.seen_ids().tolist() == seq.prompt_ids + seq.output_ids
+    seq.truncate(100)  # a rollback (serve/engine's _Saved.restore), then other tokens
+    seq.output_ids += [5, 6, 9]
+    assert seq.seen_ids().tolist() == seq.prompt_ids + seq.output_ids

@@ -95,6 +95,8 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None  # filled when params.logprobs is set
     cached_tokens: int = 0  # prompt tokens whose KV its slot already held (prefill skipped them)
     cpu_threads: int = 0  # the fewest CPU threads at a step of it (LLM.step; RequestStats.cpu_threads)
+    _seen: torch.Tensor | None = field(default=None, repr=False)  # seen_ids' buffer, int64, grown by doubling
+    _seen_n: int = 0  # its entries filled
 
     @property
     def finished(self) -> bool:
@@ -105,7 +107,32 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def seen_ids(self) -> torch.Tensor:
-        return torch.tensor(self.prompt_ids + self.output_ids, dtype=torch.long)
+        """The prompt's and the generated token ids so far, int64 [num_tokens] (a repetition penalty's
+        operand): a view of a buffer the tokens are appended to, so a step copies its new tokens only
+        (rebuilding the whole list took ~11 us a token at 100 tokens, ~0.2 ms at 2,000)."""
+        n, done = self.num_tokens, self._seen_n
+        if self._seen is None or self._seen.numel() < n:
+            grown = torch.empty(max(64, 2 * n), dtype=torch.long)
+            if done:
+                grown[:done] = self._seen[:done]
+            self._seen = grown
+        if done < n:
+            P = len(self.prompt_ids)
+            new = (self.prompt_ids[done:] if done < P else []) + self.output_ids[max(0, done - P):]
+            if len(new) == 1:
+                self._seen[done] = new[0]
+            else:
+                self._seen[done:n] = torch.tensor(new, dtype=torch.long)
+            self._seen_n = n
+        return self._seen[:n]
+
+    def truncate(self, n: int) -> None:
+        """Drop the generated tokens past the first `n` (their times and logprobs too), as a rollback
+        does (serve/engine's _Saved.restore); seen_ids refills from there."""
+        del self.output_ids[n:], self.token_times[n:]
+        if self.logprobs is not None:
+            del self.logprobs[n:]
+        self._seen_n = min(self._seen_n, len(self.prompt_ids) + n)
 
     def stats(self) -> RequestStats:
         n = len(self.output_ids)

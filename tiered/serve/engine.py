@@ -296,9 +296,7 @@ class _Saved:
     def restore(self) -> None:
         """Put the sequence back as it was when saved (may be called again)."""
         seq, n = self.seq, self.tokens
-        del seq.output_ids[n:], seq.token_times[n:]
-        if seq.logprobs is not None:
-            del seq.logprobs[n:]
+        seq.truncate(n)
         seq.text, seq.emitted, seq.finish_reason = self.text, self.emitted, self.finish_reason
         seq.prefix_offset, seq.read_offset = self.prefix_offset, self.read_offset
         seq.decode_stream = copy.copy(self.decode_stream)

@@ -1526,38 +1526,31 @@ TIERED_CLONES int64_t sample_row(const float* l, int64_t V, float inv_t, double 
   return 0;
 }
 
-// p [V] = softmax(z) over the tokens left (z = -inf: 0), vectorized exp; returns the top token's
-// probability.
-TIERED_CLONES float softmax_probs(const float* z, int64_t V, float* p) {
-  float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-  for (int64_t i = 0; i < V; ++i) mx = z[i] > mx ? z[i] : mx;
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < V; ++i) {
-    const float w = exp_fast(z[i] - mx);
-    p[i] = z[i] == -INFINITY ? 0.f : w;
-    sum += p[i];
-  }
-  const float inv = 1.f / sum;
-#pragma omp simd
-  for (int64_t i = 0; i < V; ++i) p[i] *= inv;
-  return inv;
-}
-
 // One draw from a row of logits l [V] as engine/sampling.filtered_logits filters it: the
 // repetition penalty on `seen` (positive logits / pen, negative * pen), / T, top-k (k > 0: tokens
 // below the k-th largest dropped), top-p (< 1: the smallest prefix of tokens by descending
 // probability whose mass reaches p), min-p (> 0: tokens below min_p x the top probability
-// dropped), then sample_row's CDF inversion at u. z, p: [V] scratch.
-int64_t sample_filtered_row(const float* l, int64_t V, const int64_t* seen, int64_t n_seen, float pen, float T,
-                            int64_t top_k, float top_p, float min_p, double u, float* z, float* p) {
-  for (int64_t i = 0; i < V; ++i) z[i] = l[i] / T;
+// dropped), then a CDF inversion at u over the tokens left, in token order (sample_row's).
+// One pass of exp over V: the weights w = exp(z - max z) (the top token's exactly 1) decide every
+// filter, since top-p's and min-p's probabilities are w / sum w and their ratios to the top one w
+// itself; top-p sorts only the tokens with w >= 1e-4 (all of them if those miss p), and the draw
+// walks the kept tokens alone. On SmolLM2's 49k vocabulary with the CLI's defaults (T 0.2, top-p
+// 0.9, penalty 1.1) ~4x faster than filtering z to -inf and drawing over all V again (2 Zen 3
+// cores, 2026-11-30). z, p: [V] scratch.
+TIERED_CLONES int64_t sample_filtered_row(const float* l, int64_t V, const int64_t* seen, int64_t n_seen, float pen,
+                                          float T, int64_t top_k, float top_p, float min_p, double u, float* z,
+                                          float* p) {
+  const float inv_t = 1.f / T;
+#pragma omp simd
+  for (int64_t i = 0; i < V; ++i) z[i] = l[i] * inv_t;
   if (pen != 1.f)
     for (int64_t j = 0; j < n_seen; ++j) {
       const int64_t s = seen[j];
-      if (s >= 0 && s < V) z[s] = (l[s] > 0.f ? l[s] / pen : l[s] * pen) / T;
+      if (s >= 0 && s < V) z[s] = (l[s] > 0.f ? l[s] / pen : l[s] * pen) * inv_t;
     }
+  float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+  for (int64_t i = 0; i < V; ++i) mx = z[i] > mx ? z[i] : mx;
   if (top_k > 0 && top_k < V) {
     std::vector<float> tmp(z, z + V);
     std::nth_element(tmp.begin(), tmp.begin() + (top_k - 1), tmp.end(), std::greater<float>());
@@ -1565,35 +1558,72 @@ int64_t sample_filtered_row(const float* l, int64_t V, const int64_t* seen, int6
     for (int64_t i = 0; i < V; ++i)
       if (z[i] < kth) z[i] = -INFINITY;
   }
-  if (top_p < 1.f) {
-    const float top = softmax_probs(z, V, p);
-    std::vector<int64_t> idx;  // candidates: probability >= 1e-4 x the top one (all of them if that misses p)
-    for (int64_t i = 0; i < V; ++i)
-      if (p[i] >= top * 1e-4f) idx.push_back(i);
+  // weights, with min-p's cut at once where no top-p comes first (the top token's w is 1)
+  const bool nucleus = top_p < 1.f;
+  const float cut = nucleus ? 0.f : min_p;
+  constexpr int64_t kB = 256;
+  const int64_t nb = (V + kB - 1) / kB;
+  thread_local std::vector<double> bs;
+  thread_local std::vector<float> bmax;  // each block's largest weight: top-p's candidates lie in few blocks
+  bs.resize(nb), bmax.resize(nb);
+  double total = 0.0;
+  for (int64_t k = 0; k < nb; ++k) {
+    const int64_t e = std::min(V, (k + 1) * kB);
+    float s = 0.f, m = 0.f;
+#pragma omp simd reduction(+ : s) reduction(max : m)
+    for (int64_t i = k * kB; i < e; ++i) {
+      const float w = exp_fast(z[i] - mx);
+      p[i] = z[i] == -INFINITY || w < cut ? 0.f : w;
+      s += p[i];
+      m = p[i] > m ? p[i] : m;
+    }
+    bs[k] = s, bmax[k] = m;
+    total += s;
+  }
+  if (nucleus) {
+    constexpr float kCandidate = 1e-4f;  // of the top token's weight
+    thread_local std::vector<int64_t> idx;
+    idx.clear();
     double mass = 0.0;
-    for (int64_t i : idx) mass += p[i];
-    if (mass < top_p) {
+    for (int64_t k = 0; k < nb; ++k)
+      if (bmax[k] >= kCandidate)
+        for (int64_t i = k * kB, e = std::min(V, (k + 1) * kB); i < e; ++i)
+          if (p[i] >= kCandidate) idx.push_back(i), mass += p[i];
+    if (mass < double(top_p) * total) {  // the candidates miss p: every token with weight
       idx.clear();
       for (int64_t i = 0; i < V; ++i)
         if (p[i] > 0.f) idx.push_back(i);
     }
     std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
-    std::vector<char> keep(V, 0);
-    float cum = 0.f;
-    for (int64_t i : idx) {  // keep while the mass before this token is below p
-      if (cum >= top_p) break;
-      keep[i] = 1;
-      cum += p[i];
+    const double reach = double(top_p) * total;
+    double cum = 0.0;
+    size_t n = 0;
+    while (n < idx.size() && cum < reach) cum += p[idx[n++]];  // keep while the mass before is below p
+    while (n > 1 && min_p > 0.f && p[idx[n - 1]] < min_p * p[idx[0]]) --n;
+    idx.resize(n);
+    if (n == 0) return 0;
+    std::sort(idx.begin(), idx.end());
+    double kept = 0.0;
+    for (int64_t i : idx) kept += p[i];
+    const double target = u * kept;
+    cum = 0.0;
+    for (int64_t i : idx)
+      if ((cum += p[i]) > target) return i;
+    return idx.back();
+  }
+  const double target = u * total;
+  double cum = 0.0;
+  for (int64_t k = 0; k < nb; ++k) {
+    if (cum + bs[k] <= target) {
+      cum += bs[k];
+      continue;
     }
-    for (int64_t i = 0; i < V; ++i)
-      if (!keep[i]) z[i] = -INFINITY;
+    for (int64_t i = k * kB, e = std::min(V, (k + 1) * kB); i < e; ++i)
+      if ((cum += p[i]) > target) return i;
   }
-  if (min_p > 0.f) {
-    const float top = softmax_probs(z, V, p);
-    for (int64_t i = 0; i < V; ++i)
-      if (p[i] < min_p * top) z[i] = -INFINITY;
-  }
-  return sample_row(z, V, 1.f, u, p);
+  for (int64_t i = V - 1; i > 0; --i)
+    if (p[i] > 0.f) return i;
+  return 0;
 }
 
 // token int64: sample_filtered_row on logits fp32 [V] (CPU, contiguous), seen int64 [n], u float64.
