@@ -420,6 +420,7 @@ class CPUDecodeStep:
             # MoE blocks the step runs itself (no module call: their runner's counters are kept here)
             self.moe_blocks = [layer.mlp for L, layer in self.layers if L.ffn is not None] \
                 if self.schedule != self.fallback else []
+        self._burst_embed = self._burst_table() if self.native is not None else None
 
     def takes_prefill_rows(self, cache: KVCache) -> bool:
         """Whether a call over `cache` may carry several rows of one sequence (see the class): the
@@ -486,6 +487,55 @@ class CPUDecodeStep:
             runner.resident_hits += uses
             runner.path_counts[RESIDENT] += uses
         return self.native.logits(x if rows is None else x[rows])
+
+    def _burst_table(self) -> tuple[torch.Tensor, bool] | None:
+        """(the embedding table the native burst reads, whether it is GGUF Q8_0 blocks), or None where
+        the burst cannot read it (a BlockEmbedding of another block format)."""
+        from tiered.quant.embedding import BlockEmbedding
+
+        if isinstance(self.embed, BlockEmbedding):
+            return None if self.embed._table is None else (self.embed._table, True)
+        if type(self.embed) is nn.Embedding and self.embed.weight.is_contiguous():
+            return self.embed.weight.detach(), False
+        return None
+
+    def can_burst(self, cache: KVCache) -> bool:
+        """Whether `burst` runs over `cache`: the native step runs every layer itself (one segment, no
+        module fallbacks, no routing hooks on its MoE blocks), over a cache it reads, from an embedding
+        table it reads."""
+        return (self._burst_embed is not None and self.native_cache(cache)
+                and self.schedule == [("native", 0, len(self.layers))]
+                and not any(b.on_route is not None for b in self.moe_blocks))
+
+    def burst(self, token: int, slot: int, position: int, n: int, cache: KVCache, stop: list[int],
+              seen: torch.Tensor, params, uniforms: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Up to `n` decode steps of one sequence in one native call (DecodeStep.burst), each on the
+        token the one before drew: `token` at `position` of `slot` first. The draw is
+        engine/sampling.sample_tokens': greedy (after the repetition penalty on `seen` int64 and the
+        tokens drawn), the temperature alone, or the filters, at uniforms float64 [n] (one per token, from
+        the request's generator). Stops after a token in `stop`. Only where `can_burst(cache)`.
+
+        Returns:
+            (the tokens drawn, each token's seconds since the call began), at most n of each.
+        """
+        from tiered.engine.sampling import MIN_TOP_P
+
+        table, q8_0 = self._burst_embed
+        dtype = self.embed.dtype if q8_0 else table.dtype
+        x = torch.empty(1, self.final_norm.shape[-1], dtype=dtype)
+        rot = self.model.rotary
+        greedy = params.greedy
+        tokens, seconds = self.native.burst(
+            token, slot, position, n, table, q8_0, x, rot.cos, rot.sin, cache.k, cache.v,
+            torch.tensor(stop, dtype=torch.long), seen, params.repetition_penalty,
+            0.0 if greedy else params.temperature, params.top_k, max(params.top_p, MIN_TOP_P), params.min_p,
+            uniforms)
+        if self.moe_blocks:  # the step's MoE layers used resident experts only
+            runner = self.moe_blocks[0].runner
+            uses = self.native.take_moe_uses()
+            runner.resident_hits += uses
+            runner.path_counts[RESIDENT] += uses
+        return tokens.tolist(), seconds.tolist()
 
     def _attention(self, L: _Layer, x, meta: AttentionMetadata, cache: KVCache, cos, sin) -> torch.Tensor:
         B, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd

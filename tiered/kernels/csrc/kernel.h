@@ -70,6 +70,10 @@ void silu_mul(const float* g, const float* u, float* a, int64_t n);
 // GLU (models/gpt_oss.clamped_glu), fp32, the same polynomial exp (decode.cpp).
 void clamped_glu(const float* g, const float* u, float* a, int64_t n, float alpha, float limit);
 
+// out [dim] fp32 = one GGUF Q8_0 row (dim / 32 blocks of 34 bytes: an fp16 scale d, then 32 int8 q) as q * d,
+// gguf.quants.dequantize's products (kernels.cpp; the embedding lookups of q8_0_rows and DecodeStep.burst).
+void q8_0_row(const uint8_t* row, int64_t dim, float* out);
+
 void register_kernels(pybind11::module& m);
 void register_decode(pybind11::module& m);
 void register_gemv(pybind11::module& m);  // gemv.cpp: tiered's own int4 / int8 / bf16 GEMV kernels

@@ -123,6 +123,15 @@ std::string cpu_isa() {
 
 }  // namespace
 
+void q8_0_row(const uint8_t* row, int64_t dim, float* out) {
+  for (int64_t g = 0; g < dim / 32; ++g) {
+    const uint8_t* b = row + g * 34;
+    const float d = float(c10::Half(uint16_t(b[0] | (b[1] << 8)), c10::Half::from_bits()));
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    for (int j = 0; j < 32; ++j) out[g * 32 + j] = float(q[j]) * d;
+  }
+}
+
 namespace {
 
 // GGUF Q8_0 rows of an embedding table blocks uint8 [V, dim / 32 * 34] (per block of 32: an fp16
@@ -141,16 +150,7 @@ at::Tensor q8_0_rows(const at::Tensor& blocks, const at::Tensor& ids, int64_t di
   auto out = at::empty({n, dim}, at::TensorOptions().dtype(at::kFloat));
   const uint8_t* base = blocks.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    const uint8_t* row = base + ip[i] * rb;
-    for (int64_t g = 0; g < dim / 32; ++g) {
-      const uint8_t* b = row + g * 34;
-      const float d = float(c10::Half(uint16_t(b[0] | (b[1] << 8)), c10::Half::from_bits()));
-      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-      float* og = o + i * dim + g * 32;
-      for (int j = 0; j < 32; ++j) og[j] = float(q[j]) * d;
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) q8_0_row(base + ip[i] * rb, dim, o + i * dim);
   return out;
 }
 
