@@ -166,6 +166,37 @@ def test_the_engines_loop_is_priced_once_a_step():
     assert (layers, step - base) == (base_layers, pytest.approx(9e-5))
 
 
+def test_a_lone_sequences_decode_bursts_are_priced_by_their_token():
+    """Where the engine decodes a lone sequence in native bursts (one KV slot, batch 1, the native step running
+    every layer: every expert resident), runtime/burst_token replaces the step's fixed cost and the loop's
+    (op_time.step_overhead's `burst`); a server's slots, batches, a CPU without the native kernels, experts
+    that may miss RAM, and a GPU step keep them, as does a profile without the key."""
+    from dataclasses import replace
+
+    from tiered.hardware import op_time
+    from tiered.planner.cpu_predict import HitStats, predict_decode
+
+    m = {"gemv/cpu/bf16": LinearModel(1e-5, 5e-11, 1.0), "attn/cpu/bf16": LinearModel(0.0, 1e-10, 1.0),
+         "runtime/decode_step/bf16": LinearModel(5e-5, 1e-5, 1.0), "runtime/engine_token": LinearModel(9e-5, 0.0, None),
+         "runtime/burst_token": LinearModel(3e-5, 0.0, None), "gemm/cpu/bf16": LinearModel(1e-5, 1e-11, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True})
+    assert op_time.step_overhead(hw, "bf16", burst=True) == (3e-5, 1e-5)
+    assert op_time.step_overhead(hw, "bf16") == (pytest.approx(1.4e-4), 1e-5)
+    assert op_time.step_overhead(hw, "bf16", "gpu", burst=True) == (pytest.approx(1.4e-4), 1e-5)
+    without = replace(hw, models={k: v for k, v in m.items() if k != "runtime/burst_token"})
+    assert op_time.step_overhead(without, "bf16", burst=True) == op_time.step_overhead(hw, "bf16")
+    _, step = predict_decode(MIXTRAL, hw, "bf16", context=64)
+    _, burst = predict_decode(MIXTRAL, hw, "bf16", context=64, bursts=True)
+    assert step - burst == pytest.approx(1.1e-4)
+    assert predict_decode(MIXTRAL, hw, "bf16", context=64, bursts=True, batch=4)[1] == \
+        predict_decode(MIXTRAL, hw, "bf16", context=64, batch=4)[1]
+    plain = replace(hw, meta={})  # no native step: no bursts
+    assert predict_decode(MIXTRAL, plain, "bf16", context=64, bursts=True) == predict_decode(MIXTRAL, plain, "bf16", context=64)
+    misses = HitStats({i: 6 for i in range(MIXTRAL.num_hidden_layers)}, {}, {i: 2 for i in range(MIXTRAL.num_hidden_layers)})
+    assert predict_decode(MIXTRAL, hw, "bf16", context=64, hits=misses, bursts=True) == \
+        predict_decode(MIXTRAL, hw, "bf16", context=64, hits=misses)
+
+
 def test_an_moe_layer_adds_its_blocks_fixed_cost():
     """runtime/moe_step's slope (a tiny MoE model's step per layer) less runtime/decode_step's (a dense
     layer's) is what each MoE layer adds to a CPU decode step: router module, top-k, the runner's

@@ -215,6 +215,7 @@ def test_quick_profile_structure(measured):
         assert op_time.find(p, "gemv", "cpu", "int8-g32") is p.models["gemv/cpu/int8-g32"]
         # the native step's int4 layers at real widths, per byte through the origin (profiler 32)
         assert p.models["runtime/decode_layer/int4"].alpha == 0.0 < p.models["runtime/decode_layer/int4"].beta
+        assert "runtime/burst_token" in p.models  # a decode burst's token (profiler 33)
     assert "runtime/engine_token" in p.models
     for dtype in ("fp32", "bf16"):  # a prompt's model code beyond its GEMMs and attention, per layer
         from tiered.hardware.profiler import PREFILL_CODE_SHAPES, PREFILL_CODE_TOKENS
@@ -224,7 +225,7 @@ def test_quick_profile_structure(measured):
         assert m.alpha >= 0 and m.beta >= 0, key
         if key.startswith("launch/") or key == "runtime/task":  # constants: alpha only, no fit
             assert m.alpha > 0 and m.r2 is None
-        elif key == "runtime/engine_token":  # the engine's loop a token: a constant, 0 at the least
+        elif key in ("runtime/engine_token", "runtime/burst_token"):  # a token's loop: a constant, 0 at the least
             assert m.beta == 0.0 and m.r2 is None
         else:  # noisy machines may flatten a slope to 0, but every predicted time is positive
             assert isinstance(m.r2, float) and m.r2 <= 1.0, key
@@ -1035,6 +1036,20 @@ def test_the_engine_token_key_is_a_tiny_engines_itl_less_its_step(monkeypatch):
     assert 0.0 < loop < 0.05
     monkeypatch.setattr(profiler, "median_time", lambda fn, repeats, *a, **k: 1.0)  # a step slower than any ITL
     assert profiler._engine_token_seconds(1) == 0.0
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+def test_the_burst_token_key_is_a_tiny_engines_burst_itl_less_its_layers(monkeypatch):
+    """runtime/burst_token: the median ITL of a tiny engine's greedy tokens in decode bursts (which must run:
+    the engine's burst is spied on) less its 2 layers' code, at least 0."""
+    from tiered.hardware import profiler
+    from tiered.runtime.cpu_decode import CPUDecodeStep
+
+    calls = []
+    real = CPUDecodeStep.burst
+    monkeypatch.setattr(CPUDecodeStep, "burst", lambda self, *a, **k: calls.append(a[3]) or real(self, *a, **k))
+    assert 0.0 < profiler._burst_token_seconds(5, 0.0) < 0.05 and calls
+    assert profiler._burst_token_seconds(1, 1.0) == 0.0  # layers slower than any ITL: 0
 
 
 def test_the_cpu_path_moe_layer_probe_times_tiny_engines_with_every_expert_on_the_cpu(monkeypatch):

@@ -93,9 +93,9 @@ def test_where_the_governor_acts(monkeypatch):
 
 
 def test_an_engine_checks_its_team_every_step(monkeypatch, zoo):
-    """LLM builds a governor where one would act (torch's default threads) and consults it at each step; a
-    request's stats keep the fewest threads its steps had, and `tiered run` says when they were fewer
-    than the plan's."""
+    """LLM builds a governor where one would act (torch's default threads) and consults it at each step (a
+    decode burst's once); a request's stats keep the fewest threads its steps had, and `tiered run` says when
+    they were fewer than the plan's."""
     from tiered import LLM, EngineConfig, SamplingParams, cli
 
     monkeypatch.setenv("TIERED_ADAPT_THREADS", "1")
@@ -109,6 +109,10 @@ def test_an_engine_checks_its_team_every_step(monkeypatch, zoo):
             assert isinstance(llm.threads, contention.ThreadGovernor) and llm.threads.threads == 2
             calls = []
             monkeypatch.setattr(llm.threads, "check", lambda: calls.append(1) or 2)
+            out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+            assert len(calls) == 2  # the prefill's step, then one decode burst (LLM._burst) of the 3 tokens left
+            llm.bursts = False  # one step a token: each consults it
+            calls.clear()
             out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
             assert len(calls) >= 4  # the prefill's step and each decode step
             assert out.stats.cpu_threads == 2 and cli._fewer_threads(llm, out.stats) == ""

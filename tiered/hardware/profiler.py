@@ -34,7 +34,9 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     launch/<dev>         a tiny op (alpha only)
     runtime/task         one task through tiered's executor and back (alpha only)
     runtime/engine_token the engine's loop around each decode step (schedule, inputs, sampling, output)
-                         beyond the model step, a tiny model's ITL less its step (alpha only)
+                         beyond the model step, a tiny model's ITL less its step (alpha only, bursts off)
+    runtime/burst_token  a token of a decode burst (LLM._burst) beyond its layers' code: the same tiny
+                         engine's ITL with bursts on less its layers (alpha only; tiered/kernels built)
     attn_decode/cpu/<kv>         the native decode step's attention per KV-cache byte (cache in <kv>,
                                  from DRAM; with tiered/kernels built and the LLC's size known)
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
@@ -1136,6 +1138,34 @@ def _engine_token_seconds(repeats: int) -> float:
             llm.close()
 
 
+def _burst_token_seconds(repeats: int, layer_code: float) -> float:
+    """Seconds a token of a decode burst (LLM._burst) costs beyond its layers' code (runtime/burst_token, alpha
+    only): the embedding row, the head's glue, the draw in C++, the token's bookkeeping, detokenizing and output
+    in Python, and the burst's call spread over its tokens. The median ITL of 64 greedy tokens from the tiny dense
+    engine of _engine_token_seconds with its bursts on, less its 2 layers at `layer_code` seconds each
+    (runtime/decode_step/bf16's slope), at least 0. In place of runtime/decode_step's per-step cost and
+    runtime/engine_token (op_time.step_overhead's `burst`): on 2 Zen 3 cores a burst token of that engine took
+    29-56 us where one step a token took ~275 (2026-11-30). Raises RuntimeError without the kernels (no bursts)."""
+    if not kernels.available():
+        raise RuntimeError("tiered/kernels is not built: no decode bursts")
+    from tiered.bench.checkpoint import ModelShape, write_dummy_checkpoint
+    from tiered.engine.sampling import SamplingParams
+
+    with tempfile.TemporaryDirectory(prefix="tiered-profile-burst-") as tmp:
+        shape = ModelShape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=64, max_position_embeddings=128)
+        path = write_dummy_checkpoint(Path(tmp) / "dense", shape)
+        llm = _open_engine(path, max_context=128)
+        try:
+            if not llm.runtime.cpu_decode.can_burst(llm._kv_cache(1, 16)):
+                raise RuntimeError("the tiny engine's step cannot burst")
+            sp = SamplingParams(temperature=0, max_tokens=65, ignore_eos=True)
+            llm.generate([[1] * 16], sp)
+            itl = float(np.median([llm.generate([[1] * 16], sp)[0].stats.itl_s for _ in range(repeats)]))
+            return max(0.0, itl - shape.layers * layer_code)
+        finally:
+            llm.close()
+
+
 def _open_engine(path: Path, max_context: int = 64):
     """The checkpoint at `path` opened by the engine on the CPU: bf16, bf16 decode copies, plan "off" (the
     runtime's rules), room for `max_context` tokens."""
@@ -1491,7 +1521,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # memory (a layer's kernel calls per weight byte, their starts and ends in: 27-29 GB/s at SmolLM2's widths where
 # the GEMV fit read 38.6), and runtime/engine_token, the engine's loop around each decode step (~90 us a token
 # there, which no key held): SmolLM2's default decode was priced 10-25% fast on 2 Zen 3 cores.
-PROFILER_VERSION = 32
+# 33: runtime/burst_token, a decode burst's token beyond its layers' code (LLM._burst: a lone sequence's CPU decode,
+# several tokens a native call), in place of the per-step fixed cost and runtime/engine_token where the engine
+# bursts (op_time.step_overhead's `burst`); runtime/engine_token now times the loop with bursts off.
+PROFILER_VERSION = 33
 
 
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
@@ -1616,6 +1649,12 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         code = b.models.get("runtime/decode_step/bf16")  # the layer code beside int4 copies (step_overhead's)
         b.attempt("runtime/decode_layer/int4", lambda: _decode_layer_points(
             r, probe=pr, layer_code=code.beta if code is not None else 0.0))
+        try:  # a decode burst's token beyond its layers' code
+            b.models["runtime/burst_token"] = LinearModel(
+                _burst_token_seconds(r, code.beta if code is not None else 0.0), 0.0, None)
+            b.say(f"runtime/burst_token: {b.models['runtime/burst_token'].alpha:.3g} s")
+        except Exception as e:  # noqa: BLE001  (as Bench.attempt: note it, keep going)
+            b.skip("runtime/burst_token", e)
     for dtype in ("fp32", "bf16"):  # a prompt's model code beyond its GEMMs and attention
         b.attempt(f"runtime/prefill_code/{dtype}", lambda d=dtype: _prefill_code_points(d, max(5, r)))
     b.attempt("runtime/moe_step/bf16", lambda: _moe_step_points(r))

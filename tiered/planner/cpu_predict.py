@@ -340,7 +340,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
                    experts_format: str | None = None,
                    head_dtype: str | None = None, expert_act: str = "bf16",
                    mix: dict | None = None, kv_format: str | None = None,
-                   batch: int = 1, batch_act: str = "bf16") -> tuple[list[tuple[float, float]], float]:
+                   batch: int = 1, batch_act: str = "bf16",
+                   bursts: bool = False) -> tuple[list[tuple[float, float]], float]:
     """Per-layer (attention, FFN or MoE) seconds of one decode step, and the whole step
     (layers + lm_head) on CPU + disk.
 
@@ -368,12 +369,18 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             under uniform routing (the most a batch can activate), with batch k / that many rows each.
         batch_act: what int4 decode copies multiply in steps of 2+ rows (Plan.batch_act): "q8" prices
             them by gemv/cpu/int4q8 and decode_rows/cpu/int4q8 (`_batched`).
+        bursts: the engine decodes a lone sequence in native bursts (LLM._burst: generate and stream, one
+            KV slot): at batch 1 with the native step running every layer (every expert resident in RAM: no
+            cache slots, none on disk), the per-token fixed cost is a burst's (op_time.step_overhead's `burst`).
     """
     bpe = op_time.bytes_per_element(dtype)
     d = cfg.hidden_size
     over = task_overhead if task_overhead is not None else op_time.task_overhead(hw)
     # the model code's own fixed costs (module calls, small ops) per layer and per step, when profiled
-    per_step, per_layer = op_time.step_overhead(hw, dtype)
+    in_ram = hits is None or all(hits.rates(i)[0] >= 1 - 1e-9 for i in range(cfg.num_hidden_layers)
+                                 if cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i)
+                                                    or moe_layers is not None and i in moe_layers))
+    per_step, per_layer = op_time.step_overhead(hw, dtype, burst=bursts and batch == 1 and native_step(hw) and in_ram)
     moe_fixed = op_time.moe_layer_overhead(hw)  # the MoE block's own code, beyond a dense layer's
     mla = op_time.mla_layer_overhead(hw) if cfg.is_mla else None
     if mla is not None:  # DeepSeek's layers (latent attention, their MoE block): their own measured fixed cost
