@@ -1485,6 +1485,25 @@ class DecodeStep {
   int64_t moe_uses_ = 0;
 };
 
+// The inverse CDF of weights p [V] at u in [0, 1): the first token whose cumulative weight exceeds u times
+// `total`, walking the sums of blocks of kB weights (bs [ceil(V / kB)], float64) and then one block; when
+// rounding leaves u * total at the total, the last token with weight.
+int64_t cdf_pick(const float* p, int64_t V, const double* bs, int64_t kB, double total, double u) {
+  const double target = u * total;
+  double cum = 0.0;
+  for (int64_t k = 0; k * kB < V; ++k) {
+    if (cum + bs[k] <= target) {
+      cum += bs[k];
+      continue;
+    }
+    for (int64_t i = k * kB, e = std::min(V, (k + 1) * kB); i < e; ++i)
+      if ((cum += p[i]) > target) return i;
+  }
+  for (int64_t i = V - 1; i > 0; --i)
+    if (p[i] > 0.f) return i;
+  return 0;
+}
+
 // One draw from softmax(l / T) over l fp32 [V] (inv_t = 1 / T > 0) at a uniform u in [0, 1): the
 // first token whose cumulative weight exceeds u times the total (inverse CDF, as torch.searchsorted
 // right=True on a float64 cumsum). The weights exp((l - max) / T) are computed once, vectorized, and
@@ -1512,19 +1531,7 @@ TIERED_CLONES int64_t sample_row(const float* l, int64_t V, float inv_t, double 
     bs[k] = s;
     total += s;
   }
-  const double target = u * total;
-  double cum = 0.0;
-  for (int64_t k = 0; k < nb; ++k) {
-    if (cum + bs[k] <= target) {
-      cum += bs[k];
-      continue;
-    }
-    for (int64_t i = k * kB, e = std::min(V, (k + 1) * kB); i < e; ++i)
-      if ((cum += p[i]) > target) return i;
-  }
-  for (int64_t i = V - 1; i > 0; --i)
-    if (p[i] > 0.f) return i;
-  return 0;
+  return cdf_pick(p, V, bs.data(), kB, total, u);
 }
 
 // One draw from a row of logits l [V] as engine/sampling.filtered_logits filters it: the
@@ -1612,19 +1619,7 @@ TIERED_CLONES int64_t sample_filtered_row(const float* l, int64_t V, const int64
       if ((cum += p[i]) > target) return i;
     return idx.back();
   }
-  const double target = u * total;
-  double cum = 0.0;
-  for (int64_t k = 0; k < nb; ++k) {
-    if (cum + bs[k] <= target) {
-      cum += bs[k];
-      continue;
-    }
-    for (int64_t i = k * kB, e = std::min(V, (k + 1) * kB); i < e; ++i)
-      if ((cum += p[i]) > target) return i;
-  }
-  for (int64_t i = V - 1; i > 0; --i)
-    if (p[i] > 0.f) return i;
-  return 0;
+  return cdf_pick(p, V, bs.data(), kB, total, u);
 }
 
 // The first maximum of l [V] (a NaN counts as the maximum, as numpy's and torch's argmax take it).
