@@ -84,6 +84,7 @@ class LLM:
         self.threads = thread_governor(self.plan.cpu_threads or torch.get_num_threads(), self.engine_config.num_threads)
         # decode bursts (LLM._burst) for generate and stream; TIERED_BURST=0 turns them off for every engine
         self.bursts = True
+        self._burst_tokens = BURST_MIN  # the next burst's tokens (the last burst's pace: ~BURST_SECONDS of them)
         self.load_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------ the pipeline
@@ -641,7 +642,7 @@ class LLM:
         native step over every layer, a CUDA graph or an accelerator, logprobs, < 2 tokens left, or
         bursts turned off (self.bursts False, or TIERED_BURST=0)."""
         step = self.runtime.cpu_decode
-        n = min(getattr(self, "_burst_tokens", BURST_MIN), seq.max_tokens - len(seq.output_ids))
+        n = min(self._burst_tokens, seq.max_tokens - len(seq.output_ids))
         if (n < 2 or seq.finished or seq.logprobs is not None or step is None or self.accelerator is not None
                 or self.runtime.graphs is not None or self.plan.decode_threshold < 1 or not self.bursts
                 or os.environ.get("TIERED_BURST", "1") == "0" or not step.can_burst(cache)):
