@@ -124,6 +124,18 @@ def test_no_burst_where_requests_may_arrive_or_logprobs_are_asked(zoo, monkeypat
     assert len(seq.output_ids) == 12
 
 
+def test_the_plan_decides_bursts(zoo, monkeypatch):
+    """Plan.decode_bursts (the native CPU step's plans) is what lets the runtime burst: a plan without it, as a
+    GPU plan or one replayed from before the field, decodes one step a token."""
+    llm = zoo.llm(zoo.dir("llama"), accelerator="none")
+    assert llm.plan.decode_bursts and llm.plan.native_decode
+    monkeypatch.setattr(llm.plan, "decode_bursts", False)
+    _, calls = _run(llm, monkeypatch, True, [prompt_ids(zoo.vocab_size, 8)], temperature=0, max_tokens=12,
+                    ignore_eos=True)
+    assert not calls
+    assert not LLM(zoo.dir("llama"), engine_config(accelerator="host")).plan.decode_bursts
+
+
 def test_tiered_burst_0_turns_bursts_off(zoo, monkeypatch):
     """TIERED_BURST=0 (to compare) decodes one step a token in every engine."""
     llm = zoo.llm(zoo.dir("llama"), accelerator="none")

@@ -638,14 +638,14 @@ class LLM:
         embedding lookup, layers, logits and draw in C++ for each, the same tokens as one step a token
         would give, then each token's bookkeeping, detokenizing and stops here, timed when it was drawn.
         About BURST_SECONDS of tokens (by the last burst's pace; at most the tokens left); tokens drawn
-        past a stop string are dropped (the sequence has finished). None where no burst applies: no
-        native step over every layer, a CUDA graph or an accelerator, logprobs, < 2 tokens left, or
-        bursts turned off (self.bursts False, or TIERED_BURST=0)."""
+        past a stop string are dropped (the sequence has finished). None where no burst applies: a plan
+        without them (Plan.decode_bursts: the native CPU step), a step that cannot run this model whole in
+        one call (CPUDecodeStep.can_burst), logprobs, < 2 tokens left, or bursts turned off (self.bursts
+        False, or TIERED_BURST=0)."""
         step = self.runtime.cpu_decode
         n = min(self._burst_tokens, seq.max_tokens - len(seq.output_ids))
-        if (n < 2 or seq.finished or seq.logprobs is not None or step is None or self.accelerator is not None
-                or self.runtime.graphs is not None or self.plan.decode_threshold < 1 or not self.bursts
-                or os.environ.get("TIERED_BURST", "1") == "0" or not step.can_burst(cache)):
+        if (n < 2 or seq.finished or seq.logprobs is not None or not self.plan.decode_bursts or step is None
+                or not self.bursts or os.environ.get("TIERED_BURST", "1") == "0" or not step.can_burst(cache)):
             return None
         p = seq.params
         stop = ([] if p.ignore_eos else list(self.config.eos_token_ids)) + list(p.stop_token_ids)

@@ -322,11 +322,6 @@ def step_overhead(profile: HardwareProfile, dtype: str, device: str = "cpu",
     row, the head's glue, the draw and each token's bookkeeping), in place of the step's fixed cost and
     the loop's (~40 us against ~135 on 2 Zen 3 cores).
     """
-    if burst and device == "cpu" and "runtime/burst_token" in profile.models:
-        fallback = (dtype, "fp32") if dtype == "fp32" else (dtype, "bf16", "fp32")
-        m = next((profile.models[f"runtime/decode_step/{d}"] for d in fallback
-                  if f"runtime/decode_step/{d}" in profile.models), None)
-        return profile.models["runtime/burst_token"].alpha, m.beta if m is not None else 0.0
     loop = profile.models.get("runtime/engine_token")  # the engine's own loop around every step
     fallback = (dtype, "fp32") if dtype == "fp32" else (dtype, "bf16", "fp32")
     gpu = {"whole": ["decode_step_graph_gpu", "decode_step_graphed_gpu"],
@@ -334,5 +329,8 @@ def step_overhead(profile: HardwareProfile, dtype: str, device: str = "cpu",
     keys = ([f"runtime/{k}/{d}" for k in gpu for d in fallback] if device == "gpu" else []) + \
         [f"runtime/decode_step/{d}" for d in fallback]
     m = next((profile.models[k] for k in keys if k in profile.models), None)
+    per_layer = m.beta if m is not None else 0.0
+    if burst and device == "cpu" and "runtime/burst_token" in profile.models:
+        return profile.models["runtime/burst_token"].alpha, per_layer
     per_step = (m.alpha if m is not None else 0.0) + (loop.alpha if loop is not None else 0.0)
-    return per_step, m.beta if m is not None else 0.0
+    return per_step, per_layer

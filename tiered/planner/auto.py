@@ -376,6 +376,8 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     plan.cpu_decode_step = accelerator is None
     # ... and in C++ when tiered/kernels is built (setup builds it; TIERED_NATIVE=0 turns it off)
     plan.native_decode = plan.cpu_decode_step and kernels.available()
+    # ... where a lone sequence decodes several tokens a native call (LLM._burst; priced by cpu_predict's bursts)
+    plan.decode_bursts = plan.native_decode
     # int4 decode copies (CPU-only) in the layout of tiered's own kernels when they are built
     plan.int4_layout = "tiled" if kernels.available() else "cpu"
     # int4 activations (Plan.batch_act, Plan.expert_act): made with the plan (make_plan's arguments, or the

@@ -284,12 +284,17 @@ def step_weight_bytes(cfg: ModelConfig, dtype: str, moe_layers: list[int] | None
     attn = cfg.attention_weight_elements()
     total = d * cfg.vocab_size
     for i in range(cfg.num_hidden_layers):
-        is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
+        is_moe = has_experts(cfg, moe_layers, i)
         ffn = (d * cfg.num_experts + 3 * d * (cfg.num_experts_per_tok * cfg.moe_intermediate_size
                                               + cfg.shared_expert_intermediate_size) if is_moe
                else 3 * d * cfg.intermediate_size)
         total += attn + ffn
     return total * bpe
+
+
+def has_experts(cfg: ModelConfig, moe_layers: list[int] | None, i: int) -> bool:
+    """Whether layer i is priced as a MoE layer: `moe_layers` where given, else the model's own (cfg.is_moe_layer)."""
+    return cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
 
 
 def native_step(hw: HardwareProfile) -> bool:
@@ -378,8 +383,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     over = task_overhead if task_overhead is not None else op_time.task_overhead(hw)
     # the model code's own fixed costs (module calls, small ops) per layer and per step, when profiled
     in_ram = hits is None or all(hits.rates(i)[0] >= 1 - 1e-9 for i in range(cfg.num_hidden_layers)
-                                 if cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i)
-                                                    or moe_layers is not None and i in moe_layers))
+                                 if has_experts(cfg, moe_layers, i))
     per_step, per_layer = op_time.step_overhead(hw, dtype, burst=bursts and batch == 1 and native_step(hw) and in_ram)
     moe_fixed = op_time.moe_layer_overhead(hw)  # the MoE block's own code, beyond a dense layer's
     mla = op_time.mla_layer_overhead(hw) if cfg.is_mla else None
@@ -391,8 +395,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     for i in range(cfg.num_hidden_layers):
         attn = _attention(cfg, hw, dtype, context, ws, mix, kv_format, B, batch_act) + per_layer
         t = 0.0
-        is_moe = cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
-        if not is_moe:
+        if not has_experts(cfg, moe_layers, i):
             F = cfg.intermediate_size
             t += _projections(hw, dtype, mix, 3 * d * F, 2 if native_fused_projections(hw, dtype) else 3, ws, B,
                               batch_act)
@@ -701,8 +704,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
         if torch_runs:
             return torch_gemm_time(hw, dt, macs, nbytes, calls)
         return op_time.gemm_time(hw, "cpu", dt, macs, nbytes, calls=calls)
-    moe_at = [cfg.is_moe and (moe_layers is None and cfg.is_moe_layer(i) or moe_layers is not None and i in moe_layers)
-              for i in range(cfg.num_hidden_layers)]
+    moe_at = [has_experts(cfg, moe_layers, i) for i in range(cfg.num_hidden_layers)]
     n_moe = sum(moe_at)
     # a routed expert's bytes as stored (what a miss reads from disk, what its kernels stream)
     eb = (sizes.expert_bytes(cfg, experts_format) if experts_format else

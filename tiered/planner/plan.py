@@ -96,6 +96,8 @@ class Plan:
                                              ~30 torch ops per layer) instead of the modules
         native_decode                        run that step in C++ (tiered/kernels, built by setup):
                                              only the weight kernels remain of the torch ops
+        decode_bursts                        LLM._burst: a lone sequence of generate / stream decodes
+                                             several tokens per native call (the native step's)
         mixed_rows                           LLM.step: an admitted sequence runs its uncached
                                              prompt tokens as rows of the native decode step,
                                              beside the running sequences, while the step has at
@@ -174,6 +176,7 @@ class Plan:
     fused_projections: bool = False
     cpu_decode_step: bool = False
     native_decode: bool = False
+    decode_bursts: bool = False
     mixed_rows: int = 0
     prefill_chunk: int = 0
     dense_copies: bool = True

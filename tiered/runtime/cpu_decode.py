@@ -481,12 +481,18 @@ class CPUDecodeStep:
                 if meta is None:
                     meta = build_attention_metadata(self.model.rotary, positions, slots, self.sliding_window)
                 x = layer(x.view(B, 1, -1), meta, cache).view(B, -1).contiguous()
-        if self.moe_blocks and schedule is self.schedule:  # the step's MoE layers used resident experts only
+        if schedule is self.schedule:
+            self._count_moe_uses()
+        return self.native.logits(x if rows is None else x[rows])
+
+    def _count_moe_uses(self) -> None:
+        """Add the resident expert uses of the native step's MoE layers since the last call (DecodeStep
+        .take_moe_uses) to their runner's counters: those layers used resident experts only."""
+        if self.moe_blocks:
             runner = self.moe_blocks[0].runner
             uses = self.native.take_moe_uses()
             runner.resident_hits += uses
             runner.path_counts[RESIDENT] += uses
-        return self.native.logits(x if rows is None else x[rows])
 
     def _burst_table(self) -> tuple[torch.Tensor, bool] | None:
         """(the embedding table the native burst reads, whether it is GGUF Q8_0 blocks), or None where
@@ -530,11 +536,7 @@ class CPUDecodeStep:
             torch.tensor(stop, dtype=torch.long), seen, params.repetition_penalty,
             0.0 if greedy else params.temperature, params.top_k, max(params.top_p, MIN_TOP_P), params.min_p,
             uniforms)
-        if self.moe_blocks:  # the step's MoE layers used resident experts only
-            runner = self.moe_blocks[0].runner
-            uses = self.native.take_moe_uses()
-            runner.resident_hits += uses
-            runner.path_counts[RESIDENT] += uses
+        self._count_moe_uses()
         return tokens.tolist(), seconds.tolist()
 
     def _attention(self, L: _Layer, x, meta: AttentionMetadata, cache: KVCache, cos, sin) -> torch.Tensor:
