@@ -168,7 +168,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tenso
     return sample_categorical(logits.softmax(-1), generator)
 
 
-def _plain(params: SamplingParams) -> bool:
+def plain_draw(params: SamplingParams) -> bool:
     """True when a draw needs only the temperature: no filter, no penalty, not greedy."""
     return (not params.greedy and params.top_k == 0 and params.top_p >= 1.0 and params.min_p <= 0.0
             and params.repetition_penalty == 1.0)
@@ -194,7 +194,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], seen: list
         return greedy_tokens(logits)
     ext = load(build=False)
     native = ext is not None and logits.dim() == 2
-    plain = [i for i, p in enumerate(params) if _plain(p)] if native else []
+    plain = [i for i, p in enumerate(params) if plain_draw(p)] if native else []
     tokens = [-1] * len(params)
     if plain:
         rows = logits if len(plain) == len(params) else logits[plain]

@@ -1113,6 +1113,9 @@ def _prefill_code_points(dtype: str, repeats: int) -> list[tuple[float, float]]:
     return points
 
 
+TINY_ENGINE_LAYERS = 2  # _tiny_engine_itl's model: runtime/engine_token's and runtime/burst_token's
+
+
 def _engine_token_seconds(repeats: int) -> float:
     """Seconds the engine's loop adds to each generated token beyond its model step (runtime/engine_token,
     alpha only): LLM.step's scheduling, the step's input tensors, sampling, the token's bookkeeping and
@@ -1121,21 +1124,8 @@ def _engine_token_seconds(repeats: int) -> float:
     step called alone (_engine_decode_step's way), at least 0. On 2 Zen 3 cores ~90 us a token
     (2026-11-30), which no step key held: SmolLM2's default decode (3.4-4.0 ms a token) was priced 0.04 ms
     of its ~0.2-0.4 outside the native step's forward and logits."""
-    from tiered.bench.checkpoint import ModelShape, write_dummy_checkpoint
-    from tiered.engine.sampling import SamplingParams
-
-    with tempfile.TemporaryDirectory(prefix="tiered-profile-loop-") as tmp:
-        shape = ModelShape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=64, max_position_embeddings=128)
-        path = write_dummy_checkpoint(Path(tmp) / "dense", shape)
-        llm = _open_engine(path, max_context=128)
-        llm.bursts = False  # the loop around every step (LLM.step); a lone sequence's bursts skip most of it
-        try:
-            sp = SamplingParams(temperature=0, max_tokens=65, ignore_eos=True)
-            llm.generate([[1] * 16], sp)
-            itl = float(np.median([llm.generate([[1] * 16], sp)[0].stats.itl_s for _ in range(repeats)]))
-            return max(0.0, itl - _model_step_seconds(llm, repeats))
-        finally:
-            llm.close()
+    itl, step = _tiny_engine_itl(repeats, bursts=False, step=True)
+    return max(0.0, itl - step)
 
 
 def _burst_token_seconds(repeats: int, layer_code: float) -> float:
@@ -1148,20 +1138,30 @@ def _burst_token_seconds(repeats: int, layer_code: float) -> float:
     29-56 us where one step a token took ~275 (2026-11-30). Raises RuntimeError without the kernels (no bursts)."""
     if not kernels.available():
         raise RuntimeError("tiered/kernels is not built: no decode bursts")
+    itl, _ = _tiny_engine_itl(repeats, bursts=True)
+    return max(0.0, itl - TINY_ENGINE_LAYERS * layer_code)
+
+
+def _tiny_engine_itl(repeats: int, bursts: bool, step: bool = False) -> tuple[float, float | None]:
+    """(the median ITL of 64 greedy tokens after a 16-token prompt, over `repeats` runs after one, and with
+    `step` the median of its model step called alone, else None) of a tiny dense engine (_open_engine over a
+    dummy checkpoint: TINY_ENGINE_LAYERS layers, hidden 64, vocabulary 64) with decode bursts on or off
+    (LLM.bursts). Raises RuntimeError when bursts are asked and its step cannot burst."""
     from tiered.bench.checkpoint import ModelShape, write_dummy_checkpoint
     from tiered.engine.sampling import SamplingParams
 
-    with tempfile.TemporaryDirectory(prefix="tiered-profile-burst-") as tmp:
-        shape = ModelShape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=64, max_position_embeddings=128)
-        path = write_dummy_checkpoint(Path(tmp) / "dense", shape)
-        llm = _open_engine(path, max_context=128)
+    with tempfile.TemporaryDirectory(prefix="tiered-profile-loop-") as tmp:
+        shape = ModelShape(layers=TINY_ENGINE_LAYERS, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=64,
+                           max_position_embeddings=128)
+        llm = _open_engine(write_dummy_checkpoint(Path(tmp) / "dense", shape), max_context=128)
+        llm.bursts = bursts
         try:
-            if not llm.runtime.cpu_decode.can_burst(llm._kv_cache(1, 16)):
+            if bursts and not llm.runtime.cpu_decode.can_burst(llm._kv_cache(1, 16)):
                 raise RuntimeError("the tiny engine's step cannot burst")
             sp = SamplingParams(temperature=0, max_tokens=65, ignore_eos=True)
             llm.generate([[1] * 16], sp)
             itl = float(np.median([llm.generate([[1] * 16], sp)[0].stats.itl_s for _ in range(repeats)]))
-            return max(0.0, itl - shape.layers * layer_code)
+            return itl, _model_step_seconds(llm, repeats) if step else None
         finally:
             llm.close()
 

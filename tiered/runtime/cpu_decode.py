@@ -524,7 +524,7 @@ class CPUDecodeStep:
         Returns:
             (the tokens drawn, each token's seconds since the call began), at most n of each.
         """
-        from tiered.engine.sampling import MIN_TOP_P
+        from tiered.engine.sampling import MIN_TOP_P, plain_draw
 
         table, q8_0 = self._burst_embed
         dtype = self.embed.dtype if q8_0 else table.dtype
@@ -535,7 +535,7 @@ class CPUDecodeStep:
             token, slot, position, n, table, q8_0, x, rot.cos, rot.sin, cache.k, cache.v,
             torch.tensor(stop, dtype=torch.long), seen, params.repetition_penalty,
             0.0 if greedy else params.temperature, params.top_k, max(params.top_p, MIN_TOP_P), params.min_p,
-            uniforms)
+            plain_draw(params), uniforms)
         self._count_moe_uses()
         return tokens.tolist(), seconds.tolist()
 

@@ -1638,8 +1638,8 @@ int64_t argmax_row(const float* l, int64_t V) {
 // layer (DecodeStep.forward over all of them: the caller checks that the step runs each), the final
 // norm and lm_head (DecodeStep.logits), then the next token as engine/sampling.sample_tokens draws it:
 // temperature 0 the first maximum after the repetition penalty on the ids seen (`seen` int64 [n0], then
-// each drawn token), a draw with the temperature alone sample_row's at u[i], any other
-// sample_filtered_row's. Stops after a token in `stop` (int64) or after n tokens. x: [1, D] scratch in
+// each drawn token), a draw with the temperature alone (`plain`: engine/sampling.plain_draw's call) sample_row's
+// at u[i], any other sample_filtered_row's. Stops after a token in `stop` (int64) or after n tokens. x: [1, D] scratch in
 // the residual stream's dtype; cos, sin: the rotary tables [positions, rotary_dim] fp32; u float64 [n]
 // (the request's generator drew them). Returns (tokens int64 [m], seconds float64 [m]: each token's
 // time since the call began), m <= n. The engine's loop around a step (scheduling, the step's input
@@ -1649,7 +1649,7 @@ std::tuple<at::Tensor, at::Tensor> decode_burst(DecodeStep& step, int64_t token,
                                                 const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                                                 const at::Tensor& stop, const at::Tensor& seen, double penalty,
                                                 double temperature, int64_t top_k, double top_p, double min_p,
-                                                const at::Tensor& u) {
+                                                bool plain, const at::Tensor& u) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t D = x.size(-1), V = embed.size(0), L = step.num_layers();
   TIERED_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "burst: x must be contiguous [1, D]");
@@ -1674,7 +1674,8 @@ std::tuple<at::Tensor, at::Tensor> decode_burst(DecodeStep& step, int64_t token,
   auto tokens = at::empty({n}, at::TensorOptions().dtype(at::kLong));
   auto seconds = at::empty({n}, at::TensorOptions().dtype(at::kDouble));
   std::vector<float> z(V), p(V);
-  const bool greedy = temperature == 0, plain = !greedy && top_k == 0 && top_p >= 1 && min_p <= 0 && penalty == 1;
+  const bool greedy = temperature == 0;
+  TIERED_CHECK(!(greedy && plain), "burst: a greedy draw is not a plain one");
   int64_t m = 0;
   for (; m < n; ++m) {
     TIERED_CHECK(0 <= token && token < V, "burst: token id ", token, " outside the embedding of ", V, " rows");
@@ -1791,7 +1792,7 @@ void register_decode(pybind11::module& m) {
       .def("burst", &decode_burst, py::arg("token"), py::arg("slot"), py::arg("position"), py::arg("n"),
            py::arg("embed"), py::arg("q8_0"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("stop"), py::arg("seen"), py::arg("penalty"), py::arg("temperature"),
-           py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
+           py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("plain"), py::arg("u"),
            "(tokens int64 [m], seconds float64 [m]): up to n decode steps of one sequence, each on the token the "
            "step before drew (embedding, every layer, logits, the draw), stopping after a token in `stop` "
            "(decode.cpp: decode_burst)");
