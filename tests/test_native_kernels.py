@@ -163,8 +163,8 @@ def check_tiled_bf16_act(k, x, codes, sz, zr, wq, bias, what):
 def test_int4_tiled_q8(isa, N, K):  # int8 activations: the plain q8 kernel's numerics, exactly
     codes, sz, zr, bias, wq, g = int4_case(N, K, N * K + 3)
     k = int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), tiled_residual(zr), bias, act="q8")
-    assert k.name().startswith("int4tq8")  # AVX2: vpmaddubsw on int16-summed groups (int4tq8_avx2)
-    for B in range(1, 10):
+    assert k.name().startswith("int4tq8")  # AVX2: vpmaddubsw on int16-summed groups
+    for B in list(range(1, 10)) + [12, 13, 17]:  # AVX2: streamed in passes of 4 rows up to 12, unpacked past
         x = torch.randn(B, K, generator=g)
         x[0, :32] = 0  # an all-zero group (dx = 0)
         y = k(x)
@@ -179,7 +179,7 @@ def test_int4_tiled_batch_act(isa, N, K):  # one row on bf16 activations, two or
     x = torch.randn(9, K, generator=g)
     check_tiled_bf16_act(k, x[:1], codes, sz, zr, wq, bias, isa)  # AVX2: int16 activations
     assert "q8 from 2 rows" in k.name()
-    for B in (2, 4, 5, 9):  # AVX2: passes of 4 rows per tile, and the 1-3 left over
+    for B in (2, 4, 5, 9, 13):  # AVX2: passes of 4 rows per tile and the 1-3 left over; unpacked tiles past 12
         assert rel(k(x[:B]), q8_reference(x[:B], codes, sz, zr) + bias) < 1e-5, (isa, B)
 
 

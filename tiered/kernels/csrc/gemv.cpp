@@ -1240,70 +1240,89 @@ struct Q8Rows {
   }
 };
 
-// Small calls (up to kQ8StreamRows rows) streamed as int4tq8s_avx512 streams: per chunk the tile's 4
-// nibble vectors against each row's 8 bytes of xqt (vpmaddubsw, int16 sums exact per group as in
-// int4tq8_tile_avx2, MXFP4's widened every 2 chunks as there), then per group and 8-row half the
-// centred int32 dot (Act::xqs; centre 12 for MXFP4), its scale s dx and the zero term (z + zr) xsum,
-// with the (s, z) line and residuals read in the stream and the next tile's prefetched: no per-tile
-// block, no separate zero-term pass.
-template <int NB, bool E2M1 = false>
-TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
-                               int64_t ldy) {
-  const int64_t K = a.K, G = K / kGroup;
+// Calls on int8 activations streamed as int4tq8s_avx512 streams: per chunk the tile's 4 nibble vectors
+// against each row's 8 bytes of xqt (vpmaddubsw, int16 sums exact per group as in int4tq8_tile_avx2,
+// MXFP4's widened every 2 chunks as there), then per group and 8-row half the centred int32 dot
+// (Act::xqs; centre 12 for MXFP4), its scale s dx and the zero term (z + zr) xsum, with the (s, z) line
+// and residuals read in the stream and the next tile's prefetched: no per-tile block, no separate
+// zero-term pass. One tile (16 rows at m0) for NB <= 4 activation rows (16 accumulators: more spill
+// AVX2's 16 registers).
+template <int NB, bool E2M1>
+TIERED_AVX2 inline void int4tq8s_tile_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t G, int64_t m0,
+                                           int64_t next, float* y, int64_t ldy) {
+  const Q8Rows<NB> x(a, b0);
   constexpr int32_t kCentre = E2M1 ? 12 : 8;
   const __m256i ones = _mm256_set1_epi16(1), hi = _mm256_set1_epi32(int(0xFFFF0000u));
-  const Q8Rows<NB> x(a, b0);
-  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    const uint8_t* tile = w.tile(m0);
-    const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
-    __m256 acc[NB][2], corr[NB][2];
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h) acc[j][h] = corr[j][h] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* pg = tile + g * w.gstride;
-      prefetch_group(w, pg, next, G, g);
-      __m256i t[NB][2], t32[NB][2];
-      for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = t32[j][0] = t32[j][1] = _mm256_setzero_si256();
-      for (int c4 = 0; c4 < 4; ++c4) {
-        __m256i q[4];
-        int4tq8_chunk_avx2<E2M1>(pg + 64 * c4, q);
-        for (int j = 0; j < NB; ++j) {
-          int32_t v0, v1;
-          std::memcpy(&v0, x.xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&v1, x.xq[j] + g * kGroup + c4 * 8 + 4, 4);
-          const __m256i x0 = _mm256_set1_epi32(v0), x1 = _mm256_set1_epi32(v1);
-          t[j][0] = _mm256_add_epi16(t[j][0], _mm256_add_epi16(_mm256_maddubs_epi16(q[0], x0), _mm256_maddubs_epi16(q[2], x1)));
-          t[j][1] = _mm256_add_epi16(t[j][1], _mm256_add_epi16(_mm256_maddubs_epi16(q[1], x0), _mm256_maddubs_epi16(q[3], x1)));
-        }
-        if constexpr (E2M1) {
-          if (c4 == 1)
-            for (int j = 0; j < NB; ++j)
-              for (int h = 0; h < 2; ++h) t32[j][h] = _mm256_madd_epi16(t[j][h], ones), t[j][h] = _mm256_setzero_si256();
-        }
+  const uint8_t* tile = w.tile(m0);
+  __m256 acc[NB][2], corr[NB][2];
+  for (int j = 0; j < NB; ++j)
+    for (int h = 0; h < 2; ++h) acc[j][h] = corr[j][h] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* pg = tile + g * w.gstride;
+    prefetch_group(w, pg, next, G, g);
+    __m256i t[NB][2], t32[NB][2];
+    for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = t32[j][0] = t32[j][1] = _mm256_setzero_si256();
+    for (int c4 = 0; c4 < 4; ++c4) {
+      __m256i q[4];
+      int4tq8_chunk_avx2<E2M1>(pg + 64 * c4, q);
+      for (int j = 0; j < NB; ++j) {
+        int32_t v0, v1;
+        std::memcpy(&v0, x.xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&v1, x.xq[j] + g * kGroup + c4 * 8 + 4, 4);
+        const __m256i x0 = _mm256_set1_epi32(v0), x1 = _mm256_set1_epi32(v1);
+        t[j][0] = _mm256_add_epi16(t[j][0], _mm256_add_epi16(_mm256_maddubs_epi16(q[0], x0), _mm256_maddubs_epi16(q[2], x1)));
+        t[j][1] = _mm256_add_epi16(t[j][1], _mm256_add_epi16(_mm256_maddubs_epi16(q[1], x0), _mm256_maddubs_epi16(q[3], x1)));
       }
-      const uint16_t* sz = w.tile_sz(m0, G, g);
-      for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7: 8 (s, z) bf16 pairs, 8 residuals
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 16 * h));
-        const __m256 sv = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        __m256 zv = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
-        if (w.zr) {
-          const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_zr(m0, G, g) + 8 * h));
-          zv = _mm256_add_ps(zv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16)));
-        }
-        for (int j = 0; j < NB; ++j) {
-          __m256i ti = _mm256_madd_epi16(t[j][h], ones);
-          if constexpr (E2M1) ti = _mm256_add_epi32(ti, t32[j][h]);
-          ti = _mm256_sub_epi32(ti, _mm256_set1_epi32(kCentre * x.xqs[j][g]));
-          acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti), _mm256_mul_ps(sv, _mm256_set1_ps(x.dx[j][g])), acc[j][h]);
-          corr[j][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(x.xs[j][g]), corr[j][h]);
-        }
+      if constexpr (E2M1) {
+        if (c4 == 1)
+          for (int j = 0; j < NB; ++j)
+            for (int h = 0; h < 2; ++h) t32[j][h] = _mm256_madd_epi16(t[j][h], ones), t[j][h] = _mm256_setzero_si256();
       }
     }
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h) {
-        __m256 out = _mm256_add_ps(acc[j][h], corr[j][h]);
-        if (w.bias) out = _mm256_add_ps(out, _mm256_loadu_ps(w.bias + m0 + 8 * h));
-        _mm256_storeu_ps(y + (b0 + j) * ldy + m0 + 8 * h, out);
+    const uint16_t* sz = w.tile_sz(m0, G, g);
+    for (int h = 0; h < 2; ++h) {  // rows 8h..8h+7: 8 (s, z) bf16 pairs, 8 residuals
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 16 * h));
+      const __m256 sv = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      __m256 zv = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+      if (w.zr) {
+        const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.tile_zr(m0, G, g) + 8 * h));
+        zv = _mm256_add_ps(zv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16)));
       }
+      for (int j = 0; j < NB; ++j) {
+        __m256i ti = _mm256_madd_epi16(t[j][h], ones);
+        if constexpr (E2M1) ti = _mm256_add_epi32(ti, t32[j][h]);
+        ti = _mm256_sub_epi32(ti, _mm256_set1_epi32(kCentre * x.xqs[j][g]));
+        acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti), _mm256_mul_ps(sv, _mm256_set1_ps(x.dx[j][g])), acc[j][h]);
+        corr[j][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(x.xs[j][g]), corr[j][h]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int h = 0; h < 2; ++h) {
+      __m256 out = _mm256_add_ps(acc[j][h], corr[j][h]);
+      if (w.bias) out = _mm256_add_ps(out, _mm256_loadu_ps(w.bias + m0 + 8 * h));
+      _mm256_storeu_ps(y + (b0 + j) * ldy + m0 + 8 * h, out);
+    }
+}
+
+// Rows [b0, b0 + nb) streamed tile by tile: each tile's codes come from memory once, for the first
+// pass of at most 4 rows, and the passes after it read them from L1 / L2 (a tile is K/32 x 320 bytes:
+// 5.6 KiB at K = 576, 40 at 4096). On 2 Zen 3 cores (2026-11-30) the unpacking kernel (int4tq8_avx2)
+// that had taken calls of 5+ rows cost ~1.7x the streaming one at 4 rows for 5 rows, and two whole calls of 4 rows each
+// beat it at 8 (SmolLM2's 576 x 576: 39.7 us at 8 rows, 21.4 at 4; 4096 x 4096: 1190 and 541).
+template <bool E2M1 = false>
+TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1,
+                               float* y, int64_t ldy) {
+  const int64_t G = a.K / kGroup;
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
+    for (int64_t j0 = b0; j0 < b0 + nb; j0 += 4) {
+      switch (std::min<int64_t>(4, b0 + nb - j0)) {
+        case 1: int4tq8s_tile_avx2<1, E2M1>(w, a, j0, G, m0, next, y, ldy); break;
+        case 2: int4tq8s_tile_avx2<2, E2M1>(w, a, j0, G, m0, next, y, ldy); break;
+        case 3: int4tq8s_tile_avx2<3, E2M1>(w, a, j0, G, m0, next, y, ldy); break;
+        default: int4tq8s_tile_avx2<4, E2M1>(w, a, j0, G, m0, next, y, ldy); break;
+      }
+    }
   }
 }
 
@@ -2022,9 +2041,11 @@ struct Int4Q8Gemv : Int4Gemv {
 // q8_from activation rows read int8-quantized x (vpdpbusd), smaller ones bf16 x (vdpbf16ps):
 // q8_from = 1 is always q8, kNeverQ8 never, 2 keeps batch 1 on bf16 and batched decode on q8.
 constexpr int64_t kNeverQ8 = INT64_MAX;
-// Calls of at most this many rows on int8 activations stream (int4tq8s_avx512 / _avx2); larger ones
-// fill a block or unpack each tile.
-constexpr int64_t kQ8StreamRows = 4;
+// Calls of at most this many rows on int8 activations stream on AVX2 (int4tq8s_avx2: passes of up to 4
+// rows over each tile); larger ones unpack each tile once (int4tq8_avx2). On 2 Zen 3 cores (2026-11-30,
+// weights cycled past the cache) streaming took 0.69x the unpacking kernel's time at 5 rows, 0.87x at 8,
+// ~1.0x at 16 and 0.80-0.85x the other way at 32 and 64 (576 x 576 to 4096 x 4096).
+constexpr int64_t kQ8StreamRows = 12;
 
 struct Int4TGemv : Int4Gemv {
   int64_t q8_from = kNeverQ8;
@@ -2052,7 +2073,7 @@ struct Int4TGemv : Int4Gemv {
       if (isa == kAvx512) {
         TIERED_DISPATCH_NB(int4tq8s_avx512, w, true)
       } else if (isa >= kAvx2 && nb <= kQ8StreamRows) {
-        TIERED_DISPATCH_NB(int4tq8s_avx2, w, true)
+        int4tq8s_avx2<true>(w, a, b0, nb, n0, n1, y, ldy);
       } else if (isa >= kAvx2) {
         int4tq8_avx2<true>(w, a, b0, nb, n0, n1, y, ldy);
       } else {
@@ -2062,7 +2083,7 @@ struct Int4TGemv : Int4Gemv {
       if (isa == kAvx512) {
         TIERED_DISPATCH_NB(int4tq8s_avx512, w)
       } else if (isa == kAvx2 && nb <= kQ8StreamRows) {
-        TIERED_DISPATCH_NB(int4tq8s_avx2, w)
+        int4tq8s_avx2<false>(w, a, b0, nb, n0, n1, y, ldy);
       } else if (isa == kAvx2) {
         int4tq8_avx2<false>(w, a, b0, nb, n0, n1, y, ldy);
       } else {
