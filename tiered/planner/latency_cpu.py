@@ -73,7 +73,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
                               readers=max(2, plan.staging_buffers), experts_format=plan.dtypes["experts"] if moe else None,
                               head_dtype=plan.dtypes.get("lm_head"), expert_act=plan.expert_act,
                               mix=plan.precision_mix, kv_format=plan.dtypes["kv_cache"], batch=batch,
-                              batch_act=plan.batch_act, bursts=plan.kv_slots == 1)  # LLM._burst: one sequence (Plan.decode_bursts)
+                              batch_act=plan.batch_act, bursts=True)  # LLM._burst: a lone sequence, a server's too (batch 1 only)
     if moe:
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         room = float("inf") if cpu is None else cpu - fixed - staging

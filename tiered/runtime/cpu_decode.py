@@ -514,12 +514,14 @@ class CPUDecodeStep:
                 and not any(b.on_route is not None for b in self.moe_blocks))
 
     def burst(self, token: int, slot: int, position: int, n: int, cache: KVCache, stop: list[int],
-              seen: torch.Tensor, params, uniforms: torch.Tensor) -> tuple[list[int], list[float]]:
+              seen: torch.Tensor, params, uniforms: torch.Tensor,
+              interrupt: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
         """Up to `n` decode steps of one sequence in one native call (DecodeStep.burst), each on the
         token the one before drew: `token` at `position` of `slot` first. The draw is
         engine/sampling.sample_tokens': greedy (after the repetition penalty on `seen` int64 and the
         tokens drawn), the temperature alone, or the filters, at uniforms float64 [n] (one per token, from
-        the request's generator). Stops after a token in `stop`. Only where `can_burst(cache)`.
+        the request's generator). Stops after a token in `stop`, or after the token during which another
+        thread made `interrupt` (int32 [1]) nonzero. Only where `can_burst(cache)`.
 
         Returns:
             (the tokens drawn, each token's seconds since the call began), at most n of each.
@@ -535,7 +537,7 @@ class CPUDecodeStep:
             token, slot, position, n, table, q8_0, x, rot.cos, rot.sin, cache.k, cache.v,
             torch.tensor(stop, dtype=torch.long), seen, params.repetition_penalty,
             0.0 if greedy else params.temperature, params.top_k, max(params.top_p, MIN_TOP_P), params.min_p,
-            plain_draw(params), uniforms)
+            plain_draw(params), uniforms, interrupt)
         self._count_moe_uses()
         return tokens.tolist(), seconds.tolist()
 

@@ -84,6 +84,9 @@ class ServingEngine:
         self._handles: dict[Sequence, Handle] = {}  # its handle while a sequence runs or waits
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        # made nonzero by a submit, a cancel or stop(): ends a decode burst of a lone request (LLM._burst)
+        # after its token in flight, so that the change is seen at the next step, not ~50 ms later
+        self._interrupt = torch.zeros(1, dtype=torch.int32)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="tiered-engine", daemon=True)
         self.external = False  # True while run() steps it on a caller's thread (the app must not start it)
@@ -109,6 +112,7 @@ class ServingEngine:
         with self._lock:
             self._stopping = True
             handles, self._handles = list(self._handles.values()), {}
+        self._interrupt.fill_(1)
         self._wake.set()
         error = ServerShuttingDownError("the server is shutting down", "retry once it is back")
         for h in handles:
@@ -149,6 +153,7 @@ class ServingEngine:
                 self._handles.pop(seq, None)  # gone already if stop() came in between
             self.metrics.count_request("rejected")
             raise
+        self._interrupt.fill_(1)  # after the add: a burst under way ends, and the next step sees the request
         self._wake.set()
         return handle
 
@@ -165,6 +170,7 @@ class ServingEngine:
                 return  # finished already
         self.scheduler.cancel(handle.seq)
         self.metrics.count_request("cancelled")
+        self._interrupt.fill_(1)
         self._wake.set()
 
     # ------------------------------------------------------------ engine thread
@@ -180,16 +186,18 @@ class ServingEngine:
                 self._fail_all(e)
                 continue
             if events:
-                self.metrics.observe_step(len({seq for seq, _, _ in events}), len(events))
-            for seq, delta, out in events:
+                self.metrics.observe_step(len({seq for seq, _, _ in events}), len(events), max(1, self.llm.last_burst))
+            for seq, delta, out in _merged(events):
                 self._deliver(seq, delta, out)
 
     def _step(self) -> list[tuple[Sequence, str, RequestOutput | None]]:
-        """One LLM.step over the scheduler's next plan; where it raises, _isolate's events instead."""
+        """One LLM.step over the scheduler's next plan, a decode burst where a lone request runs and none
+        waits (interrupted by the next submit, cancel or stop); where it raises, _isolate's events instead."""
+        self._interrupt.zero_()  # before schedule(): a request added after it interrupts the burst
         plan = self.scheduler.schedule()
         saved = [_Saved.of(seq) for seq in plan.running]
         try:
-            return self.llm.step(_Planned(self.scheduler, plan), self.cache)
+            return self.llm.step(_Planned(self.scheduler, plan), self.cache, burst=True, interrupt=self._interrupt)
         except Exception:  # noqa: BLE001 - which sequence failed is found by _isolate
             return self._isolate(plan, saved)
 
@@ -255,16 +263,32 @@ class ServingEngine:
             h.push(error)
 
 
+def _merged(events: list[tuple[Sequence, str, RequestOutput | None]]) -> list[tuple[Sequence, str, RequestOutput | None]]:
+    """A step's events, one a sequence: its text deltas joined, its output (if it finished) kept. A decode
+    burst gives one sequence many tokens in one step; delivered as one event they make one SSE chunk (the
+    HTTP thread wakes once a burst, not once a token, beside the engine's OpenMP team), and a client still
+    gets the burst's text as soon as it was drawn."""
+    merged: dict[Sequence, tuple[str, RequestOutput | None]] = {}
+    for seq, delta, out in events:
+        text, _ = merged.get(seq, ("", None))
+        merged[seq] = (text + delta, out)
+    return [(seq, delta, out) for seq, (delta, out) in merged.items()]
+
+
 class _Planned:
     """The scheduler LLM.step is given: schedule() returns the plan the engine made (its step's, or
     one sequence's in _isolate), finish() gives a finished sequence's slot back to the engine's
-    Scheduler. LLM.step calls nothing else."""
+    Scheduler, num_waiting is the Scheduler's (a burst only where none waits). LLM.step calls nothing else."""
 
     def __init__(self, scheduler: Scheduler, plan: StepPlan) -> None:
         self.scheduler, self.plan = scheduler, plan
 
     def schedule(self) -> StepPlan:
         return self.plan
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
 
     def finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

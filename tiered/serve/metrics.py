@@ -75,13 +75,15 @@ class ServerMetrics:
             for a, b in zip(token_times, token_times[1:]):
                 self.itl.observe(b - a)
 
-    def observe_step(self, running: int, tokens: int) -> None:
+    def observe_step(self, running: int, tokens: int, steps: int = 1) -> None:
         """One engine step in which `running` sequences got `tokens` tokens (a sequence admitted in
-        the step gets two: its prefill's and its first decode's)."""
+        the step gets two: its prefill's and its first decode's), or a decode burst (LLM._burst): `steps`
+        decode steps of one sequence in one call, counted as that many steps of one."""
         with self._lock:
-            self.steps += 1
+            self.steps += steps
             self.step_tokens += tokens
-            self.batch.observe(running)
+            for _ in range(steps):
+                self.batch.observe(running)
             self.peak_batch = max(self.peak_batch, running)
 
     def render(self, queue_depth: int, running: int, runtime: dict) -> str:

@@ -1642,14 +1642,17 @@ int64_t argmax_row(const float* l, int64_t V) {
 // at u[i], any other sample_filtered_row's. Stops after a token in `stop` (int64) or after n tokens. x: [1, D] scratch in
 // the residual stream's dtype; cos, sin: the rotary tables [positions, rotary_dim] fp32; u float64 [n]
 // (the request's generator drew them). Returns (tokens int64 [m], seconds float64 [m]: each token's
-// time since the call began), m <= n. The engine's loop around a step (scheduling, the step's input
-// tensors, sampling, detokenizing) cost ~0.13 ms a token on 2 Zen 3 cores, 3.5% of SmolLM2's ITL.
+// time since the call began), m <= n. `interrupt` (int32 [1], or none): another thread makes it nonzero
+// to end the burst after the token being computed (a server's new request joins the next step). The
+// engine's loop around a step (scheduling, the step's input tensors, sampling, detokenizing) cost
+// ~0.13 ms a token on 2 Zen 3 cores, 3.5% of SmolLM2's ITL.
 std::tuple<at::Tensor, at::Tensor> decode_burst(DecodeStep& step, int64_t token, int64_t slot, int64_t pos, int64_t n,
                                                 const at::Tensor& embed, bool q8_0, at::Tensor x, const at::Tensor& cos,
                                                 const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                                                 const at::Tensor& stop, const at::Tensor& seen, double penalty,
                                                 double temperature, int64_t top_k, double top_p, double min_p,
-                                                bool plain, const at::Tensor& u) {
+                                                bool plain, const at::Tensor& u,
+                                                const c10::optional<at::Tensor>& interrupt) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t D = x.size(-1), V = embed.size(0), L = step.num_layers();
   TIERED_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous(), "burst: x must be contiguous [1, D]");
@@ -1662,6 +1665,10 @@ std::tuple<at::Tensor, at::Tensor> decode_burst(DecodeStep& step, int64_t token,
               "burst: cos / sin must be float32 [positions, rotary_dim] covering every position of the burst");
   TIERED_CHECK(n >= 1 && u.numel() >= n && u.scalar_type() == at::kDouble, "burst: u must be float64 [n], n >= 1");
   TIERED_CHECK(temperature >= 0 && penalty > 0, "burst: temperature must be >= 0 and penalty > 0");
+  TIERED_CHECK(!interrupt || (interrupt->scalar_type() == at::kInt && interrupt->numel() == 1 && interrupt->is_cpu()),
+              "burst: interrupt must be a CPU int32 tensor of one element");
+  // another thread sets it (a server's new request): read afresh after each token
+  const int32_t* flag = interrupt ? interrupt->data_ptr<int32_t>() : nullptr;
   auto stops = stop.to(at::kLong).contiguous();
   const int64_t* sp = stops.data_ptr<int64_t>();
   auto sn = seen.to(at::kLong).contiguous();
@@ -1706,7 +1713,8 @@ std::tuple<at::Tensor, at::Tensor> decode_burst(DecodeStep& step, int64_t token,
     tokens.data_ptr<int64_t>()[m] = token;
     seconds.data_ptr<double>()[m] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (penalty != 1) seen_ids.push_back(token);
-    if (std::find(sp, sp + stops.numel(), token) != sp + stops.numel()) {
+    if (std::find(sp, sp + stops.numel(), token) != sp + stops.numel() ||
+        (flag != nullptr && __atomic_load_n(flag, __ATOMIC_ACQUIRE) != 0)) {
       ++m;
       break;
     }
@@ -1793,9 +1801,10 @@ void register_decode(pybind11::module& m) {
            py::arg("embed"), py::arg("q8_0"), py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("stop"), py::arg("seen"), py::arg("penalty"), py::arg("temperature"),
            py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("plain"), py::arg("u"),
+           py::arg("interrupt") = py::none(),
            "(tokens int64 [m], seconds float64 [m]): up to n decode steps of one sequence, each on the token the "
-           "step before drew (embedding, every layer, logits, the draw), stopping after a token in `stop` "
-           "(decode.cpp: decode_burst)");
+           "step before drew (embedding, every layer, logits, the draw), stopping after a token in `stop`, or "
+           "after the token during which `interrupt` (int32 [1]) became nonzero (decode.cpp: decode_burst)");
   m.def("sample_filtered", &sample_filtered, py::arg("logits"), py::arg("seen"), py::arg("penalty"),
         py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
         "token: one draw from logits fp32 [V] after engine/sampling.filtered_logits' filters (repetition penalty on "
