@@ -145,11 +145,10 @@ def main() -> None:
     off_port = free_port() if args.compare_bursts else None
     off_proc = None
     try:
-        if off_port is not None:
-            off_proc = start_server(args, off_port, {"TIERED_BURST": "0"})
-            asyncio.run(phase(off_port, httpx.get(f"http://127.0.0.1:{off_port}/v1/models").json()["data"][0]["id"],
-                              1, 5, args.max_tokens))  # warm-up
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+        if off_port is not None:  # the same model, served without bursts
+            off_proc = start_server(args, off_port, {"TIERED_BURST": "0"})
+            asyncio.run(phase(off_port, model, 1, 5, args.max_tokens))  # warm-up
         base_s = args.baseline_seconds or args.seconds / 2
         asyncio.run(phase(port, model, 1, 5, args.max_tokens))  # warm-up
         rounds = []

@@ -112,8 +112,7 @@ class ServingEngine:
         with self._lock:
             self._stopping = True
             handles, self._handles = list(self._handles.values()), {}
-        self._interrupt.fill_(1)
-        self._wake.set()
+        self._poke()
         error = ServerShuttingDownError("the server is shutting down", "retry once it is back")
         for h in handles:
             self.scheduler.cancel(h.seq)
@@ -153,8 +152,7 @@ class ServingEngine:
                 self._handles.pop(seq, None)  # gone already if stop() came in between
             self.metrics.count_request("rejected")
             raise
-        self._interrupt.fill_(1)  # after the add: a burst under way ends, and the next step sees the request
-        self._wake.set()
+        self._poke()  # after the add: the next step sees the request
         return handle
 
     def _refuse_for_shutdown(self) -> ServerShuttingDownError:
@@ -170,6 +168,11 @@ class ServingEngine:
                 return  # finished already
         self.scheduler.cancel(handle.seq)
         self.metrics.count_request("cancelled")
+        self._poke()
+
+    def _poke(self) -> None:
+        """The requests changed (a submit, a cancel, stop): end a burst under way after its token in
+        flight, and wake an idle engine thread."""
         self._interrupt.fill_(1)
         self._wake.set()
 

@@ -1306,9 +1306,7 @@ TIERED_AVX2 inline void int4tq8s_tile_avx2(const Int4W& w, const Act& a, int64_t
 
 // Rows [b0, b0 + nb) streamed tile by tile: each tile's codes come from memory once, for the first
 // pass of at most 4 rows, and the passes after it read them from L1 / L2 (a tile is K/32 x 320 bytes:
-// 5.6 KiB at K = 576, 40 at 4096). On 2 Zen 3 cores (2026-11-30) the unpacking kernel (int4tq8_avx2)
-// that had taken calls of 5+ rows cost ~1.7x the streaming one at 4 rows for 5 rows, and two whole calls of 4 rows each
-// beat it at 8 (SmolLM2's 576 x 576: 39.7 us at 8 rows, 21.4 at 4; 4096 x 4096: 1190 and 541).
+// 5.6 KiB at K = 576, 40 at 4096). Up to kQ8StreamRows rows (below: where this beats unpacking).
 template <bool E2M1 = false>
 TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1,
                                float* y, int64_t ldy) {
