@@ -532,6 +532,8 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         assert ("int4_int16_act" in result["ratios"]) == (ext.best_gemv_isa() == "avx512" and ext.has_vbmi())
         assert result["bf16_native_rows"] == tune.choose_rows(
             {n: result["ratios"][f"bf16_rows_{n}"] for n in tune.ROW_CHOICES}, result["margin"])
+        assert result["q8_dequantize_rows"] == tune.choose_dequantize_rows(
+            {n: result["ratios"][f"q8_dequantize_{n}"] for n in tune.DEQUANTIZE_ROW_CHOICES}, result["margin"])
         assert tune.measured(tmp_path) is False
         assert result["attempts"] == 1 and isinstance(result["contended"], bool)
         again = dict(result, contended=True)  # a contended tuning measured again counts on
@@ -547,8 +549,11 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         monkeypatch.setenv("TIERED_KERNEL_TUNING", "0")
         assert tune.apply(ext, tmp_path) is None and ext.tuning() == switches
         monkeypatch.delenv("TIERED_KERNEL_TUNING")
-        tune.save({k: v for k, v in result.items() if k != "bf16_native_rows"}, tmp_path)
-        assert not tune.measured(tmp_path)  # a tuning saved before a choice was added is measured again
+        for added in ("bf16_native_rows", "q8_dequantize_rows"):
+            tune.save({k: v for k, v in result.items() if k != added}, tmp_path)
+            assert not tune.measured(tmp_path)  # a tuning saved before a choice was added is measured again
+        tune.save({**result, "q8_dequantize_rows": "never"}, tmp_path)
+        assert tune.apply(ext, tmp_path) is None and ext.tuning() == switches  # a malformed choice: none applied
         (tmp_path / "tuning.json").write_text("{not json")
         assert tune.apply(ext, tmp_path) is None and ext.tuning() == switches
     finally:
@@ -590,6 +595,18 @@ def test_a_tuning_other_processes_disturbed_is_measured_again(tmp_path, monkeypa
     assert tune.saved(tmp_path) == base
     (tmp_path / "tuning.json").write_text("[1, 2]")
     assert tune.saved(tmp_path) is None and not tune.measured(tmp_path) and not tune.complete(tmp_path)
+
+
+def test_int4_prompt_rows_dequantize_from_where_the_gemm_first_wins():
+    """tune.choose_dequantize_rows: the largest row count, ascending, below the first at which dequantize +
+    GEMM wins by the margin (half the smallest where it wins there), 0 (never) where it never does."""
+    from tiered.kernels.tune import choose_dequantize_rows
+
+    zen5 = {64: [2.8], 128: [1.9], 256: [1.4], 512: [1.15]}  # the 2 Zen 5 cores' 4096 x 4096 medians, 2026-12-01
+    assert choose_dequantize_rows(zen5) == 0
+    assert choose_dequantize_rows({64: [1.3], 128: [0.9], 256: [0.5], 512: [0.4]}) == 64
+    assert choose_dequantize_rows({64: [0.7], 128: [0.5]}) == 32
+    assert choose_dequantize_rows({64: [1.2], 128: [0.98], 256: [1.1]}) == 0  # within the margin: the kernel
 
 
 def test_bf16_expert_rows_go_native_up_to_where_torch_first_wins():
@@ -682,6 +699,11 @@ def test_int4_prefill_path_by_isa(monkeypatch):
     assert I.dequantize_rows() == I.DEQUANTIZE_ROWS.get(kernels.isa(), I.DEQUANTIZE_ROWS_OTHER)
     assert (I.dequantize_rows("q8", "avx2"), I.dequantize_rows("bf16", "avx2")) == (None, 256)
     assert I.dequantize_rows("q8", "avx512") == I.dequantize_rows("bf16", "avx512") == 96
+    # a profiled machine's measured tuning decides its q8 calls (kernels/tune.py: 0 never), not its bf16 ones
+    for tuned, rows in ((0, None), (128, 128), (None, 96)):
+        assert I.dequantize_rows("q8", "avx512", {"q8_dequantize_rows": tuned}) == rows
+        assert I.dequantize_rows("bf16", "avx512", {"q8_dequantize_rows": tuned}) == 96
+    monkeypatch.setattr(kernels, "q8_dequantize_rows", lambda: None)  # this machine untuned: the tables
     g = torch.Generator().manual_seed(0)
     lin = I.Int4Linear.from_codes(*I.quantize_int4(torch.randn(64, 128, generator=g) * 0.05), 32, None, "tiled")
     x = torch.randn(80, 128, generator=g)
@@ -712,6 +734,13 @@ def test_int4_prefill_path_by_isa(monkeypatch):
     lin.batch_act = "q8"
     lin.dense(x)
     assert calls == ["bf16", "q8", "q8"]  # 80 rows > 48, yet the kernel
+    # ... unless this machine's kernel tuning measured where dequantizing wins (kernels.q8_dequantize_rows)
+    monkeypatch.setattr(kernels, "q8_dequantize_rows", lambda: 64)
+    assert torch.allclose(lin.dense(x), lin.dequantized(x).float()) and calls == ["bf16", "q8", "q8"]
+    monkeypatch.setattr(kernels, "q8_dequantize_rows", lambda: 0)
+    monkeypatch.setattr(I, "DEQUANTIZE_ROWS_Q8", {kernels.isa(): 48})
+    lin.dense(x)
+    assert calls == ["bf16", "q8", "q8", "q8"]  # never, whatever the table says
 
 
 def tiled_dequantize_ref(lin):

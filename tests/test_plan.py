@@ -495,6 +495,15 @@ def test_one_copy_int4_prompts_are_priced_on_the_path_their_rows_take():
                                      None, None, meta={**meta, "kernel_isa": "avx2"})
     assert on_q8(avx2, 512) == on_q8(avx2_slow_gemm, 512) != on_q8(q8, 512)
     assert ttft(avx2, 512) == ttft(q8, 512) and ttft(avx2_slow_gemm, 512) > ttft(avx2, 512)  # bf16 rows: past 256
+    # a profile whose kernel tuning measured the q8 choice (kernels/tune.py, as on 2 Zen 5 cores: never) is priced
+    # by it on any ISA: the kernel's rows at 512 tokens, as AVX2's; a tuned 256 dequantizes the 512-token GEMMs
+    tuned = {**meta, "kernel_isa": "avx512", "kernel_tuning": {"q8_dequantize_rows": 0}}
+    never = HardwareProfile("cpu-box", "test", q8.models, None, None, meta=tuned)
+    never_slow_gemm = HardwareProfile("cpu-box", "test", avx2_slow_gemm.models, None, None, meta=tuned)
+    assert on_q8(never, 512) == on_q8(never_slow_gemm, 512) == on_q8(avx2, 512)
+    past_256 = HardwareProfile("cpu-box", "test", q8.models, None, None,
+                               meta={**tuned, "kernel_tuning": {"q8_dequantize_rows": 256}})
+    assert on_q8(past_256, 512) == on_q8(q8, 512) and on_q8(past_256, 128) == on_q8(never, 128)
 
 
 def test_quantized_prompt_experts_are_priced_on_the_paths_their_rows_take():

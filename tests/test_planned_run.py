@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -467,6 +468,31 @@ def test_decode_is_priced_again_at_a_runs_context(zoo, box, monkeypatch):
         return p
     monkeypatch.setattr(auto, "make_plan", one_more_slot)
     assert llm.predicted_decode_at(4) is None
+
+
+def test_a_given_profile_of_the_other_cpu_step_is_said(zoo, box, tmp_path, monkeypatch):
+    """A given profile measured with(out) tiered's native kernels while this process runs without
+    (with) them prices a step other than the one that runs: the plan says so; a profile of the step
+    that runs says nothing of it (this machine's own profile is measured again instead:
+    test_engine_profile_sources)."""
+    from tiered.planner import auto
+
+    path = zoo.dir("llama")
+    with_kernels = tmp_path / "native.json"
+    hw = HardwareProfile.load(box)
+    replace(hw, meta={"native_kernels": True}).save(with_kernels)
+    note = "this process runs with{} them"
+    for available in (True, False):
+        monkeypatch.setattr(auto.kernels, "available", lambda a=available: a)
+        for profile, native in ((box, False), (str(with_kernels), True)):
+            plan = LLM(path, EngineConfig(accelerator="none", max_context=CTX, profile=profile,
+                                          decode_weights="fp32")).plan
+            said = [n for n in plan.notes if "native kernels" in n]
+            assert plan.native_decode == available
+            if native == available:
+                assert not said
+            else:
+                assert len(said) == 1 and note.format("" if available else "out") in said[0]
 
 def test_a_cpu_plan_prices_a_servers_full_step(zoo, box):
     """With max_batch sequences (serve's --max-batch) a CPU plan also prices their steps together

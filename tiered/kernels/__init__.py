@@ -138,10 +138,21 @@ def isa() -> str | None:
 
 def tuning() -> dict | None:
     """The kernel tuning this process runs with ({"stream_prefetch", "prefetch_l2",
-    "int4_int16_act", "bf16_native_rows"}: tune.py's measurement, applied by `load()`), or None without the extension:
+    "int4_int16_act", "bf16_native_rows", "q8_dequantize_rows"}: tune.py's measurement, applied by `load()`), or None without the extension:
     what a hardware profile's native keys were timed under."""
     ext = load()
-    return None if ext is None else dict(ext.tuning(), bf16_native_rows=bf16_native_rows())
+    return None if ext is None else dict(ext.tuning(), bf16_native_rows=bf16_native_rows(),
+                                         q8_dequantize_rows=q8_dequantize_rows())
+
+
+def q8_dequantize_rows() -> int | None:
+    """Rows beyond which a one-copy int4 weight's call on int8 activations dequantizes it for one GEMM
+    (quant/int4.dequantize_rows), as this machine's tuning measured (tune.choose_dequantize_rows; 0: never);
+    None without the extension or that measurement (quant/int4's tables by ISA then)."""
+    if load() is None:
+        return None
+    rows = _applied.get("q8_dequantize_rows")
+    return None if rows is None else int(rows)
 
 
 def bf16_native_rows() -> int:

@@ -26,7 +26,15 @@ Four choices depend on the CPU more than on the code, so they are measured here 
   torch's GEMMs (`choose_rows`): 32 on 2 AVX2 cores, 4 on the Zen 4 VM (oneDNN's bf16 GEMM there ran
   8 / 16 / 32 rows of a Mixtral-width expert in 12 / 15 / 20 ms against the native 19 / 34 / 66).
 
-Each choice is an interleaved A/B over cold weights: OLMoE-width SwiGLU experts (hidden 2048,
+- ``q8_dequantize_rows``: rows beyond which a one-copy int4 weight's prompt call on int8 activations
+  (Int4Linear.dense, a dense model's prefill) dequantizes the weight for one oneDNN GEMM instead of running
+  the int4 kernel on the rows (quant/int4.dequantize_rows; 0: never). quant/int4's AVX-512 table (96 rows)
+  was measured on a Zen 4 VM against the bf16-activation kernel; 2 Zen 5 cores (AVX-512 BF16 and VNNI, no
+  AMX) ran the int8-row kernel ahead at every row count to 1024, and dequantizing past 96 rows made
+  SmolLM2's 128-token prompt take 6.6x its 32-token one. Timed on one Llama-width weight (DEQUANTIZE_WIDTH) at DEQUANTIZE_ROW_CHOICES rows
+  (`choose_dequantize_rows`).
+
+Each choice (but the last) is an interleaved A/B over cold weights: OLMoE-width SwiGLU experts (hidden 2048,
 intermediate 1024, bf16 and tiled int4, the latter on bf16 / int16 and on int8 activations) cycled through so that they exceed the last-level cache,
 one token each, `rounds` times in alternating order; the other option is taken only when the
 median of its per-round time ratios is at least `margin` faster (VM neighbours move a single pass by
@@ -45,7 +53,8 @@ from pathlib import Path
 
 from tiered.hardware import contention
 
-DEFAULTS = {"stream_prefetch": True, "prefetch_l2": False, "int4_int16_act": False, "bf16_native_rows": 32}
+DEFAULTS = {"stream_prefetch": True, "prefetch_l2": False, "int4_int16_act": False, "bf16_native_rows": 32,
+            "q8_dequantize_rows": None}  # None: quant/int4's tables by ISA
 # A tuning during which other processes took more than CONTENDED_SHARE of the cores is "contended": its
 # A/Bs timed the neighbours. Two builds of the same sources tuned at once on the 2-core Zen 4 VM
 # (2026-11-27) chose bf16_native_rows 32 and 4, int4_int16_act false and true. `python -m tiered.kernels`
@@ -58,6 +67,9 @@ WIDTH = (2048, 1024)  # (hidden D, expert intermediate F): OLMoE's experts, a sh
 # zeros (a GGUF's Q4_0 experts), in one huge-page slab as the expert store holds them
 GROUP_WIDTH, GROUP_TOP_K = (2048, 768), 8
 ROW_CHOICES = (2, 4, 8, 32)
+# q8_dequantize_rows' A/B: an int4 weight [N, K] (a Llama-3-8B-width attention projection's K, half its N: a
+# prompt's GEMM is compute-bound, so the weight's size moves both sides alike) at these rows a call
+DEQUANTIZE_WIDTH, DEQUANTIZE_ROW_CHOICES = (2048, 4096), (64, 128, 256, 512)
 # Rows at which a bf16 expert's native kernel (one call up to 8 rows, then groups of 8, its weights read
 # once a group) is timed against torch's three GEMMs (oneDNN: the weights read once): bf16_native_rows is
 # the largest of these up to which the native kernel is not slower, 1 when it is slower at 2 rows.
@@ -121,6 +133,57 @@ def choose_rows(ratios: dict[int, list[float]], margin: float = 0.03) -> int:
             break
         rows = n
     return rows
+
+
+def dequantize_name(tuning: dict) -> str:
+    """How a tuning runs one-copy int4 prompt rows on int8 activations, for a line of output."""
+    rows = tuning.get("q8_dequantize_rows")
+    if rows is None:
+        return "int4 prompt rows dequantized by the ISA's table"
+    return f"int4 prompt rows dequantized past {rows}" if rows else "int4 prompt rows never dequantized"
+
+
+def choose_dequantize_rows(ratios: dict[int, list[float]], margin: float = 0.03) -> int:
+    """q8_dequantize_rows from {rows: per-round time ratios dequantized / kernel}: the largest row count, in
+    ascending order, below the first at which dequantizing wins by `margin` (`choose`), half that first
+    where it wins at the smallest; 0 (never dequantize) where it wins at none."""
+    rows = 0
+    for n in sorted(ratios):
+        if choose(ratios[n], margin):
+            return rows or n // 2
+        rows = n
+    return 0
+
+
+def _dequantize_ab(rows: int, rounds: int) -> list[float]:
+    """Per-round ratios dequantized / kernel of an int4 DEQUANTIZE_WIDTH weight's call on `rows` int8-activation
+    rows (Int4Linear.dense's two paths: `kernel("q8")` and `dequantized`), alternating which side goes first."""
+    import torch
+
+    from tiered.quant.int4 import Int4Linear, quantize_int4
+
+    K, N = DEQUANTIZE_WIDTH
+    g = torch.Generator().manual_seed(0)
+    lin = Int4Linear.from_codes(*quantize_int4(torch.randn(N, K, generator=g) * 0.02), layout="tiled",
+                                batch_act="q8")
+    x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
+    kernel = lin.kernel("q8")
+
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        fn(x)
+        return time.perf_counter() - t
+
+    ratios = []
+    with torch.inference_mode():
+        kernel(x), lin.dequantized(x)  # warm-up: oneDNN's kernels for this shape, the reused buffer
+        for r in range(rounds):
+            if r % 2 == 0:
+                a, b = timed(kernel), timed(lin.dequantized)
+            else:
+                b, a = timed(lin.dequantized), timed(kernel)
+            ratios.append(b / a)
+    return ratios
 
 
 def _rows_ab(ext, ef, slots, rows: int, rounds: int) -> list[float]:
@@ -202,7 +265,7 @@ def _ab(ext, sets, option: str, rounds: int, sweep=_sweep) -> list[float]:
 def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float = 0.03,
             previous: dict | None = None) -> dict:
     """This machine's tuning, measured (see the module docstring): {"stream_prefetch": bool,
-    "int4_int16_act": bool, "ratios": {option: per-round time ratios}, "others_share", "contended",
+    "int4_int16_act": bool, "bf16_native_rows": int, "q8_dequantize_rows": int (0: never), "ratios": {option: per-round time ratios}, "others_share", "contended",
     "attempts" (hardware/contention.record; `previous`: the tuning it replaces), ...}. Leaves `ext` set to it.
 
     total_bytes: weight bytes per format cycled through (default: 4x the last-level cache, at least
@@ -235,8 +298,12 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
     # bf16 experts past one row: the native kernel or torch's GEMMs (ExpertFormat.native_rows / grouped_rows)
     rows_ratios = {n: _rows_ab(ext, *bf16, n, max(3, rounds // 2)) for n in ROW_CHOICES}
     out["ratios"].update({f"bf16_rows_{n}": r for n, r in rows_ratios.items()})
+    # a one-copy int4 weight's prompt rows on int8 activations: the kernel or dequantize + GEMM (Int4Linear.dense)
+    deq_ratios = {n: _dequantize_ab(n, max(3, rounds // 2)) for n in DEQUANTIZE_ROW_CHOICES}
+    out["ratios"].update({f"q8_dequantize_{n}": r for n, r in deq_ratios.items()})
     out.update(ext.tuning())
     out["bf16_native_rows"] = choose_rows(rows_ratios, margin)
+    out["q8_dequantize_rows"] = choose_dequantize_rows(deq_ratios, margin)
     out.update(isa=ext.gemv_isa(), cpu=cpu_model(), bytes_per_format=total,
                rounds=rounds, margin=margin, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                **contention.record(start, previous))
@@ -290,9 +357,11 @@ def apply(ext, directory: Path) -> dict | None:
         return None
     try:
         saved = json.loads(p.read_text())
-        ext.set_tuning(**{k: bool(saved[k]) for k in EXT_OPTIONS if k in saved})
         if not isinstance(saved.get("bf16_native_rows", DEFAULTS["bf16_native_rows"]), int):
             raise TypeError("bf16_native_rows")
+        if not isinstance(saved.get("q8_dequantize_rows") or 0, int):  # None: the tables by ISA
+            raise TypeError("q8_dequantize_rows")
+        ext.set_tuning(**{k: bool(saved[k]) for k in EXT_OPTIONS if k in saved})  # checked first: all or none
     except (ValueError, TypeError, KeyError, OSError, AttributeError):
         return None
     return saved

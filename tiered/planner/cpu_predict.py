@@ -679,7 +679,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     if isa is not None:
         from tiered.quant.int4 import dequantize_rows
 
-        kernel_rows = dequantize_rows(batch_act, isa)
+        kernel_rows = dequantize_rows(batch_act, isa, tuning=(hw.meta or {}).get("kernel_tuning") or {})
         kernel_rows = math.inf if kernel_rows is None else kernel_rows
     else:
         kernel_rows = (hw.meta or {}).get("int4_dequantize_rows")

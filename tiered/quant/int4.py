@@ -34,6 +34,11 @@ DEQUANTIZE_ROWS_OTHER = 48  # the scalar path
 # fp32 GEMM (2026-11-30: 4096 x 4096 at 512 rows 55 vs 105 ms, 14336 x 4096 207 vs 356, 4096 x 14336 258 vs
 # 342, 1536 x 576 2.9 vs 6.1; at 1024 rows 110 vs 200, 428 vs 695): never dequantized there (None). A
 # Llama-3-8B-width Q4_K_M prompt of 512 tokens had taken 11.8 s where llama.cpp took 9.7.
+# On AVX-512 it depends on the CPU more than on the ISA: 2 Zen 5 cores (2026-12-01, AVX-512 BF16 and VNNI, no
+# AMX) ran the int8-row kernel ahead of bf16 dequantize + oneDNN GEMM at every row count to 1024 (0.20-0.52x
+# the time at 32-128 rows, 0.65-0.93x at 256-512 on 4096 x 4096 and 14336 x 4096, 0.91-1.07x at 1024), and
+# SmolLM2's 128-token prompt, dequantized past 96 rows, took 6.6x its 32-token one. So the kernel tuning
+# measures it (kernels/tune.py's q8_dequantize_rows); this table holds where the tuning has not.
 DEQUANTIZE_ROWS_Q8 = {"avx2": None}
 DEQUANTIZE_DTYPE = {"avx512": torch.bfloat16}  # the GEMM's dtype beyond DEQUANTIZE_ROWS (else fp32)
 # Weights of more elements are dequantized and multiplied this many elements' rows at a time: the
@@ -90,14 +95,22 @@ def tiled_fits(out_features: int, in_features: int, group: int = GROUP) -> bool:
     return group == GROUP and out_features % 16 == 0 and in_features % GROUP == 0
 
 
-def dequantize_rows(batch_act: str = "bf16", isa: str | None = None) -> int | None:
-    """Rows beyond which Int4Linear.dense dequantizes for one GEMM, by the native kernels' ISA (`isa`, None: this
-    machine's): DEQUANTIZE_ROWS for calls on bf16 activations, DEQUANTIZE_ROWS_Q8 for calls on int8 ones
-    (`batch_act` "q8") where it names the ISA. None: never, the kernel at every row count."""
+def dequantize_rows(batch_act: str = "bf16", isa: str | None = None, tuning: dict | None = None) -> int | None:
+    """Rows beyond which Int4Linear.dense dequantizes for one GEMM. Calls on int8 activations (`batch_act` "q8"):
+    the kernel tuning's measured q8_dequantize_rows where it has one (kernels/tune.py: 0 for never), else
+    DEQUANTIZE_ROWS_Q8 where it names the ISA; other calls, and q8 ones on other ISAs: DEQUANTIZE_ROWS by the
+    native kernels' ISA. `isa` and `tuning` None: this machine's (kernels.isa, kernels.tuning); the planner
+    passes a profiled machine's (its meta's kernel_isa and kernel_tuning). None: never, the kernel at every
+    row count."""
     if isa is None:
         from tiered import kernels
 
         isa = kernels.isa()
+        if tuning is None:
+            tuning = {"q8_dequantize_rows": kernels.q8_dequantize_rows()}
+    tuned = (tuning or {}).get("q8_dequantize_rows")
+    if batch_act == "q8" and tuned is not None:
+        return int(tuned) or None
     if batch_act == "q8" and isa in DEQUANTIZE_ROWS_Q8:
         return DEQUANTIZE_ROWS_Q8[isa]
     return DEQUANTIZE_ROWS.get(isa, DEQUANTIZE_ROWS_OTHER)
@@ -228,17 +241,19 @@ class Int4Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         limit = dequantize_rows(self.batch_act)
-        if limit is None or x2.shape[0] <= limit:
-            y = self.kernel(self.batch_act)(x2)
-        else:
-            from tiered.kernels.linear import tiled_dequantize
-
-            dt = dequantize_dtype()
-            bias = None if self.bias is None else self.bias.to(dt)
-            fp32 = dt == torch.float32
-            y = gemm_by_row_chunks(x2.to(dt), self.out_features, bias=bias, weight_rows=lambda n0, n1:
-                                   tiled_dequantize(self.packed, None, fp32=fp32, rows=(n0, n1)))
+        y = self.kernel(self.batch_act)(x2) if limit is None or x2.shape[0] <= limit else self.dequantized(x2)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> [T, N] in `dequantize_dtype()`: the weight ("tiled" layout) dequantized (into a reused
+        buffer) for one GEMM in that dtype, as `dense` runs calls past dequantize_rows."""
+        from tiered.kernels.linear import tiled_dequantize
+
+        dt = dequantize_dtype()
+        bias = None if self.bias is None else self.bias.to(dt)
+        fp32 = dt == torch.float32
+        return gemm_by_row_chunks(x.to(dt), self.out_features, bias=bias, weight_rows=lambda n0, n1:
+                                  tiled_dequantize(self.packed, None, fp32=fp32, rows=(n0, n1)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
