@@ -532,8 +532,9 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         assert ("int4_int16_act" in result["ratios"]) == (ext.best_gemv_isa() == "avx512" and ext.has_vbmi())
         assert result["bf16_native_rows"] == tune.choose_rows(
             {n: result["ratios"][f"bf16_rows_{n}"] for n in tune.ROW_CHOICES}, result["margin"])
-        assert result["q8_dequantize_rows"] == tune.choose_dequantize_rows(
-            {n: result["ratios"][f"q8_dequantize_{n}"] for n in tune.DEQUANTIZE_ROW_CHOICES}, result["margin"])
+        for key, ratios in (("q8_dequantize_rows", "q8_dequantize"), ("q8_expert_grouped_rows", "q8_expert_groups")):
+            assert result[key] == tune.choose_dequantize_rows(
+                {n: result["ratios"][f"{ratios}_{n}"] for n in tune.DEQUANTIZE_ROW_CHOICES}, result["margin"])
         assert tune.measured(tmp_path) is False
         assert result["attempts"] == 1 and isinstance(result["contended"], bool)
         again = dict(result, contended=True)  # a contended tuning measured again counts on
@@ -549,7 +550,7 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         monkeypatch.setenv("TIERED_KERNEL_TUNING", "0")
         assert tune.apply(ext, tmp_path) is None and ext.tuning() == switches
         monkeypatch.delenv("TIERED_KERNEL_TUNING")
-        for added in ("bf16_native_rows", "q8_dequantize_rows"):
+        for added in ("bf16_native_rows", "q8_dequantize_rows", "q8_expert_grouped_rows"):
             tune.save({k: v for k, v in result.items() if k != added}, tmp_path)
             assert not tune.measured(tmp_path)  # a tuning saved before a choice was added is measured again
         tune.save({**result, "q8_dequantize_rows": "never"}, tmp_path)
@@ -825,3 +826,27 @@ def test_run_grouped_is_each_kernel_on_its_rows():
         ext.run_grouped(ks, x[:2].contiguous())  # 2 row blocks for 3 kernels
     with pytest.raises(RuntimeError, match="run_grouped"):
         ext.run_grouped(ks + [ext.bf16_kernel(torch.randn(8, 32).to(torch.bfloat16))], torch.randn(4, 2, 32))
+
+
+def test_a_scratch_buffer_made_in_inference_mode_serves_calls_outside_it():
+    """kernels/linear's reused dequantize buffer, first made inside torch.inference_mode (the engine's forwards,
+    the kernel tuning's A/Bs in an engine's process), is made again for a call outside it: an inference tensor
+    takes no in-place write there ("Inplace update to inference tensor outside InferenceMode")."""
+    import threading
+
+    from tiered.kernels.linear import bf16_rows
+
+    w = torch.randn(64, 96)
+    out = {}
+
+    def run():  # a thread of its own: a fresh scratch, whatever earlier tests left in this one's
+        with torch.inference_mode():
+            inside = bf16_rows(w, 0, 64)
+        assert inside.is_inference()
+        outside = bf16_rows(w, 0, 32)  # fits the buffer made inside
+        out["ok"] = not outside.is_inference() and torch.equal(outside, w[:32].to(torch.bfloat16))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert out.get("ok")

@@ -538,6 +538,15 @@ def test_quantized_prompt_experts_are_priced_on_the_paths_their_rows_take():
     # AVX2 on int8 rows: groups at any rows (quant/experts.GROUPED_ROWS_Q8: 1.6-3x the dequantized matmul's speed)
     assert prompt_expert_time(avx2, "int4", 200, wb, macs, "q8") == pytest.approx(kernel(200, 25))
     assert prompt_expert_time(avx2, "int4", 20, wb, macs, "q8", biased=True) == pytest.approx(dequantized(20))
+    # a profile whose kernel tuning measured the choice (kernels/tune.py's q8_expert_grouped_rows; 0: groups at
+    # any rows, as on 2 Zen 5 cores) prices by it on any ISA
+    def tuned(rows):
+        return HardwareProfile("cpu-box", "test", m, None, None,
+                               meta={**avx512.meta, "kernel_tuning": {"q8_expert_grouped_rows": rows}})
+    assert prompt_expert_time(tuned(0), "int4", 200, wb, macs, "q8") == pytest.approx(kernel(200, 25))
+    assert prompt_expert_time(tuned(64), "int4", 100, wb, macs, "q8") == pytest.approx(dequantized(100))
+    assert prompt_expert_time(tuned(64), "int4", 60, wb, macs, "q8") == pytest.approx(kernel(60, 8))
+    assert prompt_expert_time(tuned(0), "int4", 200, wb, macs, "bf16") == pytest.approx(dequantized(200))  # the table's
     assert prompt_expert_time(avx512, "int8-g32", 1000, wb, macs) == pytest.approx(kernel(1000, 125))
     assert prompt_expert_time(avx512, "int4", 20, wb, macs, "bf16") is None  # no int4 (bf16 rows) keys
     assert prompt_expert_time(HardwareProfile("cpu-box", "test", m, None, None), "mxfp4", 16, wb, macs) is None

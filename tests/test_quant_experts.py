@@ -570,6 +570,7 @@ def test_int4_experts_on_int8_rows_keep_their_groups_at_any_rows_on_avx2(monkeyp
     from tiered import kernels as kmod
     from tiered.quant import experts as ex
 
+    monkeypatch.setattr(kmod, "q8_expert_grouped_rows", lambda: None)  # this machine untuned: the tables
     assert ex.prompt_rows("int4", "avx2", batch_act="q8") == (ex.NATIVE_ROWS, 1 << 30)
     assert ex.prompt_rows("int4", "avx2") == ex.prompt_rows("int4", "avx512", batch_act="q8") == \
         (ex.NATIVE_ROWS, ex.GROUPED_ROWS["int4"])
@@ -579,6 +580,15 @@ def test_int4_experts_on_int8_rows_keep_their_groups_at_any_rows_on_avx2(monkeyp
         monkeypatch.setattr(kmod, "isa", lambda isa=isa: isa)
         fmt = ex.ExpertFormat("int4", shapes, "tiled", batch_act=act)
         assert fmt.grouped_rows == want and fmt.group_rows == max(fmt.native_rows, want)
+    # a measured tuning (kernels/tune.py's q8_expert_grouped_rows; 0: groups at any rows) decides int4 on int8
+    # rows on any ISA, this machine's through kernels.q8_expert_grouped_rows
+    for tuned, want in ((0, 1 << 30), (64, 64)):
+        assert ex.prompt_rows("int4", "avx512", batch_act="q8", tuning={"q8_expert_grouped_rows": tuned})[1] == want
+        monkeypatch.setattr(kmod, "q8_expert_grouped_rows", lambda tuned=tuned: tuned)
+        assert ex.ExpertFormat("int4", shapes, "tiled", batch_act="q8").grouped_rows == want
+        assert ex.ExpertFormat("int4", shapes, "tiled", batch_act="bf16").grouped_rows == ex.GROUPED_ROWS["int4"]
+    assert ex.prompt_rows("int8-g32", "avx512", batch_act="q8", tuning={"q8_expert_grouped_rows": 64})[1] == \
+        ex.GROUPED_ROWS["int8-g32"]  # only int4's is measured
 
 
 @pytest.mark.skipif(not __import__("tiered").kernels.available(), reason="native extension unavailable")

@@ -137,22 +137,35 @@ def isa() -> str | None:
 
 
 def tuning() -> dict | None:
-    """The kernel tuning this process runs with ({"stream_prefetch", "prefetch_l2",
-    "int4_int16_act", "bf16_native_rows", "q8_dequantize_rows"}: tune.py's measurement, applied by `load()`), or None without the extension:
+    """The kernel tuning this process runs with ({"stream_prefetch", "prefetch_l2", "int4_int16_act",
+    "bf16_native_rows", "q8_dequantize_rows", "q8_expert_grouped_rows"}: tune.py's measurement, applied by
+    `load()`), or None without the extension:
     what a hardware profile's native keys were timed under."""
     ext = load()
     return None if ext is None else dict(ext.tuning(), bf16_native_rows=bf16_native_rows(),
-                                         q8_dequantize_rows=q8_dequantize_rows())
+                                         q8_dequantize_rows=q8_dequantize_rows(),
+                                         q8_expert_grouped_rows=q8_expert_grouped_rows())
+
+
+def q8_expert_grouped_rows() -> int | None:
+    """Rows up to which a tiled int4 CPU expert on int8 activations runs its native kernel in groups rather than
+    dequantized for one GEMM (quant/experts.kind_grouped_rows), as this machine's tuning measured
+    (tune.choose_dequantize_rows; 0: at any rows); None without the extension or that measurement."""
+    return _tuned_rows("q8_expert_grouped_rows")
+
+
+def _tuned_rows(key: str) -> int | None:
+    if load() is None:
+        return None
+    rows = _applied.get(key)
+    return None if rows is None else int(rows)
 
 
 def q8_dequantize_rows() -> int | None:
     """Rows beyond which a one-copy int4 weight's call on int8 activations dequantizes it for one GEMM
     (quant/int4.dequantize_rows), as this machine's tuning measured (tune.choose_dequantize_rows; 0: never);
     None without the extension or that measurement (quant/int4's tables by ISA then)."""
-    if load() is None:
-        return None
-    rows = _applied.get("q8_dequantize_rows")
-    return None if rows is None else int(rows)
+    return _tuned_rows("q8_dequantize_rows")
 
 
 def bf16_native_rows() -> int:

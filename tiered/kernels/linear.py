@@ -208,9 +208,11 @@ def bf16_rows(w: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
 
 
 def _scratch_view(N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
-    """[N, K] of this thread's reused `dtype` buffer (grown as needed)."""
+    """[N, K] of this thread's reused `dtype` buffer (grown as needed; made again outside inference mode where
+    it was made inside, as the engine's forwards and the kernel tuning run: an inference tensor takes no
+    in-place write outside it)."""
     buf = getattr(_scratch, str(dtype), None)
-    if buf is None or buf.numel() < N * K:
+    if buf is None or buf.numel() < N * K or (buf.is_inference() and not torch.is_inference_mode_enabled()):
         buf = torch.empty(N * K, dtype=dtype)
         setattr(_scratch, str(dtype), buf)
     return buf[:N * K].view(N, K)

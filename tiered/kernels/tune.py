@@ -31,8 +31,13 @@ Four choices depend on the CPU more than on the code, so they are measured here 
   the int4 kernel on the rows (quant/int4.dequantize_rows; 0: never). quant/int4's AVX-512 table (96 rows)
   was measured on a Zen 4 VM against the bf16-activation kernel; 2 Zen 5 cores (AVX-512 BF16 and VNNI, no
   AMX) ran the int8-row kernel ahead at every row count to 1024, and dequantizing past 96 rows made
-  SmolLM2's 128-token prompt take 6.6x its 32-token one. Timed on one Llama-width weight (DEQUANTIZE_WIDTH) at DEQUANTIZE_ROW_CHOICES rows
-  (`choose_dequantize_rows`).
+  SmolLM2's 128-token prompt take 6.6x its 32-token one. Timed on one Llama-width weight (DEQUANTIZE_WIDTH) at
+  DEQUANTIZE_ROW_CHOICES rows (`choose_dequantize_rows`).
+- ``q8_expert_grouped_rows``: the same choice for a tiled int4 CPU expert's prompt rows on int8 activations
+  (ExpertFormat.forward: its native kernel in groups of NATIVE_ROWS rows, `grouped`, or each projection
+  dequantized for a matmul, `dequantized`; quant/experts.kind_grouped_rows; 0: groups at any rows), on
+  Qwen3-30B-A3B-width Q4_0 experts (GROUP_WIDTH). quant/experts' table dequantized past 128 rows on AVX-512;
+  the Zen 5 cores ran groups 0.85x the dequantized time at 256 rows and 0.93x at 512.
 
 Each choice (but the last) is an interleaved A/B over cold weights: OLMoE-width SwiGLU experts (hidden 2048,
 intermediate 1024, bf16 and tiled int4, the latter on bf16 / int16 and on int8 activations) cycled through so that they exceed the last-level cache,
@@ -54,7 +59,7 @@ from pathlib import Path
 from tiered.hardware import contention
 
 DEFAULTS = {"stream_prefetch": True, "prefetch_l2": False, "int4_int16_act": False, "bf16_native_rows": 32,
-            "q8_dequantize_rows": None}  # None: quant/int4's tables by ISA
+            "q8_dequantize_rows": None, "q8_expert_grouped_rows": None}  # None: quant's tables by ISA
 # A tuning during which other processes took more than CONTENDED_SHARE of the cores is "contended": its
 # A/Bs timed the neighbours. Two builds of the same sources tuned at once on the 2-core Zen 4 VM
 # (2026-11-27) chose bf16_native_rows 32 and 4, int4_int16_act false and true. `python -m tiered.kernels`
@@ -87,7 +92,7 @@ def choose(ratios: list[float], margin: float = 0.03) -> bool:
 
 
 def _experts(fmt: str, total_bytes: int, act: str = "bf16", width: tuple[int, int] = WIDTH,
-             exact_zeros: bool = False, slab: bool = False, at_least: int = 2):
+             exact_zeros: bool = False, slab: bool = False, at_least: int = 2, batch_act: str = "bf16"):
     """(ExpertFormat, [slots]) of `width` (hidden, intermediate; OLMoE's by default) experts in `fmt`
     filling about `total_bytes` (at least `at_least` of them) of the engine's host memory, distinct slots
     holding copies of one random expert (the stream's speed does not depend on the values): each slot from
@@ -103,7 +108,7 @@ def _experts(fmt: str, total_bytes: int, act: str = "bf16", width: tuple[int, in
     D, F = width
     g = torch.Generator().manual_seed(0)
     gu, dn = torch.randn(2 * F, D, generator=g) * 0.02, torch.randn(D, F, generator=g) * 0.02
-    ef = ExpertFormat(fmt, ((F, D), (F, D), (D, F)), "tiled", act=act, exact_zeros=exact_zeros)
+    ef = ExpertFormat(fmt, ((F, D), (F, D), (D, F)), "tiled", act=act, exact_zeros=exact_zeros, batch_act=batch_act)
     if ef.is_dense:
         first = tuple(w.bfloat16() for w in (gu[:F], gu[F:], dn))
     else:
@@ -136,15 +141,18 @@ def choose_rows(ratios: dict[int, list[float]], margin: float = 0.03) -> int:
 
 
 def dequantize_name(tuning: dict) -> str:
-    """How a tuning runs one-copy int4 prompt rows on int8 activations, for a line of output."""
-    rows = tuning.get("q8_dequantize_rows")
-    if rows is None:
-        return "int4 prompt rows dequantized by the ISA's table"
-    return f"int4 prompt rows dequantized past {rows}" if rows else "int4 prompt rows never dequantized"
+    """How a tuning runs int4 prompt rows on int8 activations (one-copy weights', experts'), for a line of output."""
+    def said(key: str, what: str) -> str:
+        rows = tuning.get(key)
+        if rows is None:
+            return f"{what} dequantized by the ISA's table"
+        return f"{what} dequantized past {rows}" if rows else f"{what} never dequantized"
+    return f"{said('q8_dequantize_rows', 'int4 prompt rows')}, {said('q8_expert_grouped_rows', 'int4 expert rows')}"
 
 
 def choose_dequantize_rows(ratios: dict[int, list[float]], margin: float = 0.03) -> int:
-    """q8_dequantize_rows from {rows: per-round time ratios dequantized / kernel}: the largest row count, in
+    """q8_dequantize_rows (and q8_expert_grouped_rows) from {rows: per-round time ratios dequantized / kernel
+    (/ groups)}: the largest row count, in
     ascending order, below the first at which dequantizing wins by `margin` (`choose`), half that first
     where it wins at the smallest; 0 (never dequantize) where it wins at none."""
     rows = 0
@@ -182,6 +190,39 @@ def _dequantize_ab(rows: int, rounds: int) -> list[float]:
                 a, b = timed(kernel), timed(lin.dequantized)
             else:
                 b, a = timed(lin.dequantized), timed(kernel)
+            ratios.append(b / a)
+    return ratios
+
+
+def _expert_groups_ab(ef, slots, rows: int, rounds: int) -> list[float]:
+    """Per-round ratios dequantized / grouped of `rows`-row sweeps of the int4 experts `slots` (ExpertFormat
+    on int8 activations: `grouped`, its native kernel in groups of NATIVE_ROWS rows, and `dequantized`),
+    alternating which side goes first."""
+    import torch
+
+    x = torch.randn(rows, ef.shapes[0][1]).to(torch.bfloat16)
+    bounds = [0, rows]
+
+    def groups() -> float:
+        t = time.perf_counter()
+        for s in slots:
+            ef.grouped(x, [s], bounds)
+        return time.perf_counter() - t
+
+    def dequantized() -> float:
+        t = time.perf_counter()
+        for s in slots:
+            ef.dequantized(x, s)
+        return time.perf_counter() - t
+
+    ratios = []
+    with torch.inference_mode():
+        groups(), dequantized()  # warm-up: oneDNN's kernels for this shape, first-call buffers
+        for r in range(rounds):
+            if r % 2 == 0:
+                a, b = groups(), dequantized()
+            else:
+                b, a = dequantized(), groups()
             ratios.append(b / a)
     return ratios
 
@@ -265,7 +306,8 @@ def _ab(ext, sets, option: str, rounds: int, sweep=_sweep) -> list[float]:
 def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float = 0.03,
             previous: dict | None = None) -> dict:
     """This machine's tuning, measured (see the module docstring): {"stream_prefetch": bool,
-    "int4_int16_act": bool, "bf16_native_rows": int, "q8_dequantize_rows": int (0: never), "ratios": {option: per-round time ratios}, "others_share", "contended",
+    "int4_int16_act": bool, "bf16_native_rows": int, "q8_dequantize_rows" and "q8_expert_grouped_rows": int
+    (0: never dequantized), "ratios": {option: per-round time ratios}, "others_share", "contended",
     "attempts" (hardware/contention.record; `previous`: the tuning it replaces), ...}. Leaves `ext` set to it.
 
     total_bytes: weight bytes per format cycled through (default: 4x the last-level cache, at least
@@ -301,9 +343,14 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
     # a one-copy int4 weight's prompt rows on int8 activations: the kernel or dequantize + GEMM (Int4Linear.dense)
     deq_ratios = {n: _dequantize_ab(n, max(3, rounds // 2)) for n in DEQUANTIZE_ROW_CHOICES}
     out["ratios"].update({f"q8_dequantize_{n}": r for n, r in deq_ratios.items()})
+    # ... and a tiled int4 expert's (ExpertFormat.forward: groups of NATIVE_ROWS rows or dequantized matmuls)
+    ef, slots = _experts("int4", 0, "q8", GROUP_WIDTH, exact_zeros=True, slab=True, at_least=4, batch_act="q8")
+    group_ratios = {n: _expert_groups_ab(ef, slots, n, max(3, rounds // 2)) for n in DEQUANTIZE_ROW_CHOICES}
+    out["ratios"].update({f"q8_expert_groups_{n}": r for n, r in group_ratios.items()})
     out.update(ext.tuning())
     out["bf16_native_rows"] = choose_rows(rows_ratios, margin)
     out["q8_dequantize_rows"] = choose_dequantize_rows(deq_ratios, margin)
+    out["q8_expert_grouped_rows"] = choose_dequantize_rows(group_ratios, margin)
     out.update(isa=ext.gemv_isa(), cpu=cpu_model(), bytes_per_format=total,
                rounds=rounds, margin=margin, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                **contention.record(start, previous))
@@ -359,8 +406,9 @@ def apply(ext, directory: Path) -> dict | None:
         saved = json.loads(p.read_text())
         if not isinstance(saved.get("bf16_native_rows", DEFAULTS["bf16_native_rows"]), int):
             raise TypeError("bf16_native_rows")
-        if not isinstance(saved.get("q8_dequantize_rows") or 0, int):  # None: the tables by ISA
-            raise TypeError("q8_dequantize_rows")
+        for key in ("q8_dequantize_rows", "q8_expert_grouped_rows"):
+            if not isinstance(saved.get(key) or 0, int):  # None: the tables by ISA
+                raise TypeError(key)
         ext.set_tuning(**{k: bool(saved[k]) for k in EXT_OPTIONS if k in saved})  # checked first: all or none
     except (ValueError, TypeError, KeyError, OSError, AttributeError):
         return None

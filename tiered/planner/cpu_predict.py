@@ -570,7 +570,7 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
 
     if kind not in GROUPED_ROWS:
         return None
-    one, grouped = prompt_rows(kind, kernel_isa(hw), biased, batch_act)
+    one, grouped = prompt_rows(kind, kernel_isa(hw), biased, batch_act, (hw.meta or {}).get("kernel_tuning") or {})
     r = max(1, math.ceil(rows - 1e-9))
     key = op_time.gemv_dtype(kind, batch_act) if kind != "mxfp4" else kind
     if r <= one or r <= grouped:

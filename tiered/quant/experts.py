@@ -97,15 +97,28 @@ MXFP4_KERNEL_ROWS = {"avx512": 96}
 # expert's groups beat dequantizing it for one fp32 matmul at every row count: a Qwen3-30B-A3B expert (2048 x
 # 768) on 2 Zen 3 cores, 2026-11-30, ms at 64 / 128 / 256 / 512 rows, groups 2.8 / 5.4 / 10.5 / 20.4 against
 # 8.6 / 12.5 / 19.9 / 33.4 (the table above was measured on bf16 activations).
+# On AVX-512 the crossing depends on the CPU (AMX's bf16 GEMM or not), so the kernel tuning measures it for int4
+# (kernels/tune.py's q8_expert_grouped_rows): 2 Zen 5 cores (2026-12-01), the same expert (exact zeros, a Q4_0
+# file's), ms at 64 / 128 / 256 / 512 rows, groups 0.70 / 1.34 / 2.66 / 5.53 against 1.27 / 1.99 / 3.13 / 5.97
+# for bf16 dequantize + oneDNN's GEMM, where GROUPED_ROWS' 128 dequantized from 129 rows.
 GROUPED_ROWS_Q8 = {"avx2": {"int4": 1 << 30}}
 
 
-def kind_grouped_rows(kind: str, isa: str | None = None, batch_act: str = "bf16") -> int:
+def kind_grouped_rows(kind: str, isa: str | None = None, batch_act: str = "bf16", tuning: dict | None = None) -> int:
     """Rows up to which a CPU expert's `kind` projections run the native kernel in groups of NATIVE_ROWS:
-    GROUPED_ROWS's, or GROUPED_ROWS_Q8's for the native kernels' ISA (`isa`, None: this machine's) on int8
-    activations (`batch_act` "q8")."""
+    on int8 activations (`batch_act` "q8") an int4 kind's from the kernel tuning's q8_expert_grouped_rows where it
+    has one (kernels/tune.py; 0: at any rows), else GROUPED_ROWS_Q8's for the native kernels' ISA; else
+    GROUPED_ROWS's. `isa` and `tuning` None: this machine's (kernels.isa, kernels.tuning); the planner passes
+    a profiled machine's."""
+    if isa is None:
+        isa = kernels.isa()
+        if tuning is None:
+            tuning = {"q8_expert_grouped_rows": kernels.q8_expert_grouped_rows()}
     if batch_act == "q8":
-        q8 = GROUPED_ROWS_Q8.get(kernels.isa() if isa is None else isa, {})
+        tuned = (tuning or {}).get("q8_expert_grouped_rows")
+        if kind == "int4" and tuned is not None:
+            return int(tuned) or 1 << 30
+        q8 = GROUPED_ROWS_Q8.get(isa, {})
         if kind in q8:
             return q8[kind]
     return GROUPED_ROWS[kind]
@@ -118,19 +131,21 @@ def mxfp4_kernel_rows(isa: str | None = None) -> int:
     return MXFP4_KERNEL_ROWS.get(kernels.isa() if isa is None else isa, GROUPED_ROWS["mxfp4"])
 
 
-def prompt_rows(kind: str, isa: str | None, biased: bool = False, batch_act: str = "bf16") -> tuple[int, int]:
+def prompt_rows(kind: str, isa: str | None, biased: bool = False, batch_act: str = "bf16",
+                tuning: dict | None = None) -> tuple[int, int]:
     """(one_call, grouped): the rows up to which a CPU expert's `kind` projections run the native kernels in
     one call, and up to which in groups of NATIVE_ROWS (each group a call, its weights read once a group; 0:
     never); more rows dequantize each projection once for one GEMM. ExpertFormat.forward's choice (mxfp4:
     `_tiled_int4`'s), for the planner's prompt prices (planner/cpu_predict.prompt_expert_time); `isa`: the
     native kernels' on the priced machine. `biased`: gpt-oss's experts (swiglu_limit), never in row groups:
     up to one_call rows in one native call (ExpertFormat.biased_rows reads it from here), past them
-    projection by projection (`project`'s own rows). `batch_act`: the rows' activations (kind_grouped_rows)."""
+    projection by projection (`project`'s own rows). `batch_act`: the rows' activations, `tuning`: the priced
+    machine's kernel tuning (kind_grouped_rows)."""
     if kind == "mxfp4":
         return mxfp4_kernel_rows(isa), 0
     if biased:  # `project`: int8 kinds' kernels at any rows, fp8's up to GROUPED_ROWS, tiled int4's up to NATIVE_ROWS
         return (NATIVE_ROWS if kind == "int4" else GROUPED_ROWS[kind]), 0
-    return NATIVE_ROWS, kind_grouped_rows(kind, isa, batch_act)
+    return NATIVE_ROWS, kind_grouped_rows(kind, isa, batch_act, tuning)
 
 
 def bf16_native_rows() -> int:
@@ -457,6 +472,12 @@ class ExpertFormat:
                  self.forward_group(x, [slot], [0, n]) if n <= self.grouped_rows else None)
             if y is not None:
                 return y
+        return self.dequantized(x, slot)
+
+    def dequantized(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """`forward` by torch ops: x [n, D] -> [n, D], each projection dequantized (tiled int4: once a call) for a
+        matmul, what the CPU runs past `group_rows` (kernels/tune.py times it against `grouped`); a dense
+        expert's GEMMs."""
         if self.is_dense:
             return expert_forward(x, *slot)  # bf16 on AVX2: fp32 GEMMs (cpu_gemm)
         vg, vu, vd = self.views(slot)
@@ -514,6 +535,14 @@ class ExpertFormat:
         most = max(b - a for a, b in zip(bounds, bounds[1:]))
         if most > self.group_rows:
             return None
+        return self.grouped(xs, slots, bounds)
+
+    def grouped(self, xs: torch.Tensor, slots: list[tuple[torch.Tensor, ...]],
+                bounds: list[int]) -> torch.Tensor | None:
+        """`forward_group`'s native call (CPU xs) whatever the rows: an expert of more than NATIVE_ROWS rows in
+        groups of NATIVE_ROWS (kernels/tune.py times it against `dequantized` past `group_rows`). None when the
+        native kernels cannot run it."""
+        most = max(b - a for a, b in zip(bounds, bounds[1:]))
         ext = self._native_ext(slots)
         if ext is None:
             return None
