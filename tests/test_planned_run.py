@@ -335,6 +335,46 @@ def test_engine_profile_sources(tmp_path, monkeypatch):
 
 
 
+def test_a_profile_whose_cpu_timings_raised_is_measured_again(tmp_path, monkeypatch):
+    """A cached profile that skipped a key every plan needs because its timing raised (profiler.failed_cpu_keys:
+    once an error inside the kernel tuning left one without gemm/cpu/int8, and every plan of an int8 model then
+    raised ConfigError) is measured again, told to the user, SKIP_RETRIES profiles in a row at most; a skip
+    of a key the machine may lack (the GPU's, the host-share probe) keeps it."""
+    from tiered.hardware import profiler
+    from tiered.kernels import available as native_kernels
+    from tiered.kernels import build_name
+    from tiered.kernels import tuning as kernel_tuning
+
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path))
+    base = {"profiler_version": profiler.PROFILER_VERSION, "native_kernels": native_kernels(),
+            "kernels_build": build_name() if native_kernels() else None, "kernel_tuning": kernel_tuning()}
+    failing = {"skipped": {"gemm/cpu/int8": "RuntimeError: Inplace update to inference tensor"}}
+    outcome = {}
+    calls = []
+
+    def measure(**kw):  # the new profile fails as `outcome` says, counted as the profiler counts it
+        calls.append(kw)
+        meta = {**base, **outcome}
+        return HardwareProfile("again", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0)},
+                               meta={**meta, **profiler.failure_record(meta, kw["previous"].meta)})
+    monkeypatch.setattr(profiler, "profile_machine", measure)
+    path = tmp_path / "hardware_profile.json"
+    HardwareProfile("cached", "test", {}, meta={**base, **failing, "failed_attempts": 1}).save(path)
+    said = []
+    outcome.update(failing)  # it fails again: counted on, then kept
+    assert engine_profile(None, progress=said.append).name == "again" and len(calls) == 1
+    assert "failed to time gemm/cpu/int8" in said[0]
+    assert HardwareProfile.load(path).meta["failed_attempts"] == 2 == profiler.SKIP_RETRIES
+    assert engine_profile(None).name == "again" and len(calls) == 1  # SKIP_RETRIES in a row: kept
+    HardwareProfile("cached", "test", {}, meta={**base, **failing, "failed_attempts": 1}).save(path)
+    outcome.clear()  # ... or it succeeds: counted from 0
+    assert engine_profile(None).name == "again" and HardwareProfile.load(path).meta["failed_attempts"] == 0
+    for skipped in ({"host_share": "RuntimeError: no GPU"}, {}):  # nothing every plan needs: kept
+        HardwareProfile("cached", "test", {}, meta={**base, "skipped": skipped}).save(path)
+        assert engine_profile(None).name == "cached"
+    assert profiler.failure_record({"skipped": {"gemv/cpu/int4": "x"}}, None) == {"failed_attempts": 1}
+
+
 def test_a_profile_measured_while_other_processes_took_the_cores_is_measured_again(tmp_path, monkeypatch):
     """A cached profile whose meta says other processes took more than CONTENDED_SHARE of the cores
     while it was measured (hardware/contention.record) is measured again when the engine plans on a

@@ -1527,6 +1527,28 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 PROFILER_VERSION = 33
 
 
+# CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
+# an error of that run, not a kernel the machine lacks: an error inside the tuning's A/Bs once left a cached
+# profile without gemm/cpu/int8, and every later plan of an int8 model raised ConfigError. The engine measures
+# such a cached profile again (planner/auto._cached_or_measured), up to SKIP_RETRIES profiles in a row.
+REQUIRED_CPU_KEYS = ("gemm/cpu/fp32", "gemm/cpu/bf16", "gemm/cpu/int8", "gemm/cpu/int4", "gemv/cpu/fp32",
+                     "gemv/cpu/bf16", "gemv/cpu/int8", "gemv/cpu/int4")
+SKIP_RETRIES = 2
+
+
+def failed_cpu_keys(meta: dict | None) -> list[str]:
+    """The REQUIRED_CPU_KEYS a profile's meta["skipped"] names: timings that raised."""
+    return sorted(k for k in ((meta or {}).get("skipped") or {}) if k in REQUIRED_CPU_KEYS)
+
+
+def failure_record(meta: dict, previous: dict | None) -> dict:
+    """{"failed_attempts": n} for a new profile's meta: 0 where no REQUIRED_CPU_KEYS timing raised, else one
+    more than the profile it replaces (`previous`, its meta) counted."""
+    if not failed_cpu_keys(meta):
+        return {"failed_attempts": 0}
+    return {"failed_attempts": int((previous or {}).get("failed_attempts", 0)) + 1}
+
+
 def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda: bool | None = None,
                     threads: int | None = None, progress: Progress | None = None,
                     previous: HardwareProfile | None = None) -> HardwareProfile:
@@ -1544,8 +1566,8 @@ def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda
     Returns:
         A HardwareProfile named after the host, with meta (CPU model, threads, torch version, GPU
         name, raw points, skipped kernels, and "others_share" / "contended" / "attempts": how much of
-        the cores other processes took meanwhile, hardware/contention.py) and the CPU/GPU/disk
-        capacities in bytes.
+        the cores other processes took meanwhile, hardware/contention.py; "failed_attempts": profiles in a
+        row whose REQUIRED_CPU_KEYS timings raised) and the CPU/GPU/disk capacities in bytes.
     """
     cuda = torch.cuda.is_available() if cuda is None else cuda
     saved_threads = torch.get_num_threads()
@@ -1713,6 +1735,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     meta["disk_note"] = note
     meta["load_average"] = load_before
     meta.update(contention.record(neighbours, previous))
+    meta.update(failure_record(meta, previous))  # ... measured again by the engine, SKIP_RETRIES in a row at most
     if b.host_share is not None:
         meta["host_share"] = b.host_share
     if b.probes:  # the memory-speed probe's seconds beside each CPU GEMV key (Probe)

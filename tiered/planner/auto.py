@@ -214,32 +214,34 @@ def _read_again(read: Callable[[], object]):
 
 
 def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> HardwareProfile:
+    from tiered.hardware.profiler import PROFILER_VERSION, SKIP_RETRIES, failed_cpu_keys, profile_machine
+
     path = default_profile_path()
-    previous = None
+    previous, why = None, "no current hardware profile of this machine"
     if path.is_file():
         try:
             hw = HardwareProfile.load(path)
-            from tiered.hardware.profiler import PROFILER_VERSION
-
             native = kernels.available()
             current = (hw.meta.get("profiler_version") == PROFILER_VERSION  # else measured the old way
                        and hw.meta.get("native_kernels") == native  # ... or with(out) the kernels
                        and (not native or (hw.meta.get("kernels_build") == kernels.build_name()  # ... or others
                                            and hw.meta.get("kernel_tuning") == kernels.tuning())))
             if current and (not cuda or op_time.has_device(hw, "gpu")):
+                # one whose CPU timings raised (profiler.failed_cpu_keys): again, SKIP_RETRIES times in a row
+                # at most (a machine whose kernels fail every time keeps the last)
+                failed = failed_cpu_keys(hw.meta) and int(hw.meta.get("failed_attempts", 1)) < SKIP_RETRIES
                 # one measured while other processes took the cores: again once the machine is quiet (a busy
                 # machine now would disturb the new one too; a profile kept after RETRIES disturbed tries
                 # in a row had priced SmolLM2 at 1.1 tok/s where `make run`, on the quiet machine, ran 389)
-                if not hw.meta.get("contended") or contention.quiet_now() is not True:
+                if not failed and (not hw.meta.get("contended") or contention.quiet_now() is not True):
                     return hw
                 previous = hw
+                why = (f"the cached hardware profile failed to time {', '.join(failed_cpu_keys(hw.meta))}" if failed
+                       else f"the cached hardware profile was measured while other processes took "
+                            f"{hw.meta['others_share']:.0%} of the cores")
         except ConfigError:
             pass  # unreadable: measure again
-    from tiered.hardware.profiler import profile_machine
-
     if progress is not None:
-        why = (f"the cached hardware profile was measured while other processes took {previous.meta['others_share']:.0%}"
-               " of the cores" if previous is not None else "no current hardware profile of this machine")
         progress(f"{why}: measuring a quick one for the planner, saved to {path} (`tiered profile` makes a full one)")
     hw = profile_machine(quick=True, cuda=cuda, previous=previous)
     try:
