@@ -282,6 +282,7 @@ def test_prompt_projections_past_the_kernel_rows_dequantize_on_avx512(monkeypatc
     x = torch.randn(128, K, generator=torch.Generator().manual_seed(4))
     bf16 = F.linear(x.bfloat16(), wq.bfloat16()).float()
     monkeypatch.setattr(kmod, "isa", lambda: "avx512")
+    monkeypatch.setattr(kmod, "mxfp4_kernel_rows", lambda: None)  # this machine untuned: the table by ISA
     rows = ex.mxfp4_kernel_rows()
     assert rows == ex.MXFP4_KERNEL_ROWS["avx512"] < 128
     assert torch.equal(ex.project(x, v, "mxfp4", "tiled"), bf16)
@@ -289,3 +290,13 @@ def test_prompt_projections_past_the_kernel_rows_dequantize_on_avx512(monkeypatc
     monkeypatch.setattr(kmod, "isa", lambda: "avx2")
     assert ex.mxfp4_kernel_rows() == ex.GROUPED_ROWS["mxfp4"]
     assert rel(ex.project(x, v, "mxfp4", "tiled"), q8_reference(x, wq)) < 1e-5
+    # a measured tuning (kernels/tune.py's mxfp4_kernel_rows; 0: the kernel at any rows, as on 2 Zen 5 cores)
+    # decides on any ISA; a profiled machine's through `tuning`
+    monkeypatch.setattr(kmod, "isa", lambda: "avx512")
+    monkeypatch.setattr(kmod, "mxfp4_kernel_rows", lambda: 0)
+    assert ex.mxfp4_kernel_rows() == 1 << 30 and ex.prompt_rows("mxfp4", None)[0] == 1 << 30
+    assert rel(ex.project(x, v, "mxfp4", "tiled"), q8_reference(x, wq)) < 1e-5  # 128 rows: the q8 kernel
+    monkeypatch.setattr(kmod, "mxfp4_kernel_rows", lambda: 64)
+    assert torch.equal(ex.project(x, v, "mxfp4", "tiled"), bf16)  # past 64: dequantized
+    assert ex.prompt_rows("mxfp4", "avx512", True, tuning={"mxfp4_kernel_rows": 0})[0] == 1 << 30
+    assert ex.prompt_rows("mxfp4", "avx512", True, tuning={})[0] == ex.MXFP4_KERNEL_ROWS["avx512"]

@@ -532,7 +532,8 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         assert ("int4_int16_act" in result["ratios"]) == (ext.best_gemv_isa() == "avx512" and ext.has_vbmi())
         assert result["bf16_native_rows"] == tune.choose_rows(
             {n: result["ratios"][f"bf16_rows_{n}"] for n in tune.ROW_CHOICES}, result["margin"])
-        for key, ratios in (("q8_dequantize_rows", "q8_dequantize"), ("q8_expert_grouped_rows", "q8_expert_groups")):
+        for key, ratios in (("q8_dequantize_rows", "q8_dequantize"), ("q8_expert_grouped_rows", "q8_expert_groups"),
+                            ("mxfp4_kernel_rows", "mxfp4_kernel")):
             assert result[key] == tune.choose_dequantize_rows(
                 {n: result["ratios"][f"{ratios}_{n}"] for n in tune.DEQUANTIZE_ROW_CHOICES}, result["margin"])
         assert tune.measured(tmp_path) is False
@@ -550,7 +551,7 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         monkeypatch.setenv("TIERED_KERNEL_TUNING", "0")
         assert tune.apply(ext, tmp_path) is None and ext.tuning() == switches
         monkeypatch.delenv("TIERED_KERNEL_TUNING")
-        for added in ("bf16_native_rows", "q8_dequantize_rows", "q8_expert_grouped_rows"):
+        for added in ("bf16_native_rows", "q8_dequantize_rows", "q8_expert_grouped_rows", "mxfp4_kernel_rows"):
             tune.save({k: v for k, v in result.items() if k != added}, tmp_path)
             assert not tune.measured(tmp_path)  # a tuning saved before a choice was added is measured again
         tune.save({**result, "q8_dequantize_rows": "never"}, tmp_path)

@@ -547,6 +547,9 @@ def test_quantized_prompt_experts_are_priced_on_the_paths_their_rows_take():
     assert prompt_expert_time(tuned(64), "int4", 100, wb, macs, "q8") == pytest.approx(dequantized(100))
     assert prompt_expert_time(tuned(64), "int4", 60, wb, macs, "q8") == pytest.approx(kernel(60, 8))
     assert prompt_expert_time(tuned(0), "int4", 200, wb, macs, "bf16") == pytest.approx(dequantized(200))  # the table's
+    # ... and an mxfp4 projection's one-call rows (mxfp4_kernel_rows; 0: at any rows, as on 2 Zen 5 cores)
+    mx = HardwareProfile("cpu-box", "test", m, None, None, meta={**avx512.meta, "kernel_tuning": {"mxfp4_kernel_rows": 0}})
+    assert prompt_expert_time(mx, "mxfp4", 128, wb, macs) == pytest.approx(kernel(128))
     assert prompt_expert_time(avx512, "int8-g32", 1000, wb, macs) == pytest.approx(kernel(1000, 125))
     assert prompt_expert_time(avx512, "int4", 20, wb, macs, "bf16") is None  # no int4 (bf16 rows) keys
     assert prompt_expert_time(HardwareProfile("cpu-box", "test", m, None, None), "mxfp4", 16, wb, macs) is None

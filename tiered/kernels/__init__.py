@@ -138,13 +138,22 @@ def isa() -> str | None:
 
 def tuning() -> dict | None:
     """The kernel tuning this process runs with ({"stream_prefetch", "prefetch_l2", "int4_int16_act",
-    "bf16_native_rows", "q8_dequantize_rows", "q8_expert_grouped_rows"}: tune.py's measurement, applied by
+    "bf16_native_rows", "q8_dequantize_rows", "q8_expert_grouped_rows", "mxfp4_kernel_rows"}: tune.py's
+    measurement, applied by
     `load()`), or None without the extension:
     what a hardware profile's native keys were timed under."""
     ext = load()
     return None if ext is None else dict(ext.tuning(), bf16_native_rows=bf16_native_rows(),
                                          q8_dequantize_rows=q8_dequantize_rows(),
-                                         q8_expert_grouped_rows=q8_expert_grouped_rows())
+                                         q8_expert_grouped_rows=q8_expert_grouped_rows(),
+                                         mxfp4_kernel_rows=mxfp4_kernel_rows())
+
+
+def mxfp4_kernel_rows() -> int | None:
+    """Rows up to which an mxfp4 projection runs its native kernel in one call rather than dequantized for one
+    GEMM (quant/experts.mxfp4_kernel_rows), as this machine's tuning measured (tune.choose_dequantize_rows; 0: at
+    any rows); None without the extension or that measurement."""
+    return _tuned_rows("mxfp4_kernel_rows")
 
 
 def q8_expert_grouped_rows() -> int | None:

@@ -38,6 +38,10 @@ Four choices depend on the CPU more than on the code, so they are measured here 
   dequantized for a matmul, `dequantized`; quant/experts.kind_grouped_rows; 0: groups at any rows), on
   Qwen3-30B-A3B-width Q4_0 experts (GROUP_WIDTH). quant/experts' table dequantized past 128 rows on AVX-512;
   the Zen 5 cores ran groups 0.85x the dequantized time at 256 rows and 0.93x at 512.
+- ``mxfp4_kernel_rows``: the same for an mxfp4 projection (gpt-oss's experts: its native kernel in one call,
+  quant/experts.tiled_int4_kernel, or dequantized for one GEMM, tiled_int4_dequantized; 0: the kernel at any
+  rows), on a 2880 x 2880 projection (MXFP4_WIDTH). quant/experts' table dequantized past 96 rows on AVX-512
+  (Sapphire Rapids' AMX GEMM); on the Zen 5 cores that made a 128-row projection 1.8x slower.
 
 Each choice (but the last) is an interleaved A/B over cold weights: OLMoE-width SwiGLU experts (hidden 2048,
 intermediate 1024, bf16 and tiled int4, the latter on bf16 / int16 and on int8 activations) cycled through so that they exceed the last-level cache,
@@ -59,7 +63,8 @@ from pathlib import Path
 from tiered.hardware import contention
 
 DEFAULTS = {"stream_prefetch": True, "prefetch_l2": False, "int4_int16_act": False, "bf16_native_rows": 32,
-            "q8_dequantize_rows": None, "q8_expert_grouped_rows": None}  # None: quant's tables by ISA
+            "q8_dequantize_rows": None, "q8_expert_grouped_rows": None,  # None: quant's tables by ISA
+            "mxfp4_kernel_rows": None}
 # A tuning during which other processes took more than CONTENDED_SHARE of the cores is "contended": its
 # A/Bs timed the neighbours. Two builds of the same sources tuned at once on the 2-core Zen 4 VM
 # (2026-11-27) chose bf16_native_rows 32 and 4, int4_int16_act false and true. `python -m tiered.kernels`
@@ -75,6 +80,7 @@ ROW_CHOICES = (2, 4, 8, 32)
 # q8_dequantize_rows' A/B: an int4 weight [N, K] (a Llama-3-8B-width attention projection's K, half its N: a
 # prompt's GEMM is compute-bound, so the weight's size moves both sides alike) at these rows a call
 DEQUANTIZE_WIDTH, DEQUANTIZE_ROW_CHOICES = (2048, 4096), (64, 128, 256, 512)
+MXFP4_WIDTH = (2880, 2880)  # mxfp4_kernel_rows' A/B: a gpt-oss-20b expert projection (hidden 2880)
 # Rows at which a bf16 expert's native kernel (one call up to 8 rows, then groups of 8, its weights read
 # once a group) is timed against torch's three GEMMs (oneDNN: the weights read once): bf16_native_rows is
 # the largest of these up to which the native kernel is not slower, 1 when it is slower at 2 rows.
@@ -147,7 +153,8 @@ def dequantize_name(tuning: dict) -> str:
         if rows is None:
             return f"{what} dequantized by the ISA's table"
         return f"{what} dequantized past {rows}" if rows else f"{what} never dequantized"
-    return f"{said('q8_dequantize_rows', 'int4 prompt rows')}, {said('q8_expert_grouped_rows', 'int4 expert rows')}"
+    return (f"{said('q8_dequantize_rows', 'int4 prompt rows')}, {said('q8_expert_grouped_rows', 'int4 expert rows')}, "
+            f"{said('mxfp4_kernel_rows', 'mxfp4 rows')}")
 
 
 def choose_dequantize_rows(ratios: dict[int, list[float]], margin: float = 0.03) -> int:
@@ -223,6 +230,41 @@ def _expert_groups_ab(ef, slots, rows: int, rounds: int) -> list[float]:
                 a, b = groups(), dequantized()
             else:
                 b, a = dequantized(), groups()
+            ratios.append(b / a)
+    return ratios
+
+
+def _mxfp4_ab(ef, slots, rows: int, rounds: int) -> list[float]:
+    """Per-round ratios dequantized / kernel of `rows`-row calls of the mxfp4 gate projections of `slots`
+    (quant/experts.tiled_int4_kernel in one call, tiled_int4_dequantized), alternating which side goes first."""
+    import torch
+
+    from tiered.quant.experts import tiled_int4_dequantized, tiled_int4_kernel
+
+    x = torch.randn(rows, ef.shapes[0][1])
+    xb = x.to(torch.bfloat16)
+    views = [ef.views(s)[0] for s in slots]
+
+    def kernel() -> float:
+        t = time.perf_counter()
+        for v in views:
+            tiled_int4_kernel(x, v, "q8", e2m1=True)
+        return time.perf_counter() - t
+
+    def dequantized() -> float:
+        t = time.perf_counter()
+        for v in views:
+            tiled_int4_dequantized(x, xb, v, e2m1=True)
+        return time.perf_counter() - t
+
+    ratios = []
+    with torch.inference_mode():
+        kernel(), dequantized()  # warm-up
+        for r in range(rounds):
+            if r % 2 == 0:
+                a, b = kernel(), dequantized()
+            else:
+                b, a = dequantized(), kernel()
             ratios.append(b / a)
     return ratios
 
@@ -306,8 +348,8 @@ def _ab(ext, sets, option: str, rounds: int, sweep=_sweep) -> list[float]:
 def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float = 0.03,
             previous: dict | None = None) -> dict:
     """This machine's tuning, measured (see the module docstring): {"stream_prefetch": bool,
-    "int4_int16_act": bool, "bf16_native_rows": int, "q8_dequantize_rows" and "q8_expert_grouped_rows": int
-    (0: never dequantized), "ratios": {option: per-round time ratios}, "others_share", "contended",
+    "int4_int16_act": bool, "bf16_native_rows": int, "q8_dequantize_rows", "q8_expert_grouped_rows" and
+    "mxfp4_kernel_rows": int (0: never dequantized), "ratios": {option: per-round time ratios}, "others_share", "contended",
     "attempts" (hardware/contention.record; `previous`: the tuning it replaces), ...}. Leaves `ext` set to it.
 
     total_bytes: weight bytes per format cycled through (default: 4x the last-level cache, at least
@@ -347,10 +389,15 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
     ef, slots = _experts("int4", 0, "q8", GROUP_WIDTH, exact_zeros=True, slab=True, at_least=4, batch_act="q8")
     group_ratios = {n: _expert_groups_ab(ef, slots, n, max(3, rounds // 2)) for n in DEQUANTIZE_ROW_CHOICES}
     out["ratios"].update({f"q8_expert_groups_{n}": r for n, r in group_ratios.items()})
+    # ... and an mxfp4 projection's (one native call or dequantized for one GEMM)
+    ef, slots = _experts("mxfp4", 0, "q8", MXFP4_WIDTH, at_least=2)
+    mxfp4_ratios = {n: _mxfp4_ab(ef, slots, n, max(3, rounds // 2)) for n in DEQUANTIZE_ROW_CHOICES}
+    out["ratios"].update({f"mxfp4_kernel_{n}": r for n, r in mxfp4_ratios.items()})
     out.update(ext.tuning())
     out["bf16_native_rows"] = choose_rows(rows_ratios, margin)
     out["q8_dequantize_rows"] = choose_dequantize_rows(deq_ratios, margin)
     out["q8_expert_grouped_rows"] = choose_dequantize_rows(group_ratios, margin)
+    out["mxfp4_kernel_rows"] = choose_dequantize_rows(mxfp4_ratios, margin)
     out.update(isa=ext.gemv_isa(), cpu=cpu_model(), bytes_per_format=total,
                rounds=rounds, margin=margin, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                **contention.record(start, previous))
@@ -406,7 +453,7 @@ def apply(ext, directory: Path) -> dict | None:
         saved = json.loads(p.read_text())
         if not isinstance(saved.get("bf16_native_rows", DEFAULTS["bf16_native_rows"]), int):
             raise TypeError("bf16_native_rows")
-        for key in ("q8_dequantize_rows", "q8_expert_grouped_rows"):
+        for key in ("q8_dequantize_rows", "q8_expert_grouped_rows", "mxfp4_kernel_rows"):
             if not isinstance(saved.get(key) or 0, int):  # None: the tables by ISA
                 raise TypeError(key)
         ext.set_tuning(**{k: bool(saved[k]) for k in EXT_OPTIONS if k in saved})  # checked first: all or none

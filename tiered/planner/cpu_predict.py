@@ -595,7 +595,9 @@ def biased_native_rows(hw: HardwareProfile, stored: str) -> int:
         return expert_native_rows(hw, "bf16")
     from tiered.quant.experts import GROUPED_ROWS, prompt_rows
 
-    return prompt_rows(stored, kernel_isa(hw), True)[0] if stored in GROUPED_ROWS and stored != "fp32" else 0
+    if stored not in GROUPED_ROWS or stored == "fp32":
+        return 0
+    return prompt_rows(stored, kernel_isa(hw), True, tuning=(hw.meta or {}).get("kernel_tuning") or {})[0]
 
 
 def expert_native_rows(hw: HardwareProfile, dtype: str) -> int:

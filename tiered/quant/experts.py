@@ -92,6 +92,10 @@ GROUPED_ROWS = {"int4": 128, "int8": 1 << 30, "int8-g32": 1 << 30, "bf16": 32, "
 # kernel's AVX-512 form (2026-11-29, until then MXFP4 ran its AVX2 kernel there), ms at 32 / 64 / 128 / 256 rows
 # (medians of 5 over 8 copies): the kernel 1.25 / 2.58 / 4.92 / 9.67 (AVX2 form 2.5 / 4.8 / 9.6 / 19.7), bf16
 # dequantize + GEMM 2.9 / 3.2 / 3.7 / 4.9: crossing near 90 rows.
+# On 2 Zen 5 cores (AVX-512 BF16, no AMX; 2026-12-01), a 2880 x 2880 projection, ms at 32 / 64 / 128 / 256 / 512
+# rows: the kernel 0.59 / 1.19 / 2.31 / 4.65 / 9.03 against bf16 dequantize + GEMM 2.31 / 3.10 / 4.09 / 6.33 / 10.7:
+# past 96 rows this table made a gpt-oss prompt's experts 1.2-1.8x slower there, so the kernel tuning measures
+# the crossing (kernels/tune.py's mxfp4_kernel_rows); this table holds where the tuning has not.
 MXFP4_KERNEL_ROWS = {"avx512": 96}
 # ... and on int8 activations (batch_act "q8", the default) where the ISA is named here: on AVX2 a tiled int4
 # expert's groups beat dequantizing it for one fp32 matmul at every row count: a Qwen3-30B-A3B expert (2048 x
@@ -124,11 +128,19 @@ def kind_grouped_rows(kind: str, isa: str | None = None, batch_act: str = "bf16"
     return GROUPED_ROWS[kind]
 
 
-def mxfp4_kernel_rows(isa: str | None = None) -> int:
-    """Rows up to which an mxfp4 projection runs its native kernel in one call (q8 activations): GROUPED_ROWS's,
-    or MXFP4_KERNEL_ROWS's for the native kernels' ISA (`isa`, None: this machine's); more rows dequantize it
-    for one GEMM."""
-    return MXFP4_KERNEL_ROWS.get(kernels.isa() if isa is None else isa, GROUPED_ROWS["mxfp4"])
+def mxfp4_kernel_rows(isa: str | None = None, tuning: dict | None = None) -> int:
+    """Rows up to which an mxfp4 projection runs its native kernel in one call (q8 activations): the kernel
+    tuning's mxfp4_kernel_rows where it has one (kernels/tune.py; 0: at any rows), else MXFP4_KERNEL_ROWS's for
+    the native kernels' ISA, else GROUPED_ROWS's; more rows dequantize it for one GEMM. `isa` and `tuning` None:
+    this machine's (kernels.isa, kernels.tuning); the planner passes a profiled machine's."""
+    if isa is None:
+        isa = kernels.isa()
+        if tuning is None:
+            tuning = {"mxfp4_kernel_rows": kernels.mxfp4_kernel_rows()}
+    tuned = (tuning or {}).get("mxfp4_kernel_rows")
+    if tuned is not None:
+        return int(tuned) or 1 << 30
+    return MXFP4_KERNEL_ROWS.get(isa, GROUPED_ROWS["mxfp4"])
 
 
 def prompt_rows(kind: str, isa: str | None, biased: bool = False, batch_act: str = "bf16",
@@ -142,7 +154,7 @@ def prompt_rows(kind: str, isa: str | None, biased: bool = False, batch_act: str
     projection by projection (`project`'s own rows). `batch_act`: the rows' activations, `tuning`: the priced
     machine's kernel tuning (kind_grouped_rows)."""
     if kind == "mxfp4":
-        return mxfp4_kernel_rows(isa), 0
+        return mxfp4_kernel_rows(isa, tuning), 0
     if biased:  # `project`: int8 kinds' kernels at any rows, fp8's up to GROUPED_ROWS, tiled int4's up to NATIVE_ROWS
         return (NATIVE_ROWS if kind == "int4" else GROUPED_ROWS[kind]), 0
     return NATIVE_ROWS, kind_grouped_rows(kind, isa, batch_act, tuning)
@@ -734,13 +746,30 @@ def _tiled_int4(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor], a
     paid once for all n rows) -> [n, N] in x's dtype; without the extension, fp32 for fp32 x.
     e2m1: an mxfp4 projection (its codes through the e2m1 table, no residual; int8 activations)."""
     from tiered.kernels import load
+
+    ext = load() if x.device.type == "cpu" else None
+    if ext is not None and x.shape[0] <= (mxfp4_kernel_rows() if e2m1 else NATIVE_ROWS):
+        return tiled_int4_kernel(x, v, act, e2m1)
+    return tiled_int4_dequantized(x, xb, v, e2m1)
+
+
+def tiled_int4_kernel(x: torch.Tensor, v: dict[str, torch.Tensor], act: str, e2m1: bool = False) -> torch.Tensor:
+    """`_tiled_int4`'s native kernel on `act` activations, whatever the rows (kernels/tune.py times it against
+    `tiled_int4_dequantized`): x [n, K] -> [n, N] in x's dtype. Needs tiered/kernels."""
+    from tiered.kernels import load
+
+    return load().int4_tiled_kernel(v["gw"], None, v.get("zr"), None, act, e2m1=e2m1)(x).to(x.dtype)
+
+
+def tiled_int4_dequantized(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor],
+                           e2m1: bool = False) -> torch.Tensor:
+    """`_tiled_int4`'s dequantized path: the weight dequantized once and one matmul (xb: x in bf16)."""
+    from tiered.kernels import load
     from tiered.kernels.linear import tiled_dequantize
     from tiered.quant.int4 import dequantize_dtype
 
     ext = load() if x.device.type == "cpu" else None
     zr = v.get("zr")
-    if ext is not None and x.shape[0] <= (mxfp4_kernel_rows() if e2m1 else NATIVE_ROWS):
-        return ext.int4_tiled_kernel(v["gw"], None, zr, None, act, e2m1=e2m1)(x).to(x.dtype)
     # fp32 x keeps an fp32 GEMM, but where the kernels' ISA GEMMs faster in bf16 (as a one-copy int4 weight's
     # prompt does: Int4Linear.dense). A Mixtral-width int4 expert projection (14336 x 4096) on 2 Sapphire
     # Rapids cores (AMX), fastest of 5, ms at 128 / 256 / 512 rows: fp32 dequantize + GEMM 82 / 129 / 212,
