@@ -59,6 +59,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 from tiered.hardware import contention
 
@@ -182,23 +183,7 @@ def _dequantize_ab(rows: int, rounds: int) -> list[float]:
     lin = Int4Linear.from_codes(*quantize_int4(torch.randn(N, K, generator=g) * 0.02), layout="tiled",
                                 batch_act="q8")
     x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
-    kernel = lin.kernel("q8")
-
-    def timed(fn) -> float:
-        t = time.perf_counter()
-        fn(x)
-        return time.perf_counter() - t
-
-    ratios = []
-    with torch.inference_mode():
-        kernel(x), lin.dequantized(x)  # warm-up: oneDNN's kernels for this shape, the reused buffer
-        for r in range(rounds):
-            if r % 2 == 0:
-                a, b = timed(kernel), timed(lin.dequantized)
-            else:
-                b, a = timed(lin.dequantized), timed(kernel)
-            ratios.append(b / a)
-    return ratios
+    return _alternated(_timed(lin.kernel("q8"), [x]), _timed(lin.dequantized, [x]), rounds)
 
 
 def _expert_groups_ab(ef, slots, rows: int, rounds: int) -> list[float]:
@@ -208,30 +193,8 @@ def _expert_groups_ab(ef, slots, rows: int, rounds: int) -> list[float]:
     import torch
 
     x = torch.randn(rows, ef.shapes[0][1]).to(torch.bfloat16)
-    bounds = [0, rows]
-
-    def groups() -> float:
-        t = time.perf_counter()
-        for s in slots:
-            ef.grouped(x, [s], bounds)
-        return time.perf_counter() - t
-
-    def dequantized() -> float:
-        t = time.perf_counter()
-        for s in slots:
-            ef.dequantized(x, s)
-        return time.perf_counter() - t
-
-    ratios = []
-    with torch.inference_mode():
-        groups(), dequantized()  # warm-up: oneDNN's kernels for this shape, first-call buffers
-        for r in range(rounds):
-            if r % 2 == 0:
-                a, b = groups(), dequantized()
-            else:
-                b, a = dequantized(), groups()
-            ratios.append(b / a)
-    return ratios
+    return _alternated(_timed(lambda s: ef.grouped(x, [s], [0, rows]), slots),
+                       _timed(lambda s: ef.dequantized(x, s), slots), rounds)
 
 
 def _mxfp4_ab(ef, slots, rows: int, rounds: int) -> list[float]:
@@ -244,29 +207,8 @@ def _mxfp4_ab(ef, slots, rows: int, rounds: int) -> list[float]:
     x = torch.randn(rows, ef.shapes[0][1])
     xb = x.to(torch.bfloat16)
     views = [ef.views(s)[0] for s in slots]
-
-    def kernel() -> float:
-        t = time.perf_counter()
-        for v in views:
-            tiled_int4_kernel(x, v, "q8", e2m1=True)
-        return time.perf_counter() - t
-
-    def dequantized() -> float:
-        t = time.perf_counter()
-        for v in views:
-            tiled_int4_dequantized(x, xb, v, e2m1=True)
-        return time.perf_counter() - t
-
-    ratios = []
-    with torch.inference_mode():
-        kernel(), dequantized()  # warm-up
-        for r in range(rounds):
-            if r % 2 == 0:
-                a, b = kernel(), dequantized()
-            else:
-                b, a = dequantized(), kernel()
-            ratios.append(b / a)
-    return ratios
+    return _alternated(_timed(lambda v: tiled_int4_kernel(x, v, "q8", e2m1=True), views),
+                       _timed(lambda v: tiled_int4_dequantized(x, xb, v, e2m1=True), views), rounds)
 
 
 def _rows_ab(ext, ef, slots, rows: int, rounds: int) -> list[float]:
@@ -279,29 +221,37 @@ def _rows_ab(ext, ef, slots, rows: int, rounds: int) -> list[float]:
     x = torch.randn(rows, WIDTH[0]).to(torch.bfloat16)
     bounds = list(range(0, rows, 8)) + [rows]
 
-    def native() -> float:
-        t = time.perf_counter()
-        for s in slots:
-            if rows <= 8:
-                ext.bf16_expert_forward(*s, x)
-            else:
-                ext.bf16_experts_forward_group([w for _ in bounds[1:] for w in s], x, bounds)
-        return time.perf_counter() - t
+    def native(s) -> None:
+        if rows <= 8:
+            ext.bf16_expert_forward(*s, x)
+        else:
+            ext.bf16_experts_forward_group([w for _ in bounds[1:] for w in s], x, bounds)
+    return _alternated(_timed(native, slots), _timed(lambda s: expert_forward(x, *s), slots), rounds)
 
-    def torch_gemms() -> float:
+
+def _timed(fn: Callable, items: list) -> Callable[[], float]:
+    """One side of an A/B: a call giving the seconds fn(item) takes for every item in turn."""
+    def run() -> float:
         t = time.perf_counter()
-        for s in slots:
-            expert_forward(x, *s)
+        for item in items:
+            fn(item)
         return time.perf_counter() - t
+    return run
+
+
+def _alternated(current: Callable[[], float], alternative: Callable[[], float], rounds: int) -> list[float]:
+    """Per-round ratios alternative / current of two sides' seconds, in inference mode after a warm-up call of
+    each (oneDNN's kernels for the shape, first-call buffers), alternating which side goes first."""
+    import torch
 
     ratios = []
     with torch.inference_mode():
-        native(), torch_gemms()  # warm-up: oneDNN's kernels for this shape, first-call buffers
+        current(), alternative()
         for r in range(rounds):
             if r % 2 == 0:
-                a, b = native(), torch_gemms()
+                a, b = current(), alternative()
             else:
-                b, a = torch_gemms(), native()
+                b, a = alternative(), current()
             ratios.append(b / a)
     return ratios
 
