@@ -139,9 +139,8 @@ def isa() -> str | None:
 def tuning() -> dict | None:
     """The kernel tuning this process runs with ({"stream_prefetch", "prefetch_l2", "int4_int16_act",
     "bf16_native_rows", "q8_dequantize_rows", "q8_expert_grouped_rows", "mxfp4_kernel_rows"}: tune.py's
-    measurement, applied by
-    `load()`), or None without the extension:
-    what a hardware profile's native keys were timed under."""
+    measurement, applied by `load()`), or None without the extension: what a hardware profile's native keys
+    were timed under."""
     ext = load()
     return None if ext is None else dict(ext.tuning(), bf16_native_rows=bf16_native_rows(),
                                          q8_dequantize_rows=q8_dequantize_rows(),
@@ -149,11 +148,11 @@ def tuning() -> dict | None:
                                          mxfp4_kernel_rows=mxfp4_kernel_rows())
 
 
-def mxfp4_kernel_rows() -> int | None:
-    """Rows up to which an mxfp4 projection runs its native kernel in one call rather than dequantized for one
-    GEMM (quant/experts.mxfp4_kernel_rows), as this machine's tuning measured (tune.choose_dequantize_rows; 0: at
-    any rows); None without the extension or that measurement."""
-    return _tuned_rows("mxfp4_kernel_rows")
+def q8_dequantize_rows() -> int | None:
+    """Rows beyond which a one-copy int4 weight's call on int8 activations dequantizes it for one GEMM
+    (quant/int4.dequantize_rows), as this machine's tuning measured (tune.choose_dequantize_rows; 0: never);
+    None without the extension or that measurement (quant/int4's tables by ISA then)."""
+    return _tuned_rows("q8_dequantize_rows")
 
 
 def q8_expert_grouped_rows() -> int | None:
@@ -163,18 +162,18 @@ def q8_expert_grouped_rows() -> int | None:
     return _tuned_rows("q8_expert_grouped_rows")
 
 
+def mxfp4_kernel_rows() -> int | None:
+    """Rows up to which an mxfp4 projection runs its native kernel in one call rather than dequantized for one
+    GEMM (quant/experts.mxfp4_kernel_rows), as this machine's tuning measured (tune.choose_dequantize_rows; 0: at
+    any rows); None without the extension or that measurement."""
+    return _tuned_rows("mxfp4_kernel_rows")
+
+
 def _tuned_rows(key: str) -> int | None:
     if load() is None:
         return None
     rows = _applied.get(key)
     return None if rows is None else int(rows)
-
-
-def q8_dequantize_rows() -> int | None:
-    """Rows beyond which a one-copy int4 weight's call on int8 activations dequantizes it for one GEMM
-    (quant/int4.dequantize_rows), as this machine's tuning measured (tune.choose_dequantize_rows; 0: never);
-    None without the extension or that measurement (quant/int4's tables by ISA then)."""
-    return _tuned_rows("q8_dequantize_rows")
 
 
 def bf16_native_rows() -> int:
