@@ -54,7 +54,7 @@ def test_a_long_prompt_prefills_in_chunks_on_the_cpu(zoo, rt, monkeypatch, kind,
     path = zoo.dir("llama") if kind == "llama" else rt.dir("mixtral")
     config = engine_config(accelerator="none", max_context=CTX, plan=plan)
     with monkeypatch.context() as m:  # the reference in one forward, not as rows of the native decode step
-        m.setattr(auto, "mixed_rows", lambda isa, act: 0)
+        m.setattr(auto, "mixed_rows", lambda isa, act, dequantize=0: 0)
         ref, ref_chunk, ref_spans, n, ref_most, ref_plan = _run(path, config)
     assert ref_chunk == sizes.CPU_PREFILL_TOKENS and ref_spans == [(0, n)] and ref_most == n
     monkeypatch.setattr(sizes, "CPU_PREFILL_TOKENS", CHUNK)

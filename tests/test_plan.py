@@ -967,3 +967,17 @@ def test_a_gpu_plan_keeps_room_for_the_profile_gpus_cublas_workspaces():
     assert make_plan(small, hw, gpu_memory=2 * GiB).workspace_bytes == act + 3 * 32 * 2**20
     assert make_plan(small, hw, gpu_memory=2 * GiB, library_workspace=0).workspace_bytes == act
     assert make_plan(small, get_preset("scheinfer-b"), gpu_memory=2 * GiB).workspace_bytes == act
+
+
+def test_mixed_rows_follow_the_isa_and_whether_prompt_rows_dequantize():
+    """planner/auto.mixed_rows: a prompt joins the native step's rows up to MIXED_ROWS by ISA and activations,
+    and on AVX-512 up to MIXED_ROWS_UNDEQUANTIZED where the kernel tuning found int8 prompt rows never dequantize
+    (quant/int4.dequantize_rows("q8") None: 2 Zen 5 cores ran SmolLM2's rows at 0.66-0.75x the modules'
+    prefill to 1024 tokens); no kernels, no rows."""
+    from tiered.planner.auto import MIXED_ROWS, MIXED_ROWS_UNDEQUANTIZED, mixed_rows
+
+    assert mixed_rows("avx512", "q8", 96) == MIXED_ROWS["avx512"]["q8"] < mixed_rows("avx512", "q8", None) == \
+        MIXED_ROWS_UNDEQUANTIZED
+    assert mixed_rows("avx512", "bf16", None) == MIXED_ROWS["avx512"]["bf16"]  # bf16 rows: the table
+    assert mixed_rows("avx2", "q8", None) == MIXED_ROWS["avx2"]["q8"]  # AVX2's own measurement
+    assert mixed_rows(None, "q8", None) == 0

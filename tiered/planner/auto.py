@@ -29,6 +29,7 @@ from tiered.memory import sizes
 from tiered.planner.cpu_predict import native_step
 from tiered.planner.make import make_plan, settle_gpu_decode
 from tiered.planner.plan import Plan
+from tiered.quant.int4 import dequantize_rows
 
 
 def engine_profile(profile: str | None, accelerator=None, progress: Callable[[str], None] | None = None
@@ -395,7 +396,8 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     plan.device_issue = "worker" if ec.device_issue == "worker" else "thread"
     # short prompts run as rows of the native decode step, beside the running sequences (dense
     # models: an MoE layer's FFN runs as a module, which takes one token per sequence)
-    plan.mixed_rows = mixed_rows(kernels.isa(), plan.batch_act) if plan.native_decode and not cfg.is_moe else 0
+    plan.mixed_rows = (mixed_rows(kernels.isa(), plan.batch_act, dequantize_rows("q8"))
+                       if plan.native_decode and not cfg.is_moe else 0)
     return plan, profile, args
 
 
@@ -448,14 +450,24 @@ def expert_activations(ec) -> str:
 #     32 / 59 / 116 / 180 / 238 / 378 on int16, 46-50 / 72-80 / 218-283 / 259-343 / 322-397 /
 #     416-503 ms prefill; at 256 tokens 575 (int8 rows) against 565 ms, at 512 1243 against 1082.
 MIXED_ROWS = {"avx512": {"q8": 96, "bf16": 48}, "avx2": {"q8": 192, "bf16": 192}}
+# ... and on AVX-512 where the kernel tuning found that int8 prompt rows never dequantize (quant/int4.dequantize_rows
+# None: the modules' prefill runs the same int4 kernels): on 2 Zen 5 cores (2026-12-01, `/tmp/s54/mixed.py`) a
+# SmolLM2 prompt as rows of the native step took 0.66-0.75x the modules' prefill at 64 / 96 / 128 / 192 / 256 /
+# 384 / 512 / 768 / 1024 tokens (36 against 51 ms at 128, 86 against 126 at 256, 491 against 684 at 1024). Kept
+# at 256: AVX2's rows, on the same kernels, lost from there (575 against 565 ms at 256, 1243 against 1082 at 512).
+MIXED_ROWS_UNDEQUANTIZED = 256
 
 
-def mixed_rows(isa: str | None, batch_act: str) -> int:
+def mixed_rows(isa: str | None, batch_act: str, dequantize: int | None = 0) -> int:
     """Plan.mixed_rows for the native kernels' ISA path ("avx512", "avx2", "scalar"; None: no
     kernels, so no native step to join) and Plan.batch_act ("q8" or "bf16"): rows, 0 for none.
-    The scalar path takes AVX-512's (smaller) limits."""
+    The scalar path takes AVX-512's (smaller) limits. `dequantize`: the rows past which the machine's int4
+    prompt rows on int8 activations dequantize (quant/int4.dequantize_rows("q8"); None: never), which on
+    AVX-512 lifts its q8 limit to MIXED_ROWS_UNDEQUANTIZED."""
     if isa is None:
         return 0
+    if isa == "avx512" and batch_act == "q8" and dequantize is None:
+        return MIXED_ROWS_UNDEQUANTIZED
     return MIXED_ROWS.get(isa, MIXED_ROWS["avx512"])[batch_act]
 
 
