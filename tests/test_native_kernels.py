@@ -562,6 +562,25 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         ext.set_tuning(**saved)
 
 
+def test_a_dequantize_choice_that_cannot_be_timed_keeps_the_table(monkeypatch):
+    """tune.measure: a row-count A/B that raises (a format this machine's kernels cannot run) leaves its choice
+    None (quant's tables by ISA) with the error said, and the other choices measured: the tuning, and with it a
+    fresh build's load(), does not fail for it."""
+    from tiered.kernels import tune
+
+    def broken(*a, **kw):
+        raise RuntimeError("no mxfp4 kernel here")
+    monkeypatch.setattr(tune, "_mxfp4_ab", broken)
+    saved = ext.tuning()
+    try:
+        result = tune.measure(ext, total_bytes=16 << 20, rounds=1)
+    finally:
+        ext.set_tuning(**saved)
+    assert result["mxfp4_kernel_rows"] is None and "no mxfp4 kernel here" in result["errors"]["mxfp4_kernel_rows"]
+    assert isinstance(result["q8_dequantize_rows"], int) and isinstance(result["q8_expert_grouped_rows"], int)
+    assert not any(k.startswith("mxfp4_kernel_") for k in result["ratios"])
+
+
 def test_a_tuning_other_processes_disturbed_is_measured_again(tmp_path, monkeypatch):
     """contention.others_share: the share of the cores other processes ran meanwhile (/proc/stat's busy
     seconds less this process's own); a tuning with more than CONTENDED_SHARE of them is "contended"

@@ -332,22 +332,27 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
     # bf16 experts past one row: the native kernel or torch's GEMMs (ExpertFormat.native_rows / grouped_rows)
     rows_ratios = {n: _rows_ab(ext, *bf16, n, max(3, rounds // 2)) for n in ROW_CHOICES}
     out["ratios"].update({f"bf16_rows_{n}": r for n, r in rows_ratios.items()})
-    # a one-copy int4 weight's prompt rows on int8 activations: the kernel or dequantize + GEMM (Int4Linear.dense)
-    deq_ratios = {n: _dequantize_ab(n, max(3, rounds // 2)) for n in DEQUANTIZE_ROW_CHOICES}
-    out["ratios"].update({f"q8_dequantize_{n}": r for n, r in deq_ratios.items()})
-    # ... and a tiled int4 expert's (ExpertFormat.forward: groups of NATIVE_ROWS rows or dequantized matmuls)
-    ef, slots = _experts("int4", 0, "q8", GROUP_WIDTH, exact_zeros=True, slab=True, at_least=4, batch_act="q8")
-    group_ratios = {n: _expert_groups_ab(ef, slots, n, max(3, rounds // 2)) for n in DEQUANTIZE_ROW_CHOICES}
-    out["ratios"].update({f"q8_expert_groups_{n}": r for n, r in group_ratios.items()})
-    # ... and an mxfp4 projection's (one native call or dequantized for one GEMM)
-    ef, slots = _experts("mxfp4", 0, "q8", MXFP4_WIDTH, at_least=2)
-    mxfp4_ratios = {n: _mxfp4_ab(ef, slots, n, max(3, rounds // 2)) for n in DEQUANTIZE_ROW_CHOICES}
-    out["ratios"].update({f"mxfp4_kernel_{n}": r for n, r in mxfp4_ratios.items()})
     out.update(ext.tuning())
     out["bf16_native_rows"] = choose_rows(rows_ratios, margin)
-    out["q8_dequantize_rows"] = choose_dequantize_rows(deq_ratios, margin)
-    out["q8_expert_grouped_rows"] = choose_dequantize_rows(group_ratios, margin)
-    out["mxfp4_kernel_rows"] = choose_dequantize_rows(mxfp4_ratios, margin)
+    # where prompt rows dequantize for one GEMM: a one-copy int4 weight's (Int4Linear.dense), a tiled int4
+    # expert's (groups of NATIVE_ROWS rows or dequantized matmuls), an mxfp4 projection's (one native call or
+    # dequantized). One that cannot be timed here keeps None (quant's tables by ISA) and says why, rather than
+    # failing the tuning (and with it, in a fresh build's load(), the kernels).
+    rows = lambda ab, *args: {n: ab(*args, n, max(3, rounds // 2)) for n in DEQUANTIZE_ROW_CHOICES}  # noqa: E731
+    for key, name, timed in (
+            ("q8_dequantize_rows", "q8_dequantize", lambda: rows(_dequantize_ab)),
+            ("q8_expert_grouped_rows", "q8_expert_groups", lambda: rows(_expert_groups_ab, *_experts(
+                "int4", 0, "q8", GROUP_WIDTH, exact_zeros=True, slab=True, at_least=4, batch_act="q8"))),
+            ("mxfp4_kernel_rows", "mxfp4_kernel", lambda: rows(_mxfp4_ab, *_experts(
+                "mxfp4", 0, "q8", MXFP4_WIDTH, at_least=2)))):
+        try:
+            ratios = timed()
+        except Exception as e:  # noqa: BLE001  (a format this machine's kernels cannot run: the table)
+            out[key] = None
+            out.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        out["ratios"].update({f"{name}_{n}": r for n, r in ratios.items()})
+        out[key] = choose_dequantize_rows(ratios, margin)
     out.update(isa=ext.gemv_isa(), cpu=cpu_model(), bytes_per_format=total,
                rounds=rounds, margin=margin, when=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                **contention.record(start, previous))
