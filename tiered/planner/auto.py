@@ -380,12 +380,13 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     plan.cpu_decode_step = accelerator is None
     # ... and in C++ when tiered/kernels is built (setup builds it; TIERED_NATIVE=0 turns it off)
     plan.native_decode = plan.cpu_decode_step and kernels.available()
-    if profile is not None and native_step(profile) != kernels.available():
+    priced_native = profile is not None and native_step(profile)
+    if profile is not None and priced_native != kernels.available():
         # this machine's own profile is measured again when its kernels come or go (_cached_or_measured):
         # only a given profile (--profile) can price the other path; say so rather than hide it
-        plan.notes.append(f"the hardware profile was measured {'with' if native_step(profile) else 'without'} "
-                          f"tiered's native kernels and this process runs {'without' if native_step(profile) else 'with'}"
-                          " them: the predicted times price the profile's path, not the one that runs")
+        plan.notes.append(f"the hardware profile was measured {'with' if priced_native else 'without'} tiered's "
+                          f"native kernels and this process runs {'without' if priced_native else 'with'} them: "
+                          "the predicted times price the profile's path, not the one that runs")
     # ... where a lone sequence decodes several tokens a native call (LLM._burst; priced by cpu_predict's bursts)
     plan.decode_bursts = plan.native_decode
     # int4 decode copies (CPU-only) in the layout of tiered's own kernels when they are built

@@ -547,14 +547,15 @@ class ExpertFormat:
         most = max(b - a for a, b in zip(bounds, bounds[1:]))
         if most > self.group_rows:
             return None
-        return self.grouped(xs, slots, bounds)
+        return self.grouped(xs, slots, bounds, most)
 
-    def grouped(self, xs: torch.Tensor, slots: list[tuple[torch.Tensor, ...]],
-                bounds: list[int]) -> torch.Tensor | None:
+    def grouped(self, xs: torch.Tensor, slots: list[tuple[torch.Tensor, ...]], bounds: list[int],
+                most: int | None = None) -> torch.Tensor | None:
         """`forward_group`'s native call (CPU xs) whatever the rows: an expert of more than NATIVE_ROWS rows in
-        groups of NATIVE_ROWS (kernels/tune.py times it against `dequantized` past `group_rows`). None when the
-        native kernels cannot run it."""
-        most = max(b - a for a, b in zip(bounds, bounds[1:]))
+        groups of NATIVE_ROWS (kernels/tune.py times it against `dequantized` past `group_rows`). `most`: the
+        most rows of one expert where the caller has it. None when the native kernels cannot run it."""
+        if most is None:
+            most = max(b - a for a, b in zip(bounds, bounds[1:]))
         ext = self._native_ext(slots)
         if ext is None:
             return None
