@@ -1262,6 +1262,32 @@ def test_a_batched_decode_step_streams_the_weights_once_and_adds_each_rows_multi
     assert ffn8 == pytest.approx(active * expert + router_rows, rel=1e-6)
 
 
+def test_the_prompt_code_key_times_the_modules_prefill_never_the_native_steps_rows(monkeypatch):
+    """_prefill_code_points times prompts through the modules' prefill, whose F.linear calls _EmptyMatmuls
+    empties: with Plan.mixed_rows 256 (AVX-512 kernels that never dequantize int8 rows) its 256-token prompts
+    ran as rows of the native step, matmuls and all, and took longer than its 1024-token ones (the fit's
+    R^2 -2.1 priced SmolLM2's 512-token TTFT 0.39 s where it took 0.24-0.32, 2 Zen 5 cores). A shape whose
+    longer prompt takes less time than its shorter one is refused rather than fitted."""
+    from tiered.engine.llm import LLM
+    from tiered.hardware import profiler
+    from tiered.planner import auto
+
+    # the plain rules' mixed rows as on such a machine (wherever the kernels are built), so that a prompt
+    # could join the native step if the profiler let it
+    monkeypatch.setattr(auto, "mixed_rows", lambda *a, **k: 4096 if kernels.available() else 0)
+    joined, real = [], LLM._mixed_prefills
+    monkeypatch.setattr(LLM, "_mixed_prefills", lambda self, *a: joined.extend(real(self, *a)) or real(self, *a))
+    monkeypatch.setattr(profiler, "PREFILL_CODE_SHAPES", ((128, 256),))
+    points = profiler._prefill_code_points("fp32", 1)
+    assert [n for n, _ in points] == [T * (128 + 256) for T in profiler.PREFILL_CODE_TOKENS]
+    assert joined == []  # no prompt ran as rows of the native step
+
+    times = iter([2e-3, 1e-3])  # the longer prompt "faster": another path than the one timed
+    monkeypatch.setattr(profiler, "median_time", lambda *a, **k: next(times))
+    with pytest.raises(RuntimeError, match="not the modules' prefill"):
+        profiler._prefill_code_points("fp32", 1)
+
+
 def test_a_prompts_model_code_is_timed_without_its_matmuls_and_priced_per_layer():
     """runtime/prefill_code/<dtype> times a prefill with every F.linear and attention call an empty result
     of its shape (_EmptyMatmuls), and predict_prefill charges each layer its fit over the prompt's tokens x

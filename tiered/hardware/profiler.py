@@ -1087,7 +1087,11 @@ def _prefill_code_points(dtype: str, repeats: int) -> list[tuple[float, float]]:
     adds, casts, module calls): runtime/prefill_code/<dtype>, alpha a layer's fixed cost, beta a token's
     cost per element of its width. On 2 AMX cores SmolLM2's 512-token bf16 prefill (0.17 s) spent 59 ms
     there, which the decode step's fixed cost (runtime/decode_step, ~4 us a layer) had stood for: its
-    TTFT priced 29-36% fast (2026-11-29)."""
+    TTFT priced 29-36% fast (2026-11-29). Every prompt runs the modules' prefill (Plan.mixed_rows 0): with
+    mixed rows to 256, 256-token prompts ran as rows of the native step with their matmuls, 2-10 ms a layer
+    where 1024 tokens took 0.8-3.5, and the fit (R^2 -2.1) priced SmolLM2's default 512-token TTFT 0.39 s
+    where it took 0.24-0.32 (2 Zen 5 cores, 2026-12-01). Raises RuntimeError where a shape's longer prompt
+    took less time than its shorter one (a path other than the one timed)."""
     from tiered.bench.checkpoint import ModelShape, write_dummy_checkpoint
     from tiered.config import EngineConfig
     from tiered.engine.llm import LLM
@@ -1101,6 +1105,9 @@ def _prefill_code_points(dtype: str, repeats: int) -> list[tuple[float, float]]:
             path = write_dummy_checkpoint(Path(tmp) / f"dense-{d}", shape)
             llm = LLM(path, EngineConfig(accelerator="none", dtype={"bf16": "bfloat16"}.get(dtype, "float32"),
                                          decode_weights=dtype, plan="off", max_context=2 * max(PREFILL_CODE_TOKENS)))
+            # the modules' prefill at every length: a prompt within Plan.mixed_rows would run as rows of the native
+            # decode step instead, its matmuls in C++ where _EmptyMatmuls cannot empty them
+            llm.plan.mixed_rows = 0
             try:
                 sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
                 for T in PREFILL_CODE_TOKENS:
@@ -1110,6 +1117,10 @@ def _prefill_code_points(dtype: str, repeats: int) -> list[tuple[float, float]]:
                     points.append((float(T * (d + F_)), t / layers))
             finally:
                 llm.close()
+    for (n0, t0), (n1, t1) in zip(points[::len(PREFILL_CODE_TOKENS)], points[len(PREFILL_CODE_TOKENS) - 1::len(PREFILL_CODE_TOKENS)]):
+        if t1 < t0:  # 4x the tokens in less time: not the path timed (the key would price prompts by noise)
+            raise RuntimeError(f"a prompt of {n1:.0f} token-widths took {t1 * 1e3:.3f} ms a layer, less than "
+                               f"{n0:.0f} did ({t0 * 1e3:.3f} ms): not the modules' prefill")
     return points
 
 
@@ -1524,7 +1535,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 33: runtime/burst_token, a decode burst's token beyond its layers' code (LLM._burst: a lone sequence's CPU decode,
 # several tokens a native call), in place of the per-step fixed cost and runtime/engine_token where the engine
 # bursts (op_time.step_overhead's `burst`); runtime/engine_token now times the loop with bursts off.
-PROFILER_VERSION = 33
+# 34: runtime/prefill_code/<dtype> times every prompt through the modules' prefill (Plan.mixed_rows 0): with mixed
+# rows to 256 its 256-token prompts had run as native-step rows, matmuls and all (R^2 -2.1; SmolLM2's default
+# 512-token TTFT priced 0.39 s where it took 0.24-0.32 on 2 Zen 5 cores).
+PROFILER_VERSION = 34
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
