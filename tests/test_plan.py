@@ -969,6 +969,54 @@ def test_a_gpu_plan_keeps_room_for_the_profile_gpus_cublas_workspaces():
     assert make_plan(small, get_preset("scheinfer-b"), gpu_memory=2 * GiB).workspace_bytes == act
 
 
+def test_a_plan_prices_prompts_within_its_mixed_rows_as_rows_and_extends_them_where_rows_are_cheaper():
+    """A CPU plan of a dense model records make_plan's mixed_rows (planner/auto.planned_mixed_rows: the ISA's
+    measured floor), extends it past that floor to the longest of PRICED_MIXED_ROWS (within the prefill chunk)
+    up to which a prompt is priced no slower as rows of the native step (cpu_predict.predict_prompt_rows, its
+    attention at attn_rows/cpu/<kv>) than through the modules' prefill (predict_prefill), and prices a prompt within
+    its rows as those rows. A profile without the rows' attention key keeps the floor; an MoE plan has none."""
+    from pathlib import Path
+
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.hardware.profile import HardwareProfile, LinearModel
+    from tiered.planner.cpu_predict import predict_prefill, predict_prompt_rows
+    from tiered.planner.latency_cpu import PRICED_MIXED_ROWS
+
+    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                      max_position_embeddings=8192)
+    base = HardwareProfile.load(Path(__file__).parents[1] / "benchmarks/results/zen5-2026-12-01/"
+                                "hardware_profile_this_machine.json")
+    assert base.meta.get("native_kernels") and "attn_rows/cpu/bf16" not in base.models
+
+    def plan(rate: float | None, prompt: int = 512, rows: int = 256, model=cfg):
+        hw = HardwareProfile(base.name, base.source, dict(base.models), base.gpu_memory, base.cpu_memory,
+                             meta=base.meta)
+        if rate is not None:
+            hw.models["attn_rows/cpu/bf16"] = LinearModel(0.0, rate, 1.0)
+        return hw, make_plan(model, hw, prompt_tokens=prompt, precision="int4", weights_format="fp32",
+                             dense_copies=False, batch_act="q8", head_precision="int8", context_tokens=8192,
+                             mixed_rows=rows)
+
+    hw, fast = plan(1e-11)  # the native attention at ~100 GMAC/s (2 Zen 5 cores' 9-10 ps a multiply-add)
+    assert fast.mixed_rows == max(PRICED_MIXED_ROWS) == fast.prefill_chunk
+    assert fast.predicted_ttft_s == pytest.approx(predict_prompt_rows(cfg, hw, "int4", 512, None, "bf16", "int8", "q8"))
+    hw, slow = plan(1e-9)  # rows' attention 100x slower: their quadratic term loses past the floor
+    assert slow.mixed_rows == 256
+    assert slow.predicted_ttft_s == pytest.approx(predict_prefill(
+        cfg, hw, "int4", 512, None, 0.0, experts_dtype="fp32", act_dtype="fp32", experts_format="fp32",
+        batch_act="q8", chunk=slow.prefill_chunk))
+    hw, within = plan(1e-9, prompt=128)  # within the floor: rows, however their attention is priced
+    assert within.predicted_ttft_s == pytest.approx(predict_prompt_rows(cfg, hw, "int4", 128, None, "bf16", "int8",
+                                                                        "q8"))
+    assert plan(None)[1].mixed_rows == 256  # no attn_rows key: no comparison, the floor
+    assert plan(1e-11, rows=0)[1].mixed_rows == 0  # no native step to join
+    moe = ModelConfig(model_type="qwen2_moe", vocab_size=1000, hidden_size=256, intermediate_size=1024,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+    assert plan(1e-11, model=moe)[1].mixed_rows == 0
+
+
 def test_mixed_rows_follow_the_isa_and_whether_prompt_rows_dequantize():
     """planner/auto.mixed_rows: a prompt joins the native step's rows up to MIXED_ROWS by ISA and activations,
     and on AVX-512 up to MIXED_ROWS_UNDEQUANTIZED where the kernel tuning found int8 prompt rows never dequantize

@@ -216,6 +216,11 @@ def test_quick_profile_structure(measured):
         # the native step's int4 layers at real widths, per byte through the origin (profiler 32)
         assert p.models["runtime/decode_layer/int4"].alpha == 0.0 < p.models["runtime/decode_layer/int4"].beta
         assert "runtime/burst_token" in p.models  # a decode burst's token (profiler 33)
+        for kv in ("bf16", "fp32"):  # the native step's attention over a prompt as its rows, through the origin
+            from tiered.hardware.profiler import ATTN_ROWS_TOKENS
+            assert [n for n, _ in p.meta["points"][f"attn_rows/cpu/{kv}"]] == [
+                2 * 12 * 64 * T * (T + 1) / 2 for T in ATTN_ROWS_TOKENS]
+            assert p.models[f"attn_rows/cpu/{kv}"].alpha == 0.0 < p.models[f"attn_rows/cpu/{kv}"].beta
     assert "runtime/engine_token" in p.models
     for dtype in ("fp32", "bf16"):  # a prompt's model code beyond its GEMMs and attention, per layer
         from tiered.hardware.profiler import PREFILL_CODE_SHAPES, PREFILL_CODE_TOKENS

@@ -39,6 +39,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                          engine's ITL with bursts on less its layers (alpha only; tiered/kernels built)
     attn_decode/cpu/<kv>         the native decode step's attention per KV-cache byte (cache in <kv>,
                                  from DRAM; with tiered/kernels built and the LLC's size known)
+    attn_rows/cpu/<kv>           the native step's attention over a prompt run as its rows (Plan.mixed_rows),
+                                 seconds a layer             n = the layer's attention multiply-adds
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
                          n = layers (the fixed per-step and per-layer cost of the model code)
     runtime/decode_layer/int4  the native decode step's dense layers at real widths (SmolLM2's and up), int4
@@ -268,7 +270,10 @@ class _Bench:
     def fit(self, key: str, points: list[tuple[float, float]]) -> None:
         self.points[key] = points
         # reads and copies of MiBs; the native step's layers per byte, fixed costs in (_decode_layer_points)
-        fit = fit_proportional if key.startswith(("memory/", "runtime/decode_layer/")) else fit_affine
+        # and its attention over prompt rows per multiply-add (_attn_rows_points: the affine fit's intercept, ~0.45 ms
+        # a layer on 2 Zen 5 cores, is the longer prompts' rate improving, and would price a 64-token SmolLM2
+        # prompt 13 ms of attention where it computes ~1)
+        fit = fit_proportional if key.startswith(("memory/", "runtime/decode_layer/", "attn_rows/")) else fit_affine
         m = fit([n for n, _ in points], [t for _, t in points])
         if m.beta == 0.0 and len(points) >= 3 and all(n > 0 for n, _ in points):
             # no cost per unit is no real operation's: a stalled point made the least-squares slope
@@ -814,6 +819,47 @@ def _attn_decode_points(kv: str, repeats: int) -> list[tuple[float, float]]:
         times = median_times(calls, max(5, repeats))
     # n: the KV bytes of the cached positions each step reads
     return [(float(sizes.kv_cache_bytes(cfg, 1, ctx, kv)), t) for ctx, t in zip(ATTN_DECODE_CONTEXTS, times)]
+
+
+ATTN_ROWS_LAYERS = 4  # layers of attn_rows' model
+ATTN_ROWS_TOKENS = (256, 512, 1024)  # prompt rows a timed step runs (Plan.mixed_rows reaches the prefill chunk)
+
+
+def _attn_rows_points(kv: str, repeats: int) -> list[tuple[float, float]]:
+    """(attention multiply-adds a layer, seconds a layer) of a prompt of ATTN_ROWS_TOKENS tokens run as rows of
+    the native CPU decode step (LLM._forward_mixed: Plan.mixed_rows) over a cache in `kv` ("fp32" or "bf16"): an
+    attention-only model in effect (12 query heads on 4 KV heads of 64, hidden 64, ATTN_ROWS_LAYERS layers, the
+    head on the last row), less the same rows each attending to one key (every row its own sequence at position
+    0): what the rows' causal attention adds. Multiply-adds: 2 x heads x head_dim a (row, position) pair of each
+    row's causal prefix (op_time.prefill_attention_pairs). The slope is the native attention's rate over a
+    prompt's own keys, which the cache holds: on 2 Zen 5 cores SmolLM2's 1024-token prompt spent ~185 of its 482
+    ms as rows there, where torch's attention (attn_prefill) ran the same pairs in ~300 (2026-12-01); priced at
+    attn_decode's rate per cached byte (a decode step's keys from DRAM) the rows had cost 1.7x their time.
+    Raises RuntimeError without the kernels."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.models import build_model
+    from tiered.models.layers import KVCache
+    from tiered.runtime.cpu_decode import CPUDecodeStep
+
+    if not kernels.available():
+        raise RuntimeError("tiered/kernels is not built")
+    heads, hd = 12, 64
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64,
+                      num_hidden_layers=ATTN_ROWS_LAYERS, num_attention_heads=heads, num_key_value_heads=4, head_dim=hd)
+    T_max = max(ATTN_ROWS_TOKENS)
+    step = CPUDecodeStep(build_model(cfg, T_max).eval(), native=True)
+    prompt, alone = KVCache(cfg, 1, T_max, torch_dtype(kv)), KVCache(cfg, T_max, 1, torch_dtype(kv))
+    calls = []
+    for T in ATTN_ROWS_TOKENS:
+        ids, last = torch.full((T, 1), 1), torch.tensor([T - 1])
+        for pos, slots, cache in ((torch.arange(T).unsqueeze(1), torch.zeros(T, dtype=torch.long), prompt),
+                                  (torch.zeros(T, 1, dtype=torch.long), torch.arange(T), alone)):
+            calls.append(lambda ids=ids, pos=pos, slots=slots, cache=cache, last=last:
+                         step(ids, pos, slots, cache, rows=last))
+    with torch.inference_mode():  # the lengths and their references timed interleaved, as _gemm_points' shapes
+        times = median_times(calls, max(3, repeats))
+    return [(float(2 * heads * hd * prefill_attention_pairs(T, 0)),
+             max(0.0, times[2 * i] - times[2 * i + 1]) / ATTN_ROWS_LAYERS) for i, T in enumerate(ATTN_ROWS_TOKENS)]
 
 
 def _attn_prefill_points(dtype: str, shapes, repeats: int):
@@ -1538,7 +1584,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 34: runtime/prefill_code/<dtype> times every prompt through the modules' prefill (Plan.mixed_rows 0): with mixed
 # rows to 256 its 256-token prompts had run as native-step rows, matmuls and all (R^2 -2.1; SmolLM2's default
 # 512-token TTFT priced 0.39 s where it took 0.24-0.32 on 2 Zen 5 cores).
-PROFILER_VERSION = 34
+# 35: attn_rows/cpu/<kv>, the native step's attention over a prompt run as its rows (Plan.mixed_rows), which
+# cpu_predict.predict_prefill prices such prompts by (their TTFT had been priced as the modules' prefill).
+PROFILER_VERSION = 35
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -1670,6 +1718,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
             b.attempt("expert_dram/cpu/bf16", lambda: _expert_dram_points(max(3, r // 2), 3 * llc))
             for kv in ("bf16", "fp32"):  # the native step's attention over a cache in DRAM
                 b.attempt(f"attn_decode/cpu/{kv}", lambda k=kv: _attn_decode_points(k, r))
+    if kernels.available():  # ... and over a prompt's own keys, as rows of the step
+        for kv in ("bf16", "fp32"):
+            b.attempt(f"attn_rows/cpu/{kv}", lambda k=kv: _attn_rows_points(k, r))
     b.attempt("memory/copy/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=True))
     b.models["launch/cpu"] = LinearModel(_launch_time("cpu", nosync), 0.0, None)
     b.say(f"launch/cpu: {b.models['launch/cpu'].alpha:.3g} s")

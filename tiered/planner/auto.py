@@ -255,10 +255,10 @@ def _cached_or_measured(cuda: bool, progress: Callable[[str], None] | None) -> H
 def decisions(plan: Plan) -> tuple:
     """What a plan decided that a decode step runs by: each layer's kind, precision, slice rates and
     expert tiers, the expert cache, the dispatch mode and the formats (not its predicted times, nor
-    n_g, a prompt's token split), and the prefill chunk a prompt runs in."""
+    n_g, a prompt's token split), and the prefill chunk and mixed rows a prompt runs in."""
     return (tuple((l.kind, l.precision, l.r_cc, l.r_cg, l.r_gg, tuple(l.expert_tiers)) for l in plan.layers),
             plan.expert_cache_slots, plan.cache_policy, plan.dispatch_mode, tuple(sorted(plan.dtypes.items())),
-            plan.prefill_chunk)
+            plan.prefill_chunk, plan.mixed_rows)
 
 
 def decode_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, args: dict | None,
@@ -395,10 +395,6 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
     # rules' in _auto_or_rules), so that the plan prices what it decides
     plan.pinned = pinned_memory(ec, plan)
     plan.device_issue = "worker" if ec.device_issue == "worker" else "thread"
-    # short prompts run as rows of the native decode step, beside the running sequences (dense
-    # models: an MoE layer's FFN runs as a module, which takes one token per sequence)
-    plan.mixed_rows = (mixed_rows(kernels.isa(), plan.batch_act, dequantize_rows("q8"))
-                       if plan.native_decode and not cfg.is_moe else 0)
     return plan, profile, args
 
 
@@ -457,6 +453,16 @@ MIXED_ROWS = {"avx512": {"q8": 96, "bf16": 48}, "avx2": {"q8": 192, "bf16": 192}
 # 384 / 512 / 768 / 1024 tokens (36 against 51 ms at 128, 86 against 126 at 256, 491 against 684 at 1024). Kept
 # at 256: AVX2's rows, on the same kernels, lost from there (575 against 565 ms at 256, 1243 against 1082 at 512).
 MIXED_ROWS_UNDEQUANTIZED = 256
+
+
+def planned_mixed_rows(cfg: ModelConfig, accelerator, batch_act: str) -> int:
+    """Plan.mixed_rows of an engine on this machine: `mixed_rows` for its kernels' ISA, `batch_act` and where its
+    int8 prompt rows dequantize (quant/int4.dequantize_rows("q8")) when it decodes on the CPU in the native step
+    (no accelerator, tiered/kernels built: Plan.native_decode) a dense model (an MoE layer's FFN runs as a module,
+    which takes one token per sequence); 0 otherwise."""
+    if accelerator is not None or cfg.is_moe or not kernels.available():
+        return 0
+    return mixed_rows(kernels.isa(), batch_act, dequantize_rows("q8"))
 
 
 def mixed_rows(isa: str | None, batch_act: str, dequantize: int | None = 0) -> int:
@@ -541,6 +547,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
         plan.dtypes["decode"], plan.dense_copies = decode_format, dense_copies
         plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
         plan.batch_act, plan.expert_act = batch_activations(ec, cfg), expert_activations(ec)
+        plan.mixed_rows = planned_mixed_rows(cfg, accelerator, plan.batch_act)
         # its decode steps as CUDA graphs, as make_plan settles an auto plan's (a model wholly on
         # the GPU as one graph, an offloading plan with attention on the GPU piecewise)
         return settle_gpu_decode(plan, cfg, graphs_allowed(ec, accelerator)), None, None
@@ -565,6 +572,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                 expert_act=expert_activations(ec), batch_act=batch_activations(ec, cfg),
                 graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
                 prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None,
+                mixed_rows=planned_mixed_rows(cfg, accelerator, batch_activations(ec, cfg)),
                 workspace=None if accelerator is None else
                 sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()))
     plan = make_plan(cfg, profile, **args)

@@ -784,3 +784,30 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     return sum(bodies[T] + cfg.num_hidden_layers * op_time.prefill_attention_time(
         hw, "cpu", act_dtype or dtype, prefill_attention_pairs(T, past) * attn_macs, past=past > 0)
         for T, past in forwards)
+
+
+def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int, mix: dict | None = None,
+                        kv_format: str | None = None, head_dtype: str | None = None, batch_act: str = "bf16") -> float:
+    """Seconds of a `tokens`-token prompt of a dense model run as rows of the native CPU decode step (Plan.mixed_rows:
+    LLM._forward_mixed), its time to first token: per layer the decode copies' projections at `tokens` rows
+    (`dtype` or `mix` by share, on `batch_act` activations: `_projections`, as a batched decode step's), the
+    step's per-layer cost, and the rows' attention over each row's causal prefix at the native step's rate over
+    a prompt's own keys (attn_rows/cpu/<kv>: the cache holds them; torch's attention key where not profiled);
+    then the head on the last row and the per-step cost. The layers' per-row code (norms, RoPE, SiLU, the rows'
+    int8 rounding) is not priced: ~6% of SmolLM2's 1024-token prompt as rows on 2 Zen 5 cores (2026-12-01).
+    `kv_format`: the KV cache's (None: memory/sizes.kv_cache_format's for `dtype`); `head_dtype`: the lm_head's."""
+    T = max(1, int(tokens))
+    per_step, per_layer = op_time.step_overhead(hw, dtype)
+    ws = step_weight_bytes(cfg, dtype, [], mix)
+    d = cfg.hidden_size
+    fused = native_fused_projections(hw, dtype)
+    kv = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
+    macs = prefill_attention_pairs(T, 0) * cfg.attention_macs_per_pair(False)
+    rows_key = hw.models.get(f"attn_rows/cpu/{kv}")
+    attention = rows_key(macs) if rows_key is not None else op_time.prefill_attention_time(hw, "cpu", kv, macs)
+    layer = (per_layer + attention
+             + _projections(hw, dtype, mix, cfg.attention_weight_elements(), 2 if fused else 4, ws, T, batch_act)
+             + _projections(hw, dtype, mix, 3 * d * cfg.intermediate_size, 2 if fused else 3, ws, T, batch_act))
+    hd = head_dtype or dtype
+    head = _gemv(hw, hd, d * cfg.vocab_size * op_time.bytes_per_element(hd), working_set=ws, in_step=native_step(hw))
+    return cfg.num_hidden_layers * layer + head + per_step

@@ -27,7 +27,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     Raises:
         BudgetError: RAM cannot hold the non-expert weights, KV cache and staging.
     """
-    from tiered.planner.cpu_predict import predict_decode, predict_prefill
+    from tiered.planner.cpu_predict import native_step, predict_decode, predict_prefill, predict_prompt_rows
 
     dtype = plan.precision  # what decode reads: the decode copies' format (int4/int8) or the weights'
     fmt = plan.dtypes["weights"]
@@ -95,11 +95,19 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     if plan.kv_slots > 1:  # a server's full step: kv_slots sequences at the priced context each
         plan.predicted_batch_decode_tokens_per_s = plan.kv_slots / predict(hits, plan.kv_slots)[1]
     disk_share = 1.0 - hits.fast_share() if hits else 0.0
-    plan.predicted_ttft_s = predict_prefill(cfg, profile, held, plan.prompt_tokens, moe or None, disk_share,
-                                            experts_dtype=fmt, act_dtype=fmt, experts_format=plan.dtypes["experts"],
-                                            read_ahead=plan.read_ahead, readers=max(2, plan.staging_buffers),
-                                            batch_act=plan.batch_act, popularity=experts.popularity if moe else None,
-                                            chunk=plan.prefill_chunk)
+    rows = lambda T: predict_prompt_rows(cfg, profile, dtype, T, plan.precision_mix,  # noqa: E731
+                                         plan.dtypes["kv_cache"], head, plan.batch_act)
+    modules = lambda T: predict_prefill(cfg, profile, held, T, moe or None, disk_share,  # noqa: E731
+                                        experts_dtype=fmt, act_dtype=fmt, experts_format=plan.dtypes["experts"],
+                                        read_ahead=plan.read_ahead, readers=max(2, plan.staging_buffers),
+                                        batch_act=plan.batch_act, popularity=experts.popularity if moe else None,
+                                        chunk=plan.prefill_chunk)
+    if plan.mixed_rows and native_step(profile) and f"attn_rows/cpu/{plan.dtypes['kv_cache']}" in profile.models:
+        # (a profile without the rows' attention key would price them at torch's attention: no comparison)
+        plan.mixed_rows = priced_mixed_rows(plan.mixed_rows, plan.prefill_chunk, rows, modules)
+    # a prompt within the mixed rows runs as rows of the native decode step (LLM._mixed_prefills)
+    plan.predicted_ttft_s = (rows if plan.prompt_tokens <= min(plan.mixed_rows, plan.prefill_chunk or plan.mixed_rows)
+                             else modules)(plan.prompt_tokens)
     plan.memory = memory
     plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
                     f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "
@@ -108,3 +116,27 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     if moe:
         popularity_note(plan, experts.popularity)
     return plan
+
+
+# Prompt lengths past the measured mixed rows (planner/auto.MIXED_ROWS) where a plan prices both of a prompt's paths
+PRICED_MIXED_ROWS = (192, 256, 384, 512, 768, 1024)
+
+
+def priced_mixed_rows(floor: int, chunk: int, rows, modules) -> int:
+    """Plan.mixed_rows extended past `floor` (planner/auto.mixed_rows: where the ISA's measurements found rows of the
+    native step winning) to the longest of PRICED_MIXED_ROWS within `chunk` (Plan.prefill_chunk; 0 none) up to
+    which each length's prompt is priced no slower as rows (`rows(T)` seconds: cpu_predict.predict_prompt_rows)
+    than through the modules' prefill (`modules(T)`: predict_prefill). Both paths run the same int4 kernels where
+    prompt rows never dequantize; the rows' attention (the native step's, attn_rows) and layer code (C++) against
+    torch's attention (attn_prefill) and the modules' code (runtime/prefill_code) decide. On 2 Zen 5 cores
+    SmolLM2's prompts as rows took 0.67-0.74x the prefill's time at 256-1024 tokens (87 / 194 / 482 ms against
+    125 / 291 / 661 at 256 / 512 / 1024, 2026-12-01), where the table stopped at 256 for AVX2's sake (its rows
+    lost from 256: 1243 against 1082 ms at 512)."""
+    most = floor
+    for T in PRICED_MIXED_ROWS:
+        if T <= floor:
+            continue
+        if (chunk and T > chunk) or rows(T) > modules(T):
+            break
+        most = T
+    return most

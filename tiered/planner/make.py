@@ -31,7 +31,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               head_precision: str | None = None, embedding_bytes: int | None = None,
               expert_act: str = "bf16", batch_act: str = "bf16", graphs: bool = False,
               prefetch: bool = False, prefetch_lookahead: int = 2, precision_mix: dict | None = None,
-              library_workspace: int | None = None) -> Plan:
+              library_workspace: int | None = None, mixed_rows: int = 0) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -71,6 +71,9 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
             and settle_gpu_decode records which (Plan.decode_graphs / piecewise_graphs).
         prefetch, prefetch_lookahead: HOBBIT's expert prefetch (MoE), recorded before pricing: the
             runner then takes neither the grouped expert path nor a whole-step graph.
+        mixed_rows: Plan.mixed_rows of a CPU-only plan of a dense model (planner/auto.planned_mixed_rows: prompts
+            of up to that many tokens run as rows of the native decode step), recorded before pricing: a prompt
+            within it is priced as those rows (cpu_predict.predict_prompt_rows); 0 for any other plan.
     Raises:
         ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
         BudgetError: the budgets cannot hold what the goal needs on the fast tier.
@@ -111,6 +114,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     elif not op_time.has_device(profile, "gpu") or not gpu:
         from tiered.planner.latency_cpu import plan_cpu_latency
         plan.fast_tier = "cpu"
+        plan.mixed_rows = 0 if cfg.is_moe else mixed_rows
         plan = plan_cpu_latency(plan, cfg, profile, cpu, experts, embedding_bytes)
     elif cfg.is_moe:
         from tiered.planner.latency_moe import plan_moe_latency
