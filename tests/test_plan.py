@@ -1010,6 +1010,10 @@ def test_a_plan_prices_prompts_within_its_mixed_rows_as_rows_and_extends_them_wh
     assert within.predicted_ttft_s == pytest.approx(predict_prompt_rows(cfg, hw, "int4", 128, None, "bf16", "int8",
                                                                         "q8"))
     assert plan(None)[1].mixed_rows == 256  # no attn_rows key: no comparison, the floor
+    # the rows' layer code (runtime/step_rows/int4) over rows x (hidden + intermediate), each layer
+    hw.models["runtime/step_rows/int4"] = LinearModel(0.0, 5e-10, 1.0)
+    assert predict_prompt_rows(cfg, hw, "int4", 128, None, "bf16", "int8", "q8") == pytest.approx(
+        within.predicted_ttft_s + 30 * 5e-10 * 128 * (576 + 1536))
     assert plan(1e-11, rows=0)[1].mixed_rows == 0  # no native step to join
     moe = ModelConfig(model_type="qwen2_moe", vocab_size=1000, hidden_size=256, intermediate_size=1024,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=64,

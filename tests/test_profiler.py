@@ -221,6 +221,10 @@ def test_quick_profile_structure(measured):
             assert [n for n, _ in p.meta["points"][f"attn_rows/cpu/{kv}"]] == [
                 2 * 12 * 64 * T * (T + 1) / 2 for T in ATTN_ROWS_TOKENS]
             assert p.models[f"attn_rows/cpu/{kv}"].alpha == 0.0 < p.models[f"attn_rows/cpu/{kv}"].beta
+        from tiered.hardware.profiler import DECODE_LAYER_SHAPES, STEP_ROWS_TOKENS
+        D, F_ = DECODE_LAYER_SHAPES[0][:2]  # the step's layer code at prompt rows beyond their kernel calls
+        assert [n for n, _ in p.meta["points"]["runtime/step_rows/int4"]] == [T * (D + F_) for T in STEP_ROWS_TOKENS]
+        assert p.models["runtime/step_rows/int4"].alpha == 0.0
     assert "runtime/engine_token" in p.models
     for dtype in ("fp32", "bf16"):  # a prompt's model code beyond its GEMMs and attention, per layer
         from tiered.hardware.profiler import PREFILL_CODE_SHAPES, PREFILL_CODE_TOKENS

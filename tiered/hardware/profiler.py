@@ -46,6 +46,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     runtime/decode_layer/int4  the native decode step's dense layers at real widths (SmolLM2's and up), int4
                          decode copies read from memory, less the layer code (runtime/decode_step's per
                          layer): its calls, fitted through the origin   n = a layer's int4 weight bytes
+    runtime/step_rows/int4  the native step's layer code at prompt rows (SmolLM2's widths), beyond the rows'
+                         four int4 kernel calls, seconds a layer   n = rows x (hidden + intermediate)
     runtime/prefill_code/<dtype> a prompt's prefill through the engine with every F.linear and attention
                          call an empty result: the layers' own code (norms, RoPE, SiLU, adds), seconds a
                          layer                                       n = tokens x (hidden + intermediate)
@@ -273,7 +275,8 @@ class _Bench:
         # and its attention over prompt rows per multiply-add (_attn_rows_points: the affine fit's intercept, ~0.45 ms
         # a layer on 2 Zen 5 cores, is the longer prompts' rate improving, and would price a 64-token SmolLM2
         # prompt 13 ms of attention where it computes ~1)
-        fit = fit_proportional if key.startswith(("memory/", "runtime/decode_layer/", "attn_rows/")) else fit_affine
+        fit = fit_proportional if key.startswith(("memory/", "runtime/decode_layer/", "attn_rows/",
+                                                  "runtime/step_rows/")) else fit_affine
         m = fit([n for n, _ in points], [t for _, t in points])
         if m.beta == 0.0 and len(points) >= 3 and all(n > 0 for n, _ in points):
             # no cost per unit is no real operation's: a stalled point made the least-squares slope
@@ -1016,6 +1019,59 @@ DECODE_LAYER_SHAPES = ((576, 1536, 9, 3), (768, 2048, 12, 4), (1152, 3072, 18, 6
 DECODE_LAYER_RUN = 4  # layers a timed call of the native step runs: its own cost (the binding, buffers) is a 4th's
 
 
+STEP_ROWS_TOKENS = (64, 128, 256)  # rows of runtime/step_rows/int4's timed steps
+
+
+def _step_rows_points(repeats: int, shape=DECODE_LAYER_SHAPES[0]) -> list[tuple[float, float]]:
+    """(rows x (hidden + intermediate), seconds a layer) of the native CPU decode step's layer code at STEP_ROWS_TOKENS
+    rows (a prompt run as rows of the step: Plan.mixed_rows) over DECODE_LAYER_RUN dense layers of `shape` (SmolLM2's
+    widths) with the engine's int4 decode copies on int8 rows (tiled, q/k/v and gate/up fused), each row its own
+    sequence at position 0 (one key to attend to), less the same rows' four projections timed alone through their
+    kernels, interleaved with the steps: runtime/step_rows/int4, fitted through the origin. What the rows cost
+    beyond their matmuls and attention: norms, RoPE, SiLU, the rows' int8 rounding, the parallel regions' waits.
+    On 2 Zen 5 cores SmolLM2's 1024-token prompt as rows spent ~34 ms there (1.1 us a row and layer) of 441,
+    which the rows' price had left out: its TTFT at 512 tokens priced 26% fast (2026-12-01). Raises RuntimeError
+    without the kernels."""
+    if not kernels.available():
+        raise RuntimeError("tiered/kernels is not built")
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.kernels.linear import int4_tiled_kernel
+    from tiered.models import build_model
+    from tiered.models.layers import KVCache
+    from tiered.quant.int4 import Int4Linear, quantize_int4
+    from tiered.quant.linear import PhaseLinear, install_decode_weights
+    from tiered.runtime.cpu_decode import CPUDecodeStep
+
+    D, F_, H, Hkv = shape
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=D, intermediate_size=F_,
+                      num_hidden_layers=DECODE_LAYER_RUN, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=64)
+    model = build_model(cfg, 8).eval()
+    install_decode_weights(model, _NoCheckpoint(), "int4", 8, int4_layout="tiled", batch_act="q8")
+    for m in model.modules():  # one copy, as the engine keeps a GGUF's projections
+        if isinstance(m, PhaseLinear):
+            m.weight = None
+    step = CPUDecodeStep(model, native=True)
+    g = torch.Generator().manual_seed(0)
+    # a layer's four kernel calls alone: q/k/v, o, gate/up, down (N, K)
+    projections = [int4_tiled_kernel(Int4Linear.from_codes(*quantize_int4(torch.randn(N, K, generator=g) * 0.02),
+                                                           layout="tiled").packed, None, None, None, "q8")
+                   for N, K in (((H + 2 * Hkv) * 64, D), (D, H * 64), (2 * F_, D), (D, F_))]
+    inputs = {K: {T: torch.randn(T, K, generator=g) for T in STEP_ROWS_TOKENS} for K in (D, H * 64, F_)}
+    calls = []
+    for T in STEP_ROWS_TOKENS:
+        cache = KVCache(cfg, T, 1, torch.bfloat16, "cpu")
+        ids, pos, slots, last = torch.full((T, 1), 1), torch.zeros(T, 1, dtype=torch.long), torch.arange(T), \
+            torch.tensor([T - 1])
+        calls.append(lambda ids=ids, pos=pos, slots=slots, cache=cache, last=last:
+                     step(ids, pos, slots, cache, rows=last))
+        xs = [inputs[K][T] for K in (D, H * 64, D, F_)]
+        calls.append(lambda xs=xs: [k(x) for k, x in zip(projections, xs)])
+    with torch.inference_mode():
+        times = median_times(calls, max(5, repeats))
+    return [(float(T * (D + F_)), max(0.0, times[2 * i] / DECODE_LAYER_RUN - times[2 * i + 1]))
+            for i, T in enumerate(STEP_ROWS_TOKENS)]
+
+
 def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: int | None = None,
                          probe: "Probe | None" = None, layer_code: float = 0.0) -> list[tuple[float, float]]:
     """(int4 weight bytes a layer, seconds a layer's kernel calls take) in tiered's native decode step over
@@ -1585,7 +1641,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # rows to 256 its 256-token prompts had run as native-step rows, matmuls and all (R^2 -2.1; SmolLM2's default
 # 512-token TTFT priced 0.39 s where it took 0.24-0.32 on 2 Zen 5 cores).
 # 35: attn_rows/cpu/<kv>, the native step's attention over a prompt run as its rows (Plan.mixed_rows), which
-# cpu_predict.predict_prefill prices such prompts by (their TTFT had been priced as the modules' prefill).
+# cpu_predict.predict_prompt_rows prices such prompts by (their TTFT had been priced as the modules' prefill), and
+# runtime/step_rows/int4, the step's layer code per row beyond its matmuls.
 PROFILER_VERSION = 35
 
 
@@ -1736,6 +1793,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         code = b.models.get("runtime/decode_step/bf16")  # the layer code beside int4 copies (step_overhead's)
         b.attempt("runtime/decode_layer/int4", lambda: _decode_layer_points(
             r, probe=pr, layer_code=code.beta if code is not None else 0.0))
+        b.attempt("runtime/step_rows/int4", lambda: _step_rows_points(r))  # ... and its code at prompt rows
         try:  # a decode burst's token beyond its layers' code
             b.models["runtime/burst_token"] = LinearModel(
                 _burst_token_seconds(r, code.beta if code is not None else 0.0), 0.0, None)

@@ -792,9 +792,10 @@ def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, token
     LLM._forward_mixed), its time to first token: per layer the decode copies' projections at `tokens` rows
     (`dtype` or `mix` by share, on `batch_act` activations: `_projections`, as a batched decode step's), the
     step's per-layer cost, and the rows' attention over each row's causal prefix at the native step's rate over
-    a prompt's own keys (attn_rows/cpu/<kv>: the cache holds them; torch's attention key where not profiled);
-    then the head on the last row and the per-step cost. The layers' per-row code (norms, RoPE, SiLU, the rows'
-    int8 rounding) is not priced: ~6% of SmolLM2's 1024-token prompt as rows on 2 Zen 5 cores (2026-12-01).
+    a prompt's own keys (attn_rows/cpu/<kv>: the cache holds them; torch's attention key where not profiled)
+    and the rows' layer code (norms, RoPE, SiLU, their int8 rounding: runtime/step_rows/int4 over rows x (hidden
+    + intermediate), 0 where not profiled: SmolLM2's TTFT at 512 tokens was priced 26% fast without it, 2 Zen 5
+    cores, 2026-12-01); then the head on the last row and the per-step cost.
     `kv_format`: the KV cache's (None: memory/sizes.kv_cache_format's for `dtype`); `head_dtype`: the lm_head's."""
     T = max(1, int(tokens))
     per_step, per_layer = op_time.step_overhead(hw, dtype)
@@ -805,7 +806,8 @@ def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, token
     macs = prefill_attention_pairs(T, 0) * cfg.attention_macs_per_pair(False)
     rows_key = hw.models.get(f"attn_rows/cpu/{kv}")
     attention = rows_key(macs) if rows_key is not None else op_time.prefill_attention_time(hw, "cpu", kv, macs)
-    layer = (per_layer + attention
+    code = hw.models.get("runtime/step_rows/int4")
+    layer = (per_layer + attention + (code(T * (d + cfg.intermediate_size)) if code is not None else 0.0)
              + _projections(hw, dtype, mix, cfg.attention_weight_elements(), 2 if fused else 4, ws, T, batch_act)
              + _projections(hw, dtype, mix, 3 * d * cfg.intermediate_size, 2 if fused else 3, ws, T, batch_act))
     hd = head_dtype or dtype
