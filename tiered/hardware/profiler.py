@@ -1641,9 +1641,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # rows to 256 its 256-token prompts had run as native-step rows, matmuls and all (R^2 -2.1; SmolLM2's default
 # 512-token TTFT priced 0.39 s where it took 0.24-0.32 on 2 Zen 5 cores).
 # 35: attn_rows/cpu/<kv>, the native step's attention over a prompt run as its rows (Plan.mixed_rows), which
-# cpu_predict.predict_prompt_rows prices such prompts by (their TTFT had been priced as the modules' prefill), and
-# runtime/step_rows/int4, the step's layer code per row beyond its matmuls.
-PROFILER_VERSION = 35
+# cpu_predict.predict_prompt_rows prices such prompts by (their TTFT had been priced as the modules' prefill).
+# 36: runtime/step_rows/int4, the native step's layer code per prompt row beyond its matmuls (predict_prompt_rows).
+PROFILER_VERSION = 36
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
