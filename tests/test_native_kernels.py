@@ -517,12 +517,55 @@ def test_stream_prefetch_changes_no_bits(isa):
         ext.set_tuning(**saved)
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd", [(12, 4, 64), (8, 2, 128), (4, 4, 64), (10, 2, 64), (6, 3, 96)])
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
+def test_the_wide_attention_computes_what_the_8_wide_one_does(heads, kv_heads, hd, kv):
+    """attend_wide (AVX-512: 16-float vectors) gives the native step's attention the 8-wide path's result, to
+    float rounding (the same sums in another order): a prompt's causal rows, and one decode row over enough keys
+    that the step splits them among threads (merge_parts); head sizes not a multiple of 64 keep the 8-wide loops."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.models import build_model
+    from tiered.models.layers import KVCache
+    from tiered.runtime.cpu_decode import CPUDecodeStep
+
+    if ext.best_gemv_isa() != "avx512":
+        pytest.skip("attend_wide is AVX-512's")
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hd)
+    model = build_model(cfg, 2100).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.5)
+    step = CPUDecodeStep(model, native=True)
+    T = 203
+    prompt = (torch.randint(0, 64, (T, 1)), torch.arange(T).unsqueeze(1), torch.zeros(T, dtype=torch.long))
+    was = ext.tuning()["attend_wide"]
+    out = {}
+    try:
+        for wide in (False, True):
+            ext.set_tuning(attend_wide=wide)
+            assert ext.tuning()["attend_wide"] is wide
+            cache = KVCache(cfg, 1, 2100, kv)
+            g = torch.Generator().manual_seed(1)  # the same cached keys and values either way
+            cache.k.normal_(generator=g), cache.v.normal_(generator=g)
+            with torch.inference_mode():
+                rows = step(*prompt, cache, rows=torch.arange(T)).float()
+                one = step(torch.tensor([[5]]), torch.tensor([[2048]]), torch.tensor([0]), cache).float()
+            out[wide] = (rows, one)
+    finally:
+        ext.set_tuning(attend_wide=was)
+    for a, b in zip(out[False], out[True]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4 * a.abs().max().item())
+
+
 def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
     """tune.measure runs its A/B on this machine and leaves the extension set to what it chose; the
     saved tuning.json is what load() applies, unless TIERED_KERNEL_TUNING=0."""
     from tiered.kernels import tune
 
-    switches = {k: tune.DEFAULTS[k] for k in tune.EXT_OPTIONS}  # the extension's own; bf16_native_rows is Python's
+    wide = ext.best_gemv_isa() == "avx512"  # attend_wide stays off without AVX-512
+    # the extension's own; bf16_native_rows is Python's
+    switches = {k: tune.DEFAULTS[k] and (k != "attend_wide" or wide) for k in tune.EXT_OPTIONS}
     saved = ext.tuning()
     try:
         result = tune.measure(ext, total_bytes=16 << 20, rounds=3)
@@ -530,6 +573,7 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         assert len(result["ratios"]["stream_prefetch"]) == 3
         assert ("prefetch_l2" in result["ratios"]) == result["stream_prefetch"]  # only where prefetches stay on
         assert ("int4_int16_act" in result["ratios"]) == (ext.best_gemv_isa() == "avx512" and ext.has_vbmi())
+        assert ("attend_wide" in result["ratios"]) == wide  # the attention's vector width: AVX-512's choice
         assert result["bf16_native_rows"] == tune.choose_rows(
             {n: result["ratios"][f"bf16_rows_{n}"] for n in tune.ROW_CHOICES}, result["margin"])
         for key, ratios in (("q8_dequantize_rows", "q8_dequantize"), ("q8_expert_grouped_rows", "q8_expert_groups"),
@@ -541,7 +585,7 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         again = dict(result, contended=True)  # a contended tuning measured again counts on
         assert tune.measure(ext, total_bytes=16 << 20, rounds=1, previous=again)["attempts"] == 2
         ext.set_tuning(**{k: result[k] for k in tune.EXT_OPTIONS})
-        flipped = {k: not v for k, v in switches.items()}
+        flipped = {k: (not v) and (k != "attend_wide" or wide) for k, v in switches.items()}
         tune.save({**result, **flipped, "contended": False}, tmp_path)  # whatever this machine's load was
         assert tune.measured(tmp_path)
         ext.set_tuning(**switches)

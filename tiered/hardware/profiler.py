@@ -828,40 +828,47 @@ ATTN_ROWS_LAYERS = 4  # layers of attn_rows' model
 ATTN_ROWS_TOKENS = (256, 512, 1024)  # prompt rows a timed step runs (Plan.mixed_rows reaches the prefill chunk)
 
 
-def _attn_rows_points(kv: str, repeats: int) -> list[tuple[float, float]]:
-    """(attention multiply-adds a layer, seconds a layer) of a prompt of ATTN_ROWS_TOKENS tokens run as rows of
-    the native CPU decode step (LLM._forward_mixed: Plan.mixed_rows) over a cache in `kv` ("fp32" or "bf16"): an
-    attention-only model in effect (12 query heads on 4 KV heads of 64, hidden 64, ATTN_ROWS_LAYERS layers, the
-    head on the last row), less the same rows each attending to one key (every row its own sequence at position
-    0): what the rows' causal attention adds. Multiply-adds: 2 x heads x head_dim a (row, position) pair of each
-    row's causal prefix (op_time.prefill_attention_pairs). The slope is the native attention's rate over a
-    prompt's own keys, which the cache holds: on 2 Zen 5 cores SmolLM2's 1024-token prompt spent ~185 of its 482
-    ms as rows there, where torch's attention (attn_prefill) ran the same pairs in ~300 (2026-12-01); priced at
-    attn_decode's rate per cached byte (a decode step's keys from DRAM) the rows had cost 1.7x their time.
-    Raises RuntimeError without the kernels."""
+def _attn_rows_model(kv: str, slots: int, positions: int):
+    """(CPUDecodeStep, KVCache of `slots` x `positions` in `kv`) of _attn_rows_points' attention-only model (12
+    query heads on 4 KV heads of 64, hidden 64, ATTN_ROWS_LAYERS layers) in the native step."""
     from tiered.checkpoint.model_config import ModelConfig
     from tiered.models import build_model
     from tiered.models.layers import KVCache
     from tiered.runtime.cpu_decode import CPUDecodeStep
 
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64,
+                      num_hidden_layers=ATTN_ROWS_LAYERS, num_attention_heads=12, num_key_value_heads=4, head_dim=64)
+    return CPUDecodeStep(build_model(cfg, positions).eval(), native=True), KVCache(cfg, slots, positions, torch_dtype(kv))
+
+
+def attention_rows_call(kv: str, tokens: int, causal: bool = True) -> Callable[[], object]:
+    """One native step over `tokens` prompt rows of _attn_rows_points' model (a cache in `kv`, the head on the last
+    row): one sequence's causal rows, or with `causal` False each row its own sequence at position 0 (one key to
+    attend to). Call it under torch.inference_mode. Raises RuntimeError without the kernels."""
     if not kernels.available():
         raise RuntimeError("tiered/kernels is not built")
-    heads, hd = 12, 64
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64,
-                      num_hidden_layers=ATTN_ROWS_LAYERS, num_attention_heads=heads, num_key_value_heads=4, head_dim=hd)
-    T_max = max(ATTN_ROWS_TOKENS)
-    step = CPUDecodeStep(build_model(cfg, T_max).eval(), native=True)
-    prompt, alone = KVCache(cfg, 1, T_max, torch_dtype(kv)), KVCache(cfg, T_max, 1, torch_dtype(kv))
-    calls = []
-    for T in ATTN_ROWS_TOKENS:
-        ids, last = torch.full((T, 1), 1), torch.tensor([T - 1])
-        for pos, slots, cache in ((torch.arange(T).unsqueeze(1), torch.zeros(T, dtype=torch.long), prompt),
-                                  (torch.zeros(T, 1, dtype=torch.long), torch.arange(T), alone)):
-            calls.append(lambda ids=ids, pos=pos, slots=slots, cache=cache, last=last:
-                         step(ids, pos, slots, cache, rows=last))
+    step, cache = _attn_rows_model(kv, 1, tokens) if causal else _attn_rows_model(kv, tokens, 1)
+    ids, last = torch.full((tokens, 1), 1), torch.tensor([tokens - 1])
+    pos = torch.arange(tokens).unsqueeze(1) if causal else torch.zeros(tokens, 1, dtype=torch.long)
+    slots = torch.zeros(tokens, dtype=torch.long) if causal else torch.arange(tokens)
+    return lambda: step(ids, pos, slots, cache, rows=last)
+
+
+def _attn_rows_points(kv: str, repeats: int) -> list[tuple[float, float]]:
+    """(attention multiply-adds a layer, seconds a layer) of a prompt of ATTN_ROWS_TOKENS tokens run as rows of
+    the native CPU decode step (LLM._forward_mixed: Plan.mixed_rows) over a cache in `kv` ("fp32" or "bf16"): an
+    attention-only model in effect (attention_rows_call: 12 query heads on 4 KV heads of 64, hidden 64,
+    ATTN_ROWS_LAYERS layers, the head on the last row), less the same rows each attending to one key (every row its
+    own sequence at position 0): what the rows' causal attention adds. Multiply-adds: 2 x heads x head_dim a (row,
+    position) pair of each row's causal prefix (op_time.prefill_attention_pairs). The slope is the native
+    attention's rate over a prompt's own keys, which the cache holds: on 2 Zen 5 cores SmolLM2's 1024-token prompt
+    spent ~185 of its 482 ms as rows there, where torch's attention (attn_prefill) ran the same pairs in ~300
+    (2026-12-01); priced at attn_decode's rate per cached byte (a decode step's keys from DRAM) the rows had cost
+    1.7x their time. Raises RuntimeError without the kernels."""
+    calls = [attention_rows_call(kv, T, causal) for T in ATTN_ROWS_TOKENS for causal in (True, False)]
     with torch.inference_mode():  # the lengths and their references timed interleaved, as _gemm_points' shapes
         times = median_times(calls, max(3, repeats))
-    return [(float(2 * heads * hd * prefill_attention_pairs(T, 0)),
+    return [(float(2 * 12 * 64 * prefill_attention_pairs(T, 0)),
              max(0.0, times[2 * i] - times[2 * i + 1]) / ATTN_ROWS_LAYERS) for i, T in enumerate(ATTN_ROWS_TOKENS)]
 
 

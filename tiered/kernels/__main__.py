@@ -35,7 +35,10 @@ if result is not None:
     # the int4 activation choice exists only on AVX-512 with VBMI (tune.measure: elsewhere the path is fixed)
     int4 = (f"tiled int4 batch-1 activations {'int16' if result['int4_int16_act'] else 'bf16'} on AVX-512, "
             if "int4_int16_act" in result.get("ratios", {}) else "")
-    print(f"tiered: kernel tuning{took}: stream prefetch {tune.prefetch_name(result)}, {int4}bf16 experts on "
+    # the attention's vector width: a choice on AVX-512 only (16 or 8 floats)
+    attend = (f"attention {'16' if result['attend_wide'] else '8'}-wide, "
+              if "attend_wide" in result.get("ratios", {}) else "")
+    print(f"tiered: kernel tuning{took}: stream prefetch {tune.prefetch_name(result)}, {int4}{attend}bf16 experts on "
           f"the native kernel up to {result.get('bf16_native_rows', tune.DEFAULTS['bf16_native_rows'])} rows, "
           f"{tune.dequantize_name(result)} (median time "
           f"ratios of the alternatives: {', '.join(f'{k} {v:.2f}' for k, v in med.items())})", file=sys.stderr)

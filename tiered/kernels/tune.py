@@ -1,6 +1,6 @@
 """Per-machine tuning of the native kernels, measured once after the build (`python -m tiered.kernels`).
 
-Four choices depend on the CPU more than on the code, so they are measured here rather than fixed:
+Five choices depend on the CPU more than on the code, so they are measured here rather than fixed:
 
 - ``stream_prefetch``: whether the weight-stream loops issue software prefetches ahead of their
   loads. On the 2-core Zen 3 VMs (AVX2) they lifted batch-1 int4 decode; on a Zen 4 VM (AVX-512)
@@ -21,6 +21,11 @@ Four choices depend on the CPU more than on the code, so they are measured here 
 - ``int4_int16_act``: on AVX-512 CPUs with VBMI, whether tiled int4 at batch 1 reads int16
   activations (the AVX2 path, more exact than bf16) instead of bf16 pairs (vdpbf16ps). On that
   Zen 4 VM the bf16 path was compute-bound near DRAM speed (74% of it, against 86%).
+- ``attend_wide``: on AVX-512 CPUs, whether the native step's attention (decode over the KV cache, and a
+  prompt's rows over their own keys) runs 16-float vectors instead of 8. Zen 5 and Intel's server cores
+  execute a 512-bit FMA in one go, Zen 4 in two halves. On 2 Zen 5 cores a 1024-row prompt's attention
+  (the attention-only model of hardware/profiler.attention_rows_call) took 0.56-0.72x the 8-wide time
+  (2026-12-01). Timed on ATTEND_ROWS prompt rows (`_attend_ab`).
 - ``bf16_native_rows``: rows up to which a bf16 expert (and a sliced FFN's CC rows) runs the native
   kernel (one call up to 8 rows, then groups of 8, reading the weights once a group) rather than
   torch's GEMMs (`choose_rows`): 32 on 2 AVX2 cores, 4 on the Zen 4 VM (oneDNN's bf16 GEMM there ran
@@ -63,7 +68,8 @@ from typing import Callable
 
 from tiered.hardware import contention
 
-DEFAULTS = {"stream_prefetch": True, "prefetch_l2": False, "int4_int16_act": False, "bf16_native_rows": 32,
+DEFAULTS = {"stream_prefetch": True, "prefetch_l2": False, "int4_int16_act": False, "attend_wide": True,
+            "bf16_native_rows": 32,
             "q8_dequantize_rows": None, "q8_expert_grouped_rows": None,  # None: quant's tables by ISA
             "mxfp4_kernel_rows": None}
 # A tuning during which other processes took more than CONTENDED_SHARE of the cores is "contended": its
@@ -71,7 +77,9 @@ DEFAULTS = {"stream_prefetch": True, "prefetch_l2": False, "int4_int16_act": Fal
 # (2026-11-27) chose bf16_native_rows 32 and 4, int4_int16_act false and true. `python -m tiered.kernels`
 # (setup) measures a contended tuning again, up to RETUNES times (hardware/contention.py).
 RETUNES = contention.RETRIES
-EXT_OPTIONS = ("stream_prefetch", "prefetch_l2", "int4_int16_act")  # the extension's own switches (ext.set_tuning)
+# the extension's own switches (ext.set_tuning; attend_wide stays off where the CPU has no AVX-512)
+EXT_OPTIONS = ("stream_prefetch", "prefetch_l2", "int4_int16_act", "attend_wide")
+ATTEND_ROWS = 512  # attend_wide's A/B: a prompt of that many rows in the native step (profiler.attention_rows_call)
 WIDTH = (2048, 1024)  # (hidden D, expert intermediate F): OLMoE's experts, a short stream per call
 # prefetch_l2's A/B: one token's routed experts of a layer in one native call (ExpertFormat.forward_group,
 # as a MoE decode step runs them), Qwen3-30B-A3B's width and top-8, int4 on int8 activations with exact
@@ -256,6 +264,28 @@ def _alternated(current: Callable[[], float], alternative: Callable[[], float], 
     return ratios
 
 
+def _attend_ab(ext, rounds: int) -> list[float]:
+    """Per-round ratios (attend_wide flipped / as set) of one native step over ATTEND_ROWS causal prompt rows of an
+    attention-only model (hardware/profiler.attention_rows_call, a bf16 cache as the CPU plans keep), alternating
+    which side goes first; the option is left as it was."""
+    from tiered.hardware.profiler import attention_rows_call
+
+    call = attention_rows_call("bf16", ATTEND_ROWS)
+    base = ext.tuning()["attend_wide"]
+
+    def side(flag: bool) -> Callable[[], float]:
+        def run() -> float:
+            ext.set_tuning(attend_wide=flag)
+            t = time.perf_counter()
+            call()
+            return time.perf_counter() - t
+        return run
+    try:
+        return _alternated(side(base), side(not base), rounds)
+    finally:
+        ext.set_tuning(attend_wide=base)
+
+
 def _sweep(ef, slots, x) -> float:
     """Seconds to run one token through every expert of `slots`."""
     t = time.perf_counter()
@@ -329,6 +359,11 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
         out["ratios"]["int4_int16_act"] = ratios
         if choose(ratios, margin):
             ext.set_tuning(int4_int16_act=not DEFAULTS["int4_int16_act"])
+    if ext.best_gemv_isa() == "avx512":  # the attention's vector width (16 floats on AVX-512 by default)
+        ratios = _attend_ab(ext, rounds)
+        out["ratios"]["attend_wide"] = ratios
+        if choose(ratios, margin):
+            ext.set_tuning(attend_wide=not DEFAULTS["attend_wide"])
     # bf16 experts past one row: the native kernel or torch's GEMMs (ExpertFormat.native_rows / grouped_rows)
     rows_ratios = {n: _rows_ab(ext, *bf16, n, max(3, rounds // 2)) for n in ROW_CHOICES}
     out["ratios"].update({f"bf16_rows_{n}": r for n, r in rows_ratios.items()})

@@ -415,6 +415,104 @@ __attribute__((always_inline)) inline void weigh_values(const float* p, int64_t 
   }
 }
 
+}  // namespace
+
+// Whether attend takes its 16-wide path (AVX-512 CPUs; the kernel tuning's "attend_wide" may turn it off).
+bool g_attend_wide = [] {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return bool(__builtin_cpu_supports("avx512f"));
+#else
+  return false;
+#endif
+}();
+
+namespace {
+
+__attribute__((always_inline)) inline bool wide_attention() { return g_attend_wide; }
+
+// The wide path of attend (AVX-512 machines: wide_attention()): 16 floats a vector. In the x86-64-v4 copy of
+// attend() these are single 512-bit registers; the narrower copies never take this path.
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+__attribute__((always_inline)) inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+// 32 bf16 -> their even and odd elements as fp32 (bits << 16, and the high halves as they are), as load16_split
+__attribute__((always_inline)) inline void load32_split(const uint16_t* p, v16f& even, v16f& odd) {
+  v16u u;
+  std::memcpy(&u, p, sizeof(u));
+  const v16u e = u << 16, o = u & 0xffff0000u;
+  std::memcpy(&even, &e, sizeof(v16f));
+  std::memcpy(&odd, &o, sizeof(v16f));
+}
+__attribute__((always_inline)) inline v8f fold16(v16f a) {
+  return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// score_keys with 16-wide accumulators: a bf16 cache's q comes with each 32 columns' even ones first, then the
+// odd ones (load32_split); hd % 32 == 0.
+template <int J, int U, typename E>
+__attribute__((always_inline)) inline void score_keys16(const float* q, const E* K, int64_t hd, float scale, float* p,
+                                                        int64_t ldp) {
+  v16f a[J][U] = {};
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    for (int64_t c = 0; c < hd; c += 32) {
+      v16f qe[J], qo[J];
+      for (int j = 0; j < J; ++j) qe[j] = load16(q + j * hd + c), qo[j] = load16(q + j * hd + c + 16);
+      for (int u = 0; u < U; ++u) {
+        v16f ke, ko;
+        load32_split(K + u * hd + c, ke, ko);
+        for (int j = 0; j < J; ++j) a[j][u] += qe[j] * ke + qo[j] * ko;
+      }
+    }
+  } else for (int64_t c = 0; c < hd; c += 16) {
+    v16f qv[J];
+    for (int j = 0; j < J; ++j) qv[j] = load16(q + j * hd + c);
+    for (int u = 0; u < U; ++u) {
+      const v16f k = load16(K + u * hd + c);
+      for (int j = 0; j < J; ++j) a[j][u] += qv[j] * k;
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int u = 0; u < U; u += 4)
+      hsum8x4(fold16(a[j][u]), fold16(a[j][u + 1]), fold16(a[j][u + 2]), fold16(a[j][u + 3]), scale, p + j * ldp + u);
+}
+
+// weigh_values with 16-wide accumulators, 64 columns at a time (hd % 64 == 0): J x 4 registers, each value row
+// loaded once for the J heads (a bf16 cache: widened as each 32 columns' even, then odd ones).
+template <int J, typename E>
+__attribute__((always_inline)) inline void weigh_values16(const float* p, int64_t n, const E* V, int64_t hd, float* o,
+                                                          int64_t ldp) {
+  // the column (of the 64) that lane i of accumulator c holds
+  auto col = [](int c, int i) { return std::is_same_v<E, uint16_t> ? 32 * (c / 2) + 2 * i + c % 2 : 16 * c + i; };
+  for (int64_t c0 = 0; c0 < hd; c0 += 64) {
+    v16f acc[J][4] = {};
+    for (int64_t t = 0; t < n; ++t) {
+      v16f v[4];
+      if constexpr (std::is_same_v<E, uint16_t>) {
+        load32_split(V + t * hd + c0, v[0], v[1]);
+        load32_split(V + t * hd + c0 + 32, v[2], v[3]);
+      } else {
+        for (int c = 0; c < 4; ++c) v[c] = load16(V + t * hd + c0 + 16 * c);
+      }
+      for (int j = 0; j < J; ++j) {
+        const float w = p[j * ldp + t];
+        for (int c = 0; c < 4; ++c) acc[j][c] += w * v[c];
+      }
+    }
+    alignas(64) float buf[64];
+    for (int j = 0; j < J; ++j) {
+      for (int c = 0; c < 4; ++c) std::memcpy(buf + 16 * c, &acc[j][c], sizeof(v16f));
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < 16; ++i) o[j * hd + c0 + col(c, i)] = buf[16 * c + i];
+    }
+  }
+}
+
 // p [j * ldp + u] = scale x q_j . K_u for J query heads q [J, hd] and U keys K [U, hd] (U % 4 == 0): J x U
 // accumulators of 8 columns, each key's columns loaded (a bf16 cache: widened, load16_split) once for
 // the J heads, one shuffle tree (hsum8x4) for 4 dot products. A bf16 cache's q comes with each 16
@@ -452,9 +550,60 @@ __attribute__((always_inline)) inline void score_keys(const float* q, const E* K
 // always_inline: each target_clones copy of attend() below must get its own wide-vector copy of this
 // loop (an out-of-line template would be compiled once, for the x86-64 baseline's SSE: measured 4-wide
 // and FMA-less, ~18% of a 16-row SmolLM2 step).
-template <typename E, typename Load>
+// Wide: 16-float vectors (wide_attention(): AVX-512) where hd % 64 == 0, the same sums in another order.
+template <bool Wide, typename E, typename Load>
 __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale,
                         float* p, float* o, float* ml, Load load) {
+  if constexpr (Wide && (std::is_same_v<E, float> || std::is_same_v<E, uint16_t>)) {
+    if (hd % 64 == 0 && hd <= 256) {
+      alignas(64) float q_local[16 * 256];
+      std::vector<float> q_heap;
+      const float* qs = q;
+      if constexpr (std::is_same_v<E, uint16_t>) {  // each 32 columns' even, then odd ones (load32_split)
+        float* split = group * hd <= 16 * 256 ? q_local : (q_heap.resize(group * hd), q_heap.data());
+        for (int64_t j = 0; j < group * hd; j += 32)
+          for (int i = 0; i < 16; ++i) split[j + i] = q[j + 2 * i], split[j + 16 + i] = q[j + 2 * i + 1];
+        qs = split;
+      }
+      int64_t t = 0;
+      const int64_t row_bytes = hd * int64_t(sizeof(E));
+      for (; t + 8 <= n; t += 8) {  // as the 8-wide path below: the keys two blocks ahead, this block's values
+        const char* kn = reinterpret_cast<const char*>(K + std::min(t + 16, n - 1) * hd);
+        const char* vn = reinterpret_cast<const char*>(V + t * hd);
+        for (int64_t b = 0; b < 8 * row_bytes; b += 64) {
+          __builtin_prefetch(kn + b);
+          __builtin_prefetch(vn + b);
+        }
+        const E* k8 = K + t * hd;
+        int64_t j = 0;
+        for (; j + 4 <= group; j += 4)
+          for (int h = 0; h < 8; h += 4) score_keys16<4, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
+        for (; j + 3 <= group; j += 3)
+          for (int h = 0; h < 8; h += 4) score_keys16<3, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
+        if (group - j == 2) score_keys16<2, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
+        if (group - j == 1) score_keys16<1, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
+      }
+      for (; t < n; ++t) {  // the last keys one at a time
+        const E* k = K + t * hd;
+        for (int64_t j = 0; j < group; ++j) {
+          const float* qj = q + j * hd;
+          v8f a0 = {}, a1 = {};
+          for (int64_t c = 0; c < hd; c += 16) {
+            a0 += load8(qj + c) * load8(k + c);
+            a1 += load8(qj + c + 8) * load8(k + c + 8);
+          }
+          p[j * n + t] = hsum8(a0 + a1) * scale;
+        }
+      }
+      softmax_rows(p, group, n, ml);
+      int64_t j = 0;
+      for (; j + 4 <= group; j += 4) weigh_values16<4>(p + j * n, n, V, hd, o + j * hd, n);
+      for (; j + 3 <= group; j += 3) weigh_values16<3>(p + j * n, n, V, hd, o + j * hd, n);
+      if (group - j == 2) weigh_values16<2>(p + j * n, n, V, hd, o + j * hd, n);
+      if (group - j == 1) weigh_values16<1>(p + j * n, n, V, hd, o + j * hd, n);
+      return;
+    }
+  }
   if constexpr (std::is_same_v<E, float> || std::is_same_v<E, uint16_t>) {
     if (hd % 32 == 0 && hd <= 256) {  // head_dim 64, 96, 128, ..: vector loops
       // scores, 8 keys at a time (score_keys): up to 4 query heads x 4 keys in registers, each key's
@@ -540,18 +689,21 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
 
 TIERED_CLONES void attend(const float* q, int64_t group, const float* K, const float* V, int64_t n, int64_t hd,
                           float scale, float* p, float* o, float* ml) {
-  attend_impl(q, group, K, V, n, hd, scale, p, o, ml, [](float v) { return v; });
+  auto same = [](float v) { return v; };
+  if (wide_attention()) attend_impl<true>(q, group, K, V, n, hd, scale, p, o, ml, same);
+  else attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, same);
 }
 
 TIERED_CLONES void attend(const float* q, int64_t group, const uint16_t* K, const uint16_t* V, int64_t n, int64_t hd,
                           float scale, float* p, float* o, float* ml) {
-  attend_impl(q, group, K, V, n, hd, scale, p, o, ml, bf16_to_float);
+  if (wide_attention()) attend_impl<true>(q, group, K, V, n, hd, scale, p, o, ml, bf16_to_float);
+  else attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, bf16_to_float);
 }
 
 template <typename E>  // other cache dtypes (fp16, fp64): the plain loops
 void attend(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale, float* p,
             float* o, float* ml) {
-  attend_impl(q, group, K, V, n, hd, scale, p, o, ml, [](E v) { return float(v); });
+  attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, [](E v) { return float(v); });
 }
 
 // Multi-head latent attention's decode step (DeepSeek-V2, arXiv 2405.04434, §2.1 and Appendix C's

@@ -3646,18 +3646,21 @@ void register_gemv(pybind11::module& m) {
           d["stream_prefetch"] = g_stream_prefetch;
           d["int4_int16_act"] = g_int4_w16;
           d["prefetch_l2"] = g_prefetch_l2;
+          d["attend_wide"] = ::tiered::g_attend_wide;
           return d;
-        }, "This machine's kernel tuning (tiered/kernels/tune.py): stream_prefetch, int4_int16_act, prefetch_l2.");
+        }, "This machine's kernel tuning (tiered/kernels/tune.py): stream_prefetch, int4_int16_act, prefetch_l2, "
+           "attend_wide.");
   m.def("set_tuning", [](c10::optional<bool> stream_prefetch, c10::optional<bool> int4_int16_act,
-                         c10::optional<bool> prefetch_l2) {
+                         c10::optional<bool> prefetch_l2, c10::optional<bool> attend_wide) {
           if (stream_prefetch) g_stream_prefetch = *stream_prefetch;
           if (int4_int16_act) g_int4_w16 = *int4_int16_act;
           if (prefetch_l2) g_prefetch_l2 = *prefetch_l2;
+          if (attend_wide) ::tiered::g_attend_wide = *attend_wide && best_isa() >= kAvx512;  // AVX-512 only
         }, pybind11::arg("stream_prefetch") = pybind11::none(), pybind11::arg("int4_int16_act") = pybind11::none(),
-        pybind11::arg("prefetch_l2") = pybind11::none(),
+        pybind11::arg("prefetch_l2") = pybind11::none(), pybind11::arg("attend_wide") = pybind11::none(),
         "Set the kernel tuning (between calls, not during one): software prefetch of the weight streams, "
-        "int16 activations for tiled int4 at batch 1 on AVX-512, and whether the stream prefetches fill the L2 "
-        "rather than the L1.");
+        "int16 activations for tiled int4 at batch 1 on AVX-512, whether the stream prefetches fill the L2 "
+        "rather than the L1, and whether the native step's attention runs 16-float vectors (AVX-512 only).");
   m.def("has_vbmi", []() { return has_vbmi(); }, "Whether this CPU has AVX-512 VBMI (the tiled int4 bf16 path).");
   m.def("gemv_isa", []() { return std::string(isa_name(current_isa())); }, "The ISA path tiered's GEMV kernels use now.");
   m.def("best_gemv_isa", []() { return std::string(isa_name(best_isa())); }, "The best ISA path this CPU supports.");

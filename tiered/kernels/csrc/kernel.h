@@ -46,6 +46,10 @@ std::string cat(const A&... a) {
 
 namespace tiered {
 
+// decode.cpp: whether the native step's attention runs 16-float vectors (AVX-512 CPUs; the kernel tuning's
+// "attend_wide"). Set between calls, not during one.
+extern bool g_attend_wide;
+
 struct Kernel {
   int64_t in_features = 0;
   int64_t out_features = 0;
