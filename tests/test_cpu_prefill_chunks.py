@@ -12,10 +12,10 @@ import pytest
 from runtime_fixtures import engine_config, rt  # noqa: F401  (rt is a fixture)
 from test_planned_run import box  # noqa: F401  (a fixture)
 
-from tiered import LLM, EngineConfig, SamplingParams
+from tiered import LLM, EngineConfig, SamplingParams, kernels
 from tiered.errors import BudgetError
 from tiered.memory import sizes
-from tiered.planner.cpu_predict import chunk_spans, predict_prefill, prefill_attention_pairs
+from tiered.planner.cpu_predict import chunk_spans, predict_prefill, predict_prompt_rows, prefill_attention_pairs
 
 CTX = 48
 CHUNK = 16
@@ -25,20 +25,29 @@ def _run(path, config):
     """(greedy tokens of a prompt of most of the context, the plan's chunk, the prefill forwards' spans, the
     most tokens one prefill forward took, the plan) on the CPU engine."""
     llm = LLM(path, config)
-    spans, most = [], [0]
-    forward = llm._forward
+    spans, most, paths = [], [0], []
+    forward, mixed = llm._forward, llm._forward_mixed
+
+    def count(seqs, span, path):
+        a, b = span or (seqs[0].cached_tokens, len(seqs[0].prompt_ids))
+        spans.append((a, b))
+        paths.append(path)
+        most[0] = max(most[0], b - a)
 
     def counted(seqs, cache, prefill, span=None):
         if prefill:
-            a, b = span or (seqs[0].cached_tokens, len(seqs[0].prompt_ids))
-            spans.append((a, b))
-            most[0] = max(most[0], b - a)
+            count(seqs, span, "modules")
         return forward(seqs, cache, prefill, span)
-    llm._forward = counted
+
+    def counted_rows(prefill, decode, cache, span=None):
+        if prefill:
+            count(prefill, span, "rows")
+        return mixed(prefill, decode, cache, span)
+    llm._forward, llm._forward_mixed = counted, counted_rows
     try:
         long = [2 + (7 * i) % 90 for i in range(llm.max_context - 8)]
         out = llm.generate([long], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].token_ids
-        return out, llm.plan.prefill_chunk, spans, len(long), most[0], llm.plan
+        return out, llm.plan.prefill_chunk, spans, len(long), most[0], llm.plan, paths
     finally:
         llm.close()
 
@@ -48,19 +57,23 @@ def test_a_long_prompt_prefills_in_chunks_on_the_cpu(zoo, rt, monkeypatch, kind,
     """With the chunk made 16 tokens, a 40-token prompt prefills in 3 forwards of at most 16 tokens (each
     attending to the KV the earlier ones cached) and decodes the same greedy tokens as in one forward; the
     plan keeps a workspace of the chunk's tokens in RAM (smaller than the whole context's), counted in its
-    CPU memory and reserved in the engine's CPU budget."""
+    CPU memory and reserved in the engine's CPU budget. A dense model's chunks run as rows of the native step
+    where its plan's mixed rows reach a whole chunk (LLM._prefill), an MoE model's through the modules."""
     from tiered.planner import auto
 
     path = zoo.dir("llama") if kind == "llama" else rt.dir("mixtral")
     config = engine_config(accelerator="none", max_context=CTX, plan=plan)
     with monkeypatch.context() as m:  # the reference in one forward, not as rows of the native decode step
         m.setattr(auto, "mixed_rows", lambda isa, act, dequantize=0: 0)
-        ref, ref_chunk, ref_spans, n, ref_most, ref_plan = _run(path, config)
+        ref, ref_chunk, ref_spans, n, ref_most, ref_plan, ref_paths = _run(path, config)
     assert ref_chunk == sizes.CPU_PREFILL_TOKENS and ref_spans == [(0, n)] and ref_most == n
+    assert ref_paths == ["modules"]
     monkeypatch.setattr(sizes, "CPU_PREFILL_TOKENS", CHUNK)
-    out, chunk, spans, _, most, p = _run(path, config)  # a prompt past the chunk never joins the native step
+    out, chunk, spans, _, most, p, paths = _run(path, config)
     assert chunk == CHUNK and spans == [(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)] and len(spans) == 3
     assert most <= CHUNK
+    assert paths == ["rows" if p.mixed_rows >= CHUNK else "modules"] * 3
+    assert (p.mixed_rows >= CHUNK) == (kind == "llama" and kernels.available())  # the rules' and the plan's floor
     assert out == ref
     # the workspace: one chunk's activations (the whole context's before), in the plan's RAM figure
     assert p.workspace_bytes == sizes.workspace_bytes(p_cfg(path), p.dtypes["weights"], CHUNK) > 0
@@ -136,7 +149,9 @@ def test_a_chunk_after_the_cache_is_priced_by_its_own_key(box):  # noqa: F811
 
 def test_the_plan_prices_a_long_prompt_chunk_by_chunk(zoo, box, monkeypatch):  # noqa: F811
     """LLM.predicted_ttft_at re-prices the plan for another prompt length (planner/auto.ttft_at): its own prompt's
-    TTFT again, and a prompt past the chunk as predict_prefill prices its chunks."""
+    TTFT again, and a prompt past the chunk chunk by chunk: as rows of the native step where the plan's mixed rows
+    reach a whole chunk (cpu_predict.predict_prompt_rows, each chunk after the cache the earlier ones wrote),
+    else as predict_prefill prices the modules' chunks."""
     monkeypatch.setattr(sizes, "CPU_PREFILL_TOKENS", CHUNK)
     llm = LLM(zoo.dir("llama"), EngineConfig(accelerator="none", max_context=CTX, decode_weights="fp32", profile=box))
     try:
@@ -144,10 +159,14 @@ def test_the_plan_prices_a_long_prompt_chunk_by_chunk(zoo, box, monkeypatch):  #
         assert plan.prefill_chunk == CHUNK
         assert llm.predicted_ttft_at(plan.prompt_tokens) == pytest.approx(plan.predicted_ttft_s)
         held = fmt if plan.dense_copies else plan.precision
-        expect = predict_prefill(llm.config, llm._profile, held, 40, None, 0.0, experts_dtype=fmt, act_dtype=fmt,
-                                 experts_format=plan.dtypes["experts"], batch_act=plan.batch_act, chunk=CHUNK)
-        assert llm.predicted_ttft_at(40) == pytest.approx(expect)
-        assert expect > predict_prefill(llm.config, llm._profile, held, 40, None, 0.0, experts_dtype=fmt,
-                                        act_dtype=fmt, experts_format=plan.dtypes["experts"], batch_act=plan.batch_act)
+        modules = predict_prefill(llm.config, llm._profile, held, 40, None, 0.0, experts_dtype=fmt, act_dtype=fmt,
+                                  experts_format=plan.dtypes["experts"], batch_act=plan.batch_act, chunk=CHUNK)
+        assert modules > predict_prefill(llm.config, llm._profile, held, 40, None, 0.0, experts_dtype=fmt,
+                                         act_dtype=fmt, experts_format=plan.dtypes["experts"], batch_act=plan.batch_act)
+        rows = sum(predict_prompt_rows(llm.config, llm._profile, plan.precision, n, plan.precision_mix,
+                                       plan.dtypes["kv_cache"], plan.dtypes.get("lm_head"), plan.batch_act, past)
+                   for n, past in chunk_spans(40, CHUNK))
+        assert (plan.mixed_rows >= CHUNK) == kernels.available()  # the rules' floor (planner/auto.mixed_rows)
+        assert llm.predicted_ttft_at(40) == pytest.approx(rows if plan.mixed_rows >= CHUNK else modules)
     finally:
         llm.close()

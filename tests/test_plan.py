@@ -1010,6 +1010,10 @@ def test_a_plan_prices_prompts_within_its_mixed_rows_as_rows_and_extends_them_wh
     assert within.predicted_ttft_s == pytest.approx(predict_prompt_rows(cfg, hw, "int4", 128, None, "bf16", "int8",
                                                                         "q8"))
     assert plan(None)[1].mixed_rows == 256  # no attn_rows key: no comparison, the floor
+    # a chunk after `past` cached positions: each of its rows attends to them too (causally within the chunk)
+    extra = predict_prompt_rows(cfg, hw, "int4", 128, None, "bf16", "int8", "q8", past=1000) - \
+        predict_prompt_rows(cfg, hw, "int4", 128, None, "bf16", "int8", "q8")
+    assert extra == pytest.approx(30 * 1e-9 * 128 * 1000 * cfg.attention_macs_per_pair(False))
     # the rows' layer code (runtime/step_rows/int4) over rows x (hidden + intermediate), each layer
     hw.models["runtime/step_rows/int4"] = LinearModel(0.0, 5e-10, 1.0)
     assert predict_prompt_rows(cfg, hw, "int4", 128, None, "bf16", "int8", "q8") == pytest.approx(

@@ -495,16 +495,18 @@ class LLM:
             out.append(seq)
         return out
 
-    def _forward_mixed(self, prefill: list[Sequence], decode: list[Sequence], cache: KVCache) -> torch.Tensor:
+    def _forward_mixed(self, prefill: list[Sequence], decode: list[Sequence], cache: KVCache,
+                       span: tuple[int, int] | None = None) -> torch.Tensor:
         """One native CPU step over rows of (token, position, slot): every uncached prompt token of
-        each `prefill` sequence, then the last token of each `decode` one. Returns logits
-        [len(prefill) + len(decode), V] fp32: each prompt's last row, then the decode rows."""
+        each `prefill` sequence (`span` (start, end): only those prompt positions of the one sequence, whose
+        KV before `start` the cache holds: a chunk of LLM._prefill), then the last token of each `decode`
+        one. Returns logits [len(prefill) + len(decode), V] fp32: each prompt's last row, then the decode rows."""
         ids, positions, slots, last = [], [], [], []
         for s in prefill:
-            n = len(s.prompt_ids) - s.cached_tokens
-            ids += s.prompt_ids[s.cached_tokens:]
-            positions += range(s.cached_tokens, len(s.prompt_ids))
-            slots += [s.slot] * n
+            a, b = span or (s.cached_tokens, len(s.prompt_ids))
+            ids += s.prompt_ids[a:b]
+            positions += range(a, b)
+            slots += [s.slot] * (b - a)
             last.append(len(ids) - 1)
         for s in decode:
             ids.append(s.output_ids[-1])
@@ -551,17 +553,25 @@ class LLM:
         chunk by chunk: a chunk writes its KV and attends to the cache the earlier chunks wrote (the
         prefix-reuse path), so the device never holds more than one chunk's activations, the tokens
         the plan's workspace was sized for (Plan.workspace_bytes: a 4096-token prompt's whole
-        activations, 8 times as many, had no room in the budget).
+        activations, 8 times as many, had no room in the budget). Where Plan.mixed_rows reaches the
+        chunk (a CPU plan that priced a whole chunk cheaper as rows of the native step), each chunk runs
+        as those rows (`_forward_mixed` over its span).
         """
         chunk = self.plan.prefill_chunk
         if not chunk or all(len(s.prompt_ids) - s.cached_tokens <= chunk for s in seqs):
             return self._forward(seqs, cache, prefill=True)
+        # where the plan runs prompts of a whole chunk as rows of the native step (Plan.mixed_rows), each chunk
+        # runs so: its rows attend to the cache the earlier chunks wrote, causally, where torch's attention
+        # computed every block of a chunk under its mask
+        step = self.runtime.cpu_decode
+        rows = self.plan.mixed_rows >= chunk and step is not None and step.takes_prefill_rows(cache)
         out = []
         for s in seqs:
             start = s.cached_tokens
             while True:
                 end = min(start + chunk, len(s.prompt_ids))
-                logits = self._forward([s], cache, prefill=True, span=(start, end))
+                logits = (self._forward_mixed([s], [], cache, span=(start, end)) if rows else
+                          self._forward([s], cache, prefill=True, span=(start, end)))
                 if end == len(s.prompt_ids):
                     break
                 start = end

@@ -787,7 +787,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
 
 
 def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int, mix: dict | None = None,
-                        kv_format: str | None = None, head_dtype: str | None = None, batch_act: str = "bf16") -> float:
+                        kv_format: str | None = None, head_dtype: str | None = None, batch_act: str = "bf16",
+                        past: int = 0) -> float:
     """Seconds of a `tokens`-token prompt of a dense model run as rows of the native CPU decode step (Plan.mixed_rows:
     LLM._forward_mixed), its time to first token: per layer the decode copies' projections at `tokens` rows
     (`dtype` or `mix` by share, on `batch_act` activations: `_projections`, as a batched decode step's), the
@@ -796,14 +797,17 @@ def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, token
     and the rows' layer code (norms, RoPE, SiLU, their int8 rounding: runtime/step_rows/int4 over rows x (hidden
     + intermediate), 0 where not profiled: SmolLM2's TTFT at 512 tokens was priced 26% fast without it, 2 Zen 5
     cores, 2026-12-01); then the head on the last row and the per-step cost.
-    `kv_format`: the KV cache's (None: memory/sizes.kv_cache_format's for `dtype`); `head_dtype`: the lm_head's."""
+    `kv_format`: the KV cache's (None: memory/sizes.kv_cache_format's for `dtype`); `head_dtype`: the lm_head's.
+    `past`: positions the cache holds before these rows (a chunk of a longer prompt, LLM._prefill): each row
+    attends to them too, and only causally within the chunk (T past + T (T + 1) / 2 pairs, where torch's
+    attention over a chunk computes every block under its mask: op_time.prefill_attention_pairs)."""
     T = max(1, int(tokens))
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     ws = step_weight_bytes(cfg, dtype, [], mix)
     d = cfg.hidden_size
     fused = native_fused_projections(hw, dtype)
     kv = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
-    macs = prefill_attention_pairs(T, 0) * cfg.attention_macs_per_pair(False)
+    macs = (T * max(0, int(past)) + prefill_attention_pairs(T, 0)) * cfg.attention_macs_per_pair(False)
     rows_key = hw.models.get(f"attn_rows/cpu/{kv}")
     attention = rows_key(macs) if rows_key is not None else op_time.prefill_attention_time(hw, "cpu", kv, macs)
     code = hw.models.get("runtime/step_rows/int4")

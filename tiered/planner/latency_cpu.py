@@ -13,6 +13,7 @@ from tiered.hardware.budget import format_bytes
 from tiered.hardware.profile import HardwareProfile
 from tiered.memory import sizes
 from tiered.planner.common import ExpertChoices, expert_tiers, fastest_expert_choice, place_experts, popularity_note
+from tiered.planner.cpu_predict import chunk_spans
 from tiered.planner.plan import LayerPlan, Plan
 
 
@@ -95,8 +96,8 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     if plan.kv_slots > 1:  # a server's full step: kv_slots sequences at the priced context each
         plan.predicted_batch_decode_tokens_per_s = plan.kv_slots / predict(hits, plan.kv_slots)[1]
     disk_share = 1.0 - hits.fast_share() if hits else 0.0
-    rows = lambda T: predict_prompt_rows(cfg, profile, dtype, T, plan.precision_mix,  # noqa: E731
-                                         plan.dtypes["kv_cache"], head, plan.batch_act)
+    rows = lambda T, past=0: predict_prompt_rows(cfg, profile, dtype, T, plan.precision_mix,  # noqa: E731
+                                                 plan.dtypes["kv_cache"], head, plan.batch_act, past)
     modules = lambda T: predict_prefill(cfg, profile, held, T, moe or None, disk_share,  # noqa: E731
                                         experts_dtype=fmt, act_dtype=fmt, experts_format=plan.dtypes["experts"],
                                         read_ahead=plan.read_ahead, readers=max(2, plan.staging_buffers),
@@ -105,9 +106,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     if plan.mixed_rows and native_step(profile) and f"attn_rows/cpu/{plan.dtypes['kv_cache']}" in profile.models:
         # (a profile without the rows' attention key would price them at torch's attention: no comparison)
         plan.mixed_rows = priced_mixed_rows(plan.mixed_rows, plan.prefill_chunk, rows, modules)
-    # a prompt within the mixed rows runs as rows of the native decode step (LLM._mixed_prefills)
-    plan.predicted_ttft_s = (rows if plan.prompt_tokens <= min(plan.mixed_rows, plan.prefill_chunk or plan.mixed_rows)
-                             else modules)(plan.prompt_tokens)
+    plan.predicted_ttft_s = prompt_time(plan.prompt_tokens, plan.mixed_rows, plan.prefill_chunk, rows, modules)
     plan.memory = memory
     plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
                     f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "
@@ -116,6 +115,18 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     if moe:
         popularity_note(plan, experts.popularity)
     return plan
+
+
+def prompt_time(tokens: int, mixed_rows: int, chunk: int, rows, modules) -> float:
+    """Seconds of a `tokens`-token prompt on the path the engine runs it (LLM.step, LLM._prefill): within Plan.mixed_rows
+    (and the prefill chunk) as rows of the native decode step (`rows(T, past)`: cpu_predict.predict_prompt_rows);
+    past the chunk, chunk by chunk, each as rows where the mixed rows reach a whole chunk; else through the
+    modules' prefill (`modules(T)`: predict_prefill, chunks and all)."""
+    if tokens <= min(mixed_rows, chunk or mixed_rows):
+        return rows(tokens)
+    if chunk and mixed_rows >= chunk:
+        return sum(rows(n, past) for n, past in chunk_spans(tokens, chunk))
+    return modules(tokens)
 
 
 # Prompt lengths past the measured mixed rows (planner/auto.MIXED_ROWS) where a plan prices both of a prompt's paths
