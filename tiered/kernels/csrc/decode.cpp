@@ -543,126 +543,97 @@ __attribute__((always_inline)) inline void score_keys(const float* q, const E* K
     for (int u = 0; u < U; u += 4) hsum8x4(a[j][u], a[j][u + 1], a[j][u + 2], a[j][u + 3], scale, p + j * ldp + u);
 }
 
+// score_keys or score_keys16, weigh_values or weigh_values16 (o = p V, not added to), by vector width
+template <bool Wide, int J, int U, typename E>
+__attribute__((always_inline)) inline void score_w(const float* q, const E* K, int64_t hd, float scale, float* p,
+                                                   int64_t ldp) {
+  if constexpr (Wide) score_keys16<J, U>(q, K, hd, scale, p, ldp);
+  else score_keys<J, U>(q, K, hd, scale, p, ldp);
+}
+template <bool Wide, int J, typename E>
+__attribute__((always_inline)) inline void weigh_w(const float* p, int64_t n, const E* V, int64_t hd, float* o) {
+  if constexpr (Wide) weigh_values16<J>(p, n, V, hd, o, n);
+  else weigh_values<J>(p, n, V, hd, o, hd, n, false);
+}
+
+// attend's vector loops for a float or bf16 cache: 8-float vectors (hd % 32 == 0), or with Wide 16-float ones
+// (hd % 64 == 0; wide_attention(): AVX-512), the same sums in another order. Scores 8 keys at a time
+// (score_keys / score_keys16): up to 4 query heads x 4 keys in registers, each key's columns loaded (a bf16
+// cache: widened) once for those heads, one shuffle tree for 4 dot products. A bf16 cache's keys widen as even
+// and odd columns (load16_split / load32_split), so the queries are split likewise: qs [group, hd], each block
+// of 16 (Wide: 32) columns' even ones, then their odd ones.
+template <bool Wide, typename E>
+__attribute__((always_inline)) inline void attend_vec(const float* q, int64_t group, const E* K, const E* V, int64_t n,
+                                                      int64_t hd, float scale, float* p, float* o, float* ml) {
+  alignas(64) float q_local[16 * 256];
+  std::vector<float> q_heap;
+  const float* qs = q;
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    constexpr int half = Wide ? 16 : 8;
+    float* split = group * hd <= 16 * 256 ? q_local : (q_heap.resize(group * hd), q_heap.data());
+    for (int64_t j = 0; j < group * hd; j += 2 * half)
+      for (int i = 0; i < half; ++i) split[j + i] = q[j + 2 * i], split[j + half + i] = q[j + 2 * i + 1];
+    qs = split;
+  }
+  int64_t t = 0;
+  const int64_t row_bytes = hd * int64_t(sizeof(E));
+  for (; t + 8 <= n; t += 8) {
+    // the cache comes from DRAM (another layer's ran in between): ask for the keys two blocks
+    // ahead, and for this block's values, which the weighing below reads from the L2 then
+    const char* kn = reinterpret_cast<const char*>(K + std::min(t + 16, n - 1) * hd);
+    const char* vn = reinterpret_cast<const char*>(V + t * hd);
+    for (int64_t b = 0; b < 8 * row_bytes; b += 64) {
+      __builtin_prefetch(kn + b);
+      __builtin_prefetch(vn + b);
+    }
+    // 4 heads and 4 keys a call: 16 accumulators (AVX2's 16 registers spill a little; AVX-512's 32
+    // do not), 3 heads' 12 fit either. On 2 Sapphire Rapids cores one KV head's 1024 cached keys
+    // (bf16) took 12-13 ns a key for 3 heads of 64 (was 21), 28-29 for 4 of 128 (was 52), one core.
+    const E* k8 = K + t * hd;
+    int64_t j = 0;
+    for (; j + 4 <= group; j += 4)
+      for (int h = 0; h < 8; h += 4) score_w<Wide, 4, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
+    for (; j + 3 <= group; j += 3)
+      for (int h = 0; h < 8; h += 4) score_w<Wide, 3, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
+    if (group - j == 2) score_w<Wide, 2, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
+    if (group - j == 1) score_w<Wide, 1, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
+  }
+  for (; t < n; ++t) {  // the last keys one at a time: two FMA chains a dot product
+    const E* k = K + t * hd;
+    for (int64_t j = 0; j < group; ++j) {
+      const float* qj = q + j * hd;
+      v8f a0 = {}, a1 = {};
+      for (int64_t c = 0; c < hd; c += 16) {
+        a0 += load8(qj + c) * load8(k + c);
+        a1 += load8(qj + c + 8) * load8(k + c + 8);
+      }
+      p[j * n + t] = hsum8(a0 + a1) * scale;
+    }
+  }
+  softmax_rows(p, group, n, ml);
+  // o: up to 4 query heads x 32 (Wide: 64) columns in 16 registers, each value row converted once for them
+  int64_t j = 0;
+  for (; j + 4 <= group; j += 4) weigh_w<Wide, 4>(p + j * n, n, V, hd, o + j * hd);
+  for (; j + 3 <= group; j += 3) weigh_w<Wide, 3>(p + j * n, n, V, hd, o + j * hd);
+  if (group - j == 2) weigh_w<Wide, 2>(p + j * n, n, V, hd, o + j * hd);
+  if (group - j == 1) weigh_w<Wide, 1>(p + j * n, n, V, hd, o + j * hd);
+}
+
 // One KV head's attention for its `group` query heads q [group, hd] over n cached rows K, V [n, hd]:
 // o [group, hd] = softmax(q K^T * scale) V, each key and value row read once for the whole group.
 // p: scratch [group, n]. E is the cache's element: float, or bf16 as its bits. With `ml` (a part of
 // the keys): o unnormalized and ml [group, 2] the parts' (max, sum) of scores (softmax_rows).
 // always_inline: each target_clones copy of attend() below must get its own wide-vector copy of this
 // loop (an out-of-line template would be compiled once, for the x86-64 baseline's SSE: measured 4-wide
-// and FMA-less, ~18% of a 16-row SmolLM2 step).
-// Wide: 16-float vectors (wide_attention(): AVX-512) where hd % 64 == 0, the same sums in another order.
+// and FMA-less, ~18% of a 16-row SmolLM2 step). Wide: attend_vec's 16-float vectors where hd allows.
 template <bool Wide, typename E, typename Load>
 __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale,
                         float* p, float* o, float* ml, Load load) {
-  if constexpr (Wide && (std::is_same_v<E, float> || std::is_same_v<E, uint16_t>)) {
-    if (hd % 64 == 0 && hd <= 256) {
-      alignas(64) float q_local[16 * 256];
-      std::vector<float> q_heap;
-      const float* qs = q;
-      if constexpr (std::is_same_v<E, uint16_t>) {  // each 32 columns' even, then odd ones (load32_split)
-        float* split = group * hd <= 16 * 256 ? q_local : (q_heap.resize(group * hd), q_heap.data());
-        for (int64_t j = 0; j < group * hd; j += 32)
-          for (int i = 0; i < 16; ++i) split[j + i] = q[j + 2 * i], split[j + 16 + i] = q[j + 2 * i + 1];
-        qs = split;
-      }
-      int64_t t = 0;
-      const int64_t row_bytes = hd * int64_t(sizeof(E));
-      for (; t + 8 <= n; t += 8) {  // as the 8-wide path below: the keys two blocks ahead, this block's values
-        const char* kn = reinterpret_cast<const char*>(K + std::min(t + 16, n - 1) * hd);
-        const char* vn = reinterpret_cast<const char*>(V + t * hd);
-        for (int64_t b = 0; b < 8 * row_bytes; b += 64) {
-          __builtin_prefetch(kn + b);
-          __builtin_prefetch(vn + b);
-        }
-        const E* k8 = K + t * hd;
-        int64_t j = 0;
-        for (; j + 4 <= group; j += 4)
-          for (int h = 0; h < 8; h += 4) score_keys16<4, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
-        for (; j + 3 <= group; j += 3)
-          for (int h = 0; h < 8; h += 4) score_keys16<3, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
-        if (group - j == 2) score_keys16<2, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
-        if (group - j == 1) score_keys16<1, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
-      }
-      for (; t < n; ++t) {  // the last keys one at a time
-        const E* k = K + t * hd;
-        for (int64_t j = 0; j < group; ++j) {
-          const float* qj = q + j * hd;
-          v8f a0 = {}, a1 = {};
-          for (int64_t c = 0; c < hd; c += 16) {
-            a0 += load8(qj + c) * load8(k + c);
-            a1 += load8(qj + c + 8) * load8(k + c + 8);
-          }
-          p[j * n + t] = hsum8(a0 + a1) * scale;
-        }
-      }
-      softmax_rows(p, group, n, ml);
-      int64_t j = 0;
-      for (; j + 4 <= group; j += 4) weigh_values16<4>(p + j * n, n, V, hd, o + j * hd, n);
-      for (; j + 3 <= group; j += 3) weigh_values16<3>(p + j * n, n, V, hd, o + j * hd, n);
-      if (group - j == 2) weigh_values16<2>(p + j * n, n, V, hd, o + j * hd, n);
-      if (group - j == 1) weigh_values16<1>(p + j * n, n, V, hd, o + j * hd, n);
-      return;
-    }
-  }
   if constexpr (std::is_same_v<E, float> || std::is_same_v<E, uint16_t>) {
-    if (hd % 32 == 0 && hd <= 256) {  // head_dim 64, 96, 128, ..: vector loops
-      // scores, 8 keys at a time (score_keys): up to 4 query heads x 4 keys in registers, each key's
-      // 8 columns loaded (a bf16 cache: widened) once for those heads, one shuffle tree for 4 dot
-      // products. A bf16 cache's keys widen as even and odd columns (load16_split), so the queries
-      // are split likewise: qs [group, hd], each 16 columns' even ones, then their odd ones.
-      alignas(32) float q_local[16 * 256];
-      std::vector<float> q_heap;
-      const float* qs = q;
-      if constexpr (std::is_same_v<E, uint16_t>) {
-        float* split = group * hd <= 16 * 256 ? q_local : (q_heap.resize(group * hd), q_heap.data());
-        for (int64_t j = 0; j < group * hd; j += 16)
-          for (int i = 0; i < 8; ++i) split[j + i] = q[j + 2 * i], split[j + 8 + i] = q[j + 2 * i + 1];
-        qs = split;
-      }
-      int64_t t = 0;
-      const int64_t row_bytes = hd * int64_t(sizeof(E));
-      for (; t + 8 <= n; t += 8) {
-        // the cache comes from DRAM (another layer's ran in between): ask for the keys two blocks
-        // ahead, and for this block's values, which the weighing below reads from the L2 then
-        const char* kn = reinterpret_cast<const char*>(K + std::min(t + 16, n - 1) * hd);
-        const char* vn = reinterpret_cast<const char*>(V + t * hd);
-        for (int64_t b = 0; b < 8 * row_bytes; b += 64) {
-          __builtin_prefetch(kn + b);
-          __builtin_prefetch(vn + b);
-        }
-        // 4 heads and 4 keys a call: 16 accumulators (AVX2's 16 registers spill a little; AVX-512's 32
-        // do not), 3 heads' 12 fit either. On 2 Sapphire Rapids cores one KV head's 1024 cached keys
-        // (bf16) took 12-13 ns a key for 3 heads of 64 (was 21), 28-29 for 4 of 128 (was 52), one core.
-        const E* k8 = K + t * hd;
-        int64_t j = 0;
-        for (; j + 4 <= group; j += 4)
-          for (int h = 0; h < 8; h += 4) score_keys<4, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
-        for (; j + 3 <= group; j += 3)
-          for (int h = 0; h < 8; h += 4) score_keys<3, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
-        if (group - j == 2) score_keys<2, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
-        if (group - j == 1) score_keys<1, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
-      }
-      for (; t < n; ++t) {  // the last keys one at a time: two FMA chains a dot product
-        const E* k = K + t * hd;
-        for (int64_t j = 0; j < group; ++j) {
-          const float* qj = q + j * hd;
-          v8f a0 = {}, a1 = {};
-          for (int64_t c = 0; c < hd; c += 16) {
-            a0 += load8(qj + c) * load8(k + c);
-            a1 += load8(qj + c + 8) * load8(k + c + 8);
-          }
-          p[j * n + t] = hsum8(a0 + a1) * scale;
-        }
-      }
-      softmax_rows(p, group, n, ml);
-      // o: up to 4 query heads x 32 columns in 16 registers, each value row converted once for them
-      int64_t j = 0;
-      for (; j + 4 <= group; j += 4) weigh_values<4>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
-      for (; j + 3 <= group; j += 3) weigh_values<3>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
-      if (group - j == 2) weigh_values<2>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
-      if (group - j == 1) weigh_values<1>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
-      return;
+    if constexpr (Wide) {
+      if (hd % 64 == 0 && hd <= 256) return attend_vec<true>(q, group, K, V, n, hd, scale, p, o, ml);
     }
+    if (hd % 32 == 0 && hd <= 256) return attend_vec<false>(q, group, K, V, n, hd, scale, p, o, ml);  // head_dim 64, 96, 128, ..
   }
   for (int64_t t = 0; t < n; ++t) {
     const E* k = K + t * hd;
