@@ -232,16 +232,6 @@ __attribute__((always_inline)) inline v8f load8(const uint16_t* p) {
   std::memcpy(&v, &u, sizeof(v));
   return v;
 }
-// 16 bf16 -> their even and odd elements as fp32 (bits << 16, and the high halves as they are): no
-// shuffles, so a bf16 cache's rows convert on the ALU ports beside the FMAs (a permutation widening
-// 8 at a time ran on the shuffle port, which the dot products' sums also need).
-__attribute__((always_inline)) inline void load16_split(const uint16_t* p, v8f& even, v8f& odd) {
-  v8u u;
-  std::memcpy(&u, p, sizeof(u));
-  const v8u e = u << 16, o = u & 0xffff0000u;
-  std::memcpy(&even, &e, sizeof(v8f));
-  std::memcpy(&odd, &o, sizeof(v8f));
-}
 // rows [t, t + 8) of a cache K [., w] as fp32: K's own rows when E is float, else (bf16 bits) widened
 // into kb [8 w] (w % 8 == 0), which the caller's scratch holds.
 template <typename E>
@@ -366,53 +356,109 @@ __attribute__((always_inline)) inline void hsum8x4(v8f a0, v8f a1, v8f a2, v8f a
   for (int i = 0; i < 4; ++i) p[i] = w[i] * scale;
 }
 
-// 32 columns of a value row as four vectors: fp32 rows as they are; bf16 ones widened as two blocks of 16
-// columns' even, then odd ones (load16_split).
-template <typename E>
-__attribute__((always_inline)) inline void load32(const E* v, v8f& v0, v8f& v1, v8f& v2, v8f& v3) {
-  if constexpr (std::is_same_v<E, uint16_t>) {
-    load16_split(v, v0, v1);
-    load16_split(v + 16, v2, v3);
-  } else {
-    v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
-  }
+// 16 floats as one vector: the attention's wide path (AVX-512 CPUs: wide_attention()). In the x86-64-v4 copy of
+// attend() a single 512-bit register; the narrower copies never take that path.
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+template <typename Vec>
+constexpr int kLanes = int(sizeof(Vec) / sizeof(float));
+
+template <typename Vec>
+__attribute__((always_inline)) inline Vec loadv(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+// 2 x lanes bf16 -> their even and odd elements as fp32 (bits << 16, and the high halves as they are): no
+// shuffles, so a bf16 cache's rows convert on the ALU ports beside the FMAs (a permutation widening
+// 8 at a time ran on the shuffle port, which the dot products' sums also need).
+template <typename Vec>
+__attribute__((always_inline)) inline void load_split(const uint16_t* p, Vec& even, Vec& odd) {
+  using Bits = std::conditional_t<std::is_same_v<Vec, v16f>, v16u, v8u>;
+  Bits u;
+  std::memcpy(&u, p, sizeof(u));
+  const Bits e = u << 16, o = u & 0xffff0000u;
+  std::memcpy(&even, &e, sizeof(Vec));
+  std::memcpy(&odd, &o, sizeof(Vec));
+}
+// a vector's partial sums as 8 lanes (hsum8x4's operands)
+__attribute__((always_inline)) inline v8f as8(v8f a) { return a; }
+__attribute__((always_inline)) inline v8f as8(v16f a) {
+  return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
 // o [J, hd] = p [J, n] V [n, hd] for J query heads (rows of p ldp apart, of V ldv apart; `add`: o +=
-// instead): 32 columns at a time in J x 4 registers, each value row loaded (a bf16 cache: widened, as
-// even and odd columns, load32; o's columns put back in order when stored) once for the J heads.
-template <int J, typename E>
+// instead): 4 x lanes columns at a time (Vec v8f: 32; v16f: 64; hd a multiple of that) in J x 4 registers, each
+// value row loaded (a bf16 cache: widened as even and odd columns, load_split; o's columns put back in order
+// when stored) once for the J heads.
+template <typename Vec, int J, typename E>
 __attribute__((always_inline)) inline void weigh_values(const float* p, int64_t n, const E* V, int64_t hd, float* o,
                                                         int64_t ldv, int64_t ldp, bool add) {
-  // the column (of the 32) that lane i of accumulator c holds
-  auto col = [](int c, int i) { return std::is_same_v<E, uint16_t> ? 16 * (c / 2) + 2 * i + c % 2 : 8 * c + i; };
-  for (int64_t c0 = 0; c0 < hd; c0 += 32) {
-    v8f acc[J][4] = {};
-    alignas(32) float buf[J * 32];
+  constexpr int W = kLanes<Vec>, B = 4 * W;
+  // the column (of the B) that lane i of accumulator c holds
+  auto col = [](int c, int i) { return std::is_same_v<E, uint16_t> ? 2 * W * (c / 2) + 2 * i + c % 2 : W * c + i; };
+  for (int64_t c0 = 0; c0 < hd; c0 += B) {
+    Vec acc[J][4] = {};
+    alignas(64) float buf[J * B];
     if (add) {
       for (int j = 0; j < J; ++j)
         for (int c = 0; c < 4; ++c)
-          for (int i = 0; i < 8; ++i) buf[j * 32 + 8 * c + i] = o[j * hd + c0 + col(c, i)];
+          for (int i = 0; i < W; ++i) buf[j * B + W * c + i] = o[j * hd + c0 + col(c, i)];
       for (int j = 0; j < J; ++j)
-        for (int c = 0; c < 4; ++c) std::memcpy(&acc[j][c], buf + j * 32 + 8 * c, sizeof(v8f));
+        for (int c = 0; c < 4; ++c) std::memcpy(&acc[j][c], buf + j * B + W * c, sizeof(Vec));
     }
     for (int64_t t = 0; t < n; ++t) {
-      v8f v0, v1, v2, v3;
-      load32(V + t * ldv + c0, v0, v1, v2, v3);
+      Vec v[4];
+      if constexpr (std::is_same_v<E, uint16_t>) {
+        load_split(V + t * ldv + c0, v[0], v[1]);
+        load_split(V + t * ldv + c0 + 2 * W, v[2], v[3]);
+      } else {
+        for (int c = 0; c < 4; ++c) v[c] = loadv<Vec>(V + t * ldv + c0 + W * c);
+      }
       for (int j = 0; j < J; ++j) {
         const float w = p[j * ldp + t];
-        acc[j][0] += w * v0;
-        acc[j][1] += w * v1;
-        acc[j][2] += w * v2;
-        acc[j][3] += w * v3;
+        for (int c = 0; c < 4; ++c) acc[j][c] += w * v[c];
       }
     }
     for (int j = 0; j < J; ++j)
-      for (int c = 0; c < 4; ++c) std::memcpy(buf + j * 32 + 8 * c, &acc[j][c], sizeof(v8f));
+      for (int c = 0; c < 4; ++c) std::memcpy(buf + j * B + W * c, &acc[j][c], sizeof(Vec));
     for (int j = 0; j < J; ++j)
       for (int c = 0; c < 4; ++c)
-        for (int i = 0; i < 8; ++i) o[j * hd + c0 + col(c, i)] = buf[j * 32 + 8 * c + i];
+        for (int i = 0; i < W; ++i) o[j * hd + c0 + col(c, i)] = buf[j * B + W * c + i];
   }
+}
+
+// p [j * ldp + u] = scale x q_j . K_u for J query heads q [J, hd] and U keys K [U, hd] (U % 4 == 0): J x U
+// accumulators of lanes columns, each key's columns loaded (a bf16 cache: widened, load_split) once for the J
+// heads, one shuffle tree (hsum8x4) for 4 dot products. A bf16 cache's q comes with each 2 x lanes columns'
+// even ones first, then the odd ones, as load_split widens the keys.
+template <typename Vec, int J, int U, typename E>
+__attribute__((always_inline)) inline void score_keys(const float* q, const E* K, int64_t hd, float scale, float* p,
+                                                      int64_t ldp) {
+  constexpr int W = kLanes<Vec>;
+  Vec a[J][U] = {};
+  if constexpr (std::is_same_v<E, uint16_t>) {  // q: each 2W columns' even, then odd ones (attend_vec's qs)
+    for (int64_t c = 0; c < hd; c += 2 * W) {
+      Vec qe[J], qo[J];
+      for (int j = 0; j < J; ++j) qe[j] = loadv<Vec>(q + j * hd + c), qo[j] = loadv<Vec>(q + j * hd + c + W);
+      for (int u = 0; u < U; ++u) {
+        Vec ke, ko;
+        load_split(K + u * hd + c, ke, ko);
+        for (int j = 0; j < J; ++j) a[j][u] += qe[j] * ke + qo[j] * ko;
+      }
+    }
+  } else for (int64_t c = 0; c < hd; c += W) {
+    Vec qv[J];
+    for (int j = 0; j < J; ++j) qv[j] = loadv<Vec>(q + j * hd + c);
+    for (int u = 0; u < U; ++u) {
+      const Vec k = loadv<Vec>(K + u * hd + c);
+      for (int j = 0; j < J; ++j) a[j][u] += qv[j] * k;
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int u = 0; u < U; u += 4)
+      hsum8x4(as8(a[j][u]), as8(a[j][u + 1]), as8(a[j][u + 2]), as8(a[j][u + 3]), scale, p + j * ldp + u);
 }
 
 }  // namespace
@@ -431,140 +477,16 @@ namespace {
 
 __attribute__((always_inline)) inline bool wide_attention() { return g_attend_wide; }
 
-// The wide path of attend (AVX-512 machines: wide_attention()): 16 floats a vector. In the x86-64-v4 copy of
-// attend() these are single 512-bit registers; the narrower copies never take this path.
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
-__attribute__((always_inline)) inline v16f load16(const float* p) {
-  v16f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-// 32 bf16 -> their even and odd elements as fp32 (bits << 16, and the high halves as they are), as load16_split
-__attribute__((always_inline)) inline void load32_split(const uint16_t* p, v16f& even, v16f& odd) {
-  v16u u;
-  std::memcpy(&u, p, sizeof(u));
-  const v16u e = u << 16, o = u & 0xffff0000u;
-  std::memcpy(&even, &e, sizeof(v16f));
-  std::memcpy(&odd, &o, sizeof(v16f));
-}
-__attribute__((always_inline)) inline v8f fold16(v16f a) {
-  return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-
-// score_keys with 16-wide accumulators: a bf16 cache's q comes with each 32 columns' even ones first, then the
-// odd ones (load32_split); hd % 32 == 0.
-template <int J, int U, typename E>
-__attribute__((always_inline)) inline void score_keys16(const float* q, const E* K, int64_t hd, float scale, float* p,
-                                                        int64_t ldp) {
-  v16f a[J][U] = {};
-  if constexpr (std::is_same_v<E, uint16_t>) {
-    for (int64_t c = 0; c < hd; c += 32) {
-      v16f qe[J], qo[J];
-      for (int j = 0; j < J; ++j) qe[j] = load16(q + j * hd + c), qo[j] = load16(q + j * hd + c + 16);
-      for (int u = 0; u < U; ++u) {
-        v16f ke, ko;
-        load32_split(K + u * hd + c, ke, ko);
-        for (int j = 0; j < J; ++j) a[j][u] += qe[j] * ke + qo[j] * ko;
-      }
-    }
-  } else for (int64_t c = 0; c < hd; c += 16) {
-    v16f qv[J];
-    for (int j = 0; j < J; ++j) qv[j] = load16(q + j * hd + c);
-    for (int u = 0; u < U; ++u) {
-      const v16f k = load16(K + u * hd + c);
-      for (int j = 0; j < J; ++j) a[j][u] += qv[j] * k;
-    }
-  }
-  for (int j = 0; j < J; ++j)
-    for (int u = 0; u < U; u += 4)
-      hsum8x4(fold16(a[j][u]), fold16(a[j][u + 1]), fold16(a[j][u + 2]), fold16(a[j][u + 3]), scale, p + j * ldp + u);
-}
-
-// weigh_values with 16-wide accumulators, 64 columns at a time (hd % 64 == 0): J x 4 registers, each value row
-// loaded once for the J heads (a bf16 cache: widened as each 32 columns' even, then odd ones).
-template <int J, typename E>
-__attribute__((always_inline)) inline void weigh_values16(const float* p, int64_t n, const E* V, int64_t hd, float* o,
-                                                          int64_t ldp) {
-  // the column (of the 64) that lane i of accumulator c holds
-  auto col = [](int c, int i) { return std::is_same_v<E, uint16_t> ? 32 * (c / 2) + 2 * i + c % 2 : 16 * c + i; };
-  for (int64_t c0 = 0; c0 < hd; c0 += 64) {
-    v16f acc[J][4] = {};
-    for (int64_t t = 0; t < n; ++t) {
-      v16f v[4];
-      if constexpr (std::is_same_v<E, uint16_t>) {
-        load32_split(V + t * hd + c0, v[0], v[1]);
-        load32_split(V + t * hd + c0 + 32, v[2], v[3]);
-      } else {
-        for (int c = 0; c < 4; ++c) v[c] = load16(V + t * hd + c0 + 16 * c);
-      }
-      for (int j = 0; j < J; ++j) {
-        const float w = p[j * ldp + t];
-        for (int c = 0; c < 4; ++c) acc[j][c] += w * v[c];
-      }
-    }
-    alignas(64) float buf[64];
-    for (int j = 0; j < J; ++j) {
-      for (int c = 0; c < 4; ++c) std::memcpy(buf + 16 * c, &acc[j][c], sizeof(v16f));
-      for (int c = 0; c < 4; ++c)
-        for (int i = 0; i < 16; ++i) o[j * hd + c0 + col(c, i)] = buf[16 * c + i];
-    }
-  }
-}
-
-// p [j * ldp + u] = scale x q_j . K_u for J query heads q [J, hd] and U keys K [U, hd] (U % 4 == 0): J x U
-// accumulators of 8 columns, each key's columns loaded (a bf16 cache: widened, load16_split) once for
-// the J heads, one shuffle tree (hsum8x4) for 4 dot products. A bf16 cache's q comes with each 16
-// columns' even ones first, then the odd ones, as load16_split widens the keys.
-template <int J, int U, typename E>
-__attribute__((always_inline)) inline void score_keys(const float* q, const E* K, int64_t hd, float scale, float* p,
-                                                      int64_t ldp) {
-  v8f a[J][U] = {};
-  if constexpr (std::is_same_v<E, uint16_t>) {  // q: each 16 columns' even, then odd ones (attend_impl's qs)
-    for (int64_t c = 0; c < hd; c += 16) {
-      v8f qe[J], qo[J];
-      for (int j = 0; j < J; ++j) qe[j] = load8(q + j * hd + c), qo[j] = load8(q + j * hd + c + 8);
-      for (int u = 0; u < U; ++u) {
-        v8f ke, ko;
-        load16_split(K + u * hd + c, ke, ko);
-        for (int j = 0; j < J; ++j) a[j][u] += qe[j] * ke + qo[j] * ko;
-      }
-    }
-  } else for (int64_t c = 0; c < hd; c += 8) {
-    v8f qv[J];
-    for (int j = 0; j < J; ++j) qv[j] = load8(q + j * hd + c);
-    for (int u = 0; u < U; ++u) {
-      const v8f k = load8(K + u * hd + c);
-      for (int j = 0; j < J; ++j) a[j][u] += qv[j] * k;
-    }
-  }
-  for (int j = 0; j < J; ++j)
-    for (int u = 0; u < U; u += 4) hsum8x4(a[j][u], a[j][u + 1], a[j][u + 2], a[j][u + 3], scale, p + j * ldp + u);
-}
-
-// score_keys or score_keys16, weigh_values or weigh_values16 (o = p V, not added to), by vector width
-template <bool Wide, int J, int U, typename E>
-__attribute__((always_inline)) inline void score_w(const float* q, const E* K, int64_t hd, float scale, float* p,
-                                                   int64_t ldp) {
-  if constexpr (Wide) score_keys16<J, U>(q, K, hd, scale, p, ldp);
-  else score_keys<J, U>(q, K, hd, scale, p, ldp);
-}
-template <bool Wide, int J, typename E>
-__attribute__((always_inline)) inline void weigh_w(const float* p, int64_t n, const E* V, int64_t hd, float* o) {
-  if constexpr (Wide) weigh_values16<J>(p, n, V, hd, o, n);
-  else weigh_values<J>(p, n, V, hd, o, hd, n, false);
-}
-
 // attend's vector loops for a float or bf16 cache: 8-float vectors (hd % 32 == 0), or with Wide 16-float ones
 // (hd % 64 == 0; wide_attention(): AVX-512), the same sums in another order. Scores 8 keys at a time
-// (score_keys / score_keys16): up to 4 query heads x 4 keys in registers, each key's columns loaded (a bf16
+// (score_keys in Vec): up to 4 query heads x 4 keys in registers, each key's columns loaded (a bf16
 // cache: widened) once for those heads, one shuffle tree for 4 dot products. A bf16 cache's keys widen as even
-// and odd columns (load16_split / load32_split), so the queries are split likewise: qs [group, hd], each block
+// and odd columns (load_split), so the queries are split likewise: qs [group, hd], each block
 // of 16 (Wide: 32) columns' even ones, then their odd ones.
 template <bool Wide, typename E>
 __attribute__((always_inline)) inline void attend_vec(const float* q, int64_t group, const E* K, const E* V, int64_t n,
                                                       int64_t hd, float scale, float* p, float* o, float* ml) {
+  using Vec = std::conditional_t<Wide, v16f, v8f>;
   alignas(64) float q_local[16 * 256];
   std::vector<float> q_heap;
   const float* qs = q;
@@ -592,11 +514,11 @@ __attribute__((always_inline)) inline void attend_vec(const float* q, int64_t gr
     const E* k8 = K + t * hd;
     int64_t j = 0;
     for (; j + 4 <= group; j += 4)
-      for (int h = 0; h < 8; h += 4) score_w<Wide, 4, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
+      for (int h = 0; h < 8; h += 4) score_keys<Vec, 4, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
     for (; j + 3 <= group; j += 3)
-      for (int h = 0; h < 8; h += 4) score_w<Wide, 3, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
-    if (group - j == 2) score_w<Wide, 2, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
-    if (group - j == 1) score_w<Wide, 1, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
+      for (int h = 0; h < 8; h += 4) score_keys<Vec, 3, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
+    if (group - j == 2) score_keys<Vec, 2, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
+    if (group - j == 1) score_keys<Vec, 1, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
   }
   for (; t < n; ++t) {  // the last keys one at a time: two FMA chains a dot product
     const E* k = K + t * hd;
@@ -613,10 +535,10 @@ __attribute__((always_inline)) inline void attend_vec(const float* q, int64_t gr
   softmax_rows(p, group, n, ml);
   // o: up to 4 query heads x 32 (Wide: 64) columns in 16 registers, each value row converted once for them
   int64_t j = 0;
-  for (; j + 4 <= group; j += 4) weigh_w<Wide, 4>(p + j * n, n, V, hd, o + j * hd);
-  for (; j + 3 <= group; j += 3) weigh_w<Wide, 3>(p + j * n, n, V, hd, o + j * hd);
-  if (group - j == 2) weigh_w<Wide, 2>(p + j * n, n, V, hd, o + j * hd);
-  if (group - j == 1) weigh_w<Wide, 1>(p + j * n, n, V, hd, o + j * hd);
+  for (; j + 4 <= group; j += 4) weigh_values<Vec, 4>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
+  for (; j + 3 <= group; j += 3) weigh_values<Vec, 3>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
+  if (group - j == 2) weigh_values<Vec, 2>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
+  if (group - j == 1) weigh_values<Vec, 1>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
 }
 
 // One KV head's attention for its `group` query heads q [group, hd] over n cached rows K, V [n, hd]:
@@ -760,9 +682,9 @@ __attribute__((always_inline)) inline void latent_attend_impl(const float* q, in
       const int64_t m = std::min(block, S - t0);
       const E* Kb = K + t0 * W;
       int64_t j = 0;
-      for (; j + 3 <= G; j += 3) weigh_values<3>(p + j * S + t0, m, Kb, R, o + j * R, W, S, t0 > 0);
-      if (G - j == 2) weigh_values<2>(p + j * S + t0, m, Kb, R, o + j * R, W, S, t0 > 0);
-      if (G - j == 1) weigh_values<1>(p + j * S + t0, m, Kb, R, o + j * R, W, S, t0 > 0);
+      for (; j + 3 <= G; j += 3) weigh_values<v8f, 3>(p + j * S + t0, m, Kb, R, o + j * R, W, S, t0 > 0);
+      if (G - j == 2) weigh_values<v8f, 2>(p + j * S + t0, m, Kb, R, o + j * R, W, S, t0 > 0);
+      if (G - j == 1) weigh_values<v8f, 1>(p + j * S + t0, m, Kb, R, o + j * R, W, S, t0 > 0);
     }
   } else {
     std::fill(o, o + G * R, 0.f);
