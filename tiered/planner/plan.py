@@ -102,7 +102,10 @@ class Plan:
                                              prompt tokens as rows of the native decode step,
                                              beside the running sequences, while the step has at
                                              most this many rows (Sarathi-style mixed prefill and
-                                             decode); longer prompts, and 0, prefill on their own
+                                             decode); longer prompts, and 0, prefill on their own,
+                                             chunk by chunk as such rows where this reaches
+                                             prefill_chunk (LLM._prefill). A CPU plan prices both
+                                             paths past the ISA's floor (latency_cpu.priced_mixed_rows)
         prefill_chunk                        prompt tokens one prefill forward takes at most: a longer
                                              prompt prefills alone, chunk by chunk, each chunk
                                              attending to the KV cache the earlier ones wrote (the
@@ -369,6 +372,10 @@ class Plan:
         if self.dtypes:
             out.append("formats: " + ", ".join(f"{k} {v}" for k, v in self.dtypes.items())
                        + (f"; {self.cpu_threads} CPU threads" if self.cpu_threads else ""))
+        if self.mixed_rows:
+            out.append(f"prompts: up to {self.mixed_rows} tokens as rows of the native decode step"
+                       + (", longer ones chunk by chunk as such rows" if self.prefill_chunk and
+                          self.mixed_rows >= self.prefill_chunk else ", longer ones through the modules' prefill"))
         if self.decode_graphs or self.piecewise_graphs:
             out.append("decode: " + ("one CUDA graph per step" if self.decode_graphs else
                                      "piecewise CUDA graphs (each layer's attention; MLPs / experts eager)"))
