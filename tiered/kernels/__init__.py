@@ -169,6 +169,19 @@ def mxfp4_kernel_rows() -> int | None:
     return _tuned_rows("mxfp4_kernel_rows")
 
 
+def tuned_choice(key: str, isa_name: str | None = None, tuning: dict | None = None) -> tuple[str | None, int | None]:
+    """(ISA, the kernel tuning's `key`: rows, 0 for never / any, None where not measured) of the machine a
+    per-ISA choice is made for (quant/int4.dequantize_rows, quant/experts.kind_grouped_rows and
+    mxfp4_kernel_rows): `isa_name` and `tuning` as given, a profiled machine's (the planner passes its meta's
+    kernel_isa and kernel_tuning); with `isa_name` None this machine's ISA (`isa`), and its measured `key`
+    (the accessor of that name: q8_dequantize_rows, ...) unless `tuning` is given."""
+    if isa_name is None:
+        isa_name = isa()
+        if tuning is None:
+            tuning = {key: globals()[key]()}  # looked up when called (tests patch the accessors)
+    return isa_name, (tuning or {}).get(key)
+
+
 def _tuned_rows(key: str) -> int | None:
     if load() is None:
         return None

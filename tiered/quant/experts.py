@@ -114,12 +114,8 @@ def kind_grouped_rows(kind: str, isa: str | None = None, batch_act: str = "bf16"
     has one (kernels/tune.py; 0: at any rows), else GROUPED_ROWS_Q8's for the native kernels' ISA; else
     GROUPED_ROWS's. `isa` and `tuning` None: this machine's (kernels.isa, kernels.tuning); the planner passes
     a profiled machine's."""
-    if isa is None:
-        isa = kernels.isa()
-        if tuning is None:
-            tuning = {"q8_expert_grouped_rows": kernels.q8_expert_grouped_rows()}
+    isa, tuned = kernels.tuned_choice("q8_expert_grouped_rows", isa, tuning)
     if batch_act == "q8":
-        tuned = (tuning or {}).get("q8_expert_grouped_rows")
         if kind == "int4" and tuned is not None:
             return int(tuned) or 1 << 30
         q8 = GROUPED_ROWS_Q8.get(isa, {})
@@ -133,11 +129,7 @@ def mxfp4_kernel_rows(isa: str | None = None, tuning: dict | None = None) -> int
     tuning's mxfp4_kernel_rows where it has one (kernels/tune.py; 0: at any rows), else MXFP4_KERNEL_ROWS's for
     the native kernels' ISA, else GROUPED_ROWS's; more rows dequantize it for one GEMM. `isa` and `tuning` None:
     this machine's (kernels.isa, kernels.tuning); the planner passes a profiled machine's."""
-    if isa is None:
-        isa = kernels.isa()
-        if tuning is None:
-            tuning = {"mxfp4_kernel_rows": kernels.mxfp4_kernel_rows()}
-    tuned = (tuning or {}).get("mxfp4_kernel_rows")
+    isa, tuned = kernels.tuned_choice("mxfp4_kernel_rows", isa, tuning)
     if tuned is not None:
         return int(tuned) or 1 << 30
     return MXFP4_KERNEL_ROWS.get(isa, GROUPED_ROWS["mxfp4"])

@@ -102,13 +102,9 @@ def dequantize_rows(batch_act: str = "bf16", isa: str | None = None, tuning: dic
     native kernels' ISA. `isa` and `tuning` None: this machine's (kernels.isa, kernels.tuning); the planner
     passes a profiled machine's (its meta's kernel_isa and kernel_tuning). None: never, the kernel at every
     row count."""
-    if isa is None:
-        from tiered import kernels
+    from tiered import kernels
 
-        isa = kernels.isa()
-        if tuning is None:
-            tuning = {"q8_dequantize_rows": kernels.q8_dequantize_rows()}
-    tuned = (tuning or {}).get("q8_dequantize_rows")
+    isa, tuned = kernels.tuned_choice("q8_dequantize_rows", isa, tuning)
     if batch_act == "q8" and tuned is not None:
         return int(tuned) or None
     if batch_act == "q8" and isa in DEQUANTIZE_ROWS_Q8:
