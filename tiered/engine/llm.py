@@ -486,7 +486,7 @@ class LLM:
         step = self.runtime.cpu_decode
         if not admitted or self.plan.mixed_rows <= 0 or step is None or not step.takes_prefill_rows(cache):
             return []
-        most = min(self.plan.mixed_rows, self.plan.prefill_chunk or self.plan.mixed_rows)
+        most = self.plan.most_prompt_rows()
         rows, out = decoding, []
         for seq in sorted(admitted, key=lambda s: len(s.prompt_ids) - s.cached_tokens):
             rows += len(seq.prompt_ids) - seq.cached_tokens
@@ -564,7 +564,7 @@ class LLM:
         # runs so: its rows attend to the cache the earlier chunks wrote, causally, where torch's attention
         # computed every block of a chunk under its mask
         step = self.runtime.cpu_decode
-        rows = self.plan.mixed_rows >= chunk and step is not None and step.takes_prefill_rows(cache)
+        rows = self.plan.chunks_as_rows() and step is not None and step.takes_prefill_rows(cache)
         out = []
         for s in seqs:
             start = s.cached_tokens

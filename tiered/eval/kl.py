@@ -134,7 +134,7 @@ def decode_logits(llm, ids: Sequence[int], n_prompt: int, step=None) -> torch.Te
         llm.runtime.new_sequence()
     rows = []
     with torch.inference_mode(), llm._device_scope():
-        if step is not None and n_prompt <= llm.plan.mixed_rows and step.takes_prefill_rows(cache):
+        if step is not None and n_prompt <= llm.plan.most_prompt_rows() and step.takes_prefill_rows(cache):
             rows.append(step(torch.tensor(ids[:n_prompt]).unsqueeze(1), torch.arange(n_prompt).unsqueeze(1),
                              slot.repeat(n_prompt), cache, rows=torch.tensor([n_prompt - 1])))
         else:

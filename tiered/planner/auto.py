@@ -558,7 +558,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
     # CPU-only with decode copies: the non-expert weights are read (and, in one-copy mode, held) in
     # the copies' format, MoE models included (their experts are priced in their own format)
     dense_cpu = accelerator is None and decode_format != "none"
-
+    batch_act = batch_activations(ec, cfg)
     args = dict(model_name=model_name, gpu_memory=gpu, cpu_memory=ec.cpu_memory, goal="latency",
                 prompt_tokens=prompt, gen_tokens=max(1, min(128, max_context - prompt)),
                 precision=decode_precision if dense_cpu else weights_format, weights_format=weights_format,
@@ -569,10 +569,10 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                 dense_copies=dense_copies,
                 experts_format=experts_format, kv_slots=ec.max_batch,
                 head_precision=head_precision if dense_cpu else None, embedding_bytes=embedding_bytes,
-                expert_act=expert_activations(ec), batch_act=batch_activations(ec, cfg),
+                expert_act=expert_activations(ec), batch_act=batch_act,
                 graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
                 prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None,
-                mixed_rows=planned_mixed_rows(cfg, accelerator, batch_activations(ec, cfg)),
+                mixed_rows=planned_mixed_rows(cfg, accelerator, batch_act),
                 workspace=None if accelerator is None else
                 sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()))
     plan = make_plan(cfg, profile, **args)

@@ -106,7 +106,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     if plan.mixed_rows and native_step(profile) and f"attn_rows/cpu/{plan.dtypes['kv_cache']}" in profile.models:
         # (a profile without the rows' attention key would price them at torch's attention: no comparison)
         plan.mixed_rows = priced_mixed_rows(plan.mixed_rows, plan.prefill_chunk, rows, modules)
-    plan.predicted_ttft_s = prompt_time(plan.prompt_tokens, plan.mixed_rows, plan.prefill_chunk, rows, modules)
+    plan.predicted_ttft_s = prompt_time(plan, plan.prompt_tokens, rows, modules)
     plan.memory = memory
     plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
                     f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "
@@ -117,15 +117,15 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     return plan
 
 
-def prompt_time(tokens: int, mixed_rows: int, chunk: int, rows, modules) -> float:
-    """Seconds of a `tokens`-token prompt on the path the engine runs it (LLM.step, LLM._prefill): within Plan.mixed_rows
-    (and the prefill chunk) as rows of the native decode step (`rows(T, past)`: cpu_predict.predict_prompt_rows);
-    past the chunk, chunk by chunk, each as rows where the mixed rows reach a whole chunk; else through the
-    modules' prefill (`modules(T)`: predict_prefill, chunks and all)."""
-    if tokens <= min(mixed_rows, chunk or mixed_rows):
+def prompt_time(plan: Plan, tokens: int, rows, modules) -> float:
+    """Seconds of a `tokens`-token prompt on the path `plan`'s engine runs it (LLM.step, LLM._prefill): within
+    Plan.most_prompt_rows as rows of the native decode step (`rows(T, past)`: cpu_predict.predict_prompt_rows);
+    past the chunk, chunk by chunk, each as rows where Plan.chunks_as_rows; else through the modules' prefill
+    (`modules(T)`: predict_prefill, chunks and all)."""
+    if tokens <= plan.most_prompt_rows():
         return rows(tokens)
-    if chunk and mixed_rows >= chunk:
-        return sum(rows(n, past) for n, past in chunk_spans(tokens, chunk))
+    if plan.chunks_as_rows():
+        return sum(rows(n, past) for n, past in chunk_spans(tokens, plan.prefill_chunk))
     return modules(tokens)
 
 

@@ -236,6 +236,16 @@ class Plan:
         """Experts the plan makes resident on its fast tier (the GPU, or CPU RAM without one)."""
         return sum(l.experts_gpu if self.fast_tier == "gpu" else l.experts_cpu for l in self.layers if l.kind == "moe")
 
+    def most_prompt_rows(self) -> int:
+        """Most prompt rows one native decode step takes (LLM._mixed_prefills, eval/kl): mixed_rows within the
+        prefill chunk (the rows its workspace holds); 0: prompts never run as rows."""
+        return min(self.mixed_rows, self.prefill_chunk or self.mixed_rows)
+
+    def chunks_as_rows(self) -> bool:
+        """Whether a prompt past the prefill chunk runs chunk by chunk as rows of the native decode step
+        (LLM._prefill): the mixed rows reach a whole chunk."""
+        return bool(self.prefill_chunk) and self.mixed_rows >= self.prefill_chunk
+
     def all_experts_resident(self) -> bool:
         """Every routed expert is resident on the fast tier (False for a dense model)."""
         moe = [l for l in self.layers if l.kind == "moe"]
@@ -374,8 +384,8 @@ class Plan:
                        + (f"; {self.cpu_threads} CPU threads" if self.cpu_threads else ""))
         if self.mixed_rows:
             out.append(f"prompts: up to {self.mixed_rows} tokens as rows of the native decode step"
-                       + (", longer ones chunk by chunk as such rows" if self.prefill_chunk and
-                          self.mixed_rows >= self.prefill_chunk else ", longer ones through the modules' prefill"))
+                       + (", longer ones chunk by chunk as such rows" if self.chunks_as_rows()
+                          else ", longer ones through the modules' prefill"))
         if self.decode_graphs or self.piecewise_graphs:
             out.append("decode: " + ("one CUDA graph per step" if self.decode_graphs else
                                      "piecewise CUDA graphs (each layer's attention; MLPs / experts eager)"))
