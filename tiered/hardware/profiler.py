@@ -1026,6 +1026,33 @@ DECODE_LAYER_SHAPES = ((576, 1536, 9, 3), (768, 2048, 12, 4), (1152, 3072, 18, 6
 DECODE_LAYER_RUN = 4  # layers a timed call of the native step runs: its own cost (the binding, buffers) is a 4th's
 
 
+def _dense_config(shape, layers: int):
+    """The ModelConfig of `layers` dense Llama layers of `shape` (hidden, intermediate, heads, KV heads; heads of
+    64; a vocabulary of 64): DECODE_LAYER_SHAPES' models."""
+    from tiered.checkpoint.model_config import ModelConfig
+
+    D, F_, H, Hkv = shape
+    return ModelConfig(model_type="llama", vocab_size=64, hidden_size=D, intermediate_size=F_, num_hidden_layers=layers,
+                       num_attention_heads=H, num_key_value_heads=Hkv, head_dim=64)
+
+
+def _int4_dense_step(cfg, positions: int):
+    """(model, CPUDecodeStep) of the dense model `cfg` with the engine's int4 decode copies (tiled, on int8 rows,
+    q/k/v and gate/up fused) as its projections' one copy (a GGUF's), in one huge-page arena, in the native step;
+    rotary tables for `positions`."""
+    from tiered.models import build_model
+    from tiered.quant.linear import PhaseLinear, install_decode_weights
+    from tiered.runtime.cpu_decode import CPUDecodeStep
+
+    model = build_model(cfg, positions).eval()
+    install_decode_weights(model, _NoCheckpoint(), "int4", 8, int4_layout="tiled", batch_act="q8")
+    for m in model.modules():  # one copy, as the engine keeps a GGUF's projections: the int4 copies alone
+        if isinstance(m, PhaseLinear):
+            m.weight = None
+    move_to_huge_pages(model)
+    return model, CPUDecodeStep(model, native=True)
+
+
 STEP_ROWS_TOKENS = (64, 128, 256)  # rows of runtime/step_rows/int4's timed steps
 
 
@@ -1041,27 +1068,14 @@ def _step_rows_points(repeats: int, shape=DECODE_LAYER_SHAPES[0]) -> list[tuple[
     without the kernels."""
     if not kernels.available():
         raise RuntimeError("tiered/kernels is not built")
-    from tiered.checkpoint.model_config import ModelConfig
-    from tiered.kernels.linear import int4_tiled_kernel
-    from tiered.models import build_model
     from tiered.models.layers import KVCache
-    from tiered.quant.int4 import Int4Linear, quantize_int4
-    from tiered.quant.linear import PhaseLinear, install_decode_weights
-    from tiered.runtime.cpu_decode import CPUDecodeStep
 
     D, F_, H, Hkv = shape
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=D, intermediate_size=F_,
-                      num_hidden_layers=DECODE_LAYER_RUN, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=64)
-    model = build_model(cfg, 8).eval()
-    install_decode_weights(model, _NoCheckpoint(), "int4", 8, int4_layout="tiled", batch_act="q8")
-    for m in model.modules():  # one copy, as the engine keeps a GGUF's projections
-        if isinstance(m, PhaseLinear):
-            m.weight = None
-    step = CPUDecodeStep(model, native=True)
+    cfg = _dense_config(shape, DECODE_LAYER_RUN)
+    _, step = _int4_dense_step(cfg, 8)
     g = torch.Generator().manual_seed(0)
-    # a layer's four kernel calls alone: q/k/v, o, gate/up, down (N, K)
-    projections = [int4_tiled_kernel(Int4Linear.from_codes(*quantize_int4(torch.randn(N, K, generator=g) * 0.02),
-                                                           layout="tiled").packed, None, None, None, "q8")
+    # a layer's four kernel calls alone, as the step holds them: q/k/v, o, gate/up, down (N, K)
+    projections = [_native_gemv("int4q8", _native_gemv_module("int4q8", torch.randn(N, K, generator=g) * 0.02)[0])
                    for N, K in (((H + 2 * Hkv) * 64, D), (D, H * 64), (2 * F_, D), (D, F_))]
     inputs = {K: {T: torch.randn(T, K, generator=g) for T in STEP_ROWS_TOKENS} for K in (D, H * 64, F_)}
     calls = []
@@ -1101,28 +1115,18 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
         raise RuntimeError("tiered/kernels is not built")
     from dataclasses import replace
 
-    from tiered.checkpoint.model_config import ModelConfig
     from tiered.memory.sizes import bytes_per_element
-    from tiered.models import build_model
     from tiered.models.layers import KVCache
-    from tiered.quant.linear import PhaseLinear, install_decode_weights
-    from tiered.runtime.cpu_decode import CPUDecodeStep
 
     calls, sizes, keep = [], [], []
-    for D, F_, H, Hkv in shapes:
-        cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=D, intermediate_size=F_,
-                          num_hidden_layers=DECODE_LAYER_RUN, num_attention_heads=H, num_key_value_heads=Hkv, head_dim=64)
+    for shape in shapes:
+        D, F_ = shape[:2]
+        cfg = _dense_config(shape, DECODE_LAYER_RUN)
         nbytes = (cfg.attention_weight_elements() + 3 * D * F_) * bytes_per_element("int4")
         runs = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * nbytes)))
         cfg = replace(cfg, num_hidden_layers=runs * DECODE_LAYER_RUN)
-        model = build_model(cfg, 64).eval()
-        install_decode_weights(model, _NoCheckpoint(), "int4", 8, int4_layout="tiled", batch_act="q8")
-        for m in model.modules():  # one copy, as the engine keeps a GGUF's projections: the int4 copies alone
-            if isinstance(m, PhaseLinear):
-                m.weight = None
-        move_to_huge_pages(model)
+        model, step = _int4_dense_step(cfg, 64)
         cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")  # the default plan's cache beside fp32 activations
-        step = CPUDecodeStep(model, native=True)
         x, p, slots = torch.randn(1, D), torch.tensor([32]), torch.tensor([0])
         cos, sin = model.rotary.cos[p], model.rotary.sin[p]
         starts = itertools.cycle(range(0, runs * DECODE_LAYER_RUN, DECODE_LAYER_RUN))
