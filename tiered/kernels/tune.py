@@ -264,26 +264,29 @@ def _alternated(current: Callable[[], float], alternative: Callable[[], float], 
     return ratios
 
 
-def _attend_ab(ext, rounds: int) -> list[float]:
-    """Per-round ratios (attend_wide flipped / as set) of one native step over ATTEND_ROWS causal prompt rows of an
-    attention-only model (hardware/profiler.attention_rows_call, a bf16 cache as the CPU plans keep), alternating
-    which side goes first; the option is left as it was."""
-    from tiered.hardware.profiler import attention_rows_call
-
-    call = attention_rows_call("bf16", ATTEND_ROWS)
-    base = ext.tuning()["attend_wide"]
+def _switch_ab(ext, option: str, run: Callable[[], float], rounds: int) -> list[float]:
+    """Per-round ratios (the extension's switch `option` flipped / as set) of `run`'s seconds (_alternated: a
+    warm-up of each side, then alternating which goes first); the switch is left as it was."""
+    base = ext.tuning()[option]
 
     def side(flag: bool) -> Callable[[], float]:
-        def run() -> float:
-            ext.set_tuning(attend_wide=flag)
-            t = time.perf_counter()
-            call()
-            return time.perf_counter() - t
-        return run
+        def timed() -> float:
+            ext.set_tuning(**{option: flag})
+            return run()
+        return timed
     try:
         return _alternated(side(base), side(not base), rounds)
     finally:
-        ext.set_tuning(attend_wide=base)
+        ext.set_tuning(**{option: base})
+
+
+def _attend_ab(ext, rounds: int) -> list[float]:
+    """Per-round ratios (attend_wide flipped / as set) of one native step over ATTEND_ROWS causal prompt rows of an
+    attention-only model (hardware/profiler.attention_rows_call, a bf16 cache as the CPU plans keep)."""
+    from tiered.hardware.profiler import attention_rows_call
+
+    return _switch_ab(ext, "attend_wide", _timed(lambda call: call(), [attention_rows_call("bf16", ATTEND_ROWS)]),
+                      rounds)
 
 
 def _sweep(ef, slots, x) -> float:
@@ -306,23 +309,11 @@ def _group_sweep(ef, slots, x) -> float:
 
 def _ab(ext, sets, option: str, rounds: int, sweep=_sweep) -> list[float]:
     """Per-round ratios (option flipped / as set) of the summed sweeps over `sets` (`sweep`: one
-    expert a call, or `_group_sweep`), alternating which side goes first; the option is left as it was."""
+    expert a call, or `_group_sweep`), alternating which side goes first (_switch_ab)."""
     import torch
 
     x = torch.randn(1, sets[0][0].shapes[0][1])
-    base = ext.tuning()[option]
-    ratios = []
-    with torch.inference_mode():
-        for ef, slots in sets:  # warm-up: first-call buffers, page faults
-            sweep(ef, slots, x)
-        for r in range(rounds):
-            t = {}
-            for side in ((base, not base) if r % 2 == 0 else (not base, base)):
-                ext.set_tuning(**{option: side})
-                t[side] = sum(sweep(ef, slots, x) for ef, slots in sets)
-            ratios.append(t[not base] / t[base])
-    ext.set_tuning(**{option: base})
-    return ratios
+    return _switch_ab(ext, option, lambda: sum(sweep(ef, slots, x) for ef, slots in sets), rounds)
 
 
 def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float = 0.03,
