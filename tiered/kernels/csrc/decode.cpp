@@ -215,11 +215,14 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
-__attribute__((always_inline)) inline v8f load8(const float* p) {
-  v8f v;
+// Vec (v8f here, v16f for the wide attention below) from floats p[0..lanes)
+template <typename Vec>
+__attribute__((always_inline)) inline Vec loadv(const float* p) {
+  Vec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+__attribute__((always_inline)) inline v8f load8(const float* p) { return loadv<v8f>(p); }
 // 8 bf16 -> fp32 (bits << 16) by interleaving them with zeros: one permute in the AVX-512 copy, where
 // __builtin_convertvector's widening compiled to two 4-wide ones, a byte shift and an insert.
 __attribute__((always_inline)) inline v8f load8(const uint16_t* p) {
@@ -356,7 +359,7 @@ __attribute__((always_inline)) inline void hsum8x4(v8f a0, v8f a1, v8f a2, v8f a
   for (int i = 0; i < 4; ++i) p[i] = w[i] * scale;
 }
 
-// 16 floats as one vector: the attention's wide path (AVX-512 CPUs: wide_attention()). In the x86-64-v4 copy of
+// 16 floats as one vector: the attention's wide path (AVX-512 CPUs: g_attend_wide). In the x86-64-v4 copy of
 // attend() a single 512-bit register; the narrower copies never take that path.
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -364,12 +367,6 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 template <typename Vec>
 constexpr int kLanes = int(sizeof(Vec) / sizeof(float));
 
-template <typename Vec>
-__attribute__((always_inline)) inline Vec loadv(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 // 2 x lanes bf16 -> their even and odd elements as fp32 (bits << 16, and the high halves as they are): no
 // shuffles, so a bf16 cache's rows convert on the ALU ports beside the FMAs (a permutation widening
 // 8 at a time ran on the shuffle port, which the dot products' sums also need).
@@ -475,10 +472,8 @@ bool g_attend_wide = [] {
 
 namespace {
 
-__attribute__((always_inline)) inline bool wide_attention() { return g_attend_wide; }
-
 // attend's vector loops for a float or bf16 cache: 8-float vectors (hd % 32 == 0), or with Wide 16-float ones
-// (hd % 64 == 0; wide_attention(): AVX-512), the same sums in another order. Scores 8 keys at a time
+// (hd % 64 == 0; g_attend_wide: AVX-512), the same sums in another order. Scores 8 keys at a time
 // (score_keys in Vec): up to 4 query heads x 4 keys in registers, each key's columns loaded (a bf16
 // cache: widened) once for those heads, one shuffle tree for 4 dot products. A bf16 cache's keys widen as even
 // and odd columns (load_split), so the queries are split likewise: qs [group, hd], each block
@@ -583,13 +578,13 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
 TIERED_CLONES void attend(const float* q, int64_t group, const float* K, const float* V, int64_t n, int64_t hd,
                           float scale, float* p, float* o, float* ml) {
   auto same = [](float v) { return v; };
-  if (wide_attention()) attend_impl<true>(q, group, K, V, n, hd, scale, p, o, ml, same);
+  if (g_attend_wide) attend_impl<true>(q, group, K, V, n, hd, scale, p, o, ml, same);
   else attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, same);
 }
 
 TIERED_CLONES void attend(const float* q, int64_t group, const uint16_t* K, const uint16_t* V, int64_t n, int64_t hd,
                           float scale, float* p, float* o, float* ml) {
-  if (wide_attention()) attend_impl<true>(q, group, K, V, n, hd, scale, p, o, ml, bf16_to_float);
+  if (g_attend_wide) attend_impl<true>(q, group, K, V, n, hd, scale, p, o, ml, bf16_to_float);
   else attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, bf16_to_float);
 }
 
