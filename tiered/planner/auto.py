@@ -451,7 +451,9 @@ MIXED_ROWS = {"avx512": {"q8": 96, "bf16": 48}, "avx2": {"q8": 192, "bf16": 192}
 # None: the modules' prefill runs the same int4 kernels): on 2 Zen 5 cores (2026-12-01, `/tmp/s54/mixed.py`) a
 # SmolLM2 prompt as rows of the native step took 0.66-0.75x the modules' prefill at 64 / 96 / 128 / 192 / 256 /
 # 384 / 512 / 768 / 1024 tokens (36 against 51 ms at 128, 86 against 126 at 256, 491 against 684 at 1024). Kept
-# at 256: AVX2's rows, on the same kernels, lost from there (575 against 565 ms at 256, 1243 against 1082 at 512).
+# at 256: AVX2's rows had lost from there (575 against 565 ms at 256, 1243 against 1082 at 512, its modules'
+# prefill then dequantizing). Past this floor the plan prices both paths (latency_cpu.priced_mixed_rows), which
+# on 2 Zen 3 cores with undequantized rows (2026-12-01) extends AVX2's 192 to 1024, measured right there.
 MIXED_ROWS_UNDEQUANTIZED = 256
 
 

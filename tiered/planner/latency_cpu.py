@@ -142,7 +142,10 @@ def priced_mixed_rows(floor: int, chunk: int, rows, modules) -> int:
     torch's attention (attn_prefill) and the modules' code (runtime/prefill_code) decide. On 2 Zen 5 cores
     SmolLM2's prompts as rows took 0.67-0.74x the prefill's time at 256-1024 tokens (87 / 194 / 482 ms against
     125 / 291 / 661 at 256 / 512 / 1024, 2026-12-01), where the table stopped at 256 for AVX2's sake (its rows
-    lost from 256: 1243 against 1082 ms at 512)."""
+    had lost from 256, 1243 against 1082 ms at 512, when its modules' prefill dequantized). On 2 Zen 3 cores
+    (AVX2, prompt rows never dequantized by the kernel tuning; 2026-12-01, alternated) the rows took 0.75-0.93x
+    the modules' time at 192-1024 tokens (244 against 321 ms at 256, 702 against 752 at 512, 1371 against 1520
+    at 1024), priced 0.85-0.88x: the plan extends its rows to 1024 there too."""
     most = floor
     for T in PRICED_MIXED_ROWS:
         if T <= floor:

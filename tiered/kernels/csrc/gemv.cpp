@@ -1104,7 +1104,9 @@ TIERED_AVX512 void int4t_w16_avx512(const Int4W& w, const Act& a, int64_t b0, in
 // activation rows; smaller calls stream (int4tq8s_avx2, below). Per chunk of 8 columns the tile's 4
 // vectors (rows 0-7 and 8-15, low and high nibbles) stay in registers while each row broadcasts its
 // 8 bytes of xq once: a pass does 16 integer ops per 256 multiply-adds and row (8 int16
-// accumulators, 4 code vectors and 2 broadcasts: 14 registers).
+// accumulators, 4 code vectors and 2 broadcasts: 14 registers; GCC keeps a few sums on the stack, yet
+// passes of 3 rows, which it keeps in registers, took 0.97-1.15x the time at 16 and 64 rows on 2 Zen 3
+// cores, 2026-12-01: each code vector then serves fewer rows).
 
 // One 64-byte chunk (8 columns x 16 rows) -> its nibble vectors lo0 lo1 hi0 hi1 (rows 0-7, 8-15); MXFP4's
 // (E2M1) through kE2m1U, one vpshufb each (the table in both 128-bit lanes).
@@ -1240,13 +1242,22 @@ struct Q8Rows {
   }
 };
 
+// Activation rows per pass of the streaming kernel below.
+constexpr int64_t kQ8PassRows = 3;
+
 // Calls on int8 activations streamed as int4tq8s_avx512 streams: per chunk the tile's 4 nibble vectors
 // against each row's 8 bytes of xqt (vpmaddubsw, int16 sums exact per group as in int4tq8_tile_avx2,
 // MXFP4's widened every 2 chunks as there), then per group and 8-row half the centred int32 dot
 // (Act::xqs; centre 12 for MXFP4), its scale s dx and the zero term (z + zr) xsum, with the (s, z) line
 // and residuals read in the stream and the next tile's prefetched: no per-tile block, no separate
-// zero-term pass. One tile (16 rows at m0) for NB <= 4 activation rows (16 accumulators: more spill
-// AVX2's 16 registers).
+// zero-term pass. One tile (16 rows at m0) for NB <= 3 activation rows. The chunk loop keeps 2 NB int16
+// sums, the 4 nibble vectors, 2 broadcasts and the nibble mask in registers (13 of AVX2's 16 at 3 rows);
+// from 3 rows on the fp32 sums (one per row and 8-row half) wait in L1, read and written once a group.
+// With 4 rows and both kinds of sums in registers (passes of 4 until 2026-12-01) GCC spilled int16 sums
+// inside the chunk loop, a store-to-load chain every chunk. On 2 Zen 3 cores (2026-12-01, one thread,
+// weights in cache, the two builds alternated in time) this took 0.83-0.95x the time of the 4-row
+// passes at 8 and 12 rows (768 x 2048, 2048 x 768, 1728 x 576, 576 x 1536: a routed expert's rows in a
+// prompt), 0.79-0.88x at 2 rows, the same at 1 and 4.
 template <int NB, bool E2M1>
 TIERED_AVX2 inline void int4tq8s_tile_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t G, int64_t m0,
                                            int64_t next, float* y, int64_t ldy) {
@@ -1254,14 +1265,21 @@ TIERED_AVX2 inline void int4tq8s_tile_avx2(const Int4W& w, const Act& a, int64_t
   constexpr int32_t kCentre = E2M1 ? 12 : 8;
   const __m256i ones = _mm256_set1_epi16(1), hi = _mm256_set1_epi32(int(0xFFFF0000u));
   const uint8_t* tile = w.tile(m0);
-  __m256 acc[NB][2], corr[NB][2];
+  constexpr bool kInRegs = NB <= 2;  // room for the fp32 sums too (a decode step's 1-2 rows)
+  alignas(32) float mem[NB][kBlock];
+  __m256 reg[NB][2];
   for (int j = 0; j < NB; ++j)
-    for (int h = 0; h < 2; ++h) acc[j][h] = corr[j][h] = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      const __m256 b = w.bias ? _mm256_loadu_ps(w.bias + m0 + 8 * h) : _mm256_setzero_ps();
+      if constexpr (kInRegs) reg[j][h] = b;
+      else _mm256_store_ps(mem[j] + 8 * h, b);
+    }
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* pg = tile + g * w.gstride;
     prefetch_group(w, pg, next, G, g);
     __m256i t[NB][2], t32[NB][2];
     for (int j = 0; j < NB; ++j) t[j][0] = t[j][1] = t32[j][0] = t32[j][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1  // unrolled, GCC hoists the products of all 4 chunks ahead of their adds and spills them
     for (int c4 = 0; c4 < 4; ++c4) {
       __m256i q[4];
       int4tq8_chunk_avx2<E2M1>(pg + 64 * c4, q);
@@ -1269,8 +1287,8 @@ TIERED_AVX2 inline void int4tq8s_tile_avx2(const Int4W& w, const Act& a, int64_t
         int32_t v0, v1;
         std::memcpy(&v0, x.xq[j] + g * kGroup + c4 * 8, 4), std::memcpy(&v1, x.xq[j] + g * kGroup + c4 * 8 + 4, 4);
         const __m256i x0 = _mm256_set1_epi32(v0), x1 = _mm256_set1_epi32(v1);
-        t[j][0] = _mm256_add_epi16(t[j][0], _mm256_add_epi16(_mm256_maddubs_epi16(q[0], x0), _mm256_maddubs_epi16(q[2], x1)));
-        t[j][1] = _mm256_add_epi16(t[j][1], _mm256_add_epi16(_mm256_maddubs_epi16(q[1], x0), _mm256_maddubs_epi16(q[3], x1)));
+        t[j][0] = _mm256_add_epi16(_mm256_add_epi16(t[j][0], _mm256_maddubs_epi16(q[0], x0)), _mm256_maddubs_epi16(q[2], x1));
+        t[j][1] = _mm256_add_epi16(_mm256_add_epi16(t[j][1], _mm256_maddubs_epi16(q[1], x0)), _mm256_maddubs_epi16(q[3], x1));
       }
       if constexpr (E2M1) {
         if (c4 == 1)
@@ -1291,21 +1309,21 @@ TIERED_AVX2 inline void int4tq8s_tile_avx2(const Int4W& w, const Act& a, int64_t
         __m256i ti = _mm256_madd_epi16(t[j][h], ones);
         if constexpr (E2M1) ti = _mm256_add_epi32(ti, t32[j][h]);
         ti = _mm256_sub_epi32(ti, _mm256_set1_epi32(kCentre * x.xqs[j][g]));
-        acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti), _mm256_mul_ps(sv, _mm256_set1_ps(x.dx[j][g])), acc[j][h]);
-        corr[j][h] = _mm256_fmadd_ps(zv, _mm256_set1_ps(x.xs[j][g]), corr[j][h]);
+        __m256 s = kInRegs ? reg[j][h] : _mm256_load_ps(mem[j] + 8 * h);
+        s = _mm256_fmadd_ps(zv, _mm256_set1_ps(x.xs[j][g]), s);
+        s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ti), _mm256_mul_ps(sv, _mm256_set1_ps(x.dx[j][g])), s);
+        if constexpr (kInRegs) reg[j][h] = s;
+        else _mm256_store_ps(mem[j] + 8 * h, s);
       }
     }
   }
   for (int j = 0; j < NB; ++j)
-    for (int h = 0; h < 2; ++h) {
-      __m256 out = _mm256_add_ps(acc[j][h], corr[j][h]);
-      if (w.bias) out = _mm256_add_ps(out, _mm256_loadu_ps(w.bias + m0 + 8 * h));
-      _mm256_storeu_ps(y + (b0 + j) * ldy + m0 + 8 * h, out);
-    }
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_ps(y + (b0 + j) * ldy + m0 + 8 * h, kInRegs ? reg[j][h] : _mm256_load_ps(mem[j] + 8 * h));
 }
 
 // Rows [b0, b0 + nb) streamed tile by tile: each tile's codes come from memory once, for the first
-// pass of at most 4 rows, and the passes after it read them from L1 / L2 (a tile is K/32 x 320 bytes:
+// pass of at most kQ8PassRows rows, and the passes after it read them from L1 / L2 (a tile is K/32 x 320 bytes:
 // 5.6 KiB at K = 576, 40 at 4096). Up to kQ8StreamRows rows (below: where this beats unpacking).
 template <bool E2M1 = false>
 TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1,
@@ -1313,12 +1331,11 @@ TIERED_AVX2 void int4tq8s_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t
   const int64_t G = a.K / kGroup;
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     const int64_t next = m0 + kBlock < n1 ? m0 + kBlock : -1;
-    for (int64_t j0 = b0; j0 < b0 + nb; j0 += 4) {
-      switch (std::min<int64_t>(4, b0 + nb - j0)) {
+    for (int64_t j0 = b0; j0 < b0 + nb; j0 += kQ8PassRows) {
+      switch (std::min<int64_t>(kQ8PassRows, b0 + nb - j0)) {
         case 1: int4tq8s_tile_avx2<1, E2M1>(w, a, j0, G, m0, next, y, ldy); break;
         case 2: int4tq8s_tile_avx2<2, E2M1>(w, a, j0, G, m0, next, y, ldy); break;
-        case 3: int4tq8s_tile_avx2<3, E2M1>(w, a, j0, G, m0, next, y, ldy); break;
-        default: int4tq8s_tile_avx2<4, E2M1>(w, a, j0, G, m0, next, y, ldy); break;
+        default: int4tq8s_tile_avx2<kQ8PassRows, E2M1>(w, a, j0, G, m0, next, y, ldy); break;
       }
     }
   }
