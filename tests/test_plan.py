@@ -974,7 +974,8 @@ def test_a_plan_prices_prompts_within_its_mixed_rows_as_rows_and_extends_them_wh
     measured floor), extends it past that floor to the longest of PRICED_MIXED_ROWS (within the prefill chunk)
     up to which a prompt is priced no slower as rows of the native step (cpu_predict.predict_prompt_rows, its
     attention at attn_rows/cpu/<kv>) than through the modules' prefill (predict_prefill), and prices a prompt within
-    its rows as those rows. A profile without the rows' attention key keeps the floor; an MoE plan has none."""
+    its rows as those rows. A profile without the rows' attention key keeps the floor. An MoE plan's rows run its
+    FFNs as its prefill does (predict_prefill's ffn_only)."""
     from pathlib import Path
 
     from tiered.checkpoint.model_config import ModelConfig
@@ -1022,7 +1023,17 @@ def test_a_plan_prices_prompts_within_its_mixed_rows_as_rows_and_extends_them_wh
     moe = ModelConfig(model_type="qwen2_moe", vocab_size=1000, hidden_size=256, intermediate_size=1024,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
-    assert plan(1e-11, model=moe)[1].mixed_rows == 0
+    # an MoE plan prices its rows too: the attention side as a dense model's, its FFNs as the prefill computes them
+    # (the same expert groups), so the rows' attention decides as above
+    assert plan(1e-11, model=moe)[1].mixed_rows == max(PRICED_MIXED_ROWS)
+    hw, moe_slow = plan(1e-9, model=moe)
+    assert moe_slow.mixed_rows == 256
+    ffn = predict_prefill(moe, hw, "int4", 128, None, ffn_only=True)
+    assert 0 < ffn < predict_prefill(moe, hw, "int4", 128, None)
+    assert predict_prompt_rows(moe, hw, "int4", 128, ffn=lambda T: 2 * ffn) == pytest.approx(
+        predict_prompt_rows(moe, hw, "int4", 128, ffn=lambda T: ffn) + ffn)
+    with pytest.raises(ValueError, match="ffn"):
+        predict_prompt_rows(moe, hw, "int4", 128)
 
 
 def test_mixed_rows_follow_the_isa_and_whether_prompt_rows_dequantize():

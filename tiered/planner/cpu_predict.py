@@ -625,8 +625,13 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                     experts_dtype: str | None = None, act_dtype: str | None = None,
                     experts_format: str | None = None, read_ahead: bool = True, readers: int = 2,
                     task_overhead: float | None = None, batch_act: str = "bf16", popularity=None,
-                    chunk: int = 0) -> float:
+                    chunk: int = 0, ffn_only: bool = False) -> float:
     """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
+
+    `ffn_only`: the seconds of its FFNs alone (each layer's dense FFN, or MoE block: router, shared expert,
+    routed experts with their reads), what an MoE model's prompt costs beside its attention side when it runs
+    as rows of the native decode step (predict_prompt_rows' `ffn`: the step's MoE block, or the block's
+    module, computes the same expert groups as the prefill's).
 
     `chunk` (Plan.prefill_chunk; 0: one forward): a longer prompt prefills in forwards of `chunk` tokens
     (engine/llm.LLM._prefill), each priced below on its own tokens (the experts' draws, per-step costs and
@@ -722,7 +727,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
         active_experts = min(E_, max(k_, math.ceil(E_ * (1 - (1 - k_ / E_) ** T) - 1e-9)))
         rows_per_expert = max(1, math.ceil(T * k_ / active_experts - 1e-9))
         costs = None  # RowCosts: one routed expert's seconds by rows (the same in every MoE layer)
-        total = per_step + _gemv(hw, dtype, d * cfg.vocab_size * bpe)
+        total = 0.0 if ffn_only else per_step + _gemv(hw, dtype, d * cfg.vocab_size * bpe)
         for i in range(cfg.num_hidden_layers):
             is_moe = moe_at[i]
             # the layer's own code (norms, RoPE, SiLU, adds, module calls) over its tokens' widths; an MoE layer's
@@ -738,7 +743,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             routed = cfg.num_experts_per_tok * (d + cfg.moe_intermediate_size * torch_glu)
             width = d + (routed + cfg.shared_expert_intermediate_size if is_moe else cfg.intermediate_size)
             code = op_time.prefill_code_time(hw, act_dtype or dtype, T * width)
-            t = (per_layer if code is None else code) + gemm(T, dtype, T * w_attn, w_attn * bpe, 4, T > GEMM_ROWS)
+            t = 0.0 if ffn_only else (per_layer if code is None else code) + gemm(T, dtype, T * w_attn, w_attn * bpe, 4,
+                                                                                   T > GEMM_ROWS)
             if not is_moe:
                 F = cfg.intermediate_size
                 t += gemm(T, dtype, 3 * T * d * F, 3 * d * F * bpe, 3, T > GEMM_ROWS)
@@ -781,6 +787,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     attn_macs = cfg.attention_macs_per_pair(False)
     forwards = chunk_spans(tokens, chunk)
     bodies = {T: forward(T) for T in {n for n, _ in forwards}}
+    if ffn_only:
+        return sum(bodies[T] for T, _ in forwards)
     return sum(bodies[T] + cfg.num_hidden_layers * op_time.prefill_attention_time(
         hw, "cpu", act_dtype or dtype, prefill_attention_pairs(T, past) * attn_macs, past=past > 0)
         for T, past in forwards)
@@ -788,8 +796,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
 
 def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int, mix: dict | None = None,
                         kv_format: str | None = None, head_dtype: str | None = None, batch_act: str = "bf16",
-                        past: int = 0) -> float:
-    """Seconds of a `tokens`-token prompt of a dense model run as rows of the native CPU decode step (Plan.mixed_rows:
+                        past: int = 0, ffn=None) -> float:
+    """Seconds of a `tokens`-token prompt run as rows of the native CPU decode step (Plan.mixed_rows:
     LLM._forward_mixed), its time to first token: per layer the decode copies' projections at `tokens` rows
     (`dtype` or `mix` by share, on `batch_act` activations: `_projections`, as a batched decode step's), the
     step's per-layer cost, and the rows' attention over each row's causal prefix at the native step's rate over
@@ -800,7 +808,13 @@ def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, token
     `kv_format`: the KV cache's (None: memory/sizes.kv_cache_format's for `dtype`); `head_dtype`: the lm_head's.
     `past`: positions the cache holds before these rows (a chunk of a longer prompt, LLM._prefill): each row
     attends to them too, and only causally within the chunk (T past + T (T + 1) / 2 pairs, where torch's
-    attention over a chunk computes every block under its mask: op_time.prefill_attention_pairs)."""
+    attention over a chunk computes every block under its mask: op_time.prefill_attention_pairs).
+    `ffn` (an MoE model: required): ffn(T) seconds of every layer's FFN at T rows (predict_prefill's
+    `ffn_only`), in place of the dense MLP's projections; the layer code then counts each row's k routed
+    copies (gathered at the hidden size, their SwiGLU at the experts' width) and any shared expert's width.
+
+    Raises:
+        ValueError: an MoE `cfg` without `ffn`."""
     T = max(1, int(tokens))
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     ws = step_weight_bytes(cfg, dtype, [], mix)
@@ -811,9 +825,14 @@ def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, token
     rows_key = hw.models.get(f"attn_rows/cpu/{kv}")
     attention = rows_key(macs) if rows_key is not None else op_time.prefill_attention_time(hw, "cpu", kv, macs)
     code = hw.models.get("runtime/step_rows/int4")
-    layer = (per_layer + attention + (code(T * (d + cfg.intermediate_size)) if code is not None else 0.0)
-             + _projections(hw, dtype, mix, cfg.attention_weight_elements(), 2 if fused else 4, ws, T, batch_act)
-             + _projections(hw, dtype, mix, 3 * d * cfg.intermediate_size, 2 if fused else 3, ws, T, batch_act))
+    if cfg.is_moe and ffn is None:
+        raise ValueError("predict_prompt_rows: an MoE model's rows need `ffn` (predict_prefill's ffn_only)")
+    width = (d + cfg.num_experts_per_tok * (d + cfg.moe_intermediate_size) + cfg.shared_expert_intermediate_size
+             if cfg.is_moe else d + cfg.intermediate_size)
+    layer = (per_layer + attention + (code(T * width) if code is not None else 0.0)
+             + _projections(hw, dtype, mix, cfg.attention_weight_elements(), 2 if fused else 4, ws, T, batch_act))
+    if not cfg.is_moe:
+        layer += _projections(hw, dtype, mix, 3 * d * cfg.intermediate_size, 2 if fused else 3, ws, T, batch_act)
     hd = head_dtype or dtype
     head = _gemv(hw, hd, d * cfg.vocab_size * op_time.bytes_per_element(hd), working_set=ws, in_step=native_step(hw))
-    return cfg.num_hidden_layers * layer + head + per_step
+    return cfg.num_hidden_layers * layer + (ffn(T) if cfg.is_moe else 0.0) + head + per_step

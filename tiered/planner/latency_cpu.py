@@ -96,13 +96,16 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     if plan.kv_slots > 1:  # a server's full step: kv_slots sequences at the priced context each
         plan.predicted_batch_decode_tokens_per_s = plan.kv_slots / predict(hits, plan.kv_slots)[1]
     disk_share = 1.0 - hits.fast_share() if hits else 0.0
+    def modules(T: int, chunk: int = plan.prefill_chunk, ffn_only: bool = False) -> float:
+        return predict_prefill(cfg, profile, held, T, moe or None, disk_share, experts_dtype=fmt, act_dtype=fmt,
+                               experts_format=plan.dtypes["experts"], read_ahead=plan.read_ahead,
+                               readers=max(2, plan.staging_buffers), batch_act=plan.batch_act,
+                               popularity=experts.popularity if moe else None, chunk=chunk, ffn_only=ffn_only)
+
+    # an MoE model's rows compute their FFNs as its prefill does (the step's MoE block, or the block's module)
+    ffn = (lambda T: modules(T, 0, ffn_only=True)) if cfg.is_moe else None  # noqa: E731
     rows = lambda T, past=0: predict_prompt_rows(cfg, profile, dtype, T, plan.precision_mix,  # noqa: E731
-                                                 plan.dtypes["kv_cache"], head, plan.batch_act, past)
-    modules = lambda T: predict_prefill(cfg, profile, held, T, moe or None, disk_share,  # noqa: E731
-                                        experts_dtype=fmt, act_dtype=fmt, experts_format=plan.dtypes["experts"],
-                                        read_ahead=plan.read_ahead, readers=max(2, plan.staging_buffers),
-                                        batch_act=plan.batch_act, popularity=experts.popularity if moe else None,
-                                        chunk=plan.prefill_chunk)
+                                                 plan.dtypes["kv_cache"], head, plan.batch_act, past, ffn)
     if plan.mixed_rows and native_step(profile) and f"attn_rows/cpu/{plan.dtypes['kv_cache']}" in profile.models:
         # (a profile without the rows' attention key would price them at torch's attention: no comparison)
         plan.mixed_rows = priced_mixed_rows(plan.mixed_rows, plan.prefill_chunk, rows, modules)

@@ -71,7 +71,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
             and settle_gpu_decode records which (Plan.decode_graphs / piecewise_graphs).
         prefetch, prefetch_lookahead: HOBBIT's expert prefetch (MoE), recorded before pricing: the
             runner then takes neither the grouped expert path nor a whole-step graph.
-        mixed_rows: Plan.mixed_rows of a CPU-only plan of a dense model (planner/auto.planned_mixed_rows: prompts
+        mixed_rows: Plan.mixed_rows of a CPU-only plan (planner/auto.planned_mixed_rows: prompts
             of up to that many tokens run as rows of the native decode step), recorded before pricing: a prompt
             within it is priced as those rows (cpu_predict.predict_prompt_rows); 0 for any other plan.
     Raises:
@@ -114,7 +114,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     elif not op_time.has_device(profile, "gpu") or not gpu:
         from tiered.planner.latency_cpu import plan_cpu_latency
         plan.fast_tier = "cpu"
-        plan.mixed_rows = 0 if cfg.is_moe else mixed_rows
+        plan.mixed_rows = mixed_rows
         plan = plan_cpu_latency(plan, cfg, profile, cpu, experts, embedding_bytes)
     elif cfg.is_moe:
         from tiered.planner.latency_moe import plan_moe_latency
