@@ -96,6 +96,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     if plan.kv_slots > 1:  # a server's full step: kv_slots sequences at the priced context each
         plan.predicted_batch_decode_tokens_per_s = plan.kv_slots / predict(hits, plan.kv_slots)[1]
     disk_share = 1.0 - hits.fast_share() if hits else 0.0
+
     def modules(T: int, chunk: int = plan.prefill_chunk, ffn_only: bool = False) -> float:
         return predict_prefill(cfg, profile, held, T, moe or None, disk_share, experts_dtype=fmt, act_dtype=fmt,
                                experts_format=plan.dtypes["experts"], read_ahead=plan.read_ahead,
