@@ -20,7 +20,6 @@ from runtime_fixtures import engine_config, rt  # noqa: F401
 from tiered import LLM
 from tiered.engine.llm import dense_weights
 from tiered.eval import kl_divergence
-from tiered.quant.linear import PhaseLinear
 from tiered import kernels
 from tiered.runtime.cpu_decode import CPUDecodeStep
 
@@ -237,17 +236,10 @@ def _rows_against_modules(llm, step, tol: float, kv: str | None = None) -> None:
         for cache in caches:
             _prefill(llm, cache, [a, b[:5]])  # slot 0 decodes; slot 1 holds b's first 5 tokens
         tok = 7
-        phase = [m for m in llm.model.modules() if isinstance(m, PhaseLinear)]
-        saved = [m.threshold for m in phase]
-        for m in phase:  # the modules' prompts on the decode copies too (the step's weights), not the dense ones
-            m.threshold = 1 << 30
-        try:
-            ref = [llm.model(torch.tensor([b[5:]]), torch.arange(5, 14).unsqueeze(0), torch.tensor([1]), caches[1]),
-                   llm.model(torch.tensor([c]), torch.arange(6).unsqueeze(0), torch.tensor([2]), caches[1]),
-                   llm.model(torch.tensor([[tok]]), torch.tensor([[11]]), torch.tensor([0]), caches[1])]
-        finally:
-            for m, t in zip(phase, saved):
-                m.threshold = t
+        # the modules: b's suffix, c whole, then slot 0's one decode token
+        ref = [llm.model(torch.tensor([b[5:]]), torch.arange(5, 14).unsqueeze(0), torch.tensor([1]), caches[1]),
+               llm.model(torch.tensor([c]), torch.arange(6).unsqueeze(0), torch.tensor([2]), caches[1]),
+               llm.model(torch.tensor([[tok]]), torch.tensor([[11]]), torch.tensor([0]), caches[1])]
         ref = torch.cat([r.float().reshape(-1, r.shape[-1]) for r in ref])
         ids = torch.tensor(b[5:] + c + [tok]).unsqueeze(1)
         pos = torch.tensor(list(range(5, 14)) + list(range(6)) + [11]).unsqueeze(1)

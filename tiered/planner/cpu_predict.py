@@ -741,10 +741,11 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             # call computes both inside the kernels
             torch_glu = is_moe and cfg.expert_bias and rows_per_expert > biased_native_rows(hw, stored)
             routed = cfg.num_experts_per_tok * (d + cfg.moe_intermediate_size * torch_glu)
-            width = d + (routed + cfg.shared_expert_intermediate_size if is_moe else cfg.intermediate_size)
-            code = op_time.prefill_code_time(hw, act_dtype or dtype, T * width)
-            t = 0.0 if ffn_only else (per_layer if code is None else code) + gemm(T, dtype, T * w_attn, w_attn * bpe, 4,
-                                                                                   T > GEMM_ROWS)
+            t = 0.0
+            if not ffn_only:
+                width = d + (routed + cfg.shared_expert_intermediate_size if is_moe else cfg.intermediate_size)
+                code = op_time.prefill_code_time(hw, act_dtype or dtype, T * width)
+                t = (per_layer if code is None else code) + gemm(T, dtype, T * w_attn, w_attn * bpe, 4, T > GEMM_ROWS)
             if not is_moe:
                 F = cfg.intermediate_size
                 t += gemm(T, dtype, 3 * T * d * F, 3 * d * F * bpe, 3, T > GEMM_ROWS)

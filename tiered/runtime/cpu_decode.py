@@ -424,11 +424,11 @@ class CPUDecodeStep:
 
     def takes_prefill_rows(self, cache: KVCache) -> bool:
         """Whether a call over `cache` may carry several rows of one sequence (see the class): the
-        native step running every layer's attention itself, whichever schedule runs (no whole-layer
-        module fallbacks, whose attention assumes one token per slot), over a cache it reads
+        native step running every layer's attention itself (no "whole" layer modules, whose attention
+        assumes one token per slot; _native_step puts them in both schedules alike), over a cache it reads
         (native_cache). An MoE layer's FFN may be its module ("attn" segments: experts outside RAM,
         a routing hook), which takes any rows, as in a prefill."""
-        return self.native_cache(cache) and all(seg[0] in ("native", "attn") for seg in self.schedule + self.fallback)
+        return self.native_cache(cache) and all(seg[0] != "whole" for seg in self.fallback)
 
     def native_cache(self, cache: KVCache) -> bool:
         """Whether the native step runs over `cache`: in the model's dtype, or bf16 beside an fp32
