@@ -371,17 +371,27 @@ TIERED_AVX2 void int4_avx2(const Int4W& w, const Act& a, int64_t b0, int64_t n0,
 constexpr int64_t kPrefetchAhead = 4096;
 
 // int8 and bf16 weights share one AVX2 row loop: fp32 FMAs of 16 weights at a time (the row
-// formats Int8Rows / Bf16Rows above say how their weights become fp32).
+// formats Int8Rows / Bf16Rows above say how their weights become fp32). Up to kRowsTwoAcc
+// activation rows each row sums into two accumulators (two FMA chains a row hide the FMA's
+// latency); past it into one: NB rows are then NB chains already, and two a row would need
+// 2 NB + 2 ymm registers, past AVX2's 16 from 8 rows (GCC spilled three of them to the stack,
+// a load, FMA and store each step: a 1024 x 3584 bf16 SwiGLU expert took 2.9 ms at 8 rows
+// against 1.3 at 4, 2 Zen 3 cores, 2026-12-01).
+constexpr int kRowsTwoAcc = 4;
+
 template <int NB, class R, class W>
 TIERED_AVX2 void rows_avx2(const W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  constexpr bool two = NB <= kRowsTwoAcc;
+  constexpr int NA = two ? NB : 1;  // second accumulators
   const int64_t K = a.K;
   const float* x[NB];
   for (int j = 0; j < NB; ++j) x[j] = R::act(a) + (b0 + j) * K;
   for (int64_t n = n0; n < n1; ++n) {
     const typename R::T* r = R::row(w, n, K);
-    __m256 acc0[NB], acc1[NB];
+    __m256 acc0[NB], acc1[NA];
     float tail[NB];
-    for (int j = 0; j < NB; ++j) acc0[j] = acc1[j] = _mm256_setzero_ps(), tail[j] = 0.f;
+    for (int j = 0; j < NB; ++j) acc0[j] = _mm256_setzero_ps(), tail[j] = 0.f;
+    for (int j = 0; j < NA; ++j) acc1[j] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
       __m256 w0, w1;
@@ -389,12 +399,19 @@ TIERED_AVX2 void rows_avx2(const W& w, const Act& a, int64_t b0, int64_t n0, int
       R::load16(r + k, w0, w1);
       for (int j = 0; j < NB; ++j) {
         acc0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[j] + k), acc0[j]);
-        acc1[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[j] + k + 8), acc1[j]);
+        if constexpr (two)
+          acc1[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[j] + k + 8), acc1[j]);
+        else
+          acc0[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[j] + k + 8), acc0[j]);
       }
     }
     for (; k < K; ++k)
       for (int j = 0; j < NB; ++j) tail[j] += R::at(r, k) * x[j][k];
-    for (int j = 0; j < NB; ++j) y[(b0 + j) * ldy + n] = R::out(w, n, hsum256(_mm256_add_ps(acc0[j], acc1[j])) + tail[j]);
+    for (int j = 0; j < NB; ++j) {
+      __m256 s = acc0[j];
+      if constexpr (two) s = _mm256_add_ps(s, acc1[j]);
+      y[(b0 + j) * ldy + n] = R::out(w, n, hsum256(s) + tail[j]);
+    }
   }
 }
 
