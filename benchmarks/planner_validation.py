@@ -297,9 +297,11 @@ SHORT_PROMPTS = (8, 16, 64, 128)  # prompt_rows' lengths: 2, 4, 16 and 32 rows a
 def prompt_rows(args, hw, shape) -> tuple[list[dict], Path]:
     """The TTFT of short prompts on the MoE dummy's shape routed uniformly (ModelShape.routing, as the
     plans draw routing: the skewed dummy sends most tokens to 2-3 experts a layer), every expert in RAM,
-    against cpu_predict.predict_prefill: a few rows an expert run tiered's native kernel, more run
-    torch's GEMMs (quant/experts.bf16_native_rows), each priced by its own profile key (expert_rows,
-    gemm_rows). Medians of SHORT_REPEATS rounds, the lengths in turn, after a warm-up."""
+    against the price of the path the engine runs each on (planner/latency_cpu.prompt_time): within
+    Plan.mixed_rows as rows of the native decode step (cpu_predict.predict_prompt_rows, their FFNs as
+    predict_prefill's ffn_only), past them through the modules (predict_prefill); a few rows an expert run
+    tiered's native kernel, more torch's GEMMs (quant/experts.bf16_native_rows), each priced by its own profile
+    key (expert_rows, gemm_rows). Medians of SHORT_REPEATS rounds, the lengths in turn, after a warm-up."""
     from dataclasses import replace
 
     from moe_offload import mixtral_like
@@ -324,7 +326,7 @@ def prompt_rows(args, hw, shape) -> tuple[list[dict], Path]:
                 samples[n].append(first_token_s(llm, prompt))
         for n in SHORT_PROMPTS:
             measured = median(samples[n])
-            predicted = predict_prefill(llm.config, bandwidth_now(hw), "bf16", n, act_dtype="bf16")
+            predicted = engine_prompt_time(llm, bandwidth_now(hw), n)
             out.append({"tokens": n, "predicted_ttft_s": predicted, "measured_ttft_s": measured,
                         "error": abs(predicted - measured) / measured})
             print(f"uniform MoE, {n}-token prompt: TTFT predicted {predicted * 1e3:.1f} ms, measured "
@@ -332,6 +334,26 @@ def prompt_rows(args, hw, shape) -> tuple[list[dict], Path]:
     finally:
         llm.close()
     return out, model
+
+
+def engine_prompt_time(llm: LLM, hw: HardwareProfile, tokens: int) -> float:
+    """Seconds of a `tokens`-token prompt of `llm` (bf16 weights and activations, every expert in RAM, plan off:
+    no plan of its own to price it again) on the path its plan runs it (latency_cpu.prompt_time), priced by
+    `hw` as the CPU planner prices its two paths."""
+    from tiered.planner.cpu_predict import predict_prompt_rows
+    from tiered.planner.latency_cpu import prompt_time
+
+    cfg, plan = llm.config, llm.plan
+
+    def modules(T: int, ffn_only: bool = False) -> float:
+        return predict_prefill(cfg, hw, "bf16", T, act_dtype="bf16", batch_act=plan.batch_act, ffn_only=ffn_only)
+
+    def rows(T: int, past: int = 0) -> float:
+        return predict_prompt_rows(cfg, hw, "bf16", T, plan.precision_mix, plan.dtypes["kv_cache"],
+                                   plan.dtypes.get("lm_head"), plan.batch_act, past,
+                                   (lambda n: modules(n, True)) if cfg.is_moe else None)
+
+    return prompt_time(plan, tokens, rows, modules)
 
 
 def disk_prompt_row(model: Path) -> dict:

@@ -293,6 +293,30 @@ def test_cpu_moe_prefill_prices_experts_in_the_activations_dtype():
     assert by_copies - by_acts == pytest.approx(experts * 5e-11, rel=1e-6)
 
 
+def test_a_cpu_moe_prompts_router_is_priced_as_the_decode_kernels_rows_not_by_the_gemm_fit():
+    """An MoE layer's router (E x hidden: a weight that stays in cache) is priced as the decode kernels' rows
+    (`_gemv`), not by the GEMM fit, whose intercept comes from MiB-sized weights: on 2 Zen 3 cores
+    gemm/cpu/bf16's 1.7 ms had priced the router of every layer of an 8-token prompt of the uniformly routed
+    Mixtral-width dummy at that, where torch's bf16 router took 18 us (66% slow in all)."""
+    from pathlib import Path
+
+    from tiered.planner.cpu_predict import predict_prefill
+
+    # (Zen 3's: bf16 experts on the native kernel up to 32 rows, so no expert of these prompts runs torch's GEMM)
+    base = HardwareProfile.load(Path(__file__).parents[1] / "benchmarks/results/zen3-2026-12-01/at-97730b0/"
+                                "hardware_profile_this_machine.json")
+    cfg = ModelConfig.from_hf({  # the validation's Mixtral-width dummy
+        "model_type": "mixtral", "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 3584,
+        "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "max_position_embeddings": 4096})
+    gemm = base.models["gemm/cpu/bf16"]
+    big = HardwareProfile(base.name, base.source, {**base.models, "gemm/cpu/bf16": LinearModel(1.0, gemm.beta, 1.0)},
+                          None, None, meta=base.meta)
+    for T in (8, 16, 32):
+        ffn = predict_prefill(cfg, base, "bf16", T, act_dtype="bf16", ffn_only=True)
+        assert predict_prefill(cfg, big, "bf16", T, act_dtype="bf16", ffn_only=True) == pytest.approx(ffn), T
+
+
 def test_torch_gemms_of_few_rows_pay_the_profiled_small_row_gemm():
     """gemm_rows/cpu/bf16 (torch's GEMM at 8 rows over cold weights) floors a torch GEMM: its time for the
     weights plus the rows past 8 at the GEMM slope. On 2 Zen 4 cores a 3584 x 1024 bf16 weight took 321 /

@@ -752,7 +752,11 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             else:
                 E, F = cfg.num_experts, cfg.moe_intermediate_size
                 active = active_experts
-                t += op_time.gemm_time(hw, "cpu", dtype, T * d * E, d * E * bpe)  # router
+                # the router: a GEMM over a weight of E rows that stays in cache, priced as the decode kernels' rows (the
+                # GEMM fit's intercept, fitted over MiB-sized weights, had priced it 1.7 ms a layer whatever the tokens
+                # on 2 Zen 3 cores, where torch's bf16 router took 18 / 82 / 593 us at 8 / 64 / 512 tokens and the native
+                # step's fp32 one a few; an 8-token prompt of the uniformly routed Mixtral-width dummy priced 66% slow)
+                t += _gemv(hw, dtype, d * E * bpe, rows=T, in_step=ffn_only and native_step(hw))
                 Fs = cfg.shared_expert_intermediate_size
                 if Fs:  # the shared expert(s), a dense FFN every token runs
                     t += gemm(T, dtype, 3 * T * d * Fs, 3 * d * Fs * bpe, 3, T > GEMM_ROWS)
