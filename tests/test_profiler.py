@@ -86,40 +86,49 @@ def test_a_stalled_bandwidth_key_is_timed_again_and_its_best_run_kept():
     assert b.points["gemv_dram/cpu/int4"] == stalled and f"timed {STALL_RETRIES + 1} times" in b.notes[-1]
 
 
-def test_the_row_keys_are_timed_again_at_the_profiles_end_and_fitted_on_each_points_faster_median():
-    """_Bench.second_pass: the compute-bound row keys (SECOND_PASS_KEYS) are timed a second time at the profile's
-    end and fitted on each point's faster median, with a note where that moved them. These points are the native
-    bf16 expert's on 2 Zen 3 cores (2026-12-01): a neighbour's second slowed every point alike (R^2 0.96, not a
-    stall the retries see) and the key's slope was 1.6x. Other keys, a second timing that fails, or one of other
-    points keep their first."""
+def test_the_row_keys_are_timed_three_times_through_the_profile_and_fitted_on_each_points_median():
+    """_Bench.again / settle: the compute-bound row keys (SECOND_PASS_KEYS) are timed twice more later in the profile
+    and fitted on each point's median of the three timings, with a note where that moved them. These points are the
+    native bf16 expert's on 2 Zen 3 cores (2026-12-01): a neighbour's second slowed every point alike (R^2 0.96, not
+    a stall the retries see), and another second ran it fast; the faster of two timings had kept the fast one. Other
+    keys, a timing that fails, or one of other points are left out."""
     from tiered.hardware.profiler import SECOND_PASS_KEYS, _Bench
 
     macs = 3 * 1024 * 3584
     slow = [(r * macs, t * 1e-3) for r, t in ((1, 1.18), (2, 1.39), (4, 2.05), (8, 4.88))]
     usual = [(r * macs, t * 1e-3) for r, t in ((1, 0.92), (2, 1.03), (4, 1.42), (8, 2.99))]
+    fast = [(r * macs, t * 1e-3) for r, t in ((1, 0.67), (2, 0.72), (4, 1.05), (8, 1.80))]
     assert "expert_rows/cpu/bf16".startswith(SECOND_PASS_KEYS) and "decode_rows/cpu/int4q8".startswith(SECOND_PASS_KEYS)
     b = _Bench(True, None, None)
-    runs = iter([slow, usual])
+    runs = iter([slow, fast, usual])
     b.attempt("expert_rows/cpu/bf16", lambda: next(runs))
     assert b.points["expert_rows/cpu/bf16"] == slow
     calls = []
     b.attempt("attn/cpu/fp32", lambda: calls.append(1) or usual)  # not a row key: timed once
     b.attempt("decode_rows/cpu/int4", lambda: calls.append(2) or usual)
     fails = iter([usual])
-    b.attempt("decode_rows/cpu/bf16", lambda: next(fails))  # its second timing raises StopIteration
+    b.attempt("decode_rows/cpu/bf16", lambda: next(fails))  # its later timings raise StopIteration
     first = b.models["expert_rows/cpu/bf16"]
-    b.second_pass()
+    b.again()
+    b.again()
+    b.settle()
     assert b.points["expert_rows/cpu/bf16"] == usual and b.models["expert_rows/cpu/bf16"].beta < 0.7 * first.beta
-    assert len(b.notes) == 1 and b.notes[0].startswith("expert_rows/cpu/bf16: timed again")
-    assert calls == [1, 2, 2] and b.points["decode_rows/cpu/bf16"] == usual
-    up = [(n, 1.05 * t) for n, t in usual]
-    runs = iter([[usual[0], up[1], usual[2], up[3]], [up[0], usual[1], up[2], usual[3]]])
+    assert len(b.notes) == 1 and b.notes[0].startswith("expert_rows/cpu/bf16: timed 3 times")
+    assert calls == [1, 2, 2, 2] and b.points["decode_rows/cpu/bf16"] == usual
+    up = [(n, 1.01 * t) for n, t in usual]
+    down = [(n, 0.99 * t) for n, t in usual]
+    runs = iter([[usual[0], up[1], down[2], up[3]], [up[0], usual[1], usual[2], down[3]], [down[0], down[1], up[2],
+                                                                                          usual[3]]])
     b.attempt("expert_rows/cpu/int4q8", lambda: next(runs))
-    b.second_pass()  # point by point, the faster
+    b.again()
+    b.again()
+    b.settle()  # point by point, the median
     assert b.points["expert_rows/cpu/int4q8"] == usual
-    runs = iter([slow, usual[:3]])
+    runs = iter([slow, usual[:3], fast[:3]])
     b.attempt("expert_rows/cpu/bf16", lambda: next(runs))
-    b.second_pass()  # other points: the first timing stands
+    b.again()
+    b.again()
+    b.settle()  # other points: the first timing stands
     assert b.points["expert_rows/cpu/bf16"] == slow
 
 

@@ -250,12 +250,13 @@ STALL_R2 = 0.95  # below it such a key's samples stalled (sound runs fit at 0.98
 # the 8-layer Mixtral-width dummy's 512-token bf16 TTFT 12.8 s for 9.8.
 GEMM_STALL_R2 = 0.99
 STALL_RETRIES = 2
-# Compute-bound row keys: timed again at the profile's end (_Bench.second_pass), each point's faster median kept.
-# A VM's cores slow by up to ~2x for a second at a time while its neighbours run, too briefly for a fit's R^2 to
-# show it (every point of the key slows alike): on 2 Zen 3 cores the native bf16 expert at 1 / 2 / 4 / 8 rows
-# took 0.8-0.9 / 0.9-1.0 / 1.3-1.5 / 2.7-3.1 ms in most seconds and 1.2 / 1.4-1.5 / 2.1 / 5.2-5.4 in about one
-# in ten, and three of five full profiles fitted it in such a second (2026-12-01): their plans priced the uniformly
-# routed Mixtral-width dummy's 16-128-token prompts 47-52% slow.
+# Compute-bound row keys: timed twice more, later in the profile (_Bench.again: before and after the disk's timing),
+# and fitted on each point's median of the three timings (_Bench.settle). A VM's cores change speed for seconds at a
+# time with its neighbours, every point of a key alike, too evenly for a fit's R^2 to show it: on 2 Zen 3 cores the
+# native bf16 expert at 1 / 2 / 4 / 8 rows took 0.8-0.9 / 0.9-1.0 / 1.3-1.5 / 2.7-3.1 ms in most seconds, 1.2 / 1.4-1.5
+# / 2.1 / 5.2-5.4 in about one in ten, and 0.67 / 0.72 / 1.05 / 1.80 in another (2026-12-01). Three of five full
+# profiles fitted it in a slow second, and their plans priced the uniformly routed Mixtral-width dummy's 16-128-token
+# prompts 47-52% slow; the faster of two timings then caught a fast second and priced them 29% fast.
 SECOND_PASS_KEYS = ("expert_rows/cpu/", "decode_rows/cpu/")
 
 
@@ -275,7 +276,8 @@ class _Bench:
         self.host_share: dict | None = None  # CUDA: CPU experts and H2D copies at once (_host_share)
         self.probe: Probe | None = None  # the memory-speed probe timed beside each CPU GEMV key (Probe)
         self.probes: dict[str, float] = {}  # key -> the probe's seconds among that key's samples
-        self.deferred: list[tuple[str, Callable[[], list[tuple[float, float]]]]] = []  # second_pass's keys
+        # SECOND_PASS_KEYS measured so far: key -> (its timing, the points of each of its timings)
+        self.deferred: dict[str, tuple[Callable[[], list[tuple[float, float]]], list[list[tuple[float, float]]]]] = {}
 
     def fit(self, key: str, points: list[tuple[float, float]]) -> None:
         self.points[key] = points
@@ -338,29 +340,35 @@ class _Bench:
             if probe is not None:
                 self.probes[key] = probe
             if key.startswith(SECOND_PASS_KEYS):
-                self.deferred.append((key, fn))
+                self.deferred[key] = (fn, [self.points[key]])
         except Exception as e:  # a kernel this torch build or device lacks: note it, keep going
             self.skip(key, e)
 
-    def second_pass(self) -> None:
-        """Time the SECOND_PASS_KEYS measured so far again (minutes after their first timing) and fit each on its
-        points' faster medians, with a note where that moved the key by more than 10% at its largest point. A
-        key whose second timing fails, or times other points, keeps its first."""
-        for key, fn in self.deferred:
-            first = self.points[key]
+    def again(self) -> None:
+        """Time the SECOND_PASS_KEYS measured so far once more (a timing that fails, or times other points, is
+        left out)."""
+        for key, (fn, runs) in self.deferred.items():
             try:
-                again = fn()
-            except Exception:  # noqa: BLE001  (the first timing stands)
+                points = fn()
+            except Exception:  # noqa: BLE001  (the other timings stand)
                 continue
-            if [n for n, _ in again] != [n for n, _ in first]:
+            if [n for n, _ in points] == [n for n, _ in runs[0]]:
+                runs.append(points)
+
+    def settle(self) -> None:
+        """Fit each of the SECOND_PASS_KEYS timed more than once on its points' medians over its timings (`again`),
+        with a note where that moved the key by more than 10% at its largest point against its first fit."""
+        for key, (_, runs) in self.deferred.items():
+            if len(runs) < 2:
                 continue
             before = self.models[key]
-            self.fit(key, [(n, min(t1, t2)) for (n, t1), (_, t2) in zip(first, again)])
-            n_max = max(n for n, _ in first)
-            if abs(self.models[key](n_max) - before(n_max)) > 0.1 * before(n_max):
-                self.notes.append(f"{key}: timed again at the profile's end, {self.models[key](n_max) / before(n_max):.2f}x "
-                                  "its first fit at its largest point (each point's faster median kept)")
-        self.deferred = []
+            self.fit(key, [(n, float(np.median([run[i][1] for run in runs]))) for i, (n, _) in enumerate(runs[0])])
+            n_max = max(n for n, _ in runs[0])
+            ratio = self.models[key](n_max) / before(n_max)
+            if abs(ratio - 1.0) > 0.1:
+                self.notes.append(f"{key}: timed {len(runs)} times through the profile, {ratio:.2f}x its first fit at "
+                                  "its largest point (each point's median kept)")
+        self.deferred = {}
 
     def skip(self, key: str, e: Exception) -> None:
         """Note that `key` could not be measured (meta["skipped"]) and why."""
@@ -1684,8 +1692,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 35: attn_rows/cpu/<kv>, the native step's attention over a prompt run as its rows (Plan.mixed_rows), which
 # cpu_predict.predict_prompt_rows prices such prompts by (their TTFT had been priced as the modules' prefill).
 # 36: runtime/step_rows/int4, the native step's layer code per prompt row beyond its matmuls (predict_prompt_rows).
-# 37: the compute-bound row keys (SECOND_PASS_KEYS: expert_rows, decode_rows) are timed again at the profile's end
-# and fitted on each point's faster median (_Bench.second_pass): a neighbour's second had slowed every point alike.
+# 37: the compute-bound row keys (SECOND_PASS_KEYS: expert_rows, decode_rows) are timed three times through the
+# profile and fitted on each point's median (_Bench.again, settle): a neighbour's second had slowed every point alike.
 PROFILER_VERSION = 37
 
 
@@ -1848,6 +1856,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     b.attempt("runtime/moe_step/bf16", lambda: _moe_step_points(r))
     b.attempt("runtime/mla_step/bf16", lambda: _mla_step_points(r))
     b.say(f"runtime/task: {b.models['runtime/task'].alpha:.3g} s")
+    b.again()  # the compute-bound row keys a second time, the runtime keys' timing after their first
     # disk
     disk_sizes = [1, 4, 16] if quick else [1, 4, 16, 64, 128]
     try:
@@ -1858,7 +1867,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     except OSError as e:
         note = f"disk timing failed: {e}"
         b.skipped["disk/read_cold"] = note
-    b.second_pass()  # the compute-bound row keys again, the disk's timing after their first
+    b.again()  # the compute-bound row keys a third time, the disk's timing after their second
+    b.settle()
     # GPU
     if cuda:
         sync = torch.cuda.synchronize
