@@ -337,23 +337,12 @@ def prompt_rows(args, hw, shape) -> tuple[list[dict], Path]:
 
 
 def engine_prompt_time(llm: LLM, hw: HardwareProfile, tokens: int) -> float:
-    """Seconds of a `tokens`-token prompt of `llm` (bf16 weights and activations, every expert in RAM, plan off:
-    no plan of its own to price it again) on the path its plan runs it (latency_cpu.prompt_time), priced by
-    `hw` as the CPU planner prices its two paths."""
-    from tiered.planner.cpu_predict import predict_prompt_rows
-    from tiered.planner.latency_cpu import prompt_time
+    """Seconds of a `tokens`-token prompt of `llm` (every expert in RAM, plan off: no plan of its own to price it
+    again) on the path its plan runs it, priced by `hw` as the CPU planner prices its two paths
+    (latency_cpu.prompt_paths, prompt_time)."""
+    from tiered.planner.latency_cpu import prompt_paths, prompt_time
 
-    cfg, plan = llm.config, llm.plan
-
-    def modules(T: int, ffn_only: bool = False) -> float:
-        return predict_prefill(cfg, hw, "bf16", T, act_dtype="bf16", batch_act=plan.batch_act, ffn_only=ffn_only)
-
-    def rows(T: int, past: int = 0) -> float:
-        return predict_prompt_rows(cfg, hw, "bf16", T, plan.precision_mix, plan.dtypes["kv_cache"],
-                                   plan.dtypes.get("lm_head"), plan.batch_act, past,
-                                   (lambda n: modules(n, True)) if cfg.is_moe else None)
-
-    return prompt_time(plan, tokens, rows, modules)
+    return prompt_time(llm.plan, tokens, *prompt_paths(llm.plan, llm.config, hw))
 
 
 def disk_prompt_row(model: Path) -> dict:

@@ -631,7 +631,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     `ffn_only`: the seconds of its FFNs alone (each layer's dense FFN, or MoE block: router, shared expert,
     routed experts with their reads), what an MoE model's prompt costs beside its attention side when it runs
     as rows of the native decode step (predict_prompt_rows' `ffn`: the step's MoE block, or the block's
-    module, computes the same expert groups as the prefill's).
+    module, computes the same expert groups as the prefill's; its router then priced inside the step).
 
     `chunk` (Plan.prefill_chunk; 0: one forward): a longer prompt prefills in forwards of `chunk` tokens
     (engine/llm.LLM._prefill), each priced below on its own tokens (the experts' draws, per-step costs and

@@ -28,7 +28,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     Raises:
         BudgetError: RAM cannot hold the non-expert weights, KV cache and staging.
     """
-    from tiered.planner.cpu_predict import native_step, predict_decode, predict_prefill, predict_prompt_rows
+    from tiered.planner.cpu_predict import native_step, predict_decode
 
     dtype = plan.precision  # what decode reads: the decode copies' format (int4/int8) or the weights'
     fmt = plan.dtypes["weights"]
@@ -97,16 +97,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
         plan.predicted_batch_decode_tokens_per_s = plan.kv_slots / predict(hits, plan.kv_slots)[1]
     disk_share = 1.0 - hits.fast_share() if hits else 0.0
 
-    def modules(T: int, chunk: int = plan.prefill_chunk, ffn_only: bool = False) -> float:
-        return predict_prefill(cfg, profile, held, T, moe or None, disk_share, experts_dtype=fmt, act_dtype=fmt,
-                               experts_format=plan.dtypes["experts"], read_ahead=plan.read_ahead,
-                               readers=max(2, plan.staging_buffers), batch_act=plan.batch_act,
-                               popularity=experts.popularity if moe else None, chunk=chunk, ffn_only=ffn_only)
-
-    # an MoE model's rows compute their FFNs as its prefill does (the step's MoE block, or the block's module)
-    ffn = (lambda T: modules(T, 0, ffn_only=True)) if cfg.is_moe else None  # noqa: E731
-    rows = lambda T, past=0: predict_prompt_rows(cfg, profile, dtype, T, plan.precision_mix,  # noqa: E731
-                                                 plan.dtypes["kv_cache"], head, plan.batch_act, past, ffn)
+    rows, modules = prompt_paths(plan, cfg, profile, disk_share, experts.popularity if moe else None)
     if plan.mixed_rows and native_step(profile) and f"attn_rows/cpu/{plan.dtypes['kv_cache']}" in profile.models:
         # (a profile without the rows' attention key would price them at torch's attention: no comparison)
         plan.mixed_rows = priced_mixed_rows(plan.mixed_rows, plan.prefill_chunk, rows, modules)
@@ -119,6 +110,34 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     if moe:
         popularity_note(plan, experts.popularity)
     return plan
+
+
+def prompt_paths(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, disk_share: float = 0.0, popularity=None):
+    """(rows, modules): the seconds of a prompt of T tokens on each path a CPU `plan`'s engine may run it, priced by
+    `profile` (prompt_time picks one). `rows(T, past=0)`: as rows of the native decode step
+    (cpu_predict.predict_prompt_rows; an MoE model's FFNs as its prefill computes them, predict_prefill's ffn_only:
+    the step's MoE block, or the block's module); `modules(T, chunk=Plan.prefill_chunk, ffn_only=False)`: through the
+    modules' prefill (predict_prefill), with `disk_share` of the expert uses read from disk and `popularity` the
+    expert profile's routing (float [L, E]; None: uniform)."""
+    from tiered.planner.cpu_predict import predict_prefill, predict_prompt_rows
+
+    dtype, fmt = plan.precision, plan.dtypes["weights"]
+    held = fmt if plan.dense_copies else dtype  # one-copy mode: the decode copies are the weights
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe and cfg.is_moe_layer(i)]
+
+    def modules(T: int, chunk: int = plan.prefill_chunk, ffn_only: bool = False) -> float:
+        return predict_prefill(cfg, profile, held, T, moe or None, disk_share, experts_dtype=fmt, act_dtype=fmt,
+                               experts_format=plan.dtypes["experts"], read_ahead=plan.read_ahead,
+                               readers=max(2, plan.staging_buffers), batch_act=plan.batch_act,
+                               popularity=popularity if moe else None, chunk=chunk, ffn_only=ffn_only)
+
+    ffn = (lambda T: modules(T, 0, ffn_only=True)) if cfg.is_moe else None  # noqa: E731
+
+    def rows(T: int, past: int = 0) -> float:
+        return predict_prompt_rows(cfg, profile, dtype, T, plan.precision_mix, plan.dtypes["kv_cache"],
+                                   plan.dtypes.get("lm_head"), plan.batch_act, past, ffn)
+
+    return rows, modules
 
 
 def prompt_time(plan: Plan, tokens: int, rows, modules) -> float:
