@@ -7,8 +7,8 @@ disk; and SmolLM2-135M dense in bf16 and fp32 — the planner's CPU + disk model
 time and the whole decode step; the runtime measures them (executor trace spans per MoE layer,
 inter-token latency end to end, from a second run without the trace's instrumentation). Expert hit rates come from replaying the measured run's routing
 trace through the cache simulator, so the comparison tests the timing model, not a routing
-forecast. Each row is priced with the profile scaled to the memory's speed just before it runs, as
-the engine plans with this machine's profile (planner/auto.bandwidth_now; TIERED_BANDWIDTH_CHECK=0
+forecast. Each row is priced with the profile scaled to the memory's and the cores' speed just before it runs,
+as the engine plans with this machine's profile (planner/auto.speed_now; TIERED_BANDWIDTH_CHECK=0
 prices every row with the profile as measured), and with its disk reads timed on the checkpoint's
 own expert reads, as the engine prices a plan that reads experts from disk (hardware/disk_reads). Writes benchmarks/results/planner_validation.{json,md}.
 
@@ -37,7 +37,7 @@ from tiered.checkpoint import open_checkpoint  # noqa: E402
 from tiered.hardware.disk_reads import fit_expert_reads  # noqa: E402  (as the engine prices disk reads)
 from tiered.hardware.profile import HardwareProfile  # noqa: E402
 from tiered.hardware.profiler import DISK_READERS  # noqa: E402
-from tiered.planner.auto import bandwidth_now  # noqa: E402  (as the engine plans)
+from tiered.planner.auto import speed_now  # noqa: E402  (as the engine plans)
 from tiered.memory.expert_store import drop_page_cache  # noqa: E402
 from tiered.planner.cpu_predict import predict_decode, predict_prefill, simulate_hits  # noqa: E402
 from tiered.runtime.expert_profile import ExpertProfiler  # noqa: E402
@@ -241,7 +241,7 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
     }
     popularity = None
     for name, cfg in plans.items():
-        now = bandwidth_now(hw)  # as the engine plans: the memory's speed of this moment
+        now = speed_now(hw)  # as the engine plans: the memory's and the cores' speed of this moment
         m = measure(model, cfg, prompt, args.new_tokens, files)
         if popularity is None:  # the first row's expert profile prices the TTFT row below
             popularity = m["popularity"]
@@ -263,7 +263,7 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
               f"({e2e_err:.0%}); per-layer median error {rows[-1]['layer_median_error']:.0%}", flush=True)
     # the time to first token of the all-in-RAM placement (no disk in it) against cpu_predict.predict_prefill: an
     # engine with room for the TTFT_TOKENS-token prompt (the decode rows keep max_context 256)
-    now = bandwidth_now(hw)
+    now = speed_now(hw)
     llm = LLM(str(model), EngineConfig(**dict(base, trace=False, max_context=2 * TTFT_TOKENS)))
     try:
         long_prompt = [(i * 7) % (shape["vocab"] - 10) + 10 for i in range(TTFT_TOKENS)]
@@ -326,7 +326,7 @@ def prompt_rows(args, hw, shape) -> tuple[list[dict], Path]:
                 samples[n].append(first_token_s(llm, prompt))
         for n in SHORT_PROMPTS:
             measured = median(samples[n])
-            predicted = engine_prompt_time(llm, bandwidth_now(hw), n)
+            predicted = engine_prompt_time(llm, speed_now(hw), n)
             out.append({"tokens": n, "predicted_ttft_s": predicted, "measured_ttft_s": measured,
                         "error": abs(predicted - measured) / measured})
             print(f"uniform MoE, {n}-token prompt: TTFT predicted {predicted * 1e3:.1f} ms, measured "
@@ -396,7 +396,7 @@ def dense_rows(args, hw, rows: list, errors: list) -> None:
         return [(i * 7) % 40000 + 100 for i in range(n)]
     long_prompt = spread(TTFT_TOKENS)
     for name, cfg, dw in cases:
-        now = bandwidth_now(hw)  # as the engine plans (the default row's engine checks on its own)
+        now = speed_now(hw)  # as the engine plans (the default row's engine checks on its own)
         llm = LLM(None, cfg)
         ids = spread(LONG_PROMPT) if dw == "long" else list(range(100, 132))
         llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -1385,3 +1385,95 @@ def test_a_prompts_model_code_is_timed_without_its_matmuls_and_priced_per_layer(
                       shared_expert_intermediate_size=512)
     gap = predict_prefill(moe, code, "bf16", 64) - predict_prefill(moe, plain, "bf16", 64)
     assert gap == pytest.approx(2 * (7e-4 + 1.5e-9 * 64 * (256 + 2 * 256 + 512) - 4e-6), rel=1e-9)
+
+
+class _Readings:
+    """A ComputeProbe stand-in: seconds() returns the next of `values`."""
+
+    def __init__(self, values):
+        self.values = iter(values)
+
+    def seconds(self, repeats: int = 9) -> float:
+        return next(self.values)
+
+
+def test_the_compute_probe_is_read_around_each_compute_bound_keys_timings():
+    """_Bench reads the compute-speed probe (ComputeProbe) before and after each COMPUTE_KEYS key's timing, and
+    around the row keys' two later timings (_Bench.again), so each key carries the cores' speed of its own minutes;
+    bandwidth-bound keys and a later timing that fails or times other points add no reading."""
+    from tiered.hardware.profiler import COMPUTE_KEYS, _Bench
+
+    assert "gemv/cpu/bf16".startswith(COMPUTE_KEYS) is False and "attn/cpu/fp32".startswith(COMPUTE_KEYS) is False
+    pts = [(1e6, 1e-3), (2e6, 2e-3), (4e6, 4e-3)]
+    b = _Bench(True, None, None)
+    b.compute = _Readings([1.0, 1.2, 2.0, 2.2, 3.0, 3.2, 5.0, 5.2, 9.0, 9.2])
+    b.attempt("gemv/cpu/bf16", lambda: pts)  # bandwidth-bound: no reading
+    b.attempt("gemm/cpu/fp32", lambda: pts)
+    b.attempt("decode_rows/cpu/int4q8", lambda: pts)
+    runs = iter([pts, pts[:2]])
+    b.attempt("expert_rows/cpu/bf16", lambda: next(runs))
+    assert b.compute_seconds == {"gemm/cpu/fp32": [1.0, 1.2], "decode_rows/cpu/int4q8": [2.0, 2.2],
+                                 "expert_rows/cpu/bf16": [3.0, 3.2]}
+    b.again()  # decode_rows: 5.0, 5.2; expert_rows times other points: its readings left out
+    assert b.compute_seconds["decode_rows/cpu/int4q8"] == [2.0, 2.2, 5.0, 5.2]
+    assert b.compute_seconds["expert_rows/cpu/bf16"] == [3.0, 3.2]
+
+
+def test_the_compute_ratios_are_the_probe_now_against_each_keys_minutes(monkeypatch):
+    """cpu_compute_ratios: the probe's seconds now over each key's median reading (meta["compute_probe"]); None
+    for a profile without those readings."""
+    from tiered.hardware import profiler
+
+    hw = HardwareProfile("box", "test", {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 0.99)},
+                         meta={"compute_probe": {"seconds": {"gemm/cpu/fp32": 1e-3, "decode_rows/cpu/int4q8": 2e-3}}})
+    monkeypatch.setattr(profiler.kernels, "available", lambda: True)
+    assert profiler.cpu_compute_ratios(hw, _Readings([1.5e-3])) == pytest.approx(
+        {"gemm/cpu/fp32": 1.5, "decode_rows/cpu/int4q8": 0.75})
+    assert profiler.cpu_compute_ratios(replace(hw, meta={}), _Readings([1.5e-3])) is None
+
+
+def test_a_plan_follows_the_cores_speed_of_its_moment(monkeypatch):
+    """compute_now scales each compute-bound key's per-unit term by the compute probe's two readings (each the median
+    of COMPUTE_SAMPLES timings) when both fall beyond 15% of that key's minutes on the same side (the one nearer 1),
+    slower or faster, and a CPU plan's prompt price follows; readings that disagree or fall within 15%, a profile without the probe's readings,
+    TIERED_COMPUTE_CHECK=0 and a profile already checked are left as they are; readings taken while other
+    processes took the cores are not applied, with a note."""
+    from tiered.hardware import profiler
+    from tiered.planner import auto
+    from tiered.planner.cpu_predict import predict_prefill
+    from test_plan import LLAMA70B
+
+    monkeypatch.setattr(auto.contention, "others_share", lambda *a: 0.0)
+    monkeypatch.setattr(auto, "COMPUTE_PAUSE_S", 0.0)
+    monkeypatch.setattr(auto, "SWING_PAUSE_S", 0.0)
+    monkeypatch.setattr(profiler, "ComputeProbe", lambda: None)
+    base = get_preset("scheinfer-a")
+    keys = [k for k in base.models if k.startswith(profiler.COMPUTE_KEYS)]
+    assert "gemm/cpu/fp16" in keys
+    hw = replace(base, meta=dict(base.meta, compute_probe={"seconds": {k: 1e-3 for k in keys}}))
+    monkeypatch.setattr(auto, "COMPUTE_SAMPLES", 3)
+    for seen, want in (([1.4, 1.3], 1.3), ([0.7, 0.8], 0.8), ([1.4, 0.7], None), ([1.4, 1.1], None),
+                       ([5.0, 4.0, 1.0], None), ([5.0, 4.0, 3.5], 3.5)):
+        # each reading the median of three timings: one outlier a reading moves nothing
+        values = [x for r in seen for x in (r, 9.0 if r > 1 else 0.1, r)]
+        monkeypatch.setattr(profiler, "cpu_compute_ratios", lambda p, probe=None: dict.fromkeys(keys, values.pop(0)))
+        got = auto.compute_now(hw)
+        if want is None:
+            assert got is hw, seen
+            continue
+        assert got.meta["cpu_compute_ratios"] == dict.fromkeys(keys, want), seen
+        for k in keys:
+            assert got.models[k].beta == pytest.approx(hw.models[k].beta * want)
+            assert got.models[k].alpha == hw.models[k].alpha
+        assert all(got.models[k] == hw.models[k] for k in hw.models if k not in keys)
+        assert auto.compute_now(got) is got  # checked once
+        ttft = [predict_prefill(LLAMA70B, p, "bf16", 512, act_dtype="bf16") for p in (hw, got)]
+        assert (ttft[1] > ttft[0]) == (want > 1)
+    monkeypatch.setattr(profiler, "cpu_compute_ratios", lambda p, probe=None: dict.fromkeys(keys, 1.5))
+    assert auto.compute_now(base) is base  # no probe readings in the profile
+    monkeypatch.setenv("TIERED_COMPUTE_CHECK", "0")
+    assert auto.compute_now(hw) is hw
+    monkeypatch.delenv("TIERED_COMPUTE_CHECK")
+    monkeypatch.setattr(auto.contention, "others_share", lambda *a: 0.6)
+    got = auto.compute_now(hw)
+    assert got.models == hw.models and "compute-speed check at planning not applied" in got.meta["notes"][-1]

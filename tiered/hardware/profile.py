@@ -30,7 +30,6 @@ for machines we do not have are built from published figures (hardware/presets.p
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -147,6 +146,26 @@ def scale_cpu_bandwidth(profile: HardwareProfile, ratio: float, why: str = "") -
     models = {k: (LinearModel(m.alpha, m.beta * ratio, m.r2) if k.startswith(moved) else m)
               for k, m in profile.models.items()}
     meta = dict(profile.meta, cpu_bandwidth_ratio=ratio)
+    if why:
+        meta["notes"] = list(profile.meta.get("notes", [])) + [why]
+    return replace(profile, models=models, meta=meta)
+
+
+def scale_compute_keys(profile: HardwareProfile, ratios: dict[str, float], why: str = "") -> HardwareProfile:
+    """`profile` with the per-unit term (beta) of each compute-bound CPU key in `ratios` multiplied by its ratio
+    (seconds now / seconds when that key was measured: hardware/profiler.ComputeProbe), faster or slower; the fixed
+    terms stay. meta["cpu_compute_ratios"] records the ratios, meta["notes"] `why`.
+
+    Raises:
+        ValueError: a ratio is not positive.
+    """
+    if any(not r > 0 for r in ratios.values()):
+        raise ValueError(f"compute ratios must be positive, got {ratios}")
+    models = dict(profile.models)
+    for k in set(ratios) & set(models):
+        m = models[k]
+        models[k] = LinearModel(m.alpha, m.beta * ratios[k], m.r2)
+    meta = dict(profile.meta, cpu_compute_ratios={k: round(r, 4) for k, r in ratios.items()})
     if why:
         meta["notes"] = list(profile.meta.get("notes", [])) + [why]
     return replace(profile, models=models, meta=meta)

@@ -218,6 +218,57 @@ class Probe:
         self._keep = modules
 
 
+# The compute-speed probe: tiered's int4 kernel on int8 rows and its bf16 row kernel, each on a weight the caches
+# hold: (rows, K in, N out, kernel). ~0.8 ms a reading's call on 2 Zen 3 cores.
+COMPUTE_PROBE_SHAPES = ((64, 576, 1536, "int4q8"), (16, 512, 1024, "bf16"))
+COMPUTE_PROBE_REPEATS = 9
+# The compute-bound CPU keys: each carries the compute probe's seconds of its minutes (meta["compute_probe"]), and
+# planning scales each by the probe's speed now against them (planner/auto.compute_now).
+# (Not attn/cpu, torch's decode attention: bandwidth-bound, hardware/profile.BANDWIDTH_BOUND_CPU.)
+COMPUTE_KEYS = ("decode_rows/cpu/", "expert_rows/cpu/", "attn_rows/cpu/", "attn_prefill/cpu/", "attn_prefill_past/cpu/",
+                "gemm/cpu/", "gemm_big/cpu/", "runtime/step_rows/", "runtime/prefill_code/")
+
+
+class ComputeProbe:
+    """The cores' speed at a moment, as the compute-bound keys see it: one call each of tiered's int4 kernel on
+    64 int8 rows and its bf16 row kernel on 16 rows (COMPUTE_PROBE_SHAPES), over weights the caches hold, so that
+    no memory read is timed. The compute-bound keys' twin of Probe (the memory's speed).
+
+    The profiler times it before and after every COMPUTE_KEYS key's timing (each of the row keys' three:
+    _Bench.again), and meta["compute_probe"] records each key's median reading; at planning it is timed again
+    (cpu_compute_ratios) and each key scaled by its own ratio (planner/auto.compute_now). A VM's cores change
+    speed for minutes at a time with its neighbours: on 2 Zen 3 cores (2026-12-01) the int4 kernel at SmolLM2's
+    widths took 6.5-7.5 ps a multiply-add in one minute and 9.8-11.3 some minutes later, where the profile's
+    decode_rows/cpu/int4q8 had been fitted at 6.2; SmolLM2's default 512-token TTFT (its prompt as rows of that
+    kernel) measured 0.67-0.82 s against 0.55 priced.
+
+    Raises RuntimeError without tiered's kernels."""
+
+    def __init__(self) -> None:
+        if not kernels.available():
+            raise RuntimeError("tiered/kernels is not built")
+        g = torch.Generator().manual_seed(0)
+        self._calls = []
+        for T, K, N, kind in COMPUTE_PROBE_SHAPES:
+            fn = _native_gemv(kind, _native_gemv_module(kind, torch.randn(N, K, generator=g) * 0.02)[0])
+            x = torch.randn(T, K, generator=g)
+            self._calls.append(lambda fn=fn, x=x: fn(x))
+
+    def seconds(self, repeats: int = COMPUTE_PROBE_REPEATS) -> float:
+        """Median seconds of one call of each kernel over `repeats` samples, after a warm-up call (which brings
+        the weights into the caches)."""
+        with torch.inference_mode():
+            for call in self._calls:
+                call()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for call in self._calls:
+                    call()
+                times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+
 STREAM_KEYS = ("gemv/cpu/", "gemv_dram/cpu/", "memory/bandwidth")  # time = bytes / rate
 # Keys timed again like STREAM_KEYS when their fit is poor: those and gemm_rows (a call's cost grows with its
 # weight's bytes, read and packed by oneDNN: 0.07 / 0.16 / 0.53 / 0.88 / 1.67 ms for 0.7 / 1.8 / 7 / 17 / 34 MB
@@ -276,6 +327,8 @@ class _Bench:
         self.host_share: dict | None = None  # CUDA: CPU experts and H2D copies at once (_host_share)
         self.probe: Probe | None = None  # the memory-speed probe timed beside each CPU GEMV key (Probe)
         self.probes: dict[str, float] = {}  # key -> the probe's seconds among that key's samples
+        self.compute: ComputeProbe | None = None  # the compute-speed probe timed around each COMPUTE_KEYS key
+        self.compute_seconds: dict[str, list[float]] = {}  # key -> its readings around that key's timings
         # SECOND_PASS_KEYS measured so far: key -> (its timing, the points of each of its timings)
         self.deferred: dict[str, tuple[Callable[[], list[tuple[float, float]]], list[list[tuple[float, float]]]]] = {}
 
@@ -315,6 +368,7 @@ class _Bench:
         where it ran 2.8. Not torch's bf16 GEMM keys on a CPU without a bf16 GEMM (`_upcast_gemm`): each call
         converts its weight there, so their points lie on no line of MACs, and convert/cpu/bf16 prices them."""
         try:
+            self.read_compute(key)
             best = None
             runs = 1 + (STALL_RETRIES if key.startswith(RETIMED_KEYS) and not _upcast_gemm(key) else 0)
             stall_r2 = GEMM_STALL_R2 if key.startswith(GEMM_KEYS) else STALL_R2
@@ -339,6 +393,7 @@ class _Bench:
                                   f"best fit kept (R^2 {r2:.3f})")
             if probe is not None:
                 self.probes[key] = probe
+            self.read_compute(key)
             if key.startswith(SECOND_PASS_KEYS):
                 self.deferred[key] = (fn, [self.points[key]])
         except Exception as e:  # a kernel this torch build or device lacks: note it, keep going
@@ -348,12 +403,28 @@ class _Bench:
         """Time the SECOND_PASS_KEYS measured so far once more (a timing that fails, or times other points, is
         left out)."""
         for key, (fn, runs) in self.deferred.items():
+            readings = len(self.compute_seconds.get(key, ()))
+            self.read_compute(key)
             try:
                 points = fn()
             except Exception:  # noqa: BLE001  (the other timings stand)
+                del self.compute_seconds.get(key, [])[readings:]
                 continue
+            self.read_compute(key)
             if [n for n, _ in points] == [n for n, _ in runs[0]]:
                 runs.append(points)
+            else:
+                del self.compute_seconds.get(key, [])[readings:]
+
+    def read_compute(self, key: str) -> None:
+        """A reading of the compute-speed probe (ComputeProbe) beside `key`'s timing, where `key` is compute-bound
+        (COMPUTE_KEYS) and the probe was built; a reading that fails is left out."""
+        if self.compute is None or not key.startswith(COMPUTE_KEYS):
+            return
+        try:
+            self.compute_seconds.setdefault(key, []).append(self.compute.seconds())
+        except Exception:  # noqa: BLE001  (the key stands; planning then leaves it as measured)
+            pass
 
     def settle(self) -> None:
         """Fit each of the SECOND_PASS_KEYS timed more than once on its points' medians over its timings (`again`),
@@ -1539,6 +1610,17 @@ def cpu_probe_ratios(profile: HardwareProfile, probe: Probe | None = None, repea
     return ratios
 
 
+def cpu_compute_ratios(profile: HardwareProfile, probe: ComputeProbe | None = None) -> dict[str, float] | None:
+    """{key: the compute probe's seconds now / its median reading around that key's timings} for every
+    compute-bound key of a profile with meta["compute_probe"] (ComputeProbe; > 1: the cores are slower now than
+    when the key was measured). None without those readings or tiered's kernels. `probe`: one built before."""
+    info = profile.meta.get("compute_probe") if profile.meta else None
+    if not info or not info.get("seconds") or not kernels.available():
+        return None
+    now = (probe or ComputeProbe()).seconds()
+    return {k: now / t for k, t in info["seconds"].items() if t > 0 and k.startswith(COMPUTE_KEYS)}
+
+
 def cpu_bandwidth_ratio(profile: HardwareProfile, seconds: float = 0.06) -> tuple[float, float] | None:
     """(seconds now / seconds the profile predicts, bytes/s now) for streaming weights beyond the
     last-level cache: how much slower (> 1) or faster the memory is now than when `profile` was
@@ -1694,7 +1776,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 36: runtime/step_rows/int4, the native step's layer code per prompt row beyond its matmuls (predict_prompt_rows).
 # 37: the compute-bound row keys (SECOND_PASS_KEYS: expert_rows, decode_rows) are timed three times through the
 # profile and fitted on each point's median (_Bench.again, settle): a neighbour's second had slowed every point alike.
-PROFILER_VERSION = 37
+# 38: meta["compute_probe"]: a compute-speed probe (ComputeProbe: the int4 and bf16 row kernels on weights the caches
+# hold) timed around each compute-bound key (COMPUTE_KEYS), so that planning scales each by the cores' speed now
+# against its own minutes' (planner/auto.compute_now), as meta["probe"] does the GEMV keys by the memory's.
+PROFILER_VERSION = 38
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -1771,6 +1856,11 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         except Exception as e:  # noqa: BLE001  (as Bench.attempt: note it, keep going)
             b.skip("probe", e)
     pr = b.probe
+    if kernels.available():
+        try:  # the compute-speed probe timed around every compute-bound key (ComputeProbe)
+            b.compute = ComputeProbe()
+        except Exception as e:  # noqa: BLE001  (as Bench.attempt: note it, keep going)
+            b.skip("compute_probe", e)
     for dtype in ("fp32", "bf16", "int8", "int4"):
         shapes = int4_gemm_shapes(gemm_shapes) if dtype == "int4" and kernels.available() else gemm_shapes
         b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype, sh=shapes: _gemm_points("cpu", d, sh, nosync, r, False))
@@ -1918,6 +2008,10 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     if b.probes:  # the memory-speed probe's seconds beside each CPU GEMV key (Probe)
         meta["probe"] = {"shape": list(PROBE_SHAPE), "bytes": b.probe.nbytes, "seconds": dict(b.probes)}
     b.probe = None  # its copies' memory back before the profile is returned
+    seconds = {k: float(np.median(v)) for k, v in b.compute_seconds.items() if v and k in b.models}
+    if seconds:  # the compute-speed probe's median reading around each compute-bound key (ComputeProbe)
+        meta["compute_probe"] = {"shapes": [list(s) for s in COMPUTE_PROBE_SHAPES], "seconds": seconds}
+    b.compute = None
     notes = list(b.notes)
     if meta["contended"]:
         notes.append(f"other processes took {meta['others_share']:.0%} of the cores while profiling: CPU timings "

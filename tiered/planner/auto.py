@@ -40,7 +40,7 @@ def engine_profile(profile: str | None, accelerator=None, progress: Callable[[st
         profile: a HardwareProfile JSON path or a preset name (`tiered profile --presets`); None =
             the cached profile of this machine, measured now (quick run) and cached if there is none
             or if it lacks the GPU while a CUDA accelerator is in use; its bandwidth-bound CPU
-            models follow the memory's speed of this moment (`bandwidth_now`).
+            models follow the memory's speed of this moment and its compute-bound ones the cores' (`speed_now`).
         accelerator: the engine's Accelerator (None = CPU only). For the host stand-in, this
             machine's CPU profile (or a given one without GPU keys) is turned into a GPU-shaped one
             (`standin_profile`); a given profile with GPU keys is used as is, to plan as if on
@@ -62,7 +62,7 @@ def engine_profile(profile: str | None, accelerator=None, progress: Callable[[st
                               "pass a JSON from `tiered profile` or one of: " + ", ".join(PRESETS))
     else:
         hw = _cached_or_measured(cuda=accelerator is not None and not accelerator.is_host, progress=progress)
-        hw = bandwidth_now(hw)
+        hw = speed_now(hw)
     if accelerator is not None and accelerator.is_host and (measured or not op_time.has_device(hw, "gpu")):
         hw = standin_profile(hw, accelerator.link_bandwidth)
     return hw
@@ -75,6 +75,85 @@ BANDWIDTH_TOLERANCE = 0.15  # a memory speed within this fraction of the profile
 # a second, not the memory's speed. VMs' memory speeds seen so far moved within 2x.
 BANDWIDTH_SWING = 3.0
 SWING_PAUSE_S = 1.0
+
+
+def speed_now(hw: HardwareProfile) -> HardwareProfile:
+    """This machine's profile with its bandwidth-bound CPU models scaled to the memory's speed now (bandwidth_now)
+    and its compute-bound ones to the cores' (compute_now): what the engine plans with."""
+    return compute_now(bandwidth_now(hw))
+
+
+# a compute speed within this fraction of a key's minutes is taken as the same
+COMPUTE_TOLERANCE = 0.15
+# each of compute_now's readings is the median of this many timings of the probe, COMPUTE_PAUSE_S apart: on 2 Zen 3
+# cores (2026-12-01) ComputeProbe took 0.62-0.99 ms from one half-second to the next within one minute
+COMPUTE_SAMPLES = 3
+COMPUTE_PAUSE_S = 0.1
+
+
+def compute_now(hw: HardwareProfile) -> HardwareProfile:
+    """This machine's profile with its compute-bound CPU models (hardware/profiler.COMPUTE_KEYS: the row kernels,
+    torch's GEMMs and attention, the step's and prefill's code) scaled to the cores' speed now.
+
+    Where the profile timed the compute-speed probe around each such key (hardware/profiler.ComputeProbe,
+    meta["compute_probe"]), the probe is read again, twice (each reading the median of COMPUTE_SAMPLES timings
+    COMPUTE_PAUSE_S apart: ~0.5 s in all), and each key whose two readings fall beyond COMPUTE_TOLERANCE of its own
+    minutes' on the same side has its per-unit term
+    scaled by the reading nearer its own (hardware/profile.scale_compute_keys), slower or faster; a reading beyond
+    BANDWIDTH_SWING of them is taken a third time after SWING_PAUSE_S. A VM's cores change speed for minutes with
+    its neighbours, and a profile carries the speed of the minutes it was measured in: on 2 Zen 3 cores
+    (2026-12-01) SmolLM2's default 512-token TTFT took 0.67-0.82 s from one minute to the next where the profile
+    priced 0.55, and a quick profile measured in a slow minute priced `make run` at 127 tok/s where it ran
+    173-218 (bandwidth_now, which caps faster memory readings at the profile's median minute, could not lift it).
+    Readings taken while other processes took more than contention.CONTENDED_SHARE of the cores are not applied
+    (a note says so). TIERED_COMPUTE_CHECK=0 turns the check off, as does TIERED_BANDWIDTH_CHECK=0."""
+    if "0" in (os.environ.get("TIERED_COMPUTE_CHECK", "1"), os.environ.get("TIERED_BANDWIDTH_CHECK", "1")) \
+            or hw.meta.get("cpu_compute_ratios") is not None or not (hw.meta.get("compute_probe") or {}).get("seconds"):
+        return hw
+    from tiered.hardware.profile import scale_compute_keys
+    from tiered.hardware.profiler import ComputeProbe
+
+    reading = contention.start()
+    ratios, times = None, "twice"
+    try:
+        probe = ComputeProbe()
+        first = _compute_reading(hw, probe)
+        second = _compute_reading(hw, probe) if first is not None else None
+        if first is not None and second is not None:
+            ratios = {k: _agreeing(first[k], second[k], tolerance=COMPUTE_TOLERANCE) for k in first}
+            if any(r is not None and _beyond_swing(r) for r in ratios.values()):
+                third, times = _read_again(lambda: _compute_reading(hw, probe)), "three times"
+                ratios = {k: None if third is None else
+                          _agreeing(first[k], second[k], third[k], tolerance=COMPUTE_TOLERANCE) for k in first}
+    except Exception:  # noqa: BLE001  (no kernels, no memory for the probe: plan with the profile)
+        ratios = None
+    ratios = {k: r for k, r in (ratios or {}).items() if r is not None}
+    if not ratios:
+        return hw
+    share = contention.others_share(*reading)
+    if share is not None and share > contention.CONTENDED_SHARE:
+        return replace(hw, meta=dict(hw.meta, notes=list(hw.meta.get("notes", [])) + [
+            f"compute-speed check at planning not applied: other processes took {share:.0%} of the cores while it ran"]))
+    slow = statistics.median(ratios.values())
+    return scale_compute_keys(hw, ratios, f"the compute-speed probe (the int4 and bf16 row kernels, weights in cache) "
+                                          f"timed {times} at planning: {len(ratios)} compute-bound keys scaled to "
+                                          f"the speed it found against each key's own minutes (median "
+                                          f"{1 / slow:.2f}x the profile's speed)")
+
+
+def _compute_reading(hw: HardwareProfile, probe) -> dict[str, float] | None:
+    """One reading of compute_now: each key's median ratio (hardware/profiler.cpu_compute_ratios) over
+    COMPUTE_SAMPLES timings of `probe`, each after COMPUTE_PAUSE_S."""
+    from tiered.hardware.profiler import cpu_compute_ratios
+
+    samples = []
+    for _ in range(COMPUTE_SAMPLES):
+        time.sleep(COMPUTE_PAUSE_S)
+        ratios = cpu_compute_ratios(hw, probe)
+        if ratios is None:
+            return None
+        samples.append(ratios)
+    return {k: float(statistics.median(r[k] for r in samples)) for k in samples[0]}
 
 
 def bandwidth_now(hw: HardwareProfile) -> HardwareProfile:
@@ -191,10 +270,10 @@ def _at_most_the_median_minutes_speed(hw: HardwareProfile, ratios: dict[str, flo
     return out
 
 
-def _agreeing(*readings: float) -> float | None:
-    """Of readings of a speed ratio, the one nearest 1 when all lie beyond BANDWIDTH_TOLERANCE on the
-    same side of it, else None (no speed to follow)."""
-    if any(abs(r - 1.0) <= BANDWIDTH_TOLERANCE for r in readings) or len({r > 1.0 for r in readings}) > 1:
+def _agreeing(*readings: float, tolerance: float = BANDWIDTH_TOLERANCE) -> float | None:
+    """Of readings of a speed ratio, the one nearest 1 when all lie beyond `tolerance` on the same side of it,
+    else None (no speed to follow)."""
+    if any(abs(r - 1.0) <= tolerance for r in readings) or len({r > 1.0 for r in readings}) > 1:
         return None
     return min(readings, key=lambda r: abs(math.log(r)))
 
