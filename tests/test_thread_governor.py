@@ -128,3 +128,28 @@ def test_an_engine_checks_its_team_every_step(monkeypatch, zoo):
         given.close()
     finally:
         torch.set_num_threads(saved)
+
+
+def test_closing_an_engine_gives_torch_back_the_plans_threads(monkeypatch, zoo):
+    """ThreadGovernor.restore (LLM.close): a team the governor left smaller goes back to the plan's threads, since
+    torch's thread count is the process's and the next engine plans from it (config.cpu_threads): one validation
+    run's engines after a neighbour's burst all planned and ran on 1 of 2 threads."""
+    import time
+
+    from tiered import LLM, EngineConfig
+    from tiered.config import cpu_threads
+
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        llm = LLM(zoo.dir("llama"), EngineConfig(accelerator="none", max_context=64))
+        gov = llm.threads = contention.ThreadGovernor(2, cores=2)
+        gov._reading = (0.0, 0.0, time.monotonic() - contention.ADAPT_MIN_S - 0.1)  # a reading old enough ...
+        monkeypatch.setattr(contention, "others_share", lambda *a: 0.9)  # ... in which neighbours took 1.8 cores
+        assert gov.check() == 1 and torch.get_num_threads() == 1 and cpu_threads(EngineConfig()) == 1
+        llm.close()
+        assert torch.get_num_threads() == 2 and gov.current == 2 and cpu_threads(EngineConfig()) == 2
+        gov.restore()  # nothing to give back
+        assert torch.get_num_threads() == 2 and gov.changes == 1
+    finally:
+        torch.set_num_threads(saved)

@@ -744,8 +744,11 @@ class LLM:
         (checkpoint.release_pages), now rather than whenever the garbage collector frees this LLM: an
         engine's objects hold reference cycles, and while a file stays mapped the OS cannot drop its
         pages (a second engine of the same checkpoint then read its "disk" experts from the page
-        cache: 32 tok/s on demand where a fresh process read 3.6). The LLM cannot generate afterwards."""
+        cache: 32 tok/s on demand where a fresh process read 3.6). Torch's CPU team goes back to the plan's threads
+        where the governor had left it fewer (ThreadGovernor.restore). The LLM cannot generate afterwards."""
         self.executor.close()
+        if self.threads is not None:
+            self.threads.restore()
         if self.accelerator is not None:
             self.accelerator.release()
         self.checkpoint.release_pages()

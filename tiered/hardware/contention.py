@@ -132,6 +132,18 @@ class ThreadGovernor:
             self.current, self.changes = target, self.changes + 1
         return self.current
 
+    def restore(self) -> None:
+        """Torch's CPU team back to the plan's threads where `check` left it fewer (LLM.close): torch's thread count
+        is the process's, and the next engine plans its threads from it (config.cpu_threads). A planner-validation
+        run on the 2-core EPYC (2026-12-01) had one engine's governor leave the team at 1 thread after a
+        neighbour's burst, and every engine after it, planned and run on 1 thread, decoded SmolLM2 at 7.1 ms a
+        token where 2 threads take 5.8."""
+        if self.current != self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
+            self.current = self.threads
+
 
 def thread_governor(threads: int, configured: int | None) -> ThreadGovernor | None:
     """A ThreadGovernor for an engine's CPU team of `threads`, or None where it would not act: threads
