@@ -172,7 +172,8 @@ def main() -> None:
                Column("fast hit rate", "hit_rate", "{:.0%}"),
                Column("predicted TTFT s", "predicted_ttft_s", "{:.3f}"),
                Column("measured TTFT s", "measured_ttft_s", "{:.3f}"),
-               Column("TTFT error", "ttft_error", "{:.0%}")]
+               Column("TTFT error", "ttft_error", "{:.0%}"),
+               Column("speed at planning (memory, cores)", "speed")]
     notes = [f"Profile `{hw.name}` ({hw.source})."] + [r.pop("note") for r in rows if "note" in r] + \
         [f"Median absolute error over all per-layer and end-to-end comparisons: **{med:.0%}** (target < 20%)."]
     ttft_errors = [r["ttft_error"] for r in rows if r.get("ttft_error") is not None]
@@ -191,13 +192,14 @@ def main() -> None:
         notes.append("TTFT of short prompts on the MoE shape routed uniformly, every expert in RAM (median of "
                      f"{SHORT_REPEATS} rounds, the lengths in turn): "
                      + ", ".join(f"{r['tokens']} tokens {r['predicted_ttft_s'] * 1e3:.1f} ms priced against "
-                                 f"{r['measured_ttft_s'] * 1e3:.1f} ({r['error']:.0%})" for r in short)
+                                 f"{r['measured_ttft_s'] * 1e3:.1f} ({r['error']:.0%}; {r['speed']})" for r in short)
                      + f"; largest error **{max(r['error'] for r in short):.0%}**.")
     if disk_prompt is not None:
         r = disk_prompt
         notes.append(f"TTFT of a {r['tokens']}-token prompt on that shape with most experts on disk (the engine's "
                      f"auto plan at --cpu-mem = the checkpoint / 3.2, page cache dropped, median of 3): "
-                     f"{r['predicted_ttft_s']:.3f} s priced against {r['measured_ttft_s']:.3f} (**{r['error']:.0%}**).")
+                     f"{r['predicted_ttft_s']:.3f} s priced against {r['measured_ttft_s']:.3f} (**{r['error']:.0%}**; "
+                     f"speed at planning: {r['speed']}).")
     gpu = {}
     for name, path in GPU_REFERENCES.items():
         gpu[name], lines = gpu_table(path)
@@ -234,8 +236,9 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
     plans = {
         "MoE, all experts in RAM": EngineConfig(**base),
         "MoE, popular resident + cache + read-ahead": EngineConfig(**base, cpu_memory=cpu_mem, expert_cache_slots=4),
-        "MoE, LRU cache only": EngineConfig(**base, cpu_memory=cpu_mem, expert_cache_slots=6, resident_experts=0,
-                                            read_ahead=False),
+        # (--quick's 4 x 512 shape: 6 slots of 5.5 MB do not fit beside its non-expert weights in a third of it)
+        "MoE, LRU cache only": EngineConfig(**base, cpu_memory=cpu_mem, expert_cache_slots=4 if args.quick else 6,
+                                            resident_experts=0, read_ahead=False),
         "MoE, on demand from disk": EngineConfig(**base, cpu_memory=cpu_mem, expert_cache_slots=0, resident_experts=0,
                                                  read_ahead=False),
     }
@@ -258,7 +261,7 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
         errors.append(e2e_err)
         rows.append({"plan": name, "predicted_step_s": step, "measured_itl_s": m["itl_s"], "e2e_error": e2e_err,
                      "layer_median_error": median([p["error"] for p in per_layer]), "layers": per_layer,
-                     "hit_rate": m["hit_rate"], "instrumented_itl_s": m["instrumented_itl_s"]})
+                     "hit_rate": m["hit_rate"], "instrumented_itl_s": m["instrumented_itl_s"], "speed": speed_found(now)})
         print(f"{name}: predicted {step * 1e3:.1f} ms/token, measured {m['itl_s'] * 1e3:.1f} ms "
               f"({e2e_err:.0%}); per-layer median error {rows[-1]['layer_median_error']:.0%}", flush=True)
     # the time to first token of the all-in-RAM placement (no disk in it) against cpu_predict.predict_prefill: an
@@ -283,6 +286,16 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
                        f"{1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s; the profiler's fresh temp file read at "
                        f"{1 / hw_disk_beta / 1e9:.2f} GB/s), and so was disk/read_cold_parallel, {DISK_READERS} readers at "
                        f"once as read-ahead issues them ({1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s).")
+
+
+def speed_found(hw) -> str:
+    """What the speed checks at planning (planner/auto.speed_now) found in the profile `hw` a row was priced with:
+    the memory's and the cores' speed against the profile's minutes (the median over the keys they scaled), e.g.
+    "memory 0.85x, cores 1.00x"; 1.00x where a check left the keys as measured."""
+    mem = hw.meta.get("cpu_key_ratios") or {}
+    ratio = mem.get("*") or hw.meta.get("cpu_bandwidth_ratio") or (median(mem.values()) if mem else 1.0)
+    cores = hw.meta.get("cpu_compute_ratios") or {}
+    return f"memory {1 / ratio:.2f}x, cores {1 / (median(cores.values()) if cores else 1.0):.2f}x"
 
 
 TTFT_TOKENS = 512  # the prompt the plans price TTFT for (planner/auto: min(512, max_context / 2))
@@ -326,9 +339,10 @@ def prompt_rows(args, hw, shape) -> tuple[list[dict], Path]:
                 samples[n].append(first_token_s(llm, prompt))
         for n in SHORT_PROMPTS:
             measured = median(samples[n])
-            predicted = engine_prompt_time(llm, speed_now(hw), n)
+            now = speed_now(hw)
+            predicted = engine_prompt_time(llm, now, n)
             out.append({"tokens": n, "predicted_ttft_s": predicted, "measured_ttft_s": measured,
-                        "error": abs(predicted - measured) / measured})
+                        "error": abs(predicted - measured) / measured, "speed": speed_found(now)})
             print(f"uniform MoE, {n}-token prompt: TTFT predicted {predicted * 1e3:.1f} ms, measured "
                   f"{measured * 1e3:.1f} ms ({out[-1]['error']:.0%})", flush=True)
     finally:
@@ -360,11 +374,11 @@ def disk_prompt_row(model: Path) -> dict:
             prompt = [(i * 7 + rep * 131) % (llm.config.vocab_size - 10) + 10 for i in range(n)]
             drop_page_cache(files)
             times.append(first_token_s(llm, prompt))
-        measured, predicted = median(times), llm.plan.predicted_ttft_s
+        measured, predicted, speed = median(times), llm.plan.predicted_ttft_s, speed_found(llm._profile)
     finally:
         llm.close()
     row = {"tokens": n, "predicted_ttft_s": predicted, "measured_ttft_s": measured,
-           "error": abs(predicted - measured) / measured}
+           "error": abs(predicted - measured) / measured, "speed": speed}
     print(f"uniform MoE, {n}-token prompt, experts on disk (auto plan): TTFT predicted {predicted:.3f} s, "
           f"measured {measured:.3f} s ({row['error']:.0%})", flush=True)
     return row
@@ -437,10 +451,12 @@ def dense_rows(args, hw, rows: list, errors: list) -> None:
             p_ttft = llm.plan.predicted_ttft_s
         else:  # plan off: weights and activations in dw, no decode copies
             p_ttft = predict_prefill(llm.config, now, dw, TTFT_TOKENS, act_dtype=dw)
+        engine_profile = llm._profile  # what the engine's own plan was priced with (its speed checks)
         llm.close()
         rows.append({"plan": name, "predicted_step_s": step, "measured_itl_s": itl, "e2e_error": err,
                      "layer_median_error": None, "layers": [], "predicted_ttft_s": p_ttft, "measured_ttft_s": ttft,
-                     "ttft_error": abs(p_ttft - ttft) / ttft, **({"long_ttft": long_ttft} if long_ttft else {})})
+                     "ttft_error": abs(p_ttft - ttft) / ttft, **({"long_ttft": long_ttft} if long_ttft else {}),
+                     "speed": speed_found(engine_profile if dw in (None, "batch", "long") else now)})
         print(f"{name}: predicted {step * 1e3:.1f} ms/token, measured {itl * 1e3:.1f} ms ({err:.0%}); "
               f"TTFT {TTFT_TOKENS} tokens predicted {p_ttft:.3f} s, measured {ttft:.3f} s "
               f"({rows[-1]['ttft_error']:.0%})", flush=True)
