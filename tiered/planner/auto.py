@@ -101,9 +101,9 @@ def compute_now(hw: HardwareProfile) -> HardwareProfile:
     Where the profile timed the compute-speed probe around each such key (hardware/profiler.ComputeProbe,
     meta["compute_probe"]), the probe is read again, twice (each reading the median of COMPUTE_SAMPLES timings
     COMPUTE_PAUSE_S apart: ~0.5 s in all), and each key whose two readings fall beyond COMPUTE_TOLERANCE of its own
-    minutes' on the same side has its per-unit term
-    scaled by the reading nearer its own (hardware/profile.scale_compute_keys), slower or faster; a reading beyond
-    BANDWIDTH_SWING of them is taken a third time after SWING_PAUSE_S. A VM's cores change speed for minutes with
+    minutes' on the same side has its per-unit term scaled by the reading nearer its own
+    (hardware/profile.scale_compute_keys), slower or faster; a reading beyond BANDWIDTH_SWING of them is taken a
+    third time after SWING_PAUSE_S. A VM's cores change speed for minutes with
     its neighbours, and a profile carries the speed of the minutes it was measured in: on 2 Zen 3 cores
     (2026-12-01) SmolLM2's default 512-token TTFT took 0.67-0.82 s from one minute to the next where the profile
     priced 0.55, and a quick profile measured in a slow minute priced `make run` at 127 tok/s where it ran
