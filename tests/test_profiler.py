@@ -1477,3 +1477,26 @@ def test_a_plan_follows_the_cores_speed_of_its_moment(monkeypatch):
     monkeypatch.setattr(auto.contention, "others_share", lambda *a: 0.6)
     got = auto.compute_now(hw)
     assert got.models == hw.models and "compute-speed check at planning not applied" in got.meta["notes"][-1]
+
+
+def test_speed_now_reads_the_cores_before_and_after_the_memory_check(monkeypatch):
+    """speed_now takes compute_now's first reading before bandwidth_now and its second after it (whose ~0.35 s
+    spaces them, where compute_now alone sleeps COMPUTE_PAUSE_S), and scales the memory-checked profile."""
+    from tiered.hardware import profiler
+    from tiered.planner import auto
+
+    monkeypatch.setattr(auto.contention, "others_share", lambda *a: 0.0)
+    monkeypatch.setattr(profiler, "ComputeProbe", lambda: None)
+    monkeypatch.setattr(auto, "COMPUTE_SAMPLES", 1)
+    monkeypatch.setattr(auto.time, "sleep", lambda s: pytest.fail("speed_now slept between its readings"))
+    base = get_preset("scheinfer-a")
+    keys = [k for k in base.models if k.startswith(profiler.COMPUTE_KEYS)]
+    hw = replace(base, meta=dict(base.meta, compute_probe={"seconds": {k: 1e-3 for k in keys}}))
+    order = []
+    monkeypatch.setattr(profiler, "cpu_compute_ratios",
+                        lambda p, probe=None: order.append("cores") or dict.fromkeys(keys, 2.0))
+    memory = replace(hw, meta=dict(hw.meta, cpu_bandwidth_ratio=1.5))
+    monkeypatch.setattr(auto, "bandwidth_now", lambda p: order.append("memory") or memory)
+    got = auto.speed_now(hw)
+    assert order == ["cores", "memory", "cores"]
+    assert got.meta["cpu_bandwidth_ratio"] == 1.5 and got.meta["cpu_compute_ratios"] == dict.fromkeys(keys, 2.0)

@@ -79,8 +79,10 @@ SWING_PAUSE_S = 1.0
 
 def speed_now(hw: HardwareProfile) -> HardwareProfile:
     """This machine's profile with its bandwidth-bound CPU models scaled to the memory's speed now (bandwidth_now)
-    and its compute-bound ones to the cores' (compute_now): what the engine plans with."""
-    return compute_now(bandwidth_now(hw))
+    and its compute-bound ones to the cores' (compute_now): what the engine plans with. The compute check's first
+    reading is taken before the memory check and its second after it, whose ~0.35 s spaces them."""
+    early = _compute_early(hw)
+    return compute_now(bandwidth_now(hw), early)
 
 
 # a compute speed within this fraction of a key's minutes is taken as the same. Wider than the memory's: on 2 Zen 3
@@ -88,39 +90,64 @@ def speed_now(hw: HardwareProfile) -> HardwareProfile:
 # 512-token TTFT 7% off (median) where the profile as measured priced it 5%; the minutes it is for ran the int4
 # kernel 1.4-1.5x slower than the profile's
 COMPUTE_TOLERANCE = 0.3
-# each of compute_now's readings is the median of this many timings of the probe, COMPUTE_PAUSE_S apart: on 2 Zen 3
-# cores (2026-12-01) ComputeProbe took 0.62-0.99 ms from one half-second to the next within one minute
-COMPUTE_SAMPLES = 3
-COMPUTE_PAUSE_S = 0.1
+# each of compute_now's readings is the median of this many timings of the probe (~8 ms each): on 2 Zen 3 cores
+# (2026-12-01) ComputeProbe took 0.62-0.99 ms from one half-second to the next within one minute
+COMPUTE_SAMPLES = 5
+COMPUTE_PAUSE_S = 0.3  # between compute_now's two readings where no memory check spaces them (speed_now)
 
 
-def compute_now(hw: HardwareProfile) -> HardwareProfile:
+def _compute_checked(hw: HardwareProfile) -> bool:
+    """Whether compute_now checks `hw`: a profile with the compute probe's readings, not checked before, the check
+    not turned off."""
+    return "0" not in (os.environ.get("TIERED_COMPUTE_CHECK", "1"), os.environ.get("TIERED_BANDWIDTH_CHECK", "1")) \
+        and hw.meta.get("cpu_compute_ratios") is None and bool((hw.meta.get("compute_probe") or {}).get("seconds"))
+
+
+def _compute_early(hw: HardwareProfile):
+    """compute_now's first reading, taken now: (the probe, its ratios, the contention reading it began with), or
+    None where compute_now would not check or the reading failed."""
+    if not _compute_checked(hw):
+        return None
+    from tiered.hardware.profiler import ComputeProbe
+
+    started = contention.start()
+    try:
+        probe = ComputeProbe()
+        ratios = _compute_reading(hw, probe)
+    except Exception:  # noqa: BLE001  (no kernels, no memory for the probe: compute_now plans with the profile)
+        return None
+    return None if ratios is None else (probe, ratios, started)
+
+
+def compute_now(hw: HardwareProfile, early=None) -> HardwareProfile:
     """This machine's profile with its compute-bound CPU models (hardware/profiler.COMPUTE_KEYS: the row kernels,
     torch's GEMMs and attention, the step's and prefill's code) scaled to the cores' speed now.
 
     Where the profile timed the compute-speed probe around each such key (hardware/profiler.ComputeProbe,
-    meta["compute_probe"]), the probe is read again, twice (each reading the median of COMPUTE_SAMPLES timings
-    COMPUTE_PAUSE_S apart: ~0.5 s in all), and each key whose two readings fall beyond COMPUTE_TOLERANCE of its own
+    meta["compute_probe"]), the probe is read again, twice (each reading the median of COMPUTE_SAMPLES timings,
+    ~40 ms; `early`, from _compute_early, is the first where speed_now took it before the memory check, else the
+    two are COMPUTE_PAUSE_S apart), and each key whose two readings fall beyond COMPUTE_TOLERANCE of its own
     minutes' on the same side has its per-unit term scaled by the reading nearer its own
     (hardware/profile.scale_compute_keys), slower or faster; a reading beyond BANDWIDTH_SWING of them is taken a
-    third time after SWING_PAUSE_S. A VM's cores change speed for minutes with
-    its neighbours, and a profile carries the speed of the minutes it was measured in: on 2 Zen 3 cores
-    (2026-12-01) SmolLM2's default 512-token TTFT took 0.67-0.82 s from one minute to the next where the profile
-    priced 0.55, and a quick profile measured in a slow minute priced `make run` at 127 tok/s where it ran
-    173-218 (bandwidth_now, which caps faster memory readings at the profile's median minute, could not lift it).
+    third time after SWING_PAUSE_S. A VM's cores change speed for minutes with its neighbours, and a profile
+    carries the speed of the minutes it was measured in: on 2 Zen 3 cores (2026-12-01) the int4 kernel at
+    SmolLM2's widths took 6.5-7.5 ps a multiply-add in one minute and 9.8-11.3 a few minutes later, and SmolLM2's
+    default 512-token TTFT 0.67-0.82 s from one minute to the next where a profile of a faster minute priced 0.55.
     Readings taken while other processes took more than contention.CONTENDED_SHARE of the cores are not applied
     (a note says so). TIERED_COMPUTE_CHECK=0 turns the check off, as does TIERED_BANDWIDTH_CHECK=0."""
-    if "0" in (os.environ.get("TIERED_COMPUTE_CHECK", "1"), os.environ.get("TIERED_BANDWIDTH_CHECK", "1")) \
-            or hw.meta.get("cpu_compute_ratios") is not None or not (hw.meta.get("compute_probe") or {}).get("seconds"):
+    if not _compute_checked(hw):
         return hw
     from tiered.hardware.profile import scale_compute_keys
     from tiered.hardware.profiler import ComputeProbe
 
-    reading = contention.start()
     ratios, times = None, "twice"
     try:
-        probe = ComputeProbe()
-        first = _compute_reading(hw, probe)
+        if early is not None:
+            probe, first, reading = early
+        else:
+            reading, probe = contention.start(), ComputeProbe()
+            first = _compute_reading(hw, probe)
+            time.sleep(COMPUTE_PAUSE_S)
         second = _compute_reading(hw, probe) if first is not None else None
         if first is not None and second is not None:
             ratios = {k: _agreeing(first[k], second[k], tolerance=COMPUTE_TOLERANCE) for k in first}
@@ -146,12 +173,11 @@ def compute_now(hw: HardwareProfile) -> HardwareProfile:
 
 def _compute_reading(hw: HardwareProfile, probe) -> dict[str, float] | None:
     """One reading of compute_now: each key's median ratio (hardware/profiler.cpu_compute_ratios) over
-    COMPUTE_SAMPLES timings of `probe`, each after COMPUTE_PAUSE_S."""
+    COMPUTE_SAMPLES timings of `probe`, back to back."""
     from tiered.hardware.profiler import cpu_compute_ratios
 
     samples = []
     for _ in range(COMPUTE_SAMPLES):
-        time.sleep(COMPUTE_PAUSE_S)
         ratios = cpu_compute_ratios(hw, probe)
         if ratios is None:
             return None
