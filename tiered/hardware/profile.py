@@ -159,16 +159,33 @@ def scale_compute_keys(profile: HardwareProfile, ratios: dict[str, float], why: 
     Raises:
         ValueError: a ratio is not positive.
     """
+    _check_ratios(ratios, "compute")
+    models = _betas_scaled(profile.models, profile.models, ratios, set(ratios))
+    meta = _with_note(dict(profile.meta, cpu_compute_ratios={k: round(r, 4) for k, r in ratios.items()}), profile, why)
+    return replace(profile, models=models, meta=meta)
+
+
+def _check_ratios(ratios: dict[str, float], what: str) -> None:
+    """Raises ValueError where a speed ratio is not positive."""
     if any(not r > 0 for r in ratios.values()):
-        raise ValueError(f"compute ratios must be positive, got {ratios}")
-    models = dict(profile.models)
-    for k in set(ratios) & set(models):
-        m = models[k]
-        models[k] = LinearModel(m.alpha, m.beta * ratios[k], m.r2)
-    meta = dict(profile.meta, cpu_compute_ratios={k: round(r, 4) for k, r in ratios.items()})
+        raise ValueError(f"{what} ratios must be positive, got {ratios}")
+
+
+def _betas_scaled(base: dict, measured: dict, ratios: dict[str, float], keys: set) -> dict:
+    """`base`'s models with each of `keys` that `measured` has replaced by its measured model with the per-unit
+    term multiplied by its ratio (1 where `ratios` has none)."""
+    models = dict(base)
+    for k in keys & set(measured):
+        m = measured[k]
+        models[k] = LinearModel(m.alpha, m.beta * ratios.get(k, 1.0), m.r2)
+    return models
+
+
+def _with_note(meta: dict, profile: HardwareProfile, why: str) -> dict:
+    """`meta` with meta["notes"] `profile`'s notes and `why`, where given."""
     if why:
         meta["notes"] = list(profile.meta.get("notes", [])) + [why]
-    return replace(profile, models=models, meta=meta)
+    return meta
 
 
 def scale_cpu_keys(profile: HardwareProfile, ratios: dict[str, float], why: str = "") -> HardwareProfile:
@@ -181,17 +198,12 @@ def scale_cpu_keys(profile: HardwareProfile, ratios: dict[str, float], why: str 
     Raises:
         ValueError: a ratio is not positive.
     """
-    if any(not r > 0 for r in ratios.values()):
-        raise ValueError(f"bandwidth ratios must be positive, got {ratios}")
+    _check_ratios(ratios, "bandwidth")
     rest = ratios.get("*")
     base = scale_cpu_bandwidth(profile, rest) if rest is not None else profile
-    models = dict(base.models)
     probed = set((profile.meta.get("probe") or {}).get("seconds", {})) | (set(ratios) - {"*"})
-    for k in probed & set(profile.models):  # each probed key by its own ratio alone (1: kept as measured)
-        m = profile.models[k]
-        models[k] = LinearModel(m.alpha, m.beta * ratios.get(k, 1.0), m.r2)
-    meta = dict(base.meta, cpu_bandwidth_ratio=rest if rest is not None else 1.0,
-                cpu_key_ratios={k: round(r, 4) for k, r in ratios.items()})
-    if why:
-        meta["notes"] = list(profile.meta.get("notes", [])) + [why]
+    # each probed key by its own ratio alone (1: kept as measured)
+    models = _betas_scaled(base.models, profile.models, ratios, probed)
+    meta = _with_note(dict(base.meta, cpu_bandwidth_ratio=rest if rest is not None else 1.0,
+                           cpu_key_ratios={k: round(r, 4) for k, r in ratios.items()}), profile, why)
     return replace(profile, models=models, meta=meta)

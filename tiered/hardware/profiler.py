@@ -368,7 +368,7 @@ class _Bench:
         where it ran 2.8. Not torch's bf16 GEMM keys on a CPU without a bf16 GEMM (`_upcast_gemm`): each call
         converts its weight there, so their points lie on no line of MACs, and convert/cpu/bf16 prices them."""
         try:
-            self.read_compute(key)
+            before = self.read_compute(key)
             best = None
             runs = 1 + (STALL_RETRIES if key.startswith(RETIMED_KEYS) and not _upcast_gemm(key) else 0)
             stall_r2 = GEMM_STALL_R2 if key.startswith(GEMM_KEYS) else STALL_R2
@@ -393,7 +393,7 @@ class _Bench:
                                   f"best fit kept (R^2 {r2:.3f})")
             if probe is not None:
                 self.probes[key] = probe
-            self.read_compute(key)
+            self.keep_compute(key, before + self.read_compute(key))
             if key.startswith(SECOND_PASS_KEYS):
                 self.deferred[key] = (fn, [self.points[key]])
         except Exception as e:  # a kernel this torch build or device lacks: note it, keep going
@@ -403,28 +403,29 @@ class _Bench:
         """Time the SECOND_PASS_KEYS measured so far once more (a timing that fails, or times other points, is
         left out)."""
         for key, (fn, runs) in self.deferred.items():
-            readings = len(self.compute_seconds.get(key, ()))
-            self.read_compute(key)
+            before = self.read_compute(key)
             try:
                 points = fn()
             except Exception:  # noqa: BLE001  (the other timings stand)
-                del self.compute_seconds.get(key, [])[readings:]
                 continue
-            self.read_compute(key)
             if [n for n, _ in points] == [n for n, _ in runs[0]]:
                 runs.append(points)
-            else:
-                del self.compute_seconds.get(key, [])[readings:]
+                self.keep_compute(key, before + self.read_compute(key))
 
-    def read_compute(self, key: str) -> None:
+    def read_compute(self, key: str) -> list[float]:
         """A reading of the compute-speed probe (ComputeProbe) beside `key`'s timing, where `key` is compute-bound
-        (COMPUTE_KEYS) and the probe was built; a reading that fails is left out."""
+        (COMPUTE_KEYS) and the probe was built: [seconds], or [] (none, or it failed)."""
         if self.compute is None or not key.startswith(COMPUTE_KEYS):
-            return
+            return []
         try:
-            self.compute_seconds.setdefault(key, []).append(self.compute.seconds())
+            return [self.compute.seconds()]
         except Exception:  # noqa: BLE001  (the key stands; planning then leaves it as measured)
-            pass
+            return []
+
+    def keep_compute(self, key: str, readings: list[float]) -> None:
+        """`readings` (read_compute's, around one timing of `key` that stands) into compute_seconds."""
+        if readings:
+            self.compute_seconds.setdefault(key, []).extend(readings)
 
     def settle(self) -> None:
         """Fit each of the SECOND_PASS_KEYS timed more than once on its points' medians over its timings (`again`),
@@ -2008,7 +2009,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     if b.probes:  # the memory-speed probe's seconds beside each CPU GEMV key (Probe)
         meta["probe"] = {"shape": list(PROBE_SHAPE), "bytes": b.probe.nbytes, "seconds": dict(b.probes)}
     b.probe = None  # its copies' memory back before the profile is returned
-    seconds = {k: float(np.median(v)) for k, v in b.compute_seconds.items() if v and k in b.models}
+    seconds = {k: float(np.median(v)) for k, v in b.compute_seconds.items()}
     if seconds:  # the compute-speed probe's median reading around each compute-bound key (ComputeProbe)
         meta["compute_probe"] = {"shapes": [list(s) for s in COMPUTE_PROBE_SHAPES], "seconds": seconds}
     b.compute = None

@@ -138,18 +138,17 @@ def compute_now(hw: HardwareProfile, early=None) -> HardwareProfile:
     if not _compute_checked(hw):
         return hw
     from tiered.hardware.profile import scale_compute_keys
-    from tiered.hardware.profiler import ComputeProbe
 
+    if early is None:  # the first reading now, the second COMPUTE_PAUSE_S later
+        early = _compute_early(hw)
+        if early is None:
+            return hw
+        time.sleep(COMPUTE_PAUSE_S)
+    probe, first, reading = early
     ratios, times = None, "twice"
     try:
-        if early is not None:
-            probe, first, reading = early
-        else:
-            reading, probe = contention.start(), ComputeProbe()
-            first = _compute_reading(hw, probe)
-            time.sleep(COMPUTE_PAUSE_S)
-        second = _compute_reading(hw, probe) if first is not None else None
-        if first is not None and second is not None:
+        second = _compute_reading(hw, probe)
+        if second is not None:
             ratios = {k: _agreeing(first[k], second[k], tolerance=COMPUTE_TOLERANCE) for k in first}
             if any(r is not None and _beyond_swing(r) for r in ratios.values()):
                 third, times = _read_again(lambda: _compute_reading(hw, probe)), "three times"
