@@ -64,7 +64,8 @@ def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float
     delivers them. The floor binds where the GEMV fit was timed on weights a large last-level cache
     partly holds (the profiler rotates CPU GEMVs over 64 MiB): on the H200's 16-core Xeon host the
     bf16 GEMV fit runs at 93 GB/s against 84 GB/s for a plain read; on 2 cores the GEMV is the
-    slower of the two and the floor never binds.
+    slower of the two and the floor never binds. A routed expert's weights beyond the cache, where
+    expert_dram is profiled, are floored by that rate instead (dram_floor).
 
     Bandwidth models price bytes by their per-byte term alone: their points are reads of 8-512 MiB,
     and an intercept fitted to them is noise that, charged to every small read, once priced
@@ -91,12 +92,13 @@ def memory_time(profile: HardwareProfile, device: str, dtype: str, nbytes: float
     """
     m = find(profile, op, device, dtype)
     bw = profile.models.get(f"memory/bandwidth/{device}")
-    floor = max(bw.beta if bw is not None else 0.0,
-                dram_floor(profile, device, working_set, dtype if op == "gemv" else None, expert))
+    kernel = find(profile, "expert_dram", device, dtype) if expert and op == "gemv" else None
+    floor = dram_floor(profile, device, working_set, dtype if op == "gemv" else None, expert)
+    if kernel is None or not beyond_cache(profile, working_set):  # (beyond it, the expert kernel's own stream)
+        floor = max(bw.beta if bw is not None else 0.0, floor)
     if m is None:  # a read's time is its bytes at the memory's rate (bandwidth fits' intercepts are noise)
         return nbytes * floor
     t = max(m(nbytes) - (0.0 if intercept or nbytes <= 0 else m.alpha), nbytes * floor)
-    kernel = find(profile, "expert_dram", device, dtype) if expert and op == "gemv" else None
     if kernel is None:
         return t
     own = nbytes * max(floor, kernel.beta)  # the expert kernel's own stream, no faster than the memory
@@ -120,15 +122,21 @@ def dram_floor(profile: HardwareProfile, device: str, working_set: float, dtype:
     `expert`'s weights, expert_dram/<dev>/<dtype> where profiled (the native expert kernel on
     experts of real width in huge pages, as the runtime holds them: on the H100's 16-core host the
     decode GEMV over 8-32 MiB matrices read 69 GB/s where a Mixtral expert streamed ~90, and the
-    plans priced each CPU expert 5.1 ms against 3.9 measured). Else 0 (the cache may serve it)."""
+    plans priced each CPU expert 5.1 ms against 3.9 measured). Else 0 (the cache may serve it).
+
+    An expert's weights, where expert_dram is profiled, are floored by that rate alone: the plain reads (torch's
+    sum over huge pages) are another kernel's stream, and the expert key times the runtime's own. On 2 Zen 3 cores
+    (2026-12-01) they read 21.5 GB/s where the native expert streamed 26.9, and as the floor they priced the
+    all-in-RAM MoE's decode 13% slow (median of 8 rounds alternated with its measurement; 7% fast without it).
+    A dense step keeps both floors: there SmolLM2's bf16 and fp32 decode streamed at about the plain reads' rate
+    (gemv_dram's 8-32 MiB matrices read 28.6), and priced by gemv_dram alone its rows went 7-8% -> 10-12% off."""
     if not beyond_cache(profile, working_set):
         return 0.0
+    kernel = find(profile, "expert_dram", device, dtype) if dtype and expert else None
+    if kernel is not None:
+        return kernel.beta
     dram = profile.models.get(f"memory/bandwidth_dram/{device}")
-    kernel = None
-    if dtype and expert:
-        kernel = find(profile, "expert_dram", device, dtype)
-    if dtype and kernel is None:
-        kernel = find(profile, "gemv_dram", device, dtype)
+    kernel = find(profile, "gemv_dram", device, dtype) if dtype else None
     return max(m.beta for m in (dram, kernel, LinearModel(0.0, 0.0, None)) if m is not None)
 
 

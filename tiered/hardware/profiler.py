@@ -795,7 +795,8 @@ def _expert_rows_int4q8_points(repeats: int, cold_bytes: int | None) -> list[tup
 EXPERT_DRAM_SHAPES = ((1024, 3584), (2048, 7168), (4096, 14336))
 
 
-def _expert_dram_points(repeats: int, cold_bytes: int, shapes=EXPERT_DRAM_SHAPES) -> list[tuple[float, float]]:
+def _expert_dram_points(repeats: int, cold_bytes: int, shapes=EXPERT_DRAM_SHAPES,
+                        probe: Probe | None = None) -> list[tuple[float, float]]:
     """(weight bytes, seconds a call) of tiered's native bf16 SwiGLU expert at one row (a decode step's CPU
     expert: quant/experts.ExpertFormat.forward), for experts of `shapes` (hidden, intermediate), each
     cycled over copies filling `cold_bytes` (beyond the last-level cache) carved from one HostSlab (page-
@@ -804,6 +805,13 @@ def _expert_dram_points(repeats: int, cold_bytes: int, shapes=EXPERT_DRAM_SHAPES
     H100's 16-core host the decode GEMV's DRAM rate (gemv_dram/cpu/bf16, 8-32 MiB matrices) read 69 GB/s
     where a Mixtral expert streamed ~90 (its weights pinned: 98.7; pageable 82.8), so the plans priced a
     CPU expert 5.1 ms against 3.9 measured and copied misses a CPU would have finished first.
+
+    `probe` (Probe), where given, is timed among the shapes (its median into probe.last), as _gemm_points
+    does for the GEMV keys: the key carries the memory's speed of its minutes (meta["probe"]), and
+    planning scales it by the speed now (planner/auto.bandwidth_now). On 2 Zen 3 cores (2026-12-01) a
+    profile timed it at 20.4 GB/s in a slow minute, and the all-in-RAM MoE's decode, 2 x 22 MiB experts
+    a layer, was priced 19.9 ms a token against 14.9-17.5 measured minutes later: only a slower memory
+    moved it (the probes' median ratio).
 
     Raises RuntimeError without the kernels."""
     ext = kernels.load()
@@ -817,7 +825,10 @@ def _expert_dram_points(repeats: int, cold_bytes: int, shapes=EXPERT_DRAM_SHAPES
         turn, x = itertools.cycle(slots), torch.randn(1, D).to(torch.bfloat16)
         calls.append(lambda turn=turn, x=x: ext.bf16_expert_forward(*next(turn), x))
         sizes.append(float(nbytes))
-    return list(zip(sizes, median_times(calls, repeats)))
+    times = median_times(calls + ([probe.fn] if probe is not None else []), repeats)
+    if probe is not None:
+        probe.last = times.pop()
+    return list(zip(sizes, times))
 
 
 def _host_share(cold_bytes: int, seconds: float, hidden: int = 4096, ffn: int = 14336,
@@ -1780,7 +1791,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 38: meta["compute_probe"]: a compute-speed probe (ComputeProbe: the int4 and bf16 row kernels on weights the caches
 # hold) timed around each compute-bound key (COMPUTE_KEYS), so that planning scales each by the cores' speed now
 # against its own minutes' (planner/auto.compute_now), as meta["probe"] does the GEMV keys by the memory's.
-PROFILER_VERSION = 38
+# 39: the memory-speed probe is also timed among expert_dram/cpu/bf16's samples (_expert_dram_points), which
+# then follows the memory's speed now as the GEMV keys do: timed in a slow minute (20.4 GB/s where the kernel
+# streamed 25-30 in others) it priced the all-in-RAM MoE's decode 20-34% slow on 2 Zen 3 cores.
+PROFILER_VERSION = 39
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -1914,7 +1928,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
                 b.attempt(f"gemv_dram/cpu/{dtype}", lambda d=dtype: _gemm_points(
                     "cpu", d, dram_gemvs, nosync, max(3, r // 2), True, cold_bytes=3 * llc, probe=pr))
             # the native bf16 expert at one row over experts of real width, as a CPU expert streams them
-            b.attempt("expert_dram/cpu/bf16", lambda: _expert_dram_points(max(3, r // 2), 3 * llc))
+            b.attempt("expert_dram/cpu/bf16", lambda: _expert_dram_points(max(3, r // 2), 3 * llc, probe=pr))
             for kv in ("bf16", "fp32"):  # the native step's attention over a cache in DRAM
                 b.attempt(f"attn_decode/cpu/{kv}", lambda k=kv: _attn_decode_points(k, r))
     if kernels.available():  # ... and over a prompt's own keys, as rows of the step
