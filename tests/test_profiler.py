@@ -1170,7 +1170,8 @@ def test_the_probe_is_timed_among_the_cpu_experts_samples():
     """expert_dram/cpu/bf16 (the native expert from DRAM, which prices an all-in-RAM MoE's decode experts) carries
     the memory-speed probe of its minutes like every GEMV key: _expert_dram_points times the probe among its
     shapes and leaves its median in probe.last; the key's points are the experts' alone. Without it a profile
-    timed in a slow minute priced that MoE's decode 20-34% slow on 2 Zen 3 cores (2026-12-01)."""
+    timed in a slow minute priced that MoE's decode 13-34% slow on 2 Zen 3 cores (2026-12-01; 8 rounds, each priced,
+    then measured)."""
     from types import SimpleNamespace
 
     from tiered.hardware import profiler

@@ -1793,7 +1793,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # against its own minutes' (planner/auto.compute_now), as meta["probe"] does the GEMV keys by the memory's.
 # 39: the memory-speed probe is also timed among expert_dram/cpu/bf16's samples (_expert_dram_points), which
 # then follows the memory's speed now as the GEMV keys do: timed in a slow minute (20.4 GB/s where the kernel
-# streamed 25-30 in others) it priced the all-in-RAM MoE's decode 20-34% slow on 2 Zen 3 cores.
+# streamed 25-30 in others) it priced the all-in-RAM MoE's decode 13-34% slow on 2 Zen 3 cores (8 rounds, each
+# priced, then measured).
 PROFILER_VERSION = 39
 
 
