@@ -218,6 +218,16 @@ class Probe:
         self._keep = modules
 
 
+def probed_times(fns: list[Callable[[], object]], repeats: int, probe: Probe | None,
+                 sync: Callable[[], None] = lambda: None) -> list[float]:
+    """median_times of `fns` with `probe`'s call (Probe, None: none) interleaved among their samples, its median
+    left in probe.last: a key's timings carrying the memory's speed of their minutes. Returns `fns`' times alone."""
+    times = median_times(list(fns) + ([probe.fn] if probe is not None else []), repeats, sync)
+    if probe is not None:
+        probe.last = times.pop()
+    return times
+
+
 # The compute-speed probe: tiered's int4 kernel on int8 rows and its bf16 row kernel, each on a weight the caches
 # hold: (rows, K in, N out, kernel). ~0.8 ms a reading's call on 2 Zen 3 cores.
 COMPUTE_PROBE_SHAPES = ((64, 576, 1536, "int4q8"), (16, 512, 1024, "bf16"))
@@ -631,10 +641,7 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
         else:
             points.append((n, median_time(call, repeats, sync)))
     if cpu_calls:
-        fns = [fn for _, fn in cpu_calls] + ([probe.fn] if probe is not None else [])
-        times = median_times(fns, repeats, sync)
-        if probe is not None:
-            probe.last = times.pop()
+        times = probed_times([fn for _, fn in cpu_calls], repeats, probe, sync)
         points = list(zip((n for n, _ in cpu_calls), times))
     return points
 
@@ -825,10 +832,7 @@ def _expert_dram_points(repeats: int, cold_bytes: int, shapes=EXPERT_DRAM_SHAPES
         turn, x = itertools.cycle(slots), torch.randn(1, D).to(torch.bfloat16)
         calls.append(lambda turn=turn, x=x: ext.bf16_expert_forward(*next(turn), x))
         sizes.append(float(nbytes))
-    times = median_times(calls + ([probe.fn] if probe is not None else []), repeats)
-    if probe is not None:
-        probe.last = times.pop()
-    return list(zip(sizes, times))
+    return list(zip(sizes, probed_times(calls, repeats, probe)))
 
 
 def _host_share(cold_bytes: int, seconds: float, hidden: int = 4096, ffn: int = 14336,
@@ -1260,9 +1264,7 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
         sizes.append(nbytes)
         keep.append(model)
     with torch.inference_mode():
-        times = median_times(calls + ([probe.fn] if probe is not None else []), repeats)
-    if probe is not None:
-        probe.last = times.pop()
+        times = probed_times(calls, repeats, probe)
     return [(float(n), max(t / DECODE_LAYER_RUN - layer_code, 1e-9)) for n, t in zip(sizes, times)]
 
 
