@@ -41,6 +41,61 @@ def test_fit_affine_never_returns_a_negative_intercept():
         fit_affine([], [])
 
 
+@pytest.mark.parametrize("n", [1, 1000, (1 << 16) + 7, 3 * (1 << 16) + 5])
+def test_fill_random_fills_every_element_with_normal_draws(n):
+    from tiered.hardware.profiler import RANDOM_BLOCK, fill_random_, random_normal
+
+    t = torch.full((n,), float("nan"))
+    g = torch.Generator().manual_seed(3)
+    fill_random_(t, 0.5, g)
+    assert torch.isfinite(t).all()  # the doubling copies reached the tail
+    block = min(n, RANDOM_BLOCK)
+    assert torch.equal(t[:block], torch.randn(block, generator=torch.Generator().manual_seed(3)).mul_(0.5))
+    if n > RANDOM_BLOCK:  # the block repeated through the rest
+        assert torch.equal(t[RANDOM_BLOCK:2 * RANDOM_BLOCK][:n - RANDOM_BLOCK], t[:min(RANDOM_BLOCK, n - RANDOM_BLOCK)])
+    if n >= 1000:
+        assert 0.45 < float(t.std()) < 0.55
+    w = random_normal(64, 300)
+    assert w.shape == (64, 300) and w.dtype == torch.float32 and w.is_contiguous()
+    assert 0.015 < float(w.std()) < 0.025
+
+
+def test_module_copies_hold_memory_of_their_own():
+    from tiered.hardware.profiler import _module_copies
+
+    template = torch.nn.Linear(8, 4, bias=True)
+    copies = _module_copies(template, 3)
+    assert len(copies) == 3 and all(c is not template for c in copies)
+    ptrs = {template.weight.data_ptr()} | {c.weight.data_ptr() for c in copies}
+    assert len(ptrs) == 4  # every copy streams its own bytes
+    assert all(torch.equal(c.weight, template.weight) and torch.equal(c.bias, template.bias) for c in copies)
+
+
+def test_a_meta_build_skips_parameter_init_and_a_cpu_build_keeps_it():
+    from torch import nn
+
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.models import build_model
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    linear_init, embedding_init = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    calls = []
+    nn.Linear.reset_parameters = lambda self: calls.append(self)
+    try:
+        with torch.device("meta"):
+            build_model(cfg, 8)
+        assert calls == []  # skipped on the meta device ...
+        assert nn.Linear.reset_parameters is not linear_init  # ... and the class's own method put back
+        build_model(cfg, 8)
+        assert len(calls) == 2 * 7 + 1  # on the CPU each projection and the head initialized as before
+    finally:
+        nn.Linear.reset_parameters = linear_init
+    assert nn.Embedding.reset_parameters is embedding_init
+    model = build_model(cfg, 8)
+    assert all(float(m.weight.detach().abs().sum()) > 0 for m in model.modules() if type(m) is nn.Linear)
+
+
 def test_median_time_is_positive():
     assert median_time(lambda: sum(range(100)), 3) > 0
 

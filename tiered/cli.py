@@ -653,7 +653,7 @@ def trace_cmd(
 @app.command()
 @friendly_errors
 def profile(
-    quick: bool = typer.Option(False, "--quick", help="A short run (~20 s) instead of the full one (~2 min)."),
+    quick: bool = typer.Option(False, "--quick", help="A short run (~1 min on 2 cores) instead of the full one (~1.5 min)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where to save the JSON (default: the user cache directory)."),
     presets: bool = typer.Option(False, "--presets", help="List the presets for machines we do not have, and exit."),
     preset: Optional[str] = typer.Option(None, "--preset", help="Print one preset's cost models, and exit."),

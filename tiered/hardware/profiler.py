@@ -205,9 +205,11 @@ class Probe:
 
     def __init__(self, llc: int) -> None:
         (T, K, N), cold = PROBE_SHAPE, min(3 * llc, PROBE_MAX_COLD_BYTES)
-        w = torch.randn(N, K).mul_(0.02)  # fp32 (each copy its own bf16 memory); freed before the huge-page move
         copies = max(2, -(-cold // (K * N * 2)))
-        modules = [_native_gemv_module("bf16", w)[0] for _ in range(copies)]
+        # fill_random_'s values: every engine builds this probe at planning (randn over the whole 4096 x 4096
+        # took 0.15 s of it on 2 Zen 3 cores)
+        w = random_normal(N, K)
+        modules = _module_copies(_native_gemv_module("bf16", w)[0], copies)
         del w
         move_to_huge_pages(torch.nn.ModuleList(modules))
         turn = itertools.cycle([_native_gemv("bf16", m) for m in modules])
@@ -500,6 +502,18 @@ def _native_gemv_module(dtype: str, w: torch.Tensor):
     return Int8Linear.from_dense(w), 1 + 2 / w.shape[1]
 
 
+def _module_copies(template, count: int) -> list:
+    """`count` copies of the module `template` (copy.deepcopy: every tensor cloned into memory of its own), what the
+    profiler cycles over so that each call reads its weight from memory no cache holds. `template` must hold no
+    native Kernel yet (those do not copy): the caller keeps it apart from its kernels. Cloning costs a memcpy
+    where building each copy again (_native_gemv_module) quantized its weight anew: the quick profile's int4
+    decode_rows timing spent 5 of its 6 s quantizing 21 copies of a 4096 x 4096 weight (2 Zen 3 cores,
+    2026-12-01). The kernels' speed does not depend on the weights' values."""
+    import copy
+
+    return [copy.deepcopy(template) for _ in range(count)]
+
+
 def _native_gemv(dtype: str, module):
     """The native Kernel the CPU decode step calls for `module` (_native_gemv_module's)."""
     if dtype == "int4q8":  # on int8 activations at every row count: routed int4 experts at batch 1
@@ -554,8 +568,54 @@ def _cuda_int8_kernel(w: torch.Tensor):
 def random_expert(hidden: int, ffn: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
     """One bf16 SwiGLU expert of small random weights (N(0, 0.02^2)): gate [ffn, hidden], up [ffn, hidden],
     down [hidden, ffn], what the profiler's and benchmarks' expert timings run on."""
-    return tuple((torch.randn(*sh, generator=generator) * 0.02).to(torch.bfloat16)
+    return tuple(random_normal(*sh, generator=generator).to(torch.bfloat16)
                  for sh in ((ffn, hidden), (ffn, hidden), (hidden, ffn)))
+
+
+RANDOM_BLOCK = 1 << 16  # distinct draws of fill_random_ / random_normal
+
+
+def fill_random_(t: torch.Tensor, std: float = 0.02, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill the contiguous tensor `t` in place with N(0, std^2) values: RANDOM_BLOCK draws (fewer for a smaller
+    tensor) repeated through it, by doubling copies. What the profiler's operands hold: a kernel's time depends on
+    its operands' memory, not their values, and drawing every element took most of some keys' setup on 2 Zen 3
+    cores (2026-12-01: runtime/decode_layer/int4's model init 3.2 s, attn_decode's caches 1.9 s, expert_dram's
+    experts 1.7 s). Returns `t`."""
+    flat = t.view(-1)
+    n = flat.numel()
+    if n:
+        flat[:min(n, RANDOM_BLOCK)].copy_(torch.randn(min(n, RANDOM_BLOCK), generator=generator).mul_(std))
+    done = min(n, RANDOM_BLOCK)
+    while done < n:
+        k = min(done, n - done)
+        flat[done:done + k].copy_(flat[:k])
+        done += k
+    return t
+
+
+def random_normal(*shape: int, std: float = 0.02, generator: torch.Generator | None = None) -> torch.Tensor:
+    """fp32 [shape] of N(0, std^2) values (fill_random_)."""
+    return fill_random_(torch.empty(shape), std, generator)
+
+
+def _random_model(cfg, positions: int):
+    """models.build_model(cfg, positions) in eval mode on the CPU with values fit to time it: built on the meta
+    device (no init), then every parameter given memory and fill_random_'s values (norm weights 1), the
+    rotary tables computed. nn.Linear's own init took 3.2 s of runtime/decode_layer/int4's setup."""
+    from tiered.models import build_model
+    from tiered.models.layers import Rotary
+
+    with torch.device("meta"):
+        model = build_model(cfg, positions)
+    model = model.to_empty(device="cpu").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.fill_(1.0)
+            else:
+                fill_random_(p, 1.0 if "embed" in name else 0.02)
+    model.rotary = Rotary(cfg, positions)
+    return model
 
 
 def cold_copies(cold_bytes: int, nbytes: int) -> int:
@@ -615,19 +675,24 @@ def _gemm_points(device: str, dtype: str, shapes, sync, repeats: int, by_bytes: 
     cpu_calls: list[tuple[float, Callable[[], object]]] = []  # (n, one call) per shape, timed together
     points: list[tuple[float, float]] = []  # GPU: (n, seconds) per shape
     native = _native_gemv_format(device, dtype, by_bytes)
+    # (N, K) -> the native module of one random weight of that shape, never given a kernel: each shape's copies
+    templates: dict[tuple[int, int], tuple] = {}
     for T, K, N in shapes:
-        w = torch.randn(N, K) * 0.02
         if native:  # the module first: its copies join it in one huge-page arena before any kernel is made
-            first, bpe = _native_gemv_module(dtype, w)
+            if (N, K) not in templates:
+                templates[N, K] = _native_gemv_module(dtype, random_normal(N, K))
+            template, bpe = templates[N, K]
             xdtype = torch.float32
         else:
+            w = random_normal(N, K)
             fn, xdtype, bpe = _linear_kernel(device, dtype, w, gemv=by_bytes)
         dev = "cuda" if device == "gpu" else "cpu"
         x = (torch.randint(-8, 8, (T, K), dtype=torch.int8) if xdtype == torch.int8 else torch.randn(T, K)).to(dev, xdtype)
         need = -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(K * N * bpe))
         copies = need if device == "cpu" and (by_bytes or cold_bytes) else 1
         if native:
-            modules = [first] + [_native_gemv_module(dtype, w)[0] for _ in range(copies - 1)]
+            # every shape its own copies (each cycled on its own: a shape never reads the copy another just read)
+            modules = _module_copies(template, copies)
             if copies > 1:  # the copies in one huge-page arena, as a CPU-only engine holds its decode copies
                 move_to_huge_pages(torch.nn.ModuleList(modules))
             fns = [_native_gemv(dtype, m) for m in modules]
@@ -709,7 +774,7 @@ def _gemm_rows_points(dtype: str, shapes, repeats: int, cold_bytes: int | None) 
     g = torch.Generator().manual_seed(0)
     calls, sizes = [], []
     for N, K in shapes:
-        w = (torch.randn(N, K, generator=g) * 0.02).to(td)
+        w = random_normal(N, K, generator=g).to(td)
         nbytes = N * K * w.element_size()
         turn = _cold_turn(w, cold_bytes)
         x = torch.randn(GEMM_ROWS, K, generator=g).to(td)
@@ -738,7 +803,7 @@ def _convert_points(shapes, repeats: int, cold_bytes: int | None) -> list[tuple[
     g = torch.Generator().manual_seed(0)
     calls, sizes = [], []
     for N, K in shapes:
-        w = (torch.randn(N, K, generator=g) * 0.02).to(torch.bfloat16)
+        w = random_normal(N, K, generator=g).to(torch.bfloat16)
         turn = _cold_turn(w, cold_bytes)
         calls.append(lambda turn=turn: next(turn).float())
         sizes.append(float(N * K))
@@ -926,7 +991,6 @@ def _attn_decode_points(kv: str, repeats: int) -> list[tuple[float, float]]:
     quick profile): it priced SmolLM2's default decode at 640 positions 2.5x slow."""
     from tiered.checkpoint.model_config import ModelConfig
     from tiered.memory import sizes
-    from tiered.models import build_model
     from tiered.models.layers import KVCache
     from tiered.runtime.cpu_decode import CPUDecodeStep
 
@@ -935,11 +999,11 @@ def _attn_decode_points(kv: str, repeats: int) -> list[tuple[float, float]]:
                       num_hidden_layers=ATTN_DECODE_LAYERS, num_attention_heads=12, num_key_value_heads=4,
                       head_dim=64)
     for ctx in ATTN_DECODE_CONTEXTS:
-        model = build_model(cfg, ctx + 1).eval()
+        model = _random_model(cfg, ctx + 1)
         step = CPUDecodeStep(model, native=True)
         cache = KVCache(cfg, ATTN_DECODE_SLOTS, ctx + 1, sizes.torch_dtype(kv))
-        cache.k.normal_()
-        cache.v.normal_()
+        fill_random_(cache.k, 1.0)
+        fill_random_(cache.v, 1.0)
         ids, pos = torch.tensor([[1]]), torch.tensor([[ctx]])
         turn = itertools.cycle([torch.tensor([s]) for s in range(ATTN_DECODE_SLOTS)])
         calls.append(lambda step=step, ids=ids, pos=pos, turn=turn, cache=cache: step(ids, pos, next(turn), cache))
@@ -957,13 +1021,12 @@ def _attn_rows_model(kv: str, slots: int, positions: int):
     """(CPUDecodeStep, KVCache of `slots` x `positions` in `kv`) of _attn_rows_points' attention-only model (12
     query heads on 4 KV heads of 64, hidden 64, ATTN_ROWS_LAYERS layers) in the native step."""
     from tiered.checkpoint.model_config import ModelConfig
-    from tiered.models import build_model
     from tiered.models.layers import KVCache
     from tiered.runtime.cpu_decode import CPUDecodeStep
 
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64,
                       num_hidden_layers=ATTN_ROWS_LAYERS, num_attention_heads=12, num_key_value_heads=4, head_dim=64)
-    return CPUDecodeStep(build_model(cfg, positions).eval(), native=True), KVCache(cfg, slots, positions, torch_dtype(kv))
+    return CPUDecodeStep(_random_model(cfg, positions), native=True), KVCache(cfg, slots, positions, torch_dtype(kv))
 
 
 def attention_rows_call(kv: str, tokens: int, causal: bool = True) -> Callable[[], object]:
@@ -1101,7 +1164,6 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
         RuntimeError: `graphed` and the graphs could not be captured (the reason is in the message).
     """
     from tiered.checkpoint.model_config import ModelConfig
-    from tiered.models import build_model
     from tiered.models.layers import KVCache, Rotary
     from tiered.quant.linear import install_decode_weights
     from tiered.runtime.cpu_decode import CPUDecodeStep
@@ -1113,7 +1175,7 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
     for layers in (2, 4, 8):
         cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-        model = build_model(cfg, 64).eval()
+        model = _random_model(cfg, 64)
         if cuda:  # as the engine: weights in `dtype`, RoPE tables fp32, q/k/v and gate/up fused
             from tiered.runtime.install import fuse_projections
 
@@ -1165,11 +1227,10 @@ def _int4_dense_step(cfg, positions: int):
     """(model, CPUDecodeStep) of the dense model `cfg` with the engine's int4 decode copies (tiled, on int8 rows,
     q/k/v and gate/up fused) as its projections' one copy (a GGUF's), in one huge-page arena, in the native step;
     rotary tables for `positions`."""
-    from tiered.models import build_model
     from tiered.quant.linear import PhaseLinear, install_decode_weights
     from tiered.runtime.cpu_decode import CPUDecodeStep
 
-    model = build_model(cfg, positions).eval()
+    model = _random_model(cfg, positions)
     install_decode_weights(model, _NoCheckpoint(), "int4", 8, int4_layout="tiled", batch_act="q8")
     for m in model.modules():  # one copy, as the engine keeps a GGUF's projections: the int4 copies alone
         if isinstance(m, PhaseLinear):
@@ -1828,7 +1889,8 @@ def profile_machine(quick: bool = True, disk_dir: str | Path | None = None, cuda
     """Measure this machine and fit its HardwareProfile.
 
     Args:
-        quick: a short run (~20 s on 2 cores; fewer sizes, 3 repeats) instead of the full one (~2 min).
+        quick: a short run (58 s on 2 Zen 3 cores, 2026-12-01; fewer sizes, 5 repeats) instead of the
+            full one (98 s there).
         disk_dir: where to write the temporary file for disk timings (default: the temp dir).
         cuda: profile the GPU too; None = when torch.cuda.is_available().
         threads: CPU threads for torch during the run (restored after); None = torch's current
