@@ -1223,18 +1223,30 @@ def _dense_config(shape, layers: int):
                        num_attention_heads=H, num_key_value_heads=Hkv, head_dim=64)
 
 
-def _int4_dense_step(cfg, positions: int):
+def _int4_dense_step(cfg, positions: int, distinct: int | None = None):
     """(model, CPUDecodeStep) of the dense model `cfg` with the engine's int4 decode copies (tiled, on int8 rows,
     q/k/v and gate/up fused) as its projections' one copy (a GGUF's), in one huge-page arena, in the native step;
-    rotary tables for `positions`."""
+    rotary tables for `positions`. `distinct`: quantize that many layers only and make the others copies of them
+    (copy.deepcopy: memory of their own), for timings that only need the layers' bytes apart (_decode_layer_points:
+    quantizing its 40 layers in fp32 took ~3 s of the quick profile)."""
+    import copy
+    from dataclasses import replace
+
     from tiered.quant.linear import PhaseLinear, install_decode_weights
     from tiered.runtime.cpu_decode import CPUDecodeStep
 
-    model = _random_model(cfg, positions)
+    layers = cfg.num_hidden_layers
+    distinct = min(distinct or layers, layers)
+    model = _random_model(replace(cfg, num_hidden_layers=distinct), positions)
     install_decode_weights(model, _NoCheckpoint(), "int4", 8, int4_layout="tiled", batch_act="q8")
     for m in model.modules():  # one copy, as the engine keeps a GGUF's projections: the int4 copies alone
         if isinstance(m, PhaseLinear):
             m.weight = None
+    for i in range(distinct, layers):  # before any kernel holds them (kernels do not copy)
+        layer = copy.deepcopy(model.model.layers[i % distinct])
+        layer.self_attn.layer_idx = i
+        model.model.layers.append(layer)
+    model.config = cfg
     move_to_huge_pages(model)
     return model, CPUDecodeStep(model, native=True)
 
@@ -1311,7 +1323,7 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
         nbytes = (cfg.attention_weight_elements() + 3 * D * F_) * bytes_per_element("int4")
         runs = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * nbytes)))
         cfg = replace(cfg, num_hidden_layers=runs * DECODE_LAYER_RUN)
-        model, step = _int4_dense_step(cfg, 64)
+        model, step = _int4_dense_step(cfg, 64, distinct=DECODE_LAYER_RUN)
         cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")  # the default plan's cache beside fp32 activations
         x, p, slots = torch.randn(1, D), torch.tensor([32]), torch.tensor([0])
         cos, sin = model.rotary.cos[p], model.rotary.sin[p]
