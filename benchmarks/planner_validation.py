@@ -173,7 +173,7 @@ def main() -> None:
                Column("predicted TTFT s", "predicted_ttft_s", "{:.3f}"),
                Column("measured TTFT s", "measured_ttft_s", "{:.3f}"),
                Column("TTFT error", "ttft_error", "{:.0%}"),
-               Column("speed at planning (memory, cores)", "speed")]
+               Column("speed at planning (memory, cores; disk reads)", "speed")]
     notes = [f"Profile `{hw.name}` ({hw.source})."] + [r.pop("note") for r in rows if "note" in r] + \
         [f"Median absolute error over all per-layer and end-to-end comparisons: **{med:.0%}** (target < 20%)."]
     ttft_errors = [r["ttft_error"] for r in rows if r.get("ttft_error") is not None]
@@ -222,15 +222,23 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
     cpu_mem = int(ckpt_bytes / 3.2)
     from dataclasses import replace
     # the disk reads as the engine prices them when its plan reads experts from disk (hardware/disk_reads):
-    # timed on the checkpoint's own expert reads, one reader and the runtime's two
+    # timed on the checkpoint's own expert reads, one reader and the runtime's two; again before each row that
+    # reads experts from disk, as the memory's and the cores' speed are read before each row: this VM's disk read
+    # a checkpoint's experts at 0.36 GB/s at one run's start and 0.61-0.78 in five fits minutes later
+    # (2026-12-02), and that run's three disk rows, priced with the first, came out 20-86% slow
     ck = open_checkpoint(model)
-    reads = fit_expert_reads(ck, ck.config, torch.bfloat16)
-    par_reads = fit_expert_reads(ck, ck.config, torch.bfloat16, readers=DISK_READERS)
+
+    def disk_fit(hw):
+        reads = fit_expert_reads(ck, ck.config, torch.bfloat16)
+        par_reads = fit_expert_reads(ck, ck.config, torch.bfloat16, readers=DISK_READERS)
+        return replace(hw, models={**hw.models, "disk/read_cold": reads, "disk/read_cold_parallel": par_reads})
+
     hw_disk_beta = hw.models["disk/read_cold"].beta
+    hw = disk_fit(hw)
+    reads, par_reads = hw.models["disk/read_cold"], hw.models["disk/read_cold_parallel"]
     print(f"disk/read_cold: profile {1 / hw_disk_beta / 1e9:.2f} GB/s, this checkpoint's expert reads "
           f"{1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s (R^2 {reads.r2:.2f}), {DISK_READERS} readers "
           f"{1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s (R^2 {par_reads.r2:.2f}); using the latter", flush=True)
-    hw = replace(hw, models={**hw.models, "disk/read_cold": reads, "disk/read_cold_parallel": par_reads})
     # explicit placements (plan="off"): this validates the timing model, not the planner's choices
     base = dict(dtype="bfloat16", decode_weights="bf16", accelerator="none", trace=True, max_context=256, plan="off")
     plans = {
@@ -244,6 +252,8 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
     }
     popularity = None
     for name, cfg in plans.items():
+        if cfg.cpu_memory is not None:  # a row that reads experts from disk: the disk's speed of this moment too
+            hw = disk_fit(hw)
         now = speed_now(hw)  # as the engine plans: the memory's and the cores' speed of this moment
         m = measure(model, cfg, prompt, args.new_tokens, files)
         if popularity is None:  # the first row's expert profile prices the TTFT row below
@@ -261,7 +271,8 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
         errors.append(e2e_err)
         rows.append({"plan": name, "predicted_step_s": step, "measured_itl_s": m["itl_s"], "e2e_error": e2e_err,
                      "layer_median_error": median([p["error"] for p in per_layer]), "layers": per_layer,
-                     "hit_rate": m["hit_rate"], "instrumented_itl_s": m["instrumented_itl_s"], "speed": speed_found(now)})
+                     "hit_rate": m["hit_rate"], "instrumented_itl_s": m["instrumented_itl_s"],
+                     "speed": speed_found(now) + (f"; disk {disk_rates(now)}" if cfg.cpu_memory is not None else "")})
         print(f"{name}: predicted {step * 1e3:.1f} ms/token, measured {m['itl_s'] * 1e3:.1f} ms "
               f"({e2e_err:.0%}); per-layer median error {rows[-1]['layer_median_error']:.0%}", flush=True)
     # the time to first token of the all-in-RAM placement (no disk in it) against cpu_predict.predict_prefill: an
@@ -286,6 +297,12 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
                        f"{1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s; the profiler's fresh temp file read at "
                        f"{1 / hw_disk_beta / 1e9:.2f} GB/s), and so was disk/read_cold_parallel, {DISK_READERS} readers at "
                        f"once as read-ahead issues them ({1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s).")
+
+
+def disk_rates(hw) -> str:
+    """The expert reads' rates `hw` prices with, one reader and DISK_READERS, e.g. "0.65 / 1.21 GB/s (1 / 2 readers)"."""
+    rate = lambda key: 1 / max(hw.models[key].beta, 1e-15) / 1e9  # noqa: E731
+    return f"{rate('disk/read_cold'):.2f} / {rate('disk/read_cold_parallel'):.2f} GB/s (1 / {DISK_READERS} readers)"
 
 
 def speed_found(hw) -> str:
