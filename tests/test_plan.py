@@ -853,6 +853,53 @@ def test_prefill_attention_is_priced_by_its_own_key_in_the_activations_dtype():
     assert predict_prefill(small, slow, "bf16", 256, act_dtype="fp32") > base  # the fp32 SDPA, not the bf16 GEMM
 
 
+def test_a_cpu_plan_attends_prompts_in_the_kv_caches_bf16_where_that_is_priced_faster():
+    """latency_cpu.prompt_attention: fp32 activations over a bf16 KV cache (lossy decode copies) attend a prompt in
+    bf16 where attn_prefill/cpu/bf16 prices the plan's prompt below attn_prefill/cpu/fp32 (AVX-512 BF16 / AMX),
+    and the plan's TTFT prices that attention; where the bf16 key is the slower (AVX2), where the cache is fp32
+    (the lossless mode), for latent attention (its own code) or without both keys, the activations' dtype."""
+    from dataclasses import replace
+
+    from tiered.planner.cpu_predict import predict_prefill
+
+    small = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 1000, "hidden_size": 256,
+                                 "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2})
+    base = cpu_only_profile()
+
+    def profile(bf16: float | None, fp32: float | None = 2e-11) -> HardwareProfile:
+        keys = {"gemm/cpu/fp32": LinearModel(0.0, 1e-11, 1.0), "gemv/cpu/fp32": LinearModel(0.0, 5e-11, 1.0),
+                "gemv/cpu/int4": LinearModel(0.0, 5e-11, 1.0), "gemm/cpu/int4": LinearModel(0.0, 1e-11, 1.0),
+                "attn/cpu/fp32": LinearModel(0.0, 1e-10, 1.0)}
+        for d, beta in (("bf16", bf16), ("fp32", fp32)):
+            if beta is not None:
+                keys[f"attn_prefill/cpu/{d}"] = LinearModel(1e-5, beta, 1.0)
+        return replace(base, models={**base.models, **keys})
+
+    def plan(hw, cfg=small, precision="int4"):
+        return make_plan(cfg, hw, prompt_tokens=512, precision=precision, weights_format="fp32", dense_copies=False)
+
+    fast = plan(profile(5e-12))
+    assert fast.dtypes["kv_cache"] == "bf16" and fast.dtypes["prompt_attention"] == "bf16"
+    assert fast.predicted_ttft_s == pytest.approx(predict_prefill(
+        small, profile(5e-12), "int4", 512, None, experts_dtype="fp32", act_dtype="fp32", experts_format="fp32",
+        chunk=fast.prefill_chunk, attn_dtype="bf16"))
+    assert fast.predicted_ttft_s < predict_prefill(  # fp32's SDPA at 4x bf16's time a multiply-add
+        small, profile(5e-12), "int4", 512, None, experts_dtype="fp32", act_dtype="fp32", experts_format="fp32",
+        chunk=fast.prefill_chunk)
+    assert "prompt_attention bf16" in fast.render()
+    assert plan(profile(5e-11)).dtypes["prompt_attention"] == "fp32"  # bf16 the slower (no bf16 compute)
+    assert plan(profile(5e-12), precision="fp32").dtypes["prompt_attention"] == "fp32"  # an fp32 cache: lossless
+    assert plan(profile(None)).dtypes["prompt_attention"] == "fp32"  # no bf16 key: nothing to compare
+    mla = ModelConfig.from_hf({"model_type": "deepseek_v2", "vocab_size": 1000, "hidden_size": 256,
+                               "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 4, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
+                               "qk_nope_head_dim": 32, "v_head_dim": 32, "q_lora_rank": None,
+                               "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                               "first_k_dense_replace": 1})
+    assert mla.is_mla and plan(profile(5e-12), cfg=mla).dtypes["prompt_attention"] == "fp32"
+
+
 def test_prompt_gemms_on_big_weights_are_priced_by_gemm_big():
     """The GEMM fit is timed on 2-4 MiB weights; a call over BIG_GEMM_BYTES or more of weights is
     priced by gemm_big's line (timed on 32-112 MiB FFN matrices), slower or faster than the fit (the

@@ -572,6 +572,55 @@ def test_a_servers_step_is_priced_on_the_activations_its_int4_rows_read(zoo, box
     assert q8.predicted_decode_tokens_per_s == bf16.predicted_decode_tokens_per_s  # one row reads bf16
 
 
+def test_prompts_attend_in_the_plans_format_and_decode_steps_as_before(zoo, box, tmp_path, monkeypatch):
+    """Plan.dtypes["prompt_attention"] reaches the model (runtime/install -> models/layers.set_prompt_attention):
+    with int4 decode copies (fp32 activations, a bf16 KV cache) and a profile pricing torch's bf16 attention
+    below its fp32 one, the prompt's forward attends in bf16 over the cache as held, its decode steps and the
+    lossless scoring (an fp32 cache) in fp32; the logits stay within bf16 rounding of the fp32 attention's.
+    A profile pricing bf16 the slower keeps every step in fp32."""
+    from tiered.models import layers
+
+    hw = HardwareProfile.load(box)
+
+    def engine(bf16: float) -> LLM:
+        m = dict(hw.models, **{"gemv/cpu/int4": LinearModel(0.0, 5e-11, 1.0),
+                               "gemm/cpu/int4": LinearModel(1e-5, 2e-11, 1.0),
+                               "attn_prefill/cpu/fp32": LinearModel(1e-5, 2e-11, 1.0),
+                               "attn_prefill/cpu/bf16": LinearModel(1e-5, bf16, 1.0)})
+        path = tmp_path / f"attn{bf16}.json"
+        HardwareProfile("attn", "test", m, hw.gpu_memory, hw.cpu_memory).save(path)
+        return LLM(zoo.dir("llama"), EngineConfig(accelerator="none", max_context=CTX, profile=str(path),
+                                                  decode_weights="int4"))
+
+    seen = []
+    real = layers.attend
+    monkeypatch.setattr(layers, "attend", lambda q, k, *a: seen.append((q.shape[2], q.dtype, k.dtype)) or
+                        real(q, k, *a))
+    ids = torch.randint(2, zoo.vocab_size, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    fast, slow = engine(5e-12), engine(5e-11)
+    assert (fast.plan.dtypes["prompt_attention"], slow.plan.dtypes["prompt_attention"]) == ("bf16", "fp32")
+    assert fast.plan.dtypes["kv_cache"] == "bf16" and fast.dtype == torch.float32
+    seen.clear()
+    got = fast.logits(ids, lossless=False)  # one forward of the prompt over the plan's cache
+    assert {s for s in seen} == {(len(ids), torch.bfloat16, torch.bfloat16)}
+    seen.clear()
+    ref = slow.logits(ids, lossless=False)
+    assert {s for s in seen} == {(len(ids), torch.float32, torch.float32)}
+    # bf16 rounds the queries and the probabilities to 2^-9; the tiny random model's logits moved 3.1% (max
+    # over the vocabulary, relative to the largest), as far from the lossless fp32 cache's as the fp32 attention's
+    lossless = slow.logits(ids)
+    assert 0 < rel_err(got, ref) < 6e-2 and rel_err(got, lossless) < 1.5 * rel_err(ref, lossless)
+    seen.clear()
+    fast.logits(ids)  # lossless: an fp32 cache, attended in fp32
+    assert {s[1:] for s in seen} == {(torch.float32, torch.float32)}
+    with monkeypatch.context() as m:  # the modules' decode steps (not the native step's rows)
+        m.setattr(fast.plan, "mixed_rows", 0)
+        seen.clear()
+        fast.generate([ids], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert (len(ids), torch.bfloat16, torch.bfloat16) in seen
+    assert all(q_dtype == torch.float32 for T, q_dtype, _ in seen if T == 1)
+
+
 # ------------------------------------------------------------------ the CLI
 def test_run_prints_the_plan_and_its_prediction(zoo, box):
     path = zoo.dir("llama")

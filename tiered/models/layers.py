@@ -238,6 +238,21 @@ class KVCache:
         return ck[meta.slots, :, :S], cv[meta.slots, :, :S]
 
 
+def set_prompt_attention(model: nn.Module, dtype: torch.dtype | None) -> int:
+    """Make every Attention layer of `model` attend steps of 2+ tokens (prompts, prefill chunks) in `dtype`
+    where the KV cache holds its keys and values in it (Attention.prompt_dtype; None: in the activations'
+    dtype, as before). The plan's choice (Plan.dtypes["prompt_attention"], planner/latency_cpu.prompt_attention):
+    fp32 activations over a bf16 KV cache attend in bf16, the queries rounded to bf16 and the keys and values
+    read as cached instead of upcast, where torch's bf16 attention is the faster (AVX-512 BF16 / AMX). On 2
+    Sapphire Rapids cores SmolLM2's default 512-token prompt took 161 ms against 206 (2026-12-02). A step
+    whose cache is in another format (LLM.logits' lossless fp32 cache) is untouched. Returns the layers set."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.prompt_dtype, n = dtype, n + 1
+    return n
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
            scale: float, gqa: bool) -> torch.Tensor:
     """torch's scaled_dot_product_attention, without the cuDNN backend on CUDA.
@@ -322,6 +337,9 @@ class Attention(nn.Module):
         self.local_window = config.local_window if layer_idx in config.local_layers else None
         self.scale = hd ** -0.5
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_qkv's (weight, bias)
+        # steps of 2+ tokens attend in this dtype where the KV cache holds it (Plan.dtypes["prompt_attention"],
+        # set_prompt_attention); None: in the activations' dtype
+        self.prompt_dtype: torch.dtype | None = None
 
     def fuse_qkv(self) -> bool:
         """Compute q, k and v with one GEMM: their weights (and biases) concatenated into one tensor
@@ -367,10 +385,13 @@ class Attention(nn.Module):
         """q [B, H, T, hd] and k [B, Hkv, T, hd] rotated, v [B, T, Hkv, hd]: write this step's k/v,
         attend over the cache, project out -> [B, T, D]."""
         k, v = cache.update(self.layer_idx, k, v.transpose(1, 2), meta)  # (B, Hkv, S, hd)
-        if k.dtype != q.dtype:  # an fp8 / other KV cache format
-            k, v = k.to(q.dtype), v.to(q.dtype)
         mask, causal = (meta.mask, meta.causal) if self.local_window is None else window_mask(meta, self.local_window)
-        out = self.attend(q, k, v, mask, causal)
+        if T > 1 and k.dtype == self.prompt_dtype and q.dtype != k.dtype:  # a prompt in the cache's format
+            out = self.attend(q.to(k.dtype), k, v, mask, causal).to(q.dtype)
+        else:
+            if k.dtype != q.dtype:  # an fp8 / other KV cache format
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            out = self.attend(q, k, v, mask, causal)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
 
     def attend(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:

@@ -625,7 +625,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                     experts_dtype: str | None = None, act_dtype: str | None = None,
                     experts_format: str | None = None, read_ahead: bool = True, readers: int = 2,
                     task_overhead: float | None = None, batch_act: str = "bf16", popularity=None,
-                    chunk: int = 0, ffn_only: bool = False) -> float:
+                    chunk: int = 0, ffn_only: bool = False, attn_dtype: str | None = None) -> float:
     """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
 
     `ffn_only`: the seconds of its FFNs alone (each layer's dense FFN, or MoE block: router, shared expert,
@@ -666,7 +666,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     `experts_dtype`: the dtype expert GEMMs of more than 8 rows compute in (None = `dtype`): the
     activations' (quant/experts.ExpertFormat.forward converts or dequantizes the expert's weights to
     it once per call), whatever format the experts are stored in. `act_dtype`: the activations'
-    dtype, which the attention runs in (None = `dtype`), priced by op_time.prefill_attention_time.
+    dtype, which the attention runs in (None = `dtype`), priced by op_time.prefill_attention_time; `attn_dtype`
+    the attention's where the plan has it attend in another (Plan.dtypes["prompt_attention"]).
     `experts_format`: the experts' stored format (None = the experts' compute dtype): bf16 ones run
     torch's GEMMs past their native rows (expert_native_rows), priced by torch_gemm_time; quantized ones
     their native kernels or dequantized GEMMs, as the runtime runs them (prompt_expert_time, int4 rows on
@@ -795,7 +796,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     if ffn_only:
         return sum(bodies[T] for T, _ in forwards)
     return sum(bodies[T] + cfg.num_hidden_layers * op_time.prefill_attention_time(
-        hw, "cpu", act_dtype or dtype, prefill_attention_pairs(T, past) * attn_macs, past=past > 0)
+        hw, "cpu", attn_dtype or act_dtype or dtype, prefill_attention_pairs(T, past) * attn_macs, past=past > 0)
         for T, past in forwards)
 
 

@@ -63,7 +63,11 @@ class Plan:
                                              "experts", "kv_cache", "decode" (decode-copy format,
                                              "none" = no copies), "lm_head" (its decode copy's
                                              format where it differs from `precision`: a GGUF
-                                             file's Q8_0 embedding); decode_threshold: steps of at
+                                             file's Q8_0 embedding), "prompt_attention" (a CPU
+                                             plan's: what steps of 2+ tokens attend in through
+                                             the modules, the KV cache's bf16 where faster than
+                                             the fp32 activations': latency_cpu.prompt_attention);
+                                             decode_threshold: steps of at
                                              most this many rows use the decode copies; int4_layout:
                                              their int4 layout ("tiled": tiered's kernels, "cpu":
                                              torch's int4pack); batch_act:

@@ -89,6 +89,12 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
             from tiered.runtime.cpu_decode import cast_bf16_linears
 
             cast_bf16_linears(model)  # (on 2 Zen 3 cores SmolLM2's 512-token bf16 prompt: 5.8 s in torch's bf16 GEMM)
+    prompt = plan.dtypes.get("prompt_attention")
+    if prompt and prompt != plan.dtypes.get("weights"):  # prompts attend in the KV cache's format
+        from tiered.memory.sizes import torch_dtype
+        from tiered.models.layers import set_prompt_attention
+
+        set_prompt_attention(model, torch_dtype(prompt))
     if plan.cpu_decode_step and accelerator is None and not trace:  # the trace wants the modules' spans
         from tiered.runtime.cpu_decode import CPUDecodeStep
         rt.cpu_decode = CPUDecodeStep(model, native=plan.native_decode)
