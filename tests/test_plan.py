@@ -1119,3 +1119,28 @@ def test_mixed_rows_follow_the_isa_and_whether_prompt_rows_dequantize():
     assert mixed_rows("avx512", "bf16", None) == MIXED_ROWS["avx512"]["bf16"]  # bf16 rows: the table
     assert mixed_rows("avx2", "q8", None) == MIXED_ROWS["avx2"]["q8"]  # AVX2's own measurement
     assert mixed_rows(None, "q8", None) == 0
+
+
+def test_16_bit_weights_join_the_native_steps_rows_for_few_tokens_where_the_cpu_has_a_bf16_gemm(monkeypatch):
+    """planner/auto.planned_mixed_rows: where the step's projections are bf16 / fp16 and the CPU has a bf16 GEMM
+    (oneDNN on AVX-512 BF16 / AMX), prompts join the native step as rows up to MIXED_ROWS_BF16_GEMM tokens (its
+    bf16 row kernel ~10x the GEMM's time a multiply-add there: SmolLM2's 96-token bf16 prompt 128 ms as rows, 50
+    through the modules); int4 / int8 / fp32 steps, and CPUs without a bf16 GEMM, keep the ISA's rows; no kernels
+    or an accelerator, none."""
+    from tiered.hardware import cpu_gemm
+    from tiered.planner import auto
+
+    monkeypatch.setattr(auto.kernels, "available", lambda: True)
+    monkeypatch.setattr(auto.kernels, "isa", lambda: "avx512")
+    monkeypatch.setattr(auto, "dequantize_rows", lambda act: 96)
+    isa_rows = auto.mixed_rows("avx512", "q8", 96)
+    assert isa_rows > auto.MIXED_ROWS_BF16_GEMM
+    for native, expected in ((True, auto.MIXED_ROWS_BF16_GEMM), (False, isa_rows)):
+        monkeypatch.setattr(cpu_gemm, "bf16_gemm_native", lambda n=native: n)
+        assert auto.planned_mixed_rows(MIXTRAL, None, "q8", "bf16") == expected
+        assert auto.planned_mixed_rows(MIXTRAL, None, "q8", "fp16") == expected
+        for fmt in ("int4", "int8", "fp32", None):
+            assert auto.planned_mixed_rows(MIXTRAL, None, "q8", fmt) == isa_rows
+    assert auto.planned_mixed_rows(MIXTRAL, object(), "q8", "bf16") == 0  # an accelerator: no native step
+    monkeypatch.setattr(auto.kernels, "available", lambda: False)
+    assert auto.planned_mixed_rows(MIXTRAL, None, "q8", "bf16") == 0

@@ -621,6 +621,26 @@ def test_prompts_attend_in_the_plans_format_and_decode_steps_as_before(zoo, box,
     assert all(q_dtype == torch.float32 for T, q_dtype, _ in seen if T == 1)
 
 
+def test_a_bf16_engines_prompts_join_the_native_step_for_few_tokens_where_the_cpu_has_a_bf16_gemm(zoo, box,
+                                                                                                   monkeypatch):
+    """The engine hands planned_mixed_rows the format its step's projections hold: a bf16 engine's plan (auto or
+    the rules) joins prompts as rows up to MIXED_ROWS_BF16_GEMM where the CPU has a bf16 GEMM, an fp32 one keeps
+    the ISA's rows."""
+    from tiered import kernels
+    from tiered.hardware import cpu_gemm
+    from tiered.planner import auto
+
+    if not kernels.available():
+        pytest.skip("no native kernels: no native step to join")
+    monkeypatch.setattr(cpu_gemm, "bf16_gemm_native", lambda: True)
+    isa_rows = auto.mixed_rows(kernels.isa(), "q8", auto.dequantize_rows("q8"))
+    for plan in ("auto", "off"):
+        kw = dict(accelerator="none", max_context=CTX, plan=plan, profile=box if plan == "auto" else None)
+        bf16 = LLM(zoo.dir("llama"), EngineConfig(dtype="bfloat16", decode_weights="bf16", **kw)).plan
+        fp32 = LLM(zoo.dir("llama"), EngineConfig(dtype="float32", decode_weights="fp32", **kw)).plan
+        assert bf16.mixed_rows == min(isa_rows, auto.MIXED_ROWS_BF16_GEMM) and fp32.mixed_rows >= isa_rows
+
+
 # ------------------------------------------------------------------ the CLI
 def test_run_prints_the_plan_and_its_prediction(zoo, box):
     path = zoo.dir("llama")

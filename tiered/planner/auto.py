@@ -564,17 +564,34 @@ MIXED_ROWS = {"avx512": {"q8": 96, "bf16": 48}, "avx2": {"q8": 192, "bf16": 192}
 MIXED_ROWS_UNDEQUANTIZED = 256
 
 
-def planned_mixed_rows(cfg: ModelConfig, accelerator, batch_act: str) -> int:
+# prompt rows of 16-bit weights (bf16 / fp16: the native step's bf16 row kernel, ~10 ps a multiply-add on 2 AMX cores)
+# where the CPU has a bf16 GEMM of its own (oneDNN on AVX-512 BF16 / AMX: ~1 ps): on 2 Sapphire Rapids cores
+# (2026-12-02, medians of 3, alternated) SmolLM2 in bf16 took 18 / 29 / 50 / 88 / 128 ms as rows at 8 / 16 / 32 / 64
+# / 96 tokens against 29 / 30 / 33 / 42 / 50 through the modules, and the 8-layer Mixtral-width bf16 dummy 58 / 76 /
+# 95 / 118 / 261 ms at 8 / 16 / 24 / 32 / 64 against 64 / 80 / 92 / 96 / 124: the MIXED_ROWS tables (int4 rows on
+# int8 activations) had run both as rows up to 96 tokens
+MIXED_ROWS_BF16_GEMM = 16
+
+
+def planned_mixed_rows(cfg: ModelConfig, accelerator, batch_act: str, rows_format: str | None = None) -> int:
     """Plan.mixed_rows of an engine on this machine: `mixed_rows` for its kernels' ISA, `batch_act` and where its
     int8 prompt rows dequantize (quant/int4.dequantize_rows("q8")) when it decodes on the CPU in the native step
     (no accelerator, tiered/kernels built: Plan.native_decode); 0 otherwise. MoE models too: the step runs a
     prompt's rows through its MoE blocks (or their modules) as a prefill does, grouped by expert, and their
     attention natively. On 2 Zen 3 cores (2026-12-01, the Qwen3-30B-A3B-width 8-layer Q4_0 file, alternated) a
     prompt as rows took 0.80-0.97x the modules' prefill at 16-512 tokens (171 against 215 ms at 32, 3.19 against
-    3.57 s at 512), the same first tokens."""
+    3.57 s at 512), the same first tokens. `rows_format`: the format the step's projections hold (its decode
+    copies', else the weights'): bf16 / fp16 ones on a CPU with a bf16 GEMM (hardware/cpu_gemm.bf16_gemm_native)
+    join as rows up to MIXED_ROWS_BF16_GEMM tokens at most."""
     if accelerator is not None or not kernels.available():
         return 0
-    return mixed_rows(kernels.isa(), batch_act, dequantize_rows("q8"))
+    rows = mixed_rows(kernels.isa(), batch_act, dequantize_rows("q8"))
+    if rows_format in ("bf16", "fp16"):
+        from tiered.hardware.cpu_gemm import bf16_gemm_native
+
+        if bf16_gemm_native():
+            rows = min(rows, MIXED_ROWS_BF16_GEMM)
+    return rows
 
 
 def mixed_rows(isa: str | None, batch_act: str, dequantize: int | None = 0) -> int:
@@ -659,7 +676,8 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
         plan.dtypes["decode"], plan.dense_copies = decode_format, dense_copies
         plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
         plan.batch_act, plan.expert_act = batch_activations(ec, cfg), expert_activations(ec)
-        plan.mixed_rows = planned_mixed_rows(cfg, accelerator, plan.batch_act)
+        plan.mixed_rows = planned_mixed_rows(cfg, accelerator, plan.batch_act,
+                                             decode_precision if decode_format != "none" else weights_format)
         # its decode steps as CUDA graphs, as make_plan settles an auto plan's (a model wholly on
         # the GPU as one graph, an offloading plan with attention on the GPU piecewise)
         return settle_gpu_decode(plan, cfg, graphs_allowed(ec, accelerator)), None, None
@@ -684,7 +702,8 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                 expert_act=expert_activations(ec), batch_act=batch_act,
                 graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
                 prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None,
-                mixed_rows=planned_mixed_rows(cfg, accelerator, batch_act),
+                mixed_rows=planned_mixed_rows(cfg, accelerator, batch_act,
+                                              decode_precision if decode_format != "none" else weights_format),
                 workspace=None if accelerator is None else
                 sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()))
     plan = make_plan(cfg, profile, **args)
