@@ -668,6 +668,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
     """engine_plan's "auto" (the planner) and "off" (the runtime's rules) cases: (plan, profile, make_plan's
     arguments), the last two None for the rules."""
     gpu = accelerator.budget.capacity if accelerator is not None else None
+    step_format = decode_precision if decode_format != "none" else weights_format  # what the native step's rows run
     if ec.plan == "off":
         from tiered.planner.rules import rules_plan
         plan = rules_plan(cfg, ec, accelerator, model_name=model_name, max_context=max_context,
@@ -676,8 +677,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
         plan.dtypes["decode"], plan.dense_copies = decode_format, dense_copies
         plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
         plan.batch_act, plan.expert_act = batch_activations(ec, cfg), expert_activations(ec)
-        plan.mixed_rows = planned_mixed_rows(cfg, accelerator, plan.batch_act,
-                                             decode_precision if decode_format != "none" else weights_format)
+        plan.mixed_rows = planned_mixed_rows(cfg, accelerator, plan.batch_act, step_format)
         # its decode steps as CUDA graphs, as make_plan settles an auto plan's (a model wholly on
         # the GPU as one graph, an offloading plan with attention on the GPU piecewise)
         return settle_gpu_decode(plan, cfg, graphs_allowed(ec, accelerator)), None, None
@@ -702,8 +702,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                 expert_act=expert_activations(ec), batch_act=batch_act,
                 graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
                 prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None,
-                mixed_rows=planned_mixed_rows(cfg, accelerator, batch_act,
-                                              decode_precision if decode_format != "none" else weights_format),
+                mixed_rows=planned_mixed_rows(cfg, accelerator, batch_act, step_format),
                 workspace=None if accelerator is None else
                 sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()))
     plan = make_plan(cfg, profile, **args)
