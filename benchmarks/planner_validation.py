@@ -222,23 +222,21 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
     cpu_mem = int(ckpt_bytes / 3.2)
     from dataclasses import replace
     # the disk reads as the engine prices them when its plan reads experts from disk (hardware/disk_reads):
-    # timed on the checkpoint's own expert reads, one reader and the runtime's two; again before each row that
+    # timed on the checkpoint's own expert reads, one reader and the runtime's two, right before each row that
     # reads experts from disk, as the memory's and the cores' speed are read before each row: this VM's disk read
     # a checkpoint's experts at 0.36 GB/s at one run's start and 0.61-0.78 in five fits minutes later
     # (2026-12-02), and that run's three disk rows, priced with the first, came out 20-86% slow
     ck = open_checkpoint(model)
+    hw_disk_beta = hw.models["disk/read_cold"].beta
 
     def disk_fit(hw):
         reads = fit_expert_reads(ck, ck.config, torch.bfloat16)
         par_reads = fit_expert_reads(ck, ck.config, torch.bfloat16, readers=DISK_READERS)
+        print(f"disk/read_cold: profile {1 / hw_disk_beta / 1e9:.2f} GB/s, this checkpoint's expert reads "
+              f"{1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s (R^2 {reads.r2:.2f}), {DISK_READERS} readers "
+              f"{1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s (R^2 {par_reads.r2:.2f})", flush=True)
         return replace(hw, models={**hw.models, "disk/read_cold": reads, "disk/read_cold_parallel": par_reads})
 
-    hw_disk_beta = hw.models["disk/read_cold"].beta
-    hw = disk_fit(hw)
-    reads, par_reads = hw.models["disk/read_cold"], hw.models["disk/read_cold_parallel"]
-    print(f"disk/read_cold: profile {1 / hw_disk_beta / 1e9:.2f} GB/s, this checkpoint's expert reads "
-          f"{1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s (R^2 {reads.r2:.2f}), {DISK_READERS} readers "
-          f"{1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s (R^2 {par_reads.r2:.2f}); using the latter", flush=True)
     # explicit placements (plan="off"): this validates the timing model, not the planner's choices
     base = dict(dtype="bfloat16", decode_weights="bf16", accelerator="none", trace=True, max_context=256, plan="off")
     plans = {
@@ -293,10 +291,10 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
           f"({rows[0]['ttft_error']:.0%})", flush=True)
     rows[0]["note"] = (f"MoE: Mixtral-shaped dummy {shape}, bf16; `--cpu-mem` {cpu_mem / 2**20:.0f} MiB where limited. "
                        f"Decode at batch 1, page cache dropped. disk/read_cold timed on the checkpoint's own expert reads, "
-                       f"as the engine does when its plan reads experts from disk (hardware/disk_reads: "
-                       f"{1 / max(reads.beta, 1e-15) / 1e9:.2f} GB/s; the profiler's fresh temp file read at "
-                       f"{1 / hw_disk_beta / 1e9:.2f} GB/s), and so was disk/read_cold_parallel, {DISK_READERS} readers at "
-                       f"once as read-ahead issues them ({1 / max(par_reads.beta, 1e-15) / 1e9:.2f} GB/s).")
+                       f"as the engine does when its plan reads experts from disk (hardware/disk_reads; the profiler's "
+                       f"fresh temp file read at {1 / hw_disk_beta / 1e9:.2f} GB/s), and so was disk/read_cold_parallel, "
+                       f"{DISK_READERS} readers at once as read-ahead issues them: both again right before each row that "
+                       f"reads experts from disk (their rates in its speed column).")
 
 
 def disk_rates(hw) -> str:
