@@ -602,10 +602,10 @@ def test_prompts_attend_in_the_plans_format_and_decode_steps_as_before(zoo, box,
     assert fast.plan.dtypes["kv_cache"] == "bf16" and fast.dtype == torch.float32
     seen.clear()
     got = fast.logits(ids, lossless=False)  # one forward of the prompt over the plan's cache
-    assert {s for s in seen} == {(len(ids), torch.bfloat16, torch.bfloat16)}
+    assert set(seen) == {(len(ids), torch.bfloat16, torch.bfloat16)}
     seen.clear()
     ref = slow.logits(ids, lossless=False)
-    assert {s for s in seen} == {(len(ids), torch.float32, torch.float32)}
+    assert set(seen) == {(len(ids), torch.float32, torch.float32)}
     # bf16 rounds the queries and the probabilities to 2^-9; the tiny random model's logits moved 3.1% (max
     # over the vocabulary, relative to the largest), as far from the lossless fp32 cache's as the fp32 attention's
     lossless = slow.logits(ids)
