@@ -630,6 +630,34 @@ def test_biased_prompt_experts_pay_torchs_glu_only_past_their_native_rows(monkey
     assert predict_prefill(gpt_oss, hw, "fp32", 512, experts_format="mxfp4") > long + 0.1 * MIXTRAL.num_hidden_layers
 
 
+def test_prompt_experts_run_by_torch_pay_its_glu_over_their_rows():
+    """Past the native kernels' rows a CPU expert runs torch's GEMMs (bf16) or dequantized GEMMs (int4), and
+    torch's SiLU and product over its rows' intermediate width between them: priced at runtime/prefill_code's
+    slope per element (the Mixtral-width dummy's 512-token prompt, 16 experts of 512 rows, spent 24 ms of
+    0.193 s there and was priced 0.147 without it). Within the kernels' rows the GLU is fused: no charge."""
+    from tiered.planner.cpu_predict import predict_prefill
+
+    base = {"gemm/cpu/bf16": LinearModel(0.0, 1e-12, 1.0), "gemm/cpu/int4": LinearModel(0.0, 2e-12, 1.0),
+            "gemm/cpu/fp32": LinearModel(0.0, 4e-12, 1.0), "gemv/cpu/bf16": LinearModel(0.0, 1 / 45e9, 1.0),
+            "gemv/cpu/int4q8": LinearModel(0.0, 1 / 30e9, 1.0), "decode_rows/cpu/int4q8": LinearModel(0.0, 4e-12, 1.0)}
+    meta = {"native_kernels": True, "kernel_isa": "avx512", "kernel_tuning": {"bf16_native_rows": 16}}
+
+    def price(beta: float, T: int, fmt: str | None = None) -> float:
+        hw = HardwareProfile("cpu-box", "test", {**base, "runtime/prefill_code/fp32": LinearModel(1e-4, beta, 1.0)},
+                             None, None, meta=meta)
+        return predict_prefill(MIXTRAL, hw, "bf16", T, act_dtype="fp32", experts_format=fmt)
+
+    d, F, k, L = MIXTRAL.hidden_size, MIXTRAL.moe_intermediate_size, MIXTRAL.num_experts_per_tok, 32
+    b = 1e-9
+    code = lambda T: L * b * T * (d + k * d)  # noqa: E731  (the layers' own code over their widths)
+    # 16 tokens: 4 rows an expert, in the native kernel (its GLU fused)
+    assert price(b, 16) - price(0.0, 16) == pytest.approx(code(16))
+    # 1024 tokens: 256 rows an expert, torch's GEMMs and GLU over every routed row's F
+    for fmt in (None, "int4"):
+        # (RowCosts.expected sums a truncated draw: within 0.1%)
+        assert price(b, 1024, fmt) - price(0.0, 1024, fmt) == pytest.approx(code(1024) + L * b * 1024 * k * F, rel=1e-3)
+
+
 def test_a_native_experts_rows_past_the_first_cost_the_profiled_slope():
     """expert_rows/cpu/bf16 (the native bf16 expert at 1-8 rows): a native expert of r rows costs one
     stream of its weights plus r - 1 rows at the key's slope (a 1024 x 3584 expert on 2 Zen 4 cores: 414

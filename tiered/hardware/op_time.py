@@ -286,15 +286,17 @@ def mla_layer_overhead(profile: HardwareProfile) -> float | None:
     return m.beta if m is not None else None
 
 
-def prefill_code_time(profile: HardwareProfile, dtype: str, elements: float) -> float | None:
+def prefill_code_time(profile: HardwareProfile, dtype: str, elements: float, fixed: bool = True) -> float | None:
     """Seconds one layer's own model code takes in a CPU prefill beyond its GEMMs and attention (norms,
     RoPE, SiLU, residual adds, casts, module calls), `elements` = the prompt's tokens x the layer's width
     (hidden + intermediate): runtime/prefill_code/<dtype> (profiler._prefill_code_points; activations in
-    `dtype`, bf16 falling back to fp32 and back). None when not profiled (profiles before version 23)."""
+    `dtype`, bf16 falling back to fp32 and back). `fixed` False: the elements' share alone, without the
+    layer's fixed cost (code a layer runs beside the one priced whole: an expert's GLU in torch). None when
+    not profiled (profiles before version 23)."""
     for d in (dtype, "bf16" if dtype == "fp32" else "fp32"):
         m = profile.models.get(f"runtime/prefill_code/{d}")
         if m is not None:
-            return m(elements)
+            return m(elements) if fixed else m.beta * elements
     return None
 
 

@@ -550,14 +550,16 @@ def kernel_isa(hw: HardwareProfile) -> str | None:
 
 
 def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes: float, macs_per_row: float,
-                       batch_act: str = "bf16", biased: bool = False, working_set: float = 0.0) -> float | None:
+                       batch_act: str = "bf16", biased: bool = False, working_set: float = 0.0,
+                       glu: float = 0.0) -> float | None:
     """Seconds of one CPU expert stored in quantized `kind` ("int4", "mxfp4", "int8-g32", ...: `weight_bytes`
     in all, `macs_per_row` its three projections' multiply-adds a row) over `rows` rows of a prompt, by the
     path the runtime takes there (quant/experts.prompt_rows, on the profiled machine's kernel_isa): the native
     kernel in one call (its weights streamed once, each row past the first at decode_rows' slope, `_gemv`),
     in groups of NATIVE_ROWS rows (the weights streamed once a group), or, past those rows, int4 and mxfp4
     projections dequantized for one GEMM each (gemm/cpu/int4: hardware/profiler.int4_gemm_shapes times that
-    path). int4 rows read `batch_act` activations (Plan.batch_act), mxfp4 ones int8 always; `biased`: gpt-oss's
+    path, plus `glu` seconds: torch's GLU over the rows, ExpertFormat.dequantized's). int4 rows read `batch_act`
+    activations (Plan.batch_act), mxfp4 ones int8 always; `biased`: gpt-oss's
     experts (ModelConfig.expert_bias), never in row groups. None where the profile has no native
     kernels or the path is none of these (a dense kind: native_expert_time / torch_gemm_time). Priced as fp32
     GEMMs before, a gpt-oss-20b-width prompt's mxfp4 experts cost 5.0 s of a 512-token TTFT that took 1.9
@@ -580,7 +582,7 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
         stream = _gemv(hw, key, weight_bytes, calls=3, working_set=working_set, expert=True)
         return calls * stream + (r - calls) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
     if kind in ("int4", "mxfp4") and op_time.find(hw, "gemm", "cpu", "int4") is not None:
-        return op_time.gemm_time(hw, "cpu", "int4", r * macs_per_row, weight_bytes, calls=3)
+        return op_time.gemm_time(hw, "cpu", "int4", r * macs_per_row, weight_bytes, calls=3) + glu
     return None
 
 
@@ -732,10 +734,9 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
         for i in range(cfg.num_hidden_layers):
             is_moe = moe_at[i]
             # the layer's own code (norms, RoPE, SiLU, adds, module calls) over its tokens' widths; an MoE layer's
-            # over its k routed copies of each token (the dispatch's gathers and weighted sums: its experts' SiLU
-            # runs inside their kernels, priced with them) and any shared expert's intermediate rows. With k
-            # intermediate rows instead, a 512-token prompt of the 8-layer Mixtral-width dummy, every expert in
-            # RAM, was priced 0.250 s where it took 0.190 (2 AMX cores, 2026-11-29)
+            # over its k routed copies of each token (the dispatch's gathers and weighted sums; its experts' GLU is
+            # priced with each expert, `expert` below: fused in the kernels, in torch past their rows) and any shared
+            # expert's intermediate rows
             # gpt-oss's biased experts (expert_bias) past their native rows (biased_native_rows) run their clamped GLU
             # and bias columns in torch over each routed row's intermediate width too: ~0.35 s of a 4-layer
             # gpt-oss-20b-width 512-token prompt's 1.85 (2 Sapphire Rapids cores, 2026-11-29); within them the native
@@ -764,14 +765,21 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                 ebytes = 3 * d * F * op_time.bytes_per_element(edt)
 
                 def expert(s: int) -> float:  # one expert of `s` rows, as the runtime computes it
+                    # torch's SiLU and product over the rows' intermediate width where torch runs the expert (the
+                    # kernels fuse them): 1.5 ms of each 512-row expert of the Mixtral-width dummy's prompt, which
+                    # priced its 512-token TTFT 0.147 s where it took 0.193 (2 AMX cores, 2026-12-02); gpt-oss's
+                    # clamped GLU is in the layer's width above
+                    glu = 0.0 if cfg.expert_bias else (op_time.prefill_code_time(
+                        hw, act_dtype or dtype, s * F, fixed=False) or 0.0)
                     quantized = None if stored == edt else prompt_expert_time(
-                        hw, stored, s, eb, 3 * d * F, batch_act, cfg.expert_bias, active_experts * eb * n_moe)
+                        hw, stored, s, eb, 3 * d * F, batch_act, cfg.expert_bias, active_experts * eb * n_moe,
+                        glu=glu)
                     if stored == edt and s <= expert_native_rows(hw, stored):  # tiered's native kernel
                         return native_expert_time(hw, edt, s, ebytes, 3 * d * F)
                     if quantized is not None:  # a quantized format's own kernels, or dequantized GEMMs past them
                         return quantized
                     # torch's GEMMs past the native rows (bf16), or a format without a priced path
-                    return gemm(T, edt, 3 * s * d * F, ebytes, 3, stored == edt)
+                    return gemm(T, edt, 3 * s * d * F, ebytes, 3, stored == edt) + glu
 
                 costs = costs or RowCosts(expert, T)
                 if popularity is not None and np.sum(popularity[i]) > 0:  # the profile's skew
