@@ -191,6 +191,35 @@ def test_plan_takes_a_preset_as_its_profile_and_checks_its_lengths(runner, zoo):
     assert res.exit_code == 2 and "Traceback" not in res.output
 
 
+def test_plan_shows_the_plan_run_applies_to_a_checkpoint(runner, zoo):
+    """`tiered plan --model CKPT` on this machine's kind of profile (no GPU here) is the plan `tiered run` makes
+    for it (LLM.planned: a Q4_0 GGUF's int4 decode copies, fp32 compute, its mixed rows), where it had planned
+    bf16 whatever the file held; --precision plans the asked format instead, and a GPU profile a CPU-only
+    machine cannot run stays make_plan's what-if plan."""
+    from pathlib import Path
+
+    from tiered import LLM
+    from tiered.config import EngineConfig
+    from tiered.planner.auto import decisions
+    from tiered.planner.plan import Plan
+
+    prof = Path(__file__).parents[1] / ("benchmarks/results/sapphire-rapids-2026-12-02/at-1a1d96c/"
+                                          "hardware_profile_this_machine.json")
+    model = str(zoo.gguf("llama", "Q4_0"))
+    out = runner.invoke(app, ["plan", "--model", model, "--profile", str(prof), "--json"])
+    assert out.exit_code == 0, out.output
+    shown = Plan.from_json(out.stdout)
+    llm = LLM(model, EngineConfig(profile=str(prof)))
+    try:
+        assert decisions(shown) == decisions(llm.plan) and shown.precision == "int4" == llm.plan.precision
+    finally:
+        llm.close()
+    asked = runner.invoke(app, ["plan", "--model", model, "--profile", str(prof), "--precision", "bf16", "--json"])
+    assert asked.exit_code == 0 and Plan.from_json(asked.stdout).precision == "bf16", asked.output
+    what_if = runner.invoke(app, ["plan", "--model", model, "--preset", "scheinfer-b", "--gpu-mem", "1GiB"])
+    assert what_if.exit_code == 0 and "priced in bf16" in what_if.output and "tiered run" not in what_if.output
+
+
 def test_settings_without_effect_are_noted(runner, zoo):
     res = runner.invoke(app, ["run", "hi", "--model", str(zoo.dir("llama")), "-n", "2", "--accelerator", "none",
                               "--gpu-mem", "1GB", "--threads", "4096", "--max-context", "100000"])

@@ -680,10 +680,17 @@ def plan(
     goal: str = typer.Option("latency", "--goal", help="latency (one conversation) or throughput (a batch of prompts)."),
     prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", min=1, help="Prompt length to plan for (default 512, at most half the model's positions)."),
     gen_tokens: Optional[int] = typer.Option(None, "--gen-tokens", min=1, help="Tokens generated per prompt (default 128, at most what the positions leave)."),
-    precision: str = typer.Option("bf16", "--precision", help="Weight precision: fp32, bf16, fp16, int8 or int4."),
+    precision: str = typer.Option("auto", "--precision", help="Weight precision: auto (what `tiered run` takes: "
+                                  "for a checkpoint planned on this machine, its own plan; else bf16), fp32, bf16, "
+                                  "fp16, int8 or int4."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (replay it with `run --plan FILE`)."),
 ) -> None:
-    """Plan placement, slicing, dispatch and batch sizes for a model on a machine, predict its speed, and say why."""
+    """Plan placement, slicing, dispatch and batch sizes for a model on a machine, predict its speed, and say why.
+
+    For a checkpoint on this machine (its profile, or a --profile / --preset with a GPU exactly when this machine
+    has one) with the default --precision, --goal and lengths, the plan is the one `tiered run` makes with
+    these budgets (LLM.planned: the engine's own weight, decode-copy and expert formats); otherwise make_plan
+    plans the given precision (auto: bf16) for the lengths asked."""
     from tiered.checkpoint import open_checkpoint
     from tiered.checkpoint.model_config import ModelConfig
     from tiered.hardware.budget import parse_bytes
@@ -691,12 +698,20 @@ def plan(
     from tiered.hardware.profile import HardwareProfile, default_profile_path
     from tiered.planner import make_plan
 
-    if model is not None and model.suffix == ".json" and model.is_file():
+    config_only = model is not None and model.suffix == ".json" and model.is_file()
+    if config_only:
         cfg = ModelConfig.from_hf(json.loads(model.read_text()))
         name = model.parent.name if model.name == "config.json" else model.stem
     else:
         ckpt = open_checkpoint(model)
         cfg, name = ckpt.config, Path(ckpt.path).name
+    given = prompt_tokens is not None or gen_tokens is not None
+    if precision == "auto" and not config_only and goal == "latency" and not given:
+        engine = _run_plan(model, preset or profile_file, gpu_mem, cpu_mem)
+        if engine is not None:
+            typer.echo(engine.to_json() if as_json else engine.render())
+            return
+    precision = "bf16" if precision == "auto" else precision
     if preset:
         hw = get_preset(preset)
     elif profile_file is not None:  # a file or a preset's name, as `run --profile` takes
@@ -710,7 +725,6 @@ def plan(
             raise typer.Exit(2)
         hw = HardwareProfile.load(path)
     positions = cfg.max_position_embeddings
-    given = prompt_tokens is not None or gen_tokens is not None
     prompt_tokens = prompt_tokens or min(512, max(positions // 2, 1))
     gen_tokens = gen_tokens or max(min(128, positions - prompt_tokens), 1)
     if given and prompt_tokens + gen_tokens > positions:
@@ -719,6 +733,26 @@ def plan(
     p = make_plan(cfg, hw, model_name=name, gpu_memory=parse_bytes(gpu_mem), cpu_memory=parse_bytes(cpu_mem),
                   goal=goal, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, precision=precision)
     typer.echo(p.to_json() if as_json else p.render())
+
+
+def _run_plan(model: Optional[Path], profile: Optional[str], gpu_mem: Optional[str], cpu_mem: Optional[str]):
+    """`tiered plan`'s default for a checkpoint: the Plan `tiered run --model MODEL --profile PROFILE --gpu-mem
+    --cpu-mem` applies (LLM.planned, run's other defaults), or None where the profile plans a machine other
+    than this one (a GPU this machine lacks, or none where it has one: make_plan then plans it as asked)."""
+    import torch
+
+    from tiered.config import EngineConfig
+    from tiered.engine.llm import LLM
+    from tiered.hardware import op_time
+    from tiered.planner.auto import engine_profile
+
+    # (this machine's own profile, or none yet: run measures a quick one, and so does this)
+    if profile is not None and op_time.has_device(engine_profile(profile, None), "gpu") != torch.cuda.is_available():
+        return None
+    plan, _ = LLM.planned(model, EngineConfig(profile=profile, gpu_memory=gpu_mem, cpu_memory=cpu_mem), progress=True)
+    plan.notes.append("the plan `tiered run` makes for this checkpoint with these budgets (its defaults: --dtype "
+                      "auto, --decode-weights auto); --precision, --goal or the lengths plan other settings")
+    return plan
 
 
 @app.command()

@@ -88,6 +88,23 @@ class LLM:
         self.last_burst = 0  # tokens the last step drew in a burst (0: it ran one step; serve counts its steps)
         self.load_s = time.perf_counter() - t0
 
+    @classmethod
+    def planned(cls, model: str | os.PathLike | None = None, config: EngineConfig | None = None,
+                progress: bool = False):
+        """The Plan `LLM(model, config)` would apply, made by the same steps (open, plan) without reading a
+        weight: what `tiered plan` shows for a checkpoint by default. Returns (plan, the HardwareProfile it
+        was made with, or None for the runtime's rules or a replayed plan).
+
+        Raises:
+            CheckpointError, UnsupportedModelError: the checkpoint cannot be used.
+            BudgetError: the budgets cannot hold what must stay on the fast tier.
+            ConfigError: an unreadable plan or profile.
+        """
+        llm = cls.__new__(cls)
+        llm.engine_config = config or EngineConfig()
+        llm._open(model)
+        return llm._plan(progress)
+
     # ------------------------------------------------------------ the pipeline
     def _release_load_memory(self) -> None:
         """After the load: the file pages it read and the heap its temporaries freed go back to the
