@@ -94,6 +94,27 @@ def test_a_meta_build_skips_parameter_init_and_a_cpu_build_keeps_it():
     assert nn.Embedding.reset_parameters is embedding_init
     model = build_model(cfg, 8)
     assert all(float(m.weight.detach().abs().sum()) > 0 for m in model.modules() if type(m) is nn.Linear)
+    # a module another thread builds while a meta tree is built keeps its initialization
+    import threading
+
+    from tiered import models
+
+    inside, done, built = threading.Event(), threading.Event(), []
+
+    def other():
+        inside.wait()
+        torch.manual_seed(7)
+        built.append(nn.Linear(16, 16))
+        done.set()
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    with models._no_parameter_init(), torch.device("meta"):
+        inside.set()
+        assert done.wait(10)
+    worker.join()
+    torch.manual_seed(7)
+    assert torch.equal(built[0].weight, nn.Linear(16, 16).weight)
 
 
 def test_median_time_is_positive():

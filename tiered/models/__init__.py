@@ -11,6 +11,7 @@ from tiered.checkpoint.model_config import ModelConfig
 from tiered.models.llama import CausalLM
 
 _NO_INIT = threading.Lock()
+_BUILDING = threading.local()  # .meta: this thread builds a meta tree inside _no_parameter_init
 
 
 @contextlib.contextmanager
@@ -19,14 +20,25 @@ def _no_parameter_init():
     for module trees on the meta device, where values do not exist: on 2 Zen 3 cores (2026-12-01) the init
     took half of building an 8-layer, 128-expert Qwen3-MoE tree (0.55 -> 0.26 s; 3105 nn.Linear), which
     the engine builds twice at each start (memory/sizes, then the model it places). The classes' methods
-    are swapped for the duration, under a lock (one such build at a time)."""
+    are swapped for the duration, under a lock (one such build at a time), for ones that skip only in this
+    thread and only for meta weights: a module another thread builds meanwhile is initialized as always."""
     with _NO_INIT:
         saved = {cls: cls.__dict__["reset_parameters"] for cls in (nn.Linear, nn.Embedding)}
-        for cls in saved:
-            cls.reset_parameters = lambda self: None
+
+        def skipping(init):
+            def reset_parameters(self):
+                if getattr(_BUILDING, "meta", False) and self.weight.is_meta:
+                    return None
+                return init(self)
+            return reset_parameters
+
+        for cls, init in saved.items():
+            cls.reset_parameters = skipping(init)
+        _BUILDING.meta = True
         try:
             yield
         finally:
+            _BUILDING.meta = False
             for cls, fn in saved.items():
                 cls.reset_parameters = fn
 
