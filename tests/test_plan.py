@@ -642,10 +642,10 @@ def test_prompt_experts_run_by_torch_pay_its_glu_over_their_rows():
             "gemv/cpu/int4q8": LinearModel(0.0, 1 / 30e9, 1.0), "decode_rows/cpu/int4q8": LinearModel(0.0, 4e-12, 1.0)}
     meta = {"native_kernels": True, "kernel_isa": "avx512", "kernel_tuning": {"bf16_native_rows": 16}}
 
-    def price(beta: float, T: int, fmt: str | None = None) -> float:
+    def price(beta: float, T: int, fmt: str | None = None, ffn_only: bool = False) -> float:
         hw = HardwareProfile("cpu-box", "test", {**base, "runtime/prefill_code/fp32": LinearModel(1e-4, beta, 1.0)},
                              None, None, meta=meta)
-        return predict_prefill(MIXTRAL, hw, "bf16", T, act_dtype="fp32", experts_format=fmt)
+        return predict_prefill(MIXTRAL, hw, "bf16", T, act_dtype="fp32", experts_format=fmt, ffn_only=ffn_only)
 
     d, F, k, L = MIXTRAL.hidden_size, MIXTRAL.moe_intermediate_size, MIXTRAL.num_experts_per_tok, 32
     b = 1e-9
@@ -656,6 +656,9 @@ def test_prompt_experts_run_by_torch_pay_its_glu_over_their_rows():
     for fmt in (None, "int4"):
         # (RowCosts.expected sums a truncated draw: within 0.1%)
         assert price(b, 1024, fmt) - price(0.0, 1024, fmt) == pytest.approx(code(1024) + L * b * 1024 * k * F, rel=1e-3)
+        # a prompt as rows of the native step (predict_prompt_rows' `ffn`) counts every routed row's SwiGLU in
+        # the rows' own layer code: its FFNs alone pay no GLU here
+        assert price(b, 1024, fmt, ffn_only=True) == price(0.0, 1024, fmt, ffn_only=True)
 
 
 def test_a_native_experts_rows_past_the_first_cost_the_profiled_slope():

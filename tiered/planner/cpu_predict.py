@@ -768,8 +768,9 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                     # torch's SiLU and product over the rows' intermediate width where torch runs the expert (the
                     # kernels fuse them): 1.5 ms of each 512-row expert of the Mixtral-width dummy's prompt, which
                     # priced its 512-token TTFT 0.147 s where it took 0.193 (2 AMX cores, 2026-12-02); gpt-oss's
-                    # clamped GLU is in the layer's width above
-                    glu = 0.0 if cfg.expert_bias else (op_time.prefill_code_time(
+                    # clamped GLU is in the layer's width above, and `ffn_only`'s rows (predict_prompt_rows) count
+                    # every routed row's SwiGLU in their own layer code
+                    glu = 0.0 if cfg.expert_bias or ffn_only else (op_time.prefill_code_time(
                         hw, act_dtype or dtype, s * F, fixed=False) or 0.0)
                     quantized = None if stored == edt else prompt_expert_time(
                         hw, stored, s, eb, 3 * d * F, batch_act, cfg.expert_bias, active_experts * eb * n_moe,
