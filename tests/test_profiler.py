@@ -338,6 +338,8 @@ def test_quick_profile_structure(measured):
         # the native step's int4 layers at real widths, per byte through the origin (profiler 32)
         assert p.models["runtime/decode_layer/int4"].alpha == 0.0 < p.models["runtime/decode_layer/int4"].beta
         assert "runtime/burst_token" in p.models  # a decode burst's token (profiler 33)
+        # a one-copy int4 weight's dequantization per element, through the origin; gemm/cpu/int4 net of it (40)
+        assert p.models["dequantize/cpu/int4"].alpha == 0.0 < p.models["dequantize/cpu/int4"].beta
         for kv in ("bf16", "fp32"):  # the native step's attention over a prompt as its rows, through the origin
             from tiered.hardware.profiler import ATTN_ROWS_TOKENS
             assert [n for n, _ in p.meta["points"][f"attn_rows/cpu/{kv}"]] == [
@@ -1077,6 +1079,48 @@ def test_the_small_row_gemm_key_times_torch_over_cold_copies_in_one_slab(monkeyp
     assert sum(a != b for a, b in zip(shapes, shapes[1:])) >= 5  # warm-ups, then each repeat visits both
     with pytest.raises(ValueError, match="int4"):
         profiler._gemm_rows_points("int4", [(64, 32)], 3, None)
+
+
+def test_an_int4_prompt_gemm_is_priced_as_its_gemm_plus_its_weights_dequantization(monkeypatch):
+    """A one-copy int4 weight's prompt GEMM past the kernel's rows dequantizes the weight, then multiplies
+    (Int4Linear.dequantized). dequantize/cpu/int4 times the first per element; gemm/cpu/int4's points are fitted
+    net of it (over multiply-adds alone at 128-256 rows, where the dequantization is a larger share, the key
+    priced SmolLM2's 512-row projections 6-34% slow). torch_gemm_time and prompt_expert_time add it back per
+    weight element; gemm_time does not (an int4 head's decode GEMV runs the kernel), nor does a profile without it."""
+    from tiered.hardware import op_time, profiler
+    from tiered.planner.cpu_predict import prompt_expert_time, torch_gemm_time
+
+    shapes = [(128, 64, 32), (256, 64, 32), (128, 128, 32)]
+    dq = LinearModel(0.0, 2e-10, 1.0)
+    net = profiler._net_of_dequantize([(128 * 64 * 32, 1e-3), (256 * 64 * 32, 2e-3), (128 * 128 * 32, 5e-7)], shapes, dq)
+    assert net == [(128 * 64 * 32, pytest.approx(1e-3 - 2e-10 * 2048)), (256 * 64 * 32, pytest.approx(2e-3 - 2e-10 * 2048)),
+                   (128 * 128 * 32, pytest.approx(5e-8))]  # at least a tenth of each point stays
+    assert profiler._net_of_dequantize([(1.0, 1e-3)], shapes, None) == [(1.0, 1e-3)]
+    if kernels.available():  # the tiled layout's dequantization of each weight, and a 4096 x 2048 one
+        from tiered.kernels import linear
+
+        seen = []
+        real = linear.tiled_dequantize
+        monkeypatch.setattr(linear, "tiled_dequantize", lambda *a, **k: seen.append(k["rows"]) or real(*a, **k))
+        points = profiler._dequantize_points(shapes, 3)
+        assert [n for n, _ in points] == [64 * 32, 128 * 32, 2048 * 4096] and all(t > 0 for _, t in points)
+        assert {r for r in seen} == {(0, 32), (0, 4096)}
+    base = {"gemm/cpu/int4": LinearModel(1e-4, 1.5e-12, 1.0), "gemm/cpu/bf16": LinearModel(1e-4, 1e-12, 1.0)}
+    plain = HardwareProfile("box", "test", base)
+    hw = HardwareProfile("box", "test", {**base, "dequantize/cpu/int4": dq})
+    K, N, T = 576, 3072, 512
+    w = K * N * op_time.bytes_per_element("int4")
+    assert torch_gemm_time(hw, "int4", T * K * N, w) == pytest.approx(torch_gemm_time(plain, "int4", T * K * N, w)
+                                                                      + 2e-10 * K * N)
+    assert torch_gemm_time(hw, "bf16", T * K * N, 2 * K * N) == torch_gemm_time(plain, "bf16", T * K * N, 2 * K * N)
+    assert op_time.gemm_time(hw, "cpu", "int4", K * N, w) == op_time.gemm_time(plain, "cpu", "int4", K * N, w)
+    meta = {"native_kernels": True, "kernel_isa": "avx512"}
+    rows = {"gemv/cpu/int4q8": LinearModel(0.0, 1 / 30e9, 1.0), "decode_rows/cpu/int4q8": LinearModel(0.0, 4e-12, 1.0)}
+    e_plain = HardwareProfile("box", "test", {**base, **rows}, meta=meta)
+    e_hw = HardwareProfile("box", "test", {**base, **rows, "dequantize/cpu/int4": dq}, meta=meta)
+    eb, macs = 3 * w, 3 * K * N  # an expert of three such projections, at 1024 rows: dequantized
+    assert prompt_expert_time(e_hw, "int4", 1024, eb, macs, "q8") == pytest.approx(
+        prompt_expert_time(e_plain, "int4", 1024, eb, macs, "q8") + 2e-10 * 3 * K * N)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="tiered/kernels not built")

@@ -213,6 +213,16 @@ def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, we
     return max(compute, mem)
 
 
+def dequantize_time(profile: HardwareProfile, device: str, dtype: str, weight_bytes: float) -> float:
+    """Seconds to dequantize `weight_bytes` of `dtype` weights before a GEMM over them: dequantize/<dev>/<dtype>
+    per element where profiled (one-copy int4 weights on the CPU, whose prompt GEMMs past the kernel's rows
+    dequantize each weight first: gemm/cpu/int4 is then the GEMM alone, profiler 40), else 0 (older profiles'
+    gemm/cpu/int4 holds it). The callers that price such a GEMM add it (cpu_predict.torch_gemm_time,
+    prompt_expert_time); gemm_time does not (a decode GEMV of an int4 head runs the kernel)."""
+    m = profile.models.get(f"dequantize/{device}/{dtype}")
+    return m.beta * weight_bytes / bytes_per_element(dtype) if m is not None and weight_bytes > 0 else 0.0
+
+
 def attention_time(profile: HardwareProfile, device: str, dtype: str, macs: float, kv_bytes: float,
                    calls: int = 1) -> float:
     """Seconds of decode attention: `macs` (q.K^T and p.V) over `kv_bytes` of cache, in `calls` calls.

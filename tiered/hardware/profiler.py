@@ -25,6 +25,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     convert/cpu/bf16     a bf16 weight's conversion to fp32 (CPUs without a bf16 GEMM only: hardware/cpu_gemm),
                          cold weights whose fp32 copy is under 32 MiB             n = elements
     convert_big/cpu/bf16 the same past 32 MiB (each call faults fresh pages in)  n = elements
+    dequantize/cpu/int4  a one-copy int4 weight's dequantization before a prompt's GEMM past the kernel's
+                         rows (tiered's kernels only; gemm/cpu/int4 is then fitted net of it)   n = elements
     attn_prefill_past/cpu/<dtype>  a prefill chunk's attention over the cache before it (1024 queries over
                          2048-4096 keys, an explicit mask: every pair computed)  n = MACs (2 * heads * T * S * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
@@ -238,7 +240,7 @@ COMPUTE_PROBE_REPEATS = 9
 # planning scales each by the probe's speed now against them (planner/auto.compute_now).
 # (Not attn/cpu, torch's decode attention: bandwidth-bound, hardware/profile.BANDWIDTH_BOUND_CPU.)
 COMPUTE_KEYS = ("decode_rows/cpu/", "expert_rows/cpu/", "attn_rows/cpu/", "attn_prefill/cpu/", "attn_prefill_past/cpu/",
-                "gemm/cpu/", "gemm_big/cpu/", "runtime/step_rows/", "runtime/prefill_code/")
+                "gemm/cpu/", "gemm_big/cpu/", "runtime/step_rows/", "runtime/prefill_code/", "dequantize/cpu/")
 
 
 class ComputeProbe:
@@ -297,7 +299,7 @@ GEMM_KEYS = ("gemm/cpu/", "gemm_big/cpu/")  # torch's GEMM lines (GEMM_STALL_R2)
 # The row keys (decode_rows, expert_rows) too: a quick profile on 2 Zen 3 cores fitted decode_rows/cpu/int4q8 at
 # R^2 0.77 (1.5 ms an intercept, 3.9 ps a multiply-add against the full profiles' 0.44-0.51 ms and 5.6-5.8 ps)
 RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/", "convert/cpu/", "convert_big/cpu/", "decode_rows/cpu/",
-                              "expert_rows/cpu/", "runtime/decode_layer/") + GEMM_KEYS
+                              "expert_rows/cpu/", "runtime/decode_layer/", "dequantize/cpu/") + GEMM_KEYS
 
 
 def _upcast_gemm(key: str) -> bool:
@@ -351,7 +353,7 @@ class _Bench:
         # a layer on 2 Zen 5 cores, is the longer prompts' rate improving, and would price a 64-token SmolLM2
         # prompt 13 ms of attention where it computes ~1)
         fit = fit_proportional if key.startswith(("memory/", "runtime/decode_layer/", "attn_rows/",
-                                                  "runtime/step_rows/")) else fit_affine
+                                                  "runtime/step_rows/", "dequantize/")) else fit_affine
         m = fit([n for n, _ in points], [t for _, t in points])
         if m.beta == 0.0 and len(points) >= 3 and all(n > 0 for n, _ in points):
             # no cost per unit is no real operation's: a stalled point made the least-squares slope
@@ -748,6 +750,39 @@ def int4_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
     d = dequantize_rows()
     weights = list(dict.fromkeys((K, N) for _, K, N in shapes))[:2]
     return [(m * d, K, N) for K, N in weights for m in (2, 4)]
+
+
+def _dequantize_points(shapes, repeats: int) -> list[tuple[float, float]]:
+    """(weight elements, seconds a call) of a one-copy int4 weight's dequantization (tiered's tiled layout, into
+    the reused buffer in quant/int4.dequantize_dtype(), as Int4Linear.dequantized does before its GEMM) for the
+    weights of `shapes` (T, K, N: int4_gemm_shapes') and a 4096 x 2048 one, timed interleaved:
+    dequantize/cpu/int4, through the origin. gemm/cpu/int4 is fitted net of it (_net_of_dequantize), so that a
+    prompt's dequantized GEMM costs its multiply-adds plus its weight's elements: fitted over multiply-adds alone
+    at 128 and 256 rows, where the dequantization is a larger share of each, the key priced SmolLM2's
+    projections at 512 rows 6-34% slow (0.64 / 0.50 / 1.49 / 0.86 ms measured, 2 AMX cores, 2026-12-02) and its
+    512-token TTFT 15% slow. Raises RuntimeError without the kernels."""
+    if not kernels.available():
+        raise RuntimeError("tiered/kernels is not built")
+    from tiered.kernels.linear import tiled_dequantize
+    from tiered.quant.int4 import GROUP, Int4Linear, dequantize_dtype, quantize_int4
+
+    fp32 = dequantize_dtype() == torch.float32
+    weights = list(dict.fromkeys([(K, N) for _, K, N in shapes] + [(2048, 4096)]))
+    calls, sizes = [], []
+    for K, N in weights:
+        lin = Int4Linear.from_codes(*quantize_int4(random_normal(N, K)), GROUP, None, "tiled")
+        calls.append(lambda lin=lin, N=N: tiled_dequantize(lin.packed, None, fp32=fp32, rows=(0, N)))
+        sizes.append(float(K * N))
+    return list(zip(sizes, median_times(calls, repeats)))
+
+
+def _net_of_dequantize(points: list[tuple[float, float]], shapes, dequantize: LinearModel | None
+                       ) -> list[tuple[float, float]]:
+    """gemm/cpu/int4's (multiply-adds, seconds) points of `shapes` (T, K, N) less each weight's dequantization
+    (dequantize/cpu/int4; the points as they are without it), at least a tenth of each: what is left is the GEMM."""
+    if dequantize is None:
+        return points
+    return [(n, max(t - dequantize.beta * K * N, 0.1 * t)) for (n, t), (_, K, N) in zip(points, shapes)]
 
 
 def _cold_turn(w: torch.Tensor, cold_bytes: int | None):
@@ -1870,7 +1905,11 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # then follows the memory's speed now as the GEMV keys do: timed in a slow minute (20.4 GB/s where the kernel
 # streamed 25-30 in others) it priced the all-in-RAM MoE's decode 13-34% slow on 2 Zen 3 cores (8 rounds, each
 # priced, then measured).
-PROFILER_VERSION = 39
+# 40: dequantize/cpu/int4, a one-copy int4 weight's dequantization per element, and gemm/cpu/int4 fitted net of it
+# (_net_of_dequantize): op_time.gemm_time prices a prompt's dequantized int4 GEMM as its multiply-adds plus its
+# weight's elements (over multiply-adds alone at 128-256 rows the key priced SmolLM2's 512-row projections 6-34%
+# slow, its 512-token TTFT 15%).
+PROFILER_VERSION = 40
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -1955,7 +1994,11 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
             b.skip("compute_probe", e)
     for dtype in ("fp32", "bf16", "int8", "int4"):
         shapes = int4_gemm_shapes(gemm_shapes) if dtype == "int4" and kernels.available() else gemm_shapes
-        b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype, sh=shapes: _gemm_points("cpu", d, sh, nosync, r, False))
+        if shapes is not gemm_shapes:  # a prompt's int4 GEMM past the kernel's rows: dequantization, then the GEMM
+            b.attempt("dequantize/cpu/int4", lambda sh=shapes: _dequantize_points(sh, r))
+        b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype, sh=shapes: _net_of_dequantize(
+            _gemm_points("cpu", d, sh, nosync, r, False), sh,
+            b.models.get("dequantize/cpu/int4") if sh is not gemm_shapes else None))
         b.attempt(f"gemv/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemv_shapes, nosync, r, True, probe=pr))
     if kernels.available():  # routed int4 experts' batch-1 kernel (op_time.gemv_dtype)
         b.attempt("gemv/cpu/int4q8", lambda: _gemm_points("cpu", "int4q8", gemv_shapes, nosync, r, True, probe=pr))

@@ -487,11 +487,14 @@ def torch_gemm_time(hw: HardwareProfile, dtype: str, macs: float, weight_bytes: 
 
     bf16 on a CPU without a bf16 GEMM (meta["bf16_gemm_native"] False, with convert/cpu/bf16 profiled): each
     call's fp32 GEMM over its weight converted for it (hardware/cpu_gemm.linear), priced as the fp32 GEMM
-    plus the conversion: timed as one, the two had fitted one line of R^2 0.34-0.95 on 2 Zen 3 cores."""
+    plus the conversion: timed as one, the two had fitted one line of R^2 0.34-0.95 on 2 Zen 3 cores. int4 (a
+    one-copy weight past its kernel's rows): the GEMM plus the weight's dequantization (op_time.dequantize_time)."""
     conv = conversion_time(hw, weight_bytes / op_time.bytes_per_element(dtype) / calls) if dtype == "bf16" else None
     if conv is not None:
         return torch_gemm_time(hw, "fp32", macs, 2 * weight_bytes, calls) + calls * conv if macs > 0 else 0.0
-    t = op_time.gemm_time(hw, "cpu", dtype, macs, weight_bytes, calls=calls)
+    # one-copy int4 weights: each dequantized for its GEMM (quant/int4.Int4Linear.dequantized), where profiled apart
+    t = op_time.gemm_time(hw, "cpu", dtype, macs, weight_bytes, calls=calls) + op_time.dequantize_time(
+        hw, "cpu", dtype, weight_bytes)
     rows_key = hw.models.get(f"gemm_rows/cpu/{dtype}")
     if rows_key is None or weight_bytes <= 0 or macs <= 0:
         return t
@@ -582,7 +585,8 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
         stream = _gemv(hw, key, weight_bytes, calls=3, working_set=working_set, expert=True)
         return calls * stream + (r - calls) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
     if kind in ("int4", "mxfp4") and op_time.find(hw, "gemm", "cpu", "int4") is not None:
-        return op_time.gemm_time(hw, "cpu", "int4", r * macs_per_row, weight_bytes, calls=3) + glu
+        return (op_time.gemm_time(hw, "cpu", "int4", r * macs_per_row, weight_bytes, calls=3) + glu
+                + op_time.dequantize_time(hw, "cpu", "int4", weight_bytes))
     return None
 
 
