@@ -1084,8 +1084,8 @@ def test_the_small_row_gemm_key_times_torch_over_cold_copies_in_one_slab(monkeyp
 def test_an_int4_prompt_gemm_is_priced_as_its_gemm_plus_its_weights_dequantization(monkeypatch):
     """A one-copy int4 weight's prompt GEMM past the kernel's rows dequantizes the weight, then multiplies
     (Int4Linear.dequantized). dequantize/cpu/int4 times the first per element; gemm/cpu/int4's points are fitted
-    net of it (over multiply-adds alone at 128-256 rows, where the dequantization is a larger share, the key
-    priced SmolLM2's 512-row projections 6-34% slow). torch_gemm_time and prompt_expert_time add it back per
+    net of it (over multiply-adds alone at 192-384 rows, where the dequantization is a larger share, the key
+    priced SmolLM2's 512-row projections 18-29% slow). torch_gemm_time and prompt_expert_time add it back per
     weight element; gemm_time does not (an int4 head's decode GEMV runs the kernel), nor does a profile without it."""
     from tiered.hardware import op_time, profiler
     from tiered.planner.cpu_predict import prompt_expert_time, torch_gemm_time

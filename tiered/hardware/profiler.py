@@ -758,8 +758,8 @@ def _dequantize_points(shapes, repeats: int) -> list[tuple[float, float]]:
     weights of `shapes` (T, K, N: int4_gemm_shapes') and a 4096 x 2048 one, timed interleaved:
     dequantize/cpu/int4, through the origin. gemm/cpu/int4 is fitted net of it (_net_of_dequantize), so that a
     prompt's dequantized GEMM costs its multiply-adds plus its weight's elements: fitted over multiply-adds alone
-    at 128 and 256 rows, where the dequantization is a larger share of each, the key priced SmolLM2's
-    projections at 512 rows 6-34% slow (0.64 / 0.50 / 1.49 / 0.86 ms measured, 2 AMX cores, 2026-12-02) and its
+    at 2 and 4 x its dequantize rows, where the dequantization is a larger share of each, the key priced SmolLM2's
+    projections at 512 rows 18-29% slow (0.64 / 0.50 / 1.49 / 0.86 ms measured, 2 AMX cores, 2026-12-02) and its
     512-token TTFT 15% slow. Raises RuntimeError without the kernels."""
     if not kernels.available():
         raise RuntimeError("tiered/kernels is not built")
@@ -1906,8 +1906,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # streamed 25-30 in others) it priced the all-in-RAM MoE's decode 13-34% slow on 2 Zen 3 cores (8 rounds, each
 # priced, then measured).
 # 40: dequantize/cpu/int4, a one-copy int4 weight's dequantization per element, and gemm/cpu/int4 fitted net of it
-# (_net_of_dequantize): op_time.gemm_time prices a prompt's dequantized int4 GEMM as its multiply-adds plus its
-# weight's elements (over multiply-adds alone at 128-256 rows the key priced SmolLM2's 512-row projections 6-34%
+# (_net_of_dequantize): cpu_predict.torch_gemm_time prices a prompt's dequantized int4 GEMM as its multiply-adds plus
+# its weight's elements (over multiply-adds alone at 192-384 rows the key priced SmolLM2's 512-row projections 18-29%
 # slow, its 512-token TTFT 15%).
 PROFILER_VERSION = 40
 
