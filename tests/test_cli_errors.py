@@ -220,6 +220,41 @@ def test_plan_shows_the_plan_run_applies_to_a_checkpoint(runner, zoo):
     assert what_if.exit_code == 0 and "priced in bf16" in what_if.output and "tiered run" not in what_if.output
 
 
+def test_plan_takes_run_s_expert_profile(runner, rt, tmp_path):
+    """`tiered plan --expert-profile F` plans as `tiered run --expert-profile F` does (its popular experts placed
+    first); a profile of the wrong shape is one clear error."""
+    from pathlib import Path
+
+    from tiered import LLM
+    from tiered.config import EngineConfig
+    from tiered.planner.auto import decisions
+    from tiered.planner.plan import Plan
+
+    prof = str(Path(__file__).parents[1] / "benchmarks/results/sapphire-rapids-2026-12-02/at-1a1d96c/"
+                                          "hardware_profile_this_machine.json")
+    from tiered.checkpoint import open_checkpoint
+
+    model = str(rt.dir("mixtral"))
+    cfg = open_checkpoint(model).config
+    L, E = cfg.num_hidden_layers, cfg.num_experts
+    counts = [[100.0 if e == L - 1 - i else 1.0 for e in range(E)] for i in range(L)]
+    experts = tmp_path / "experts.json"
+    experts.write_text(json.dumps({"tokens": counts}))
+    # a RAM budget that leaves most experts on disk: the popular one of each layer is among those in RAM
+    out = runner.invoke(app, ["plan", "--model", model, "--profile", prof, "--cpu-mem", "1500KiB",
+                              "--expert-profile", str(experts), "--json"])
+    assert out.exit_code == 0, out.output
+    shown = Plan.from_json(out.stdout)
+    want = LLM.planned(model, EngineConfig(profile=prof, cpu_memory="1500KiB", expert_profile=str(experts)))[0]
+    assert decisions(shown) == decisions(want)
+    assert all(l.expert_tiers[L - 1 - i] == "fast" for i, l in enumerate(shown.layers))
+    assert "disk" in shown.layers[0].expert_tiers
+    experts.write_text(json.dumps({"tokens": [[1.0] * (E + 1)] * L}))
+    _bad(runner, ["plan", "--model", model, "--profile", prof, "--expert-profile", str(experts)], "expert profile")
+    _bad(runner, ["plan", "--model", model, "--profile", prof, "--precision", "bf16", "--expert-profile",
+                  str(experts)], "expert profile")
+
+
 def test_settings_without_effect_are_noted(runner, zoo):
     res = runner.invoke(app, ["run", "hi", "--model", str(zoo.dir("llama")), "-n", "2", "--accelerator", "none",
                               "--gpu-mem", "1GB", "--threads", "4096", "--max-context", "100000"])

@@ -683,6 +683,7 @@ def plan(
     precision: str = typer.Option("auto", "--precision", help="Weight precision: auto (what `tiered run` takes: "
                                   "for a checkpoint planned on this machine, its own plan; else bf16), fp32, bf16, "
                                   "fp16, int8 or int4."),
+    expert_profile: Optional[Path] = OPT["expert_profile"],
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (replay it with `run --plan FILE`)."),
 ) -> None:
     """Plan placement, slicing, dispatch and batch sizes for a model on a machine, predict its speed, and say why.
@@ -707,7 +708,7 @@ def plan(
         cfg, name = ckpt.config, Path(ckpt.path).name
     given = prompt_tokens is not None or gen_tokens is not None
     if precision == "auto" and not config_only and goal == "latency" and not given:
-        engine = _run_plan(model, preset or profile_file, gpu_mem, cpu_mem)
+        engine = _run_plan(model, preset or profile_file, gpu_mem, cpu_mem, expert_profile)
         if engine is not None:
             typer.echo(engine.to_json() if as_json else engine.render())
             return
@@ -730,15 +731,23 @@ def plan(
     if given and prompt_tokens + gen_tokens > positions:
         raise ConfigError(f"--prompt-tokens {prompt_tokens} + --gen-tokens {gen_tokens} exceed the model's "
                           f"{positions} positions", "plan for a shorter prompt or output")
+    popularity = None
+    if expert_profile is not None and cfg.is_moe:
+        from tiered.planner.placement import load_popularity
+
+        popularity = load_popularity(expert_profile, cfg.num_hidden_layers, cfg.num_experts)
     p = make_plan(cfg, hw, model_name=name, gpu_memory=parse_bytes(gpu_mem), cpu_memory=parse_bytes(cpu_mem),
-                  goal=goal, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, precision=precision)
+                  goal=goal, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, precision=precision,
+                  popularity=popularity)
     typer.echo(p.to_json() if as_json else p.render())
 
 
-def _run_plan(model: Optional[Path], profile: Optional[str], gpu_mem: Optional[str], cpu_mem: Optional[str]):
+def _run_plan(model: Optional[Path], profile: Optional[str], gpu_mem: Optional[str], cpu_mem: Optional[str],
+              expert_profile: Optional[Path] = None):
     """`tiered plan`'s default for a checkpoint: the Plan `tiered run --model MODEL --profile PROFILE --gpu-mem
-    --cpu-mem` applies (LLM.planned, run's other defaults), or None where the profile plans a machine other
-    than this one (a GPU this machine lacks, or none where it has one: make_plan then plans it as asked)."""
+    --cpu-mem --expert-profile` applies (LLM.planned, run's other defaults), or None where the profile plans a
+    machine other than this one (a GPU this machine lacks, or none where it has one: make_plan then plans it as
+    asked)."""
     import torch
 
     from tiered.config import EngineConfig
@@ -749,7 +758,9 @@ def _run_plan(model: Optional[Path], profile: Optional[str], gpu_mem: Optional[s
     # (this machine's own profile, or none yet: run measures a quick one, and so does this)
     if profile is not None and op_time.has_device(engine_profile(profile, None), "gpu") != torch.cuda.is_available():
         return None
-    plan, _ = LLM.planned(model, EngineConfig(profile=profile, gpu_memory=gpu_mem, cpu_memory=cpu_mem), progress=True)
+    plan, _ = LLM.planned(model, EngineConfig(profile=profile, gpu_memory=gpu_mem, cpu_memory=cpu_mem,
+                                              expert_profile=str(expert_profile) if expert_profile else None),
+                          progress=True)
     plan.notes.append("the plan `tiered run` makes for this checkpoint with these budgets (its defaults: --dtype "
                       "auto, --decode-weights auto); --precision, --goal or the lengths plan other settings")
     return plan
