@@ -708,7 +708,7 @@ def plan(
         cfg, name = ckpt.config, Path(ckpt.path).name
     given = prompt_tokens is not None or gen_tokens is not None
     if precision == "auto" and not config_only and goal == "latency" and not given:
-        engine = _run_plan(model, preset or profile_file, gpu_mem, cpu_mem, expert_profile)
+        engine = _run_plan(ckpt, preset or profile_file, gpu_mem, cpu_mem, expert_profile)
         if engine is not None:
             typer.echo(engine.to_json() if as_json else engine.render())
             return
@@ -742,12 +742,12 @@ def plan(
     typer.echo(p.to_json() if as_json else p.render())
 
 
-def _run_plan(model: Optional[Path], profile: Optional[str], gpu_mem: Optional[str], cpu_mem: Optional[str],
+def _run_plan(model, profile: Optional[str], gpu_mem: Optional[str], cpu_mem: Optional[str],
               expert_profile: Optional[Path] = None):
-    """`tiered plan`'s default for a checkpoint: the Plan `tiered run --model MODEL --profile PROFILE --gpu-mem
-    --cpu-mem --expert-profile` applies (LLM.planned, run's other defaults), or None where the profile plans a
-    machine other than this one (a GPU this machine lacks, or none where it has one: make_plan then plans it as
-    asked)."""
+    """`tiered plan`'s default for a checkpoint (`model`: open_checkpoint's, opened once): the Plan `tiered run
+    --model MODEL --profile PROFILE --gpu-mem --cpu-mem --expert-profile` applies (LLM.planned, run's other
+    defaults), or None where the profile plans a machine other than this one (a GPU this machine lacks, or none
+    where it has one: make_plan then plans it as asked)."""
     import torch
 
     from tiered.config import EngineConfig
