@@ -706,20 +706,20 @@ def plan(
     else:
         ckpt = open_checkpoint(model)
         cfg, name = ckpt.config, Path(ckpt.path).name
-    given = prompt_tokens is not None or gen_tokens is not None
-    if precision == "auto" and not config_only and goal == "latency" and not given:
-        engine = _run_plan(ckpt, preset or profile_file, gpu_mem, cpu_mem, expert_profile)
-        if engine is not None:
-            typer.echo(engine.to_json() if as_json else engine.render())
-            return
-    precision = "bf16" if precision == "auto" else precision
+    hw = None  # a given machine (a preset, or a file or preset's name, as `run --profile` takes), read once
     if preset:
         hw = get_preset(preset)
-    elif profile_file is not None:  # a file or a preset's name, as `run --profile` takes
+    elif profile_file is not None:
         from tiered.planner.auto import engine_profile
 
         hw = engine_profile(profile_file, None)
-    else:
+    given = prompt_tokens is not None or gen_tokens is not None
+    if precision == "auto" and not config_only and goal == "latency" and not given and _this_machine(hw):
+        engine = _run_plan(ckpt, preset or profile_file, gpu_mem, cpu_mem, expert_profile)
+        typer.echo(engine.to_json() if as_json else engine.render())
+        return
+    precision = "bf16" if precision == "auto" else precision
+    if hw is None:
         path = default_profile_path()
         if not path.is_file():
             typer.echo(f"error: no hardware profile at {path} — run `tiered profile` or pass --preset", err=True)
@@ -742,22 +742,25 @@ def plan(
     typer.echo(p.to_json() if as_json else p.render())
 
 
-def _run_plan(model, profile: Optional[str], gpu_mem: Optional[str], cpu_mem: Optional[str],
-              expert_profile: Optional[Path] = None):
-    """`tiered plan`'s default for a checkpoint (`model`: open_checkpoint's, opened once): the Plan `tiered run
-    --model MODEL --profile PROFILE --gpu-mem --cpu-mem --expert-profile` applies (LLM.planned, run's other
-    defaults), or None where the profile plans a machine other than this one (a GPU this machine lacks, or none
-    where it has one: make_plan then plans it as asked)."""
+def _this_machine(hw) -> bool:
+    """Whether `tiered plan` plans for this machine: no profile given (its own, or none yet: run measures a quick
+    one, and so does `plan`), or a given one with a GPU exactly where this machine has one (else make_plan plans
+    the other machine as asked)."""
     import torch
 
+    from tiered.hardware import op_time
+
+    return hw is None or op_time.has_device(hw, "gpu") == torch.cuda.is_available()
+
+
+def _run_plan(model, profile: Optional[str], gpu_mem: Optional[str], cpu_mem: Optional[str],
+              expert_profile: Optional[Path] = None):
+    """`tiered plan`'s default for a checkpoint on this machine (`model`: open_checkpoint's, opened once): the Plan
+    `tiered run --model MODEL --profile PROFILE --gpu-mem --cpu-mem --expert-profile` applies (LLM.planned, run's
+    other defaults)."""
     from tiered.config import EngineConfig
     from tiered.engine.llm import LLM
-    from tiered.hardware import op_time
-    from tiered.planner.auto import engine_profile
 
-    # (this machine's own profile, or none yet: run measures a quick one, and so does this)
-    if profile is not None and op_time.has_device(engine_profile(profile, None), "gpu") != torch.cuda.is_available():
-        return None
     plan, _ = LLM.planned(model, EngineConfig(profile=profile, gpu_memory=gpu_mem, cpu_memory=cpu_mem,
                                               expert_profile=str(expert_profile) if expert_profile else None),
                           progress=True)

@@ -1993,12 +1993,13 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         except Exception as e:  # noqa: BLE001  (as Bench.attempt: note it, keep going)
             b.skip("compute_probe", e)
     for dtype in ("fp32", "bf16", "int8", "int4"):
-        shapes = int4_gemm_shapes(gemm_shapes) if dtype == "int4" and kernels.available() else gemm_shapes
-        if shapes is not gemm_shapes:  # a prompt's int4 GEMM past the kernel's rows: dequantization, then the GEMM
+        # a prompt's one-copy int4 GEMM past the kernel's rows (tiered's kernels): dequantization, then the GEMM
+        dequantized = dtype == "int4" and kernels.available()
+        shapes = int4_gemm_shapes(gemm_shapes) if dequantized else gemm_shapes
+        if dequantized:
             b.attempt("dequantize/cpu/int4", lambda sh=shapes: _dequantize_points(sh, r))
-        b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype, sh=shapes: _net_of_dequantize(
-            _gemm_points("cpu", d, sh, nosync, r, False), sh,
-            b.models.get("dequantize/cpu/int4") if sh is not gemm_shapes else None))
+        b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype, sh=shapes, dq=dequantized: _net_of_dequantize(
+            _gemm_points("cpu", d, sh, nosync, r, False), sh, b.models.get("dequantize/cpu/int4") if dq else None))
         b.attempt(f"gemv/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemv_shapes, nosync, r, True, probe=pr))
     if kernels.available():  # routed int4 experts' batch-1 kernel (op_time.gemv_dtype)
         b.attempt("gemv/cpu/int4q8", lambda: _gemm_points("cpu", "int4q8", gemv_shapes, nosync, r, True, probe=pr))
