@@ -41,6 +41,70 @@ def test_fit_affine_never_returns_a_negative_intercept():
         fit_affine([], [])
 
 
+def test_fit_gemm_separates_a_calls_weight_bytes_from_its_multiply_adds():
+    """fit_gemm: t = alpha + beta n + gamma w recovered from GEMMs whose rows vary over two weights (the affine
+    fit over n alone bends: its slope above beta, R^2 below 1); fit_affine's line and no weight term where the
+    points cannot separate it (3 points, one weight, or weights proportional to the multiply-adds)."""
+    from tiered.hardware.profiler import fit_gemm, pack_key
+
+    shapes = [(64, 1024, 1024), (256, 1024, 1024), (128, 2048, 1024), (512, 1024, 1024), (64, 4096, 2048)]
+    n = [T * K * N for T, K, N in shapes]
+    w = [2.0 * K * N for _, K, N in shapes]
+    t = [5e-5 + 8e-13 * a + 5e-11 * b for a, b in zip(n, w)]
+    line, pack = fit_gemm(n, w, t)
+    assert (line.alpha, line.beta, pack.beta) == pytest.approx((5e-5, 8e-13, 5e-11), rel=1e-6)
+    assert pack.alpha == 0.0 and line.r2 == pack.r2 == pytest.approx(1.0)
+    affine = fit_affine(n, t)
+    assert affine.beta > 1.1 * line.beta and affine.r2 < 0.99
+    assert fit_gemm(n[:3], w[:3], t[:3]) == (fit_affine(n[:3], t[:3]), None)
+    one = [(T, 1024, 1024) for T in (64, 128, 256, 512)]
+    assert fit_gemm([T * K * N for T, K, N in one], [2.0 * K * N for _, K, N in one], [1e-3, 2e-3, 4e-3, 8e-3])[1] is None
+    with pytest.raises(ValueError):
+        fit_gemm([1, 2], [1], [1, 2])
+    assert pack_key("gemm/cpu/bf16") == "gemm_pack/cpu/bf16"
+    with pytest.raises(ValueError):
+        pack_key("gemm_big/cpu/bf16")
+
+
+def test_a_prompt_gemm_pays_its_weights_bytes_at_the_pack_rate():
+    """op_time.gemm_line: a GEMM of GEMM_ROWS rows or more under BIG_GEMM_BYTES pays gemm_pack's rate on its
+    weight's bytes a call beside the fit's intercept (per byte of the dtype asked, through find's fallback);
+    fewer rows, unknown rows, big weights with gemm_big, and profiles without the key price as before."""
+    fit = LinearModel(1e-4, 1e-12, 0.99)
+    hw = HardwareProfile("box", "test", {"gemm/cpu/bf16": fit, "gemm_pack/cpu/bf16": LinearModel(0.0, 5e-11, 0.99),
+                                         "gemm_big/cpu/bf16": LinearModel(2e-3, 9e-13, 0.99)})
+    w = 7.0 * 2**20
+    assert op_time.gemm_line(hw, "cpu", "bf16", w, fit, 512) == LinearModel(1e-4 + 5e-11 * w, 1e-12, 0.99)
+    assert op_time.gemm_line(hw, "cpu", "fp16", w, fit, 512) == LinearModel(1e-4 + 5e-11 * w, 1e-12, 0.99)
+    for tokens in (None, 1, op_time.GEMM_ROWS - 1):
+        assert op_time.gemm_line(hw, "cpu", "bf16", w, fit, tokens) is fit
+    assert op_time.gemm_line(hw, "cpu", "bf16", 32 * 2**20, fit, 512) == hw.models["gemm_big/cpu/bf16"]
+    plain = replace(hw, models={k: m for k, m in hw.models.items() if not k.startswith("gemm_pack/")})
+    assert op_time.gemm_line(plain, "cpu", "bf16", w, fit, 512) is fit
+    macs = 512 * w / 2
+    assert op_time.gemm_time(hw, "cpu", "bf16", macs, w) == pytest.approx(
+        op_time.gemm_time(plain, "cpu", "bf16", macs, w) + 5e-11 * w)
+
+
+def test_a_gemm_keys_weight_term_is_the_kept_runs():
+    """_Bench.attempt with weights: a GEMM key timed again (R^2 below GEMM_STALL_R2) keeps the best run's line
+    and weight term together, and the weight term carries the key's compute-probe readings."""
+    from tiered.hardware.profiler import _Bench
+
+    shapes = [(64, 1024, 1024), (256, 1024, 1024), (128, 2048, 1024), (512, 1024, 1024)]
+    n = [T * K * N for T, K, N in shapes]
+    w = [2.0 * K * N for _, K, N in shapes]
+    good = [(a, 5e-5 + 8e-13 * a + 5e-11 * b) for a, b in zip(n, w)]
+    stalled = [(a, t * (3.0 if i == 1 else 1.0)) for i, (a, t) in enumerate(good)]
+    runs = iter([stalled, good])
+    b = _Bench(True, None, None)
+    b.compute = _Readings([1.0, 1.2])
+    b.attempt("gemm/cpu/bf16", lambda: next(runs), weights=w)
+    assert b.models["gemm_pack/cpu/bf16"].beta == pytest.approx(5e-11, rel=1e-6)
+    assert b.models["gemm/cpu/bf16"].beta == pytest.approx(8e-13, rel=1e-6)
+    assert b.compute_seconds == {"gemm/cpu/bf16": [1.0, 1.2], "gemm_pack/cpu/bf16": [1.0, 1.2]}
+
+
 @pytest.mark.parametrize("n", [1, 1000, (1 << 16) + 7, 3 * (1 << 16) + 5])
 def test_fill_random_fills_every_element_with_normal_draws(n):
     from tiered.hardware.profiler import RANDOM_BLOCK, fill_random_, random_normal
@@ -328,6 +392,7 @@ def test_quick_profile_structure(measured):
         assert key in p.models, key
     for dtype in ("bf16", "int8", "int4"):  # present, or skipped with a reason
         assert f"gemm/cpu/{dtype}" in p.models or f"gemm/cpu/{dtype}" in p.meta["skipped"]
+    assert "gemm_pack/cpu/fp32" in p.models  # the weight term beside the multiply-adds' line (fit_gemm)
     if kernels.available():  # the native kernels' own keys: int4 experts on int8 x, int8 per group of 32
         assert "gemv/cpu/int4q8" in p.models and "gemv/cpu/int8-g32" in p.models
         if p.meta.get("llc_bytes"):  # the native step's attention from DRAM, a bf16 cache cheaper a position
@@ -360,6 +425,9 @@ def test_quick_profile_structure(measured):
             assert m.alpha > 0 and m.r2 is None
         elif key in ("runtime/engine_token", "runtime/burst_token"):  # a token's loop: a constant, 0 at the least
             assert m.beta == 0.0 and m.r2 is None
+        elif key.startswith("gemm_pack/"):  # a GEMM call's weight bytes, fitted with its key's points (profiler 41)
+            line = p.models["gemm/" + key[len("gemm_pack/"):]]
+            assert m.alpha == 0.0 and m.r2 == line.r2 and len(p.meta["points"]["gemm/" + key[len("gemm_pack/"):]]) >= 4
         elif key == "runtime/step_rows/int4":  # a difference of two timings, 0 where it is within their noise
             # (2 Zen 3 cores, 2026-12-01: 0, 0.40 ms and 0 a layer at 64 / 128 / 256 rows)
             points = p.meta["points"][key]

@@ -166,16 +166,30 @@ def gemm_line(profile: HardwareProfile, device: str, dtype: str, bytes_per_call:
               tokens: float | None = None) -> LinearModel:
     """The affine model [s per call, s per MAC] of a GEMM over `bytes_per_call` weight bytes a call:
     from BIG_GEMM_BYTES on where profiled, gemm_big/<dev>/<dtype>'s (with the dtype fallbacks), else
-    `fit` (the gemm key's). gemm_big's intercept (1.5 ms a call on the H100's host, where oneDNN packs
-    the weight for AMX at every call) is charged only to calls of PROMPT_GEMM_ROWS `tokens` or more;
-    fewer rows, or `tokens` None, keep `fit`'s: charged per call, it priced CPU experts' and CC slices'
-    decode GEMVs 4x too slow."""
-    if bytes_per_call < BIG_GEMM_BYTES:
+    `fit` (the gemm key's), its call term plus the weight's bytes at gemm_pack's rate (gemm_pack) for
+    calls of GEMM_ROWS `tokens` or more (the rows its fit was timed at are 64-512). gemm_big's intercept
+    (1.5 ms a call on the H100's host, where oneDNN packs the weight for AMX at every call) is charged
+    only to calls of PROMPT_GEMM_ROWS `tokens` or more; fewer rows, or `tokens` None, keep `fit`'s:
+    charged per call, it priced CPU experts' and CC slices' decode GEMVs 4x too slow."""
+    m = find(profile, "gemm_big", device, dtype) if bytes_per_call >= BIG_GEMM_BYTES else None
+    if m is not None:
+        return m if tokens is not None and tokens >= PROMPT_GEMM_ROWS else LinearModel(fit.alpha, m.beta, m.r2)
+    pack = gemm_pack(profile, device, dtype)
+    if pack is None or tokens is None or tokens < GEMM_ROWS:
         return fit
-    m = find(profile, "gemm_big", device, dtype)
-    if m is None:
-        return fit
-    return m if tokens is not None and tokens >= PROMPT_GEMM_ROWS else LinearModel(fit.alpha, m.beta, m.r2)
+    return LinearModel(fit.alpha + pack * bytes_per_call, fit.beta, fit.r2)
+
+
+def gemm_pack(profile: HardwareProfile, device: str, dtype: str) -> float | None:
+    """Seconds a byte of `dtype` weight that each call of the GEMM fit's dtype (find's fallback) pays beside its
+    multiply-adds: gemm_pack/<dev>/<that dtype> (hardware/profiler.fit_gemm: torch's CPU GEMMs read and pack,
+    or dequantize, the weight at every call), per byte of `dtype`; None where the profile fitted none (before
+    profiler 41, GPU keys, presets: the GEMM line is then over multiply-adds alone)."""
+    for d in DTYPE_FALLBACK.get(dtype, (dtype,)):
+        if profile.has(f"gemm/{device}/{d}"):
+            m = profile.models.get(f"gemm_pack/{device}/{d}")
+            return None if m is None else m.beta * bytes_per_element(d) / bytes_per_element(dtype)
+    return None
 
 
 def graph_gemv(profile: HardwareProfile, device: str, dtype: str) -> LinearModel | None:

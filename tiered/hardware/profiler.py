@@ -98,7 +98,7 @@ from tiered.hardware.budget import move_to_huge_pages
 from tiered.hardware.cpu_gemm import bf16_gemm_native, linear
 from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K, prefill_attention_pairs
 from tiered.hardware.profile import HardwareProfile, LinearModel
-from tiered.memory.sizes import DENSE_FORMATS, torch_dtype
+from tiered.memory.sizes import DENSE_FORMATS, bytes_per_element, torch_dtype
 from tiered.quant.int4 import dequantize_rows
 
 MiB = 2**20
@@ -125,6 +125,51 @@ def fit_affine(xs, ys) -> LinearModel:
     ss = ((y - y.mean()) ** 2).sum()
     r2 = 1.0 - ((y - alpha - beta * x) ** 2).sum() / ss if ss > 0 else 1.0
     return LinearModel(float(alpha), float(beta), float(r2))
+
+
+def fit_gemm(xs, ws, ys) -> tuple[LinearModel, LinearModel | None]:
+    """Least-squares t = alpha + beta * n + gamma * w with alpha, beta, gamma >= 0 (non-negative least squares):
+    a CPU GEMM call's seconds over its multiply-adds n and its weight's bytes w, which torch's CPU GEMMs read and
+    pack (oneDNN, MKL) or dequantize (int8) at every call. Returns (LinearModel(alpha, beta, R^2),
+    LinearModel(0, gamma, R^2)), R^2 of the three-term fit; fit_affine's line and None where the points cannot
+    separate the terms (fewer than 4, or w constant or proportional to n).
+
+    Over multiply-adds alone the line bends with the weight a call: on 2 Sapphire Rapids cores (AMX,
+    2026-12-02) torch's bf16 GEMM took 2.4 ps a multiply-add at 64 rows of a 1024 x 1024 weight and 1.0 at 512,
+    the affine fit's R^2 was 0.63-0.81, its slope 1.04-1.47 ps from one profile to the next, and it priced
+    SmolLM2's 512-row projections 26-150% slow; three terms fitted R^2 0.989 (fp32: 0.93 -> 0.9993) and priced
+    them within -5..+34%, Mixtral-width experts' 512-row projections within 9% (affine: +10-13%).
+
+    Raises:
+        ValueError: no points, or xs, ws and ys of different lengths."""
+    x, w, y = np.asarray(xs, float), np.asarray(ws, float), np.asarray(ys, float)
+    if not len(x) == len(w) == len(y):
+        raise ValueError(f"need matching samples (got {len(x)}, {len(w)} and {len(y)})")
+    line = fit_affine(x, y)
+    if len(x) < 4 or x.max() <= 0 or w.max() <= 0:
+        return line, None
+    design = np.stack([np.ones_like(x), x / x.max(), w / w.max()], axis=1)
+    if np.linalg.matrix_rank(design, tol=1e-9) < 3:
+        return line, None
+    from scipy.optimize import nnls
+
+    (alpha, b, g), _ = nnls(design, y)
+    beta, gamma = b / x.max(), g / w.max()
+    if beta <= 0.0:  # no cost per multiply-add is no GEMM's: a stalled point; the line over n alone
+        return line, None
+    ss = ((y - y.mean()) ** 2).sum()
+    r2 = float(1.0 - ((y - alpha - beta * x - gamma * w) ** 2).sum() / ss) if ss > 0 else 1.0
+    return LinearModel(float(alpha), float(beta), r2), LinearModel(0.0, float(gamma), r2)
+
+
+def pack_key(key: str) -> str:
+    """The weight-bytes term beside a GEMM key (fit_gemm): gemm/cpu/bf16 -> gemm_pack/cpu/bf16.
+
+    Raises:
+        ValueError: `key` is no gemm/<device>/<dtype> key."""
+    if not key.startswith("gemm/"):
+        raise ValueError(f"{key!r} is no GEMM key (gemm/<device>/<dtype>)")
+    return "gemm_pack/" + key[len("gemm/"):]
 
 
 def fit_proportional(xs, ys) -> LinearModel:
@@ -240,7 +285,8 @@ COMPUTE_PROBE_REPEATS = 9
 # planning scales each by the probe's speed now against them (planner/auto.compute_now).
 # (Not attn/cpu, torch's decode attention: bandwidth-bound, hardware/profile.BANDWIDTH_BOUND_CPU.)
 COMPUTE_KEYS = ("decode_rows/cpu/", "expert_rows/cpu/", "attn_rows/cpu/", "attn_prefill/cpu/", "attn_prefill_past/cpu/",
-                "gemm/cpu/", "gemm_big/cpu/", "runtime/step_rows/", "runtime/prefill_code/", "dequantize/cpu/")
+                "gemm/cpu/", "gemm_pack/cpu/", "gemm_big/cpu/", "runtime/step_rows/", "runtime/prefill_code/",
+                "dequantize/cpu/")
 
 
 class ComputeProbe:
@@ -346,8 +392,18 @@ class _Bench:
         # SECOND_PASS_KEYS measured so far: key -> (its timing, the points of each of its timings)
         self.deferred: dict[str, tuple[Callable[[], list[tuple[float, float]]], list[list[tuple[float, float]]]]] = {}
 
-    def fit(self, key: str, points: list[tuple[float, float]]) -> None:
+    def fit(self, key: str, points: list[tuple[float, float]], weights: list[float] | None = None) -> None:
+        """Fit `key` on its (n, seconds) `points`; `weights` (a CPU GEMM key's: each point's weight bytes) fits
+        the call's weight term beside it (fit_gemm, pack_key), where the points separate it."""
         self.points[key] = points
+        if weights is not None:
+            line, pack = fit_gemm([n for n, _ in points], weights, [t for _, t in points])
+            self.models.pop(pack_key(key), None)
+            if pack is not None:
+                self.models[key], self.models[pack_key(key)] = line, pack
+                self.say(f"{key}: alpha={line.alpha:.3g} s beta={line.beta:.3g} s/unit, {pack.beta:.3g} s a weight "
+                         f"byte R^2={round(line.r2, 3)}")
+                return
         # reads and copies of MiBs; the native step's layers per byte, fixed costs in (_decode_layer_points)
         # and its attention over prompt rows per multiply-add (_attn_rows_points: the affine fit's intercept, ~0.45 ms
         # a layer on 2 Zen 5 cores, is the longer prompts' rate improving, and would price a 64-token SmolLM2
@@ -370,8 +426,10 @@ class _Bench:
         self.models[key] = m
         self.say(f"{key}: alpha={m.alpha:.3g} s beta={m.beta:.3g} s/unit R^2={m.r2 if m.r2 is None else round(m.r2, 3)}")
 
-    def attempt(self, key: str, fn: Callable[[], list[tuple[float, float]]]) -> None:
-        """Time `key` by `fn` (its (n, seconds) points) and fit it; a key skipped where `fn` raises.
+    def attempt(self, key: str, fn: Callable[[], list[tuple[float, float]]], weights: list[float] | None = None
+                ) -> None:
+        """Time `key` by `fn` (its (n, seconds) points) and fit it (`weights`: Bench.fit's); a key skipped where
+        `fn` raises.
 
         A bandwidth-bound key (STREAM_KEYS: its time is bytes over a rate, a straight line by
         construction) or a GEMM key (RETIMED_KEYS) whose fit has R^2 below STALL_R2 (GEMM_STALL_R2)
@@ -390,24 +448,32 @@ class _Bench:
                 if self.probe is not None:
                     self.probe.last = None
                 notes = len(self.notes)
-                self.fit(key, fn())
+                self.fit(key, fn(), weights)
                 r2 = self.models[key].r2
                 run = (r2 if r2 is not None else 1.0, self.models[key], self.points[key], self.notes[notes:],
-                       self.probe.last if self.probe is not None else None)
+                       self.probe.last if self.probe is not None else None,
+                       self.models.get(pack_key(key)) if weights is not None else None)
                 del self.notes[notes:]
                 if best is None or run[0] > best[0]:
                     best = run
                 if best[0] >= stall_r2 or tries == runs - 1:
                     break
                 self.say(f"{key}: R^2 {run[0]:.2f}: stalled samples, timing it again")
-            r2, self.models[key], self.points[key], notes, probe = best
+            r2, self.models[key], self.points[key], notes, probe, pack = best
+            if pack is not None:  # the weight term of the run kept (fit_gemm)
+                self.models[pack_key(key)] = pack
+            elif weights is not None:
+                self.models.pop(pack_key(key), None)
             self.notes += notes
             if tries:
                 self.notes.append(f"{key}: timed {tries + 1} times (R^2 below {stall_r2}: stalled samples); the "
                                   f"best fit kept (R^2 {r2:.3f})")
             if probe is not None:
                 self.probes[key] = probe
-            self.keep_compute(key, before + self.read_compute(key))
+            readings = before + self.read_compute(key)
+            self.keep_compute(key, readings)
+            if pack is not None:  # timed with it: the cores' speed of the same minutes
+                self.keep_compute(pack_key(key), readings)
             if key.startswith(SECOND_PASS_KEYS):
                 self.deferred[key] = (fn, [self.points[key]])
         except Exception as e:  # a kernel this torch build or device lacks: note it, keep going
@@ -1909,7 +1975,11 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # (_net_of_dequantize): cpu_predict.torch_gemm_time prices a prompt's dequantized int4 GEMM as its multiply-adds plus
 # its weight's elements (over multiply-adds alone at 192-384 rows the key priced SmolLM2's 512-row projections 18-29%
 # slow, its 512-token TTFT 15%).
-PROFILER_VERSION = 40
+# 41: the CPU GEMM keys (gemm/cpu/<dtype>) fitted over multiply-adds and their weight's bytes a call (fit_gemm), the
+# latter as gemm_pack/cpu/<dtype> (op_time.gemm_line adds it to calls of GEMM_ROWS rows or more): over multiply-adds
+# alone the bf16 line's R^2 was 0.63-0.81 on 2 AMX cores, and the best-fitting of its three timings (GEMM_STALL_R2)
+# was the one with the steepest slope; the quick profile times a fourth GEMM shape for it.
+PROFILER_VERSION = 41
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -1974,7 +2044,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     nosync = lambda: None  # noqa: E731
     r = b.repeats
     # CPU
-    gemm_shapes = [(64, 1024, 1024), (256, 1024, 1024), (128, 2048, 1024)] if quick else \
+    # (4 shapes at least: the weight term beside the multiply-adds' line, fit_gemm)
+    gemm_shapes = [(64, 1024, 1024), (256, 1024, 1024), (128, 2048, 1024), (512, 1024, 1024)] if quick else \
         [(64, 1024, 1024), (128, 1024, 1024), (256, 1024, 1024), (512, 1024, 1024),
          (128, 2048, 2048), (256, 2048, 2048), (64, 4096, 2048)]
     gemv_shapes = [(1, 512, 512), (1, 1024, 1024), (1, 2048, 2048), (1, 4096, 2048)] if quick else \
@@ -1999,7 +2070,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         if dequantized:
             b.attempt("dequantize/cpu/int4", lambda sh=shapes: _dequantize_points(sh, r))
         b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype, sh=shapes, dq=dequantized: _net_of_dequantize(
-            _gemm_points("cpu", d, sh, nosync, r, False), sh, b.models.get("dequantize/cpu/int4") if dq else None))
+            _gemm_points("cpu", d, sh, nosync, r, False), sh, b.models.get("dequantize/cpu/int4") if dq else None),
+            weights=[K * N * bytes_per_element(dtype) for _, K, N in shapes])
         b.attempt(f"gemv/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemv_shapes, nosync, r, True, probe=pr))
     if kernels.available():  # routed int4 experts' batch-1 kernel (op_time.gemv_dtype)
         b.attempt("gemv/cpu/int4q8", lambda: _gemm_points("cpu", "int4q8", gemv_shapes, nosync, r, True, probe=pr))

@@ -422,7 +422,8 @@ def standin_profile(cpu: HardwareProfile, link_bandwidth: float | None) -> Hardw
     """
     models = dict(cpu.models)
     for key, m in cpu.models.items():
-        if key.startswith(("gemm/cpu/", "gemv/cpu/", "attn/cpu/")) or key in ("memory/bandwidth/cpu", "memory/copy/cpu"):
+        if key.startswith(("gemm/cpu/", "gemm_pack/cpu/", "gemv/cpu/", "attn/cpu/")) or key in ("memory/bandwidth/cpu",
+                                                                                           "memory/copy/cpu"):
             models[key.replace("/cpu", "/gpu", 1)] = m
     hop = op_time.task_overhead(cpu)
     models["launch/gpu"] = LinearModel(hop, 0.0, None)
