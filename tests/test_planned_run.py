@@ -509,6 +509,18 @@ def test_decode_is_priced_again_at_a_runs_context(zoo, box, monkeypatch):
     monkeypatch.setattr(auto, "make_plan", one_more_slot)
     assert llm.predicted_decode_at(4) is None
 
+    def other_prompt_path(*a, **kw):  # a short prompt attended in another dtype, run as more rows: decode as before
+        p = real(*a, **kw)
+        p.dtypes["prompt_attention"] = "fp32" if p.dtypes.get("prompt_attention") != "fp32" else "bf16"
+        p.mixed_rows += 64
+        p.prefill_chunk += 1
+        return p
+    monkeypatch.setattr(auto, "make_plan", real)
+    expected = llm.predicted_decode_at(4)
+    monkeypatch.setattr(auto, "make_plan", other_prompt_path)
+    assert llm.predicted_decode_at(4) == pytest.approx(expected, rel=1e-9)
+    assert llm.predicted_ttft_at(4) is None  # ... but a prompt's price is for the prompt path it runs
+
 
 def test_a_given_profile_of_the_other_cpu_step_is_said(zoo, box, tmp_path, monkeypatch):
     """A given profile measured with(out) tiered's native kernels while this process runs without

@@ -368,6 +368,18 @@ def decisions(plan: Plan) -> tuple:
             plan.prefill_chunk, plan.mixed_rows)
 
 
+# the decisions only a prompt runs by (decisions' last two, and the dtype its attention computes in)
+PROMPT_DTYPES = ("prompt_attention",)
+
+
+def decode_decisions(plan: Plan) -> tuple:
+    """What a plan decided that a decode step runs by: `decisions` without those only a prompt runs by (its
+    attention's dtype, the prefill chunk, the mixed rows), which a plan made for another prompt length may
+    decide otherwise with the same decode step."""
+    layers, slots, policy, dispatch, dtypes, _, _ = decisions(plan)
+    return layers, slots, policy, dispatch, tuple((k, v) for k, v in dtypes if k not in PROMPT_DTYPES)
+
+
 def decode_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, args: dict | None,
               positions: int, batch: bool = False) -> float | None:
     """The plan's decode speed [tokens/s] priced again at `positions` cached positions (a run's mean
@@ -383,8 +395,10 @@ def decode_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, arg
     Returns None where there is nothing to re-price (a plan of the runtime's rules, a replayed or
     FlexGen plan, mixed-precision experts, no profile, no batch figure) or where the plan made for
     that context decides anything differently (another placement would be a prediction for another
-    engine)."""
-    again = None if positions < 2 else _priced_at(plan, cfg, profile, args, positions - 1)
+    engine; decode_decisions: a plan for a short prompt may attend it in another dtype, or run it as rows, with the
+    same decode step: SmolLM2's at 44 positions did, and the default row of planner_validation compared its 2.9 ms
+    a token with the plan's own price at 640 positions, 4.4 ms)."""
+    again = None if positions < 2 else _priced_at(plan, cfg, profile, args, positions - 1, decode_decisions)
     if again is None:
         return None
     return again.predicted_batch_decode_tokens_per_s if batch else again.predicted_decode_tokens_per_s
@@ -400,16 +414,16 @@ def ttft_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, args:
 
 
 def _priced_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, args: dict | None,
-               prompt_tokens: int) -> Plan | None:
+               prompt_tokens: int, same: Callable[[Plan], tuple] = decisions) -> Plan | None:
     """make_plan again with the arguments that made `plan` (engine_plan's third value) for a prompt of
     `prompt_tokens` and one generated token; None where there is nothing to re-price (a plan of the runtime's
-    rules, a replayed or FlexGen plan, mixed-precision experts, no profile) or where it decides anything
-    differently from `plan` (another placement would be a prediction for another engine)."""
+    rules, a replayed or FlexGen plan, mixed-precision experts, no profile) or where it decides anything `same`
+    compares differently from `plan` (another placement would be a prediction for another engine)."""
     if args is None or profile is None or plan.flexgen or plan.mixed_precision is not None:
         return None
     again = make_plan(cfg, profile, **dict(args, prompt_tokens=prompt_tokens, gen_tokens=1))
     again.dtypes["decode"] = plan.dtypes["decode"]
-    return again if decisions(again) == decisions(plan) else None
+    return again if same(again) == same(plan) else None
 
 
 def standin_profile(cpu: HardwareProfile, link_bandwidth: float | None) -> HardwareProfile:
