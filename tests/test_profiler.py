@@ -1379,12 +1379,17 @@ def test_the_probe_cycles_over_three_caches_up_to_its_cap(monkeypatch):
     SmolLM2's engine start and made its peak RSS 4x its steady RSS."""
     from tiered.hardware import profiler
 
-    monkeypatch.setattr(profiler, "_native_gemv_module", lambda fmt, w: (torch.nn.Linear(1, 1), None))
+    made = []
+    monkeypatch.setattr(profiler, "_native_gemv_module", lambda fmt, w: (made.append(torch.nn.Linear(1, 1)) or
+                                                                         made[-1], None))
     monkeypatch.setattr(profiler, "move_to_huge_pages", lambda m: None)
     monkeypatch.setattr(profiler, "_native_gemv", lambda fmt, m: (lambda x: x))
     weight = 4096 * 4096 * 2
     assert len(profiler.Probe(32 * 2**20)._keep) * weight == 96 * 2**20  # 3 x a 32 MiB cache
-    assert len(profiler.Probe(480 * 2**20)._keep) * weight == profiler.PROBE_MAX_COLD_BYTES == 256 * 2**20
+    keep = profiler.Probe(480 * 2**20)._keep
+    assert len(keep) * weight == profiler.PROBE_MAX_COLD_BYTES == 256 * 2**20
+    # the module built is the first of the copies (no spare template beside them), each copy its own memory
+    assert keep[0] is made[-1] and len({m.weight.data_ptr() for m in keep}) == len(keep)
 
 
 def _probed_profile():

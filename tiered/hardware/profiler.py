@@ -255,9 +255,11 @@ class Probe:
         copies = max(2, -(-cold // (K * N * 2)))
         # fill_random_'s values: every engine builds this probe at planning (randn over the whole 4096 x 4096
         # took 0.15 s of it on 2 Zen 3 cores)
-        w = random_normal(N, K)
-        modules = _module_copies(_native_gemv_module("bf16", w)[0], copies)
-        del w
+        # the fp32 draw freed before any copy is made, the template the first of the copies: every engine's
+        # planning peaks here (SmolLM2's engine on the 2-core AMX VM: 647 MB where its load peaks at ~400, the
+        # draw's 64 MiB and a spare template's 32 among it)
+        template = _native_gemv_module("bf16", random_normal(N, K))[0]
+        modules = [template] + _module_copies(template, copies - 1)
         move_to_huge_pages(torch.nn.ModuleList(modules))
         turn = itertools.cycle([_native_gemv("bf16", m) for m in modules])
         x = torch.randn(T, K)
