@@ -1101,6 +1101,12 @@ def test_a_plan_prices_prompts_within_its_mixed_rows_as_rows_and_extends_them_wh
                              dense_copies=False, batch_act="q8", head_precision="int8", context_tokens=8192,
                              mixed_rows=rows)
 
+    from tiered.planner.latency_cpu import priced_mixed_rows
+
+    # each length past the floor in turn, up to the first priced slower as rows; none past the prefill chunk
+    assert priced_mixed_rows(96, 0, lambda T: T, lambda T: 150) == 128
+    assert priced_mixed_rows(96, 0, lambda T: T, lambda T: 100) == 96
+    assert priced_mixed_rows(96, 256, lambda T: T, lambda T: 1e9) == 256
     hw, fast = plan(1e-11)  # the native attention at ~100 GMAC/s (2 Zen 5 cores' 9-10 ps a multiply-add)
     assert fast.mixed_rows == max(PRICED_MIXED_ROWS) == fast.prefill_chunk
     assert fast.predicted_ttft_s == pytest.approx(predict_prompt_rows(cfg, hw, "int4", 512, None, "bf16", "int8", "q8"))
