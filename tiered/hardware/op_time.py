@@ -202,7 +202,8 @@ def graph_gemv(profile: HardwareProfile, device: str, dtype: str) -> LinearModel
 def gemm_time(profile: HardwareProfile, device: str, dtype: str, macs: float, weight_bytes: float = 0.0,
               calls: int = 1, graphed: bool = False, expert: bool = False) -> float:
     """Seconds for `calls` GEMMs totalling `macs` multiply-accumulates over `weight_bytes` of weights.
-    Calls over big weights take gemm_big's line (gemm_line). `graphed`: GEMVs (a token a call)
+    Calls over big weights take gemm_big's line, calls of GEMM_ROWS rows or more over smaller ones pay their
+    weight's bytes at gemm_pack's rate where profiled (gemm_line). `graphed`: GEMVs (a token a call)
     replayed in a CUDA graph, priced by gemv_graph/<dev>/<dtype> where profiled (graph_gemv).
     `expert`: the weights are a routed expert's in the native expert kernel, whose stream floors the
     time at that kernel's rate (memory_time's `expert`).

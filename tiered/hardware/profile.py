@@ -6,6 +6,9 @@ ALGORITHMS.md 1.b, 5.2), with the fit quality R^2 kept beside it (ScheInfer Tabl
     key                      n is ...                 alpha [s]   beta [s per unit]
     gemm/<device>/<dtype>    multiply-accumulates     launch/start-up   s per MAC
                              (compute-bound regime: many tokens per call)
+    gemm_pack/cpu/<dtype>    weight bytes a call      0                 s per byte
+                             (beside gemm/cpu/<dtype>, fitted with it: torch packs or dequantizes the weight
+                             every call; op_time.gemm_line adds it to calls of 8 rows or more)
     gemv/<device>/<dtype>    weight bytes streamed    start-up          s per byte
                              (memory-bound regime, fitted at 1 token; ALGORITHMS.md 1.f S2)
     gemv_graph/gpu/<dtype>   weight bytes streamed    the kernel's own  s per byte
