@@ -178,11 +178,12 @@ def prompt_time(plan: Plan, tokens: int, rows, modules) -> float:
 
 
 # Prompt lengths past the measured mixed rows (planner/auto.MIXED_ROWS) where a plan prices both of a prompt's paths.
-# 128: past AVX-512's floor of 96 the first length had been 192, where SmolLM2's two paths price within 5% of each
-# other; a quick profile of the 2-core AMX VM priced its rows 4% slower there (104 against 100 ms) and left every
-# prompt of 97-191 tokens to the modules, its 128-token one 94 ms where it takes ~63 as rows (priced 68 against 84;
-# cpu_dense, 2026-12-02)
-PRICED_MIXED_ROWS = (128, 192, 256, 384, 512, 768, 1024)
+# 128 and 160: past AVX-512's floor of 96 the first length had been 192, where SmolLM2's two paths run within 5% of
+# each other; a quick profile of the 2-core AMX VM priced its rows 4% slower there (104 against 100 ms) and left
+# every prompt of 97-191 tokens to the modules. Measured there (2026-12-02, medians of 5, alternated), rows against
+# modules: 69 / 79 / 104 / 144 / 231 against 95 / 100 / 109 / 130 / 168 ms at 128 / 160 / 192 / 256 / 384 tokens
+# (the rows priced within 2%, the modules 8-11% fast by that quick profile, 14-18% slow by a full one)
+PRICED_MIXED_ROWS = (128, 160, 192, 256, 384, 512, 768, 1024)
 
 
 def priced_mixed_rows(floor: int, chunk: int, rows, modules) -> int:
