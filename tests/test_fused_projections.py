@@ -79,3 +79,47 @@ def test_the_engine_gives_each_fused_modules_freed_parts_back(zoo, monkeypatch):
     finally:
         llm.close()
     assert fuse_projections(torch.nn.Sequential(MLP(8, 16)), trim=lambda: trims.append(2)) == 1 and trims[-1] == 2
+
+
+def test_a_prompts_ffn_stays_in_the_dequantized_gemms_dtype(monkeypatch):
+    """One-copy int4 projections whose prompt calls dequantize for bf16 GEMMs (quant/int4.Int4Linear.dense_dtype,
+    through PhaseLinear and the fused gate/up's Slice): MLP casts a prompt's fp32 x to bf16 once and keeps gate, up,
+    their product and down in bf16 (no cast back and forth between the GEMMs), its output in x's dtype; decode steps
+    (the decode module's rows), plain nn.Linear projections and dtypes already alike take the usual path."""
+    import torch.nn.functional as F
+
+    from tiered import kernels
+    from tiered.quant import int4
+    from tiered.quant.linear import PhaseLinear, SharedOutput, Slice
+
+    if not kernels.available():
+        pytest.skip("the tiled int4 layout needs tiered/kernels")
+    monkeypatch.setattr(int4, "dequantize_rows", lambda batch_act="bf16", isa=None, tuning=None: 8)
+    monkeypatch.setattr(int4, "dequantize_dtype", lambda: torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    D, Fi, threshold = 64, 128, 4
+
+    def tiled(n, k):
+        return int4.Int4Linear.from_codes(*int4.quantize_int4(torch.randn(n, k, generator=g) * 0.05), int4.GROUP,
+                                          None, "tiled")
+    mlp = MLP(D, Fi)
+    shared = SharedOutput(tiled(2 * Fi, D), 2)
+    mlp.gate_proj = PhaseLinear(None, None, Slice(shared, 0, Fi), threshold)
+    mlp.up_proj = PhaseLinear(None, None, Slice(shared, Fi, 2 * Fi), threshold)
+    down = tiled(D, Fi)
+    mlp.down_proj = PhaseLinear(None, None, down, threshold)
+    x = torch.randn(1, 16, D, generator=g)
+    assert mlp._prompt_dtype(x) == torch.bfloat16
+    with torch.inference_mode():
+        y = mlp(x)
+        h = x.to(torch.bfloat16)
+        gate_up = shared.fused.dense(h)
+        assert gate_up.dtype == torch.bfloat16
+        want = down.dense(F.silu(gate_up[..., :Fi]) * gate_up[..., Fi:]).float()
+        assert y.dtype == torch.float32 and torch.equal(y, want)
+        # the fp32 product (the path before): not what runs now
+        up32 = gate_up.float()
+        assert not torch.equal(y, down.dense(F.silu(up32[..., :Fi]) * up32[..., Fi:]))
+    assert mlp._prompt_dtype(x[:, :threshold]) is None  # a decode step: the decode module's rows
+    assert mlp._prompt_dtype(x.to(torch.bfloat16)) is None  # already that dtype
+    assert MLP(D, Fi)._prompt_dtype(x) is None  # nn.Linear: x's dtype throughout

@@ -240,6 +240,16 @@ class Int4Linear(nn.Module):
         y = self.kernel(self.batch_act)(x2) if limit is None or x2.shape[0] <= limit else self.dequantized(x2)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
+    def dense_dtype(self, rows: int) -> torch.dtype | None:
+        """The dtype `dense` computes a call of `rows` rows in where it dequantizes this weight for one GEMM
+        (dequantize_dtype(): bf16 on AVX-512): activations of that dtype then go through without a cast either
+        way. None where such a call runs the kernel (within dequantize_rows(batch_act)) or the layout has no
+        `dense` path of its own."""
+        if self.layout != "tiled":
+            return None
+        limit = dequantize_rows(self.batch_act)
+        return None if limit is None or rows <= limit else dequantize_dtype()
+
     def dequantized(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> [T, N] in `dequantize_dtype()`: the weight ("tiled" layout) dequantized (into a reused
         buffer) for one GEMM in that dtype, as `dense` runs calls past dequantize_rows."""

@@ -65,6 +65,14 @@ class CastLinear(nn.Module):
         return (k, bf16_native_rows()) if k is not None else False
 
 
+def dense_dtype(module: nn.Module, rows: int) -> torch.dtype | None:
+    """The dtype `module`'s prompt path computes a call of `rows` rows in without a cast of its own (its
+    `dense_dtype`: PhaseLinear, Slice, Int4Linear), or None (any other module: it computes in the
+    activations' dtype, or says nothing)."""
+    fn = getattr(module, "dense_dtype", None)
+    return fn(rows) if fn is not None else None
+
+
 class SharedOutput(nn.Module):
     """Runs a fused module once per input tensor and hands each member its column slice.
 
@@ -109,6 +117,10 @@ class Slice(nn.Module):
         """The same columns through the fused module's dense (prefill) path."""
         return self.shared(x, dense=True)[..., self.start:self.stop]
 
+    def dense_dtype(self, rows: int) -> torch.dtype | None:
+        """The fused module's dense_dtype (None where it has none)."""
+        return dense_dtype(self.shared.fused, rows)
+
 
 class PhaseLinear(nn.Module):
     """Dense `weight` [N, K] for steps with more than `threshold` rows, `decode` module otherwise.
@@ -123,6 +135,14 @@ class PhaseLinear(nn.Module):
         self.bias = bias
         self.decode = decode
         self.threshold = threshold
+
+    def dense_dtype(self, rows: int) -> torch.dtype | None:
+        """The dtype a step of `rows` rows computes this projection in when it takes the one copy's dense path
+        (`decode` dense_dtype: a tiled Int4Linear past its kernel's rows dequantizes to bf16 on AVX-512);
+        None for steps the decode module serves, a dense weight's GEMM, or a module without one."""
+        if rows <= self.threshold or self.weight is not None:
+            return None
+        return dense_dtype(self.decode, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() // x.shape[-1] <= self.threshold:
