@@ -1181,3 +1181,41 @@ def test_16_bit_weights_join_the_native_steps_rows_for_few_tokens_where_the_cpu_
     assert auto.planned_mixed_rows(MIXTRAL, object(), "q8", "bf16") == 0  # an accelerator: no native step
     monkeypatch.setattr(auto.kernels, "available", lambda: False)
     assert auto.planned_mixed_rows(MIXTRAL, None, "q8", "bf16") == 0
+
+
+def test_a_prompts_int4_ffn_is_priced_in_the_dtype_it_runs_its_intermediate_in():
+    """predict_prefill: a dense FFN of one-copy int4 projections that a prompt dequantizes for bf16 GEMMs (AVX-512,
+    past dequantize_rows) keeps its intermediate in bf16 (models/layers.MLP._prompt_dtype): its tokens x intermediate
+    are priced at runtime/prefill_code/bf16's slope, the rest of the layer's width at the activations' (fp32); fewer
+    rows (the kernel's) and bf16 activations price as before."""
+    from pathlib import Path
+
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.hardware.profile import HardwareProfile, LinearModel
+    from tiered.planner.cpu_predict import kernel_isa, predict_prefill
+    from dataclasses import replace
+
+    from tiered.quant.int4 import dequantize_rows
+
+    hw = HardwareProfile.load(Path(__file__).parents[1] / "benchmarks/results/sapphire-rapids-2026-12-02/at-c994c2e/"
+                              "hardware_profile_this_machine.json")
+    assert kernel_isa(hw) == "avx512"
+    rows = dequantize_rows("q8", "avx512", tuning=hw.meta.get("kernel_tuning") or {})
+    assert rows is not None and rows < 512
+    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                      max_position_embeddings=8192)
+
+    def priced(profile, T, act="fp32"):
+        return predict_prefill(cfg, profile, "int4", T, act_dtype=act, batch_act="q8")
+
+    def slower(key):
+        m = hw.models[key]
+        return replace(hw, models=dict(hw.models, **{key: LinearModel(m.alpha, m.beta + 1e-9, m.r2)}))
+    assert priced(slower("runtime/prefill_code/bf16"), 512) - priced(hw, 512) == pytest.approx(30 * 512 * 1536e-9)
+    assert priced(slower("runtime/prefill_code/fp32"), 512) - priced(hw, 512) == pytest.approx(30 * 512 * 576e-9)
+    few = max(1, int(rows))  # the kernel's rows: fp32 throughout
+    assert priced(slower("runtime/prefill_code/fp32"), few) - priced(hw, few) == pytest.approx(
+        30 * few * (576 + 1536) * 1e-9)
+    assert priced(slower("runtime/prefill_code/bf16"), 512, "bf16") - priced(hw, 512, "bf16") == pytest.approx(
+        30 * 512 * (576 + 1536) * 1e-9)

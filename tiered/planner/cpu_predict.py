@@ -698,6 +698,12 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     else:
         kernel_rows = (hw.meta or {}).get("int4_dequantize_rows")
     no_bf16_gemm = (hw.meta or {}).get("bf16_gemm_native") is False
+    # a dense FFN of one-copy int4 projections dequantized for bf16 GEMMs (AVX-512) keeps its intermediate in bf16
+    # between them (models/layers.MLP._prompt_dtype): its SiLU and product priced at the bf16 code's rate
+    from tiered.quant.int4 import DEQUANTIZE_DTYPE
+
+    dequantized_bf16 = dtype == "int4" and (act_dtype or dtype) == "fp32" and kernel_rows is not None and \
+        DEQUANTIZE_DTYPE.get(isa) == torch.bfloat16
 
     def gemm(T: int, dt: str, macs: float, nbytes: float, calls: int, torch_runs: bool) -> float:
         """torch's GEMMs past the decode copies' and the native experts' rows; within them the native
@@ -750,7 +756,10 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             t = 0.0
             if not ffn_only:
                 width = d + (routed + cfg.shared_expert_intermediate_size if is_moe else cfg.intermediate_size)
-                code = op_time.prefill_code_time(hw, act_dtype or dtype, T * width)
+                bf16_ffn = cfg.intermediate_size if not is_moe and dequantized_bf16 and T > kernel_rows else 0
+                code = op_time.prefill_code_time(hw, act_dtype or dtype, T * (width - bf16_ffn))
+                if code is not None and bf16_ffn:
+                    code += op_time.prefill_code_time(hw, "bf16", T * bf16_ffn, fixed=False) or 0.0
                 t = (per_layer if code is None else code) + gemm(T, dtype, T * w_attn, w_attn * bpe, 4, T > GEMM_ROWS)
             if not is_moe:
                 F = cfg.intermediate_size
