@@ -434,6 +434,8 @@ class MLP(nn.Module):
         down cost SmolLM2's fp32 512-token prompt ~0.7 ms a layer of its 6.9 (206 -> 186 ms over its 30 layers, 2
         Sapphire Rapids cores, 2026-12-02); the product now rounds to it twice (SiLU, then the product) where it
         had once (the product, for down's GEMM)."""
+        if getattr(type(self.down_proj), "dense_dtype", None) is None:  # nn.Linear (a GPU step's): nothing to ask
+            return None
         from tiered.quant.linear import dense_dtype
 
         rows = x.numel() // x.shape[-1]
