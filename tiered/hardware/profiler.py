@@ -145,18 +145,17 @@ def fit_gemm(xs, ws, ys) -> tuple[LinearModel, LinearModel | None]:
     x, w, y = np.asarray(xs, float), np.asarray(ws, float), np.asarray(ys, float)
     if not len(x) == len(w) == len(y):
         raise ValueError(f"need matching samples (got {len(x)}, {len(w)} and {len(y)})")
-    line = fit_affine(x, y)
     if len(x) < 4 or x.max() <= 0 or w.max() <= 0:
-        return line, None
+        return fit_affine(x, y), None
     design = np.stack([np.ones_like(x), x / x.max(), w / w.max()], axis=1)
     if np.linalg.matrix_rank(design, tol=1e-9) < 3:
-        return line, None
+        return fit_affine(x, y), None
     from scipy.optimize import nnls
 
     (alpha, b, g), _ = nnls(design, y)
     beta, gamma = b / x.max(), g / w.max()
     if beta <= 0.0:  # no cost per multiply-add is no GEMM's: a stalled point; the line over n alone
-        return line, None
+        return fit_affine(x, y), None
     ss = ((y - y.mean()) ** 2).sum()
     r2 = float(1.0 - ((y - alpha - beta * x - gamma * w) ** 2).sum() / ss) if ss > 0 else 1.0
     return LinearModel(float(alpha), float(beta), r2), LinearModel(0.0, float(gamma), r2)

@@ -439,6 +439,7 @@ class MLP(nn.Module):
         from tiered.quant.linear import dense_dtype
 
         rows = x.numel() // x.shape[-1]
-        dts = {dense_dtype(m, rows) for m in (self.gate_proj, self.up_proj, self.down_proj)}
-        dt = dts.pop() if len(dts) == 1 else None
-        return dt if dt is not None and dt != x.dtype else None
+        dt = dense_dtype(self.down_proj, rows)  # (a decode step's rows: None here, the other two not asked)
+        if dt is None or dt == x.dtype or any(dense_dtype(m, rows) != dt for m in (self.gate_proj, self.up_proj)):
+            return None
+        return dt

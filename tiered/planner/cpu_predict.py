@@ -690,20 +690,19 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     # the rows up to which a one-copy int4 weight's prompt GEMM runs the int4 kernel on `batch_act` activations,
     # by the profiled machine's kernels (quant/int4.dequantize_rows; inf: at every row count); None without them
     isa = kernel_isa(hw)
+    # a dense FFN of one-copy int4 projections dequantized for bf16 GEMMs (AVX-512) keeps its intermediate in bf16
+    # between them (models/layers.MLP._prompt_dtype): its SiLU and product priced at the bf16 code's rate
+    dequantized_bf16 = False
     if isa is not None:
-        from tiered.quant.int4 import dequantize_rows
+        from tiered.quant.int4 import DEQUANTIZE_DTYPE, dequantize_rows
 
         kernel_rows = dequantize_rows(batch_act, isa, tuning=(hw.meta or {}).get("kernel_tuning") or {})
         kernel_rows = math.inf if kernel_rows is None else kernel_rows
+        dequantized_bf16 = dtype == "int4" and (act_dtype or dtype) == "fp32" and \
+            DEQUANTIZE_DTYPE.get(isa) == torch.bfloat16
     else:
         kernel_rows = (hw.meta or {}).get("int4_dequantize_rows")
     no_bf16_gemm = (hw.meta or {}).get("bf16_gemm_native") is False
-    # a dense FFN of one-copy int4 projections dequantized for bf16 GEMMs (AVX-512) keeps its intermediate in bf16
-    # between them (models/layers.MLP._prompt_dtype): its SiLU and product priced at the bf16 code's rate
-    from tiered.quant.int4 import DEQUANTIZE_DTYPE
-
-    dequantized_bf16 = dtype == "int4" and (act_dtype or dtype) == "fp32" and kernel_rows is not None and \
-        DEQUANTIZE_DTYPE.get(isa) == torch.bfloat16
 
     def gemm(T: int, dt: str, macs: float, nbytes: float, calls: int, torch_runs: bool) -> float:
         """torch's GEMMs past the decode copies' and the native experts' rows; within them the native
