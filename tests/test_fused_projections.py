@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tiered import LLM, EngineConfig
-from tiered.models.layers import MLP, Attention, AttentionMetadata, KVCache, build_attention_metadata
+from tiered.models.layers import MLP, Attention, AttentionMetadata, KVCache, build_attention_metadata, set_prompt_ffn
 from tiered.runtime.install import fuse_projections
 
 
@@ -83,9 +83,10 @@ def test_the_engine_gives_each_fused_modules_freed_parts_back(zoo, monkeypatch):
 
 def test_a_prompts_ffn_stays_in_the_dequantized_gemms_dtype(monkeypatch):
     """One-copy int4 projections whose prompt calls dequantize for bf16 GEMMs (quant/int4.Int4Linear.dense_dtype,
-    through PhaseLinear and the fused gate/up's Slice): MLP casts a prompt's fp32 x to bf16 once and keeps gate, up,
-    their product and down in bf16 (no cast back and forth between the GEMMs), its output in x's dtype; decode steps
-    (the decode module's rows), plain nn.Linear projections and dtypes already alike take the usual path."""
+    through PhaseLinear and the fused gate/up's Slice), under a plan's bf16 prompt FFN (set_prompt_ffn): MLP casts
+    a prompt's fp32 x to bf16 once and keeps gate, up, their product and down in bf16 (no cast back and forth
+    between the GEMMs), its output in x's dtype; without the plan's dtype, decode steps (the decode module's rows),
+    plain nn.Linear projections and dtypes already alike take the usual path."""
     import torch.nn.functional as F
 
     from tiered import kernels
@@ -109,6 +110,8 @@ def test_a_prompts_ffn_stays_in_the_dequantized_gemms_dtype(monkeypatch):
     down = tiled(D, Fi)
     mlp.down_proj = PhaseLinear(None, None, down, threshold)
     x = torch.randn(1, 16, D, generator=g)
+    assert mlp._prompt_dtype(x) is None  # no plan for it: x's dtype throughout
+    assert set_prompt_ffn(mlp, torch.bfloat16) == 1
     assert mlp._prompt_dtype(x) == torch.bfloat16
     with torch.inference_mode():
         y = mlp(x)
@@ -122,4 +125,6 @@ def test_a_prompts_ffn_stays_in_the_dequantized_gemms_dtype(monkeypatch):
         assert not torch.equal(y, down.dense(F.silu(up32[..., :Fi]) * up32[..., Fi:]))
     assert mlp._prompt_dtype(x[:, :threshold]) is None  # a decode step: the decode module's rows
     assert mlp._prompt_dtype(x.to(torch.bfloat16)) is None  # already that dtype
-    assert MLP(D, Fi)._prompt_dtype(x) is None  # nn.Linear: x's dtype throughout
+    plain = MLP(D, Fi)
+    set_prompt_ffn(plain, torch.bfloat16)
+    assert plain._prompt_dtype(x) is None  # nn.Linear: x's dtype throughout

@@ -1185,9 +1185,9 @@ def test_16_bit_weights_join_the_native_steps_rows_for_few_tokens_where_the_cpu_
 
 def test_a_prompts_int4_ffn_is_priced_in_the_dtype_it_runs_its_intermediate_in():
     """predict_prefill: a dense FFN of one-copy int4 projections that a prompt dequantizes for bf16 GEMMs (AVX-512,
-    past dequantize_rows) keeps its intermediate in bf16 (models/layers.MLP._prompt_dtype): its tokens x intermediate
-    are priced at runtime/prefill_code/bf16's slope, the rest of the layer's width at the activations' (fp32); fewer
-    rows (the kernel's) and bf16 activations price as before."""
+    past dequantize_rows) where the plan keeps its intermediate in bf16 (ffn_dtype, Plan.dtypes["prompt_ffn"]): its
+    tokens x intermediate are priced at runtime/prefill_code/bf16's slope, the rest of the layer's width at the
+    activations' (fp32); fewer rows (the kernel's), bf16 activations and a plan keeping fp32 price as before."""
     from pathlib import Path
 
     from tiered.checkpoint.model_config import ModelConfig
@@ -1206,14 +1206,19 @@ def test_a_prompts_int4_ffn_is_priced_in_the_dtype_it_runs_its_intermediate_in()
                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                       max_position_embeddings=8192)
 
-    def priced(profile, T, act="fp32"):
-        return predict_prefill(cfg, profile, "int4", T, act_dtype=act, batch_act="q8")
+    def priced(profile, T, act="fp32", ffn="bf16"):
+        return predict_prefill(cfg, profile, "int4", T, act_dtype=act, batch_act="q8", ffn_dtype=ffn)
 
     def slower(key):
         m = hw.models[key]
         return replace(hw, models=dict(hw.models, **{key: LinearModel(m.alpha, m.beta + 1e-9, m.r2)}))
     assert priced(slower("runtime/prefill_code/bf16"), 512) - priced(hw, 512) == pytest.approx(30 * 512 * 1536e-9)
     assert priced(slower("runtime/prefill_code/fp32"), 512) - priced(hw, 512) == pytest.approx(30 * 512 * 576e-9)
+    # a plan keeping the activations' dtype (prompt_ffn fp32, or none given): its whole width at the fp32 rate
+    for ffn in ("fp32", None):
+        assert priced(slower("runtime/prefill_code/fp32"), 512, ffn=ffn) - priced(hw, 512, ffn=ffn) == \
+            pytest.approx(30 * 512 * (576 + 1536) * 1e-9)
+        assert priced(slower("runtime/prefill_code/bf16"), 512, ffn=ffn) == priced(hw, 512, ffn=ffn)
     few = max(1, int(rows))  # the kernel's rows: fp32 throughout
     assert priced(slower("runtime/prefill_code/fp32"), few) - priced(hw, few) == pytest.approx(
         30 * few * (576 + 1536) * 1e-9)

@@ -512,6 +512,7 @@ def test_decode_is_priced_again_at_a_runs_context(zoo, box, monkeypatch):
     def other_prompt_path(*a, **kw):  # a short prompt attended in another dtype, run as more rows: decode as before
         p = real(*a, **kw)
         p.dtypes["prompt_attention"] = "fp32" if p.dtypes.get("prompt_attention") != "fp32" else "bf16"
+        p.dtypes["prompt_ffn"] = "fp32" if p.dtypes.get("prompt_ffn") != "fp32" else "bf16"
         p.mixed_rows += 64
         p.prefill_chunk += 1
         return p
@@ -631,6 +632,44 @@ def test_prompts_attend_in_the_plans_format_and_decode_steps_as_before(zoo, box,
         fast.generate([ids], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert (len(ids), torch.bfloat16, torch.bfloat16) in seen
     assert all(q_dtype == torch.float32 for T, q_dtype, _ in seen if T == 1)
+
+
+def test_a_plans_prompt_ffn_dtype_reaches_the_mlps(zoo, box, tmp_path):
+    """Plan.dtypes["prompt_ffn"] (planner/latency_cpu.prompt_ffn) reaches every MLP (runtime/install ->
+    models/layers.set_prompt_ffn): bf16 where the plan's projections are one-copy int4 weights that a profiled
+    AVX-512 machine's kernels dequantize for bf16 GEMMs past their rows; the activations' dtype (MLP.prompt_dtype
+    None) on AVX2 (fp32 dequantization), for fp32 weights, and under the runtime's rules (--plan off); a saved
+    plan replays its choice."""
+    from tiered import kernels
+    from tiered.models.layers import MLP
+
+    if not kernels.available():
+        pytest.skip("one-copy int4 weights need tiered/kernels")
+    hw = HardwareProfile.load(box)
+
+    def engine(isa: str, **kw) -> LLM:
+        path = tmp_path / f"ffn-{isa}.json"
+        replace(hw, meta={"native_kernels": True, "kernel_isa": isa}).save(path)
+        return LLM(zoo.dir("llama"), EngineConfig(**dict(dict(accelerator="none", max_context=CTX, profile=str(path),
+                                                               decode_weights="int4"), **kw)))
+
+    def set_on(llm: LLM) -> set:
+        mlps = [m for m in llm.model.modules() if isinstance(m, MLP)]
+        assert len(mlps) == llm.config.num_hidden_layers
+        return {m.prompt_dtype for m in mlps}
+    bf16 = engine("avx512")
+    assert not bf16.plan.dense_copies and bf16.plan.dtypes["prompt_ffn"] == "bf16"
+    assert set_on(bf16) == {torch.bfloat16} and "prompt_ffn bf16" in bf16.plan.render()
+    saved = tmp_path / "ffn_plan.json"
+    bf16.plan.save(saved)
+    assert set_on(LLM(zoo.dir("llama"), EngineConfig(accelerator="none", max_context=CTX, plan=str(saved)))) == \
+        {torch.bfloat16}
+    avx2 = engine("avx2")
+    assert avx2.plan.dtypes["prompt_ffn"] == "fp32" and set_on(avx2) == {None}
+    lossless = engine("avx512", decode_weights="fp32")
+    assert lossless.plan.dtypes["prompt_ffn"] == "fp32" and set_on(lossless) == {None}
+    rules = engine("avx512", plan="off")
+    assert "prompt_ffn" not in rules.plan.dtypes and set_on(rules) == {None}
 
 
 def test_a_bf16_engines_prompts_join_the_native_step_for_few_tokens_where_the_cpu_has_a_bf16_gemm(zoo, box,

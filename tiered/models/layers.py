@@ -253,6 +253,18 @@ def set_prompt_attention(model: nn.Module, dtype: torch.dtype | None) -> int:
     return n
 
 
+def set_prompt_ffn(model: nn.Module, dtype: torch.dtype | None) -> int:
+    """Make every dense MLP of `model` run a prompt's intermediate in `dtype` where its projections compute that
+    call in it (MLP.prompt_dtype; None: in the activations' dtype). The plan's choice (Plan.dtypes["prompt_ffn"],
+    planner/latency_cpu.prompt_ffn): bf16 between one-copy int4 projections that dequantize for bf16 GEMMs.
+    Returns the MLPs set."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, MLP):
+            m.prompt_dtype, n = dtype, n + 1
+    return n
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
            scale: float, gqa: bool) -> torch.Tensor:
     """torch's scaled_dot_product_attention, without the cuDNN backend on CUDA.
@@ -408,6 +420,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: torch.Tensor | None = None  # fuse_gate_up's weight [2F, D]
+        # the plan's dtype for a prompt's intermediate (Plan.dtypes["prompt_ffn"], set_prompt_ffn); None: x's
+        self.prompt_dtype: torch.dtype | None = None
 
     def fuse_gate_up(self) -> bool:
         """Compute gate and up with one GEMM: their weights concatenated [2F, D], gate/up_proj's
@@ -428,18 +442,20 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def _prompt_dtype(self, x: torch.Tensor) -> torch.dtype | None:
-        """The dtype all three projections compute a prompt of x's rows in, where it is not x's own (quant/linear
-        .dense_dtype: one-copy int4 weights dequantized for bf16 GEMMs on AVX-512), else None. Their outputs are in
-        that dtype already: casting gate and up back to x's dtype for the product and the product to it again for
-        down cost SmolLM2's fp32 512-token prompt ~0.7 ms a layer of its 6.9 (206 -> 186 ms over its 30 layers, 2
-        Sapphire Rapids cores, 2026-12-02); the product now rounds to it twice (SiLU, then the product) where it
-        had once (the product, for down's GEMM)."""
-        if getattr(type(self.down_proj), "dense_dtype", None) is None:  # nn.Linear (a GPU step's): nothing to ask
+        """The plan's prompt dtype (self.prompt_dtype: Plan.dtypes["prompt_ffn"], set by set_prompt_ffn) where this
+        call's rows take it: x is in another dtype and all three projections compute a call of x's rows in it
+        without a cast of their own (quant/linear.dense_dtype: one-copy int4 weights past their kernel's rows
+        dequantized for bf16 GEMMs on AVX-512); else None (x's dtype throughout: decode steps, the kernel's rows,
+        nn.Linear projections, no plan for it). Their outputs are in that dtype already: casting gate and up back
+        to x's dtype for the product and the product to it again for down cost SmolLM2's fp32 512-token prompt
+        ~0.7 ms a layer of its 6.9 (206 -> 186 ms over its 30 layers, 2 Sapphire Rapids cores, 2026-12-02); the
+        product now rounds to it twice (SiLU, then the product) where it had once (the product, for down's GEMM)."""
+        dt = self.prompt_dtype
+        if dt is None or dt == x.dtype:
             return None
         from tiered.quant.linear import dense_dtype
 
         rows = x.numel() // x.shape[-1]
-        dt = dense_dtype(self.down_proj, rows)  # (a decode step's rows: None here, the other two not asked)
-        if dt is None or dt == x.dtype or any(dense_dtype(m, rows) != dt for m in (self.gate_proj, self.up_proj)):
-            return None
+        if any(dense_dtype(m, rows) != dt for m in (self.down_proj, self.gate_proj, self.up_proj)):
+            return None  # (a decode step's rows: down says None, the other two not asked)
         return dt

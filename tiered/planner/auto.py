@@ -368,13 +368,13 @@ def decisions(plan: Plan) -> tuple:
             plan.prefill_chunk, plan.mixed_rows)
 
 
-# the decisions only a prompt runs by (decisions' last two, and the dtype its attention computes in)
-PROMPT_DTYPES = ("prompt_attention",)
+# the decisions only a prompt runs by (decisions' last two, and the dtypes its attention and FFN compute in)
+PROMPT_DTYPES = ("prompt_attention", "prompt_ffn")
 
 
 def decode_decisions(plan: Plan) -> tuple:
     """What a plan decided that a decode step runs by: `decisions` without those only a prompt runs by (its
-    attention's dtype, the prefill chunk, the mixed rows), which a plan made for another prompt length may
+    attention's and FFN's dtypes, the prefill chunk, the mixed rows), which a plan made for another prompt length may
     decide otherwise with the same decode step."""
     layers, slots, policy, dispatch, dtypes, _, _ = decisions(plan)
     return layers, slots, policy, dispatch, tuple((k, v) for k, v in dtypes if k not in PROMPT_DTYPES)

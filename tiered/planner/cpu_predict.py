@@ -631,7 +631,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                     experts_dtype: str | None = None, act_dtype: str | None = None,
                     experts_format: str | None = None, read_ahead: bool = True, readers: int = 2,
                     task_overhead: float | None = None, batch_act: str = "bf16", popularity=None,
-                    chunk: int = 0, ffn_only: bool = False, attn_dtype: str | None = None) -> float:
+                    chunk: int = 0, ffn_only: bool = False, attn_dtype: str | None = None,
+                    ffn_dtype: str | None = None) -> float:
     """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
 
     `ffn_only`: the seconds of its FFNs alone (each layer's dense FFN, or MoE block: router, shared expert,
@@ -673,7 +674,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     activations' (quant/experts.ExpertFormat.forward converts or dequantizes the expert's weights to
     it once per call), whatever format the experts are stored in. `act_dtype`: the activations'
     dtype, which the attention runs in (None = `dtype`), priced by op_time.prefill_attention_time; `attn_dtype`
-    the attention's where the plan has it attend in another (Plan.dtypes["prompt_attention"]).
+    the attention's where the plan has it attend in another (Plan.dtypes["prompt_attention"]); `ffn_dtype` the dtype
+    the plan keeps one-copy int4 dense FFNs' intermediate in past the kernel's rows (Plan.dtypes["prompt_ffn"]).
     `experts_format`: the experts' stored format (None = the experts' compute dtype): bf16 ones run
     torch's GEMMs past their native rows (expert_native_rows), priced by torch_gemm_time; quantized ones
     their native kernels or dequantized GEMMs, as the runtime runs them (prompt_expert_time, int4 rows on
@@ -690,19 +692,18 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     # the rows up to which a one-copy int4 weight's prompt GEMM runs the int4 kernel on `batch_act` activations,
     # by the profiled machine's kernels (quant/int4.dequantize_rows; inf: at every row count); None without them
     isa = kernel_isa(hw)
-    # a dense FFN of one-copy int4 projections dequantized for bf16 GEMMs (AVX-512) keeps its intermediate in bf16
-    # between them (models/layers.MLP._prompt_dtype): its SiLU and product priced at the bf16 code's rate
-    dequantized_bf16 = False
     if isa is not None:
-        from tiered.quant.int4 import DEQUANTIZE_DTYPE, dequantize_rows
+        from tiered.quant.int4 import dequantize_rows
 
         kernel_rows = dequantize_rows(batch_act, isa, tuning=(hw.meta or {}).get("kernel_tuning") or {})
         kernel_rows = math.inf if kernel_rows is None else kernel_rows
-        dequantized_bf16 = dtype == "int4" and (act_dtype or dtype) == "fp32" and \
-            DEQUANTIZE_DTYPE.get(isa) == torch.bfloat16
     else:
         kernel_rows = (hw.meta or {}).get("int4_dequantize_rows")
     no_bf16_gemm = (hw.meta or {}).get("bf16_gemm_native") is False
+    # a dense FFN the plan keeps in bf16 between one-copy int4 projections that dequantize for bf16 GEMMs past the
+    # kernel's rows (Plan.dtypes["prompt_ffn"], models/layers.MLP.prompt_dtype): its SiLU and product priced at
+    # the bf16 code's rate
+    bf16_intermediate = ffn_dtype == "bf16" and dtype == "int4" and (act_dtype or dtype) == "fp32"
 
     def gemm(T: int, dt: str, macs: float, nbytes: float, calls: int, torch_runs: bool) -> float:
         """torch's GEMMs past the decode copies' and the native experts' rows; within them the native
@@ -755,7 +756,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             t = 0.0
             if not ffn_only:
                 width = d + (routed + cfg.shared_expert_intermediate_size if is_moe else cfg.intermediate_size)
-                bf16_ffn = cfg.intermediate_size if not is_moe and dequantized_bf16 and T > kernel_rows else 0
+                bf16_ffn = cfg.intermediate_size if not is_moe and bf16_intermediate and T > kernel_rows else 0
                 code = op_time.prefill_code_time(hw, act_dtype or dtype, T * (width - bf16_ffn))
                 if code is not None and bf16_ffn:
                     code += op_time.prefill_code_time(hw, "bf16", T * bf16_ffn, fixed=False) or 0.0

@@ -66,7 +66,11 @@ class Plan:
                                              file's Q8_0 embedding), "prompt_attention" (a CPU
                                              plan's: what steps of 2+ tokens attend in through
                                              the modules, the KV cache's bf16 where faster than
-                                             the fp32 activations': latency_cpu.prompt_attention);
+                                             the fp32 activations': latency_cpu.prompt_attention),
+                                             "prompt_ffn" (a CPU plan's: what a prompt's dense
+                                             FFN runs its intermediate in between one-copy int4
+                                             projections that dequantize for bf16 GEMMs:
+                                             latency_cpu.prompt_ffn);
                                              decode_threshold: steps of at
                                              most this many rows use the decode copies; int4_layout:
                                              their int4 layout ("tiled": tiered's kernels, "cpu":

@@ -95,6 +95,12 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
         from tiered.models.layers import set_prompt_attention
 
         set_prompt_attention(model, torch_dtype(prompt))
+    ffn = plan.dtypes.get("prompt_ffn")
+    if ffn and ffn != plan.dtypes.get("weights"):  # prompts keep their FFN's intermediate in the GEMMs' format
+        from tiered.memory.sizes import torch_dtype
+        from tiered.models.layers import set_prompt_ffn
+
+        set_prompt_ffn(model, torch_dtype(ffn))
     if plan.cpu_decode_step and accelerator is None and not trace:  # the trace wants the modules' spans
         from tiered.runtime.cpu_decode import CPUDecodeStep
         rt.cpu_decode = CPUDecodeStep(model, native=plan.native_decode)
