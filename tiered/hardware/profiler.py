@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import itertools
+import math
 import os
 import platform
 import shutil
@@ -390,6 +391,7 @@ class _Bench:
         self.probes: dict[str, float] = {}  # key -> the probe's seconds among that key's samples
         self.compute: ComputeProbe | None = None  # the compute-speed probe timed around each COMPUTE_KEYS key
         self.compute_seconds: dict[str, list[float]] = {}  # key -> its readings around that key's timings
+        self.compute_pairs: list[tuple[float, float]] = []  # (before, after) one timing of a compute-bound key
         # SECOND_PASS_KEYS measured so far: key -> (its timing, the points of each of its timings)
         self.deferred: dict[str, tuple[Callable[[], list[tuple[float, float]]], list[list[tuple[float, float]]]]] = {}
 
@@ -472,7 +474,7 @@ class _Bench:
             if probe is not None:
                 self.probes[key] = probe
             readings = before + self.read_compute(key)
-            self.keep_compute(key, readings)
+            self.keep_compute(key, readings, pair=True)
             if pack is not None:  # timed with it: the cores' speed of the same minutes
                 self.keep_compute(pack_key(key), readings)
             if key.startswith(SECOND_PASS_KEYS):
@@ -491,7 +493,7 @@ class _Bench:
                 continue
             if [n for n, _ in points] == [n for n, _ in runs[0]]:
                 runs.append(points)
-                self.keep_compute(key, before + self.read_compute(key))
+                self.keep_compute(key, before + self.read_compute(key), pair=True)
 
     def read_compute(self, key: str) -> list[float]:
         """A reading of the compute-speed probe (ComputeProbe) beside `key`'s timing, where `key` is compute-bound
@@ -503,10 +505,14 @@ class _Bench:
         except Exception:  # noqa: BLE001  (the key stands; planning then leaves it as measured)
             return []
 
-    def keep_compute(self, key: str, readings: list[float]) -> None:
-        """`readings` (read_compute's, around one timing of `key` that stands) into compute_seconds."""
+    def keep_compute(self, key: str, readings: list[float], pair: bool = False) -> None:
+        """`readings` (read_compute's, around one timing of `key` that stands) into compute_seconds; with `pair`
+        (the key's own timing, not a twin key's copy of it) the reading before and the one after into
+        compute_pairs."""
         if readings:
             self.compute_seconds.setdefault(key, []).extend(readings)
+        if pair and len(readings) == 2:
+            self.compute_pairs.append((readings[0], readings[1]))
 
     def settle(self) -> None:
         """Fit each of the SECOND_PASS_KEYS timed more than once on its points' medians over its timings (`again`),
@@ -1799,6 +1805,34 @@ def cpu_probe_ratios(profile: HardwareProfile, probe: Probe | None = None, repea
     return ratios
 
 
+def compute_swing(pairs: list[tuple[float, float]]) -> float | None:
+    """How far the cores' speed moves within one timing of a key: the mean over `pairs` (the compute probe's
+    seconds (before, after) one compute-bound key's timing, about a second apart: _Bench.compute_pairs) of
+    |log(after / before)|; None for fewer than 3 pairs. The mean, not the median: a VM whose cores switch between
+    two speeds shows it in the pairs that straddle a switch. meta["compute_probe"]["swing"]: planning scales the
+    compute-bound keys by the cores' speed now (planner/auto.compute_now) only where it is small, i.e. where a
+    speed lasts longer than a timing. On 2 Zen 4 cores (2026-12-02) the probe moved between ~0.26 and ~0.5 ms from
+    one second to the next: a reading predicted the mean of the next 1-10 s with a correlation of 0.06-0.15 (a
+    ratio to it erred 14% where the long-run median erred 6%), a quick profile's 37 pairs moved 15% on average
+    (6 of them by more than 30%), and the check scaled the keys by 0.55-1.8x from one planning to the next."""
+    logs = [abs(math.log(after / before)) for before, after in pairs if before > 0 and after > 0]
+    return float(np.mean(logs)) if len(logs) >= 3 else None
+
+
+def compute_persistence(pairs: list[tuple[float, float]]) -> float | None:
+    """Whether the compute probe's speed outlasts one timing of a key: the correlation of log(before) and
+    log(after) over `pairs` (_Bench.compute_pairs), 1 where the speed holds until the next reading, ~0 where the
+    two readings are unrelated draws; None for fewer than 5 pairs or readings that never moved.
+    meta["compute_probe"]["persistence"]: where the probe swings (compute_swing) a reading at planning tells a
+    run's speed only if this is high (planner/auto.COMPUTE_PERSISTENCE): a VM whose cores run minutes at one speed,
+    then minutes at another, swings across a few timings and persists across the rest; 2 Zen 4 cores (2026-12-02)
+    swung 15% within single timings with a correlation of 0.42 (0.06-0.15 over the next 1-10 s)."""
+    logs = np.log(np.array([(b, a) for b, a in pairs if b > 0 and a > 0], dtype=float).reshape(-1, 2))
+    if len(logs) < 5 or logs[:, 0].std() == 0.0 or logs[:, 1].std() == 0.0:
+        return None
+    return float(np.corrcoef(logs[:, 0], logs[:, 1])[0, 1])
+
+
 def cpu_compute_ratios(profile: HardwareProfile, probe: ComputeProbe | None = None) -> dict[str, float] | None:
     """{key: the compute probe's seconds now / its median reading around that key's timings} for every
     compute-bound key of a profile with meta["compute_probe"] (ComputeProbe; > 1: the cores are slower now than
@@ -1980,7 +2014,12 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # latter as gemm_pack/cpu/<dtype> (op_time.gemm_line adds it to calls of GEMM_ROWS rows or more): over multiply-adds
 # alone the bf16 line's R^2 was 0.63-0.81 on 2 AMX cores, and the best-fitting of its three timings (GEMM_STALL_R2)
 # was the one with the steepest slope; the quick profile times a fourth GEMM shape for it.
-PROFILER_VERSION = 41
+# 42: meta["compute_probe"]["swing"] and ["persistence"] (compute_swing, compute_persistence): how far the compute
+# probe moves across one timing of a key, and whether its speed outlasts one; planning's compute-speed check does
+# not apply where it swings and does not persist (planner/auto._compute_swings; on 2 Zen 4 cores whose speed
+# changed from one second to the next, a reading at planning told nothing of the run's, and the check scaled the
+# keys by 0.55-1.8x from one planning to the next, seconds apart).
+PROFILER_VERSION = 42
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2220,6 +2259,11 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     seconds = {k: float(np.median(v)) for k, v in b.compute_seconds.items()}
     if seconds:  # the compute-speed probe's median reading around each compute-bound key (ComputeProbe)
         meta["compute_probe"] = {"shapes": [list(s) for s in COMPUTE_PROBE_SHAPES], "seconds": seconds}
+        swing, persistence = compute_swing(b.compute_pairs), compute_persistence(b.compute_pairs)
+        if swing is not None:
+            meta["compute_probe"]["swing"] = round(swing, 4)
+        if persistence is not None:
+            meta["compute_probe"]["persistence"] = round(persistence, 4)
     b.compute = None
     notes = list(b.notes)
     if meta["contended"]:

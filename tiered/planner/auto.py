@@ -94,13 +94,35 @@ COMPUTE_TOLERANCE = 0.3
 # (2026-12-01) ComputeProbe took 0.62-0.99 ms from one half-second to the next within one minute
 COMPUTE_SAMPLES = 5
 COMPUTE_PAUSE_S = 0.3  # between compute_now's two readings where no memory check spaces them (speed_now)
+# the compute probe's largest swing across one timing of a key (the profile's meta["compute_probe"]["swing"],
+# hardware/profiler.compute_swing: the mean |log| of its change) at which a reading at planning still tells the
+# cores' speed of a run: the median readings of consecutive keys (tens of seconds apart) moved 0.5-3% in profiles of
+# 2 Sapphire Rapids cores, 0.4-7% of 2 Zen 3 cores (minutes at one speed, then another); 2 Zen 4 cores' probe moved
+# 15% on average within single timings, and a reading predicted the next seconds' speed with a correlation of
+# 0.06-0.15 (2026-12-02)
+COMPUTE_SWING = 0.08
+# ... and the correlation of its readings around one timing (meta["compute_probe"]["persistence"],
+# hardware/profiler.compute_persistence) below which such a swinging probe's reading at planning is a draw of
+# noise, not the speed of minutes (a correlation of 0.5: a reading explains a quarter of the next's variance)
+COMPUTE_PERSISTENCE = 0.5
 
 
-def _compute_checked(hw: HardwareProfile) -> bool:
-    """Whether compute_now checks `hw`: a profile with the compute probe's readings, not checked before, the check
-    not turned off."""
+def _compute_checked(hw: HardwareProfile, swing: bool = True) -> bool:
+    """Whether compute_now checks `hw`: a profile with the compute probe's readings whose cores held a speed across
+    a key's timing (_compute_swings; not asked with `swing` False), not checked before, the check not turned off."""
     return "0" not in (os.environ.get("TIERED_COMPUTE_CHECK", "1"), os.environ.get("TIERED_BANDWIDTH_CHECK", "1")) \
-        and hw.meta.get("cpu_compute_ratios") is None and bool((hw.meta.get("compute_probe") or {}).get("seconds"))
+        and hw.meta.get("cpu_compute_ratios") is None and bool((hw.meta.get("compute_probe") or {}).get("seconds")) \
+        and not (swing and _compute_swings(hw))
+
+
+def _compute_swings(hw: HardwareProfile) -> bool:
+    """Whether `hw`'s cores changed speed within single timings (meta["compute_probe"]["swing"] above COMPUTE_SWING)
+    without that speed persisting to the next reading (["persistence"] below COMPUTE_PERSISTENCE, or unknown): a
+    reading at planning then does not tell the speed of the run that follows. False for profiles without a swing
+    (before profiler 42)."""
+    info = hw.meta.get("compute_probe") or {}
+    swing, persistence = info.get("swing"), info.get("persistence")
+    return swing is not None and swing > COMPUTE_SWING and (persistence is None or persistence < COMPUTE_PERSISTENCE)
 
 
 def _compute_early(hw: HardwareProfile):
@@ -134,8 +156,17 @@ def compute_now(hw: HardwareProfile, early=None) -> HardwareProfile:
     SmolLM2's widths took 6.5-7.5 ps a multiply-add in one minute and 9.8-11.3 a few minutes later, and SmolLM2's
     default 512-token TTFT 0.67-0.82 s from one minute to the next where a profile of a faster minute priced 0.55.
     Readings taken while other processes took more than contention.CONTENDED_SHARE of the cores are not applied
-    (a note says so). TIERED_COMPUTE_CHECK=0 turns the check off, as does TIERED_BANDWIDTH_CHECK=0."""
+    (a note says so), nor any where the profile's cores changed speed within one key's timing and that speed did
+    not persist (_compute_swings: a VM whose speed moves from one second to the next; a note says so). TIERED_COMPUTE_CHECK=0 turns the check off, as does TIERED_BANDWIDTH_CHECK=0."""
     if not _compute_checked(hw):
+        if _compute_checked(hw, swing=False):  # only the cores' swing stops it
+            info = hw.meta["compute_probe"]
+            note = (f"compute-speed check at planning not applied: the profile's cores changed speed by "
+                    f"{info['swing']:.0%} on average within one key's timing, and a reading told the next "
+                    f"{'nothing' if info.get('persistence') is None else 'little (correlation %.2f)' % info['persistence']}"
+                    ", so a reading now does not tell a run's speed")
+            if note not in hw.meta.get("notes", []):
+                return replace(hw, meta=dict(hw.meta, notes=list(hw.meta.get("notes", [])) + [note]))
         return hw
     from tiered.hardware.profile import scale_compute_keys
 
