@@ -43,11 +43,14 @@ def gemv_dtype(kind: str, act: str = "bf16") -> str:
 
 def find(profile: HardwareProfile, op: str, device: str, dtype: str) -> LinearModel | None:
     """The model `<op>/<device>/<dtype>` or its nearest fallback dtype; None when none is fitted."""
-    for d in DTYPE_FALLBACK.get(dtype, (dtype,)):
-        key = f"{op}/{device}/{d}"
-        if profile.has(key):
-            return profile.models[key]
-    return None
+    d = found_dtype(profile, op, device, dtype)
+    return None if d is None else profile.models[f"{op}/{device}/{d}"]
+
+
+def found_dtype(profile: HardwareProfile, op: str, device: str, dtype: str) -> str | None:
+    """The dtype whose `<op>/<device>/<dtype>` model `find` returns: `dtype` or its nearest fallback
+    (DTYPE_FALLBACK) that the profile fitted; None when none is."""
+    return next((d for d in DTYPE_FALLBACK.get(dtype, (dtype,)) if profile.has(f"{op}/{device}/{d}")), None)
 
 
 def has_device(profile: HardwareProfile, device: str) -> bool:
@@ -185,11 +188,9 @@ def gemm_pack(profile: HardwareProfile, device: str, dtype: str) -> float | None
     multiply-adds: gemm_pack/<dev>/<that dtype> (hardware/profiler.fit_gemm: torch's CPU GEMMs read and pack,
     or dequantize, the weight at every call), per byte of `dtype`; None where the profile fitted none (before
     profiler 41, GPU keys, presets: the GEMM line is then over multiply-adds alone)."""
-    for d in DTYPE_FALLBACK.get(dtype, (dtype,)):
-        if profile.has(f"gemm/{device}/{d}"):
-            m = profile.models.get(f"gemm_pack/{device}/{d}")
-            return None if m is None else m.beta * bytes_per_element(d) / bytes_per_element(dtype)
-    return None
+    d = found_dtype(profile, "gemm", device, dtype)
+    m = None if d is None else profile.models.get(f"gemm_pack/{device}/{d}")
+    return None if m is None else m.beta * bytes_per_element(d) / bytes_per_element(dtype)
 
 
 def graph_gemv(profile: HardwareProfile, device: str, dtype: str) -> LinearModel | None:
