@@ -357,6 +357,32 @@ def test_memory_points_interleave_their_samples():
     assert slow[0] >= 2e-3 > slow[1]
 
 
+def test_the_step_rows_code_is_the_median_of_each_rounds_difference(monkeypatch):
+    """_step_rows_points: each row count's point is the median over rounds of (the step's seconds a layer - its
+    projections' alone, timed back to back in that round: interleaved_samples), not the difference of the two
+    medians, so a round where the cores ran slow for both cancels; a negative difference reads 0."""
+    from tiered.hardware import profiler
+
+    if not kernels.available():
+        pytest.skip("the native step needs tiered/kernels")
+    run = profiler.DECODE_LAYER_RUN
+    # per row count: 3 rounds of (step, projections); the slow round (x3) is slow for both
+    rounds = {0: [(2e-3, 1e-4), (6e-3, 3e-4), (2.2e-3, 4e-4)], 1: [(4e-3, 2e-4), (4e-3, 2e-4), (12e-3, 6e-4)],
+              2: [(1e-4, 1e-3)] * 3}
+    samples = []
+    for i in range(len(profiler.STEP_ROWS_TOKENS)):
+        samples += [[s for s, _ in rounds[i]], [a for _, a in rounds[i]]]
+    monkeypatch.setattr(profiler, "interleaved_samples", lambda calls, repeats, *a, **k: samples)
+    pts = profiler._step_rows_points(3)
+    D, F_ = profiler.DECODE_LAYER_SHAPES[0][:2]
+    assert [n for n, _ in pts] == [float(T * (D + F_)) for T in profiler.STEP_ROWS_TOKENS]
+    want = [sorted(s / run - a for s, a in rounds[i])[1] for i in range(2)]
+    assert [t for _, t in pts[:2]] == pytest.approx(want) and pts[2][1] == 0.0
+    import statistics
+    medians = statistics.median(s for s, _ in rounds[0]) / run - statistics.median(a for _, a in rounds[0])
+    assert pts[0][1] != pytest.approx(medians)  # not the medians' difference
+
+
 def test_cpu_memory_keys_read_huge_page_buffers(monkeypatch):
     """memory/bandwidth/cpu, memory/bandwidth_dram/cpu and memory/copy/cpu time buffers from host_empty (huge
     pages where the OS gives them), as the engine's CPU weights and experts sit: every CPU GEMV's price is

@@ -197,6 +197,14 @@ def median_times(fns: list[Callable[[], object]], repeats: int, sync: Callable[[
     its 32 MiB LLC, 2026-11-26), eight fits each way: one size after the other, 31-52 GB/s, R^2
     0.86-0.96, the first size always the fastest (38-81 GB/s against 30-49); interleaved, 48-51 GB/s,
     R^2 0.93-0.995."""
+    return [float(np.median(x)) for x in interleaved_samples(fns, repeats, sync, min_sample)]
+
+
+def interleaved_samples(fns: list[Callable[[], object]], repeats: int, sync: Callable[[], None] = lambda: None,
+                        min_sample: float = 10e-3) -> list[list[float]]:
+    """median_times' samples: for each of `fns`, its `repeats` seconds per call, sample i of every fn taken in
+    round i (fn 0, 1, ..., then again), after one warm-up call each that sizes its samples (as many calls as take
+    `min_sample` seconds, at most 1000)."""
     inner = []
     for fn in fns:  # one warm-up call each, which sizes its samples
         sync()
@@ -213,7 +221,7 @@ def median_times(fns: list[Callable[[], object]], repeats: int, sync: Callable[[
                 fn()
             sync()
             out.append((time.perf_counter() - t0) / n)
-    return [float(np.median(x)) for x in samples]
+    return samples
 
 
 def median_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None,
@@ -1394,8 +1402,14 @@ def _step_rows_points(repeats: int, shape=DECODE_LAYER_SHAPES[0]) -> list[tuple[
         xs = [inputs[K][T] for K in (D, H * 64, D, F_)]
         calls.append(lambda xs=xs: [k(x) for k, x in zip(projections, xs)])
     with torch.inference_mode():
-        times = median_times(calls, max(5, repeats))
-    return [(float(T * (D + F_)), max(0.0, times[2 * i] / DECODE_LAYER_RUN - times[2 * i + 1]))
+        samples = interleaved_samples(calls, max(5, repeats))
+    # the median of each round's difference (the step and its projections timed back to back), not the difference
+    # of their medians: on 2 Zen 4 cores whose speed changed from one second to the next the medians' differences
+    # read 0.21 / 0.24 / 0.22 ms at 64 / 128 / 256 rows in one profile and 0.28 / 0.20 / 0.72 in the next; over 8
+    # timings of 5 rounds the fitted slope's spread (std / mean) was 0.37 from the medians, 0.29 from the rounds'
+    # differences, one timing's 64-row point 0 against 0.30 ms (2026-12-02)
+    return [(float(T * (D + F_)), max(0.0, float(np.median([step / DECODE_LAYER_RUN - alone for step, alone in
+                                                            zip(samples[2 * i], samples[2 * i + 1])]))))
             for i, T in enumerate(STEP_ROWS_TOKENS)]
 
 
