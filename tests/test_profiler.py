@@ -1677,19 +1677,6 @@ def test_the_compute_swing_is_how_far_the_probe_moves_within_a_timing():
     assert compute_swing(steady[:2]) is None and compute_swing([]) is None
 
 
-def test_the_compute_persistence_is_whether_a_reading_tells_the_next():
-    """compute_persistence: the correlation of log(before) and log(after) over single timings: ~1 where the cores run
-    at one speed for a while, then at another (each timing inside one), low where the two readings are unrelated
-    draws of the same two speeds; fewer than 5 pairs, or readings that never moved, say nothing."""
-    from tiered.hardware.profiler import compute_persistence
-
-    minutes = [(1.0, 1.02), (1.01, 0.99), (1.5, 1.52), (1.49, 1.5), (1.0, 1.01), (1.51, 1.5)]
-    assert compute_persistence(minutes) > 0.95
-    draws = [(0.28, 0.5), (0.5, 0.5), (0.28, 0.28), (0.5, 0.28), (0.28, 0.5), (0.5, 0.28), (0.28, 0.28), (0.5, 0.5)]
-    assert abs(compute_persistence(draws)) < 0.1
-    assert compute_persistence(minutes[:4]) is None and compute_persistence([(1.0, 1.0)] * 6) is None
-
-
 def test_the_compute_ratios_are_the_probe_now_against_each_keys_minutes(monkeypatch):
     """cpu_compute_ratios: the probe's seconds now over each key's median reading (meta["compute_probe"]); None
     for a profile without those readings."""
@@ -1709,8 +1696,7 @@ def test_a_plan_follows_the_cores_speed_of_its_moment(monkeypatch):
     slower or faster, and a CPU plan's prompt price follows; readings that disagree or fall within 30%, a profile
     without the probe's readings, TIERED_COMPUTE_CHECK=0 and a profile already checked are left as they are;
     readings taken while other processes took the cores are not applied, with a note; a profile whose cores
-    changed speed within single timings (its swing above COMPUTE_SWING) without that speed persisting
-    (COMPUTE_PERSISTENCE) is not read at all, with a note."""
+    changed speed within single timings (its swing above COMPUTE_SWING) is not read at all, with a note."""
     from tiered.hardware import profiler
     from tiered.planner import auto
     from tiered.planner.cpu_predict import predict_prefill
@@ -1754,19 +1740,16 @@ def test_a_plan_follows_the_cores_speed_of_its_moment(monkeypatch):
     # a profile whose cores changed speed within single timings (meta["compute_probe"]["swing"]): no reading taken
     read = []
     monkeypatch.setattr(profiler, "cpu_compute_ratios", lambda p, probe=None: read.append(1) or dict.fromkeys(keys, 1.5))
-    swings = replace(hw, meta=dict(hw.meta, compute_probe=dict(hw.meta["compute_probe"], swing=auto.COMPUTE_SWING * 2,
-                                                                persistence=auto.COMPUTE_PERSISTENCE / 2)))
+    swings = replace(hw, meta=dict(hw.meta, compute_probe=dict(hw.meta["compute_probe"], swing=auto.COMPUTE_SWING * 2)))
     got = auto.compute_now(swings)
     assert got.models == hw.models and not read and "cpu_compute_ratios" not in got.meta
     assert "changed speed by" in got.meta["notes"][-1] and auto.compute_now(got).meta["notes"] == got.meta["notes"]
     monkeypatch.setenv("TIERED_COMPUTE_CHECK", "0")  # turned off: nothing said
     assert auto.compute_now(swings) is swings
     monkeypatch.delenv("TIERED_COMPUTE_CHECK")
-    for probe in (dict(swing=auto.COMPUTE_SWING / 2), dict(swing=auto.COMPUTE_SWING * 2, persistence=0.9)):
-        # the probe steady within timings, or swinging between speeds that each last beyond a timing: checked
-        read.clear()
-        got = auto.compute_now(replace(hw, meta=dict(hw.meta, compute_probe=dict(hw.meta["compute_probe"], **probe))))
-        assert read and got.meta["cpu_compute_ratios"] == dict.fromkeys(keys, 1.5), probe
+    steady = replace(hw, meta=dict(hw.meta, compute_probe=dict(hw.meta["compute_probe"], swing=auto.COMPUTE_SWING / 2)))
+    got = auto.compute_now(steady)  # the probe steady within timings: checked
+    assert read and got.meta["cpu_compute_ratios"] == dict.fromkeys(keys, 1.5)
 
 
 def test_speed_now_reads_the_cores_before_and_after_the_memory_check(monkeypatch):

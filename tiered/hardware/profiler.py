@@ -1828,23 +1828,12 @@ def compute_swing(pairs: list[tuple[float, float]]) -> float | None:
     speed lasts longer than a timing. On 2 Zen 4 cores (2026-12-02) the probe moved between ~0.26 and ~0.5 ms from
     one second to the next: a reading predicted the mean of the next 1-10 s with a correlation of 0.06-0.15 (a
     ratio to it erred 14% where the long-run median erred 6%), a quick profile's 37 pairs moved 15% on average
-    (6 of them by more than 30%), and the check scaled the keys by 0.55-1.8x from one planning to the next."""
+    (6 of them by more than 30%; full profiles 12% and 14%), and the check scaled the keys by 0.55-1.8x from one
+    planning to the next. (The readings' correlation across a timing read 0.33, 0.42 and 0.68 in three profiles
+    there, where 150 s of readings gave 0.30 a half-second apart and 0.06-0.15 over the next 1-10 s: it says how
+    the profile's minutes drifted more than whether a reading lasts, and gates nothing.)"""
     logs = [abs(math.log(after / before)) for before, after in pairs if before > 0 and after > 0]
     return float(np.mean(logs)) if len(logs) >= 3 else None
-
-
-def compute_persistence(pairs: list[tuple[float, float]]) -> float | None:
-    """Whether the compute probe's speed outlasts one timing of a key: the correlation of log(before) and
-    log(after) over `pairs` (_Bench.compute_pairs), 1 where the speed holds until the next reading, ~0 where the
-    two readings are unrelated draws; None for fewer than 5 pairs or readings that never moved.
-    meta["compute_probe"]["persistence"]: where the probe swings (compute_swing) a reading at planning tells a
-    run's speed only if this is high (planner/auto.COMPUTE_PERSISTENCE): a VM whose cores run minutes at one speed,
-    then minutes at another, swings across a few timings and persists across the rest; 2 Zen 4 cores (2026-12-02)
-    swung 15% within single timings with a correlation of 0.42 (0.06-0.15 over the next 1-10 s)."""
-    logs = np.log(np.array([(b, a) for b, a in pairs if b > 0 and a > 0], dtype=float).reshape(-1, 2))
-    if len(logs) < 5 or logs[:, 0].std() == 0.0 or logs[:, 1].std() == 0.0:
-        return None
-    return float(np.corrcoef(logs[:, 0], logs[:, 1])[0, 1])
 
 
 def cpu_compute_ratios(profile: HardwareProfile, probe: ComputeProbe | None = None) -> dict[str, float] | None:
@@ -2028,9 +2017,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # latter as gemm_pack/cpu/<dtype> (op_time.gemm_line adds it to calls of GEMM_ROWS rows or more): over multiply-adds
 # alone the bf16 line's R^2 was 0.63-0.81 on 2 AMX cores, and the best-fitting of its three timings (GEMM_STALL_R2)
 # was the one with the steepest slope; the quick profile times a fourth GEMM shape for it.
-# 42: meta["compute_probe"]["swing"] and ["persistence"] (compute_swing, compute_persistence): how far the compute
-# probe moves across one timing of a key, and whether its speed outlasts one; planning's compute-speed check does
-# not apply where it swings and does not persist (planner/auto._compute_swings; on 2 Zen 4 cores whose speed
+# 42: meta["compute_probe"]["swing"] (compute_swing): how far the compute probe moves across one timing of a key;
+# planning's compute-speed check does not apply where it swings beyond planner/auto.COMPUTE_SWING (on 2 Zen 4 cores whose speed
 # changed from one second to the next, a reading at planning told nothing of the run's, and the check scaled the
 # keys by 0.55-1.8x from one planning to the next, seconds apart).
 PROFILER_VERSION = 42
@@ -2273,11 +2261,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     seconds = {k: float(np.median(v)) for k, v in b.compute_seconds.items()}
     if seconds:  # the compute-speed probe's median reading around each compute-bound key (ComputeProbe)
         meta["compute_probe"] = {"shapes": [list(s) for s in COMPUTE_PROBE_SHAPES], "seconds": seconds}
-        swing, persistence = compute_swing(b.compute_pairs), compute_persistence(b.compute_pairs)
+        swing = compute_swing(b.compute_pairs)
         if swing is not None:
             meta["compute_probe"]["swing"] = round(swing, 4)
-        if persistence is not None:
-            meta["compute_probe"]["persistence"] = round(persistence, 4)
     b.compute = None
     notes = list(b.notes)
     if meta["contended"]:

@@ -98,13 +98,9 @@ COMPUTE_PAUSE_S = 0.3  # between compute_now's two readings where no memory chec
 # hardware/profiler.compute_swing: the mean |log| of its change) at which a reading at planning still tells the
 # cores' speed of a run: the median readings of consecutive keys (tens of seconds apart) moved 0.5-3% in profiles of
 # 2 Sapphire Rapids cores, 0.4-7% of 2 Zen 3 cores (minutes at one speed, then another); 2 Zen 4 cores' probe moved
-# 15% on average within single timings, and a reading predicted the next seconds' speed with a correlation of
-# 0.06-0.15 (2026-12-02)
+# 12-15% on average within single timings (three profiles), and a reading predicted the next seconds' speed with a
+# correlation of 0.06-0.15 (2026-12-02)
 COMPUTE_SWING = 0.08
-# ... and the correlation of its readings around one timing (meta["compute_probe"]["persistence"],
-# hardware/profiler.compute_persistence) below which such a swinging probe's reading at planning is a draw of
-# noise, not the speed of minutes (a correlation of 0.5: a reading explains a quarter of the next's variance)
-COMPUTE_PERSISTENCE = 0.5
 
 
 def _compute_checked(hw: HardwareProfile, swing: bool = True) -> bool:
@@ -116,13 +112,11 @@ def _compute_checked(hw: HardwareProfile, swing: bool = True) -> bool:
 
 
 def _compute_swings(hw: HardwareProfile) -> bool:
-    """Whether `hw`'s cores changed speed within single timings (meta["compute_probe"]["swing"] above COMPUTE_SWING)
-    without that speed persisting to the next reading (["persistence"] below COMPUTE_PERSISTENCE, or unknown): a
-    reading at planning then does not tell the speed of the run that follows. False for profiles without a swing
-    (before profiler 42)."""
-    info = hw.meta.get("compute_probe") or {}
-    swing, persistence = info.get("swing"), info.get("persistence")
-    return swing is not None and swing > COMPUTE_SWING and (persistence is None or persistence < COMPUTE_PERSISTENCE)
+    """Whether `hw`'s cores changed speed within single timings (meta["compute_probe"]["swing"] above
+    COMPUTE_SWING): a reading at planning then does not tell the speed of the run that follows. False for profiles
+    without a swing (before profiler 42)."""
+    swing = (hw.meta.get("compute_probe") or {}).get("swing")
+    return swing is not None and swing > COMPUTE_SWING
 
 
 def _compute_early(hw: HardwareProfile):
@@ -156,15 +150,13 @@ def compute_now(hw: HardwareProfile, early=None) -> HardwareProfile:
     SmolLM2's widths took 6.5-7.5 ps a multiply-add in one minute and 9.8-11.3 a few minutes later, and SmolLM2's
     default 512-token TTFT 0.67-0.82 s from one minute to the next where a profile of a faster minute priced 0.55.
     Readings taken while other processes took more than contention.CONTENDED_SHARE of the cores are not applied
-    (a note says so), nor any where the profile's cores changed speed within one key's timing and that speed did
-    not persist (_compute_swings: a VM whose speed moves from one second to the next; a note says so). TIERED_COMPUTE_CHECK=0 turns the check off, as does TIERED_BANDWIDTH_CHECK=0."""
+    (a note says so), nor any where the profile's cores changed speed within one key's timing (_compute_swings: a
+    VM whose speed moves from one second to the next; a note says so). TIERED_COMPUTE_CHECK=0 turns the check off, as does TIERED_BANDWIDTH_CHECK=0."""
     if not _compute_checked(hw):
         if _compute_checked(hw, swing=False):  # only the cores' swing stops it
-            info = hw.meta["compute_probe"]
             note = (f"compute-speed check at planning not applied: the profile's cores changed speed by "
-                    f"{info['swing']:.0%} on average within one key's timing, and a reading told the next "
-                    f"{'nothing' if info.get('persistence') is None else 'little (correlation %.2f)' % info['persistence']}"
-                    ", so a reading now does not tell a run's speed")
+                    f"{hw.meta['compute_probe']['swing']:.0%} on average within one key's timing (about a second), "
+                    "so a reading now does not tell a run's speed")
             if note not in hw.meta.get("notes", []):
                 return replace(hw, meta=dict(hw.meta, notes=list(hw.meta.get("notes", [])) + [note]))
         return hw
