@@ -305,10 +305,12 @@ def disk_rates(hw) -> str:
 
 def speed_found(hw) -> str:
     """What the speed checks at planning (planner/auto.speed_now) found in the profile `hw` a row was priced with:
-    the memory's and the cores' speed against the profile's minutes (the median over the keys they scaled), e.g.
+    the memory's and the cores' speed against the profile's minutes (the median over the keys they scaled: the GEMV
+    keys each by its own minute's probe where any was, else the other bandwidth-bound costs' ratio), e.g.
     "memory 0.85x, cores 1.00x"; 1.00x where a check left the keys as measured."""
     mem = hw.meta.get("cpu_key_ratios") or {}
-    ratio = mem.get("*") or hw.meta.get("cpu_bandwidth_ratio") or (median(mem.values()) if mem else 1.0)
+    keys = [r for k, r in mem.items() if k != "*"]  # the GEMV keys each scaled by its own minute's probe
+    ratio = median(keys) if keys else mem.get("*") or hw.meta.get("cpu_bandwidth_ratio") or 1.0
     cores = hw.meta.get("cpu_compute_ratios") or {}
     return f"memory {1 / ratio:.2f}x, cores {1 / (median(cores.values()) if cores else 1.0):.2f}x"
 
