@@ -1219,6 +1219,9 @@ def test_a_prompts_int4_ffn_is_priced_in_the_dtype_it_runs_its_intermediate_in()
         assert priced(slower("runtime/prefill_code/fp32"), 512, ffn=ffn) - priced(hw, 512, ffn=ffn) == \
             pytest.approx(30 * 512 * (576 + 1536) * 1e-9)
         assert priced(slower("runtime/prefill_code/bf16"), 512, ffn=ffn) == priced(hw, 512, ffn=ffn)
+    # a profile without the kernels (a replayed plan priced elsewhere): no kernel rows known, the fp32 rate
+    bare = replace(hw, meta={})
+    assert priced(bare, 512) == priced(bare, 512, ffn="fp32")
     few = max(1, int(rows))  # the kernel's rows: fp32 throughout
     assert priced(slower("runtime/prefill_code/fp32"), few) - priced(hw, few) == pytest.approx(
         30 * few * (576 + 1536) * 1e-9)

@@ -1739,7 +1739,8 @@ def test_a_plan_follows_the_cores_speed_of_its_moment(monkeypatch):
     monkeypatch.setattr(auto.contention, "others_share", lambda *a: 0.0)
     # a profile whose cores changed speed within single timings (meta["compute_probe"]["swing"]): no reading taken
     read = []
-    monkeypatch.setattr(profiler, "cpu_compute_ratios", lambda p, probe=None: read.append(1) or dict.fromkeys(keys, 1.5))
+    monkeypatch.setattr(profiler, "cpu_compute_ratios",
+                        lambda p, probe=None: read.append(1) or dict.fromkeys(keys, 1.5))
     swings = replace(hw, meta=dict(hw.meta, compute_probe=dict(hw.meta["compute_probe"], swing=auto.COMPUTE_SWING * 2)))
     got = auto.compute_now(swings)
     assert got.models == hw.models and not read and "cpu_compute_ratios" not in got.meta

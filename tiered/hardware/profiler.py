@@ -2018,8 +2018,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # alone the bf16 line's R^2 was 0.63-0.81 on 2 AMX cores, and the best-fitting of its three timings (GEMM_STALL_R2)
 # was the one with the steepest slope; the quick profile times a fourth GEMM shape for it.
 # 42: meta["compute_probe"]["swing"] (compute_swing): how far the compute probe moves across one timing of a key;
-# planning's compute-speed check does not apply where it swings beyond planner/auto.COMPUTE_SWING (on 2 Zen 4 cores whose speed
-# changed from one second to the next, a reading at planning told nothing of the run's, and the check scaled the
+# planning's compute-speed check does not apply where it swings beyond planner/auto.COMPUTE_SWING (on 2 Zen 4 cores
+# whose speed changed from one second to the next, a reading at planning told nothing of the run's, and the check scaled the
 # keys by 0.55-1.8x from one planning to the next, seconds apart).
 PROFILER_VERSION = 42
 

@@ -246,11 +246,7 @@ def set_prompt_attention(model: nn.Module, dtype: torch.dtype | None) -> int:
     read as cached instead of upcast, where torch's bf16 attention is the faster (AVX-512 BF16 / AMX). On 2
     Sapphire Rapids cores SmolLM2's default 512-token prompt took 161 ms against 206 (2026-12-02). A step
     whose cache is in another format (LLM.logits' lossless fp32 cache) is untouched. Returns the layers set."""
-    n = 0
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.prompt_dtype, n = dtype, n + 1
-    return n
+    return _set_prompt_dtype(model, Attention, dtype)
 
 
 def set_prompt_ffn(model: nn.Module, dtype: torch.dtype | None) -> int:
@@ -258,11 +254,15 @@ def set_prompt_ffn(model: nn.Module, dtype: torch.dtype | None) -> int:
     call in it (MLP.prompt_dtype; None: in the activations' dtype). The plan's choice (Plan.dtypes["prompt_ffn"],
     planner/latency_cpu.prompt_ffn): bf16 between one-copy int4 projections that dequantize for bf16 GEMMs.
     Returns the MLPs set."""
-    n = 0
-    for m in model.modules():
-        if isinstance(m, MLP):
-            m.prompt_dtype, n = dtype, n + 1
-    return n
+    return _set_prompt_dtype(model, MLP, dtype)
+
+
+def _set_prompt_dtype(model: nn.Module, kind: type, dtype: torch.dtype | None) -> int:
+    """`prompt_dtype` = `dtype` on every `kind` module of `model`; returns how many."""
+    found = [m for m in model.modules() if isinstance(m, kind)]
+    for m in found:
+        m.prompt_dtype = dtype
+    return len(found)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,

@@ -151,7 +151,8 @@ def compute_now(hw: HardwareProfile, early=None) -> HardwareProfile:
     default 512-token TTFT 0.67-0.82 s from one minute to the next where a profile of a faster minute priced 0.55.
     Readings taken while other processes took more than contention.CONTENDED_SHARE of the cores are not applied
     (a note says so), nor any where the profile's cores changed speed within one key's timing (_compute_swings: a
-    VM whose speed moves from one second to the next; a note says so). TIERED_COMPUTE_CHECK=0 turns the check off, as does TIERED_BANDWIDTH_CHECK=0."""
+    VM whose speed moves from one second to the next; a note says so). TIERED_COMPUTE_CHECK=0 turns the check
+    off, as does TIERED_BANDWIDTH_CHECK=0."""
     if not _compute_checked(hw):
         if _compute_checked(hw, swing=False):  # only the cores' swing stops it
             note = (f"compute-speed check at planning not applied: the profile's cores changed speed by "

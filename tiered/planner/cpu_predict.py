@@ -552,6 +552,23 @@ def kernel_isa(hw: HardwareProfile) -> str | None:
     return next((isa for isa, rows in DEQUANTIZE_ROWS.items() if rows == meta.get("int4_dequantize_rows")), None)
 
 
+def int4_kernel_rows(hw: HardwareProfile, batch_act: str) -> float | None:
+    """The rows up to which a one-copy int4 weight's prompt GEMM runs the int4 kernel on `batch_act` activations on
+    the machine `hw` profiled (quant/int4.dequantize_rows for its kernel_isa and kernel tuning; past them it
+    dequantizes for one GEMM); inf: at every row count; meta["int4_dequantize_rows"] for profiles that name no ISA;
+    None without the kernels."""
+    import math
+
+    from tiered.quant.int4 import dequantize_rows
+
+    isa = kernel_isa(hw)
+    if isa is None:
+        return (hw.meta or {}).get("int4_dequantize_rows")
+
+    rows = dequantize_rows(batch_act, isa, tuning=(hw.meta or {}).get("kernel_tuning") or {})
+    return math.inf if rows is None else rows
+
+
 def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes: float, macs_per_row: float,
                        batch_act: str = "bf16", biased: bool = False, working_set: float = 0.0,
                        glu: float = 0.0) -> float | None:
@@ -689,16 +706,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     over = task_overhead if task_overhead is not None else op_time.task_overhead(hw)
 
-    # the rows up to which a one-copy int4 weight's prompt GEMM runs the int4 kernel on `batch_act` activations,
-    # by the profiled machine's kernels (quant/int4.dequantize_rows; inf: at every row count); None without them
-    isa = kernel_isa(hw)
-    if isa is not None:
-        from tiered.quant.int4 import dequantize_rows
-
-        kernel_rows = dequantize_rows(batch_act, isa, tuning=(hw.meta or {}).get("kernel_tuning") or {})
-        kernel_rows = math.inf if kernel_rows is None else kernel_rows
-    else:
-        kernel_rows = (hw.meta or {}).get("int4_dequantize_rows")
+    kernel_rows = int4_kernel_rows(hw, batch_act)
     no_bf16_gemm = (hw.meta or {}).get("bf16_gemm_native") is False
     # a dense FFN the plan keeps in bf16 between one-copy int4 projections that dequantize for bf16 GEMMs past the
     # kernel's rows (Plan.dtypes["prompt_ffn"], models/layers.MLP.prompt_dtype): its SiLU and product priced at
@@ -756,7 +764,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             t = 0.0
             if not ffn_only:
                 width = d + (routed + cfg.shared_expert_intermediate_size if is_moe else cfg.intermediate_size)
-                bf16_ffn = cfg.intermediate_size if not is_moe and bf16_intermediate and T > kernel_rows else 0
+                bf16_ffn = cfg.intermediate_size if not is_moe and bf16_intermediate and kernel_rows is not None and \
+                    T > kernel_rows else 0
                 code = op_time.prefill_code_time(hw, act_dtype or dtype, T * (width - bf16_ffn))
                 if code is not None and bf16_ffn:
                     code += op_time.prefill_code_time(hw, "bf16", T * bf16_ffn, fixed=False) or 0.0

@@ -7,6 +7,8 @@ from planner/cpu_predict.py with hit shares from the routing-trace simulation.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tiered.checkpoint.model_config import ModelConfig
@@ -184,12 +186,11 @@ def prompt_ffn(plan: Plan, cfg: ModelConfig, profile: HardwareProfile) -> str:
     if act != "fp32" or plan.precision != "int4" or plan.dense_copies or \
             (cfg.is_moe and all(cfg.is_moe_layer(i) for i in layers)):
         return act
-    from tiered.planner.cpu_predict import kernel_isa
-    from tiered.quant.int4 import DEQUANTIZE_DTYPE, dequantize_rows
+    from tiered.planner.cpu_predict import int4_kernel_rows, kernel_isa
+    from tiered.quant.int4 import DEQUANTIZE_DTYPE
 
-    isa = kernel_isa(profile)
-    if isa is None or DEQUANTIZE_DTYPE.get(isa) != torch.bfloat16 or \
-            dequantize_rows(plan.batch_act, isa, tuning=(profile.meta or {}).get("kernel_tuning") or {}) is None:
+    if DEQUANTIZE_DTYPE.get(kernel_isa(profile)) != torch.bfloat16 or \
+            int4_kernel_rows(profile, plan.batch_act) == math.inf:  # (no dequantizing ISA, or never past the kernel)
         return act
     return "bf16"
 

@@ -89,18 +89,14 @@ def install_runtime(plan: Plan, model, accelerator, *, placed: PlacedExperts | N
             from tiered.runtime.cpu_decode import cast_bf16_linears
 
             cast_bf16_linears(model)  # (on 2 Zen 3 cores SmolLM2's 512-token bf16 prompt: 5.8 s in torch's bf16 GEMM)
-    prompt = plan.dtypes.get("prompt_attention")
-    if prompt and prompt != plan.dtypes.get("weights"):  # prompts attend in the KV cache's format
-        from tiered.memory.sizes import torch_dtype
-        from tiered.models.layers import set_prompt_attention
+    # prompts attend in the KV cache's format, and keep their FFN's intermediate in its GEMMs', where the plan says
+    from tiered.memory.sizes import torch_dtype
+    from tiered.models.layers import set_prompt_attention, set_prompt_ffn
 
-        set_prompt_attention(model, torch_dtype(prompt))
-    ffn = plan.dtypes.get("prompt_ffn")
-    if ffn and ffn != plan.dtypes.get("weights"):  # prompts keep their FFN's intermediate in the GEMMs' format
-        from tiered.memory.sizes import torch_dtype
-        from tiered.models.layers import set_prompt_ffn
-
-        set_prompt_ffn(model, torch_dtype(ffn))
+    for part, apply in (("prompt_attention", set_prompt_attention), ("prompt_ffn", set_prompt_ffn)):
+        dtype = plan.dtypes.get(part)
+        if dtype and dtype != plan.dtypes.get("weights"):
+            apply(model, torch_dtype(dtype))
     if plan.cpu_decode_step and accelerator is None and not trace:  # the trace wants the modules' spans
         from tiered.runtime.cpu_decode import CPUDecodeStep
         rt.cpu_decode = CPUDecodeStep(model, native=plan.native_decode)
