@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 import math
+import statistics
 import time
 
 import pytest
@@ -1373,10 +1374,40 @@ def test_the_probe_is_timed_among_a_keys_samples(monkeypatch):
 
     monkeypatch.setattr(profiler, "_native_gemv_format", lambda *a: False)
     calls = []
-    probe = SimpleNamespace(fn=lambda: calls.append(1) or time.sleep(2e-4), last=None)
+    probe = SimpleNamespace(fn=lambda: calls.append(1) or time.sleep(2e-4), last=None, samples=None)
     points = profiler._gemm_points("cpu", "fp32", [(1, 64, 64), (1, 128, 64)], lambda: None, 3, True, probe=probe)
     assert [n for n, _ in points] == [64 * 64 * 4, 128 * 64 * 4]
     assert probe.last is not None and probe.last >= 2e-4 and len(calls) >= 4  # warm-up + 3 samples
+    # its samples in the order taken, one a round (probe_swing's halves), the median theirs
+    assert len(probe.samples) == 3 and probe.last == pytest.approx(sorted(probe.samples)[1])
+
+
+def test_the_memory_probes_swing_is_kept_from_the_halves_of_each_keys_samples():
+    """_Bench.attempt keeps, for each GEMV key timed with the memory probe among its samples, the probe's median over
+    the first and the second half of them (halves; from the run kept where a stalled key is timed again), and the
+    profile's meta["probe"]["swing"] is probe_swing over those pairs."""
+    from types import SimpleNamespace
+
+    from tiered.hardware.profiler import _Bench, halves, probe_swing
+
+    assert halves([1.0, 2.0, 3.0, 4.0]) == (1.5, 3.5) and halves([1.0, 9.0, 2.0]) == (1.0, 2.0)
+    assert halves([1.0]) is None and halves(None) is None
+    b = _Bench(True, None, None)
+    b.probe = SimpleNamespace(last=None, samples=None)
+    runs = iter([[1.0, 1.0, 1.2, 1.2], [2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 0.5, 0.5]])
+
+    def timing(points):
+        b.probe.samples = next(runs)
+        b.probe.last = statistics.median(b.probe.samples)
+        return points
+    line = [(1e6, 1e-3), (2e6, 2e-3), (4e6, 4e-3)]
+    b.attempt("gemv/cpu/bf16", lambda: timing(line))
+    b.attempt("gemv/cpu/int4", lambda: timing(line))
+    b.attempt("gemv/cpu/int8", lambda: timing(line))
+    assert not b.skipped, b.skipped
+    assert b.probe_pairs == [(1.0, 1.2), (2.0, 2.0), (1.0, 0.5)]
+    assert b.probes == {"gemv/cpu/bf16": 1.1, "gemv/cpu/int4": 2.0, "gemv/cpu/int8": 0.75}
+    assert probe_swing(b.probe_pairs) == pytest.approx((math.log(1.2) + math.log(2.0)) / 3)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="tiered/kernels not built")
@@ -1469,6 +1500,33 @@ def test_each_gemv_key_follows_its_own_minutes_speed(monkeypatch):
     # readings either side of a key's minute: nothing to follow
     now = iter([3e-4, 7.5e-4])
     assert auto.bandwidth_now(hw) is hw
+
+
+def test_the_memory_check_stands_down_where_the_memory_swung_within_single_timings(monkeypatch):
+    """A profile whose memory probe moved beyond MEMORY_SWING within single keys' timings (meta["probe"]["swing"])
+    is planned with as measured: no reading is taken, a note says why (once), and a steady profile is checked."""
+    from tiered.hardware import profiler
+    from tiered.planner import auto
+
+    monkeypatch.setattr(auto.contention, "others_share", lambda *a: 0.0)
+    monkeypatch.setattr(profiler, "Probe", lambda llc: object())
+    read = []
+
+    def ratios(profile, probe=None, repeats=5):
+        read.append(1)
+        return dict({k: 1.6 for k in profile.meta["probe"]["seconds"]}, **{"*": 1.6})
+    monkeypatch.setattr(profiler, "cpu_probe_ratios", ratios)
+    hw = _probed_profile()
+    swings = replace(hw, meta=dict(hw.meta, probe=dict(hw.meta["probe"], swing=auto.MEMORY_SWING * 1.5)))
+    got = auto.bandwidth_now(swings)
+    assert got.models == hw.models and not read and "cpu_key_ratios" not in got.meta
+    assert "memory-speed check at planning not applied" in got.meta["notes"][-1] and f"{auto.MEMORY_SWING * 1.5:.0%}" in got.meta["notes"][-1]
+    assert auto.bandwidth_now(got).meta["notes"] == got.meta["notes"]  # said once
+    steady = replace(hw, meta=dict(hw.meta, probe=dict(hw.meta["probe"], swing=auto.MEMORY_SWING / 2)))
+    got = auto.bandwidth_now(steady)
+    assert read and got.models["gemv/cpu/int4"].beta == pytest.approx(2e-11 * 1.6)
+    n = len(read)
+    assert auto.bandwidth_now(hw).meta["cpu_key_ratios"] and len(read) > n  # a profile without a swing: checked
 
 
 def test_a_memory_speed_beyond_3x_of_the_profiles_is_read_a_third_time_before_it_is_followed(monkeypatch):
@@ -1662,19 +1720,19 @@ def test_the_compute_probe_is_read_around_each_compute_bound_keys_timings():
     assert b.compute_pairs == [(1.0, 1.2), (2.0, 2.2), (3.0, 3.2), (5.0, 5.2)]
 
 
-def test_the_compute_swing_is_how_far_the_probe_moves_within_a_timing():
-    """compute_swing: the mean |log(after / before)| of the compute probe around single timings; a machine that
+def test_the_probe_swing_is_how_far_the_probe_moves_within_a_timing():
+    """probe_swing: the mean |log(after / before)| of a speed probe across single timings; a machine that
     switches between two speeds within seconds swings by its switches (the mean, not the median); fewer than 3
     pairs say nothing."""
-    from tiered.hardware.profiler import compute_swing
+    from tiered.hardware.profiler import probe_swing
 
     steady = [(1.0, 1.01), (1.0, 0.99), (1.2, 1.2), (0.8, 0.81)]
-    assert compute_swing(steady) == pytest.approx(sum(abs(math.log(a / b)) for b, a in steady) / len(steady))
-    assert compute_swing(steady) < 0.01
+    assert probe_swing(steady) == pytest.approx(sum(abs(math.log(a / b)) for b, a in steady) / len(steady))
+    assert probe_swing(steady) < 0.01
     switching = steady + [(0.28, 0.5), (0.5, 0.28)]  # two of six straddle a switch
-    assert compute_swing(switching) == pytest.approx((2 * math.log(0.5 / 0.28) + 4 * compute_swing(steady)) / 6)
-    assert compute_swing(switching) > 0.15
-    assert compute_swing(steady[:2]) is None and compute_swing([]) is None
+    assert probe_swing(switching) == pytest.approx((2 * math.log(0.5 / 0.28) + 4 * probe_swing(steady)) / 6)
+    assert probe_swing(switching) > 0.15
+    assert probe_swing(steady[:2]) is None and probe_swing([]) is None
 
 
 def test_the_compute_ratios_are_the_probe_now_against_each_keys_minutes(monkeypatch):

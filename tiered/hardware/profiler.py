@@ -255,7 +255,8 @@ class Probe:
 
     Attributes:
         fn: one call (cycles to the next copy); nbytes: its weight's bytes; last: its median seconds
-        in the last key's samples (set by _gemm_points), or None.
+        in the last key's samples (set by _gemm_points), or None; samples: those samples in the order taken
+        (seconds per call, one a round of the key's shapes), or None.
     """
 
     def __init__(self, llc: int) -> None:
@@ -274,17 +275,20 @@ class Probe:
         self.fn = lambda: next(turn)(x)
         self.nbytes = K * N * 2
         self.last: float | None = None
+        self.samples: list[float] | None = None
         self._keep = modules
 
 
 def probed_times(fns: list[Callable[[], object]], repeats: int, probe: Probe | None,
                  sync: Callable[[], None] = lambda: None) -> list[float]:
     """median_times of `fns` with `probe`'s call (Probe, None: none) interleaved among their samples, its median
-    left in probe.last: a key's timings carrying the memory's speed of their minutes. Returns `fns`' times alone."""
-    times = median_times(list(fns) + ([probe.fn] if probe is not None else []), repeats, sync)
+    left in probe.last and its samples in probe.samples: a key's timings carrying the memory's speed of their
+    minutes, and how far it moved across them (probe_swing). Returns `fns`' times alone."""
+    samples = interleaved_samples(list(fns) + ([probe.fn] if probe is not None else []), repeats, sync)
     if probe is not None:
-        probe.last = times.pop()
-    return times
+        probe.samples = samples.pop()
+        probe.last = float(np.median(probe.samples))
+    return [float(np.median(x)) for x in samples]
 
 
 # The compute-speed probe: tiered's int4 kernel on int8 rows and its bf16 row kernel, each on a weight the caches
@@ -397,6 +401,7 @@ class _Bench:
         self.host_share: dict | None = None  # CUDA: CPU experts and H2D copies at once (_host_share)
         self.probe: Probe | None = None  # the memory-speed probe timed beside each CPU GEMV key (Probe)
         self.probes: dict[str, float] = {}  # key -> the probe's seconds among that key's samples
+        self.probe_pairs: list[tuple[float, float]] = []  # the probe's (first half, second half) in each key's timing
         self.compute: ComputeProbe | None = None  # the compute-speed probe timed around each COMPUTE_KEYS key
         self.compute_seconds: dict[str, list[float]] = {}  # key -> its readings around that key's timings
         self.compute_pairs: list[tuple[float, float]] = []  # (before, after) one timing of a compute-bound key
@@ -457,12 +462,12 @@ class _Bench:
             stall_r2 = GEMM_STALL_R2 if key.startswith(GEMM_KEYS) else STALL_R2
             for tries in range(runs):
                 if self.probe is not None:
-                    self.probe.last = None
+                    self.probe.last, self.probe.samples = None, None
                 notes = len(self.notes)
                 self.fit(key, fn(), weights)
                 r2 = self.models[key].r2
                 run = (r2 if r2 is not None else 1.0, self.models[key], self.points[key], self.notes[notes:],
-                       self.probe.last if self.probe is not None else None,
+                       (self.probe.last, self.probe.samples) if self.probe is not None else (None, None),
                        self.models.get(pack_key(key)) if weights is not None else None)
                 del self.notes[notes:]
                 if best is None or run[0] > best[0]:
@@ -479,8 +484,11 @@ class _Bench:
             if tries:
                 self.notes.append(f"{key}: timed {tries + 1} times (R^2 below {stall_r2}: stalled samples); the "
                                   f"best fit kept (R^2 {r2:.3f})")
+            probe, probe_samples = probe
             if probe is not None:
                 self.probes[key] = probe
+                if halves(probe_samples) is not None:
+                    self.probe_pairs.append(halves(probe_samples))
             readings = before + self.read_compute(key)
             self.keep_compute(key, readings, pair=True)
             if pack is not None:  # timed with it: the cores' speed of the same minutes
@@ -1819,21 +1827,37 @@ def cpu_probe_ratios(profile: HardwareProfile, probe: Probe | None = None, repea
     return ratios
 
 
-def compute_swing(pairs: list[tuple[float, float]]) -> float | None:
-    """How far the cores' speed moves within one timing of a key: the mean over `pairs` (the compute probe's
-    seconds (before, after) one compute-bound key's timing, about a second apart: _Bench.compute_pairs) of
-    |log(after / before)|; None for fewer than 3 pairs. The mean, not the median: a VM whose cores switch between
-    two speeds shows it in the pairs that straddle a switch. meta["compute_probe"]["swing"]: planning scales the
-    compute-bound keys by the cores' speed now (planner/auto.compute_now) only where it is small, i.e. where a
-    speed lasts longer than a timing. On 2 Zen 4 cores (2026-12-02) the probe moved between ~0.26 and ~0.5 ms from
-    one second to the next: a reading predicted the mean of the next 1-10 s with a correlation of 0.06-0.15 (a
-    ratio to it erred 14% where the long-run median erred 6%), a quick profile's 37 pairs moved 15% on average
-    (6 of them by more than 30%; full profiles 12% and 14%), and the check scaled the keys by 0.55-1.8x from one
-    planning to the next. (The readings' correlation across a timing read 0.33, 0.42 and 0.68 in three profiles
-    there, where 150 s of readings gave 0.30 a half-second apart and 0.06-0.15 over the next 1-10 s: it says how
-    the profile's minutes drifted more than whether a reading lasts, and gates nothing.)"""
+def probe_swing(pairs: list[tuple[float, float]]) -> float | None:
+    """How far a speed probe moves within one timing of a key: the mean over `pairs` of |log(after / before)|;
+    None for fewer than 3 pairs. The mean, not the median: a VM that switches between two speeds shows it in the
+    pairs that straddle a switch.
+
+    meta["compute_probe"]["swing"]: the compute probe's seconds (before, after) each compute-bound key's timing,
+    about a second apart (_Bench.compute_pairs); meta["probe"]["swing"]: the memory probe's median seconds over the
+    first and the second half of its samples among each GEMV key's (halves, _Bench.probe_pairs). Planning scales
+    the keys by a probe's speed now (planner/auto.compute_now, bandwidth_now) only where its swing is small, i.e.
+    where a speed lasts longer than a timing.
+
+    On 2 Zen 4 cores (2026-12-02) the compute probe moved between ~0.26 and ~0.5 ms from one second to the next: a
+    reading predicted the mean of the next 1-10 s with a correlation of 0.06-0.15 (a ratio to it erred 14% where
+    the long-run median erred 6%), a quick profile's 37 pairs moved 15% on average (6 of them by more than 30%;
+    full profiles 12% and 14%), and the check scaled the keys by 0.55-1.8x from one planning to the next. The
+    memory probe there (readings of ~50 ms, 0.19 s apart, 150 s): consecutive readings moved 12% on average, the
+    p5-p95 range was 1.8x, a reading predicted the next 1-10 s with a correlation of 0.04-0.19 and erred 8-9% where
+    the long-run median erred 2-5%, and 10-s medians stayed within 0.93-1.05 ms. (The compute readings'
+    correlation across a timing read 0.33, 0.42 and 0.68 in three profiles there: it says how the profile's
+    minutes drifted more than whether a reading lasts, and gates nothing.)"""
     logs = [abs(math.log(after / before)) for before, after in pairs if before > 0 and after > 0]
     return float(np.mean(logs)) if len(logs) >= 3 else None
+
+
+def halves(samples: list[float] | None) -> tuple[float, float] | None:
+    """(median of the first half, median of the second half) of `samples` in the order taken (the middle one of an
+    odd count left out): a probe's reading before and after across one timing. None for fewer than 2."""
+    if not samples or len(samples) < 2:
+        return None
+    h = len(samples) // 2
+    return float(np.median(samples[:h])), float(np.median(samples[-h:]))
 
 
 def cpu_compute_ratios(profile: HardwareProfile, probe: ComputeProbe | None = None) -> dict[str, float] | None:
@@ -2017,11 +2041,15 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # latter as gemm_pack/cpu/<dtype> (op_time.gemm_line adds it to calls of GEMM_ROWS rows or more): over multiply-adds
 # alone the bf16 line's R^2 was 0.63-0.81 on 2 AMX cores, and the best-fitting of its three timings (GEMM_STALL_R2)
 # was the one with the steepest slope; the quick profile times a fourth GEMM shape for it.
-# 42: meta["compute_probe"]["swing"] (compute_swing): how far the compute probe moves across one timing of a key;
+# 42: meta["compute_probe"]["swing"] (probe_swing): how far the compute probe moves across one timing of a key;
 # planning's compute-speed check does not apply where it swings beyond planner/auto.COMPUTE_SWING (on 2 Zen 4 cores
 # whose speed changed from one second to the next, a reading at planning told nothing of the run's, and the check scaled the
 # keys by 0.55-1.8x from one planning to the next, seconds apart).
-PROFILER_VERSION = 42
+# 43: meta["probe"]["swing"]: the memory probe's twin (probe_swing over the halves of its samples among each GEMV
+# key's); planning's memory-speed check does not apply where it swings beyond planner/auto.MEMORY_SWING (the same
+# Zen 4 cores' memory: consecutive readings 0.19 s apart moved 12%, and the check once scaled the all-in-RAM MoE's
+# GEMV keys 1.75x slow before a run that measured its fastest decode of the session).
+PROFILER_VERSION = 43
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2257,11 +2285,14 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         meta["host_share"] = b.host_share
     if b.probes:  # the memory-speed probe's seconds beside each CPU GEMV key (Probe)
         meta["probe"] = {"shape": list(PROBE_SHAPE), "bytes": b.probe.nbytes, "seconds": dict(b.probes)}
+        swing = probe_swing(b.probe_pairs)
+        if swing is not None:  # how far the memory's speed moved within one key's timing
+            meta["probe"]["swing"] = round(swing, 4)
     b.probe = None  # its copies' memory back before the profile is returned
     seconds = {k: float(np.median(v)) for k, v in b.compute_seconds.items()}
     if seconds:  # the compute-speed probe's median reading around each compute-bound key (ComputeProbe)
         meta["compute_probe"] = {"shapes": [list(s) for s in COMPUTE_PROBE_SHAPES], "seconds": seconds}
-        swing = compute_swing(b.compute_pairs)
+        swing = probe_swing(b.compute_pairs)
         if swing is not None:
             meta["compute_probe"]["swing"] = round(swing, 4)
     b.compute = None

@@ -95,12 +95,22 @@ COMPUTE_TOLERANCE = 0.3
 COMPUTE_SAMPLES = 5
 COMPUTE_PAUSE_S = 0.3  # between compute_now's two readings where no memory check spaces them (speed_now)
 # the compute probe's largest swing across one timing of a key (the profile's meta["compute_probe"]["swing"],
-# hardware/profiler.compute_swing: the mean |log| of its change) at which a reading at planning still tells the
+# hardware/profiler.probe_swing: the mean |log| of its change) at which a reading at planning still tells the
 # cores' speed of a run: the median readings of consecutive keys (tens of seconds apart) moved 0.5-3% in profiles of
 # 2 Sapphire Rapids cores, 0.4-7% of 2 Zen 3 cores (minutes at one speed, then another); 2 Zen 4 cores' probe moved
 # 12-15% on average within single timings (three profiles), and a reading predicted the next seconds' speed with a
-# correlation of 0.06-0.15 (2026-12-02)
-COMPUTE_SWING = 0.08
+# correlation of 0.06-0.15 (2026-12-02); four more profiles there read 0.075 (quick), 0.13, 0.11 and 0.145 (full)
+COMPUTE_SWING = 0.06
+# the memory probe's twin (meta["probe"]["swing"]: the mean |log| of its change between the halves of its samples
+# among one GEMV key's, hardware/profiler.probe_swing): the same 2-core Zen 4 VM's memory probe moved 12% between
+# consecutive readings 0.19 s apart, a reading predicted the next 1-10 s with a correlation of 0.04-0.19 and erred
+# 8-9% where the long-run median erred 2-5% (150 s of readings, 2026-12-02), and in one planner validation run the
+# check scaled the all-in-RAM MoE's GEMV keys 1.75x slow before a decode that measured 9.0 ms a token where the
+# session's other runs measured 13.4-13.5 (priced 42% off). Its profiles' memory swing: quick 0.072, 0.087 and 0.10,
+# full 0.235 (the full profile's probe medians across its keys 0.75-1.39 ms). Halves of a steady memory's ~10-ms
+# samples should differ by a few % (not measured on a steady machine yet: profiles before profiler 43 keep no
+# samples); the check acts on readings 15% (BANDWIDTH_TOLERANCE) off, which a swing of half that makes chance
+MEMORY_SWING = 0.06
 
 
 def _compute_checked(hw: HardwareProfile, swing: bool = True) -> bool:
@@ -230,11 +240,20 @@ def bandwidth_now(hw: HardwareProfile) -> HardwareProfile:
     One reading alone is not trusted: the same machine's read flapped between ~45 and ~80 GB/s from
     one minute to the next (2026-11-26), and a single fast reading priced SmolLM2's decode 58% fast.
     Readings taken while other processes took more than contention.CONTENDED_SHARE of the cores time
-    the neighbours, not the memory: they are not applied (a note says so).
-    TIERED_BANDWIDTH_CHECK=0 turns the check off.
+    the neighbours, not the memory: they are not applied (a note says so). Nor is any reading taken where the
+    profile's memory speed changed within single keys' timings (meta["probe"]["swing"] above MEMORY_SWING: a VM
+    whose memory speed moves from one second to the next, where the profile's own minutes are the better price;
+    a note says so). TIERED_BANDWIDTH_CHECK=0 turns the check off.
     """
     if os.environ.get("TIERED_BANDWIDTH_CHECK", "1") == "0" or hw.meta.get("cpu_bandwidth_ratio") is not None:
         return hw
+    swing = (hw.meta.get("probe") or {}).get("swing")
+    if swing is not None and swing > MEMORY_SWING:  # a reading now tells nothing of the run's memory speed
+        note = (f"memory-speed check at planning not applied: the profile's memory speed changed by {swing:.0%} on "
+                "average within one key's timing (under a second), so a reading now does not tell a run's speed")
+        if note in hw.meta.get("notes", []):
+            return hw
+        return replace(hw, meta=dict(hw.meta, notes=list(hw.meta.get("notes", [])) + [note]))
     reading = contention.start()
     scaled = _bandwidth_now(hw)
     share = contention.others_share(*reading)
