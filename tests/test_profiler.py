@@ -1382,6 +1382,24 @@ def test_the_probe_is_timed_among_a_keys_samples(monkeypatch):
     assert len(probe.samples) == 3 and probe.last == pytest.approx(sorted(probe.samples)[1])
 
 
+@pytest.mark.skipif(not kernels.available(), reason="tiered/kernels not built")
+def test_the_batched_steps_rows_are_timed_in_the_step_at_each_width(monkeypatch):
+    """_batch_rows_points: for each of the decode layer shapes and BATCH_ROWS rows, (the layer's weight elements,
+    the seconds a layer each row past the first adds in the native step against one row); a profile that gets
+    it prices batched steps by it (predict_decode)."""
+    from tiered.hardware import profiler
+
+    monkeypatch.setattr(profiler, "COLD_WEIGHT_BYTES", 8 * 2**20)
+    shapes = profiler.DECODE_LAYER_SHAPES[:2]
+    points = profiler._batch_rows_points(1, shapes=shapes)
+    assert len(points) == len(shapes) * len(profiler.BATCH_ROWS)
+    for i, (D, F_, H, Hkv) in enumerate(shapes):
+        n = D * (H + 2 * Hkv + H) * 64 + 3 * D * F_
+        assert [p[0] for p in points[i * 3:(i + 1) * 3]] == [float(n)] * 3
+    assert all(t > 0 for _, t in points)
+    assert "runtime/batch_rows/".startswith(profiler.COMPUTE_KEYS)  # read with the compute probe
+
+
 def test_the_memory_probes_swing_is_kept_from_the_halves_of_each_keys_samples():
     """_Bench.attempt keeps, for each GEMV key timed with the memory probe among its samples, the probe's median over
     the first and the second half of them (halves; from the run kept where a stalled key is timed again), and the
@@ -1598,6 +1616,30 @@ def test_a_batched_decode_step_streams_the_weights_once_and_adds_each_rows_multi
     for B in (2, 8):
         assert predict_decode(cfg, q8, "int4", context=64, batch=B, batch_act="q8")[1] == pytest.approx(
             one + stream + (B - 1) * (1e-12 * macs + kv_row), rel=1e-6)
+    # with the batched step's own rows measured (runtime/batch_rows/int4q8: a row's fixed cost a layer and its cost
+    # a weight element, in the step at the layers' widths), each dense layer is one row's stream plus those rows;
+    # the lm_head's rows keep decode_rows' price (the key is the layers'); bf16 activations, or a mix of precisions,
+    # keep the kernels' keys
+    key = LinearModel(10e-6, 6e-12, 0.95)
+    batched = HardwareProfile("box", "test", dict(q8.models, **{"runtime/batch_rows/int4q8": key}),
+                              meta={"native_kernels": True})
+    layer = cfg.attention_weight_elements() + 3 * 576 * 1536
+    head_rows = 1e-12 * 576 * 49152
+    # the layers' one row as the key's own difference had it (one row on bf16 activations, int4's stream); the
+    # head's stream at int4q8's rate
+    head_stream = 576 * 49152 * sizes.bytes_per_element("int4") * (1 / 35e9 - 1 / 30e9)
+    for B in (2, 8):
+        assert predict_decode(cfg, batched, "int4", context=64, batch=B, batch_act="q8")[1] == pytest.approx(
+            one + head_stream + (B - 1) * (cfg.num_hidden_layers * key(layer) + head_rows + kv_row), rel=1e-6)
+        parts = predict_decode(cfg, batched, "int4", context=64, batch=B, batch_act="q8")[0][0]  # split by weight
+        alone = predict_decode(cfg, q8, "int4", context=64, batch=1, batch_act="q8")[0][0]
+        assert parts[1] - alone[1] == pytest.approx((B - 1) * key(layer) * 3 * 576 * 1536 / layer, rel=1e-6)
+    assert predict_decode(cfg, batched, "int4", context=64, batch=4)[1] == \
+        predict_decode(cfg, q8, "int4", context=64, batch=4)[1]  # bf16 activations: no such key
+    mix = {"int4": 0.75, "bf16": 0.25}
+    assert predict_decode(cfg, batched, "int4", context=64, batch=4, batch_act="q8", mix=mix)[1] == \
+        predict_decode(cfg, q8, "int4", context=64, batch=4, batch_act="q8", mix=mix)[1]
+    assert predict_decode(cfg, batched, "int4", context=64, batch=1, batch_act="q8")[1] == one
     # MoE: 8 experts top-2, 8 rows choose 8 * (1 - 0.75^8) = 7.2 experts of 16 / 7.2 rows each
     moe = ModelConfig(model_type="mixtral", vocab_size=32000, hidden_size=1024, intermediate_size=3584,
                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, head_dim=128,

@@ -50,6 +50,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                          layer): its calls, fitted through the origin   n = a layer's int4 weight bytes
     runtime/step_rows/int4  the native step's layer code at prompt rows (SmolLM2's widths), beyond the rows'
                          four int4 kernel calls, seconds a layer   n = rows x (hidden + intermediate)
+    runtime/batch_rows/int4q8  a row past the first of a batched native decode step (a server's sequences) over
+                         dense int4 layers at real widths on int8 rows, seconds a layer   n = the layer's elements
     runtime/prefill_code/<dtype> a prompt's prefill through the engine with every F.linear and attention
                          call an empty result: the layers' own code (norms, RoPE, SiLU, adds), seconds a
                          layer                                       n = tokens x (hidden + intermediate)
@@ -300,7 +302,7 @@ COMPUTE_PROBE_REPEATS = 9
 # (Not attn/cpu, torch's decode attention: bandwidth-bound, hardware/profile.BANDWIDTH_BOUND_CPU.)
 COMPUTE_KEYS = ("decode_rows/cpu/", "expert_rows/cpu/", "attn_rows/cpu/", "attn_prefill/cpu/", "attn_prefill_past/cpu/",
                 "gemm/cpu/", "gemm_pack/cpu/", "gemm_big/cpu/", "runtime/step_rows/", "runtime/prefill_code/",
-                "dequantize/cpu/")
+                "dequantize/cpu/", "runtime/batch_rows/")
 
 
 class ComputeProbe:
@@ -1471,6 +1473,64 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
     return [(float(n), max(t / DECODE_LAYER_RUN - layer_code, 1e-9)) for n, t in zip(sizes, times)]
 
 
+BATCH_ROWS = (4, 8, 16)  # rows of runtime/batch_rows/int4q8's timed steps (a server's batched decode), beside 1
+
+
+def _batch_rows_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: int | None = None
+                       ) -> list[tuple[float, float]]:
+    """(a layer's weight elements, seconds a layer each row past the first adds) of tiered's native decode step over
+    dense layers of `shapes` with the engine's int4 decode copies on int8 rows (tiled, q/k/v and gate/up fused), its
+    weights from memory as in _decode_layer_points, at each of BATCH_ROWS rows (a server's batched decode: each row
+    its own sequence at 32 cached positions) against one row, the median of each round's difference
+    (interleaved_samples) over rows - 1: what a row past the first costs inside the step, its multiply-adds through
+    the kernels at the layers' own widths, the row's code (norms, RoPE, SiLU, its int8 rounding, its attention over
+    a short cache) and the parallel regions' waits. runtime/batch_rows/int4q8 (affine: a row's fixed cost a layer,
+    and its cost a weight element) prices a batched step's dense layers (cpu_predict.predict_decode). On 2 Zen 4
+    cores (2026-12-02) a row cost 33.7 / 54 / 97 us a layer at SmolLM2's widths and the two larger ones (3.5 / 6.3
+    / 14.2 M elements: 12.6 us + 6.0 ps an element), where the kernels' own decode_rows/cpu/int4q8 (a 4096 x 4096
+    weight timed alone, 3.9 ps a multiply-add) had priced SmolLM2's 8-sequence step at 9.5 ms against 12.2 measured
+    (8.5 of them its layers), and that row of the planner validation 15-49% fast in 11 of 20 runs on four
+    machines. Raises RuntimeError without the kernels."""
+    if not kernels.available():
+        raise RuntimeError("tiered/kernels is not built")
+    from dataclasses import replace
+
+    from tiered.memory.sizes import bytes_per_element
+    from tiered.models.layers import KVCache
+
+    calls, elements, keep = [], [], []
+    for shape in shapes:
+        D, F_ = shape[:2]
+        cfg = _dense_config(shape, DECODE_LAYER_RUN)
+        n = cfg.attention_weight_elements() + 3 * D * F_
+        runs = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * n * bytes_per_element("int4"))))
+        cfg = replace(cfg, num_hidden_layers=runs * DECODE_LAYER_RUN)
+        model, step = _int4_dense_step(cfg, 64, distinct=DECODE_LAYER_RUN)
+        keep.append(model)
+        starts = itertools.cycle(range(0, runs * DECODE_LAYER_RUN, DECODE_LAYER_RUN))
+        for B in (1,) + BATCH_ROWS:
+            cache = KVCache(cfg, B, 64, torch.bfloat16, "cpu")
+            x, p, slots = torch.randn(B, D), torch.full((B,), 32), torch.arange(B)
+            cos, sin = model.rotary.cos[p], model.rotary.sin[p]
+
+            def call(step=step, cache=cache, x=x, cos=cos, sin=sin, p=p, slots=slots, starts=starts):
+                i = next(starts)
+                step.native.forward(x, cos, sin, slots, p, cache.k, cache.v, i, i + DECODE_LAYER_RUN)
+            calls.append(call)
+        elements.append(n)
+    with torch.inference_mode():
+        samples = interleaved_samples(calls, max(5, repeats))
+    per = 1 + len(BATCH_ROWS)
+    points = []
+    for i, n in enumerate(elements):
+        one = samples[i * per]
+        for j, B in enumerate(BATCH_ROWS):
+            rows = samples[i * per + 1 + j]
+            points.append((float(n), max(0.0, float(np.median([(t - t1) / DECODE_LAYER_RUN / (B - 1)
+                                                              for t, t1 in zip(rows, one)])))))
+    return points
+
+
 def _moe_step_points(repeats: int) -> list[tuple[float, float]]:
     """(layers, seconds) of one decode step of tiny Mixtral-shaped models (hidden 64, 8 experts,
     top-2, bf16, every expert in RAM) with 2..8 layers, each opened by the engine itself (`LLM`
@@ -2049,7 +2109,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # key's); planning's memory-speed check does not apply where it swings beyond planner/auto.MEMORY_SWING (the same
 # Zen 4 cores' memory: consecutive readings 0.19 s apart moved 12%, and the check once scaled the all-in-RAM MoE's
 # GEMV keys 1.75x slow before a run that measured its fastest decode of the session).
-PROFILER_VERSION = 43
+# 44: runtime/batch_rows/int4q8 (_batch_rows_points): a batched native decode step's rows past the first at the
+# layers' own widths, which predict_decode prices a server's step by (decode_rows' 4096 x 4096 kernel alone priced
+# SmolLM2's 8-sequence step ~22% fast).
+PROFILER_VERSION = 44
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2213,6 +2276,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt("runtime/decode_layer/int4", lambda: _decode_layer_points(
             r, probe=pr, layer_code=code.beta if code is not None else 0.0))
         b.attempt("runtime/step_rows/int4", lambda: _step_rows_points(r))  # ... and its code at prompt rows
+        b.attempt("runtime/batch_rows/int4q8", lambda: _batch_rows_points(r))  # ... and a batched step's rows
         try:  # a decode burst's token beyond its layers' code
             b.models["runtime/burst_token"] = LinearModel(
                 _burst_token_seconds(r, code.beta if code is not None else 0.0), 0.0, None)

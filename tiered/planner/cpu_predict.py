@@ -312,14 +312,15 @@ def native_fused_projections(hw: HardwareProfile, dtype: str) -> bool:
 
 
 def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, working_set: float = 0.0,
-               mix: dict | None = None, kv_format: str | None = None, rows: int = 1, batch_act: str = "bf16") -> float:
+               mix: dict | None = None, kv_format: str | None = None, rows: int = 1, batch_act: str = "bf16",
+               proj_rows: int | None = None) -> float:
     """Seconds of one layer's attention in a decode step of `rows` sequences of `context` cached
-    positions each: the projections (`rows` per call, on `batch_act` activations: `_batched`) and
-    each row's pass over its own cache."""
+    positions each: the projections (`proj_rows` per call, None = `rows`, on `batch_act` activations: `_batched`)
+    and each row's pass over its own cache."""
     w = cfg.attention_weight_elements()
     native = native_step(hw)  # the native step runs plain and latent attention (DecodeStep.set_latent)
-    proj = _projections(hw, dtype, mix, w, 2 if native_fused_projections(hw, dtype) else 4, working_set, rows,
-                        batch_act)
+    proj = _projections(hw, dtype, mix, w, 2 if native_fused_projections(hw, dtype) else 4, working_set,
+                        rows if proj_rows is None else proj_rows, batch_act)
     # the KV cache's format: the plan's, else the engine's rule for weights read in `dtype` (CPU: fp32
     # activations; a 16-bit cache beside lossy copies)
     act = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
@@ -372,6 +373,9 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             rows' multiply-adds (decode_rows/cpu/<dtype>, `_gemv`); each row attends over its own
             cache; an MoE layer runs the experts its rows choose, E (1 - (1 - k/E)^batch) of them
             under uniform routing (the most a batch can activate), with batch k / that many rows each.
+            In the native step with runtime/batch_rows/<kind> profiled (int4 copies on int8 rows, one
+            precision), a dense layer is one row's stream plus each row past the first at that key
+            (a row's fixed cost a layer and its cost a weight element at real widths, in the step).
         batch_act: what int4 decode copies multiply in steps of 2+ rows (Plan.batch_act): "q8" prices
             them by gemv/cpu/int4q8 and decode_rows/cpu/int4q8 (`_batched`).
         bursts: the engine decodes a lone sequence in native bursts (LLM._burst: generate, stream, and a
@@ -392,13 +396,25 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     ws = step_weight_bytes(cfg, dtype, moe_layers, mix)  # beyond the last-level cache: DRAM's rate
     layers = []
     B = max(1, int(batch))
+    # a batched native step's dense layers: one row's stream, and each row past the first as the step ran such rows at
+    # the layers' widths (runtime/batch_rows/int4q8: the rows' kernels, code and waits; SmolLM2's 8-sequence step
+    # priced by decode_rows' kernel alone was ~22% fast)
+    rows_key = hw.models.get(f"runtime/batch_rows/{_batched(dtype, batch_act, B)}") \
+        if B > 1 and mix is None and native_step(hw) else None
     for i in range(cfg.num_hidden_layers):
-        attn = _attention(cfg, hw, dtype, context, ws, mix, kv_format, B, batch_act) + per_layer
+        dense = not has_experts(cfg, moe_layers, i)
+        by_key = rows_key is not None and dense
+        attn = _attention(cfg, hw, dtype, context, ws, mix, kv_format, B, batch_act, 1 if by_key else B) + per_layer
         t = 0.0
-        if not has_experts(cfg, moe_layers, i):
+        if dense:
             F = cfg.intermediate_size
-            t += _projections(hw, dtype, mix, 3 * d * F, 2 if native_fused_projections(hw, dtype) else 3, ws, B,
-                              batch_act)
+            t += _projections(hw, dtype, mix, 3 * d * F, 2 if native_fused_projections(hw, dtype) else 3, ws,
+                              1 if by_key else B, batch_act)
+            if by_key:  # split between the layer's two parts by their weights
+                w_attn = cfg.attention_weight_elements()
+                rows = (B - 1) * rows_key(w_attn + 3 * d * F)
+                attn += rows * w_attn / (w_attn + 3 * d * F)
+                t += rows * 3 * d * F / (w_attn + 3 * d * F)
         else:
             E, F, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
             ekind = op_time.gemv_dtype((experts_format or dtype).split(",")[0], expert_act)
