@@ -494,8 +494,8 @@ def test_q8_blocks_repack_to_the_tiled_layout_bit_for_bit():
 
 def test_stream_prefetch_changes_no_bits(isa):
     """The machine tuning's software prefetch (tune.py) only moves loads earlier: every weight
-    format's kernel gives the same bits with it off, on into the L1 and on into the L2, at 1 to 9
-    activation rows."""
+    format's kernel gives the same bits with it off, on into the L1, on into the L2 and on for calls of 2+ rows
+    only (stream_prefetch_rows), at 1 to 9 activation rows."""
     codes, sz, zr, bias, _, g = int4_case(96, 576, 11)
     lin = torch.nn.Linear(576, 96).to(torch.bfloat16)
     kernels = [int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), tiled_residual(zr), bias, batch_act="q8"),
@@ -509,10 +509,12 @@ def test_stream_prefetch_changes_no_bits(isa):
             on = [k(x) for k in kernels]
             ext.set_tuning(prefetch_l2=True)
             on_l2 = [k(x) for k in kernels]
-            ext.set_tuning(stream_prefetch=False)
+            ext.set_tuning(stream_prefetch=False, stream_prefetch_rows=True)  # on for 2+ rows only
+            rows_only = [k(x) for k in kernels]
+            ext.set_tuning(stream_prefetch_rows=False)
             off = [k(x) for k in kernels]
-            for k, a, b, c in zip(kernels, on, on_l2, off):
-                assert torch.equal(a, c) and torch.equal(b, c), (isa, k.name(), B)
+            for k, a, b, c, d in zip(kernels, on, on_l2, off, rows_only):
+                assert torch.equal(a, c) and torch.equal(b, c) and torch.equal(d, c), (isa, k.name(), B)
     finally:
         ext.set_tuning(**saved)
 
@@ -572,6 +574,8 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         assert set(tune.DEFAULTS) <= set(result) and ext.tuning() == {k: result[k] for k in tune.EXT_OPTIONS}
         assert len(result["ratios"]["stream_prefetch"]) == 3
         assert ("prefetch_l2" in result["ratios"]) == result["stream_prefetch"]  # only where prefetches stay on
+        # calls of 2+ rows: timed only where batch 1 runs without prefetches (else they prefetch anyway)
+        assert ("stream_prefetch_rows" in result["ratios"]) == (not result["stream_prefetch"])
         assert ("int4_int16_act" in result["ratios"]) == (ext.best_gemv_isa() == "avx512" and ext.has_vbmi())
         assert ("attend_wide" in result["ratios"]) == wide  # the attention's vector width: AVX-512's choice
         assert result["bf16_native_rows"] == tune.choose_rows(
@@ -604,6 +608,18 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         assert tune.apply(ext, tmp_path) is None and ext.tuning() == switches
     finally:
         ext.set_tuning(**saved)
+
+
+def test_the_tunings_prefetch_is_named_as_it_runs():
+    """tune.prefetch_name, the kernel-tuning line's words for the stream prefetches: off, off at batch 1 but on for
+    calls of 2+ rows (stream_prefetch_rows), on, on into the L2."""
+    from tiered.kernels.tune import prefetch_name
+
+    assert prefetch_name({"stream_prefetch": False, "stream_prefetch_rows": False}) == "off"
+    assert prefetch_name({"stream_prefetch": False}) == "off"  # a tuning saved before the switch
+    assert prefetch_name({"stream_prefetch": False, "stream_prefetch_rows": True}) == "off at batch 1, on for 2+ rows"
+    assert prefetch_name({"stream_prefetch": True, "stream_prefetch_rows": True}) == "on"
+    assert prefetch_name({"stream_prefetch": True, "prefetch_l2": True}) == "on, into the L2"
 
 
 def test_a_dequantize_choice_that_cannot_be_timed_keeps_the_table(monkeypatch):

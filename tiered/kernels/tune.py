@@ -1,6 +1,6 @@
 """Per-machine tuning of the native kernels, measured once after the build (`python -m tiered.kernels`).
 
-Five choices depend on the CPU more than on the code, so they are measured here rather than fixed:
+Several choices depend on the CPU more than on the code, so they are measured here rather than fixed:
 
 - ``stream_prefetch``: whether the weight-stream loops issue software prefetches ahead of their
   loads. On the 2-core Zen 3 VMs (AVX2) they lifted batch-1 int4 decode; on a Zen 4 VM (AVX-512)
@@ -18,6 +18,11 @@ Five choices depend on the CPU more than on the code, so they are measured here 
   SmolLM2's (in the cache) -2%, both within the noise. Timed on what gains or loses most: one token's 8
   routed experts of a layer a call (GROUP_WIDTH, `_group_sweep`); the one-expert sweeps below did not
   separate the two (ratio 0.98-1.1 in the noise).
+- ``stream_prefetch_rows``: where ``stream_prefetch`` is off, whether calls of 2+ activation rows (a server's
+  batched decode, a prompt's rows) issue them anyway. Such a call computes longer per weight byte, and on the
+  Zen 4 VM (2026-12-02, stream_prefetch off) its stream overlapped its compute poorly without them: int4 on 8
+  int8 rows of a 4096 x 4096 weight cycled past the L3 took 0.99-1.0 ms against 0.73-0.83 with them (0.61 in
+  cache). Timed on such calls (ROWS_PREFETCH_SHAPE at ROWS_PREFETCH_ROWS rows, `_rows_prefetch_ab`).
 - ``int4_int16_act``: on AVX-512 CPUs with VBMI, whether tiled int4 at batch 1 reads int16
   activations (the AVX2 path, more exact than bf16) instead of bf16 pairs (vdpbf16ps). On that
   Zen 4 VM the bf16 path was compute-bound near DRAM speed (74% of it, against 86%).
@@ -69,6 +74,7 @@ from typing import Callable
 from tiered.hardware import contention
 
 DEFAULTS = {"stream_prefetch": True, "prefetch_l2": False, "int4_int16_act": False, "attend_wide": True,
+            "stream_prefetch_rows": True,
             "bf16_native_rows": 32,
             "q8_dequantize_rows": None, "q8_expert_grouped_rows": None,  # None: quant's tables by ISA
             "mxfp4_kernel_rows": None}
@@ -78,7 +84,10 @@ DEFAULTS = {"stream_prefetch": True, "prefetch_l2": False, "int4_int16_act": Fal
 # (setup) measures a contended tuning again, up to RETUNES times (hardware/contention.py).
 RETUNES = contention.RETRIES
 # the extension's own switches (ext.set_tuning; attend_wide stays off where the CPU has no AVX-512)
-EXT_OPTIONS = ("stream_prefetch", "prefetch_l2", "int4_int16_act", "attend_wide")
+EXT_OPTIONS = ("stream_prefetch", "prefetch_l2", "int4_int16_act", "attend_wide", "stream_prefetch_rows")
+# stream_prefetch_rows' A/B: a batched decode step's call, int4 decode copies (tiled) of a Llama-width projection on
+# this many int8 rows, copies cycled through the format's bytes
+ROWS_PREFETCH_SHAPE, ROWS_PREFETCH_ROWS = (4096, 4096), 8
 ATTEND_ROWS = 512  # attend_wide's A/B: a prompt of that many rows in the native step (profiler.attention_rows_call)
 WIDTH = (2048, 1024)  # (hidden D, expert intermediate F): OLMoE's experts, a short stream per call
 # prefetch_l2's A/B: one token's routed experts of a layer in one native call (ExpertFormat.forward_group,
@@ -136,9 +145,10 @@ def _experts(fmt: str, total_bytes: int, act: str = "bf16", width: tuple[int, in
 
 
 def prefetch_name(tuning: dict) -> str:
-    """How a tuning's stream prefetches run, for a line of output: "off", "on" or "on, into the L2"."""
+    """How a tuning's stream prefetches run, for a line of output: "off", "off at batch 1, on for 2+ rows", "on" or
+    "on, into the L2"."""
     if not tuning["stream_prefetch"]:
-        return "off"
+        return "off at batch 1, on for 2+ rows" if tuning.get("stream_prefetch_rows") else "off"
     return "on, into the L2" if tuning.get("prefetch_l2") else "on"
 
 
@@ -289,6 +299,31 @@ def _attend_ab(ext, rounds: int) -> list[float]:
                       rounds)
 
 
+def _rows_prefetch_ab(ext, total_bytes: int, rounds: int) -> list[float]:
+    """Per-round ratios (stream_prefetch_rows flipped / as set) of ROWS_PREFETCH_ROWS int8 rows through tiled int4
+    decode copies of a ROWS_PREFETCH_SHAPE weight (the engine's Int4Linear kernel, as a batched step calls it),
+    its copies cycled over about `total_bytes` so that each call streams its weight from memory."""
+    import itertools
+
+    import torch
+
+    from tiered.hardware.profiler import _module_copies, _native_gemv, _native_gemv_module
+
+    N, K = ROWS_PREFETCH_SHAPE
+    g = torch.Generator().manual_seed(0)
+    template = _native_gemv_module("int4q8", torch.randn(N, K, generator=g) * 0.02)[0]
+    copies = [template] + _module_copies(template, max(1, total_bytes // (N * K // 2) - 1))
+    calls = itertools.cycle([_native_gemv("int4q8", m) for m in copies])
+    x = torch.randn(ROWS_PREFETCH_ROWS, K, generator=g)
+
+    def run() -> float:
+        t = time.perf_counter()
+        for _ in range(4):
+            next(calls)(x)
+        return time.perf_counter() - t
+    return _switch_ab(ext, "stream_prefetch_rows", run, rounds)
+
+
 def _sweep(ef, slots, x) -> float:
     """Seconds to run one token through every expert of `slots`."""
     t = time.perf_counter()
@@ -319,7 +354,7 @@ def _ab(ext, sets, option: str, rounds: int, sweep=_sweep) -> list[float]:
 def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float = 0.03,
             previous: dict | None = None) -> dict:
     """This machine's tuning, measured (see the module docstring): {"stream_prefetch": bool,
-    "int4_int16_act": bool, "bf16_native_rows": int, "q8_dequantize_rows", "q8_expert_grouped_rows" and
+    "stream_prefetch_rows": bool, "int4_int16_act": bool, "bf16_native_rows": int, "q8_dequantize_rows", "q8_expert_grouped_rows" and
     "mxfp4_kernel_rows": int (0: never dequantized), "ratios": {option: per-round time ratios}, "others_share", "contended",
     "attempts" (hardware/contention.record; `previous`: the tuning it replaces), ...}. Leaves `ext` set to it.
 
@@ -344,6 +379,11 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
         out["ratios"]["prefetch_l2"] = ratios
         if choose(ratios, margin):
             ext.set_tuning(prefetch_l2=not DEFAULTS["prefetch_l2"])
+    if not ext.tuning()["stream_prefetch"]:  # batch 1 without them: calls of 2+ rows with them, or not either
+        ratios = _rows_prefetch_ab(ext, total, rounds)
+        out["ratios"]["stream_prefetch_rows"] = ratios
+        if choose(ratios, margin):
+            ext.set_tuning(stream_prefetch_rows=not DEFAULTS["stream_prefetch_rows"])
     # the int4 option only changes a kernel on AVX-512 with VBMI (elsewhere the path is fixed)
     if ext.gemv_isa() == "avx512" and ext.has_vbmi():
         ratios = _ab(ext, [int4], "int4_int16_act", rounds)

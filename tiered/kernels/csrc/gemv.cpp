@@ -73,18 +73,26 @@ std::atomic<int> g_isa{-1};
 //   Rapids VM (2026-11-30; Qwen3-30B-A3B-width Q4_0 experts on int8 activations, cycled over 3.2 GB,
 //   alternated processes) t1 lifted one token's 8 experts of a layer from 12.9-13.8 GB/s to 15.4-15.7
 //   on 2 threads, and a prompt's 100 experts of 2 rows from 13.8-14.4 to 17.6-18.7.
+// g_stream_prefetch_rows: calls of 2+ activation rows issue those prefetches even where g_stream_prefetch is off.
+//   Such a call computes longer per weight byte than batch 1, and its weight stream overlapped the compute poorly
+//   without them on that Zen 4 VM (2026-12-02, int4 on 8 int8 rows, weights cycled past the L3): a 4096 x 4096
+//   weight 0.99-1.0 ms against 0.73-0.83 with them (0.61 in cache), a SmolLM2 gate/up 107 us against 93-98, where
+//   batch 1 read 282-432 us either way.
 // Scale and zero-point prefetches (a second, strided stream) stay on either way. Plain globals: the
 // setter runs between kernel calls, never during one.
 inline bool g_stream_prefetch = true;
 inline bool g_int4_w16 = false;
 inline bool g_prefetch_l2 = false;
+inline bool g_stream_prefetch_rows = true;
+// whether the kernel call running on this thread has 2+ activation rows (set by run_region around each call)
+inline thread_local bool t_rows_call = false;
 
 // A software prefetch of the weight stream at p (when the machine's tuning asks for them).
 // The prefetch helpers are always_inline: GCC's IPA finds a plain inline helper free of side effects
 // (a prefetch does not count) and deletes the calls it did not inline early, e.g. from a kernel of
 // another target attribute: every int4 kernel had lost its stream and scale prefetches that way.
 TIERED_FORCE_INLINE void prefetch_stream(const void* p) {
-  if (!g_stream_prefetch) return;
+  if (!g_stream_prefetch && !(g_stream_prefetch_rows && t_rows_call)) return;
   if (g_prefetch_l2) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
   else _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
@@ -2278,7 +2286,9 @@ void run_region(const Part* parts, int64_t n_parts) {
       if (s < e) {
         const Part& p = parts[i];
         const int64_t R = p.k->block_rows();
+        t_rows_call = p.nb > 1;  // the stream prefetches' second switch (g_stream_prefetch_rows)
         p.k->rows(*p.a, p.b0, p.nb, (s - first[i]) * R, std::min(p.k->out_features, (e - first[i]) * R), p.y, p.ldy);
+        t_rows_call = false;
       }
     }
   });
@@ -3681,20 +3691,25 @@ void register_gemv(pybind11::module& m) {
           d["int4_int16_act"] = g_int4_w16;
           d["prefetch_l2"] = g_prefetch_l2;
           d["attend_wide"] = ::tiered::g_attend_wide;
+          d["stream_prefetch_rows"] = g_stream_prefetch_rows;
           return d;
         }, "This machine's kernel tuning (tiered/kernels/tune.py): stream_prefetch, int4_int16_act, prefetch_l2, "
-           "attend_wide.");
+           "attend_wide, stream_prefetch_rows.");
   m.def("set_tuning", [](c10::optional<bool> stream_prefetch, c10::optional<bool> int4_int16_act,
-                         c10::optional<bool> prefetch_l2, c10::optional<bool> attend_wide) {
+                         c10::optional<bool> prefetch_l2, c10::optional<bool> attend_wide,
+                         c10::optional<bool> stream_prefetch_rows) {
           if (stream_prefetch) g_stream_prefetch = *stream_prefetch;
           if (int4_int16_act) g_int4_w16 = *int4_int16_act;
           if (prefetch_l2) g_prefetch_l2 = *prefetch_l2;
           if (attend_wide) ::tiered::g_attend_wide = *attend_wide && best_isa() >= kAvx512;  // AVX-512 only
+          if (stream_prefetch_rows) g_stream_prefetch_rows = *stream_prefetch_rows;
         }, pybind11::arg("stream_prefetch") = pybind11::none(), pybind11::arg("int4_int16_act") = pybind11::none(),
         pybind11::arg("prefetch_l2") = pybind11::none(), pybind11::arg("attend_wide") = pybind11::none(),
+        pybind11::arg("stream_prefetch_rows") = pybind11::none(),
         "Set the kernel tuning (between calls, not during one): software prefetch of the weight streams, "
         "int16 activations for tiled int4 at batch 1 on AVX-512, whether the stream prefetches fill the L2 "
-        "rather than the L1, and whether the native step's attention runs 16-float vectors (AVX-512 only).");
+        "rather than the L1, whether the native step's attention runs 16-float vectors (AVX-512 only), and "
+        "whether calls of 2+ activation rows prefetch their weight streams where batch 1 does not.");
   m.def("has_vbmi", []() { return has_vbmi(); }, "Whether this CPU has AVX-512 VBMI (the tiled int4 bf16 path).");
   m.def("gemv_isa", []() { return std::string(isa_name(current_isa())); }, "The ISA path tiered's GEMV kernels use now.");
   m.def("best_gemv_isa", []() { return std::string(isa_name(best_isa())); }, "The best ISA path this CPU supports.");
