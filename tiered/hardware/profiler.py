@@ -1423,6 +1423,42 @@ def _step_rows_points(repeats: int, shape=DECODE_LAYER_SHAPES[0]) -> list[tuple[
             for i, T in enumerate(STEP_ROWS_TOKENS)]
 
 
+class _ColdInt4Layers:
+    """Dense layers of `shape` (DECODE_LAYER_SHAPES') with the engine's int4 decode copies in tiered's native decode
+    step (_int4_dense_step), enough of them to hold `cold_bytes` (COLD_WEIGHT_BYTES without it), every
+    DECODE_LAYER_RUN of them copies of the first run's: `call(B)` runs the next DECODE_LAYER_RUN layers each call
+    (cycling), so every weight comes from memory as a decode step's do, on B rows, each its own sequence at 32
+    cached positions (a bf16 cache, the default plan's beside fp32 activations). `elements`: a layer's weight
+    elements. What _decode_layer_points (one row) and _batch_rows_points (a batched step's rows) time."""
+
+    def __init__(self, shape, cold_bytes: int | None = None) -> None:
+        from dataclasses import replace
+
+        from tiered.memory.sizes import bytes_per_element
+
+        D, F_ = shape[:2]
+        cfg = _dense_config(shape, DECODE_LAYER_RUN)
+        self.elements = cfg.attention_weight_elements() + 3 * D * F_
+        nbytes = self.elements * bytes_per_element("int4")
+        runs = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * nbytes)))
+        self.cfg = replace(cfg, num_hidden_layers=runs * DECODE_LAYER_RUN)
+        self.model, self.step = _int4_dense_step(self.cfg, 64, distinct=DECODE_LAYER_RUN)
+        self._starts = itertools.cycle(range(0, runs * DECODE_LAYER_RUN, DECODE_LAYER_RUN))
+
+    def call(self, B: int) -> Callable[[], None]:
+        """One timed call: the next DECODE_LAYER_RUN layers on B rows (their own cache, built here)."""
+        from tiered.models.layers import KVCache
+
+        cache = KVCache(self.cfg, B, 64, torch.bfloat16, "cpu")
+        x, p, slots = torch.randn(B, self.cfg.hidden_size), torch.full((B,), 32), torch.arange(B)
+        cos, sin = self.model.rotary.cos[p], self.model.rotary.sin[p]
+
+        def call() -> None:
+            i = next(self._starts)
+            self.step.native.forward(x, cos, sin, slots, p, cache.k, cache.v, i, i + DECODE_LAYER_RUN)
+        return call
+
+
 def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: int | None = None,
                          probe: "Probe | None" = None, layer_code: float = 0.0) -> list[tuple[float, float]]:
     """(int4 weight bytes a layer, seconds a layer's kernel calls take) in tiered's native decode step over
@@ -1443,31 +1479,14 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
     the kernels."""
     if not kernels.available():
         raise RuntimeError("tiered/kernels is not built")
-    from dataclasses import replace
-
     from tiered.memory.sizes import bytes_per_element
-    from tiered.models.layers import KVCache
 
     calls, sizes, keep = [], [], []
     for shape in shapes:
-        D, F_ = shape[:2]
-        cfg = _dense_config(shape, DECODE_LAYER_RUN)
-        nbytes = (cfg.attention_weight_elements() + 3 * D * F_) * bytes_per_element("int4")
-        runs = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * nbytes)))
-        cfg = replace(cfg, num_hidden_layers=runs * DECODE_LAYER_RUN)
-        model, step = _int4_dense_step(cfg, 64, distinct=DECODE_LAYER_RUN)
-        cache = KVCache(cfg, 1, 64, torch.bfloat16, "cpu")  # the default plan's cache beside fp32 activations
-        x, p, slots = torch.randn(1, D), torch.tensor([32]), torch.tensor([0])
-        cos, sin = model.rotary.cos[p], model.rotary.sin[p]
-        starts = itertools.cycle(range(0, runs * DECODE_LAYER_RUN, DECODE_LAYER_RUN))
-
-        def call(step=step, cache=cache, x=x, cos=cos, sin=sin, p=p, slots=slots, starts=starts):
-            i = next(starts)
-            step.native.forward(x, cos, sin, slots, p, cache.k, cache.v, i, i + DECODE_LAYER_RUN)
-
-        calls.append(call)
-        sizes.append(nbytes)
-        keep.append(model)
+        layers = _ColdInt4Layers(shape, cold_bytes)
+        calls.append(layers.call(1))
+        sizes.append(layers.elements * bytes_per_element("int4"))
+        keep.append(layers)
     with torch.inference_mode():
         times = probed_times(calls, repeats, probe)
     return [(float(n), max(t / DECODE_LAYER_RUN - layer_code, 1e-9)) for n, t in zip(sizes, times)]
@@ -1493,31 +1512,12 @@ def _batch_rows_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: int
     machines. Raises RuntimeError without the kernels."""
     if not kernels.available():
         raise RuntimeError("tiered/kernels is not built")
-    from dataclasses import replace
-
-    from tiered.memory.sizes import bytes_per_element
-    from tiered.models.layers import KVCache
-
     calls, elements, keep = [], [], []
     for shape in shapes:
-        D, F_ = shape[:2]
-        cfg = _dense_config(shape, DECODE_LAYER_RUN)
-        n = cfg.attention_weight_elements() + 3 * D * F_
-        runs = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * n * bytes_per_element("int4"))))
-        cfg = replace(cfg, num_hidden_layers=runs * DECODE_LAYER_RUN)
-        model, step = _int4_dense_step(cfg, 64, distinct=DECODE_LAYER_RUN)
-        keep.append(model)
-        starts = itertools.cycle(range(0, runs * DECODE_LAYER_RUN, DECODE_LAYER_RUN))
-        for B in (1,) + BATCH_ROWS:
-            cache = KVCache(cfg, B, 64, torch.bfloat16, "cpu")
-            x, p, slots = torch.randn(B, D), torch.full((B,), 32), torch.arange(B)
-            cos, sin = model.rotary.cos[p], model.rotary.sin[p]
-
-            def call(step=step, cache=cache, x=x, cos=cos, sin=sin, p=p, slots=slots, starts=starts):
-                i = next(starts)
-                step.native.forward(x, cos, sin, slots, p, cache.k, cache.v, i, i + DECODE_LAYER_RUN)
-            calls.append(call)
-        elements.append(n)
+        layers = _ColdInt4Layers(shape, cold_bytes)
+        calls += [layers.call(B) for B in (1,) + BATCH_ROWS]
+        elements.append(layers.elements)
+        keep.append(layers)
     with torch.inference_mode():
         samples = interleaved_samples(calls, max(5, repeats))
     per = 1 + len(BATCH_ROWS)
