@@ -107,9 +107,10 @@ COMPUTE_SWING = 0.06
 # 8-9% where the long-run median erred 2-5% (150 s of readings, 2026-12-02), and in one planner validation run the
 # check scaled the all-in-RAM MoE's GEMV keys 1.75x slow before a decode that measured 9.0 ms a token where the
 # session's other runs measured 13.4-13.5 (priced 42% off). Its profiles' memory swing: quick 0.072, 0.087 and 0.10,
-# full 0.235 (the full profile's probe medians across its keys 0.75-1.39 ms). Halves of a steady memory's ~10-ms
-# samples should differ by a few % (not measured on a steady machine yet: profiles before profiler 43 keep no
-# samples); the check acts on readings 15% (BANDWIDTH_TOLERANCE) off, which a swing of half that makes chance
+# full 0.094-0.315 in five (one full profile's probe medians across its keys 0.75-1.39 ms). Halves of a steady
+# memory's ~10-ms samples should differ by a few % (not measured on a steady machine yet: profiles before profiler
+# 43 keep no samples); the check acts on readings 15% (BANDWIDTH_TOLERANCE) off, which a swing of half that makes
+# chance
 MEMORY_SWING = 0.06
 
 
