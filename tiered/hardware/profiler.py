@@ -469,7 +469,7 @@ class _Bench:
                 self.fit(key, fn(), weights)
                 r2 = self.models[key].r2
                 run = (r2 if r2 is not None else 1.0, self.models[key], self.points[key], self.notes[notes:],
-                       (self.probe.last, self.probe.samples) if self.probe is not None else (None, None),
+                       self.probe.samples if self.probe is not None else None,
                        self.models.get(pack_key(key)) if weights is not None else None)
                 del self.notes[notes:]
                 if best is None or run[0] > best[0]:
@@ -477,7 +477,7 @@ class _Bench:
                 if best[0] >= stall_r2 or tries == runs - 1:
                     break
                 self.say(f"{key}: R^2 {run[0]:.2f}: stalled samples, timing it again")
-            r2, self.models[key], self.points[key], notes, probe, pack = best
+            r2, self.models[key], self.points[key], notes, probe_samples, pack = best
             if pack is not None:  # the weight term of the run kept (fit_gemm)
                 self.models[pack_key(key)] = pack
             elif weights is not None:
@@ -486,11 +486,11 @@ class _Bench:
             if tries:
                 self.notes.append(f"{key}: timed {tries + 1} times (R^2 below {stall_r2}: stalled samples); the "
                                   f"best fit kept (R^2 {r2:.3f})")
-            probe, probe_samples = probe
-            if probe is not None:
-                self.probes[key] = probe
-                if halves(probe_samples) is not None:
-                    self.probe_pairs.append(halves(probe_samples))
+            if probe_samples:  # the memory probe's samples among this key's (probed_times)
+                self.probes[key] = float(np.median(probe_samples))
+                pair = halves(probe_samples)
+                if pair is not None:
+                    self.probe_pairs.append(pair)
             readings = before + self.read_compute(key)
             self.keep_compute(key, readings, pair=True)
             if pack is not None:  # timed with it: the cores' speed of the same minutes
@@ -1481,12 +1481,11 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
         raise RuntimeError("tiered/kernels is not built")
     from tiered.memory.sizes import bytes_per_element
 
-    calls, sizes, keep = [], [], []
-    for shape in shapes:
+    calls, sizes = [], []
+    for shape in shapes:  # (each call holds its layers)
         layers = _ColdInt4Layers(shape, cold_bytes)
         calls.append(layers.call(1))
         sizes.append(layers.elements * bytes_per_element("int4"))
-        keep.append(layers)
     with torch.inference_mode():
         times = probed_times(calls, repeats, probe)
     return [(float(n), max(t / DECODE_LAYER_RUN - layer_code, 1e-9)) for n, t in zip(sizes, times)]
@@ -1512,12 +1511,11 @@ def _batch_rows_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: int
     machines. Raises RuntimeError without the kernels."""
     if not kernels.available():
         raise RuntimeError("tiered/kernels is not built")
-    calls, elements, keep = [], [], []
-    for shape in shapes:
+    calls, elements = [], []
+    for shape in shapes:  # (each call holds its layers)
         layers = _ColdInt4Layers(shape, cold_bytes)
         calls += [layers.call(B) for B in (1,) + BATCH_ROWS]
         elements.append(layers.elements)
-        keep.append(layers)
     with torch.inference_mode():
         samples = interleaved_samples(calls, max(5, repeats))
     per = 1 + len(BATCH_ROWS)

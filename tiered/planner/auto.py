@@ -116,18 +116,26 @@ MEMORY_SWING = 0.06
 
 def _compute_checked(hw: HardwareProfile, swing: bool = True) -> bool:
     """Whether compute_now checks `hw`: a profile with the compute probe's readings whose cores held a speed across
-    a key's timing (_compute_swings; not asked with `swing` False), not checked before, the check not turned off."""
+    a key's timing (_swing; not asked with `swing` False), not checked before, the check not turned off."""
     return "0" not in (os.environ.get("TIERED_COMPUTE_CHECK", "1"), os.environ.get("TIERED_BANDWIDTH_CHECK", "1")) \
         and hw.meta.get("cpu_compute_ratios") is None and bool((hw.meta.get("compute_probe") or {}).get("seconds")) \
-        and not (swing and _compute_swings(hw))
+        and not (swing and _swing(hw, "compute_probe", COMPUTE_SWING) is not None)
 
 
-def _compute_swings(hw: HardwareProfile) -> bool:
-    """Whether `hw`'s cores changed speed within single timings (meta["compute_probe"]["swing"] above
-    COMPUTE_SWING): a reading at planning then does not tell the speed of the run that follows. False for profiles
-    without a swing (before profiler 42)."""
-    swing = (hw.meta.get("compute_probe") or {}).get("swing")
-    return swing is not None and swing > COMPUTE_SWING
+def _swing(hw: HardwareProfile, probe: str, limit: float) -> float | None:
+    """How far `hw`'s `probe` (meta key: "probe", the memory's; "compute_probe", the cores') moved within single
+    timings (its ["swing"], hardware/profiler.probe_swing) where above `limit`, else None (also for profiles
+    without one: before profiler 42 / 43). Above it a reading at planning does not tell the speed of the run that
+    follows."""
+    swing = (hw.meta.get(probe) or {}).get("swing")
+    return swing if swing is not None and swing > limit else None
+
+
+def _noted(hw: HardwareProfile, note: str) -> HardwareProfile:
+    """`hw` with `note` in meta["notes"], added once."""
+    if note in hw.meta.get("notes", []):
+        return hw
+    return replace(hw, meta=dict(hw.meta, notes=list(hw.meta.get("notes", [])) + [note]))
 
 
 def _compute_early(hw: HardwareProfile):
@@ -161,16 +169,14 @@ def compute_now(hw: HardwareProfile, early=None) -> HardwareProfile:
     SmolLM2's widths took 6.5-7.5 ps a multiply-add in one minute and 9.8-11.3 a few minutes later, and SmolLM2's
     default 512-token TTFT 0.67-0.82 s from one minute to the next where a profile of a faster minute priced 0.55.
     Readings taken while other processes took more than contention.CONTENDED_SHARE of the cores are not applied
-    (a note says so), nor any where the profile's cores changed speed within one key's timing (_compute_swings: a
+    (a note says so), nor any where the profile's cores changed speed within one key's timing (_swing: a
     VM whose speed moves from one second to the next; a note says so). TIERED_COMPUTE_CHECK=0 turns the check
     off, as does TIERED_BANDWIDTH_CHECK=0."""
     if not _compute_checked(hw):
         if _compute_checked(hw, swing=False):  # only the cores' swing stops it
-            note = (f"compute-speed check at planning not applied: the profile's cores changed speed by "
-                    f"{hw.meta['compute_probe']['swing']:.0%} on average within one key's timing (about a second), "
-                    "so a reading now does not tell a run's speed")
-            if note not in hw.meta.get("notes", []):
-                return replace(hw, meta=dict(hw.meta, notes=list(hw.meta.get("notes", [])) + [note]))
+            return _noted(hw, f"compute-speed check at planning not applied: the profile's cores changed speed by "
+                              f"{hw.meta['compute_probe']['swing']:.0%} on average within one key's timing (about a "
+                              "second), so a reading now does not tell a run's speed")
         return hw
     from tiered.hardware.profile import scale_compute_keys
 
@@ -248,13 +254,11 @@ def bandwidth_now(hw: HardwareProfile) -> HardwareProfile:
     """
     if os.environ.get("TIERED_BANDWIDTH_CHECK", "1") == "0" or hw.meta.get("cpu_bandwidth_ratio") is not None:
         return hw
-    swing = (hw.meta.get("probe") or {}).get("swing")
-    if swing is not None and swing > MEMORY_SWING:  # a reading now tells nothing of the run's memory speed
-        note = (f"memory-speed check at planning not applied: the profile's memory speed changed by {swing:.0%} on "
-                "average within one key's timing (under a second), so a reading now does not tell a run's speed")
-        if note in hw.meta.get("notes", []):
-            return hw
-        return replace(hw, meta=dict(hw.meta, notes=list(hw.meta.get("notes", [])) + [note]))
+    swing = _swing(hw, "probe", MEMORY_SWING)
+    if swing is not None:  # a reading now tells nothing of the run's memory speed
+        return _noted(hw, f"memory-speed check at planning not applied: the profile's memory speed changed by "
+                          f"{swing:.0%} on average within one key's timing (under a second), so a reading now does "
+                          "not tell a run's speed")
     reading = contention.start()
     scaled = _bandwidth_now(hw)
     share = contention.others_share(*reading)
