@@ -2101,8 +2101,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # was the one with the steepest slope; the quick profile times a fourth GEMM shape for it.
 # 42: meta["compute_probe"]["swing"] (probe_swing): how far the compute probe moves across one timing of a key;
 # planning's compute-speed check does not apply where it swings beyond planner/auto.COMPUTE_SWING (on 2 Zen 4 cores
-# whose speed changed from one second to the next, a reading at planning told nothing of the run's, and the check scaled the
-# keys by 0.55-1.8x from one planning to the next, seconds apart).
+# whose speed changed from one second to the next, a reading at planning told nothing of the run's, and the check
+# scaled the keys by 0.55-1.8x from one planning to the next, seconds apart).
 # 43: meta["probe"]["swing"]: the memory probe's twin (probe_swing over the halves of its samples among each GEMV
 # key's); planning's memory-speed check does not apply where it swings beyond planner/auto.MEMORY_SWING (the same
 # Zen 4 cores' memory: consecutive readings 0.19 s apart moved 12%, and the check once scaled the all-in-RAM MoE's

@@ -354,7 +354,8 @@ def _ab(ext, sets, option: str, rounds: int, sweep=_sweep) -> list[float]:
 def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float = 0.03,
             previous: dict | None = None) -> dict:
     """This machine's tuning, measured (see the module docstring): {"stream_prefetch": bool,
-    "stream_prefetch_rows": bool, "int4_int16_act": bool, "bf16_native_rows": int, "q8_dequantize_rows", "q8_expert_grouped_rows" and
+    "stream_prefetch_rows": bool, "int4_int16_act": bool, "bf16_native_rows": int, "q8_dequantize_rows",
+    "q8_expert_grouped_rows" and
     "mxfp4_kernel_rows": int (0: never dequantized), "ratios": {option: per-round time ratios}, "others_share", "contended",
     "attempts" (hardware/contention.record; `previous`: the tuning it replaces), ...}. Leaves `ext` set to it.
 
