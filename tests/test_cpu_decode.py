@@ -214,6 +214,65 @@ def test_lean_step_with_int4_copies_matches_the_modules(zoo, native):
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window,kv", [
+    (9, 3, 64, None, torch.bfloat16), (9, 3, 64, None, torch.float32), (4, 4, 64, None, torch.bfloat16),
+    (5, 1, 64, None, torch.bfloat16), (8, 2, 128, 20, torch.bfloat16), (8, 1, 32, None, torch.float32),
+    (28, 4, 64, None, torch.bfloat16)])
+def test_native_attention_takes_a_prompts_rows_together(heads, kv_heads, head_dim, window, kv):
+    """A prompt's rows in the native step (runs of 8+ consecutive positions of one sequence: the
+    attention's row tasks, each KV head's keys transposed once) for query-head groups of 3 (4 rows a task:
+    12 queries), 1, 5, 4 of 128 with a 20-key sliding window, 8 of 32 (fp32 cache) and 7: 37 rows after 45
+    cached positions (tasks past the last row, key blocks past the last key), beside a 5-row run and a
+    decoding row of two other sequences (the per-row path): the modules' logits and cache to fp32
+    rounding, on a random 2-layer model over a random cache whose values move the logits well beyond it."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.models import build_model
+    from tiered.models.layers import KVCache
+
+    torch.manual_seed(0)
+    cached, n, S = 45, 37, 96
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      sliding_window=window)
+    model = build_model(cfg, S).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.1)
+    caches = [KVCache(cfg, 3, S, kv) for _ in range(3)]
+    caches[0].k.normal_()
+    caches[0].v.normal_()
+    for c in caches[1:]:
+        c.k.copy_(caches[0].k)
+        c.v.copy_(caches[0].v)
+    caches[2].v[:, :, :, : cached // 2].mul_(-1)  # the first half of the cached values flipped
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(2, 64, (n,), generator=g)
+    short = torch.randint(2, 64, (5,), generator=g)
+    ids = torch.cat([prompt, short, torch.tensor([7])]).unsqueeze(1)
+    pos = torch.cat([torch.arange(cached, cached + n), torch.arange(10, 15), torch.tensor([30])]).unsqueeze(1)
+    slots = torch.tensor([0] * n + [1] * 5 + [2])
+    with torch.inference_mode():
+        step = CPUDecodeStep(model, native=True)
+        assert step.takes_prefill_rows(caches[0])
+        got = step(ids, pos, slots, caches[0]).float()
+        outs = {}
+        for i in (1, 2):
+            outs[i] = torch.cat([model(prompt.unsqueeze(0), pos[:n].T, torch.tensor([0]), caches[i], False)[0],
+                                 model(short.unsqueeze(0), pos[n:n + 5].T, torch.tensor([1]), caches[i], False)[0],
+                                 model(torch.tensor([[7]]), torch.tensor([[30]]), torch.tensor([2]), caches[i],
+                                       False)[0]]).float()
+    got = got.reshape(-1, cfg.vocab_size)
+    outs = {i: o.reshape(-1, cfg.vocab_size) for i, o in outs.items()}
+    scale = float(outs[1].abs().max())
+    # bf16: the modules attend over the prompt's own keys before the cache rounds them (the per-row path: up to 1.8e-4)
+    tol = 2e-5 if kv == torch.float32 else 5e-4
+    assert float((got - outs[1]).abs().max()) <= tol * scale
+    assert float((outs[2] - outs[1]).abs().max()) >= 1e-2 * scale
+    for x, y in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+        assert float((x.float() - y.float()).abs().max()) <= 1e-2 * max(1.0, float(y.float().abs().max()))
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
 def test_native_step_takes_prompt_rows_beside_decode_rows(zoo, kind):
     """Prompt tokens as rows of the native step (LLM.step's mixed prefill): two prompts of

@@ -588,6 +588,148 @@ TIERED_CLONES void attend(const float* q, int64_t group, const uint16_t* K, cons
   else attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, bf16_to_float);
 }
 
+// A prompt's query rows at once (DecodeStep::attention's runs: consecutive positions of one sequence).
+// One KV head's keys are first transposed into blocks of `lanes` keys, KT [nb, hd, lanes] fp32 (zeros past
+// the last key: transpose_keys), so that one vector holds `lanes` keys' scores of one query: no horizontal
+// sums (attend_vec spends about as many shuffles and adds on its 4-key trees as FMAs on the dots), each
+// block's column loaded once for up to JQ queries (the rows' heads of that KV head) whose elements are
+// FMA broadcast operands. The values are weighed as attend_vec weighs them, for up to 6 queries a pass.
+template <typename Vec, typename E>
+__attribute__((always_inline)) inline void transpose_keys_impl(const E* K, int64_t n, int64_t hd, float* KT) {
+  constexpr int W = kLanes<Vec>;
+  for (int64_t b = 0; b * W < n; ++b) {
+    float* kt = KT + b * hd * W;
+    const int64_t m = std::min<int64_t>(W, n - b * W);
+    for (int64_t w = 0; w < W; ++w) {
+      if (w >= m) {
+        for (int64_t d = 0; d < hd; ++d) kt[d * W + w] = 0.f;
+        continue;
+      }
+      const E* k = K + (b * W + w) * hd;
+      for (int64_t d = 0; d < hd; ++d) {
+        if constexpr (std::is_same_v<E, uint16_t>) kt[d * W + w] = bf16_to_float(k[d]);
+        else kt[d * W + w] = k[d];
+      }
+    }
+  }
+}
+
+TIERED_CLONES void transpose_keys(const float* K, int64_t n, int64_t hd, int64_t lanes, float* KT) {
+  if (lanes == 16) transpose_keys_impl<v16f>(K, n, hd, KT);
+  else transpose_keys_impl<v8f>(K, n, hd, KT);
+}
+TIERED_CLONES void transpose_keys(const uint16_t* K, int64_t n, int64_t hd, int64_t lanes, float* KT) {
+  if (lanes == 16) transpose_keys_impl<v16f>(K, n, hd, KT);
+  else transpose_keys_impl<v8f>(K, n, hd, KT);
+}
+
+// p [j * ldp + t] = scale x q_j . key t for JQ queries q [JQ, hd] and the keys of nb blocks of KT: two
+// blocks at a time in JQ x 2 accumulators (AVX-512: JQ 12, 24 of the 32 registers; AVX2: JQ 6, 12 of 16).
+template <typename Vec, int JQ>
+__attribute__((always_inline)) inline void score_blocks(const float* q, const float* KT, int64_t nb, int64_t hd,
+                                                        float scale, float* p, int64_t ldp) {
+  constexpr int W = kLanes<Vec>;
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    Vec a[JQ][2] = {};
+    const float* k0 = KT + b * hd * W;
+    for (int64_t d = 0; d < hd; ++d) {
+      const Vec x0 = loadv<Vec>(k0 + d * W), x1 = loadv<Vec>(k0 + (hd + d) * W);
+      for (int j = 0; j < JQ; ++j) {
+        const float qj = q[j * hd + d];
+        a[j][0] += qj * x0;
+        a[j][1] += qj * x1;
+      }
+    }
+    for (int j = 0; j < JQ; ++j)
+      for (int u = 0; u < 2; ++u) {
+        const Vec s = a[j][u] * scale;
+        std::memcpy(p + j * ldp + (b + u) * W, &s, sizeof(Vec));
+      }
+  }
+  if (b < nb) {
+    Vec a[JQ] = {};
+    const float* k0 = KT + b * hd * W;
+    for (int64_t d = 0; d < hd; ++d) {
+      const Vec x0 = loadv<Vec>(k0 + d * W);
+      for (int j = 0; j < JQ; ++j) a[j] += q[j * hd + d] * x0;
+    }
+    for (int j = 0; j < JQ; ++j) {
+      const Vec s = a[j] * scale;
+      std::memcpy(p + j * ldp + b * W, &s, sizeof(Vec));
+    }
+  }
+}
+
+// The arguments of attend_rows: one KV head and R consecutive rows of one sequence.
+struct RowsTask {
+  const float* q;      // the first row's query heads of this KV head, [group, hd]; rows ldq apart
+  int64_t ldq, R, group, hd;
+  float scale;
+  const float* KT;     // transpose_keys of this head's keys from key kt_lo on
+  int64_t kt_lo;
+  const int64_t* lo;   // row r attends keys [lo[r], hi[r]) (absolute positions); lo, hi non-decreasing in r
+  const int64_t* hi;
+  float* o;            // out [R * group, hd]: row r's head h at (r * group + h) * hd, normalized
+  float* scratch;      // p and the queries: rows_scratch(..) floats
+};
+
+inline int64_t rows_scratch(int64_t R, int64_t group, int64_t hd, int64_t keys, int64_t lanes) {
+  const int64_t jpad = (R * group + 11) / 12 * 12;
+  return jpad * (keys + 2 * lanes) + jpad * hd;
+}
+
+template <typename Vec, typename E>
+__attribute__((always_inline)) inline void attend_rows_impl(const RowsTask& a, const E* V) {
+  constexpr int W = kLanes<Vec>, JQ = W == 16 ? 12 : 6, JV = W == 16 ? 6 : 3;
+  const int64_t J = a.R * a.group, hd = a.hd;
+  const int64_t jpad = (J + JQ - 1) / JQ * JQ;
+  const int64_t klo = a.lo[0], khi = a.hi[a.R - 1];
+  const int64_t b0 = (klo - a.kt_lo) / W, b1 = (khi - a.kt_lo + W - 1) / W;
+  const int64_t base = a.kt_lo + b0 * W;  // p's column 0
+  const int64_t ldp = (b1 - b0) * W;
+  float* qb = a.scratch;
+  float* p = qb + jpad * hd;
+  for (int64_t r = 0; r < a.R; ++r)
+    std::memcpy(qb + r * a.group * hd, a.q + r * a.ldq, a.group * hd * sizeof(float));
+  std::fill(qb + J * hd, qb + jpad * hd, 0.f);
+  for (int64_t j = 0; j < jpad; j += JQ)
+    score_blocks<Vec, JQ>(qb + j * hd, a.KT + b0 * hd * W, b1 - b0, hd, a.scale, p + j * ldp, ldp);
+  // each query's softmax over its row's keys; zeros elsewhere in [klo, khi)
+  for (int64_t j = 0; j < J; ++j) {
+    const int64_t r = j / a.group;
+    float* pj = p + j * ldp;
+    const int64_t v0 = a.lo[r] - base, v1 = a.hi[r] - base;
+    std::fill(pj + (klo - base), pj + v0, 0.f);
+    softmax_rows(pj + v0, 1, v1 - v0, nullptr);
+    std::fill(pj + v1, pj + (khi - base), 0.f);
+  }
+  const int64_t n = khi - klo;
+  const float* pk = p + (klo - base);
+  const E* Vk = V + klo * hd;
+  int64_t j = 0;
+  for (; j + JV <= J; j += JV) weigh_values<Vec, JV>(pk + j * ldp, n, Vk, hd, a.o + j * hd, hd, ldp, false);
+  switch (J - j) {
+    case 5: if constexpr (JV > 5) weigh_values<Vec, 5>(pk + j * ldp, n, Vk, hd, a.o + j * hd, hd, ldp, false); break;
+    case 4: if constexpr (JV > 4) weigh_values<Vec, 4>(pk + j * ldp, n, Vk, hd, a.o + j * hd, hd, ldp, false); break;
+    case 3: if constexpr (JV > 3) weigh_values<Vec, 3>(pk + j * ldp, n, Vk, hd, a.o + j * hd, hd, ldp, false); break;
+    case 2: weigh_values<Vec, 2>(pk + j * ldp, n, Vk, hd, a.o + j * hd, hd, ldp, false); break;
+    case 1: weigh_values<Vec, 1>(pk + j * ldp, n, Vk, hd, a.o + j * hd, hd, ldp, false); break;
+    default: break;
+  }
+}
+
+// One RowsTask's attention (V: this head's cached values from key 0, [., hd]); lanes 16 (AVX-512, hd % 64
+// == 0) or 8 (hd % 32 == 0), as transpose_keys laid KT out.
+TIERED_CLONES void attend_rows(const RowsTask& a, const float* V, int64_t lanes) {
+  if (lanes == 16) attend_rows_impl<v16f>(a, V);
+  else attend_rows_impl<v8f>(a, V);
+}
+TIERED_CLONES void attend_rows(const RowsTask& a, const uint16_t* V, int64_t lanes) {
+  if (lanes == 16) attend_rows_impl<v16f>(a, V);
+  else attend_rows_impl<v8f>(a, V);
+}
+
 template <typename E>  // other cache dtypes (fp16, fp64): the plain loops
 void attend(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale, float* p,
             float* o, float* ml) {
@@ -1401,8 +1543,113 @@ class DecodeStep {
     }
   }
 
+  // The rows of `att` (attention's) that come in runs of at least kRunRows consecutive positions of one
+  // sequence (a prompt's or a chunk's rows), computed with attend_rows: each KV head's keys of the run
+  // transposed once (transpose_keys), then tasks of R rows x one KV head (R x group queries: 12 or 24
+  // where group divides them, else R = 12 / group), cut over the threads by their keys x queries. Returns
+  // which rows it computed (empty: none; a cache other than fp32 / bf16, or hd not a multiple of 32).
+  // Per row (attend) each key was loaded and widened for one row's group of heads and every 4 keys'
+  // scores took a shuffle tree a head: on 2 Zen 4 cores (2026-12-02, in one process, the same rows in
+  // order and reversed, 8 layers of SmolLM2's attention over a bf16 cache) a step of 512 rows from
+  // position 0 took 0.94x the time, 1024 rows at 1024 0.85x, at 3072 0.80x; the attention itself runs
+  // ~45 GMAC/s a thread there, near its fp32 FMAs' bound.
+  template <typename T, typename C>
+  std::vector<char> attention_runs(int64_t l, int64_t B, const float* qkv, const C* kc, const C* vc,
+                                   const int64_t* slots, const int64_t* pos, int64_t n_slots, int64_t max_len,
+                                   int64_t window, float* att) const {
+    using E = typename Elem<C>::type;
+    std::vector<char> in_run;
+    if constexpr (!std::is_same_v<E, float> && !std::is_same_v<E, uint16_t>) {
+      return in_run;
+    } else {
+      if (hd % 32 != 0 || B < kRunRows) return in_run;
+      const int64_t QKV = (H + 2 * Hkv) * hd, group = H / Hkv;
+      const int64_t lanes = g_attend_wide && hd % 64 == 0 ? 16 : 8;
+      struct Run { int64_t b0, b1, kt_lo, kt_hi; };
+      std::vector<Run> runs;
+      for (int64_t b = 0; b < B;) {
+        int64_t e = b + 1;
+        while (e < B && slots[e] == slots[b] && pos[e] == pos[e - 1] + 1) ++e;
+        if (e - b >= kRunRows) runs.push_back({b, e, 0, pos[e - 1] + 1});
+        b = e;
+      }
+      if (runs.empty()) return in_run;
+      in_run.assign(B, 0);
+      std::vector<int64_t> lo(B), hi(B);
+      for (auto& r : runs)
+        for (int64_t b = r.b0; b < r.b1; ++b) {
+          in_run[b] = 1;
+          hi[b] = pos[b] + 1;
+          lo[b] = window > 0 ? std::max<int64_t>(0, hi[b] - window) : 0;
+        }
+      for (auto& r : runs) r.kt_lo = lo[r.b0];
+      // rows per task: R x group queries, a multiple of 12 where small enough (the score kernel's 12 / 6)
+      int64_t R = std::max<int64_t>(1, 12 / group);
+      if (group * R < 12 && 24 % group == 0) R = 24 / group;
+      // each run's keys transposed, a (run, KV head) item a task
+      std::vector<int64_t> kt_at(runs.size() * Hkv + 1, 0);
+      for (size_t i = 0; i < runs.size(); ++i)
+        for (int64_t g = 0; g < Hkv; ++g) {
+          const int64_t nb = (runs[i].kt_hi - runs[i].kt_lo + lanes - 1) / lanes;
+          kt_at[i * Hkv + g + 1] = kt_at[i * Hkv + g] + nb * lanes * hd;
+        }
+      kt_buf_.resize(kt_at.back());
+      auto head_cache = [&](const C* cache, const Run& r, int64_t g) {
+        return reinterpret_cast<const E*>(cache + ((l * n_slots + slots[r.b0]) * Hkv + g) * max_len * hd);
+      };
+      at::parallel_for(0, int64_t(runs.size()) * Hkv, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const Run& r = runs[i / Hkv];
+          transpose_keys(head_cache(kc, r, i % Hkv) + r.kt_lo * hd, r.kt_hi - r.kt_lo, hd, lanes,
+                         kt_buf_.data() + kt_at[i]);
+        }
+      });
+      struct Task { int64_t run, b0, b1, g; };
+      std::vector<Task> tasks;
+      std::vector<double> cost{0.0};  // prefix sums of keys x queries
+      for (size_t i = 0; i < runs.size(); ++i)
+        for (int64_t b = runs[i].b0; b < runs[i].b1; b += R) {
+          const int64_t e = std::min(b + R, runs[i].b1);
+          for (int64_t g = 0; g < Hkv; ++g) {
+            tasks.push_back({int64_t(i), b, e, g});
+            cost.push_back(cost.back() + double(hi[e - 1] - lo[b]) * double((e - b) * group));
+          }
+        }
+      const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), int64_t(tasks.size())));
+      auto run_tasks = [&](int64_t k0, int64_t k1) {
+        thread_local std::vector<float> scratch, o;
+        for (int64_t k = k0; k < k1; ++k) {
+          // thread k: the tasks whose cost starts in [k, k + 1) / nt of the total
+          const double total = cost.back();
+          const int64_t t0 = std::lower_bound(cost.begin(), cost.end() - 1, total * k / nt) - cost.begin();
+          const int64_t t1 = std::lower_bound(cost.begin(), cost.end() - 1, total * (k + 1) / nt) - cost.begin();
+          for (int64_t t = t0; t < t1 && t < int64_t(tasks.size()); ++t) {
+            const Task& tk = tasks[t];
+            const Run& r = runs[tk.run];
+            const int64_t rows = tk.b1 - tk.b0;
+            scratch.resize(rows_scratch(rows, group, hd, hi[tk.b1 - 1] - lo[tk.b0], lanes));
+            o.resize(rows * group * hd);
+            RowsTask a{qkv + tk.b0 * QKV + tk.g * group * hd, QKV, rows, group, hd, scale_,
+                       kt_buf_.data() + kt_at[tk.run * Hkv + tk.g], r.kt_lo, lo.data() + tk.b0, hi.data() + tk.b0,
+                       o.data(), scratch.data()};
+            attend_rows(a, head_cache(vc, r, tk.g), lanes);
+            for (int64_t b = tk.b0; b < tk.b1; ++b) {
+              float* out = att + b * H * hd + tk.g * group * hd;
+              const float* src = o.data() + (b - tk.b0) * group * hd;
+              for (int64_t i = 0; i < group * hd; ++i) out[i] = rnd<T>(src[i]);
+            }
+          }
+        }
+      };
+      if (nt == 1) run_tasks(0, 1);
+      else at::parallel_for(0, nt, 1, run_tasks);
+      return in_run;
+    }
+  }
+
   // att [B, H*hd] = softmax(q k^T * scale) v over each row's cached positions, rounded to T. The
-  // H / Hkv query heads of one KV head share each key and value row as it is read.
+  // H / Hkv query heads of one KV head share each key and value row as it is read. A prompt's rows
+  // (runs of consecutive positions) go to attention_runs unless the layer has sinks; the rest below.
   //
   // Parallel, the (row, KV head) items' key rows are cut into nt runs of equal length, one a thread
   // (split-K, as flash-decoding splits a long context): an item cut in parts gives each part's
@@ -1419,9 +1666,15 @@ class DecodeStep {
     const int64_t window = L.window < 0 ? window_ : L.window;
     const float* sinks = L.sinks.empty() ? nullptr : L.sinks.data();  // [H]: KV head g's at g * group
     // the cached rows row b attends to: the last `window` of its pos[b] + 1 (all without a window)
-    auto keys_of = [&](int64_t b) { return window > 0 ? std::min(pos[b] + 1, window) : pos[b] + 1; };
+    auto span = [&](int64_t b) { return window > 0 ? std::min(pos[b] + 1, window) : pos[b] + 1; };
+    // a prompt's rows (runs of kRunRows+ consecutive positions of one sequence) go to attention_runs;
+    // keys_of is 0 for them here
+    std::vector<char> in_run;
+    if (!sinks) in_run = attention_runs<T, C>(l, B, qkv, kc, vc, slots, pos, n_slots, max_len, window, att);
+    auto keys_of = [&](int64_t b) { return !in_run.empty() && in_run[b] ? int64_t(0) : span(b); };
     int64_t keys = 0;  // key rows read per KV head, over the batch
     for (int64_t b = 0; b < B; ++b) keys += keys_of(b);
+    if (keys == 0) return;
     // keys [t0, t1) of item bg's (row b, KV head g); `ml` null: the whole item, normalized into att
     auto part = [&](int64_t bg, int64_t t0, int64_t t1, float* o, float* ml, std::vector<float>& p) {
       const int64_t b = bg / Hkv, g = bg % Hkv;
@@ -1511,6 +1764,9 @@ class DecodeStep {
 
   // attention runs on one thread below this many (key row, KV head) pairs over the batch
   static constexpr int64_t kSplitKeys = 256;
+  // rows of one sequence at consecutive positions that attention_runs takes together (a prompt's)
+  static constexpr int64_t kRunRows = 8;
+  mutable std::vector<float> kt_buf_;  // attention_runs' transposed keys
 
   int64_t D, H, Hkv, hd;
   int64_t rd;  // RoPE's width: each q / k head's first rd features rotate (rd = hd unless partial)
