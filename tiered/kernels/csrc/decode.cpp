@@ -1545,8 +1545,8 @@ class DecodeStep {
 
   // The rows of `att` (attention's) that come in runs of at least kRunRows consecutive positions of one
   // sequence (a prompt's or a chunk's rows), computed with attend_rows: each KV head's keys of the run
-  // transposed once (transpose_keys), then tasks of R rows x one KV head (R x group queries: 12 or 24
-  // where group divides them, else R = 12 / group), cut over the threads by their keys x queries. Returns
+  // transposed once (transpose_keys), then tasks of R rows x one KV head (R x group queries, R chosen so
+  // that the score kernel pads them least), cut over the threads by their keys x queries. Returns
   // which rows it computed (empty: none; a cache other than fp32 / bf16, or hd not a multiple of 32).
   // Per row (attend) each key was loaded and widened for one row's group of heads and every 4 keys'
   // scores took a shuffle tree a head: on 2 Zen 4 cores (2026-12-02, in one process, the same rows in
@@ -1583,9 +1583,15 @@ class DecodeStep {
           lo[b] = window > 0 ? std::max<int64_t>(0, hi[b] - window) : 0;
         }
       for (auto& r : runs) r.kt_lo = lo[r.b0];
-      // rows per task: R x group queries, a multiple of 12 where small enough (the score kernel's 12 / 6)
-      int64_t R = std::max<int64_t>(1, 12 / group);
-      if (group * R < 12 && 24 % group == 0) R = 24 / group;
+      // rows per task: R x group queries, padded to the score kernel's JQ (12 or 6) with the least padding a
+      // query (up to 12 rows or 48 queries; the fewer rows among equals): group 3 takes 4 rows, 7 five (35 of 36)
+      const int64_t jq = lanes == 16 ? 12 : 6;
+      int64_t R = 1;
+      double best = 1e9;
+      for (int64_t r = 1; r <= 12 && (r == 1 || r * group <= 48); ++r) {
+        const double waste = double((r * group + jq - 1) / jq * jq - r * group) / double(r * group);
+        if (waste < best - 1e-9) best = waste, R = r;
+      }
       // each run's keys transposed, a (run, KV head) item a task
       std::vector<int64_t> kt_at(runs.size() * Hkv + 1, 0);
       for (size_t i = 0; i < runs.size(); ++i)
