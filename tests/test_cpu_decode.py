@@ -105,6 +105,33 @@ def test_native_attention_vector_path_matches_the_modules(zoo, kind, kv):
                     steps=5, tol=tol, native=True, kv=kv) <= logits
 
 
+def _random_attention_model(heads: int, kv_heads: int, head_dim: int, window: int | None, slots: int, max_len: int,
+                            cached: int, kv: torch.dtype):
+    """A random 2-layer llama (attention-heavy: hidden 128, vocab 64; weights N(0, 0.1), norms 1) and three
+    KV caches of `slots` x `max_len` in `kv` holding the same random cache, the third with the values of its
+    first cached // 2 positions flipped (a result that reads them must move)."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.models import build_model
+    from tiered.models.layers import KVCache
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      sliding_window=window)
+    model = build_model(cfg, max_len).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.1)
+    caches = [KVCache(cfg, slots, max_len, kv) for _ in range(3)]
+    caches[0].k.normal_()
+    caches[0].v.normal_()
+    for c in caches[1:]:
+        c.k.copy_(caches[0].k)
+        c.v.copy_(caches[0].v)
+    caches[2].v[:, :, :, : cached // 2].mul_(-1)
+    return model, caches
+
+
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
 @pytest.mark.parametrize("heads,kv_heads,head_dim,cached", [
     (4, 4, 64, 45), (5, 1, 64, 300), (8, 1, 32, 45), (12, 3, 64, 45), (72, 1, 64, 300), (8, 2, 128, 45)])
@@ -114,24 +141,7 @@ def test_native_attention_over_a_bf16_cache_for_every_group(heads, kv_heads, hea
     one (45 = 5 x 8 + 5 cached positions), 300 split between the threads: the modules' logits to fp32
     rounding, on a random 2-layer model (attention-heavy: hidden 128) over a random cache whose values move
     the logits well beyond that tolerance."""
-    from tiered.checkpoint.model_config import ModelConfig
-    from tiered.models import build_model
-    from tiered.models.layers import KVCache
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
-    model = build_model(cfg, cached + 1).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.1)
-    caches = [KVCache(cfg, 1, cached + 1, torch.bfloat16) for _ in range(3)]
-    caches[0].k.normal_()
-    caches[0].v.normal_()
-    for c in caches[1:]:
-        c.k.copy_(caches[0].k)
-        c.v.copy_(caches[0].v)
-    caches[2].v[:, :, :, : cached // 2].mul_(-1)  # the first half of the cached values flipped
+    model, caches = _random_attention_model(heads, kv_heads, head_dim, None, 1, cached + 1, cached, torch.bfloat16)
     ids, pos, slot = torch.tensor([[5]]), torch.tensor([[cached]]), torch.tensor([0])
     with torch.inference_mode():
         native = CPUDecodeStep(model, native=True)(ids, pos, slot, caches[0]).float()
@@ -214,37 +224,22 @@ def test_lean_step_with_int4_copies_matches_the_modules(zoo, native):
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
-@pytest.mark.parametrize("heads,kv_heads,head_dim,window,kv", [
-    (9, 3, 64, None, torch.bfloat16), (9, 3, 64, None, torch.float32), (4, 4, 64, None, torch.bfloat16),
-    (5, 1, 64, None, torch.bfloat16), (8, 2, 128, 20, torch.bfloat16), (8, 1, 32, None, torch.float32),
-    (28, 4, 64, None, torch.bfloat16)])
-def test_native_attention_takes_a_prompts_rows_together(heads, kv_heads, head_dim, window, kv):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window,kv,cap", [
+    (9, 3, 64, None, torch.bfloat16, None), (9, 3, 64, None, torch.float32, None),
+    (4, 4, 64, None, torch.bfloat16, None), (5, 1, 64, None, torch.bfloat16, None),
+    (8, 2, 128, 20, torch.bfloat16, None), (8, 1, 32, None, torch.float32, None),
+    (28, 4, 64, None, torch.bfloat16, None), (28, 4, 64, None, torch.bfloat16, 40_000)])
+def test_native_attention_takes_a_prompts_rows_together(heads, kv_heads, head_dim, window, kv, cap):
     """A prompt's rows in the native step (runs of 8+ consecutive positions of one sequence: the
     attention's row tasks, each KV head's keys transposed once) for query-head groups of 3 (4 rows a task:
-    12 queries), 1, 5, 4 of 128 with a 20-key sliding window, 8 of 32 (fp32 cache) and 7: 37 rows after 45
+    12 queries), 1, 5, 4 of 128 with a 20-key sliding window, 8 of 32 (fp32 cache) and 7 (also with the transposed
+    keys capped at 40 kB: the 4 KV heads in batches of 1): 37 rows after 45
     cached positions (tasks past the last row, key blocks past the last key), beside a 5-row run and a
     decoding row of two other sequences (the per-row path): the modules' logits and cache to fp32
     rounding, on a random 2-layer model over a random cache whose values move the logits well beyond it."""
-    from tiered.checkpoint.model_config import ModelConfig
-    from tiered.models import build_model
-    from tiered.models.layers import KVCache
-
-    torch.manual_seed(0)
-    cached, n, S = 45, 37, 96
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                      sliding_window=window)
-    model = build_model(cfg, S).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.1)
-    caches = [KVCache(cfg, 3, S, kv) for _ in range(3)]
-    caches[0].k.normal_()
-    caches[0].v.normal_()
-    for c in caches[1:]:
-        c.k.copy_(caches[0].k)
-        c.v.copy_(caches[0].v)
-    caches[2].v[:, :, :, : cached // 2].mul_(-1)  # the first half of the cached values flipped
+    cached, n = 45, 37
+    model, caches = _random_attention_model(heads, kv_heads, head_dim, window, 3, 96, cached, kv)
+    cfg = model.config
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(2, 64, (n,), generator=g)
     short = torch.randint(2, 64, (5,), generator=g)
@@ -254,6 +249,8 @@ def test_native_attention_takes_a_prompts_rows_together(heads, kv_heads, head_di
     with torch.inference_mode():
         step = CPUDecodeStep(model, native=True)
         assert step.takes_prefill_rows(caches[0])
+        if cap is not None:  # 96 keys x 64 x 4 bytes a head: 24.6 kB
+            step.native.set_max_transposed_bytes(cap)
         got = step(ids, pos, slots, caches[0]).float()
         outs = {}
         for i in (1, 2):

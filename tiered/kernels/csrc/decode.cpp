@@ -944,6 +944,10 @@ class DecodeStep {
   // of them (0), or as the step's window says (-1); and with `sinks` [H] (gpt-oss's attention sinks,
   // models/gpt_oss.attend_with_sinks; empty: none) each query head's softmax has one more logit, its
   // sink, which takes weight and is dropped: o = sum_t e^(s_t) v_t / (sum_t e^(s_t) + e^(sink)).
+  // The most bytes a prompt's attention holds as transposed keys (attention_runs; 32 MiB by default): past
+  // it the KV heads go in batches, one head at least.
+  void set_max_transposed_bytes(int64_t bytes) { max_transposed_ = bytes; }
+
   void set_attention(int64_t l, int64_t window, const at::Tensor& sinks) {
     TIERED_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty(), "decode step: set_attention needs a ",
                 "q/k/v layer, got ", l);
@@ -1592,63 +1596,72 @@ class DecodeStep {
         const double waste = double((r * group + jq - 1) / jq * jq - r * group) / double(r * group);
         if (waste < best - 1e-9) best = waste, R = r;
       }
-      // each run's keys transposed, a (run, KV head) item a task
-      std::vector<int64_t> kt_at(runs.size() * Hkv + 1, 0);
-      for (size_t i = 0; i < runs.size(); ++i)
-        for (int64_t g = 0; g < Hkv; ++g) {
-          const int64_t nb = (runs[i].kt_hi - runs[i].kt_lo + lanes - 1) / lanes;
-          kt_at[i * Hkv + g + 1] = kt_at[i * Hkv + g] + nb * lanes * hd;
-        }
-      kt_buf_.resize(kt_at.back());
       auto head_cache = [&](const C* cache, const Run& r, int64_t g) {
         return reinterpret_cast<const E*>(cache + ((l * n_slots + slots[r.b0]) * Hkv + g) * max_len * hd);
       };
-      at::parallel_for(0, int64_t(runs.size()) * Hkv, 1, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) {
-          const Run& r = runs[i / Hkv];
-          transpose_keys(head_cache(kc, r, i % Hkv) + r.kt_lo * hd, r.kt_hi - r.kt_lo, hd, lanes,
-                         kt_buf_.data() + kt_at[i]);
-        }
-      });
-      struct Task { int64_t run, b0, b1, g; };
-      std::vector<Task> tasks;
-      std::vector<double> cost{0.0};  // prefix sums of keys x queries
-      for (size_t i = 0; i < runs.size(); ++i)
-        for (int64_t b = runs[i].b0; b < runs[i].b1; b += R) {
-          const int64_t e = std::min(b + R, runs[i].b1);
-          for (int64_t g = 0; g < Hkv; ++g) {
-            tasks.push_back({int64_t(i), b, e, g});
-            cost.push_back(cost.back() + double(hi[e - 1] - lo[b]) * double((e - b) * group));
+      // KV heads in batches whose transposed keys fit max_transposed_ (one head at least): a 1024-token chunk
+      // of a Llama-3-8B-width model at position 31k would hold 128 MB for all 8 heads at once
+      int64_t run_keys = 0;  // transposed key rows a head, over the runs
+      for (auto& r : runs) run_keys += (r.kt_hi - r.kt_lo + lanes - 1) / lanes * lanes;
+      const int64_t per_head = run_keys * hd * int64_t(sizeof(float));
+      const int64_t batch = std::clamp<int64_t>(max_transposed_ / std::max<int64_t>(per_head, 1), 1, Hkv);
+      for (int64_t g0 = 0; g0 < Hkv; g0 += batch) {
+        const int64_t g1 = std::min(Hkv, g0 + batch), nh = g1 - g0;
+        // each run's keys of heads [g0, g1) transposed, a (run, KV head) item a task
+        std::vector<int64_t> kt_at(runs.size() * nh + 1, 0);
+        for (size_t i = 0; i < runs.size(); ++i)
+          for (int64_t h = 0; h < nh; ++h) {
+            const int64_t nb = (runs[i].kt_hi - runs[i].kt_lo + lanes - 1) / lanes;
+            kt_at[i * nh + h + 1] = kt_at[i * nh + h] + nb * lanes * hd;
           }
-        }
-      const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), int64_t(tasks.size())));
-      auto run_tasks = [&](int64_t k0, int64_t k1) {
-        thread_local std::vector<float> scratch, o;
-        for (int64_t k = k0; k < k1; ++k) {
-          // thread k: the tasks whose cost starts in [k, k + 1) / nt of the total
-          const double total = cost.back();
-          const int64_t t0 = std::lower_bound(cost.begin(), cost.end() - 1, total * k / nt) - cost.begin();
-          const int64_t t1 = std::lower_bound(cost.begin(), cost.end() - 1, total * (k + 1) / nt) - cost.begin();
-          for (int64_t t = t0; t < t1 && t < int64_t(tasks.size()); ++t) {
-            const Task& tk = tasks[t];
-            const Run& r = runs[tk.run];
-            const int64_t rows = tk.b1 - tk.b0;
-            scratch.resize(rows_scratch(rows, group, hd, hi[tk.b1 - 1] - lo[tk.b0], lanes));
-            o.resize(rows * group * hd);
-            RowsTask a{qkv + tk.b0 * QKV + tk.g * group * hd, QKV, rows, group, hd, scale_,
-                       kt_buf_.data() + kt_at[tk.run * Hkv + tk.g], r.kt_lo, lo.data() + tk.b0, hi.data() + tk.b0,
-                       o.data(), scratch.data()};
-            attend_rows(a, head_cache(vc, r, tk.g), lanes);
-            for (int64_t b = tk.b0; b < tk.b1; ++b) {
-              float* out = att + b * H * hd + tk.g * group * hd;
-              const float* src = o.data() + (b - tk.b0) * group * hd;
-              for (int64_t i = 0; i < group * hd; ++i) out[i] = rnd<T>(src[i]);
+        kt_buf_.resize(kt_at.back());
+        at::parallel_for(0, int64_t(runs.size()) * nh, 1, [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i) {
+            const Run& r = runs[i / nh];
+            transpose_keys(head_cache(kc, r, g0 + i % nh) + r.kt_lo * hd, r.kt_hi - r.kt_lo, hd, lanes,
+                           kt_buf_.data() + kt_at[i]);
+          }
+        });
+        struct Task { int64_t run, b0, b1, g; };
+        std::vector<Task> tasks;
+        std::vector<double> cost{0.0};  // prefix sums of keys x queries
+        for (size_t i = 0; i < runs.size(); ++i)
+          for (int64_t b = runs[i].b0; b < runs[i].b1; b += R) {
+            const int64_t e = std::min(b + R, runs[i].b1);
+            for (int64_t g = g0; g < g1; ++g) {
+              tasks.push_back({int64_t(i), b, e, g});
+              cost.push_back(cost.back() + double(hi[e - 1] - lo[b]) * double((e - b) * group));
             }
           }
-        }
-      };
-      if (nt == 1) run_tasks(0, 1);
-      else at::parallel_for(0, nt, 1, run_tasks);
+        const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), int64_t(tasks.size())));
+        auto run_tasks = [&](int64_t k0, int64_t k1) {
+          thread_local std::vector<float> scratch, o;
+          for (int64_t k = k0; k < k1; ++k) {
+            // thread k: the tasks whose cost starts in [k, k + 1) / nt of the total
+            const double total = cost.back();
+            const int64_t t0 = std::lower_bound(cost.begin(), cost.end() - 1, total * k / nt) - cost.begin();
+            const int64_t t1 = std::lower_bound(cost.begin(), cost.end() - 1, total * (k + 1) / nt) - cost.begin();
+            for (int64_t t = t0; t < t1 && t < int64_t(tasks.size()); ++t) {
+              const Task& tk = tasks[t];
+              const Run& r = runs[tk.run];
+              const int64_t rows = tk.b1 - tk.b0;
+              scratch.resize(rows_scratch(rows, group, hd, hi[tk.b1 - 1] - lo[tk.b0], lanes));
+              o.resize(rows * group * hd);
+              RowsTask a{qkv + tk.b0 * QKV + tk.g * group * hd, QKV, rows, group, hd, scale_,
+                         kt_buf_.data() + kt_at[tk.run * nh + tk.g - g0], r.kt_lo, lo.data() + tk.b0,
+                         hi.data() + tk.b0, o.data(), scratch.data()};
+              attend_rows(a, head_cache(vc, r, tk.g), lanes);
+              for (int64_t b = tk.b0; b < tk.b1; ++b) {
+                float* out = att + b * H * hd + tk.g * group * hd;
+                const float* src = o.data() + (b - tk.b0) * group * hd;
+                for (int64_t i = 0; i < group * hd; ++i) out[i] = rnd<T>(src[i]);
+              }
+            }
+          }
+        };
+        if (nt == 1) run_tasks(0, 1);
+        else at::parallel_for(0, nt, 1, run_tasks);
+      }
       return in_run;
     }
   }
@@ -1772,6 +1785,8 @@ class DecodeStep {
   static constexpr int64_t kSplitKeys = 256;
   // rows of one sequence at consecutive positions that attention_runs takes together (a prompt's)
   static constexpr int64_t kRunRows = 8;
+  // attention_runs' transposed keys at most (KV heads in batches past it; set_max_transposed_bytes)
+  int64_t max_transposed_ = int64_t(32) << 20;
   mutable std::vector<float> kt_buf_;  // attention_runs' transposed keys
 
   int64_t D, H, Hkv, hd;
@@ -2091,6 +2106,7 @@ void register_decode(pybind11::module& m) {
            py::arg("bias") = py::none(), py::arg("router_bias") = py::none(), py::arg("swiglu_limit") = 0.0,
            py::arg("swiglu_alpha") = 1.702)
       .def("set_attention", &DecodeStep::set_attention, py::arg("layer"), py::arg("window"), py::arg("sinks"))
+      .def("set_max_transposed_bytes", &DecodeStep::set_max_transposed_bytes, py::arg("bytes"))
       .def("route", &DecodeStep::route, py::arg("layer"), py::arg("logits"))
       .def("set_qk", &DecodeStep::set_qk, py::arg("layer"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
            py::arg("per_head"), py::arg("clip") = 0.0)
