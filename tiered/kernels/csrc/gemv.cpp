@@ -2322,10 +2322,17 @@ void run_parts(const Part* parts, int n_parts, const Act& a) {
 // output, the same values as swiglu on that expert's rows. With `glu` (gpt-oss's biased experts,
 // gemv.h): xs [M, Db] each row with its 1 and zeros appended, gate / up F wide, down's input [F | 1 |
 // zeros] Fb wide, the clamped GLU between them; ys [M, D] with D down's out-features.
+// swiglu_group's rows (over all its experts) from which the activations' preparation and the GLU between the
+// projections run across the threads
+constexpr int64_t kParallelPrepareRows = 16;
+
 void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_t* r, float* ys,
                   const Glu* glu = nullptr) {
-  thread_local std::vector<ActBuffers> bufs;
-  thread_local std::vector<float> gu, h;
+  thread_local std::vector<ActBuffers> bufs_;
+  thread_local std::vector<float> gu_, h_;
+  // this thread's buffers by reference: the worker threads below must see these, not their own thread_locals
+  std::vector<ActBuffers>& bufs = bufs_;
+  std::vector<float>&gu = gu_, &h = h_;
   const int64_t D = k[0]->in_features, F = k[0]->out_features, M = r[E];
   const int64_t Fin = k[2]->in_features, Dout = k[2]->out_features;  // Fb and D with glu, else F and D
   if (int64_t(bufs.size()) < E) bufs.resize(E);
@@ -2335,33 +2342,55 @@ void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_
   std::vector<Act> acts(E);
   std::vector<Part> parts;
   parts.reserve(2 * E);
+  // each expert's activations (a prompt's: M rows over up to E experts) prepared in one parallel region, whole
+  // experts a thread, where one fork / join an expert (and the GLU between the projections on this thread alone)
+  // had left the other threads waiting: a Qwen3-30B-A3B-width Q4_0 prompt of 128 / 512 tokens 0.97x / 0.96x the
+  // time on 2 Zen 4 cores (2026-12-02, 7 alternated rounds in one process, the same tokens)
+  auto prepare_all = [&](const float* x, int64_t width, int proj) {
+    auto one = [&](int64_t e) {
+      const int64_t n = r[e + 1] - r[e];
+      if (n == 0) return;
+      ActNeeds needs = k[3 * e + proj]->needs(n);
+      if (proj == 0) needs = needs | k[3 * e + 1]->needs(n);
+      acts[e] = bufs[e].prepare(x + r[e] * width, n, width, needs);
+    };
+    if (M < kParallelPrepareRows) {
+      for (int64_t e = 0; e < E; ++e) one(e);
+      return;
+    }
+    at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
+      for (int64_t e = e0; e < e1; ++e) one(e);
+    });
+  };
+  prepare_all(xs, D, 0);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = r[e + 1] - r[e];
     if (n == 0) continue;
-    const Gemv *g = k[3 * e], *u = k[3 * e + 1];
-    acts[e] = bufs[e].prepare(xs + r[e] * D, n, D, g->needs(n) | u->needs(n));
     float* o = gu.data() + r[e] * 2 * F;
-    parts.push_back({g, o, 2 * F, &acts[e], 0, n});
-    parts.push_back({u, o + F, 2 * F, &acts[e], 0, n});
+    parts.push_back({k[3 * e], o, 2 * F, &acts[e], 0, n});
+    parts.push_back({k[3 * e + 1], o + F, 2 * F, &acts[e], 0, n});
   }
   run_region(parts.data(), int64_t(parts.size()));
-  for (int64_t m = 0; m < M; ++m) {
-    const float* g = gu.data() + m * 2 * F;
-    float* a = h.data() + m * Fin;
-    if (!glu) {
-      silu_mul(g, g + F, a, F);
-      continue;
+  auto glu_rows = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* g = gu.data() + m * 2 * F;
+      float* a = h.data() + m * Fin;
+      if (!glu) {
+        silu_mul(g, g + F, a, F);
+        continue;
+      }
+      clamped_glu(g, g + F, a, F, glu->alpha, glu->limit);
+      a[F] = 1.f;  // down's bias column
     }
-    clamped_glu(g, g + F, a, F, glu->alpha, glu->limit);
-    a[F] = 1.f;  // down's bias column
-  }
+  };
+  if (M < kParallelPrepareRows) glu_rows(0, M);
+  else at::parallel_for(0, M, 16, glu_rows);
+  prepare_all(h.data(), Fin, 2);
   parts.clear();
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = r[e + 1] - r[e];
     if (n == 0) continue;
-    const Gemv* d = k[3 * e + 2];
-    acts[e] = bufs[e].prepare(h.data() + r[e] * Fin, n, Fin, d->needs(n));
-    parts.push_back({d, ys + r[e] * Dout, Dout, &acts[e], 0, n});
+    parts.push_back({k[3 * e + 2], ys + r[e] * Dout, Dout, &acts[e], 0, n});
   }
   run_region(parts.data(), int64_t(parts.size()));
 }
