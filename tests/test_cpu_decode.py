@@ -232,30 +232,31 @@ def test_lean_step_with_int4_copies_matches_the_modules(zoo, native):
 def test_native_attention_takes_a_prompts_rows_together(heads, kv_heads, head_dim, window, kv, cap):
     """A prompt's rows in the native step (runs of 8+ consecutive positions of one sequence: the
     attention's row tasks, each KV head's keys transposed once) for query-head groups of 3 (4 rows a task:
-    12 queries), 1, 5, 4 of 128 with a 20-key sliding window, 8 of 32 (fp32 cache) and 7 (also with the transposed
-    keys capped at 40 kB: the 4 KV heads in batches of 1): 37 rows after 45
-    cached positions (tasks past the last row, key blocks past the last key), beside a 5-row run and a
-    decoding row of two other sequences (the per-row path): the modules' logits and cache to fp32
-    rounding, on a random 2-layer model over a random cache whose values move the logits well beyond it."""
+    12 queries), 1, 5, 4 of 128 with a 20-key sliding window, 8 of 32 (fp32 cache) and 7 (also with the
+    transposed keys capped at 40 kB: the 4 KV heads in batches of 1, and the second sequence's 11 rows a second
+    run): 37 rows after 45 cached positions (tasks past the last row, key blocks past the last key), beside a
+    5-row run and a decoding row of two other sequences (the per-row path): the modules' logits and cache to
+    fp32 rounding, on a random 2-layer model over a random cache whose values move the logits well beyond it."""
     cached, n = 45, 37
     model, caches = _random_attention_model(heads, kv_heads, head_dim, window, 3, 96, cached, kv)
     cfg = model.config
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(2, 64, (n,), generator=g)
-    short = torch.randint(2, 64, (5,), generator=g)
+    m = 5 if cap is None else 11  # the second sequence's rows: a short run, or a second run of its own
+    short = torch.randint(2, 64, (m,), generator=g)
     ids = torch.cat([prompt, short, torch.tensor([7])]).unsqueeze(1)
-    pos = torch.cat([torch.arange(cached, cached + n), torch.arange(10, 15), torch.tensor([30])]).unsqueeze(1)
-    slots = torch.tensor([0] * n + [1] * 5 + [2])
+    pos = torch.cat([torch.arange(cached, cached + n), torch.arange(10, 10 + m), torch.tensor([30])]).unsqueeze(1)
+    slots = torch.tensor([0] * n + [1] * m + [2])
     with torch.inference_mode():
         step = CPUDecodeStep(model, native=True)
         assert step.takes_prefill_rows(caches[0])
-        if cap is not None:  # 96 keys x 64 x 4 bytes a head: 24.6 kB
+        if cap is not None:  # (96 + 32) keys x 64 x 4 bytes a head: 32.8 kB
             step.native.set_max_transposed_bytes(cap)
         got = step(ids, pos, slots, caches[0]).float()
         outs = {}
         for i in (1, 2):
             outs[i] = torch.cat([model(prompt.unsqueeze(0), pos[:n].T, torch.tensor([0]), caches[i], False)[0],
-                                 model(short.unsqueeze(0), pos[n:n + 5].T, torch.tensor([1]), caches[i], False)[0],
+                                 model(short.unsqueeze(0), pos[n:n + m].T, torch.tensor([1]), caches[i], False)[0],
                                  model(torch.tensor([[7]]), torch.tensor([[30]]), torch.tensor([2]), caches[i],
                                        False)[0]]).float()
     got = got.reshape(-1, cfg.vocab_size)
