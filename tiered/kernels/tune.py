@@ -355,8 +355,7 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
             previous: dict | None = None) -> dict:
     """This machine's tuning, measured (see the module docstring): {"stream_prefetch": bool,
     "stream_prefetch_rows": bool, "int4_int16_act": bool, "bf16_native_rows": int, "q8_dequantize_rows",
-    "q8_expert_grouped_rows" and
-    "mxfp4_kernel_rows": int (0: never dequantized), "ratios": {option: per-round time ratios}, "others_share", "contended",
+    "q8_expert_grouped_rows" and "mxfp4_kernel_rows": int (0: never dequantized), "ratios": {option: per-round time ratios}, "others_share", "contended",
     "attempts" (hardware/contention.record; `previous`: the tuning it replaces), ...}. Leaves `ext` set to it.
 
     total_bytes: weight bytes per format cycled through (default: 4x the last-level cache, at least

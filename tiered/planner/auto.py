@@ -109,8 +109,8 @@ COMPUTE_SWING = 0.06
 # session's other runs measured 13.4-13.5 (priced 42% off). Its profiles' memory swing: quick 0.072, 0.087 and 0.10,
 # full 0.094-0.315 in five (one full profile's probe medians across its keys 0.75-1.39 ms). Halves of a steady
 # memory's ~10-ms samples should differ by a few % (not measured on a steady machine yet: profiles before profiler
-# 43 keep no samples); the check acts on readings 15% (BANDWIDTH_TOLERANCE) off, which a swing of half that makes
-# chance
+# 43 keep no samples); the check acts on readings 15% (BANDWIDTH_TOLERANCE) off, which a swing of half that
+# makes chance
 MEMORY_SWING = 0.06
 
 

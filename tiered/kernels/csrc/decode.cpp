@@ -1569,12 +1569,12 @@ class DecodeStep {
       if (hd % 32 != 0 || B < kRunRows) return in_run;
       const int64_t QKV = (H + 2 * Hkv) * hd, group = H / Hkv;
       const int64_t lanes = g_attend_wide && hd % 64 == 0 ? 16 : 8;
-      struct Run { int64_t b0, b1, kt_lo, kt_hi; };
+      struct Run { int64_t b0, b1, kt_lo, kt_hi, kt_rows; };  // kt_rows: its keys padded to whole blocks
       std::vector<Run> runs;
       for (int64_t b = 0; b < B;) {
         int64_t e = b + 1;
         while (e < B && slots[e] == slots[b] && pos[e] == pos[e - 1] + 1) ++e;
-        if (e - b >= kRunRows) runs.push_back({b, e, 0, pos[e - 1] + 1});
+        if (e - b >= kRunRows) runs.push_back({b, e, 0, pos[e - 1] + 1, 0});
         b = e;
       }
       if (runs.empty()) return in_run;
@@ -1584,9 +1584,9 @@ class DecodeStep {
         for (int64_t b = r.b0; b < r.b1; ++b) {
           in_run[b] = 1;
           hi[b] = pos[b] + 1;
-          lo[b] = window > 0 ? std::max<int64_t>(0, hi[b] - window) : 0;
+          lo[b] = hi[b] - keys_span(pos[b], window);
         }
-      for (auto& r : runs) r.kt_lo = lo[r.b0];
+      for (auto& r : runs) r.kt_lo = lo[r.b0], r.kt_rows = (r.kt_hi - r.kt_lo + lanes - 1) / lanes * lanes;
       // rows per task: R x group queries, padded to the score kernel's JQ (12 or 6) with the least padding a
       // query (up to 12 rows or 48 queries; the fewer rows among equals): group 3 takes 4 rows, 7 five (35 of 36)
       const int64_t jq = lanes == 16 ? 12 : 6;
@@ -1602,7 +1602,7 @@ class DecodeStep {
       // KV heads in batches whose transposed keys fit max_transposed_ (one head at least): a 1024-token chunk
       // of a Llama-3-8B-width model at position 31k would hold 128 MB for all 8 heads at once
       int64_t run_keys = 0;  // transposed key rows a head, over the runs
-      for (auto& r : runs) run_keys += (r.kt_hi - r.kt_lo + lanes - 1) / lanes * lanes;
+      for (auto& r : runs) run_keys += r.kt_rows;
       const int64_t per_head = run_keys * hd * int64_t(sizeof(float));
       const int64_t batch = std::clamp<int64_t>(max_transposed_ / std::max<int64_t>(per_head, 1), 1, Hkv);
       for (int64_t g0 = 0; g0 < Hkv; g0 += batch) {
@@ -1610,10 +1610,7 @@ class DecodeStep {
         // each run's keys of heads [g0, g1) transposed, a (run, KV head) item a task
         std::vector<int64_t> kt_at(runs.size() * nh + 1, 0);
         for (size_t i = 0; i < runs.size(); ++i)
-          for (int64_t h = 0; h < nh; ++h) {
-            const int64_t nb = (runs[i].kt_hi - runs[i].kt_lo + lanes - 1) / lanes;
-            kt_at[i * nh + h + 1] = kt_at[i * nh + h] + nb * lanes * hd;
-          }
+          for (int64_t h = 0; h < nh; ++h) kt_at[i * nh + h + 1] = kt_at[i * nh + h] + runs[i].kt_rows * hd;
         kt_buf_.resize(kt_at.back());
         at::parallel_for(0, int64_t(runs.size()) * nh, 1, [&](int64_t i0, int64_t i1) {
           for (int64_t i = i0; i < i1; ++i) {
@@ -1666,6 +1663,9 @@ class DecodeStep {
     }
   }
 
+  // The cached rows a row at position `pos` attends to: the last `window` of its pos + 1 (all without a window).
+  static int64_t keys_span(int64_t pos, int64_t window) { return window > 0 ? std::min(pos + 1, window) : pos + 1; }
+
   // att [B, H*hd] = softmax(q k^T * scale) v over each row's cached positions, rounded to T. The
   // H / Hkv query heads of one KV head share each key and value row as it is read. A prompt's rows
   // (runs of consecutive positions) go to attention_runs unless the layer has sinks; the rest below.
@@ -1684,8 +1684,7 @@ class DecodeStep {
     const Layer& L = layers_[l];
     const int64_t window = L.window < 0 ? window_ : L.window;
     const float* sinks = L.sinks.empty() ? nullptr : L.sinks.data();  // [H]: KV head g's at g * group
-    // the cached rows row b attends to: the last `window` of its pos[b] + 1 (all without a window)
-    auto span = [&](int64_t b) { return window > 0 ? std::min(pos[b] + 1, window) : pos[b] + 1; };
+    auto span = [&](int64_t b) { return keys_span(pos[b], window); };
     // a prompt's rows (runs of kRunRows+ consecutive positions of one sequence) go to attention_runs;
     // keys_of is 0 for them here
     std::vector<char> in_run;

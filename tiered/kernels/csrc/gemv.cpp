@@ -2346,6 +2346,7 @@ void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_
   // experts a thread, where one fork / join an expert (and the GLU between the projections on this thread alone)
   // had left the other threads waiting: a Qwen3-30B-A3B-width Q4_0 prompt of 128 / 512 tokens 0.97x / 0.96x the
   // time on 2 Zen 4 cores (2026-12-02, 7 alternated rounds in one process, the same tokens)
+  const bool parallel = M >= kParallelPrepareRows;
   auto prepare_all = [&](const float* x, int64_t width, int proj) {
     auto one = [&](int64_t e) {
       const int64_t n = r[e + 1] - r[e];
@@ -2354,7 +2355,7 @@ void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_
       if (proj == 0) needs = needs | k[3 * e + 1]->needs(n);
       acts[e] = bufs[e].prepare(x + r[e] * width, n, width, needs);
     };
-    if (M < kParallelPrepareRows) {
+    if (!parallel) {
       for (int64_t e = 0; e < E; ++e) one(e);
       return;
     }
@@ -2383,8 +2384,8 @@ void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_
       a[F] = 1.f;  // down's bias column
     }
   };
-  if (M < kParallelPrepareRows) glu_rows(0, M);
-  else at::parallel_for(0, M, 16, glu_rows);
+  if (parallel) at::parallel_for(0, M, 16, glu_rows);
+  else glu_rows(0, M);
   prepare_all(h.data(), Fin, 2);
   parts.clear();
   for (int64_t e = 0; e < E; ++e) {
