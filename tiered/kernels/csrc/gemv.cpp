@@ -1481,6 +1481,13 @@ TIERED_AVX512_VBMI void int4t_avx512(const Int4W& w, const Act& a, int64_t b0, i
 // exactly), the dot centred on 12 instead of 8. Until 2026-11-30 MXFP4 ran int4tq8s_avx2 here: on 2 Sapphire
 // Rapids cores a gpt-oss-20b expert projection (2880 x 2880) at 16 rows took ~1.6 ms, ~12 ps a
 // multiply-add where int4 codes on this kernel took 3.4.
+// AMX (TDPBSSD) was tried for calls of 16+ rows (2026-12-02): A = 16 rows' 32 bytes of xqt, B = a group's four
+// chunks unpacked and centred (each is one B row as laid out, no transposition), the 16 x 16 int32 product stored
+// and scaled per group in this kernel's order (the same bits). On 2 Sapphire Rapids cores it took 0.87-1.14x this
+// kernel's time at 32-512 rows (6-13x at 1-5): the per-32 scales of both operands need a tile store and a 16-row
+// epilogue every 8192 multiply-adds, and tileloadd / tdpbssd / tilestored (~5 / 8 / 10 ns) ran one after another
+// there, not overlapping that epilogue (~16 ns). AMX pays on long accumulations: the dequantized bf16 GEMM to
+// which q8_dequantize_rows / q8_expert_grouped_rows hand the largest calls.
 template <int NB, bool E2M1 = false>
 TIERED_AVX512 void int4tq8s_avx512(const Int4W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
                                    int64_t ldy) {
