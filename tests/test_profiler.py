@@ -1396,7 +1396,10 @@ def test_the_batched_steps_rows_are_timed_in_the_step_at_each_width(monkeypatch)
     for i, (D, F_, H, Hkv) in enumerate(shapes):
         n = D * (H + 2 * Hkv + H) * 64 + 3 * D * F_
         assert [p[0] for p in points[i * 3:(i + 1) * 3]] == [float(n)] * 3
-    assert all(t > 0 for _, t in points)
+    # each point a finite time, never negative (_batch_rows_points floors a median difference lost in a noisy
+    # VM's swings at 0: 4 rows against 1 came out <= 0 once in CI); 16 rows cost more than one
+    assert all(math.isfinite(t) and t >= 0 for _, t in points)
+    assert all(t > 0 for _, t in points[len(profiler.BATCH_ROWS) - 1::len(profiler.BATCH_ROWS)])
     assert "runtime/batch_rows/".startswith(profiler.COMPUTE_KEYS)  # read with the compute probe
 
 
