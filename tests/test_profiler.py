@@ -455,10 +455,11 @@ def test_quick_profile_structure(measured):
         elif key.startswith("gemm_pack/"):  # a GEMM call's weight bytes, fitted with its key's points (profiler 41)
             line = p.models["gemm/" + key[len("gemm_pack/"):]]
             assert m.alpha == 0.0 and m.r2 == line.r2 and len(p.meta["points"]["gemm/" + key[len("gemm_pack/"):]]) >= 4
-        elif key == "runtime/step_rows/int4":  # a difference of two timings, 0 where it is within their noise
-            # (2 Zen 3 cores, 2026-12-01: 0, 0.40 ms and 0 a layer at 64 / 128 / 256 rows)
+        elif key == "runtime/step_rows/int4" or key.startswith(("attn_rows/", "runtime/batch_rows/")):
+            # a difference of two timings, 0 where it is within their noise (2 Zen 3 cores, 2026-12-01: step_rows 0,
+            # 0.40 ms and 0 a layer at 64 / 128 / 256 rows; batch_rows 0 at 4 rows against 1 in CI, 2026-12-03)
             points = p.meta["points"][key]
-            assert len(points) == len(STEP_ROWS_TOKENS) and all(t >= 0 for _, t in points), key
+            assert len(points) >= len(STEP_ROWS_TOKENS) and all(t >= 0 for _, t in points), key
         else:  # noisy machines may flatten a slope to 0, but every predicted time is positive
             assert isinstance(m.r2, float) and m.r2 <= 1.0, key
             points = p.meta["points"][key]
