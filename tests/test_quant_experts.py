@@ -178,10 +178,10 @@ def test_biased_experts_run_their_clamped_glu_inside_the_native_calls(name):
 @pytest.mark.parametrize("experts", ["int4", "bf16"])
 def test_cpu_moe_layer_runs_its_experts_in_one_call(tmp_path, monkeypatch, dtype, experts):
     """Without an accelerator, a layer whose experts are all in RAM computes them and their weighted
-    sum in one native call (runtime/moe_runner._resident_layer, ExpertFormat.layer_call), or with
-    more rows than that call takes, its experts in one call and the sum in torch (_all_on_fast),
-    with the same logits, bit for bit, and the same tokens as one task per expert. In bfloat16 the
-    native sum rounds as torch's ops do: each product, then each add in expert order."""
+    sum in one native call (ExpertFormat.layer_call): a decode step's (runtime/moe_runner._resident_layer)
+    and a prompt's, more rows than a decode step (_all_on_fast), with the same logits, bit for bit, and
+    the same tokens as one task per expert. In bfloat16 the native sum rounds as torch's ops do: each
+    product, then each add in expert order."""
     from moe_fixtures import make_moe_checkpoint
 
     from tiered.kernels import load
@@ -196,16 +196,20 @@ def test_cpu_moe_layer_runs_its_experts_in_one_call(tmp_path, monkeypatch, dtype
     from tiered.models.moe import MoEBlock
     for block in (m for m in llm.model.modules() if isinstance(m, MoEBlock)):
         block.on_route = lambda *a: None  # the native decode step then runs the blocks as modules: their runner is tested
-    layer_calls, groups = [], []
-    real_call, real_group = ExpertFormat.layer_call, ExpertFormat.forward_group
-    monkeypatch.setattr(ExpertFormat, "layer_call", lambda self, x, slots: layer_calls.append(len(slots))
-                        or real_call(self, x, slots))
-    monkeypatch.setattr(ExpertFormat, "forward_group", lambda self, *a: groups.append(len(a[1])) or real_group(self, *a))
-    logits = llm.logits(PROMPT[:4])  # 4 tokens x top-k: more entries than a decode step, the group call
+    layer_calls, tokens = [], []  # experts and tokens of each layer call
+    real_call = ExpertFormat.layer_call
+
+    def counted(self, x, slots):
+        call = real_call(self, x, slots)
+        layer_calls.append(len(slots))
+        return call and (lambda idx, *a: tokens.append(idx.shape[0]) or call(idx, *a))
+
+    monkeypatch.setattr(ExpertFormat, "layer_call", counted)
+    logits = llm.logits(PROMPT[:4])  # 4 tokens x top-k: more entries than a decode step's call (_all_on_fast's)
+    assert max(tokens) == 4
     out = llm.generate(PROMPT, GREEDY)[0].token_ids
     moe_layers = len({layer for layer, _ in llm.experts.placement.tiers})
     assert len(layer_calls) >= moe_layers * (len(out) - 1) and max(layer_calls) > 1  # every decode step
-    assert groups and max(groups) > 1  # the prompt's layers
     monkeypatch.setattr(moe_runner.TieredExperts, "_resident_layer", lambda *a, **k: None)
     assert torch.equal(llm.logits(PROMPT[:4]), logits)
     assert llm.generate(PROMPT, GREEDY)[0].token_ids == out
@@ -222,11 +226,60 @@ def test_cpu_moe_layer_runs_its_experts_in_one_call(tmp_path, monkeypatch, dtype
     llm.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["int4", "bf16"])
+def test_a_prompts_layer_call_equals_the_group_call_and_index_add(name, dtype):
+    """A prompt's layer call (ExpertFormat.layer_call: experts of more than NATIVE_ROWS rows, in groups of 8)
+    equals the grouped native call (forward_group's) on the rows gathered by expert, then index_add_ of
+    ys * weight in expert order, bit for bit; an expert's outputs `given` by the caller (here `forward`'s,
+    as _all_on_fast gives an expert past group_rows) join the sum in its place; a given output of the wrong
+    rows is refused."""
+    from tiered.kernels import load
+
+    if load() is None:
+        pytest.skip("the native kernels are not built")
+    ws = _weights(F=64)
+    fmt = ExpertFormat(name, [w.shape for w in ws], "tiled")
+    g = torch.Generator().manual_seed(3)
+    slots = []
+    for e in range(4):
+        w = [t + 0.01 * e for t in ws]
+        if fmt.is_dense:
+            slots.append(tuple(t.bfloat16().contiguous() for t in w))
+        else:
+            slots.append(fmt.empty())
+            fmt.quantize(w, slots[-1])
+    N, k = 24, 2
+    idx = torch.stack([torch.randperm(3, generator=g)[:k] for _ in range(N)])  # experts 0-2 of 4: ~16 rows each
+    idx[0, 1] = 3 if idx[0, 0] != 3 else 2  # expert 3 on one row
+    x = torch.randn(N, ws[0].shape[1], generator=g).to(dtype)
+    wt = torch.rand(N, k, generator=g).to(dtype)
+    experts = sorted(set(idx.flatten().tolist()))
+    order = torch.argsort(idx.flatten(), stable=True)
+    tok, slot = order // k, order % k
+    counts = [int((idx == e).sum()) for e in experts]
+    assert max(counts) > 8
+    bounds = [0, *np.cumsum(counts).tolist()]
+    ys = fmt.grouped(x[tok], [slots[e] for e in experts], bounds)
+    call = fmt.layer_call(x, [slots[e] for e in experts])
+    assert torch.equal(call(idx, wt, experts), torch.zeros_like(x).index_add_(0, tok, ys * wt[tok, slot, None]))
+    given = [None] * len(experts)
+    given[0] = fmt.forward(x[tok[:bounds[1]]], slots[experts[0]])
+    ys[:bounds[1]] = given[0]
+    assert torch.equal(call(idx, wt, experts, given), torch.zeros_like(x).index_add_(0, tok, ys * wt[tok, slot, None]))
+    given[0] = 2 * given[0]  # the given rows are what the sum takes, not the expert's own
+    ys[:bounds[1]] = given[0]
+    assert torch.equal(call(idx, wt, experts, given), torch.zeros_like(x).index_add_(0, tok, ys * wt[tok, slot, None]))
+    given[0] = given[0][1:]
+    with pytest.raises(RuntimeError, match="given"):
+        call(idx, wt, experts, given)
+
+
 def test_a_prompts_experts_past_the_group_rows_run_beside_the_group_call(tmp_path, monkeypatch):
     """A CPU-only prompt layer whose experts are all in RAM (_all_on_fast) where some experts have more rows
-    than one native call takes (ExpertFormat.group_rows, made 2 here): the others still run in one call
-    and those each by `forward` on this thread, into the same rows: logits bit for bit those of one task
-    per expert, the group call taking fewer experts than the layer routes to."""
+    than one native call takes (ExpertFormat.group_rows, made 2 here): those each by `forward` on this
+    thread first, then the others and the weighted sum of all in one call (ExpertFormat.layer_call's
+    `given`): logits bit for bit those of one task per expert."""
     from moe_fixtures import make_moe_checkpoint
 
     from tiered.kernels import load
@@ -238,15 +291,23 @@ def test_a_prompts_experts_past_the_group_rows_run_beside_the_group_call(tmp_pat
               EngineConfig(max_context=48, accelerator="none", expert_weights="int4"))
     try:
         monkeypatch.setattr(ExpertFormat, "group_rows", property(lambda self: 2))
-        grouped, alone = [], []
-        real_group, real_forward = ExpertFormat.forward_group, ExpertFormat.forward
-        monkeypatch.setattr(ExpertFormat, "forward_group", lambda self, xs, slots, bounds: grouped.append(
-            (len(slots), max(b - a for a, b in zip(bounds, bounds[1:])))) or real_group(self, xs, slots, bounds))
+        split, alone = [], []  # (experts computed in the call, given) per layer call; rows of each forward
+        real_call, real_forward = ExpertFormat.layer_call, ExpertFormat.forward
+
+        def counted(self, x, slots):
+            call = real_call(self, x, slots)
+
+            def run(idx, wt, experts, given=()):
+                done = sum(g is not None for g in given)
+                split.append((len(experts) - done, done))
+                return call(idx, wt, experts, given)
+            return call and run
+
+        monkeypatch.setattr(ExpertFormat, "layer_call", counted)
         monkeypatch.setattr(ExpertFormat, "forward", lambda self, x, slot: alone.append(x.shape[0])
                             or real_forward(self, x, slot))
         logits = llm.logits(PROMPT)
-        layer = [rows for n, rows in grouped if n > 1]  # (forward's own calls take one slot)
-        assert layer and max(layer) <= 2 and alone and min(alone) > 2  # both sides of the split ran
+        assert any(n and done for n, done in split) and alone and min(alone) > 2  # both sides of the split ran
         monkeypatch.setattr(moe_runner.TieredExperts, "_all_on_fast", lambda *a, **k: None)
         assert torch.equal(llm.logits(PROMPT), logits)
     finally:

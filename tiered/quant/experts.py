@@ -576,11 +576,16 @@ class ExpertFormat:
         """The native call computing a CPU-only MoE layer's routed experts and their weighted sum at
         once, or None when the native kernels cannot (no extension or kernel for this format, x not
         float32 or bfloat16 on the CPU): call(topk_idx int64 [N, k], topk_weight [N, k] in x's dtype,
-        experts) -> out [N, D] in x's dtype, for x [N, D], `experts` the routed ids ascending and
-        `slots` their slots. Bit for bit the per-expert path: `forward` per expert on its rows (at
-        most `native_rows` each: the caller checks; more than NATIVE_ROWS and the call raises), then
+        experts, given=()) -> out [N, D] in x's dtype, for x [N, D], `experts` the routed ids ascending and
+        `slots` their slots. Bit for bit the per-expert path: `forward` per expert on its rows, then
         index_add_ of ys * weight in expert order (gpt-oss's experts: `forward_group`'s native clamped
-        GLU in place of torch's)."""
+        GLU in place of torch's), where each expert's rows are within `native_rows` (a decode step's:
+        the caller checks), or, more of them, the grouped call's (`forward_group`: groups of NATIVE_ROWS,
+        up to `group_rows`). `given` (empty, or one per expert): None, or that expert's outputs [its rows,
+        D] in x's dtype computed by the caller (a prompt's expert past `group_rows`: `forward`), in its
+        rows' flat order; the call then adds them in its place and does not compute it.
+
+        Raises (the call) RuntimeError: `given` of the wrong length, or an output of another shape or dtype."""
         if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
             return None
         ext = self._native_ext(slots)
@@ -589,9 +594,11 @@ class ExpertFormat:
         glu = self.glu_args
         if self.is_dense:
             ws = [w for s in slots for w in s]
-            return lambda idx, wt, experts: ext.bf16_experts_forward_layer(ws, x, idx, wt, experts, **glu)
+            return lambda idx, wt, experts, given=(): ext.bf16_experts_forward_layer(ws, x, idx, wt, experts, **glu,
+                                                                                    given=list(given))
         codes = [s[0] for s in slots]
-        return lambda idx, wt, experts: self.native.forward_layer(codes, x, idx, wt, experts, **glu)
+        return lambda idx, wt, experts, given=(): self.native.forward_layer(codes, x, idx, wt, experts, **glu,
+                                                                            given=list(given))
 
     def dequantize(self, slot: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three weights as fp32 (the reference the kernels are checked against)."""

@@ -2737,40 +2737,54 @@ c10::optional<Glu> glu_of(double limit, double alpha, const char* what) {
 // them; an expert with more than kMaxNB entries runs as several groups of at most kMaxNB (the same
 // rows in the same order: the same sums).
 void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, const int64_t* idx, const float* wt,
-                 int64_t top_k, bool bf16, float* out, const Glu* glu) {
+                 int64_t top_k, bool bf16, float* out, const Glu* glu, const float* const* given) {
   const int64_t M = N * top_k;
   std::vector<int64_t> entry(M), bounds{0};
   std::iota(entry.begin(), entry.end(), int64_t(0));
   std::stable_sort(entry.begin(), entry.end(), [&](int64_t a, int64_t b) { return idx[a] < idx[b]; });
+  // each sorted entry's output: a row of ys (computed here, rows C in order) or of its expert's `given` rows
+  std::vector<const float*> from(M, nullptr);
+  std::vector<int64_t> row(M, -1);
   std::vector<const Gemv*> ks;
-  for (int64_t m = 0; m < M; ++m) {  // a new group at each expert change and every kMaxNB entries
-    const int64_t rows = m - bounds.back();
-    if (m == 0 || idx[entry[m]] != idx[entry[m - 1]] || rows == kMaxNB) {
-      if (m > 0) bounds.push_back(m);
-      ks.insert(ks.end(), k + 3 * idx[entry[m]], k + 3 * idx[entry[m]] + 3);
+  int64_t C = 0, seen = 0;  // computed rows; the current expert's entries so far
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t e = idx[entry[m]];
+    const bool first = m == 0 || e != idx[entry[m - 1]];
+    seen = first ? 0 : seen + 1;
+    if (given && given[e]) {
+      from[m] = given[e] + seen * D;
+      continue;
     }
+    // a new group at each computed expert's first entry and every kMaxNB entries
+    if (first || C - bounds.back() == kMaxNB) {
+      if (C > 0) bounds.push_back(C);
+      ks.insert(ks.end(), k + 3 * e, k + 3 * e + 3);
+    }
+    row[m] = C++;
   }
-  bounds.push_back(M);
+  bounds.push_back(C);
   const int64_t Din = k[0]->in_features;  // D, or gpt-oss's Db: x, its bias column's 1, zeros
   // the gathered rows and their outputs, kept between calls: new ones each layer (a prompt's: 2 x 32 MB for a
   // Qwen3-30B-A3B-width chunk of 512 tokens) were mapped and faulted in every time. A Qwen3-30B-A3B-width Q4_0
   // prompt of 32 / 96 tokens (rows of the native step) took 0.94x / 0.98x the time on 2 Sapphire Rapids cores
   // (2026-12-02, 7 alternated rounds in one process, the same tokens)
   thread_local std::vector<float> xs, ys;
-  xs.resize(M * Din), ys.resize(M * D);
+  xs.resize(C * Din), ys.resize(C * D);
   for (int64_t m = 0; m < M; ++m) {
-    float* row = xs.data() + m * Din;
-    std::memcpy(row, x + (entry[m] / top_k) * D, D * sizeof(float));
-    if (glu) row[D] = 1.f;
-    std::fill(row + D + (glu ? 1 : 0), row + Din, 0.f);
+    if (row[m] < 0) continue;
+    float* r = xs.data() + row[m] * Din;
+    std::memcpy(r, x + (entry[m] / top_k) * D, D * sizeof(float));
+    if (glu) r[D] = 1.f;
+    std::fill(r + D + (glu ? 1 : 0), r + Din, 0.f);
+    from[m] = ys.data() + row[m] * D;
   }
-  swiglu_group(ks.data(), int64_t(bounds.size()) - 1, xs.data(), bounds.data(), ys.data(), glu);
+  if (C > 0) swiglu_group(ks.data(), int64_t(bounds.size()) - 1, xs.data(), bounds.data(), ys.data(), glu);
   std::fill(out, out + N * D, 0.f);
   auto rd = [bf16](float v) { return bf16 ? bf16f(to_bf16(v)) : v; };
   for (int64_t m = 0; m < M; ++m) {
     const float w = wt[entry[m]];
     float* o = out + (entry[m] / top_k) * D;
-    const float* y = ys.data() + m * D;
+    const float* y = from[m];
     for (int64_t d = 0; d < D; ++d) o[d] = rd(o[d] + rd(rd(y[d]) * w));
   }
 }
@@ -2778,7 +2792,8 @@ void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, con
 namespace {
 
 // A CPU-only MoE layer's routed experts and their weighted sum in one call (a decode step's layer:
-// runtime/moe_runner._resident_layer): x [N, D] (float32 or bfloat16), topk_idx int64 [N, k],
+// runtime/moe_runner._resident_layer; a prompt's, _all_on_fast: any rows an expert, moe_experts runs them in
+// groups of kMaxNB, as forward_group's _row_groups do): x [N, D] (float32 or bfloat16), topk_idx int64 [N, k],
 // topk_weight [N, k] in x's dtype, experts: the ids routed to, ascending, k[3 i..3 i + 2] expert
 // experts[i]'s kernels. Returns out [N, D] in x's dtype, bit for bit what the per-expert path
 // computes with torch ops:
@@ -2786,9 +2801,12 @@ namespace {
 //     ys = experts(x[rows]).to(x.dtype);  out = zeros; out.index_add_(0, n, ys * topk_weight[n, j])
 // i.e. each product rounded to x's dtype, then added to its token's row in expert order, rounded
 // after every add (torch's bf16 ops compute in float and round to nearest even; fp32 needs none).
+// `given` (empty, or one per expert): an expert's outputs computed elsewhere, [its rows, D] in x's dtype in its
+// rows' flat order (the `ys` above for that expert: a prompt's expert past the kernels' rows), or None to compute
+// it here.
 at::Tensor run_swiglu_layer(const std::vector<const Gemv*>& k, const at::Tensor& x0, const at::Tensor& topk_idx,
                             const at::Tensor& topk_weight, const std::vector<int64_t>& experts, const char* what,
-                            const Glu* glu = nullptr) {
+                            const Glu* glu = nullptr, const std::vector<c10::optional<at::Tensor>>& given = {}) {
   const int64_t E = int64_t(experts.size());
   TIERED_CHECK(E >= 1 && int64_t(k.size()) == 3 * E, what, ": three kernels per routed expert");
   const int64_t D = expert_width(k[0], k[2], glu, what);
@@ -2814,13 +2832,26 @@ at::Tensor run_swiglu_layer(const std::vector<const Gemv*>& k, const at::Tensor&
     const auto it = std::lower_bound(experts.begin(), experts.end(), ip[f]);
     TIERED_CHECK(it != experts.end() && *it == ip[f], what, ": topk_idx routes to an expert not in `experts`");
     pos[f] = it - experts.begin();
-    TIERED_CHECK(++count[pos[f]] <= kMaxNB, what, ": expert ", ip[f], " has more than ", kMaxNB, " rows");
+    ++count[pos[f]];
+  }
+  TIERED_CHECK(given.empty() || int64_t(given.size()) == E, what, ": given must be empty or one entry per expert");
+  std::vector<at::Tensor> held;  // the given outputs as fp32 (exact), alive through the call
+  std::vector<const float*> from(given.empty() ? 0 : E, nullptr);
+  for (size_t i = 0; i < given.size(); ++i) {
+    if (!given[i].has_value()) continue;
+    const at::Tensor& g = *given[i];
+    TIERED_CHECK(g.device().is_cpu() && g.scalar_type() == x0.scalar_type() && g.dim() == 2 &&
+                    g.size(0) == count[i] && g.size(1) == D,
+                what, ": given[", i, "] must be a CPU ", c10::toString(x0.scalar_type()), " tensor [", count[i], ", ",
+                D, "] (expert ", experts[i], "'s rows), got ", g.scalar_type(), " ", g.sizes());
+    held.push_back(g.to(at::kFloat).contiguous());
+    from[i] = held.back().data_ptr<float>();
   }
   auto out = at::empty({N, D}, at::TensorOptions().dtype(at::kFloat));
   {
     pybind11::gil_scoped_release nogil;
     moe_experts(k.data(), x.data_ptr<float>(), N, D, pos.data(), wt.data_ptr<float>(), K, bf16, out.data_ptr<float>(),
-                glu);
+                glu, from.empty() ? nullptr : from.data());
   }
   return out.to(x0.scalar_type());  // exact: every value is already one of x's dtype
 }
@@ -2976,12 +3007,12 @@ struct ExpertSpec {
   // A layer's routed experts and their weighted sum (run_swiglu_layer): slots [E], one per routed expert.
   at::Tensor forward_layer(const std::vector<at::Tensor>& slots, const at::Tensor& x, const at::Tensor& topk_idx,
                            const at::Tensor& topk_weight, const std::vector<int64_t>& experts, double swiglu_limit,
-                           double swiglu_alpha) const {
+                           double swiglu_alpha, const std::vector<c10::optional<at::Tensor>>& given) const {
     TIERED_CHECK(slots.size() == experts.size(), "expert spec forward_layer: one slot per routed expert");
     const auto glu = glu_of(swiglu_limit, swiglu_alpha, "expert spec forward_layer");
     const BoundSlots s = bind_slots(slots);
     return run_swiglu_layer(s.ptrs, x, topk_idx, topk_weight, experts, "expert spec forward_layer",
-                            glu ? &*glu : nullptr);
+                            glu ? &*glu : nullptr, given);
   }
 };
 
@@ -3601,10 +3632,12 @@ void register_gemv(pybind11::module& m) {
            "Every expert of one layer bound as kernels once (slots [E], expert e's at e), for DecodeStep.set_moe.")
       .def("forward_layer", &ExpertSpec::forward_layer, py::arg("slots"), py::arg("x"), py::arg("topk_idx"),
            py::arg("topk_weight"), py::arg("experts"), py::arg("swiglu_limit") = 0.0, py::arg("swiglu_alpha") = 1.702,
+           py::arg("given") = std::vector<c10::optional<at::Tensor>>{},
            "A layer's routed experts and their weighted sum: slots [E] (one per id in experts, ascending), x [N, D] "
            "float32 or bfloat16, topk_idx int64 [N, k], topk_weight [N, k] in x's dtype -> out [N, D] in x's dtype, "
-           "bit for bit the per-expert path's index_add_ of ys * weight in expert order (at most 8 rows per expert). "
-           "swiglu_limit > 0: gpt-oss's biased experts, as forward_group.");
+           "bit for bit the per-expert path's index_add_ of ys * weight in expert order (each expert's rows in groups "
+           "of 8, as forward_group's). swiglu_limit > 0: gpt-oss's biased experts, as forward_group. given: [] or one "
+           "per expert, None or that expert's outputs [its rows, D] in x's dtype (flat order) computed elsewhere.");
   m.def("q4_blocks_tiled", &q4_blocks_tiled, py::arg("raw"), py::arg("block"), py::arg("codes_out") = py::none(),
         py::arg("sz_out") = py::none(), py::arg("zr_out") = py::none(), py::arg("inline_sz") = false,
         py::arg("inline_out") = py::none(),
@@ -3732,14 +3765,16 @@ void register_gemv(pybind11::module& m) {
         py::arg("weights"), "bf16 SwiGLU experts of one layer bound once (weights [3 E]: gate, up, down per expert).");
   m.def("bf16_experts_forward_layer", [](const std::vector<at::Tensor>& ws, const at::Tensor& x, const at::Tensor& topk_idx,
                                          const at::Tensor& topk_weight, const std::vector<int64_t>& experts,
-                                         double swiglu_limit, double swiglu_alpha) {
+                                         double swiglu_limit, double swiglu_alpha,
+                                         const std::vector<c10::optional<at::Tensor>>& given) {
           const auto glu = glu_of(swiglu_limit, swiglu_alpha, "bf16_experts_forward_layer");
           const Bf16Experts k(ws, "bf16_experts_forward_layer");
           return run_swiglu_layer(k.ptrs, x, topk_idx, topk_weight, experts, "bf16_experts_forward_layer",
-                                  glu ? &*glu : nullptr);
+                                  glu ? &*glu : nullptr, given);
         },
         py::arg("weights"), py::arg("x"), py::arg("topk_idx"), py::arg("topk_weight"), py::arg("experts"),
         py::arg("swiglu_limit") = 0.0, py::arg("swiglu_alpha") = 1.702,
+        py::arg("given") = std::vector<c10::optional<at::Tensor>>{},
         "bf16 SwiGLU experts of one layer and their weighted sum (ExpertSpec.forward_layer): weights [3 E].");
   m.def("set_isa", [](const std::string& name) {
           const int want = name == "avx512" ? kAvx512 : name == "avx2" ? kAvx2 : name == "scalar" ? kScalar : -1;

@@ -118,8 +118,11 @@ struct Glu {
 // (expert of each slot, distinct within a row), wt fp32 [N, top_k] -> out fp32 [N, D] =
 // sum_j wt[n, j] * expert_idx[n, j](x[n]), added in ascending expert order, then token order, each
 // expert output, product and sum rounded to bf16 when `bf16` (torch's bf16 index_add_ of ys * w).
+// `given` (or nullptr): per expert e, nullptr to compute it, else its outputs fp32 [rows of e, D] already
+// computed elsewhere (a prompt's expert past the kernels' rows: a dequantized GEMM), in its entries' flat order;
+// its kernels k[3 e..] are then not called, and its outputs join the sum in its place in the expert order.
 void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, const int64_t* idx, const float* wt,
-                 int64_t top_k, bool bf16, float* out, const Glu* glu = nullptr);
+                 int64_t top_k, bool bf16, float* out, const Glu* glu = nullptr, const float* const* given = nullptr);
 
 // The kernels of every expert of one MoE layer, bound once to where their weights stay (resident
 // in RAM): k[3 e + j] = projection j (gate, up, down) of expert e. `owner` keeps them alive.
