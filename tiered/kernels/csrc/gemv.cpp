@@ -2478,8 +2478,14 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
     std::memcpy(&h, p, 2);
     return half_to_float(h);
   };
+  auto load_u32 = [](const uint8_t* p) {  // four bytes, little-endian (x86), unaligned
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  };
   at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
-    uint8_t q[kGroup];
+    uint32_t packed[4];  // a row's group of 32 codes q[e] in 4 bytes per chunk c: q[8c + j] | q[8c + 4 + j] << 4
+    float kd[8], kz[8];  // Q4_K: the current super-block's scales and zeros
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t r = 0; r < kBlock; ++r) {
         const uint8_t* row = src + (t * kBlock + r) * (K / per) * block;
@@ -2487,24 +2493,41 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
           float d, zero;
           if (block == 144) {  // Q4_K: group g is sub-block j of super-block g / 8 (gguf's get_scale_min)
             const uint8_t* b = row + (g / 8) * block;
-            const uint8_t* sc = b + 4;
             const int j = int(g % 8);
-            const int s6 = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
-            const int m6 = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-            volatile float scale = half(b) * float(s6);  // each product rounded, as numpy's (no FMA)
-            volatile float dm = half(b + 2) * float(m6);
-            volatile float s8 = 8.f * scale;
-            d = scale;
-            zero = s8 - dm;  // w = d*sc*q - dmin*m = (q - 8) * scale + zero
+            if (j == 0) {  // the super-block's 8 (scale, zero) pairs at once: its d and dmin read once
+              const uint8_t* sc = b + 4;
+              const float sd = half(b), sm = half(b + 2);
+              for (int i = 0; i < 8; ++i) {
+                const int s6 = i < 4 ? sc[i] & 63 : (sc[i + 4] & 0x0F) | ((sc[i - 4] >> 6) << 4);
+                const int m6 = i < 4 ? sc[i + 4] & 63 : (sc[i + 4] >> 4) | ((sc[i] >> 6) << 4);
+                volatile float scale = sd * float(s6);  // each product rounded, as numpy's (no FMA)
+                volatile float dm = sm * float(m6);
+                volatile float s8 = 8.f * scale;
+                kd[i] = scale;
+                kz[i] = s8 - dm;  // w = d*sc*q - dmin*m = (q - 8) * scale + zero
+              }
+            }
+            d = kd[j];
+            zero = kz[j];
             const uint8_t* qs = b + 16 + 32 * (j / 2);
-            for (int e = 0; e < 32; ++e) q[e] = (qs[e] >> (4 * (j % 2))) & 0x0F;
+            const int shift = 4 * (j % 2);
+            for (int c = 0; c < 4; ++c) {  // q[e] = (qs[e] >> shift) & 15, four bytes at a time
+              const uint32_t lo = (load_u32(qs + 8 * c) >> shift) & 0x0F0F0F0Fu;
+              const uint32_t hi = (load_u32(qs + 8 * c + 4) >> shift) & 0x0F0F0F0Fu;
+              packed[c] = lo | (hi << 4);
+            }
           } else {
             const uint8_t* b = row + g * block;
             d = half(b);
             volatile float e = 8.f * d;  // two roundings, as numpy's m + 8.0 * d (no fused multiply-add)
             zero = block == 20 ? half(b + 2) + e : 0.f;
             const uint8_t* qs = b + block - 16;
-            for (int j = 0; j < 16; ++j) q[j] = qs[j] & 0x0F, q[16 + j] = qs[j] >> 4;
+            // q[j] = qs[j] & 15, q[16 + j] = qs[j] >> 4 (j < 16), four bytes at a time
+            const uint32_t a = load_u32(qs), a4 = load_u32(qs + 4), a8 = load_u32(qs + 8), a12 = load_u32(qs + 12);
+            packed[0] = (a & 0x0F0F0F0Fu) | ((a4 & 0x0F0F0F0Fu) << 4);
+            packed[1] = (a8 & 0x0F0F0F0Fu) | ((a12 & 0x0F0F0F0Fu) << 4);
+            packed[2] = ((a >> 4) & 0x0F0F0F0Fu) | (a4 & 0xF0F0F0F0u);
+            packed[3] = ((a8 >> 4) & 0x0F0F0F0Fu) | (a12 & 0xF0F0F0F0u);
           }
           const uint16_t zb = to_bf16(zero);
           uint16_t* szp = group_sz(t, g);
@@ -2512,10 +2535,8 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
           szp[2 * r + 1] = zb;
           group_zr(t, g)[r] = to_bf16(zero - bf16f(zb));
           uint8_t* gc = group_codes(t, g);
-          for (int c = 0; c < 4; ++c) {  // the group's 4 chunks of 8 columns: byte 4r + j = q[8c + j] | q[8c + 4 + j] << 4
-            uint8_t* out = gc + c * 64 + 4 * r;
-            for (int j = 0; j < 4; ++j) out[j] = uint8_t(q[8 * c + j] | (q[8 * c + 4 + j] << 4));
-          }
+          // the group's 4 chunks of 8 columns: byte 4r + j of chunk c = q[8c + j] | q[8c + 4 + j] << 4 (packed[c])
+          for (int c = 0; c < 4; ++c) std::memcpy(gc + c * 64 + 4 * r, &packed[c], 4);
         }
       }
     }
