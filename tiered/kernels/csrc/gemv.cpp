@@ -2791,23 +2791,44 @@ void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, con
   // (2026-12-02, 7 alternated rounds in one process, the same tokens)
   thread_local std::vector<float> xs, ys;
   xs.resize(C * Din), ys.resize(C * D);
-  for (int64_t m = 0; m < M; ++m) {
-    if (row[m] < 0) continue;
-    float* r = xs.data() + row[m] * Din;
-    std::memcpy(r, x + (entry[m] / top_k) * D, D * sizeof(float));
-    if (glu) r[D] = 1.f;
-    std::fill(r + D + (glu ? 1 : 0), r + Din, 0.f);
-    from[m] = ys.data() + row[m] * D;
-  }
-  if (C > 0) swiglu_group(ks.data(), int64_t(bounds.size()) - 1, xs.data(), bounds.data(), ys.data(), glu);
-  std::fill(out, out + N * D, 0.f);
+  float* const xsp = xs.data();
+  float* const ysp = ys.data();
+  // the gather and the weighted sum across the threads from a prompt's rows on (a decode step's few run inline):
+  // serial, they were ~7 ms a layer of a 512-token Qwen3-30B-A3B-width prompt on 2 Sapphire Rapids cores
+  at::parallel_for(0, M, 256, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      if (row[m] < 0) continue;
+      float* r = xsp + row[m] * Din;
+      std::memcpy(r, x + (entry[m] / top_k) * D, D * sizeof(float));
+      if (glu) r[D] = 1.f;
+      std::fill(r + D + (glu ? 1 : 0), r + Din, 0.f);
+      from[m] = ysp + row[m] * D;
+    }
+  });
+  if (C > 0) swiglu_group(ks.data(), int64_t(bounds.size()) - 1, xsp, bounds.data(), ysp, glu);
+  std::vector<int64_t> at_(M);  // entry -> its place m in the expert order
+  for (int64_t m = 0; m < M; ++m) at_[entry[m]] = m;
   auto rd = [bf16](float v) { return bf16 ? bf16f(to_bf16(v)) : v; };
-  for (int64_t m = 0; m < M; ++m) {
-    const float w = wt[entry[m]];
-    float* o = out + (entry[m] / top_k) * D;
-    const float* y = from[m];
-    for (int64_t d = 0; d < D; ++d) o[d] = rd(o[d] + rd(rd(y[d]) * w));
-  }
+  // each token's sum over its entries in the expert order (its places m ascending), as one pass over m adds them
+  at::parallel_for(0, N, 32, [&](int64_t n0, int64_t n1) {
+    std::vector<int64_t> ms(top_k);
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t j = 0; j < top_k; ++j) ms[j] = at_[n * top_k + j];
+      std::sort(ms.begin(), ms.end());
+      float* o = out + n * D;
+      std::fill(o, o + D, 0.f);
+      for (const int64_t m : ms) {
+        const float w = wt[entry[m]];
+        const float* y = from[m];
+        if (bf16) {
+          for (int64_t d = 0; d < D; ++d) o[d] = rd(o[d] + rd(rd(y[d]) * w));
+        } else {  // (each product rounded, then added: no contraction under ISO C++)
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] += y[d] * w;
+        }
+      }
+    }
+  });
 }
 
 namespace {
