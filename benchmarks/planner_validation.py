@@ -283,7 +283,9 @@ def moe_rows(args, hw, shape, rows: list, errors: list) -> None:
         ttft = median([first_token_s(llm, long_prompt) for _ in range(3)])
         # the checkpoint routes skewed (nearly every token to the same 2 experts a layer): priced with the expert
         # profile of the first row's prompt and decode, as a plan given `--expert-profile` prices it
-        p_ttft = predict_prefill(llm.config, now, "bf16", TTFT_TOKENS, act_dtype="bf16", popularity=popularity)
+        # (every expert in RAM: with the native step its layers run the experts and weighted sum in one call)
+        p_ttft = predict_prefill(llm.config, now, "bf16", TTFT_TOKENS, act_dtype="bf16", popularity=popularity,
+                                 native_moe=llm.plan.native_decode)
     finally:
         llm.close()
     rows[0].update(predicted_ttft_s=p_ttft, measured_ttft_s=ttft, ttft_error=abs(p_ttft - ttft) / ttft)

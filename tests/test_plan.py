@@ -1227,3 +1227,51 @@ def test_a_prompts_int4_ffn_is_priced_in_the_dtype_it_runs_its_intermediate_in()
         30 * few * (576 + 1536) * 1e-9)
     assert priced(slower("runtime/prefill_code/bf16"), 512, "bf16") - priced(hw, 512, "bf16") == pytest.approx(
         30 * 512 * (576 + 1536) * 1e-9)
+
+
+def test_a_native_moe_layers_gather_and_weighted_sum_are_priced_at_the_native_steps_rate(monkeypatch):
+    """predict_prefill's `native_moe` (a CPU plan's MoE layers with every expert in RAM run their experts and
+    weighted sum in one native call: moe_runner._all_on_fast, ExpertFormat.layer_call): the k routed copies of
+    each token (gathered at the hidden size, then summed) move from torch's code rate (runtime/prefill_code) to
+    the native step's row code (runtime/step_rows/int4); the rest of the layer's width stays at torch's. And the
+    CPU plan's modules path (latency_cpu.prompt_paths) prices with it exactly where the runtime takes that call:
+    native decode, no expert read from disk."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from tiered.planner.cpu_predict import predict_prefill
+    from tiered.planner.latency_cpu import prompt_paths
+
+    hw = HardwareProfile.load(Path(__file__).parents[1] / "benchmarks/results/sapphire-rapids-2026-12-02/at-c994c2e/"
+                              "hardware_profile_this_machine.json")
+    assert "runtime/step_rows/int4" in hw.models
+
+    def slower(key):
+        m = hw.models[key]
+        return replace(hw, models=dict(hw.models, **{key: LinearModel(m.alpha, m.beta + 1e-9, m.r2)}))
+
+    def priced(profile, native):
+        return predict_prefill(MIXTRAL, profile, "int4", 512, experts_format="int4", act_dtype="fp32", batch_act="q8",
+                               native_moe=native)
+    L, d, k = MIXTRAL.num_hidden_layers, MIXTRAL.hidden_size, MIXTRAL.num_experts_per_tok
+    step, code = slower("runtime/step_rows/int4"), slower("runtime/prefill_code/fp32")
+    assert priced(step, True) - priced(hw, True) == pytest.approx(L * 512 * k * d * 1e-9)
+    assert priced(code, True) - priced(hw, True) == pytest.approx(L * 512 * d * 1e-9)
+    assert priced(step, False) == priced(hw, False)
+    assert priced(code, False) - priced(hw, False) == pytest.approx(L * 512 * (d + k * d) * 1e-9)
+    # the plan's hand-off: native_moe where its engine runs the layer call, not with experts on disk
+    calls = []
+    import tiered.planner.cpu_predict as cp
+    real = cp.predict_prefill
+    plan = Plan(model="m", goal="latency", profile="p", gpu_memory=None, cpu_memory=None, prompt_tokens=512,
+                gen_tokens=8, precision="int4", layers=[], native_decode=True,
+                dtypes={"weights": "fp32", "experts": "int4", "kv_cache": "bf16"})
+    monkeypatch.setattr(cp, "predict_prefill", lambda *a, **kw: calls.append(kw["native_moe"]) or real(*a, **kw))
+    for disk_share, native in ((0.0, True), (0.3, False)):
+        calls.clear()
+        prompt_paths(plan, MIXTRAL, hw, disk_share=disk_share)[1](512)
+        assert calls == [native], disk_share
+    plan.native_decode = False
+    calls.clear()
+    prompt_paths(plan, MIXTRAL, hw)[1](512)
+    assert calls == [False]

@@ -665,7 +665,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                     experts_format: str | None = None, read_ahead: bool = True, readers: int = 2,
                     task_overhead: float | None = None, batch_act: str = "bf16", popularity=None,
                     chunk: int = 0, ffn_only: bool = False, attn_dtype: str | None = None,
-                    ffn_dtype: str | None = None) -> float:
+                    ffn_dtype: str | None = None, native_moe: bool = False) -> float:
     """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
 
     `ffn_only`: the seconds of its FFNs alone (each layer's dense FFN, or MoE block: router, shared expert,
@@ -709,6 +709,12 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     dtype, which the attention runs in (None = `dtype`), priced by op_time.prefill_attention_time; `attn_dtype`
     the attention's where the plan has it attend in another (Plan.dtypes["prompt_attention"]); `ffn_dtype` the dtype
     the plan keeps one-copy int4 dense FFNs' intermediate in past the kernel's rows (Plan.dtypes["prompt_ffn"]).
+    `native_moe`: each MoE layer's experts and their weighted sum run in one native call (a CPU plan's native
+    step with every expert in RAM: runtime/moe_runner._all_on_fast, ExpertFormat.layer_call), whose gather of
+    the k routed copies and weighted sum are priced at the native step's row-code rate (runtime/step_rows/int4,
+    as predict_prompt_rows prices the same moe_experts) instead of torch's (runtime/prefill_code): at torch's
+    2.6 ns an element they had been ~0.17 s of a Qwen3-30B-A3B-width 512-token prompt's 2.2 s priced, which
+    then measured 1.2-1.8 s (2 Sapphire Rapids cores, 2026-12-03).
     `experts_format`: the experts' stored format (None = the experts' compute dtype): bf16 ones run
     torch's GEMMs past their native rows (expert_native_rows), priced by torch_gemm_time; quantized ones
     their native kernels or dequantized GEMMs, as the runtime runs them (prompt_expert_time, int4 rows on
@@ -750,6 +756,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
         return op_time.gemm_time(hw, "cpu", dt, macs, nbytes, calls=calls)
     moe_at = [has_experts(cfg, moe_layers, i) for i in range(cfg.num_hidden_layers)]
     n_moe = sum(moe_at)
+    step_code = hw.models.get("runtime/step_rows/int4")  # the native step's row code: native_moe's gather and sum
     # a routed expert's bytes as stored (what a miss reads from disk, what its kernels stream)
     eb = (sizes.expert_bytes(cfg, experts_format) if experts_format else
           3 * d * cfg.moe_intermediate_size * bpe) if n_moe else 0
@@ -776,7 +783,9 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             # gpt-oss-20b-width 512-token prompt's 1.85 (2 Sapphire Rapids cores, 2026-11-29); within them the native
             # call computes both inside the kernels
             torch_glu = is_moe and cfg.expert_bias and rows_per_expert > biased_native_rows(hw, stored)
-            routed = cfg.num_experts_per_tok * (d + cfg.moe_intermediate_size * torch_glu)
+            # the routed copies gathered and summed by the native layer call (native_moe) or by torch's ops
+            gathered = cfg.num_experts_per_tok * d if is_moe and native_moe and step_code is not None else 0
+            routed = cfg.num_experts_per_tok * (d + cfg.moe_intermediate_size * torch_glu) - gathered
             t = 0.0
             if not ffn_only:
                 width = d + (routed + cfg.shared_expert_intermediate_size if is_moe else cfg.intermediate_size)
@@ -785,6 +794,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                 code = op_time.prefill_code_time(hw, act_dtype or dtype, T * (width - bf16_ffn))
                 if code is not None and bf16_ffn:
                     code += op_time.prefill_code_time(hw, "bf16", T * bf16_ffn, fixed=False) or 0.0
+                if code is not None and gathered:
+                    code += step_code(T * gathered)
                 t = (per_layer if code is None else code) + gemm(T, dtype, T * w_attn, w_attn * bpe, 4, T > GEMM_ROWS)
             if not is_moe:
                 F = cfg.intermediate_size

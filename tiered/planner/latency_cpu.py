@@ -130,13 +130,17 @@ def prompt_paths(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, disk_sh
     dtype, fmt = plan.precision, plan.dtypes["weights"]
     held = fmt if plan.dense_copies else dtype  # one-copy mode: the decode copies are the weights
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe and cfg.is_moe_layer(i)]
+    # every expert in RAM at one precision: a layer's experts and weighted sum in one native call (moe_runner's
+    # _all_on_fast under the native step's group_layers)
+    native_moe = bool(moe) and plan.native_decode and not disk_share and plan.mixed_precision is None
 
     def modules(T: int, chunk: int = plan.prefill_chunk, ffn_only: bool = False) -> float:
         return predict_prefill(cfg, profile, held, T, moe or None, disk_share, experts_dtype=fmt, act_dtype=fmt,
                                experts_format=plan.dtypes["experts"], read_ahead=plan.read_ahead,
                                readers=max(2, plan.staging_buffers), batch_act=plan.batch_act,
                                popularity=popularity if moe else None, chunk=chunk, ffn_only=ffn_only,
-                               attn_dtype=plan.dtypes.get("prompt_attention"), ffn_dtype=plan.dtypes.get("prompt_ffn"))
+                               attn_dtype=plan.dtypes.get("prompt_attention"), ffn_dtype=plan.dtypes.get("prompt_ffn"),
+                               native_moe=native_moe)
 
     ffn = (lambda T: modules(T, 0, ffn_only=True)) if cfg.is_moe else None  # noqa: E731
 
