@@ -314,7 +314,7 @@ class TieredExperts:
             for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
                 if b - a > self.fmt.group_rows:
                     given[i] = self.fmt.forward(x[tok_all[a:b]], on_fast[experts[i]])
-            out = call(topk_idx, topk_weight.to(x.dtype), experts, given if any(g is not None for g in given) else ())
+            out = call(topk_idx, topk_weight.to(x.dtype), experts, given)
             self.path_counts[RESIDENT] += len(experts)
             self.executor.record(f"experts L{layer_idx} ({len(experts)})", "cpu", t0, time.perf_counter(), layer=layer_idx)
             return out
