@@ -319,6 +319,41 @@ def test_fast_reader_parses_what_gguf_parses(tmp_path):
         assert ta.data.dtype == tb.data.dtype and np.array_equal(ta.data, tb.data)
 
 
+def test_lean_reader_skips_only_tokenizer_sized_arrays(tmp_path):
+    """fast_reader(lean=True) steps over arrays of LEAN_ITEMS items or more (strings and numbers) and parses
+    the rest as GGUFReader does: the fields after a skipped array and the tensors read the same, a skipped
+    field keeps its item count."""
+    from gguf import GGUFReader, GGUFWriter
+
+    from tiered.checkpoint.gguf_file import LEAN_ITEMS, fast_reader
+
+    n = LEAN_ITEMS + 5
+    path = tmp_path / "t.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_token_list([f"t{i}" + "x" * (i % 7) for i in range(n)])
+    w.add_token_scores([float(i) for i in range(n)])
+    w.add_token_merges([f"a{i} b" for i in range(n)])
+    w.add_array("test.short", ["x"] * (LEAN_ITEMS - 1))
+    w.add_rope_freq_base(10000.0)
+    w.add_tensor("output_norm.weight", np.arange(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    a, b = GGUFReader(str(path)), fast_reader(path, lean=True)
+    assert list(a.fields) == list(b.fields)
+    skipped = {"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.merges"}
+    for k, fa in a.fields.items():
+        fb = b.fields[k]
+        if k in skipped:
+            assert fb.data == [] and int(fb.parts[-1][0]) == n and fb.types == fa.types[:2], k
+            continue
+        assert (fa.types, fa.data, fa.offset) == (fb.types, fb.data, fb.offset), k
+        assert fa.contents() == fb.contents(), k
+    (ta,), (tb,) = a.tensors, b.tensors
+    assert (ta.name, ta.data_offset) == (tb.name, tb.data_offset) and np.array_equal(ta.data, tb.data)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_k_quant_decode_copies(zoo, qtype):
     """A Q4_K_M file's types on the CPU's decode path ("auto"): Q4_K projections decode as int4 from

@@ -192,3 +192,36 @@ def test_cached_tokenizer_equals_the_converted_one(smollm2_path, tmp_path, monke
     assert converted.apply_chat_template(msgs, tokenize=False) == cached.apply_chat_template(msgs, tokenize=False)
     assert (converted.eos_token_id, converted.bos_token_id, len(converted)) == \
         (cached.eos_token_id, cached.bos_token_id, len(cached))
+
+
+
+def test_a_qwen_gguf_tokenizer_reads_back_as_converted(smollm2_path, tmp_path, monkeypatch):
+    """A qwen3moe GGUF's tokenizer converts to transformers' Qwen2Tokenizer, whose reload from a saved
+    directory rebuilds its pipeline with Qwen's pre-tokenizer: with this file's (SmolLM2's) vocabulary that
+    tokenized whitespace differently from the conversion. The cache records how the entry reads back as
+    converted (checkpoint/tokenizer._cache_rule): here through the generic TokenizersBackend, which also
+    skips transformers.models' import. An entry cached before the rule (no mark) is converted again; a
+    "convert" rule converts every time."""
+    import json
+    from pathlib import Path
+
+    from tiered.bench.gguf_moe import MoEShape, write_dummy_moe_gguf
+    from tiered.checkpoint.tokenizer import GENERIC_MARK, load_gguf_tokenizer
+
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
+    shape = MoEShape(layers=1, hidden=64, heads=4, kv_heads=2, head_dim=32, experts=4, top_k=2, expert_ffn=32)
+    path = write_dummy_moe_gguf(tmp_path / "qwen.gguf", shape, tokenizer_from=Path(smollm2_path))
+    text = "line one\nline two\r\n\tindented\n\n\nend\ndef f(x):\n    return x**2  # comment"
+    converted = load_gguf_tokenizer(path)
+    assert type(converted).__name__ == "Qwen2Tokenizer"
+    (entry,) = (tmp_path / "cache" / "tokenizers").iterdir()
+    assert json.loads((entry / GENERIC_MARK).read_text()) == {"load": "generic"}
+    cached = load_gguf_tokenizer(path)
+    assert type(cached).__name__ == "TokenizersBackend"
+    assert cached(text).input_ids == converted(text).input_ids
+    assert cached.decode(converted(text).input_ids) == text
+    (entry / GENERIC_MARK).unlink()  # as cached before the rule: converted again, and marked
+    assert type(load_gguf_tokenizer(path)).__name__ == "Qwen2Tokenizer"
+    assert (entry / GENERIC_MARK).is_file()
+    (entry / GENERIC_MARK).write_text(json.dumps({"load": "convert"}))
+    assert type(load_gguf_tokenizer(path)).__name__ == "Qwen2Tokenizer"

@@ -2,7 +2,7 @@
 
 GGUF files embed their vocabulary; transformers converts it to a fast tokenizer, which takes a few
 seconds, so the converted tokenizer is cached under the user cache directory keyed by the file's
-path, size and modification time.
+path, size and modification time, with the rule by which it reads back as converted (_cache_rule).
 """
 
 from __future__ import annotations
@@ -64,16 +64,84 @@ def _tokenizer_error(path: Path, e: Exception) -> CheckpointError:
     return CheckpointError(f"the tokenizer in {path} cannot be loaded ({type(e).__name__}: {e})", hint)
 
 
-def _load_cached(cached: Path):
-    """A converted tokenizer from the cache: its saved class straight from transformers when that is
-    the generic TokenizersBackend (importing AutoTokenizer's class registry costs ~0.3 s of every
-    start), else through AutoTokenizer."""
+GENERIC_MARK = "tiered.json"  # in a cached tokenizer's directory: {"load": rule}, how it is read back (_cache_rule)
+# texts a cached tokenizer must encode, decode and template identically through the generic class
+_PROBES = ("Hello world", " leading space and  two  spaces", "Héllo wörld, naïve café; 東京 の 天気 ✓ 🙂",
+           "line one\nline two\r\n\tindented\n\n\nend", "numbers 12345 3.14159 1,000,000 0x1F",
+           "don't can't I'm we'll they've she'd", "def f(x):\n    return x**2  # comment", "")
+
+
+def _same_tokenizer(a, b) -> bool:
+    """True when tokenizers `a` and `b` give the same ids, tokens and text on _PROBES and on every special
+    or added token, the same special-token ids, vocabulary size and chat template rendering: what tiered
+    reads from a tokenizer (engine/prompt, engine/detokenize, serve/protocol)."""
+    specials = sorted(set(a.all_special_tokens) | set(a.get_added_vocab()))
+    texts = list(_PROBES) + ["".join(specials), " ".join(f"x{t}y" for t in specials[:64])]
+    for text in texts:
+        ids = a(text).input_ids
+        if ids != b(text).input_ids or a.encode(text, add_special_tokens=False) != b.encode(text, add_special_tokens=False):
+            return False
+        if a.convert_ids_to_tokens(ids) != b.convert_ids_to_tokens(ids):
+            return False
+        if any(a.decode(ids, skip_special_tokens=s) != b.decode(ids, skip_special_tokens=s) for s in (False, True)):
+            return False
+    keys = ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id", "all_special_ids", "chat_template")
+    if any(getattr(a, k, None) != getattr(b, k, None) for k in keys) or len(a) != len(b):
+        return False
+    if a.get_added_vocab() != b.get_added_vocab():
+        return False
+    if getattr(a, "chat_template", None):
+        msgs = [{"role": "system", "content": _PROBES[0]}, {"role": "user", "content": _PROBES[2]},
+                {"role": "assistant", "content": _PROBES[3]}, {"role": "user", "content": _PROBES[6]}]
+        try:
+            if a.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) != \
+                    b.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True):
+                return False
+        except Exception:  # a template that refuses these roles: compare what it raises on, not at all
+            return False
+    return True
+
+
+def _cache_rule(cached: Path, converted) -> str:
+    """How later loads read the tokenizer cached in `cached` so that they tokenize as `converted` (the
+    tokenizer transformers built from the GGUF file) does, written to its GENERIC_MARK: "generic" (the
+    generic TokenizersBackend reads the saved pipeline back the same), "class" (the saved class does:
+    transformers' Qwen2Tokenizer, for one, rebuilds its pipeline from the vocabulary and merges with its own
+    pre-tokenizer, which a GGUF file's need not be) or "convert" (neither: convert the file each time)."""
     import transformers
 
-    cls = json.loads((cached / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    if cls == "TokenizersBackend" and hasattr(transformers, cls):
+    rule = "convert"
+    for name, load in (("generic", getattr(transformers, "TokenizersBackend", None)), ("class", transformers.AutoTokenizer)):
+        try:
+            if load is not None and _same_tokenizer(converted, load.from_pretrained(str(cached))):
+                rule = name
+                break
+        except Exception:  # a tokenizer this class cannot read back
+            continue
+    try:
+        (cached / GENERIC_MARK).write_text(json.dumps({"load": rule}))
+    except OSError:
+        pass  # a read-only cache: the entry reads as stale and is converted again next time
+    return rule
+
+
+def _load_cached(cached: Path):
+    """A converted tokenizer from the cache, read by its GENERIC_MARK's rule: through the generic
+    TokenizersBackend ("generic": importing a model-specific class such as Qwen2Tokenizer imports
+    transformers.models, whose import structure costs ~1.1 s of every start, and its rebuild ~0.3 s)
+    or its saved class ("class"); None where the file must be converted again ("convert", or an entry
+    cached before the marks, whose reload may tokenize differently from the conversion)."""
+    import transformers
+
+    mark = cached / GENERIC_MARK
+    rule = json.loads(mark.read_text()).get("load") if mark.is_file() else None
+    if rule is None and json.loads((cached / "tokenizer_config.json").read_text()).get("tokenizer_class") == "TokenizersBackend":
+        rule = "generic"  # saved by the generic class itself
+    if rule == "generic" and hasattr(transformers, "TokenizersBackend"):
         return transformers.TokenizersBackend.from_pretrained(str(cached))
-    return transformers.AutoTokenizer.from_pretrained(str(cached))
+    if rule == "class":
+        return transformers.AutoTokenizer.from_pretrained(str(cached))
+    return None
 
 
 def _gguf_tokenizer_of_any_architecture(path: Path):
@@ -99,7 +167,9 @@ def load_gguf_tokenizer(path: Path):
     cached = cache_dir() / "tokenizers" / key
     if (cached / "tokenizer_config.json").is_file():
         try:
-            return _load_cached(cached)
+            tok = _load_cached(cached)
+            if tok is not None:
+                return tok
         except Exception:
             pass  # a damaged cache entry: convert again
     from transformers import AutoTokenizer
@@ -122,5 +192,6 @@ def load_gguf_tokenizer(path: Path):
         cached.mkdir(parents=True, exist_ok=True)
         tok.save_pretrained(str(cached))
     except OSError:
-        pass  # a read-only cache only costs speed
+        return tok  # a read-only cache only costs speed
+    _cache_rule(cached, tok)
     return tok
