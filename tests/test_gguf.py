@@ -6,6 +6,8 @@ converter restated), so the reader is checked against the real HF weights.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -352,6 +354,42 @@ def test_lean_reader_skips_only_tokenizer_sized_arrays(tmp_path):
         assert fa.contents() == fb.contents(), k
     (ta,), (tb,) = a.tensors, b.tensors
     assert (ta.name, ta.data_offset) == (tb.name, tb.data_offset) and np.array_equal(ta.data, tb.data)
+
+
+def _mapped_rss(path) -> int:
+    """Resident bytes of this process's mappings of file `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's first line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_READ is Linux's")
+def test_block_reads_map_their_pages_at_once(tmp_path):
+    """A GGUF handle's `blocks()` (what the native repacking passes read) maps the tensor's pages of the file
+    into the process in one call (GGUFCheckpoint.prefault: MADV_POPULATE_READ) before anything reads them,
+    where page by page faults had cost an expert's repacking about as much as the repacking itself."""
+    from tiered.bench.gguf_moe import MoEShape, write_dummy_moe_gguf
+    from tiered.checkpoint import open_checkpoint
+    from tiered.checkpoint.gguf_file import _POPULATE
+
+    shape = MoEShape(layers=1, hidden=1024, heads=8, kv_heads=2, head_dim=128, experts=4, top_k=2, expert_ffn=256,
+                     vocab=256)
+    path = write_dummy_moe_gguf(tmp_path / "m.gguf", shape, qtype="Q4_0")
+    ckpt = open_checkpoint(path)
+    h = ckpt.handle("model.layers.0.mlp.experts.2.up_proj.weight")
+    assert h.format == "Q4_0" and h.nbytes == 256 * 1024 // 32 * 18
+    ckpt.release_pages()
+    before = _mapped_rss(path)
+    raw = h.blocks()  # a view: nothing read yet
+    if not _POPULATE["ok"]:
+        pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14)")
+    assert _mapped_rss(path) - before >= h.nbytes - 4096
+    assert raw.shape == (256, 1024 // 32 * 18)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])

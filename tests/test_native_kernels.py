@@ -422,10 +422,11 @@ def test_set_isa_rejects_unknown():
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
-def test_q4_blocks_repack_to_the_tiled_layout_bit_for_bit(fmt):
+def test_q4_blocks_repack_to_the_tiled_layout_bit_for_bit(fmt, isa):
     """GGUF Q4_0 / Q4_1 expert blocks -> the tiled int4 segments in one native pass (loading a MoE
     GGUF), the same bytes as the numpy / torch path (unpack_q4_blocks, int4_segments): codes,
-    bf16 scales and zeros, and the zero's bf16 residual (nonzero for Q4_1's m + 8 d)."""
+    bf16 scales and zeros, and the zero's bf16 residual (nonzero for Q4_1's m + 8 d); on every ISA
+    path (AVX-512 gathers a tile's 16 rows into a vector's lanes)."""
     import numpy as np
 
     from tiered.bench.gguf_moe import random_blocks
@@ -850,11 +851,11 @@ def test_q6k_blocks_repack_bit_for_bit_on_every_isa(isa):
     assert torch.equal(qt, tiled_int8(q)) and torch.equal(st.view(torch.int16), tiled_group_scales(s).view(torch.int16))
 
 
-def test_k_quant_blocks_repack_natively_bit_for_bit():
+def test_k_quant_blocks_repack_natively_bit_for_bit(isa):
     """Q4_K super-blocks -> the tiled int4 layout (q4_blocks_tiled with block 144) and Q6_K -> tiled
     int8-g32 (q6k_blocks_tiled) in one native pass each: the same bytes as the numpy / torch paths
     (unpack_q4k_blocks + int4_segments; gguf_dequant + quantize_int8_g32 + tiled_int8), on blocks
-    whose every byte is random except finite fp16 scales (all 6-bit sub-scale patterns)."""
+    whose every byte is random except finite fp16 scales (all 6-bit sub-scale patterns); on every ISA path."""
     import sys
     from pathlib import Path
 

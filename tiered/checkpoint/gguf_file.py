@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -224,6 +225,9 @@ def qk_row_permutation(rows: int, n_head: int) -> np.ndarray:
     return np.arange(rows).reshape(n_head, half, 2).swapaxes(1, 2).reshape(-1)
 
 
+# MADV_POPULATE_READ (Linux >= 5.14; Python 3.11's mmap module lacks the name): GGUFCheckpoint.prefault
+_POPULATE = {"ok": sys.platform == "linux", "advice": 22}
+
 _TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                      "tokenizer.ggml.scores")
 
@@ -311,6 +315,26 @@ class GGUFCheckpoint(HandleTable):
         for layer, parts in biased.items():
             if layer < self.config.num_hidden_layers:
                 self._handles.update(self._biased_experts(layer, parts))
+
+    def prefault(self, offset: int, nbytes: int) -> bool:
+        """Map the file's pages of bytes [offset, offset + nbytes) into this process at once (Linux >= 5.14's
+        MADV_POPULATE_READ), before a native pass reads them: faulted in one by one, the pages of a Qwen3-30B-A3B
+        expert's Q4_0 projection (0.9 MB, in the page cache) cost its repacking ~2x its time. Returns False
+        where the kernel does not offer it (then the pass faults them in as it reads)."""
+        if not _POPULATE["ok"]:
+            return False
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise"):
+            return False
+        import mmap
+
+        start = offset - offset % mmap.PAGESIZE
+        try:
+            mm.madvise(_POPULATE["advice"], start, offset + nbytes - start)
+        except (OSError, ValueError):  # EINVAL before Linux 5.14: not asked again
+            _POPULATE["ok"] = False
+            return False
+        return True
 
     def release_pages(self) -> int:
         """The GGUF file is one numpy memmap: MADV_DONTNEED on it drops the pages the load read
@@ -681,6 +705,7 @@ class GGUFCheckpoint(HandleTable):
             return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
 
         def blocks() -> np.ndarray:
+            self.prefault(offset, nbytes)
             raw = np.asarray(data).reshape(shape[0] if len(shape) > 1 else 1, -1)
             return raw[perm] if perm is not None else raw
 

@@ -2442,6 +2442,94 @@ std::pair<at::Tensor, at::Tensor> tiled_int8_outputs(const BlockRows& b, const c
           out_or_empty(st_out, {b.N / kBlock, b.G, kBlock}, at::kHalf, (std::string(what) + ": st_out").c_str())};
 }
 
+// q4_blocks_tiled's pass over one tile of 16 rows with AVX-512, the 16 rows a vector's lanes (each group's
+// scales, zeros and code words gathered from the rows' blocks): the same bytes as the scalar loop below (the
+// same fp32 products and sums, each rounded, and the same round-to-nearest-even bf16 conversion of finite
+// values). rows: the tile's first row of blocks, `stride` bytes a row; group g's codes at codes + g * cstride
+// (bytes), its 16 (s, z) bf16 pairs at sz + g * sstride and residuals at zr + 16 g (uint16). A 768 x 2048 Q4_0
+// projection (a Qwen3-30B-A3B expert's) 0.45 -> 0.14 ms on 2 Sapphire Rapids-class cores (its pages mapped).
+// q4_tile_avx512's lanes: the 32-bit words at p + 16 rows' offsets; the fp16 in each lane's low half as fp32;
+// to_bf16 of each lane (in its low 16 bits); a group's (s, z) pairs, residuals and 4 chunks of codes stored
+TIERED_AVX512 inline __m512i q4_gather(__m512i vidx, const uint8_t* p) { return _mm512_i32gather_epi32(vidx, p, 1); }
+TIERED_AVX512 inline __m512 q4_fp16_lo(__m512i v) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF))));
+}
+TIERED_AVX512 inline __m512i q4_bf16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i r = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
+}
+TIERED_AVX512 inline void q4_store_group(uint8_t* codes, uint16_t* sz, uint16_t* zr, __m512 d, __m512 zero,
+                                         const __m512i* packed) {
+  const __m512i zb = q4_bf16(zero);
+  _mm512_storeu_si512(sz, _mm512_or_si512(q4_bf16(d), _mm512_slli_epi32(zb, 16)));
+  const __m512 res = _mm512_sub_round_ps(zero, _mm512_castsi512_ps(_mm512_slli_epi32(zb, 16)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(zr), _mm512_cvtepi32_epi16(q4_bf16(res)));
+  for (int c = 0; c < 4; ++c) _mm512_storeu_si512(codes + c * 64, packed[c]);
+}
+
+TIERED_AVX512 inline __m512i q4_byte(const __m512i* w, int k) {  // byte k of the words w, in each lane
+  return _mm512_and_si512(_mm512_srli_epi32(w[k / 4], 8 * (k % 4)), _mm512_set1_epi32(255));
+}
+
+TIERED_AVX512 void q4_tile_avx512(const uint8_t* rows, int64_t stride, int64_t G, int64_t block, uint8_t* codes,
+                                  int64_t cstride, uint16_t* sz, int64_t sstride, uint16_t* zr) {
+  const __m512i vidx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(int32_t(stride)));
+  const __m512i lo4 = _mm512_set1_epi32(0x0F0F0F0F), hi4 = _mm512_set1_epi32(int32_t(0xF0F0F0F0u));
+  const __m512 eight = _mm512_set1_ps(8.f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512i packed[4];
+  if (block != 144) {  // Q4_0 / Q4_1: one block a group
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* b = rows + g * block;
+      const __m512i dv = q4_gather(vidx, b);
+      const __m512 d = q4_fp16_lo(dv);
+      __m512 zero = _mm512_setzero_ps();
+      if (block == 20) zero = _mm512_add_round_ps(q4_fp16_lo(_mm512_srli_epi32(dv, 16)),
+                                                  _mm512_mul_round_ps(eight, d, kRound), kRound);
+      const uint8_t* qs = b + block - 16;
+      const __m512i a = q4_gather(vidx, qs), a4 = q4_gather(vidx, qs + 4), a8 = q4_gather(vidx, qs + 8), a12 = q4_gather(vidx, qs + 12);
+      packed[0] = _mm512_or_si512(_mm512_and_si512(a, lo4), _mm512_slli_epi32(_mm512_and_si512(a4, lo4), 4));
+      packed[1] = _mm512_or_si512(_mm512_and_si512(a8, lo4), _mm512_slli_epi32(_mm512_and_si512(a12, lo4), 4));
+      packed[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(a, 4), lo4), _mm512_and_si512(a4, hi4));
+      packed[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(a8, 4), lo4), _mm512_and_si512(a12, hi4));
+      q4_store_group(codes + g * cstride, sz + g * sstride, zr + g * 16, d, zero, packed);
+    }
+    return;
+  }
+  const __m512i b63 = _mm512_set1_epi32(63), b15 = _mm512_set1_epi32(15);
+  for (int64_t sb = 0; sb < G / 8; ++sb) {  // Q4_K: a super-block's 8 groups (gguf's get_scale_min per lane)
+    const uint8_t* b = rows + sb * block;
+    const __m512i dv = q4_gather(vidx, b);
+    const __m512 sd = q4_fp16_lo(dv), sm = q4_fp16_lo(_mm512_srli_epi32(dv, 16));
+    const __m512i w[3] = {q4_gather(vidx, b + 4), q4_gather(vidx, b + 8), q4_gather(vidx, b + 12)};
+    for (int j = 0; j < 8; ++j) {
+      __m512i s6, m6;
+      if (j < 4) {
+        s6 = _mm512_and_si512(q4_byte(w, j), b63);
+        m6 = _mm512_and_si512(q4_byte(w, j + 4), b63);
+      } else {
+        s6 = _mm512_or_si512(_mm512_and_si512(q4_byte(w, j + 4), b15), _mm512_slli_epi32(_mm512_srli_epi32(q4_byte(w, j - 4), 6), 4));
+        m6 = _mm512_or_si512(_mm512_srli_epi32(q4_byte(w, j + 4), 4), _mm512_slli_epi32(_mm512_srli_epi32(q4_byte(w, j), 6), 4));
+      }
+      const __m512 scale = _mm512_mul_round_ps(sd, _mm512_cvtepi32_ps(s6), kRound);
+      const __m512 dm = _mm512_mul_round_ps(sm, _mm512_cvtepi32_ps(m6), kRound);
+      const __m512 zero = _mm512_sub_round_ps(_mm512_mul_round_ps(eight, scale, kRound), dm, kRound);
+      const uint8_t* qs = b + 16 + 32 * (j / 2);
+      const int shift = 4 * (j % 2);
+      for (int c = 0; c < 4; ++c) {
+        const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(q4_gather(vidx, qs + 8 * c), shift), lo4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(q4_gather(vidx, qs + 8 * c + 4), shift), lo4);
+        packed[c] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
+      }
+      const int64_t g = 8 * sb + j;
+      q4_store_group(codes + g * cstride, sz + g * sstride, zr + g * 16, scale, zero, packed);
+    }
+  }
+}
+
 std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, const c10::optional<at::Tensor>& codes_out,
                                         const c10::optional<at::Tensor>& sz_out, const c10::optional<at::Tensor>& zr_out,
                                         bool inline_sz, const c10::optional<at::Tensor>& inline_out) {
@@ -2483,6 +2571,16 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
     std::memcpy(&v, p, 4);
     return v;
   };
+  if (current_isa() == kAvx512) {
+    const int64_t stride = (K / per) * block;
+    at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        q4_tile_avx512(src + t * kBlock * stride, stride, G, block, group_codes(t, 0), inline_sz ? GS : 256,
+                       group_sz(t, 0), inline_sz ? GS / 2 : 32, group_zr(t, 0));
+    });
+    if (inline_sz) return {gw, zr};
+    return {codes, sz, zr};
+  }
   at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
     uint32_t packed[4];  // a row's group of 32 codes q[e] in 4 bytes per chunk c: q[8c + j] | q[8c + 4 + j] << 4
     float kd[8], kz[8];  // Q4_K: the current super-block's scales and zeros
