@@ -241,6 +241,13 @@ def test_model_config(zoo):
     assert nonexpert + 4 * 8 * (3 * D * F + 2 * F + D) == cfg.num_parameters()
 
 
+def test_parameter_counts_without_experts_equal_the_whole_tree(zoo):
+    """memory/sizes counts gpt-oss's expert parameters (biased widths) from one GptOssExpert: the whole tree's."""
+    from test_sizes import assert_counts_without_experts_equal_the_whole_tree
+
+    assert_counts_without_experts_equal_the_whole_tree(zoo.dir("fp32"))
+
+
 def test_config_as_released(zoo):
     """The released config.json layout (transformers 4.x: rope_scaling and rope_theta at the top level,
     no swiglu_alpha, experts_per_token, quantization_config) reads as transformers 5's does; missing

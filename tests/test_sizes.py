@@ -71,3 +71,40 @@ def test_cpu_plan_counts_what_the_engine_holds(zoo, name, qtype, config):
         assert plan.memory["cpu"] <= held * 1.001
     finally:
         llm.close()
+
+
+def assert_counts_without_experts_equal_the_whole_tree(path):
+    """sizes' parameter counts of `path`'s config (its tree built without experts, they counted from one)
+    against the whole tree's named_parameters; the engine's model without expert modules, every MoE block
+    served by its expert runtime; a block built without experts and left without a runner saying so."""
+    from tiered.models import build_model
+    from tiered.models.moe import moe_blocks
+
+    cfg = open_checkpoint(path).config
+    sizes._TREES.clear()
+    with torch.device("meta"):
+        whole = build_model(cfg, 1)
+        bare = build_model(cfg, 1, experts=False)
+    tied = cfg.tie_word_embeddings
+    assert dict(sizes._param_counts(cfg)) == {n: p.numel() for n, p in whole.named_parameters()
+                                              if not (tied and n == "lm_head.weight")}
+    assert sum(".experts." in n for n, _ in sizes._param_counts(cfg)) == \
+        sum(".experts." in n for n, _ in whole.named_parameters()) > 0
+    block = moe_blocks(bare)[0]
+    with pytest.raises(RuntimeError, match="built without its experts"):
+        block.runner(block.layer_idx, torch.zeros(1, cfg.hidden_size), torch.zeros(1, 1, dtype=torch.long),
+                     torch.ones(1, 1), block)
+    llm = LLM(path, engine_config(accelerator="none"))
+    try:
+        blocks = moe_blocks(llm.model)
+        assert blocks and all(len(b.experts) == 0 and b.runner is llm.runtime.experts for b in blocks)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_parameter_counts_of_a_tree_without_experts_equal_the_whole_tree(rt, kind):  # noqa: F811
+    """sizes builds MoE trees without their experts' modules (build_model(experts=False)) and counts those
+    parameters from one expert (models/moe.expert_module): the same names and elements as the whole tree's
+    named_parameters (tests/test_gpt_oss.py checks gpt-oss's)."""
+    assert_counts_without_experts_equal_the_whole_tree(rt.dir(kind))

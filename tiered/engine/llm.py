@@ -260,8 +260,8 @@ class LLM:
 
         if self.accelerator is not None:
             self.accelerator.pinned = self.plan.pinned  # how the weights kept in RAM are pinned (CUDA)
-        with torch.device("meta"):
-            self.model = build_model(self.config, self.max_context)
+        with torch.device("meta"):  # an MoE's routed experts: the expert store holds them (place_experts)
+            self.model = build_model(self.config, self.max_context, experts=False)
         self.fast_budget.reserve(sizes.rotary_bytes(self.config, self.max_context), "the rotary tables")
         rotary = Rotary(self.config, self.max_context)
         self.model.rotary = self.accelerator.module_to_device(rotary) if self.accelerator is not None else rotary

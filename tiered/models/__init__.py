@@ -43,9 +43,10 @@ def _no_parameter_init():
                 cls.reset_parameters = fn
 
 
-def build_model(config: ModelConfig, max_positions: int) -> CausalLM:
+def build_model(config: ModelConfig, max_positions: int, experts: bool = True) -> CausalLM:
     """Build the module tree for `config` (call under torch.device('meta') to allocate nothing; there its
-    nn.Linear and nn.Embedding layers skip their random initialization).
+    nn.Linear and nn.Embedding layers skip their random initialization). `experts=False`: MoE blocks
+    without their routed experts' modules (models/moe.MoEBlock), for a runtime that holds them itself.
 
     Dense Llama-family types get models/llama.py's layers; MoE types (Mixtral, Qwen2-MoE,
     Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5) get models/moe.py's MoEBlock layers; gpt-oss
@@ -56,19 +57,19 @@ def build_model(config: ModelConfig, max_positions: int) -> CausalLM:
     """
     if torch.get_default_device().type == "meta":
         with _no_parameter_init():
-            return _build(config, max_positions)
-    return _build(config, max_positions)
+            return _build(config, max_positions, experts)
+    return _build(config, max_positions, experts)
 
 
-def _build(config: ModelConfig, max_positions: int) -> CausalLM:
+def _build(config: ModelConfig, max_positions: int, experts: bool) -> CausalLM:
     if config.model_type in DENSE_TYPES:
         return CausalLM(config, max_positions)
     if config.model_type == "gpt_oss":
         from tiered.models.gpt_oss import build_gpt_oss_model
-        return build_gpt_oss_model(config, max_positions)
+        return build_gpt_oss_model(config, max_positions, experts)
     if config.model_type in MOE_TYPES:
         from tiered.models.moe import build_moe_model
-        return build_moe_model(config, max_positions)
+        return build_moe_model(config, max_positions, experts)
     from tiered.errors import UnsupportedModelError
     raise UnsupportedModelError(f"architecture {config.model_type!r} is not implemented yet",
                                 "use a dense Llama-family or an MoE (Mixtral, Qwen-MoE, OLMoE) model")

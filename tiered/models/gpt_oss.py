@@ -38,7 +38,7 @@ from torch import nn
 from tiered.checkpoint.model_config import ModelConfig, biased_width
 from tiered.models.layers import Attention
 from tiered.models.llama import CausalLM, DecoderLayer
-from tiered.models.moe import LocalExperts, MoEBlock, SWIGLU_EXPERT_NAMES
+from tiered.models.moe import ExpertsElsewhere, LocalExperts, MoEBlock, SWIGLU_EXPERT_NAMES
 
 
 # torch's CPU flash attention returning each query's logsumexp (a private op: None where this torch lacks it)
@@ -177,15 +177,16 @@ class GptOssMoEBlock(MoEBlock):
     runtime reads) and `experts` (GptOssExpert); no shared expert. Runs like every MoEBlock: its
     `runner` (models/moe.ExpertRunner) computes the routed experts."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, experts: bool = True) -> None:
         nn.Module.__init__(self)
         D, E, F_ = config.hidden_size, config.num_experts, config.moe_intermediate_size
         self.layer_idx = layer_idx
         self.router = GptOssRouter(D, E, config.num_experts_per_tok)
-        self.experts = nn.ModuleList(GptOssExpert(D, F_, config.swiglu_alpha, config.swiglu_limit) for _ in range(E))
+        self.experts = nn.ModuleList(GptOssExpert(D, F_, config.swiglu_alpha, config.swiglu_limit) for _ in range(E)
+                                     if experts)
         self.shared_expert_gate = None
         self.shared_expert = None
-        self.runner = LocalExperts()
+        self.runner = LocalExperts() if experts else ExpertsElsewhere()
         self.on_route = None
 
     def __getattr__(self, name: str):
@@ -194,11 +195,11 @@ class GptOssMoEBlock(MoEBlock):
         return super().__getattr__(name)
 
 
-def build_gpt_oss_model(config: ModelConfig, max_positions: int) -> CausalLM:
+def build_gpt_oss_model(config: ModelConfig, max_positions: int, experts: bool = True) -> CausalLM:
     """The CausalLM of a gpt_oss config: every layer SinkAttention + GptOssMoEBlock (HF names)."""
     layers: list[nn.Module] = []
     for i in range(config.num_hidden_layers):
-        layer = DecoderLayer(config, i, mlp=GptOssMoEBlock(config, i))
+        layer = DecoderLayer(config, i, mlp=GptOssMoEBlock(config, i, experts))
         layer.self_attn = SinkAttention(config, i)
         layers.append(layer)
     return CausalLM(config, max_positions, layers)

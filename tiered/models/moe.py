@@ -154,6 +154,15 @@ class LocalExperts(ExpertRunner):
         return out
 
 
+class ExpertsElsewhere(ExpertRunner):
+    """The runner of a block built without its experts (build_model(..., experts=False)): the engine's
+    expert runtime replaces it (runtime/install.py); calling it means none was installed."""
+
+    def __call__(self, layer_idx, x, topk_idx, topk_weight, block):
+        raise RuntimeError(f"MoE layer {layer_idx} was built without its experts (the expert runtime serves "
+                           "them) and no ExpertRunner was installed")
+
+
 class MoEBlock(nn.Module):
     """Routed experts (+ optional shared expert): x [B, T, D] -> [B, T, D].
 
@@ -162,6 +171,10 @@ class MoEBlock(nn.Module):
     (nn.Linear D -> 1), whose sigmoid scales the shared expert's output; for DeepSeek the shared
     experts (one MLP of n_shared_experts x moe_intermediate_size, HF name `shared_experts`, reached
     as `shared_expert` too) are added ungated and `shared_expert_gate` is None; else both are None.
+
+    `experts=False` builds no expert modules (`experts` is empty and the runner ExpertsElsewhere): the
+    engine's model, whose experts the expert runtime holds (building a 128-expert layer's 384 meta
+    nn.Linear cost ~50 ms a layer, twice a start); memory/sizes counts their parameters from one.
 
     Attributes:
         layer_idx: index of the decoder layer that owns the block.
@@ -172,7 +185,7 @@ class MoEBlock(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int,
-                 expert_names: tuple[str, str, str] = SWIGLU_EXPERT_NAMES) -> None:
+                 expert_names: tuple[str, str, str] = SWIGLU_EXPERT_NAMES, experts: bool = True) -> None:
         super().__init__()
         D, E = config.hidden_size, config.num_experts
         self.layer_idx = layer_idx
@@ -182,7 +195,8 @@ class MoEBlock(nn.Module):
             self.gate = DeepSeekRouter(config)
         else:
             self.gate = Router(D, E, config.num_experts_per_tok, config.norm_topk_prob)
-        self.experts = nn.ModuleList(Expert(D, config.moe_intermediate_size, expert_names) for _ in range(E))
+        self.experts = nn.ModuleList(Expert(D, config.moe_intermediate_size, expert_names) for _ in range(E)
+                                     if experts)
         self.shared_expert_gate = None
         if not config.shared_expert_intermediate_size:
             self.shared_expert = None
@@ -191,7 +205,7 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(D, 1, bias=False)
         else:  # DeepSeek's HF name; `shared_expert` (__getattr__) stays the one attribute other code reads
             self.shared_experts = MLP(D, config.shared_expert_intermediate_size)
-        self.runner: ExpertRunner = LocalExperts()
+        self.runner: ExpertRunner = LocalExperts() if experts else ExpertsElsewhere()
         self.on_route: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,17 +243,27 @@ class MixtralDecoderLayer(DecoderLayer):
         return self.block_sparse_moe
 
 
-def build_moe_model(config: ModelConfig, max_positions: int) -> CausalLM:
-    """The CausalLM of an MoE architecture (config.model_type in MOE_TYPES)."""
+def build_moe_model(config: ModelConfig, max_positions: int, experts: bool = True) -> CausalLM:
+    """The CausalLM of an MoE architecture (config.model_type in MOE_TYPES); `experts`: MoEBlock's."""
     layers: list[nn.Module] = []
     for i in range(config.num_hidden_layers):
         if config.model_type == "mixtral":
-            layers.append(MixtralDecoderLayer(config, i, MoEBlock(config, i, MIXTRAL_EXPERT_NAMES)))
+            layers.append(MixtralDecoderLayer(config, i, MoEBlock(config, i, MIXTRAL_EXPERT_NAMES, experts)))
         elif config.is_moe_layer(i):
-            layers.append(DecoderLayer(config, i, mlp=MoEBlock(config, i)))
+            layers.append(DecoderLayer(config, i, mlp=MoEBlock(config, i, experts=experts)))
         else:  # a dense layer of a Qwen-MoE model (mlp_only_layers / decoder_sparse_step)
             layers.append(DecoderLayer(config, i))
     return CausalLM(config, max_positions, layers)
+
+
+def expert_module(config: ModelConfig) -> nn.Module:
+    """One routed expert of `config`'s architecture, as its MoEBlock builds each (HF names; build it on the
+    meta device for names and shapes only)."""
+    if config.model_type == "gpt_oss":
+        from tiered.models.gpt_oss import GptOssExpert
+        return GptOssExpert(config.hidden_size, config.moe_intermediate_size, config.swiglu_alpha, config.swiglu_limit)
+    names = MIXTRAL_EXPERT_NAMES if config.model_type == "mixtral" else SWIGLU_EXPERT_NAMES
+    return Expert(config.hidden_size, config.moe_intermediate_size, names)
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
