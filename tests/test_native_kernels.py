@@ -470,9 +470,9 @@ def test_q4_blocks_repack_to_the_tiled_layout_bit_for_bit(fmt, isa):
         ext.q4_blocks_tiled(torch.from_numpy(raw), 18 if fmt == "Q4_0" else 20, outs[0], outs[1].float())
 
 
-def test_q8_blocks_repack_to_the_tiled_layout_bit_for_bit():
+def test_q8_blocks_repack_to_the_tiled_layout_bit_for_bit(isa):
     """GGUF Q8_0 expert blocks -> the tiled int8-g32 segments in one native pass, the same bytes as
-    the numpy / torch path (unpack_q8_blocks, int8_g32_segments)."""
+    the numpy / torch path (unpack_q8_blocks, int8_g32_segments), on every ISA path."""
     import numpy as np
 
     from tiered.bench.gguf_moe import random_blocks

@@ -2646,6 +2646,22 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
 // GGUF Q8_0 blocks (fp16 d, 32 int8 q: w = d q) -> int8-g32 in the tiled int8 layout: qt uint8
 // [N, K] (byte 4r + j of chunk c = q[16 t + r, 4 c + j] + 128) and st fp16 [N/16, K/32, 16] (d as
 // stored), one pass per 16-row tile in parallel.
+// q8_blocks_tiled's pass over one tile of 16 rows with AVX-512, the rows a vector's lanes: each group's 16
+// fp16 scales and its 8 chunks of 4 codes a row gathered and stored whole (the same bytes as the scalar loop).
+// rows: the tile's first row of blocks, G groups a row; qt: the tile's codes; st: its groups' 16 scales each.
+TIERED_AVX512 void q8_tile_avx512(const uint8_t* rows, int64_t G, uint8_t* qt, uint16_t* st) {
+  constexpr int64_t block = 34;
+  const __m512i vidx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(int32_t(G * block)));
+  const __m512i flip = _mm512_set1_epi32(int32_t(0x80808080u));  // int8 q + 128
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* b = rows + g * block;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(st + g * kBlock), _mm512_cvtepi32_epi16(q4_gather(vidx, b)));
+    for (int c = 0; c < 8; ++c)
+      _mm512_storeu_si512(qt + (8 * g + c) * 64, _mm512_xor_si512(q4_gather(vidx, b + 2 + 4 * c), flip));
+  }
+}
+
 std::vector<at::Tensor> q8_blocks_tiled(const at::Tensor& raw0, const c10::optional<at::Tensor>& qt_out,
                                         const c10::optional<at::Tensor>& st_out) {
   constexpr int64_t block = 34;
@@ -2655,6 +2671,13 @@ std::vector<at::Tensor> q8_blocks_tiled(const at::Tensor& raw0, const c10::optio
   const uint8_t* src = br.raw.data_ptr<uint8_t>();
   uint8_t* dst = qt.data_ptr<uint8_t>();
   uint16_t* stp = reinterpret_cast<uint16_t*>(st.data_ptr<at::Half>());
+  if (current_isa() == kAvx512) {
+    at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        q8_tile_avx512(src + t * kBlock * G * block, G, dst + t * kBlock * K, stp + t * G * kBlock);
+    });
+    return {qt, st};
+  }
   at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t r = 0; r < kBlock; ++r) {
