@@ -259,13 +259,15 @@ def test_q8_0_embedding_rows_equal_the_gguf_packages():
 
 
 def test_q8_0_decode_copies_equal_quantizing_the_dequantized_weight():
-    """quantize_int8_blocks' Q8_0 path (each row's amax from its blocks, then q d / scale in place) gives
-    quant/int8.quantize_int8 of the dequantized weight bit for bit, in chunks of rows, with codes of
-    -128, all-zero rows and a row of one tiny block among zeros."""
+    """quantize_int8_blocks' Q8_0 path (each row's amax from its blocks, then q d / scale: natively,
+    kernels' q8_rows_int8, or in torch, _q8_0_per_row) gives quant/int8.quantize_int8 of the dequantized
+    weight bit for bit, in chunks of rows, with codes of -128, all-zero rows and a row of one tiny block
+    among zeros."""
     from types import SimpleNamespace
 
+    from tiered.kernels import load
     from tiered.quant.int8 import quantize_int8
-    from tiered.quant.linear import quantize_int8_blocks
+    from tiered.quant.linear import _q8_0_per_row, quantize_int8_blocks
 
     x = np.random.default_rng(1).standard_normal((37, 96)).astype(np.float32) * 3
     x[5] = 0
@@ -278,6 +280,22 @@ def test_q8_0_decode_copies_equal_quantizing_the_dequantized_weight():
     for rows in (4096, 8):
         q, scale = quantize_int8_blocks(handle, rows=rows)
         assert torch.equal(q, ref[0]) and torch.equal(scale, ref[1])
+    for i in range(0, 37, 8):  # the torch path, where the native one is built too
+        q, scale = _q8_0_per_row(blocks[i:i + 8], 96)
+        assert torch.equal(q, ref[0][i:i + 8]) and torch.equal(scale, ref[1][i:i + 8])
+    ext = load()
+    if ext is not None:  # every ISA path of the native one
+        big = quantize(np.random.default_rng(2).standard_normal((300, 2048)).astype(np.float32), Q.Q8_0)
+        want = quantize_int8(torch.from_numpy(dequantize(big, Q.Q8_0).reshape(300, 2048)))
+        for isa in ("scalar", ext.best_gemv_isa()):
+            ext.set_isa(isa)
+            try:
+                got = ext.q8_rows_int8(torch.from_numpy(big))
+                small = ext.q8_rows_int8(torch.from_numpy(blocks))
+            finally:
+                ext.reset_isa()
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), isa
+            assert torch.equal(small[0], ref[0]) and torch.equal(small[1], ref[1]), isa
 
 
 def test_fast_reader_parses_what_gguf_parses(tmp_path):

@@ -53,6 +53,7 @@ through a table, always on int8 activations (quant/mxfp4.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -380,18 +381,20 @@ class ExpertFormat:
         if self.is_dense:
             return [{"w": t} for t in slot]
         (buf,) = slot
-        return [{f: buf[o:o + torch.Size(s).numel() * torch.empty((), dtype=dt).element_size()].view(dt).view(s)
-                 for f, o, s, dt in segs} for segs in self._layout]
+        return [{f: buf[o:o + math.prod(s) * dt.itemsize].view(dt).view(s) for f, o, s, dt in segs}
+                for segs in self._layout]
 
     def segment_views(self, slot: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """Every segment of `slot` in storage order (gate's, up's, down's), as typed views."""
         return [v for proj in self.views(slot) for v in proj.values()]
 
     # ----------------------------------------------------------------- encode
-    def encode(self, parts: list[dict[str, torch.Tensor]], slot: tuple[torch.Tensor, ...]) -> None:
+    def encode(self, parts: list[dict[str, torch.Tensor]], slot: tuple[torch.Tensor, ...],
+               views: list[dict[str, torch.Tensor]] | None = None) -> None:
         """Write per-projection segments (as `quantize_projection` returns) into `slot` (host tensors);
-        a segment already written in place (a view of the same bytes) is left as it is."""
-        for dst, src in zip(self.views(slot), parts):
+        a segment already written in place (a view of the same bytes) is left as it is. `views`: the
+        slot's `views` where the caller has them."""
+        for dst, src in zip(views if views is not None else self.views(slot), parts):
             for f, t in dst.items():
                 if src[f].data_ptr() != t.data_ptr():
                     t.copy_(src[f])

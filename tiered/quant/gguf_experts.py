@@ -231,5 +231,5 @@ def encode_expert(fmt: ExpertFormat, handles, slot: tuple[torch.Tensor, ...] | N
             h.read_into(t)
         return slot
     views = fmt.views(slot)  # the native repacks write here in place (encode then skips those segments)
-    fmt.encode([projection_segments(h, k, fmt.int4_layout, v) for h, k, v in zip(handles, fmt.kinds, views)], slot)
+    fmt.encode([projection_segments(h, k, fmt.int4_layout, v) for h, k, v in zip(handles, fmt.kinds, views)], slot, views)
     return slot

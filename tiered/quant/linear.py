@@ -287,9 +287,16 @@ def quantize_int8_blocks(handle, rows: int = 4096) -> tuple[torch.Tensor, torch.
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from tiered.quant.gguf_dequant import dequantize_blocks
+    from tiered.quant.gguf_dequant import blocks_tensor, dequantize_blocks
 
     raw, (N, K) = handle.blocks(), handle.shape
+    if handle.format == "Q8_0":
+        from tiered.kernels import load
+
+        ext = load()
+        if ext is not None:  # one native pass a row, the same bytes as _q8_0_per_row
+            q, scale = ext.q8_rows_int8(blocks_tensor(np.asarray(raw)))
+            return q, scale
     qtype = GGMLQuantizationType[handle.format]
     q, scale = torch.empty(N, K, dtype=torch.int8), torch.empty(N)
     for i in range(0, N, rows):

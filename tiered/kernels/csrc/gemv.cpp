@@ -2646,6 +2646,76 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
 // GGUF Q8_0 blocks (fp16 d, 32 int8 q: w = d q) -> int8-g32 in the tiled int8 layout: qt uint8
 // [N, K] (byte 4r + j of chunk c = q[16 t + r, 4 c + j] + 128) and st fp16 [N/16, K/32, 16] (d as
 // stored), one pass per 16-row tile in parallel.
+// GGUF Q8_0 blocks -> per-row int8 (quant/int8.quantize_int8 of the dequantized rows, bit for bit): each row's
+// scale = max over its blocks of |d| max |q|, / 127 (at least 1e-12; the products d q are exact in fp32), and
+// q' = round half to even of (q d) / scale, clamped to [-127, 127]. One pass a row, the rows across the threads
+// (an lm_head's copy: quant/linear.quantize_int8_blocks, which took ~5 torch passes over each 4096-row chunk).
+// q8_rows_int8's codes of one row on AVX-512: round half to even of (q d) / s, clamped, 32 a block (the same
+// fp32 product, quotient and rounding as the scalar loop)
+TIERED_AVX512 void q8_row_int8_avx512(const uint8_t* row, int64_t G, float s, int8_t* out) {
+  const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t g = 0; g < G; ++g) {
+    uint16_t h;
+    std::memcpy(&h, row + g * 34, 2);
+    const __m512 d = _mm512_set1_ps(half_to_float(h));
+    for (int half = 0; half < 2; ++half) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 34 + 2 + 16 * half));
+      const __m512 w = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), d,
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m512 v = _mm512_div_round_ps(w, vs, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + g * kGroup + 16 * half), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+  }
+}
+
+std::vector<at::Tensor> q8_rows_int8(const at::Tensor& raw0) {
+  constexpr int64_t block = 34;
+  TIERED_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
+              "q8_rows_int8: raw must be CPU uint8 [N, K/32 * 34], got ", raw0.sizes());
+  const at::Tensor raw = raw0.contiguous();
+  const int64_t N = raw.size(0), G = raw.size(1) / block, K = G * kGroup;
+  at::Tensor q = at::empty({N, K}, at::TensorOptions().dtype(at::kChar));
+  at::Tensor scale = at::empty({N}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  const bool avx512 = current_isa() == kAvx512;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = src + n * G * block;
+      float amax = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        uint16_t h;
+        std::memcpy(&h, row + g * block, 2);
+        const auto* c = reinterpret_cast<const int8_t*>(row + g * block + 2);
+        int m = 0;
+        for (int j = 0; j < kGroup; ++j) m = std::max(m, std::abs(int(c[j])));
+        amax = std::max(amax, std::fabs(half_to_float(h)) * float(m));
+      }
+      volatile float sc = amax / 127.f;  // rounded as torch's division, before the clamp
+      const float s = std::max(float(sc), 1e-12f);
+      sp[n] = s;
+      int8_t* out = qp + n * K;
+      if (avx512) {
+        q8_row_int8_avx512(row, G, s, out);
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        uint16_t h;
+        std::memcpy(&h, row + g * block, 2);
+        const float d = half_to_float(h);
+        const auto* c = reinterpret_cast<const int8_t*>(row + g * block + 2);
+        for (int j = 0; j < kGroup; ++j) {
+          const float v = std::nearbyint(float(c[j]) * d / s);
+          out[g * kGroup + j] = int8_t(std::min(127.f, std::max(-127.f, v)));
+        }
+      }
+    }
+  });
+  return {q, scale};
+}
+
 // q8_blocks_tiled's pass over one tile of 16 rows with AVX-512, the rows a vector's lanes: each group's 16
 // fp16 scales and its 8 chunks of 4 codes a row gathered and stored whole (the same bytes as the scalar loop).
 // rows: the tile's first row of blocks, G groups a row; qt: the tile's codes; st: its groups' 16 scales each.
@@ -3821,6 +3891,9 @@ void register_gemv(pybind11::module& m) {
         py::arg("out") = py::none(),
         "A tiled int8-g32 weight (qt uint8 [N, K], st float16 [N/16, K/32, 16]) -> bf16 [N, K]: (qt - 128) * s "
         "rounded to nearest even; out: write into it (contiguous bf16 [N, K]) instead of a new tensor.");
+  m.def("q8_rows_int8", &q8_rows_int8, py::arg("raw"),
+        "GGUF Q8_0 blocks uint8 [N, K/32 * 34] -> (q int8 [N, K], scale float32 [N]): per-row int8 of the dequantized "
+        "rows, bit for bit quant/int8.quantize_int8's.");
   m.def("q8_blocks_tiled", &q8_blocks_tiled, py::arg("raw"), py::arg("qt_out") = py::none(), py::arg("st_out") = py::none(),
         "GGUF Q8_0 blocks uint8 [N, K/32 * 34] -> (qt uint8 [N, K] in the tiled int8 layout, st float16 [N/16, K/32, 16]): "
         "quant/gguf_experts.unpack_q8_blocks then quant/experts.int8_g32_segments(layout='tiled'), bit for bit. *_out: "
