@@ -34,11 +34,42 @@ def load_hf_tokenizer(path: Path):
     """
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
+    import transformers
+
+    mark = _hf_mark(path)
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        if mark is not None and mark.is_file() and json.loads(mark.read_text()).get("load") == "generic":
+            return transformers.TokenizersBackend.from_pretrained(str(path))
+        tok = transformers.AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers/tokenizers raise JSON, Key, Value and their own errors
         raise _tokenizer_error(path, e) from None
+    if mark is not None and not mark.is_file():
+        _record_rule(mark, tok, [("generic", lambda: transformers.TokenizersBackend.from_pretrained(str(path))),
+                                 ("class", lambda: tok)])
+    return tok
+
+
+def _hf_mark(path: Path) -> Path | None:
+    """The GENERIC_MARK of a model directory's tokenizer, in the cache (keyed by the directory and its
+    tokenizer files' sizes and modification times), where its tokenizer.json could be read through the
+    generic TokenizersBackend: None where there is no tokenizer.json, the saved class is that already, or
+    transformers has no such class. AutoTokenizer imports a model-specific class's module, and with it
+    transformers.models' import structure (~1.1 s of every start); the rule, checked once on the tokenizer
+    AutoTokenizer gives (_same_tokenizer), lets later starts skip that."""
+    import transformers
+
+    if not (path / "tokenizer.json").is_file() or not hasattr(transformers, "TokenizersBackend"):
+        return None
+    try:
+        cls = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None  # no config, or a corrupt one (AutoTokenizer reports it)
+    if cls in (None, "TokenizersBackend"):
+        return None
+    stamp = [f"{path.resolve()}"] + [f"{f}:{(path / f).stat().st_size}:{(path / f).stat().st_mtime_ns}"
+                                     for f in TOKENIZER_FILES + ("special_tokens_map.json", "chat_template.jinja")
+                                     if (path / f).is_file()]
+    return cache_dir() / "tokenizers" / hashlib.sha256("|".join(stamp).encode()).hexdigest()[:16] / GENERIC_MARK
 
 
 def _tokenizer_error(path: Path, e: Exception) -> CheckpointError:
@@ -102,6 +133,25 @@ def _same_tokenizer(a, b) -> bool:
     return True
 
 
+def _record_rule(mark: Path, reference, candidates) -> str:
+    """The first of `candidates` ((rule, load) pairs) whose tokenizer reads as `reference` does
+    (_same_tokenizer), else "convert", written to `mark` (a read-only cache: not written)."""
+    rule = "convert"
+    for name, load in candidates:
+        try:
+            if _same_tokenizer(reference, load()):
+                rule = name
+                break
+        except Exception:  # a tokenizer this class cannot read back
+            continue
+    try:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text(json.dumps({"load": rule}))
+    except OSError:
+        pass  # a read-only cache: checked again next time
+    return rule
+
+
 def _cache_rule(cached: Path, converted) -> str:
     """How later loads read the tokenizer cached in `cached` so that they tokenize as `converted` (the
     tokenizer transformers built from the GGUF file) does, written to its GENERIC_MARK: "generic" (the
@@ -110,19 +160,10 @@ def _cache_rule(cached: Path, converted) -> str:
     pre-tokenizer, which a GGUF file's need not be) or "convert" (neither: convert the file each time)."""
     import transformers
 
-    rule = "convert"
-    for name, load in (("generic", getattr(transformers, "TokenizersBackend", None)), ("class", transformers.AutoTokenizer)):
-        try:
-            if load is not None and _same_tokenizer(converted, load.from_pretrained(str(cached))):
-                rule = name
-                break
-        except Exception:  # a tokenizer this class cannot read back
-            continue
-    try:
-        (cached / GENERIC_MARK).write_text(json.dumps({"load": rule}))
-    except OSError:
-        pass  # a read-only cache: the entry reads as stale and is converted again next time
-    return rule
+    candidates = [("class", lambda: transformers.AutoTokenizer.from_pretrained(str(cached)))]
+    if hasattr(transformers, "TokenizersBackend"):
+        candidates.insert(0, ("generic", lambda: transformers.TokenizersBackend.from_pretrained(str(cached))))
+    return _record_rule(cached / GENERIC_MARK, converted, candidates)
 
 
 def _load_cached(cached: Path):

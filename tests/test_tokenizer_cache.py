@@ -1,0 +1,45 @@
+"""checkpoint/tokenizer.py's rule for a model directory's tokenizer: read through the generic
+TokenizersBackend where it gives what AutoTokenizer gives (checked once, recorded in the cache), else
+through AutoTokenizer's model-specific class (whose import costs ~1.1 s of every start)."""
+
+from __future__ import annotations
+
+import json
+
+from fixtures import build_tokenizer
+from tiered.checkpoint.tokenizer import _PROBES, GENERIC_MARK, _hf_mark, load_hf_tokenizer
+
+
+def _directory(tmp_path, cls: str):
+    d = tmp_path / cls
+    build_tokenizer().save_pretrained(d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": cls}))
+    return d
+
+
+def test_a_directory_tokenizer_reads_through_the_generic_class_only_where_it_is_the_same(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
+    # transformers reads a ByteLevel tokenizer.json saved as "LlamaTokenizer" through the generic class anyway
+    same = _directory(tmp_path, "LlamaTokenizer")
+    first = load_hf_tokenizer(same)
+    mark = _hf_mark(same)
+    assert mark is not None and mark.name == GENERIC_MARK and json.loads(mark.read_text()) == {"load": "generic"}
+    again = load_hf_tokenizer(same)
+    assert type(again).__name__ == "TokenizersBackend"
+    assert all(again(t).input_ids == first(t).input_ids for t in _PROBES)
+    # GPT2Tokenizer rebuilds its own pipeline from the vocabulary and merges: not the same, kept as its class
+    other = _directory(tmp_path, "GPT2Tokenizer")
+    first = load_hf_tokenizer(other)
+    assert type(first).__name__ == "GPT2Tokenizer"
+    assert json.loads(_hf_mark(other).read_text()) == {"load": "class"}
+    assert type(load_hf_tokenizer(other)).__name__ == "GPT2Tokenizer"
+    # the rule is keyed by the tokenizer files: an edited config is checked again
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**cfg, "model_max_length": 77}))
+    assert not _hf_mark(other).is_file()
+    assert load_hf_tokenizer(other).model_max_length == 77 and _hf_mark(other).is_file()
+    # a directory already saved by the generic class needs no rule
+    plain = tmp_path / "plain"
+    build_tokenizer().save_pretrained(plain)
+    assert _hf_mark(plain) is None
