@@ -43,3 +43,26 @@ def test_a_directory_tokenizer_reads_through_the_generic_class_only_where_it_is_
     plain = tmp_path / "plain"
     build_tokenizer().save_pretrained(plain)
     assert _hf_mark(plain) is None
+
+
+def test_the_same_tokenizer_check_compares_what_tiered_reads():
+    """_same_tokenizer: a copy is the same (a chat template that refuses a system turn is compared
+    without one); another chat template, another special token or another vocabulary is not."""
+    import copy
+
+    from tiered.checkpoint.tokenizer import _same_tokenizer
+
+    a = build_tokenizer()
+    a.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
+                       "{% endif %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    assert _same_tokenizer(a, copy.deepcopy(a))
+    b = copy.deepcopy(a)
+    b.chat_template = a.chat_template.replace("<{{", "[{{")
+    assert not _same_tokenizer(a, b)
+    c = copy.deepcopy(a)
+    c.add_special_tokens({"additional_special_tokens": ["<extra>"]})
+    assert not _same_tokenizer(a, c)
+    d = build_tokenizer()
+    d.chat_template = a.chat_template
+    d.add_tokens(["memory"])  # splits text differently
+    assert not _same_tokenizer(a, d)
