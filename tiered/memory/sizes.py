@@ -88,15 +88,14 @@ def _tree(cfg: ModelConfig) -> tuple[tuple[tuple[str, int], ...], frozenset[str]
         from torch import nn
 
         from tiered.models import build_model
-        from tiered.models.moe import expert_module, moe_blocks
+        from tiered.models.moe import MoEBlock, expert_module
 
         with torch.device("meta"):  # the routed experts' parameters from one expert: E of them a MoE layer
             model = build_model(cfg, 1, experts=False)
             one = tuple((n, p.numel()) for n, p in expert_module(cfg).named_parameters()) if cfg.is_moe else ()
         tied = cfg.tie_word_embeddings
         counts = tuple((n, p.numel()) for n, p in model.named_parameters() if not (tied and n == "lm_head.weight"))
-        moe = {id(b) for b in moe_blocks(model)}
-        blocks = [name for name, m in model.named_modules() if id(m) in moe]
+        blocks = [name for name, m in model.named_modules() if isinstance(m, MoEBlock)]
         counts += tuple((f"{block}.experts.{e}.{n}", k) for block in blocks for e in range(cfg.num_experts)
                         for n, k in one)
         copied = frozenset(f"{name}.weight" for name, m in model.named_modules()

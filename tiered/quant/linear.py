@@ -295,8 +295,7 @@ def quantize_int8_blocks(handle, rows: int = 4096) -> tuple[torch.Tensor, torch.
 
         ext = load()
         if ext is not None:  # one native pass a row, the same bytes as _q8_0_per_row
-            q, scale = ext.q8_rows_int8(blocks_tensor(np.asarray(raw)))
-            return q, scale
+            return tuple(ext.q8_rows_int8(blocks_tensor(np.asarray(raw))))
     qtype = GGMLQuantizationType[handle.format]
     q, scale = torch.empty(N, K, dtype=torch.int8), torch.empty(N)
     for i in range(0, N, rows):

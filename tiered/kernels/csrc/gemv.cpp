@@ -1573,11 +1573,23 @@ TIERED_AVX2 inline void tiled_group_codes(const uint8_t* tile, int64_t gstride, 
   c1 = _mm_unpackhi_epi32(lo, hi);  // columns 16..31
 }
 
+// AVX-512 lanes as 16 rows (the GGUF repacking passes) or 16 values: the 32-bit words at p + each lane's offset
+// in vidx; the fp16 in each lane's low half as fp32; to_bf16 of each lane (in its low 16 bits)
+TIERED_AVX512 inline __m512i gather_lanes(__m512i vidx, const uint8_t* p) { return _mm512_i32gather_epi32(vidx, p, 1); }
+TIERED_AVX512 inline __m512 fp16_lo_lanes(__m512i v) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF))));
+}
+TIERED_AVX512 inline __m512i bf16_lanes(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i r = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
+}
+
 template <bool E2M1>
 TIERED_AVX512 void int4t_dequant_avx512(const Int4Block& blk, const uint8_t* tile, int64_t gstride, int64_t K, float* of,
                                         uint16_t* ob, int64_t ldo) {
   const int64_t G = K / kGroup;
-  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), centre = _mm512_set1_epi32(E2M1 ? 12 : 0);
+  const __m512i centre = _mm512_set1_epi32(E2M1 ? 12 : 0);
   for (int64_t r = 0; r < kBlock; ++r)
     for (int64_t g = 0; g < G; ++g) {
       __m128i c[2];
@@ -1590,9 +1602,7 @@ TIERED_AVX512 void int4t_dequant_avx512(const Int4Block& blk, const uint8_t* til
         if (of) {
           _mm512_storeu_ps(of + at, v);
         } else {
-          __m512i u = _mm512_castps_si512(v);
-          u = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + at), _mm512_cvtepi32_epi16(bf16_lanes(v)));
         }
       }
     }
@@ -2442,30 +2452,14 @@ std::pair<at::Tensor, at::Tensor> tiled_int8_outputs(const BlockRows& b, const c
           out_or_empty(st_out, {b.N / kBlock, b.G, kBlock}, at::kHalf, (std::string(what) + ": st_out").c_str())};
 }
 
-// q4_blocks_tiled's pass over one tile of 16 rows with AVX-512, the 16 rows a vector's lanes (each group's
-// scales, zeros and code words gathered from the rows' blocks): the same bytes as the scalar loop below (the
-// same fp32 products and sums, each rounded, and the same round-to-nearest-even bf16 conversion of finite
-// values). rows: the tile's first row of blocks, `stride` bytes a row; group g's codes at codes + g * cstride
-// (bytes), its 16 (s, z) bf16 pairs at sz + g * sstride and residuals at zr + 16 g (uint16). A 768 x 2048 Q4_0
-// projection (a Qwen3-30B-A3B expert's) 0.45 -> 0.14 ms on 2 Sapphire Rapids-class cores (its pages mapped).
-// q4_tile_avx512's lanes: the 32-bit words at p + 16 rows' offsets; the fp16 in each lane's low half as fp32;
-// to_bf16 of each lane (in its low 16 bits); a group's (s, z) pairs, residuals and 4 chunks of codes stored
-TIERED_AVX512 inline __m512i q4_gather(__m512i vidx, const uint8_t* p) { return _mm512_i32gather_epi32(vidx, p, 1); }
-TIERED_AVX512 inline __m512 q4_fp16_lo(__m512i v) {
-  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF))));
-}
-TIERED_AVX512 inline __m512i q4_bf16(__m512 f) {
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i r = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-  return _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
-}
+// q4_tile_avx512's group of 16 rows stored: its (s, z) bf16 pairs, the zeros' bf16 residuals and its 4 chunks of codes
 TIERED_AVX512 inline void q4_store_group(uint8_t* codes, uint16_t* sz, uint16_t* zr, __m512 d, __m512 zero,
                                          const __m512i* packed) {
-  const __m512i zb = q4_bf16(zero);
-  _mm512_storeu_si512(sz, _mm512_or_si512(q4_bf16(d), _mm512_slli_epi32(zb, 16)));
+  const __m512i zb = bf16_lanes(zero);
+  _mm512_storeu_si512(sz, _mm512_or_si512(bf16_lanes(d), _mm512_slli_epi32(zb, 16)));
   const __m512 res = _mm512_sub_round_ps(zero, _mm512_castsi512_ps(_mm512_slli_epi32(zb, 16)),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(zr), _mm512_cvtepi32_epi16(q4_bf16(res)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(zr), _mm512_cvtepi32_epi16(bf16_lanes(res)));
   for (int c = 0; c < 4; ++c) _mm512_storeu_si512(codes + c * 64, packed[c]);
 }
 
@@ -2473,6 +2467,12 @@ TIERED_AVX512 inline __m512i q4_byte(const __m512i* w, int k) {  // byte k of th
   return _mm512_and_si512(_mm512_srli_epi32(w[k / 4], 8 * (k % 4)), _mm512_set1_epi32(255));
 }
 
+// q4_blocks_tiled's pass over one tile of 16 rows with AVX-512, the 16 rows a vector's lanes (each group's
+// scales, zeros and code words gathered from the rows' blocks): the same bytes as the scalar loop below (the
+// same fp32 products and sums, each rounded, and the same round-to-nearest-even bf16 conversion of finite
+// values). rows: the tile's first row of blocks, `stride` bytes a row; group g's codes at codes + g * cstride
+// (bytes), its 16 (s, z) bf16 pairs at sz + g * sstride and residuals at zr + 16 g (uint16). A 768 x 2048 Q4_0
+// projection (a Qwen3-30B-A3B expert's) 0.45 -> 0.14 ms on 2 Sapphire Rapids-class cores (its pages mapped).
 TIERED_AVX512 void q4_tile_avx512(const uint8_t* rows, int64_t stride, int64_t G, int64_t block, uint8_t* codes,
                                   int64_t cstride, uint16_t* sz, int64_t sstride, uint16_t* zr) {
   const __m512i vidx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -2484,13 +2484,13 @@ TIERED_AVX512 void q4_tile_avx512(const uint8_t* rows, int64_t stride, int64_t G
   if (block != 144) {  // Q4_0 / Q4_1: one block a group
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* b = rows + g * block;
-      const __m512i dv = q4_gather(vidx, b);
-      const __m512 d = q4_fp16_lo(dv);
+      const __m512i dv = gather_lanes(vidx, b);
+      const __m512 d = fp16_lo_lanes(dv);
       __m512 zero = _mm512_setzero_ps();
-      if (block == 20) zero = _mm512_add_round_ps(q4_fp16_lo(_mm512_srli_epi32(dv, 16)),
+      if (block == 20) zero = _mm512_add_round_ps(fp16_lo_lanes(_mm512_srli_epi32(dv, 16)),
                                                   _mm512_mul_round_ps(eight, d, kRound), kRound);
       const uint8_t* qs = b + block - 16;
-      const __m512i a = q4_gather(vidx, qs), a4 = q4_gather(vidx, qs + 4), a8 = q4_gather(vidx, qs + 8), a12 = q4_gather(vidx, qs + 12);
+      const __m512i a = gather_lanes(vidx, qs), a4 = gather_lanes(vidx, qs + 4), a8 = gather_lanes(vidx, qs + 8), a12 = gather_lanes(vidx, qs + 12);
       packed[0] = _mm512_or_si512(_mm512_and_si512(a, lo4), _mm512_slli_epi32(_mm512_and_si512(a4, lo4), 4));
       packed[1] = _mm512_or_si512(_mm512_and_si512(a8, lo4), _mm512_slli_epi32(_mm512_and_si512(a12, lo4), 4));
       packed[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(a, 4), lo4), _mm512_and_si512(a4, hi4));
@@ -2502,9 +2502,9 @@ TIERED_AVX512 void q4_tile_avx512(const uint8_t* rows, int64_t stride, int64_t G
   const __m512i b63 = _mm512_set1_epi32(63), b15 = _mm512_set1_epi32(15);
   for (int64_t sb = 0; sb < G / 8; ++sb) {  // Q4_K: a super-block's 8 groups (gguf's get_scale_min per lane)
     const uint8_t* b = rows + sb * block;
-    const __m512i dv = q4_gather(vidx, b);
-    const __m512 sd = q4_fp16_lo(dv), sm = q4_fp16_lo(_mm512_srli_epi32(dv, 16));
-    const __m512i w[3] = {q4_gather(vidx, b + 4), q4_gather(vidx, b + 8), q4_gather(vidx, b + 12)};
+    const __m512i dv = gather_lanes(vidx, b);
+    const __m512 sd = fp16_lo_lanes(dv), sm = fp16_lo_lanes(_mm512_srli_epi32(dv, 16));
+    const __m512i w[3] = {gather_lanes(vidx, b + 4), gather_lanes(vidx, b + 8), gather_lanes(vidx, b + 12)};
     for (int j = 0; j < 8; ++j) {
       __m512i s6, m6;
       if (j < 4) {
@@ -2520,8 +2520,8 @@ TIERED_AVX512 void q4_tile_avx512(const uint8_t* rows, int64_t stride, int64_t G
       const uint8_t* qs = b + 16 + 32 * (j / 2);
       const int shift = 4 * (j % 2);
       for (int c = 0; c < 4; ++c) {
-        const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(q4_gather(vidx, qs + 8 * c), shift), lo4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(q4_gather(vidx, qs + 8 * c + 4), shift), lo4);
+        const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(gather_lanes(vidx, qs + 8 * c), shift), lo4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(gather_lanes(vidx, qs + 8 * c + 4), shift), lo4);
         packed[c] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
       }
       const int64_t g = 8 * sb + j;
@@ -2646,10 +2646,6 @@ std::vector<at::Tensor> q4_blocks_tiled(const at::Tensor& raw0, int64_t block, c
 // GGUF Q8_0 blocks (fp16 d, 32 int8 q: w = d q) -> int8-g32 in the tiled int8 layout: qt uint8
 // [N, K] (byte 4r + j of chunk c = q[16 t + r, 4 c + j] + 128) and st fp16 [N/16, K/32, 16] (d as
 // stored), one pass per 16-row tile in parallel.
-// GGUF Q8_0 blocks -> per-row int8 (quant/int8.quantize_int8 of the dequantized rows, bit for bit): each row's
-// scale = max over its blocks of |d| max |q|, / 127 (at least 1e-12; the products d q are exact in fp32), and
-// q' = round half to even of (q d) / scale, clamped to [-127, 127]. One pass a row, the rows across the threads
-// (an lm_head's copy: quant/linear.quantize_int8_blocks, which took ~5 torch passes over each 4096-row chunk).
 // q8_rows_int8's codes of one row on AVX-512: round half to even of (q d) / s, clamped, 32 a block (the same
 // fp32 product, quotient and rounding as the scalar loop)
 TIERED_AVX512 void q8_row_int8_avx512(const uint8_t* row, int64_t G, float s, int8_t* out) {
@@ -2669,6 +2665,10 @@ TIERED_AVX512 void q8_row_int8_avx512(const uint8_t* row, int64_t G, float s, in
   }
 }
 
+// GGUF Q8_0 blocks -> per-row int8 (quant/int8.quantize_int8 of the dequantized rows, bit for bit): each row's
+// scale = max over its blocks of |d| max |q|, / 127 (at least 1e-12; the products d q are exact in fp32), and
+// q' = round half to even of (q d) / scale, clamped to [-127, 127]. One pass a row, the rows across the threads
+// (an lm_head's copy: quant/linear.quantize_int8_blocks, which took ~5 torch passes over each 4096-row chunk).
 std::vector<at::Tensor> q8_rows_int8(const at::Tensor& raw0) {
   constexpr int64_t block = 34;
   TIERED_CHECK(raw0.device().is_cpu() && raw0.scalar_type() == at::kByte && raw0.dim() == 2 && raw0.size(1) % block == 0,
@@ -2726,9 +2726,9 @@ TIERED_AVX512 void q8_tile_avx512(const uint8_t* rows, int64_t G, uint8_t* qt, u
   const __m512i flip = _mm512_set1_epi32(int32_t(0x80808080u));  // int8 q + 128
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* b = rows + g * block;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(st + g * kBlock), _mm512_cvtepi32_epi16(q4_gather(vidx, b)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(st + g * kBlock), _mm512_cvtepi32_epi16(gather_lanes(vidx, b)));
     for (int c = 0; c < 8; ++c)
-      _mm512_storeu_si512(qt + (8 * g + c) * 64, _mm512_xor_si512(q4_gather(vidx, b + 2 + 4 * c), flip));
+      _mm512_storeu_si512(qt + (8 * g + c) * 64, _mm512_xor_si512(gather_lanes(vidx, b + 2 + 4 * c), flip));
   }
 }
 
