@@ -165,8 +165,9 @@ def test_corrupt_tokenizer_json(zoo, tmp_path, content, words):
     with pytest.raises(CheckpointError) as e:
         open_checkpoint(d).tokenizer()
     check(e, str(d / "tokenizer.json"), "corrupt", *words)
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError) as e:  # LLM() loads the tokenizer on a thread of its own: the same error
         LLM(d, EngineConfig(decode_weights="fp32"))
+    check(e, str(d / "tokenizer.json"), "corrupt", *words)
 
 
 def test_corrupt_tokenizer_at_the_command_line(zoo, tmp_path):

@@ -5,6 +5,7 @@ through AutoTokenizer's model-specific class (whose import costs ~1.1 s of every
 from __future__ import annotations
 
 import json
+import threading
 
 from fixtures import build_tokenizer
 from tiered.checkpoint.tokenizer import _PROBES, GENERIC_MARK, _hf_mark, load_hf_tokenizer
@@ -66,3 +67,37 @@ def test_the_same_tokenizer_check_compares_what_tiered_reads():
     d.chat_template = a.chat_template
     d.add_tokens(["memory"])  # splits text differently
     assert not _same_tokenizer(a, d)
+
+
+def test_llm_loads_the_tokenizer_on_its_own_thread_while_the_weights_are_placed(zoo, monkeypatch):
+    """LLM() starts the tokenizer's load after the plan (whose speed check wants idle cores) and
+    waits for it before returning; the weights are placed meanwhile on the calling thread."""
+    from tiered import LLM, EngineConfig
+    from tiered.checkpoint.hf_dir import HFDirCheckpoint
+
+    seen = {}
+    load_tokenizer, place, plan = HFDirCheckpoint._load_tokenizer, LLM._place, LLM._plan
+
+    def tokenizer_load(self):
+        seen["tokenizer"] = (threading.current_thread(), "planned" in seen)
+        return load_tokenizer(self)
+
+    def placing(self, progress):
+        seen["place"] = threading.current_thread()
+        return place(self, progress)
+
+    def planning(self, progress):
+        seen["planned"] = True
+        return plan(self, progress)
+
+    monkeypatch.setattr(HFDirCheckpoint, "_load_tokenizer", tokenizer_load)
+    monkeypatch.setattr(LLM, "_place", placing)
+    monkeypatch.setattr(LLM, "_plan", planning)
+    llm = LLM(zoo.dir("llama"), EngineConfig(decode_weights="fp32"))
+    thread, after_the_plan = seen["tokenizer"]
+    assert seen["place"] is threading.main_thread() and thread is not threading.main_thread() and after_the_plan
+    assert llm.encode("hello there") == zoo.tokenizer("hello there")["input_ids"]
+    # LLM.planned reads no tokenizer
+    seen.clear()
+    LLM.planned(zoo.dir("llama"))
+    assert "tokenizer" not in seen

@@ -11,6 +11,7 @@ import contextlib
 import os
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence as Seq
@@ -41,6 +42,21 @@ _NO_TOKENS = torch.empty(0, dtype=torch.long)
 # between BURST_MIN and BURST_MAX of them (its first burst BURST_MIN): what streaming and a stop string
 # wait for at most. TIERED_BURST=0 keeps one step a token (to compare).
 BURST_SECONDS, BURST_MIN, BURST_MAX = 0.05, 4, 32
+
+
+def _in_background(fn: Callable, name: str) -> Future:
+    """fn() on a thread of its own: its Future (result() returns fn's value or raises its error).
+
+    LLM() loads the tokenizer this way while the weights are placed (after the plan, whose speed
+    check must find the cores idle): transformers' import (~1.1 s on the 2-core VMs, mostly
+    Python) runs while the placement's native passes (the expert slab's first touch, the GGUF
+    repacks) hold no GIL. Measured in session 70 on the 2-core Sapphire Rapids-class VM: see
+    README, Measured."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+    try:
+        return pool.submit(fn)
+    finally:
+        pool.shutdown(wait=False)  # the worker ends with fn
 
 
 @contextlib.contextmanager
@@ -77,8 +93,10 @@ class LLM:
         self.engine_config = config or EngineConfig()
         self._open(model)
         self.plan, self._profile = self._plan(progress)
+        tokenizer = _in_background(self.checkpoint.tokenizer, "tiered-tokenizer")
         self._place(progress)
         self._install()
+        self.tokenizer = tokenizer.result()
         self._release_load_memory()
         # fewer CPU threads while other processes take cores (OpenMP teams stall on a busy core)
         self.threads = thread_governor(self.plan.cpu_threads or torch.get_num_threads(), self.engine_config.num_threads)
@@ -119,7 +137,6 @@ class LLM:
         ec = self.engine_config
         self.checkpoint = open_checkpoint(model)
         self.config = self.checkpoint.config
-        self.tokenizer = self.checkpoint.tokenizer()
         self.max_context = context_window(self.config, ec.max_context)
         self.accelerator = make_accelerator(ec.accelerator, ec.gpu_memory, ec.link_bandwidth, ec.pinned)
         self.device = self.accelerator.device if self.accelerator is not None else torch.device("cpu")

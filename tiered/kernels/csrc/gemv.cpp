@@ -3871,7 +3871,9 @@ void register_gemv(pybind11::module& m) {
            "bit for bit the per-expert path's index_add_ of ys * weight in expert order (each expert's rows in groups "
            "of 8, as forward_group's). swiglu_limit > 0: gpt-oss's biased experts, as forward_group. given: [] or one "
            "per expert, None or that expert's outputs [its rows, D] in x's dtype (flat order) computed elsewhere.");
-  m.def("q4_blocks_tiled", &q4_blocks_tiled, py::arg("raw"), py::arg("block"), py::arg("codes_out") = py::none(),
+  // The load's repacks (q4 / q6k / q8 blocks, the Q8_0 head) run without the GIL: LLM() loads the tokenizer
+  // on a thread of its own meanwhile (engine/llm._in_background).
+  m.def("q4_blocks_tiled", &q4_blocks_tiled, py::call_guard<py::gil_scoped_release>(), py::arg("raw"), py::arg("block"), py::arg("codes_out") = py::none(),
         py::arg("sz_out") = py::none(), py::arg("zr_out") = py::none(), py::arg("inline_sz") = false,
         py::arg("inline_out") = py::none(),
         "GGUF Q4_0 (block 18) / Q4_1 (block 20) blocks uint8 [N, K/32 * block], or Q4_K super-blocks (block 144) uint8 "
@@ -3881,20 +3883,20 @@ void register_gemv(pybind11::module& m) {
         "kernels/linear.tiled_codes / tiled_scales / tiled_residual, bit for bit. *_out: write into these (contiguous, "
         "those shapes and dtypes, e.g. views of an expert's slot) instead of new tensors. inline_sz (or inline_out "
         "given): (codes and scales inline, uint8 [N/16, K/32, 320] as kernels/linear.tiled_inline, and the residual).");
-  m.def("q6k_blocks_tiled", &q6k_blocks_tiled, py::arg("raw"), py::arg("qt_out") = py::none(),
+  m.def("q6k_blocks_tiled", &q6k_blocks_tiled, py::call_guard<py::gil_scoped_release>(), py::arg("raw"), py::arg("qt_out") = py::none(),
         py::arg("st_out") = py::none(),
         "GGUF Q6_K blocks uint8 [N, K/256 * 210] -> (qt uint8 [N, K] in the tiled int8 layout, st float16 [N/16, K/32, "
         "16]): quant/gguf_dequant.dequantize_blocks, quant/int8.quantize_int8_g32 and kernels/linear.tiled_int8 / "
         "tiled_group_scales, bit for bit. *_out: write into these (contiguous, those shapes and dtypes) instead of "
         "new tensors.");
-  m.def("int8g32_tiled_dequantize", &int8g32_tiled_dequantize_bf16, py::arg("qt"), py::arg("st"),
+  m.def("int8g32_tiled_dequantize", &int8g32_tiled_dequantize_bf16, py::call_guard<py::gil_scoped_release>(), py::arg("qt"), py::arg("st"),
         py::arg("out") = py::none(),
         "A tiled int8-g32 weight (qt uint8 [N, K], st float16 [N/16, K/32, 16]) -> bf16 [N, K]: (qt - 128) * s "
         "rounded to nearest even; out: write into it (contiguous bf16 [N, K]) instead of a new tensor.");
-  m.def("q8_rows_int8", &q8_rows_int8, py::arg("raw"),
+  m.def("q8_rows_int8", &q8_rows_int8, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
         "GGUF Q8_0 blocks uint8 [N, K/32 * 34] -> (q int8 [N, K], scale float32 [N]): per-row int8 of the dequantized "
         "rows, bit for bit quant/int8.quantize_int8's.");
-  m.def("q8_blocks_tiled", &q8_blocks_tiled, py::arg("raw"), py::arg("qt_out") = py::none(), py::arg("st_out") = py::none(),
+  m.def("q8_blocks_tiled", &q8_blocks_tiled, py::call_guard<py::gil_scoped_release>(), py::arg("raw"), py::arg("qt_out") = py::none(), py::arg("st_out") = py::none(),
         "GGUF Q8_0 blocks uint8 [N, K/32 * 34] -> (qt uint8 [N, K] in the tiled int8 layout, st float16 [N/16, K/32, 16]): "
         "quant/gguf_experts.unpack_q8_blocks then quant/experts.int8_g32_segments(layout='tiled'), bit for bit. *_out: "
         "write into these (contiguous, those shapes and dtypes) instead of new tensors.");
