@@ -48,10 +48,13 @@ def _in_background(fn: Callable, name: str) -> Future:
     """fn() on a thread of its own: its Future (result() returns fn's value or raises its error).
 
     LLM() loads the tokenizer this way while the weights are placed (after the plan, whose speed
-    check must find the cores idle): transformers' import (~1.1 s on the 2-core VMs, mostly
-    Python) runs while the placement's native passes (the expert slab's first touch, the GGUF
-    repacks) hold no GIL. Measured in session 70 on the 2-core Sapphire Rapids-class VM: see
-    README, Measured."""
+    check must find the cores idle): transformers' import (~1.1 s, mostly Python) runs while the
+    placement's native passes (the expert slab's first touch, the GGUF repacks, copies) hold no GIL,
+    on a core they leave free. Measured (session 70, the 2-core Sapphire Rapids-class VM, the
+    cpu_moe Q4_0 file, alternated processes, LLM() medians): with the placement on one thread
+    (OMP_NUM_THREADS=1) 6.99 -> 6.02 s; on both cores 4.68 -> 4.83 s (8 rounds each way, within
+    the noise: no core is free there, the import's work only moves).
+    """
     pool = ThreadPoolExecutor(1, thread_name_prefix=name)
     try:
         return pool.submit(fn)
