@@ -46,6 +46,18 @@ def test_queue_is_bounded():
         Scheduler(max_batch=0, max_queue=1)
 
 
+def test_a_request_of_several_choices_is_queued_all_or_none():
+    """add(*seqs) (a request's `n` choices) takes them all when they fit, else none."""
+    sched = Scheduler(max_batch=2, max_queue=1)
+    first = [_seq(0), _seq(1)]
+    sched.add(*first)
+    with pytest.raises(QueueFullError):
+        sched.add(_seq(2), _seq(3))  # one place left, two asked
+    assert list(sched.waiting) == first
+    last = _seq(4)
+    sched.add(last)
+    assert list(sched.waiting) == first + [last]
+
 def test_max_queue_counts_only_requests_beyond_the_free_slots():
     """max_queue 0: an idle scheduler still takes a request per free slot (it used to refuse every
     one), and refuses only when no slot is free."""

@@ -413,6 +413,41 @@ def _reference_logprobs(llm, prompt_ids: list[int], output_ids: list[int]) -> li
     return [float(rows[i, t]) for i, t in enumerate(output_ids)]
 
 
+def test_n_choices_sample_as_the_api_samples_a_list_of_the_prompt(server):
+    """OpenAI's `n`: n choices of one prompt, choice i sampled with seed + i, as LLM.generate samples
+    the prompt given n times; the usage counts the prompt once and every choice's tokens."""
+    kw = dict(model=MODEL, prompt=PROMPTS[6], max_tokens=12, temperature=1.0, seed=77)
+    out = server.client.completions.create(n=3, **kw)
+    _idle(server)
+    refs = server.llm.generate([PROMPTS[6]] * 3, SamplingParams(temperature=1.0, max_tokens=12, seed=77), chat=False)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [r.text for r in refs]
+    assert len({c.text for c in out.choices}) > 1  # the seeds differ: so do the samples
+    assert out.choices[0].text == server.client.completions.create(n=1, **kw).choices[0].text
+    assert out.usage.prompt_tokens == len(refs[0].prompt_token_ids)
+    assert out.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
+    # streamed: every chunk names its choice; each choice's deltas make its text and end with its finish
+    messages = [{"role": "user", "content": PROMPTS[6]}]
+    ckw = dict(model=MODEL, messages=messages, max_tokens=10, temperature=1.0, seed=5, n=2)
+    whole = server.client.chat.completions.create(**ckw)
+    chunks = list(server.client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **ckw))
+    texts, finishes, roles = ["", ""], [None, None], [0, 0]
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        roles[choice.index] += choice.delta.role == "assistant"
+        texts[choice.index] += choice.delta.content or ""
+        finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert roles == [1, 1] and texts == [c.message.content for c in whole.choices]
+    assert finishes == [c.finish_reason for c in whole.choices]
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # more choices than the server runs and queues at once (4 slots + 16): refused, not queued for ever
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={**kw, "n": server.engine.capacity + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max-queue" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json={**kw, "n": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
 def test_completion_logprobs(server):
     kw = dict(model=MODEL, prompt=PROMPTS[4], max_tokens=10, temperature=0, logprobs=3)
     out = server.client.completions.create(**kw)

@@ -68,14 +68,15 @@ class Scheduler:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------- any thread
-    def add(self, seq: Sequence) -> None:
-        """Queue `seq` for a slot. Raises QueueFullError when the waiting sequences fill every free
-        slot and `max_queue` more wait already."""
+    def add(self, *seqs: Sequence) -> None:
+        """Queue `seqs` for slots, all or none (a request's choices). Raises QueueFullError when
+        they would not all fit: the waiting sequences fill every free slot and `max_queue` more
+        wait already."""
         with self._lock:
-            if len(self.waiting) >= self.max_queue + len(self._free):
+            if len(self.waiting) + len(seqs) > self.max_queue + len(self._free):
                 raise QueueFullError(f"the request queue is full ({self.max_queue} waiting for a slot)",
                                      "retry later or raise --max-queue")
-            self.waiting.append(seq)
+            self.waiting.extend(seqs)
 
     def cancel(self, seq: Sequence) -> None:
         """Drop `seq` (waiting or running) at the next step boundary, freeing its slot."""

@@ -252,10 +252,13 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             raise APIError(400, f"the prompt has {chars} characters, more than a context window of "
                            f"{engine.llm.max_context} tokens holds", code="context_length_exceeded",
                            param="messages" if chat else "prompt")
+        if body.n > engine.capacity:
+            raise APIError(400, f"n = {body.n} choices are more than this server runs or queues at once "
+                           f"({engine.capacity}: --max-batch plus --max-queue)", param="n")
         try:
             params = body.sampling(default_max_tokens)
             # encoding a long prompt takes a while: on a worker thread, not the event loop's
-            handle = await run_in_threadpool(engine.submit, prompt, params, chat, asyncio.get_running_loop())
+            handles = await run_in_threadpool(engine.submit, prompt, params, chat, asyncio.get_running_loop(), body.n)
         except QueueFullError as e:
             raise APIError(503, e.message, "server_error", "queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e
@@ -267,74 +270,94 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""))
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         if body.stream:
-            return StreamingResponse(_sse(handle, rid, kind, body.include_usage), media_type="text/event-stream",
+            return StreamingResponse(_sse(handles, rid, kind, body.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        out = await _collect(request, handle)
-        if out is None:  # the client went away
+        outs = await _collect(request, handles)
+        if outs is None:  # the client went away
             return JSONResponse({}, status_code=499)
-        logprobs = (None if out.logprobs is None else
-                    _logprobs(kind, out.logprobs, CompletionLogprobs(engine.llm.tokenizer)))
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out.text},
-                   "finish_reason": out.finish_reason, "logprobs": logprobs} if kind == "chat" else
-                  {"index": 0, "text": out.text, "finish_reason": out.finish_reason, "logprobs": logprobs})
+        choices = []
+        for i, out in enumerate(outs):
+            logprobs = (None if out.logprobs is None else
+                        _logprobs(kind, out.logprobs, CompletionLogprobs(engine.llm.tokenizer)))
+            choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+                            "finish_reason": out.finish_reason, "logprobs": logprobs} if kind == "chat" else
+                           {"index": i, "text": out.text, "finish_reason": out.finish_reason, "logprobs": logprobs})
         return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": model_name, "choices": [choice], "usage": _usage(out)}
+                "created": int(time.time()), "model": model_name, "choices": choices, "usage": _usage(outs)}
 
-    async def _collect(request: Request, handle: Handle) -> RequestOutput | None:
-        """Wait for the request's output; None (and the request cancelled) if the client disconnects."""
+    async def _collect(request: Request, handles: list[Handle]) -> list[RequestOutput] | None:
+        """Wait for each choice's output; None (and the request cancelled) if the client disconnects."""
         loop = asyncio.get_running_loop()
         checked = loop.time()
+        outs: list[RequestOutput] = []
         try:
-            while True:
-                try:
-                    event = await asyncio.wait_for(handle.events.get(), timeout=DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    event = None
-                if loop.time() - checked >= DISCONNECT_POLL_S:  # on a clock: events may never pause
-                    checked = loop.time()
-                    if await request.is_disconnected():
-                        return None
-                if event is None:
-                    continue
-                if isinstance(event, ServerShuttingDownError):
-                    raise _shutting_down()
-                if isinstance(event, Exception):
-                    raise APIError(500, f"generation failed: {event}", "server_error")
-                _, out, _ = event
-                if out is not None:
-                    return out
+            for i, handle in enumerate(handles):  # they run together: waiting in turn waits for the slowest
+                while len(outs) == i:
+                    try:
+                        event = await asyncio.wait_for(handle.events.get(), timeout=DISCONNECT_POLL_S)
+                    except asyncio.TimeoutError:
+                        event = None
+                    if loop.time() - checked >= DISCONNECT_POLL_S:  # on a clock: events may never pause
+                        checked = loop.time()
+                        if await request.is_disconnected():
+                            return None
+                    if event is None:
+                        continue
+                    if isinstance(event, ServerShuttingDownError):
+                        raise _shutting_down()
+                    if isinstance(event, Exception):
+                        raise APIError(500, f"generation failed: {event}", "server_error")
+                    _, out, _ = event
+                    if out is not None:
+                        outs.append(out)
+            return outs
         finally:
-            engine.cancel(handle)  # a no-op when it finished
+            for handle in handles:
+                engine.cancel(handle)  # a no-op when it finished
 
-    async def _sse(handle: Handle, rid: str, kind: str, include_usage: bool):
-        """The OpenAI chunk stream: deltas, a last chunk with finish_reason, usage if asked, [DONE]."""
+    async def _sse(handles: list[Handle], rid: str, kind: str, include_usage: bool):
+        """The OpenAI chunk stream: each choice's deltas and its last chunk with finish_reason (chunks
+        carry their choice's index), then usage if asked, then [DONE]."""
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         created = int(time.time())
-        pending: list | None = None  # logprobs of tokens whose text is not streamed yet (None: not asked)
-        completion = CompletionLogprobs(engine.llm.tokenizer)  # a completion's tokens so far (their offsets)
+        n = len(handles)
+        # per choice: logprobs of tokens whose text is not streamed yet (None: not asked), and a
+        # completion's tokens so far (their offsets)
+        pending: list[list | None] = [None] * n
+        completions = [CompletionLogprobs(engine.llm.tokenizer) for _ in range(n)]
+        events: asyncio.Queue = asyncio.Queue()  # (choice, event) of every choice, as they come
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
-            """One SSE event: a text delta, the finishing chunk, or chat's opening role chunk; it
-            carries the pending logprobs."""
-            nonlocal pending
+        async def forward(i: int, handle: Handle) -> None:
+            while True:
+                event = await handle.events.get()
+                events.put_nowait((i, event))
+                if isinstance(event, Exception) or event[1] is not None:
+                    return
+
+        def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False) -> str:
+            """One SSE event of choice i: a text delta, the finishing chunk, or chat's opening role
+            chunk; it carries the choice's pending logprobs."""
             logprobs = None
-            if pending is not None and not role:
-                logprobs, pending = _logprobs(kind, pending, completion), []
+            if pending[i] is not None and not role:
+                logprobs, pending[i] = _logprobs(kind, pending[i], completions[i]), []
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+                choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+                choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
             data = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
             if include_usage:
                 data["usage"] = None
             return f"data: {json.dumps(data)}\n\n"
 
+        forwarders = [asyncio.ensure_future(forward(i, h)) for i, h in enumerate(handles)]
+        outs: list[RequestOutput | None] = [None] * n
         try:
             if kind == "chat":
-                yield chunk(None, role=True)
-            while True:
-                event = await handle.events.get()
+                for i in range(n):
+                    yield chunk(i, None, role=True)
+            while any(out is None for out in outs):
+                i, event = await events.get()
                 if isinstance(event, Exception):  # an error event, then the stream's usual end
                     err = (_shutting_down() if isinstance(event, ServerShuttingDownError) else
                            APIError(500, f"generation failed: {event}", "server_error"))
@@ -343,19 +366,22 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     return
                 delta, out, new_logprobs = event
                 if new_logprobs is not None:
-                    pending = (pending or []) + new_logprobs
+                    pending[i] = (pending[i] or []) + new_logprobs
                 if delta:
-                    yield chunk(delta)
+                    yield chunk(i, delta)
                 if out is not None:
-                    yield chunk(None, finish=out.finish_reason)
-                    if include_usage:
-                        data = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
-                                "usage": _usage(out)}
-                        yield f"data: {json.dumps(data)}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
+                    outs[i] = out
+                    yield chunk(i, None, finish=out.finish_reason)
+            if include_usage:
+                data = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
+                        "usage": _usage(outs)}
+                yield f"data: {json.dumps(data)}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
-            engine.cancel(handle)  # the client went away mid-stream (a no-op when it finished)
+            for f in forwarders:
+                f.cancel()
+            for handle in handles:
+                engine.cancel(handle)  # the client went away mid-stream (a no-op when it finished)
 
     def _logprobs(kind: str, entries: list, completion: CompletionLogprobs) -> dict:
         """A choice's logprobs of `entries`: chat's, or the next of `completion` (its tokens so far)."""
@@ -364,9 +390,10 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
     return app
 
 
-def _usage(out: RequestOutput) -> dict:
-    """OpenAI's usage object; prompt_tokens_details.cached_tokens counts the prompt tokens whose KV a
-    slot held already (prefix reuse)."""
-    n_prompt, n_gen = len(out.prompt_token_ids), len(out.token_ids)
+def _usage(outs: list[RequestOutput]) -> dict:
+    """OpenAI's usage object of a request's choices: the prompt counted once, the completion tokens of
+    every choice; prompt_tokens_details.cached_tokens counts the prompt tokens whose KV a slot held
+    already (prefix reuse) for the first choice."""
+    n_prompt, n_gen = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
-            "prompt_tokens_details": {"cached_tokens": out.stats.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": outs[0].stats.cached_tokens}}

@@ -121,39 +121,55 @@ class ServingEngine:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
 
+    @property
+    def capacity(self) -> int:
+        """The most sequences running or waiting at once (max_batch + max_queue): a request of more
+        choices could never be queued."""
+        return self.scheduler.max_batch + self.scheduler.max_queue
+
     # ------------------------------------------------------------ handlers' side
     def submit(self, prompt: Prompt, params: SamplingParams, chat: bool | None,
-               loop: asyncio.AbstractEventLoop | None = None) -> Handle:
-        """Queue one request. Callable from any thread: encoding a long prompt takes a while, so the
-        app calls it from a worker thread, off its event loop.
+               loop: asyncio.AbstractEventLoop | None = None, n: int = 1) -> list[Handle]:
+        """Queue one request of `n` choices (OpenAI's `n`): n sequences of the same prompt, encoded
+        once, queued all or none; choice i samples with the seed params.seed + i (LLM.make_sequence's
+        index), so a seeded request's choices differ and repeat. Each choice is one sequence in the
+        scheduler and the metrics, with a handle of its own. Callable from any thread: encoding a long
+        prompt takes a while, so the app calls it from a worker thread, off its event loop.
 
         Args:
             loop: the event loop whose handler awaits the request's events (default: the running one).
+        Returns:
+            The choices' handles, choice i's at i.
         Raises:
             ContextLengthError, ConfigError: the prompt does not fit or cannot be encoded.
-            QueueFullError: every free slot is spoken for and max_queue requests wait already.
+            QueueFullError: the n sequences do not fit the free slots and the queue's room.
             ServerShuttingDownError: stop() was called.
         """
         loop = loop or asyncio.get_running_loop()
         if self._stopping:  # before the encoding: a server going down does no more work
             raise self._refuse_for_shutdown()
-        seq = self.llm.make_sequence(prompt, params, chat)
-        handle = Handle(seq, asyncio.Queue(), loop)
+        first = self.llm.make_sequence(prompt, params, chat)
+        seqs = [first]
+        for i in range(1, n):  # the same token ids; the seed params.seed + i
+            seqs.append(self.llm.make_sequence(first.prompt_ids, params, False, index=i, t_start=first.t_start))
+            seqs[-1].prompt = first.prompt
+        handles = [Handle(seq, asyncio.Queue(), loop) for seq in seqs]
         with self._lock:  # under the lock stop() takes: a request either gets refused here or ended by stop()
             stopping = self._stopping
             if not stopping:
-                self._handles[seq] = handle
+                self._handles.update((h.seq, h) for h in handles)
         if stopping:
             raise self._refuse_for_shutdown()
         try:
-            self.scheduler.add(seq)
+            self.scheduler.add(*seqs)
         except QueueFullError:
             with self._lock:
-                self._handles.pop(seq, None)  # gone already if stop() came in between
+                for seq in seqs:
+                    self._handles.pop(seq, None)  # gone already if stop() came in between
             self.metrics.count_request("rejected")
             raise
         self._poke()  # after the add: the next step sees the request
-        return handle
+        return handles
 
     def _refuse_for_shutdown(self) -> ServerShuttingDownError:
         """The error a request submitted after stop() gets (counted as a shutdown)."""

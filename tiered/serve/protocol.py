@@ -21,6 +21,8 @@ from pydantic_core import PydanticCustomError
 from tiered.engine.sampling import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from tiered.engine.sequence import TokenLogprob
 
+MAX_CHOICES = 128  # the most choices (`n`) one request may ask for; the server's slots and queue bound it too
+
 
 def _neutral_only(*fields: str, neutral: str, is_neutral=lambda v: not v):
     """A validator of OpenAI parameters tiered does not implement: each of `fields` passes when absent
@@ -52,7 +54,8 @@ class _Generation(BaseModel):
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="a signed 64-bit integer")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only one choice per request")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate for the prompt (each one "
+                   "sequence of the batch; a seeded request's choice i samples with seed + i)")
     # accepted only at their neutral values (_neutral_only)
     logit_bias: dict[str, float] | None = None
     frequency_penalty: float | None = None
