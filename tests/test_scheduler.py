@@ -7,6 +7,8 @@ slots reused after a request finishes or is cancelled).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from fixtures import prompt_ids
@@ -153,6 +155,38 @@ def test_requests_joining_a_running_batch_match_generate(llm, zoo, monkeypatch, 
     if mixed_rows == 0:
         assert not joined
 
+
+@pytest.mark.parametrize("mixed_rows", [None, 0])
+def test_equal_prompts_admitted_together_are_prefilled_once(llm, zoo, monkeypatch, mixed_rows):
+    """A prompt admitted several times at one step (a request's `n` choices) is prefilled once
+    (scheduler.PromptTwins): the others take its KV and its last logits, and each draws the tokens
+    it draws alone, greedy or with its own seed, whether the prompt prefills on its own or as rows
+    of a decode step (Plan.mixed_rows)."""
+    p, q = prompt_ids(zoo.vocab_size, 9, seed=90), prompt_ids(zoo.vocab_size, 6, seed=91)
+    prompts = [p, q, p, p]
+    params = [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True, seed=5)]
+    if mixed_rows is not None:
+        monkeypatch.setattr(llm.plan, "mixed_rows", mixed_rows)
+    computed = []  # prompt tokens each prefill forward or mixed step computed
+    prefill, mixed = type(llm)._prefill, type(llm)._forward_mixed
+    monkeypatch.setattr(type(llm), "_prefill", lambda self, seqs, cache: computed.extend(
+        len(s.prompt_ids) - s.cached_tokens for s in seqs) or prefill(self, seqs, cache))
+    monkeypatch.setattr(type(llm), "_forward_mixed", lambda self, pre, d, c: computed.extend(
+        len(s.prompt_ids) - s.cached_tokens for s in pre) or mixed(self, pre, d, c))
+    for sp in params:
+        expected = [llm.generate(x, replace(sp, seed=None if sp.seed is None else sp.seed + i))[0].token_ids
+                    for i, x in enumerate(prompts)]
+        computed.clear()
+        sched, cache = Scheduler(max_batch=4, max_queue=0), llm.kv_cache(4)
+        seqs = [llm.make_sequence(x, sp, index=i) for i, x in enumerate(prompts)]
+        sched.add(*seqs)
+        outs = {}
+        while sched.has_work():
+            outs.update({s.index: o for s, _, o in llm.step(sched, cache) if o is not None})
+        assert [outs[i].token_ids for i in range(4)] == expected
+        assert sorted(computed) == [len(q), len(p)]  # p once, not three times
+        assert [s.cached_tokens for s in seqs] == [0, 0, len(p), len(p)]
 
 def test_a_cancelled_request_gives_its_slot_to_a_waiting_one(llm, zoo):
     prompts = [prompt_ids(zoo.vocab_size, n, seed=60 + n) for n in (4, 7)]

@@ -26,7 +26,7 @@ from tiered.engine.detokenize import append_token_text, apply_stop_strings, take
 from tiered.engine.dtype import resolve_dtype
 from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt
 from tiered.engine.sampling import SamplingParams, sample_tokens, token_logprobs
-from tiered.engine.scheduler import Scheduler, prefill_groups
+from tiered.engine.scheduler import PromptTwins, Scheduler, prefill_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from tiered.errors import BudgetError, ConfigError, ContextLengthError
 from tiered.hardware.accelerator import make_accelerator
@@ -481,9 +481,12 @@ class LLM:
         with torch.inference_mode():
             admitted = {id(s) for s in plan.prefill}
             decoding = [s for s in plan.running if not s.finished and id(s) not in admitted]
-            mixed = self._mixed_prefills(plan.prefill, len(decoding), cache)
+            twins = PromptTwins(plan.prefill)  # admitted prompts equal to an earlier one's: not prefilled
+            prefilling = [s for s in plan.prefill if id(s) not in twins.followers]
+            mixed = self._mixed_prefills(prefilling, len(decoding), cache)
             joined = {id(s) for s in mixed}
-            alone = [s for s in plan.prefill if id(s) not in joined]
+            joined |= {id(f) for s in mixed for f in twins.of(s)}  # their KV is copied after the step's forward
+            alone = [s for s in prefilling if id(s) not in joined]
             t0 = time.perf_counter()
             for seq in plan.prefill:
                 seq.t_prefill_start = t0
@@ -500,14 +503,15 @@ class LLM:
                 with dense_weights(self.model):
                     logits = self._prefill(seqs, cache)
                 self.executor.record("prefill", "step", t0, time.perf_counter())
-                events += self._postprocess(seqs, logits)
+                events += self._postprocess(*twins.join(seqs, logits, cache))
             running = [s for s in plan.running if not s.finished and id(s) not in joined]
             if running or mixed:  # decode: all running sequences, one token each (+ the joining prompts)
                 t0 = time.perf_counter()
                 logits = self._forward_mixed(mixed, running, cache) if mixed else \
                     self._forward(running, cache, prefill=False)
                 t1 = time.perf_counter()
-                events += self._postprocess(mixed + running, logits)
+                joining, joined_logits = twins.join(mixed, logits[:len(mixed)], cache)
+                events += self._postprocess(joining + running, torch.cat([joined_logits, logits[len(mixed):]]))
                 self.executor.record("decode step", "step", t0, t1)
                 self.executor.record("sample", "step", t1, time.perf_counter())
         for seq, _, out in events:

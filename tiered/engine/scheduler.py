@@ -197,3 +197,44 @@ def prefill_groups(lengths: list[int], max_tokens: int, padding: bool = True,
         groups.append([i])
         real = n
     return groups
+
+
+class PromptTwins:
+    """Admitted sequences whose prompts equal an earlier admitted one's (a request's `n` choices, the
+    same prompt sent at once): only the first, the leader, is prefilled; each follower gets the
+    leader's KV (KVCache.copy_slots, every prompt position) and samples its first token from the
+    leader's last-position logits with its own generator. Their tokens are those they would draw
+    prefilled alone, up to the float rounding of a batched prefill's rows (the same rows as
+    LLM.generate of the list). The follower's `cached_tokens` counts its whole prompt (none of it
+    computed for it)."""
+
+    def __init__(self, seqs: list[Sequence]) -> None:
+        leader_of: dict[tuple[int, ...], Sequence] = {}
+        self._followers: dict[int, list[Sequence]] = {}  # id(leader) -> its followers
+        self.followers: set[int] = set()  # ids of every follower
+        for seq in seqs:
+            leader = leader_of.setdefault(tuple(seq.prompt_ids), seq)
+            if leader is not seq:
+                self._followers.setdefault(id(leader), []).append(seq)
+                self.followers.add(id(seq))
+
+    def of(self, leader: Sequence) -> list[Sequence]:
+        """The followers of `leader` (none for any other sequence)."""
+        return self._followers.get(id(leader), [])
+
+    def join(self, leaders: list[Sequence], logits, cache) -> tuple[list[Sequence], "torch.Tensor"]:
+        """After `leaders` were prefilled into `cache` (logits [len(leaders), V] of their last prompt
+        positions): their followers take their KV; returns (leaders + followers, logits with a
+        follower's row its leader's), what LLM._postprocess samples."""
+        import torch
+
+        rows = [(f, i) for i, s in enumerate(leaders) for f in self.of(s)]
+        if not rows:
+            return leaders, logits
+        parents = list(range(cache.k.shape[1]))
+        for f, i in rows:
+            parents[f.slot] = leaders[i].slot
+            f.cached_tokens = len(f.prompt_ids)
+        cache.copy_slots(parents, max(len(f.prompt_ids) for f, _ in rows))
+        index = torch.tensor([i for _, i in rows], device=logits.device)
+        return leaders + [f for f, _ in rows], torch.cat([logits, logits.index_select(0, index)])
