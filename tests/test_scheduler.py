@@ -261,6 +261,47 @@ def test_prefix_reuse_gives_the_tokens_of_generate(llm, zoo):
     assert outs[3].stats.cached_tokens == 12
 
 
+@pytest.mark.parametrize("mixed_rows", [None, 0])
+def test_prefix_reuse_copies_a_running_slots_kv(llm, zoo, monkeypatch, mixed_rows):
+    """A request arriving while another that shares its system prompt still decodes takes that
+    prefix's KV from the running slot (copied into its own, Sequence.kv_source) and prefills only
+    the rest; both draw the greedy tokens of generate() alone. A sequence cancelled before its step
+    copied anything leaves its slot holding no tokens for reuse."""
+    system = prompt_ids(zoo.vocab_size, 12, seed=80)
+    a, b = system + prompt_ids(zoo.vocab_size, 3, seed=81), system + prompt_ids(zoo.vocab_size, 5, seed=82)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    if mixed_rows is not None:
+        monkeypatch.setattr(llm.plan, "mixed_rows", mixed_rows)
+    expected = [llm.generate(p, sp)[0].token_ids for p in (a, b)]
+    computed = []
+    prefill, mixed = type(llm)._prefill, type(llm)._forward_mixed
+    monkeypatch.setattr(type(llm), "_prefill", lambda self, seqs, cache: computed.extend(
+        len(s.prompt_ids) - s.cached_tokens for s in seqs) or prefill(self, seqs, cache))
+    monkeypatch.setattr(type(llm), "_forward_mixed", lambda self, pre, d, c: computed.extend(
+        len(s.prompt_ids) - s.cached_tokens for s in pre) or mixed(self, pre, d, c))
+    sched, cache = Scheduler(max_batch=3, max_queue=4, prefix_reuse=True), llm.kv_cache(3)
+    sa, sb = llm.make_sequence(a, sp, index=0), llm.make_sequence(b, sp, index=1)
+    sched.add(sa)
+    outs = {}
+    for _ in range(3):  # a prefills and decodes a few tokens
+        outs.update({s.index: o for s, _, o in llm.step(sched, cache) if o is not None})
+    sched.add(sb)
+    while sched.has_work():
+        outs.update({s.index: o for s, _, o in llm.step(sched, cache) if o is not None})
+    assert [outs[0].token_ids, outs[1].token_ids] == expected
+    assert sb.cached_tokens == 12 and computed == [len(a), len(b) - 12]
+    # admitted (kv_source set) but cancelled before any step copied the prefix in
+    sched, cache = Scheduler(max_batch=2, max_queue=4, prefix_reuse=True), llm.kv_cache(2)
+    sched.add(sa := llm.make_sequence(a, sp, index=2))
+    llm.step(sched, cache)
+    sched.add(sc := llm.make_sequence(b, sp, index=3))
+    sched.schedule()
+    slot = sc.slot
+    assert sc.kv_source == sa.slot and sc.cached_tokens == 12
+    sched.cancel(sc)
+    sched.schedule()
+    assert sched._slot_tokens[slot] == []
+
 def test_seen_ids_follow_the_tokens_as_they_are_appended():
     """Sequence.seen_ids (the repetition penalty's operand) is the prompt's and the generated ids
     so far after every append, as the buffer it keeps grows past its first 64 entries."""

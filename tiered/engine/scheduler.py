@@ -10,7 +10,9 @@ tokens its last sequence wrote, and the scheduler remembers them. A new sequence
 slot whose remembered tokens share the longest prefix with its prompt, and its prefill computes only
 the rest (`Sequence.cached_tokens`). Requests that share a system prompt or a conversation's history
 skip that part of their prefill, as vLLM's prefix caching and SGLang's radix cache do, here
-without copying: the KV is already in the slot.
+without copying: the KV is already in the slot. A running sequence's slot lends its prefix too
+(copied into the new slot at the step, `Sequence.kv_source`): a request arriving while another
+with its system prompt still decodes skips it as well.
 
 `add` and `cancel` may be called from any thread (an HTTP server's); `schedule` and `finish` from
 the one thread that runs the step loop.
@@ -110,9 +112,12 @@ class Scheduler:
                 for seq in [s for s in self.running if s in cancel]:
                     self._release(seq)
                     plan.cancelled.append(seq)
+            # what the running sequences' slots hold (every token but the last sampled one) for prefix reuse
+            sources = [(s.slot, s.prompt_ids + s.output_ids[:-1]) for s in self.running
+                       if self.prefix_reuse and s.output_ids]
             while self.waiting and self._free:
                 seq = self.waiting.popleft()
-                self._take_slot(seq)
+                self._take_slot(seq, sources)
                 self.running.append(seq)
                 plan.prefill.append(seq)
         plan.running = list(self.running)
@@ -123,10 +128,14 @@ class Scheduler:
         with self._lock:
             self._release(seq)
 
-    def _take_slot(self, seq: Sequence) -> None:
+    def _take_slot(self, seq: Sequence, sources: list[tuple[int, list[int]]] = ()) -> None:
         """Give `seq` a free slot: the lowest, or with prefix reuse the one sharing the longest
-        prefix with its prompt (at most all but its last token: prefill must compute that one)."""
-        seq.cached_tokens = 0
+        prefix with its prompt (at most all but its last token: prefill must compute that one).
+        With prefix reuse a running sequence's slot (`sources`: (slot, the tokens whose KV it holds))
+        sharing a longer prefix lends it: LLM.step copies that KV into the new slot first
+        (`Sequence.kv_source`), so a request arriving while another with its system prompt still
+        decodes skips that prompt too."""
+        seq.cached_tokens, seq.kv_source = 0, -1
         if not self.prefix_reuse:
             seq.slot = self._free.pop()
             return
@@ -135,6 +144,10 @@ class Scheduler:
             n = _common_prefix(self._slot_tokens[slot], seq.prompt_ids)
             if n > best_n:
                 best, best_n = slot, n
+        for slot, tokens in sources:
+            n = _common_prefix(tokens, seq.prompt_ids)
+            if n > best_n:
+                seq.kv_source, best_n = slot, n
         self._free.remove(best)
         seq.slot = best
         seq.cached_tokens = min(best_n, len(seq.prompt_ids) - 1)
@@ -144,6 +157,7 @@ class Scheduler:
         self.running.remove(seq)
         if self.prefix_reuse:  # every token but the last sampled one has its KV in the slot
             self._slot_tokens[seq.slot] = (seq.prompt_ids + seq.output_ids[:-1] if seq.output_ids
+                                           else [] if seq.kv_source >= 0  # its KV was never copied in
                                            else seq.prompt_ids[:seq.cached_tokens])
         self._free.append(seq.slot)
         self._free.sort(reverse=True)

@@ -94,6 +94,7 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # filled when params.logprobs is set
     cached_tokens: int = 0  # prompt tokens whose KV its slot already held (prefill skipped them)
+    kv_source: int = -1  # a running sequence's slot whose KV of those tokens LLM.step copies in first (-1: none)
     cpu_threads: int = 0  # the fewest CPU threads at a step of it (LLM.step; RequestStats.cpu_threads)
     _seen: torch.Tensor | None = field(default=None, repr=False)  # seen_ids' buffer, int64, grown by doubling
     _seen_n: int = 0  # its entries filled
