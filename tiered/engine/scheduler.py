@@ -114,7 +114,7 @@ class Scheduler:
                     plan.cancelled.append(seq)
             # what the running sequences' slots hold (every token but the last sampled one) for prefix reuse
             sources = [(s.slot, s.prompt_ids + s.output_ids[:-1]) for s in self.running
-                       if self.prefix_reuse and s.output_ids]
+                       if self.prefix_reuse and s.output_ids] if self.waiting and self._free else []
             while self.waiting and self._free:
                 seq = self.waiting.popleft()
                 self._take_slot(seq, sources)
