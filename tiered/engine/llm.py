@@ -516,8 +516,10 @@ class LLM:
                 logits = self._forward_mixed(mixed, running, cache) if mixed else \
                     self._forward(running, cache, prefill=False)
                 t1 = time.perf_counter()
-                joining, joined_logits = twins.join(mixed, logits[:len(mixed)], cache)
-                events += self._postprocess(joining + running, torch.cat([joined_logits, logits[len(mixed):]]))
+                if mixed:  # the joining prompts' twins take their KV and first logits
+                    joining, joined_logits = twins.join(mixed, logits[:len(mixed)], cache)
+                    mixed, logits = joining, torch.cat([joined_logits, logits[len(mixed):]])
+                events += self._postprocess(mixed + running, logits)
                 self.executor.record("decode step", "step", t0, t1)
                 self.executor.record("sample", "step", t1, time.perf_counter())
         for seq, _, out in events:

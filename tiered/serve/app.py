@@ -325,7 +325,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         # completion's tokens so far (their offsets)
         pending: list[list | None] = [None] * n
         completions = [CompletionLogprobs(engine.llm.tokenizer) for _ in range(n)]
-        events: asyncio.Queue = asyncio.Queue()  # (choice, event) of every choice, as they come
+        events: asyncio.Queue = asyncio.Queue()  # (choice, event) of every choice, as they come (n > 1)
 
         async def forward(i: int, handle: Handle) -> None:
             while True:
@@ -333,6 +333,10 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                 events.put_nowait((i, event))
                 if isinstance(event, Exception) or event[1] is not None:
                     return
+
+        async def next_event() -> tuple[int, object]:
+            """The next (choice, event): one choice's straight from its queue (no task between)."""
+            return (0, await handles[0].events.get()) if n == 1 else await events.get()
 
         def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False) -> str:
             """One SSE event of choice i: a text delta, the finishing chunk, or chat's opening role
@@ -350,14 +354,14 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                 data["usage"] = None
             return f"data: {json.dumps(data)}\n\n"
 
-        forwarders = [asyncio.ensure_future(forward(i, h)) for i, h in enumerate(handles)]
+        forwarders = [asyncio.ensure_future(forward(i, h)) for i, h in enumerate(handles)] if n > 1 else []
         outs: list[RequestOutput | None] = [None] * n
         try:
             if kind == "chat":
                 for i in range(n):
                     yield chunk(i, None, role=True)
             while any(out is None for out in outs):
-                i, event = await events.get()
+                i, event = await next_event()
                 if isinstance(event, Exception):  # an error event, then the stream's usual end
                     err = (_shutting_down() if isinstance(event, ServerShuttingDownError) else
                            APIError(500, f"generation failed: {event}", "server_error"))
