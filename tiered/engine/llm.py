@@ -481,9 +481,7 @@ class LLM:
         with torch.inference_mode():
             for seq in plan.prefill:  # a prefix whose KV a running sequence's slot lends (Scheduler._take_slot)
                 if seq.kv_source >= 0:
-                    parents = list(range(cache.k.shape[1]))
-                    parents[seq.slot] = seq.kv_source
-                    cache.copy_slots(parents, seq.cached_tokens)
+                    cache.lend({seq.slot: seq.kv_source}, seq.cached_tokens)
                     seq.kv_source = -1
             admitted = {id(s) for s in plan.prefill}
             decoding = [s for s in plan.running if not s.finished and id(s) not in admitted]

@@ -216,7 +216,7 @@ def prefill_groups(lengths: list[int], max_tokens: int, padding: bool = True,
 class PromptTwins:
     """Admitted sequences whose prompts equal an earlier admitted one's (a request's `n` choices, the
     same prompt sent at once): only the first, the leader, is prefilled; each follower gets the
-    leader's KV (KVCache.copy_slots, every prompt position) and samples its first token from the
+    leader's KV (KVCache.lend, every prompt position) and samples its first token from the
     leader's last-position logits with its own generator. Their tokens are those they would draw
     prefilled alone, up to the float rounding of a batched prefill's rows (the same rows as
     LLM.generate of the list). The follower's `cached_tokens` counts its whole prompt (none of it
@@ -245,10 +245,8 @@ class PromptTwins:
         rows = [(f, i) for i, s in enumerate(leaders) for f in self.of(s)]
         if not rows:
             return leaders, logits
-        parents = list(range(cache.k.shape[1]))
-        for f, i in rows:
-            parents[f.slot] = leaders[i].slot
+        for f, _ in rows:
             f.cached_tokens = len(f.prompt_ids)
-        cache.copy_slots(parents, max(len(f.prompt_ids) for f, _ in rows))
+        cache.lend({f.slot: leaders[i].slot for f, i in rows}, max(len(f.prompt_ids) for f, _ in rows))
         index = torch.tensor([i for _, i in rows], device=logits.device)
         return leaders + [f for f, _ in rows], torch.cat([logits, logits.index_select(0, index)])

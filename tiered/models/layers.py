@@ -220,6 +220,18 @@ class KVCache:
             for i, j in enumerate(moved):
                 t[:, j, :, start:length].copy_(parts[:, i])
 
+    def lend(self, moves: dict[int, int], length: int) -> None:
+        """Slot dst takes slot moves[dst]'s positions 0..length-1 in every layer (a prompt's KV shared
+        by its twins, or a prefix lent by a running slot: engine/scheduler.py); copy_slots for a few slots.
+
+        Args:
+            moves: {destination slot: source slot}; length: positions copied (<= max_len).
+        """
+        parents = list(range(self.k.shape[1]))
+        for dst, src in moves.items():
+            parents[dst] = src
+        self.copy_slots(parents, length)
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         """Write new k/v [B, Hkv, T, hd] at meta.positions; return cached k/v [B, Hkv, S, hd]."""
         ck, cv = self.k[layer], self.v[layer]
