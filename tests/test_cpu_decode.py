@@ -91,6 +91,38 @@ def test_native_attention_splits_long_contexts_between_threads(zoo, threads):
 
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
 @pytest.mark.parametrize("kv", ["fp32", "bf16"])
+def test_native_attention_gives_a_row_the_same_bits_in_any_batch_on_any_thread_count(zoo, kv):
+    """How the native step cuts a row's keys (split-K) depends on that row's keys alone: a row's
+    logits are the same bits at any row of a batch, beside any other rows, on 1, 2 or 3 threads.
+    Cut as one run a thread over the whole batch, the middle one of three equal rows differed from the
+    others (three equal greedy prompts gave two texts) and a row changed with the thread count."""
+    llm = zoo.llm(zoo.dir("llama"), dtype="float32", max_context=256, accelerator="none")
+    step = CPUDecodeStep(llm.model, native=True)
+    a, b = prompt_ids(zoo.vocab_size, 150), prompt_ids(zoo.vocab_size, 40, seed=2)
+
+    def logits(prompts: list[list[int]], threads: int) -> torch.Tensor:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            cache = llm._kv_cache(len(prompts), 160, kv)
+            with torch.inference_mode():
+                _prefill(llm, cache, prompts)
+                ids = torch.tensor([[p[-1]] for p in prompts])
+                pos = torch.tensor([[len(p)] for p in prompts])
+                return step(ids, pos, torch.arange(len(prompts)), cache).float()
+        finally:
+            torch.set_num_threads(before)
+
+    alone = logits([a, a], 1)[0]  # two rows: the step's multi-row projections, as every batch below
+    for threads in (1, 2, 3):
+        for batch, rows in (([a, a, a], (0, 1, 2)), ([b, a, b, a], (1, 3)), ([a, b], (0,))):
+            out = logits(batch, threads)
+            for r in rows:
+                assert torch.equal(out[r], alone), (threads, len(batch), r)
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+@pytest.mark.parametrize("kv", ["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["qwen3", "llama_wide", "llama_gqa7"])
 def test_native_attention_vector_path_matches_the_modules(zoo, kind, kv):
     """head_dim 32 or 64 (qwen3, llama_gqa7; llama_wide): the native attention's vector loops, keys 8

@@ -1670,12 +1670,16 @@ class DecodeStep {
   // H / Hkv query heads of one KV head share each key and value row as it is read. A prompt's rows
   // (runs of consecutive positions) go to attention_runs unless the layer has sinks; the rest below.
   //
-  // Parallel, the (row, KV head) items' key rows are cut into nt runs of equal length, one a thread
-  // (split-K, as flash-decoding splits a long context): an item cut in parts gives each part's
-  // unnormalized output with its scores' max and sum, and merge_parts rescales and adds them. At
-  // batch 1 an item per KV head left threads idle (SmolLM2's 3 KV heads on 2 threads: 2 and 1), and
-  // below ~450 keys the step ran attention on one thread while the others waited (measured ~71 ns a
-  // key and layer, 14% of a 128-key SmolLM2 step on 2 cores).
+  // Each (row, KV head) item's key rows are cut into parts of about kPartKeys (split-K, as
+  // flash-decoding splits a long context): a part gives its unnormalized output with its scores' max
+  // and sum, and merge_parts rescales and adds them in order. How an item is cut depends on its own
+  // key count alone, never on the batch beside it or the thread count: a row's output is the same
+  // bits at any row of any batch and on any number of threads (when parts were one run a thread
+  // over all items, three equal rows of a batch gave two different greedy texts, and a row changed
+  // with the thread governor's count). The parts then go to the threads in order, about equal keys
+  // a thread. At batch 1 an item per KV head left threads idle (SmolLM2's 3 KV heads on 2 threads:
+  // 2 and 1), and below ~450 keys the step ran attention on one thread while the others waited
+  // (measured ~71 ns a key and layer, 14% of a 128-key SmolLM2 step on 2 cores).
   template <typename T, typename C>
   void attention(int64_t l, int64_t B, const float* qkv, const C* kc, const C* vc, const int64_t* slots,
                  const int64_t* pos, int64_t n_slots, int64_t max_len, float* att) const {
@@ -1705,27 +1709,27 @@ class DecodeStep {
     };
     auto out_of = [&](int64_t bg) { return att + (bg / Hkv) * H * hd + (bg % Hkv) * group * hd; };
     const int64_t items = B * Hkv, work = keys * Hkv;
-    // one run (every item whole, on this thread) below kSplitKeys, else one a thread
+    // one thread below kSplitKeys, else all of them
     const int64_t nt = work < kSplitKeys ? 1 : std::max<int64_t>(1, at::get_num_threads());
-    // the runs: thread k takes key rows [k * work / nt, (k + 1) * work / nt) of the items in order
     struct Seg { int64_t bg, t0, t1, slot; };  // slot: its partial output's index, -1 = whole item
-    std::vector<std::vector<Seg>> runs(nt);
+    std::vector<Seg> segs;  // every item's parts, items in order
     std::vector<int64_t> first_part(items, -1), parts(items, 0);
-    int64_t start = 0, nparts = 0;
+    int64_t nparts = 0;
     for (int64_t bg = 0; bg < items; ++bg) {
-      const int64_t n = keys_of(bg / Hkv);
-      for (int64_t k = start * nt / work; k < nt && k * work / nt < start + n; ++k) {
-        const int64_t a = std::max(k * work / nt, start), e = std::min((k + 1) * work / nt, start + n);
-        if (a < e) runs[k].push_back({bg, a - start, e - start, -1}), ++parts[bg];
-      }
-      if (parts[bg] > 1) {
-        first_part[bg] = nparts;
-        int64_t s = nparts;
-        for (auto& run : runs)
-          for (auto& seg : run) if (seg.bg == bg) seg.slot = s++;
-        nparts = s;
-      }
-      start += n;
+      const int64_t n = keys_of(bg / Hkv), P = (n + kPartKeys - 1) / kPartKeys;  // parts of n / P keys
+      parts[bg] = P;
+      if (P == 1) segs.push_back({bg, 0, n, -1});
+      if (P < 2) continue;
+      first_part[bg] = nparts;
+      for (int64_t i = 0; i < P; ++i) segs.push_back({bg, i * n / P, (i + 1) * n / P, nparts++});
+    }
+    // thread k runs the parts whose middle key falls in [k * work / nt, (k + 1) * work / nt)
+    std::vector<int64_t> bounds(nt + 1, int64_t(segs.size()));
+    bounds[0] = 0;
+    for (int64_t i = 0, start = 0, k = 1; i < int64_t(segs.size()); ++i) {
+      const int64_t len = segs[i].t1 - segs[i].t0, mid = start + len / 2;
+      while (k < nt && mid >= k * work / nt) bounds[k++] = i;
+      start += len;
     }
     const int64_t stride = group * hd + 2 * group;  // a part's o [group, hd], then (max, sum) [group, 2]
     std::vector<float> partial(nparts * stride);
@@ -1733,7 +1737,8 @@ class DecodeStep {
     auto run_threads = [&](int64_t k0, int64_t k1) {
       std::vector<float> p, whole(sinks ? stride : 0);
       for (int64_t k = k0; k < k1; ++k)
-        for (const Seg& seg : runs[k]) {
+        for (int64_t si = bounds[k]; si < bounds[k + 1]; ++si) {
+          const Seg& seg = segs[si];
           if (seg.slot < 0 && sinks) {  // a whole item, normalized with its heads' sinks
             part(seg.bg, seg.t0, seg.t1, whole.data(), whole.data() + group * hd, p);
             merge_parts<T>(whole.data(), 1, group, hd, out_of(seg.bg), sink_of(seg.bg));
@@ -1782,6 +1787,9 @@ class DecodeStep {
 
   // attention runs on one thread below this many (key row, KV head) pairs over the batch
   static constexpr int64_t kSplitKeys = 256;
+  // an item's keys are cut into ceil(n / kPartKeys) parts of near-equal length (attention): 64 balances
+  // SmolLM2's 3 KV heads on 2 threads from 65 keys; a part's output and merge cost ~5% of its reads
+  static constexpr int64_t kPartKeys = 64;
   // rows of one sequence at consecutive positions that attention_runs takes together (a prompt's)
   static constexpr int64_t kRunRows = 8;
   // attention_runs' transposed keys at most (KV heads in batches past it; set_max_transposed_bytes)
