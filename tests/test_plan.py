@@ -1275,3 +1275,25 @@ def test_a_native_moe_layers_gather_and_weighted_sum_are_priced_at_the_native_st
     calls.clear()
     prompt_paths(plan, MIXTRAL, hw)[1](512)
     assert calls == [False]
+
+
+def test_weights_stay_put_where_one_more_forward_moves_no_weights():
+    """Plan.weights_stay_put (LLM.step's shared prefixes take one more forward): a CPU plan without
+    disk, a GPU plan with every dense FFN whole and every expert on the GPU; not with experts on disk,
+    a sliced FFN, experts off the GPU, or FlexGen's streaming."""
+    from tiered.planner.plan import LayerPlan
+
+    def plan(tier, layers, memory, flexgen=None):
+        return Plan(model="m", goal="latency", profile="p", gpu_memory=None, cpu_memory=None, prompt_tokens=512,
+                    gen_tokens=8, precision="int4", layers=layers, fast_tier=tier, memory=memory, flexgen=flexgen)
+
+    dense = [LayerPlan(0, "dense", "bf16")]
+    moe = lambda gpu, cpu, disk: [LayerPlan(0, "moe", "bf16", experts_gpu=gpu, experts_cpu=cpu, experts_disk=disk)]
+    assert plan("cpu", dense, {"cpu": 1}).weights_stay_put()
+    assert plan("cpu", moe(0, 8, 0), {"cpu": 1, "disk": 0}).weights_stay_put()
+    assert not plan("cpu", moe(0, 6, 2), {"cpu": 1, "disk": 2}).weights_stay_put()
+    assert plan("gpu", dense, {"gpu": 1}).weights_stay_put()
+    assert not plan("gpu", [LayerPlan(0, "dense", "bf16", r_cc=0.3, r_gg=0.7)], {"gpu": 1}).weights_stay_put()
+    assert plan("gpu", moe(8, 0, 0), {"gpu": 1}).weights_stay_put()
+    assert not plan("gpu", moe(6, 2, 0), {"gpu": 1, "cpu": 2}).weights_stay_put()
+    assert not plan("gpu", dense, {"gpu": 1}, flexgen={"policy": 1}).weights_stay_put()

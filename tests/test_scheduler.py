@@ -13,7 +13,7 @@ import pytest
 
 from fixtures import prompt_ids
 from tiered import SamplingParams
-from tiered.engine.scheduler import QueueFullError, Scheduler, prefill_groups
+from tiered.engine.scheduler import SHARED_PREFIX_TOKENS, QueueFullError, Scheduler, prefill_groups
 from tiered.engine.sequence import Sequence
 
 
@@ -187,6 +187,40 @@ def test_equal_prompts_admitted_together_are_prefilled_once(llm, zoo, monkeypatc
         assert [outs[i].token_ids for i in range(4)] == expected
         assert sorted(computed) == [len(q), len(p)]  # p once, not three times
         assert [s.cached_tokens for s in seqs] == [0, 0, len(p), len(p)]
+
+@pytest.mark.parametrize("mixed_rows", [None, 0])
+def test_prompts_sharing_a_prefix_admitted_together_prefill_it_once(llm, zoo, monkeypatch, mixed_rows):
+    """Prompts admitted at one step that share a prefix of SHARED_PREFIX_TOKENS+ tokens with an earlier
+    one's (a system prompt) prefill it once (scheduler.SharedPrefixes): the leader prefills first, the
+    others take its KV of the prefix and compute the rest only (on their own, or as rows of the decode
+    step: Plan.mixed_rows), and each draws the tokens it draws alone. A prompt that is the leader's
+    own prefix computes its last token; one sharing too little prefills whole."""
+    assert llm.plan.weights_stay_put()
+    system = prompt_ids(zoo.vocab_size, SHARED_PREFIX_TOKENS + 6, seed=92)
+    lead, other = system + prompt_ids(zoo.vocab_size, 5, seed=93), prompt_ids(zoo.vocab_size, 7, seed=94)
+    prompts = [lead, other, system + prompt_ids(zoo.vocab_size, 3, seed=95), system[:-2], lead[:20] + other]
+    if mixed_rows is not None:
+        monkeypatch.setattr(llm.plan, "mixed_rows", mixed_rows)
+    computed = []  # prompt tokens each prefill forward or mixed step computed
+    prefill, mixed = type(llm)._prefill, type(llm)._forward_mixed
+    monkeypatch.setattr(type(llm), "_prefill", lambda self, seqs, cache: computed.extend(
+        len(s.prompt_ids) - s.cached_tokens for s in seqs) or prefill(self, seqs, cache))
+    monkeypatch.setattr(type(llm), "_forward_mixed", lambda self, pre, d, c: computed.extend(
+        len(s.prompt_ids) - s.cached_tokens for s in pre) or mixed(self, pre, d, c))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [llm.generate(x, sp)[0].token_ids for x in prompts]
+    computed.clear()
+    sched, cache = Scheduler(max_batch=5, max_queue=0), llm.kv_cache(5)
+    seqs = [llm.make_sequence(x, sp, index=i) for i, x in enumerate(prompts)]
+    sched.add(*seqs)
+    outs = {}
+    while sched.has_work():
+        outs.update({s.index: o for s, _, o in llm.step(sched, cache) if o is not None})
+    assert [outs[i].token_ids for i in range(len(prompts))] == expected
+    shared = [0, 0, len(system), len(system) - 3, 0]
+    assert [s.cached_tokens for s in seqs] == shared
+    assert sorted(computed) == sorted(len(x) - n for x, n in zip(prompts, shared))
+
 
 def test_a_cancelled_request_gives_its_slot_to_a_waiting_one(llm, zoo):
     prompts = [prompt_ids(zoo.vocab_size, n, seed=60 + n) for n in (4, 7)]

@@ -26,7 +26,7 @@ from tiered.engine.detokenize import append_token_text, apply_stop_strings, take
 from tiered.engine.dtype import resolve_dtype
 from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt
 from tiered.engine.sampling import SamplingParams, sample_tokens, token_logprobs
-from tiered.engine.scheduler import PromptTwins, Scheduler, prefill_groups
+from tiered.engine.scheduler import PromptTwins, Scheduler, SharedPrefixes, prefill_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from tiered.errors import BudgetError, ConfigError, ContextLengthError
 from tiered.hardware.accelerator import make_accelerator
@@ -487,7 +487,10 @@ class LLM:
             decoding = [s for s in plan.running if not s.finished and id(s) not in admitted]
             twins = PromptTwins(plan.prefill)  # admitted prompts equal to an earlier one's: not prefilled
             prefilling = [s for s in plan.prefill if id(s) not in twins.followers]
-            mixed = self._mixed_prefills(prefilling, len(decoding), cache)
+            # prompts sharing a prefix with an earlier one's take its KV after its prefill, where one more
+            # forward moves no weights: a leader then prefills on its own, before the followers (never as rows)
+            shared = SharedPrefixes(prefilling if self.plan.weights_stay_put() else [])
+            mixed = self._mixed_prefills([s for s in prefilling if id(s) not in shared.leaders], len(decoding), cache)
             joined = {id(s) for s in mixed}
             joined |= {id(f) for s in mixed for f in twins.of(s)}  # their KV is copied after the step's forward
             alone = [s for s in prefilling if id(s) not in joined]
@@ -495,19 +498,10 @@ class LLM:
             for seq in plan.prefill:
                 seq.t_prefill_start = t0
                 self.runtime.new_sequence()  # the expert cache's per-sequence usage (HOBBIT)
-            # a group's padded tokens stay within the plan's prefill chunk (the device workspace's tokens)
-            groups = prefill_groups([len(s.prompt_ids) - s.cached_tokens for s in alone],
-                                    min(self.max_context, self.plan.prefill_chunk or self.max_context),
-                                    padding=not self.config.is_moe)
-            for group in groups:  # prefill: a group of admitted sequences per forward
-                seqs = [alone[i] for i in group]
-                t0 = time.perf_counter()
-                for seq in seqs:
-                    seq.t_prefill_start = t0
-                with dense_weights(self.model):
-                    logits = self._prefill(seqs, cache)
-                self.executor.record("prefill", "step", t0, time.perf_counter())
-                events += self._postprocess(*twins.join(seqs, logits, cache))
+            events += self._prefill_groups([s for s in alone if not shared.follows(s)], cache, twins)
+            # the leaders' KV written: their followers take its shared prefix, then prefill the rest
+            shared.lend([s for s in prefilling if shared.follows(s)], cache)
+            events += self._prefill_groups([s for s in alone if shared.follows(s)], cache, twins)
             running = [s for s in plan.running if not s.finished and id(s) not in joined]
             if running or mixed:  # decode: all running sequences, one token each (+ the joining prompts)
                 t0 = time.perf_counter()
@@ -523,6 +517,26 @@ class LLM:
         for seq, _, out in events:
             if out is not None:
                 sched.finish(seq)
+        return events
+
+    def _prefill_groups(self, seqs: list[Sequence], cache: KVCache,
+                        twins: PromptTwins) -> list[tuple[Sequence, str, RequestOutput | None]]:
+        """Prefill admitted `seqs` (LLM.step), grouped by scheduler.prefill_groups, one forward a group
+        whose padded tokens stay within the plan's prefill chunk (the device workspace's tokens); each
+        group's twins join it (PromptTwins.join). Returns the first tokens' events."""
+        events = []
+        groups = prefill_groups([len(s.prompt_ids) - s.cached_tokens for s in seqs],
+                                min(self.max_context, self.plan.prefill_chunk or self.max_context),
+                                padding=not self.config.is_moe)
+        for group in groups:
+            group_seqs = [seqs[i] for i in group]
+            t0 = time.perf_counter()
+            for seq in group_seqs:
+                seq.t_prefill_start = t0
+            with dense_weights(self.model):
+                logits = self._prefill(group_seqs, cache)
+            self.executor.record("prefill", "step", t0, time.perf_counter())
+            events += self._postprocess(*twins.join(group_seqs, logits, cache))
         return events
 
     def _mixed_prefills(self, admitted: list[Sequence], decoding: int, cache: KVCache) -> list[Sequence]:

@@ -165,12 +165,19 @@ class Scheduler:
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of token lists a and b."""
+    """Length of the longest common prefix of token lists a and b (slices compared by bisection: the
+    comparisons run in C, ~log2(n) of them over n tokens in all)."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 PREFILL_PADDING = 0.25  # most padded positions a batched prefill adds, as a share of its real tokens
@@ -250,3 +257,48 @@ class PromptTwins:
         cache.lend({f.slot: leaders[i].slot for f, i in rows}, max(len(f.prompt_ids) for f, _ in rows))
         index = torch.tensor([i for _, i in rows], device=logits.device)
         return leaders + [f for f, _ in rows], torch.cat([logits, logits.index_select(0, index)])
+
+
+SHARED_PREFIX_TOKENS = 64  # fewest uncached tokens a follower takes from its leader (SharedPrefixes)
+
+
+class SharedPrefixes:
+    """Admitted sequences (no two prompts equal: PromptTwins takes those) whose prompts share a prefix
+    with an earlier admitted one's, as requests with one system prompt arriving together do: the
+    earlier one, the leader, prefills first; each follower then takes the leader's KV of the shared
+    prefix (`lend`, KVCache.lend) and prefills only the rest of its prompt, in a later forward of the
+    same step (LLM.step). A follower shares at most all but its last prompt token (its first token's
+    logits are its own prefill's) and at least SHARED_PREFIX_TOKENS more than its slot holds already
+    (`cached_tokens`, which then counts the shared prefix: not computed for it); a follower never
+    leads. Admitted one step apart, the running slot's lending does the same (Scheduler._take_slot).
+    """
+
+    def __init__(self, seqs: list[Sequence], min_tokens: int = SHARED_PREFIX_TOKENS) -> None:
+        self._leader: dict[int, tuple[Sequence, int]] = {}  # id(follower) -> (leader, shared tokens)
+        leaders: list[Sequence] = []
+        for seq in seqs:
+            head = seq.prompt_ids[:min_tokens]  # a cheap first test: the leader shares the first tokens
+            best, shared = None, 0
+            for leader in leaders:
+                if leader.prompt_ids[:min_tokens] == head:
+                    n = _common_prefix(leader.prompt_ids, seq.prompt_ids)
+                    if n > shared:
+                        best, shared = leader, n
+            shared = min(shared, len(seq.prompt_ids) - 1)
+            if best is not None and shared - seq.cached_tokens >= min_tokens:
+                self._leader[id(seq)] = (best, shared)
+                seq.cached_tokens = shared
+            else:
+                leaders.append(seq)
+        self.leaders = {id(leader) for leader, _ in self._leader.values()}  # ids of leaders with followers
+
+    def follows(self, seq: Sequence) -> bool:
+        """Whether `seq` takes a leader's prefix (its `cached_tokens` count it already)."""
+        return id(seq) in self._leader
+
+    def lend(self, seqs: list[Sequence], cache) -> None:
+        """Copy each follower's shared prefix from its leader's slot into its own (KVCache.lend), after
+        the leaders' prefill wrote it and before the followers' forward."""
+        for seq in seqs:
+            leader, shared = self._leader[id(seq)]
+            cache.lend({seq.slot: leader.slot}, shared)

@@ -260,6 +260,17 @@ class Plan:
         total = sum(l.experts_gpu + l.experts_cpu + l.experts_disk for l in moe)
         return bool(moe) and self.resident_experts() == total
 
+    def weights_stay_put(self) -> bool:
+        """Whether a forward reads every weight on the tier that computes it: no FlexGen streaming,
+        nothing on disk and, on a GPU plan, every dense FFN whole on the GPU and every routed expert
+        resident. One more forward then moves no weights (LLM.step's shared prefixes take one)."""
+        if self.flexgen or self.memory.get("disk") or any(l.experts_disk for l in self.layers):
+            return False
+        if self.fast_tier == "cpu":
+            return True
+        moe = any(l.kind == "moe" for l in self.layers)
+        return all(l.r_gg >= 1 - 1e-9 for l in self.layers if l.kind == "dense") and (not moe or self.all_experts_resident())
+
     def experts_splittable(self) -> bool:
         """A missing routed expert can be split by rows between the CPU and the link (dispatcher
         SPLIT): stored dense, one precision (no HOBBIT low copies)."""
