@@ -1670,7 +1670,7 @@ class DecodeStep {
   // H / Hkv query heads of one KV head share each key and value row as it is read. A prompt's rows
   // (runs of consecutive positions) go to attention_runs unless the layer has sinks; the rest below.
   //
-  // Each (row, KV head) item's key rows are cut into parts of about kPartKeys (split-K, as
+  // Each (row, KV head) item's key rows are cut into parts of at most ~kPartKeys (part_keys; split-K, as
   // flash-decoding splits a long context): a part gives its unnormalized output with its scores' max
   // and sum, and merge_parts rescales and adds them in order. How an item is cut depends on its own
   // key count alone, never on the batch beside it or the thread count: a row's output is the same
@@ -1716,12 +1716,12 @@ class DecodeStep {
     std::vector<int64_t> first_part(items, -1), parts(items, 0);
     int64_t nparts = 0;
     for (int64_t bg = 0; bg < items; ++bg) {
-      const int64_t n = keys_of(bg / Hkv), P = (n + kPartKeys - 1) / kPartKeys;  // parts of n / P keys
+      const int64_t n = keys_of(bg / Hkv), len = part_keys(n), P = n ? (n + len - 1) / len : 0;
       parts[bg] = P;
       if (P == 1) segs.push_back({bg, 0, n, -1});
       if (P < 2) continue;
       first_part[bg] = nparts;
-      for (int64_t i = 0; i < P; ++i) segs.push_back({bg, i * n / P, (i + 1) * n / P, nparts++});
+      for (int64_t i = 0; i < P; ++i) segs.push_back({bg, i * len, std::min(n, (i + 1) * len), nparts++});
     }
     // thread k runs the parts whose middle key falls in [k * work / nt, (k + 1) * work / nt)
     std::vector<int64_t> bounds(nt + 1, int64_t(segs.size()));
@@ -1787,9 +1787,16 @@ class DecodeStep {
 
   // attention runs on one thread below this many (key row, KV head) pairs over the batch
   static constexpr int64_t kSplitKeys = 256;
-  // an item's keys are cut into ceil(n / kPartKeys) parts of near-equal length (attention): 64 balances
-  // SmolLM2's 3 KV heads on 2 threads from 65 keys; a part's output and merge cost ~5% of its reads
-  static constexpr int64_t kPartKeys = 64;
+  // The keys of an item's part (attention) for an item of n keys, a function of n alone: ceil(n / 256) parts,
+  // at least 2 from 128 keys (SmolLM2's 3 KV heads at batch 1 then balance on 2 threads), of a multiple
+  // of 8 keys (attend scores 8 at a time; the rest go one by one), the last part shorter. Parts of ~64
+  // keys took SmolLM2's batch-4 steps at 1024 keys 16-17 -> 22-23 ms: each part's first keys are not
+  // prefetched and its last n % 8 go one by one.
+  static int64_t part_keys(int64_t n) {
+    const int64_t P = std::max<int64_t>((n + kPartKeys - 1) / kPartKeys, n >= 128 ? 2 : 1);
+    return std::max<int64_t>(8, ((n + P - 1) / P + 7) / 8 * 8);
+  }
+  static constexpr int64_t kPartKeys = 256;
   // rows of one sequence at consecutive positions that attention_runs takes together (a prompt's)
   static constexpr int64_t kRunRows = 8;
   // attention_runs' transposed keys at most (KV heads in batches past it; set_max_transposed_bytes)
