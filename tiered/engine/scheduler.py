@@ -12,7 +12,9 @@ the rest (`Sequence.cached_tokens`). Requests that share a system prompt or a co
 skip that part of their prefill, as vLLM's prefix caching and SGLang's radix cache do, here
 without copying: the KV is already in the slot. A running sequence's slot lends its prefix too
 (copied into the new slot at the step, `Sequence.kv_source`): a request arriving while another
-with its system prompt still decodes skips it as well.
+with its system prompt still decodes skips it as well. Requests admitted at the same step share
+in LLM.step: equal prompts prefill once (`PromptTwins`), and prompts sharing a prefix prefill it
+once (`SharedPrefixes`, whatever `prefix_reuse` says: nothing of an earlier request is kept).
 
 `add` and `cancel` may be called from any thread (an HTTP server's); `schedule` and `finish` from
 the one thread that runs the step loop.
@@ -273,7 +275,8 @@ class SharedPrefixes:
     leads. Admitted one step apart, the running slot's lending does the same (Scheduler._take_slot).
     """
 
-    def __init__(self, seqs: list[Sequence], min_tokens: int = SHARED_PREFIX_TOKENS) -> None:
+    def __init__(self, seqs: list[Sequence], min_tokens: int | None = None) -> None:
+        min_tokens = SHARED_PREFIX_TOKENS if min_tokens is None else min_tokens
         self._leader: dict[int, tuple[Sequence, int]] = {}  # id(follower) -> (leader, shared tokens)
         leaders: list[Sequence] = []
         for seq in seqs:
