@@ -200,6 +200,34 @@ def test_padded_prefill_on_the_standin(zoo):
     assert batched == [o.token_ids for o in zoo.llm(zoo.dir("llama")).generate(prompts, params)]
 
 
+def test_prompts_sharing_kv_between_slots_on_the_standin(zoo, monkeypatch):
+    """Equal prompts (PromptTwins), prompts sharing a prefix (SharedPrefixes) and a prefix lent by a
+    running slot (Scheduler prefix reuse) copy KV between the stand-in cache's slots (KVCache.lend) and
+    a leader's logits rows: every prompt's tokens are those it draws alone on the host."""
+    from tiered.engine import scheduler
+    from tiered.engine.scheduler import Scheduler
+
+    monkeypatch.setattr(scheduler, "SHARED_PREFIX_TOKENS", 8)
+    llm = LLM(zoo.dir("llama"), EngineConfig(accelerator="host", plan="off", decode_weights="fp32", max_context=64))
+    assert llm.plan.weights_stay_put()
+    system = prompt_ids(zoo.vocab_size, 12, seed=40)
+    prompts = [system + prompt_ids(zoo.vocab_size, 3, seed=41), system + prompt_ids(zoo.vocab_size, 4, seed=42)]
+    prompts.append(prompts[0])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cpu = zoo.llm(zoo.dir("llama"))
+    expected = [cpu.generate(p, params)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    sched, cache = Scheduler(max_batch=2, max_queue=1, prefix_reuse=True), llm.kv_cache(2)
+    first, second = (llm.make_sequence(p, params, index=i) for i, p in enumerate(prompts[:2]))
+    sched.add(first)
+    llm.step(sched, cache)
+    sched.add(second)  # admitted while `first` decodes: its slot lends the system prompt
+    outs = {}
+    while sched.has_work():
+        outs.update({s.index: o.token_ids for s, _, o in llm.step(sched, cache) if o is not None})
+    assert second.cached_tokens == len(system) and outs == {0: expected[0], 1: expected[1]}
+
+
 def test_cpu_expert_path_behind_the_standin(rt):  # noqa: F811
     """Fiddler's CPU path (experts in host RAM computed by the CPU behind an accelerator), forced
     for every non-resident expert, with a batch of two prompts: rows of host activations picked by

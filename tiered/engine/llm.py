@@ -478,7 +478,8 @@ class LLM:
                         sched.finish(seq)
                 return events
             events = []
-        with torch.inference_mode():
+        # the device scope: KV moved between slots (lends) is device code as the forwards are
+        with torch.inference_mode(), self._device_scope():
             for seq in plan.prefill:  # a prefix whose KV a running sequence's slot lends (Scheduler._take_slot)
                 if seq.kv_source >= 0:
                     cache.lend({seq.slot: seq.kv_source}, seq.cached_tokens)
