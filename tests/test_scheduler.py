@@ -194,11 +194,13 @@ def test_prompts_sharing_a_prefix_admitted_together_prefill_it_once(llm, zoo, mo
     one's (a system prompt) prefill it once (scheduler.SharedPrefixes): the leader prefills first, the
     others take its KV of the prefix and compute the rest only (on their own, or as rows of the decode
     step: Plan.mixed_rows), and each draws the tokens it draws alone. A prompt that is the leader's
-    own prefix computes its last token; one sharing too little prefills whole."""
+    own prefix computes its last token; one sharing too little prefills whole; a follower's twin takes
+    the follower's KV."""
     assert llm.plan.weights_stay_put()
     system = prompt_ids(zoo.vocab_size, SHARED_PREFIX_TOKENS + 6, seed=92)
     lead, other = system + prompt_ids(zoo.vocab_size, 5, seed=93), prompt_ids(zoo.vocab_size, 7, seed=94)
-    prompts = [lead, other, system + prompt_ids(zoo.vocab_size, 3, seed=95), system[:-2], lead[:20] + other]
+    follower = system + prompt_ids(zoo.vocab_size, 3, seed=95)
+    prompts = [lead, other, follower, system[:-2], lead[:20] + other, follower]  # the last: the follower's twin
     if mixed_rows is not None:
         monkeypatch.setattr(llm.plan, "mixed_rows", mixed_rows)
     computed = []  # prompt tokens each prefill forward or mixed step computed
@@ -210,16 +212,16 @@ def test_prompts_sharing_a_prefix_admitted_together_prefill_it_once(llm, zoo, mo
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     expected = [llm.generate(x, sp)[0].token_ids for x in prompts]
     computed.clear()
-    sched, cache = Scheduler(max_batch=5, max_queue=0), llm.kv_cache(5)
+    sched, cache = Scheduler(max_batch=6, max_queue=0), llm.kv_cache(6)
     seqs = [llm.make_sequence(x, sp, index=i) for i, x in enumerate(prompts)]
     sched.add(*seqs)
     outs = {}
     while sched.has_work():
         outs.update({s.index: o for s, _, o in llm.step(sched, cache) if o is not None})
     assert [outs[i].token_ids for i in range(len(prompts))] == expected
-    shared = [0, 0, len(system), len(system) - 3, 0]
+    shared = [0, 0, len(system), len(system) - 3, 0, len(follower)]
     assert [s.cached_tokens for s in seqs] == shared
-    assert sorted(computed) == sorted(len(x) - n for x, n in zip(prompts, shared))
+    assert sorted(computed) == sorted(len(x) - n for x, n in zip(prompts[:-1], shared))
 
 
 def test_a_cancelled_request_gives_its_slot_to_a_waiting_one(llm, zoo):
