@@ -30,7 +30,7 @@ class RequestStats:
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
 
-    cached_tokens: int = 0  # prompt tokens whose KV a served slot held already (prefill skipped them)
+    cached_tokens: int = 0  # prompt tokens whose KV was not computed for this request (prefill skipped them)
     # the fewest threads torch's CPU team had at a step of this request (0: not recorded): below the plan's
     # (Plan.cpu_threads) where hardware/contention.ThreadGovernor gave cores back to other processes
     cpu_threads: int = 0
@@ -93,7 +93,7 @@ class Sequence:
     t_prefill_start: float = 0.0
     token_times: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # filled when params.logprobs is set
-    cached_tokens: int = 0  # prompt tokens whose KV its slot already held (prefill skipped them)
+    cached_tokens: int = 0  # prompt tokens whose KV its slot held or took from another slot (prefill skipped them)
     kv_source: int = -1  # a running sequence's slot whose KV of those tokens LLM.step copies in first (-1: none)
     cpu_threads: int = 0  # the fewest CPU threads at a step of it (LLM.step; RequestStats.cpu_threads)
     _seen: torch.Tensor | None = field(default=None, repr=False)  # seen_ids' buffer, int64, grown by doubling
