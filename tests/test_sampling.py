@@ -466,3 +466,52 @@ def test_sampling_params_refuse_what_the_sampler_cannot_take():
         with pytest.raises(ConfigError):
             SamplingParams(**bad)
     assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1 and SamplingParams(seed=-2**63).seed == -2**63
+
+
+def test_logit_bias_and_openai_penalties_adjust_the_row():
+    """OpenAI's formula: logits + bias - presence * (count > 0) - frequency * count, counts over the
+    generated tokens; a dict bias is kept as sorted pairs; out-of-range values are refused."""
+    from tiered.engine.sampling import adjust_logits
+    from tiered.errors import ConfigError
+
+    logits = torch.randn(10)
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={7: 3.0, 2: -100})
+    assert p.logit_bias == ((2, -100.0), (7, 3.0)) and p.adjusts_logits and not SamplingParams().adjusts_logits
+    out = adjust_logits(logits, p, [4, 4, 1, 4])
+    want = logits.clone()
+    want[2] -= 100
+    want[7] += 3
+    want[4] -= 0.5 + 3 * 0.25
+    want[1] -= 0.5 + 0.25
+    assert torch.allclose(out, want) and not torch.equal(out, logits)  # a new row: the raw one stays
+    assert adjust_logits(logits, SamplingParams(), [4]) is logits
+    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(logit_bias={5: 101}),
+                dict(logit_bias={-1: 1}), dict(logit_bias={"x": 1}), dict(presence_penalty=float("nan"))):
+        with pytest.raises(ConfigError):
+            SamplingParams(**bad)
+
+
+def test_engine_applies_logit_bias_and_penalties_in_every_decode_path(zoo):
+    """generate (whose lone request decodes in native bursts elsewhere) and a batch: a +100 bias makes a
+    token every greedy pick, -100 bans the greedy token, a frequency penalty breaks the tiny Llama's
+    repeats; logprobs stay the raw model's; a bias on a token past the vocabulary is refused."""
+    from dataclasses import replace
+
+    from tiered.errors import ConfigError
+
+    llm = zoo.llm(zoo.dir("llama_tied"))
+    ids = prompt_ids(zoo.vocab_size, 16, seed=0)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = llm.generate(ids, greedy)[0].token_ids
+    forced = replace(greedy, logit_bias={5: 100.0})
+    for outs in (llm.generate(ids, forced), llm.generate([ids, prompt_ids(zoo.vocab_size, 9, seed=1)], forced)):
+        assert all(o.token_ids == [5] * 16 for o in outs)
+    raw = llm.generate(ids, replace(greedy, logprobs=0, max_tokens=1))[0].logprobs[0]
+    biased = llm.generate(ids, replace(forced, logprobs=0, max_tokens=1))[0].logprobs[0]
+    assert biased.token == 5 and biased.logprob < raw.logprob  # the raw model's log-probability of token 5
+    banned = llm.generate(ids, replace(greedy, logit_bias={plain[0]: -100.0}))[0].token_ids
+    assert plain[0] not in banned
+    penal = llm.generate(ids, replace(greedy, frequency_penalty=2.0))[0].token_ids
+    assert len(set(plain)) < len(plain) // 2 and len(set(penal)) > len(set(plain))
+    with pytest.raises(ConfigError, match="logit_bias has token id"):
+        llm.generate(ids, replace(greedy, logit_bias={zoo.vocab_size: 1.0}))

@@ -662,8 +662,6 @@ def test_error_shapes_models_endpoint_and_the_authorization_scheme(server):
 
 @pytest.mark.parametrize("endpoint,field,value", [
     ("completions", "echo", True), ("completions", "best_of", 2), ("completions", "suffix", "x"),
-    ("completions", "logit_bias", {"5": 10}), ("chat", "logit_bias", {"5": -100}),
-    ("completions", "frequency_penalty", 0.5), ("chat", "presence_penalty", -1.0),
     ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("chat", "functions", [{"name": "f"}]), ("chat", "response_format", {"type": "json_object"}),
     ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "x"}})])
@@ -675,6 +673,25 @@ def test_unsupported_parameters_are_refused(server, endpoint, field, value):
                    headers={"Authorization": f"Bearer {KEY}"}, json={"model": MODEL, "max_tokens": 2, **body, field: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == field
     assert "not supported" in r.json()["error"]["message"]
+
+
+def test_logit_bias_and_penalties_sample_as_the_engine_does(server):
+    """OpenAI's logit_bias, frequency_penalty and presence_penalty reach the sampler (they were refused):
+    a +100 bias makes a token every greedy pick, and penalties give LLM.generate's tokens with them;
+    out-of-range values, keys that are not token ids and ids past the vocabulary are 400s naming them."""
+    prompt = PROMPTS[2]
+    out = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                           logit_bias={"5": 100})
+    assert out.choices[0].text == server.llm.tokenizer.decode([5] * 5)
+    penal = dict(frequency_penalty=1.5, presence_penalty=0.5)
+    got = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, **penal)
+    want = _greedy(server, prompt, 12, chat=False, **penal)
+    assert got.choices[0].text == want.text and want.token_ids != _greedy(server, prompt, 12, chat=False).token_ids
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("logit_bias", {"x": 1}),
+                         ("logit_bias", {"5": 101}), ("logit_bias", {str(server.llm.config.vocab_size): 1})):
+        r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": MODEL, "max_tokens": 2, "prompt": "hi", field: value})
+        assert r.status_code == 400 and field in (r.json()["error"]["param"] or r.json()["error"]["message"]), r.json()
 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted(server):

@@ -25,7 +25,7 @@ from tiered.engine.beam import (BeamSearch, BeamSearchOutput, BeamSearchParams, 
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
 from tiered.engine.dtype import resolve_dtype
 from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt
-from tiered.engine.sampling import SamplingParams, sample_tokens, token_logprobs
+from tiered.engine.sampling import SamplingParams, adjust_logits, sample_tokens, token_logprobs
 from tiered.engine.scheduler import PromptTwins, Scheduler, SharedPrefixes, prefill_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from tiered.errors import BudgetError, ConfigError, ContextLengthError
@@ -590,7 +590,7 @@ class LLM:
             t_start: when the request arrived (perf_counter seconds; default now): TTFT counts from it.
         Raises:
             ContextLengthError, ConfigError: the prompt is empty, does not fit the context window, or
-                has a token id outside the vocabulary.
+                has a token id outside the vocabulary (or params.logit_bias has one).
         """
         ids = self.encode(prompt, chat)
         check_prompt_fits(index, len(ids), self.max_context, self.config.max_position_embeddings)
@@ -598,6 +598,10 @@ class LLM:
         if bad:  # refused here, not as an IndexError in the middle of a batched step
             raise ConfigError(f"prompt {index} has token id {bad[0]}, outside the vocabulary "
                               f"(0..{self.config.vocab_size - 1})", "pass token ids of this model's tokenizer")
+        bad = [t for t, _ in params.logit_bias if t >= self.config.vocab_size]
+        if bad:
+            raise ConfigError(f"logit_bias has token id {bad[0]}, outside the vocabulary (0..{self.config.vocab_size - 1})",
+                              "pass token ids of this model's tokenizer")
         gen = None
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed + index)
@@ -688,7 +692,12 @@ class LLM:
         now = time.perf_counter()
         # the tokens seen so far matter only to a repetition penalty: skip building them otherwise
         seen = [seq.seen_ids() if seq.params.repetition_penalty != 1.0 else _NO_TOKENS for seq in seqs]
-        tokens = sample_tokens(logits, [seq.params for seq in seqs], seen, [seq.generator for seq in seqs])
+        adjusted = logits  # OpenAI's logit bias and penalties on their rows (the raw rows stay for logprobs)
+        if any(seq.params.adjusts_logits for seq in seqs):
+            adjusted = logits.clone()
+            for i, seq in enumerate(seqs):
+                adjusted[i] = adjust_logits(logits[i], seq.params, seq.output_ids)
+        tokens = sample_tokens(adjusted, [seq.params for seq in seqs], seen, [seq.generator for seq in seqs])
         return [self._accept(seq, token, now, row) for row, seq, token in zip(logits, seqs, tokens)]
 
     def _accept(self, seq: Sequence, token: int, now: float,
@@ -719,11 +728,12 @@ class LLM:
         About BURST_SECONDS of tokens (by the last burst's pace; at most the tokens left); tokens drawn
         past a stop string are dropped (the sequence has finished). None where no burst applies: a plan
         without them (Plan.decode_bursts: the native CPU step), a step that cannot run this model whole in
-        one call (CPUDecodeStep.can_burst), logprobs, < 2 tokens left, or bursts turned off (self.bursts
-        False, or TIERED_BURST=0)."""
+        one call (CPUDecodeStep.can_burst), logprobs, a logit bias or presence / frequency penalty (drawn
+        here: `adjust_logits`), < 2 tokens left, or bursts turned off (self.bursts False, or TIERED_BURST=0)."""
         step = self.runtime.cpu_decode
         n = min(self._burst_tokens, seq.max_tokens - len(seq.output_ids))
-        if (n < 2 or seq.finished or seq.logprobs is not None or not self.plan.decode_bursts or step is None
+        if (n < 2 or seq.finished or seq.logprobs is not None or seq.params.adjusts_logits
+                or not self.plan.decode_bursts or step is None
                 or not self.bursts or os.environ.get("TIERED_BURST", "1") == "0" or not step.can_burst(cache)):
             return None
         p = seq.params

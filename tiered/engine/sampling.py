@@ -1,9 +1,9 @@
 """SamplingParams and the sampler: small pure functions over a logits row (gpt-fast's habit).
 
-Order of operations (as in HF's logits processors and vLLM): repetition penalty, temperature,
-top-k, top-p, min-p, then a draw from the remaining distribution with the request's generator.
-Temperature 0 means greedy (argmax after the repetition penalty), and so does any temperature below
-GREEDY_TEMPERATURE.
+Order of operations (as in HF's logits processors and vLLM): OpenAI's logit bias, presence and
+frequency penalties (`adjust_logits`), repetition penalty, temperature, top-k, top-p, min-p, then a
+draw from the remaining distribution with the request's generator. Temperature 0 means greedy (argmax
+after the bias and penalties), and so does any temperature below GREEDY_TEMPERATURE.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ GREEDY_TEMPERATURE = 1e-5
 # keeps that token alone, so raising it to fp32's smallest normal number changes nothing else.
 MIN_TOP_P = float(torch.finfo(torch.float32).tiny)
 SEED_RANGE = (-2**63, 2**63 - 1)  # a generator's seed: a signed 64-bit integer
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence_penalty and frequency_penalty
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's logit_bias values
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +48,14 @@ class SamplingParams:
             unless ignore_eos).
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: record each generated token's log-probability under the model (the raw logits'
-            log-softmax, before penalty, temperature and filters) with this many most likely
+            log-softmax, before bias, penalties, temperature and filters) with this many most likely
             alternatives (0 = the chosen token only; None = record nothing). At most MAX_LOGPROBS.
+        presence_penalty: OpenAI's: subtracted from the logit of every token generated so far
+            (-2..2; positive discourages repeating a token at all).
+        frequency_penalty: OpenAI's: subtracted once per time a token was generated so far (-2..2).
+        logit_bias: OpenAI's: {token id: bias} added to those logits before anything else (-100..100:
+            -100 bans a token, 100 all but forces it); given as a dict or (id, bias) pairs, kept as
+            sorted pairs. Token ids past the vocabulary are refused by LLM.make_sequence.
     """
 
     max_tokens: int = 128
@@ -61,12 +69,21 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((int(t), float(b)) for t, b in bias))
+        except (TypeError, ValueError):
+            raise ConfigError("logit_bias must map token ids to numbers", "fix the sampling parameters") from None
+        object.__setattr__(self, "logit_bias", bias)
         checks = [
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
             (self.temperature >= 0 and math.isfinite(self.temperature), "temperature must be a finite number >= 0"),
@@ -79,16 +96,47 @@ class SamplingParams:
              f"seed must be a signed 64-bit integer ({SEED_RANGE[0]}..{SEED_RANGE[1]})"),
             (all(self.stop), "stop strings must be non-empty"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in 0..{MAX_LOGPROBS}"),
+            (PENALTY_RANGE[0] <= self.presence_penalty <= PENALTY_RANGE[1],
+             f"presence_penalty must be in {PENALTY_RANGE[0]:g}..{PENALTY_RANGE[1]:g}"),
+            (PENALTY_RANGE[0] <= self.frequency_penalty <= PENALTY_RANGE[1],
+             f"frequency_penalty must be in {PENALTY_RANGE[0]:g}..{PENALTY_RANGE[1]:g}"),
+            (all(t >= 0 and LOGIT_BIAS_RANGE[0] <= b <= LOGIT_BIAS_RANGE[1] for t, b in self.logit_bias),
+             f"logit_bias must map token ids >= 0 to biases in {LOGIT_BIAS_RANGE[0]:g}..{LOGIT_BIAS_RANGE[1]:g}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg, "fix the sampling parameters")
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether `adjust_logits` changes a row: a logit bias, or a presence or frequency penalty."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         """True when tokens are the argmax (after the repetition penalty): temperature below
         GREEDY_TEMPERATURE, 0 included."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, generated: list[int]) -> torch.Tensor:
+    """OpenAI's logit bias and presence / frequency penalties on one row of logits fp32 [V]:
+    logits[t] + bias[t] - presence_penalty * (count[t] > 0) - frequency_penalty * count[t], count[t] the
+    times token t is in `generated` (the request's tokens so far, not its prompt: as OpenAI and vLLM
+    count). Returns a new tensor (the row itself when params.adjusts_logits is False).
+
+    Raises:
+        IndexError: a logit_bias token id >= V (LLM.make_sequence refuses those first)."""
+    if not params.adjusts_logits:
+        return logits
+    logits = logits.clone()
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias])
+        logits.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype))
+    if generated and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(generated), minlength=logits.shape[-1])[:logits.shape[-1]].to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

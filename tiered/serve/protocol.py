@@ -3,8 +3,8 @@ and the logprobs objects of its answers.
 
 Field bounds are checked by pydantic; a body that breaks them is answered 400 with an OpenAI-style
 error (tiered/serve/app.py). OpenAI parameters that would change what the answer means but that
-tiered does not implement (echo, logit_bias, tools, response_format json, best_of, suffix, the
-frequency and presence penalties) are refused the same way unless they carry their neutral value,
+tiered does not implement (echo, tools, response_format json, best_of, suffix) are refused the same
+way unless they carry their neutral value,
 which common clients send: an answer that silently ignored them would be wrong.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from tiered.engine.sampling import MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from tiered.engine.sampling import LOGIT_BIAS_RANGE, MAX_LOGPROBS, PENALTY_RANGE, SEED_RANGE, SamplingParams
 from tiered.engine.sequence import TokenLogprob
 
 MAX_CHOICES = 128  # the most choices (`n`) one request may ask for; the server's slots and queue bound it too
@@ -56,18 +56,32 @@ class _Generation(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices to generate for the prompt (each one "
                    "sequence of the batch; a seeded request's choice i samples with seed + i)")
-    # accepted only at their neutral values (_neutral_only)
-    logit_bias: dict[str, float] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    _no_logit_bias = _neutral_only("logit_bias", neutral="{} or null")
-    _no_penalty = _neutral_only("frequency_penalty", "presence_penalty", neutral="0")
+    frequency_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], description=
+                                           "subtracted from a token's logit once per time it was generated")
+    presence_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], description=
+                                          "subtracted from the logit of every token generated so far")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (a string of digits) -> bias in "
+                                                "-100..100 added to its logit")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not LOGIT_BIAS_RANGE[0] <= bias <= LOGIT_BIAS_RANGE[1]:
+                raise ValueError(f"logit_bias values must be in {LOGIT_BIAS_RANGE[0]:g}..{LOGIT_BIAS_RANGE[1]:g}, "
+                                 f"got {bias} for token {token}")
+        return v
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams. Raises ConfigError for values it refuses (e.g. an empty stop)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed, stop=stop, logprobs=self.logprob_count())
+                              top_p=self.top_p, seed=self.seed, stop=stop, logprobs=self.logprob_count(),
+                              presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()})
 
     def logprob_count(self) -> int | None:
         """Alternatives to record per token (None: no logprobs asked)."""
