@@ -192,6 +192,9 @@ GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int
                     "Q5_0": "int8-g32", "Q5_1": "int8-g32", "Q5_K": "int8-g32", "Q6_K": "int8-g32"}
 
 
+INT4_ROWS = 16  # int4 decode copies need N % 16 == 0: the tiled layout's tiles, torch's int4pack's rows
+
+
 def auto_kind(handle) -> str:
     """The decode-copy precision "auto" gives a checkpoint tensor: GGUF_DECODE_KIND by its storage
     format ("bf16" for the rest), int8-g32 only where tiered's kernels are built and the shape takes
@@ -234,13 +237,16 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     kernels, whole 128-row blocks); GPTQ / AWQ / compressed-tensors int4 -> int4 as stored (groups of a
     multiple of 32); their int8 -> per-row int8, as stored where symmetric per channel or tensor, else
     re-quantized per row (int8_note); others -> bf16.
-    "int4": everything with K % 32 == 0 -> int4 (GGUF Q4 blocks as stored); "int8": everything ->
+    "int4": everything with K % 32 == 0 and N % INT4_ROWS == 0 -> int4 (GGUF Q4 blocks as stored; other
+    shapes bf16: neither int4 layout takes them); "int8": everything ->
     per-row int8; "bf16"; "fp32".
     A module left on the meta device (one-copy mode) has its weight read from `handle` when the
     format needs the dense values (Q4 blocks are unpacked without dequantizing).
     """
     stored = handle.format if handle is not None else None
     kind = auto_kind(handle) if handle is not None else None
+    if kind == "int4" and handle.shape[0] % INT4_ROWS:  # no int4 kernel takes the rows: dense below
+        kind = "bf16"
     if fmt in ("auto", "int4") and kind == "int4" and handle.format == "INT4":  # GPTQ / AWQ codes as stored
         return DecodeWeight("int4", *handle.int4_parts(GROUP))
     if fmt in ("auto", "int8") and stored == "INT8":  # GPTQ / compressed-tensors int8
@@ -271,7 +277,7 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     w = weight_of(linear, handle)
     if fmt == "fp32":
         return None if w.dtype == torch.float32 else DecodeWeight("dense", dense=w.float())
-    if fmt == "int4" and w.shape[1] % GROUP == 0:
+    if fmt == "int4" and w.shape[1] % GROUP == 0 and w.shape[0] % INT4_ROWS == 0:
         return DecodeWeight("int4", *quantize_int4(w))
     if fmt == "int8":
         return DecodeWeight("int8", dense=w)
