@@ -156,6 +156,32 @@ def test_requests_joining_a_running_batch_match_generate(llm, zoo, monkeypatch, 
         assert not joined
 
 
+def _computed_prompt_tokens(llm, monkeypatch, mixed_rows: int | None) -> list[int]:
+    """The prompt tokens each prefill forward or mixed step will compute (a list filled as they run),
+    with Plan.mixed_rows set to `mixed_rows` (None: the plan's)."""
+    if mixed_rows is not None:
+        monkeypatch.setattr(llm.plan, "mixed_rows", mixed_rows)
+    computed = []
+    prefill, mixed = type(llm)._prefill, type(llm)._forward_mixed
+    monkeypatch.setattr(type(llm), "_prefill", lambda self, seqs, cache: computed.extend(
+        len(s.prompt_ids) - s.cached_tokens for s in seqs) or prefill(self, seqs, cache))
+    monkeypatch.setattr(type(llm), "_forward_mixed", lambda self, pre, d, c: computed.extend(
+        len(s.prompt_ids) - s.cached_tokens for s in pre) or mixed(self, pre, d, c))
+    return computed
+
+
+def _admitted_together(llm, prompts: list[list[int]], sp: SamplingParams):
+    """Every prompt admitted at the first step of one Scheduler, stepped to the end: (their sequences,
+    each one's tokens in prompt order)."""
+    sched, cache = Scheduler(max_batch=len(prompts), max_queue=0), llm.kv_cache(len(prompts))
+    seqs = [llm.make_sequence(x, sp, index=i) for i, x in enumerate(prompts)]
+    sched.add(*seqs)
+    outs = {}
+    while sched.has_work():
+        outs.update({s.index: o for s, _, o in llm.step(sched, cache) if o is not None})
+    return seqs, [outs[i].token_ids for i in range(len(prompts))]
+
+
 @pytest.mark.parametrize("mixed_rows", [None, 0])
 def test_equal_prompts_admitted_together_are_prefilled_once(llm, zoo, monkeypatch, mixed_rows):
     """A prompt admitted several times at one step (a request's `n` choices) is prefilled once
@@ -166,25 +192,13 @@ def test_equal_prompts_admitted_together_are_prefilled_once(llm, zoo, monkeypatc
     prompts = [p, q, p, p]
     params = [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
               SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True, seed=5)]
-    if mixed_rows is not None:
-        monkeypatch.setattr(llm.plan, "mixed_rows", mixed_rows)
-    computed = []  # prompt tokens each prefill forward or mixed step computed
-    prefill, mixed = type(llm)._prefill, type(llm)._forward_mixed
-    monkeypatch.setattr(type(llm), "_prefill", lambda self, seqs, cache: computed.extend(
-        len(s.prompt_ids) - s.cached_tokens for s in seqs) or prefill(self, seqs, cache))
-    monkeypatch.setattr(type(llm), "_forward_mixed", lambda self, pre, d, c: computed.extend(
-        len(s.prompt_ids) - s.cached_tokens for s in pre) or mixed(self, pre, d, c))
+    computed = _computed_prompt_tokens(llm, monkeypatch, mixed_rows)
     for sp in params:
         expected = [llm.generate(x, replace(sp, seed=None if sp.seed is None else sp.seed + i))[0].token_ids
                     for i, x in enumerate(prompts)]
         computed.clear()
-        sched, cache = Scheduler(max_batch=4, max_queue=0), llm.kv_cache(4)
-        seqs = [llm.make_sequence(x, sp, index=i) for i, x in enumerate(prompts)]
-        sched.add(*seqs)
-        outs = {}
-        while sched.has_work():
-            outs.update({s.index: o for s, _, o in llm.step(sched, cache) if o is not None})
-        assert [outs[i].token_ids for i in range(4)] == expected
+        seqs, tokens = _admitted_together(llm, prompts, sp)
+        assert tokens == expected
         assert sorted(computed) == [len(q), len(p)]  # p once, not three times
         assert [s.cached_tokens for s in seqs] == [0, 0, len(p), len(p)]
 
@@ -201,24 +215,12 @@ def test_prompts_sharing_a_prefix_admitted_together_prefill_it_once(llm, zoo, mo
     lead, other = system + prompt_ids(zoo.vocab_size, 5, seed=93), prompt_ids(zoo.vocab_size, 7, seed=94)
     follower = system + prompt_ids(zoo.vocab_size, 3, seed=95)
     prompts = [lead, other, follower, system[:-2], lead[:20] + other, follower]  # the last: the follower's twin
-    if mixed_rows is not None:
-        monkeypatch.setattr(llm.plan, "mixed_rows", mixed_rows)
-    computed = []  # prompt tokens each prefill forward or mixed step computed
-    prefill, mixed = type(llm)._prefill, type(llm)._forward_mixed
-    monkeypatch.setattr(type(llm), "_prefill", lambda self, seqs, cache: computed.extend(
-        len(s.prompt_ids) - s.cached_tokens for s in seqs) or prefill(self, seqs, cache))
-    monkeypatch.setattr(type(llm), "_forward_mixed", lambda self, pre, d, c: computed.extend(
-        len(s.prompt_ids) - s.cached_tokens for s in pre) or mixed(self, pre, d, c))
+    computed = _computed_prompt_tokens(llm, monkeypatch, mixed_rows)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     expected = [llm.generate(x, sp)[0].token_ids for x in prompts]
     computed.clear()
-    sched, cache = Scheduler(max_batch=6, max_queue=0), llm.kv_cache(6)
-    seqs = [llm.make_sequence(x, sp, index=i) for i, x in enumerate(prompts)]
-    sched.add(*seqs)
-    outs = {}
-    while sched.has_work():
-        outs.update({s.index: o for s, _, o in llm.step(sched, cache) if o is not None})
-    assert [outs[i].token_ids for i in range(len(prompts))] == expected
+    seqs, tokens = _admitted_together(llm, prompts, sp)
+    assert tokens == expected
     shared = [0, 0, len(system), len(system) - 3, 0, len(follower)]
     assert [s.cached_tokens for s in seqs] == shared
     assert sorted(computed) == sorted(len(x) - n for x, n in zip(prompts[:-1], shared))
@@ -306,15 +308,9 @@ def test_prefix_reuse_copies_a_running_slots_kv(llm, zoo, monkeypatch, mixed_row
     system = prompt_ids(zoo.vocab_size, 12, seed=80)
     a, b = system + prompt_ids(zoo.vocab_size, 3, seed=81), system + prompt_ids(zoo.vocab_size, 5, seed=82)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    if mixed_rows is not None:
-        monkeypatch.setattr(llm.plan, "mixed_rows", mixed_rows)
+    computed = _computed_prompt_tokens(llm, monkeypatch, mixed_rows)
     expected = [llm.generate(p, sp)[0].token_ids for p in (a, b)]
-    computed = []
-    prefill, mixed = type(llm)._prefill, type(llm)._forward_mixed
-    monkeypatch.setattr(type(llm), "_prefill", lambda self, seqs, cache: computed.extend(
-        len(s.prompt_ids) - s.cached_tokens for s in seqs) or prefill(self, seqs, cache))
-    monkeypatch.setattr(type(llm), "_forward_mixed", lambda self, pre, d, c: computed.extend(
-        len(s.prompt_ids) - s.cached_tokens for s in pre) or mixed(self, pre, d, c))
+    computed.clear()
     sched, cache = Scheduler(max_batch=3, max_queue=4, prefix_reuse=True), llm.kv_cache(3)
     sa, sb = llm.make_sequence(a, sp, index=0), llm.make_sequence(b, sp, index=1)
     sched.add(sa)
