@@ -224,6 +224,10 @@ def test_prompts_sharing_a_prefix_admitted_together_prefill_it_once(llm, zoo, mo
     shared = [0, 0, len(system), len(system) - 3, 0, len(follower)]
     assert [s.cached_tokens for s in seqs] == shared
     assert sorted(computed) == sorted(len(x) - n for x, n in zip(prompts[:-1], shared))
+    monkeypatch.setenv("TIERED_SHARED_PREFIX", "0")  # off: each prefills its prompt (the twin still shares)
+    computed.clear()
+    assert _admitted_together(llm, prompts, sp)[1] == expected
+    assert sorted(computed) == sorted(len(x) for x in prompts[:-1])
 
 
 def test_a_cancelled_request_gives_its_slot_to_a_waiting_one(llm, zoo):

@@ -490,7 +490,8 @@ class LLM:
             prefilling = [s for s in plan.prefill if id(s) not in twins.followers]
             # prompts sharing a prefix with an earlier one's take its KV after its prefill, where one more
             # forward moves no weights: a leader then prefills on its own, before the followers (never as rows)
-            shared = SharedPrefixes(prefilling if self.plan.weights_stay_put() else [])
+            shared = SharedPrefixes(prefilling if self.plan.weights_stay_put()
+                                    and os.environ.get("TIERED_SHARED_PREFIX", "1") != "0" else [])
             mixed = self._mixed_prefills([s for s in prefilling if id(s) not in shared.leaders], len(decoding), cache)
             joined = {id(s) for s in mixed}
             joined |= {id(f) for s in mixed for f in twins.of(s)}  # their KV is copied after the step's forward

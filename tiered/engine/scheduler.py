@@ -273,6 +273,7 @@ class SharedPrefixes:
     logits are its own prefill's) and at least SHARED_PREFIX_TOKENS more than its slot holds already
     (`cached_tokens`, which then counts the shared prefix: not computed for it); a follower never
     leads. Admitted one step apart, the running slot's lending does the same (Scheduler._take_slot).
+    TIERED_SHARED_PREFIX=0 turns it off (benchmarks/serve_load.py --compare-prefix).
     """
 
     def __init__(self, seqs: list[Sequence], min_tokens: int | None = None) -> None:
