@@ -488,9 +488,9 @@ class LLM:
             decoding = [s for s in plan.running if not s.finished and id(s) not in admitted]
             twins = PromptTwins(plan.prefill)  # admitted prompts equal to an earlier one's: not prefilled
             prefilling = [s for s in plan.prefill if id(s) not in twins.followers]
-            # prompts sharing a prefix with an earlier one's take its KV after its prefill, where one more
-            # forward moves no weights: a leader then prefills on its own, before the followers (never as rows)
-            shared = SharedPrefixes(prefilling if self.plan.weights_stay_put()
+            # prompts sharing a prefix with an earlier one's take its KV after its prefill (Plan.shared_prefixes):
+            # a leader then prefills on its own, before the followers (never as rows)
+            shared = SharedPrefixes(prefilling if self.plan.shared_prefixes
                                     and os.environ.get("TIERED_SHARED_PREFIX", "1") != "0" else [])
             mixed = self._mixed_prefills([s for s in prefilling if id(s) not in shared.leaders], len(decoding), cache)
             joined = {id(s) for s in mixed}
@@ -502,7 +502,7 @@ class LLM:
                 self.runtime.new_sequence()  # the expert cache's per-sequence usage (HOBBIT)
             events += self._prefill_groups([s for s in alone if not shared.follows(s)], cache, twins)
             # the leaders' KV written: their followers take its shared prefix, then prefill the rest
-            shared.lend([s for s in prefilling if shared.follows(s)], cache)
+            shared.lend(cache)
             events += self._prefill_groups([s for s in alone if shared.follows(s)], cache, twins)
             running = [s for s in plan.running if not s.finished and id(s) not in joined]
             if running or mixed:  # decode: all running sequences, one token each (+ the joining prompts)
@@ -695,9 +695,7 @@ class LLM:
         seen = [seq.seen_ids() if seq.params.repetition_penalty != 1.0 else _NO_TOKENS for seq in seqs]
         adjusted = logits  # OpenAI's logit bias and penalties on their rows (the raw rows stay for logprobs)
         if any(seq.params.adjusts_logits for seq in seqs):
-            adjusted = logits.clone()
-            for i, seq in enumerate(seqs):
-                adjusted[i] = adjust_logits(logits[i], seq.params, seq.output_ids)
+            adjusted = torch.stack([adjust_logits(row, seq.params, seq.output_ids) for row, seq in zip(logits, seqs)])
         tokens = sample_tokens(adjusted, [seq.params for seq in seqs], seen, [seq.generator for seq in seqs])
         return [self._accept(seq, token, now, row) for row, seq, token in zip(logits, seqs, tokens)]
 

@@ -278,7 +278,7 @@ class SharedPrefixes:
 
     def __init__(self, seqs: list[Sequence], min_tokens: int | None = None) -> None:
         min_tokens = SHARED_PREFIX_TOKENS if min_tokens is None else min_tokens
-        self._leader: dict[int, tuple[Sequence, int]] = {}  # id(follower) -> (leader, shared tokens)
+        self._leader: dict[int, tuple[Sequence, Sequence, int]] = {}  # id(follower) -> (it, leader, shared tokens)
         leaders: list[Sequence] = []
         for seq in seqs:
             head = seq.prompt_ids[:min_tokens]  # a cheap first test: the leader shares the first tokens
@@ -290,19 +290,18 @@ class SharedPrefixes:
                         best, shared = leader, n
             shared = min(shared, len(seq.prompt_ids) - 1)
             if best is not None and shared - seq.cached_tokens >= min_tokens:
-                self._leader[id(seq)] = (best, shared)
+                self._leader[id(seq)] = (seq, best, shared)
                 seq.cached_tokens = shared
             else:
                 leaders.append(seq)
-        self.leaders = {id(leader) for leader, _ in self._leader.values()}  # ids of leaders with followers
+        self.leaders = {id(leader) for _, leader, _ in self._leader.values()}  # ids of leaders with followers
 
     def follows(self, seq: Sequence) -> bool:
         """Whether `seq` takes a leader's prefix (its `cached_tokens` count it already)."""
         return id(seq) in self._leader
 
-    def lend(self, seqs: list[Sequence], cache) -> None:
-        """Copy each follower's shared prefix from its leader's slot into its own (KVCache.lend), after
+    def lend(self, cache) -> None:
+        """Copy every follower's shared prefix from its leader's slot into its own (KVCache.lend), after
         the leaders' prefill wrote it and before the followers' forward."""
-        for seq in seqs:
-            leader, shared = self._leader[id(seq)]
+        for seq, leader, shared in self._leader.values():
             cache.lend({seq.slot: leader.slot}, shared)

@@ -559,6 +559,8 @@ def engine_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_conte
                           "the predicted times price the profile's path, not the one that runs")
     # ... where a lone sequence decodes several tokens a native call (LLM._burst; priced by cpu_predict's bursts)
     plan.decode_bursts = plan.native_decode
+    # prompts admitted together prefill a shared prefix once, where the followers' extra forward moves no weights
+    plan.shared_prefixes = plan.weights_stay_put()
     # int4 decode copies (CPU-only) in the layout of tiered's own kernels when they are built
     plan.int4_layout = "tiled" if kernels.available() else "cpu"
     # int4 activations (Plan.batch_act, Plan.expert_act): made with the plan (make_plan's arguments, or the

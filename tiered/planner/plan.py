@@ -106,6 +106,10 @@ class Plan:
                                              only the weight kernels remain of the torch ops
         decode_bursts                        LLM._burst: a lone sequence of generate / stream decodes
                                              several tokens per native call (the native step's)
+        shared_prefixes                      LLM.step: prompts admitted together that share a prefix
+                                             prefill it once, the followers in one more forward
+                                             (engine/scheduler.SharedPrefixes): where that forward
+                                             moves no weights (weights_stay_put)
         mixed_rows                           LLM.step: an admitted sequence runs its uncached
                                              prompt tokens as rows of the native decode step,
                                              beside the running sequences, while the step has at
@@ -188,6 +192,7 @@ class Plan:
     cpu_decode_step: bool = False
     native_decode: bool = False
     decode_bursts: bool = False
+    shared_prefixes: bool = False
     mixed_rows: int = 0
     prefill_chunk: int = 0
     dense_copies: bool = True
@@ -263,7 +268,7 @@ class Plan:
     def weights_stay_put(self) -> bool:
         """Whether a forward reads every weight on the tier that computes it: no FlexGen streaming,
         nothing on disk and, on a GPU plan, every dense FFN whole on the GPU and every routed expert
-        resident. One more forward then moves no weights (LLM.step's shared prefixes take one)."""
+        resident. One more forward then moves no weights (shared_prefixes, which take one, are on)."""
         if self.flexgen or self.memory.get("disk") or any(l.experts_disk for l in self.layers):
             return False
         if self.fast_tier == "cpu":
