@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 
 from fixtures import prompt_ids
+from runtime_fixtures import rt  # noqa: F401  (a fixture)
 from tiered import SamplingParams, kernels
 from tiered.engine.sampling import (GREEDY_TEMPERATURE, apply_repetition_penalty, filter_min_p, filter_top_k,
                                     filter_top_p, sample_token)
@@ -515,3 +516,50 @@ def test_engine_applies_logit_bias_and_penalties_in_every_decode_path(zoo):
     assert len(set(plain)) < len(plain) // 2 and len(set(penal)) > len(set(plain))
     with pytest.raises(ConfigError, match="logit_bias has token id"):
         llm.generate(ids, replace(greedy, logit_bias={zoo.vocab_size: 1.0}))
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "mixtral"])
+def test_prompt_logprobs_are_the_models_scores_of_each_prompt_token(zoo, rt, monkeypatch, name):
+    """SamplingParams.prompt_logprobs: None for the first prompt token, then each token's log-softmax
+    under the model given the tokens before it (LLM.logits of the prompt: equal; transformers': within
+    1e-5) with the k most likely alternatives; the generated tokens are those of a plain generate. A
+    prompt longer than the prefill chunk scores chunk by chunk, its lm_head a few positions at a time
+    (sizes.score_rows), with the same figures; a one-token prompt has only the None."""
+    from dataclasses import replace
+
+    from tiered import LLM, EngineConfig
+    from tiered.memory import sizes
+
+    path = zoo.dir(name) if name == "llama_tied" else rt.dir(name)
+    hf = zoo.hf(name) if name == "llama_tied" else rt.hf(name)
+    config = dict(decode_weights="fp32", max_context=48, accelerator="none")
+    ids = prompt_ids(min(zoo.vocab_size, 256), 40, seed=3)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def scored(llm):
+        out = llm.generate([ids, ids[:1]], replace(sp, prompt_logprobs=3))
+        assert out[1].prompt_logprobs == [None]
+        return out[0]
+
+    with LLM(path, EngineConfig(**config)) as llm:
+        out = scored(llm)
+        assert out.token_ids == llm.generate(ids, sp)[0].token_ids
+        want = llm.logits(ids).log_softmax(-1)
+    ref = torch.nn.functional.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    entries = out.prompt_logprobs
+    assert len(entries) == len(ids) and entries[0] is None
+    assert [e.token for e in entries[1:]] == ids[1:]
+    got = torch.tensor([e.logprob for e in entries[1:]])
+    assert torch.equal(got, want[torch.arange(len(ids) - 1), ids[1:]])
+    assert torch.allclose(got, ref[torch.arange(len(ids) - 1), ids[1:]], atol=1e-5)
+    for i, e in enumerate(entries[1:]):
+        values, top = want[i].topk(3)
+        assert [t for t, _ in e.top] == top.tolist() and torch.allclose(torch.tensor([v for _, v in e.top]), values)
+    monkeypatch.setattr(sizes, "CPU_PREFILL_TOKENS", 16)  # chunks of 16 tokens, the lm_head 5 rows a call
+    monkeypatch.setattr(sizes, "score_rows", lambda cfg, fmt, tokens: 5)
+    with LLM(path, EngineConfig(**config)) as llm:
+        assert llm.plan.prefill_chunk == 16
+        chunked = scored(llm)
+    assert chunked.token_ids == out.token_ids
+    assert torch.allclose(torch.tensor([e.logprob for e in chunked.prompt_logprobs[1:]]), got, atol=1e-5)
+    assert [[t for t, _ in e.top] for e in chunked.prompt_logprobs[1:]] == [[t for t, _ in e.top] for e in entries[1:]]

@@ -170,11 +170,12 @@ def _computed_prompt_tokens(llm, monkeypatch, mixed_rows: int | None) -> list[in
     return computed
 
 
-def _admitted_together(llm, prompts: list[list[int]], sp: SamplingParams):
+def _admitted_together(llm, prompts: list[list[int]], sp: SamplingParams | list[SamplingParams]):
     """Every prompt admitted at the first step of one Scheduler, stepped to the end: (their sequences,
-    each one's tokens in prompt order)."""
+    each one's tokens in prompt order). `sp`: every prompt's parameters, or each one's."""
     sched, cache = Scheduler(max_batch=len(prompts), max_queue=0), llm.kv_cache(len(prompts))
-    seqs = [llm.make_sequence(x, sp, index=i) for i, x in enumerate(prompts)]
+    sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+    seqs = [llm.make_sequence(x, p, index=i) for i, (x, p) in enumerate(zip(prompts, sps))]
     sched.add(*seqs)
     outs = {}
     while sched.has_work():
@@ -228,6 +229,42 @@ def test_prompts_sharing_a_prefix_admitted_together_prefill_it_once(llm, zoo, mo
     computed.clear()
     assert _admitted_together(llm, prompts, sp)[1] == expected
     assert sorted(computed) == sorted(len(x) for x in prompts[:-1])
+
+
+@pytest.mark.parametrize("mixed_rows", [None, 0])
+def test_a_prompt_whose_logprobs_are_asked_computes_every_token(llm, zoo, monkeypatch, mixed_rows):
+    """A prompt asking prompt logprobs (SamplingParams.prompt_logprobs) computes its whole prompt, in a
+    forward of its own: it takes no leader's shared prefix, no KV a slot held from an earlier request,
+    and never runs as rows of the decode step; its twin asking as many alternatives takes its KV and
+    its logprobs. Each one's logprobs and tokens are those it gets generated alone."""
+    system = prompt_ids(zoo.vocab_size, SHARED_PREFIX_TOKENS + 6, seed=96)
+    lead, follower = system + prompt_ids(zoo.vocab_size, 5, seed=97), system + prompt_ids(zoo.vocab_size, 3, seed=98)
+    short = prompt_ids(zoo.vocab_size, 4, seed=99)  # would join the decode rows where the plan takes rows
+    plain = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    scored = replace(plain, prompt_logprobs=2)
+    prompts, sps = [lead, follower, lead, short, lead], [plain, scored, scored, scored, replace(plain, prompt_logprobs=1)]
+    computed = _computed_prompt_tokens(llm, monkeypatch, mixed_rows)
+    alone = [llm.generate(x, p)[0] for x, p in zip(prompts, sps)]
+    computed.clear()
+    seqs, tokens = _admitted_together(llm, prompts, sps)
+    assert tokens == [o.token_ids for o in alone]
+    # the scored twin of a plain leader and the one asking 1 alternative compute their own; none follows
+    assert [s.cached_tokens for s in seqs] == [0, 0, 0, 0, 0]
+    assert sorted(computed) == sorted(len(x) for x in prompts)
+    assert [s.prompt_logprobs for s in seqs] == [None] + [o.prompt_logprobs for o in alone[1:]]
+    assert len(seqs[1].prompt_logprobs) == len(follower) and seqs[1].prompt_logprobs[0] is None
+    computed.clear()
+    seqs, tokens = _admitted_together(llm, [lead, lead], [scored, scored])  # twins asking as many
+    assert [s.cached_tokens for s in seqs] == [0, len(lead)] and computed == [len(lead)]
+    assert seqs[1].prompt_logprobs == seqs[0].prompt_logprobs == alone[2].prompt_logprobs
+    # a slot holding the prompt's KV (prefix reuse) is not reused for it
+    sched, cache = Scheduler(max_batch=1, max_queue=2, prefix_reuse=True), llm.kv_cache(1)
+    first, again = llm.make_sequence(lead, plain), llm.make_sequence(lead, scored)
+    sched.add(first, again)
+    outs = []
+    while sched.has_work():
+        outs += [o for _, _, o in llm.step(sched, cache) if o is not None]
+    assert again.cached_tokens == 0 and outs[1].prompt_logprobs == alone[2].prompt_logprobs
 
 
 def test_a_cancelled_request_gives_its_slot_to_a_waiting_one(llm, zoo):

@@ -228,6 +228,36 @@ def test_prompts_sharing_kv_between_slots_on_the_standin(zoo, monkeypatch):
     assert second.cached_tokens == len(system) and outs == {0: expected[0], 1: expected[1]}
 
 
+def test_prompt_logprobs_on_the_standin(zoo, monkeypatch):
+    """A prompt scored on the stand-in (SamplingParams.prompt_logprobs: LLM._prefill_scored) in chunks of
+    8 tokens (the workspace's), its lm_head 3 positions a call, and its twin taking them: the host
+    engine's figures, the device peak inside the budget."""
+    from dataclasses import replace
+
+    from tiered.hardware.standin import device_memory
+    from tiered.memory import sizes
+
+    monkeypatch.setattr(sizes, "WORKSPACE_TOKENS", 8)
+    monkeypatch.setattr(sizes, "score_rows", lambda cfg, fmt, tokens: 3)
+    ids = prompt_ids(zoo.vocab_size, 21, seed=43)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    want = zoo.llm(zoo.dir("llama")).generate(ids, params)[0]
+    config = EngineConfig(accelerator="host", plan="off", decode_weights="fp32", max_context=64)
+    with LLM(zoo.dir("llama"), config) as llm:
+        need = llm.plan.memory["gpu"]  # the budget the plan needs, to the byte
+    with device_memory() as m:
+        llm = LLM(zoo.dir("llama"), replace(config, gpu_memory=need))
+        assert llm.plan.prefill_chunk == 8 and llm.fast_budget.capacity == need
+        outs = llm.generate([ids, ids], params)
+        assert 0 < m.peak <= llm.fast_budget.capacity
+        llm.close()
+    for out in outs:
+        assert out.token_ids == want.token_ids and out.prompt_logprobs[0] is None
+        got, ref = ([(e.token, round(e.logprob, 4), [t for t, _ in e.top]) for e in o.prompt_logprobs[1:]]
+                    for o in (out, want))
+        assert got == ref
+
+
 def test_cpu_expert_path_behind_the_standin(rt):  # noqa: F811
     """Fiddler's CPU path (experts in host RAM computed by the CPU behind an accelerator), forced
     for every non-resident expert, with a batch of two prompts: rows of host activations picked by

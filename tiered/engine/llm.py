@@ -25,7 +25,7 @@ from tiered.engine.beam import (BeamSearch, BeamSearchOutput, BeamSearchParams, 
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
 from tiered.engine.dtype import resolve_dtype
 from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt
-from tiered.engine.sampling import SamplingParams, adjust_logits, sample_tokens, token_logprobs
+from tiered.engine.sampling import SamplingParams, adjust_logits, prompt_token_logprobs, sample_tokens, token_logprobs
 from tiered.engine.scheduler import PromptTwins, Scheduler, SharedPrefixes, prefill_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from tiered.errors import BudgetError, ConfigError, ContextLengthError
@@ -527,11 +527,12 @@ class LLM:
         whose padded tokens stay within the plan's prefill chunk (the device workspace's tokens); each
         group's twins join it (PromptTwins.join). Returns the first tokens' events."""
         events = []
-        groups = prefill_groups([len(s.prompt_ids) - s.cached_tokens for s in seqs],
-                                min(self.max_context, self.plan.prefill_chunk or self.max_context),
-                                padding=not self.config.is_moe)
-        for group in groups:
-            group_seqs = [seqs[i] for i in group]
+        plain = [s for s in seqs if not s.scores_prompt]  # a prompt whose logprobs are asked prefills alone
+        groups = [[plain[i] for i in group] for group in
+                  prefill_groups([len(s.prompt_ids) - s.cached_tokens for s in plain],
+                                 min(self.max_context, self.plan.prefill_chunk or self.max_context),
+                                 padding=not self.config.is_moe)]
+        for group_seqs in groups + [[s] for s in seqs if s.scores_prompt]:
             t0 = time.perf_counter()
             for seq in group_seqs:
                 seq.t_prefill_start = t0
@@ -547,6 +548,7 @@ class LLM:
         `decoding` sequences' one row each, and within Plan.prefill_chunk (the rows its workspace
         holds). None unless the CPU step can take prompt rows."""
         step = self.runtime.cpu_decode
+        admitted = [s for s in admitted if not s.scores_prompt]  # those prefill alone (_prefill_scored)
         if not admitted or self.plan.mixed_rows <= 0 or step is None or not step.takes_prefill_rows(cache):
             return []
         most = self.plan.most_prompt_rows()
@@ -624,6 +626,8 @@ class LLM:
         chunk (a CPU plan that priced a whole chunk cheaper as rows of the native step), each chunk runs
         as those rows (`_forward_mixed` over its span).
         """
+        if seqs[0].scores_prompt:  # alone in its group (_prefill_groups)
+            return self._prefill_scored(seqs[0], cache)
         chunk = self.plan.prefill_chunk
         if not chunk or all(len(s.prompt_ids) - s.cached_tokens <= chunk for s in seqs):
             return self._forward(seqs, cache, prefill=True)
@@ -644,6 +648,39 @@ class LLM:
                 start = end
             out.append(logits)
         return torch.cat(out)
+
+    def _prefill_scored(self, seq: Sequence, cache: KVCache) -> torch.Tensor:
+        """Prefill `seq`, which asks for prompt logprobs (Sequence.scores_prompt), and record them:
+        seq.prompt_logprobs = [None] + a TokenLogprob per later prompt token (its log-probability given
+        the tokens before it, and SamplingParams.prompt_logprobs most likely alternatives). The whole
+        prompt (no cached prefix: Scheduler._take_slot) runs through the modules' forward in chunks of
+        Plan.prefill_chunk tokens, as `_prefill` runs a long one, never as rows of the native step
+        (whose lm_head computes only the rows asked); each chunk's lm_head then runs over
+        sizes.score_rows positions at a time, so the logits stay within the room the chunk's
+        activations took (on a GPU, the budget's workspace). Returns logits [1, V] fp32 of the last
+        prompt token, from which its first token is sampled."""
+        ids, top = seq.prompt_ids, seq.params.prompt_logprobs
+        P = len(ids)
+        chunk = min(self.plan.prefill_chunk or self.max_context, self.max_context)
+        rows = sizes.score_rows(self.config, sizes.format_of(self.dtype), min(chunk, P))
+        entries: list[TokenLogprob | None] = [None]
+        dev = self._to_device
+        with self._device_scope():
+            slots = dev(torch.tensor([seq.slot]))
+            for start in range(seq.cached_tokens, P, chunk):
+                end = min(start + chunk, P)
+                h = self.model.hidden_states(dev(torch.tensor([ids[start:end]])),
+                                             dev(torch.arange(start, end).unsqueeze(0)), slots, cache)
+                for a in range(start, end, rows):  # prompt positions a..b-1; position p scores ids[p + 1]
+                    b = min(a + rows, end)
+                    logits = self.model.lm_head(h[:, a - start:b - start])[0]  # [b - a, V]
+                    targets = ids[a + 1:b + 1]  # the last prompt position has none
+                    if targets:
+                        scored = prompt_token_logprobs(logits[:len(targets)], dev(torch.tensor(targets)), top)
+                        entries += [TokenLogprob(t, lp, alt) for t, (lp, alt) in zip(targets, scored)]
+            last = logits[-1:].float().cpu()
+        seq.prompt_logprobs = entries
+        return last
 
     def _forward(self, seqs: list[Sequence], cache: KVCache, prefill: bool,
                  span: tuple[int, int] | None = None) -> torch.Tensor:

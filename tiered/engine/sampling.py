@@ -50,6 +50,11 @@ class SamplingParams:
         logprobs: record each generated token's log-probability under the model (the raw logits'
             log-softmax, before bias, penalties, temperature and filters) with this many most likely
             alternatives (0 = the chosen token only; None = record nothing). At most MAX_LOGPROBS.
+        prompt_logprobs: record each prompt token's log-probability given the tokens before it
+            (vLLM's prompt_logprobs; OpenAI completions' `echo` with `logprobs`, which lm-eval-harness
+            scores with) with this many most likely alternatives (0 = the prompt token only; None =
+            record nothing); the first prompt token has none. Such a prompt is computed whole: no KV
+            of it is taken from a slot or another request. At most MAX_LOGPROBS.
         presence_penalty: OpenAI's: subtracted from the logit of every token generated so far
             (-2..2; positive discourages repeating a token at all).
         frequency_penalty: OpenAI's: subtracted once per time a token was generated so far (-2..2).
@@ -69,6 +74,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
@@ -96,6 +102,8 @@ class SamplingParams:
              f"seed must be a signed 64-bit integer ({SEED_RANGE[0]}..{SEED_RANGE[1]})"),
             (all(self.stop), "stop strings must be non-empty"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in 0..{MAX_LOGPROBS}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in 0..{MAX_LOGPROBS}"),
             (PENALTY_RANGE[0] <= self.presence_penalty <= PENALTY_RANGE[1],
              f"presence_penalty must be in {PENALTY_RANGE[0]:g}..{PENALTY_RANGE[1]:g}"),
             (PENALTY_RANGE[0] <= self.frequency_penalty <= PENALTY_RANGE[1],
@@ -282,3 +290,16 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, l
         values, ids = torch.topk(lp, min(top, lp.shape[-1]))
         alternatives = list(zip(ids.tolist(), values.tolist()))
     return float(lp[token]), alternatives
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """`token_logprobs` of many rows at once (a prompt's positions, SamplingParams.prompt_logprobs):
+    logits [R, V] (any float dtype, any device: log-softmax in fp32 there), targets int64 [R] on
+    its device, row r's token. Returns per row (log-probability of targets[r] [nats], the `top`
+    most likely (token id, log-probability) pairs, most likely first), on the host."""
+    lp = logits.float().log_softmax(-1)
+    chosen = lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist()
+    if top <= 0:
+        return [(c, []) for c in chosen]
+    values, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]

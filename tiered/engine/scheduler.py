@@ -132,14 +132,17 @@ class Scheduler:
 
     def _take_slot(self, seq: Sequence, sources: list[tuple[int, list[int]]] = ()) -> None:
         """Give `seq` a free slot: the lowest, or with prefix reuse the one sharing the longest
-        prefix with its prompt (at most all but its last token: prefill must compute that one).
+        prefix with its prompt (at most all but its last token: prefill must compute that one); a
+        prompt whose logprobs are asked (Sequence.scores_prompt) the lowest, reusing nothing.
         With prefix reuse a running sequence's slot (`sources`: (slot, the tokens whose KV it holds))
         sharing a longer prefix lends it: LLM.step copies that KV into the new slot first
         (`Sequence.kv_source`), so a request arriving while another with its system prompt still
         decodes skips that prompt too."""
         seq.cached_tokens, seq.kv_source = 0, -1
-        if not self.prefix_reuse:
+        if not self.prefix_reuse or seq.scores_prompt:  # a prompt scored whole reuses no KV
             seq.slot = self._free.pop()
+            if self.prefix_reuse:
+                self._slot_tokens[seq.slot] = []
             return
         best, best_n = self._free[-1], 0
         for slot in reversed(self._free):  # lowest first: ties keep the lowest slot
@@ -229,7 +232,8 @@ class PromptTwins:
     leader's last-position logits with its own generator. Their tokens are those they would draw
     prefilled alone, up to the float rounding of a batched prefill's rows (the same rows as
     LLM.generate of the list). The follower's `cached_tokens` counts its whole prompt (none of it
-    computed for it)."""
+    computed for it). One asking prompt logprobs follows only a leader recording as many
+    alternatives, and takes its leader's; otherwise it is prefilled itself."""
 
     def __init__(self, seqs: list[Sequence]) -> None:
         leader_of: dict[tuple[int, ...], Sequence] = {}
@@ -237,7 +241,8 @@ class PromptTwins:
         self.followers: set[int] = set()  # ids of every follower
         for seq in seqs:
             leader = leader_of.setdefault(tuple(seq.prompt_ids), seq)
-            if leader is not seq:
+            # one asking prompt logprobs follows a leader recording as many (it takes them), else computes
+            if leader is not seq and (not seq.scores_prompt or leader.params.prompt_logprobs == seq.params.prompt_logprobs):
                 self._followers.setdefault(id(leader), []).append(seq)
                 self.followers.add(id(seq))
 
@@ -254,8 +259,10 @@ class PromptTwins:
         rows = [(f, i) for i, s in enumerate(leaders) for f in self.of(s)]
         if not rows:
             return leaders, logits
-        for f, _ in rows:
+        for f, i in rows:
             f.cached_tokens = len(f.prompt_ids)
+            if f.scores_prompt:  # its leader recorded as many alternatives (__init__)
+                f.prompt_logprobs = list(leaders[i].prompt_logprobs)
         cache.lend({f.slot: leaders[i].slot for f, i in rows}, max(len(f.prompt_ids) for f, _ in rows))
         index = torch.tensor([i for _, i in rows], device=logits.device)
         return leaders + [f for f, _ in rows], torch.cat([logits, logits.index_select(0, index)])
@@ -289,7 +296,7 @@ class SharedPrefixes:
                     if n > shared:
                         best, shared = leader, n
             shared = min(shared, len(seq.prompt_ids) - 1)
-            if best is not None and shared - seq.cached_tokens >= min_tokens:
+            if best is not None and shared - seq.cached_tokens >= min_tokens and not seq.scores_prompt:
                 self._leader[id(seq)] = (seq, best, shared)
                 seq.cached_tokens = shared
             else:

@@ -62,6 +62,8 @@ class RequestOutput:
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
+    # one per prompt token when SamplingParams.prompt_logprobs is set; None at the first (nothing before it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def as_dict(self) -> dict:
         return {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
@@ -93,6 +95,7 @@ class Sequence:
     t_prefill_start: float = 0.0
     token_times: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # filled when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by its prefill when params.prompt_logprobs is set
     cached_tokens: int = 0  # prompt tokens whose KV its slot held or took from another slot (prefill skipped them)
     kv_source: int = -1  # a running sequence's slot whose KV of those tokens LLM.step copies in first (-1: none)
     cpu_threads: int = 0  # the fewest CPU threads at a step of it (LLM.step; RequestStats.cpu_threads)
@@ -102,6 +105,12 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill records prompt logprobs (SamplingParams.prompt_logprobs): it then
+        computes every prompt token (no cached prefix) in a forward of its own (LLM._prefill_scored)."""
+        return self.params.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:
@@ -151,4 +160,5 @@ class Sequence:
     def output(self) -> RequestOutput:
         return RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),
                              self.finish_reason or "length", self.stats(),
-                             None if self.logprobs is None else list(self.logprobs))
+                             None if self.logprobs is None else list(self.logprobs),
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs))

@@ -269,6 +269,11 @@ def workspace_bytes(cfg: ModelConfig, fmt: str, tokens: int | None = None) -> in
     a workspace prefills longer prompts in chunks of that many tokens (Plan.prefill_chunk).
     """
     tokens = WORKSPACE_TOKENS if tokens is None else tokens
+    return int(1.25 * (tokens * _activation_bytes_per_token(cfg, fmt) + 4 * cfg.vocab_size))
+
+
+def _activation_bytes_per_token(cfg: ModelConfig, fmt: str) -> float:
+    """Bytes of a decoder layer's live activations per token at its widest (workspace_bytes)."""
     elem = bytes_per_element(fmt)
     qkv = (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     rot = (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim * 4 * 2
@@ -276,8 +281,17 @@ def workspace_bytes(cfg: ModelConfig, fmt: str, tokens: int | None = None) -> in
         H, n, r, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.head_dim, cfg.v_head_dim
         qkv = H * (2 * (n + r) + (n + v) + v) + cfg.kv_lora_rank + r
     ffn = max(cfg.intermediate_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
-    per_token = (4 * cfg.hidden_size + qkv + 3 * ffn) * elem + rot
-    return int(1.25 * (tokens * per_token + 4 * cfg.vocab_size))
+    return (4 * cfg.hidden_size + qkv + 3 * ffn) * elem + rot
+
+
+def score_rows(cfg: ModelConfig, fmt: str, tokens: int) -> int:
+    """Prompt positions whose logits one lm_head call computes when a prompt is scored
+    (SamplingParams.prompt_logprobs, LLM._prefill_scored), after a forward of `tokens` tokens: as many
+    as the room its layers' activations took (workspace_bytes, free again once the layers are done)
+    holds, a row's logits taking V x (elem + 8) bytes (in `fmt`, their fp32 copy, its log-softmax);
+    at least 1."""
+    per_row = cfg.vocab_size * (bytes_per_element(fmt) + 8)
+    return max(1, int(tokens * _activation_bytes_per_token(cfg, fmt) // per_row))
 
 
 def cpu_workspace_bytes(cfg: ModelConfig, fmt: str, context: int) -> int:
