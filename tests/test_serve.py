@@ -189,10 +189,34 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         server.client.completions.create(model=MODEL, prompt=[5, 10**6], max_tokens=4)
-    with pytest.raises(openai.BadRequestError):
-        server.client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):  # one bad prompt of a batch
+        server.client.completions.create(model=MODEL, prompt=[[5, 6], [5, 10**6]], max_tokens=4)
     out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
     assert out.choices[0].text == _greedy(server, PROMPTS[0], 4, chat=False).text
+
+
+def test_a_batch_of_prompts_gives_each_its_choices(server):
+    """A completion's prompt as a list of texts or of token-id lists (OpenAI's batch): prompt p's choice j
+    is choice p * n + j, sampled as LLM.generate samples it (its seed seed + p * n + j); the usage counts
+    each prompt once; a stream carries the same; more choices than the server holds are refused."""
+    kw = dict(model=MODEL, max_tokens=6, temperature=1.0, seed=11)
+    out = server.client.completions.create(prompt=PROMPTS[:3], n=2, **kw)
+    _idle(server)
+    prompts = [p for p in PROMPTS[:3] for _ in range(2)]
+    refs = [server.llm.generate(p, SamplingParams(temperature=1.0, max_tokens=6, seed=11 + i), chat=False)[0]
+            for i, p in enumerate(prompts)]
+    assert [c.index for c in out.choices] == list(range(6)) and [c.text for c in out.choices] == [r.text for r in refs]
+    assert out.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs[::2])
+    assert out.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
+    ids = [server.llm.encode(p, chat=False) for p in PROMPTS[:3]]
+    assert [c.text for c in server.client.completions.create(prompt=ids, n=2, **kw).choices] == [r.text for r in refs]
+    texts = [""] * 6
+    for chunk in server.client.completions.create(prompt=PROMPTS[:3], n=2, stream=True, **kw):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [r.text for r in refs]
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={**kw, "prompt": ["a"] * (server.engine.capacity + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
 def test_a_failed_step_fails_its_requests_and_the_server_goes_on(server, monkeypatch):
@@ -470,6 +494,61 @@ def test_completion_logprobs(server):
     assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].logprobs is None
 
 
+def _lm_eval_parse(choice: dict, ctxlen: int) -> tuple[float, bool]:
+    """lm-eval-harness local-completions' reading of an echoed choice (parse_logprobs): the sum of the
+    continuation's token log-probabilities (the prompt past ctxlen tokens, the generated one left out)
+    and whether each was its position's most likely token."""
+    lp = choice["logprobs"]
+    tokens, tops = lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1]
+    return sum(tokens), all(t == max(top.values()) for t, top in zip(tokens, tops))
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(server):
+    """`echo` with `logprobs` (lm-eval-harness's loglikelihood request: token-id prompts in a batch,
+    max_tokens 1, logprobs 1, echo): each choice's text and logprobs begin with its prompt's, the first
+    token's null, the others the model's (LLM.logits); lm-eval's reading gives the reference sum and
+    greediness. max_tokens 0 scores the prompt alone; a stream's first chunk is the prompt; a batch of
+    texts gives a choice each; echo without logprobs echoes the text."""
+    tok = server.llm.tokenizer
+    ids = [tok.encode(p) for p in PROMPTS[4:6]]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": 1234}
+    r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    assert r["usage"]["prompt_tokens"] == sum(len(x) for x in ids) and r["usage"]["completion_tokens"] == 2
+    for x, choice in zip(ids, r["choices"]):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(x) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        scores = server.llm.logits(x).log_softmax(-1)
+        want = [float(scores[i, t]) for i, t in enumerate(x[1:])]
+        assert lp["token_logprobs"][1:len(x)] == pytest.approx(want, abs=1e-4)
+        assert choice["text"].startswith(tok.decode(x)) and lp["text_offset"][0] == 0
+        ctxlen = 3
+        total, greedy = _lm_eval_parse(choice, ctxlen)
+        assert total == pytest.approx(sum(want[ctxlen - 1:]), abs=1e-3)
+        assert greedy == all(int(scores[i].argmax()) == x[i + 1] for i in range(ctxlen - 1, len(x) - 1))
+    only = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={**body, "prompt": ids[0], "max_tokens": 0}).json()
+    choice = only["choices"][0]
+    assert choice["text"] == tok.decode(ids[0]) and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"] == r["choices"][0]["logprobs"]["token_logprobs"][:-1]
+    assert only["usage"]["completion_tokens"] == 0
+    chunks = [c.choices[0] for c in server.client.completions.create(
+        model=MODEL, prompt=PROMPTS[4], max_tokens=3, logprobs=2, echo=True, temperature=0, stream=True)]
+    whole = server.client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=3, logprobs=2, echo=True,
+                                             temperature=0).choices[0]
+    assert chunks[0].text == PROMPTS[4] and "".join(c.text for c in chunks) == whole.text
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert sum((x.token_logprobs for x in streamed), []) == whole.logprobs.token_logprobs
+    assert sum((x.text_offset for x in streamed), []) == whole.logprobs.text_offset
+    assert whole.logprobs.text_offset[len(ids[0])] == len(PROMPTS[4])  # the completion's after the prompt
+    texts = server.client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=2, echo=True, temperature=0)
+    assert [c.text[:len(p)] for c, p in zip(texts.choices, PROMPTS)] == PROMPTS[:2]
+    assert all(c.logprobs is None for c in texts.choices)
+    for bad in ({"max_tokens": 0, "echo": False}, {"prompt": []}):
+        r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json={**body, **bad})
+        assert r.status_code == 400, r.json()
+
+
 def test_chat_logprobs(server):
     messages = [{"role": "user", "content": PROMPTS[2]}]
     kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
@@ -661,7 +740,7 @@ def test_error_shapes_models_endpoint_and_the_authorization_scheme(server):
 
 
 @pytest.mark.parametrize("endpoint,field,value", [
-    ("completions", "echo", True), ("completions", "best_of", 2), ("completions", "suffix", "x"),
+    ("completions", "best_of", 2), ("completions", "suffix", "x"),
     ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("chat", "functions", [{"name": "f"}]), ("chat", "response_format", {"type": "json_object"}),
     ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "x"}})])

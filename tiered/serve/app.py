@@ -227,38 +227,38 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(body: CompletionRequest, request: Request):
-        """OpenAI's text completion: the prompt as it is (no chat template)."""
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "one prompt per request", param="prompt")
-            prompt = prompt[0]
-        return await _generate(request, body, prompt, chat=False, default_max_tokens=16, kind="completion")
+        """OpenAI's text completion: each prompt as it is (no chat template), n choices each."""
+        return await _generate(request, body, body.prompts, chat=False, default_max_tokens=16, kind="completion")
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """OpenAI's chat completion: the messages through the model's chat template."""
         messages = [m.as_dict() for m in body.messages]
-        return await _generate(request, body, messages, chat=True, default_max_tokens=engine.llm.max_context,
+        return await _generate(request, body, [messages], chat=True, default_max_tokens=engine.llm.max_context,
                                kind="chat")
 
-    async def _generate(request: Request, body, prompt, chat: bool, default_max_tokens: int, kind: str):
+    async def _generate(request: Request, body, prompts: list, chat: bool, default_max_tokens: int, kind: str):
+        """Answer `body` over its `prompts` (a completion's batch, or chat's one message list), n choices
+        each: choice p * n + j is prompt p's j-th."""
         if body.model != model_name:
             raise APIError(400, f"model {body.model!r} is not served here; this server serves {model_name!r}",
                            code="model_not_found", param="model")
-        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"] or "") for m in prompt
-                                                                if isinstance(m, dict))
-        if chars > max_prompt_chars:  # cannot fit: refused without the seconds its encoding would take
-            raise APIError(400, f"the prompt has {chars} characters, more than a context window of "
-                           f"{engine.llm.max_context} tokens holds", code="context_length_exceeded",
-                           param="messages" if chat else "prompt")
-        if body.n > engine.capacity:
-            raise APIError(400, f"n = {body.n} choices are more than this server runs or queues at once "
-                           f"({engine.capacity}: --max-batch plus --max-queue)", param="n")
+        for prompt in prompts:
+            chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"] or "") for m in prompt
+                                                                    if isinstance(m, dict))
+            if chars > max_prompt_chars:  # cannot fit: refused without the seconds its encoding would take
+                raise APIError(400, f"the prompt has {chars} characters, more than a context window of "
+                               f"{engine.llm.max_context} tokens holds", code="context_length_exceeded",
+                               param="messages" if chat else "prompt")
+        if body.n * len(prompts) > engine.capacity:
+            what = f"n = {body.n} choices" + (f" of {len(prompts)} prompts" if len(prompts) > 1 else "")
+            raise APIError(400, f"{what} are more than this server runs or queues at once "
+                           f"({engine.capacity}: --max-batch plus --max-queue)", param="n" if len(prompts) == 1 else "prompt")
         try:
             params = body.sampling(default_max_tokens)
             # encoding a long prompt takes a while: on a worker thread, not the event loop's
-            handles = await run_in_threadpool(engine.submit, prompt, params, chat, asyncio.get_running_loop(), body.n)
+            handles = await run_in_threadpool(engine.submit, prompts[0], params, chat, asyncio.get_running_loop(),
+                                              body.n, prompts if len(prompts) > 1 else None)
         except QueueFullError as e:
             raise APIError(503, e.message, "server_error", "queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e
@@ -269,21 +269,31 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         except TieredError as e:
             raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""))
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        echo = _Echo(engine.llm.tokenizer, body, prompts) if kind == "completion" else None
         if body.stream:
-            return StreamingResponse(_sse(handles, rid, kind, body.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(_sse(handles, rid, kind, body.include_usage, echo),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         outs = await _collect(request, handles)
         if outs is None:  # the client went away
             return JSONResponse({}, status_code=499)
         choices = []
         for i, out in enumerate(outs):
-            logprobs = (None if out.logprobs is None else
-                        _logprobs(kind, out.logprobs, CompletionLogprobs(engine.llm.tokenizer)))
-            choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
-                            "finish_reason": out.finish_reason, "logprobs": logprobs} if kind == "chat" else
-                           {"index": i, "text": out.text, "finish_reason": out.finish_reason, "logprobs": logprobs})
+            if kind == "chat":
+                logprobs = None if out.logprobs is None else chat_logprobs(engine.llm.tokenizer, out.logprobs)
+                choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+                                "finish_reason": out.finish_reason, "logprobs": logprobs})
+                continue
+            text = echo.text(i, out.prompt_token_ids)
+            parts = [echo.logprobs(i, out)] if echo.on and out.logprobs is not None else []
+            if not echo.scores_only:  # the completion's logprobs: its text's offsets after the echoed prompt
+                parts += [] if out.logprobs is None else [
+                    CompletionLogprobs(engine.llm.tokenizer, offset=len(text)).add(out.logprobs)]
+                text += out.text
+            choices.append({"index": i, "text": text, "finish_reason": echo.finish(out.finish_reason),
+                            "logprobs": {k: sum((p[k] for p in parts), []) for k in parts[0]} if parts else None})
         return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": model_name, "choices": choices, "usage": _usage(outs)}
+                "created": int(time.time()), "model": model_name, "choices": choices,
+                "usage": _usage(outs, body.n, echo is not None and echo.scores_only)}
 
     async def _collect(request: Request, handles: list[Handle]) -> list[RequestOutput] | None:
         """Wait for each choice's output; None (and the request cancelled) if the client disconnects."""
@@ -315,9 +325,11 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             for handle in handles:
                 engine.cancel(handle)  # a no-op when it finished
 
-    async def _sse(handles: list[Handle], rid: str, kind: str, include_usage: bool):
+    async def _sse(handles: list[Handle], rid: str, kind: str, include_usage: bool, echo: "_Echo | None"):
         """The OpenAI chunk stream: each choice's deltas and its last chunk with finish_reason (chunks
-        carry their choice's index), then usage if asked, then [DONE]."""
+        carry their choice's index), then usage if asked, then [DONE]. With a completion's `echo`, a
+        choice's first chunk is its prompt (with the prompt's logprobs where asked), sent when its
+        first token is (the prompt's logprobs come from its prefill)."""
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         created = int(time.time())
         n = len(handles)
@@ -338,11 +350,11 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             """The next (choice, event): one choice's straight from its queue (no task between)."""
             return (0, await handles[0].events.get()) if n == 1 else await events.get()
 
-        def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False) -> str:
+        def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False,
+                  logprobs: dict | None = None) -> str:
             """One SSE event of choice i: a text delta, the finishing chunk, or chat's opening role
-            chunk; it carries the choice's pending logprobs."""
-            logprobs = None
-            if pending[i] is not None and not role:
+            chunk; it carries the choice's pending logprobs (or `logprobs`, an echoed prompt's)."""
+            if pending[i] is not None and not role and logprobs is None:
                 logprobs, pending[i] = _logprobs(kind, pending[i], completions[i]), []
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
@@ -354,6 +366,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                 data["usage"] = None
             return f"data: {json.dumps(data)}\n\n"
 
+        echoed = [False] * n
         forwarders = [asyncio.ensure_future(forward(i, h)) for i, h in enumerate(handles)] if n > 1 else []
         outs: list[RequestOutput | None] = [None] * n
         try:
@@ -369,16 +382,24 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     yield "data: [DONE]\n\n"
                     return
                 delta, out, new_logprobs = event
+                if echo is not None and echo.on and not echoed[i]:  # the prompt first, once its prefill is done
+                    echoed[i] = True
+                    seq = handles[i].seq
+                    text = echo.text(i, seq.prompt_ids)
+                    completions[i].offset = len(text)
+                    yield chunk(i, text, logprobs=echo.logprobs(i, seq) if seq.prompt_logprobs is not None else None)
+                if echo is not None and echo.scores_only:  # the one token generated is no part of the answer
+                    delta, new_logprobs = "", None
                 if new_logprobs is not None:
                     pending[i] = (pending[i] or []) + new_logprobs
                 if delta:
                     yield chunk(i, delta)
                 if out is not None:
                     outs[i] = out
-                    yield chunk(i, None, finish=out.finish_reason)
+                    yield chunk(i, None, finish=echo.finish(out.finish_reason) if echo else out.finish_reason)
             if include_usage:
                 data = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
-                        "usage": _usage(outs)}
+                        "usage": _usage(outs, echo.n if echo else n, echo is not None and echo.scores_only)}
                 yield f"data: {json.dumps(data)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -394,10 +415,42 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
     return app
 
 
-def _usage(outs: list[RequestOutput]) -> dict:
-    """OpenAI's usage object of a request's choices: the prompt counted once, the completion tokens of
-    every choice; prompt_tokens_details.cached_tokens counts the prompt tokens whose KV a slot held
-    already (prefix reuse) for the first choice."""
-    n_prompt, n_gen = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
+def _usage(outs: list[RequestOutput], n: int, scores_only: bool = False) -> dict:
+    """OpenAI's usage object of a request's choices, `n` a prompt (choice p * n + j prompt p's j-th):
+    each prompt counted once, the completion tokens of every choice (none where the prompt was only
+    scored: `scores_only`); prompt_tokens_details.cached_tokens counts the prompt tokens whose KV was
+    not computed for each prompt's first choice (prefix reuse)."""
+    firsts = outs[::n]
+    n_prompt = sum(len(out.prompt_token_ids) for out in firsts)
+    n_gen = 0 if scores_only else sum(len(out.token_ids) for out in outs)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
-            "prompt_tokens_details": {"cached_tokens": outs[0].stats.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(out.stats.cached_tokens for out in firsts)}}
+
+
+class _Echo:
+    """A completion request's prompts, as `echo` puts them before each choice (choice i is prompt
+    i // n's): a text prompt as sent, token ids decoded with their special tokens; and their tokens'
+    logprobs (protocol.CompletionLogprobs of an echoed prompt). `on` False: nothing is echoed."""
+
+    def __init__(self, tokenizer, body: CompletionRequest, prompts: list) -> None:
+        self.tokenizer, self.prompts, self.n = tokenizer, prompts, body.n
+        self.on, self.scores_only = body.echo, body.scores_only
+
+    def text(self, i: int, ids: list[int]) -> str:
+        """Choice i's echoed prompt ("" without echo); `ids` its token ids."""
+        if not self.on:
+            return ""
+        prompt = self.prompts[i // self.n]
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def finish(self, reason: str) -> str:
+        """A choice's finish_reason: "length" where the prompt was only scored (max_tokens 0)."""
+        return "length" if self.scores_only else reason
+
+    def logprobs(self, i: int, out) -> dict:
+        """The logprobs of choice i's prompt tokens: `out` its RequestOutput or Sequence (their
+        prompt_logprobs, one per prompt token, the first None)."""
+        ids = getattr(out, "prompt_token_ids", None) or out.prompt_ids
+        return CompletionLogprobs(self.tokenizer, skip_special=False).add(out.prompt_logprobs, ids)

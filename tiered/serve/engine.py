@@ -129,7 +129,8 @@ class ServingEngine:
 
     # ------------------------------------------------------------ handlers' side
     def submit(self, prompt: Prompt, params: SamplingParams, chat: bool | None,
-               loop: asyncio.AbstractEventLoop | None = None, n: int = 1) -> list[Handle]:
+               loop: asyncio.AbstractEventLoop | None = None, n: int = 1,
+               batch: list[Prompt] | None = None) -> list[Handle]:
         """Queue one request of `n` choices (OpenAI's `n`): n sequences of the same prompt, encoded
         once, queued all or none; choice i samples with the seed params.seed + i (LLM.make_sequence's
         index), so a seeded request's choices differ and repeat. Each choice is one sequence in the
@@ -138,6 +139,8 @@ class ServingEngine:
 
         Args:
             loop: the event loop whose handler awaits the request's events (default: the running one).
+            batch: the prompts of a batched completion request, `prompt` ignored: n choices each, all
+                queued or none; prompt p's choice j is choice p * n + j (its seed params.seed + p * n + j).
         Returns:
             The choices' handles, choice i's at i.
         Raises:
@@ -148,11 +151,14 @@ class ServingEngine:
         loop = loop or asyncio.get_running_loop()
         if self._stopping:  # before the encoding: a server going down does no more work
             raise self._refuse_for_shutdown()
-        first = self.llm.make_sequence(prompt, params, chat)
-        seqs = [first]
-        for i in range(1, n):  # the same token ids; the seed params.seed + i
-            seqs.append(self.llm.make_sequence(first.prompt_ids, params, False, index=i, t_start=first.t_start))
-            seqs[-1].prompt = first.prompt
+        seqs = []
+        for p, one in enumerate([prompt] if batch is None else batch):
+            first = self.llm.make_sequence(one, params, chat, index=p * n)
+            seqs.append(first)
+            for i in range(1, n):  # the same token ids; the seed params.seed + p * n + i
+                seqs.append(self.llm.make_sequence(first.prompt_ids, params, False, index=p * n + i,
+                                                   t_start=first.t_start))
+                seqs[-1].prompt = first.prompt
         handles = [Handle(seq, asyncio.Queue(), loop) for seq in seqs]
         with self._lock:  # under the lock stop() takes: a request either gets refused here or ended by stop()
             stopping = self._stopping

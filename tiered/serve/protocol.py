@@ -3,9 +3,9 @@ and the logprobs objects of its answers.
 
 Field bounds are checked by pydantic; a body that breaks them is answered 400 with an OpenAI-style
 error (tiered/serve/app.py). OpenAI parameters that would change what the answer means but that
-tiered does not implement (echo, tools, response_format json, best_of, suffix) are refused the same
-way unless they carry their neutral value,
-which common clients send: an answer that silently ignored them would be wrong.
+tiered does not implement (tools, response_format json, best_of, suffix) are refused the same
+way unless they carry their neutral value, which common clients send: an answer that silently
+ignored them would be wrong.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -94,21 +95,53 @@ class _Generation(BaseModel):
 
 
 class CompletionRequest(_Generation):
-    """POST /v1/completions: a text prompt (no chat template), or token ids."""
+    """POST /v1/completions: text prompts (no chat template), or token ids; one prompt or a batch.
 
-    prompt: str | list[int] | list[str] = Field(..., description="text, token ids, or a list of one text")
+    `echo` puts each prompt before its choice's text, and with `logprobs` its tokens' log-probabilities
+    (the first one's null) before the completion's: SamplingParams.prompt_logprobs, what
+    lm-eval-harness's local-completions model scores with (echo, logprobs 1, max_tokens 1). With echo,
+    max_tokens may be 0: the prompt alone is scored and nothing generated.
+    """
+
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description="a text, token ids, or a batch of texts or of token-id lists (a choice for each)")
+    max_tokens: int | None = Field(None, ge=0, description="most tokens to generate (default 16; 0 only with echo)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probabilities of the generated "
-                                 "tokens with this many most likely alternatives each")
+                                 "tokens (and with echo of the prompt's) with this many most likely alternatives each")
+    echo: bool = Field(False, description="the prompt before the completion, in text and logprobs")
     # accepted only at their neutral values (_neutral_only)
-    echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
-    _no_echo = _neutral_only("echo", neutral="false")
     _no_best_of = _neutral_only("best_of", neutral="1", is_neutral=lambda v: v == 1)
     _no_suffix = _neutral_only("suffix", neutral="null")
 
+    @model_validator(mode="after")
+    def _zero_needs_echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be >= 1 (0 only with echo: true, to score the prompt)")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt: an empty list")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch's prompts: a text or token ids each."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+
+    @property
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: the prompt is scored, one token generated and left out of the answer."""
+        return self.echo and self.max_tokens == 0
+
     def logprob_count(self) -> int | None:
         return self.logprobs
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        """As for chat, with prompt_logprobs where echo asks logprobs, and one token where max_tokens is 0."""
+        prompt = self.logprobs if self.echo else None
+        body = self.model_copy(update={"max_tokens": 1}) if self.scores_only else self
+        return replace(super(CompletionRequest, body).sampling(default_max_tokens), prompt_logprobs=prompt)
 
 
 class TextPart(BaseModel):
@@ -229,38 +262,49 @@ class CompletionLogprobs:
     would have added in the sampled token's place to its log-probability (of alternatives adding the
     same text, the most likely).
 
+    An echoed prompt's tokens go through an instance of their own (skip_special False: special tokens
+    keep their text, as the echoed prompt of token ids does); its first token has no log-probability
+    (`add` with `tokens`: null, and so are its top_logprobs).
+
     Args:
         tokenizer: the model's tokenizer (None: a token's text is its id, and offsets count those).
+        offset: the characters before the first token (an echoed prompt's, before a completion).
+        skip_special: leave special tokens' texts out (a completion's) or keep them (an echoed prompt's).
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, offset: int = 0, skip_special: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special = skip_special
         self.ids: list[int] = []  # the completion's tokens so far
         self.prefix_offset = self.read_offset = 0  # the decoding window, as Sequence's
-        self.offset = 0  # the completion's characters so far
+        self.offset = offset  # the characters so far
 
-    def add(self, entries: list[TokenLogprob]) -> dict:
-        """The logprobs of the completion's next tokens `entries` (the next chunk's, in a stream)."""
+    def add(self, entries: list[TokenLogprob | None], tokens: list[int] | None = None) -> dict:
+        """The logprobs of the next tokens `entries` (the next chunk's, in a stream); `tokens`: their
+        ids, where an entry may be None (a prompt's first token: logprob and top_logprobs null)."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for e in entries:
+        for k, e in enumerate(entries):
+            token = e.token if e is not None else tokens[k]
             window = self.ids[self.prefix_offset:]
             done = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            text = self._piece(window, done, e.token)
-            top: dict[str, float] = {}
-            for t, lp in e.top:
-                top.setdefault(self._piece(window, done, t), lp)
+            text = self._piece(window, done, token)
+            top: dict[str, float] | None = None
+            if e is not None:
+                top = {}
+                for t, lp in e.top:
+                    top.setdefault(self._piece(window, done, t), lp)
             out["tokens"].append(text)
-            out["token_logprobs"].append(e.logprob)
+            out["token_logprobs"].append(None if e is None else e.logprob)
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
-            self.ids.append(e.token)
+            self.ids.append(token)
             self.offset += len(text)
             if text and self.tokenizer is not None:  # the window moves on past a token with text
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return out
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def _piece(self, window: list[int], done: str, token: int) -> str:
         """The text `token` adds after `window`, whose first `done` text came out already: "" while
