@@ -94,6 +94,21 @@ def test_logits_equal_transformers(lossless, lossless_out, hf_logits):
     assert float((got - hf_logits).abs().max() / hf_logits.abs().max()) <= 1e-4
 
 
+def test_prompt_logprobs_equal_transformers(lossless, lossless_out, hf_logits):
+    """SamplingParams.prompt_logprobs over the prompt and its greedy continuation (what an lm-eval
+    loglikelihood request scores): each token's log-probability as transformers' logits give it."""
+    ids = lossless_out.prompt_token_ids + lossless_out.token_ids
+    out = lossless.generate(ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    ref = hf_logits.log_softmax(-1)
+    got = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
+    assert out.prompt_logprobs[0] is None
+    assert torch.allclose(got, ref[torch.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+    top2 = ref[:-1].topk(2).values
+    clear = (top2[:, 0] - top2[:, 1] > 1e-3).tolist()  # no near tie whose order rounding may swap
+    assert [e.top[0][0] for e, c in zip(out.prompt_logprobs[1:], clear) if c] == \
+        [t for t, c in zip(ref[:-1].argmax(-1).tolist(), clear) if c]
+
+
 def test_default_int4_decode_is_close_to_lossless(smollm2_path, lossless, lossless_out):
     int4 = LLM(smollm2_path, EngineConfig(accelerator="none"))  # the CPU's decode copies
     assert int4.decode_weight_bytes > 0
