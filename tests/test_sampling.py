@@ -521,10 +521,11 @@ def test_engine_applies_logit_bias_and_penalties_in_every_decode_path(zoo):
 @pytest.mark.parametrize("name", ["llama_tied", "mixtral"])
 def test_prompt_logprobs_are_the_models_scores_of_each_prompt_token(zoo, rt, monkeypatch, name):
     """SamplingParams.prompt_logprobs: None for the first prompt token, then each token's log-softmax
-    under the model given the tokens before it (LLM.logits of the prompt: equal; transformers': within
-    1e-5) with the k most likely alternatives; the generated tokens are those of a plain generate. A
-    prompt longer than the prefill chunk scores chunk by chunk, its lm_head a few positions at a time
-    (sizes.score_rows), with the same figures; a one-token prompt has only the None."""
+    under the model given the tokens before it (LLM.logits of the prompt, within 1e-5; transformers'
+    too) with the k most likely alternatives; the generated tokens are those of a plain generate. Every
+    path scores the same: the prompt as rows of the native step (where the plan runs it so), through
+    the modules in one forward or chunk by chunk, and either with the logits a few positions at a time
+    (sizes.score_rows); a one-token prompt has only the None."""
     from dataclasses import replace
 
     from tiered import LLM, EngineConfig
@@ -532,34 +533,40 @@ def test_prompt_logprobs_are_the_models_scores_of_each_prompt_token(zoo, rt, mon
 
     path = zoo.dir(name) if name == "llama_tied" else rt.dir(name)
     hf = zoo.hf(name) if name == "llama_tied" else rt.hf(name)
-    config = dict(decode_weights="fp32", max_context=48, accelerator="none")
+    config = EngineConfig(decode_weights="fp32", max_context=48, accelerator="none")
     ids = prompt_ids(min(zoo.vocab_size, 256), 40, seed=3)
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-
-    def scored(llm):
-        out = llm.generate([ids, ids[:1]], replace(sp, prompt_logprobs=3))
-        assert out[1].prompt_logprobs == [None]
-        return out[0]
-
-    with LLM(path, EngineConfig(**config)) as llm:
-        out = scored(llm)
-        assert out.token_ids == llm.generate(ids, sp)[0].token_ids
+    with LLM(path, config) as llm:
         want = llm.logits(ids).log_softmax(-1)
+        plain = llm.generate(ids, sp)[0].token_ids
     ref = torch.nn.functional.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
-    entries = out.prompt_logprobs
-    assert len(entries) == len(ids) and entries[0] is None
-    assert [e.token for e in entries[1:]] == ids[1:]
-    got = torch.tensor([e.logprob for e in entries[1:]])
-    assert torch.equal(got, want[torch.arange(len(ids) - 1), ids[1:]])
-    assert torch.allclose(got, ref[torch.arange(len(ids) - 1), ids[1:]], atol=1e-5)
-    for i, e in enumerate(entries[1:]):
-        values, top = want[i].topk(3)
-        assert [t for t, _ in e.top] == top.tolist() and torch.allclose(torch.tensor([v for _, v in e.top]), values)
-    monkeypatch.setattr(sizes, "CPU_PREFILL_TOKENS", 16)  # chunks of 16 tokens, the lm_head 5 rows a call
-    monkeypatch.setattr(sizes, "score_rows", lambda cfg, fmt, tokens: 5)
-    with LLM(path, EngineConfig(**config)) as llm:
-        assert llm.plan.prefill_chunk == 16
-        chunked = scored(llm)
-    assert chunked.token_ids == out.token_ids
-    assert torch.allclose(torch.tensor([e.logprob for e in chunked.prompt_logprobs[1:]]), got, atol=1e-5)
-    assert [[t for t, _ in e.top] for e in chunked.prompt_logprobs[1:]] == [[t for t, _ in e.top] for e in entries[1:]]
+    rows = torch.arange(len(ids) - 1)
+    assert torch.allclose(want[rows, ids[1:]], ref[rows, ids[1:]], atol=1e-5)
+
+    def scored(native: bool, chunk: int | None = None, span: int | None = None) -> None:
+        with monkeypatch.context() as m:
+            if chunk:
+                m.setattr(sizes, "CPU_PREFILL_TOKENS", chunk)
+            if span:
+                m.setattr(sizes, "score_rows", lambda cfg, fmt, tokens: span)
+            with LLM(path, config) as llm:
+                assert llm.plan.prefill_chunk == (chunk or sizes.CPU_PREFILL_TOKENS)
+                if not native:
+                    llm.plan.mixed_rows = 0
+                elif kernels.available():  # the native step takes the whole prompt as rows
+                    assert llm.runtime.cpu_decode is not None and llm.plan.most_prompt_rows() >= len(ids)
+                out, one = llm.generate([ids, ids[:1]], replace(sp, prompt_logprobs=3))
+        assert out.token_ids == plain and one.prompt_logprobs == [None]
+        entries = out.prompt_logprobs
+        assert len(entries) == len(ids) and entries[0] is None and [e.token for e in entries[1:]] == ids[1:]
+        got = torch.tensor([e.logprob for e in entries[1:]])
+        assert torch.allclose(got, want[rows, ids[1:]], atol=1e-5), (native, chunk, span)
+        for i, e in enumerate(entries[1:]):
+            values, top = want[i].topk(3)
+            assert [t for t, _ in e.top] == top.tolist()
+            assert torch.allclose(torch.tensor([v for _, v in e.top]), values, atol=1e-5)
+
+    scored(native=True)
+    scored(native=True, span=7)  # native steps of 7 rows
+    scored(native=False)
+    scored(native=False, chunk=16, span=5)  # chunks of 16 tokens, the lm_head 5 rows a call

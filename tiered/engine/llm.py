@@ -653,31 +653,46 @@ class LLM:
         """Prefill `seq`, which asks for prompt logprobs (Sequence.scores_prompt), and record them:
         seq.prompt_logprobs = [None] + a TokenLogprob per later prompt token (its log-probability given
         the tokens before it, and SamplingParams.prompt_logprobs most likely alternatives). The whole
-        prompt (no cached prefix: Scheduler._take_slot) runs through the modules' forward in chunks of
-        Plan.prefill_chunk tokens, as `_prefill` runs a long one, never as rows of the native step
-        (whose lm_head computes only the rows asked); each chunk's lm_head then runs over
-        sizes.score_rows positions at a time, so the logits stay within the room the chunk's
-        activations took (on a GPU, the budget's workspace). Returns logits [1, V] fp32 of the last
-        prompt token, from which its first token is sampled."""
+        prompt (no cached prefix: Scheduler._take_slot) is computed, its positions' logits a span of
+        sizes.score_rows positions at a time, so they stay within the room a prefill chunk's
+        activations take (the plan's workspace; on a GPU, the budget's). A prompt the plan would run as
+        rows of the native step (at most Plan.most_prompt_rows tokens) runs so, span by span, the step's
+        lm_head over every row of its span (as fast as the prompt's prefill alone: a SmolLM2
+        13-token prompt 20 ms, where the modules' prefill and a 13-row lm_head took 67); a longer one
+        through the modules' forward in chunks of Plan.prefill_chunk tokens, as `_prefill` runs it, the
+        lm_head a span at a time. Returns logits [1, V] fp32 of the last prompt token, from which its
+        first token is sampled."""
         ids, top = seq.prompt_ids, seq.params.prompt_logprobs
         P = len(ids)
         chunk = min(self.plan.prefill_chunk or self.max_context, self.max_context)
-        rows = sizes.score_rows(self.config, sizes.format_of(self.dtype), min(chunk, P))
+        rows = sizes.score_rows(self.config, sizes.format_of(self.dtype), chunk)  # the room the plan keeps
+        step = self.runtime.cpu_decode
+        native = step is not None and 0 < P <= self.plan.most_prompt_rows() and step.takes_prefill_rows(cache)
         entries: list[TokenLogprob | None] = [None]
         dev = self._to_device
+
+        def score(logits: torch.Tensor, a: int) -> None:  # logits [b - a, V] of prompt positions a..b-1
+            targets = ids[a + 1:a + 1 + logits.shape[0]]  # position p scores ids[p + 1]; the last has none
+            if targets:
+                scored = prompt_token_logprobs(logits[:len(targets)], dev(torch.tensor(targets)), top)
+                entries.extend(TokenLogprob(t, lp, alt) for t, (lp, alt) in zip(targets, scored))
+
         with self._device_scope():
-            slots = dev(torch.tensor([seq.slot]))
-            for start in range(seq.cached_tokens, P, chunk):
-                end = min(start + chunk, P)
-                h = self.model.hidden_states(dev(torch.tensor([ids[start:end]])),
-                                             dev(torch.arange(start, end).unsqueeze(0)), slots, cache)
-                for a in range(start, end, rows):  # prompt positions a..b-1; position p scores ids[p + 1]
-                    b = min(a + rows, end)
-                    logits = self.model.lm_head(h[:, a - start:b - start])[0]  # [b - a, V]
-                    targets = ids[a + 1:b + 1]  # the last prompt position has none
-                    if targets:
-                        scored = prompt_token_logprobs(logits[:len(targets)], dev(torch.tensor(targets)), top)
-                        entries += [TokenLogprob(t, lp, alt) for t, (lp, alt) in zip(targets, scored)]
+            if native:  # each span one native step over its rows, its lm_head over all of them
+                for a in range(0, P, rows):
+                    b = min(a + rows, P)
+                    logits = step(torch.tensor(ids[a:b]).unsqueeze(1), torch.arange(a, b).unsqueeze(1),
+                                  torch.full((b - a,), seq.slot), cache, rows=torch.arange(b - a))
+                    score(logits, a)
+            else:
+                slots = dev(torch.tensor([seq.slot]))
+                for start in range(0, P, chunk):
+                    end = min(start + chunk, P)
+                    h = self.model.hidden_states(dev(torch.tensor([ids[start:end]])),
+                                                 dev(torch.arange(start, end).unsqueeze(0)), slots, cache)
+                    for a in range(start, end, rows):
+                        logits = self.model.lm_head(h[:, a - start:min(a + rows, end) - start])[0]
+                        score(logits, a)
             last = logits[-1:].float().cpu()
         seq.prompt_logprobs = entries
         return last
