@@ -37,9 +37,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
-from serve_load import free_port  # noqa: E402
-
 from tiered.bench.report import Column, write_report  # noqa: E402
+from tiered.bench.server import free_port, start_server  # noqa: E402
 
 CAPITALS = {"France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
             "China": "Beijing", "Russia": "Moscow", "Egypt": "Cairo", "Canada": "Ottawa", "Greece": "Athens",
@@ -122,26 +121,6 @@ def loglikelihoods(samples: list[dict]) -> list[tuple[float, bool]]:
             for s in samples for r in s["resps"]]
 
 
-def serve(args, port: int, flags: tuple[str, ...]) -> subprocess.Popen:
-    """`tiered serve` on `port` with `flags`, once /health answers."""
-    import httpx
-
-    cmd = [sys.executable, "-c", "from tiered.cli import app; app()", "serve", "--port", str(port),
-           "--max-batch", "1", "--served-model-name", "smollm2", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("tiered serve exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("tiered serve did not come up in 300 s")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lm-eval-path", default=None, help="a directory holding lm_eval and its dependencies "
@@ -166,7 +145,7 @@ def main() -> None:
     for name, flags in (("tiered default", ()), ("tiered --batch-activations bf16", ("--batch-activations", "bf16")),
                         ("tiered float32", ("--dtype", "float32", "--decode-weights", "fp32"))):
         port = free_port()
-        proc = serve(args, port, flags)
+        proc = start_server(port, ["--max-batch", "1", "--served-model-name", "smollm2", *flags])
         try:
             model_args = (f"model=smollm2,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={tokenizer_dir},"
                           f"tokenizer_backend=huggingface,num_concurrent=1,max_retries=1")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -36,43 +35,25 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from tiered.bench import Column, median, write_report  # noqa: E402
+from tiered.bench.server import free_port, start_server as serve  # noqa: E402
 
 QUESTIONS = ["Name three colors.", "Write a haiku about memory.", "What is a CPU cache?", "Tell me a short joke.",
              "List four animals that live in the sea.", "Why is the sky blue? One sentence.",
              "Give me a word that rhymes with light.", "What is 12 times 7?"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, port: int, env: dict | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    """`tiered serve` in a subprocess (`env`: added to this one's environment; `extra`: more serve flags);
-    returns once /health answers. Raises RuntimeError if it dies."""
-    cmd = [sys.executable, "-c", "from tiered.cli import app; app()", "serve", "--port", str(port),
-           "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
-           "--max-context", str(args.max_context), *extra]
+def start_server(args, port: int, env: dict | None = None, extra: tuple[str, ...] = ()):
+    """`tiered serve` with this run's flags (`env`: added to this one's environment; `extra`: more serve
+    flags), once /health answers (tiered/bench/server.start_server). Raises RuntimeError if it dies."""
+    flags = ["--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
+             "--max-context", str(args.max_context), *extra]
     if args.model:
-        cmd += ["--model", args.model]
+        flags += ["--model", args.model]
     if args.threads:
-        cmd += ["--threads", str(args.threads)]
+        flags += ["--threads", str(args.threads)]
     if args.dtype != "auto":
-        cmd += ["--dtype", args.dtype]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, **(env or {})))
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("tiered serve exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("tiered serve did not come up in 300 s")
+        flags += ["--dtype", args.dtype]
+    return serve(port, flags, env)
 
 
 def system_prompt(tokens: int) -> str:
