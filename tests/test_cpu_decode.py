@@ -122,6 +122,35 @@ def test_native_attention_gives_a_row_the_same_bits_in_any_batch_on_any_thread_c
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+def test_a_moe_row_gets_the_same_bits_whatever_its_neighbours_route_to(rt):  # noqa: F811
+    """expert_activations "bf16" (batch 1 on bf16 / int16 activations, batched steps on int8: Plan.batch_act):
+    in a native MoE step of two or more tokens an int4 expert's rows read int8 activations however many
+    of them the expert has (swiglu_group's format rows: the step's tokens), so a row's logits are the
+    same bits beside rows routed to its experts or to others. An expert taking one row of the step read
+    the batch-1 activations and one taking two int8, so a row's logits changed with its neighbours'
+    routing. A step of one token keeps the batch-1 numerics."""
+    llm = LLM(rt.dir("mixtral"), engine_config(expert_weights="int4", decode_weights="auto", accelerator="none",
+                                               expert_activations="bf16"))  # q8 ("auto") reads int8 at every size
+    step = CPUDecodeStep(llm.model, native=True)
+    assert step.moe_blocks
+    a = prompt_ids(llm.config.vocab_size, 9, seed=5)
+    others = [prompt_ids(llm.config.vocab_size, 6 + i, seed=10 + i) for i in range(6)]
+
+    def logits(prompts: list[list[int]]) -> torch.Tensor:
+        cache = llm._kv_cache(len(prompts), 32)
+        with torch.inference_mode():
+            _prefill(llm, cache, prompts)
+            ids = torch.tensor([[p[-1]] for p in prompts])
+            pos = torch.tensor([[len(p)] for p in prompts])
+            return step(ids, pos, torch.arange(len(prompts)), cache).float()
+
+    alone = logits([a, a])[0]  # a with itself: every expert of a takes two rows
+    for other in others:
+        for batch, row in (([a, other], 0), ([other, a], 1), ([other, a, others[0]], 1)):
+            assert torch.equal(logits(batch)[row], alone), (other, row)
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
 @pytest.mark.parametrize("kv", ["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["qwen3", "llama_wide", "llama_gqa7"])
 def test_native_attention_vector_path_matches_the_modules(zoo, kind, kv):

@@ -58,6 +58,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 _engines: dict = {}
 
 
+@pytest.fixture(autouse=True)
+def _bf16_native_rows(monkeypatch):
+    """Each build's kernel tuning picks the rows up to which bf16 calls take the native kernel (2 to 32):
+    at 2, the module path's 3-row calls run torch's bf16 GEMMs, which round differently from the native
+    step's kernels (7 of these tests failed so, 2026-12-03). Pinned at 8, the tunings' usual choice, for
+    every engine of this module."""
+    monkeypatch.setattr(kernels, "bf16_native_rows", lambda: 8)
+
+
 def engine(rt, kind: str, mode: str, modes: dict = MODES) -> LLM:  # noqa: F811
     """The CPU engine over the tiny `kind` checkpoint in `modes[mode]` (one per module, kept open)."""
     key = (kind, tuple(sorted(modes[mode].items())))

@@ -423,7 +423,7 @@ def test_latent_attention_decodes_through_native_absorbed_kernels(moe, kind):
     llm.close()
 
 
-def test_bf16_latent_layers_decode_on_native_kernels(moe):
+def test_bf16_latent_layers_decode_on_native_kernels(moe, monkeypatch):
     """A bf16 engine (no decode copies: the weights are bf16 already) on the CPU: the latent layers,
     which the decode step runs as modules, get the absorbed bf16 kernels and their plain bf16
     projections (attention, the shared experts) become CastLinears over the same tensors, whose
@@ -439,6 +439,10 @@ def test_bf16_latent_layers_decode_on_native_kernels(moe):
     from fixtures import stepwise_logits
     from tiered.eval.kl import kl_divergence
 
+    # the rows up to which bf16 calls take the native kernel come from each build's tuning (2 to 32 rows); a
+    # 6-token prompt past them runs torch's bf16 GEMMs, whose bf16-rounded outputs put one later position
+    # 7e-3 nats from the fp32 engine (measured with a tuning of 2 rows): pinned, as the tunings of 8+ decide
+    monkeypatch.setattr(kernels, "bf16_native_rows", lambda: 8)
     llm = LLM(moe.dir("deepseek_v2"), EngineConfig(max_context=64, dtype="bfloat16", accelerator="none"))
     assert llm.plan.native_decode and llm.plan.dense_copies
     attns = [m for m in llm.model.modules() if isinstance(m, LatentAttention)]

@@ -2130,13 +2130,14 @@ struct Int4TGemv : Int4Gemv {
   }
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     const int isa = current_isa();
-    if (w16(a.B)) {
+    const int64_t B = a.rows_for_format();  // (needs() was asked with the same)
+    if (w16(B)) {
       if (isa == kAvx512) {
         TIERED_DISPATCH_NB(int4t_w16_avx512, w)
       } else {
         TIERED_DISPATCH_NB(int4t_w16_avx2, w)
       }
-    } else if (a.B >= q8_from && w.e2m1) {  // MXFP4: q8_from is 1 (Int4W::e2m1)
+    } else if (B >= q8_from && w.e2m1) {  // MXFP4: q8_from is 1 (Int4W::e2m1)
       if (isa == kAvx512) {
         TIERED_DISPATCH_NB(int4tq8s_avx512, w, true)
       } else if (isa >= kAvx2 && nb <= kQ8StreamRows) {
@@ -2146,7 +2147,7 @@ struct Int4TGemv : Int4Gemv {
       } else {
         int4t_scalar(w, a, b0, nb, n0, n1, y, ldy, true);
       }
-    } else if (a.B >= q8_from) {
+    } else if (B >= q8_from) {
       if (isa == kAvx512) {
         TIERED_DISPATCH_NB(int4tq8s_avx512, w)
       } else if (isa == kAvx2 && nb <= kQ8StreamRows) {
@@ -2343,8 +2344,10 @@ void run_parts(const Part* parts, int n_parts, const Act& a) {
 // projections run across the threads
 constexpr int64_t kParallelPrepareRows = 16;
 
+// format_rows: the call size every expert's rows take their activation formats from (Act::format_rows; a MoE
+// step's tokens, moe_experts); 0: each expert's own rows.
 void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_t* r, float* ys,
-                  const Glu* glu = nullptr) {
+                  const Glu* glu = nullptr, int64_t format_rows = 0) {
   thread_local std::vector<ActBuffers> bufs_;
   thread_local std::vector<float> gu_, h_;
   // this thread's buffers by reference: the worker threads below must see these, not their own thread_locals
@@ -2368,9 +2371,11 @@ void swiglu_group(const Gemv* const* k, int64_t E, const float* xs, const int64_
     auto one = [&](int64_t e) {
       const int64_t n = r[e + 1] - r[e];
       if (n == 0) return;
-      ActNeeds needs = k[3 * e + proj]->needs(n);
-      if (proj == 0) needs = needs | k[3 * e + 1]->needs(n);
+      const int64_t f = format_rows ? std::max(format_rows, n) : n;
+      ActNeeds needs = k[3 * e + proj]->needs(f);
+      if (proj == 0) needs = needs | k[3 * e + 1]->needs(f);
       acts[e] = bufs[e].prepare(x + r[e] * width, n, width, needs);
+      acts[e].format_rows = f;
     };
     if (!parallel) {
       for (int64_t e = 0; e < E; ++e) one(e);
@@ -2996,7 +3001,7 @@ void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, con
       from[m] = ysp + row[m] * D;
     }
   });
-  if (C > 0) swiglu_group(ks.data(), int64_t(bounds.size()) - 1, xsp, bounds.data(), ysp, glu);
+  if (C > 0) swiglu_group(ks.data(), int64_t(bounds.size()) - 1, xsp, bounds.data(), ysp, glu, N);
   std::vector<int64_t> at_(M);  // entry -> its place m in the expert order
   for (int64_t m = 0; m < M; ++m) at_[entry[m]] = m;
   auto rd = [bf16](float v) { return bf16 ? bf16f(to_bf16(v)) : v; };

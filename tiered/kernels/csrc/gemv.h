@@ -70,6 +70,11 @@ struct Act {
   const int32_t* xqs = nullptr;  // q8: sum of xqt per group [B, G]
   const float *dw = nullptr, *wsum = nullptr;
   int64_t B = 0, K = 0, Gp = 0;  // Gp: padded groups per row of xq / xsum / m8 (0 without q8)
+  // The call size whose activation formats these rows take where a kernel picks them by it (the tiled
+  // int4 layout's q8_from): 0 = B. A MoE step's expert rows take the step's tokens (swiglu_group), so a
+  // row reads the same formats however many rows of the step its expert has.
+  int64_t format_rows = 0;
+  int64_t rows_for_format() const { return format_rows ? format_rows : B; }
 };
 
 // What a call's kernels read of its Act (bf16 rounding, int8 or int16 quantization, bf16 pairs):
@@ -121,6 +126,8 @@ struct Glu {
 // `given` (or nullptr): per expert e, nullptr to compute it, else its outputs fp32 [rows of e, D] already
 // computed elsewhere (a prompt's expert past the kernels' rows: a dequantized GEMM), in its entries' flat order;
 // its kernels k[3 e..] are then not called, and its outputs join the sum in its place in the expert order.
+// Every expert's rows take the activation formats of a call of N rows (Act::format_rows): a token's output
+// does not depend on how many other tokens its experts took (batch 1 keeps its own formats).
 void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, const int64_t* idx, const float* wt,
                  int64_t top_k, bool bf16, float* out, const Glu* glu = nullptr, const float* const* given = nullptr);
 
