@@ -12,13 +12,16 @@ from tiered.errors import ConfigError, ContextLengthError
 Prompt = str | list[dict] | list[int]
 
 
-def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None) -> list[int]:
+def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, add_generation_prompt: bool = True,
+                  add_special_tokens: bool = True) -> list[int]:
     """Token ids of a prompt: a string, a list of chat messages, or token ids (returned as they are).
 
     Args:
         tokenizer: a transformers tokenizer, or None (then only token ids are accepted).
         chat: apply the tokenizer's chat template to a string; None = when it has one. Message
             lists always use it.
+        add_generation_prompt: end a chat with the assistant's turn opening (vLLM's /tokenize may not).
+        add_special_tokens: a plain text's BOS where the tokenizer adds one.
     Raises:
         ConfigError: text without a tokenizer, or chat without a chat template.
     """
@@ -31,9 +34,9 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None) -> list[i
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("this model's tokenizer has no chat template", "use chat=False / --no-chat")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt)["input_ids"]
+    return tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 def context_window(config: ModelConfig, max_context: int | None) -> int:

@@ -283,13 +283,8 @@ def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None) -
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
     """Log-probability [nats] of `token` under logits [V] (log-softmax in fp32), and the `top` most
-    likely (token id, log-probability) pairs, most likely first."""
-    lp = logits.float().log_softmax(-1)
-    alternatives = []
-    if top > 0:
-        values, ids = torch.topk(lp, min(top, lp.shape[-1]))
-        alternatives = list(zip(ids.tolist(), values.tolist()))
-    return float(lp[token]), alternatives
+    likely (token id, log-probability) pairs, most likely first: `prompt_token_logprobs` of one row."""
+    return prompt_token_logprobs(logits.unsqueeze(0), torch.tensor([token], device=logits.device), top)[0]
 
 
 def prompt_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[tuple[float, list[tuple[int, float]]]]:

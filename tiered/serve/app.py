@@ -30,6 +30,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Str
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tiered.engine.prompt import encode_prompt
 from tiered.engine.sequence import RequestOutput
 from tiered.errors import ContextLengthError, TieredError
 from tiered.serve.engine import Handle, QueueFullError, ServerShuttingDownError, ServingEngine
@@ -251,22 +252,29 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             raise APIError(400, f"model {model!r} is not served here; this server serves {model_name!r}",
                            code="model_not_found", param="model")
 
+    def check_prompt_chars(prompt, param: str) -> None:
+        """APIError 400 context_length_exceeded for a prompt (text, messages or token ids) of more characters
+        than the context window can hold: refused without the seconds its encoding would take."""
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"] or "") for m in prompt
+                                                                if isinstance(m, dict))
+        if chars > max_prompt_chars:
+            raise APIError(400, f"the prompt has {chars} characters, more than a context window of "
+                           f"{engine.llm.max_context} tokens holds", code="context_length_exceeded", param=param)
+
     @app.post("/tokenize", dependencies=[Depends(check_key)])
     async def tokenize(body: TokenizeRequest) -> dict:
         """vLLM's /tokenize: {"count", "max_model_len", "tokens"}: a text as a completion's prompt is
         encoded (add_special_tokens false: without the BOS), messages as a chat's prompt is."""
         check_model(body.model)
         tok = tokenizer()
-        if body.messages is not None:
-            messages = [m.as_dict() for m in body.messages]
-            text = await run_in_threadpool(tok.apply_chat_template, messages, tokenize=False,
-                                           add_generation_prompt=body.add_generation_prompt)
-            ids = await run_in_threadpool(lambda: tok(text, add_special_tokens=False)["input_ids"])
-        else:
-            if len(body.prompt) > max_prompt_chars:
-                raise APIError(400, f"the text has {len(body.prompt)} characters, more than a context window of "
-                               f"{engine.llm.max_context} tokens holds", code="context_length_exceeded", param="prompt")
-            ids = await run_in_threadpool(lambda: tok(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        prompt = [m.as_dict() for m in body.messages] if body.messages is not None else body.prompt
+        check_prompt_chars(prompt, "messages" if body.messages is not None else "prompt")
+        # as a completion's prompt (chat=False) or a chat's is encoded
+        try:
+            ids = await run_in_threadpool(encode_prompt, tok, prompt, False, body.add_generation_prompt,
+                                          body.add_special_tokens)
+        except TieredError as e:  # messages without a chat template
+            raise APIError(400, e.message + (f" ({e.hint})" if e.hint else "")) from e
         return {"count": len(ids), "max_model_len": engine.llm.max_context, "tokens": ids}
 
     @app.post("/detokenize", dependencies=[Depends(check_key)])
@@ -292,12 +300,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         each: choice p * n + j is prompt p's j-th."""
         check_model(body.model)
         for prompt in prompts:
-            chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"] or "") for m in prompt
-                                                                    if isinstance(m, dict))
-            if chars > max_prompt_chars:  # cannot fit: refused without the seconds its encoding would take
-                raise APIError(400, f"the prompt has {chars} characters, more than a context window of "
-                               f"{engine.llm.max_context} tokens holds", code="context_length_exceeded",
-                               param="messages" if chat else "prompt")
+            check_prompt_chars(prompt, "messages" if chat else "prompt")
         if body.n * len(prompts) > engine.capacity:
             what = f"n = {body.n} choices" + (f" of {len(prompts)} prompts" if len(prompts) > 1 else "")
             raise APIError(400, f"{what} are more than this server runs or queues at once "
@@ -332,7 +335,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                                 "finish_reason": out.finish_reason, "logprobs": logprobs})
                 continue
             text = echo.text(i, out.prompt_token_ids)
-            parts = [echo.logprobs(i, out)] if echo.on and out.logprobs is not None else []
+            parts = [echo.logprobs(out.prompt_logprobs, out.prompt_token_ids)] if echo.on and out.logprobs is not None else []
             if not echo.scores_only:  # the completion's logprobs: its text's offsets after the echoed prompt
                 parts += [] if out.logprobs is None else [
                     CompletionLogprobs(engine.llm.tokenizer, offset=len(text)).add(out.logprobs)]
@@ -435,7 +438,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     seq = handles[i].seq
                     text = echo.text(i, seq.prompt_ids)
                     completions[i].offset = len(text)
-                    yield chunk(i, text, logprobs=echo.logprobs(i, seq) if seq.prompt_logprobs is not None else None)
+                    yield chunk(i, text, logprobs=echo.logprobs(seq.prompt_logprobs, seq.prompt_ids) if seq.prompt_logprobs is not None else None)
                 if echo is not None and echo.scores_only:  # the one token generated is no part of the answer
                     delta, new_logprobs = "", None
                 if new_logprobs is not None:
@@ -497,8 +500,6 @@ class _Echo:
         """A choice's finish_reason: "length" where the prompt was only scored (max_tokens 0)."""
         return "length" if self.scores_only else reason
 
-    def logprobs(self, i: int, out) -> dict:
-        """The logprobs of choice i's prompt tokens: `out` its RequestOutput or Sequence (their
-        prompt_logprobs, one per prompt token, the first None)."""
-        ids = getattr(out, "prompt_token_ids", None) or out.prompt_ids
-        return CompletionLogprobs(self.tokenizer, skip_special=False).add(out.prompt_logprobs, ids)
+    def logprobs(self, entries: list, ids: list[int]) -> dict:
+        """The logprobs of a prompt's tokens `ids`: `entries` its prompt_logprobs (one per token, the first None)."""
+        return CompletionLogprobs(self.tokenizer, skip_special=False).add(entries, ids)
