@@ -261,3 +261,20 @@ def test_settings_without_effect_are_noted(runner, zoo):
     assert res.exit_code == 0, res.output
     notes = [line for line in res.output.splitlines() if line.startswith("note: ")]
     assert len(notes) == 3 and "--gpu-mem is ignored" in notes[0] and "using 256" in notes[2], res.output
+
+
+def test_structured_output_flags(runner, zoo, tmp_path):
+    """`tiered run --choice / --regex / --json-schema FILE`: the output follows the constraint; two at once,
+    a regex that does not compile and a beam search with one are one-line errors."""
+    model = str(zoo.dir("llama"))
+    res = runner.invoke(app, ["run", "the quick brown fox", "-m", model, "--choice", "alpha", "--choice", "beta",
+                              "--json", "-t", "0.8", "--seed", "4"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["text"] in ("alpha", "beta"), res.output
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}))
+    res = runner.invoke(app, ["run", "hello", "-m", model, "--json-schema", str(schema), "--json", "-t", "0"])
+    assert res.exit_code == 0 and json.loads(json.loads(res.stdout)["text"]) in ({"ok": True}, {"ok": False}), res.output
+    _bad(runner, ["run", "hi", "-m", model, "--choice", "a", "--regex", "b"], "--regex and --choice")
+    _bad(runner, ["run", "hi", "-m", model, "--regex", "(ab"], "unclosed group")
+    _bad(runner, ["run", "hi", "-m", model, "--regex", "a+", "--beams", "2"], "beam search")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import socket
 import threading
@@ -768,8 +769,7 @@ def test_error_shapes_models_endpoint_and_the_authorization_scheme(server):
 @pytest.mark.parametrize("endpoint,field,value", [
     ("completions", "best_of", 2), ("completions", "suffix", "x"),
     ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("chat", "functions", [{"name": "f"}]), ("chat", "response_format", {"type": "json_object"}),
-    ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "x"}})])
+    ("chat", "functions", [{"name": "f"}])])
 def test_unsupported_parameters_are_refused(server, endpoint, field, value):
     """Parameters that would change what the answer means are refused by name (they were ignored
     with a 200); their neutral values, which common clients send, are accepted."""
@@ -797,6 +797,43 @@ def test_logit_bias_and_penalties_sample_as_the_engine_does(server):
         r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": MODEL, "max_tokens": 2, "prompt": "hi", field: value})
         assert r.status_code == 400 and field in (r.json()["error"]["param"] or r.json()["error"]["message"]), r.json()
+
+
+def test_structured_outputs_in_openai_and_vllm_forms(server):
+    """response_format json_schema / json_object (OpenAI), structured_outputs and guided_* (vLLM) constrain
+    the answer as SamplingParams.structured_outputs does in LLM.generate (they were refused with 400), a
+    lone request included (it would otherwise decode in a native burst, unconstrained); several at once, a
+    regex that does not compile, a json_schema without its schema are 400s."""
+    schema = {"type": "object", "properties": {"word": {"enum": ["fox", "dog", "cat"]}, "n": {"type": "integer",
+              "minimum": 0, "maximum": 9}}, "required": ["word", "n"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}
+    messages = [{"role": "user", "content": "describe a fox"}]
+    got = server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "animal", "schema": schema, "strict": True}})
+    want = server.llm.generate([messages], SamplingParams(max_tokens=60, temperature=0,
+                                                          structured_outputs={"json": schema}), chat=True)[0]
+    assert got.choices[0].message.content == want.text and got.choices[0].finish_reason == "stop"
+    assert set(json.loads(want.text)) == {"word", "n"}
+    obj = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0.7,
+                                                seed=1, response_format={"type": "json_object"}).choices[0]
+    assert obj.finish_reason == "length" or isinstance(json.loads(obj.message.content), dict)
+    for extra, check in (({"structured_outputs": {"regex": "[a-c]{2,4}!"}}, lambda t: re.fullmatch("[a-c]{2,4}!", t)),
+                         ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+                         ({"guided_regex": "(ab)+c"}, lambda t: re.fullmatch("(ab)+c", t)),
+                         ({"guided_json": schema}, lambda t: set(json.loads(t)) == {"word", "n"}),
+                         ({"structured_outputs": {"grammar": 'root ::= "x" [0-9]'}}, lambda t: re.fullmatch("x[0-9]", t))):
+        out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=60, temperature=0.9,
+                                               seed=2, n=2, extra_body=extra)
+        assert all(check(c.text) and c.finish_reason == "stop" for c in out.choices), (extra, out.choices)
+    for body, param in (({"guided_regex": "(", "max_tokens": 3}, None),
+                        ({"guided_choice": ["a"], "guided_regex": "b"}, None),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+                        ({"response_format": {"type": "xml"}}, "response_format")):
+        r = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": MODEL, "messages": messages, **body})
+        assert r.status_code == 400, (body, r.text)
+        assert param is None or (r.json()["error"]["param"] or "").startswith(param), r.json()
 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted(server):

@@ -99,6 +99,39 @@ def friendly_errors(fn):
     return wrapper
 
 
+def _structured_output(json_schema: str | None, regex: str | None, choice: list[str], grammar: str | None):
+    """`run`'s structured-output flags as StructuredOutputsParams (None: none given). --json-schema and
+    --grammar name a file, or are the text itself.
+
+    Raises:
+        ConfigError: several given, a file that cannot be read, a schema that is not JSON."""
+    from tiered.engine.structured import StructuredOutputsParams
+
+    def text(value: str | None, flag: str) -> str | None:
+        try:
+            is_file = value is not None and "\n" not in value and Path(value).is_file()
+        except OSError:  # a long text is no file name (ENAMETOOLONG)
+            is_file = False
+        if not is_file:
+            return value
+        try:
+            return Path(value).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{flag} {value}: cannot be read ({e})", "pass a readable file, or the text") from None
+
+    given = {"--json-schema": json_schema, "--regex": regex, "--choice": choice or None, "--grammar": grammar}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ConfigError(f"give one structured output, got {' and '.join(given)}", "keep one of them")
+    schema = text(json_schema, "--json-schema")
+    if schema is not None and schema.strip() == "{}":
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(json=schema, regex=regex, choice=tuple(choice) if choice else None,
+                                   grammar=text(grammar, "--grammar"))
+
+
 @app.command()
 @friendly_errors
 def run(
@@ -143,6 +176,12 @@ def run(
                               "keeps room for that many sequences."),
     length_penalty: float = typer.Option(1.0, "--length-penalty", help="Beam search: a hypothesis scores "
                                          "sum(log p) / tokens ** this (> 0 favours longer ones)."),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema", help="Constrain the output to JSON following "
+                                              "this schema: a file, or the schema's JSON text; '{}' any JSON object."),
+    regex: Optional[str] = typer.Option(None, "--regex", help="Constrain the output to match this regular expression."),
+    choice: list[str] = typer.Option([], "--choice", help="Constrain the output to one of these strings (repeatable)."),
+    grammar: Optional[str] = typer.Option(None, "--grammar", help="Constrain the output to a grammar (Lark, or "
+                                          "llama.cpp's GBNF): a file, or the grammar's text."),
 ) -> None:
     """Generate text from PROMPT, streaming it to stdout and the stats to stderr."""
     from tiered import LLM, BeamSearchParams, SamplingParams
@@ -150,10 +189,12 @@ def run(
     from tiered.engine.prompt import check_prompt_fits, context_window, encode_prompt
 
     prompt = _prompt_text(prompt)
+    structured = _structured_output(json_schema, regex, choice, grammar)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
-    if beams > 1 and stop:
-        raise ConfigError("--stop strings do not apply to beam search (--beams)",
+                            min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop),
+                            structured_outputs=structured)
+    if beams > 1 and (stop or structured):
+        raise ConfigError(f"{'--stop strings' if stop else 'a structured output'} do not apply to beam search (--beams)",
                           "beams end at the model's end-of-sequence token or --max-tokens")
     config = _engine_config(locals(), trace=trace is not None, max_batch=beams)
     # a prompt that cannot run is refused before anything loads, or the planner measures this machine

@@ -28,6 +28,7 @@ from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, enco
 from tiered.engine.sampling import SamplingParams, adjust_logits, prompt_token_logprobs, sample_tokens, token_logprobs
 from tiered.engine.scheduler import PromptTwins, Scheduler, SharedPrefixes, prefill_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
+from tiered.engine.structured import TokenMatcher, grammar_tokenizer
 from tiered.errors import BudgetError, ConfigError, ContextLengthError
 from tiered.hardware.accelerator import make_accelerator
 from tiered.hardware.budget import MemoryBudget
@@ -593,7 +594,8 @@ class LLM:
             t_start: when the request arrived (perf_counter seconds; default now): TTFT counts from it.
         Raises:
             ContextLengthError, ConfigError: the prompt is empty, does not fit the context window, or
-                has a token id outside the vocabulary (or params.logit_bias has one).
+                has a token id outside the vocabulary (or params.logit_bias has one); a structured output
+                whose grammar does not compile, or one asked of a model without a tokenizer.
         """
         ids = self.encode(prompt, chat)
         check_prompt_fits(index, len(ids), self.max_context, self.config.max_position_embeddings)
@@ -605,6 +607,9 @@ class LLM:
         if bad:
             raise ConfigError(f"logit_bias has token id {bad[0]}, outside the vocabulary (0..{self.config.vocab_size - 1})",
                               "pass token ids of this model's tokenizer")
+        matcher = None
+        if params.structured_outputs is not None:
+            matcher = TokenMatcher(self._grammar_tokenizer(), params.structured_outputs, self.config.vocab_size)
         gen = None
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed + index)
@@ -612,7 +617,17 @@ class LLM:
         max_tokens = min(params.max_tokens, self.max_context - len(ids))
         return Sequence(index=index, prompt=text, prompt_ids=ids, params=params, max_tokens=max_tokens,
                         slot=-1, generator=gen, t_start=time.perf_counter() if t_start is None else t_start,
-                        logprobs=None if params.logprobs is None else [])
+                        logprobs=None if params.logprobs is None else [], matcher=matcher)
+
+    def _grammar_tokenizer(self):
+        """The tokenizer as structured outputs' grammar engine reads it (engine/structured.grammar_tokenizer),
+        built at the first constrained request and kept.
+
+        Raises:
+            ConfigError: the model has no tokenizer, or one the grammar engine cannot read."""
+        if getattr(self, "_grammar_tok", None) is None:
+            self._grammar_tok = grammar_tokenizer(self.tokenizer, self.config.vocab_size, self.config.eos_token_ids)
+        return self._grammar_tok
 
     def _prefill(self, seqs: list[Sequence], cache: KVCache) -> torch.Tensor:
         """Prefill `seqs` (one group of LLM.step): logits [len(seqs), V] fp32 of each prompt's last token.
@@ -745,11 +760,20 @@ class LLM:
         now = time.perf_counter()
         # the tokens seen so far matter only to a repetition penalty: skip building them otherwise
         seen = [seq.seen_ids() if seq.params.repetition_penalty != 1.0 else _NO_TOKENS for seq in seqs]
-        adjusted = logits  # OpenAI's logit bias and penalties on their rows (the raw rows stay for logprobs)
-        if any(seq.params.adjusts_logits for seq in seqs):
-            adjusted = torch.stack([adjust_logits(row, seq.params, seq.output_ids) for row, seq in zip(logits, seqs)])
+        # OpenAI's logit bias and penalties on their rows, then a structured output's grammar (tokens it
+        # forbids at -inf); the raw rows stay for logprobs
+        adjusted = logits
+        if any(seq.params.adjusts_logits or seq.matcher is not None for seq in seqs):
+            adjusted = torch.stack([self._adjusted(row, seq) for row, seq in zip(logits, seqs)])
         tokens = sample_tokens(adjusted, [seq.params for seq in seqs], seen, [seq.generator for seq in seqs])
         return [self._accept(seq, token, now, row) for row, seq, token in zip(logits, seqs, tokens)]
+
+    @staticmethod
+    def _adjusted(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """Logits fp32 [V] of `seq` as its draw sees them: its logit bias and penalties (adjust_logits),
+        and the tokens its grammar forbids at -inf (TokenMatcher.constrain)."""
+        row = adjust_logits(row, seq.params, seq.output_ids)
+        return row if seq.matcher is None else seq.matcher.constrain(row)
 
     def _accept(self, seq: Sequence, token: int, now: float,
                 row: torch.Tensor | None = None) -> tuple[Sequence, str, RequestOutput | None]:
@@ -760,11 +784,15 @@ class LLM:
         seq.token_times.append(now)
         if seq.logprobs is not None:
             seq.logprobs.append(TokenLogprob(token, *token_logprobs(row, token, seq.params.logprobs)))
+        # a structured output's grammar consumes the token (EOS too); complete, it takes no more
+        grammar_done = seq.matcher is not None and (not seq.matcher.accept(token) or seq.matcher.done)
         if token in eos or token in seq.params.stop_token_ids:
             seq.finish_reason = "stop"
         elif self.tokenizer is not None:
             append_token_text(self.tokenizer, seq)
             apply_stop_strings(seq)
+        if grammar_done and not seq.finished:
+            seq.finish_reason = "stop"
         if not seq.finished and len(seq.output_ids) >= seq.max_tokens:
             seq.finish_reason = "length"
         delta = take_stream_delta(seq) if self.tokenizer is not None else ""
@@ -780,10 +808,10 @@ class LLM:
         past a stop string are dropped (the sequence has finished). None where no burst applies: a plan
         without them (Plan.decode_bursts: the native CPU step), a step that cannot run this model whole in
         one call (CPUDecodeStep.can_burst), logprobs, a logit bias or presence / frequency penalty (drawn
-        here: `adjust_logits`), < 2 tokens left, or bursts turned off (self.bursts False, or TIERED_BURST=0)."""
+        here: `adjust_logits`), a structured output (its grammar masks each draw here), < 2 tokens left, or bursts turned off (self.bursts False, or TIERED_BURST=0)."""
         step = self.runtime.cpu_decode
         n = min(self._burst_tokens, seq.max_tokens - len(seq.output_ids))
-        if (n < 2 or seq.finished or seq.logprobs is not None or seq.params.adjusts_logits
+        if (n < 2 or seq.finished or seq.logprobs is not None or seq.params.adjusts_logits or seq.matcher is not None
                 or not self.plan.decode_bursts or step is None
                 or not self.bursts or os.environ.get("TIERED_BURST", "1") == "0" or not step.can_burst(cache)):
             return None

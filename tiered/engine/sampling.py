@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiered.engine.structured import StructuredOutputsParams
 from tiered.errors import ConfigError
 from tiered.kernels import load
 
@@ -61,6 +62,10 @@ class SamplingParams:
         logit_bias: OpenAI's: {token id: bias} added to those logits before anything else (-100..100:
             -100 bans a token, 100 all but forces it); given as a dict or (id, bias) pairs, kept as
             sorted pairs. Token ids past the vocabulary are refused by LLM.make_sequence.
+        structured_outputs: constrain the output to a JSON schema, any JSON object, a regex, one of
+            some strings or a grammar (engine/structured.py; a dict of its fields is taken too). None:
+            unconstrained. The model needs a tokenizer; a grammar that does not compile is refused by
+            LLM.make_sequence.
     """
 
     max_tokens: int = 128
@@ -78,8 +83,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            try:
+                object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
+            except TypeError as e:
+                raise ConfigError(f"structured_outputs: {e}", "give json, json_object, regex, choice or grammar") from None
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -99,6 +99,8 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens whose KV its slot held or took from another slot (prefill skipped them)
     kv_source: int = -1  # a running sequence's slot whose KV of those tokens LLM.step copies in first (-1: none)
     cpu_threads: int = 0  # the fewest CPU threads at a step of it (LLM.step; RequestStats.cpu_threads)
+    # its grammar's parser where params.structured_outputs is set (engine/structured.TokenMatcher)
+    matcher: object = None
     _seen: torch.Tensor | None = field(default=None, repr=False)  # seen_ids' buffer, int64, grown by doubling
     _seen_n: int = 0  # its entries filled
 
@@ -138,8 +140,11 @@ class Sequence:
             return self._seen[:n]
 
     def truncate(self, n: int) -> None:
-        """Drop the generated tokens past the first `n` (their times and logprobs too), as a rollback
-        does (serve/engine's _Saved.restore); seen_ids refills from there."""
+        """Drop the generated tokens past the first `n` (their times and logprobs too, and its grammar's
+        parser steps back over them), as a rollback does (serve/engine's _Saved.restore); seen_ids refills
+        from there."""
+        if self.matcher is not None:
+            self.matcher.rollback(len(self.output_ids) - n)
         del self.output_ids[n:], self.token_times[n:]
         if self.logprobs is not None:
             del self.logprobs[n:]

@@ -3,9 +3,11 @@ and the logprobs objects of its answers.
 
 Field bounds are checked by pydantic; a body that breaks them is answered 400 with an OpenAI-style
 error (tiered/serve/app.py). OpenAI parameters that would change what the answer means but that
-tiered does not implement (tools, response_format json, best_of, suffix) are refused the same
-way unless they carry their neutral value, which common clients send: an answer that silently
-ignored them would be wrong.
+tiered does not implement (tools, best_of, suffix) are refused the same way unless they carry their
+neutral value, which common clients send: an answer that silently ignored them would be wrong.
+Structured outputs are taken in OpenAI's form (`response_format` json_object / json_schema) and in
+vLLM's (`structured_outputs`, and its older `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pydantic_core import PydanticCustomError
 
 from tiered.engine.sampling import LOGIT_BIAS_RANGE, MAX_LOGPROBS, PENALTY_RANGE, SEED_RANGE, SamplingParams
 from tiered.engine.sequence import TokenLogprob
+from tiered.engine.structured import StructuredOutputsParams
+from tiered.errors import ConfigError
 
 MAX_CHOICES = 128  # the most choices (`n`) one request may ask for; the server's slots and queue bound it too
 
@@ -41,6 +45,41 @@ class StreamOptions(BaseModel):
     """`stream_options`: include_usage adds a last chunk with the usage and no choices."""
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's named schema (`strict` is always what tiered does: the
+    output follows the schema)."""
+
+    model_config = {"populate_by_name": True}
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(..., alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: plain text, any JSON object, or JSON following `json_schema.schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format of type "json_schema" needs json_schema: {"name", "schema"}')
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extra: one of these (engine/structured.StructuredOutputsParams)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Generation(BaseModel):
@@ -75,14 +114,48 @@ class _Generation(BaseModel):
                                  f"got {bias} for token {token}")
         return v
 
+    # structured outputs (engine/structured.py): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields; one of them at most
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The structured output asked (None: plain text). Raises ConfigError where several are given
+        or the one given is refused (StructuredOutputsParams)."""
+        asked: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            asked.append(("response_format", {"json_object": True} if rf.type == "json_object"
+                          else {"json": rf.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            asked.append(("structured_outputs", {k: v for k, v in (("json", so.json_), ("json_object", so.json_object),
+                                                                   ("regex", so.regex), ("choice", so.choice),
+                                                                   ("grammar", so.grammar)) if v}))
+        guided = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
+        asked += [(f"guided_{k}", {k: v}) for k, v in guided.items()]
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise ConfigError(f"give one structured output, got {', '.join(name for name, _ in asked)}",
+                              "send one of response_format, structured_outputs or a guided_* field")
+        return StructuredOutputsParams(**asked[0][1])
+
     def sampling(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams. Raises ConfigError for values it refuses (e.g. an empty stop)."""
+        """The engine's SamplingParams. Raises ConfigError for values it refuses (e.g. an empty stop, a
+        structured output that is not one well-formed constraint)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                               top_p=self.top_p, seed=self.seed, stop=stop, logprobs=self.logprob_count(),
                               presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0,
-                              logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()})
+                              logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
+                              structured_outputs=self.structured())
 
     def logprob_count(self) -> int | None:
         """Alternatives to record per token (None: no logprobs asked)."""
@@ -174,10 +247,7 @@ class ChatCompletionRequest(_Generation):
     # accepted only at their neutral values (_neutral_only)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     _no_tools = _neutral_only("tools", "functions", neutral="[] or null")
-    _text_only = _neutral_only("response_format", neutral='{"type": "text"}',
-                               is_neutral=lambda v: v.get("type", "text") == "text")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
