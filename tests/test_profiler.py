@@ -15,7 +15,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 from tiered import kernels
 from tiered.errors import ConfigError
-from tiered.hardware import op_time
+from tiered.hardware import contention, op_time
 from tiered.hardware.presets import PRESETS, get_preset
 from tiered.hardware.profile import HardwareProfile, LinearModel
 from tiered.hardware.profiler import fit_affine, median_time, median_times, profile_machine
@@ -472,7 +472,8 @@ def test_quick_profile_structure(measured):
     # how much of the cores other processes took meanwhile (hardware/contention.record; Linux's /proc/stat)
     assert p.meta["attempts"] == 1 and isinstance(p.meta["contended"], bool)
     assert p.meta["others_share"] is None or 0.0 <= p.meta["others_share"] <= 1.05
-    assert p.meta["contended"] == (p.meta["others_share"] is not None and p.meta["others_share"] > 0.3)
+    assert p.meta["contended"] == (p.meta["others_share"] is not None
+                                   and p.meta["others_share"] > contention.CONTENDED_SHARE)
 
 
 def test_quick_profile_round_trips_json(measured, tmp_path):

@@ -17,7 +17,12 @@ import os
 import time
 from pathlib import Path
 
-CONTENDED_SHARE = 0.3  # the share of the cores other processes took above which a measurement is redone
+# the share of the cores other processes took above which a measurement is redone. 0.3 until 2026-12-03: a
+# kernel tuning measured while one pytest process ran beside it on the 2-core Sapphire Rapids VM took others'
+# share 0.239, passed as quiet, and chose bf16_native_rows 2 and dequantize rows 128 where quiet tunings there
+# choose 8 and 256 (9 tests failed on that build); quiet tunings record 0.01-0.05 (a fresh 2-core Zen 4 VM:
+# 0.046 right after pip).
+CONTENDED_SHARE = 0.15
 RETRIES = 3  # contended measurements in a row after which the last is kept
 
 
