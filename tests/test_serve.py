@@ -768,7 +768,6 @@ def test_error_shapes_models_endpoint_and_the_authorization_scheme(server):
 
 @pytest.mark.parametrize("endpoint,field,value", [
     ("completions", "best_of", 2), ("completions", "suffix", "x"),
-    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("chat", "functions", [{"name": "f"}])])
 def test_unsupported_parameters_are_refused(server, endpoint, field, value):
     """Parameters that would change what the answer means are refused by name (they were ignored

@@ -13,7 +13,7 @@ Prompt = str | list[dict] | list[int]
 
 
 def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, add_generation_prompt: bool = True,
-                  add_special_tokens: bool = True) -> list[int]:
+                  add_special_tokens: bool = True, tools: list[dict] | None = None) -> list[int]:
     """Token ids of a prompt: a string, a list of chat messages, or token ids (returned as they are).
 
     Args:
@@ -22,6 +22,7 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, add_gener
             lists always use it.
         add_generation_prompt: end a chat with the assistant's turn opening (vLLM's /tokenize may not).
         add_special_tokens: a plain text's BOS where the tokenizer adds one.
+        tools: OpenAI-style tool definitions the chat template renders (transformers' `tools`); chat only.
     Raises:
         ConfigError: text without a tokenizer, or chat without a chat template.
     """
@@ -34,7 +35,8 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, add_gener
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("this model's tokenizer has no chat template", "use chat=False / --no-chat")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **({"tools": tools} if tools else {}))
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 

@@ -37,6 +37,7 @@ from tiered.serve.engine import Handle, QueueFullError, ServerShuttingDownError,
 from tiered.serve.metrics import ServerMetrics, tier_state
 from tiered.serve.protocol import (ChatCompletionRequest, CompletionLogprobs, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, chat_logprobs)
+from tiered.serve.tools import OPEN, ToolPlan
 
 STATIC = Path(__file__).parent / "static"  # the page at /
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
@@ -238,8 +239,12 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """OpenAI's chat completion: the messages through the model's chat template."""
         messages = [m.as_dict() for m in body.messages]
+        try:
+            tools = body.tool_plan(engine.llm.tokenizer)
+        except TieredError as e:
+            raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""), param="tool_choice")
         return await _generate(request, body, [messages], chat=True, default_max_tokens=engine.llm.max_context,
-                               kind="chat")
+                               kind="chat", tools=tools)
 
     def tokenizer():
         """The model's tokenizer, or APIError 400 where the checkpoint has none."""
@@ -295,9 +300,17 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                 "pad_token": tok.pad_token, "unk_token": tok.unk_token, "chat_template": tok.chat_template,
                 "model_max_length": engine.llm.max_context, "add_bos_token": getattr(tok, "add_bos_token", None)}
 
-    async def _generate(request: Request, body, prompts: list, chat: bool, default_max_tokens: int, kind: str):
+    def submit(prompts: list, params, chat: bool, loop, n: int, tools: ToolPlan | None) -> list[Handle]:
+        """engine.submit of a request's prompts (on a worker thread: encoding takes a while); a chat with
+        tools is encoded here with them (the chat template renders them)."""
+        if tools is not None and tools.tools:
+            prompts, chat = [encode_prompt(engine.llm.tokenizer, prompts[0], True, tools=tools.tools)], False
+        return engine.submit(prompts[0], params, chat, loop, n, prompts if len(prompts) > 1 else None)
+
+    async def _generate(request: Request, body, prompts: list, chat: bool, default_max_tokens: int, kind: str,
+                        tools: ToolPlan | None = None):
         """Answer `body` over its `prompts` (a completion's batch, or chat's one message list), n choices
-        each: choice p * n + j is prompt p's j-th."""
+        each: choice p * n + j is prompt p's j-th. `tools`: how a chat's output becomes tool calls."""
         check_model(body.model)
         for prompt in prompts:
             check_prompt_chars(prompt, "messages" if chat else "prompt")
@@ -308,8 +321,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         try:
             params = body.sampling(default_max_tokens)
             # encoding a long prompt takes a while: on a worker thread, not the event loop's
-            handles = await run_in_threadpool(engine.submit, prompts[0], params, chat, asyncio.get_running_loop(),
-                                              body.n, prompts if len(prompts) > 1 else None)
+            handles = await run_in_threadpool(submit, prompts, params, chat, asyncio.get_running_loop(), body.n, tools)
         except QueueFullError as e:
             raise APIError(503, e.message, "server_error", "queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e
@@ -322,7 +334,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         echo = _Echo(engine.llm.tokenizer, body, prompts) if kind == "completion" else None
         if body.stream:
-            return StreamingResponse(_sse(handles, rid, kind, body.include_usage, echo),
+            return StreamingResponse(_sse(handles, rid, kind, body.include_usage, echo, tools),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         outs = await _collect(request, handles)
         if outs is None:  # the client went away
@@ -331,8 +343,10 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         for i, out in enumerate(outs):
             if kind == "chat":
                 logprobs = None if out.logprobs is None else chat_logprobs(engine.llm.tokenizer, out.logprobs)
-                choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
-                                "finish_reason": out.finish_reason, "logprobs": logprobs})
+                content, calls = tools.parse(out.text, out.finish_reason) if tools else (out.text, [])
+                message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+                choices.append({"index": i, "message": message, "logprobs": logprobs,
+                                "finish_reason": "tool_calls" if calls else out.finish_reason})
                 continue
             text = echo.text(i, out.prompt_token_ids)
             parts = [echo.logprobs(out.prompt_logprobs, out.prompt_token_ids)] if echo.on and out.logprobs is not None else []
@@ -376,11 +390,14 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             for handle in handles:
                 engine.cancel(handle)  # a no-op when it finished
 
-    async def _sse(handles: list[Handle], rid: str, kind: str, include_usage: bool, echo: "_Echo | None"):
+    async def _sse(handles: list[Handle], rid: str, kind: str, include_usage: bool, echo: "_Echo | None",
+                   tools: ToolPlan | None = None):
         """The OpenAI chunk stream: each choice's deltas and its last chunk with finish_reason (chunks
         carry their choice's index), then usage if asked, then [DONE]. With a completion's `echo`, a
         choice's first chunk is its prompt (with the prompt's logprobs where asked), sent when its
-        first token is (the prompt's logprobs come from its prefill)."""
+        first token is (the prompt's logprobs come from its prefill). A chat whose output may hold tool
+        calls (`tools`) holds back the text from where a call may begin (ToolPlan.held) and sends the
+        calls in one chunk at the end, before the finishing one."""
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         created = int(time.time())
         n = len(handles)
@@ -402,13 +419,15 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             return (0, await handles[0].events.get()) if n == 1 else await events.get()
 
         def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False,
-                  logprobs: dict | None = None) -> str:
-            """One SSE event of choice i: a text delta, the finishing chunk, or chat's opening role
-            chunk; it carries the choice's pending logprobs (or `logprobs`, an echoed prompt's)."""
+                  logprobs: dict | None = None, calls: list[dict] | None = None) -> str:
+            """One SSE event of choice i: a text delta, the finishing chunk, chat's opening role chunk, or
+            a chat's tool calls; it carries the choice's pending logprobs (or `logprobs`, an echoed prompt's)."""
             if pending[i] is not None and not role and logprobs is None:
                 logprobs, pending[i] = _logprobs(kind, pending[i], completions[i]), []
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                if calls:
+                    delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
                 choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
                 choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
@@ -418,6 +437,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             return f"data: {json.dumps(data)}\n\n"
 
         echoed = [False] * n
+        texts, sent = [""] * n, [0] * n  # with tools: each choice's text so far, and how much of it went out
         forwarders = [asyncio.ensure_future(forward(i, h)) for i, h in enumerate(handles)] if n > 1 else []
         outs: list[RequestOutput | None] = [None] * n
         try:
@@ -443,6 +463,21 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     delta, new_logprobs = "", None
                 if new_logprobs is not None:
                     pending[i] = (pending[i] or []) + new_logprobs
+                if tools is not None and tools.calls:  # the text from where a call may begin waits
+                    text = texts[i] = texts[i] + delta if out is None else out.text
+                    calls = tools.parse(text, out.finish_reason)[1] if out is not None else []
+                    # the text to have sent: up to what may begin a call; at the end, all of it, or the
+                    # text before the first call
+                    upto = (len(text) - tools.held(text) if out is None else
+                            (text.find(OPEN) if calls and tools.mode == "auto" else 0) if calls else len(text))
+                    delta, sent[i] = text[sent[i]:upto], max(sent[i], upto)
+                    if calls:
+                        if delta:
+                            yield chunk(i, delta)
+                        yield chunk(i, None, calls=calls)
+                        outs[i] = out
+                        yield chunk(i, None, finish="tool_calls")
+                        continue
                 if delta:
                     yield chunk(i, delta)
                 if out is not None:

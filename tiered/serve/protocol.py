@@ -3,8 +3,9 @@ and the logprobs objects of its answers.
 
 Field bounds are checked by pydantic; a body that breaks them is answered 400 with an OpenAI-style
 error (tiered/serve/app.py). OpenAI parameters that would change what the answer means but that
-tiered does not implement (tools, best_of, suffix) are refused the same way unless they carry their
-neutral value, which common clients send: an answer that silently ignored them would be wrong.
+tiered does not implement (best_of, suffix, the deprecated `functions`) are refused the same way unless they
+carry their neutral value, which common clients send: an answer that silently ignored them would be wrong.
+Chat's `tools` and `tool_choice` are serve/tools.py's.
 Structured outputs are taken in OpenAI's form (`response_format` json_object / json_schema) and in
 vLLM's (`structured_outputs`, and its older `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`).
@@ -25,6 +26,7 @@ from tiered.engine.sampling import LOGIT_BIAS_RANGE, MAX_LOGPROBS, PENALTY_RANGE
 from tiered.engine.sequence import TokenLogprob
 from tiered.engine.structured import StructuredOutputsParams
 from tiered.errors import ConfigError
+from tiered.serve.tools import ToolPlan
 
 MAX_CHOICES = 128  # the most choices (`n`) one request may ask for; the server's slots and queue bound it too
 
@@ -224,16 +226,74 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolFunction(BaseModel):
+    """A tool's function: its name, what it does, and its parameters' JSON schema."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """One entry of `tools` (OpenAI's: functions only)."""
+
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class CalledFunction(BaseModel):
+    """A tool call's function: its name and arguments (JSON text, as OpenAI sends them)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A tool call in an assistant message of the conversation so far."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming one function: {"type": "function", "function": {"name": ...}}."""
+
+    type: Literal["function"]
+    function: dict[str, str]
+
+
 class ChatMessage(BaseModel):
-    """One chat message; `developer` is treated as `system`."""
+    """One chat message; `developer` is treated as `system`. An assistant message may carry the tool calls it
+    made, and a `tool` message answers one (`tool_call_id`)."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def as_dict(self) -> dict:
-        """{"role", "content"} with text parts joined, as the tokenizer's chat template expects."""
+        """{"role", "content"} with text parts joined, as the tokenizer's chat template expects; an assistant's
+        tool calls with their arguments as objects (what templates render; text that is not JSON stays
+        text), a tool answer's tool_call_id and name."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        out.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None})
+        return out
+
+
+def _arguments(text: str):
+    """A call's arguments as the chat template reads them: the JSON object, or the text where it is not one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(_Generation):
@@ -244,10 +304,12 @@ class ChatCompletionRequest(_Generation):
     logprobs: bool = Field(False, description="return the generated tokens' log-probabilities")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="most likely alternatives per token "
                                      "(needs logprobs: true)")
-    # accepted only at their neutral values (_neutral_only)
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = Field(None, description="functions the model may call (tools/tool_choice: serve/tools.py)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # accepted only at its neutral value (_neutral_only): the deprecated form of tools
     functions: list[Any] | None = None
-    _no_tools = _neutral_only("tools", "functions", neutral="[] or null")
+    _no_functions = _neutral_only("functions", neutral="[] or null")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
@@ -263,6 +325,23 @@ class ChatCompletionRequest(_Generation):
         if self.max_completion_tokens is not None and self.max_tokens is None:
             return self.model_copy(update={"max_tokens": self.max_completion_tokens}).sampling(default_max_tokens)
         return super().sampling(default_max_tokens)
+
+    def tool_plan(self, tokenizer) -> ToolPlan:
+        """How the output becomes tool calls (serve/tools.ToolPlan). Raises ConfigError for a tool_choice the
+        tools do not allow."""
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        return ToolPlan.of([t.model_dump(exclude_none=True) for t in self.tools or []], choice,
+                           self.parallel_tool_calls, tokenizer)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """A structured output asked, or the tool call constraint of tool_choice "required" or a named
+        function (ToolPlan.structured); not both."""
+        own = super().structured()
+        tools = self.tool_plan(None).structured() if self.tools else None
+        if own is not None and tools is not None:
+            raise ConfigError("a structured output and a required or named tool_choice are two constraints",
+                              "send one of them")
+        return own or tools
 
 
 class TokenizeRequest(BaseModel):

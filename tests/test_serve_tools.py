@@ -1,0 +1,171 @@
+"""Tool calling through `tiered serve` (serve/tools.py): the real server over the tiny Llama with a chat template
+that renders tools and teaches the Hermes call format, driven by the real `openai` client. The random model
+never calls a tool by itself, so "auto" is steered into one with a regex (structured outputs); "required" and
+a named function constrain the output to the calls' JSON."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai", reason="the serving tests drive the real openai client (pip install openai)")
+
+from test_serve import KEY, MODEL, running_server  # noqa: E402
+from tiered.engine.prompt import encode_prompt  # noqa: E402
+from tiered.serve.engine import ServingEngine  # noqa: E402
+from tiered.serve.tools import ToolPlan  # noqa: E402
+
+# a Hermes-style template (as Qwen2.5 / Qwen3 write theirs, shortened to the tiny model's 256-token context: tools
+# by name only): tools in a system turn, calls as
+# <tool_call>{"name", "arguments"}</tool_call>, tool answers in turns of their own
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>You may call: {% for t in tools %}{{ t.function.name }} {% endfor %}as <tool_call>"
+    "\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "</tool_call>{% endfor %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False,
+                   "x-guidance": {"whitespace_flexible": False}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "what is the weather in Paris"}]
+
+
+@pytest.fixture(scope="module")
+def server(zoo, chat_llama, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tools") / "llama-tools"
+    shutil.copytree(chat_llama, d)
+    cfg = d / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": TOOLS_TEMPLATE}))
+    llm = zoo.llm(d)
+    with running_server(ServingEngine(llm, max_batch=4, max_queue=8), KEY) as url:
+        yield SimpleNamespace(url=url, llm=llm, client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0,
+                                                                      timeout=60))
+
+
+def _post(server, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "messages": ASK, "max_tokens": 40, **body}, timeout=60)
+
+
+def test_a_named_function_is_called_with_arguments_following_its_schema(server):
+    """tool_choice naming a function: one call of it, arguments JSON following its parameters, content null,
+    finish "tool_calls"; the prompt is the template rendered with the tools (usage counts those tokens)."""
+    out = server.client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=40, temperature=0.8, seed=3, tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and call.type == "function" and call.id.startswith("call_")
+    assert args["city"] in ("Paris", "Oslo", "Lima") and 1 <= args["days"] <= 7 and set(args) == {"city", "days"}
+    tok = server.llm.tokenizer
+    with_tools = encode_prompt(tok, ASK, True, tools=[WEATHER, TIME])
+    assert out.usage.prompt_tokens == len(with_tools) > len(encode_prompt(tok, ASK, True))
+
+
+def test_required_calls_one_of_the_tools(server):
+    """tool_choice "required": each choice is one or more calls of the given tools (one with
+    parallel_tool_calls false), each call's arguments following its own tool's schema, written as
+    json.dumps writes them. (With parallel calls the random model may go on calling until max_tokens: that
+    choice's text is left as text, finish "length".)"""
+    for parallel in (True, False):
+        out = server.client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=150, temperature=0.9, seed=5, n=3, tools=[WEATHER, TIME],
+            tool_choice="required", parallel_tool_calls=parallel)
+        assert any(c.finish_reason == "tool_calls" for c in out.choices)
+        for choice in out.choices:
+            calls = choice.message.tool_calls
+            if parallel and choice.finish_reason == "length":
+                assert calls is None and choice.message.content.startswith('[{"name": "get_')
+                continue
+            assert choice.finish_reason == "tool_calls" and calls and (parallel or len(calls) == 1)
+            for call in calls:
+                assert call.function.arguments == json.dumps(json.loads(call.function.arguments))
+                args = json.loads(call.function.arguments)
+                assert (call.function.name, set(args)) in (("get_weather", {"city", "days"}), ("get_time", {"zone"}))
+
+
+def test_auto_parses_hermes_calls_out_of_the_text_streamed_or_not(server):
+    """tool_choice "auto" on a template that teaches <tool_call>: a text holding calls answers them as
+    tool_calls with the text before them as content (steered here by a regex, the random model calls
+    nothing by itself); a stream sends that text, then the calls in one chunk, and holds back what may begin
+    a call; plain text stays text."""
+    steer = {"structured_outputs": {"regex": r'Sure\. <tool_call>\{"name": "get_weather", "arguments": '
+                                             r'\{"city": "(Paris|Oslo)", "days": [1-7]\}\}</tool_call>'}}
+    body = {"tools": [WEATHER, TIME], "temperature": 0, "max_tokens": 180, **steer}
+    r = _post(server, body)
+    message = r.json()["choices"][0]["message"]
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "tool_calls", r.json()
+    assert message["content"] == "Sure." and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    args = json.loads(message["tool_calls"][0]["function"]["arguments"])
+    stream = server.client.chat.completions.create(model=MODEL, messages=ASK, stream=True, tools=[WEATHER, TIME],
+                                                   temperature=0, max_tokens=180, extra_body=steer)
+    content, calls, finish = "", [], None
+    for c in stream:
+        delta = c.choices[0].delta
+        content += delta.content or ""
+        assert "<" not in content  # what may begin a call was held back
+        calls += delta.tool_calls or []
+        finish = c.choices[0].finish_reason or finish
+    assert content.strip() == "Sure." and finish == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == args
+    plain = server.client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0,
+                                                  max_tokens=12).choices[0]
+    assert plain.message.tool_calls is None and plain.finish_reason == "length" and plain.message.content
+
+
+def test_a_conversation_with_calls_and_their_answers(server):
+    """An assistant turn carrying tool_calls (arguments as JSON text) and the tool's answer are rendered by the
+    template with the arguments as an object, as transformers' templates read them."""
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    out = server.client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=4,
+                                                temperature=0, tool_choice="none")
+    rendered = [dict(m) for m in history]
+    rendered[1]["tool_calls"] = [{"id": "call_1", "type": "function",
+                                  "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]
+    ids = encode_prompt(server.llm.tokenizer, rendered, True, tools=[WEATHER])
+    assert '"days": 2' in server.llm.tokenizer.decode(ids) and out.usage.prompt_tokens == len(ids)
+    assert out.choices[0].message.tool_calls is None
+
+
+def test_bad_tool_requests_are_400s(server):
+    for body, param in (({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                         "tool_choice"),
+                        ({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+                         None),
+                        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+                        ({"tools": [{"type": "retrieval"}]}, "tools")):
+        r = _post(server, body)
+        assert r.status_code == 400, (body, r.text)
+        assert param is None or (r.json()["error"]["param"] or "").startswith(param), r.json()
+
+
+def test_tool_plan_parsing():
+    """ToolPlan.parse: Hermes calls (several; "parameters" as some models write it), text around them, a
+    broken call left as text, a cut output left as text; held: the tail that may open a call."""
+    plan = ToolPlan.of([WEATHER, TIME], None, True, SimpleNamespace(chat_template="... <tool_call> ..."))
+    assert plan.mode == "auto" and plan.hermes
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n'
+            '</tool_call>\n<tool_call>{"name": "get_time", "parameters": {"zone": "UTC"}}</tool_call>')
+    content, calls = plan.parse(text, "stop")
+    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"zone": "UTC"}
+    assert plan.parse('<tool_call>{"name": oops}</tool_call>', "stop") == ('<tool_call>{"name": oops}</tool_call>', [])
+    assert plan.parse(text, "length") == (text, [])
+    assert plan.held("hello <tool") == len("<tool") and plan.held("hello") == 0 and plan.held("a <tool_call>{") == len("<tool_call>{")
+    assert not ToolPlan.of([WEATHER], None, True, SimpleNamespace(chat_template="no tags")).calls
