@@ -159,7 +159,7 @@ def test_tool_plan_parsing():
     """ToolPlan.parse: Hermes calls (several; "parameters" as some models write it), text around them, a
     broken call left as text, a cut output left as text; held: the tail that may open a call."""
     plan = ToolPlan.of([WEATHER, TIME], None, True, SimpleNamespace(chat_template="... <tool_call> ..."))
-    assert plan.mode == "auto" and plan.hermes
+    assert plan.mode == "auto" and plan.format == "hermes"
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n'
             '</tool_call>\n<tool_call>{"name": "get_time", "parameters": {"zone": "UTC"}}</tool_call>')
     content, calls = plan.parse(text, "stop")
@@ -169,3 +169,19 @@ def test_tool_plan_parsing():
     assert plan.parse(text, "length") == (text, [])
     assert plan.held("hello <tool") == len("<tool") and plan.held("hello") == 0 and plan.held("a <tool_call>{") == len("<tool_call>{")
     assert not ToolPlan.of([WEATHER], None, True, SimpleNamespace(chat_template="no tags")).calls
+    # Llama 3.1-3.3: a bare JSON call ("parameters"), several joined by ";", the python tag where it is kept
+    llama = ToolPlan.of([WEATHER, TIME], "auto", True, SimpleNamespace(
+        chat_template='Respond in the format {"name": function name, "parameters": dictionary of argument name and '
+                      'its value}. Do not use variables.'))
+    content, calls = llama.parse('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima", "days": 2}}; '
+                                 '{"name": "get_time", "parameters": {"zone": "CET"}}', "stop")
+    assert llama.format == "json" and content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Lima", "days": 2}
+    assert llama.parse("It is sunny.", "stop") == ("It is sunny.", []) and llama.parse("{not json", "stop")[1] == []
+    assert llama.held(' {"name"') == 8 and llama.held("<|python") == 8 and llama.held("Sunny {") == 0
+    assert llama.content_end('{"name": "x"}') == 0 and plan.content_end('hi <tool_call>{}') == 3
+    # Mistral: [TOOL_CALLS] then a list of calls with "arguments" (the marker dropped where the text skips it)
+    mistral = ToolPlan.of([TIME], None, True, SimpleNamespace(chat_template="... [TOOL_CALLS] ..."))
+    for text in ('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}}]',
+                 '[{"name": "get_time", "arguments": {"zone": "UTC"}}]'):
+        assert mistral.parse(text, "stop")[1][0]["function"]["arguments"] == '{"zone": "UTC"}'

@@ -37,7 +37,7 @@ from tiered.serve.engine import Handle, QueueFullError, ServerShuttingDownError,
 from tiered.serve.metrics import ServerMetrics, tier_state
 from tiered.serve.protocol import (ChatCompletionRequest, CompletionLogprobs, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, chat_logprobs)
-from tiered.serve.tools import OPEN, ToolPlan
+from tiered.serve.tools import ToolPlan
 
 STATIC = Path(__file__).parent / "static"  # the page at /
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
@@ -469,7 +469,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     # the text to have sent: up to what may begin a call; at the end, all of it, or the
                     # text before the first call
                     upto = (len(text) - tools.held(text) if out is None else
-                            (text.find(OPEN) if calls and tools.mode == "auto" else 0) if calls else len(text))
+                            tools.content_end(text) if calls else len(text))
                     delta, sent[i] = text[sent[i]:upto], max(sent[i], upto)
                     if calls:
                         if delta:

@@ -9,9 +9,11 @@ them as the model was trained to read them). What the model writes becomes `tool
   json.dumps writes it (CALL_JSON).
 - "required": the output is constrained to a JSON list of one or more calls (`{"name", "arguments"}`,
   each tool's own parameters; one call where `parallel_tool_calls` is false), as vLLM does.
-- "auto" (the default with tools): unconstrained; calls are parsed out of the text in the Hermes format
-  (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, what Qwen2.5 / Qwen3 / Qwen3-MoE, Hermes
-  and SmolLM3 templates teach) where the chat template speaks it; elsewhere the answer is text.
+- "auto" (the default with tools): unconstrained; calls are parsed out of the text in the format the chat
+  template teaches (`call_format`): Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`:
+  Qwen2.5 / Qwen3 / Qwen3-MoE, Hermes, SmolLM3), or a bare JSON answer (Llama 3.1-3.3's `{"name": ...,
+  "parameters": {...}}`, several joined by ";", after `<|python_tag|>` where it is kept; Mistral's
+  `[TOOL_CALLS] [{"name": ..., "arguments": ...}]`); with any other template the answer is text.
 
 A choice with calls finishes "tool_calls" and its message's `content` is the text before the first call
 (null when there is none).
@@ -38,9 +40,21 @@ def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def speaks_hermes(tokenizer) -> bool:
-    """Whether the model's chat template teaches the Hermes call format (it writes the `<tool_call>` tag)."""
-    return OPEN in str(getattr(tokenizer, "chat_template", None) or "")
+# the leading markers of a bare-JSON answer (Llama 3's <|python_tag|>, Mistral's [TOOL_CALLS]) where the text keeps
+# them (they are special tokens: a detokenizer that skips those drops them)
+JSON_MARKERS = ("<|python_tag|>", "[TOOL_CALLS]")
+
+
+def call_format(tokenizer) -> str | None:
+    """The call format the model's chat template teaches: "hermes" (it writes the `<tool_call>` tag), "json"
+    (Llama 3's "Respond in the format {"name": function name, "parameters": ...}", Mistral's [TOOL_CALLS]),
+    or None (no calls parsed)."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    if OPEN in template:
+        return "hermes"
+    if '"parameters": dictionary of argument name' in template or "[TOOL_CALLS]" in template:
+        return "json"
+    return None
 
 
 def _parameters(tool: dict) -> dict:
@@ -57,14 +71,14 @@ class ToolPlan:
         tools: the request's tools, as OpenAI sends them ({"type": "function", "function": {...}}).
         name: the named function ("named" mode).
         parallel: more than one call allowed ("required" mode).
-        hermes: "auto" parses the Hermes format (the template speaks it).
+        format: the call format "auto" parses ("hermes" or "json", `call_format`; None: none).
     """
 
     mode: str
     tools: list[dict] = field(default_factory=list)
     name: str | None = None
     parallel: bool = True
-    hermes: bool = False
+    format: str | None = None
 
     @classmethod
     def of(cls, tools: list[dict] | None, tool_choice, parallel: bool, tokenizer) -> "ToolPlan":
@@ -81,12 +95,12 @@ class ToolPlan:
         mode = tool_choice or ("auto" if tools else "none")
         if mode == "required" and not tools:
             raise ConfigError('tool_choice "required" needs tools', HINT)
-        return cls(mode, tools, parallel=parallel, hermes=mode == "auto" and bool(tools) and speaks_hermes(tokenizer))
+        return cls(mode, tools, parallel=parallel, format=call_format(tokenizer) if mode == "auto" and tools else None)
 
     @property
     def calls(self) -> bool:
         """Whether the output may hold tool calls (they are parsed, and a stream holds them back)."""
-        return self.mode in ("named", "required") or self.hermes
+        return self.mode in ("named", "required") or self.format is not None
 
     def structured(self) -> StructuredOutputsParams | None:
         """The constraint of "named" and "required" (None for the others)."""
@@ -114,6 +128,8 @@ class ToolPlan:
                 return None, [_call(c["name"], c["arguments"]) for c in json.loads(text)]
         except (ValueError, TypeError, KeyError):
             return text, []
+        if self.format == "json":
+            return _json_calls(text)
         head, sep, rest = text.partition(OPEN)
         calls = []
         while sep:
@@ -126,6 +142,11 @@ class ToolPlan:
             _, sep, rest = rest.partition(OPEN)
         return (head.strip() or None) if calls else text, calls
 
+    def content_end(self, text: str) -> int:
+        """Where the text before a choice's calls ends in its `text` (which `parse` found calls in): the first
+        Hermes tag; 0 where the calls are the whole answer."""
+        return max(text.find(OPEN), 0) if self.format == "hermes" else 0
+
     def held(self, text: str) -> int:
         """How many characters at the end of a streamed "auto" text to hold back: from a call's opening tag
         on, or a tail that could begin one (everything, for "named" and "required", whose text is calls)."""
@@ -133,6 +154,12 @@ class ToolPlan:
             return 0
         if self.mode != "auto":
             return len(text)
+        if self.format == "json":  # a call is the whole answer: held while the answer may be one
+            head = text.lstrip()
+            for marker in JSON_MARKERS:
+                if marker.startswith(head) or head.startswith(marker):
+                    return len(text)
+            return len(text) if not head or head[0] in "{[" else 0
         at = text.find(OPEN)
         if at >= 0:
             return len(text) - at
@@ -140,6 +167,26 @@ class ToolPlan:
             if OPEN.startswith(text[-k:]):
                 return k
         return 0
+
+
+def _json_calls(text: str) -> tuple[str | None, list[dict]]:
+    """(content, calls) of a bare-JSON answer: a call object (Llama 3: "parameters"), several joined by ";",
+    or a list of them (Mistral: "arguments"), after a leading marker; anything else is text."""
+    body = text.strip()
+    for marker in JSON_MARKERS:
+        body = body.removeprefix(marker).lstrip()
+    if not body or body[0] not in "{[":
+        return text, []
+    decoder, objs, at = json.JSONDecoder(), [], 0
+    try:
+        while at < len(body):
+            obj, at = decoder.raw_decode(body, at)
+            objs += obj if isinstance(obj, list) else [obj]
+            at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+        calls = [_call(o["name"], o["arguments"] if "arguments" in o else o["parameters"]) for o in objs]
+    except (ValueError, TypeError, KeyError):
+        return text, []
+    return None, calls
 
 
 def _call(name: str, arguments) -> dict:
