@@ -72,6 +72,9 @@ def test_a_named_function_is_called_with_arguments_following_its_schema(server):
     tok = server.llm.tokenizer
     with_tools = encode_prompt(tok, ASK, True, tools=[WEATHER, TIME])
     assert out.usage.prompt_tokens == len(with_tools) > len(encode_prompt(tok, ASK, True))
+    r = httpx.post(f"{server.url}/tokenize", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"messages": ASK, "tools": [WEATHER, TIME]})
+    assert r.json()["tokens"] == with_tools  # vLLM's /tokenize renders the tools as the chat does
 
 
 def test_required_calls_one_of_the_tools(server):

@@ -269,7 +269,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
     @app.post("/tokenize", dependencies=[Depends(check_key)])
     async def tokenize(body: TokenizeRequest) -> dict:
         """vLLM's /tokenize: {"count", "max_model_len", "tokens"}: a text as a completion's prompt is
-        encoded (add_special_tokens false: without the BOS), messages as a chat's prompt is."""
+        encoded (add_special_tokens false: without the BOS), messages (with their tools) as a chat's prompt is."""
         check_model(body.model)
         tok = tokenizer()
         prompt = [m.as_dict() for m in body.messages] if body.messages is not None else body.prompt
@@ -277,7 +277,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         # as a completion's prompt (chat=False) or a chat's is encoded
         try:
             ids = await run_in_threadpool(encode_prompt, tok, prompt, False, body.add_generation_prompt,
-                                          body.add_special_tokens)
+                                          body.add_special_tokens, [t.model_dump(exclude_none=True) for t in body.tools or []])
         except TieredError as e:  # messages without a chat template
             raise APIError(400, e.message + (f" ({e.hint})" if e.hint else "")) from e
         return {"count": len(ids), "max_model_len": engine.llm.max_context, "tokens": ids}

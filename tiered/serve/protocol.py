@@ -354,11 +354,15 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = Field(True, description="a text's BOS where the tokenizer adds one, as a "
                                      "completion's prompt gets it")
     add_generation_prompt: bool = Field(True, description="messages: end with the assistant's turn opening")
+    tools: list[Tool] | None = Field(None, description="messages: the tools the chat template renders, as a chat "
+                                     "completion's prompt gets them")
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give one of prompt or messages")
+        if self.tools and self.messages is None:
+            raise ValueError("tools go with messages")
         return self
 
 
