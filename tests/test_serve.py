@@ -359,7 +359,7 @@ def test_a_lone_request_bursts_and_a_new_one_ends_the_burst(server, monkeypatch)
     def spy(*a, **k):
         assert a[9] is engine._interrupt  # LLM._burst's `interrupt`
         if arrive and not arrivals:  # the second request arrives while the first one's burst runs
-            arrivals.extend(engine.submit(second, SamplingParams(temperature=0, max_tokens=40),
+            arrivals.extend(engine.submit([second], SamplingParams(temperature=0, max_tokens=40),
                                           chat=False, loop=loop))
             assert a[9].item() == 1
         tokens, seconds = real(*a, **k)

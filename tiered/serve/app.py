@@ -305,7 +305,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         tools is encoded here with them (the chat template renders them)."""
         if tools is not None and tools.tools:
             prompts, chat = [encode_prompt(engine.llm.tokenizer, prompts[0], True, tools=tools.tools)], False
-        return engine.submit(prompts[0], params, chat, loop, n, prompts if len(prompts) > 1 else None)
+        return engine.submit(prompts, params, chat, loop, n)
 
     async def _generate(request: Request, body, prompts: list, chat: bool, default_max_tokens: int, kind: str,
                         tools: ToolPlan | None = None):

@@ -128,19 +128,17 @@ class ServingEngine:
         return self.scheduler.max_batch + self.scheduler.max_queue
 
     # ------------------------------------------------------------ handlers' side
-    def submit(self, prompt: Prompt, params: SamplingParams, chat: bool | None,
-               loop: asyncio.AbstractEventLoop | None = None, n: int = 1,
-               batch: list[Prompt] | None = None) -> list[Handle]:
-        """Queue one request of `n` choices (OpenAI's `n`): n sequences of the same prompt, encoded
-        once, queued all or none; choice i samples with the seed params.seed + i (LLM.make_sequence's
+    def submit(self, prompts: list[Prompt], params: SamplingParams, chat: bool | None,
+               loop: asyncio.AbstractEventLoop | None = None, n: int = 1) -> list[Handle]:
+        """Queue one request of `prompts` (one, or a batched completion's), `n` choices each (OpenAI's `n`):
+        n sequences of a prompt, encoded once; all the request's sequences queued or none. Prompt p's
+        choice j is choice p * n + j and samples with the seed params.seed + p * n + j (LLM.make_sequence's
         index), so a seeded request's choices differ and repeat. Each choice is one sequence in the
         scheduler and the metrics, with a handle of its own. Callable from any thread: encoding a long
         prompt takes a while, so the app calls it from a worker thread, off its event loop.
 
         Args:
             loop: the event loop whose handler awaits the request's events (default: the running one).
-            batch: the prompts of a batched completion request, `prompt` ignored: n choices each, all
-                queued or none; prompt p's choice j is choice p * n + j (its seed params.seed + p * n + j).
         Returns:
             The choices' handles, choice i's at i.
         Raises:
@@ -152,7 +150,7 @@ class ServingEngine:
         if self._stopping:  # before the encoding: a server going down does no more work
             raise self._refuse_for_shutdown()
         seqs = []
-        for p, one in enumerate([prompt] if batch is None else batch):
+        for p, one in enumerate(prompts):
             first = self.llm.make_sequence(one, params, chat, index=p * n)
             seqs.append(first)
             for i in range(1, n):  # the same token ids; the seed params.seed + p * n + i
