@@ -167,11 +167,16 @@ def test_bad_structured_outputs_are_refused_with_clear_errors(llm):
             StructuredOutputsParams(**kwargs)
     with pytest.raises(ConfigError, match="structured_outputs"):
         SamplingParams(structured_outputs={"schema": {}})
-    for so in ({"regex": "(unclosed"}, {"grammar": "start: undefined_rule"}, {"grammar": "root ::= ("}):
+    for so in ({"regex": "(unclosed"}, {"grammar": "start: undefined_rule"}, {"grammar": "root ::= ("},
+               {"json": {"type": "object", "properties": {"a": {"type": "wat"}}}}, {"json": {"$ref": "#/nope"}},
+               {"regex": "a(?=b)"}):
         with pytest.raises(ConfigError, match="structured output"):
             llm.make_sequence(PROMPT, SamplingParams(structured_outputs=so))
     with pytest.raises(ConfigError, match="tokenizer"):
         grammar_tokenizer(None, llm.config.vocab_size, llm.config.eos_token_ids)
+    # a boolean schema: true is any JSON value
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=200, temperature=0.7, seed=2, structured_outputs={"json": True}))[0]
+    assert out.finish_reason == "length" or json.loads(out.text) is not None
 
 
 def test_the_matcher_masks_tokens_past_the_tokenizer(llm):

@@ -102,11 +102,12 @@ def _grammar_text(p: StructuredOutputsParams) -> str:
 
     options = {"whitespace_pattern": JSON_WHITESPACE}
     if p.json is not None:
-        own = json.loads(p.json)
-        own = own.get("x-guidance") if isinstance(own, dict) else None
-        if isinstance(own, dict) and {"whitespace_flexible", "whitespace_pattern"} & set(own):
-            options = {}  # the schema says its own whitespace (a pattern would win over its whitespace_flexible)
-        return LLMatcher.grammar_from_json_schema(p.json, defaults=options)
+        schema = json.loads(p.json)
+        own = schema.get("x-guidance") if isinstance(schema, dict) else None
+        if not isinstance(schema, dict) or isinstance(own, dict) and {"whitespace_flexible", "whitespace_pattern"} & set(own):
+            options = {}  # the schema says its own whitespace (a pattern would win over its whitespace_flexible);
+            # a boolean schema (true: any JSON value) takes no options
+        return LLMatcher.grammar_from_json_schema(p.json, defaults=options or None)
     if p.json_object:
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
     if p.regex is not None:
@@ -163,7 +164,11 @@ class TokenMatcher:
 
         self.params = params
         self.vocab_size = vocab_size
-        self.matcher = LLMatcher(tokenizer, params.grammar_text(), log_level=0)
+        try:
+            grammar = params.grammar_text()
+        except ValueError as e:  # the JSON compiler's refusals of a schema's shape
+            raise ConfigError(f"structured output {params.kind}: {e}", HINT) from None
+        self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
             raise ConfigError(f"structured output {params.kind}: {_one_line(self.matcher.get_error())}", HINT)
         self.consumed = 0  # tokens consumed: rollback undoes them (Sequence.truncate)
