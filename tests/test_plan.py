@@ -576,6 +576,19 @@ def test_quantized_prompt_experts_are_priced_on_the_paths_their_rows_take():
     assert prompt_expert_time(mx, "mxfp4", 128, wb, macs) == pytest.approx(kernel(128))
     assert prompt_expert_time(avx512, "int8-g32", 1000, wb, macs) == pytest.approx(kernel(1000, 125))
     assert prompt_expert_time(avx512, "int4", 20, wb, macs, "bf16") is None  # no int4 (bf16 rows) keys
+    # profiled expert_groups (profiler 45): an expert the cache holds twice over re-streams its groups past the first
+    # from it, their rows at that key's slope; one too big for the cache (here: llc 4 x its bytes, then 1.5 x) keeps a
+    # stream a group
+    grouped = 2.5e-12
+
+    def groups(llc):
+        return HardwareProfile("cpu-box", "test", {**m, "expert_groups/cpu/int4q8": LinearModel(0.0, grouped, 1.0)},
+                               None, None, meta={**avx512.meta, "llc_bytes": llc})
+    first = wb * stream + 7 * row * macs
+    assert prompt_expert_time(groups(4 * wb), "int4", 20, wb, macs, "q8") == pytest.approx(first + 12 * grouped * macs)
+    assert prompt_expert_time(groups(4 * wb), "int4", 8, wb, macs, "q8") == pytest.approx(kernel(8))
+    assert prompt_expert_time(groups(1.5 * wb), "int4", 20, wb, macs, "q8") == pytest.approx(kernel(20, 3))
+    assert prompt_expert_time(groups(4 * wb), "mxfp4", 20, wb, macs) == pytest.approx(kernel(20))  # its own key
     assert prompt_expert_time(HardwareProfile("cpu-box", "test", m, None, None), "mxfp4", 16, wb, macs) is None
     # a Mixtral-width prompt of 64 tokens (16 rows an expert) with mxfp4 experts: the kernel's rows, not the
     # dequantized GEMM nor the fp32 GEMM it was priced as; at 512 tokens (128 rows) the dequantized GEMM

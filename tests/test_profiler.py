@@ -1241,24 +1241,34 @@ def test_the_native_expert_rows_key_times_1_to_8_rows_over_cold_copies(monkeypat
 
 @pytest.mark.skipif(not kernels.available(), reason="tiered/kernels not built")
 def test_the_int4_expert_rows_key_times_the_engines_q8_expert_over_cold_copies(monkeypatch):
-    """expert_rows/cpu/int4q8: the tiled int4 expert on int8 activations (what a prompt's Q4_0 experts run,
-    ExpertFormat.forward's native call) at 2, 4 and 8 rows, n = MACs, each call on the next of the copies
-    that fill `cold_bytes`; retimed on a poor fit like the other row keys."""
+    """expert_rows/cpu/int4q8: tiled int4 experts on int8 activations (what a prompt's Q4_0 experts run) at 2, 4
+    and 8 rows each, EXPERT_Q8_GROUP of them in one layer call (ExpertFormat.forward_group, as the MoE layer runs
+    them), n = an expert's MACs, seconds a call over its experts, each call on the next copies of those that fill
+    `cold_bytes`; expert_groups/cpu/int4q8 the same at 8-32 rows (groups past the first); both retimed on a poor fit
+    and timed in the second pass like the other row keys."""
     from tiered.hardware import profiler
     from tiered.quant.experts import ExpertFormat
 
-    calls, real = [], ExpertFormat.forward
+    calls, real = [], ExpertFormat.forward_group
+    G, (D, F) = profiler.EXPERT_Q8_GROUP, profiler.EXPERT_Q8_SHAPE
 
-    def spy(self, x, slot):
-        calls.append((slot[0].data_ptr(), x.shape[0], self.kinds, self.int4_layout, self.batch_act, self.exact_zeros))
-        return real(self, x, slot)
-    monkeypatch.setattr(ExpertFormat, "forward", spy)
-    nbytes = ExpertFormat("int4", ((3584, 1024), (3584, 1024), (1024, 3584)), "tiled").nbytes
-    points = profiler._expert_rows_int4q8_points(3, 3 * nbytes)
-    assert [n for n, _ in points] == [r * 3 * 1024 * 3584 for r in (2, 4, 8)] and all(t > 0 for _, t in points)
-    assert {r for _, r, *_ in calls} == {2, 4, 8} and len({p for p, *_ in calls}) == 3
-    assert {c[2:] for c in calls} == {(("int4",) * 3, "tiled", "q8", True)}
-    assert all(k.startswith(profiler.RETIMED_KEYS) for k in ("expert_rows/cpu/int4q8", "decode_rows/cpu/int4q8"))
+    def spy(self, xs, slots, bounds):
+        calls.append(({s[0].data_ptr() for s in slots}, xs.shape[0], bounds, self.kinds, self.int4_layout,
+                      self.batch_act, self.exact_zeros))
+        return real(self, xs, slots, bounds)
+    monkeypatch.setattr(ExpertFormat, "forward_group", spy)
+    nbytes = ExpertFormat("int4", ((F, D), (F, D), (D, F)), "tiled").nbytes
+    for fn, rows in ((profiler._expert_rows_int4q8_points, (2, 4, 8)),
+                     (profiler._expert_groups_int4q8_points, (8, 16, 24, 32))):
+        calls.clear()
+        points = fn(3, 3 * nbytes)
+        assert [n for n, _ in points] == [r * 3 * D * F for r in rows] and all(t > 0 for _, t in points)
+        assert {c[1] for c in calls} == {r * G for r in rows}
+        assert all(c[2] == [i * c[1] // G for i in range(G + 1)] and len(c[0]) == G for c in calls)
+        assert {c[3:] for c in calls} == {(("int4",) * 3, "tiled", "q8", True)}
+    for key in ("expert_rows/cpu/int4q8", "expert_groups/cpu/int4q8"):
+        assert key.startswith(profiler.RETIMED_KEYS) and key.startswith(profiler.SECOND_PASS_KEYS)
+        assert key.startswith(profiler.COMPUTE_KEYS)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="tiered/kernels not built")

@@ -16,7 +16,9 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     expert_rows/cpu/bf16 the native bf16 expert at 1-8 rows, cold in a slab (its slope: each row's
                          cost)                                                   n = MACs
     expert_rows/cpu/int4q8 the tiled int4 expert on int8 activations at 2-8 rows (a prompt's Q4_0
-                         experts), cold in a slab                                n = MACs
+                         experts), 16 of 2048 x 1024 in a layer call, cold in a slab  n = MACs
+    expert_groups/cpu/int4q8 the same at 8-32 rows (1-4 groups of 8: each row past the first group, its
+                         share of the group's weight stream from the cache included)  n = MACs
     decode_rows/cpu/<dtype> tiered's decode kernels at 8-32 rows (a batched decode step: a server's
                          or a beam search's rows), cold 4096 x 4096 weights; int4q8: int4 on int8
                          activations (Plan.batch_act "q8")                       n = MACs
@@ -300,7 +302,7 @@ COMPUTE_PROBE_REPEATS = 9
 # The compute-bound CPU keys: each carries the compute probe's seconds of its minutes (meta["compute_probe"]), and
 # planning scales each by the probe's speed now against them (planner/auto.compute_now).
 # (Not attn/cpu, torch's decode attention: bandwidth-bound, hardware/profile.BANDWIDTH_BOUND_CPU.)
-COMPUTE_KEYS = ("decode_rows/cpu/", "expert_rows/cpu/", "attn_rows/cpu/", "attn_prefill/cpu/", "attn_prefill_past/cpu/",
+COMPUTE_KEYS = ("decode_rows/cpu/", "expert_rows/cpu/", "expert_groups/cpu/", "attn_rows/cpu/", "attn_prefill/cpu/", "attn_prefill_past/cpu/",
                 "gemm/cpu/", "gemm_pack/cpu/", "gemm_big/cpu/", "runtime/step_rows/", "runtime/prefill_code/",
                 "dequantize/cpu/", "runtime/batch_rows/")
 
@@ -361,7 +363,8 @@ GEMM_KEYS = ("gemm/cpu/", "gemm_big/cpu/")  # torch's GEMM lines (GEMM_STALL_R2)
 # The row keys (decode_rows, expert_rows) too: a quick profile on 2 Zen 3 cores fitted decode_rows/cpu/int4q8 at
 # R^2 0.77 (1.5 ms an intercept, 3.9 ps a multiply-add against the full profiles' 0.44-0.51 ms and 5.6-5.8 ps)
 RETIMED_KEYS = STREAM_KEYS + ("gemm_rows/cpu/", "convert/cpu/", "convert_big/cpu/", "decode_rows/cpu/",
-                              "expert_rows/cpu/", "runtime/decode_layer/", "dequantize/cpu/") + GEMM_KEYS
+                              "expert_rows/cpu/", "expert_groups/cpu/", "runtime/decode_layer/",
+                              "dequantize/cpu/") + GEMM_KEYS
 
 
 def _upcast_gemm(key: str) -> bool:
@@ -384,7 +387,7 @@ STALL_RETRIES = 2
 # / 2.1 / 5.2-5.4 in about one in ten, and 0.67 / 0.72 / 1.05 / 1.80 in another (2026-12-01). Three of five full
 # profiles fitted it in a slow second, and their plans priced the uniformly routed Mixtral-width dummy's 16-128-token
 # prompts 47-52% slow; the faster of two timings then caught a fast second and priced them 29% fast.
-SECOND_PASS_KEYS = ("expert_rows/cpu/", "decode_rows/cpu/")
+SECOND_PASS_KEYS = ("expert_rows/cpu/", "expert_groups/cpu/", "decode_rows/cpu/")
 
 
 class _Bench:
@@ -964,28 +967,57 @@ def _expert_row_points(slots, D: int, F: int, row_counts, run, repeats: int) -> 
     return [(float(rows * 3 * D * F), t) for rows, t in zip(row_counts, median_times(calls, repeats))]
 
 
-EXPERT_Q8_ROWS = (2, 4, 8)  # expert_rows/cpu/int4q8's rows: one native call each (NATIVE_ROWS), q8 from 2 rows
+EXPERT_Q8_ROWS = (2, 4, 8)  # expert_rows/cpu/int4q8's rows: one group each (NATIVE_ROWS), q8 from 2 rows
+# ... of experts this wide (hidden, intermediate: OLMoE's, between Qwen3-30B-A3B's 2048 x 768 and DeepSeek-V2-Lite's
+# 2048 x 1408), this many in one layer call (ExpertFormat.forward_group, as a prompt's MoE layer runs them)
+EXPERT_Q8_SHAPE, EXPERT_Q8_GROUP = (2048, 1024), 16
 
 
-def _expert_rows_int4q8_points(repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
-    """(multiply-adds, seconds a call) of a tiled int4 expert on int8 activations (quant/experts.ExpertFormat
+def _expert_rows_int4q8_points(repeats: int, cold_bytes: int | None,
+                                row_counts: tuple[int, ...] = EXPERT_Q8_ROWS) -> list[tuple[float, float]]:
+    """(multiply-adds, seconds an expert) of tiled int4 experts on int8 activations (quant/experts.ExpertFormat
     "int4", layout "tiled", batch_act "q8", zeros exact: a GGUF's Q4_0 experts as the engine keeps them) at
-    EXPERT_Q8_ROWS rows in one native call, a 1024 x 3584 expert's copies cycled over `cold_bytes` (64 MiB
-    without it) in a slab. A prompt's int4 expert runs its rows in such calls (cpu_predict.prompt_expert_time):
-    the slope is each row's cost on top of the weights' stream, its three projections and the SwiGLU between
-    them. The 4096 x 4096 projection's decode_rows/cpu/int4q8 had stood for it: on 2 Zen 3 cores a
-    Qwen3-30B-A3B-width expert's rows cost 9.1 ps a multiply-add (0.117 ms at 1 row, 0.417 at 8, 1.53 at 32 in
-    groups of 8) where that key's slope was 5.7 (2026-11-30). Raises RuntimeError without the kernels."""
+    EXPERT_Q8_ROWS rows each, EXPERT_Q8_GROUP experts of EXPERT_Q8_SHAPE in one layer call (forward_group: the
+    native MoE call a prompt's rows and a batched step run), copies cycled over `cold_bytes` (64 MiB without it)
+    in a slab; a call's time over its experts. A prompt's int4 expert runs its rows in such groups
+    (cpu_predict.prompt_expert_time): the slope is each row's cost on top of the weights' stream, its three
+    projections and the SwiGLU between them. Timed before (profiler 31-44) as one 1024 x 3584 expert a call: on
+    2 Zen 4 cores that slope was 4.1 ps a multiply-add where a Qwen3-30B-A3B-width layer call's rows cost 2.7, and
+    the 8-layer model's 512-token prompt was priced 1.74 s against 1.24 measured (its MoE blocks 143 ms a layer
+    priced, 95 measured; 2026-12-03). Before that the 4096 x 4096 projection's decode_rows/cpu/int4q8 had stood
+    for it: on 2 Zen 3 cores a Qwen3-30B-A3B-width expert's rows cost 9.1 ps a multiply-add (0.117 ms at 1 row,
+    0.417 at 8, 1.53 at 32 in groups of 8) where that key's slope was 5.7 (2026-11-30). Raises RuntimeError
+    without the kernels."""
     if not kernels.available():
         raise RuntimeError("tiered/kernels is not built")
     from tiered.quant.experts import ExpertFormat
 
-    D, F = 1024, 3584
+    D, F = EXPERT_Q8_SHAPE
     fmt = ExpertFormat("int4", ((F, D), (F, D), (D, F)), "tiled", batch_act="q8", exact_zeros=True)
     first = fmt.empty()
     fmt.quantize(random_expert(D, F, torch.Generator().manual_seed(0)), first)
-    slots = slab_copies(first, cold_copies(cold_bytes or COLD_WEIGHT_BYTES, fmt.nbytes))
-    return _expert_row_points(slots, D, F, EXPERT_Q8_ROWS, fmt.forward, repeats)
+    slots = slab_copies(first, max(EXPERT_Q8_GROUP, cold_copies(cold_bytes or COLD_WEIGHT_BYTES, fmt.nbytes)))
+    G, calls = EXPERT_Q8_GROUP, []
+    for rows in row_counts:
+        x = torch.randn(rows * G, D).to(torch.bfloat16)
+        bounds = [i * rows for i in range(G + 1)]
+        turn = itertools.cycle(slots)
+        calls.append(lambda x=x, bounds=bounds, turn=turn: fmt.forward_group(x, [next(turn) for _ in range(G)], bounds))
+    return [(float(rows * 3 * D * F), t / G) for rows, t in zip(row_counts, median_times(calls, repeats))]
+
+
+EXPERT_GROUP_ROWS = (8, 16, 24, 32)  # expert_groups/cpu/int4q8's rows: 1-4 groups of NATIVE_ROWS an expert
+
+
+def _expert_groups_int4q8_points(repeats: int, cold_bytes: int | None) -> list[tuple[float, float]]:
+    """(multiply-adds, seconds an expert) as _expert_rows_int4q8_points times them, at EXPERT_GROUP_ROWS rows an
+    expert: one to four groups of NATIVE_ROWS rows, each group streaming the expert's weights again
+    (ExpertFormat.grouped). The slope is what each row past the first group costs, its group's share of a weight
+    stream included: the second and later streams of an expert the cache holds come at the cache's rate, not the
+    memory's. On 2 Zen 4 cores a Qwen3-30B-A3B-width expert's groups past the first streamed in ~0.073 ms where its
+    first took 0.118 from memory, and pricing every group at the first's rate priced its 32-row prompt calls
+    0.92 ms against 0.73 measured (2026-12-03). Raises RuntimeError without the kernels."""
+    return _expert_rows_int4q8_points(repeats, cold_bytes, EXPERT_GROUP_ROWS)
 
 
 # Experts the native bf16 expert kernel is timed on beyond the cache (expert_dram/cpu/bf16): (hidden,
@@ -2110,7 +2142,12 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 44: runtime/batch_rows/int4q8 (_batch_rows_points): a batched native decode step's rows past the first at the
 # layers' own widths, which predict_decode prices a server's step by (decode_rows' 4096 x 4096 kernel alone priced
 # SmolLM2's 8-sequence step ~22% fast).
-PROFILER_VERSION = 44
+# 45: expert_rows/cpu/int4q8 timed in layer calls of 16 experts of 2048 x 1024 (_expert_rows_int4q8_points), as a
+# prompt's MoE layer and a batched step run them, not one 1024 x 3584 expert a call; expert_groups/cpu/int4q8
+# (_expert_groups_int4q8_points): an expert's rows past its first group of 8, whose weight streams come from the
+# cache. Together they had priced a Qwen3-30B-A3B-width 512-token prompt's MoE blocks 1.5x slow on 2 Zen 4 cores
+# (TTFT 1.74 s priced, 1.24 measured).
+PROFILER_VERSION = 45
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2227,6 +2264,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt("expert_rows/cpu/bf16", lambda: _expert_rows_points(max(3, r // 2), big_cold))
         # the tiled int4 expert on int8 activations at 2-8 rows (a prompt's Q4_0 experts, in calls of 8 rows)
         b.attempt("expert_rows/cpu/int4q8", lambda: _expert_rows_int4q8_points(max(3, r // 2), big_cold))
+        # ... and its rows past the first group (a prompt's 9+ rows an expert: groups streaming the weights again)
+        b.attempt("expert_groups/cpu/int4q8", lambda: _expert_groups_int4q8_points(max(3, r // 2), big_cold))
         # the decode kernels at a batched step's rows; int4q8: int4 on int8 activations (Plan.batch_act "q8",
         # a server's batches: 3.4 ps a row's multiply-add against 11.5 on bf16 ones, 2 AMX cores, 2026-11-29)
         for dtype in ("int4", "int4q8", "int8", "bf16", "fp32"):

@@ -592,7 +592,9 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
     in all, `macs_per_row` its three projections' multiply-adds a row) over `rows` rows of a prompt, by the
     path the runtime takes there (quant/experts.prompt_rows, on the profiled machine's kernel_isa): the native
     kernel in one call (its weights streamed once, each row past the first at decode_rows' slope, `_gemv`),
-    in groups of NATIVE_ROWS rows (the weights streamed once a group), or, past those rows, int4 and mxfp4
+    in groups of NATIVE_ROWS rows (the weights streamed once a group; an expert the cache holds twice over
+    re-streamed from it, its rows past the first group at expert_groups/cpu/<key>'s slope where profiled), or,
+    past those rows, int4 and mxfp4
     projections dequantized for one GEMM each (gemm/cpu/int4: hardware/profiler.int4_gemm_shapes times that
     path, plus `glu` seconds: torch's GLU over the rows, ExpertFormat.dequantized's). int4 rows read `batch_act`
     activations (Plan.batch_act), mxfp4 ones int8 always; `biased`: gpt-oss's
@@ -616,6 +618,13 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
             return None
         calls = 1 if r <= one else math.ceil(r / NATIVE_ROWS)  # each call streams the three projections
         stream = _gemv(hw, key, weight_bytes, calls=3, working_set=working_set, expert=True)
+        groups = hw.models.get(f"expert_groups/cpu/{key}")
+        if calls > 1 and groups is not None and not op_time.beyond_cache(hw, 2 * weight_bytes):
+            # the groups past the first re-read an expert the cache holds: their rows at the grouped slope (the
+            # re-streams' share included), the first group as one call
+            first = min(r, NATIVE_ROWS)
+            return (stream + (first - 1) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
+                    + (r - first) * groups.beta * macs_per_row)
         return calls * stream + (r - calls) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
     if kind in ("int4", "mxfp4") and op_time.find(hw, "gemm", "cpu", "int4") is not None:
         return (op_time.gemm_time(hw, "cpu", "int4", r * macs_per_row, weight_bytes, calls=3) + glu
