@@ -5,6 +5,7 @@ a named function constrain the output to the calls' JSON."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from types import SimpleNamespace
@@ -40,16 +41,32 @@ TIME = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "what is the weather in Paris"}]
 
 
-@pytest.fixture(scope="module")
-def server(zoo, chat_llama, tmp_path_factory):
+# GLM-4.5's call format (its template, shortened): the function's name, then <arg_key> / <arg_value> pairs, strings
+# as they are and other values as JSON
+GLM_TEMPLATE = (
+    "{% if tools %}<|system|>You may call: {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}{% for k, v in c.function.arguments.items() %}"
+    "<arg_key>{{ k }}</arg_key><arg_value>{{ v if v is string else v | tojson }}</arg_value>{% endfor %}</tool_call>"
+    "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@contextlib.contextmanager
+def _server(zoo, chat_llama, tmp_path_factory, template: str):
     d = tmp_path_factory.mktemp("tools") / "llama-tools"
     shutil.copytree(chat_llama, d)
     cfg = d / "tokenizer_config.json"
-    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": TOOLS_TEMPLATE}))
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": template}))
     llm = zoo.llm(d)
     with running_server(ServingEngine(llm, max_batch=4, max_queue=8), KEY) as url:
         yield SimpleNamespace(url=url, llm=llm, client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0,
                                                                       timeout=60))
+
+
+@pytest.fixture(scope="module")
+def server(zoo, chat_llama, tmp_path_factory):
+    with _server(zoo, chat_llama, tmp_path_factory, TOOLS_TEMPLATE) as s:
+        yield s
 
 
 def _post(server, body: dict) -> httpx.Response:
@@ -128,6 +145,25 @@ def test_auto_parses_hermes_calls_out_of_the_text_streamed_or_not(server):
     assert plain.message.tool_calls is None and plain.finish_reason == "length" and plain.message.content
 
 
+def test_auto_parses_glm_calls(zoo, chat_llama, tmp_path_factory):
+    """On a GLM-4.5-style template, "auto" parses its <arg_key> / <arg_value> calls: a string parameter's value as
+    written, an integer's as JSON; streamed the same."""
+    steer = {"structured_outputs": {"regex": r"On it\.<tool_call>get_weather<arg_key>city</arg_key><arg_value>"
+                                             r"(Paris|Oslo)</arg_value><arg_key>days</arg_key><arg_value>[1-7]</arg_value>"
+                                             r"</tool_call>"}}
+    with _server(zoo, chat_llama, tmp_path_factory, GLM_TEMPLATE) as glm:
+        out = glm.client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0,
+                                                 max_tokens=180, extra_body=steer).choices[0]
+        assert out.finish_reason == "tool_calls" and out.message.content == "On it."
+        args = json.loads(out.message.tool_calls[0].function.arguments)
+        assert out.message.tool_calls[0].function.name == "get_weather"
+        assert args["city"] in ("Paris", "Oslo") and isinstance(args["days"], int)
+        calls = [c for chunk in glm.client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=180, stream=True, extra_body=steer)
+            for c in chunk.choices[0].delta.tool_calls or []]
+        assert [json.loads(c.function.arguments) for c in calls] == [args]
+
+
 def test_a_conversation_with_calls_and_their_answers(server):
     """An assistant turn carrying tool_calls (arguments as JSON text) and the tool's answer are rendered by the
     template with the arguments as an object, as transformers' templates read them."""
@@ -183,6 +219,17 @@ def test_tool_plan_parsing():
     assert llama.parse("It is sunny.", "stop") == ("It is sunny.", []) and llama.parse("{not json", "stop")[1] == []
     assert llama.held(' {"name"') == 8 and llama.held("<|python") == 8 and llama.held("Sunny {") == 0
     assert llama.content_end('{"name": "x"}') == 0 and plan.content_end('hi <tool_call>{}') == 3
+    # GLM-4.5: name, then <arg_key> / <arg_value> pairs; a string parameter keeps its text ("42" stays "42")
+    glm = ToolPlan.of([WEATHER, TIME, {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}}}}], None, True,
+        SimpleNamespace(chat_template="<tool_call>{{ name }}<arg_key>{{ k }}</arg_key>"))
+    content, calls = glm.parse('<think>hm</think>Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n'
+                               '<arg_value>Lima</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n'
+                               '</tool_call><tool_call>note<arg_key>text</arg_key><arg_value>42</arg_value></tool_call>',
+                               "stop")
+    assert glm.format == "glm" and content == "<think>hm</think>Checking."
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Lima", "days": 3}, {"text": "42"}]
+    assert glm.parse("<tool_call>get_weather stray text</tool_call>", "stop")[1] == []
     # Mistral: [TOOL_CALLS] then a list of calls with "arguments" (the marker dropped where the text skips it)
     mistral = ToolPlan.of([TIME], None, True, SimpleNamespace(chat_template="... [TOOL_CALLS] ..."))
     for text in ('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}}]',

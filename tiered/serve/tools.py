@@ -11,7 +11,9 @@ them as the model was trained to read them). What the model writes becomes `tool
   each tool's own parameters; one call where `parallel_tool_calls` is false), as vLLM does.
 - "auto" (the default with tools): unconstrained; calls are parsed out of the text in the format the chat
   template teaches (`call_format`): Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`:
-  Qwen2.5 / Qwen3 / Qwen3-MoE, Hermes, SmolLM3), or a bare JSON answer (Llama 3.1-3.3's `{"name": ...,
+  Qwen2.5 / Qwen3 / Qwen3-MoE, Hermes, SmolLM3), GLM-4.5 / 4.6's tags (`<tool_call>NAME<arg_key>k</arg_key>
+  <arg_value>v</arg_value>...</tool_call>`, strings as they are, other values as JSON), or a bare JSON answer
+  (Llama 3.1-3.3's `{"name": ...,
   "parameters": {...}}`, several joined by ";", after `<|python_tag|>` where it is kept; Mistral's
   `[TOOL_CALLS] [{"name": ..., "arguments": ...}]`); with any other template the answer is text.
 
@@ -22,6 +24,7 @@ A choice with calls finishes "tool_calls" and its message's `content` is the tex
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -40,16 +43,21 @@ def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a function's name (protocol.ToolFunction's pattern)
+_GLM_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 # the leading markers of a bare-JSON answer (Llama 3's <|python_tag|>, Mistral's [TOOL_CALLS]) where the text keeps
 # them (they are special tokens: a detokenizer that skips those drops them)
 JSON_MARKERS = ("<|python_tag|>", "[TOOL_CALLS]")
 
 
 def call_format(tokenizer) -> str | None:
-    """The call format the model's chat template teaches: "hermes" (it writes the `<tool_call>` tag), "json"
+    """The call format the model's chat template teaches: "glm" (`<tool_call>` with `<arg_key>` / `<arg_value>`
+    pairs), "hermes" (it writes the `<tool_call>` tag), "json"
     (Llama 3's "Respond in the format {"name": function name, "parameters": ...}", Mistral's [TOOL_CALLS]),
     or None (no calls parsed)."""
     template = str(getattr(tokenizer, "chat_template", None) or "")
+    if OPEN in template and "<arg_key>" in template:
+        return "glm"
     if OPEN in template:
         return "hermes"
     if '"parameters": dictionary of argument name' in template or "[TOOL_CALLS]" in template:
@@ -71,7 +79,7 @@ class ToolPlan:
         tools: the request's tools, as OpenAI sends them ({"type": "function", "function": {...}}).
         name: the named function ("named" mode).
         parallel: more than one call allowed ("required" mode).
-        format: the call format "auto" parses ("hermes" or "json", `call_format`; None: none).
+        format: the call format "auto" parses ("hermes", "glm" or "json", `call_format`; None: none).
     """
 
     mode: str
@@ -135,17 +143,45 @@ class ToolPlan:
         while sep:
             body, closed, rest = rest.partition(CLOSE)
             try:
-                obj = json.loads(body)
-                calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
+                if self.format == "glm":
+                    calls.append(self._glm_call(body))
+                else:
+                    obj = json.loads(body)
+                    calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
             except (ValueError, TypeError, KeyError):
                 return text, []  # not a call after all: the whole text is the answer
             _, sep, rest = rest.partition(OPEN)
         return (head.strip() or None) if calls else text, calls
 
+    def _glm_call(self, body: str) -> dict:
+        """A GLM-4.5 call's body: its function's name, then <arg_key> / <arg_value> pairs; a value is the text
+        where the tool's schema says string (or has no such property and it is not JSON), else its JSON.
+
+        Raises:
+            ValueError: no function name (ToolFunction's pattern), or text between the pairs."""
+        name, _, pairs = body.partition("<arg_key>")
+        name, pairs = name.strip(), "<arg_key>" + pairs if pairs else ""
+        tool = next((t for t in self.tools if t["function"]["name"] == name), None)
+        props = _parameters(tool).get("properties", {}) if tool else {}
+        args, rest = {}, pairs
+        for m in _GLM_PAIR.finditer(pairs):
+            key, value = m.group(1).strip(), m.group(2)
+            if props.get(key, {}).get("type") == "string":
+                args[key] = value
+            else:
+                try:
+                    args[key] = json.loads(value)
+                except ValueError:
+                    args[key] = value
+            rest = rest.replace(m.group(0), "", 1)
+        if not _NAME.fullmatch(name) or rest.strip():
+            raise ValueError("not a GLM tool call")
+        return _call(name, args)
+
     def content_end(self, text: str) -> int:
         """Where the text before a choice's calls ends in its `text` (which `parse` found calls in): the first
         Hermes tag; 0 where the calls are the whole answer."""
-        return max(text.find(OPEN), 0) if self.format == "hermes" else 0
+        return max(text.find(OPEN), 0) if self.format in ("hermes", "glm") else 0
 
     def held(self, text: str) -> int:
         """How many characters at the end of a streamed "auto" text to hold back: from a call's opening tag
