@@ -86,6 +86,17 @@ def test_a_named_function_is_called_with_arguments_following_its_schema(server):
     args = json.loads(call.function.arguments)
     assert call.function.name == "get_weather" and call.type == "function" and call.id.startswith("call_")
     assert args["city"] in ("Paris", "Oslo", "Lima") and 1 <= args["days"] <= 7 and set(args) == {"city", "days"}
+    # streamed: the arguments in deltas, the first with the call's id and name; joined, the same call (greedy)
+    named = dict(model=MODEL, messages=ASK, max_tokens=40, temperature=0, tools=[WEATHER, TIME],
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = server.client.chat.completions.create(**named).choices[0].message.tool_calls[0]
+    deltas, finish = [], None
+    for c in server.client.chat.completions.create(**named, stream=True):
+        deltas += c.choices[0].delta.tool_calls or []
+        finish = c.choices[0].finish_reason or finish
+    assert len(deltas) > 2 and finish == "tool_calls" and deltas[0].id.startswith("call_")
+    assert deltas[0].function.name == "get_weather" and all(d.function.name is None and d.id is None for d in deltas[1:])
+    assert "".join(d.function.arguments for d in deltas) == whole.function.arguments and {d.index for d in deltas} == {0}
     tok = server.llm.tokenizer
     with_tools = encode_prompt(tok, ASK, True, tools=[WEATHER, TIME])
     assert out.usage.prompt_tokens == len(with_tools) > len(encode_prompt(tok, ASK, True))

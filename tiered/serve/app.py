@@ -37,7 +37,7 @@ from tiered.serve.engine import Handle, QueueFullError, ServerShuttingDownError,
 from tiered.serve.metrics import ServerMetrics, tier_state
 from tiered.serve.protocol import (ChatCompletionRequest, CompletionLogprobs, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, chat_logprobs)
-from tiered.serve.tools import ToolPlan
+from tiered.serve.tools import ToolPlan, call_id
 
 STATIC = Path(__file__).parent / "static"  # the page at /
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
@@ -397,7 +397,8 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         choice's first chunk is its prompt (with the prompt's logprobs where asked), sent when its
         first token is (the prompt's logprobs come from its prefill). A chat whose output may hold tool
         calls (`tools`) holds back the text from where a call may begin (ToolPlan.held) and sends the
-        calls in one chunk at the end, before the finishing one."""
+        calls in one chunk at the end, before the finishing one; a named function's call streams its
+        arguments as they come (the first chunk with the call's id and name), as OpenAI's do."""
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         created = int(time.time())
         n = len(handles)
@@ -463,6 +464,16 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     delta, new_logprobs = "", None
                 if new_logprobs is not None:
                     pending[i] = (pending[i] or []) + new_logprobs
+                if tools is not None and tools.mode == "named":  # the text is the call's arguments: their deltas
+                    if delta:
+                        head = {} if sent[i] else {"id": call_id(), "type": "function"}
+                        sent[i] += len(delta)
+                        fn = {"arguments": delta} | ({"name": tools.name} if head else {})
+                        yield chunk(i, None, calls=[head | {"function": fn}])
+                    if out is not None:
+                        outs[i] = out
+                        yield chunk(i, None, finish="tool_calls" if out.finish_reason == "stop" else out.finish_reason)
+                    continue
                 if tools is not None and tools.calls:  # the text from where a call may begin waits
                     text = texts[i] = texts[i] + delta if out is None else out.text
                     calls = tools.parse(text, out.finish_reason)[1] if out is not None else []

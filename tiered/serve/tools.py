@@ -130,8 +130,9 @@ class ToolPlan:
         if not self.calls or finish_reason == "length":
             return text, []
         try:
-            if self.mode == "named":
-                return None, [_call(self.name, json.loads(text))]
+            if self.mode == "named":  # the arguments as written (a stream sends them so), checked to be JSON
+                json.loads(text)
+                return None, [_call(self.name, text)]
             if self.mode == "required":
                 return None, [_call(c["name"], c["arguments"]) for c in json.loads(text)]
         except (ValueError, TypeError, KeyError):
