@@ -204,3 +204,59 @@ def test_smollm2_writes_the_json_asked(smollm2_path):
     out = llm.generate([msgs], SamplingParams(max_tokens=5, temperature=0,
                                               structured_outputs={"choice": ["Bob", "Alice"]}))[0]
     assert out.text == "Bob"
+
+
+LONG_KEYS = {"type": "object", "properties": {"temperature_in_celsius": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "description_of_the_weather": {"enum": ["sunny", "rain"]}},
+             "required": ["temperature_in_celsius", "description_of_the_weather"], "additionalProperties": False,
+             "x-guidance": {"whitespace_flexible": False}}
+
+
+def test_forced_tokens_go_in_as_rows_of_one_step(llm, monkeypatch):
+    """The tokens a grammar forces (a schema's long key names) are appended without a draw and fed to the next
+    step as rows beside the last drawn token: fewer steps, the same greedy text as a step a token
+    (TIERED_FORCED_TOKENS=0), every forced run what an independent matcher says the grammar forces there."""
+    from tiered.engine.scheduler import Scheduler
+
+    params = SamplingParams(max_tokens=120, temperature=0, structured_outputs={"json": LONG_KEYS})
+
+    def run():
+        seq = llm.make_sequence(PROMPT, params)
+        sched = Scheduler(max_batch=1, max_queue=1)
+        sched.add(seq)
+        cache, steps, rows = llm._cache_for(1, seq.num_tokens + seq.max_tokens), 0, []
+        while sched.has_work():
+            llm.step(sched, cache)
+            steps += 1
+            rows.append(seq.pending)
+        return seq, steps, rows
+
+    forced, forced_steps, pending = run()
+    monkeypatch.setenv("TIERED_FORCED_TOKENS", "0")
+    plain, plain_steps, _ = run()
+    assert forced.text == plain.text and json.loads(forced.text)["description_of_the_weather"] in ("sunny", "rain")
+    assert forced_steps < plain_steps - 5 and max(pending) > 3, (forced_steps, plain_steps, pending)
+    assert forced.finish_reason == plain.finish_reason == "stop"
+
+
+def test_a_slot_never_lends_kv_its_forced_tokens_lack(llm):
+    """A request finished right after forced tokens (a choice completed by them) leaves its slot holding the KV
+    of its prompt and drawn tokens only (Sequence.kv_tokens): a next request continuing that text reuses no
+    more than that, and gives the tokens it gives on a fresh cache."""
+    from tiered.engine.scheduler import Scheduler
+
+    choice = SamplingParams(max_tokens=40, temperature=0, structured_outputs={"choice": ["abcdefghijklmnop rest"]})
+    sched = Scheduler(max_batch=1, max_queue=2, prefix_reuse=True)
+    first = llm.make_sequence(PROMPT, choice)
+    sched.add(first)
+    cache = llm._cache_for(1, 200)
+    while sched.has_work():
+        llm.step(sched, cache)
+    assert first.text == "abcdefghijklmnop rest" and first.pending > 0
+    follow = SamplingParams(max_tokens=8, temperature=0)
+    second = llm.make_sequence(first.prompt_ids + first.output_ids, follow)
+    sched.add(second)
+    while sched.has_work():
+        llm.step(sched, cache)
+    assert second.cached_tokens == len(first.prompt_ids) + len(first.output_ids) - 1 - first.pending
+    assert second.output_ids == llm.generate([first.prompt_ids + first.output_ids], follow)[0].token_ids

@@ -43,6 +43,8 @@ _NO_TOKENS = torch.empty(0, dtype=torch.long)
 # between BURST_MIN and BURST_MAX of them (its first burst BURST_MIN): what streaming and a stop string
 # wait for at most. TIERED_BURST=0 keeps one step a token (to compare).
 BURST_SECONDS, BURST_MIN, BURST_MAX = 0.05, 4, 32
+# The most tokens a structured output's grammar forces in one go (LLM._force): rows of the next step.
+FORCED_TOKENS = 32
 
 
 def _in_background(fn: Callable, name: str) -> Future:
@@ -106,6 +108,7 @@ class LLM:
         self.threads = thread_governor(self.plan.cpu_threads or torch.get_num_threads(), self.engine_config.num_threads)
         # decode bursts (LLM._burst) for generate, stream and a server's lone request; TIERED_BURST=0 turns them off
         self.bursts = True
+        self._forced_rows = False  # this step feeds a grammar's forced tokens as rows (LLM.step, LLM._force)
         self._burst_tokens = BURST_MIN  # the next burst's tokens (the last burst's pace: ~BURST_SECONDS of them)
         self.last_burst = 0  # tokens the last step drew in a burst (0: it ran one step; serve counts its steps)
         self.load_s = time.perf_counter() - t0
@@ -467,6 +470,10 @@ class LLM:
         """
         plan = sched.schedule()
         self.last_burst = 0
+        # a structured output's forced tokens go in as rows of the next native step (LLM._force)
+        step = self.runtime.cpu_decode
+        self._forced_rows = (step is not None and os.environ.get("TIERED_FORCED_TOKENS", "1") != "0"
+                             and step.takes_prefill_rows(cache))
         events: list[tuple[Sequence, str, RequestOutput | None]] = []
         team = self.threads.check() if self.threads is not None else torch.get_num_threads()
         for seq in plan.running:
@@ -493,7 +500,8 @@ class LLM:
             # a leader then prefills on its own, before the followers (never as rows)
             shared = SharedPrefixes(prefilling if self.plan.shared_prefixes
                                     and os.environ.get("TIERED_SHARED_PREFIX", "1") != "0" else [])
-            mixed = self._mixed_prefills([s for s in prefilling if id(s) not in shared.leaders], len(decoding), cache)
+            mixed = self._mixed_prefills([s for s in prefilling if id(s) not in shared.leaders],
+                                         sum(1 + s.pending for s in decoding), cache)
             joined = {id(s) for s in mixed}
             joined |= {id(f) for s in mixed for f in twins.of(s)}  # their KV is copied after the step's forward
             alone = [s for s in prefilling if id(s) not in joined]
@@ -508,8 +516,8 @@ class LLM:
             running = [s for s in plan.running if not s.finished and id(s) not in joined]
             if running or mixed:  # decode: all running sequences, one token each (+ the joining prompts)
                 t0 = time.perf_counter()
-                logits = self._forward_mixed(mixed, running, cache) if mixed else \
-                    self._forward(running, cache, prefill=False)
+                logits = self._forward_mixed(mixed, running, cache) if mixed or any(s.pending for s in running) \
+                    else self._forward(running, cache, prefill=False)
                 t1 = time.perf_counter()
                 if mixed:  # the joining prompts' twins take their KV and first logits
                     joining, joined_logits = twins.join(mixed, logits[:len(mixed)], cache)
@@ -566,7 +574,7 @@ class LLM:
         """One native CPU step over rows of (token, position, slot): every uncached prompt token of
         each `prefill` sequence (`span` (start, end): only those prompt positions of the one sequence, whose
         KV before `start` the cache holds: a chunk of LLM._prefill), then the last token of each `decode`
-        one. Returns logits [len(prefill) + len(decode), V] fp32: each prompt's last row, then the decode rows."""
+        one, after its grammar's forced tokens (Sequence.pending: cleared here). Returns logits [len(prefill) + len(decode), V] fp32: each prompt's last row, then the decode rows."""
         ids, positions, slots, last = [], [], [], []
         for s in prefill:
             a, b = span or (s.cached_tokens, len(s.prompt_ids))
@@ -574,11 +582,13 @@ class LLM:
             positions += range(a, b)
             slots += [s.slot] * (b - a)
             last.append(len(ids) - 1)
-        for s in decode:
-            ids.append(s.output_ids[-1])
-            positions.append(s.num_tokens - 1)
-            slots.append(s.slot)
+        for s in decode:  # the last token, after any forced ones whose KV is not written yet (Sequence.pending)
+            k = 1 + s.pending
+            ids += s.output_ids[-k:]
+            positions += range(s.num_tokens - k, s.num_tokens)
+            slots += [s.slot] * k
             last.append(len(ids) - 1)
+            s.pending = 0
         logits = self.runtime.cpu_decode(torch.tensor(ids).unsqueeze(1), torch.tensor(positions).unsqueeze(1),
                                          torch.tensor(slots), cache, rows=torch.tensor(last))
         return logits.float()
@@ -778,13 +788,22 @@ class LLM:
     def _accept(self, seq: Sequence, token: int, now: float,
                 row: torch.Tensor | None = None) -> tuple[Sequence, str, RequestOutput | None]:
         """Append `token` (drawn at perf_counter time `now`; `row` its logits [V], for logprobs) to
-        `seq`, detokenize, apply stops; its event."""
+        `seq`, detokenize, apply stops; then the tokens its grammar forces next (`_force`); its event."""
         eos = () if seq.params.ignore_eos else self.config.eos_token_ids
         seq.output_ids.append(token)
         seq.token_times.append(now)
         if seq.logprobs is not None:
             seq.logprobs.append(TokenLogprob(token, *token_logprobs(row, token, seq.params.logprobs)))
-        # a structured output's grammar consumes the token (EOS too); complete, it takes no more
+        self._advance(seq, token, eos)
+        if seq.matcher is not None and not seq.finished and seq.logprobs is None and self._forced_rows:
+            self._force(seq, now, eos)
+        delta = take_stream_delta(seq) if self.tokenizer is not None else ""
+        return seq, delta, seq.output() if seq.finished else None
+
+    def _advance(self, seq: Sequence, token: int, eos: tuple[int, ...]) -> None:
+        """`seq` past its newly appended `token`: its grammar's parser (a structured output's consumes every
+        token, EOS too, and takes no more once complete), its text, and whether it finished (EOS or a stop
+        token, a stop string, its grammar complete, max_tokens)."""
         grammar_done = seq.matcher is not None and (not seq.matcher.accept(token) or seq.matcher.done)
         if token in eos or token in seq.params.stop_token_ids:
             seq.finish_reason = "stop"
@@ -795,8 +814,21 @@ class LLM:
             seq.finish_reason = "stop"
         if not seq.finished and len(seq.output_ids) >= seq.max_tokens:
             seq.finish_reason = "length"
-        delta = take_stream_delta(seq) if self.tokenizer is not None else ""
-        return seq, delta, seq.output() if seq.finished else None
+
+    def _force(self, seq: Sequence, now: float, eos: tuple[int, ...]) -> None:
+        """Append the tokens `seq`'s grammar forces next (llguidance's fast-forward tokens: a JSON schema's key
+        names, a choice's rest once it is the only one left), at most FORCED_TOKENS, without drawing them:
+        their KV is written by the next step, which feeds them beside the last drawn token as rows of the
+        native step (Sequence.pending, LLM._forward_mixed), one forward for them all instead of a step each
+        (SGLang's jump-forward decoding). Only where this step's rows path exists (`_forced_rows`) and no
+        logprobs are asked (a forced token has no logits of its own)."""
+        for token in seq.matcher.forced()[:FORCED_TOKENS]:
+            if seq.finished:
+                break
+            seq.output_ids.append(token)
+            seq.token_times.append(now)
+            seq.pending += 1
+            self._advance(seq, token, eos)
 
     def _burst(self, seq: Sequence, cache: KVCache,
                interrupt: torch.Tensor | None = None) -> list[tuple[Sequence, str, RequestOutput | None]] | None:

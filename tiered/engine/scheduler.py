@@ -114,8 +114,8 @@ class Scheduler:
                 for seq in [s for s in self.running if s in cancel]:
                     self._release(seq)
                     plan.cancelled.append(seq)
-            # what the running sequences' slots hold (every token but the last sampled one) for prefix reuse
-            sources = [(s.slot, s.prompt_ids + s.output_ids[:-1]) for s in self.running
+            # what the running sequences' slots hold (Sequence.kv_tokens) for prefix reuse
+            sources = [(s.slot, s.kv_tokens()) for s in self.running
                        if self.prefix_reuse and s.output_ids] if self.waiting and self._free else []
             while self.waiting and self._free:
                 seq = self.waiting.popleft()
@@ -160,8 +160,8 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        if self.prefix_reuse:  # every token but the last sampled one has its KV in the slot
-            self._slot_tokens[seq.slot] = (seq.prompt_ids + seq.output_ids[:-1] if seq.output_ids
+        if self.prefix_reuse:  # every token but the last sampled one (and forced ones before it) has its KV there
+            self._slot_tokens[seq.slot] = (seq.kv_tokens() if seq.output_ids
                                            else [] if seq.kv_source >= 0  # its KV was never copied in
                                            else seq.prompt_ids[:seq.cached_tokens])
         self._free.append(seq.slot)

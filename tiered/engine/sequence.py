@@ -101,6 +101,9 @@ class Sequence:
     cpu_threads: int = 0  # the fewest CPU threads at a step of it (LLM.step; RequestStats.cpu_threads)
     # its grammar's parser where params.structured_outputs is set (engine/structured.TokenMatcher)
     matcher: object = None
+    # generated tokens before the last whose KV is not written yet: its grammar's forced tokens (LLM._force),
+    # which the next step feeds as rows with the last one
+    pending: int = 0
     _seen: torch.Tensor | None = field(default=None, repr=False)  # seen_ids' buffer, int64, grown by doubling
     _seen_n: int = 0  # its entries filled
 
@@ -138,6 +141,11 @@ class Sequence:
                     self._seen[done:n] = torch.tensor(new, dtype=torch.long)
                 self._seen_n = n
             return self._seen[:n]
+
+    def kv_tokens(self) -> list[int]:
+        """The tokens whose KV its slot holds once it has run a step: the prompt and every generated token but
+        the last and the forced ones before it (`pending`); the prompt alone before its first token."""
+        return self.prompt_ids + self.output_ids[:len(self.output_ids) - 1 - self.pending]
 
     def truncate(self, n: int) -> None:
         """Drop the generated tokens past the first `n` (their times and logprobs too, and its grammar's

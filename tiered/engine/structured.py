@@ -194,6 +194,11 @@ class TokenMatcher:
             return logits
         return torch.from_numpy(np.where(allowed, logits.numpy(), np.float32(-np.inf)))
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next, whatever the model would rank (llguidance's fast-forward tokens;
+        it holds back a last token that a longer one could replace), [] where there is a choice."""
+        return self.matcher.compute_ff_tokens()
+
     def accept(self, token: int) -> bool:
         """Advance by the drawn `token`. Returns False where the grammar refuses it (then `done`)."""
         self.consumed += 1

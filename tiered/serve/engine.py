@@ -333,18 +333,19 @@ class _Saved:
     decode_stream: object  # a copy: tokenizers' DecodeStream copies its state
     finish_reason: str | None
     rng: torch.Tensor | None  # the generator's state (None: no generator)
+    pending: int  # forced tokens whose KV is not written yet (Sequence.pending)
 
     @classmethod
     def of(cls, seq: Sequence) -> "_Saved":
         rng = seq.generator.get_state() if seq.generator is not None else None
         return cls(seq, len(seq.output_ids), seq.text, seq.emitted, seq.prefix_offset, seq.read_offset,
-                   copy.copy(seq.decode_stream), seq.finish_reason, rng)
+                   copy.copy(seq.decode_stream), seq.finish_reason, rng, seq.pending)
 
     def restore(self) -> None:
         """Put the sequence back as it was when saved (may be called again)."""
         seq, n = self.seq, self.tokens
         seq.truncate(n)
-        seq.text, seq.emitted, seq.finish_reason = self.text, self.emitted, self.finish_reason
+        seq.text, seq.emitted, seq.finish_reason, seq.pending = self.text, self.emitted, self.finish_reason, self.pending
         seq.prefix_offset, seq.read_offset = self.prefix_offset, self.read_offset
         seq.decode_stream = copy.copy(self.decode_stream)
         if self.rng is not None:
