@@ -135,7 +135,12 @@ def test_auto_parses_hermes_calls_out_of_the_text_streamed_or_not(server):
     steer = {"structured_outputs": {"regex": r'Sure\. <tool_call>\{"name": "get_weather", "arguments": '
                                              r'\{"city": "(Paris|Oslo)", "days": [1-7]\}\}</tool_call>'}}
     body = {"tools": [WEATHER, TIME], "temperature": 0, "max_tokens": 180, **steer}
+    state = lambda: httpx.get(f"{server.url}/state", headers={"Authorization": f"Bearer {KEY}"}).json()["serving"]  # noqa: E731
+    before = state()
     r = _post(server, body)
+    after = state()  # the regex forces most of the text: steps carried several tokens, each counted
+    assert after["generated_tokens"] - before["generated_tokens"] == r.json()["usage"]["completion_tokens"]
+    assert after["steps"] - before["steps"] < r.json()["usage"]["completion_tokens"] / 2
     message = r.json()["choices"][0]["message"]
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "tool_calls", r.json()
     assert message["content"] == "Sure." and message["tool_calls"][0]["function"]["name"] == "get_weather"

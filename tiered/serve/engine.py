@@ -87,6 +87,7 @@ class ServingEngine:
         # made nonzero by a submit, a cancel or stop(): ends a decode burst of a lone request (LLM._burst)
         # after its token in flight, so that the change is seen at the next step, not ~50 ms later
         self._interrupt = torch.zeros(1, dtype=torch.int32)
+        self.step_tokens = 0  # tokens the last step appended to its sequences (_step; the metrics' step_tokens)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="tiered-engine", daemon=True)
         self.external = False  # True while run() steps it on a caller's thread (the app must not start it)
@@ -209,7 +210,7 @@ class ServingEngine:
                 self._fail_all(e)
                 continue
             if events:
-                self.metrics.observe_step(len({seq for seq, _, _ in events}), len(events), max(1, self.llm.last_burst))
+                self.metrics.observe_step(len({seq for seq, _, _ in events}), self.step_tokens, max(1, self.llm.last_burst))
             for seq, delta, out in _merged(events):
                 self._deliver(seq, delta, out)
 
@@ -220,9 +221,12 @@ class ServingEngine:
         plan = self.scheduler.schedule()
         saved = [_Saved.of(seq) for seq in plan.running]
         try:
-            return self.llm.step(_Planned(self.scheduler, plan), self.cache, burst=True, interrupt=self._interrupt)
+            events = self.llm.step(_Planned(self.scheduler, plan), self.cache, burst=True, interrupt=self._interrupt)
         except Exception:  # noqa: BLE001 - which sequence failed is found by _isolate
-            return self._isolate(plan, saved)
+            events = self._isolate(plan, saved)
+        # the tokens the step appended (an event may carry several: a burst's, a grammar's forced tokens)
+        self.step_tokens = sum(len(s.seq.output_ids) - s.tokens for s in saved)
+        return events
 
     def _isolate(self, plan: StepPlan, saved: list["_Saved"]) -> list[tuple[Sequence, str, RequestOutput | None]]:
         """The step of `plan` raised: put back what it changed in its sequences (`saved` before it
