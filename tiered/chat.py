@@ -17,12 +17,69 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from tiered.engine.prompt import check_prompt_fits
+from tiered.engine.reasoning import ReasoningStream, prompt_opens_thinking
 from tiered.engine.sampling import SamplingParams
 from tiered.engine.sequence import RequestOutput
 from tiered.errors import ContextLengthError, TieredError
 
 PROMPT = ">>> "
 HELP = "/reset forgets the conversation, /stats shows the last answer's speed and the tiers, /exit quits"
+
+
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+
+class AnswerView:
+    """A reasoning model's answer as a terminal shows it (engine/reasoning.py): the reasoning as it streams (dim where
+    `ansi`; left out with `show_reasoning` False), a blank line, then the answer, and a harmony model's tool calls
+    as `[call NAME ARGUMENTS]`. Without a reasoning format (`fmt` None) the text passes as it comes.
+
+    Args:
+        write: called with each piece of text to show.
+        fmt, opened: the output's reasoning format and whether its prompt opened a think block
+            (Sequence.reasoning_format, thinking_opened).
+    """
+
+    def __init__(self, write: Callable[[str], None], fmt: str | None, opened: bool = False,
+                 show_reasoning: bool = True, ansi: bool = False) -> None:
+        self.write, self.show, self.ansi = write, show_reasoning, ansi
+        self.stream = ReasoningStream(fmt, opened) if fmt else None
+        self.answer = ""  # the answer's text shown so far
+        self.reasoned = False  # reasoning was shown (and the answer not yet begun)
+
+    def __call__(self, delta: str) -> None:
+        if self.stream is None:
+            self.answer += delta
+            self.write(delta)
+            return
+        self._show(*self.stream.feed(delta))
+
+    def finish(self) -> list[tuple[str, str]]:
+        """Show what was held back (a tail that might have begun a marker) and the calls; returns the calls."""
+        if self.stream is None:
+            return []
+        *parts, calls = self.stream.finish()
+        self._show(*parts)
+        self._end_reasoning()
+        for name, args in calls:
+            self.write(f"[call {name} {args}]")
+        return calls
+
+    def _show(self, reasoning: str, content: str) -> None:
+        if reasoning and self.show:
+            if not self.reasoned and self.ansi:
+                self.write(DIM)
+            self.reasoned = True
+            self.write(reasoning)
+        if content:
+            self._end_reasoning()
+            self.answer += content
+            self.write(content)
+
+    def _end_reasoning(self) -> None:
+        if self.reasoned:
+            self.reasoned = False
+            self.write((RESET if self.ansi else "") + "\n\n")
 
 
 class _Stopped(Exception):
@@ -37,12 +94,13 @@ class Chat:
         params: sampling parameters of every answer (max_tokens is per answer, capped by the context
             window left).
         system: an optional system prompt, kept across /reset.
+        ansi: show a reasoning model's reasoning dim (ANSI codes: a terminal), before its answer (AnswerView).
     Raises:
         ConfigError: the tokenizer has no chat template.
     """
 
-    def __init__(self, llm, params: SamplingParams, system: str | None = None) -> None:
-        self.llm, self.params = llm, params
+    def __init__(self, llm, params: SamplingParams, system: str | None = None, ansi: bool = False) -> None:
+        self.llm, self.params, self.ansi = llm, params, ansi
         self.system = [{"role": "system", "content": system}] if system else []
         self.history: list[dict] = list(self.system)
         self.last: RequestOutput | None = None  # the last answer that ran to its end
@@ -74,11 +132,12 @@ class Chat:
         alone = len(self.llm.encode(self.system + [message], chat=True))
         check_prompt_fits(0, alone, self.llm.max_context, self.llm.config.max_position_embeddings)
         self.history.append(message)
-        pieces: list[str] = []
+        ids = self.llm.encode(self.history, chat=True)
+        view = AnswerView(on_text, self.llm.reasoning_format, prompt_opens_thinking(self.llm.tokenizer, ids),
+                          ansi=self.ansi)
 
         def stream(_index: int, delta: str) -> None:
-            pieces.append(delta)
-            on_text(delta)
+            view(delta)
             if self._stop.is_set():
                 raise _Stopped
 
@@ -94,7 +153,9 @@ class Chat:
                 first = len(self.system)
                 del self.history[first:first + 2]
                 self.dropped += 2
-        answer = "".join(pieces)
+        view.finish()
+        # the answer without its reasoning: chat templates drop earlier turns' thinking (or never show it)
+        answer = view.answer.strip() if view.stream is not None else view.answer
         self.history.append({"role": "assistant", "content": answer})
         return answer, stopped
 

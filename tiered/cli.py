@@ -182,8 +182,11 @@ def run(
     choice: list[str] = typer.Option([], "--choice", help="Constrain the output to one of these strings (repeatable)."),
     grammar: Optional[str] = typer.Option(None, "--grammar", help="Constrain the output to a grammar (Lark, or "
                                           "llama.cpp's GBNF): a file, or the grammar's text."),
+    hide_reasoning: bool = typer.Option(False, "--hide-reasoning", help="A reasoning model (<think> blocks, "
+                                        "gpt-oss's analysis channel): print its answer only, not its reasoning."),
 ) -> None:
-    """Generate text from PROMPT, streaming it to stdout and the stats to stderr."""
+    """Generate text from PROMPT, streaming it to stdout and the stats to stderr. A reasoning model's reasoning
+    comes first (dim on a terminal), then a blank line and its answer."""
     from tiered import LLM, BeamSearchParams, SamplingParams
     from tiered.checkpoint import open_checkpoint
     from tiered.engine.prompt import check_prompt_fits, context_window, encode_prompt
@@ -227,8 +230,16 @@ def run(
         typer.echo(json.dumps({"model": str(llm.checkpoint.path), **out.as_dict(), "runtime": llm.runtime_stats(),
                                "plan": _plan_info(llm, out.stats)}))
     else:
-        on_text = lambda _i, delta: (sys.stdout.write(delta), sys.stdout.flush())  # noqa: E731
-        out = llm.generate(prompt, params, chat=chat, on_text=on_text)[0]
+        from tiered.chat import AnswerView
+        from tiered.engine.prompt import is_chat
+        from tiered.engine.reasoning import prompt_opens_thinking
+
+        fmt = llm.reasoning_format if llm.tokenizer is not None and is_chat(llm.tokenizer, prompt, chat) else None
+        view = AnswerView(lambda text: (sys.stdout.write(text), sys.stdout.flush()), fmt,
+                          fmt == "think" and prompt_opens_thinking(llm.tokenizer, llm.encode(prompt, chat)),
+                          show_reasoning=not hide_reasoning, ansi=sys.stdout.isatty())
+        out = llm.generate(prompt, params, chat=chat, on_text=lambda _i, delta: view(delta))[0]
+        view.finish()
         if llm.tokenizer is None:  # no text to stream: the generated token ids
             sys.stdout.write(" ".join(map(str, out.token_ids)))
         sys.stdout.write("\n")
@@ -396,6 +407,9 @@ def serve(
     prefix_reuse: bool = typer.Option(True, "--prefix-reuse/--no-prefix-reuse",
                                       help="Reuse the KV a slot still holds for a new prompt's shared prefix (system prompt, chat history)."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send (default: the checkpoint's directory name, or file name without its suffix)."),
+    reasoning_format: str = typer.Option("auto", "--reasoning-format", help="auto: a reasoning model's chat answers "
+                                         "its reasoning apart as reasoning_content (<think> blocks, gpt-oss's analysis "
+                                         "channel); none: the whole output is the content."),
     dtype: str = OPT["dtype"],
     decode_weights: str = OPT["decode_weights"],
     batch_activations: str = OPT["batch_activations"],
@@ -428,6 +442,8 @@ def serve(
 
     if max_batch < 1 or max_queue < 0:
         raise typer.BadParameter("--max-batch must be >= 1 and --max-queue >= 0")
+    if reasoning_format not in ("auto", "none"):
+        raise typer.BadParameter(f"--reasoning-format must be auto or none, not {reasoning_format!r}")
     config = _engine_config(locals(), max_batch=max_batch)
     llm = LLM(model, config, progress=True)
     _freeze_heap()
@@ -440,8 +456,8 @@ def serve(
     # The engine steps on this (main) thread, which owns torch's OpenMP team (a decode step on a
     # fresh thread ran 3x slower); HTTP is served from a second thread.
     engine.external = True
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, name, api_key), host=host, port=port,
-                                           log_level="warning"))
+    web_app = build_app(engine, name, api_key, reasoning=reasoning_format == "auto")
+    server = uvicorn.Server(uvicorn.Config(web_app, host=host, port=port, log_level="warning"))
     web = threading.Thread(target=server.run, name="tiered-http", daemon=True)
     signal.signal(signal.SIGTERM, _interrupt)  # uvicorn handles signals only on the main thread: we do
     web.start()
@@ -509,7 +525,7 @@ def chat(
     with LLM(model, config, progress=True) as llm:
         _freeze_heap()
         _setting_notes(llm, config)
-        repl(Chat(llm, params, system))
+        repl(Chat(llm, params, system, ansi=sys.stdout.isatty()))
 
 
 @app.command("profile-experts")

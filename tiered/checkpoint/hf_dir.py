@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -181,6 +182,18 @@ def _numel(shape) -> int:
     return n
 
 
+def generation_eos(path: Path) -> tuple[int, ...]:
+    """The end-of-sequence ids generation_config.json names beside config.json's (transformers' generate stops at
+    them): Llama 3.1's <|eom_id|> / <|eot_id|>, gpt-oss's <|call|> (a tool call ends its output) and
+    <|endoftext|>. () without the file, or where it is unreadable or names none (it only adds stops)."""
+    try:
+        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return ()
+    eos = eos if isinstance(eos, list) else [eos]
+    return tuple(int(e) for e in eos if isinstance(e, int) and not isinstance(e, bool))
+
+
 class HFDirCheckpoint(HandleTable):
     """A model directory in the Hugging Face layout.
 
@@ -206,6 +219,9 @@ class HFDirCheckpoint(HandleTable):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{cfg_path} is not valid JSON ({e})", "restore the file") from None
         self.config = ModelConfig.from_hf(self.hf_config, source=cfg_path)
+        more = generation_eos(self.path)
+        if more:
+            self.config = replace(self.config, eos_token_ids=tuple(dict.fromkeys(self.config.eos_token_ids + more)))
         index = self.path / INDEX
         if index.is_file():
             files = _read_index(index)

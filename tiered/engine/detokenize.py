@@ -17,19 +17,21 @@ def append_token_text(tokenizer, seq: Sequence) -> None:
     come out right; text ending in U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
     With a `tokenizers` backend (transformers' fast tokenizers) the same window rule runs in Rust,
     one call a token (tokenizers.decoders.DecodeStream): two `decode` calls cost ~50 us a token
-    inside a CPU decode loop, whose weights leave the interpreter's caches cold.
+    inside a CPU decode loop, whose weights leave the interpreter's caches cold. Special tokens are dropped
+    unless seq.keep_special (a harmony model's channel markers: engine/reasoning.py).
     """
+    skip = not seq.keep_special
     backend = getattr(tokenizer, "_tokenizer", None)
     if seq.decode_stream is None and DecodeStream is not None and backend is not None and len(seq.output_ids) == 1:
-        seq.decode_stream = DecodeStream(skip_special_tokens=True)  # from the first token on
+        seq.decode_stream = DecodeStream(skip_special_tokens=skip)  # from the first token on
     if seq.decode_stream is not None:
         piece = seq.decode_stream.step(backend, seq.output_ids[-1])
         if piece:
             seq.text += piece
         return
     ids = seq.output_ids
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
     if len(full) > len(prefix) and not full.endswith("\ufffd"):
         seq.text += full[len(prefix):]
         seq.prefix_offset = seq.read_offset

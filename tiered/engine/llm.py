@@ -24,7 +24,8 @@ from tiered.engine.beam import (BeamSearch, BeamSearchOutput, BeamSearchParams, 
                                 stop_ids_of)
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
 from tiered.engine.dtype import resolve_dtype
-from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt
+from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt, is_chat
+from tiered.engine.reasoning import output_stops, prompt_opens_thinking, reasoning_format
 from tiered.engine.sampling import SamplingParams, adjust_logits, prompt_token_logprobs, sample_tokens, token_logprobs
 from tiered.engine.scheduler import PromptTwins, Scheduler, SharedPrefixes, prefill_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
@@ -103,6 +104,7 @@ class LLM:
         self._place(progress)
         self._install()
         self.tokenizer = tokenizer.result()
+        self.config = replace(self.config, eos_token_ids=output_stops(self.tokenizer, self.config.eos_token_ids))
         self._release_load_memory()
         # fewer CPU threads while other processes take cores (OpenMP teams stall on a busy core)
         self.threads = thread_governor(self.plan.cpu_threads or torch.get_num_threads(), self.engine_config.num_threads)
@@ -617,9 +619,12 @@ class LLM:
         if bad:
             raise ConfigError(f"logit_bias has token id {bad[0]}, outside the vocabulary (0..{self.config.vocab_size - 1})",
                               "pass token ids of this model's tokenizer")
+        fmt = self.reasoning_format if is_chat(self.tokenizer, prompt, chat) else None
+        opened = fmt == "think" and prompt_opens_thinking(self.tokenizer, ids)
         matcher = None
-        if params.structured_outputs is not None:
-            matcher = TokenMatcher(self._grammar_tokenizer(), params.structured_outputs, self.config.vocab_size)
+        if params.structured_outputs is not None:  # a reasoning model's constraint applies to its answer
+            matcher = TokenMatcher(self._grammar_tokenizer(), params.structured_outputs, self.config.vocab_size,
+                                   fmt, opened)
         gen = None
         if params.seed is not None:
             gen = torch.Generator().manual_seed(params.seed + index)
@@ -627,7 +632,22 @@ class LLM:
         max_tokens = min(params.max_tokens, self.max_context - len(ids))
         return Sequence(index=index, prompt=text, prompt_ids=ids, params=params, max_tokens=max_tokens,
                         slot=-1, generator=gen, t_start=time.perf_counter() if t_start is None else t_start,
-                        logprobs=None if params.logprobs is None else [], matcher=matcher)
+                        logprobs=None if params.logprobs is None else [], matcher=matcher, reasoning_format=fmt,
+                        thinking_opened=opened,
+                        keep_special=self.keeps_special_tokens)
+
+    @property
+    def reasoning_format(self) -> str | None:
+        """The reasoning format of the model's chat template ("think", "harmony" or None: engine/reasoning.py), by
+        which a chat's output is split into `RequestOutput.reasoning` and `content`."""
+        return reasoning_format(self.tokenizer)
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether output text keeps the special tokens the model writes: a harmony model's (gpt-oss) channel
+        markers are special tokens, and its output read without them runs its messages together
+        ("analysis...assistantfinal...")."""
+        return self.reasoning_format == "harmony"
 
     def _grammar_tokenizer(self):
         """The tokenizer as structured outputs' grammar engine reads it (engine/structured.grammar_tokenizer),

@@ -13,7 +13,8 @@ Prompt = str | list[dict] | list[int]
 
 
 def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, add_generation_prompt: bool = True,
-                  add_special_tokens: bool = True, tools: list[dict] | None = None) -> list[int]:
+                  add_special_tokens: bool = True, tools: list[dict] | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a prompt: a string, a list of chat messages, or token ids (returned as they are).
 
     Args:
@@ -23,6 +24,8 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, add_gener
         add_generation_prompt: end a chat with the assistant's turn opening (vLLM's /tokenize may not).
         add_special_tokens: a plain text's BOS where the tokenizer adds one.
         tools: OpenAI-style tool definitions the chat template renders (transformers' `tools`); chat only.
+        template_kwargs: more variables for the chat template (Qwen3's `enable_thinking`, gpt-oss's
+            `reasoning_effort`); chat only.
     Raises:
         ConfigError: text without a tokenizer, or chat without a chat template.
     """
@@ -36,9 +39,18 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, add_gener
             raise ConfigError("this model's tokenizer has no chat template", "use chat=False / --no-chat")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **({"tools": tools} if tools else {}))
+                                             **({"tools": tools} if tools else {}), **(template_kwargs or {}))
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def is_chat(tokenizer, prompt: Prompt, chat: bool | None) -> bool:
+    """Whether `prompt` is (or, given as token ids, is declared by `chat=True` to be) a conversation rendered by the
+    chat template, as encode_prompt renders it: then its output follows the template's reasoning format
+    (engine/reasoning.py)."""
+    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        return bool(chat)
+    return isinstance(prompt, list) or (chat if chat is not None else bool(getattr(tokenizer, "chat_template", None)))
 
 
 def context_window(config: ModelConfig, max_context: int | None) -> int:

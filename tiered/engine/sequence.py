@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiered.engine.reasoning import split
 from tiered.engine.sampling import SamplingParams
 
 
@@ -53,7 +54,12 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What generate() returns for one prompt: the generated text and token ids, and stats."""
+    """What generate() returns for one prompt: the generated text and token ids, and stats.
+
+    A reasoning model's chat output (engine/reasoning.py: `<think>` blocks, gpt-oss's harmony channels) is also
+    given in parts: `reasoning` (None where it wrote none), `content` the answer, `tool_calls` harmony's calls
+    ((function name, arguments JSON text) each). For other outputs `content` is `text`.
+    """
 
     prompt: str
     prompt_token_ids: list[int]
@@ -64,11 +70,22 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
     # one per prompt token when SamplingParams.prompt_logprobs is set; None at the first (nothing before it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    reasoning: str | None = None
+    content: str | None = None  # None: set to `text` (__post_init__)
+    tool_calls: list[tuple[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.content is None:
+            self.content = self.text
 
     def as_dict(self) -> dict:
-        return {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
-                "prompt_tokens": len(self.prompt_token_ids), "finish_reason": self.finish_reason,
-                "stats": self.stats.as_dict()}
+        out = {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
+               "prompt_tokens": len(self.prompt_token_ids), "finish_reason": self.finish_reason,
+               "stats": self.stats.as_dict()}
+        if self.reasoning is not None or self.content != self.text or self.tool_calls:
+            out |= {"reasoning": self.reasoning, "content": self.content,
+                    "tool_calls": [{"name": n, "arguments": a} for n, a in self.tool_calls]}
+        return out
 
 
 @dataclass(slots=True, eq=False)
@@ -104,6 +121,11 @@ class Sequence:
     # generated tokens before the last whose KV is not written yet: its grammar's forced tokens (LLM._force),
     # which the next step feeds as rows with the last one
     pending: int = 0
+    # a reasoning model's chat (engine/reasoning.py): its format ("think", "harmony"; None: the output is all
+    # answer), whether its prompt opened a think block, and whether its text keeps special tokens (harmony's markers)
+    reasoning_format: str | None = None
+    thinking_opened: bool = False
+    keep_special: bool = False
     _seen: torch.Tensor | None = field(default=None, repr=False)  # seen_ids' buffer, int64, grown by doubling
     _seen_n: int = 0  # its entries filled
 
@@ -171,7 +193,9 @@ class Sequence:
             cpu_threads=self.cpu_threads)
 
     def output(self) -> RequestOutput:
+        parts = split(self.text, self.reasoning_format, self.thinking_opened) if self.reasoning_format else None
         return RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),
                              self.finish_reason or "length", self.stats(),
                              None if self.logprobs is None else list(self.logprobs),
-                             None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+                             *((parts.reasoning, parts.content, parts.calls) if parts is not None else ()))

@@ -122,6 +122,36 @@ def _grammar_text(p: StructuredOutputsParams) -> str:
     return LLMatcher.grammar_from_lark(lark)
 
 
+# A reasoning model's constrained output (engine/reasoning.py): its reasoning first, free, then the constraint as
+# the answer (grammar "answer", referenced as @answer), as llguidance's docs put a thinking model's grammar
+# ("Reasoning/thinking"): the model thinks as it would, and only its answer follows the schema. Without it, the
+# constraint starts at the first token and a model trained to think first answers cold (vLLM applies its grammars
+# after the reasoning parser's end of thinking in the same way). `think` ends at `</think>` (a plain string, so
+# `suffix`, not a special token), then whitespace; harmony's analysis message ends at its `<|end|>` (special tokens
+# end a terminal), and the answer is the final channel's message.
+REASONING_GRAMMARS = {
+    ("think", True): 'start: thought WS @answer\nthought[suffix="</think>"]: /(?s:.*)/\nWS: /[ \\t\\r\\n]*/',
+    ("think", False): 'start: "<think>" thought WS @answer | @answer\nthought[suffix="</think>"]: /(?s:.*)/\n'
+                      'WS: /[ \\t\\r\\n]*/',
+    ("harmony", False): 'start: analysis? <|channel|> "final" <|message|> @answer\n'
+                        'analysis: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> "assistant"',
+}
+
+
+def after_reasoning(grammar: str, fmt: str | None, opened: bool = False) -> str:
+    """`grammar` (an llguidance grammar: a TopLevelGrammar's JSON, or Lark text) as the answer of a reasoning model's
+    output in format `fmt` (engine/reasoning.py; `opened`: its prompt opened a think block): REASONING_GRAMMARS'
+    wrapper as the start grammar, `grammar`'s first grammar named "answer" (its others kept). `grammar` itself
+    where `fmt` is None."""
+    wrapper = REASONING_GRAMMARS.get((fmt, opened and fmt == "think"))
+    if wrapper is None:
+        return grammar
+    top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
+    top["grammars"][0]["name"] = "answer"
+    top["grammars"].insert(0, {"lark_grammar": wrapper})
+    return json.dumps(top)
+
+
 def _one_line(message: str) -> str:
     """llguidance's multi-line compile error on one line: its source excerpts ("   1 | start: ...") and caret
     lines dropped, the rest joined."""
@@ -155,17 +185,20 @@ class TokenMatcher:
         tokenizer: `grammar_tokenizer`'s.
         params: the constraint.
         vocab_size: V, the logits' width.
+        reasoning, opened: a reasoning model's output format and whether its prompt opened a think block
+            (engine/reasoning.py): the constraint then applies to the answer after the reasoning (`after_reasoning`).
     Raises:
         ConfigError: the grammar does not compile (a bad regex, a bad grammar, an unsupported schema).
     """
 
-    def __init__(self, tokenizer, params: StructuredOutputsParams, vocab_size: int) -> None:
+    def __init__(self, tokenizer, params: StructuredOutputsParams, vocab_size: int, reasoning: str | None = None,
+                 opened: bool = False) -> None:
         from llguidance import LLMatcher
 
         self.params = params
         self.vocab_size = vocab_size
         try:
-            grammar = params.grammar_text()
+            grammar = after_reasoning(params.grammar_text(), reasoning, opened)
         except ValueError as e:  # the JSON compiler's refusals of a schema's shape
             raise ConfigError(f"structured output {params.kind}: {e}", HINT) from None
         self.matcher = LLMatcher(tokenizer, grammar, log_level=0)

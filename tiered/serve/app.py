@@ -31,13 +31,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tiered.engine.prompt import encode_prompt
+from tiered.engine.reasoning import ReasoningStream
 from tiered.engine.sequence import RequestOutput
 from tiered.errors import ContextLengthError, TieredError
 from tiered.serve.engine import Handle, QueueFullError, ServerShuttingDownError, ServingEngine
 from tiered.serve.metrics import ServerMetrics, tier_state
 from tiered.serve.protocol import (ChatCompletionRequest, CompletionLogprobs, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, chat_logprobs)
-from tiered.serve.tools import ToolPlan, call_id
+from tiered.serve.tools import ToolPlan, call_id, tool_call
 
 STATIC = Path(__file__).parent / "static"  # the page at /
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
@@ -125,7 +126,7 @@ class _Guard:
                 scope, receive, send)
 
 
-def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None, reasoning: bool = True) -> FastAPI:
     """The FastAPI application. Its lifespan starts the engine thread (unless the engine is run on
     a thread of the caller's: ServingEngine.run) and stops the engine at shutdown.
 
@@ -133,6 +134,9 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         engine: the ServingEngine (not yet started, or stepped by `run` on another thread).
         model_name: the id /v1/models lists; requests must name it.
         api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`.
+        reasoning: a reasoning model's chat answers its reasoning apart, as `reasoning_content` (DeepSeek's API
+            and llama.cpp's field; engine/reasoning.py), and harmony's tool calls as tool_calls; False: the
+            whole output is the content, as the model wrote it.
     """
 
     @asynccontextmanager
@@ -244,7 +248,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         except TieredError as e:
             raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""), param="tool_choice")
         return await _generate(request, body, [messages], chat=True, default_max_tokens=engine.llm.max_context,
-                               kind="chat", tools=tools)
+                               kind="chat", tools=tools, template_kwargs=body.template_kwargs())
 
     def tokenizer():
         """The model's tokenizer, or APIError 400 where the checkpoint has none."""
@@ -300,17 +304,21 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                 "pad_token": tok.pad_token, "unk_token": tok.unk_token, "chat_template": tok.chat_template,
                 "model_max_length": engine.llm.max_context, "add_bos_token": getattr(tok, "add_bos_token", None)}
 
-    def submit(prompts: list, params, chat: bool, loop, n: int, tools: ToolPlan | None) -> list[Handle]:
+    def submit(prompts: list, params, chat: bool, loop, n: int, tools: ToolPlan | None,
+               template_kwargs: dict | None) -> list[Handle]:
         """engine.submit of a request's prompts (on a worker thread: encoding takes a while); a chat with
-        tools is encoded here with them (the chat template renders them)."""
-        if tools is not None and tools.tools:
-            prompts, chat = [encode_prompt(engine.llm.tokenizer, prompts[0], True, tools=tools.tools)], False
+        tools or template variables is encoded here with them (the chat template renders them), and submitted as
+        a chat's token ids."""
+        if chat and ((tools is not None and tools.tools) or template_kwargs):
+            prompts = [encode_prompt(engine.llm.tokenizer, prompts[0], True, tools=tools.tools if tools else None,
+                                     template_kwargs=template_kwargs)]
         return engine.submit(prompts, params, chat, loop, n)
 
     async def _generate(request: Request, body, prompts: list, chat: bool, default_max_tokens: int, kind: str,
-                        tools: ToolPlan | None = None):
+                        tools: ToolPlan | None = None, template_kwargs: dict | None = None):
         """Answer `body` over its `prompts` (a completion's batch, or chat's one message list), n choices
-        each: choice p * n + j is prompt p's j-th. `tools`: how a chat's output becomes tool calls."""
+        each: choice p * n + j is prompt p's j-th. `tools`: how a chat's output becomes tool calls;
+        `template_kwargs`: a chat template's extra variables."""
         check_model(body.model)
         for prompt in prompts:
             check_prompt_chars(prompt, "messages" if chat else "prompt")
@@ -321,7 +329,8 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         try:
             params = body.sampling(default_max_tokens)
             # encoding a long prompt takes a while: on a worker thread, not the event loop's
-            handles = await run_in_threadpool(submit, prompts, params, chat, asyncio.get_running_loop(), body.n, tools)
+            handles = await run_in_threadpool(submit, prompts, params, chat, asyncio.get_running_loop(), body.n, tools,
+                                              template_kwargs)
         except QueueFullError as e:
             raise APIError(503, e.message, "server_error", "queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e
@@ -343,8 +352,10 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         for i, out in enumerate(outs):
             if kind == "chat":
                 logprobs = None if out.logprobs is None else chat_logprobs(engine.llm.tokenizer, out.logprobs)
-                content, calls = tools.parse(out.text, out.finish_reason) if tools else (out.text, [])
-                message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+                reasoning, content, calls = answer(out, tools)
+                message = ({"role": "assistant", "content": content}
+                           | ({"reasoning_content": reasoning} if reasoning else {})
+                           | ({"tool_calls": calls} if calls else {}))
                 choices.append({"index": i, "message": message, "logprobs": logprobs,
                                 "finish_reason": "tool_calls" if calls else out.finish_reason})
                 continue
@@ -359,6 +370,16 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": model_name, "choices": choices,
                 "usage": _usage(outs, body.n, echo is not None and echo.scores_only)}
+
+    def answer(out: RequestOutput, tools: ToolPlan | None) -> tuple[str | None, str | None, list[dict]]:
+        """(reasoning, content, tool calls) of a chat choice's output: its reasoning apart where `reasoning` is on
+        (RequestOutput.reasoning / content / tool_calls), the calls `tools` parses out of the content, or
+        harmony's calls."""
+        if not reasoning:
+            return (None, *(tools.parse(out.text, out.finish_reason) if tools else (out.text, [])))
+        if out.tool_calls:
+            return out.reasoning, out.content or None, [tool_call(n, a) for n, a in out.tool_calls]
+        return (out.reasoning, *(tools.parse(out.content, out.finish_reason) if tools else (out.content, [])))
 
     async def _collect(request: Request, handles: list[Handle]) -> list[RequestOutput] | None:
         """Wait for each choice's output; None (and the request cancelled) if the client disconnects."""
@@ -420,13 +441,16 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             return (0, await handles[0].events.get()) if n == 1 else await events.get()
 
         def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False,
-                  logprobs: dict | None = None, calls: list[dict] | None = None) -> str:
-            """One SSE event of choice i: a text delta, the finishing chunk, chat's opening role chunk, or
-            a chat's tool calls; it carries the choice's pending logprobs (or `logprobs`, an echoed prompt's)."""
+                  logprobs: dict | None = None, calls: list[dict] | None = None, thought: str | None = None) -> str:
+            """One SSE event of choice i: a text delta, the finishing chunk, chat's opening role chunk, a chat's
+            tool calls, or its reasoning's delta (`thought`); it carries the choice's pending logprobs (or
+            `logprobs`, an echoed prompt's)."""
             if pending[i] is not None and not role and logprobs is None:
                 logprobs, pending[i] = _logprobs(kind, pending[i], completions[i]), []
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                if thought:
+                    delta["reasoning_content"] = thought
                 if calls:
                     delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
                 choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
@@ -439,6 +463,9 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
 
         echoed = [False] * n
         texts, sent = [""] * n, [0] * n  # with tools: each choice's text so far, and how much of it went out
+        # a reasoning model's chat: each choice's output told apart as it streams (engine/reasoning.py)
+        thinking = [ReasoningStream(h.seq.reasoning_format, h.seq.thinking_opened)
+                    if reasoning and kind == "chat" and h.seq.reasoning_format else None for h in handles]
         forwarders = [asyncio.ensure_future(forward(i, h)) for i, h in enumerate(handles)] if n > 1 else []
         outs: list[RequestOutput | None] = [None] * n
         try:
@@ -464,6 +491,21 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     delta, new_logprobs = "", None
                 if new_logprobs is not None:
                     pending[i] = (pending[i] or []) + new_logprobs
+                if thinking[i] is not None:  # the reasoning goes out as it comes; the answer goes on as the text
+                    thought, delta = thinking[i].feed(delta)
+                    harmony = []
+                    if out is not None:
+                        more, rest, harmony = thinking[i].finish()
+                        thought, delta = thought + more, delta + rest
+                    if thought:
+                        yield chunk(i, None, thought=thought)
+                    if harmony:  # gpt-oss's calls (commentary to=functions.NAME)
+                        if delta:
+                            yield chunk(i, delta)
+                        yield chunk(i, None, calls=[tool_call(name, args) for name, args in harmony])
+                        outs[i] = out
+                        yield chunk(i, None, finish="tool_calls")
+                        continue
                 if tools is not None and tools.mode == "named":  # the text is the call's arguments: their deltas
                     if delta:
                         head = {} if sent[i] else {"id": call_id(), "type": "function"}
@@ -475,7 +517,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                         yield chunk(i, None, finish="tool_calls" if out.finish_reason == "stop" else out.finish_reason)
                     continue
                 if tools is not None and tools.calls:  # the text from where a call may begin waits
-                    text = texts[i] = texts[i] + delta if out is None else out.text
+                    text = texts[i] = texts[i] + delta if out is None else (out.content if thinking[i] else out.text)
                     calls = tools.parse(text, out.finish_reason)[1] if out is not None else []
                     # the text to have sent: up to what may begin a call; at the end, all of it, or the
                     # text before the first call

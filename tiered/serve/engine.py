@@ -155,8 +155,9 @@ class ServingEngine:
             first = self.llm.make_sequence(one, params, chat, index=p * n)
             seqs.append(first)
             for i in range(1, n):  # the same token ids; the seed params.seed + p * n + i
-                seqs.append(self.llm.make_sequence(first.prompt_ids, params, False, index=p * n + i,
-                                                   t_start=first.t_start))
+                # a chat's ids as a chat (its reasoning format and any grammar wrapped for it), others as given
+                seqs.append(self.llm.make_sequence(first.prompt_ids, params, first.reasoning_format is not None,
+                                                   index=p * n + i, t_start=first.t_start))
                 seqs[-1].prompt = first.prompt
         handles = [Handle(seq, asyncio.Queue(), loop) for seq in seqs]
         with self._lock:  # under the lock stop() takes: a request either gets refused here or ended by stop()

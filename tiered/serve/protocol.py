@@ -84,6 +84,12 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not set (the server sets them)
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                "add_generation_prompt", "continue_final_message", "return_dict", "padding",
+                                "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask"})
+
+
 class _Generation(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -307,6 +313,10 @@ class ChatCompletionRequest(_Generation):
     tools: list[Tool] | None = Field(None, description="functions the model may call (tools/tool_choice: serve/tools.py)")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template "
+                                                        "(vLLM's; Qwen3's enable_thinking: false turns thinking off)")
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="OpenAI's: the chat template's reasoning_effort (gpt-oss's templates read it)")
     # accepted only at its neutral value (_neutral_only): the deprecated form of tools
     functions: list[Any] | None = None
     _no_functions = _neutral_only("functions", neutral="[] or null")
@@ -325,6 +335,20 @@ class ChatCompletionRequest(_Generation):
         if self.max_completion_tokens is not None and self.max_tokens is None:
             return self.model_copy(update={"max_tokens": self.max_completion_tokens}).sampling(default_max_tokens)
         return super().sampling(default_max_tokens)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_kwargs(cls, v: dict | None) -> dict | None:
+        taken = sorted(set(v or ()) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets "
+                             f"{'it' if len(taken) == 1 else 'them'}")
+        return v
+
+    def template_kwargs(self) -> dict:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort where given."""
+        return {**(self.chat_template_kwargs or {}),
+                **({"reasoning_effort": self.reasoning_effort} if self.reasoning_effort else {})}
 
     def tool_plan(self, tokenizer) -> ToolPlan:
         """How the output becomes tool calls (serve/tools.ToolPlan). Raises ConfigError for a tool_choice the

@@ -15,7 +15,8 @@ them as the model was trained to read them). What the model writes becomes `tool
   <arg_value>v</arg_value>...</tool_call>`, strings as they are, other values as JSON), or a bare JSON answer
   (Llama 3.1-3.3's `{"name": ...,
   "parameters": {...}}`, several joined by ";", after `<|python_tag|>` where it is kept; Mistral's
-  `[TOOL_CALLS] [{"name": ..., "arguments": ...}]`); with any other template the answer is text.
+  `[TOOL_CALLS] [{"name": ..., "arguments": ...}]`); with any other template the answer is text. gpt-oss's harmony
+  calls (`commentary to=functions.NAME` messages) are told apart with its reasoning (engine/reasoning.py), not here.
 
 A choice with calls finishes "tool_calls" and its message's `content` is the text before the first call
 (null when there is none).
@@ -132,9 +133,9 @@ class ToolPlan:
         try:
             if self.mode == "named":  # the arguments as written (a stream sends them so), checked to be JSON
                 json.loads(text)
-                return None, [_call(self.name, text)]
+                return None, [tool_call(self.name, text)]
             if self.mode == "required":
-                return None, [_call(c["name"], c["arguments"]) for c in json.loads(text)]
+                return None, [tool_call(c["name"], c["arguments"]) for c in json.loads(text)]
         except (ValueError, TypeError, KeyError):
             return text, []
         if self.format == "json":
@@ -145,16 +146,16 @@ class ToolPlan:
             body, closed, rest = rest.partition(CLOSE)
             try:
                 if self.format == "glm":
-                    calls.append(self._glm_call(body))
+                    calls.append(self._glmtool_call(body))
                 else:
                     obj = json.loads(body)
-                    calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
+                    calls.append(tool_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
             except (ValueError, TypeError, KeyError):
                 return text, []  # not a call after all: the whole text is the answer
             _, sep, rest = rest.partition(OPEN)
         return (head.strip() or None) if calls else text, calls
 
-    def _glm_call(self, body: str) -> dict:
+    def _glmtool_call(self, body: str) -> dict:
         """A GLM-4.5 call's body: its function's name, then <arg_key> / <arg_value> pairs; a value is the text
         where the tool's schema says string (or has no such property and it is not JSON), else its JSON.
 
@@ -177,7 +178,7 @@ class ToolPlan:
             rest = rest.replace(m.group(0), "", 1)
         if not _NAME.fullmatch(name) or rest.strip():
             raise ValueError("not a GLM tool call")
-        return _call(name, args)
+        return tool_call(name, args)
 
     def content_end(self, text: str) -> int:
         """Where the text before a choice's calls ends in its `text` (which `parse` found calls in): the first
@@ -220,13 +221,13 @@ def _json_calls(text: str) -> tuple[str | None, list[dict]]:
             obj, at = decoder.raw_decode(body, at)
             objs += obj if isinstance(obj, list) else [obj]
             at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
-        calls = [_call(o["name"], o["arguments"] if "arguments" in o else o["parameters"]) for o in objs]
+        calls = [tool_call(o["name"], o["arguments"] if "arguments" in o else o["parameters"]) for o in objs]
     except (ValueError, TypeError, KeyError):
         return text, []
     return None, calls
 
 
-def _call(name: str, arguments) -> dict:
+def tool_call(name: str, arguments) -> dict:
     """An OpenAI tool call of `name` with `arguments` (a dict, or its JSON text)."""
     if not isinstance(name, str):
         raise TypeError("a call's name is a string")

@@ -1,0 +1,282 @@
+"""Reasoning models' output (engine/reasoning.py): `<think>` blocks and gpt-oss's harmony channels told apart from
+the answer in RequestOutput, the CLI's view and the server's `reasoning_content`; harmony's markers kept in the text
+and its stop tokens; generation_config.json's end-of-sequence ids; structured outputs that constrain the answer
+after the reasoning."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from fixtures import build_tokenizer, write_tiny_checkpoint
+from tiered import LLM, EngineConfig, SamplingParams
+from tiered.engine.reasoning import (ReasoningStream, held_tail, output_stops, prompt_opens_thinking, reasoning_format,
+                                     split)
+from tiered.engine.structured import StructuredOutputsParams, TokenMatcher, grammar_tokenizer
+
+HARMONY_MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+# gpt-oss's format, shortened: each message `<|start|>role<|message|>...<|end|>`, the answer's turn opened
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final"
+                    "{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
+                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+# a Qwen3-style hybrid template: thinking is the model's choice, `enable_thinking: false` closes it in the prompt;
+# `open_thinking` opens it (as DeepSeek-R1's template does)
+THINK_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+                  "<think>\n\n</think>\n\n{% elif open_thinking %}<think>\n{% endif %}{% endif %}")
+
+TEXTS = [
+    ("think", False, "<think>\nLet me see: 2 + 2.\n</think>\n\nIt is 4.", "Let me see: 2 + 2.", "It is 4.", []),
+    ("think", True, "Hmm.\n</think>\n\n4", "Hmm.", "4", []),
+    ("think", False, "No thinking; a </think> later is text", None, "No thinking; a </think> later is text", []),
+    ("think", False, "<think>cut off mid-thought", "cut off mid-thought", "", []),
+    ("harmony", False, "<|channel|>analysis<|message|>User greets.<|end|><|start|>assistant<|channel|>final"
+     "<|message|>Hello there!", "User greets.", "Hello there!", []),
+    ("harmony", False, '<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+     'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}', "Need the weather.", "",
+     [("get_weather", '{"city":"Paris"}')]),
+    ("harmony", False, "<|channel|>analysis<|message|>x<|end|><|start|>assistant to=functions.f<|channel|>commentary "
+     "json<|message|>{}", "x", "", [("f", "{}")]),
+    ("harmony", False, "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>"
+     "Done", None, "Checking.Done", []),
+    ("harmony", False, "plain text, no channel", None, "plain text, no channel", []),
+    (None, False, "<think>x</think>y", None, "<think>x</think>y", []),
+]
+
+
+@pytest.mark.parametrize("fmt,opened,text,reasoning,content,calls", TEXTS)
+def test_split_and_the_stream_agree_at_every_cut(fmt, opened, text, reasoning, content, calls):
+    """`split` sorts a whole text into reasoning, answer and calls; a ReasoningStream fed the same text in pieces of
+    any size sends deltas that add up to the same parts (a marker cut in two is held back until it is whole), and
+    never sends reasoning as answer or the reverse."""
+    parts = split(text, fmt, opened)
+    assert (parts.reasoning, parts.content, parts.calls) == (reasoning, content, calls)
+    for size in (1, 2, 3, 5, 8, len(text)):
+        stream, r, c = ReasoningStream(fmt, opened), "", ""
+        for i in range(0, len(text), size):
+            dr, dc = stream.feed(text[i:i + size])
+            r, c = r + dr, c + dc
+            assert "<|" not in r + c and "<think>" not in r  # no marker leaks, whole or cut
+        dr, dc, got = stream.finish()
+        r, c = r + dr, c + dc
+        assert ((r.strip() or None), c.strip(), got) == (reasoning, content, calls)
+
+
+def test_held_tail_holds_only_what_may_begin_a_marker():
+    assert held_tail("abc <|chan", ["<|channel|>"]) == 6 and held_tail("abc </th", ["</think>"]) == 4
+    assert held_tail("abc <", ["</think>"]) == 1 and held_tail("abc", ["</think>"]) == 0 and held_tail("x", [""]) == 0
+
+
+def _tokenizer(template: str, specials: list[str] = ()):
+    tok = build_tokenizer()
+    if specials:
+        tok.add_special_tokens({"additional_special_tokens": list(specials)})
+    tok.chat_template = template
+    return tok
+
+
+def test_formats_and_open_thinking_come_from_the_template():
+    """The format is read off the chat template (harmony's channel markers; a `</think>` it writes); a prompt whose
+    template opened `<think>` leaves the model inside it, one that closed it (enable_thinking false) does not."""
+    harmony, think = _tokenizer(HARMONY_TEMPLATE, HARMONY_MARKERS), _tokenizer(THINK_TEMPLATE)
+    assert reasoning_format(harmony) == "harmony" and reasoning_format(think) == "think"
+    assert reasoning_format(build_tokenizer()) is None and reasoning_format(None) is None
+    ask = [{"role": "user", "content": "hi"}]
+
+    def ids(**kw):
+        return think(think.apply_chat_template(ask, tokenize=False, add_generation_prompt=True, **kw),
+                     add_special_tokens=False)["input_ids"]
+
+    assert prompt_opens_thinking(think, ids(open_thinking=True))
+    assert not prompt_opens_thinking(think, ids()) and not prompt_opens_thinking(think, ids(enable_thinking=False))
+    # harmony's stops: <|return|> and <|call|> join the checkpoint's, <|end|> (one message's end) leaves them
+    vocab = harmony.get_vocab()
+    assert output_stops(harmony, (1, vocab["<|end|>"])) == (1, vocab["<|return|>"], vocab["<|call|>"])
+    assert output_stops(think, (1, 5)) == (1, 5)
+
+
+@pytest.fixture(scope="module")
+def harmony_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with harmony's markers as special tokens, a harmony template, and <|end|> among config.json's
+    end-of-sequence ids (as a GGUF whose end-of-turn id is <|end|> gives them)."""
+    d = tmp_path_factory.mktemp("harmony") / "llama-harmony"
+    tok = _tokenizer(HARMONY_TEMPLATE, HARMONY_MARKERS)
+    write_tiny_checkpoint("llama", d, tok)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [1, tok.convert_tokens_to_ids("<|end|>")]}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def harmony(harmony_dir):
+    with LLM(str(harmony_dir), EngineConfig()) as llm:
+        yield llm
+
+
+def _write(llm, seq, text: str) -> None:
+    """The model 'writes' `text`: its tokens accepted one by one as drawn ones are (detokenized, stops applied)."""
+    for t in llm.tokenizer(text, add_special_tokens=False)["input_ids"]:
+        llm._accept(seq, t, time.perf_counter())
+        if seq.finished:
+            return
+
+
+def test_harmony_output_keeps_its_markers_and_is_split(harmony):
+    """A harmony model's chat: the text keeps the channel markers (special tokens, which decoding would drop,
+    running the messages together), the output is split into reasoning and answer, <|end|> does not end it and
+    <|return|> does (not part of the text); a call ends at <|call|> with its function and arguments."""
+    llm, vocab = harmony, harmony.tokenizer.get_vocab()
+    assert llm.keeps_special_tokens and llm.reasoning_format == "harmony"
+    assert vocab["<|end|>"] not in llm.config.eos_token_ids
+    assert {vocab["<|return|>"], vocab["<|call|>"], 1} <= set(llm.config.eos_token_ids)
+    ask = [{"role": "user", "content": "weather in Paris?"}]
+    seq = llm.make_sequence(ask, SamplingParams(max_tokens=200))
+    assert seq.reasoning_format == "harmony" and seq.keep_special
+    _write(llm, seq, "<|channel|>analysis<|message|>The user asks.<|end|><|start|>assistant<|channel|>final"
+                     "<|message|>It is sunny.<|return|>")
+    out = seq.output()
+    assert out.finish_reason == "stop" and out.text.endswith("It is sunny.") and "<|end|><|start|>assistant" in out.text
+    assert (out.reasoning, out.content, out.tool_calls) == ("The user asks.", "It is sunny.", [])
+    assert out.as_dict()["reasoning"] == "The user asks." and out.as_dict()["content"] == "It is sunny."
+    seq = llm.make_sequence(ask, SamplingParams(max_tokens=200))
+    _write(llm, seq, "<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant<|channel|>commentary "
+                     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>trailing')
+    out = seq.output()
+    assert out.finish_reason == "stop" and out.tool_calls == [("get_weather", '{"city": "Paris"}')]
+    assert "trailing" not in out.text and out.content == ""
+    # a plain completion (no chat template) is not split, but keeps the markers the model writes
+    seq = llm.make_sequence("weather?", SamplingParams(max_tokens=50), chat=False)
+    _write(llm, seq, "<|channel|>final<|message|>x")
+    assert seq.reasoning_format is None and seq.output().content == seq.output().text == "<|channel|>final<|message|>x"
+
+
+def test_harmony_json_schema_constrains_the_answer_after_the_reasoning(harmony):
+    """A structured output on a harmony model: the analysis message is free (the model reasons as it was trained
+    to), the final channel's message follows the schema, and the answer is that JSON."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    params = [SamplingParams(max_tokens=120, temperature=1.0, seed=s, structured_outputs={"json": schema})
+              for s in range(4)]
+    outs = [harmony.generate([[{"role": "user", "content": "hi"}]], p)[0] for p in params]
+    done = [o for o in outs if o.finish_reason == "stop"]
+    assert done, [o.text for o in outs]
+    for out in done:
+        assert out.text.startswith("<|channel|>") and "<|channel|>final<|message|>" in out.text
+        assert set(json.loads(out.content)) == {"a"} and out.text.endswith(out.content.strip())
+    assert any(o.reasoning for o in done)  # the free analysis message (random bytes from this model)
+
+
+def test_think_grammar_admits_the_reasoning_then_the_answer(chat_llama):
+    """The `<think>` wrapper (structured.after_reasoning) as the grammar engine runs it: with the block opened by the
+    prompt, the thought ends at `</think>` and the answer follows the constraint; left to the model, it may think or
+    answer at once; a constrained answer inside the thought is not the end."""
+    tok = _tokenizer(THINK_TEMPLATE)
+    gt = grammar_tokenizer(tok, len(tok), (1,))
+    schema = StructuredOutputsParams(json=json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                      "required": ["a"]}))
+
+    def run(text: str, opened: bool) -> TokenMatcher:
+        m = TokenMatcher(gt, schema, len(tok), "think", opened)
+        for t in tok(text, add_special_tokens=False)["input_ids"]:
+            assert m.accept(t), text
+        return m
+
+    assert run('I need {"a": 1} here.\n</think>\n\n{"a": 2}', True).done
+    assert not run('{"a": 1}', True).done  # still thinking
+    assert run('<think>hm</think>\n{"a": 3}', False).done and run('{"a": 3}', False).done
+    plain = TokenMatcher(gt, schema, len(tok))
+    assert not plain.accept(tok("<", add_special_tokens=False)["input_ids"][0])
+
+
+@contextlib.contextmanager
+def _think_server(zoo, chat_llama, tmp_path_factory, monkeypatch):
+    from test_serve import KEY, running_server
+    from tiered.serve.engine import ServingEngine
+
+    d = tmp_path_factory.mktemp("think") / "llama-think"
+    shutil.copytree(chat_llama, d)
+    cfg = d / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": THINK_TEMPLATE}))
+    llm = zoo.llm(d)
+    # the random model writes no <think> block by itself: a regex scripts its whole output, reasoning included (its
+    # grammar not wrapped in the reasoning one, which would leave the thought to the model)
+    import tiered.engine.llm as engine_llm
+
+    monkeypatch.setattr(engine_llm, "TokenMatcher", lambda tok, p, v, *_: TokenMatcher(tok, p, v))
+    with running_server(ServingEngine(llm, max_batch=4, max_queue=8), KEY) as url:
+        yield url, llm
+
+
+def test_server_answers_reasoning_apart_streamed_or_not(zoo, chat_llama, tmp_path_factory, monkeypatch):
+    """/v1/chat/completions on a `<think>` model: `reasoning_content` holds the thought and `content` the answer, in
+    one response and in a stream's deltas (which add up to them); chat_template_kwargs reach the template
+    (enable_thinking false closes the block in the prompt); a completion is not split."""
+    openai = pytest.importorskip("openai")
+    from test_serve import KEY, MODEL
+
+    script = {"structured_outputs": {"regex": r"<think>\n[a-z]{3,6} [a-z]{3,6}\n</think>\n\n[A-Z][a-z]{2,6}\."}}
+    with _think_server(zoo, chat_llama, tmp_path_factory, monkeypatch) as (url, llm):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        ask = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=40, temperature=0,
+                   extra_body=script)
+        msg = client.chat.completions.create(**ask).choices[0].message
+        thought, answer = msg.model_extra["reasoning_content"], msg.content
+        assert thought.count(" ") == 1 and "<think>" not in thought and answer[0].isupper() and answer.endswith(".")
+        r, c, finish = "", "", None
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            delta = chunk.choices[0].delta
+            r += (delta.model_extra or {}).get("reasoning_content") or ""
+            c += delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert (r.strip(), c.strip(), finish) == (thought, answer, "stop")
+        # chat_template_kwargs: the prompt closes thinking; refused for the template's own arguments
+        closed = client.chat.completions.create(**{**ask, "extra_body": {
+            **script, "chat_template_kwargs": {"enable_thinking": False}}})
+        opened = client.chat.completions.create(**{**ask, "extra_body": {
+            **script, "chat_template_kwargs": {"open_thinking": True}}})
+        plain = client.chat.completions.create(**ask)
+        assert closed.usage.prompt_tokens > opened.usage.prompt_tokens > plain.usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+            client.chat.completions.create(**{**ask, "extra_body": {"chat_template_kwargs": {
+                "add_generation_prompt": False}}})
+        text = client.completions.create(model=MODEL, prompt="hi", max_tokens=30, temperature=0, extra_body=script)
+        assert text.choices[0].text.startswith("<think>")  # as the model wrote it
+
+
+def test_generation_config_adds_end_of_sequence_ids(zoo, tmp_path):
+    """generation_config.json's eos_token_id (transformers' generate stops at them: Llama 3.1's <|eot_id|>, gpt-oss's
+    <|call|>) joins config.json's; an unreadable file adds none."""
+    d = tmp_path / "llama"
+    shutil.copytree(zoo.dir("llama"), d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7, 9], "temperature": 0.6}))
+    from tiered.checkpoint import open_checkpoint
+
+    assert open_checkpoint(d).config.eos_token_ids == (1, 7, 9)
+    (d / "generation_config.json").write_text("{not json")
+    assert open_checkpoint(d).config.eos_token_ids == (1,)
+
+
+def test_cli_shows_reasoning_then_the_answer(harmony):
+    """`tiered run`'s view (chat.AnswerView): reasoning first (dim on a terminal), a blank line, then the answer;
+    --hide-reasoning leaves it out; harmony's calls shown as [call NAME ARGS]; without a format, the text as it is."""
+    from tiered.chat import DIM, RESET, AnswerView
+
+    text = ("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary to=functions.f "
+            '<|message|>{"x": 1}')
+    for ansi, show in ((False, True), (True, True), (False, False)):
+        shown = []
+        view = AnswerView(shown.append, "harmony", show_reasoning=show, ansi=ansi)
+        for ch in text:
+            view(ch)
+        assert view.finish() == [("f", '{"x": 1}')]
+        want = ((DIM if ansi else "") + "Think." + (RESET if ansi else "") + "\n\n" if show else "") + '[call f {"x": 1}]'
+        assert "".join(shown) == want
+    shown = []
+    view = AnswerView(shown.append, None)
+    view("<think>x</think>")
+    assert view.finish() == [] and "".join(shown) == view.answer == "<think>x</think>"
