@@ -251,3 +251,25 @@ def test_tool_plan_parsing():
     for text in ('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}}]',
                  '[{"name": "get_time", "arguments": {"zone": "UTC"}}]'):
         assert mistral.parse(text, "stop")[1][0]["function"]["arguments"] == '{"zone": "UTC"}'
+
+
+def test_deepseek_calls_are_parsed_in_both_forms():
+    """DeepSeek's format (a template that writes <｜tool▁calls▁begin｜>): V3 / R1's `function<｜tool▁sep｜>NAME` with
+    fenced JSON and V3.1's `NAME<｜tool▁sep｜>JSON`, several calls in one block, the text before them the content; a
+    stream holds back from the block's opening (or a tail that may begin it); a call that is not JSON leaves text."""
+    ds = ToolPlan.of([WEATHER, TIME], None, True, SimpleNamespace(chat_template="{{ '<｜tool▁calls▁begin｜>' }}"))
+    v3 = ('Let me check.\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+          '{"city": "Oslo", "days": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    content, calls = ds.parse(v3, "stop")
+    assert ds.format == "deepseek" and content == "Let me check." and ds.content_end(v3) == len("Let me check.\n")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2})]
+    v31 = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": "UTC"}<｜tool▁call▁end｜>'
+           '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Lima", "days": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    content, calls = ds.parse(v31, "stop")
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    assert calls[0]["function"]["arguments"] == '{"zone": "UTC"}'
+    assert ds.held("Sure <｜tool▁ca") == len("<｜tool▁ca") and ds.held(v3) == len(v3) - len("Let me check.\n")
+    assert ds.held("Sunny.") == 0 and ds.parse("Sunny.", "stop") == ("Sunny.", [])
+    bad = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{zone<｜tool▁call▁end｜>"
+    assert ds.parse(bad, "stop") == (bad, [])

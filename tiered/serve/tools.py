@@ -15,7 +15,10 @@ them as the model was trained to read them). What the model writes becomes `tool
   <arg_value>v</arg_value>...</tool_call>`, strings as they are, other values as JSON), or a bare JSON answer
   (Llama 3.1-3.3's `{"name": ...,
   "parameters": {...}}`, several joined by ";", after `<|python_tag|>` where it is kept; Mistral's
-  `[TOOL_CALLS] [{"name": ..., "arguments": ...}]`); with any other template the answer is text. gpt-oss's harmony
+  `[TOOL_CALLS] [{"name": ..., "arguments": ...}]`), or DeepSeek's (`<｜tool▁calls▁begin｜>` then per call
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and its arguments in a ```json fence (V3, R1), or
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS` (V3.1), each to `<｜tool▁call▁end｜>`; non-special tokens of its
+  tokenizer, so they stay in the text); with any other template the answer is text. gpt-oss's harmony
   calls (`commentary to=functions.NAME` messages) are told apart with its reasoning (engine/reasoning.py), not here.
 
 A choice with calls finishes "tool_calls" and its message's `content` is the text before the first call
@@ -33,6 +36,8 @@ from tiered.engine.structured import StructuredOutputsParams
 from tiered.errors import ConfigError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # the Hermes format's call tags
+# DeepSeek's (V3 / R1 / V3.1): the calls' opening, each call's opening, name-arguments separator and end
+DS_CALLS, DS_CALL, DS_SEP, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 HINT = "fix tools / tool_choice"
 # the JSON of constrained calls: json.dumps' separators and no other whitespace, as chat templates render calls
 # (jinja's tojson) and as models were trained on them; a tool's own "x-guidance" whitespace options win
@@ -52,11 +57,13 @@ JSON_MARKERS = ("<|python_tag|>", "[TOOL_CALLS]")
 
 
 def call_format(tokenizer) -> str | None:
-    """The call format the model's chat template teaches: "glm" (`<tool_call>` with `<arg_key>` / `<arg_value>`
-    pairs), "hermes" (it writes the `<tool_call>` tag), "json"
+    """The call format the model's chat template teaches: "deepseek" (`<｜tool▁calls▁begin｜>`), "glm" (`<tool_call>`
+    with `<arg_key>` / `<arg_value>` pairs), "hermes" (it writes the `<tool_call>` tag), "json"
     (Llama 3's "Respond in the format {"name": function name, "parameters": ...}", Mistral's [TOOL_CALLS]),
     or None (no calls parsed)."""
     template = str(getattr(tokenizer, "chat_template", None) or "")
+    if DS_CALLS in template:
+        return "deepseek"
     if OPEN in template and "<arg_key>" in template:
         return "glm"
     if OPEN in template:
@@ -80,7 +87,7 @@ class ToolPlan:
         tools: the request's tools, as OpenAI sends them ({"type": "function", "function": {...}}).
         name: the named function ("named" mode).
         parallel: more than one call allowed ("required" mode).
-        format: the call format "auto" parses ("hermes", "glm" or "json", `call_format`; None: none).
+        format: the call format "auto" parses ("hermes", "glm", "deepseek" or "json", `call_format`; None: none).
     """
 
     mode: str
@@ -140,6 +147,8 @@ class ToolPlan:
             return text, []
         if self.format == "json":
             return _json_calls(text)
+        if self.format == "deepseek":
+            return _deepseek_calls(text)
         head, sep, rest = text.partition(OPEN)
         calls = []
         while sep:
@@ -180,10 +189,15 @@ class ToolPlan:
             raise ValueError("not a GLM tool call")
         return tool_call(name, args)
 
+    @property
+    def opening(self) -> str | None:
+        """The tag that opens the calls in the text ("auto" of a tagged format), None for bare-JSON calls."""
+        return {"hermes": OPEN, "glm": OPEN, "deepseek": DS_CALLS}.get(self.format)
+
     def content_end(self, text: str) -> int:
         """Where the text before a choice's calls ends in its `text` (which `parse` found calls in): the first
-        Hermes tag; 0 where the calls are the whole answer."""
-        return max(text.find(OPEN), 0) if self.format in ("hermes", "glm") else 0
+        call's opening tag; 0 where the calls are the whole answer."""
+        return max(text.find(self.opening), 0) if self.opening else 0
 
     def held(self, text: str) -> int:
         """How many characters at the end of a streamed "auto" text to hold back: from a call's opening tag
@@ -198,11 +212,12 @@ class ToolPlan:
                 if marker.startswith(head) or head.startswith(marker):
                     return len(text)
             return len(text) if not head or head[0] in "{[" else 0
-        at = text.find(OPEN)
+        tag = self.opening
+        at = text.find(tag)
         if at >= 0:
             return len(text) - at
-        for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-            if OPEN.startswith(text[-k:]):
+        for k in range(min(len(tag) - 1, len(text)), 0, -1):
+            if tag.startswith(text[-k:]):
                 return k
         return 0
 
@@ -225,6 +240,33 @@ def _json_calls(text: str) -> tuple[str | None, list[dict]]:
     except (ValueError, TypeError, KeyError):
         return text, []
     return None, calls
+
+
+def _deepseek_calls(text: str) -> tuple[str | None, list[dict]]:
+    """(content, calls) of a DeepSeek answer: the text before `<｜tool▁calls▁begin｜>`, then each call's name and
+    arguments (V3 / R1: `function<｜tool▁sep｜>NAME`, a newline, the JSON in a ```json fence; V3.1:
+    `NAME<｜tool▁sep｜>JSON`); anything that is not such a call leaves the whole text as the answer."""
+    head, sep, rest = text.partition(DS_CALLS)
+    calls = []
+    for body in rest.split(DS_CALL)[1:] if sep else []:
+        body = body.split(DS_END, 1)[0]
+        first, tagged, args = body.partition(DS_SEP)
+        if first.strip() == "function":  # V3 / R1: the name on the separator's line, the arguments fenced below
+            name, _, args = args.partition("\n")
+            args = args.strip()
+            if args.startswith("```"):
+                args = args.partition("\n")[2].rstrip().removesuffix("```")
+        else:
+            name = first
+        name, args = name.strip(), args.strip()
+        try:
+            json.loads(args)
+        except ValueError:
+            return text, []
+        if not tagged or not _NAME.fullmatch(name):
+            return text, []
+        calls.append(tool_call(name, args))
+    return ((head.strip() or None), calls) if calls else (text, [])
 
 
 def tool_call(name: str, arguments) -> dict:
