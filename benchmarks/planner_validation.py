@@ -434,23 +434,26 @@ def dense_rows(args, hw, rows: list, errors: list) -> None:
         ids = spread(LONG_PROMPT) if dw == "long" else list(range(100, 132))
         llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         positions = len(ids) + args.new_tokens // 2
-        if dw == "batch":  # BATCH prompts decoded together: the step's time over its BATCH tokens, by difference
-            # (2n and n new tokens: the prompts' prefill cancels). The longest decode_s over n - 1 steps had counted
-            # the steps that prefilled the prompts admitted after the first ones (32-token prompts: 6 joined the
-            # first step's rows, 2 prefilled after): 20.5 ms a step on 2 AVX2 cores, where a step took 13.2
+        if dw == "batch":  # BATCH prompts decoded together: the step's time over its BATCH tokens, from the moment
+            # every prompt has its first token (all prefilled) to the end, over the steps between. The longest decode_s
+            # over n - 1 steps had counted the steps that prefilled the prompts admitted after the first ones (32-token
+            # prompts: 6 joined the first step's rows, 2 prefilled after): 20.5 ms a step on 2 AVX2 cores, where a step
+            # took 13.2. The difference of 2n and n new tokens (the prefill cancelling) then read 1.16-1.61 ms a token
+            # in three rounds on 2 Zen 4 cores where the 8-row native step took 10.6-10.9 ms (1.33-1.36) in each: the
+            # 256-row prefill's own swing (408-472 ms) landed in the difference (2026-12-04)
             prompts = [[i + 7 * b for i in ids] for b in range(BATCH)]
 
             def run(n: int) -> float:
-                t0 = time.perf_counter()
-                llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-                return time.perf_counter() - t0
-            itl = median([(run(2 * args.new_tokens) - run(args.new_tokens)) / args.new_tokens / BATCH
-                          for _ in range(3)])
+                outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                start = max(o.stats.ttft_s for o in outs)  # the last prompt's first token (from the call's start)
+                end = max(o.stats.ttft_s + o.stats.decode_s for o in outs)
+                return (end - start) / (n - 1) / BATCH
+            itl = median([run(2 * args.new_tokens) for _ in range(3)])
         else:
             itl = median([llm.generate([ids], SamplingParams(temperature=0, max_tokens=args.new_tokens,
                                                              ignore_eos=True))[0].stats.itl_s for _ in range(3)])
-        if dw == "batch":  # the plan's batch figure priced again at the positions the difference spans
-            step = 1.0 / llm.predicted_decode_at(len(ids) + 3 * args.new_tokens // 2, batch=True)
+        if dw == "batch":  # the plan's batch figure priced again at the positions its steps span (mean: prompt + N)
+            step = 1.0 / llm.predicted_decode_at(len(ids) + args.new_tokens, batch=True)
         elif dw in (None, "long"):  # the plan priced again at this run's positions (its own figure is at prompt + generation:
             # 640 positions, where attention reads 10x the KV bytes), as `tiered run` reports it
             step = 1.0 / (llm.predicted_decode_at(positions) or llm.plan.predicted_decode_tokens_per_s)
