@@ -29,7 +29,6 @@ H_START, H_CHANNEL, H_MESSAGE, H_END, H_CONSTRAIN = "<|start|>", "<|channel|>", 
 H_RETURN, H_CALL = "<|return|>", "<|call|>"
 HARMONY_MARKERS = (H_START, H_CHANNEL, H_MESSAGE, H_END, H_CONSTRAIN, H_RETURN, H_CALL)
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
-FORMATS = ("think", "harmony")
 
 
 def reasoning_format(tokenizer) -> str | None:
