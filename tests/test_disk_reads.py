@@ -94,7 +94,7 @@ def test_a_plan_with_experts_on_disk_is_priced_with_reads_of_the_checkpoint(rt, 
         assert hw.meta["disk_reads_fitted"] == "the checkpoint's files"
         assert hw.models["disk/read_cold"] != BOX["disk/read_cold"] and "disk/read_cold_parallel" in hw.models
         assert any("disk reads of experts timed on the checkpoint's files" in n for n in llm.plan.notes)
-        cached = json.loads(disk_reads._cache_path().read_text())
+        cached = json.loads(disk_reads.cache_path().read_text())
         (entry,) = cached.values()
         assert LinearModel(**entry["disk/read_cold"]) == hw.models["disk/read_cold"]
         tokens_s = llm.plan.predicted_decode_tokens_per_s

@@ -126,7 +126,8 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
     return fit_affine(nbytes, [statistics.median(times[n]) for n in nbytes])
 
 
-def _cache_path() -> Path:
+def cache_path() -> Path:
+    """The file the engine keeps its disk-read fits in (per device, expert layout and profile): <cache dir>/disk_reads.json."""
     from tiered.checkpoint.tokenizer import cache_dir
     return cache_dir() / "disk_reads.json"
 
@@ -141,7 +142,7 @@ def fitted_disk_reads(profile: HardwareProfile, checkpoint, config, dtype: torch
     hs = _first_expert(checkpoint, config)
     key = (f"reads v{READ_VERSION}; dev {os.stat(hs[0].path).st_dev}; expert {[list(h.shape) for h in hs]} {dtype}; readers {readers}; "
            f"profile {profile.source}")
-    path = _cache_path()
+    path = cache_path()
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
