@@ -280,3 +280,54 @@ def test_cli_shows_reasoning_then_the_answer(harmony):
     view = AnswerView(shown.append, None)
     view("<think>x</think>")
     assert view.finish() == [] and "".join(shown) == view.answer == "<think>x</think>"
+
+
+def test_llm_chat_takes_tools_and_template_variables(zoo, chat_llama, tmp_path, monkeypatch):
+    """LLM.chat (vLLM's): conversations through the template with `tools` and `chat_template_kwargs`; the calls
+    the model wrote in its template's format become tool_calls (a regex scripts the random model's Hermes call);
+    a template that refuses a conversation is a ConfigError; `tiered run --template-var` reaches the template."""
+    from typer.testing import CliRunner
+
+    import tiered.engine.llm as engine_llm
+    from tiered.cli import app
+    from tiered.errors import ConfigError
+
+    d = tmp_path / "llama-tools"
+    shutil.copytree(chat_llama, d)
+    template = ("{% if tools %}<|system|>tools: {% for t in tools %}{{ t.function.name }} {% endfor %}<tool_call>\n"
+                "{% endif %}{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('no bad turns') }}"
+                "{% endif %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+                "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+                "{% endif %}")
+    cfg = d / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": template}))
+    llm = zoo.llm(d)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    ask = [{"role": "user", "content": "weather?"}]
+    monkeypatch.setattr(engine_llm, "TokenMatcher", lambda tok, p, v, *_: TokenMatcher(tok, p, v))
+    script = StructuredOutputsParams(regex=r'Ok\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "Oslo"\}\}'
+                                           r'</tool_call>')
+    out = llm.chat(ask, SamplingParams(max_tokens=150, temperature=0, structured_outputs=script), tools=[weather])[0]
+    assert out.tool_calls == [("get_weather", '{"city": "Oslo"}')] and out.content == "Ok."
+    assert out.prompt_token_ids == encode(llm, ask, tools=[weather]) and "tools: get_weather" in llm.tokenizer.decode(
+        out.prompt_token_ids)
+    plain = llm.chat([ask, ask], SamplingParams(max_tokens=3, temperature=0))
+    assert len(plain) == 2 and plain[0].tool_calls == [] and plain[0].prompt_token_ids == encode(llm, ask)
+    closed = llm.chat(ask, SamplingParams(max_tokens=3, temperature=0), chat_template_kwargs={"enable_thinking": False})
+    assert closed[0].prompt_token_ids == encode(llm, ask, template_kwargs={"enable_thinking": False})
+    assert len(closed[0].prompt_token_ids) > len(plain[0].prompt_token_ids)
+    with pytest.raises(ConfigError, match="no bad turns"):
+        llm.chat([{"role": "bad", "content": "x"}], SamplingParams(max_tokens=2))
+    result = CliRunner().invoke(app, ["run", "hi", "--model", str(d), "--max-tokens", "2", "--json",
+                                      "--template-var", "enable_thinking=false"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["prompt_tokens"] == len(encode(llm, [{"role": "user", "content": "hi"}],
+                                                                    template_kwargs={"enable_thinking": False}))
+    bad = CliRunner().invoke(app, ["run", "hi", "--model", str(d), "--template-var", "no-equals"])
+    assert bad.exit_code != 0 and "KEY=VALUE" in bad.output
+
+
+def encode(llm, messages, **kw) -> list[int]:
+    from tiered.engine.prompt import encode_prompt
+
+    return encode_prompt(llm.tokenizer, messages, True, **kw)

@@ -1,4 +1,4 @@
-"""Tool calling through `tiered serve` (serve/tools.py): the real server over the tiny Llama with a chat template
+"""Tool calling through `tiered serve` (engine/tools.py): the real server over the tiny Llama with a chat template
 that renders tools and teaches the Hermes call format, driven by the real `openai` client. The random model
 never calls a tool by itself, so "auto" is steered into one with a regex (structured outputs); "required" and
 a named function constrain the output to the calls' JSON."""
@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai", reason="the serving tests drive the real 
 from test_serve import KEY, MODEL, running_server  # noqa: E402
 from tiered.engine.prompt import encode_prompt  # noqa: E402
 from tiered.serve.engine import ServingEngine  # noqa: E402
-from tiered.serve.tools import ToolPlan  # noqa: E402
+from tiered.engine.tools import ToolPlan  # noqa: E402
 
 # a Hermes-style template (as Qwen2.5 / Qwen3 write theirs, shortened to the tiny model's 256-token context: tools
 # by name only): tools in a system turn, calls as

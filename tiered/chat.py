@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Callable, TextIO
 
-from tiered.engine.prompt import check_prompt_fits
+from tiered.engine.prompt import check_prompt_fits, encode_prompt
 from tiered.engine.reasoning import ReasoningStream, prompt_opens_thinking
 from tiered.engine.sampling import SamplingParams
 from tiered.engine.sequence import RequestOutput
@@ -95,18 +95,24 @@ class Chat:
             window left).
         system: an optional system prompt, kept across /reset.
         ansi: show a reasoning model's reasoning dim (ANSI codes: a terminal), before its answer (AnswerView).
+        template_kwargs: variables for the chat template (Qwen3's enable_thinking, ...: LLM.chat's).
     Raises:
         ConfigError: the tokenizer has no chat template.
     """
 
-    def __init__(self, llm, params: SamplingParams, system: str | None = None, ansi: bool = False) -> None:
-        self.llm, self.params, self.ansi = llm, params, ansi
+    def __init__(self, llm, params: SamplingParams, system: str | None = None, ansi: bool = False,
+                 template_kwargs: dict | None = None) -> None:
+        self.llm, self.params, self.ansi, self.template_kwargs = llm, params, ansi, template_kwargs or {}
         self.system = [{"role": "system", "content": system}] if system else []
         self.history: list[dict] = list(self.system)
         self.last: RequestOutput | None = None  # the last answer that ran to its end
         self.dropped = 0  # turns dropped from the front of the history to fit the context window
         self._stop = threading.Event()
-        llm.encode(self.system + [{"role": "user", "content": "hi"}], chat=True)  # ConfigError without a template
+        self._encode(self.system + [{"role": "user", "content": "hi"}])  # ConfigError without a template
+
+    def _encode(self, messages: list[dict]) -> list[int]:
+        """The conversation's prompt ids, as LLM.chat encodes it (the template's variables included)."""
+        return encode_prompt(self.llm.tokenizer, messages, True, template_kwargs=self.template_kwargs)
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays)."""
@@ -129,10 +135,10 @@ class Chat:
         """
         self._stop.clear()
         message = {"role": "user", "content": text}
-        alone = len(self.llm.encode(self.system + [message], chat=True))
+        alone = len(self._encode(self.system + [message]))
         check_prompt_fits(0, alone, self.llm.max_context, self.llm.config.max_position_embeddings)
         self.history.append(message)
-        ids = self.llm.encode(self.history, chat=True)
+        ids = self._encode(self.history)
         view = AnswerView(on_text, self.llm.reasoning_format, prompt_opens_thinking(self.llm.tokenizer, ids),
                           ansi=self.ansi)
 
@@ -144,7 +150,8 @@ class Chat:
         stopped = False
         while True:
             try:
-                self.last = self.llm.generate(self.history, self.params, chat=True, on_text=stream)[0]
+                self.last = self.llm.chat(self.history, self.params, chat_template_kwargs=self.template_kwargs,
+                                          on_text=stream)[0]
                 break
             except _Stopped:
                 stopped = True
@@ -164,7 +171,7 @@ class Chat:
         tiers (the plan, and for MoE models expert placement, hit rate and bytes moved)."""
         turns = sum(m["role"] == "user" for m in self.history)
         window = self.llm.max_context
-        used = len(self.llm.encode(self.history, chat=True)) if len(self.history) > len(self.system) else 0
+        used = len(self._encode(self.history)) if len(self.history) > len(self.system) else 0
         lines = [f"conversation: {turns} question{'' if turns == 1 else 's'}, {used} of {window} context tokens"
                  + (f" ({self.dropped} old turns dropped)" if self.dropped else "")]
         if self.last is not None:

@@ -54,6 +54,9 @@ OPT = {
     "repetition_penalty": typer.Option(1.1, "--repetition-penalty", help="Penalty for tokens already seen (1 = off)."),
     "seed": typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
     "stop": typer.Option([], "--stop", help="Stop string (repeatable)."),
+    "template_var": typer.Option([], "--template-var", help="A chat template variable KEY=VALUE (repeatable; VALUE "
+                                 "read as JSON where it parses: enable_thinking=false turns Qwen3's thinking off, "
+                                 "reasoning_effort=high gpt-oss's effort up)."),
     "dtype": typer.Option("auto", "--dtype", help="Compute dtype: auto (on a CUDA GPU the checkpoint's: bfloat16 for bf16/fp16/quantized checkpoints; float32 on the CPU), float32 (lossless) or bfloat16."),
     "decode_weights": typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16, int8 or int4."),
     "batch_activations": typer.Option("auto", "--batch-activations",
@@ -97,6 +100,24 @@ def friendly_errors(fn):
             typer.echo("interrupted", err=True)
             raise typer.Exit(130)
     return wrapper
+
+
+def _template_vars(pairs: list[str]) -> dict:
+    """`--template-var KEY=VALUE` flags as the chat template's variables: VALUE as JSON where it parses (false, 3,
+    "x", [..]), else the text.
+
+    Raises:
+        ConfigError: a flag without `=` or a key that is not a name."""
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip().isidentifier():
+            raise ConfigError(f"--template-var {pair!r} is not KEY=VALUE", "e.g. --template-var enable_thinking=false")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
 
 
 def _structured_output(json_schema: str | None, regex: str | None, choice: list[str], grammar: str | None):
@@ -184,6 +205,7 @@ def run(
                                           "llama.cpp's GBNF): a file, or the grammar's text."),
     hide_reasoning: bool = typer.Option(False, "--hide-reasoning", help="A reasoning model (<think> blocks, "
                                         "gpt-oss's analysis channel): print its answer only, not its reasoning."),
+    template_var: list[str] = OPT["template_var"],
 ) -> None:
     """Generate text from PROMPT, streaming it to stdout and the stats to stderr. A reasoning model's reasoning
     comes first (dim on a terminal), then a blank line and its answer."""
@@ -193,6 +215,10 @@ def run(
 
     prompt = _prompt_text(prompt)
     structured = _structured_output(json_schema, regex, choice, grammar)
+    template_kwargs = _template_vars(template_var)
+    if template_kwargs and chat is False:
+        raise ConfigError("--template-var sets chat template variables, and --no-chat uses no template",
+                          "leave one of them out")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop),
                             structured_outputs=structured)
@@ -208,13 +234,18 @@ def run(
         except ValueError:
             raise ConfigError(f"{ckpt.path} has no tokenizer", "pass the prompt as space-separated token ids, "
                               "e.g. \"1 2 3\"") from None
-        needs = [flag for flag, given in (("--stop", bool(stop)), ("--chat", bool(chat))) if given]
+        needs = [flag for flag, given in (("--stop", bool(stop)), ("--chat", bool(chat)),
+                                          ("--template-var", bool(template_kwargs))) if given]
         if needs:
             raise ConfigError(f"{' and '.join(needs)} need{'s' if len(needs) == 1 else ''} a tokenizer, and "
                               f"{ckpt.path} has none", "leave it out (--max-tokens bounds the output), or use a "
                               "checkpoint with a tokenizer")
     if trace is not None:  # an unwritable trace path is refused now, not after the whole generation
         _check_writable(trace, "--trace")
+    if template_kwargs:  # the prompt through the template with its variables, as a chat's token ids (LLM.chat's)
+        prompt = encode_prompt(ckpt.tokenizer(), [{"role": "user", "content": prompt}], True,
+                               template_kwargs=template_kwargs)
+        chat = True
     check_prompt_fits(0, len(encode_prompt(ckpt.tokenizer(), prompt, chat)),
                       context_window(ckpt.config, config.max_context), ckpt.config.max_position_embeddings)
     llm = LLM(ckpt, config, progress=not as_json)
@@ -513,6 +544,7 @@ def chat(
     plan: str = OPT["plan"],
     graphs: str = OPT["graphs"],
     profile_file: Optional[str] = OPT["profile_file"],
+    template_var: list[str] = OPT["template_var"],
 ) -> None:
     """Chat with the model in the terminal through its chat template: history, streamed answers,
     /reset and /stats; Ctrl-C stops an answer, Ctrl-D (or Ctrl-C twice at the prompt) quits."""
@@ -521,11 +553,12 @@ def chat(
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed)
+    template_kwargs = _template_vars(template_var)  # a bad flag is refused before anything loads
     config = _engine_config(locals())
     with LLM(model, config, progress=True) as llm:
         _freeze_heap()
         _setting_notes(llm, config)
-        repl(Chat(llm, params, system, ansi=sys.stdout.isatty()))
+        repl(Chat(llm, params, system, ansi=sys.stdout.isatty(), template_kwargs=template_kwargs))
 
 
 @app.command("profile-experts")

@@ -350,6 +350,38 @@ class LLM:
                 outputs[seq.index] = out
         return outputs  # type: ignore[return-value]
 
+    def chat(self, messages: list[dict] | Seq[list[dict]], params: SamplingParams | None = None, *,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             on_text: Callable[[int, str], None] | None = None) -> list[RequestOutput]:
+        """Answer one conversation or several (vLLM's `LLM.chat`): each message list through the chat template with
+        `tools` (OpenAI-style function definitions the template renders) and `chat_template_kwargs` (the template's
+        own variables: Qwen3's `enable_thinking`, DeepSeek-V3.1's `thinking`, gpt-oss's `reasoning_effort`).
+
+        Each output's `reasoning` / `content` are split as a chat's are (engine/reasoning.py); with `tools`, the
+        calls the model wrote in the format its template teaches (engine/tools.py, tool_choice "auto": Hermes, GLM,
+        Llama 3 JSON, Mistral, DeepSeek; harmony's already) are `tool_calls`, (function name, arguments JSON text)
+        each, and `content` is the text before them; `finish_reason` stays the engine's.
+
+        Raises:
+            ConfigError: no tokenizer or no chat template, or a template variable the template cannot take.
+            ContextLengthError: a conversation does not fit the context window.
+        """
+        from tiered.engine.tools import ToolPlan
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        ids = [encode_prompt(self.tokenizer, conv, True, tools=tools, template_kwargs=chat_template_kwargs)
+               for conv in conversations]
+        outputs = self.generate(ids, params, chat=True, on_text=on_text)
+        plan = ToolPlan.of(tools, "auto", True, self.tokenizer) if tools else None
+        for out, conv in zip(outputs, conversations):
+            out.prompt = str(conv)
+            if plan is not None and not out.tool_calls:
+                content, calls = plan.parse(out.content, out.finish_reason)
+                if calls:
+                    out.content = content or ""
+                    out.tool_calls = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        return outputs
+
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool | None = None) -> Iterator[str]:
         """Yield the generated text of one prompt piece by piece."""
         for _, delta, _ in self._run([prompt], params or SamplingParams(), chat):

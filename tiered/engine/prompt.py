@@ -27,7 +27,8 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, add_gener
         template_kwargs: more variables for the chat template (Qwen3's `enable_thinking`, gpt-oss's
             `reasoning_effort`); chat only.
     Raises:
-        ConfigError: text without a tokenizer, or chat without a chat template.
+        ConfigError: text without a tokenizer, chat without a chat template, or a conversation the template
+            refuses (its raise_exception: roles out of order, a tool turn without a call, ...).
     """
     if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
         return list(prompt)
@@ -38,8 +39,14 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, add_gener
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("this model's tokenizer has no chat template", "use chat=False / --no-chat")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **({"tools": tools} if tools else {}), **(template_kwargs or {}))
+        from jinja2 import TemplateError
+
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 **({"tools": tools} if tools else {}), **(template_kwargs or {}))
+        except TemplateError as e:  # the template's raise_exception (roles out of order, ...), or its own bug
+            raise ConfigError(f"the chat template refused the conversation: {e}",
+                              "check the messages' roles and order (and any template variables)") from None
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 

@@ -38,7 +38,7 @@ from tiered.serve.engine import Handle, QueueFullError, ServerShuttingDownError,
 from tiered.serve.metrics import ServerMetrics, tier_state
 from tiered.serve.protocol import (ChatCompletionRequest, CompletionLogprobs, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, chat_logprobs)
-from tiered.serve.tools import ToolPlan, call_id, tool_call
+from tiered.engine.tools import ToolPlan, call_id, tool_call
 
 STATIC = Path(__file__).parent / "static"  # the page at /
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait

@@ -5,7 +5,7 @@ Field bounds are checked by pydantic; a body that breaks them is answered 400 wi
 error (tiered/serve/app.py). OpenAI parameters that would change what the answer means but that
 tiered does not implement (best_of, suffix, the deprecated `functions`) are refused the same way unless they
 carry their neutral value, which common clients send: an answer that silently ignored them would be wrong.
-Chat's `tools` and `tool_choice` are serve/tools.py's.
+Chat's `tools` and `tool_choice` are engine/tools.py's.
 Structured outputs are taken in OpenAI's form (`response_format` json_object / json_schema) and in
 vLLM's (`structured_outputs`, and its older `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`).
@@ -26,7 +26,7 @@ from tiered.engine.sampling import LOGIT_BIAS_RANGE, MAX_LOGPROBS, PENALTY_RANGE
 from tiered.engine.sequence import TokenLogprob
 from tiered.engine.structured import StructuredOutputsParams
 from tiered.errors import ConfigError
-from tiered.serve.tools import ToolPlan
+from tiered.engine.tools import ToolPlan
 
 MAX_CHOICES = 128  # the most choices (`n`) one request may ask for; the server's slots and queue bound it too
 
@@ -310,7 +310,7 @@ class ChatCompletionRequest(_Generation):
     logprobs: bool = Field(False, description="return the generated tokens' log-probabilities")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="most likely alternatives per token "
                                      "(needs logprobs: true)")
-    tools: list[Tool] | None = Field(None, description="functions the model may call (tools/tool_choice: serve/tools.py)")
+    tools: list[Tool] | None = Field(None, description="functions the model may call (tools/tool_choice: engine/tools.py)")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template "
@@ -351,7 +351,7 @@ class ChatCompletionRequest(_Generation):
                 **({"reasoning_effort": self.reasoning_effort} if self.reasoning_effort else {})}
 
     def tool_plan(self, tokenizer) -> ToolPlan:
-        """How the output becomes tool calls (serve/tools.ToolPlan). Raises ConfigError for a tool_choice the
+        """How the output becomes tool calls (engine/tools.ToolPlan). Raises ConfigError for a tool_choice the
         tools do not allow."""
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
         return ToolPlan.of([t.model_dump(exclude_none=True) for t in self.tools or []], choice,
