@@ -278,6 +278,44 @@ def test_the_native_steps_int4_layers_run_no_faster_than_the_step_ran_them():
     assert f_slow - f == pytest.approx(2e-11 * router_b)
 
 
+def test_a_small_layers_calls_run_slower_a_byte_as_the_step_timed_them():
+    """op_time.layer_shape: runtime/decode_layer/int4's points (meta["points"]: a layer's seconds at three widths)
+    against the key's fit through the origin: a dense layer of the model's size is priced at its own width's rate,
+    interpolated between the timed widths and held beyond them (on 2 Zen 4 cores SmolLM2's 2.2 MB layers ran at 23
+    GB/s where the fit read 30.6); relative, so planning's scaling of the key to the memory's speed carries over;
+    profiles without the points price as before."""
+    from dataclasses import replace
+
+    from tiered.hardware.op_time import layer_shape, step_stream
+    from tiered.memory.sizes import bytes_per_element
+    from tiered.planner.cpu_predict import predict_decode
+
+    key = "runtime/decode_layer/int4"
+    pts = [[2e6, 100e-6], [4e6, 140e-6], [8e6, 260e-6]]  # 20, 28.6, 30.8 GB/s
+    slope = sum(x * t for x, t in pts) / sum(x * x for x, _ in pts)
+    models = {key: LinearModel(0.0, slope, 1.0), "gemv/cpu/int4": LinearModel(0.0, 1e-12, 1.0),
+              "gemv/cpu/int8": LinearModel(0.0, 1e-12, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", models, None, None, meta={"native_kernels": True, "points": {key: pts}})
+    assert layer_shape(hw, key, 2e6) * slope * 2e6 == pytest.approx(100e-6)  # each timed width at its own time
+    assert layer_shape(hw, key, 8e6) * slope * 8e6 == pytest.approx(260e-6)
+    assert layer_shape(hw, key, 3e6) == pytest.approx((layer_shape(hw, key, 2e6) + layer_shape(hw, key, 4e6)) / 2)
+    assert layer_shape(hw, key, 1e6) == layer_shape(hw, key, 2e6)
+    assert layer_shape(hw, key, 1e9) == layer_shape(hw, key, 8e6)
+    assert layer_shape(hw, key, None) == 1.0 == layer_shape(replace(hw, meta={"native_kernels": True}), key, 2e6)
+    scaled = replace(hw, models={**hw.models, key: LinearModel(0.0, 2 * slope, 1.0)})  # a memory half as fast
+    assert step_stream(scaled, "int4", 2e6) == pytest.approx(2 * step_stream(hw, "int4", 2e6))
+    # SmolLM2's widths: a layer of ~2 MB priced at the 2 MB point's rate (slower than the fit's), its head not
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    lb = (cfg.attention_weight_elements() + 3 * 576 * 1536) * bytes_per_element("int4")
+    layers, step = predict_decode(cfg, hw, "int4", context=0, head_dtype="int8")
+    assert sum(layers[0]) == pytest.approx(lb * slope * layer_shape(hw, key, lb))
+    plain, plain_step = predict_decode(cfg, replace(hw, meta={"native_kernels": True}), "int4", context=0,
+                                       head_dtype="int8")
+    assert sum(plain[0]) == pytest.approx(lb * slope) and sum(plain[0]) < sum(layers[0])
+    assert step - plain_step == pytest.approx(2 * (sum(layers[0]) - sum(plain[0])))
+
+
 def test_cpu_moe_prefill_prices_experts_in_the_activations_dtype():
     """Experts of a prefill (more than 8 rows each) compute in the activations' dtype: the expert's
     weights are converted or dequantized to it once per call. On AVX2, fp32 GEMMs are ~6x faster than

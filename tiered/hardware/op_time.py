@@ -326,15 +326,44 @@ def prefill_code_time(profile: HardwareProfile, dtype: str, elements: float, fix
     return None
 
 
-def step_stream(profile: HardwareProfile, dtype: str) -> float:
+def step_stream(profile: HardwareProfile, dtype: str, layer_bytes: float | None = None) -> float:
     """Seconds a weight byte of `dtype` decode copies takes in tiered's native CPU decode step at one token,
     its kernel calls' starts and ends in: runtime/decode_layer/<dtype>'s rate (the step over dense layers at
     real widths, weights from memory, the layer code taken out; profiler 32), 0 where not profiled (int4
     alone is). The GEMV keys time a kernel alone over its own weight: on 2 Zen 3 cores (2026-11-30) the step
     ran SmolLM2's 2.2 MB layers at 27-29 GB/s where the int4 GEMV fit read 38.6, and its 30 layers, priced at
-    that fit, came to 2.1 ms a token where they ran 2.3-2.8."""
-    m = profile.models.get(f"runtime/decode_layer/{dtype}")
-    return m.beta if m is not None else 0.0
+    that fit, came to 2.1 ms a token where they ran 2.3-2.8.
+
+    `layer_bytes` (a layer's weight bytes in the step): the rate at that layer size (`layer_shape`), where the
+    profile kept the key's points."""
+    key = f"runtime/decode_layer/{dtype}"
+    m = profile.models.get(key)
+    return m.beta * layer_shape(profile, key, layer_bytes) if m is not None else 0.0
+
+
+def layer_shape(profile: HardwareProfile, key: str, layer_bytes: float | None) -> float:
+    """How a layer of `layer_bytes` runs against `key`'s fit through the origin (one rate a byte whatever the layer):
+    the ratio of its points' times to that fit, interpolated linearly in bytes between the timed layer sizes and
+    held at the nearest one beyond them (meta["points"][key]; 1 without them or without `layer_bytes`). Relative,
+    so it holds when planning scales the key to the memory's speed of the minute. A layer's calls pay a fixed cost
+    (their starts and ends, the wait for the slower thread) that a small layer's bytes do not hide: on 2 Zen 4 cores
+    (2026-12-04) the step ran SmolLM2's 2.2 MB layers in 96 us (23 GB/s), 3.9 MB ones at 29 and 8.8 MB ones at 34
+    GB/s, where the fit through the origin (30.6 GB/s) priced SmolLM2's decode at 3.3 ms a token against 3.5-4.3
+    measured; an affine fit's intercept is unstable (3-49 us from run to run on 2 Zen 3 cores), and its slope
+    (41 GB/s) beyond the memory's."""
+    pts = sorted((p[0], p[1]) for p in ((profile.meta or {}).get("points") or {}).get(key) or () if p[0] > 0)
+    if layer_bytes is None or layer_bytes <= 0 or len(pts) < 2:
+        return 1.0
+    slope = sum(x * t for x, t in pts) / sum(x * x for x, _ in pts)
+    if slope <= 0:
+        return 1.0
+    ratio = [(x, t / (slope * x)) for x, t in pts]
+    if layer_bytes <= ratio[0][0]:
+        return ratio[0][1]
+    for (x0, r0), (x1, r1) in zip(ratio, ratio[1:]):
+        if layer_bytes <= x1:
+            return r0 + (r1 - r0) * (layer_bytes - x0) / (x1 - x0)
+    return ratio[-1][1]
 
 
 def step_overhead(profile: HardwareProfile, dtype: str, device: str = "cpu",

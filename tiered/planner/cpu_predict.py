@@ -231,7 +231,8 @@ def _row_time(hw: HardwareProfile, kind: str, weight_bytes: float, macs: float |
 
 
 def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, working_set: float = 0.0,
-          expert: bool = False, rows: float = 1, macs: float | None = None, in_step: bool = False) -> float:
+          expert: bool = False, rows: float = 1, macs: float | None = None, in_step: bool = False,
+          layer_bytes: float | None = None) -> float:
     """Seconds of `calls` one-token matmuls reading `weight_bytes` in all: the memory-bound regime
     (gemv/cpu/<dtype>), which is what a decode step runs; the many-token GEMM fit does not apply.
     `working_set`: the step's weight bytes (op_time.memory_time: beyond the cache, DRAM's rate);
@@ -244,23 +245,25 @@ def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, 
     `in_step`: the calls run inside the native decode step (native_step), which pays no per-call
     intercept beyond its per-layer fixed cost (op_time.memory_time's `intercept`); one row's calls there
     run no faster than the step ran its layers' calls where the profile timed it over `dtype` layers
-    (op_time.step_stream: runtime/decode_layer, the calls' starts and ends in)."""
+    (op_time.step_stream: runtime/decode_layer, the calls' starts and ends in), at the rate of a layer of
+    `layer_bytes` where given (op_time.layer_shape: a small layer's calls run slower a byte than a large one's)."""
     t = op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set, expert,
                             intercept=not in_step) * calls
     if in_step and rows == 1 and not expert:  # (a routed expert's stream: its own keys, memory_time's)
-        t = max(t, weight_bytes * op_time.step_stream(hw, dtype))
+        t = max(t, weight_bytes * op_time.step_stream(hw, dtype, layer_bytes))
     return t + (rows - 1) * _row_time(hw, dtype, weight_bytes, macs, expert) if rows > 1 else t
 
 
 def _projections(hw: HardwareProfile, dtype: str, mix: dict | None, elements: float, calls: int,
-                 working_set: float, rows: float = 1, batch_act: str = "bf16") -> float:
+                 working_set: float, rows: float = 1, batch_act: str = "bf16", layer_bytes: float | None = None) -> float:
     """Seconds of `calls` one-token matmuls over `elements` weights in `dtype`, or split by `mix`
     (precision -> share of the elements, Plan.precision_mix), each share at its precision's rate;
     `rows` per call (`_gemv`), int4 ones on `batch_act` activations when more than one (`_batched`);
-    inside the native step where the profile has it (native_step: `_gemv`'s in_step)."""
+    inside the native step where the profile has it (native_step: `_gemv`'s in_step; `layer_bytes`: its layer's
+    weight bytes there)."""
     return sum(_gemv(hw, _batched(k, batch_act, rows), elements * share * op_time.bytes_per_element(k),
                      calls=max(1, round(calls * share)), working_set=working_set, rows=rows,
-                     in_step=native_step(hw))
+                     in_step=native_step(hw), layer_bytes=layer_bytes)
                for k, share in (mix or {dtype: 1.0}).items() if share > 0)
 
 
@@ -313,14 +316,14 @@ def native_fused_projections(hw: HardwareProfile, dtype: str) -> bool:
 
 def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, working_set: float = 0.0,
                mix: dict | None = None, kv_format: str | None = None, rows: int = 1, batch_act: str = "bf16",
-               proj_rows: int | None = None) -> float:
+               proj_rows: int | None = None, layer_bytes: float | None = None) -> float:
     """Seconds of one layer's attention in a decode step of `rows` sequences of `context` cached
-    positions each: the projections (`proj_rows` per call, None = `rows`, on `batch_act` activations: `_batched`)
-    and each row's pass over its own cache."""
+    positions each: the projections (`proj_rows` per call, None = `rows`, on `batch_act` activations: `_batched`;
+    `layer_bytes`: the layer's weight bytes, `_gemv`'s) and each row's pass over its own cache."""
     w = cfg.attention_weight_elements()
     native = native_step(hw)  # the native step runs plain and latent attention (DecodeStep.set_latent)
     proj = _projections(hw, dtype, mix, w, 2 if native_fused_projections(hw, dtype) else 4, working_set,
-                        rows if proj_rows is None else proj_rows, batch_act)
+                        rows if proj_rows is None else proj_rows, batch_act, layer_bytes)
     # the KV cache's format: the plan's, else the engine's rule for weights read in `dtype` (CPU: fp32
     # activations; a 16-bit cache beside lossy copies)
     act = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
@@ -401,15 +404,19 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     # priced by decode_rows' kernel alone was ~22% fast)
     rows_key = hw.models.get(f"runtime/batch_rows/{_batched(dtype, batch_act, B)}") \
         if B > 1 and mix is None and native_step(hw) else None
+    bpe_mixed = mixed_bytes_per_element(dtype, mix)
     for i in range(cfg.num_hidden_layers):
         dense = not has_experts(cfg, moe_layers, i)
         by_key = rows_key is not None and dense
-        attn = _attention(cfg, hw, dtype, context, ws, mix, kv_format, B, batch_act, 1 if by_key else B) + per_layer
+        # a dense layer's weight bytes in the step (its calls' rate: op_time.layer_shape)
+        lb = (cfg.attention_weight_elements() + 3 * d * cfg.intermediate_size) * bpe_mixed if dense else None
+        attn = _attention(cfg, hw, dtype, context, ws, mix, kv_format, B, batch_act, 1 if by_key else B,
+                          layer_bytes=lb) + per_layer
         t = 0.0
         if dense:
             F = cfg.intermediate_size
             t += _projections(hw, dtype, mix, 3 * d * F, 2 if native_fused_projections(hw, dtype) else 3, ws,
-                              1 if by_key else B, batch_act)
+                              1 if by_key else B, batch_act, layer_bytes=lb)
             if by_key:  # split between the layer's two parts by their weights
                 w_attn = cfg.attention_weight_elements()
                 rows = (B - 1) * rows_key(w_attn + 3 * d * F)
