@@ -854,3 +854,38 @@ def test_refused_requests_are_counted_by_status(server):
     after = _metrics(server)
     key = 'tiered_requests_total{outcome="invalid",status="%d"}'
     assert after[key % 400] == before.get(key % 400, 0) + 2 and after[key % 401] == before.get(key % 401, 0) + 1
+
+
+def test_requests_that_leave_sampling_out_take_the_models_generation_config(zoo, chat_llama, tmp_path):
+    """generation_config.json's sampling (vLLM's --generation-config auto): a request without temperature / top_p /
+    top_k / min_p / repetition_penalty takes the model's (here temperature 0: greedy, the text of an explicit
+    temperature 0), one that gives them keeps its own; vLLM's top_k -1 is off; do_sample false ships none."""
+    import json
+    import shutil
+
+    from tiered.checkpoint.hf_dir import generation_defaults
+    from tiered.serve.protocol import ChatCompletionRequest
+
+    d = tmp_path / "llama-gen"
+    shutil.copytree(chat_llama, d)
+    (d / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.0, "top_k": 20,
+                                                          "repetition_penalty": 1.05, "eos_token_id": 1}))
+    assert generation_defaults(d) == {"temperature": 0.0, "top_k": 20, "repetition_penalty": 1.05}
+    body = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_k=-1, top_p=0.5)
+    p = body.sampling(8, generation_defaults(d))
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.0, 0.5, 0, 1.05)
+    q = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "hi"}]).sampling(8)
+    assert (q.temperature, q.top_p, q.top_k, q.repetition_penalty) == (1.0, 1.0, 0, 1.0)  # OpenAI's
+    llm = zoo.llm(d)
+    with running_server(ServingEngine(llm, max_batch=2, max_queue=4), KEY) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        ask = dict(model=MODEL, messages=[{"role": "user", "content": "memory is"}], max_tokens=12)
+        left_out = {client.chat.completions.create(**ask, seed=s).choices[0].message.content for s in range(3)}
+        greedy = client.chat.completions.create(**ask, temperature=0, extra_body={"repetition_penalty": 1.05,
+                                                                                  "top_k": 20})
+        assert left_out == {greedy.choices[0].message.content}
+        sampled = {client.chat.completions.create(**ask, temperature=1.5, seed=s).choices[0].message.content
+                   for s in range(3)}
+        assert len(sampled) > 1  # its own temperature
+    (d / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.6}))
+    assert generation_defaults(d) == {}

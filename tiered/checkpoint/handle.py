@@ -244,6 +244,10 @@ class HandleTable:
     format_name = ""
     missing_hint = "the checkpoint is incomplete or not of the architecture its config names"
 
+    def generation_defaults(self) -> dict:
+        """The sampling its authors ship for the model (a directory's generation_config.json: hf_dir); {} here."""
+        return {}
+
     def names(self) -> list[str]:
         """Every tensor name, HF naming."""
         return list(self._handles)

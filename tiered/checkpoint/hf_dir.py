@@ -182,6 +182,24 @@ def _numel(shape) -> int:
     return n
 
 
+# generation_config.json's sampling fields that a server's request may leave out (vLLM's --generation-config auto)
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(path: Path) -> dict:
+    """The sampling generation_config.json recommends (`SAMPLING_DEFAULTS` present with numbers: Qwen3's temperature
+    0.6, top_p 0.95, top_k 20), as vLLM's server applies it to requests that leave them out; {} without the file,
+    where it is unreadable, or where it sets do_sample false (its values then describe no sampling)."""
+    try:
+        cfg = json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(cfg, dict) or cfg.get("do_sample") is False:
+        return {}
+    return {k: cfg[k] for k in SAMPLING_DEFAULTS
+            if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool)}
+
+
 def generation_eos(path: Path) -> tuple[int, ...]:
     """The end-of-sequence ids generation_config.json names beside config.json's (transformers' generate stops at
     them): Llama 3.1's <|eom_id|> / <|eot_id|>, gpt-oss's <|call|> (a tool call ends its output) and
@@ -207,6 +225,10 @@ class HFDirCheckpoint(HandleTable):
     """
 
     format_name = "safetensors"
+
+    def generation_defaults(self) -> dict:
+        """generation_config.json's sampling (`generation_defaults`)."""
+        return generation_defaults(self.path)
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)

@@ -139,6 +139,9 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             whole output is the content, as the model wrote it.
     """
 
+    # the sampling the model's authors ship (generation_config.json), for requests that leave it out
+    sampling_defaults = engine.llm.checkpoint.generation_defaults()
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         """The engine steps while the app serves."""
@@ -327,7 +330,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             raise APIError(400, f"{what} are more than this server runs or queues at once "
                            f"({engine.capacity}: --max-batch plus --max-queue)", param="n" if len(prompts) == 1 else "prompt")
         try:
-            params = body.sampling(default_max_tokens)
+            params = body.sampling(default_max_tokens, sampling_defaults)
             # encoding a long prompt takes a while: on a worker thread, not the event loop's
             handles = await run_in_threadpool(submit, prompts, params, chat, asyncio.get_running_loop(), body.n, tools,
                                               template_kwargs)

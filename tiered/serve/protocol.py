@@ -96,8 +96,15 @@ class _Generation(BaseModel):
     model: str
     max_tokens: int | None = Field(None, ge=1, description="most tokens to generate (default: 16 for "
                                    "completions, the rest of the context for chat)")
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # sampling left out: the model's generation_config.json where it gives it (vLLM's --generation-config auto),
+    # else OpenAI's defaults (temperature 1, top_p 1); top_k, min_p and repetition_penalty are vLLM's extras
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="vLLM's: keep the k most likely tokens (0 or -1: off)")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM's: drop tokens below min_p x the top one's "
+                                "probability")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="vLLM's: divides the logits of "
+                                             "tokens seen so far (1: off)")
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="a signed 64-bit integer")
     stream: bool = False
@@ -154,12 +161,17 @@ class _Generation(BaseModel):
                               "send one of response_format, structured_outputs or a guided_* field")
         return StructuredOutputsParams(**asked[0][1])
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams. Raises ConfigError for values it refuses (e.g. an empty stop, a
-        structured output that is not one well-formed constraint)."""
+    def sampling(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        """The engine's SamplingParams; a sampling field the request leaves out takes `defaults`' value (the model's
+        generation_config.json: Checkpoint.generation_defaults), else OpenAI's. Raises ConfigError for values it
+        refuses (e.g. an empty stop, a structured output that is not one well-formed constraint)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, seed=self.seed, stop=stop, logprobs=self.logprob_count(),
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                 if getattr(self, k) is not None}
+        sample = {"temperature": 1.0, "top_p": 1.0, **(defaults or {}), **given}
+        sample["top_k"] = max(0, int(sample.get("top_k", 0)))  # vLLM's -1: off
+        return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, **sample,
+                              seed=self.seed, stop=stop, logprobs=self.logprob_count(),
                               presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0,
                               logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
@@ -218,11 +230,11 @@ class CompletionRequest(_Generation):
     def logprob_count(self) -> int | None:
         return self.logprobs
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
+    def sampling(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
         """As for chat, with prompt_logprobs where echo asks logprobs, and one token where max_tokens is 0."""
         prompt = self.logprobs if self.echo else None
         body = self.model_copy(update={"max_tokens": 1}) if self.scores_only else self
-        return replace(super(CompletionRequest, body).sampling(default_max_tokens), prompt_logprobs=prompt)
+        return replace(super(CompletionRequest, body).sampling(default_max_tokens, defaults), prompt_logprobs=prompt)
 
 
 class TextPart(BaseModel):
@@ -330,11 +342,12 @@ class ChatCompletionRequest(_Generation):
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
+    def sampling(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
         """As for completions, with max_completion_tokens standing in for an absent max_tokens."""
         if self.max_completion_tokens is not None and self.max_tokens is None:
-            return self.model_copy(update={"max_tokens": self.max_completion_tokens}).sampling(default_max_tokens)
-        return super().sampling(default_max_tokens)
+            return self.model_copy(update={"max_tokens": self.max_completion_tokens}).sampling(default_max_tokens,
+                                                                                              defaults)
+        return super().sampling(default_max_tokens, defaults)
 
     @field_validator("chat_template_kwargs")
     @classmethod
