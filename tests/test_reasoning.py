@@ -331,3 +331,20 @@ def encode(llm, messages, **kw) -> list[int]:
     from tiered.engine.prompt import encode_prompt
 
     return encode_prompt(llm.tokenizer, messages, True, **kw)
+
+
+def test_info_names_the_chat_formats(chat_llama, tmp_path):
+    """`tiered info`: the template's reasoning and tool-call formats and the sampling the directory ships."""
+    from typer.testing import CliRunner
+
+    from tiered.cli import app
+
+    d = tmp_path / "llama-info"
+    shutil.copytree(chat_llama, d)
+    cfg = d / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "chat_template": THINK_TEMPLATE + "<tool_call>"}))
+    (d / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95}))
+    out = CliRunner().invoke(app, ["info", str(d)])
+    assert out.exit_code == 0, out.output
+    assert ("chat:        template; reasoning in <think> blocks; tool calls as <tool_call> JSON; served sampling "
+            "temperature 0.6, top_p 0.95") in out.stdout

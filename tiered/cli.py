@@ -917,6 +917,35 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
         note = requantized_note(hs, ExpertFormat(fmt, [h.shape for h in hs])) if fmt != "as --dtype" else None
         typer.echo(f"expert fmt:  stored {'/'.join(h.format for h in hs)} (gate/up/down) -> kept as {fmt}"
                    + (f"; {note}" if note else "; exact"))
+    chat_line = _chat_info(ckpt)
+    if chat_line:
+        typer.echo(f"chat:        {chat_line}")
+
+
+def _chat_info(ckpt) -> str | None:
+    """`tiered info`'s chat line: whether the tokenizer has a chat template, the reasoning and tool-call formats it
+    teaches (engine/reasoning.py, engine/tools.py) and the sampling the directory ships (generation_config.json);
+    None without a tokenizer."""
+    from tiered.engine.reasoning import reasoning_format
+    from tiered.engine.tools import call_format
+
+    try:
+        tok = ckpt.tokenizer()
+    except Exception as e:  # noqa: BLE001  (info describes what it can: a bad tokenizer is one line, not a failure)
+        return f"the tokenizer does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    if tok is None:
+        return None
+    if not getattr(tok, "chat_template", None):
+        return "no chat template (prompts go in as text)"
+    reasoning = {"think": "reasoning in <think> blocks", "harmony": "harmony channels (gpt-oss: analysis, final)"}
+    calls = {"hermes": "<tool_call> JSON", "glm": "GLM <tool_call> with <arg_key>/<arg_value>",
+             "json": "bare JSON (Llama 3 / Mistral)", "deepseek": "DeepSeek <｜tool▁calls▁begin｜>"}
+    fmt, call = reasoning_format(tok), call_format(tok)
+    parts = ["template"] + ([reasoning[fmt]] if fmt else []) + ([f"tool calls as {calls[call]}"] if call else [])
+    defaults = ckpt.generation_defaults()
+    if defaults:
+        parts.append("served sampling " + ", ".join(f"{k} {v:g}" for k, v in defaults.items()))
+    return "; ".join(parts)
 
 
 def _int8_scheme(h) -> str:
