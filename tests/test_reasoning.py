@@ -348,3 +348,28 @@ def test_info_names_the_chat_formats(chat_llama, tmp_path):
     assert out.exit_code == 0, out.output
     assert ("chat:        template; reasoning in <think> blocks; tool calls as <tool_call> JSON; served sampling "
             "temperature 0.6, top_p 0.95") in out.stdout
+
+
+def test_a_special_think_token_stays_in_the_text(zoo, tmp_path):
+    """A tokenizer that makes `</think>` a special token (decoding would drop it) keeps its special tokens in the
+    output, so an answer after a prompt-opened think block is still told from the reasoning; as plain added tokens
+    (Qwen3's, DeepSeek's) nothing changes."""
+    from tiered.engine.reasoning import marks_special
+
+    template = THINK_TEMPLATE.replace("{% elif open_thinking %}", "{% else %}")  # always opens the block
+    for special in (True, False):
+        tok = _tokenizer(template)
+        if special:
+            tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+        else:
+            tok.add_tokens(["<think>", "</think>"])
+        d = tmp_path / f"think-{special}"
+        write_tiny_checkpoint("llama", d, tok)
+        assert marks_special(tok, "think") is special and not marks_special(tok, None)
+        with LLM(str(d), EngineConfig()) as llm:
+            assert llm.keeps_special_tokens is special
+            seq = llm.make_sequence([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=100))
+            assert seq.thinking_opened
+            _write(llm, seq, "the user greets\n</think>\n\nHello.")
+            out = seq.output()
+            assert (out.reasoning, out.content) == ("the user greets", "Hello."), out.text

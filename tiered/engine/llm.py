@@ -25,7 +25,7 @@ from tiered.engine.beam import (BeamSearch, BeamSearchOutput, BeamSearchParams, 
 from tiered.engine.detokenize import append_token_text, apply_stop_strings, take_stream_delta
 from tiered.engine.dtype import resolve_dtype
 from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt, is_chat
-from tiered.engine.reasoning import output_stops, prompt_opens_thinking, reasoning_format
+from tiered.engine.reasoning import marks_special, output_stops, prompt_opens_thinking, reasoning_format
 from tiered.engine.sampling import SamplingParams, adjust_logits, prompt_token_logprobs, sample_tokens, token_logprobs
 from tiered.engine.scheduler import PromptTwins, Scheduler, SharedPrefixes, prefill_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
@@ -676,10 +676,12 @@ class LLM:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        """Whether output text keeps the special tokens the model writes: a harmony model's (gpt-oss) channel
-        markers are special tokens, and its output read without them runs its messages together
-        ("analysis...assistantfinal...")."""
-        return self.reasoning_format == "harmony"
+        """Whether output text keeps the special tokens the model writes (engine/reasoning.marks_special): a harmony
+        model's (gpt-oss) channel markers are special tokens, and its output read without them runs its messages
+        together ("analysis...assistantfinal..."); so is `</think>` in some tokenizers."""
+        if getattr(self, "_keeps_special", None) is None:  # the tokenizer does not change: read once
+            self._keeps_special = marks_special(self.tokenizer, self.reasoning_format)
+        return self._keeps_special
 
     def _grammar_tokenizer(self):
         """The tokenizer as structured outputs' grammar engine reads it (engine/structured.grammar_tokenizer),

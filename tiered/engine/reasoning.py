@@ -11,8 +11,8 @@ Two formats, told apart by the chat template (`reasoning_format`):
   reasoning, `<|start|>assistant<|channel|>final<|message|>...` the answer, a `commentary` message addressed
   `to=functions.NAME` a tool call whose body is its arguments, a `commentary` message to no one (a preamble)
   answer text. The markers are special tokens, which decoding would drop (leaving "analysis...assistantfinal..."):
-  the engine decodes a harmony model's output with its special tokens (`LLM.keeps_special_tokens`), as
-  llama.cpp renders them; its stop tokens (`<|return|>`, `<|call|>`) end the output and are not part of it.
+  the engine decodes a harmony model's output with its special tokens (`LLM.keeps_special_tokens`, `marks_special`:
+  also a "think" model whose tokenizer makes `</think>` special), as llama.cpp renders them; its stop tokens (`<|return|>`, `<|call|>`) end the output and are not part of it.
 
 `split` parses a whole text; `ReasoningStream` does it as text streams in, holding back a tail that may be the
 start of a marker, so a stream's deltas add up to `split`'s parts.
@@ -53,6 +53,19 @@ def output_stops(tokenizer, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
     vocab = tokenizer.get_vocab()
     end = vocab.get(H_END)
     return tuple(dict.fromkeys([i for i in eos_ids if i != end] + [vocab[m] for m in (H_RETURN, H_CALL) if m in vocab]))
+
+
+def marks_special(tokenizer, fmt: str | None) -> bool:
+    """Whether a model's output text must keep its special tokens for its reasoning format `fmt` to be read: always
+    for harmony (its markers are special tokens); for "think" where the tokenizer makes `</think>` a special token
+    (Qwen3 and DeepSeek ship it as a plain added token, which decoding keeps), else the answer of a prompt that
+    opened thinking would read as reasoning to its end."""
+    if fmt == "harmony":
+        return True
+    if fmt != "think" or tokenizer is None:
+        return False
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return any(t.content == THINK_CLOSE and getattr(t, "special", False) for t in added.values())
 
 
 def prompt_opens_thinking(tokenizer, prompt_ids: list[int]) -> bool:
