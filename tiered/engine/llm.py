@@ -456,11 +456,12 @@ class LLM:
         return BeamSearchOutput(seq.prompt, seq.prompt_ids, hyps, seq.stats())
 
     def _beam_text(self, hyp: Hypothesis) -> str:
-        """A hypothesis' text: its tokens decoded, a final stop token left out (as generate() does)."""
+        """A hypothesis' text: its tokens decoded, a final stop token left out (as generate() does; special tokens
+        kept where generate keeps them: keeps_special_tokens)."""
         if self.tokenizer is None:
             return ""
         ids = hyp.token_ids[:-1] if hyp.finish_reason == "stop" else hyp.token_ids
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=not self.keeps_special_tokens)
 
     def _run(self, prompts: list[Prompt], params: SamplingParams, chat: bool | None):
         """Generator of (Sequence, text delta, RequestOutput | None) events: every prompt takes a slot
