@@ -373,3 +373,49 @@ def test_a_special_think_token_stays_in_the_text(zoo, tmp_path):
             _write(llm, seq, "the user greets\n</think>\n\nHello.")
             out = seq.output()
             assert (out.reasoning, out.content) == ("the user greets", "Hello."), out.text
+
+
+def test_harmony_named_and_required_calls_are_its_own_messages(harmony):
+    """tool_choice naming a function (or "required") on a harmony model: the output is its analysis message, then
+    one `commentary to=functions.NAME <|constrain|>json` message whose body follows the tool's parameters (gpt-oss's
+    call format, not JSON in the final channel); it reads back as that call, through LLM.chat and the server."""
+    from test_serve import KEY, MODEL, running_server
+    from tiered.engine.tools import ToolPlan
+    from tiered.serve.engine import ServingEngine
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}}}
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC"]}}, "required": ["zone"], "additionalProperties": False}}}
+    ask = [{"role": "user", "content": "weather?"}]
+    for choice, names in (({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+                          ("required", {"get_weather", "get_time"})):
+        plan = ToolPlan.of([weather, clock], choice, True, harmony.tokenizer)
+        assert plan.harmony and plan.structured().whole
+        outs = [harmony.chat(ask, SamplingParams(max_tokens=300, temperature=1.0, seed=s,
+                                                 structured_outputs=plan.structured()), tools=[weather, clock])[0]
+                for s in range(3)]
+        done = [o for o in outs if o.finish_reason == "stop"]
+        assert done, [o.text for o in outs]
+        for out in done:
+            ((name, args),) = out.tool_calls
+            assert name in names and "<|channel|>commentary to=functions." + name in out.text
+            assert set(json.loads(args)) == ({"zone"} if name == "get_time" else {"city"}) and out.content == ""
+        for out in outs:
+            if out.finish_reason == "length":
+                assert out.tool_calls == []  # a call cut short is none
+    with running_server(ServingEngine(harmony, max_batch=2, max_queue=4), KEY) as url:
+        import httpx
+
+        for seed in range(4):
+            r = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60, json={
+                "model": MODEL, "messages": ask, "max_tokens": 300, "temperature": 1.0, "seed": seed,
+                "tools": [weather, clock], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+            choice = r.json()["choices"][0]
+            if choice["finish_reason"] == "tool_calls":
+                (call,) = choice["message"]["tool_calls"]
+                assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"]
+                break
+        else:
+            pytest.fail(f"no call finished in 4 seeds: {choice}")

@@ -194,6 +194,8 @@ class Sequence:
 
     def output(self) -> RequestOutput:
         parts = split(self.text, self.reasoning_format, self.thinking_opened) if self.reasoning_format else None
+        if parts is not None and self.finish_reason == "length":
+            parts.calls = []  # a call cut by max_tokens is no call (its arguments end mid-way)
         return RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),
                              self.finish_reason or "length", self.stats(),
                              None if self.logprobs is None else list(self.logprobs),

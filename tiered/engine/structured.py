@@ -47,6 +47,9 @@ class StructuredOutputsParams:
         choice: the output is one of these strings.
         grammar: a context-free grammar in Lark syntax (llguidance's dialect), starting at rule
             `start`, or in llama.cpp's GBNF (any grammar without a `start:` rule), starting at `root`.
+        whole: the constraint covers a reasoning model's whole output, its reasoning included (a harmony tool
+            call's grammar: engine/tools.py); False: it constrains the answer after the reasoning
+            (`after_reasoning`).
 
     Raises:
         ConfigError: none or several given, a schema that is not JSON or not an object, an empty
@@ -58,6 +61,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    whole: bool = False
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
@@ -129,12 +133,13 @@ def _grammar_text(p: StructuredOutputsParams) -> str:
 # after the reasoning parser's end of thinking in the same way). `think` ends at `</think>` (a plain string, so
 # `suffix`, not a special token), then whitespace; harmony's analysis message ends at its `<|end|>` (special tokens
 # end a terminal), and the answer is the final channel's message.
+# harmony's optional analysis message (its reasoning), ended by <|end|> and the next message's opening
+HARMONY_ANALYSIS = 'analysis: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> "assistant"'
 REASONING_GRAMMARS = {
     ("think", True): 'start: thought WS @answer\nthought[suffix="</think>"]: /(?s:.*)/\nWS: /[ \\t\\r\\n]*/',
     ("think", False): 'start: "<think>" thought WS @answer | @answer\nthought[suffix="</think>"]: /(?s:.*)/\n'
                       'WS: /[ \\t\\r\\n]*/',
-    ("harmony", False): 'start: analysis? <|channel|> "final" <|message|> @answer\n'
-                        'analysis: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> "assistant"',
+    ("harmony", False): 'start: analysis? <|channel|> "final" <|message|> @answer\n' + HARMONY_ANALYSIS,
 }
 
 
@@ -198,7 +203,8 @@ class TokenMatcher:
         self.params = params
         self.vocab_size = vocab_size
         try:
-            grammar = after_reasoning(params.grammar_text(), reasoning, opened)
+            grammar = params.grammar_text()
+            grammar = grammar if params.whole else after_reasoning(grammar, reasoning, opened)
         except ValueError as e:  # the JSON compiler's refusals of a schema's shape
             raise ConfigError(f"structured output {params.kind}: {e}", HINT) from None
         self.matcher = LLMatcher(tokenizer, grammar, log_level=0)

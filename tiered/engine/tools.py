@@ -32,6 +32,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from tiered.engine.reasoning import reasoning_format
 from tiered.engine.structured import StructuredOutputsParams
 from tiered.errors import ConfigError
 
@@ -88,6 +89,7 @@ class ToolPlan:
         name: the named function ("named" mode).
         parallel: more than one call allowed ("required" mode).
         format: the call format "auto" parses ("hermes", "glm", "deepseek" or "json", `call_format`; None: none).
+        harmony: the template is gpt-oss's harmony (its calls are messages of their own: `structured`).
     """
 
     mode: str
@@ -95,6 +97,7 @@ class ToolPlan:
     name: str | None = None
     parallel: bool = True
     format: str | None = None
+    harmony: bool = False
 
     @classmethod
     def of(cls, tools: list[dict] | None, tool_choice, parallel: bool, tokenizer) -> "ToolPlan":
@@ -103,15 +106,17 @@ class ToolPlan:
         Raises:
             ConfigError: tool_choice asks a call with no tools given, or names a function not among them."""
         tools = tools or []
+        harmony = reasoning_format(tokenizer) == "harmony"
         if isinstance(tool_choice, dict):
             name = tool_choice.get("function", {}).get("name")
             if name not in {t["function"]["name"] for t in tools}:
                 raise ConfigError(f"tool_choice names function {name!r}, which is not among the tools", HINT)
-            return cls("named", tools, name=name, parallel=parallel)
+            return cls("named", tools, name=name, parallel=parallel, harmony=harmony)
         mode = tool_choice or ("auto" if tools else "none")
         if mode == "required" and not tools:
             raise ConfigError('tool_choice "required" needs tools', HINT)
-        return cls(mode, tools, parallel=parallel, format=call_format(tokenizer) if mode == "auto" and tools else None)
+        return cls(mode, tools, parallel=parallel, format=call_format(tokenizer) if mode == "auto" and tools else None,
+                   harmony=harmony)
 
     @property
     def calls(self) -> bool:
@@ -119,7 +124,12 @@ class ToolPlan:
         return self.mode in ("named", "required") or self.format is not None
 
     def structured(self) -> StructuredOutputsParams | None:
-        """The constraint of "named" and "required" (None for the others)."""
+        """The constraint of "named" and "required" (None for the others). A harmony model (gpt-oss) calls in its
+        own format: after its optional analysis message, one `commentary to=functions.NAME <|constrain|>json` message
+        whose body follows that tool's parameters (`harmony_call`); the engine reads it as a call
+        (engine/reasoning.py)."""
+        if self.harmony and self.mode in ("named", "required"):
+            return harmony_call([t for t in self.tools if self.mode == "required" or t["function"]["name"] == self.name])
         if self.mode == "named":
             tool = next(t for t in self.tools if t["function"]["name"] == self.name)
             return StructuredOutputsParams(json={"x-guidance": CALL_JSON, **_parameters(tool)})
@@ -240,6 +250,20 @@ def _json_calls(text: str) -> tuple[str | None, list[dict]]:
     except (ValueError, TypeError, KeyError):
         return text, []
     return None, calls
+
+
+def harmony_call(tools: list[dict]) -> StructuredOutputsParams:
+    """A harmony model's (gpt-oss's) output constrained to one call of one of `tools`, as its chat template teaches
+    calls: its optional analysis message, then `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`
+    and the arguments following NAME's parameters (CALL_JSON's separators); the model's `<|call|>` ends it."""
+    from tiered.engine.structured import HARMONY_ANALYSIS
+
+    calls = " | ".join(f"call{i}" for i in range(len(tools)))
+    rules = [f'call{i}: <|channel|> {json.dumps("commentary to=functions." + t["function"]["name"] + " ")} '
+             f'<|constrain|> "json" <|message|> %json {json.dumps({"x-guidance": CALL_JSON, **_parameters(t)})}'
+             for i, t in enumerate(tools)]
+    return StructuredOutputsParams(grammar="\n".join([f"start: analysis? ({calls})", HARMONY_ANALYSIS, *rules]),
+                                   whole=True)
 
 
 def _deepseek_calls(text: str) -> tuple[str | None, list[dict]]:

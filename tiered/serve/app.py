@@ -21,6 +21,7 @@ import logging
 import secrets
 import time
 import uuid
+from dataclasses import replace
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -331,6 +332,10 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                            f"({engine.capacity}: --max-batch plus --max-queue)", param="n" if len(prompts) == 1 else "prompt")
         try:
             params = body.sampling(default_max_tokens, sampling_defaults)
+            if tools is not None and tools.harmony and tools.structured() is not None:
+                # a harmony model's named / required call: its own message format (the request's JSON form of the
+                # constraint is made without the tokenizer that tells the formats apart)
+                params = replace(params, structured_outputs=tools.structured())
             # encoding a long prompt takes a while: on a worker thread, not the event loop's
             handles = await run_in_threadpool(submit, prompts, params, chat, asyncio.get_running_loop(), body.n, tools,
                                               template_kwargs)
