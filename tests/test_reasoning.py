@@ -234,6 +234,13 @@ def test_server_answers_reasoning_apart_streamed_or_not(zoo, chat_llama, tmp_pat
             c += delta.content or ""
             finish = chunk.choices[0].finish_reason or finish
         assert (r.strip(), c.strip(), finish) == (thought, answer, "stop")
+        # vLLM's include_reasoning false: the answer alone, streamed or not
+        hidden = {**ask, "extra_body": {**script, "include_reasoning": False}}
+        msg = client.chat.completions.create(**hidden).choices[0].message
+        assert msg.content == answer and "reasoning_content" not in (msg.model_extra or {})
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(**hidden, stream=True) if c.choices]
+        assert not any((d.model_extra or {}).get("reasoning_content") for d in deltas)
+        assert "".join(d.content or "" for d in deltas).strip() == answer
         # chat_template_kwargs: the prompt closes thinking; refused for the template's own arguments
         closed = client.chat.completions.create(**{**ask, "extra_body": {
             **script, "chat_template_kwargs": {"enable_thinking": False}}})

@@ -351,7 +351,8 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         echo = _Echo(engine.llm.tokenizer, body, prompts) if kind == "completion" else None
         if body.stream:
-            return StreamingResponse(_sse(handles, rid, kind, body.include_usage, echo, tools),
+            return StreamingResponse(_sse(handles, rid, kind, body.include_usage, echo, tools,
+                                          getattr(body, "include_reasoning", True)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         outs = await _collect(request, handles)
         if outs is None:  # the client went away
@@ -362,7 +363,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                 logprobs = None if out.logprobs is None else chat_logprobs(engine.llm.tokenizer, out.logprobs)
                 reasoning, content, calls = answer(out, tools)
                 message = ({"role": "assistant", "content": content}
-                           | ({"reasoning_content": reasoning} if reasoning else {})
+                           | ({"reasoning_content": reasoning} if reasoning and body.include_reasoning else {})
                            | ({"tool_calls": calls} if calls else {}))
                 choices.append({"index": i, "message": message, "logprobs": logprobs,
                                 "finish_reason": "tool_calls" if calls else out.finish_reason})
@@ -420,14 +421,15 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                 engine.cancel(handle)  # a no-op when it finished
 
     async def _sse(handles: list[Handle], rid: str, kind: str, include_usage: bool, echo: "_Echo | None",
-                   tools: ToolPlan | None = None):
+                   tools: ToolPlan | None = None, include_reasoning: bool = True):
         """The OpenAI chunk stream: each choice's deltas and its last chunk with finish_reason (chunks
         carry their choice's index), then usage if asked, then [DONE]. With a completion's `echo`, a
         choice's first chunk is its prompt (with the prompt's logprobs where asked), sent when its
         first token is (the prompt's logprobs come from its prefill). A chat whose output may hold tool
         calls (`tools`) holds back the text from where a call may begin (ToolPlan.held) and sends the
         calls in one chunk at the end, before the finishing one; a named function's call streams its
-        arguments as they come (the first chunk with the call's id and name), as OpenAI's do."""
+        arguments as they come (the first chunk with the call's id and name), as OpenAI's do. A reasoning model's
+        reasoning streams as `reasoning_content` deltas (left out with `include_reasoning` False, vLLM's)."""
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         created = int(time.time())
         n = len(handles)
@@ -505,7 +507,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     if out is not None:
                         more, rest, harmony = thinking[i].finish()
                         thought, delta = thought + more, delta + rest
-                    if thought:
+                    if thought and include_reasoning:
                         yield chunk(i, None, thought=thought)
                     if harmony:  # gpt-oss's calls (commentary to=functions.NAME)
                         if delta:

@@ -329,6 +329,8 @@ class ChatCompletionRequest(_Generation):
                                                         "(vLLM's; Qwen3's enable_thinking: false turns thinking off)")
     reasoning_effort: Literal["low", "medium", "high"] | None = Field(
         None, description="OpenAI's: the chat template's reasoning_effort (gpt-oss's templates read it)")
+    include_reasoning: bool = Field(True, description="vLLM's: false leaves a reasoning model's reasoning_content "
+                                    "out of the answer (it is still told apart from the content)")
     # accepted only at its neutral value (_neutral_only): the deprecated form of tools
     functions: list[Any] | None = None
     _no_functions = _neutral_only("functions", neutral="[] or null")
