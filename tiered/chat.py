@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from tiered.engine.prompt import check_prompt_fits, encode_prompt
-from tiered.engine.reasoning import ReasoningStream, prompt_opens_thinking
+from tiered.engine.reasoning import ReasoningStream
 from tiered.engine.sampling import SamplingParams
 from tiered.engine.sequence import RequestOutput
 from tiered.errors import ContextLengthError, TieredError
@@ -111,7 +111,7 @@ class Chat:
         self._encode(self.system + [{"role": "user", "content": "hi"}])  # ConfigError without a template
 
     def _encode(self, messages: list[dict]) -> list[int]:
-        """The conversation's prompt ids, as LLM.chat encodes it (the template's variables included)."""
+        """The conversation's prompt ids through the chat template (its variables included, as LLM.chat's)."""
         return encode_prompt(self.llm.tokenizer, messages, True, template_kwargs=self.template_kwargs)
 
     def reset(self) -> None:
@@ -138,9 +138,6 @@ class Chat:
         alone = len(self._encode(self.system + [message]))
         check_prompt_fits(0, alone, self.llm.max_context, self.llm.config.max_position_embeddings)
         self.history.append(message)
-        ids = self._encode(self.history)
-        view = AnswerView(on_text, self.llm.reasoning_format, prompt_opens_thinking(self.llm.tokenizer, ids),
-                          ansi=self.ansi)
 
         def stream(_index: int, delta: str) -> None:
             view(delta)
@@ -150,8 +147,9 @@ class Chat:
         stopped = False
         while True:
             try:
-                self.last = self.llm.chat(self.history, self.params, chat_template_kwargs=self.template_kwargs,
-                                          on_text=stream)[0]
+                ids = self._encode(self.history)  # once a try: the view reads the prompt's opened thinking off it
+                view = AnswerView(on_text, *self.llm.reasoning_of(ids, True), ansi=self.ansi)
+                self.last = self.llm.generate(ids, self.params, chat=True, on_text=stream)[0]
                 break
             except _Stopped:
                 stopped = True

@@ -263,13 +263,13 @@ def run(
     else:
         from tiered.chat import AnswerView
         from tiered.engine.prompt import is_chat
-        from tiered.engine.reasoning import prompt_opens_thinking
 
-        fmt = llm.reasoning_format if llm.tokenizer is not None and is_chat(llm.tokenizer, prompt, chat) else None
-        view = AnswerView(lambda text: (sys.stdout.write(text), sys.stdout.flush()), fmt,
-                          fmt == "think" and prompt_opens_thinking(llm.tokenizer, llm.encode(prompt, chat)),
+        # the prompt encoded once: its ids tell whether a reasoning model's template opened its thinking
+        as_chat = llm.tokenizer is not None and is_chat(llm.tokenizer, prompt, chat)
+        ids = llm.encode(prompt, chat)
+        view = AnswerView(lambda text: (sys.stdout.write(text), sys.stdout.flush()), *llm.reasoning_of(ids, as_chat),
                           show_reasoning=not hide_reasoning, ansi=sys.stdout.isatty())
-        out = llm.generate(prompt, params, chat=chat, on_text=lambda _i, delta: view(delta))[0]
+        out = llm.generate(ids, params, chat=as_chat, on_text=lambda _i, delta: view(delta))[0]
         view.finish()
         if llm.tokenizer is None:  # no text to stream: the generated token ids
             sys.stdout.write(" ".join(map(str, out.token_ids)))

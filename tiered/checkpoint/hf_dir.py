@@ -186,15 +186,22 @@ def _numel(shape) -> int:
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def generation_defaults(path: Path) -> dict:
-    """The sampling generation_config.json recommends (`SAMPLING_DEFAULTS` present with numbers: Qwen3's temperature
-    0.6, top_p 0.95, top_k 20), as vLLM's server applies it to requests that leave them out; {} without the file,
-    where it is unreadable, or where it sets do_sample false (its values then describe no sampling)."""
+def generation_config(path: Path) -> dict:
+    """The directory's generation_config.json as a dict; {} without the file or where it is unreadable (it only
+    adds stops and defaults)."""
     try:
         cfg = json.loads((path / "generation_config.json").read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(cfg, dict) or cfg.get("do_sample") is False:
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def generation_defaults(path: Path) -> dict:
+    """The sampling generation_config.json recommends (`SAMPLING_DEFAULTS` present with numbers: Qwen3's temperature
+    0.6, top_p 0.95, top_k 20), as vLLM's server applies it to requests that leave them out; {} without the file,
+    where it is unreadable, or where it sets do_sample false (its values then describe no sampling)."""
+    cfg = generation_config(path)
+    if cfg.get("do_sample") is False:
         return {}
     return {k: cfg[k] for k in SAMPLING_DEFAULTS
             if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool)}
@@ -204,10 +211,7 @@ def generation_eos(path: Path) -> tuple[int, ...]:
     """The end-of-sequence ids generation_config.json names beside config.json's (transformers' generate stops at
     them): Llama 3.1's <|eom_id|> / <|eot_id|>, gpt-oss's <|call|> (a tool call ends its output) and
     <|endoftext|>. () without the file, or where it is unreadable or names none (it only adds stops)."""
-    try:
-        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
-        return ()
+    eos = generation_config(path).get("eos_token_id")
     eos = eos if isinstance(eos, list) else [eos]
     return tuple(int(e) for e in eos if isinstance(e, int) and not isinstance(e, bool))
 

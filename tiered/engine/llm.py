@@ -105,6 +105,11 @@ class LLM:
         self._install()
         self.tokenizer = tokenizer.result()
         self.config = replace(self.config, eos_token_ids=output_stops(self.tokenizer, self.config.eos_token_ids))
+        # the chat template's reasoning format ("think", "harmony" or None: engine/reasoning.py), by which a chat's
+        # output is split into RequestOutput.reasoning and content, and whether output text keeps the special
+        # tokens the model writes (reasoning.marks_special: harmony's markers, a special </think>)
+        self.reasoning_format = reasoning_format(self.tokenizer)
+        self.keeps_special_tokens = marks_special(self.tokenizer, self.reasoning_format)
         self._release_load_memory()
         # fewer CPU threads while other processes take cores (OpenMP teams stall on a busy core)
         self.threads = thread_governor(self.plan.cpu_threads or torch.get_num_threads(), self.engine_config.num_threads)
@@ -375,11 +380,10 @@ class LLM:
         plan = ToolPlan.of(tools, "auto", True, self.tokenizer) if tools else None
         for out, conv in zip(outputs, conversations):
             out.prompt = str(conv)
-            if plan is not None and not out.tool_calls:
-                content, calls = plan.parse(out.content, out.finish_reason)
-                if calls:
-                    out.content = content or ""
-                    out.tool_calls = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+            content, calls = plan.answer(out) if plan is not None else (out.content, [])
+            if calls:
+                out.content = content or ""
+                out.tool_calls = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
         return outputs
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool | None = None) -> Iterator[str]:
@@ -652,8 +656,7 @@ class LLM:
         if bad:
             raise ConfigError(f"logit_bias has token id {bad[0]}, outside the vocabulary (0..{self.config.vocab_size - 1})",
                               "pass token ids of this model's tokenizer")
-        fmt = self.reasoning_format if is_chat(self.tokenizer, prompt, chat) else None
-        opened = fmt == "think" and prompt_opens_thinking(self.tokenizer, ids)
+        fmt, opened = self.reasoning_of(ids, is_chat(self.tokenizer, prompt, chat))
         matcher = None
         if params.structured_outputs is not None:  # a reasoning model's constraint applies to its answer
             matcher = TokenMatcher(self._grammar_tokenizer(), params.structured_outputs, self.config.vocab_size,
@@ -669,20 +672,12 @@ class LLM:
                         thinking_opened=opened,
                         keep_special=self.keeps_special_tokens)
 
-    @property
-    def reasoning_format(self) -> str | None:
-        """The reasoning format of the model's chat template ("think", "harmony" or None: engine/reasoning.py), by
-        which a chat's output is split into `RequestOutput.reasoning` and `content`."""
-        return reasoning_format(self.tokenizer)
-
-    @property
-    def keeps_special_tokens(self) -> bool:
-        """Whether output text keeps the special tokens the model writes (engine/reasoning.marks_special): a harmony
-        model's (gpt-oss) channel markers are special tokens, and its output read without them runs its messages
-        together ("analysis...assistantfinal..."); so is `</think>` in some tokenizers."""
-        if getattr(self, "_keeps_special", None) is None:  # the tokenizer does not change: read once
-            self._keeps_special = marks_special(self.tokenizer, self.reasoning_format)
-        return self._keeps_special
+    def reasoning_of(self, ids: list[int], chat: bool) -> tuple[str | None, bool]:
+        """(reasoning format, whether the prompt opened a think block) of the output after prompt `ids`, a
+        conversation the chat template rendered where `chat` (else (None, False): the output is all answer):
+        what make_sequence gives a Sequence, and a caller's view of its text (chat.AnswerView)."""
+        fmt = self.reasoning_format if chat else None
+        return fmt, fmt == "think" and prompt_opens_thinking(self.tokenizer, ids)
 
     def _grammar_tokenizer(self):
         """The tokenizer as structured outputs' grammar engine reads it (engine/structured.grammar_tokenizer),

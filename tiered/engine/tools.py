@@ -165,7 +165,7 @@ class ToolPlan:
             body, closed, rest = rest.partition(CLOSE)
             try:
                 if self.format == "glm":
-                    calls.append(self._glmtool_call(body))
+                    calls.append(self._glm_call(body))
                 else:
                     obj = json.loads(body)
                     calls.append(tool_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
@@ -174,7 +174,14 @@ class ToolPlan:
             _, sep, rest = rest.partition(OPEN)
         return (head.strip() or None) if calls else text, calls
 
-    def _glmtool_call(self, body: str) -> dict:
+    def answer(self, out) -> tuple[str | None, list[dict]]:
+        """(content, calls) of a chat's RequestOutput `out`: harmony's calls where the engine read them
+        (RequestOutput.tool_calls), else the calls `parse` finds in its content (its reasoning apart)."""
+        if out.tool_calls:
+            return out.content or None, [tool_call(name, args) for name, args in out.tool_calls]
+        return self.parse(out.content, out.finish_reason)
+
+    def _glm_call(self, body: str) -> dict:
         """A GLM-4.5 call's body: its function's name, then <arg_key> / <arg_value> pairs; a value is the text
         where the tool's schema says string (or has no such property and it is not JSON), else its JSON.
 

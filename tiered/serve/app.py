@@ -21,7 +21,6 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import replace
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from tiered.serve.protocol import (ChatCompletionRequest, CompletionLogprobs, Co
 from tiered.engine.tools import ToolPlan, call_id, tool_call
 
 STATIC = Path(__file__).parent / "static"  # the page at /
+NO_TOOLS = ToolPlan("none")  # a request without tools: its text is its content
 RETRY_AFTER_S = 1  # what a 503 (queue full) asks the client to wait
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 # A prompt of more characters than CHARS_PER_TOKEN x the context window cannot fit it: tokenizers put
@@ -331,11 +331,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             raise APIError(400, f"{what} are more than this server runs or queues at once "
                            f"({engine.capacity}: --max-batch plus --max-queue)", param="n" if len(prompts) == 1 else "prompt")
         try:
-            params = body.sampling(default_max_tokens, sampling_defaults)
-            if tools is not None and tools.harmony and tools.structured() is not None:
-                # a harmony model's named / required call: its own message format (the request's JSON form of the
-                # constraint is made without the tokenizer that tells the formats apart)
-                params = replace(params, structured_outputs=tools.structured())
+            params = body.sampling(default_max_tokens, sampling_defaults, engine.llm.tokenizer)
             # encoding a long prompt takes a while: on a worker thread, not the event loop's
             handles = await run_in_threadpool(submit, prompts, params, chat, asyncio.get_running_loop(), body.n, tools,
                                               template_kwargs)
@@ -382,13 +378,12 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
 
     def answer(out: RequestOutput, tools: ToolPlan | None) -> tuple[str | None, str | None, list[dict]]:
         """(reasoning, content, tool calls) of a chat choice's output: its reasoning apart where `reasoning` is on
-        (RequestOutput.reasoning / content / tool_calls), the calls `tools` parses out of the content, or
-        harmony's calls."""
+        (RequestOutput.reasoning, and ToolPlan.answer: harmony's calls, or those `tools` parses out of the
+        content); else the whole text as the model wrote it, its calls parsed out of it."""
+        tools = tools or NO_TOOLS
         if not reasoning:
-            return (None, *(tools.parse(out.text, out.finish_reason) if tools else (out.text, [])))
-        if out.tool_calls:
-            return out.reasoning, out.content or None, [tool_call(n, a) for n, a in out.tool_calls]
-        return (out.reasoning, *(tools.parse(out.content, out.finish_reason) if tools else (out.content, [])))
+            return (None, *tools.parse(out.text, out.finish_reason))
+        return (out.reasoning, *tools.answer(out))
 
     async def _collect(request: Request, handles: list[Handle]) -> list[RequestOutput] | None:
         """Wait for each choice's output; None (and the request cancelled) if the client disconnects."""

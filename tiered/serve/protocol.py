@@ -138,9 +138,10 @@ class _Generation(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def structured(self) -> StructuredOutputsParams | None:
+    def structured(self, tokenizer=None) -> StructuredOutputsParams | None:
         """The structured output asked (None: plain text). Raises ConfigError where several are given
-        or the one given is refused (StructuredOutputsParams)."""
+        or the one given is refused (StructuredOutputsParams). `tokenizer`: the model's (chat's tool calls
+        take their format from its template)."""
         asked: list[tuple[str, dict]] = []
         rf = self.response_format
         if rf is not None and rf.type != "text":
@@ -161,10 +162,11 @@ class _Generation(BaseModel):
                               "send one of response_format, structured_outputs or a guided_* field")
         return StructuredOutputsParams(**asked[0][1])
 
-    def sampling(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+    def sampling(self, default_max_tokens: int, defaults: dict | None = None, tokenizer=None) -> SamplingParams:
         """The engine's SamplingParams; a sampling field the request leaves out takes `defaults`' value (the model's
-        generation_config.json: Checkpoint.generation_defaults), else OpenAI's. Raises ConfigError for values it
-        refuses (e.g. an empty stop, a structured output that is not one well-formed constraint)."""
+        generation_config.json: Checkpoint.generation_defaults), else OpenAI's; `tokenizer`: the model's, for the
+        constraint (`structured`). Raises ConfigError for values it refuses (e.g. an empty stop, a structured output
+        that is not one well-formed constraint)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                  if getattr(self, k) is not None}
@@ -175,7 +177,7 @@ class _Generation(BaseModel):
                               presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0,
                               logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
-                              structured_outputs=self.structured())
+                              structured_outputs=self.structured(tokenizer))
 
     def logprob_count(self) -> int | None:
         """Alternatives to record per token (None: no logprobs asked)."""
@@ -230,11 +232,12 @@ class CompletionRequest(_Generation):
     def logprob_count(self) -> int | None:
         return self.logprobs
 
-    def sampling(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+    def sampling(self, default_max_tokens: int, defaults: dict | None = None, tokenizer=None) -> SamplingParams:
         """As for chat, with prompt_logprobs where echo asks logprobs, and one token where max_tokens is 0."""
         prompt = self.logprobs if self.echo else None
         body = self.model_copy(update={"max_tokens": 1}) if self.scores_only else self
-        return replace(super(CompletionRequest, body).sampling(default_max_tokens, defaults), prompt_logprobs=prompt)
+        return replace(super(CompletionRequest, body).sampling(default_max_tokens, defaults, tokenizer),
+                       prompt_logprobs=prompt)
 
 
 class TextPart(BaseModel):
@@ -344,12 +347,12 @@ class ChatCompletionRequest(_Generation):
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def sampling(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+    def sampling(self, default_max_tokens: int, defaults: dict | None = None, tokenizer=None) -> SamplingParams:
         """As for completions, with max_completion_tokens standing in for an absent max_tokens."""
         if self.max_completion_tokens is not None and self.max_tokens is None:
             return self.model_copy(update={"max_tokens": self.max_completion_tokens}).sampling(default_max_tokens,
-                                                                                              defaults)
-        return super().sampling(default_max_tokens, defaults)
+                                                                                              defaults, tokenizer)
+        return super().sampling(default_max_tokens, defaults, tokenizer)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -372,11 +375,12 @@ class ChatCompletionRequest(_Generation):
         return ToolPlan.of([t.model_dump(exclude_none=True) for t in self.tools or []], choice,
                            self.parallel_tool_calls, tokenizer)
 
-    def structured(self) -> StructuredOutputsParams | None:
+    def structured(self, tokenizer=None) -> StructuredOutputsParams | None:
         """A structured output asked, or the tool call constraint of tool_choice "required" or a named
-        function (ToolPlan.structured); not both."""
+        function (ToolPlan.structured, in the call format of `tokenizer`'s template: gpt-oss's harmony has its
+        own); not both."""
         own = super().structured()
-        tools = self.tool_plan(None).structured() if self.tools else None
+        tools = self.tool_plan(tokenizer).structured() if self.tools else None
         if own is not None and tools is not None:
             raise ConfigError("a structured output and a required or named tool_choice are two constraints",
                               "send one of them")
