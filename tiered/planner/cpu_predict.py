@@ -404,12 +404,12 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     # priced by decode_rows' kernel alone was ~22% fast)
     rows_key = hw.models.get(f"runtime/batch_rows/{_batched(dtype, batch_act, B)}") \
         if B > 1 and mix is None and native_step(hw) else None
-    bpe_mixed = mixed_bytes_per_element(dtype, mix)
+    # a dense layer's weight bytes in the step (its calls' rate: op_time.layer_shape)
+    dense_bytes = (cfg.attention_weight_elements() + 3 * d * cfg.intermediate_size) * mixed_bytes_per_element(dtype, mix)
     for i in range(cfg.num_hidden_layers):
         dense = not has_experts(cfg, moe_layers, i)
         by_key = rows_key is not None and dense
-        # a dense layer's weight bytes in the step (its calls' rate: op_time.layer_shape)
-        lb = (cfg.attention_weight_elements() + 3 * d * cfg.intermediate_size) * bpe_mixed if dense else None
+        lb = dense_bytes if dense else None
         attn = _attention(cfg, hw, dtype, context, ws, mix, kv_format, B, batch_act, 1 if by_key else B,
                           layer_bytes=lb) + per_layer
         t = 0.0
