@@ -177,7 +177,7 @@ class Chat:
             lines.append(f"last answer: {s.prompt_tokens} prompt tokens, {s.generated_tokens} generated "
                          f"({self.last.finish_reason}) | TTFT {s.ttft_s * 1e3:.0f} ms | prefill "
                          f"{s.prefill_tokens_per_s:.1f} tok/s | decode {s.decode_tokens_per_s:.1f} tok/s | "
-                         f"ITL {s.itl_s * 1e3:.1f} ms")
+                         f"ITL {s.itl_s * 1e3:.1f} ms{s.drafts_note()}")
         lines.append(f"plan: {self.llm.plan_summary(self.last.stats if self.last else None)}")
         rt = self.llm.runtime_stats()
         if rt:

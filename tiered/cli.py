@@ -81,6 +81,8 @@ OPT = {
     "prefetch_lookahead": typer.Option(2, "--prefetch-lookahead", help="MoE layers ahead the prefetcher predicts (HOBBIT's p, 1-3)."),
     "plan": typer.Option("auto", "--plan", help="auto: the planner decides expert residency, cache slots and dense slicing from a hardware profile; off: the runtime's own rules; or a plan JSON from `tiered plan --json` to replay."),
     "profile_file": typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner (default: this machine's, measured once)."),
+    "speculative": typer.Option("off", "--speculative", help="Speculative decoding: off, or ngram (prompt lookup: draft tokens copied from where the context's last tokens occurred before, verified in one step; the model's outputs are kept)."),
+    "num_speculative_tokens": typer.Option(4, "--num-speculative-tokens", min=1, max=16, help="Most draft tokens a step verifies (--speculative ngram); the plan prices each length against the acceptance."),
 }
 
 
@@ -191,6 +193,8 @@ def run(
     plan: str = OPT["plan"],
     graphs: str = OPT["graphs"],
     profile_file: Optional[str] = OPT["profile_file"],
+    speculative: str = OPT["speculative"],
+    num_speculative_tokens: int = OPT["num_speculative_tokens"],
     show_plan: bool = typer.Option(False, "--show-plan", help="Print the whole plan before generating."),
     beams: int = typer.Option(1, "--beams", min=1, help="Beam search with this many beams (1 = off): prints the best "
                               "hypothesis (--json: all of them, best first); sampling flags do not apply. The plan "
@@ -373,7 +377,7 @@ def _print_stats(llm, out) -> None:
         f"[{s.prompt_tokens} prompt tokens, {s.generated_tokens} generated ({out.finish_reason}) | "
         f"TTFT {s.ttft_s * 1e3:.0f} ms | prefill {s.prefill_tokens_per_s:.1f} tok/s | "
         f"decode {s.decode_tokens_per_s:.1f} tok/s | ITL {s.itl_s * 1e3:.1f} ms | load {llm.load_s:.1f} s"
-        f"{_fewer_threads(llm, s)}]", err=True)
+        f"{s.drafts_note()}{_fewer_threads(llm, s)}]", err=True)
     typer.echo(f"[{llm.plan_summary(s)}]", err=True)
     rt = llm.runtime_stats()
     if rt:
@@ -387,7 +391,8 @@ def _print_stats(llm, out) -> None:
 
 ENGINE_OPTIONS = ("dtype", "decode_weights", "batch_activations", "expert_activations", "weights", "low_weights", "mixed_thresholds", "max_context", "threads",
                   "gpu_mem", "cpu_mem", "offload_dir", "accelerator", "cache_slots", "cache_policy", "expert_profile",
-                  "read_ahead", "prefetch", "prefetch_lookahead", "plan", "graphs", "profile_file")
+                  "read_ahead", "prefetch", "prefetch_lookahead", "plan", "graphs", "profile_file", "speculative",
+                  "num_speculative_tokens")
 
 
 def _engine_config(args: dict, trace: bool = False, max_batch: int = 1):
@@ -399,7 +404,8 @@ def _engine_config(args: dict, trace: bool = False, max_batch: int = 1):
 
 def _config(*, dtype, decode_weights, batch_activations, expert_activations, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
             cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch,
-            prefetch_lookahead, weights, low_weights, mixed_thresholds, max_batch, graphs="auto"):
+            prefetch_lookahead, weights, low_weights, mixed_thresholds, max_batch, graphs="auto", speculative="off",
+            num_speculative_tokens=4):
     from tiered import EngineConfig
 
     if plan not in ("auto", "off"):
@@ -423,7 +429,8 @@ def _config(*, dtype, decode_weights, batch_activations, expert_activations, max
                         accelerator=accelerator, expert_cache_slots=cache_slots, cache_policy=cache_policy,
                         expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
                         trace=trace, plan=plan, profile=profile_file, prefetch=prefetch,
-                        prefetch_lookahead=prefetch_lookahead, max_batch=max_batch, graphs=graphs)
+                        prefetch_lookahead=prefetch_lookahead, max_batch=max_batch, graphs=graphs,
+                        speculative=speculative, num_speculative_tokens=num_speculative_tokens)
 
 
 @app.command()
@@ -463,6 +470,8 @@ def serve(
     plan: str = OPT["plan"],
     graphs: str = OPT["graphs"],
     profile_file: Optional[str] = OPT["profile_file"],
+    speculative: str = OPT["speculative"],
+    num_speculative_tokens: int = OPT["num_speculative_tokens"],
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching across requests."""
     import uvicorn
@@ -544,6 +553,8 @@ def chat(
     plan: str = OPT["plan"],
     graphs: str = OPT["graphs"],
     profile_file: Optional[str] = OPT["profile_file"],
+    speculative: str = OPT["speculative"],
+    num_speculative_tokens: int = OPT["num_speculative_tokens"],
     template_var: list[str] = OPT["template_var"],
 ) -> None:
     """Chat with the model in the terminal through its chat template: history, streamed answers,

@@ -12,6 +12,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 ACCELERATORS = ("auto", "cuda", "host", "none")
 CACHE_POLICIES = ("random", "lru", "lfu", "lhu", "fld", "hobbit")  # memory/expert_cache.POLICIES
 EXPERT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4", "fp8")
+MAX_SPECULATIVE_TOKENS = 16  # most draft tokens a step verifies (EngineConfig.num_speculative_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,13 @@ class EngineConfig:
             started up to 3.6 ms late beside CPU experts, their worker waiting for a core).
         profile: HardwareProfile JSON path or preset name the planner uses; None = this machine's
             cached profile (measured once, quickly, if there is none).
+        speculative: speculative decoding (engine/speculative.py): "off" (default), or "ngram": prompt lookup
+            (Saxena 2023; vLLM's ngram method), draft tokens copied from where the context's last tokens
+            occurred before, verified as rows of one step (the model's distribution is kept: greedy outputs are
+            the model's argmax at every token, sampled ones its distribution).
+        num_speculative_tokens: most draft tokens a sequence proposes a step (1..16); the plan prices each
+            length against the sequence's recent acceptance (Plan.speculative_costs).
+        prompt_lookup_min, prompt_lookup_max: n-gram sizes the lookup tries, longest first (vLLM's names).
         force_expert_path: tests and benchmarks only: "copy", "cpu" or "split" for every non-resident
             expert, or "priced": each layer's misses as the latency model prices them fastest, without
             the balanced dispatch's margins (runtime/dispatcher.MIX_GAIN, SPLIT_GAIN).
@@ -141,6 +149,10 @@ class EngineConfig:
     pinned: str = "auto"
     device_issue: str = "auto"
     profile: str | None = None
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
     force_expert_path: str | None = None
 
     def __post_init__(self) -> None:
@@ -174,6 +186,15 @@ class EngineConfig:
             raise ConfigError(f"pinned must be 'auto', 'huge' or 'cuda', got {self.pinned!r}", "pass auto")
         if self.device_issue not in ("auto", "thread", "worker"):
             raise ConfigError(f"device_issue must be 'auto', 'thread' or 'worker', got {self.device_issue!r}", "pass auto")
+        if self.speculative not in ("off", "ngram"):
+            raise ConfigError(f"speculative must be 'off' or 'ngram', got {self.speculative!r}",
+                              "pass ngram (prompt lookup) or off")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
+                              f"got {self.num_speculative_tokens}", "pass e.g. 4")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max, got "
+                              f"{self.prompt_lookup_min}, {self.prompt_lookup_max}", "pass e.g. 2 and 4")
         if self.graphs not in ("auto", "on", "off"):
             raise ConfigError(f"graphs must be 'auto', 'on' or 'off', got {self.graphs!r}", "pass auto")
         if not self.plan:

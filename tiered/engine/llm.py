@@ -29,6 +29,7 @@ from tiered.engine.reasoning import marks_special, output_stops, prompt_opens_th
 from tiered.engine.sampling import SamplingParams, adjust_logits, prompt_token_logprobs, sample_tokens, token_logprobs
 from tiered.engine.scheduler import PromptTwins, Scheduler, SharedPrefixes, prefill_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
+from tiered.engine.speculative import NgramDrafter, draft_length, verify_draw
 from tiered.engine.structured import TokenMatcher, grammar_tokenizer
 from tiered.errors import BudgetError, ConfigError, ContextLengthError
 from tiered.hardware.accelerator import make_accelerator
@@ -513,12 +514,16 @@ class LLM:
         step = self.runtime.cpu_decode
         self._forced_rows = (step is not None and os.environ.get("TIERED_FORCED_TOKENS", "1") != "0"
                              and step.takes_prefill_rows(cache))
+        rows = step is not None and step.takes_prefill_rows(cache)  # a sequence's drafts go in as rows of the step
         events: list[tuple[Sequence, str, RequestOutput | None]] = []
         team = self.threads.check() if self.threads is not None else torch.get_num_threads()
         for seq in plan.running:
             seq.cpu_threads = min(seq.cpu_threads or team, team)
         if burst and not plan.prefill and len(plan.running) == 1 and not sched.num_waiting:
-            events = self._burst(plan.running[0], cache, interrupt)
+            # speculating, a lone sequence with a draft runs a step verifying it; without one, a short burst
+            drafted = self._propose(plan.running, rows)
+            events = None if drafted else self._burst(plan.running[0], cache, interrupt,
+                                                      BURST_MIN if self.plan.speculative_tokens else None)
             if events is not None:
                 for seq, _, out in events:
                     if out is not None:
@@ -554,14 +559,21 @@ class LLM:
             events += self._prefill_groups([s for s in alone if shared.follows(s)], cache, twins)
             running = [s for s in plan.running if not s.finished and id(s) not in joined]
             if running or mixed:  # decode: all running sequences, one token each (+ the joining prompts)
+                # speculative decoding: draft tokens after a sequence's last, verified as rows of this step
+                drafted = not mixed and self._propose(running, rows)
                 t0 = time.perf_counter()
-                logits = self._forward_mixed(mixed, running, cache) if mixed or any(s.pending for s in running) \
-                    else self._forward(running, cache, prefill=False)
+                if drafted and not rows:  # (the modules' forward: a lone sequence, _propose)
+                    logits = self._forward_draft(running[0], cache)
+                elif mixed or drafted or any(s.pending for s in running):
+                    logits = self._forward_mixed(mixed, running, cache)
+                else:
+                    logits = self._forward(running, cache, prefill=False)
                 t1 = time.perf_counter()
                 if mixed:  # the joining prompts' twins take their KV and first logits
                     joining, joined_logits = twins.join(mixed, logits[:len(mixed)], cache)
                     mixed, logits = joining, torch.cat([joined_logits, logits[len(mixed):]])
-                events += self._postprocess(mixed + running, logits)
+                events += (self._verify_drafts(running, logits) if drafted else
+                           self._postprocess(mixed + running, logits))
                 self.executor.record("decode step", "step", t0, t1)
                 self.executor.record("sample", "step", t1, time.perf_counter())
         for seq, _, out in events:
@@ -613,7 +625,9 @@ class LLM:
         """One native CPU step over rows of (token, position, slot): every uncached prompt token of
         each `prefill` sequence (`span` (start, end): only those prompt positions of the one sequence, whose
         KV before `start` the cache holds: a chunk of LLM._prefill), then the last token of each `decode`
-        one, after its grammar's forced tokens (Sequence.pending: cleared here). Returns logits [len(prefill) + len(decode), V] fp32: each prompt's last row, then the decode rows."""
+        one, after its grammar's forced tokens (Sequence.pending: cleared here), and its draft tokens (Sequence.draft:
+        speculative decoding). Returns logits [len(prefill) + len(decode) + their draft tokens, V] fp32: each prompt's
+        last row, then each decode sequence's last row and its draft rows."""
         ids, positions, slots, last = [], [], [], []
         for s in prefill:
             a, b = span or (s.cached_tokens, len(s.prompt_ids))
@@ -623,14 +637,91 @@ class LLM:
             last.append(len(ids) - 1)
         for s in decode:  # the last token, after any forced ones whose KV is not written yet (Sequence.pending)
             k = 1 + s.pending
-            ids += s.output_ids[-k:]
-            positions += range(s.num_tokens - k, s.num_tokens)
-            slots += [s.slot] * k
-            last.append(len(ids) - 1)
+            ids += s.output_ids[-k:] + s.draft  # then its draft tokens (speculative decoding: LLM._propose)
+            positions += range(s.num_tokens - k, s.num_tokens + len(s.draft))
+            slots += [s.slot] * (k + len(s.draft))
+            last += range(len(ids) - 1 - len(s.draft), len(ids))
             s.pending = 0
         logits = self.runtime.cpu_decode(torch.tensor(ids).unsqueeze(1), torch.tensor(positions).unsqueeze(1),
                                          torch.tensor(slots), cache, rows=torch.tensor(last))
         return logits.float()
+
+    def _propose(self, seqs: list[Sequence], rows: bool) -> bool:
+        """Speculative decoding (engine/speculative.py; Plan.speculative): set each running sequence's draft
+        (Sequence.draft) where the plan speculates, its prompt lookup finds one, and a draft pays at its acceptance
+        (speculative.draft_length over Plan.speculative_costs). A draft leaves room for the step's token after it
+        within max_tokens. `rows`: this step's native CPU step takes rows (any batch drafts); otherwise the modules'
+        forward verifies, for a lone sequence only (a batch's drafts of several lengths would pad its rows).
+        Returns whether any sequence has a draft."""
+        K = self.plan.speculative_tokens
+        if not K or not (rows or len(seqs) == 1):
+            return False
+        lo, hi = self.plan.prompt_lookup
+        for s in seqs:
+            if s.draft or s.finished:
+                continue
+            if s.drafter is None:
+                s.drafter = NgramDrafter(lo, hi)
+            proposal = s.drafter.propose(s.prompt_ids, s.output_ids, min(K, s.max_tokens - len(s.output_ids) - 1))
+            k = draft_length(s.drafter.acceptance, self.plan.speculative_costs, len(proposal)) if proposal else 0
+            s.draft = proposal[:k]
+            if not k:  # scored against the tokens that come instead: the acceptance follows the text
+                s.drafter.guess(s.num_tokens, proposal)
+        return any(s.draft for s in seqs)
+
+    def _forward_draft(self, seq: Sequence, cache: KVCache) -> torch.Tensor:
+        """The modules' forward over a lone sequence's last token and its draft tokens (Sequence.draft) at their
+        positions, the KV cache holding the positions before (as a prefill chunk runs); logits [1 + len(draft), V]
+        fp32 of every row (the lm_head over each)."""
+        ids = seq.output_ids[-1:] + seq.draft
+        start = seq.num_tokens - 1
+        with self._device_scope():
+            h = self.model.hidden_states(self._to_device(torch.tensor([ids])),
+                                         self._to_device(torch.arange(start, start + len(ids)).unsqueeze(0)),
+                                         self._to_device(torch.tensor([seq.slot])), cache)
+            logits = self.model.lm_head(h)[0]
+        return logits.float().cpu()
+
+    def _verify_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, str, RequestOutput | None]]:
+        """Sample the decode step's `seqs` from logits [sum(1 + len(draft)), V] (each sequence's last row, then its
+        draft rows: _forward_mixed's layout): a sequence without a draft draws as _postprocess does; one with a
+        draft writes the token of each row in turn (speculative.verify_draw: greedy's argmax, or a sampled
+        request's speculative sampling; bias, penalties and its grammar applied after the tokens before it) while
+        the token is the row's draft, then the token of the row after the last accepted one: 1 + accepted
+        tokens. A stop, a forced token of its grammar or max_tokens ends it early. The rejected drafts' KV rows
+        lie past the sequence's tokens: the next steps overwrite them before any query reaches them."""
+        starts, at = [], 0
+        for s in seqs:
+            starts.append(at)
+            at += 1 + len(s.draft)
+        plain = [i for i, s in enumerate(seqs) if not s.draft]
+        events_of: dict[int, list] = {}
+        if plain:
+            for i, ev in zip(plain, self._postprocess([seqs[i] for i in plain], logits[[starts[i] for i in plain]])):
+                events_of[i] = [ev]
+        now = time.perf_counter()
+        for i, seq in enumerate(seqs):
+            if not seq.draft:
+                continue
+            draft, seq.draft = seq.draft, []
+            events, accepted = [], 0
+            p, drafter = seq.params, seq.drafter
+            drafter.total_drafted += len(draft)  # (counted before the tokens: the last one's output takes the stats)
+            for j in range(len(draft) + 1):
+                row = logits[starts[i] + j]
+                target = draft[j] if j < len(draft) else None
+                adjusted = self._adjusted(row, seq) if p.adjusts_logits or seq.matcher is not None else row
+                seen = seq.seen_ids() if p.repetition_penalty != 1.0 else _NO_TOKENS
+                token = verify_draw(adjusted, p, seen, seq.generator, target)
+                hit = token == target
+                accepted += hit
+                drafter.total_accepted += hit
+                events.append(self._accept(seq, token, now, row))
+                if not hit or seq.finished or seq.pending:
+                    break
+            drafter.record(len(draft), accepted)
+            events_of[i] = events
+        return [ev for i in range(len(seqs)) for ev in events_of[i]]
 
     def make_sequence(self, prompt: Prompt, params: SamplingParams, chat: bool | None = None, index: int = 0,
                       t_start: float | None = None) -> Sequence:
@@ -880,8 +971,8 @@ class LLM:
             seq.pending += 1
             self._advance(seq, token, eos)
 
-    def _burst(self, seq: Sequence, cache: KVCache,
-               interrupt: torch.Tensor | None = None) -> list[tuple[Sequence, str, RequestOutput | None]] | None:
+    def _burst(self, seq: Sequence, cache: KVCache, interrupt: torch.Tensor | None = None,
+               most: int | None = None) -> list[tuple[Sequence, str, RequestOutput | None]] | None:
         """Decode `seq` (running alone) several tokens in one native call (CPUDecodeStep.burst): the step's
         embedding lookup, layers, logits and draw in C++ for each, the same tokens as one step a token
         would give, then each token's bookkeeping, detokenizing and stops here, timed when it was drawn;
@@ -890,9 +981,10 @@ class LLM:
         past a stop string are dropped (the sequence has finished). None where no burst applies: a plan
         without them (Plan.decode_bursts: the native CPU step), a step that cannot run this model whole in
         one call (CPUDecodeStep.can_burst), logprobs, a logit bias or presence / frequency penalty (drawn
-        here: `adjust_logits`), a structured output (its grammar masks each draw here), < 2 tokens left, or bursts turned off (self.bursts False, or TIERED_BURST=0)."""
+        here: `adjust_logits`), a structured output (its grammar masks each draw here), < 2 tokens left, or bursts turned off (self.bursts False, or TIERED_BURST=0).
+        `most`: at most that many tokens (a speculating plan's, whose next step may find a draft)."""
         step = self.runtime.cpu_decode
-        n = min(self._burst_tokens, seq.max_tokens - len(seq.output_ids))
+        n = min(self._burst_tokens, most or self._burst_tokens, seq.max_tokens - len(seq.output_ids))
         if (n < 2 or seq.finished or seq.logprobs is not None or seq.params.adjusts_logits or seq.matcher is not None
                 or not self.plan.decode_bursts or step is None
                 or not self.bursts or os.environ.get("TIERED_BURST", "1") == "0" or not step.can_burst(cache)):

@@ -35,6 +35,17 @@ class RequestStats:
     # the fewest threads torch's CPU team had at a step of this request (0: not recorded): below the plan's
     # (Plan.cpu_threads) where hardware/contention.ThreadGovernor gave cores back to other processes
     cpu_threads: int = 0
+    # speculative decoding (engine/speculative.py): draft tokens proposed, and of them accepted (each a token
+    # without a step of its own)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+    def drafts_note(self) -> str:
+        """" | drafts N, M accepted (P%)" where speculative decoding drafted for this request, else ""."""
+        if not self.draft_tokens:
+            return ""
+        return (f" | drafts {self.draft_tokens}, {self.accepted_draft_tokens} accepted "
+                f"({self.accepted_draft_tokens / self.draft_tokens:.0%})")
 
     @property
     def mean_decode_positions(self) -> int:
@@ -126,6 +137,10 @@ class Sequence:
     reasoning_format: str | None = None
     thinking_opened: bool = False
     keep_special: bool = False
+    # speculative decoding (engine/speculative.py): its prompt lookup (None until its first proposal), and the
+    # draft tokens the next step verifies as rows after its last token
+    drafter: object = None
+    draft: list[int] = field(default_factory=list)
     _seen: torch.Tensor | None = field(default=None, repr=False)  # seen_ids' buffer, int64, grown by doubling
     _seen_n: int = 0  # its entries filled
 
@@ -175,6 +190,9 @@ class Sequence:
         from there."""
         if self.matcher is not None:
             self.matcher.rollback(len(self.output_ids) - n)
+        if self.drafter is not None:  # its index holds the dropped tokens' n-grams
+            self.drafter.reset()
+        self.draft = []
         del self.output_ids[n:], self.token_times[n:]
         if self.logprobs is not None:
             del self.logprobs[n:]
@@ -190,7 +208,9 @@ class Sequence:
             prefill_s=prefill_s, prefill_tokens_per_s=len(self.prompt_ids) / prefill_s if prefill_s > 0 else 0.0,
             decode_s=decode_s, decode_tokens_per_s=(n - 1) / decode_s if decode_s > 0 else 0.0,
             itl_s=decode_s / (n - 1) if n > 1 else 0.0, cached_tokens=self.cached_tokens,
-            cpu_threads=self.cpu_threads)
+            cpu_threads=self.cpu_threads,
+            draft_tokens=self.drafter.total_drafted if self.drafter is not None else 0,
+            accepted_draft_tokens=self.drafter.total_accepted if self.drafter is not None else 0)
 
     def output(self) -> RequestOutput:
         parts = split(self.text, self.reasoning_format, self.thinking_opened) if self.reasoning_format else None

@@ -700,6 +700,13 @@ def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_form
     return ec.cpu_memory is not None and both > ec.cpu_memory
 
 
+def speculation(ec) -> dict:
+    """make_plan's speculative-decoding arguments from EngineConfig `ec` (speculative, speculative_tokens,
+    prompt_lookup)."""
+    return dict(speculative=ec.speculative, speculative_tokens=ec.num_speculative_tokens,
+                prompt_lookup=(ec.prompt_lookup_min, ec.prompt_lookup_max))
+
+
 def replayed_plan(ec, cfg: ModelConfig) -> Plan:
     """The saved plan EngineConfig.plan names, checked against the model (Plan.check_model). Settings the
     plan decides cannot also be given: an explicit cache size, resident cap, cache policy or prefetch
@@ -714,6 +721,7 @@ def replayed_plan(ec, cfg: ModelConfig) -> Plan:
         ("--cache-slots", ec.expert_cache_slots, plan.expert_cache_slots),
         ("--cache-policy", ec.cache_policy if ec.cache_policy != "lru" else None, plan.cache_policy),
         ("--prefetch", True if ec.prefetch else None, plan.prefetch),
+        ("--speculative", ec.speculative if ec.speculative != "off" else None, plan.speculative),
         ("resident_experts", ec.resident_experts, None)) if value is not None and value != mine]
     if given:
         flag, value, mine = given[0]
@@ -743,6 +751,9 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
         plan.prefetch, plan.prefetch_lookahead = ec.prefetch and cfg.is_moe, ec.prefetch_lookahead
         plan.batch_act, plan.expert_act = batch_activations(ec, cfg), expert_activations(ec)
         plan.mixed_rows = planned_mixed_rows(cfg, accelerator, plan.batch_act, step_format)
+        spec = speculation(ec)
+        plan.speculative, plan.prompt_lookup = spec["speculative"], list(spec["prompt_lookup"])
+        plan.speculative_tokens = spec["speculative_tokens"] if plan.speculative != "off" else 0
         # its decode steps as CUDA graphs, as make_plan settles an auto plan's (a model wholly on
         # the GPU as one graph, an offloading plan with attention on the GPU piecewise)
         return settle_gpu_decode(plan, cfg, graphs_allowed(ec, accelerator)), None, None
@@ -768,6 +779,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                 graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
                 prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None,
                 mixed_rows=planned_mixed_rows(cfg, accelerator, batch_act, step_format),
+                **speculation(ec),
                 workspace=None if accelerator is None else
                 sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()))
     plan = make_plan(cfg, profile, **args)

@@ -876,7 +876,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
 
 def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int, mix: dict | None = None,
                         kv_format: str | None = None, head_dtype: str | None = None, batch_act: str = "bf16",
-                        past: int = 0, ffn=None) -> float:
+                        past: int = 0, ffn=None, logit_rows: int = 1) -> float:
     """Seconds of a `tokens`-token prompt run as rows of the native CPU decode step (Plan.mixed_rows:
     LLM._forward_mixed), its time to first token: per layer the decode copies' projections at `tokens` rows
     (`dtype` or `mix` by share, on `batch_act` activations: `_projections`, as a batched decode step's), the
@@ -892,6 +892,8 @@ def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, token
     `ffn` (an MoE model: required): ffn(T) seconds of every layer's FFN at T rows (predict_prefill's
     `ffn_only`), in place of the dense MLP's projections; the layer code then counts each row's k routed
     copies (gathered at the hidden size, their SwiGLU at the experts' width) and any shared expert's width.
+    `logit_rows`: rows whose logits the step computes (the last; every row of a speculative step's sequence,
+    LLM._forward_mixed), each past the first at the head's decode_rows slope (`_gemv`).
 
     Raises:
         ValueError: an MoE `cfg` without `ffn`."""
@@ -914,5 +916,6 @@ def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, token
     if not cfg.is_moe:
         layer += _projections(hw, dtype, mix, 3 * d * cfg.intermediate_size, 2 if fused else 3, ws, T, batch_act)
     hd = head_dtype or dtype
-    head = _gemv(hw, hd, d * cfg.vocab_size * op_time.bytes_per_element(hd), working_set=ws, in_step=native_step(hw))
+    head = _gemv(hw, hd, d * cfg.vocab_size * op_time.bytes_per_element(hd), working_set=ws, in_step=native_step(hw),
+                 rows=max(1, min(T, logit_rows)))
     return cfg.num_hidden_layers * layer + (ffn(T) if cfg.is_moe else 0.0) + head + per_step

@@ -31,7 +31,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               head_precision: str | None = None, embedding_bytes: int | None = None,
               expert_act: str = "bf16", batch_act: str = "bf16", graphs: bool = False,
               prefetch: bool = False, prefetch_lookahead: int = 2, precision_mix: dict | None = None,
-              library_workspace: int | None = None, mixed_rows: int = 0) -> Plan:
+              library_workspace: int | None = None, mixed_rows: int = 0, speculative: str = "off",
+              speculative_tokens: int = 0, prompt_lookup: tuple[int, int] = (2, 4)) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -74,6 +75,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         mixed_rows: Plan.mixed_rows of a CPU-only plan (planner/auto.planned_mixed_rows: prompts
             of up to that many tokens run as rows of the native decode step), recorded before pricing: a prompt
             within it is priced as those rows (cpu_predict.predict_prompt_rows); 0 for any other plan.
+        speculative, speculative_tokens, prompt_lookup: speculative decoding (EngineConfig's; Plan's fields):
+            a CPU-only plan prices its steps of 1 + k rows (Plan.speculative_costs).
     Raises:
         ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
         BudgetError: the budgets cannot hold what the goal needs on the fast tier.
@@ -98,6 +101,9 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.staging_buffers, plan.read_ahead = staging_buffers, read_ahead
     plan.dense_copies, plan.kv_slots = dense_copies, kv_slots
     plan.expert_act, plan.batch_act = expert_act, batch_act
+    plan.speculative = speculative
+    plan.speculative_tokens = speculative_tokens if speculative != "off" else 0
+    plan.prompt_lookup = list(prompt_lookup)
     plan.prefetch, plan.prefetch_lookahead = prefetch and cfg.is_moe, prefetch_lookahead
     sizes.bytes_per_element(fmt)  # a ConfigError for an unknown format, before any work
     experts = ExpertChoices(popularity, expert_cache_slots, max_resident)

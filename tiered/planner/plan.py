@@ -118,6 +118,17 @@ class Plan:
                                              chunk by chunk as such rows where this reaches
                                              prefill_chunk (LLM._prefill). A CPU plan prices both
                                              paths past the ISA's floor (latency_cpu.priced_mixed_rows)
+        speculative                          speculative decoding (engine/speculative.py): "off", or
+                                             "ngram" (prompt lookup: drafts copied from the context,
+                                             verified as rows of the sequence's decode step)
+        speculative_tokens                   most draft tokens a sequence proposes a step (0: off)
+        prompt_lookup                        (min, max) n-gram sizes the lookup tries
+        speculative_costs                    priced time of a decode step of 1 + k rows of one
+                                             sequence relative to one row, k = 0..speculative_tokens
+                                             (latency_cpu.speculative_costs); LLM.step drafts the k
+                                             with the most expected tokens a unit of time at the
+                                             sequence's acceptance (speculative.draft_length); None:
+                                             unpriced, every draft as long as it comes
         prefill_chunk                        prompt tokens one prefill forward takes at most: a longer
                                              prompt prefills alone, chunk by chunk, each chunk
                                              attending to the KV cache the earlier ones wrote (the
@@ -194,6 +205,10 @@ class Plan:
     decode_bursts: bool = False
     shared_prefixes: bool = False
     mixed_rows: int = 0
+    speculative: str = "off"
+    speculative_tokens: int = 0
+    prompt_lookup: list[int] = field(default_factory=lambda: [2, 4])
+    speculative_costs: list[float] | None = None
     prefill_chunk: int = 0
     dense_copies: bool = True
     mixed_precision: dict | None = None

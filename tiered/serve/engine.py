@@ -259,7 +259,9 @@ class ServingEngine:
                 handle.first_token_seen = True
                 self.metrics.observe_first_token(seq.token_times[0] - seq.t_start)
             if out is not None:
-                self.metrics.observe_finished(len(seq.prompt_ids), list(seq.token_times), seq.cached_tokens)
+                drafter = seq.drafter
+                self.metrics.observe_finished(len(seq.prompt_ids), list(seq.token_times), seq.cached_tokens,
+                                              *((drafter.total_drafted, drafter.total_accepted) if drafter else ()))
             new = None
             if seq.logprobs is not None:
                 new, handle.logprobs_sent = seq.logprobs[handle.logprobs_sent:], len(seq.logprobs)
