@@ -521,9 +521,9 @@ class LLM:
             seq.cpu_threads = min(seq.cpu_threads or team, team)
         if burst and not plan.prefill and len(plan.running) == 1 and not sched.num_waiting:
             # speculating, a lone sequence with a draft runs a step verifying it; without one, a short burst
+            lone = plan.running[0]
             drafted = self._propose(plan.running, rows)
-            events = None if drafted else self._burst(plan.running[0], cache, interrupt,
-                                                      BURST_MIN if self.plan.speculative_tokens else None)
+            events = None if drafted else self._burst(lone, cache, interrupt, _speculating_burst(lone))
             if events is not None:
                 for seq, _, out in events:
                     if out is not None:
@@ -665,6 +665,7 @@ class LLM:
             proposal = s.drafter.propose(s.prompt_ids, s.output_ids, min(K, s.max_tokens - len(s.output_ids) - 1))
             k = draft_length(s.drafter.acceptance, self.plan.speculative_costs, len(proposal)) if proposal else 0
             s.draft = proposal[:k]
+            s.drafter.idle = 0 if k else s.drafter.idle + 1
             if not k:  # scored against the tokens that come instead: the acceptance follows the text
                 s.drafter.guess(s.num_tokens, proposal)
         return any(s.draft for s in seqs)
@@ -1157,6 +1158,16 @@ class LLM:
         assert cache.nbytes == nbytes
         weakref.finalize(cache, self.fast_budget.release, nbytes)
         return cache
+
+
+def _speculating_burst(seq: Sequence) -> int | None:
+    """The most tokens a lone speculating sequence without a draft decodes in a burst (LLM._burst; None: not
+    speculating, the burst's own length): BURST_MIN after a step that drafted, doubling with each proposal since
+    that drafted nothing (up to BURST_MAX), so that a text that does not repeat decodes in bursts nearly as
+    long as without speculation, and one that starts to repeat waits at most a burst for its drafts."""
+    if seq.drafter is None:
+        return None
+    return min(BURST_MAX, BURST_MIN << min(seq.drafter.idle, 4))
 
 
 @contextlib.contextmanager

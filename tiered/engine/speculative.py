@@ -64,6 +64,7 @@ class NgramDrafter:
         self.accepted, self.drafted = PRIOR_ACCEPTED, PRIOR_DRAFTED
         self.total_drafted = self.total_accepted = 0  # undecayed counts of verified drafts, for stats
         self._guess: tuple[int, list[int]] | None = None  # (context length, proposal) left undrafted
+        self.idle = 0  # proposals since the last one drafted (LLM._propose; a lone sequence's bursts lengthen)
 
     def reset(self) -> None:
         """Forget the indexed context (it was cut: Sequence.truncate); the next `propose` indexes it anew. The

@@ -343,6 +343,10 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, 
     return proj + op_time.attention_time(hw, "cpu", act, rows * context * cfg.attention_macs_per_pair(True), kv_bytes)
 
 
+# decode-copy formats whose rows a batched native step runs on int8 activations like int4's (runtime/batch_rows)
+INT_ROWS = {"int4", "int8", "int8-g32"}
+
+
 def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, hits: HitStats | None = None,
                    read_ahead: bool = True, readers: int = 2, task_overhead: float | None = None,
                    moe_layers: list[int] | None = None,
@@ -401,9 +405,11 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     B = max(1, int(batch))
     # a batched native step's dense layers: one row's stream, and each row past the first as the step ran such rows at
     # the layers' widths (runtime/batch_rows/int4q8: the rows' kernels, code and waits; SmolLM2's 8-sequence step
-    # priced by decode_rows' kernel alone was ~22% fast)
-    rows_key = hw.models.get(f"runtime/batch_rows/{_batched(dtype, batch_act, B)}") \
-        if B > 1 and mix is None and native_step(hw) else None
+    # priced by decode_rows' kernel alone was ~22% fast); decode copies mixing int4 with int8 (a Q4_K_M file's: its
+    # Q6_K parts as int8) at the int4 key too: an 8-layer Llama-3-8B-width Q4_K_M step's rows past the first cost
+    # 1-4 ms, 2.4 ps an element (2 Zen 4 cores, 2026-12-04), where decode_rows' slopes by share priced 9.5 ms
+    rows_key = hw.models.get(f"runtime/batch_rows/{_batched(dtype if mix is None else 'int4', batch_act, B)}") \
+        if B > 1 and native_step(hw) and (mix is None or set(mix) <= INT_ROWS) else None
     # a dense layer's weight bytes in the step (its calls' rate: op_time.layer_shape)
     dense_bytes = (cfg.attention_weight_elements() + 3 * d * cfg.intermediate_size) * mixed_bytes_per_element(dtype, mix)
     for i in range(cfg.num_hidden_layers):

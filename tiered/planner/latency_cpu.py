@@ -109,7 +109,14 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
         plan.mixed_rows = priced_mixed_rows(plan.mixed_rows, plan.prefill_chunk, rows, modules)
     plan.predicted_ttft_s = prompt_time(plan, plan.prompt_tokens, rows, modules)
     if plan.speculative_tokens and native_step(profile):
-        plan.speculative_costs = speculative_costs(rows, plan.speculative_tokens, ctx)
+        plan.speculative_costs = speculative_costs(
+            lambda B: predict_decode(cfg, profile, dtype, context=ctx, hits=hits, read_ahead=plan.read_ahead,
+                                     readers=max(2, plan.staging_buffers),
+                                     experts_format=plan.dtypes["experts"] if moe else None,
+                                     head_dtype=plan.dtypes.get("lm_head"), expert_act=plan.expert_act,
+                                     mix=plan.precision_mix, kv_format=plan.dtypes["kv_cache"], batch=B,
+                                     batch_act=plan.batch_act)[1],
+            plan.speculative_tokens)
     plan.memory = memory
     plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
                     f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "
@@ -153,14 +160,18 @@ def prompt_paths(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, disk_sh
     return rows, modules
 
 
-def speculative_costs(rows, most: int, past: int) -> list[float]:
+def speculative_costs(step, most: int) -> list[float]:
     """Plan.speculative_costs: the seconds of a decode step of one sequence's 1 + k rows (its last token and k
-    draft tokens, each row's logits computed: LLM._forward_mixed) relative to one row, k = 0..`most`, at `past`
-    cached positions; `rows(T, past, logit_rows)` prices T rows of the native step (prompt_paths). The rows
-    stream the weights once: on 2 Zen 4 cores SmolLM2's int4 step took 4.5 / 5.6 / 6.7 / 8.4 ms at 1-4 rows,
-    an 8-layer Llama-3-8B-width Q4_K_M step 55 / 58 / 69 / 70 ms (2026-12-04)."""
-    one = rows(1, past, 1)
-    return [round(rows(1 + k, past, 1 + k) / one, 4) for k in range(most + 1)]
+    draft tokens, each row's logits computed: LLM._forward_mixed) relative to one row, k = 0..`most`, priced as
+    a batched decode step of 1 + k rows (`step(B)` seconds: cpu_predict.predict_decode at batch B, no bursts),
+    which runs the same rows through the same kernels (each row attending to its own positions, every row's
+    logits): the weights stream once and each row past the first adds its multiply-adds and code at
+    runtime/batch_rows' rate. On 2 Zen 4 cores (2026-12-04) SmolLM2's int4 step took 4.6 / 6.3 / 7.6 / 9.3 /
+    10.5 ms at 1-5 rows (1.35 / 1.65 / 2.00 / 2.27x), an 8-layer Llama-3-8B-width Q4_K_M step 45 / 46 / 50 / 53 /
+    62 ms (1.02-1.38x), where pricing the rows as a prompt's (predict_prompt_rows: decode_rows' slope for each row's
+    multiply-adds, beside the stream) had given the latter 1.26-2.15x."""
+    one = step(1)
+    return [round(step(1 + k) / one, 4) for k in range(most + 1)]
 
 
 def prompt_attention(plan: Plan, cfg: ModelConfig, profile: HardwareProfile) -> str:
