@@ -174,6 +174,21 @@ def test_stops_end_a_verification_where_they_end_a_step(zoo, monkeypatch):
         assert len(got[0].token_ids) == n and got[0].finish_reason == "length"
 
 
+def test_a_structured_output_verifies_drafts_under_its_grammar(zoo, monkeypatch):
+    """A JSON schema's grammar masks each verified row after the tokens accepted before it: a draft token it
+    forbids is rejected, the tokens it forces (LLM._force) end a verification and go in as rows of the next
+    step beside the next draft; the output is the unspeculated one, and follows the schema."""
+    import json
+
+    from test_structured import COMPACT, _valid
+
+    llm = zoo.llm(zoo.dir("llama"))
+    ids = llm.encode("the quick brown fox", chat=False)
+    got = _same_with_drafts(llm, monkeypatch, [ids], temperature=0, max_tokens=200,
+                            structured_outputs={"json": COMPACT})
+    assert got[0].finish_reason == "stop" and _valid(json.loads(got[0].text))
+
+
 def test_the_modules_forward_verifies_a_lone_sequences_drafts(zoo, monkeypatch):
     """Without the native rows (the host stand-in: the modules' forward, as on a GPU) a lone sequence's drafts
     are verified by one forward over its last token and drafts (LLM._forward_draft)."""

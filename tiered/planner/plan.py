@@ -425,6 +425,12 @@ class Plan:
             out.append(f"prompts: up to {self.mixed_rows} tokens as rows of the native decode step"
                        + (", longer ones chunk by chunk as such rows" if self.chunks_as_rows()
                           else ", longer ones through the modules' prefill"))
+        if self.speculative_tokens:
+            costs = self.speculative_costs
+            out.append(f"speculative decoding ({self.speculative}, n-grams {self.prompt_lookup[1]} down to "
+                       f"{self.prompt_lookup[0]}): up to {self.speculative_tokens} draft tokens a step"
+                       + (", a step of 1 + k rows priced " + " / ".join(f"{c:.2f}" for c in costs) + "x one row"
+                          if costs else ", every proposal drafted (unpriced)"))
         if self.decode_graphs or self.piecewise_graphs:
             out.append("decode: " + ("one CUDA graph per step" if self.decode_graphs else
                                      "piecewise CUDA graphs (each layer's attention; MLPs / experts eager)"))
