@@ -12,9 +12,11 @@ of a verification round their int8 activations as a batch's do, so a near tie ma
 Part 2 times the native decode step over 1 + k rows of one sequence (its last token and k drafts, every row's
 logits), k = 0..`--max-draft`, at a 256-token context, for SmolLM2 and, with `--dense-layers N`, the dummy
 Llama-3-8B-width Q4_K_M file of N layers (benchmarks/cpu_dense_q4km.py's; random weights, so only its step
-costs are reported), beside the plan's priced ratios (Plan.speculative_costs). Writes speculative.{json,md}.
+costs are reported), with `--moe-layers N` the dummy Qwen3-30B-A3B-width Q4_0 file (benchmarks/cpu_moe.py's:
+each draft row routes to experts of its own), beside the plan's priced ratios (Plan.speculative_costs). Writes
+speculative.{json,md}.
 
-    python benchmarks/speculative.py --dense-layers 8 --out benchmarks/results/<machine-date>/speculative
+    python benchmarks/speculative.py --dense-layers 8 --moe-layers 8 --out benchmarks/results/<machine-date>/speculative
 """
 
 from __future__ import annotations
@@ -123,6 +125,10 @@ def _part2(args) -> list[dict]:
         from cpu_dense_q4km import model_file
 
         models[f"Llama-3-8B width, {args.dense_layers} layers, Q4_K_M (dummy)"] = str(model_file(args.dense_layers))
+    if args.moe_layers:
+        from cpu_moe import model_file as moe_file
+
+        models[f"Qwen3-30B-A3B width, {args.moe_layers} layers, Q4_0 (dummy)"] = str(moe_file(args.moe_layers))
     rows = []
     for name, path in models.items():
         llm = LLM(path, EngineConfig(speculative="ngram", num_speculative_tokens=args.max_draft))
@@ -156,6 +162,8 @@ def main() -> None:
     ap.add_argument("--max-draft", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--step-rounds", type=int, default=9, help="rounds of part 2's step timings")
     ap.add_argument("--dense-layers", type=int, default=0, help="also time the dummy Llama-3-8B-width file's steps")
+    ap.add_argument("--moe-layers", type=int, default=0,
+                    help="also time the dummy Qwen3-30B-A3B-width Q4_0 file's steps (benchmarks/cpu_moe.py's)")
     ap.add_argument("--skip-tasks", action="store_true", help="part 2 only")
     ap.add_argument("--out", default=str(ROOT / "results" / "speculative"))
     args = ap.parse_args()

@@ -93,7 +93,8 @@ def _header(cfg, path: Path, arch: str, name: str) -> GGUFWriter:
     return w
 
 
-def write_gguf(model, path: Path, arch: str, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+def write_gguf(model, path: Path, arch: str, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+               sampling: dict | None = None) -> Path:
     """Write a transformers dense Llama-family model as a GGUF file.
 
     Args:
@@ -101,12 +102,16 @@ def write_gguf(model, path: Path, arch: str, qtype: GGMLQuantizationType = GGMLQ
         path: the .gguf file to write.
         arch: GGUF architecture name: "llama", "qwen2" or "qwen3".
         qtype: type of the 2-D weights; 1-D tensors are always F32.
+        sampling: general.sampling.* keys to write ({"temp": 0.6, "top_k": 20, ...}: the GGUFWriter's
+            add_sampling_<key>, as llama.cpp's converter writes a generation_config.json's).
     """
     cfg = model.config
     rope = getattr(cfg, "rope_parameters", None) or {}
     assert rope.get("rope_type", "default") == "default", "the writer only handles plain RoPE"
     w = _header(cfg, path, arch, arch)
     w.add_file_type(int(qtype))
+    for key, value in (sampling or {}).items():
+        getattr(w, f"add_sampling_{key}")(value)
 
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     if getattr(cfg, "tie_word_embeddings", False):

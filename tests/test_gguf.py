@@ -62,6 +62,20 @@ def test_gguf_config_equals_config_json(zoo, name):
     assert replace(g, **same) == replace(h, **same)
 
 
+def test_gguf_sampling_keys_are_the_models_generation_defaults(zoo, tmp_path):
+    """A file's general.sampling.* keys (llama.cpp's converter writes a generation_config.json's there) are its
+    generation defaults, as a directory's generation_config.json is: the server's values for requests that leave
+    them out; float32 values read back as written (0.95, not 0.949999988); none where the file names none."""
+    from gguf_writer import write_gguf
+
+    path = write_gguf(zoo.hf("llama"), tmp_path / "sampled.gguf", "llama",
+                      sampling={"temp": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "penalty_repeat": 1.05,
+                                "penalty_last_n": 64})
+    assert open_checkpoint(path).generation_defaults() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                          "min_p": 0.0, "repetition_penalty": 1.05}
+    assert open_checkpoint(zoo.gguf("llama", "F32")).generation_defaults() == {}
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_gguf_tensors_equal_hf_tensors(zoo, name):
     """Every HF tensor is found under its HF name, in HF layout (q/k permutation undone)."""

@@ -59,6 +59,11 @@ ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", 
                       "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss"}
 # top-k weights renormalized to sum 1 (llama.cpp's expert_weights_norm default per architecture)
 NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
+# The sampling a file's authors recommend (llama.cpp's general.sampling.* keys, which its converter fills from
+# generation_config.json since ggml-org/llama.cpp#17120) -> SamplingParams' names (hf_dir.SAMPLING_DEFAULTS)
+GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                 "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                 "general.sampling.penalty_repeat": "repetition_penalty"}
 # Architectures whose converter permutes q/k rows (llama.cpp convert_hf_to_gguf.py LlamaModel).
 PERMUTED_QK = ("llama", "mistral")
 
@@ -267,6 +272,17 @@ class GGUFCheckpoint(HandleTable):
 
     format_name = "gguf"
     missing_hint = "the GGUF file is incomplete or of another architecture"
+
+    def generation_defaults(self) -> dict:
+        """The sampling the file recommends (its general.sampling.* keys: GGUF_SAMPLING), as a model directory's
+        generation_config.json gives it (hf_dir.generation_defaults); float32 values read back at 7 significant
+        digits (0.95, not 0.949999988). {} where it names none."""
+        out = {}
+        for key, name in GGUF_SAMPLING.items():
+            v = self.metadata.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[name] = int(v) if name == "top_k" else float(f"{float(v):.7g}")
+        return out
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
