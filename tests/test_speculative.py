@@ -296,3 +296,78 @@ def test_a_server_speculates_for_concurrent_requests_and_counts_drafts(zoo, chat
     drafted, accepted = (metrics["tiered_spec_decode_draft_tokens_total"],
                          metrics["tiered_spec_decode_accepted_tokens_total"])
     assert drafted > 0 and 0 <= accepted <= drafted
+
+
+# ----------------------------------------------------------------------------- a draft model
+def _drafting(llm, monkeypatch):
+    """Every step drafts as long as it may (the rows and the draft model's tokens unpriced)."""
+    monkeypatch.setattr(llm.plan, "speculative_costs", None)
+    monkeypatch.setattr(llm.drafts, "cost", 0.0)
+
+
+@pytest.mark.parametrize("draft", ["llama", "qwen2"])
+def test_a_draft_models_tokens_are_verified_into_the_models_own_output(zoo, monkeypatch, draft):
+    """The tiny Llama drafted for by itself (nearly every draft accepted) and by the tiny Qwen2 of the same tokenizer
+    (other weights: drafts accepted and rejected): greedy outputs equal the unspeculated ones, for a lone
+    sequence and a batch of two, the draft model's cache catching up with what each verification accepted."""
+    base = zoo.llm(zoo.dir("llama"), accelerator="none")
+    llm = zoo.llm(zoo.dir("llama"), accelerator="none", draft_model=str(zoo.dir(draft)))
+    assert llm.plan.speculative == "draft" and llm.drafts is not None and llm.drafts.cost > 0
+    _drafting(llm, monkeypatch)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for prompts in ([prompt_ids(zoo.vocab_size, 9, seed=1)],
+                    [prompt_ids(zoo.vocab_size, 6, seed=2), prompt_ids(zoo.vocab_size, 13, seed=3)]):
+        want, got = base.generate(prompts, sp), llm.generate(prompts, sp)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        drafted = sum(o.stats.draft_tokens for o in got)
+        accepted = sum(o.stats.accepted_draft_tokens for o in got)
+        # (the draft model runs the engine's default int4 decode copies, the target here fp32: a near tie may part)
+        assert drafted > 0 and (accepted >= 0.9 * drafted if draft == "llama" else 0 <= accepted < drafted)
+
+
+def test_a_draft_model_drafts_for_the_modules_forward_and_sampled_requests(zoo, monkeypatch):
+    """The host stand-in's target (its modules' forward verifies a lone sequence) with a CPU draft model; a seeded
+    sampled request keeps its tokens run after run and within max_tokens."""
+    base = zoo.llm(zoo.dir("llama"), accelerator="host")
+    llm = zoo.llm(zoo.dir("llama"), accelerator="host", draft_model=str(zoo.dir("llama")))
+    _drafting(llm, monkeypatch)
+    prompt = [prompt_ids(zoo.vocab_size, 9, seed=4)]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    got = llm.generate(prompt, sp)[0]
+    assert got.token_ids == base.generate(prompt, sp)[0].token_ids and got.stats.accepted_draft_tokens > 0
+    sp = SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True)
+    a, b = llm.generate(prompt, sp)[0], llm.generate(prompt, sp)[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 20 and a.stats.draft_tokens > 0
+
+
+def test_a_draft_model_of_another_vocabulary_or_none_is_refused(zoo, tmp_path):
+    with pytest.raises(ConfigError, match="draft model"):
+        EngineConfig(speculative="draft")
+    assert EngineConfig(draft_model="x").speculative == "draft"
+    with pytest.raises(ConfigError, match="vocabulary"):  # a generated GGUF file carries no tokenizer
+        LLM(zoo.dir("llama"), EngineConfig(decode_weights="fp32", accelerator="none",
+                                           draft_model=str(zoo.gguf("llama", "F32"))))
+    from tiered.errors import CheckpointError
+
+    with pytest.raises((CheckpointError, OSError)):
+        LLM(zoo.dir("llama"), EngineConfig(decode_weights="fp32", accelerator="none",
+                                           draft_model=str(tmp_path / "missing")))
+
+
+def test_a_cut_context_rewrites_the_draft_cache_from_the_start():
+    from tiered.engine.speculative import ModelDrafter
+
+    d = ModelDrafter()
+    d.base, d.pos = 40, 40
+    d.record(4, 2)
+    assert d.pos == 42  # the two accepted draft tokens it fed are the context's
+    d.base = 50
+    d.record(3, 3)
+    assert d.pos == 52  # it fed two of the three
+    d.reset()
+    assert d.pos == 0
+    low = ModelDrafter()
+    low.record(4, 0)
+    a = low.acceptance
+    low.idle_step()
+    assert a < low.acceptance < 0.5  # back toward the prior while it drafts nothing

@@ -81,7 +81,8 @@ OPT = {
     "prefetch_lookahead": typer.Option(2, "--prefetch-lookahead", help="MoE layers ahead the prefetcher predicts (HOBBIT's p, 1-3)."),
     "plan": typer.Option("auto", "--plan", help="auto: the planner decides expert residency, cache slots and dense slicing from a hardware profile; off: the runtime's own rules; or a plan JSON from `tiered plan --json` to replay."),
     "profile_file": typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner (default: this machine's, measured once)."),
-    "speculative": typer.Option("off", "--speculative", help="Speculative decoding: off, or ngram (prompt lookup: draft tokens copied from where the context's last tokens occurred before, verified in one step; the model's outputs are kept)."),
+    "speculative": typer.Option("off", "--speculative", help="Speculative decoding: off, ngram (prompt lookup: draft tokens copied from where the context's last tokens occurred before, verified in one step; the model's outputs are kept) or draft (--draft-model)."),
+    "draft_model": typer.Option(None, "--draft-model", help="Speculative decoding with a draft model: a small model of the same tokenizer (a path or GGUF file) writes each draft, run on the CPU."),
     "num_speculative_tokens": typer.Option(4, "--num-speculative-tokens", min=1, max=16, help="Most draft tokens a step verifies (--speculative ngram); the plan prices each length against the acceptance."),
 }
 
@@ -194,6 +195,7 @@ def run(
     graphs: str = OPT["graphs"],
     profile_file: Optional[str] = OPT["profile_file"],
     speculative: str = OPT["speculative"],
+    draft_model: Optional[Path] = OPT["draft_model"],
     num_speculative_tokens: int = OPT["num_speculative_tokens"],
     show_plan: bool = typer.Option(False, "--show-plan", help="Print the whole plan before generating."),
     beams: int = typer.Option(1, "--beams", min=1, help="Beam search with this many beams (1 = off): prints the best "
@@ -392,7 +394,7 @@ def _print_stats(llm, out) -> None:
 ENGINE_OPTIONS = ("dtype", "decode_weights", "batch_activations", "expert_activations", "weights", "low_weights", "mixed_thresholds", "max_context", "threads",
                   "gpu_mem", "cpu_mem", "offload_dir", "accelerator", "cache_slots", "cache_policy", "expert_profile",
                   "read_ahead", "prefetch", "prefetch_lookahead", "plan", "graphs", "profile_file", "speculative",
-                  "num_speculative_tokens")
+                  "draft_model", "num_speculative_tokens")
 
 
 def _engine_config(args: dict, trace: bool = False, max_batch: int = 1):
@@ -405,7 +407,7 @@ def _engine_config(args: dict, trace: bool = False, max_batch: int = 1):
 def _config(*, dtype, decode_weights, batch_activations, expert_activations, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
             cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch,
             prefetch_lookahead, weights, low_weights, mixed_thresholds, max_batch, graphs="auto", speculative="off",
-            num_speculative_tokens=4):
+            draft_model=None, num_speculative_tokens=4):
     from tiered import EngineConfig
 
     if plan not in ("auto", "off"):
@@ -430,7 +432,8 @@ def _config(*, dtype, decode_weights, batch_activations, expert_activations, max
                         expert_profile=str(expert_profile) if expert_profile else None, read_ahead=read_ahead,
                         trace=trace, plan=plan, profile=profile_file, prefetch=prefetch,
                         prefetch_lookahead=prefetch_lookahead, max_batch=max_batch, graphs=graphs,
-                        speculative=speculative, num_speculative_tokens=num_speculative_tokens)
+                        speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                        draft_model=str(draft_model) if draft_model else None)
 
 
 @app.command()
@@ -471,6 +474,7 @@ def serve(
     graphs: str = OPT["graphs"],
     profile_file: Optional[str] = OPT["profile_file"],
     speculative: str = OPT["speculative"],
+    draft_model: Optional[Path] = OPT["draft_model"],
     num_speculative_tokens: int = OPT["num_speculative_tokens"],
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching across requests."""
@@ -554,6 +558,7 @@ def chat(
     graphs: str = OPT["graphs"],
     profile_file: Optional[str] = OPT["profile_file"],
     speculative: str = OPT["speculative"],
+    draft_model: Optional[Path] = OPT["draft_model"],
     num_speculative_tokens: int = OPT["num_speculative_tokens"],
     template_var: list[str] = OPT["template_var"],
 ) -> None:

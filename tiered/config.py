@@ -111,6 +111,9 @@ class EngineConfig:
             (Saxena 2023; vLLM's ngram method), draft tokens copied from where the context's last tokens
             occurred before, verified as rows of one step (the model's distribution is kept: greedy outputs are
             the model's argmax at every token, sampled ones its distribution).
+            Or "draft": a draft model of the same tokenizer (`draft_model`) writes each draft greedily (Leviathan
+            et al. 2023; llama.cpp's --model-draft), run on the CPU's native step.
+        draft_model: the draft model's checkpoint (a path, as `model` takes); giving one means speculative "draft".
         num_speculative_tokens: most draft tokens a sequence proposes a step (1..16); the plan prices each
             length against the sequence's recent acceptance (Plan.speculative_costs).
         prompt_lookup_min, prompt_lookup_max: n-gram sizes the lookup tries, longest first (vLLM's names).
@@ -150,6 +153,7 @@ class EngineConfig:
     device_issue: str = "auto"
     profile: str | None = None
     speculative: str = "off"
+    draft_model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -186,9 +190,14 @@ class EngineConfig:
             raise ConfigError(f"pinned must be 'auto', 'huge' or 'cuda', got {self.pinned!r}", "pass auto")
         if self.device_issue not in ("auto", "thread", "worker"):
             raise ConfigError(f"device_issue must be 'auto', 'thread' or 'worker', got {self.device_issue!r}", "pass auto")
-        if self.speculative not in ("off", "ngram"):
-            raise ConfigError(f"speculative must be 'off' or 'ngram', got {self.speculative!r}",
-                              "pass ngram (prompt lookup) or off")
+        if self.draft_model is not None and self.speculative == "off":
+            object.__setattr__(self, "speculative", "draft")
+        if self.speculative not in ("off", "ngram", "draft"):
+            raise ConfigError(f"speculative must be 'off', 'ngram' or 'draft', got {self.speculative!r}",
+                              "pass ngram (prompt lookup), draft (with draft_model) or off")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ConfigError("speculative 'draft' takes a draft model, and only it does",
+                              "give draft_model (--draft-model PATH) with speculative 'draft', or leave both out")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, "
                               f"got {self.num_speculative_tokens}", "pass e.g. 4")

@@ -29,9 +29,9 @@ from tiered.engine.reasoning import marks_special, output_stops, prompt_opens_th
 from tiered.engine.sampling import SamplingParams, adjust_logits, prompt_token_logprobs, sample_tokens, token_logprobs
 from tiered.engine.scheduler import PromptTwins, Scheduler, SharedPrefixes, prefill_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
-from tiered.engine.speculative import NgramDrafter, draft_length, verify_draw
+from tiered.engine.speculative import DraftModel, ModelDrafter, NgramDrafter, draft_length, verify_draw
 from tiered.engine.structured import TokenMatcher, grammar_tokenizer
-from tiered.errors import BudgetError, ConfigError, ContextLengthError
+from tiered.errors import BudgetError, ConfigError, ContextLengthError, TieredError
 from tiered.hardware.accelerator import make_accelerator
 from tiered.hardware.budget import MemoryBudget
 from tiered.hardware.contention import thread_governor
@@ -111,6 +111,7 @@ class LLM:
         # tokens the model writes (reasoning.marks_special: harmony's markers, a special </think>)
         self.reasoning_format = reasoning_format(self.tokenizer)
         self.keeps_special_tokens = marks_special(self.tokenizer, self.reasoning_format)
+        self.drafts = self._draft_model()  # speculative decoding's draft model (Plan.speculative "draft"), or None
         self._release_load_memory()
         # fewer CPU threads while other processes take cores (OpenMP teams stall on a busy core)
         self.threads = thread_governor(self.plan.cpu_threads or torch.get_num_threads(), self.engine_config.num_threads)
@@ -158,6 +159,11 @@ class LLM:
         self.dtype = resolve_dtype(ec, self.accelerator, self.checkpoint)
         self.cpu_budget = MemoryBudget("cpu", ec.cpu_memory)
         self.fast_budget = self.accelerator.budget if self.accelerator is not None else self.cpu_budget
+        if ec.draft_model is not None:  # a missing or corrupt draft checkpoint refused before any weight is read
+            try:
+                open_checkpoint(ec.draft_model)
+            except TieredError as e:
+                raise type(e)(f"the draft model: {e.message}", e.hint) from None
 
     def _plan(self, progress: bool):
         """PLAN: the Plan every later step applies (planned, the runtime's rules, or replayed) and the
@@ -322,6 +328,29 @@ class LLM:
         self.executor, self.experts, self.sliced = self.runtime.executor, self.runtime.experts, self.runtime.sliced
 
     # ----------------------------------------------------------------- prompts
+    def _draft_model(self) -> DraftModel | None:
+        """The draft model of a plan that speculates with one (EngineConfig.draft_model): an LLM of its own on the
+        CPU (its own plan, the target's context window and threads), priced a draft token against the target's
+        decode step by the two plans' predicted speeds.
+
+        Raises:
+            ConfigError: no draft model given to a plan that needs one, or one that cannot draft for this model
+                (speculative.DraftModel)."""
+        if self.plan.speculative != "draft":
+            return None
+        ec = self.engine_config
+        if ec.draft_model is None:
+            raise ConfigError("the plan speculates with a draft model and none is given", "pass --draft-model PATH")
+        draft = LLM(ec.draft_model, EngineConfig(accelerator="none", max_context=self.max_context,
+                                                 num_threads=ec.num_threads))
+        mine, theirs = self.plan.predicted_decode_tokens_per_s, draft.plan.predicted_decode_tokens_per_s
+        priced = self.plan.source != "rules" and draft.plan.source != "rules" and mine > 0 and theirs > 0
+        try:
+            return DraftModel(draft, self.config.vocab_size, self.tokenizer, mine / theirs if priced else None)
+        except BaseException:
+            draft.close()
+            raise
+
     def encode(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Token ids of a prompt: a string, a list of chat messages, or token ids.
 
@@ -522,7 +551,7 @@ class LLM:
         if burst and not plan.prefill and len(plan.running) == 1 and not sched.num_waiting:
             # speculating, a lone sequence with a draft runs a step verifying it; without one, a short burst
             lone = plan.running[0]
-            drafted = self._propose(plan.running, rows)
+            drafted = self._propose(plan.running, rows, cache)
             events = None if drafted else self._burst(lone, cache, interrupt, _speculating_burst(lone))
             if events is not None:
                 for seq, _, out in events:
@@ -560,7 +589,7 @@ class LLM:
             running = [s for s in plan.running if not s.finished and id(s) not in joined]
             if running or mixed:  # decode: all running sequences, one token each (+ the joining prompts)
                 # speculative decoding: draft tokens after a sequence's last, verified as rows of this step
-                drafted = not mixed and self._propose(running, rows)
+                drafted = not mixed and self._propose(running, rows, cache)
                 t0 = time.perf_counter()
                 if drafted and not rows:  # (the modules' forward: a lone sequence, _propose)
                     logits = self._forward_draft(running[0], cache)
@@ -646,7 +675,7 @@ class LLM:
                                          torch.tensor(slots), cache, rows=torch.tensor(last))
         return logits.float()
 
-    def _propose(self, seqs: list[Sequence], rows: bool) -> bool:
+    def _propose(self, seqs: list[Sequence], rows: bool, cache: KVCache) -> bool:
         """Speculative decoding (engine/speculative.py; Plan.speculative): set each running sequence's draft
         (Sequence.draft) where the plan speculates, its prompt lookup finds one, and a draft pays at its acceptance
         (speculative.draft_length over Plan.speculative_costs). A draft leaves room for the step's token after it
@@ -656,6 +685,8 @@ class LLM:
         K = self.plan.speculative_tokens
         if not K or not (rows or len(seqs) == 1):
             return False
+        if self.drafts is not None:
+            return self._propose_drafted(seqs, cache)
         lo, hi = self.plan.prompt_lookup
         for s in seqs:
             if s.draft or s.finished:
@@ -668,6 +699,27 @@ class LLM:
             s.drafter.idle = 0 if k else s.drafter.idle + 1
             if not k:  # scored against the tokens that come instead: the acceptance follows the text
                 s.drafter.guess(s.num_tokens, proposal)
+        return any(s.draft for s in seqs)
+
+    def _propose_drafted(self, seqs: list[Sequence], cache: KVCache) -> bool:
+        """_propose with a draft model (speculative.DraftModel): each sequence drafts the length its acceptance
+        pays for at the plan's row costs and the draft model's cost a token (draft_length), the draft model writing
+        every drafting sequence's tokens together."""
+        work = []
+        for s in seqs:
+            if s.draft or s.finished:
+                continue
+            if s.drafter is None:
+                s.drafter = ModelDrafter()
+            k = min(self.plan.speculative_tokens, s.max_tokens - len(s.output_ids) - 1)
+            k = draft_length(s.drafter.acceptance, self.plan.speculative_costs, k, self.drafts.cost or 0.0) if k > 0 else 0
+            s.drafter.idle = 0 if k else s.drafter.idle + 1
+            if k:
+                work.append((s, k))
+            else:
+                s.drafter.idle_step()
+        if work:
+            self.drafts.propose(work, cache.k.shape[1], cache.max_len)
         return any(s.draft for s in seqs)
 
     def _forward_draft(self, seq: Sequence, cache: KVCache) -> torch.Tensor:
@@ -1073,6 +1125,8 @@ class LLM:
         cache: 32 tok/s on demand where a fresh process read 3.6). Torch's CPU team goes back to the plan's threads
         where the governor had left it fewer (ThreadGovernor.restore). The LLM cannot generate afterwards."""
         self.executor.close()
+        if getattr(self, "drafts", None) is not None:
+            self.drafts.llm.close()
         if self.threads is not None:
             self.threads.restore()
         if self.accelerator is not None:
