@@ -226,11 +226,13 @@ def test_server_answers_reasoning_apart_streamed_or_not(zoo, chat_llama, tmp_pat
                    extra_body=script)
         msg = client.chat.completions.create(**ask).choices[0].message
         thought, answer = msg.model_extra["reasoning_content"], msg.content
+        assert msg.model_extra["reasoning"] == thought  # vLLM's name beside DeepSeek's
         assert thought.count(" ") == 1 and "<think>" not in thought and answer[0].isupper() and answer.endswith(".")
         r, c, finish = "", "", None
         for chunk in client.chat.completions.create(**ask, stream=True):
             delta = chunk.choices[0].delta
             r += (delta.model_extra or {}).get("reasoning_content") or ""
+            assert (delta.model_extra or {}).get("reasoning") == (delta.model_extra or {}).get("reasoning_content")
             c += delta.content or ""
             finish = chunk.choices[0].finish_reason or finish
         assert (r.strip(), c.strip(), finish) == (thought, answer, "stop")
@@ -426,3 +428,22 @@ def test_harmony_named_and_required_calls_are_its_own_messages(harmony):
                 break
         else:
             pytest.fail(f"no call finished in 4 seeds: {choice}")
+
+
+def test_an_earlier_answers_reasoning_reaches_the_template_by_either_name():
+    """Interleaved thinking: an assistant message's reasoning, sent as vLLM's `reasoning` or DeepSeek's
+    `reasoning_content`, is the template's `reasoning_content` (Qwen3's, GLM-4.5's) and `thinking` (gpt-oss's);
+    other roles' are not passed on."""
+    from jinja2 import Template
+
+    from tiered.serve.protocol import ChatMessage
+
+    qwen_like = Template("{% for m in messages %}{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                         "</think>{% endif %}{{ m.content }}|{% endfor %}")
+    for key in ("reasoning", "reasoning_content"):
+        msgs = [ChatMessage(role="user", content="q", **{key: "not mine"}),
+                ChatMessage(role="assistant", content="a", **{key: "why"})]
+        dicts = [m.as_dict() for m in msgs]
+        assert qwen_like.render(messages=dicts) == "q|<think>why</think>a|"
+        assert dicts[1]["thinking"] == "why" and "thinking" not in dicts[0]
+    assert "reasoning_content" not in ChatMessage(role="assistant", content="a").as_dict()

@@ -118,9 +118,10 @@ class Plan:
                                              chunk by chunk as such rows where this reaches
                                              prefill_chunk (LLM._prefill). A CPU plan prices both
                                              paths past the ISA's floor (latency_cpu.priced_mixed_rows)
-        speculative                          speculative decoding (engine/speculative.py): "off", or
-                                             "ngram" (prompt lookup: drafts copied from the context,
-                                             verified as rows of the sequence's decode step)
+        speculative                          speculative decoding (engine/speculative.py): "off",
+                                             "ngram" (prompt lookup: drafts copied from the context) or
+                                             "draft" (a draft model's), verified as rows of the
+                                             sequence's decode step
         speculative_tokens                   most draft tokens a sequence proposes a step (0: off)
         prompt_lookup                        (min, max) n-gram sizes the lookup tries
         speculative_costs                    priced time of a decode step of 1 + k rows of one
@@ -427,8 +428,9 @@ class Plan:
                           else ", longer ones through the modules' prefill"))
         if self.speculative_tokens:
             costs = self.speculative_costs
-            out.append(f"speculative decoding ({self.speculative}, n-grams {self.prompt_lookup[1]} down to "
-                       f"{self.prompt_lookup[0]}): up to {self.speculative_tokens} draft tokens a step"
+            how = (f"prompt lookup, n-grams {self.prompt_lookup[1]} down to {self.prompt_lookup[0]}"
+                   if self.speculative == "ngram" else "a draft model")
+            out.append(f"speculative decoding ({how}): up to {self.speculative_tokens} draft tokens a step"
                        + (", a step of 1 + k rows priced " + " / ".join(f"{c:.2f}" for c in costs) + "x one row"
                           if costs else ", every proposal drafted (unpriced)"))
         if self.decode_graphs or self.piecewise_graphs:

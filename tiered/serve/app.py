@@ -135,7 +135,8 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         engine: the ServingEngine (not yet started, or stepped by `run` on another thread).
         model_name: the id /v1/models lists; requests must name it.
         api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`.
-        reasoning: a reasoning model's chat answers its reasoning apart, as `reasoning_content` (DeepSeek's API
+        reasoning: a reasoning model's chat answers its reasoning apart, as `reasoning` (vLLM's and OpenRouter's, OpenAI's
+            guidance for gpt-oss) and `reasoning_content` (DeepSeek's API
             and llama.cpp's field; engine/reasoning.py), and harmony's tool calls as tool_calls; False: the
             whole output is the content, as the model wrote it.
     """
@@ -359,7 +360,8 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                 logprobs = None if out.logprobs is None else chat_logprobs(engine.llm.tokenizer, out.logprobs)
                 reasoning, content, calls = answer(out, tools)
                 message = ({"role": "assistant", "content": content}
-                           | ({"reasoning_content": reasoning} if reasoning and body.include_reasoning else {})
+                           | ({"reasoning": reasoning, "reasoning_content": reasoning}
+                              if reasoning and body.include_reasoning else {})
                            | ({"tool_calls": calls} if calls else {}))
                 choices.append({"index": i, "message": message, "logprobs": logprobs,
                                 "finish_reason": "tool_calls" if calls else out.finish_reason})
@@ -424,7 +426,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         calls (`tools`) holds back the text from where a call may begin (ToolPlan.held) and sends the
         calls in one chunk at the end, before the finishing one; a named function's call streams its
         arguments as they come (the first chunk with the call's id and name), as OpenAI's do. A reasoning model's
-        reasoning streams as `reasoning_content` deltas (left out with `include_reasoning` False, vLLM's)."""
+        reasoning streams as `reasoning` / `reasoning_content` deltas (left out with `include_reasoning` False, vLLM's)."""
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         created = int(time.time())
         n = len(handles)
@@ -455,7 +457,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
                 if thought:
-                    delta["reasoning_content"] = thought
+                    delta["reasoning"] = delta["reasoning_content"] = thought
                 if calls:
                     delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
                 choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}

@@ -294,17 +294,24 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str | None = None  # an earlier answer's reasoning (vLLM's name; reasoning_content DeepSeek's)
+    reasoning_content: str | None = None
 
     def as_dict(self) -> dict:
         """{"role", "content"} with text parts joined, as the tokenizer's chat template expects; an assistant's
         tool calls with their arguments as objects (what templates render; text that is not JSON stays
-        text), a tool answer's tool_call_id and name."""
+        text), a tool answer's tool_call_id and name; an assistant's earlier reasoning (sent as `reasoning` or
+        `reasoning_content`) as `reasoning_content` (Qwen3's, GLM-4.5's templates) and `thinking` (gpt-oss's),
+        which templates that keep interleaved thinking render and others leave out."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         out = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
         out.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None})
+        thought = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if thought is not None and self.role == "assistant":
+            out["reasoning_content"] = out["thinking"] = thought
         return out
 
 
@@ -332,7 +339,7 @@ class ChatCompletionRequest(_Generation):
                                                         "(vLLM's; Qwen3's enable_thinking: false turns thinking off)")
     reasoning_effort: Literal["low", "medium", "high"] | None = Field(
         None, description="OpenAI's: the chat template's reasoning_effort (gpt-oss's templates read it)")
-    include_reasoning: bool = Field(True, description="vLLM's: false leaves a reasoning model's reasoning_content "
+    include_reasoning: bool = Field(True, description="vLLM's: false leaves a reasoning model's reasoning (content) "
                                     "out of the answer (it is still told apart from the content)")
     # accepted only at its neutral value (_neutral_only): the deprecated form of tools
     functions: list[Any] | None = None
