@@ -541,9 +541,8 @@ class LLM:
         self.last_burst = 0
         # a structured output's forced tokens go in as rows of the next native step (LLM._force)
         step = self.runtime.cpu_decode
-        self._forced_rows = (step is not None and os.environ.get("TIERED_FORCED_TOKENS", "1") != "0"
-                             and step.takes_prefill_rows(cache))
         rows = step is not None and step.takes_prefill_rows(cache)  # a sequence's drafts go in as rows of the step
+        self._forced_rows = rows and os.environ.get("TIERED_FORCED_TOKENS", "1") != "0"
         events: list[tuple[Sequence, str, RequestOutput | None]] = []
         team = self.threads.check() if self.threads is not None else torch.get_num_threads()
         for seq in plan.running:
