@@ -341,8 +341,11 @@ def test_kv_cache_reserved_before_it_is_allocated(rt, monkeypatch):
         used = llm.cpu_budget.used
         events.clear()
         with pytest.raises(BudgetError, match="the KV cache"):
-            llm.generate([prompt(8), prompt(8, seed=1), prompt(8, seed=2)], GREEDY)  # 3 sequences: 3x the room
+            llm.kv_cache(3)  # a server's 3 slots: 3x the room
         assert events == [] and llm.cpu_budget.used == used
+        # generate() of 3 prompts takes the slots that fit and queues the rest (LLM._batch_slots)
+        outs = llm.generate([prompt(8), prompt(8, seed=1), prompt(8, seed=2)], GREEDY)
+        assert len(outs) == 3 and events == ["reserve", "alloc"]
     finally:
         llm.experts.executor.close()
 

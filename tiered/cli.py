@@ -397,17 +397,19 @@ ENGINE_OPTIONS = ("dtype", "decode_weights", "batch_activations", "expert_activa
                   "draft_model", "num_speculative_tokens")
 
 
-def _engine_config(args: dict, trace: bool = False, max_batch: int = 1):
-    """The EngineConfig of the engine options `run`, `chat` and `serve` share (ENGINE_OPTIONS, taken
+def _engine_config(args: dict, trace: bool = False, max_batch: int = 1, goal: str = "latency",
+                   workload: tuple[int, int] | None = None):
+    """The EngineConfig of the engine options `run`, `chat`, `serve` and `batch` share (ENGINE_OPTIONS, taken
     by name from a command's arguments `args`); a replayed plan (`--plan FILE`) brings the budgets it
     was made for unless they are given."""
-    return _config(**{k: args[k] for k in ENGINE_OPTIONS}, trace=trace, max_batch=max_batch)
+    return _config(**{k: args[k] for k in ENGINE_OPTIONS}, trace=trace, max_batch=max_batch, goal=goal,
+                   workload=workload)
 
 
 def _config(*, dtype, decode_weights, batch_activations, expert_activations, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
             cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch,
             prefetch_lookahead, weights, low_weights, mixed_thresholds, max_batch, graphs="auto", speculative="off",
-            draft_model=None, num_speculative_tokens=4):
+            draft_model=None, num_speculative_tokens=4, goal="latency", workload=None):
     from tiered import EngineConfig
 
     if plan not in ("auto", "off"):
@@ -433,7 +435,7 @@ def _config(*, dtype, decode_weights, batch_activations, expert_activations, max
                         trace=trace, plan=plan, profile=profile_file, prefetch=prefetch,
                         prefetch_lookahead=prefetch_lookahead, max_batch=max_batch, graphs=graphs,
                         speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-                        draft_model=str(draft_model) if draft_model else None)
+                        draft_model=str(draft_model) if draft_model else None, goal=goal, workload=workload)
 
 
 @app.command()
@@ -521,6 +523,118 @@ def serve(
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+@app.command("batch")
+@friendly_errors
+def batch(
+    input_file: Path = typer.Argument(..., metavar="INPUT", help="Requests, one JSON object a line (OpenAI's batch "
+                                      "input: custom_id, method POST, url /v1/chat/completions or /v1/completions, body)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where the answers go, one JSON line each "
+                                          "(default: INPUT with .results.jsonl for its suffix); replaced if it exists."),
+    model: Optional[Path] = OPT["model"],
+    goal: str = typer.Option("throughput", "--goal", help="throughput: the plan picks the batch that generates the "
+                             "most tokens a second for the file's lengths (FlexGen's setting); latency: --max-batch "
+                             "requests at a time (default 8), as `tiered serve` runs."),
+    max_batch: int = typer.Option(0, "--max-batch", help="Most requests decoded together (0: the plan's batch; "
+                                  "under --goal throughput a positive value caps the plan's)."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id requests may name "
+                                                    "(default: the checkpoint's directory name, or file name without its suffix)."),
+    reasoning_format: str = typer.Option("auto", "--reasoning-format", help="auto: a reasoning model's chat answers "
+                                         "carry its reasoning apart (reasoning_content); none: all of it is the content."),
+    dtype: str = OPT["dtype"],
+    decode_weights: str = OPT["decode_weights"],
+    batch_activations: str = OPT["batch_activations"],
+    expert_activations: str = OPT["expert_activations"],
+    weights: str = OPT["weights"],
+    low_weights: Optional[str] = OPT["low_weights"],
+    mixed_thresholds: str = OPT["mixed_thresholds"],
+    max_context: Optional[int] = typer.Option(None, "--max-context", help="Context window of every request in tokens "
+                                              "(default: the most any request of the file needs, its prompt and max_tokens)."),
+    threads: Optional[int] = OPT["threads"],
+    gpu_mem: Optional[str] = OPT["gpu_mem"],
+    cpu_mem: Optional[str] = OPT["cpu_mem"],
+    offload_dir: Optional[Path] = OPT["offload_dir"],
+    accelerator: str = OPT["accelerator"],
+    cache_slots: Optional[int] = OPT["cache_slots"],
+    cache_policy: str = OPT["cache_policy"],
+    expert_profile: Optional[Path] = OPT["expert_profile"],
+    read_ahead: bool = OPT["read_ahead"],
+    prefetch: bool = OPT["prefetch"],
+    prefetch_lookahead: int = OPT["prefetch_lookahead"],
+    plan: str = OPT["plan"],
+    graphs: str = OPT["graphs"],
+    profile_file: Optional[str] = OPT["profile_file"],
+    speculative: str = OPT["speculative"],
+    draft_model: Optional[Path] = OPT["draft_model"],
+    num_speculative_tokens: int = OPT["num_speculative_tokens"],
+) -> None:
+    """Answer a file of requests offline (OpenAI's batch format, vLLM's run_batch): every request through the
+    server's API in this process, as many decoding together as the plan finds fastest, each answer written as
+    it finishes."""
+    from tiered import LLM
+    from tiered.checkpoint import open_checkpoint
+    from tiered.engine.prompt import context_window
+    from tiered.serve.app import build_app
+    from tiered.serve.batch import check_models, read_batch, request_lengths, run_batch
+    from tiered.serve.engine import ServingEngine
+
+    if goal not in ("throughput", "latency"):
+        raise typer.BadParameter(f"--goal must be throughput or latency, not {goal!r}")
+    if max_batch < 0:
+        raise typer.BadParameter("--max-batch must be >= 0 (0: the plan's)")
+    if reasoning_format not in ("auto", "none"):
+        raise typer.BadParameter(f"--reasoning-format must be auto or none, not {reasoning_format!r}")
+    lines = read_batch(input_file)  # a missing or empty file refused before the model loads
+    output = output or input_file.with_name(input_file.name.removesuffix(".jsonl") + ".results.jsonl")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint = open_checkpoint(model)
+    path = Path(checkpoint.path)
+    name = served_model_name or (path.stem if path.is_file() else path.name)
+    check_models(lines, name)  # another model's name refused before the model loads
+    window = context_window(checkpoint.config, max_context)
+    prompt_tokens, gen_tokens, longest = request_lengths(lines, checkpoint.tokenizer(), window)
+    max_context = max_context or longest
+    runnable = sum(1 for line in lines if line.error is None)
+    # under the throughput goal the batch is planned, up to --max-batch and never past the file's requests
+    most = min(max_batch or 256, max(1, runnable)) if goal == "throughput" else max_batch or 8
+    config = _engine_config(locals(), max_batch=most, goal=goal, workload=(prompt_tokens, gen_tokens))
+    llm = LLM(checkpoint, config, progress=True)
+    _freeze_heap()
+    slots = llm.plan.kv_slots if goal == "throughput" else config.max_batch
+    engine = ServingEngine(llm, max_batch=slots, max_queue=max(64, 4 * slots), prefix_reuse=True)
+    typer.echo(f"batch: {runnable} requests of {len(lines)} lines (median prompt {prompt_tokens} tokens, "
+               f"{gen_tokens} generated), {slots} at a time x {llm.max_context} tokens -> {output} | "
+               f"{llm.plan.summary()}", err=True)
+    web_app = build_app(engine, name, None, reasoning=reasoning_format == "auto")
+    with _batch_progress(_CONSOLE and sys.stderr.isatty(), len(lines)) as progress:
+        summary = run_batch(engine, web_app, lines, output, concurrency=engine.capacity, progress=progress)
+    refused = [f"{n} x {code}" for code, n in sorted(summary.statuses.items()) if code != 200]
+    if len(lines) > runnable:
+        refused.append(f"{len(lines) - runnable} invalid line{'s' if len(lines) - runnable > 1 else ''}")
+    why = f" ({', '.join(refused)})" if refused else ""
+    typer.echo(f"[{summary.succeeded} succeeded, {summary.failed} failed{why} "
+               f"| {summary.prompt_tokens} prompt tokens, {summary.completion_tokens} generated in "
+               f"{summary.seconds:.1f} s | {summary.tokens_per_s:.1f} generated tok/s"
+               + (f" (plan: {llm.plan.predicted_throughput_tokens_per_s:.1f})"
+                  if llm.plan.predicted_throughput_tokens_per_s else "") + "]", err=True)
+    if summary.failed and not summary.succeeded:
+        raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _batch_progress(show: bool, total: int):
+    """Yield a progress(summary) callback drawing a transient bar of the requests answered on stderr (or None)."""
+    if not show:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[speed]}"),
+                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("batch", total=total, speed="")
+        yield lambda s: bar.update(task, completed=s.requests, speed=f"{s.tokens_per_s:.1f} tok/s")
 
 
 @app.command()

@@ -62,7 +62,14 @@ class EngineConfig:
             activations, int16 ones on AVX2: more exact), or "auto": q8.
         max_context: context window in tokens; None uses the model's max_position_embeddings.
         max_batch: sequences decoded together (`tiered serve --max-batch`): the plan keeps KV-cache
-            room for this many sequences of max_context tokens on the fast tier.
+            room for this many sequences of max_context tokens on the fast tier. Under goal "throughput"
+            the plan chooses the batch, and a max_batch above 1 caps it.
+        goal: "latency" (default: one conversation's TTFT and tokens/s, a server's batch of max_batch) or
+            "throughput" (many prompts at once, FlexGen's setting: the plan picks the batch, the KV-cache room
+            of that many sequences of max_context tokens, that generates the most tokens a second over a
+            block of prompts of `workload` lengths: planner/throughput.plan_batch; `tiered batch`).
+        workload: (prompt tokens, generated tokens) of a typical request, which the throughput goal prices
+            (default (512, 32): FlexGen's benchmark setting, capped to max_context); the latency goal ignores it.
         num_threads: CPU threads for torch; None keeps torch's default (one per core); more than the
             cores this process may run on are capped at them (`cpu_threads`).
         gpu_memory: accelerator budget [bytes, or a string like "12GiB"]; None = all free memory.
@@ -132,6 +139,8 @@ class EngineConfig:
     mixed_thresholds: tuple[float, float] = (0.6, 0.9)
     max_context: int | None = None
     max_batch: int = 1
+    goal: str = "latency"
+    workload: tuple[int, int] | None = None
     num_threads: int | None = None
     gpu_memory: int | str | None = None
     cpu_memory: int | str | None = None
@@ -174,6 +183,12 @@ class EngineConfig:
             raise ConfigError(f"cache_policy must be one of {CACHE_POLICIES}", "pass e.g. lru or hobbit")
         if self.max_batch < 1:
             raise ConfigError("max_batch must be >= 1 sequence", "pass a positive count")
+        if self.goal not in ("latency", "throughput"):
+            raise ConfigError(f"goal must be 'latency' or 'throughput', got {self.goal!r}",
+                              "pass latency (one conversation) or throughput (a batch of prompts)")
+        if self.workload is not None and (len(self.workload) != 2 or min(self.workload) < 1):
+            raise ConfigError(f"workload must be (prompt tokens, generated tokens), both >= 1, got {self.workload!r}",
+                              "pass e.g. (512, 32)")
         if self.prefetch_lookahead < 1:
             raise ConfigError("prefetch_lookahead must be >= 1 layer", "pass 1 to 3 (HOBBIT's range)")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 0:

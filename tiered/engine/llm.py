@@ -47,6 +47,9 @@ _NO_TOKENS = torch.empty(0, dtype=torch.long)
 BURST_SECONDS, BURST_MIN, BURST_MAX = 0.05, 4, 32
 # The most tokens a structured output's grammar forces in one go (LLM._force): rows of the next step.
 FORCED_TOKENS = 32
+# the most prompts one generate call decodes together under the latency goal (vLLM's max_num_seqs default);
+# more wait for a slot
+MAX_GENERATE_BATCH = 256
 
 
 def _in_background(fn: Callable, name: str) -> Future:
@@ -193,7 +196,7 @@ class LLM:
                 decode_mix=decode_mix(self.checkpoint, decode) if decode != "none" else None,
                 disk_reads=self._disk_reads(experts or weights, say))
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
-            plan.decode_threshold = max(ec.decode_weights_threshold, ec.max_batch)
+            plan.decode_threshold = max(ec.decode_weights_threshold, plan.kv_slots)
         # GPTQ / compressed-tensors int8 weights that the decode copies re-quantize (a replayed plan keeps its notes)
         note = int8_note(self.checkpoint, decode) if decode != "none" and ec.plan in ("auto", "off") else None
         if note:
@@ -453,7 +456,7 @@ class LLM:
         try:
             cache = self._kv_cache(w, P + seq.max_tokens)
         except BudgetError as e:
-            if self.engine_config.max_batch >= w:
+            if self.plan.kv_slots >= w:
                 raise
             raise BudgetError(f"{w} beams' KV cache does not fit: {e.message}",
                               f"plan for the beams with EngineConfig(max_batch={w}) (tiered run --beams does), "
@@ -502,12 +505,27 @@ class LLM:
         of one scheduler, then `step` runs until all are finished."""
         t_start = time.perf_counter()
         seqs = [self.make_sequence(p, params, chat, index=i, t_start=t_start) for i, p in enumerate(prompts)]
-        sched = Scheduler(max_batch=len(seqs), max_queue=len(seqs))
+        longest = max(s.num_tokens + s.max_tokens for s in seqs)
+        slots = self._batch_slots(len(seqs), longest)
+        sched = Scheduler(max_batch=slots, max_queue=len(seqs))
         for seq in seqs:
             sched.add(seq)
-        cache = self._cache_for(len(seqs), max(s.num_tokens + s.max_tokens for s in seqs))
+        cache = self._cache_for(slots, longest)
         while sched.has_work():
             yield from self.step(sched, cache, burst=True)
+
+    def _batch_slots(self, count: int, length: int) -> int:
+        """KV-cache slots of one generate call of `count` prompts needing up to `length` positions each: the others
+        wait for a slot and take it as a sequence finishes (continuous batching). Under the throughput goal the
+        plan's batch (Plan.kv_slots, planner/throughput.plan_batch); else every prompt at once, up to
+        MAX_GENERATE_BATCH and as many as the fast tier's budget has room for now (at least the plan's kv_slots,
+        whose room it reserved: a list of thousands of prompts no longer asks for thousands of slots)."""
+        if self.engine_config.goal == "throughput" and self.plan.source != "rules":
+            return max(1, min(count, self.plan.kv_slots))
+        one = sizes.kv_cache_bytes(self.config, 1, length, self.plan.dtypes.get("kv_cache") or sizes.format_of(self.dtype))
+        room = self.fast_budget.free
+        fit = count if room == float("inf") else int(room // max(1, one))
+        return max(1, min(count, MAX_GENERATE_BATCH, max(fit, self.plan.kv_slots)))
 
     def step(self, sched: Scheduler, cache: KVCache, burst: bool = False,
              interrupt: torch.Tensor | None = None) -> list[tuple[Sequence, str, RequestOutput | None]]:
@@ -616,16 +634,25 @@ class LLM:
         group's twins join it (PromptTwins.join). Returns the first tokens' events."""
         events = []
         plain = [s for s in seqs if not s.scores_prompt]  # a prompt whose logprobs are asked prefills alone
-        groups = [[plain[i] for i in group] for group in
-                  prefill_groups([len(s.prompt_ids) - s.cached_tokens for s in plain],
-                                 min(self.max_context, self.plan.prefill_chunk or self.max_context),
-                                 padding=not self.config.is_moe)]
+        step = self.runtime.cpu_decode
+        as_rows = self.plan.chunks_as_rows() and step is not None and step.takes_prefill_rows(cache)
+        most = self.plan.most_prompt_rows()
+        if as_rows:  # prompts as rows of native steps, the plan's cheaper path for a whole chunk (_rows_groups)
+            groups = _rows_groups(plain, most)
+        else:
+            groups = [[plain[i] for i in group] for group in
+                      prefill_groups([len(s.prompt_ids) - s.cached_tokens for s in plain],
+                                     min(self.max_context, self.plan.prefill_chunk or self.max_context),
+                                     padding=not self.config.is_moe)]
         for group_seqs in groups + [[s] for s in seqs if s.scores_prompt]:
             t0 = time.perf_counter()
             for seq in group_seqs:
                 seq.t_prefill_start = t0
             with dense_weights(self.model):
-                logits = self._prefill(group_seqs, cache)
+                # as rows: every group within the step's prompt rows (a longer prompt: _prefill's chunks as rows)
+                rows = (as_rows and not group_seqs[0].scores_prompt  # (prompt logprobs: _prefill_scored's spans)
+                        and sum(len(q.prompt_ids) - q.cached_tokens for q in group_seqs) <= most)
+                logits = self._forward_mixed(group_seqs, [], cache) if rows else self._prefill(group_seqs, cache)
             self.executor.record("prefill", "step", t0, time.perf_counter())
             events += self._postprocess(*twins.join(group_seqs, logits, cache))
         return events
@@ -1211,6 +1238,25 @@ class LLM:
         assert cache.nbytes == nbytes
         weakref.finalize(cache, self.fast_budget.release, nbytes)
         return cache
+
+
+def _rows_groups(seqs: list[Sequence], most: int) -> list[list[Sequence]]:
+    """Admitted prompts packed into native steps of at most `most` rows each (LLM._prefill_groups where the plan
+    runs whole prefill chunks as rows: Plan.chunks_as_rows), in admission order; a prompt of more uncached tokens
+    than `most` is a group of its own (LLM._prefill runs it chunk by chunk). Where 16 SmolLM2 prompts of 512
+    tokens were admitted at once, the two that joined the decode step's rows ran there and the others through the
+    modules' forward in padded pairs: 500 ms a prompt against 280 as rows (2 Zen 4 cores, 2026-12-04)."""
+    groups: list[list[Sequence]] = []
+    rows = most + 1
+    for s in seqs:
+        n = len(s.prompt_ids) - s.cached_tokens
+        if groups and rows + n <= most:
+            groups[-1].append(s)
+            rows += n
+        else:
+            groups.append([s])
+            rows = n
+    return groups
 
 
 def _speculating_burst(seq: Sequence) -> int | None:

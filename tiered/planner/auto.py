@@ -694,7 +694,7 @@ def one_copy(ec, accelerator, decode_format: str, cfg: ModelConfig, weights_form
     """
     if not compact_cpu_decode(ec, accelerator, decode_format):
         return False
-    if ec.max_batch == 1 or kernels.available():
+    if (ec.max_batch == 1 and ec.goal == "latency") or kernels.available():
         return True
     both = sizes.weight_bytes(cfg, weights_format) + sizes.weight_bytes(cfg, decode_precision)
     return ec.cpu_memory is not None and both > ec.cpu_memory
@@ -761,12 +761,17 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
     if accelerator is None:  # no GPU tier: make_plan then plans CPU + disk
         profile = replace(profile, gpu_memory=None)
     prompt = max(1, min(512, max_context // 2))
+    gen = max(1, min(128, max_context - prompt))
+    if ec.goal == "throughput":  # the requests' lengths the batch is priced on (FlexGen's 512 + 32 by default)
+        want_prompt, want_gen = ec.workload or (512, 32)
+        prompt = max(1, min(want_prompt, max_context - 1))
+        gen = max(1, min(want_gen, max_context - prompt))
     # CPU-only with decode copies: the non-expert weights are read (and, in one-copy mode, held) in
     # the copies' format, MoE models included (their experts are priced in their own format)
     dense_cpu = accelerator is None and decode_format != "none"
     batch_act = batch_activations(ec, cfg)
     args = dict(model_name=model_name, gpu_memory=gpu, cpu_memory=ec.cpu_memory, goal="latency",
-                prompt_tokens=prompt, gen_tokens=max(1, min(128, max_context - prompt)),
+                prompt_tokens=prompt, gen_tokens=gen,
                 precision=decode_precision if dense_cpu else weights_format, weights_format=weights_format,
                 context_tokens=max_context, popularity=popularity, expert_cache_slots=ec.expert_cache_slots,
                 max_resident=ec.resident_experts, cache_policy=ec.cache_policy,
@@ -782,13 +787,22 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                 **speculation(ec),
                 workspace=None if accelerator is None else
                 sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()))
-    plan = make_plan(cfg, profile, **args)
+
+    def planned(profile: HardwareProfile) -> Plan:
+        """The latency goal's plan, or the throughput goal's batch of such plans (throughput.plan_batch)."""
+        if ec.goal != "throughput":
+            return make_plan(cfg, profile, **args)
+        from tiered.planner.throughput import BATCHES, plan_batch
+        return plan_batch(lambda B: make_plan(cfg, profile, **dict(args, kv_slots=B)),
+                          ec.max_batch if ec.max_batch > 1 else BATCHES[-1])
+
+    plan = planned(profile)
     if disk_reads is not None and ec.profile is None and any(l.experts_disk for l in plan.layers):
         fitted = disk_reads(profile)  # the disk the experts live on, not the profiler's temp file
         if fitted is not None:
             said = fitted.meta.get("notes", [])[len(profile.meta.get("notes", [])):]  # what the fit says of itself
             profile = fitted
-            plan = make_plan(cfg, profile, **args)
+            plan = planned(profile)
             plan.notes.extend(said)
     plan.dtypes["decode"] = decode_format
     plan.cpu_threads = cpu_threads(ec)

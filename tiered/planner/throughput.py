@@ -1,9 +1,13 @@
 """Throughput goal: FlexGen's LP policy search over (gbs, #gb) and placement percentages
-(ALGORITHMS.md 4; planner/flexgen.py)."""
+(ALGORITHMS.md 4; planner/flexgen.py), and the engine's batch for it (plan_batch): the latency plans priced at
+each batch, the KV cache of the batch in the budget."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from tiered.checkpoint.model_config import ModelConfig
+from tiered.errors import BudgetError
 from tiered.hardware.profile import HardwareProfile
 from tiered.planner.plan import Plan
 
@@ -28,3 +32,71 @@ def plan_throughput(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu,
 
 def _major(t) -> str:
     return ("gpu", "cpu", "disk")[max(range(3), key=lambda i: t[i])]
+
+
+# batches the throughput goal tries (powers of two, as vLLM's max_num_seqs defaults and FlexGen's block sizes go)
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# of the batches priced within this share of the best throughput, the smallest is taken: a larger batch holds
+# more KV cache and makes each request wait longer for a few percent the prices cannot tell apart
+NEAR_BEST = 0.97
+# the largest batch an accelerator's plan takes where its time models do not price batches (GPU plans)
+UNPRICED_MOST = 32
+
+
+def block_throughput(plan: Plan) -> float | None:
+    """Predicted generated tokens/s of a block of plan.kv_slots (B) requests of plan.prompt_tokens prompt and
+    plan.gen_tokens (G) generated tokens each, all decoding together: B G / (B ttft + G B / speed), with the
+    prompts prefilled one after another (ttft: Plan.predicted_ttft_s) and the decode steps priced at B sequences
+    of the full context (Plan.predicted_batch_decode_tokens_per_s; at B = 1 the lone sequence's speed). FlexGen's
+    objective (generated tokens over the block's time; ALGORITHMS.md 4). None where the plan prices no batch
+    (its goal module has no batched time model: the GPU plans)."""
+    B, G = plan.kv_slots, plan.gen_tokens
+    speed = plan.predicted_batch_decode_tokens_per_s if B > 1 else plan.predicted_decode_tokens_per_s
+    if not speed or plan.predicted_ttft_s is None:
+        return None
+    return B * G / (B * plan.predicted_ttft_s + G * B / speed)
+
+
+def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1]) -> Plan:
+    """The throughput goal's plan: of the plans `make(B)` for the batches B in BATCHES up to `most` (and `most`
+    itself), the one whose block generates the most tokens a second (`block_throughput`; the smallest within
+    NEAR_BEST of the best). Larger batches are tried until the budget cannot hold their KV cache (make raises
+    BudgetError), as FlexGen's policy search bounds its block by peak memory (ALGORITHMS.md 4); where the plans
+    price no batch (an accelerator's), the largest that fits, up to UNPRICED_MOST.
+
+    Args:
+        make: kv_slots -> the latency goal's plan with KV-cache room for that many sequences (make_plan).
+        most: the largest batch to try (EngineConfig.max_batch when above 1).
+    Returns:
+        The chosen plan, its goal "throughput", predicted_throughput_tokens_per_s its block's, and a note of the
+        batches priced.
+    Raises:
+        BudgetError: not even one sequence fits (make(1)'s error).
+    """
+    tries = sorted({b for b in BATCHES if b <= most} | {max(1, most)})
+    plans: list[Plan] = []
+    refused = None  # the first batch whose KV cache the budget cannot hold
+    for B in tries:
+        try:
+            plans.append(make(B))
+        except BudgetError:
+            if not plans:
+                raise
+            refused = B
+            break
+    scores = [block_throughput(p) for p in plans]
+    if any(s is None for s in scores[1:]):  # unpriced batches: the most that fit, within the unpriced cap
+        fit = [p for p in plans if p.kv_slots <= UNPRICED_MOST] or plans[:1]
+        plan = fit[-1]
+        plan.notes.append(f"throughput goal: batch {plan.kv_slots}, the largest that fits up to {UNPRICED_MOST} "
+                          "(this plan's time models do not price batches)")
+    else:
+        top = max(scores)
+        plan = next(p for p, s in zip(plans, scores) if s >= NEAR_BEST * top)
+        priced = ", ".join(f"{p.kv_slots}: {s:.1f}" for p, s in zip(plans, scores))
+        why = f"; batch {refused} does not fit the budget" if refused else ""
+        plan.notes.append(f"throughput goal: batch {plan.kv_slots} for prompts of {plan.prompt_tokens} and "
+                          f"{plan.gen_tokens} generated tokens (generated tok/s by batch: {priced}){why}")
+        plan.predicted_throughput_tokens_per_s = block_throughput(plan)
+    plan.goal = "throughput"
+    return plan

@@ -1,0 +1,225 @@
+"""The throughput goal (planner/throughput.plan_batch, EngineConfig.goal) and offline batches (`tiered batch`,
+serve/batch.py): the plan's batch priced and bounded by the budget, generate() running many prompts through that
+many slots, and a batch file answered line for line through the server's API."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tiered import EngineConfig, LLM, SamplingParams
+from tiered.cli import app
+from tiered.engine.prompt import encode_prompt
+from tiered.errors import BudgetError, ConfigError
+from tiered.memory import sizes
+from tiered.planner.plan import Plan
+from tiered.planner.throughput import NEAR_BEST, UNPRICED_MOST, block_throughput, plan_batch
+from tiered.serve.batch import read_batch, request_lengths
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+PROMPTS = ["the quick brown fox", "memory is a tier", "one two three four five six", "hello", "a longer prompt "
+           "about disks and caches and experts", "tiered", "seven eight", "fox and dog", "nine", "ten eleven"]
+
+
+def _plan(B: int, step_s: float, ttft: float = 0.1, gen: int = 32, batched: bool = True) -> Plan:
+    p = Plan("m", "latency", "hw", None, None, 512, gen, "bf16")
+    p.kv_slots, p.predicted_ttft_s, p.predicted_decode_tokens_per_s = B, ttft, 1 / step_s
+    p.predicted_batch_decode_tokens_per_s = B / step_s if batched and B > 1 else None
+    return p
+
+
+def test_block_throughput_is_flexgens_objective():
+    # 4 prompts prefilled one by one (0.1 s each), then 32 steps of 4 sequences at 20 ms a step
+    assert block_throughput(_plan(4, 0.02)) == pytest.approx(4 * 32 / (4 * 0.1 + 32 * 0.02))
+    assert block_throughput(_plan(1, 0.01)) == pytest.approx(32 / (0.1 + 32 * 0.01))
+    assert block_throughput(_plan(4, 0.02, batched=False)) is None
+
+
+def test_plan_batch_takes_the_smallest_batch_near_the_best_and_stops_at_the_budget():
+    made = []
+
+    def step(B):  # 10 ms, and more a sequence the larger the batch (attention over more caches): a peak
+        return 0.010 + 0.0002 * B + 0.00001 * B * B
+
+    def make(B):
+        made.append(B)
+        if B > 64:
+            raise BudgetError("the KV cache does not fit")
+        return _plan(B, step(B), ttft=0.0)
+
+    plan = plan_batch(make)
+    assert made == [1, 2, 4, 8, 16, 32, 64, 128]  # tried until the budget refused one
+    scores = {B: B / step(B) for B in made[:-1]}
+    best = max(scores.values())
+    expected = min(B for B, s in scores.items() if s >= NEAR_BEST * best)
+    assert plan.kv_slots == expected < 64 and plan.goal == "throughput"
+    assert plan.predicted_throughput_tokens_per_s == pytest.approx(scores[expected])
+    assert "batch 128 does not fit the budget" in plan.notes[-1]
+    # a cap below the list's batches is tried itself
+    made.clear()
+    assert plan_batch(make, most=6).kv_slots <= 6 and made == [1, 2, 4, 6]
+
+
+def test_plan_batch_without_room_for_one_sequence_raises_and_unpriced_plans_take_the_largest_fit():
+    def none_fit(B):
+        raise BudgetError("no room")
+    with pytest.raises(BudgetError):
+        plan_batch(none_fit)
+    plan = plan_batch(lambda B: _plan(B, 0.01, batched=False))
+    assert plan.kv_slots == UNPRICED_MOST and "do not price batches" in plan.notes[-1]
+
+
+def test_engine_throughput_goal_plans_the_batch_within_the_cpu_budget(zoo):
+    path = zoo.dir("llama")
+    free = LLM(path, EngineConfig(goal="throughput", max_context=256, decode_weights="fp32", accelerator="none"))
+    assert free.plan.goal == "throughput" and free.plan.kv_slots > 1
+    (note,) = [n for n in free.plan.notes if n.startswith("throughput goal: batch")]
+    priced = dict(pair.split(": ") for pair in note.split("by batch: ")[1].rstrip(")").split(", "))
+    assert float(priced["1"]) < free.plan.predicted_throughput_tokens_per_s == pytest.approx(
+        float(priced[str(free.plan.kv_slots)]), rel=1e-3)
+    assert free.plan.predicted_batch_decode_tokens_per_s > free.plan.predicted_decode_tokens_per_s
+    # a RAM budget with room for the model and only a few sequences' KV cache bounds the batch
+    kv = sizes.kv_cache_bytes(free.config, 1, 256, free.plan.dtypes["kv_cache"])
+    tight = free.plan.memory["cpu"] - (free.plan.kv_slots - 3) * kv
+    small = LLM(path, EngineConfig(goal="throughput", max_context=256, decode_weights="fp32", accelerator="none",
+                                   cpu_memory=tight))
+    assert 1 <= small.plan.kv_slots <= 3
+    assert small.plan.memory["cpu"] <= tight
+
+
+def test_generate_runs_many_prompts_through_the_plans_slots_with_the_same_tokens(zoo, monkeypatch):
+    path = zoo.dir("llama")
+    llm = LLM(path, EngineConfig(goal="throughput", max_batch=3, max_context=128, decode_weights="fp32",
+                                 accelerator="none"))
+    assert llm.plan.kv_slots <= 3
+    slots = []
+    make = llm._cache_for
+    monkeypatch.setattr(llm, "_cache_for", lambda n, length: slots.append(n) or make(n, length))
+    outs = llm.generate(PROMPTS, GREEDY, chat=False)
+    assert slots == [llm.plan.kv_slots]  # 10 prompts through the plan's slots, not 10 slots
+    alone = zoo.llm(path)
+    for p, out in zip(PROMPTS, outs):
+        assert out.token_ids == alone.generate(p, GREEDY, chat=False)[0].token_ids
+
+
+def test_latency_goal_generate_of_more_prompts_than_the_budget_holds_waits_for_slots(zoo):
+    path = zoo.dir("llama")
+    probe = LLM(path, EngineConfig(max_context=64, decode_weights="fp32", accelerator="none"))
+    kv = sizes.kv_cache_bytes(probe.config, 1, 64, probe.plan.dtypes["kv_cache"])
+    llm = LLM(path, EngineConfig(max_context=64, decode_weights="fp32", accelerator="none",
+                                 cpu_memory=max(probe.plan.memory["cpu"], probe.cpu_budget.used) + 4 * kv))
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert llm._batch_slots(len(PROMPTS), 64) < len(PROMPTS)
+    outs = llm.generate(PROMPTS, params, chat=False)  # before: BudgetError for 10 slots' KV cache
+    assert [o.token_ids for o in outs] == [probe.generate(p, params, chat=False)[0].token_ids for p in PROMPTS]
+
+
+def _write(path, rows) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def _request(cid, url, body):
+    return {"custom_id": cid, "method": "POST", "url": url, "body": body}
+
+
+def test_batch_file_is_answered_line_for_line_through_the_api(zoo, chat_llama, tmp_path):
+    rows = [_request(f"c{i}", "/v1/chat/completions",
+                     {"messages": [{"role": "user", "content": p}], "max_tokens": 10, "temperature": 0})
+            for i, p in enumerate(PROMPTS[:5])]
+    rows += [_request(f"t{i}", "/v1/completions", {"prompt": p, "max_tokens": 7, "temperature": 0})
+             for i, p in enumerate(PROMPTS[5:])]
+    rows += ["{not json", _request("e1", "/v1/embeddings", {"input": "x"}),
+             _request("c0", "/v1/completions", {"prompt": "again"}),  # a custom_id seen before
+             _request("s1", "/v1/completions", {"prompt": "x", "stream": True}),
+             _request("bad-temp", "/v1/completions", {"prompt": "x", "temperature": -1})]  # the API refuses it
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(src, rows)
+    res = CliRunner().invoke(app, ["batch", str(src), "-o", str(dst), "--model", str(chat_llama),
+                                   "--decode-weights", "fp32", "--accelerator", "none", "--max-batch", "4"])
+    assert res.exit_code == 0, res.output
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert len(out) == len(rows)  # every line answered
+    by_id = {}
+    for o in out:
+        assert o["id"].startswith("batch_req_")
+        by_id.setdefault(o["custom_id"], []).append(o)
+    llm = zoo.llm(chat_llama)
+    for i, p in enumerate(PROMPTS[:5]):
+        o = next(x for x in by_id[f"c{i}"] if x["response"] is not None)
+        assert o["response"]["status_code"] == 200 and o["error"] is None
+        body = o["response"]["body"]
+        want = llm.generate([{"role": "user", "content": p}], SamplingParams(temperature=0, max_tokens=10), chat=True)[0]
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == want.text
+        assert body["usage"]["completion_tokens"] == len(want.token_ids)
+    for i, p in enumerate(PROMPTS[5:]):
+        (o,) = by_id[f"t{i}"]
+        want = llm.generate(p, SamplingParams(temperature=0, max_tokens=7), chat=False)[0]
+        assert o["response"]["body"]["choices"][0]["text"] == want.text
+    errors = [o for o in out if o["response"] is None]
+    assert sorted(e["error"]["line"] for e in errors) == [11, 12, 13, 14]
+    assert "not JSON" in errors[0]["error"]["message"]
+    assert any("used by an earlier line" in (x["error"] or {}).get("message", "") for x in by_id["c0"])
+    assert by_id["bad-temp"][0]["response"]["status_code"] == 400
+    assert "10 succeeded, 5 failed (1 x 400, 4 invalid lines)" in res.output
+
+
+def test_batch_refuses_another_models_name_and_an_empty_file_before_loading(chat_llama, tmp_path):
+    src = tmp_path / "in.jsonl"
+    _write(src, [_request("a", "/v1/completions", {"model": "gpt-4o-mini", "prompt": "x"})])
+    res = CliRunner().invoke(app, ["batch", str(src), "--model", str(chat_llama)])
+    assert res.exit_code == 2 and "requests name 'gpt-4o-mini' (1 line)" in res.output
+    assert "--served-model-name gpt-4o-mini" in res.output and not (tmp_path / "in.results.jsonl").exists()
+    res = CliRunner().invoke(app, ["batch", str(src), "--model", str(chat_llama), "--served-model-name", "gpt-4o-mini",
+                                   "--accelerator", "none"])
+    assert res.exit_code == 0, res.output
+    (o,) = [json.loads(line) for line in (tmp_path / "in.results.jsonl").read_text().splitlines()]
+    assert o["response"]["status_code"] == 200 and o["response"]["body"]["model"] == "gpt-4o-mini"
+    src.write_text("\n\n")
+    with pytest.raises(ConfigError, match="holds no requests"):
+        read_batch(src)
+
+
+def test_request_lengths_price_the_files_requests(chat_llama, tmp_path):
+    llm_tok = LLM(chat_llama, EngineConfig(decode_weights="fp32", accelerator="none")).tokenizer
+    src = tmp_path / "in.jsonl"
+    _write(src, [_request("a", "/v1/completions", {"prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 10}),
+                 _request("b", "/v1/completions", {"prompt": [1, 2]}),  # 16 tokens: the server's default
+                 _request("c", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_completion_tokens": 30})])
+    lines = read_batch(src)
+    p, g, longest = request_lengths(lines, llm_tok, 1000)
+    chat = len(encode_prompt(llm_tok, [{"role": "user", "content": "hi"}], True))  # through the template
+    assert (p, g) == (sorted([6, 2, chat])[1], 16) and longest == max(16, 18, chat + 30)
+    # a chat without max_tokens may fill the context window: the KV cache is sized for it
+    _write(src, [_request("d", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+    assert request_lengths(read_batch(src), llm_tok, 1000)[2] == 1000
+
+
+def test_prompts_admitted_together_prefill_as_rows_of_native_steps(smollm2_path, monkeypatch):
+    """Where the plan runs whole prefill chunks as rows of the native step (SmolLM2's default CPU plan), prompts
+    admitted together beyond the decode step's rows prefill as rows too, packed into steps (LLM._rows_groups), not
+    through the modules' padded forward; each prompt's first token and its most likely alternatives are those it
+    gets alone. (Their log-probabilities agree to rounding: the int4 x int8 rows kernel sums a row's groups in
+    1, 2 or 4 chains by how many rows share its tile of 4, so a row's float sums depend on where in the step it
+    falls; SmolLM2's first-token log-probabilities moved by up to ~0.06 nats, 2026-12-04.)"""
+    llm = LLM(smollm2_path, EngineConfig(accelerator="none", max_context=1024))
+    if not llm.plan.chunks_as_rows() or llm.runtime.cpu_decode is None:
+        pytest.skip("this machine's plan prefills through the modules")
+    monkeypatch.setattr(llm.plan, "prefill_chunk", 128)  # steps of at most 128 prompt rows
+    monkeypatch.setattr(llm.plan, "mixed_rows", 128)
+    text = "Offloading engines keep the weights of a model that does not fit in memory on a slower tier. "
+    prompts = [llm.encode(f"{i}. " + text * n, chat=False) for i, n in enumerate((1, 2, 3, 2, 1, 3))]  # ~260 rows
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    alone = [llm.generate(p, params, chat=False)[0].logprobs[0] for p in prompts]
+    calls = []
+    real = llm._forward_mixed
+    monkeypatch.setattr(llm, "_forward_mixed", lambda pre, dec, cache, span=None: calls.append(
+        sum(len(s.prompt_ids) for s in pre)) or real(pre, dec, cache, span))
+    together = [o.logprobs[0] for o in llm.generate(prompts, params, chat=False)]
+    for a, b in zip(alone, together):
+        assert a.token == b.token and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=0.15)
+    # the decode step's rows took what fit, and the rest ran as one more native step, not through the modules
+    assert len(calls) >= 2 and sum(calls) == sum(len(p) for p in prompts) and max(calls) <= 128
