@@ -3,9 +3,9 @@ when N prompts of P tokens each generate G tokens (greedy, EOS ignored), by how 
 
 tiered loads the model under the throughput goal (EngineConfig(goal="throughput", workload=(P, G)):
 planner/throughput.plan_batch prices each batch and picks one), once with the plan's own batch and once each
-with the batch capped at 1 (one request at a time, as `tiered run` answers them), 4, 16 and N
-(EngineConfig.max_batch); `LLM.generate` runs the N prompts through that many KV-cache slots (continuous
-batching: a finished sequence's slot is taken by the next prompt). The engines alternate for `--rounds` rounds
+with the batch capped at `--caps` (EngineConfig.max_batch); `LLM.generate` runs the N prompts through that many
+KV-cache slots (continuous batching: a finished sequence's slot is taken by the next prompt). The baseline of
+one request at a time is the latency goal's engine, a generate call a prompt (as `tiered run` answers them). The engines alternate for `--rounds` rounds
 in one process; the table gives the median and the plan's priced throughput. The baseline is transformers'
 `generate` on the same GGUF (the N prompts as one batch: equal lengths, no padding), timed the same way.
 
@@ -41,13 +41,28 @@ def prompts_of(vocab: int, n: int, tokens: int, seed: int = 0) -> list[list[int]
     return [torch.randint(100, vocab, (tokens,), generator=g).tolist() for _ in range(n)]
 
 
+def priced_by_batch(plan) -> dict[int, float]:
+    """The generated tok/s a throughput plan priced for each batch it tried (its note)."""
+    for note in plan.notes:
+        if note.startswith("throughput goal: batch") and "by batch: " in note:
+            pairs = note.split("by batch: ")[1].split(")")[0].split(", ")
+            return {int(b): float(v) for b, v in (p.split(": ") for p in pairs)}
+    return {}
+
+
 def tiered_rows(name: str, path: str | None, args, cpu_memory: str | None = None) -> list[dict]:
-    """Generated tok/s of `args.prompts` prompts on throughput-goal engines: the plan's own batch, and batches
-    capped at 1 (one request at a time), 4, 16 and N (EngineConfig.max_batch: the plan's batch within each cap)."""
+    """Generated tok/s of `args.prompts` prompts: one request at a time (a latency-goal engine, a generate call
+    per prompt, as `tiered run` answers them), and throughput-goal engines with the plan's own batch and with
+    the batch capped at each of `args.caps` (EngineConfig.max_batch: the plan's batch within the cap)."""
     P, G, N = args.prompt_tokens, args.gen_tokens, args.prompts
-    caps = [0] + [b for b in (1, 4, 16, N) if b <= N]
-    engines = {cap: LLM(path, EngineConfig(goal="throughput", workload=(P, G), max_context=P + G, max_batch=max(cap, 1),
-                                           cpu_memory=cpu_memory)) for cap in dict.fromkeys(caps)}
+    caps = [0, 1] + [b for b in args.caps if 1 < b <= N]
+
+    def engine(cap: int) -> LLM:
+        if cap == 1:
+            return LLM(path, EngineConfig(max_context=P + G, cpu_memory=cpu_memory))
+        return LLM(path, EngineConfig(goal="throughput", workload=(P, G), max_context=P + G,
+                                      max_batch=cap or N, cpu_memory=cpu_memory))  # (never past the prompts)
+    engines = {cap: engine(cap) for cap in dict.fromkeys(caps)}
     first = engines[0]
     prompts = prompts_of(first.config.vocab_size, N, P)
     params = SamplingParams(temperature=0, max_tokens=G, ignore_eos=True)
@@ -57,17 +72,19 @@ def tiered_rows(name: str, path: str | None, args, cpu_memory: str | None = None
     for _ in range(args.rounds):
         for cap, llm in engines.items():
             t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, chat=False)
+            outs = ([llm.generate(p, params, chat=False)[0] for p in prompts] if cap == 1 else
+                    llm.generate(prompts, params, chat=False))
             times[cap].append(time.perf_counter() - t0)
             assert all(len(o.token_ids) == G for o in outs)
-    one = statistics.median(times[1]) if 1 in times else None
+    one = statistics.median(times[1])
     rows = []
     for cap, llm in engines.items():
         s = statistics.median(times[cap])
-        rows.append({"model": name, "engine": "tiered, the plan's batch" if cap == 0 else f"tiered, batch capped at {cap}",
-                     "batch": llm.plan.kv_slots, "seconds": s, "tokens_per_s": N * G / s,
-                     "priced_tokens_per_s": llm.plan.predicted_throughput_tokens_per_s,
-                     "vs_one_at_a_time": one / s if one else None})
+        label = {0: "tiered, the plan's batch", 1: "tiered, one request at a time"}.get(cap, f"tiered, batch capped at {cap}")
+        # one at a time: what the throughput plan priced for a batch of 1 (its note of the batches it priced)
+        priced = llm.plan.predicted_throughput_tokens_per_s if cap != 1 else priced_by_batch(first.plan).get(1)
+        rows.append({"model": name, "engine": label, "batch": llm.plan.kv_slots, "seconds": s,
+                     "tokens_per_s": N * G / s, "priced_tokens_per_s": priced, "vs_one_at_a_time": one / s})
         llm.close()
     return rows
 
@@ -104,6 +121,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512, help="P: tokens of each prompt")
     ap.add_argument("--gen-tokens", type=int, default=32, help="G: tokens each generates")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each batch, alternated")
+    ap.add_argument("--caps", type=lambda t: [int(x) for x in t.split(",")], default=[4, 16, 64],
+                    help="batch caps to measure beside one at a time and the plan's own (comma-separated)")
     ap.add_argument("--skip-dense", action="store_true", help="leave SmolLM2 out")
     ap.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--moe-layers", type=int, default=0, help="also the dummy Qwen3-30B-A3B-width Q4_0 file")

@@ -223,3 +223,26 @@ def test_prompts_admitted_together_prefill_as_rows_of_native_steps(smollm2_path,
         assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=0.15)
     # the decode step's rows took what fit, and the rest ran as one more native step, not through the modules
     assert len(calls) >= 2 and sum(calls) == sum(len(p) for p in prompts) and max(calls) <= 128
+
+
+def test_make_plan_throughput_goal_without_a_gpu_is_the_engines_batch_plan():
+    """`tiered plan --goal throughput` on a machine without a GPU: the CPU plan at the batch plan_batch picks (not
+    FlexGen's LP, which places tensors across a GPU), within the RAM budget; with a GPU, FlexGen's policy."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.hardware.presets import get_preset
+    from tiered.planner.make import make_plan
+
+    cfg = ModelConfig.from_hf({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+                               "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                               "num_key_value_heads": 8, "max_position_embeddings": 8192})
+    from test_plan import cpu_only_profile
+
+    hw = cpu_only_profile()
+    free = make_plan(cfg, hw, goal="throughput", prompt_tokens=256, gen_tokens=256, cpu_memory=64 * 2**30)
+    assert free.goal == "throughput" and free.flexgen is None and free.kv_slots > 1
+    assert free.predicted_throughput_tokens_per_s > 0 and free.memory["cpu"] <= 64 * 2**30
+    tight = make_plan(cfg, hw, goal="throughput", prompt_tokens=256, gen_tokens=256, cpu_memory=free.memory["cpu"] - sizes.kv_cache_bytes(cfg, free.kv_slots // 2, 512, "bf16"))
+    assert tight.kv_slots < free.kv_slots
+    assert "over" in free.render() and "sequences at once" in free.render()
+    gpu = make_plan(cfg, get_preset("t4-pcie3"), goal="throughput", precision="int4", gen_tokens=32)
+    assert gpu.flexgen is not None

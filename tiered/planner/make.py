@@ -83,6 +83,13 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     """
     if goal not in ("latency", "throughput"):
         raise ConfigError(f"goal must be latency or throughput, got {goal!r}", "pass --goal latency|throughput")
+    if goal == "throughput" and not (op_time.has_device(profile, "gpu") and (gpu_memory or profile.gpu_memory)):
+        # no GPU: the engine's throughput plan, the CPU latency plan at the batch that generates the most
+        # tokens a second (planner/throughput.plan_batch; FlexGen's LP places tensors across GPU, CPU and disk)
+        given = {k: v for k, v in locals().items() if k not in ("cfg", "profile", "goal", "kv_slots")}
+        from tiered.planner.throughput import BATCHES, plan_batch
+        return plan_batch(lambda B: make_plan(cfg, profile, goal="latency", kv_slots=B, **given),
+                          kv_slots if kv_slots > 1 else BATCHES[-1])
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {PRECISIONS}", "pass e.g. --precision bf16")
     if dispatch_mode not in DISPATCH_MODES:

@@ -258,6 +258,8 @@ class Plan:
             speed += f" (measured {measured_tokens_per_s:.1f}" + (f" at {measured_positions})" if positions else ")")
         if self.predicted_batch_decode_tokens_per_s is not None and self.source != "rules":
             speed += f"; {self.predicted_batch_decode_tokens_per_s:.1f} tok/s over {self.kv_slots} sequences at once"
+        if self.goal == "throughput" and not self.flexgen and self.predicted_throughput_tokens_per_s:
+            speed += f"; throughput {self.predicted_throughput_tokens_per_s:.1f} generated tok/s, prefills included"
         src = {"planner": self.profile, "rules": "runtime rules"}.get(self.source, f"{self.source}, {self.profile}")
         return f"plan ({src}): {what}; predicted {speed}; binding: {self.binding}"
 
@@ -442,7 +444,10 @@ class Plan:
                     f"in chunks of {self.prefill_chunk} tokens)")
         out.append(f"memory: {mem}")
         if self.predicted_throughput_tokens_per_s is not None:
-            out.append(f"predicted: throughput {self.predicted_throughput_tokens_per_s:.2f} tokens/s")
+            out.append(f"predicted: throughput {self.predicted_throughput_tokens_per_s:.2f} tokens/s"
+                       + ("" if self.flexgen else  # the engine's throughput plan: its batch, and one request's times
+                          f" over {self.kv_slots} sequences at once (each: TTFT {self.predicted_ttft_s:.3f} s, decode "
+                          f"alone {self.predicted_decode_tokens_per_s:.2f} tokens/s)"))
         else:
             out.append(f"predicted: TTFT {self.predicted_ttft_s:.3f} s, decode {self.predicted_decode_tokens_per_s:.2f} tokens/s"
                        + (f", {self.predicted_batch_decode_tokens_per_s:.2f} tokens/s over {self.kv_slots} sequences "
