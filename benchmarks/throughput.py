@@ -57,10 +57,13 @@ def tiered_rows(name: str, path: str | None, args, cpu_memory: str | None = None
     P, G, N = args.prompt_tokens, args.gen_tokens, args.prompts
     caps = [0, 1] + [b for b in args.caps if 1 < b <= N]
 
+    # experts past the RAM budget are read from disk in the engine's layout: converted once to an offload directory
+    offload = str(Path.home() / ".cache" / "tiered" / "bench" / "offload-throughput") if cpu_memory else None
+
     def engine(cap: int) -> LLM:
         if cap == 1:
-            return LLM(path, EngineConfig(max_context=P + G, cpu_memory=cpu_memory))
-        return LLM(path, EngineConfig(goal="throughput", workload=(P, G), max_context=P + G,
+            return LLM(path, EngineConfig(max_context=P + G, cpu_memory=cpu_memory, offload_dir=offload))
+        return LLM(path, EngineConfig(goal="throughput", workload=(P, G), max_context=P + G, offload_dir=offload,
                                       max_batch=cap or N, cpu_memory=cpu_memory))  # (never past the prompts)
     engines = {cap: engine(cap) for cap in dict.fromkeys(caps)}
     first = engines[0]

@@ -56,7 +56,7 @@ def test_plan_batch_takes_the_smallest_batch_near_the_best_and_stops_at_the_budg
     expected = min(B for B, s in scores.items() if s >= NEAR_BEST * best)
     assert plan.kv_slots == expected < 64 and plan.goal == "throughput"
     assert plan.predicted_throughput_tokens_per_s == pytest.approx(scores[expected])
-    assert "batch 128 does not fit the budget" in plan.notes[-1]
+    assert "batch 128: the KV cache does not fit" in plan.notes[-1]
     # a cap below the list's batches is tried itself
     made.clear()
     assert plan_batch(make, most=6).kv_slots <= 6 and made == [1, 2, 4, 6]

@@ -75,14 +75,14 @@ def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1]) -> Plan:
     """
     tries = sorted({b for b in BATCHES if b <= most} | {max(1, most)})
     plans: list[Plan] = []
-    refused = None  # the first batch whose KV cache the budget cannot hold
+    refused = None  # the first batch the budget cannot hold (its KV cache, or its experts: experts_in_reach)
     for B in tries:
         try:
             plans.append(make(B))
-        except BudgetError:
+        except BudgetError as e:
             if not plans:
                 raise
-            refused = B
+            refused = (B, e.message)
             break
     scores = [block_throughput(p) for p in plans]
     if any(s is None for s in scores[1:]):  # unpriced batches: the most that fit, within the unpriced cap
@@ -94,7 +94,7 @@ def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1]) -> Plan:
         top = max(scores)
         plan = next(p for p, s in zip(plans, scores) if s >= NEAR_BEST * top)
         priced = ", ".join(f"{p.kv_slots}: {s:.1f}" for p, s in zip(plans, scores))
-        why = f"; batch {refused} does not fit the budget" if refused else ""
+        why = f"; batch {refused[0]}: {refused[1]}" if refused else ""
         plan.notes.append(f"throughput goal: batch {plan.kv_slots} for prompts of {plan.prompt_tokens} and "
                           f"{plan.gen_tokens} generated tokens (generated tok/s by batch: {priced}){why}")
         plan.predicted_throughput_tokens_per_s = block_throughput(plan)
