@@ -603,7 +603,7 @@ def batch(
     config = _engine_config(locals(), max_batch=most, goal=goal, workload=(prompt_tokens, gen_tokens))
     llm = LLM(checkpoint, config, progress=True)
     _freeze_heap()
-    slots = llm.plan.kv_slots if goal == "throughput" else config.max_batch
+    slots = llm.plan.kv_slots  # the planned batch; under the latency goal --max-batch (default 8)
     engine = ServingEngine(llm, max_batch=slots, max_queue=max(64, 4 * slots), prefix_reuse=True)
     typer.echo(f"batch: {runnable} requests of {len(lines)} lines (median prompt {prompt_tokens} tokens, "
                f"{gen_tokens} generated), {slots} at a time x {llm.max_context} tokens -> {output} | "

@@ -522,7 +522,7 @@ class LLM:
         whose room it reserved: a list of thousands of prompts no longer asks for thousands of slots)."""
         if self.engine_config.goal == "throughput" and self.plan.source != "rules":
             return max(1, min(count, self.plan.kv_slots))
-        one = sizes.kv_cache_bytes(self.config, 1, length, self.plan.dtypes.get("kv_cache") or sizes.format_of(self.dtype))
+        one = sizes.kv_cache_bytes(self.config, 1, length, self._kv_format())
         room = self.fast_budget.free
         fit = count if room == float("inf") else int(room // max(1, one))
         return max(1, min(count, MAX_GENERATE_BATCH, max(fit, self.plan.kv_slots)))
@@ -635,23 +635,22 @@ class LLM:
         events = []
         plain = [s for s in seqs if not s.scores_prompt]  # a prompt whose logprobs are asked prefills alone
         step = self.runtime.cpu_decode
-        as_rows = self.plan.chunks_as_rows() and step is not None and step.takes_prefill_rows(cache)
         most = self.plan.most_prompt_rows()
-        if as_rows:  # prompts as rows of native steps, the plan's cheaper path for a whole chunk (_rows_groups)
-            groups = _rows_groups(plain, most)
+        if self.plan.chunks_as_rows() and step is not None and step.takes_prefill_rows(cache):
+            # prompts as rows of native steps, the plan's cheaper path for a whole chunk; a prompt past `most`
+            # rows alone, through _prefill's chunks
+            groups = [(g, len(g) > 1 or len(g[0].prompt_ids) - g[0].cached_tokens <= most)
+                      for g in _rows_groups(plain, most)]
         else:
-            groups = [[plain[i] for i in group] for group in
+            groups = [([plain[i] for i in group], False) for group in
                       prefill_groups([len(s.prompt_ids) - s.cached_tokens for s in plain],
                                      min(self.max_context, self.plan.prefill_chunk or self.max_context),
                                      padding=not self.config.is_moe)]
-        for group_seqs in groups + [[s] for s in seqs if s.scores_prompt]:
+        for group_seqs, rows in groups + [([s], False) for s in seqs if s.scores_prompt]:
             t0 = time.perf_counter()
             for seq in group_seqs:
                 seq.t_prefill_start = t0
             with dense_weights(self.model):
-                # as rows: every group within the step's prompt rows (a longer prompt: _prefill's chunks as rows)
-                rows = (as_rows and not group_seqs[0].scores_prompt  # (prompt logprobs: _prefill_scored's spans)
-                        and sum(len(q.prompt_ids) - q.cached_tokens for q in group_seqs) <= most)
                 logits = self._forward_mixed(group_seqs, [], cache) if rows else self._prefill(group_seqs, cache)
             self.executor.record("prefill", "step", t0, time.perf_counter())
             events += self._postprocess(*twins.join(group_seqs, logits, cache))
@@ -683,23 +682,16 @@ class LLM:
         one, after its grammar's forced tokens (Sequence.pending: cleared here), and its draft tokens (Sequence.draft:
         speculative decoding). Returns logits [len(prefill) + len(decode) + their draft tokens, V] fp32: each prompt's
         last row, then each decode sequence's last row and its draft rows."""
-        ids, positions, slots, last = [], [], [], []
+        feed = []
         for s in prefill:
             a, b = span or (s.cached_tokens, len(s.prompt_ids))
-            ids += s.prompt_ids[a:b]
-            positions += range(a, b)
-            slots += [s.slot] * (b - a)
-            last.append(len(ids) - 1)
+            feed.append((s.prompt_ids[a:b], a, s.slot, 1))
         for s in decode:  # the last token, after any forced ones whose KV is not written yet (Sequence.pending)
             k = 1 + s.pending
-            ids += s.output_ids[-k:] + s.draft  # then its draft tokens (speculative decoding: LLM._propose)
-            positions += range(s.num_tokens - k, s.num_tokens + len(s.draft))
-            slots += [s.slot] * (k + len(s.draft))
-            last += range(len(ids) - 1 - len(s.draft), len(ids))
+            # then its draft tokens (speculative decoding: LLM._propose), every one's logits
+            feed.append((s.output_ids[-k:] + s.draft, s.num_tokens - k, s.slot, 1 + len(s.draft)))
             s.pending = 0
-        logits = self.runtime.cpu_decode(torch.tensor(ids).unsqueeze(1), torch.tensor(positions).unsqueeze(1),
-                                         torch.tensor(slots), cache, rows=torch.tensor(last))
-        return logits.float()
+        return self.runtime.cpu_decode.rows_call(feed, cache).float()
 
     def _propose(self, seqs: list[Sequence], rows: bool, cache: KVCache) -> bool:
         """Speculative decoding (engine/speculative.py; Plan.speculative): set each running sequence's draft
@@ -1223,10 +1215,14 @@ class LLM:
             self._static_cache = self._kv_cache(1, self.max_context)
         return self._static_cache
 
+    def _kv_format(self) -> str:
+        """The KV cache's format: the plan's (Plan.dtypes["kv_cache"]), else the compute dtype's."""
+        return self.plan.dtypes.get("kv_cache") or sizes.format_of(self.dtype)
+
     def _kv_cache(self, num_slots: int, max_len: int, fmt: str | None = None) -> KVCache:
         """A KV cache on the compute tier in format `fmt` (default the plan's, Plan.dtypes["kv_cache"]),
         accounted against its budget (before it is allocated) while it lives."""
-        fmt = fmt or self.plan.dtypes.get("kv_cache") or sizes.format_of(self.dtype)
+        fmt = fmt or self._kv_format()
         nbytes = sizes.kv_cache_bytes(self.config, num_slots, max_len, fmt)
         self.fast_budget.reserve(nbytes, "the KV cache")
         try:

@@ -317,12 +317,5 @@ class DraftModel:
     def _rows(self, step, cache, feed: list[tuple[list[int], int, int]]) -> list[int]:
         """One native call of the draft model over each (tokens, first position, slot) of `feed`: the argmax over
         the shared vocabulary of each one's last row."""
-        ids, positions, slots, last = [], [], [], []
-        for toks, start, slot in feed:
-            ids += toks
-            positions += range(start, start + len(toks))
-            slots += [slot] * len(toks)
-            last.append(len(ids) - 1)
-        logits = step(torch.tensor(ids).unsqueeze(1), torch.tensor(positions).unsqueeze(1), torch.tensor(slots),
-                      cache, rows=torch.tensor(last))
+        logits = step.rows_call([(toks, start, slot, 1) for toks, start, slot in feed], cache)
         return logits[:, :self.vocab].float().argmax(-1).tolist()

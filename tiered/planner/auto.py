@@ -792,9 +792,8 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
         """The latency goal's plan, or the throughput goal's batch of such plans (throughput.plan_batch)."""
         if ec.goal != "throughput":
             return make_plan(cfg, profile, **args)
-        from tiered.planner.throughput import BATCHES, plan_batch
-        return plan_batch(lambda B: make_plan(cfg, profile, **dict(args, kv_slots=B)),
-                          ec.max_batch if ec.max_batch > 1 else BATCHES[-1])
+        from tiered.planner.throughput import plan_batch
+        return plan_batch(lambda B: make_plan(cfg, profile, **dict(args, kv_slots=B)), ec.max_batch)
 
     plan = planned(profile)
     if disk_reads is not None and ec.profile is None and any(l.experts_disk for l in plan.layers):

@@ -87,9 +87,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         # no GPU: the engine's throughput plan, the CPU latency plan at the batch that generates the most
         # tokens a second (planner/throughput.plan_batch; FlexGen's LP places tensors across GPU, CPU and disk)
         given = {k: v for k, v in locals().items() if k not in ("cfg", "profile", "goal", "kv_slots")}
-        from tiered.planner.throughput import BATCHES, plan_batch
-        return plan_batch(lambda B: make_plan(cfg, profile, goal="latency", kv_slots=B, **given),
-                          kv_slots if kv_slots > 1 else BATCHES[-1])
+        from tiered.planner.throughput import plan_batch
+        return plan_batch(lambda B: make_plan(cfg, profile, goal="latency", kv_slots=B, **given), kv_slots)
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {PRECISIONS}", "pass e.g. --precision bf16")
     if dispatch_mode not in DISPATCH_MODES:

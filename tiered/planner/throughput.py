@@ -66,14 +66,16 @@ def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1]) -> Plan:
 
     Args:
         make: kv_slots -> the latency goal's plan with KV-cache room for that many sequences (make_plan).
-        most: the largest batch to try (EngineConfig.max_batch when above 1).
+        most: the largest batch to try; 1 or less: up to BATCHES[-1] (EngineConfig.max_batch's and make_plan's
+            kv_slots' default, which caps nothing).
     Returns:
         The chosen plan, its goal "throughput", predicted_throughput_tokens_per_s its block's, and a note of the
         batches priced.
     Raises:
         BudgetError: not even one sequence fits (make(1)'s error).
     """
-    tries = sorted({b for b in BATCHES if b <= most} | {max(1, most)})
+    most = most if most > 1 else BATCHES[-1]
+    tries = sorted({b for b in BATCHES if b <= most} | {most})
     plans: list[Plan] = []
     refused = None  # the first batch the budget cannot hold (its KV cache, or its experts: experts_in_reach)
     for B in tries:

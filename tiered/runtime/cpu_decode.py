@@ -436,6 +436,20 @@ class CPUDecodeStep:
         kv, model = cache.k.dtype, self.final_norm.dtype
         return self.native is not None and (kv == model or (kv == torch.bfloat16 and model == torch.float32))
 
+    def rows_call(self, feed, cache: KVCache) -> torch.Tensor:
+        """One call over rows of (token, position, slot) built from `feed`: each entry (tokens, first position,
+        slot, kept) puts its tokens at consecutive positions of its slot (a prompt or its chunk, a decode token
+        after its forced ones and before its drafts, a draft model's catch-up); returns the logits [sum of kept, V]
+        of each entry's last `kept` rows, in order (LLM._forward_mixed, speculative.DraftModel)."""
+        ids, positions, slots, last = [], [], [], []
+        for toks, start, slot, kept in feed:
+            ids += toks
+            positions += range(start, start + len(toks))
+            slots += [slot] * len(toks)
+            last += range(len(ids) - kept, len(ids))
+        return self(torch.tensor(ids).unsqueeze(1), torch.tensor(positions).unsqueeze(1), torch.tensor(slots), cache,
+                    rows=torch.tensor(last))
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  cache: KVCache, rows: torch.Tensor | None = None) -> torch.Tensor:
         if self.native_cache(cache):
