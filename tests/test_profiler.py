@@ -426,13 +426,15 @@ def test_quick_profile_structure(measured):
             assert "attn_decode/cpu/bf16" in p.models and "attn_decode/cpu/fp32" in p.models
             bf16, fp32 = (p.meta["points"][f"attn_decode/cpu/{k}"] for k in ("bf16", "fp32"))
             assert [n for n, _ in fp32] == [2 * n for n, _ in bf16]  # the same positions, twice the bytes
+            int8 = p.meta["points"]["attn_decode/cpu/int8"]  # an int8 cache: 64 values and a 4-byte scale a row
+            assert [n * 128 for n, _ in int8] == [68 * n for n, _ in bf16]
         assert op_time.find(p, "gemv", "cpu", "int8-g32") is p.models["gemv/cpu/int8-g32"]
         # the native step's int4 layers at real widths, per byte through the origin (profiler 32)
         assert p.models["runtime/decode_layer/int4"].alpha == 0.0 < p.models["runtime/decode_layer/int4"].beta
         assert "runtime/burst_token" in p.models  # a decode burst's token (profiler 33)
         # a one-copy int4 weight's dequantization per element, through the origin; gemm/cpu/int4 net of it (40)
         assert p.models["dequantize/cpu/int4"].alpha == 0.0 < p.models["dequantize/cpu/int4"].beta
-        for kv in ("bf16", "fp32"):  # the native step's attention over a prompt as its rows, through the origin
+        for kv in ("bf16", "fp32", "int8"):  # the native step's attention over a prompt as its rows, through the origin
             from tiered.hardware.profiler import ATTN_ROWS_TOKENS
             assert [n for n, _ in p.meta["points"][f"attn_rows/cpu/{kv}"]] == [
                 2 * 12 * 64 * T * (T + 1) / 2 for T in ATTN_ROWS_TOKENS]

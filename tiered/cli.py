@@ -83,6 +83,7 @@ OPT = {
     "profile_file": typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner (default: this machine's, measured once)."),
     "speculative": typer.Option("off", "--speculative", help="Speculative decoding: off, ngram (prompt lookup: draft tokens copied from where the context's last tokens occurred before, verified in one step; the model's outputs are kept) or draft (--draft-model)."),
     "draft_model": typer.Option(None, "--draft-model", help="Speculative decoding with a draft model: a small model of the same tokenizer (a path or GGUF file) writes each draft, run on the CPU."),
+    "kv_cache_dtype": typer.Option("auto", "--kv-cache-dtype", help="KV cache format: auto (the weights' 16-bit format; fp32 in the lossless mode), fp32, bf16, fp16 or int8 (each head's keys and values of a position as int8 with an fp32 scale, like llama.cpp's q8_0 cache: half the bytes, so twice the context or batch in a budget; lossy)."),
     "num_speculative_tokens": typer.Option(4, "--num-speculative-tokens", min=1, max=16, help="Most draft tokens a step verifies (--speculative ngram); the plan prices each length against the acceptance."),
 }
 
@@ -197,6 +198,7 @@ def run(
     speculative: str = OPT["speculative"],
     draft_model: Optional[Path] = OPT["draft_model"],
     num_speculative_tokens: int = OPT["num_speculative_tokens"],
+    kv_cache_dtype: str = OPT["kv_cache_dtype"],
     show_plan: bool = typer.Option(False, "--show-plan", help="Print the whole plan before generating."),
     beams: int = typer.Option(1, "--beams", min=1, help="Beam search with this many beams (1 = off): prints the best "
                               "hypothesis (--json: all of them, best first); sampling flags do not apply. The plan "
@@ -394,7 +396,7 @@ def _print_stats(llm, out) -> None:
 ENGINE_OPTIONS = ("dtype", "decode_weights", "batch_activations", "expert_activations", "weights", "low_weights", "mixed_thresholds", "max_context", "threads",
                   "gpu_mem", "cpu_mem", "offload_dir", "accelerator", "cache_slots", "cache_policy", "expert_profile",
                   "read_ahead", "prefetch", "prefetch_lookahead", "plan", "graphs", "profile_file", "speculative",
-                  "draft_model", "num_speculative_tokens")
+                  "draft_model", "num_speculative_tokens", "kv_cache_dtype")
 
 
 def _engine_config(args: dict, trace: bool = False, max_batch: int = 1, goal: str = "latency",
@@ -409,7 +411,7 @@ def _engine_config(args: dict, trace: bool = False, max_batch: int = 1, goal: st
 def _config(*, dtype, decode_weights, batch_activations, expert_activations, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
             cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch,
             prefetch_lookahead, weights, low_weights, mixed_thresholds, max_batch, graphs="auto", speculative="off",
-            draft_model=None, num_speculative_tokens=4, goal="latency", workload=None):
+            draft_model=None, num_speculative_tokens=4, goal="latency", workload=None, kv_cache_dtype="auto"):
     from tiered import EngineConfig
 
     if plan not in ("auto", "off"):
@@ -435,7 +437,8 @@ def _config(*, dtype, decode_weights, batch_activations, expert_activations, max
                         trace=trace, plan=plan, profile=profile_file, prefetch=prefetch,
                         prefetch_lookahead=prefetch_lookahead, max_batch=max_batch, graphs=graphs,
                         speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-                        draft_model=str(draft_model) if draft_model else None, goal=goal, workload=workload)
+                        draft_model=str(draft_model) if draft_model else None, goal=goal, workload=workload,
+                        kv_cache_dtype=kv_cache_dtype)
 
 
 @app.command()
@@ -478,6 +481,7 @@ def serve(
     speculative: str = OPT["speculative"],
     draft_model: Optional[Path] = OPT["draft_model"],
     num_speculative_tokens: int = OPT["num_speculative_tokens"],
+    kv_cache_dtype: str = OPT["kv_cache_dtype"],
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching across requests."""
     import uvicorn
@@ -568,6 +572,7 @@ def batch(
     speculative: str = OPT["speculative"],
     draft_model: Optional[Path] = OPT["draft_model"],
     num_speculative_tokens: int = OPT["num_speculative_tokens"],
+    kv_cache_dtype: str = OPT["kv_cache_dtype"],
 ) -> None:
     """Answer a file of requests offline (OpenAI's batch format, vLLM's run_batch): every request through the
     server's API in this process, as many decoding together as the plan finds fastest, each answer written as
@@ -676,6 +681,7 @@ def chat(
     speculative: str = OPT["speculative"],
     draft_model: Optional[Path] = OPT["draft_model"],
     num_speculative_tokens: int = OPT["num_speculative_tokens"],
+    kv_cache_dtype: str = OPT["kv_cache_dtype"],
     template_var: list[str] = OPT["template_var"],
 ) -> None:
     """Chat with the model in the terminal through its chat template: history, streamed answers,

@@ -8,6 +8,7 @@ from tiered.errors import ConfigError
 
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
 BATCH_ACTIVATIONS = ("auto", "q8", "bf16")
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8")
 DTYPES = ("auto", "float32", "bfloat16")
 ACCELERATORS = ("auto", "cuda", "host", "none")
 CACHE_POLICIES = ("random", "lru", "lfu", "lhu", "fld", "hobbit")  # memory/expert_cache.POLICIES
@@ -70,6 +71,12 @@ class EngineConfig:
             block of prompts of `workload` lengths: planner/throughput.plan_batch; `tiered batch`).
         workload: (prompt tokens, generated tokens) of a typical request, which the throughput goal prices
             (default (512, 32): FlexGen's benchmark setting, capped to max_context); the latency goal ignores it.
+        kv_cache_dtype: the KV cache's format (Plan.dtypes["kv_cache"]): "auto" (the weights' 16-bit format,
+            fp32 in the lossless mode: memory/sizes.kv_cache_format), "fp32", "bf16", "fp16", or "int8": each
+            position's keys and values of a KV head as int8 with an fp32 scale (models/layers.quantize_kv_rows;
+            llama.cpp's --cache-type-k/v q8_0, FlexGen's KV compression, §5): about half a bf16 cache's bytes,
+            so twice the sequences or context in a budget and half the bytes a long context's decode step reads;
+            lossy. Not for latent attention (DeepSeek's MLA).
         num_threads: CPU threads for torch; None keeps torch's default (one per core); more than the
             cores this process may run on are capped at them (`cpu_threads`).
         gpu_memory: accelerator budget [bytes, or a string like "12GiB"]; None = all free memory.
@@ -141,6 +148,7 @@ class EngineConfig:
     max_batch: int = 1
     goal: str = "latency"
     workload: tuple[int, int] | None = None
+    kv_cache_dtype: str = "auto"
     num_threads: int | None = None
     gpu_memory: int | str | None = None
     cpu_memory: int | str | None = None
@@ -229,6 +237,9 @@ class EngineConfig:
         if self.decode_weights not in WEIGHT_FORMATS:
             raise ConfigError(f"decode_weights must be one of {WEIGHT_FORMATS}, got {self.decode_weights!r}",
                               "pass one of " + ", ".join(WEIGHT_FORMATS))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+                              "pass 'auto' (the weights' 16-bit format) or 'int8' (half the bytes, lossy)")
         if self.batch_activations not in BATCH_ACTIVATIONS:
             raise ConfigError(f"batch_activations must be one of {BATCH_ACTIVATIONS}, got {self.batch_activations!r}",
                               "pass 'auto', 'q8' (faster batched decode) or 'bf16' (batch-1 numerics)")

@@ -1227,7 +1227,7 @@ class LLM:
         self.fast_budget.reserve(nbytes, "the KV cache")
         try:
             with self._device_scope():  # on the accelerator's device (a stand-in tensor on the stand-in)
-                cache = KVCache(self.config, num_slots, max_len, sizes.torch_dtype(fmt), self.device)
+                cache = KVCache(self.config, num_slots, max_len, sizes.kv_torch_dtype(fmt), self.device)
         except BaseException:
             self.fast_budget.release(nbytes)
             raise

@@ -103,7 +103,7 @@ from tiered.hardware.budget import move_to_huge_pages
 from tiered.hardware.cpu_gemm import bf16_gemm_native, linear
 from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K, prefill_attention_pairs
 from tiered.hardware.profile import HardwareProfile, LinearModel
-from tiered.memory.sizes import DENSE_FORMATS, bytes_per_element, torch_dtype
+from tiered.memory.sizes import DENSE_FORMATS, bytes_per_element, kv_torch_dtype, torch_dtype
 from tiered.quant.int4 import dequantize_rows
 
 MiB = 2**20
@@ -1149,7 +1149,7 @@ def _attn_decode_points(kv: str, repeats: int) -> list[tuple[float, float]]:
     quick profile): it priced SmolLM2's default decode at 640 positions 2.5x slow."""
     from tiered.checkpoint.model_config import ModelConfig
     from tiered.memory import sizes
-    from tiered.models.layers import KVCache
+    from tiered.models.layers import KVCache, quantize_kv_rows
     from tiered.runtime.cpu_decode import CPUDecodeStep
 
     calls = []
@@ -1159,9 +1159,12 @@ def _attn_decode_points(kv: str, repeats: int) -> list[tuple[float, float]]:
     for ctx in ATTN_DECODE_CONTEXTS:
         model = _random_model(cfg, ctx + 1)
         step = CPUDecodeStep(model, native=True)
-        cache = KVCache(cfg, ATTN_DECODE_SLOTS, ctx + 1, sizes.torch_dtype(kv))
-        fill_random_(cache.k, 1.0)
-        fill_random_(cache.v, 1.0)
+        cache = KVCache(cfg, ATTN_DECODE_SLOTS, ctx + 1, sizes.kv_torch_dtype(kv))
+        for t in (cache.k, cache.v):
+            if cache.quantized:  # int8 rows with their scales (models/layers.quantize_kv_rows)
+                t.copy_(quantize_kv_rows(fill_random_(torch.empty(*t.shape[:-1], cfg.head_dim), 1.0)))
+            else:
+                fill_random_(t, 1.0)
         ids, pos = torch.tensor([[1]]), torch.tensor([[ctx]])
         turn = itertools.cycle([torch.tensor([s]) for s in range(ATTN_DECODE_SLOTS)])
         calls.append(lambda step=step, ids=ids, pos=pos, turn=turn, cache=cache: step(ids, pos, next(turn), cache))
@@ -1184,7 +1187,7 @@ def _attn_rows_model(kv: str, slots: int, positions: int):
 
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64,
                       num_hidden_layers=ATTN_ROWS_LAYERS, num_attention_heads=12, num_key_value_heads=4, head_dim=64)
-    return CPUDecodeStep(_random_model(cfg, positions), native=True), KVCache(cfg, slots, positions, torch_dtype(kv))
+    return CPUDecodeStep(_random_model(cfg, positions), native=True), KVCache(cfg, slots, positions, kv_torch_dtype(kv))
 
 
 def attention_rows_call(kv: str, tokens: int, causal: bool = True) -> Callable[[], object]:
@@ -2147,7 +2150,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # (_expert_groups_int4q8_points): an expert's rows past its first group of 8, whose weight streams come from the
 # cache. Together they had priced a Qwen3-30B-A3B-width 512-token prompt's MoE blocks 1.5x slow on 2 Zen 4 cores
 # (TTFT 1.74 s priced, 1.24 measured).
-PROFILER_VERSION = 45
+# 46: attn_decode/cpu/int8 and attn_rows/cpu/int8, the native step's attention over an int8 KV cache
+# (EngineConfig.kv_cache_dtype "int8": rows dequantized into fp32 scratch a part at a time).
+PROFILER_VERSION = 46
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2292,10 +2297,10 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
                     "cpu", d, dram_gemvs, nosync, max(3, r // 2), True, cold_bytes=3 * llc, probe=pr))
             # the native bf16 expert at one row over experts of real width, as a CPU expert streams them
             b.attempt("expert_dram/cpu/bf16", lambda: _expert_dram_points(max(3, r // 2), 3 * llc, probe=pr))
-            for kv in ("bf16", "fp32"):  # the native step's attention over a cache in DRAM
+            for kv in ("bf16", "fp32", "int8"):  # the native step's attention over a cache in DRAM
                 b.attempt(f"attn_decode/cpu/{kv}", lambda k=kv: _attn_decode_points(k, r))
     if kernels.available():  # ... and over a prompt's own keys, as rows of the step
-        for kv in ("bf16", "fp32"):
+        for kv in ("bf16", "fp32", "int8"):
             b.attempt(f"attn_rows/cpu/{kv}", lambda k=kv: _attn_rows_points(k, r))
     b.attempt("memory/copy/cpu", lambda: _memory_points("cpu", mem_sizes, nosync, r, copy=True))
     b.models["launch/cpu"] = LinearModel(_launch_time("cpu", nosync), 0.0, None)

@@ -238,10 +238,44 @@ def kv_cache_format(weights: str, decode: str | None = None) -> str:
     return "fp32" if decode in (None, "none", "fp32") else "bf16"
 
 
+# KV cache formats (EngineConfig.kv_cache_dtype, Plan.dtypes["kv_cache"]): the dense ones, and "int8": each
+# (position, KV head) row as head_dim int8 values and an fp32 scale (models/layers.quantize_kv_rows)
+KV_FORMATS = ("fp32", "bf16", "fp16", "int8")
+KV_SCALE_BYTES = 4  # an int8 cache row's scale
+
+
+def kv_bytes_per_token(cfg: ModelConfig, fmt: str) -> float:
+    """Bytes one position takes in one layer's KV cache (keys and values) in format `fmt` (KV_FORMATS): an int8
+    row of head_dim values carries its fp32 scale (SmolLM2's heads of 64: 1.06 bytes a value against bf16's 2).
+
+    Raises:
+        ConfigError: an unknown format, or int8 for latent attention (not quantized: KVCache)."""
+    heads, kw, vw = cfg.kv_widths()
+    if fmt == "int8":
+        if cfg.is_mla:
+            raise ConfigError("an int8 KV cache is not built for latent attention (DeepSeek's MLA)",
+                              "use --kv-cache-dtype auto")
+        return float(heads * (kw + vw + 2 * KV_SCALE_BYTES))
+    if fmt not in KV_FORMATS:
+        raise ConfigError(f"unknown KV cache format {fmt!r}", f"use one of {', '.join(KV_FORMATS)}")
+    return heads * (kw + vw) * bytes_per_element(fmt)
+
+
+def kv_compute_format(fmt: str) -> str:
+    """The dense format a KV cache in `fmt` is attended in where a key or a byte count needs one: an int8
+    cache's rows are dequantized to the activations' (16-bit) format, the others as they are."""
+    return "bf16" if fmt == "int8" else fmt
+
+
+def kv_torch_dtype(fmt: str) -> torch.dtype:
+    """The torch dtype of a KVCache in format `fmt` (KV_FORMATS): torch.int8 for "int8", else torch_dtype's."""
+    return torch.int8 if fmt == "int8" else torch_dtype(fmt)
+
+
 def kv_cache_bytes(cfg: ModelConfig, slots: int, tokens: int, fmt: str) -> int:
-    """Bytes of a KVCache of `slots` sequences x `tokens` positions (keys and values of every layer)."""
-    n = cfg.num_hidden_layers * slots * tokens * cfg.kv_elements_per_token()
-    return int(n * bytes_per_element(fmt))
+    """Bytes of a KVCache of `slots` sequences x `tokens` positions (keys and values of every layer) in
+    format `fmt` (KV_FORMATS)."""
+    return int(cfg.num_hidden_layers * slots * tokens * kv_bytes_per_token(cfg, fmt))
 
 
 def tensor_bytes(shape, dtype: torch.dtype) -> int:

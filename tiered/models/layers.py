@@ -179,6 +179,28 @@ def build_static_decode_metadata(rotary: Rotary, positions: torch.Tensor, slots:
                              rotary.signed(sin))
 
 
+KV_SCALE_BYTES = 4  # an int8 KV cache row's fp32 scale, after its head_dim values
+
+
+def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows of an int8 KV cache: x [..., hd] (any float dtype) -> int8 [..., hd + 4], each row's hd values
+    q = round(x / s) and then the bytes of its fp32 scale s = max|x| / 127 (0 for a zero row). The native
+    step's rule (kernels/csrc/decode.cpp quantize_row), the same bits; llama.cpp's q8_0 cache keeps a scale
+    per 32 values, this one per head row (a row of 64 values: 1.06 bytes a value, against bf16's 2)."""
+    xf = x.float()
+    s = xf.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.round(xf / torch.where(s > 0, s, torch.ones_like(s))).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, s.contiguous().view(torch.int8)], -1)
+
+
+def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 KV cache rows [..., hd + 4] (quantize_kv_rows) -> values [..., hd] in `dtype` (q x s in fp32, then
+    rounded to `dtype`)."""
+    hd = rows.shape[-1] - KV_SCALE_BYTES
+    s = rows[..., hd:].contiguous().view(torch.float32)
+    return (rows[..., :hd].float() * s).to(dtype)
+
+
 class KVCache:
     """Keys and values of every layer for up to `num_slots` sequences of `max_len` positions.
 
@@ -186,11 +208,27 @@ class KVCache:
     the weights (llama2.c's RunState). Under latent attention (ModelConfig.is_mla) k is
     [L, num_slots, 1, max_len, kv_lora_rank + qk_rope_head_dim] (the latent and the RoPE key, see
     models/deepseek.py) and v is empty ([..., 0]): ModelConfig.kv_widths.
+
+    With `dtype` torch.int8 the cache is int8 (Plan.dtypes["kv_cache"] "int8"; `quantized`): each
+    (position, KV head) row holds hd int8 values and its fp32 scale, k, v [L, num_slots, Hkv, max_len,
+    hd + 4] (quantize_kv_rows); `update` writes rows quantized and returns them dequantized in the
+    activations' dtype, and the native decode step reads them itself. Whole rows move as they are (copy_slots,
+    lend), scales and all.
+
+    Raises:
+        ConfigError: an int8 cache of latent attention (its rows are shared by every head: not quantized).
     """
 
     def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
         heads, kw, vw = config.kv_widths()
+        self.quantized = dtype == torch.int8
+        if self.quantized:
+            if config.is_mla:
+                from tiered.errors import ConfigError
+                raise ConfigError("an int8 KV cache is not built for latent attention (DeepSeek's MLA)",
+                                  "use --kv-cache-dtype auto")
+            kw, vw = kw + KV_SCALE_BYTES, vw + KV_SCALE_BYTES
         self.k = torch.zeros((config.num_hidden_layers, num_slots, heads, max_len, kw), dtype=dtype, device=device)
         self.v = torch.zeros((config.num_hidden_layers, num_slots, heads, max_len, vw), dtype=dtype, device=device)
         self.max_len = max_len
@@ -233,7 +271,14 @@ class KVCache:
         self.copy_slots(parents, length)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
-        """Write new k/v [B, Hkv, T, hd] at meta.positions; return cached k/v [B, Hkv, S, hd]."""
+        """Write new k/v [B, Hkv, T, hd] at meta.positions; return cached k/v [B, Hkv, S, hd] (an int8
+        cache's dequantized in k's dtype)."""
+        if self.quantized:
+            ck, cv = self._update(layer, quantize_kv_rows(k), quantize_kv_rows(v), meta)
+            return dequantize_kv_rows(ck, k.dtype), dequantize_kv_rows(cv, v.dtype)
+        return self._update(layer, k, v, meta)
+
+    def _update(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
         ck, cv = self.k[layer], self.v[layer]
         S = meta.kv_len
         if meta.single is not None:  # one sequence, consecutive positions: a slice copy

@@ -784,7 +784,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                 graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
                 prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None,
                 mixed_rows=planned_mixed_rows(cfg, accelerator, batch_act, step_format),
-                **speculation(ec),
+                **speculation(ec), kv_cache=ec.kv_cache_dtype,
                 workspace=None if accelerator is None else
                 sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()))
 

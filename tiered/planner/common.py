@@ -42,6 +42,8 @@ def attention_time(cfg: ModelConfig, profile: HardwareProfile, device: str, prec
         return proj + op_time.prefill_attention_time(profile, device, precision, macs) + 6 * op_time.launch_time(profile, device)
     macs = tokens * context * cfg.attention_macs_per_pair(True)
     kv_layer = sizes.kv_cache_bytes(cfg, 1, context, kv_format) / cfg.num_hidden_layers
+    if kv_format == "int8":  # the modules dequantize the layer's cache (KVCache.update): written and read again
+        kv_layer += 2 * sizes.kv_cache_bytes(cfg, 1, context, "bf16") / cfg.num_hidden_layers
     attn = op_time.attention_time(profile, device, precision, macs, kv_layer)
     return proj + attn + (0 if graphed else 6) * op_time.launch_time(profile, device)
 

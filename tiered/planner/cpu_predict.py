@@ -327,11 +327,15 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, 
     # the KV cache's format: the plan's, else the engine's rule for weights read in `dtype` (CPU: fp32
     # activations; a 16-bit cache beside lossy copies)
     act = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
-    kv_bytes = rows * cfg.kv_elements_per_token() * context * op_time.bytes_per_element(act)
+    kv_bytes = rows * context * sizes.kv_bytes_per_token(cfg, act)
     if native:  # the native step's attention streams the cached keys and values once (GQA heads share them),
         # at its own measured rate where profiled (attn_decode/cpu: below the memory's, ~15 GB/s on 2 Zen 4 cores)
         stream = op_time.memory_time(hw, "cpu", act, kv_bytes, "memory", working_set)
         m = hw.models.get(f"attn_decode/cpu/{act}")
+        if m is None and act == "int8" and f"attn_decode/cpu/bf16" in hw.models:
+            # a profile from before int8 caches: their rows at the bf16 cache's rate a value (its bytes)
+            m = hw.models["attn_decode/cpu/bf16"]
+            kv_bytes = rows * context * sizes.kv_bytes_per_token(cfg, "bf16")
         read = max(stream, m.beta * kv_bytes) if m is not None else stream
         if cfg.is_mla:  # each cached latent row serves every head: H (2 R + r) multiply-adds a position, in
             # fp32 loops, at the fp32 GEMM fit's slope (the 27-layer V2-Lite GGUF: ~0.3 ms a layer at 1024
@@ -340,7 +344,8 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, 
             macs = rows * context * cfg.attention_macs_per_pair(True)
             read = max(read, g.beta * macs if g is not None else 0.0)
         return proj + read
-    return proj + op_time.attention_time(hw, "cpu", act, rows * context * cfg.attention_macs_per_pair(True), kv_bytes)
+    return proj + op_time.attention_time(hw, "cpu", sizes.kv_compute_format(act),
+                                         rows * context * cfg.attention_macs_per_pair(True), kv_bytes)
 
 
 # decode-copy formats whose rows a batched native step runs on int8 activations like int4's (runtime/batch_rows)
@@ -910,8 +915,9 @@ def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, token
     fused = native_fused_projections(hw, dtype)
     kv = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
     macs = (T * max(0, int(past)) + prefill_attention_pairs(T, 0)) * cfg.attention_macs_per_pair(False)
-    rows_key = hw.models.get(f"attn_rows/cpu/{kv}")
-    attention = rows_key(macs) if rows_key is not None else op_time.prefill_attention_time(hw, "cpu", kv, macs)
+    rows_key = hw.models.get(f"attn_rows/cpu/{kv}") or hw.models.get(f"attn_rows/cpu/{sizes.kv_compute_format(kv)}")
+    attention = rows_key(macs) if rows_key is not None else op_time.prefill_attention_time(
+        hw, "cpu", sizes.kv_compute_format(kv), macs)
     code = hw.models.get("runtime/step_rows/int4")
     if cfg.is_moe and ffn is None:
         raise ValueError("predict_prompt_rows: an MoE model's rows need `ffn` (predict_prefill's ffn_only)")

@@ -72,7 +72,7 @@ def plan_dense_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, g
     dparams = params if g is None else replace(params, alpha_gpu=g.alpha, beta_gpu=g.beta * bpe, t_launch=0.0)
     per_step, per_layer = op_time.step_overhead(profile, fmt, "gpu", graphed=graphed)
     per_step_prefill, per_layer_prefill = op_time.step_overhead(profile, fmt, "gpu")
-    act_bpe = sizes.bytes_per_element(plan.dtypes["kv_cache"])  # activations: 16-bit, fp32 with fp32 weights
+    act_bpe = sizes.bytes_per_element(sizes.kv_compute_format(plan.dtypes["kv_cache"]))  # activations: 16-bit, fp32 with fp32 weights
     ffn_gpu_bytes = 0.0
     for i, rates in enumerate(layer_rates):
         tok = solve_n_g(prompt_shape, rates, pparams)

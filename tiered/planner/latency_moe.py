@@ -155,7 +155,7 @@ def plan_moe_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, gpu
                                                               graphed="piecewise" if graphs else None)
     per_step_prefill, per_layer_prefill = op_time.step_overhead(profile, fmt, "gpu")
     per_step_whole, per_layer_whole = op_time.step_overhead(profile, fmt, "gpu", graphed="whole")
-    act_bpe = sizes.bytes_per_element(plan.dtypes["kv_cache"])  # activations: 16-bit, fp32 with fp32 weights
+    act_bpe = sizes.bytes_per_element(sizes.kv_compute_format(plan.dtypes["kv_cache"]))  # activations: 16-bit, fp32 with fp32 weights
     matrices = expert.shape.matrices
     attn_dec = attention_time(cfg, profile, "gpu", fmt, 1, ctx, plan.dtypes["kv_cache"], graphed=graphs)
     attn_pre = attention_time(cfg, profile, "gpu", fmt, plan.prompt_tokens, plan.prompt_tokens, plan.dtypes["kv_cache"])

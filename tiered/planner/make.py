@@ -32,7 +32,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               expert_act: str = "bf16", batch_act: str = "bf16", graphs: bool = False,
               prefetch: bool = False, prefetch_lookahead: int = 2, precision_mix: dict | None = None,
               library_workspace: int | None = None, mixed_rows: int = 0, speculative: str = "off",
-              speculative_tokens: int = 0, prompt_lookup: tuple[int, int] = (2, 4)) -> Plan:
+              speculative_tokens: int = 0, prompt_lookup: tuple[int, int] = (2, 4), kv_cache: str = "auto") -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -77,6 +77,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
             within it is priced as those rows (cpu_predict.predict_prompt_rows); 0 for any other plan.
         speculative, speculative_tokens, prompt_lookup: speculative decoding (EngineConfig's; Plan's fields):
             a CPU-only plan prices its steps of 1 + k rows (Plan.speculative_costs).
+        kv_cache: the KV cache's format (EngineConfig.kv_cache_dtype: memory/sizes.KV_FORMATS), "auto" =
+            memory/sizes.kv_cache_format's for the weights and `precision`; its bytes and its reads are priced.
     Raises:
         ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
         BudgetError: the budgets cannot hold what the goal needs on the fast tier.
@@ -99,8 +101,10 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.context_tokens = context_tokens or prompt_tokens + gen_tokens
     plan.precision_mix = precision_mix
     fmt = weights_format or precision
-    plan.dtypes = {"weights": fmt, "experts": experts_format or fmt, "kv_cache": sizes.kv_cache_format(fmt, precision),
+    plan.dtypes = {"weights": fmt, "experts": experts_format or fmt,
+                   "kv_cache": sizes.kv_cache_format(fmt, precision) if kv_cache == "auto" else kv_cache,
                    "decode": precision}
+    sizes.kv_bytes_per_token(cfg, plan.dtypes["kv_cache"])  # a ConfigError for a format the model cannot cache
     if head_precision and head_precision != precision:
         plan.dtypes["lm_head"] = head_precision
     plan.cache_policy, plan.dispatch_mode = cache_policy, dispatch_mode

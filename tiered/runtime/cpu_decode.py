@@ -431,10 +431,12 @@ class CPUDecodeStep:
         return self.native_cache(cache) and all(seg[0] != "whole" for seg in self.fallback)
 
     def native_cache(self, cache: KVCache) -> bool:
-        """Whether the native step runs over `cache`: in the model's dtype, or bf16 beside an fp32
-        model (the plan's KV cache under lossy decode copies, memory/sizes.kv_cache_format)."""
+        """Whether the native step runs over `cache`: in the model's dtype, bf16 beside an fp32 model (the
+        plan's KV cache under lossy decode copies, memory/sizes.kv_cache_format), or int8 (KVCache.quantized)
+        beside an fp32 or bf16 one."""
         kv, model = cache.k.dtype, self.final_norm.dtype
-        return self.native is not None and (kv == model or (kv == torch.bfloat16 and model == torch.float32))
+        return self.native is not None and (kv == model or (kv == torch.bfloat16 and model == torch.float32)
+                                            or (kv == torch.int8 and model in (torch.float32, torch.bfloat16)))
 
     def rows_call(self, feed, cache: KVCache) -> torch.Tensor:
         """One call over rows of (token, position, slot) built from `feed`: each entry (tokens, first position,
@@ -568,7 +570,7 @@ class CPUDecodeStep:
         q = qk[:, :H].unsqueeze(2)  # [B, H, 1, hd]
         k = qk[:, H:].unsqueeze(2)  # [B, Hkv, 1, hd]
         v = qkv[:, (H + Hkv) * hd:].view(B, Hkv, 1, hd)
-        if meta.single is not None:  # one sequence: write its one position, read the slot's prefix
+        if meta.single is not None and not cache.quantized:  # one sequence: write its position, read the slot's prefix
             slot, pos = meta.single
             S = pos + 1
             ck, cv = cache.k[L.idx, slot], cache.v[L.idx, slot]  # [Hkv, max_len, hd]

@@ -672,6 +672,7 @@ struct RowsTask {
   const int64_t* hi;
   float* o;            // out [R * group, hd]: row r's head h at (r * group + h) * hd, normalized
   float* scratch;      // p and the queries: rows_scratch(..) floats
+  int64_t v_lo = 0;    // the first key the values V given to attend_rows hold (0: the head's cache from key 0)
 };
 
 inline int64_t rows_scratch(int64_t R, int64_t group, int64_t hd, int64_t keys, int64_t lanes) {
@@ -706,7 +707,7 @@ __attribute__((always_inline)) inline void attend_rows_impl(const RowsTask& a, c
   }
   const int64_t n = khi - klo;
   const float* pk = p + (klo - base);
-  const E* Vk = V + klo * hd;
+  const E* Vk = V + (klo - a.v_lo) * hd;
   int64_t j = 0;
   for (; j + JV <= J; j += JV) weigh_values<Vec, JV>(pk + j * ldp, n, Vk, hd, a.o + j * hd, hd, ldp, false);
   switch (J - j) {
@@ -883,6 +884,37 @@ TIERED_CLONES void absorb_values(const float* Wv, int64_t v, int64_t R, const fl
 // The cache's element type as the vector loops see it (bf16 as its bits).
 template <typename T> struct Elem { using type = T; };
 template <> struct Elem<at::BFloat16> { using type = uint16_t; };
+
+// The int8 KV cache (Plan.dtypes["kv_cache"] "int8", memory/sizes.kv_bytes_per_token): each (position, KV head)
+// row is hd int8 values and then its fp32 scale, hd + 4 bytes: x ~ q * s with s = max|x| / 127 and q = round(x / s)
+// (models/layers.quantize_kv_rows, the same bits); llama.cpp's q8_0 cache keeps a scale per 32 values, this one a
+// scale per head row. Written as the step writes the row; read by dequantizing a part's rows into fp32 scratch
+// (dequantize_rows) for the fp32 attention loops: half a bf16 cache's bytes from DRAM.
+constexpr int64_t kScaleBytes = 4;
+template <typename C>
+constexpr int64_t row_elems(int64_t hd) { return std::is_same_v<C, int8_t> ? hd + kScaleBytes : hd; }
+
+inline void quantize_row(const float* x, int64_t hd, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < hd; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = amax / 127.f;
+  for (int64_t i = 0; i < hd; ++i)
+    q[i] = s > 0.f ? int8_t(std::clamp(std::nearbyint(x[i] / s), -127.f, 127.f)) : int8_t(0);
+  std::memcpy(q + hd, &s, sizeof(float));
+}
+
+// out [n, hd] fp32 = n packed int8 rows (hd values and their scale each, hd + 4 bytes apart) dequantized
+TIERED_CLONES void dequantize_rows(const int8_t* q, int64_t n, int64_t hd, float* out) {
+  const int64_t rs = hd + kScaleBytes;
+  for (int64_t t = 0; t < n; ++t) {
+    float s;
+    std::memcpy(&s, q + t * rs + hd, sizeof(float));
+    const int8_t* r = q + t * rs;
+    float* o = out + t * hd;
+#pragma omp simd
+    for (int64_t i = 0; i < hd; ++i) o[i] = float(r[i]) * s;
+  }
+}
 
 class DecodeStep {
  public:
@@ -1168,13 +1200,17 @@ class DecodeStep {
                                 post_norm->scalar_type() == x.scalar_type()),
                 "decode step: post_norm must be contiguous, x's shape and dtype, after at least one layer");
     const bool bf16_cache = x.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;
-    TIERED_CHECK((k_cache.scalar_type() == x.scalar_type() || bf16_cache) &&
+    const bool int8_cache = k_cache.scalar_type() == at::kChar;
+    TIERED_CHECK(!int8_cache || (!latent_width_ && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)),
+                "decode step: an int8 KV cache needs float32 or bfloat16 x and plain (not latent) attention");
+    TIERED_CHECK((k_cache.scalar_type() == x.scalar_type() || bf16_cache || int8_cache) &&
                 v_cache.scalar_type() == k_cache.scalar_type() &&
                 k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5 &&
                 (latent_width_ ? k_cache.size(2) == 1 && k_cache.size(4) == latent_width_
-                               : k_cache.size(2) == Hkv && k_cache.size(4) == hd),
+                               : k_cache.size(2) == Hkv && k_cache.size(4) == (int8_cache ? hd + kScaleBytes : hd)),
                 "decode step: the KV cache must be contiguous [L, slots, Hkv, max_len, hd] in x's dtype "
-                "(or bfloat16 beside float32 x); latent attention's k [L, slots, 1, max_len, R + r]");
+                "(or bfloat16 beside float32 x, or int8 rows of hd values and a float32 scale: [..., hd + 4]); "
+                "latent attention's k [L, slots, 1, max_len, R + r]");
     TIERED_CHECK(!latent_width_ || x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                 "decode step: latent attention runs in float32 or bfloat16, got ", x.scalar_type());
     const int64_t B = x.size(0);
@@ -1195,6 +1231,20 @@ class DecodeStep {
     }
     pybind11::gil_scoped_release nogil;
     RECORD_FUNCTION("tiered::decode_layers", std::vector<c10::IValue>());  // its self time: the glue
+    if (int8_cache) {
+      int8_t* kq = k_cache.data_ptr<int8_t>();
+      int8_t* vq = v_cache.data_ptr<int8_t>();
+      const int64_t* sp = sl.data_ptr<int64_t>();
+      const int64_t* pp = ps.data_ptr<int64_t>();
+      if (x.scalar_type() == at::kFloat)
+        run<float, int8_t>(x.data_ptr<float>(), B, c.data_ptr<float>(), s.data_ptr<float>(), sp, pp, kq, vq, n_slots,
+                           max_len, first, last, moe, post_norm ? post_norm->data_ptr<float>() : nullptr);
+      else
+        run<at::BFloat16, int8_t>(x.data_ptr<at::BFloat16>(), B, c.data_ptr<float>(), s.data_ptr<float>(), sp, pp, kq,
+                                  vq, n_slots, max_len, first, last, moe,
+                                  post_norm ? post_norm->data_ptr<at::BFloat16>() : nullptr);
+      return;
+    }
     if (bf16_cache) {
       run<float, at::BFloat16>(x.data_ptr<float>(), B, c.data_ptr<float>(), s.data_ptr<float>(),
                                sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(), k_cache.data_ptr<at::BFloat16>(),
@@ -1303,10 +1353,15 @@ class DecodeStep {
             for (int64_t i = rd; i < hd; ++i) v[i] = rnd<T>(v[i]);
           }
           for (int64_t g = 0; g < Hkv; ++g) {
-            const int64_t at_ = (((l * n_slots + slots[b]) * Hkv + g) * max_len + pos[b]) * hd;
-            for (int64_t i = 0; i < hd; ++i) {
-              kc[at_ + i] = C(r[H * hd + g * hd + i]);
-              vc[at_ + i] = C(r[QK + g * hd + i]);
+            const int64_t at_ = (((l * n_slots + slots[b]) * Hkv + g) * max_len + pos[b]) * row_elems<C>(hd);
+            if constexpr (std::is_same_v<C, int8_t>) {
+              quantize_row(r + H * hd + g * hd, hd, kc + at_);
+              quantize_row(r + QK + g * hd, hd, vc + at_);
+            } else {
+              for (int64_t i = 0; i < hd; ++i) {
+                kc[at_ + i] = C(r[H * hd + g * hd + i]);
+                vc[at_ + i] = C(r[QK + g * hd + i]);
+              }
             }
           }
         });
@@ -1562,8 +1617,9 @@ class DecodeStep {
                                    const int64_t* slots, const int64_t* pos, int64_t n_slots, int64_t max_len,
                                    int64_t window, float* att) const {
     using E = typename Elem<C>::type;
+    constexpr bool q8 = std::is_same_v<C, int8_t>;  // keys dequantized as they are transposed, values into vt_buf_
     std::vector<char> in_run;
-    if constexpr (!std::is_same_v<E, float> && !std::is_same_v<E, uint16_t>) {
+    if constexpr (!std::is_same_v<E, float> && !std::is_same_v<E, uint16_t> && !q8) {
       return in_run;
     } else {
       if (hd % 32 != 0 || B < kRunRows) return in_run;
@@ -1596,8 +1652,9 @@ class DecodeStep {
         const double waste = double((r * group + jq - 1) / jq * jq - r * group) / double(r * group);
         if (waste < best - 1e-9) best = waste, R = r;
       }
+      const int64_t rs = row_elems<C>(hd);
       auto head_cache = [&](const C* cache, const Run& r, int64_t g) {
-        return reinterpret_cast<const E*>(cache + ((l * n_slots + slots[r.b0]) * Hkv + g) * max_len * hd);
+        return reinterpret_cast<const E*>(cache + ((l * n_slots + slots[r.b0]) * Hkv + g) * max_len * rs);
       };
       // KV heads in batches whose transposed keys fit max_transposed_ (one head at least): a 1024-token chunk
       // of a Llama-3-8B-width model at position 31k would hold 128 MB for all 8 heads at once
@@ -1612,11 +1669,20 @@ class DecodeStep {
         for (size_t i = 0; i < runs.size(); ++i)
           for (int64_t h = 0; h < nh; ++h) kt_at[i * nh + h + 1] = kt_at[i * nh + h] + runs[i].kt_rows * hd;
         kt_buf_.resize(kt_at.back());
+        if constexpr (q8) vt_buf_.resize(kt_at.back());
         at::parallel_for(0, int64_t(runs.size()) * nh, 1, [&](int64_t i0, int64_t i1) {
           for (int64_t i = i0; i < i1; ++i) {
             const Run& r = runs[i / nh];
-            transpose_keys(head_cache(kc, r, g0 + i % nh) + r.kt_lo * hd, r.kt_hi - r.kt_lo, hd, lanes,
-                           kt_buf_.data() + kt_at[i]);
+            const int64_t n = r.kt_hi - r.kt_lo;
+            if constexpr (q8) {
+              thread_local std::vector<float> kd;
+              kd.resize(n * hd);
+              dequantize_rows(head_cache(kc, r, g0 + i % nh) + r.kt_lo * rs, n, hd, kd.data());
+              transpose_keys(kd.data(), n, hd, lanes, kt_buf_.data() + kt_at[i]);
+              dequantize_rows(head_cache(vc, r, g0 + i % nh) + r.kt_lo * rs, n, hd, vt_buf_.data() + kt_at[i]);
+            } else {
+              transpose_keys(head_cache(kc, r, g0 + i % nh) + r.kt_lo * hd, n, hd, lanes, kt_buf_.data() + kt_at[i]);
+            }
           }
         });
         struct Task { int64_t run, b0, b1, g; };
@@ -1647,7 +1713,12 @@ class DecodeStep {
               RowsTask a{qkv + tk.b0 * QKV + tk.g * group * hd, QKV, rows, group, hd, scale_,
                          kt_buf_.data() + kt_at[tk.run * nh + tk.g - g0], r.kt_lo, lo.data() + tk.b0,
                          hi.data() + tk.b0, o.data(), scratch.data()};
-              attend_rows(a, head_cache(vc, r, tk.g), lanes);
+              if constexpr (q8) {
+                a.v_lo = r.kt_lo;
+                attend_rows(a, vt_buf_.data() + kt_at[tk.run * nh + tk.g - g0], lanes);
+              } else {
+                attend_rows(a, head_cache(vc, r, tk.g), lanes);
+              }
               for (int64_t b = tk.b0; b < tk.b1; ++b) {
                 float* out = att + b * H * hd + tk.g * group * hd;
                 const float* src = o.data() + (b - tk.b0) * group * hd;
@@ -1701,11 +1772,19 @@ class DecodeStep {
     auto part = [&](int64_t bg, int64_t t0, int64_t t1, float* o, float* ml, std::vector<float>& p) {
       const int64_t b = bg / Hkv, g = bg % Hkv;
       const int64_t lo = pos[b] + 1 - keys_of(b) + t0;
-      const int64_t base = (((l * n_slots + slots[b]) * Hkv + g) * max_len + lo) * hd;
+      const int64_t base = (((l * n_slots + slots[b]) * Hkv + g) * max_len + lo) * row_elems<C>(hd);
       const float* q = qkv + b * QKV + g * group * hd;  // the group's query heads, consecutive
       p.resize(group * (t1 - t0));
-      attend(q, group, reinterpret_cast<const E*>(kc + base), reinterpret_cast<const E*>(vc + base), t1 - t0, hd,
-             scale_, p.data(), o, ml);
+      if constexpr (std::is_same_v<C, int8_t>) {  // the part's rows dequantized (at most part_keys of them)
+        thread_local std::vector<float> kd, vd;
+        kd.resize((t1 - t0) * hd), vd.resize((t1 - t0) * hd);
+        dequantize_rows(kc + base, t1 - t0, hd, kd.data());
+        dequantize_rows(vc + base, t1 - t0, hd, vd.data());
+        attend(q, group, kd.data(), vd.data(), t1 - t0, hd, scale_, p.data(), o, ml);
+      } else {
+        attend(q, group, reinterpret_cast<const E*>(kc + base), reinterpret_cast<const E*>(vc + base), t1 - t0, hd,
+               scale_, p.data(), o, ml);
+      }
     };
     auto out_of = [&](int64_t bg) { return att + (bg / Hkv) * H * hd + (bg % Hkv) * group * hd; };
     const int64_t items = B * Hkv, work = keys * Hkv;
@@ -1802,6 +1881,7 @@ class DecodeStep {
   // attention_runs' transposed keys at most (KV heads in batches past it; set_max_transposed_bytes)
   int64_t max_transposed_ = int64_t(32) << 20;
   mutable std::vector<float> kt_buf_;  // attention_runs' transposed keys
+  mutable std::vector<float> vt_buf_;  // and an int8 cache's values dequantized (kt_buf_'s offsets)
 
   int64_t D, H, Hkv, hd;
   int64_t rd;  // RoPE's width: each q / k head's first rd features rotate (rd = hd unless partial)

