@@ -212,6 +212,20 @@ namespace {
 // ABI note GCC gives for 32-byte vector arguments does not apply.
 #pragma GCC diagnostic ignored "-Wpsabi"
 typedef float v8f __attribute__((vector_size(32)));
+
+// The int8 KV cache (Plan.dtypes["kv_cache"] "int8", memory/sizes.kv_bytes_per_token): each (position, KV head)
+// row is hd int8 values and then its fp32 scale, hd + 4 bytes: x ~ q * s with s = max|x| / 127 and q = round(x / s)
+// (models/layers.quantize_kv_rows, the same bits); llama.cpp's q8_0 cache keeps a scale per 32 values, this one a
+// scale per head row, so that it folds out of the sums: a key's score is s times q . (its int8 values), a value
+// row weighs in with its probability times s. attend_vec widens the int8 rows in registers as it widens bf16
+// ones; the prompt rows' attention (attention_runs) and heads of other widths dequantize rows into fp32 scratch.
+constexpr int64_t kScaleBytes = 4;
+// the scale of the packed int8 row at p (hd values, then the fp32 scale)
+__attribute__((always_inline)) inline float row_scale(const int8_t* p, int64_t hd) {
+  float s;
+  std::memcpy(&s, p + hd, sizeof(float));
+  return s;
+}
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
@@ -367,6 +381,30 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 template <typename Vec>
 constexpr int kLanes = int(sizeof(Vec) / sizeof(float));
 
+// Vec from lanes int8 values (an int8 KV cache row's), sign-extended and converted. Through int16 and int32:
+// GCC 12 turns each step into vpmovsxbw / vpmovsxwd (and vcvtdq2ps), where int8 -> float in one
+// __builtin_convertvector was lowered to a scalar sign-extend and convert per element (0.44x the bf16 cache's
+// decode speed at 4-8k positions, 2 Zen 4 cores).
+typedef int8_t v8b __attribute__((vector_size(8)));
+typedef int16_t v8s __attribute__((vector_size(16)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int8_t v16b __attribute__((vector_size(16)));
+typedef int16_t v16s __attribute__((vector_size(32)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+template <typename Vec>
+__attribute__((always_inline)) inline Vec loadv(const int8_t* p) {
+  if constexpr (std::is_same_v<Vec, v16f>) {
+    v16b b;
+    std::memcpy(&b, p, sizeof(b));
+    return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(b, v16s), v16i), v16f);
+  } else {
+    v8b b;
+    std::memcpy(&b, p, sizeof(b));
+    return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(b, v8s), v8i), v8f);
+  }
+}
+__attribute__((always_inline)) inline v8f load8(const int8_t* p) { return loadv<v8f>(p); }
+
 // 2 x lanes bf16 -> their even and odd elements as fp32 (bits << 16, and the high halves as they are): no
 // shuffles, so a bf16 cache's rows convert on the ALU ports beside the FMAs (a permutation widening
 // 8 at a time ran on the shuffle port, which the dot products' sums also need).
@@ -432,7 +470,7 @@ __attribute__((always_inline)) inline void weigh_values(const float* p, int64_t 
 // even ones first, then the odd ones, as load_split widens the keys.
 template <typename Vec, int J, int U, typename E>
 __attribute__((always_inline)) inline void score_keys(const float* q, const E* K, int64_t hd, float scale, float* p,
-                                                      int64_t ldp) {
+                                                      int64_t ldp, int64_t ldk) {
   constexpr int W = kLanes<Vec>;
   Vec a[J][U] = {};
   if constexpr (std::is_same_v<E, uint16_t>) {  // q: each 2W columns' even, then odd ones (attend_vec's qs)
@@ -441,7 +479,7 @@ __attribute__((always_inline)) inline void score_keys(const float* q, const E* K
       for (int j = 0; j < J; ++j) qe[j] = loadv<Vec>(q + j * hd + c), qo[j] = loadv<Vec>(q + j * hd + c + W);
       for (int u = 0; u < U; ++u) {
         Vec ke, ko;
-        load_split(K + u * hd + c, ke, ko);
+        load_split(K + u * ldk + c, ke, ko);
         for (int j = 0; j < J; ++j) a[j][u] += qe[j] * ke + qo[j] * ko;
       }
     }
@@ -449,7 +487,7 @@ __attribute__((always_inline)) inline void score_keys(const float* q, const E* K
     Vec qv[J];
     for (int j = 0; j < J; ++j) qv[j] = loadv<Vec>(q + j * hd + c);
     for (int u = 0; u < U; ++u) {
-      const Vec k = loadv<Vec>(K + u * hd + c);
+      const Vec k = loadv<Vec>(K + u * ldk + c);
       for (int j = 0; j < J; ++j) a[j][u] += qv[j] * k;
     }
   }
@@ -493,12 +531,14 @@ __attribute__((always_inline)) inline void attend_vec(const float* q, int64_t gr
     qs = split;
   }
   int64_t t = 0;
-  const int64_t row_bytes = hd * int64_t(sizeof(E));
+  constexpr bool q8 = std::is_same_v<E, int8_t>;  // an int8 cache's packed rows: hd values, then their scale
+  const int64_t ld = q8 ? hd + kScaleBytes : hd;  // elements from one cached row to the next
+  const int64_t row_bytes = ld * int64_t(sizeof(E));
   for (; t + 8 <= n; t += 8) {
     // the cache comes from DRAM (another layer's ran in between): ask for the keys two blocks
     // ahead, and for this block's values, which the weighing below reads from the L2 then
-    const char* kn = reinterpret_cast<const char*>(K + std::min(t + 16, n - 1) * hd);
-    const char* vn = reinterpret_cast<const char*>(V + t * hd);
+    const char* kn = reinterpret_cast<const char*>(K + std::min(t + 16, n - 1) * ld);
+    const char* vn = reinterpret_cast<const char*>(V + t * ld);
     for (int64_t b = 0; b < 8 * row_bytes; b += 64) {
       __builtin_prefetch(kn + b);
       __builtin_prefetch(vn + b);
@@ -506,17 +546,19 @@ __attribute__((always_inline)) inline void attend_vec(const float* q, int64_t gr
     // 4 heads and 4 keys a call: 16 accumulators (AVX2's 16 registers spill a little; AVX-512's 32
     // do not), 3 heads' 12 fit either. On 2 Sapphire Rapids cores one KV head's 1024 cached keys
     // (bf16) took 12-13 ns a key for 3 heads of 64 (was 21), 28-29 for 4 of 128 (was 52), one core.
-    const E* k8 = K + t * hd;
+    const E* k8 = K + t * ld;
     int64_t j = 0;
     for (; j + 4 <= group; j += 4)
-      for (int h = 0; h < 8; h += 4) score_keys<Vec, 4, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
+      for (int h = 0; h < 8; h += 4)
+        score_keys<Vec, 4, 4>(qs + j * hd, k8 + h * ld, hd, scale, p + j * n + t + h, n, ld);
     for (; j + 3 <= group; j += 3)
-      for (int h = 0; h < 8; h += 4) score_keys<Vec, 3, 4>(qs + j * hd, k8 + h * hd, hd, scale, p + j * n + t + h, n);
-    if (group - j == 2) score_keys<Vec, 2, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
-    if (group - j == 1) score_keys<Vec, 1, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n);
+      for (int h = 0; h < 8; h += 4)
+        score_keys<Vec, 3, 4>(qs + j * hd, k8 + h * ld, hd, scale, p + j * n + t + h, n, ld);
+    if (group - j == 2) score_keys<Vec, 2, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n, ld);
+    if (group - j == 1) score_keys<Vec, 1, 8>(qs + j * hd, k8, hd, scale, p + j * n + t, n, ld);
   }
   for (; t < n; ++t) {  // the last keys one at a time: two FMA chains a dot product
-    const E* k = K + t * hd;
+    const E* k = K + t * ld;
     for (int64_t j = 0; j < group; ++j) {
       const float* qj = q + j * hd;
       v8f a0 = {}, a1 = {};
@@ -527,13 +569,25 @@ __attribute__((always_inline)) inline void attend_vec(const float* q, int64_t gr
       p[j * n + t] = hsum8(a0 + a1) * scale;
     }
   }
+  if constexpr (q8) {  // each key's score times its row's scale
+    for (int64_t u = 0; u < n; ++u) {
+      const float sk = row_scale(K + u * ld, hd);
+      for (int64_t i = 0; i < group; ++i) p[i * n + u] *= sk;
+    }
+  }
   softmax_rows(p, group, n, ml);
+  if constexpr (q8) {  // each value row's probability times its scale (after ml took the softmax's sums)
+    for (int64_t u = 0; u < n; ++u) {
+      const float sv = row_scale(V + u * ld, hd);
+      for (int64_t i = 0; i < group; ++i) p[i * n + u] *= sv;
+    }
+  }
   // o: up to 4 query heads x 32 (Wide: 64) columns in 16 registers, each value row converted once for them
   int64_t j = 0;
-  for (; j + 4 <= group; j += 4) weigh_values<Vec, 4>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
-  for (; j + 3 <= group; j += 3) weigh_values<Vec, 3>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
-  if (group - j == 2) weigh_values<Vec, 2>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
-  if (group - j == 1) weigh_values<Vec, 1>(p + j * n, n, V, hd, o + j * hd, hd, n, false);
+  for (; j + 4 <= group; j += 4) weigh_values<Vec, 4>(p + j * n, n, V, hd, o + j * hd, ld, n, false);
+  for (; j + 3 <= group; j += 3) weigh_values<Vec, 3>(p + j * n, n, V, hd, o + j * hd, ld, n, false);
+  if (group - j == 2) weigh_values<Vec, 2>(p + j * n, n, V, hd, o + j * hd, ld, n, false);
+  if (group - j == 1) weigh_values<Vec, 1>(p + j * n, n, V, hd, o + j * hd, ld, n, false);
 }
 
 // One KV head's attention for its `group` query heads q [group, hd] over n cached rows K, V [n, hd]:
@@ -586,6 +640,14 @@ TIERED_CLONES void attend(const float* q, int64_t group, const uint16_t* K, cons
                           float scale, float* p, float* o, float* ml) {
   if (g_attend_wide) attend_impl<true>(q, group, K, V, n, hd, scale, p, o, ml, bf16_to_float);
   else attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, bf16_to_float);
+}
+
+// attend over packed int8 rows (hd values and their scale each, hd + 4 apart; hd % 32 == 0, at most 256): the
+// vector loops widening the int8 values in registers, the scales folded into the scores and probabilities.
+TIERED_CLONES void attend(const float* q, int64_t group, const int8_t* K, const int8_t* V, int64_t n, int64_t hd,
+                          float scale, float* p, float* o, float* ml) {
+  if (g_attend_wide && hd % 64 == 0) attend_vec<true>(q, group, K, V, n, hd, scale, p, o, ml);
+  else attend_vec<false>(q, group, K, V, n, hd, scale, p, o, ml);
 }
 
 // A prompt's query rows at once (DecodeStep::attention's runs: consecutive positions of one sequence).
@@ -885,12 +947,7 @@ TIERED_CLONES void absorb_values(const float* Wv, int64_t v, int64_t R, const fl
 template <typename T> struct Elem { using type = T; };
 template <> struct Elem<at::BFloat16> { using type = uint16_t; };
 
-// The int8 KV cache (Plan.dtypes["kv_cache"] "int8", memory/sizes.kv_bytes_per_token): each (position, KV head)
-// row is hd int8 values and then its fp32 scale, hd + 4 bytes: x ~ q * s with s = max|x| / 127 and q = round(x / s)
-// (models/layers.quantize_kv_rows, the same bits); llama.cpp's q8_0 cache keeps a scale per 32 values, this one a
-// scale per head row. Written as the step writes the row; read by dequantizing a part's rows into fp32 scratch
-// (dequantize_rows) for the fp32 attention loops: half a bf16 cache's bytes from DRAM.
-constexpr int64_t kScaleBytes = 4;
+// The int8 KV cache (kScaleBytes above): the row layout of cache type C, its writer and a scratch reader.
 template <typename C>
 constexpr int64_t row_elems(int64_t hd) { return std::is_same_v<C, int8_t> ? hd + kScaleBytes : hd; }
 
@@ -1775,8 +1832,10 @@ class DecodeStep {
       const int64_t base = (((l * n_slots + slots[b]) * Hkv + g) * max_len + lo) * row_elems<C>(hd);
       const float* q = qkv + b * QKV + g * group * hd;  // the group's query heads, consecutive
       p.resize(group * (t1 - t0));
-      if constexpr (std::is_same_v<C, int8_t>) {  // the part's rows dequantized (at most part_keys of them)
-        thread_local std::vector<float> kd, vd;
+      if constexpr (std::is_same_v<C, int8_t>) {
+        if (hd % 32 == 0 && hd <= 256)
+          return attend(q, group, kc + base, vc + base, t1 - t0, hd, scale_, p.data(), o, ml);
+        thread_local std::vector<float> kd, vd;  // other head sizes: the part's rows dequantized
         kd.resize((t1 - t0) * hd), vd.resize((t1 - t0) * hd);
         dequantize_rows(kc + base, t1 - t0, hd, kd.data());
         dequantize_rows(vc + base, t1 - t0, hd, vd.data());
