@@ -65,6 +65,18 @@ def test_budget_too_small(runner, zoo):
          "CPU budget 1.0 KiB cannot hold")
 
 
+def test_an_unknown_kv_cache_dtype(runner, zoo):
+    _bad(runner, ["run", "hi", "--model", str(zoo.dir("llama")), "--kv-cache-dtype", "q4"], "kv_cache_dtype")
+
+
+def test_run_with_an_int8_kv_cache(runner, zoo):
+    """`--kv-cache-dtype int8` reaches the plan (`--show-plan` names it) and the run completes."""
+    res = runner.invoke(app, ["run", "hi", "--model", str(zoo.dir("llama")), "--no-chat", "-n", "4",
+                              "--accelerator", "none", "--kv-cache-dtype", "int8", "--show-plan"])
+    assert res.exit_code == 0, res.output
+    assert "kv_cache int8" in res.output
+
+
 # ------------------------------------------------------------ the first run on a fresh machine
 @pytest.fixture
 def fresh_machine(tmp_path, monkeypatch):

@@ -913,6 +913,7 @@ def plan(
                                   "fp16, int8 or int4."),
     expert_profile: Optional[Path] = OPT["expert_profile"],
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (replay it with `run --plan FILE`)."),
+    kv_cache_dtype: str = OPT["kv_cache_dtype"],
 ) -> None:
     """Plan placement, slicing, dispatch and batch sizes for a model on a machine, predict its speed, and say why.
 
@@ -943,7 +944,7 @@ def plan(
         hw = engine_profile(profile_file, None)
     given = prompt_tokens is not None or gen_tokens is not None
     if precision == "auto" and not config_only and goal == "latency" and not given and _this_machine(hw):
-        engine = _run_plan(ckpt, preset or profile_file, gpu_mem, cpu_mem, expert_profile)
+        engine = _run_plan(ckpt, preset or profile_file, gpu_mem, cpu_mem, expert_profile, kv_cache_dtype)
         typer.echo(engine.to_json() if as_json else engine.render())
         return
     precision = "bf16" if precision == "auto" else precision
@@ -966,7 +967,7 @@ def plan(
         popularity = load_popularity(expert_profile, cfg.num_hidden_layers, cfg.num_experts)
     p = make_plan(cfg, hw, model_name=name, gpu_memory=parse_bytes(gpu_mem), cpu_memory=parse_bytes(cpu_mem),
                   goal=goal, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, precision=precision,
-                  popularity=popularity)
+                  popularity=popularity, kv_cache=kv_cache_dtype)
     typer.echo(p.to_json() if as_json else p.render())
 
 
@@ -982,7 +983,7 @@ def _this_machine(hw) -> bool:
 
 
 def _run_plan(model, profile: Optional[str], gpu_mem: Optional[str], cpu_mem: Optional[str],
-              expert_profile: Optional[Path] = None):
+              expert_profile: Optional[Path] = None, kv_cache_dtype: str = "auto"):
     """`tiered plan`'s default for a checkpoint on this machine (`model`: open_checkpoint's, opened once): the Plan
     `tiered run --model MODEL --profile PROFILE --gpu-mem --cpu-mem --expert-profile` applies (LLM.planned, run's
     other defaults)."""
@@ -990,7 +991,8 @@ def _run_plan(model, profile: Optional[str], gpu_mem: Optional[str], cpu_mem: Op
     from tiered.engine.llm import LLM
 
     plan, _ = LLM.planned(model, EngineConfig(profile=profile, gpu_memory=gpu_mem, cpu_memory=cpu_mem,
-                                              expert_profile=str(expert_profile) if expert_profile else None),
+                                              expert_profile=str(expert_profile) if expert_profile else None,
+                                              kv_cache_dtype=kv_cache_dtype),
                           progress=True)
     plan.notes.append("the plan `tiered run` makes for this checkpoint with these budgets (its defaults: --dtype "
                       "auto, --decode-weights auto); --precision, --goal or the lengths plan other settings")
