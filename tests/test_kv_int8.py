@@ -20,32 +20,37 @@ from tiered import LLM, EngineConfig, kernels
 from tiered.engine.llm import dense_weights
 from tiered.errors import ConfigError
 from tiered.memory import sizes
-from tiered.models.layers import KVCache, dequantize_kv_rows, quantize_kv_rows
+from tiered.models.layers import KVCache, dequantize_kv_rows, kv_row_bytes, quantize_kv_rows
 from tiered.runtime.cpu_decode import CPUDecodeStep
 
 NATIVE = [False, pytest.param(True, marks=pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built"))]
 
 
-def test_rows_round_trip_within_half_a_step_and_carry_their_scale():
-    """quantize_kv_rows: |x - q s| <= s / 2 with s = max|x| / 127 a row; the row's last 4 bytes are s's fp32
-    bits; a zero row is zeros with scale 0; the largest value maps to +-127."""
+def test_rows_round_trip_within_half_a_step_and_carry_their_scales():
+    """quantize_kv_rows: |x - q s| <= s / 2 with s = max|x| / 127 over each block of 32 values; a row's last
+    bytes are its blocks' fp32 scales; a zero block is zeros with scale 0; each block's largest value maps to
+    +-127; a head size that 32 does not divide takes one block a row."""
     torch.manual_seed(0)
     x = torch.randn(3, 5, 64) * torch.tensor([0.01, 1.0, 30.0]).view(3, 1, 1)
-    x[1, 2] = 0
+    x[1, 2, :32] = 0
     rows = quantize_kv_rows(x)
-    assert rows.dtype == torch.int8 and rows.shape == (3, 5, 68)
-    s = rows[..., 64:].contiguous().view(torch.float32)
-    assert torch.equal(s, x.abs().amax(-1, keepdim=True) / 127)
-    back = dequantize_kv_rows(rows, torch.float32)
-    assert bool(((back - x).abs() <= s / 2 * (1 + 1e-6)).all())
-    assert float(s[1, 2]) == 0 and not bool(rows[1, 2].any())
-    assert int(rows[..., :64].abs().amax()) == 127
-    assert dequantize_kv_rows(rows, torch.bfloat16).dtype == torch.bfloat16
+    assert rows.dtype == torch.int8 and rows.shape == (3, 5, 72) and kv_row_bytes(64) == 72
+    s = rows[..., 64:].contiguous().view(torch.float32)  # [3, 5, 2]
+    assert torch.equal(s, x.unflatten(-1, (2, 32)).abs().amax(-1) / 127)
+    back = dequantize_kv_rows(rows, torch.float32, 64)
+    assert bool(((back - x).abs() <= s.repeat_interleave(32, -1) / 2 * (1 + 1e-6)).all())
+    assert float(s[1, 2, 0]) == 0 and not bool(rows[1, 2, :32].any()) and float(s[1, 2, 1]) > 0
+    assert bool((rows[..., :64].unflatten(-1, (2, 32)).abs().amax(-1) == 127)[s > 0].all())
+    assert dequantize_kv_rows(rows, torch.bfloat16, 64).dtype == torch.bfloat16
+    odd = torch.randn(4, 48)
+    assert kv_row_bytes(48) == 52 and quantize_kv_rows(odd).shape == (4, 52)
+    assert float((dequantize_kv_rows(quantize_kv_rows(odd), torch.float32, 48) - odd).abs().max()) <= (
+        float(odd.abs().max()) / 254 * 1.01)
 
 
 def test_bytes_count_the_scales_and_latent_attention_is_refused(zoo):
-    """kv_bytes_per_token: Hkv (2 hd + 8) bytes for int8 (scales included), against 2 Hkv hd x 2 for bf16; the
-    KVCache allocates exactly that; latent attention refuses int8 with a clear error."""
+    """kv_bytes_per_token: Hkv (2 hd + 8) bytes for int8 (a scale a row of the tiny Llama's 16 values), against
+    2 Hkv hd x 2 for bf16; the KVCache allocates exactly that; latent attention refuses int8 with a clear error."""
     llm = zoo.llm(zoo.dir("llama"), dtype="float32", max_context=64, accelerator="none")
     cfg = llm.config
     hkv, hd = cfg.num_key_value_heads, cfg.head_dim
@@ -69,32 +74,38 @@ def _prefill(model, cache, prompts):
             model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), torch.tensor([slot]), cache)
 
 
-def _close_rows(a: torch.Tensor, b: torch.Tensor, bf16: bool = False) -> None:
-    """Two int8 caches hold nearly the same bytes and values: in fp32 within one quantization step of each row
+def _close_rows(a: torch.Tensor, b: torch.Tensor, hd: int, bf16: bool = False) -> None:
+    """Two int8 caches hold nearly the same bytes and values: in fp32 within one quantization step of each block
     (the paths' fp32 sums before quantizing can fall either side of a rounding boundary), 99% of the int8
-    values equal; in bf16 the keys themselves differ by the paths' bf16 roundings (test_cpu_decode's 2e-2 of
-    the cache's largest value), 90% of the values equal."""
-    da, db = dequantize_kv_rows(a, torch.float32), dequantize_kv_rows(b, torch.float32)
-    step = b[..., -4:].contiguous().view(torch.float32)
-    tol = 2e-2 * float(db.abs().max()) if bf16 else step * 1.01 + 1e-6
+    values equal; in bf16 the keys themselves differ by the paths' bf16 roundings (up to 5e-2 of the cache's
+    largest value: llama_wide's bf16 step drifts ~2% from its modules over a bf16 cache too), 90% equal."""
+    da, db = dequantize_kv_rows(a, torch.float32, hd), dequantize_kv_rows(b, torch.float32, hd)
+    ones = b.clone()
+    ones[..., :hd] = 1
+    step = dequantize_kv_rows(ones, torch.float32, hd)  # each value's block scale
+    tol = 5e-2 * float(db.abs().max()) if bf16 else step * 1.01 + 1e-6
     assert bool(((da - db).abs() <= tol).all())
-    values = a[..., :-4] == b[..., :-4]  # (a scale's last bit moves with its row's largest value's)
+    values = a[..., :hd] == b[..., :hd]  # (a scale's last bit moves with its block's largest value's)
     assert float(values.float().mean()) >= (0.9 if bf16 else 0.99)
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_gqa7", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "llama_gqa7", "mistral", "llama_wide"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_step_over_an_int8_cache_matches_the_modules(zoo, kind, dtype):
     """A batch of sequences of different lengths decoding over an int8 cache: the native step writes the rows
     the modules write (quantize_row = quantize_kv_rows) and its attention over them gives the modules'
-    logits (fp32: to fp32 rounding; bf16: the modules round the dequantized rows to bf16)."""
+    logits (fp32: to fp32 rounding; bf16: the modules round the dequantized rows to bf16). Heads of 16 values
+    (one block, read through fp32 scratch), 32 (the 8-wide vector loops) and 64 (two blocks a row, 16 wide on
+    AVX-512)."""
     llm = zoo.llm(zoo.dir(kind), dtype=dtype, max_context=64, accelerator="none")
     step = CPUDecodeStep(llm.model, native=True)
     prompts = [prompt_ids(zoo.vocab_size, 21), prompt_ids(zoo.vocab_size, 9, seed=3)]
     caches = [KVCache(llm.config, 2, 40, torch.int8) for _ in range(2)]
     assert step.native_cache(caches[0]) and step.takes_prefill_rows(caches[0])
-    tol = 1e-4 if dtype == "float32" else 3e-2
+    # bf16: the native step and the modules drift ~2% apart over a bf16 cache already (llama_wide 2.2%, qwen3
+    # 1.9% in 6 steps), and the modules round the dequantized rows to bf16 where the step keeps them in fp32
+    tol = 1e-4 if dtype == "float32" else 5e-2
     with torch.inference_mode():
         for c in caches:
             _prefill(llm.model, c, prompts)
@@ -105,8 +116,8 @@ def test_native_step_over_an_int8_cache_matches_the_modules(zoo, kind, dtype):
             native = step(ids, pos, torch.arange(2), caches[0]).float()
             ref = llm.model(ids, pos, torch.arange(2), caches[1]).float()
             assert float((native - ref).abs().max()) <= tol * float(ref.abs().max())
-    _close_rows(caches[0].k, caches[1].k, dtype == "bfloat16")
-    _close_rows(caches[0].v, caches[1].v, dtype == "bfloat16")
+    _close_rows(caches[0].k, caches[1].k, llm.config.head_dim, dtype == "bfloat16")
+    _close_rows(caches[0].v, caches[1].v, llm.config.head_dim, dtype == "bfloat16")
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
@@ -130,7 +141,7 @@ def test_native_prompt_rows_and_long_contexts_over_an_int8_cache(zoo, threads):
                                 caches[1]).float()  # the last position's [1, V]
             assert rows.shape == ref.shape
             assert float((rows - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
-            _close_rows(caches[0].k, caches[1].k)
+            _close_rows(caches[0].k, caches[1].k, llm.config.head_dim)
             for t in range(3):
                 x, p = torch.tensor([[7 + t]]), torch.tensor([[n + t]])
                 a = step(x, p, torch.tensor([0]), caches[0]).float()
@@ -173,7 +184,7 @@ def test_the_engine_plans_counts_and_generates_with_an_int8_cache(zoo):
     used = llm.fast_budget.used
     cache = llm._cache_for(2, 32)
     assert cache.k.dtype == torch.int8 and llm.fast_budget.used - used == cache.nbytes
-    hd = llm.config.head_dim  # (hd + 4) bytes a row against bf16's 2 hd
+    hd = llm.config.head_dim  # (hd + 4) bytes a row (16 values: one block) against bf16's 2 hd
     assert cache.nbytes * 2 * hd == sizes.kv_cache_bytes(llm.config, 2, 32, "bf16") * (hd + 4)
     del cache
     ids = prompt_ids(zoo.vocab_size, 12)
@@ -207,7 +218,7 @@ def test_the_plan_prices_an_int8_cache_at_its_bytes():
     old = HardwareProfile("box", "test", dict(models), meta=meta)
     new = HardwareProfile("box", "test", dict(models, **{"attn_decode/cpu/int8": LinearModel(0.0, 1 / 10e9, 0.99)}),
                           meta=meta)
-    bf16, int8 = 3 * 2 * 64 * 1024 * 2, 3 * 2 * 68 * 1024  # a layer's keys and values at 1024 positions
+    bf16, int8 = 3 * 2 * 64 * 1024 * 2, 3 * 2 * 72 * 1024  # a layer's keys and values at 1024 positions
     proj = _attention(cfg, old, "int4", 1024, kv_format="bf16") - bf16 / 14e9
     assert _attention(cfg, old, "int4", 1024, kv_format="int8") == pytest.approx(proj + bf16 / 14e9)
     assert _attention(cfg, new, "int4", 1024, kv_format="int8") == pytest.approx(proj + int8 / 10e9)
@@ -216,3 +227,37 @@ def test_the_plan_prices_an_int8_cache_at_its_bytes():
                                           "attn/gpu/bf16": LinearModel(0.0, 1e-15, 0.99)})
     base = attention_time(cfg, gpu, "gpu", "bf16", 1, 1024, "bf16") - bf16 / 1e12
     assert attention_time(cfg, gpu, "gpu", "bf16", 1, 1024, "int8") == pytest.approx(base + (int8 + 2 * bf16) / 1e12)
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 128), (12, 3, 64), (5, 1, 96)])
+def test_native_decode_over_a_long_int8_cache_for_wide_heads(heads, kv_heads, head_dim):
+    """Heads of 128 (four blocks a row), 64 and 96 (three) over 300 random cached positions (split between the
+    threads, keys 8 at a time then one by one): the native step's logits equal the modules' over the same int8
+    cache to fp32 rounding, and a cache whose older values are flipped moves them well beyond that."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.models import build_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
+    cached = 301
+    model = build_model(cfg, cached + 1).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.1)
+    caches = [KVCache(cfg, 1, cached + 1, torch.int8) for _ in range(3)]
+    for t in ("k", "v"):
+        rows = quantize_kv_rows(torch.randn(*getattr(caches[0], t).shape[:-1], head_dim))
+        for c in caches:
+            getattr(c, t).copy_(rows)
+    flipped = quantize_kv_rows(-torch.randn(2, 1, kv_heads, cached // 2, head_dim))
+    caches[2].v[:, :, :, : cached // 2].copy_(flipped)
+    ids, pos, slot = torch.tensor([[5]]), torch.tensor([[cached]]), torch.tensor([0])
+    with torch.inference_mode():
+        native = CPUDecodeStep(model, native=True)(ids, pos, slot, caches[0]).float()
+        ref = model(ids, pos, slot, caches[1]).float()
+        moved = model(ids, pos, slot, caches[2]).float()
+    scale = float(ref.abs().max())
+    assert float((native - ref).abs().max()) <= 2e-5 * scale
+    assert float((moved - ref).abs().max()) >= 1e-2 * scale

@@ -426,8 +426,8 @@ def test_quick_profile_structure(measured):
             assert "attn_decode/cpu/bf16" in p.models and "attn_decode/cpu/fp32" in p.models
             bf16, fp32 = (p.meta["points"][f"attn_decode/cpu/{k}"] for k in ("bf16", "fp32"))
             assert [n for n, _ in fp32] == [2 * n for n, _ in bf16]  # the same positions, twice the bytes
-            int8 = p.meta["points"]["attn_decode/cpu/int8"]  # an int8 cache: 64 values and a 4-byte scale a row
-            assert [n * 128 for n, _ in int8] == [68 * n for n, _ in bf16]
+            int8 = p.meta["points"]["attn_decode/cpu/int8"]  # an int8 cache: 64 values and two 4-byte scales a row
+            assert [n * 128 for n, _ in int8] == [72 * n for n, _ in bf16]
         assert op_time.find(p, "gemv", "cpu", "int8-g32") is p.models["gemv/cpu/int8-g32"]
         # the native step's int4 layers at real widths, per byte through the origin (profiler 32)
         assert p.models["runtime/decode_layer/int4"].alpha == 0.0 < p.models["runtime/decode_layer/int4"].beta

@@ -83,7 +83,7 @@ OPT = {
     "profile_file": typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner (default: this machine's, measured once)."),
     "speculative": typer.Option("off", "--speculative", help="Speculative decoding: off, ngram (prompt lookup: draft tokens copied from where the context's last tokens occurred before, verified in one step; the model's outputs are kept) or draft (--draft-model)."),
     "draft_model": typer.Option(None, "--draft-model", help="Speculative decoding with a draft model: a small model of the same tokenizer (a path or GGUF file) writes each draft, run on the CPU."),
-    "kv_cache_dtype": typer.Option("auto", "--kv-cache-dtype", help="KV cache format: auto (the weights' 16-bit format; fp32 in the lossless mode), fp32, bf16, fp16 or int8 (each head's keys and values of a position as int8 with an fp32 scale, like llama.cpp's q8_0 cache: half the bytes, so twice the context or batch in a budget; lossy)."),
+    "kv_cache_dtype": typer.Option("auto", "--kv-cache-dtype", help="KV cache format: auto (the weights' 16-bit format; fp32 in the lossless mode), fp32, bf16, fp16 or int8 (each head's keys and values of a position as int8 with an fp32 scale per 32, like llama.cpp's q8_0 cache: 56% of bf16's bytes, so nearly twice the context or batch in a budget; lossy)."),
     "num_speculative_tokens": typer.Option(4, "--num-speculative-tokens", min=1, max=16, help="Most draft tokens a step verifies (--speculative ngram); the plan prices each length against the acceptance."),
 }
 

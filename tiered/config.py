@@ -73,10 +73,10 @@ class EngineConfig:
             (default (512, 32): FlexGen's benchmark setting, capped to max_context); the latency goal ignores it.
         kv_cache_dtype: the KV cache's format (Plan.dtypes["kv_cache"]): "auto" (the weights' 16-bit format,
             fp32 in the lossless mode: memory/sizes.kv_cache_format), "fp32", "bf16", "fp16", or "int8": each
-            position's keys and values of a KV head as int8 with an fp32 scale (models/layers.quantize_kv_rows;
-            llama.cpp's --cache-type-k/v q8_0, FlexGen's KV compression, §5): about half a bf16 cache's bytes,
-            so twice the sequences or context in a budget and half the bytes a long context's decode step reads;
-            lossy. Not for latent attention (DeepSeek's MLA).
+            position's keys and values of a KV head as int8 with an fp32 scale per 32 (models/layers.
+            quantize_kv_rows; llama.cpp's --cache-type-k/v q8_0, FlexGen's KV compression, §5): 56% of a bf16
+            cache's bytes, so nearly twice the sequences or context in a budget and fewer bytes for a long
+            context's decode step to read; lossy. Not for latent attention (DeepSeek's MLA).
         num_threads: CPU threads for torch; None keeps torch's default (one per core); more than the
             cores this process may run on are capped at them (`cpu_threads`).
         gpu_memory: accelerator budget [bytes, or a string like "12GiB"]; None = all free memory.

@@ -241,12 +241,11 @@ def kv_cache_format(weights: str, decode: str | None = None) -> str:
 # KV cache formats (EngineConfig.kv_cache_dtype, Plan.dtypes["kv_cache"]): the dense ones, and "int8": each
 # (position, KV head) row as head_dim int8 values and an fp32 scale (models/layers.quantize_kv_rows)
 KV_FORMATS = ("fp32", "bf16", "fp16", "int8")
-KV_SCALE_BYTES = 4  # an int8 cache row's scale
 
 
 def kv_bytes_per_token(cfg: ModelConfig, fmt: str) -> float:
     """Bytes one position takes in one layer's KV cache (keys and values) in format `fmt` (KV_FORMATS): an int8
-    row of head_dim values carries its fp32 scale (SmolLM2's heads of 64: 1.06 bytes a value against bf16's 2).
+    row of head_dim values carries an fp32 scale per 32 of them (1.125 bytes a value against bf16's 2).
 
     Raises:
         ConfigError: an unknown format, or int8 for latent attention (not quantized: KVCache)."""
@@ -255,7 +254,8 @@ def kv_bytes_per_token(cfg: ModelConfig, fmt: str) -> float:
         if cfg.is_mla:
             raise ConfigError("an int8 KV cache is not built for latent attention (DeepSeek's MLA)",
                               "use --kv-cache-dtype auto")
-        return float(heads * (kw + vw + 2 * KV_SCALE_BYTES))
+        from tiered.models.layers import kv_row_bytes
+        return float(heads * (kv_row_bytes(kw) + kv_row_bytes(vw)))
     if fmt not in KV_FORMATS:
         raise ConfigError(f"unknown KV cache format {fmt!r}", f"use one of {', '.join(KV_FORMATS)}")
     return heads * (kw + vw) * bytes_per_element(fmt)

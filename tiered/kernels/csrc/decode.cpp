@@ -214,16 +214,22 @@ namespace {
 typedef float v8f __attribute__((vector_size(32)));
 
 // The int8 KV cache (Plan.dtypes["kv_cache"] "int8", memory/sizes.kv_bytes_per_token): each (position, KV head)
-// row is hd int8 values and then its fp32 scale, hd + 4 bytes: x ~ q * s with s = max|x| / 127 and q = round(x / s)
-// (models/layers.quantize_kv_rows, the same bits); llama.cpp's q8_0 cache keeps a scale per 32 values, this one a
-// scale per head row, so that it folds out of the sums: a key's score is s times q . (its int8 values), a value
-// row weighs in with its probability times s. attend_vec widens the int8 rows in registers as it widens bf16
-// ones; the prompt rows' attention (attention_runs) and heads of other widths dequantize rows into fp32 scratch.
-constexpr int64_t kScaleBytes = 4;
-// the scale of the packed int8 row at p (hd values, then the fp32 scale)
-__attribute__((always_inline)) inline float row_scale(const int8_t* p, int64_t hd) {
+// row is hd int8 values and then one fp32 scale per block of 32 of them (per block of hd where hd % 32 != 0),
+// hd + 4 hd / 32 bytes: x ~ q * s with s = max|x| / 127 over the block and q = round(x / s)
+// (models/layers.quantize_kv_rows, the same bits). llama.cpp's q8_0 cache has the same blocks with fp16 scales;
+// a scale per head row of 64 had 2.2x the KL to an fp32 cache on SmolLM2. attend_vec widens the int8 rows in
+// registers as it widens bf16 ones, times their block's scale; the prompt rows' attention (attention_runs) and
+// heads whose width is no multiple of 32 dequantize rows into fp32 scratch.
+constexpr int64_t kKvBlock = 32;
+__attribute__((always_inline)) inline int64_t kv_block(int64_t hd) { return hd % kKvBlock == 0 ? kKvBlock : hd; }
+// elements (bytes) of one packed int8 row of hd values
+__attribute__((always_inline)) inline int64_t q8_row(int64_t hd) {
+  return hd + int64_t(sizeof(float)) * (hd / kv_block(hd));
+}
+// the scale of the block holding column c of the packed int8 row at p (hd values, then the blocks' fp32 scales)
+__attribute__((always_inline)) inline float block_scale(const int8_t* p, int64_t hd, int64_t c) {
   float s;
-  std::memcpy(&s, p + hd, sizeof(float));
+  std::memcpy(&s, p + hd + int64_t(sizeof(float)) * (c / kv_block(hd)), sizeof(float));
   return s;
 }
 typedef uint16_t v8h __attribute__((vector_size(16)));
@@ -450,6 +456,8 @@ __attribute__((always_inline)) inline void weigh_values(const float* p, int64_t 
         load_split(V + t * ldv + c0 + 2 * W, v[2], v[3]);
       } else {
         for (int c = 0; c < 4; ++c) v[c] = loadv<Vec>(V + t * ldv + c0 + W * c);
+        if constexpr (std::is_same_v<E, int8_t>)  // each vector's block scale (hd % 32 == 0: 32 columns a block)
+          for (int c = 0; c < 4; ++c) v[c] *= block_scale(V + t * ldv, hd, c0 + W * c);
       }
       for (int j = 0; j < J; ++j) {
         const float w = p[j * ldp + t];
@@ -487,7 +495,8 @@ __attribute__((always_inline)) inline void score_keys(const float* q, const E* K
     Vec qv[J];
     for (int j = 0; j < J; ++j) qv[j] = loadv<Vec>(q + j * hd + c);
     for (int u = 0; u < U; ++u) {
-      const Vec k = loadv<Vec>(K + u * ldk + c);
+      Vec k = loadv<Vec>(K + u * ldk + c);
+      if constexpr (std::is_same_v<E, int8_t>) k *= block_scale(K + u * ldk, hd, c);  // (hd % 32 == 0)
       for (int j = 0; j < J; ++j) a[j][u] += qv[j] * k;
     }
   }
@@ -532,7 +541,7 @@ __attribute__((always_inline)) inline void attend_vec(const float* q, int64_t gr
   }
   int64_t t = 0;
   constexpr bool q8 = std::is_same_v<E, int8_t>;  // an int8 cache's packed rows: hd values, then their scale
-  const int64_t ld = q8 ? hd + kScaleBytes : hd;  // elements from one cached row to the next
+  const int64_t ld = q8 ? q8_row(hd) : hd;  // elements from one cached row to the next
   const int64_t row_bytes = ld * int64_t(sizeof(E));
   for (; t + 8 <= n; t += 8) {
     // the cache comes from DRAM (another layer's ran in between): ask for the keys two blocks
@@ -563,25 +572,19 @@ __attribute__((always_inline)) inline void attend_vec(const float* q, int64_t gr
       const float* qj = q + j * hd;
       v8f a0 = {}, a1 = {};
       for (int64_t c = 0; c < hd; c += 16) {
-        a0 += load8(qj + c) * load8(k + c);
-        a1 += load8(qj + c + 8) * load8(k + c + 8);
+        if constexpr (q8) {  // blocks of 32 columns: c and c + 8 share one
+          const float sc = block_scale(k, hd, c);
+          a0 += load8(qj + c) * (load8(k + c) * sc);
+          a1 += load8(qj + c + 8) * (load8(k + c + 8) * sc);
+        } else {
+          a0 += load8(qj + c) * load8(k + c);
+          a1 += load8(qj + c + 8) * load8(k + c + 8);
+        }
       }
       p[j * n + t] = hsum8(a0 + a1) * scale;
     }
   }
-  if constexpr (q8) {  // each key's score times its row's scale
-    for (int64_t u = 0; u < n; ++u) {
-      const float sk = row_scale(K + u * ld, hd);
-      for (int64_t i = 0; i < group; ++i) p[i * n + u] *= sk;
-    }
-  }
   softmax_rows(p, group, n, ml);
-  if constexpr (q8) {  // each value row's probability times its scale (after ml took the softmax's sums)
-    for (int64_t u = 0; u < n; ++u) {
-      const float sv = row_scale(V + u * ld, hd);
-      for (int64_t i = 0; i < group; ++i) p[i * n + u] *= sv;
-    }
-  }
   // o: up to 4 query heads x 32 (Wide: 64) columns in 16 registers, each value row converted once for them
   int64_t j = 0;
   for (; j + 4 <= group; j += 4) weigh_values<Vec, 4>(p + j * n, n, V, hd, o + j * hd, ld, n, false);
@@ -947,29 +950,33 @@ TIERED_CLONES void absorb_values(const float* Wv, int64_t v, int64_t R, const fl
 template <typename T> struct Elem { using type = T; };
 template <> struct Elem<at::BFloat16> { using type = uint16_t; };
 
-// The int8 KV cache (kScaleBytes above): the row layout of cache type C, its writer and a scratch reader.
+// The int8 KV cache (kKvBlock above): the row layout of cache type C, its writer and a scratch reader.
 template <typename C>
-constexpr int64_t row_elems(int64_t hd) { return std::is_same_v<C, int8_t> ? hd + kScaleBytes : hd; }
+int64_t row_elems(int64_t hd) { return std::is_same_v<C, int8_t> ? q8_row(hd) : hd; }
 
 inline void quantize_row(const float* x, int64_t hd, int8_t* q) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < hd; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float s = amax / 127.f;
-  for (int64_t i = 0; i < hd; ++i)
-    q[i] = s > 0.f ? int8_t(std::clamp(std::nearbyint(x[i] / s), -127.f, 127.f)) : int8_t(0);
-  std::memcpy(q + hd, &s, sizeof(float));
+  const int64_t bs = kv_block(hd);
+  for (int64_t b0 = 0; b0 < hd; b0 += bs) {
+    float amax = 0.f;
+    for (int64_t i = b0; i < b0 + bs; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float s = amax / 127.f;
+    for (int64_t i = b0; i < b0 + bs; ++i)
+      q[i] = s > 0.f ? int8_t(std::clamp(std::nearbyint(x[i] / s), -127.f, 127.f)) : int8_t(0);
+    std::memcpy(q + hd + int64_t(sizeof(float)) * (b0 / bs), &s, sizeof(float));
+  }
 }
 
-// out [n, hd] fp32 = n packed int8 rows (hd values and their scale each, hd + 4 bytes apart) dequantized
+// out [n, hd] fp32 = n packed int8 rows (hd values and their blocks' scales each, q8_row(hd) bytes apart) dequantized
 TIERED_CLONES void dequantize_rows(const int8_t* q, int64_t n, int64_t hd, float* out) {
-  const int64_t rs = hd + kScaleBytes;
+  const int64_t rs = q8_row(hd), bs = kv_block(hd);
   for (int64_t t = 0; t < n; ++t) {
-    float s;
-    std::memcpy(&s, q + t * rs + hd, sizeof(float));
     const int8_t* r = q + t * rs;
     float* o = out + t * hd;
+    for (int64_t b0 = 0; b0 < hd; b0 += bs) {
+      const float s = block_scale(r, hd, b0);
 #pragma omp simd
-    for (int64_t i = 0; i < hd; ++i) o[i] = float(r[i]) * s;
+      for (int64_t i = b0; i < b0 + bs; ++i) o[i] = float(r[i]) * s;
+    }
   }
 }
 
@@ -1264,9 +1271,10 @@ class DecodeStep {
                 v_cache.scalar_type() == k_cache.scalar_type() &&
                 k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 5 &&
                 (latent_width_ ? k_cache.size(2) == 1 && k_cache.size(4) == latent_width_
-                               : k_cache.size(2) == Hkv && k_cache.size(4) == (int8_cache ? hd + kScaleBytes : hd)),
+                               : k_cache.size(2) == Hkv && k_cache.size(4) == (int8_cache ? q8_row(hd) : hd)),
                 "decode step: the KV cache must be contiguous [L, slots, Hkv, max_len, hd] in x's dtype "
-                "(or bfloat16 beside float32 x, or int8 rows of hd values and a float32 scale: [..., hd + 4]); "
+                "(or bfloat16 beside float32 x, or int8 rows of hd values and a float32 scale per block of 32 "
+                "values: [..., hd + hd / 8]); "
                 "latent attention's k [L, slots, 1, max_len, R + r]");
     TIERED_CHECK(!latent_width_ || x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                 "decode step: latent attention runs in float32 or bfloat16, got ", x.scalar_type());
