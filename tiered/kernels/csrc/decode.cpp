@@ -540,7 +540,7 @@ __attribute__((always_inline)) inline void attend_vec(const float* q, int64_t gr
     qs = split;
   }
   int64_t t = 0;
-  constexpr bool q8 = std::is_same_v<E, int8_t>;  // an int8 cache's packed rows: hd values, then their scale
+  constexpr bool q8 = std::is_same_v<E, int8_t>;  // an int8 cache's packed rows: hd values, then their blocks' scales
   const int64_t ld = q8 ? q8_row(hd) : hd;  // elements from one cached row to the next
   const int64_t row_bytes = ld * int64_t(sizeof(E));
   for (; t + 8 <= n; t += 8) {
@@ -645,8 +645,8 @@ TIERED_CLONES void attend(const float* q, int64_t group, const uint16_t* K, cons
   else attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, bf16_to_float);
 }
 
-// attend over packed int8 rows (hd values and their scale each, hd + 4 apart; hd % 32 == 0, at most 256): the
-// vector loops widening the int8 values in registers, the scales folded into the scores and probabilities.
+// attend over packed int8 rows (hd values and their blocks' scales each, q8_row(hd) apart; hd % 32 == 0, at most
+// 256): the vector loops widening the int8 values in registers, each vector times its block's scale.
 TIERED_CLONES void attend(const float* q, int64_t group, const int8_t* K, const int8_t* V, int64_t n, int64_t hd,
                           float scale, float* p, float* o, float* ml) {
   if (g_attend_wide && hd % 64 == 0) attend_vec<true>(q, group, K, V, n, hd, scale, p, o, ml);
