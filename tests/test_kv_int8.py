@@ -261,3 +261,25 @@ def test_native_decode_over_a_long_int8_cache_for_wide_heads(heads, kv_heads, he
     scale = float(ref.abs().max())
     assert float((native - ref).abs().max()) <= 2e-5 * scale
     assert float((moved - ref).abs().max()) >= 1e-2 * scale
+
+
+def test_an_int8_cache_on_the_accelerator_stand_in_with_and_without_graphs(zoo):
+    """The device path (the host stand-in, strict about devices as CUDA is): the int8 cache lives on the device,
+    accounted against its budget, the modules quantize and dequantize it there, and a graphed decode step
+    (--graphs on: static metadata, KV written by index) gives the eager step's tokens."""
+    from tiered.engine.sampling import SamplingParams
+
+    ids = prompt_ids(zoo.vocab_size, 12)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = {}
+    for graphs in ("off", "on"):
+        llm = LLM(zoo.dir("llama"), EngineConfig(accelerator="host", gpu_memory="64MiB", kv_cache_dtype="int8",
+                                                 max_context=64, decode_weights="fp32", graphs=graphs))
+        assert llm.plan.dtypes["kv_cache"] == "int8" and (llm.runtime.graphs is not None) == (graphs == "on")
+        used = llm.fast_budget.used
+        cache = llm._kv_cache(2, 16)
+        assert cache.k.dtype == torch.int8 and cache.k.device == llm.device
+        assert llm.fast_budget.used - used == cache.nbytes == sizes.kv_cache_bytes(llm.config, 2, 16, "int8")
+        del cache
+        out[graphs] = llm.generate([ids], greedy)[0].token_ids
+    assert out["on"] == out["off"] and len(out["on"]) == 6
