@@ -35,24 +35,23 @@ from tiered.bench import Column, markdown_table, write_report  # noqa: E402
 from tiered.memory import sizes  # noqa: E402
 
 
-def _fill(step, cache, tokens: torch.Tensor, chunk: int) -> None:
-    """One sequence's first len(tokens) positions of `cache` written by native-step rows, `chunk` at a time."""
-    for s in range(0, len(tokens), chunk):
-        t = tokens[s:s + chunk]
-        step(t.unsqueeze(1), torch.arange(s, s + len(t)).unsqueeze(1), torch.zeros(len(t), dtype=torch.long), cache,
-             rows=torch.tensor([len(t) - 1]))
+def _rows(step, cache, tokens: list[int], chunk: int, every: bool = False) -> torch.Tensor:
+    """One sequence's first len(tokens) positions of `cache` written by native-step rows, `chunk` at a time
+    (CPUDecodeStep.rows_call); the logits fp32 of every row (`every`) or of each chunk's last."""
+    return torch.cat([step.rows_call([(tokens[s:s + chunk], s, 0, len(tokens[s:s + chunk]) if every else 1)],
+                                     cache).float() for s in range(0, len(tokens), chunk)])
 
 
 def _decode(engines: dict, contexts: list[int], steps: int, rounds: int, chunk: int) -> list[dict]:
     rows = []
     g = torch.Generator().manual_seed(0)
     for n in contexts:
-        context = torch.randint(100, 10000, (n,), generator=g)
+        context = torch.randint(100, 10000, (n,), generator=g).tolist()
         caches = {}
         with torch.inference_mode():
             for kv, llm in engines.items():
                 caches[kv] = llm._kv_cache(1, n + steps + 1)
-                _fill(llm.runtime.cpu_decode, caches[kv], context, chunk)
+                _rows(llm.runtime.cpu_decode, caches[kv], context, chunk)
             times = {kv: [] for kv in engines}
             for _ in range(rounds):
                 for kv, llm in engines.items():
@@ -102,43 +101,27 @@ def _ttft(engines: dict, tokens: list[int], rounds: int) -> list[dict]:
     return rows
 
 
-def _text_ids(llm: LLM, n: int) -> list[int]:
-    from tiered.eval.ppl import default_text_path
-
-    text = default_text_path().read_text()
-    ids = llm.tokenizer.encode(text)
-    while len(ids) < n:
-        ids = ids + ids
-    return ids[:n]
-
-
 def _score(engines: dict, n: int, chunk: int, label: str) -> list[dict]:
-    """Teacher-forced log-probabilities of each engine over the same text through its own cache: each one's KL
-    from the first engine's (the reference cache), the same argmax, and every perplexity."""
-    out = {}
-    first = next(iter(engines.values()))
-    ids = torch.tensor(_text_ids(first, n))
+    """Teacher-forced next-token distributions of each engine over the same text (tiered/eval's default text)
+    through its own cache: each one's KL from the first engine's (the reference cache, eval.kl_divergence), the
+    same argmax, and every perplexity (eval.token_nll)."""
+    from tiered.eval.kl import kl_divergence
+    from tiered.eval.ppl import default_text_path, text_ids, token_nll
+
+    ids = text_ids(next(iter(engines.values())).tokenizer, default_text_path(), n)
+    logits = {}
     for kv, llm in engines.items():
-        step = llm.runtime.cpu_decode
-        cache = llm._kv_cache(1, n + 1)
-        parts = []
         with torch.inference_mode():
-            for s in range(0, n, chunk):
-                t = ids[s:s + chunk]
-                parts.append(step(t.unsqueeze(1), torch.arange(s, s + len(t)).unsqueeze(1),
-                                  torch.zeros(len(t), dtype=torch.long), cache, rows=torch.arange(len(t))).float())
-        out[kv] = torch.log_softmax(torch.cat(parts), -1)
+            logits[kv] = _rows(llm.runtime.cpu_decode, llm._kv_cache(1, len(ids) + 1), ids, chunk, every=True)[:-1]
     kvs = list(engines)
-    ref = out[kvs[0]][:-1]
-    target = ids[1:]
+    ref, target = logits[kvs[0]], torch.tensor(ids[1:])
     rows = []
     for kv in kvs:
-        lp = out[kv][:-1]
-        kl = (ref.exp() * (ref - lp)).sum(-1)
-        rows.append({"weights": label, "kv_cache": kv, "reference": kvs[0], "tokens": n,
-                     "perplexity": math.exp(float(-lp.gather(1, target.unsqueeze(1)).mean())),
+        kl = kl_divergence(ref, logits[kv])
+        rows.append({"weights": label, "kv_cache": kv, "reference": kvs[0], "tokens": len(ids),
+                     "perplexity": math.exp(float(token_nll(logits[kv], target).mean())),
                      "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
-                     "argmax_agreement": float((ref.argmax(-1) == lp.argmax(-1)).float().mean())})
+                     "argmax_agreement": float((ref.argmax(-1) == logits[kv].argmax(-1)).float().mean())})
     return rows
 
 

@@ -224,23 +224,54 @@ def ffn_bytes(cfg: ModelConfig, fmt: str) -> int:
     return int(3 * cfg.hidden_size * cfg.intermediate_size * bytes_per_element(fmt))
 
 
-def kv_cache_format(weights: str, decode: str | None = None) -> str:
+def kv_cache_format(weights: str, decode: str | None = None, asked: str = "auto") -> str:
     """The KV cache's format (Plan.dtypes["kv_cache"]) for weights computing in `weights` ("fp32",
     "bf16", "fp16") with decode copies in `decode` (their precision; None or "none": no copies).
 
     The weights' 16-bit format; with fp32 weights, fp32 only in the lossless mode (no decode copies,
     or fp32 ones), else bf16: lossy decode copies (int4, int8, bf16) keep a bf16 cache, as llama.cpp
     keeps an f16 one, so each CPU decode step streams half the keys and values (SmolLM2 at 1024
-    positions: 24 MB of its 47 MB a token).
+    positions: 24 MB of its 47 MB a token). `asked`: EngineConfig.kv_cache_dtype, which decides unless "auto".
     """
+    if asked != "auto":
+        return asked
     if weights != "fp32":
         return weights if weights in ("bf16", "fp16") else "bf16"
     return "fp32" if decode in (None, "none", "fp32") else "bf16"
 
 
 # KV cache formats (EngineConfig.kv_cache_dtype, Plan.dtypes["kv_cache"]): the dense ones, and "int8": each
-# (position, KV head) row as head_dim int8 values and an fp32 scale (models/layers.quantize_kv_rows)
+# (position, KV head) row as head_dim int8 values and an fp32 scale per KV_BLOCK of them
+# (models/layers.quantize_kv_rows)
 KV_FORMATS = ("fp32", "bf16", "fp16", "int8")
+KV_BLOCK = 32  # values an int8 KV cache's scale covers (a whole head row where head_dim is no multiple of it)
+
+
+def kv_block(head_dim: int) -> int:
+    """Values per scale of an int8 KV cache row: KV_BLOCK where it divides head_dim, else head_dim."""
+    return KV_BLOCK if head_dim % KV_BLOCK == 0 else head_dim
+
+
+def kv_row_bytes(head_dim: int) -> int:
+    """Bytes of one int8 KV cache row of head_dim values: the values, then an fp32 scale per block."""
+    return head_dim + 4 * (head_dim // kv_block(head_dim))
+
+
+def kv_cache_widths(cfg: ModelConfig, fmt: str | None = None) -> tuple[int, int, int]:
+    """(heads, key row width, value row width) of one layer's KVCache per position, in elements of its tensors:
+    ModelConfig.kv_widths, or for `fmt` "int8" each row's packed bytes (kv_row_bytes).
+
+    Raises:
+        ConfigError: an unknown format, or int8 for latent attention (its latent rows serve every head)."""
+    heads, kw, vw = cfg.kv_widths()
+    if fmt == "int8":
+        if cfg.is_mla:
+            raise ConfigError("an int8 KV cache is not built for latent attention (DeepSeek's MLA)",
+                              "use --kv-cache-dtype auto")
+        return heads, kv_row_bytes(kw), kv_row_bytes(vw)
+    if fmt is not None and fmt not in KV_FORMATS:
+        raise ConfigError(f"unknown KV cache format {fmt!r}", f"use one of {', '.join(KV_FORMATS)}")
+    return heads, kw, vw
 
 
 def kv_bytes_per_token(cfg: ModelConfig, fmt: str) -> float:
@@ -248,17 +279,9 @@ def kv_bytes_per_token(cfg: ModelConfig, fmt: str) -> float:
     row of head_dim values carries an fp32 scale per 32 of them (1.125 bytes a value against bf16's 2).
 
     Raises:
-        ConfigError: an unknown format, or int8 for latent attention (not quantized: KVCache)."""
-    heads, kw, vw = cfg.kv_widths()
-    if fmt == "int8":
-        if cfg.is_mla:
-            raise ConfigError("an int8 KV cache is not built for latent attention (DeepSeek's MLA)",
-                              "use --kv-cache-dtype auto")
-        from tiered.models.layers import kv_row_bytes
-        return float(heads * (kv_row_bytes(kw) + kv_row_bytes(vw)))
-    if fmt not in KV_FORMATS:
-        raise ConfigError(f"unknown KV cache format {fmt!r}", f"use one of {', '.join(KV_FORMATS)}")
-    return heads * (kw + vw) * bytes_per_element(fmt)
+        ConfigError: kv_cache_widths'."""
+    heads, kw, vw = kv_cache_widths(cfg, fmt)
+    return heads * (kw + vw) * (1.0 if fmt == "int8" else bytes_per_element(fmt))
 
 
 def kv_compute_format(fmt: str) -> str:

@@ -16,6 +16,7 @@ from torch import nn
 
 from tiered.checkpoint.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
 from tiered.hardware.accelerator import building_graph
+from tiered.memory.sizes import kv_block, kv_cache_widths, kv_row_bytes  # noqa: F401 (kv_row_bytes: the row's bytes)
 
 
 class RMSNorm(nn.Module):
@@ -179,19 +180,6 @@ def build_static_decode_metadata(rotary: Rotary, positions: torch.Tensor, slots:
                              rotary.signed(sin))
 
 
-KV_BLOCK = 32  # values an int8 KV cache's scale covers (a whole head row where head_dim is no multiple of it)
-
-
-def kv_block(head_dim: int) -> int:
-    """Values per scale of an int8 KV cache row: KV_BLOCK where it divides head_dim, else head_dim."""
-    return KV_BLOCK if head_dim % KV_BLOCK == 0 else head_dim
-
-
-def kv_row_bytes(head_dim: int) -> int:
-    """Bytes of one int8 KV cache row of head_dim values: the values, then an fp32 scale per block."""
-    return head_dim + 4 * (head_dim // kv_block(head_dim))
-
-
 def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
     """Rows of an int8 KV cache: x [..., hd] (any float dtype) -> int8 [..., kv_row_bytes(hd)], each row's hd
     values q = round(x / s) and then the bytes of its blocks' fp32 scales, s = max|x| / 127 over each block of
@@ -235,14 +223,8 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
-        heads, kw, vw = config.kv_widths()
         self.quantized = dtype == torch.int8
-        if self.quantized:
-            if config.is_mla:
-                from tiered.errors import ConfigError
-                raise ConfigError("an int8 KV cache is not built for latent attention (DeepSeek's MLA)",
-                                  "use --kv-cache-dtype auto")
-            kw, vw = kv_row_bytes(kw), kv_row_bytes(vw)
+        heads, kw, vw = kv_cache_widths(config, "int8" if self.quantized else None)
         self.k = torch.zeros((config.num_hidden_layers, num_slots, heads, max_len, kw), dtype=dtype, device=device)
         self.v = torch.zeros((config.num_hidden_layers, num_slots, heads, max_len, vw), dtype=dtype, device=device)
         self.max_len = max_len

@@ -332,7 +332,7 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, 
         # at its own measured rate where profiled (attn_decode/cpu: below the memory's, ~15 GB/s on 2 Zen 4 cores)
         stream = op_time.memory_time(hw, "cpu", act, kv_bytes, "memory", working_set)
         m = hw.models.get(f"attn_decode/cpu/{act}")
-        if m is None and act == "int8" and f"attn_decode/cpu/bf16" in hw.models:
+        if m is None and act == "int8" and "attn_decode/cpu/bf16" in hw.models:
             # a profile from before int8 caches: their rows at the bf16 cache's rate a value (its bytes)
             m = hw.models["attn_decode/cpu/bf16"]
             kv_bytes = rows * context * sizes.kv_bytes_per_token(cfg, "bf16")
@@ -915,9 +915,9 @@ def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, token
     fused = native_fused_projections(hw, dtype)
     kv = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
     macs = (T * max(0, int(past)) + prefill_attention_pairs(T, 0)) * cfg.attention_macs_per_pair(False)
-    rows_key = hw.models.get(f"attn_rows/cpu/{kv}") or hw.models.get(f"attn_rows/cpu/{sizes.kv_compute_format(kv)}")
-    attention = rows_key(macs) if rows_key is not None else op_time.prefill_attention_time(
-        hw, "cpu", sizes.kv_compute_format(kv), macs)
+    dense = sizes.kv_compute_format(kv)  # an int8 cache's rows where a profile predates their own key: bf16's
+    rows_key = hw.models.get(f"attn_rows/cpu/{kv}") or hw.models.get(f"attn_rows/cpu/{dense}")
+    attention = rows_key(macs) if rows_key is not None else op_time.prefill_attention_time(hw, "cpu", dense, macs)
     code = hw.models.get("runtime/step_rows/int4")
     if cfg.is_moe and ffn is None:
         raise ValueError("predict_prompt_rows: an MoE model's rows need `ffn` (predict_prefill's ffn_only)")

@@ -102,7 +102,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.precision_mix = precision_mix
     fmt = weights_format or precision
     plan.dtypes = {"weights": fmt, "experts": experts_format or fmt,
-                   "kv_cache": sizes.kv_cache_format(fmt, precision) if kv_cache == "auto" else kv_cache,
+                   "kv_cache": sizes.kv_cache_format(fmt, precision, kv_cache),
                    "decode": precision}
     sizes.kv_bytes_per_token(cfg, plan.dtypes["kv_cache"])  # a ConfigError for a format the model cannot cache
     if head_precision and head_precision != precision:

@@ -40,8 +40,7 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
                 ec.cpu_memory, 0, 0, weights_format, fast_tier=tier, kv_cache_tier=tier, attention_tier=tier,
                 context_tokens=max_context, source="rules")
     plan.dtypes = {"weights": weights_format, "experts": experts_format or weights_format,
-                   "kv_cache": sizes.kv_cache_format(weights_format, decode_precision)
-                   if ec.kv_cache_dtype == "auto" else ec.kv_cache_dtype}
+                   "kv_cache": sizes.kv_cache_format(weights_format, decode_precision, ec.kv_cache_dtype)}
     plan.cache_policy, plan.dispatch_mode = ec.cache_policy, ec.force_expert_path or "per-expert"
     plan.staging_buffers, plan.read_ahead = ec.staging_buffers, ec.read_ahead
     plan.cpu_threads = cpu_threads(ec)
