@@ -432,6 +432,55 @@ def test_int4_experts_move_fewer_bytes_per_token(tmp_path):
     assert read["int4"] * 2.5 < read["bf16"]
 
 
+def test_engines_sharing_an_offload_dir_read_their_own_experts(tmp_path):
+    """Engines of one checkpoint whose placements differ convert their disk experts into the same offload directory:
+    each conversion replaces the files at the same paths (other experts, other offsets), and every engine still reads
+    its own converted bytes (checkpoint/handle.hold_file), whichever read first: each disk expert read back equals
+    its encoding and the greedy tokens equal an engine's alone. Before, descriptors were cached by path: an engine
+    that had not read yet read the other's file at its own offsets (wrong experts, or a short read), and one created
+    after another had read got the first's file."""
+    from moe_fixtures import make_moe_checkpoint
+
+    from tiered.checkpoint.handle import _FDS
+    from tiered.memory.expert_store import expert_tensor_names
+    from tiered.quant.gguf_experts import encode_expert
+
+    ckpt = make_moe_checkpoint("qwen3_moe", tmp_path / "m")
+
+    def engine(resident: int, where: str) -> LLM:
+        return LLM(ckpt, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", plan="off",
+                                      expert_weights="int4", expert_cache_slots=2, resident_experts=resident,
+                                      offload_dir=str(tmp_path / where)))
+
+    def check(llm: LLM, tokens: list[int]) -> None:
+        store = llm.experts.store
+        disk = [k for k in store.placement.tiers if store.tier(k) == "disk"]
+        assert disk and all(h.inode is not None for k in disk for h in store.handles[k])
+        for key in disk:
+            bufs = tuple(torch.empty(s, dtype=store.dtype) for s in store.shapes)
+            store.read(key, bufs)
+            stored = encode_expert(store.fmt, tuple(llm.checkpoint.handle(n) for n in
+                                                    expert_tensor_names(llm.config.model_type, *key)))
+            assert all(torch.equal(a, b) for a, b in zip(bufs, stored))
+        assert llm.generate(PROMPT, GREEDY)[0].token_ids == tokens
+
+    alone = {}
+    for r in (0, 3):
+        with engine(r, f"alone{r}") as llm:
+            alone[r] = llm.generate(PROMPT, GREEDY)[0].token_ids
+    a, b = engine(0, "shared"), engine(3, "shared")  # b's files replace a's before a reads anything
+    assert a.experts.placement.count("disk") != b.experts.placement.count("disk")
+    check(a, alone[0])
+    check(b, alone[3])
+    c = engine(0, "shared")  # replaces b's files after b (and a) read
+    check(c, alone[0])
+    check(b, alone[3])
+    check(a, alone[0])
+    for llm in (a, b, c):
+        llm.close()
+    assert not any(k[2] is not None and k[0].startswith(str(tmp_path)) for k in _FDS)  # closed with their engines
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["bf16", "int8", "int8-g32", "int4"])
 def test_expert_kernels_on_cuda(name):

@@ -24,22 +24,72 @@ BLOCK_FORMATS = {
 
 
 STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
-_FDS: dict[tuple[str, bool], int] = {}
+_FDS: dict[tuple[str, bool, int | None], int] = {}  # (path, random_access, inode or None) -> descriptor
 _FD_LOCK = threading.Lock()
 
 
-def _fd(path: str, random_access: bool = False) -> int:
+def _open(path: str, random_access: bool, inode: int | None) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    if inode is not None and os.fstat(fd).st_ino != inode:
+        os.close(fd)
+        raise OSError(f"{path} was replaced after this engine wrote it (another engine converting experts "
+                      "into the same offload directory?)")
+    if random_access:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
+
+
+def _fd(path: str, random_access: bool = False, inode: int | None = None) -> int:
     """A read-only descriptor per file, opened once and shared by reader threads (pread is positional).
     random_access: a second descriptor of the file with the kernel's read-ahead off
     (POSIX_FADV_RANDOM, which holds per open file), for reads of exactly the bytes asked
-    (memory/expert_store.read_uncached); the plain one keeps read-ahead for loads."""
+    (memory/expert_store.read_uncached); the plain one keeps read-ahead for loads. inode: the file
+    must be that one (TensorHandle.inode: a file this process wrote and holds, `hold_file`), whatever
+    now sits at `path`.
+
+    Raises:
+        OSError: the file cannot be opened, or `path` is no longer the file of `inode` and no
+            descriptor of that file is held."""
     with _FD_LOCK:
-        if (path, random_access) not in _FDS:
-            fd = os.open(path, os.O_RDONLY)
-            if random_access:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            _FDS[path, random_access] = fd
-        return _FDS[path, random_access]
+        key = (path, random_access, inode)
+        if key not in _FDS:
+            _FDS[key] = _open(path, random_access, inode)
+        return _FDS[key]
+
+
+def hold_file(path: str) -> int:
+    """Open `path`'s descriptors now (the plain one and the random-access one, `_fd`) and return its inode,
+    for handles that must read this very file (TensorHandle.inode): a converted offload file that a later
+    conversion (another engine, in this process or another, into the same directory) replaces by rename.
+    POSIX keeps a replaced file's data while a descriptor of it is open, so the engine that wrote it reads
+    its own bytes to the end; `release_file` closes them.
+
+    Raises:
+        OSError: the file cannot be opened, or was replaced between the two opens."""
+    fd = os.open(path, os.O_RDONLY)
+    inode = os.fstat(fd).st_ino
+    try:
+        ra = _open(path, True, inode)
+    except BaseException:
+        os.close(fd)
+        raise
+    with _FD_LOCK:
+        for key, d in (((path, False, inode), fd), ((path, True, inode), ra)):
+            old = _FDS.pop(key, None)
+            if old is not None:
+                os.close(old)
+            _FDS[key] = d
+    return inode
+
+
+def release_file(path: str, inode: int) -> None:
+    """Close the descriptors `hold_file(path)` opened for `inode` (its data is freed then if the path
+    was replaced meanwhile). Handles with that inode cannot be read afterwards."""
+    with _FD_LOCK:
+        for ra in (False, True):
+            fd = _FDS.pop((path, ra, inode), None)
+            if fd is not None:
+                os.close(fd)
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,6 +148,9 @@ class TensorHandle:
     # (ggml's block_mxfp4). None where not offered.
     _mxfp4: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
     mxfp4_halves: bool = False
+    # the inode of the very file `path` names for this handle (hold_file), where a later writer may replace
+    # the path: a converted offload file (memory/expert_store); None: whatever file `path` names
+    inode: int | None = None
 
     @property
     def numel(self) -> int:
@@ -132,7 +185,7 @@ class TensorHandle:
         """
         if self.offset is not None and STORED_DTYPES.get(self.format) == out.dtype and out.is_contiguous():
             buf = memoryview(out.view(-1).view(torch.uint8).numpy())
-            fd = _fd(self.path)
+            fd = _fd(self.path, inode=self.inode)
             done = 0
             while done < self.nbytes:
                 n = os.preadv(fd, [buf[done:]], self.offset + done)

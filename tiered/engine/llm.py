@@ -1141,8 +1141,11 @@ class LLM:
         engine's objects hold reference cycles, and while a file stays mapped the OS cannot drop its
         pages (a second engine of the same checkpoint then read its "disk" experts from the page
         cache: 32 tok/s on demand where a fresh process read 3.6). Torch's CPU team goes back to the plan's threads
-        where the governor had left it fewer (ThreadGovernor.restore). The LLM cannot generate afterwards."""
+        where the governor had left it fewer (ThreadGovernor.restore), and close the converted expert files of an
+        offload directory (ExpertStore.close). The LLM cannot generate afterwards."""
         self.executor.close()
+        if getattr(self, "_placed", None) is not None:  # after the readers stopped: their converted files
+            self._placed.close()
         if getattr(self, "drafts", None) is not None:
             self.drafts.llm.close()
         if self.threads is not None:

@@ -118,6 +118,12 @@ class PlacedExperts:
     host_staging: StagingPool | None
     low: LowPrecision | None = None
 
+    def close(self) -> None:
+        """Close the stores' converted files (ExpertStore.close; LLM.close)."""
+        self.store.close()
+        if self.low is not None:
+            self.low.store.close()
+
 
 def place_weights(plan: Plan, model, checkpoint, accelerator, fast_budget: MemoryBudget,
                   on_tensor=None) -> tuple[int, int]:

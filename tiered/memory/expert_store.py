@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import weakref
 from pathlib import Path
 
 import torch
 
-from tiered.checkpoint.handle import STORED_DTYPES, TensorHandle, _fd
+from tiered.checkpoint.handle import STORED_DTYPES, TensorHandle, _fd, hold_file, release_file
 from tiered.checkpoint.hf_dir import _check_safetensors_file
 from tiered.errors import ConfigError
 from tiered.hardware.budget import HostSlab, MemoryBudget, format_bytes
@@ -101,19 +102,19 @@ def read_uncached(handles, out) -> None:
     Raises:
         OSError: the file cannot be read.
     """
-    runs: list[list] = []  # [path, offset, bytes, [(handle, out)]]: contiguous bytes of one file
+    runs: list[list] = []  # [path, offset, bytes, [(handle, out)], inode]: contiguous bytes of one file
     alone = []
     for h, t in sorted(zip(handles, out), key=lambda p: (p[0].path, p[0].offset if p[0].offset is not None else -1)):
         if not (h.offset is not None and STORED_DTYPES.get(h.format) == t.dtype and t.is_contiguous()
                 and t.nbytes == h.nbytes):
             alone.append((h, t))
-        elif runs and runs[-1][0] == h.path and runs[-1][1] + runs[-1][2] == h.offset:
+        elif runs and runs[-1][0] == h.path and runs[-1][4] == h.inode and runs[-1][1] + runs[-1][2] == h.offset:
             runs[-1][2] += h.nbytes
             runs[-1][3].append((h, t))
         else:
-            runs.append([h.path, h.offset, h.nbytes, [(h, t)]])
-    for path, offset, nbytes, members in runs:
-        fd = _fd(path, random_access=True)
+            runs.append([h.path, h.offset, h.nbytes, [(h, t)], h.inode])
+    for path, offset, nbytes, members, inode in runs:
+        fd = _fd(path, random_access=True, inode=inode)
         if os.preadv(fd, [_bytes_of(t) for _, t in members], offset) != nbytes:
             for h, t in members:  # a short read (a run over 2 GiB): each by itself (read_into retries)
                 h.read_into(t)
@@ -121,7 +122,7 @@ def read_uncached(handles, out) -> None:
     for h, t in alone:
         h.read_into(t)
         if h.offset is not None:
-            os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(_fd(h.path, inode=h.inode), h.offset, h.nbytes, os.POSIX_FADV_DONTNEED)
 
 
 def advise(handles) -> None:
@@ -129,7 +130,7 @@ def advise(handles) -> None:
     read-ahead issues a layer's disk reads before its reader threads read them (read_uncached)."""
     for h in handles:
         if h.offset is not None:
-            os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(_fd(h.path, inode=h.inode), h.offset, h.nbytes, os.POSIX_FADV_WILLNEED)
 
 
 def _save_whole(tensors: dict, path: Path, hint: str) -> None:
@@ -153,6 +154,12 @@ def _save_whole(tensors: dict, path: Path, hint: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _release_files(held: list[tuple[str, int]]) -> None:
+    """release_file each (path, inode) of `held` and empty it (ExpertStore.close, its finalizer)."""
+    while held:
+        release_file(*held.pop())
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -259,8 +266,10 @@ class ExpertStore:
                     h.read_into(t)
             elif not all(h.offset is not None and STORED_DTYPES.get(h.format) == dtype for h in hs):
                 needs_conversion.append(key)
+        self._held: list[tuple[str, int]] = []  # converted files this store reads (path, inode): hold_file
         if needs_conversion:
             self._convert(checkpoint, needs_conversion, offload_dir)
+            weakref.finalize(self, _release_files, self._held)
         self.shapes = tuple(fmt.slot_shapes)
         self.expert_bytes = fmt.nbytes
 
@@ -338,6 +347,10 @@ class ExpertStore:
                 _save_whole(tensors, path, hint)
                 del tensors
                 written.append(path)
+                # this very file: a later conversion into the directory (another engine) replaces the path,
+                # and this store goes on reading its own bytes (handle.hold_file)
+                inode = hold_file(str(path))
+                self._held.append((str(path), inode))
                 header, n = _check_safetensors_file(path)
                 for l, e in ks:
                     if self.fmt.is_dense:
@@ -345,14 +358,16 @@ class ExpertStore:
                         for h in self.handles[(l, e)]:
                             begin, end = header[h.name]["data_offsets"]
                             new.append(TensorHandle(h.name, h.shape, _TORCH_TO_ST[self.dtype], end - begin, str(path),
-                                                    h._load, offset=8 + n + begin))
+                                                    h._load, offset=8 + n + begin, inode=inode))
                         self.handles[(l, e)] = tuple(new)
                     else:
                         name = f"expert.{e}"
                         begin, end = header[name]["data_offsets"]
                         self.handles[(l, e)] = (TensorHandle(f"layer {l} {name}", (end - begin,), "U8", end - begin,
-                                                             str(path), lambda: None, offset=8 + n + begin),)
+                                                             str(path), lambda: None, offset=8 + n + begin,
+                                                             inode=inode),)
         except BaseException:
+            _release_files(self._held)
             for path in written:  # half a conversion is of no use to a later run: leave nothing behind
                 path.unlink(missing_ok=True)
             if created:
@@ -364,6 +379,12 @@ class ExpertStore:
 
     def tier(self, key) -> str:
         return self.placement.tiers[key]
+
+    def close(self) -> None:
+        """Close the descriptors of the converted files this store reads its disk-tier experts from
+        (handle.release_file; LLM.close): a file another engine's conversion has replaced meanwhile is freed
+        then. Disk-tier experts cannot be read afterwards."""
+        _release_files(self._held)
 
     def disk_files(self) -> list[str]:
         """Files that disk-tier experts are read from."""
