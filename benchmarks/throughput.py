@@ -11,7 +11,10 @@ in one process; the table gives the median and the plan's priced throughput. The
 
 With `--moe-layers N` the dummy Qwen3-30B-A3B-width Q4_0 file of benchmarks/cpu_moe.py is measured too (random
 weights: tiered only), with `--moe-cpu-mem` as the RAM budget (experts beyond it read from disk per use, so a
-batch shares each expert read). Writes throughput.{json,md}.
+batch shares each expert read). The dummy's greedy decode repeats one token forever (each token's own embedding
+row dominates its logits), so a lone sequence would route to the same experts every step and hit its cache
+throughout: its rows draw with `--moe-repetition-penalty` (default 1000), which makes every step's token new and
+routes the steps as the plans price them (independent draws). Writes throughput.{json,md}.
 
     python benchmarks/throughput.py --out benchmarks/results/<machine-date>/throughput
     python benchmarks/throughput.py --skip-dense --moe-layers 8 --moe-cpu-mem 2GiB --prompts 16 --prompt-tokens 128
@@ -50,7 +53,7 @@ def priced_by_batch(plan) -> dict[int, float]:
     return {}
 
 
-def tiered_rows(name: str, path: str | None, args, cpu_memory: str | None = None) -> list[dict]:
+def tiered_rows(name: str, path: str | None, args, cpu_memory: str | None = None, penalty: float = 1.0) -> list[dict]:
     """Generated tok/s of `args.prompts` prompts: one request at a time (a latency-goal engine, a generate call
     per prompt, as `tiered run` answers them), and throughput-goal engines with the plan's own batch and with
     the batch capped at each of `args.caps` (EngineConfig.max_batch: the plan's batch within the cap)."""
@@ -68,7 +71,7 @@ def tiered_rows(name: str, path: str | None, args, cpu_memory: str | None = None
     engines = {cap: engine(cap) for cap in dict.fromkeys(caps)}
     first = engines[0]
     prompts = prompts_of(first.config.vocab_size, N, P)
-    params = SamplingParams(temperature=0, max_tokens=G, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=G, ignore_eos=True, repetition_penalty=penalty)
     for llm in engines.values():  # warm-up
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), chat=False)
     times: dict[int, list[float]] = {cap: [] for cap in engines}
@@ -130,6 +133,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="leave transformers out")
     ap.add_argument("--moe-layers", type=int, default=0, help="also the dummy Qwen3-30B-A3B-width Q4_0 file")
     ap.add_argument("--moe-cpu-mem", default=None, help="RAM budget of the MoE run (experts beyond it on disk)")
+    ap.add_argument("--moe-repetition-penalty", type=float, default=1000.0,
+                    help="the MoE rows' repetition penalty (the dummy's greedy decode repeats its token: see above)")
     ap.add_argument("--out", default=str(ROOT / "results" / "throughput"))
     args = ap.parse_args()
 
@@ -145,7 +150,7 @@ def main() -> None:
 
         name = f"Qwen3-30B-A3B width, {args.moe_layers} layers, Q4_0 (dummy)" + (
             f", --cpu-mem {args.moe_cpu_mem}" if args.moe_cpu_mem else "")
-        rows += tiered_rows(name, str(model_file(args.moe_layers)), args, args.moe_cpu_mem)
+        rows += tiered_rows(name, str(model_file(args.moe_layers)), args, args.moe_cpu_mem, args.moe_repetition_penalty)
     cols = [Column("model", "model"), Column("engine", "engine"), Column("batch", "batch"),
             Column("seconds", "seconds", "{:.2f}"), Column("generated tok/s", "tokens_per_s", "{:.1f}"),
             Column("priced tok/s", "priced_tokens_per_s", "{:.1f}"),

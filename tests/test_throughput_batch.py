@@ -35,6 +35,69 @@ def test_block_throughput_is_flexgens_objective():
     assert block_throughput(_plan(4, 0.02)) == pytest.approx(4 * 32 / (4 * 0.1 + 32 * 0.02))
     assert block_throughput(_plan(1, 0.01)) == pytest.approx(32 / (0.1 + 32 * 0.01))
     assert block_throughput(_plan(4, 0.02, batched=False)) is None
+    grouped = _plan(4, 0.02)  # the 4 prompts prefilled together (Plan.predicted_block_prefill_s)
+    grouped.predicted_block_prefill_s = 0.15
+    assert block_throughput(grouped) == pytest.approx(4 * 32 / (0.15 + 32 * 0.02))
+
+
+@pytest.mark.parametrize("B, P, mixed, chunk, context, moe", [
+    (10, 64, 256, 256, 512, False), (16, 64, 1024, 1024, 128, True), (3, 300, 256, 256, 400, False),
+    (7, 100, 1024, 1024, 600, True), (9, 48, 96, 1024, 512, False), (9, 48, 96, 1024, 512, True),
+    (5, 700, 96, 1024, 800, False), (12, 100, 0, 1024, 300, True)])
+def test_block_prefill_groups_are_the_engines(B, P, mixed, chunk, context, moe):
+    """The throughput plan prices a block's prompts in the groups LLM._prefill_groups forms of B prompts of P
+    tokens admitted together: native-step rows packed up to Plan.most_prompt_rows (engine/llm._rows_groups) where
+    whole chunks run as rows, else padded forwards within the chunk (scheduler.prefill_groups); each group priced
+    once for its prompts (rows(g P, prompts=g) / modules(g P, 0, prompts=g)), a lone prompt at its TTFT."""
+    from types import SimpleNamespace
+
+    from tiered.engine.llm import _rows_groups
+    from tiered.engine.scheduler import prefill_groups
+    from tiered.planner.latency_cpu import block_prefill_groups, block_prefill_time
+
+    plan = Plan("m", "throughput", "hw", None, None, P, 32, "int4")
+    plan.kv_slots, plan.mixed_rows, plan.prefill_chunk, plan.context_tokens = B, mixed, chunk, context
+    groups, as_rows = block_prefill_groups(plan, moe)
+    assert as_rows == plan.chunks_as_rows()
+    if as_rows:
+        seqs = [SimpleNamespace(prompt_ids=[0] * P, cached_tokens=0) for _ in range(B)]
+        engine = [len(g) for g in _rows_groups(seqs, plan.most_prompt_rows())]
+    else:
+        engine = [len(g) for g in prefill_groups([P] * B, min(context, chunk), padding=not moe)]
+    assert groups == engine and sum(groups) == B
+    calls = []
+    rows = lambda T, past=0, logit_rows=1, prompts=1: calls.append(("rows", T, prompts)) or 1e-3 * T  # noqa: E731
+    modules = lambda T, chunk=0, ffn_only=False, prompts=1: calls.append(("modules", T, prompts)) or 2e-3 * T  # noqa: E731
+    total = block_prefill_time(plan, moe, rows, modules)
+    lone = (1e-3 if P <= plan.most_prompt_rows() or as_rows else 2e-3) * P
+    assert total == pytest.approx(sum(lone if g == 1 else (1e-3 if as_rows else 2e-3) * g * P for g in groups))
+    assert all(n == T // P for _, T, n in calls if n > 1)
+
+
+def test_disk_experts_of_a_block_are_read_once_for_its_prompts():
+    """A throughput plan of an MoE model whose experts are mostly on disk prices its block's prefill as the engine
+    runs it, the prompts together (each expert read once a group), not one prompt's TTFT a prompt: it is what
+    block_throughput uses, and far below kv_slots TTFTs (16 prompts of 64 tokens of the 8-layer Qwen3-30B-A3B-width
+    file, 766 of its 1024 experts on disk: 5.1 s measured together, 40.6 s priced as one after another, 2 Zen 4
+    cores, 2026-12-04)."""
+    from test_plan import cpu_only_profile
+
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.planner.make import make_plan
+
+    cfg = ModelConfig.from_hf({"model_type": "qwen3_moe", "vocab_size": 32000, "hidden_size": 1024,
+                               "intermediate_size": 2048, "moe_intermediate_size": 384, "num_hidden_layers": 4,
+                               "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
+                               "num_experts": 64, "num_experts_per_tok": 8, "max_position_embeddings": 4096})
+    hw = cpu_only_profile()
+    whole = make_plan(cfg, hw, goal="latency", prompt_tokens=64, gen_tokens=32, cpu_memory=64 * 2**30, context_tokens=1024)
+    plan = make_plan(cfg, hw, goal="throughput", prompt_tokens=64, gen_tokens=32, context_tokens=1024,
+                     cpu_memory=whole.memory["cpu"] // 3, max_resident=0)
+    assert any(l.experts_disk for l in plan.layers) and plan.kv_slots > 1
+    assert plan.predicted_block_prefill_s < 0.5 * plan.kv_slots * plan.predicted_ttft_s
+    B, G = plan.kv_slots, plan.gen_tokens
+    assert plan.predicted_throughput_tokens_per_s == pytest.approx(
+        B * G / (plan.predicted_block_prefill_s + G * B / plan.predicted_batch_decode_tokens_per_s))
 
 
 def test_plan_batch_takes_the_smallest_batch_near_the_best_and_stops_at_the_budget():

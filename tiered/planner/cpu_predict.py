@@ -692,8 +692,12 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                     experts_format: str | None = None, read_ahead: bool = True, readers: int = 2,
                     task_overhead: float | None = None, batch_act: str = "bf16", popularity=None,
                     chunk: int = 0, ffn_only: bool = False, attn_dtype: str | None = None,
-                    ffn_dtype: str | None = None, native_moe: bool = False) -> float:
+                    ffn_dtype: str | None = None, native_moe: bool = False, prompts: int = 1) -> float:
     """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
+
+    `prompts`: the tokens are that many equal prompts prefilled as one padded batch forward (prompts admitted
+    together: LLM._prefill_groups, scheduler.prefill_groups, within the chunk), each attending to its own tokens
+    and its last token's lm_head row; the weights and the experts (their reads too) go once for all.
 
     `ffn_only`: the seconds of its FFNs alone (each layer's dense FFN, or MoE block: router, shared expert,
     routed experts with their reads), what an MoE model's prompt costs beside its attention side when it runs
@@ -876,18 +880,20 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
         return total
 
     attn_macs = cfg.attention_macs_per_pair(False)
-    forwards = chunk_spans(tokens, chunk)
+    n = max(1, min(int(prompts), int(tokens)))
+    forwards = chunk_spans(tokens, chunk) if n == 1 else [(tokens, 0)]  # a batch of prompts: one forward
     bodies = {T: forward(T) for T in {n for n, _ in forwards}}
     if ffn_only:
         return sum(bodies[T] for T, _ in forwards)
-    return sum(bodies[T] + cfg.num_hidden_layers * op_time.prefill_attention_time(
-        hw, "cpu", attn_dtype or act_dtype or dtype, prefill_attention_pairs(T, past) * attn_macs, past=past > 0)
-        for T, past in forwards)
+    heads = (n - 1) * _gemv(hw, dtype, d * cfg.vocab_size * bpe)  # each prompt's last row past the first
+    return heads + sum(bodies[T] + cfg.num_hidden_layers * op_time.prefill_attention_time(
+        hw, "cpu", attn_dtype or act_dtype or dtype, n * prefill_attention_pairs(T // n, past) * attn_macs,
+        past=past > 0) for T, past in forwards)
 
 
 def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int, mix: dict | None = None,
                         kv_format: str | None = None, head_dtype: str | None = None, batch_act: str = "bf16",
-                        past: int = 0, ffn=None, logit_rows: int = 1) -> float:
+                        past: int = 0, ffn=None, logit_rows: int = 1, prompts: int = 1) -> float:
     """Seconds of a `tokens`-token prompt run as rows of the native CPU decode step (Plan.mixed_rows:
     LLM._forward_mixed), its time to first token: per layer the decode copies' projections at `tokens` rows
     (`dtype` or `mix` by share, on `batch_act` activations: `_projections`, as a batched decode step's), the
@@ -905,16 +911,21 @@ def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, token
     copies (gathered at the hidden size, their SwiGLU at the experts' width) and any shared expert's width.
     `logit_rows`: rows whose logits the step computes (the last; every row of a speculative step's sequence,
     LLM._forward_mixed), each past the first at the head's decode_rows slope (`_gemv`).
+    `prompts`: the rows are that many prompts of tokens / prompts tokens each, prefilled in one step (prompts
+    admitted together: LLM._prefill_groups, engine/llm._rows_groups): each attends to its own rows (and `past`),
+    the weights and the experts stream once for all, and each prompt's last row has its logits.
 
     Raises:
         ValueError: an MoE `cfg` without `ffn`."""
     T = max(1, int(tokens))
+    n = max(1, min(int(prompts), T))
+    logit_rows = max(logit_rows, n)
     per_step, per_layer = op_time.step_overhead(hw, dtype)
     ws = step_weight_bytes(cfg, dtype, [], mix)
     d = cfg.hidden_size
     fused = native_fused_projections(hw, dtype)
     kv = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
-    macs = (T * max(0, int(past)) + prefill_attention_pairs(T, 0)) * cfg.attention_macs_per_pair(False)
+    macs = (T * max(0, int(past)) + n * prefill_attention_pairs(T // n, 0)) * cfg.attention_macs_per_pair(False)
     dense = sizes.kv_compute_format(kv)  # an int8 cache's rows where a profile predates their own key: bf16's
     rows_key = hw.models.get(f"attn_rows/cpu/{kv}") or hw.models.get(f"attn_rows/cpu/{dense}")
     attention = rows_key(macs) if rows_key is not None else op_time.prefill_attention_time(hw, "cpu", dense, macs)

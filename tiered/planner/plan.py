@@ -178,6 +178,9 @@ class Plan:
     # step, priced where the plan is the CPU's (planner/cpu_predict.predict_decode's `batch`); else None
     predicted_batch_decode_tokens_per_s: float | None = None
     predicted_throughput_tokens_per_s: float | None = None
+    # seconds to prefill kv_slots prompts of prompt_tokens admitted together, grouped as the engine groups them
+    # (planner/latency_cpu.block_prefill_time: the throughput goal's block); None: kv_slots x predicted_ttft_s
+    predicted_block_prefill_s: float | None = None
     memory: dict = field(default_factory=dict)  # tier -> bytes
     binding: str = ""
     notes: list[str] = field(default_factory=list)

@@ -45,16 +45,19 @@ UNPRICED_MOST = 32
 
 def block_throughput(plan: Plan) -> float | None:
     """Predicted generated tokens/s of a block of plan.kv_slots (B) requests of plan.prompt_tokens prompt and
-    plan.gen_tokens (G) generated tokens each, all decoding together: B G / (B ttft + G B / speed), with the
-    prompts prefilled one after another (ttft: Plan.predicted_ttft_s) and the decode steps priced at B sequences
-    of the full context (Plan.predicted_batch_decode_tokens_per_s; at B = 1 the lone sequence's speed). FlexGen's
-    objective (generated tokens over the block's time; ALGORITHMS.md 4). None where the plan prices no batch
-    (its goal module has no batched time model: the GPU plans)."""
+    plan.gen_tokens (G) generated tokens each, all decoding together: B G / (prefill + G B / speed), the prompts
+    prefilled together as the engine groups them (Plan.predicted_block_prefill_s; where not priced, one after
+    another: B x Plan.predicted_ttft_s) and the decode steps priced at B sequences of the full context
+    (Plan.predicted_batch_decode_tokens_per_s; at B = 1 the lone sequence's speed). FlexGen's objective
+    (generated tokens over the block's time; ALGORITHMS.md 4). None where the plan prices no batch (its goal
+    module has no batched time model: the GPU plans)."""
     B, G = plan.kv_slots, plan.gen_tokens
     speed = plan.predicted_batch_decode_tokens_per_s if B > 1 else plan.predicted_decode_tokens_per_s
     if not speed or plan.predicted_ttft_s is None:
         return None
-    return B * G / (B * plan.predicted_ttft_s + G * B / speed)
+    prefill = plan.predicted_block_prefill_s if B > 1 and plan.predicted_block_prefill_s is not None else \
+        B * plan.predicted_ttft_s
+    return B * G / (prefill + G * B / speed)
 
 
 def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1]) -> Plan:
