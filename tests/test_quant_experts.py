@@ -481,6 +481,55 @@ def test_engines_sharing_an_offload_dir_read_their_own_experts(tmp_path):
     assert not any(k[2] is not None and k[0].startswith(str(tmp_path)) for k in _FDS)  # closed with their engines
 
 
+@pytest.mark.parametrize("weights", ["int4", "bf16"])
+def test_a_later_load_reads_the_offload_files_an_earlier_one_wrote(tmp_path, weights):
+    """A second load of the same checkpoint with the same disk experts reads the converted files the first wrote
+    (their metadata names the experts, the format and the checkpoint file's size and time) instead of converting
+    again; a file whose first expert no longer reads back as converted, or written for other experts, is
+    converted anew. Greedy tokens the same every time."""
+    import os
+
+    from moe_fixtures import make_moe_checkpoint
+
+    ckpt = make_moe_checkpoint("qwen3_moe", tmp_path / "m")
+    off = tmp_path / "off"
+
+    def load(resident: int = 0) -> tuple[LLM, list[int]]:
+        llm = LLM(ckpt, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", plan="off",
+                                     expert_weights=weights, expert_cache_slots=2, resident_experts=resident,
+                                     offload_dir=str(off)))
+        return llm, llm.generate(PROMPT, GREEDY)[0].token_ids
+
+    def inodes() -> dict[str, int]:
+        return {f.name: f.stat().st_ino for f in sorted(off.iterdir())}
+
+    first, tokens = load()
+    files = inodes()
+    assert files and first.experts.bytes_read > 0
+    again, same = load()
+    assert same == tokens and inodes() == files  # read as written: no file replaced
+    # the first expert's bytes of one file changed (its metadata as before): that file is converted again
+    name = sorted(files)[0]
+    store = again.experts.store
+    h = next(store.handles[k] for k in store.placement.tiers if store.tier(k) == "disk" and
+             store.handles[k][0].path.endswith(name))[0]
+    for llm in (first, again):
+        llm.close()
+    with open(off / name, "r+b") as f:
+        f.seek(h.offset + 100)
+        byte = f.read(1)
+        f.seek(h.offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    third, tokens3 = load()
+    now = inodes()
+    assert tokens3 == tokens and now[name] != files[name]
+    assert all(now[n] == files[n] for n in files if n != name)
+    third.close()
+    other, tokens4 = load(resident=3)  # other disk experts: every file written for them
+    assert tokens4 == tokens and not set(inodes().values()) & set(now.values())
+    other.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["bf16", "int8", "int8-g32", "int4"])
 def test_expert_kernels_on_cuda(name):

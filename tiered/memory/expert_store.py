@@ -23,7 +23,7 @@ import torch
 
 from tiered.checkpoint.handle import STORED_DTYPES, TensorHandle, _fd, hold_file, release_file
 from tiered.checkpoint.hf_dir import _check_safetensors_file
-from tiered.errors import ConfigError
+from tiered.errors import CheckpointError, ConfigError
 from tiered.hardware.budget import HostSlab, MemoryBudget, format_bytes
 from tiered.memory.host import release_load_memory
 from tiered.planner.placement import CPU, DISK, FAST, ExpertPlacement
@@ -133,8 +133,8 @@ def advise(handles) -> None:
             os.posix_fadvise(_fd(h.path, inode=h.inode), h.offset, h.nbytes, os.POSIX_FADV_WILLNEED)
 
 
-def _save_whole(tensors: dict, path: Path, hint: str) -> None:
-    """save_file `tensors` to `path` whole or not at all: written under a temporary name beside it
+def _save_whole(tensors: dict, path: Path, hint: str, metadata: dict[str, str] | None = None) -> None:
+    """save_file `tensors` (and `metadata`) to `path` whole or not at all: written under a temporary name beside it
     and renamed, so a failed write (disk full, permission denied) leaves no partial file.
 
     Raises:
@@ -145,7 +145,7 @@ def _save_whole(tensors: dict, path: Path, hint: str) -> None:
 
     tmp = path.with_name(path.name + ".partial")
     try:
-        save_file(tensors, str(tmp))
+        save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:
         tmp.unlink(missing_ok=True)
@@ -154,6 +154,18 @@ def _save_whole(tensors: dict, path: Path, hint: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _written_for(path: Path, meta: dict[str, str]) -> bool:
+    """Whether the converted layer file `path` exists with metadata `meta` (ExpertStore._file_meta: the same
+    experts of the same checkpoint file in the same format), a valid safetensors file."""
+    if not path.is_file():
+        return False
+    try:
+        header, _ = _check_safetensors_file(path)
+    except (CheckpointError, OSError):
+        return False
+    return header.get("__metadata__") == meta
 
 
 def _release_files(held: list[tuple[str, int]]) -> None:
@@ -307,6 +319,12 @@ class ExpertStore:
         layer): in the compute dtype (dense), or as flat format buffers (quantized, one uint8
         tensor per expert), which `read` then preads into a slot.
 
+        A layer's file that an earlier load wrote for the same experts of the same checkpoint file (path, size
+        and modification time) in the same format, per its metadata, is read as it is, not written again, where
+        its first expert reads back as this store converts it (a check that catches a file of another version's
+        conversion); else it is replaced (by rename: an engine reading the old one goes on reading its own,
+        handle.hold_file).
+
         Raises:
             ConfigError: no offload_dir is set, or it cannot be created or written (not a
                 directory, permission denied, too little free space); no file of this call is
@@ -322,7 +340,9 @@ class ExpertStore:
         for key in keys:
             by_layer.setdefault(key[0], []).append(key)
         files = {layer: out / f"experts-layer{layer:03d}-{tag}.safetensors" for layer in by_layer}
-        need = len(keys) * self.fmt.nbytes
+        metas = {layer: self._file_meta(ks, tag) for layer, ks in by_layer.items()}
+        kept = {layer for layer in by_layer if _written_for(files[layer], metas[layer])}
+        need = sum(len(ks) for layer, ks in by_layer.items() if layer not in kept) * self.fmt.nbytes
         hint = f"pass a writable --offload-dir with room for {format_bytes(need)} (or EngineConfig(offload_dir=...))"
         written, created = [], False
         try:
@@ -332,7 +352,8 @@ class ExpertStore:
                 created = not out.exists()
                 out.mkdir(parents=True, exist_ok=True)
                 # files of an earlier run that this one replaces give their room back
-                free = shutil.disk_usage(out).free + sum(f.stat().st_size for f in files.values() if f.is_file())
+                free = shutil.disk_usage(out).free + sum(f.stat().st_size for layer, f in files.items()
+                                                         if f.is_file() and layer not in kept)
             except OSError as e:
                 raise ConfigError(f"offload directory {out} cannot be used ({e.strerror or e})", hint) from None
             if free < need:
@@ -340,32 +361,16 @@ class ExpertStore:
                                   f"experts need {format_bytes(need)}", hint)
             for layer, ks in by_layer.items():
                 path = files[layer]
+                if layer in kept and self._point_handles(path, ks, check=True):
+                    continue
                 if self.fmt.is_dense:
                     tensors = {h.name: h.load(self.dtype) for k in ks for h in self.handles[k]}
                 else:
                     tensors = {f"expert.{e}": self.encode((l, e))[0] for l, e in ks}
-                _save_whole(tensors, path, hint)
+                _save_whole(tensors, path, hint, metas[layer])
                 del tensors
                 written.append(path)
-                # this very file: a later conversion into the directory (another engine) replaces the path,
-                # and this store goes on reading its own bytes (handle.hold_file)
-                inode = hold_file(str(path))
-                self._held.append((str(path), inode))
-                header, n = _check_safetensors_file(path)
-                for l, e in ks:
-                    if self.fmt.is_dense:
-                        new = []
-                        for h in self.handles[(l, e)]:
-                            begin, end = header[h.name]["data_offsets"]
-                            new.append(TensorHandle(h.name, h.shape, _TORCH_TO_ST[self.dtype], end - begin, str(path),
-                                                    h._load, offset=8 + n + begin, inode=inode))
-                        self.handles[(l, e)] = tuple(new)
-                    else:
-                        name = f"expert.{e}"
-                        begin, end = header[name]["data_offsets"]
-                        self.handles[(l, e)] = (TensorHandle(f"layer {l} {name}", (end - begin,), "U8", end - begin,
-                                                             str(path), lambda: None, offset=8 + n + begin,
-                                                             inode=inode),)
+                self._point_handles(path, ks)
         except BaseException:
             _release_files(self._held)
             for path in written:  # half a conversion is of no use to a later run: leave nothing behind
@@ -376,6 +381,62 @@ class ExpertStore:
                 except OSError:
                     pass  # not empty: something else was written there meanwhile
             raise
+
+    def _file_meta(self, ks, tag: str) -> dict[str, str]:
+        """The metadata a converted layer file of experts `ks` carries (_convert): the experts, the format, and
+        the checkpoint files they come from (real path, size, modification time)."""
+        sources = sorted({h.path for k in ks for h in self.handles[k]})
+        stats = [(os.path.realpath(p), os.stat(p)) for p in sources]
+        return {"tiered_experts": ",".join(f"{l}.{e}" for l, e in ks), "tiered_format": tag,
+                "tiered_source": ";".join(f"{p}:{st.st_size}:{st.st_mtime_ns}" for p, st in stats)}
+
+    def _point_handles(self, path: Path, ks, check: bool = False) -> bool:
+        """Point experts `ks`' handles at their converted file `path`, held open by inode (hold_file: a later
+        conversion into the directory, another engine's, replaces the path and this store goes on reading its
+        own bytes). `check`: first read the first expert back and compare it with its conversion from the
+        checkpoint: False (the handles as they were, nothing held) where they differ or the file does not hold
+        the experts."""
+        originals = {k: self.handles[k] for k in ks}
+        inode = hold_file(str(path))
+        self._held.append((str(path), inode))
+        try:
+            header, n = _check_safetensors_file(path)
+            for l, e in ks:
+                if self.fmt.is_dense:
+                    new = []
+                    for h in self.handles[(l, e)]:
+                        begin, end = header[h.name]["data_offsets"]
+                        new.append(TensorHandle(h.name, h.shape, _TORCH_TO_ST[self.dtype], end - begin, str(path),
+                                                h._load, offset=8 + n + begin, inode=inode))
+                    self.handles[(l, e)] = tuple(new)
+                else:
+                    name = f"expert.{e}"
+                    begin, end = header[name]["data_offsets"]
+                    self.handles[(l, e)] = (TensorHandle(f"layer {l} {name}", (end - begin,), "U8", end - begin,
+                                                         str(path), lambda: None, offset=8 + n + begin,
+                                                         inode=inode),)
+            if check:
+                key = ks[0]
+                if self.fmt.is_dense:
+                    stored = tuple(h.load(self.dtype) for h in originals[key])
+                    got = tuple(torch.empty(h.shape, dtype=self.dtype) for h in originals[key])
+                else:
+                    from tiered.quant.gguf_experts import encode_expert
+
+                    stored = (encode_expert(self.fmt, originals[key])[0],)
+                    got = (torch.empty_like(stored[0]),)
+                read_uncached(self.handles[key], got)
+                if not all(torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
+                           for a, b in zip(got, stored)):
+                    raise ValueError("the file's first expert differs from its conversion")
+            return True
+        except (KeyError, ValueError, OSError, CheckpointError):
+            if not check:
+                raise
+            self.handles.update(originals)
+            release_file(str(path), inode)
+            self._held.remove((str(path), inode))
+            return False
 
     def tier(self, key) -> str:
         return self.placement.tiers[key]
