@@ -306,6 +306,15 @@ def test_make_plan_throughput_goal_without_a_gpu_is_the_engines_batch_plan():
     assert free.predicted_throughput_tokens_per_s > 0 and free.memory["cpu"] <= 64 * 2**30
     tight = make_plan(cfg, hw, goal="throughput", prompt_tokens=256, gen_tokens=256, cpu_memory=free.memory["cpu"] - sizes.kv_cache_bytes(cfg, free.kv_slots // 2, 512, "bf16"))
     assert tight.kv_slots < free.kv_slots
+    # a budget that bounds the lossless cache to a small batch: the plan says what the lossy int8 cache would fit
+    # (56% of the bytes a position) where that pays 10%; not where the cache is int8 already, nor where it barely pays
+    room = free.memory["cpu"] - sizes.kv_cache_bytes(cfg, free.kv_slots - 5, 512, "bf16")
+    small = make_plan(cfg, hw, goal="throughput", prompt_tokens=256, gen_tokens=256, cpu_memory=room)
+    (hint,) = [n for n in small.notes if n.startswith("an int8 KV cache")]
+    assert small.kv_slots == 4 and "would fit batch 8 in the budget" in hint
+    assert not any(n.startswith("an int8 KV cache") for n in
+                   make_plan(cfg, hw, goal="throughput", prompt_tokens=256, gen_tokens=256, cpu_memory=room,
+                             kv_cache="int8").notes + tight.notes)
     assert "over" in free.render() and "sequences at once" in free.render()
     gpu = make_plan(cfg, get_preset("t4-pcie3"), goal="throughput", precision="int4", gen_tokens=32)
     assert gpu.flexgen is not None

@@ -90,7 +90,9 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         # tokens a second (planner/throughput.plan_batch; FlexGen's LP places tensors across GPU, CPU and disk)
         given = {k: v for k, v in locals().items() if k not in ("cfg", "profile", "goal", "kv_slots")}
         from tiered.planner.throughput import plan_batch
-        return plan_batch(lambda B: make_plan(cfg, profile, goal="latency", kv_slots=B, **given), kv_slots)
+        int8 = (lambda B: make_plan(cfg, profile, goal="latency", kv_slots=B, **dict(given, kv_cache="int8"))) \
+            if kv_cache == "auto" and not cfg.is_mla else None
+        return plan_batch(lambda B: make_plan(cfg, profile, goal="latency", kv_slots=B, **given), kv_slots, int8)
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {PRECISIONS}", "pass e.g. --precision bf16")
     if dispatch_mode not in DISPATCH_MODES:

@@ -60,7 +60,8 @@ def block_throughput(plan: Plan) -> float | None:
     return B * G / (prefill + G * B / speed)
 
 
-def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1]) -> Plan:
+def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1],
+               compressed: Callable[[int], Plan] | None = None) -> Plan:
     """The throughput goal's plan: of the plans `make(B)` for the batches B in BATCHES up to `most` (and `most`
     itself), the one whose block generates the most tokens a second (`block_throughput`; the smallest within
     NEAR_BEST of the best). Larger batches are tried until the budget cannot hold their KV cache (make raises
@@ -71,6 +72,10 @@ def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1]) -> Plan:
         make: kv_slots -> the latency goal's plan with KV-cache room for that many sequences (make_plan).
         most: the largest batch to try; 1 or less: up to BATCHES[-1] (EngineConfig.max_batch's and make_plan's
             kv_slots' default, which caps nothing).
+        compressed: kv_slots -> the same plan with an int8 KV cache (lossy: EngineConfig.kv_cache_dtype "int8"),
+            where the plan's own cache is lossless ("auto"): when the budget refused a batch and int8 lets a larger
+            one generate at least COMPRESSED_GAIN times as fast, a note says so (FlexGen leaves compression to the
+            user too: its policy search takes it as a given).
     Returns:
         The chosen plan, its goal "throughput", predicted_throughput_tokens_per_s its block's, and a note of the
         batches priced.
@@ -103,5 +108,25 @@ def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1]) -> Plan:
         plan.notes.append(f"throughput goal: batch {plan.kv_slots} for prompts of {plan.prompt_tokens} and "
                           f"{plan.gen_tokens} generated tokens (generated tok/s by batch: {priced}){why}")
         plan.predicted_throughput_tokens_per_s = block_throughput(plan)
+        if refused and compressed is not None:
+            _compression_note(plan, compressed, most)
     plan.goal = "throughput"
     return plan
+
+
+# where an int8 KV cache lets the throughput goal generate at least this many times as fast, the plan says so
+COMPRESSED_GAIN = 1.1
+
+
+def _compression_note(plan: Plan, compressed: Callable[[int], Plan], most: int) -> None:
+    """plan_batch's note on a batch the budget refused: the batch an int8 KV cache would fit and its price, where
+    that is COMPRESSED_GAIN times the plan's."""
+    try:
+        alt = plan_batch(compressed, most)
+    except BudgetError:
+        return
+    gain = (alt.predicted_throughput_tokens_per_s or 0.0) / plan.predicted_throughput_tokens_per_s
+    if alt.kv_slots > plan.kv_slots and gain >= COMPRESSED_GAIN:
+        plan.notes.append(f"an int8 KV cache (--kv-cache-dtype int8, lossy: docs/accuracy.md) would fit batch "
+                          f"{alt.kv_slots} in the budget: {alt.predicted_throughput_tokens_per_s:.1f} generated tok/s "
+                          f"priced, {gain:.2f}x")
