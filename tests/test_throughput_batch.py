@@ -138,6 +138,8 @@ def test_engine_throughput_goal_plans_the_batch_within_the_cpu_budget(zoo):
     path = zoo.dir("llama")
     free = LLM(path, EngineConfig(goal="throughput", max_context=256, decode_weights="fp32", accelerator="none"))
     assert free.plan.goal == "throughput" and free.plan.kv_slots > 1
+    # FlexGen's (512, 32) within the 256-token context: the 32 generated tokens kept, the prompt the rest
+    assert (free.plan.prompt_tokens, free.plan.gen_tokens) == (224, 32)
     (note,) = [n for n in free.plan.notes if n.startswith("throughput goal: batch")]
     priced = dict(pair.split(": ") for pair in note.split("by batch: ")[1].rstrip(")").split(", "))
     assert float(priced["1"]) < free.plan.predicted_throughput_tokens_per_s == pytest.approx(

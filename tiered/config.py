@@ -70,7 +70,8 @@ class EngineConfig:
             of that many sequences of max_context tokens, that generates the most tokens a second over a
             block of prompts of `workload` lengths: planner/throughput.plan_batch; `tiered batch`).
         workload: (prompt tokens, generated tokens) of a typical request, which the throughput goal prices
-            (default (512, 32): FlexGen's benchmark setting, capped to max_context); the latency goal ignores it.
+            (default (512, 32): FlexGen's benchmark setting; within max_context, the generated tokens up to half of
+            it and the prompt the rest); the latency goal ignores it.
         kv_cache_dtype: the KV cache's format (Plan.dtypes["kv_cache"]): "auto" (the weights' 16-bit format,
             fp32 in the lossless mode: memory/sizes.kv_cache_format), "fp32", "bf16", "fp16", or "int8": each
             position's keys and values of a KV head as int8 with an fp32 scale per 32 (models/layers.

@@ -764,8 +764,10 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
     gen = max(1, min(128, max_context - prompt))
     if ec.goal == "throughput":  # the requests' lengths the batch is priced on (FlexGen's 512 + 32 by default)
         want_prompt, want_gen = ec.workload or (512, 32)
-        prompt = max(1, min(want_prompt, max_context - 1))
-        gen = max(1, min(want_gen, max_context - prompt))
+        # within max_context: the generated tokens up to half of it (what batching speeds up), the prompt the rest
+        # (a 256-token context had priced (255, 1): a prefill that batching barely helps)
+        gen = max(1, min(want_gen, max_context // 2))
+        prompt = max(1, min(want_prompt, max_context - gen))
     # CPU-only with decode copies: the non-expert weights are read (and, in one-copy mode, held) in
     # the copies' format, MoE models included (their experts are priced in their own format)
     dense_cpu = accelerator is None and decode_format != "none"
