@@ -481,6 +481,29 @@ def test_engines_sharing_an_offload_dir_read_their_own_experts(tmp_path):
     assert not any(k[2] is not None and k[0].startswith(str(tmp_path)) for k in _FDS)  # closed with their engines
 
 
+def test_without_an_offload_dir_the_converted_experts_go_to_the_cache(tmp_path, monkeypatch):
+    """No offload directory given: experts that need converting go to one for the checkpoint under tiered's cache
+    (default_offload_dir: named by its real path), and the next load reads them from there as they are."""
+    from moe_fixtures import make_moe_checkpoint
+
+    from tiered.memory.expert_store import default_offload_dir
+
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
+    ckpt = make_moe_checkpoint("qwen3_moe", tmp_path / "m")
+    config = EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", plan="off", expert_weights="int4",
+                          expert_cache_slots=2, resident_experts=0)
+    where = default_offload_dir(ckpt)
+    assert where.parent == tmp_path / "cache" / "offload" and where.name.startswith("m-")
+    tokens = []
+    for written, reused in ((1, 0), (0, 1)):
+        with LLM(ckpt, config) as llm:
+            store = llm.experts.store
+            assert store.offload_dir == where and all(f.startswith(str(where)) for f in store.disk_files())
+            assert (store.written_files, store.reused_files) == (written, reused)
+            tokens.append(llm.generate(PROMPT, GREEDY)[0].token_ids)
+    assert tokens[0] == tokens[1]
+
+
 @pytest.mark.parametrize("weights", ["int4", "bf16"])
 def test_a_later_load_reads_the_offload_files_an_earlier_one_wrote(tmp_path, weights):
     """A second load of the same checkpoint with the same disk experts reads the converted files the first wrote

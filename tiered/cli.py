@@ -70,7 +70,7 @@ OPT = {
     "threads": typer.Option(None, "--threads", help="CPU threads (default: one per core)."),
     "gpu_mem": typer.Option(None, "--gpu-mem", help="Accelerator memory budget, e.g. 12GiB (default: all free)."),
     "cpu_mem": typer.Option(None, "--cpu-mem", help="CPU RAM budget for weights and experts, e.g. 32GiB (default: unlimited)."),
-    "offload_dir": typer.Option(None, "--offload-dir", help="Directory for disk-tier expert copies when the checkpoint cannot be read directly."),
+    "offload_dir": typer.Option(None, "--offload-dir", help="Directory for disk-tier expert copies when the checkpoint cannot be read directly (default: one for the checkpoint under tiered's cache, ~/.cache/tiered/offload)."),
     "accelerator": typer.Option("auto", "--accelerator", help="auto, cuda, host (CPU stand-in with its own budget) or none."),
     "cache_slots": typer.Option(None, "--cache-slots", help="Experts in the fast-tier cache (default: as many as fit, up to one layer; 0 = none)."),
     "cache_policy": typer.Option("lru", "--cache-policy", help="Expert-cache eviction: random, lru, lfu, lhu, fld or hobbit (HOBBIT Eq. 3)."),

@@ -84,7 +84,9 @@ class EngineConfig:
         cpu_memory: CPU RAM budget for weights, experts and (without accelerator) the expert
             cache [bytes or string]; None = unlimited.
         offload_dir: directory for disk-tier expert copies when the checkpoint's experts cannot be
-            read directly in the compute dtype.
+            read directly in the compute dtype (quantized ones, for instance); None = a directory for the
+            checkpoint in tiered's cache (memory/expert_store.default_offload_dir). A later load with the same
+            disk experts reads the copies an earlier one wrote there.
         accelerator: "auto" (CUDA if present, else none), "cuda", "host" (the CPU stand-in with
             its own budget, for tests and emulation) or "none" (CPU RAM is the fast tier).
         link_bandwidth: emulated H2D bandwidth of the host stand-in [bytes/s]; None = memcpy.

@@ -313,6 +313,14 @@ class LLM:
         if self.config.is_moe:
             self._placed = place_experts(self.plan, self.checkpoint, self.accelerator, self.fast_budget,
                                          self.cpu_budget, self.engine_config.offload_dir)
+            store = self._placed.store
+            if progress and store.offload_dir is not None and store.written_files:  # GBs a user should know of
+                from rich.console import Console
+
+                Console(stderr=True).print(
+                    f"[dim]{store.placement.count('disk')} experts on disk converted into {store.offload_dir} "
+                    f"({store.written_files} files; later loads read them as they are; --offload-dir moves them)[/dim]",
+                    highlight=False, soft_wrap=True)
         self.model.eval()
 
     def _install(self) -> None:

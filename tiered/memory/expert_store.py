@@ -156,6 +156,18 @@ def _save_whole(tensors: dict, path: Path, hint: str, metadata: dict[str, str] |
         raise
 
 
+def default_offload_dir(source) -> Path:
+    """Where a checkpoint's converted disk experts go when no offload directory is given (EngineConfig.offload_dir
+    None): <tiered's cache>/offload/<its name>-<a hash of its real path>, so that later loads of it find them
+    (ExpertStore._convert reads a file written for the same experts instead of converting again)."""
+    import hashlib
+
+    from tiered.checkpoint.tokenizer import cache_dir
+
+    real = os.path.realpath(source)
+    return cache_dir() / "offload" / f"{Path(real).stem}-{hashlib.sha1(real.encode()).hexdigest()[:12]}"
+
+
 def _written_for(path: Path, meta: dict[str, str]) -> bool:
     """Whether the converted layer file `path` exists with metadata `meta` (ExpertStore._file_meta: the same
     experts of the same checkpoint file in the same format), a valid safetensors file."""
@@ -190,11 +202,12 @@ class ExpertStore:
         fast_budget: budget of the fast tier when there is no accelerator (CPU RAM).
         cpu_budget: budget of CPU RAM for CPU-tier experts.
         offload_dir: where converted disk-tier experts are written when the checkpoint's format
-            cannot be read directly in `fmt` (always, for quantized formats).
+            cannot be read directly in `fmt` (always, for quantized formats); None: default_offload_dir's
+            directory for the checkpoint in tiered's cache.
     Raises:
         BudgetError: a tier overflows (budgets are checked at each allocation).
-        ConfigError: disk-tier experts need conversion but no offload_dir is set, or it cannot be
-            written (`_convert`).
+        ConfigError: disk-tier experts need conversion and the offload directory cannot be written
+            (`_convert`).
     """
 
     def __init__(self, checkpoint, placement: ExpertPlacement, fmt: ExpertFormat | torch.dtype, accelerator,
@@ -279,6 +292,9 @@ class ExpertStore:
             elif not all(h.offset is not None and STORED_DTYPES.get(h.format) == dtype for h in hs):
                 needs_conversion.append(key)
         self._held: list[tuple[str, int]] = []  # converted files this store reads (path, inode): hold_file
+        self.offload_dir: Path | None = None  # where its converted disk experts are (_convert), if any
+        self.reused_files = 0  # converted layer files an earlier load wrote that this one reads as they are
+        self.written_files = 0  # converted layer files this load wrote
         if needs_conversion:
             self._convert(checkpoint, needs_conversion, offload_dir)
             weakref.finalize(self, _release_files, self._held)
@@ -326,14 +342,11 @@ class ExpertStore:
         handle.hold_file).
 
         Raises:
-            ConfigError: no offload_dir is set, or it cannot be created or written (not a
-                directory, permission denied, too little free space); no file of this call is
-                left behind then.
+            ConfigError: the directory cannot be created or written (not a directory, permission denied,
+                too little free space); no file of this call is left behind then.
         """
-        if not offload_dir:
-            raise ConfigError("experts on disk must be converted to the compute dtype but no offload directory is set",
-                              "pass --offload-dir PATH (or EngineConfig(offload_dir=...))")
-        out = Path(offload_dir)
+        out = Path(offload_dir) if offload_dir else default_offload_dir(checkpoint.path)
+        self.offload_dir = out
         tag = (_TORCH_TO_ST[self.dtype] if self.fmt.is_dense
                else f"{self.fmt.name.replace(',', '-')}-{self.fmt.int4_layout}")
         by_layer: dict[int, list] = {}
@@ -362,6 +375,7 @@ class ExpertStore:
             for layer, ks in by_layer.items():
                 path = files[layer]
                 if layer in kept and self._point_handles(path, ks, check=True):
+                    self.reused_files += 1
                     continue
                 if self.fmt.is_dense:
                     tensors = {h.name: h.load(self.dtype) for k in ks for h in self.handles[k]}
@@ -370,6 +384,7 @@ class ExpertStore:
                 _save_whole(tensors, path, hint, metas[layer])
                 del tensors
                 written.append(path)
+                self.written_files += 1
                 self._point_handles(path, ks)
         except BaseException:
             _release_files(self._held)
