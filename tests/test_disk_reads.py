@@ -111,6 +111,30 @@ def test_a_plan_with_experts_on_disk_is_priced_with_reads_of_the_checkpoint(rt, 
     llm.close()
 
 
+def test_converted_experts_are_priced_with_reads_of_their_copies_once_written(rt, own_profile, tmp_path):
+    """int4 experts are read from converted copies in the offload directory: a first load has none to time and
+    keeps the profile's rate; a later load times reads of the copies the first wrote (one reader and the runtime's
+    two; cached per device and expert size) and plans with them, and says so. The fit holds no file open."""
+    from tiered.checkpoint.handle import _FDS
+
+    off = tmp_path / "off"
+    config = engine_config(accelerator="none", expert_weights="int4", offload_dir=str(off), resident_experts=0,
+                           expert_cache_slots=1)
+    first = LLM(rt.dir("mixtral"), config)
+    assert any(l.experts_disk for l in first.plan.layers) and first.experts.store.written_files
+    assert "disk_reads_fitted" not in first._profile.meta
+    first.close()
+    again = LLM(rt.dir("mixtral"), config)
+    hw = again._profile
+    assert hw.meta["disk_reads_fitted"] == f"the converted experts in {off}"
+    assert hw.models["disk/read_cold"] != BOX["disk/read_cold"] and "disk/read_cold_parallel" in hw.models
+    assert any(f"disk reads of experts timed on the converted experts in {off}" in n for n in again.plan.notes)
+    (entry,) = [v for k, v in json.loads(disk_reads.cache_path().read_text()).items() if k.startswith("offload reads")]
+    assert LinearModel(**entry["disk/read_cold"]) == hw.models["disk/read_cold"]
+    again.close()
+    assert not any(k[0].startswith(str(off)) for k in _FDS)
+
+
 def test_no_disk_fit_without_experts_on_disk_with_a_given_profile_or_when_turned_off(rt, own_profile, monkeypatch,
                                                                                    tmp_path):
     calls = []

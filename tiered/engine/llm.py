@@ -216,7 +216,7 @@ class LLM:
         try:
             dtype = sizes.torch_dtype(experts)
         except ConfigError:  # a quantized format: converted to the offload directory, read from there
-            return None
+            return self._offload_reads(say)
 
         def refit(hw):
             from tiered.hardware.disk_reads import fitted_disk_reads, with_disk_reads
@@ -231,6 +231,28 @@ class LLM:
                 note = f"could not time expert reads from the checkpoint's files ({e}): disk reads priced by the profile"
                 return replace(hw, meta=dict(hw.meta, notes=list(hw.meta.get("notes", [])) + [note]))
             return with_disk_reads(hw, fits, "the checkpoint's files") if fits else None
+        return refit
+
+    def _offload_reads(self, say):
+        """_disk_reads for experts read from converted copies in the offload directory (EngineConfig.offload_dir, or
+        memory/expert_store.default_offload_dir's): the profile with disk/read_cold(_parallel) timed on the copies an
+        earlier load wrote there (hardware/disk_reads.fitted_offload_reads; none yet: the profile's)."""
+        from tiered.memory.expert_store import default_offload_dir
+
+        ec = self.engine_config
+        where = Path(ec.offload_dir) if ec.offload_dir else default_offload_dir(self.checkpoint.path)
+
+        def refit(hw):
+            from tiered.hardware.disk_reads import fitted_offload_reads, with_disk_reads
+            from tiered.hardware.profiler import DISK_READERS
+
+            if say is not None:
+                say("the plan reads experts from disk: timing a few expert reads from the offload directory")
+            try:
+                fits = fitted_offload_reads(hw, where, DISK_READERS)
+            except OSError:
+                return None  # the profile's rate
+            return with_disk_reads(hw, fits, f"the converted experts in {where}") if fits else None
         return refit
 
     def _experts_format(self, weights: str, decode: str) -> str | None:

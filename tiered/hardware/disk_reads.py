@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from tiered.checkpoint.handle import release_file
 from tiered.hardware.profile import HardwareProfile, LinearModel
 
 SAMPLE_BYTES = 1 << 30  # at most about this many bytes read by one fit (reads of 1-4 experts)
@@ -77,9 +78,7 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
     Raises:
         ValueError: the checkpoint has no routed experts stored in `dtype` (expert_reads_direct).
     """
-    from tiered.checkpoint.handle import _fd
-    from tiered.hardware.profiler import fit_affine
-    from tiered.memory.expert_store import advise, expert_tensor_names, moe_layers, read_uncached, write_back
+    from tiered.memory.expert_store import expert_tensor_names, moe_layers
 
     if not expert_reads_direct(checkpoint, config, dtype):
         raise ValueError("the checkpoint's experts are not stored in the compute dtype: the runtime reads them "
@@ -87,6 +86,17 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
     names = lambda layer, e: expert_tensor_names(config.model_type, layer, e)  # noqa: E731
     keys = [(layer, e) for e in range(config.num_experts) for layer in moe_layers(checkpoint, config)]
     handles = {k: [checkpoint.handle(n) for n in names(*k)] for k in keys}
+    return fit_handle_reads(handles, readers, budget_bytes)
+
+
+def fit_handle_reads(handles: dict, readers: int = 1, budget_bytes: int = SAMPLE_BYTES) -> LinearModel:
+    """fit_expert_reads' timing over `handles` ({expert key: [TensorHandle, ...]}, each readable raw: an offset and
+    a stored dtype, every expert of the first's sizes), in the keys' order."""
+    from tiered.checkpoint.handle import STORED_DTYPES, _fd
+    from tiered.hardware.profiler import fit_affine
+    from tiered.memory.expert_store import advise, read_uncached, write_back
+
+    keys = list(handles)
     expert_bytes = sum(h.nbytes for h in handles[keys[0]])
     write_back(sorted({h.path for hs in handles.values() for h in hs}))  # dirty pages would not drop
     # experts per sample: a decode layer's few misses (up to top-k: 8 for Qwen-MoE widths)
@@ -97,7 +107,7 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
             reps -= 1
         else:
             sizes.pop()
-    outs = [[torch.zeros(h.shape, dtype=dtype) for h in handles[keys[0]]] for _ in range(readers)]
+    outs = [[torch.zeros(h.shape, dtype=STORED_DTYPES[h.format]) for h in handles[keys[0]]] for _ in range(readers)]
     times: dict[int, list[float]] = {}
     at = 0
     with ThreadPoolExecutor(readers) as pool:
@@ -109,7 +119,7 @@ def fit_expert_reads(checkpoint, config, dtype: torch.dtype, readers: int = 1,
                 at += n
                 for k in sample:  # cold: none of the sample's pages in the page cache
                     for h in handles[k]:
-                        os.posix_fadvise(_fd(h.path), h.offset, h.nbytes, os.POSIX_FADV_DONTNEED)
+                        os.posix_fadvise(_fd(h.path, inode=h.inode), h.offset, h.nbytes, os.POSIX_FADV_DONTNEED)
                 parts = [sample[i::readers] for i in range(readers)]
 
                 def read_part(i: int) -> None:
@@ -142,6 +152,12 @@ def fitted_disk_reads(profile: HardwareProfile, checkpoint, config, dtype: torch
     hs = _first_expert(checkpoint, config)
     key = (f"reads v{READ_VERSION}; dev {os.stat(hs[0].path).st_dev}; expert {[list(h.shape) for h in hs]} {dtype}; readers {readers}; "
            f"profile {profile.source}")
+    return _cached_fits(key, lambda n: fit_expert_reads(checkpoint, config, dtype, readers=n), readers)
+
+
+def _cached_fits(key: str, fit, readers: int) -> dict[str, LinearModel]:
+    """The fits cached under `key` in cache_path(), else `fit(1)` (and `fit(readers)` for several readers) measured
+    and cached."""
     path = cache_path()
     try:
         cached = json.loads(path.read_text())
@@ -152,9 +168,9 @@ def fitted_disk_reads(profile: HardwareProfile, checkpoint, config, dtype: torch
             return {k: LinearModel(**v) for k, v in cached[key].items()}
         except TypeError:
             pass  # malformed entry: fit again
-    fits = {"disk/read_cold": fit_expert_reads(checkpoint, config, dtype)}
+    fits = {"disk/read_cold": fit(1)}
     if readers > 1:
-        fits["disk/read_cold_parallel"] = fit_expert_reads(checkpoint, config, dtype, readers=readers)
+        fits["disk/read_cold_parallel"] = fit(readers)
     cached[key] = {k: {"alpha": m.alpha, "beta": m.beta, "r2": m.r2} for k, m in fits.items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -162,6 +178,63 @@ def fitted_disk_reads(profile: HardwareProfile, checkpoint, config, dtype: torch
     except OSError:
         pass  # a read-only cache directory: fit again next time
     return fits
+
+
+def offload_expert_handles(directory) -> tuple[dict, list] | None:
+    """The converted quantized experts an earlier load wrote into offload `directory` (memory/expert_store:
+    layer files `experts-layer*.safetensors` of uint8 tensors "expert.N"), as ({(n, file): [its U8 TensorHandle]},
+    [(path, inode) held]): every file held open while the fit reads them (handle.hold_file; release_file each
+    after), the experts of the commonest size, interleaved across the files. None where there are none."""
+    from pathlib import Path
+
+    from tiered.checkpoint.handle import TensorHandle, hold_file
+    from tiered.checkpoint.hf_dir import _check_safetensors_file
+    from tiered.errors import CheckpointError
+
+    found, held = {}, []
+    for path in sorted(Path(directory).glob("experts-layer*.safetensors")):
+        try:
+            inode = hold_file(str(path))
+        except OSError:
+            continue
+        held.append((str(path), inode))
+        try:
+            header, n = _check_safetensors_file(path)
+        except (CheckpointError, OSError):
+            continue
+        for name, meta in header.items():
+            if name.startswith("expert.") and isinstance(meta, dict) and meta.get("dtype") == "U8":
+                begin, end = meta["data_offsets"]
+                found[(int(name.split(".")[1]), path.name)] = [TensorHandle(
+                    name, (end - begin,), "U8", end - begin, str(path), lambda: None, offset=8 + n + begin, inode=inode)]
+    if not found:
+        for path, inode in held:
+            release_file(path, inode)
+        return None
+    sizes = [hs[0].nbytes for hs in found.values()]
+    common = max(set(sizes), key=sizes.count)
+    return {k: found[k] for k in sorted(found) if found[k][0].nbytes == common}, held
+
+
+def fitted_offload_reads(profile: HardwareProfile, directory, readers: int) -> dict[str, LinearModel] | None:
+    """fitted_disk_reads for experts the runtime reads from an offload directory's converted copies (quantized
+    formats): fitted on the copies an earlier load wrote there (offload_expert_handles), cached per device, expert
+    size and profile; None where the directory holds none yet (a first load: the profile's rate), or
+    TIERED_DISK_FIT=0."""
+    if os.environ.get("TIERED_DISK_FIT", "1") == "0" or not os.path.isdir(directory):
+        return None
+    found = offload_expert_handles(directory)
+    if found is None:
+        return None
+    handles, held = found
+    try:
+        nbytes = next(iter(handles.values()))[0].nbytes
+        key = (f"offload reads v{READ_VERSION}; dev {os.stat(directory).st_dev}; expert {nbytes} bytes; "
+               f"readers {readers}; profile {profile.source}")
+        return _cached_fits(key, lambda n: fit_handle_reads(handles, readers=n), readers)
+    finally:
+        for path, inode in held:
+            release_file(path, inode)
 
 
 def with_disk_reads(profile: HardwareProfile, fits: dict[str, LinearModel], where: str) -> HardwareProfile:
