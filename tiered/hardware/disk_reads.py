@@ -16,7 +16,9 @@ itself, the way `ExpertStore.read` does them (memory/expert_store.read_uncached:
 tensors in one preadv into buffers already in memory, read-ahead off, its pages dropped after), one
 reader and the runtime's parallel readers, and plans again with those fits (`with_disk_reads`). The fit is cached per
 device and expert layout in <cache dir>/disk_reads.json, keyed also by the profile it refines, so
-a new `tiered profile` measures it again. TIERED_DISK_FIT=0 turns it off.
+a new `tiered profile` measures it again. TIERED_DISK_FIT=0 turns it off. Experts the runtime reads from converted
+copies in the offload directory (quantized formats) are timed the same way on the copies an earlier load wrote there
+(`fitted_offload_reads`); a first load has none and keeps the profile's rate.
 """
 
 from __future__ import annotations
