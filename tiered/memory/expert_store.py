@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import weakref
 from pathlib import Path
 
@@ -143,7 +144,8 @@ def _save_whole(tensors: dict, path: Path, hint: str, metadata: dict[str, str] |
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    tmp = path.with_name(path.name + ".partial")
+    # a name of this writer's own: two loads converting into one directory at once each write their own file
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
     try:
         save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, path)
