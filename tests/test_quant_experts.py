@@ -476,7 +476,13 @@ def test_engines_sharing_an_offload_dir_read_their_own_experts(tmp_path):
     check(c, alone[0])
     check(b, alone[3])
     check(a, alone[0])
-    for llm in (a, b, c):
+    d = engine(0, "shared")  # reads c's files as they are: both hold them
+    assert d.experts.store.reused_files and not d.experts.store.written_files
+    c.close()  # d's hold keeps them open
+    e = engine(3, "shared")  # replaces the paths again
+    check(d, alone[0])
+    check(e, alone[3])
+    for llm in (a, b, d, e):
         llm.close()
     assert not any(k[2] is not None and k[0].startswith(str(tmp_path)) for k in _FDS)  # closed with their engines
 

@@ -57,17 +57,26 @@ def _fd(path: str, random_access: bool = False, inode: int | None = None) -> int
         return _FDS[key]
 
 
+_HOLDS: dict[tuple[str, int], int] = {}  # (path, inode) -> holders (hold_file, release_file)
+
+
 def hold_file(path: str) -> int:
     """Open `path`'s descriptors now (the plain one and the random-access one, `_fd`) and return its inode,
     for handles that must read this very file (TensorHandle.inode): a converted offload file that a later
     conversion (another engine, in this process or another, into the same directory) replaces by rename.
     POSIX keeps a replaced file's data while a descriptor of it is open, so the engine that wrote it reads
-    its own bytes to the end; `release_file` closes them.
+    its own bytes to the end. Holds are counted per file: engines reading the same file (a later load reusing
+    it) each hold it, and `release_file` closes its descriptors when the last lets go.
 
     Raises:
         OSError: the file cannot be opened, or was replaced between the two opens."""
     fd = os.open(path, os.O_RDONLY)
     inode = os.fstat(fd).st_ino
+    with _FD_LOCK:
+        if _HOLDS.get((path, inode), 0) > 0:  # held already: its descriptors are this file's
+            _HOLDS[path, inode] += 1
+            os.close(fd)
+            return inode
     try:
         ra = _open(path, True, inode)
     except BaseException:
@@ -79,13 +88,19 @@ def hold_file(path: str) -> int:
             if old is not None:
                 os.close(old)
             _FDS[key] = d
+        _HOLDS[path, inode] = _HOLDS.get((path, inode), 0) + 1
     return inode
 
 
 def release_file(path: str, inode: int) -> None:
-    """Close the descriptors `hold_file(path)` opened for `inode` (its data is freed then if the path
-    was replaced meanwhile). Handles with that inode cannot be read afterwards."""
+    """Let go of one hold_file(path) of `inode`; the last closes its descriptors (the file's data is freed then
+    if the path was replaced meanwhile), and handles with that inode cannot be read afterwards."""
     with _FD_LOCK:
+        left = _HOLDS.get((path, inode), 0) - 1
+        if left > 0:
+            _HOLDS[path, inode] = left
+            return
+        _HOLDS.pop((path, inode), None)
         for ra in (False, True):
             fd = _FDS.pop((path, ra, inode), None)
             if fd is not None:
