@@ -210,49 +210,37 @@ class LLM:
         return plan, profile
 
     def _disk_reads(self, experts: str, say):
-        """engine_plan's `disk_reads`: the profile with disk/read_cold(_parallel) timed on this checkpoint's
-        expert reads (hardware/disk_reads), when its disk-tier experts in format `experts` would be read
-        straight from its files; None (keep the profile's) for formats the store converts first."""
+        """engine_plan's `disk_reads`: the profile with disk/read_cold(_parallel) timed on the files the runtime
+        reads its disk-tier experts in format `experts` from (hardware/disk_reads): this checkpoint's own files
+        where it stores them so (fitted_disk_reads), else the converted copies an earlier load wrote into the
+        offload directory (EngineConfig.offload_dir, or memory/expert_store.default_offload_dir's;
+        fitted_offload_reads: none yet, the profile's rate)."""
+        from tiered.hardware import disk_reads
+
         try:
             dtype = sizes.torch_dtype(experts)
+            where = "the checkpoint's files"
+            fit = lambda hw, n: disk_reads.fitted_disk_reads(hw, self.checkpoint, self.config, dtype, n)  # noqa: E731
         except ConfigError:  # a quantized format: converted to the offload directory, read from there
-            return self._offload_reads(say)
+            from tiered.memory.expert_store import default_offload_dir
+
+            ec = self.engine_config
+            directory = Path(ec.offload_dir) if ec.offload_dir else default_offload_dir(self.checkpoint.path)
+            where = f"the converted experts in {directory}"
+            fit = lambda hw, n: disk_reads.fitted_offload_reads(hw, directory, n)  # noqa: E731
 
         def refit(hw):
-            from tiered.hardware.disk_reads import fitted_disk_reads, with_disk_reads
             from tiered.hardware.profiler import DISK_READERS
 
             if say is not None:
-                say("the plan reads experts from disk: timing a few expert reads from the checkpoint's files")
+                say(f"the plan reads experts from disk: timing a few expert reads from {where}")
             try:
-                fits = fitted_disk_reads(hw, self.checkpoint, self.config, dtype, DISK_READERS)
+                fits = fit(hw, DISK_READERS)
             except OSError as e:  # the plan keeps the profile's rate and says why
                 from dataclasses import replace
-                note = f"could not time expert reads from the checkpoint's files ({e}): disk reads priced by the profile"
+                note = f"could not time expert reads from {where} ({e}): disk reads priced by the profile"
                 return replace(hw, meta=dict(hw.meta, notes=list(hw.meta.get("notes", [])) + [note]))
-            return with_disk_reads(hw, fits, "the checkpoint's files") if fits else None
-        return refit
-
-    def _offload_reads(self, say):
-        """_disk_reads for experts read from converted copies in the offload directory (EngineConfig.offload_dir, or
-        memory/expert_store.default_offload_dir's): the profile with disk/read_cold(_parallel) timed on the copies an
-        earlier load wrote there (hardware/disk_reads.fitted_offload_reads; none yet: the profile's)."""
-        from tiered.memory.expert_store import default_offload_dir
-
-        ec = self.engine_config
-        where = Path(ec.offload_dir) if ec.offload_dir else default_offload_dir(self.checkpoint.path)
-
-        def refit(hw):
-            from tiered.hardware.disk_reads import fitted_offload_reads, with_disk_reads
-            from tiered.hardware.profiler import DISK_READERS
-
-            if say is not None:
-                say("the plan reads experts from disk: timing a few expert reads from the offload directory")
-            try:
-                fits = fitted_offload_reads(hw, where, DISK_READERS)
-            except OSError:
-                return None  # the profile's rate
-            return with_disk_reads(hw, fits, f"the converted experts in {where}") if fits else None
+            return disk_reads.with_disk_reads(hw, fits, where) if fits else None
         return refit
 
     def _experts_format(self, weights: str, decode: str) -> str | None:
