@@ -808,3 +808,74 @@ def test_int4_projections_past_the_kernel_rows_dequantize_in_the_isas_gemm_dtype
     assert torch.equal(ex.project(x, v, "int4", "tiled"), F.linear(x, wq))
     within = ex.project(x[:ex.NATIVE_ROWS], v, "int4", "tiled")  # the kernel (bf16 activations) either way
     assert (within - F.linear(x[:ex.NATIVE_ROWS], wq)).abs().max() < 2e-2 * F.linear(x, wq).abs().max()
+
+
+def test_the_default_offload_dir_deletes_the_least_recently_used_conversions_for_room(tmp_path, monkeypatch):
+    """Without --offload-dir, a load whose conversions do not fit the disk's free space deletes other checkpoints'
+    converted files under tiered's cache, least recently used first (a load reading a file as it is counts as a
+    use), never files an engine holds; where even those would not make room it fails with a ConfigError and
+    deletes nothing."""
+    import shutil
+
+    from moe_fixtures import make_moe_checkpoint
+
+    from tiered.errors import ConfigError
+    from tiered.memory.expert_store import default_offload_dir
+
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
+    ckpts = {n: make_moe_checkpoint("qwen3_moe", tmp_path / n) for n in ("m1", "m2", "m3")}
+    config = EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", plan="off", expert_weights="int4",
+                          expert_cache_slots=2, resident_experts=0)
+
+    def files(name: str) -> list:
+        return sorted(default_offload_dir(ckpts[name]).glob("*.safetensors"))
+
+    tokens = {}
+    for name in ("m1", "m2", "m1"):  # m1 loaded again after m2: read as it is, and now the more recently used
+        with LLM(ckpts[name], config) as llm:
+            tokens.setdefault(name, llm.generate(PROMPT, GREEDY)[0].token_ids)
+            assert llm.generate(PROMPT, GREEDY)[0].token_ids == tokens[name]
+    size = sum(f.stat().st_size for f in files("m1"))
+    assert size > 0 and size == sum(f.stat().st_size for f in files("m2"))
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=0))  # a full disk
+    m3 = LLM(ckpts["m3"], config)  # needs one checkpoint's conversions: m2's, the older, are deleted
+    assert m3.experts.store.evicted == (size, 1) and m3.experts.store.written_files == 1
+    assert not default_offload_dir(ckpts["m2"]).exists() and files("m1") and files("m3")
+    assert m3.generate(PROMPT, GREEDY)[0].token_ids == tokens["m1"]  # the same generated weights
+    m2 = LLM(ckpts["m2"], config)  # m3's files are held by its engine: m1's go
+    assert m2.experts.store.evicted == (size, 1) and not files("m1")
+    assert m2.generate(PROMPT, GREEDY)[0].token_ids == tokens["m2"]
+    with pytest.raises(ConfigError, match="free"):  # only held files left: nothing deleted, a clear error
+        LLM(ckpts["m1"], config)
+    assert files("m2") and files("m3") and not default_offload_dir(ckpts["m1"]).exists()
+    for llm in (m2, m3):
+        llm.close()
+
+
+def test_replacing_offload_files_an_engine_still_reads_frees_no_room(tmp_path, monkeypatch):
+    """The free-space check counts the files a conversion replaces as room given back only where no engine of this
+    process still reads them (their data stays on disk until it closes): on a full disk a load that would replace
+    an open engine's files is refused with a ConfigError, and once that engine closed the same load fits."""
+    import shutil
+
+    from moe_fixtures import make_moe_checkpoint
+
+    from tiered.errors import ConfigError
+
+    ckpt = make_moe_checkpoint("qwen3_moe", tmp_path / "m")
+
+    def config(resident: int) -> EngineConfig:
+        return EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", plan="off",
+                            expert_weights="int4", expert_cache_slots=2, resident_experts=resident,
+                            offload_dir=str(tmp_path / "off"))
+
+    first = LLM(ckpt, config(0))
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=0))  # a full disk
+    with pytest.raises(ConfigError, match="free"):
+        LLM(ckpt, config(3))  # other disk experts: every file of the first replaced
+    assert first.generate(PROMPT, GREEDY)[0].token_ids  # still reads its own files
+    first.close()
+    with LLM(ckpt, config(3)) as other:
+        assert other.experts.store.written_files > 0

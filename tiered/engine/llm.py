@@ -327,9 +327,13 @@ class LLM:
             if progress and store.offload_dir is not None and store.written_files:  # GBs a user should know of
                 from rich.console import Console
 
+                from tiered.hardware.budget import format_bytes
+
                 Console(stderr=True).print(
                     f"[dim]{store.placement.count('disk')} experts on disk converted into {store.offload_dir} "
-                    f"({store.written_files} files; later loads read them as they are; --offload-dir moves them)[/dim]",
+                    f"({store.written_files} files; later loads read them as they are; --offload-dir moves them)"
+                    + (f"; {format_bytes(store.evicted[0])} of older conversions ({store.evicted[1]} files, least "
+                       f"recently used) deleted to make room" if store.evicted[1] else "") + "[/dim]",
                     highlight=False, soft_wrap=True)
         self.model.eval()
 

@@ -170,6 +170,58 @@ def default_offload_dir(source) -> Path:
     return cache_dir() / "offload" / f"{Path(real).stem}-{hashlib.sha1(real.encode()).hexdigest()[:12]}"
 
 
+def evict_offload_files(root: Path, need: int, keep) -> tuple[int, int]:
+    """Delete the least recently used converted layer files under tiered's default offload root (`root`:
+    <cache>/offload, one directory per checkpoint, default_offload_dir) until `need` more bytes are free: files of
+    other checkpoints, and of this one's earlier placements or formats, oldest modification time first (a load
+    that reads a file as it is touches it, ExpertStore._convert). Files in `keep` (the ones this load writes or
+    reads) and files an engine of this process holds open (handle.hold_file) are never deleted; an engine of
+    another process that has one open goes on reading it (POSIX keeps an unlinked file's data while it is open).
+    Directories left empty are removed. Returns (bytes freed, files deleted); (0, 0), nothing deleted, where all
+    the files it may delete would not free `need` bytes (the load fails then, and the cache loses nothing)."""
+    from tiered.checkpoint.handle import _HOLDS
+
+    held = {path for path, _ in _HOLDS}
+    keep = {os.path.realpath(p) for p in keep}
+    candidates = []
+    for path in root.glob("*/experts-layer*.safetensors"):
+        real = os.path.realpath(path)
+        if real in keep or str(path) in held or real in held:
+            continue
+        try:
+            st = path.stat()
+        except OSError:
+            continue  # gone meanwhile (another process evicted it)
+        candidates.append((st.st_mtime_ns, str(path), st.st_size))
+    if sum(size for _, _, size in candidates) < need:
+        return 0, 0
+    freed = deleted = 0
+    for _, path, size in sorted(candidates):
+        if freed >= need:
+            break
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        freed += size
+        deleted += 1
+        try:
+            os.rmdir(os.path.dirname(path))
+        except OSError:
+            pass  # other files left there
+    return freed, deleted
+
+
+def _held_here(path: Path) -> bool:
+    """Whether an engine of this process holds the file now at `path` open (handle.hold_file)."""
+    from tiered.checkpoint.handle import _HOLDS
+
+    try:
+        return (str(path), path.stat().st_ino) in _HOLDS
+    except OSError:
+        return False
+
+
 def _written_for(path: Path, meta: dict[str, str]) -> bool:
     """Whether the converted layer file `path` exists with metadata `meta` (ExpertStore._file_meta: the same
     experts of the same checkpoint file in the same format), a valid safetensors file."""
@@ -297,6 +349,7 @@ class ExpertStore:
         self.offload_dir: Path | None = None  # where its converted disk experts are (_convert), if any
         self.reused_files = 0  # converted layer files an earlier load wrote that this one reads as they are
         self.written_files = 0  # converted layer files this load wrote
+        self.evicted = (0, 0)  # (bytes, files) of other conversions deleted from the default offload root to make room
         if needs_conversion:
             self._convert(checkpoint, needs_conversion, offload_dir)
             weakref.finalize(self, _release_files, self._held)
@@ -341,7 +394,9 @@ class ExpertStore:
         and modification time) in the same format, per its metadata, is read as it is, not written again, where
         its first expert reads back as this store converts it (a check that catches a file of another version's
         conversion); else it is replaced (by rename: an engine reading the old one goes on reading its own,
-        handle.hold_file).
+        handle.hold_file). In tiered's default offload directory (`offload_dir` None), where the disk has too
+        little room, the least recently used conversions of other checkpoints and placements are deleted first
+        (evict_offload_files; `evicted` counts them); a directory the user gave is never cleared.
 
         Raises:
             ConfigError: the directory cannot be created or written (not a directory, permission denied,
@@ -366,11 +421,15 @@ class ExpertStore:
                     raise ConfigError(f"offload directory {out} is a file, not a directory", hint)
                 created = not out.exists()
                 out.mkdir(parents=True, exist_ok=True)
-                # files of an earlier run that this one replaces give their room back
+                # files of an earlier run that this one replaces give their room back, unless an engine of this
+                # process still reads them (handle.hold_file: their data stays until it closes)
                 free = shutil.disk_usage(out).free + sum(f.stat().st_size for layer, f in files.items()
-                                                         if f.is_file() and layer not in kept)
+                                                         if f.is_file() and layer not in kept and not _held_here(f))
             except OSError as e:
                 raise ConfigError(f"offload directory {out} cannot be used ({e.strerror or e})", hint) from None
+            if free < need and not offload_dir:  # tiered's own cache: older conversions make room
+                self.evicted = evict_offload_files(out.parent, need - free, files.values())
+                free += self.evicted[0]
             if free < need:
                 raise ConfigError(f"offload directory {out} has {format_bytes(free)} free, the {len(keys)} converted "
                                   f"experts need {format_bytes(need)}", hint)
@@ -378,6 +437,10 @@ class ExpertStore:
                 path = files[layer]
                 if layer in kept and self._point_handles(path, ks, check=True):
                     self.reused_files += 1
+                    try:
+                        os.utime(path)  # used now: the last to go when the cache makes room (evict_offload_files)
+                    except OSError:
+                        pass  # a read-only directory: kept as it is
                     continue
                 if self.fmt.is_dense:
                     tensors = {h.name: h.load(self.dtype) for k in ks for h in self.handles[k]}
