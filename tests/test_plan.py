@@ -316,6 +316,61 @@ def test_a_small_layers_calls_run_slower_a_byte_as_the_step_timed_them():
     assert step - plain_step == pytest.approx(2 * (sum(layers[0]) - sum(plain[0])))
 
 
+def test_a_step_the_caches_partly_hold_streams_at_the_rate_timed_at_its_working_set():
+    """op_time.cache_factor: runtime/decode_ws/int4's points (working set bytes, seconds a byte) over its cold set's
+    rate, interpolated in log bytes, held below the smallest set, 1 from the cold set on and where not profiled. A
+    native step at one row whose weight bytes the caches hold streams its dense layers and head at that factor of
+    their price from memory (2 AMX cores, 480 MiB L3 reported: SmolLM2's 89 MB step priced 3.9 ms, ran 2.5); batched
+    rows and routed experts keep their price."""
+    from dataclasses import replace
+
+    from tiered.hardware.op_time import cache_factor
+    from tiered.planner.cpu_predict import predict_decode, step_weight_bytes
+
+    MiB = 1 << 20
+    key = "runtime/decode_ws/int4"
+    pts = [[16 * MiB, 20e-12], [64 * MiB, 20e-12], [256 * MiB, 40e-12], [1024 * MiB, 40e-12]]
+    models = {"runtime/decode_layer/int4": LinearModel(0.0, 40e-12, 1.0), "gemv/cpu/int4": LinearModel(0.0, 1e-12, 1.0),
+              "gemv/cpu/int8": LinearModel(0.0, 1e-12, 1.0), key: LinearModel(0.0, 40e-12, None)}
+    hw = HardwareProfile("cpu-box", "test", models, None, None, meta={"native_kernels": True, "points": {key: pts}})
+    assert cache_factor(hw, 8 * MiB) == cache_factor(hw, 64 * MiB) == 0.5
+    assert cache_factor(hw, 128 * MiB) == pytest.approx(0.75)  # halfway in log bytes
+    assert cache_factor(hw, 256 * MiB) == cache_factor(hw, 4096 * MiB) == 1.0
+    plain = replace(hw, meta={"native_kernels": True})
+    assert cache_factor(hw, 0) == cache_factor(plain, 8 * MiB) == 1.0
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    assert step_weight_bytes(cfg, "int4") < 16 * MiB
+    (layers, step), (plain_layers, plain_step) = [predict_decode(cfg, p, "int4", context=0, head_dtype="int8")
+                                                  for p in (hw, plain)]
+    assert step < plain_step
+    assert layers[0][1] == pytest.approx(plain_layers[0][1] / 2)  # the MLP's stream at half its price
+    # a batched step's rows keep their price from memory
+    assert predict_decode(cfg, hw, "int4", context=0, batch=4) == predict_decode(cfg, plain, "int4", context=0, batch=4)
+    # a model whose step is beyond the timed sets: as before
+    big = replace(cfg, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=128, num_hidden_layers=8)
+    assert step_weight_bytes(big, "int4") > 256 * MiB
+    assert predict_decode(big, hw, "int4", context=0) == predict_decode(big, plain, "int4", context=0)
+
+
+@pytest.mark.skipif(not __import__("tiered.kernels", fromlist=["available"]).available(), reason="needs tiered/kernels")
+def test_the_profile_times_the_native_step_over_working_sets():
+    """profiler._decode_ws_points: the native step's int4 layers cycled over each working set and over the cold one
+    (seconds a weight byte, the sets ascending, the cold one last and largest); Bench.fit keeps the cold set's rate
+    as the key's model and the points for op_time.cache_factor."""
+    from tiered.hardware.profiler import DECODE_LAYER_SHAPES, MiB, _Bench, _decode_ws_points
+
+    pts = _decode_ws_points(3, None, DECODE_LAYER_SHAPES[0], sets_mib=(8, 16), cold=48 * MiB)  # 8 MB a run of layers
+    assert len(pts) == 3 and [n for n, _ in pts] == sorted(n for n, _ in pts)
+    assert pts[0][0] == pytest.approx(8 * MiB, rel=0.3) and pts[-1][0] >= 48 * MiB
+    assert all(1e-13 < t < 1e-8 for _, t in pts)  # 0.1-10,000 GB/s: a real stream's rate
+    b = _Bench(True, None, None)
+    b.fit("runtime/decode_ws/int4", pts)
+    assert b.models["runtime/decode_ws/int4"] == LinearModel(0.0, pts[-1][1], None)
+    assert b.points["runtime/decode_ws/int4"] == pts
+
+
 def test_cpu_moe_prefill_prices_experts_in_the_activations_dtype():
     """Experts of a prefill (more than 8 rows each) compute in the activations' dtype: the expert's
     weights are converted or dequantized to it once per call. On AVX2, fp32 GEMMs are ~6x faster than

@@ -454,6 +454,10 @@ def test_quick_profile_structure(measured):
             assert m.alpha > 0 and m.r2 is None
         elif key in ("runtime/engine_token", "runtime/burst_token"):  # a token's loop: a constant, 0 at the least
             assert m.beta == 0.0 and m.r2 is None
+        elif key == "runtime/decode_ws/int4":  # seconds a byte by working set: the cold set's rate (profiler 47)
+            points = p.meta["points"][key]
+            assert m.alpha == 0.0 and m.r2 is None and m.beta == points[-1][1] > 0, key
+            assert len(points) >= 2 and [n for n, _ in points] == sorted(n for n, _ in points), key
         elif key.startswith("gemm_pack/"):  # a GEMM call's weight bytes, fitted with its key's points (profiler 41)
             line = p.models["gemm/" + key[len("gemm_pack/"):]]
             assert m.alpha == 0.0 and m.r2 == line.r2 and len(p.meta["points"]["gemm/" + key[len("gemm_pack/"):]]) >= 4

@@ -50,6 +50,9 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     runtime/decode_layer/int4  the native decode step's dense layers at real widths (SmolLM2's and up), int4
                          decode copies read from memory, less the layer code (runtime/decode_step's per
                          layer): its calls, fitted through the origin   n = a layer's int4 weight bytes
+    runtime/decode_ws/int4  the same layers (768 wide) cycled over working sets of 16-512 MiB and over 3 x the
+                         last-level cache: seconds a weight byte (points only: op_time.cache_factor; the model is
+                         the cold set's rate, alpha 0)            n = the working set's bytes
     runtime/step_rows/int4  the native step's layer code at prompt rows (SmolLM2's widths), beyond the rows'
                          four int4 kernel calls, seconds a layer   n = rows x (hidden + intermediate)
     runtime/batch_rows/int4q8  a row past the first of a batched native decode step (a server's sequences) over
@@ -425,6 +428,11 @@ class _Bench:
                 self.say(f"{key}: alpha={line.alpha:.3g} s beta={line.beta:.3g} s/unit, {pack.beta:.3g} s a weight "
                          f"byte R^2={round(line.r2, 3)}")
                 return
+        if key.startswith("runtime/decode_ws/"):  # seconds a byte by working set: the cold set's rate (its points
+            m = LinearModel(0.0, max(points)[1], None)  # give the rest, op_time.cache_factor)
+            self.models[key] = m
+            self.say(f"{key}: " + ", ".join(f"{n / MiB:.0f} MiB {1 / t / 1e9:.1f} GB/s" for n, t in points))
+            return
         # reads and copies of MiBs; the native step's layers per byte, fixed costs in (_decode_layer_points)
         # and its attention over prompt rows per multiply-add (_attn_rows_points: the affine fit's intercept, ~0.45 ms
         # a layer on 2 Zen 5 cores, is the longer prompts' rate improving, and would price a 64-token SmolLM2
@@ -1480,18 +1488,81 @@ class _ColdInt4Layers:
         self.model, self.step = _int4_dense_step(self.cfg, 64, distinct=DECODE_LAYER_RUN)
         self._starts = itertools.cycle(range(0, runs * DECODE_LAYER_RUN, DECODE_LAYER_RUN))
 
-    def call(self, B: int) -> Callable[[], None]:
-        """One timed call: the next DECODE_LAYER_RUN layers on B rows (their own cache, built here)."""
+    def call(self, B: int, runs: int | None = None) -> Callable[[], None]:
+        """One timed call: the next DECODE_LAYER_RUN layers on B rows (their own cache, built here). `runs`: cycle
+        over the first that many runs of DECODE_LAYER_RUN layers only (a smaller working set), each call its own
+        cycle; None: over all of them, shared by every call."""
         from tiered.models.layers import KVCache
 
         cache = KVCache(self.cfg, B, 64, torch.bfloat16, "cpu")
         x, p, slots = torch.randn(B, self.cfg.hidden_size), torch.full((B,), 32), torch.arange(B)
         cos, sin = self.model.rotary.cos[p], self.model.rotary.sin[p]
+        starts = self._starts if runs is None else itertools.cycle(range(0, runs * DECODE_LAYER_RUN, DECODE_LAYER_RUN))
 
         def call() -> None:
-            i = next(self._starts)
+            i = next(starts)
             self.step.native.forward(x, cos, sin, slots, p, cache.k, cache.v, i, i + DECODE_LAYER_RUN)
         return call
+
+    @property
+    def runs(self) -> int:
+        """Runs of DECODE_LAYER_RUN layers held."""
+        return self.cfg.num_hidden_layers // DECODE_LAYER_RUN
+
+
+# runtime/decode_ws/int4's working sets [MiB]: the native step's layers cycled over this many weight bytes, each
+# below the set it takes as out of every cache (decode_ws_cold)
+DECODE_WS_MIB = (16, 32, 64, 128, 256, 512)
+DECODE_WS_SAMPLE = 10e-3  # seconds a timed sample of one working set takes at least (whole passes over it)
+
+
+def decode_ws_cold(llc: int | None, quick: bool = False) -> int:
+    """The working set [bytes] runtime/decode_ws/int4 takes as read from memory: 3 x the last-level cache, within
+    512 MiB - 1.5 GiB; 512 MiB in a quick profile (building 1.4 GiB of layers took ~3 s of the key's 4-5 on 2
+    AMX cores, where 512 MiB read within 4% of its rate)."""
+    return int(512 * MiB if quick else min(max(3 * (llc or 0), 512 * MiB), 1536 * MiB))
+
+
+def _decode_ws_points(repeats: int, llc: int | None, shape=DECODE_LAYER_SHAPES[1], layer_code: float = 0.0,
+                      sets_mib=DECODE_WS_MIB, cold: int | None = None, quick: bool = False) -> list[tuple[float, float]]:
+    """(working set bytes, seconds a weight byte) of tiered's native decode step over dense int4 layers of `shape`
+    (DECODE_LAYER_SHAPES', as runtime/decode_layer/int4 times them), one token, its layers cycled over each of
+    DECODE_WS_MIB below decode_ws_cold(llc) and over that cold set: runtime/decode_ws/int4, how much faster the
+    step streams weights that the caches partly hold between two reads (a model whose step reads fewer bytes than
+    the cache holds). Each round takes every working set in turn: one untimed pass over it (its cache state), then
+    whole passes timed for DECODE_WS_SAMPLE; the median of `repeats` rounds, less `layer_code` a layer
+    (runtime/decode_step's). On 2 cores of a Xeon with AMX whose sysfs reports a 480 MiB L3 (2026-12-04), a
+    768-wide layer's calls ran 1.7x faster cycled over 16-64 MiB than over 1 GiB, 1.2x over 96 and as from memory
+    from 128 MiB, and SmolLM2's 89 MB int4 step ran 2.5 ms a token where runtime/decode_layer/int4 (timed cold)
+    priced 3.9. `quick`: decode_ws_cold's. `sets_mib`, `cold` [bytes]: other working sets (tests). Raises
+    RuntimeError without the kernels."""
+    if not kernels.available():
+        raise RuntimeError("tiered/kernels is not built")
+    from tiered.memory.sizes import bytes_per_element
+
+    cold = cold or decode_ws_cold(llc, quick)
+    layers = _ColdInt4Layers(shape, cold)
+    run_bytes = DECODE_LAYER_RUN * layers.elements * bytes_per_element("int4")
+    sets = sorted({min(layers.runs, max(1, round(mib * MiB / run_bytes))) for mib in sets_mib
+                   if mib * MiB < cold / 2} | {layers.runs})
+    passes = {runs: layers.call(1, runs) for runs in sets}
+    samples: dict[int, list[float]] = {runs: [] for runs in sets}
+    with torch.inference_mode():
+        for _ in range(max(3, repeats)):
+            for runs, call in passes.items():
+                for _ in range(runs):  # the set's cache state: one pass
+                    call()
+                n, t0 = 0, time.perf_counter()
+                while True:
+                    for _ in range(runs):
+                        call()
+                    n += 1
+                    t = time.perf_counter() - t0
+                    if t >= DECODE_WS_SAMPLE:
+                        break
+                layer = t / (n * runs * DECODE_LAYER_RUN) - layer_code
+                samples[runs].append(max(layer, 1e-9) * DECODE_LAYER_RUN / run_bytes)
+    return [(float(runs * run_bytes), float(np.median(samples[runs]))) for runs in sets]
 
 
 def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: int | None = None,
@@ -2152,7 +2223,7 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # (TTFT 1.74 s priced, 1.24 measured).
 # 46: attn_decode/cpu/int8 and attn_rows/cpu/int8, the native step's attention over an int8 KV cache
 # (EngineConfig.kv_cache_dtype "int8": rows dequantized into fp32 scratch a part at a time).
-PROFILER_VERSION = 46
+PROFILER_VERSION = 47
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2317,6 +2388,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         code = b.models.get("runtime/decode_step/bf16")  # the layer code beside int4 copies (step_overhead's)
         b.attempt("runtime/decode_layer/int4", lambda: _decode_layer_points(
             r, probe=pr, layer_code=code.beta if code is not None else 0.0))
+        # ... and cycled over working sets the caches may hold (a small model's step)
+        b.attempt("runtime/decode_ws/int4", lambda: _decode_ws_points(
+            r, b.llc, layer_code=code.beta if code is not None else 0.0, quick=quick))
         b.attempt("runtime/step_rows/int4", lambda: _step_rows_points(r))  # ... and its code at prompt rows
         b.attempt("runtime/batch_rows/int4q8", lambda: _batch_rows_points(r))  # ... and a batched step's rows
         try:  # a decode burst's token beyond its layers' code

@@ -246,11 +246,14 @@ def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, 
     intercept beyond its per-layer fixed cost (op_time.memory_time's `intercept`); one row's calls there
     run no faster than the step ran its layers' calls where the profile timed it over `dtype` layers
     (op_time.step_stream: runtime/decode_layer, the calls' starts and ends in), at the rate of a layer of
-    `layer_bytes` where given (op_time.layer_shape: a small layer's calls run slower a byte than a large one's)."""
+    `layer_bytes` where given (op_time.layer_shape: a small layer's calls run slower a byte than a large one's),
+    and such a row's calls at op_time.cache_factor of that where the step's `working_set` is small enough for the
+    caches to hold part of it."""
     t = op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set, expert,
                             intercept=not in_step) * calls
     if in_step and rows == 1 and not expert:  # (a routed expert's stream: its own keys, memory_time's)
-        t = max(t, weight_bytes * op_time.step_stream(hw, dtype, layer_bytes))
+        # ... and faster where the caches hold part of the step's weights (a small model's)
+        t = max(t, weight_bytes * op_time.step_stream(hw, dtype, layer_bytes)) * op_time.cache_factor(hw, working_set)
     return t + (rows - 1) * _row_time(hw, dtype, weight_bytes, macs, expert) if rows > 1 else t
 
 
