@@ -320,8 +320,8 @@ def test_a_step_the_caches_partly_hold_streams_at_the_rate_timed_at_its_working_
     """op_time.cache_factor: runtime/decode_ws/int4's points (working set bytes, seconds a byte) over its cold set's
     rate, interpolated in log bytes, held below the smallest set, 1 from the cold set on and where not profiled. A
     native step at one row whose weight bytes the caches hold streams its dense layers and head at that factor of
-    their price from memory (2 AMX cores, 480 MiB L3 reported: SmolLM2's 89 MB step priced 3.9 ms, ran 2.5); batched
-    rows and routed experts keep their price."""
+    their price from memory (2 AMX cores, 480 MiB L3 reported: SmolLM2's 89 MB step priced 3.9 ms, ran 2.5), its
+    working set the weights and the rows' KV caches; batched rows and routed experts keep their price."""
     from dataclasses import replace
 
     from tiered.hardware.op_time import cache_factor
@@ -345,6 +345,9 @@ def test_a_step_the_caches_partly_hold_streams_at_the_rate_timed_at_its_working_
                                                   for p in (hw, plain)]
     assert step < plain_step
     assert layers[0][1] == pytest.approx(plain_layers[0][1] / 2)  # the MLP's stream at half its price
+    # the rows' caches pass between two reads of a weight too: past 256 MiB of them, the weights' price from memory
+    long = [predict_decode(cfg, p, "int4", context=200_000, head_dtype="int8")[0][0][1] for p in (hw, plain)]
+    assert long[0] == long[1] == plain_layers[0][1]
     # a batched step's rows keep their price from memory
     assert predict_decode(cfg, hw, "int4", context=0, batch=4) == predict_decode(cfg, plain, "int4", context=0, batch=4)
     # a model whose step is beyond the timed sets: as before

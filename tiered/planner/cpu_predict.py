@@ -327,9 +327,7 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, 
     native = native_step(hw)  # the native step runs plain and latent attention (DecodeStep.set_latent)
     proj = _projections(hw, dtype, mix, w, 2 if native_fused_projections(hw, dtype) else 4, working_set,
                         rows if proj_rows is None else proj_rows, batch_act, layer_bytes)
-    # the KV cache's format: the plan's, else the engine's rule for weights read in `dtype` (CPU: fp32
-    # activations; a 16-bit cache beside lossy copies)
-    act = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
+    act = _kv_format(dtype, kv_format)
     kv_bytes = rows * context * sizes.kv_bytes_per_token(cfg, act)
     if native:  # the native step's attention streams the cached keys and values once (GQA heads share them),
         # at its own measured rate where profiled (attn_decode/cpu: below the memory's, ~15 GB/s on 2 Zen 4 cores)
@@ -349,6 +347,12 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, 
         return proj + read
     return proj + op_time.attention_time(hw, "cpu", sizes.kv_compute_format(act),
                                          rows * context * cfg.attention_macs_per_pair(True), kv_bytes)
+
+
+def _kv_format(dtype: str, kv_format: str | None) -> str:
+    """The KV cache's format in a decode step: the plan's (`kv_format`), else the engine's rule for weights read in
+    `dtype` (CPU: fp32 activations; a 16-bit cache beside lossy copies)."""
+    return kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
 
 
 # decode-copy formats whose rows a batched native step runs on int8 activations like int4's (runtime/batch_rows)
@@ -408,7 +412,12 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     mla = op_time.mla_layer_overhead(hw) if cfg.is_mla else None
     if mla is not None:  # DeepSeek's layers (latent attention, their MoE block): their own measured fixed cost
         per_layer, moe_fixed = mla, 0.0
-    ws = step_weight_bytes(cfg, dtype, moe_layers, mix)  # beyond the last-level cache: DRAM's rate
+    # what passes between two reads of a weight: the step's weights and its rows' caches (beyond the last-level
+    # cache: DRAM's rate; within it, op_time.cache_factor's). SmolLM2's default step after a 2048-token prompt
+    # (47 MB of bf16 cache beside 89 MB of weights), its working set taken as the weights alone, was priced 4.7 ms
+    # against 5.4 (2 AMX cores, 2026-12-04)
+    ws = step_weight_bytes(cfg, dtype, moe_layers, mix) + max(1, int(batch)) * context * cfg.num_hidden_layers * \
+        sizes.kv_bytes_per_token(cfg, _kv_format(dtype, kv_format))
     layers = []
     B = max(1, int(batch))
     # a batched native step's dense layers: one row's stream, and each row past the first as the step ran such rows at
@@ -927,7 +936,7 @@ def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, token
     ws = step_weight_bytes(cfg, dtype, [], mix)
     d = cfg.hidden_size
     fused = native_fused_projections(hw, dtype)
-    kv = kv_format or sizes.kv_cache_format(dtype if dtype in ("bf16", "fp16") else "fp32", dtype)
+    kv = _kv_format(dtype, kv_format)
     macs = (T * max(0, int(past)) + n * prefill_attention_pairs(T // n, 0)) * cfg.attention_macs_per_pair(False)
     dense = sizes.kv_compute_format(kv)  # an int8 cache's rows where a profile predates their own key: bf16's
     rows_key = hw.models.get(f"attn_rows/cpu/{kv}") or hw.models.get(f"attn_rows/cpu/{dense}")
