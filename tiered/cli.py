@@ -610,7 +610,7 @@ def batch(
     _freeze_heap()
     slots = llm.plan.kv_slots  # the planned batch; under the latency goal --max-batch (default 8)
     engine = ServingEngine(llm, max_batch=slots, max_queue=max(64, 4 * slots), prefix_reuse=True)
-    typer.echo(f"batch: {runnable} requests of {len(lines)} lines (median prompt {prompt_tokens} tokens, "
+    typer.echo(f"batch: {runnable} requests of {len(lines)} lines (mean prompt {prompt_tokens} tokens, "
                f"{gen_tokens} generated), {slots} at a time x {llm.max_context} tokens -> {output} | "
                f"{llm.plan.summary()}", err=True)
     web_app = build_app(engine, name, None, reasoning=reasoning_format == "auto")
