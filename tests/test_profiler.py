@@ -1661,6 +1661,29 @@ def test_a_batched_decode_step_streams_the_weights_once_and_adds_each_rows_multi
     assert predict_decode(cfg, batched, "int4", context=64, batch=4, batch_act="q8", mix=mix)[1] == \
         predict_decode(cfg, q8, "int4", context=64, batch=4, batch_act="q8", mix=mix)[1]
     assert predict_decode(cfg, batched, "int4", context=64, batch=1, batch_act="q8")[1] == one
+    # with the key's points (a row's cost at each width, for each timed batch in turn: profiler 44), each timed batch
+    # prices its own rows, fitted over the widths: here a row costs 0 at 4 rows, 5 us a layer at 8 and 10 at 16
+    # (the AMX VM's shape: the first rows ride the stream), and more rows cost what the last segment's rows did
+    from tiered.hardware.op_time import batch_rows_time
+    from tiered.hardware.profiler import BATCH_ROWS
+    assert BATCH_ROWS == (4, 8, 16)
+    widths = (layer, 2 * layer, 4 * layer)
+    per_b = {4: lambda n: 0.0, 8: lambda n: 5e-6 * n / layer, 16: lambda n: 10e-6 * n / layer}
+    pts = [[n, per_b[b](n)] for n in widths for b in BATCH_ROWS]
+    shaped = replace(batched, meta={"native_kernels": True, "points": {"runtime/batch_rows/int4q8": pts}})
+    k = "runtime/batch_rows/int4q8"
+    assert batch_rows_time(shaped, k, 1, layer) == 0.0 == batch_rows_time(shaped, k, 4, layer)
+    assert batch_rows_time(shaped, k, 8, layer) == pytest.approx(7 * 5e-6)
+    assert batch_rows_time(shaped, k, 16, layer) == pytest.approx(15 * 10e-6)
+    assert batch_rows_time(shaped, k, 12, layer) == pytest.approx((7 * 5e-6 + 15 * 10e-6) / 2)
+    assert batch_rows_time(shaped, k, 32, layer) == pytest.approx(15 * 10e-6 + 16 * (15 * 10e-6 - 7 * 5e-6) / 8)
+    assert batch_rows_time(shaped, k, 16, 2 * layer) == pytest.approx(15 * 20e-6)  # a wider layer's rows
+    assert batch_rows_time(batched, k, 8, layer) == pytest.approx(7 * key(layer))  # no points: the key's fit
+    assert batch_rows_time(shaped, "runtime/batch_rows/int8", 8, layer) == 0.0  # not profiled
+    for B in (8, 32):
+        assert predict_decode(cfg, shaped, "int4", context=64, batch=B, batch_act="q8")[1] == pytest.approx(
+            one + head_stream + cfg.num_hidden_layers * batch_rows_time(shaped, k, B, layer)
+            + (B - 1) * (head_rows + kv_row), rel=1e-6)
     # MoE: 8 experts top-2, 8 rows choose 8 * (1 - 0.75^8) = 7.2 experts of 16 / 7.2 rows each
     moe = ModelConfig(model_type="mixtral", vocab_size=32000, hidden_size=1024, intermediate_size=3584,
                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8, head_dim=128,

@@ -368,6 +368,43 @@ def cache_factor(profile: HardwareProfile, working_set: float) -> float:
     return 1.0
 
 
+def batch_rows_time(profile: HardwareProfile, key: str, rows: float, elements: float) -> float:
+    """Seconds the rows past the first add to a dense layer of `elements` weight elements in tiered's native decode
+    step at `rows` rows (a batched step: a server's sequences, or one sequence's draft tokens), by `key`
+    (runtime/batch_rows/<kind>): its points (meta["points"]: a row's cost at each timed width, for each of the
+    profiler's BATCH_ROWS in turn) fitted affine over the widths at each timed batch, the rows' total there
+    interpolated linearly in rows between the timed batches (none at one row) and beyond the largest at the last
+    segment's slope; where the profile kept no such points, rows - 1 times the key's own fit. 0 where `key` is not
+    profiled.
+
+    A row does not cost the same at every batch: the first rows ride the weights' stream, later ones pay their
+    multiply-adds. On 2 Zen 4 cores a SmolLM2-width row cost 8.5 / 11.6 / 15.8 us a layer at 4 / 8 / 16 rows, on
+    2 AMX cores 0 / 3.5 / 8.6 (2026-12-04), where one affine fit over all of them (R^2 0.16 on the AMX VM) priced
+    SmolLM2's 32-sequence step at 28.8 ms against 34.1 measured."""
+    m = profile.models.get(key)
+    if m is None or rows <= 1:
+        return 0.0
+    from tiered.hardware.profiler import BATCH_ROWS
+
+    pts = [p for p in ((profile.meta or {}).get("points") or {}).get(key) or ()]
+    k = len(BATCH_ROWS)
+    if len(pts) < 2 * k or len(pts) % k:
+        return (rows - 1) * m(elements)
+    anchors = [(1.0, 0.0)]
+    for j, b in enumerate(BATCH_ROWS):
+        xs, ts = [p[0] for p in pts[j::k]], [p[1] for p in pts[j::k]]
+        mean_x, mean_t = sum(xs) / len(xs), sum(ts) / len(ts)
+        var = sum((x - mean_x) ** 2 for x in xs)
+        slope = sum((x - mean_x) * (t - mean_t) for x, t in zip(xs, ts)) / var if var > 0 else 0.0
+        row = max(0.0, mean_t + slope * (elements - mean_x))
+        anchors.append((float(b), max(anchors[-1][1], (b - 1) * row)))  # more rows never cost less
+    for (b0, e0), (b1, e1) in zip(anchors, anchors[1:]):
+        if rows <= b1:
+            return e0 + (e1 - e0) * (rows - b0) / (b1 - b0)
+    (b0, e0), (b1, e1) = anchors[-2:]
+    return e1 + (e1 - e0) / (b1 - b0) * (rows - b1)
+
+
 def layer_shape(profile: HardwareProfile, key: str, layer_bytes: float | None) -> float:
     """How a layer of `layer_bytes` runs against `key`'s fit through the origin (one rate a byte whatever the layer):
     the ratio of its points' times to that fit, interpolated linearly in bytes between the timed layer sizes and

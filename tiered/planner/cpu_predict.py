@@ -425,8 +425,9 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     # priced by decode_rows' kernel alone was ~22% fast); decode copies mixing int4 with int8 (a Q4_K_M file's: its
     # Q6_K parts as int8) at the int4 key too: an 8-layer Llama-3-8B-width Q4_K_M step's rows past the first cost
     # 1-4 ms, 2.4 ps an element (2 Zen 4 cores, 2026-12-04), where decode_rows' slopes by share priced 9.5 ms
-    rows_key = hw.models.get(f"runtime/batch_rows/{_batched(dtype if mix is None else 'int4', batch_act, B)}") \
-        if B > 1 and native_step(hw) and (mix is None or set(mix) <= INT_ROWS) else None
+    rows_key = f"runtime/batch_rows/{_batched(dtype if mix is None else 'int4', batch_act, B)}"
+    rows_key = rows_key if B > 1 and native_step(hw) and (mix is None or set(mix) <= INT_ROWS) and \
+        rows_key in hw.models else None
     # a dense layer's weight bytes in the step (its calls' rate: op_time.layer_shape)
     dense_bytes = (cfg.attention_weight_elements() + 3 * d * cfg.intermediate_size) * mixed_bytes_per_element(dtype, mix)
     for i in range(cfg.num_hidden_layers):
@@ -442,7 +443,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
                               1 if by_key else B, batch_act, layer_bytes=lb)
             if by_key:  # split between the layer's two parts by their weights
                 w_attn = cfg.attention_weight_elements()
-                rows = (B - 1) * rows_key(w_attn + 3 * d * F)
+                rows = op_time.batch_rows_time(hw, rows_key, B, w_attn + 3 * d * F)
                 attn += rows * w_attn / (w_attn + 3 * d * F)
                 t += rows * 3 * d * F / (w_attn + 3 * d * F)
         else:
