@@ -321,7 +321,8 @@ def test_a_step_the_caches_partly_hold_streams_at_the_rate_timed_at_its_working_
     rate, interpolated in log bytes, held below the smallest set, 1 from the cold set on and where not profiled. A
     native step at one row whose weight bytes the caches hold streams its dense layers and head at that factor of
     their price from memory (2 AMX cores, 480 MiB L3 reported: SmolLM2's 89 MB step priced 3.9 ms, ran 2.5), its
-    working set the weights and the rows' KV caches; batched rows and routed experts keep their price."""
+    working set the weights and the rows' KV caches; a batched step's one stream too, not its rows' multiply-adds
+    nor routed experts."""
     from dataclasses import replace
 
     from tiered.hardware.op_time import cache_factor
@@ -348,8 +349,14 @@ def test_a_step_the_caches_partly_hold_streams_at_the_rate_timed_at_its_working_
     # the rows' caches pass between two reads of a weight too: past 256 MiB of them, the weights' price from memory
     long = [predict_decode(cfg, p, "int4", context=200_000, head_dtype="int8")[0][0][1] for p in (hw, plain)]
     assert long[0] == long[1] == plain_layers[0][1]
-    # a batched step's rows keep their price from memory
-    assert predict_decode(cfg, hw, "int4", context=0, batch=4) == predict_decode(cfg, plain, "int4", context=0, batch=4)
+    # a batched step streams the same bytes once: at the factor too, its rows' multiply-adds beside it as before
+    batched, plain_batched = [predict_decode(cfg, p, "int4", context=0, batch=4, head_dtype="int8")[0][0][1]
+                              for p in (hw, plain)]
+    assert batched == pytest.approx(plain_batched / 2)
+    rows_key = {"decode_rows/cpu/int4": LinearModel(0.0, 1e-12, 1.0)}  # a row's multiply-adds: not a stream
+    with_rows, plain_rows = [predict_decode(cfg, replace(p, models={**p.models, **rows_key}), "int4", context=0,
+                                            batch=4, head_dtype="int8")[0][0][1] for p in (hw, plain)]
+    assert with_rows - batched == pytest.approx(plain_rows - plain_batched) and with_rows - batched > 0
     # a model whose step is beyond the timed sets: as before
     big = replace(cfg, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                   head_dim=128, num_hidden_layers=8)
