@@ -164,6 +164,7 @@ class TieredEngine:
                 "decode_weight_bytes": self.llm.decode_weight_bytes, "internal_load_s": self.llm.load_s,
                 "plan_dtypes": dict(plan.dtypes), "plan_summary": plan.summary(),
                 "predicted_decode_tokens_per_s": plan.predicted_decode_tokens_per_s if plan.source != "rules" else None,
+                "plan_context": plan.prompt_tokens + plan.gen_tokens,
                 "predicted_ttft": ({"tokens": plan.prompt_tokens, "s": plan.predicted_ttft_s}
                                    if plan.source != "rules" and plan.predicted_ttft_s else None)}
 
@@ -230,8 +231,12 @@ class TieredEngine:
         out = self.llm.generate([list(ids)], self.SP(temperature=0, max_tokens=n, ignore_eos=True))[0]
         st = out.stats
         assert st.generated_tokens == n, st
+        # the plan's price at this run's own cached positions (its plan.predicted_decode_tokens_per_s is at the
+        # plan's context, prompt_tokens + gen_tokens: 640 positions for SmolLM2, where this run decodes at ~96)
+        priced = self.llm.predicted_decode_at(st.mean_decode_positions) if self.llm.plan.source != "rules" else None
         return {"tokens_per_s": st.decode_tokens_per_s, "itl_s": st.itl_s, "prefill_s": st.prefill_s,
-                "token_ids": list(out.token_ids)}
+                "token_ids": list(out.token_ids), "predicted_tokens_per_s": priced,
+                "positions": st.mean_decode_positions}
 
     def step_fn(self):
         """The engine's decode step: the lean CPU step when the plan installed it, else the model."""
@@ -256,6 +261,13 @@ class TieredEngine:
                 tok = int(logits[0].float().argmax())
                 times.append(time.perf_counter())
         return (n - 1) / (times[-1] - times[0])
+
+
+def _priced(runs: list[dict]) -> dict:
+    """The plan's decode price at the runs' mean cached positions (TieredEngine.decode's), where they carry one."""
+    if not runs or not all(x.get("predicted_tokens_per_s") for x in runs):
+        return {}
+    return {"predicted_tokens_per_s": runs[0]["predicted_tokens_per_s"], "positions": runs[0]["positions"]}
 
 
 class HFEngine:
@@ -726,8 +738,13 @@ def build_report(res: dict) -> str:
         if "internal_load_s" in r:
             other.append(f"LLM.load_s {r['internal_load_s']:.2f} s (weights only)")
         if r.get("predicted_decode_tokens_per_s"):
-            other.append(f"plan's predicted decode {r['predicted_decode_tokens_per_s']:.1f} tok/s (measured "
-                         f"{d['median_tokens_per_s']:.1f})")
+            other.append(f"plan's predicted decode {r['predicted_decode_tokens_per_s']:.1f} tok/s at its "
+                         f"{r.get('plan_context', '?')} positions")
+        for col, what in (("decode", "decode"), ("decode_long", "decode after the long prompt")):
+            c = r.get(col) or {}
+            if c.get("predicted_tokens_per_s"):
+                other.append(f"{what} priced at the run's {c['positions']} positions {c['predicted_tokens_per_s']:.1f} "
+                             f"tok/s (measured {c['median_tokens_per_s']:.1f})")
         pt = r.get("predicted_ttft")
         if pt and str(pt["tokens"]) in r["prefill"]:  # the plan's TTFT is priced at its prompt_tokens
             other.append(f"plan's predicted TTFT at {pt['tokens']} tokens {pt['s'] * 1e3:.0f} ms (measured "
@@ -1028,7 +1045,7 @@ def main(argv=None) -> int:
                            "median_tokens_per_s": _median([x["tokens_per_s"] for x in dr]),
                            "runs_tokens_per_s": [x["tokens_per_s"] for x in dr],
                            "median_itl_s": _median([x["itl_s"] for x in dr]),
-                           "token_ids": dr[0]["token_ids"]}
+                           "token_ids": dr[0]["token_ids"], **_priced(dr)}
             lr = long_runs[e]
             r["decode_long"] = {"prompt_tokens": spec["long_prompt"], "new_tokens": spec["new_tokens"],
                                 "median_tokens_per_s": _median([x["tokens_per_s"] for x in lr]),
@@ -1036,7 +1053,8 @@ def main(argv=None) -> int:
                                 "median_itl_s": _median([x["itl_s"] for x in lr]),
                                 # the long prompt's own prefill in those runs (its TTFT, less sampling)
                                 "median_prefill_s": (_median([x["prefill_s"] for x in lr])
-                                                     if lr and all(x.get("prefill_s") for x in lr) else None)}
+                                                     if lr and all(x.get("prefill_s") for x in lr) else None),
+                                **_priced(lr)}
             if fwd_runs[e]:
                 fo = [x["tokens_per_s"] for x in fwd_runs[e]]
                 r["decode"]["forward_only_median_tokens_per_s"] = _median(fo)
