@@ -92,6 +92,18 @@ def hold_file(path: str) -> int:
     return inode
 
 
+def held_paths() -> set[str]:
+    """The paths of the files hold_file holds now (as it was given them)."""
+    with _FD_LOCK:
+        return {path for path, _ in _HOLDS}
+
+
+def is_held(path: str, inode: int) -> bool:
+    """Whether hold_file holds the file `inode` at `path` now."""
+    with _FD_LOCK:
+        return (path, inode) in _HOLDS
+
+
 def release_file(path: str, inode: int) -> None:
     """Let go of one hold_file(path) of `inode`; the last closes its descriptors (the file's data is freed then
     if the path was replaced meanwhile), and handles with that inode cannot be read afterwards."""

@@ -343,6 +343,11 @@ def step_stream(profile: HardwareProfile, dtype: str, layer_bytes: float | None 
     return m.beta * layer_shape(profile, key, layer_bytes) if m is not None else 0.0
 
 
+def _points(profile: HardwareProfile, key: str) -> list:
+    """The (n, seconds) points the profiler kept for `key` (meta["points"]), [] where it kept none."""
+    return list(((profile.meta or {}).get("points") or {}).get(key) or ())
+
+
 def cache_factor(profile: HardwareProfile, working_set: float) -> float:
     """How much of its time from memory tiered's native decode step takes to stream weights when `working_set`
     bytes pass between two reads of the same one (a decode step's weight bytes): runtime/decode_ws/int4's seconds a
@@ -354,8 +359,7 @@ def cache_factor(profile: HardwareProfile, working_set: float) -> float:
     (2026-12-04), the step streamed 1.7x faster over 16-64 MiB than from memory and no faster from 128 MiB
     (the share of the cache a VM's cores get), and SmolLM2's default plan, its 89 MB int4 step priced as from
     memory, was priced 3.9 ms a token where it ran 2.5."""
-    pts = sorted((p[0], p[1]) for p in ((profile.meta or {}).get("points") or {}).get("runtime/decode_ws/int4") or ()
-                 if p[0] > 0 and p[1] > 0)
+    pts = sorted((p[0], p[1]) for p in _points(profile, "runtime/decode_ws/int4") if p[0] > 0 and p[1] > 0)
     if working_set is None or working_set <= 0 or len(pts) < 2:
         return 1.0
     cold = pts[-1][1]
@@ -386,7 +390,7 @@ def batch_rows_time(profile: HardwareProfile, key: str, rows: float, elements: f
         return 0.0
     from tiered.hardware.profiler import BATCH_ROWS
 
-    pts = [p for p in ((profile.meta or {}).get("points") or {}).get(key) or ()]
+    pts = _points(profile, key)
     k = len(BATCH_ROWS)
     if len(pts) < 2 * k or len(pts) % k:
         return (rows - 1) * m(elements)
@@ -415,7 +419,7 @@ def layer_shape(profile: HardwareProfile, key: str, layer_bytes: float | None) -
     GB/s, where the fit through the origin (30.6 GB/s) priced SmolLM2's decode at 3.3 ms a token against 3.5-4.3
     measured; an affine fit's intercept is unstable (3-49 us from run to run on 2 Zen 3 cores), and its slope
     (41 GB/s) beyond the memory's."""
-    pts = sorted((p[0], p[1]) for p in ((profile.meta or {}).get("points") or {}).get(key) or () if p[0] > 0)
+    pts = sorted((p[0], p[1]) for p in _points(profile, key) if p[0] > 0)
     if layer_bytes is None or layer_bytes <= 0 or len(pts) < 2:
         return 1.0
     slope = sum(x * t for x, t in pts) / sum(x * x for x, _ in pts)

@@ -179,9 +179,9 @@ def evict_offload_files(root: Path, need: int, keep) -> tuple[int, int]:
     another process that has one open goes on reading it (POSIX keeps an unlinked file's data while it is open).
     Directories left empty are removed. Returns (bytes freed, files deleted); (0, 0), nothing deleted, where all
     the files it may delete would not free `need` bytes (the load fails then, and the cache loses nothing)."""
-    from tiered.checkpoint.handle import _HOLDS
+    from tiered.checkpoint.handle import held_paths
 
-    held = {path for path, _ in _HOLDS}
+    held = held_paths()
     keep = {os.path.realpath(p) for p in keep}
     candidates = []
     for path in root.glob("*/experts-layer*.safetensors"):
@@ -214,10 +214,10 @@ def evict_offload_files(root: Path, need: int, keep) -> tuple[int, int]:
 
 def _held_here(path: Path) -> bool:
     """Whether an engine of this process holds the file now at `path` open (handle.hold_file)."""
-    from tiered.checkpoint.handle import _HOLDS
+    from tiered.checkpoint.handle import is_held
 
     try:
-        return (str(path), path.stat().st_ino) in _HOLDS
+        return is_held(str(path), path.stat().st_ino)
     except OSError:
         return False
 

@@ -420,10 +420,10 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     # cache: DRAM's rate; within it, op_time.cache_factor's). SmolLM2's default step after a 2048-token prompt
     # (47 MB of bf16 cache beside 89 MB of weights), its working set taken as the weights alone, was priced 4.7 ms
     # against 5.4 (2 AMX cores, 2026-12-04)
-    ws = step_weight_bytes(cfg, dtype, moe_layers, mix) + max(1, int(batch)) * context * cfg.num_hidden_layers * \
+    B = max(1, int(batch))
+    ws = step_weight_bytes(cfg, dtype, moe_layers, mix) + B * context * cfg.num_hidden_layers * \
         sizes.kv_bytes_per_token(cfg, _kv_format(dtype, kv_format))
     layers = []
-    B = max(1, int(batch))
     # a batched native step's dense layers: one row's stream, and each row past the first as the step ran such rows at
     # the layers' widths (runtime/batch_rows/int4q8: the rows' kernels, code and waits; SmolLM2's 8-sequence step
     # priced by decode_rows' kernel alone was ~22% fast); decode copies mixing int4 with int8 (a Q4_K_M file's: its
