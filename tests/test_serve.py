@@ -876,6 +876,9 @@ def test_requests_that_leave_sampling_out_take_the_models_generation_config(zoo,
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.0, 0.5, 0, 1.05)
     q = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "hi"}]).sampling(8)
     assert (q.temperature, q.top_p, q.top_k, q.repetition_penalty) == (1.0, 1.0, 0, 1.0)  # OpenAI's
+    # vLLM's ignore_eos extra (benchmarks' batch files): every request generates its max_tokens
+    assert not q.ignore_eos and ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                      ignore_eos=True).sampling(8).ignore_eos
     llm = zoo.llm(d)
     with running_server(ServingEngine(llm, max_batch=2, max_queue=4), KEY) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)

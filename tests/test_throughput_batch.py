@@ -254,9 +254,10 @@ def test_request_lengths_price_the_files_requests(chat_llama, tmp_path):
                  _request("c", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                         "max_completion_tokens": 30})])
     lines = read_batch(src)
-    p, g, longest = request_lengths(lines, llm_tok, 1000)
+    p, g, longest, requests = request_lengths(lines, llm_tok, 1000)
     chat = len(encode_prompt(llm_tok, [{"role": "user", "content": "hi"}], True))  # through the template
     assert (p, g) == (round((6 + 2 + chat) / 3), round((10 + 16 + 30) / 3)) and longest == max(16, 18, chat + 30)
+    assert requests == ((6, 10), (2, 16), (chat, 30))  # each line's, in file order: the plan replays them
     # a chat without max_tokens may fill the context window: the KV cache is sized for it
     _write(src, [_request("d", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
     assert request_lengths(read_batch(src), llm_tok, 1000)[2] == 1000

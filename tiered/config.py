@@ -72,6 +72,11 @@ class EngineConfig:
         workload: (prompt tokens, generated tokens) of a typical request, which the throughput goal prices
             (default (512, 32): FlexGen's benchmark setting; within max_context, the generated tokens up to half of
             it and the prompt the rest); the latency goal ignores it.
+        requests: (prompt tokens, generated tokens) of each request of a known workload, in the order they are
+            queued (`tiered batch`: the file's lines): the throughput goal then prices each batch by replaying
+            their run through its slots as the engine's continuous batching runs them (planner/batch_sim: long
+            prompts prefilled alone, short ones joining decode steps as rows, steps below the full batch as requests
+            finish), and `workload` defaults to their means; the latency goal ignores them.
         kv_cache_dtype: the KV cache's format (Plan.dtypes["kv_cache"]): "auto" (the weights' 16-bit format,
             fp32 in the lossless mode: memory/sizes.kv_cache_format), "fp32", "bf16", "fp16", or "int8": each
             position's keys and values of a KV head as int8 with an fp32 scale per 32 (models/layers.
@@ -151,6 +156,7 @@ class EngineConfig:
     max_batch: int = 1
     goal: str = "latency"
     workload: tuple[int, int] | None = None
+    requests: tuple[tuple[int, int], ...] | None = None
     kv_cache_dtype: str = "auto"
     num_threads: int | None = None
     gpu_memory: int | str | None = None
@@ -200,6 +206,15 @@ class EngineConfig:
         if self.workload is not None and (len(self.workload) != 2 or min(self.workload) < 1):
             raise ConfigError(f"workload must be (prompt tokens, generated tokens), both >= 1, got {self.workload!r}",
                               "pass e.g. (512, 32)")
+        if self.requests is not None:
+            try:
+                requests = tuple((int(p), int(g)) for p, g in self.requests)
+            except (TypeError, ValueError):
+                requests = None
+            if not requests or min(min(r) for r in requests) < 1:
+                raise ConfigError("requests must be (prompt tokens, generated tokens) pairs, each >= 1, at least one",
+                                  "pass e.g. ((512, 32), (40, 128))")
+            object.__setattr__(self, "requests", requests)
         if self.prefetch_lookahead < 1:
             raise ConfigError("prefetch_lookahead must be >= 1 layer", "pass 1 to 3 (HOBBIT's range)")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 0:
@@ -265,6 +280,13 @@ class EngineConfig:
             raise ConfigError("max_context must be >= 1 token", "pass a positive token count or None")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads must be >= 1", "pass a positive thread count or None")
+
+    def request_means(self) -> tuple[int, int] | None:
+        """(mean prompt tokens, mean generated tokens) of `requests`, rounded (None without them)."""
+        if not self.requests:
+            return None
+        n = len(self.requests)
+        return (max(1, round(sum(p for p, _ in self.requests) / n)), max(1, round(sum(g for _, g in self.requests) / n)))
 
 
 def usable_cores() -> int:

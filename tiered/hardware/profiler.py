@@ -1617,21 +1617,19 @@ def _batch_rows_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: int
     machines. Raises RuntimeError without the kernels."""
     if not kernels.available():
         raise RuntimeError("tiered/kernels is not built")
-    calls, elements = [], []
-    for shape in shapes:  # (each call holds its layers)
-        layers = _ColdInt4Layers(shape, cold_bytes)
-        calls += [layers.call(B) for B in (1,) + BATCH_ROWS]
-        elements.append(layers.elements)
-    with torch.inference_mode():
-        samples = interleaved_samples(calls, max(5, repeats))
-    per = 1 + len(BATCH_ROWS)
     points = []
-    for i, n in enumerate(elements):
-        one = samples[i * per]
-        for j, B in enumerate(BATCH_ROWS):
-            rows = samples[i * per + 1 + j]
-            points.append((float(n), max(0.0, float(np.median([(t - t1) / DECODE_LAYER_RUN / (B - 1)
-                                                              for t, t1 in zip(rows, one)])))))
+    for shape in shapes:
+        # one shape's batches interleaved among themselves: interleaved with the other shapes', its first call of a
+        # round (one row) found its layers evicted by theirs and the batches after it found them cached, so that on
+        # the AMX VM (whose caches hold a shape's 64 MiB) one row took 110 us a SmolLM2-width layer there against 65
+        # alone and 4 rows came out free (0 us a row, 6.7 measured alone: SmolLM2's 4-sequence step priced 22% fast)
+        layers = _ColdInt4Layers(shape, cold_bytes)
+        with torch.inference_mode():
+            one, *batches = interleaved_samples([layers.call(B) for B in (1,) + BATCH_ROWS], max(5, repeats))
+        for B, rows in zip(BATCH_ROWS, batches):
+            points.append((float(layers.elements), max(0.0, float(np.median(
+                [(t - t1) / DECODE_LAYER_RUN / (B - 1) for t, t1 in zip(rows, one)])))))
+        del layers
     return points
 
 
@@ -2223,7 +2221,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # (TTFT 1.74 s priced, 1.24 measured).
 # 46: attn_decode/cpu/int8 and attn_rows/cpu/int8, the native step's attention over an int8 KV cache
 # (EngineConfig.kv_cache_dtype "int8": rows dequantized into fp32 scratch a part at a time).
-PROFILER_VERSION = 47
+# 48: runtime/batch_rows/int4q8 times each layer shape's batches interleaved among themselves (_batch_rows_points):
+# interleaved across the shapes, the one-row call a round began with found its layers evicted, and the rows past
+# the first came out cheaper than they run (4 rows free on the AMX VM).
+PROFILER_VERSION = 48
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is

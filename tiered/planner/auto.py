@@ -469,7 +469,7 @@ def _priced_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, ar
     compares differently from `plan` (another placement would be a prediction for another engine)."""
     if args is None or profile is None or plan.flexgen or plan.mixed_precision is not None:
         return None
-    again = make_plan(cfg, profile, **dict(args, prompt_tokens=prompt_tokens, gen_tokens=1))
+    again = make_plan(cfg, profile, **dict(args, prompt_tokens=prompt_tokens, gen_tokens=1, requests=None))
     again.dtypes["decode"] = plan.dtypes["decode"]
     return again if same(again) == same(plan) else None
 
@@ -763,7 +763,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
     prompt = max(1, min(512, max_context // 2))
     gen = max(1, min(128, max_context - prompt))
     if ec.goal == "throughput":  # the requests' lengths the batch is priced on (FlexGen's 512 + 32 by default)
-        want_prompt, want_gen = ec.workload or (512, 32)
+        want_prompt, want_gen = ec.workload or ec.request_means() or (512, 32)
         # within max_context: the generated tokens up to half of it (what batching speeds up), the prompt the rest
         # (a 256-token context had priced (255, 1): a prefill that batching barely helps)
         gen = max(1, min(want_gen, max_context // 2))
@@ -787,6 +787,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                 prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None,
                 mixed_rows=planned_mixed_rows(cfg, accelerator, batch_act, step_format),
                 **speculation(ec), kv_cache=ec.kv_cache_dtype,
+                requests=ec.requests if ec.goal == "throughput" else None,
                 workspace=None if accelerator is None else
                 sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()))
 

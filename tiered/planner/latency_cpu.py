@@ -8,6 +8,7 @@ from planner/cpu_predict.py with hit shares from the routing-trace simulation.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -22,12 +23,16 @@ from tiered.planner.plan import LayerPlan, Plan
 
 
 def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu: int | None,
-                     experts: ExpertChoices = ExpertChoices(), embedding_bytes: int | None = None) -> Plan:
+                     experts: ExpertChoices = ExpertChoices(), embedding_bytes: int | None = None,
+                     requests: Sequence[tuple[int, int]] | None = None) -> Plan:
     """Fill `plan` for CPU + disk within `cpu` bytes of RAM (None = unlimited).
 
     Args:
         embedding_bytes: the token embedding's bytes where the one-copy mode keeps it in its file's
             blocks (make_plan), None = dense.
+        requests: (prompt tokens, generated tokens) of each request of a known workload (make_plan's): their run
+            at plan.kv_slots slots is replayed (planner/batch_sim.simulate_requests) into
+            Plan.predicted_requests_tokens_per_s.
 
     Raises:
         BudgetError: RAM cannot hold the non-expert weights, KV cache and staging.
@@ -73,12 +78,13 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     hits = None
     memory = {"cpu": fixed}
 
-    def predict(hits, batch: int = 1):
-        return predict_decode(cfg, profile, dtype, context=ctx, hits=hits, read_ahead=plan.read_ahead,
+    def predict(hits, batch: int = 1, context: int = ctx, bursts: bool = True):
+        # bursts: LLM._burst, a lone sequence's (a server's too; batch 1 only)
+        return predict_decode(cfg, profile, dtype, context=context, hits=hits, read_ahead=plan.read_ahead,
                               readers=max(2, plan.staging_buffers), experts_format=plan.dtypes["experts"] if moe else None,
                               head_dtype=plan.dtypes.get("lm_head"), expert_act=plan.expert_act,
                               mix=plan.precision_mix, kv_format=plan.dtypes["kv_cache"], batch=batch,
-                              batch_act=plan.batch_act, bursts=True)  # LLM._burst: a lone sequence, a server's too (batch 1 only)
+                              batch_act=plan.batch_act, bursts=bursts)
     if moe:
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         room = float("inf") if cpu is None else cpu - fixed - staging
@@ -110,15 +116,14 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     plan.predicted_ttft_s = prompt_time(plan, plan.prompt_tokens, rows, modules)
     if plan.kv_slots > 1:
         plan.predicted_block_prefill_s = block_prefill_time(plan, cfg.is_moe, rows, modules)
+    if requests:  # a known workload's lengths: its run replayed at kv_slots slots (planner/batch_sim)
+        from tiered.planner.batch_sim import simulate_requests
+
+        run = simulate_requests(requests, plan.kv_slots,
+                                request_prices(plan, cfg.is_moe, lambda n, c: predict(hits, n, c)[1], rows, modules))
+        plan.predicted_requests_tokens_per_s = run.tokens_per_s
     if plan.speculative_tokens and native_step(profile):
-        plan.speculative_costs = speculative_costs(
-            lambda B: predict_decode(cfg, profile, dtype, context=ctx, hits=hits, read_ahead=plan.read_ahead,
-                                     readers=max(2, plan.staging_buffers),
-                                     experts_format=plan.dtypes["experts"] if moe else None,
-                                     head_dtype=plan.dtypes.get("lm_head"), expert_act=plan.expert_act,
-                                     mix=plan.precision_mix, kv_format=plan.dtypes["kv_cache"], batch=B,
-                                     batch_act=plan.batch_act)[1],
-            plan.speculative_tokens)
+        plan.speculative_costs = speculative_costs(lambda B: predict(hits, B, bursts=False)[1], plan.speculative_tokens)
     plan.memory = memory
     plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
                     f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "
@@ -267,6 +272,22 @@ def block_prefill_time(plan: Plan, moe: bool, rows, modules) -> float:
         prices[g] = (prompt_time(plan, P, rows, modules) if g == 1 else
                      rows(g * P, prompts=g) if as_rows else modules(g * P, 0, prompts=g))
     return sum(prices[g] for g in groups)
+
+
+def request_prices(plan: Plan, moe: bool, decode, rows, modules):
+    """batch_sim.StepPrices of a CPU `plan`: `decode(n, c)` seconds of a step of n sequences at c cached positions
+    (cpu_predict.predict_decode), `rows` and `modules` prompt_paths'. A prompt prefilled on its own runs as
+    prompt_time prices it where whole chunks run as rows (Plan.chunks_as_rows); else through the modules' prefill
+    (LLM._prefill: a prompt that did not join a decode step's rows), chunk by chunk past the prefill chunk."""
+    from tiered.planner.batch_sim import StepPrices
+
+    as_rows = plan.chunks_as_rows()
+    return StepPrices(
+        decode=decode, rows=lambda T, k: rows(T, prompts=k),
+        alone=(lambda T: prompt_time(plan, T, rows, modules)) if as_rows else (lambda T: modules(T)),
+        padded=lambda T, k: modules(T, 0, prompts=k), most_rows=plan.most_prompt_rows(), chunks_as_rows=as_rows,
+        group_tokens=min(plan.context_tokens or plan.prefill_chunk, plan.prefill_chunk or plan.context_tokens),
+        padding=not moe)
 
 
 # Prompt lengths past the measured mixed rows (planner/auto.MIXED_ROWS) where a plan prices both of a prompt's paths.

@@ -10,6 +10,8 @@ names the resource that limits the plan.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import ConfigError
 from tiered.hardware import op_time
@@ -32,7 +34,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               expert_act: str = "bf16", batch_act: str = "bf16", graphs: bool = False,
               prefetch: bool = False, prefetch_lookahead: int = 2, precision_mix: dict | None = None,
               library_workspace: int | None = None, mixed_rows: int = 0, speculative: str = "off",
-              speculative_tokens: int = 0, prompt_lookup: tuple[int, int] = (2, 4), kv_cache: str = "auto") -> Plan:
+              speculative_tokens: int = 0, prompt_lookup: tuple[int, int] = (2, 4), kv_cache: str = "auto",
+              requests: Sequence[tuple[int, int]] | None = None) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -79,6 +82,10 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
             a CPU-only plan prices its steps of 1 + k rows (Plan.speculative_costs).
         kv_cache: the KV cache's format (EngineConfig.kv_cache_dtype: memory/sizes.KV_FORMATS), "auto" =
             memory/sizes.kv_cache_format's for the weights and `precision`; its bytes and its reads are priced.
+        requests: (prompt tokens, generated tokens) of each request of a known workload (EngineConfig.requests: a
+            batch file's), in the order they are queued: a CPU-only plan replays their run at kv_slots slots
+            (planner/batch_sim) into Plan.predicted_requests_tokens_per_s, which the throughput goal's batch is
+            chosen on (throughput.block_throughput); other plans ignore them.
     Raises:
         ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
         BudgetError: the budgets cannot hold what the goal needs on the fast tier.
@@ -133,7 +140,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         from tiered.planner.latency_cpu import plan_cpu_latency
         plan.fast_tier = "cpu"
         plan.mixed_rows = mixed_rows
-        plan = plan_cpu_latency(plan, cfg, profile, cpu, experts, embedding_bytes)
+        plan = plan_cpu_latency(plan, cfg, profile, cpu, experts, embedding_bytes, requests)
     elif cfg.is_moe:
         from tiered.planner.latency_moe import plan_moe_latency
         plan = plan_moe_latency(plan, cfg, profile, gpu, cpu, experts, graphs=graphs)

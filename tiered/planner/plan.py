@@ -181,6 +181,9 @@ class Plan:
     # seconds to prefill kv_slots prompts of prompt_tokens admitted together, grouped as the engine groups them
     # (planner/latency_cpu.block_prefill_time: the throughput goal's block); None: kv_slots x predicted_ttft_s
     predicted_block_prefill_s: float | None = None
+    # generated tokens/s of a known workload's requests (EngineConfig.requests: a batch file's lengths) replayed
+    # through kv_slots slots as the engine's continuous batching runs them (planner/batch_sim); None: not given
+    predicted_requests_tokens_per_s: float | None = None
     memory: dict = field(default_factory=dict)  # tier -> bytes
     binding: str = ""
     notes: list[str] = field(default_factory=list)

@@ -310,14 +310,14 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                 "model_max_length": engine.llm.max_context, "add_bos_token": getattr(tok, "add_bos_token", None)}
 
     def submit(prompts: list, params, chat: bool, loop, n: int, tools: ToolPlan | None,
-               template_kwargs: dict | None) -> list[Handle]:
+               template_kwargs: dict | None, stream: bool) -> list[Handle]:
         """engine.submit of a request's prompts (on a worker thread: encoding takes a while); a chat with
         tools or template variables is encoded here with them (the chat template renders them), and submitted as
         a chat's token ids."""
         if chat and ((tools is not None and tools.tools) or template_kwargs):
             prompts = [encode_prompt(engine.llm.tokenizer, prompts[0], True, tools=tools.tools if tools else None,
                                      template_kwargs=template_kwargs)]
-        return engine.submit(prompts, params, chat, loop, n)
+        return engine.submit(prompts, params, chat, loop, n, stream)
 
     async def _generate(request: Request, body, prompts: list, chat: bool, default_max_tokens: int, kind: str,
                         tools: ToolPlan | None = None, template_kwargs: dict | None = None):
@@ -335,7 +335,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             params = body.sampling(default_max_tokens, sampling_defaults, engine.llm.tokenizer)
             # encoding a long prompt takes a while: on a worker thread, not the event loop's
             handles = await run_in_threadpool(submit, prompts, params, chat, asyncio.get_running_loop(), body.n, tools,
-                                              template_kwargs)
+                                              template_kwargs, body.stream)
         except QueueFullError as e:
             raise APIError(503, e.message, "server_error", "queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e

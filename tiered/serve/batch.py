@@ -24,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, NamedTuple
 
 from tiered.errors import ConfigError
 
@@ -143,9 +143,20 @@ def check_models(lines: list[BatchLine], served: str) -> None:
                           "or leave model out of the bodies")
 
 
-def request_lengths(lines: list[BatchLine], tokenizer, window: int) -> tuple[int, int, int]:
-    """(mean prompt tokens, mean most tokens generated, most positions a request with max_tokens needs) of
-    the runnable lines, which the throughput plan prices and sizes its KV cache by (`window` where no request
+class RequestLengths(NamedTuple):
+    """request_lengths' answer: `prompt` and `gen` the means [tokens], `longest` the most positions a request
+    with max_tokens needs, `requests` each runnable line's (prompt tokens, most tokens generated) in file order."""
+
+    prompt: int
+    gen: int
+    longest: int
+    requests: tuple[tuple[int, int], ...]
+
+
+def request_lengths(lines: list[BatchLine], tokenizer, window: int) -> RequestLengths:
+    """(mean prompt tokens, mean most tokens generated, most positions a request with max_tokens needs, each
+    request's (prompt, most generated)) of the runnable lines, which the throughput plan prices (its batch on the
+    requests replayed: EngineConfig.requests) and sizes its KV cache by (`window` where no request
     gives max_tokens: those generate up to the context window). A prompt is counted through the chat template
     where the url is the chat one (characters / 4 where it cannot be encoded: the server will say why); a
     completion without max_tokens generates COMPLETION_MAX_TOKENS, as the server's.
@@ -170,12 +181,12 @@ def request_lengths(lines: list[BatchLine], tokenizer, window: int) -> tuple[int
         needs.append(min(window, p + g) if bounded else min(window, p + 1))
         bounded_any |= bounded
     if not prompts:
-        return 1, 1, 1
+        return RequestLengths(1, 1, 1, ())
     # means, not medians: the file's throughput is its sums (every prompt's prefill, every token's decode step) over
     # its time, and a skewed file's middle request is not its average one (48 completions of 15-500-token prompts and
     # 16-128 max_tokens: medians 115 and 32 tokens, means 184 and 53)
-    return (max(1, round(statistics.fmean(prompts))), max(1, round(statistics.fmean(gens))),
-            max(needs) if bounded_any else window)
+    return RequestLengths(max(1, round(statistics.fmean(prompts))), max(1, round(statistics.fmean(gens))),
+                          max(needs) if bounded_any else window, tuple(zip(prompts, gens)))
 
 
 def _prompt_tokens(body: dict, chat: bool, tokenizer) -> int:

@@ -106,6 +106,8 @@ class _Generation(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="vLLM's: divides the logits of "
                                              "tokens seen so far (1: off)")
     stop: str | list[str] | None = None
+    ignore_eos: bool = Field(False, description="vLLM's: generate past the end-of-sequence token, up to max_tokens "
+                             "(benchmarks: every request generates its max_tokens)")
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="a signed 64-bit integer")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -173,7 +175,7 @@ class _Generation(BaseModel):
         sample = {"temperature": 1.0, "top_p": 1.0, **(defaults or {}), **given}
         sample["top_k"] = max(0, int(sample.get("top_k", 0)))  # vLLM's -1: off
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, **sample,
-                              seed=self.seed, stop=stop, logprobs=self.logprob_count(),
+                              seed=self.seed, stop=stop, logprobs=self.logprob_count(), ignore_eos=self.ignore_eos,
                               presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0,
                               logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},

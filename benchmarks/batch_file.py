@@ -1,0 +1,147 @@
+"""A batch file of varied lengths through `tiered batch`: the throughput the plan prices for the file's own requests
+(EngineConfig.requests: their run replayed step by step, planner/batch_sim) and for one block of their mean lengths
+(the FlexGen block model, planner/throughput.block_throughput, which `tiered batch` priced before), against what
+`tiered batch` measures, at the batch the plan picks and at batches capped by --max-batch.
+
+The file: `--requests` completions of token-id prompts (ids 100..vocab-1, seeded) whose lengths are drawn
+log-normally (a median of --median-prompt tokens, clipped to 15..500) and whose max_tokens likewise (a median of
+--median-gen, clipped to 16..128), each with vLLM's ignore_eos so that every request generates its max_tokens, as
+the plan prices it. Each configuration runs `tiered batch` in its own process (`--rounds` times, alternated); the
+table gives the median of the generated tokens a second its summary line reports (the batch's wall time, the model's
+load left out), the batch it ran, and both prices.
+
+    python benchmarks/batch_file.py --out benchmarks/results/<machine-date>/batch_file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+sys.path.insert(0, str(ROOT))
+
+from tiered.bench import Column, markdown_table, write_report  # noqa: E402
+
+SUMMARY = re.compile(r"\| (\d+) prompt tokens, (\d+) generated in ([\d.]+) s \| ([\d.]+) generated tok/s"
+                     r"(?: \(plan: ([\d.]+)\))?")
+SLOTS = re.compile(r"\), (\d+) at a time x")
+
+
+def write_file(path: Path, n: int, median_prompt: int, median_gen: int, vocab: int, model: str, seed: int = 0):
+    """`n` completion requests of log-normal lengths (sigma 0.9 prompts, 0.7 max_tokens) to `path`; returns their
+    (prompt tokens, max_tokens)."""
+    rng = random.Random(seed)
+    lengths = []
+    with path.open("w") as f:
+        for i in range(n):
+            p = min(500, max(15, round(median_prompt * math.exp(rng.gauss(0, 0.9)))))
+            g = min(128, max(16, round(median_gen * math.exp(rng.gauss(0, 0.7)))))
+            body = {"model": model, "prompt": [rng.randrange(100, vocab) for _ in range(p)], "max_tokens": g,
+                    "temperature": 0, "ignore_eos": True}
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+            lengths.append((p, g))
+    return lengths
+
+
+def run_batch(path: Path, model: str, cap: int) -> dict:
+    """One `tiered batch` of `path` with --max-batch `cap` (0: the plan's): its summary line's figures."""
+    cmd = [sys.executable, "-m", "tiered.cli", "batch", str(path), "--model", model, "--output",
+           str(path.with_suffix(f".{cap}.out.jsonl"))] + (["--max-batch", str(cap)] if cap else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    m, s = SUMMARY.search(res.stderr), SLOTS.search(res.stderr)
+    if res.returncode or m is None or s is None:
+        raise RuntimeError(f"tiered batch failed ({res.returncode}): {res.stderr[-2000:]}")
+    return {"slots": int(s.group(1)), "generated": int(m.group(2)), "seconds": float(m.group(3)),
+            "tokens_per_s": float(m.group(4)), "priced": float(m.group(5)) if m.group(5) else None}
+
+
+def block_price(model: str, lengths: list[tuple[int, int]], slots: int) -> float | None:
+    """The block model's price of `slots` sequences of the requests' mean lengths (what `tiered batch` priced
+    before the replay): the throughput plan made without the requests, its batch fixed at `slots`."""
+    from throughput import priced_by_batch
+
+    from tiered import LLM, EngineConfig
+
+    n = len(lengths)
+    means = (round(sum(p for p, _ in lengths) / n), round(sum(g for _, g in lengths) / n))
+    llm = LLM(model, EngineConfig(goal="throughput", workload=means, max_batch=slots,
+                                  max_context=max(p + g for p, g in lengths)))
+    try:
+        return priced_by_batch(llm.plan).get(slots)
+    finally:
+        llm.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=48, help="requests in the file")
+    ap.add_argument("--median-prompt", type=int, default=115, help="the prompts' median length [tokens]")
+    ap.add_argument("--median-gen", type=int, default=32, help="the max_tokens' median")
+    ap.add_argument("--caps", type=lambda t: [int(x) for x in t.split(",")], default=[4, 8, 16, 32],
+                    help="--max-batch values to run beside the plan's own choice (comma-separated)")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each configuration, alternated")
+    ap.add_argument("--model", default=None, help="checkpoint (default: SmolLM2-135M-Instruct's GGUF)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "batch_file"))
+    args = ap.parse_args()
+
+    from tiered.checkpoint import default_model_path, open_checkpoint
+
+    model = str(args.model or default_model_path())
+    ck = open_checkpoint(model)
+    name = Path(model).stem
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "requests.jsonl"
+        lengths = write_file(path, args.requests, args.median_prompt, args.median_gen, ck.config.vocab_size, name)
+        caps = [0] + [c for c in args.caps if c <= args.requests]
+        runs: dict[int, list[dict]] = {c: [] for c in caps}
+        for _ in range(args.rounds):
+            for c in caps:
+                runs[c].append(run_batch(path, model, c))
+    rows = []
+    for c in caps:
+        got = runs[c]
+        slots = got[0]["slots"]
+        rows.append({"engine": "tiered batch, the plan's batch" if not c else f"tiered batch --max-batch {c}",
+                     "batch": slots, "generated": got[0]["generated"],
+                     "seconds": statistics.median(r["seconds"] for r in got),
+                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in got),
+                     "runs_tokens_per_s": [r["tokens_per_s"] for r in got],
+                     "priced_tokens_per_s": got[0]["priced"], "block_priced_tokens_per_s": block_price(model, lengths, slots)})
+    for r in rows:
+        r["priced_error"] = r["priced_tokens_per_s"] / r["tokens_per_s"] - 1 if r["priced_tokens_per_s"] else None
+        r["block_error"] = (r["block_priced_tokens_per_s"] / r["tokens_per_s"] - 1
+                            if r["block_priced_tokens_per_s"] else None)
+    prompts, gens = [p for p, _ in lengths], [g for _, g in lengths]
+    cols = [Column("engine", "engine"), Column("batch", "batch"), Column("seconds", "seconds", "{:.2f}"),
+            Column("generated tok/s", "tokens_per_s", "{:.1f}"),
+            Column("priced (replay)", "priced_tokens_per_s", "{:.1f}"), Column("off", "priced_error", "{:+.0%}"),
+            Column("priced (block model)", "block_priced_tokens_per_s", "{:.1f}"),
+            Column("off", "block_error", "{:+.0%}")]
+    body = (f"## {args.requests} completions: prompts {min(prompts)}-{max(prompts)} tokens (median "
+            f"{statistics.median(prompts):.0f}, mean {statistics.fmean(prompts):.0f}), max_tokens {min(gens)}-"
+            f"{max(gens)} (median {statistics.median(gens):.0f}, mean {statistics.fmean(gens):.0f}), greedy, "
+            f"ignore_eos\n\n" + markdown_table(rows, cols))
+    json_path, md_path = write_report(
+        "batch_file", args.out, title=f"A batch file of varied lengths ({name})", settings=vars(args), rows=rows,
+        body=body, extra={"requests": lengths},
+        notes=["generated tok/s: `tiered batch`'s summary (completion tokens over the batch's wall time, the "
+               "model's load left out), the median of the rounds; each run its own process, the configurations "
+               "alternated.",
+               "priced (replay): the plan's price of the file's requests at that batch (planner/batch_sim), what "
+               "`tiered batch` prints as (plan: X). priced (block model): the plan made for one block of the "
+               "requests' mean lengths at that batch (planner/throughput.block_throughput)."])
+    print(md_path.read_text())
+
+
+if __name__ == "__main__":
+    main()

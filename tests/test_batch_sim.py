@@ -1,0 +1,151 @@
+"""The replay of a known workload under the engine's continuous batching (planner/batch_sim), which the throughput
+goal prices a batch file's requests with: its steps are LLM.step's, its prices the step prices' sums, and the
+plan's batch is chosen on it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tiered import EngineConfig, LLM, SamplingParams
+from tiered.engine.scheduler import Scheduler
+from tiered.errors import ConfigError
+from tiered.planner.batch_sim import StepPrices, simulate_requests
+from tiered.planner.throughput import block_throughput
+
+
+def _prices(most: int = 0, as_rows: bool = False, group: int = 1024, padding: bool = True) -> StepPrices:
+    # a decode step 10 ms + 1 ms a sequence + 1 us a cached position of each; prompts 1 ms a token (+ 5 ms a forward)
+    return StepPrices(decode=lambda n, c: 0.010 + 0.001 * n + 1e-6 * n * c, rows=lambda T, k: 0.005 + 0.001 * T,
+                      alone=lambda T: 0.005 + 0.001 * T, padded=lambda T, k: 0.005 + 0.001 * T,
+                      most_rows=most, chunks_as_rows=as_rows, group_tokens=group, padding=padding)
+
+
+def test_one_request_is_its_prefill_then_a_step_for_each_later_token():
+    run = simulate_requests([(10, 5)], 1, _prices())
+    steps = [0.011 + 1e-6 * c for c in (11, 12, 13, 14)]  # its first token from the prefill; 4 steps after
+    assert run.seconds == pytest.approx(0.015 + sum(steps)) and run.generated == 5 and run.steps == 4
+    assert (run.prefilled, run.joined, run.occupancy) == (1, 0, 1.0)
+    # within the mixed rows the prompt's rows are the first step, its first token their last row's
+    run = simulate_requests([(10, 5)], 1, _prices(most=16))
+    assert run.seconds == pytest.approx(0.015 + sum(steps)) and run.steps == 5 and run.joined == 1
+
+
+def test_slots_bound_the_step_and_a_finished_request_frees_its_slot():
+    log: list = []
+    run = simulate_requests([(4, 3), (4, 1), (4, 2), (4, 2)], 2, _prices(), log)
+    # step 1: two prompts prefilled (one padded forward), the one wanting 1 token done; the other decodes
+    # step 2: the freed slot's prompt prefilled beside it; ... every step decodes at most 2 sequences
+    assert log[0] == (((4, 4),), (), 1) and all(n <= 2 for _, _, n in log)
+    assert run.generated == 8 and sum(len(g) for p, _, _ in log for g in p) == 4
+    with pytest.raises(ValueError):
+        simulate_requests([(0, 3)], 1, _prices())
+    with pytest.raises(ValueError):
+        simulate_requests([(3, 3)], 0, _prices())
+    assert simulate_requests([], 4, _prices()).seconds == 0
+
+
+def test_shortest_prompts_join_the_step_within_the_mixed_rows_and_the_rest_prefill_first():
+    log: list = []
+    simulate_requests([(30, 4), (5, 4), (12, 4), (200, 4)], 4, _prices(most=20), log)
+    # 5 and 12 tokens fit 20 rows (shortest first); 30 and 200 prefill first, then decode beside the joining rows
+    assert log[0] == (((30,), (200,)), (5, 12), 2)
+    log.clear()  # where whole chunks run as rows, the others pack into native steps of at most 20 rows
+    run = simulate_requests([(8, 2), (9, 2), (6, 2), (7, 2)], 4, _prices(most=10, as_rows=True), log)
+    assert log[0] == (((7,), (8,), (9,)), (6,), 3) and run.prefill_s == pytest.approx(3 * 0.005 + 0.024)
+
+
+def _engine_log(llm, requests, slots):
+    """LLM.step's steps over `requests` as (each prefill forward's prompt lengths, prompt lengths joining as rows,
+    sequences decoded), as simulate_requests logs them."""
+    rng = random.Random(0)
+    V = llm.config.vocab_size
+    seqs = [llm.make_sequence([rng.randrange(3, V) for _ in range(p)],
+                              SamplingParams(max_tokens=g, temperature=0, ignore_eos=True), False, index=i)
+            for i, (p, g) in enumerate(requests)]
+    sched = Scheduler(max_batch=slots, max_queue=len(seqs))
+    for s in seqs:
+        sched.add(s)
+    cache = llm._cache_for(slots, max(p + g for p, g in requests))
+    log, step = [], {}
+    mixed, groups, fwd_mixed, prefill = llm._mixed_prefills, llm._prefill_groups, llm._forward_mixed, llm._prefill
+    fwd = llm._forward
+
+    def on_mixed(admitted, decoding, cache):
+        out = mixed(admitted, decoding, cache)
+        step["joined"] = [len(s.prompt_ids) for s in out]
+        return out
+
+    def on_groups(seqs, cache, twins):
+        step["grouping"] = True
+        try:
+            return groups(seqs, cache, twins)
+        finally:
+            step["grouping"] = False
+
+    def on_prefill(seqs, cache):  # a group through the modules (or chunk by chunk)
+        step["prefilled"].append(tuple(sorted(len(s.prompt_ids) for s in seqs)))
+        return prefill(seqs, cache)
+
+    def on_fwd_mixed(seqs, decode, cache, span=None):
+        if step["grouping"] and span is None:  # a group of prompts as rows of one native step
+            step["prefilled"].append(tuple(sorted(len(s.prompt_ids) for s in seqs)))
+        step["decoded"] += len(decode)
+        return fwd_mixed(seqs, decode, cache, span)
+
+    def on_fwd(seqs, cache, prefill, span=None):
+        step["decoded"] += 0 if prefill else len(seqs)
+        return fwd(seqs, cache, prefill=prefill, span=span)
+
+    llm._mixed_prefills, llm._prefill_groups, llm._forward_mixed = on_mixed, on_groups, on_fwd_mixed
+    llm._prefill, llm._forward = on_prefill, on_fwd
+    while sched.has_work():
+        step.update(joined=[], prefilled=[], decoded=0, grouping=False)
+        llm.step(sched, cache)
+        log.append((tuple(sorted(step["prefilled"])), tuple(sorted(step["joined"])), step["decoded"]))
+    assert sum(len(s.output_ids) for s in seqs) == sum(g for _, g in requests)
+    return log
+
+
+@pytest.mark.parametrize("rows, chunk", [(0, 0), (24, 0), (24, 24)])
+def test_the_replay_runs_the_steps_llm_step_runs(zoo, rows, chunk):
+    """The replay's steps are the engine's, step for step: which admitted prompts prefill first and which join the
+    decode step's rows (Plan.mixed_rows: none, a few beside the prefills, or every prompt as rows of native steps
+    where whole chunks run so), and how many sequences each step decodes, over requests of varied lengths through
+    fewer slots than requests. Where the native step cannot take rows (no kernels) no prompt joins, the replay too."""
+    from tiered.planner.latency_cpu import request_prices
+
+    llm = LLM(zoo.dir("llama"), EngineConfig(max_context=96, max_batch=4, accelerator="none"))
+    takes_rows = llm.runtime.cpu_decode is not None and llm.runtime.cpu_decode.takes_prefill_rows(
+        llm._cache_for(4, 96))
+    llm.plan.mixed_rows = rows if takes_rows else 0
+    llm.plan.prefill_chunk = chunk or llm.plan.prefill_chunk
+    rng = random.Random(1)
+    # the first step's rows: 6 + 18 = 24, the most (an equal count joins); then lengths at random
+    requests = [(6, 5), (18, 3), (30, 2), (40, 6)] + [(rng.randrange(2, 40), rng.randrange(1, 12)) for _ in range(9)]
+    unpriced = lambda *a, **k: 0.0  # noqa: E731
+    want: list = []
+    simulate_requests(requests, 4, request_prices(llm.plan, False, unpriced, unpriced, unpriced), want)
+    assert _engine_log(llm, requests, 4) == want
+    assert any(j for _, j, _ in want) == bool(llm.plan.most_prompt_rows())
+
+
+def test_the_throughput_goal_chooses_a_batch_files_batch_on_its_replayed_requests(zoo):
+    """With the requests' lengths (EngineConfig.requests: `tiered batch`'s), each batch's price is their replay
+    (Plan.predicted_requests_tokens_per_s) and the plan's throughput is its batch's; the workload defaults to their
+    means. Bad requests are refused with the config."""
+    requests = ((40, 8), (5, 30), (60, 4), (12, 12), (3, 20), (50, 6))
+    llm = LLM(zoo.dir("llama"), EngineConfig(goal="throughput", max_context=96, accelerator="none", requests=requests))
+    plan = llm.plan
+    assert (plan.prompt_tokens, plan.gen_tokens) == (round(170 / 6), round(80 / 6))
+    assert plan.predicted_requests_tokens_per_s > 0
+    assert plan.predicted_throughput_tokens_per_s == block_throughput(plan) == plan.predicted_requests_tokens_per_s
+    (note,) = [n for n in plan.notes if n.startswith("throughput goal: batch")]
+    assert "the workload's requests" in note
+    # the latency goal and a re-pricing at other positions ignore them
+    assert LLM(zoo.dir("llama"), EngineConfig(max_context=96, accelerator="none", requests=requests)
+               ).plan.predicted_requests_tokens_per_s is None
+    for bad in (((0, 3),), (), ((3,),), (("x", 2),)):
+        with pytest.raises(ConfigError, match="requests"):
+            EngineConfig(requests=bad)
