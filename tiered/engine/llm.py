@@ -27,7 +27,7 @@ from tiered.engine.dtype import resolve_dtype
 from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt, is_chat
 from tiered.engine.reasoning import marks_special, output_stops, prompt_opens_thinking, reasoning_format
 from tiered.engine.sampling import SamplingParams, adjust_logits, prompt_token_logprobs, sample_tokens, token_logprobs
-from tiered.engine.scheduler import PromptTwins, Scheduler, SharedPrefixes, prefill_groups
+from tiered.engine.scheduler import PromptTwins, Scheduler, SharedPrefixes, prefill_groups, rows_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from tiered.engine.speculative import DraftModel, ModelDrafter, NgramDrafter, draft_length, verify_draw
 from tiered.engine.structured import TokenMatcher, grammar_tokenizer
@@ -1267,17 +1267,7 @@ def _rows_groups(seqs: list[Sequence], most: int) -> list[list[Sequence]]:
     than `most` is a group of its own (LLM._prefill runs it chunk by chunk). Where 16 SmolLM2 prompts of 512
     tokens were admitted at once, the two that joined the decode step's rows ran there and the others through the
     modules' forward in padded pairs: 500 ms a prompt against 280 as rows (2 Zen 4 cores, 2026-12-04)."""
-    groups: list[list[Sequence]] = []
-    rows = most + 1
-    for s in seqs:
-        n = len(s.prompt_ids) - s.cached_tokens
-        if groups and rows + n <= most:
-            groups[-1].append(s)
-            rows += n
-        else:
-            groups.append([s])
-            rows = n
-    return groups
+    return [[seqs[i] for i in g] for g in rows_groups([len(s.prompt_ids) - s.cached_tokens for s in seqs], most)]
 
 
 def _speculating_burst(seq: Sequence) -> int | None:

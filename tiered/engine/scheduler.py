@@ -225,6 +225,22 @@ def prefill_groups(lengths: list[int], max_tokens: int, padding: bool = True,
     return groups
 
 
+def rows_groups(lengths: list[int], most: int) -> list[list[int]]:
+    """Prompts of `lengths` uncached tokens packed into native decode steps of at most `most` rows each, in the
+    order given (engine/llm._rows_groups, planner/batch_sim): groups of indices; a prompt longer than `most` is a
+    group of its own (run chunk by chunk)."""
+    groups: list[list[int]] = []
+    rows = most + 1
+    for i, n in enumerate(lengths):
+        if groups and rows + n <= most:
+            groups[-1].append(i)
+            rows += n
+        else:
+            groups.append([i])
+            rows = n
+    return groups
+
+
 class PromptTwins:
     """Admitted sequences whose prompts equal an earlier admitted one's (a request's `n` choices, the
     same prompt sent at once): only the first, the leader, is prefilled; each follower gets the

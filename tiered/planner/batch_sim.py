@@ -135,7 +135,7 @@ def simulate_requests(requests: Sequence[tuple[int, int]], slots: int, prices: S
         raise ValueError("every request needs >= 1 prompt token and >= 1 generated token")
     if not requests:
         return SimulatedRun(0.0, 0, 0, 0.0, 0.0, 0.0, 0, 0)
-    from tiered.engine.scheduler import prefill_groups
+    from tiered.engine.scheduler import prefill_groups, rows_groups
 
     longest = max(p + g for p, g in requests)
     c_step = max(1, math.ceil(longest / GRID_POINTS))
@@ -188,15 +188,7 @@ def simulate_requests(requests: Sequence[tuple[int, int]], slots: int, prices: S
         if rest:
             lengths = [p for p, _ in rest]
             if prices.chunks_as_rows and most > 0:
-                groups, n = [], most + 1
-                for j, p in enumerate(lengths):  # engine/llm._rows_groups: in admission order
-                    if groups and n + p <= most:
-                        groups[-1].append(j)
-                        n += p
-                    else:
-                        groups.append([j])
-                        n = p
-                for g in groups:
+                for g in rows_groups(lengths, most):  # engine/llm._rows_groups: in admission order
                     forwards.append(tuple(sorted(lengths[j] for j in g)))
                     T = sum(lengths[j] for j in g)
                     prefill_s += (priced(("rows", T, len(g)), lambda: prices.rows(T, len(g))) if len(g) > 1
