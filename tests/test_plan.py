@@ -316,6 +316,31 @@ def test_a_small_layers_calls_run_slower_a_byte_as_the_step_timed_them():
     assert step - plain_step == pytest.approx(2 * (sum(layers[0]) - sum(plain[0])))
 
 
+def test_one_sequences_draft_rows_read_its_cache_once():
+    """predict_decode's `sequences`: a step of one sequence's 1 + k rows (speculative decoding's) reads that
+    sequence's KV cache once, its later rows passing over keys the caches hold at attn_rows' rate, where 1 + k
+    sequences read 1 + k caches (SmolLM2's steps of 2-5 rows had been priced 1.39-2.55x one row, measured
+    1.15-2.03x on the AMX VM); at no context, or one row a sequence, the two are the same step."""
+    from tiered.memory import sizes
+    from tiered.planner.cpu_predict import predict_decode
+
+    stream = 1 / 20e9  # seconds a KV byte, the native attention's
+    models = {"gemv/cpu/int4": LinearModel(0.0, 1e-12, 1.0), "gemv/cpu/int8": LinearModel(0.0, 1e-12, 1.0),
+              "attn_decode/cpu/bf16": LinearModel(0.0, stream, 1.0), "attn_rows/cpu/bf16": LinearModel(0.0, 1e-12, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", models, None, None, meta={"native_kernels": True})
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
+    def step(batch, sequences=None, context=256):
+        return predict_decode(cfg, hw, "int4", context=context, head_dtype="int8", kv_format="bf16", batch=batch,
+                              sequences=sequences)[1]
+
+    kv = 256 * sizes.kv_bytes_per_token(cfg, "bf16")  # a layer's cache of one sequence
+    again = 256 * cfg.attention_macs_per_pair(True) * 1e-12  # a row's pass over it from the caches
+    assert step(4) - step(4, 1) == pytest.approx(cfg.num_hidden_layers * 3 * (kv * stream - again))
+    assert step(1) < step(4, 1) < step(4) and step(4, 4) == step(4) and step(4, 1, context=0) == step(4, context=0)
+
+
 def test_a_step_the_caches_partly_hold_streams_at_the_rate_timed_at_its_working_set():
     """op_time.cache_factor: runtime/decode_ws/int4's points (working set bytes, seconds a byte) over its cold set's
     rate, interpolated in log bytes, held below the smallest set, 1 from the cold set on and where not profiled. A

@@ -323,16 +323,19 @@ def native_fused_projections(hw: HardwareProfile, dtype: str) -> bool:
 
 def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, working_set: float = 0.0,
                mix: dict | None = None, kv_format: str | None = None, rows: int = 1, batch_act: str = "bf16",
-               proj_rows: int | None = None, layer_bytes: float | None = None) -> float:
+               proj_rows: int | None = None, layer_bytes: float | None = None, caches: int | None = None) -> float:
     """Seconds of one layer's attention in a decode step of `rows` sequences of `context` cached
     positions each: the projections (`proj_rows` per call, None = `rows`, on `batch_act` activations: `_batched`;
-    `layer_bytes`: the layer's weight bytes, `_gemv`'s) and each row's pass over its own cache."""
+    `layer_bytes`: the layer's weight bytes, `_gemv`'s) and each row's pass over its own cache. `caches`: the
+    sequences the rows belong to where fewer (speculative decoding's rows of one sequence, predict_decode's
+    `sequences`): each cache is read once for its rows."""
     w = cfg.attention_weight_elements()
     native = native_step(hw)  # the native step runs plain and latent attention (DecodeStep.set_latent)
     proj = _projections(hw, dtype, mix, w, 2 if native_fused_projections(hw, dtype) else 4, working_set,
                         rows if proj_rows is None else proj_rows, batch_act, layer_bytes)
     act = _kv_format(dtype, kv_format)
-    kv_bytes = rows * context * sizes.kv_bytes_per_token(cfg, act)
+    caches = rows if caches is None else max(1, min(rows, caches))
+    kv_bytes = caches * context * sizes.kv_bytes_per_token(cfg, act)
     if native:  # the native step's attention streams the cached keys and values once (GQA heads share them),
         # at its own measured rate where profiled (attn_decode/cpu: below the memory's, ~15 GB/s on 2 Zen 4 cores)
         stream = op_time.memory_time(hw, "cpu", act, kv_bytes, "memory", working_set)
@@ -340,8 +343,13 @@ def _attention(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, 
         if m is None and act == "int8" and "attn_decode/cpu/bf16" in hw.models:
             # a profile from before int8 caches: their rows at the bf16 cache's rate a value (its bytes)
             m = hw.models["attn_decode/cpu/bf16"]
-            kv_bytes = rows * context * sizes.kv_bytes_per_token(cfg, "bf16")
+            kv_bytes = caches * context * sizes.kv_bytes_per_token(cfg, "bf16")
         read = max(stream, m.beta * kv_bytes) if m is not None else stream
+        if rows > caches:  # rows sharing a cache (one sequence's drafts): their passes over keys the caches hold, at
+            # the prompt rows' rate (attn_rows/cpu: predict_prompt_rows')
+            again = hw.models.get(f"attn_rows/cpu/{act}") or hw.models.get(f"attn_rows/cpu/{sizes.kv_compute_format(act)}")
+            if again is not None:
+                read += again.beta * (rows - caches) * context * cfg.attention_macs_per_pair(True)
         if cfg.is_mla:  # each cached latent row serves every head: H (2 R + r) multiply-adds a position, in
             # fp32 loops, at the fp32 GEMM fit's slope (the 27-layer V2-Lite GGUF: ~0.3 ms a layer at 1024
             # positions on 2 Zen 4 cores, where torch's attention key had priced ~3 ms at 640)
@@ -370,7 +378,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
                    head_dtype: str | None = None, expert_act: str = "bf16",
                    mix: dict | None = None, kv_format: str | None = None,
                    batch: int = 1, batch_act: str = "bf16",
-                   bursts: bool = False) -> tuple[list[tuple[float, float]], float]:
+                   bursts: bool = False, sequences: int | None = None) -> tuple[list[tuple[float, float]], float]:
     """Per-layer (attention, FFN or MoE) seconds of one decode step, and the whole step
     (layers + lm_head) on CPU + disk.
 
@@ -401,6 +409,11 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             (a row's fixed cost a layer and its cost a weight element at real widths, in the step).
         batch_act: what int4 decode copies multiply in steps of 2+ rows (Plan.batch_act): "q8" prices
             them by gemv/cpu/int4q8 and decode_rows/cpu/int4q8 (`_batched`).
+        sequences: the sequences the `batch` rows belong to, where fewer than the rows (None: one a row): speculative
+            decoding's step of one sequence's last token and its k drafts (Plan.speculative_costs) attends over that
+            one cache, its keys and values read once for its rows (the later rows find them in the caches). Priced
+            as 1 + k sequences, SmolLM2's steps of 2 / 3 / 4 / 5 rows had been 1.39 / 1.77 / 2.14 / 2.55x one row
+            where they took 1.15 / 1.37 / 1.62 / 2.03x (2 AMX cores, 2026-12-05).
         bursts: the engine decodes a lone sequence in native bursts (LLM._burst: generate, stream, and a
             server with one request running and none waiting): at batch 1 with the native step running every layer (every expert resident in RAM: no
             cache slots, none on disk), the per-token fixed cost is a burst's (op_time.step_overhead's `burst`).
@@ -421,7 +434,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     # (47 MB of bf16 cache beside 89 MB of weights), its working set taken as the weights alone, was priced 4.7 ms
     # against 5.4 (2 AMX cores, 2026-12-04)
     B = max(1, int(batch))
-    ws = step_weight_bytes(cfg, dtype, moe_layers, mix) + B * context * cfg.num_hidden_layers * \
+    S = B if sequences is None else max(1, min(B, int(sequences)))  # the caches the rows read
+    ws = step_weight_bytes(cfg, dtype, moe_layers, mix) + S * context * cfg.num_hidden_layers * \
         sizes.kv_bytes_per_token(cfg, _kv_format(dtype, kv_format))
     layers = []
     # a batched native step's dense layers: one row's stream, and each row past the first as the step ran such rows at
@@ -439,7 +453,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         by_key = rows_key is not None and dense
         lb = dense_bytes if dense else None
         attn = _attention(cfg, hw, dtype, context, ws, mix, kv_format, B, batch_act, 1 if by_key else B,
-                          layer_bytes=lb) + per_layer
+                          layer_bytes=lb, caches=S) + per_layer
         t = 0.0
         if dense:
             F = cfg.intermediate_size

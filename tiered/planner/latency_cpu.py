@@ -78,13 +78,13 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     hits = None
     memory = {"cpu": fixed}
 
-    def predict(hits, batch: int = 1, context: int = ctx, bursts: bool = True):
+    def predict(hits, batch: int = 1, context: int = ctx, bursts: bool = True, sequences: int | None = None):
         # bursts: LLM._burst, a lone sequence's (a server's too; batch 1 only)
         return predict_decode(cfg, profile, dtype, context=context, hits=hits, read_ahead=plan.read_ahead,
                               readers=max(2, plan.staging_buffers), experts_format=plan.dtypes["experts"] if moe else None,
                               head_dtype=plan.dtypes.get("lm_head"), expert_act=plan.expert_act,
                               mix=plan.precision_mix, kv_format=plan.dtypes["kv_cache"], batch=batch,
-                              batch_act=plan.batch_act, bursts=bursts)
+                              batch_act=plan.batch_act, bursts=bursts, sequences=sequences)
     if moe:
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         room = float("inf") if cpu is None else cpu - fixed - staging
@@ -123,7 +123,9 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
                                 request_prices(plan, cfg.is_moe, lambda n, c: predict(hits, n, c)[1], rows, modules))
         plan.predicted_requests_tokens_per_s = run.tokens_per_s
     if plan.speculative_tokens and native_step(profile):
-        plan.speculative_costs = speculative_costs(lambda B: predict(hits, B, bursts=False)[1], plan.speculative_tokens)
+        # a step of one sequence's 1 + k rows: its cache read once for them
+        plan.speculative_costs = speculative_costs(lambda B: predict(hits, B, bursts=False, sequences=1)[1],
+                                                   plan.speculative_tokens)
     plan.memory = memory
     plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
                     f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "
@@ -170,10 +172,10 @@ def prompt_paths(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, disk_sh
 def speculative_costs(step, most: int) -> list[float]:
     """Plan.speculative_costs: the seconds of a decode step of one sequence's 1 + k rows (its last token and k
     draft tokens, each row's logits computed: LLM._forward_mixed) relative to one row, k = 0..`most`, priced as
-    a batched decode step of 1 + k rows (`step(B)` seconds: cpu_predict.predict_decode at batch B, no bursts),
-    which runs the same rows through the same kernels (each row attending to its own positions, every row's
-    logits): the weights stream once and each row past the first adds its multiply-adds and code at
-    runtime/batch_rows' rate. On 2 Zen 4 cores (2026-12-04) SmolLM2's int4 step took 4.6 / 6.3 / 7.6 / 9.3 /
+    a batched decode step of 1 + k rows of one sequence (`step(B)` seconds: cpu_predict.predict_decode at batch B,
+    sequences 1, no bursts), which runs the same rows through the same kernels (each row attending to its own
+    positions of the one cache, read once for them; every row's logits): the weights stream once and each row past
+    the first adds its multiply-adds and code at runtime/batch_rows' rate. On 2 Zen 4 cores (2026-12-04) SmolLM2's int4 step took 4.6 / 6.3 / 7.6 / 9.3 /
     10.5 ms at 1-5 rows (1.35 / 1.65 / 2.00 / 2.27x), an 8-layer Llama-3-8B-width Q4_K_M step 45 / 46 / 50 / 53 /
     62 ms (1.02-1.38x), where pricing the rows as a prompt's (predict_prompt_rows: decode_rows' slope for each row's
     multiply-adds, beside the stream) had given the latter 1.26-2.15x."""
