@@ -5,7 +5,8 @@ tiered loads the model under the throughput goal (EngineConfig(goal="throughput"
 planner/throughput.plan_batch prices each batch and picks one), once with the plan's own batch and once each
 with the batch capped at `--caps` (EngineConfig.max_batch); `LLM.generate` runs the N prompts through that many
 KV-cache slots (continuous batching: a finished sequence's slot is taken by the next prompt). The baseline of
-one request at a time is the latency goal's engine, a generate call a prompt (as `tiered run` answers them). The engines alternate for `--rounds` rounds
+one request at a time is the latency goal's engine, a generate call a prompt (as `tiered run` answers them); the
+latency goal's engine also runs one generate call of all N (as many together as its budget's room holds). The engines alternate for `--rounds` rounds
 in one process; the table gives the median and the plan's priced throughput. The baseline is transformers'
 `generate` on the same GGUF (the N prompts as one batch: equal lengths, no padding), timed the same way.
 
@@ -58,13 +59,13 @@ def tiered_rows(name: str, path: str | None, args, cpu_memory: str | None = None
     per prompt, as `tiered run` answers them), and throughput-goal engines with the plan's own batch and with
     the batch capped at each of `args.caps` (EngineConfig.max_batch: the plan's batch within the cap)."""
     P, G, N = args.prompt_tokens, args.gen_tokens, args.prompts
-    caps = [0, 1] + [b for b in args.caps if 1 < b <= N]
+    caps = [0, 1, -1] + [b for b in args.caps if 1 < b <= N]
 
     # experts past the RAM budget are read from disk in the engine's layout: converted once to an offload directory
     offload = str(Path.home() / ".cache" / "tiered" / "bench" / "offload-throughput") if cpu_memory else None
 
     def engine(cap: int) -> LLM:
-        if cap == 1:
+        if cap in (1, -1):  # the latency goal's engine: a prompt a call, or one generate call of them all (-1)
             return LLM(path, EngineConfig(max_context=P + G, cpu_memory=cpu_memory, offload_dir=offload))
         return LLM(path, EngineConfig(goal="throughput", workload=(P, G), max_context=P + G, offload_dir=offload,
                                       max_batch=cap or N, cpu_memory=cpu_memory))  # (never past the prompts)
@@ -86,9 +87,12 @@ def tiered_rows(name: str, path: str | None, args, cpu_memory: str | None = None
     rows = []
     for cap, llm in engines.items():
         s = statistics.median(times[cap])
-        label = {0: "tiered, the plan's batch", 1: "tiered, one request at a time"}.get(cap, f"tiered, batch capped at {cap}")
-        # one at a time: what the throughput plan priced for a batch of 1 (its note of the batches it priced)
-        priced = llm.plan.predicted_throughput_tokens_per_s if cap != 1 else priced_by_batch(first.plan).get(1)
+        label = {0: "tiered, the plan's batch", 1: "tiered, one request at a time",
+                 -1: "tiered, latency goal, one generate call of all"}.get(cap, f"tiered, batch capped at {cap}")
+        # one at a time: what the throughput plan priced for a batch of 1 (its note of the batches it priced); the
+        # latency goal's engine prices no batch
+        priced = (llm.plan.predicted_throughput_tokens_per_s if cap not in (1, -1) else
+                  priced_by_batch(first.plan).get(1) if cap == 1 else None)
         rows.append({"model": name, "engine": label, "batch": llm.plan.kv_slots, "seconds": s,
                      "tokens_per_s": N * G / s, "priced_tokens_per_s": priced, "vs_one_at_a_time": one / s})
         llm.close()

@@ -45,7 +45,8 @@ class EngineConfig:
         mixed_thresholds: HOBBIT's (T1, T2) for expert_low_weights; the paper's (0.6, 0.9).
         decode_weights_threshold: steps with at most this many tokens use the decode weights;
             larger steps (prefill) use the dense `dtype` weights (raised to max_batch, so that every
-            decode step of a served batch takes the decode path).
+            decode step of a served batch takes the decode path; a CPU plan's native decode step also
+            takes decode steps of up to the prompt rows it runs there: Plan.native_step_rows).
         batch_activations: what int4 decode weights (tiled layout, tiered/kernels built) multiply in
             native steps of two or more rows (a batch of sequences, or a prompt's tokens run as rows:
             Plan.mixed_rows): "q8" (activations rounded to int8 per group of 32, llama.cpp's Q8_0:

@@ -985,7 +985,7 @@ class LLM:
                 contiguous = slots.tolist() == list(range(len(seqs)))
                 logits = self.runtime.graphs(ids, positions, slots_dev, cache,
                                              max(s.num_tokens for s in seqs), contiguous)
-            elif not prefill and self.runtime.cpu_decode is not None and len(seqs) <= self.plan.decode_threshold:
+            elif not prefill and self.runtime.cpu_decode is not None and len(seqs) <= self.plan.native_step_rows():
                 logits = self.runtime.cpu_decode(ids, positions, slots_dev, cache)
             if logits is None:
                 logits = self.model(ids, positions, slots_dev, cache, last=last)

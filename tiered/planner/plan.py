@@ -99,7 +99,7 @@ class Plan:
         dense_copies                         keep the dense weights beside the decode copies (prefill
                                              runs on them; lossless in fp32). False: each weight's
                                              one copy is its decode copy, which serves every step
-        cpu_decode_step                      run CPU decode steps of at most decode_threshold rows
+        cpu_decode_step                      run CPU decode steps of at most native_step_rows() rows
                                              through runtime/cpu_decode.CPUDecodeStep (fused kernels,
                                              ~30 torch ops per layer) instead of the modules
         native_decode                        run that step in C++ (tiered/kernels, built by setup):
@@ -277,6 +277,15 @@ class Plan:
         """Most prompt rows one native decode step takes (LLM._mixed_prefills, eval/kl): mixed_rows within the
         prefill chunk (the rows its workspace holds); 0: prompts never run as rows."""
         return min(self.mixed_rows, self.prefill_chunk or self.mixed_rows)
+
+    def native_step_rows(self) -> int:
+        """Most sequences a decode step runs through the CPU decode step (LLM._forward), the modules beyond:
+        decode_threshold, or the prompt rows the plan runs through that step where more (Plan.most_prompt_rows: the
+        rows it priced cheaper there than through the modules; a decode row is one such row over its own cache).
+        `generate` of a list under the latency goal steps more sequences than the plan's kv_slots (which
+        decode_threshold covers): SmolLM2's 32 and 128 sequences had stepped through the modules at 406 and 689-731
+        generated tok/s, through the step at 551-584 and 829-849 (2 AMX cores, 2026-12-05)."""
+        return max(self.decode_threshold, self.most_prompt_rows())
 
     def chunks_as_rows(self) -> bool:
         """Whether a prompt past the prefill chunk runs chunk by chunk as rows of the native decode step
