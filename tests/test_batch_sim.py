@@ -56,6 +56,17 @@ def test_shortest_prompts_join_the_step_within_the_mixed_rows_and_the_rest_prefi
     assert log[0] == (((7,), (8,), (9,)), (6,), 3) and run.prefill_s == pytest.approx(3 * 0.005 + 0.024)
 
 
+def test_steps_nothing_changes_between_are_priced_at_once_as_one_by_one():
+    """Where no request can join or finish, the replay prices the steps up to the next finish at once (at their mean
+    positions): the same seconds, steps and tokens as one step at a time (what it runs when it logs its steps)."""
+    rng = random.Random(2)
+    requests = [(rng.randrange(2, 300), rng.randrange(1, 90)) for _ in range(60)]
+    for slots, most in ((1, 0), (4, 64), (16, 0), (64, 128)):
+        fast, slow = (simulate_requests(requests, slots, _prices(most), log) for log in (None, []))
+        assert fast.seconds == pytest.approx(slow.seconds, rel=1e-9)
+        assert (fast.steps, fast.generated, fast.occupancy) == pytest.approx((slow.steps, slow.generated, slow.occupancy))
+
+
 def _engine_log(llm, requests, slots):
     """LLM.step's steps over `requests` as (each prefill forward's prompt lengths, prompt lengths joining as rows,
     sequences decoded), as simulate_requests logs them."""
