@@ -278,6 +278,10 @@ def test_request_lengths_price_the_files_requests(chat_llama, tmp_path):
     chat = len(encode_prompt(llm_tok, [{"role": "user", "content": "hi"}], True))  # through the template
     assert (p, g) == (round((6 + 2 + chat) / 3), round((10 + 16 + 30) / 3)) and longest == max(16, 18, chat + 30)
     assert requests == ((6, 10), (2, 16), (chat, 30))  # each line's, in file order: the plan replays them
+    # a request of n choices, or a batched completion of several prompts, is that many sequences
+    _write(src, [_request("e", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 5, "n": 3}),
+                 _request("f", "/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 7, "n": 2})])
+    assert request_lengths(read_batch(src), llm_tok, 1000).requests == ((3, 5),) * 3 + ((2, 7),) * 4
     # a chat without max_tokens may fill the context window: the KV cache is sized for it
     _write(src, [_request("d", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
     assert request_lengths(read_batch(src), llm_tok, 1000)[2] == 1000

@@ -604,8 +604,9 @@ def batch(
     runnable = sum(1 for line in lines if line.error is None)
     if max_batch == 1:  # one request at a time: the latency goal's engine (a throughput plan's batch starts at 2)
         goal = "latency"
-    # under the throughput goal the batch is planned, up to --max-batch and never past the file's requests
-    most = min(max_batch or 256, max(1, runnable)) if goal == "throughput" else max_batch or 8
+    # under the throughput goal the batch is planned, up to --max-batch and never past the file's sequences (its
+    # requests' choices)
+    most = min(max_batch or 256, max(1, len(requests))) if goal == "throughput" else max_batch or 8
     config = _engine_config(locals(), max_batch=most, goal=goal, workload=(prompt_tokens, gen_tokens),
                             requests=requests or None)
     llm = LLM(checkpoint, config, progress=True)

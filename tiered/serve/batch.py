@@ -155,7 +155,7 @@ class RequestLengths(NamedTuple):
 
 def request_lengths(lines: list[BatchLine], tokenizer, window: int) -> RequestLengths:
     """(mean prompt tokens, mean most tokens generated, most positions a request with max_tokens needs, each
-    request's (prompt, most generated)) of the runnable lines, which the throughput plan prices (its batch on the
+    sequence's (prompt, most generated): a line's, once per choice (`n`) of each of its prompts) of the runnable lines, which the throughput plan prices (its batch on the
     requests replayed: EngineConfig.requests) and sizes its KV cache by (`window` where no request
     gives max_tokens: those generate up to the context window). A prompt is counted through the chat template
     where the url is the chat one (characters / 4 where it cannot be encoded: the server will say why); a
@@ -176,8 +176,14 @@ def request_lengths(lines: list[BatchLine], tokenizer, window: int) -> RequestLe
         bounded = isinstance(most, int) and most > 0
         g = most if bounded else window - p
         g = max(1, min(g, window - p)) if p < window else 1
-        prompts.append(p)
-        gens.append(g)
+        # each choice of each prompt is a sequence of the scheduler (a batched completion's prompts are priced at its
+        # first one's length)
+        n = body.get("n", 1)
+        batched = body.get("prompt") if not chat else None
+        count = (n if isinstance(n, int) and n >= 1 else 1) * (
+            len(batched) if isinstance(batched, list) and batched and isinstance(batched[0], (str, list)) else 1)
+        prompts += [p] * count
+        gens += [g] * count
         needs.append(min(window, p + g) if bounded else min(window, p + 1))
         bounded_any |= bounded
     if not prompts:
