@@ -210,45 +210,30 @@ def simulate_requests(requests: Sequence[tuple[int, int]], slots: int, prices: S
             log.append((tuple(sorted(forwards)), tuple(sorted(admitted[i][0] for i in mixed)), len(running)))
         if not (running or mixed):
             continue
-        if log is None and not mixed and not rest and (free == 0 or not waiting):
-            # nothing can change before the first running sequence finishes: its steps at once, at their mean
-            # positions (the decode price is linear in positions between its grid points); a 10,000-request file
-            # through one slot had taken 1 s a batch priced
-            k = min(s[1] for s in running)
-            if k > 1:
-                n = len(running)
-                decode_s += k * decode(n, sum(s[0] for s in running) / n + (k + 1) / 2)
-                steps, decoded, generated = steps + k, decoded + n * k, generated + n * k
-                still = []
-                for s in running:
-                    s[0] += k
-                    s[1] -= k
-                    if s[1] > 0:
-                        still.append(s)
-                    else:
-                        free += 1
-                running = still
-                continue
-        # the decode step: every running sequence one token, beside the joining prompts' rows
+        # the decode step: every running sequence one token, beside the joining prompts' rows; where nothing can
+        # change before the first running sequence finishes, its k steps at once at their mean positions (the decode
+        # price is linear in positions between its grid points: a 10,000-request file through one slot had taken 1 s
+        # a batch priced)
+        k = min(s[1] for s in running) if log is None and not mixed and not rest and (free == 0 or not waiting) else 1
         t = 0.0
         if running:
             n = len(running)
-            t += decode(n, sum(s[0] for s in running) / n + 1)
-            decoded += n
+            t += k * decode(n, sum(s[0] for s in running) / n + (k + 1) / 2)
+            decoded += n * k
         if mixed:
-            T, k = sum(admitted[i][0] for i in mixed), len(mixed)
-            share = priced(("rows", T, k), lambda: prices.rows(T, k))
+            T, m = sum(admitted[i][0] for i in mixed), len(mixed)
+            share = priced(("rows", T, m), lambda: prices.rows(T, m))
             # beside decode rows, the step's stream and per-step cost are paid once: the rows' share is theirs past
             # one row's (a lone row of one prompt: what a decode step of one sequence runs)
             t += share - (priced(("rows", 1, 1), lambda: prices.rows(1, 1)) if running else 0.0)
-            joined += k
+            joined += m
         decode_s += t
-        steps += 1
+        steps += k
         still = []
         for s in running:
-            generated += 1
-            s[0] += 1
-            s[1] -= 1
+            generated += k
+            s[0] += k
+            s[1] -= k
             if s[1] > 0:
                 still.append(s)
             else:
