@@ -179,9 +179,7 @@ def request_lengths(lines: list[BatchLine], tokenizer, window: int) -> RequestLe
         # each choice of each prompt is a sequence of the scheduler (a batched completion's prompts are priced at its
         # first one's length)
         n = body.get("n", 1)
-        batched = body.get("prompt") if not chat else None
-        count = (n if isinstance(n, int) and n >= 1 else 1) * (
-            len(batched) if isinstance(batched, list) and batched and isinstance(batched[0], (str, list)) else 1)
+        count = (n if isinstance(n, int) and n >= 1 else 1) * (1 if chat else len(_completion_prompts(body)))
         prompts += [p] * count
         gens += [g] * count
         needs.append(min(window, p + g) if bounded else min(window, p + 1))
@@ -195,6 +193,13 @@ def request_lengths(lines: list[BatchLine], tokenizer, window: int) -> RequestLe
                           max(needs) if bounded_any else window, tuple(zip(prompts, gens)))
 
 
+def _completion_prompts(body: dict) -> list:
+    """A completion body's prompts as CompletionRequest.prompts splits them (a text or token ids each), from the
+    unvalidated body (the server refuses a malformed one later)."""
+    p = body.get("prompt")
+    return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+
+
 def _prompt_tokens(body: dict, chat: bool, tokenizer) -> int:
     """Tokens of a request's (first) prompt: messages through the chat template, a completion's text or ids."""
     if chat:
@@ -206,9 +211,7 @@ def _prompt_tokens(body: dict, chat: bool, tokenizer) -> int:
             except Exception:  # a malformed message list: the server refuses it later; guessed meanwhile
                 pass
         return len(json.dumps(messages)) // 4
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batched completion: its first prompt stands for them
+    prompt = _completion_prompts(body)[0]  # a batched completion: its first prompt stands for them
     if isinstance(prompt, list):
         return len(prompt)
     if isinstance(prompt, str):
