@@ -6,7 +6,10 @@
 The file: `--requests` completions of token-id prompts (ids 100..vocab-1, seeded) whose lengths are drawn
 log-normally (a median of --median-prompt tokens, clipped to 15..500) and whose max_tokens likewise (a median of
 --median-gen, clipped to 16..128), each with vLLM's ignore_eos so that every request generates its max_tokens, as
-the plan prices it. Each configuration runs `tiered batch` in its own process (`--rounds` times, alternated); the
+the plan prices it. With --shared-prefix N every prompt starts with the same N tokens (a system prompt), which the
+server's prefix reuse prefills once a slot (or once for the prompts admitted together) and the replay reuses too
+(EngineConfig.request_prefixes); the table then also gives the replay's price of every prompt prefilled whole (what
+it priced before it knew the prefixes). Each configuration runs `tiered batch` in its own process (`--rounds` times, alternated); the
 table gives the median of the generated tokens a second its summary line reports (the batch's wall time, the model's
 load left out), the batch it ran, and both prices.
 
@@ -37,19 +40,21 @@ SUMMARY = re.compile(r"\| (\d+) prompt tokens, (\d+) generated in ([\d.]+) s \| 
 SLOTS = re.compile(r"\), (\d+) at a time x")
 
 
-def write_file(path: Path, n: int, median_prompt: int, median_gen: int, vocab: int, model: str, seed: int = 0):
-    """`n` completion requests of log-normal lengths (sigma 0.9 prompts, 0.7 max_tokens) to `path`; returns their
-    (prompt tokens, max_tokens)."""
+def write_file(path: Path, n: int, median_prompt: int, median_gen: int, vocab: int, model: str, seed: int = 0,
+               shared_prefix: int = 0):
+    """`n` completion requests of log-normal lengths (sigma 0.9 prompts, 0.7 max_tokens), each prompt after the same
+    `shared_prefix` tokens, to `path`; returns their (prompt tokens, max_tokens)."""
     rng = random.Random(seed)
+    prefix = [rng.randrange(100, vocab) for _ in range(shared_prefix)]
     lengths = []
     with path.open("w") as f:
         for i in range(n):
             p = min(500, max(15, round(median_prompt * math.exp(rng.gauss(0, 0.9)))))
             g = min(128, max(16, round(median_gen * math.exp(rng.gauss(0, 0.7)))))
-            body = {"model": model, "prompt": [rng.randrange(100, vocab) for _ in range(p)], "max_tokens": g,
+            body = {"model": model, "prompt": prefix + [rng.randrange(100, vocab) for _ in range(p)], "max_tokens": g,
                     "temperature": 0, "ignore_eos": True}
             f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
-            lengths.append((p, g))
+            lengths.append((shared_prefix + p, g))
     return lengths
 
 
@@ -82,11 +87,27 @@ def block_price(model: str, lengths: list[tuple[int, int]], slots: int) -> float
         llm.close()
 
 
+def whole_price(model: str, lengths: list[tuple[int, int]], slots: int) -> float | None:
+    """The replay's price of the requests at `slots` with every prompt prefilled whole (no request_prefixes)."""
+    from throughput import priced_by_batch
+
+    from tiered import LLM, EngineConfig
+
+    llm = LLM(model, EngineConfig(goal="throughput", requests=tuple(lengths), max_batch=slots,
+                                  max_context=max(p + g for p, g in lengths)))
+    try:
+        return priced_by_batch(llm.plan).get(slots)
+    finally:
+        llm.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=48, help="requests in the file")
     ap.add_argument("--median-prompt", type=int, default=115, help="the prompts' median length [tokens]")
     ap.add_argument("--median-gen", type=int, default=32, help="the max_tokens' median")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens every prompt starts with (a system prompt), before its drawn length")
     ap.add_argument("--caps", type=lambda t: [int(x) for x in t.split(",")], default=[4, 8, 16, 32],
                     help="--max-batch values to run beside the plan's own choice (comma-separated)")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each configuration, alternated")
@@ -101,7 +122,8 @@ def main() -> None:
     name = Path(model).stem
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "requests.jsonl"
-        lengths = write_file(path, args.requests, args.median_prompt, args.median_gen, ck.config.vocab_size, name)
+        lengths = write_file(path, args.requests, args.median_prompt, args.median_gen, ck.config.vocab_size, name,
+                             shared_prefix=args.shared_prefix)
         caps = [0] + [c for c in args.caps if c <= args.requests]
         runs: dict[int, list[dict]] = {c: [] for c in caps}
         for _ in range(args.rounds):
@@ -116,18 +138,23 @@ def main() -> None:
                      "seconds": statistics.median(r["seconds"] for r in got),
                      "tokens_per_s": statistics.median(r["tokens_per_s"] for r in got),
                      "runs_tokens_per_s": [r["tokens_per_s"] for r in got],
-                     "priced_tokens_per_s": got[0]["priced"], "block_priced_tokens_per_s": block_price(model, lengths, slots)})
+                     "priced_tokens_per_s": got[0]["priced"], "block_priced_tokens_per_s": block_price(model, lengths, slots),
+                     "whole_priced_tokens_per_s": whole_price(model, lengths, slots) if args.shared_prefix else None})
     for r in rows:
-        r["priced_error"] = r["priced_tokens_per_s"] / r["tokens_per_s"] - 1 if r["priced_tokens_per_s"] else None
-        r["block_error"] = (r["block_priced_tokens_per_s"] / r["tokens_per_s"] - 1
-                            if r["block_priced_tokens_per_s"] else None)
+        for key in ("priced", "block", "whole"):
+            price = r[f"{key}_priced_tokens_per_s" if key != "priced" else "priced_tokens_per_s"]
+            r[f"{key}_error"] = price / r["tokens_per_s"] - 1 if price else None
     prompts, gens = [p for p, _ in lengths], [g for _, g in lengths]
     cols = [Column("engine", "engine"), Column("batch", "batch"), Column("seconds", "seconds", "{:.2f}"),
             Column("generated tok/s", "tokens_per_s", "{:.1f}"),
             Column("priced (replay)", "priced_tokens_per_s", "{:.1f}"), Column("off", "priced_error", "{:+.0%}"),
             Column("priced (block model)", "block_priced_tokens_per_s", "{:.1f}"),
             Column("off", "block_error", "{:+.0%}")]
-    body = (f"## {args.requests} completions: prompts {min(prompts)}-{max(prompts)} tokens (median "
+    if args.shared_prefix:
+        cols += [Column("priced (replay, prompts whole)", "whole_priced_tokens_per_s", "{:.1f}"),
+                 Column("off", "whole_error", "{:+.0%}")]
+    body = (f"## {args.requests} completions: prompts {min(prompts)}-{max(prompts)} tokens"
+            f"{f' (the first {args.shared_prefix} of every one the same)' if args.shared_prefix else ''} (median "
             f"{statistics.median(prompts):.0f}, mean {statistics.fmean(prompts):.0f}), max_tokens {min(gens)}-"
             f"{max(gens)} (median {statistics.median(gens):.0f}, mean {statistics.fmean(gens):.0f}), greedy, "
             f"ignore_eos\n\n" + markdown_table(rows, cols))

@@ -5,13 +5,14 @@ plan's batch is chosen on it."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from tiered import EngineConfig, LLM, SamplingParams
 from tiered.engine.scheduler import Scheduler
 from tiered.errors import ConfigError
-from tiered.planner.batch_sim import StepPrices, simulate_requests
+from tiered.planner.batch_sim import PromptPrefixes, StepPrices, simulate_requests
 from tiered.planner.throughput import block_throughput
 
 
@@ -67,15 +68,41 @@ def test_steps_nothing_changes_between_are_priced_at_once_as_one_by_one():
         assert (fast.steps, fast.generated, fast.occupancy) == pytest.approx((slow.steps, slow.generated, slow.occupancy))
 
 
-def _engine_log(llm, requests, slots):
-    """LLM.step's steps over `requests` as (each prefill forward's prompt lengths, prompt lengths joining as rows,
-    sequences decoded), as simulate_requests logs them."""
+def test_prompt_prefixes_answer_the_tokens_any_two_prompts_share():
+    """PromptPrefixes keeps only each prompt's sorted rank and its neighbours' shared tokens, and answers any pair as
+    comparing their tokens does (prompts from a few prefixes, equal ones and prefixes of others among them)."""
+    from tiered.engine.scheduler import _common_prefix
+
+    rng = random.Random(5)
+    stems = [[rng.randrange(4) for _ in range(rng.randrange(1, 12))] for _ in range(4)]
+    prompts = [rng.choice(stems)[:rng.randrange(1, 13)] + [rng.randrange(4) for _ in range(rng.randrange(0, 5))]
+               for _ in range(60)] + [[1, 2, 3]] * 2
+    prompts = [p for p in prompts if p]
+    prefixes = PromptPrefixes.of(prompts)
+    table = PromptPrefixes.Table(prefixes)
+    for i in range(len(prompts)):
+        for j in range(len(prompts)):
+            if i != j:
+                assert table.common(i, j) == _common_prefix(prompts[i], prompts[j])
+    assert prefixes.check(len(prompts)) == prefixes and prefixes.any_shared()
+    with pytest.raises(ValueError):
+        prefixes.check(len(prompts) + 1)
+    with pytest.raises(ValueError):
+        PromptPrefixes.of([[1], []])
+    with pytest.raises(ValueError, match="prefixes rank"):
+        simulate_requests([(3, 2)] * (len(prompts) - 1), 2, _prices(), prefixes=prefixes)
+
+
+def _engine_log(llm, requests, slots, prompts=None):
+    """LLM.step's steps over `requests` as (each prefill forward's uncached prompt tokens, those of the prompts
+    joining as rows, sequences decoded), as simulate_requests logs them. `prompts`: their token ids, run with the
+    server's prefix reuse (Scheduler prefix_reuse); None: random ones, without."""
     rng = random.Random(0)
     V = llm.config.vocab_size
-    seqs = [llm.make_sequence([rng.randrange(3, V) for _ in range(p)],
-                              SamplingParams(max_tokens=g, temperature=0, ignore_eos=True), False, index=i)
+    ids = prompts or [[rng.randrange(3, V) for _ in range(p)] for p, _ in requests]
+    seqs = [llm.make_sequence(ids[i], SamplingParams(max_tokens=g, temperature=0, ignore_eos=True), False, index=i)
             for i, (p, g) in enumerate(requests)]
-    sched = Scheduler(max_batch=slots, max_queue=len(seqs))
+    sched = Scheduler(max_batch=slots, max_queue=len(seqs), prefix_reuse=prompts is not None)
     for s in seqs:
         sched.add(s)
     cache = llm._cache_for(slots, max(p + g for p, g in requests))
@@ -85,7 +112,7 @@ def _engine_log(llm, requests, slots):
 
     def on_mixed(admitted, decoding, cache):
         out = mixed(admitted, decoding, cache)
-        step["joined"] = [len(s.prompt_ids) for s in out]
+        step["joined"] = [len(s.prompt_ids) - s.cached_tokens for s in out]
         return out
 
     def on_groups(seqs, cache, twins):
@@ -96,12 +123,12 @@ def _engine_log(llm, requests, slots):
             step["grouping"] = False
 
     def on_prefill(seqs, cache):  # a group through the modules (or chunk by chunk)
-        step["prefilled"].append(tuple(sorted(len(s.prompt_ids) for s in seqs)))
+        step["prefilled"].append(tuple(sorted(len(s.prompt_ids) - s.cached_tokens for s in seqs)))
         return prefill(seqs, cache)
 
     def on_fwd_mixed(seqs, decode, cache, span=None):
         if step["grouping"] and span is None:  # a group of prompts as rows of one native step
-            step["prefilled"].append(tuple(sorted(len(s.prompt_ids) for s in seqs)))
+            step["prefilled"].append(tuple(sorted(len(s.prompt_ids) - s.cached_tokens for s in seqs)))
         step["decoded"] += len(decode)
         return fwd_mixed(seqs, decode, cache, span)
 
@@ -142,6 +169,46 @@ def test_the_replay_runs_the_steps_llm_step_runs(zoo, rows, chunk):
     assert any(j for _, j, _ in want) == bool(llm.plan.most_prompt_rows())
 
 
+@pytest.mark.parametrize("rows, chunk, shared", [(0, 0, True), (24, 0, True), (24, 0, False), (24, 24, True)])
+def test_the_replay_reuses_the_prefixes_the_server_reuses(zoo, rows, chunk, shared):
+    """With the prompts' prefixes (PromptPrefixes), the replay's steps are those of LLM.step under the server's
+    prefix reuse, step for step: a prompt prefills only what no free slot's last prompt (or a running one's) holds,
+    a prompt equal to one admitted with it is not prefilled (a request's n choices), and where the plan shares
+    prefixes (Plan.shared_prefixes) one sharing 64 tokens more with an earlier admitted prompt takes them from it
+    after that leader prefilled alone. Requests of two system prompts, twins and prompts sharing nothing, through
+    fewer slots than requests."""
+    from tiered.planner.latency_cpu import request_prices
+
+    llm = LLM(zoo.dir("llama"), EngineConfig(max_context=256, max_batch=4, accelerator="none"))
+    takes_rows = llm.runtime.cpu_decode is not None and llm.runtime.cpu_decode.takes_prefill_rows(
+        llm._cache_for(4, 256))
+    llm.plan.mixed_rows = rows if takes_rows else 0
+    llm.plan.prefill_chunk = chunk or llm.plan.prefill_chunk
+    llm.plan.shared_prefixes = shared
+    rng = random.Random(4)
+    V = llm.config.vocab_size
+    draw = lambda n: [rng.randrange(3, V) for _ in range(n)]  # noqa: E731
+    system = [draw(90), draw(64)]  # the second exactly the fewest tokens a follower takes
+    prompts, gens = [], []
+    for k in range(24):
+        kind = rng.randrange(4)
+        prompt = (system[kind] + draw(rng.randrange(1, 30)) if kind < 2 else
+                  list(prompts[-1]) if kind == 2 and prompts else draw(rng.randrange(2, 40)))
+        prompts.append(prompt)
+        gens.append(rng.randrange(1, 10))
+    requests = [(len(p), g) for p, g in zip(prompts, gens)]
+    unpriced = lambda *a, **k: 0.0  # noqa: E731
+    want: list = []
+    run = simulate_requests(requests, 4, request_prices(llm.plan, False, unpriced, unpriced, unpriced), want,
+                            PromptPrefixes.of(prompts))
+    assert _engine_log(llm, requests, 4, prompts) == want
+    # prompts took prefixes from slots and twins; sharing prompts admitted together, more (some step admitted two
+    # of one system prompt)
+    alone = simulate_requests(requests, 4, replace(request_prices(llm.plan, False, unpriced, unpriced, unpriced),
+                                                   shared_prefixes=False), prefixes=PromptPrefixes.of(prompts))
+    assert 0 < alone.reused < run.reused if shared else 0 < alone.reused == run.reused
+
+
 def test_the_throughput_goal_chooses_a_batch_files_batch_on_its_replayed_requests(zoo):
     """With the requests' lengths (EngineConfig.requests: `tiered batch`'s), each batch's price is their replay
     (Plan.predicted_requests_tokens_per_s) and the plan's throughput is its batch's; the workload defaults to their
@@ -160,3 +227,9 @@ def test_the_throughput_goal_chooses_a_batch_files_batch_on_its_replayed_request
     for bad in (((0, 3),), (), ((3,),), (("x", 2),)):
         with pytest.raises(ConfigError, match="requests"):
             EngineConfig(requests=bad)
+    # their prompts' prefixes describe as many prompts, with the requests
+    prefixes = PromptPrefixes.of([[1, 2, 3]] * len(requests))
+    assert EngineConfig(requests=requests, request_prefixes=tuple(prefixes)).request_prefixes == prefixes
+    for requests_, bad in ((requests, PromptPrefixes.of([[1]] * 3)), (None, prefixes), (requests, ((0,) * 6, ()))):
+        with pytest.raises(ConfigError, match="request_prefixes"):
+            EngineConfig(requests=requests_, request_prefixes=bad)

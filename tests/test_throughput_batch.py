@@ -16,6 +16,7 @@ from tiered.errors import BudgetError, ConfigError
 from tiered.memory import sizes
 from tiered.planner.plan import Plan
 from tiered.planner.throughput import NEAR_BEST, UNPRICED_MOST, block_throughput, plan_batch
+from tiered.planner.batch_sim import PromptPrefixes
 from tiered.serve.batch import read_batch, request_lengths
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -274,14 +275,21 @@ def test_request_lengths_price_the_files_requests(chat_llama, tmp_path):
                  _request("c", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                         "max_completion_tokens": 30})])
     lines = read_batch(src)
-    p, g, longest, requests = request_lengths(lines, llm_tok, 1000)
+    p, g, longest, requests, prefixes = request_lengths(lines, llm_tok, 1000)
     chat = len(encode_prompt(llm_tok, [{"role": "user", "content": "hi"}], True))  # through the template
     assert (p, g) == (round((6 + 2 + chat) / 3), round((10 + 16 + 30) / 3)) and longest == max(16, 18, chat + 30)
     assert requests == ((6, 10), (2, 16), (chat, 30))  # each line's, in file order: the plan replays them
+    # which prompts share how many leading tokens (the replay reuses them): the first two share [1, 2]
+    table = PromptPrefixes.Table(prefixes)
+    assert table.common(0, 1) == 2 and table.common(0, 2) == table.common(1, 2) < 2
     # a request of n choices, or a batched completion of several prompts, is that many sequences
     _write(src, [_request("e", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 5, "n": 3}),
                  _request("f", "/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 7, "n": 2})])
-    assert request_lengths(read_batch(src), llm_tok, 1000).requests == ((3, 5),) * 3 + ((2, 7),) * 4
+    lengths = request_lengths(read_batch(src), llm_tok, 1000)
+    assert lengths.requests == ((3, 5),) * 3 + ((2, 7),) * 4
+    table = PromptPrefixes.Table(lengths.prefixes)  # a request's choices: twins; its prompts: each its own
+    assert [table.common(0, i) for i in (1, 2, 3, 5)] == [3, 3, 2, 0] and [table.common(i, j) for i, j in
+                                                                         ((3, 4), (3, 5), (5, 6))] == [2, 0, 2]
     # a chat without max_tokens may fill the context window: the KV cache is sized for it
     _write(src, [_request("d", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
     assert request_lengths(read_batch(src), llm_tok, 1000)[2] == 1000

@@ -400,19 +400,20 @@ ENGINE_OPTIONS = ("dtype", "decode_weights", "batch_activations", "expert_activa
 
 
 def _engine_config(args: dict, trace: bool = False, max_batch: int = 1, goal: str = "latency",
-                   workload: tuple[int, int] | None = None, requests: tuple[tuple[int, int], ...] | None = None):
+                   workload: tuple[int, int] | None = None, requests: tuple[tuple[int, int], ...] | None = None,
+                   request_prefixes=None):
     """The EngineConfig of the engine options `run`, `chat`, `serve` and `batch` share (ENGINE_OPTIONS, taken
     by name from a command's arguments `args`); a replayed plan (`--plan FILE`) brings the budgets it
     was made for unless they are given."""
     return _config(**{k: args[k] for k in ENGINE_OPTIONS}, trace=trace, max_batch=max_batch, goal=goal,
-                   workload=workload, requests=requests)
+                   workload=workload, requests=requests, request_prefixes=request_prefixes)
 
 
 def _config(*, dtype, decode_weights, batch_activations, expert_activations, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
             cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch,
             prefetch_lookahead, weights, low_weights, mixed_thresholds, max_batch, graphs="auto", speculative="off",
             draft_model=None, num_speculative_tokens=4, goal="latency", workload=None, kv_cache_dtype="auto",
-            requests=None):
+            requests=None, request_prefixes=None):
     from tiered import EngineConfig
 
     if plan not in ("auto", "off"):
@@ -439,7 +440,7 @@ def _config(*, dtype, decode_weights, batch_activations, expert_activations, max
                         prefetch_lookahead=prefetch_lookahead, max_batch=max_batch, graphs=graphs,
                         speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                         draft_model=str(draft_model) if draft_model else None, goal=goal, workload=workload,
-                        requests=requests, kv_cache_dtype=kv_cache_dtype)
+                        requests=requests, request_prefixes=request_prefixes, kv_cache_dtype=kv_cache_dtype)
 
 
 @app.command()
@@ -599,7 +600,7 @@ def batch(
     name = served_model_name or (path.stem if path.is_file() else path.name)
     check_models(lines, name)  # another model's name refused before the model loads
     window = context_window(checkpoint.config, max_context)
-    prompt_tokens, gen_tokens, longest, requests = request_lengths(lines, checkpoint.tokenizer(), window)
+    prompt_tokens, gen_tokens, longest, requests, prefixes = request_lengths(lines, checkpoint.tokenizer(), window)
     max_context = max_context or longest
     runnable = sum(1 for line in lines if line.error is None)
     if max_batch == 1:  # one request at a time: the latency goal's engine (a throughput plan's batch starts at 2)
@@ -608,7 +609,7 @@ def batch(
     # requests' choices)
     most = min(max_batch or 256, max(1, len(requests))) if goal == "throughput" else max_batch or 8
     config = _engine_config(locals(), max_batch=most, goal=goal, workload=(prompt_tokens, gen_tokens),
-                            requests=requests or None)
+                            requests=requests or None, request_prefixes=prefixes if requests else None)
     llm = LLM(checkpoint, config, progress=True)
     _freeze_heap()
     slots = llm.plan.kv_slots  # the planned batch; under the latency goal --max-batch (default 8)

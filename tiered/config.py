@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tiered.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tiered.planner.batch_sim import PromptPrefixes
 
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
 BATCH_ACTIVATIONS = ("auto", "q8", "bf16")
@@ -78,6 +82,10 @@ class EngineConfig:
             their run through its slots as the engine's continuous batching runs them (planner/batch_sim: long
             prompts prefilled alone, short ones joining decode steps as rows, steps below the full batch as requests
             finish), and `workload` defaults to their means; the latency goal ignores them.
+        request_prefixes: which of `requests`' prompts share how many leading tokens (planner/batch_sim.
+            PromptPrefixes: each prompt's rank in sorted order and each two neighbours' shared tokens; `tiered batch`
+            makes it from the file's prompts): the replay then reuses prefixes as the server does (a system prompt
+            shared by a file's chats prefilled once a slot); None: every prompt priced whole.
         kv_cache_dtype: the KV cache's format (Plan.dtypes["kv_cache"]): "auto" (the weights' 16-bit format,
             fp32 in the lossless mode: memory/sizes.kv_cache_format), "fp32", "bf16", "fp16", or "int8": each
             position's keys and values of a KV head as int8 with an fp32 scale per 32 (models/layers.
@@ -158,6 +166,7 @@ class EngineConfig:
     goal: str = "latency"
     workload: tuple[int, int] | None = None
     requests: tuple[tuple[int, int], ...] | None = None
+    request_prefixes: PromptPrefixes | None = None
     kv_cache_dtype: str = "auto"
     num_threads: int | None = None
     gpu_memory: int | str | None = None
@@ -216,6 +225,16 @@ class EngineConfig:
                 raise ConfigError("requests must be (prompt tokens, generated tokens) pairs, each >= 1, at least one",
                                   "pass e.g. ((512, 32), (40, 128))")
             object.__setattr__(self, "requests", requests)
+        if self.request_prefixes is not None:
+            from tiered.planner.batch_sim import PromptPrefixes
+            try:
+                if not self.requests:
+                    raise ValueError("no requests given")
+                prefixes = PromptPrefixes(*self.request_prefixes).check(len(self.requests))
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"request_prefixes must describe the requests' prompts: {e}",
+                                  "pass batch_sim.PromptPrefixes.of(the prompts' token ids), with requests") from None
+            object.__setattr__(self, "request_prefixes", prefixes)
         if self.prefetch_lookahead < 1:
             raise ConfigError("prefetch_lookahead must be >= 1 layer", "pass 1 to 3 (HOBBIT's range)")
         if self.expert_cache_slots is not None and self.expert_cache_slots < 0:

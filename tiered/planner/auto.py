@@ -469,7 +469,7 @@ def _priced_at(plan: Plan, cfg: ModelConfig, profile: HardwareProfile | None, ar
     compares differently from `plan` (another placement would be a prediction for another engine)."""
     if args is None or profile is None or plan.flexgen or plan.mixed_precision is not None:
         return None
-    again = make_plan(cfg, profile, **dict(args, prompt_tokens=prompt_tokens, gen_tokens=1, requests=None))
+    again = make_plan(cfg, profile, **dict(args, prompt_tokens=prompt_tokens, gen_tokens=1, requests=None, prefixes=None))
     again.dtypes["decode"] = plan.dtypes["decode"]
     return again if same(again) == same(plan) else None
 
@@ -788,6 +788,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                 mixed_rows=planned_mixed_rows(cfg, accelerator, batch_act, step_format),
                 **speculation(ec), kv_cache=ec.kv_cache_dtype,
                 requests=ec.requests if ec.goal == "throughput" else None,
+                prefixes=ec.request_prefixes if ec.goal == "throughput" else None,
                 workspace=None if accelerator is None else
                 sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()))
 

@@ -16,17 +16,26 @@ running sequences' one row each counted); the others prefill first, as LLM._pref
 native steps, engine/llm._rows_groups, where Plan.chunks_as_rows; else scheduler.prefill_groups' padded forwards),
 each writing its first token; then every running sequence decodes one token, beside the joining prompts' rows,
 whose first tokens come from their last rows. A sequence finishing gives its slot back for the next step.
-Not replayed: prefix reuse between requests (a batch file's shared system prompts prefill once: priced in full),
-a request's n choices (one request, one sequence), stops before max_tokens (every request generates its
-max_tokens: the file's bound), speculative decoding.
+Prefix reuse (`prefixes`: which prompts share how many leading tokens, PromptPrefixes; tiered batch's server
+reuses prefixes): an admitted request takes the free slot whose last request's prompt shares the most of its own,
+or a running one's lends more (Scheduler._take_slot), and prefills only the rest; among those admitted at one step,
+a prompt equal to an earlier one's is not prefilled at all (PromptTwins: a request's n choices), and where the plan
+shares prefixes (Plan.shared_prefixes) one sharing at least SHARED_PREFIX_TOKENS more with an earlier admitted
+prompt takes them from it (SharedPrefixes): that leader prefills first, alone, its followers in later forwards.
+Both compare prompts only (a slot also holds its last request's generated tokens, which a later prompt may
+continue: not counted), and a prompt's uncached tokens are priced as a prompt of that many tokens (their attention
+over the cached prefix not counted).
+Not replayed: stops before max_tokens (every request generates its max_tokens: the file's bound), speculative
+decoding.
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 # the grids the step prices are interpolated on: a decode step's positions in GRID_POINTS steps of the workload's
 # longest context, its sequences exactly up to EXACT_BATCH and at 1.5x spaced batches past it (the batched rows'
@@ -53,6 +62,7 @@ class StepPrices:
         chunks_as_rows: Plan.chunks_as_rows(): prompts prefill as rows of native steps (engine/llm._rows_groups).
         group_tokens: the most padded tokens of a prefill group (scheduler.prefill_groups' max_tokens).
         padding: groups pad to their longest prompt (dense models); False: equal lengths only (MoE).
+        shared_prefixes: Plan.shared_prefixes: prompts admitted together share a prefix's prefill (SharedPrefixes).
     """
 
     decode: Callable[[int, int], float]
@@ -63,13 +73,77 @@ class StepPrices:
     chunks_as_rows: bool
     group_tokens: int
     padding: bool = True
+    shared_prefixes: bool = False
+
+
+class PromptPrefixes(NamedTuple):
+    """How many leading prompt tokens each two requests of a workload share, kept without the tokens: `rank` is each
+    request's place among the prompts sorted (as token lists), `shared` the tokens each two neighbours of that order
+    share at their start (n - 1 of them). Two requests share the fewest of `shared` between their ranks (the LCP array
+    of string algorithms): `of` makes one from the prompts, `Table` answers for pairs.
+
+    Raises (of, check):
+        ValueError: no prompts, an empty prompt, or a rank and shared list that do not describe n prompts.
+    """
+
+    rank: tuple[int, ...]
+    shared: tuple[int, ...]
+
+    @classmethod
+    def of(cls, prompts: Sequence[Sequence[int]]) -> "PromptPrefixes":
+        """The prefixes of `prompts` (token ids of each request's prompt, in the workload's order; O(n log n)
+        comparisons of token lists)."""
+        from tiered.engine.scheduler import _common_prefix
+
+        if not prompts or any(len(p) < 1 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        lists = [list(p) for p in prompts]
+        order = sorted(range(len(lists)), key=lists.__getitem__)
+        rank = [0] * len(lists)
+        for k, i in enumerate(order):
+            rank[i] = k
+        return cls(tuple(rank), tuple(_common_prefix(lists[a], lists[b]) for a, b in zip(order, order[1:])))
+
+    def check(self, n: int) -> "PromptPrefixes":
+        """Self, as ints, where it describes `n` prompts (rank a permutation of 0..n-1, n - 1 shared counts >= 0)."""
+        rank, shared = tuple(int(r) for r in self.rank), tuple(int(c) for c in self.shared)
+        if sorted(rank) != list(range(n)) or len(shared) != max(0, n - 1) or any(c < 0 for c in shared):
+            raise ValueError(f"prefixes must rank {n} prompts and give {max(0, n - 1)} shared counts >= 0")
+        return PromptPrefixes(rank, shared)
+
+    def any_shared(self) -> bool:
+        """Whether any two prompts share a token at their start."""
+        return any(self.shared)
+
+    class Table:
+        """common(i, j): the leading tokens requests i and j (i != j) share, in O(1) (a sparse table of minima over
+        `shared`, log2(n) rows of n ints)."""
+
+        def __init__(self, prefixes: "PromptPrefixes") -> None:
+            import numpy as np
+
+            self.rank = prefixes.rank
+            rows = [np.asarray(prefixes.shared, dtype=np.int64)]
+            while 2 * (1 << (len(rows) - 1)) <= len(rows[0]):
+                half = 1 << (len(rows) - 1)
+                rows.append(np.minimum(rows[-1][:-half], rows[-1][half:]))
+            self.rows = [array("q", r.tobytes()) for r in rows]  # 8 bytes an int, read back as Python ints
+
+        def common(self, i: int, j: int) -> int:
+            a, b = self.rank[i], self.rank[j]
+            if a > b:
+                a, b = b, a
+            k = (b - a).bit_length() - 1
+            row = self.rows[k]
+            return min(row[a], row[b - (1 << k)])
 
 
 @dataclass
 class SimulatedRun:
     """A replayed workload: `seconds` in all (prefill_s of prefill forwards, decode_s of decode steps with their
     joining prompts' rows), `generated` tokens, decode `steps`, the mean sequences a step decoded (`occupancy`),
-    and how many prompts joined a step as rows (`joined`) or prefilled first (`prefilled`)."""
+    how many prompts joined a step as rows (`joined`) or prefilled first (`prefilled`), and the prompt tokens not
+    computed for a request (`reused`: its slot's, a running slot's or a leader's KV, or its twin's prefill)."""
 
     seconds: float
     generated: int
@@ -79,6 +153,7 @@ class SimulatedRun:
     occupancy: float
     joined: int
     prefilled: int
+    reused: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -117,25 +192,30 @@ def _batch_grid(n: int) -> tuple[int, int]:
 
 
 def simulate_requests(requests: Sequence[tuple[int, int]], slots: int, prices: StepPrices,
-                      log: list | None = None) -> SimulatedRun:
+                      log: list | None = None, prefixes: PromptPrefixes | None = None) -> SimulatedRun:
     """Replay `requests` ((prompt tokens, generated tokens) each, >= 1, in the order they are queued, all at once)
     through `slots` KV-cache slots as the engine's continuous batching runs them (module docstring), each step
-    priced by `prices`. `log`: where given, each step's (the prompts prefilled first: each forward's prompt lengths,
-    prompt lengths joining the decode step as rows, sequences decoded), every tuple sorted, is appended to it
+    priced by `prices`. `prefixes`: which of their prompts share how many leading tokens (PromptPrefixes, one rank
+    a request), whose KV the server reuses (module docstring); None: every prompt prefilled whole. `log`: where
+    given, each step's (the prompts prefilled first: each forward's uncached prompt tokens, the uncached prompt
+    tokens of those joining the decode step as rows, sequences decoded), every tuple sorted, is appended to it
     (tests compare LLM.step's).
 
     Returns:
         SimulatedRun: the seconds from the first step to the last token, and what ran.
     Raises:
-        ValueError: slots < 1, or a request with fewer than 1 prompt or generated token.
+        ValueError: slots < 1, a request with fewer than 1 prompt or generated token, or prefixes not of as many
+            prompts.
     """
     if slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
     if any(p < 1 or g < 1 for p, g in requests):
         raise ValueError("every request needs >= 1 prompt token and >= 1 generated token")
+    if prefixes is not None and len(prefixes.rank) != len(requests):
+        raise ValueError(f"prefixes rank {len(prefixes.rank)} prompts, not the {len(requests)} requests'")
     if not requests:
         return SimulatedRun(0.0, 0, 0, 0.0, 0.0, 0.0, 0, 0)
-    from tiered.engine.scheduler import prefill_groups, rows_groups
+    from tiered.engine.scheduler import SHARED_PREFIX_TOKENS, prefill_groups, rows_groups
 
     longest = max(p + g for p, g in requests)
     c_step = max(1, math.ceil(longest / GRID_POINTS))
@@ -160,72 +240,131 @@ def simulate_requests(requests: Sequence[tuple[int, int]], slots: int, prices: S
             memo[key] = f()
         return memo[key]
 
+    table = PromptPrefixes.Table(prefixes) if prefixes is not None and prefixes.any_shared() else None
+    common = table.common if table is not None else None
+    share = table is not None and prices.shared_prefixes
     most = prices.most_rows
-    waiting = deque(requests)
-    running: list[list[int]] = []  # [positions cached, tokens left to generate] of each sequence holding a slot
-    free = slots
+    prompt = [p for p, _ in requests]
+    waiting = deque(range(len(requests)))
+    running: list[list[int]] = []  # [positions cached, tokens left to generate, request, slot] of each running one
+    free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest (Scheduler._free)
+    last = [-1] * slots  # the request whose prompt each slot holds the KV of (prefix reuse)
+    cached: dict[int, int] = {}  # each admitted request's prompt tokens not computed for it
+    slot_of: dict[int, int] = {}
     prefill_s = decode_s = 0.0
-    generated = steps = decoded = joined = prefilled = 0
+    generated = steps = decoded = joined = prefilled = reused = 0
+
+    def forwards_of(group: list[int], out: list) -> float:
+        """The seconds of LLM._prefill_groups' forwards over `group` (admitted requests), each appended to `out`."""
+        lengths = [prompt[i] - cached[i] for i in group]
+        t = 0.0
+        if prices.chunks_as_rows and most > 0:
+            for g in rows_groups(lengths, most):  # engine/llm._rows_groups: in admission order
+                out.append(tuple(sorted(lengths[j] for j in g)))
+                T = sum(lengths[j] for j in g)
+                t += priced(("rows", T, len(g)), lambda: prices.rows(T, len(g))) if len(g) > 1 else alone(T)
+        else:
+            for g in prefill_groups(lengths, prices.group_tokens, padding=prices.padding):
+                out.append(tuple(sorted(lengths[j] for j in g)))
+                T = len(g) * max(lengths[j] for j in g)
+                t += (alone(lengths[g[0]]) if len(g) == 1 else
+                      priced(("padded", T, len(g)), lambda: prices.padded(T, len(g))))
+        return t
+
+    def release(slot: int) -> None:
+        free.append(slot)
+        free.sort(reverse=True)
+
     while waiting or running:
-        admitted = []
+        # Scheduler.schedule: the waiting take free slots in order; with prefixes, the free slot whose last prompt
+        # shares the most of theirs, or a running sequence's slot lends more (Scheduler._take_slot)
+        admitted: list[int] = []
+        sources = [s[2] for s in running] if common is not None else []
         while waiting and free:
-            admitted.append(waiting.popleft())
-            free -= 1
+            i = waiting.popleft()
+            best, n = free[-1], 0
+            if common is not None:
+                for slot in reversed(free):  # lowest first: ties keep the lowest
+                    if last[slot] >= 0 and (m := common(i, last[slot])) > n:
+                        best, n = slot, m
+                n = max([n] + [common(i, j) for j in sources])
+            free.remove(best)
+            last[best], slot_of[i], cached[i] = i, best, min(n, prompt[i] - 1)
+            admitted.append(i)
+        # LLM.step: a prompt equal to an earlier admitted one's is not prefilled (PromptTwins), one sharing a prefix
+        # with an earlier one's takes it after that leader's prefill (SharedPrefixes, where the plan shares them)
+        twins: dict[int, list[int]] = {}
+        firsts: dict[int, list[int]] = {}
+        follows: dict[int, int] = {}
+        prefilling = admitted
+        if common is not None:
+            prefilling = []
+            for i in admitted:
+                leader = next((j for j in firsts.get(prompt[i], ()) if common(i, j) == prompt[i]), None)
+                if leader is None:
+                    firsts.setdefault(prompt[i], []).append(i)
+                    prefilling.append(i)
+                else:
+                    twins.setdefault(leader, []).append(i)
+                    cached[i] = prompt[i]
+        if share:
+            leaders: list[int] = []
+            for i in prefilling:
+                n, best = 0, -1
+                for j in leaders:
+                    if (m := common(i, j)) > n:
+                        n, best = m, j
+                n = min(n, prompt[i] - 1)
+                if best >= 0 and n - cached[i] >= SHARED_PREFIX_TOKENS:
+                    follows[i], cached[i] = best, n
+                else:
+                    leaders.append(i)
+        leading = set(follows.values())
         decoding = len(running)
-        # LLM._mixed_prefills: the shortest admitted prompts, while the step's rows stay within `most`
+        # LLM._mixed_prefills: the shortest uncached prompts (a leader's never), while the step's rows stay in `most`
         mixed: list[int] = []
         if admitted and most > 0:
             rows = decoding
-            for i in sorted(range(len(admitted)), key=lambda i: admitted[i][0]):
-                rows += admitted[i][0]
+            for i in sorted((i for i in prefilling if i not in leading), key=lambda i: prompt[i] - cached[i]):
+                rows += prompt[i] - cached[i]
                 if rows > most:
                     break
                 mixed.append(i)
         first = set(mixed)
-        rest = [admitted[i] for i in range(len(admitted)) if i not in first]
-        forwards = []
-        # LLM._prefill_groups: the others' forwards, each writing its prompts' first tokens
-        if rest:
-            lengths = [p for p, _ in rest]
-            if prices.chunks_as_rows and most > 0:
-                for g in rows_groups(lengths, most):  # engine/llm._rows_groups: in admission order
-                    forwards.append(tuple(sorted(lengths[j] for j in g)))
-                    T = sum(lengths[j] for j in g)
-                    prefill_s += (priced(("rows", T, len(g)), lambda: prices.rows(T, len(g))) if len(g) > 1
-                                  else alone(T))
+        rest = [i for i in prefilling if i not in first]
+        forwards: list[tuple[int, ...]] = []
+        # LLM._prefill_groups: the others' forwards, each writing its prompts' first tokens (and their twins'): the
+        # leaders and the prompts sharing nothing first, then the followers
+        prefill_s += forwards_of([i for i in rest if i not in follows], forwards)
+        prefill_s += forwards_of([i for i in rest if i in follows], forwards)
+        prefilled += len(rest)
+        for i in rest + [t for i in rest for t in twins.get(i, ())]:
+            generated += 1
+            if requests[i][1] > 1:
+                running.append([prompt[i], requests[i][1] - 1, i, slot_of[i]])
             else:
-                for g in prefill_groups(lengths, prices.group_tokens, padding=prices.padding):
-                    forwards.append(tuple(sorted(lengths[j] for j in g)))
-                    T = len(g) * max(lengths[j] for j in g)
-                    prefill_s += (alone(lengths[g[0]]) if len(g) == 1 else
-                                  priced(("padded", T, len(g)), lambda: prices.padded(T, len(g))))
-            prefilled += len(rest)
-            for p, g in rest:
-                generated += 1
-                if g > 1:
-                    running.append([p, g - 1])
-                else:
-                    free += 1
+                release(slot_of[i])
+        reused += sum(cached[i] for i in admitted)
         if log is not None and (rest or running or mixed):
-            log.append((tuple(sorted(forwards)), tuple(sorted(admitted[i][0] for i in mixed)), len(running)))
+            log.append((tuple(sorted(forwards)), tuple(sorted(prompt[i] - cached[i] for i in mixed)), len(running)))
         if not (running or mixed):
             continue
         # the decode step: every running sequence one token, beside the joining prompts' rows; where nothing can
         # change before the first running sequence finishes, its k steps at once at their mean positions (the decode
         # price is linear in positions between its grid points: a 10,000-request file through one slot had taken 1 s
         # a batch priced)
-        k = min(s[1] for s in running) if log is None and not mixed and not rest and (free == 0 or not waiting) else 1
+        k = min(s[1] for s in running) if log is None and not admitted and (not free or not waiting) else 1
         t = 0.0
         if running:
             n = len(running)
             t += k * decode(n, sum(s[0] for s in running) / n + (k + 1) / 2)
             decoded += n * k
         if mixed:
-            T, m = sum(admitted[i][0] for i in mixed), len(mixed)
-            share = priced(("rows", T, m), lambda: prices.rows(T, m))
+            T, m = sum(prompt[i] - cached[i] for i in mixed), len(mixed)
+            rows_s = priced(("rows", T, m), lambda: prices.rows(T, m))
             # beside decode rows, the step's stream and per-step cost are paid once: the rows' share is theirs past
             # one row's (a lone row of one prompt: what a decode step of one sequence runs)
-            t += share - (priced(("rows", 1, 1), lambda: prices.rows(1, 1)) if running else 0.0)
+            t += rows_s - (priced(("rows", 1, 1), lambda: prices.rows(1, 1)) if running else 0.0)
             joined += m
         decode_s += t
         steps += k
@@ -237,14 +376,13 @@ def simulate_requests(requests: Sequence[tuple[int, int]], slots: int, prices: S
             if s[1] > 0:
                 still.append(s)
             else:
-                free += 1
-        for i in mixed:
-            p, g = admitted[i]
+                release(s[3])
+        for i in mixed + [t for i in mixed for t in twins.get(i, ())]:
             generated += 1
-            if g > 1:
-                still.append([p, g - 1])
+            if requests[i][1] > 1:
+                still.append([prompt[i], requests[i][1] - 1, i, slot_of[i]])
             else:
-                free += 1
+                release(slot_of[i])
         running = still
     return SimulatedRun(prefill_s + decode_s, generated, steps, prefill_s, decode_s,
-                        decoded / steps if steps else 0.0, joined, prefilled)
+                        decoded / steps if steps else 0.0, joined, prefilled, reused)

@@ -24,7 +24,7 @@ from tiered.planner.plan import LayerPlan, Plan
 
 def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu: int | None,
                      experts: ExpertChoices = ExpertChoices(), embedding_bytes: int | None = None,
-                     requests: Sequence[tuple[int, int]] | None = None) -> Plan:
+                     requests: Sequence[tuple[int, int]] | None = None, prefixes=None) -> Plan:
     """Fill `plan` for CPU + disk within `cpu` bytes of RAM (None = unlimited).
 
     Args:
@@ -33,6 +33,8 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
         requests: (prompt tokens, generated tokens) of each request of a known workload (make_plan's): their run
             at plan.kv_slots slots is replayed (planner/batch_sim.simulate_requests) into
             Plan.predicted_requests_tokens_per_s.
+        prefixes: which of their prompts share how many leading tokens (batch_sim.PromptPrefixes): the replay
+            reuses them as the server does; None: every prompt prefilled whole.
 
     Raises:
         BudgetError: RAM cannot hold the non-expert weights, KV cache and staging.
@@ -116,17 +118,20 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     plan.predicted_ttft_s = prompt_time(plan, plan.prompt_tokens, rows, modules)
     if plan.kv_slots > 1:
         plan.predicted_block_prefill_s = block_prefill_time(plan, cfg.is_moe, rows, modules)
+    plan.memory = memory
     if requests:  # a known workload's lengths: its run replayed at kv_slots slots (planner/batch_sim)
         from tiered.planner.batch_sim import simulate_requests
 
+        # whether admitted prompts share a prefix's prefill (auto.py settles it so for every plan; the replay's now)
+        plan.shared_prefixes = plan.weights_stay_put()
         run = simulate_requests(requests, plan.kv_slots,
-                                request_prices(plan, cfg.is_moe, lambda n, c: predict(hits, n, c)[1], rows, modules))
+                                request_prices(plan, cfg.is_moe, lambda n, c: predict(hits, n, c)[1], rows, modules),
+                                prefixes=prefixes)
         plan.predicted_requests_tokens_per_s = run.tokens_per_s
     if plan.speculative_tokens and native_step(profile):
         # a step of one sequence's 1 + k rows: its cache read once for them
         plan.speculative_costs = speculative_costs(lambda B: predict(hits, B, bursts=False, sequences=1)[1],
                                                    plan.speculative_tokens)
-    plan.memory = memory
     plan.binding = ("CPU memory bandwidth: every weight is read from RAM once per token" if not disk_share else
                     f"disk reads: {disk_share:.0%} of expert uses miss RAM (resident experts and "
                     f"{plan.expert_cache_slots} cache slots) and are read from disk")
@@ -289,7 +294,7 @@ def request_prices(plan: Plan, moe: bool, decode, rows, modules):
         alone=(lambda T: prompt_time(plan, T, rows, modules)) if as_rows else (lambda T: modules(T)),
         padded=lambda T, k: modules(T, 0, prompts=k), most_rows=plan.most_prompt_rows(), chunks_as_rows=as_rows,
         group_tokens=min(plan.context_tokens or plan.prefill_chunk, plan.prefill_chunk or plan.context_tokens),
-        padding=not moe)
+        padding=not moe, shared_prefixes=plan.shared_prefixes)
 
 
 # Prompt lengths past the measured mixed rows (planner/auto.MIXED_ROWS) where a plan prices both of a prompt's paths.

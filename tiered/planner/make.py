@@ -35,7 +35,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               prefetch: bool = False, prefetch_lookahead: int = 2, precision_mix: dict | None = None,
               library_workspace: int | None = None, mixed_rows: int = 0, speculative: str = "off",
               speculative_tokens: int = 0, prompt_lookup: tuple[int, int] = (2, 4), kv_cache: str = "auto",
-              requests: Sequence[tuple[int, int]] | None = None) -> Plan:
+              requests: Sequence[tuple[int, int]] | None = None, prefixes=None) -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -86,6 +86,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
             batch file's), in the order they are queued: a CPU-only plan replays their run at kv_slots slots
             (planner/batch_sim) into Plan.predicted_requests_tokens_per_s, which the throughput goal's batch is
             chosen on (throughput.block_throughput); other plans ignore them.
+        prefixes: which of the requests' prompts share how many leading tokens (EngineConfig.request_prefixes,
+            batch_sim.PromptPrefixes): the replay reuses them as the server does.
     Raises:
         ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
         BudgetError: the budgets cannot hold what the goal needs on the fast tier.
@@ -140,7 +142,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         from tiered.planner.latency_cpu import plan_cpu_latency
         plan.fast_tier = "cpu"
         plan.mixed_rows = mixed_rows
-        plan = plan_cpu_latency(plan, cfg, profile, cpu, experts, embedding_bytes, requests)
+        plan = plan_cpu_latency(plan, cfg, profile, cpu, experts, embedding_bytes, requests, prefixes)
     elif cfg.is_moe:
         from tiered.planner.latency_moe import plan_moe_latency
         plan = plan_moe_latency(plan, cfg, profile, gpu, cpu, experts, graphs=graphs)

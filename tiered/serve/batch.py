@@ -145,52 +145,66 @@ def check_models(lines: list[BatchLine], served: str) -> None:
 
 class RequestLengths(NamedTuple):
     """request_lengths' answer: `prompt` and `gen` the means [tokens], `longest` the most positions a request
-    with max_tokens needs, `requests` each runnable line's (prompt tokens, most tokens generated) in file order."""
+    with max_tokens needs, `requests` each runnable line's sequences' (prompt tokens, most tokens generated) in file
+    order, `prefixes` which of their prompts share how many leading tokens (planner/batch_sim.PromptPrefixes; None
+    without a tokenizer or where none share any)."""
 
     prompt: int
     gen: int
     longest: int
     requests: tuple[tuple[int, int], ...]
+    prefixes: "PromptPrefixes | None" = None
 
 
 def request_lengths(lines: list[BatchLine], tokenizer, window: int) -> RequestLengths:
     """(mean prompt tokens, mean most tokens generated, most positions a request with max_tokens needs, each
-    sequence's (prompt, most generated): a line's, once per choice (`n`) of each of its prompts) of the runnable lines, which the throughput plan prices (its batch on the
-    requests replayed: EngineConfig.requests) and sizes its KV cache by (`window` where no request
-    gives max_tokens: those generate up to the context window). A prompt is counted through the chat template
-    where the url is the chat one (characters / 4 where it cannot be encoded: the server will say why); a
-    completion without max_tokens generates COMPLETION_MAX_TOKENS, as the server's.
+    sequence's (prompt, most generated): a line's, once per choice (`n`) of each of its prompts, and which of those
+    prompts share how many leading tokens) of the runnable lines, which the throughput plan prices (its batch on the
+    requests replayed, their shared prefixes reused: EngineConfig.requests, request_prefixes) and sizes its KV cache
+    by (`window` where no request gives max_tokens: those generate up to the context window). A prompt is counted
+    through the chat template where the url is the chat one (characters / 4 where it cannot be encoded: the server
+    will say why, and no prefixes are known); a completion without max_tokens generates COMPLETION_MAX_TOKENS, as
+    the server's.
 
     Args:
         tokenizer: the model's (None: characters / 4); window: the model's context window [tokens].
     """
     prompts, gens, needs, bounded_any = [], [], [], False
+    ids: list | None = []  # each sequence's prompt token ids (None once one cannot be encoded)
     for line in lines:
         if line.error is not None:
             continue
         body = line.body
         chat = line.url == "/v1/chat/completions"
-        p = max(1, _prompt_tokens(body, chat, tokenizer))
         most = body.get("max_completion_tokens") if chat else None
         most = most if most is not None else body.get("max_tokens", None if chat else COMPLETION_MAX_TOKENS)
         bounded = isinstance(most, int) and most > 0
-        g = most if bounded else window - p
-        g = max(1, min(g, window - p)) if p < window else 1
-        # each choice of each prompt is a sequence of the scheduler (a batched completion's prompts are priced at its
-        # first one's length)
-        n = body.get("n", 1)
-        count = (n if isinstance(n, int) and n >= 1 else 1) * (1 if chat else len(_completion_prompts(body)))
-        prompts += [p] * count
-        gens += [g] * count
-        needs.append(min(window, p + g) if bounded else min(window, p + 1))
         bounded_any |= bounded
+        n = body.get("n", 1)
+        n = n if isinstance(n, int) and n >= 1 else 1
+        for one in _prompt_ids(body, chat, tokenizer):  # each prompt's ids, or its estimated tokens
+            p = max(1, len(one) if isinstance(one, list) else one)
+            g = most if bounded else window - p
+            g = max(1, min(g, window - p)) if p < window else 1
+            prompts += [p] * n  # each choice of each prompt is a sequence of the scheduler
+            gens += [g] * n
+            if ids is not None and isinstance(one, list) and one:
+                ids.extend([one] * n)
+            else:
+                ids = None
+            needs.append(min(window, p + g) if bounded else min(window, p + 1))
     if not prompts:
         return RequestLengths(1, 1, 1, ())
+    prefixes = None
+    if ids:
+        from tiered.planner.batch_sim import PromptPrefixes
+        prefixes = PromptPrefixes.of(ids)
+        prefixes = prefixes if prefixes.any_shared() else None
     # means, not medians: the file's throughput is its sums (every prompt's prefill, every token's decode step) over
     # its time, and a skewed file's middle request is not its average one (48 completions of 15-500-token prompts and
     # 16-128 max_tokens: medians 115 and 32 tokens, means 184 and 53)
     return RequestLengths(max(1, round(statistics.fmean(prompts))), max(1, round(statistics.fmean(gens))),
-                          max(needs) if bounded_any else window, tuple(zip(prompts, gens)))
+                          max(needs) if bounded_any else window, tuple(zip(prompts, gens)), prefixes)
 
 
 def _completion_prompts(body: dict) -> list:
@@ -200,23 +214,28 @@ def _completion_prompts(body: dict) -> list:
     return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
 
 
-def _prompt_tokens(body: dict, chat: bool, tokenizer) -> int:
-    """Tokens of a request's (first) prompt: messages through the chat template, a completion's text or ids."""
+def _prompt_ids(body: dict, chat: bool, tokenizer) -> list:
+    """Each prompt of a request (a chat's messages through the chat template; a completion's texts or ids) as its
+    token ids, or where it cannot be encoded (no tokenizer, a malformed body the server refuses later) as an
+    estimate of its tokens (an int)."""
     if chat:
         messages = body.get("messages")
         if tokenizer is not None and isinstance(messages, list):
             from tiered.engine.prompt import encode_prompt
             try:
-                return len(encode_prompt(tokenizer, messages, True))
+                return [list(encode_prompt(tokenizer, messages, True))]
             except Exception:  # a malformed message list: the server refuses it later; guessed meanwhile
                 pass
-        return len(json.dumps(messages)) // 4
-    prompt = _completion_prompts(body)[0]  # a batched completion: its first prompt stands for them
-    if isinstance(prompt, list):
-        return len(prompt)
-    if isinstance(prompt, str):
-        return len(tokenizer.encode(prompt)) if tokenizer is not None else len(prompt) // 4
-    return 1
+        return [len(json.dumps(messages)) // 4]
+    out = []
+    for prompt in _completion_prompts(body):
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            out.append(list(prompt))
+        elif isinstance(prompt, str):
+            out.append(list(tokenizer.encode(prompt)) if tokenizer is not None else len(prompt) // 4)
+        else:
+            out.append(1)
+    return out
 
 
 def output_line(line: BatchLine, status: int | None, body: dict | None) -> dict:
