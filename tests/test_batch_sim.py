@@ -17,9 +17,12 @@ from tiered.planner.throughput import block_throughput
 
 
 def _prices(most: int = 0, as_rows: bool = False, group: int = 1024, padding: bool = True) -> StepPrices:
-    # a decode step 10 ms + 1 ms a sequence + 1 us a cached position of each; prompts 1 ms a token (+ 5 ms a forward)
-    return StepPrices(decode=lambda n, c: 0.010 + 0.001 * n + 1e-6 * n * c, rows=lambda T, k: 0.005 + 0.001 * T,
-                      alone=lambda T: 0.005 + 0.001 * T, padded=lambda T, k: 0.005 + 0.001 * T,
+    # a decode step 10 ms + 1 ms a sequence + 1 us a cached position of each; prompts 1 ms a token (+ 5 ms a forward,
+    # + 1 us a token for each cached position before it)
+    return StepPrices(decode=lambda n, c: 0.010 + 0.001 * n + 1e-6 * n * c,
+                      rows=lambda T, k, past=0: 0.005 + 0.001 * T + 1e-6 * T * past,
+                      alone=lambda T, past=0: 0.005 + 0.001 * T + 1e-6 * T * past,
+                      padded=lambda T, k, past=0: 0.005 + 0.001 * T + 1e-6 * T * past,
                       most_rows=most, chunks_as_rows=as_rows, group_tokens=group, padding=padding)
 
 
@@ -91,6 +94,20 @@ def test_prompt_prefixes_answer_the_tokens_any_two_prompts_share():
         PromptPrefixes.of([[1], []])
     with pytest.raises(ValueError, match="prefixes rank"):
         simulate_requests([(3, 2)] * (len(prompts) - 1), 2, _prices(), prefixes=prefixes)
+
+
+def test_a_prefix_a_slot_holds_is_not_prefilled_again_and_its_suffix_attends_to_it():
+    """Through one slot, a prompt sharing 50 tokens with the one before prefills its 20 others, priced after 50 cached
+    positions; twins admitted together prefill once; without the prefixes every prompt is priced whole."""
+    system = list(range(1000, 1050))
+    prompts = [system + list(range(10)), system + list(range(100, 120))]
+    requests = [(60, 2), (70, 2)]
+    run = simulate_requests(requests, 1, _prices(), prefixes=PromptPrefixes.of(prompts))
+    assert run.prefill_s == pytest.approx((0.005 + 0.060) + (0.005 + 0.020 + 1e-6 * 20 * 50)) and run.reused == 50
+    assert simulate_requests(requests, 1, _prices()).prefill_s == pytest.approx(0.065 + 0.075)
+    log: list = []
+    run = simulate_requests([(60, 3)] * 3, 4, _prices(), log, PromptPrefixes.of([prompts[0]] * 3))
+    assert log[0] == (((60,),), (), 3) and run.prefill_s == pytest.approx(0.065) and run.reused == 120
 
 
 def _engine_log(llm, requests, slots, prompts=None):

@@ -127,6 +127,11 @@ def test_chunked_prefill_prices_each_chunk_over_the_cache(zoo, box):  # noqa: F8
     chunked = predict_prefill(cfg, hw, "fp32", 40, chunk=16)
     parts = sum(predict_prefill(cfg, hw, "fp32", t) for t, _ in chunk_spans(40, 16))
     assert chunked > parts and chunked > whole
+    # a prompt after a reused prefix (`past`) is priced as a chunk after it: the chunks' sum is the first chunk's and
+    # the 24 tokens after it
+    first = predict_prefill(cfg, hw, "fp32", 16)
+    assert predict_prefill(cfg, hw, "fp32", 24, chunk=16, past=16) == pytest.approx(chunked - first)
+    assert predict_prefill(cfg, hw, "fp32", 24, past=16) > predict_prefill(cfg, hw, "fp32", 24)
 
 
 def test_a_chunk_after_the_cache_is_priced_by_its_own_key(box):  # noqa: F811

@@ -68,7 +68,7 @@ def test_block_prefill_groups_are_the_engines(B, P, mixed, chunk, context, moe):
     assert groups == engine and sum(groups) == B
     calls = []
     rows = lambda T, past=0, logit_rows=1, prompts=1: calls.append(("rows", T, prompts)) or 1e-3 * T  # noqa: E731
-    modules = lambda T, chunk=0, ffn_only=False, prompts=1: calls.append(("modules", T, prompts)) or 2e-3 * T  # noqa: E731
+    modules = lambda T, chunk=0, ffn_only=False, prompts=1, past=0: calls.append(("modules", T, prompts)) or 2e-3 * T  # noqa: E731
     total = block_prefill_time(plan, moe, rows, modules)
     lone = (1e-3 if P <= plan.most_prompt_rows() or as_rows else 2e-3) * P
     assert total == pytest.approx(sum(lone if g == 1 else (1e-3 if as_rows else 2e-3) * g * P for g in groups))

@@ -23,8 +23,8 @@ a prompt equal to an earlier one's is not prefilled at all (PromptTwins: a reque
 shares prefixes (Plan.shared_prefixes) one sharing at least SHARED_PREFIX_TOKENS more with an earlier admitted
 prompt takes them from it (SharedPrefixes): that leader prefills first, alone, its followers in later forwards.
 Both compare prompts only (a slot also holds its last request's generated tokens, which a later prompt may
-continue: not counted), and a prompt's uncached tokens are priced as a prompt of that many tokens (their attention
-over the cached prefix not counted).
+continue: not counted); a prompt's uncached tokens are priced as a prompt of that many tokens attending to the
+cached prefix too (StepPrices' `past`: a padded forward's longest prefix, rows' mean one weighted by their tokens).
 Not replayed: stops before max_tokens (every request generates its max_tokens: the file's bound), speculative
 decoding.
 """
@@ -52,12 +52,13 @@ class StepPrices:
     Attributes:
         decode: (sequences n >= 1, cached positions c >= 1 of each) -> seconds of one decode step of n sequences
             (cpu_predict.predict_decode at batch n and context c).
-        rows: (prompt tokens T, prompts k) -> seconds of k prompts of T tokens in all as rows of one native step
-            (cpu_predict.predict_prompt_rows; the last row of each has its logits).
-        alone: prompt tokens -> seconds of one prompt prefilled on its own, on the engine's path for it
-            (latency_cpu.prompt_time: rows, chunks, or the modules' prefill).
-        padded: (padded tokens T, prompts k) -> seconds of k prompts in one padded forward of T tokens
-            (cpu_predict.predict_prefill with prompts=k).
+        rows: (prompt tokens T, prompts k, past) -> seconds of k prompts of T tokens in all as rows of one native
+            step, after `past` cached positions on average a row (cpu_predict.predict_prompt_rows; the last row of
+            each has its logits).
+        alone: (prompt tokens, past) -> seconds of one prompt prefilled on its own after `past` cached positions,
+            on the engine's path for it (latency_cpu.prompt_time: rows, chunks, or the modules' prefill).
+        padded: (padded tokens T, prompts k, past) -> seconds of k prompts in one padded forward of T tokens after
+            `past` cached positions each (cpu_predict.predict_prefill with prompts=k).
         most_rows: Plan.most_prompt_rows(): the most prompt rows one native step takes (0: prompts never join).
         chunks_as_rows: Plan.chunks_as_rows(): prompts prefill as rows of native steps (engine/llm._rows_groups).
         group_tokens: the most padded tokens of a prefill group (scheduler.prefill_groups' max_tokens).
@@ -232,7 +233,13 @@ def simulate_requests(requests: Sequence[tuple[int, int]], slots: int, prices: S
         w = (n - lo) / (hi - lo)
         return (1 - w) * decode_at[lo](positions) + w * decode_at[hi](positions)
 
-    alone = _grid(prices.alone, p_step)
+    alone_at: dict[int, Callable[[float], float]] = {}
+
+    def alone(T: int, past: int) -> float:
+        if past not in alone_at:
+            alone_at[past] = _grid(lambda t: prices.alone(t, past), p_step)
+        return alone_at[past](T)
+
     memo: dict[tuple, float] = {}
 
     def priced(key: tuple, f: Callable[[], float]) -> float:
@@ -261,15 +268,20 @@ def simulate_requests(requests: Sequence[tuple[int, int]], slots: int, prices: S
         if prices.chunks_as_rows and most > 0:
             for g in rows_groups(lengths, most):  # engine/llm._rows_groups: in admission order
                 out.append(tuple(sorted(lengths[j] for j in g)))
-                T = sum(lengths[j] for j in g)
-                t += priced(("rows", T, len(g)), lambda: prices.rows(T, len(g))) if len(g) > 1 else alone(T)
+                t += rows_price([group[j] for j in g]) if len(g) > 1 else alone(lengths[g[0]], cached[group[g[0]]])
         else:
             for g in prefill_groups(lengths, prices.group_tokens, padding=prices.padding):
                 out.append(tuple(sorted(lengths[j] for j in g)))
-                T = len(g) * max(lengths[j] for j in g)
-                t += (alone(lengths[g[0]]) if len(g) == 1 else
-                      priced(("padded", T, len(g)), lambda: prices.padded(T, len(g))))
+                T, past = len(g) * max(lengths[j] for j in g), max(cached[group[j]] for j in g)
+                t += (alone(lengths[g[0]], past) if len(g) == 1 else
+                      priced(("padded", T, len(g), past), lambda: prices.padded(T, len(g), past)))
         return t
+
+    def rows_price(group: list[int]) -> float:
+        """The seconds of `group`'s uncached prompt tokens as rows of one native step."""
+        T = sum(prompt[i] - cached[i] for i in group)
+        past = round(sum((prompt[i] - cached[i]) * cached[i] for i in group) / T)
+        return priced(("rows", T, len(group), past), lambda: prices.rows(T, len(group), past))
 
     def release(slot: int) -> None:
         free.append(slot)
@@ -360,12 +372,10 @@ def simulate_requests(requests: Sequence[tuple[int, int]], slots: int, prices: S
             t += k * decode(n, sum(s[0] for s in running) / n + (k + 1) / 2)
             decoded += n * k
         if mixed:
-            T, m = sum(prompt[i] - cached[i] for i in mixed), len(mixed)
-            rows_s = priced(("rows", T, m), lambda: prices.rows(T, m))
             # beside decode rows, the step's stream and per-step cost are paid once: the rows' share is theirs past
             # one row's (a lone row of one prompt: what a decode step of one sequence runs)
-            t += rows_s - (priced(("rows", 1, 1), lambda: prices.rows(1, 1)) if running else 0.0)
-            joined += m
+            t += rows_price(mixed) - (priced(("rows", 1, 1, 0), lambda: prices.rows(1, 1, 0)) if running else 0.0)
+            joined += len(mixed)
         decode_s += t
         steps += k
         still = []

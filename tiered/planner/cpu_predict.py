@@ -723,8 +723,12 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                     experts_format: str | None = None, read_ahead: bool = True, readers: int = 2,
                     task_overhead: float | None = None, batch_act: str = "bf16", popularity=None,
                     chunk: int = 0, ffn_only: bool = False, attn_dtype: str | None = None,
-                    ffn_dtype: str | None = None, native_moe: bool = False, prompts: int = 1) -> float:
+                    ffn_dtype: str | None = None, native_moe: bool = False, prompts: int = 1,
+                    past: int = 0) -> float:
     """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
+
+    `past`: positions the cache holds before the prompt's (a prefix reused from a slot or lent: engine/scheduler),
+    which its attention also covers (each forward after them, op_time.prefill_attention_pairs' explicit mask).
 
     `prompts`: the tokens are that many equal prompts prefilled as one padded batch forward (prompts admitted
     together: LLM._prefill_groups, scheduler.prefill_groups, within the chunk), each attending to its own tokens
@@ -912,7 +916,8 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
 
     attn_macs = cfg.attention_macs_per_pair(False)
     n = max(1, min(int(prompts), int(tokens)))
-    forwards = chunk_spans(tokens, chunk) if n == 1 else [(tokens, 0)]  # a batch of prompts: one forward
+    # a batch of prompts: one forward
+    forwards = [(T, p + max(0, int(past))) for T, p in (chunk_spans(tokens, chunk) if n == 1 else [(tokens, 0)])]
     bodies = {T: forward(T) for T in {n for n, _ in forwards}}
     if ffn_only:
         return sum(bodies[T] for T, _ in forwards)

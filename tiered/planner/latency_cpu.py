@@ -145,7 +145,8 @@ def prompt_paths(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, disk_sh
     """(rows, modules): the seconds of a prompt of T tokens on each path a CPU `plan`'s engine may run it, priced by
     `profile` (prompt_time picks one). `rows(T, past=0, logit_rows=1, prompts=1)`: as rows of the native decode step
     (cpu_predict.predict_prompt_rows; an MoE model's FFNs as its prefill computes them, predict_prefill's ffn_only:
-    the step's MoE block, or the block's module); `modules(T, chunk=Plan.prefill_chunk, ffn_only=False, prompts=1)`:
+    the step's MoE block, or the block's module); `modules(T, chunk=Plan.prefill_chunk, ffn_only=False, prompts=1,
+    past=0)`:
     through the modules' prefill (predict_prefill), with `disk_share` of the expert uses read from disk and `popularity` the
     expert profile's routing (float [L, E]; None: uniform)."""
     from tiered.planner.cpu_predict import predict_prefill, predict_prompt_rows
@@ -157,13 +158,14 @@ def prompt_paths(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, disk_sh
     # _all_on_fast under the native step's group_layers)
     native_moe = bool(moe) and plan.native_decode and not disk_share and plan.mixed_precision is None
 
-    def modules(T: int, chunk: int = plan.prefill_chunk, ffn_only: bool = False, prompts: int = 1) -> float:
+    def modules(T: int, chunk: int = plan.prefill_chunk, ffn_only: bool = False, prompts: int = 1,
+                past: int = 0) -> float:
         return predict_prefill(cfg, profile, held, T, moe or None, disk_share, experts_dtype=fmt, act_dtype=fmt,
                                experts_format=plan.dtypes["experts"], read_ahead=plan.read_ahead,
                                readers=max(2, plan.staging_buffers), batch_act=plan.batch_act,
                                popularity=popularity if moe else None, chunk=chunk, ffn_only=ffn_only,
                                attn_dtype=plan.dtypes.get("prompt_attention"), ffn_dtype=plan.dtypes.get("prompt_ffn"),
-                               native_moe=native_moe, prompts=prompts)
+                               native_moe=native_moe, prompts=prompts, past=past)
 
     ffn = (lambda T: modules(T, 0, ffn_only=True)) if cfg.is_moe else None  # noqa: E731
 
@@ -236,16 +238,17 @@ def prompt_ffn(plan: Plan, cfg: ModelConfig, profile: HardwareProfile) -> str:
     return "bf16"
 
 
-def prompt_time(plan: Plan, tokens: int, rows, modules) -> float:
+def prompt_time(plan: Plan, tokens: int, rows, modules, past: int = 0) -> float:
     """Seconds of a `tokens`-token prompt on the path `plan`'s engine runs it (LLM.step, LLM._prefill): within
     Plan.most_prompt_rows as rows of the native decode step (`rows(T, past)`: cpu_predict.predict_prompt_rows);
     past the chunk, chunk by chunk, each as rows where Plan.chunks_as_rows; else through the modules' prefill
-    (`modules(T)`: predict_prefill, chunks and all)."""
+    (`modules(T)`: predict_prefill, chunks and all). `past`: positions the cache holds before them (a reused
+    prefix), which they attend to too."""
     if tokens <= plan.most_prompt_rows():
-        return rows(tokens)
+        return rows(tokens, past)
     if plan.chunks_as_rows():
-        return sum(rows(n, past) for n, past in chunk_spans(tokens, plan.prefill_chunk))
-    return modules(tokens)
+        return sum(rows(n, past + p) for n, p in chunk_spans(tokens, plan.prefill_chunk))
+    return modules(tokens, past=past)
 
 
 def block_prefill_groups(plan: Plan, moe: bool) -> tuple[list[int], bool]:
@@ -290,9 +293,11 @@ def request_prices(plan: Plan, moe: bool, decode, rows, modules):
 
     as_rows = plan.chunks_as_rows()
     return StepPrices(
-        decode=decode, rows=lambda T, k: rows(T, prompts=k),
-        alone=(lambda T: prompt_time(plan, T, rows, modules)) if as_rows else (lambda T: modules(T)),
-        padded=lambda T, k: modules(T, 0, prompts=k), most_rows=plan.most_prompt_rows(), chunks_as_rows=as_rows,
+        decode=decode, rows=lambda T, k, past=0: rows(T, past, prompts=k),
+        alone=(lambda T, past=0: prompt_time(plan, T, rows, modules, past)) if as_rows else
+        (lambda T, past=0: modules(T, past=past)),
+        padded=lambda T, k, past=0: modules(T, 0, prompts=k, past=past), most_rows=plan.most_prompt_rows(),
+        chunks_as_rows=as_rows,
         group_tokens=min(plan.context_tokens or plan.prefill_chunk, plan.prefill_chunk or plan.context_tokens),
         padding=not moe, shared_prefixes=plan.shared_prefixes)
 
