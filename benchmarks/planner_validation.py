@@ -161,7 +161,7 @@ def main() -> None:
         short, uniform_model = prompt_rows(args, hw, shape)
         disk_prompt = disk_prompt_row(uniform_model)
     dense_rows(args, hw, rows, errors)
-    batch_file = batch_file_row()
+    batch_files = [r for r in (batch_file_row(), batch_file_row(shared_prefix=200)) if r is not None]
     med = median(errors)
     settings = {"profile": hw.name, "profile_source": hw.source, "model_shape": None if args.dense_only else shape,
                 "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "target": 0.20}
@@ -203,10 +203,10 @@ def main() -> None:
                      f"auto plan at --cpu-mem = the checkpoint / 3.2, page cache dropped, median of 3): "
                      f"{r['predicted_ttft_s']:.3f} s priced against {r['measured_ttft_s']:.3f} (**{r['error']:.0%}**; "
                      f"speed at planning: {r['speed']}).")
-    if batch_file is not None:
-        r = batch_file
+    for r in batch_files:
+        shared = f", every prompt after the same {r['shared_prefix']} tokens" if r["shared_prefix"] else ""
         notes.append(f"`tiered batch` of {r['requests']} SmolLM2 completions of varied lengths (benchmarks/batch_file.py's "
-                     f"file: prompts {r['prompts']}, max_tokens {r['max_tokens']}, ignore_eos), the plan's batch "
+                     f"file: prompts {r['prompts']}{shared}, max_tokens {r['max_tokens']}, ignore_eos), the plan's batch "
                      f"{r['batch']}, median of {r['rounds']}: {r['predicted_tokens_per_s']:.1f} generated tok/s priced "
                      f"(the file's requests replayed, planner/batch_sim) against {r['measured_tokens_per_s']:.1f} "
                      f"(**{r['error']:.0%}**).")
@@ -217,7 +217,7 @@ def main() -> None:
     stem = "planner_validation_quick" if args.quick else "planner_validation_dense" if args.dense_only else "planner_validation"
     _, md = write_report(stem, out_dir, title="Planner validation", settings=settings, rows=rows, columns=columns,
                          notes=notes, extra={"median_abs_error": med, "gpu": gpu, "short_prompts": short,
-                                "disk_prompt": disk_prompt, "batch_file": batch_file})
+                                "disk_prompt": disk_prompt, "batch_files": batch_files})
     print(md.read_text())
 
 
@@ -425,10 +425,11 @@ def first_token_s(llm: LLM, prompt: list[int]) -> float:
     return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0].stats.ttft_s
 
 
-def batch_file_row(rounds: int = 2) -> dict | None:
+def batch_file_row(rounds: int = 2, shared_prefix: int = 0) -> dict | None:
     """`tiered batch` of benchmarks/batch_file.py's seeded file (48 SmolLM2 completions, log-normal prompt and
-    max_tokens lengths) at the plan's own batch, each run its own process: the median generated tok/s against
-    what the plan priced for the file's requests (their run replayed, planner/batch_sim). None without SmolLM2."""
+    max_tokens lengths, each prompt after the same `shared_prefix` tokens: a system prompt) at the plan's own batch,
+    each run its own process: the median generated tok/s against what the plan priced for the file's requests (their
+    run replayed, planner/batch_sim, shared prefixes reused). None without SmolLM2."""
     import tempfile
 
     from batch_file import run_batch, write_file
@@ -443,15 +444,15 @@ def batch_file_row(rounds: int = 2) -> dict | None:
     vocab = open_checkpoint(model).config.vocab_size
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "requests.jsonl"
-        lengths = write_file(path, 48, 115, 32, vocab, Path(model).stem)
+        lengths = write_file(path, 48, 115, 32, vocab, Path(model).stem, shared_prefix=shared_prefix)
         runs = [run_batch(path, model, 0) for _ in range(rounds)]
     measured = median([r["tokens_per_s"] for r in runs])
     priced = runs[0]["priced"]
     row = {"requests": len(lengths), "prompts": f"{min(p for p, _ in lengths)}-{max(p for p, _ in lengths)}",
            "max_tokens": f"{min(g for _, g in lengths)}-{max(g for _, g in lengths)}", "batch": runs[0]["slots"],
-           "rounds": rounds, "measured_tokens_per_s": measured, "predicted_tokens_per_s": priced,
+           "rounds": rounds, "shared_prefix": shared_prefix, "measured_tokens_per_s": measured, "predicted_tokens_per_s": priced,
            "error": abs(priced - measured) / measured if priced else None}
-    print(f"batch file: predicted {priced} tok/s, measured {measured:.1f}", flush=True)
+    print(f"batch file (shared prefix {shared_prefix}): predicted {priced} tok/s, measured {measured:.1f}", flush=True)
     return row if priced else None
 
 
