@@ -249,6 +249,10 @@ def test_batch_file_is_answered_line_for_line_through_the_api(zoo, chat_llama, t
     assert any("used by an earlier line" in (x["error"] or {}).get("message", "") for x in by_id["c0"])
     assert by_id["bad-temp"][0]["response"]["status_code"] == 400
     assert "10 succeeded, 5 failed (1 x 400, 4 invalid lines)" in res.output
+    # the prompt tokens the server's prefix reuse did not compute (each answer's usage says how many of its own)
+    cached = sum(o["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for o in out
+                 if o["response"] is not None and o["response"]["status_code"] == 200)
+    assert cached > 0 and f"| {cached} prompt tokens reused]" in res.output
 
 
 def test_batch_refuses_another_models_name_and_an_empty_file_before_loading(chat_llama, tmp_path):

@@ -628,7 +628,8 @@ def batch(
                f"| {summary.prompt_tokens} prompt tokens, {summary.completion_tokens} generated in "
                f"{summary.seconds:.1f} s | {summary.tokens_per_s:.1f} generated tok/s"
                + (f" (plan: {llm.plan.predicted_throughput_tokens_per_s:.1f})"
-                  if llm.plan.predicted_throughput_tokens_per_s else "") + "]", err=True)
+                  if llm.plan.predicted_throughput_tokens_per_s else "")
+               + (f" | {summary.cached_tokens} prompt tokens reused" if summary.cached_tokens else "") + "]", err=True)
     if summary.failed and not summary.succeeded:
         raise typer.Exit(1)
 

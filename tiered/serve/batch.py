@@ -60,7 +60,9 @@ class BatchSummary:
 
     Attributes:
         requests: lines answered; succeeded: with status 200; failed: the rest.
-        prompt_tokens, completion_tokens: summed over the succeeded requests' `usage`.
+        prompt_tokens, completion_tokens: summed over the succeeded requests' `usage`; cached_tokens: of the prompt
+            tokens, those not computed for their request (usage.prompt_tokens_details.cached_tokens: the server's
+            prefix reuse, a twin's prefill).
         seconds: wall time from the first request sent to the last answer written.
     """
 
@@ -69,6 +71,7 @@ class BatchSummary:
     failed: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     seconds: float = 0.0
     statuses: dict[int, int] = field(default_factory=dict)
 
@@ -268,6 +271,7 @@ async def post_all(app, lines: list[BatchLine], out: IO[str], concurrency: int,
                 usage = (body or {}).get("usage") or {}
                 summary.prompt_tokens += usage.get("prompt_tokens", 0)
                 summary.completion_tokens += usage.get("completion_tokens", 0)
+                summary.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             else:
                 summary.failed += 1
             if status is not None:
