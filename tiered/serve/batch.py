@@ -17,6 +17,7 @@ finished request's slot taken by the next (continuous batching).
 from __future__ import annotations
 
 import asyncio
+from array import array
 import json
 import statistics
 import threading
@@ -192,7 +193,7 @@ def request_lengths(lines: list[BatchLine], tokenizer, window: int) -> RequestLe
             prompts += [p] * n  # each choice of each prompt is a sequence of the scheduler
             gens += [g] * n
             if ids is not None and isinstance(one, list) and one:
-                ids.extend([one] * n)
+                ids.extend([array("i", one)] * n)  # 4 bytes a token: a big file's lists would hold ~36
             else:
                 ids = None
             needs.append(min(window, p + g) if bounded else min(window, p + 1))
