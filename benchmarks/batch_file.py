@@ -70,31 +70,18 @@ def run_batch(path: Path, model: str, cap: int) -> dict:
             "tokens_per_s": float(m.group(4)), "priced": float(m.group(5)) if m.group(5) else None}
 
 
-def block_price(model: str, lengths: list[tuple[int, int]], slots: int) -> float | None:
-    """The block model's price of `slots` sequences of the requests' mean lengths (what `tiered batch` priced
-    before the replay): the throughput plan made without the requests, its batch fixed at `slots`."""
+def plan_price(model: str, lengths: list[tuple[int, int]], slots: int, whole: bool = False) -> float | None:
+    """The throughput plan's price of `slots` sequences, made in this process without the file's prompts: the block
+    model's of the requests' mean lengths (what `tiered batch` priced before the replay), or with `whole` the replay
+    of the requests with every prompt prefilled whole (no request_prefixes)."""
     from throughput import priced_by_batch
 
     from tiered import LLM, EngineConfig
 
     n = len(lengths)
     means = (round(sum(p for p, _ in lengths) / n), round(sum(g for _, g in lengths) / n))
-    llm = LLM(model, EngineConfig(goal="throughput", workload=means, max_batch=slots,
-                                  max_context=max(p + g for p, g in lengths)))
-    try:
-        return priced_by_batch(llm.plan).get(slots)
-    finally:
-        llm.close()
-
-
-def whole_price(model: str, lengths: list[tuple[int, int]], slots: int) -> float | None:
-    """The replay's price of the requests at `slots` with every prompt prefilled whole (no request_prefixes)."""
-    from throughput import priced_by_batch
-
-    from tiered import LLM, EngineConfig
-
-    llm = LLM(model, EngineConfig(goal="throughput", requests=tuple(lengths), max_batch=slots,
-                                  max_context=max(p + g for p, g in lengths)))
+    llm = LLM(model, EngineConfig(goal="throughput", max_batch=slots, max_context=max(p + g for p, g in lengths),
+                                  **({"requests": tuple(lengths)} if whole else {"workload": means})))
     try:
         return priced_by_batch(llm.plan).get(slots)
     finally:
@@ -138,12 +125,13 @@ def main() -> None:
                      "seconds": statistics.median(r["seconds"] for r in got),
                      "tokens_per_s": statistics.median(r["tokens_per_s"] for r in got),
                      "runs_tokens_per_s": [r["tokens_per_s"] for r in got],
-                     "priced_tokens_per_s": got[0]["priced"], "block_priced_tokens_per_s": block_price(model, lengths, slots),
-                     "whole_priced_tokens_per_s": whole_price(model, lengths, slots) if args.shared_prefix else None})
+                     "priced_tokens_per_s": got[0]["priced"], "block_priced_tokens_per_s": plan_price(model, lengths, slots),
+                     "whole_priced_tokens_per_s": plan_price(model, lengths, slots, whole=True) if args.shared_prefix
+                     else None})
     for r in rows:
-        for key in ("priced", "block", "whole"):
-            price = r[f"{key}_priced_tokens_per_s" if key != "priced" else "priced_tokens_per_s"]
-            r[f"{key}_error"] = price / r["tokens_per_s"] - 1 if price else None
+        for error, price in (("priced_error", r["priced_tokens_per_s"]), ("block_error", r["block_priced_tokens_per_s"]),
+                             ("whole_error", r["whole_priced_tokens_per_s"])):
+            r[error] = price / r["tokens_per_s"] - 1 if price else None
     prompts, gens = [p for p, _ in lengths], [g for _, g in lengths]
     cols = [Column("engine", "engine"), Column("batch", "batch"), Column("seconds", "seconds", "{:.2f}"),
             Column("generated tok/s", "tokens_per_s", "{:.1f}"),

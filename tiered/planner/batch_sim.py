@@ -292,7 +292,7 @@ def simulate_requests(requests: Sequence[tuple[int, int]], slots: int, prices: S
         # Scheduler.schedule: the waiting take free slots in order; with prefixes, the free slot whose last prompt
         # shares the most of theirs, or a running sequence's slot lends more (Scheduler._take_slot)
         admitted: list[int] = []
-        sources = [s[2] for s in running] if common is not None else []
+        sources = [s[2] for s in running] if common is not None and waiting and free else []
         while waiting and free:
             i = waiting.popleft()
             best, n = free[-1], 0
