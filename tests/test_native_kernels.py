@@ -297,6 +297,36 @@ def test_int8g32_tiled(isa, N, K):  # GGUF Q8_0's weights: fp16 scales per row a
         ext.int8g32_tiled_kernel(tiled_int8(q), st)  # [N, K/32], not the tiled [N/16, K/32, 16]
 
 
+@pytest.mark.parametrize("g32", [False, True])
+def test_int8_tiled_batch_act(isa, g32):  # one row on int16 activations, two or more on int8 ones (AVX-512, scalar)
+    N, K = 48, 576
+    g = torch.Generator().manual_seed(17 + g32)
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)  # -128: the codes' full range
+    scale = torch.rand(N, generator=g) * 1e-2 + 1e-3
+    st = (torch.rand(N, K // 32, generator=g) * 1e-2 + 1e-3).half()
+    bias = torch.randn(N, generator=g)
+    if g32:
+        k = ext.int8g32_tiled_kernel(tiled_int8(q), tiled_group_scales(st), bias, "q8")
+        wq = (q.float().reshape(N, -1, 32) * st.float()[..., None]).reshape(N, K)
+    else:
+        k = ext.int8_tiled_kernel(tiled_int8(q), scale, bias, "q8")
+        wq = q.float() * scale[:, None]
+    q8 = isa != "avx2"  # AVX2 keeps int16 activations (vpmaddubsw's pair sums would saturate)
+    assert ("q8 from 2 rows" in k.name()) == q8
+    x = torch.randn(13, K, generator=g)
+    x[1, :32] = 0  # an all-zero group (dx = 0)
+    x[2, 64:96] = 1e3  # a group whose int8 codes reach +-127
+    assert rel(k(x[:1]), int8_activations(k, x[:1]) @ wq.T + bias) < 5e-5  # one row: int16, as before
+    for B in (2, 3, 4, 5, 8, 9, 13):  # passes of 8 rows: two chains up to 4 rows, one from 5
+        xq, amax = group_round(x[:B], 127)
+        ref = (xq * (amax / 127)).reshape(B, K) @ wq.T + bias if q8 else int8_activations(k, x[:B]) @ wq.T + bias
+        y = k(x[:B])
+        assert rel(y, ref) < 5e-5, (isa, B)
+        assert rel(y[:1], k(x[:1])) < (2e-2 if q8 else 1e-6), (isa, B)  # row 0 alone: int16 activations
+    with pytest.raises(RuntimeError, match="batch_act"):
+        ext.int8_tiled_kernel(tiled_int8(q), scale, bias, "int4")
+
+
 def test_tiled_int8_layout_round_trips_and_rejects_bad_shapes():
     q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
     t = tiled_int8(q)

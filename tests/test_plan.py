@@ -865,8 +865,8 @@ def test_cpu_path_misses_never_fill_the_cache():
 
 def test_the_lm_head_is_priced_in_its_own_decode_format():
     """A GGUF Q4 file often keeps its token embedding (the tied lm_head) as Q8_0: the decode copies
-    are int4 layers and an int8 head (quant/linear.head_precision), and the CPU prediction reads the
-    head's bytes at the int8 GEMV's rate. The plan records it as dtypes["lm_head"]."""
+    are int4 layers and an int8(-g32) head (quant/linear.head_precision), and the CPU prediction reads the
+    head's bytes at its GEMV's rate. The plan records it as dtypes["lm_head"]."""
     from types import SimpleNamespace
 
     from tiered.hardware import op_time
@@ -883,7 +883,8 @@ def test_the_lm_head_is_priced_in_its_own_decode_format():
         def handle(self, name):
             return SimpleNamespace(format=self.formats[name], shape=(49152, 576))
 
-    assert head_precision(Ckpt({"model.embed_tokens.weight": "Q8_0"}), "auto") == "int8"  # tied
+    # tied; Q8_0: its blocks as int8-g32 where tiered's kernels are built (quant/int8.Int8G32Linear), else per-row int8
+    assert head_precision(Ckpt({"model.embed_tokens.weight": "Q8_0"}), "auto") == ("int8-g32" if kernels.available() else "int8")
     assert head_precision(Ckpt({"lm_head.weight": "Q4_1", "model.embed_tokens.weight": "Q8_0"}), "auto") == "int4"
     # Q6_K: int8 per group of 32 where tiered's kernels are built (quant/int8.Int8G32Linear), else bf16
     assert head_precision(Ckpt({"lm_head.weight": "Q6_K"}), "auto") == ("int8-g32" if kernels.available() else "bf16")

@@ -1119,7 +1119,7 @@ eval_app = typer.Typer(help="Measure accuracy: perplexity, and KL divergence to 
 app.add_typer(eval_app, name="eval")
 TEXT_HELP = "UTF-8 text file to score (default: SciPy's LICENSE.txt, English licence prose incl. the GNU GPL v3)."
 WEIGHTS_HELP = ("Weight format of every linear layer incl. lm_head, on every token: fp32 (lossless), bf16, int8, int4, "
-                "or auto (a GGUF's own blocks: Q4_0/Q4_1 as int4, Q8_0 as int8).")
+                "or auto (a GGUF's own blocks: Q4_0/Q4_1 as int4, Q8_0 as int8 per group of 32).")
 
 
 def _eval_input(model, text, max_tokens, window):

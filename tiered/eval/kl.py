@@ -36,7 +36,7 @@ def weights_config(weights: str, **overrides) -> EngineConfig:
     float32 and the embedding table stays dense float32. "fp32" is the lossless reference.
 
     Args:
-        weights: one of WEIGHTS ("auto" keeps a GGUF's Q4_0/Q4_1 blocks as int4 and Q8_0 as int8).
+        weights: one of WEIGHTS ("auto" keeps a GGUF's Q4_0/Q4_1 blocks as int4 and Q8_0 as int8 per group of 32).
         overrides: other EngineConfig fields.
     Raises:
         ConfigError: an unknown format or override value.

@@ -30,6 +30,7 @@ DTYPE_FALLBACK = {
     "fp8": ("fp8", "int8"),  # a byte per weight too (quant/fp8.py), until a profile measures fp8
     "int4": ("int4",),
     "int4q8": ("int4q8", "int4"),  # int4 on int8 activations (routed experts); older profiles: int4's
+    "int8-g32q8": ("int8-g32q8", "int8-g32", "int8"),  # int8-g32 decode copies' batched calls on int8 activations
     "mxfp4": ("int4q8", "int4"),  # gpt-oss's MXFP4 experts: the tiled int4 kernels on int8 activations
 }
 

@@ -21,7 +21,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                          share of the group's weight stream from the cache included)  n = MACs
     decode_rows/cpu/<dtype> tiered's decode kernels at 8-32 rows (a batched decode step: a server's
                          or a beam search's rows), cold 4096 x 4096 weights; int4q8: int4 on int8
-                         activations (Plan.batch_act "q8")                       n = MACs
+                         activations (Plan.batch_act "q8"); int8-g32q8: the tiled int8-g32 copies
+                         (a GGUF head's) on int8 activations there                n = MACs
     attn_prefill/cpu/<dtype>  a prompt's causal attention (torch's SDPA, as the model runs it)
                          n = MACs (2 * heads * T (T + 1) / 2 * head_dim)
     convert/cpu/bf16     a bf16 weight's conversion to fp32 (CPUs without a bf16 GEMM only: hardware/cpu_gemm),
@@ -574,7 +575,7 @@ def _native(module):
 
 def _native_gemv_format(device: str, dtype: str, gemv: bool) -> bool:
     """Whether a `dtype` GEMV on `device` runs tiered's native kernel (tiered/kernels built)."""
-    return gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int8-g32", "int4", "int4q8", "fp8") and \
+    return gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int8-g32", "int8-g32q8", "int4", "int4q8", "fp8") and \
         kernels.available()
 
 
@@ -595,9 +596,9 @@ def _native_gemv_module(dtype: str, w: torch.Tensor):
         from tiered.quant.int4 import Int4Linear, quantize_int4
         lin = Int4Linear.from_codes(*quantize_int4(w), layout="tiled")
         return lin, 0.5 + 4 / lin.group
-    if dtype == "int8-g32":
-        from tiered.quant.int8 import Int8G32Linear
-        return Int8G32Linear.from_dense(w), 1 + 2 / 32
+    if dtype in ("int8-g32", "int8-g32q8"):  # q8: batched calls on int8 activations (Plan.batch_act "q8")
+        from tiered.quant.int8 import Int8G32Linear, tiled_int8_g32
+        return Int8G32Linear(*tiled_int8_g32(w), batch_act="q8" if dtype == "int8-g32q8" else "bf16"), 1 + 2 / 32
     if dtype == "fp8":
         from tiered.memory.sizes import bytes_per_element
         from tiered.quant.fp8 import Fp8Linear, quantize_fp8
@@ -2224,7 +2225,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 48: runtime/batch_rows/int4q8 times each layer shape's batches interleaved among themselves (_batch_rows_points):
 # interleaved across the shapes, the one-row call a round began with found its layers evicted, and the rows past
 # the first came out cheaper than they run (4 rows free on the AMX VM).
-PROFILER_VERSION = 48
+# 49: decode_rows/cpu/int8-g32q8, the tiled int8-g32 decode copies' batched rows on int8 activations
+# (Int8G32Linear.batch_act "q8", Plan.batch_act): a GGUF Q8_0 / Q6_K head's rows had been priced at the per-row
+# int8 kernel's int16 slope, which the head no longer runs in a server's steps.
+PROFILER_VERSION = 49
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2344,8 +2348,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         # ... and its rows past the first group (a prompt's 9+ rows an expert: groups streaming the weights again)
         b.attempt("expert_groups/cpu/int4q8", lambda: _expert_groups_int4q8_points(max(3, r // 2), big_cold))
         # the decode kernels at a batched step's rows; int4q8: int4 on int8 activations (Plan.batch_act "q8",
-        # a server's batches: 3.4 ps a row's multiply-add against 11.5 on bf16 ones, 2 AMX cores, 2026-11-29)
-        for dtype in ("int4", "int4q8", "int8", "bf16", "fp32"):
+        # a server's batches: 3.4 ps a row's multiply-add against 11.5 on bf16 ones, 2 AMX cores, 2026-11-29);
+        # int8-g32q8: the tiled int8-g32 copies (a GGUF file's Q8_0 / Q6_K head) on int8 activations there
+        for dtype in ("int4", "int4q8", "int8", "int8-g32q8", "bf16", "fp32"):
             b.attempt(f"decode_rows/cpu/{dtype}", lambda d=dtype: _decode_rows_points(d, max(3, r // 2), None))
     for dtype in ("bf16", "fp32"):
         b.attempt(f"gemm_big/cpu/{dtype}",

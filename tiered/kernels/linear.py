@@ -7,6 +7,8 @@ TIERED_NATIVE=0, or no compiler); callers then keep their torch-op paths.
     Int8Linear (q int8 [N, K], scale [N])    int8_kernel (ours)
     int8 expert projection, tiled layout     int8_tiled_kernel (ours: 16 rows per SIMD vector, vpdpbusd)
     int8-g32 (GGUF Q8_0) expert, tiled       int8g32_tiled_kernel (the same, fp16 scales per group of 32)
+    Int8G32Linear (a GGUF Q8_0 / Q6_K copy)  int8g32_tiled_kernel (its batch_act from 2 rows: int8 x, one
+                                             vpdpbusd per 4 weights and row, on AVX-512)
     Int4Linear, tiled layout                 int4_tiled_kernel (ours: bf16 activations at batch 1,
                                              Int4Linear.batch_act from 2 rows)
     Int4Linear with plain codes              int4_kernel (ours, bf16 activations: act="q8" is faster but
@@ -149,15 +151,17 @@ def untiled_int8(qt: torch.Tensor) -> torch.Tensor:
     return (u.to(torch.int16) - 128).to(torch.int8)
 
 
-def int8_tiled_kernel(qt: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+def int8_tiled_kernel(qt: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                      batch_act: str = "bf16"):
     """Our int8 kernel over the tiled layout: qt uint8 [N, K] (`tiled_int8`), scale [N]; w = (qt -
     128) * scale. Exact int32 dots of the weights with int16-quantized activations (per group of 32,
-    as the per-row int8 kernel). None without the extension.
+    as the per-row int8 kernel); batch_act "q8": calls of two or more rows on int8-quantized ones
+    (AVX-512 and scalar paths; AVX2 keeps int16). None without the extension.
 
     Raises:
-        RuntimeError: shapes or dtypes other than the above."""
+        RuntimeError: shapes or dtypes other than the above, or batch_act not "bf16" / "q8"."""
     ext = load()
-    return None if ext is None else ext.int8_tiled_kernel(qt, scale, bias)
+    return None if ext is None else ext.int8_tiled_kernel(qt, scale, bias, batch_act)
 
 
 def int4_tiled_kernel(codes: torch.Tensor, sz: torch.Tensor | None, residual: torch.Tensor | None = None,

@@ -223,7 +223,7 @@ def _row_time(hw: HardwareProfile, kind: str, weight_bytes: float, macs: float |
     on 2 Zen 3 cores a Qwen3-30B-A3B-width Q4_0 expert's rows cost 9.1 ps a multiply-add where the
     4096 x 4096 projection's decode_rows gave 5.7, and a quick profile's poor fit of the latter (R^2 0.77)
     3.9: the 512-token prompt of the 8-layer model was priced 2.34 s where it took 3.0 (2026-11-30)."""
-    base = "int4" if kind == "int4q8" else kind
+    base = weight_kind(kind)
     macs = macs if macs is not None else weight_bytes / op_time.bytes_per_element(base)
     m = (hw.models.get(f"expert_rows/cpu/{kind}") if expert else None) or \
         op_time.find(hw, "decode_rows", "cpu", kind) or op_time.find(hw, "gemm", "cpu", base)
@@ -277,8 +277,18 @@ def _projections(hw: HardwareProfile, dtype: str, mix: dict | None, elements: fl
 def _batched(kind: str, batch_act: str, rows: float) -> str:
     """The gemv key of a `kind` decode copy's call over `rows` rows: int4 copies read int8 activations
     in calls of 2+ rows where Plan.batch_act is "q8" (the tiled kernel's q8_from 2: a server's batches),
-    "int4q8" (on 2 AMX cores 3.4x cheaper a row than bf16 activations, 2026-11-29); else `kind`."""
-    return op_time.gemv_dtype(kind, batch_act) if rows > 1 else kind
+    "int4q8" (on 2 AMX cores 3.4x cheaper a row than bf16 activations, 2026-11-29), int8-g32 ones (a GGUF
+    Q8_0 / Q6_K head's, Q5_x / Q6_K tensors') too, "int8-g32q8" (Int8G32Linear.batch_act: one vpdpbusd per
+    4 weights and row where int16 activations take two); else `kind`."""
+    if rows <= 1:
+        return kind
+    return "int8-g32q8" if kind == "int8-g32" and batch_act == "q8" else op_time.gemv_dtype(kind, batch_act)
+
+
+def weight_kind(key: str) -> str:
+    """The weight format a gemv key prices ("int4q8" -> "int4", "int8-g32q8" -> "int8-g32": the same weights
+    on int8 activations), for its bytes per element."""
+    return key[:-2] if key in ("int4q8", "int8-g32q8") else key
 
 
 def mixed_bytes_per_element(dtype: str, mix: dict | None) -> float:

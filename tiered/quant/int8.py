@@ -129,14 +129,26 @@ class Int8G32Linear(NativeLinear):
     on the 2-core EPYC, a 4096 x 14336 weight took 2.1 / 47 / 111 / 396 ms for 1 / 64 / 128 / 512
     rows there, and 321 / 373 / 477 / 709 ms dequantized (in torch, ~280 ms) for one fp32 GEMM.
     Needs the native extension and N % 16 == 0, K % 32 == 0 (kernels/linear.int8_tiles).
+    `batch_act`: what calls of two or more rows multiply (Plan.batch_act): "bf16" the int16-quantized x of
+    one row (exact int32 dots per group of 32), "q8" x quantized to int8 per group of 32 (llama.cpp's Q8_0
+    activations; one vpdpbusd per 4 weights and row where int16 takes two: a SmolLM2-width head of
+    49152 x 576 at 16 / 48 rows took 1.28 / 3.72 ms against 2.24 / 6.80 on 2 AMX cores, its error to the
+    fp32 product 7.6e-3 against 5.3e-3, 2026-12-05). AVX2 reads int16 either way.
+
+    Raises:
+        ValueError: batch_act other than "bf16" or "q8".
     """
 
-    def __init__(self, qt: torch.Tensor, st: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, qt: torch.Tensor, st: torch.Tensor, bias: torch.Tensor | None = None,
+                 batch_act: str = "bf16") -> None:
         super().__init__()
+        if batch_act not in ("bf16", "q8"):
+            raise ValueError(f"batch_act must be 'bf16' or 'q8', got {batch_act!r}")
         self.register_buffer("qt", qt.contiguous())  # uint8 [N, K], tiled
         self.register_buffer("st", st.contiguous())  # fp16 [N/16, K/32, 16]
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.out_features, self.in_features = qt.shape
+        self.batch_act = batch_act
 
     @classmethod
     def from_dense(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8G32Linear":
@@ -147,7 +159,7 @@ class Int8G32Linear(NativeLinear):
         return cls(*tiled_int8_g32(w), bias)
 
     def _build(self, ext, bias):
-        return ext.int8g32_tiled_kernel(self.qt, self.st, bias)
+        return ext.int8g32_tiled_kernel(self.qt, self.st, bias, self.batch_act)
 
     def dequantize(self) -> torch.Tensor:
         """W fp32 [N, K] (quant/experts.dequantize_projection, the experts' int8-g32 arithmetic)."""

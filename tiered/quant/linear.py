@@ -187,8 +187,12 @@ class DecodeWeight:
 # GGUF blocks "auto" keeps packed. Q4_K (a Q4_K_M file's main type) maps exactly onto int4 groups of 32
 # (scale d*sc, zero 8*scale - dmin*m, each rounded to bf16 as Q4_1's are). Q5_x and Q6_K (a Q4_K_M
 # file's head, and its attn_v and ffn_down in half the layers) become int8 per group of 32
-# (Int8G32Linear: their codes re-quantized, ~2^-8 of a group's max) where tiered's kernels are built.
-GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8",
+# (Int8G32Linear: their codes re-quantized, ~2^-8 of a group's max) where tiered's kernels are built, and
+# Q8_0 (SmolLM2's embedding and head) too: its codes and fp16 scales per 32 as stored, bit for bit. Without
+# the kernels or their tiles, Q8_0 falls back to per-row int8 (Int8Linear: re-quantized per row), the rest
+# to bf16. The tiled Q8_0 head of SmolLM2 (49152 x 576) took 0.72 / 0.88 / 4.67 ms at 1 / 8 / 48 rows
+# against 0.80 / 2.54 / 14.5 per row (2 AMX cores, 2026-12-05; batches on int8 activations, Plan.batch_act).
+GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8-g32",
                     "Q5_0": "int8-g32", "Q5_1": "int8-g32", "Q5_K": "int8-g32", "Q6_K": "int8-g32"}
 
 
@@ -198,7 +202,7 @@ INT4_ROWS = 16  # int4 decode copies need N % 16 == 0: the tiled layout's tiles,
 def auto_kind(handle) -> str:
     """The decode-copy precision "auto" gives a checkpoint tensor: GGUF_DECODE_KIND by its storage
     format ("bf16" for the rest), int8-g32 only where tiered's kernels are built and the shape takes
-    their tiled layout (N % 16, K % 32; else bf16); a scaled fp8 weight as stored where tiered's kernels
+    their tiled layout (N % 16, K % 32; else bf16, and Q8_0 per-row int8); a scaled fp8 weight as stored where tiered's kernels
     are built and take its scales (quant/fp8.kernel_scales: 128 x 128 blocks with N % 128 == 0, so that
     fused groups stay whole blocks; or a scale per output channel or tensor)."""
     if handle.format == "INT4":  # GPTQ / AWQ / compressed-tensors 4-bit: as stored where groups of 32 hold it
@@ -218,7 +222,7 @@ def auto_kind(handle) -> str:
         from tiered.kernels.linear import int8_tiles
 
         if len(handle.shape) != 2 or not int8_tiles(*handle.shape) or load() is None:
-            return "bf16"
+            return "int8" if handle.format == "Q8_0" else "bf16"
     return kind
 
 
@@ -232,8 +236,9 @@ def _fp8_kernel_block(handle) -> int | None:
 def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     """The decode representation of `linear` under format `fmt`, or None to keep the dense module.
 
-    "auto": GGUF Q4_0/Q4_1/Q4_K blocks -> int4 as stored; GGUF Q8_0 -> per-row int8; GGUF Q5_x / Q6_K
-    -> int8 per group of 32 (with tiered's kernels); block-scaled fp8 -> fp8 as stored (with tiered's
+    "auto": GGUF Q4_0/Q4_1/Q4_K blocks -> int4 as stored; GGUF Q8_0 -> int8 per group of 32 as stored
+    (with tiered's kernels and their tiles; else per-row int8); GGUF Q5_x / Q6_K -> int8 per group of 32
+    (with tiered's kernels); block-scaled fp8 -> fp8 as stored (with tiered's
     kernels, whole 128-row blocks); GPTQ / AWQ / compressed-tensors int4 -> int4 as stored (groups of a
     multiple of 32); their int8 -> per-row int8, as stored where symmetric per channel or tensor, else
     re-quantized per row (int8_note); others -> bf16.
@@ -264,11 +269,13 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
         return DecodeWeight("fp8", q.view(torch.uint8), bs, row_block=row_block)
     if fmt == "auto" and kind == "int8":  # row chunks: no whole dense copy
         return DecodeWeight("int8", *quantize_int8_blocks(handle))
-    if fmt == "auto" and kind == "int8-g32":  # Q5_x / Q6_K: re-quantized per group of 32, tiled
+    if fmt == "auto" and kind == "int8-g32":  # Q8_0 as stored, Q5_x / Q6_K re-quantized per group of 32, tiled
         from tiered.kernels import load
         from tiered.quant.gguf_experts import raw_blocks
         from tiered.quant.int8 import tiled_int8_g32
 
+        if stored == "Q8_0":  # the blocks' codes and scales, bit for bit (one native pass)
+            return DecodeWeight("int8-g32", *load().q8_blocks_tiled(raw_blocks(handle)))
         if stored == "Q6_K":  # one native pass, the same bytes as below (auto_kind: the extension is there);
             # not written into host_empty's huge pages as the int4 copies are: faulting them inside this
             # pass loaded the 8-layer Q4_K_M model 0.3-0.6 s slower than move_to_huge_pages' copy
@@ -383,7 +390,7 @@ def int8_note(checkpoint, fmt: str) -> str | None:
 def decode_precision(checkpoint, fmt: str) -> str:
     """The precision most decode-path weight bytes will have under format `fmt` (for the planner):
     "fp32", "bf16", "int8", "int8-g32", "fp8" or "int4". "auto" follows the storage format of the
-    decoder layers' matrices (`auto_kind`: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 -> int8, Q5_x / Q6_K ->
+    decoder layers' matrices (`auto_kind`: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0, Q5_x and Q6_K ->
     int8-g32, block-scaled fp8 -> fp8, anything else -> bf16), weighted by elements."""
     if fmt != "auto":
         return fmt
@@ -406,10 +413,10 @@ def decode_mix(checkpoint, fmt: str) -> dict[str, float] | None:
 def head_precision(checkpoint, fmt: str) -> str:
     """The lm_head's decode-copy precision under format `fmt` (for the planner), as
     install_decode_weights makes it: `fmt` itself, or for "auto" the head's storage format (the
-    token embedding's when tied) by `auto_kind`: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 -> int8, Q5_x / Q6_K
-    -> int8-g32, anything else -> bf16. A
+    token embedding's when tied) by `auto_kind`: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0, Q5_x and Q6_K ->
+    int8-g32, anything else -> bf16. A
     GGUF Q4 file often stores its embedding as Q8_0, so its head reads twice the bytes per weight
-    of its layers (SmolLM2's Q4_1 file: a 28 MB int8 head beside ~70 MB of int4 layers)."""
+    of its layers (SmolLM2's Q4_1 file: a 30 MB int8-g32 head beside ~70 MB of int4 layers)."""
     if fmt != "auto":
         return fmt
     key = "lm_head.weight" if checkpoint.has("lm_head.weight") else "model.embed_tokens.weight"
@@ -455,7 +462,8 @@ def _tiled_from_blocks(parts: list[DecodeWeight], bias: torch.Tensor | None, bat
 def build_decode_module(parts: list[DecodeWeight], biases: list[torch.Tensor | None], int4_layout: str = "cpu",
                         batch_act: str = "bf16") -> nn.Module:
     """One decode module computing all `parts` side by side (outputs concatenated on the last dim);
-    int4 parts in `int4_layout` with `batch_act` activations for calls of several rows (Int4Linear)."""
+    int4 parts in `int4_layout` with `batch_act` activations for calls of several rows (Int4Linear), int8-g32
+    ones with it too (Int8G32Linear)."""
     bias = None if all(b is None for b in biases) else torch.cat(
         [b.detach().float() if b is not None else torch.zeros(p.rows) for p, b in zip(parts, biases)])
     kind = parts[0].kind
@@ -474,7 +482,7 @@ def build_decode_module(parts: list[DecodeWeight], biases: list[torch.Tensor | N
     if kind == "int8-g32":  # tiled rows side by side: each part's tiles are whole 16-row tiles
         from tiered.quant.int8 import Int8G32Linear
 
-        return Int8G32Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), bias)
+        return Int8G32Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), bias, batch_act)
     if kind == "int8" and all(p.codes is not None for p in parts):
         return Int8Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), bias)
     if kind == "int8":  # mixed or dense sources: quantize the dense values

@@ -1685,8 +1685,9 @@ inline uint8_t tiled_int8_code(const uint8_t* tile, int64_t r, int64_t k) {  // 
   return tile[(k / 4) * 64 + r * 4 + (k % 4)];
 }
 
+// q8: against the int8 activations (Act::xqt, dxg) instead of the int16 ones (xs, dw), as int8tq8_avx512.
 void int8t_scalar(const Int8W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y,
-                  int64_t ldy) {
+                  int64_t ldy, bool q8 = false) {
   const int64_t K = a.K, G = K / kGroup;
   const auto* codes = reinterpret_cast<const uint8_t*>(w.q);
   for (int64_t n = n0; n < n1; ++n) {
@@ -1696,9 +1697,9 @@ void int8t_scalar(const Int8W& w, const Act& a, int64_t b0, int64_t nb, int64_t 
       for (int64_t g = 0; g < G; ++g) {
         int32_t d = 0;
         for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k)
-          d += (int32_t(tiled_int8_code(tile, n % kBlock, k)) - 128) * a.xs[b * K + k];
-        const float f = w.gs ? half_to_float(w.gs[((n / kBlock) * G + g) * kBlock + n % kBlock]) * a.dw[b * G + g]
-                             : a.dw[b * G + g];
+          d += (int32_t(tiled_int8_code(tile, n % kBlock, k)) - 128) * (q8 ? int32_t(a.xqt[b * K + k]) : int32_t(a.xs[b * K + k]));
+        const float dx = q8 ? a.dxg[b * G + g] : a.dw[b * G + g];
+        const float f = w.gs ? half_to_float(w.gs[((n / kBlock) * G + g) * kBlock + n % kBlock]) * dx : dx;
         acc += f * float(d);
       }
       y[b * ldy + n] = Int8Rows::out(w, n, acc);
@@ -1812,6 +1813,55 @@ TIERED_AVX512 void int8t_avx512(const Int8W& w, const Act& a, int64_t b0, int64_
         t = _mm512_sub_epi32(t, _mm512_set1_epi32(128 * a.xsq[bg]));
         const __m512 dw = _mm512_set1_ps(a.dw[bg]);
         acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), w.gs ? _mm512_mul_ps(gs, dw) : dw, acc[j]);
+      }
+    }
+    const __m512 sv = int8t_scales16(w, m0);
+    for (int j = 0; j < NB; ++j) {
+      __m512 out = _mm512_mul_ps(acc[j], sv);
+      if (w.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(w.bias + m0));
+      _mm512_storeu_ps(y + (b0 + j) * ldy + m0, out);
+    }
+  }
+}
+
+// AVX-512 (VNNI) on int8 activations (Act::xqt, dxg, xqs; calls of at least Int8Gemv::q8_from rows, a
+// batched step where Plan.batch_act is "q8"): one vpdpbusd per chunk and row against a broadcast of 4
+// bytes of xqt, where the int16 path needs two (xh, xl). Per group the row's dot is
+// sum((q + 128) xq) - 128 sum(xq), exact in int32 (|.| <= 32 * 255 * 127); y = scale * sum_g dx_g dot_g
+// (int8-g32: sum_g s_g dx_g dot_g). Two chains per row up to 4 rows, one from 5.
+template <int NB>
+TIERED_AVX512 void int8tq8_avx512(const Int8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                                  int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
+  const auto* codes = reinterpret_cast<const uint8_t*>(w.q);
+  constexpr int C = NB <= 4 ? 2 : 1;
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const uint8_t* tile = codes + m0 * K;
+    __m512 acc[NB];
+    for (int j = 0; j < NB; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* grp = tile + g * 512;  // 8 chunks of 4 columns x 16 rows
+      for (int l = 0; l < 8; ++l) prefetch_stream(grp + kPrefetchAhead + 64 * l);
+      __m512i t[NB][C];
+      for (int j = 0; j < NB; ++j)
+        for (int c = 0; c < C; ++c) t[j][c] = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        const __m512i d = _mm512_loadu_si512(grp + 64 * c);
+        for (int j = 0; j < NB; ++j) {
+          int32_t q;
+          std::memcpy(&q, a.xqt + (b0 + j) * K + g * kGroup + 4 * c, 4);
+          t[j][c % C] = _mm512_dpbusd_epi32(t[j][c % C], d, _mm512_set1_epi32(q));
+        }
+      }
+      const __m512 gs = w.gs ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                   w.gs + ((m0 / kBlock) * G + g) * kBlock)))
+                             : _mm512_set1_ps(1.f);  // int8-g32: the 16 rows' scales of group g
+      for (int j = 0; j < NB; ++j) {
+        const int64_t bg = (b0 + j) * G + g;
+        __m512i s = C == 2 ? _mm512_add_epi32(t[j][0], t[j][C - 1]) : t[j][0];
+        s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.xqs[bg]));
+        const __m512 dx = _mm512_set1_ps(a.dxg[bg]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), w.gs ? _mm512_mul_ps(gs, dx) : dx, acc[j]);
       }
     }
     const __m512 sv = int8t_scales16(w, m0);
@@ -2178,12 +2228,24 @@ struct Int8Gemv : Gemv {
   at::Tensor q, st;
   std::vector<float> scale, bias;
   Int8W w{};
+  // The tiled layout's calls from this many rows read int8 activations (int8tq8_avx512: one vpdpbusd per
+  // 4 weights and row where the int16 ones take two) on AVX-512 and the scalar path; AVX2 keeps int16
+  // (vpmaddubsw's int16 pair sums would saturate on the unsigned codes). kNeverQ8: never.
+  int64_t q8_from = kNeverQ8;
+  bool q8(int64_t B) const { return w.tiled && B >= q8_from && current_isa() != kAvx2 && in_features % kGroup == 0; }
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     if (w.tiled) {
+      const bool x8 = q8(a.rows_for_format());  // (needs() was asked with the same)
       switch (current_isa()) {
-        case kAvx512: TIERED_DISPATCH_NB(int8t_avx512, w) break;
+        case kAvx512:
+          if (x8) {
+            TIERED_DISPATCH_NB(int8tq8_avx512, w)
+          } else {
+            TIERED_DISPATCH_NB(int8t_avx512, w)
+          }
+          break;
         case kAvx2: TIERED_DISPATCH_NB(int8t_avx2, w) break;
-        default: int8t_scalar(w, a, b0, nb, n0, n1, y, ldy);
+        default: int8t_scalar(w, a, b0, nb, n0, n1, y, ldy, x8);
       }
       return;
     }
@@ -2208,12 +2270,18 @@ struct Int8Gemv : Gemv {
   // Reads int16 x (per group of 32) on AVX2 and AVX-512 when K % 32 == 0, else fp32 x; the tiled
   // layout (K % 32 == 0) on every path.
   bool w16() const { return (w.tiled || current_isa() >= kAvx2) && in_features % kGroup == 0; }
-  ActNeeds needs(int64_t) const override { return {false, false, false, w16(), w.tiled}; }
+  ActNeeds needs(int64_t B) const override {
+    if (q8(B)) return ActNeeds::only_q8();
+    return {false, false, false, w16(), w.tiled};
+  }
   int64_t weight_bytes() const override {
     return out_features * (in_features + (w.gs ? in_features / kGroup * 2 : 2));
   }
   std::string name() const override {
-    return std::string(w.gs ? "int8g32t(tiered," : w.tiled ? "int8t(tiered," : "int8(tiered,") + isa_name(current_isa()) + (w16() ? "; int16 x)" : ")");
+    std::string n = std::string(w.gs ? "int8g32t(tiered," : w.tiled ? "int8t(tiered," : "int8(tiered,") + isa_name(current_isa());
+    if (w16()) n += "; int16 x";
+    if (w.tiled && q8_from != kNeverQ8 && current_isa() != kAvx2) n += (w16() ? ", q8 from " : "; q8 from ") + std::to_string(q8_from) + " rows";
+    return n + ")";
   }
 };
 
@@ -3417,6 +3485,12 @@ std::shared_ptr<Int8Gemv> make_int8_tiled(at::Tensor qt, at::Tensor scale, c10::
   return k;
 }
 
+// The tiled int8 kernels' q8_from for a binding's batch_act: "q8" from 2 rows (a batched step), "bf16" never.
+int64_t int8_q8_from(const std::string& batch_act, const char* what) {
+  TIERED_CHECK(batch_act == "bf16" || batch_act == "q8", what, ": batch_act must be 'bf16' or 'q8', got '", batch_act, "'");
+  return batch_act == "q8" ? 2 : kNeverQ8;
+}
+
 // int8-g32 in the tiled layout: qt uint8 [N, K] as make_int8_tiled, st fp16 [N/16, K/32, 16] (each
 // tile's per-group scales, 16 rows side by side): w = (qt - 128) * st.
 std::shared_ptr<Int8Gemv> make_int8g32_tiled(at::Tensor qt, at::Tensor st, c10::optional<at::Tensor> bias) {
@@ -3809,19 +3883,25 @@ void register_gemv(pybind11::module& m) {
         },
         py::arg("q"), py::arg("scale"), py::arg("bias") = py::none(),
         "tiered's int8 GEMV. q int8 [N, K] contiguous, scale [N] any float dtype: w = q * scale.");
-  m.def("int8_tiled_kernel", [](at::Tensor qt, at::Tensor scale, c10::optional<at::Tensor> bias) -> KernelPtr {
-          return make_int8_tiled(qt, scale, bias);
+  m.def("int8_tiled_kernel", [](at::Tensor qt, at::Tensor scale, c10::optional<at::Tensor> bias, const std::string& batch_act) -> KernelPtr {
+          auto k = make_int8_tiled(qt, scale, bias);
+          k->q8_from = int8_q8_from(batch_act, "int8_tiled_kernel");
+          return k;
         },
-        py::arg("qt"), py::arg("scale"), py::arg("bias") = py::none(),
+        py::arg("qt"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("batch_act") = "bf16",
         "tiered's int8 GEMV over the tiled layout (kernels/linear.tiled_int8). qt uint8 [N, K] contiguous "
-        "(N % 16 == 0, K % 32 == 0), scale [N] any float dtype: w = (q - 128) * scale.");
-  m.def("int8g32_tiled_kernel", [](at::Tensor qt, at::Tensor st, c10::optional<at::Tensor> bias) -> KernelPtr {
-          return make_int8g32_tiled(qt, st, bias);
+        "(N % 16 == 0, K % 32 == 0), scale [N] any float dtype: w = (q - 128) * scale. batch_act: what calls of "
+        "two or more rows read, 'bf16' (x quantized to int16 per group of 32, as one row) or 'q8' (int8 per group "
+        "of 32: one vpdpbusd per 4 weights where int16 takes two; AVX-512 and scalar paths, AVX2 keeps int16).");
+  m.def("int8g32_tiled_kernel", [](at::Tensor qt, at::Tensor st, c10::optional<at::Tensor> bias, const std::string& batch_act) -> KernelPtr {
+          auto k = make_int8g32_tiled(qt, st, bias);
+          k->q8_from = int8_q8_from(batch_act, "int8g32_tiled_kernel");
+          return k;
         },
-        py::arg("qt"), py::arg("st"), py::arg("bias") = py::none(),
+        py::arg("qt"), py::arg("st"), py::arg("bias") = py::none(), py::arg("batch_act") = "bf16",
         "tiered's int8 GEMV with fp16 scales per group of 32 (GGUF Q8_0's), tiled layout "
         "(kernels/linear.tiled_int8, tiled_group_scales). qt uint8 [N, K] contiguous (N % 16 == 0, K % 32 == 0), "
-        "st float16 [N/16, K/32, 16]: w = (q - 128) * s.");
+        "st float16 [N/16, K/32, 16]: w = (q - 128) * s. batch_act as int8_tiled_kernel's.");
   m.def("fp8_kernel", [](at::Tensor q, at::Tensor bs, c10::optional<at::Tensor> bias, int64_t row_block) -> KernelPtr {
           return make_fp8(q, bs, bias, row_block);
         },
