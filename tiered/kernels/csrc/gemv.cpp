@@ -1685,7 +1685,7 @@ inline uint8_t tiled_int8_code(const uint8_t* tile, int64_t r, int64_t k) {  // 
   return tile[(k / 4) * 64 + r * 4 + (k % 4)];
 }
 
-// q8: against the int8 activations (Act::xqt, dxg) instead of the int16 ones (xs, dw), as int8tq8_avx512.
+// q8: against the int8 activations (Act::xqt, dxg) instead of the int16 ones (xs, dw), as int8t_avx512's Q8 form.
 void int8t_scalar(const Int8W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y,
                   int64_t ldy, bool q8 = false) {
   const int64_t K = a.K, G = K / kGroup;
@@ -1777,12 +1777,17 @@ TIERED_AVX2 void int8t_avx2(const Int8W& w, const Act& a, int64_t b0, int64_t n0
 // (int8_w16_avx512) needs a sign extension, a vpmaddwd, a conversion and an FMA per 32. Per group
 // the row's dot is 256 sum(h) + sum(l) - 128 sum(xs), exact. Two chains per part and row (even
 // and odd chunks) up to 2 rows, one from 3 rows on.
-template <int NB>
+// Q8: on int8 activations (Act::xqt, dxg, xqs; calls of at least Int8Gemv::q8_from rows, a batched
+// step where Plan.batch_act is "q8"): one vpdpbusd per chunk and row against a broadcast of 4 bytes of
+// xqt; the row's dot per group is sum((q + 128) xq) - 128 sum(xq), exact in int32 (|.| <= 32 * 255 *
+// 127), y = scale * sum_g dx_g dot_g (int8-g32: sum_g s_g dx_g dot_g). Two chains up to 4 rows.
+template <int NB, bool Q8 = false>
 TIERED_AVX512 void int8t_avx512(const Int8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
                                 int64_t ldy) {
   const int64_t K = a.K, G = K / kGroup;
   const auto* codes = reinterpret_cast<const uint8_t*>(w.q);
-  constexpr int C = NB <= 2 ? 2 : 1;
+  constexpr int C = NB <= (Q8 ? 4 : 2) ? 2 : 1;
+  constexpr int P = Q8 ? 1 : 2;  // the activations' byte parts: xq alone, or xh and xl
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     const uint8_t* tile = codes + m0 * K;
     __m512 acc[NB];
@@ -1790,17 +1795,20 @@ TIERED_AVX512 void int8t_avx512(const Int8W& w, const Act& a, int64_t b0, int64_
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* grp = tile + g * 512;  // 8 chunks of 4 columns x 16 rows
       for (int l = 0; l < 8; ++l) prefetch_stream(grp + kPrefetchAhead + 64 * l);
-      __m512i th[NB][C], tl[NB][C];
+      __m512i t[NB][P][C];
       for (int j = 0; j < NB; ++j)
-        for (int c = 0; c < C; ++c) th[j][c] = tl[j][c] = _mm512_setzero_si512();
+        for (int p = 0; p < P; ++p)
+          for (int c = 0; c < C; ++c) t[j][p][c] = _mm512_setzero_si512();
       for (int c = 0; c < 8; ++c) {
         const __m512i d = _mm512_loadu_si512(grp + 64 * c);
         for (int j = 0; j < NB; ++j) {
           const int64_t k = (b0 + j) * K + g * kGroup + 4 * c;
-          int32_t h, l;
-          std::memcpy(&h, a.xh + k, 4), std::memcpy(&l, a.xl + k, 4);
-          th[j][c % C] = _mm512_dpbusd_epi32(th[j][c % C], d, _mm512_set1_epi32(h));
-          tl[j][c % C] = _mm512_dpbusd_epi32(tl[j][c % C], d, _mm512_set1_epi32(l));
+          const int8_t* parts[2] = {Q8 ? a.xqt + k : a.xh + k, Q8 ? nullptr : a.xl + k};
+          for (int p = 0; p < P; ++p) {
+            int32_t v;
+            std::memcpy(&v, parts[p], 4);
+            t[j][p][c % C] = _mm512_dpbusd_epi32(t[j][p][c % C], d, _mm512_set1_epi32(v));
+          }
         }
       }
       const __m512 gs = w.gs ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
@@ -1808,59 +1816,13 @@ TIERED_AVX512 void int8t_avx512(const Int8W& w, const Act& a, int64_t b0, int64_
                              : _mm512_set1_ps(1.f);  // int8-g32: the 16 rows' scales of group g
       for (int j = 0; j < NB; ++j) {
         const int64_t bg = (b0 + j) * G + g;
-        __m512i t = _mm512_slli_epi32(C == 2 ? _mm512_add_epi32(th[j][0], th[j][C - 1]) : th[j][0], 8);
-        t = _mm512_add_epi32(t, C == 2 ? _mm512_add_epi32(tl[j][0], tl[j][C - 1]) : tl[j][0]);
-        t = _mm512_sub_epi32(t, _mm512_set1_epi32(128 * a.xsq[bg]));
-        const __m512 dw = _mm512_set1_ps(a.dw[bg]);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), w.gs ? _mm512_mul_ps(gs, dw) : dw, acc[j]);
-      }
-    }
-    const __m512 sv = int8t_scales16(w, m0);
-    for (int j = 0; j < NB; ++j) {
-      __m512 out = _mm512_mul_ps(acc[j], sv);
-      if (w.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(w.bias + m0));
-      _mm512_storeu_ps(y + (b0 + j) * ldy + m0, out);
-    }
-  }
-}
-
-// AVX-512 (VNNI) on int8 activations (Act::xqt, dxg, xqs; calls of at least Int8Gemv::q8_from rows, a
-// batched step where Plan.batch_act is "q8"): one vpdpbusd per chunk and row against a broadcast of 4
-// bytes of xqt, where the int16 path needs two (xh, xl). Per group the row's dot is
-// sum((q + 128) xq) - 128 sum(xq), exact in int32 (|.| <= 32 * 255 * 127); y = scale * sum_g dx_g dot_g
-// (int8-g32: sum_g s_g dx_g dot_g). Two chains per row up to 4 rows, one from 5.
-template <int NB>
-TIERED_AVX512 void int8tq8_avx512(const Int8W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
-                                  int64_t ldy) {
-  const int64_t K = a.K, G = K / kGroup;
-  const auto* codes = reinterpret_cast<const uint8_t*>(w.q);
-  constexpr int C = NB <= 4 ? 2 : 1;
-  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    const uint8_t* tile = codes + m0 * K;
-    __m512 acc[NB];
-    for (int j = 0; j < NB; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* grp = tile + g * 512;  // 8 chunks of 4 columns x 16 rows
-      for (int l = 0; l < 8; ++l) prefetch_stream(grp + kPrefetchAhead + 64 * l);
-      __m512i t[NB][C];
-      for (int j = 0; j < NB; ++j)
-        for (int c = 0; c < C; ++c) t[j][c] = _mm512_setzero_si512();
-      for (int c = 0; c < 8; ++c) {
-        const __m512i d = _mm512_loadu_si512(grp + 64 * c);
-        for (int j = 0; j < NB; ++j) {
-          int32_t q;
-          std::memcpy(&q, a.xqt + (b0 + j) * K + g * kGroup + 4 * c, 4);
-          t[j][c % C] = _mm512_dpbusd_epi32(t[j][c % C], d, _mm512_set1_epi32(q));
+        __m512i s = C == 2 ? _mm512_add_epi32(t[j][0][0], t[j][0][C - 1]) : t[j][0][0];
+        if constexpr (!Q8) {
+          s = _mm512_add_epi32(_mm512_slli_epi32(s, 8), C == 2 ? _mm512_add_epi32(t[j][P - 1][0], t[j][P - 1][C - 1])
+                                                               : t[j][P - 1][0]);
         }
-      }
-      const __m512 gs = w.gs ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                   w.gs + ((m0 / kBlock) * G + g) * kBlock)))
-                             : _mm512_set1_ps(1.f);  // int8-g32: the 16 rows' scales of group g
-      for (int j = 0; j < NB; ++j) {
-        const int64_t bg = (b0 + j) * G + g;
-        __m512i s = C == 2 ? _mm512_add_epi32(t[j][0], t[j][C - 1]) : t[j][0];
-        s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.xqs[bg]));
-        const __m512 dx = _mm512_set1_ps(a.dxg[bg]);
+        s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * (Q8 ? a.xqs[bg] : a.xsq[bg])));
+        const __m512 dx = _mm512_set1_ps(Q8 ? a.dxg[bg] : a.dw[bg]);
         acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), w.gs ? _mm512_mul_ps(gs, dx) : dx, acc[j]);
       }
     }
@@ -2228,7 +2190,7 @@ struct Int8Gemv : Gemv {
   at::Tensor q, st;
   std::vector<float> scale, bias;
   Int8W w{};
-  // The tiled layout's calls from this many rows read int8 activations (int8tq8_avx512: one vpdpbusd per
+  // The tiled layout's calls from this many rows read int8 activations (int8t_avx512<NB, true>: one vpdpbusd per
   // 4 weights and row where the int16 ones take two) on AVX-512 and the scalar path; AVX2 keeps int16
   // (vpmaddubsw's int16 pair sums would saturate on the unsigned codes). kNeverQ8: never.
   int64_t q8_from = kNeverQ8;
@@ -2239,7 +2201,7 @@ struct Int8Gemv : Gemv {
       switch (current_isa()) {
         case kAvx512:
           if (x8) {
-            TIERED_DISPATCH_NB(int8tq8_avx512, w)
+            TIERED_DISPATCH_NB(int8t_avx512, w, true)
           } else {
             TIERED_DISPATCH_NB(int8t_avx512, w)
           }
