@@ -106,6 +106,27 @@ class TinyZoo:
         return self._llm[key]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _tuning_of_this_machine():
+    """kernels.tuning() as this machine measured it, read before any test pins a tuned value."""
+    from tiered import kernels
+
+    return kernels.tuning()
+
+
+@pytest.fixture(autouse=True)
+def _machine_tuning(monkeypatch, _tuning_of_this_machine):
+    """kernels.tuning() stays this machine's own through every test. Tests pin a tuned value for the path they
+    check (kernels.bf16_native_rows and the like, or ext.set_tuning), and tuning() reporting the pin made the
+    cached hardware profile look timed under another tuning (planner/auto._cached_or_measured): each engine such a
+    test opened measured a quick profile again (~3 min on 2 cores) and saved it, and the next test's did the same.
+    On a machine whose tuning chose 2 bf16 rows, CI took 52 min against 37, and one test's plan, made on a fresh
+    quick profile, failed it (2026-12-05)."""
+    from tiered import kernels
+
+    monkeypatch.setattr(kernels, "tuning", lambda: _tuning_of_this_machine)
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads():
     """Each test starts with the session's intra-op thread count and leaves it so: an engine or a
