@@ -597,8 +597,8 @@ def _native_gemv_module(dtype: str, w: torch.Tensor):
         lin = Int4Linear.from_codes(*quantize_int4(w), layout="tiled")
         return lin, 0.5 + 4 / lin.group
     if dtype in ("int8-g32", "int8-g32q8"):  # q8: batched calls on int8 activations (Plan.batch_act "q8")
-        from tiered.quant.int8 import Int8G32Linear, tiled_int8_g32
-        return Int8G32Linear(*tiled_int8_g32(w), batch_act="q8" if dtype == "int8-g32q8" else "bf16"), 1 + 2 / 32
+        from tiered.quant.int8 import Int8G32Linear
+        return Int8G32Linear.from_dense(w, batch_act="q8" if dtype == "int8-g32q8" else "bf16"), 1 + 2 / 32
     if dtype == "fp8":
         from tiered.memory.sizes import bytes_per_element
         from tiered.quant.fp8 import Fp8Linear, quantize_fp8

@@ -151,12 +151,12 @@ class Int8G32Linear(NativeLinear):
         self.batch_act = batch_act
 
     @classmethod
-    def from_dense(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8G32Linear":
-        """Quantize a dense float weight [N, K] (`tiled_int8_g32`).
+    def from_dense(cls, w: torch.Tensor, bias: torch.Tensor | None = None, batch_act: str = "bf16") -> "Int8G32Linear":
+        """Quantize a dense float weight [N, K] (`tiled_int8_g32`); batch_act as the constructor's.
 
         Raises:
             ValueError: a shape the tiled layout does not take."""
-        return cls(*tiled_int8_g32(w), bias)
+        return cls(*tiled_int8_g32(w), bias, batch_act)
 
     def _build(self, ext, bias):
         return ext.int8g32_tiled_kernel(self.qt, self.st, bias, self.batch_act)

@@ -2194,7 +2194,8 @@ struct Int8Gemv : Gemv {
   // 4 weights and row where the int16 ones take two) on AVX-512 and the scalar path; AVX2 keeps int16
   // (vpmaddubsw's int16 pair sums would saturate on the unsigned codes). kNeverQ8: never.
   int64_t q8_from = kNeverQ8;
-  bool q8(int64_t B) const { return w.tiled && B >= q8_from && current_isa() != kAvx2 && in_features % kGroup == 0; }
+  bool has_q8() const { return w.tiled && q8_from != kNeverQ8 && current_isa() != kAvx2; }
+  bool q8(int64_t B) const { return has_q8() && B >= q8_from; }
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     if (w.tiled) {
       const bool x8 = q8(a.rows_for_format());  // (needs() was asked with the same)
@@ -2242,7 +2243,7 @@ struct Int8Gemv : Gemv {
   std::string name() const override {
     std::string n = std::string(w.gs ? "int8g32t(tiered," : w.tiled ? "int8t(tiered," : "int8(tiered,") + isa_name(current_isa());
     if (w16()) n += "; int16 x";
-    if (w.tiled && q8_from != kNeverQ8 && current_isa() != kAvx2) n += (w16() ? ", q8 from " : "; q8 from ") + std::to_string(q8_from) + " rows";
+    if (has_q8()) n += (w16() ? ", q8 from " : "; q8 from ") + std::to_string(q8_from) + " rows";
     return n + ")";
   }
 };
@@ -3434,9 +3435,16 @@ std::shared_ptr<Gemv> make_int8(at::Tensor q, at::Tensor scale, c10::optional<at
   return k;
 }
 
+// The tiled int8 kernels' q8_from for a binding's batch_act: "q8" from 2 rows (a batched step), "bf16" never.
+int64_t int8_q8_from(const std::string& batch_act, const char* what) {
+  TIERED_CHECK(batch_act == "bf16" || batch_act == "q8", what, ": batch_act must be 'bf16' or 'q8', got '", batch_act, "'");
+  return batch_act == "q8" ? 2 : kNeverQ8;
+}
+
 // The tiled int8 layout (qt uint8 [N, K], see "int8, tiled"): scale [N], w = (qt - 128) * scale.
-// `what` names the binding in errors.
+// batch_act: what calls of 2+ rows read (int8_q8_from); `what` names the binding in errors.
 std::shared_ptr<Int8Gemv> make_int8_tiled(at::Tensor qt, at::Tensor scale, c10::optional<at::Tensor> bias,
+                                          const std::string& batch_act = "bf16",
                                           const std::string& what = "int8_tiled_kernel") {
   TIERED_CHECK(qt.dim() == 2, what, ": qt must be uint8 [N, K]");
   const int64_t N = qt.size(0), K = qt.size(1);
@@ -3444,19 +3452,15 @@ std::shared_ptr<Int8Gemv> make_int8_tiled(at::Tensor qt, at::Tensor scale, c10::
   check_rows(qt, at::kByte, N, K, (what + ": qt").c_str());
   auto k = std::static_pointer_cast<Int8Gemv>(make_int8(qt.view(at::kChar), scale, bias));
   k->w.tiled = true;
+  k->q8_from = int8_q8_from(batch_act, what.c_str());
   return k;
-}
-
-// The tiled int8 kernels' q8_from for a binding's batch_act: "q8" from 2 rows (a batched step), "bf16" never.
-int64_t int8_q8_from(const std::string& batch_act, const char* what) {
-  TIERED_CHECK(batch_act == "bf16" || batch_act == "q8", what, ": batch_act must be 'bf16' or 'q8', got '", batch_act, "'");
-  return batch_act == "q8" ? 2 : kNeverQ8;
 }
 
 // int8-g32 in the tiled layout: qt uint8 [N, K] as make_int8_tiled, st fp16 [N/16, K/32, 16] (each
 // tile's per-group scales, 16 rows side by side): w = (qt - 128) * st.
-std::shared_ptr<Int8Gemv> make_int8g32_tiled(at::Tensor qt, at::Tensor st, c10::optional<at::Tensor> bias) {
-  auto k = make_int8_tiled(qt, at::ones({qt.dim() == 2 ? qt.size(0) : 0}), bias, "int8g32_tiled_kernel");
+std::shared_ptr<Int8Gemv> make_int8g32_tiled(at::Tensor qt, at::Tensor st, c10::optional<at::Tensor> bias,
+                                             const std::string& batch_act = "bf16") {
+  auto k = make_int8_tiled(qt, at::ones({qt.dim() == 2 ? qt.size(0) : 0}), bias, batch_act, "int8g32_tiled_kernel");
   const int64_t N = k->out_features, K = k->in_features;
   TIERED_CHECK(st.scalar_type() == at::kHalf && st.is_contiguous() && st.dim() == 3 && st.size(0) == N / kBlock &&
                   st.size(1) == K / kGroup && st.size(2) == kBlock,
@@ -3846,9 +3850,7 @@ void register_gemv(pybind11::module& m) {
         py::arg("q"), py::arg("scale"), py::arg("bias") = py::none(),
         "tiered's int8 GEMV. q int8 [N, K] contiguous, scale [N] any float dtype: w = q * scale.");
   m.def("int8_tiled_kernel", [](at::Tensor qt, at::Tensor scale, c10::optional<at::Tensor> bias, const std::string& batch_act) -> KernelPtr {
-          auto k = make_int8_tiled(qt, scale, bias);
-          k->q8_from = int8_q8_from(batch_act, "int8_tiled_kernel");
-          return k;
+          return make_int8_tiled(qt, scale, bias, batch_act);
         },
         py::arg("qt"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("batch_act") = "bf16",
         "tiered's int8 GEMV over the tiled layout (kernels/linear.tiled_int8). qt uint8 [N, K] contiguous "
@@ -3856,9 +3858,7 @@ void register_gemv(pybind11::module& m) {
         "two or more rows read, 'bf16' (x quantized to int16 per group of 32, as one row) or 'q8' (int8 per group "
         "of 32: one vpdpbusd per 4 weights where int16 takes two; AVX-512 and scalar paths, AVX2 keeps int16).");
   m.def("int8g32_tiled_kernel", [](at::Tensor qt, at::Tensor st, c10::optional<at::Tensor> bias, const std::string& batch_act) -> KernelPtr {
-          auto k = make_int8g32_tiled(qt, st, bias);
-          k->q8_from = int8_q8_from(batch_act, "int8g32_tiled_kernel");
-          return k;
+          return make_int8g32_tiled(qt, st, bias, batch_act);
         },
         py::arg("qt"), py::arg("st"), py::arg("bias") = py::none(), py::arg("batch_act") = "bf16",
         "tiered's int8 GEMV with fp16 scales per group of 32 (GGUF Q8_0's), tiled layout "
