@@ -159,6 +159,61 @@ def test_int4_from_gguf_matches_dequantized_matmul(zoo, qtype):
         assert rel_err(y, ref) < 1e-2, n
 
 
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_int8_decode_weights_are_int8_per_group_of_32(zoo, qtype):
+    """--decode-weights int8 makes int8 copies per group of 32 in the tiled layout (Int8G32Linear, fp16 scales)
+    where tiered's kernels take the shape: a Q8_0 file's blocks as stored (the very codes and scales "auto"
+    keeps), other weights re-quantized per 32. Per-row int8 (Int8Linear) without the kernels. The plan's
+    precision is the copies' (quant/linear.copy_kind), and decode steps stay close to fp32."""
+    from fixtures import stepwise_logits
+    from tiered import kernels
+    from tiered.eval.kl import kl_divergence
+    from tiered.quant.int8 import Int8G32Linear, Int8Linear
+
+    path = zoo.gguf("llama", qtype)
+    int8 = zoo.llm(path, decode_weights="int8", accelerator="none")
+    kind = Int8G32Linear if kernels.available() else Int8Linear
+    copies = [m for m in int8.model.modules() if isinstance(m, (Int8G32Linear, Int8Linear))]
+    assert len(copies) == 2 * 4 + 1 and all(type(m) is kind for m in copies)  # q/k/v, o, gate/up, down; the head
+    assert int8.plan.precision == ("int8-g32" if kernels.available() else "int8")
+    assert "lm_head" not in int8.plan.dtypes and int8.plan.precision_mix is None
+    if qtype == "Q8_0" and kernels.available():
+        auto = zoo.llm(path, decode_weights="auto", accelerator="none")
+        same = [m for m in auto.model.modules() if isinstance(m, Int8G32Linear)]
+        assert len(same) == len(copies)
+        assert all(torch.equal(a.qt, b.qt) and torch.equal(a.st, b.st) for a, b in zip(same, copies))
+    fp32 = zoo.llm(path, accelerator="none")
+    ids = prompt_ids(zoo.vocab_size, 24)
+    kl = kl_divergence(fp32.logits(ids)[7:], stepwise_logits(int8, ids, 8))
+    assert float(kl.max()) < 1e-3
+
+
+def test_copy_kind_is_the_decode_copy_a_shape_and_format_get():
+    """quant/linear.copy_kind, the precision the planner prices per tensor: "int8" is int8-g32 where the
+    tiled layout takes the shape (N % 16, K % 32) and tiered's kernels are built, per-row int8 elsewhere and
+    for a GPTQ checkpoint's int8 codes (kept per row as stored); "int4" falls back to bf16 on shapes no int4
+    kernel takes; "auto" follows the storage format."""
+    from types import SimpleNamespace
+
+    from tiered import kernels
+    from tiered.quant.linear import copy_kind
+
+    g32 = "int8-g32" if kernels.available() else "int8"
+    h = lambda fmt, shape: SimpleNamespace(format=fmt, shape=shape, int8_per_row=True)  # noqa: E731
+    assert copy_kind(h("F32", (48, 64)), "int8") == g32
+    assert copy_kind(h("Q4_1", (48, 64)), "int8") == g32
+    assert copy_kind(h("F32", (40, 64)), "int8") == "int8"  # 40 rows: no whole 16-row tile
+    assert copy_kind(h("F32", (48, 80)), "int8") == "int8"  # K = 80: no whole groups of 32
+    assert copy_kind(h("INT8", (48, 64)), "int8") == "int8"
+    assert copy_kind(h("F32", (48, 64)), "int4") == "int4"
+    assert copy_kind(h("F32", (40, 64)), "int4") == "bf16"
+    assert copy_kind(h("F32", (48, 64)), "bf16") == "bf16"
+    assert copy_kind(h("Q8_0", (48, 64)), "auto") == g32
+    assert copy_kind(h("Q8_0", (40, 64)), "auto") == "int8"
+    assert copy_kind(h("Q4_0", (40, 64)), "auto") == "bf16"
+    assert copy_kind(h("F32", (48, 64)), "auto") == "bf16"
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_quantized_decode_path_on_gguf(zoo, qtype):
     """Without an accelerator, decode_weights="auto" on a Q4 file decodes with packed int4 weights

@@ -47,6 +47,7 @@ def test_int4_counts_its_group_scales():
 @pytest.mark.parametrize("name,qtype,config", [
     ("llama_tied", "Q8_0", dict(decode_weights="auto")),  # one copy: the Q8_0 embedding in its blocks, the tied head's int8 copy
     ("llama_tied", "Q4_0", dict(decode_weights="int4")),  # one copy: int4 layers and head
+    ("llama_tied", "Q4_0", dict(decode_weights="int8")),  # one copy: int8-g32 layers and head (per row without kernels)
     ("llama", "Q4_0", dict(decode_weights="int4", dtype="bfloat16")),  # bf16 weights and int4 copies beside them
     ("llama_tied", "Q4_0", dict(decode_weights="bf16", dtype="float32")),  # fp32 weights and bf16 copies beside them
 ])

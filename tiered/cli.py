@@ -58,7 +58,7 @@ OPT = {
                                  "read as JSON where it parses: enable_thinking=false turns Qwen3's thinking off, "
                                  "reasoning_effort=high gpt-oss's effort up)."),
     "dtype": typer.Option("auto", "--dtype", help="Compute dtype: auto (on a CUDA GPU the checkpoint's: bfloat16 for bf16/fp16/quantized checkpoints; float32 on the CPU), float32 (lossless) or bfloat16."),
-    "decode_weights": typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16, int8 or int4."),
+    "decode_weights": typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16, int8 (per group of 32 where the kernels take the shape, else per row) or int4."),
     "batch_activations": typer.Option("auto", "--batch-activations",
                                       help="Activations of int4 and int8-g32 (a GGUF's Q8_0 / Q6_K) decode weights and int4 experts in steps of 2+ rows and prompts: q8 (faster, llama.cpp's Q8_0), bf16 (batch-1 numerics; int16 on AVX2 and for int8-g32) or auto (q8)."),
     "expert_activations": typer.Option("auto", "--expert-activations",
@@ -1118,7 +1118,7 @@ eval_app = typer.Typer(help="Measure accuracy: perplexity, and KL divergence to 
                        no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 app.add_typer(eval_app, name="eval")
 TEXT_HELP = "UTF-8 text file to score (default: SciPy's LICENSE.txt, English licence prose incl. the GNU GPL v3)."
-WEIGHTS_HELP = ("Weight format of every linear layer incl. lm_head, on every token: fp32 (lossless), bf16, int8, int4, "
+WEIGHTS_HELP = ("Weight format of every linear layer incl. lm_head, on every token: fp32 (lossless), bf16, int8 (per group of 32), int4, "
                 "or auto (a GGUF's own blocks: Q4_0/Q4_1 as int4, Q8_0 as int8 per group of 32).")
 
 

@@ -33,7 +33,9 @@ class EngineConfig:
         decode_weights: weight format of the decode path (one or a few tokens per step):
             "auto" keeps GGUF 4-bit blocks (Q4_0/Q4_1) as packed int4 with bf16 activations and
             other tensors in bf16; "fp32" / "bf16" use dense weights; "int8" quantizes every weight
-            to per-row int8; "int4" also re-quantizes dense weights to group-wise int4 (group 32).
+            to int8 per group of 32 (fp16 scales, tiered's tiled layout; per row where the kernels
+            or the shape do not take it: quant/linear.copy_kind); "int4" also re-quantizes dense
+            weights to group-wise int4 (group 32).
             Only "fp32" is lossless.
         expert_weights: storage format of routed experts on every tier (disk, RAM, accelerator
             cache): "auto" keeps a GGUF file's quantized experts as stored (Q4_0/Q4_1 -> int4,

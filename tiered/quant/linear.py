@@ -217,13 +217,41 @@ def auto_kind(handle) -> str:
         return "fp8" if block is not None and (block == 1 or handle.shape[0] % BLOCK == 0) and load() is not None \
             else "bf16"
     kind = GGUF_DECODE_KIND.get(handle.format, "bf16")
-    if kind == "int8-g32":
-        from tiered.kernels import load
-        from tiered.kernels.linear import int8_tiles
-
-        if len(handle.shape) != 2 or not int8_tiles(*handle.shape) or load() is None:
-            return "int8" if handle.format == "Q8_0" else "bf16"
+    if kind == "int8-g32" and not int8_g32_fits(handle.shape):
+        return "int8" if handle.format == "Q8_0" else "bf16"
     return kind
+
+
+def int8_g32_fits(shape) -> bool:
+    """Whether a weight of `shape` [N, K] can take an int8-g32 decode copy (Int8G32Linear): tiered's
+    kernels are built and the shape takes their tiled int8 layout (kernels/linear.int8_tiles: N % 16,
+    K % 32)."""
+    from tiered.kernels import load
+    from tiered.kernels.linear import int8_tiles
+
+    return len(shape) == 2 and int8_tiles(*shape) and load() is not None
+
+
+def copy_kind(handle, fmt: str) -> str:
+    """The precision of the decode copy `decode_weight` makes of checkpoint tensor `handle` under format
+    `fmt` ("int4", "int8", "int8-g32", "fp8", "bf16" or "fp32"): what the planner prices and
+    sizes.decode_copy_bytes counts, tensor by tensor.
+
+    "auto": `auto_kind` (an int4 storage format on rows the int4 kernels do not take, N % 16, -> bf16).
+    "int8": int8 per group of 32 in the tiled layout (int8-g32, Int8G32Linear: a GGUF Q8_0 tensor's
+    blocks as stored, anything else re-quantized per 32 weights) where `int8_g32_fits`; per-row int8
+    (Int8Linear) for other shapes, without tiered's kernels, and for a GPTQ / compressed-tensors int8
+    checkpoint's codes (format "INT8": kept per row as stored). "int4": int4 where K % 32 == 0 and
+    N % 16 == 0, else bf16. "bf16" / "fp32": themselves."""
+    if fmt == "auto":
+        kind = auto_kind(handle)
+        return "bf16" if kind == "int4" and handle.shape[0] % INT4_ROWS else kind
+    if fmt == "int8":
+        return "int8-g32" if handle.format != "INT8" and int8_g32_fits(handle.shape) else "int8"
+    if fmt == "int4":
+        N, K = handle.shape
+        return "int4" if K % GROUP == 0 and N % INT4_ROWS == 0 else "bf16"
+    return fmt
 
 
 def _fp8_kernel_block(handle) -> int | None:
@@ -243,8 +271,9 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     multiple of 32); their int8 -> per-row int8, as stored where symmetric per channel or tensor, else
     re-quantized per row (int8_note); others -> bf16.
     "int4": everything with K % 32 == 0 and N % INT4_ROWS == 0 -> int4 (GGUF Q4 blocks as stored; other
-    shapes bf16: neither int4 layout takes them); "int8": everything ->
-    per-row int8; "bf16"; "fp32".
+    shapes bf16: neither int4 layout takes them); "int8": int8 per group of 32, tiled (GGUF Q8_0 blocks
+    as stored; the rest re-quantized), where `int8_g32_fits`, else per-row int8 (GPTQ int8 codes: per row
+    as stored; `copy_kind` says which); "bf16"; "fp32".
     A module left on the meta device (one-copy mode) has its weight read from `handle` when the
     format needs the dense values (Q4 blocks are unpacked without dequantizing).
     """
@@ -269,7 +298,10 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
         return DecodeWeight("fp8", q.view(torch.uint8), bs, row_block=row_block)
     if fmt == "auto" and kind == "int8":  # row chunks: no whole dense copy
         return DecodeWeight("int8", *quantize_int8_blocks(handle))
-    if fmt == "auto" and kind == "int8-g32":  # Q8_0 as stored, Q5_x / Q6_K re-quantized per group of 32, tiled
+    if fmt == "int8" and stored != "INT8" and int8_g32_fits(tuple(handle.shape) if handle is not None
+                                                            else tuple(linear.weight.shape)):
+        kind = "int8-g32"  # copy_kind: int8 per group of 32 where the tiles fit
+    if fmt in ("auto", "int8") and kind == "int8-g32":  # Q8_0 as stored, the rest re-quantized per group of 32, tiled
         from tiered.kernels import load
         from tiered.quant.gguf_experts import raw_blocks
         from tiered.quant.int8 import tiled_int8_g32
@@ -360,8 +392,9 @@ def weight_of(linear: nn.Linear, handle) -> torch.Tensor:
     return handle.load(None)
 
 
-def _decode_counts(checkpoint) -> dict[str, int]:
-    """Elements of the decoder layers' projections by the precision "auto" gives their decode copies. Routed
+def _decode_counts(checkpoint, fmt: str) -> dict[str, int]:
+    """Elements of the decoder layers' projections by the precision `fmt` gives their decode copies
+    (`copy_kind`). Routed
     experts (".experts." in the name) take no decode copies (the plan prices them in their own format):
     counted, gpt-oss's MXFP4 experts ("bf16" here) made 97% of its Q8_0 file's layers bf16 and the plan
     priced its int8 attention at twice its bytes (decode 37.6 tok/s against 45.8-52.6 measured)."""
@@ -369,7 +402,7 @@ def _decode_counts(checkpoint) -> dict[str, int]:
     for name in checkpoint.names():
         if ".layers." in name and name.endswith("_proj.weight") and ".experts." not in name:
             h = checkpoint.handle(name)
-            kind = auto_kind(h)
+            kind = copy_kind(h, fmt)
             count[kind] = count.get(kind, 0) + h.numel
     return count
 
@@ -389,21 +422,22 @@ def int8_note(checkpoint, fmt: str) -> str | None:
 
 def decode_precision(checkpoint, fmt: str) -> str:
     """The precision most decode-path weight bytes will have under format `fmt` (for the planner):
-    "fp32", "bf16", "int8", "int8-g32", "fp8" or "int4". "auto" follows the storage format of the
-    decoder layers' matrices (`auto_kind`: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0, Q5_x and Q6_K ->
-    int8-g32, block-scaled fp8 -> fp8, anything else -> bf16), weighted by elements."""
-    if fmt != "auto":
+    "fp32", "bf16", "int8", "int8-g32", "fp8" or "int4": the decoder layers' matrices' `copy_kind`,
+    weighted by elements ("auto" follows their storage format: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0, Q5_x
+    and Q6_K -> int8-g32, block-scaled fp8 -> fp8, anything else -> bf16; "int8" is int8-g32 where
+    tiered's kernels take the shapes)."""
+    if fmt in ("fp32", "bf16"):
         return fmt
-    count = _decode_counts(checkpoint)
-    return max(count, key=count.get) if count else "bf16"
+    count = _decode_counts(checkpoint, fmt)
+    return max(count, key=count.get) if count else ("bf16" if fmt == "auto" else fmt)
 
 
 def decode_mix(checkpoint, fmt: str) -> dict[str, float] | None:
-    """Shares of the decoder layers' projection elements by decode-copy precision when "auto" gives
-    them more than one (Plan.precision_mix, which the CPU decode prediction prices): a Q4_K_M file's
-    Q6_K attn_v and ffn_down (half its layers) keep bf16 copies beside its int4 ones, ~17% of the
-    elements and ~40% of the bytes. None when one precision holds them all, or `fmt` is not "auto"."""
-    count = _decode_counts(checkpoint) if fmt == "auto" else {}
+    """Shares of the decoder layers' projection elements by decode-copy precision (`copy_kind`) when
+    `fmt` gives them more than one (Plan.precision_mix, which the CPU decode prediction prices): a
+    Q4_K_M file's Q6_K attn_v and ffn_down (half its layers) keep bf16 copies beside its int4 ones, ~17%
+    of the elements and ~40% of the bytes. None when one precision holds them all."""
+    count = _decode_counts(checkpoint, fmt) if fmt not in ("fp32", "bf16") else {}
     if len(count) < 2:
         return None
     total = sum(count.values())
@@ -412,17 +446,17 @@ def decode_mix(checkpoint, fmt: str) -> dict[str, float] | None:
 
 def head_precision(checkpoint, fmt: str) -> str:
     """The lm_head's decode-copy precision under format `fmt` (for the planner), as
-    install_decode_weights makes it: `fmt` itself, or for "auto" the head's storage format (the
-    token embedding's when tied) by `auto_kind`: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0, Q5_x and Q6_K ->
-    int8-g32, anything else -> bf16. A
+    install_decode_weights makes it: the head's (the token embedding's when tied) `copy_kind`; for
+    "auto" by its storage format: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0, Q5_x and Q6_K -> int8-g32,
+    anything else -> bf16. A
     GGUF Q4 file often stores its embedding as Q8_0, so its head reads twice the bytes per weight
     of its layers (SmolLM2's Q4_1 file: a 30 MB int8-g32 head beside ~70 MB of int4 layers)."""
-    if fmt != "auto":
+    if fmt in ("fp32", "bf16"):
         return fmt
     key = "lm_head.weight" if checkpoint.has("lm_head.weight") else "model.embed_tokens.weight"
     if not checkpoint.has(key):
-        return "bf16"
-    return auto_kind(checkpoint.handle(key))
+        return "bf16" if fmt == "auto" else fmt
+    return copy_kind(checkpoint.handle(key), fmt)
 
 
 def _tiled_from_blocks(parts: list[DecodeWeight], bias: torch.Tensor | None, batch_act: str) -> Int4Linear | None:
