@@ -276,6 +276,15 @@ def test_the_native_steps_int4_layers_run_no_faster_than_the_step_ran_them():
     router_b = MIXTRAL.hidden_size * MIXTRAL.num_experts * bytes_per_element("int4")
     assert a_slow - a == pytest.approx(2e-11 * MIXTRAL.attention_weight_elements() * bytes_per_element("int4"))
     assert f_slow - f == pytest.approx(2e-11 * router_b)
+    # int8-g32 copies (a Q8_0 file's, --decode-weights int8's; profiler 50) by their own key, the head included
+    g32 = {**m, "gemv/cpu/int8-g32": LinearModel(1e-4, 1e-11, 1.0)}
+    g32_slow = replace(hw, models={**g32, "runtime/decode_layer/int8-g32": LinearModel(0.0, 3e-11, 1.0)})
+    layers, step = predict_decode(cfg, g32_slow, "int8-g32", context=0)
+    attn_b, mlp_b, head_b = [b / bytes_per_element("int4") * bytes_per_element("int8-g32")
+                             for b in (attn_b, mlp_b, 256 * 64 * bytes_per_element("int4"))]
+    assert layers[0] == (pytest.approx(3e-11 * attn_b), pytest.approx(3e-11 * mlp_b))
+    assert step - predict_decode(cfg, replace(hw, models=g32), "int8-g32", context=0)[1] == \
+        pytest.approx(2e-11 * (2 * (attn_b + mlp_b) + head_b))
 
 
 def test_a_small_layers_calls_run_slower_a_byte_as_the_step_timed_them():

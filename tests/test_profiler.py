@@ -1278,11 +1278,12 @@ def test_the_int4_expert_rows_key_times_the_engines_q8_expert_over_cold_copies(m
 
 
 @pytest.mark.skipif(not kernels.available(), reason="tiered/kernels not built")
-def test_the_decode_layer_key_times_the_native_steps_int4_layers_from_memory(monkeypatch):
-    """runtime/decode_layer/int4: the native step's forward over DECODE_LAYER_RUN dense layers at a time of a
-    model with the engine's tiled int4 copies alone (one copy: no dense weight kept), the next run each call
-    over enough layers to fill `cold_bytes`; n = a layer's int4 bytes, seconds a layer less `layer_code`;
-    fitted through the origin, retimed on a poor fit."""
+@pytest.mark.parametrize("fmt,kind", [("int4", "Int4Linear"), ("int8-g32", "Int8G32Linear")])
+def test_the_decode_layer_key_times_the_native_steps_int4_layers_from_memory(monkeypatch, fmt, kind):
+    """runtime/decode_layer/<fmt>: the native step's forward over DECODE_LAYER_RUN dense layers at a time of a
+    model with the engine's tiled int4 (or int8-g32) copies alone (one copy: no dense weight kept), the next run
+    each call over enough layers to fill `cold_bytes`; n = a layer's bytes in that format, seconds a layer less
+    `layer_code`; fitted through the origin, retimed on a poor fit."""
     from tiered.hardware import profiler
     from tiered.memory.sizes import bytes_per_element
     from tiered.quant.linear import PhaseLinear
@@ -1305,19 +1306,19 @@ def test_the_decode_layer_key_times_the_native_steps_int4_layers_from_memory(mon
             self.native = Recorder()
     monkeypatch.setattr(cpu_decode, "CPUDecodeStep", Spy)
     shapes = ((64, 128, 2, 1), (128, 256, 2, 2))
-    sizes = [(D * (H + 2 * Hkv) * 64 + H * 64 * D + 3 * D * F) * bytes_per_element("int4") for D, F, H, Hkv in shapes]
+    sizes = [(D * (H + 2 * Hkv) * 64 + H * 64 * D + 3 * D * F) * bytes_per_element(fmt) for D, F, H, Hkv in shapes]
     run = profiler.DECODE_LAYER_RUN
-    points = profiler._decode_layer_points(3, shapes, cold_bytes=int(2 * run * sizes[1]))
+    points = profiler._decode_layer_points(3, shapes, cold_bytes=int(2 * run * sizes[1]), fmt=fmt)
     assert [n for n, _ in points] == pytest.approx(sizes) and all(t > 0 for _, t in points)
     assert [s[0] for s in steps] == [-(-2 * run * sizes[1] // (run * n)) * run for n in sizes]
-    assert all(one_copy and native and kinds <= {"Int4Linear", "Slice"} for _, one_copy, kinds, native in steps)
+    assert all(one_copy and native and kinds == {kind, "Slice"} for _, one_copy, kinds, native in steps)
     assert all(b - a == run for _, a, b in runs)
     assert {a for s, a, _ in runs if s == 2} == {0, run}  # the second model's two runs, in turn
-    assert profiler._decode_layer_points(1, shapes[:1], cold_bytes=1, layer_code=1.0)[0][1] == 1e-9
+    assert profiler._decode_layer_points(1, shapes[:1], cold_bytes=1, layer_code=1.0, fmt=fmt)[0][1] == 1e-9
     b = profiler._Bench(True, None, None)
-    b.fit("runtime/decode_layer/int4", [(1e6, 3e-5), (2e6, 6.2e-5)])
-    assert b.models["runtime/decode_layer/int4"].alpha == 0.0
-    assert "runtime/decode_layer/int4".startswith(profiler.RETIMED_KEYS)
+    b.fit(f"runtime/decode_layer/{fmt}", [(1e6, 3e-5), (2e6, 6.2e-5)])
+    assert b.models[f"runtime/decode_layer/{fmt}"].alpha == 0.0
+    assert f"runtime/decode_layer/{fmt}".startswith(profiler.RETIMED_KEYS)
 
 
 def test_the_engine_token_key_is_a_tiny_engines_itl_less_its_step(monkeypatch):

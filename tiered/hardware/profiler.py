@@ -48,9 +48,9 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                                  seconds a layer             n = the layer's attention multiply-adds
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
                          n = layers (the fixed per-step and per-layer cost of the model code)
-    runtime/decode_layer/int4  the native decode step's dense layers at real widths (SmolLM2's and up), int4
-                         decode copies read from memory, less the layer code (runtime/decode_step's per
-                         layer): its calls, fitted through the origin   n = a layer's int4 weight bytes
+    runtime/decode_layer/<fmt>  the native decode step's dense layers at real widths (SmolLM2's and up), int4
+                         or int8-g32 decode copies read from memory, less the layer code (runtime/decode_step's
+                         per layer): its calls, fitted through the origin   n = a layer's weight bytes
     runtime/decode_ws/int4  the same layers (768 wide) cycled over working sets of 16-512 MiB and over 3 x the
                          last-level cache: seconds a weight byte (points only: op_time.cache_factor; the model is
                          the cold set's rate, alpha 0)            n = the working set's bytes
@@ -1393,12 +1393,13 @@ def _dense_config(shape, layers: int):
                        num_attention_heads=H, num_key_value_heads=Hkv, head_dim=64)
 
 
-def _int4_dense_step(cfg, positions: int, distinct: int | None = None):
+def _int4_dense_step(cfg, positions: int, distinct: int | None = None, fmt: str = "int4"):
     """(model, CPUDecodeStep) of the dense model `cfg` with the engine's int4 decode copies (tiled, on int8 rows,
     q/k/v and gate/up fused) as its projections' one copy (a GGUF's), in one huge-page arena, in the native step;
     rotary tables for `positions`. `distinct`: quantize that many layers only and make the others copies of them
     (copy.deepcopy: memory of their own), for timings that only need the layers' bytes apart (_decode_layer_points:
-    quantizing its 40 layers in fp32 took ~3 s of the quick profile)."""
+    quantizing its 40 layers in fp32 took ~3 s of the quick profile). `fmt`: "int8-g32" for the int8 copies per
+    group of 32 instead (Int8G32Linear: a GGUF Q8_0 file's, --decode-weights int8's)."""
     import copy
     from dataclasses import replace
 
@@ -1408,7 +1409,8 @@ def _int4_dense_step(cfg, positions: int, distinct: int | None = None):
     layers = cfg.num_hidden_layers
     distinct = min(distinct or layers, layers)
     model = _random_model(replace(cfg, num_hidden_layers=distinct), positions)
-    install_decode_weights(model, _NoCheckpoint(), "int4", 8, int4_layout="tiled", batch_act="q8")
+    install_decode_weights(model, _NoCheckpoint(), {"int8-g32": "int8"}.get(fmt, fmt), 8, int4_layout="tiled",
+                           batch_act="q8")
     for m in model.modules():  # one copy, as the engine keeps a GGUF's projections: the int4 copies alone
         if isinstance(m, PhaseLinear):
             m.weight = None
@@ -1468,14 +1470,15 @@ def _step_rows_points(repeats: int, shape=DECODE_LAYER_SHAPES[0]) -> list[tuple[
 
 
 class _ColdInt4Layers:
-    """Dense layers of `shape` (DECODE_LAYER_SHAPES') with the engine's int4 decode copies in tiered's native decode
+    """Dense layers of `shape` (DECODE_LAYER_SHAPES') with the engine's int4 decode copies (`fmt` "int8-g32": its int8
+    ones per group of 32) in tiered's native decode
     step (_int4_dense_step), enough of them to hold `cold_bytes` (COLD_WEIGHT_BYTES without it), every
     DECODE_LAYER_RUN of them copies of the first run's: `call(B)` runs the next DECODE_LAYER_RUN layers each call
     (cycling), so every weight comes from memory as a decode step's do, on B rows, each its own sequence at 32
     cached positions (a bf16 cache, the default plan's beside fp32 activations). `elements`: a layer's weight
     elements. What _decode_layer_points (one row) and _batch_rows_points (a batched step's rows) time."""
 
-    def __init__(self, shape, cold_bytes: int | None = None) -> None:
+    def __init__(self, shape, cold_bytes: int | None = None, fmt: str = "int4") -> None:
         from dataclasses import replace
 
         from tiered.memory.sizes import bytes_per_element
@@ -1483,10 +1486,10 @@ class _ColdInt4Layers:
         D, F_ = shape[:2]
         cfg = _dense_config(shape, DECODE_LAYER_RUN)
         self.elements = cfg.attention_weight_elements() + 3 * D * F_
-        nbytes = self.elements * bytes_per_element("int4")
+        nbytes = self.elements * bytes_per_element(fmt)
         runs = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * nbytes)))
         self.cfg = replace(cfg, num_hidden_layers=runs * DECODE_LAYER_RUN)
-        self.model, self.step = _int4_dense_step(self.cfg, 64, distinct=DECODE_LAYER_RUN)
+        self.model, self.step = _int4_dense_step(self.cfg, 64, distinct=DECODE_LAYER_RUN, fmt=fmt)
         self._starts = itertools.cycle(range(0, runs * DECODE_LAYER_RUN, DECODE_LAYER_RUN))
 
     def call(self, B: int, runs: int | None = None) -> Callable[[], None]:
@@ -1567,11 +1570,12 @@ def _decode_ws_points(repeats: int, llc: int | None, shape=DECODE_LAYER_SHAPES[1
 
 
 def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: int | None = None,
-                         probe: "Probe | None" = None, layer_code: float = 0.0) -> list[tuple[float, float]]:
-    """(int4 weight bytes a layer, seconds a layer's kernel calls take) in tiered's native decode step over
-    dense layers of `shapes` with the engine's int4 decode copies (tiled, one copy each: q/k/v and gate/up
-    fused), one token at 32 cached positions, less `layer_code` (runtime/decode_step's per-layer cost: the
-    layer's code, whose weights at hidden 64 the cache holds): runtime/decode_layer/int4, fitted through the
+                         probe: "Probe | None" = None, layer_code: float = 0.0, fmt: str = "int4"
+                         ) -> list[tuple[float, float]]:
+    """(`fmt` weight bytes a layer, seconds a layer's kernel calls take) in tiered's native decode step over
+    dense layers of `shapes` with the engine's `fmt` decode copies (int4, or int8-g32: tiled, one copy each: q/k/v
+    and gate/up fused), one token at 32 cached positions, less `layer_code` (runtime/decode_step's per-layer cost:
+    the layer's code, whose weights at hidden 64 the cache holds): runtime/decode_layer/<fmt>, fitted through the
     origin (a layer's calls per weight byte: their stream, and their starts and ends, the wait for the slower
     thread, which no weight is too small to pay). Each timed call runs DECODE_LAYER_RUN layers of a model of
     enough layers to hold `cold_bytes` (COLD_WEIGHT_BYTES without it), the next run each call, so every
@@ -1590,9 +1594,9 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
 
     calls, sizes = [], []
     for shape in shapes:  # (each call holds its layers)
-        layers = _ColdInt4Layers(shape, cold_bytes)
+        layers = _ColdInt4Layers(shape, cold_bytes, fmt)
         calls.append(layers.call(1))
-        sizes.append(layers.elements * bytes_per_element("int4"))
+        sizes.append(layers.elements * bytes_per_element(fmt))
     with torch.inference_mode():
         times = probed_times(calls, repeats, probe)
     return [(float(n), max(t / DECODE_LAYER_RUN - layer_code, 1e-9)) for n, t in zip(sizes, times)]
@@ -2228,7 +2232,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 49: decode_rows/cpu/int8-g32q8, the tiled int8-g32 decode copies' batched rows on int8 activations
 # (Int8G32Linear.batch_act "q8", Plan.batch_act): a GGUF Q8_0 / Q6_K head's rows had been priced at the per-row
 # int8 kernel's int16 slope, which the head no longer runs in a server's steps.
-PROFILER_VERSION = 49
+# 50: runtime/decode_layer/int8-g32, the native step's dense layers with int8 copies per group of 32 (a Q8_0 file's,
+# --decode-weights int8's since it makes them): priced at gemv/cpu/int8-g32's rate alone (the kernel timed by itself),
+# SmolLM2's --decode-weights int8 decode was priced 286 tok/s where it ran 223-252 on 2 AMX cores.
+PROFILER_VERSION = 50
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2394,6 +2401,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         code = b.models.get("runtime/decode_step/bf16")  # the layer code beside int4 copies (step_overhead's)
         b.attempt("runtime/decode_layer/int4", lambda: _decode_layer_points(
             r, probe=pr, layer_code=code.beta if code is not None else 0.0))
+        # ... and with int8 copies per group of 32 (a GGUF Q8_0 file's, --decode-weights int8's, a Q8_0 head's)
+        b.attempt("runtime/decode_layer/int8-g32", lambda: _decode_layer_points(
+            r, probe=pr, layer_code=code.beta if code is not None else 0.0, fmt="int8-g32"))
         # ... and cycled over working sets the caches may hold (a small model's step)
         b.attempt("runtime/decode_ws/int4", lambda: _decode_ws_points(
             r, b.llc, layer_code=code.beta if code is not None else 0.0, quick=quick))
