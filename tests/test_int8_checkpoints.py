@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiered import kernels
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fixtures import hf_logits, load_hf_model, prompt_ids, stepwise_logits  # noqa: E402
@@ -278,12 +280,17 @@ def test_moe_experts_stay_int8(zoo, scheme):
             assert torch.equal(w, q.float() * s.to(torch.bfloat16).float()[:, None])
     ids = prompt()
     ref = hf_logits(zoo.hf("qwen3_moe", scheme), ids)
+    # a prompt's tiled int8 expert calls of 2+ rows read int8 activations with tiered's kernels (Plan.batch_act
+    # "q8", as int4's do; 5.6e-3 / 6.6e-3 measured, 2026-12-05): 1e-2 there, 5e-3 on int16 ones
+    tol = 1e-2 if kernels.available() else 5e-3
     llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none"))
     assert llm.plan.dtypes["experts"] == "int8"
-    assert rel(llm.logits(ids), ref) < 5e-3
+    assert rel(llm.logits(ids), ref) < tol
+    exact = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", batch_activations="bf16"))
+    assert rel(exact.logits(ids), ref) < 5e-3
     host = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="host"))  # the strict stand-in
     assert host.plan.dtypes["experts"] == "int8"
-    assert rel(host.logits(ids), ref) < 5e-3
+    assert rel(host.logits(ids), ref) < tol
 
 
 def test_grouped_moe_experts_load_dequantized(zoo):

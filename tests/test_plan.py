@@ -1448,3 +1448,30 @@ def test_weights_stay_put_where_one_more_forward_moves_no_weights():
     assert plan("gpu", moe(8, 0, 0), {"gpu": 1}).weights_stay_put()
     assert not plan("gpu", moe(6, 2, 0), {"gpu": 1, "cpu": 2}).weights_stay_put()
     assert not plan("gpu", dense, {"gpu": 1}, flexgen={"policy": 1}).weights_stay_put()
+
+
+def test_tiled_int8_experts_batched_rows_are_priced_on_int8_activations():
+    """Routed int8 / int8-g32 experts (tiled on the host) read int8 activations in calls of 2+ rows where
+    Plan.batch_act is "q8" (ExpertSpec's int8_q8_from, since 2026-12-05): a batched step's and a prompt's expert
+    rows are priced at decode_rows/cpu/int8-g32q8's slope (op_time.gemv_dtype; per-row int8's "int8q8" falls back to
+    it for rows and to gemv/cpu/int8 for its stream), one row as before; "bf16" keeps the int16 slopes."""
+    from tiered.hardware import op_time
+    from tiered.planner.cpu_predict import predict_decode, prompt_expert_time
+
+    assert [op_time.gemv_dtype(k, "q8") for k in ("int4", "int8-g32", "int8", "bf16")] == \
+        ["int4q8", "int8-g32q8", "int8q8", "bf16"]
+    assert op_time.gemv_dtype("int8-g32", "bf16") == "int8-g32"
+    m = {"gemv/cpu/int8": LinearModel(1e-5, 1e-11, 1.0), "gemv/cpu/int8-g32": LinearModel(1e-5, 1e-11, 1.0),
+         "decode_rows/cpu/int8": LinearModel(0.0, 12e-12, 1.0), "decode_rows/cpu/int8-g32q8": LinearModel(0.0, 4e-12, 1.0),
+         "attn/cpu/bf16": LinearModel(0.0, 0.0, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True})
+    assert op_time.find(hw, "decode_rows", "cpu", "int8q8") is m["decode_rows/cpu/int8-g32q8"]
+    assert op_time.find(hw, "gemv", "cpu", "int8q8") is m["gemv/cpu/int8"]
+    for kind in ("int8-g32", "int8"):
+        price = {act: predict_decode(MIXTRAL, hw, kind, context=0, batch=16, batch_act=act, experts_format=kind)[1]
+                 for act in ("q8", "bf16")}
+        assert price["q8"] < price["bf16"], kind
+        one = [predict_decode(MIXTRAL, hw, kind, context=0, batch_act=act, experts_format=kind)[1] for act in ("q8", "bf16")]
+        assert one[0] == one[1], kind
+    rows = {act: prompt_expert_time(hw, "int8-g32", 8, 1e6, 1e6, batch_act=act) for act in ("q8", "bf16")}
+    assert rows["bf16"] - rows["q8"] == pytest.approx(7 * 1e6 * (12e-12 - 4e-12))

@@ -31,17 +31,24 @@ DTYPE_FALLBACK = {
     "int4": ("int4",),
     "int4q8": ("int4q8", "int4"),  # int4 on int8 activations (routed experts); older profiles: int4's
     "int8-g32q8": ("int8-g32q8", "int8-g32", "int8"),  # int8-g32 decode copies' batched calls on int8 activations
+    # tiled per-row int8 experts' calls of 2+ rows on int8 activations: the same kernel's rows as int8-g32q8's, the
+    # per-row int8 stream at one row
+    "int8q8": ("int8q8", "int8-g32q8", "int8"),
     "mxfp4": ("int4q8", "int4"),  # gpt-oss's MXFP4 experts: the tiled int4 kernels on int8 activations
 }
 
 
 def gemv_dtype(kind: str, act: str = "bf16") -> str:
-    """The gemv/cpu/<dtype> key a one-token matmul of a `kind` weight ("bf16", "int8", "int4", ...)
-    on `act` activations is priced by: "int4q8" for int4 on int8 ones (Plan.expert_act "q8": half
-    the multiply-adds, so a faster stream where the int16 / bf16 path is compute-bound), else kind
-    (mxfp4's key falls back to int4q8's: DTYPE_FALLBACK; which activations a format's experts read
-    at one token is quant/experts.token_activations')."""
-    return "int4q8" if kind == "int4" and act == "q8" else kind
+    """The gemv/cpu/<dtype> key a matmul of a routed expert's (or a decode copy's) `kind` weight ("bf16", "int8",
+    "int4", ...) on `act` activations is priced by: "int4q8" for int4 on int8 ones (Plan.expert_act "q8": half
+    the multiply-adds, so a faster stream where the int16 / bf16 path is compute-bound), "int8-g32q8" / "int8q8"
+    for the tiled int8 kinds on int8 ones (calls of 2+ rows where Plan.batch_act is "q8": ExpertSpec's
+    int8_q8_from; their one-row stream falls back to int8-g32's / int8's keys), else kind (mxfp4's key falls back
+    to int4q8's: DTYPE_FALLBACK; which activations a format's experts read at one token is
+    quant/experts.token_activations')."""
+    if act != "q8":
+        return kind
+    return {"int4": "int4q8", "int8-g32": "int8-g32q8", "int8": "int8q8"}.get(kind, kind)
 
 
 def find(profile: HardwareProfile, op: str, device: str, dtype: str) -> LinearModel | None:

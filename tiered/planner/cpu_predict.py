@@ -280,15 +280,15 @@ def _batched(kind: str, batch_act: str, rows: float) -> str:
     "int4q8" (on 2 AMX cores 3.4x cheaper a row than bf16 activations, 2026-11-29), int8-g32 ones (a GGUF
     Q8_0 / Q6_K head's, Q5_x / Q6_K tensors') too, "int8-g32q8" (Int8G32Linear.batch_act: one vpdpbusd per
     4 weights and row where int16 activations take two); else `kind`."""
-    if rows <= 1:
+    if rows <= 1 or kind == "int8":  # (Int8Linear, the per-row layout: no q8 path)
         return kind
-    return "int8-g32q8" if kind == "int8-g32" and batch_act == "q8" else op_time.gemv_dtype(kind, batch_act)
+    return op_time.gemv_dtype(kind, batch_act)
 
 
 def weight_kind(key: str) -> str:
-    """The weight format a gemv key prices ("int4q8" -> "int4", "int8-g32q8" -> "int8-g32": the same weights
-    on int8 activations), for its bytes per element."""
-    return key[:-2] if key in ("int4q8", "int8-g32q8") else key
+    """The weight format a gemv key prices ("int4q8" -> "int4", "int8-g32q8" -> "int8-g32", "int8q8" -> "int8": the
+    same weights on int8 activations), for its bytes per element."""
+    return key[:-2] if key in ("int4q8", "int8-g32q8", "int8q8") else key
 
 
 def mixed_bytes_per_element(dtype: str, mix: dict | None) -> float:
@@ -476,7 +476,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
                 t += rows * 3 * d * F / (w_attn + 3 * d * F)
         else:
             E, F, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-            ekind = op_time.gemv_dtype((experts_format or dtype).split(",")[0], expert_act)
+            kind0 = (experts_format or dtype).split(",")[0]
+            ekind = op_time.gemv_dtype(kind0, expert_act)
             eb = sizes.expert_bytes(cfg, experts_format) if experts_format else 3 * d * F * bpe
             t += _gemv(hw, dtype, d * E * bpe, working_set=ws, rows=B, in_step=native_step(hw)) + moe_fixed
             Fs = cfg.shared_expert_intermediate_size  # the always-on shared expert(s): a dense SwiGLU
@@ -487,8 +488,9 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             active = k if B == 1 else E * (1 - (1 - k / E) ** B)  # experts the step's rows choose (uniform)
             misses = active * (1 - res - hit)
             calls = 2 if native_step(hw) else 3  # the native expert: gate and up in one call, then down
-            if B > 1:  # each active expert once, over its share of the rows
-                compute = _expert_rows(hw, ekind, experts_format or dtype, eb, 3 * d * F, k * B / active, calls, ws)
+            if B > 1:  # each active expert once, over its share of the rows (tiled int8 kinds' on batch_act)
+                rkind = op_time.gemv_dtype(kind0, batch_act) if kind0 in ("int8", "int8-g32") else ekind
+                compute = _expert_rows(hw, rkind, experts_format or dtype, eb, 3 * d * F, k * B / active, calls, ws)
                 t += experts_with_reads(hw, active, misses, eb, compute, read_ahead, readers, over)
             elif misses <= 1e-9 and native_step(hw):
                 # every expert in RAM: the layer's k experts in one native call of two parallel

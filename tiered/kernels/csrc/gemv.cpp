@@ -3166,6 +3166,9 @@ struct ExpertSpec {
   bool int4_q8 = false;  // int4 projections on int8 activations (Int4Q8Gemv)
   bool int4_tiled = false;  // int4 codes in the tiled layout (Int4TGemv)
   int64_t q8_from = kNeverQ8;  // the tiled layout's calls from this many rows read int8 activations
+  // ... its int8 and int8-g32 projections' calls (Int8Gemv::q8_from): 2 where the batches read int8 activations
+  // (int4_batch_act "q8"), so one row keeps its int16 activations whatever int4_act says
+  int64_t int8_q8_from = kNeverQ8;
   bool biased = false;  // gpt-oss's experts (gemv.h's Glu): forward_group / forward_layer with their swiglu_limit
 
   void bind(const Proj& pr, const uint8_t* buf, Int4Gemv& k4, Int8Gemv& k8, Bf16Gemv& kb, Fp8Gemv& kf,
@@ -3220,6 +3223,7 @@ struct ExpertSpec {
     const uint8_t* base = buf.data_ptr<uint8_t>();
     for (int i = 0; i < 3; ++i) {
       b.k4t[i].q8_from = p[i].kind == kMxfp4 ? 1 : q8_from;
+      b.k8[i].q8_from = int8_q8_from;  // (has_q8: the tiled layout only)
       Int4Gemv& k = int4_tiled ? static_cast<Int4Gemv&>(b.k4t[i]) : int4_q8 ? b.k4q[i] : b.k4[i];
       bind(p[i], base, k, b.k8[i], b.kb[i], b.kf[i], b.g[i]);
     }
@@ -3960,6 +3964,7 @@ void register_gemv(pybind11::module& m) {
           sp->int4_q8 = int4_act == "q8";
           sp->q8_from = int4_act == "q8" ? 1 : int4_batch_act == "q8" ? 2 : kNeverQ8;
           sp->int4_tiled = int4_layout == "tiled";
+          sp->int8_q8_from = int4_batch_act == "q8" ? 2 : kNeverQ8;
           for (int i = 0; i < 3; ++i) {
             auto& pr = sp->p[i];
             const auto& k = kinds[i];
@@ -4009,7 +4014,8 @@ void register_gemv(pybind11::module& m) {
         "codes, sz bf16 [G, N, 2], zr bf16 [G, N]; fp8: q uint8 [N, K] e4m3fn bits, bs float32 [ceil(N/128), "
         "ceil(K/128)], as fp8_kernel); "
         "int4_act as int4_kernel's act; int4_batch_act (tiled layout, '' = int4_act) for calls of two or more rows, "
-        "as int4_tiled_kernel's batch_act. 'mxfp4' (tiled layout only): tiled int4 with the scales inline and no "
+        "as int4_tiled_kernel's batch_act; 'q8' there also gives the tiled int8 and int8-g32 projections int8 "
+        "activations in calls of two or more rows (int8_tiled_kernel's batch_act; one row keeps int16). 'mxfp4' (tiled layout only): tiled int4 with the scales inline and no "
         "residual (offsets: codes, codes + 256, -1), the codes FP4 e2m1 (int4_tiled_kernel's e2m1), int8 "
         "activations at every call size whatever int4_act says.");
   m.def("bf16_expert_forward", [](at::Tensor wg, at::Tensor wu, at::Tensor wd, at::Tensor x0) {
