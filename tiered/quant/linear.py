@@ -247,11 +247,16 @@ def copy_kind(handle, fmt: str) -> str:
         kind = auto_kind(handle)
         return "bf16" if kind == "int4" and handle.shape[0] % INT4_ROWS else kind
     if fmt == "int8":
-        return "int8-g32" if handle.format != "INT8" and int8_g32_fits(handle.shape) else "int8"
+        return _int8_kind(handle.format, handle.shape)
     if fmt == "int4":
         N, K = handle.shape
         return "int4" if K % GROUP == 0 and N % INT4_ROWS == 0 else "bf16"
     return fmt
+
+
+def _int8_kind(stored: str | None, shape) -> str:
+    """"int8-g32" or "int8": `copy_kind`'s rule for format "int8" on a tensor stored as `stored` of `shape`."""
+    return "int8-g32" if stored != "INT8" and int8_g32_fits(shape) else "int8"
 
 
 def _fp8_kernel_block(handle) -> int | None:
@@ -298,9 +303,8 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
         return DecodeWeight("fp8", q.view(torch.uint8), bs, row_block=row_block)
     if fmt == "auto" and kind == "int8":  # row chunks: no whole dense copy
         return DecodeWeight("int8", *quantize_int8_blocks(handle))
-    if fmt == "int8" and stored != "INT8" and int8_g32_fits(tuple(handle.shape) if handle is not None
-                                                            else tuple(linear.weight.shape)):
-        kind = "int8-g32"  # copy_kind: int8 per group of 32 where the tiles fit
+    if fmt == "int8" and _int8_kind(stored, tuple((linear.weight if handle is None else handle).shape)) == "int8-g32":
+        kind = "int8-g32"  # (copy_kind's rule)
     if fmt in ("auto", "int8") and kind == "int8-g32":  # Q8_0 as stored, the rest re-quantized per group of 32, tiled
         from tiered.kernels import load
         from tiered.quant.gguf_experts import raw_blocks
