@@ -440,6 +440,28 @@ def test_fused_expert(isa, name, layout):  # int4 projections on int8 activation
             assert torch.equal(q8.forward(x[:1], slot), fmt.forward(x[:1], slot))  # one row: as before
 
 
+@pytest.mark.parametrize("name", ["int8-g32", "int8", "int4"])
+def test_forward_group_format_rows(isa, name):  # a row's output does not depend on how many rows its expert took
+    """ExpertFormat.forward_group's format_rows (the MoE runner passes its step's tokens): with batch_act "q8" an
+    expert given one row of a 5-token step reads the int8 activations a call of several rows reads, as the native
+    step's layer call computes it, where without format_rows its lone row reads int16 (AVX2's int8 kinds: int16
+    always); an expert split into groups of 8 rows takes the whole call's formats in each group."""
+    D, Fi = 128, 96
+    g = torch.Generator().manual_seed(5)
+    fmt = ExpertFormat(name, ((Fi, D), (Fi, D), (D, Fi)), "tiled", "q8")
+    slot = fmt.empty()
+    fmt.quantize([torch.randn(Fi, D, generator=g) * 0.05, torch.randn(Fi, D, generator=g) * 0.05,
+                  torch.randn(D, Fi, generator=g) * 0.05], slot)
+    x = torch.randn(9, D, generator=g)
+    many = fmt.forward_group(x[:3], [slot], [0, 3])  # 3 rows: int8 activations
+    one = fmt.forward_group(x[:1], [slot], [0, 1], format_rows=5)
+    assert rel(one, many[:1]) < 1e-6, (isa, name)
+    lone = fmt.forward_group(x[:1], [slot], [0, 1])  # one row by itself: int16 where the ISA has int8 rows
+    assert (rel(lone, many[:1]) < 1e-6) == (isa == "avx2" and "int8" in name), (isa, name)
+    nine = fmt.forward_group(x, [slot], [0, 9])  # groups of 8 and 1: the 9th row in the call's formats
+    assert rel(nine[8:], fmt.forward_group(x[7:], [slot], [0, 2])[1:]) < 1e-6, (isa, name)
+
+
 def test_no_native_kernel_for_torch_int4_layout_falls_back():
     fmt = ExpertFormat("int4", ((32, 64), (32, 64), (64, 32)), "cpu")
     assert fmt.native is None

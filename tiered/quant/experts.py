@@ -526,7 +526,8 @@ class ExpertFormat:
         y = ext.bf16_expert_forward(*slot, x) if self.is_dense else self.native.forward(slot[0], x)
         return y if y.dtype == x.dtype else y.to(x.dtype)  # .to costs ~1.5 us even when a no-op
 
-    def forward_group(self, xs: torch.Tensor, slots: list[tuple[torch.Tensor, ...]], bounds: list[int]) -> torch.Tensor | None:
+    def forward_group(self, xs: torch.Tensor, slots: list[tuple[torch.Tensor, ...]], bounds: list[int],
+                      format_rows: int = 0) -> torch.Tensor | None:
         """Several experts of one layer in one native call (two parallel regions for all of them, not
         two per expert): expert i (slot `slots[i]`) on rows bounds[i]..bounds[i + 1] of xs [M, D]
         (CPU) -> ys [M, D] in xs's dtype, row m its expert's output: the same values as `forward` on
@@ -536,16 +537,19 @@ class ExpertFormat:
         with their bias columns and clamped GLU (the native one: the decode step's, not torch's
         sigmoid bit for bit). None when the native kernels cannot run it (no extension, no kernel for
         this format, a non-contiguous bf16 weight) or an expert has more than `group_rows` rows: call
-        `forward` per expert instead."""
+        `forward` per expert instead. `format_rows` > 0: every expert's rows take the activation formats
+        of a call of at least that many rows (a MoE step's tokens, as the native step's layer call takes
+        them: a row's output then does not depend on how many rows its expert got; with batch_act "q8" the
+        tiled kernels read int8 activations from 2 rows); 0: each expert's own rows."""
         if xs.device.type != "cpu":
             return None
         most = max(b - a for a, b in zip(bounds, bounds[1:]))
         if most > self.group_rows:
             return None
-        return self.grouped(xs, slots, bounds, most)
+        return self.grouped(xs, slots, bounds, most, format_rows)
 
     def grouped(self, xs: torch.Tensor, slots: list[tuple[torch.Tensor, ...]], bounds: list[int],
-                most: int | None = None) -> torch.Tensor | None:
+                most: int | None = None, format_rows: int = 0) -> torch.Tensor | None:
         """`forward_group`'s native call (CPU xs) whatever the rows: an expert of more than NATIVE_ROWS rows in
         groups of NATIVE_ROWS (kernels/tune.py times it against `dequantized` past `group_rows`). `most`: the
         most rows of one expert where the caller has it. None when the native kernels cannot run it."""
@@ -554,12 +558,13 @@ class ExpertFormat:
         ext = self._native_ext(slots)
         if ext is None:
             return None
-        if most > NATIVE_ROWS and self.swiglu_limit is None:  # groups of at most NATIVE_ROWS rows
-            slots, bounds = _row_groups(slots, bounds)
+        if most > NATIVE_ROWS and self.swiglu_limit is None:  # groups of at most NATIVE_ROWS rows, each in the
+            slots, bounds = _row_groups(slots, bounds)  # formats of the whole call (an expert's last group of one
+            format_rows = max(format_rows, most)  # row had read int16 activations where the others read int8)
         if self.is_dense:
             ys = ext.bf16_experts_forward_group([w for s in slots for w in s], xs, bounds, **self.glu_args)
         else:
-            ys = self.native.forward_group([s[0] for s in slots], xs, bounds, **self.glu_args)
+            ys = self.native.forward_group([s[0] for s in slots], xs, bounds, **self.glu_args, format_rows=format_rows)
         return ys.to(xs.dtype)
 
     def bind_layer(self, slots: list[tuple[torch.Tensor, ...]]):

@@ -324,7 +324,8 @@ class TieredExperts:
         xs, limit = x[tok_all], self.fmt.group_rows
         big = [i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b - a > limit]
         if not big:
-            ys = self.fmt.forward_group(xs, [on_fast[e] for e in experts], bounds)
+            # every expert's rows in the formats of the step's tokens, as the native step's layer call (above) takes them
+            ys = self.fmt.forward_group(xs, [on_fast[e] for e in experts], bounds, x.shape[0])
         elif len(big) == len(experts):
             return None
         else:  # the experts within the call's rows in one call, then each of the others by itself
@@ -333,7 +334,7 @@ class TieredExperts:
             part = [0]
             for i in small:
                 part.append(part[-1] + bounds[i + 1] - bounds[i])
-            ys_small = self.fmt.forward_group(xs[rows], [on_fast[experts[i]] for i in small], part)
+            ys_small = self.fmt.forward_group(xs[rows], [on_fast[experts[i]] for i in small], part, x.shape[0])
             if ys_small is not None:
                 ys = torch.empty_like(xs)
                 ys[rows] = ys_small

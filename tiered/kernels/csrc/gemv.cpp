@@ -2944,8 +2944,9 @@ int64_t expert_width(const Gemv* gate, const Gemv* down, const Glu* glu, const c
 // number: each work item passes over them kMaxNB at a time, its block of the weights read once for all
 // of them) -> ys [M, D] fp32. With `glu` (gpt-oss's biased experts) each row gets its bias column's 1 and
 // zeros appended here (the gate's input width Db), and the clamped GLU runs between the projections.
+// `format_rows`: swiglu_group's (0: each expert's own rows).
 at::Tensor run_swiglu_group(const std::vector<const Gemv*>& k, const at::Tensor& xs0, const std::vector<int64_t>& bounds,
-                            const char* what, const Glu* glu = nullptr) {
+                            const char* what, const Glu* glu = nullptr, int64_t format_rows = 0) {
   const int64_t E = int64_t(k.size()) / 3;
   TIERED_CHECK(E >= 1 && int64_t(bounds.size()) == E + 1 && bounds[0] == 0, what, ": bounds must be [E + 1] from 0");
   for (int64_t e = 0; e < E; ++e)
@@ -2964,7 +2965,7 @@ at::Tensor run_swiglu_group(const std::vector<const Gemv*>& k, const at::Tensor&
   auto ys = at::empty({M, D}, xs.options());
   {
     pybind11::gil_scoped_release nogil;
-    swiglu_group(k.data(), E, xs.data_ptr<float>(), bounds.data(), ys.data_ptr<float>(), glu);
+    swiglu_group(k.data(), E, xs.data_ptr<float>(), bounds.data(), ys.data_ptr<float>(), glu, format_rows);
   }
   return ys;
 }
@@ -3262,10 +3263,11 @@ struct ExpertSpec {
   // Several experts in this format at once (swiglu_group): slots [E] uint8, xs [M, D], bounds [E + 1].
   // gpt-oss's biased experts need swiglu_limit (> 0) and swiglu_alpha: their clamped GLU (gemv.h's Glu).
   at::Tensor forward_group(const std::vector<at::Tensor>& slots, const at::Tensor& xs, const std::vector<int64_t>& bounds,
-                           double swiglu_limit, double swiglu_alpha) const {
+                           double swiglu_limit, double swiglu_alpha, int64_t format_rows) const {
+    TIERED_CHECK(format_rows >= 0, "expert spec forward_group: format_rows must be >= 0");
     const auto glu = glu_of(swiglu_limit, swiglu_alpha, "expert spec forward_group");
     const BoundSlots s = bind_slots(slots);
-    return run_swiglu_group(s.ptrs, xs, bounds, "expert spec forward_group", glu ? &*glu : nullptr);
+    return run_swiglu_group(s.ptrs, xs, bounds, "expert spec forward_group", glu ? &*glu : nullptr, format_rows);
   }
 
   // Every expert of a layer bound once (a decode step's native MoE layer): slots [E], expert e's at e.
@@ -3907,11 +3909,14 @@ void register_gemv(pybind11::module& m) {
       "A quantized expert format's flat layout: forward(slot uint8 [nbytes], x [B, D]) -> y [B, D] fp32.")
       .def("forward", &ExpertSpec::forward, py::arg("slot"), py::arg("x"))
       .def("forward_group", &ExpertSpec::forward_group, py::arg("slots"), py::arg("xs"), py::arg("bounds"),
-           py::arg("swiglu_limit") = 0.0, py::arg("swiglu_alpha") = 1.702,
+           py::arg("swiglu_limit") = 0.0, py::arg("swiglu_alpha") = 1.702, py::arg("format_rows") = 0,
            "Experts of one layer in two parallel regions: slots [E] (one uint8 slot each), xs [M, D] (expert e's "
            "rows bounds[e]..bounds[e + 1], any number each: the weights are read once for all of them) -> ys [M, D] "
            "fp32, each row its expert's output. swiglu_limit > 0: gpt-oss's biased experts (their bias columns "
-           "and clamped GLU with swiglu_alpha; xs without the bias columns).")
+           "and clamped GLU with swiglu_alpha; xs without the bias columns). format_rows > 0: every expert's rows "
+           "take the activation formats of a call of at least that many rows (a MoE step's tokens, as "
+           "forward_layer's: a token's output then does not depend on how many tokens its expert took); 0: each "
+           "expert's own rows.")
       .def("bind_layer", &ExpertSpec::bind_layer, py::arg("slots"),
            "Every expert of one layer bound as kernels once (slots [E], expert e's at e), for DecodeStep.set_moe.")
       .def("forward_layer", &ExpertSpec::forward_layer, py::arg("slots"), py::arg("x"), py::arg("topk_idx"),
