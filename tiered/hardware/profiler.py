@@ -1393,7 +1393,7 @@ def _dense_config(shape, layers: int):
                        num_attention_heads=H, num_key_value_heads=Hkv, head_dim=64)
 
 
-def _int4_dense_step(cfg, positions: int, distinct: int | None = None, fmt: str = "int4"):
+def _dense_decode_step(cfg, positions: int, distinct: int | None = None, fmt: str = "int4"):
     """(model, CPUDecodeStep) of the dense model `cfg` with the engine's int4 decode copies (tiled, on int8 rows,
     q/k/v and gate/up fused) as its projections' one copy (a GGUF's), in one huge-page arena, in the native step;
     rotary tables for `positions`. `distinct`: quantize that many layers only and make the others copies of them
@@ -1442,7 +1442,7 @@ def _step_rows_points(repeats: int, shape=DECODE_LAYER_SHAPES[0]) -> list[tuple[
 
     D, F_, H, Hkv = shape
     cfg = _dense_config(shape, DECODE_LAYER_RUN)
-    _, step = _int4_dense_step(cfg, 8)
+    _, step = _dense_decode_step(cfg, 8)
     g = torch.Generator().manual_seed(0)
     # a layer's four kernel calls alone, as the step holds them: q/k/v, o, gate/up, down (N, K)
     projections = [_native_gemv("int4q8", _native_gemv_module("int4q8", torch.randn(N, K, generator=g) * 0.02)[0])
@@ -1469,10 +1469,10 @@ def _step_rows_points(repeats: int, shape=DECODE_LAYER_SHAPES[0]) -> list[tuple[
             for i, T in enumerate(STEP_ROWS_TOKENS)]
 
 
-class _ColdInt4Layers:
+class _ColdDecodeLayers:
     """Dense layers of `shape` (DECODE_LAYER_SHAPES') with the engine's int4 decode copies (`fmt` "int8-g32": its int8
     ones per group of 32) in tiered's native decode
-    step (_int4_dense_step), enough of them to hold `cold_bytes` (COLD_WEIGHT_BYTES without it), every
+    step (_dense_decode_step), enough of them to hold `cold_bytes` (COLD_WEIGHT_BYTES without it), every
     DECODE_LAYER_RUN of them copies of the first run's: `call(B)` runs the next DECODE_LAYER_RUN layers each call
     (cycling), so every weight comes from memory as a decode step's do, on B rows, each its own sequence at 32
     cached positions (a bf16 cache, the default plan's beside fp32 activations). `elements`: a layer's weight
@@ -1489,7 +1489,7 @@ class _ColdInt4Layers:
         nbytes = self.elements * bytes_per_element(fmt)
         runs = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * nbytes)))
         self.cfg = replace(cfg, num_hidden_layers=runs * DECODE_LAYER_RUN)
-        self.model, self.step = _int4_dense_step(self.cfg, 64, distinct=DECODE_LAYER_RUN, fmt=fmt)
+        self.model, self.step = _dense_decode_step(self.cfg, 64, distinct=DECODE_LAYER_RUN, fmt=fmt)
         self._starts = itertools.cycle(range(0, runs * DECODE_LAYER_RUN, DECODE_LAYER_RUN))
 
     def call(self, B: int, runs: int | None = None) -> Callable[[], None]:
@@ -1545,7 +1545,7 @@ def _decode_ws_points(repeats: int, llc: int | None, shape=DECODE_LAYER_SHAPES[1
     from tiered.memory.sizes import bytes_per_element
 
     cold = cold or decode_ws_cold(llc, quick)
-    layers = _ColdInt4Layers(shape, cold)
+    layers = _ColdDecodeLayers(shape, cold)
     run_bytes = DECODE_LAYER_RUN * layers.elements * bytes_per_element("int4")
     sets = sorted({min(layers.runs, max(1, round(mib * MiB / run_bytes))) for mib in sets_mib
                    if mib * MiB < cold / 2} | {layers.runs})
@@ -1594,7 +1594,7 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
 
     calls, sizes = [], []
     for shape in shapes:  # (each call holds its layers)
-        layers = _ColdInt4Layers(shape, cold_bytes, fmt)
+        layers = _ColdDecodeLayers(shape, cold_bytes, fmt)
         calls.append(layers.call(1))
         sizes.append(layers.elements * bytes_per_element(fmt))
     with torch.inference_mode():
@@ -1628,7 +1628,7 @@ def _batch_rows_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: int
         # round (one row) found its layers evicted by theirs and the batches after it found them cached, so that on
         # the AMX VM (whose caches hold a shape's 64 MiB) one row took 110 us a SmolLM2-width layer there against 65
         # alone and 4 rows came out free (0 us a row, 6.7 measured alone: SmolLM2's 4-sequence step priced 22% fast)
-        layers = _ColdInt4Layers(shape, cold_bytes)
+        layers = _ColdDecodeLayers(shape, cold_bytes)
         with torch.inference_mode():
             one, *batches = interleaved_samples([layers.call(B) for B in (1,) + BATCH_ROWS], max(5, repeats))
         for B, rows in zip(BATCH_ROWS, batches):

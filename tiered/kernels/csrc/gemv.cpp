@@ -3969,7 +3969,7 @@ void register_gemv(pybind11::module& m) {
           sp->int4_q8 = int4_act == "q8";
           sp->q8_from = int4_act == "q8" ? 1 : int4_batch_act == "q8" ? 2 : kNeverQ8;
           sp->int4_tiled = int4_layout == "tiled";
-          sp->int8_q8_from = int4_batch_act == "q8" ? 2 : kNeverQ8;
+          sp->int8_q8_from = int8_q8_from(int4_batch_act.empty() ? "bf16" : int4_batch_act, "expert_spec");
           for (int i = 0; i < 3; ++i) {
             auto& pr = sp->p[i];
             const auto& k = kinds[i];
