@@ -186,3 +186,53 @@ def check(excinfo, *words) -> None:
     for w in words:
         assert w in err.message, (w, err.message)
     assert err.hint and err.hint in str(err)
+
+
+def local_model(path: Path, max_positions: int = 64):
+    """The model code alone over the checkpoint at `path`: built on meta, every tensor (experts too) materialized
+    in fp32, RoPE tables for `max_positions`, eval mode."""
+    from tiered.checkpoint import open_checkpoint
+    from tiered.memory.materialize import materialize
+    from tiered.models import build_model
+    from tiered.models.layers import Rotary
+
+    ckpt = open_checkpoint(path)
+    with torch.device("meta"):
+        model = build_model(ckpt.config, max_positions)
+    model.rotary = Rotary(ckpt.config, max_positions)
+    materialize(model, ckpt, torch.float32)
+    return model.eval()
+
+
+def packed_prefill_gaps(model, vocab_size: int, kv_dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """(prefill, decode) largest relative gaps between prompts packed into one row (models/layers.
+    build_packed_metadata) and each prompt run alone, on `model` (a CausalLM in fp32): prompt A (9 tokens, slot 0,
+    from position 0), prompt B's last 8 tokens after its first 6 cached in slot 1 (an explicit mask), a 1-token
+    prompt C (slot 2), packed into one forward; then one decode step of each slot against the same token decoded
+    after its prompt alone. The decode gap shows each prompt's KV written to its own slot only."""
+    from tiered.models.layers import KVCache, build_packed_metadata
+
+    a, b, c = (prompt_ids(vocab_size, n, seed=60 + n) for n in (9, 14, 1))
+    spans, slots = [(0, 9), (6, 14), (0, 1)], [0, 1, 2]
+    gaps = []
+
+    def step(cache, ids, start, slot, meta=None, last=None):
+        pos = torch.arange(start, start + len(ids))[None] if meta is None else meta.positions
+        return model(torch.tensor([ids]), pos, torch.tensor([slot] if meta is None else slots), cache, meta=meta,
+                     last=last)
+
+    with torch.inference_mode():
+        packed = KVCache(model.config, 3, 32, kv_dtype)
+        step(packed, b[:6], 0, 1)
+        positions = torch.cat([torch.arange(s, e) for s, e in spans])[None]
+        meta = build_packed_metadata(model.rotary, positions, spans, slots, model.config.sliding_window)
+        got = step(packed, a + b[6:] + c, 0, 0, meta, torch.tensor([8, 16, 17]))
+        alone = []
+        for ids, slot in ((a, 0), (b, 1), (c, 2)):
+            cache = KVCache(model.config, 3, 32, kv_dtype)
+            alone.append((cache, step(cache, ids, 0, slot)[0]))
+        gaps.append(max(max_rel_err(got[i], ref) for i, (_, ref) in enumerate(alone)))
+        nxt = prompt_ids(vocab_size, 1, seed=70)
+        gaps.append(max(max_rel_err(step(packed, nxt, len(ids), slot)[0], step(cache, nxt, len(ids), slot)[0])
+                        for (ids, slot), (cache, _) in zip(((a, 0), (b, 1), (c, 2)), alone)))
+    return gaps[0], gaps[1]

@@ -16,14 +16,14 @@ from tiered.planner.batch_sim import PromptPrefixes, StepPrices, simulate_reques
 from tiered.planner.throughput import block_throughput
 
 
-def _prices(most: int = 0, as_rows: bool = False, group: int = 1024, padding: bool = True) -> StepPrices:
+def _prices(most: int = 0, as_rows: bool = False, group: int = 1024) -> StepPrices:
     # a decode step 10 ms + 1 ms a sequence + 1 us a cached position of each; prompts 1 ms a token (+ 5 ms a forward,
     # + 1 us a token for each cached position before it)
     return StepPrices(decode=lambda n, c: 0.010 + 0.001 * n + 1e-6 * n * c,
                       rows=lambda T, k, past=0: 0.005 + 0.001 * T + 1e-6 * T * past,
                       alone=lambda T, past=0: 0.005 + 0.001 * T + 1e-6 * T * past,
-                      padded=lambda T, k, past=0: 0.005 + 0.001 * T + 1e-6 * T * past,
-                      most_rows=most, chunks_as_rows=as_rows, group_tokens=group, padding=padding)
+                      packed=lambda lengths, past=0: 0.005 + 0.001 * sum(lengths) + 1e-6 * sum(lengths) * past,
+                      most_rows=most, chunks_as_rows=as_rows, group_tokens=group)
 
 
 def test_one_request_is_its_prefill_then_a_step_for_each_later_token():
@@ -39,7 +39,7 @@ def test_one_request_is_its_prefill_then_a_step_for_each_later_token():
 def test_slots_bound_the_step_and_a_finished_request_frees_its_slot():
     log: list = []
     run = simulate_requests([(4, 3), (4, 1), (4, 2), (4, 2)], 2, _prices(), log)
-    # step 1: two prompts prefilled (one padded forward), the one wanting 1 token done; the other decodes
+    # step 1: two prompts prefilled (one packed forward), the one wanting 1 token done; the other decodes
     # step 2: the freed slot's prompt prefilled beside it; ... every step decodes at most 2 sequences
     assert log[0] == (((4, 4),), (), 1) and all(n <= 2 for _, _, n in log)
     assert run.generated == 8 and sum(len(g) for p, _, _ in log for g in p) == 4
@@ -53,7 +53,11 @@ def test_slots_bound_the_step_and_a_finished_request_frees_its_slot():
 def test_shortest_prompts_join_the_step_within_the_mixed_rows_and_the_rest_prefill_first():
     log: list = []
     simulate_requests([(30, 4), (5, 4), (12, 4), (200, 4)], 4, _prices(most=20), log)
-    # 5 and 12 tokens fit 20 rows (shortest first); 30 and 200 prefill first, then decode beside the joining rows
+    # 5 and 12 tokens fit 20 rows (shortest first); 30 and 200 prefill first, packed into one forward, then decode
+    # beside the joining rows
+    assert log[0] == (((30, 200),), (5, 12), 2)
+    log.clear()  # within a prefill chunk of 64 tokens they are two forwards
+    simulate_requests([(30, 4), (5, 4), (12, 4), (200, 4)], 4, _prices(most=20, group=64), log)
     assert log[0] == (((30,), (200,)), (5, 12), 2)
     log.clear()  # where whole chunks run as rows, the others pack into native steps of at most 20 rows
     run = simulate_requests([(8, 2), (9, 2), (6, 2), (7, 2)], 4, _prices(most=10, as_rows=True), log)
@@ -181,7 +185,7 @@ def test_the_replay_runs_the_steps_llm_step_runs(zoo, rows, chunk):
     requests = [(6, 5), (18, 3), (30, 2), (40, 6)] + [(rng.randrange(2, 40), rng.randrange(1, 12)) for _ in range(9)]
     unpriced = lambda *a, **k: 0.0  # noqa: E731
     want: list = []
-    simulate_requests(requests, 4, request_prices(llm.plan, False, unpriced, unpriced, unpriced), want)
+    simulate_requests(requests, 4, request_prices(llm.plan, unpriced, unpriced, unpriced), want)
     assert _engine_log(llm, requests, 4) == want
     assert any(j for _, j, _ in want) == bool(llm.plan.most_prompt_rows())
 
@@ -216,12 +220,12 @@ def test_the_replay_reuses_the_prefixes_the_server_reuses(zoo, rows, chunk, shar
     requests = [(len(p), g) for p, g in zip(prompts, gens)]
     unpriced = lambda *a, **k: 0.0  # noqa: E731
     want: list = []
-    run = simulate_requests(requests, 4, request_prices(llm.plan, False, unpriced, unpriced, unpriced), want,
+    run = simulate_requests(requests, 4, request_prices(llm.plan, unpriced, unpriced, unpriced), want,
                             PromptPrefixes.of(prompts))
     assert _engine_log(llm, requests, 4, prompts) == want
     # prompts took prefixes from slots and twins; sharing prompts admitted together, more (some step admitted two
     # of one system prompt)
-    alone = simulate_requests(requests, 4, replace(request_prices(llm.plan, False, unpriced, unpriced, unpriced),
+    alone = simulate_requests(requests, 4, replace(request_prices(llm.plan, unpriced, unpriced, unpriced),
                                                    shared_prefixes=False), prefixes=PromptPrefixes.of(prompts))
     assert 0 < alone.reused < run.reused if shared else 0 < alone.reused == run.reused
 

@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from fixtures import local_model, packed_prefill_gaps  # noqa: E402
 from runtime_fixtures import GREEDY, REL_TOL, decode_logits, engine_config, prompt, rel_err, stored_elements  # noqa: E402
 
 from tiered import LLM, EngineConfig, kernels  # noqa: E402
@@ -45,9 +46,8 @@ from tiered.checkpoint import open_checkpoint  # noqa: E402
 from tiered.checkpoint.model_config import ModelConfig  # noqa: E402
 from tiered.errors import CheckpointError  # noqa: E402
 from tiered.memory import sizes  # noqa: E402
-from tiered.memory.materialize import materialize  # noqa: E402
 from tiered.models import build_model  # noqa: E402
-from tiered.models.layers import KVCache, Rotary  # noqa: E402
+from tiered.models.layers import KVCache  # noqa: E402
 from tiered.models.moe import LocalExperts, moe_blocks  # noqa: E402
 from tiered.planner.placement import CPU, DISK, FAST  # noqa: E402
 from tiered.runtime.cpu_decode import CPUDecodeStep  # noqa: E402
@@ -183,16 +183,6 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def local_model(path: Path, max_positions: int = 64):
-    """The model code alone: built on meta, every tensor (experts too) materialized in fp32."""
-    ckpt = open_checkpoint(path)
-    with torch.device("meta"):
-        model = build_model(ckpt.config, max_positions)
-    model.rotary = Rotary(ckpt.config, max_positions)
-    materialize(model, ckpt, torch.float32)
-    return model.eval()
-
-
 def model_logits(model, ids: list[int]) -> torch.Tensor:
     cache = KVCache(model.config, 1, len(ids), torch.float32)
     with torch.inference_mode():
@@ -311,6 +301,15 @@ def test_mxfp4_writer_equals_transformers_loader(zoo):
 
 
 # ---------------------------------------------------------------------------------- prefill parity
+
+def test_packed_prompts_attend_to_their_own_slots(zoo):
+    """Prompts packed into one row give each one's logits alone and leave each slot its own KV
+    (fixtures.packed_prefill_gaps): every segment's softmax takes the sinks, and the sliding layers' window
+    (WINDOW) is shorter than the prompts."""
+    prefill, decode = packed_prefill_gaps(local_model(zoo.dir("fp32")), VOCAB)
+    assert prefill <= 1e-5 and decode <= 1e-5, (prefill, decode)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_local_model_equals_transformers(zoo, layout):
     """The model code alone (LocalExperts, every weight resident): a 16-token prompt (4 windows)."""

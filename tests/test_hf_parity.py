@@ -57,29 +57,56 @@ def test_batched_generation_equals_one_at_a_time(zoo, name):
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_padded_prefill_equals_one_at_a_time(zoo, name, monkeypatch):
-    """Every admitted prompt prefilled in one right-padded forward (mistral: its window of 8 is
-    shorter than the padding) gives each prompt's own greedy tokens."""
-    import functools
-
+def test_packed_prefill_equals_one_at_a_time(zoo, name, monkeypatch):
+    """Every admitted prompt prefilled in one packed forward (models/layers.build_packed_metadata; mistral: its
+    window of 8 is shorter than the longest prompt) gives each prompt's own greedy tokens."""
     import tiered.engine.llm as engine_llm
-    from tiered.engine.scheduler import prefill_groups
 
     calls = []
+    build = engine_llm.build_packed_metadata
 
-    def one_group(lengths, max_tokens, padding=True):
-        groups = functools.partial(prefill_groups, max_padding=100.0)(lengths, max_tokens, padding)
-        calls.append((lengths, groups))
-        return groups
+    def spy(rotary, positions, spans, slots, window):
+        calls.append([b - a for a, b in spans])
+        return build(rotary, positions, spans, slots, window)
 
-    monkeypatch.setattr(engine_llm, "prefill_groups", one_group)
+    monkeypatch.setattr(engine_llm, "build_packed_metadata", spy)
     llm = zoo.llm(zoo.dir(name))
     monkeypatch.setattr(llm.plan, "mixed_rows", 0)  # short prompts would run as decode-step rows
     prompts = [prompt_ids(zoo.vocab_size, n, seed=20 + n) for n in (2, 19, 9)]
     batched = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    assert calls[0] == ([2, 19, 9], [[0, 2, 1]])  # really one padded forward
+    assert calls == [[2, 19, 9]]  # really one packed forward, in admission order
     single = [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
     assert batched == single
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_sliding", "qwen3"])
+def test_packed_prompts_attend_to_their_own_slots(zoo, name, kv):
+    """Prompts packed into one row (one from position 0, one after 6 cached positions, one of a single token, each
+    its own slot) give the last-token logits each gives alone, and each slot then decodes as after its prompt
+    alone: each wrote its own slot's KV and attended to it only (fixtures.packed_prefill_gaps)."""
+    from fixtures import local_model, packed_prefill_gaps
+
+    prefill, decode = packed_prefill_gaps(local_model(zoo.dir(name)), zoo.vocab_size, getattr(torch, kv))
+    assert prefill <= 1e-5 and decode <= 1e-5, (prefill, decode)
+
+
+def test_packed_metadata_refuses_spans_that_do_not_match(zoo):
+    """build_packed_metadata refuses spans without a slot each, an empty span, and positions of other tokens."""
+    from fixtures import local_model
+    from tiered.models.layers import build_packed_metadata
+
+    model = local_model(zoo.dir("llama"))
+    pos = torch.arange(5)[None]
+    with pytest.raises(ValueError, match="one slot and a non-empty span"):
+        build_packed_metadata(model.rotary, pos, [(0, 2), (0, 3)], [0], None)
+    with pytest.raises(ValueError, match="one slot and a non-empty span"):
+        build_packed_metadata(model.rotary, pos, [(0, 5), (3, 3)], [0, 1], None)
+    with pytest.raises(ValueError, match="not the spans' 6 tokens"):
+        build_packed_metadata(model.rotary, pos, [(0, 3), (0, 3)], [0, 1], None)
+    meta = build_packed_metadata(model.rotary, torch.tensor([[0, 1, 4, 5, 6]]), [(0, 2), (4, 7)], [3, 1], None)
+    assert [(o, n, one.single, one.causal, one.mask is None) for o, n, one in meta.segments] == \
+        [(0, 2, (3, 0), True, True), (2, 3, (1, 4), False, False)]
 
 
 def test_prefill_then_decode_logits_equal_full_scoring(zoo):

@@ -16,15 +16,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from fixtures import local_model, packed_prefill_gaps  # noqa: E402
 from moe_fixtures import MOE_KINDS, VOCAB  # noqa: E402
 from runtime_fixtures import rt  # noqa: E402,F401  (the shared checkpoint zoo fixture)
 
 from tiered import LLM, EngineConfig, SamplingParams  # noqa: E402
 from tiered.checkpoint import open_checkpoint  # noqa: E402
 from tiered.checkpoint.model_config import rope_attention_factor  # noqa: E402
-from tiered.memory.materialize import materialize  # noqa: E402
-from tiered.models import build_model  # noqa: E402
-from tiered.models.layers import KVCache, Rotary  # noqa: E402
+from tiered.models.layers import KVCache  # noqa: E402
 from tiered.quant.int4 import Int4Linear  # noqa: E402
 from tiered.models.moe import (  # noqa: E402
     Expert, LocalExperts, MoEBlock, Router, expert_forward, moe_blocks)
@@ -58,12 +57,7 @@ class MoEZoo:
     def local(self, kind: str) -> torch.nn.Module:
         """The model alone: built on meta, every tensor (experts too) materialized in fp32."""
         if kind not in self._local:
-            ckpt = open_checkpoint(self.dir(kind))
-            with torch.device("meta"):
-                model = build_model(ckpt.config, 64)
-            model.rotary = Rotary(ckpt.config, 64)
-            materialize(model, ckpt, torch.float32)
-            self._local[kind] = model.eval()
+            self._local[kind] = local_model(self.dir(kind))
         return self._local[kind]
 
 
@@ -101,6 +95,18 @@ def local_logits(model, ids: list[int]) -> torch.Tensor:
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max() / ref.abs().max())
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_packed_prompts_attend_to_their_own_slots(moe, kind):
+    """Prompts packed into one row (models/layers.build_packed_metadata) give each one's logits alone and leave
+    each slot its own KV (fixtures.packed_prefill_gaps): their tokens routed together, each prompt's attention
+    on its own (DeepSeek's latent attention expanded a segment at a time); the int8 cache's rows too (not
+    latent attention's, which has none)."""
+    model = moe.local(kind)
+    for kv in (torch.float32,) + (() if model.config.is_mla else (torch.int8,)):
+        prefill, decode = packed_prefill_gaps(model, VOCAB, kv)
+        assert prefill <= 1e-5 and decode <= 1e-5, (kv, prefill, decode)
 
 
 # ------------------------------------------------------------------ against transformers

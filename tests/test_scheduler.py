@@ -13,7 +13,7 @@ import pytest
 
 from fixtures import prompt_ids
 from tiered import SamplingParams
-from tiered.engine.scheduler import SHARED_PREFIX_TOKENS, QueueFullError, Scheduler, prefill_groups
+from tiered.engine.scheduler import SHARED_PREFIX_TOKENS, QueueFullError, Scheduler, rows_groups
 from tiered.engine.sequence import Sequence
 
 
@@ -284,15 +284,16 @@ def test_a_cancelled_request_gives_its_slot_to_a_waiting_one(llm, zoo):
     assert [o.token_ids for o in outs] == [llm.generate(prompts[1], sp)[0].token_ids]
 
 
-def test_prefill_groups_bound_padding_and_size():
-    # shortest first; a group grows while padding <= 25% of its real tokens and rows x longest <= 64
-    assert prefill_groups([3, 16, 7, 11], 64) == [[0], [2, 3], [1]]
-    assert prefill_groups([10, 10, 10, 10, 10, 10, 10], 64) == [[0, 1, 2, 3, 4, 5], [6]]
-    assert prefill_groups([100, 10], 64) == [[1], [0]]  # a prompt over the bound is its own group
-    assert prefill_groups([8, 9, 8, 9], 64, padding=False) == [[0, 2], [1, 3]]  # equal lengths only
-    assert prefill_groups([], 64) == []
-    groups = prefill_groups([5, 1, 30, 6, 6, 29, 2], 128)
+def test_rows_groups_pack_prompts_in_order_within_the_bound():
+    # in admission order; a group grows while its tokens stay within 64; a prompt over the bound is its own group
+    assert rows_groups([3, 16, 7, 11], 64) == [[0, 1, 2, 3]]
+    assert rows_groups([10] * 7, 64) == [[0, 1, 2, 3, 4, 5], [6]]
+    assert rows_groups([100, 10], 64) == [[0], [1]]
+    assert rows_groups([30, 40, 20, 5], 64) == [[0], [1, 2], [3]]
+    assert rows_groups([], 64) == []
+    groups = rows_groups([5, 1, 30, 6, 6, 29, 2], 32)
     assert sorted(i for g in groups for i in g) == list(range(7))
+    assert all(sum([5, 1, 30, 6, 6, 29, 2][i] for i in g) <= 32 for g in groups)
 
 
 def test_prefix_reuse_takes_the_slot_sharing_the_longest_prefix():

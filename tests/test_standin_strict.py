@@ -187,16 +187,20 @@ def test_batched_generation_with_masks_on_the_standin(zoo, name):
     assert batched[1] == hf_greedy(zoo.hf(name), prompts[1], 12)
 
 
-def test_padded_prefill_on_the_standin(zoo):
-    """Prompts of 7 and 8 tokens are prefilled in one right-padded forward (scheduler.prefill_groups):
-    the rows' last-token indices go to the device with the step's other inputs."""
-    from tiered.engine.scheduler import prefill_groups
+def test_packed_prefill_on_the_standin(zoo, monkeypatch):
+    """Prompts of 7, 8 and 3 tokens are prefilled in one packed forward (models/layers.build_packed_metadata):
+    the row's positions, its prompts' slots and last-token indices go to the device with the step's other
+    inputs, and each prompt's own mask is made there."""
+    import tiered.engine.llm as engine_llm
 
-    assert prefill_groups([7, 8, 3], 64) == [[2], [0, 1]]
+    calls = []
+    build = engine_llm.build_packed_metadata
+    monkeypatch.setattr(engine_llm, "build_packed_metadata", lambda *a: calls.append(a[2]) or build(*a))
     llm = LLM(zoo.dir("llama"), EngineConfig(accelerator="host", plan="off", decode_weights="fp32", max_context=64))
     prompts = [prompt_ids(zoo.vocab_size, n, seed=30 + n) for n in (7, 8, 3)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     batched = [o.token_ids for o in llm.generate(prompts, params)]
+    assert calls == [[(0, 7), (0, 8), (0, 3)]]
     assert batched == [o.token_ids for o in zoo.llm(zoo.dir("llama")).generate(prompts, params)]
 
 

@@ -47,29 +47,27 @@ def test_block_throughput_is_flexgens_objective():
     (5, 700, 96, 1024, 800, False), (12, 100, 0, 1024, 300, True)])
 def test_block_prefill_groups_are_the_engines(B, P, mixed, chunk, context, moe):
     """The throughput plan prices a block's prompts in the groups LLM._prefill_groups forms of B prompts of P
-    tokens admitted together: native-step rows packed up to Plan.most_prompt_rows (engine/llm._rows_groups) where
-    whole chunks run as rows, else padded forwards within the chunk (scheduler.prefill_groups); each group priced
-    once for its prompts (rows(g P, prompts=g) / modules(g P, 0, prompts=g)), a lone prompt at its TTFT."""
+    tokens admitted together (dense or MoE alike): native-step rows packed up to Plan.most_prompt_rows
+    (engine/llm._rows_groups) where whole chunks run as rows, else forwards packed within the prefill chunk; each
+    group priced once for its prompts (rows(g P, prompts=g) / modules(g P, 0, prompts=g)), a lone prompt at its
+    TTFT."""
     from types import SimpleNamespace
 
     from tiered.engine.llm import _rows_groups
-    from tiered.engine.scheduler import prefill_groups
     from tiered.planner.latency_cpu import block_prefill_groups, block_prefill_time
 
     plan = Plan("m", "throughput", "hw", None, None, P, 32, "int4")
     plan.kv_slots, plan.mixed_rows, plan.prefill_chunk, plan.context_tokens = B, mixed, chunk, context
-    groups, as_rows = block_prefill_groups(plan, moe)
+    groups, as_rows = block_prefill_groups(plan)
     assert as_rows == plan.chunks_as_rows()
-    if as_rows:
-        seqs = [SimpleNamespace(prompt_ids=[0] * P, cached_tokens=0) for _ in range(B)]
-        engine = [len(g) for g in _rows_groups(seqs, plan.most_prompt_rows())]
-    else:
-        engine = [len(g) for g in prefill_groups([P] * B, min(context, chunk), padding=not moe)]
+    seqs = [SimpleNamespace(prompt_ids=[0] * P, cached_tokens=0) for _ in range(B)]
+    # (the engine's bounds: LLM._prefill_groups)
+    engine = [len(g) for g in _rows_groups(seqs, plan.most_prompt_rows() if as_rows else min(context, chunk))]
     assert groups == engine and sum(groups) == B
     calls = []
     rows = lambda T, past=0, logit_rows=1, prompts=1: calls.append(("rows", T, prompts)) or 1e-3 * T  # noqa: E731
     modules = lambda T, chunk=0, ffn_only=False, prompts=1, past=0: calls.append(("modules", T, prompts)) or 2e-3 * T  # noqa: E731
-    total = block_prefill_time(plan, moe, rows, modules)
+    total = block_prefill_time(plan, rows, modules)
     lone = (1e-3 if P <= plan.most_prompt_rows() or as_rows else 2e-3) * P
     assert total == pytest.approx(sum(lone if g == 1 else (1e-3 if as_rows else 2e-3) * g * P for g in groups))
     assert all(n == T // P for _, T, n in calls if n > 1)

@@ -27,7 +27,7 @@ from tiered.engine.dtype import resolve_dtype
 from tiered.engine.prompt import Prompt, check_prompt_fits, context_window, encode_prompt, is_chat
 from tiered.engine.reasoning import marks_special, output_stops, prompt_opens_thinking, reasoning_format
 from tiered.engine.sampling import SamplingParams, adjust_logits, prompt_token_logprobs, sample_tokens, token_logprobs
-from tiered.engine.scheduler import PromptTwins, Scheduler, SharedPrefixes, prefill_groups, rows_groups
+from tiered.engine.scheduler import PromptTwins, Scheduler, SharedPrefixes, rows_groups
 from tiered.engine.sequence import RequestOutput, Sequence, TokenLogprob
 from tiered.engine.speculative import DraftModel, ModelDrafter, NgramDrafter, draft_length, verify_draw
 from tiered.engine.structured import TokenMatcher, grammar_tokenizer
@@ -37,7 +37,7 @@ from tiered.hardware.budget import MemoryBudget
 from tiered.hardware.contention import thread_governor
 from tiered.memory import sizes
 from tiered.models import build_model
-from tiered.models.layers import KVCache, Rotary
+from tiered.models.layers import KVCache, Rotary, build_packed_metadata
 from tiered.quant.linear import PhaseLinear
 
 _NO_TOKENS = torch.empty(0, dtype=torch.long)
@@ -551,8 +551,8 @@ class LLM:
 
     def step(self, sched: Scheduler, cache: KVCache, burst: bool = False,
              interrupt: torch.Tensor | None = None) -> list[tuple[Sequence, str, RequestOutput | None]]:
-        """One step of the loop: schedule, prefill the newly admitted sequences (grouped by
-        scheduler.prefill_groups, one forward per group), decode every running sequence one token
+        """One step of the loop: schedule, prefill the newly admitted sequences (packed in groups,
+        one forward per group: _prefill_groups), decode every running sequence one token
         together, sample, postprocess; finished sequences give their slot back at once.
 
         Short prompts skip the prefill forward when the plan allows it (Plan.mixed_rows): an
@@ -651,9 +651,13 @@ class LLM:
 
     def _prefill_groups(self, seqs: list[Sequence], cache: KVCache,
                         twins: PromptTwins) -> list[tuple[Sequence, str, RequestOutput | None]]:
-        """Prefill admitted `seqs` (LLM.step), grouped by scheduler.prefill_groups, one forward a group
-        whose padded tokens stay within the plan's prefill chunk (the device workspace's tokens); each
-        group's twins join it (PromptTwins.join). Returns the first tokens' events."""
+        """Prefill admitted `seqs` (LLM.step) in groups, each one forward, in admission order (scheduler.rows_groups):
+        as rows of native steps of at most Plan.most_prompt_rows rows where the plan runs whole chunks so
+        (Plan.chunks_as_rows), else packed into one row of at most min(max_context, Plan.prefill_chunk) tokens (what
+        the plan's workspace holds; LLM._forward); each group's twins join it (PromptTwins.join). Returns the first tokens' events.
+        Packing, where padded forwards had taken prompts of near lengths only (at most 25% padding; an MoE model's
+        equal lengths), took a SmolLM2 batch file's 42 prompts of 18-500 tokens in N forwards where padding took 18
+        (2-core AMX VM, 2026-12-05)."""
         events = []
         plain = [s for s in seqs if not s.scores_prompt]  # a prompt whose logprobs are asked prefills alone
         step = self.runtime.cpu_decode
@@ -663,11 +667,9 @@ class LLM:
             # rows alone, through _prefill's chunks
             groups = [(g, len(g) > 1 or len(g[0].prompt_ids) - g[0].cached_tokens <= most)
                       for g in _rows_groups(plain, most)]
-        else:
-            groups = [([plain[i] for i in group], False) for group in
-                      prefill_groups([len(s.prompt_ids) - s.cached_tokens for s in plain],
-                                     min(self.max_context, self.plan.prefill_chunk or self.max_context),
-                                     padding=not self.config.is_moe)]
+        else:  # prompts packed into forwards of at most the tokens the plan's workspace holds (LLM._forward)
+            groups = [(g, False) for g in
+                      _rows_groups(plain, min(self.max_context, self.plan.prefill_chunk or self.max_context))]
         for group_seqs, rows in groups + [([s], False) for s in seqs if s.scores_prompt]:
             t0 = time.perf_counter()
             for seq in group_seqs:
@@ -876,7 +878,7 @@ class LLM:
     def _prefill(self, seqs: list[Sequence], cache: KVCache) -> torch.Tensor:
         """Prefill `seqs` (one group of LLM.step): logits [len(seqs), V] fp32 of each prompt's last token.
 
-        LLM.step groups prompts only while a group's padded tokens fit Plan.prefill_chunk, so a group
+        LLM.step groups prompts only while a group's packed tokens fit Plan.prefill_chunk, so a group
         goes through one forward, unless it is one prompt longer than the chunk. That prompt prefills
         chunk by chunk: a chunk writes its KV and attends to the cache the earlier chunks wrote (the
         prefix-reuse path), so the device never holds more than one chunk's activations, the tokens
@@ -958,20 +960,18 @@ class LLM:
 
     def _forward(self, seqs: list[Sequence], cache: KVCache, prefill: bool,
                  span: tuple[int, int] | None = None) -> torch.Tensor:
-        """One model step. Prefill: the prompt tokens of each sequence from its cached_tokens on,
-        rows right-padded to the longest (a padded position's key is written past its row's prompt,
-        never attended to: decode overwrites it before any query reaches it); `span` (start, end):
+        """One model step. Prefill: the prompt tokens of each sequence from its cached_tokens on, several
+        prompts packed into one row (models/layers.build_packed_metadata: no padded position; each writes
+        its own slot's KV and attends to it alone), logits [len(seqs), V] of each one's last token; `span` (start, end):
         only those prompt positions of the one sequence, whose KV before `start` the cache holds
         (a chunk of LLM._prefill). Decode: the last token of each."""
-        last = None
+        last = spans = None
         if prefill:  # the prompt tokens past those whose KV the slot holds already (prefix reuse)
             spans = [span or (s.cached_tokens, len(s.prompt_ids)) for s in seqs]
-            rows = [s.prompt_ids[a:b] for s, (a, b) in zip(seqs, spans)]
-            T = max(len(r) for r in rows)
-            ids = torch.tensor([r + r[-1:] * (T - len(r)) for r in rows])
-            positions = torch.arange(T) + torch.tensor([[a] for a, _ in spans])
-            if any(len(r) < T for r in rows):
-                last = torch.tensor([len(r) - 1 for r in rows])
+            ids = torch.tensor([[t for s, (a, b) in zip(seqs, spans) for t in s.prompt_ids[a:b]]])
+            positions = torch.cat([torch.arange(a, b) for a, b in spans]).unsqueeze(0)
+            if len(seqs) > 1:  # packed into one row, each prompt's last token's logits
+                last = torch.tensor([b - a for a, b in spans]).cumsum(0) - 1
         else:
             ids = torch.tensor([[s.output_ids[-1]] for s in seqs])
             positions = torch.tensor([[s.num_tokens - 1] for s in seqs])
@@ -987,8 +987,12 @@ class LLM:
                                              max(s.num_tokens for s in seqs), contiguous)
             elif not prefill and self.runtime.cpu_decode is not None and len(seqs) <= self.plan.native_step_rows():
                 logits = self.runtime.cpu_decode(ids, positions, slots_dev, cache)
-            if logits is None:
-                logits = self.model(ids, positions, slots_dev, cache, last=last)
+            if logits is None and last is not None:  # prompts packed into one row (build_packed_metadata)
+                meta = build_packed_metadata(self.model.rotary, positions, spans, slots.tolist(),
+                                             self.config.sliding_window)
+                logits = self.model(ids, positions, slots_dev, cache, meta=meta, last=last)
+            elif logits is None:
+                logits = self.model(ids, positions, slots_dev, cache)
         return logits.float().cpu()  # [B, V]
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

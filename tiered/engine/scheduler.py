@@ -185,50 +185,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
-PREFILL_PADDING = 0.25  # most padded positions a batched prefill adds, as a share of its real tokens
-
-
-def prefill_groups(lengths: list[int], max_tokens: int, padding: bool = True,
-                   max_padding: float = PREFILL_PADDING) -> list[list[int]]:
-    """Group newly admitted sequences for batched prefill: one forward per group, its rows
-    right-padded to the group's longest prompt. Larger GEMMs run closer to the CPU's peak
-    (SmolLM2 int4, 2 cores: a 34-token prompt alone takes ~100 ms, eight of them together ~2x less
-    per prompt), at the cost of the padded positions' compute.
-
-    Sequences are taken shortest first; a group grows while its padded size (rows x longest prompt)
-    stays within `max_tokens` (what one longest prompt may take) and within (1 + max_padding) x its
-    real tokens. padding=False groups equal lengths only (MoE models: a padded token would be routed
-    to experts, and counted in their statistics).
-
-    Args:
-        lengths: prompt tokens of each admitted sequence (>= 1 each).
-        max_tokens: most padded tokens per group (a longer prompt is a group of its own).
-    Returns:
-        Groups of indices into `lengths`, every index once, each group ordered by length.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    groups: list[list[int]] = []
-    real = 0
-    for i in order:
-        n = lengths[i]
-        if groups:
-            g = groups[-1]
-            padded = (len(g) + 1) * n  # n is the longest so far: shortest first
-            fits = padded <= max_tokens and (padded <= (1 + max_padding) * (real + n) if padding
-                                             else n == lengths[g[0]])
-            if fits:
-                g.append(i)
-                real += n
-                continue
-        groups.append([i])
-        real = n
-    return groups
-
-
 def rows_groups(lengths: list[int], most: int) -> list[list[int]]:
-    """Prompts of `lengths` uncached tokens packed into native decode steps of at most `most` rows each, in the
-    order given (engine/llm._rows_groups, planner/batch_sim): groups of indices; a prompt longer than `most` is a
-    group of its own (run chunk by chunk)."""
+    """Prompts of `lengths` uncached tokens packed into groups of at most `most` tokens each, in the order given: the
+    native decode steps of prompt rows, or the packed forwards (models/layers.build_packed_metadata) LLM._prefill_groups
+    runs (engine/llm._rows_groups, planner/batch_sim): groups of indices; a prompt longer than `most` is a group of
+    its own (run chunk by chunk)."""
     groups: list[list[int]] = []
     rows = most + 1
     for i, n in enumerate(lengths):

@@ -140,6 +140,11 @@ class LatentAttention(nn.Module):
         q_pe = self._rotate(q_pe, meta)
         k_pe = self._rotate(k_pe.unsqueeze(1), meta)  # [B, 1, T, r]
         entry = torch.cat((latent.unsqueeze(1), k_pe.to(latent.dtype)), -1)  # [B, 1, T, R + r]
+        if meta.segments is not None:  # prompts packed into one row: each writes and attends on its own
+            out = torch.cat([self._expanded(q_nope[:, :, o:o + n_], q_pe[:, :, o:o + n_], cache.update(
+                self.layer_idx, entry[:, :, o:o + n_], entry[:, :, o:o + n_, :0], one)[0], one)
+                for o, n_, one in meta.segments], 2)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, H * v))
         cached, _ = cache.update(self.layer_idx, entry, entry[..., :0], meta)  # [B, 1, S, R + r]
         if cached.dtype != q.dtype:  # a 16-bit KV cache beside fp32 activations
             cached = cached.to(q.dtype)
@@ -152,14 +157,23 @@ class LatentAttention(nn.Module):
             q_lat = torch.matmul(q_nope, w[:, :n].to(q.dtype))  # [B, H, 1, R]
             o_lat = _latent_attend(torch.cat((q_lat, q_pe.to(q_lat.dtype)), -1), cached, R, meta.mask, self.scale)
             out = torch.matmul(o_lat, w[:, n:].transpose(1, 2).to(o_lat.dtype))  # [B, H, 1, v]
-        else:  # expanded per head, as transformers
-            S = cached.shape[2]
-            kv = F.linear(cached[:, 0, :, :R], self.kv_b_proj.weight).view(B, S, H, n + v).transpose(1, 2)
-            k_nope, values = kv.split((n, v), -1)  # [B, H, S, n], [B, H, S, v]
-            keys = torch.cat((k_nope, cached[:, :, :, R:].expand(B, H, S, r)), -1)
-            out = attend(torch.cat((q_nope, q_pe.to(q_nope.dtype)), -1), keys, values, meta.mask, meta.causal,
-                         self.scale, False)  # [B, H, T, v]
+        else:
+            out = self._expanded(q_nope, q_pe, cached, meta)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * v))
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cached: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """Attention expanded per head, as transformers computes it (a prompt's): q_nope [B, H, T, n], rotated
+        q_pe [B, H, T, r], the cache's [c_kv, k_pe] rows [B, 1, S, R + r] -> [B, H, T, v]."""
+        B, H, n, v, R, r = q_nope.shape[0], self.H, self.n, self.v, self.R, self.r
+        if cached.dtype != q_nope.dtype:  # a 16-bit KV cache beside fp32 activations
+            cached = cached.to(q_nope.dtype)
+        S = cached.shape[2]
+        kv = F.linear(cached[:, 0, :, :R], self.kv_b_proj.weight).view(B, S, H, n + v).transpose(1, 2)
+        k_nope, values = kv.split((n, v), -1)  # [B, H, S, n], [B, H, S, v]
+        keys = torch.cat((k_nope, cached[:, :, :, R:].expand(B, H, S, r)), -1)
+        return attend(torch.cat((q_nope, q_pe.to(q_nope.dtype)), -1), keys, values, meta.mask, meta.causal,
+                      self.scale, False)  # [B, H, T, v]
 
 
 class DeepSeekRouter(Router):

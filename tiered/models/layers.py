@@ -112,10 +112,13 @@ class AttentionMetadata:
         kv_len: S, the number of cache positions attended to.
         single: (slot, start) as ints when B == 1 and the new tokens take positions start..start+T-1
             (every prefill and single-sequence decode): the KV write is then a plain slice copy.
+        segments: prompts packed into one row (build_packed_metadata: B == 1, T their tokens one after
+            another), each (offset, length, its own metadata): its columns offset..offset+length-1 of the
+            row write their KV to its slot and attend to its slot's cache alone. None: every row one sequence.
     """
 
     __slots__ = ("positions", "slots", "cos", "sin", "mask", "causal", "kv_len", "contiguous_slots", "single",
-                 "sin_signed", "local")
+                 "sin_signed", "local", "segments")
 
     def __init__(self, positions, slots, cos, sin, mask, causal, kv_len, contiguous_slots, single=None,
                  sin_signed=None) -> None:
@@ -124,6 +127,7 @@ class AttentionMetadata:
         self.single = single  # (slot, first position) when one sequence writes consecutive positions
         self.sin_signed = sin_signed  # sin, first half negated (Rotary.signed), or None
         self.local = None  # window_mask's (window, mask, causal), made by the first layer with that window
+        self.segments: tuple[tuple[int, int, "AttentionMetadata"], ...] | None = None  # build_packed_metadata's
 
 
 def window_mask(meta: AttentionMetadata, window: int) -> tuple[torch.Tensor | None, bool]:
@@ -165,6 +169,47 @@ def build_attention_metadata(rotary: Rotary, positions: torch.Tensor, slots: tor
         single = (int(slots[0]), kv_len - T)
     return AttentionMetadata(positions, slots, cos, sin, mask, causal, kv_len, contiguous, single,
                              rotary.signed(sin))
+
+
+def build_packed_metadata(rotary: Rotary, positions: torch.Tensor, spans: list[tuple[int, int]], slots: list[int],
+                          sliding_window: int | None) -> AttentionMetadata:
+    """Metadata of one step over prompts packed into one row (varlen prefill, as vLLM packs a batch's prompts):
+    prompt i's positions spans[i] = (start, end) of slot slots[i], its tokens the row's next end - start
+    columns. The row's projections, norms and FFN run over every prompt's tokens at once, with no padded
+    position; each prompt writes its KV to its own slot and attends only to that slot's cache
+    (Attention._attend's `segments`): causally over its own tokens from position 0, or through an explicit
+    mask after `start` cached positions (a reused prefix).
+
+    Args:
+        positions: int64 [1, N] on the model's device, N = the spans' tokens: each span's start..end-1 in turn.
+        spans: (start, end) cache positions of each prompt's tokens, end > start >= 0.
+        slots: each prompt's KV-cache slot.
+    Returns:
+        AttentionMetadata with `segments` set; its own mask None (each segment has its own).
+    Raises:
+        ValueError: spans and slots of different lengths, an empty span, or positions not of their tokens.
+    """
+    if len(spans) != len(slots) or any(b <= a or a < 0 for a, b in spans):
+        raise ValueError(f"packed prompts need one slot and a non-empty span each: {spans}, {slots}")
+    N = sum(b - a for a, b in spans)
+    if tuple(positions.shape) != (1, N):
+        raise ValueError(f"positions {tuple(positions.shape)} are not the spans' {N} tokens in one row")
+    cos, sin = rotary(positions)
+    device = positions.device
+    slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+    segments, offset = [], 0
+    for i, ((a, b), slot) in enumerate(zip(spans, slots)):
+        pos = positions[:, offset:offset + b - a]
+        in_window = sliding_window is None or b <= sliding_window
+        causal = a == 0 and in_window
+        mask = None if causal else attention_mask(pos, b, sliding_window)
+        one = AttentionMetadata(pos, slot_t[i:i + 1], None, None, mask, causal, b, slot == 0, single=(slot, a))
+        segments.append((offset, b - a, one))
+        offset += b - a
+    meta = AttentionMetadata(positions, slot_t, cos, sin, None, False, max(b for _, b in spans), False,
+                             sin_signed=rotary.signed(sin))
+    meta.segments = tuple(segments)
+    return meta
 
 
 def build_static_decode_metadata(rotary: Rotary, positions: torch.Tensor, slots: torch.Tensor, kv_len: int,
@@ -450,16 +495,29 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, meta: AttentionMetadata, cache: KVCache, B: int, T: int) -> torch.Tensor:
         """q [B, H, T, hd] and k [B, Hkv, T, hd] rotated, v [B, T, Hkv, hd]: write this step's k/v,
-        attend over the cache, project out -> [B, T, D]."""
-        k, v = cache.update(self.layer_idx, k, v.transpose(1, 2), meta)  # (B, Hkv, S, hd)
+        attend over the cache, project out -> [B, T, D]. Prompts packed into one row (meta.segments) each
+        write and attend on their own (`_cached_attend` a segment), their outputs side by side again."""
+        v = v.transpose(1, 2)
+        if meta.segments is None:
+            out = self._cached_attend(q, k, v, meta, cache, T > 1)
+        else:
+            out = torch.cat([self._cached_attend(q[:, :, o:o + n], k[:, :, o:o + n], v[:, :, o:o + n], one, cache,
+                                                 T > 1) for o, n, one in meta.segments], 2)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
+
+    def _cached_attend(self, q, k, v, meta: AttentionMetadata, cache: KVCache, prompt: bool) -> torch.Tensor:
+        """q [B, H, T, hd], k and v [B, Hkv, T, hd] of one step (or segment): write k/v to the cache at
+        meta's positions, attend q over the cache -> [B, H, T, hd]; `prompt`: the step's 2+ tokens attend in
+        Attention.prompt_dtype where the cache holds it."""
+        k, v = cache.update(self.layer_idx, k, v, meta)  # (B, Hkv, S, hd)
         mask, causal = (meta.mask, meta.causal) if self.local_window is None else window_mask(meta, self.local_window)
-        if T > 1 and k.dtype == self.prompt_dtype and q.dtype != k.dtype:  # a prompt in the cache's format
+        if prompt and k.dtype == self.prompt_dtype and q.dtype != k.dtype:  # a prompt in the cache's format
             out = self.attend(q.to(k.dtype), k, v, mask, causal).to(q.dtype)
         else:
             if k.dtype != q.dtype:  # an fp8 / other KV cache format
                 k, v = k.to(q.dtype), v.to(q.dtype)
             out = self.attend(q, k, v, mask, causal)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.H * self.hd))
+        return out
 
     def attend(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """q [B, H, T, hd], cached k/v [B, Hkv, S, hd], the layer's mask -> [B, H, T, hd] (`attend`)."""

@@ -92,8 +92,12 @@ class CausalLM(nn.Module):
                 last: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step and return logits: [B, V] for the last token (last_only) or [B, T, V].
         last: int64 [B] on h's device, the column of each row's last real token when rows are
-        right-padded (a batched prefill of prompts of different lengths); None = column T - 1."""
+        right-padded (a batched prefill of prompts of different lengths); None = column T - 1. Prompts
+        packed into one row (`meta` of layers.build_packed_metadata): `last` int64 [k], each prompt's
+        last column, and the logits are [k, V], one row a prompt."""
         h = self.hidden_states(input_ids, positions, slots, cache, meta)
+        if last_only and meta is not None and meta.segments is not None:
+            return self.lm_head(h[0, last].unsqueeze(1))[:, -1]
         if last_only:
             B, D = h.shape[0], h.shape[-1]
             # reshape, not the slice alone: the slice keeps the prompt's batch stride, and torch's

@@ -12,8 +12,9 @@ priced 5.6: 19 prompts past 256 tokens prefilled alone in 2.9 s, 341 decode step
 
 What the replay follows (LLM.step): at each step the waiting requests take the free slots in file order; of the
 admitted, the shortest prompts join the step's decode rows while the rows stay within Plan.most_prompt_rows (the
-running sequences' one row each counted); the others prefill first, as LLM._prefill_groups groups them (as rows of
-native steps, engine/llm._rows_groups, where Plan.chunks_as_rows; else scheduler.prefill_groups' padded forwards),
+running sequences' one row each counted); the others prefill first, as LLM._prefill_groups groups them (in admission
+order, scheduler.rows_groups: as rows of native steps where Plan.chunks_as_rows, else packed into forwards of at most
+min(max_context, prefill chunk) tokens, models/layers.build_packed_metadata),
 each writing its first token; then every running sequence decodes one token, beside the joining prompts' rows,
 whose first tokens come from their last rows. A sequence finishing gives its slot back for the next step.
 Prefix reuse (`prefixes`: which prompts share how many leading tokens, PromptPrefixes; tiered batch's server
@@ -24,7 +25,7 @@ shares prefixes (Plan.shared_prefixes) one sharing at least SHARED_PREFIX_TOKENS
 prompt takes them from it (SharedPrefixes): that leader prefills first, alone, its followers in later forwards.
 Both compare prompts only (a slot also holds its last request's generated tokens, which a later prompt may
 continue: not counted); a prompt's uncached tokens are priced as a prompt of that many tokens attending to the
-cached prefix too (StepPrices' `past`: a padded forward's longest prefix, rows' mean one weighted by their tokens).
+cached prefix too (StepPrices' `past`: a group's mean prefix weighted by its prompts' tokens).
 Not replayed: stops before max_tokens (every request generates its max_tokens: the file's bound), speculative
 decoding.
 """
@@ -57,23 +58,21 @@ class StepPrices:
             each has its logits).
         alone: (prompt tokens, past) -> seconds of one prompt prefilled on its own after `past` cached positions,
             on the engine's path for it (latency_cpu.prompt_time: rows, chunks, or the modules' prefill).
-        padded: (padded tokens T, prompts k, past) -> seconds of k prompts in one padded forward of T tokens after
-            `past` cached positions each (cpu_predict.predict_prefill with prompts=k).
+        packed: (each prompt's tokens, past) -> seconds of those prompts packed into one forward, after `past`
+            cached positions each (cpu_predict.predict_prefill with their lengths).
         most_rows: Plan.most_prompt_rows(): the most prompt rows one native step takes (0: prompts never join).
         chunks_as_rows: Plan.chunks_as_rows(): prompts prefill as rows of native steps (engine/llm._rows_groups).
-        group_tokens: the most padded tokens of a prefill group (scheduler.prefill_groups' max_tokens).
-        padding: groups pad to their longest prompt (dense models); False: equal lengths only (MoE).
+        group_tokens: the most tokens of a packed prefill forward (min(max_context, Plan.prefill_chunk)).
         shared_prefixes: Plan.shared_prefixes: prompts admitted together share a prefix's prefill (SharedPrefixes).
     """
 
     decode: Callable[[int, int], float]
     rows: Callable[[int, int], float]
     alone: Callable[[int], float]
-    padded: Callable[[int, int], float]
+    packed: Callable[[tuple[int, ...], int], float]
     most_rows: int
     chunks_as_rows: bool
     group_tokens: int
-    padding: bool = True
     shared_prefixes: bool = False
 
 
@@ -217,7 +216,7 @@ def simulate_requests(requests: Sequence[tuple[int, int]], slots: int, prices: S
         raise ValueError(f"prefixes rank {len(prefixes.rank)} prompts, not the {len(requests)} requests'")
     if not requests:
         return SimulatedRun(0.0, 0, 0, 0.0, 0.0, 0.0, 0, 0)
-    from tiered.engine.scheduler import SHARED_PREFIX_TOKENS, prefill_groups, rows_groups
+    from tiered.engine.scheduler import SHARED_PREFIX_TOKENS, rows_groups
 
     longest = max(p + g for p, g in requests)
     c_step = max(1, math.ceil(longest / GRID_POINTS))
@@ -265,23 +264,26 @@ def simulate_requests(requests: Sequence[tuple[int, int]], slots: int, prices: S
     def forwards_of(group: list[int], out: list) -> float:
         """The seconds of LLM._prefill_groups' forwards over `group` (admitted requests), each appended to `out`."""
         lengths = [prompt[i] - cached[i] for i in group]
+        as_rows = prices.chunks_as_rows and most > 0
         t = 0.0
-        if prices.chunks_as_rows and most > 0:
-            for g in rows_groups(lengths, most):  # engine/llm._rows_groups: in admission order
-                out.append(tuple(sorted(lengths[j] for j in g)))
-                t += rows_price([group[j] for j in g]) if len(g) > 1 else alone(lengths[g[0]], cached[group[g[0]]])
-        else:
-            for g in prefill_groups(lengths, prices.group_tokens, padding=prices.padding):
-                out.append(tuple(sorted(lengths[j] for j in g)))
-                T, past = len(g) * max(lengths[j] for j in g), max(cached[group[j]] for j in g)
-                t += (alone(lengths[g[0]], past) if len(g) == 1 else
-                      priced(("padded", T, len(g), past), lambda: prices.padded(T, len(g), past)))
+        for g in rows_groups(lengths, most if as_rows else prices.group_tokens):  # engine/llm._rows_groups
+            out.append(tuple(sorted(lengths[j] for j in g)))
+            if len(g) == 1:
+                t += alone(lengths[g[0]], cached[group[g[0]]])
+            elif as_rows:
+                t += rows_price([group[j] for j in g])
+            else:
+                lens, past = tuple(sorted(lengths[j] for j in g)), mean_past([group[j] for j in g])
+                t += priced(("packed", lens, past), lambda: prices.packed(lens, past))
         return t
+
+    def mean_past(group: list[int]) -> int:
+        """The cached positions before `group`'s prompts, their mean weighted by each one's uncached tokens."""
+        return round(sum((prompt[i] - cached[i]) * cached[i] for i in group) / sum(prompt[i] - cached[i] for i in group))
 
     def rows_price(group: list[int]) -> float:
         """The seconds of `group`'s uncached prompt tokens as rows of one native step."""
-        T = sum(prompt[i] - cached[i] for i in group)
-        past = round(sum((prompt[i] - cached[i]) * cached[i] for i in group) / T)
+        T, past = sum(prompt[i] - cached[i] for i in group), mean_past(group)
         return priced(("rows", T, len(group), past), lambda: prices.rows(T, len(group), past))
 
     def release(slot: int) -> None:

@@ -17,6 +17,7 @@ Cache hit rates come from replaying a routing trace through the runtime's own Ex
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -736,15 +737,16 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                     task_overhead: float | None = None, batch_act: str = "bf16", popularity=None,
                     chunk: int = 0, ffn_only: bool = False, attn_dtype: str | None = None,
                     ffn_dtype: str | None = None, native_moe: bool = False, prompts: int = 1,
-                    past: int = 0) -> float:
+                    past: int = 0, lengths: Sequence[int] | None = None) -> float:
     """Seconds of a `tokens`-token prefill on the CPU (no GPU): the time to first token.
 
     `past`: positions the cache holds before the prompt's (a prefix reused from a slot or lent: engine/scheduler),
     which its attention also covers (each forward after them, op_time.prefill_attention_pairs' explicit mask).
 
-    `prompts`: the tokens are that many equal prompts prefilled as one padded batch forward (prompts admitted
-    together: LLM._prefill_groups, scheduler.prefill_groups, within the chunk), each attending to its own tokens
-    and its last token's lm_head row; the weights and the experts (their reads too) go once for all.
+    `prompts`: the tokens are that many prompts packed into one forward (prompts admitted together:
+    LLM._prefill_groups, within the chunk; models/layers.build_packed_metadata), each attending to its own tokens
+    in a call of its own and its last token's lm_head row; the weights and the experts (their reads too) go once
+    for all. `lengths`: their tokens each (summing to `tokens`); None: `prompts` equal prompts.
 
     `ffn_only`: the seconds of its FFNs alone (each layer's dense FFN, or MoE block: router, shared expert,
     routed experts with their reads), what an MoE model's prompt costs beside its attention side when it runs
@@ -927,16 +929,21 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
         return total
 
     attn_macs = cfg.attention_macs_per_pair(False)
-    n = max(1, min(int(prompts), int(tokens)))
-    # a batch of prompts: one forward
+    n = max(1, min(int(prompts), int(tokens))) if lengths is None else len(lengths)
+    if lengths is None:
+        lengths = [tokens // n] * n
+    # packed prompts: one forward, each prompt's attention a call over its own tokens
     forwards = [(T, p + max(0, int(past))) for T, p in (chunk_spans(tokens, chunk) if n == 1 else [(tokens, 0)])]
     bodies = {T: forward(T) for T in {n for n, _ in forwards}}
     if ffn_only:
         return sum(bodies[T] for T, _ in forwards)
     heads = (n - 1) * _gemv(hw, dtype, d * cfg.vocab_size * bpe)  # each prompt's last row past the first
+
+    def pairs(T: int, past: int) -> float:
+        return prefill_attention_pairs(T, past) if n == 1 else sum(prefill_attention_pairs(t, past) for t in lengths)
     return heads + sum(bodies[T] + cfg.num_hidden_layers * op_time.prefill_attention_time(
-        hw, "cpu", attn_dtype or act_dtype or dtype, n * prefill_attention_pairs(T // n, past) * attn_macs,
-        past=past > 0) for T, past in forwards)
+        hw, "cpu", attn_dtype or act_dtype or dtype, pairs(T, past) * attn_macs, calls=n, past=past > 0)
+        for T, past in forwards)
 
 
 def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int, mix: dict | None = None,

@@ -117,7 +117,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
         plan.mixed_rows = priced_mixed_rows(plan.mixed_rows, plan.prefill_chunk, rows, modules)
     plan.predicted_ttft_s = prompt_time(plan, plan.prompt_tokens, rows, modules)
     if plan.kv_slots > 1:
-        plan.predicted_block_prefill_s = block_prefill_time(plan, cfg.is_moe, rows, modules)
+        plan.predicted_block_prefill_s = block_prefill_time(plan, rows, modules)
     plan.memory = memory
     if requests:  # a known workload's lengths: its run replayed at kv_slots slots (planner/batch_sim)
         from tiered.planner.batch_sim import simulate_requests
@@ -125,7 +125,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
         # whether admitted prompts share a prefix's prefill (auto.py settles it so for every plan; the replay's now)
         plan.shared_prefixes = plan.weights_stay_put()
         run = simulate_requests(requests, plan.kv_slots,
-                                request_prices(plan, cfg.is_moe, lambda n, c: predict(hits, n, c)[1], rows, modules),
+                                request_prices(plan, lambda n, c: predict(hits, n, c)[1], rows, modules),
                                 prefixes=prefixes)
         plan.predicted_requests_tokens_per_s = run.tokens_per_s
     if plan.speculative_tokens and native_step(profile):
@@ -146,7 +146,7 @@ def prompt_paths(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, disk_sh
     `profile` (prompt_time picks one). `rows(T, past=0, logit_rows=1, prompts=1)`: as rows of the native decode step
     (cpu_predict.predict_prompt_rows; an MoE model's FFNs as its prefill computes them, predict_prefill's ffn_only:
     the step's MoE block, or the block's module); `modules(T, chunk=Plan.prefill_chunk, ffn_only=False, prompts=1,
-    past=0)`:
+    past=0, lengths=None)`:
     through the modules' prefill (predict_prefill), with `disk_share` of the expert uses read from disk and `popularity` the
     expert profile's routing (float [L, E]; None: uniform)."""
     from tiered.planner.cpu_predict import predict_prefill, predict_prompt_rows
@@ -159,13 +159,13 @@ def prompt_paths(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, disk_sh
     native_moe = bool(moe) and plan.native_decode and not disk_share and plan.mixed_precision is None
 
     def modules(T: int, chunk: int = plan.prefill_chunk, ffn_only: bool = False, prompts: int = 1,
-                past: int = 0) -> float:
+                past: int = 0, lengths=None) -> float:
         return predict_prefill(cfg, profile, held, T, moe or None, disk_share, experts_dtype=fmt, act_dtype=fmt,
                                experts_format=plan.dtypes["experts"], read_ahead=plan.read_ahead,
                                readers=max(2, plan.staging_buffers), batch_act=plan.batch_act,
                                popularity=popularity if moe else None, chunk=chunk, ffn_only=ffn_only,
                                attn_dtype=plan.dtypes.get("prompt_attention"), ffn_dtype=plan.dtypes.get("prompt_ffn"),
-                               native_moe=native_moe, prompts=prompts, past=past)
+                               native_moe=native_moe, prompts=prompts, past=past, lengths=lengths)
 
     ffn = (lambda T: modules(T, 0, ffn_only=True)) if cfg.is_moe else None  # noqa: E731
 
@@ -251,31 +251,29 @@ def prompt_time(plan: Plan, tokens: int, rows, modules, past: int = 0) -> float:
     return modules(tokens, past=past)
 
 
-def block_prefill_groups(plan: Plan, moe: bool) -> tuple[list[int], bool]:
+def block_prefill_groups(plan: Plan) -> tuple[list[int], bool]:
     """How the engine prefills plan.kv_slots (B) prompts of plan.prompt_tokens (P) admitted together
     (LLM._prefill_groups): ([prompts in each group], as rows). Where whole chunks run as rows (Plan.chunks_as_rows),
-    native steps of at most Plan.most_prompt_rows rows each (engine/llm._rows_groups); else padded batch forwards
-    within the prefill chunk's tokens (scheduler.prefill_groups; an MoE model's of equal lengths). A prompt past a
-    group's tokens is a group of its own."""
-    from tiered.engine.scheduler import prefill_groups
-
+    native steps of at most Plan.most_prompt_rows rows each; else forwards of prompts packed within the prefill
+    chunk's tokens (models/layers.build_packed_metadata). Both in admission order (scheduler.rows_groups); a prompt
+    past a group's tokens is a group of its own."""
     B, P = plan.kv_slots, max(1, plan.prompt_tokens)
-    if plan.chunks_as_rows():
-        g = max(1, plan.most_prompt_rows() // P)
-        return [g] * (B // g) + ([B % g] if B % g else []), True
-    # (the engine bounds a group by min(max_context, prefill_chunk); a CPU plan's context_tokens is its max_context)
-    most = min(plan.context_tokens or plan.prefill_chunk, plan.prefill_chunk or plan.context_tokens)
-    return [len(g) for g in prefill_groups([P] * B, most, padding=not moe)], False
+    # (the engine bounds a packed forward by min(max_context, prefill_chunk), the tokens its workspace holds; a CPU
+    # plan's context_tokens is its max_context)
+    most = plan.most_prompt_rows() if plan.chunks_as_rows() else \
+        min(plan.context_tokens or plan.prefill_chunk, plan.prefill_chunk or plan.context_tokens)
+    g = max(1, most // P)
+    return [g] * (B // g) + ([B % g] if B % g else []), plan.chunks_as_rows()
 
 
-def block_prefill_time(plan: Plan, moe: bool, rows, modules) -> float:
+def block_prefill_time(plan: Plan, rows, modules) -> float:
     """Seconds to prefill plan.kv_slots prompts of plan.prompt_tokens (P) admitted together (the throughput goal's
     block, planner/throughput.block_throughput) in the engine's groups (block_prefill_groups): a group of g prompts
-    as one step of g P rows (`rows(T, prompts=g)`) or one padded forward (`modules(T, 0, prompts=g)`), a lone prompt
+    as one step of g P rows (`rows(T, prompts=g)`) or one packed forward (`modules(T, 0, prompts=g)`), a lone prompt
     as prompt_time prices it. A group streams the weights, and reads and runs each active expert, once for all its
     prompts: 16 prompts of 64 tokens of the 8-layer Qwen3-30B-A3B-width Q4_0 file with 766 of its 1024 experts on
     disk prefilled in 5.1 s together, where 16 times one prompt's TTFT priced 40.6 s (2 Zen 4 cores, 2026-12-04)."""
-    groups, as_rows = block_prefill_groups(plan, moe)
+    groups, as_rows = block_prefill_groups(plan)
     P = max(1, plan.prompt_tokens)
     prices: dict[int, float] = {}
     for g in set(groups):
@@ -284,7 +282,7 @@ def block_prefill_time(plan: Plan, moe: bool, rows, modules) -> float:
     return sum(prices[g] for g in groups)
 
 
-def request_prices(plan: Plan, moe: bool, decode, rows, modules):
+def request_prices(plan: Plan, decode, rows, modules):
     """batch_sim.StepPrices of a CPU `plan`: `decode(n, c)` seconds of a step of n sequences at c cached positions
     (cpu_predict.predict_decode), `rows` and `modules` prompt_paths'. A prompt prefilled on its own runs as
     prompt_time prices it where whole chunks run as rows (Plan.chunks_as_rows); else through the modules' prefill
@@ -296,10 +294,10 @@ def request_prices(plan: Plan, moe: bool, decode, rows, modules):
         decode=decode, rows=lambda T, k, past=0: rows(T, past, prompts=k),
         alone=(lambda T, past=0: prompt_time(plan, T, rows, modules, past)) if as_rows else
         (lambda T, past=0: modules(T, past=past)),
-        padded=lambda T, k, past=0: modules(T, 0, prompts=k, past=past), most_rows=plan.most_prompt_rows(),
-        chunks_as_rows=as_rows,
+        packed=lambda lengths, past=0: modules(sum(lengths), 0, prompts=len(lengths), past=past, lengths=lengths),
+        most_rows=plan.most_prompt_rows(), chunks_as_rows=as_rows,
         group_tokens=min(plan.context_tokens or plan.prefill_chunk, plan.prefill_chunk or plan.context_tokens),
-        padding=not moe, shared_prefixes=plan.shared_prefixes)
+        shared_prefixes=plan.shared_prefixes)
 
 
 # Prompt lengths past the measured mixed rows (planner/auto.MIXED_ROWS) where a plan prices both of a prompt's paths.
