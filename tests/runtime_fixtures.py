@@ -83,6 +83,7 @@ class Sizes:
     rotary: int = 0  # RoPE cos/sin tables for max_context positions, fp32
     workspace: int = 0  # activation room the plan keeps on an accelerator (memory/sizes.workspace_bytes)
     cpu_workspace: int = 0  # a CPU plan's room in RAM for a prefill chunk's activations (of max_context tokens at most)
+    cpu_token: int = 0  # ... for each more prompt token a packed forward of several slots' prompts takes
 
     @property
     def total_experts(self) -> int:
@@ -95,6 +96,15 @@ class Sizes:
         bytes the plan keeps for libraries' workspaces on a real GPU (`cuda_library()`; 0 on the stand-in)."""
         fixed = self.nonexpert + self.kv + self.rotary + (self.workspace + library if accelerator else self.cpu_workspace)
         return fixed + (staging + cache_slots + resident) * self.expert
+
+    def cpu_slots(self, slots: int, context: int = 0) -> int:
+        """The RAM a CPU plan of `slots` KV-cache slots keeps for its prefill workspace beyond one slot's
+        (`cpu_workspace`): a packed forward takes up to a chunk of CPU_PREFILL_TOKENS, `slots` prompts of
+        `context` (default MAX_CONTEXT) tokens where that is fewer (memory/sizes.cpu_prefill_tokens)."""
+        from tiered.memory import sizes
+
+        context = context or MAX_CONTEXT
+        return self.cpu_token * (sizes.cpu_prefill_tokens(context, slots) - sizes.cpu_prefill_tokens(context))
 
     def cpu(self, experts: int, staging: int = STAGING) -> int:
         """CPU-tier budget (behind an accelerator) for `experts` CPU-resident experts."""
@@ -185,7 +195,8 @@ def sizes_of(path: Path, max_context: int = MAX_CONTEXT) -> Sizes:
                  moe_layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
                  rotary=2 * max_context * cfg.rotary_dim * 4,
                  workspace=sizes.workspace_bytes(cfg, "fp32"),
-                 cpu_workspace=sizes.workspace_bytes(cfg, "fp32", min(sizes.CPU_PREFILL_TOKENS, max_context)))
+                 cpu_workspace=sizes.cpu_workspace_bytes(cfg, "fp32", max_context),
+                 cpu_token=sizes.workspace_bytes(cfg, "fp32", 1) - sizes.workspace_bytes(cfg, "fp32", 0))
 
 
 def live_device_bytes() -> int:

@@ -112,7 +112,7 @@ def test_moe_beams_with_experts_on_disk_match_transformers(rt):
     kind = "mixtral"
     s = rt.sizes(kind)
     ids, p = moe_params(rt, kind)
-    budget = s.fast(cache_slots=3, accelerator=False) + (p.width - 1) * s.kv
+    budget = s.fast(cache_slots=3, accelerator=False) + (p.width - 1) * s.kv + s.cpu_slots(p.width)
     with LLM(rt.dir(kind), engine_config(accelerator="none", max_batch=p.width, expert_cache_slots=3,
                                          cpu_memory=budget)) as llm:
         out = llm.beam_search(ids, p)

@@ -62,7 +62,7 @@ def test_block_prefill_groups_are_the_engines(B, P, mixed, chunk, context, moe):
     assert as_rows == plan.chunks_as_rows()
     seqs = [SimpleNamespace(prompt_ids=[0] * P, cached_tokens=0) for _ in range(B)]
     # (the engine's bounds: LLM._prefill_groups)
-    engine = [len(g) for g in _rows_groups(seqs, plan.most_prompt_rows() if as_rows else min(context, chunk))]
+    engine = [len(g) for g in _rows_groups(seqs, plan.most_prompt_rows() if as_rows else chunk)]
     assert groups == engine and sum(groups) == B
     calls = []
     rows = lambda T, past=0, logit_rows=1, prompts=1: calls.append(("rows", T, prompts)) or 1e-3 * T  # noqa: E731

@@ -653,8 +653,8 @@ class LLM:
                         twins: PromptTwins) -> list[tuple[Sequence, str, RequestOutput | None]]:
         """Prefill admitted `seqs` (LLM.step) in groups, each one forward, in admission order (scheduler.rows_groups):
         as rows of native steps of at most Plan.most_prompt_rows rows where the plan runs whole chunks so
-        (Plan.chunks_as_rows), else packed into one row of at most min(max_context, Plan.prefill_chunk) tokens (what
-        the plan's workspace holds; LLM._forward); each group's twins join it (PromptTwins.join). Returns the first tokens' events.
+        (Plan.chunks_as_rows), else packed into one row of at most Plan.prefill_chunk tokens (what the plan's
+        workspace holds: memory/sizes.cpu_prefill_tokens; LLM._forward); each group's twins join it (PromptTwins.join). Returns the first tokens' events.
         Packing, where padded forwards had taken prompts of near lengths only (at most 25% padding; an MoE model's
         equal lengths), took a SmolLM2 batch file's 42 prompts of 18-500 tokens in N forwards where padding took 18
         (2-core AMX VM, 2026-12-05)."""
@@ -667,9 +667,8 @@ class LLM:
             # rows alone, through _prefill's chunks
             groups = [(g, len(g) > 1 or len(g[0].prompt_ids) - g[0].cached_tokens <= most)
                       for g in _rows_groups(plain, most)]
-        else:  # prompts packed into forwards of at most the tokens the plan's workspace holds (LLM._forward)
-            groups = [(g, False) for g in
-                      _rows_groups(plain, min(self.max_context, self.plan.prefill_chunk or self.max_context))]
+        else:  # prompts packed into forwards of at most a prefill chunk's tokens, what the plan's workspace holds
+            groups = [(g, False) for g in _rows_groups(plain, self.plan.prefill_chunk or self.max_context)]
         for group_seqs, rows in groups + [([s], False) for s in seqs if s.scores_prompt]:
             t0 = time.perf_counter()
             for seq in group_seqs:

@@ -351,11 +351,17 @@ def score_rows(cfg: ModelConfig, fmt: str, tokens: int) -> int:
     return max(1, int(tokens * _activation_bytes_per_token(cfg, fmt) // per_row))
 
 
-def cpu_workspace_bytes(cfg: ModelConfig, fmt: str, context: int) -> int:
+def cpu_workspace_bytes(cfg: ModelConfig, fmt: str, context: int, slots: int = 1) -> int:
     """A CPU plan's RAM for one prefill forward's activations in `fmt` (Plan.workspace_bytes): a chunk of
-    CPU_PREFILL_TOKENS tokens (Plan.prefill_chunk), or the whole `context` where it is shorter (no prompt is
-    longer)."""
-    return workspace_bytes(cfg, fmt, min(CPU_PREFILL_TOKENS, context))
+    CPU_PREFILL_TOKENS tokens (Plan.prefill_chunk), or `slots` prompts of the whole `context` where that is
+    fewer (a forward packs at most one prompt a KV-cache slot: LLM._prefill_groups)."""
+    return workspace_bytes(cfg, fmt, cpu_prefill_tokens(context, slots))
+
+
+def cpu_prefill_tokens(context: int, slots: int = 1) -> int:
+    """The most tokens a CPU plan's prefill forward takes (cpu_workspace_bytes' room): a chunk of CPU_PREFILL_TOKENS,
+    or `slots` prompts of `context` tokens where that is fewer."""
+    return min(CPU_PREFILL_TOKENS, max(1, slots) * context)
 
 
 def library_workspace_bytes(capability: str | int | None) -> int:

@@ -14,7 +14,7 @@ What the replay follows (LLM.step): at each step the waiting requests take the f
 admitted, the shortest prompts join the step's decode rows while the rows stay within Plan.most_prompt_rows (the
 running sequences' one row each counted); the others prefill first, as LLM._prefill_groups groups them (in admission
 order, scheduler.rows_groups: as rows of native steps where Plan.chunks_as_rows, else packed into forwards of at most
-min(max_context, prefill chunk) tokens, models/layers.build_packed_metadata),
+a prefill chunk's tokens, models/layers.build_packed_metadata),
 each writing its first token; then every running sequence decodes one token, beside the joining prompts' rows,
 whose first tokens come from their last rows. A sequence finishing gives its slot back for the next step.
 Prefix reuse (`prefixes`: which prompts share how many leading tokens, PromptPrefixes; tiered batch's server
@@ -62,7 +62,7 @@ class StepPrices:
             cached positions each (cpu_predict.predict_prefill with their lengths).
         most_rows: Plan.most_prompt_rows(): the most prompt rows one native step takes (0: prompts never join).
         chunks_as_rows: Plan.chunks_as_rows(): prompts prefill as rows of native steps (engine/llm._rows_groups).
-        group_tokens: the most tokens of a packed prefill forward (min(max_context, Plan.prefill_chunk)).
+        group_tokens: the most tokens of a packed prefill forward (Plan.prefill_chunk).
         shared_prefixes: Plan.shared_prefixes: prompts admitted together share a prefix's prefill (SharedPrefixes).
     """
 

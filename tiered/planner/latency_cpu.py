@@ -61,7 +61,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
         held_bytes = sizes.one_copy_weight_bytes(cfg, fmt, mix or {dtype: 1.0}, skip, head, embedding_bytes)
     # a prompt longer than the workspace's tokens prefills chunk by chunk: its activations stay within it
     plan.prefill_chunk = sizes.CPU_PREFILL_TOKENS
-    plan.workspace_bytes = sizes.cpu_workspace_bytes(cfg, fmt, plan.context_tokens)
+    plan.workspace_bytes = sizes.cpu_workspace_bytes(cfg, fmt, plan.context_tokens, plan.kv_slots)
     fixed = (held_bytes
              + sizes.rotary_bytes(cfg, plan.context_tokens)
              + sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"])
@@ -258,10 +258,8 @@ def block_prefill_groups(plan: Plan) -> tuple[list[int], bool]:
     chunk's tokens (models/layers.build_packed_metadata). Both in admission order (scheduler.rows_groups); a prompt
     past a group's tokens is a group of its own."""
     B, P = plan.kv_slots, max(1, plan.prompt_tokens)
-    # (the engine bounds a packed forward by min(max_context, prefill_chunk), the tokens its workspace holds; a CPU
-    # plan's context_tokens is its max_context)
-    most = plan.most_prompt_rows() if plan.chunks_as_rows() else \
-        min(plan.context_tokens or plan.prefill_chunk, plan.prefill_chunk or plan.context_tokens)
+    # (the engine bounds a packed forward by the prefill chunk, the tokens its workspace holds: sizes.cpu_prefill_tokens)
+    most = plan.most_prompt_rows() if plan.chunks_as_rows() else plan.prefill_chunk or plan.context_tokens
     g = max(1, most // P)
     return [g] * (B // g) + ([B % g] if B % g else []), plan.chunks_as_rows()
 
@@ -296,8 +294,7 @@ def request_prices(plan: Plan, decode, rows, modules):
         (lambda T, past=0: modules(T, past=past)),
         packed=lambda lengths, past=0: modules(sum(lengths), 0, prompts=len(lengths), past=past, lengths=lengths),
         most_rows=plan.most_prompt_rows(), chunks_as_rows=as_rows,
-        group_tokens=min(plan.context_tokens or plan.prefill_chunk, plan.prefill_chunk or plan.context_tokens),
-        shared_prefixes=plan.shared_prefixes)
+        group_tokens=plan.prefill_chunk or plan.context_tokens, shared_prefixes=plan.shared_prefixes)
 
 
 # Prompt lengths past the measured mixed rows (planner/auto.MIXED_ROWS) where a plan prices both of a prompt's paths.

@@ -50,7 +50,7 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
     plan.prefill_chunk = sizes.WORKSPACE_TOKENS if accelerator is not None else sizes.CPU_PREFILL_TOKENS
     plan.workspace_bytes = (
         sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()) if accelerator is not None
-        else sizes.cpu_workspace_bytes(cfg, weights_format, max_context))
+        else sizes.cpu_workspace_bytes(cfg, weights_format, max_context, plan.kv_slots))
     kv += plan.workspace_bytes + sizes.rotary_bytes(cfg, max_context)
     if not cfg.is_moe:
         need = sizes.weight_bytes(cfg, weights_format) + kv
