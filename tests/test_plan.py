@@ -1475,3 +1475,27 @@ def test_tiled_int8_experts_batched_rows_are_priced_on_int8_activations():
         assert one[0] == one[1], kind
     rows = {act: prompt_expert_time(hw, "int8-g32", 8, 1e6, 1e6, batch_act=act) for act in ("q8", "bf16")}
     assert rows["bf16"] - rows["q8"] == pytest.approx(7 * 1e6 * (12e-12 - 4e-12))
+
+
+def test_batched_experts_are_priced_on_the_activations_their_kernels_read():
+    """A batched step's expert rows are priced on what the kernels multiply in calls of 2+ rows
+    (quant/experts.rows_activations, the tiled kernels' q8_from): int4 experts on int8 activations where either
+    Plan.expert_act (from one row) or Plan.batch_act (from two) is "q8" (with --expert-activations bf16 the
+    batched rows had been priced on bf16 ones, which only their one-row calls read), tiled int8 where batch_act
+    is; mxfp4 always."""
+    from tiered.planner.cpu_predict import predict_decode
+    from tiered.quant.experts import rows_activations
+
+    assert [rows_activations("int4", a, b) for a, b in (("q8", "bf16"), ("bf16", "q8"), ("bf16", "bf16"))] == \
+        ["q8", "q8", "bf16"]
+    assert [rows_activations(k, "bf16", "q8") for k in ("int8-g32", "int8", "bf16")] == ["q8", "q8", "bf16"]
+    assert rows_activations("int8-g32", "q8", "bf16") == "q8"  # (its one-row calls read int16 whatever act says)
+    assert rows_activations("mxfp4", "bf16", "bf16") == rows_activations("int4,int4,mxfp4", "bf16", "bf16") == "q8"
+    m = {"gemv/cpu/int4": LinearModel(1e-5, 1e-11, 1.0), "decode_rows/cpu/int4": LinearModel(0.0, 12e-12, 1.0),
+         "decode_rows/cpu/int4q8": LinearModel(0.0, 4e-12, 1.0), "attn/cpu/bf16": LinearModel(0.0, 0.0, 1.0)}
+    hw = HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True})
+    price = {(a, b): predict_decode(MIXTRAL, hw, "int4", context=0, batch=16, expert_act=a, batch_act=b,
+                                    experts_format="int4")[1] for a in ("bf16", "q8") for b in ("bf16", "q8")}
+    # at batch_act q8 the batched rows read q8 whatever expert_act says: the same price
+    assert price["bf16", "q8"] == price["q8", "q8"]
+    assert price["q8", "bf16"] < price["bf16", "bf16"]  # expert_act q8 alone: q8 from one row

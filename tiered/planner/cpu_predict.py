@@ -28,6 +28,7 @@ from tiered.hardware.op_time import GEMM_ROWS, prefill_attention_pairs
 from tiered.hardware.profile import HardwareProfile
 from tiered.memory import sizes
 from tiered.memory.expert_cache import ExpertCache, make_policy
+from tiered.quant.experts import rows_activations
 
 
 
@@ -489,8 +490,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
             active = k if B == 1 else E * (1 - (1 - k / E) ** B)  # experts the step's rows choose (uniform)
             misses = active * (1 - res - hit)
             calls = 2 if native_step(hw) else 3  # the native expert: gate and up in one call, then down
-            if B > 1:  # each active expert once, over its share of the rows (tiled int8 kinds' on batch_act)
-                rkind = op_time.gemv_dtype(kind0, batch_act) if kind0 in ("int8", "int8-g32") else ekind
+            if B > 1:  # each active expert once, over its share of the rows (on quant/experts.rows_activations)
+                rkind = op_time.gemv_dtype(kind0, rows_activations(kind0, expert_act, batch_act))
                 compute = _expert_rows(hw, rkind, experts_format or dtype, eb, 3 * d * F, k * B / active, calls, ws)
                 t += experts_with_reads(hw, active, misses, eb, compute, read_ahead, readers, over)
             elif misses <= 1e-9 and native_step(hw):

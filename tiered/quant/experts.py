@@ -252,6 +252,19 @@ def token_activations(name: str, act: str) -> str:
     return "q8" if "mxfp4" in parse_kinds(name) else act
 
 
+def rows_activations(name: str, act: str, batch_act: str) -> str:
+    """What format `name`'s experts multiply in calls of 2+ rows (a batched decode step's share of an expert)
+    where the plan asks for `act` at one token (Plan.expert_act) and `batch_act` for batches (Plan.batch_act):
+    "q8" wherever a projection is mxfp4 (every size), where an int4 one reads q8 from one row (`act` "q8") or
+    from two (`batch_act` "q8": the tiled kernels' q8_from, ExpertSpec's), and where a tiled int8 / int8-g32 one
+    reads q8 from two (`batch_act` "q8": int8_q8_from); else `act`. The planner prices batched experts with it
+    (cpu_predict.predict_decode)."""
+    kinds = set(parse_kinds(name))
+    if "mxfp4" in kinds or ("int4" in kinds and act == "q8"):
+        return "q8"
+    return "q8" if batch_act == "q8" and kinds & {"int4", "int8", "int8-g32"} else act
+
+
 def is_dense_format(name: str) -> bool:
     """An expert format whose three projections are plain dense tensors ("bf16", "fp32"): what
     ExpertFormat.is_dense says of it, from the name alone (the planner has no shapes)."""
