@@ -204,12 +204,13 @@ def local_model(path: Path, max_positions: int = 64):
     return model.eval()
 
 
-def packed_prefill_gaps(model, vocab_size: int, kv_dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+def packed_prefill_gaps(model, vocab_size: int, kv_dtype: torch.dtype = torch.float32,
+                        device: str = "cpu") -> tuple[float, float]:
     """(prefill, decode) largest relative gaps between prompts packed into one row (models/layers.
-    build_packed_metadata) and each prompt run alone, on `model` (a CausalLM in fp32): prompt A (9 tokens, slot 0,
-    from position 0), prompt B's last 8 tokens after its first 6 cached in slot 1 (an explicit mask), a 1-token
-    prompt C (slot 2), packed into one forward; then one decode step of each slot against the same token decoded
-    after its prompt alone. The decode gap shows each prompt's KV written to its own slot only."""
+    build_packed_metadata) and each prompt run alone, on `model` (a CausalLM in fp32 on `device`): prompt A (9
+    tokens, slot 0, from position 0), prompt B's last 8 tokens after its first 6 cached in slot 1 (an explicit
+    mask), a 1-token prompt C (slot 2), packed into one forward; then one decode step of each slot against the
+    same token decoded after its prompt alone. The decode gap shows each prompt's KV written to its own slot only."""
     from tiered.models.layers import KVCache, build_packed_metadata
 
     a, b, c = (prompt_ids(vocab_size, n, seed=60 + n) for n in (9, 14, 1))
@@ -217,22 +218,22 @@ def packed_prefill_gaps(model, vocab_size: int, kv_dtype: torch.dtype = torch.fl
     gaps = []
 
     def step(cache, ids, start, slot, meta=None, last=None):
-        pos = torch.arange(start, start + len(ids))[None] if meta is None else meta.positions
-        return model(torch.tensor([ids]), pos, torch.tensor([slot] if meta is None else slots), cache, meta=meta,
-                     last=last)
+        pos = torch.arange(start, start + len(ids), device=device)[None] if meta is None else meta.positions
+        return model(torch.tensor([ids], device=device), pos,
+                     torch.tensor([slot] if meta is None else slots, device=device), cache, meta=meta, last=last)
 
     with torch.inference_mode():
-        packed = KVCache(model.config, 3, 32, kv_dtype)
+        packed = KVCache(model.config, 3, 32, kv_dtype, device)
         step(packed, b[:6], 0, 1)
-        positions = torch.cat([torch.arange(s, e) for s, e in spans])[None]
+        positions = torch.cat([torch.arange(s, e, device=device) for s, e in spans])[None]
         meta = build_packed_metadata(model.rotary, positions, spans, slots, model.config.sliding_window)
-        got = step(packed, a + b[6:] + c, 0, 0, meta, torch.tensor([8, 16, 17]))
+        got = step(packed, a + b[6:] + c, 0, 0, meta, torch.tensor([8, 16, 17], device=device)).cpu()
         alone = []
         for ids, slot in ((a, 0), (b, 1), (c, 2)):
-            cache = KVCache(model.config, 3, 32, kv_dtype)
-            alone.append((cache, step(cache, ids, 0, slot)[0]))
+            cache = KVCache(model.config, 3, 32, kv_dtype, device)
+            alone.append((cache, step(cache, ids, 0, slot)[0].cpu()))
         gaps.append(max(max_rel_err(got[i], ref) for i, (_, ref) in enumerate(alone)))
         nxt = prompt_ids(vocab_size, 1, seed=70)
-        gaps.append(max(max_rel_err(step(packed, nxt, len(ids), slot)[0], step(cache, nxt, len(ids), slot)[0])
+        gaps.append(max(max_rel_err(step(packed, nxt, len(ids), slot)[0].cpu(), step(cache, nxt, len(ids), slot)[0].cpu())
                         for (ids, slot), (cache, _) in zip(((a, 0), (b, 1), (c, 2)), alone)))
     return gaps[0], gaps[1]

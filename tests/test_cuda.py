@@ -173,3 +173,32 @@ def test_a_closed_engine_leaves_nothing_allocated(zoo, box):
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= base
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v2"])
+def test_packed_prompts_attend_to_their_own_slots_on_cuda(rt, kind):  # noqa: F811
+    """Prompts packed into one row on the GPU (models/layers.build_packed_metadata: each segment's mask made on the
+    device, one SDPA call a segment) give each one's logits alone and leave each slot its own KV
+    (fixtures.packed_prefill_gaps), MoE and DeepSeek's latent attention alike; fp32, so the bound is tight."""
+    from fixtures import local_model, packed_prefill_gaps
+    from moe_fixtures import VOCAB
+
+    model = local_model(rt.dir(kind)).to("cuda")
+    prefill, decode = packed_prefill_gaps(model, VOCAB, torch.float32, "cuda")
+    assert prefill <= 1e-4 and decode <= 1e-4, (prefill, decode)
+
+
+def test_packed_prefill_on_cuda_equals_one_at_a_time(rt, monkeypatch):  # noqa: F811
+    """The engine on a GPU packs prompts admitted together into one forward (LLM._prefill_groups) and each decodes
+    the greedy tokens it decodes alone (test_standin_strict's packed test runs the same on the host stand-in)."""
+    import tiered.engine.llm as engine_llm
+    from runtime_fixtures import GREEDY, prompt
+
+    calls = []
+    build = engine_llm.build_packed_metadata
+    monkeypatch.setattr(engine_llm, "build_packed_metadata", lambda *a: calls.append(a[2]) or build(*a))
+    prompts = [prompt(n, seed=n) for n in (5, 12, 9)]
+    with LLM(rt.dir("mixtral"), engine_config(accelerator="cuda")) as llm:
+        batched = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        assert calls == [[(0, 5), (0, 12), (0, 9)]]
+        assert batched == [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
