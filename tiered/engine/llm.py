@@ -654,7 +654,8 @@ class LLM:
         """Prefill admitted `seqs` (LLM.step) in groups, each one forward, in admission order (scheduler.rows_groups):
         as rows of native steps of at most Plan.most_prompt_rows rows where the plan runs whole chunks so
         (Plan.chunks_as_rows), else packed into one row of at most Plan.prefill_chunk tokens (what the plan's
-        workspace holds: memory/sizes.cpu_prefill_tokens; LLM._forward); each group's twins join it (PromptTwins.join). Returns the first tokens' events.
+        workspace holds: memory/sizes.cpu_prefill_tokens; LLM._forward); each group's twins join it
+        (PromptTwins.join). Returns the first tokens' events.
         Packing, where padded forwards had taken prompts of near lengths only (at most 25% padding; an MoE model's
         equal lengths), took a SmolLM2 batch file's 42 prompts of 18-500 tokens in 8 forwards where padding took 18
         (`tiered batch` 446-485 -> 495-526 tok/s), and an MoE file's every expert is read and run once a forward
@@ -963,9 +964,9 @@ class LLM:
                  span: tuple[int, int] | None = None) -> torch.Tensor:
         """One model step. Prefill: the prompt tokens of each sequence from its cached_tokens on, several
         prompts packed into one row (models/layers.build_packed_metadata: no padded position; each writes
-        its own slot's KV and attends to it alone), logits [len(seqs), V] of each one's last token; `span` (start, end):
-        only those prompt positions of the one sequence, whose KV before `start` the cache holds
-        (a chunk of LLM._prefill). Decode: the last token of each."""
+        its own slot's KV and attends to it alone), logits [len(seqs), V] of each one's last token; `span`
+        (start, end): only those prompt positions of the one sequence, whose KV before `start` the cache
+        holds (a chunk of LLM._prefill). Decode: the last token of each."""
         last = spans = None
         if prefill:  # the prompt tokens past those whose KV the slot holds already (prefix reuse)
             spans = [span or (s.cached_tokens, len(s.prompt_ids)) for s in seqs]

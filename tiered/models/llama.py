@@ -91,19 +91,15 @@ class CausalLM(nn.Module):
                 cache: KVCache, last_only: bool = True, meta: AttentionMetadata | None = None,
                 last: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step and return logits: [B, V] for the last token (last_only) or [B, T, V].
-        last: int64 [B] on h's device, the column of each row's last real token when rows are
-        right-padded (a batched prefill of prompts of different lengths); None = column T - 1. Prompts
-        packed into one row (`meta` of layers.build_packed_metadata): `last` int64 [k], each prompt's
-        last column, and the logits are [k, V], one row a prompt."""
+        last: with prompts packed into one row (`meta` of layers.build_packed_metadata, B = 1), int64 [k] on
+        h's device, each prompt's last column: the logits are then [k, V], one row a prompt; None = column
+        T - 1 of each row."""
         h = self.hidden_states(input_ids, positions, slots, cache, meta)
-        if last_only and meta is not None and meta.segments is not None:
-            return self.lm_head(h[0, last].unsqueeze(1))[:, -1]
         if last_only:
             B, D = h.shape[0], h.shape[-1]
             # reshape, not the slice alone: the slice keeps the prompt's batch stride, and torch's
             # matmul then runs the lm_head as a bmm over a copied weight (a SmolLM2 prefill's head:
             # 51 ms of its 0.7 s on 2 cores, the [V, D] weight copied, against ~4 ms)
-            h = (h[:, -1:].reshape(B, 1, D) if last is None else
-                 h[torch.arange(B, device=h.device), last].unsqueeze(1))
+            h = h[:, -1:].reshape(B, 1, D) if last is None else h[0, last].unsqueeze(1)
         logits = self.lm_head(h)
         return logits[:, -1] if last_only else logits
