@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fixtures import TINY_SPECS, hf_greedy, prompt_ids
+from fixtures import TINY_SPECS, hf_greedy, max_rel_err, prompt_ids
 from tiered import SamplingParams
 from tiered.checkpoint import HFDirCheckpoint, open_checkpoint
 
@@ -340,3 +340,41 @@ def test_the_lm_head_of_a_prefill_gets_the_last_token_with_plain_strides(zoo):
         llm.close()
     D = llm.config.hidden_size
     assert seen == [(torch.Size([1, 1, D]), (D, D, 1))]
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_prompt_keys_widened_to_an_aligned_count_attend_as_the_exact_count(zoo, name, kv, monkeypatch):
+    """A CPU prompt's attention reads its slot's keys widened to a multiple of KV_ALIGN (KVCache.aligned: torch's CPU
+    flash attention is up to 2x slower at other counts): a prompt from position 0 (SDPA's causal mask) and a chunk
+    after 6 cached positions (an explicit mask) give the logits of the exact key count, the slot's positions past the
+    prompt holding large stale values that must not leak in."""
+    import tiered.models.layers as layers
+    from fixtures import local_model
+
+    model = local_model(zoo.dir(name))
+    ids = prompt_ids(zoo.vocab_size, 21, seed=3)
+    read = []
+    attend = layers.attend
+    monkeypatch.setattr(layers, "attend", lambda q, k, *a: read.append(k.shape[2]) or attend(q, k, *a))
+
+    def logits(cached: int) -> torch.Tensor:
+        cache = layers.KVCache(model.config, 2, 48, getattr(torch, kv))
+        for t in (cache.k, cache.v):  # stale values of an earlier sequence in every position
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(5)) * 100)
+        with torch.inference_mode():
+            if cached:
+                model(torch.tensor([ids[:cached]]), torch.arange(cached)[None], torch.tensor([1]), cache)
+            return model(torch.tensor([ids[cached:]]), torch.arange(cached, len(ids))[None], torch.tensor([1]),
+                         cache)[0]
+
+    for cached in (0, 6):
+        read.clear()
+        got = logits(cached)
+        assert read and all(n % layers.KV_ALIGN == 0 for n in read[-model.config.num_hidden_layers:]), read
+        monkeypatch.setattr(layers, "KV_ALIGN", 1)
+        read.clear()
+        exact = logits(cached)
+        assert read[-1] == len(ids)
+        monkeypatch.setattr(layers, "KV_ALIGN", 16)
+        assert max_rel_err(got, exact) <= (1e-5 if kv == "float32" else 1e-2), (cached, max_rel_err(got, exact))

@@ -37,7 +37,7 @@ from tiered.hardware.budget import MemoryBudget
 from tiered.hardware.contention import thread_governor
 from tiered.memory import sizes
 from tiered.models import build_model
-from tiered.models.layers import KVCache, Rotary, build_packed_metadata
+from tiered.models.layers import KV_ALIGN, KVCache, Rotary, build_packed_metadata
 from tiered.quant.linear import PhaseLinear
 
 _NO_TOKENS = torch.empty(0, dtype=torch.long)
@@ -1239,9 +1239,14 @@ class LLM:
         """The KV cache of one generate call. With CUDA-graph decode, one sequence reuses a static
         cache of the plan's max_context positions (the room the plan reserved), so the graphs
         captured over it stay valid across calls (gpt-fast's static KV cache); otherwise a cache
-        sized to the call."""
+        sized to the call, its positions rounded up to a multiple of KV_ALIGN within max_context where the budget
+        holds them (room for a prompt's keys widened to an aligned count: KVCache.aligned)."""
         if self.runtime.graphs is None or num_slots != 1:
-            return self._kv_cache(num_slots, max_len)
+            aligned = max(max_len, min(-(-max_len // KV_ALIGN) * KV_ALIGN, self.max_context))
+            if aligned > max_len and not self.fast_budget.fits(
+                    sizes.kv_cache_bytes(self.config, num_slots, aligned, self._kv_format())):
+                aligned = max_len  # the call's slots were counted for max_len positions (LLM._batch_slots)
+            return self._kv_cache(num_slots, aligned)
         if getattr(self, "_static_cache", None) is None:
             self._static_cache = self._kv_cache(1, self.max_context)
         return self._static_cache

@@ -87,6 +87,8 @@ class SinkAttention(Attention):
     """Grouped-query attention (models/layers.Attention: q/k/v/o biases, RoPE, the layer's window)
     whose softmax takes each head's learned sink logit (`sinks` [H], HF `self_attn.sinks`)."""
 
+    aligns_keys = False  # attend_with_sinks reads a causal step as its keys' last T queries: no widened keys
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.sinks = nn.Parameter(torch.empty(config.num_attention_heads))
