@@ -148,29 +148,6 @@ __attribute__((always_inline)) inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
-// e^x for x <= 0 .. small positive (softmax, SiLU), as plain arithmetic so that loops of it vectorize
-// (std::exp does not without -ffast-math): 2^(x log2 e) = 2^n 2^f, a degree-6 polynomial for 2^f on
-// [-0.5, 0.5] (relative error < 2e-7, as std::exp's float result to within 2 ulp), 2^n by exponent bits.
-__attribute__((always_inline)) inline float exp_fast(float x) {
-  x = x < -87.f ? -87.f : x;  // selects GCC if-converts (-fno-trapping-math); std::min / max stayed scalar
-  x = x > 88.f ? 88.f : x;
-  const float t = x * 1.44269504088896341f;
-  const float n = std::nearbyint(t);
-  const float f = t - n;
-  float p = 1.5403530393381609e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += int32_t(n) << 23;
-  std::memcpy(&p, &bits, 4);
-  return p;
-}
-
 TIERED_CLONES void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)

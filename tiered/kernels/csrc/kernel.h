@@ -4,7 +4,9 @@
 // so the native decode step (decode.cpp) runs any of them without knowing its format.
 #pragma once
 #include <torch/extension.h>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -68,6 +70,29 @@ using KernelPtr = std::shared_ptr<Kernel>;
 at::Tensor rows_to(const float* x, int64_t B, int64_t K, at::ScalarType dtype);
 void rows_from(const at::Tensor& t, float* y);  // t [B, N] contiguous any float dtype -> y fp32
 
+// e^x for x <= 0 .. small positive (softmax, SiLU), as plain arithmetic so that loops of it vectorize
+// (std::exp does not without -ffast-math): 2^(x log2 e) = 2^n 2^f, a degree-6 polynomial for 2^f on
+// [-0.5, 0.5] (relative error < 2e-7, as std::exp's float result to within 2 ulp), 2^n by exponent bits.
+__attribute__((always_inline)) inline float exp_fast(float x) {
+  x = x < -87.f ? -87.f : x;  // selects GCC if-converts (-fno-trapping-math); std::min / max stayed scalar
+  x = x > 88.f ? 88.f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = std::nearbyint(t);
+  const float f = t - n;
+  float p = 1.5403530393381609e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += int32_t(n) << 23;
+  std::memcpy(&p, &bits, 4);
+  return p;
+}
+
 // a [n] = silu(g) * u (SwiGLU's activation), fp32, vectorized with a polynomial exp (decode.cpp).
 void silu_mul(const float* g, const float* u, float* a, int64_t n);
 // a [n] = (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit): gpt-oss's clamped
@@ -81,5 +106,6 @@ void q8_0_row(const uint8_t* row, int64_t dim, float* out);
 void register_kernels(pybind11::module& m);
 void register_decode(pybind11::module& m);
 void register_gemv(pybind11::module& m);  // gemv.cpp: tiered's own int4 / int8 / bf16 GEMV kernels
+void register_prompt(pybind11::module& m);  // prompt.cpp: a prompt's elementwise glue (RoPE, SwiGLU)
 
 }  // namespace tiered

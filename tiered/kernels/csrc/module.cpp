@@ -6,4 +6,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   tiered::register_kernels(m);
   tiered::register_decode(m);
   tiered::register_gemv(m);
+  tiered::register_prompt(m);
 }
