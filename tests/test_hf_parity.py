@@ -343,12 +343,13 @@ def test_the_lm_head_of_a_prefill_gets_the_last_token_with_plain_strides(zoo):
 
 
 @pytest.mark.parametrize("kv", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "qwen2_sliding"])
 def test_prompt_keys_widened_to_an_aligned_count_attend_as_the_exact_count(zoo, name, kv, monkeypatch):
     """A CPU prompt's attention reads its slot's keys widened to a multiple of KV_ALIGN (KVCache.aligned: torch's CPU
     flash attention is up to 2x slower at other counts): a prompt from position 0 (SDPA's causal mask) and a chunk
     after 6 cached positions (an explicit mask) give the logits of the exact key count, the slot's positions past the
-    prompt holding large stale values that must not leak in."""
+    prompt holding large stale values that must not leak in; windowed layers (mistral's window of 8, qwen2_sliding's
+    windowed and full layers) with their window masks widened."""
     import tiered.models.layers as layers
     from fixtures import local_model
 

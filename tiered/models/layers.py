@@ -153,7 +153,7 @@ class AttentionMetadata:
         self.single = single  # (slot, first position) when one sequence writes consecutive positions
         self.sin_signed = sin_signed  # sin, first half negated (Rotary.signed), or None
         self.local = None  # window_mask's (window, mask, causal), made by the first layer with that window
-        self.aligned = None  # KVCache.aligned's (key count, mask) widened, made by the first layer that widens it
+        self.aligned = None  # KVCache.aligned's (mask, that mask widened), made by the first layer that widens it
         self.segments: tuple[tuple[int, int, "AttentionMetadata"], ...] | None = None  # build_packed_metadata's
 
 
@@ -371,7 +371,8 @@ class KVCache:
         widened to match with False: the positions past S are never attended to (a causal prompt from position 0
         has its T == S queries before them, and SDPA's causal mask is top-left aligned). Else k, v and mask as
         given: another device, an int8 cache (update's dequantized copies), no room in the slot, or S aligned.
-        The widened mask is made once a step (kept in meta.aligned).
+        A widened mask is made once a step and mask (kept in meta.aligned: a windowed layer's own, window_mask's,
+        beside the step's).
 
         torch's CPU flash attention (2.13) runs key counts that are not a multiple of 16 far slower: on 2
         Sapphire Rapids cores, SmolLM2's heads (9 on 3 KV heads of 64, bf16) over 446 keys took 1.36-1.57 ms
@@ -382,9 +383,9 @@ class KVCache:
         if P == S or P > self.max_len or meta.single is None or self.quantized or k.device.type != "cpu":
             return k, v, mask
         slot = meta.single[0]
-        if mask is not None:
-            if meta.aligned is None or meta.aligned[0] != P:
-                meta.aligned = (P, F.pad(mask, (0, P - S), value=False))
+        if mask is not None:  # (the step's own mask, or a windowed layer's: window_mask)
+            if meta.aligned is None or meta.aligned[0] is not mask:
+                meta.aligned = (mask, F.pad(mask, (0, P - S), value=False))
             mask = meta.aligned[1]
         return self.k[layer][slot:slot + 1, :, :P], self.v[layer][slot:slot + 1, :, :P], mask
 
@@ -482,7 +483,8 @@ class Attention(nn.Module):
     """Grouped-query attention with RoPE, optional q/k/v bias (Qwen2), q/k RMSNorm per head (Qwen3)
     or over the whole projection (OLMoE), and optional q/k/v clipping (OLMoE)."""
 
-    # a CPU prompt's keys widened to an aligned count (KVCache.aligned): `attend` reads SDPA's top-left causal mask
+    # a CPU prompt's keys widened to an aligned count (KVCache.aligned; windowed layers too, their masks widened):
+    # `attend` reads SDPA's top-left causal mask
     aligns_keys = True
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
@@ -569,7 +571,7 @@ class Attention(nn.Module):
         Attention.prompt_dtype where the cache holds it."""
         k, v = cache.update(self.layer_idx, k, v, meta)  # (B, Hkv, S, hd)
         mask, causal = (meta.mask, meta.causal) if self.local_window is None else window_mask(meta, self.local_window)
-        if prompt and self.aligns_keys and self.local_window is None:  # the keys widened (CPU: KVCache.aligned)
+        if prompt and self.aligns_keys:  # the keys widened to an aligned count (CPU: KVCache.aligned)
             k, v, mask = cache.aligned(self.layer_idx, k, v, meta, mask)
         if prompt and k.dtype == self.prompt_dtype and q.dtype != k.dtype:  # a prompt in the cache's format
             out = self.attend(q.to(k.dtype), k, v, mask, causal).to(q.dtype)
