@@ -110,10 +110,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     rd = cos.shape[-1]
     if rd != x.shape[-1]:  # partial RoPE: rotate the first rd features, pass the rest through
         return torch.cat((apply_rotary(x[..., :rd], cos, sin, sin_signed), x[..., rd:]), -1)
-    native = _glue_kernels(x)
-    if native is not None and x.shape[2] > 1 and x.stride(-1) == 1 and \
-            cos.shape == (x.shape[0], 1, x.shape[2], rd) and sin.shape == cos.shape:
-        return native.rope(x, cos, sin)  # a prompt's rows in one pass: the same values
+    if x.shape[2] > 1 and x.stride(-1) == 1 and cos.shape == (x.shape[0], 1, x.shape[2], rd) and sin.shape == cos.shape:
+        native = _glue_kernels(x)
+        if native is not None:
+            return native.rope(x, cos, sin)  # a prompt's rows in one pass: the same values
     dtype = x.dtype
     xf = x.float() if dtype != torch.float32 else x
     if sin_signed is None:

@@ -133,14 +133,6 @@ std::vector<float> to_floats(const at::Tensor& t) {
 template <typename T>
 inline float rnd(float v) { return float(T(v)); }  // round to the model's dtype (identity for fp32)
 
-// The glue's inner loops, compiled for AVX-512, AVX2+FMA and the x86-64 baseline and picked at load
-// time (gcc's target_clones): the build has no -march flags, so this is how they get wide vectors.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TIERED_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define TIERED_CLONES
-#endif
-
 __attribute__((always_inline)) inline float bf16_to_float(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
   float f;

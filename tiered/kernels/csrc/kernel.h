@@ -70,6 +70,14 @@ using KernelPtr = std::shared_ptr<Kernel>;
 at::Tensor rows_to(const float* x, int64_t B, int64_t K, at::ScalarType dtype);
 void rows_from(const at::Tensor& t, float* y);  // t [B, N] contiguous any float dtype -> y fp32
 
+// Inner loops (decode.cpp's glue, prompt.cpp's), compiled for AVX-512, AVX2+FMA and the x86-64 baseline and picked at load
+// time (gcc's target_clones): the build has no -march flags, so this is how they get wide vectors.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TIERED_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TIERED_CLONES
+#endif
+
 // e^x for x <= 0 .. small positive (softmax, SiLU), as plain arithmetic so that loops of it vectorize
 // (std::exp does not without -ffast-math): 2^(x log2 e) = 2^n 2^f, a degree-6 polynomial for 2^f on
 // [-0.5, 0.5] (relative error < 2e-7, as std::exp's float result to within 2 ulp), 2^n by exponent bits.

@@ -14,19 +14,13 @@
 namespace tiered {
 namespace {
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TIERED_PROMPT_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define TIERED_PROMPT_CLONES
-#endif
-
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return float(v); }
 
 // out [hd] = x * c + rotate_half(x) * s (rotate_half: [-x2, x1] of the halves x1, x2), each product rounded to
 // fp32 and then their sum, as apply_rotary's torch ops compute it, then rounded to T.
 template <typename T>
-TIERED_PROMPT_CLONES void rope_row(const T* x, const float* c, const float* s, int64_t hd, T* out) {
+TIERED_CLONES void rope_row(const T* x, const float* c, const float* s, int64_t hd, T* out) {
   const int64_t h = hd / 2;
   for (int64_t i = 0; i < h; ++i) {
     const float a = to_float(x[i]) * c[i], b = -to_float(x[i + h]) * s[i];
@@ -38,14 +32,14 @@ TIERED_PROMPT_CLONES void rope_row(const T* x, const float* c, const float* s, i
   }
 }
 
-// out [F] = silu(g) * u in fp32 (exp_fast), rounded to T once.
-template <typename T>
-TIERED_PROMPT_CLONES void swiglu_row(const T* g, const T* u, int64_t F, T* out) {
+// out [F] = silu(g) * u in fp32 (exp_fast), rounded to T once; fp32 rows are silu_mul's (the decode step's).
+TIERED_CLONES void swiglu_row(const at::BFloat16* g, const at::BFloat16* u, int64_t F, at::BFloat16* out) {
   for (int64_t i = 0; i < F; ++i) {
-    const float gi = to_float(g[i]);
-    out[i] = T(gi / (1.f + exp_fast(-gi)) * to_float(u[i]));
+    const float gi = float(g[i]);
+    out[i] = at::BFloat16(gi / (1.f + exp_fast(-gi)) * float(u[i]));
   }
 }
+inline void swiglu_row(const float* g, const float* u, int64_t F, float* out) { silu_mul(g, u, out, F); }
 
 // elements of work a parallel item holds at least (a fork and join costs ~1 us on 2 cores)
 constexpr int64_t kGrainElements = 1 << 14;
