@@ -611,9 +611,19 @@ class MLP(nn.Module):
             return self.down_proj(swiglu(F.linear(x, self.gate_up)))
         dt = self._prompt_dtype(x)
         if dt is not None:  # x cast once; gate, up, their product and down stay in the GEMMs' dtype
-            h = x.to(dt)
-            return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)).to(x.dtype)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self._swiglu_down(x.to(dt)).to(x.dtype)
+        return self._swiglu_down(x)
+
+    def _swiglu_down(self, h: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(h)) * up(h)); where gate and up are the two halves of one fused projection's output
+        (quant/linear.fused_pair: one-copy int4 / int8 weights, whose prompt GEMM computes both at once) that
+        output goes to `swiglu` whole: one native pass on the CPU (a SmolLM2 prompt's default path)."""
+        from tiered.quant.linear import fused_pair
+
+        gu = fused_pair(self.gate_proj, self.up_proj, h)
+        if gu is not None:
+            return self.down_proj(swiglu(gu))
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
     def _prompt_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The plan's prompt dtype (self.prompt_dtype: Plan.dtypes["prompt_ffn"], set by set_prompt_ffn) where this

@@ -153,6 +153,28 @@ class PhaseLinear(nn.Module):
         return self.decode(x) if dense is None else dense(x)
 
 
+def fused_pair(first: nn.Module, second: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """[first(x) | second(x)] [..., N1 + N2] in one call, where both are PhaseLinears that compute x's rows as
+    column slices of one SharedOutput's fused module, first's columns directly before second's and the two of
+    them its whole output (install_decode_weights' gate/up group in the one-copy mode, and every mode's decode
+    rows): the fused module's output itself (its `dense` path past the threshold, as Slice.dense takes it), not
+    two slices of it. None otherwise (a dense weight of their own for these rows, other modules, other slices).
+    MLP.forward hands it to layers.swiglu: one pass over [T, 2F] instead of SiLU and a product over two strided
+    halves."""
+    if type(first) is not PhaseLinear or type(second) is not PhaseLinear or first.threshold != second.threshold:
+        return None
+    dense = x.numel() // x.shape[-1] > first.threshold
+    if dense and (first.weight is not None or second.weight is not None):
+        return None
+    a, b = first.decode, second.decode
+    if type(a) is not Slice or type(b) is not Slice or a.shared is not b.shared or a.start != 0 or a.stop != b.start:
+        return None
+    fused = a.shared.fused
+    if b.stop != getattr(fused, "out_features", None):
+        return None
+    return (getattr(fused, "dense", fused) if dense else fused)(x)
+
+
 @dataclass
 class DecodeWeight:
     """One projection's decode-format weight before packing: int4 codes or a dense tensor."""
