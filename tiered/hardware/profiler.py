@@ -108,7 +108,7 @@ from tiered.hardware.cpu_gemm import bf16_gemm_native, linear
 from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K, prefill_attention_pairs
 from tiered.hardware.profile import HardwareProfile, LinearModel
 from tiered.memory.sizes import DENSE_FORMATS, bytes_per_element, kv_torch_dtype, torch_dtype
-from tiered.quant.int4 import dequantize_rows
+from tiered.quant.int4 import dequantize_rows, without_amx
 
 MiB = 2**20
 DISK_READERS = 2  # the runtime's disk reader threads (runtime/install.py: max(2, staging buffers))
@@ -2325,9 +2325,10 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         shapes = int4_gemm_shapes(gemm_shapes) if dequantized else gemm_shapes
         if dequantized:
             b.attempt("dequantize/cpu/int4", lambda sh=shapes: _dequantize_points(sh, r))
-        b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype, sh=shapes, dq=dequantized: _net_of_dequantize(
-            _gemm_points("cpu", d, sh, nosync, r, False), sh, b.models.get("dequantize/cpu/int4") if dq else None),
-            weights=[K * N * bytes_per_element(dtype) for _, K, N in shapes])
+        with without_amx():  # priced as oneDNN's GEMM at every row count (quant/int4.without_amx)
+            b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype, sh=shapes, dq=dequantized: _net_of_dequantize(
+                _gemm_points("cpu", d, sh, nosync, r, False), sh, b.models.get("dequantize/cpu/int4") if dq else None),
+                weights=[K * N * bytes_per_element(dtype) for _, K, N in shapes])
         b.attempt(f"gemv/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemv_shapes, nosync, r, True, probe=pr))
     if kernels.available():  # routed int4 experts' batch-1 kernel (op_time.gemv_dtype)
         b.attempt("gemv/cpu/int4q8", lambda: _gemm_points("cpu", "int4q8", gemv_shapes, nosync, r, True, probe=pr))

@@ -11,6 +11,8 @@ for scoring or prefill.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,15 @@ DEQUANTIZE_DTYPE = {"avx512": torch.bfloat16}  # the GEMM's dtype beyond DEQUANT
 # Weights of more elements are dequantized and multiplied this many elements' rows at a time: the
 # reused buffer stays 64 MiB in bf16 (a 70B model's fused gate/up would take 0.9 GB whole)
 DEQUANTIZE_CHUNK = 32 * 2**20
+# Calls of up to this many rows past dequantize_rows take tiered's AMX GEMM where the CPU has AMX (kernels'
+# int4_tiled_gemm: each thread dequantizes its 32-row blocks of W into AMX's tile layout in its own cache, no
+# dequantized W in memory for oneDNN to pack again, no oneDNN kernels built per new row count). Against bf16
+# dequantize + oneDNN GEMM on 2 Sapphire Rapids cores (2026-12-05, 15 alternated rounds, median time ratios):
+# 3072 x 576 at 400 rows 1.00, 576 x 1536 0.94, 960 x 576 0.92, 14336 x 4096 at 256 rows 0.69, 4096 x 4096 at 512
+# 1.00; but 3072 x 576 at 941 rows 1.37 (oneDNN's GEMM loop reaches more of AMX's rate than this one's 2 x 2 tiles,
+# which pays where the dequantizing passes weigh most: fewer rows). oneDNN's first call at a row count it has not
+# seen takes 2-5 ms more a shape (~15 ms of a SmolLM2 prompt of a new length), which this path never does.
+AMX_ROWS = 512
 
 
 def unpack_q4_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,6 +136,35 @@ def gemm_by_row_chunks(x: torch.Tensor, out_features: int, weight_rows, bias: to
         n1 = min(N, n0 + step)
         torch.mm(weight_rows(n0, n1), x.t(), out=yt[n0:n1])
     return yt.t() if bias is None else yt.t() + bias
+
+
+_AMX_OFF = 0  # without_amx's depth
+
+
+def amx_kernels():
+    """The native kernels where their AMX GEMM (int4_tiled_gemm) runs here: the CPU has AMX-TILE and AMX-BF16 and
+    Linux grants this process the tile data; else None (and with TIERED_AMX=0, or within `without_amx`)."""
+    import os
+
+    from tiered import kernels
+
+    ext = kernels.load()
+    if ext is None or _AMX_OFF or os.environ.get("TIERED_AMX", "1") in ("0", "false", "no", "off"):
+        return None
+    return ext if ext.amx_available() else None
+
+
+@contextlib.contextmanager
+def without_amx():
+    """Int4Linear.dequantized's calls take the dequantized oneDNN GEMM at every row count meanwhile (the profiler
+    times gemm/cpu/int4 so: its points at 2 and 4 x dequantize_rows would otherwise time the AMX GEMM, whose rate
+    falls behind oneDNN's past AMX_ROWS, and price a 1024-token prompt chunk's GEMMs by it)."""
+    global _AMX_OFF
+    _AMX_OFF += 1
+    try:
+        yield
+    finally:
+        _AMX_OFF -= 1
 
 
 def dequantize_dtype() -> torch.dtype:
@@ -252,10 +292,17 @@ class Int4Linear(nn.Module):
 
     def dequantized(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> [T, N] in `dequantize_dtype()`: the weight ("tiled" layout) dequantized (into a reused
-        buffer) for one GEMM in that dtype, as `dense` runs calls past dequantize_rows."""
+        buffer) for one GEMM in that dtype, as `dense` runs calls past dequantize_rows; calls of up to AMX_ROWS rows in
+        bf16 on a CPU with AMX take the native AMX GEMM instead (`amx_kernels`: no dequantized weight in memory)."""
         from tiered.kernels.linear import tiled_dequantize
 
         dt = dequantize_dtype()
+        if dt == torch.bfloat16 and self.packed.dim() == 3 and x.shape[0] <= AMX_ROWS:
+            ext = amx_kernels()
+            if ext is not None:  # AMX: the weight dequantized into the tiles' layout as the GEMM goes (AMX_ROWS)
+                xb = x.to(dt)
+                return ext.int4_tiled_gemm(self.packed, None, None, xb if xb.stride(-1) == 1 else xb.contiguous(),
+                                           self.bias, False, False)
         bias = None if self.bias is None else self.bias.to(dt)
         fp32 = dt == torch.float32
         return gemm_by_row_chunks(x.to(dt), self.out_features, bias=bias, weight_rows=lambda n0, n1:

@@ -19,7 +19,10 @@
 #include "gemv.h"
 
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -1665,6 +1668,202 @@ void int4t_dequantize(const Int4W& w, int64_t K, int64_t n0, int64_t n1, float* 
       }
     }
   });
+}
+
+// ------------------------------------------------------------------------------------ int4, tiled, AMX GEMM
+// A prompt's rows times a tiled int4 weight on AMX (Sapphire Rapids and later): y [M, N] = x [M, K] bf16 @ W^T,
+// W's weights as int4t_dequantize rounds them to bf16 and the products summed in fp32 by TDPBF16PS. Where
+// Int4Linear.dense had dequantized the whole weight to bf16 in memory for one oneDNN GEMM, which packs it again
+// for AMX at every call (two passes over N K bf16 beside the GEMM; on 2 Sapphire Rapids cores ~30% of a
+// SmolLM2 prompt's [400 x 576] @ [576 x 3072] call) and builds its kernels again for every new row count (2-5 ms
+// each, ~15 ms for a prompt of a length not seen before, 2026-12-05), each thread here dequantizes its 32-row
+// blocks of W straight into AMX's pair-interleaved (VNNI) tile layout in a buffer that stays in its L1 / L2, and
+// runs every 32-row block of x against it: tiles 0-3 the 2 x 2 fp32 accumulators, 4-5 x's two 16-row tiles,
+// 6-7 W's two 16-row tiles, one group of 32 columns a step. The tiled layout's group is one B tile.
+
+constexpr int64_t kAmxRows = 16;  // rows of a tile; its 64 bytes a row: 32 bf16 or 16 fp32
+
+struct AmxConfig {  // ldtilecfg's 64-byte palette 1 configuration
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+#ifndef ARCH_REQ_XCOMP_PERM
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#endif
+#ifndef XFEATURE_XTILEDATA
+#define XFEATURE_XTILEDATA 18
+#endif
+
+// Whether this CPU has AMX-TILE and AMX-BF16 and Linux let this process use the tile data (arch_prctl, once).
+bool amx_ready() {
+  static const bool ok = [] {
+#if defined(__x86_64__) && defined(__linux__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // AMX-BF16, AMX-TILE
+    if (!__builtin_cpu_supports("avx512bf16")) return false;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
+#define TIERED_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma")))
+
+// The 16 rows' weights (bf16 in each lane's low half, int4t_dequantize's values) of the column at bits
+// [shift, shift + 4) of each lane's dword v.
+template <bool E2M1>
+TIERED_AMX TIERED_FORCE_INLINE __m512i vnni_weight(__m512i v, int shift, __m512i m4, __m512i lut, __m512 centre, __m512 s,
+                                                   __m512 z) {
+  __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, shift), m4);
+  if constexpr (E2M1) q = _mm512_permutexvar_epi32(q, lut);
+  __m512 f = _mm512_cvtepi32_ps(q);
+  if constexpr (E2M1) f = _mm512_sub_ps(f, centre);
+  return bf16_lanes(_mm512_add_ps(_mm512_mul_ps(f, s), z));
+}
+TIERED_AMX TIERED_FORCE_INLINE __m512i vnni_pair(__m512i even, __m512i odd) {
+  return _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
+}
+
+// Tile t's (rows m0..m0+15) groups as B tiles: bv [G][16 pairs][16 rows][2] bf16 (as uint32 pairs), the pair
+// (2p, 2p + 1) of group g's columns of row r at bv[(g * 16 + p) * 16 + r]. A group's chunk c (64 bytes) holds,
+// per row r, the dword whose byte j has column 8c + j in its low nibble and 8c + 4 + j in its high one: loaded
+// as 16 lanes = 16 rows, each column is a shift and a mask away, scaled with the lanes' own (scale, zero).
+template <bool E2M1>
+TIERED_AMX void int4t_vnni_tile(const Int4Block& blk, const uint8_t* tile, int64_t gstride, int64_t G, uint32_t* bv) {
+  const __m512i m4 = _mm512_set1_epi32(15);
+  const __m512i lut = _mm512_setr_epi32(kE2m1U[0], kE2m1U[1], kE2m1U[2], kE2m1U[3], kE2m1U[4], kE2m1U[5], kE2m1U[6],
+                                        kE2m1U[7], kE2m1U[8], kE2m1U[9], kE2m1U[10], kE2m1U[11], kE2m1U[12],
+                                        kE2m1U[13], kE2m1U[14], kE2m1U[15]);
+  const __m512 centre = _mm512_set1_ps(E2M1 ? 12.f : 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 s = _mm512_loadu_ps(blk.sc.data() + g * kBlock), z = _mm512_loadu_ps(blk.zc.data() + g * kBlock);
+    uint32_t* out = bv + g * 16 * 16;
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(tile + g * gstride + c * 64);
+      for (int j = 0; j < 4; j += 2) {  // pairs (8c + j, 8c + j + 1) low nibbles, (8c + 4 + j, 8c + 5 + j) high
+        const __m512i lo = vnni_pair(vnni_weight<E2M1>(v, 8 * j, m4, lut, centre, s, z),
+                                     vnni_weight<E2M1>(v, 8 * (j + 1), m4, lut, centre, s, z));
+        const __m512i hi = vnni_pair(vnni_weight<E2M1>(v, 8 * j + 4, m4, lut, centre, s, z),
+                                     vnni_weight<E2M1>(v, 8 * (j + 1) + 4, m4, lut, centre, s, z));
+        _mm512_storeu_si512(out + (4 * c + j / 2) * 16, lo);
+        _mm512_storeu_si512(out + (4 * c + 2 + j / 2) * 16, hi);
+      }
+    }
+  }
+}
+
+// C tiles (0..3) += x's 16-row tiles (4, 5: xa's row tiles a0 and a0 + 1, each G blocks of 16 x 32) times W's
+// (6, 7) over G groups; TwoA / TwoB: the second x / W tile is there (an M / N tail of 16 rows has one). (Tried
+// and slower on 2 Sapphire Rapids cores: prefetching the next step's x tiles into the L1, 1.2-1.8x the time; one
+// x tile against two W tiles with both double-buffered, 1.2-1.9x.)
+template <bool TwoA, bool TwoB>
+TIERED_AMX TIERED_FORCE_INLINE void amx_block(const uint16_t* a0, const uint32_t* b0, const uint32_t* b1, int64_t G,
+                                               float* c, int64_t ldc) {
+  _tile_zero(0);
+  if constexpr (TwoB) _tile_zero(1);
+  if constexpr (TwoA) _tile_zero(2);
+  if constexpr (TwoA && TwoB) _tile_zero(3);
+  const uint16_t* a1 = a0 + G * kAmxRows * kGroup;
+  // the products in the order (x0 W0), (x1 W0), (x0 W1), (x1 W1): W0's register is free after the second, x0's
+  // after the third, so the next step's first loads run under this step's last product
+  for (int64_t g = 0; g < G; ++g) {
+    _tile_loadd(4, a0 + g * kAmxRows * kGroup, 64);
+    _tile_loadd(6, b0 + g * 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (TwoA) {
+      _tile_loadd(5, a1 + g * kAmxRows * kGroup, 64);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+    if constexpr (TwoB) {
+      _tile_loadd(7, b1 + g * 256, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if constexpr (TwoA) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  const int64_t ldb = ldc * int64_t(sizeof(float));
+  _tile_stored(0, c, ldb);
+  if constexpr (TwoB) _tile_stored(1, c + kAmxRows, ldb);
+  if constexpr (TwoA) _tile_stored(2, c + kAmxRows * ldc, ldb);
+  if constexpr (TwoA && TwoB) _tile_stored(3, c + kAmxRows * ldc + kAmxRows, ldb);
+}
+
+// rows x nn of the accumulators c (ldc floats apart) + bias into y (fp32 yf or bf16 yb, ldy apart)
+TIERED_AMX void amx_epilogue(const float* c, int64_t ldc, int64_t rows, int64_t nn, const float* bias, float* yf,
+                             uint16_t* yb, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < nn; i += 16) {
+      __m512 v = _mm512_loadu_ps(c + r * ldc + i);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + i));
+      if (yf) _mm512_storeu_ps(yf + r * ldy + i, v);
+      else _mm256_storeu_si256(reinterpret_cast<__m256i*>(yb + r * ldy + i), _mm512_cvtepi32_epi16(bf16_lanes(v)));
+    }
+}
+
+// x's 32-row blocks against the weight's 32-row blocks j0..j1 (int4t_amx_gemm's work on one thread).
+TIERED_AMX void int4t_amx_blocks(const Int4W& w, const uint16_t* xa, int64_t M, int64_t K, int64_t N, float* yf,
+                                 uint16_t* yb, int64_t ldy, int64_t j0, int64_t j1) {
+  const int64_t G = K / kGroup;
+  AmxConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = kAmxRows, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+  thread_local std::vector<uint32_t> bv;
+  thread_local Int4Block blk;
+  bv.resize(2 * G * 256);
+  alignas(64) float c[2 * kAmxRows * 2 * kAmxRows];
+  constexpr int64_t ldc = 2 * kAmxRows;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t n0 = j * 2 * kBlock;
+    const bool two_b = n0 + kBlock < N;
+    for (int64_t h = 0; h < (two_b ? 2 : 1); ++h) {
+      blk.gather(w, n0 + h * kBlock, kBlock, G, w.e2m1 ? 0.f : 8.f);
+      if (w.e2m1) int4t_vnni_tile<true>(blk, w.tile(n0 + h * kBlock), w.gstride, G, bv.data() + h * G * 256);
+      else int4t_vnni_tile<false>(blk, w.tile(n0 + h * kBlock), w.gstride, G, bv.data() + h * G * 256);
+    }
+    const uint32_t *b0 = bv.data(), *b1 = bv.data() + G * 256;
+    const int64_t nn = two_b ? 2 * kBlock : kBlock;
+    const int64_t MT = (M + kAmxRows - 1) / kAmxRows;
+    for (int64_t mt = 0; mt < MT; mt += 2) {  // two x tiles a block, the last alone where MT is odd
+      const uint16_t* a = xa + mt * G * kAmxRows * kGroup;
+      const bool two_a = mt + 1 < MT;
+      if (two_a && two_b) amx_block<true, true>(a, b0, b1, G, c, ldc);
+      else if (two_a) amx_block<true, false>(a, b0, b1, G, c, ldc);
+      else if (two_b) amx_block<false, true>(a, b0, b1, G, c, ldc);
+      else amx_block<false, false>(a, b0, b1, G, c, ldc);
+      const int64_t m0 = mt * kAmxRows, rows = std::min<int64_t>((two_a ? 2 : 1) * kAmxRows, M - m0);
+      amx_epilogue(c, ldc, rows, nn, w.bias ? w.bias + n0 : nullptr, yf ? yf + m0 * ldy + n0 : nullptr,
+                   yb ? yb + m0 * ldy + n0 : nullptr, ldy);
+    }
+  }
+  _tile_release();
+}
+
+// y [M, N] (ldy apart; bf16 yb or fp32 yf) = x [M, K] bf16 (lda elements apart) @ W^T (+ W's bias) for a
+// tiled int4 weight (N % 16 == 0, K % 32 == 0; amx_ready()). x is first copied into its tiles' order, xa
+// [M/16][K/32][16][32] (the last row tile zero-padded), so that each tile load reads 1 KB in a row (strided
+// loads of x itself ran ~1.3x slower); threads then take 32-row blocks of W.
+void int4t_amx_gemm(const Int4W& w, const uint16_t* x, int64_t lda, int64_t M, int64_t K, int64_t N, float* yf,
+                    uint16_t* yb, int64_t ldy) {
+  const int64_t NB = (N + 2 * kBlock - 1) / (2 * kBlock), MT = (M + kAmxRows - 1) / kAmxRows, G = K / kGroup;
+  thread_local std::vector<uint16_t> xa;
+  xa.resize(MT * kAmxRows * K);
+  uint16_t* xp = xa.data();
+  at::parallel_for(0, MT, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t r = 0; r < kAmxRows; ++r) {
+        const int64_t m = t * kAmxRows + r;
+        for (int64_t g = 0; g < G; ++g) {
+          uint16_t* dst = xp + ((t * G + g) * kAmxRows + r) * kGroup;
+          if (m < M) std::memcpy(dst, x + m * lda + g * kGroup, kGroup * sizeof(uint16_t));
+          else std::memset(dst, 0, kGroup * sizeof(uint16_t));
+        }
+      }
+  });
+  at::parallel_for(0, NB, 1, [&](int64_t j0, int64_t j1) { int4t_amx_blocks(w, xp, M, K, N, yf, yb, ldy, j0, j1); });
 }
 
 // ------------------------------------------------------------------------------------ int8, tiled
@@ -3850,6 +4049,34 @@ void register_gemv(pybind11::module& m) {
         "[n1 - n0, K]: w = (q - 8) * scale + zero + residual, rounded once (the prefill path of a tiled-only weight). "
         "out: a tensor of that dtype and shape to write (a reused buffer: no fresh pages per call); returned. "
         "e2m1: MXFP4 codes, w = (E2M1_U[q] - 12) * scale + zero + residual (as int4_tiled_kernel's).");
+  m.def("amx_available", &amx_ready,
+        "Whether int4_tiled_gemm can run here: the CPU has AMX-TILE and AMX-BF16 and Linux granted this process the "
+        "tile data (arch_prctl ARCH_REQ_XCOMP_PERM, asked once).");
+  m.def("int4_tiled_gemm", [](at::Tensor codes, c10::optional<at::Tensor> sz, c10::optional<at::Tensor> residual,
+                              at::Tensor x, c10::optional<at::Tensor> bias, bool fp32, bool e2m1) {
+          TIERED_CHECK(amx_ready(), "int4_tiled_gemm: needs AMX (AMX-TILE and AMX-BF16, granted by the kernel)");
+          auto k = make_int4_tiled(codes, sz, residual, bias, kNeverQ8, e2m1);
+          const int64_t N = k->out_features, K = k->in_features;
+          TIERED_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == K &&
+                          x.stride(1) == 1 && x.stride(0) >= K,
+                      "int4_tiled_gemm: x must be a CPU bf16 [M, ", K, "] with contiguous rows, got ", x.scalar_type(),
+                      " ", x.sizes(), " strides ", x.strides());
+          const int64_t M = x.size(0);
+          auto out = at::empty({M, N}, fp32 ? at::kFloat : at::kBFloat16);
+          if (M > 0) {
+            py::gil_scoped_release nogil;
+            int4t_amx_gemm(k->w, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0), M, K, N,
+                           fp32 ? out.data_ptr<float>() : nullptr,
+                           fp32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), N);
+          }
+          return out;
+        },
+        py::arg("codes"), py::arg("sz"), py::arg("residual") = py::none(), py::arg("x"), py::arg("bias") = py::none(),
+        py::arg("fp32") = false, py::arg("e2m1") = false,
+        "x [M, K] bf16 @ W^T (+ bias) -> [M, N] bf16 (fp32 with fp32=True) for a tiled int4 weight (int4_tiled_kernel's "
+        "codes, sz, residual, e2m1) on AMX: W as int4_tiled_dequantize rounds it to bf16, the products summed in fp32 "
+        "by TDPBF16PS, each thread's 32-row blocks of W dequantized into AMX's tile layout in its cache. Needs "
+        "amx_available().");
   m.def("int8_kernel", [](at::Tensor q, at::Tensor scale, c10::optional<at::Tensor> bias) -> KernelPtr {
           return make_int8(q, scale, bias);
         },

@@ -1,0 +1,116 @@
+"""tiered's AMX GEMM over a tiled int4 weight (kernels' int4_tiled_gemm, csrc/gemv.cpp): a prompt's rows against
+the weight as int4_tiled_dequantize rounds it to bf16, products summed in fp32, for every layout the tiled kernels
+read (scales inline or apart, a zero residual, MXFP4 codes), row and column tails, a bias; and Int4Linear.dense
+taking it within AMX_ROWS. Runs where the CPU has AMX (Sapphire Rapids and later); skipped elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tiered import kernels
+from tiered.kernels.linear import tiled_codes, tiled_inline, tiled_scales
+from tiered.quant import int4
+from tiered.quant.int4 import Int4Linear, quantize_int4
+
+ext = kernels.load()
+pytestmark = pytest.mark.skipif(ext is None or not ext.amx_available(), reason="no AMX here (or tiered/kernels unbuilt)")
+
+
+def _weight(N: int, K: int, g: torch.Generator, inline: bool, residual: bool):
+    """(codes, sz, residual) of a random tiled int4 weight [N, K], in the form int4_tiled_kernel takes."""
+    codes, scale, zero = quantize_int4(torch.randn(N, K, generator=g) / 8)
+    sz = tiled_scales(torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
+    packed = tiled_codes(codes)
+    res = (torch.randn(N // 16, K // 32, 16, generator=g) / 64).to(torch.bfloat16) if residual else None
+    return (tiled_inline(packed, sz), None, res) if inline else (packed, sz, res)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 16, 32), (15, 48, 64), (16, 32, 96), (17, 64, 64), (33, 80, 128),
+                                   (100, 96, 576)])
+@pytest.mark.parametrize("inline,residual", [(True, False), (False, False), (True, True)])
+def test_amx_gemm_is_the_dequantized_weights_product(M, N, K, inline, residual):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    codes, sz, res = _weight(N, K, g, inline, residual)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    bias = torch.randn(N, generator=g)
+    w = ext.int4_tiled_dequantize(codes, sz, res, fp32=False)  # bf16 [N, K]
+    ref = F.linear(x.double(), w.double()) + bias.double()
+    got = ext.int4_tiled_gemm(codes, sz, res, x, bias, True)  # fp32 out
+    assert got.shape == (M, N) and got.dtype == torch.float32
+    # the same bf16 products summed in fp32 (in another order): within a few fp32 roundings of the sum's terms
+    tol = 1e-5 * (x.double().abs() @ w.double().abs().t() + bias.double().abs())
+    assert ((got.double() - ref).abs() <= tol).all()
+    got_bf16 = ext.int4_tiled_gemm(codes, sz, res, x, bias)  # bf16 out: the fp32 sum rounded once
+    assert got_bf16.dtype == torch.bfloat16 and torch.equal(got_bf16, got.to(torch.bfloat16))
+
+
+def test_amx_gemm_reads_mxfp4_codes_and_strided_rows():
+    g = torch.Generator().manual_seed(5)
+    N, K, M = 48, 96, 21
+    codes = torch.randint(0, 256, (N // 16, K // 32, 320), dtype=torch.uint8, generator=g)
+    codes[..., 256:] = torch.stack([torch.rand(N // 16, K // 32, 16, generator=g) / 4,  # (scale, zero) pairs
+                                    torch.randn(N // 16, K // 32, 16, generator=g) / 16], -1) \
+        .to(torch.bfloat16).view(torch.uint8).reshape(N // 16, K // 32, 64)
+    wide = torch.randn(M, K + 40, generator=g).to(torch.bfloat16)
+    x = wide[:, 8:8 + K]  # rows K + 40 apart
+    w = ext.int4_tiled_dequantize(codes, None, None, fp32=False, e2m1=True)
+    ref = F.linear(x.double(), w.double())
+    got = ext.int4_tiled_gemm(codes, None, None, x, None, True, True)
+    assert ((got.double() - ref).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().t())).all()
+
+
+def test_amx_gemm_refuses_what_it_cannot_read():
+    codes, sz, _ = _weight(32, 64, torch.Generator().manual_seed(0), True, False)
+    with pytest.raises(RuntimeError, match="x must be a CPU bf16"):
+        ext.int4_tiled_gemm(codes, None, None, torch.zeros(4, 64), None)  # fp32 x
+    with pytest.raises(RuntimeError, match="x must be a CPU bf16"):
+        ext.int4_tiled_gemm(codes, None, None, torch.zeros(4, 32, dtype=torch.bfloat16), None)  # wrong K
+    assert ext.int4_tiled_gemm(codes, None, None, torch.zeros(0, 64, dtype=torch.bfloat16), None).shape == (0, 32)
+
+
+def test_int4_linear_prompt_rows_take_the_amx_gemm_within_amx_rows(monkeypatch):
+    """Int4Linear.dense past dequantize_rows: the AMX GEMM up to AMX_ROWS rows (within without_amx, and past them,
+    the dequantized weight's oneDNN GEMM); both the same products within fp32 summation order, rounded to bf16."""
+    g = torch.Generator().manual_seed(7)
+    lin = Int4Linear.from_codes(*quantize_int4(torch.randn(64, 128, generator=g) / 8), layout="tiled",
+                                batch_act="q8")
+    monkeypatch.setattr(int4, "dequantize_rows", lambda *a, **k: 8)  # every call here past the kernel's rows
+    monkeypatch.setattr(int4, "AMX_ROWS", 40)
+    calls = []
+    real = int4.amx_kernels
+    monkeypatch.setattr(int4, "amx_kernels", lambda: calls.append(1) or real())
+    w = ext.int4_tiled_dequantize(lin.packed, None, None, fp32=False).double()
+    for rows, amx in ((33, True), (41, False)):
+        calls.clear()
+        x = torch.randn(rows, 128, generator=g).to(torch.bfloat16)
+        got = lin.dense(x)
+        with int4.without_amx():
+            onednn = lin.dense(x)
+        assert bool(calls) == amx
+        ref = F.linear(x.double(), w)
+        tol = 2 ** -8 * ref.abs() + 1e-4 * (x.double().abs() @ w.abs().t())
+        assert ((got.double() - ref).abs() <= tol).all() and ((onednn.double() - ref).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("e2m1", [False, True])
+def test_expert_projection_rows_take_the_amx_gemm(e2m1, monkeypatch):
+    """quant/experts.tiled_int4_dequantized (an int4 / mxfp4 expert's prompt rows past its kernel's): the AMX GEMM
+    within AMX_ROWS, the same products as the dequantized weight's oneDNN GEMM within fp32 summation order."""
+    from tiered.quant.experts import tiled_int4_dequantized
+
+    g = torch.Generator().manual_seed(9)
+    codes, _, res = _weight(64, 128, g, True, not e2m1)
+    v = {"gw": codes} if res is None else {"gw": codes, "zr": res}
+    calls = []
+    real = int4.amx_kernels
+    monkeypatch.setattr(int4, "amx_kernels", lambda: calls.append(1) or real())
+    x = torch.randn(37, 128, generator=g)
+    got = tiled_int4_dequantized(x, x.to(torch.bfloat16), v, e2m1)
+    assert calls and got.dtype == torch.float32 and got.shape == (37, 64)
+    with int4.without_amx():
+        onednn = tiled_int4_dequantized(x, x.to(torch.bfloat16), v, e2m1)
+    w = ext.int4_tiled_dequantize(codes, None, res, fp32=False, e2m1=e2m1).double()
+    tol = 2 ** -8 * onednn.double().abs() + 1e-4 * (x.to(torch.bfloat16).double().abs() @ w.abs().t())
+    assert ((got.double() - onednn.double()).abs() <= tol).all()
