@@ -90,6 +90,7 @@ def test_a_prompts_ffn_stays_in_the_dequantized_gemms_dtype(monkeypatch):
     import torch.nn.functional as F
 
     from tiered import kernels
+    from tiered.models.layers import swiglu
     from tiered.quant import int4
     from tiered.quant.linear import PhaseLinear, SharedOutput, Slice
 
@@ -118,11 +119,12 @@ def test_a_prompts_ffn_stays_in_the_dequantized_gemms_dtype(monkeypatch):
         h = x.to(torch.bfloat16)
         gate_up = shared.fused.dense(h)
         assert gate_up.dtype == torch.bfloat16
-        want = down.dense(F.silu(gate_up[..., :Fi]) * gate_up[..., Fi:]).float()
+        # gate and up's fused output to swiglu whole (quant/linear.fused_pair): in bf16, one pass on the CPU
+        want = down.dense(swiglu(gate_up)).float()
         assert y.dtype == torch.float32 and torch.equal(y, want)
-        # the fp32 product (the path before): not what runs now
-        up32 = gate_up.float()
-        assert not torch.equal(y, down.dense(F.silu(up32[..., :Fi]) * up32[..., Fi:]))
+        # the halves' SiLU and product by torch's bf16 ops (rounded twice; the path before fused_pair): not what runs
+        # now, where swiglu computes in fp32 and rounds once
+        assert not torch.equal(y, down.dense(F.silu(gate_up[..., :Fi]) * gate_up[..., Fi:]).float())
     assert mlp._prompt_dtype(x[:, :threshold]) is None  # a decode step: the decode module's rows
     assert mlp._prompt_dtype(x.to(torch.bfloat16)) is None  # already that dtype
     plain = MLP(D, Fi)
