@@ -1499,3 +1499,31 @@ def test_batched_experts_are_priced_on_the_activations_their_kernels_read():
     # at batch_act q8 the batched rows read q8 whatever expert_act says: the same price
     assert price["bf16", "q8"] == price["q8", "q8"]
     assert price["q8", "bf16"] < price["bf16", "bf16"]  # expert_act q8 alone: q8 from one row
+
+
+def test_one_copy_int4_prompt_gemms_within_amx_rows_are_priced_by_the_amx_key():
+    """On AMX a one-copy int4 weight's prompt GEMM of up to quant/int4.AMX_ROWS rows runs tiered's AMX GEMM, past
+    them the dequantized oneDNN GEMM: gemm_amx/cpu/int4 prices the former (projections and int4 / mxfp4 experts
+    alike), gemm/cpu/int4 the latter, and a profile without the key (no AMX, before profiler 51) prices both by
+    gemm/cpu/int4."""
+    from tiered.planner.cpu_predict import predict_prefill, prompt_expert_time
+    from tiered.quant.int4 import AMX_ROWS
+
+    m = {"gemm/cpu/int4": LinearModel(1e-3, 2e-12, 1.0), "gemv/cpu/int4": LinearModel(0.0, 1 / 30e9, 1.0),
+         "decode_rows/cpu/int4": LinearModel(0.0, 1.2e-11, 1.0), "gemm/cpu/fp32": LinearModel(0.0, 7e-12, 1.0),
+         "dequantize/cpu/int4": LinearModel(0.0, 1e-10, 1.0)}
+    meta = {"native_kernels": True, "int4_dequantize_rows": 96, "kernel_isa": "avx512"}
+    hw = HardwareProfile("cpu-box", "test", m, None, None, meta=meta)
+    amx = HardwareProfile("cpu-box", "test", {**m, "gemm_amx/cpu/int4": LinearModel(5e-3, 2e-11, 1.0)}, None, None,
+                          meta=meta)
+
+    def ttft(profile, tokens):
+        return predict_prefill(LLAMA70B, profile, "int4", tokens, act_dtype="fp32")
+
+    assert ttft(amx, AMX_ROWS) > 3 * ttft(hw, AMX_ROWS)  # within AMX_ROWS: the AMX key's (slow) line
+    assert ttft(amx, AMX_ROWS + 64) == ttft(hw, AMX_ROWS + 64)  # past them: gemm/cpu/int4 either way
+    w = 3 * 4096 * 14336 * 0.5625
+    macs = 3 * 4096 * 14336
+    for kind in ("int4", "mxfp4"):
+        assert prompt_expert_time(amx, kind, 300, w, macs) > 3 * prompt_expert_time(hw, kind, 300, w, macs)
+        assert prompt_expert_time(amx, kind, AMX_ROWS + 1, w, macs) == prompt_expert_time(hw, kind, AMX_ROWS + 1, w, macs)

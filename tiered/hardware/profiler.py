@@ -30,6 +30,9 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     convert_big/cpu/bf16 the same past 32 MiB (each call faults fresh pages in)  n = elements
     dequantize/cpu/int4  a one-copy int4 weight's dequantization before a prompt's GEMM past the kernel's
                          rows (tiered's kernels only; gemm/cpu/int4 is then fitted net of it)   n = elements
+    gemm_amx/cpu/int4    a one-copy int4 weight's prompt GEMM on AMX (kernels' int4_tiled_gemm, calls of up to
+                         quant/int4.AMX_ROWS rows; CPUs with AMX only), fitted net of dequantize/cpu/int4 as
+                         gemm/cpu/int4 (then timed on the dequantized oneDNN path) is        n = MACs
     attn_prefill_past/cpu/<dtype>  a prefill chunk's attention over the cache before it (1024 queries over
                          2048-4096 keys, an explicit mask: every pair computed)  n = MACs (2 * heads * T * S * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
@@ -108,7 +111,7 @@ from tiered.hardware.cpu_gemm import bf16_gemm_native, linear
 from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K, prefill_attention_pairs
 from tiered.hardware.profile import HardwareProfile, LinearModel
 from tiered.memory.sizes import DENSE_FORMATS, bytes_per_element, kv_torch_dtype, torch_dtype
-from tiered.quant.int4 import dequantize_rows, without_amx
+from tiered.quant.int4 import AMX_ROWS, amx_kernels, dequantize_rows, without_amx
 
 MiB = 2**20
 DISK_READERS = 2  # the runtime's disk reader threads (runtime/install.py: max(2, staging buffers))
@@ -307,7 +310,7 @@ COMPUTE_PROBE_REPEATS = 9
 # planning scales each by the probe's speed now against them (planner/auto.compute_now).
 # (Not attn/cpu, torch's decode attention: bandwidth-bound, hardware/profile.BANDWIDTH_BOUND_CPU.)
 COMPUTE_KEYS = ("decode_rows/cpu/", "expert_rows/cpu/", "expert_groups/cpu/", "attn_rows/cpu/", "attn_prefill/cpu/", "attn_prefill_past/cpu/",
-                "gemm/cpu/", "gemm_pack/cpu/", "gemm_big/cpu/", "runtime/step_rows/", "runtime/prefill_code/",
+                "gemm/cpu/", "gemm_amx/cpu/", "gemm_pack/cpu/", "gemm_big/cpu/", "runtime/step_rows/", "runtime/prefill_code/",
                 "dequantize/cpu/", "runtime/batch_rows/")
 
 
@@ -360,7 +363,7 @@ STREAM_KEYS = ("gemv/cpu/", "gemv_dram/cpu/", "memory/bandwidth")  # time = byte
 # The GEMM keys too: one full profile on the 2-core AVX2-only EPYC timed gemm/cpu/fp32's shapes 1.7-12x
 # slower than they ran before and after (67 M MACs in 15.7 ms against 1.1-1.3; R^2 0.53, an intercept of 9 ms
 # a call) and priced SmolLM2's fp32 512-token TTFT at 3.2 s where it took 0.92 (2026-11-30).
-GEMM_KEYS = ("gemm/cpu/", "gemm_big/cpu/")  # torch's GEMM lines (GEMM_STALL_R2)
+GEMM_KEYS = ("gemm/cpu/", "gemm_big/cpu/", "gemm_amx/cpu/")  # the GEMM lines (GEMM_STALL_R2): torch's, tiered's AMX one
 # The conversion keys (convert, convert_big: a stream of a weight's bytes, page faults past glibc's mmap threshold)
 # too: one quick profile on 2 Zen 3 cores fitted them as one line at R^2 0.89, 5.8 ns an element, where the full
 # one a minute before fitted 1.3 (R^2 0.98), and the plan priced a 128-token bf16 MoE prompt 2x slow
@@ -853,6 +856,12 @@ def int4_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
     d = dequantize_rows()
     weights = list(dict.fromkeys((K, N) for _, K, N in shapes))[:2]
     return [(m * d, K, N) for K, N in weights for m in (2, 4)]
+
+
+def amx_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
+    """gemm_amx/cpu/int4's (T, K, N) shapes: int4_gemm_shapes' (`shapes`), their rows at most quant/int4.AMX_ROWS
+    (the AMX GEMM's calls; past them the dequantized oneDNN GEMM runs, gemm/cpu/int4's)."""
+    return [(min(T, AMX_ROWS), K, N) for T, K, N in shapes]
 
 
 def _dequantize_points(shapes, repeats: int) -> list[tuple[float, float]]:
@@ -2235,7 +2244,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 50: runtime/decode_layer/int8-g32, the native step's dense layers with int8 copies per group of 32 (a Q8_0 file's,
 # --decode-weights int8's since it makes them): priced at gemv/cpu/int8-g32's rate alone (the kernel timed by itself),
 # SmolLM2's --decode-weights int8 decode was priced 286 tok/s where it ran 223-252 on 2 AMX cores.
-PROFILER_VERSION = 50
+# 51: gemm_amx/cpu/int4, a one-copy int4 weight's prompt GEMM on AMX (kernels' int4_tiled_gemm, within
+# quant/int4.AMX_ROWS rows), fitted net of dequantize/cpu/int4 as gemm/cpu/int4 is; gemm/cpu/int4 itself timed on
+# the dequantized oneDNN path (quant/int4.without_amx), which calls past AMX_ROWS take.
+PROFILER_VERSION = 51
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2325,10 +2337,15 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         shapes = int4_gemm_shapes(gemm_shapes) if dequantized else gemm_shapes
         if dequantized:
             b.attempt("dequantize/cpu/int4", lambda sh=shapes: _dequantize_points(sh, r))
-        with without_amx():  # priced as oneDNN's GEMM at every row count (quant/int4.without_amx)
+        with without_amx():  # oneDNN's GEMM, what calls past AMX_ROWS take (quant/int4.without_amx)
             b.attempt(f"gemm/cpu/{dtype}", lambda d=dtype, sh=shapes, dq=dequantized: _net_of_dequantize(
                 _gemm_points("cpu", d, sh, nosync, r, False), sh, b.models.get("dequantize/cpu/int4") if dq else None),
                 weights=[K * N * bytes_per_element(dtype) for _, K, N in shapes])
+        if dequantized and amx_kernels() is not None:  # ... and calls within AMX_ROWS on a CPU with AMX
+            amx = amx_gemm_shapes(shapes)
+            # over multiply-adds alone: no per-call weight packing to fit beside them (gemm_pack: oneDNN's)
+            b.attempt("gemm_amx/cpu/int4", lambda sh=amx: _net_of_dequantize(
+                _gemm_points("cpu", "int4", sh, nosync, r, False), sh, b.models.get("dequantize/cpu/int4")))
         b.attempt(f"gemv/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemv_shapes, nosync, r, True, probe=pr))
     if kernels.available():  # routed int4 experts' batch-1 kernel (op_time.gemv_dtype)
         b.attempt("gemv/cpu/int4q8", lambda: _gemm_points("cpu", "int4q8", gemv_shapes, nosync, r, True, probe=pr))

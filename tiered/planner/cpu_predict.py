@@ -567,11 +567,16 @@ def torch_gemm_time(hw: HardwareProfile, dtype: str, macs: float, weight_bytes: 
     bf16 on a CPU without a bf16 GEMM (meta["bf16_gemm_native"] False, with convert/cpu/bf16 profiled): each
     call's fp32 GEMM over its weight converted for it (hardware/cpu_gemm.linear), priced as the fp32 GEMM
     plus the conversion: timed as one, the two had fitted one line of R^2 0.34-0.95 on 2 Zen 3 cores. int4 (a
-    one-copy weight past its kernel's rows): the GEMM plus the weight's dequantization (op_time.dequantize_time)."""
+    one-copy weight past its kernel's rows): the GEMM plus the weight's dequantization (op_time.dequantize_time), on
+    AMX within quant/int4.AMX_ROWS rows by gemm_amx/cpu/int4 (op_time.amx_gemm_time)."""
     conv = conversion_time(hw, weight_bytes / op_time.bytes_per_element(dtype) / calls) if dtype == "bf16" else None
     if conv is not None:
         return torch_gemm_time(hw, "fp32", macs, 2 * weight_bytes, calls) + calls * conv if macs > 0 else 0.0
-    # one-copy int4 weights: each dequantized for its GEMM (quant/int4.Int4Linear.dequantized), where profiled apart
+    # one-copy int4 weights: within AMX_ROWS rows on AMX, the weight dequantized into the tiles as the GEMM goes
+    amx = op_time.amx_gemm_time(hw, macs, weight_bytes, calls) if dtype == "int4" else None
+    if amx is not None:
+        return amx
+    # past them (or without AMX) each dequantized for its GEMM (quant/int4.Int4Linear.dequantized), where profiled apart
     t = op_time.gemm_time(hw, "cpu", dtype, macs, weight_bytes, calls=calls) + op_time.dequantize_time(
         hw, "cpu", dtype, weight_bytes)
     rows_key = hw.models.get(f"gemm_rows/cpu/{dtype}")
@@ -689,6 +694,9 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
             return (stream + (first - 1) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
                     + (r - first) * groups.beta * macs_per_row)
         return calls * stream + (r - calls) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
+    amx = op_time.amx_gemm_time(hw, r * macs_per_row, weight_bytes, calls=3) if kind in ("int4", "mxfp4") else None
+    if amx is not None:  # within AMX_ROWS on AMX (quant/experts.tiled_int4_dequantized)
+        return amx + glu
     if kind in ("int4", "mxfp4") and op_time.find(hw, "gemm", "cpu", "int4") is not None:
         return (op_time.gemm_time(hw, "cpu", "int4", r * macs_per_row, weight_bytes, calls=3) + glu
                 + op_time.dequantize_time(hw, "cpu", "int4", weight_bytes))

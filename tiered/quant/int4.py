@@ -53,8 +53,10 @@ DEQUANTIZE_CHUNK = 32 * 2**20
 # 3072 x 576 at 400 rows 1.00, 576 x 1536 0.94, 960 x 576 0.92, 14336 x 4096 at 256 rows 0.69, 4096 x 4096 at 512
 # 1.00; but 3072 x 576 at 941 rows 1.37 (oneDNN's GEMM loop reaches more of AMX's rate than this one's 2 x 2 tiles,
 # which pays where the dequantizing passes weigh most: fewer rows). oneDNN's first call at a row count it has not
-# seen takes 2-5 ms more a shape (~15 ms of a SmolLM2 prompt of a new length), which this path never does.
-AMX_ROWS = 512
+# seen takes 2-5 ms more a shape (~15 ms of a SmolLM2 prompt of a new length), which this path never does. At 512
+# (the first choice) SmolLM2's 512-token prompt ran about as before and its price, the AMX key's line from 192 and
+# 384 rows, came out 22% fast in planner validation: 384.
+AMX_ROWS = 384
 
 
 def unpack_q4_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
