@@ -1844,8 +1844,9 @@ TIERED_AMX void int4t_amx_blocks(const Int4W& w, const uint16_t* xa, int64_t M, 
 
 // y [M, N] (ldy apart; bf16 yb or fp32 yf) = x [M, K] bf16 (lda elements apart) @ W^T (+ W's bias) for a
 // tiled int4 weight (N % 16 == 0, K % 32 == 0; amx_ready()). x is first copied into its tiles' order, xa
-// [M/16][K/32][16][32] (the last row tile zero-padded), so that each tile load reads 1 KB in a row (strided
-// loads of x itself ran ~1.3x slower); threads then take 32-row blocks of W.
+// [M/16][K/32][16][32] (the last row tile zero-padded), so that each tile load reads 1 KB in a row (the first
+// version loaded x's rows in place, K elements apart: not timed against this one in the same minutes); threads
+// then take 32-row blocks of W.
 void int4t_amx_gemm(const Int4W& w, const uint16_t* x, int64_t lda, int64_t M, int64_t K, int64_t N, float* yf,
                     uint16_t* yb, int64_t ldy) {
   const int64_t NB = (N + 2 * kBlock - 1) / (2 * kBlock), MT = (M + kAmxRows - 1) / kAmxRows, G = K / kGroup;
