@@ -785,11 +785,10 @@ def tiled_int4_kernel(x: torch.Tensor, v: dict[str, torch.Tensor], act: str, e2m
 def tiled_int4_dequantized(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch.Tensor],
                            e2m1: bool = False) -> torch.Tensor:
     """`_tiled_int4`'s dequantized path: the weight dequantized once and one matmul (xb: x in bf16); calls of up to
-    quant/int4.AMX_ROWS rows in bf16 on a CPU with AMX take the native AMX GEMM instead (int4.amx_kernels)."""
+    quant/int4.AMX_ROWS rows in bf16 on a CPU with AMX take the native AMX GEMM instead (int4.amx_gemm)."""
     from tiered.kernels import load
     from tiered.kernels.linear import tiled_dequantize
-    from tiered.quant import int4
-    from tiered.quant.int4 import dequantize_dtype
+    from tiered.quant.int4 import amx_gemm, dequantize_dtype
 
     ext = load() if x.device.type == "cpu" else None
     zr = v.get("zr")
@@ -798,11 +797,12 @@ def tiled_int4_dequantized(x: torch.Tensor, xb: torch.Tensor, v: dict[str, torch
     # Rapids cores (AMX), fastest of 5, ms at 128 / 256 / 512 rows: fp32 dequantize + GEMM 82 / 129 / 212,
     # bf16 26 / 33 / 52, the q8 kernel in one call 27 / 54 / 105 (2026-11-29; mxfp4: MXFP4_KERNEL_ROWS' note)
     fp32 = x.dtype == torch.float32 and (ext is None or dequantize_dtype() == torch.float32)
-    if ext is not None and not fp32 and x.shape[0] <= int4.AMX_ROWS and int4.amx_kernels() is not None:
-        # AMX: the weight dequantized into the tiles' layout as the GEMM goes (quant/int4.AMX_ROWS); an expert's
+    if ext is not None and not fp32:
+        # AMX: the weight dequantized into the tiles' layout as the GEMM goes (quant/int4.amx_gemm); an expert's
         # row count changes from call to call, each new one a new oneDNN kernel (2-5 ms) on the path below
-        return ext.int4_tiled_gemm(v["gw"], None, zr, xb if xb.stride(-1) == 1 else xb.contiguous(), None,
-                                   False, e2m1).to(x.dtype)
+        y = amx_gemm(v["gw"], zr, xb, e2m1=e2m1)
+        if y is not None:
+            return y.to(x.dtype)
     if ext is not None:
         w = tiled_dequantize(v["gw"], None, zr, fp32, e2m1=e2m1)  # a reused buffer: no fresh pages per call
     else:

@@ -156,6 +156,20 @@ def amx_kernels():
     return ext if ext.amx_available() else None
 
 
+def amx_gemm(codes: torch.Tensor, residual: torch.Tensor | None, xb: torch.Tensor, bias: torch.Tensor | None = None,
+             e2m1: bool = False) -> torch.Tensor | None:
+    """xb [n, K] bf16 @ W^T (+ bias) -> [n, N] bf16 on the AMX GEMM (kernels' int4_tiled_gemm) for a tiled int4 weight
+    (`codes` with its scales inline [N/16, K/32, 320], its zero residual or None; e2m1: MXFP4 codes) where the call
+    takes it: n within AMX_ROWS on a CPU with AMX (`amx_kernels`); else None (the caller dequantizes for oneDNN).
+    The one place Int4Linear.dequantized and quant/experts.tiled_int4_dequantized decide it."""
+    if xb.shape[0] > AMX_ROWS or xb.device.type != "cpu":
+        return None
+    ext = amx_kernels()
+    if ext is None:
+        return None
+    return ext.int4_tiled_gemm(codes, None, residual, xb if xb.stride(-1) == 1 else xb.contiguous(), bias, False, e2m1)
+
+
 @contextlib.contextmanager
 def without_amx():
     """Int4Linear.dequantized's calls take the dequantized oneDNN GEMM at every row count meanwhile (the profiler
@@ -295,16 +309,14 @@ class Int4Linear(nn.Module):
     def dequantized(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> [T, N] in `dequantize_dtype()`: the weight ("tiled" layout) dequantized (into a reused
         buffer) for one GEMM in that dtype, as `dense` runs calls past dequantize_rows; calls of up to AMX_ROWS rows in
-        bf16 on a CPU with AMX take the native AMX GEMM instead (`amx_kernels`: no dequantized weight in memory)."""
+        bf16 on a CPU with AMX take the native AMX GEMM instead (`amx_gemm`: no dequantized weight in memory)."""
         from tiered.kernels.linear import tiled_dequantize
 
         dt = dequantize_dtype()
-        if dt == torch.bfloat16 and self.packed.dim() == 3 and x.shape[0] <= AMX_ROWS:
-            ext = amx_kernels()
-            if ext is not None:  # AMX: the weight dequantized into the tiles' layout as the GEMM goes (AMX_ROWS)
-                xb = x.to(dt)
-                return ext.int4_tiled_gemm(self.packed, None, None, xb if xb.stride(-1) == 1 else xb.contiguous(),
-                                           self.bias, False, False)
+        if dt == torch.bfloat16 and self.packed.dim() == 3:  # AMX: W dequantized into the tiles as the GEMM goes
+            y = amx_gemm(self.packed, None, x.to(dt), self.bias)
+            if y is not None:
+                return y
         bias = None if self.bias is None else self.bias.to(dt)
         fp32 = dt == torch.float32
         return gemm_by_row_chunks(x.to(dt), self.out_features, bias=bias, weight_rows=lambda n0, n1:

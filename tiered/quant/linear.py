@@ -94,13 +94,17 @@ class SharedOutput(nn.Module):
         """The fused result for x (dense: through the fused module's `dense` path, when it has one)."""
         d = self.__dict__  # plain attributes: nn.Module.__setattr__ costs ~1 ms per token here
         if x is not d["_input"] or dense is not d["_dense"]:
-            fn = getattr(self.fused, "dense", self.fused) if dense else self.fused
-            d["_input"], d["_dense"], d["_output"], d["_taken"] = x, dense, fn(x), 0
+            d["_input"], d["_dense"], d["_output"], d["_taken"] = x, dense, self.compute(x, dense), 0
         out = d["_output"]
         d["_taken"] += 1
         if d["_taken"] == d["members"]:
             d["_input"] = d["_output"] = None
         return out
+
+    def compute(self, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
+        """The fused module's output for x [..., K] -> [..., N] (its `dense` path with `dense`, where it has one),
+        computed afresh and kept nowhere: what __call__ caches for the members, and fused_pair hands over whole."""
+        return (getattr(self.fused, "dense", self.fused) if dense else self.fused)(x)
 
 
 class Slice(nn.Module):
@@ -169,10 +173,9 @@ def fused_pair(first: nn.Module, second: nn.Module, x: torch.Tensor) -> torch.Te
     a, b = first.decode, second.decode
     if type(a) is not Slice or type(b) is not Slice or a.shared is not b.shared or a.start != 0 or a.stop != b.start:
         return None
-    fused = a.shared.fused
-    if b.stop != getattr(fused, "out_features", None):
+    if b.stop != getattr(a.shared.fused, "out_features", None):
         return None
-    return (getattr(fused, "dense", fused) if dense else fused)(x)
+    return a.shared.compute(x, dense)
 
 
 @dataclass
