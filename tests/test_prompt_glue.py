@@ -80,3 +80,100 @@ def test_one_copy_gate_and_up_reach_swiglu_as_one_fused_output(rows, monkeypatch
         assert fused_pair(mlp.up_proj, mlp.gate_proj, x) is None  # not in the fused output's order
     assert seen == [(1, rows, 2 * Fw)]
     assert got.shape == (1, rows, D) and torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_native_residual_rms_norm_adds_normalizes_and_rounds_once(delta_dtype, dtype):
+    """RMSNorm.residual on fp32 CPU rows: h = x + delta exactly as torch adds them, y = F.rms_norm(h) within fp32
+    rounding (the native decode step's norm), in bf16 rounded once from it; forward(x, dtype) is its y."""
+    g = torch.Generator().manual_seed(3)
+    D = 96
+    norm = layers.RMSNorm(D, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(D, generator=g))
+    x = torch.randn(2, 37, D, generator=g) * 3
+    delta = None if delta_dtype is None else torch.randn(2, 37, D, generator=g).to(delta_dtype)
+    with torch.inference_mode():
+        h, y = norm.residual(x, delta, dtype)
+        want_h = x if delta is None else x + delta
+        assert h.dtype == torch.float32 and torch.equal(h, want_h)
+        assert torch.equal(norm(want_h, dtype), y)
+        exact = F.rms_norm(want_h, (D,), norm.weight, 1e-5)
+        assert torch.equal(y, kernels.load().rms_norm(x, norm.weight, 1e-5, dtype or torch.float32, delta)[1])
+    if dtype is None:
+        assert y.dtype == torch.float32 and torch.allclose(y, exact, rtol=1e-5, atol=1e-6)
+    else:  # one rounding of the fp32 value: within half a bf16 ulp of it (plus the fp32 reduction's ulps)
+        assert y.dtype == dtype and ((y.float() - exact).abs() <= exact.abs() * (2 ** -8 + 1e-5) + 1e-6).all()
+
+
+def test_rms_norm_of_lower_precision_rows_keeps_hfs_order():
+    """bf16 x (a GPU's or a bf16 engine's rows): torch's ops in HF's order, the normalized x rounded to bf16 before
+    the weight; a bf16 delta to a bf16 x is added in bf16."""
+    g = torch.Generator().manual_seed(4)
+    norm = layers.RMSNorm(64, 1e-6).to(torch.bfloat16)
+    x, d = torch.randn(3, 64, generator=g).bfloat16(), torch.randn(3, 64, generator=g).bfloat16()
+    with torch.inference_mode():
+        h, y = norm.residual(x, d)
+        assert h.dtype == torch.bfloat16 and torch.equal(h, x + d)
+        assert torch.equal(y, norm.weight * F.rms_norm((x + d).float(), (64,), None, 1e-6).to(torch.bfloat16))
+
+
+def test_native_rms_norm_refuses_what_it_cannot_read():
+    ext = kernels.load()
+    with pytest.raises(RuntimeError, match="x must be fp32"):
+        ext.rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-5, torch.float32)
+    with pytest.raises(RuntimeError, match="weight must be fp32"):
+        ext.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-5, torch.float32)
+    with pytest.raises(RuntimeError, match="delta must have x's sizes"):
+        ext.rms_norm(torch.zeros(2, 8), torch.ones(8), 1e-5, torch.float32, torch.zeros(1, 8))
+    with pytest.raises(RuntimeError, match="dtype must be fp32 or bf16"):
+        ext.rms_norm(torch.zeros(2, 8), torch.ones(8), 1e-5, torch.float16)
+
+
+def test_a_prompts_layers_take_the_norms_in_their_gemms_dtype(zoo, monkeypatch):
+    """One-copy int4 projections that dequantize a prompt's rows for bf16 GEMMs (SmolLM2's default plan on
+    AVX-512), a bf16 KV cache: each layer's norms hand attention and FFN bf16 rows (layers.input_dtype), which stay
+    bf16 to their outputs, added to the fp32 residual stream by the next norm's pass (DecoderLayer.step). The
+    hidden states equal the path that casts inside the blocks (input_dtype None: fp32 norms, every projection
+    casting its input) bit for bit; a decode row, an fp32 KV cache and an int8 one keep fp32 norms."""
+    from tiered import LLM, EngineConfig
+    from tiered.quant import int4
+
+    monkeypatch.setattr(int4, "dequantize_rows", lambda batch_act="bf16", isa=None, tuning=None: 8)
+    monkeypatch.setattr(int4, "dequantize_dtype", lambda: torch.bfloat16)
+    llm = LLM(zoo.dir("llama"), EngineConfig(accelerator="none", decode_weights="int4", max_context=64))
+    try:
+        model, cfg = llm.model, llm.config
+        assert llm.plan.dtypes["prompt_attention"] == "bf16" and llm.plan.dtypes["prompt_ffn"] == "bf16"
+        seen = []
+        for layer in model.model.layers:
+            for block in (layer.self_attn, layer.mlp):
+                block.register_forward_pre_hook(lambda m, args: seen.append((type(m).__name__, args[0].dtype)))
+                block.register_forward_hook(lambda m, args, out: seen.append((type(m).__name__, out.dtype)))
+        T = 40
+        ids = torch.randint(2, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(5))
+        positions, slots = torch.arange(T).unsqueeze(0), torch.tensor([0])
+
+        def hidden(kv_dtype, n=T):
+            cache = layers.KVCache(cfg, 1, 64, kv_dtype)
+            seen.clear()
+            with torch.inference_mode():
+                return model.hidden_states(ids[:, :n], positions[:, :n], slots, cache), list(seen)
+
+        bf16, fp32 = torch.bfloat16, torch.float32
+        got, dtypes = hidden(bf16)
+        assert dtypes == ([("Attention", bf16)] * 2 + [("MLP", bf16)] * 2) * cfg.num_hidden_layers  # (in, out)
+        assert got.dtype == fp32
+        import tiered.models.llama as llama_mod
+
+        with monkeypatch.context() as m:
+            m.setattr(llama_mod, "input_dtype", lambda block, x, cache: None)
+            want, cast_inside = hidden(bf16)
+        assert cast_inside[0] == ("Attention", fp32) and cast_inside[2] == ("MLP", fp32)  # that path ran
+        assert torch.equal(got, want)
+        for kv in (fp32, torch.int8):  # the cache not in the prompt's dtype: attention's rows stay fp32
+            assert hidden(kv)[1][0] == ("Attention", fp32)
+        assert hidden(bf16, 1)[1][0] == ("Attention", fp32)  # a decode row
+    finally:
+        llm.close()

@@ -27,11 +27,36 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same math
-        dtype = x.dtype  # fp32 math, the result rounded to x's dtype before the weight (HF's order)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(dtype)
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., D] -> the normalized x [..., D] in `dtype` (None: x's; `residual`'s y)."""
+        return self.residual(x, None, dtype)[1]
+
+    def residual(self, x: torch.Tensor, delta: torch.Tensor | None,
+                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm block's residual add and the next norm: x [..., D], delta [..., D] or None -> (h, y), h = x +
+        delta (x itself without delta; a delta of another dtype is promoted, as torch's add) and y = norm(h) [..., D]
+        in `dtype` (None: h's).
+
+        fp32 rows on the CPU take one native pass (tiered/kernels' rms_norm: the add, the norm in fp32 as the native
+        decode step computes it, and the cast, rounded once) where torch runs the add, F.rms_norm's five ops and the
+        cast: ~0.3 ms a layer of a 400-token SmolLM2 prompt on 2 AMX cores (2026-12-05). Elsewhere torch's ops:
+        F.rms_norm for fp32, HF's order for lower-precision x (the fp32 result rounded to x's dtype before the
+        weight), then the cast."""
+        w = self.weight
+        if (x.dtype == torch.float32 and w.dtype == torch.float32 and w.device == x.device
+                and (dtype is None or dtype in (torch.float32, torch.bfloat16))
+                and (delta is None or (delta.shape == x.shape and delta.device == x.device
+                                       and delta.dtype in (torch.float32, torch.bfloat16)))):
+            native = _glue_kernels(x)
+            if native is not None and not (torch.is_grad_enabled() and w.requires_grad) and (
+                    delta is None or not delta.requires_grad):
+                return native.rms_norm(x, w, self.eps, dtype or x.dtype, delta)
+        h = x if delta is None else x + delta
+        if h.dtype == torch.float32 and w.dtype == torch.float32:
+            y = F.rms_norm(h, w.shape, w, self.eps)  # one fused op, same math
+        else:  # fp32 math, the result rounded to h's dtype before the weight (HF's order)
+            y = w * F.rms_norm(h.float(), w.shape, None, self.eps).to(h.dtype)
+        return h, y if dtype is None or y.dtype == dtype else y.to(dtype)
 
 
 class Rotary(nn.Module):
@@ -413,6 +438,15 @@ def set_prompt_ffn(model: nn.Module, dtype: torch.dtype | None) -> int:
     return _set_prompt_dtype(model, MLP, dtype)
 
 
+def input_dtype(block: nn.Module, x: torch.Tensor, cache: KVCache) -> torch.dtype | None:
+    """The dtype in which `block` (a layer's attention or FFN) computes a call on x [B, T, D] without casting x
+    itself (its `input_dtype`: Attention's and MLP's prompt dtypes), or None: x's dtype, as any other block takes
+    it. A DecoderLayer makes the norm before `block` in it (one rounding, where the block's projections would
+    cast the norm's fp32 output)."""
+    fn = getattr(block, "input_dtype", None)
+    return fn(x, cache) if fn is not None else None
+
+
 def _set_prompt_dtype(model: nn.Module, kind: type, dtype: torch.dtype | None) -> int:
     """`prompt_dtype` = `dtype` on every `kind` module of `model`; returns how many."""
     found = [m for m in model.modules() if isinstance(m, kind)]
@@ -523,8 +557,29 @@ class Attention(nn.Module):
             self.qkv = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         return self.qkv is not None
 
+    def input_dtype(self, x: torch.Tensor, cache: KVCache) -> torch.dtype | None:
+        """The dtype this attention takes a step's x [B, T, D] in without a cast (`layers.input_dtype`): its
+        prompt_dtype (Plan.dtypes["prompt_attention"]) for a step of 2+ tokens of another dtype whose KV cache holds
+        that dtype (not int8) and whose q, k, v and o projections each compute the step's rows in it
+        (quant/linear.dense_dtype: one-copy int4 weights dequantized for bf16 GEMMs); else None. q, k and v then
+        come out of their GEMM in that dtype, RoPE rounds once to it as the cache write would, and attention and o
+        run in it: the values of x's path, which casts to it before each GEMM, after RoPE and around attention (5
+        casts a layer, ~0.2 ms of a 400-token SmolLM2 prompt's 3.9 on 2 AMX cores, 2026-12-05). Not with q/k norms
+        or a clip (they run on the GEMM's fp32 output), nor fused dense q/k/v weights."""
+        dt = self.prompt_dtype
+        if (dt is None or x.dim() != 3 or x.shape[1] < 2 or dt == x.dtype or self.qkv is not None
+                or self.q_norm is not None or self.clip_qkv is not None or cache.quantized or cache.k.dtype != dt):
+            return None
+        from tiered.quant.linear import dense_dtype
+
+        rows = x.shape[0] * x.shape[1]
+        if any(dense_dtype(m, rows) != dt for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)):
+            return None
+        return dt
+
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D]; writes this step's k/v into `cache`."""
+        """x [B, T, D] -> [B, T, D]; writes this step's k/v into `cache`. x of `input_dtype` stays in it throughout
+        (the output too)."""
         B, T, _ = x.shape
         qd, kd = self.H * self.hd, self.Hkv * self.hd
         if self.qkv is not None and self.q_norm is None and self.clip_qkv is None:
@@ -605,6 +660,11 @@ class MLP(nn.Module):
             fused = _fuse_linears([self.gate_proj, self.up_proj])
             self.gate_up = None if fused is None else fused[0]
         return self.gate_up is not None
+
+    def input_dtype(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.dtype | None:
+        """The dtype this FFN takes x [..., D] in without a cast (`layers.input_dtype`): `_prompt_dtype`'s, in which
+        its projections compute x's rows (the output then in it too); else None."""
+        return None if self.gate_up is not None else self._prompt_dtype(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:

@@ -140,14 +140,6 @@ __attribute__((always_inline)) inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
-TIERED_CLONES void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
-  const float r = 1.f / std::sqrt(ss / float(D) + eps);
-  for (int64_t i = 0; i < D; ++i) y[i] = x[i] * r * w[i];
-}
-
 // rows of W [n, D] fp32 dotted with x [D]: y [n] (a MoE router's logits).
 TIERED_CLONES void dot_rows(const float* W, const float* x, int64_t n, int64_t D, float* y) {
   for (int64_t e = 0; e < n; ++e) {
@@ -160,6 +152,14 @@ TIERED_CLONES void dot_rows(const float* W, const float* x, int64_t n, int64_t D
 }
 
 }  // namespace
+
+TIERED_CLONES void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y) {  // kernel.h
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / float(D) + eps);
+  for (int64_t i = 0; i < D; ++i) y[i] = x[i] * r * w[i];
+}
 
 TIERED_CLONES void silu_mul(const float* g, const float* u, float* a, int64_t n) {  // kernel.h
 #pragma omp simd  // scalar without it (~5% of a 32-row SmolLM2 step)

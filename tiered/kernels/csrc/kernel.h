@@ -101,6 +101,9 @@ __attribute__((always_inline)) inline float exp_fast(float x) {
   return p;
 }
 
+// y [D] = x / sqrt(mean(x^2) + eps) * w, fp32 (models/layers.RMSNorm on fp32 rows; y may be x): the native decode
+// step's norms and a prompt's (prompt.cpp), the same function (decode.cpp).
+void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y);
 // a [n] = silu(g) * u (SwiGLU's activation), fp32, vectorized with a polynomial exp (decode.cpp).
 void silu_mul(const float* g, const float* u, float* a, int64_t n);
 // a [n] = (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit): gpt-oss's clamped

@@ -1,5 +1,6 @@
 // A prompt's elementwise glue on the CPU, one pass each where torch's ops take several: RoPE (q and k rotated
-// into a new tensor) and SwiGLU's activation (silu(gate) * up from the fused gate/up GEMM's output). On 2 Sapphire
+// into a new tensor), SwiGLU's activation (silu(gate) * up from the fused gate/up GEMM's output) and RMSNorm with
+// the residual add before it and the cast after it. On 2 Sapphire
 // Rapids cores a 941-token SmolLM2 forward spent ~0.9 ms a layer in RoPE's torch ops (multiplies, an add, the
 // rotate-half's chunk, negation and concatenation) and ~0.9 in SiLU and the product over the strided halves
 // (torch.profiler, 2026-12-05).
@@ -40,6 +41,37 @@ TIERED_CLONES void swiglu_row(const at::BFloat16* g, const at::BFloat16* u, int6
   }
 }
 inline void swiglu_row(const float* g, const float* u, int64_t F, float* out) { silu_mul(g, u, out, F); }
+
+// torch's .to(bfloat16) of v: round to nearest even, NaN to its quiet NaN; plain integer arithmetic and a select,
+// so that loops of it vectorize
+inline uint16_t bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : uint16_t(r);
+}
+
+inline float bf16_value(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+TIERED_CLONES void round_row(const float* y, int64_t n, uint16_t* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(y[i]);
+}
+
+// h [n] = x + d, d read as fp32 (a bf16 d exactly), the sum rounded to fp32 once: torch's x + d for fp32 x
+TIERED_CLONES void add_row(const float* x, const float* d, int64_t n, float* h) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) h[i] = x[i] + d[i];
+}
+TIERED_CLONES void add_row(const float* x, const uint16_t* d, int64_t n, float* h) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) h[i] = x[i] + bf16_value(d[i]);
+}
 
 // elements of work a parallel item holds at least (a fork and join costs ~1 us on 2 cores)
 constexpr int64_t kGrainElements = 1 << 14;
@@ -92,6 +124,46 @@ at::Tensor swiglu(const at::Tensor& gu) {
   return out;
 }
 
+// h = x + delta (x itself without delta) and y = rms_norm(h) * w in `dtype`, one pass over each row.
+std::tuple<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
+                                                     at::ScalarType dtype, const c10::optional<at::Tensor>& delta) {
+  TIERED_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat, "rms_norm: x must be fp32 [..., D], got ", x.scalar_type(),
+               " ", x.sizes());
+  const int64_t D = x.size(-1);
+  TIERED_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == D, "rms_norm: weight must be fp32 [", D,
+               "], got ", w.scalar_type(), " ", w.sizes());
+  TIERED_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rms_norm: dtype must be fp32 or bf16, got ", dtype);
+  if (delta) {
+    TIERED_CHECK(delta->sizes() == x.sizes(), "rms_norm: delta must have x's sizes ", x.sizes(), ", got ", delta->sizes());
+    TIERED_CHECK(delta->scalar_type() == at::kFloat || delta->scalar_type() == at::kBFloat16,
+                 "rms_norm: delta must be fp32 or bf16, got ", delta->scalar_type());
+  }
+  const at::Tensor x2 = x.reshape({-1, D}).contiguous(), wc = w.contiguous();
+  const at::Tensor d2 = delta ? delta->reshape({-1, D}).contiguous() : at::Tensor();
+  const int64_t N = x2.size(0);
+  at::Tensor h = delta ? at::empty({N, D}, x2.options()) : x2;
+  at::Tensor y = at::empty({N, D}, x2.options().dtype(dtype));
+  const float *xp = x2.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  const bool bf16_delta = delta && d2.scalar_type() == at::kBFloat16, bf16_out = dtype == at::kBFloat16;
+  const float e = float(eps);
+  at::parallel_for(0, N, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(bf16_out ? D : 0);
+    for (int64_t r = r0; r < r1; ++r) {
+      float* hr = hp + r * D;
+      if (bf16_delta) add_row(xp + r * D, reinterpret_cast<const uint16_t*>(d2.data_ptr<at::BFloat16>()) + r * D, D, hr);
+      else if (delta) add_row(xp + r * D, d2.data_ptr<float>() + r * D, D, hr);
+      if (bf16_out) {
+        rms_norm(hr, wp, e, D, buf.data());
+        round_row(buf.data(), D, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + r * D);
+      } else {
+        rms_norm(hr, wp, e, D, y.data_ptr<float>() + r * D);
+      }
+    }
+  });
+  return {delta ? h.view(x.sizes()) : x, y.view(x.sizes())};
+}
+
 }  // namespace
 
 void register_prompt(pybind11::module& m) {
@@ -103,6 +175,12 @@ void register_prompt(pybind11::module& m) {
   m.def("swiglu", &swiglu, py::arg("gu"),
         "gu [..., 2F] fp32 or bf16 (gate then up; rows contiguous) -> silu(gate) * up [..., F] in gu's dtype, "
         "computed in fp32 and rounded once (models/layers.swiglu)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &residual_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("dtype"),
+        py::arg("delta") = py::none(),
+        "x [..., D] fp32, weight fp32 [D], delta None or [..., D] fp32 / bf16 -> (h, y): h = x + delta (x itself "
+        "without delta), y = h / sqrt(mean(h^2) + eps) * weight computed in fp32 and rounded once to dtype (fp32 or "
+        "bf16), both [..., D] (models/layers.RMSNorm.residual; the native decode step's norm)",
         py::call_guard<py::gil_scoped_release>());
 }
 
