@@ -650,9 +650,14 @@ def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False)
         return lin, torch.bfloat16, 1 + 2 / w.shape[1]
     if dtype == "int4" and device == "cpu":
         from tiered.quant.int4 import GROUP, Int4Linear, quantize_int4
-        if kernels.available():  # a prompt through a one-copy int4 weight: the tiled layout's dense path
+        if kernels.available():  # a prompt through a one-copy int4 weight: the tiled layout's dense path, its rows
+            # in the dtype it dequantizes for, as a prompt's attention and FFN hand them (models/layers.input_dtype):
+            # no cast of x or y inside the call (fp32 rows cast both: SmolLM2's 3072 x 576 / 576 x 1536 weights at 400
+            # rows took 1.27 / 0.84 ms with fp32 rows, 1.00 / 0.56 with bf16, medians of 30 on 2 AMX cores, 2026-12-05)
+            from tiered.quant.int4 import dequantize_dtype
+
             lin = Int4Linear.from_codes(*quantize_int4(w), GROUP, None, "tiled")
-            return lin.dense, torch.float32, 0.5 + 4 / GROUP
+            return lin.dense, dequantize_dtype(), 0.5 + 4 / GROUP
         lin = Int4Linear.from_dense(w)
         return lin, torch.bfloat16, 0.5 + 4 / lin.group
     if dtype == "int8":  # CUDA: int8 x int8 -> int32 (activations quantized too)
@@ -859,9 +864,20 @@ def int4_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
 
 
 def amx_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
-    """gemm_amx/cpu/int4's (T, K, N) shapes: int4_gemm_shapes' (`shapes`), their rows at most quant/int4.AMX_ROWS
-    (the AMX GEMM's calls; past them the dequantized oneDNN GEMM runs, gemm/cpu/int4's)."""
-    return [(min(T, AMX_ROWS), K, N) for T, K, N in shapes]
+    """gemm_amx/cpu/int4's (T, K, N) shapes: the weights of int4_gemm_shapes' (`shapes`), each at a quarter of
+    quant/int4.AMX_ROWS rows and at AMX_ROWS itself: the range of the AMX GEMM's calls (from the kernel's rows to
+    AMX_ROWS; past them the dequantized oneDNN GEMM runs, gemm/cpu/int4's), measured rather than extrapolated (a line
+    from 192 and 384 rows priced SmolLM2's 512-token TTFT 22% fast with AMX_ROWS 512, 2026-12-05)."""
+    weights = list(dict.fromkeys([(K, N) for _, K, N in shapes] + [AMX_NARROW_WEIGHT]))
+    return [(rows, K, N) for K, N in weights for rows in (AMX_ROWS // 4, AMX_ROWS)]
+
+
+# (K, N) of a small model's fused gate/up (SmolLM2's 576 -> 2 x 1536), timed beside the GEMM fit's weights for
+# gemm_amx/cpu/int4: the AMX GEMM drains its accumulators after every K loop, which a narrow K repeats most (at 512
+# rows SmolLM2's 3072 x 576 and 576 x 1536 took 1.30 / 0.68 ms where the line of the fit's 1024- and 2048-wide weights
+# priced 1.15 / 0.57, and its prompts of 120-960 tokens, packed or alone, were priced 7-22% fast; 2 AMX cores,
+# 2026-12-06)
+AMX_NARROW_WEIGHT = (576, 3072)
 
 
 def _dequantize_points(shapes, repeats: int) -> list[tuple[float, float]]:
@@ -2247,7 +2263,12 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 51: gemm_amx/cpu/int4, a one-copy int4 weight's prompt GEMM on AMX (kernels' int4_tiled_gemm, within
 # quant/int4.AMX_ROWS rows), fitted net of dequantize/cpu/int4 as gemm/cpu/int4 is; gemm/cpu/int4 itself timed on
 # the dequantized oneDNN path (quant/int4.without_amx), which calls past AMX_ROWS take.
-PROFILER_VERSION = 51
+# 52: a CPU prompt's norms run natively with the residual adds before them (models/layers.RMSNorm.residual), one-copy
+# int4 attention and FFN take bf16 rows without casts: runtime/prefill_code/<dtype> measured again (SmolLM2's
+# 400-token TTFT 157 -> 136 ms on 2 AMX cores); gemm/cpu/int4 and gemm_amx/cpu/int4 time rows in the dtype the
+# weight dequantizes for (no casts inside the call), as the prompt's blocks now hand them; gemm_amx/cpu/int4 at a quarter
+# of quant/int4.AMX_ROWS (now 512) and at AMX_ROWS rows.
+PROFILER_VERSION = 52
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is

@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
 
         fp32 rows on the CPU take one native pass (tiered/kernels' rms_norm: the add, the norm in fp32 as the native
         decode step computes it, and the cast, rounded once) where torch runs the add, F.rms_norm's five ops and the
-        cast: ~0.3 ms a layer of a 400-token SmolLM2 prompt on 2 AMX cores (2026-12-05). Elsewhere torch's ops:
+        cast. Elsewhere torch's ops:
         F.rms_norm for fp32, HF's order for lower-precision x (the fp32 result rounded to x's dtype before the
         weight), then the cast."""
         w = self.weight
@@ -563,9 +563,9 @@ class Attention(nn.Module):
         that dtype (not int8) and whose q, k, v and o projections each compute the step's rows in it
         (quant/linear.dense_dtype: one-copy int4 weights dequantized for bf16 GEMMs); else None. q, k and v then
         come out of their GEMM in that dtype, RoPE rounds once to it as the cache write would, and attention and o
-        run in it: the values of x's path, which casts to it before each GEMM, after RoPE and around attention (5
-        casts a layer, ~0.2 ms of a 400-token SmolLM2 prompt's 3.9 on 2 AMX cores, 2026-12-05). Not with q/k norms
-        or a clip (they run on the GEMM's fp32 output), nor fused dense q/k/v weights."""
+        run in it: the values of x's path bit for bit, which casts x before each GEMM and each GEMM's output back,
+        and q to it and attention's output back around attention. Not with q/k norms or a clip (they run on the
+        GEMM's fp32 output), nor fused dense q/k/v weights."""
         dt = self.prompt_dtype
         if (dt is None or x.dim() != 3 or x.shape[1] < 2 or dt == x.dtype or self.qkv is not None
                 or self.q_norm is not None or self.clip_qkv is not None or cache.quantized or cache.k.dtype != dt):

@@ -44,8 +44,9 @@ class DecoderLayer(nn.Module):
         next layer's first norm (or the final norm) to add in the same pass (RMSNorm.residual; CausalLM.hidden_states).
         Each norm's output is made in the dtype its block computes the call in without a cast of its own
         (`layers.input_dtype`: bf16 into a CPU prompt's attention and FFN whose one-copy int4 projections dequantize
-        for bf16 GEMMs), and the blocks' bf16 outputs are added to the fp32 residual stream in those passes: a
-        400-token SmolLM2 prompt's add, norm and cast ops took ~1.2 ms a layer in torch on 2 AMX cores (2026-12-05)."""
+        for bf16 GEMMs), and the blocks' bf16 outputs are added to the fp32 residual stream in those passes. A
+        400-token SmolLM2 prompt's adds, norms and casts had taken ~0.7 ms a layer in torch's ops (torch.profiler);
+        its TTFT went from 157 to 136 ms, 941 tokens' from 351 to 298 (2 AMX cores, 2026-12-05)."""
         x, n = self.input_layernorm.residual(x, delta, input_dtype(self.self_attn, x, cache))
         h, y = self.post_attention_layernorm.residual(x, self.self_attn(n, meta, cache), input_dtype(self.mlp, x, cache))
         return h, self.mlp(y)

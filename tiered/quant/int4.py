@@ -55,8 +55,13 @@ DEQUANTIZE_CHUNK = 32 * 2**20
 # which pays where the dequantizing passes weigh most: fewer rows). oneDNN's first call at a row count it has not
 # seen takes 2-5 ms more a shape (~15 ms of a SmolLM2 prompt of a new length), which this path never does. At 512
 # (the first choice) SmolLM2's 512-token prompt ran about as before and its price, the AMX key's line from 192 and
-# 384 rows, came out 22% fast in planner validation: 384.
-AMX_ROWS = 384
+# 384 rows, came out 22% fast in planner validation: 384. Since a prompt's blocks hand these GEMMs bf16 rows (no casts
+# around oneDNN's call either: models/layers.input_dtype), SmolLM2's TTFT with this path up to 1024 rows against 384
+# (medians of 7 prompts of new lengths, then 5 of the first length again; two alternated processes a side, 2 AMX
+# cores, 2026-12-06): 450-528 tokens 194 / 199 -> 171 / 174 ms (repeated 167 -> 148 / 157), 560-638 231 / 230 ->
+# 195 / 192 (196 / 198 -> 182 / 181), 700-778 269 / 263 -> 235 / 264 (234 / 232 -> 233 / 252), 900-978 342 / 333 ->
+# 352 / 333 (305 / 296 -> 340 / 300): 512, with gemm_amx/cpu/int4 timed at up to these rows (profiler.amx_gemm_shapes).
+AMX_ROWS = 512
 
 
 def unpack_q4_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
