@@ -111,7 +111,7 @@ from tiered.hardware.cpu_gemm import bf16_gemm_native, linear
 from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K, prefill_attention_pairs
 from tiered.hardware.profile import HardwareProfile, LinearModel
 from tiered.memory.sizes import DENSE_FORMATS, bytes_per_element, kv_torch_dtype, torch_dtype
-from tiered.quant.int4 import AMX_ROWS, amx_kernels, dequantize_rows, without_amx
+from tiered.quant.int4 import AMX_ROWS, amx_kernels, dequantize_dtype, dequantize_rows, without_amx
 
 MiB = 2**20
 DISK_READERS = 2  # the runtime's disk reader threads (runtime/install.py: max(2, staging buffers))
@@ -654,8 +654,6 @@ def _linear_kernel(device: str, dtype: str, w: torch.Tensor, gemv: bool = False)
             # in the dtype it dequantizes for, as a prompt's attention and FFN hand them (models/layers.input_dtype):
             # no cast of x or y inside the call (fp32 rows cast both: SmolLM2's 3072 x 576 / 576 x 1536 weights at 400
             # rows took 1.27 / 0.84 ms with fp32 rows, 1.00 / 0.56 with bf16, medians of 30 on 2 AMX cores, 2026-12-05)
-            from tiered.quant.int4 import dequantize_dtype
-
             lin = Int4Linear.from_codes(*quantize_int4(w), GROUP, None, "tiled")
             return lin.dense, dequantize_dtype(), 0.5 + 4 / GROUP
         lin = Int4Linear.from_dense(w)
@@ -892,7 +890,7 @@ def _dequantize_points(shapes, repeats: int) -> list[tuple[float, float]]:
     if not kernels.available():
         raise RuntimeError("tiered/kernels is not built")
     from tiered.kernels.linear import tiled_dequantize
-    from tiered.quant.int4 import GROUP, Int4Linear, dequantize_dtype, quantize_int4
+    from tiered.quant.int4 import GROUP, Int4Linear, quantize_int4
 
     fp32 = dequantize_dtype() == torch.float32
     weights = list(dict.fromkeys([(K, N) for _, K, N in shapes] + [(2048, 4096)]))

@@ -133,13 +133,6 @@ std::vector<float> to_floats(const at::Tensor& t) {
 template <typename T>
 inline float rnd(float v) { return float(T(v)); }  // round to the model's dtype (identity for fp32)
 
-__attribute__((always_inline)) inline float bf16_to_float(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 // rows of W [n, D] fp32 dotted with x [D]: y [n] (a MoE router's logits).
 TIERED_CLONES void dot_rows(const float* W, const float* x, int64_t n, int64_t D, float* y) {
   for (int64_t e = 0; e < n; ++e) {

@@ -101,6 +101,14 @@ __attribute__((always_inline)) inline float exp_fast(float x) {
   return p;
 }
 
+// a bf16 value's bits as fp32 (exact): decode.cpp's bf16 KV rows, prompt.cpp's bf16 residual deltas
+__attribute__((always_inline)) inline float bf16_to_float(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // y [D] = x / sqrt(mean(x^2) + eps) * w, fp32 (models/layers.RMSNorm on fp32 rows; y may be x): the native decode
 // step's norms and a prompt's (prompt.cpp), the same function (decode.cpp).
 void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y);

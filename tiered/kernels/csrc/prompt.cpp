@@ -51,13 +51,6 @@ inline uint16_t bf16_bits(float v) {
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : uint16_t(r);
 }
 
-inline float bf16_value(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 TIERED_CLONES void round_row(const float* y, int64_t n, uint16_t* out) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(y[i]);
@@ -70,7 +63,7 @@ TIERED_CLONES void add_row(const float* x, const float* d, int64_t n, float* h) 
 }
 TIERED_CLONES void add_row(const float* x, const uint16_t* d, int64_t n, float* h) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) h[i] = x[i] + bf16_value(d[i]);
+  for (int64_t i = 0; i < n; ++i) h[i] = x[i] + bf16_to_float(d[i]);
 }
 
 // elements of work a parallel item holds at least (a fork and join costs ~1 us on 2 cores)
@@ -146,18 +139,22 @@ std::tuple<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const 
   const float *xp = x2.data_ptr<float>(), *wp = wc.data_ptr<float>();
   float* hp = h.data_ptr<float>();
   const bool bf16_delta = delta && d2.scalar_type() == at::kBFloat16, bf16_out = dtype == at::kBFloat16;
+  const float* dp = delta && !bf16_delta ? d2.data_ptr<float>() : nullptr;
+  const uint16_t* dbp = bf16_delta ? reinterpret_cast<const uint16_t*>(d2.data_ptr<at::BFloat16>()) : nullptr;
+  float* yp = bf16_out ? nullptr : y.data_ptr<float>();
+  uint16_t* ybp = bf16_out ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr;
   const float e = float(eps);
   at::parallel_for(0, N, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(bf16_out ? D : 0);
     for (int64_t r = r0; r < r1; ++r) {
       float* hr = hp + r * D;
-      if (bf16_delta) add_row(xp + r * D, reinterpret_cast<const uint16_t*>(d2.data_ptr<at::BFloat16>()) + r * D, D, hr);
-      else if (delta) add_row(xp + r * D, d2.data_ptr<float>() + r * D, D, hr);
+      if (dbp) add_row(xp + r * D, dbp + r * D, D, hr);
+      else if (dp) add_row(xp + r * D, dp + r * D, D, hr);
       if (bf16_out) {
         rms_norm(hr, wp, e, D, buf.data());
-        round_row(buf.data(), D, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) + r * D);
+        round_row(buf.data(), D, ybp + r * D);
       } else {
-        rms_norm(hr, wp, e, D, y.data_ptr<float>() + r * D);
+        rms_norm(hr, wp, e, D, yp + r * D);
       }
     }
   });
