@@ -46,6 +46,24 @@ def test_amx_gemm_is_the_dequantized_weights_product(M, N, K, inline, residual):
     assert got_bf16.dtype == torch.bfloat16 and torch.equal(got_bf16, got.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("inline,residual,e2m1", [(True, False, False), (False, False, False), (True, True, False),
+                                                  (False, True, False), (True, False, True)])
+def test_amx_gemm_weights_are_the_dequantized_ones_bit_for_bit(inline, residual, e2m1):
+    """One-hot rows read W's columns out: y[k] = W[:, k] * 1, one exact product a sum. The AMX GEMM's tile layout
+    (scales gathered, weights converted and rounded to bf16 in its own code) against int4_tiled_dequantize's bf16
+    weights, bit for bit: signed zeros, the zero residual's add and the MXFP4 table included."""
+    g = torch.Generator().manual_seed(7 + inline + 2 * residual + 4 * e2m1)
+    N, K = 48, 96
+    codes, sz, res = _weight(N, K, g, inline, residual)
+    if e2m1:  # any MXFP4 nibbles, the weight's own inline (scale, zero) pairs kept
+        codes = codes.clone()
+        codes[..., :256] = torch.randint(0, 256, (N // 16, K // 32, 256), dtype=torch.uint8, generator=g)
+    w = ext.int4_tiled_dequantize(codes, sz, res, fp32=False, e2m1=e2m1)  # bf16 [N, K]
+    eye = torch.eye(K, dtype=torch.bfloat16)
+    got = ext.int4_tiled_gemm(codes, sz, res, eye, None, True, e2m1)  # fp32 [K, N]
+    assert torch.equal(got.t().contiguous().view(torch.int32), w.float().view(torch.int32))
+
+
 def test_amx_gemm_reads_mxfp4_codes_and_strided_rows():
     g = torch.Generator().manual_seed(5)
     N, K, M = 48, 96, 21

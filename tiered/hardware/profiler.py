@@ -2266,7 +2266,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 400-token TTFT 157 -> 136 ms on 2 AMX cores); gemm/cpu/int4 and gemm_amx/cpu/int4 time rows in the dtype the
 # weight dequantizes for (no casts inside the call), as the prompt's blocks now hand them; gemm_amx/cpu/int4 at a quarter
 # of quant/int4.AMX_ROWS (now 512) and at AMX_ROWS rows.
-PROFILER_VERSION = 52
+# 53: the AMX GEMM's and int4_tiled_dequantize's bf16 weights converted by VCVTNE(2)PS2BF16 and its scales read
+# a vector a group (csrc/gemv.cpp int4t_vnni_tile): a Mixtral-width int4 expert's AMX call at 8 / 256 rows
+# 6.1-7.3 / 21.7-28.8 -> 4.0 / 17.8-19.0 ms on 2 AMX cores; gemm_amx/cpu/int4 and gemm/cpu/int4 measured again.
+PROFILER_VERSION = 53
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is

@@ -1604,8 +1604,8 @@ TIERED_AVX512 void int4t_dequant_avx512(const Int4Block& blk, const uint8_t* til
         const int64_t at = r * ldo + g * kGroup + 16 * h;
         if (of) {
           _mm512_storeu_ps(of + at, v);
-        } else {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + at), _mm512_cvtepi32_epi16(bf16_lanes(v)));
+        } else {  // VCVTNEPS2BF16: round to nearest even in one instruction (bf16_lanes' five)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + at), (__m256i)_mm512_cvtneps_pbh(v));
         }
       }
     }
@@ -1717,16 +1717,19 @@ bool amx_ready() {
 // The 16 rows' weights (bf16 in each lane's low half, int4t_dequantize's values) of the column at bits
 // [shift, shift + 4) of each lane's dword v.
 template <bool E2M1>
-TIERED_AMX TIERED_FORCE_INLINE __m512i vnni_weight(__m512i v, int shift, __m512i m4, __m512i lut, __m512 centre, __m512 s,
-                                                   __m512 z) {
+TIERED_AMX TIERED_FORCE_INLINE __m512 vnni_weight(__m512i v, int shift, __m512i m4, __m512i lut, __m512 centre, __m512 s,
+                                                  __m512 z) {
   __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, shift), m4);
   if constexpr (E2M1) q = _mm512_permutexvar_epi32(q, lut);
   __m512 f = _mm512_cvtepi32_ps(q);
   if constexpr (E2M1) f = _mm512_sub_ps(f, centre);
-  return bf16_lanes(_mm512_add_ps(_mm512_mul_ps(f, s), z));
+  return _mm512_add_ps(_mm512_mul_ps(f, s), z);
 }
-TIERED_AMX TIERED_FORCE_INLINE __m512i vnni_pair(__m512i even, __m512i odd) {
-  return _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
+// The 16 rows' pairs (even, odd) as bf16 in each lane (even in the low half): VCVTNE2PS2BF16 rounds both to nearest
+// even at once (words 0-15 even's, 16-31 odd's; bf16_lanes took five instructions a vector), one word permute
+// interleaves them. (It flushes fp32 denormals to zero, which int4 weights of bf16 scales do not reach.)
+TIERED_AMX TIERED_FORCE_INLINE __m512i vnni_pair(__m512 even, __m512 odd, __m512i interleave) {
+  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
 // Tile t's (rows m0..m0+15) groups as B tiles: bv [G][16 pairs][16 rows][2] bf16 (as uint32 pairs), the pair
@@ -1734,22 +1737,36 @@ TIERED_AMX TIERED_FORCE_INLINE __m512i vnni_pair(__m512i even, __m512i odd) {
 // per row r, the dword whose byte j has column 8c + j in its low nibble and 8c + 4 + j in its high one: loaded
 // as 16 lanes = 16 rows, each column is a shift and a mask away, scaled with the lanes' own (scale, zero).
 template <bool E2M1>
-TIERED_AMX void int4t_vnni_tile(const Int4Block& blk, const uint8_t* tile, int64_t gstride, int64_t G, uint32_t* bv) {
+TIERED_AMX void int4t_vnni_tile(const Int4W& w, int64_t m0, int64_t G, uint32_t* bv) {
   const __m512i m4 = _mm512_set1_epi32(15);
   const __m512i lut = _mm512_setr_epi32(kE2m1U[0], kE2m1U[1], kE2m1U[2], kE2m1U[3], kE2m1U[4], kE2m1U[5], kE2m1U[6],
                                         kE2m1U[7], kE2m1U[8], kE2m1U[9], kE2m1U[10], kE2m1U[11], kE2m1U[12],
                                         kE2m1U[13], kE2m1U[14], kE2m1U[15]);
   const __m512 centre = _mm512_set1_ps(E2M1 ? 12.f : 0.f);
+  // word 2r <- word r (the even column's row r), word 2r + 1 <- word 16 + r (the odd one's)
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  const __m512 off = _mm512_set1_ps(E2M1 ? 0.f : 8.f);
+  const uint8_t* tile = w.tile(m0);
   for (int64_t g = 0; g < G; ++g) {
-    const __m512 s = _mm512_loadu_ps(blk.sc.data() + g * kBlock), z = _mm512_loadu_ps(blk.zc.data() + g * kBlock);
+    // the 16 rows' (scale, zero) bf16 pairs as Int4Block::gather reads them, one vector each: s, then z plus the
+    // zero residual (+0 without one, as gather adds), less off * s (its two roundings, in its order)
+    const __m512i sz = _mm512_loadu_si512(w.tile_sz(m0, G, g));
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+    __m512 z = _mm512_castsi512_ps(_mm512_and_si512(sz, high));
+    z = _mm512_add_ps(z, w.zr ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(w.tile_zr(m0, G, g)))), 16))
+                              : _mm512_setzero_ps());
+    z = _mm512_sub_ps(z, _mm512_mul_ps(off, s));
     uint32_t* out = bv + g * 16 * 16;
     for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(tile + g * gstride + c * 64);
+      const __m512i v = _mm512_loadu_si512(tile + g * w.gstride + c * 64);
       for (int j = 0; j < 4; j += 2) {  // pairs (8c + j, 8c + j + 1) low nibbles, (8c + 4 + j, 8c + 5 + j) high
         const __m512i lo = vnni_pair(vnni_weight<E2M1>(v, 8 * j, m4, lut, centre, s, z),
-                                     vnni_weight<E2M1>(v, 8 * (j + 1), m4, lut, centre, s, z));
+                                     vnni_weight<E2M1>(v, 8 * (j + 1), m4, lut, centre, s, z), interleave);
         const __m512i hi = vnni_pair(vnni_weight<E2M1>(v, 8 * j + 4, m4, lut, centre, s, z),
-                                     vnni_weight<E2M1>(v, 8 * (j + 1) + 4, m4, lut, centre, s, z));
+                                     vnni_weight<E2M1>(v, 8 * (j + 1) + 4, m4, lut, centre, s, z), interleave);
         _mm512_storeu_si512(out + (4 * c + j / 2) * 16, lo);
         _mm512_storeu_si512(out + (4 * c + 2 + j / 2) * 16, hi);
       }
@@ -1812,7 +1829,6 @@ TIERED_AMX void int4t_amx_blocks(const Int4W& w, const uint16_t* xa, int64_t M, 
   for (int t = 0; t < 8; ++t) cfg.rows[t] = kAmxRows, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
   thread_local std::vector<uint32_t> bv;
-  thread_local Int4Block blk;
   bv.resize(2 * G * 256);
   alignas(64) float c[2 * kAmxRows * 2 * kAmxRows];
   constexpr int64_t ldc = 2 * kAmxRows;
@@ -1820,9 +1836,8 @@ TIERED_AMX void int4t_amx_blocks(const Int4W& w, const uint16_t* xa, int64_t M, 
     const int64_t n0 = j * 2 * kBlock;
     const bool two_b = n0 + kBlock < N;
     for (int64_t h = 0; h < (two_b ? 2 : 1); ++h) {
-      blk.gather(w, n0 + h * kBlock, kBlock, G, w.e2m1 ? 0.f : 8.f);
-      if (w.e2m1) int4t_vnni_tile<true>(blk, w.tile(n0 + h * kBlock), w.gstride, G, bv.data() + h * G * 256);
-      else int4t_vnni_tile<false>(blk, w.tile(n0 + h * kBlock), w.gstride, G, bv.data() + h * G * 256);
+      if (w.e2m1) int4t_vnni_tile<true>(w, n0 + h * kBlock, G, bv.data() + h * G * 256);
+      else int4t_vnni_tile<false>(w, n0 + h * kBlock, G, bv.data() + h * G * 256);
     }
     const uint32_t *b0 = bv.data(), *b1 = bv.data() + G * 256;
     const int64_t nn = two_b ? 2 * kBlock : kBlock;
