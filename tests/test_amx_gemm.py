@@ -132,3 +132,38 @@ def test_expert_projection_rows_take_the_amx_gemm(e2m1, monkeypatch):
     w = ext.int4_tiled_dequantize(codes, None, res, fp32=False, e2m1=e2m1).double()
     tol = 2 ** -8 * onednn.double().abs() + 1e-4 * (x.to(torch.bfloat16).double().abs() @ w.abs().t())
     assert ((got.double() - onednn.double()).abs() <= tol).all()
+
+
+def test_native_step_rows_take_the_amx_gemm_from_48_rows(zoo):
+    """The native decode step's int4 projections over 48+ rows (a batch's sequences, a prompt's rows: here a prompt
+    as rows) run the AMX GEMM on bf16-rounded rows (Int4TGemv::run_step), fewer rows the q8 row kernels: the AMX
+    rows' logits differ from the q8 kernels' (another rounding of the activations) and both stay as close to the
+    modules' fp32 prompt as the q8 rows; 40 rows are the q8 kernels' whatever amx_rows says. Fails if the step
+    stops calling run_step, or the threshold moves."""
+    from tiered import LLM, EngineConfig
+    from tiered.runtime.cpu_decode import CPUDecodeStep
+
+    llm = LLM(zoo.dir("llama"), EngineConfig(decode_weights="int4", max_context=128, accelerator="none"))
+    step = CPUDecodeStep(llm.model, native=True)
+    V = llm.config.vocab_size
+
+    def rows(n: int, amx: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = [(i * 37 + 11) % (V - 3) + 3 for i in range(n)]
+        was = ext.amx_rows(amx)
+        try:
+            with torch.inference_mode():
+                cache = llm._kv_cache(1, 128)
+                got = step(torch.tensor(ids).unsqueeze(1), torch.arange(n).unsqueeze(1), torch.zeros(n, dtype=torch.long),
+                           cache, rows=torch.tensor([n - 1])).float()
+                ref = llm.model(torch.tensor([ids]), torch.arange(n).unsqueeze(0), torch.tensor([0]),
+                                llm._kv_cache(1, 128)).float().reshape(-1, V)[-1:]
+        finally:
+            ext.amx_rows(was)
+        return got, ref
+
+    q8, ref = rows(56, False)
+    amx, _ = rows(56, True)
+    assert not torch.equal(q8, amx)
+    err = lambda got: float((got - ref).abs().max() / ref.abs().max())  # noqa: E731
+    assert err(amx) <= max(2 * err(q8), 1e-2)
+    assert torch.equal(rows(40, True)[0], rows(40, False)[0])

@@ -40,7 +40,7 @@ namespace {
 // One kernel call, named for torch.profiler ("tiered::<kernel>") like an aten op would be.
 inline void run_one(const Kernel& k, const float* x, int64_t B, float* y) {
   RECORD_FUNCTION("tiered::" + k.name(), std::vector<c10::IValue>());
-  k.run(x, B, y);
+  k.run_step(x, B, y);
 }
 
 struct Group {

@@ -59,6 +59,9 @@ struct Kernel {
   // y [B, out_features] fp32 = x [B, in_features] fp32 . W^T (+ bias). Rows are contiguous.
   // Called without the GIL; may use at::parallel_for (torch's OpenMP team).
   virtual void run(const float* x, int64_t B, float* y) const = 0;
+  // `run` as the native decode step calls it (decode.cpp's run_one: its projections over a batch's rows, a prompt's
+  // rows): a kernel may take another path there (tiled int4 on AMX from 48 rows: Int4TGemv::run_step).
+  virtual void run_step(const float* x, int64_t B, float* y) const { run(x, B, y); }
   // The weight bytes one call reads (for benchmarks and the planner's bytes-per-token figures).
   virtual int64_t weight_bytes() const = 0;
   virtual std::string name() const = 0;
