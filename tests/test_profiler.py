@@ -1411,12 +1411,13 @@ def test_the_batched_steps_rows_are_timed_in_the_step_at_each_width(monkeypatch)
     monkeypatch.setattr(profiler, "COLD_WEIGHT_BYTES", 8 * 2**20)
     shapes = profiler.DECODE_LAYER_SHAPES[:2]
     points = profiler._batch_rows_points(1, shapes=shapes)
-    assert len(points) == len(shapes) * len(profiler.BATCH_ROWS)
+    k = len(profiler.BATCH_ROWS)
+    assert len(points) == len(shapes) * k
     for i, (D, F_, H, Hkv) in enumerate(shapes):
         n = D * (H + 2 * Hkv + H) * 64 + 3 * D * F_
-        assert [p[0] for p in points[i * 3:(i + 1) * 3]] == [float(n)] * 3
+        assert [p[0] for p in points[i * k:(i + 1) * k]] == [float(n)] * k
     # each point a finite time, never negative (_batch_rows_points floors a median difference lost in a noisy
-    # VM's swings at 0: 4 rows against 1 came out <= 0 once in CI); 16 rows cost more than one
+    # VM's swings at 0: 4 rows against 1 came out <= 0 once in CI); the most rows cost more than one
     assert all(math.isfinite(t) and t >= 0 for _, t in points)
     assert all(t > 0 for _, t in points[len(profiler.BATCH_ROWS) - 1::len(profiler.BATCH_ROWS)])
     assert "runtime/batch_rows/".startswith(profiler.COMPUTE_KEYS)  # read with the compute probe
@@ -1666,12 +1667,20 @@ def test_a_batched_decode_step_streams_the_weights_once_and_adds_each_rows_multi
     # prices its own rows, fitted over the widths: here a row costs 0 at 4 rows, 5 us a layer at 8 and 10 at 16
     # (the AMX VM's shape: the first rows ride the stream), and more rows cost what the last segment's rows did
     from tiered.hardware.op_time import batch_rows_time
-    from tiered.hardware.profiler import BATCH_ROWS
-    assert BATCH_ROWS == (4, 8, 16)
+    BATCH_ROWS = (4, 8, 16)  # a profile's timed batches (meta["batch_rows"]; profiles before profiler 54: these)
     widths = (layer, 2 * layer, 4 * layer)
     per_b = {4: lambda n: 0.0, 8: lambda n: 5e-6 * n / layer, 16: lambda n: 10e-6 * n / layer}
     pts = [[n, per_b[b](n)] for n in widths for b in BATCH_ROWS]
     shaped = replace(batched, meta={"native_kernels": True, "points": {"runtime/batch_rows/int4q8": pts}})
+    # the same points recorded with their batches, and at 4 / 8 / 16 / 32 rows with a cheaper row from 32 on (the AMX
+    # GEMM's rows): 32 rows priced at its own point, not the 16-row segment's slope
+    assert batch_rows_time(replace(shaped, meta={**shaped.meta, "batch_rows": [4, 8, 16]}), "runtime/batch_rows/int4q8",
+                           32, layer) == pytest.approx(15 * 10e-6 + 16 * (15 * 10e-6 - 7 * 5e-6) / 8)
+    per_b[32] = lambda n: 6e-6 * n / layer
+    amx = replace(batched, meta={"native_kernels": True, "batch_rows": [4, 8, 16, 32], "points": {
+        "runtime/batch_rows/int4q8": [[n, per_b[b](n)] for n in widths for b in (4, 8, 16, 32)]}})
+    assert batch_rows_time(amx, "runtime/batch_rows/int4q8", 32, layer) == pytest.approx(31 * 6e-6)
+    assert batch_rows_time(amx, "runtime/batch_rows/int4q8", 16, layer) == pytest.approx(15 * 10e-6)
     k = "runtime/batch_rows/int4q8"
     assert batch_rows_time(shaped, k, 1, layer) == 0.0 == batch_rows_time(shaped, k, 4, layer)
     assert batch_rows_time(shaped, k, 8, layer) == pytest.approx(7 * 5e-6)

@@ -401,7 +401,7 @@ def batch_rows_time(profile: HardwareProfile, key: str, rows: float, elements: f
     """Seconds the rows past the first add to a dense layer of `elements` weight elements in tiered's native decode
     step at `rows` rows (a batched step: a server's sequences, or one sequence's draft tokens), by `key`
     (runtime/batch_rows/<kind>): its points (meta["points"]: a row's cost at each timed width, for each of the
-    profiler's BATCH_ROWS in turn) fitted affine over the widths at each timed batch, the rows' total there
+    profiler's BATCH_ROWS in turn, meta["batch_rows"]) fitted affine over the widths at each timed batch, the rows' total there
     interpolated linearly in rows between the timed batches (none at one row) and beyond the largest at the last
     segment's slope; where the profile kept no such points, rows - 1 times the key's own fit. 0 where `key` is not
     profiled.
@@ -413,8 +413,8 @@ def batch_rows_time(profile: HardwareProfile, key: str, rows: float, elements: f
     m = profile.models.get(key)
     if m is None or rows <= 1:
         return 0.0
-    from tiered.hardware.profiler import BATCH_ROWS
-
+    # the batches its points were timed at (profiler.BATCH_ROWS when made; before profiler 54, 4 / 8 / 16)
+    BATCH_ROWS = tuple(int(b) for b in (profile.meta or {}).get("batch_rows") or (4, 8, 16))
     pts = _points(profile, key)
     k = len(BATCH_ROWS)
     if len(pts) < 2 * k or len(pts) % k:

@@ -1625,7 +1625,9 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
     return [(float(n), max(t / DECODE_LAYER_RUN - layer_code, 1e-9)) for n, t in zip(sizes, times)]
 
 
-BATCH_ROWS = (4, 8, 16)  # rows of runtime/batch_rows/int4q8's timed steps (a server's batched decode), beside 1
+# rows of runtime/batch_rows/int4q8's timed steps (a server's batched decode), beside 1; 32 and 64 since the step's
+# int4 projections take the AMX GEMM from 48 rows where it runs (profile meta["batch_rows"] records them)
+BATCH_ROWS = (4, 8, 16, 32, 64)
 
 
 def _batch_rows_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: int | None = None
@@ -2119,7 +2121,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
             "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "quick": b.quick, "repeats": b.repeats, "disk_dir": str(b.disk_dir), "disk_fs": _fs_type(b.disk_dir),
             "disk_memory": shutil.disk_usage(b.disk_dir).free, "skipped": b.skipped, "llc_bytes": b.llc,
-            "points": {k: [[float(n), float(t)] for n, t in v] for k, v in b.points.items()}}
+            "points": {k: [[float(n), float(t)] for n, t in v] for k, v in b.points.items()},
+            "batch_rows": list(BATCH_ROWS)}
     if cuda:
         props = torch.cuda.get_device_properties(0)
         meta.update(gpu=props.name, gpu_capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
@@ -2269,7 +2272,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 53: the AMX GEMM's and int4_tiled_dequantize's bf16 weights converted by VCVTNE(2)PS2BF16 and its scales read
 # a vector a group (csrc/gemv.cpp int4t_vnni_tile): a Mixtral-width int4 expert's AMX call at 8 / 256 rows
 # 6.1-7.3 / 21.7-28.8 -> 4.0 / 17.8-19.0 ms on 2 AMX cores; gemm_amx/cpu/int4 and gemm/cpu/int4 measured again.
-PROFILER_VERSION = 53
+# 54: runtime/batch_rows/int4q8 timed at 32 and 64 rows too (BATCH_ROWS, kept in meta["batch_rows"]): the native step's
+# int4 projections over 48+ rows take the AMX GEMM where it runs (Int4TGemv::run_step), SmolLM2's 64-sequence step
+# 1.09-1.15x as fast, which the 16-row points' slope had priced as the int8-row kernels' rows.
+PROFILER_VERSION = 54
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
