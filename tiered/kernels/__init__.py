@@ -74,6 +74,12 @@ def _import_built(name: str, directory: Path):
     return mod
 
 
+def amx_allowed() -> bool:
+    """False where TIERED_AMX=0 (or false / no / off) turns tiered's AMX GEMM off: quant/int4.amx_kernels' prompt
+    calls and the native step's rows (the extension's amx_rows, set at load)."""
+    return os.environ.get("TIERED_AMX", "1") not in ("0", "false", "no", "off")
+
+
 def load(build: bool = True, verbose: bool = False):
     """The extension module, building it first when `build` and no cached build exists (and then
     measuring this machine's kernel tuning for the new build, tune.py, unless TIERED_KERNEL_TUNING=0).
@@ -115,6 +121,7 @@ def load(build: bool = True, verbose: bool = False):
                 tune.save(tune.measure(_loaded), directory)
             _applied.clear()
             _applied.update(tune.apply(_loaded, directory) or {})  # this machine's measured tuning (tune.py)
+            _loaded.amx_rows(amx_allowed())  # the native step's AMX rows, off with TIERED_AMX=0
     except Exception as e:  # noqa: BLE001  (a failed build falls back; say why once)
         lines = str(e).strip().splitlines() or [""]
         _failed = f"{type(e).__name__}: " + next((ln for ln in lines if "error:" in ln), lines[-1]).strip()

@@ -151,12 +151,10 @@ _AMX_OFF = 0  # without_amx's depth
 def amx_kernels():
     """The native kernels where their AMX GEMM (int4_tiled_gemm) runs here: the CPU has AMX-TILE and AMX-BF16 and
     Linux grants this process the tile data; else None (and with TIERED_AMX=0, or within `without_amx`)."""
-    import os
-
     from tiered import kernels
 
     ext = kernels.load()
-    if ext is None or _AMX_OFF or os.environ.get("TIERED_AMX", "1") in ("0", "false", "no", "off"):
+    if ext is None or _AMX_OFF or not kernels.amx_allowed():
         return None
     return ext if ext.amx_available() else None
 

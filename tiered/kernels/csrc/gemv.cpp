@@ -1751,7 +1751,9 @@ TIERED_AMX void int4t_vnni_tile(const Int4W& w, int64_t m0, int64_t G, uint32_t*
   const uint8_t* tile = w.tile(m0);
   for (int64_t g = 0; g < G; ++g) {
     // the 16 rows' (scale, zero) bf16 pairs as Int4Block::gather reads them, one vector each: s, then z plus the
-    // zero residual (+0 without one, as gather adds), less off * s (its two roundings, in its order)
+    // zero residual (+0 without one, as gather adds), less off * s (its two roundings, in its order). As
+    // int4_fill_block_avx512 reads them, but inside this loop: filling an Int4Block first and reading it back took
+    // 1.2-1.5x the time of a Mixtral-width weight's 8-row call (6.0-7.3 against 4.4-4.8 ms, 2 AMX cores, 2026-12-06)
     const __m512i sz = _mm512_loadu_si512(w.tile_sz(m0, G, g));
     const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
     __m512 z = _mm512_castsi512_ps(_mm512_and_si512(sz, high));
@@ -1883,27 +1885,11 @@ void int4t_amx_gemm(const Int4W& w, const uint16_t* x, int64_t lda, int64_t M, i
 }
 
 // Rows from which the native step's call of a tiled int4 kernel (Int4TGemv::run_step: a batched decode step's
-// sequences, a prompt's rows) takes the AMX GEMM, and whether it does here: AMX granted, not turned off by
-// TIERED_AMX=0 (as quant/int4.amx_kernels reads it) nor by amx_rows(False) (tests and A/Bs, for the process).
+// sequences, a prompt's rows) takes the AMX GEMM, and whether it does here: AMX granted and amx_rows on
+// (tiered.kernels.load turns it off where TIERED_AMX=0, as quant/int4.amx_kernels reads it; tests and A/Bs too).
 constexpr int64_t kAmxStepRows = 48;
 std::atomic<bool> g_amx_rows{true};
-bool amx_step() {
-  static const bool on = [] {
-    const char* e = std::getenv("TIERED_AMX");
-    const std::string v = e ? e : "1";
-    return amx_ready() && v != "0" && v != "false" && v != "no" && v != "off";
-  }();
-  return on && g_amx_rows.load(std::memory_order_relaxed);
-}
-
-// n fp32 values -> bf16 (round to nearest even, as torch's .to(bfloat16) for finite values; a few us a 64-row call).
-TIERED_AMX void rows_to_bf16(const float* x, int64_t n, uint16_t* out) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const int64_t m = std::min<int64_t>(16, n - i);
-    const __mmask16 k = __mmask16((1u << m) - 1);
-    _mm256_mask_storeu_epi16(out + i, k, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, x + i)));
-  }
-}
+bool amx_step() { return amx_ready() && g_amx_rows.load(std::memory_order_relaxed); }
 
 // ------------------------------------------------------------------------------------ int8, tiled
 // The tiled int8 layout (Int8W::tiled; the host layout of routed int8 experts beside tiled int4,
@@ -2422,7 +2408,7 @@ struct Int4TGemv : Int4Gemv {
     if (B < kAmxStepRows || current_isa() != kAvx512 || !amx_step()) return Gemv::run(x, B, y);
     thread_local std::vector<uint16_t> xb;
     xb.resize(B * in_features);
-    rows_to_bf16(x, B * in_features, xb.data());
+    round_row(x, B * in_features, xb.data());  // (kernel.h: torch's rounding)
     int4t_amx_gemm(w, xb.data(), in_features, B, in_features, out_features, y, nullptr, out_features);
   }
   std::string name() const override {  // "int16 x": the int16-activation path (int4t_w16_avx2 / _avx512)
@@ -4107,7 +4093,7 @@ void register_gemv(pybind11::module& m) {
         },
         py::arg("enabled") = py::none(),
         "Whether the native decode step's calls of tiled int4 kernels over 48+ rows take the AMX GEMM where it runs "
-        "(True by default; TIERED_AMX=0 turns it off at load); with `enabled`, set it for the process. Returns the "
+        "(True by default; tiered.kernels.load sets it off under TIERED_AMX=0); with `enabled`, set it for the process. Returns the "
         "setting before the call.");
   m.def("amx_available", &amx_ready,
         "Whether int4_tiled_gemm can run here: the CPU has AMX-TILE and AMX-BF16 and Linux granted this process the "

@@ -104,6 +104,10 @@ __attribute__((always_inline)) inline float exp_fast(float x) {
   return p;
 }
 
+// out [n] = y rounded to bf16 (nearest even, NaN kept quiet: torch's .to(bfloat16)); prompt.cpp's norms, gemv.cpp's
+// AMX rows of the native step
+void round_row(const float* y, int64_t n, uint16_t* out);
+
 // a bf16 value's bits as fp32 (exact): decode.cpp's bf16 KV rows, prompt.cpp's bf16 residual deltas
 __attribute__((always_inline)) inline float bf16_to_float(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;

@@ -51,11 +51,6 @@ inline uint16_t bf16_bits(float v) {
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : uint16_t(r);
 }
 
-TIERED_CLONES void round_row(const float* y, int64_t n, uint16_t* out) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(y[i]);
-}
-
 // h [n] = x + d, d read as fp32 (a bf16 d exactly), the sum rounded to fp32 once: torch's x + d for fp32 x
 TIERED_CLONES void add_row(const float* x, const float* d, int64_t n, float* h) {
 #pragma omp simd
@@ -162,6 +157,11 @@ std::tuple<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const 
 }
 
 }  // namespace
+
+TIERED_CLONES void round_row(const float* y, int64_t n, uint16_t* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(y[i]);
+}
 
 void register_prompt(pybind11::module& m) {
   namespace py = pybind11;
