@@ -14,6 +14,8 @@ from tiered.kernels.linear import tiled_codes, tiled_inline, tiled_scales
 from tiered.quant import int4
 from tiered.quant.int4 import Int4Linear, quantize_int4
 
+from runtime_fixtures import engine_config, rt  # noqa: F401
+
 ext = kernels.load()
 pytestmark = pytest.mark.skipif(ext is None or not ext.amx_available(), reason="no AMX here (or tiered/kernels unbuilt)")
 
@@ -28,7 +30,10 @@ def _weight(N: int, K: int, g: torch.Generator, inline: bool, residual: bool):
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 16, 32), (15, 48, 64), (16, 32, 96), (17, 64, 64), (33, 80, 128),
-                                   (100, 96, 576)])
+                                   (100, 96, 576),
+                                   # past one K chunk (4096 columns; the second chunk 64) and one panel of 4 blocks
+                                   # of W on each of 2 threads, with an odd x tile and a 16-row W tail
+                                   (35, 400, 4160)])
 @pytest.mark.parametrize("inline,residual", [(True, False), (False, False), (True, True)])
 def test_amx_gemm_is_the_dequantized_weights_product(M, N, K, inline, residual):
     g = torch.Generator().manual_seed(M * 1000 + N + K)
@@ -134,15 +139,21 @@ def test_expert_projection_rows_take_the_amx_gemm(e2m1, monkeypatch):
     assert ((got.double() - onednn.double()).abs() <= tol).all()
 
 
-def test_native_step_rows_take_the_amx_gemm_from_48_rows(zoo):
+def test_native_step_rows_take_the_amx_gemm_from_48_rows(zoo, monkeypatch):
     """The native decode step's int4 projections over 48+ rows (a batch's sequences, a prompt's rows: here a prompt
     as rows) run the AMX GEMM on bf16-rounded rows (Int4TGemv::run_step), fewer rows the q8 row kernels: the AMX
-    rows' logits differ from the q8 kernels' (another rounding of the activations) and both stay as close to the
+    rows' logits differ from the q8 kernels' (another rounding of the activations) and stay as close to the
     modules' fp32 prompt as the q8 rows; 40 rows are the q8 kernels' whatever amx_rows says. Fails if the step
-    stops calling run_step, or the threshold moves."""
+    stops calling run_step, or the threshold moves. The modules' prompt multiplies the int4 weights dequantized to
+    fp32 (dequantize_rows and dequantize_dtype pinned): by the kernel tuning it would run the q8 kernels or the
+    AMX GEMM itself, and the reference was then one of the two compared (the q8 rows' 0.006 and the AMX rows' 0.031
+    on a build without a tuning, 0.031 and 0.010 with one)."""
     from tiered import LLM, EngineConfig
+    from tiered.quant import int4
     from tiered.runtime.cpu_decode import CPUDecodeStep
 
+    monkeypatch.setattr(int4, "dequantize_rows", lambda *a, **k: 1)
+    monkeypatch.setattr(int4, "dequantize_dtype", lambda: torch.float32)
     llm = LLM(zoo.dir("llama"), EngineConfig(decode_weights="int4", max_context=128, accelerator="none"))
     step = CPUDecodeStep(llm.model, native=True)
     V = llm.config.vocab_size
@@ -167,3 +178,48 @@ def test_native_step_rows_take_the_amx_gemm_from_48_rows(zoo):
     err = lambda got: float((got - ref).abs().max() / ref.abs().max())  # noqa: E731
     assert err(amx) <= max(2 * err(q8), 1e-2)
     assert torch.equal(rows(40, True)[0], rows(40, False)[0])
+
+
+def test_native_step_moe_rows_take_the_amx_gemm_from_group_rows(rt):  # noqa: F811
+    """A MoE prompt as rows of the native step whose experts average ExpertFormat.group_rows rows or more (past
+    which the modules' prefill computes an expert on the AMX GEMM) runs its int4 experts on the AMX GEMM
+    (gemv.cpp's moe_experts_amx, DecodeStep.set_moe's amx_rows): its logits differ from the row kernels' (amx_rows
+    off) and stay as close to the modules' prefill as theirs; a prompt whose experts average fewer rows runs the
+    row kernels whatever amx_rows says. Fails if the step's MoE blocks stop passing amx_rows or the rule moves."""
+    import math
+
+    from tiered import LLM
+    from tiered.runtime.cpu_decode import CPUDecodeStep
+    from tiered.models.moe import MoEBlock
+
+    llm = LLM(rt.dir("qwen3_moe"), engine_config(dtype="float32", expert_weights="int4", decode_weights="fp32",
+                                                 accelerator="none", max_context=512))
+    step = CPUDecodeStep(llm.model, native=True)
+    assert step.moe_blocks
+    runner = next(m.runner for m in llm.model.modules() if isinstance(m, MoEBlock))
+    cfg, rows = llm.config, runner.fmt.group_rows
+    if rows * cfg.num_experts / cfg.num_experts_per_tok > 400:
+        pytest.skip(f"experts here take the AMX GEMM from {rows} rows: a prompt past max_context")
+    V = cfg.vocab_size
+
+    def logits(n: int, amx: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = [(i * 37 + 11) % (V - 3) + 3 for i in range(n)]
+        was = ext.amx_rows(amx)
+        try:
+            with torch.inference_mode():
+                got = step(torch.tensor(ids).unsqueeze(1), torch.arange(n).unsqueeze(1), torch.zeros(n, dtype=torch.long),
+                           llm._kv_cache(1, 512), rows=torch.tensor([n - 1])).float()
+                ref = llm.model(torch.tensor([ids]), torch.arange(n).unsqueeze(0), torch.tensor([0]),
+                                llm._kv_cache(1, 512)).float().reshape(-1, V)[-1:]
+        finally:
+            ext.amx_rows(was)
+        return got, ref
+
+    n = math.ceil(rows * cfg.num_experts / cfg.num_experts_per_tok) + 8  # the average past group_rows
+    q8, ref = logits(n, False)
+    amx, _ = logits(n, True)
+    assert not torch.equal(q8, amx)
+    err = lambda got: float((got - ref).abs().max() / ref.abs().max())  # noqa: E731
+    assert err(amx) <= max(2 * err(q8), 1e-2)
+    fewer = rows * cfg.num_experts // cfg.num_experts_per_tok - 8
+    assert torch.equal(logits(fewer, True)[0], logits(fewer, False)[0])

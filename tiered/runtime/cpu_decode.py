@@ -189,7 +189,9 @@ def _native_moe(block, dtype: torch.dtype) -> dict | None:
     kernels), the shared expert's gate/up and down kernels and its gate's ([1, D]; none for DeepSeek's
     ungated shared experts), or empty lists, and DeepSeek's routing (models/deepseek.DeepSeekRouter):
     method (its topk_method: "greedy", "group_limited_greedy" or "noaux_tc"), n_group, topk_group,
-    scaling (routed_scaling_factor) and bias (noaux_tc's e_score_correction_bias fp32 [E]); from
+    scaling (routed_scaling_factor) and bias (noaux_tc's e_score_correction_bias fp32 [E]), and amx_rows (the
+    rows an expert averages in a call from which the step's experts take the AMX GEMM: ExpertFormat.group_rows,
+    0 for none); from
     DeepSeek-V2 (arXiv 2405.04434) §2.2 and, for noaux_tc, DeepSeek-V3 (arXiv 2412.19437) §2.1.2.
 
     It can when the block has the standard router (models/moe.Router) or DeepSeek's (no other
@@ -233,7 +235,10 @@ def _native_moe(block, dtype: torch.dtype) -> dict | None:
     bound = r.fmt.bind_layer([r.store.resident[(block.layer_idx, e)] for e in range(r.num_experts)])
     if bound is None:
         return None
-    return dict(args, experts=bound, **r.fmt.glu_args)  # gpt-oss's biased experts: their clamped GLU
+    # the rows an expert averages from which the step computes its experts on the AMX GEMM where their kernels have
+    # it (tiled int4: gemv.cpp's moe_experts_amx), as the modules' prefill does past group_rows
+    amx_rows = 0 if r.fmt.swiglu_limit is not None or r.fmt.is_dense else r.fmt.group_rows
+    return dict(args, experts=bound, amx_rows=amx_rows, **r.fmt.glu_args)  # gpt-oss's: their clamped GLU
 
 
 def _native_latent(layer: nn.Module, dtype: torch.dtype) -> dict | None:

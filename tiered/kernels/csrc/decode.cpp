@@ -86,6 +86,8 @@ struct Moe {
   std::vector<float> router_bias;  // [E] added to the logits (gpt-oss's biased router), else empty
   std::unique_ptr<gemv::Glu> glu;  // gpt-oss's biased clamped-GLU experts (gemv.h), else null: SwiGLU
   std::shared_ptr<gemv::BoundExperts> experts;
+  // the rows an expert averages from which its experts take the AMX GEMM (gemv::moe_experts_amx; 0: never)
+  int64_t amx_rows = 0;
   // the shared expert (Qwen-MoE's, DeepSeek's shared experts as one MLP) and its gate [D -> 1] (Qwen-MoE;
   // empty: added ungated, DeepSeek), all empty for none
   Group shared_gu, shared_down, shared_gate;
@@ -1110,7 +1112,7 @@ class DecodeStep {
                std::shared_ptr<gemv::BoundExperts> experts, std::vector<KernelPtr> shared_gate_up,
                std::vector<KernelPtr> shared_down, std::vector<KernelPtr> shared_gate, const std::string& method,
                int64_t n_group, int64_t topk_group, double scaling, c10::optional<at::Tensor> bias,
-               c10::optional<at::Tensor> router_bias, double swiglu_limit, double swiglu_alpha) {
+               c10::optional<at::Tensor> router_bias, double swiglu_limit, double swiglu_alpha, int64_t amx_rows) {
     TIERED_CHECK(0 <= l && l < num_layers() && layers_[l].runs() && layers_[l].gate_up.empty(),
                 "decode step: set_moe needs an attention-only layer, got ", l);
     TIERED_CHECK(router.dim() == 2 && router.size(1) == D, "decode step: the router must be [E, ", D, "]");
@@ -1162,7 +1164,7 @@ class DecodeStep {
       m->glu = std::make_unique<gemv::Glu>(gemv::Glu{float(swiglu_limit), float(swiglu_alpha)});
     }
     m->router = to_floats(router);
-    m->top_k = top_k, m->norm_topk = norm_topk, m->experts = std::move(experts);
+    m->top_k = top_k, m->norm_topk = norm_topk, m->experts = std::move(experts), m->amx_rows = std::max<int64_t>(0, amx_rows);
     m->n_group = n_group, m->topk_group = topk_group, m->scaling = float(scaling);
     m->shared_gu = Group(std::move(shared_gate_up));
     m->shared_down = Group(std::move(shared_down));
@@ -1602,7 +1604,7 @@ class DecodeStep {
     std::sort(used.begin(), used.end());
     moe_uses_ += std::unique(used.begin(), used.end()) - used.begin();
     gemv::moe_experts(m.experts->k.data(), h, B, D, idx.data(), wt.data(), k, std::is_same<T, at::BFloat16>::value,
-                      y, m.glu.get());
+                      y, m.glu.get(), nullptr, E, m.amx_rows);
     if (m.shared_gu.empty()) return;
     // y += sigmoid(W_sg h) * W_down (silu(g) * u), [g | u] = W_gu h, or without a gate y += W_down (..):
     // each term rounded to T as the block's torch ops round it (out + [sigmoid(gate(h)) *] shared(h))
@@ -2227,7 +2229,7 @@ void register_decode(pybind11::module& m) {
            py::arg("shared_down") = std::vector<KernelPtr>{}, py::arg("shared_gate") = std::vector<KernelPtr>{},
            py::arg("method") = "softmax", py::arg("n_group") = 1, py::arg("topk_group") = 1, py::arg("scaling") = 1.0,
            py::arg("bias") = py::none(), py::arg("router_bias") = py::none(), py::arg("swiglu_limit") = 0.0,
-           py::arg("swiglu_alpha") = 1.702)
+           py::arg("swiglu_alpha") = 1.702, py::arg("amx_rows") = 0)
       .def("set_attention", &DecodeStep::set_attention, py::arg("layer"), py::arg("window"), py::arg("sinks"))
       .def("set_max_transposed_bytes", &DecodeStep::set_max_transposed_bytes, py::arg("bytes"))
       .def("route", &DecodeStep::route, py::arg("layer"), py::arg("logits"))

@@ -128,8 +128,12 @@ struct Glu {
 // its kernels k[3 e..] are then not called, and its outputs join the sum in its place in the expert order.
 // Every expert's rows take the activation formats of a call of N rows (Act::format_rows): a token's output
 // does not depend on how many other tokens its experts took (batch 1 keeps its own formats).
+// `amx_experts` and `amx_rows`: the layer's number of experts and the rows an expert averages (N top_k /
+// amx_experts) from which the call runs its experts on the AMX GEMM (moe_experts_amx: the native step's MoE blocks);
+// 0: never.
 void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, const int64_t* idx, const float* wt,
-                 int64_t top_k, bool bf16, float* out, const Glu* glu = nullptr, const float* const* given = nullptr);
+                 int64_t top_k, bool bf16, float* out, const Glu* glu = nullptr, const float* const* given = nullptr,
+                 int64_t amx_experts = 0, int64_t amx_rows = 0);
 
 // The kernels of every expert of one MoE layer, bound once to where their weights stay (resident
 // in RAM): k[3 e + j] = projection j (gate, up, down) of expert e. `owner` keeps them alive.

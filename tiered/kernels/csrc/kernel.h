@@ -62,6 +62,9 @@ struct Kernel {
   // `run` as the native decode step calls it (decode.cpp's run_one: its projections over a batch's rows, a prompt's
   // rows): a kernel may take another path there (tiled int4 on AMX from 48 rows: Int4TGemv::run_step).
   virtual void run_step(const float* x, int64_t B, float* y) const { run(x, B, y); }
+  // `run` on tiered's AMX GEMM over the rows rounded to bf16, whatever B, where this kernel has that path here
+  // (tiled int4 and mxfp4: Int4TGemv, on a CPU with AMX, amx_rows on): true; false (nothing written) elsewhere.
+  virtual bool run_amx(const float* x, int64_t B, float* y) const { return false; }
   // The weight bytes one call reads (for benchmarks and the planner's bytes-per-token figures).
   virtual int64_t weight_bytes() const = 0;
   virtual std::string name() const = 0;
