@@ -1712,6 +1712,15 @@ bool amx_ready() {
   return ok;
 }
 
+// v grown to hold n elements from a 64-byte boundary, and that boundary: a tile row is 64 bytes, and from malloc's
+// 16-byte alignment (blocks of 128 KB and more are mmap'd, their data 16 bytes past a page) each row of x's or W's
+// tiles straddled two cache lines.
+template <typename T>
+T* aligned64(std::vector<T>& v, int64_t n) {
+  v.resize(n + 64 / sizeof(T));
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+}
+
 #define TIERED_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma")))
 
 // The 16 rows' weights (int4t_dequantize's values, fp32) of the column at bits [shift, shift + 4) of each lane's dword
@@ -1835,22 +1844,30 @@ TIERED_AMX void amx_epilogue(const float* c, int64_t ldc, int64_t rows, int64_t 
 // 1.18x; 3072 x 576 the same. (Chunks of 32 groups with panels of 8 blocks, 64 with 4 or 2, 96 with 6, 256 with
 // 3: as fast or slower. Tile loads from the L2 are this loop's bound: ~48 cycles a TDPBF16PS against ~22 with
 // both operands in the L1 and ~14 for the product alone, one thread.)
-constexpr int64_t kAmxPanel = 4, kAmxChunk = 128;
+// Where x's rows fit the L2 (kAmxL2Bytes, of the 2 MB a core of every CPU with AMX so far has) the panel takes as
+// many blocks as fit beside them: x then stays in the L2 from one panel to the next (14336 x 4096 at 128 rows, x 1 MB:
+// 10.0-10.2 ms with one block a panel, 12.2-12.7 with four, whose 1 MB pushed x out), and a block's converted weights
+// are not read right after they are written (at 16 rows 3.5-3.7 ms with four, 5.1-7.0 with one).
+constexpr int64_t kAmxPanel = 4, kAmxChunk = 128, kAmxL2Bytes = 1280 << 10;
 
 // x's 32-row blocks against the weight's 32-row blocks j0..j1 (int4t_amx_gemm's work on one thread), kAmxPanel
 // blocks of W at a time and K in chunks of kAmxChunk groups: each chunk of a panel dequantized into bv, then every
 // 32-row block of x's chunk against each block of it, their fp32 sums kept in cb between chunks.
 TIERED_AMX void int4t_amx_blocks(const Int4W& w, const uint16_t* xa, int64_t M, int64_t K, int64_t N, float* yf,
                                  uint16_t* yb, int64_t ldy, int64_t j0, int64_t j1) {
-  const int64_t G = K / kGroup, Gc = std::min(G, kAmxChunk), P = kAmxPanel;
+  const int64_t G = K / kGroup, Gc = std::min(G, kAmxChunk);
   const int64_t MT = (M + kAmxRows - 1) / kAmxRows;
+  const int64_t x_bytes = MT * kAmxRows * K * int64_t(sizeof(uint16_t)), block_bytes = 2 * kBlock * K * int64_t(sizeof(uint16_t));
+  const int64_t P = G > kAmxChunk || x_bytes + block_bytes > kAmxL2Bytes
+                        ? kAmxPanel
+                        : std::min(kAmxPanel, (kAmxL2Bytes - x_bytes) / block_bytes);
   AmxConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = kAmxRows, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
-  thread_local std::vector<uint32_t> bv;
-  thread_local std::vector<float> cb;
-  bv.resize(P * 2 * Gc * 256);
-  cb.resize(((MT + 1) / 2) * P * 4 * kAmxRows * kAmxRows);
+  thread_local std::vector<uint32_t> bv_;
+  thread_local std::vector<float> cb_;
+  uint32_t* const bv = aligned64(bv_, P * 2 * Gc * 256);
+  float* const cb = aligned64(cb_, ((MT + 1) / 2) * P * 4 * kAmxRows * kAmxRows);
   constexpr int64_t ldc = 2 * kAmxRows, kC = 4 * kAmxRows * kAmxRows;
   for (int64_t s0 = j0; s0 < j1; s0 += P) {
     const int64_t s1 = std::min(j1, s0 + P);
@@ -1859,7 +1876,7 @@ TIERED_AMX void int4t_amx_blocks(const Int4W& w, const uint16_t* xa, int64_t M, 
       for (int64_t j = s0; j < s1; ++j) {
         const int64_t n0 = j * 2 * kBlock;
         for (int64_t h = 0; h < (n0 + kBlock < N ? 2 : 1); ++h) {
-          uint32_t* b = bv.data() + ((j - s0) * 2 + h) * n * 256;
+          uint32_t* b = bv + ((j - s0) * 2 + h) * n * 256;
           if (w.e2m1) int4t_vnni_tile<true>(w, n0 + h * kBlock, G, g0, g1, b);
           else int4t_vnni_tile<false>(w, n0 + h * kBlock, G, g0, g1, b);
         }
@@ -1871,8 +1888,8 @@ TIERED_AMX void int4t_amx_blocks(const Int4W& w, const uint16_t* xa, int64_t M, 
         for (int64_t j = s0; j < s1; ++j) {
           const int64_t n0 = j * 2 * kBlock;
           const bool two_b = n0 + kBlock < N;
-          const uint32_t *b0 = bv.data() + (j - s0) * 2 * n * 256, *b1 = b0 + n * 256;
-          float* c = cb.data() + ((mt / 2) * P + (j - s0)) * kC;
+          const uint32_t *b0 = bv + (j - s0) * 2 * n * 256, *b1 = b0 + n * 256;
+          float* c = cb + ((mt / 2) * P + (j - s0)) * kC;
           const bool acc = g0 > 0;
           if (two_a && two_b) amx_block<true, true>(a0, a1, b0, b1, n, c, ldc, acc);
           else if (two_a) amx_block<true, false>(a0, a1, b0, b1, n, c, ldc, acc);
@@ -1899,8 +1916,7 @@ void int4t_amx_gemm(const Int4W& w, const uint16_t* x, int64_t lda, int64_t M, i
                     uint16_t* yb, int64_t ldy) {
   const int64_t NB = (N + 2 * kBlock - 1) / (2 * kBlock), MT = (M + kAmxRows - 1) / kAmxRows, G = K / kGroup;
   thread_local std::vector<uint16_t> xa;
-  xa.resize(MT * kAmxRows * K);
-  uint16_t* xp = xa.data();
+  uint16_t* const xp = aligned64(xa, MT * kAmxRows * K);
   at::parallel_for(0, MT, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t r = 0; r < kAmxRows; ++r) {
