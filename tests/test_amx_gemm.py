@@ -180,26 +180,26 @@ def test_native_step_rows_take_the_amx_gemm_from_48_rows(zoo, monkeypatch):
     assert torch.equal(rows(40, True)[0], rows(40, False)[0])
 
 
-def test_native_step_moe_rows_take_the_amx_gemm_from_group_rows(rt):  # noqa: F811
+@pytest.mark.parametrize("experts", ["int4", "int8"])
+def test_native_step_moe_rows_take_the_amx_gemm_from_group_rows(rt, experts):  # noqa: F811
     """A MoE prompt as rows of the native step whose experts average ExpertFormat.group_rows rows or more (past
     which the modules' prefill computes an expert on the AMX GEMM) runs its int4 experts on the AMX GEMM
     (gemv.cpp's moe_experts_amx, DecodeStep.set_moe's amx_rows): its logits differ from the row kernels' (amx_rows
     off) and stay as close to the modules' prefill as theirs; a prompt whose experts average fewer rows runs the
-    row kernels whatever amx_rows says. Fails if the step's MoE blocks stop passing amx_rows or the rule moves."""
+    row kernels whatever amx_rows says, and so do experts whose kernels have no AMX path (int8) at any rows. Fails
+    if the step's MoE blocks stop passing amx_rows or the rule moves."""
     import math
 
     from tiered import LLM
-    from tiered.runtime.cpu_decode import CPUDecodeStep
     from tiered.models.moe import MoEBlock
+    from tiered.runtime.cpu_decode import CPUDecodeStep
 
-    llm = LLM(rt.dir("qwen3_moe"), engine_config(dtype="float32", expert_weights="int4", decode_weights="fp32",
+    llm = LLM(rt.dir("qwen3_moe"), engine_config(dtype="float32", expert_weights=experts, decode_weights="fp32",
                                                  accelerator="none", max_context=512))
     step = CPUDecodeStep(llm.model, native=True)
     assert step.moe_blocks
     runner = next(m.runner for m in llm.model.modules() if isinstance(m, MoEBlock))
     cfg, rows = llm.config, runner.fmt.group_rows
-    if rows * cfg.num_experts / cfg.num_experts_per_tok > 400:
-        pytest.skip(f"experts here take the AMX GEMM from {rows} rows: a prompt past max_context")
     V = cfg.vocab_size
 
     def logits(n: int, amx: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,6 +215,12 @@ def test_native_step_moe_rows_take_the_amx_gemm_from_group_rows(rt):  # noqa: F8
             ext.amx_rows(was)
         return got, ref
 
+    if experts == "int8":  # tiled int8 kernels: the row kernels at 48 rows an expert, amx_rows or not
+        n = 48 * cfg.num_experts // cfg.num_experts_per_tok
+        assert torch.equal(logits(n, True)[0], logits(n, False)[0])
+        return
+    if rows * cfg.num_experts / cfg.num_experts_per_tok > 400:
+        pytest.skip(f"experts here take the AMX GEMM from {rows} rows: a prompt past max_context")
     n = math.ceil(rows * cfg.num_experts / cfg.num_experts_per_tok) + 8  # the average past group_rows
     q8, ref = logits(n, False)
     amx, _ = logits(n, True)

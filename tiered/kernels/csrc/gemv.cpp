@@ -3313,11 +3313,12 @@ std::vector<const float*> moe_experts_amx(const Gemv* const* k, const float* x, 
       for (int64_t i = i0; i < i1; ++i) std::memcpy(xa.data() + i * D, x + (entry[r.m0 + i] / top_k) * D, D * sizeof(float));
     });
     if (!gate->run_amx(xa.data(), r.n, g.data())) return {};  // (no AMX path: every expert keeps the row kernels)
-    up->run_amx(xa.data(), r.n, u.data());
+    // (a projection of another format, Q4_K_M's Q6_K down as tiled int8: its own kernel over all the rows)
+    if (!up->run_amx(xa.data(), r.n, u.data())) up->run(xa.data(), r.n, u.data());
     at::parallel_for(0, r.n, 16, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) silu_mul(g.data() + i * F, u.data() + i * F, g.data() + i * F, F);
     });
-    down->run_amx(g.data(), r.n, ya.data() + r.at * D);
+    if (!down->run_amx(g.data(), r.n, ya.data() + r.at * D)) down->run(g.data(), r.n, ya.data() + r.at * D);
     done[r.e] = ya.data() + r.at * D;
   }
   return done;
