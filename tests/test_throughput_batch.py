@@ -9,7 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from tiered import EngineConfig, LLM, SamplingParams
+from tiered import EngineConfig, LLM, SamplingParams, kernels
 from tiered.cli import app
 from tiered.engine.prompt import encode_prompt
 from tiered.errors import BudgetError, ConfigError
@@ -301,7 +301,8 @@ def test_prompts_admitted_together_prefill_as_rows_of_native_steps(smollm2_path,
     """Where the plan runs whole prefill chunks as rows of the native step (SmolLM2's default CPU plan), prompts
     admitted together beyond the decode step's rows prefill as rows too, packed into steps (LLM._rows_groups), not
     through the modules' padded forward; each prompt's first token and its most likely alternatives are those it
-    gets alone. (Their log-probabilities agree to rounding: the int4 x int8 rows kernel sums a row's groups in
+    gets alone, those clear of the cut by more than rounding among its alternatives too. (Their log-probabilities
+    agree to rounding: the int4 x int8 rows kernel sums a row's groups in
     1, 2 or 4 chains by how many rows share its tile of 4, so a row's float sums depend on where in the step it
     falls; SmolLM2's first-token log-probabilities moved by up to ~0.06 nats, 2026-12-04.)"""
     llm = LLM(smollm2_path, EngineConfig(accelerator="none", max_context=1024))
@@ -312,15 +313,30 @@ def test_prompts_admitted_together_prefill_as_rows_of_native_steps(smollm2_path,
     text = "Offloading engines keep the weights of a model that does not fit in memory on a slower tier. "
     prompts = [llm.encode(f"{i}. " + text * n, chat=False) for i, n in enumerate((1, 2, 3, 2, 1, 3))]  # ~260 rows
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    alone = [llm.generate(p, params, chat=False)[0].logprobs[0] for p in prompts]
-    calls = []
-    real = llm._forward_mixed
-    monkeypatch.setattr(llm, "_forward_mixed", lambda pre, dec, cache, span=None: calls.append(
-        sum(len(s.prompt_ids) for s in pre)) or real(pre, dec, cache, span))
-    together = [o.logprobs[0] for o in llm.generate(prompts, params, chat=False)]
+    # the int8-row kernels at every step size: on a CPU with AMX a step of 48+ rows runs the int4 projections on the
+    # AMX GEMM over bf16 rows (Int4TGemv::run_step), and a prompt's rows alone and packed then took either path by
+    # how its steps fell, ~0.1-0.17 nats apart (2026-12-06): the packing is what this test is about
+    ext = kernels.load()
+    was = ext.amx_rows(False)
+    try:
+        alone = [llm.generate(p, params, chat=False)[0].logprobs[0] for p in prompts]
+        calls = []
+        real = llm._forward_mixed
+        monkeypatch.setattr(llm, "_forward_mixed", lambda pre, dec, cache, span=None: calls.append(
+            sum(len(s.prompt_ids) for s in pre)) or real(pre, dec, cache, span))
+        together = [o.logprobs[0] for o in llm.generate(prompts, params, chat=False)]
+    finally:
+        ext.amx_rows(was)
     for a, b in zip(alone, together):
-        assert a.token == b.token and [t for t, _ in a.top] == [t for t, _ in b.top]
-        assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=0.15)
+        assert a.token == b.token
+        # each alternative clear of the other's last one by more than that rounding is among its alternatives, at
+        # its log-probability within it (a strict order of all five failed in a fresh clone's CI on a near-tie:
+        # the fifth -3.589 against the sixth -3.565, 2026-12-06)
+        for x, y in ((a, b), (b, a)):
+            other = dict(y.top)
+            for t, v in x.top:
+                if v > y.top[-1][1] + 0.15:
+                    assert t in other and other[t] == pytest.approx(v, abs=0.15), (t, x.top, y.top)
     # the decode step's rows took what fit, and the rest ran as one more native step, not through the modules
     assert len(calls) >= 2 and sum(calls) == sum(len(p) for p in prompts) and max(calls) <= 128
 
