@@ -1839,10 +1839,12 @@ TIERED_AMX void amx_epilogue(const float* c, int64_t ldc, int64_t rows, int64_t 
 // columns). Each 32-row block of x had been read against one block of W at a time, all of K: x [M, K] streamed
 // from beyond the L2 once per 32 rows of W where it is larger (a 512-row prompt at K = 4096: 4 MB, 448 times for
 // a 14336-row weight). Four blocks a panel read it a quarter as often, with the panel's converted chunk (1 MB)
-// and one x block's (256 KB) in the L2. A/B on 2 Sapphire Rapids cores (2026-12-06, medians of 9 interleaved
-// rounds): 4096 x 14336 at 128 / 256 / 512 rows 1.27x / 1.34x / 1.34x the speed, 14336 x 4096 1.04x / 1.04x /
-// 1.18x; 3072 x 576 the same. (Chunks of 32 groups with panels of 8 blocks, 64 with 4 or 2, 96 with 6, 256 with
-// 3: as fast or slower. Tile loads from the L2 are this loop's bound: ~48 cycles a TDPBF16PS against ~22 with
+// and one x block's (256 KB) in the L2. With the buffers' alignment (aligned64), against the kernel before both
+// (2 Sapphire Rapids cores, 2026-12-06, 3 alternated processes, results/xeon-amx-2026-12-06/amx-panels): 4096 x
+// 14336 at 128 / 256 / 512 rows 14.8-15.4 / 27.5-28.7 / 49.5-56.3 -> 10.5-10.9 / 18.0-18.6 / 31.2-34.4 ms, 14336 x
+// 4096 at 512 43.5-49.0 -> 30.8-32.0, 3072 x 576 at 512 1.17-1.38 -> 0.98-1.09. (In one process, before the
+// alignment: chunks of 32 groups with panels of 8 blocks, 64 with 4 or 2, 96 with 6, 256 with 3 as fast or slower
+// than 128 with 4. Tile loads from the L2 are this loop's bound: ~48 cycles a TDPBF16PS against ~22 with
 // both operands in the L1 and ~14 for the product alone, one thread.)
 // Where x's rows fit the L2 (kAmxL2Bytes, of the 2 MB a core of every CPU with AMX so far has) the panel takes as
 // many blocks as fit beside them: x then stays in the L2 from one panel to the next (14336 x 4096 at 128 rows, x 1 MB:
