@@ -1527,3 +1527,25 @@ def test_one_copy_int4_prompt_gemms_within_amx_rows_are_priced_by_the_amx_key():
     for kind in ("int4", "mxfp4"):
         assert prompt_expert_time(amx, kind, 300, w, macs) > 3 * prompt_expert_time(hw, kind, 300, w, macs)
         assert prompt_expert_time(amx, kind, AMX_ROWS + 1, w, macs) == prompt_expert_time(hw, kind, AMX_ROWS + 1, w, macs)
+
+
+def test_the_amx_gemm_pays_its_weights_conversion_at_the_pack_rate_not_a_dequantization():
+    """Profiler 55 fits gemm_amx/cpu/int4 with its weight term gemm_amx_pack/cpu/int4 (the weight converted into the
+    AMX GEMM's tiles, ~0.03 ns a weight on 2 AMX cores): such a profile prices a call as its line plus the weight at
+    that rate, never dequantize/cpu/int4's (a dequantization into memory, 0.1-0.4 ns a weight, which priced a
+    Mixtral-width expert projection at 128 rows 23 ms for 7-9); a profile of 51-54 (no pack key) still adds it."""
+    from tiered.hardware import op_time
+
+    line = LinearModel(2e-5, 1e-12, 1.0)
+    m = {"gemm_amx/cpu/int4": line, "dequantize/cpu/int4": LinearModel(0.0, 3e-10, 1.0),
+         "gemv/cpu/int4": LinearModel(0.0, 1 / 30e9, 1.0), "memory/bandwidth/cpu": LinearModel(0.0, 1 / 30e9, 1.0)}
+    old = HardwareProfile("cpu-box", "test", m, None, None, meta={"native_kernels": True})
+    new = HardwareProfile("cpu-box", "test", {**m, "gemm_amx_pack/cpu/int4": LinearModel(0.0, 5e-11, 1.0)}, None,
+                          None, meta={"native_kernels": True})
+    K, N, rows = 4096, 14336, 128
+    w = K * N * op_time.bytes_per_element("int4")
+    macs = rows * K * N
+    assert op_time.amx_gemm_time(new, macs, w, calls=1) == pytest.approx(2e-5 + 1e-12 * macs + 5e-11 * w)
+    assert op_time.amx_gemm_time(old, macs, w, calls=1) == pytest.approx(2e-5 + 1e-12 * macs + 3e-10 * K * N)
+    # a call of few rows over a big weight: one stream of it floors the time
+    assert op_time.amx_gemm_time(new, 1 * K * N, w) == pytest.approx(max(2e-5 + 1e-12 * K * N + 5e-11 * w, w / 30e9))

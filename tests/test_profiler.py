@@ -63,6 +63,7 @@ def test_fit_gemm_separates_a_calls_weight_bytes_from_its_multiply_adds():
     with pytest.raises(ValueError):
         fit_gemm([1, 2], [1], [1, 2])
     assert pack_key("gemm/cpu/bf16") == "gemm_pack/cpu/bf16"
+    assert pack_key("gemm_amx/cpu/int4") == "gemm_amx_pack/cpu/int4"
     with pytest.raises(ValueError):
         pack_key("gemm_big/cpu/bf16")
 
@@ -458,9 +459,13 @@ def test_quick_profile_structure(measured):
             points = p.meta["points"][key]
             assert m.alpha == 0.0 and m.r2 is None and m.beta == points[-1][1] > 0, key
             assert len(points) >= 2 and [n for n, _ in points] == sorted(n for n, _ in points), key
-        elif key.startswith("gemm_pack/"):  # a GEMM call's weight bytes, fitted with its key's points (profiler 41)
-            line = p.models["gemm/" + key[len("gemm_pack/"):]]
-            assert m.alpha == 0.0 and m.r2 == line.r2 and len(p.meta["points"]["gemm/" + key[len("gemm_pack/"):]]) >= 4
+        elif key.startswith(("gemm_pack/", "gemm_amx_pack/")):
+            # a GEMM call's weight bytes, fitted with its key's points (profiler 41; the AMX GEMM's: profiler 55)
+            line_key = key.replace("_pack/", "/", 1)
+            assert m.alpha == 0.0 and m.r2 == p.models[line_key].r2 and len(p.meta["points"][line_key]) >= 4
+            if key.startswith("gemm_amx_pack/"):  # at each of AMX_FIT_ROWS rows, for the pack term to separate
+                from tiered.hardware.profiler import AMX_FIT_ROWS
+                assert len(p.meta["points"][line_key]) % len(AMX_FIT_ROWS) == 0
         elif key == "runtime/step_rows/int4" or key.startswith(("attn_rows/", "runtime/batch_rows/")):
             # a difference of two timings, 0 where it is within their noise (2 Zen 3 cores, 2026-12-01: step_rows 0,
             # 0.40 ms and 0 a layer at 64 / 128 / 256 rows; batch_rows 0 at 4 rows against 1 in CI, 2026-12-03)

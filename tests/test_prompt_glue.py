@@ -40,6 +40,16 @@ def test_native_swiglu_is_silu_of_gate_times_up_rounded_once(dtype):
         assert ((got.float() - exact).abs() <= exact.abs() * (2 ** -8 + 1e-6) + 1e-30).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_swiglu_of_a_gate_and_an_up_tensor_equals_the_fused_ones(dtype):
+    """swiglu(gate, up): an expert's two projections' outputs, the same bits as swiglu over them side by side."""
+    g = torch.Generator().manual_seed(2)
+    gate, up = torch.randn(2, 33, 80, generator=g).to(dtype), torch.randn(2, 33, 80, generator=g).to(dtype)
+    got = kernels.load().swiglu(gate, up)
+    assert got.shape == (2, 33, 80) and got.dtype == dtype
+    assert torch.equal(got, layers.swiglu(torch.cat([gate, up], -1)))
+
+
 def test_glue_refuses_what_it_cannot_read():
     ext = kernels.load()
     with pytest.raises(RuntimeError, match="head_dim must be even"):
@@ -48,6 +58,10 @@ def test_glue_refuses_what_it_cannot_read():
         ext.rope(torch.zeros(1, 2, 4, 8), torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8))
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         ext.swiglu(torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="up must be the gate's shape"):
+        ext.swiglu(torch.zeros(2, 8), torch.zeros(2, 6))
+    with pytest.raises(RuntimeError, match="up must be the gate's shape"):
+        ext.swiglu(torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("rows", [3, 200])

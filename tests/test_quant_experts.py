@@ -57,6 +57,32 @@ def test_expert_kernels_match_their_dequantized_weights(name, layout):
         assert (w - d).abs().max() <= tol * w.abs().max()
 
 
+@pytest.mark.parametrize("name", ["int4", "int4,int4,int8"])
+@pytest.mark.parametrize("rows", [40, 600])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_dequantized_expert_takes_the_native_swiglu_in_bf16(name, rows, dtype):
+    """Past the kernels' rows a tiled int4 expert's gate and up run in bf16 (the AMX GEMM within AMX_ROWS, one bf16
+    GEMM past them) and meet in the native SwiGLU (one rounding), where quant/int4.dequantize_dtype() is bf16:
+    the SwiGLU of the dequantized weights within bf16's rounding, in x's dtype; a down projection of another kind
+    (a Q4_K_M file's Q6_K as int8) takes the activations in x's dtype."""
+    from tiered.kernels import load
+    from tiered.quant.int4 import dequantize_dtype
+
+    if load() is None:
+        pytest.skip("the native kernels are not built")
+    ws = _weights(F=96)
+    fmt = ExpertFormat(name, [w.shape for w in ws], "tiled", batch_act="q8", act="q8")
+    slot = fmt.empty()
+    fmt.quantize(ws, slot)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    assert fmt._bf16_glu(x) == (dequantize_dtype() == torch.bfloat16)
+    assert not fmt._bf16_glu(x[:8])  # the kernels' rows
+    ref = ExpertFormat("fp32", fmt.shapes).forward(x.float(), fmt.dequantize(slot))
+    y = fmt.dequantized(x, slot)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert (y.float() - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
 @pytest.mark.parametrize("name", ["bf16", "int8", "int4", "int4,int4,int8"])
 @pytest.mark.parametrize("layout", ["plain", "tiled"])
 @pytest.mark.parametrize("act", ["bf16", "q8"])

@@ -252,18 +252,20 @@ def dequantize_time(profile: HardwareProfile, device: str, dtype: str, weight_by
 def amx_gemm_time(profile: HardwareProfile, macs: float, weight_bytes: float, calls: int = 1) -> float | None:
     """Seconds of `calls` one-copy int4 prompt GEMMs (a projection's rows past its kernel's, an int4 / mxfp4
     expert's) totalling `macs` over `weight_bytes` of int4 weights on the AMX path (quant/int4.AMX_ROWS:
-    kernels' int4_tiled_gemm): gemm_amx/cpu/int4's line (fitted net of the dequantization, as gemm/cpu/int4 is),
-    floored by one stream of the weights, plus dequantize/cpu/int4's time for them. None where the profile has
-    no such key (a CPU without AMX, profiles before profiler 51) or the calls' rows pass AMX_ROWS (the
-    dequantized oneDNN GEMM then: gemm/cpu/int4)."""
+    kernels' int4_tiled_gemm): gemm_amx/cpu/int4's line plus each call's weight converted into the tiles at
+    gemm_amx_pack/cpu/int4's rate (fitted together, profiler 55), floored by one stream of the weights. Profiles
+    51-54 fitted the line net of dequantize/cpu/int4 and have no pack key: their weights pay that instead. None
+    where the profile has no gemm_amx key (a CPU without AMX, profiles before profiler 51) or the calls' rows pass
+    AMX_ROWS (the dequantized oneDNN GEMM then: gemm/cpu/int4)."""
     from tiered.quant.int4 import AMX_ROWS
 
     m = profile.models.get("gemm_amx/cpu/int4")
     if m is None or macs <= 0 or weight_bytes <= 0 or macs / (weight_bytes / bytes_per_element("int4")) > AMX_ROWS:
         return None
-    compute = calls * m.alpha + m.beta * macs
+    pack = profile.models.get("gemm_amx_pack/cpu/int4")
+    compute = calls * m.alpha + m.beta * macs + (pack.beta * weight_bytes if pack is not None else 0.0)
     mem = memory_time(profile, "cpu", "int4", weight_bytes / calls, "gemv") * calls
-    return max(compute, mem) + dequantize_time(profile, "cpu", "int4", weight_bytes)
+    return max(compute, mem) + (dequantize_time(profile, "cpu", "int4", weight_bytes) if pack is None else 0.0)
 
 
 def attention_time(profile: HardwareProfile, device: str, dtype: str, macs: float, kv_bytes: float,

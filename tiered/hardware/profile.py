@@ -9,6 +9,9 @@ ALGORITHMS.md 1.b, 5.2), with the fit quality R^2 kept beside it (ScheInfer Tabl
     gemm_pack/cpu/<dtype>    weight bytes a call      0                 s per byte
                              (beside gemm/cpu/<dtype>, fitted with it: torch packs or dequantizes the weight
                              every call; op_time.gemm_line adds it to calls of 8 rows or more)
+    gemm_amx_pack/cpu/int4   weight bytes a call      0                 s per byte
+                             (beside gemm_amx/cpu/int4, fitted with it: the AMX GEMM converts the int4
+                             weight into its tiles every call; op_time.amx_gemm_time)
     gemv/<device>/<dtype>    weight bytes streamed    start-up          s per byte
                              (memory-bound regime, fitted at 1 token; ALGORITHMS.md 1.f S2)
     gemv_graph/gpu/<dtype>   weight bytes streamed    the kernel's own  s per byte

@@ -30,9 +30,10 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     convert_big/cpu/bf16 the same past 32 MiB (each call faults fresh pages in)  n = elements
     dequantize/cpu/int4  a one-copy int4 weight's dequantization before a prompt's GEMM past the kernel's
                          rows (tiered's kernels only; gemm/cpu/int4 is then fitted net of it)   n = elements
-    gemm_amx/cpu/int4    a one-copy int4 weight's prompt GEMM on AMX (kernels' int4_tiled_gemm, calls of up to
-                         quant/int4.AMX_ROWS rows; CPUs with AMX only), fitted net of dequantize/cpu/int4 as
-                         gemm/cpu/int4 (then timed on the dequantized oneDNN path) is        n = MACs
+    gemm_amx/cpu/int4    a one-copy int4 weight's prompt GEMM on AMX (kernels' int4_tiled_gemm, calls of
+                         AMX_FIT_ROWS rows, up to quant/int4.AMX_ROWS; CPUs with AMX only)       n = MACs
+    gemm_amx_pack/cpu/int4  fitted with it (fit_gemm): the weight's conversion into the GEMM's tiles
+                         (it dequantizes nothing into memory)                         n = weight bytes
     attn_prefill_past/cpu/<dtype>  a prefill chunk's attention over the cache before it (1024 queries over
                          2048-4096 keys, an explicit mask: every pair computed)  n = MACs (2 * heads * T * S * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
@@ -139,7 +140,7 @@ def fit_affine(xs, ys) -> LinearModel:
     return LinearModel(float(alpha), float(beta), float(r2))
 
 
-def fit_gemm(xs, ws, ys) -> tuple[LinearModel, LinearModel | None]:
+def fit_gemm(xs, ws, ys, relative: bool = False) -> tuple[LinearModel, LinearModel | None]:
     """Least-squares t = alpha + beta * n + gamma * w with alpha, beta, gamma >= 0 (non-negative least squares):
     a CPU GEMM call's seconds over its multiply-adds n and its weight's bytes w, which torch's CPU GEMMs read and
     pack (oneDNN, MKL) or dequantize (int8) at every call. Returns (LinearModel(alpha, beta, R^2),
@@ -151,6 +152,9 @@ def fit_gemm(xs, ws, ys) -> tuple[LinearModel, LinearModel | None]:
     the affine fit's R^2 was 0.63-0.81, its slope 1.04-1.47 ps from one profile to the next, and it priced
     SmolLM2's 512-row projections 26-150% slow; three terms fitted R^2 0.989 (fp32: 0.93 -> 0.9993) and priced
     them within -5..+34%, Mixtral-width experts' 512-row projections within 9% (affine: +10-13%).
+    `relative`: each point weighted by 1 / its time (least squares of the relative errors), for points over weights
+    of 1 to 33 MB (gemm_amx/cpu/int4's): unweighted, the 33 MB weight's 5-30 ms calls set the line and the 1 MB ones'
+    0.1-0.2 ms came out 18-26% slow (2 AMX cores, 2026-12-06). R^2 is the unweighted one either way.
 
     Raises:
         ValueError: no points, or xs, ws and ys of different lengths."""
@@ -164,7 +168,8 @@ def fit_gemm(xs, ws, ys) -> tuple[LinearModel, LinearModel | None]:
         return fit_affine(x, y), None
     from scipy.optimize import nnls
 
-    (alpha, b, g), _ = nnls(design, y)
+    scale = 1.0 / np.maximum(y, 1e-12) if relative else np.ones_like(y)
+    (alpha, b, g), _ = nnls(design * scale[:, None], y * scale)
     beta, gamma = b / x.max(), g / w.max()
     if beta <= 0.0:  # no cost per multiply-add is no GEMM's: a stalled point; the line over n alone
         return fit_affine(x, y), None
@@ -174,13 +179,15 @@ def fit_gemm(xs, ws, ys) -> tuple[LinearModel, LinearModel | None]:
 
 
 def pack_key(key: str) -> str:
-    """The weight-bytes term beside a GEMM key (fit_gemm): gemm/cpu/bf16 -> gemm_pack/cpu/bf16.
+    """The weight-bytes term beside a GEMM key (fit_gemm): gemm/cpu/bf16 -> gemm_pack/cpu/bf16 (torch's packing),
+    gemm_amx/cpu/int4 -> gemm_amx_pack/cpu/int4 (the AMX GEMM's conversion of the weight into its tiles).
 
     Raises:
-        ValueError: `key` is no gemm/<device>/<dtype> key."""
-    if not key.startswith("gemm/"):
-        raise ValueError(f"{key!r} is no GEMM key (gemm/<device>/<dtype>)")
-    return "gemm_pack/" + key[len("gemm/"):]
+        ValueError: `key` is neither a gemm/<device>/<dtype> nor a gemm_amx/<device>/<dtype> key."""
+    for head in ("gemm/", "gemm_amx/"):
+        if key.startswith(head):
+            return head[:-1] + "_pack/" + key[len(head):]
+    raise ValueError(f"{key!r} is no GEMM key (gemm/<device>/<dtype> or gemm_amx/<device>/<dtype>)")
 
 
 def fit_proportional(xs, ys) -> LinearModel:
@@ -310,7 +317,7 @@ COMPUTE_PROBE_REPEATS = 9
 # planning scales each by the probe's speed now against them (planner/auto.compute_now).
 # (Not attn/cpu, torch's decode attention: bandwidth-bound, hardware/profile.BANDWIDTH_BOUND_CPU.)
 COMPUTE_KEYS = ("decode_rows/cpu/", "expert_rows/cpu/", "expert_groups/cpu/", "attn_rows/cpu/", "attn_prefill/cpu/", "attn_prefill_past/cpu/",
-                "gemm/cpu/", "gemm_amx/cpu/", "gemm_pack/cpu/", "gemm_big/cpu/", "runtime/step_rows/", "runtime/prefill_code/",
+                "gemm/cpu/", "gemm_amx/cpu/", "gemm_amx_pack/cpu/", "gemm_pack/cpu/", "gemm_big/cpu/", "runtime/step_rows/", "runtime/prefill_code/",
                 "dequantize/cpu/", "runtime/batch_rows/")
 
 
@@ -363,6 +370,7 @@ STREAM_KEYS = ("gemv/cpu/", "gemv_dram/cpu/", "memory/bandwidth")  # time = byte
 # The GEMM keys too: one full profile on the 2-core AVX2-only EPYC timed gemm/cpu/fp32's shapes 1.7-12x
 # slower than they ran before and after (67 M MACs in 15.7 ms against 1.1-1.3; R^2 0.53, an intercept of 9 ms
 # a call) and priced SmolLM2's fp32 512-token TTFT at 3.2 s where it took 0.92 (2026-11-30).
+RELATIVE_GEMM_KEYS = ("gemm_amx/cpu/",)  # fitted on their relative errors (fit_gemm's `relative`)
 GEMM_KEYS = ("gemm/cpu/", "gemm_big/cpu/", "gemm_amx/cpu/")  # the GEMM lines (GEMM_STALL_R2): torch's, tiered's AMX one
 # The conversion keys (convert, convert_big: a stream of a weight's bytes, page faults past glibc's mmap threshold)
 # too: one quick profile on 2 Zen 3 cores fitted them as one line at R^2 0.89, 5.8 ns an element, where the full
@@ -425,7 +433,8 @@ class _Bench:
         the call's weight term beside it (fit_gemm, pack_key), where the points separate it."""
         self.points[key] = points
         if weights is not None:
-            line, pack = fit_gemm([n for n, _ in points], weights, [t for _, t in points])
+            line, pack = fit_gemm([n for n, _ in points], weights, [t for _, t in points],
+                                  relative=key.startswith(RELATIVE_GEMM_KEYS))
             self.models.pop(pack_key(key), None)
             if pack is not None:
                 self.models[key], self.models[pack_key(key)] = line, pack
@@ -861,13 +870,46 @@ def int4_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
     return [(m * d, K, N) for K, N in weights for m in (2, 4)]
 
 
+# gemm_amx/cpu/int4's rows: from the fewest an expert's prompt rows take the AMX GEMM at (quant/experts' group rows,
+# 32 for Mixtral's int4) to quant/int4.AMX_ROWS; three counts, so that the weight's conversion into the tiles (each
+# call's per weight, gemm_amx_pack) separates from the multiply-adds
+AMX_FIT_ROWS = (AMX_ROWS // 16, AMX_ROWS // 4, AMX_ROWS)
+
+
 def amx_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
-    """gemm_amx/cpu/int4's (T, K, N) shapes: the weights of int4_gemm_shapes' (`shapes`), each at a quarter of
-    quant/int4.AMX_ROWS rows and at AMX_ROWS itself: the range of the AMX GEMM's calls (from the kernel's rows to
-    AMX_ROWS; past them the dequantized oneDNN GEMM runs, gemm/cpu/int4's), measured rather than extrapolated (a line
-    from 192 and 384 rows priced SmolLM2's 512-token TTFT 22% fast with AMX_ROWS 512, 2026-12-05)."""
-    weights = list(dict.fromkeys([(K, N) for _, K, N in shapes] + [AMX_NARROW_WEIGHT]))
-    return [(rows, K, N) for K, N in weights for rows in (AMX_ROWS // 4, AMX_ROWS)]
+    """gemm_amx/cpu/int4's (T, K, N) shapes: the weights of int4_gemm_shapes' (`shapes`) and AMX_NARROW_WEIGHT, each
+    at AMX_FIT_ROWS rows: the range of the AMX GEMM's calls (past AMX_ROWS the dequantized oneDNN GEMM runs,
+    gemm/cpu/int4's), measured rather than extrapolated (a line from 192 and 384 rows priced SmolLM2's 512-token TTFT
+    22% fast with AMX_ROWS 512, 2026-12-05)."""
+    weights = list(dict.fromkeys([(K, N) for _, K, N in shapes] + [AMX_NARROW_WEIGHT, AMX_WIDE_WEIGHT]))
+    return [(rows, K, N) for K, N in weights for rows in AMX_FIT_ROWS]
+
+
+def _amx_points(shapes, repeats: int, cold_bytes: int | None = None) -> list[tuple[float, float]]:
+    """(multiply-adds, seconds a call) of the AMX GEMM (quant/int4.amx_gemm: kernels' int4_tiled_gemm, its one-copy
+    int4 weight converted to bf16 into the tiles as it goes, as Int4Linear.dequantized and a tiled int4 expert's
+    projections past their kernel's rows call it) over bf16 rows for weights of `shapes` (T, K, N), each weight's
+    calls cycled over copies filling `cold_bytes` (COLD_WEIGHT_BYTES without it) in one huge-page slab
+    (slab_copies), as a prompt meets its weights, the shapes timed interleaved (median_times). gemm_amx/cpu/int4
+    and gemm_amx_pack/cpu/int4 are fitted on them together (fit_gemm). Over one weight the caches hold, a
+    Mixtral-width projection (14336 x 4096) took 2.97 / 4.02 ms at 16 / 32 rows where cold copies took 4.26 / 5.10
+    (2 AMX cores, 2026-12-06): the stream overlaps the conversion only in part. Raises RuntimeError without the
+    AMX GEMM (quant/int4.amx_kernels)."""
+    from tiered.quant.int4 import GROUP, Int4Linear, amx_gemm, quantize_int4
+
+    if amx_kernels() is None:
+        raise RuntimeError("no AMX GEMM here (tiered/kernels without AMX, or TIERED_AMX=0)")
+    g = torch.Generator().manual_seed(0)
+    copies: dict[tuple[int, int], list] = {}
+    calls = []
+    for T, K, N in shapes:
+        if (K, N) not in copies:
+            packed = Int4Linear.from_codes(*quantize_int4(random_normal(N, K, generator=g)), GROUP, None, "tiled").packed
+            n = cold_copies(cold_bytes or COLD_WEIGHT_BYTES, packed.numel() * packed.element_size())
+            copies[K, N] = [w for w, in slab_copies((packed,), n)]
+        x = torch.randn(T, K, generator=g).to(torch.bfloat16)
+        calls.append(lambda turn=itertools.cycle(copies[K, N]), x=x: amx_gemm(next(turn), None, x))
+    return [(float(T * K * N), t) for (T, K, N), t in zip(shapes, median_times(calls, repeats))]
 
 
 # (K, N) of a small model's fused gate/up (SmolLM2's 576 -> 2 x 1536), timed beside the GEMM fit's weights for
@@ -876,6 +918,10 @@ def amx_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
 # priced 1.15 / 0.57, and its prompts of 120-960 tokens, packed or alone, were priced 7-22% fast; 2 AMX cores,
 # 2026-12-06)
 AMX_NARROW_WEIGHT = (576, 3072)
+# ... and a big model's FFN projection (Llama-3-8B's and Mixtral's experts' 4096 -> 14336, 33 MB in int4): read from
+# memory at few rows, the AMX GEMM streams ~9 GB/s where the 1-2 MB weights' fit (their calls' fixed cost beside a
+# conversion of 0.04 ns a byte) priced it 2.5 ms for 3.9-4.1 at 16 rows (2 AMX cores, 2026-12-06)
+AMX_WIDE_WEIGHT = (4096, 14336)
 
 
 def _dequantize_points(shapes, repeats: int) -> list[tuple[float, float]]:
@@ -2275,7 +2321,12 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 54: runtime/batch_rows/int4q8 timed at 32 and 64 rows too (BATCH_ROWS, kept in meta["batch_rows"]): the native step's
 # int4 projections over 48+ rows take the AMX GEMM where it runs (Int4TGemv::run_step), SmolLM2's 64-sequence step
 # 1.09-1.15x as fast, which the 16-row points' slope had priced as the int8-row kernels' rows.
-PROFILER_VERSION = 54
+# 55: gemm_amx/cpu/int4 fitted with its weight term gemm_amx_pack/cpu/int4 (fit_gemm) on the AMX GEMM's calls at 32,
+# 128 and 512 rows (AMX_FIT_ROWS), instead of net of dequantize/cpu/int4: the GEMM converts the weight into its tiles
+# (~0.03 ns a weight on 2 AMX cores) where dequantize/cpu/int4 writes it to memory (0.1-0.4 ns), and
+# op_time.amx_gemm_time added the latter to every call: a Mixtral-width int4 expert's 4096 x 14336 projection at 128
+# rows was priced 23 ms for 7.3-9.3.
+PROFILER_VERSION = 55
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2371,9 +2422,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
                 weights=[K * N * bytes_per_element(dtype) for _, K, N in shapes])
         if dequantized and amx_kernels() is not None:  # ... and calls within AMX_ROWS on a CPU with AMX
             amx = amx_gemm_shapes(shapes)
-            # over multiply-adds alone: no per-call weight packing to fit beside them (gemm_pack: oneDNN's)
-            b.attempt("gemm_amx/cpu/int4", lambda sh=amx: _net_of_dequantize(
-                _gemm_points("cpu", "int4", sh, nosync, r, False), sh, b.models.get("dequantize/cpu/int4")))
+            # over multiply-adds and each call's weight (its conversion into the tiles: gemm_amx_pack/cpu/int4)
+            b.attempt("gemm_amx/cpu/int4", lambda sh=amx: _amx_points(sh, r, 2 * llc if llc and llc <= 2**30 else None),
+                      weights=[K * N * bytes_per_element("int4") for _, K, N in amx])
         b.attempt(f"gemv/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemv_shapes, nosync, r, True, probe=pr))
     if kernels.available():  # routed int4 experts' batch-1 kernel (op_time.gemv_dtype)
         b.attempt("gemv/cpu/int4q8", lambda: _gemm_points("cpu", "int4q8", gemv_shapes, nosync, r, True, probe=pr))

@@ -502,8 +502,30 @@ class ExpertFormat:
             return expert_forward(x, *slot)  # bf16 on AVX2: fp32 GEMMs (cpu_gemm)
         vg, vu, vd = self.views(slot)
         (kg, ku, kd), lay = self.kinds, self.int4_layout
+        if self._bf16_glu(x):
+            # gate and up in bf16 (the AMX GEMM's or oneDNN's own output), SwiGLU in one native pass (fp32 inside,
+            # rounded once, as the down projection's bf16 rows round it), no fp32 copies of the [n, F] products: a
+            # Mixtral-width expert at 512 rows spent ~25 ms in torch's fp32 silu, mul and casts (2 AMX cores,
+            # 2026-12-06), its three AMX GEMMs ~30
+            xb = x.to(torch.bfloat16).contiguous()
+            h = kernels.load().swiglu(project(xb, vg, kg, lay, self.act), project(xb, vu, ku, lay, self.act))
+            return project(h if kd in ("int4", "mxfp4") else h.to(x.dtype), vd, kd, lay, self.act).to(x.dtype)
         h = F.silu(project(x, vg, kg, lay, self.act)) * project(x, vu, ku, lay, self.act)
         return project(h, vd, kd, lay, self.act)
+
+    def _bf16_glu(self, x: torch.Tensor) -> bool:
+        """Whether `dequantized` runs this call's gate and up in bf16 with the native SwiGLU: CPU rows past the
+        kernels' (each of gate and up tiled int4 / mxfp4, so dequantized into the AMX GEMM's tiles or for one bf16
+        GEMM: quant/int4.dequantize_dtype() bf16) with the extension loaded."""
+        from tiered.quant.int4 import dequantize_dtype
+
+        kg, ku, _ = self.kinds
+        if x.device.type != "cpu" or self.int4_layout != "tiled" or not {kg, ku} <= {"int4", "mxfp4"}:
+            return False
+        rows = x.shape[0]
+        if any(rows <= (mxfp4_kernel_rows() if k == "mxfp4" else NATIVE_ROWS) for k in (kg, ku)):
+            return False
+        return dequantize_dtype() == torch.bfloat16 and kernels.load() is not None
 
     def _biased_glu(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """A gpt-oss expert (swiglu_limit set) from the stored form: x [n, D] -> [n, D] in x's dtype."""

@@ -92,23 +92,31 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
-at::Tensor swiglu(const at::Tensor& gu) {
-  TIERED_CHECK(gu.dim() >= 1 && gu.size(-1) % 2 == 0 && gu.stride(-1) == 1,
-               "swiglu: gu must be [..., 2F] with contiguous rows, got sizes ", gu.sizes());
+at::Tensor swiglu(const at::Tensor& gu, const c10::optional<at::Tensor>& up) {
   TIERED_CHECK(gu.scalar_type() == at::kFloat || gu.scalar_type() == at::kBFloat16,
                "swiglu: gu must be fp32 or bf16, got ", gu.scalar_type());
+  const bool pair = up.has_value();  // gate and up as two tensors (an expert's two projections' outputs)
+  TIERED_CHECK(gu.dim() >= 1 && gu.stride(-1) == 1 && (pair || gu.size(-1) % 2 == 0),
+               "swiglu: gu must be [..., 2F] (or the gate [..., F] beside `up`) with contiguous rows, got sizes ",
+               gu.sizes());
+  if (pair)
+    TIERED_CHECK(up->sizes() == gu.sizes() && up->scalar_type() == gu.scalar_type() && up->stride(-1) == 1,
+                 "swiglu: up must be the gate's shape and dtype with contiguous rows, got ", up->sizes(), " ",
+                 up->scalar_type(), " beside ", gu.sizes(), " ", gu.scalar_type());
   const at::Tensor g2 = gu.reshape({-1, gu.size(-1)});  // a view where the rows are evenly strided
-  const int64_t N = g2.size(0), F = g2.size(1) / 2, ld = g2.stride(0);
+  const at::Tensor u2 = pair ? up->reshape({-1, up->size(-1)}) : g2;
+  const int64_t N = g2.size(0), F = pair ? g2.size(1) : g2.size(1) / 2, ld = g2.stride(0), ldu = u2.stride(0);
+  const int64_t off = pair ? 0 : F;  // up's columns within its rows
   std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
   shape.back() = F;
   at::Tensor out = at::empty(shape, gu.options());
-  auto run = [&](auto* gp, auto* op) {
+  auto run = [&](auto* gp, auto* upp, auto* op) {
     at::parallel_for(0, N, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(F, 1)), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) swiglu_row(gp + r * ld, gp + r * ld + F, F, op + r * F);
+      for (int64_t r = r0; r < r1; ++r) swiglu_row(gp + r * ld, upp + r * ldu + off, F, op + r * F);
     });
   };
-  if (gu.scalar_type() == at::kFloat) run(g2.data_ptr<float>(), out.data_ptr<float>());
-  else run(g2.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  if (gu.scalar_type() == at::kFloat) run(g2.data_ptr<float>(), u2.data_ptr<float>(), out.data_ptr<float>());
+  else run(g2.data_ptr<at::BFloat16>(), u2.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
   return out;
 }
 
@@ -169,9 +177,10 @@ void register_prompt(pybind11::module& m) {
         "x [B, H, T, hd] fp32 or bf16 (rows contiguous, any other strides), cos / sin fp32 [B, 1, T, hd] -> "
         "x * cos + rotate_half(x) * sin, a new contiguous [B, H, T, hd] in x's dtype (models/layers.apply_rotary)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("swiglu", &swiglu, py::arg("gu"),
+  m.def("swiglu", &swiglu, py::arg("gu"), py::arg("up") = py::none(),
         "gu [..., 2F] fp32 or bf16 (gate then up; rows contiguous) -> silu(gate) * up [..., F] in gu's dtype, "
-        "computed in fp32 and rounded once (models/layers.swiglu)",
+        "computed in fp32 and rounded once (models/layers.swiglu); with `up` (gu's shape and dtype, rows contiguous) "
+        "gu is the gate [..., F] and up the other half (an expert's two projections: quant/experts.ExpertFormat)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &residual_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("dtype"),
         py::arg("delta") = py::none(),
