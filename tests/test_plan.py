@@ -11,10 +11,11 @@ from tiered.hardware.presets import get_preset
 from tiered.hardware.profile import HardwareProfile, LinearModel
 from tiered.planner import Plan, make_plan
 
-MIXTRAL = ModelConfig.from_hf({
+MIXTRAL_HF = {
     "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
-    "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1e6})
+    "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1e6}
+MIXTRAL = ModelConfig.from_hf(MIXTRAL_HF)
 LLAMA70B = ModelConfig.from_hf({
     "model_type": "llama", "vocab_size": 32000, "hidden_size": 8192, "intermediate_size": 28672,
     "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 4096})
@@ -1527,6 +1528,54 @@ def test_one_copy_int4_prompt_gemms_within_amx_rows_are_priced_by_the_amx_key():
     for kind in ("int4", "mxfp4"):
         assert prompt_expert_time(amx, kind, 300, w, macs) > 3 * prompt_expert_time(hw, kind, 300, w, macs)
         assert prompt_expert_time(amx, kind, AMX_ROWS + 1, w, macs) == prompt_expert_time(hw, kind, AMX_ROWS + 1, w, macs)
+
+
+def _group_profile(amx: bool) -> HardwareProfile:
+    """A 2-core AMX CPU's profile with the native kernels (the AMX VM's quick profile of 2026-12-06, rounded): int4
+    experts' groups on q8 rows and, with `amx`, the AMX GEMM (its line and weight term, profiler 55)."""
+    m = {"gemv/cpu/int4q8": LinearModel(6.5e-6, 3.1e-11, 1.0), "decode_rows/cpu/int4q8": LinearModel(1.3e-4, 3.3e-12, 1.0),
+         "expert_groups/cpu/int4q8": LinearModel(8.8e-5, 3.0e-12, 1.0), "gemv/cpu/int4": LinearModel(1e-5, 3.3e-11, 1.0),
+         "memory/bandwidth/cpu": LinearModel(0.0, 3.25e-11, 1.0), "memory/bandwidth_dram/cpu": LinearModel(0.0, 3.5e-11, 1.0),
+         "gemm/cpu/int4": LinearModel(0.0, 1.0e-12, 1.0),
+         "dequantize/cpu/int4": LinearModel(0.0, 1e-10, 1.0)}
+    if amx:
+        m |= {"gemm_amx/cpu/int4": LinearModel(4.9e-5, 1.03e-12, 1.0),
+              "gemm_amx_pack/cpu/int4": LinearModel(0.0, 6.2e-11, 1.0)}
+    meta = {"native_kernels": True, "kernel_isa": "avx512", "kernel_tuning": {"q8_expert_grouped_rows": 32},
+            "llc_bytes": 480 * 2**20}
+    return HardwareProfile("cpu-box", "test", m, None, None, meta=meta)
+
+
+def test_a_big_int4_experts_prompt_rows_leave_the_kernels_groups_where_the_amx_gemm_is_priced_below_them():
+    """Plan.expert_group_rows (cpu_predict.priced_group_rows): a Mixtral-width int4 expert's groups of 8 rows each
+    re-stream ~99 MB, so the AMX GEMM (one stream, converted in its tiles) is priced below them well before the
+    kernel tuning's 32 rows (measured on a 2048 x 768 expert); the plan caps the expert format's groups there, and
+    prompt_expert_time prices those rows on the AMX path. Without the AMX GEMM priced: the tuning's rows, 0 in the
+    plan."""
+    from tiered.hardware import op_time
+    from tiered.memory import sizes
+    from tiered.planner.cpu_predict import priced_group_rows, prompt_expert_time
+    from tiered.planner.make import expert_group_rows
+    from tiered.quant.experts import NATIVE_ROWS, ExpertFormat
+
+    amx, plain = _group_profile(True), _group_profile(False)
+    eb, macs = sizes.expert_bytes(MIXTRAL, "int4"), 3 * 4096 * 14336
+    rows = priced_group_rows(amx, eb, macs, "q8")
+    assert NATIVE_ROWS < rows < 24  # measured: the AMX GEMM ahead from ~20 rows
+    assert priced_group_rows(plain, eb, macs, "q8") == 32
+    # the boundary: groups priced no dearer than the AMX GEMM up to `rows`, dearer from the next row
+    for r, amx_path in ((rows, False), (rows + 1, True), (32, True)):
+        t = prompt_expert_time(amx, "int4", r, eb, macs, batch_act="q8")
+        assert (t == op_time.amx_gemm_time(amx, r * macs, eb, calls=3)) == amx_path, r
+    assert expert_group_rows(MIXTRAL, amx, "int4", "q8") == rows
+    assert expert_group_rows(MIXTRAL, plain, "int4", "q8") == 0
+    assert expert_group_rows(MIXTRAL, amx, "bf16", "q8") == 0
+    # a small expert (2048 x 768: 3 MB, the tuning's) re-streams its groups from the cache: more rows in groups
+    small = ModelConfig.from_hf({**MIXTRAL_HF, "hidden_size": 2048, "intermediate_size": 768})
+    assert expert_group_rows(small, amx, "int4", "q8") in (0, *range(rows + 4, 32))
+    fmt = ExpertFormat("int4", ((14336, 4096), (14336, 4096), (4096, 14336)), "tiled", "q8", "q8")
+    capped = ExpertFormat("int4", fmt.shapes, "tiled", "q8", "q8", group_rows_limit=rows)
+    assert capped.grouped_rows == min(fmt.grouped_rows, rows)
 
 
 def test_the_amx_gemm_pays_its_weights_conversion_at_the_pack_rate_not_a_dequantization():

@@ -154,6 +154,35 @@ def test_runtime_applies_a_hand_edited_plan_bit_for_bit(rt, box, accelerator, tm
         llm.close()
 
 
+def test_a_plans_expert_group_rows_reach_the_experts_format_and_the_native_step(rt, tmp_path):
+    """Plan.expert_group_rows (the rows of a tiled int4 CPU expert's groups before the AMX GEMM, priced per model:
+    planner/make.expert_group_rows) is what the runtime applies: the experts' format caps its groups there and the
+    native step's MoE blocks take it as their AMX bound; a plan of 0 keeps the kernel tuning's rows."""
+    from tiered.kernels import available
+    from tiered.models.moe import MoEBlock
+    from tiered.quant.experts import NATIVE_ROWS
+
+    if not available():
+        pytest.skip("tiered/kernels is not built: no tiled int4 experts")
+    kw = dict(dtype="float32", expert_weights="int4", accelerator="none", max_context=512)
+    first = LLM(rt.dir("qwen3_moe"), engine_config(**kw))
+    plan = first.plan
+    runner = next(m.runner for m in first.model.modules() if isinstance(m, MoEBlock))
+    tuned = runner.fmt.grouped_rows if plan.expert_group_rows == 0 else None
+    out = first.generate(prompt(), GREEDY)[0].token_ids
+    first.close()
+    plan.expert_group_rows = NATIVE_ROWS + 4
+    plan.save(tmp_path / "p.json")
+    llm = LLM(rt.dir("qwen3_moe"), engine_config(plan=str(tmp_path / "p.json"), **kw))
+    try:
+        runner = next(m.runner for m in llm.model.modules() if isinstance(m, MoEBlock))
+        assert runner.fmt.group_rows_limit == NATIVE_ROWS + 4
+        assert runner.fmt.grouped_rows == (NATIVE_ROWS + 4 if tuned is None else min(tuned, NATIVE_ROWS + 4))
+        assert llm.generate(prompt(), GREEDY)[0].token_ids == out  # a short prompt: groups either way
+    finally:
+        llm.close()
+
+
 def _balanced_engine(rt, tmp_path, cpu_s: float, link_s: float):
     """An engine on the stand-in from a saved plan of no resident experts and no cache, its misses
     dispatched "balanced" with a latency model of cpu_s seconds an expert on the CPU and link_s over

@@ -23,11 +23,12 @@ from tiered.quant.experts import ExpertFormat, fit_format, parse_kinds
 
 
 def expert_format(name: str, checkpoint, layer: int, accelerator, batch_act: str = "bf16",
-                  act: str = "bf16") -> ExpertFormat:
+                  act: str = "bf16", group_rows: int = 0) -> ExpertFormat:
     """The ExpertFormat of plan format `name` for the checkpoint's expert shapes. int4 codes are
     kept in the portable layout when a CUDA device computes them, else in the tiled layout of the
     native CPU kernel (torch's CPU kernel layout when the extension is not built). Native int4
-    calls read `act` activations at one row (Plan.expert_act), `batch_act` from two (Plan.batch_act)."""
+    calls read `act` activations at one row (Plan.expert_act), `batch_act` from two (Plan.batch_act);
+    `group_rows` > 0 caps the rows of the kernel's groups (Plan.expert_group_rows)."""
     from tiered.kernels import available
 
     shapes = [tuple(checkpoint.handle(n).shape) for n in expert_tensor_names(checkpoint.config.model_type, layer, 0)]
@@ -35,7 +36,8 @@ def expert_format(name: str, checkpoint, layer: int, accelerator, batch_act: str
     fitted = fit_format(name, shapes)
     cfg = checkpoint.config
     return ExpertFormat(fitted, shapes, "plain" if cuda else "tiled" if available() else "cpu", batch_act, act,
-                        exact_int4_zeros(checkpoint, parse_kinds(fitted)), cfg.swiglu_limit, cfg.swiglu_alpha)
+                        exact_int4_zeros(checkpoint, parse_kinds(fitted)), cfg.swiglu_limit, cfg.swiglu_alpha,
+                        group_rows)
 
 
 def exact_int4_zeros(checkpoint, kinds) -> bool:
@@ -198,7 +200,8 @@ def place_experts(plan: Plan, checkpoint, accelerator, fast_budget: MemoryBudget
     """
     cfg = checkpoint.config
     first = next(l.layer for l in plan.layers if l.kind == "moe")
-    fmt = expert_format(plan.dtypes["experts"], checkpoint, first, accelerator, plan.batch_act, plan.expert_act)
+    fmt = expert_format(plan.dtypes["experts"], checkpoint, first, accelerator, plan.batch_act, plan.expert_act,
+                        plan.expert_group_rows)
     shapes, dtype = fmt.slot_shapes, fmt.slot_dtype
     n_stage = plan.staging_buffers
 
@@ -237,7 +240,8 @@ def _place_low(plan: Plan, checkpoint, first: int, accelerator, fast_budget, cpu
     from tiered.runtime.precision import MixedPrecision
 
     m = plan.mixed_precision
-    fmt = expert_format(plan.dtypes["experts_low"], checkpoint, first, accelerator, plan.batch_act, plan.expert_act)
+    fmt = expert_format(plan.dtypes["experts_low"], checkpoint, first, accelerator, plan.batch_act, plan.expert_act,
+                        plan.expert_group_rows)
     if fmt.nbytes > store.expert_bytes:
         raise ConfigError(f"low-precision experts ({fmt.name}, {fmt.nbytes} B) must be smaller than the high "
                           f"ones ({store.fmt.name}, {store.expert_bytes} B)", "use a smaller low format, e.g. int4")

@@ -679,21 +679,14 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
     if kind not in GROUPED_ROWS:
         return None
     one, grouped = prompt_rows(kind, kernel_isa(hw), biased, batch_act, (hw.meta or {}).get("kernel_tuning") or {})
+    if kind == "int4" and not biased and grouped > NATIVE_ROWS:
+        grouped = min(grouped, priced_group_rows(hw, weight_bytes, macs_per_row, batch_act))
     r = max(1, math.ceil(rows - 1e-9))
     key = op_time.gemv_dtype(kind, batch_act) if kind != "mxfp4" else kind
     if r <= one or r <= grouped:
         if op_time.find(hw, "gemv", "cpu", key) is None:  # a profile without the kernel's stream
             return None
-        calls = 1 if r <= one else math.ceil(r / NATIVE_ROWS)  # each call streams the three projections
-        stream = _gemv(hw, key, weight_bytes, calls=3, working_set=working_set, expert=True)
-        groups = hw.models.get(f"expert_groups/cpu/{key}")
-        if calls > 1 and groups is not None and not op_time.beyond_cache(hw, 2 * weight_bytes):
-            # the groups past the first re-read an expert the cache holds: their rows at the grouped slope (the
-            # re-streams' share included), the first group as one call
-            first = min(r, NATIVE_ROWS)
-            return (stream + (first - 1) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
-                    + (r - first) * groups.beta * macs_per_row)
-        return calls * stream + (r - calls) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
+        return _native_expert_rows_time(hw, key, r, one, weight_bytes, macs_per_row, working_set)
     amx = op_time.amx_gemm_time(hw, r * macs_per_row, weight_bytes, calls=3) if kind in ("int4", "mxfp4") else None
     if amx is not None:  # within AMX_ROWS on AMX (quant/experts.tiled_int4_dequantized)
         return amx + glu
@@ -701,6 +694,54 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
         return (op_time.gemm_time(hw, "cpu", "int4", r * macs_per_row, weight_bytes, calls=3) + glu
                 + op_time.dequantize_time(hw, "cpu", "int4", weight_bytes))
     return None
+
+
+def _native_expert_rows_time(hw: HardwareProfile, key: str, r: int, one: int, weight_bytes: float,
+                             macs_per_row: float, working_set: float) -> float:
+    """prompt_expert_time's native kernel path for `r` rows of one expert (gemv key `key`): one call up to `one`
+    rows, else groups of NATIVE_ROWS rows, each streaming the three projections."""
+    import math
+
+    from tiered.quant.experts import NATIVE_ROWS
+
+    calls = 1 if r <= one else math.ceil(r / NATIVE_ROWS)  # each call streams the three projections
+    stream = _gemv(hw, key, weight_bytes, calls=3, working_set=working_set, expert=True)
+    groups = hw.models.get(f"expert_groups/cpu/{key}")
+    if calls > 1 and groups is not None and not op_time.beyond_cache(hw, 2 * weight_bytes):
+        # the groups past the first re-read an expert the cache holds: their rows at the grouped slope (the
+        # re-streams' share included), the first group as one call
+        first = min(r, NATIVE_ROWS)
+        return (stream + (first - 1) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
+                + (r - first) * groups.beta * macs_per_row)
+    return calls * stream + (r - calls) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
+
+
+def priced_group_rows(hw: HardwareProfile, weight_bytes: float, macs_per_row: float, batch_act: str = "bf16") -> int:
+    """Rows of one tiled int4 CPU expert (`weight_bytes` in all, `macs_per_row` its three projections' multiply-adds
+    a row) up to which its prompt rows run the native kernel in groups of NATIVE_ROWS rather than the AMX GEMM
+    (quant/experts.ExpertFormat.grouped_rows; Plan.expert_group_rows), on the machine `hw` profiled: the fewest rows
+    past NATIVE_ROWS at which the AMX GEMM (op_time.amx_gemm_time) is priced below the groups, less one; a very large
+    number where the profile prices no AMX GEMM or the groups' stream. prompt_expert_time takes the least of this and
+    the kernel tuning's q8_expert_grouped_rows, which is measured on one small expert (2048 x 768: groups and the AMX
+    GEMM cross near 32 rows on 2 AMX cores): a Mixtral-width expert's groups re-stream 99 MB from memory each, and
+    there the AMX GEMM won from ~20 rows (ratios dequantized / grouped 1.09 / 0.85 / 0.70 at 16 / 24 / 32 rows,
+    2026-12-06), where the tuning's 32 kept every expert of a 128-token prompt on the groups."""
+    from tiered.quant.experts import NATIVE_ROWS, kind_grouped_rows
+
+    key = op_time.gemv_dtype("int4", batch_act)
+    most = kind_grouped_rows("int4", kernel_isa(hw), batch_act, (hw.meta or {}).get("kernel_tuning") or {})
+    if op_time.find(hw, "gemv", "cpu", key) is None:
+        return most
+    for r in range(NATIVE_ROWS + 1, min(most, AMX_GROUP_SEARCH_ROWS) + 1):
+        amx = op_time.amx_gemm_time(hw, r * macs_per_row, weight_bytes, calls=3)
+        if amx is None:
+            return most
+        if amx < _native_expert_rows_time(hw, key, r, NATIVE_ROWS, weight_bytes, macs_per_row, 0.0):
+            return r - 1
+    return most
+
+
+AMX_GROUP_SEARCH_ROWS = 512  # priced_group_rows looks no further (quant/int4.AMX_ROWS: the AMX GEMM's rows)
 
 
 def biased_native_rows(hw: HardwareProfile, stored: str) -> int:

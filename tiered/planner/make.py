@@ -122,6 +122,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
     plan.staging_buffers, plan.read_ahead = staging_buffers, read_ahead
     plan.dense_copies, plan.kv_slots = dense_copies, kv_slots
     plan.expert_act, plan.batch_act = expert_act, batch_act
+    plan.expert_group_rows = expert_group_rows(cfg, profile, plan.dtypes["experts"], batch_act)
     plan.speculative = speculative
     plan.speculative_tokens = speculative_tokens if speculative != "off" else 0
     plan.prompt_lookup = list(prompt_lookup)
@@ -150,6 +151,33 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         from tiered.planner.latency_dense import plan_dense_latency
         plan = plan_dense_latency(plan, cfg, profile, gpu, cpu, graphs=graphs)
     return settle_gpu_decode(plan, cfg, graphs)
+
+
+def expert_group_rows(cfg: ModelConfig, profile: HardwareProfile, experts_format: str, batch_act: str) -> int:
+    """Plan.expert_group_rows: for an MoE model whose routed experts' gate and up are int4 (SiLU's SwiGLU), the
+    rows up to which a CPU expert's prompt rows run the native kernel's groups where the profile prices the AMX
+    GEMM below them sooner than the kernel tuning's q8_expert_grouped_rows says (cpu_predict.priced_group_rows,
+    which prompt_expert_time prices by too); 0 otherwise (the tuning's)."""
+    from tiered.planner.cpu_predict import kernel_isa, priced_group_rows
+    from tiered.quant.experts import NATIVE_ROWS, fit_format, kind_grouped_rows, parse_kinds
+
+    from tiered.checkpoint.model_config import expert_shapes
+
+    if not cfg.is_moe or getattr(cfg, "expert_bias", False) or experts_format in ("fp32", "bf16", "fp16"):
+        return 0
+    try:
+        shapes = expert_shapes(cfg.hidden_size, cfg.moe_intermediate_size, False)
+        kinds = parse_kinds(fit_format(experts_format, shapes))
+    except ConfigError:  # a format the experts cannot take: sizes / placement say so
+        return 0
+    if kinds[0] != "int4" or kinds[1] != "int4":
+        return 0
+    tuned = kind_grouped_rows("int4", kernel_isa(profile), batch_act, (profile.meta or {}).get("kernel_tuning") or {})
+    if tuned <= NATIVE_ROWS:
+        return 0
+    rows = priced_group_rows(profile, sizes.expert_bytes(cfg, experts_format),
+                             3 * cfg.hidden_size * cfg.moe_intermediate_size, batch_act)
+    return rows if rows < tuned else 0
 
 
 def settle_gpu_decode(plan: Plan, cfg: ModelConfig, graphs: bool) -> Plan:

@@ -118,6 +118,12 @@ class Plan:
                                              chunk by chunk as such rows where this reaches
                                              prefill_chunk (LLM._prefill). A CPU plan prices both
                                              paths past the ISA's floor (latency_cpu.priced_mixed_rows)
+        expert_group_rows                    rows of one tiled int4 CPU expert up to which a prompt
+                                             runs it as the native kernel's groups of 8 rows, past
+                                             them on the AMX GEMM (ExpertFormat.grouped_rows; the
+                                             native step's experts decide by the average: set_moe's
+                                             amx_rows): cpu_predict.priced_group_rows where below
+                                             the kernel tuning's; 0: the tuning's
         speculative                          speculative decoding (engine/speculative.py): "off",
                                              "ngram" (prompt lookup: drafts copied from the context) or
                                              "draft" (a draft model's), verified as rows of the
@@ -212,6 +218,7 @@ class Plan:
     decode_bursts: bool = False
     shared_prefixes: bool = False
     mixed_rows: int = 0
+    expert_group_rows: int = 0
     speculative: str = "off"
     speculative_tokens: int = 0
     prompt_lookup: list[int] = field(default_factory=lambda: [2, 4])
@@ -443,6 +450,9 @@ class Plan:
             out.append(f"prompts: up to {self.mixed_rows} tokens as rows of the native decode step"
                        + (", longer ones chunk by chunk as such rows" if self.chunks_as_rows()
                           else ", longer ones through the modules' prefill"))
+        if self.expert_group_rows:
+            out.append(f"prompt experts: in the kernel's groups of 8 rows up to {self.expert_group_rows} rows an expert, "
+                       "past them on the AMX GEMM")
         if self.speculative_tokens:
             costs = self.speculative_costs
             how = (f"prompt lookup, n-grams {self.prompt_lookup[1]} down to {self.prompt_lookup[0]}"

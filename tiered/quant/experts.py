@@ -302,6 +302,9 @@ class ExpertFormat:
             kernels then skip the residual segment, a third memory stream beside codes and scales
             (one thread, a 2048 x 2048 int4 weight: 160 -> 110-116 us a call). The segment is still
             stored (all zeros), so the slot size is the same either way.
+        group_rows_limit: > 0: `grouped_rows` no more than this (Plan.expert_group_rows: where the planner prices
+            the AMX GEMM below the kernel's groups from fewer rows than the kernel tuning measured on a small
+            expert: cpu_predict.priced_group_rows); 0: the tuning's.
         swiglu_limit, swiglu_alpha: None for SiLU's SwiGLU; else gpt-oss's experts (models/gpt_oss.py):
             each projection's bias is its weight's input column D (F for down), zero columns after it
             up to a multiple of 32 (shapes (F, Db), (F, Db), (D, Fb): ModelConfig.expert_shapes),
@@ -325,6 +328,7 @@ class ExpertFormat:
     exact_zeros: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    group_rows_limit: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shapes", tuple(tuple(int(d) for d in s) for s in self.shapes))
@@ -447,7 +451,8 @@ class ExpertFormat:
 
             rows = kernels.bf16_native_rows()
             return rows if rows > NATIVE_ROWS else 0
-        return min(kind_grouped_rows(k, None, self.batch_act) for k in self.kinds)
+        rows = min(kind_grouped_rows(k, None, self.batch_act) for k in self.kinds)
+        return min(rows, self.group_rows_limit) if self.group_rows_limit > 0 else rows
 
     @cached_property
     def biased_rows(self) -> int:
