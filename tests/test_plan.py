@@ -723,7 +723,8 @@ def test_quantized_prompt_experts_are_priced_on_the_paths_their_rows_take():
         return HardwareProfile("cpu-box", "test", {**m, "expert_groups/cpu/int4q8": LinearModel(0.0, grouped, 1.0)},
                                None, None, meta={**avx512.meta, "llc_bytes": llc})
     first = wb * stream + 7 * row * macs
-    assert prompt_expert_time(groups(4 * wb), "int4", 20, wb, macs, "q8") == pytest.approx(first + 12 * grouped * macs)
+    # (20 rows: 3 groups, the later two paid whole: 16 rows at the slope; the kernel streams the expert once a group)
+    assert prompt_expert_time(groups(4 * wb), "int4", 20, wb, macs, "q8") == pytest.approx(first + 16 * grouped * macs)
     assert prompt_expert_time(groups(4 * wb), "int4", 8, wb, macs, "q8") == pytest.approx(kernel(8))
     assert prompt_expert_time(groups(1.5 * wb), "int4", 20, wb, macs, "q8") == pytest.approx(kernel(20, 3))
     assert prompt_expert_time(groups(4 * wb), "mxfp4", 20, wb, macs) == pytest.approx(kernel(20))  # its own key
@@ -1540,10 +1541,28 @@ def _group_profile(amx: bool) -> HardwareProfile:
          "dequantize/cpu/int4": LinearModel(0.0, 1e-10, 1.0)}
     if amx:
         m |= {"gemm_amx/cpu/int4": LinearModel(4.9e-5, 1.03e-12, 1.0),
-              "gemm_amx_pack/cpu/int4": LinearModel(0.0, 6.2e-11, 1.0)}
+              "gemm_amx_pack/cpu/int4": LinearModel(0.0, 6.2e-11, 1.0),
+              "gemm_amx_floor/cpu/int4": LinearModel(0.0, 1.38e-10, None)}
+    # the native step's stream by working set (runtime/decode_ws/int4): 1.9x faster over 15-30 MB than from memory,
+    # 1.2x at 135 MB, no faster from 525 MB, though sysfs says 480 MB of L3
+    ws = [[15e6, 2.25e-11], [31e6, 2.3e-11], [63e6, 2.6e-11], [142e6, 3.68e-11], [550e6, 4.37e-11]]
     meta = {"native_kernels": True, "kernel_isa": "avx512", "kernel_tuning": {"q8_expert_grouped_rows": 32},
-            "llc_bytes": 480 * 2**20}
+            "llc_bytes": 480 * 2**20, "points": {"runtime/decode_ws/int4": ws}}
     return HardwareProfile("cpu-box", "test", m, None, None, meta=meta)
+
+
+def test_how_much_of_a_set_the_caches_hold_is_the_native_steps_measure_not_the_llcs_size():
+    """op_time.cache_held: 1 where the native step streams a working set as fast as its smallest timed one, 0 where
+    as from memory, linear between (runtime/decode_ws/int4); a profile without those points goes by the last-level
+    cache's size."""
+    from tiered.hardware import op_time
+
+    hw = _group_profile(True)
+    assert op_time.cache_held(hw, 6e6) == 1.0 and op_time.cache_held(hw, 600e6) == 0.0
+    held = [op_time.cache_held(hw, n) for n in (40e6, 100e6, 231e6, 400e6)]
+    assert held == sorted(held, reverse=True) and 0.0 < held[2] < 0.4  # two Mixtral-width experts: mostly memory
+    bare = HardwareProfile("cpu-box", "test", hw.models, None, None, meta={**hw.meta, "points": {}})
+    assert op_time.cache_held(bare, 231e6) == 1.0 and op_time.cache_held(bare, 600e6) == 0.0  # 480 MB of L3
 
 
 def test_a_big_int4_experts_prompt_rows_leave_the_kernels_groups_where_the_amx_gemm_is_priced_below_them():
@@ -1561,7 +1580,7 @@ def test_a_big_int4_experts_prompt_rows_leave_the_kernels_groups_where_the_amx_g
     amx, plain = _group_profile(True), _group_profile(False)
     eb, macs = sizes.expert_bytes(MIXTRAL, "int4"), 3 * 4096 * 14336
     rows = priced_group_rows(amx, eb, macs, "q8")
-    assert NATIVE_ROWS < rows < 24  # measured: the AMX GEMM ahead from ~20 rows
+    assert 12 <= rows < 24  # measured: the groups ahead at 16 rows, the AMX GEMM at 20
     assert priced_group_rows(plain, eb, macs, "q8") == 32
     # the boundary: groups priced no dearer than the AMX GEMM up to `rows`, dearer from the next row
     for r, amx_path in ((rows, False), (rows + 1, True), (32, True)):
@@ -1570,9 +1589,9 @@ def test_a_big_int4_experts_prompt_rows_leave_the_kernels_groups_where_the_amx_g
     assert expert_group_rows(MIXTRAL, amx, "int4", "q8") == rows
     assert expert_group_rows(MIXTRAL, plain, "int4", "q8") == 0
     assert expert_group_rows(MIXTRAL, amx, "bf16", "q8") == 0
-    # a small expert (2048 x 768: 3 MB, the tuning's) re-streams its groups from the cache: more rows in groups
+    # a small expert (2048 x 768: 3 MB, the tuning's) re-reads its groups from the cache: no fewer rows in groups
     small = ModelConfig.from_hf({**MIXTRAL_HF, "hidden_size": 2048, "intermediate_size": 768})
-    assert expert_group_rows(small, amx, "int4", "q8") in (0, *range(rows + 4, 32))
+    assert expert_group_rows(small, amx, "int4", "q8") in (0, *range(rows, 32))
     fmt = ExpertFormat("int4", ((14336, 4096), (14336, 4096), (4096, 14336)), "tiled", "q8", "q8")
     capped = ExpertFormat("int4", fmt.shapes, "tiled", "q8", "q8", group_rows_limit=rows)
     assert capped.grouped_rows == min(fmt.grouped_rows, rows)
@@ -1596,5 +1615,9 @@ def test_the_amx_gemm_pays_its_weights_conversion_at_the_pack_rate_not_a_dequant
     macs = rows * K * N
     assert op_time.amx_gemm_time(new, macs, w, calls=1) == pytest.approx(2e-5 + 1e-12 * macs + 5e-11 * w)
     assert op_time.amx_gemm_time(old, macs, w, calls=1) == pytest.approx(2e-5 + 1e-12 * macs + 3e-10 * K * N)
-    # a call of few rows over a big weight: one stream of it floors the time
+    # a call of few rows over a big weight: one stream of it floors the time, at the AMX GEMM's own rate where profiled
     assert op_time.amx_gemm_time(new, 1 * K * N, w) == pytest.approx(max(2e-5 + 1e-12 * K * N + 5e-11 * w, w / 30e9))
+    floored = HardwareProfile("cpu-box", "test", {**new.models, "gemm_amx_floor/cpu/int4": LinearModel(0.0, 1.2e-10, None)},
+                              None, None, meta={"native_kernels": True})
+    assert op_time.amx_gemm_time(floored, 16 * K * N, w) == pytest.approx(1.2e-10 * w)
+    assert op_time.amx_gemm_time(floored, macs, w) == op_time.amx_gemm_time(new, macs, w)  # 128 rows: the line

@@ -466,6 +466,10 @@ def test_quick_profile_structure(measured):
             if key.startswith("gemm_amx_pack/"):  # at each of AMX_FIT_ROWS rows, for the pack term to separate
                 from tiered.hardware.profiler import AMX_FIT_ROWS
                 assert len(p.meta["points"][line_key]) % len(AMX_FIT_ROWS) == 0
+        elif key == "gemm_amx_floor/cpu/int4":  # one of gemm_amx/cpu/int4's points, a byte (profiler 56)
+            (nbytes, t), = p.meta["points"][key]
+            assert m.alpha == 0.0 and m.r2 is None and m.beta == t / nbytes > 0
+            assert t in [pt for _, pt in p.meta["points"]["gemm_amx/cpu/int4"]]
         elif key == "runtime/step_rows/int4" or key.startswith(("attn_rows/", "runtime/batch_rows/")):
             # a difference of two timings, 0 where it is within their noise (2 Zen 3 cores, 2026-12-01: step_rows 0,
             # 0.40 ms and 0 a layer at 64 / 128 / 256 rows; batch_rows 0 at 4 rows against 1 in CI, 2026-12-03)

@@ -253,7 +253,8 @@ def amx_gemm_time(profile: HardwareProfile, macs: float, weight_bytes: float, ca
     """Seconds of `calls` one-copy int4 prompt GEMMs (a projection's rows past its kernel's, an int4 / mxfp4
     expert's) totalling `macs` over `weight_bytes` of int4 weights on the AMX path (quant/int4.AMX_ROWS:
     kernels' int4_tiled_gemm): gemm_amx/cpu/int4's line plus each call's weight converted into the tiles at
-    gemm_amx_pack/cpu/int4's rate (fitted together, profiler 55), floored by one stream of the weights. Profiles
+    gemm_amx_pack/cpu/int4's rate (fitted together, profiler 55), floored by one stream of the weights (at
+    gemm_amx_floor/cpu/int4's rate where profiled: the AMX GEMM's own stream at few rows). Profiles
     51-54 fitted the line net of dequantize/cpu/int4 and have no pack key: their weights pay that instead. None
     where the profile has no gemm_amx key (a CPU without AMX, profiles before profiler 51) or the calls' rows pass
     AMX_ROWS (the dequantized oneDNN GEMM then: gemm/cpu/int4)."""
@@ -265,6 +266,9 @@ def amx_gemm_time(profile: HardwareProfile, macs: float, weight_bytes: float, ca
     pack = profile.models.get("gemm_amx_pack/cpu/int4")
     compute = calls * m.alpha + m.beta * macs + (pack.beta * weight_bytes if pack is not None else 0.0)
     mem = memory_time(profile, "cpu", "int4", weight_bytes / calls, "gemv") * calls
+    floor = profile.models.get("gemm_amx_floor/cpu/int4")  # its own stream at few rows (profiler.amx_floor)
+    if floor is not None:
+        mem = max(mem, floor.beta * weight_bytes)
     return max(compute, mem) + (dequantize_time(profile, "cpu", "int4", weight_bytes) if pack is None else 0.0)
 
 
@@ -397,6 +401,20 @@ def cache_factor(profile: HardwareProfile, working_set: float) -> float:
             f = math.log(working_set / x0) / math.log(x1 / x0)
             return min(1.0, (t0 + (t1 - t0) * f) / cold)
     return 1.0
+
+
+def cache_held(profile: HardwareProfile, working_set: float) -> float:
+    """How much of `working_set` bytes read again right away the caches hold, 0 to 1, by the native step's own
+    measure (cache_factor: runtime/decode_ws/int4): 1 at or below its smallest timed set's speed-up, 0 where it
+    streams as from memory, linear in cache_factor between. Where the profile has no decode_ws points: 1 within the
+    last-level cache's size (beyond_cache), else 0."""
+    pts = sorted((p[0], p[1]) for p in _points(profile, "runtime/decode_ws/int4") if p[0] > 0 and p[1] > 0)
+    if len(pts) < 2:
+        return 0.0 if beyond_cache(profile, working_set) else 1.0
+    least = min(1.0, pts[0][1] / pts[-1][1])
+    if least >= 1.0:
+        return 0.0
+    return min(1.0, max(0.0, (1.0 - cache_factor(profile, working_set)) / (1.0 - least)))
 
 
 def batch_rows_time(profile: HardwareProfile, key: str, rows: float, elements: float) -> float:

@@ -34,6 +34,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                          AMX_FIT_ROWS rows, up to quant/int4.AMX_ROWS; CPUs with AMX only)       n = MACs
     gemm_amx_pack/cpu/int4  fitted with it (fit_gemm): the weight's conversion into the GEMM's tiles
                          (it dequantizes nothing into memory)                         n = weight bytes
+    gemm_amx_floor/cpu/int4  its big weight's call at the fewest rows, a byte (amx_floor): the stream
+                         that floors a call of few rows                               n = weight bytes
     attn_prefill_past/cpu/<dtype>  a prefill chunk's attention over the cache before it (1024 queries over
                          2048-4096 keys, an explicit mask: every pair computed)  n = MACs (2 * heads * T * S * head_dim)
     memory/bandwidth/<dev>, memory/copy/<dev>                  n = bytes
@@ -883,6 +885,24 @@ def amx_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
     22% fast with AMX_ROWS 512, 2026-12-05)."""
     weights = list(dict.fromkeys([(K, N) for _, K, N in shapes] + [AMX_NARROW_WEIGHT, AMX_WIDE_WEIGHT]))
     return [(rows, K, N) for K, N in weights for rows in AMX_FIT_ROWS]
+
+
+def amx_floor(points, shapes) -> tuple[LinearModel, list[tuple[float, float]]] | None:
+    """gemm_amx_floor/cpu/int4 (and its one point) from gemm_amx/cpu/int4's (multiply-adds, seconds) `points` of
+    `shapes` (amx_gemm_shapes'): seconds a weight byte of AMX_WIDE_WEIGHT's call at the fewest AMX_FIT_ROWS, through
+    the origin. A call of few rows over a weight read from memory streams it no faster (op_time.amx_gemm_time floors
+    by it): the fit's line priced a Mixtral-width expert's AMX path at 9 / 12 / 16 rows 9.3 / 9.9 / 10.6 ms where it
+    took 13.0-13.3 (2 AMX cores, 2026-12-06; the weight streamed at ~8.5 GB/s where the GEMVs read ~30). None where
+    the points are not those shapes'."""
+    if not points or len(points) != len(shapes):
+        return None
+    K, N = AMX_WIDE_WEIGHT
+    at = [i for i, (T, k, n) in enumerate(shapes) if (k, n) == (K, N) and T == AMX_FIT_ROWS[0]]
+    if not at:
+        return None
+    nbytes = K * N * bytes_per_element("int4")
+    t = points[at[0]][1]
+    return LinearModel(0.0, t / nbytes, None), [(float(nbytes), t)]
 
 
 def _amx_points(shapes, repeats: int, cold_bytes: int | None = None) -> list[tuple[float, float]]:
@@ -2326,7 +2346,11 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # (~0.03 ns a weight on 2 AMX cores) where dequantize/cpu/int4 writes it to memory (0.1-0.4 ns), and
 # op_time.amx_gemm_time added the latter to every call: a Mixtral-width int4 expert's 4096 x 14336 projection at 128
 # rows was priced 23 ms for 7.3-9.3.
-PROFILER_VERSION = 55
+# 56: gemm_amx_floor/cpu/int4 (amx_floor): the 4096 x 14336 weight's AMX call at 32 rows a byte, which floors calls of
+# fewer rows (op_time.amx_gemm_time): a Mixtral-width expert's AMX path at 9-16 rows was priced 9.3-10.6 ms for
+# 13.0-13.3, and below the kernel's groups (10.2-12.2), which the planner then gave up from 9 rows
+# (cpu_predict.priced_group_rows).
+PROFILER_VERSION = 56
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2425,6 +2449,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
             # over multiply-adds and each call's weight (its conversion into the tiles: gemm_amx_pack/cpu/int4)
             b.attempt("gemm_amx/cpu/int4", lambda sh=amx: _amx_points(sh, r, 2 * llc if llc and llc <= 2**30 else None),
                       weights=[K * N * bytes_per_element("int4") for _, K, N in amx])
+            floor = amx_floor(b.points.get("gemm_amx/cpu/int4"), amx)
+            if floor is not None:
+                b.models["gemm_amx_floor/cpu/int4"], b.points["gemm_amx_floor/cpu/int4"] = floor
         b.attempt(f"gemv/cpu/{dtype}", lambda d=dtype: _gemm_points("cpu", d, gemv_shapes, nosync, r, True, probe=pr))
     if kernels.available():  # routed int4 experts' batch-1 kernel (op_time.gemv_dtype)
         b.attempt("gemv/cpu/int4q8", lambda: _gemm_points("cpu", "int4q8", gemv_shapes, nosync, r, True, probe=pr))

@@ -699,21 +699,32 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
 def _native_expert_rows_time(hw: HardwareProfile, key: str, r: int, one: int, weight_bytes: float,
                              macs_per_row: float, working_set: float) -> float:
     """prompt_expert_time's native kernel path for `r` rows of one expert (gemv key `key`): one call up to `one`
-    rows, else groups of NATIVE_ROWS rows, each streaming the three projections."""
+    rows, else groups of NATIVE_ROWS rows, each streaming the three projections again. A group past the first
+    re-reads an expert the cache may hold (expert_groups/cpu/<key>'s slope: its rows with their share of a re-read
+    from the cache), paid whole whatever its rows (the kernel streams the expert once a group: a Mixtral-width
+    expert took 11.6 / 10.2 / 12.2 ms at 9 / 12 / 16 rows on 2 AMX cores, 2026-12-06); how much the cache holds
+    of it is the native step's own measure at twice the expert's bytes (cache_factor's runtime/decode_ws/int4,
+    against its smallest set's: 1 for a 3 MB expert, 0.2 for Mixtral's 99 MB on that VM, whose sysfs reports a
+    480 MB L3 that helps the step no further than ~128 MB), the rest as from memory: the groups of a Mixtral-width
+    expert at 16 / 24 / 32 rows, measured 12.2 / 18.7 / 22.6 ms, were priced 9.9 / 14.1 / 18.3 as held by the
+    cache, now 11.0 / 16.6 / 21.6; where the profile has no decode_ws points, the last-level cache's size decides."""
     import math
 
     from tiered.quant.experts import NATIVE_ROWS
 
     calls = 1 if r <= one else math.ceil(r / NATIVE_ROWS)  # each call streams the three projections
     stream = _gemv(hw, key, weight_bytes, calls=3, working_set=working_set, expert=True)
+    streamed = calls * stream + (r - calls) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
     groups = hw.models.get(f"expert_groups/cpu/{key}")
-    if calls > 1 and groups is not None and not op_time.beyond_cache(hw, 2 * weight_bytes):
-        # the groups past the first re-read an expert the cache holds: their rows at the grouped slope (the
-        # re-streams' share included), the first group as one call
-        first = min(r, NATIVE_ROWS)
-        return (stream + (first - 1) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
-                + (r - first) * groups.beta * macs_per_row)
-    return calls * stream + (r - calls) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
+    if calls == 1 or groups is None or op_time.beyond_cache(hw, 2 * weight_bytes):
+        return streamed
+    # the groups past the first re-read an expert the cache holds: their rows at the grouped slope (the re-reads'
+    # share included), each group whole; the first group as one call
+    first = min(r, NATIVE_ROWS)
+    cached = (stream + (first - 1) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
+              + (calls * NATIVE_ROWS - first) * groups.beta * macs_per_row)
+    held = op_time.cache_held(hw, 2 * weight_bytes)
+    return held * cached + (1.0 - held) * streamed
 
 
 def priced_group_rows(hw: HardwareProfile, weight_bytes: float, macs_per_row: float, batch_act: str = "bf16") -> int:
