@@ -1551,6 +1551,28 @@ def _group_profile(amx: bool) -> HardwareProfile:
     return HardwareProfile("cpu-box", "test", m, None, None, meta=meta)
 
 
+def test_the_native_steps_int4_rows_from_48_are_priced_on_the_amx_gemm_where_the_profile_timed_its_code_so():
+    """cpu_predict.step_amx_time: the native step's int4 projections over quant/int4.STEP_AMX_ROWS rows or more run
+    the AMX GEMM (run_step), priced by op_time.amx_gemm_time (in AMX_ROWS pieces past it) where the profile's
+    runtime/step_rows/int4 was timed net of it (meta["step_rows_amx"], profiler 57); fewer rows, int8 copies, and
+    profiles whose step code was timed net of the row kernels keep the row kernels' price."""
+    from tiered.hardware import op_time
+    from tiered.planner.cpu_predict import _projections, step_amx_time
+    from tiered.quant.int4 import AMX_ROWS, STEP_AMX_ROWS
+
+    amx = _group_profile(True)
+    old = HardwareProfile("cpu-box", "test", amx.models, None, None, meta=amx.meta)
+    new = HardwareProfile("cpu-box", "test", amx.models, None, None, meta={**amx.meta, "step_rows_amx": True})
+    el, nb = 3 * 576 * 1536, 3 * 576 * 1536 * op_time.bytes_per_element("int4")
+    assert step_amx_time(new, "int4", 128, el, nb, 2) == op_time.amx_gemm_time(new, 128 * el, nb, 2)
+    assert step_amx_time(new, "int4", 1024, el, nb, 2) == op_time.amx_gemm_time(new, 1024 * el, 2 * nb, 4)
+    for hw, kind, rows in ((new, "int4", STEP_AMX_ROWS - 1), (new, "int8", 128), (old, "int4", 128)):
+        assert step_amx_time(hw, kind, rows, el, nb, 2) is None
+    assert _projections(new, "int4", None, el, 2, 0.0, 128, "q8") == step_amx_time(new, "int4", 128, el, nb, 2)
+    assert _projections(old, "int4", None, el, 2, 0.0, 128, "q8") != _projections(new, "int4", None, el, 2, 0.0, 128, "q8")
+    assert AMX_ROWS >= STEP_AMX_ROWS
+
+
 def test_how_much_of_a_set_the_caches_hold_is_the_native_steps_measure_not_the_llcs_size():
     """op_time.cache_held: 1 where the native step streams a working set as fast as its smallest timed one, 0 where
     as from memory, linear between (runtime/decode_ws/int4); a profile without those points goes by the last-level

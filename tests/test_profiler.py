@@ -483,6 +483,9 @@ def test_quick_profile_structure(measured):
     for field in ("cpu", "threads", "torch", "disk_note"):
         assert p.meta[field] not in (None, "")
     assert p.meta["torch"] == torch.__version__
+    if kernels.available():  # step_rows net of the AMX GEMM where the step runs it (profiler 57)
+        from tiered.quant.int4 import amx_kernels
+        assert p.meta["step_rows_amx"] == (amx_kernels() is not None)
     assert p.source.startswith("measured on")
     # how much of the cores other processes took meanwhile (hardware/contention.record; Linux's /proc/stat)
     assert p.meta["attempts"] == 1 and isinstance(p.meta["contended"], bool)

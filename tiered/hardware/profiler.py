@@ -114,7 +114,7 @@ from tiered.hardware.cpu_gemm import bf16_gemm_native, linear
 from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K, prefill_attention_pairs
 from tiered.hardware.profile import HardwareProfile, LinearModel
 from tiered.memory.sizes import DENSE_FORMATS, bytes_per_element, kv_torch_dtype, torch_dtype
-from tiered.quant.int4 import AMX_ROWS, amx_kernels, dequantize_dtype, dequantize_rows, without_amx
+from tiered.quant.int4 import AMX_ROWS, STEP_AMX_ROWS, amx_gemm, amx_kernels, dequantize_dtype, dequantize_rows, without_amx
 
 MiB = 2**20
 DISK_READERS = 2  # the runtime's disk reader threads (runtime/install.py: max(2, staging buffers))
@@ -1520,7 +1520,8 @@ def _step_rows_points(repeats: int, shape=DECODE_LAYER_SHAPES[0]) -> list[tuple[
     rows (a prompt run as rows of the step: Plan.mixed_rows) over DECODE_LAYER_RUN dense layers of `shape` (SmolLM2's
     widths) with the engine's int4 decode copies on int8 rows (tiled, q/k/v and gate/up fused), each row its own
     sequence at position 0 (one key to attend to), less the same rows' four projections timed alone through their
-    kernels, interleaved with the steps: runtime/step_rows/int4, fitted through the origin. What the rows cost
+    kernels (from STEP_AMX_ROWS rows on a CPU with AMX: the AMX GEMM, as the step runs them; meta["step_rows_amx"]),
+    interleaved with the steps: runtime/step_rows/int4, fitted through the origin. What the rows cost
     beyond their matmuls and attention: norms, RoPE, SiLU, the rows' int8 rounding, the parallel regions' waits.
     On 2 Zen 5 cores SmolLM2's 1024-token prompt as rows spent ~34 ms there (1.1 us a row and layer) of 441,
     which the rows' price had left out: its TTFT at 512 tokens priced 26% fast (2026-12-01). Raises RuntimeError
@@ -1534,8 +1535,12 @@ def _step_rows_points(repeats: int, shape=DECODE_LAYER_SHAPES[0]) -> list[tuple[
     _, step = _dense_decode_step(cfg, 8)
     g = torch.Generator().manual_seed(0)
     # a layer's four kernel calls alone, as the step holds them: q/k/v, o, gate/up, down (N, K)
-    projections = [_native_gemv("int4q8", _native_gemv_module("int4q8", torch.randn(N, K, generator=g) * 0.02)[0])
-                   for N, K in (((H + 2 * Hkv) * 64, D), (D, H * 64), (2 * F_, D), (D, F_))]
+    modules = [_native_gemv_module("int4q8", torch.randn(N, K, generator=g) * 0.02)[0]
+               for N, K in (((H + 2 * Hkv) * 64, D), (D, H * 64), (2 * F_, D), (D, F_))]
+    projections = [_native_gemv("int4q8", m) for m in modules]
+    # from STEP_AMX_ROWS rows on a CPU with AMX the step runs its int4 projections on the AMX GEMM (run_step): alone
+    # they are timed there too, on bf16 rows (the step's own conversion of its rows is its code's)
+    amx = amx_kernels() is not None
     inputs = {K: {T: torch.randn(T, K, generator=g) for T in STEP_ROWS_TOKENS} for K in (D, H * 64, F_)}
     calls = []
     for T in STEP_ROWS_TOKENS:
@@ -1545,7 +1550,11 @@ def _step_rows_points(repeats: int, shape=DECODE_LAYER_SHAPES[0]) -> list[tuple[
         calls.append(lambda ids=ids, pos=pos, slots=slots, cache=cache, last=last:
                      step(ids, pos, slots, cache, rows=last))
         xs = [inputs[K][T] for K in (D, H * 64, D, F_)]
-        calls.append(lambda xs=xs: [k(x) for k, x in zip(projections, xs)])
+        if amx and T >= STEP_AMX_ROWS:
+            xbs = [x.to(torch.bfloat16) for x in xs]
+            calls.append(lambda xbs=xbs: [amx_gemm(m.packed, None, x) for m, x in zip(modules, xbs)])
+        else:
+            calls.append(lambda xs=xs: [k(x) for k, x in zip(projections, xs)])
     with torch.inference_mode():
         samples = interleaved_samples(calls, max(5, repeats))
     # the median of each round's difference (the step and its projections timed back to back), not the difference
@@ -2350,7 +2359,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # fewer rows (op_time.amx_gemm_time): a Mixtral-width expert's AMX path at 9-16 rows was priced 9.3-10.6 ms for
 # 13.0-13.3, and below the kernel's groups (10.2-12.2), which the planner then gave up from 9 rows
 # (cpu_predict.priced_group_rows).
-PROFILER_VERSION = 56
+# 57: runtime/step_rows/int4 net of the AMX GEMM where the step runs its int4 projections on it (STEP_AMX_ROWS rows
+# or more, meta["step_rows_amx"]), which the planner then prices the step's rows by (cpu_predict.step_amx_time): net
+# of the row kernels, which cost more than the step's AMX calls at 64-256 rows, the code came out ~0.
+PROFILER_VERSION = 57
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2595,6 +2607,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     if meta["native_kernels"]:  # rows from which a one-copy int4 weight's prompt GEMM dequantizes (gemm/cpu/int4)
         meta["int4_dequantize_rows"] = dequantize_rows()
         meta["kernel_isa"] = kernels.isa()  # the paths a CPU expert's prompt rows take (cpu_predict.prompt_expert_time)
+        # runtime/step_rows/int4 timed net of the AMX GEMM from STEP_AMX_ROWS rows (cpu_predict.step_amx_time)
+        meta["step_rows_amx"] = amx_kernels() is not None and "runtime/step_rows/int4" in b.models
     # False (AVX2 only): a bf16 engine's projections are CastLinears, on the native kernel up to its rows
     meta["bf16_gemm_native"] = bf16_gemm_native()
     meta["disk_note"] = note

@@ -269,11 +269,39 @@ def _projections(hw: HardwareProfile, dtype: str, mix: dict | None, elements: fl
     (precision -> share of the elements, Plan.precision_mix), each share at its precision's rate;
     `rows` per call (`_gemv`), int4 ones on `batch_act` activations when more than one (`_batched`);
     inside the native step where the profile has it (native_step: `_gemv`'s in_step; `layer_bytes`: its layer's
-    weight bytes there)."""
-    return sum(_gemv(hw, _batched(k, batch_act, rows), elements * share * op_time.bytes_per_element(k),
-                     calls=max(1, round(calls * share)), working_set=working_set, rows=rows,
-                     in_step=native_step(hw), layer_bytes=layer_bytes)
-               for k, share in (mix or {dtype: 1.0}).items() if share > 0)
+    weight bytes there). int4 calls of quant/int4.STEP_AMX_ROWS rows or more in the native step run the AMX GEMM
+    where the profile prices it (Int4TGemv::run_step; step_amx_time)."""
+    total = 0.0
+    for k, share in (mix or {dtype: 1.0}).items():
+        if share <= 0:
+            continue
+        n = max(1, round(calls * share))
+        nbytes = elements * share * op_time.bytes_per_element(k)
+        amx = step_amx_time(hw, k, rows, elements * share, nbytes, n)
+        total += amx if amx is not None else _gemv(hw, _batched(k, batch_act, rows), nbytes, calls=n,
+                                                   working_set=working_set, rows=rows, in_step=native_step(hw),
+                                                   layer_bytes=layer_bytes)
+    return total
+
+
+def step_amx_time(hw: HardwareProfile, kind: str, rows: float, elements: float, weight_bytes: float,
+                  calls: int) -> float | None:
+    """Seconds of the native step's `calls` int4 projections (`elements` weights, `weight_bytes`, in all) over `rows`
+    rows where they run the AMX GEMM: quant/int4.STEP_AMX_ROWS rows or more on a profile of the native step whose
+    runtime/step_rows/int4 was timed net of the AMX GEMM (meta["step_rows_amx"], profiler 57) and that prices it
+    (op_time.amx_gemm_time; past quant/int4.AMX_ROWS rows as that many rows at a time); None elsewhere (the row
+    kernels: `_gemv`). Before profiler 57 the step's layer code was timed net of the row kernels at every row count,
+    which at 64-256 rows cost more than the AMX GEMM the step ran: the code came out ~0 and the rows' projections
+    priced as the row kernels' (SmolLM2's 128 rows 47.6 ms of 51.6 where the step took 40-43, 2 AMX cores,
+    2026-12-06); pricing the projections alone by the AMX GEMM then priced 512 rows 118 ms for 161."""
+    import math
+
+    from tiered.quant.int4 import AMX_ROWS, STEP_AMX_ROWS
+
+    if kind != "int4" or rows < STEP_AMX_ROWS or not native_step(hw) or not (hw.meta or {}).get("step_rows_amx"):
+        return None
+    parts = math.ceil(rows / AMX_ROWS)
+    return op_time.amx_gemm_time(hw, rows * elements, weight_bytes * parts, calls * parts)
 
 
 def _batched(kind: str, batch_act: str, rows: float) -> str:
