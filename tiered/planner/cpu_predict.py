@@ -734,8 +734,9 @@ def _native_expert_rows_time(hw: HardwareProfile, key: str, r: int, one: int, we
     of it is the native step's own measure at twice the expert's bytes (cache_factor's runtime/decode_ws/int4,
     against its smallest set's: 1 for a 3 MB expert, 0.2 for Mixtral's 99 MB on that VM, whose sysfs reports a
     480 MB L3 that helps the step no further than ~128 MB), the rest as from memory: the groups of a Mixtral-width
-    expert at 16 / 24 / 32 rows, measured 12.2 / 18.7 / 22.6 ms, were priced 9.9 / 14.1 / 18.3 as held by the
-    cache, now 11.0 / 16.6 / 21.6; where the profile has no decode_ws points, the last-level cache's size decides."""
+    expert at 16 / 24 / 32 rows, measured 12.1-12.2 / 17.8-18.7 / 22.6 ms, were priced 9.9 / 14.1 / 18.3 as held by
+    the cache, now 11.6 / 17.3 / 23.0 (profiler 56's quick profile); where the profile has no decode_ws points, the
+    last-level cache's size decides."""
     import math
 
     from tiered.quant.experts import NATIVE_ROWS
@@ -759,8 +760,9 @@ def priced_group_rows(hw: HardwareProfile, weight_bytes: float, macs_per_row: fl
     """Rows of one tiled int4 CPU expert (`weight_bytes` in all, `macs_per_row` its three projections' multiply-adds
     a row) up to which its prompt rows run the native kernel in groups of NATIVE_ROWS rather than the AMX GEMM
     (quant/experts.ExpertFormat.grouped_rows; Plan.expert_group_rows), on the machine `hw` profiled: the fewest rows
-    past NATIVE_ROWS at which the AMX GEMM (op_time.amx_gemm_time) is priced below the groups, less one; a very large
-    number where the profile prices no AMX GEMM or the groups' stream. prompt_expert_time takes the least of this and
+    past NATIVE_ROWS at which the AMX GEMM (op_time.amx_gemm_time) is priced below the groups, less one, searched up
+    to the kernel tuning's rows (kind_grouped_rows), which it returns where the profile prices no AMX GEMM or the
+    groups' stream, or the groups win throughout. prompt_expert_time takes the least of this and
     the kernel tuning's q8_expert_grouped_rows, which is measured on one small expert (2048 x 768: groups and the AMX
     GEMM cross near 32 rows on 2 AMX cores): a Mixtral-width expert's groups re-stream 99 MB from memory each, and
     there the AMX GEMM won from ~20 rows (ratios dequantized / grouped 1.09 / 0.85 / 0.70 at 16 / 24 / 32 rows,

@@ -158,10 +158,9 @@ def expert_group_rows(cfg: ModelConfig, profile: HardwareProfile, experts_format
     rows up to which a CPU expert's prompt rows run the native kernel's groups where the profile prices the AMX
     GEMM below them sooner than the kernel tuning's q8_expert_grouped_rows says (cpu_predict.priced_group_rows,
     which prompt_expert_time prices by too); 0 otherwise (the tuning's)."""
+    from tiered.checkpoint.model_config import expert_shapes
     from tiered.planner.cpu_predict import kernel_isa, priced_group_rows
     from tiered.quant.experts import NATIVE_ROWS, fit_format, kind_grouped_rows, parse_kinds
-
-    from tiered.checkpoint.model_config import expert_shapes
 
     if not cfg.is_moe or getattr(cfg, "expert_bias", False) or experts_format in ("fp32", "bf16", "fp16"):
         return 0
