@@ -379,6 +379,11 @@ def _points(profile: HardwareProfile, key: str) -> list:
     return list(((profile.meta or {}).get("points") or {}).get(key) or ())
 
 
+def _decode_ws_points(profile: HardwareProfile) -> list[tuple[float, float]]:
+    """runtime/decode_ws/int4's (working-set bytes, seconds a byte) points, ascending, the positive ones."""
+    return sorted((p[0], p[1]) for p in _points(profile, "runtime/decode_ws/int4") if p[0] > 0 and p[1] > 0)
+
+
 def cache_factor(profile: HardwareProfile, working_set: float) -> float:
     """How much of its time from memory tiered's native decode step takes to stream weights when `working_set`
     bytes pass between two reads of the same one (a decode step's weight bytes): runtime/decode_ws/int4's seconds a
@@ -390,7 +395,7 @@ def cache_factor(profile: HardwareProfile, working_set: float) -> float:
     (2026-12-04), the step streamed 1.7x faster over 16-64 MiB than from memory and no faster from 128 MiB
     (the share of the cache a VM's cores get), and SmolLM2's default plan, its 89 MB int4 step priced as from
     memory, was priced 3.9 ms a token where it ran 2.5."""
-    pts = sorted((p[0], p[1]) for p in _points(profile, "runtime/decode_ws/int4") if p[0] > 0 and p[1] > 0)
+    pts = _decode_ws_points(profile)
     if working_set is None or working_set <= 0 or len(pts) < 2:
         return 1.0
     cold = pts[-1][1]
@@ -408,10 +413,10 @@ def cache_held(profile: HardwareProfile, working_set: float) -> float:
     measure (cache_factor: runtime/decode_ws/int4): 1 at or below its smallest timed set's speed-up, 0 where it
     streams as from memory, linear in cache_factor between. Where the profile has no decode_ws points: 1 within the
     last-level cache's size (beyond_cache), else 0."""
-    pts = sorted((p[0], p[1]) for p in _points(profile, "runtime/decode_ws/int4") if p[0] > 0 and p[1] > 0)
+    pts = _decode_ws_points(profile)
     if len(pts) < 2:
         return 0.0 if beyond_cache(profile, working_set) else 1.0
-    least = min(1.0, pts[0][1] / pts[-1][1])
+    least = cache_factor(profile, pts[0][0])  # the smallest timed set's
     if least >= 1.0:
         return 0.0
     return min(1.0, max(0.0, (1.0 - cache_factor(profile, working_set)) / (1.0 - least)))

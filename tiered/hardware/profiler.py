@@ -910,25 +910,24 @@ def _amx_points(shapes, repeats: int, cold_bytes: int | None = None) -> list[tup
     int4 weight converted to bf16 into the tiles as it goes, as Int4Linear.dequantized and a tiled int4 expert's
     projections past their kernel's rows call it) over bf16 rows for weights of `shapes` (T, K, N), each weight's
     calls cycled over copies filling `cold_bytes` (COLD_WEIGHT_BYTES without it) in one huge-page slab
-    (slab_copies), as a prompt meets its weights, the shapes timed interleaved (median_times). gemm_amx/cpu/int4
+    (_cold_turn), as a prompt meets its weights, the shapes timed interleaved (median_times). gemm_amx/cpu/int4
     and gemm_amx_pack/cpu/int4 are fitted on them together (fit_gemm). Over one weight the caches hold, a
     Mixtral-width projection (14336 x 4096) took 2.97 / 4.02 ms at 16 / 32 rows where cold copies took 4.26 / 5.10
     (2 AMX cores, 2026-12-06): the stream overlaps the conversion only in part. Raises RuntimeError without the
     AMX GEMM (quant/int4.amx_kernels)."""
-    from tiered.quant.int4 import GROUP, Int4Linear, amx_gemm, quantize_int4
+    from tiered.quant.int4 import GROUP, Int4Linear, quantize_int4
 
     if amx_kernels() is None:
         raise RuntimeError("no AMX GEMM here (tiered/kernels without AMX, or TIERED_AMX=0)")
     g = torch.Generator().manual_seed(0)
-    copies: dict[tuple[int, int], list] = {}
+    turns = {}  # (K, N) -> the cycle over that weight's cold copies, shared by its row counts
     calls = []
     for T, K, N in shapes:
-        if (K, N) not in copies:
+        if (K, N) not in turns:
             packed = Int4Linear.from_codes(*quantize_int4(random_normal(N, K, generator=g)), GROUP, None, "tiled").packed
-            n = cold_copies(cold_bytes or COLD_WEIGHT_BYTES, packed.numel() * packed.element_size())
-            copies[K, N] = [w for w, in slab_copies((packed,), n)]
+            turns[K, N] = _cold_turn(packed, cold_bytes)
         x = torch.randn(T, K, generator=g).to(torch.bfloat16)
-        calls.append(lambda turn=itertools.cycle(copies[K, N]), x=x: amx_gemm(next(turn), None, x))
+        calls.append(lambda turn=turns[K, N], x=x: amx_gemm(next(turn), None, x))
     return [(float(T * K * N), t) for (T, K, N), t in zip(shapes, median_times(calls, repeats))]
 
 

@@ -743,15 +743,15 @@ def _native_expert_rows_time(hw: HardwareProfile, key: str, r: int, one: int, we
 
     calls = 1 if r <= one else math.ceil(r / NATIVE_ROWS)  # each call streams the three projections
     stream = _gemv(hw, key, weight_bytes, calls=3, working_set=working_set, expert=True)
-    streamed = calls * stream + (r - calls) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
+    row = _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
+    streamed = calls * stream + (r - calls) * row
     groups = hw.models.get(f"expert_groups/cpu/{key}")
     if calls == 1 or groups is None or op_time.beyond_cache(hw, 2 * weight_bytes):
         return streamed
     # the groups past the first re-read an expert the cache holds: their rows at the grouped slope (the re-reads'
     # share included), each group whole; the first group as one call
     first = min(r, NATIVE_ROWS)
-    cached = (stream + (first - 1) * _row_time(hw, key, weight_bytes, macs_per_row, expert=True)
-              + (calls * NATIVE_ROWS - first) * groups.beta * macs_per_row)
+    cached = stream + (first - 1) * row + (calls * NATIVE_ROWS - first) * groups.beta * macs_per_row
     held = op_time.cache_held(hw, 2 * weight_bytes)
     return held * cached + (1.0 - held) * streamed
 

@@ -160,7 +160,7 @@ def expert_group_rows(cfg: ModelConfig, profile: HardwareProfile, experts_format
     which prompt_expert_time prices by too); 0 otherwise (the tuning's)."""
     from tiered.checkpoint.model_config import expert_shapes
     from tiered.planner.cpu_predict import kernel_isa, priced_group_rows
-    from tiered.quant.experts import NATIVE_ROWS, fit_format, kind_grouped_rows, parse_kinds
+    from tiered.quant.experts import fit_format, kind_grouped_rows, parse_kinds
 
     if not cfg.is_moe or getattr(cfg, "expert_bias", False) or experts_format in ("fp32", "bf16", "fp16"):
         return 0
@@ -172,8 +172,6 @@ def expert_group_rows(cfg: ModelConfig, profile: HardwareProfile, experts_format
     if kinds[0] != "int4" or kinds[1] != "int4":
         return 0
     tuned = kind_grouped_rows("int4", kernel_isa(profile), batch_act, (profile.meta or {}).get("kernel_tuning") or {})
-    if tuned <= NATIVE_ROWS:
-        return 0
     rows = priced_group_rows(profile, sizes.expert_bytes(cfg, experts_format),
                              3 * cfg.hidden_size * cfg.moe_intermediate_size, batch_act)
     return rows if rows < tuned else 0
