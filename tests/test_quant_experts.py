@@ -83,6 +83,46 @@ def test_a_prompts_dequantized_expert_takes_the_native_swiglu_in_bf16(name, rows
     assert (y.float() - ref).abs().max() <= 0.03 * ref.abs().max()
 
 
+@pytest.mark.parametrize("name", ["int4", "int4,int4,int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_experts_rows_past_its_groups_take_the_amx_gemm_in_one_native_call(name, dtype):
+    """On a CPU with AMX a tiled int4 expert's rows past `group_rows` (its `amx_rows`) run in one native call
+    (ExpertSpec.forward_amx: gate and up over the rows in bf16, SwiGLU in fp32, down; a Q6_K-like int8 down by its
+    own kernel): `forward` gives it in x's dtype, the SwiGLU of the dequantized weights within bf16's rounding, and
+    `layer_call` with the format's amx_rows computes the same rows to the bit; past AMX_ROWS, and within
+    `without_amx` (amx_rows 0), `forward` is `dequantized`'s torch ops."""
+    from tiered.kernels import load
+    from tiered.quant.int4 import AMX_ROWS, amx_kernels, without_amx
+
+    if load() is None or amx_kernels() is None:
+        pytest.skip("no AMX GEMM here")
+    ws = _weights(F=96)
+    fmt = ExpertFormat(name, [w.shape for w in ws], "tiled", batch_act="q8", act="q8")
+    slot = fmt.empty()
+    fmt.quantize(ws, slot)
+    assert fmt.amx_rows == fmt.group_rows > 0
+    rows = fmt.group_rows + 9
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    ref = ExpertFormat("fp32", fmt.shapes).forward(x.float(), fmt.dequantize(slot))
+    y = fmt.forward(x, slot)
+    assert y.dtype == dtype and torch.equal(y, fmt.native.forward_amx(slot[0], x).to(dtype))
+    assert (y.float() - ref).abs().max() <= 0.03 * ref.abs().max()
+    idx, wt = torch.zeros(rows, 1, dtype=torch.long), torch.ones(rows, 1, dtype=dtype)  # every row to expert 0
+    call = fmt.layer_call(x, [slot])
+    assert torch.equal(call(idx, wt, [0], (), fmt.amx_rows), y)
+    assert not torch.equal(call(idx, wt, [0]), y)  # without amx_rows: the kernels' groups
+    past = torch.randn(AMX_ROWS + 8, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    assert torch.equal(fmt.forward(past, slot), fmt.dequantized(past, slot))
+    with without_amx():
+        assert fmt.amx_rows == 0 and torch.equal(fmt.forward(x, slot), fmt.dequantized(x, slot))
+    was = load().amx_rows(False)  # the kernels' own switch (TIERED_AMX=0): no AMX path in the native call
+    try:
+        assert fmt.native.forward_amx(slot[0], x) is None
+        assert torch.equal(call(idx, wt, [0], (), fmt.group_rows), call(idx, wt, [0]))
+    finally:
+        load().amx_rows(was)
+
+
 @pytest.mark.parametrize("name", ["bf16", "int8", "int4", "int4,int4,int8"])
 @pytest.mark.parametrize("layout", ["plain", "tiled"])
 @pytest.mark.parametrize("act", ["bf16", "q8"])
@@ -301,41 +341,61 @@ def test_a_prompts_layer_call_equals_the_group_call_and_index_add(name, dtype):
         call(idx, wt, experts, given)
 
 
-def test_a_prompts_experts_past_the_group_rows_run_beside_the_group_call(tmp_path, monkeypatch):
+@pytest.mark.parametrize("amx", [False, True], ids=["torch", "amx"])
+def test_a_prompts_experts_past_the_group_rows_run_beside_the_group_call(tmp_path, monkeypatch, amx):
     """A CPU-only prompt layer whose experts are all in RAM (_all_on_fast) where some experts have more rows
-    than one native call takes (ExpertFormat.group_rows, made 2 here): those each by `forward` on this
-    thread first, then the others and the weighted sum of all in one call (ExpertFormat.layer_call's
-    `given`): logits bit for bit those of one task per expert."""
+    than the grouped kernels take (ExpertFormat.group_rows, made 2 here). Without the AMX GEMM (`amx_rows` 0)
+    those run each by `forward` on this thread first, then the others and the weighted sum of all in one call
+    (ExpertFormat.layer_call's `given`); with it (a CPU with AMX) the call computes them too, on the AMX GEMM
+    (its amx_rows), and nothing runs beside it. Either way the logits are bit for bit those of one task per
+    expert (each by `forward`, on the AMX GEMM past the group rows where it runs)."""
     from moe_fixtures import make_moe_checkpoint
 
     from tiered.kernels import load
+    from tiered.quant.int4 import amx_kernels
     from tiered.runtime import moe_runner
 
     if load() is None:
         pytest.skip("the native kernels are not built")
+    if amx and amx_kernels() is None:
+        pytest.skip("no AMX GEMM here")
     llm = LLM(make_moe_checkpoint("qwen3_moe", tmp_path / "m"),
               EngineConfig(max_context=48, accelerator="none", expert_weights="int4"))
     try:
         monkeypatch.setattr(ExpertFormat, "group_rows", property(lambda self: 2))
-        split, alone = [], []  # (experts computed in the call, given) per layer call; rows of each forward
-        real_call, real_forward = ExpertFormat.layer_call, ExpertFormat.forward
+        if amx:  # `forward` past 2 rows on the AMX GEMM too, as the call computes them
+            for rows in ("native_rows", "grouped_rows"):
+                monkeypatch.setattr(ExpertFormat, rows, property(lambda self: 2))
+        else:
+            monkeypatch.setattr(ExpertFormat, "amx_rows", property(lambda self: 0))
+        split, alone, amx_forwards = [], [], []  # (computed in the call, given, amx_rows) per call; forwards' rows
+        real_call, real_forward, real_amx = ExpertFormat.layer_call, ExpertFormat.forward, ExpertFormat._amx_forward
 
         def counted(self, x, slots):
             call = real_call(self, x, slots)
 
-            def run(idx, wt, experts, given=()):
+            def run(idx, wt, experts, given=(), amx_rows=0):
                 done = sum(g is not None for g in given)
-                split.append((len(experts) - done, done))
-                return call(idx, wt, experts, given)
+                split.append((len(experts) - done, done, amx_rows))
+                return call(idx, wt, experts, given, amx_rows)
             return call and run
 
         monkeypatch.setattr(ExpertFormat, "layer_call", counted)
         monkeypatch.setattr(ExpertFormat, "forward", lambda self, x, slot: alone.append(x.shape[0])
                             or real_forward(self, x, slot))
+        monkeypatch.setattr(ExpertFormat, "_amx_forward", lambda self, x, slot: amx_forwards.append(x.shape[0])
+                            or real_amx(self, x, slot))
         logits = llm.logits(PROMPT)
-        assert any(n and done for n, done in split) and alone and min(alone) > 2  # both sides of the split ran
+        if amx:  # every expert in the call, those past the group rows on the AMX GEMM
+            assert split and all(done == 0 and rows == 2 for _, done, rows in split) and not alone
+        else:  # both sides of the split ran
+            assert any(n and done for n, done, _ in split) and alone and min(alone) > 2
+            assert all(rows == 0 for _, _, rows in split)
+        alone.clear()
         monkeypatch.setattr(moe_runner.TieredExperts, "_all_on_fast", lambda *a, **k: None)
+        amx_forwards.clear()
         assert torch.equal(llm.logits(PROMPT), logits)
+        assert max(alone) > 2 and (max(amx_forwards) > 2 if amx else not amx_forwards)
     finally:
         llm.close()
 

@@ -690,11 +690,11 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
     kernel in one call (its weights streamed once, each row past the first at decode_rows' slope, `_gemv`),
     in groups of NATIVE_ROWS rows (the weights streamed once a group; an expert the cache holds twice over
     re-streamed from it, its rows past the first group at expert_groups/cpu/<key>'s slope where profiled), or,
-    past those rows, int4 and mxfp4
-    projections dequantized for one GEMM each (gemm/cpu/int4: hardware/profiler.int4_gemm_shapes times that
-    path, plus `glu` seconds: torch's GLU over the rows, ExpertFormat.dequantized's). int4 rows read `batch_act`
-    activations (Plan.batch_act), mxfp4 ones int8 always; `biased`: gpt-oss's
-    experts (ModelConfig.expert_bias), never in row groups. None where the profile has no native
+    past those rows, int4 and mxfp4 projections on the AMX GEMM (op_time.amx_gemm_time; SiLU's experts in one
+    native call, ExpertFormat.amx_rows, their SwiGLU fused) or dequantized for one GEMM each (gemm/cpu/int4:
+    hardware/profiler.int4_gemm_shapes times that path), plus `glu` seconds where torch runs the GLU over the rows
+    (ExpertFormat.dequantized's). int4 rows read `batch_act` activations (Plan.batch_act), mxfp4 ones int8 always;
+    `biased`: gpt-oss's experts (ModelConfig.expert_bias), never in row groups. None where the profile has no native
     kernels or the path is none of these (a dense kind: native_expert_time / torch_gemm_time). Priced as fp32
     GEMMs before, a gpt-oss-20b-width prompt's mxfp4 experts cost 5.0 s of a 512-token TTFT that took 1.9
     (2 Sapphire Rapids cores, 2026-11-29)."""
@@ -716,8 +716,8 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
             return None
         return _native_expert_rows_time(hw, key, r, one, weight_bytes, macs_per_row, working_set)
     amx = op_time.amx_gemm_time(hw, r * macs_per_row, weight_bytes, calls=3) if kind in ("int4", "mxfp4") else None
-    if amx is not None:  # within AMX_ROWS on AMX (quant/experts.tiled_int4_dequantized)
-        return amx + glu
+    if amx is not None:  # within AMX_ROWS on AMX: SiLU's experts in one native call, their SwiGLU fused (ExpertFormat.
+        return amx + (glu if biased else 0.0)  # amx_rows), gpt-oss's through torch ops (`_biased_glu`)
     if kind in ("int4", "mxfp4") and op_time.find(hw, "gemm", "cpu", "int4") is not None:
         return (op_time.gemm_time(hw, "cpu", "int4", r * macs_per_row, weight_bytes, calls=3) + glu
                 + op_time.dequantize_time(hw, "cpu", "int4", weight_bytes))

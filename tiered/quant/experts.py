@@ -473,6 +473,21 @@ class ExpertFormat:
         return self.biased_rows if self.swiglu_limit is not None else max(self.native_rows, self.grouped_rows)
 
     @property
+    def amx_rows(self) -> int:
+        """Rows of one expert past which its native calls compute it on the AMX GEMM (`forward` past `group_rows`,
+        ExpertSpec.forward_amx; `layer_call`'s experts past them, its forward_layer amx_rows): `group_rows` where the
+        gate is tiled int4 or mxfp4 (not gpt-oss's biased experts) and the AMX GEMM runs here (quant/int4.amx_kernels:
+        AMX granted, not TIERED_AMX=0 or within `without_amx`); 0 where none does. Experts of more than
+        quant/int4.AMX_ROWS rows still dequantize for oneDNN (`dequantized`), whose rate the AMX GEMM falls behind
+        there."""
+        from tiered.quant.int4 import amx_kernels
+
+        if (self.swiglu_limit is not None or self.is_dense or self.int4_layout != "tiled"
+                or self.kinds[0] not in ("int4", "mxfp4") or self.native is None or amx_kernels() is None):
+            return 0
+        return self.group_rows
+
+    @property
     def glu_args(self) -> dict:
         """The native calls' clamped-GLU arguments (forward_group, layer_call, DecodeStep.set_moe): gpt-oss's
         swiglu_limit / swiglu_alpha, or none."""
@@ -494,10 +509,25 @@ class ExpertFormat:
         if x.device.type == "cpu":
             n = x.shape[0]
             y = (self._native_forward(x, slot) if n <= self.native_rows else
-                 self.forward_group(x, [slot], [0, n]) if n <= self.grouped_rows else None)
+                 self.forward_group(x, [slot], [0, n]) if n <= self.grouped_rows else self._amx_forward(x, slot))
             if y is not None:
                 return y
         return self.dequantized(x, slot)
+
+    def _amx_forward(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """`forward` of rows past the kernels' groups on the AMX GEMM in one native call (ExpertSpec.forward_amx:
+        gate and up over x rounded to bf16, their SwiGLU in fp32, down over it rounded to bf16; what `layer_call`
+        computes such an expert with), in x's dtype; None where it does not run it (`amx_rows` 0, more than
+        quant/int4.AMX_ROWS rows). In torch ops (`dequantized`: a gather, casts, three GEMM calls and the SwiGLU a
+        call) a Qwen3-30B-A3B-width expert at 32-48 rows took ~0.9 ms beside its GEMMs' ~0.62 (2 AMX cores,
+        2026-12-06)."""
+        from tiered.quant.int4 import AMX_ROWS
+
+        amx = self.amx_rows
+        if not amx or not amx < x.shape[0] <= AMX_ROWS:
+            return None
+        y = self.native.forward_amx(slot[0], x)
+        return None if y is None else y.to(x.dtype)
 
     def dequantized(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """`forward` by torch ops: x [n, D] -> [n, D], each projection dequantized (tiled int4: once a call) for a
@@ -631,7 +661,9 @@ class ExpertFormat:
         the caller checks), or, more of them, the grouped call's (`forward_group`: groups of NATIVE_ROWS,
         up to `group_rows`). `given` (empty, or one per expert): None, or that expert's outputs [its rows,
         D] in x's dtype computed by the caller (a prompt's expert past `group_rows`: `forward`), in its
-        rows' flat order; the call then adds them in its place and does not compute it.
+        rows' flat order; the call then adds them in its place and does not compute it. `amx_rows` > 0 (the
+        format's `amx_rows`): an expert of more rows, not given, is computed on the AMX GEMM as `forward` computes
+        it there (ExpertSpec.forward_amx), in the call.
 
         Raises (the call) RuntimeError: `given` of the wrong length, or an output of another shape or dtype."""
         if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
@@ -642,11 +674,11 @@ class ExpertFormat:
         glu = self.glu_args
         if self.is_dense:
             ws = [w for s in slots for w in s]
-            return lambda idx, wt, experts, given=(): ext.bf16_experts_forward_layer(ws, x, idx, wt, experts, **glu,
-                                                                                    given=list(given))
+            return lambda idx, wt, experts, given=(), amx_rows=0: ext.bf16_experts_forward_layer(ws, x, idx, wt, experts,
+                                                                                              **glu, given=list(given))
         codes = [s[0] for s in slots]
-        return lambda idx, wt, experts, given=(): self.native.forward_layer(codes, x, idx, wt, experts, **glu,
-                                                                            given=list(given))
+        return lambda idx, wt, experts, given=(), amx_rows=0: self.native.forward_layer(
+            codes, x, idx, wt, experts, **glu, given=list(given), amx_rows=amx_rows)
 
     def dequantize(self, slot: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three weights as fp32 (the reference the kernels are checked against)."""

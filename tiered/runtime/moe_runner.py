@@ -51,6 +51,7 @@ from tiered.memory.apply import PlacedExperts, StagingPool
 from tiered.models.moe import swiglu_hidden
 from tiered.planner.placement import DISK
 from tiered.quant.experts import bf16_native_rows
+from tiered.quant.int4 import AMX_ROWS
 from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, SPLIT, LatencyModel, dispatch_misses
 from tiered.runtime.executor import Executor
 from tiered.runtime.grouped_experts import grouped_experts_forward, grouped_method
@@ -307,14 +308,19 @@ class TieredExperts:
             bounds.append(bounds[-1] + groups[e][1] - groups[e][0])
         call = self.fmt.layer_call(x, [on_fast[e] for e in experts]) if bounds[-1] == tok_all.numel() else None
         if call is not None:
-            # the experts past the call's rows first, each by itself on this thread; then the others and the
-            # weighted sum of all in one native call (no gathered rows, outputs or products as new tensors: 3 x 32 MB
-            # a layer at 512 tokens of a Qwen3-30B-A3B-width model, each mapped and faulted in)
+            # the experts past the call's rows that it does not compute on the AMX GEMM first, each by itself on this
+            # thread; then the others and the weighted sum of all in one native call (no gathered rows, outputs or
+            # products as new tensors: 3 x 32 MB a layer at 512 tokens of a Qwen3-30B-A3B-width model, each mapped and
+            # faulted in). With the AMX GEMM the call computes the experts past the group rows too, as `forward` does:
+            # a Qwen3-30B-A3B-width 512-token prompt's ~85 such experts a layer had cost ~0.25 ms each in torch ops
+            # around their GEMMs (2 AMX cores, 2026-12-06)
+            amx = self.fmt.amx_rows
+            most = AMX_ROWS if amx else self.fmt.group_rows
             given = [None] * len(experts)
             for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-                if b - a > self.fmt.group_rows:
+                if b - a > most:
                     given[i] = self.fmt.forward(x[tok_all[a:b]], on_fast[experts[i]])
-            out = call(topk_idx, topk_weight.to(x.dtype), experts, given)
+            out = call(topk_idx, topk_weight.to(x.dtype), experts, given, amx)
             self.path_counts[RESIDENT] += len(experts)
             self.executor.record(f"experts L{layer_idx} ({len(experts)})", "cpu", t0, time.perf_counter(), layer=layer_idx)
             return out

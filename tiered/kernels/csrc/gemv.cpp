@@ -3270,26 +3270,44 @@ c10::optional<Glu> glu_of(double limit, double alpha, const char* what) {
 
 }  // namespace
 
-// moe_experts' experts on the AMX GEMM: where the call has amx_rows entries an expert on average (N top_k >=
-// amx_rows amx_experts: a prompt's rows, a large batch's; the native step passes its experts' ExpertFormat.group_rows,
-// past which the modules' prefill computes an expert on the AMX GEMM) every expert it computes whose kernels have
-// the AMX GEMM here (Kernel::run_amx: tiled int4 and mxfp4 on a CPU with AMX, amx_rows() on) runs its rows on it:
-// gate and up over them rounded to bf16, SwiGLU in fp32, down over that rounded to bf16, one call a projection where
-// the int8-row kernels ran groups of kMaxNB rows, each re-reading the expert's weights. A 2-layer Mixtral-width Q4_0
-// prompt as rows of the native step (2 Sapphire Rapids cores, 2026-12-06, alternated in one process with the
-// modules' prefill, whose experts past group_rows take the AMX GEMM through `given`): 512 tokens 1.48 s where the
-// prefill took 0.81, now 0.92 against 0.91; 128 tokens (32 rows an expert) 0.32-0.43 s against 0.45-0.50 on the
-// row kernels; 64 tokens (16) 0.34-0.35 against 0.25-0.26 with the AMX GEMM from 16 rows (its conversion of each
-// weight outweighs the rows). Decided by N, not by an expert's own rows, as the activation formats are
-// (Act::format_rows): a token's output does not depend on how the other tokens routed. gpt-oss's biased experts
-// (glu) and experts `given` keep their paths. Returns, per expert id, its outputs fp32 [its rows, D] in its entries'
-// flat order (held in a thread_local buffer until the next call), nullptr where not computed here; empty: none.
+bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, int64_t n, float* y) {
+  const int64_t F = gate.out_features;
+  thread_local std::vector<float> g_, u_;
+  std::vector<float>&g = g_, &u = u_;  // (this thread's, for the workers below)
+  g.resize(n * F), u.resize(n * F);
+  if (!gate.run_amx(x, n, g.data())) return false;
+  // (a projection of another format, Q4_K_M's Q6_K down as tiled int8: its own kernel over all the rows)
+  if (!up.run_amx(x, n, u.data())) up.run(x, n, u.data());
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) silu_mul(g.data() + i * F, u.data() + i * F, g.data() + i * F, F);
+  });
+  if (!down.run_amx(g.data(), n, y)) down.run(g.data(), n, y);
+  return true;
+}
+
+// moe_experts' experts on the AMX GEMM (amx_swiglu): where the call has amx_rows entries an expert on average (N
+// top_k >= amx_rows amx_experts: a prompt's rows, a large batch's; the native step passes its experts'
+// ExpertFormat.group_rows, past which the modules' prefill computes an expert on the AMX GEMM) every expert it
+// computes; below that, or without amx_rows, each expert of more than `amx_own` entries (the modules' prefill:
+// ExpertSpec.forward_layer's amx_rows, its experts' group_rows). The AMX GEMM runs tiled int4 and mxfp4 on a CPU
+// with AMX (Kernel::run_amx, amx_rows() on), one call a projection over an expert's rows where the int8-row kernels
+// ran groups of kMaxNB rows, each re-reading the expert's weights. A 2-layer Mixtral-width Q4_0 prompt as rows of
+// the native step (2 Sapphire Rapids cores, 2026-12-06, alternated in one process with the modules' prefill, whose
+// experts past group_rows then took the AMX GEMM through torch ops and `given`): 512 tokens 1.48 s where the prefill
+// took 0.81, now 0.92 against 0.91; 128 tokens (32 rows an expert) 0.32-0.43 s against 0.45-0.50 on the row
+// kernels; 64 tokens (16) 0.34-0.35 against 0.25-0.26 with the AMX GEMM from 16 rows (its conversion of each
+// weight outweighs the rows). The average decides by N, not by an expert's own rows, as the activation formats do
+// (Act::format_rows): a token's output does not depend on how the other tokens routed; `amx_own` decides by the
+// expert's rows, as the modules' prefill always has. gpt-oss's biased experts (glu) and experts `given` keep their
+// paths. Returns, per expert id, its outputs fp32 [its rows, D] in its entries' flat order (held in a thread_local
+// buffer until the next call), nullptr where not computed here; empty: none.
 std::vector<const float*> moe_experts_amx(const Gemv* const* k, const float* x, int64_t N, int64_t D,
                                           const int64_t* idx, int64_t top_k, const std::vector<int64_t>& entry,
                                           const Glu* glu, const float* const* given, int64_t amx_experts,
-                                          int64_t amx_rows) {
+                                          int64_t amx_rows, int64_t amx_own) {
   const int64_t M = N * top_k;
-  if (glu || amx_experts <= 0 || amx_rows <= 0 || M < amx_rows * amx_experts || !amx_step()) return {};
+  const bool all = amx_experts > 0 && amx_rows > 0 && M >= amx_rows * amx_experts;
+  if (glu || (!all && amx_own <= 0) || !amx_step()) return {};
   struct Run {
     int64_t e, m0, n, at;  // expert, its first sorted entry, rows, its first row in ya
   };
@@ -3299,28 +3317,21 @@ std::vector<const float*> moe_experts_amx(const Gemv* const* k, const float* x, 
     const int64_t e = idx[entry[m0]];
     int64_t m1 = m0 + 1;
     while (m1 < M && idx[entry[m1]] == e) ++m1;
-    if (!(given && given[e])) runs.push_back({e, m0, m1 - m0, rows}), rows += m1 - m0;
+    if (!(given && given[e]) && (all || m1 - m0 > amx_own)) runs.push_back({e, m0, m1 - m0, rows}), rows += m1 - m0;
     m0 = m1;
   }
   if (runs.empty()) return {};
-  const int64_t F = k[3 * runs[0].e]->out_features;
-  thread_local std::vector<float> xa_, g_, u_, ya_;
-  std::vector<float>&xa = xa_, &g = g_, &u = u_, &ya = ya_;  // (this thread's, for the workers below)
+  thread_local std::vector<float> xa_, ya_;
+  std::vector<float>&xa = xa_, &ya = ya_;  // (this thread's, for the workers below)
   ya.resize(rows * D);
   std::vector<const float*> done(*std::max_element(idx, idx + M) + 1, nullptr);
   for (const Run& r : runs) {
-    const Gemv *gate = k[3 * r.e], *up = k[3 * r.e + 1], *down = k[3 * r.e + 2];
-    xa.resize(r.n * D), g.resize(r.n * F), u.resize(r.n * F);
+    xa.resize(r.n * D);
     at::parallel_for(0, r.n, 64, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) std::memcpy(xa.data() + i * D, x + (entry[r.m0 + i] / top_k) * D, D * sizeof(float));
     });
-    if (!gate->run_amx(xa.data(), r.n, g.data())) return {};  // (no AMX path: every expert keeps the row kernels)
-    // (a projection of another format, Q4_K_M's Q6_K down as tiled int8: its own kernel over all the rows)
-    if (!up->run_amx(xa.data(), r.n, u.data())) up->run(xa.data(), r.n, u.data());
-    at::parallel_for(0, r.n, 16, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) silu_mul(g.data() + i * F, u.data() + i * F, g.data() + i * F, F);
-    });
-    if (!down->run_amx(g.data(), r.n, ya.data() + r.at * D)) down->run(g.data(), r.n, ya.data() + r.at * D);
+    // (no AMX path: every expert keeps the row kernels)
+    if (!amx_swiglu(*k[3 * r.e], *k[3 * r.e + 1], *k[3 * r.e + 2], xa.data(), r.n, ya.data() + r.at * D)) return {};
     done[r.e] = ya.data() + r.at * D;
   }
   return done;
@@ -3332,12 +3343,13 @@ std::vector<const float*> moe_experts_amx(const Gemv* const* k, const float* x, 
 // rows in the same order: the same sums).
 void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, const int64_t* idx, const float* wt,
                  int64_t top_k, bool bf16, float* out, const Glu* glu, const float* const* given,
-                 int64_t amx_experts, int64_t amx_rows) {
+                 int64_t amx_experts, int64_t amx_rows, int64_t amx_own) {
   const int64_t M = N * top_k;
   std::vector<int64_t> entry(M), bounds{0};
   std::iota(entry.begin(), entry.end(), int64_t(0));
   std::stable_sort(entry.begin(), entry.end(), [&](int64_t a, int64_t b) { return idx[a] < idx[b]; });
-  const std::vector<const float*> amx = moe_experts_amx(k, x, N, D, idx, top_k, entry, glu, given, amx_experts, amx_rows);
+  const std::vector<const float*> amx =
+      moe_experts_amx(k, x, N, D, idx, top_k, entry, glu, given, amx_experts, amx_rows, amx_own);
   // each sorted entry's output: a row of ys (computed here, rows C in order) or of its expert's `given` rows
   std::vector<const float*> from(M, nullptr);
   std::vector<int64_t> row(M, -1);
@@ -3424,7 +3436,8 @@ namespace {
 // it here.
 at::Tensor run_swiglu_layer(const std::vector<const Gemv*>& k, const at::Tensor& x0, const at::Tensor& topk_idx,
                             const at::Tensor& topk_weight, const std::vector<int64_t>& experts, const char* what,
-                            const Glu* glu = nullptr, const std::vector<c10::optional<at::Tensor>>& given = {}) {
+                            const Glu* glu = nullptr, const std::vector<c10::optional<at::Tensor>>& given = {},
+                            int64_t amx_own = 0) {
   const int64_t E = int64_t(experts.size());
   TIERED_CHECK(E >= 1 && int64_t(k.size()) == 3 * E, what, ": three kernels per routed expert");
   const int64_t D = expert_width(k[0], k[2], glu, what);
@@ -3469,7 +3482,7 @@ at::Tensor run_swiglu_layer(const std::vector<const Gemv*>& k, const at::Tensor&
   {
     pybind11::gil_scoped_release nogil;
     moe_experts(k.data(), x.data_ptr<float>(), N, D, pos.data(), wt.data_ptr<float>(), K, bf16, out.data_ptr<float>(),
-                glu, from.empty() ? nullptr : from.data());
+                glu, from.empty() ? nullptr : from.data(), 0, 0, amx_own);
   }
   return out.to(x0.scalar_type());  // exact: every value is already one of x's dtype
 }
@@ -3593,6 +3606,24 @@ struct ExpertSpec {
     return y;
   }
 
+  // x [B, D] any float dtype; buf uint8 [nbytes] (one slot) -> y [B, D] fp32 on the AMX GEMM (amx_swiglu: what
+  // forward_layer's amx_rows computes an expert past them with), or None where it has no AMX path here.
+  c10::optional<at::Tensor> forward_amx(const at::Tensor& buf, const at::Tensor& x0) const {
+    TIERED_CHECK(!biased, "expert spec: gpt-oss's biased experts compute through forward_group (their clamped GLU)");
+    TIERED_CHECK(x0.dim() == 2 && x0.size(1) == p[0].K, "expert spec: x must be [B, ", p[0].K, "], got ", x0.sizes());
+    Bound b;
+    bind_slot(buf, b);
+    auto x = x0.to(at::kFloat).contiguous();
+    auto y = at::empty({x.size(0), p[2].N}, x.options());
+    bool ran;
+    {
+      pybind11::gil_scoped_release nogil;
+      ran = amx_swiglu(*b.g[0], *b.g[1], *b.g[2], x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+    }
+    if (!ran) return c10::nullopt;
+    return y;
+  }
+
   // Several slots bound at once: `b` owns their kernels, `ptrs` lists them (gate, up, down per slot).
   struct BoundSlots {
     std::unique_ptr<Bound[]> b;
@@ -3630,12 +3661,14 @@ struct ExpertSpec {
   // A layer's routed experts and their weighted sum (run_swiglu_layer): slots [E], one per routed expert.
   at::Tensor forward_layer(const std::vector<at::Tensor>& slots, const at::Tensor& x, const at::Tensor& topk_idx,
                            const at::Tensor& topk_weight, const std::vector<int64_t>& experts, double swiglu_limit,
-                           double swiglu_alpha, const std::vector<c10::optional<at::Tensor>>& given) const {
+                           double swiglu_alpha, const std::vector<c10::optional<at::Tensor>>& given,
+                           int64_t amx_rows) const {
     TIERED_CHECK(slots.size() == experts.size(), "expert spec forward_layer: one slot per routed expert");
+    TIERED_CHECK(amx_rows >= 0, "expert spec forward_layer: amx_rows must be >= 0");
     const auto glu = glu_of(swiglu_limit, swiglu_alpha, "expert spec forward_layer");
     const BoundSlots s = bind_slots(slots);
     return run_swiglu_layer(s.ptrs, x, topk_idx, topk_weight, experts, "expert spec forward_layer",
-                            glu ? &*glu : nullptr, given);
+                            glu ? &*glu : nullptr, given, amx_rows);
   }
 };
 
@@ -4293,6 +4326,10 @@ void register_gemv(pybind11::module& m) {
   py::class_<ExpertSpec, std::shared_ptr<ExpertSpec>>(m, "ExpertSpec",
       "A quantized expert format's flat layout: forward(slot uint8 [nbytes], x [B, D]) -> y [B, D] fp32.")
       .def("forward", &ExpertSpec::forward, py::arg("slot"), py::arg("x"))
+      .def("forward_amx", &ExpertSpec::forward_amx, py::arg("slot"), py::arg("x"),
+           "One expert on the AMX GEMM: slot uint8, x [B, D] -> y [B, D] fp32 (gate and up over x rounded to bf16, "
+           "their SwiGLU in fp32, down over it rounded to bf16: forward_layer's experts past amx_rows), or None "
+           "where it has no AMX path here (no AMX, amx_rows off, a gate of another kind).")
       .def("forward_group", &ExpertSpec::forward_group, py::arg("slots"), py::arg("xs"), py::arg("bounds"),
            py::arg("swiglu_limit") = 0.0, py::arg("swiglu_alpha") = 1.702, py::arg("format_rows") = 0,
            "Experts of one layer in two parallel regions: slots [E] (one uint8 slot each), xs [M, D] (expert e's "
@@ -4306,12 +4343,13 @@ void register_gemv(pybind11::module& m) {
            "Every expert of one layer bound as kernels once (slots [E], expert e's at e), for DecodeStep.set_moe.")
       .def("forward_layer", &ExpertSpec::forward_layer, py::arg("slots"), py::arg("x"), py::arg("topk_idx"),
            py::arg("topk_weight"), py::arg("experts"), py::arg("swiglu_limit") = 0.0, py::arg("swiglu_alpha") = 1.702,
-           py::arg("given") = std::vector<c10::optional<at::Tensor>>{},
+           py::arg("given") = std::vector<c10::optional<at::Tensor>>{}, py::arg("amx_rows") = 0,
            "A layer's routed experts and their weighted sum: slots [E] (one per id in experts, ascending), x [N, D] "
            "float32 or bfloat16, topk_idx int64 [N, k], topk_weight [N, k] in x's dtype -> out [N, D] in x's dtype, "
            "bit for bit the per-expert path's index_add_ of ys * weight in expert order (each expert's rows in groups "
            "of 8, as forward_group's). swiglu_limit > 0: gpt-oss's biased experts, as forward_group. given: [] or one "
-           "per expert, None or that expert's outputs [its rows, D] in x's dtype (flat order) computed elsewhere.");
+           "per expert, None or that expert's outputs [its rows, D] in x's dtype (flat order) computed elsewhere. "
+           "amx_rows > 0: an expert of more rows (not given) runs on the AMX GEMM, as forward_amx computes it.");
   // The load's repacks (q4 / q6k / q8 blocks, the Q8_0 head) run without the GIL: LLM() loads the tokenizer
   // on a thread of its own meanwhile (engine/llm._in_background).
   m.def("q4_blocks_tiled", &q4_blocks_tiled, py::call_guard<py::gil_scoped_release>(), py::arg("raw"), py::arg("block"), py::arg("codes_out") = py::none(),

@@ -130,10 +130,17 @@ struct Glu {
 // does not depend on how many other tokens its experts took (batch 1 keeps its own formats).
 // `amx_experts` and `amx_rows`: the layer's number of experts and the rows an expert averages (N top_k /
 // amx_experts) from which the call runs its experts on the AMX GEMM (moe_experts_amx: the native step's MoE blocks);
-// 0: never.
+// 0: never. `amx_own` > 0: below that average, each expert of more than amx_own rows still runs on it (a prompt's
+// expert past the grouped kernels' rows: the modules' prefill, ExpertFormat.group_rows); 0: none.
 void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, const int64_t* idx, const float* wt,
                  int64_t top_k, bool bf16, float* out, const Glu* glu = nullptr, const float* const* given = nullptr,
-                 int64_t amx_experts = 0, int64_t amx_rows = 0);
+                 int64_t amx_experts = 0, int64_t amx_rows = 0, int64_t amx_own = 0);
+
+// One SwiGLU expert on the AMX GEMM: y fp32 [n, D] = down(silu(gate(x)) * up(x)) for x fp32 [n, D], gate and up
+// over x rounded to bf16, their fp32 outputs' SwiGLU in fp32, down over it rounded to bf16 (a projection without
+// the AMX path, Q4_K_M's Q6_K down as tiled int8, runs its own kernel). False, y untouched, where the gate has
+// no AMX path here (Kernel::run_amx: tiled int4 and mxfp4 on a CPU with AMX, amx_rows() on).
+bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, int64_t n, float* y);
 
 // The kernels of every expert of one MoE layer, bound once to where their weights stay (resident
 // in RAM): k[3 e + j] = projection j (gate, up, down) of expert e. `owner` keeps them alive.
