@@ -2464,6 +2464,11 @@ struct Int4TGemv : Int4Gemv {
     int4t_amx_gemm(w, xb.data(), in_features, B, in_features, out_features, y, nullptr, out_features);
     return true;
   }
+  bool run_amx_bf16(const uint16_t* x, int64_t B, float* yf, uint16_t* yb) const override {
+    if (current_isa() != kAvx512 || !amx_step()) return false;
+    int4t_amx_gemm(w, x, in_features, B, in_features, out_features, yf, yb, out_features);
+    return true;
+  }
   std::string name() const override {  // "int16 x": the int16-activation path (int4t_w16_avx2 / _avx512)
     const int isa = current_isa();
     if (w.e2m1) return std::string("mxfp4tq8(tiered,") + isa_name(isa) + ")";
@@ -3271,17 +3276,28 @@ c10::optional<Glu> glu_of(double limit, double alpha, const char* what) {
 }  // namespace
 
 bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, int64_t n, float* y) {
-  const int64_t F = gate.out_features;
-  thread_local std::vector<float> g_, u_;
-  std::vector<float>&g = g_, &u = u_;  // (this thread's, for the workers below)
-  g.resize(n * F), u.resize(n * F);
-  if (!gate.run_amx(x, n, g.data())) return false;
-  // (a projection of another format, Q4_K_M's Q6_K down as tiled int8: its own kernel over all the rows)
-  if (!up.run_amx(x, n, u.data())) up.run(x, n, u.data());
+  const int64_t D = gate.in_features, F = gate.out_features;
+  thread_local std::vector<uint16_t> xb_, g_, u_;
+  thread_local std::vector<float> f_;
+  std::vector<uint16_t>&xb = xb_, &g = g_, &u = u_;  // (this thread's, for the workers below)
+  std::vector<float>& f = f_;
+  xb.resize(n * D), g.resize(n * F), u.resize(n * F);
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) { round_row(x + i0 * D, (i1 - i0) * D, xb.data() + i0 * D); });
+  if (!gate.run_amx_bf16(xb.data(), n, nullptr, g.data())) return false;
+  // (a projection of another format, Q4_K_M's Q6_K down as tiled int8: its own kernel over the rows in fp32)
+  if (!up.run_amx_bf16(xb.data(), n, nullptr, u.data())) {
+    f.resize(n * F);
+    up.run(x, n, f.data());
+    round_row(f.data(), n * F, u.data());
+  }
   at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) silu_mul(g.data() + i * F, u.data() + i * F, g.data() + i * F, F);
+    swiglu_bf16(g.data() + i0 * F, u.data() + i0 * F, g.data() + i0 * F, (i1 - i0) * F);
   });
-  if (!down.run_amx(g.data(), n, y)) down.run(g.data(), n, y);
+  if (!down.run_amx_bf16(g.data(), n, y, nullptr)) {
+    f.resize(n * F);
+    for (int64_t i = 0; i < n * F; ++i) f[i] = bf16f(g[i]);
+    down.run(f.data(), n, y);
+  }
   return true;
 }
 

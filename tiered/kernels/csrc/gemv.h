@@ -136,10 +136,12 @@ void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, con
                  int64_t top_k, bool bf16, float* out, const Glu* glu = nullptr, const float* const* given = nullptr,
                  int64_t amx_experts = 0, int64_t amx_rows = 0, int64_t amx_own = 0);
 
-// One SwiGLU expert on the AMX GEMM: y fp32 [n, D] = down(silu(gate(x)) * up(x)) for x fp32 [n, D], gate and up
-// over x rounded to bf16, their fp32 outputs' SwiGLU in fp32, down over it rounded to bf16 (a projection without
-// the AMX path, Q4_K_M's Q6_K down as tiled int8, runs its own kernel). False, y untouched, where the gate has
-// no AMX path here (Kernel::run_amx: tiled int4 and mxfp4 on a CPU with AMX, amx_rows() on).
+// One SwiGLU expert on the AMX GEMM: y fp32 [n, D] = down(silu(gate(x)) * up(x)) for x fp32 [n, D]: gate and up
+// over x rounded to bf16 into bf16, their SwiGLU in fp32 rounded once to bf16 (kernel.h's swiglu_bf16), down over
+// that into fp32: the numerics of a prompt's dequantized expert in torch (quant/experts.ExpertFormat.dequantized's
+// bf16 GLU) but for down's output, kept in fp32; a projection without the AMX path (Q4_K_M's Q6_K down as tiled
+// int8) runs its own kernel over fp32 rows. False, y untouched, where the gate has no AMX path here
+// (Kernel::run_amx_bf16: tiled int4 and mxfp4 on a CPU with AMX, amx_rows() on).
 bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, int64_t n, float* y);
 
 // The kernels of every expert of one MoE layer, bound once to where their weights stay (resident

@@ -65,6 +65,9 @@ struct Kernel {
   // `run` on tiered's AMX GEMM over the rows rounded to bf16, whatever B, where this kernel has that path here
   // (tiled int4 and mxfp4: Int4TGemv, on a CPU with AMX, amx_rows on): true; false (nothing written) elsewhere.
   virtual bool run_amx(const float* x, int64_t B, float* y) const { return false; }
+  // `run_amx` over rows already in bf16 (x [B, in_features] bf16 bits), into fp32 yf or bf16 yb (the other
+  // nullptr): the AMX GEMM's own output, no rounding pass between two GEMMs (gemv.cpp's amx_swiglu).
+  virtual bool run_amx_bf16(const uint16_t* x, int64_t B, float* yf, uint16_t* yb) const { return false; }
   // The weight bytes one call reads (for benchmarks and the planner's bytes-per-token figures).
   virtual int64_t weight_bytes() const = 0;
   virtual std::string name() const = 0;
@@ -124,6 +127,9 @@ __attribute__((always_inline)) inline float bf16_to_float(uint16_t b) {
 void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y);
 // a [n] = silu(g) * u (SwiGLU's activation), fp32, vectorized with a polynomial exp (decode.cpp).
 void silu_mul(const float* g, const float* u, float* a, int64_t n);
+// a [n] bf16 = silu(g) * u for bf16 g and u, in fp32 (exp_fast) and rounded once (prompt.cpp's `swiglu`, what a
+// prompt's dequantized expert and gemv.cpp's amx_swiglu take); a may be g.
+void swiglu_bf16(const uint16_t* g, const uint16_t* u, uint16_t* a, int64_t n);
 // a [n] = (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit): gpt-oss's clamped
 // GLU (models/gpt_oss.clamped_glu), fp32, the same polynomial exp (decode.cpp).
 void clamped_glu(const float* g, const float* u, float* a, int64_t n, float alpha, float limit);

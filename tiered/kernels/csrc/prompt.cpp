@@ -166,6 +166,11 @@ std::tuple<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const 
 
 }  // namespace
 
+void swiglu_bf16(const uint16_t* g, const uint16_t* u, uint16_t* a, int64_t n) {
+  swiglu_row(reinterpret_cast<const at::BFloat16*>(g), reinterpret_cast<const at::BFloat16*>(u), n,
+             reinterpret_cast<at::BFloat16*>(a));
+}
+
 TIERED_CLONES void round_row(const float* y, int64_t n, uint16_t* out) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = bf16_bits(y[i]);
