@@ -755,7 +755,8 @@ def test_biased_prompt_experts_pay_torchs_glu_only_past_their_native_rows(monkey
     """gpt-oss's experts (expert_bias) run their bias columns and clamped GLU inside the native calls up to
     their one-call rows (ExpertFormat.biased_rows: mxfp4's kernel rows on AVX-512), so a prompt's layer code
     is priced over each routed row's hidden width only and no per-expert hop; past those rows torch computes
-    the GLU over the intermediate width too, each expert a hop (cpu_predict.biased_native_rows)."""
+    the GLU over the intermediate width too, each expert a hop (cpu_predict.biased_native_rows), but where the
+    profile prices the AMX GEMM, whose native call computes them inside (cpu_predict.amx_experts)."""
     import dataclasses
 
     from tiered.hardware import op_time
@@ -776,6 +777,13 @@ def test_biased_prompt_experts_pay_torchs_glu_only_past_their_native_rows(monkey
     widths.clear()
     long = predict_prefill(gpt_oss, hw, "fp32", 512, experts_format="mxfp4")  # 128 rows: torch's GLU
     assert set(widths) == {512 * (d + k * (d + F))}
+    # on a CPU with AMX the experts past those rows take one native call each, the GLU inside (ExpertFormat.amx_rows)
+    amx = HardwareProfile("cpu-box", "test", {**m, "gemm_amx/cpu/int4": LinearModel(1e-5, 1e-12, 1.0)}, None, None,
+                          meta=hw.meta)
+    widths.clear()
+    predict_prefill(gpt_oss, amx, "fp32", 512, experts_format="mxfp4")
+    assert set(widths) == {512 * (d + k * d)}
+    widths.clear()
     # each expert past its rows also pays a hop (task_overhead): a slower hop moves only the long prompt
     monkeypatch.setattr(op_time, "task_overhead", lambda hw_: 0.1)
     assert predict_prefill(gpt_oss, hw, "fp32", 64, experts_format="mxfp4") == short

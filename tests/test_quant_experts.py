@@ -228,7 +228,17 @@ def test_biased_experts_run_their_clamped_glu_inside_the_native_calls(name):
         n = limit + 1
         x = torch.randn(n, D, generator=g)
         assert fmt.forward_group(x, slots[:1], [0, n]) is None
-        assert torch.equal(fmt.forward(x, slots[0]), fmt._biased_glu(x, slots[0]))
+        ref = fmt._biased_glu(x, slots[0])
+        if fmt.amx_rows:  # a CPU with AMX: past biased_rows one native call on the AMX GEMM, the clamped GLU inside
+            assert fmt.amx_rows == limit and name in ("mxfp4", "int4")
+            y = fmt.forward(x, slots[0])
+            assert torch.equal(y, fmt.native.forward_amx(slots[0][0], x, **fmt.glu_args))
+            assert (y - ref).abs().max() <= 2e-2 * ref.abs().max()
+            # ... and the layer call computes such an expert so: every row to expert 0, with weight 1
+            idx, wt = torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1)
+            assert torch.equal(fmt.layer_call(x, slots[:1])(idx, wt, [0], (), fmt.amx_rows), y)
+        else:
+            assert torch.equal(fmt.forward(x, slots[0]), ref)
     if not fmt.is_dense:
         codes = [s[0] for s in slots[:1]]
         with pytest.raises(RuntimeError, match="need swiglu_limit"):

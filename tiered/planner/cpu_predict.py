@@ -716,8 +716,8 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
             return None
         return _native_expert_rows_time(hw, key, r, one, weight_bytes, macs_per_row, working_set)
     amx = op_time.amx_gemm_time(hw, r * macs_per_row, weight_bytes, calls=3) if kind in ("int4", "mxfp4") else None
-    if amx is not None:  # within AMX_ROWS on AMX: SiLU's experts in one native call, their SwiGLU fused (ExpertFormat.
-        return amx + (glu if biased else 0.0)  # amx_rows), gpt-oss's through torch ops (`_biased_glu`)
+    if amx is not None:  # within AMX_ROWS on AMX: one native call, the SwiGLU (gpt-oss's clamped GLU and bias
+        return amx  # columns) fused (ExpertFormat.amx_rows)
     if kind in ("int4", "mxfp4") and op_time.find(hw, "gemm", "cpu", "int4") is not None:
         return (op_time.gemm_time(hw, "cpu", "int4", r * macs_per_row, weight_bytes, calls=3) + glu
                 + op_time.dequantize_time(hw, "cpu", "int4", weight_bytes))
@@ -783,6 +783,17 @@ def priced_group_rows(hw: HardwareProfile, weight_bytes: float, macs_per_row: fl
 
 
 AMX_GROUP_SEARCH_ROWS = 512  # priced_group_rows looks no further (quant/int4.AMX_ROWS: the AMX GEMM's rows)
+
+
+def amx_experts(hw: HardwareProfile, stored: str, rows: float) -> bool:
+    """Whether a prompt's CPU experts stored as `stored` compute `rows` rows each past their kernels' rows in one
+    native call on the AMX GEMM (quant/experts.ExpertFormat.amx_rows: tiled int4 and mxfp4, gpt-oss's biased
+    experts with their clamped GLU inside) on the profiled machine: its profile prices the AMX GEMM and the rows
+    are within quant/int4.AMX_ROWS."""
+    from tiered.quant.int4 import AMX_ROWS
+
+    return (stored in ("int4", "mxfp4") and native_step(hw) and rows <= AMX_ROWS
+            and hw.models.get("gemm_amx/cpu/int4") is not None)
 
 
 def biased_native_rows(hw: HardwareProfile, stored: str) -> int:
@@ -952,8 +963,9 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
             # gpt-oss's biased experts (expert_bias) past their native rows (biased_native_rows) run their clamped GLU
             # and bias columns in torch over each routed row's intermediate width too: ~0.35 s of a 4-layer
             # gpt-oss-20b-width 512-token prompt's 1.85 (2 Sapphire Rapids cores, 2026-11-29); within them the native
-            # call computes both inside the kernels
-            torch_glu = is_moe and cfg.expert_bias and rows_per_expert > biased_native_rows(hw, stored)
+            # call computes both inside the kernels, and so does the AMX GEMM's past them (amx_experts)
+            torch_glu = is_moe and cfg.expert_bias and rows_per_expert > biased_native_rows(hw, stored) and \
+                not amx_experts(hw, stored, rows_per_expert)
             # the routed copies gathered and summed by the native layer call (native_moe) or by torch's ops
             gathered = cfg.num_experts_per_tok * d if is_moe and native_moe and step_code is not None else 0
             routed = cfg.num_experts_per_tok * (d + cfg.moe_intermediate_size * torch_glu) - gathered

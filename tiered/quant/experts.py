@@ -476,14 +476,14 @@ class ExpertFormat:
     def amx_rows(self) -> int:
         """Rows of one expert past which its native calls compute it on the AMX GEMM (`forward` past `group_rows`,
         ExpertSpec.forward_amx; `layer_call`'s experts past them, its forward_layer amx_rows): `group_rows` where the
-        gate is tiled int4 or mxfp4 (not gpt-oss's biased experts) and the AMX GEMM runs here (quant/int4.amx_kernels:
-        AMX granted, not TIERED_AMX=0 or within `without_amx`); 0 where none does. Experts of more than
-        quant/int4.AMX_ROWS rows still dequantize for oneDNN (`dequantized`), whose rate the AMX GEMM falls behind
-        there."""
+        gate is tiled int4 or mxfp4 and the AMX GEMM runs here (quant/int4.amx_kernels: AMX granted, not TIERED_AMX=0
+        or within `without_amx`); 0 where none does. gpt-oss's biased experts too (their `group_rows` is
+        `biased_rows`), with their bias columns and clamped GLU in the call. Experts of more than quant/int4.AMX_ROWS
+        rows still dequantize for oneDNN (`dequantized`, `_biased_glu`), whose rate the AMX GEMM falls behind there."""
         from tiered.quant.int4 import amx_kernels
 
-        if (self.swiglu_limit is not None or self.is_dense or self.int4_layout != "tiled"
-                or self.kinds[0] not in ("int4", "mxfp4") or self.native is None or amx_kernels() is None):
+        if (self.is_dense or self.int4_layout != "tiled" or self.kinds[0] not in ("int4", "mxfp4")
+                or self.native is None or amx_kernels() is None):
             return 0
         return self.group_rows
 
@@ -504,7 +504,10 @@ class ExpertFormat:
         else torch ops per projection with the bias columns and the clamped GLU.
         """
         if self.swiglu_limit is not None:  # gpt-oss: biases as padded input columns, the clamped GLU
-            y = self.forward_group(x, [slot], [0, x.shape[0]]) if x.device.type == "cpu" else None
+            y = None
+            if x.device.type == "cpu":
+                y = self.forward_group(x, [slot], [0, x.shape[0]])
+                y = y if y is not None else self._amx_forward(x, slot)
             return y if y is not None else self._biased_glu(x, slot)
         if x.device.type == "cpu":
             n = x.shape[0]
@@ -516,8 +519,8 @@ class ExpertFormat:
 
     def _amx_forward(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """`forward` of rows past the kernels' groups on the AMX GEMM in one native call (ExpertSpec.forward_amx:
-        gate and up over x rounded to bf16, their SwiGLU in fp32, down over it rounded to bf16; what `layer_call`
-        computes such an expert with), in x's dtype; None where it does not run it (`amx_rows` 0, more than
+        gate and up over x rounded to bf16, their SwiGLU (gpt-oss's clamped GLU) in fp32, down over it rounded to
+        bf16; what `layer_call` computes such an expert with), in x's dtype; None where it does not run it (`amx_rows` 0, more than
         quant/int4.AMX_ROWS rows). In torch ops (`dequantized`: a gather, casts, three GEMM calls and the SwiGLU a
         call) a Qwen3-30B-A3B-width expert at 32-48 rows took ~0.9 ms beside its GEMMs' ~0.62 (2 AMX cores,
         2026-12-06)."""
@@ -526,7 +529,7 @@ class ExpertFormat:
         amx = self.amx_rows
         if not amx or not amx < x.shape[0] <= AMX_ROWS:
             return None
-        y = self.native.forward_amx(slot[0], x)
+        y = self.native.forward_amx(slot[0], x, **self.glu_args)
         return None if y is None else y.to(x.dtype)
 
     def dequantized(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor:

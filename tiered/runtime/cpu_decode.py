@@ -237,7 +237,7 @@ def _native_moe(block, dtype: torch.dtype) -> dict | None:
         return None
     # the rows an expert averages from which the step computes its experts on the AMX GEMM where their kernels have
     # it (tiled int4: gemv.cpp's moe_experts_amx), as the modules' prefill does past group_rows
-    amx_rows = 0 if r.fmt.swiglu_limit is not None or r.fmt.is_dense else r.fmt.group_rows
+    amx_rows = 0 if r.fmt.is_dense else r.fmt.group_rows
     return dict(args, experts=bound, amx_rows=amx_rows, **r.fmt.glu_args)  # gpt-oss's: their clamped GLU
 
 

@@ -3275,29 +3275,54 @@ c10::optional<Glu> glu_of(double limit, double alpha, const char* what) {
 
 }  // namespace
 
-bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, int64_t n, float* y) {
-  const int64_t D = gate.in_features, F = gate.out_features;
-  thread_local std::vector<uint16_t> xb_, g_, u_;
+bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, int64_t D, int64_t n, float* y,
+                const Glu* glu) {
+  const int64_t Din = gate.in_features, F = gate.out_features, Fin = down.in_features;  // (Db, Fb with glu)
+  constexpr uint16_t kOne = 0x3F80;  // bf16 1.0: the bias column's input
+  thread_local std::vector<uint16_t> xb_, g_, u_, h_;
   thread_local std::vector<float> f_;
-  std::vector<uint16_t>&xb = xb_, &g = g_, &u = u_;  // (this thread's, for the workers below)
+  std::vector<uint16_t>&xb = xb_, &g = g_, &u = u_, &h = h_;  // (this thread's, for the workers below)
   std::vector<float>& f = f_;
-  xb.resize(n * D), g.resize(n * F), u.resize(n * F);
-  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) { round_row(x + i0 * D, (i1 - i0) * D, xb.data() + i0 * D); });
+  xb.resize(n * Din), g.resize(n * F), u.resize(n * F);
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // x, then (glu) its 1 and zeros: models/gpt_oss.with_one
+      uint16_t* r = xb.data() + i * Din;
+      round_row(x + i * D, D, r);
+      if (Din > D) std::fill(r + D, r + Din, uint16_t(0)), r[D] = glu ? kOne : 0;
+    }
+  });
   if (!gate.run_amx_bf16(xb.data(), n, nullptr, g.data())) return false;
   // (a projection of another format, Q4_K_M's Q6_K down as tiled int8: its own kernel over the rows in fp32)
+  auto widened = [&](const std::vector<uint16_t>& b, int64_t count) {
+    f.resize(count);
+    for (int64_t i = 0; i < count; ++i) f[i] = bf16f(b[i]);
+    return f.data();
+  };
   if (!up.run_amx_bf16(xb.data(), n, nullptr, u.data())) {
-    f.resize(n * F);
-    up.run(x, n, f.data());
-    round_row(f.data(), n * F, u.data());
+    std::vector<float> uf(n * F);
+    up.run(widened(xb, n * Din), n, uf.data());
+    round_row(uf.data(), n * F, u.data());
   }
-  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
-    swiglu_bf16(g.data() + i0 * F, u.data() + i0 * F, g.data() + i0 * F, (i1 - i0) * F);
-  });
-  if (!down.run_amx_bf16(g.data(), n, y, nullptr)) {
-    f.resize(n * F);
-    for (int64_t i = 0; i < n * F; ++i) f[i] = bf16f(g[i]);
-    down.run(f.data(), n, y);
+  std::vector<uint16_t>& hb = glu ? h : g;  // down's rows: SiLU's SwiGLU in place, gpt-oss's with its 1 and zeros
+  if (glu) {
+    h.resize(n * Fin);
+    at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+      std::vector<float> gf(F), uf(F);
+      for (int64_t i = i0; i < i1; ++i) {
+        for (int64_t c = 0; c < F; ++c) gf[c] = bf16f(g[i * F + c]), uf[c] = bf16f(u[i * F + c]);
+        clamped_glu(gf.data(), uf.data(), gf.data(), F, glu->alpha, glu->limit);
+        uint16_t* r = h.data() + i * Fin;
+        round_row(gf.data(), F, r);
+        std::fill(r + F, r + Fin, uint16_t(0));
+        r[F] = kOne;
+      }
+    });
+  } else {
+    at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+      swiglu_bf16(g.data() + i0 * F, u.data() + i0 * F, g.data() + i0 * F, (i1 - i0) * F);
+    });
   }
+  if (!down.run_amx_bf16(hb.data(), n, y, nullptr)) down.run(widened(hb, n * Fin), n, y);
   return true;
 }
 
@@ -3314,16 +3339,17 @@ bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float*
 // kernels; 64 tokens (16) 0.34-0.35 against 0.25-0.26 with the AMX GEMM from 16 rows (its conversion of each
 // weight outweighs the rows). The average decides by N, not by an expert's own rows, as the activation formats do
 // (Act::format_rows): a token's output does not depend on how the other tokens routed; `amx_own` decides by the
-// expert's rows, as the modules' prefill always has. gpt-oss's biased experts (glu) and experts `given` keep their
-// paths. Returns, per expert id, its outputs fp32 [its rows, D] in its entries' flat order (held in a thread_local
-// buffer until the next call), nullptr where not computed here; empty: none.
+// expert's rows, as the modules' prefill always has. gpt-oss's biased experts (glu) too, with their bias columns and
+// clamped GLU (amx_swiglu); experts `given` keep their outputs. Returns, per expert id, its outputs fp32 [its rows,
+// D] in its entries' flat order (held in a thread_local buffer until the next call), nullptr where not computed
+// here; empty: none.
 std::vector<const float*> moe_experts_amx(const Gemv* const* k, const float* x, int64_t N, int64_t D,
                                           const int64_t* idx, int64_t top_k, const std::vector<int64_t>& entry,
                                           const Glu* glu, const float* const* given, int64_t amx_experts,
                                           int64_t amx_rows, int64_t amx_own) {
   const int64_t M = N * top_k;
   const bool all = amx_experts > 0 && amx_rows > 0 && M >= amx_rows * amx_experts;
-  if (glu || (!all && amx_own <= 0) || !amx_step()) return {};
+  if ((!all && amx_own <= 0) || !amx_step()) return {};
   struct Run {
     int64_t e, m0, n, at;  // expert, its first sorted entry, rows, its first row in ya
   };
@@ -3347,7 +3373,8 @@ std::vector<const float*> moe_experts_amx(const Gemv* const* k, const float* x, 
       for (int64_t i = i0; i < i1; ++i) std::memcpy(xa.data() + i * D, x + (entry[r.m0 + i] / top_k) * D, D * sizeof(float));
     });
     // (no AMX path: every expert keeps the row kernels)
-    if (!amx_swiglu(*k[3 * r.e], *k[3 * r.e + 1], *k[3 * r.e + 2], xa.data(), r.n, ya.data() + r.at * D)) return {};
+    if (!amx_swiglu(*k[3 * r.e], *k[3 * r.e + 1], *k[3 * r.e + 2], xa.data(), D, r.n, ya.data() + r.at * D, glu))
+      return {};
     done[r.e] = ya.data() + r.at * D;
   }
   return done;
@@ -3624,17 +3651,23 @@ struct ExpertSpec {
 
   // x [B, D] any float dtype; buf uint8 [nbytes] (one slot) -> y [B, D] fp32 on the AMX GEMM (amx_swiglu: what
   // forward_layer's amx_rows computes an expert past them with), or None where it has no AMX path here.
-  c10::optional<at::Tensor> forward_amx(const at::Tensor& buf, const at::Tensor& x0) const {
-    TIERED_CHECK(!biased, "expert spec: gpt-oss's biased experts compute through forward_group (their clamped GLU)");
-    TIERED_CHECK(x0.dim() == 2 && x0.size(1) == p[0].K, "expert spec: x must be [B, ", p[0].K, "], got ", x0.sizes());
+  // gpt-oss's biased experts need swiglu_limit (> 0) and swiglu_alpha, x then [B, D] without its bias columns.
+  c10::optional<at::Tensor> forward_amx(const at::Tensor& buf, const at::Tensor& x0, double swiglu_limit,
+                                        double swiglu_alpha) const {
+    const auto glu = glu_of(swiglu_limit, swiglu_alpha, "expert spec forward_amx");
+    TIERED_CHECK(biased == bool(glu), "expert spec forward_amx: gpt-oss's biased experts, and only they, take a "
+                 "swiglu_limit");
+    const int64_t D = p[2].N;  // the hidden width (gate's K is Db, D's biased width, for gpt-oss)
+    TIERED_CHECK(x0.dim() == 2 && x0.size(1) == D, "expert spec: x must be [B, ", D, "], got ", x0.sizes());
     Bound b;
     bind_slot(buf, b);
     auto x = x0.to(at::kFloat).contiguous();
-    auto y = at::empty({x.size(0), p[2].N}, x.options());
+    auto y = at::empty({x.size(0), D}, x.options());
     bool ran;
     {
       pybind11::gil_scoped_release nogil;
-      ran = amx_swiglu(*b.g[0], *b.g[1], *b.g[2], x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+      ran = amx_swiglu(*b.g[0], *b.g[1], *b.g[2], x.data_ptr<float>(), D, x.size(0), y.data_ptr<float>(),
+                       glu ? &*glu : nullptr);
     }
     if (!ran) return c10::nullopt;
     return y;
@@ -4342,10 +4375,12 @@ void register_gemv(pybind11::module& m) {
   py::class_<ExpertSpec, std::shared_ptr<ExpertSpec>>(m, "ExpertSpec",
       "A quantized expert format's flat layout: forward(slot uint8 [nbytes], x [B, D]) -> y [B, D] fp32.")
       .def("forward", &ExpertSpec::forward, py::arg("slot"), py::arg("x"))
-      .def("forward_amx", &ExpertSpec::forward_amx, py::arg("slot"), py::arg("x"),
-           "One expert on the AMX GEMM: slot uint8, x [B, D] -> y [B, D] fp32 (gate and up over x rounded to bf16, "
-           "their SwiGLU in fp32, down over it rounded to bf16: forward_layer's experts past amx_rows), or None "
-           "where it has no AMX path here (no AMX, amx_rows off, a gate of another kind).")
+      .def("forward_amx", &ExpertSpec::forward_amx, py::arg("slot"), py::arg("x"), py::arg("swiglu_limit") = 0.0,
+           py::arg("swiglu_alpha") = 1.702,
+           "One expert on the AMX GEMM: slot uint8, x [B, D] -> y [B, D] fp32 (gate and up over x rounded to bf16 into "
+           "bf16, their SwiGLU in fp32 rounded to bf16, down over it: forward_layer's experts past amx_rows), or None "
+           "where it has no AMX path here (no AMX, amx_rows off, a gate of another kind). swiglu_limit > 0: gpt-oss's "
+           "biased experts (their bias columns and clamped GLU with swiglu_alpha; x without the bias columns).")
       .def("forward_group", &ExpertSpec::forward_group, py::arg("slots"), py::arg("xs"), py::arg("bounds"),
            py::arg("swiglu_limit") = 0.0, py::arg("swiglu_alpha") = 1.702, py::arg("format_rows") = 0,
            "Experts of one layer in two parallel regions: slots [E] (one uint8 slot each), xs [M, D] (expert e's "

@@ -139,10 +139,13 @@ void moe_experts(const Gemv* const* k, const float* x, int64_t N, int64_t D, con
 // One SwiGLU expert on the AMX GEMM: y fp32 [n, D] = down(silu(gate(x)) * up(x)) for x fp32 [n, D]: gate and up
 // over x rounded to bf16 into bf16, their SwiGLU in fp32 rounded once to bf16 (kernel.h's swiglu_bf16), down over
 // that into fp32: the numerics of a prompt's dequantized expert in torch (quant/experts.ExpertFormat.dequantized's
-// bf16 GLU) but for down's output, kept in fp32; a projection without the AMX path (Q4_K_M's Q6_K down as tiled
-// int8) runs its own kernel over fp32 rows. False, y untouched, where the gate has no AMX path here
+// bf16 GLU) but for down's output, kept in fp32. With `glu`, gpt-oss's biased experts: x's rows with their 1 and
+// zeros (gate's Db inputs), the clamped GLU in fp32 (kernel.h) over the bf16 gate and up, rounded to bf16 with its
+// own 1 and zeros (down's Fb inputs). A projection without the AMX path (Q4_K_M's Q6_K down as tiled int8) runs its
+// own kernel over its bf16 rows widened to fp32. False, y untouched, where the gate has no AMX path here
 // (Kernel::run_amx_bf16: tiled int4 and mxfp4 on a CPU with AMX, amx_rows() on).
-bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, int64_t n, float* y);
+bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, int64_t D, int64_t n, float* y,
+                const Glu* glu = nullptr);
 
 // The kernels of every expert of one MoE layer, bound once to where their weights stay (resident
 // in RAM): k[3 e + j] = projection j (gate, up, down) of expert e. `owner` keeps them alive.
