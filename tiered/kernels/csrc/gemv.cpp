@@ -3307,12 +3307,9 @@ bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float*
   if (glu) {
     h.resize(n * Fin);
     at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
-      std::vector<float> gf(F), uf(F);
       for (int64_t i = i0; i < i1; ++i) {
-        for (int64_t c = 0; c < F; ++c) gf[c] = bf16f(g[i * F + c]), uf[c] = bf16f(u[i * F + c]);
-        clamped_glu(gf.data(), uf.data(), gf.data(), F, glu->alpha, glu->limit);
         uint16_t* r = h.data() + i * Fin;
-        round_row(gf.data(), F, r);
+        clamped_glu_bf16(g.data() + i * F, u.data() + i * F, r, F, glu->alpha, glu->limit);
         std::fill(r + F, r + Fin, uint16_t(0));
         r[F] = kOne;
       }

@@ -130,6 +130,8 @@ void silu_mul(const float* g, const float* u, float* a, int64_t n);
 // a [n] bf16 = silu(g) * u for bf16 g and u, in fp32 (exp_fast) and rounded once (prompt.cpp's `swiglu`, what a
 // prompt's dequantized expert and gemv.cpp's amx_swiglu take); a may be g.
 void swiglu_bf16(const uint16_t* g, const uint16_t* u, uint16_t* a, int64_t n);
+// a [n] bf16 = clamped_glu of bf16 g and u in fp32, rounded once (gemv.cpp's amx_swiglu for gpt-oss's experts).
+void clamped_glu_bf16(const uint16_t* g, const uint16_t* u, uint16_t* a, int64_t n, float alpha, float limit);
 // a [n] = (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit): gpt-oss's clamped
 // GLU (models/gpt_oss.clamped_glu), fp32, the same polynomial exp (decode.cpp).
 void clamped_glu(const float* g, const float* u, float* a, int64_t n, float alpha, float limit);

@@ -42,6 +42,15 @@ TIERED_CLONES void swiglu_row(const at::BFloat16* g, const at::BFloat16* u, int6
 }
 inline void swiglu_row(const float* g, const float* u, int64_t F, float* out) { silu_mul(g, u, out, F); }
 
+// out [F] = gpt-oss's clamped GLU of bf16 g and u (kernel.h's clamped_glu: fp32, exp_fast), rounded to bf16 once
+TIERED_CLONES void clamped_glu_row(const at::BFloat16* g, const at::BFloat16* u, int64_t F, at::BFloat16* out,
+                                   float alpha, float limit) {
+  for (int64_t i = 0; i < F; ++i) {
+    const float gi = std::min(float(g[i]), limit), ui = std::max(std::min(float(u[i]), limit), -limit);
+    out[i] = at::BFloat16((ui + 1.f) * (gi / (1.f + exp_fast(-alpha * gi))));
+  }
+}
+
 // torch's .to(bfloat16) of v: round to nearest even, NaN to its quiet NaN; plain integer arithmetic and a select,
 // so that loops of it vectorize
 inline uint16_t bf16_bits(float v) {
@@ -165,6 +174,11 @@ std::tuple<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const 
 }
 
 }  // namespace
+
+void clamped_glu_bf16(const uint16_t* g, const uint16_t* u, uint16_t* a, int64_t n, float alpha, float limit) {
+  clamped_glu_row(reinterpret_cast<const at::BFloat16*>(g), reinterpret_cast<const at::BFloat16*>(u), n,
+                  reinterpret_cast<at::BFloat16*>(a), alpha, limit);
+}
 
 void swiglu_bf16(const uint16_t* g, const uint16_t* u, uint16_t* a, int64_t n) {
   swiglu_row(reinterpret_cast<const at::BFloat16*>(g), reinterpret_cast<const at::BFloat16*>(u), n,
