@@ -519,11 +519,11 @@ class ExpertFormat:
 
     def _amx_forward(self, x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """`forward` of rows past the kernels' groups on the AMX GEMM in one native call (ExpertSpec.forward_amx:
-        gate and up over x rounded to bf16, their SwiGLU (gpt-oss's clamped GLU) in fp32, down over it rounded to
-        bf16; what `layer_call` computes such an expert with), in x's dtype; None where it does not run it (`amx_rows` 0, more than
-        quant/int4.AMX_ROWS rows). In torch ops (`dequantized`: a gather, casts, three GEMM calls and the SwiGLU a
-        call) a Qwen3-30B-A3B-width expert at 32-48 rows took ~0.9 ms beside its GEMMs' ~0.62 (2 AMX cores,
-        2026-12-06)."""
+        gate and up over x rounded to bf16 into bf16, their SwiGLU (gpt-oss's clamped GLU) in fp32 rounded to bf16,
+        down over that; what `layer_call` computes such an expert with), in x's dtype; None where it does not run it
+        (`amx_rows` 0, more than quant/int4.AMX_ROWS rows). In torch ops (`dequantized`: a gather, casts, three GEMM
+        calls and the SwiGLU a call) a Qwen3-30B-A3B-width expert at 32-48 rows took ~0.9 ms beside its GEMMs' ~0.62
+        (2 AMX cores, 2026-12-06)."""
         from tiered.quant.int4 import AMX_ROWS
 
         amx = self.amx_rows
