@@ -488,6 +488,15 @@ class ExpertFormat:
         return self.group_rows
 
     @property
+    def layer_call_rows(self) -> int:
+        """Rows of one expert up to which `layer_call` computes it itself (with `amx_rows` past the grouped kernels'
+        rows, up to quant/int4.AMX_ROWS; else `group_rows`); an expert of more rows is computed by `forward` and
+        `given` to the call."""
+        from tiered.quant.int4 import AMX_ROWS
+
+        return AMX_ROWS if self.amx_rows else self.group_rows
+
+    @property
     def glu_args(self) -> dict:
         """The native calls' clamped-GLU arguments (forward_group, layer_call, DecodeStep.set_moe): gpt-oss's
         swiglu_limit / swiglu_alpha, or none."""
@@ -524,10 +533,8 @@ class ExpertFormat:
         (`amx_rows` 0, more than quant/int4.AMX_ROWS rows). In torch ops (`dequantized`: a gather, casts, three GEMM
         calls and the SwiGLU a call) a Qwen3-30B-A3B-width expert at 32-48 rows took ~0.9 ms beside its GEMMs' ~0.62
         (2 AMX cores, 2026-12-06)."""
-        from tiered.quant.int4 import AMX_ROWS
-
         amx = self.amx_rows
-        if not amx or not amx < x.shape[0] <= AMX_ROWS:
+        if not amx or not amx < x.shape[0] <= self.layer_call_rows:
             return None
         y = self.native.forward_amx(slot[0], x, **self.glu_args)
         return None if y is None else y.to(x.dtype)

@@ -236,9 +236,9 @@ def _native_moe(block, dtype: torch.dtype) -> dict | None:
     if bound is None:
         return None
     # the rows an expert averages from which the step computes its experts on the AMX GEMM where their kernels have
-    # it (tiled int4: gemv.cpp's moe_experts_amx), as the modules' prefill does past group_rows
-    amx_rows = 0 if r.fmt.is_dense else r.fmt.group_rows
-    return dict(args, experts=bound, amx_rows=amx_rows, **r.fmt.glu_args)  # gpt-oss's: their clamped GLU
+    # it (tiled int4 and mxfp4: gemv.cpp's moe_experts_amx), as the modules' prefill does past group_rows; 0 where
+    # they have none (the step then gathers no rows for it)
+    return dict(args, experts=bound, amx_rows=r.fmt.amx_rows, **r.fmt.glu_args)  # gpt-oss's: their clamped GLU
 
 
 def _native_latent(layer: nn.Module, dtype: torch.dtype) -> dict | None:

@@ -51,7 +51,6 @@ from tiered.memory.apply import PlacedExperts, StagingPool
 from tiered.models.moe import swiglu_hidden
 from tiered.planner.placement import DISK
 from tiered.quant.experts import bf16_native_rows
-from tiered.quant.int4 import AMX_ROWS
 from tiered.runtime.dispatcher import COPY, CPU, RESIDENT, SPLIT, LatencyModel, dispatch_misses
 from tiered.runtime.executor import Executor
 from tiered.runtime.grouped_experts import grouped_experts_forward, grouped_method
@@ -314,13 +313,12 @@ class TieredExperts:
             # faulted in). With the AMX GEMM the call computes the experts past the group rows too, as `forward` does:
             # a Qwen3-30B-A3B-width 512-token prompt's ~85 such experts a layer had cost ~0.25 ms each in torch ops
             # around their GEMMs (2 AMX cores, 2026-12-06)
-            amx = self.fmt.amx_rows
-            most = AMX_ROWS if amx else self.fmt.group_rows
+            most = self.fmt.layer_call_rows
             given = [None] * len(experts)
             for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
                 if b - a > most:
                     given[i] = self.fmt.forward(x[tok_all[a:b]], on_fast[experts[i]])
-            out = call(topk_idx, topk_weight.to(x.dtype), experts, given, amx)
+            out = call(topk_idx, topk_weight.to(x.dtype), experts, given, self.fmt.amx_rows)
             self.path_counts[RESIDENT] += len(experts)
             self.executor.record(f"experts L{layer_idx} ({len(experts)})", "cpu", t0, time.perf_counter(), layer=layer_idx)
             return out

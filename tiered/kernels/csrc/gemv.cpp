@@ -2461,8 +2461,7 @@ struct Int4TGemv : Int4Gemv {
     thread_local std::vector<uint16_t> xb;
     xb.resize(B * in_features);
     round_row(x, B * in_features, xb.data());  // (kernel.h: torch's rounding)
-    int4t_amx_gemm(w, xb.data(), in_features, B, in_features, out_features, y, nullptr, out_features);
-    return true;
+    return run_amx_bf16(xb.data(), B, y, nullptr);
   }
   bool run_amx_bf16(const uint16_t* x, int64_t B, float* yf, uint16_t* yb) const override {
     if (current_isa() != kAvx512 || !amx_step()) return false;
@@ -3295,7 +3294,7 @@ bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float*
   // (a projection of another format, Q4_K_M's Q6_K down as tiled int8: its own kernel over the rows in fp32)
   auto widened = [&](const std::vector<uint16_t>& b, int64_t count) {
     f.resize(count);
-    for (int64_t i = 0; i < count; ++i) f[i] = bf16f(b[i]);
+    for (int64_t i = 0; i < count; ++i) f[i] = bf16_to_float(b[i]);
     return f.data();
   };
   if (!up.run_amx_bf16(xb.data(), n, nullptr, u.data())) {
