@@ -663,6 +663,52 @@ def test_prompts_attend_in_the_plans_format_and_decode_steps_as_before(zoo, box,
     assert all(q_dtype == torch.float32 for T, q_dtype, _ in seen if T == 1)
 
 
+def test_per_head_qk_norms_attend_in_the_plans_format_with_the_fp32_paths_values(zoo, box, tmp_path, monkeypatch):
+    """Qwen3's per-head q/k norms no longer keep a prompt's attention off the plan's format (Attention.input_dtype):
+    with one-copy int4 projections computing the prompt in bf16 and a bf16 cache, q, k and v come out of their
+    GEMM in bf16 and the norm runs in fp32 on the way into RoPE (apply_rotary's norm, one native pass), so the
+    logits equal, bit for bit, those of the route through fp32 activations (q/k norm, then RoPE, in fp32 passes)."""
+    from tiered import kernels
+    from tiered.models import layers
+
+    if not kernels.available():
+        pytest.skip("one-copy int4 weights need tiered/kernels")
+    hw = HardwareProfile.load(box)
+    m = dict(hw.models, **{"gemv/cpu/int4": LinearModel(0.0, 5e-11, 1.0),
+                           "gemm/cpu/int4": LinearModel(1e-5, 2e-11, 1.0),
+                           "attn_prefill/cpu/fp32": LinearModel(1e-5, 2e-11, 1.0),
+                           "attn_prefill/cpu/bf16": LinearModel(1e-5, 5e-12, 1.0)})
+    path = tmp_path / "attn.json"
+    HardwareProfile("attn", "test", m, hw.gpu_memory, hw.cpu_memory,
+                    meta={"native_kernels": True, "kernel_isa": "avx512"}).save(path)
+    llm = LLM(zoo.dir("qwen3"), EngineConfig(accelerator="none", max_context=CTX, profile=str(path),
+                                             decode_weights="int4"))
+    assert llm.plan.dtypes["prompt_attention"] == "bf16" and llm.dtype == torch.float32
+    attn = [a for a in llm.model.modules() if isinstance(a, layers.Attention)]
+    assert attn and all(a.q_norm is not None and a.qk_norm_per_head for a in attn)
+    from tiered.quant import int4
+    monkeypatch.setattr(int4, "dequantize_rows", lambda *a, **k: 1)  # prompt rows dequantize here
+    ids = torch.randint(2, zoo.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    seen, norms = [], []
+    real, real_rope = layers.attend, layers.apply_rotary
+    monkeypatch.setattr(layers, "attend", lambda q, k, v, *a: seen.append((q.dtype, v.dtype)) or real(q, k, v, *a))
+    monkeypatch.setattr(layers, "apply_rotary", lambda x, *a: norms.append((x.dtype, a[-1] is not None)) or
+                        real_rope(x, *a))
+    from tiered.quant.linear import dense_dtype
+    if dense_dtype(attn[0].q_proj, len(ids)) != torch.bfloat16:  # AVX2: prompt rows dequantize for fp32 GEMMs
+        pytest.skip("this machine's int4 projections compute a prompt in fp32")
+    got = llm.logits(ids, lossless=False)
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    assert set(norms) == {(torch.bfloat16, True)}  # q and k from their GEMM in bf16, normalized in RoPE's pass
+    seen.clear(), norms.clear()
+    with monkeypatch.context() as mp:  # the fp32 activations' route, the norm and RoPE as torch's fp32 passes
+        mp.setattr(layers.Attention, "input_dtype", lambda self, x, cache: None)
+        mp.setattr(layers, "_norm_rope_kernels", lambda *a: None)
+        ref = llm.logits(ids, lossless=False)
+    assert {n[0] for n in norms} == {torch.float32} and set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    assert torch.equal(got, ref)
+
+
 def test_a_plans_prompt_ffn_dtype_reaches_the_mlps(zoo, box, tmp_path):
     """Plan.dtypes["prompt_ffn"] (planner/latency_cpu.prompt_ffn) reaches every MLP (runtime/install ->
     models/layers.set_prompt_ffn): bf16 where the plan's projections are one-copy int4 weights that a profiled

@@ -22,9 +22,39 @@ def test_native_rope_equals_the_torch_ops(dtype):
     xf = x.float()
     ref = (xf * cos + layers._rotate_half(xf) * sin).to(dtype)
     got = kernels.load().rope(x, cos, sin)
-    assert got.is_contiguous() and got.dtype == dtype and torch.equal(got, ref)
+    # rows in x's order: each token's heads side by side, as the projection's output held them
+    assert got.transpose(1, 2).is_contiguous() and got.dtype == dtype and torch.equal(got, ref)
     assert torch.equal(layers.apply_rotary(x, cos, sin), ref)  # the prompt path takes it
     assert torch.equal(layers.apply_rotary(x, cos, sin, layers.Rotary.signed(sin)), ref)
+    heads = kernels.load().rope(x.contiguous(), cos, sin)  # heads one after another: so out
+    assert heads.is_contiguous() and torch.equal(heads, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["tokens", "heads"])
+def test_native_rope_with_a_head_norm_is_the_fp32_norm_then_rope_rounded_once(dtype, layout, monkeypatch):
+    """Qwen3's per-head q/k norm on the way into RoPE (apply_rotary's `norm`): one native pass over each row, the
+    values of RMSNorm's fp32 pass and then RoPE's over fp32 rows, bit for bit, rounded once to x's dtype; without
+    the kernels (or for one token) the same fp32 passes in torch."""
+    g = torch.Generator().manual_seed(3)
+    # the slice of a fused q/k/v output seen as heads (tokens 96 * 3 elements apart), or heads one after another
+    qkv = torch.randn(2, 21, 3 * 6 * 32, generator=g).to(dtype) * 3
+    x = qkv[..., :6 * 32].view(2, 21, 6, 32).transpose(1, 2)
+    x = x if layout == "tokens" else x.contiguous()
+    cos, sin = torch.randn(2, 1, 21, 32, generator=g), torch.randn(2, 1, 21, 32, generator=g)
+    norm = layers.RMSNorm(32, 1e-6)
+    norm.weight.data = torch.rand(32, generator=g) + 0.5
+    norm.weight.requires_grad_(False)
+    xf = norm(x.float())  # RMSNorm's own fp32 pass (the native rms_norm)
+    ref = (xf * cos + layers._rotate_half(xf) * sin).to(dtype)
+    got = kernels.load().rope(x, cos, sin, norm.weight, norm.eps)
+    assert got.dtype == dtype and got.shape == x.shape and torch.equal(got, ref)
+    assert torch.equal(layers.apply_rotary(x, cos, sin, None, norm), ref)
+    assert torch.equal(layers.apply_rotary(x, cos, sin, layers.Rotary.signed(sin), norm), ref)
+    monkeypatch.setattr(layers, "_norm_rope_kernels", lambda *a: None)  # torch's passes
+    assert torch.equal(layers.apply_rotary(x, cos, sin, None, norm), ref)
+    one = x[:, :, :1]  # a decode step's token: torch's passes, the same values
+    assert torch.equal(layers.apply_rotary(one, cos[:, :, :1], sin[:, :, :1], None, norm), ref[:, :, :1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -56,6 +86,8 @@ def test_glue_refuses_what_it_cannot_read():
         ext.rope(torch.zeros(1, 1, 2, 3), torch.zeros(1, 1, 2, 3), torch.zeros(1, 1, 2, 3))
     with pytest.raises(RuntimeError, match="cos and sin must hold"):
         ext.rope(torch.zeros(1, 2, 4, 8), torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8))
+    with pytest.raises(RuntimeError, match=r"norm_weight must be fp32 \[8\]"):
+        ext.rope(torch.zeros(1, 2, 4, 8), torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8), torch.ones(6), 1e-6)
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         ext.swiglu(torch.zeros(2, 8, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="up must be the gate's shape"):

@@ -102,6 +102,19 @@ def _glue_kernels(x: torch.Tensor):
     return kernels.load()
 
 
+def _norm_rope_kernels(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: RMSNorm):
+    """tiered/kernels' module where its rope normalizes x's rows with `norm` on the way (`apply_rotary`): a prompt's
+    rows (x [B, H, T, hd], T > 1, rows contiguous) on the CPU, a full RoPE (cos / sin [B, 1, T, hd]) and an fp32
+    norm weight [hd]; else None."""
+    B, _, T, hd = x.shape
+    w = norm.weight
+    if (T < 2 or x.stride(-1) != 1 or cos.shape != (B, 1, T, hd) or sin.shape != cos.shape
+            or w.dtype != torch.float32 or w.shape != (hd,) or w.device != x.device
+            or (torch.is_grad_enabled() and w.requires_grad)):
+        return None
+    return _glue_kernels(x)
+
+
 def swiglu(gu: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation of a fused gate/up projection's output: gu [..., 2F] (gate, then up) -> silu(gate) * up
     [..., F] in gu's dtype. On the CPU in one pass (tiered/kernels' swiglu: computed in fp32, rounded once, where
@@ -120,8 +133,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 sin_signed: torch.Tensor | None = None) -> torch.Tensor:
-    """x [B, H, T, hd]; cos/sin [B, 1, T, rd] fp32 (rd <= hd) -> rotated x in x's dtype.
+                 sin_signed: torch.Tensor | None = None, norm: RMSNorm | None = None) -> torch.Tensor:
+    """x [B, H, T, hd]; cos/sin [B, 1, T, rd] fp32 (rd <= hd) -> rotated x in x's dtype; with `norm` (an RMSNorm
+    over hd: Qwen3's per-head q/k norm) each head's row is normalized first, the norm and the rotation in fp32 and
+    the result rounded once to x's dtype (on the CPU one native pass for a prompt's rows: tiered/kernels' rope with
+    the norm's weight; the separate fp32 passes bit for bit, without the normalized rows in memory).
 
     A partial RoPE (rd < hd: GLM-4.5's partial_rotary_factor) rotates each head's first rd features
     (rotate-half over those) and passes the other hd - rd through unchanged, as transformers'
@@ -133,6 +149,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     decode step's host time is mostly such launches.
     """
     rd = cos.shape[-1]
+    if norm is not None:
+        native = _norm_rope_kernels(x, cos, sin, norm)
+        if native is not None:  # the norm and RoPE in one pass, fp32 inside, rounded once: RMSNorm's fp32 values
+            return native.rope(x, cos, sin, norm.weight, norm.eps)
+        out = apply_rotary(norm(x.float()), cos, sin, sin_signed)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
     if rd != x.shape[-1]:  # partial RoPE: rotate the first rd features, pass the rest through
         return torch.cat((apply_rotary(x[..., :rd], cos, sin, sin_signed), x[..., rd:]), -1)
     if x.shape[2] > 1 and x.stride(-1) == 1 and cos.shape == (x.shape[0], 1, x.shape[2], rd) and sin.shape == cos.shape:
@@ -564,11 +586,13 @@ class Attention(nn.Module):
         (quant/linear.dense_dtype: one-copy int4 weights dequantized for bf16 GEMMs); else None. q, k and v then
         come out of their GEMM in that dtype, RoPE rounds once to it as the cache write would, and attention and o
         run in it: the values of x's path bit for bit, which casts x before each GEMM and each GEMM's output back,
-        and q to it and attention's output back around attention. Not with q/k norms or a clip (they run on the
+        and q to it and attention's output back around attention. Qwen3's per-head q/k norms run in fp32 on the way
+        into RoPE (`apply_rotary`'s norm) either way. Not with whole-projection q/k norms or a clip (they run on the
         GEMM's fp32 output), nor fused dense q/k/v weights."""
         dt = self.prompt_dtype
         if (dt is None or x.dim() != 3 or x.shape[1] < 2 or dt == x.dtype or self.qkv is not None
-                or self.q_norm is not None or self.clip_qkv is not None or cache.quantized or cache.k.dtype != dt):
+                or (self.q_norm is not None and not self.qk_norm_per_head) or self.clip_qkv is not None
+                or cache.quantized or cache.k.dtype != dt):
             return None
         from tiered.quant.linear import dense_dtype
 
@@ -602,10 +626,12 @@ class Attention(nn.Module):
         q = q.view(B, T, self.H, self.hd)  # (B, T, H, hd)
         k = k.view(B, T, self.Hkv, self.hd)
         v = v.view(B, T, self.Hkv, self.hd)
-        if self.q_norm is not None and self.qk_norm_per_head:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), meta.cos, meta.sin, meta.sin_signed)  # (B, H, T, hd)
-        k = apply_rotary(k.transpose(1, 2), meta.cos, meta.sin, meta.sin_signed)  # (B, Hkv, T, hd)
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm_per_head else (None, None)
+        if q_norm is not None and x.dtype != torch.float32 and x.dtype != self.prompt_dtype:
+            q, k = q_norm(q), k_norm(k)  # a lower-precision model's norm, in HF's order (RMSNorm.residual)
+            q_norm = k_norm = None
+        q = apply_rotary(q.transpose(1, 2), meta.cos, meta.sin, meta.sin_signed, q_norm)  # (B, H, T, hd)
+        k = apply_rotary(k.transpose(1, 2), meta.cos, meta.sin, meta.sin_signed, k_norm)  # (B, Hkv, T, hd)
         return self._attend(q, k, v, meta, cache, B, T)
 
     def _attend(self, q, k, v, meta: AttentionMetadata, cache: KVCache, B: int, T: int) -> torch.Tensor:
