@@ -2361,7 +2361,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 57: runtime/step_rows/int4 net of the AMX GEMM where the step runs its int4 projections on it (STEP_AMX_ROWS rows
 # or more, meta["step_rows_amx"]), which the planner then prices the step's rows by (cpu_predict.step_amx_time): net
 # of the row kernels, which cost more than the step's AMX calls at 64-256 rows, the code came out ~0.
-PROFILER_VERSION = 57
+# 58: the AMX GEMM's calls of up to 64 rows take one block of W at a time and K in chunks of 3 groups (csrc/gemv.cpp
+# kAmxSmallTiles): an expert's projection at 16-64 rows 10-25% faster on 2 AMX cores, which gemm_amx/cpu/int4's
+# 32-row point and gemm_amx_floor/cpu/int4 price; both measured again.
+PROFILER_VERSION = 58
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is

@@ -1850,19 +1850,31 @@ TIERED_AMX void amx_epilogue(const float* c, int64_t ldc, int64_t rows, int64_t 
 // many blocks as fit beside them: x then stays in the L2 from one panel to the next (14336 x 4096 at 128 rows, x 1 MB:
 // 10.0-10.2 ms with one block a panel, 12.2-12.7 with four, whose 1 MB pushed x out), and a block's converted weights
 // are not read right after they are written (at 16 rows 3.5-3.7 ms with four, 5.1-7.0 with one).
-constexpr int64_t kAmxPanel = 4, kAmxChunk = 128, kAmxL2Bytes = 1280 << 10;
+// Calls of up to kAmxSmallTiles x tiles (64 rows: a prompt's experts) take one block at a time and K in chunks of
+// kAmxSmallChunk groups instead: the chunk's converted weights (6 KB) are read from the L1 right after they are
+// written and x's tiles (in the L2 throughout) against them. One int4 weight a call, cold, against the panels (2 AMX
+// cores, 2026-12-06, alternated processes, medians of 96 calls): Qwen3-30B-A3B's 2048 x 768 expert projection at 16 /
+// 32 / 48 / 64 rows 0.13-0.16 / 0.12-0.15 / 0.15-0.18 / 0.17-0.20 -> 0.10-0.11 / 0.11 / 0.13-0.14 / 0.15 ms, 768 x
+// 2048 at 48 / 64 0.14-0.15 / 0.17-0.19 -> 0.12-0.13 / 0.14-0.15; Mixtral's 4096 x 14336 at 16 / 32 / 48 / 64
+// 4.4 / 5.0-5.3 / 6.0 / 6.4 -> 3.3-3.5 / 3.8-4.2 / 4.6-5.0 / 5.6-5.9 ms, 14336 x 4096 4.7 / 5.4-5.6 / 6.5-6.7 / 7.0-7.2
+// -> 3.4-3.6 / 4.3-4.5 / 5.1-5.9 / 6.1-6.6. Chunks of 4 groups ran as 3 on Qwen's widths and 5-15% slower on Mixtral's,
+// 2 and 6 slower on both, 1 up to 1.5x the panels' time; past 64 rows (96-256) within the noise of the panels.
+constexpr int64_t kAmxPanel = 4, kAmxChunk = 128, kAmxL2Bytes = 1280 << 10, kAmxSmallTiles = 4, kAmxSmallChunk = 3;
 
 // x's 32-row blocks against the weight's 32-row blocks j0..j1 (int4t_amx_gemm's work on one thread), kAmxPanel
-// blocks of W at a time and K in chunks of kAmxChunk groups: each chunk of a panel dequantized into bv, then every
+// blocks of W at a time and K in chunks of kAmxChunk groups (up to kAmxSmallTiles x tiles: one block, chunks of
+// kAmxSmallChunk groups): each chunk of a panel dequantized into bv, then every
 // 32-row block of x's chunk against each block of it, their fp32 sums kept in cb between chunks.
 TIERED_AMX void int4t_amx_blocks(const Int4W& w, const uint16_t* xa, int64_t M, int64_t K, int64_t N, float* yf,
                                  uint16_t* yb, int64_t ldy, int64_t j0, int64_t j1) {
-  const int64_t G = K / kGroup, Gc = std::min(G, kAmxChunk);
+  const int64_t G = K / kGroup;
   const int64_t MT = (M + kAmxRows - 1) / kAmxRows;
   const int64_t x_bytes = MT * kAmxRows * K * int64_t(sizeof(uint16_t)), block_bytes = 2 * kBlock * K * int64_t(sizeof(uint16_t));
-  const int64_t P = G > kAmxChunk || x_bytes + block_bytes > kAmxL2Bytes
+  int64_t P = G > kAmxChunk || x_bytes + block_bytes > kAmxL2Bytes
                         ? kAmxPanel
                         : std::min(kAmxPanel, (kAmxL2Bytes - x_bytes) / block_bytes);
+  int64_t Gc = std::min(G, kAmxChunk);
+  if (MT <= kAmxSmallTiles) P = 1, Gc = std::min(G, kAmxSmallChunk);
   AmxConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = kAmxRows, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
