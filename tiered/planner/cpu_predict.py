@@ -683,7 +683,7 @@ def int4_kernel_rows(hw: HardwareProfile, batch_act: str) -> float | None:
 
 def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes: float, macs_per_row: float,
                        batch_act: str = "bf16", biased: bool = False, working_set: float = 0.0,
-                       glu: float = 0.0) -> float | None:
+                       glu: float = 0.0, group_rows: int | None = None) -> float | None:
     """Seconds of one CPU expert stored in quantized `kind` ("int4", "mxfp4", "int8-g32", ...: `weight_bytes`
     in all, `macs_per_row` its three projections' multiply-adds a row) over `rows` rows of a prompt, by the
     path the runtime takes there (quant/experts.prompt_rows, on the profiled machine's kernel_isa): the native
@@ -697,7 +697,8 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
     `biased`: gpt-oss's experts (ModelConfig.expert_bias), never in row groups. None where the profile has no native
     kernels or the path is none of these (a dense kind: native_expert_time / torch_gemm_time). Priced as fp32
     GEMMs before, a gpt-oss-20b-width prompt's mxfp4 experts cost 5.0 s of a 512-token TTFT that took 1.9
-    (2 Sapphire Rapids cores, 2026-11-29)."""
+    (2 Sapphire Rapids cores, 2026-11-29). `group_rows`: priced_group_rows for this expert where the caller has it
+    (predict_prefill: once a prediction, for every draw of rows it prices); None: computed here."""
     import math
 
     if not native_step(hw) or kind in ("bf16", "fp32", "fp16"):
@@ -708,7 +709,8 @@ def prompt_expert_time(hw: HardwareProfile, kind: str, rows: float, weight_bytes
         return None
     one, grouped = prompt_rows(kind, kernel_isa(hw), biased, batch_act, (hw.meta or {}).get("kernel_tuning") or {})
     if kind == "int4" and not biased and grouped > NATIVE_ROWS:
-        grouped = min(grouped, priced_group_rows(hw, weight_bytes, macs_per_row, batch_act))
+        grouped = min(grouped, group_rows if group_rows is not None else
+                      priced_group_rows(hw, weight_bytes, macs_per_row, batch_act))
     r = max(1, math.ceil(rows - 1e-9))
     key = op_time.gemv_dtype(kind, batch_act) if kind != "mxfp4" else kind
     if r <= one or r <= grouped:
@@ -945,6 +947,10 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
     edt = experts_dtype or dtype
     stored = experts_format or edt
     E_, k_ = max(cfg.num_experts, 1), max(cfg.num_experts_per_tok, 1)
+    # where an int4 expert's rows leave the kernel's groups (prompt_expert_time's, priced once here: it had been
+    # searched again for every draw of rows priced, ~0.03 s of a Qwen3-30B-A3B-width load)
+    group_rows = priced_group_rows(hw, eb, 3 * d * cfg.moe_intermediate_size, batch_act) \
+        if n_moe and stored == "int4" and not cfg.expert_bias and native_step(hw) else None
 
     def forward(T: int) -> float:
         """Seconds of one forward of T tokens without its attention: the per-step cost, the last token's
@@ -1006,7 +1012,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                         hw, act_dtype or dtype, s * F, fixed=False) or 0.0)
                     quantized = None if stored == edt else prompt_expert_time(
                         hw, stored, s, eb, 3 * d * F, batch_act, cfg.expert_bias, active_experts * eb * n_moe,
-                        glu=glu)
+                        glu=glu, group_rows=group_rows)
                     if stored == edt and s <= expert_native_rows(hw, stored):  # tiered's native kernel
                         return native_expert_time(hw, edt, s, ebytes, 3 * d * F)
                     if quantized is not None:  # a quantized format's own kernels, or dequantized GEMMs past them
