@@ -224,3 +224,31 @@ def test_a_prompts_layers_take_the_norms_in_their_gemms_dtype(zoo, monkeypatch):
         assert hidden(bf16, 1)[1][0] == ("Attention", fp32)  # a decode row
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("shape", [(1, 9, 3, 64, 200, 208), (2, 4, 4, 128, 37, 48), (1, 8, 2, 32, 65, 65)])
+def test_amx_prompt_attention_is_as_close_to_fp32_as_torchs_bf16_attention(shape):
+    """A bf16 prompt's causal attention from position 0 (query i over keys 0..i, S >= T keys: the cache's aligned
+    count) on tiered's AMX kernel where the CPU has AMX (layers.attend takes it): within the error torch's bf16
+    flash attention makes against an fp32 reference, GQA included, its rows laid out as o_proj reads them."""
+    from tiered.models.layers import _amx_attention, attend
+
+    B, H, Hkv, hd, T, S = shape
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, T, H, hd, generator=g).bfloat16().transpose(1, 2)  # a projection's output seen as heads
+    k, v = (torch.randn(B, Hkv, S, hd, generator=g).bfloat16() for _ in range(2))
+    if _amx_attention(q, k, v) is None:
+        pytest.skip("no AMX here")
+    scale = hd ** -0.5
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=scale,
+                                         enable_gqa=H != Hkv)
+    torch_bf16 = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=H != Hkv)
+    got = attend(q, k, v, None, True, scale, H != Hkv)
+    assert got.dtype == torch.bfloat16 and got.shape == (B, H, T, hd) and got.transpose(1, 2).is_contiguous()
+    err, torch_err = (got.float() - ref).abs().max().item(), (torch_bf16.float() - ref).abs().max().item()
+    assert err <= 1.5 * torch_err + 1e-3
+    assert (got.float() - ref).abs().mean() <= 1.5 * (torch_bf16.float() - ref).abs().mean()
+    # a mask, past positions or fp32 take torch's SDPA
+    assert _amx_attention(q.float(), k.float(), v.float()) is None and _amx_attention(q[:, :, :1], k, v) is None
+    with pytest.raises(RuntimeError, match="head_dim % 32"):
+        kernels.load().amx_prompt_attention(q[..., :16], k[..., :16], v[..., :16], scale)

@@ -23,7 +23,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                          or a beam search's rows), cold 4096 x 4096 weights; int4q8: int4 on int8
                          activations (Plan.batch_act "q8"); int8-g32q8: the tiled int8-g32 copies
                          (a GGUF head's) on int8 activations there                n = MACs
-    attn_prefill/cpu/<dtype>  a prompt's causal attention (torch's SDPA, as the model runs it)
+    attn_prefill/cpu/<dtype>  a prompt's causal attention (models/layers.attend, as the model runs it: torch's
+                         SDPA, or a bf16 prompt's AMX kernel where it runs)
                          n = MACs (2 * heads * T (T + 1) / 2 * head_dim)
     convert/cpu/bf16     a bf16 weight's conversion to fp32 (CPUs without a bf16 GEMM only: hardware/cpu_gemm),
                          cold weights whose fp32 copy is under 32 MiB             n = elements
@@ -1320,7 +1321,7 @@ def _attn_rows_points(kv: str, repeats: int) -> list[tuple[float, float]]:
 
 def _attn_prefill_points(dtype: str, shapes, repeats: int):
     """(MACs, seconds) of a prefill forward's attention on the CPU, as models/layers.attend runs it (torch's
-    scaled_dot_product_attention), per shape (heads, T queries, S keys, head_dim): S == T a whole prompt
+    scaled_dot_product_attention, or a whole bf16 prompt's on tiered's AMX kernel where it runs), per shape (heads, T queries, S keys, head_dim): S == T a whole prompt
     (is_causal: attn_prefill), S > T a chunk after S - T cached tokens (engine/llm.LLM._prefill), whose rows
     see the past and their own prefix through an explicit mask (attn_prefill_past). MACs = 2 * heads *
     head_dim * op_time.prefill_attention_pairs: the causal half of a whole prompt, every pair of a chunk (the
@@ -1328,7 +1329,7 @@ def _attn_prefill_points(dtype: str, shapes, repeats: int):
     attention at several times the GEMM fit's time per MAC, which the prefill prediction had used; on 2 Zen 3
     cores the chunks ran ~47 GMAC/s where 512-token prompts ran ~17 (2026-11-30): priced by the causal key, a
     4096-token SmolLM2 prompt in chunks of 1024 was 37% slow."""
-    import torch.nn.functional as F
+    from tiered.models.layers import attend
 
     td = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     points = []
@@ -1336,8 +1337,7 @@ def _attn_prefill_points(dtype: str, shapes, repeats: int):
         q = torch.randn(1, heads, T, hd, dtype=td)
         k, v = (torch.randn(1, heads, S, hd, dtype=td) for _ in range(2))
         mask = None if S == T else torch.ones(T, S, dtype=torch.bool).tril(S - T)
-        t = median_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None),
-                        repeats, lambda: None)
+        t = median_time(lambda: attend(q, k, v, mask, mask is None, hd ** -0.5, False), repeats, lambda: None)
         points.append((2 * heads * hd * prefill_attention_pairs(T, S - T), t))
     return points
 
@@ -2364,7 +2364,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 58: the AMX GEMM's calls of up to 64 rows take one block of W at a time and K in chunks of 3 groups (csrc/gemv.cpp
 # kAmxSmallTiles): an expert's projection at 16-64 rows 10-25% faster on 2 AMX cores, which gemm_amx/cpu/int4's
 # 32-row point and gemm_amx_floor/cpu/int4 price; both measured again.
-PROFILER_VERSION = 58
+# 59: attn_prefill/cpu/<dtype> timed through models/layers.attend, whose whole bf16 prompts take tiered's AMX
+# attention where it runs (csrc/gemv.cpp amx_prompt_attention: SmolLM2's heads at 512 tokens 0.72 ms against torch's
+# 0.98 on 2 AMX cores).
+PROFILER_VERSION = 59
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
