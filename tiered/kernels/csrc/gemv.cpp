@@ -1723,6 +1723,14 @@ T* aligned64(std::vector<T>& v, int64_t n) {
 
 #define TIERED_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma")))
 
+// Every tile 16 rows of 64 bytes (bf16 A and B tiles, fp32 C tiles) in this thread's tile configuration (ldtilecfg):
+// the AMX GEMM's and the prompt attention's layout
+TIERED_AMX inline void amx_load_tiles() {
+  AmxConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = kAmxRows, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
 // The 16 rows' weights (int4t_dequantize's values, fp32) of the column at bits [shift, shift + 4) of each lane's dword
 // v: the nibble through tab (q as a float, or E2M1's value) by one vpermps, which reads only an index's low 4 bits (an
 // and, a convert and, for E2M1, a dword permute and a subtraction before: ~10% of a Mixtral-width weight's 16-row call,
@@ -1875,9 +1883,7 @@ TIERED_AMX void int4t_amx_blocks(const Int4W& w, const uint16_t* xa, int64_t M, 
                         : std::min(kAmxPanel, (kAmxL2Bytes - x_bytes) / block_bytes);
   int64_t Gc = std::min(G, kAmxChunk);
   if (MT <= kAmxSmallTiles) P = 1, Gc = std::min(G, kAmxSmallChunk);
-  AmxConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = kAmxRows, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
+  amx_load_tiles();
   thread_local std::vector<uint32_t> bv_;
   thread_local std::vector<float> cb_;
   uint32_t* const bv = aligned64(bv_, P * 2 * Gc * 256);
@@ -1947,8 +1953,8 @@ void int4t_amx_gemm(const Int4W& w, const uint16_t* x, int64_t lda, int64_t M, i
 
 // ------------------------------------------------------------------------------------ prompt attention on AMX
 // A prompt's causal attention (queries 0..T-1 over keys 0..S-1, S >= T, query i sees keys 0..i: SDPA's top-left
-// causal mask) in bf16 on AMX tiles, flash-style: per (sequence, head, 32 queries) the scores of 32 keys at a time
-// in 2 x 2 tiles, an online softmax in fp32 (exp_fast), the probabilities rounded to bf16 as A tiles against V.
+// causal mask) in bf16 on AMX tiles, flash-style: per (sequence, head, 32 queries) the scores of 64 keys at a time
+// in 2 x 2 tiles a half, an online softmax in fp32 (exp512), the probabilities rounded to bf16 as A tiles against V.
 // K and V are first packed per kv head into the tiles' B layout (kp: 16 keys x 32 features a tile, each key's
 // feature pair a dword; vp: 32 keys x 16 features, each feature's pair of keys a dword), zero past S. Against
 // torch's bf16 flash attention (2 AMX cores, 2026-12-06, medians of 10): SmolLM2's 9 x 64 heads (kv 3) at 512
@@ -1958,12 +1964,12 @@ void int4t_amx_gemm(const Int4W& w, const uint16_t* x, int64_t lda, int64_t M, i
 // conditional call: libm's nearbyintf each) 15x.
 constexpr int64_t kAttnQ = 32, kAttnK = 64;
 
-// kp [S32 / 16][hd / 32][16 pairs][16 keys] and vp [S32 / 32][hd / 16][16 pairs][16 features] (dwords) of one kv head:
-// k, v [S, hd] bf16 rows `ld` elements apart
-void attn_pack_kv(const uint16_t* k, const uint16_t* v, int64_t ld, int64_t S, int64_t S32, int64_t hd, uint32_t* kp,
+// kp [Sp / 16][hd / 32][16 pairs][16 keys] and vp [Sp / 32][hd / 16][16 pairs][16 features] (dwords) of one kv head:
+// k, v [S, hd] bf16 rows `ld` elements apart, Sp >= S padded to whole key blocks (kAttnK)
+void attn_pack_kv(const uint16_t* k, const uint16_t* v, int64_t ld, int64_t S, int64_t Sp, int64_t hd, uint32_t* kp,
                   uint32_t* vp) {
   const int64_t C = hd / 32, CC = hd / 16;
-  for (int64_t kb = 0; kb < S32 / 16; ++kb)
+  for (int64_t kb = 0; kb < Sp / 16; ++kb)
     for (int64_t c = 0; c < C; ++c) {
       uint32_t* t = kp + (kb * C + c) * 256;
       for (int64_t n = 0; n < 16; ++n) {
@@ -1975,7 +1981,7 @@ void attn_pack_kv(const uint16_t* k, const uint16_t* v, int64_t ld, int64_t S, i
         }
       }
     }
-  for (int64_t kb = 0; kb < S32 / 32; ++kb)
+  for (int64_t kb = 0; kb < Sp / 32; ++kb)
     for (int64_t cc = 0; cc < CC; ++cc) {
       uint32_t* t = vp + (kb * CC + cc) * 256;
       for (int64_t p = 0; p < 16; ++p) {
@@ -1988,20 +1994,15 @@ void attn_pack_kv(const uint16_t* k, const uint16_t* v, int64_t ld, int64_t S, i
     }
 }
 
-// e^x for 16 lanes as exp_fast computes each (kernel.h: clamp, 2^(x log2 e) = 2^n 2^f, the degree-6 polynomial, n
-// into the exponent bits)
+// e^x for 16 lanes as exp_fast computes each, with its constants (kernel.h: clamp, 2^(x log2 e) = 2^n 2^f, the
+// degree-6 polynomial, n into the exponent bits)
 TIERED_AMX TIERED_FORCE_INLINE __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpLo)), _mm512_set1_ps(kExpHi));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(kLog2e));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
 }
 
@@ -2133,9 +2134,7 @@ struct AttnJob {  // amx_prompt_attention's operands for attn_items
 
 // items w0..w1 of B x H x QB (sequence, head, block of 32 queries) on this thread
 TIERED_AMX void attn_items(const AttnJob& j, int64_t w0, int64_t w1) {
-  AmxConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = kAmxRows, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
+  amx_load_tiles();
   const int64_t C = j.hd / 32;
   thread_local std::vector<uint16_t> qa_;
   uint16_t* const qa = aligned64(qa_, 2 * C * 512);
@@ -2169,10 +2168,10 @@ at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const 
   TIERED_CHECK(k.size(0) == B && k.size(3) == hd && Hkv > 0 && H % Hkv == 0 && S >= T && hd % 32 == 0 && hd <= 256,
                "amx_prompt_attention: k / v [", B, ", Hkv | ", H, ", S >= ", T, ", ", hd, "] with head_dim % 32 == 0");
   at::Tensor out = at::empty({B, T, H, hd}, q.options()).transpose(1, 2);
-  const int64_t S32 = (std::max(S, T) + kAttnK - 1) / kAttnK * kAttnK, QB = (T + kAttnQ - 1) / kAttnQ;  // keys padded to whole blocks
-  const int64_t kv_dwords = S32 * hd / 2;  // kp's and vp's each
-  std::vector<uint32_t> packed(2 * B * Hkv * kv_dwords + 16);
-  uint32_t* const pk = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t(63));
+  const int64_t Sp = (std::max(S, T) + kAttnK - 1) / kAttnK * kAttnK, QB = (T + kAttnQ - 1) / kAttnQ;  // keys padded to whole blocks
+  const int64_t kv_dwords = Sp * hd / 2;  // kp's and vp's each
+  std::vector<uint32_t> packed;
+  uint32_t* const pk = aligned64(packed, 2 * B * Hkv * kv_dwords);
   const uint16_t *kd = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
                  *vd = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()),
                  *qd = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -2180,7 +2179,7 @@ at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t a0, int64_t a1) {
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t b = a / Hkv, g = a % Hkv;
-      attn_pack_kv(kd + b * k.stride(0) + g * k.stride(1), vd + b * v.stride(0) + g * v.stride(1), k.stride(2), S, S32,
+      attn_pack_kv(kd + b * k.stride(0) + g * k.stride(1), vd + b * v.stride(0) + g * v.stride(1), k.stride(2), S, Sp,
                    hd, pk + a * 2 * kv_dwords, pk + a * 2 * kv_dwords + kv_dwords);
     }
   });

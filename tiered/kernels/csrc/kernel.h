@@ -90,19 +90,24 @@ void rows_from(const at::Tensor& t, float* y);  // t [B, N] contiguous any float
 // e^x for x <= 0 .. small positive (softmax, SiLU), as plain arithmetic so that loops of it vectorize
 // (std::exp does not without -ffast-math): 2^(x log2 e) = 2^n 2^f, a degree-6 polynomial for 2^f on
 // [-0.5, 0.5] (relative error < 2e-7, as std::exp's float result to within 2 ulp), 2^n by exponent bits.
+// Its constants, which gemv.cpp's exp512 (16 lanes in AVX-512 intrinsics) shares: the clamp, log2 e, and the
+// polynomial's coefficients from the highest degree down.
+constexpr float kExpLo = -87.f, kExpHi = 88.f, kLog2e = 1.44269504088896341f;
+constexpr float kExp2Poly[7] = {1.5403530393381609e-4f, 1.3333558146428443e-3f, 9.6181291076284772e-3f,
+                                5.5504108664821580e-2f, 2.4022650695910071e-1f, 6.9314718055994531e-1f, 1.f};
 __attribute__((always_inline)) inline float exp_fast(float x) {
-  x = x < -87.f ? -87.f : x;  // selects GCC if-converts (-fno-trapping-math); std::min / max stayed scalar
-  x = x > 88.f ? 88.f : x;
-  const float t = x * 1.44269504088896341f;
+  x = x < kExpLo ? kExpLo : x;  // selects GCC if-converts (-fno-trapping-math); std::min / max stayed scalar
+  x = x > kExpHi ? kExpHi : x;
+  const float t = x * kLog2e;
   const float n = std::nearbyint(t);
   const float f = t - n;
-  float p = 1.5403530393381609e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.f;
+  float p = kExp2Poly[0];
+  p = p * f + kExp2Poly[1];
+  p = p * f + kExp2Poly[2];
+  p = p * f + kExp2Poly[3];
+  p = p * f + kExp2Poly[4];
+  p = p * f + kExp2Poly[5];
+  p = p * f + kExp2Poly[6];
   int32_t bits;
   std::memcpy(&bits, &p, 4);
   bits += int32_t(n) << 23;
