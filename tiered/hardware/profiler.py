@@ -51,7 +51,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
                          engine's ITL with bursts on less its layers (alpha only; tiered/kernels built)
     attn_decode/cpu/<kv>         the native decode step's attention per KV-cache byte (cache in <kv>,
                                  from DRAM; with tiered/kernels built and the LLC's size known)
-    attn_rows/cpu/<kv>           the native step's attention over a prompt run as its rows (Plan.mixed_rows),
+    attn_rows/cpu/<kv>           the native step's attention over a prompt run as its rows (Plan.mixed_rows;
+                                 over a bf16 cache attending in bf16, as plans there have prompts attend: AMX),
                                  seconds a layer             n = the layer's attention multiply-adds
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
                          n = layers (the fixed per-step and per-layer cost of the model code)
@@ -1280,12 +1281,15 @@ def _attn_rows_model(kv: str, slots: int, positions: int):
     """(CPUDecodeStep, KVCache of `slots` x `positions` in `kv`) of _attn_rows_points' attention-only model (12
     query heads on 4 KV heads of 64, hidden 64, ATTN_ROWS_LAYERS layers) in the native step."""
     from tiered.checkpoint.model_config import ModelConfig
-    from tiered.models.layers import KVCache
+    from tiered.models.layers import KVCache, set_prompt_attention
     from tiered.runtime.cpu_decode import CPUDecodeStep
 
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64,
                       num_hidden_layers=ATTN_ROWS_LAYERS, num_attention_heads=12, num_key_value_heads=4, head_dim=64)
-    return CPUDecodeStep(_random_model(cfg, positions), native=True), KVCache(cfg, slots, positions, kv_torch_dtype(kv))
+    model = _random_model(cfg, positions)
+    if kv == "bf16":  # prompts over a bf16 cache attend in bf16 (Plan.dtypes["prompt_attention"]): AMX where it runs
+        set_prompt_attention(model, torch.bfloat16)
+    return CPUDecodeStep(model, native=True), KVCache(cfg, slots, positions, kv_torch_dtype(kv))
 
 
 def attention_rows_call(kv: str, tokens: int, causal: bool = True) -> Callable[[], object]:
@@ -2367,7 +2371,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 59: attn_prefill/cpu/<dtype> timed through models/layers.attend, whose whole bf16 prompts take tiered's AMX
 # attention where it runs (csrc/gemv.cpp amx_prompt_attention: SmolLM2's heads at 512 tokens 0.72 ms against torch's
 # 0.98 on 2 AMX cores).
-PROFILER_VERSION = 59
+# 60: attn_rows/cpu/bf16 timed with the model's prompts attending in bf16 (layers.set_prompt_attention, as plans over a
+# bf16 cache on AVX-512 BF16 choose), whose runs of rows take the AMX attention where it runs
+# (gemv::amx_runs_attention: SmolLM2's 512-token prompt as rows 250 -> 208 ms on 2 AMX cores).
+PROFILER_VERSION = 60
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is

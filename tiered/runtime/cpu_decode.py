@@ -304,6 +304,11 @@ def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list, 
     # latent attention: one cache "head" of R + r per layer (ModelConfig.kv_widths), r = head_dim
     step = native.DecodeStep(cfg.hidden_size, cfg.num_attention_heads, 1 if cfg.is_mla else cfg.num_key_value_heads,
                              cfg.head_dim, cfg.head_dim ** -0.5, cfg.sliding_window or 0, cfg.rotary_dim)
+    # a prompt's rows over a bf16 cache attend in bf16 where the modules' prompts do (Plan.dtypes["prompt_attention"]
+    # through layers.set_prompt_attention, or a bf16 model): on the AMX attention where it runs
+    if dtype == torch.bfloat16 or any(getattr(layer.self_attn, "prompt_dtype", None) == torch.bfloat16
+                                      for _, layer in layers):
+        step.set_prompt_attention_bf16(True)
     latent = {}  # layer -> _native_latent's arguments
     moe = {}  # layer -> _native_moe's arguments
     for L, layer in layers:

@@ -1007,6 +1007,9 @@ class DecodeStep {
   // The most bytes a prompt's attention holds as transposed keys (attention_runs; 32 MiB by default): past
   // it the KV heads go in batches, one head at least.
   void set_max_transposed_bytes(int64_t bytes) { max_transposed_ = bytes; }
+  // Whether a prompt's runs of rows over a bf16 KV cache attend in bf16 on the AMX attention (gemv::amx_runs_attention)
+  // where it runs: the queries rounded to bf16, as the modules' prompts attend (layers.set_prompt_attention)
+  void set_prompt_attention_bf16(bool on) { prompt_bf16_ = on; }
 
   void set_attention(int64_t l, int64_t window, const at::Tensor& sinks) {
     TIERED_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty(), "decode step: set_attention needs a ",
@@ -1685,6 +1688,18 @@ class DecodeStep {
       auto head_cache = [&](const C* cache, const Run& r, int64_t g) {
         return reinterpret_cast<const E*>(cache + ((l * n_slots + slots[r.b0]) * Hkv + g) * max_len * rs);
       };
+      if constexpr (std::is_same_v<C, at::BFloat16>) {
+        // bf16 prompts (set_prompt_attention_bf16) on AMX where it runs, runs whose rows all see keys from 0
+        bool from0 = prompt_bf16_;
+        for (auto& r : runs) from0 = from0 && lo[r.b1 - 1] == 0;
+        if (from0) {
+          std::vector<gemv::AmxAttnRun> amx;
+          for (auto& r : runs)
+            amx.push_back({qkv + r.b0 * QKV, r.b1 - r.b0, pos[r.b0], head_cache(kc, r, 0), head_cache(vc, r, 0),
+                           att + r.b0 * H * hd});
+          if (gemv::amx_runs_attention(amx, QKV, H * hd, max_len * hd, H, Hkv, hd, scale_)) return in_run;
+        }
+      }
       // KV heads in batches whose transposed keys fit max_transposed_ (one head at least): a 1024-token chunk
       // of a Llama-3-8B-width model at position 31k would hold 128 MB for all 8 heads at once
       int64_t run_keys = 0;  // transposed key rows a head, over the runs
@@ -1909,6 +1924,9 @@ class DecodeStep {
   static constexpr int64_t kPartKeys = 256;
   // rows of one sequence at consecutive positions that attention_runs takes together (a prompt's)
   static constexpr int64_t kRunRows = 8;
+  // a prompt's runs attend in bf16 (the queries rounded, the probabilities in bf16) on AMX over a bf16 cache:
+  // set_prompt_attention_bf16, as the modules' prompts do (Plan.dtypes["prompt_attention"])
+  bool prompt_bf16_ = false;
   // attention_runs' transposed keys at most (KV heads in batches past it; set_max_transposed_bytes)
   int64_t max_transposed_ = int64_t(32) << 20;
   mutable std::vector<float> kt_buf_;  // attention_runs' transposed keys
@@ -2232,6 +2250,7 @@ void register_decode(pybind11::module& m) {
            py::arg("swiglu_alpha") = 1.702, py::arg("amx_rows") = 0)
       .def("set_attention", &DecodeStep::set_attention, py::arg("layer"), py::arg("window"), py::arg("sinks"))
       .def("set_max_transposed_bytes", &DecodeStep::set_max_transposed_bytes, py::arg("bytes"))
+      .def("set_prompt_attention_bf16", &DecodeStep::set_prompt_attention_bf16, py::arg("on"))
       .def("route", &DecodeStep::route, py::arg("layer"), py::arg("logits"))
       .def("set_qk", &DecodeStep::set_qk, py::arg("layer"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
            py::arg("per_head"), py::arg("clip") = 0.0)

@@ -2196,6 +2196,81 @@ constexpr int64_t kAmxStepRows = 48;
 std::atomic<bool> g_amx_rows{true};
 bool amx_step() { return amx_ready() && g_amx_rows.load(std::memory_order_relaxed); }
 
+// The native step's prompt runs (DecodeStep::attention_runs) on attn_block: each run's keys and values packed per kv
+// head from its cache rows, its query rows rounded to bf16 into tiles (torch's cast of an fp32 query: nearest even),
+// each (run, head, block of 32 queries) an item, the queries at positions p0.. masked against keys 0..p0 + i, the
+// output rows' bf16 widened into `out`. Items alternate from both ends of each (run, head)'s blocks, as attn_items'.
+struct RunsJob {
+  const std::vector<AmxAttnRun>& runs;
+  const std::vector<int64_t>& at;     // run r's packed kp / vp from at[r], 2 x kvd(r) dwords a kv head
+  const std::vector<int64_t>& first;  // run r's first item
+  const uint32_t* packed;
+  int64_t ldq, ldo, H, Hkv, hd;
+  float scale;
+  int64_t kvd(int64_t r) const { return (at[r + 1] - at[r]) / (2 * Hkv); }
+};
+
+TIERED_AMX void runs_items(const RunsJob& j, int64_t w0, int64_t w1) {
+  amx_load_tiles();
+  const int64_t C = j.hd / 32, hd = j.hd;
+  thread_local std::vector<uint16_t> qa_, ob_;
+  uint16_t* const qa = aligned64(qa_, 2 * C * 512);
+  uint16_t* const ob = aligned64(ob_, kAttnQ * hd);
+  for (int64_t w = w0; w < w1; ++w) {
+    const int64_t r = std::upper_bound(j.first.begin(), j.first.end(), w) - j.first.begin() - 1;
+    const AmxAttnRun& u = j.runs[r];
+    const int64_t QB = (u.n + kAttnQ - 1) / kAttnQ, i0 = w - j.first[r], h = i0 / QB, k = i0 % QB;
+    const int64_t qb = k % 2 == 0 ? k / 2 : QB - 1 - k / 2, q0 = qb * kAttnQ, nq = std::min(kAttnQ, u.n - q0);
+    for (int64_t i = 0; i < kAttnQ; ++i)  // the block's rows as two tiles' [hd / 32][16][32], zero past nq
+      for (int64_t c = 0; c < C; ++c) {
+        uint16_t* dst = qa + ((i / 16) * C + c) * 512 + (i % 16) * 32;
+        if (i < nq) {
+          const float* src = u.q + (q0 + i) * j.ldq + h * hd + c * 32;
+          _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
+        } else {
+          std::memset(dst, 0, 64);
+        }
+      }
+    const int64_t g = h / (j.H / j.Hkv), kvd = j.kvd(r);
+    const uint32_t* kp = j.packed + j.at[r] + g * 2 * kvd;
+    attn_block(qa, u.p0 + q0, nq, kp, kp + kvd, hd, j.scale, ob, hd);
+    for (int64_t i = 0; i < nq; ++i) {  // bf16 -> fp32: the bits shifted up
+      float* dst = u.out + (q0 + i) * j.ldo + h * hd;
+      for (int64_t t = 0; t < hd; t += 16) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ob + i * hd + t));
+        _mm512_storeu_ps(dst + t, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+      }
+    }
+  }
+  _tile_release();
+}
+
+bool runs_attention(const std::vector<AmxAttnRun>& runs, int64_t ldq, int64_t ldo, int64_t head_ld, int64_t H,
+                    int64_t Hkv, int64_t hd, float scale) {
+  if (!amx_step() || hd % 32 != 0 || hd > 256 || Hkv <= 0 || H % Hkv != 0 || runs.empty()) return false;
+  const int64_t R = int64_t(runs.size());
+  std::vector<int64_t> at(R + 1, 0), first(R + 1, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t Sp = (runs[r].p0 + runs[r].n + kAttnK - 1) / kAttnK * kAttnK;  // keys padded to whole blocks
+    at[r + 1] = at[r] + Hkv * Sp * hd;  // kp and vp: Sp * hd / 2 dwords each
+    first[r + 1] = first[r] + H * ((runs[r].n + kAttnQ - 1) / kAttnQ);
+  }
+  std::vector<uint32_t> packed;
+  uint32_t* const pk = aligned64(packed, at[R]);
+  const RunsJob job{runs, at, first, pk, ldq, ldo, H, Hkv, hd, scale};
+  at::parallel_for(0, R * Hkv, 1, [&](int64_t a0, int64_t a1) {
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t r = a / Hkv, g = a % Hkv, kvd = job.kvd(r);
+      const AmxAttnRun& u = runs[r];
+      uint32_t* kp = pk + at[r] + g * 2 * kvd;
+      attn_pack_kv(u.k + g * head_ld, u.v + g * head_ld, hd, u.p0 + u.n, kvd * 2 / hd, hd, kp, kp + kvd);
+    }
+  });
+  at::parallel_for(0, first[R], 1, [&](int64_t w0, int64_t w1) { runs_items(job, w0, w1); });
+  return true;
+}
+
+
 // ------------------------------------------------------------------------------------ int8, tiled
 // The tiled int8 layout (Int8W::tiled; the host layout of routed int8 experts beside tiled int4,
 // kernels/linear.tiled_int8): 16 output rows side by side, as the tiled int4 layout, so that one
@@ -3529,6 +3604,11 @@ c10::optional<Glu> glu_of(double limit, double alpha, const char* what) {
 }
 
 }  // namespace
+
+bool amx_runs_attention(const std::vector<AmxAttnRun>& runs, int64_t ldq, int64_t ldo, int64_t head_ld, int64_t H,
+                        int64_t Hkv, int64_t hd, float scale) {
+  return runs_attention(runs, ldq, ldo, head_ld, H, Hkv, hd, scale);
+}
 
 bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, int64_t D, int64_t n, float* y,
                 const Glu* glu) {
