@@ -252,3 +252,37 @@ def test_amx_prompt_attention_is_as_close_to_fp32_as_torchs_bf16_attention(shape
     assert _amx_attention(q.float(), k.float(), v.float()) is None and _amx_attention(q[:, :, :1], k, v) is None
     with pytest.raises(RuntimeError, match="head_dim % 32"):
         kernels.load().amx_prompt_attention(q[..., :16], k[..., :16], v[..., :16], scale)
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+@pytest.mark.parametrize("shape", [(1, 9, 3, 64, 100, 37), (1, 8, 2, 128, 64, 200), (2, 4, 4, 32, 33, 64)])
+def test_amx_chunk_attention_after_cached_positions_is_as_close_to_fp32_as_torchs(shape):
+    """A bf16 prefill chunk of T queries after `past` cached positions (query i over keys 0..past + i: the mask
+    attention_mask builds for it) on the AMX kernel (layers.attend's `past`): within the error torch's bf16 SDPA
+    under that mask makes against an fp32 reference. Keys past past + T (an aligned cache's widened count) are never
+    read: NaN there changes nothing."""
+    from tiered.models.layers import _amx_attention, attend
+
+    B, H, Hkv, hd, T, past = shape
+    S = past + T
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, T, H, hd, generator=g).bfloat16().transpose(1, 2)
+    k, v = (torch.randn(B, Hkv, S + 11, hd, generator=g).bfloat16() for _ in range(2))
+    k[:, :, S:], v[:, :, S:] = float("nan"), float("nan")
+    if _amx_attention(q, k, v, past) is None:
+        pytest.skip("no AMX here")
+    scale = hd ** -0.5
+    mask = torch.ones(T, S, dtype=torch.bool).tril(past)
+    kk, vv = k[:, :, :S], v[:, :, :S]
+    ref = F.scaled_dot_product_attention(q.float(), kk.float(), vv.float(), attn_mask=mask, scale=scale,
+                                         enable_gqa=H != Hkv)
+    torch_bf16 = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
+    got = attend(q, k, v, F.pad(mask, (0, 11), value=False), False, scale, H != Hkv, past)
+    assert got.dtype == torch.bfloat16 and got.shape == (B, H, T, hd) and bool(got.isfinite().all())
+    err, torch_err = (got.float() - ref).abs().max().item(), (torch_bf16.float() - ref).abs().max().item()
+    assert err <= 1.5 * torch_err + 1e-3
+    assert (got.float() - ref).abs().mean() <= 1.5 * (torch_bf16.float() - ref).abs().mean()
+    # the same queries read as a prompt from position 0 differ (the past is attended to)
+    assert (attend(q, k, v, None, True, scale, H != Hkv).float() - ref).abs().max() > 10 * err
+    with pytest.raises(RuntimeError, match="S >= "):
+        kernels.load().amx_prompt_attention(q, k[:, :, :S - 1], v[:, :, :S - 1], scale, past)

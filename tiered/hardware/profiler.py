@@ -1341,7 +1341,7 @@ def _attn_prefill_points(dtype: str, shapes, repeats: int):
         q = torch.randn(1, heads, T, hd, dtype=td)
         k, v = (torch.randn(1, heads, S, hd, dtype=td) for _ in range(2))
         mask = None if S == T else torch.ones(T, S, dtype=torch.bool).tril(S - T)
-        t = median_time(lambda: attend(q, k, v, mask, mask is None, hd ** -0.5, False), repeats, lambda: None)
+        t = median_time(lambda: attend(q, k, v, mask, mask is None, hd ** -0.5, False, S - T), repeats, lambda: None)
         points.append((2 * heads * hd * prefill_attention_pairs(T, S - T), t))
     return points
 
@@ -2373,7 +2373,8 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 0.98 on 2 AMX cores).
 # 60: attn_rows/cpu/bf16 timed with the model's prompts attending in bf16 (layers.set_prompt_attention, as plans over a
 # bf16 cache on AVX-512 BF16 choose), whose runs of rows take the AMX attention where it runs
-# (gemv::amx_runs_attention: SmolLM2's 512-token prompt as rows 250 -> 208 ms on 2 AMX cores).
+# (gemv::amx_runs_attention: SmolLM2's 512-token prompt as rows 155 -> 132 ms on 2 AMX cores); attn_prefill_past/cpu/bf16
+# timed through layers.attend with the chunk's `past`, whose bf16 chunks take the AMX attention too.
 PROFILER_VERSION = 60
 
 

@@ -477,13 +477,15 @@ def _set_prompt_dtype(model: nn.Module, kind: type, dtype: torch.dtype | None) -
     return len(found)
 
 
-def _amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def _amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0):
     """tiered/kernels' module where its AMX attention (csrc/gemv.cpp amx_prompt_attention) computes a CPU prompt's
-    causal attention: bf16 q [B, H, T, hd] (T > 1) and k / v [B, Hkv, S >= T, hd] with contiguous rows, hd a
-    multiple of 32 up to 256, on a CPU with AMX (quant/int4.amx_kernels: not with TIERED_AMX=0); else None."""
+    causal attention: bf16 q [B, H, T, hd] (T > 1) at positions past.. and k / v [B, Hkv, S >= past + T, hd] with
+    contiguous rows, hd a multiple of 32 up to 256, on a CPU with AMX (quant/int4.amx_kernels: not with
+    TIERED_AMX=0); else None."""
     B, H, T, hd = q.shape
     if (T < 2 or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
-            or hd % 32 or hd > 256 or k.shape != v.shape or k.shape[0] != B or k.shape[2] < T or k.shape[3] != hd
+            or hd % 32 or hd > 256 or k.shape != v.shape or k.shape[0] != B or k.shape[2] < past + T
+            or k.shape[3] != hd
             or H % k.shape[1] or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
             or k.stride(2) != v.stride(2) or q.requires_grad):
         return None
@@ -494,13 +496,14 @@ def _amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-           scale: float, gqa: bool) -> torch.Tensor:
+           scale: float, gqa: bool, past: int | None = None) -> torch.Tensor:
     """torch's scaled_dot_product_attention, without the cuDNN backend on CUDA; a CPU prompt's causal attention
-    from position 0 in bf16 (mask None, `causal`: query i over keys 0..i) on tiered's AMX kernel where it runs
-    (`_amx_attention`: 32 queries x 64 keys of scores in AMX tiles, an online softmax in fp32, the probabilities in
-    bf16 against V; within torch's own bf16 error of an fp32 reference). Against torch's flash attention on 2 AMX
-    cores (2026-12-06): SmolLM2's 9 x 64 heads at 512 tokens 0.72 ms against 0.98, Qwen3's 32 x 128 (kv 4) 3.45
-    against 4.68, SmolLM2's at 2048 9.5 against 9.9.
+    in bf16 on tiered's AMX kernel where it runs (`_amx_attention`: 32 queries x 64 keys of scores in AMX tiles, an
+    online softmax in fp32, the probabilities in bf16 against V; within torch's own bf16 error of an fp32
+    reference): from position 0 (mask None, `causal`: query i over keys 0..i), or a prefill chunk after `past`
+    cached positions (query i over keys 0..past + i: what `mask` then says, unwindowed; the caller vouches for it).
+    Against torch's flash attention on 2 AMX cores (2026-12-06): SmolLM2's 9 x 64 heads at 512 tokens 0.72 ms
+    against 0.98, Qwen3's 32 x 128 (kv 4) 3.45 against 4.68, SmolLM2's at 2048 9.5 against 9.9.
 
     q [B, H, T, hd], k/v [B, Hkv, S, hd] (any float dtype) -> [B, H, T, hd] in q's dtype.
     On a GPU torch (2.5+) ranks cuDNN attention first for Hopper, and cuDNN builds an execution plan
@@ -514,10 +517,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     The flag is process-wide; it is restored before returning, so other users of torch in the
     process keep their choice.
     """
-    if mask is None and causal and q.device.type == "cpu":
-        native = _amx_attention(q, k, v)
+    if (past is not None or (mask is None and causal)) and q.device.type == "cpu":
+        native = _amx_attention(q, k, v, past or 0)
         if native is not None:
-            return native.amx_prompt_attention(q, k, v, scale)
+            return native.amx_prompt_attention(q, k, v, scale, past or 0)
     if (not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()) or torch.cuda.is_current_stream_capturing()
             or building_graph()):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
@@ -588,6 +591,7 @@ class Attention(nn.Module):
         self.clip_qkv = config.clip_qkv  # OLMoE: clamp q, k, v to [-clip, clip], or None
         # a window of this layer's own (gpt-oss's sliding layers), or None: the step's mask (meta.mask)
         self.local_window = config.local_window if layer_idx in config.local_layers else None
+        self.sliding_window = config.sliding_window  # every layer's (Mistral's), or None
         self.scale = hd ** -0.5
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_qkv's (weight, bias)
         # steps of 2+ tokens attend in this dtype where the KV cache holds it (Plan.dtypes["prompt_attention"],
@@ -679,17 +683,21 @@ class Attention(nn.Module):
         mask, causal = (meta.mask, meta.causal) if self.local_window is None else window_mask(meta, self.local_window)
         if prompt and self.aligns_keys:  # the keys widened to an aligned count (CPU: KVCache.aligned)
             k, v, mask = cache.aligned(self.layer_idx, k, v, meta, mask)
+        # a chunk after cached positions of one sequence, unwindowed: its mask is attend's `past` pattern
+        past = meta.single[1] if (prompt and meta.single is not None and self.local_window is None and
+                                  (self.sliding_window is None or meta.kv_len <= self.sliding_window)) else None
         if prompt and k.dtype == self.prompt_dtype and q.dtype != k.dtype:  # a prompt in the cache's format
-            out = self.attend(q.to(k.dtype), k, v, mask, causal).to(q.dtype)
+            out = self.attend(q.to(k.dtype), k, v, mask, causal, past).to(q.dtype)
         else:
             if k.dtype != q.dtype:  # an fp8 / other KV cache format
                 k, v = k.to(q.dtype), v.to(q.dtype)
-            out = self.attend(q, k, v, mask, causal)
+            out = self.attend(q, k, v, mask, causal, past)
         return out
 
-    def attend(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """q [B, H, T, hd], cached k/v [B, Hkv, S, hd], the layer's mask -> [B, H, T, hd] (`attend`)."""
-        return attend(q, k, v, mask, causal, self.scale, self.H != self.Hkv)
+    def attend(self, q, k, v, mask: torch.Tensor | None, causal: bool, past: int | None = None) -> torch.Tensor:
+        """q [B, H, T, hd], cached k/v [B, Hkv, S, hd], the layer's mask -> [B, H, T, hd] (`attend`; `past`: the
+        queries' first position where they are one sequence's consecutive positions, unwindowed)."""
+        return attend(q, k, v, mask, causal, self.scale, self.H != self.Hkv, past)
 
 
 class MLP(nn.Module):

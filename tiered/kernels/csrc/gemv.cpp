@@ -2130,6 +2130,7 @@ struct AttnJob {  // amx_prompt_attention's operands for attn_items
   int64_t sob, soh, sot;
   int64_t H, Hkv, T, hd, QB;
   float scale;
+  int64_t past;  // the queries' first position: query i sees keys 0 .. past + i
 };
 
 // items w0..w1 of B x H x QB (sequence, head, block of 32 queries) on this thread
@@ -2151,24 +2152,30 @@ TIERED_AMX void attn_items(const AttnJob& j, int64_t w0, int64_t w1) {
         else std::memset(dst, 0, 64);
       }
     const uint32_t* kv = j.packed + (b * j.Hkv + g) * 2 * j.kv_dwords;
-    attn_block(qa, q0, nq, kv, kv + j.kv_dwords, j.hd, j.scale, j.out + b * j.sob + h * j.soh + q0 * j.sot, j.sot);
+    attn_block(qa, j.past + q0, nq, kv, kv + j.kv_dwords, j.hd, j.scale, j.out + b * j.sob + h * j.soh + q0 * j.sot,
+               j.sot);
   }
   _tile_release();
 }
 
-// q [B, H, T, hd], k / v [B, Hkv, S, hd] bf16 (rows contiguous), S >= T, H % Hkv == 0, hd % 32 == 0 -> out [B, H, T,
-// hd] bf16 (its memory [B, T, H, hd]: o_proj's rows) = causal softmax(scale q k^T) v, query i over keys 0..i.
-at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+// q [B, H, T, hd], k / v [B, Hkv, S, hd] bf16 (rows contiguous), S >= past + T, H % Hkv == 0, hd % 32 == 0 -> out [B,
+// H, T, hd] bf16 (its memory [B, T, H, hd]: o_proj's rows) = causal softmax(scale q k^T) v, query i over keys
+// 0..past + i (past > 0: a prefill chunk after `past` cached positions; keys past past + T - 1 never read).
+at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                int64_t past) {
   TIERED_CHECK(amx_ready(), "amx_prompt_attention: needs AMX");
   TIERED_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kBFloat16 &&
                    k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && q.stride(3) == 1 &&
                    k.stride(3) == 1 && v.stride(3) == 1 && k.sizes() == v.sizes() && k.stride(2) == v.stride(2),
                "amx_prompt_attention: q [B, H, T, hd], k and v [B, Hkv, S, hd] bf16 with contiguous rows");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3), Hkv = k.size(1), S = k.size(2);
-  TIERED_CHECK(k.size(0) == B && k.size(3) == hd && Hkv > 0 && H % Hkv == 0 && S >= T && hd % 32 == 0 && hd <= 256,
-               "amx_prompt_attention: k / v [", B, ", Hkv | ", H, ", S >= ", T, ", ", hd, "] with head_dim % 32 == 0");
+  TIERED_CHECK(k.size(0) == B && k.size(3) == hd && Hkv > 0 && H % Hkv == 0 && past >= 0 && S >= past + T &&
+                   hd % 32 == 0 && hd <= 256,
+               "amx_prompt_attention: k / v [", B, ", Hkv | ", H, ", S >= ", past + T, ", ", hd,
+               "] with head_dim % 32 == 0");
   at::Tensor out = at::empty({B, T, H, hd}, q.options()).transpose(1, 2);
-  const int64_t Sp = (std::max(S, T) + kAttnK - 1) / kAttnK * kAttnK, QB = (T + kAttnQ - 1) / kAttnQ;  // keys padded to whole blocks
+  const int64_t Sk = past + T;  // the keys any query sees
+  const int64_t Sp = (Sk + kAttnK - 1) / kAttnK * kAttnK, QB = (T + kAttnQ - 1) / kAttnQ;  // keys padded to whole blocks
   const int64_t kv_dwords = Sp * hd / 2;  // kp's and vp's each
   std::vector<uint32_t> packed;
   uint32_t* const pk = aligned64(packed, 2 * B * Hkv * kv_dwords);
@@ -2179,12 +2186,12 @@ at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t a0, int64_t a1) {
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t b = a / Hkv, g = a % Hkv;
-      attn_pack_kv(kd + b * k.stride(0) + g * k.stride(1), vd + b * v.stride(0) + g * v.stride(1), k.stride(2), S, Sp,
+      attn_pack_kv(kd + b * k.stride(0) + g * k.stride(1), vd + b * v.stride(0) + g * v.stride(1), k.stride(2), Sk, Sp,
                    hd, pk + a * 2 * kv_dwords, pk + a * 2 * kv_dwords + kv_dwords);
     }
   });
   const AttnJob job{qd, q.stride(0), q.stride(1), q.stride(2), pk, kv_dwords, od, out.stride(0), out.stride(1),
-                    out.stride(2), H, Hkv, T, hd, QB, float(scale)};
+                    out.stride(2), H, Hkv, T, hd, QB, float(scale), past};
   at::parallel_for(0, B * H * QB, 1, [&](int64_t w0, int64_t w1) { attn_items(job, w0, w1); });
   return out;
 }
@@ -4627,9 +4634,11 @@ void register_gemv(pybind11::module& m) {
         "(True by default; tiered.kernels.load sets it off under TIERED_AMX=0); with `enabled`, set it for the process. Returns the "
         "setting before the call.");
   m.def("amx_prompt_attention", &amx_prompt_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"),
-        "q [B, H, T, hd], k / v [B, Hkv, S, hd] bf16 (rows contiguous; S >= T, H % Hkv == 0, head_dim % 32 == 0) -> "
-        "causal softmax(scale q k^T) v [B, H, T, hd] bf16 (its memory [B, T, H, hd]), query i over keys 0..i (SDPA's "
-        "top-left causal mask), on AMX tiles (amx_available())",
+        py::arg("past") = 0,
+        "q [B, H, T, hd], k / v [B, Hkv, S, hd] bf16 (rows contiguous; S >= past + T, H % Hkv == 0, head_dim % 32 == "
+        "0) -> causal softmax(scale q k^T) v [B, H, T, hd] bf16 (its memory [B, T, H, hd]), query i over keys "
+        "0..past + i (past 0: SDPA's top-left causal mask; past > 0: a prefill chunk after past cached positions), on "
+        "AMX tiles (amx_available())",
         py::call_guard<py::gil_scoped_release>());
   m.def("amx_available", &amx_ready,
         "Whether int4_tiled_gemm can run here: the CPU has AMX-TILE and AMX-BF16 and Linux granted this process the "
