@@ -2121,6 +2121,23 @@ TIERED_AMX void attn_block(const uint16_t* qa, int64_t q0, int64_t nq, const uin
   }
 }
 
+// The block of 32 queries that item k of a (sequence, head)'s QB blocks computes: the causal work grows with the
+// block, so items alternate from the two ends (0, QB-1, 1, QB-2, ...) and each thread's contiguous share of the
+// items holds long and short blocks alike.
+inline int64_t alternate_block(int64_t k, int64_t QB) { return k % 2 == 0 ? k / 2 : QB - 1 - k / 2; }
+
+// qa = a block's nq query rows as two tiles' [hd / 32][16][32] bf16, zero past nq: row(i, c, dst) writes row i's
+// 32 features from c * 32 to dst.
+template <typename Row>
+TIERED_AMX TIERED_FORCE_INLINE void load_query_tiles(uint16_t* qa, int64_t nq, int64_t C, Row&& row) {
+  for (int64_t i = 0; i < kAttnQ; ++i)
+    for (int64_t c = 0; c < C; ++c) {
+      uint16_t* dst = qa + ((i / 16) * C + c) * 512 + (i % 16) * 32;
+      if (i < nq) row(i, c, dst);
+      else std::memset(dst, 0, 64);
+    }
+}
+
 struct AttnJob {  // amx_prompt_attention's operands for attn_items
   const uint16_t* q;
   int64_t sqb, sqh, sqt;
@@ -2140,17 +2157,12 @@ TIERED_AMX void attn_items(const AttnJob& j, int64_t w0, int64_t w1) {
   thread_local std::vector<uint16_t> qa_;
   uint16_t* const qa = aligned64(qa_, 2 * C * 512);
   for (int64_t w = w0; w < w1; ++w) {
-    // the causal work grows with the block: item w's block alternates from the two ends (0, QB-1, 1, QB-2, ...)
-    // so that each thread's contiguous share of the items holds long and short blocks alike
-    const int64_t bh = w / j.QB, r = w % j.QB, qb = r % 2 == 0 ? r / 2 : j.QB - 1 - r / 2;
+    const int64_t bh = w / j.QB, qb = alternate_block(w % j.QB, j.QB);
     const int64_t b = bh / j.H, h = bh % j.H, g = h / (j.H / j.Hkv), q0 = qb * kAttnQ, nq = std::min(kAttnQ, j.T - q0);
     const uint16_t* qrow = j.q + b * j.sqb + h * j.sqh;
-    for (int64_t i = 0; i < kAttnQ; ++i)  // the block's rows as two tiles' [hd / 32][16][32], zero past nq
-      for (int64_t c = 0; c < C; ++c) {
-        uint16_t* dst = qa + ((i / 16) * C + c) * 512 + (i % 16) * 32;
-        if (i < nq) std::memcpy(dst, qrow + (q0 + i) * j.sqt + c * 32, 64);
-        else std::memset(dst, 0, 64);
-      }
+    load_query_tiles(qa, nq, C, [&](int64_t i, int64_t c, uint16_t* dst) TIERED_AMX {
+      std::memcpy(dst, qrow + (q0 + i) * j.sqt + c * 32, 64);
+    });
     const uint32_t* kv = j.packed + (b * j.Hkv + g) * 2 * j.kv_dwords;
     attn_block(qa, j.past + q0, nq, kv, kv + j.kv_dwords, j.hd, j.scale, j.out + b * j.sob + h * j.soh + q0 * j.sot,
                j.sot);
@@ -2226,18 +2238,12 @@ TIERED_AMX void runs_items(const RunsJob& j, int64_t w0, int64_t w1) {
   for (int64_t w = w0; w < w1; ++w) {
     const int64_t r = std::upper_bound(j.first.begin(), j.first.end(), w) - j.first.begin() - 1;
     const AmxAttnRun& u = j.runs[r];
-    const int64_t QB = (u.n + kAttnQ - 1) / kAttnQ, i0 = w - j.first[r], h = i0 / QB, k = i0 % QB;
-    const int64_t qb = k % 2 == 0 ? k / 2 : QB - 1 - k / 2, q0 = qb * kAttnQ, nq = std::min(kAttnQ, u.n - q0);
-    for (int64_t i = 0; i < kAttnQ; ++i)  // the block's rows as two tiles' [hd / 32][16][32], zero past nq
-      for (int64_t c = 0; c < C; ++c) {
-        uint16_t* dst = qa + ((i / 16) * C + c) * 512 + (i % 16) * 32;
-        if (i < nq) {
-          const float* src = u.q + (q0 + i) * j.ldq + h * hd + c * 32;
-          _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
-        } else {
-          std::memset(dst, 0, 64);
-        }
-      }
+    const int64_t QB = (u.n + kAttnQ - 1) / kAttnQ, i0 = w - j.first[r], h = i0 / QB;
+    const int64_t q0 = alternate_block(i0 % QB, QB) * kAttnQ, nq = std::min(kAttnQ, u.n - q0);
+    load_query_tiles(qa, nq, C, [&](int64_t i, int64_t c, uint16_t* dst) TIERED_AMX {
+      const float* src = u.q + (q0 + i) * j.ldq + h * hd + c * 32;
+      _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
+    });
     const int64_t g = h / (j.H / j.Hkv), kvd = j.kvd(r);
     const uint32_t* kp = j.packed + j.at[r] + g * 2 * kvd;
     attn_block(qa, u.p0 + q0, nq, kp, kp + kvd, hd, j.scale, ob, hd);
@@ -2251,32 +2257,6 @@ TIERED_AMX void runs_items(const RunsJob& j, int64_t w0, int64_t w1) {
   }
   _tile_release();
 }
-
-bool runs_attention(const std::vector<AmxAttnRun>& runs, int64_t ldq, int64_t ldo, int64_t head_ld, int64_t H,
-                    int64_t Hkv, int64_t hd, float scale) {
-  if (!amx_step() || hd % 32 != 0 || hd > 256 || Hkv <= 0 || H % Hkv != 0 || runs.empty()) return false;
-  const int64_t R = int64_t(runs.size());
-  std::vector<int64_t> at(R + 1, 0), first(R + 1, 0);
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t Sp = (runs[r].p0 + runs[r].n + kAttnK - 1) / kAttnK * kAttnK;  // keys padded to whole blocks
-    at[r + 1] = at[r] + Hkv * Sp * hd;  // kp and vp: Sp * hd / 2 dwords each
-    first[r + 1] = first[r] + H * ((runs[r].n + kAttnQ - 1) / kAttnQ);
-  }
-  std::vector<uint32_t> packed;
-  uint32_t* const pk = aligned64(packed, at[R]);
-  const RunsJob job{runs, at, first, pk, ldq, ldo, H, Hkv, hd, scale};
-  at::parallel_for(0, R * Hkv, 1, [&](int64_t a0, int64_t a1) {
-    for (int64_t a = a0; a < a1; ++a) {
-      const int64_t r = a / Hkv, g = a % Hkv, kvd = job.kvd(r);
-      const AmxAttnRun& u = runs[r];
-      uint32_t* kp = pk + at[r] + g * 2 * kvd;
-      attn_pack_kv(u.k + g * head_ld, u.v + g * head_ld, hd, u.p0 + u.n, kvd * 2 / hd, hd, kp, kp + kvd);
-    }
-  });
-  at::parallel_for(0, first[R], 1, [&](int64_t w0, int64_t w1) { runs_items(job, w0, w1); });
-  return true;
-}
-
 
 // ------------------------------------------------------------------------------------ int8, tiled
 // The tiled int8 layout (Int8W::tiled; the host layout of routed int8 experts beside tiled int4,
@@ -3619,7 +3599,27 @@ c10::optional<Glu> glu_of(double limit, double alpha, const char* what) {
 
 bool amx_runs_attention(const std::vector<AmxAttnRun>& runs, int64_t ldq, int64_t ldo, int64_t head_ld, int64_t H,
                         int64_t Hkv, int64_t hd, float scale) {
-  return runs_attention(runs, ldq, ldo, head_ld, H, Hkv, hd, scale);
+  if (!amx_step() || hd % 32 != 0 || hd > 256 || Hkv <= 0 || H % Hkv != 0 || runs.empty()) return false;
+  const int64_t R = int64_t(runs.size());
+  std::vector<int64_t> at(R + 1, 0), first(R + 1, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t Sp = (runs[r].p0 + runs[r].n + kAttnK - 1) / kAttnK * kAttnK;  // keys padded to whole blocks
+    at[r + 1] = at[r] + Hkv * Sp * hd;  // kp and vp: Sp * hd / 2 dwords each
+    first[r + 1] = first[r] + H * ((runs[r].n + kAttnQ - 1) / kAttnQ);
+  }
+  std::vector<uint32_t> packed;
+  uint32_t* const pk = aligned64(packed, at[R]);
+  const RunsJob job{runs, at, first, pk, ldq, ldo, H, Hkv, hd, scale};
+  at::parallel_for(0, R * Hkv, 1, [&](int64_t a0, int64_t a1) {
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t r = a / Hkv, g = a % Hkv, kvd = job.kvd(r);
+      const AmxAttnRun& u = runs[r];
+      uint32_t* kp = pk + at[r] + g * 2 * kvd;
+      attn_pack_kv(u.k + g * head_ld, u.v + g * head_ld, hd, u.p0 + u.n, kvd * 2 / hd, hd, kp, kp + kvd);
+    }
+  });
+  at::parallel_for(0, first[R], 1, [&](int64_t w0, int64_t w1) { runs_items(job, w0, w1); });
+  return true;
 }
 
 bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float* x, int64_t D, int64_t n, float* y,
