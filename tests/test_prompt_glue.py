@@ -3,6 +3,8 @@ as apply_rotary's torch ops bit for bit, and SwiGLU's activation computed in fp3
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -286,3 +288,35 @@ def test_amx_chunk_attention_after_cached_positions_is_as_close_to_fp32_as_torch
     assert (attend(q, k, v, None, True, scale, H != Hkv).float() - ref).abs().max() > 10 * err
     with pytest.raises(RuntimeError, match="S >= "):
         kernels.load().amx_prompt_attention(q, k[:, :, :S - 1], v[:, :, :S - 1], scale, past)
+
+
+@pytest.mark.parametrize("past", [0, 40])
+def test_amx_attention_follows_scores_whose_max_jumps_along_the_keys(past):
+    """The AMX kernel's online softmax takes each block's exponentials against a running max it moves only where a
+    row's scores pass it by more than 2^8 (csrc/gemv.cpp kAttnLazyMax): keys that grow along the sequence and two
+    spikes make rows' maxima jump by far more than that after their first block of 64 keys (checked on the fp32
+    scores), and smaller rises stay under the old max; the output stays within the error torch's bf16 attention
+    makes against an fp32 reference."""
+    from tiered.models.layers import _amx_attention, attend
+
+    B, H, Hkv, hd, T = 1, 4, 2, 64, 260
+    S = past + T
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(B, T, H, hd, generator=g).bfloat16().transpose(1, 2)
+    k = torch.randn(B, Hkv, S, hd, generator=g) * (1 + 0.04 * torch.arange(S)).view(1, 1, S, 1)
+    k[:, :, [90, 201]] *= 6
+    k, v = k.bfloat16(), torch.randn(B, Hkv, S, hd, generator=g).bfloat16()
+    if _amx_attention(q, k, v, past) is None:
+        pytest.skip("no AMX here")
+    scale = hd ** -0.5
+    mask = torch.ones(T, S, dtype=torch.bool).tril(past)
+    scores = (q.float() @ k.float().repeat_interleave(H // Hkv, 1).transpose(-1, -2) * scale).masked_fill(~mask, -1e30)
+    first = scores[..., :64].amax(-1)  # each row's max after its first block, then over all its keys
+    assert ((scores.amax(-1) - first) / math.log(2) > 8).float().mean() > 0.5
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    torch_bf16 = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    got = attend(q, k, v, None if past == 0 else mask, past == 0, scale, True, past or None)
+    err, torch_err = (got.float() - ref).abs().max().item(), (torch_bf16.float() - ref).abs().max().item()
+    assert bool(got.isfinite().all()) and err <= 1.5 * torch_err + 1e-3
+    assert (got.float() - ref).abs().mean() <= 1.5 * (torch_bf16.float() - ref).abs().mean()

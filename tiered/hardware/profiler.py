@@ -2375,7 +2375,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # bf16 cache on AVX-512 BF16 choose), whose runs of rows take the AMX attention where it runs
 # (gemv::amx_runs_attention: SmolLM2's 512-token prompt as rows 155 -> 132 ms on 2 AMX cores); attn_prefill_past/cpu/bf16
 # timed through layers.attend with the chunk's `past`, whose bf16 chunks take the AMX attention too.
-PROFILER_VERSION = 60
+# 61: the AMX attention's softmax in base 2 with its max moved lazily (csrc/gemv.cpp kAttnLazyMax): SmolLM2's heads at
+# 512 / 1024 tokens 0.60 / 2.23 -> 0.31 / 1.11 ms on 2 AMX cores; attn_prefill, attn_prefill_past and attn_rows
+# (cpu, bf16) measured again.
+PROFILER_VERSION = 61
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is

@@ -502,8 +502,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     online softmax in fp32, the probabilities in bf16 against V; within torch's own bf16 error of an fp32
     reference): from position 0 (mask None, `causal`: query i over keys 0..i), or a prefill chunk after `past`
     cached positions (query i over keys 0..past + i: what `mask` then says, unwindowed; the caller vouches for it).
-    Against torch's flash attention on 2 AMX cores (2026-12-06): SmolLM2's 9 x 64 heads at 512 tokens 0.72 ms
-    against 0.98, Qwen3's 32 x 128 (kv 4) 3.45 against 4.68, SmolLM2's at 2048 9.5 against 9.9.
+    Against torch's flash attention on 2 AMX cores (2026-12-06, session 94): SmolLM2's 9 x 64 heads at 512 / 2048
+    tokens 0.31 / 3.99 ms against 0.83 / 7.22, Qwen3's 32 x 128 (kv 4) at 512 1.92 against 3.52.
 
     q [B, H, T, hd], k/v [B, Hkv, S, hd] (any float dtype) -> [B, H, T, hd] in q's dtype.
     On a GPU torch (2.5+) ranks cuDNN attention first for Hopper, and cuDNN builds an execution plan

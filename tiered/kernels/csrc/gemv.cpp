@@ -1954,15 +1954,23 @@ void int4t_amx_gemm(const Int4W& w, const uint16_t* x, int64_t lda, int64_t M, i
 // ------------------------------------------------------------------------------------ prompt attention on AMX
 // A prompt's causal attention (queries 0..T-1 over keys 0..S-1, S >= T, query i sees keys 0..i: SDPA's top-left
 // causal mask) in bf16 on AMX tiles, flash-style: per (sequence, head, 32 queries) the scores of 64 keys at a time
-// in 2 x 2 tiles a half, an online softmax in fp32 (exp512), the probabilities rounded to bf16 as A tiles against V.
-// K and V are first packed per kv head into the tiles' B layout (kp: 16 keys x 32 features a tile, each key's
-// feature pair a dword; vp: 32 keys x 16 features, each feature's pair of keys a dword), zero past S. Against
-// torch's bf16 flash attention (2 AMX cores, 2026-12-06, medians of 10): SmolLM2's 9 x 64 heads (kv 3) at 512
-// tokens 0.72 ms against 0.98, Qwen3-30B-A3B's 32 x 128 (kv 4) 3.45 against 4.68, SmolLM2's at 2048 9.5 against 9.9;
-// within torch's own bf16 error of an fp32 reference. Blocks of 32 keys took 1.5x the time (each row's softmax
-// passes and the tiles' round trips through memory per block), and a softmax whose exp_fast GCC left scalar (a
-// conditional call: libm's nearbyintf each) 15x.
+// in 2 x 2 tiles a half, an online softmax in fp32 (base 2, exp2_512; its max moved lazily, kAttnLazyMax), the
+// probabilities rounded to bf16 as A tiles against V. K and V are first packed per kv head into the tiles' B layout
+// (kp: 16 keys x 32 features a tile, each key's feature pair a dword; vp: 32 keys x 16 features, each feature's pair
+// of keys a dword), zero past S. Against torch's bf16 flash attention (2 AMX cores, 2026-12-06, medians of 20):
+// SmolLM2's 9 x 64 heads (kv 3) at 512 / 1024 / 2048 tokens 0.31 / 1.11 / 3.99 ms against 0.83 / 2.20 / 7.22,
+// Qwen3-30B-A3B's 32 x 128 (kv 4) 1.92 / 6.22 / 24.1 against 3.52 / 10.6 / 34.8; within torch's own bf16 error of
+// an fp32 reference. The first version (base e with exp_fast's degree-6 polynomial, the max and the rescale's
+// exponential at every block of every row) took 0.60 / 2.23 / 8.19 and 2.99 / 10.5 / 38.4 ms: the softmax, not the
+// tiles, was 60% of it (perf). Blocks of 32 keys took 1.5x the time (each row's softmax passes and the tiles' round
+// trips through memory per block), and a softmax whose exp_fast GCC left scalar (a conditional call: libm's
+// nearbyintf each) 15x.
 constexpr int64_t kAttnQ = 32, kAttnK = 64;
+// How far (base 2) a row's scores may pass the max its exponentials are taken against before it moves: the
+// probabilities stay <= 2^8 (exact in fp32 sums, bf16's relative precision at any scale), and a row rescales its
+// outputs only where its max jumps, not at each new max (FlashAttention-4's conditional rescaling); the exponentials
+// no longer wait on each block's max (a horizontal reduction, then the rescale's exponential: ~60 cycles a row).
+constexpr float kAttnLazyMax = 8.f;
 
 // kp [Sp / 16][hd / 32][16 pairs][16 keys] and vp [Sp / 32][hd / 16][16 pairs][16 features] (dwords) of one kv head:
 // k, v [S, hd] bf16 rows `ld` elements apart, Sp >= S padded to whole key blocks (kAttnK)
@@ -1994,16 +2002,32 @@ void attn_pack_kv(const uint16_t* k, const uint16_t* v, int64_t ld, int64_t S, i
     }
 }
 
-// e^x for 16 lanes as exp_fast computes each, with its constants (kernel.h: clamp, 2^(x log2 e) = 2^n 2^f, the
-// degree-6 polynomial, n into the exponent bits)
-TIERED_AMX TIERED_FORCE_INLINE __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpLo)), _mm512_set1_ps(kExpHi));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(kLog2e));
+// 2^t for 16 lanes of t <= 0, the attention's softmax in base 2 (the scores pre-scaled by log2 e): t clamped at -126
+// (2^-126, the smallest normal: no denormal operands downstream), n = round(t), 2^(t - n) by a degree-4 polynomial,
+// scaled by 2^n (VSCALEFPS). The polynomial is a least-squares fit in relative error on 2000 Chebyshev nodes of
+// [-1/2, 1/2] (numpy.polyfit, weights 2^-f): max relative error 2.7e-6, far inside the probabilities' bf16 rounding
+// (2^-9); 8 operations a vector against exp_fast's 14 (degree 6, a two-sided clamp, exponent-bit arithmetic).
+constexpr float kAttnExp2Poly[5] = {9.56051021e-3f, 5.59170392e-2f, 2.40249811e-1f, 6.93121968e-1f, 9.99999191e-1f};
+TIERED_AMX TIERED_FORCE_INLINE __m512 exp2_512(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
-  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
-  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
+  __m512 p = _mm512_set1_ps(kAttnExp2Poly[0]);
+  for (int i = 1; i < 5; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kAttnExp2Poly[i]));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Row srow's 64 scores (fp32) times vscale into x, masks mk of its first vi keys (those it sees), and their max.
+TIERED_AMX TIERED_FORCE_INLINE float attn_row_max(const float* srow, int64_t vi, __m512 vscale, __m512 x[4],
+                                                  __mmask16 mk[4]) {
+  __m512 mxv = _mm512_set1_ps(-INFINITY);
+  for (int q = 0; q < 4; ++q) {
+    const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, vi - 16 * q));
+    mk[q] = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    x[q] = _mm512_mul_ps(_mm512_load_ps(srow + 16 * q), vscale);
+    mxv = _mm512_mask_max_ps(mxv, mk[q], mxv, x[q]);
+  }
+  return _mm512_reduce_max_ps(mxv);
 }
 
 // One block of up to 32 queries (rows q0.., `nq` of them, qa: their tiles [2][hd / 32][16][32] bf16, zero past nq)
@@ -2016,10 +2040,12 @@ TIERED_AMX void attn_block(const uint16_t* qa, int64_t q0, int64_t nq, const uin
   alignas(64) uint16_t pb[kAttnQ * kAttnK];
   alignas(64) float tmp[kAttnQ * 32];
   alignas(64) float o[kAttnQ * 256];  // the running outputs, hd <= 256
-  float m[kAttnQ], l[kAttnQ];
+  alignas(64) float l[kAttnQ * 16];  // each row's running sum, 16 lanes
+  float m[kAttnQ];                     // each row's running max (base 2)
   std::fill(o, o + kAttnQ * hd, 0.f);
-  for (int64_t i = 0; i < kAttnQ; ++i) m[i] = -INFINITY, l[i] = 0.f;
-  const __m512 vscale = _mm512_set1_ps(scale);
+  std::fill(l, l + kAttnQ * 16, 0.f);
+  std::fill(m, m + kAttnQ, -INFINITY);
+  const __m512 vscale = _mm512_set1_ps(scale * kLog2e);
   const int64_t last = q0 + nq - 1, nkb = last / kAttnK + 1;  // key blocks any of these queries sees
   for (int64_t j = 0; j < nkb; ++j) {
     for (int64_t hk = 0; hk < 2; ++hk) {  // the block's two halves of 32 keys: 2 x 2 score tiles each
@@ -2044,42 +2070,46 @@ TIERED_AMX void attn_block(const uint16_t* qa, int64_t q0, int64_t nq, const uin
       _tile_stored(2, s0 + 16 * kAttnK, kAttnK * 4);
       _tile_stored(3, s0 + 16 * kAttnK + 16, kAttnK * 4);
     }
-    // the online softmax, a row at a time in 4 vectors: the keys it sees (causal) masked, the new max, the rescale
-    // of what it has, this block's exponentials and their sum, P rounded to bf16 (VCVTNE2PS2BF16: nearest even)
+    // the online softmax in base 2, a row at a time in 4 vectors: the keys it sees (causal) masked, their max; where
+    // it passed the row's running max by more than kAttnLazyMax, what the row has (its outputs, its sum) rescaled by
+    // 2^(old - new) and the max moved; this block's exponentials against the running max into the row's sum (16
+    // lanes, reduced once at the end), P rounded to bf16 (VCVTNE2PS2BF16: nearest even)
+    const auto visible = [&](int64_t i) {  // the keys of this block row i sees
+      return i < nq ? std::max<int64_t>(0, std::min<int64_t>(kAttnK, q0 + i - j * kAttnK + 1)) : 0;
+    };
+    if (j == 0)  // every row sees key 0: the first block's max is each row's, taken ahead of its exponentials
+      for (int64_t i = 0; i < nq; ++i) {
+        __mmask16 mk[4];
+        __m512 x[4];
+        m[i] = attn_row_max(sc + i * kAttnK, visible(i), vscale, x, mk);
+      }
     for (int64_t i = 0; i < kAttnQ; ++i) {
-      const int64_t vi = i < nq ? std::max<int64_t>(0, std::min<int64_t>(kAttnK, q0 + i - j * kAttnK + 1)) : 0;
+      const int64_t vi = visible(i);
       uint16_t* prow = pb + i * kAttnK;
       if (vi == 0) {
         std::memset(prow, 0, kAttnK * sizeof(uint16_t));
         continue;
       }
-      const float* srow = sc + i * kAttnK;
       __mmask16 mk[4];
       __m512 x[4];
-      __m512 mxv = _mm512_set1_ps(m[i]);
-      for (int q = 0; q < 4; ++q) {
-        const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, vi - 16 * q));
-        mk[q] = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-        x[q] = _mm512_mul_ps(_mm512_load_ps(srow + 16 * q), vscale);
-        mxv = _mm512_mask_max_ps(mxv, mk[q], mxv, x[q]);
+      const float mx = attn_row_max(sc + i * kAttnK, vi, vscale, x, mk);
+      float* lrow = l + i * 16;
+      if (mx > m[i] + kAttnLazyMax) {
+        const __m512 a = exp2_512(_mm512_set1_ps(m[i] - mx));
+        _mm512_store_ps(lrow, _mm512_mul_ps(_mm512_load_ps(lrow), a));
+        float* orow = o + i * hd;
+        for (int64_t t = 0; t < hd; t += 16) _mm512_store_ps(orow + t, _mm512_mul_ps(_mm512_load_ps(orow + t), a));
+        m[i] = mx;
       }
-      const float mx = _mm512_reduce_max_ps(mxv);
-      const __m512 mxb = _mm512_set1_ps(mx);
-      const float alpha = _mm_cvtss_f32(_mm512_castps512_ps128(exp512(_mm512_set1_ps(m[i] - mx))));
-      __m512 sum = _mm512_setzero_ps();
+      const __m512 mb = _mm512_set1_ps(m[i]);
+      __m512 sum = _mm512_load_ps(lrow);
       for (int q = 0; q < 4; ++q) {
-        x[q] = _mm512_maskz_mov_ps(mk[q], exp512(_mm512_sub_ps(x[q], mxb)));
+        x[q] = _mm512_maskz_mov_ps(mk[q], exp2_512(_mm512_sub_ps(x[q], mb)));
         sum = _mm512_add_ps(sum, x[q]);
       }
+      _mm512_store_ps(lrow, sum);
       _mm512_store_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
       _mm512_store_si512(prow + 32, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
-      l[i] = l[i] * alpha + _mm512_reduce_add_ps(sum);
-      m[i] = mx;
-      if (alpha != 1.f) {
-        float* orow = o + i * hd;
-        const __m512 a = _mm512_set1_ps(alpha);
-        for (int64_t t = 0; t < hd; t += 16) _mm512_store_ps(orow + t, _mm512_mul_ps(_mm512_load_ps(orow + t), a));
-      }
     }
     for (int64_t cc = 0; cc < CC; cc += 2) {  // o += P v, 32 features at a time over the block's 64 keys
       const bool two = cc + 1 < CC;
@@ -2115,7 +2145,7 @@ TIERED_AMX void attn_block(const uint16_t* qa, int64_t q0, int64_t nq, const uin
   }
   for (int64_t i = 0; i < nq; ++i) {
     float* orow = o + i * hd;
-    const __m512 r = _mm512_set1_ps(1.f / l[i]);
+    const __m512 r = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(l + i * 16)));
     for (int64_t t = 0; t < hd; t += 16) _mm512_store_ps(orow + t, _mm512_mul_ps(_mm512_load_ps(orow + t), r));
     round_row(orow, hd, out + i * ldo);
   }

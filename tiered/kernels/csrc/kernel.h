@@ -90,7 +90,7 @@ void rows_from(const at::Tensor& t, float* y);  // t [B, N] contiguous any float
 // e^x for x <= 0 .. small positive (softmax, SiLU), as plain arithmetic so that loops of it vectorize
 // (std::exp does not without -ffast-math): 2^(x log2 e) = 2^n 2^f, a degree-6 polynomial for 2^f on
 // [-0.5, 0.5] (relative error < 2e-7, as std::exp's float result to within 2 ulp), 2^n by exponent bits.
-// Its constants, which gemv.cpp's exp512 (16 lanes in AVX-512 intrinsics) shares: the clamp, log2 e, and the
+// Its constants: the clamp, log2 e (which gemv.cpp's AMX attention shares: its softmax in base 2), and the
 // polynomial's coefficients from the highest degree down.
 constexpr float kExpLo = -87.f, kExpHi = 88.f, kLog2e = 1.44269504088896341f;
 constexpr float kExp2Poly[7] = {1.5403530393381609e-4f, 1.3333558146428443e-3f, 9.6181291076284772e-3f,
