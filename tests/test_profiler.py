@@ -1771,6 +1771,18 @@ def test_a_prompts_model_code_is_timed_without_its_matmuls_and_priced_per_layer(
         z = torch.nn.functional.silu(x)  # everything else runs
     assert (y.shape, y.dtype, o.shape) == ((5, 3), torch.bfloat16, (1, 2, 5, 6))
     assert torch.equal(z, F.silu(x))
+    # a bf16 prompt's attention on the AMX kernel (a C++ call no TorchFunctionMode sees) is emptied too, as SDPA
+    from tiered.models import layers
+
+    amx = layers._amx_attention
+    qb, kb, vb = (torch.randn(1, 2, 40, 32, dtype=torch.bfloat16) for _ in range(3))
+    with _EmptyMatmuls():
+        assert layers._amx_attention(qb, kb, vb) is None
+        assert layers.attend(qb, kb, vb, None, True, 0.2, False).shape == (1, 2, 40, 32)
+    assert layers._amx_attention is amx
+    with pytest.raises(ValueError), _EmptyMatmuls():
+        raise ValueError
+    assert layers._amx_attention is amx
 
     cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64)

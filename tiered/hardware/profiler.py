@@ -1768,7 +1768,24 @@ class _EmptyMatmuls(TorchFunctionMode):
     shape and dtype, so that a forward pass times the model code around them: norms, RoPE, SiLU,
     residual adds, casts and module calls (_prefill_code_points). A weight's conversion to fp32 (an
     nn.Parameter's .float(): hardware/cpu_gemm.linear's, on a CPU without a bf16 GEMM) is its GEMM's, whose
-    key times it: empty too."""
+    key times it: empty too. A bf16 prompt's attention on tiered's AMX kernel (models/layers._amx_attention,
+    a call into C++ that no TorchFunctionMode sees) takes torch's SDPA here, empty too: until profiler 62 it ran
+    on the empty projections' garbage inside runtime/prefill_code/bf16, which attn_prefill/cpu/bf16 prices
+    already (2 AMX cores, 2026-12-06: SmolLM2's bf16 512-token TTFT priced 22% slow at profiler 60; 96% at 61,
+    whose lazy max took garbage scores slower still)."""
+
+    def __enter__(self):
+        from tiered.models import layers
+
+        self._amx_attention = layers._amx_attention
+        layers._amx_attention = lambda *args, **kwargs: None
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from tiered.models import layers
+
+        layers._amx_attention = self._amx_attention
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.float and isinstance(args[0], torch.nn.Parameter):
@@ -2378,7 +2395,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 61: the AMX attention's softmax in base 2 with its max moved lazily (csrc/gemv.cpp kAttnLazyMax): SmolLM2's heads at
 # 512 / 1024 tokens 0.60 / 2.23 -> 0.31 / 1.11 ms on 2 AMX cores; attn_prefill, attn_prefill_past and attn_rows
 # (cpu, bf16) measured again.
-PROFILER_VERSION = 61
+# 62: runtime/prefill_code/bf16 without the AMX attention (_EmptyMatmuls empties it as it does torch's SDPA): it had
+# timed it on garbage beside attn_prefill's pricing of it.
+PROFILER_VERSION = 62
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
