@@ -188,17 +188,20 @@ class AttentionMetadata:
         segments: prompts packed into one row (build_packed_metadata: B == 1, T their tokens one after
             another), each (offset, length, its own metadata): its columns offset..offset+length-1 of the
             row write their KV to its slot and attend to its slot's cache alone. None: every row one sequence.
+        windowed: the model's sliding window (config.sliding_window, every layer's) cuts keys some query
+            would see causally: `mask` has it. False: the mask (or `causal`) is plain causal.
     """
 
     __slots__ = ("positions", "slots", "cos", "sin", "mask", "causal", "kv_len", "contiguous_slots", "single",
-                 "sin_signed", "local", "segments", "aligned")
+                 "sin_signed", "local", "segments", "aligned", "windowed")
 
     def __init__(self, positions, slots, cos, sin, mask, causal, kv_len, contiguous_slots, single=None,
-                 sin_signed=None) -> None:
+                 sin_signed=None, windowed=False) -> None:
         self.positions, self.slots, self.cos, self.sin = positions, slots, cos, sin
         self.mask, self.causal, self.kv_len, self.contiguous_slots = mask, causal, kv_len, contiguous_slots
         self.single = single  # (slot, first position) when one sequence writes consecutive positions
         self.sin_signed = sin_signed  # sin, first half negated (Rotary.signed), or None
+        self.windowed = windowed  # the mask cuts keys by the model's sliding window
         self.local = None  # window_mask's (window, mask, causal), made by the first layer with that window
         self.aligned = None  # KVCache.aligned's (mask, that mask widened), made by the first layer that widens it
         self.segments: tuple[tuple[int, int, "AttentionMetadata"], ...] | None = None  # build_packed_metadata's
@@ -242,7 +245,7 @@ def build_attention_metadata(rotary: Rotary, positions: torch.Tensor, slots: tor
     if B == 1 and kv_len - T == int(positions[0, 0]):  # positions are start .. kv_len - 1
         single = (int(slots[0]), kv_len - T)
     return AttentionMetadata(positions, slots, cos, sin, mask, causal, kv_len, contiguous, single,
-                             rotary.signed(sin))
+                             rotary.signed(sin), windowed=not in_window)
 
 
 def build_packed_metadata(rotary: Rotary, positions: torch.Tensor, spans: list[tuple[int, int]], slots: list[int],
@@ -277,7 +280,8 @@ def build_packed_metadata(rotary: Rotary, positions: torch.Tensor, spans: list[t
         in_window = sliding_window is None or b <= sliding_window
         causal = a == 0 and in_window
         mask = None if causal else attention_mask(pos, b, sliding_window)
-        one = AttentionMetadata(pos, slot_t[i:i + 1], None, None, mask, causal, b, slot == 0, single=(slot, a))
+        one = AttentionMetadata(pos, slot_t[i:i + 1], None, None, mask, causal, b, slot == 0, single=(slot, a),
+                                windowed=not in_window)
         segments.append((offset, b - a, one))
         offset += b - a
     meta = AttentionMetadata(positions, slot_t, cos, sin, None, False, max(b for _, b in spans), False,
@@ -296,7 +300,7 @@ def build_static_decode_metadata(rotary: Rotary, positions: torch.Tensor, slots:
     cos, sin = rotary(positions)
     mask = attention_mask(positions, kv_len, sliding_window)
     return AttentionMetadata(positions, slots, cos, sin, mask, False, kv_len, contiguous_slots, None,
-                             rotary.signed(sin))
+                             rotary.signed(sin), windowed=sliding_window is not None and kv_len > sliding_window)
 
 
 def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
@@ -591,7 +595,6 @@ class Attention(nn.Module):
         self.clip_qkv = config.clip_qkv  # OLMoE: clamp q, k, v to [-clip, clip], or None
         # a window of this layer's own (gpt-oss's sliding layers), or None: the step's mask (meta.mask)
         self.local_window = config.local_window if layer_idx in config.local_layers else None
-        self.sliding_window = config.sliding_window  # every layer's (Mistral's), or None
         self.scale = hd ** -0.5
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_qkv's (weight, bias)
         # steps of 2+ tokens attend in this dtype where the KV cache holds it (Plan.dtypes["prompt_attention"],
@@ -684,8 +687,8 @@ class Attention(nn.Module):
         if prompt and self.aligns_keys:  # the keys widened to an aligned count (CPU: KVCache.aligned)
             k, v, mask = cache.aligned(self.layer_idx, k, v, meta, mask)
         # a chunk after cached positions of one sequence, unwindowed: its mask is attend's `past` pattern
-        past = meta.single[1] if (prompt and meta.single is not None and self.local_window is None and
-                                  (self.sliding_window is None or meta.kv_len <= self.sliding_window)) else None
+        past = meta.single[1] if (prompt and meta.single is not None and self.local_window is None
+                                  and not meta.windowed) else None
         if prompt and k.dtype == self.prompt_dtype and q.dtype != k.dtype:  # a prompt in the cache's format
             out = self.attend(q.to(k.dtype), k, v, mask, causal, past).to(q.dtype)
         else:
