@@ -871,6 +871,28 @@ def test_weights_beyond_the_last_level_cache_stream_at_dram_speed():
     assert op_time.memory_time(no_llc, "cpu", "fp32", n, working_set=1e12) == pytest.approx(2e-11 * n)
 
 
+def test_a_routed_expert_is_read_again_only_after_e_over_k_steps():
+    """Between two reads of one routed expert pass E / k decode steps under uniform routing, not one: where the
+    step's weights fit the last-level cache but E / k steps of them do not, the experts stream at DRAM's rate while
+    the attention (read every step) keeps the cache's. The Qwen3-30B-A3B-width 8-layer file (E / k = 16, a 370 MB
+    step) on a VM reporting a 480 MiB L3 had its decode priced 18% fast (2 AMX cores, 2026-12-06)."""
+    from tiered.planner.cpu_predict import predict_decode, step_weight_bytes
+
+    m = {"gemv/cpu/bf16": LinearModel(0.0, 1e-11), "gemm/cpu/bf16": LinearModel(0.0, 1e-12),
+         "memory/bandwidth/cpu": LinearModel(0.0, 1e-11), "memory/bandwidth_dram/cpu": LinearModel(0.0, 5e-11)}
+    ws = step_weight_bytes(MIXTRAL, "bf16")  # E / k = 4 steps of it between an expert's reads
+
+    def layers(llc):
+        hw = HardwareProfile("llc-box", "test", m, None, None, {"llc_bytes": int(llc)})
+        return predict_decode(MIXTRAL, hw, "bf16", context=64)[0]
+
+    within, between, beyond = layers(8 * ws), layers(2 * ws), layers(ws / 2)
+    expert = 3 * MIXTRAL.hidden_size * MIXTRAL.moe_intermediate_size * 2
+    assert between[0][0] == pytest.approx(within[0][0], rel=1e-3)  # attention: the step's own working set fits
+    assert between[0][1] - within[0][1] == pytest.approx(2 * expert * 4e-11, rel=0.01)  # its 2 experts at DRAM's
+    assert beyond[0][1] == pytest.approx(between[0][1], rel=1e-3) and beyond[0][0] > between[0][0]
+
+
 def test_cpu_path_misses_never_fill_the_cache():
     """The runtime claims a cache slot only for a miss it copies: replaying a trace with every miss
     on the CPU leaves the cache empty, with every miss copied it fills as without an accelerator."""
