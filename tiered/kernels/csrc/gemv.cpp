@@ -2002,7 +2002,7 @@ void attn_pack_kv(const uint16_t* k, const uint16_t* v, int64_t ld, int64_t S, i
     }
 }
 
-// 2^t for 16 lanes of t <= kAttnLazyMax, the attention's softmax in base 2 (scores pre-scaled by log2 e): t clamped at -126
+// 2^t for 16 lanes of t <= kAttnLazyMax, the attention's softmax in base 2 (scores times log2 e): t clamped at -126
 // (2^-126, the smallest normal: no denormal operands downstream), n = round(t), 2^(t - n) by a degree-4 polynomial,
 // scaled by 2^n (VSCALEFPS). The polynomial is a least-squares fit in relative error on 2000 Chebyshev nodes of
 // [-1/2, 1/2] (numpy.polyfit, weights 2^-f): max relative error 2.7e-6, far inside the probabilities' bf16 rounding
