@@ -1769,23 +1769,21 @@ class _EmptyMatmuls(TorchFunctionMode):
     residual adds, casts and module calls (_prefill_code_points). A weight's conversion to fp32 (an
     nn.Parameter's .float(): hardware/cpu_gemm.linear's, on a CPU without a bf16 GEMM) is its GEMM's, whose
     key times it: empty too. A bf16 prompt's attention on tiered's AMX kernel (models/layers._amx_attention,
-    a call into C++ that no TorchFunctionMode sees) takes torch's SDPA here, empty too: until profiler 62 it ran
-    on the empty projections' garbage inside runtime/prefill_code/bf16, which attn_prefill/cpu/bf16 prices
-    already (2 AMX cores, 2026-12-06: SmolLM2's bf16 512-token TTFT priced 22% slow at profiler 60; 96% at 61,
-    whose lazy max took garbage scores slower still)."""
+    a call into C++ that no TorchFunctionMode sees) takes torch's SDPA here (quant/int4.without_amx), empty
+    too: until profiler 62 it ran on the empty projections' garbage inside runtime/prefill_code/bf16, which
+    attn_prefill/cpu/bf16 prices already (2 AMX cores, 2026-12-06: SmolLM2's bf16 512-token TTFT priced 22% slow
+    at profiler 60; 96% at 61, whose lazy max took garbage scores slower still)."""
 
     def __enter__(self):
-        from tiered.models import layers
-
-        self._amx_attention = layers._amx_attention
-        layers._amx_attention = lambda *args, **kwargs: None
+        self._no_amx = without_amx()
+        self._no_amx.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        from tiered.models import layers
-
-        layers._amx_attention = self._amx_attention
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._no_amx.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.float and isinstance(args[0], torch.nn.Parameter):
