@@ -1971,6 +1971,9 @@ constexpr int64_t kAttnQ = 32, kAttnK = 64;
 // outputs only where its max jumps, not at each new max (FlashAttention-4's conditional rescaling); the exponentials
 // no longer wait on each block's max (a horizontal reduction, then the rescale's exponential: ~60 cycles a row).
 constexpr float kAttnLazyMax = 8.f;
+// Keys 0..n-1 padded to whole key blocks (the packed K / V's length), and n queries' blocks of kAttnQ
+inline int64_t attn_padded_keys(int64_t n) { return (n + kAttnK - 1) / kAttnK * kAttnK; }
+inline int64_t attn_query_blocks(int64_t n) { return (n + kAttnQ - 1) / kAttnQ; }
 
 // kp [Sp / 16][hd / 32][16 pairs][16 keys] and vp [Sp / 32][hd / 16][16 pairs][16 features] (dwords) of one kv head:
 // k, v [S, hd] bf16 rows `ld` elements apart, Sp >= S padded to whole key blocks (kAttnK)
@@ -2217,7 +2220,7 @@ at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const 
                "] with head_dim % 32 == 0");
   at::Tensor out = at::empty({B, T, H, hd}, q.options()).transpose(1, 2);
   const int64_t Sk = past + T;  // the keys any query sees
-  const int64_t Sp = (Sk + kAttnK - 1) / kAttnK * kAttnK, QB = (T + kAttnQ - 1) / kAttnQ;  // keys padded to whole blocks
+  const int64_t Sp = attn_padded_keys(Sk), QB = attn_query_blocks(T);
   const int64_t kv_dwords = Sp * hd / 2;  // kp's and vp's each
   std::vector<uint32_t> packed;
   uint32_t* const pk = aligned64(packed, 2 * B * Hkv * kv_dwords);
@@ -2268,7 +2271,7 @@ TIERED_AMX void runs_items(const RunsJob& j, int64_t w0, int64_t w1) {
   for (int64_t w = w0; w < w1; ++w) {
     const int64_t r = std::upper_bound(j.first.begin(), j.first.end(), w) - j.first.begin() - 1;
     const AmxAttnRun& u = j.runs[r];
-    const int64_t QB = (u.n + kAttnQ - 1) / kAttnQ, i0 = w - j.first[r], h = i0 / QB;
+    const int64_t QB = attn_query_blocks(u.n), i0 = w - j.first[r], h = i0 / QB;
     const int64_t q0 = alternate_block(i0 % QB, QB) * kAttnQ, nq = std::min(kAttnQ, u.n - q0);
     load_query_tiles(qa, nq, C, [&](int64_t i, int64_t c, uint16_t* dst) TIERED_AMX {
       const float* src = u.q + (q0 + i) * j.ldq + h * hd + c * 32;
@@ -3633,9 +3636,8 @@ bool amx_runs_attention(const std::vector<AmxAttnRun>& runs, int64_t ldq, int64_
   const int64_t R = int64_t(runs.size());
   std::vector<int64_t> at(R + 1, 0), first(R + 1, 0);
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t Sp = (runs[r].p0 + runs[r].n + kAttnK - 1) / kAttnK * kAttnK;  // keys padded to whole blocks
-    at[r + 1] = at[r] + Hkv * Sp * hd;  // kp and vp: Sp * hd / 2 dwords each
-    first[r + 1] = first[r] + H * ((runs[r].n + kAttnQ - 1) / kAttnQ);
+    at[r + 1] = at[r] + Hkv * attn_padded_keys(runs[r].p0 + runs[r].n) * hd;  // kp, vp: keys * hd / 2 dwords each
+    first[r + 1] = first[r] + H * attn_query_blocks(runs[r].n);
   }
   std::vector<uint32_t> packed;
   uint32_t* const pk = aligned64(packed, at[R]);
