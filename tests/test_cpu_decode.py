@@ -122,6 +122,36 @@ def test_native_attention_gives_a_row_the_same_bits_in_any_batch_on_any_thread_c
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+@pytest.mark.parametrize("n", [8, 80])
+def test_native_step_glue_gives_the_modules_rows_on_any_thread_count(zoo, n):
+    """DecodeStep::each_row runs a step's glue (norms, RoPE, the KV write, SwiGLU) across the threads from
+    parallel_rows() rows (4, and kParallelElems = 4608 residual elements: 72 rows of this D 64 model) and on the
+    calling thread below it: a prompt of 8 (one thread) or 80 rows (row-parallel) through the step gives the
+    modules' logits and KV cache, the same bits on 1, 2 and 3 threads."""
+    llm = zoo.llm(zoo.dir("llama"), dtype="float32", max_context=128, accelerator="none")
+    step = CPUDecodeStep(llm.model, native=True)
+    prompt = prompt_ids(zoo.vocab_size, n, seed=5)
+    ids, pos = torch.tensor(prompt).unsqueeze(1), torch.arange(n).unsqueeze(1)
+    cache = llm._kv_cache(1, n, None)
+    with torch.inference_mode():
+        ref = llm.model(torch.tensor([prompt]), torch.arange(n).unsqueeze(0), torch.tensor([0]), cache).float()
+    ref = ref.reshape(-1, ref.shape[-1])[-1:]
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            mine = llm._kv_cache(1, n, None)
+            with torch.inference_mode():
+                outs.append(step(ids, pos, torch.zeros(n, dtype=torch.long), mine, rows=torch.tensor([n - 1])).float())
+            assert float((mine.k - cache.k).abs().max()) <= 1e-5 * max(1.0, float(cache.k.abs().max()))
+    finally:
+        torch.set_num_threads(before)
+    assert float((outs[0] - ref).abs().max() / ref.abs().max()) <= 1e-5
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
 def test_a_moe_row_gets_the_same_bits_whatever_its_neighbours_route_to(rt):  # noqa: F811
     """expert_activations "bf16" (batch 1 on bf16 / int16 activations, batched steps on int8: Plan.batch_act):
     in a native MoE step of two or more tokens an int4 expert's rows read int8 activations however many
