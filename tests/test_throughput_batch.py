@@ -295,6 +295,13 @@ def test_request_lengths_price_the_files_requests(chat_llama, tmp_path):
     # a chat without max_tokens may fill the context window: the KV cache is sized for it
     _write(src, [_request("d", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
     assert request_lengths(read_batch(src), llm_tok, 1000)[2] == 1000
+    # bodies the server refuses (400, nothing generated) are no sequences of the plan's
+    bad = [_request("g", "/v1/chat/completions", {"messages": "hi", "max_tokens": 900}),
+           _request("h", "/v1/completions", {"prompt": [1, 2], "max_tokens": "many"}),
+           _request("i", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 5, "temperature": "hot"})]
+    _write(src, [_request("e", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 5})] + bad)
+    lengths = request_lengths(read_batch(src), llm_tok, 1000)
+    assert lengths.requests == ((3, 5),) and lengths.longest == 8
 
 
 def test_prompts_admitted_together_prefill_as_rows_of_native_steps(smollm2_path, monkeypatch):

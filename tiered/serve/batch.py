@@ -163,7 +163,8 @@ class RequestLengths(NamedTuple):
 def request_lengths(lines: list[BatchLine], tokenizer, window: int) -> RequestLengths:
     """(mean prompt tokens, mean most tokens generated, most positions a request with max_tokens needs, each
     sequence's (prompt, most generated): a line's, once per choice (`n`) of each of its prompts, and which of those
-    prompts share how many leading tokens) of the runnable lines, which the throughput plan prices (its batch on the
+    prompts share how many leading tokens) of the runnable lines whose bodies the server takes (`_refused`: a
+    malformed body is answered 400 and generates nothing), which the throughput plan prices (its batch on the
     requests replayed, their shared prefixes reused: EngineConfig.requests, request_prefixes) and sizes its KV cache
     by (`window` where no request gives max_tokens: those generate up to the context window). A prompt is counted
     through the chat template where the url is the chat one (characters / 4 where it cannot be encoded: the server
@@ -176,7 +177,7 @@ def request_lengths(lines: list[BatchLine], tokenizer, window: int) -> RequestLe
     prompts, gens, needs, bounded_any = [], [], [], False
     ids: list | None = []  # each sequence's prompt token ids (None once one cannot be encoded)
     for line in lines:
-        if line.error is not None:
+        if line.error is not None or _refused(line):
             continue
         body = line.body
         chat = line.url == "/v1/chat/completions"
@@ -209,6 +210,21 @@ def request_lengths(lines: list[BatchLine], tokenizer, window: int) -> RequestLe
     # 16-128 max_tokens: medians 115 and 32 tokens, means 184 and 53)
     return RequestLengths(max(1, round(statistics.fmean(prompts))), max(1, round(statistics.fmean(gens))),
                           max(needs) if bounded_any else window, tuple(zip(prompts, gens)), prefixes)
+
+
+def _refused(line: BatchLine) -> bool:
+    """Whether the server refuses `line`'s body as malformed before generating anything (its request model,
+    serve/protocol.py, rejects it: 400), so that the plan does not price it as a sequence."""
+    from pydantic import ValidationError
+
+    from tiered.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+    model = ChatCompletionRequest if line.url == "/v1/chat/completions" else CompletionRequest
+    try:
+        model.model_validate({"model": "", **line.body})  # (check_models names the served model where none is)
+    except ValidationError:
+        return True
+    return False
 
 
 def _completion_prompts(body: dict) -> list:
