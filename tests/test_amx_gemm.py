@@ -139,15 +139,15 @@ def test_expert_projection_rows_take_the_amx_gemm(e2m1, monkeypatch):
     assert ((got.double() - onednn.double()).abs() <= tol).all()
 
 
-def test_native_step_rows_take_the_amx_gemm_from_48_rows(zoo, monkeypatch):
-    """The native decode step's int4 projections over 48+ rows (a batch's sequences, a prompt's rows: here a prompt
-    as rows) run the AMX GEMM on bf16-rounded rows (Int4TGemv::run_step), fewer rows the q8 row kernels: the AMX
-    rows' logits differ from the q8 kernels' (another rounding of the activations) and stay as close to the
-    modules' fp32 prompt as the q8 rows; 40 rows are the q8 kernels' whatever amx_rows says. Fails if the step
-    stops calling run_step, or the threshold moves. The modules' prompt multiplies the int4 weights dequantized to
-    fp32 (dequantize_rows and dequantize_dtype pinned): by the kernel tuning it would run the q8 kernels or the
-    AMX GEMM itself, and the reference was then one of the two compared (the q8 rows' 0.006 and the AMX rows' 0.031
-    on a build without a tuning, 0.031 and 0.010 with one)."""
+def test_native_step_rows_take_the_amx_gemm_from_24_rows(zoo, monkeypatch):
+    """The native decode step's int4 projections over 24+ rows (quant/int4.STEP_AMX_ROWS, csrc kAmxStepRows: a batch's
+    sequences, a prompt's rows: here a prompt as rows) run the AMX GEMM on bf16-rounded rows (Int4TGemv::run_step),
+    fewer rows the q8 row kernels: the AMX rows' logits differ from the q8 kernels' (another rounding of the
+    activations) and stay as close to the modules' fp32 prompt as the q8 rows; 23 rows are the q8 kernels' whatever
+    amx_rows says. Fails if the step stops calling run_step, or the threshold moves. The modules' prompt multiplies
+    the int4 weights dequantized to fp32 (dequantize_rows and dequantize_dtype pinned): by the kernel tuning it would
+    run the q8 kernels or the AMX GEMM itself, and the reference was then one of the two compared (the q8 rows' 0.006
+    and the AMX rows' 0.031 on a build without a tuning, 0.031 and 0.010 with one)."""
     from tiered import LLM, EngineConfig
     from tiered.quant import int4
     from tiered.runtime.cpu_decode import CPUDecodeStep
@@ -172,12 +172,15 @@ def test_native_step_rows_take_the_amx_gemm_from_48_rows(zoo, monkeypatch):
             ext.amx_rows(was)
         return got, ref
 
-    q8, ref = rows(56, False)
-    amx, _ = rows(56, True)
+    from tiered.quant.int4 import STEP_AMX_ROWS
+
+    assert STEP_AMX_ROWS == 24
+    q8, ref = rows(STEP_AMX_ROWS, False)
+    amx, _ = rows(STEP_AMX_ROWS, True)
     assert not torch.equal(q8, amx)
     err = lambda got: float((got - ref).abs().max() / ref.abs().max())  # noqa: E731
     assert err(amx) <= max(2 * err(q8), 1e-2)
-    assert torch.equal(rows(40, True)[0], rows(40, False)[0])
+    assert torch.equal(rows(STEP_AMX_ROWS - 1, True)[0], rows(STEP_AMX_ROWS - 1, False)[0])
 
 
 @pytest.mark.parametrize("experts", ["int4", "int8"])

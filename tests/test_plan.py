@@ -1581,7 +1581,7 @@ def _group_profile(amx: bool) -> HardwareProfile:
     return HardwareProfile("cpu-box", "test", m, None, None, meta=meta)
 
 
-def test_the_native_steps_int4_rows_from_48_are_priced_on_the_amx_gemm_where_the_profile_timed_its_code_so():
+def test_the_native_steps_int4_rows_from_step_amx_rows_are_priced_on_the_amx_gemm_where_timed_so():
     """cpu_predict.step_amx_time: the native step's int4 projections over quant/int4.STEP_AMX_ROWS rows or more run
     the AMX GEMM (run_step), priced by op_time.amx_gemm_time (in AMX_ROWS pieces past it) where the profile's
     runtime/step_rows/int4 was timed net of it (meta["step_rows_amx"], profiler 57); fewer rows, int8 copies, and

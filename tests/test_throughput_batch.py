@@ -320,7 +320,7 @@ def test_prompts_admitted_together_prefill_as_rows_of_native_steps(smollm2_path,
     text = "Offloading engines keep the weights of a model that does not fit in memory on a slower tier. "
     prompts = [llm.encode(f"{i}. " + text * n, chat=False) for i, n in enumerate((1, 2, 3, 2, 1, 3))]  # ~260 rows
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    # the int8-row kernels at every step size: on a CPU with AMX a step of 48+ rows runs the int4 projections on the
+    # the int8-row kernels at every step size: on a CPU with AMX a step of 24+ rows runs the int4 projections on the
     # AMX GEMM over bf16 rows (Int4TGemv::run_step), and a prompt's rows alone and packed then took either path by
     # how its steps fell, ~0.1-0.17 nats apart (2026-12-06): the packing is what this test is about
     ext = kernels.load()

@@ -1704,7 +1704,8 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
 
 
 # rows of runtime/batch_rows/int4q8's timed steps (a server's batched decode), beside 1; 32 and 64 since the step's
-# int4 projections take the AMX GEMM from 48 rows where it runs (profile meta["batch_rows"] records them)
+# int4 projections take the AMX GEMM from quant/int4.STEP_AMX_ROWS (24) rows where it runs (profile meta["batch_rows"]
+# records them)
 BATCH_ROWS = (4, 8, 16, 32, 64)
 
 
@@ -2395,7 +2396,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # (cpu, bf16) measured again.
 # 62: runtime/prefill_code/bf16 without the AMX attention (_EmptyMatmuls empties it as it does torch's SDPA): it had
 # timed it on garbage beside attn_prefill's pricing of it.
-PROFILER_VERSION = 62
+# 63: the native step's int4 projections take the AMX GEMM from 24 rows (was 48; quant/int4.STEP_AMX_ROWS): the
+# runtime/batch_rows/int4q8 point at 32 rows now times it.
+PROFILER_VERSION = 63
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is

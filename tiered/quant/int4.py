@@ -64,7 +64,7 @@ DEQUANTIZE_CHUNK = 32 * 2**20
 AMX_ROWS = 512
 # Rows from which the native decode step's int4 projections run the AMX GEMM on a CPU with AMX (csrc/gemv.cpp's
 # kAmxStepRows: Int4TGemv::run_step); the planner prices them so (planner/cpu_predict.step_amx_time).
-STEP_AMX_ROWS = 48
+STEP_AMX_ROWS = 24
 
 
 def unpack_q4_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

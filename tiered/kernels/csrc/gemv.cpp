@@ -2244,7 +2244,7 @@ at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const 
 // Rows from which the native step's call of a tiled int4 kernel (Int4TGemv::run_step: a batched decode step's
 // sequences, a prompt's rows) takes the AMX GEMM, and whether it does here: AMX granted and amx_rows on
 // (tiered.kernels.load turns it off where TIERED_AMX=0, as quant/int4.amx_kernels reads it; tests and A/Bs too).
-constexpr int64_t kAmxStepRows = 48;
+constexpr int64_t kAmxStepRows = 24;
 std::atomic<bool> g_amx_rows{true};
 bool amx_step() { return amx_ready() && g_amx_rows.load(std::memory_order_relaxed); }
 
@@ -2803,7 +2803,10 @@ struct Int4TGemv : Int4Gemv {
   // AMX runs the AMX GEMM (int4t_amx_gemm) on the rows rounded to bf16 instead of the int8-row kernels (`run`, what
   // other callers get, keeps them): on 2 Sapphire Rapids cores SmolLM2's weights at 48 / 64 / 128 rows took
   // 0.73-0.95x / 0.61-0.84x / 0.45-0.70x their time, and its batched decode of 64 / 128 sequences ran
-  // 1262-1298 -> 1413-1431 / 1347-1380 -> 1539-1540 tok/s (2026-12-06).
+  // 1262-1298 -> 1413-1431 / 1347-1380 -> 1539-1540 tok/s (2026-12-06). From 24 rows (was 48): its gate/up, down
+  // and qkv weights at 16 / 24 / 32 rows took 0.87-1.05x / 0.72-0.99x / 0.56-0.68x the q8 kernels' time (warm), its
+  // prompts of 32 / 40 / 47 tokens 15.5 / 18.8 / 21.4 -> 12.6 / 15.3 / 15.3 ms and its batched decode of 24 / 32
+  // sequences 1062 -> 1116 / 1125 -> 1294 tok/s (16 within noise either way; 2026-12-06, session 95).
   void run_step(const float* x, int64_t B, float* y) const override {
     if (B < kAmxStepRows || !run_amx(x, B, y)) Gemv::run(x, B, y);
   }
@@ -4662,7 +4665,7 @@ void register_gemv(pybind11::module& m) {
           return was;
         },
         py::arg("enabled") = py::none(),
-        "Whether the native decode step's calls of tiled int4 kernels over 48+ rows take the AMX GEMM where it runs "
+        "Whether the native decode step's calls of tiled int4 kernels over 24+ rows take the AMX GEMM where it runs "
         "(True by default; tiered.kernels.load sets it off under TIERED_AMX=0); with `enabled`, set it for the process. Returns the "
         "setting before the call.");
   m.def("amx_prompt_attention", &amx_prompt_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"),
