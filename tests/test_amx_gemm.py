@@ -139,6 +139,38 @@ def test_expert_projection_rows_take_the_amx_gemm(e2m1, monkeypatch):
     assert ((got.double() - onednn.double()).abs() <= tol).all()
 
 
+@pytest.mark.parametrize("groups", [True, False])
+def test_a_tiled_int8_weight_takes_the_amx_gemm_in_the_steps_calls_from_24_rows(groups):
+    """Int8Gemv::run_step (the native step's calls: a Q8_0 / Q6_K head over a batch's rows) runs the AMX GEMM from
+    quant/int4.STEP_AMX_ROWS rows over a tiled int8 weight, int8-g32 (an fp16 scale a row and group of 32) or one
+    scale a row: the rows and the weights (u - 128) s rounded to bf16, products summed in fp32, a bias added (checked
+    against that product: fails if a tile's columns, rows or scales are misplaced); below it, and through `run` (the
+    kernel's __call__: every other caller) at any rows, the int8-row kernels, whose bits differ."""
+    from tiered.kernels.linear import tiled_group_scales, tiled_int8
+    from tiered.quant.int4 import STEP_AMX_ROWS
+
+    g = torch.Generator().manual_seed(3)
+    N, K = 160, 96
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    bias = torch.randn(N, generator=g)
+    if groups:
+        sc = (torch.rand(N, K // 32, generator=g) * 0.01 + 0.001).half()
+        k = ext.int8g32_tiled_kernel(tiled_int8(q), tiled_group_scales(sc), bias, "q8")
+        w = (q.float().reshape(N, K // 32, 32) * sc.float().unsqueeze(-1)).reshape(N, K)
+    else:
+        sc = torch.rand(N, generator=g) * 0.01 + 0.001
+        k = ext.int8_tiled_kernel(tiled_int8(q), sc, bias, "q8")
+        w = q.float() * sc.unsqueeze(1)
+    for M in (STEP_AMX_ROWS, 41):
+        x = torch.randn(M, K, generator=g)
+        ref = x.bfloat16().float() @ w.bfloat16().float().T + bias
+        got = k.step(x)
+        assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-5, M
+        assert not torch.equal(got, k(x))
+    x = torch.randn(STEP_AMX_ROWS - 1, K, generator=g)
+    assert torch.equal(k.step(x), k(x))
+
+
 def test_native_step_rows_take_the_amx_gemm_from_24_rows(zoo, monkeypatch):
     """The native decode step's int4 projections over 24+ rows (quant/int4.STEP_AMX_ROWS, csrc kAmxStepRows: a batch's
     sequences, a prompt's rows: here a prompt as rows) run the AMX GEMM on bf16-rounded rows (Int4TGemv::run_step),

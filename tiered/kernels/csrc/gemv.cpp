@@ -1789,6 +1789,45 @@ TIERED_AMX void int4t_vnni_tile(const Int4W& w, int64_t m0, int64_t G, int64_t g
   }
 }
 
+// A tiled int8 weight's rows m0..m0+15 (int8, tiled: 64 bytes a tile and 4 columns, byte 4r + j column 4c + j of
+// row r, plus 128), groups g0..g1 of K as B tiles in int4t_vnni_tile's layout: w = (u - 128) s, s the row's fp16 scale
+// of the group (int8-g32) or the row's own, rounded to bf16 (as the int4 tiles round q s + z). A chunk's 16 lanes are
+// the 16 rows, its four bytes a lane four consecutive columns: two pairs.
+TIERED_AMX void int8t_vnni_tile(const Int8W& w, int64_t K, int64_t m0, int64_t G, int64_t g0, int64_t g1, uint32_t* bv) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i lowb = _mm512_set1_epi32(0xFF), c128 = _mm512_set1_epi32(128);
+  const uint8_t* tile = reinterpret_cast<const uint8_t*>(w.q) + m0 * K;
+  alignas(64) float rs[16];
+  if (!w.gs)
+    for (int r = 0; r < 16; ++r) rs[r] = w.s(m0 + r);
+  auto value = [&](__m512i v, int j, __m512 s) TIERED_AMX {  // byte j of each lane as (u - 128) s
+    const __m512i u = _mm512_and_si512(j ? _mm512_srli_epi32(v, 8 * j) : v, lowb);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(u, c128)), s);
+  };
+  for (int64_t g = g0; g < g1; ++g) {
+    const __m512 s = w.gs ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.gs + ((m0 / 16) * G + g) * 16)))
+                          : _mm512_load_ps(rs);
+    uint32_t* out = bv + (g - g0) * 16 * 16;
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_loadu_si512(tile + (g * 8 + c) * 64);
+      _mm512_storeu_si512(out + (2 * c) * 16, vnni_pair(value(v, 0, s), value(v, 1, s), interleave));
+      _mm512_storeu_si512(out + (2 * c + 1) * 16, vnni_pair(value(v, 2, s), value(v, 3, s), interleave));
+    }
+  }
+}
+
+// A weight's B tiles for amx_blocks: tiled int4 (or MXFP4) and tiled int8
+TIERED_AMX TIERED_FORCE_INLINE void vnni_tile(const Int4W& w, int64_t, int64_t m0, int64_t G, int64_t g0, int64_t g1,
+                                              uint32_t* b) {
+  if (w.e2m1) int4t_vnni_tile<true>(w, m0, G, g0, g1, b);
+  else int4t_vnni_tile<false>(w, m0, G, g0, g1, b);
+}
+TIERED_AMX TIERED_FORCE_INLINE void vnni_tile(const Int8W& w, int64_t K, int64_t m0, int64_t G, int64_t g0, int64_t g1,
+                                              uint32_t* b) {
+  int8t_vnni_tile(w, K, m0, G, g0, g1, b);
+}
+
 // C tiles (0..3) = (Acc: the 32 x 32 fp32 block at c, ldc floats apart; else 0) + x's 16-row tiles (4, 5: a0 and
 // a1, n groups of 16 x 32 bf16 each 1 KB apart) times W's (6, 7: b0 and b1, n groups of 1 KB), stored back to c;
 // TwoA / TwoB: the second x / W tile is there (an M / N tail of 16 rows has one). (Tried and slower on 2 Sapphire
@@ -1843,7 +1882,7 @@ TIERED_AMX void amx_epilogue(const float* c, int64_t ldc, int64_t rows, int64_t 
     }
 }
 
-// The blocking of int4t_amx_blocks: kAmxPanel 32-row blocks of W at a time, K in chunks of kAmxChunk groups (4096
+// The blocking of amx_blocks: kAmxPanel 32-row blocks of W at a time, K in chunks of kAmxChunk groups (4096
 // columns). Each 32-row block of x had been read against one block of W at a time, all of K: x [M, K] streamed
 // from beyond the L2 once per 32 rows of W where it is larger (a 512-row prompt at K = 4096: 4 MB, 448 times for
 // a 14336-row weight). Four blocks a panel read it a quarter as often, with the panel's converted chunk (1 MB)
@@ -1869,12 +1908,13 @@ TIERED_AMX void amx_epilogue(const float* c, int64_t ldc, int64_t rows, int64_t 
 // 2 and 6 slower on both, 1 up to 1.5x the panels' time; past 64 rows (96-256) within the noise of the panels.
 constexpr int64_t kAmxPanel = 4, kAmxChunk = 128, kAmxL2Bytes = 1280 << 10, kAmxSmallTiles = 4, kAmxSmallChunk = 3;
 
-// x's 32-row blocks against the weight's 32-row blocks j0..j1 (int4t_amx_gemm's work on one thread), kAmxPanel
+// x's 32-row blocks against the weight's 32-row blocks j0..j1 (amx_gemm's work on one thread), kAmxPanel
 // blocks of W at a time and K in chunks of kAmxChunk groups (up to kAmxSmallTiles x tiles: one block, chunks of
 // kAmxSmallChunk groups): each chunk of a panel dequantized into bv, then every
 // 32-row block of x's chunk against each block of it, their fp32 sums kept in cb between chunks.
-TIERED_AMX void int4t_amx_blocks(const Int4W& w, const uint16_t* xa, int64_t M, int64_t K, int64_t N, float* yf,
-                                 uint16_t* yb, int64_t ldy, int64_t j0, int64_t j1) {
+template <typename W>
+TIERED_AMX void amx_blocks(const W& w, const uint16_t* xa, int64_t M, int64_t K, int64_t N, float* yf, uint16_t* yb,
+                           int64_t ldy, int64_t j0, int64_t j1) {
   const int64_t G = K / kGroup;
   const int64_t MT = (M + kAmxRows - 1) / kAmxRows;
   const int64_t x_bytes = MT * kAmxRows * K * int64_t(sizeof(uint16_t)), block_bytes = 2 * kBlock * K * int64_t(sizeof(uint16_t));
@@ -1896,9 +1936,7 @@ TIERED_AMX void int4t_amx_blocks(const Int4W& w, const uint16_t* xa, int64_t M, 
       for (int64_t j = s0; j < s1; ++j) {
         const int64_t n0 = j * 2 * kBlock;
         for (int64_t h = 0; h < (n0 + kBlock < N ? 2 : 1); ++h) {
-          uint32_t* b = bv + ((j - s0) * 2 + h) * n * 256;
-          if (w.e2m1) int4t_vnni_tile<true>(w, n0 + h * kBlock, G, g0, g1, b);
-          else int4t_vnni_tile<false>(w, n0 + h * kBlock, G, g0, g1, b);
+          vnni_tile(w, K, n0 + h * kBlock, G, g0, g1, bv + ((j - s0) * 2 + h) * n * 256);
         }
       }
       for (int64_t mt = 0; mt < MT; mt += 2) {  // two x tiles a block, the last alone where MT is odd
@@ -1928,12 +1966,13 @@ TIERED_AMX void int4t_amx_blocks(const Int4W& w, const uint16_t* xa, int64_t M, 
 }
 
 // y [M, N] (ldy apart; bf16 yb or fp32 yf) = x [M, K] bf16 (lda elements apart) @ W^T (+ W's bias) for a
-// tiled int4 weight (N % 16 == 0, K % 32 == 0; amx_ready()). x is first copied into its tiles' order, xa
+// tiled int4 or tiled int8 weight (N % 16 == 0, K % 32 == 0; amx_ready()). x is first copied into its tiles' order, xa
 // [M/16][K/32][16][32] (the last row tile zero-padded), so that each tile load reads 1 KB in a row (the first
 // version loaded x's rows in place, K elements apart: not timed against this one in the same minutes); threads
 // then take 32-row blocks of W.
-void int4t_amx_gemm(const Int4W& w, const uint16_t* x, int64_t lda, int64_t M, int64_t K, int64_t N, float* yf,
-                    uint16_t* yb, int64_t ldy) {
+template <typename W>
+void amx_gemm(const W& w, const uint16_t* x, int64_t lda, int64_t M, int64_t K, int64_t N, float* yf, uint16_t* yb,
+              int64_t ldy) {
   const int64_t NB = (N + 2 * kBlock - 1) / (2 * kBlock), MT = (M + kAmxRows - 1) / kAmxRows, G = K / kGroup;
   thread_local std::vector<uint16_t> xa;
   uint16_t* const xp = aligned64(xa, MT * kAmxRows * K);
@@ -1948,7 +1987,11 @@ void int4t_amx_gemm(const Int4W& w, const uint16_t* x, int64_t lda, int64_t M, i
         }
       }
   });
-  at::parallel_for(0, NB, 1, [&](int64_t j0, int64_t j1) { int4t_amx_blocks(w, xp, M, K, N, yf, yb, ldy, j0, j1); });
+  at::parallel_for(0, NB, 1, [&](int64_t j0, int64_t j1) { amx_blocks(w, xp, M, K, N, yf, yb, ldy, j0, j1); });
+}
+void int4t_amx_gemm(const Int4W& w, const uint16_t* x, int64_t lda, int64_t M, int64_t K, int64_t N, float* yf,
+                    uint16_t* yb, int64_t ldy) {
+  amx_gemm(w, x, lda, M, K, N, yf, yb, ldy);
 }
 
 // ------------------------------------------------------------------------------------ prompt attention on AMX
@@ -2241,8 +2284,20 @@ at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const 
   return out;
 }
 
-// Rows from which the native step's call of a tiled int4 kernel (Int4TGemv::run_step: a batched decode step's
-// sequences, a prompt's rows) takes the AMX GEMM, and whether it does here: AMX granted and amx_rows on
+// x [B, K] fp32 rounded to bf16 (kernel.h: torch's rounding) into this thread's buffer, over the threads: on one,
+// SmolLM2's 512-token prompt as rows spent ~5% of its time here while the other thread waited. The AMX GEMM's rows.
+const uint16_t* rows_bf16(const float* x, int64_t B, int64_t K) {
+  thread_local std::vector<uint16_t> xb;
+  xb.resize(B * K);
+  uint16_t* const xp = xb.data();  // (this thread's: the lambda's `xb` would be each worker's own)
+  at::parallel_for(0, B, std::max<int64_t>(1, (int64_t(1) << 15) / K), [&](int64_t b0, int64_t b1) {
+    round_row(x + b0 * K, (b1 - b0) * K, xp + b0 * K);
+  });
+  return xp;
+}
+
+// Rows from which the native step's call of a tiled int4 or int8 kernel (Int4TGemv::run_step, Int8Gemv::run_step: a
+// batched decode step's sequences, a prompt's rows) takes the AMX GEMM, and whether it does here: AMX granted and amx_rows on
 // (tiered.kernels.load turns it off where TIERED_AMX=0, as quant/int4.amx_kernels reads it; tests and A/Bs too).
 constexpr int64_t kAmxStepRows = 24;
 std::atomic<bool> g_amx_rows{true};
@@ -2812,15 +2867,7 @@ struct Int4TGemv : Int4Gemv {
   }
   bool run_amx(const float* x, int64_t B, float* y) const override {
     if (current_isa() != kAvx512 || !amx_step()) return false;
-    thread_local std::vector<uint16_t> xb;
-    xb.resize(B * in_features);
-    // (kernel.h: torch's rounding) over the threads: on one, SmolLM2's 512-token prompt as rows spent ~5% of its
-    // time here while the other thread waited
-    uint16_t* const xp = xb.data();  // (this thread's: the lambda's `xb` would be each worker's own)
-    at::parallel_for(0, B, std::max<int64_t>(1, (int64_t(1) << 15) / in_features), [&](int64_t b0, int64_t b1) {
-      round_row(x + b0 * in_features, (b1 - b0) * in_features, xp + b0 * in_features);
-    });
-    return run_amx_bf16(xp, B, y, nullptr);
+    return run_amx_bf16(rows_bf16(x, B, in_features), B, y, nullptr);
   }
   bool run_amx_bf16(const uint16_t* x, int64_t B, float* yf, uint16_t* yb) const override {
     if (current_isa() != kAvx512 || !amx_step()) return false;
@@ -2848,6 +2895,16 @@ struct Int8Gemv : Gemv {
   int64_t q8_from = kNeverQ8;
   bool has_q8() const { return w.tiled && q8_from != kNeverQ8 && current_isa() != kAvx2; }
   bool q8(int64_t B) const { return has_q8() && B >= q8_from; }
+  // The native step's call of kAmxStepRows+ rows over a tiled weight (a Q8_0 / Q6_K head's: a batched decode step's
+  // sequences) on a CPU with AMX runs the AMX GEMM on the rows rounded to bf16 and the weights as (u - 128) s rounded
+  // to bf16 (int8t_vnni_tile) instead of the int8-row kernels; `run` (every other caller: the experts' kernels, the
+  // modules) keeps them. SmolLM2's Q8_0 head (49152 x 576) at 24 / 32 / 48 rows took 2.22 / 2.90 / 4.32 -> 2.04 / 2.03 /
+  // 2.07 ms, its error to the fp32 product 5.6e-3 -> 2.3e-3; its batched decode of 24 / 48 sequences 1082-1119 ->
+  // 1140-1184 / 1254-1336 -> 1385-1431 tok/s, 32 within noise (2 AMX cores, 2026-12-06, alternated processes).
+  void run_step(const float* x, int64_t B, float* y) const override {
+    if (B < kAmxStepRows || !w.tiled || current_isa() != kAvx512 || !amx_step()) return Gemv::run(x, B, y);
+    amx_gemm(w, rows_bf16(x, B, in_features), in_features, B, in_features, out_features, y, nullptr, out_features);
+  }
   void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
     if (w.tiled) {
       const bool x8 = q8(a.rows_for_format());  // (needs() was asked with the same)

@@ -96,14 +96,15 @@ struct DenseKernel : Kernel {
   std::string name() const override { return std::string("dense(") + c10::toString(w.scalar_type()) + ")"; }
 };
 
-at::Tensor call_kernel(const Kernel& k, const at::Tensor& x0) {
+at::Tensor call_kernel(const Kernel& k, const at::Tensor& x0, bool step = false) {
   TIERED_CHECK(x0.dim() == 2 && x0.size(1) == k.in_features, "kernel ", k.name(), ": x must be [B, ",
               k.in_features, "], got ", x0.sizes());
   auto x = x0.to(at::kFloat).contiguous();
   auto y = at::empty({x.size(0), k.out_features}, at::TensorOptions().dtype(at::kFloat));
   {
     pybind11::gil_scoped_release nogil;
-    k.run(x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+    if (step) k.run_step(x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+    else k.run(x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
   }
   return y;
 }
@@ -187,7 +188,11 @@ void register_kernels(pybind11::module& m) {
       .def_readonly("out_features", &Kernel::out_features)
       .def("weight_bytes", &Kernel::weight_bytes)
       .def("name", &Kernel::name)
-      .def("__call__", &call_kernel, "x [B, K] any float dtype -> y [B, N] fp32");
+      .def("__call__", [](const Kernel& k, const at::Tensor& x) { return call_kernel(k, x); },
+           "x [B, K] any float dtype -> y [B, N] fp32")
+      .def("step", [](const Kernel& k, const at::Tensor& x) { return call_kernel(k, x, true); },
+           "As __call__, through the path the native decode step calls (Kernel::run_step: e.g. tiled int4 and int8 on "
+           "AMX from 24 rows)");
   m.def("run_grouped", &run_grouped, py::arg("kernels"), py::arg("x"),
         "G projections in one call: x float32 [G, B, K] -> y float32 [G, B, N], y[g] = kernels[g](x[g]).");
   m.def("int4pack_kernel", [](at::Tensor packed, int64_t group, at::Tensor scales_zeros, int64_t in_features,
