@@ -147,8 +147,8 @@ def test_a_tiled_int8_weight_takes_the_amx_gemm_in_the_steps_calls_from_24_rows(
     against that product: fails if a tile's columns, rows or scales are misplaced); below it, and through `run` (the
     kernel's __call__: every other caller) at any rows, the int8-row kernels, whose bits differ."""
     from tiered.kernels.linear import tiled_group_scales, tiled_int8
-    from tiered.quant.int4 import STEP_AMX_ROWS
 
+    STEP_AMX_ROWS = int4.STEP_AMX_ROWS
     g = torch.Generator().manual_seed(3)
     N, K = 160, 96
     q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
@@ -204,8 +204,7 @@ def test_native_step_rows_take_the_amx_gemm_from_24_rows(zoo, monkeypatch):
             ext.amx_rows(was)
         return got, ref
 
-    from tiered.quant.int4 import STEP_AMX_ROWS
-
+    STEP_AMX_ROWS = int4.STEP_AMX_ROWS
     assert STEP_AMX_ROWS == 24
     q8, ref = rows(STEP_AMX_ROWS, False)
     amx, _ = rows(STEP_AMX_ROWS, True)

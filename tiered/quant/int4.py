@@ -62,8 +62,9 @@ DEQUANTIZE_CHUNK = 32 * 2**20
 # 195 / 192 (196 / 198 -> 182 / 181), 700-778 269 / 263 -> 235 / 264 (234 / 232 -> 233 / 252), 900-978 342 / 333 ->
 # 352 / 333 (305 / 296 -> 340 / 300): 512, with gemm_amx/cpu/int4 timed at up to these rows (profiler.amx_gemm_shapes).
 AMX_ROWS = 512
-# Rows from which the native decode step's int4 projections run the AMX GEMM on a CPU with AMX (csrc/gemv.cpp's
-# kAmxStepRows: Int4TGemv::run_step); the planner prices them so (planner/cpu_predict.step_amx_time).
+# Rows from which the native decode step's int4 projections (and tiled int8 ones: a Q8_0 / Q6_K head) run the AMX GEMM
+# on a CPU with AMX (csrc/gemv.cpp's kAmxStepRows: Int4TGemv::run_step, Int8Gemv::run_step); the planner prices the
+# int4 ones so (planner/cpu_predict.step_amx_time).
 STEP_AMX_ROWS = 24
 
 

@@ -1745,6 +1745,11 @@ TIERED_AMX TIERED_FORCE_INLINE __m512 vnni_weight(__m512i v, int shift, __m512 t
 TIERED_AMX TIERED_FORCE_INLINE __m512i vnni_pair(__m512 even, __m512 odd, __m512i interleave) {
   return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
+// vnni_pair's word permutation: word 2r <- word r (the even column's row r), word 2r + 1 <- word 16 + r (the odd one's)
+TIERED_AMX TIERED_FORCE_INLINE __m512i vnni_interleave() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19,
+                          3, 18, 2, 17, 1, 16, 0);
+}
 
 // Tile t's (rows m0..m0+15) groups as B tiles: bv [G][16 pairs][16 rows][2] bf16 (as uint32 pairs), the pair
 // (2p, 2p + 1) of group g's columns of row r at bv[(g * 16 + p) * 16 + r]. A group's chunk c (64 bytes) holds,
@@ -1757,9 +1762,7 @@ TIERED_AMX void int4t_vnni_tile(const Int4W& w, int64_t m0, int64_t G, int64_t g
                                               reinterpret_cast<const __m128i*>(kE2m1U)))),
                                           _mm512_set1_ps(12.f))
                           : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  // word 2r <- word r (the even column's row r), word 2r + 1 <- word 16 + r (the odd one's)
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i interleave = vnni_interleave();
   const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
   const __m512 off = _mm512_set1_ps(E2M1 ? 0.f : 8.f);
   const uint8_t* tile = w.tile(m0);
@@ -1794,8 +1797,7 @@ TIERED_AMX void int4t_vnni_tile(const Int4W& w, int64_t m0, int64_t G, int64_t g
 // of the group (int8-g32) or the row's own, rounded to bf16 (as the int4 tiles round q s + z). A chunk's 16 lanes are
 // the 16 rows, its four bytes a lane four consecutive columns: two pairs.
 TIERED_AMX void int8t_vnni_tile(const Int8W& w, int64_t K, int64_t m0, int64_t G, int64_t g0, int64_t g1, uint32_t* bv) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i interleave = vnni_interleave();
   const __m512i lowb = _mm512_set1_epi32(0xFF), c128 = _mm512_set1_epi32(128);
   const uint8_t* tile = reinterpret_cast<const uint8_t*>(w.q) + m0 * K;
   alignas(64) float rs[16];
@@ -4722,7 +4724,8 @@ void register_gemv(pybind11::module& m) {
           return was;
         },
         py::arg("enabled") = py::none(),
-        "Whether the native decode step's calls of tiled int4 kernels over 24+ rows take the AMX GEMM where it runs "
+        "Whether the native decode step's calls of tiled int4 and int8 kernels over 24+ rows take the AMX GEMM "
+        "where it runs "
         "(True by default; tiered.kernels.load sets it off under TIERED_AMX=0); with `enabled`, set it for the process. Returns the "
         "setting before the call.");
   m.def("amx_prompt_attention", &amx_prompt_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"),

@@ -60,7 +60,8 @@ struct Kernel {
   // Called without the GIL; may use at::parallel_for (torch's OpenMP team).
   virtual void run(const float* x, int64_t B, float* y) const = 0;
   // `run` as the native decode step calls it (decode.cpp's run_one: its projections over a batch's rows, a prompt's
-  // rows): a kernel may take another path there (tiled int4 and int8 on AMX from 24 rows: Int4TGemv::run_step).
+  // rows): a kernel may take another path there (tiled int4 and int8 on AMX from 24
+  // rows: Int4TGemv::run_step, Int8Gemv::run_step).
   virtual void run_step(const float* x, int64_t B, float* y) const { run(x, B, y); }
   // `run` on tiered's AMX GEMM over the rows rounded to bf16, whatever B, where this kernel has that path here
   // (tiled int4 and mxfp4: Int4TGemv, on a CPU with AMX, amx_rows on): true; false (nothing written) elsewhere.
