@@ -602,3 +602,39 @@ def test_host_slab_carves_page_aligned_tensors_until_full():
     assert [float(t.mean()) for t in got] == [0.0, 1.0, 2.0, 3.0]  # no two overlap
     with pytest.raises(MemoryError, match="full"):
         slab.take((1,), torch.float32)
+
+
+def _mapping_rss_kib(addr: int) -> int:
+    """Resident KiB of the mapping of this process holding address `addr` (/proc/self/smaps "Rss:")."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_a_servers_kv_cache_holds_only_the_pages_its_sequences_wrote(dtype):
+    """A KV cache of many slots x a long context (a server's) costs the RAM of the positions written, not of
+    its whole reservation (memory/host.lazy_zeros): torch.zeros had written every byte at startup. Unwritten
+    positions read 0, written ones what was written; the bytes still count as the cache's nbytes."""
+    from tiered.checkpoint.model_config import ModelConfig
+    from tiered.models.layers import KVCache
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    cache = KVCache(cfg, 16, 4096, dtype)  # 2 x 4 layers x 16 slots x 2 heads x 4096 positions x 64 (+ scales)
+    assert cache.nbytes >= 2 * 4 * 16 * 2 * 4096 * 64 * cache.k.element_size()
+    assert cache.k.data_ptr() % 4096 == 0 and cache.k.is_contiguous()
+    assert _mapping_rss_kib(cache.k.data_ptr()) <= 64  # nothing resident yet (the kernel's zero pages)
+    cache.k[:, 0, :, :100] = 1
+    cache.v[:, 0, :, :100] = 2
+    # slot 0's first 100 positions: 4 layers x 2 heads x one or two 4 KiB pages of each tensor
+    resident = _mapping_rss_kib(cache.k.data_ptr()) + _mapping_rss_kib(cache.v.data_ptr())
+    assert 0 < resident <= 2 * 4 * 2 * 8 * 4 + 64 < cache.nbytes // 1024 // 100
+    assert int(cache.k[:, 0, :, :100].float().sum()) == 4 * 2 * 100 * cache.k.shape[-1]
+    assert not cache.k[:, 0, :, 100:].any() and not cache.k[:, 1:].any() and not cache.v[:, 1:].any()

@@ -16,6 +16,7 @@ from torch import nn
 
 from tiered.checkpoint.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
 from tiered.hardware.accelerator import building_graph
+from tiered.memory.host import lazy_zeros
 from tiered.memory.sizes import kv_block, kv_cache_widths, kv_row_bytes  # noqa: F401 (kv_row_bytes: the row's bytes)
 
 
@@ -348,8 +349,10 @@ class KVCache:
                  device: torch.device | str = "cpu") -> None:
         self.quantized = dtype == torch.int8
         heads, kw, vw = kv_cache_widths(config, "int8" if self.quantized else None)
-        self.k = torch.zeros((config.num_hidden_layers, num_slots, heads, max_len, kw), dtype=dtype, device=device)
-        self.v = torch.zeros((config.num_hidden_layers, num_slots, heads, max_len, vw), dtype=dtype, device=device)
+        # on the CPU committed page by page as positions are written (memory/host.lazy_zeros): a server's slots
+        # of max_context positions cost the RAM its sequences use
+        self.k = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, kw), dtype, device)
+        self.v = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, vw), dtype, device)
         self.max_len = max_len
 
     @property
