@@ -11,7 +11,7 @@ ratio compares minutes of the same machine (this shared VM's speed moves by 30% 
 tokens/s of every phase, each round's ratio and their median go to
 benchmarks/results/serve_load.{json,md}. Quote the median ratio, not a single phase.
 
-    python benchmarks/serve_load.py                      # 32 clients x 120 s, --max-batch 8
+    python benchmarks/serve_load.py                      # 32 clients x 120 s, the server's own batch
     python benchmarks/serve_load.py --clients 8 --seconds 30 --quick
     python benchmarks/serve_load.py --compare-bursts --clients 8 --seconds 40 --rounds 3 --max-tokens 128
     python benchmarks/serve_load.py --compare-prefix --system-tokens 512 --clients 8 --seconds 40 --rounds 3
@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--baseline-seconds", type=float, default=None, help="sequential phase [s] (default: --seconds / 2)")
     ap.add_argument("--rounds", type=int, default=2, help="sequential + concurrent phase pairs, alternated")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-batch", type=int, default=0, help="the server's --max-batch (0, its default: the plan's)")
     ap.add_argument("--dtype", default="auto", help="the server's --dtype (float32: dense prefill weights kept); "
                     "results go to serve_load_<dtype>.* unless auto")
     ap.add_argument("--max-queue", type=int, default=64)

@@ -26,7 +26,7 @@ openai = pytest.importorskip("openai", reason="the serving tests drive the real 
 
 from runtime_fixtures import engine_config, rt  # noqa: F401
 from runtime_fixtures import prompt as moe_prompt
-from tiered import LLM, SamplingParams
+from tiered import LLM, EngineConfig, SamplingParams
 from tiered.serve.app import build_app
 from tiered.serve.engine import ServingEngine
 from tiered.serve.protocol import token_bytes
@@ -475,8 +475,29 @@ def test_the_serve_command(zoo):
     finally:
         proc.terminate()  # SIGTERM: the HTTP thread and the engine (on the main thread) stop cleanly
         assert proc.wait(timeout=30) == 0, proc.stdout.read()
-    bad = subprocess.run(cmd[:4] + ["--max-batch", "0"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(cmd[:4] + ["--max-batch", "-1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "max-batch" in bad.stderr
+
+
+def test_serve_plans_its_batch_where_no_gpu_is_used(zoo):
+    """`serve --max-batch 0` (the default) without an accelerator: the throughput goal picks the batch for chat-sized
+    requests up to AUTO_MOST, and the server's KV cache has that many slots; with one (the stand-in), or a batch
+    given, that batch (ACCELERATOR_BATCH for 0) under the latency goal."""
+    from tiered.serve.engine import ACCELERATOR_BATCH, AUTO_MOST, AUTO_WORKLOAD, serve_batch
+
+    assert serve_batch("host", 0) == {"max_batch": ACCELERATOR_BATCH}
+    assert serve_batch("none", 3) == serve_batch("host", 3) == {"max_batch": 3}
+    batch = serve_batch("none", 0)
+    assert batch == {"max_batch": AUTO_MOST, "goal": "throughput", "workload": AUTO_WORKLOAD}
+    llm = LLM(zoo.dir("llama"), EngineConfig(accelerator="none", max_context=256, decode_weights="fp32", **batch))
+    try:
+        assert llm.plan.goal == "throughput" and (llm.plan.prompt_tokens, llm.plan.gen_tokens) == (128, 128)
+        assert 1 < llm.plan.kv_slots <= AUTO_MOST
+        assert any(n.startswith(f"throughput goal: batch {llm.plan.kv_slots} ") for n in llm.plan.notes)
+        engine = ServingEngine(llm, max_batch=llm.plan.kv_slots)  # the room the plan kept
+        assert engine.cache.k.shape[1] == llm.plan.kv_slots
+    finally:
+        llm.close()
 
 
 def _reference_logprobs(llm, prompt_ids: list[int], output_ids: list[int]) -> list[float]:

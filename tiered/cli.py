@@ -477,7 +477,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default; 0.0.0.0 exposes the server)."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TIERED_API_KEY", help="Require Authorization: Bearer KEY on /v1/* (401 otherwise)."),
-    max_batch: int = typer.Option(8, "--max-batch", help="KV-cache slots: the most requests decoded together."),
+    max_batch: int = typer.Option(0, "--max-batch", help="KV-cache slots: the most requests decoded together (0: "
+                                  "without a GPU the plan's fastest batch for chat requests, up to 64; with one 8)."),
     max_queue: int = typer.Option(64, "--max-queue", help="Most requests waiting for a slot; more get 503 with Retry-After."),
     prefix_reuse: bool = typer.Option(True, "--prefix-reuse/--no-prefix-reuse",
                                       help="Reuse the KV a slot still holds for a new prompt's shared prefix (system prompt, chat history)."),
@@ -494,18 +495,21 @@ def serve(
     from tiered.serve.app import build_app
     from tiered.serve.engine import ServingEngine
 
-    if max_batch < 1 or max_queue < 0:
-        raise typer.BadParameter("--max-batch must be >= 1 and --max-queue >= 0")
+    from tiered.serve.engine import serve_batch
+
+    if max_batch < 0 or max_queue < 0:
+        raise typer.BadParameter("--max-batch must be >= 0 (0: the plan's) and --max-queue >= 0")
     if reasoning_format not in ("auto", "none"):
         raise typer.BadParameter(f"--reasoning-format must be auto or none, not {reasoning_format!r}")
-    config = _engine_config(engine_opts, max_batch=max_batch)
-    llm = LLM(model, config, progress=True)
+    batch = serve_batch(engine_opts["accelerator"], max_batch)  # 0 without a GPU: the plan picks it
+    llm = LLM(model, _engine_config(engine_opts, **batch), progress=True)
     _freeze_heap()
+    max_batch = llm.plan.kv_slots if batch.get("goal") == "throughput" else batch["max_batch"]
     engine = ServingEngine(llm, max_batch=max_batch, max_queue=max_queue, prefix_reuse=prefix_reuse)
     ckpt_path = Path(llm.checkpoint.path)
     name = served_model_name or (ckpt_path.stem if ckpt_path.is_file() else ckpt_path.name)
     typer.echo(f"serving {name} on http://{host}:{port}/v1 (batch {max_batch} x {llm.max_context} tokens, KV cache "
-               f"{engine.cache.nbytes / 2**20:.0f} MiB; queue {max_queue}{'; API key required' if api_key else ''}) | "
+               f"{engine.cache.nbytes / 2**20:.0f} MiB reserved; queue {max_queue}{'; API key required' if api_key else ''}) | "
                f"{llm.plan.summary()}", err=True)
     # The engine steps on this (main) thread, which owns torch's OpenMP team (a decode step on a
     # fresh thread ran 3x slower); HTTP is served from a second thread.

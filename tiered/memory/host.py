@@ -62,5 +62,18 @@ def lazy_zeros(shape: tuple[int, ...], dtype, device="cpu"):
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes < LAZY_ZEROS_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _map_noreserve())
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor's storage keeps `buf` mapped
+
+
+def _map_noreserve() -> int:
+    """MAP_NORESERVE where Linux defines it as 0x4000 (x86-64, arm64; Python's mmap names it from 3.12): the
+    mapping is not charged to the commit limit up front, so a reservation larger than RAM + swap is not refused
+    under the kernel's heuristic overcommit (the plan's budget, --cpu-mem, is what bounds the pages written)."""
+    import mmap
+    import platform
+    import sys
+
+    if hasattr(mmap, "MAP_NORESERVE"):
+        return mmap.MAP_NORESERVE
+    return 0x4000 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else 0

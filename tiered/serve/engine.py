@@ -65,6 +65,28 @@ class Handle:
             pass
 
 
+# `tiered serve`'s batch where --max-batch is 0 (its default). On a CPU-only plan, which prices batches: the batch the
+# throughput goal finds fastest (planner/throughput.plan_batch) for requests of AUTO_WORKLOAD (prompt, generated)
+# tokens, up to AUTO_MOST sequences; the KV cache of that many slots is reserved in the budget but committed as
+# positions are written (memory/host.lazy_zeros). SmolLM2 under 32 streaming clients (benchmarks/serve_load.py,
+# 2 AMX cores, 2026-12-07): 684 tok/s with 8 slots or 16, 837 with 32 (3.26x one request at a time).
+AUTO_WORKLOAD = (256, 256)
+AUTO_MOST = 64
+# with an accelerator, whose plans do not price batches (the largest KV cache that fits would take the room its
+# experts and weights use): this many slots, as before
+ACCELERATOR_BATCH = 8
+
+
+def serve_batch(accelerator: str, max_batch: int) -> dict:
+    """The batch arguments of `tiered serve --max-batch max_batch`'s EngineConfig (max_batch, and goal and workload
+    where the plan chooses): with max_batch 0 and no accelerator in use (`accelerator` "none", or "auto" on a
+    machine without CUDA), the throughput goal's batch for AUTO_WORKLOAD up to AUTO_MOST (the server then takes
+    Plan.kv_slots); else max_batch, or ACCELERATOR_BATCH for 0."""
+    if max_batch == 0 and (accelerator == "none" or (accelerator == "auto" and not torch.cuda.is_available())):
+        return dict(max_batch=AUTO_MOST, goal="throughput", workload=AUTO_WORKLOAD)
+    return dict(max_batch=max_batch or ACCELERATOR_BATCH)
+
+
 class ServingEngine:
     """Continuous batching for a server: a KV cache of `max_batch` slots and a thread stepping it.
 
