@@ -483,12 +483,16 @@ def test_serve_plans_its_batch_where_no_gpu_is_used(zoo):
     """`serve --max-batch 0` (the default) without an accelerator: the throughput goal picks the batch for chat-sized
     requests up to AUTO_MOST, and the server's KV cache has that many slots; with one (the stand-in), or a batch
     given, that batch (ACCELERATOR_BATCH for 0) under the latency goal."""
-    from tiered.serve.engine import ACCELERATOR_BATCH, AUTO_MOST, AUTO_WORKLOAD, serve_batch
+    from tiered.errors import ConfigError
+    from tiered.serve.engine import ACCELERATOR_BATCH, AUTO_MOST, AUTO_WORKLOAD, LONE_DECODE_SHARE, serve_batch
 
     assert serve_batch("host", 0) == {"max_batch": ACCELERATOR_BATCH}
     assert serve_batch("none", 3) == serve_batch("host", 3) == {"max_batch": 3}
     batch = serve_batch("none", 0)
-    assert batch == {"max_batch": AUTO_MOST, "goal": "throughput", "workload": AUTO_WORKLOAD}
+    assert batch == {"max_batch": AUTO_MOST, "goal": "throughput", "workload": AUTO_WORKLOAD,
+                     "lone_decode_share": LONE_DECODE_SHARE}
+    with pytest.raises(ConfigError, match="lone_decode_share"):
+        EngineConfig(lone_decode_share=1.5)
     llm = LLM(zoo.dir("llama"), EngineConfig(accelerator="none", max_context=256, decode_weights="fp32", **batch))
     try:
         assert llm.plan.goal == "throughput" and (llm.plan.prompt_tokens, llm.plan.gen_tokens) == (128, 128)

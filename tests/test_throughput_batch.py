@@ -124,6 +124,23 @@ def test_plan_batch_takes_the_smallest_batch_near_the_best_and_stops_at_the_budg
     assert plan_batch(make, most=6).kv_slots <= 6 and made == [1, 2, 4, 6]
 
 
+def test_plan_batch_for_a_server_keeps_one_requests_decode_within_its_share():
+    """lone_share (a server's, EngineConfig.lone_decode_share): each batch's KV cache takes room that made one
+    request decode faster (fewer experts cached); from the first batch whose lone request is priced under that share
+    of batch 1's, none is taken, though its block is faster."""
+    def make(B):  # the block's step shares the weights' reads; the lone request's step slows with the batch's room
+        p = _plan(B, 0.010 + 0.001 * B, ttft=0.0)
+        p.predicted_decode_tokens_per_s = 100.0 / (1 + 0.02 * (B - 1))
+        return p
+
+    assert plan_batch(make, most=32).kv_slots == 32  # the fastest block, one request at 61 tok/s
+    plan = plan_batch(make, most=32, lone_share=0.9)  # 4: 94.3 tok/s alone; 8: 87.7, under 90
+    assert plan.kv_slots == 4 and plan.predicted_decode_tokens_per_s >= 90.0
+    assert "from batch 8 one request would decode at 87.7 tok/s, under 90% of batch 1's 100.0" in plan.notes[-1]
+    assert "16: " in plan.notes[-1]  # the batches past the share are still priced in the note
+    assert plan_batch(make, most=32, lone_share=0.5).kv_slots == 32  # 32: 61.7 tok/s alone, within half
+
+
 def test_plan_batch_without_room_for_one_sequence_raises_and_unpriced_plans_take_the_largest_fit():
     def none_fit(B):
         raise BudgetError("no room")

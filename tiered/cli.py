@@ -427,19 +427,20 @@ def _print_stats(llm, out) -> None:
 
 def _engine_config(args: dict, trace: bool = False, max_batch: int = 1, goal: str = "latency",
                    workload: tuple[int, int] | None = None, requests: tuple[tuple[int, int], ...] | None = None,
-                   request_prefixes=None):
+                   request_prefixes=None, lone_decode_share: float | None = None):
     """The EngineConfig of the engine options `run`, `chat`, `serve` and `batch` share (ENGINE_OPTIONS, taken
     by name from a command's arguments `args`); a replayed plan (`--plan FILE`) brings the budgets it
     was made for unless they are given."""
     return _config(**{k: args[k] for k in ENGINE_OPTIONS}, trace=trace, max_batch=max_batch, goal=goal,
-                   workload=workload, requests=requests, request_prefixes=request_prefixes)
+                   workload=workload, requests=requests, request_prefixes=request_prefixes,
+                   lone_decode_share=lone_decode_share)
 
 
 def _config(*, dtype, decode_weights, batch_activations, expert_activations, max_context, threads, gpu_mem, cpu_mem, offload_dir, accelerator,
             cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch,
             prefetch_lookahead, weights, low_weights, mixed_thresholds, max_batch, graphs="auto", speculative="off",
             draft_model=None, num_speculative_tokens=4, goal="latency", workload=None, kv_cache_dtype="auto",
-            requests=None, request_prefixes=None):
+            requests=None, request_prefixes=None, lone_decode_share=None):
     from tiered import EngineConfig
 
     if plan not in ("auto", "off"):
@@ -466,7 +467,8 @@ def _config(*, dtype, decode_weights, batch_activations, expert_activations, max
                         prefetch_lookahead=prefetch_lookahead, max_batch=max_batch, graphs=graphs,
                         speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                         draft_model=str(draft_model) if draft_model else None, goal=goal, workload=workload,
-                        requests=requests, request_prefixes=request_prefixes, kv_cache_dtype=kv_cache_dtype)
+                        requests=requests, request_prefixes=request_prefixes, kv_cache_dtype=kv_cache_dtype,
+                        lone_decode_share=lone_decode_share)
 
 
 @app.command()

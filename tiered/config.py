@@ -91,6 +91,10 @@ class EngineConfig:
             PromptPrefixes: each prompt's rank in sorted order and each two neighbours' shared tokens; `tiered batch`
             makes it from the file's prompts): the replay then reuses prefixes as the server does (a system prompt
             shared by a file's chats prefilled once a slot); None: every prompt priced whole.
+        lone_decode_share: under goal "throughput", only batches whose plan prices one request decoding alone at
+            least this share of batch 1's plan's speed (a server's: its KV-cache slots take budget from the
+            weights' and experts' room, and one client may be all it has; serve/engine.serve_batch passes
+            LONE_DECODE_SHARE); None: any batch (`tiered batch`, whose file is the whole load).
         kv_cache_dtype: the KV cache's format (Plan.dtypes["kv_cache"]): "auto" (the weights' 16-bit format,
             fp32 in the lossless mode: memory/sizes.kv_cache_format), "fp32", "bf16", "fp16", or "int8": each
             position's keys and values of a KV head as int8 with an fp32 scale per 32 (models/layers.
@@ -172,6 +176,7 @@ class EngineConfig:
     workload: tuple[int, int] | None = None
     requests: tuple[tuple[int, int], ...] | None = None
     request_prefixes: PromptPrefixes | None = None
+    lone_decode_share: float | None = None
     kv_cache_dtype: str = "auto"
     num_threads: int | None = None
     gpu_memory: int | str | None = None
@@ -218,6 +223,8 @@ class EngineConfig:
         if self.goal not in ("latency", "throughput"):
             raise ConfigError(f"goal must be 'latency' or 'throughput', got {self.goal!r}",
                               "pass latency (one conversation) or throughput (a batch of prompts)")
+        if self.lone_decode_share is not None and not 0 < self.lone_decode_share <= 1:
+            raise ConfigError(f"lone_decode_share must be in (0, 1], got {self.lone_decode_share!r}", "pass e.g. 0.9")
         if self.workload is not None and (len(self.workload) != 2 or min(self.workload) < 1):
             raise ConfigError(f"workload must be (prompt tokens, generated tokens), both >= 1, got {self.workload!r}",
                               "pass e.g. (512, 32)")

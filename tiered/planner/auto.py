@@ -799,7 +799,8 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
         from tiered.planner.throughput import plan_batch
         int8 = (lambda B: make_plan(cfg, profile, **dict(args, kv_slots=B, kv_cache="int8"))) \
             if ec.kv_cache_dtype == "auto" and not cfg.is_mla and accelerator is None else None
-        return plan_batch(lambda B: make_plan(cfg, profile, **dict(args, kv_slots=B)), ec.max_batch, int8)
+        return plan_batch(lambda B: make_plan(cfg, profile, **dict(args, kv_slots=B)), ec.max_batch, int8,
+                          ec.lone_decode_share)
 
     plan = planned(profile)
     if disk_reads is not None and ec.profile is None and any(l.experts_disk for l in plan.layers):

@@ -68,7 +68,7 @@ def block_throughput(plan: Plan) -> float | None:
 
 
 def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1],
-               compressed: Callable[[int], Plan] | None = None) -> Plan:
+               compressed: Callable[[int], Plan] | None = None, lone_share: float | None = None) -> Plan:
     """The throughput goal's plan: of the plans `make(B)` for the batches B in BATCHES up to `most` (and `most`
     itself), the one whose block generates the most tokens a second (`block_throughput`; the smallest within
     NEAR_BEST of the best). Larger batches are tried until the budget cannot hold their KV cache (make raises
@@ -83,6 +83,9 @@ def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1],
             where the plan's own cache is lossless ("auto"): when the budget refused a batch and int8 lets a larger
             one generate at least COMPRESSED_GAIN times as fast, a note says so (FlexGen leaves compression to the
             user too: its policy search takes it as a given).
+        lone_share: only the batches below the first whose plan prices one request decoding alone (Plan.
+            predicted_decode_tokens_per_s) under this share of batch 1's are chosen from (a server's,
+            EngineConfig.lone_decode_share); None: every batch that fits.
     Returns:
         The chosen plan, its goal "throughput", predicted_throughput_tokens_per_s its block's, and a note of the
         batches priced.
@@ -108,10 +111,15 @@ def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1],
         plan.notes.append(f"throughput goal: batch {plan.kv_slots}, the largest that fits up to {UNPRICED_MOST} "
                           "(this plan's time models do not price batches)")
     else:
-        top = max(scores)
-        plan = next(p for p, s in zip(plans, scores) if s >= NEAR_BEST * top)
+        lone = [p.predicted_decode_tokens_per_s or 0.0 for p in plans]
+        slow = next((i for i, v in enumerate(lone) if lone_share is not None and v < lone_share * lone[0]), None)
+        top = max(scores[:slow])
+        plan = next(p for p, s in zip(plans[:slow], scores) if s >= NEAR_BEST * top)
         priced = ", ".join(f"{p.kv_slots}: {s:.1f}" for p, s in zip(plans, scores))
         why = f"; batch {refused[0]}: {refused[1]}" if refused else ""
+        if slow is not None:
+            why += (f"; from batch {plans[slow].kv_slots} one request would decode at {lone[slow]:.1f} tok/s, under "
+                    f"{lone_share:.0%} of batch 1's {lone[0]:.1f}")
         what = (f"the workload's requests (mean prompt {plan.prompt_tokens}, {plan.gen_tokens} generated tokens; "
                 "their run replayed at each batch)" if plan.predicted_requests_tokens_per_s else
                 f"prompts of {plan.prompt_tokens} and {plan.gen_tokens} generated tokens")

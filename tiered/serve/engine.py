@@ -72,6 +72,11 @@ class Handle:
 # 2 AMX cores, 2026-12-07): 684 tok/s with 8 slots or 16, 837 with 32 (3.26x one request at a time).
 AUTO_WORKLOAD = (256, 256)
 AUTO_MOST = 64
+# ... and below the first batch whose plan prices one request decoding alone under this share of batch 1's plan's
+# speed: under a tight budget each slot's KV cache takes the experts' room (the Qwen3-30B-A3B-width file under
+# --cpu-mem 2GiB: the throughput goal alone took 16 slots, 14.9 tok/s at full load where 4 made 14.1, and one
+# request 8.3 tok/s against 12.1 at batch 1 and 11.2 at 4)
+LONE_DECODE_SHARE = 0.9
 # with an accelerator, whose plans do not price batches (the largest KV cache that fits would take the room its
 # experts and weights use): this many slots, as before
 ACCELERATOR_BATCH = 8
@@ -80,10 +85,10 @@ ACCELERATOR_BATCH = 8
 def serve_batch(accelerator: str, max_batch: int) -> dict:
     """The batch arguments of `tiered serve --max-batch max_batch`'s EngineConfig (max_batch, and goal and workload
     where the plan chooses): with max_batch 0 and no accelerator in use (`accelerator` "none", or "auto" on a
-    machine without CUDA), the throughput goal's batch for AUTO_WORKLOAD up to AUTO_MOST (the server then takes
-    Plan.kv_slots); else max_batch, or ACCELERATOR_BATCH for 0."""
+    machine without CUDA), the throughput goal's batch for AUTO_WORKLOAD up to AUTO_MOST, below the first that would
+    decode one request alone under LONE_DECODE_SHARE of batch 1's speed (the server then takes Plan.kv_slots); else max_batch, or ACCELERATOR_BATCH for 0."""
     if max_batch == 0 and (accelerator == "none" or (accelerator == "auto" and not torch.cuda.is_available())):
-        return dict(max_batch=AUTO_MOST, goal="throughput", workload=AUTO_WORKLOAD)
+        return dict(max_batch=AUTO_MOST, goal="throughput", workload=AUTO_WORKLOAD, lone_decode_share=LONE_DECODE_SHARE)
     return dict(max_batch=max_batch or ACCELERATOR_BATCH)
 
 
