@@ -1600,6 +1600,8 @@ class _ColdDecodeLayers:
         from tiered.models.layers import KVCache
 
         cache = KVCache(self.cfg, B, 64, torch.bfloat16, "cpu")
+        for t in (cache.k, cache.v):  # resident pages, as a running cache's: the step reads 32 positions it never
+            t.zero_()  # wrote, which a fresh KVCache maps to the kernel's one zero page (memory/host.lazy_zeros)
         x, p, slots = torch.randn(B, self.cfg.hidden_size), torch.full((B,), 32), torch.arange(B)
         cos, sin = self.model.rotary.cos[p], self.model.rotary.sin[p]
         starts = self._starts if runs is None else itertools.cycle(range(0, runs * DECODE_LAYER_RUN, DECODE_LAYER_RUN))
