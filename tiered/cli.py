@@ -511,7 +511,8 @@ def serve(
     ckpt_path = Path(llm.checkpoint.path)
     name = served_model_name or (ckpt_path.stem if ckpt_path.is_file() else ckpt_path.name)
     typer.echo(f"serving {name} on http://{host}:{port}/v1 (batch {max_batch} x {llm.max_context} tokens, KV cache "
-               f"{engine.cache.nbytes / 2**20:.0f} MiB reserved; queue {max_queue}{'; API key required' if api_key else ''}) | "
+               f"{engine.cache.nbytes / 2**20:.0f} MiB reserved"
+               f"{', in RAM as positions are written' if engine.cache.k.device.type == 'cpu' else ''}; queue {max_queue}{'; API key required' if api_key else ''}) | "
                f"{llm.plan.summary()}", err=True)
     # The engine steps on this (main) thread, which owns torch's OpenMP team (a decode step on a
     # fresh thread ran 3x slower); HTTP is served from a second thread.
