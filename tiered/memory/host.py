@@ -77,3 +77,26 @@ def _map_noreserve() -> int:
     if hasattr(mmap, "MAP_NORESERVE"):
         return mmap.MAP_NORESERVE
     return 0x4000 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else 0
+
+
+def resident_bytes(t) -> int | None:
+    """Bytes of CPU tensor `t`'s storage range that are resident in RAM [bytes], by mincore(2) over its pages
+    (a page partly inside counted whole, the total capped at the tensor's bytes): what a lazily committed tensor
+    (lazy_zeros: a server's KV cache) holds of its reservation. None off the CPU, for an empty tensor, or where
+    mincore is unavailable (not Linux / glibc) or refuses the range."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    nbytes = t.numel() * t.element_size()
+    lib = _libc()
+    if t.device.type != "cpu" or nbytes == 0 or lib is None or not hasattr(lib, "mincore"):
+        return None
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    pages = -(-(t.data_ptr() + nbytes - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    if lib.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vec) != 0:
+        return None
+    return min(nbytes, int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) * page)

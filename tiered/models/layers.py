@@ -359,6 +359,14 @@ class KVCache:
     def nbytes(self) -> int:
         return (self.k.numel() + self.v.numel()) * self.k.element_size()
 
+    def resident_bytes(self) -> int | None:
+        """Of `nbytes`, the bytes in RAM now [bytes] (memory/host.resident_bytes: on the CPU the cache is committed as
+        positions are written); None off the CPU."""
+        from tiered.memory.host import resident_bytes
+
+        k, v = resident_bytes(self.k), resident_bytes(self.v)
+        return None if k is None or v is None else k + v
+
     def copy_slots(self, parents: list[int], length: int, start: int = 0) -> None:
         """Slot j takes over slot parents[j]'s positions start..length-1 in every layer (beam search:
         a beam continuing another beam inherits its KV; positions before `start` are the same in

@@ -208,16 +208,16 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
-        """Prometheus text: requests, tokens, TTFT / ITL summaries, batch, queue, expert hit rate."""
+        """Prometheus text: requests, tokens, TTFT / ITL summaries, batch, queue, KV cache bytes, expert hit rate."""
         text = engine.metrics.render(engine.scheduler.num_waiting, engine.scheduler.num_running,
-                                     engine.llm.runtime_stats())
+                                     engine.llm.runtime_stats(), kv=engine.cache)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/state")
     async def state() -> dict:
         """The live state of the tiers (serve/metrics.tier_state), which the page at / polls."""
         return {"served_model": model_name, **tier_state(engine.llm, engine.metrics, engine.scheduler.num_waiting,
-                                                           engine.scheduler.num_running)}
+                                                           engine.scheduler.num_running, kv=engine.cache)}
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:

@@ -91,15 +91,17 @@ class ServerMetrics:
                 self.batch.observe(running)
             self.peak_batch = max(self.peak_batch, running)
 
-    def render(self, queue_depth: int, running: int, runtime: dict) -> str:
-        """The exposition text: these metrics, the scheduler's gauges, and the expert hit rates of
-        `runtime` (LLM.runtime_stats(); empty for dense models)."""
+    def render(self, queue_depth: int, running: int, runtime: dict, kv=None) -> str:
+        """The exposition text: these metrics, the scheduler's gauges, the server's KV cache `kv` (a KVCache: its bytes
+        reserved, and those in RAM where it is on the CPU, whose pages are committed as positions are written), and
+        the expert hit rates of `runtime` (LLM.runtime_stats(); empty for dense models)."""
         out: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
             out.append(f"# HELP {name} {help_}")
             out.append(f"# TYPE {name} {kind}")
-            out.extend(f"{name}{labels} {value:.9g}" for labels, value in samples)
+            out.extend(f"{name}{labels} {value if isinstance(value, int) else format(value, '.9g')}"
+                       for labels, value in samples)  # (bytes exact: a 12 GB KV cache has 11 digits)
 
         def summary(name: str, help_: str, s: Summary) -> None:
             samples = [(f'{{quantile="{q}"}}', s.quantile(q)) for q in Summary.QUANTILES]
@@ -135,6 +137,11 @@ class ServerMetrics:
                    [("", self.peak_batch)])
         metric("tiered_queue_depth", "gauge", "Requests waiting for a KV-cache slot.", [("", queue_depth)])
         metric("tiered_running_batch", "gauge", "Sequences holding a KV-cache slot.", [("", running)])
+        if kv is not None:
+            resident = kv.resident_bytes()
+            metric("tiered_kv_cache_bytes", "gauge", "The KV cache's bytes: reserved (every slot's whole context) and, "
+                   "on the CPU, resident (the positions written so far).",
+                   [('{state="reserved"}', kv.nbytes)] + ([] if resident is None else [('{state="resident"}', resident)]))
         if runtime:
             metric("tiered_expert_hit_rate", "gauge", "Expert uses served from the fast tier (resident or cached).",
                    [("", runtime["hit_rate"])])
@@ -143,15 +150,16 @@ class ServerMetrics:
         return "\n".join(out) + "\n"
 
 
-def tier_state(llm, metrics: ServerMetrics, queue_depth: int, running: int) -> dict:
+def tier_state(llm, metrics: ServerMetrics, queue_depth: int, running: int, kv=None) -> dict:
     """The live state of the tiers that GET /state returns (and the page at / draws).
 
     Returns a JSON-able dict: "plan" (summary, binding resource, source, planned bytes per tier),
     "budgets" (per tier: capacity, used and peak bytes; capacity None = unlimited), "weights" (dense
     weights: bytes on the fast tier and the FFN slicing of each sliced layer), "experts" (MoE only:
     experts per home tier, cache slots, hit rates), "links" (bytes moved and bytes per generated
-    token over disk->CPU and host->device, H2D), and "serving" (running, waiting, tokens generated,
-    steps, TTFT and ITL medians in seconds).
+    token over disk->CPU and host->device, H2D), "serving" (running, waiting, tokens generated,
+    steps, TTFT and ITL medians in seconds) and "kv_cache" (the server's KV cache `kv`: its bytes reserved and
+    resident, None where not known; None without `kv`).
     """
     rt = llm.runtime_stats()
     with metrics._lock:
@@ -177,6 +185,7 @@ def tier_state(llm, metrics: ServerMetrics, queue_depth: int, running: int) -> d
         "links": [],
         "serving": {"running": running, "waiting": queue_depth, "generated_tokens": tokens, "steps": steps,
                     "ttft_p50_s": None if ttft != ttft else ttft, "itl_p50_s": None if itl != itl else itl},
+        "kv_cache": None if kv is None else {"reserved_bytes": kv.nbytes, "resident_bytes": kv.resident_bytes()},
     }
     if rt:
         placement = llm.experts.placement
