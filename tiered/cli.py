@@ -495,9 +495,7 @@ def serve(
 
     from tiered import LLM
     from tiered.serve.app import build_app
-    from tiered.serve.engine import ServingEngine
-
-    from tiered.serve.engine import serve_batch
+    from tiered.serve.engine import ServingEngine, serve_batch
 
     if max_batch < 0 or max_queue < 0:
         raise typer.BadParameter("--max-batch must be >= 0 (0: the plan's) and --max-queue >= 0")
@@ -512,7 +510,8 @@ def serve(
     name = served_model_name or (ckpt_path.stem if ckpt_path.is_file() else ckpt_path.name)
     typer.echo(f"serving {name} on http://{host}:{port}/v1 (batch {max_batch} x {llm.max_context} tokens, KV cache "
                f"{engine.cache.nbytes / 2**20:.0f} MiB reserved"
-               f"{', in RAM as positions are written' if engine.cache.k.device.type == 'cpu' else ''}; queue {max_queue}{'; API key required' if api_key else ''}) | "
+               f"{', in RAM as positions are written' if engine.cache.k.device.type == 'cpu' else ''}; "
+               f"queue {max_queue}{'; API key required' if api_key else ''}) | "
                f"{llm.plan.summary()}", err=True)
     # The engine steps on this (main) thread, which owns torch's OpenMP team (a decode step on a
     # fresh thread ran 3x slower); HTTP is served from a second thread.

@@ -69,7 +69,8 @@ class Handle:
 # throughput goal finds fastest (planner/throughput.plan_batch) for requests of AUTO_WORKLOAD (prompt, generated)
 # tokens, up to AUTO_MOST sequences; the KV cache of that many slots is reserved in the budget but committed as
 # positions are written (memory/host.lazy_zeros). SmolLM2 under 32 streaming clients (benchmarks/serve_load.py,
-# 2 AMX cores, 2026-12-07): 684 tok/s with 8 slots or 16, 837 with 32 (3.26x one request at a time).
+# 2 AMX cores, 2026-12-07): 899-938 tok/s with the planned 64 slots against 674-784 with 8 (median TTFT 0.06
+# against 1.0-1.2 s); under 64 clients 1082 against 925 with 32.
 AUTO_WORKLOAD = (256, 256)
 AUTO_MOST = 64
 # ... and below the first batch whose plan prices one request decoding alone under this share of batch 1's plan's
@@ -86,9 +87,11 @@ def serve_batch(accelerator: str, max_batch: int) -> dict:
     """The batch arguments of `tiered serve --max-batch max_batch`'s EngineConfig (max_batch, and goal and workload
     where the plan chooses): with max_batch 0 and no accelerator in use (`accelerator` "none", or "auto" on a
     machine without CUDA), the throughput goal's batch for AUTO_WORKLOAD up to AUTO_MOST, below the first that would
-    decode one request alone under LONE_DECODE_SHARE of batch 1's speed (the server then takes Plan.kv_slots); else max_batch, or ACCELERATOR_BATCH for 0."""
+    decode one request alone under LONE_DECODE_SHARE of batch 1's speed (the server then takes Plan.kv_slots); else
+    max_batch, or ACCELERATOR_BATCH for 0."""
     if max_batch == 0 and (accelerator == "none" or (accelerator == "auto" and not torch.cuda.is_available())):
-        return dict(max_batch=AUTO_MOST, goal="throughput", workload=AUTO_WORKLOAD, lone_decode_share=LONE_DECODE_SHARE)
+        return dict(max_batch=AUTO_MOST, goal="throughput", workload=AUTO_WORKLOAD,
+                    lone_decode_share=LONE_DECODE_SHARE)
     return dict(max_batch=max_batch or ACCELERATOR_BATCH)
 
 

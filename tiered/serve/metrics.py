@@ -141,7 +141,8 @@ class ServerMetrics:
             resident = kv.resident_bytes()
             metric("tiered_kv_cache_bytes", "gauge", "The KV cache's bytes: reserved (every slot's whole context) and, "
                    "on the CPU, resident (the positions written so far).",
-                   [('{state="reserved"}', kv.nbytes)] + ([] if resident is None else [('{state="resident"}', resident)]))
+                   [('{state="reserved"}', kv.nbytes)]
+                   + ([] if resident is None else [('{state="resident"}', resident)]))
         if runtime:
             metric("tiered_expert_hit_rate", "gauge", "Expert uses served from the fast tier (resident or cached).",
                    [("", runtime["hit_rate"])])
