@@ -619,9 +619,11 @@ def _resident_kib(t: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 def test_a_servers_kv_cache_holds_only_the_pages_its_sequences_wrote(dtype):
-    """A KV cache of many slots x a long context (a server's) costs the RAM of the positions written, not of
-    its whole reservation (memory/host.lazy_zeros): torch.zeros had written every byte at startup. Unwritten
-    positions read 0, written ones what was written; the bytes still count as the cache's nbytes."""
+    """A KV cache of many slots x a long context (a server's) costs the RAM of the slots written, not of its whole
+    reservation (memory/host.lazy_zeros: torch.zeros had written every byte at startup): nothing is resident before a
+    write; a write to slot 0 commits at most the 2 MiB huge pages around it in each layer (the cache is advised
+    MADV_HUGEPAGE; 4 KiB pages where THP is off), and slots 5-11 (from 2.8 MiB past slot 0's first byte to 2 MiB
+    before the next layer's) stay unwritten. Unwritten positions read 0."""
     from tiered.checkpoint.model_config import ModelConfig
     from tiered.models.layers import KVCache
 
@@ -631,10 +633,16 @@ def test_a_servers_kv_cache_holds_only_the_pages_its_sequences_wrote(dtype):
     assert cache.nbytes >= 2 * 4 * 16 * 2 * 4096 * 64 * cache.k.element_size()
     assert cache.k.data_ptr() % 4096 == 0 and cache.k.is_contiguous()
     assert _resident_kib(cache.k) == _resident_kib(cache.v) == 0  # nothing resident yet (the kernel's zero pages)
+    assert cache.resident_bytes() == 0
+    from tiered.hardware.budget import huge_pages_enabled
+    if huge_pages_enabled():  # advised as transparent huge pages (VmFlags "hg")
+        assert "hg" in _vm_flags(cache.k.data_ptr()) and "hg" in _vm_flags(cache.v.data_ptr())
     cache.k[:, 0, :, :100] = 1
     cache.v[:, 0, :, :100] = 2
-    # slot 0's first 100 positions: 4 layers x 2 heads x one or two 4 KiB pages of each tensor
     resident = _resident_kib(cache.k) + _resident_kib(cache.v)
-    assert 0 < resident <= 2 * 4 * 2 * 8 * 4 < cache.nbytes // 1024 // 100
+    assert 0 < resident <= 2 * 4 * 3 * 2048 < cache.nbytes // 1024  # at most 3 huge pages a layer and tensor
+    assert cache.resident_bytes() == resident * 1024
+    for layer in range(4):
+        assert _resident_kib(cache.k[layer, 5:12]) == _resident_kib(cache.v[layer, 5:12]) == 0
     assert int(cache.k[:, 0, :, :100].float().sum()) == 4 * 2 * 100 * cache.k.shape[-1]
     assert not cache.k[:, 0, :, 100:].any() and not cache.k[:, 1:].any() and not cache.v[:, 1:].any()

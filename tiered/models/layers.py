@@ -349,10 +349,10 @@ class KVCache:
                  device: torch.device | str = "cpu") -> None:
         self.quantized = dtype == torch.int8
         heads, kw, vw = kv_cache_widths(config, "int8" if self.quantized else None)
-        # on the CPU committed page by page as positions are written (memory/host.lazy_zeros): a server's slots
-        # of max_context positions cost the RAM its sequences use
-        self.k = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, kw), dtype, device)
-        self.v = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, vw), dtype, device)
+        # on the CPU on transparent huge pages committed as positions are written (memory/host.lazy_zeros): a
+        # server's slots cost RAM once sequences use them, and long contexts' attention misses the TLB less
+        self.k = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, kw), dtype, device, huge_pages=True)
+        self.v = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, vw), dtype, device, huge_pages=True)
         self.max_len = max_len
 
     @property
