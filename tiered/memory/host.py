@@ -58,7 +58,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype, device="cpu", huge_pages: bool = F
     2026-12-07): 233 / 178 / 116-131 tok/s, 225 / 170 / 103-107 and 246 / 192 / 127-133 (4 KiB pages faulted in as
     the positions are written read 4-10% slower than torch.zeros' pages, written in one sweep; huge pages 5-10%
     faster than either). A server's slot then commits its region in 2 MiB steps (SmolLM2's slot of 8192
-    positions, 180 MiB, at once: its (layer, head) blocks are 1 MiB); a slot no sequence has used costs nothing.
+    positions at once: its (layer, head) blocks are 1 MiB, its 180 MiB 240 MiB of huge pages); a slot no sequence
+    has used costs nothing.
 
     Returns:
         Tensor [*shape] of `dtype` on `device`, every element 0.
