@@ -70,8 +70,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype, device="cpu", huge_pages: bool = F
     import torch
 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or nbytes < LAZY_ZEROS_BYTES:
-        return torch.zeros(shape, dtype=dtype, device=device)
+    if torch.device(device).type != "cpu" or nbytes < LAZY_ZEROS_BYTES or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.zeros(shape, dtype=dtype, device=device)  # (Windows' mmap has no MAP_PRIVATE)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _map_noreserve())
     if huge_pages:
         try:
