@@ -618,29 +618,31 @@ def _resident_kib(t: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
-def test_a_servers_kv_cache_holds_only_the_pages_its_sequences_wrote(dtype):
-    """A KV cache of many slots x a long context (a server's) costs the RAM of the slots written, not of its whole
+@pytest.mark.parametrize("huge", [False, True])
+def test_a_servers_kv_cache_holds_only_the_pages_its_sequences_wrote(dtype, huge):
+    """A KV cache of many slots x a long context (a server's) costs the RAM of what was written, not of its whole
     reservation (memory/host.lazy_zeros: torch.zeros had written every byte at startup): nothing is resident before a
-    write; a write to slot 0 commits at most the 2 MiB huge pages around it in each layer (the cache is advised
-    MADV_HUGEPAGE; 4 KiB pages where THP is off), and slots 5-11 (from 2.8 MiB past slot 0's first byte to 2 MiB
-    before the next layer's) stay unwritten. Unwritten positions read 0."""
+    write; a write to slot 0's first 100 positions commits those 4 KiB pages (a server's cache), or at most the 2 MiB
+    huge pages around them in each layer (`huge_pages`, a call's cache: advised MADV_HUGEPAGE), and slots 5-11 (from
+    2.8 MiB past slot 0's first byte to 2 MiB before the next layer's) stay unwritten. Unwritten positions read 0."""
     from tiered.checkpoint.model_config import ModelConfig
+    from tiered.hardware.budget import huge_pages_enabled
     from tiered.models.layers import KVCache
 
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    cache = KVCache(cfg, 16, 4096, dtype)  # 2 x 4 layers x 16 slots x 2 heads x 4096 positions x 64 (+ scales)
+    cache = KVCache(cfg, 16, 4096, dtype, huge_pages=huge)  # 2 x 4 layers x 16 slots x 2 heads x 4096 positions x 64
     assert cache.nbytes >= 2 * 4 * 16 * 2 * 4096 * 64 * cache.k.element_size()
     assert cache.k.data_ptr() % 4096 == 0 and cache.k.is_contiguous()
     assert _resident_kib(cache.k) == _resident_kib(cache.v) == 0  # nothing resident yet (the kernel's zero pages)
     assert cache.resident_bytes() == 0
-    from tiered.hardware.budget import huge_pages_enabled
-    if huge_pages_enabled():  # advised as transparent huge pages (VmFlags "hg")
-        assert "hg" in _vm_flags(cache.k.data_ptr()) and "hg" in _vm_flags(cache.v.data_ptr())
+    if huge_pages_enabled():  # advised as transparent huge pages (VmFlags "hg") where asked, and only there
+        assert ("hg" in _vm_flags(cache.k.data_ptr())) == huge and ("hg" in _vm_flags(cache.v.data_ptr())) == huge
     cache.k[:, 0, :, :100] = 1
     cache.v[:, 0, :, :100] = 2
     resident = _resident_kib(cache.k) + _resident_kib(cache.v)
-    assert 0 < resident <= 2 * 4 * 3 * 2048 < cache.nbytes // 1024  # at most 3 huge pages a layer and tensor
+    # 4 KiB pages: each layer's 2 heads' 100 positions (100 x 128 or 72 bytes: 2-4 pages a head); huge: 3 pages
+    assert 0 < resident <= (2 * 4 * 3 * 2048 if huge else 2 * 4 * 2 * 4 * 4) < cache.nbytes // 1024
     assert cache.resident_bytes() == resident * 1024
     for layer in range(4):
         assert _resident_kib(cache.k[layer, 5:12]) == _resident_kib(cache.v[layer, 5:12]) == 0

@@ -41,6 +41,24 @@ def test_answers_go_through_the_template_with_the_history(llm):
     assert chat.history == expected[:1] and chat.last is None and "0 questions" in chat.stats()[0]
 
 
+def test_a_turn_prefills_only_what_the_last_turn_did_not_leave_in_the_slot(llm):
+    """The chat keeps one KV-cache slot between turns with the scheduler's prefix reuse (as `tiered serve` does): a
+    turn's prompt (the whole history through the template) skips the tokens the slot already holds, and answers as a
+    fresh generate of that history does."""
+    chat = Chat(llm, GREEDY, system="be brief")
+    questions = ["the quick brown fox", "and the dog?", "what about the cat"]
+    for i, q in enumerate(questions):
+        history = chat.history + [{"role": "user", "content": q}]
+        fresh = llm.generate(history, GREEDY, chat=True)[0]
+        answer, _ = chat.ask(q, lambda _: None)
+        assert answer == fresh.text and chat.last.prompt_token_ids == fresh.prompt_token_ids
+        reused = chat.last.stats.cached_tokens
+        assert (reused == 0) if i == 0 else (len(previous) // 2 < reused < len(fresh.prompt_token_ids))
+        assert fresh.stats.cached_tokens == 0
+        previous = fresh.prompt_token_ids
+    assert "reused from the last turn" in chat.stats()[1]
+
+
 def test_sigint_stops_the_answer_and_the_chat_goes_on(llm):
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     full, _ = Chat(llm, params).ask("memory is a tier", lambda _: None)

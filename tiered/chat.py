@@ -108,6 +108,10 @@ class Chat:
         self.last: RequestOutput | None = None  # the last answer that ran to its end
         self.dropped = 0  # turns dropped from the front of the history to fit the context window
         self._stop = threading.Event()
+        # one KV-cache slot kept between turns with the scheduler's prefix reuse (what `tiered serve` runs), so a turn
+        # prefills only what its prompt does not share with the last one's tokens; None until the first turn, False
+        # where the budget cannot hold a slot of max_context positions (each turn then gets a cache of its own)
+        self._slot = None
         self._encode(self.system + [{"role": "user", "content": "hi"}])  # ConfigError without a template
 
     def _encode(self, messages: list[dict]) -> list[int]:
@@ -149,7 +153,7 @@ class Chat:
             try:
                 ids = self._encode(self.history)  # once a try: the view reads the prompt's opened thinking off it
                 view = AnswerView(on_text, *self.llm.reasoning_of(ids, True), ansi=self.ansi)
-                self.last = self.llm.generate(ids, self.params, chat=True, on_text=stream)[0]
+                self.last = self._generate(ids, stream)
                 break
             except _Stopped:
                 stopped = True
@@ -164,6 +168,36 @@ class Chat:
         self.history.append({"role": "assistant", "content": answer})
         return answer, stopped
 
+    def _generate(self, ids: list[int], stream: Callable[[int, str], None]) -> RequestOutput:
+        """The answer to the conversation's prompt `ids`, its text streamed to `stream(0, delta)`, through the slot kept
+        between turns (the prefix its KV holds is not prefilled again: RequestStats.cached_tokens); LLM.generate where
+        no slot fits the budget. An exception from `stream` (stop()) ends the sequence at the next turn's first step,
+        which records the tokens its KV holds (Scheduler.cancel)."""
+        from tiered.engine.scheduler import Scheduler
+        from tiered.errors import BudgetError
+
+        if self._slot is None:
+            try:
+                self._slot = (Scheduler(max_batch=1, max_queue=1, prefix_reuse=True), self.llm.kv_cache(1))
+            except BudgetError:
+                self._slot = None
+        if self._slot is False:
+            return self.llm.generate(ids, self.params, chat=True, on_text=stream)[0]
+        scheduler, cache = self._slot
+        seq = self.llm.make_sequence(ids, self.params, True)
+        scheduler.add(seq)
+        out = None
+        try:
+            while scheduler.has_work():
+                for _, delta, done in self.llm.step(scheduler, cache, burst=True):
+                    if delta:
+                        stream(0, delta)
+                    out = done or out
+        except BaseException:
+            scheduler.cancel(seq)
+            raise
+        return out
+
     def stats(self) -> list[str]:
         """Lines describing the conversation, the last answer's speed (TTFT, tokens/s, ITL) and the
         tiers (the plan, and for MoE models expert placement, hit rate and bytes moved)."""
@@ -177,7 +211,8 @@ class Chat:
             lines.append(f"last answer: {s.prompt_tokens} prompt tokens, {s.generated_tokens} generated "
                          f"({self.last.finish_reason}) | TTFT {s.ttft_s * 1e3:.0f} ms | prefill "
                          f"{s.prefill_tokens_per_s:.1f} tok/s | decode {s.decode_tokens_per_s:.1f} tok/s | "
-                         f"ITL {s.itl_s * 1e3:.1f} ms{s.drafts_note()}")
+                         f"ITL {s.itl_s * 1e3:.1f} ms{s.drafts_note()}"
+                         + (f" | {s.cached_tokens} prompt tokens reused from the last turn" if s.cached_tokens else ""))
         lines.append(f"plan: {self.llm.plan_summary(self.last.stats if self.last else None)}")
         rt = self.llm.runtime_stats()
         if rt:

@@ -476,7 +476,7 @@ class LLM:
                             stop_ids_of(params, self.config.eos_token_ids))
         P, w = len(seq.prompt_ids), params.width
         try:
-            cache = self._kv_cache(w, P + seq.max_tokens)
+            cache = self._kv_cache(w, P + seq.max_tokens, huge_pages=True)
         except BudgetError as e:
             if self.plan.kv_slots >= w:
                 raise
@@ -1218,7 +1218,7 @@ class LLM:
         if T == 0 or T > self.max_context:
             raise ContextLengthError(f"{T} tokens to score; the context window is {self.max_context}",
                                      "score between 1 and max_context tokens")
-        cache = self._kv_cache(1, T, sizes.format_of(self.dtype) if lossless else None)
+        cache = self._kv_cache(1, T, sizes.format_of(self.dtype) if lossless else None, huge_pages=True)
         dev = self._to_device
         weights = dense_weights(self.model) if lossless else contextlib.nullcontext()
         with torch.inference_mode(), weights, self._device_scope():
@@ -1233,20 +1233,21 @@ class LLM:
         Raises:
             BudgetError: it does not fit the budget.
         """
-        return self._cache_for(num_slots, self.max_context)
+        return self._cache_for(num_slots, self.max_context, huge_pages=False)  # slots whose contexts may stay short
 
-    def _cache_for(self, num_slots: int, max_len: int) -> KVCache:
+    def _cache_for(self, num_slots: int, max_len: int, huge_pages: bool = True) -> KVCache:
         """The KV cache of one generate call. With CUDA-graph decode, one sequence reuses a static
         cache of the plan's max_context positions (the room the plan reserved), so the graphs
         captured over it stay valid across calls (gpt-fast's static KV cache); otherwise a cache
         sized to the call, its positions rounded up to a multiple of KV_ALIGN within max_context where the budget
-        holds them (room for a prompt's keys widened to an aligned count: KVCache.aligned)."""
+        holds them (room for a prompt's keys widened to an aligned count: KVCache.aligned), on the CPU on huge
+        pages (`huge_pages`, KVCache's: the call fills what it sized)."""
         if self.runtime.graphs is None or num_slots != 1:
             aligned = max(max_len, min(-(-max_len // KV_ALIGN) * KV_ALIGN, self.max_context))
             if aligned > max_len and not self.fast_budget.fits(
                     sizes.kv_cache_bytes(self.config, num_slots, aligned, self._kv_format())):
                 aligned = max_len  # the call's slots were counted for max_len positions (LLM._batch_slots)
-            return self._kv_cache(num_slots, aligned)
+            return self._kv_cache(num_slots, aligned, huge_pages=huge_pages)
         if getattr(self, "_static_cache", None) is None:
             self._static_cache = self._kv_cache(1, self.max_context)
         return self._static_cache
@@ -1255,15 +1256,16 @@ class LLM:
         """The KV cache's format: the plan's (Plan.dtypes["kv_cache"]), else the compute dtype's."""
         return self.plan.dtypes.get("kv_cache") or sizes.format_of(self.dtype)
 
-    def _kv_cache(self, num_slots: int, max_len: int, fmt: str | None = None) -> KVCache:
+    def _kv_cache(self, num_slots: int, max_len: int, fmt: str | None = None, huge_pages: bool = False) -> KVCache:
         """A KV cache on the compute tier in format `fmt` (default the plan's, Plan.dtypes["kv_cache"]),
-        accounted against its budget (before it is allocated) while it lives."""
+        accounted against its budget (before it is allocated) while it lives; `huge_pages`: KVCache's (on the CPU
+        2 MiB pages, for a cache its call fills)."""
         fmt = fmt or self._kv_format()
         nbytes = sizes.kv_cache_bytes(self.config, num_slots, max_len, fmt)
         self.fast_budget.reserve(nbytes, "the KV cache")
         try:
             with self._device_scope():  # on the accelerator's device (a stand-in tensor on the stand-in)
-                cache = KVCache(self.config, num_slots, max_len, sizes.kv_torch_dtype(fmt), self.device)
+                cache = KVCache(self.config, num_slots, max_len, sizes.kv_torch_dtype(fmt), self.device, huge_pages)
         except BaseException:
             self.fast_budget.release(nbytes)
             raise

@@ -52,14 +52,14 @@ def lazy_zeros(shape: tuple[int, ...], dtype, device="cpu", huge_pages: bool = F
     stand-in accelerator) and small tensors: torch.zeros.
 
     `huge_pages`: the mapping is advised MADV_HUGEPAGE (transparent huge pages under THP "madvise"): each 2 MiB
-    is committed whole at its first write, and reads of it miss the TLB 512x less often. The KV cache's
-    (models/layers.KVCache): SmolLM2's decode after a 1024 / 2048 / 4096-token prompt, KV caches from torch.zeros,
-    from this mapping on 4 KiB pages and on huge pages, alternated in one process (8-12 rounds, 2 AMX cores,
-    2026-12-07): 233 / 178 / 116-131 tok/s, 225 / 170 / 103-107 and 246 / 192 / 127-133 (4 KiB pages faulted in as
-    the positions are written read 4-10% slower than torch.zeros' pages, written in one sweep; huge pages 5-10%
-    faster than either). A server's slot then commits its region in 2 MiB steps (SmolLM2's slot of 8192
-    positions at once: its (layer, head) blocks are 1 MiB, its 180 MiB 240 MiB of huge pages); a slot no sequence
-    has used costs nothing.
+    is committed whole at its first write, and reads of it miss the TLB 512x less often. For a KV cache its call
+    fills (generate's, sized to its prompts and max_tokens): SmolLM2's decode after a 1024 / 2048 / 4096-token
+    prompt, KV caches from torch.zeros, from this mapping on 4 KiB pages and on huge pages, alternated in one
+    process (8-12 rounds, 2 AMX cores, 2026-12-07): 233 / 178 / 116-131 tok/s, 225 / 170 / 103-107 and 246 / 192 /
+    127-133 (4 KiB pages faulted in as the positions are written read 4-10% slower than torch.zeros' pages, written
+    in one sweep). Not for a server's or a chat's slots of max_context positions: a huge page's first write cost
+    ~1.3 ms there (the kernel compacting memory for it), so SmolLM2's first prompt in a slot of 4096 positions took
+    150 ms instead of 16 (90 MiB of huge pages), and a used slot commits whole.
 
     Returns:
         Tensor [*shape] of `dtype` on `device`, every element 0.

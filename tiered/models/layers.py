@@ -346,13 +346,14 @@ class KVCache:
     """
 
     def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", huge_pages: bool = False) -> None:
         self.quantized = dtype == torch.int8
         heads, kw, vw = kv_cache_widths(config, "int8" if self.quantized else None)
-        # on the CPU on transparent huge pages committed as positions are written (memory/host.lazy_zeros): a
-        # server's slots cost RAM once sequences use them, and long contexts' attention misses the TLB less
-        self.k = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, kw), dtype, device, huge_pages=True)
-        self.v = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, vw), dtype, device, huge_pages=True)
+        # on the CPU committed as positions are written (memory/host.lazy_zeros): a server's slots of max_context
+        # positions cost the RAM its sequences use; `huge_pages` (a cache its call fills): 2 MiB pages, whose
+        # attention reads miss the TLB less
+        self.k = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, kw), dtype, device, huge_pages)
+        self.v = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, vw), dtype, device, huge_pages)
         self.max_len = max_len
 
     @property
