@@ -59,6 +59,25 @@ def test_a_turn_prefills_only_what_the_last_turn_did_not_leave_in_the_slot(llm):
     assert "reused from the last turn" in chat.stats()[1]
 
 
+def test_a_budget_without_room_for_a_slot_answers_each_turn_with_its_own_cache(llm, monkeypatch):
+    """Where the budget cannot hold a slot of max_context positions (LLM.kv_cache raises BudgetError), the chat asks
+    for it once and answers every turn through LLM.generate, as before the slot was kept."""
+    from tiered.errors import BudgetError
+
+    asked = []
+
+    def no_room(slots):
+        asked.append(slots)
+        raise BudgetError("no room for the slot")
+    monkeypatch.setattr(llm, "kv_cache", no_room)
+    chat = Chat(llm, GREEDY)
+    for q in ("the quick brown fox", "and the dog?"):
+        history = chat.history + [{"role": "user", "content": q}]
+        answer, _ = chat.ask(q, lambda _: None)
+        assert answer == llm.generate(history, GREEDY, chat=True)[0].text and chat.last.stats.cached_tokens == 0
+    assert asked == [1]
+
+
 def test_sigint_stops_the_answer_and_the_chat_goes_on(llm):
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     full, _ = Chat(llm, params).ask("memory is a tier", lambda _: None)

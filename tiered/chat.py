@@ -180,7 +180,7 @@ class Chat:
             try:
                 self._slot = (Scheduler(max_batch=1, max_queue=1, prefix_reuse=True), self.llm.kv_cache(1))
             except BudgetError:
-                self._slot = None
+                self._slot = False
         if self._slot is False:
             return self.llm.generate(ids, self.params, chat=True, on_text=stream)[0]
         scheduler, cache = self._slot
