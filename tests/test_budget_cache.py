@@ -401,7 +401,7 @@ def test_large_host_tensors_sit_on_huge_pages(monkeypatch):
 
     def no_mapping(n):
         raise AssertionError(f"a {n}-byte tensor got a huge-page mapping")
-    monkeypatch.setattr(budget_module, "_huge_mapping", no_mapping)
+    monkeypatch.setattr(budget_module, "huge_mapping", no_mapping)
     small = b.empty((HUGE_PAGES_FROM // 4 - 1,), torch.float32)
     small.fill_(1.0)
     monkeypatch.undo()

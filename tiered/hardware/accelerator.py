@@ -269,12 +269,16 @@ class HostAccelerator(Accelerator):
             yield
 
 
+def accelerator_kind(kind: str) -> str:
+    """EngineConfig.accelerator with "auto" resolved: "cuda" where CUDA is present, else "none"; others as given."""
+    return ("cuda" if torch.cuda.is_available() else "none") if kind == "auto" else kind
+
+
 def make_accelerator(kind: str, capacity: int | None, link_bandwidth: float | None = None,
                      pinned: str = "huge") -> Accelerator | None:
     """'none' -> None (CPU only); 'host' -> HostAccelerator; 'cuda' -> CudaAccelerator (its host
-    buffers pinned as `pinned` says: EngineConfig.pinned); 'auto' picks CUDA if present."""
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "none"
+    buffers pinned as `pinned` says: EngineConfig.pinned); 'auto' picks CUDA if present (accelerator_kind)."""
+    kind = accelerator_kind(kind)
     if kind == "none":
         return None
     if kind == "host":

@@ -69,9 +69,10 @@ class _Mapping(mmap.mmap):
             release()
 
 
-def _huge_mapping(n: int) -> tuple[_Mapping, "torch.Tensor"]:
+def huge_mapping(n: int) -> tuple[_Mapping, "torch.Tensor"]:
     """A fresh anonymous mapping with n bytes starting on a 2 MiB boundary, its whole 2 MiB runs
-    advised MADV_HUGEPAGE before the first touch: (mapping, uint8 [n] view at that boundary)."""
+    advised MADV_HUGEPAGE before the first touch: (mapping, uint8 [n] view at that boundary). Fresh, so every
+    byte reads 0 until written (memory/host.lazy_zeros takes it so)."""
     import torch
 
     m = _Mapping(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -111,7 +112,7 @@ def host_empty(shape: tuple[int, ...], dtype, lock: Callable[[int, int], Callabl
     n = nbytes_of(shape, dtype)
     if n < HUGE_PAGES_FROM or not huge_pages_enabled():
         return torch.empty(shape, dtype=dtype) if lock is None else None
-    m, buf = _huge_mapping(n)
+    m, buf = huge_mapping(n)
     if lock is not None:
         m.release = lock(buf.data_ptr(), _round_up(n, mmap.PAGESIZE))
         if m.release is None:

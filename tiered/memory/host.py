@@ -51,33 +51,32 @@ def lazy_zeros(shape: tuple[int, ...], dtype, device="cpu", huge_pages: bool = F
     count against the plan's budget (they are reserved, not yet resident). Other devices (CUDA, the
     stand-in accelerator) and small tensors: torch.zeros.
 
-    `huge_pages`: the mapping is advised MADV_HUGEPAGE (transparent huge pages under THP "madvise"): each 2 MiB
-    is committed whole at its first write, and reads of it miss the TLB 512x less often. For a KV cache its call
-    fills (generate's, sized to its prompts and max_tokens): SmolLM2's decode after a 1024 / 2048 / 4096-token
-    prompt, KV caches from torch.zeros, from this mapping on 4 KiB pages and on huge pages, alternated in one
-    process (8-12 rounds, 2 AMX cores, 2026-12-07): 233 / 178 / 116-131 tok/s, 225 / 170 / 103-107 and 246 / 192 /
-    127-133 (4 KiB pages faulted in as the positions are written read 4-10% slower than torch.zeros' pages, written
-    in one sweep). Not for a server's or a chat's slots of max_context positions: a huge page's first write cost
+    `huge_pages`: from hardware/budget.HUGE_PAGES_FROM bytes, where huge_pages_enabled() (TIERED_HUGEPAGES=0 turns
+    it off), hardware/budget.huge_mapping's (host_empty's) mapping: 2 MiB-aligned, its whole runs advised
+    MADV_HUGEPAGE, each committed whole at its first write, and reads of it miss the TLB 512x less often. For a KV
+    cache its call fills (generate's, sized to its prompts and max_tokens): SmolLM2's decode after a 1024 / 2048 /
+    4096-token prompt, KV caches from torch.zeros, from this mapping on 4 KiB pages and on huge pages, alternated in
+    one process (8-12 rounds, 2 AMX cores, 2026-12-07): 233 / 178 / 116-131 tok/s, 225 / 170 / 103-107 and 246 /
+    192 / 127-133 (4 KiB pages faulted in as the positions are written read 4-10% slower than torch.zeros' pages,
+    written in one sweep). Not for a server's or a chat's slots of max_context positions: a huge page's first write cost
     ~1.3 ms there (the kernel compacting memory for it), so SmolLM2's first prompt in a slot of 4096 positions took
     150 ms instead of 16 (90 MiB of huge pages), and a used slot commits whole.
 
     Returns:
         Tensor [*shape] of `dtype` on `device`, every element 0.
     """
-    import math
     import mmap
 
     import torch
 
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    from tiered.hardware.budget import HUGE_PAGES_FROM, huge_mapping, huge_pages_enabled, nbytes_of
+
+    nbytes = nbytes_of(shape, dtype)
     if torch.device(device).type != "cpu" or nbytes < LAZY_ZEROS_BYTES or not hasattr(mmap, "MAP_PRIVATE"):
         return torch.zeros(shape, dtype=dtype, device=device)  # (Windows' mmap has no MAP_PRIVATE)
+    if huge_pages and nbytes >= HUGE_PAGES_FROM and huge_pages_enabled():
+        return huge_mapping(nbytes)[1].view(dtype).view(shape)  # fresh: the kernel's zero pages
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _map_noreserve())
-    if huge_pages:
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError):  # no THP (kernel "never", another OS): 4 KiB pages
-            pass
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor's storage keeps `buf` mapped
 
 

@@ -89,7 +89,9 @@ def serve_batch(accelerator: str, max_batch: int) -> dict:
     machine without CUDA), the throughput goal's batch for AUTO_WORKLOAD up to AUTO_MOST, below the first that would
     decode one request alone under LONE_DECODE_SHARE of batch 1's speed (the server then takes Plan.kv_slots); else
     max_batch, or ACCELERATOR_BATCH for 0."""
-    if max_batch == 0 and (accelerator == "none" or (accelerator == "auto" and not torch.cuda.is_available())):
+    from tiered.hardware.accelerator import accelerator_kind
+
+    if max_batch == 0 and accelerator_kind(accelerator) == "none":
         return dict(max_batch=AUTO_MOST, goal="throughput", workload=AUTO_WORKLOAD,
                     lone_decode_share=LONE_DECODE_SHARE)
     return dict(max_batch=max_batch or ACCELERATOR_BATCH)
