@@ -181,6 +181,37 @@ def test_stdin_prompt_is_read_when_piped(runner, zoo):
     assert json.loads(res.stdout)["prompt"] == "hello there"
 
 
+def test_no_prompt_reads_stdin_only_from_a_pipe_or_a_file(monkeypatch, tmp_path, capsys):
+    """`tiered run` without PROMPT reads a pipe or a redirected file; stdin on /dev/null (nohup, cron, `docker run`
+    without -i) or an empty pipe gives the default prompt (the latter with a note) where the first had failed with
+    "the prompt read from stdin is empty"; '-' reading nothing is still refused."""
+    import os
+    from tiered import cli
+    from tiered.errors import ConfigError
+
+    def stdin_from(data: bytes | None):
+        if data is None:
+            return open(os.devnull)
+        r, w = os.pipe()
+        os.write(w, data)
+        os.close(w)
+        return os.fdopen(r)
+
+    file = tmp_path / "prompt.txt"
+    file.write_text("from a file\n")
+    cases = [(open(os.devnull), cli.DEFAULT_PROMPT), (stdin_from(b"from a pipe\n"), "from a pipe"),
+             (stdin_from(b""), cli.DEFAULT_PROMPT), (open(file), "from a file")]
+    for stream, want in cases:
+        with stream:
+            monkeypatch.setattr("sys.stdin", stream)
+            assert cli._prompt_text(None) == want
+    assert "stdin is empty: using the default prompt" in capsys.readouterr().err
+    with stdin_from(b"") as stream:
+        monkeypatch.setattr("sys.stdin", stream)
+        with pytest.raises(ConfigError, match="read from stdin is empty"):
+            cli._prompt_text("-")
+
+
 def test_an_unwritable_trace_path_is_refused_before_loading(runner, zoo, tmp_path):
     _bad(runner, ["run", "hi", "--model", str(zoo.dir("llama")), "-n", "2", "--trace",
                   str(tmp_path / "missing" / "t.json")], "--trace")

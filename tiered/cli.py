@@ -10,6 +10,7 @@ import contextlib
 import functools
 import gc
 import inspect
+import io
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 import signal
+import stat
 import threading
 
 import typer
@@ -338,12 +340,28 @@ def _setting_notes(llm, config) -> None:
         typer.echo(f"note: {note}", err=True)
 
 
+def _stdin_is_piped() -> bool:
+    """Whether stdin is a pipe, a socket or a regular file (what `cmd | tiered run` and `tiered run < file`
+    give), not a terminal or a character device such as /dev/null. A stream without a file descriptor (a test
+    runner's) counts as piped."""
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return sys.stdin is not None and not getattr(sys.stdin, "closed", True)
+    return stat.S_ISFIFO(mode) or stat.S_ISREG(mode) or stat.S_ISSOCK(mode)
+
+
 def _prompt_text(prompt: str | None) -> str:
-    """`run`'s PROMPT argument: '-' (or no argument with stdin not a terminal, e.g. a pipe) reads stdin to its
-    end; no argument on a terminal is DEFAULT_PROMPT. Raises ConfigError for an empty prompt or one
-    that is not UTF-8 (a Latin-1 file, binary input)."""
-    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+    """`run`'s PROMPT argument: '-' reads stdin to its end, and so does no argument where stdin is a pipe or a
+    file (`_stdin_is_piped`); no argument otherwise (a terminal, /dev/null under nohup, cron or `docker run`
+    without -i) is DEFAULT_PROMPT, as is no argument with an empty pipe (a note says so). Raises ConfigError
+    for an empty prompt ('-' reading nothing, an empty argument) or one that is not UTF-8 (a Latin-1 file,
+    binary input)."""
+    if prompt == "-" or (prompt is None and _stdin_is_piped()):
         raw = sys.stdin.buffer.read()
+        if prompt is None and not raw.strip():
+            typer.echo("note: stdin is empty: using the default prompt", err=True)
+            return DEFAULT_PROMPT
         try:
             prompt = raw.decode("utf-8")
         except UnicodeDecodeError as e:
