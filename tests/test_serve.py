@@ -490,15 +490,16 @@ def test_the_serve_command(zoo):
 def test_serve_plans_its_batch_where_no_gpu_is_used(zoo):
     """`serve --max-batch 0` (the default) without an accelerator: the throughput goal picks the batch for chat-sized
     requests up to AUTO_MOST, and the server's KV cache has that many slots; with one (the stand-in), or a batch
-    given, that batch (ACCELERATOR_BATCH for 0) under the latency goal."""
+    given, that batch under the latency goal; with one (the stand-in), up to ACCELERATOR_BATCH
+    (test_serve_on_a_gpu_takes_the_slots_its_budget_holds)."""
     from tiered.errors import ConfigError
     from tiered.serve.engine import ACCELERATOR_BATCH, AUTO_MOST, AUTO_WORKLOAD, LONE_DECODE_SHARE, serve_batch
 
-    assert serve_batch("host", 0) == {"max_batch": ACCELERATOR_BATCH}
     assert serve_batch("none", 3) == serve_batch("host", 3) == {"max_batch": 3}
     batch = serve_batch("none", 0)
     assert batch == {"max_batch": AUTO_MOST, "goal": "throughput", "workload": AUTO_WORKLOAD,
                      "lone_decode_share": LONE_DECODE_SHARE}
+    assert serve_batch("host", 0) == dict(batch, max_batch=ACCELERATOR_BATCH)
     with pytest.raises(ConfigError, match="lone_decode_share"):
         EngineConfig(lone_decode_share=1.5)
     llm = LLM(zoo.dir("llama"), EngineConfig(accelerator="none", max_context=256, decode_weights="fp32", **batch))
@@ -657,6 +658,41 @@ def test_chat_logprobs(server):
     with pytest.raises(openai.BadRequestError):
         server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=True,
                                               top_logprobs=21)
+
+
+def test_serve_on_a_gpu_takes_the_slots_its_budget_holds(rt):
+    """`serve` with an accelerator (the stand-in) and --max-batch 0: the largest batch up to ACCELERATOR_BATCH whose
+    KV cache the GPU budget holds (its plans price no batch), where 8 slots had been refused with a BudgetError
+    though `run`'s one slot fitted; the server's cache has the planned slots, inside the budget."""
+    from tiered.errors import BudgetError
+    from tiered.hardware.standin import device_memory
+    from tiered.serve.engine import ACCELERATOR_BATCH, serve_batch
+
+    s = rt.sizes("mixtral")
+    budget = s.fast(cache_slots=2) + s.kv  # the weights, 2 expert cache slots and 2 sequences' KV cache
+    config = dict(accelerator="host", gpu_memory=budget, cpu_memory="64MiB", expert_cache_slots=2)
+    with pytest.raises(BudgetError, match="KV cache"):
+        LLM(rt.dir("mixtral"), engine_config(**config, max_batch=ACCELERATOR_BATCH))  # what serve asked for
+    with device_memory() as m:  # the stand-in's real allocations
+        llm = LLM(rt.dir("mixtral"), engine_config(**config, **serve_batch("host", 0)))
+        try:
+            assert llm.plan.goal == "throughput" and llm.plan.kv_slots == 2
+            assert any(n.startswith(f"throughput goal: batch 2, the largest that fits up to {ACCELERATOR_BATCH}")
+                       for n in llm.plan.notes), llm.plan.notes
+            prompts = [moe_prompt(5), moe_prompt(7, seed=1)]
+            refs = [llm.generate(p, SamplingParams(temperature=0, max_tokens=6))[0].token_ids for p in prompts]
+            engine = ServingEngine(llm, max_batch=llm.plan.kv_slots, max_queue=4)
+            assert engine.cache.k.shape[1] == 2
+            with running_server(engine, None) as url:
+                def ask(p):
+                    body = dict(model=MODEL, prompt=p, max_tokens=6, temperature=0, return_tokens_as_token_ids=True)
+                    return httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+                with ThreadPoolExecutor(2) as pool:
+                    got = list(pool.map(ask, prompts))
+            assert [g["usage"]["completion_tokens"] for g in got] == [len(r) for r in refs] == [6, 6], got
+            assert 0 < m.peak <= budget
+        finally:
+            llm.close()
 
 
 def test_max_batch_is_planned_for(rt):

@@ -148,6 +148,22 @@ def test_plan_batch_without_room_for_one_sequence_raises_and_unpriced_plans_take
         plan_batch(none_fit)
     plan = plan_batch(lambda B: _plan(B, 0.01, batched=False))
     assert plan.kv_slots == UNPRICED_MOST and "do not price batches" in plan.notes[-1]
+    # a server's (most 8, lone share): the largest that fits up to `most`, below the first batch whose one request
+    # is priced under the share (the KV cache of each slot takes an accelerator's expert room)
+    assert plan_batch(lambda B: _plan(B, 0.01, batched=False), most=8).kv_slots == 8
+
+    def slowing(B):
+        return _plan(B, 0.010 * (1 + 0.05 * (B - 1)), batched=False)  # alone: 100, 95.2, 87.0, 74.1 tok/s
+    plan = plan_batch(slowing, most=8, lone_share=0.9)
+    assert plan.kv_slots == 2 and "up to 8" in plan.notes[-1]
+    assert "from batch 4 one request would decode at 87.0 tok/s, under 90% of batch 1's 100.0" in plan.notes[-1]
+
+    def refusing(B):  # the budget holds 2 slots' KV cache
+        if B > 2:
+            raise BudgetError("no room for the KV cache")
+        return _plan(B, 0.01, batched=False)
+    plan = plan_batch(refusing, most=8, lone_share=0.9)
+    assert plan.kv_slots == 2 and "batch 4: no room for the KV cache" in plan.notes[-1]
 
 
 def test_engine_throughput_goal_plans_the_batch_within_the_cpu_budget(zoo):

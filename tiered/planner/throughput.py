@@ -73,7 +73,8 @@ def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1],
     itself), the one whose block generates the most tokens a second (`block_throughput`; the smallest within
     NEAR_BEST of the best). Larger batches are tried until the budget cannot hold their KV cache (make raises
     BudgetError), as FlexGen's policy search bounds its block by peak memory (ALGORITHMS.md 4); where the plans
-    price no batch (an accelerator's), the largest that fits, up to UNPRICED_MOST.
+    price no batch (an accelerator's), the largest that fits, up to `most` and UNPRICED_MOST (and, with
+    lone_share, below the first batch that slows one request down).
 
     Args:
         make: kv_slots -> the latency goal's plan with KV-cache room for that many sequences (make_plan).
@@ -105,14 +106,18 @@ def plan_batch(make: Callable[[int], Plan], most: int = BATCHES[-1],
             refused = (B, e.message)
             break
     scores = [block_throughput(p) for p in plans]
+    lone = [p.predicted_decode_tokens_per_s or 0.0 for p in plans]
+    slow = next((i for i, v in enumerate(lone) if lone_share is not None and v < lone_share * lone[0]), None)
     if any(s is None for s in scores[1:]):  # unpriced batches: the most that fit, within the unpriced cap
-        fit = [p for p in plans if p.kv_slots <= UNPRICED_MOST] or plans[:1]
-        plan = fit[-1]
-        plan.notes.append(f"throughput goal: batch {plan.kv_slots}, the largest that fits up to {UNPRICED_MOST} "
-                          "(this plan's time models do not price batches)")
+        cap = min(most, UNPRICED_MOST)
+        plan = ([p for p in plans[:slow] if p.kv_slots <= cap] or plans[:1])[-1]
+        why = f"; batch {refused[0]}: {refused[1]}" if refused and refused[0] <= cap else ""
+        if slow is not None and plans[slow].kv_slots <= cap:
+            why += (f"; from batch {plans[slow].kv_slots} one request would decode at {lone[slow]:.1f} tok/s, under "
+                    f"{lone_share:.0%} of batch 1's {lone[0]:.1f}")
+        plan.notes.append(f"throughput goal: batch {plan.kv_slots}, the largest that fits up to {cap} "
+                          f"(this plan's time models do not price batches){why}")
     else:
-        lone = [p.predicted_decode_tokens_per_s or 0.0 for p in plans]
-        slow = next((i for i, v in enumerate(lone) if lone_share is not None and v < lone_share * lone[0]), None)
         top = max(scores[:slow])
         plan = next(p for p, s in zip(plans[:slow], scores) if s >= NEAR_BEST * top)
         priced = ", ".join(f"{p.kv_slots}: {s:.1f}" for p, s in zip(plans, scores))

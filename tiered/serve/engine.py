@@ -78,23 +78,27 @@ AUTO_MOST = 64
 # --cpu-mem 2GiB: the throughput goal alone took 16 slots, 14.9 tok/s at full load where 4 made 14.1, and one
 # request 8.3 tok/s against 12.1 at batch 1 and 11.2 at 4)
 LONE_DECODE_SHARE = 0.9
-# with an accelerator, whose plans do not price batches (the largest KV cache that fits would take the room its
-# experts and weights use): this many slots, as before
+# With an accelerator, whose plans do not price batches: the largest batch up to this many slots that the GPU budget
+# holds and that keeps one request's decode within LONE_DECODE_SHARE (the KV cache of a slot takes the room experts
+# and sliced weights would use). Before, 8 slots whatever the budget: a GPU budget that held the weights and one or
+# two slots' KV cache refused to serve at all (the Mixtral-shaped dummy on the stand-in under --gpu-mem 500MiB:
+# "cannot hold ... KV cache (512.0 MiB)"), where `tiered run` ran.
 ACCELERATOR_BATCH = 8
 
 
 def serve_batch(accelerator: str, max_batch: int) -> dict:
-    """The batch arguments of `tiered serve --max-batch max_batch`'s EngineConfig (max_batch, and goal and workload
-    where the plan chooses): with max_batch 0 and no accelerator in use (`accelerator` "none", or "auto" on a
-    machine without CUDA), the throughput goal's batch for AUTO_WORKLOAD up to AUTO_MOST, below the first that would
-    decode one request alone under LONE_DECODE_SHARE of batch 1's speed (the server then takes Plan.kv_slots); else
-    max_batch, or ACCELERATOR_BATCH for 0."""
+    """The batch arguments of `tiered serve --max-batch max_batch`'s EngineConfig (max_batch, and goal, workload and
+    lone share where the plan chooses). With max_batch 0: the throughput goal's batch for AUTO_WORKLOAD requests
+    (planner/throughput.plan_batch), below the first batch that would decode one request alone under
+    LONE_DECODE_SHARE of batch 1's speed, up to AUTO_MOST sequences where no accelerator is used (`accelerator`
+    "none", or "auto" on a machine without CUDA; its plans price each batch) and up to ACCELERATOR_BATCH with one
+    (the largest that fits: its plans price no batch); the server then takes Plan.kv_slots. Else max_batch."""
     from tiered.hardware.accelerator import accelerator_kind
 
-    if max_batch == 0 and accelerator_kind(accelerator) == "none":
-        return dict(max_batch=AUTO_MOST, goal="throughput", workload=AUTO_WORKLOAD,
-                    lone_decode_share=LONE_DECODE_SHARE)
-    return dict(max_batch=max_batch or ACCELERATOR_BATCH)
+    if max_batch:
+        return dict(max_batch=max_batch)
+    most = AUTO_MOST if accelerator_kind(accelerator) == "none" else ACCELERATOR_BATCH
+    return dict(max_batch=most, goal="throughput", workload=AUTO_WORKLOAD, lone_decode_share=LONE_DECODE_SHARE)
 
 
 class ServingEngine:
