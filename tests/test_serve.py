@@ -115,6 +115,48 @@ def test_health_models_and_api_key(server):
         bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
 
 
+def test_browser_pages_on_this_machine_may_call_the_api_and_others_only_when_allowed(server):
+    """CORS: a page served from localhost (any port) gets its preflight answered and Access-Control-Allow-Origin on
+    the answers, the API key still required (the preflight itself carries none); a page elsewhere gets neither,
+    unless the server allows its origin (`--allowed-origin`) or every one ('*')."""
+    import asyncio
+
+    def preflight(base: str, origin: str) -> httpx.Response:
+        return httpx.options(base + "/v1/chat/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+
+    local = "http://localhost:3000"
+    r = preflight(server.url, local)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == local
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    assert "POST" in r.headers["access-control-allow-methods"]
+    ok = httpx.get(server.url + "/v1/models", headers={"Origin": "http://127.0.0.1:5173",
+                                                       "Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://127.0.0.1:5173"
+    no_key = httpx.get(server.url + "/v1/models", headers={"Origin": local})
+    assert no_key.status_code == 401 and no_key.headers["access-control-allow-origin"] == local
+    elsewhere = "https://example.com"
+    assert preflight(server.url, elsewhere).status_code == 400
+    answer = httpx.get(server.url + "/v1/models", headers={"Origin": elsewhere, "Authorization": f"Bearer {KEY}"})
+    assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+    for allowed, origin in ((("https://example.com",), elsewhere), (("*",), "https://any.example.org")):
+        app = build_app(server.engine, MODEL, api_key=KEY, allowed_origins=allowed)
+
+        async def ask():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                pre = await c.options("/v1/completions", headers={"Origin": origin,
+                                                                   "Access-Control-Request-Method": "POST"})
+                got = await c.get("/v1/models", headers={"Origin": origin, "Authorization": f"Bearer {KEY}"})
+                other = await c.get("/v1/models", headers={"Origin": "https://other.example.net",
+                                                           "Authorization": f"Bearer {KEY}"})
+                return pre, got, other
+        pre, got, other = asyncio.run(ask())
+        assert pre.status_code == 200 and got.status_code == 200
+        assert got.headers["access-control-allow-origin"] in (origin, "*")
+        assert ("access-control-allow-origin" in other.headers) == (allowed == ("*",))
+
+
 def test_completion_equals_generate(server):
     out = server.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
     ref = _greedy(server, PROMPTS[0], 12, chat=False)
@@ -460,7 +502,7 @@ def test_the_serve_command(zoo):
     port, path = _free_port(), zoo.dir("llama")
     cmd = [sys.executable, "-c", "from tiered.cli import app; app()", "serve", "--model", str(path),
            "--port", str(port), "--api-key", KEY, "--max-batch", "2", "--max-queue", "2", "--decode-weights", "fp32",
-           "--plan", "off"]
+           "--plan", "off", "--allowed-origin", "https://app.example.com"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -477,6 +519,8 @@ def test_the_serve_command(zoo):
         out = client.completions.create(model=path.name, prompt=PROMPTS[0], max_tokens=5, temperature=0)
         assert out.usage.completion_tokens >= 1
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+        cors = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Origin": "https://app.example.com"})
+        assert cors.headers["access-control-allow-origin"] == "https://app.example.com"  # --allowed-origin
         # a second server on the taken port: uvicorn says why and the command exits, not hangs
         busy = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert busy.returncode == 1, busy.stdout + busy.stderr
@@ -485,6 +529,9 @@ def test_the_serve_command(zoo):
         assert proc.wait(timeout=30) == 0, proc.stdout.read()
     bad = subprocess.run(cmd[:4] + ["--max-batch", "-1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "max-batch" in bad.stderr
+    bad = subprocess.run(cmd[:4] + ["--allowed-origin", "https://app.example.com/"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "allowed-origin" in bad.stderr
 
 
 def test_serve_plans_its_batch_where_no_gpu_is_used(zoo):

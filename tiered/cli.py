@@ -13,6 +13,7 @@ import inspect
 import io
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -497,6 +498,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default; 0.0.0.0 exposes the server)."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="TIERED_API_KEY", help="Require Authorization: Bearer KEY on /v1/* (401 otherwise)."),
+    allowed_origin: list[str] = typer.Option([], "--allowed-origin", help="A browser origin (scheme://host[:port]) allowed to call the API (CORS), besides pages served from localhost; repeatable; '*' allows every origin."),
     max_batch: int = typer.Option(0, "--max-batch", help="KV-cache slots: the most requests decoded together (0: "
                                   "without a GPU the plan's fastest batch for chat requests, up to 64; with one 8)."),
     max_queue: int = typer.Option(64, "--max-queue", help="Most requests waiting for a slot; more get 503 with Retry-After."),
@@ -519,6 +521,9 @@ def serve(
         raise typer.BadParameter("--max-batch must be >= 0 (0: the plan's) and --max-queue >= 0")
     if reasoning_format not in ("auto", "none"):
         raise typer.BadParameter(f"--reasoning-format must be auto or none, not {reasoning_format!r}")
+    for origin in allowed_origin:  # what a browser sends as Origin: no path, not even a trailing slash
+        if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", origin):
+            raise typer.BadParameter(f"--allowed-origin takes scheme://host[:port] or '*', not {origin!r}")
     batch = serve_batch(engine_opts["accelerator"], max_batch)  # 0 without a GPU: the plan picks it
     llm = LLM(model, _engine_config(engine_opts, **batch), progress=True)
     _freeze_heap()
@@ -534,7 +539,7 @@ def serve(
     # The engine steps on this (main) thread, which owns torch's OpenMP team (a decode step on a
     # fresh thread ran 3x slower); HTTP is served from a second thread.
     engine.external = True
-    web_app = build_app(engine, name, api_key, reasoning=reasoning_format == "auto")
+    web_app = build_app(engine, name, api_key, reasoning=reasoning_format == "auto", allowed_origins=tuple(allowed_origin))
     server = uvicorn.Server(uvicorn.Config(web_app, host=host, port=port, log_level="warning"))
     web = threading.Thread(target=server.run, name="tiered-http", daemon=True)
     signal.signal(signal.SIGTERM, _interrupt)  # uvicorn handles signals only on the main thread: we do

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -127,7 +128,15 @@ class _Guard:
                 scope, receive, send)
 
 
-def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None, reasoning: bool = True) -> FastAPI:
+# Browser pages whose requests the server answers with CORS headers (the Fetch standard's cross-origin checks) by
+# default: pages served from this machine, any scheme and port (a web UI on localhost:3000 calling the API on
+# :8000), as Ollama allows by default. A page elsewhere gets no CORS headers, so its browser does not let it read the
+# answers (the server binds 127.0.0.1 by default, but any site the user visits can reach that from the browser).
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None, reasoning: bool = True,
+              allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The FastAPI application. Its lifespan starts the engine thread (unless the engine is run on
     a thread of the caller's: ServingEngine.run) and stops the engine at shutdown.
 
@@ -139,6 +148,9 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             guidance for gpt-oss) and `reasoning_content` (DeepSeek's API
             and llama.cpp's field; engine/reasoning.py), and harmony's tool calls as tool_calls; False: the
             whole output is the content, as the model wrote it.
+        allowed_origins: browser origins (scheme://host[:port]) allowed to call the API besides LOCAL_ORIGINS'
+            pages (CORS: preflights answered, responses carrying Access-Control-Allow-Origin; the Authorization
+            header allowed, so an API key still applies); "*" allows every origin.
     """
 
     # the sampling the model's authors ship (generation_config.json), for requests that leave it out
@@ -159,6 +171,11 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
     max_prompt_chars = CHARS_PER_TOKEN * engine.llm.max_context
     app.add_middleware(_Guard, max_body_bytes=BODY_BYTES_PER_CHAR * max_prompt_chars + BODY_OVERHEAD_BYTES,
                        metrics=engine.metrics)
+    # outside the guard: a preflight is answered before it, and its 413s and 500s carry the CORS headers too
+    every = "*" in allowed_origins
+    app.add_middleware(CORSMiddleware, allow_origins=["*"] if every else list(allowed_origins),
+                       allow_origin_regex=None if every else LOCAL_ORIGINS, allow_methods=["GET", "POST"],
+                       allow_headers=["*"], max_age=600)
 
     def refused(request: Request, error: APIError) -> JSONResponse:
         """The response of a /v1/* request refused before the engine saw it, counted in the metrics
