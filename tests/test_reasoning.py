@@ -11,6 +11,7 @@ import shutil
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from fixtures import build_tokenizer, write_tiny_checkpoint
@@ -255,6 +256,37 @@ def test_server_answers_reasoning_apart_streamed_or_not(zoo, chat_llama, tmp_pat
                 "add_generation_prompt": False}}})
         text = client.completions.create(model=MODEL, prompt="hi", max_tokens=30, temperature=0, extra_body=script)
         assert text.choices[0].text.startswith("<think>")  # as the model wrote it
+
+
+def test_anthropic_messages_answer_the_reasoning_as_a_thinking_block(zoo, chat_llama, tmp_path_factory, monkeypatch):
+    """/v1/messages on a `<think>` model: a thinking block then the text block, in one response and as a stream's
+    thinking_delta and text_delta events (which add up to them); `thinking` disabled closes the block in the prompt
+    (the template's enable_thinking), as chat_template_kwargs do on /v1/chat/completions."""
+    from test_serve import KEY, MODEL
+
+    script = {"structured_outputs": {"regex": r"<think>\n[a-z]{3,6} [a-z]{3,6}\n</think>\n\n[A-Z][a-z]{2,6}\."}}
+    with _think_server(zoo, chat_llama, tmp_path_factory, monkeypatch) as (url, llm):
+        ask = {"model": MODEL, "max_tokens": 40, "temperature": 0, "messages": [{"role": "user", "content": "hi"}],
+               **script}
+        headers = {"x-api-key": KEY}
+        msg = httpx.post(url + "/v1/messages", headers=headers, json=ask, timeout=60).json()
+        (think, text) = msg["content"]
+        assert think["type"] == "thinking" and think["thinking"].strip().count(" ") == 1 and text["type"] == "text"
+        assert text["text"][0].isupper() and text["text"].endswith(".") and msg["stop_reason"] == "end_turn"
+        events = []
+        with httpx.stream("POST", url + "/v1/messages", headers=headers, json={**ask, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+        starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+        deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+        assert starts == ["thinking", "text"] and events[-1]["type"] == "message_stop"
+        assert "".join(d.get("thinking", "") for d in deltas).strip() == think["thinking"].strip()
+        assert "".join(d.get("text", "") for d in deltas).strip() == text["text"].strip()
+        closed = httpx.post(url + "/v1/messages", headers=headers, json={**ask, "thinking": {"type": "disabled"}},
+                            timeout=60).json()
+        assert closed["usage"]["input_tokens"] + closed["usage"]["cache_read_input_tokens"] > \
+            msg["usage"]["input_tokens"] + msg["usage"]["cache_read_input_tokens"]
 
 
 def test_generation_config_adds_end_of_sequence_ids(zoo, tmp_path):

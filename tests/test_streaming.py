@@ -74,7 +74,7 @@ def test_stop_string_cuts_text_and_stream(llm, prompts, params):
         sp = replace(params, stop=(stop,))
         out = llm.generate(p, sp)[0]
         assert out.text == full[:full.find(stop)]
-        assert out.finish_reason == "stop"
+        assert out.finish_reason == "stop" and out.stop_string == stop
         assert len(out.token_ids) < params.max_tokens
         assert "".join(llm.stream(p, sp)) == out.text  # the stream never showed the stop string
 
@@ -85,6 +85,8 @@ def test_earliest_of_several_stop_strings_wins(llm, prompts):
     cut = min(full.find(early), full.find(late))
     out = llm.generate(prompts[0], replace(GREEDY, stop=(late, early, "never-in-the-text-\u2603")))[0]
     assert out.text == full[:cut]
+    assert out.stop_string == (early if full.find(early) < full.find(late) else late)  # the one that cut it
+    assert llm.generate(prompts[0], GREEDY)[0].stop_string is None  # ended by its length
 
 
 def test_stop_token_ids_end_generation(llm, prompts):

@@ -39,16 +39,18 @@ def append_token_text(tokenizer, seq: Sequence) -> None:
 
 
 def apply_stop_strings(seq: Sequence) -> None:
-    """Cut seq.text at the first stop string and mark the sequence finished ("stop")."""
+    """Cut seq.text at the first stop string and mark the sequence finished ("stop"), the string in
+    seq.stop_string (of two starting at the same place, the one listed first)."""
     stops = seq.params.stop
     if not stops:
         return
     longest = max(len(s) for s in stops)
     start = max(0, seq.emitted - longest)
-    hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
+    hits = [(i, k) for k, i in enumerate(seq.text.find(s, start) for s in stops) if i >= 0]
     if hits:
-        seq.text = seq.text[:min(hits)]
-        seq.finish_reason = "stop"
+        at, k = min(hits)
+        seq.text = seq.text[:at]
+        seq.finish_reason, seq.stop_string = "stop", stops[k]
 
 
 def take_stream_delta(seq: Sequence) -> str:

@@ -84,6 +84,7 @@ class RequestOutput:
     reasoning: str | None = None
     content: str | None = None  # None: set to `text` (__post_init__)
     tool_calls: list[tuple[str, str]] = field(default_factory=list)
+    stop_string: str | None = None  # the stop string that ended it (vLLM's stop_reason); None: EOS or length
 
     def __post_init__(self) -> None:
         if self.content is None:
@@ -119,6 +120,7 @@ class Sequence:
     read_offset: int = 0
     decode_stream: object = None  # tokenizers.decoders.DecodeStream of output_ids (engine/detokenize.py)
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it (apply_stop_strings)
     t_start: float = field(default_factory=time.perf_counter)
     t_prefill_start: float = 0.0
     token_times: list[float] = field(default_factory=list)
@@ -216,8 +218,10 @@ class Sequence:
         parts = split(self.text, self.reasoning_format, self.thinking_opened) if self.reasoning_format else None
         if parts is not None and self.finish_reason == "length":
             parts.calls = []  # a call cut by max_tokens is no call (its arguments end mid-way)
-        return RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),
-                             self.finish_reason or "length", self.stats(),
-                             None if self.logprobs is None else list(self.logprobs),
-                             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-                             *((parts.reasoning, parts.content, parts.calls) if parts is not None else ()))
+        out = RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),
+                            self.finish_reason or "length", self.stats(),
+                            None if self.logprobs is None else list(self.logprobs),
+                            None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+                            *((parts.reasoning, parts.content, parts.calls) if parts is not None else ()))
+        out.stop_string = self.stop_string
+        return out

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -35,6 +36,7 @@ from tiered.engine.prompt import encode_prompt
 from tiered.engine.reasoning import ReasoningStream
 from tiered.engine.sequence import RequestOutput
 from tiered.errors import ContextLengthError, TieredError
+from tiered.serve import anthropic
 from tiered.serve.engine import Handle, QueueFullError, ServerShuttingDownError, ServingEngine
 from tiered.serve.metrics import ServerMetrics, tier_state
 from tiered.serve.protocol import (ChatCompletionRequest, CompletionLogprobs, CompletionRequest, DetokenizeRequest,
@@ -68,9 +70,10 @@ class APIError(Exception):
         """{"error": {"message", "type", "param", "code"}}."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        """The error as an HTTP response."""
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as an HTTP response (in Anthropic's shape on its /v1/messages paths)."""
+        body = anthropic.error_body(self.status, self.message) if path.startswith("/v1/messages") else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def _shutting_down() -> APIError:
@@ -97,7 +100,7 @@ class _Guard:
         if length.isdigit() and int(length) > self.max_body_bytes:
             if api:
                 self.metrics.count_request("invalid", 413)
-            await too_large.response()(scope, receive, send)
+            await too_large.response(scope["path"])(scope, receive, send)
             return
         started = False
         received = 0
@@ -124,7 +127,7 @@ class _Guard:
             log.exception("%s %s failed", scope.get("method"), scope["path"])
             if api:
                 self.metrics.count_request("error", 500)
-            await APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response()(
+            await APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response(scope["path"])(
                 scope, receive, send)
 
 
@@ -182,7 +185,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         (what the engine refuses or fails, it counts itself)."""
         if request.url.path.startswith("/v1/") and 400 <= error.status < 500:
             engine.metrics.count_request("invalid", error.status)
-        return error.response()
+        return error.response(request.url.path)  # Anthropic's clients read Anthropic's shape
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -210,10 +213,12 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
 
     async def check_key(request: Request) -> None:
         """Raise APIError 401 unless the request carries `Authorization: Bearer <api_key>` (the
-        scheme in any case, as HTTP has it)."""
+        scheme in any case, as HTTP has it) or `x-api-key: <api_key>` (Anthropic's header)."""
         if api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        if "x-api-key" in request.headers:
+            scheme, given = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
             raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
                            "authentication_error", "invalid_api_key")
@@ -271,6 +276,116 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""), param="tool_choice")
         return await _generate(request, body, [messages], chat=True, default_max_tokens=engine.llm.max_context,
                                kind="chat", tools=tools, template_kwargs=body.template_kwargs())
+
+    @app.post("/v1/messages", dependencies=[Depends(check_key)])
+    async def messages(body: anthropic.MessagesRequest, request: Request):
+        """Anthropic's Messages API (serve/anthropic.py) through the chat template; whatever model it names (an
+        Anthropic client names Claude models), the served model answers."""
+        chat, tools = _anthropic_chat(body)
+        handles = await _start(chat, [[m.as_dict() for m in chat.messages]], True, engine.llm.max_context, tools,
+                               chat.template_kwargs())
+        mid = anthropic.message_id()
+        if body.stream:
+            return StreamingResponse(_message_events(handles[0], mid, tools), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        outs = await _collect(request, handles)
+        if outs is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        return anthropic.message(mid, model_name, outs[0], *answer(outs[0], tools))
+
+    @app.post("/v1/messages/count_tokens", dependencies=[Depends(check_key)])
+    async def count_tokens(body: anthropic.CountTokensRequest) -> dict:
+        """Anthropic's token count of a Messages request: {"input_tokens": the prompt's tokens through the chat
+        template, its tools included}."""
+        chat, _ = _anthropic_chat(body)
+        prompt = [m.as_dict() for m in chat.messages]
+        check_prompt_chars(prompt, "messages")
+        tools = [t.model_dump(exclude_none=True) for t in chat.tools or []] or None
+        try:
+            ids = await run_in_threadpool(encode_prompt, tokenizer(), prompt, True, tools=tools,
+                                          template_kwargs=chat.template_kwargs())
+        except TieredError as e:
+            raise APIError(400, e.message + (f" ({e.hint})" if e.hint else "")) from e
+        return {"input_tokens": len(ids)}
+
+    def _anthropic_chat(body: anthropic.MessagesRequest) -> tuple[ChatCompletionRequest, ToolPlan]:
+        """The chat completion a Messages request asks for and its tool plan, or APIError 400."""
+        try:
+            chat = body.chat_request(model_name)
+            return chat, chat.tool_plan(engine.llm.tokenizer)
+        except ValidationError as e:  # what the chat request refuses (a tool's name, a sampling bound)
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            raise APIError(400, f"{where}: {first.get('msg', 'invalid')}") from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except TieredError as e:
+            raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""), param="tool_choice") from None
+
+    async def _message_events(handle: Handle, mid: str, tools: ToolPlan):
+        """_message_event_texts without empty pieces (an empty body chunk may read as the end of a chunked body)."""
+        pieces = _message_event_texts(handle, mid, tools)
+        try:
+            async for piece in pieces:
+                if piece:
+                    yield piece
+        finally:
+            await pieces.aclose()  # its own finally cancels the request (the client went away mid-stream)
+
+    async def _message_event_texts(handle: Handle, mid: str, tools: ToolPlan):
+        """Anthropic's event stream of one answer (anthropic.MessageStream): its reasoning as a thinking block,
+        its text as a text block (with tools, the text from where a call may begin held back, ToolPlan.held), its
+        calls as tool_use blocks at the end, then the stop reason and usage."""
+        seq = handle.seq
+        blocks = anthropic.MessageStream()
+        thinking = ReasoningStream(seq.reasoning_format, seq.thinking_opened) if reasoning and seq.reasoning_format \
+            else None
+        held = tools.calls  # the text may hold calls: stream it up to where one may begin
+        text, sent = "", 0
+        try:
+            yield anthropic.event("message_start", {"message": {
+                "id": mid, "type": "message", "role": "assistant", "model": model_name, "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": anthropic.usage(len(seq.prompt_ids), 0, 0)}})
+            while True:
+                ev = await handle.events.get()
+                if isinstance(ev, Exception):
+                    err = (_shutting_down() if isinstance(ev, ServerShuttingDownError) else
+                           APIError(500, f"generation failed: {ev}", "server_error"))
+                    yield anthropic.event("error", {"error": anthropic.error_body(err.status, err.message)["error"]})
+                    return
+                delta, out, _ = ev
+                harmony = []
+                if thinking is not None:
+                    thought, delta = thinking.feed(delta)
+                    if out is not None:
+                        more, rest, harmony = thinking.finish()
+                        thought, delta = thought + more, delta + rest
+                    yield blocks.thinking(thought)
+                text += delta
+                if out is None:
+                    upto = len(text) - tools.held(text) if held else len(text)
+                    yield blocks.text(text[sent:upto])
+                    sent = max(sent, upto)
+                    continue
+                calls = [tool_call(name, args) for name, args in harmony]
+                upto = len(text)
+                if held and not calls:
+                    full = out.content if thinking is not None else out.text
+                    calls = tools.parse(full, out.finish_reason)[1]
+                    text, upto = full, tools.content_end(full) if calls else len(full)
+                yield blocks.text(text[sent:upto])
+                for call in calls:
+                    yield blocks.tool(call)
+                yield blocks.close()
+                reason, stop = anthropic.stop_reason(out.finish_reason, out.stop_string, bool(calls))
+                yield anthropic.event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop},
+                                                        "usage": anthropic.usage(len(out.prompt_token_ids),
+                                                                                 out.stats.cached_tokens,
+                                                                                 len(out.token_ids))})
+                yield anthropic.event("message_stop", {})
+                return
+        finally:
+            engine.cancel(handle)  # the client went away mid-stream (a no-op when it finished)
 
     def tokenizer():
         """The model's tokenizer, or APIError 400 where the checkpoint has none."""
@@ -341,6 +456,21 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         """Answer `body` over its `prompts` (a completion's batch, or chat's one message list), n choices
         each: choice p * n + j is prompt p's j-th. `tools`: how a chat's output becomes tool calls;
         `template_kwargs`: a chat template's extra variables."""
+        handles = await _start(body, prompts, chat, default_max_tokens, tools, template_kwargs)
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        echo = _Echo(engine.llm.tokenizer, body, prompts) if kind == "completion" else None
+        if body.stream:
+            return StreamingResponse(_sse(handles, rid, kind, body.include_usage, echo, tools,
+                                          getattr(body, "include_reasoning", True)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        outs = await _collect(request, handles)
+        if outs is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        return _answer(body, outs, kind, rid, echo, tools)
+
+    async def _start(body, prompts: list, chat: bool, default_max_tokens: int, tools: ToolPlan | None,
+                     template_kwargs: dict | None) -> list[Handle]:
+        """`body`'s prompts submitted (n choices each), or the APIError that refuses them."""
         check_model(body.model)
         for prompt in prompts:
             check_prompt_chars(prompt, "messages" if chat else "prompt")
@@ -362,15 +492,11 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             raise APIError(400, e.message, code="context_length_exceeded", param="messages" if chat else "prompt")
         except TieredError as e:
             raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""))
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        echo = _Echo(engine.llm.tokenizer, body, prompts) if kind == "completion" else None
-        if body.stream:
-            return StreamingResponse(_sse(handles, rid, kind, body.include_usage, echo, tools,
-                                          getattr(body, "include_reasoning", True)),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        outs = await _collect(request, handles)
-        if outs is None:  # the client went away
-            return JSONResponse({}, status_code=499)
+        return handles
+
+    def _answer(body, outs: list[RequestOutput], kind: str, rid: str, echo: "_Echo | None",
+                tools: ToolPlan | None) -> dict:
+        """The chat.completion or text_completion object of a request's finished choices."""
         choices = []
         for i, out in enumerate(outs):
             if kind == "chat":
