@@ -155,3 +155,24 @@ def test_errors_take_anthropics_shape_and_the_key_its_header(server):
     r = httpx.post(url + "/count_tokens", headers={"x-api-key": KEY}, json={"model": MODEL, "messages": ASK})
     assert r.status_code == 200 and r.json()["input_tokens"] == len(encode_prompt(server.llm.tokenizer, ASK, True))
     assert json.loads(json.dumps(r.json())) == r.json()
+
+
+def test_a_prefilled_answer_is_continued(server):
+    """A conversation ending with an assistant turn (Anthropic's prefill; vLLM's continue_final_message on
+    /v1/chat/completions): the prompt ends with that turn's text, left open (no end of turn, no new turn), and the
+    answer is what the model adds; the same on both APIs. OpenAI's asks for add_generation_prompt false with it."""
+    convo = ASK + [{"role": "assistant", "content": "It is"}]
+    ids = encode_prompt(server.llm.tokenizer, convo, True, add_generation_prompt=False, continue_final=True)
+    assert server.llm.tokenizer.decode(ids).endswith("<|assistant|>It is")
+    counted = server.anthropic.messages.count_tokens(model=MODEL, messages=convo)
+    out = server.anthropic.messages.create(model=MODEL, max_tokens=6, messages=convo, extra_body=GREEDY)
+    assert counted.input_tokens == len(ids) == out.usage.input_tokens + out.usage.cache_read_input_tokens
+    chat = server.client.chat.completions.create(model=MODEL, messages=convo, max_tokens=6, temperature=0,
+                                                 extra_body={"continue_final_message": True,
+                                                             "add_generation_prompt": False})
+    assert chat.usage.prompt_tokens == len(ids) and chat.choices[0].message.content == out.content[0].text
+    plain = server.client.chat.completions.create(model=MODEL, messages=convo, max_tokens=6, temperature=0)
+    assert plain.usage.prompt_tokens != len(ids)  # a closed turn and a new one opened
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={"model": MODEL, "messages": convo, "max_tokens": 2, "continue_final_message": True})
+    assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"]

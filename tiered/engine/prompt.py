@@ -14,7 +14,7 @@ Prompt = str | list[dict] | list[int]
 
 def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, add_generation_prompt: bool = True,
                   add_special_tokens: bool = True, tools: list[dict] | None = None,
-                  template_kwargs: dict | None = None) -> list[int]:
+                  template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
     """Token ids of a prompt: a string, a list of chat messages, or token ids (returned as they are).
 
     Args:
@@ -26,6 +26,8 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, add_gener
         tools: OpenAI-style tool definitions the chat template renders (transformers' `tools`); chat only.
         template_kwargs: more variables for the chat template (Qwen3's `enable_thinking`, gpt-oss's
             `reasoning_effort`); chat only.
+        continue_final: the conversation's last message left open, for the model to continue (transformers'
+            continue_final_message: an assistant's prefill, Anthropic's prefilled answer); no generation prompt.
     Raises:
         ConfigError: text without a tokenizer, chat without a chat template, or a conversation the template
             refuses (its raise_exception: roles out of order, a tool turn without a call, ...).
@@ -42,11 +44,18 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool | None = None, add_gener
         from jinja2 import TemplateError
 
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt and not continue_final,
+                                                 **({"continue_final_message": True} if continue_final else {}),
                                                  **({"tools": tools} if tools else {}), **(template_kwargs or {}))
         except TemplateError as e:  # the template's raise_exception (roles out of order, ...), or its own bug
             raise ConfigError(f"the chat template refused the conversation: {e}",
                               "check the messages' roles and order (and any template variables)") from None
+        except ValueError as e:  # continue_final_message: the template does not write the last message as sent
+            if not continue_final:
+                raise
+            raise ConfigError(f"the last message cannot be continued: {e}",
+                              "send it as it is, or leave continue_final_message out") from None
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 

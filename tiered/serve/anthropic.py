@@ -9,6 +9,8 @@ interleaved thinking render it); `tools` (name, description, input_schema) funct
 tool / none as auto / required / the named function / none, `disable_parallel_tool_use` as parallel_tool_calls
 false; `thinking` enabled / disabled as the chat template's enable_thinking (Qwen3's and GLM-4.5's templates read
 it; left out: the template's default); `stop_sequences` stop strings; `max_tokens` is required, as Anthropic's is.
+A conversation ending with an assistant turn is a prefilled answer: the model continues it (the template's
+continue_final_message), and the answer holds what it added.
 The answer (`message`) holds a thinking block (a reasoning model's reasoning), a text block and a tool_use block
 per call; stop_reason end_turn, max_tokens, stop_sequence (with the string) or tool_use. A stream
 (`message_events`) sends Anthropic's events: message_start, each block's content_block_start, its deltas
@@ -108,13 +110,15 @@ class MessagesRequest(BaseModel):
                       {"auto": "auto", "any": "required", "none": "none"}[c.type])
             parallel = not c.disable_parallel_tool_use
         kwargs = None if self.thinking is None else {"enable_thinking": self.thinking.type != "disabled"}
+        prefill = self.messages[-1].role == "assistant"  # a prefilled answer: the model continues it
         return ChatCompletionRequest(
             model=model, messages=messages, max_tokens=self.max_tokens, temperature=self.temperature,
             top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences, stream=self.stream,
             tools=[{"type": "function", "function": {"name": t.name, "description": t.description,
                                                      "parameters": t.input_schema}} for t in self.tools or []] or None,
             tool_choice=choice if self.tools else None, parallel_tool_calls=parallel, chat_template_kwargs=kwargs,
-            structured_outputs=self.structured_outputs)
+            structured_outputs=self.structured_outputs, add_generation_prompt=not prefill,
+            continue_final_message=prefill)
 
 
 class CountTokensRequest(MessagesRequest):

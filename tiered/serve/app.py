@@ -302,8 +302,9 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         check_prompt_chars(prompt, "messages")
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or []] or None
         try:
-            ids = await run_in_threadpool(encode_prompt, tokenizer(), prompt, True, tools=tools,
-                                          template_kwargs=chat.template_kwargs())
+            ids = await run_in_threadpool(encode_prompt, tokenizer(), prompt, True, chat.add_generation_prompt,
+                                          tools=tools, template_kwargs=chat.template_kwargs(),
+                                          continue_final=chat.continue_final_message)
         except TieredError as e:
             raise APIError(400, e.message + (f" ({e.hint})" if e.hint else "")) from e
         return {"input_tokens": len(ids)}
@@ -442,13 +443,16 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                 "model_max_length": engine.llm.max_context, "add_bos_token": getattr(tok, "add_bos_token", None)}
 
     def submit(prompts: list, params, chat: bool, loop, n: int, tools: ToolPlan | None,
-               template_kwargs: dict | None, stream: bool) -> list[Handle]:
+               template_kwargs: dict | None, stream: bool, body=None) -> list[Handle]:
         """engine.submit of a request's prompts (on a worker thread: encoding takes a while); a chat with
-        tools or template variables is encoded here with them (the chat template renders them), and submitted as
-        a chat's token ids."""
-        if chat and ((tools is not None and tools.tools) or template_kwargs):
-            prompts = [encode_prompt(engine.llm.tokenizer, prompts[0], True, tools=tools.tools if tools else None,
-                                     template_kwargs=template_kwargs)]
+        tools or template variables, or whose prompt is not the usual one (a chat `body` without the generation
+        prompt, or continuing its last message), is encoded here (the chat template renders them), and submitted
+        as a chat's token ids."""
+        plain = getattr(body, "plain_prompt", True)
+        if chat and ((tools is not None and tools.tools) or template_kwargs or not plain):
+            prompts = [encode_prompt(engine.llm.tokenizer, prompts[0], True, body is None or body.add_generation_prompt,
+                                     tools=tools.tools if tools else None, template_kwargs=template_kwargs,
+                                     continue_final=getattr(body, "continue_final_message", False))]
         return engine.submit(prompts, params, chat, loop, n, stream)
 
     async def _generate(request: Request, body, prompts: list, chat: bool, default_max_tokens: int, kind: str,
@@ -482,7 +486,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             params = body.sampling(default_max_tokens, sampling_defaults, engine.llm.tokenizer)
             # encoding a long prompt takes a while: on a worker thread, not the event loop's
             handles = await run_in_threadpool(submit, prompts, params, chat, asyncio.get_running_loop(), body.n, tools,
-                                              template_kwargs, body.stream)
+                                              template_kwargs, body.stream, body if chat else None)
         except QueueFullError as e:
             raise APIError(503, e.message, "server_error", "queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e

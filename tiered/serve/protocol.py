@@ -343,6 +343,9 @@ class ChatCompletionRequest(_Generation):
         None, description="OpenAI's: the chat template's reasoning_effort (gpt-oss's templates read it)")
     include_reasoning: bool = Field(True, description="vLLM's: false leaves a reasoning model's reasoning (content) "
                                     "out of the answer (it is still told apart from the content)")
+    add_generation_prompt: bool = Field(True, description="vLLM's: end the prompt with the assistant's turn opening")
+    continue_final_message: bool = Field(False, description="vLLM's: the last message (an assistant's prefill) left "
+                                         "open for the answer to continue; needs add_generation_prompt false")
     # accepted only at its neutral value (_neutral_only): the deprecated form of tools
     functions: list[Any] | None = None
     _no_functions = _neutral_only("functions", neutral="[] or null")
@@ -351,7 +354,15 @@ class ChatCompletionRequest(_Generation):
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false (the last message is "
+                             "continued, no new turn opened)")
         return self
+
+    @property
+    def plain_prompt(self) -> bool:
+        """Whether the prompt is the template's usual one (a new assistant turn opened after the messages)."""
+        return self.add_generation_prompt and not self.continue_final_message
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
