@@ -36,7 +36,7 @@ from tiered.engine.prompt import encode_prompt
 from tiered.engine.reasoning import ReasoningStream
 from tiered.engine.sequence import RequestOutput
 from tiered.errors import ContextLengthError, TieredError
-from tiered.serve import anthropic
+from tiered.serve import anthropic, responses
 from tiered.serve.engine import Handle, QueueFullError, ServerShuttingDownError, ServingEngine
 from tiered.serve.metrics import ServerMetrics, tier_state
 from tiered.serve.protocol import (ChatCompletionRequest, CompletionLogprobs, CompletionRequest, DetokenizeRequest,
@@ -323,15 +323,18 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         except TieredError as e:
             raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""), param="tool_choice") from None
 
-    async def _message_events(handle: Handle, mid: str, tools: ToolPlan):
-        """_message_event_texts without empty pieces (an empty body chunk may read as the end of a chunked body)."""
-        pieces = _message_event_texts(handle, mid, tools)
+    async def _nonempty(pieces):
+        """The pieces of an event stream without empty ones (an empty body chunk may read as the end of a chunked
+        body); closing it closes `pieces`, whose own finally cancels its request (the client went away)."""
         try:
             async for piece in pieces:
                 if piece:
                     yield piece
         finally:
-            await pieces.aclose()  # its own finally cancels the request (the client went away mid-stream)
+            await pieces.aclose()
+
+    def _message_events(handle: Handle, mid: str, tools: ToolPlan):
+        return _nonempty(_message_event_texts(handle, mid, tools))
 
     async def _message_event_texts(handle: Handle, mid: str, tools: ToolPlan):
         """Anthropic's event stream of one answer (anthropic.MessageStream): its reasoning as a thinking block,
@@ -384,6 +387,124 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                                                                                  out.stats.cached_tokens,
                                                                                  len(out.token_ids))})
                 yield anthropic.event("message_stop", {})
+                return
+        finally:
+            engine.cancel(handle)  # the client went away mid-stream (a no-op when it finished)
+
+    kept = responses.ResponseStore()
+
+    @app.post("/v1/responses", dependencies=[Depends(check_key)])
+    async def create_response(body: responses.ResponsesRequest, request: Request):
+        """OpenAI's Responses API (serve/responses.py) through the chat template."""
+        history = []
+        if body.previous_response_id is not None:
+            found = kept.get(body.previous_response_id)
+            if found is None:
+                raise APIError(400, f"previous response {body.previous_response_id!r} is not kept here (the last "
+                               f"{kept.most} stored responses are, in memory): send the whole conversation as input",
+                               param="previous_response_id")
+            history = found[1]
+        try:
+            conversation = history + body.input_messages()
+            chat = body.chat_request(model_name, conversation)
+            tools = chat.tool_plan(engine.llm.tokenizer)
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise APIError(400, f"{'.'.join(str(p) for p in first.get('loc', ()))}: {first.get('msg')}") from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except TieredError as e:
+            raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""), param="tool_choice") from None
+        handles = await _start(chat, [[m.as_dict() for m in chat.messages]], True, engine.llm.max_context, tools,
+                               chat.template_kwargs())
+        rid, created = responses.new_id("resp"), int(time.time())
+        if body.stream:
+            return StreamingResponse(_nonempty(_response_events(handles[0], rid, created, body, tools, conversation)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        outs = await _collect(request, handles)
+        if outs is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        out = outs[0]
+        thought, content, calls = answer(out, tools)
+        finished = out.finish_reason != "length" or bool(calls)
+        obj = responses.response_object(rid, created, model_name, body, "completed" if finished else "incomplete",
+                                        responses.output_items(thought, content, calls, finished), out)
+        if body.store:
+            kept.put(obj, conversation + [responses.answer_message(thought, content, calls)])
+        return obj
+
+    @app.get("/v1/responses/{rid}", dependencies=[Depends(check_key)])
+    async def get_response(rid: str) -> dict:
+        """A stored response (404 where it is not kept)."""
+        found = kept.get(rid)
+        if found is None:
+            raise APIError(404, f"no response {rid!r} is kept here", code="not_found", param="response_id")
+        return found[0]
+
+    @app.delete("/v1/responses/{rid}", dependencies=[Depends(check_key)])
+    async def delete_response(rid: str) -> dict:
+        """Forget a stored response (404 where it is not kept)."""
+        if not kept.delete(rid):
+            raise APIError(404, f"no response {rid!r} is kept here", code="not_found", param="response_id")
+        return {"id": rid, "object": "response.deleted", "deleted": True}
+
+    async def _response_events(handle: Handle, rid: str, created: int, body: responses.ResponsesRequest,
+                               tools: ToolPlan, conversation: list[dict]):
+        """The Responses API's event stream of one answer (responses.ResponseStream): its reasoning as a reasoning
+        item, its text as a message item (with tools, the text from where a call may begin held back), its calls as
+        function_call items at the end, then response.completed (or incomplete) with the whole Response."""
+        seq = handle.seq
+        st = responses.ResponseStream()
+        thinking = ReasoningStream(seq.reasoning_format, seq.thinking_opened) if reasoning and seq.reasoning_format \
+            else None
+        held = tools.calls
+        text, sent, thoughts = "", 0, ""
+        try:
+            start = responses.response_object(rid, created, model_name, body)
+            yield st.event("response.created", {"response": start})
+            yield st.event("response.in_progress", {"response": start})
+            while True:
+                ev = await handle.events.get()
+                if isinstance(ev, Exception):
+                    err = (_shutting_down() if isinstance(ev, ServerShuttingDownError) else
+                           APIError(500, f"generation failed: {ev}", "server_error"))
+                    yield st.event("error", {"code": err.code or err.type, "message": err.message, "param": None})
+                    failed = responses.response_object(rid, created, model_name, body, "failed", st.items)
+                    failed["error"] = {"code": "server_error", "message": err.message}
+                    yield st.event("response.failed", {"response": failed})
+                    return
+                delta, out, _ = ev
+                harmony = []
+                if thinking is not None:
+                    thought, delta = thinking.feed(delta)
+                    if out is not None:
+                        more, rest, harmony = thinking.finish()
+                        thought, delta = thought + more, delta + rest
+                    thoughts += thought
+                    yield st.reasoning(thought)
+                text += delta
+                if out is None:
+                    upto = len(text) - tools.held(text) if held else len(text)
+                    yield st.text(text[sent:upto])
+                    sent = max(sent, upto)
+                    continue
+                calls = [tool_call(name, args) for name, args in harmony]
+                upto = len(text)
+                if held and not calls:
+                    full = out.content if thinking is not None else out.text
+                    calls = tools.parse(full, out.finish_reason)[1]
+                    text, upto = full, tools.content_end(full) if calls else len(full)
+                yield st.text(text[sent:upto])
+                finished = out.finish_reason != "length" or bool(calls)
+                yield st.close("completed" if finished else "incomplete")
+                for call in calls:
+                    yield st.call(call)
+                status = "completed" if finished else "incomplete"
+                obj = responses.response_object(rid, created, model_name, body, status, st.items, out)
+                if body.store:
+                    kept.put(obj, conversation + [responses.answer_message(thoughts or None,
+                                                                           text[:upto].strip() or None, calls)])
+                yield st.event(f"response.{status}", {"response": obj})
                 return
         finally:
             engine.cancel(handle)  # the client went away mid-stream (a no-op when it finished)
