@@ -82,9 +82,11 @@ def test_function_calls_and_their_outputs(server):
 
 
 def test_previous_response_id_goes_on_from_a_kept_response(server):
-    """previous_response_id: the kept response's conversation (its input and answer) comes before the new input, as
-    if sent whole; GET returns a kept response, DELETE forgets it; store false keeps none; an unknown id is a 400."""
-    first = server.client.responses.create(model=MODEL, input=ASK[0]["content"], max_output_tokens=5, temperature=0)
+    """previous_response_id: the kept response's conversation (its input and answer, not its instructions, as
+    OpenAI's) comes before the new input, as if sent whole; GET returns a kept response, DELETE forgets it; store
+    false keeps none; an unknown id is a 400."""
+    first = server.client.responses.create(model=MODEL, input=ASK[0]["content"], max_output_tokens=5, temperature=0,
+                                           instructions="be brief")
     second = server.client.responses.create(model=MODEL, input="and tomorrow?", previous_response_id=first.id,
                                             max_output_tokens=5, temperature=0)
     whole = ASK + [{"role": "assistant", "content": first.output_text}, {"role": "user", "content": "and tomorrow?"}]

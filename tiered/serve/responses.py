@@ -106,8 +106,9 @@ class ResponsesRequest(BaseModel):
             response_format = {"type": fmt["type"]} if fmt.get("type") else None
         else:
             raise ValueError(f"text.format: text, json_object or json_schema, got {fmt.get('type')!r}")
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         return ChatCompletionRequest(
-            model=model, messages=messages, max_tokens=self.max_output_tokens,
+            model=model, messages=system + messages, max_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p, stream=self.stream, tools=funcs or None,
             tool_choice=choice if funcs else None, parallel_tool_calls=self.parallel_tool_calls,
             response_format=response_format,
@@ -115,9 +116,11 @@ class ResponsesRequest(BaseModel):
             chat_template_kwargs={"enable_thinking": False} if effort == "none" else None)
 
     def input_messages(self) -> list[dict]:
-        """The chat messages of `instructions` and `input` (function calls joined to the assistant turn before
-        them, or a turn of their own; an earlier reasoning item kept for the next assistant turn)."""
-        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        """The chat messages of `input` (function calls joined to the assistant turn before them, or a turn of their
+        own; an earlier reasoning item kept for the next assistant turn). `instructions` are not among them: they
+        come first, and a response that goes on from this one (previous_response_id) does not inherit them, as
+        OpenAI's does not."""
+        out = []
         if isinstance(self.input, str):
             return out + [{"role": "user", "content": self.input}]
         thought = None
