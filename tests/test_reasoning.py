@@ -289,6 +289,25 @@ def test_anthropic_messages_answer_the_reasoning_as_a_thinking_block(zoo, chat_l
             msg["usage"]["input_tokens"] + msg["usage"]["cache_read_input_tokens"]
 
 
+def test_llm_chat_continues_a_prefilled_answer(zoo, chat_llama):
+    """LLM.chat(continue_final_message=True, add_generation_prompt=False) (vLLM's): the prompt ends with the last
+    message's text, left open, and the answer continues it (the prompt's tokens those encode_prompt gives); asked
+    with a generation prompt too, a ConfigError."""
+    from tiered.engine.prompt import encode_prompt
+    from tiered.errors import ConfigError
+
+    llm = zoo.llm(chat_llama)
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there"}]
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    out = llm.chat(convo, greedy, add_generation_prompt=False, continue_final_message=True)[0]
+    ids = encode_prompt(llm.tokenizer, convo, True, False, continue_final=True)
+    assert out.prompt_token_ids == ids and llm.tokenizer.decode(ids).rstrip().endswith("Hello there")
+    assert len(ids) < len(encode_prompt(llm.tokenizer, convo, True))  # no end of turn, no new one
+    assert out.token_ids == llm.generate([ids], greedy, chat=True)[0].token_ids
+    with pytest.raises(ConfigError, match="add_generation_prompt"):
+        llm.chat(convo, greedy, continue_final_message=True)
+
+
 def test_generation_config_adds_end_of_sequence_ids(zoo, tmp_path):
     """generation_config.json's eos_token_id (transformers' generate stops at them: Llama 3.1's <|eot_id|>, gpt-oss's
     <|call|>) joins config.json's; an unreadable file adds none."""

@@ -412,10 +412,13 @@ class LLM:
 
     def chat(self, messages: list[dict] | Seq[list[dict]], params: SamplingParams | None = None, *,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-             on_text: Callable[[int, str], None] | None = None) -> list[RequestOutput]:
+             on_text: Callable[[int, str], None] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Answer one conversation or several (vLLM's `LLM.chat`): each message list through the chat template with
         `tools` (OpenAI-style function definitions the template renders) and `chat_template_kwargs` (the template's
         own variables: Qwen3's `enable_thinking`, DeepSeek-V3.1's `thinking`, gpt-oss's `reasoning_effort`).
+        `continue_final_message` leaves the last message (an assistant's prefill) open for the answer to continue,
+        without a new turn (vLLM's; then add_generation_prompt must be False).
 
         Each output's `reasoning` / `content` are split as a chat's are (engine/reasoning.py); with `tools`, the
         calls the model wrote in the format its template teaches (engine/tools.py, tool_choice "auto": Hermes, GLM,
@@ -428,8 +431,12 @@ class LLM:
         """
         from tiered.engine.tools import ToolPlan
 
+        if continue_final_message and add_generation_prompt:
+            raise ConfigError("continue_final_message needs add_generation_prompt=False",
+                              "the last message is continued: no new turn is opened")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        ids = [encode_prompt(self.tokenizer, conv, True, tools=tools, template_kwargs=chat_template_kwargs)
+        ids = [encode_prompt(self.tokenizer, conv, True, add_generation_prompt, tools=tools,
+                             template_kwargs=chat_template_kwargs, continue_final=continue_final_message)
                for conv in conversations]
         outputs = self.generate(ids, params, chat=True, on_text=on_text)
         plan = ToolPlan.of(tools, "auto", True, self.tokenizer) if tools else None
