@@ -125,6 +125,14 @@ def test_tool_use_and_tool_result_blocks_are_the_chats_calls_and_answers(server)
     assert out.usage.input_tokens + out.usage.cache_read_input_tokens == len(ids) and out.content[0].type == "text"
 
 
+def test_anthropics_client_lists_the_served_model(server):
+    """GET /v1/models answers Anthropic's client too (its paging and display fields beside OpenAI's)."""
+    (model,) = server.anthropic.models.list().data
+    assert model.id == MODEL and model.display_name == MODEL and model.type == "model"
+    assert server.anthropic.models.retrieve(MODEL).id == MODEL
+    assert [m.id for m in server.client.models.list()] == [MODEL]
+
+
 def test_errors_take_anthropics_shape_and_the_key_its_header(server):
     """A wrong x-api-key is a 401 authentication_error; Authorization: Bearer works as on /v1/*; a body without
     max_tokens, an image block or a server tool is a 400 invalid_request_error naming what is wrong, in

@@ -246,12 +246,16 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         """The chat page with the live view of the tiers (plain HTML and JS, tiered/serve/static)."""
         return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 
-    model_object = {"id": model_name, "object": "model", "created": created, "owned_by": "tiered"}
+    # OpenAI's model object and Anthropic's fields beside (type, display_name, created_at): both SDKs read it
+    model_object = {"id": model_name, "object": "model", "created": created, "owned_by": "tiered", "type": "model",
+                    "display_name": model_name,
+                    "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))}
 
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models() -> dict:
-        """The one model this server serves."""
-        return {"object": "list", "data": [model_object]}
+        """The one model this server serves (OpenAI's list, with Anthropic's paging fields)."""
+        return {"object": "list", "data": [model_object], "has_more": False, "first_id": model_name,
+                "last_id": model_name}
 
     @app.get("/v1/models/{model:path}", dependencies=[Depends(check_key)])
     async def model_info(model: str) -> dict:
