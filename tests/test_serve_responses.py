@@ -105,16 +105,21 @@ def test_previous_response_id_goes_on_from_a_kept_response(server):
 
 
 def test_what_the_responses_api_refuses(server):
-    """Items and tools this server cannot run are 400s naming them: an image part, a built-in tool; text.format
-    json_schema constrains the output to the schema."""
+    """Items and tools this server cannot take are 400s naming them: an image part, a custom (freeform) tool; a
+    built-in tool is left out of the prompt; text.format json_schema constrains the output to the schema."""
     url = server.url + "/v1/responses"
     head = {"Authorization": f"Bearer {KEY}"}
     cases = [({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
               "'input_image'"),
-             ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools")]
+             ({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch"}]}, "only function tools")]
     for body, words in cases:
         r = httpx.post(url, headers=head, json={"model": MODEL, "max_output_tokens": 2, **body}, timeout=60)
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    # a built-in tool (an agent lists web_search on every request) is left out of what the model sees, not refused
+    plain = server.client.responses.create(model=MODEL, input="hi", max_output_tokens=3, temperature=0)
+    built_in = server.client.responses.create(model=MODEL, input="hi", max_output_tokens=3, temperature=0,
+                                              tools=[{"type": "web_search"}])
+    assert built_in.output_text == plain.output_text and built_in.usage.input_tokens == plain.usage.input_tokens
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
               "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
     out = server.client.responses.create(model=MODEL, input="a city?", max_output_tokens=30, temperature=0,

@@ -6,7 +6,8 @@ A request becomes a chat completion (`ResponsesRequest.chat_request`): `instruct
 text (one user turn) or a list of items: messages (user / system / developer / assistant, their content a text or
 input_text / output_text parts), `function_call` items (an assistant's calls) and `function_call_output` items
 (tool turns), earlier `reasoning` items (the next assistant turn's reasoning, which templates that keep
-interleaved thinking render); `tools` (type function) and `tool_choice`; `parallel_tool_calls`;
+interleaved thinking render); `tools` (type function; OpenAI's built-in ones, BUILT_IN_TOOLS, are left out of
+what the model sees: nothing here runs them) and `tool_choice`; `parallel_tool_calls`;
 `max_output_tokens`; `temperature` / `top_p`; `reasoning.effort` (the chat template's reasoning_effort, "none"
 its enable_thinking false); `text.format` (json_object or json_schema: structured outputs). With
 `previous_response_id` the conversation of that response (its input and output, kept in memory for the last
@@ -34,6 +35,10 @@ from pydantic import BaseModel, Field
 from tiered.serve.protocol import ChatCompletionRequest
 
 RESPONSES_KEPT = 256  # stored responses the server keeps for previous_response_id (the oldest dropped first)
+# OpenAI's built-in tools, which its servers run (an agent such as Codex lists web_search with its functions on every
+# request): nothing here runs them, so the model is not shown them (a request listing one is not refused for it)
+BUILT_IN_TOOLS = frozenset({"web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
+                            "computer_use_preview", "local_shell", "mcp"})
 
 
 class FunctionTool(BaseModel):
@@ -85,9 +90,11 @@ class ResponsesRequest(BaseModel):
         server cannot take."""
         funcs = []
         for k, t in enumerate(self.tools or []):
+            if t.type in BUILT_IN_TOOLS:
+                continue
             if t.type != "function" or not t.name:
                 raise ValueError(f"tools.{k}: only function tools (type function, with a name) are run here, got "
-                                 f"{t.type!r}")
+                                 f"{t.type!r} (OpenAI's built-in tools are left out of what the model sees)")
             funcs.append({"type": "function", "function": {"name": t.name, "description": t.description,
                                                            "parameters": t.parameters or {"type": "object"}}})
         choice = self.tool_choice
