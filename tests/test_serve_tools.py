@@ -51,6 +51,17 @@ GLM_TEMPLATE = (
     "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
+# Qwen3-Coder's call format (its template, shortened): <function=NAME> and a <parameter=KEY> block per argument inside
+# <tool_call>, strings as they are and other values as JSON
+XML_TEMPLATE = (
+    "{% if tools %}<|system|>You may call: {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n<function={{ c.function.name }}>\n"
+    "{% for k, v in c.function.arguments.items() %}<parameter={{ k }}>\n{{ v if v is string else v | tojson }}\n"
+    "</parameter>\n{% endfor %}</function>\n</tool_call>{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
 @contextlib.contextmanager
 def _server(zoo, chat_llama, tmp_path_factory, template: str):
     d = tmp_path_factory.mktemp("tools") / "llama-tools"
@@ -180,6 +191,32 @@ def test_auto_parses_glm_calls(zoo, chat_llama, tmp_path_factory):
         assert [json.loads(c.function.arguments) for c in calls] == [args]
 
 
+def test_auto_parses_qwen3_coder_calls(zoo, chat_llama, tmp_path_factory):
+    """On a Qwen3-Coder-style template (<function=NAME> / <parameter=KEY> inside <tool_call>), "auto" parses its calls:
+    a string parameter's value as written (its newlines inside kept, the ones around it not), an integer's as JSON;
+    streamed the same; an earlier call in the conversation renders back in that format."""
+    steer = {"structured_outputs": {"regex": r"Ok\.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+                                             r"(Paris|Oslo)\n</parameter>\n<parameter=days>\n[1-7]\n</parameter>\n"
+                                             r"</function>\n</tool_call>"}}
+    with _server(zoo, chat_llama, tmp_path_factory, XML_TEMPLATE) as coder:
+        out = coder.client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0,
+                                                   max_tokens=200, extra_body=steer).choices[0]
+        assert out.finish_reason == "tool_calls" and out.message.content == "Ok.", out
+        args = json.loads(out.message.tool_calls[0].function.arguments)
+        assert out.message.tool_calls[0].function.name == "get_weather"
+        assert args["city"] in ("Paris", "Oslo") and isinstance(args["days"], int)
+        calls = [c for chunk in coder.client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=200, stream=True, extra_body=steer)
+            for c in chunk.choices[0].delta.tool_calls or []]
+        assert [json.loads(c.function.arguments) for c in calls] == [args]
+        history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}]}]
+        ids = encode_prompt(coder.llm.tokenizer, [dict(m) for m in history[:1]] + [{
+            "role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": args}}]}], True, tools=[WEATHER])
+        assert f"<parameter=city>\n{args['city']}\n</parameter>" in coder.llm.tokenizer.decode(ids)
+
+
 def test_a_conversation_with_calls_and_their_answers(server):
     """An assistant turn carrying tool_calls (arguments as JSON text) and the tool's answer are rendered by the
     template with the arguments as an object, as transformers' templates read them."""
@@ -246,6 +283,19 @@ def test_tool_plan_parsing():
     assert glm.format == "glm" and content == "<think>hm</think>Checking."
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Lima", "days": 3}, {"text": "42"}]
     assert glm.parse("<tool_call>get_weather stray text</tool_call>", "stop")[1] == []
+    # Qwen3-Coder: <function=NAME>, then <parameter=KEY> blocks; a string keeps its text and inner newlines
+    coder = ToolPlan.of([WEATHER, {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}}}}], None, True,
+        SimpleNamespace(chat_template="<tool_call>\n<function={{ name }}>\n<parameter={{ k }}>"))
+    content, calls = coder.parse("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nLima\n"
+                                 "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n"
+                                 "<tool_call>\n<function=note>\n<parameter=text>\n42\nmore\n</parameter>\n</function>"
+                                 "\n</tool_call>", "stop")
+    assert coder.format == "xml" and content == "Checking."
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Lima", "days": 3},
+                                                                       {"text": "42\nmore"}]
+    assert coder.parse("<tool_call>\n<function=get_weather>\nstray\n</function>\n</tool_call>", "stop")[1] == []
+    assert coder.held("Sure <tool_c") == len("<tool_c") and coder.content_end("Hi <tool_call>") == 3
     # Mistral: [TOOL_CALLS] then a list of calls with "arguments" (the marker dropped where the text skips it)
     mistral = ToolPlan.of([TIME], None, True, SimpleNamespace(chat_template="... [TOOL_CALLS] ..."))
     for text in ('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}}]',

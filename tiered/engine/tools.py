@@ -12,7 +12,8 @@ them as the model was trained to read them). What the model writes becomes `tool
 - "auto" (the default with tools): unconstrained; calls are parsed out of the text in the format the chat
   template teaches (`call_format`): Hermes (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`:
   Qwen2.5 / Qwen3 / Qwen3-MoE, Hermes, SmolLM3), GLM-4.5 / 4.6's tags (`<tool_call>NAME<arg_key>k</arg_key>
-  <arg_value>v</arg_value>...</tool_call>`, strings as they are, other values as JSON), or a bare JSON answer
+  <arg_value>v</arg_value>...</tool_call>`, strings as they are, other values as JSON), Qwen3-Coder's XML
+  (`<tool_call><function=NAME><parameter=k>v</parameter>...</function></tool_call>`, typed the same way), or a bare JSON answer
   (Llama 3.1-3.3's `{"name": ...,
   "parameters": {...}}`, several joined by ";", after `<|python_tag|>` where it is kept; Mistral's
   `[TOOL_CALLS] [{"name": ..., "arguments": ...}]`), or DeepSeek's (`<｜tool▁calls▁begin｜>` then per call
@@ -52,6 +53,10 @@ def call_id() -> str:
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a function's name (protocol.ToolFunction's pattern)
 _GLM_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+# Qwen3-Coder's call body: <function=NAME> then <parameter=KEY>VALUE</parameter> each (VALUE between newlines)
+XML_FUNCTION = "<function="
+_XML_CALL = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 # the leading markers of a bare-JSON answer (Llama 3's <|python_tag|>, Mistral's [TOOL_CALLS]) where the text keeps
 # them (they are special tokens: a detokenizer that skips those drops them)
 JSON_MARKERS = ("<|python_tag|>", "[TOOL_CALLS]")
@@ -59,7 +64,8 @@ JSON_MARKERS = ("<|python_tag|>", "[TOOL_CALLS]")
 
 def call_format(tokenizer) -> str | None:
     """The call format the model's chat template teaches: "deepseek" (`<｜tool▁calls▁begin｜>`), "glm" (`<tool_call>`
-    with `<arg_key>` / `<arg_value>` pairs), "hermes" (it writes the `<tool_call>` tag), "json"
+    with `<arg_key>` / `<arg_value>` pairs), "xml" (`<tool_call>` with `<function=NAME>` and `<parameter=KEY>`:
+    Qwen3-Coder's), "hermes" (it writes the `<tool_call>` tag), "json"
     (Llama 3's "Respond in the format {"name": function name, "parameters": ...}", Mistral's [TOOL_CALLS]),
     or None (no calls parsed)."""
     template = str(getattr(tokenizer, "chat_template", None) or "")
@@ -67,6 +73,8 @@ def call_format(tokenizer) -> str | None:
         return "deepseek"
     if OPEN in template and "<arg_key>" in template:
         return "glm"
+    if OPEN in template and XML_FUNCTION in template:
+        return "xml"
     if OPEN in template:
         return "hermes"
     if '"parameters": dictionary of argument name' in template or "[TOOL_CALLS]" in template:
@@ -88,7 +96,8 @@ class ToolPlan:
         tools: the request's tools, as OpenAI sends them ({"type": "function", "function": {...}}).
         name: the named function ("named" mode).
         parallel: more than one call allowed ("required" mode).
-        format: the call format "auto" parses ("hermes", "glm", "deepseek" or "json", `call_format`; None: none).
+        format: the call format "auto" parses ("hermes", "glm", "xml", "deepseek" or "json", `call_format`; None:
+            none).
         harmony: the template is gpt-oss's harmony (its calls are messages of their own: `structured`).
     """
 
@@ -166,6 +175,8 @@ class ToolPlan:
             try:
                 if self.format == "glm":
                     calls.append(self._glm_call(body))
+                elif self.format == "xml":
+                    calls.append(self._xml_call(body))
                 else:
                     obj = json.loads(body)
                     calls.append(tool_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
@@ -181,6 +192,32 @@ class ToolPlan:
             return out.content or None, [tool_call(name, args) for name, args in out.tool_calls]
         return self.parse(out.content, out.finish_reason)
 
+    def _typed(self, name: str, key: str, value: str):
+        """A parameter written as text, typed by the tool's schema: as written where it says string (or the tool has
+        no such property and it is not JSON), else its JSON (the text where it is not JSON)."""
+        tool = next((t for t in self.tools if t["function"]["name"] == name), None)
+        if (_parameters(tool).get("properties", {}) if tool else {}).get(key, {}).get("type") == "string":
+            return value
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+
+    def _xml_call(self, body: str) -> dict:
+        """A Qwen3-Coder call's body: `<function=NAME>`, its `<parameter=KEY>` values (typed as `_typed` says), then
+        `</function>`.
+
+        Raises:
+            ValueError: no function or a name that is not one (ToolFunction's pattern), or text beside its parts."""
+        m = _XML_CALL.fullmatch(body)
+        if m is None or not _NAME.fullmatch(m.group(1).strip()):
+            raise ValueError("not a Qwen3-Coder tool call")
+        name, params = m.group(1).strip(), m.group(2)
+        args = {k.strip(): self._typed(name, k.strip(), v) for k, v in _XML_PARAM.findall(params)}
+        if _XML_PARAM.sub("", params).strip():
+            raise ValueError("text beside a Qwen3-Coder call's parameters")
+        return tool_call(name, args)
+
     def _glm_call(self, body: str) -> dict:
         """A GLM-4.5 call's body: its function's name, then <arg_key> / <arg_value> pairs; a value is the text
         where the tool's schema says string (or has no such property and it is not JSON), else its JSON.
@@ -189,18 +226,10 @@ class ToolPlan:
             ValueError: no function name (ToolFunction's pattern), or text between the pairs."""
         name, _, pairs = body.partition("<arg_key>")
         name, pairs = name.strip(), "<arg_key>" + pairs if pairs else ""
-        tool = next((t for t in self.tools if t["function"]["name"] == name), None)
-        props = _parameters(tool).get("properties", {}) if tool else {}
         args, rest = {}, pairs
         for m in _GLM_PAIR.finditer(pairs):
-            key, value = m.group(1).strip(), m.group(2)
-            if props.get(key, {}).get("type") == "string":
-                args[key] = value
-            else:
-                try:
-                    args[key] = json.loads(value)
-                except ValueError:
-                    args[key] = value
+            key = m.group(1).strip()
+            args[key] = self._typed(name, key, m.group(2))
             rest = rest.replace(m.group(0), "", 1)
         if not _NAME.fullmatch(name) or rest.strip():
             raise ValueError("not a GLM tool call")
@@ -209,7 +238,7 @@ class ToolPlan:
     @property
     def opening(self) -> str | None:
         """The tag that opens the calls in the text ("auto" of a tagged format), None for bare-JSON calls."""
-        return {"hermes": OPEN, "glm": OPEN, "deepseek": DS_CALLS}.get(self.format)
+        return {"hermes": OPEN, "glm": OPEN, "xml": OPEN, "deepseek": DS_CALLS}.get(self.format)
 
     def content_end(self, text: str) -> int:
         """Where the text before a choice's calls ends in its `text` (which `parse` found calls in): the first
