@@ -321,3 +321,40 @@ def test_structured_output_flags(runner, zoo, tmp_path):
     _bad(runner, ["run", "hi", "-m", model, "--choice", "a", "--regex", "b"], "--regex and --choice")
     _bad(runner, ["run", "hi", "-m", model, "--regex", "(ab"], "unclosed group")
     _bad(runner, ["run", "hi", "-m", model, "--regex", "a+", "--beams", "2"], "beam search")
+
+
+def test_a_budget_short_of_the_models_window_takes_the_largest_that_fits(zoo, tmp_path):
+    """No --max-context and a budget that cannot hold the KV cache of the model's positions: the engine halves the
+    window down to the largest whose plan fits (LLM._fitted_context: here 8192 of 65536), says so in the plan and on
+    `tiered run`'s stderr, and runs within it (a longer prompt is refused as over the window); a window given
+    explicitly, or a budget that holds not even FIT_CONTEXT_FLOOR's, is refused as before."""
+    import shutil
+
+    from tiered import LLM, EngineConfig, SamplingParams
+    from tiered.engine.llm import FIT_CONTEXT_FLOOR
+    from tiered.errors import BudgetError, ContextLengthError
+
+    d = tmp_path / "long"
+    shutil.copytree(zoo.dir("llama"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 65536}))
+    base = dict(accelerator="none", decode_weights="fp32")
+    fits = LLM.planned(d, EngineConfig(max_context=8192, **base))[0].memory["cpu"]
+    budget = int(fits * 1.01)  # room for 8192 positions, not for 16384
+    llm = LLM(d, EngineConfig(cpu_memory=budget, **base))
+    try:
+        assert llm.max_context == 8192 and llm.plan.context_tokens == 8192
+        assert any("context window is 8192 tokens" in n for n in llm.plan.notes)
+        assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))[0].token_ids) == 3
+        with pytest.raises(ContextLengthError):
+            llm.generate([[5] * 8192], SamplingParams(max_tokens=1))
+    finally:
+        llm.close()
+    with pytest.raises(BudgetError):
+        LLM(d, EngineConfig(cpu_memory=budget, max_context=65536, **base))
+    tight = LLM.planned(d, EngineConfig(max_context=FIT_CONTEXT_FLOOR, **base))[0].memory["cpu"]
+    with pytest.raises(BudgetError):
+        LLM(d, EngineConfig(cpu_memory=tight // 2, **base))
+    res = CliRunner().invoke(app, ["run", "5 6 7", "--model", str(d), "-n", "2", "--decode-weights", "fp32",
+                                   "--cpu-mem", str(budget)])
+    assert res.exit_code == 0 and "the context window is 8192 tokens" in res.output, res.output

@@ -337,6 +337,9 @@ def _setting_notes(llm, config) -> None:
     if config.max_context is not None and config.max_context > llm.max_context:
         notes.append(f"--max-context {config.max_context} is beyond the model's {llm.max_context} positions: "
                      f"using {llm.max_context}")
+    if config.max_context is None and llm.max_context < llm.config.max_position_embeddings:
+        notes.append(f"the budget holds no KV cache of the model's {llm.config.max_position_embeddings} positions: "
+                     f"the context window is {llm.max_context} tokens (--max-context sets it)")
     for note in notes:
         typer.echo(f"note: {note}", err=True)
 
@@ -526,6 +529,7 @@ def serve(
             raise typer.BadParameter(f"--allowed-origin takes scheme://host[:port] or '*', not {origin!r}")
     batch = serve_batch(engine_opts["accelerator"], max_batch)  # 0 without a GPU: the plan picks it
     llm = LLM(model, _engine_config(engine_opts, **batch), progress=True)
+    _setting_notes(llm, llm.engine_config)
     _freeze_heap()
     max_batch = llm.plan.kv_slots if batch.get("goal") == "throughput" else batch["max_batch"]
     engine = ServingEngine(llm, max_batch=max_batch, max_queue=max_queue, prefix_reuse=prefix_reuse)

@@ -86,6 +86,10 @@ def dense_weights(model: torch.nn.Module):
             m.threshold = t
 
 
+# the smallest context window LLM picks by itself where the budget cannot hold the model's own (LLM._fitted_context)
+FIT_CONTEXT_FLOOR = 4096
+
+
 class LLM:
     """A model loaded for generation and scoring.
 
@@ -188,13 +192,18 @@ class LLM:
         blocks = decode != "none" and self.checkpoint.has(embed) and self.checkpoint.handle(embed).is_quantized
         experts = self._experts_format(weights, decode)
         with _transient_notes(progress) as say:  # "measuring a quick profile ...", while it runs
-            plan, profile, self._plan_args = engine_plan(
-                cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name, max_context=self.max_context,
-                weights_format=weights, decode_format=decode, decode_precision=precision, head_precision=head,
-                embedding_bytes=self.checkpoint.handle(embed).nbytes if blocks else None,
-                popularity=popularity, progress=say, experts_format=experts,
-                decode_mix=decode_mix(self.checkpoint, decode) if decode != "none" else None,
-                disk_reads=self._disk_reads(experts or weights, say))
+            def make(context: int):
+                return engine_plan(
+                    cfg, ec, self.accelerator, model_name=Path(self.checkpoint.path).name, max_context=context,
+                    weights_format=weights, decode_format=decode, decode_precision=precision, head_precision=head,
+                    embedding_bytes=self.checkpoint.handle(embed).nbytes if blocks else None,
+                    popularity=popularity, progress=say, experts_format=experts,
+                    decode_mix=decode_mix(self.checkpoint, decode) if decode != "none" else None,
+                    disk_reads=self._disk_reads(experts or weights, say))
+            try:
+                plan, profile, self._plan_args = make(self.max_context)
+            except BudgetError as refused:
+                plan, profile, self._plan_args = self._fitted_context(make, refused)
         if ec.plan in ("auto", "off"):  # a replayed plan keeps its own
             plan.decode_threshold = max(ec.decode_weights_threshold, plan.kv_slots)
         # GPTQ / compressed-tensors int8 weights that the decode copies re-quantize (a replayed plan keeps its notes)
@@ -208,6 +217,33 @@ class LLM:
         if plan.dtypes.get("weights") != weights:  # a replayed plan decides the compute dtype too
             self.dtype = sizes.torch_dtype(plan.dtypes["weights"])
         return plan, profile
+
+    def _fitted_context(self, make, refused: BudgetError):
+        """PLAN, where the budgets cannot hold the model's whole context window and no --max-context was given: the
+        largest window of the model's positions halved (down to FIT_CONTEXT_FLOOR) whose plan fits, made by `make`
+        (context -> engine_plan's result), self.max_context set to it and a note in the plan. A model of 262144
+        positions (Qwen3-Coder's) on a 32 GB machine would otherwise refuse to start for its 25 GB one-sequence KV
+        cache, as vLLM's does; llama.cpp and Ollama start with a context of their own default instead.
+
+        Raises:
+            BudgetError: `refused`, where the window was given (or a plan is replayed) or none down to the floor fits.
+        """
+        ec, full = self.engine_config, self.max_context
+        if ec.max_context is not None or ec.plan not in ("auto", "off"):
+            raise refused
+        context = full // 2
+        while context >= min(FIT_CONTEXT_FLOOR, full):
+            try:
+                planned = make(context)
+            except BudgetError:
+                context //= 2
+                continue
+            self.max_context = context
+            planned[0].notes.append(f"the budget holds no KV cache of the model's {full} positions: the context "
+                                    f"window is {context} tokens (--max-context sets it; --cpu-mem / --gpu-mem raise "
+                                    f"the budget)")
+            return planned
+        raise refused
 
     def _disk_reads(self, experts: str, say):
         """engine_plan's `disk_reads`: the profile with disk/read_cold(_parallel) timed on the files the runtime
