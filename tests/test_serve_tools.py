@@ -172,6 +172,21 @@ def test_auto_parses_hermes_calls_out_of_the_text_streamed_or_not(server):
     assert plain.message.tool_calls is None and plain.finish_reason == "length" and plain.message.content
 
 
+def _steered_call(served, steer: dict, content: str, max_tokens: int) -> dict:
+    """The one get_weather call "auto" parses out of a `steer`ed answer (`content` before it), whole and streamed
+    the same: its arguments, a city of the regex's and an integer of days."""
+    ask = dict(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=max_tokens, extra_body=steer)
+    out = served.client.chat.completions.create(**ask).choices[0]
+    assert out.finish_reason == "tool_calls" and out.message.content == content, out
+    args = json.loads(out.message.tool_calls[0].function.arguments)
+    assert out.message.tool_calls[0].function.name == "get_weather"
+    assert args["city"] in ("Paris", "Oslo") and isinstance(args["days"], int)
+    calls = [c for chunk in served.client.chat.completions.create(**ask, stream=True)
+             for c in chunk.choices[0].delta.tool_calls or []]
+    assert [json.loads(c.function.arguments) for c in calls] == [args]
+    return args
+
+
 def test_auto_parses_glm_calls(zoo, chat_llama, tmp_path_factory):
     """On a GLM-4.5-style template, "auto" parses its <arg_key> / <arg_value> calls: a string parameter's value as
     written, an integer's as JSON; streamed the same."""
@@ -179,16 +194,7 @@ def test_auto_parses_glm_calls(zoo, chat_llama, tmp_path_factory):
                                              r"(Paris|Oslo)</arg_value><arg_key>days</arg_key><arg_value>[1-7]</arg_value>"
                                              r"</tool_call>"}}
     with _server(zoo, chat_llama, tmp_path_factory, GLM_TEMPLATE) as glm:
-        out = glm.client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0,
-                                                 max_tokens=180, extra_body=steer).choices[0]
-        assert out.finish_reason == "tool_calls" and out.message.content == "On it."
-        args = json.loads(out.message.tool_calls[0].function.arguments)
-        assert out.message.tool_calls[0].function.name == "get_weather"
-        assert args["city"] in ("Paris", "Oslo") and isinstance(args["days"], int)
-        calls = [c for chunk in glm.client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=180, stream=True, extra_body=steer)
-            for c in chunk.choices[0].delta.tool_calls or []]
-        assert [json.loads(c.function.arguments) for c in calls] == [args]
+        _steered_call(glm, steer, "On it.", 180)
 
 
 def test_auto_parses_qwen3_coder_calls(zoo, chat_llama, tmp_path_factory):
@@ -199,21 +205,10 @@ def test_auto_parses_qwen3_coder_calls(zoo, chat_llama, tmp_path_factory):
                                              r"(Paris|Oslo)\n</parameter>\n<parameter=days>\n[1-7]\n</parameter>\n"
                                              r"</function>\n</tool_call>"}}
     with _server(zoo, chat_llama, tmp_path_factory, XML_TEMPLATE) as coder:
-        out = coder.client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0,
-                                                   max_tokens=200, extra_body=steer).choices[0]
-        assert out.finish_reason == "tool_calls" and out.message.content == "Ok.", out
-        args = json.loads(out.message.tool_calls[0].function.arguments)
-        assert out.message.tool_calls[0].function.name == "get_weather"
-        assert args["city"] in ("Paris", "Oslo") and isinstance(args["days"], int)
-        calls = [c for chunk in coder.client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=200, stream=True, extra_body=steer)
-            for c in chunk.choices[0].delta.tool_calls or []]
-        assert [json.loads(c.function.arguments) for c in calls] == [args]
+        args = _steered_call(coder, steer, "Ok.", 200)
         history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}]}]
-        ids = encode_prompt(coder.llm.tokenizer, [dict(m) for m in history[:1]] + [{
-            "role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                "name": "get_weather", "arguments": args}}]}], True, tools=[WEATHER])
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]}]
+        ids = encode_prompt(coder.llm.tokenizer, history, True, tools=[WEATHER])
         assert f"<parameter=city>\n{args['city']}\n</parameter>" in coder.llm.tokenizer.decode(ids)
 
 

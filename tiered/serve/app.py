@@ -327,39 +327,23 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         except TieredError as e:
             raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""), param="tool_choice") from None
 
-    async def _nonempty(pieces):
-        """The pieces of an event stream without empty ones (an empty body chunk may read as the end of a chunked
-        body); closing it closes `pieces`, whose own finally cancels its request (the client went away)."""
-        try:
-            async for piece in pieces:
-                if piece:
-                    yield piece
-        finally:
-            await pieces.aclose()
-
-    def _message_events(handle: Handle, mid: str, tools: ToolPlan):
-        return _nonempty(_message_event_texts(handle, mid, tools))
-
-    async def _message_event_texts(handle: Handle, mid: str, tools: ToolPlan):
-        """Anthropic's event stream of one answer (anthropic.MessageStream): its reasoning as a thinking block,
-        its text as a text block (with tools, the text from where a call may begin held back, ToolPlan.held), its
-        calls as tool_use blocks at the end, then the stop reason and usage."""
+    async def _answer_parts(handle: Handle, tools: ToolPlan):
+        """One streamed chat answer told apart as it comes, for the Messages and Responses streams: ("thinking",
+        text) and ("text", text) pieces (with tools, the text from where a call may begin held back, ToolPlan.held),
+        then ("end", out, calls, thought, content): the RequestOutput, its calls (harmony's, or those parsed out of
+        its text), its whole reasoning and the text before the calls; or ("error", APIError). Closing it cancels the
+        request (the client went away mid-stream; a no-op when it finished)."""
         seq = handle.seq
-        blocks = anthropic.MessageStream()
         thinking = ReasoningStream(seq.reasoning_format, seq.thinking_opened) if reasoning and seq.reasoning_format \
             else None
         held = tools.calls  # the text may hold calls: stream it up to where one may begin
-        text, sent = "", 0
+        text, sent, thoughts = "", 0, ""
         try:
-            yield anthropic.event("message_start", {"message": {
-                "id": mid, "type": "message", "role": "assistant", "model": model_name, "content": [],
-                "stop_reason": None, "stop_sequence": None, "usage": anthropic.usage(len(seq.prompt_ids), 0, 0)}})
             while True:
                 ev = await handle.events.get()
                 if isinstance(ev, Exception):
-                    err = (_shutting_down() if isinstance(ev, ServerShuttingDownError) else
+                    yield ("error", _shutting_down() if isinstance(ev, ServerShuttingDownError) else
                            APIError(500, f"generation failed: {ev}", "server_error"))
-                    yield anthropic.event("error", {"error": anthropic.error_body(err.status, err.message)["error"]})
                     return
                 delta, out, _ = ev
                 harmony = []
@@ -368,11 +352,12 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     if out is not None:
                         more, rest, harmony = thinking.finish()
                         thought, delta = thought + more, delta + rest
-                    yield blocks.thinking(thought)
+                    thoughts += thought
+                    yield ("thinking", thought)
                 text += delta
                 if out is None:
                     upto = len(text) - tools.held(text) if held else len(text)
-                    yield blocks.text(text[sent:upto])
+                    yield ("text", text[sent:upto])
                     sent = max(sent, upto)
                     continue
                 calls = [tool_call(name, args) for name, args in harmony]
@@ -381,19 +366,50 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                     full = out.content if thinking is not None else out.text
                     calls = tools.parse(full, out.finish_reason)[1]
                     text, upto = full, tools.content_end(full) if calls else len(full)
-                yield blocks.text(text[sent:upto])
-                for call in calls:
-                    yield blocks.tool(call)
-                yield blocks.close()
-                reason, stop = anthropic.stop_reason(out.finish_reason, out.stop_string, bool(calls))
-                yield anthropic.event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop},
-                                                        "usage": anthropic.usage(len(out.prompt_token_ids),
-                                                                                 out.stats.cached_tokens,
-                                                                                 len(out.token_ids))})
-                yield anthropic.event("message_stop", {})
+                yield ("text", text[sent:upto])
+                yield ("end", out, calls, thoughts or None, text[:upto].strip() or None)
                 return
         finally:
-            engine.cancel(handle)  # the client went away mid-stream (a no-op when it finished)
+            engine.cancel(handle)
+
+    async def _events(handle: Handle, tools: ToolPlan, start, piece, end, error):
+        """An event stream of one answer: start() first, then piece(kind, text) of each thinking / text piece,
+        end(out, calls, thought, content) at its end or error(APIError), each returning the events' text; empty
+        texts are not sent (an empty body chunk may read as the end of a chunked body)."""
+        parts = _answer_parts(handle, tools)
+        try:
+            yield start()
+            async for part in parts:
+                text = (error(part[1]) if part[0] == "error" else end(*part[1:]) if part[0] == "end" else
+                        piece(*part))
+                if text:
+                    yield text
+        finally:
+            await parts.aclose()
+
+    def _message_events(handle: Handle, mid: str, tools: ToolPlan):
+        """Anthropic's event stream of one answer (anthropic.MessageStream): its reasoning as a thinking block, its
+        text as a text block, its calls as tool_use blocks at the end, then the stop reason and usage."""
+        blocks = anthropic.MessageStream()
+
+        def start() -> str:
+            return anthropic.event("message_start", {"message": {
+                "id": mid, "type": "message", "role": "assistant", "model": model_name, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": anthropic.usage(len(handle.seq.prompt_ids), 0, 0)}})
+
+        def end(out, calls, thought, content) -> str:
+            reason, stop = anthropic.stop_reason(out.finish_reason, out.stop_string, bool(calls))
+            usage = anthropic.usage(len(out.prompt_token_ids), out.stats.cached_tokens, len(out.token_ids))
+            return ("".join(blocks.tool(call) for call in calls) + blocks.close()
+                    + anthropic.event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop},
+                                                        "usage": usage})
+                    + anthropic.event("message_stop", {}))
+
+        return _events(handle, tools, start,
+                       lambda kind, text: blocks.thinking(text) if kind == "thinking" else blocks.text(text), end,
+                       lambda err: anthropic.event("error", {"error": anthropic.error_body(err.status,
+                                                                                           err.message)["error"]}))
 
     kept = responses.ResponseStore()
 
@@ -423,7 +439,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                                chat.template_kwargs())
         rid, created = responses.new_id("resp"), int(time.time())
         if body.stream:
-            return StreamingResponse(_nonempty(_response_events(handles[0], rid, created, body, tools, conversation)),
+            return StreamingResponse(_response_events(handles[0], rid, created, body, tools, conversation),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         outs = await _collect(request, handles)
         if outs is None:  # the client went away
@@ -452,66 +468,33 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             raise APIError(404, f"no response {rid!r} is kept here", code="not_found", param="response_id")
         return {"id": rid, "object": "response.deleted", "deleted": True}
 
-    async def _response_events(handle: Handle, rid: str, created: int, body: responses.ResponsesRequest,
-                               tools: ToolPlan, conversation: list[dict]):
+    def _response_events(handle: Handle, rid: str, created: int, body: responses.ResponsesRequest, tools: ToolPlan,
+                         conversation: list[dict]):
         """The Responses API's event stream of one answer (responses.ResponseStream): its reasoning as a reasoning
-        item, its text as a message item (with tools, the text from where a call may begin held back), its calls as
-        function_call items at the end, then response.completed (or incomplete) with the whole Response."""
-        seq = handle.seq
+        item, its text as a message item, its calls as function_call items at the end, then response.completed (or
+        incomplete) with the whole Response, which is kept where `store` says."""
         st = responses.ResponseStream()
-        thinking = ReasoningStream(seq.reasoning_format, seq.thinking_opened) if reasoning and seq.reasoning_format \
-            else None
-        held = tools.calls
-        text, sent, thoughts = "", 0, ""
-        try:
-            start = responses.response_object(rid, created, model_name, body)
-            yield st.event("response.created", {"response": start})
-            yield st.event("response.in_progress", {"response": start})
-            while True:
-                ev = await handle.events.get()
-                if isinstance(ev, Exception):
-                    err = (_shutting_down() if isinstance(ev, ServerShuttingDownError) else
-                           APIError(500, f"generation failed: {ev}", "server_error"))
-                    yield st.event("error", {"code": err.code or err.type, "message": err.message, "param": None})
-                    failed = responses.response_object(rid, created, model_name, body, "failed", st.items)
-                    failed["error"] = {"code": "server_error", "message": err.message}
-                    yield st.event("response.failed", {"response": failed})
-                    return
-                delta, out, _ = ev
-                harmony = []
-                if thinking is not None:
-                    thought, delta = thinking.feed(delta)
-                    if out is not None:
-                        more, rest, harmony = thinking.finish()
-                        thought, delta = thought + more, delta + rest
-                    thoughts += thought
-                    yield st.reasoning(thought)
-                text += delta
-                if out is None:
-                    upto = len(text) - tools.held(text) if held else len(text)
-                    yield st.text(text[sent:upto])
-                    sent = max(sent, upto)
-                    continue
-                calls = [tool_call(name, args) for name, args in harmony]
-                upto = len(text)
-                if held and not calls:
-                    full = out.content if thinking is not None else out.text
-                    calls = tools.parse(full, out.finish_reason)[1]
-                    text, upto = full, tools.content_end(full) if calls else len(full)
-                yield st.text(text[sent:upto])
-                finished = out.finish_reason != "length" or bool(calls)
-                yield st.close("completed" if finished else "incomplete")
-                for call in calls:
-                    yield st.call(call)
-                status = "completed" if finished else "incomplete"
-                obj = responses.response_object(rid, created, model_name, body, status, st.items, out)
-                if body.store:
-                    kept.put(obj, conversation + [responses.answer_message(thoughts or None,
-                                                                           text[:upto].strip() or None, calls)])
-                yield st.event(f"response.{status}", {"response": obj})
-                return
-        finally:
-            engine.cancel(handle)  # the client went away mid-stream (a no-op when it finished)
+
+        def start() -> str:
+            obj = responses.response_object(rid, created, model_name, body)
+            return st.event("response.created", {"response": obj}) + st.event("response.in_progress", {"response": obj})
+
+        def end(out, calls, thought, content) -> str:
+            status = "completed" if out.finish_reason != "length" or calls else "incomplete"
+            events = st.close(status) + "".join(st.call(call) for call in calls)
+            obj = responses.response_object(rid, created, model_name, body, status, st.items, out)
+            if body.store:
+                kept.put(obj, conversation + [responses.answer_message(thought, content, calls)])
+            return events + st.event(f"response.{status}", {"response": obj})
+
+        def error(err: APIError) -> str:
+            failed = responses.response_object(rid, created, model_name, body, "failed", st.items)
+            failed["error"] = {"code": "server_error", "message": err.message}
+            return (st.event("error", {"code": err.code or err.type, "message": err.message, "param": None})
+                    + st.event("response.failed", {"response": failed}))
+
+        return _events(handle, tools, start,
+                       lambda kind, text: st.reasoning(text) if kind == "thinking" else st.text(text), end, error)
 
     def tokenizer():
         """The model's tokenizer, or APIError 400 where the checkpoint has none."""
