@@ -535,7 +535,8 @@ def serve(
     engine = ServingEngine(llm, max_batch=max_batch, max_queue=max_queue, prefix_reuse=prefix_reuse)
     ckpt_path = Path(llm.checkpoint.path)
     name = served_model_name or (ckpt_path.stem if ckpt_path.is_file() else ckpt_path.name)
-    typer.echo(f"serving {name} on http://{host}:{port}/v1 (batch {max_batch} x {llm.max_context} tokens, KV cache "
+    typer.echo(f"serving {name} on http://{host}:{port}/v1 (OpenAI's chat/completions, completions, responses; "
+               f"Anthropic's messages, base URL http://{host}:{port}) (batch {max_batch} x {llm.max_context} tokens, KV cache "
                f"{engine.cache.nbytes / 2**20:.0f} MiB reserved"
                f"{', in RAM as positions are written' if engine.cache.k.device.type == 'cpu' else ''}; "
                f"queue {max_queue}{'; API key required' if api_key else ''}) | "
