@@ -157,6 +157,9 @@ def test_errors_take_anthropics_shape_and_the_key_its_header(server):
         err = r.json()
         assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
         assert words in err["error"]["message"], err
+    long = httpx.post(url, headers={"x-api-key": KEY}, timeout=60, json={
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "word " * 400}]})
+    assert long.status_code == 400 and long.json()["error"]["message"].startswith("prompt is too long: "), long.text
     huge = httpx.post(url, headers={"x-api-key": KEY}, timeout=60, json={
         "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "word " * 800_000}]})
     assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large", huge.text  # the guard

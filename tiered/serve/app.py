@@ -72,7 +72,8 @@ class APIError(Exception):
 
     def response(self, path: str = "") -> JSONResponse:
         """The error as an HTTP response (in Anthropic's shape on its /v1/messages paths)."""
-        body = anthropic.error_body(self.status, self.message) if path.startswith("/v1/messages") else self.body()
+        body = anthropic.error_body(self.status, self.message, self.code) if path.startswith("/v1/messages") else \
+            self.body()
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
