@@ -37,8 +37,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 def error_body(status: int, message: str, code: str | None = None) -> dict:
     """Anthropic's error object for an HTTP status: {"type": "error", "error": {"type", "message"}}. A prompt over
-    the context window (`code` context_length_exceeded) reads "prompt is too long: ..." as Anthropic's does, which
-    clients look for (Claude Code compacts the conversation on it)."""
+    the context window (`code` context_length_exceeded) reads "prompt is too long: ..." as Anthropic's does, for
+    clients that look for those words."""
     if code == "context_length_exceeded" and not message.startswith("prompt is too long"):
         message = f"prompt is too long: {message}"
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
