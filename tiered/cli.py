@@ -325,7 +325,8 @@ def run(
 
 def _setting_notes(llm, config) -> None:
     """One stderr line per engine setting that took no effect as given: a GPU budget with no GPU in use,
-    more CPU threads than cores, a context window beyond the model's positions."""
+    more CPU threads than cores, a context window beyond the model's positions, or one the engine chose smaller than
+    the model's (LLM.context_note)."""
     from tiered.config import usable_cores
 
     notes = []
@@ -337,9 +338,8 @@ def _setting_notes(llm, config) -> None:
     if config.max_context is not None and config.max_context > llm.max_context:
         notes.append(f"--max-context {config.max_context} is beyond the model's {llm.max_context} positions: "
                      f"using {llm.max_context}")
-    if config.max_context is None and llm.max_context < llm.config.max_position_embeddings:
-        notes.append(f"the budget holds no KV cache of the model's {llm.config.max_position_embeddings} positions: "
-                     f"the context window is {llm.max_context} tokens (--max-context sets it)")
+    if llm.context_note:
+        notes.append(llm.context_note)
     for note in notes:
         typer.echo(f"note: {note}", err=True)
 

@@ -161,6 +161,7 @@ class LLM:
         self.checkpoint = open_checkpoint(model)
         self.config = self.checkpoint.config
         self.max_context = context_window(self.config, ec.max_context)
+        self.context_note = None  # why the window is smaller than the model's where LLM chose it (_fitted_context)
         self.accelerator = make_accelerator(ec.accelerator, ec.gpu_memory, ec.link_bandwidth, ec.pinned)
         self.device = self.accelerator.device if self.accelerator is not None else torch.device("cpu")
         self.dtype = resolve_dtype(ec, self.accelerator, self.checkpoint)
@@ -239,9 +240,9 @@ class LLM:
                 context //= 2
                 continue
             self.max_context = context
-            planned[0].notes.append(f"the budget holds no KV cache of the model's {full} positions: the context "
-                                    f"window is {context} tokens (--max-context sets it; --cpu-mem / --gpu-mem raise "
-                                    f"the budget)")
+            self.context_note = (f"the budget holds no KV cache of the model's {full} positions: the context window "
+                                 f"is {context} tokens (--max-context sets it; --cpu-mem / --gpu-mem raise the budget)")
+            planned[0].notes.append(self.context_note)
             return planned
         raise refused
 

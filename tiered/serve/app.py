@@ -286,7 +286,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
     async def messages(body: anthropic.MessagesRequest, request: Request):
         """Anthropic's Messages API (serve/anthropic.py) through the chat template; whatever model it names (an
         Anthropic client names Claude models), the served model answers."""
-        chat, tools = _anthropic_chat(body)
+        chat, tools = _translated(lambda: body.chat_request(model_name))
         handles = await _start(chat, [[m.as_dict() for m in chat.messages]], True, engine.llm.max_context, tools,
                                chat.template_kwargs())
         mid = anthropic.message_id()
@@ -302,22 +302,23 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
     async def count_tokens(body: anthropic.CountTokensRequest) -> dict:
         """Anthropic's token count of a Messages request: {"input_tokens": the prompt's tokens through the chat
         template, its tools included}."""
-        chat, _ = _anthropic_chat(body)
+        chat, _ = _translated(lambda: body.chat_request(model_name))
         prompt = [m.as_dict() for m in chat.messages]
         check_prompt_chars(prompt, "messages")
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or []] or None
         try:
-            ids = await run_in_threadpool(encode_prompt, tokenizer(), prompt, True, chat.add_generation_prompt,
-                                          tools=tools, template_kwargs=chat.template_kwargs(),
+            ids = await run_in_threadpool(encode_prompt, tokenizer(), prompt, True, tools=tools,
+                                          template_kwargs=chat.template_kwargs(),
                                           continue_final=chat.continue_final_message)
         except TieredError as e:
             raise APIError(400, e.message + (f" ({e.hint})" if e.hint else "")) from e
         return {"input_tokens": len(ids)}
 
-    def _anthropic_chat(body: anthropic.MessagesRequest) -> tuple[ChatCompletionRequest, ToolPlan]:
-        """The chat completion a Messages request asks for and its tool plan, or APIError 400."""
+    def _translated(make) -> tuple[ChatCompletionRequest, ToolPlan]:
+        """The chat completion another API's request asks for (`make()`: a Messages or Responses request's
+        chat_request) and its tool plan, or APIError 400 for what the translation or the chat request refuses."""
         try:
-            chat = body.chat_request(model_name)
+            chat = make()
             return chat, chat.tool_plan(engine.llm.tokenizer)
         except ValidationError as e:  # what the chat request refuses (a tool's name, a sampling bound)
             first = e.errors()[0]
@@ -427,15 +428,9 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             history = found[1]
         try:
             conversation = history + body.input_messages()
-            chat = body.chat_request(model_name, conversation)
-            tools = chat.tool_plan(engine.llm.tokenizer)
-        except ValidationError as e:
-            first = e.errors()[0]
-            raise APIError(400, f"{'.'.join(str(p) for p in first.get('loc', ()))}: {first.get('msg')}") from None
-        except ValueError as e:
+        except ValueError as e:  # an item this server cannot take
             raise APIError(400, str(e)) from None
-        except TieredError as e:
-            raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""), param="tool_choice") from None
+        chat, tools = _translated(lambda: body.chat_request(model_name, conversation))
         handles = await _start(chat, [[m.as_dict() for m in chat.messages]], True, engine.llm.max_context, tools,
                                chat.template_kwargs())
         rid, created = responses.new_id("resp"), int(time.time())
@@ -447,9 +442,9 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             return JSONResponse({}, status_code=499)
         out = outs[0]
         thought, content, calls = answer(out, tools)
-        finished = out.finish_reason != "length" or bool(calls)
-        obj = responses.response_object(rid, created, model_name, body, "completed" if finished else "incomplete",
-                                        responses.output_items(thought, content, calls, finished), out)
+        status = responses.status(out, calls)
+        obj = responses.response_object(rid, created, model_name, body, status,
+                                        responses.output_items(thought, content, calls, status == "completed"), out)
         if body.store:
             kept.put(obj, conversation + [responses.answer_message(thought, content, calls)])
         return obj
@@ -481,7 +476,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             return st.event("response.created", {"response": obj}) + st.event("response.in_progress", {"response": obj})
 
         def end(out, calls, thought, content) -> str:
-            status = "completed" if out.finish_reason != "length" or calls else "incomplete"
+            status = responses.status(out, calls)
             events = st.close(status) + "".join(st.call(call) for call in calls)
             obj = responses.response_object(rid, created, model_name, body, status, st.items, out)
             if body.store:
@@ -552,16 +547,16 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
                 "model_max_length": engine.llm.max_context, "add_bos_token": getattr(tok, "add_bos_token", None)}
 
     def submit(prompts: list, params, chat: bool, loop, n: int, tools: ToolPlan | None,
-               template_kwargs: dict | None, stream: bool, body=None) -> list[Handle]:
+               template_kwargs: dict | None, stream: bool, generation_prompt: bool = True,
+               continued: bool = False) -> list[Handle]:
         """engine.submit of a request's prompts (on a worker thread: encoding takes a while); a chat with
-        tools or template variables, or whose prompt is not the usual one (a chat `body` without the generation
-        prompt, or continuing its last message), is encoded here (the chat template renders them), and submitted
-        as a chat's token ids."""
-        plain = getattr(body, "plain_prompt", True)
-        if chat and ((tools is not None and tools.tools) or template_kwargs or not plain):
-            prompts = [encode_prompt(engine.llm.tokenizer, prompts[0], True, body is None or body.add_generation_prompt,
+        tools or template variables, without the `generation_prompt` or `continued` (its last message left open:
+        continue_final_message), is encoded here (the chat template renders them), and submitted as a chat's
+        token ids."""
+        if chat and ((tools is not None and tools.tools) or template_kwargs or continued or not generation_prompt):
+            prompts = [encode_prompt(engine.llm.tokenizer, prompts[0], True, generation_prompt,
                                      tools=tools.tools if tools else None, template_kwargs=template_kwargs,
-                                     continue_final=getattr(body, "continue_final_message", False))]
+                                     continue_final=continued)]
         return engine.submit(prompts, params, chat, loop, n, stream)
 
     async def _generate(request: Request, body, prompts: list, chat: bool, default_max_tokens: int, kind: str,
@@ -595,7 +590,8 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             params = body.sampling(default_max_tokens, sampling_defaults, engine.llm.tokenizer)
             # encoding a long prompt takes a while: on a worker thread, not the event loop's
             handles = await run_in_threadpool(submit, prompts, params, chat, asyncio.get_running_loop(), body.n, tools,
-                                              template_kwargs, body.stream, body if chat else None)
+                                              template_kwargs, body.stream, getattr(body, "add_generation_prompt", True),
+                                              getattr(body, "continue_final_message", False))
         except QueueFullError as e:
             raise APIError(503, e.message, "server_error", "queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from e

@@ -359,11 +359,6 @@ class ChatCompletionRequest(_Generation):
                              "continued, no new turn opened)")
         return self
 
-    @property
-    def plain_prompt(self) -> bool:
-        """Whether the prompt is the template's usual one (a new assistant turn opened after the messages)."""
-        return self.add_generation_prompt and not self.continue_final_message
-
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 

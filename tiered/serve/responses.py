@@ -226,6 +226,12 @@ def response_object(rid: str, created: int, model: str, body: ResponsesRequest, 
             **({"completed_at": int(time.time())} if status != "in_progress" else {})}
 
 
+def status(out, calls: list[dict]) -> str:
+    """A finished answer's status: "incomplete" where max_output_tokens cut it (and it made no call), else
+    "completed"."""
+    return "completed" if out.finish_reason != "length" or calls else "incomplete"
+
+
 def output_items(reasoning: str | None, content: str | None, calls: list[dict], finished: bool) -> list[dict]:
     """The output items of an answer told apart into reasoning, content and calls (`finished` False: cut by
     max_output_tokens, the message incomplete)."""
