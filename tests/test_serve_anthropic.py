@@ -182,6 +182,9 @@ def test_a_prefilled_answer_is_continued(server):
                                                  extra_body={"continue_final_message": True,
                                                              "add_generation_prompt": False})
     assert chat.usage.prompt_tokens == len(ids) and chat.choices[0].message.content == out.content[0].text
+    closed = server.client.chat.completions.create(model=MODEL, messages=convo, max_tokens=2, temperature=0,
+                                                   extra_body={"add_generation_prompt": False})
+    assert closed.usage.prompt_tokens == len(encode_prompt(server.llm.tokenizer, convo, True, False))
     plain = server.client.chat.completions.create(model=MODEL, messages=convo, max_tokens=6, temperature=0)
     assert plain.usage.prompt_tokens != len(ids)  # a closed turn and a new one opened
     r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
