@@ -68,6 +68,19 @@ TINY_SPECS: dict[str, TinySpec] = {
     "qwen3": TinySpec("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
     # rows of 256: GGUF's K-quant super-blocks (Q4_K, Q6_K) fit every projection
     "llama_wide": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=256, intermediate_size=512)),
+    # Gemma 3: sandwich norms, GeGLU, a scaled embedding, q/k norms, logits scaled by query_pre_attn_scalar ** -0.5
+    # (24, not head_dim 32), one sliding layer (window 8, its own RoPE base) and one global (linear RoPE scaling)
+    "gemma3": TinySpec("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=8, pad_token_id=None,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # Gemma 3 as llama.cpp's files describe it: query_pre_attn_scalar = head_dim (GGUF has no key for it)
+    "gemma3_gguf": TinySpec("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=32, query_pre_attn_scalar=32, sliding_window=8, pad_token_id=None,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     # 7 query heads on one KV head of 32: the native attention's vector path scores and weighs 4 + 3 heads
     "llama_gqa7": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=224, num_attention_heads=7,
                                                                   num_key_value_heads=1, intermediate_size=256)),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
 
 _GLOBAL = {
@@ -797,3 +797,53 @@ def dequantized_gpt_oss_model(model, experts: str = "F32", qtype: GGMLQuantizati
                 continue
             p.copy_(torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)))
     return m
+
+
+_GEMMA3_BLOCK = {**_BLOCK, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def write_gemma3_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+                      pattern: bool = True) -> Path:
+    """Write a transformers Gemma3ForCausalLM (fp32) as llama.cpp's Gemma3Model converter does: every norm
+    stored as 1 + weight (Gemma's RMSNorm multiplies by it), `post_attention_norm` / `ffn_norm` /
+    `post_ffw_norm` the sandwich norms, no output.weight (tied), q/k rows as they are, the global layers' RoPE
+    scaling as rope.scaling.*, the window as attention.sliding_window. `pattern`: also write the model's
+    sliding layers as attention.sliding_window_pattern flags (else a reader takes llama.cpp's every-6th rule).
+    2-D weights in `qtype`, 1-D tensors F32; tokenizer.ggml.model "none"."""
+    cfg = model.config
+    full = cfg.rope_parameters["full_attention"]
+    w = _header(cfg, path, "gemma3", "gemma3")
+    for key in ("key_length", "value_length"):
+        w.kv_data[0].pop(f"gemma3.attention.{key}", None)
+    w.kv_data[0].pop("gemma3.rope.freq_base")
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(float(full["rope_theta"]))
+    if full.get("rope_type", "default") == "linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(full["factor"]))
+    w.add_sliding_window(cfg.sliding_window)
+    if pattern:
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    w.add_file_type(int(qtype))
+    w.add_tokenizer_model("none")
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        a = t.detach().float().numpy()
+        if name.endswith("norm.weight"):
+            a = a + 1.0
+        parts = name.split(".")
+        gname = ({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
+                 if parts[:2] != ["model", "layers"] else
+                 f"blk.{parts[2]}.{_GEMMA3_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}")
+        if a.ndim == 1 or qtype == GGMLQuantizationType.F32:
+            w.add_tensor(gname, a.astype(np.float32))
+        else:
+            w.add_tensor(gname, encode(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -58,8 +58,9 @@ def dense_sizes(path, max_context: int = CTX) -> tuple[int, int, int, int]:
 
 
 # ------------------------------------------------------------------ dense: ScheInfer slicing in the engine
-def test_dense_plan_slices_ffns_and_matches_transformers(zoo, box):
-    path = zoo.dir("llama")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: sliced GeGLU MLPs (SlicedMLP.act)
+def test_dense_plan_slices_ffns_and_matches_transformers(zoo, box, arch):
+    path = zoo.dir(arch)
     non_ffn, layer, kv, L = dense_sizes(path)
     gpu = non_ffn + kv + layer + layer * L // 4  # staging (one FFN) + a quarter of the FFN weights
     llm = LLM(path, EngineConfig(decode_weights="fp32", accelerator="host", gpu_memory=gpu, max_context=CTX,
@@ -81,7 +82,7 @@ def test_dense_plan_slices_ffns_and_matches_transformers(zoo, box):
             assert (mlp.f_cc, mlp.f_cg, mlp.f_gg) == split_rows(llm.config.intermediate_size, lp.r_cc, lp.r_cg)
         assert sum(l.r_gg for l in llm.plan.layers) < L  # not everything fits: the plan had to slice
         ids = list(range(2, 18))
-        hf = zoo.hf("llama")
+        hf = zoo.hf(arch)
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0]
             want = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, eos_token_id=None,

@@ -36,6 +36,13 @@ the router (weight and bias), the even layers sliding (`attention.sliding_window
 2). The experts' stacked weights and biases (`ffn_{gate,up,down}_exps.{weight,bias}`, gate and up
 apart) become per-expert handles of gpt-oss's biased layout (checkpoint/gpt_oss.py), MXFP4 blocks
 read in ggml's layout and offered as int8-g32 and as the mxfp4 kind exactly (`_biased_experts`).
+
+"gemma3" files (llama.cpp's Gemma3Model converter: Google's Gemma 3 1B-27B, their QAT Q4_0 files too) are
+read as transformers' gemma3_text (`_gemma3_config`, models/gemma.py): the norms as stored (the converter
+wrote Gemma's 1 + weight), `post_attention_norm` / `ffn_norm` / `post_ffw_norm` the sandwich norms, q/k
+rows as they are, the lm_head the embedding; as llama.cpp's loader reads them, 5 of every 6 layers slide
+(`attention.sliding_window_pattern` where given) with a RoPE of base 10000 (`rope.freq_base_swa` where
+given), and logits scale by 1 / sqrt(head_dim), or by 1 / sqrt(hidden / heads) for the 62-layer 27B.
 """
 
 from __future__ import annotations
@@ -56,7 +63,8 @@ from tiered.errors import CheckpointError, UnsupportedModelError
 # GGUF architecture -> HF model_type ("deepseek2": deepseek_v3 when its router is sigmoid, else v2).
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v2",
-                      "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss"}
+                      "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss",
+                      "gemma3": "gemma3_text"}
 # top-k weights renormalized to sum 1 (llama.cpp's expert_weights_norm default per architecture)
 NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 # The sampling a file's authors recommend (llama.cpp's general.sampling.* keys, which its converter fills from
@@ -107,6 +115,10 @@ _GLM4_MOE_NAMES = {"post_attention_norm": "post_attention_layernorm",
                    **{k: v for k, v in _DEEPSEEK_NAMES.items() if k.endswith("_shexp")}}
 # gpt-oss's names: the pre-MLP norm is ATTN_POST_NORM, the router's weight and bias FFN_GATE_INP
 _GPT_OSS_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"}
+# Gemma 3's sandwich norms: ffn_norm is the FFN's own pre-norm, post_attention_norm / post_ffw_norm the blocks'
+# output norms
+_GEMMA3_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
 # stacked expert tensors -> the per-expert projection name (Qwen / OLMoE style, Mixtral style)
 _EXPERT_NAMES = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
                  "ffn_down_exps": ("down_proj", "w2")}
@@ -210,6 +222,8 @@ def gguf_to_hf_name(name: str, model_type: str = "") -> str | None:
             return f"model.layers.{layer}.self_attn.sinks"
         if part in _GPT_OSS_NAMES:
             return f"model.layers.{layer}.{_GPT_OSS_NAMES[part]}.{kind}"
+    if model_type == "gemma3_text" and part in _GEMMA3_NAMES:
+        return f"model.layers.{layer}.{_GEMMA3_NAMES[part]}.{kind}"
     if model_type.startswith("deepseek") or model_type == "glm4_moe":
         if part == "exp_probs_b":  # llama.cpp's `exp_probs_b.bias`: the router's selection bias
             return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
@@ -600,6 +614,55 @@ class GGUFCheckpoint(HandleTable):
             num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
             moe_intermediate_size=ff, norm_topk_prob=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
 
+    def _gemma3_config(self, g, names: set[str], common: dict) -> ModelConfig:
+        """The ModelConfig of a "gemma3" file (Gemma 3; see the module docstring), as llama.cpp's loader reads it.
+
+        `common`: the vocabulary, the (global layers') RoPE scaling and the tokens.
+        Raises:
+            CheckpointError: a key llama.cpp requires of gemma3 files is missing (block_count,
+                embedding_length, feed_forward_length, attention.head_count,
+                attention.layer_norm_rms_epsilon), or a sliding-window pattern of another length than
+                block_count.
+            UnsupportedModelError: final logit softcapping, fused q/k/v (attn_qkv), sizes per layer.
+        """
+        arch = self.arch
+        need = partial(self._need, g)
+        if g("final_logit_softcapping") not in (None, 0, 0.0):
+            raise UnsupportedModelError(f"{arch} GGUF with final_logit_softcapping {g('final_logit_softcapping')} "
+                                        "is not read", "Gemma 3's released files have none")
+        if "blk.0.attn_qkv.weight" in names:
+            raise UnsupportedModelError(f"{arch} GGUF with fused q/k/v projections (attn_qkv) is not read",
+                                        "re-convert the file with llama.cpp's convert_hf_to_gguf.py")
+        L, hidden = int(need("block_count")), int(need("embedding_length"))
+        sizes = {k: g(k) for k in ("attention.head_count", "attention.head_count_kv", "feed_forward_length")}
+        for key, value in sizes.items():
+            if isinstance(value, list):
+                raise UnsupportedModelError(f"{arch} GGUF with {arch}.{key} per layer is not read",
+                                            "tiered's Gemma 3 layers share one size")
+        heads = int(need("attention.head_count"))
+        head_dim = int(g("attention.key_length") or hidden // heads)
+        window = int(g("attention.sliding_window") or 0)
+        pattern = g("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            if len(pattern) != L:
+                raise CheckpointError(f"{self.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} "
+                                      f"flags for {L} layers", "re-convert the file with a current llama.cpp")
+            sliding = [bool(f) for f in pattern]
+        else:
+            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(L)]
+        local = tuple(i for i in range(L) if sliding[i]) if window else ()
+        # llama.cpp's f_attention_scale: 1 / sqrt(hidden / heads) for the 27B (62 layers), else 1 / sqrt(head_dim)
+        scalar = hidden // heads if L == 62 else head_dim
+        return ModelConfig(
+            **common, model_type="gemma3_text", hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
+            num_hidden_layers=L, num_attention_heads=heads,
+            num_key_value_heads=int(g("attention.head_count_kv") or heads), head_dim=head_dim,
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")), rope_theta=float(g("rope.freq_base") or 1e6),
+            max_position_embeddings=int(g("context_length") or 131072), tie_word_embeddings="output.weight" not in names,
+            qk_norm=True, qk_norm_scope="head", hidden_act="gelu_tanh", embed_scale=float(hidden) ** 0.5,
+            sandwich_norms=True, query_pre_attn_scalar=float(scalar), local_window=window if local else None,
+            local_layers=local, local_rope_theta=float(g("rope.freq_base_swa") or 10000.0) if local else None)
+
     def _model_config(self) -> ModelConfig:
         md = self.metadata
         arch = md.get("general.architecture")
@@ -641,6 +704,10 @@ class GGUFCheckpoint(HandleTable):
         if "rope_freqs.weight" in names:
             raise UnsupportedModelError("GGUF files with rope_freqs (Llama 3.1 scaling) are not read yet",
                                         "load the Hugging Face safetensors directory instead")
+        if arch == "gemma3":
+            return self._gemma3_config(g, names, dict(
+                vocab_size=int(vocab), rope_scaling=scaling, bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+                eos_token_ids=eos_ids))
         if arch == "glm4moe":
             return self._glm4_moe_config(g, names, dict(
                 vocab_size=int(vocab), rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from tiered.checkpoint.handle import DENSE_BYTES, HandleTable, TensorHandle
-from tiered.checkpoint.model_config import ModelConfig, is_int
+from tiered.checkpoint.model_config import MULTIMODAL_TEXT, ModelConfig, is_int
 from tiered.errors import CheckpointError, UnsupportedModelError
 
 INDEX = "model.safetensors.index.json"
@@ -140,6 +140,36 @@ def _exponent_scales(h: TensorHandle) -> TensorHandle:
     them as fp32 2^(byte - 127), as transformers reads them (never read raw: offset None)."""
     def load(h=h):
         return (h.load(None).view(torch.uint8).float() - 127.0).exp2()
+    return TensorHandle(name=h.name, shape=h.shape, format="F32", nbytes=h.nbytes, path=h.path, _load=load)
+
+
+# a multimodal checkpoint's language-model prefixes (transformers 4.x's Gemma3ForConditionalGeneration files,
+# then 5.x's) -> a causal LM's
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."))
+
+
+def _language_model(handles: dict[str, TensorHandle]) -> dict[str, TensorHandle]:
+    """The language model's tensors of a multimodal checkpoint (model_config.MULTIMODAL_TEXT), renamed as a causal
+    LM's (`_TEXT_PREFIXES`); the vision tower's and the projector's are left out."""
+    out = {}
+    for key, h in handles.items():
+        for old, new in _TEXT_PREFIXES:
+            if key.startswith(old):
+                name = new + key[len(old):]
+                out[name] = replace(h, name=name)
+                break
+        else:
+            if key == "lm_head.weight":
+                out[key] = h
+    return out
+
+
+def _plus_one(h: TensorHandle) -> TensorHandle:
+    """A Gemma RMSNorm weight w (its norm multiplies by 1 + w): a handle that loads 1 + w in fp32, as llama.cpp's
+    converter stores Gemma's norms (never read raw: offset None)."""
+    def load(h=h):
+        return h.load(torch.float32) + 1.0
     return TensorHandle(name=h.name, shape=h.shape, format="F32", nbytes=h.nbytes, path=h.path, _load=load)
 
 
@@ -269,6 +299,10 @@ class HFDirCheckpoint(HandleTable):
                 self._handles[key] = TensorHandle(
                     name=key, shape=tuple(meta["shape"]), format=meta["dtype"], nbytes=end - begin,
                     path=str(f), _load=self._loader(str(f), key), offset=8 + header_len + begin)
+        if self.hf_config.get("model_type") in MULTIMODAL_TEXT:
+            self._handles = _language_model(self._handles)
+        if self.config.sandwich_norms:  # Gemma's RMSNorm multiplies by (1 + weight): stored as 1 + weight
+            self._handles = {k: _plus_one(h) if k.endswith("norm.weight") else h for k, h in self._handles.items()}
         self._open: dict[str, object] = {}
         qc = self.hf_config.get("quantization_config")
         if self.config.model_type == "gpt_oss":  # fused (MXFP4) experts -> per-expert handles

@@ -13,11 +13,16 @@ from tiered.errors import CheckpointError, UnsupportedModelError
 
 # HF `model_type` -> family. Dense families share one implementation (models/llama.py); MoE
 # families share models/moe.py.
-DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")  # read decoder_sparse_step / mlp_only_layers
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared experts, grouped routing
 # GLM-4.5 / 4.5-Air / 4.6: Llama-style attention with partial RoPE and DeepSeek-V3's MoE block
+# Gemma 3's multimodal config.json (Gemma3ForConditionalGeneration): its text_config is the model tiered runs
+MULTIMODAL_TEXT = {"gemma3": "gemma3_text"}
+# the GLU activations of an MLP: SiLU (SwiGLU, every family but Gemma) and GELU's tanh approximation (GeGLU,
+# Gemma 3's gelu_pytorch_tanh)
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # DeepSeek routers (models/moe.DeepSeekRouter): V2's softmax with plain or group-limited top-k, V3's
 # sigmoid with a score-correction bias and group-limited top-k (topk_method "noaux_tc")
@@ -108,6 +113,21 @@ class ModelConfig:
         expert_bias: the router and every routed expert's gate, up and down projections carry biases.
         swiglu_limit, swiglu_alpha: the experts' clamped GLU, or None for SiLU's SwiGLU: gate clamped
             to <= limit, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
+    Gemma 3 (`gemma3_text`, Google's Gemma 3 1B-27B; `_gemma3_fields`): per-head q/k norms, local_window /
+    local_layers for its sliding layers (5 of every 6), and
+        hidden_act: the MLP's GLU activation, a HIDDEN_ACTS name: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with
+            GELU's tanh approximation, Gemma's gelu_pytorch_tanh).
+        embed_scale: the embedding rows are multiplied by this (Gemma: sqrt(hidden_size), rounded to the
+            embedding's dtype), 1.0 elsewhere; the tied lm_head reads the table unscaled.
+        sandwich_norms: each block's output is normalized before its residual add (Gemma's
+            post_attention_layernorm and post_feedforward_layernorm; the FFN's input norm is then
+            pre_feedforward_layernorm): x + norm(attn(norm(x))), then h + norm(mlp(norm(h))).
+        query_pre_attn_scalar: attention logits are scaled by query_pre_attn_scalar ** -0.5 instead of
+            head_dim ** -0.5 (`attn_scale`), or None.
+        local_rope_theta: the RoPE base of the local_layers (Gemma 3's sliding layers: 10000, unscaled), whose
+            global layers take rope_theta and rope_scaling; None = every layer the same RoPE.
+    Gemma's RMSNorm multiplies by (1 + weight): the checkpoint readers store 1 + weight (as llama.cpp's GGUF
+    files hold it), so the norms here are plain RMSNorms.
     """
 
     model_type: str
@@ -157,6 +177,11 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    hidden_act: str = "silu"
+    embed_scale: float = 1.0
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in DENSE_TYPES + MOE_TYPES:
@@ -204,6 +229,27 @@ class ModelConfig:
             raise UnsupportedModelError(f"per-layer attention windows {self.local_window} over layers "
                                         f"{self.local_layers}",
                                         "check sliding_window and layer_types in the checkpoint's config.json")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise UnsupportedModelError(f"unsupported MLP activation {self.hidden_act!r}",
+                                        "tiered's MLPs are GLUs of " + " or ".join(HIDDEN_ACTS))
+        if self.hidden_act != "silu" and self.is_moe:
+            raise UnsupportedModelError(f"{self.hidden_act} experts are not supported", "tiered's experts are SwiGLU")
+        if self.local_rope_theta is not None and not self.local_layers:
+            raise UnsupportedModelError("a local RoPE base without local layers", "ModelConfig.from_hf sets both")
+
+    @property
+    def attn_scale(self) -> float:
+        """The attention logits' factor: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def local_rope(self) -> "ModelConfig | None":
+        """The config whose RoPE (rope_inv_freq, Rotary) the local_layers rotate by: rope_theta
+        local_rope_theta and no scaling; None where every layer rotates by this config's own."""
+        if self.local_rope_theta is None:
+            return None
+        import dataclasses
+
+        return dataclasses.replace(self, rope_theta=self.local_rope_theta, rope_scaling=None, local_rope_theta=None)
 
     @property
     def is_moe(self) -> bool:
@@ -307,7 +353,7 @@ class ModelConfig:
                     mlp += 3 * d * self.shared_expert_intermediate_size + d * self.shared_expert_gated
             else:
                 mlp = 3 * d * self.intermediate_size
-            total += attn + mlp + 2 * d
+            total += attn + mlp + (4 if self.sandwich_norms else 2) * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return total + emb + d
 
@@ -331,6 +377,11 @@ class ModelConfig:
             raise CheckpointError(f"{source} is a JSON {type(cfg).__name__}, not an object of model settings",
                                   "restore the checkpoint's config.json")
         model_type = cfg.get("model_type", "")
+        if model_type in MULTIMODAL_TEXT:
+            cfg = _text_config(cfg, model_type, source)
+            model_type = cfg["model_type"]
+        if model_type == "gemma3_text":
+            cfg = {**_GEMMA3_DEFAULTS, **cfg}
         if model_type not in DENSE_TYPES + MOE_TYPES:
             archs = ", ".join(cfg.get("architectures") or []) or model_type or "unknown"
             raise UnsupportedModelError(f"unsupported architecture {archs!r}",
@@ -346,6 +397,8 @@ class ModelConfig:
             family = _glm4_moe_fields(cfg, source)
         if model_type == "gpt_oss":
             family = _gpt_oss_fields(cfg, source)
+        if model_type == "gemma3_text":
+            family = _gemma3_fields(cfg, source)
         # transformers 5 nests RoPE settings in rope_parameters; 4.x has rope_theta + rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
         rope.pop("partial_rotary_factor", None)  # a field of its own (glm4_moe's), not a scaling
@@ -562,6 +615,107 @@ def _gpt_oss_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
     if not rope.get("rope_type", rope.get("type")) and not cfg.get("rope_scaling"):
         out["rope_scaling"] = dict(_GPT_OSS_ROPE)  # transformers' default (GptOssConfig.__post_init__)
     return out
+
+
+def _text_config(cfg: dict[str, Any], model_type: str, source: object) -> dict[str, Any]:
+    """The language model's config of a multimodal config.json (MULTIMODAL_TEXT: Gemma 3's
+    Gemma3ForConditionalGeneration): its `text_config`, with the file's top-level token ids (Gemma 3 4B-27B
+    give eos_token_id [1, 106] there) over the text config's. tiered runs the text model alone; the vision
+    tower's weights are not read (checkpoint/hf_dir.py).
+
+    Raises:
+        CheckpointError: text_config is missing or not an object.
+    """
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{source}: a {model_type} config.json without a text_config object",
+                              "restore the checkpoint's config.json")
+    top = {k: cfg[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if cfg.get(k) is not None}
+    return {**text, **top, "model_type": MULTIMODAL_TEXT[model_type]}
+
+
+# transformers' defaults for gemma3_text fields a config.json may leave out (Gemma3TextConfig; the multimodal
+# files' text_config gives only what differs from them)
+_GEMMA3_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
+                        rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True,
+                        query_pre_attn_scalar=256, sliding_window=4096, hidden_activation="gelu_pytorch_tanh")
+# HF activation names -> HIDDEN_ACTS
+_HF_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _gemma3_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
+    """ModelConfig fields of a Gemma 3 text config (transformers' gemma3_text: Gemma3ForCausalLM, or the
+    text_config of Gemma3ForConditionalGeneration), with _GEMMA3_DEFAULTS already filled in.
+
+    As transformers' modeling_gemma3 computes them: the embedding scaled by sqrt(hidden_size); per-head q/k
+    RMSNorms; logits scaled by query_pre_attn_scalar ** -0.5; layers per `layer_types` (default: every 6th
+    layer global, sliding_window_pattern) either sliding (a window of sliding_window positions, RoPE base
+    rope_local_base_freq, default 10000, unscaled) or global (rope_theta, default 1e6, with rope_scaling:
+    linear 8 for 4B-27B); sandwich norms around each block; a GeGLU MLP (gelu_pytorch_tanh); lm_head tied
+    to the embedding. transformers 5 writes the two RoPEs as rope_parameters {"full_attention": {...},
+    "sliding_attention": {...}}; 4.x as rope_theta, rope_scaling and rope_local_base_freq.
+
+    Raises:
+        CheckpointError: layer_types of another length than num_hidden_layers or with an unknown type;
+            query_pre_attn_scalar not a positive number.
+        UnsupportedModelError: attention or final logit softcapping (Gemma 2's), bidirectional attention
+            (EmbeddingGemma), an activation other than gelu_pytorch_tanh / silu, a scaled local RoPE.
+    """
+    def bad(field: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{source}: {field} {why}", "fix or restore the checkpoint's config.json")
+
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise UnsupportedModelError(f"gemma3_text with {key} {cfg[key]} is not supported",
+                                        "Gemma 3's released configs have none")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("bidirectional attention (an embedding model) is not supported",
+                                    "tiered runs causal language models")
+    act = _HF_ACTS.get(cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh")
+    if act is None:
+        raise UnsupportedModelError(f"unsupported activation {cfg.get('hidden_activation')!r} for gemma3_text",
+                                    "tiered's GLUs take " + ", ".join(_HF_ACTS))
+    L = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern") or 6
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
+    if len(types) != L or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise bad("layer_types", f"must give sliding_attention or full_attention for each of the {L} layers, "
+                                 f"got {types!r}")
+    scalar = cfg.get("query_pre_attn_scalar")
+    if not (_is_number(scalar) and scalar > 0):
+        raise bad("query_pre_attn_scalar", f"must be a positive number, got {scalar!r}")
+    rope = cfg.get("rope_parameters") or {}
+    if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5: one RoPE per layer type
+        full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+    else:
+        full = dict(cfg.get("rope_scaling") or rope)
+        local = {"rope_theta": cfg.get("rope_local_base_freq")}
+    theta = full.pop("rope_theta", None) or cfg.get("rope_theta") or 1_000_000.0
+    local_theta = local.pop("rope_theta", None) or 10_000.0
+    full.setdefault("rope_type", full.pop("type", "default"))
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise UnsupportedModelError(f"a scaled RoPE ({local}) on gemma3_text's sliding layers is not supported",
+                                    "Gemma 3 rotates its sliding layers by plain RoPE")
+    for v, field in ((theta, "rope_theta"), (local_theta, "rope_local_base_freq")):
+        if not (_is_number(v) and v > 0):
+            raise bad(field, f"must be a positive number, got {v!r}")
+    for k in _ROPE_FACTORS.get(full["rope_type"], ()):
+        if not (_is_number(full.get(k)) and full[k] > 0):
+            raise bad(f"rope_scaling.{k}", "is missing" if k not in full else f"must be a positive number, got {full[k]!r}")
+    window = cfg.get("sliding_window")
+    local_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
+    bias = bool(cfg.get("attention_bias", False))
+    return dict(
+        hidden_act=act, embed_scale=float(cfg["hidden_size"]) ** 0.5, sandwich_norms=True,
+        query_pre_attn_scalar=float(scalar), qk_norm=True, qk_norm_scope="head", attention_bias=bias,
+        o_proj_bias=bias, sliding_window=None, local_window=window if local_layers else None,
+        local_layers=local_layers, rope_theta=float(theta),
+        rope_scaling=None if full["rope_type"] == "default" else full,
+        local_rope_theta=float(local_theta) if local_layers else None,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)))
 
 
 # HF config.json fields read as ints: (required, smallest value). A field given as null counts as

@@ -48,7 +48,7 @@ def build_model(config: ModelConfig, max_positions: int, experts: bool = True) -
     nn.Linear and nn.Embedding layers skip their random initialization). `experts=False`: MoE blocks
     without their routed experts' modules (models/moe.MoEBlock), for a runtime that holds them itself.
 
-    Dense Llama-family types get models/llama.py's layers; MoE types (Mixtral, Qwen2-MoE,
+    Dense Llama-family types get models/llama.py's layers, Gemma 3 models/gemma.py's; MoE types (Mixtral, Qwen2-MoE,
     Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5) get models/moe.py's MoEBlock layers; gpt-oss
     models/gpt_oss.py's (attention sinks, a biased router, biased clamped-GLU experts).
 
@@ -62,6 +62,9 @@ def build_model(config: ModelConfig, max_positions: int, experts: bool = True) -
 
 
 def _build(config: ModelConfig, max_positions: int, experts: bool) -> CausalLM:
+    if config.sandwich_norms:  # Gemma 3
+        from tiered.models.gemma import GemmaDecoderLayer
+        return CausalLM(config, max_positions, [GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
     if config.model_type in DENSE_TYPES:
         return CausalLM(config, max_positions)
     if config.model_type == "gpt_oss":

@@ -62,28 +62,28 @@ class RMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     """RoPE cos/sin tables [max_positions, rd] (fp32), rotate-half convention (HF Llama); rd =
-    config.rotary_dim, hd unless a partial RoPE (GLM-4.5) rotates only each head's first rd features."""
+    config.rotary_dim, hd unless a partial RoPE (GLM-4.5) rotates only each head's first rd features.
+    Where the model's local layers rotate by a RoPE of their own (Gemma 3's sliding layers:
+    ModelConfig.local_rope), `local_cos` / `local_sin` hold its tables (else None)."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        if torch.get_default_device().type == "meta":  # shapes only: RoPE math on the meta device would
-            shape = (max_positions, config.rotary_dim)  # run Python decompositions that import torch._dynamo
-            self.register_buffer("cos", torch.empty(shape), persistent=False)
-            self.register_buffer("sin", torch.empty(shape), persistent=False)
-            return
-        inv_freq = rope_inv_freq(config)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        factor = rope_attention_factor(config)  # YaRN's: scales q . k through both rotated vectors
-        if factor != 1.0:
-            cos, sin = cos * factor, sin * factor
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        local = config.local_rope()
+        for prefix, cfg in (("", config), ("local_", local)):
+            cos, sin = _rope_tables(cfg, max_positions) if cfg is not None else (None, None)
+            self.register_buffer(prefix + "cos", cos, persistent=False)
+            self.register_buffer(prefix + "sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [B, T] -> (cos, sin), each [B, 1, T, rd] fp32."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def local(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """positions int64 [B, T] -> the local layers' (cos, sin), each [B, 1, T, rd] fp32; None where every
+        layer rotates by the same RoPE."""
+        if self.local_cos is None:
+            return None
+        return self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1)
 
     @staticmethod
     def signed(sin: torch.Tensor) -> torch.Tensor:
@@ -91,6 +91,22 @@ class Rotary(nn.Module):
         every layer, so no third table sits beside cos and sin."""
         half = sin.shape[-1] // 2
         return torch.cat((-sin[..., :half], sin[..., half:]), -1)
+
+
+def _rope_tables(config: ModelConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's (cos, sin) tables of `config` [max_positions, rotary_dim] fp32 (empty on the meta device: RoPE math
+    there would run Python decompositions that import torch._dynamo)."""
+    if torch.get_default_device().type == "meta":
+        shape = (max_positions, config.rotary_dim)
+        return torch.empty(shape), torch.empty(shape)
+    inv_freq = rope_inv_freq(config)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    factor = rope_attention_factor(config)  # YaRN's: scales q . k through both rotated vectors
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos, sin
 
 
 def _glue_kernels(x: torch.Tensor):
@@ -126,6 +142,21 @@ def swiglu(gu: torch.Tensor) -> torch.Tensor:
         return native.swiglu(gu)
     gate, up = gu.chunk(2, -1)
     return F.silu(gate) * up
+
+
+def glu_activation(gate: torch.Tensor, act: str) -> torch.Tensor:
+    """A GLU's activation of its gate [..., F] (ModelConfig.HIDDEN_ACTS): SiLU, or GELU's tanh approximation
+    (Gemma's gelu_pytorch_tanh), in gate's dtype."""
+    return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+
+
+def glu(gu: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """A fused gate/up projection's output gu [..., 2F] (gate, then up) -> act(gate) * up [..., F] in gu's dtype:
+    `swiglu` for SiLU."""
+    if act == "silu":
+        return swiglu(gu)
+    gate, up = gu.chunk(2, -1)
+    return glu_activation(gate, act) * up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -194,7 +225,7 @@ class AttentionMetadata:
     """
 
     __slots__ = ("positions", "slots", "cos", "sin", "mask", "causal", "kv_len", "contiguous_slots", "single",
-                 "sin_signed", "local", "segments", "aligned", "windowed")
+                 "sin_signed", "local", "segments", "aligned", "windowed", "local_rope", "local_meta")
 
     def __init__(self, positions, slots, cos, sin, mask, causal, kv_len, contiguous_slots, single=None,
                  sin_signed=None, windowed=False) -> None:
@@ -206,6 +237,31 @@ class AttentionMetadata:
         self.local = None  # window_mask's (window, mask, causal), made by the first layer with that window
         self.aligned = None  # KVCache.aligned's (mask, that mask widened), made by the first layer that widens it
         self.segments: tuple[tuple[int, int, "AttentionMetadata"], ...] | None = None  # build_packed_metadata's
+        self.local_rope = None  # the local layers' (cos, sin) where they rotate by their own RoPE (Rotary.local)
+        self.local_meta = None  # local_rope_metadata's, made by the first layer that asks
+
+    def with_rope(self, rotary: "Rotary") -> "AttentionMetadata":
+        """Sets local_rope from `rotary` (Rotary.local at these positions); returns self."""
+        self.local_rope = rotary.local(self.positions)
+        return self
+
+
+def local_rope_metadata(meta: AttentionMetadata) -> AttentionMetadata:
+    """The metadata a local layer with a RoPE of its own reads (Gemma 3's sliding layers): `meta` with cos, sin
+    and sin_signed of meta.local_rope, the rest shared (made once per step, kept in meta.local_meta); meta
+    itself where there is no local RoPE."""
+    if meta.local_rope is None:
+        return meta
+    if meta.local_meta is None:
+        import copy
+
+        m = copy.copy(meta)
+        m.cos, m.sin = meta.local_rope
+        m.sin_signed = Rotary.signed(m.sin) if meta.sin_signed is not None else None
+        m.local_rope = m.local_meta = None
+        m.local = m.aligned = None
+        meta.local_meta = m
+    return meta.local_meta
 
 
 def window_mask(meta: AttentionMetadata, window: int) -> tuple[torch.Tensor | None, bool]:
@@ -246,7 +302,7 @@ def build_attention_metadata(rotary: Rotary, positions: torch.Tensor, slots: tor
     if B == 1 and kv_len - T == int(positions[0, 0]):  # positions are start .. kv_len - 1
         single = (int(slots[0]), kv_len - T)
     return AttentionMetadata(positions, slots, cos, sin, mask, causal, kv_len, contiguous, single,
-                             rotary.signed(sin), windowed=not in_window)
+                             rotary.signed(sin), windowed=not in_window).with_rope(rotary)
 
 
 def build_packed_metadata(rotary: Rotary, positions: torch.Tensor, spans: list[tuple[int, int]], slots: list[int],
@@ -286,7 +342,7 @@ def build_packed_metadata(rotary: Rotary, positions: torch.Tensor, spans: list[t
         segments.append((offset, b - a, one))
         offset += b - a
     meta = AttentionMetadata(positions, slot_t, cos, sin, None, False, max(b for _, b in spans), False,
-                             sin_signed=rotary.signed(sin))
+                             sin_signed=rotary.signed(sin)).with_rope(rotary)
     meta.segments = tuple(segments)
     return meta
 
@@ -301,7 +357,8 @@ def build_static_decode_metadata(rotary: Rotary, positions: torch.Tensor, slots:
     cos, sin = rotary(positions)
     mask = attention_mask(positions, kv_len, sliding_window)
     return AttentionMetadata(positions, slots, cos, sin, mask, False, kv_len, contiguous_slots, None,
-                             rotary.signed(sin), windowed=sliding_window is not None and kv_len > sliding_window)
+                             rotary.signed(sin), windowed=sliding_window is not None and kv_len > sliding_window
+                             ).with_rope(rotary)
 
 
 def quantize_kv_rows(x: torch.Tensor) -> torch.Tensor:
@@ -607,7 +664,7 @@ class Attention(nn.Module):
         self.clip_qkv = config.clip_qkv  # OLMoE: clamp q, k, v to [-clip, clip], or None
         # a window of this layer's own (gpt-oss's sliding layers), or None: the step's mask (meta.mask)
         self.local_window = config.local_window if layer_idx in config.local_layers else None
-        self.scale = hd ** -0.5
+        self.scale = config.attn_scale  # hd ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_qkv's (weight, bias)
         # steps of 2+ tokens attend in this dtype where the KV cache holds it (Plan.dtypes["prompt_attention"],
         # set_prompt_attention); None: in the activations' dtype
@@ -716,10 +773,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). x [..., D] -> [..., D]; F = intermediate size."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), or another GLU: down(act(gate(x)) * up(x)) (`act`, a
+    ModelConfig.HIDDEN_ACTS name: Gemma's GeGLU "gelu_tanh"). x [..., D] -> [..., D]; F = intermediate size."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
+        self.act = act
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
@@ -742,7 +801,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            return self.down_proj(swiglu(F.linear(x, self.gate_up)))
+            return self.down_proj(glu(F.linear(x, self.gate_up), self.act))
         dt = self._prompt_dtype(x)
         if dt is not None:  # x cast once; gate, up, their product and down stay in the GEMMs' dtype
             return self._swiglu_down(x.to(dt)).to(x.dtype)
@@ -756,8 +815,8 @@ class MLP(nn.Module):
 
         gu = fused_pair(self.gate_proj, self.up_proj, h)
         if gu is not None:
-            return self.down_proj(swiglu(gu))
-        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+            return self.down_proj(glu(gu, self.act))
+        return self.down_proj(glu_activation(self.gate_proj(h), self.act) * self.up_proj(h))
 
     def _prompt_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The plan's prompt dtype (self.prompt_dtype: Plan.dtypes["prompt_ffn"], set by set_prompt_ffn) where this

@@ -51,6 +51,17 @@ class DecoderLayer(nn.Module):
         h, y = self.post_attention_layernorm.residual(x, self.self_attn(n, meta, cache), input_dtype(self.mlp, x, cache))
         return h, self.mlp(y)
 
+    @property
+    def ffn_norm(self) -> RMSNorm:
+        """The norm whose output the FFN takes: post_attention_layernorm (the FFN's pre-norm here; Gemma's
+        layers have one more, models/gemma.py)."""
+        return self.post_attention_layernorm
+
+    def ffn_output(self, m: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The FFN's output m [..., D] as the residual stream adds it: m itself here (in `dtype` where given);
+        Gemma's layers normalize it first."""
+        return m if dtype is None or m.dtype == dtype else m.to(dtype)
+
     def attention_residual(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         """x + attn(norm(x)): the layer up to its MLP (x [B, T, D] -> [B, T, D]), as `forward` computes it. A
         piecewise-graphed decode step (runtime/graphs.PiecewiseGraphs) captures this part and runs the MLP eagerly."""
@@ -87,10 +98,23 @@ class CausalLM(nn.Module):
         self.model = Backbone(config, layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config, max_positions)
+        self._scales: dict[torch.dtype, float] = {}  # embed's scale rounded per dtype
 
     @property
     def max_positions(self) -> int:
         return self.rotary.cos.shape[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids int64 [...] -> their embedding rows [..., D] in the table's dtype, times config.embed_scale
+        rounded to that dtype where it is not 1 (Gemma's sqrt(D), as transformers rounds it)."""
+        x = self.model.embed_tokens(input_ids)
+        scale = self.config.embed_scale
+        if scale == 1.0:
+            return x
+        rounded = self._scales.get(x.dtype)
+        if rounded is None:
+            rounded = self._scales[x.dtype] = float(torch.tensor(scale, dtype=x.dtype))
+        return x * rounded
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       cache: KVCache, meta: AttentionMetadata | None = None) -> torch.Tensor:
@@ -98,7 +122,7 @@ class CausalLM(nn.Module):
         `meta` replaces the step's own metadata (e.g. layers.build_static_decode_metadata)."""
         if meta is None:
             meta = build_attention_metadata(self.rotary, positions, slots, self.config.sliding_window)
-        x, m = self.model.embed_tokens(input_ids), None
+        x, m = self.embed(input_ids), None
         for layer in self.model.layers:  # the residual stream as x + m: DecoderLayer.step
             x, m = layer.step(x, m, meta, cache)
         return self.model.norm.residual(x, m)[1]

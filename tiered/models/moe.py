@@ -34,7 +34,7 @@ from torch import nn
 
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.hardware.cpu_gemm import linear
-from tiered.models.layers import MLP
+from tiered.models.layers import MLP, glu_activation
 from tiered.models.llama import CausalLM, DecoderLayer
 
 # HF names of one expert's (gate, up, down) projections.
@@ -42,17 +42,18 @@ MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 SWIGLU_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
-def swiglu_hidden(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+def swiglu_hidden(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """silu(x @ w_gate.T) * (x @ w_up.T): x [n, D], w_gate / w_up [r, D] (all of an expert's rows,
-    or some) -> [n, r] in x's dtype; weights cast to x's dtype when they differ."""
+    or some) -> [n, r] in x's dtype; weights cast to x's dtype when they differ. `act`: the GLU's
+    activation (layers.glu_activation; Gemma's dense MLPs sliced: "gelu_tanh")."""
     dt = x.dtype
     w_gate, w_up = (w if w.dtype == dt else w.to(dt) for w in (w_gate, w_up))
-    return F.silu(linear(x, w_gate)) * linear(x, w_up)
+    return glu_activation(linear(x, w_gate), act) * linear(x, w_up)
 
 
 def expert_forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                   w_down: torch.Tensor) -> torch.Tensor:
-    """One SwiGLU expert: (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T.
+                   w_down: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """One SwiGLU expert: (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T (or the GLU of `act`, swiglu_hidden).
 
     Args:
         x: [n, D] tokens routed to this expert.
@@ -60,7 +61,7 @@ def expert_forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     Returns:
         [n, D] in x's dtype.
     """
-    return linear(swiglu_hidden(x, w_gate, w_up), w_down if w_down.dtype == x.dtype else w_down.to(x.dtype))
+    return linear(swiglu_hidden(x, w_gate, w_up, act), w_down if w_down.dtype == x.dtype else w_down.to(x.dtype))
 
 
 class Expert(nn.Module):

@@ -468,7 +468,7 @@ class CPUDecodeStep:
             return self._native_call(input_ids, positions, slots, cache, rows)
         meta = build_attention_metadata(self.model.rotary, positions, slots, self.sliding_window)
         B = input_ids.shape[0]
-        x = self.embed(input_ids).view(B, -1)  # [B, D] residual stream, model dtype
+        x = self.model.embed(input_ids).view(B, -1)  # [B, D] residual stream, model dtype
         cos, sin = meta.cos.view(B, 1, self.rd), meta.sin.view(B, 1, self.rd)
         if self.rd != self.hd:  # partial RoPE: cos 1 and sin 0 past rd (self.rot is 0 there) pass those through
             cos, sin = F.pad(cos, (0, self.hd - self.rd), value=1.0), F.pad(sin, (0, self.hd - self.rd))
@@ -489,7 +489,7 @@ class CPUDecodeStep:
     def _native_call(self, input_ids, positions, slots, cache: KVCache, rows=None) -> torch.Tensor:
         B = input_ids.shape[0]
         pos = positions.view(B)
-        x = self.embed(input_ids).view(B, -1).contiguous()  # [B, D] residual stream, model dtype
+        x = self.model.embed(input_ids).view(B, -1).contiguous()  # [B, D] residual stream, model dtype
         cos, sin = self.model.rotary.cos[pos], self.model.rotary.sin[pos]  # [B, rd] fp32
         meta = None
         schedule = self.schedule
@@ -527,6 +527,8 @@ class CPUDecodeStep:
         the burst cannot read it (a BlockEmbedding of another block format)."""
         from tiered.quant.embedding import BlockEmbedding
 
+        if self.model.config.embed_scale != 1.0:  # the burst reads the table's rows unscaled
+            return None
         if isinstance(self.embed, BlockEmbedding):
             return None if self.embed._table is None else (self.embed._table, True)
         if type(self.embed) is nn.Embedding and self.embed.weight.is_contiguous():

@@ -151,14 +151,14 @@ class PiecewiseGraphs(DecodeGraphs):
         def first():
             shared["meta"] = meta = self._meta(positions, slots, bucket, contiguous)
             layer = layers[0]
-            h = layer.attention_residual(model.model.embed_tokens(ids), meta, cache)
-            return h, layer.post_attention_layernorm(h)
+            h = layer.attention_residual(model.embed(ids), meta, cache)
+            return h, layer.ffn_norm(h)
 
         def middle(i, h_prev, y_prev):
             def segment():
                 layer = layers[i]
                 h = layer.attention_residual(h_prev + y_prev, shared["meta"], cache)
-                return h, layer.post_attention_layernorm(h)
+                return h, layer.ffn_norm(h)
             return segment
 
         def last(h_prev, y_prev):
@@ -183,7 +183,7 @@ class PiecewiseGraphs(DecodeGraphs):
             shared  # noqa: B018 - graph 0's metadata tensors live as long as the graphs that read them
             replays[0]()
             for i, layer in enumerate(layers):
-                mlp_out[i].copy_(layer.mlp(outs[i][1]))
+                mlp_out[i].copy_(layer.ffn_output(layer.mlp(outs[i][1])))
                 replays[i + 1]()
             return outs[-1]
         return run, outs[-1]

@@ -88,8 +88,10 @@ class SlicedMLP(nn.Module):
 
     def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, r_cc: float, r_cg: float,
                  accelerator, executor: Executor, n_g: int | Callable[[int], int] = 0,
-                 staging: SliceStaging | None = None, host_budget=None, device_issue: str = "thread") -> None:
+                 staging: SliceStaging | None = None, host_budget=None, device_issue: str = "thread",
+                 act: str = "silu") -> None:
         super().__init__()
+        self.act = act  # the GLU's activation (models/layers.glu_activation)
         F, D = w_gate.shape
         self.f_cc, self.f_cg, self.f_gg = split_rows(F, r_cc, r_cg)
         a, b = self.f_cc, self.f_cc + self.f_cg
@@ -134,9 +136,10 @@ class SlicedMLP(nn.Module):
         bf16 slices run tiered's fused GEMV expert (kernels: ~93 GB/s on the
         H200's host, where torch's bf16 F.linear streamed the CC slices at ~47 GB/s, 2026-11-26);
         prompts, other dtypes and machines without the kernels take torch's GEMMs."""
-        ext = kernels.load() if x.shape[0] <= bf16_native_rows() and self.cc[0].dtype == torch.bfloat16 else None
+        ext = (kernels.load() if x.shape[0] <= bf16_native_rows() and self.cc[0].dtype == torch.bfloat16
+               and self.act == "silu" else None)
         if ext is None:
-            return expert_forward(x, *self.cc)
+            return expert_forward(x, *self.cc, self.act)
         y = ext.bf16_expert_forward(*self.cc, x)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
@@ -156,19 +159,19 @@ class SlicedMLP(nn.Module):
         ready = acc.record_event()  # device streams wait for x on the device, the host does not
         futures = []
         if self.f_gg:
-            futures.append(ex.submit("compute", lambda: expert_forward(x2, *self.gg), name="GG", after_event=ready,
+            futures.append(ex.submit("compute", lambda: expert_forward(x2, *self.gg, self.act), name="GG", after_event=ready,
                                      issue_here=self._gemms_here))
         if self.f_cg:
             cg = self._cg_stage
             copy = self._copy(cg, self.cg, "H2D CG", self._cg_copy_here)
-            futures.append(ex.submit("compute", lambda: expert_forward(x2, *cg), deps=[copy], name="CG",
+            futures.append(ex.submit("compute", lambda: expert_forward(x2, *cg, self.act), deps=[copy], name="CG",
                                      after_event=ready, issue_here=self._gemms_here))
         cc_rows = T - n_g
         cgp_fut = None
         if n_g:
             cc = self._cc_stage
             copy = self._copy(cc, self.cc, "H2D CG'", self._cc_copy_here)
-            cgp_fut = ex.submit("compute", lambda: expert_forward(x2[cc_rows:], *cc), deps=[copy], name="CG'",
+            cgp_fut = ex.submit("compute", lambda: expert_forward(x2[cc_rows:], *cc, self.act), deps=[copy], name="CG'",
                                 after_event=ready, issue_here=self._gemms_here)
         y_cc = None
         if self.f_cc and cc_rows:  # CC on the CPU: on this thread (inline stream), while the streams work
@@ -226,7 +229,7 @@ def install_sliced_mlps(model: nn.Module, rates: Sequence[tuple[float, float]] |
         per_layer = (lambda T, i=i: n_g(i, T)) if callable(n_g) else n_g
         w_gate, w_up, w_down = weights(i)
         sliced = SlicedMLP(w_gate.to(dtype), w_up.to(dtype), w_down.to(dtype), *todo[i], accelerator, executor,
-                           per_layer, staging, host_budget, device_issue)
+                           per_layer, staging, host_budget, device_issue, layers[i].mlp.act)
         layers[i].mlp = sliced
         out.append(sliced)
     return out
