@@ -24,12 +24,14 @@ from safetensors.torch import load_file, save_file
 
 from fixtures import check, hf_greedy, hf_logits, local_model, max_rel_err, prompt_ids, stepwise_logits
 from gguf_writer import dequantized_model, write_gemma3_gguf
-from tiered import SamplingParams
+from tiered import SamplingParams, kernels
 from tiered.checkpoint import open_checkpoint
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import UnsupportedModelError
 from tiered.models.layers import KVCache, build_attention_metadata
+from tiered.runtime.cpu_decode import CPUDecodeStep
 
+native_only = pytest.mark.skipif(not kernels.available(), reason="tiered/kernels is not built")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 REL_TOL = 1e-4
 
@@ -75,15 +77,32 @@ def test_what_gemma3_does_not_compute_is_refused(field, value, words):
     check(e, *words)
 
 
-def test_decode_past_the_window_matches_transformers(zoo):
-    """Token-by-token decode through the KV cache for 24 positions past a 12-token prompt (the sliding layer's
-    window is 8) gives transformers' logits at every position: the engine's default CPU step (the native step
-    runs Gemma's layers as modules) and the lossless fp32 one."""
+@native_only
+def test_native_step_decodes_past_the_window_as_transformers(zoo):
+    """The native C++ decode step runs every Gemma layer itself (sandwich norms, GeGLU, the sliding layer's own
+    RoPE tables and window, the query_pre_attn_scalar scale: DecodeStep.set_sandwich / set_local_rope /
+    set_activation), and token-by-token decode for 24 positions past a 12-token prompt (the window is 8) gives
+    transformers' logits at every position in fp32, as does the torch-op step (modules)."""
     ids = prompt_ids(zoo.vocab_size, 36, seed=4)
     ref = hf_logits(zoo.hf("gemma3"), ids)[11:]
-    for kw in ({}, {"dtype": "float32"}):
-        llm = zoo.llm(zoo.dir("gemma3"), **kw)
-        assert max_rel_err(stepwise_logits(llm, ids, 12), ref) <= REL_TOL
+    llm = zoo.llm(zoo.dir("gemma3"))  # fp32 decode weights: lossless
+    step = llm.runtime.cpu_decode
+    assert step.native is not None and step.schedule == [("native", 0, 2)]
+    assert max_rel_err(stepwise_logits(llm, ids, 12, step), ref) <= REL_TOL
+    assert max_rel_err(stepwise_logits(llm, ids, 12), ref) <= REL_TOL  # the modules
+    torch_ops = CPUDecodeStep(llm.model, native=False)
+    assert all(L.module_attn for L, _ in torch_ops.layers)  # the torch-op step runs them as their modules
+    assert max_rel_err(stepwise_logits(llm, ids, 12, torch_ops), ref) <= REL_TOL
+
+
+@native_only
+def test_native_prompt_rows_equal_the_modules_prefill(zoo):
+    """A short prompt's rows through the native step (Plan.mixed_rows) give the modules' prefill logits."""
+    llm = zoo.llm(zoo.dir("gemma3"))
+    ids = prompt_ids(zoo.vocab_size, 14, seed=6)
+    with torch.inference_mode():
+        rows = llm.runtime.cpu_decode.rows_call([(ids, 0, 0, len(ids))], llm._kv_cache(1, len(ids)))
+    assert max_rel_err(rows, hf_logits(zoo.hf("gemma3"), ids)) <= REL_TOL
 
 
 def test_default_engine_is_within_its_weight_rounding(zoo):

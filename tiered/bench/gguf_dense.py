@@ -129,3 +129,69 @@ def write_dummy_dense_gguf(path: str | os.PathLike, shape: DenseShape, tokenizer
                   lambda rng, name, shp, kind: random_k_blocks(rng, shp[0], shp[1], kind, _STD.get(name.split(".")[-2], 0.02)),
                   seed)
     return path
+
+
+def gemma3_4b(layers: int = 6) -> DenseShape:
+    """Gemma 3 4B's layer widths (34 layers in the real model; hidden 2560, FFN 10240, 8 query / 4 KV heads of
+    256), `layers` of them."""
+    return DenseShape(layers=layers, hidden=2560, ffn=10240, heads=8, kv_heads=4, head_dim=256, vocab=262_208)
+
+
+def write_dummy_gemma3_gguf(path: str | os.PathLike, shape: DenseShape, tokenizer_from: str | os.PathLike | None = None,
+                            seed: int = 0, window: int = 1024) -> Path:
+    """Write `shape` as a llama.cpp "gemma3" GGUF quantized as Google's QAT files and llama.cpp's Q4_0 are: Q4_0
+    projections, the tied embedding (the output matrix too) Q6_K, F32 norms of ones (stored as Gemma's 1 + weight:
+    weights of zero); 5 of every 6 layers sliding over `window` positions, llama.cpp's gemma3 rule.
+
+    Args:
+        tokenizer_from: a GGUF whose tokenizer metadata is copied (its vocabulary sets the embedding's rows; SmolLM2's
+            49152 against Gemma's 262208 makes the output matrix 5x smaller than the real model's), or None.
+    Returns the path.
+    """
+    from gguf import GGUFWriter, RopeScalingType
+
+    from tiered.bench.gguf_moe import _BLOCK_BYTES, random_blocks
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok, vocab = read_tokenizer(tokenizer_from, shape.vocab)
+    s = shape
+    w = GGUFWriter(str(path), "gemma3")
+    w.add_name(f"dummy {s.tag('Q4_0').replace('llama', 'gemma3')}")
+    w.add_block_count(s.layers)
+    w.add_context_length(131072)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.ffn)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_rope_scaling_type(RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(8.0)
+    w.add_sliding_window(window)
+    w.add_vocab_size(vocab)
+    w.add_file_type(2)  # LLAMA_FTYPE_MOSTLY_Q4_0
+    add_tokenizer(w, tok)
+    D, F, hd = s.hidden, s.ffn, s.head_dim
+    specs = [("token_embd.weight", (vocab, D), "Q6_K")]  # (name, torch-order shape, type)
+    for i in range(s.layers):
+        p = f"blk.{i}."
+        specs += [(p + "attn_norm.weight", (D,), "ONES"), (p + "attn_q.weight", (s.heads * hd, D), "Q4_0"),
+                  (p + "attn_q_norm.weight", (hd,), "ONES"), (p + "attn_k.weight", (s.kv_heads * hd, D), "Q4_0"),
+                  (p + "attn_k_norm.weight", (hd,), "ONES"), (p + "attn_v.weight", (s.kv_heads * hd, D), "Q4_0"),
+                  (p + "attn_output.weight", (D, s.heads * hd), "Q4_0"), (p + "post_attention_norm.weight", (D,), "ONES"),
+                  (p + "ffn_norm.weight", (D,), "ONES"), (p + "ffn_gate.weight", (F, D), "Q4_0"),
+                  (p + "ffn_up.weight", (F, D), "Q4_0"), (p + "ffn_down.weight", (D, F), "Q4_0"),
+                  (p + "post_ffw_norm.weight", (D,), "ONES")]
+    specs += [("output_norm.weight", (D,), "ONES")]
+    sizes = {k: (256, b) for k, b in K_BLOCK_BYTES.items()} | {"Q4_0": (32, _BLOCK_BYTES["Q4_0"])}
+
+    def blocks(rng, name, shp, kind):
+        std = _STD.get(name.split(".")[-2], 0.02)
+        if kind == "Q4_0":
+            return random_blocks(rng, shp[0], shp[1], kind, std)
+        return random_k_blocks(rng, shp[0], shp[1], kind, std)
+    write_tensors(w, specs, sizes, blocks, seed)
+    return path

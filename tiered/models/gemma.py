@@ -17,8 +17,8 @@ here is models/layers.RMSNorm. transformers computes Gemma's norm product in fp3
 16-bit model's dtype (Llama's rounds first): a bf16 model's norms here round as Llama's do, ~1 ulp apart.
 
 Parameter names equal transformers' Gemma3ForCausalLM's (`model.layers.N.pre_feedforward_layernorm.weight`,
-...). The native C++ decode step does not run these layers (runtime/cpu_decode.supported_attention: the
-attention is not models/layers.Attention): the CPU decodes them as modules, on the same weight kernels.
+...). The native C++ decode step runs these layers itself (runtime/cpu_decode: DecodeStep.set_sandwich,
+set_local_rope, set_activation; the scale its constructor's); the torch-op step runs them as these modules.
 
 Source: transformers' modeling_gemma3.py (Gemma3TextScaledWordEmbedding, Gemma3RMSNorm, Gemma3Attention,
 Gemma3DecoderLayer) and the Gemma 3 technical report (Gemma Team, 2025, §2).

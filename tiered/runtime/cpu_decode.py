@@ -36,6 +36,10 @@ and their MoE block or dense MLP after it; the torch-op step runs them whole as 
 A partial RoPE (GLM-4.5: ModelConfig.rotary_dim < head_dim) rotates each head's first rotary_dim
 features in both steps and passes the rest through (DecodeStep's rotary_dim; the torch-op step's
 rotate-half matrix is 0 there, its cos 1 and sin 0).
+Gemma 3's layers (models/gemma.py) run in the native step too: their output norms before each residual add
+(DecodeStep.set_sandwich), GeGLU (set_activation), the sliding layers' own RoPE tables (set_local_rope: the
+engine's Rotary.local_cos / local_sin at the step's positions) and query_pre_attn_scalar's scale; the torch-op
+step runs them whole as modules.
 TIERED_NATIVE_MLA=0 keeps latent layers whole as modules in the native step as well, and
 TIERED_NATIVE_MOE=0 every MoE block its module (to compare; the native parts are the default).
 """
@@ -152,11 +156,12 @@ def supported_attention(attn, native: bool = False) -> bool:
     window of the layer's own (gpt-oss's sliding layers, ModelConfig.local_window) and gpt-oss's
     attention sinks (models/gpt_oss.SinkAttention) only in the native step (`native`:
     DecodeStep.set_attention); the torch-op step runs such layers as their modules."""
+    from tiered.models.gemma import GemmaAttention
     from tiered.models.gpt_oss import SinkAttention
 
     if type(attn) is Attention and attn.local_window is None:
         return True
-    return native and type(attn) in (Attention, SinkAttention)
+    return native and type(attn) in (Attention, SinkAttention, GemmaAttention)
 
 
 def _qk_extras(attn, qkv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -303,7 +308,8 @@ def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list, 
     dtype = model.model.norm.weight.dtype  # the residual stream's (the final norm keeps the model dtype)
     # latent attention: one cache "head" of R + r per layer (ModelConfig.kv_widths), r = head_dim
     step = native.DecodeStep(cfg.hidden_size, cfg.num_attention_heads, 1 if cfg.is_mla else cfg.num_key_value_heads,
-                             cfg.head_dim, cfg.head_dim ** -0.5, cfg.sliding_window or 0, cfg.rotary_dim)
+                             cfg.head_dim, cfg.attn_scale, cfg.sliding_window or 0, cfg.rotary_dim)
+    step.set_activation(cfg.hidden_act)
     # a prompt's rows over a bf16 cache attend in bf16 where the modules' prompts do (Plan.dtypes["prompt_attention"]
     # through layers.set_prompt_attention, or a bf16 model): on the AMX attention where it runs
     if dtype == torch.bfloat16 or any(getattr(layer.self_attn, "prompt_dtype", None) == torch.bfloat16
@@ -343,6 +349,10 @@ def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list, 
         if i not in latent and (attn.local_window is not None or getattr(attn, "sinks", None) is not None):
             step.set_attention(i, -1 if attn.local_window is None else attn.local_window,
                                getattr(attn, "sinks", torch.empty(0)).detach())
+        if i not in latent and cfg.sandwich_norms:  # Gemma: the blocks' outputs normalized before their adds
+            step.set_sandwich(i, layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight)
+        if i not in latent and getattr(attn, "local_rope", False):  # Gemma 3's sliding layers: their own RoPE
+            step.set_local_rope(i)
         if i not in latent and (attn.q_norm is not None or attn.clip_qkv is not None):
             qn, kn = ((attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None
                       else (torch.empty(0), torch.empty(0)))
@@ -393,7 +403,7 @@ class CPUDecodeStep:
             L = _Layer()
             L.idx, L.whole = i, not supported_attention(layer.self_attn, native)
             L.module_attn = not supported_attention(layer.self_attn)  # the torch-op step runs the layer whole
-            L.in_norm, L.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            L.in_norm, L.post_norm = layer.input_layernorm.weight, layer.ffn_norm.weight
             L.eps = layer.input_layernorm.eps
             L.qkv = L.o = L.gate_up = L.down = L.ffn = L.attn = None
             L.F = 0
@@ -490,20 +500,23 @@ class CPUDecodeStep:
         B = input_ids.shape[0]
         pos = positions.view(B)
         x = self.model.embed(input_ids).view(B, -1).contiguous()  # [B, D] residual stream, model dtype
-        cos, sin = self.model.rotary.cos[pos], self.model.rotary.sin[pos]  # [B, rd] fp32
+        rot = self.model.rotary
+        cos, sin = rot.cos[pos], rot.sin[pos]  # [B, rd] fp32
+        # the local layers' own RoPE (Gemma 3's sliding layers), or none
+        local = {} if rot.local_cos is None else dict(local_cos=rot.local_cos[pos], local_sin=rot.local_sin[pos])
         meta = None
         schedule = self.schedule
         if self.moe_blocks and any(b.on_route is not None for b in self.moe_blocks):
             schedule = self.fallback  # a routing hook sees every layer's routing: the modules run
         for seg in schedule:
             if seg[0] == "native":
-                self.native.forward(x, cos, sin, slots, pos, cache.k, cache.v, seg[1], seg[2])
+                self.native.forward(x, cos, sin, slots, pos, cache.k, cache.v, seg[1], seg[2], **local)
                 continue
             i = seg[1]
             L, layer = self.layers[i]
             if seg[0] == "attn":  # the step's attention, its post-attention norm, then the FFN module
                 h = torch.empty_like(x)
-                self.native.forward(x, cos, sin, slots, pos, cache.k, cache.v, i, i + 1, moe=False, post_norm=h)
+                self.native.forward(x, cos, sin, slots, pos, cache.k, cache.v, i, i + 1, moe=False, post_norm=h, **local)
                 x = (x + L.ffn(h.view(B, 1, -1)).view(B, -1)).contiguous()
             else:
                 if meta is None:

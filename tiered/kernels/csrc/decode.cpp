@@ -120,6 +120,11 @@ struct Layer {
   // sink logit [H] (gpt-oss; empty: none)
   int64_t window = -1;
   std::vector<float> sinks;
+  // (set_sandwich) RMSNorm weights of the attention's and the FFN's outputs before their residual adds (Gemma's
+  // post_attention_layernorm / post_feedforward_layernorm; empty: none), and (set_local_rope) whether q and k
+  // rotate by the step's second RoPE tables (Gemma 3's sliding layers)
+  std::vector<float> attn_out_norm, ffn_out_norm;
+  bool local_rope = false;
   bool extras() const { return !q_norm.empty() || clip > 0.f; }
   Group qkv, o, gate_up, down;  // gate_up/down empty: attention only (the layer's FFN runs elsewhere)
   std::shared_ptr<Moe> moe;  // or its FFN is these routed experts (when forward's `moe`)
@@ -159,6 +164,18 @@ TIERED_CLONES void rms_norm(const float* x, const float* w, float eps, int64_t D
 TIERED_CLONES void silu_mul(const float* g, const float* u, float* a, int64_t n) {  // kernel.h
 #pragma omp simd  // scalar without it (~5% of a 32-row SmolLM2 step)
   for (int64_t i = 0; i < n; ++i) a[i] = g[i] / (1.f + exp_fast(-g[i])) * u[i];
+}
+
+// a [n] = gelu_tanh(g) * u (Gemma's GeGLU: GELU's tanh approximation, torch's gelu(approximate="tanh")), fp32:
+// 0.5 g (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), as g (1 - 1 / (1 + e^(2z))), the polynomial exp
+// (clamped: its overflow gives tanh's +-1)
+TIERED_CLONES void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n) {
+  constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = g[i], z = k * (x + 0.044715f * x * x * x);
+    a[i] = x * (1.f - 1.f / (1.f + exp_fast(2.f * z))) * u[i];
+  }
 }
 
 TIERED_CLONES void clamped_glu(const float* g, const float* u, float* a, int64_t n, float alpha, float limit) {
@@ -1011,6 +1028,27 @@ class DecodeStep {
   // where it runs: the queries rounded to bf16, as the modules' prompts attend (layers.set_prompt_attention)
   void set_prompt_attention_bf16(bool on) { prompt_bf16_ = on; }
 
+  // Gemma's layers (models/gemma.GemmaDecoderLayer): layer l normalizes its attention's output with attn_out [D]
+  // and its FFN's output with ffn_out [D] (RMSNorm, the layer's eps) before each residual add.
+  void set_sandwich(int64_t l, const at::Tensor& attn_out, const at::Tensor& ffn_out) {
+    TIERED_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty(), "decode step: set_sandwich needs a q/k/v ",
+                "layer, got ", l);
+    TIERED_CHECK(attn_out.numel() == D && ffn_out.numel() == D, "decode step: sandwich norms must be [", D, "]");
+    layers_[l].attn_out_norm = to_floats(attn_out);
+    layers_[l].ffn_out_norm = to_floats(ffn_out);
+  }
+  // Layer l's q and k rotate by forward's local_cos / local_sin (Gemma 3's sliding layers: their own RoPE base).
+  void set_local_rope(int64_t l) {
+    TIERED_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty(), "decode step: set_local_rope needs a q/k/v ",
+                "layer, got ", l);
+    layers_[l].local_rope = true;
+  }
+  // The dense FFNs' GLU activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU).
+  void set_activation(const std::string& act) {
+    TIERED_CHECK(act == "silu" || act == "gelu_tanh", "decode step: activation must be silu or gelu_tanh, got ", act);
+    gelu_ = act == "gelu_tanh";
+  }
+
   void set_attention(int64_t l, int64_t window, const at::Tensor& sinks) {
     TIERED_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty(), "decode step: set_attention needs a ",
                 "q/k/v layer, got ", l);
@@ -1224,7 +1262,8 @@ class DecodeStep {
   // of the FFN module its caller runs (a latent layer's rounded as models/layers.RMSNorm rounds).
   void forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                const at::Tensor& positions, at::Tensor k_cache, at::Tensor v_cache, int64_t first, int64_t last,
-               bool moe = true, c10::optional<at::Tensor> post_norm = c10::nullopt) {
+               bool moe = true, c10::optional<at::Tensor> post_norm = c10::nullopt,
+               c10::optional<at::Tensor> local_cos = c10::nullopt, c10::optional<at::Tensor> local_sin = c10::nullopt) {
     TIERED_CHECK(x.dim() == 2 && x.size(1) == D && x.is_contiguous(), "decode step: x must be contiguous [B, ", D, "]");
     TIERED_CHECK(0 <= first && first <= last && last <= num_layers(), "decode step: bad layer range");
     TIERED_CHECK(!post_norm || (first < last && post_norm->sizes() == x.sizes() && post_norm->is_contiguous() &&
@@ -1250,6 +1289,15 @@ class DecodeStep {
     auto sl = slots.to(at::kLong).contiguous(), ps = positions.to(at::kLong).contiguous();
     TIERED_CHECK(c.numel() == B * rd && s.numel() == B * rd && sl.numel() == B && ps.numel() == B,
                 "decode step: cos/sin must be [B, rotary_dim], slots/positions [B]");
+    at::Tensor lc, ls;  // the local layers' RoPE tables (set_local_rope), [B, rotary_dim]
+    if (local_cos && local_sin) {
+      lc = local_cos->to(at::kFloat).contiguous(), ls = local_sin->to(at::kFloat).contiguous();
+      TIERED_CHECK(lc.numel() == B * rd && ls.numel() == B * rd, "decode step: local_cos/sin must be [B, rotary_dim]");
+    }
+    for (int64_t l = first; l < last; ++l)
+      TIERED_CHECK(!layers_[l].local_rope || lc.defined(), "decode step: layer ", l, " rotates by local_cos / local_sin");
+    local_cos_ = lc.defined() ? lc.data_ptr<float>() : nullptr;
+    local_sin_ = ls.defined() ? ls.data_ptr<float>() : nullptr;
     for (int64_t l = first; l < last; ++l)
       TIERED_CHECK(layers_[l].runs(), "decode step: layer ", l, " is a placeholder (its caller runs it)");
     for (int64_t l = first; l < last && moe; ++l)
@@ -1311,6 +1359,16 @@ class DecodeStep {
   }
 
  private:
+  // y_b = norm(y_b) with w, rounded to T, for each of the B rows (set_sandwich's output norms)
+  template <typename T>
+  void out_norm(const std::vector<float>& w, float eps, int64_t B, float* y) const {
+    each_row(B, [&](int64_t b) {
+      float* yb = y + b * D;
+      rms_norm(yb, w.data(), eps, D, yb);
+      for (int64_t i = 0; i < D; ++i) yb[i] = rnd<T>(yb[i]);
+    });
+  }
+
   static void round_rows(at::ScalarType t, float* v, int64_t n) {
     if (t == at::kBFloat16) for (int64_t i = 0; i < n; ++i) v[i] = rnd<at::BFloat16>(v[i]);
     else if (t == at::kHalf) for (int64_t i = 0; i < n; ++i) v[i] = rnd<at::Half>(v[i]);
@@ -1375,8 +1433,8 @@ class DecodeStep {
         // RoPE on q and k (rotate-half over each head's first rd features; the rest, a partial
         // RoPE's, pass through), rounded to the model's dtype; then k, v into the cache
         each_row(B, [&](int64_t b) {
-          const float* cb = cos + b * rd;
-          const float* sb = sin + b * rd;
+          const float* cb = (L.local_rope ? local_cos_ : cos) + b * rd;
+          const float* sb = (L.local_rope ? local_sin_ : sin) + b * rd;
           float* r = qkv.data() + b * QKV;
           if (L.extras()) qk_extras<T>(L, r);
           for (int64_t j = 0; j < H + Hkv; ++j) {
@@ -1403,6 +1461,7 @@ class DecodeStep {
         });
         attention<T, C>(l, B, qkv.data(), kc, vc, slots, pos, n_slots, max_len, att.data());
         L.o.run(att.data(), B, y.data(), tmp);
+        if (!L.attn_out_norm.empty()) out_norm<T>(L.attn_out_norm, L.eps, B, y.data());
       }
       if (L.moe && moe) {  // x += the routed experts' weighted sum of norm(x)
         residual_norm(true, L.post_norm, L.eps, L.mla != nullptr);
@@ -1425,6 +1484,7 @@ class DecodeStep {
       each_row(B, [&](int64_t b) {
         const float* g = gu_.data() + b * 2 * F;
         float* a = act_.data() + b * F;
+        if (gelu_) return gelu_tanh_mul(g, g + F, a, F);
         if (std::is_same<T, float>::value || !L.mla) return silu_mul(g, g + F, a, F);
         for (int64_t i = 0; i < F; ++i) {  // a latent layer's MLP module in T: g, u, silu(g), the product rounded
           const float gi = rnd<T>(g[i]), ui = rnd<T>(g[F + i]);
@@ -1432,6 +1492,7 @@ class DecodeStep {
         }
       });
       L.down.run(act_.data(), B, y.data(), tmp);
+      if (!L.ffn_out_norm.empty()) out_norm<T>(L.ffn_out_norm, L.eps, B, y.data());
       if (L.mla)
         for (int64_t i = 0; i < B * D; ++i) y[i] = rnd<T>(y[i]);
       pending = true;
@@ -1947,6 +2008,9 @@ class DecodeStep {
   KernelPtr lm_head_;
   std::vector<float> gu_, act_;
   int64_t moe_uses_ = 0;
+  bool gelu_ = false;  // the dense FFNs' GLU is GeGLU (set_activation)
+  const float* local_cos_ = nullptr;  // forward's local RoPE tables [B, rd] (set_local_rope's layers), or null
+  const float* local_sin_ = nullptr;
 };
 
 // The inverse CDF of weights p [V] at u in [0, 1): the first token whose cumulative weight exceeds u times
@@ -2245,7 +2309,8 @@ void register_decode(pybind11::module& m) {
       .def("num_layers", &DecodeStep::num_layers)
       .def("forward", &DecodeStep::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
            py::arg("positions"), py::arg("k_cache"), py::arg("v_cache"), py::arg("first"), py::arg("last"),
-           py::arg("moe") = true, py::arg("post_norm") = py::none())
+           py::arg("moe") = true, py::arg("post_norm") = py::none(), py::arg("local_cos") = py::none(),
+           py::arg("local_sin") = py::none())
       .def("set_moe", &DecodeStep::set_moe, py::arg("layer"), py::arg("router"), py::arg("top_k"),
            py::arg("norm_topk_prob"), py::arg("experts"), py::arg("shared_gate_up") = std::vector<KernelPtr>{},
            py::arg("shared_down") = std::vector<KernelPtr>{}, py::arg("shared_gate") = std::vector<KernelPtr>{},
@@ -2253,6 +2318,9 @@ void register_decode(pybind11::module& m) {
            py::arg("bias") = py::none(), py::arg("router_bias") = py::none(), py::arg("swiglu_limit") = 0.0,
            py::arg("swiglu_alpha") = 1.702, py::arg("amx_rows") = 0)
       .def("set_attention", &DecodeStep::set_attention, py::arg("layer"), py::arg("window"), py::arg("sinks"))
+      .def("set_sandwich", &DecodeStep::set_sandwich, py::arg("layer"), py::arg("attn_out"), py::arg("ffn_out"))
+      .def("set_local_rope", &DecodeStep::set_local_rope, py::arg("layer"))
+      .def("set_activation", &DecodeStep::set_activation, py::arg("act"))
       .def("set_max_transposed_bytes", &DecodeStep::set_max_transposed_bytes, py::arg("bytes"))
       .def("set_prompt_attention_bf16", &DecodeStep::set_prompt_attention_bf16, py::arg("on"))
       .def("route", &DecodeStep::route, py::arg("layer"), py::arg("logits"))

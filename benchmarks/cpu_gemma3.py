@@ -1,0 +1,65 @@
+"""CPU benchmark of Gemma 3: tiered against llama.cpp on one gemma3 GGUF at batch 1.
+
+Gemma 3 (Google, 2025) is the dense family people run quantized on small machines (its QAT Q4_0 files). This
+writes a dummy-weight file at Gemma 3 4B's layer widths (tiered/bench/gguf_dense.py: hidden 2560, FFN 10240, 8 /
+4 heads of 256; Q4_0 projections, the tied embedding Q6_K; 5 of every 6 layers sliding over 1024 positions; N
+layers of the real 34; SmolLM2's tokenizer copied in so that both engines load it as a real model file, which
+makes the output matrix 49152 rows where Gemma's has 262208), then runs benchmarks/cpu_dense.py's side-by-side
+harness on it: every engine in its own worker process, interleaved rounds, prefill at 32 / 128 / 512 tokens,
+decode tok/s over 128 greedy tokens after a 32-token prompt, peak RSS, and the bandwidth bound.
+
+    tiered-int4   tiered, EngineConfig() (the default engine): Q4_0 blocks as int4 decode copies, Gemma's layers in
+                  the native decode step (sandwich norms, GeGLU, the sliding layers' own RoPE)
+    llama.cpp     llama-cpp-python on the same file (mmap), same thread count
+
+Usage:
+    .venv/bin/python benchmarks/cpu_gemma3.py                 # 6 layers (~0.5 GB file)
+    .venv/bin/python benchmarks/cpu_gemma3.py --layers 2 --quick --out /tmp/gemma3
+Results: benchmarks/results/cpu_gemma3.json and .md. The GGUF is cached under ~/.cache/tiered/bench/ (written
+once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))
+
+import cpu_dense  # noqa: E402
+
+from tiered.bench.gguf_dense import gemma3_4b, write_dummy_gemma3_gguf  # noqa: E402
+
+
+def model_file(layers: int) -> Path:
+    """The cached dummy Gemma 3 4B-width Q4_0 GGUF of `layers` layers (written when missing)."""
+    from tiered.checkpoint import default_model_path
+
+    shape = gemma3_4b(layers)
+    tag = shape.tag("Q4_0").replace("llama", "gemma3")
+    path = Path.home() / ".cache" / "tiered" / "bench" / f"{tag}-smollm2-tok-v1.gguf"
+    if not path.exists():
+        print(f"writing {path} ...", flush=True)
+        tmp = path.with_suffix(".part")
+        write_dummy_gemma3_gguf(tmp, shape, tokenizer_from=default_model_path())
+        tmp.rename(path)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=6, help="decoder layers at Gemma 3 4B's widths (real: 34)")
+    ap.add_argument("--engines", default="tiered-int4,llama.cpp")
+    ap.add_argument("--out", default=str(HERE / "results" / "cpu_gemma3"), help="output path stem (.json / .md added)")
+    a, rest = ap.parse_known_args(argv)
+    path = model_file(a.layers)
+    name = f"Gemma 3 4B widths, {a.layers} of 34 layers (dummy Q4_0 weights)"
+    return cpu_dense.main(["--model", str(path), "--name", name, "--engines", a.engines, "--out", a.out,
+                           "--title", f"CPU Gemma 3 benchmark: {name}, at batch 1"] + rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
