@@ -52,7 +52,7 @@ def dense_sizes(path, max_context: int = CTX) -> tuple[int, int, int, int]:
     """(non-FFN weight bytes, one layer's FFN bytes, KV cache of one sequence, layers), fp32."""
     cfg = open_checkpoint(path).config
     non_ffn = 4 * stored_elements(path, lambda n: ".mlp." not in n)
-    rotary = 2 * max_context * cfg.head_dim * 4  # RoPE cos/sin tables, fp32
+    rotary = sizes.rotary_bytes(cfg, max_context)  # RoPE cos/sin tables, fp32 (Gemma 3: two pairs)
     room = kv_bytes(cfg, max_context) + rotary + sizes.workspace_bytes(cfg, "fp32")  # + the accelerator's activations
     return non_ffn, 3 * cfg.hidden_size * cfg.intermediate_size * 4, room, cfg.num_hidden_layers
 

@@ -200,8 +200,9 @@ def skip_params(cfg: ModelConfig, sliced_layers=()) -> Callable[[str], bool] | N
 
 def rotary_bytes(cfg: ModelConfig, max_positions: int) -> int:
     """Bytes of the RoPE cos and sin tables (fp32 [max_positions, rotary_dim] each: head_dim, or
-    fewer under a partial RoPE), on the compute tier."""
-    return 2 * max_positions * cfg.rotary_dim * 4
+    fewer under a partial RoPE), on the compute tier; twice that where the local layers rotate by a RoPE of
+    their own (Gemma 3: models/layers.Rotary's local tables)."""
+    return 2 * max_positions * cfg.rotary_dim * 4 * (2 if cfg.local_rope_theta is not None else 1)
 
 
 def expert_bytes(cfg: ModelConfig, fmt: str) -> int:
