@@ -73,6 +73,26 @@ def test_native_swiglu_is_silu_of_gate_times_up_rounded_once(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_geglu_is_gelu_tanh_of_gate_times_up_rounded_once(dtype):
+    """layers.glu(gu, "gelu_tanh") (Gemma's GeGLU) in one native pass: torch's gelu(approximate="tanh") of the gate
+    times up, in fp32 (within the polynomial exp's error, large gates included: tanh's +-1) and rounded once."""
+    g = torch.Generator().manual_seed(3)
+    gu = (torch.randn(3, 29, 2 * 96, generator=g) * 4).to(dtype)
+    gu[0, 0, :4] = torch.tensor([-60.0, -9.0, 9.0, 60.0])
+    gate, up = gu.float().chunk(2, -1)
+    exact = F.gelu(gate, approximate="tanh") * up
+    got = layers.glu(gu, "gelu_tanh")
+    assert got.shape == (3, 29, 96) and got.dtype == dtype
+    # atol: where torch's tanh rounds to -1 (gates below ~-4.9) its GELU is 0; ours keeps x sigmoid(2z), ~1e-6 there
+    if dtype == torch.float32:
+        assert torch.allclose(got, exact, rtol=2e-6, atol=1e-5)
+    else:
+        assert ((got.float() - exact).abs() <= exact.abs() * (2 ** -8 + 2e-6) + 1e-5).all()
+    with pytest.raises(RuntimeError, match="act must be silu or gelu_tanh"):
+        kernels.load().swiglu(gu, act="relu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_swiglu_of_a_gate_and_an_up_tensor_equals_the_fused_ones(dtype):
     """swiglu(gate, up): an expert's two projections' outputs, the same bits as swiglu over them side by side."""
     g = torch.Generator().manual_seed(2)

@@ -167,14 +167,14 @@ TIERED_CLONES void silu_mul(const float* g, const float* u, float* a, int64_t n)
 }
 
 // a [n] = gelu_tanh(g) * u (Gemma's GeGLU: GELU's tanh approximation, torch's gelu(approximate="tanh")), fp32:
-// 0.5 g (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), as g (1 - 1 / (1 + e^(2z))), the polynomial exp
-// (clamped: its overflow gives tanh's +-1)
+// 0.5 g (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), as g / (1 + e^(-2z)) (SiLU's form: no cancellation
+// where tanh nears -1), the polynomial exp (clamped: its ends give tanh's +-1)
 TIERED_CLONES void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n) {
   constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float x = g[i], z = k * (x + 0.044715f * x * x * x);
-    a[i] = x * (1.f - 1.f / (1.f + exp_fast(2.f * z))) * u[i];
+    a[i] = x / (1.f + exp_fast(-2.f * z)) * u[i];
   }
 }
 

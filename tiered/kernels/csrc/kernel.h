@@ -133,6 +133,8 @@ __attribute__((always_inline)) inline float bf16_to_float(uint16_t b) {
 void rms_norm(const float* x, const float* w, float eps, int64_t D, float* y);
 // a [n] = silu(g) * u (SwiGLU's activation), fp32, vectorized with a polynomial exp (decode.cpp).
 void silu_mul(const float* g, const float* u, float* a, int64_t n);
+// a [n] = gelu_tanh(g) * u (Gemma's GeGLU: GELU's tanh approximation), fp32, the same polynomial exp (decode.cpp).
+void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n);
 // a [n] bf16 = silu(g) * u for bf16 g and u, in fp32 (exp_fast) and rounded once (prompt.cpp's `swiglu`, what a
 // prompt's dequantized expert and gemv.cpp's amx_swiglu take); a may be g.
 void swiglu_bf16(const uint16_t* g, const uint16_t* u, uint16_t* a, int64_t n);

@@ -42,6 +42,16 @@ TIERED_CLONES void swiglu_row(const at::BFloat16* g, const at::BFloat16* u, int6
 }
 inline void swiglu_row(const float* g, const float* u, int64_t F, float* out) { silu_mul(g, u, out, F); }
 
+// out [F] = gelu_tanh(g) * u (Gemma's GeGLU) in fp32 (kernel.h's gelu_tanh_mul: exp_fast), rounded to T once
+TIERED_CLONES void geglu_row(const at::BFloat16* g, const at::BFloat16* u, int64_t F, at::BFloat16* out) {
+  constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (int64_t i = 0; i < F; ++i) {
+    const float x = float(g[i]), z = k * (x + 0.044715f * x * x * x);
+    out[i] = at::BFloat16(x / (1.f + exp_fast(-2.f * z)) * float(u[i]));
+  }
+}
+inline void geglu_row(const float* g, const float* u, int64_t F, float* out) { gelu_tanh_mul(g, u, out, F); }
+
 // out [F] = gpt-oss's clamped GLU of bf16 g and u (kernel.h's clamped_glu: fp32, exp_fast), rounded to bf16 once
 TIERED_CLONES void clamped_glu_row(const at::BFloat16* g, const at::BFloat16* u, int64_t F, at::BFloat16* out,
                                    float alpha, float limit) {
@@ -149,7 +159,9 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return out;
 }
 
-at::Tensor swiglu(const at::Tensor& gu, const c10::optional<at::Tensor>& up) {
+at::Tensor swiglu(const at::Tensor& gu, const c10::optional<at::Tensor>& up, const std::string& act) {
+  TIERED_CHECK(act == "silu" || act == "gelu_tanh", "swiglu: act must be silu or gelu_tanh, got ", act);
+  const bool gelu = act == "gelu_tanh";
   TIERED_CHECK(gu.scalar_type() == at::kFloat || gu.scalar_type() == at::kBFloat16,
                "swiglu: gu must be fp32 or bf16, got ", gu.scalar_type());
   const bool pair = up.has_value();  // gate and up as two tensors (an expert's two projections' outputs)
@@ -169,7 +181,10 @@ at::Tensor swiglu(const at::Tensor& gu, const c10::optional<at::Tensor>& up) {
   at::Tensor out = at::empty(shape, gu.options());
   auto run = [&](auto* gp, auto* upp, auto* op) {
     at::parallel_for(0, N, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(F, 1)), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) swiglu_row(gp + r * ld, upp + r * ldu + off, F, op + r * F);
+      for (int64_t r = r0; r < r1; ++r) {
+        if (gelu) geglu_row(gp + r * ld, upp + r * ldu + off, F, op + r * F);
+        else swiglu_row(gp + r * ld, upp + r * ldu + off, F, op + r * F);
+      }
     });
   };
   if (gu.scalar_type() == at::kFloat) run(g2.data_ptr<float>(), u2.data_ptr<float>(), out.data_ptr<float>());
@@ -248,10 +263,11 @@ void register_prompt(pybind11::module& m) {
         "with norm_weight (fp32 [hd]) each row is first RMS-normalized with it (eps; Qwen3's per-head q/k norm), "
         "in fp32 throughout and rounded once",
         py::call_guard<py::gil_scoped_release>());
-  m.def("swiglu", &swiglu, py::arg("gu"), py::arg("up") = py::none(),
+  m.def("swiglu", &swiglu, py::arg("gu"), py::arg("up") = py::none(), py::arg("act") = "silu",
         "gu [..., 2F] fp32 or bf16 (gate then up; rows contiguous) -> silu(gate) * up [..., F] in gu's dtype, "
         "computed in fp32 and rounded once (models/layers.swiglu); with `up` (gu's shape and dtype, rows contiguous) "
-        "gu is the gate [..., F] and up the other half (an expert's two projections: quant/experts.ExpertFormat)",
+        "gu is the gate [..., F] and up the other half (an expert's two projections: quant/experts.ExpertFormat); "
+        "act \"gelu_tanh\": gelu_tanh(gate) * up instead (Gemma's GeGLU, models/layers.glu)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &residual_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("dtype"),
         py::arg("delta") = py::none(),
