@@ -33,21 +33,13 @@ if str(HERE.parent) not in sys.path:
 
 import cpu_dense  # noqa: E402
 
-from tiered.bench.gguf_dense import llama3_8b, write_dummy_dense_gguf  # noqa: E402
+from tiered.bench.gguf_dense import cached_dummy, llama3_8b, write_dummy_dense_gguf  # noqa: E402
 
 
 def model_file(layers: int) -> Path:
     """The cached dummy Llama Q4_K_M GGUF of `layers` layers (written when missing)."""
-    from tiered.checkpoint import default_model_path
-
     shape = llama3_8b(layers)
-    path = Path.home() / ".cache" / "tiered" / "bench" / f"{shape.tag('Q4_K_M')}-smollm2-tok-v1.gguf"
-    if not path.exists():
-        print(f"writing {path} ...", flush=True)
-        tmp = path.with_suffix(".part")
-        write_dummy_dense_gguf(tmp, shape, tokenizer_from=default_model_path())
-        tmp.rename(path)
-    return path
+    return cached_dummy(shape.tag("Q4_K_M"), lambda path, **kw: write_dummy_dense_gguf(path, shape, **kw))
 
 
 def main(argv=None) -> int:

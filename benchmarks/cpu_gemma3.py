@@ -31,22 +31,14 @@ if str(HERE.parent) not in sys.path:
 
 import cpu_dense  # noqa: E402
 
-from tiered.bench.gguf_dense import gemma3_4b, write_dummy_gemma3_gguf  # noqa: E402
+from tiered.bench.gguf_dense import cached_dummy, gemma3_4b, write_dummy_gemma3_gguf  # noqa: E402
 
 
 def model_file(layers: int) -> Path:
     """The cached dummy Gemma 3 4B-width Q4_0 GGUF of `layers` layers (written when missing)."""
-    from tiered.checkpoint import default_model_path
-
     shape = gemma3_4b(layers)
-    tag = shape.tag("Q4_0").replace("llama", "gemma3")
-    path = Path.home() / ".cache" / "tiered" / "bench" / f"{tag}-smollm2-tok-v1.gguf"
-    if not path.exists():
-        print(f"writing {path} ...", flush=True)
-        tmp = path.with_suffix(".part")
-        write_dummy_gemma3_gguf(tmp, shape, tokenizer_from=default_model_path())
-        tmp.rename(path)
-    return path
+    return cached_dummy(shape.tag("Q4_0").replace("llama", "gemma3"),
+                        lambda path, **kw: write_dummy_gemma3_gguf(path, shape, **kw))
 
 
 def main(argv=None) -> int:

@@ -59,3 +59,26 @@ def test_dummy_q4_k_m_gguf_loads_and_decodes(tmp_path):
     out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8 and all(0 <= t < 512 for t in out.token_ids)
     llm.close()
+
+
+def test_dummy_gemma3_gguf_loads_and_decodes_in_the_native_step(tmp_path):
+    """benchmarks/cpu_gemma3.py's file at tiny widths: a "gemma3" GGUF (Q4_0 projections, the tied embedding Q6_K,
+    the sandwich norms' names) read as Gemma 3 with llama.cpp's every-6th rule, decoded by the native step."""
+    from tiered.bench.gguf_dense import gemma3_4b, write_dummy_gemma3_gguf
+
+    shape = DenseShape(layers=7, hidden=256, ffn=512, heads=2, kv_heads=1, head_dim=256, vocab=512)
+    assert gemma3_4b(6).hidden == 2560 and gemma3_4b(6).head_dim == 256
+    path = write_dummy_gemma3_gguf(tmp_path / "g.gguf", shape, window=16)
+    r = GGUFReader(str(path))
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert r.fields["general.architecture"].contents() == "gemma3" and "output.weight" not in types
+    assert types["token_embd.weight"] == "Q6_K" and types["blk.0.ffn_gate.weight"] == "Q4_0"
+    llm = LLM(path, EngineConfig(max_context=64, accelerator="none"))
+    cfg = llm.config
+    assert (cfg.model_type, cfg.local_layers, cfg.local_window, cfg.sandwich_norms) == \
+        ("gemma3_text", (0, 1, 2, 3, 4, 6), 16, True)
+    if kernels.available():
+        assert llm.runtime.cpu_decode.schedule == [("native", 0, 7)]
+    out = llm.generate([list(range(10, 40))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and all(0 <= t < 512 for t in out.token_ids)
+    llm.close()

@@ -85,6 +85,31 @@ def q4_k_m_type(name: str, layer: int, layers: int) -> str:
     return "Q4_K"
 
 
+def _writer(path, arch: str, s: DenseShape, tag: str, tokenizer_from, context: int, eps: float, theta: float,
+            file_type: int):
+    """(a GGUFWriter at `path` for architecture `arch` with `s`'s sizes, the context, norm eps, RoPE base, file type
+    and the tokenizer copied from `tokenizer_from`; the vocabulary size: the tokenizer's, else s.vocab)."""
+    from gguf import GGUFWriter
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok, vocab = read_tokenizer(tokenizer_from, s.vocab)
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"dummy {tag}")
+    w.add_block_count(s.layers)
+    w.add_context_length(context)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.ffn)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_layer_norm_rms_eps(eps)
+    w.add_rope_freq_base(theta)
+    w.add_vocab_size(vocab)
+    w.add_file_type(file_type)
+    add_tokenizer(w, tok)
+    return w, vocab
+
+
 def write_dummy_dense_gguf(path: str | os.PathLike, shape: DenseShape, tokenizer_from: str | os.PathLike | None = None,
                            seed: int = 0) -> Path:
     """Write `shape` as a llama.cpp "llama" GGUF in the Q4_K_M mix at `path` (module docstring).
@@ -94,26 +119,10 @@ def write_dummy_dense_gguf(path: str | os.PathLike, shape: DenseShape, tokenizer
             embedding's and output's rows), or None: no tokenizer, `shape.vocab` rows.
     Returns the path.
     """
-    from gguf import GGUFWriter
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tok, vocab = read_tokenizer(tokenizer_from, shape.vocab)
     s = shape
-    w = GGUFWriter(str(path), "llama")
-    w.add_name(f"dummy {s.tag('Q4_K_M')}")
-    w.add_block_count(s.layers)
-    w.add_context_length(8192)
-    w.add_embedding_length(s.hidden)
-    w.add_feed_forward_length(s.ffn)
-    w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
+    w, vocab = _writer(path, "llama", s, s.tag("Q4_K_M"), tokenizer_from, context=8192, eps=1e-5, theta=500000.0,
+                       file_type=15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     w.add_rope_dimension_count(s.head_dim)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(500000.0)
-    w.add_vocab_size(vocab)
-    w.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-    add_tokenizer(w, tok)
     D, F, hd = s.hidden, s.ffn, s.head_dim
     specs = [("token_embd.weight", (vocab, D), "Q4_K", -1)]  # (name, torch-order shape, type, layer)
     for i in range(s.layers):
@@ -148,32 +157,18 @@ def write_dummy_gemma3_gguf(path: str | os.PathLike, shape: DenseShape, tokenize
             49152 against Gemma's 262208 makes the output matrix 5x smaller than the real model's), or None.
     Returns the path.
     """
-    from gguf import GGUFWriter, RopeScalingType
+    from gguf import RopeScalingType
 
     from tiered.bench.gguf_moe import _BLOCK_BYTES, random_blocks
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tok, vocab = read_tokenizer(tokenizer_from, shape.vocab)
     s = shape
-    w = GGUFWriter(str(path), "gemma3")
-    w.add_name(f"dummy {s.tag('Q4_0').replace('llama', 'gemma3')}")
-    w.add_block_count(s.layers)
-    w.add_context_length(131072)
-    w.add_embedding_length(s.hidden)
-    w.add_feed_forward_length(s.ffn)
-    w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
+    w, vocab = _writer(path, "gemma3", s, s.tag("Q4_0").replace("llama", "gemma3"), tokenizer_from, context=131072,
+                       eps=1e-6, theta=1_000_000.0, file_type=2)  # LLAMA_FTYPE_MOSTLY_Q4_0
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1_000_000.0)
     w.add_rope_scaling_type(RopeScalingType.LINEAR)
     w.add_rope_scaling_factor(8.0)
     w.add_sliding_window(window)
-    w.add_vocab_size(vocab)
-    w.add_file_type(2)  # LLAMA_FTYPE_MOSTLY_Q4_0
-    add_tokenizer(w, tok)
     D, F, hd = s.hidden, s.ffn, s.head_dim
     specs = [("token_embd.weight", (vocab, D), "Q6_K")]  # (name, torch-order shape, type)
     for i in range(s.layers):
@@ -194,4 +189,18 @@ def write_dummy_gemma3_gguf(path: str | os.PathLike, shape: DenseShape, tokenize
             return random_blocks(rng, shp[0], shp[1], kind, std)
         return random_k_blocks(rng, shp[0], shp[1], kind, std)
     write_tensors(w, specs, sizes, blocks, seed)
+    return path
+
+
+def cached_dummy(tag: str, write) -> Path:
+    """The benchmark file ~/.cache/tiered/bench/<tag>-smollm2-tok-v1.gguf, written once by write(path,
+    tokenizer_from=SmolLM2's GGUF) (through a .part file renamed when complete) where missing."""
+    from tiered.checkpoint import default_model_path
+
+    path = Path.home() / ".cache" / "tiered" / "bench" / f"{tag}-smollm2-tok-v1.gguf"
+    if not path.exists():
+        print(f"writing {path} ...", flush=True)
+        tmp = path.with_suffix(".part")
+        write(tmp, tokenizer_from=default_model_path())
+        tmp.rename(path)
     return path

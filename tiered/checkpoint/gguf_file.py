@@ -576,16 +576,8 @@ class GGUFCheckpoint(HandleTable):
             raise UnsupportedModelError(f"{arch} GGUF with a RoPE base of the sliding layers' own "
                                         f"(rope.freq_base_swa {g('rope.freq_base_swa')}) is not read",
                                         "tiered's gpt_oss layers share one RoPE base")
-        pattern = g("attention.sliding_window_pattern", 2)
-        if isinstance(pattern, list):
-            if len(pattern) != L:
-                raise CheckpointError(f"{self.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} "
-                                      f"flags for {L} layers", "re-convert the file with a current llama.cpp")
-            sliding = [bool(f) for f in pattern]
-        else:
-            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(L)]
         window = int(need("attention.sliding_window"))
-        local = tuple(i for i in range(L) if sliding[i]) if window else ()
+        local = self._sliding_layers(g, L, 2) if window else ()
         context = int(need("context_length"))
         stype = g("rope.scaling.type")
         scaling = None
@@ -613,6 +605,22 @@ class GGUFCheckpoint(HandleTable):
             local_window=window if local else None, local_layers=local, attention_sinks=True,
             num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
             moe_intermediate_size=ff, norm_topk_prob=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
+
+    def _sliding_layers(self, g, L: int, period: int) -> tuple[int, ...]:
+        """The layers that slide, by `attention.sliding_window_pattern` as llama.cpp reads it: one flag per layer,
+        or a period n (all but every n-th layer slide; 0: every layer), `period` where the file gives none (the
+        architecture's rule: gpt-oss 2, Gemma 3 6).
+
+        Raises:
+            CheckpointError: a list of flags of another length than `L` layers.
+        """
+        pattern = g("attention.sliding_window_pattern", period)
+        if isinstance(pattern, list):
+            if len(pattern) != L:
+                raise CheckpointError(f"{self.path}: {self.arch}.attention.sliding_window_pattern has {len(pattern)} "
+                                      f"flags for {L} layers", "re-convert the file with a current llama.cpp")
+            return tuple(i for i in range(L) if pattern[i])
+        return tuple(i for i in range(L) if pattern == 0 or i % pattern < pattern - 1)
 
     def _gemma3_config(self, g, names: set[str], common: dict) -> ModelConfig:
         """The ModelConfig of a "gemma3" file (Gemma 3; see the module docstring), as llama.cpp's loader reads it.
@@ -642,15 +650,7 @@ class GGUFCheckpoint(HandleTable):
         heads = int(need("attention.head_count"))
         head_dim = int(g("attention.key_length") or hidden // heads)
         window = int(g("attention.sliding_window") or 0)
-        pattern = g("attention.sliding_window_pattern", 6)
-        if isinstance(pattern, list):
-            if len(pattern) != L:
-                raise CheckpointError(f"{self.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} "
-                                      f"flags for {L} layers", "re-convert the file with a current llama.cpp")
-            sliding = [bool(f) for f in pattern]
-        else:
-            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(L)]
-        local = tuple(i for i in range(L) if sliding[i]) if window else ()
+        local = self._sliding_layers(g, L, 6) if window else ()
         # llama.cpp's f_attention_scale: 1 / sqrt(hidden / heads) for the 27B (62 layers), else 1 / sqrt(head_dim)
         scalar = hidden // heads if L == 62 else head_dim
         return ModelConfig(
