@@ -81,6 +81,10 @@ TINY_SPECS: dict[str, TinySpec] = {
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj (split on reading), a partial RoPE (3/4 of each head rotated),
+    # every layer sliding over 8 positions
+    "phi3": TinySpec("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=8, pad_token_id=None, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})),
     # 7 query heads on one KV head of 32: the native attention's vector path scores and weighs 4 + 3 heads
     "llama_gqa7": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=224, num_attention_heads=7,
                                                                   num_key_value_heads=1, intermediate_size=256)),

@@ -847,3 +847,37 @@ def write_gemma3_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuant
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+_PHI3_BLOCK = {**_BLOCK, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+
+
+def write_phi3_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+    """Write a transformers Phi3ForCausalLM (fp32) as llama.cpp's Phi3MiniModel converter does: q/k/v fused as
+    `attn_qkv`, gate/up fused as `ffn_up` (the gate first), rope.dimension_count the partial RoPE's width,
+    attention.sliding_window where the config sets one. 2-D weights in `qtype`, 1-D F32; tokenizer "none"."""
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    w = _header(cfg, path, "phi3", "phi3")
+    w.kv_data[0].pop("phi3.rope.dimension_count")
+    w.kv_data[0].pop("phi3.rope.freq_base")
+    w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
+    w.add_file_type(int(qtype))
+    w.add_tokenizer_model("none")
+    for name, t in model.state_dict().items():
+        a = t.detach().float().numpy()
+        parts = name.split(".")
+        gname = (_GLOBAL[name] if parts[:2] != ["model", "layers"]
+                 else f"blk.{parts[2]}.{_PHI3_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}")
+        if a.ndim == 1 or qtype == GGMLQuantizationType.F32:
+            w.add_tensor(gname, a.astype(np.float32))
+        else:
+            w.add_tensor(gname, encode(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

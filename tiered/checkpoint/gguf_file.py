@@ -37,6 +37,10 @@ the router (weight and bias), the even layers sliding (`attention.sliding_window
 apart) become per-expert handles of gpt-oss's biased layout (checkpoint/gpt_oss.py), MXFP4 blocks
 read in ggml's layout and offered as int8-g32 and as the mxfp4 kind exactly (`_biased_experts`).
 
+"phi3" files (Phi-3 / Phi-4) hold q/k/v fused (`attn_qkv`) and gate/up fused (`ffn_up`, the gate first): each
+becomes Llama's projections, handles of its rows (`_fused_rows`); `rope.dimension_count` the partial RoPE's width;
+LongRoPE files (`rope_factors_long` / `_short`) are refused.
+
 "gemma3" files (llama.cpp's Gemma3Model converter: Google's Gemma 3 1B-27B, their QAT Q4_0 files too) are
 read as transformers' gemma3_text (`_gemma3_config`, models/gemma.py): the norms as stored (the converter
 wrote Gemma's 1 + weight), `post_attention_norm` / `ffn_norm` / `post_ffw_norm` the sandwich norms, q/k
@@ -64,7 +68,7 @@ from tiered.errors import CheckpointError, UnsupportedModelError
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v2",
                       "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss",
-                      "gemma3": "gemma3_text"}
+                      "gemma3": "gemma3_text", "phi3": "phi3"}
 # top-k weights renormalized to sum 1 (llama.cpp's expert_weights_norm default per architecture)
 NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 # The sampling a file's authors recommend (llama.cpp's general.sampling.* keys, which its converter fills from
@@ -119,6 +123,8 @@ _GPT_OSS_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_i
 # output norms
 _GEMMA3_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3 / Phi-4's fused projections (GGUFCheckpoint._fused_rows)
+_PHI3_FUSED = ("attn_qkv", "ffn_up")
 # stacked expert tensors -> the per-expert projection name (Qwen / OLMoE style, Mixtral style)
 _EXPERT_NAMES = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
                  "ffn_down_exps": ("down_proj", "w2")}
@@ -326,6 +332,10 @@ class GGUFCheckpoint(HandleTable):
                 continue
             if self.arch == "gpt-oss" and m and m.group(2) in _EXPERT_NAMES:
                 biased.setdefault(int(m.group(1)), {})[m.group(2), m.group(3)] = t
+                continue
+            if self.arch == "phi3" and m and m.group(2) in _PHI3_FUSED:  # q/k/v, gate/up: Llama's projections
+                if int(m.group(1)) < self.config.num_hidden_layers:
+                    self._handles.update(self._fused_rows(int(m.group(1)), m.group(2), t))
                 continue
             hf = gguf_to_hf_name(t.name, self.config.model_type)
             if hf is None or (m and int(m.group(1)) >= self.config.num_hidden_layers):
@@ -704,6 +714,13 @@ class GGUFCheckpoint(HandleTable):
         if "rope_freqs.weight" in names:
             raise UnsupportedModelError("GGUF files with rope_freqs (Llama 3.1 scaling) are not read yet",
                                         "load the Hugging Face safetensors directory instead")
+        family = {}
+        if arch == "phi3":  # Phi-3 / Phi-4: a partial RoPE of rope.dimension_count features; LongRoPE refused
+            if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
+                raise UnsupportedModelError("phi3 GGUF with LongRoPE factors (rope_factors_long / _short) is not read",
+                                            "use a Phi model without rope scaling (Phi-4, Phi-3-mini-4k / medium-4k)")
+            head_dim = g("attention.key_length") or hidden // heads
+            family["partial_rotary_factor"] = (g("rope.dimension_count") or head_dim) / head_dim
         if arch == "gemma3":
             return self._gemma3_config(g, names, dict(
                 vocab_size=int(vocab), rope_scaling=scaling, bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
@@ -746,14 +763,16 @@ class GGUFCheckpoint(HandleTable):
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
-            sliding_window=g("attention.sliding_window"),
+            sliding_window=g("attention.sliding_window") or None,
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
             **moe,
+            **family,
         )
 
-    def _make_handle(self, hf: str, t, expert: int | None = None) -> TensorHandle:
-        """The handle of tensor `t` (of expert `expert`'s rows when `t` is a stacked expert tensor)."""
+    def _make_handle(self, hf: str, t, expert: int | None = None, rows: tuple[int, int] | None = None) -> TensorHandle:
+        """The handle of tensor `t` (of expert `expert`'s rows when `t` is a stacked expert tensor; of rows
+        rows[0]..rows[1]-1 of a 2-D tensor: a fused projection's part)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -765,6 +784,11 @@ class GGUFCheckpoint(HandleTable):
             shape = shape[1:]
             nbytes //= int(t.shape[-1])
             data, offset = data[expert], offset + expert * nbytes
+        elif rows is not None:  # [R, cols] -> rows a..b-1 (whole rows of blocks: contiguous bytes)
+            a, b = rows
+            per_row = nbytes // shape[0]
+            shape, nbytes = (b - a,) + shape[1:], (b - a) * per_row
+            data, offset = data[a:b], offset + a * per_row
         elif hf.endswith("shared_expert_gate.weight") and len(shape) == 1:
             shape = (1, shape[0])  # GGUF stores the D -> 1 gate as a vector
         fmt = t.tensor_type.name
@@ -795,6 +819,29 @@ class GGUFCheckpoint(HandleTable):
         return TensorHandle(name=hf, shape=shape, format=fmt, nbytes=nbytes, path=str(self.path),
                             _load=load, _blocks=blocks if fmt in BLOCK_FORMATS else None,
                             offset=offset if fmt in ("F32", "F16", "BF16") and perm is None else None)
+
+    def _fused_rows(self, layer: int, part: str, t) -> dict[str, TensorHandle]:
+        """A "phi3" file's fused projection of layer `layer` as Llama's (model_config._phi3_fields): `attn_qkv`
+        [(H + 2 Hkv) hd, D] as q_proj / k_proj / v_proj, `ffn_up` [2F, D] as gate_proj (its first F rows) and
+        up_proj, each a handle of its rows (their blocks as stored: whole rows of blocks).
+
+        Raises:
+            CheckpointError: the tensor's rows are not what the config's heads / sizes give.
+        """
+        c = self.config
+        q, kv, F = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        parts = {"attn_qkv": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
+                 "ffn_up": (("mlp.gate_proj", F), ("mlp.up_proj", F))}[part]
+        rows = int(t.shape[-1]) if len(t.shape) == 2 else -1
+        if rows != sum(n for _, n in parts):
+            raise CheckpointError(f"{self.path}: tensor {t.name} has {rows} rows, the config implies "
+                                  f"{sum(n for _, n in parts)}", "re-convert the file with llama.cpp")
+        out, at = {}, 0
+        for name, n in parts:
+            hf = f"model.layers.{layer}.{name}.weight"
+            out[hf] = self._make_handle(hf, t, rows=(at, at + n))
+            at += n
+        return out
 
     def _biased_experts(self, layer: int, parts: dict) -> dict[str, TensorHandle]:
         """Layer `layer`'s per-expert handles of a "gpt-oss" file from its stacked `ffn_{gate,up,down}_exps`

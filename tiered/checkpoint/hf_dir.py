@@ -301,6 +301,8 @@ class HFDirCheckpoint(HandleTable):
                     path=str(f), _load=self._loader(str(f), key), offset=8 + header_len + begin)
         if self.hf_config.get("model_type") in MULTIMODAL_TEXT:
             self._handles = _language_model(self._handles)
+        if self.config.model_type == "phi3":  # fused q/k/v and gate/up -> Llama's projections
+            self._handles = self._split_fused(self._handles)
         if self.config.sandwich_norms:  # Gemma's RMSNorm multiplies by (1 + weight): stored as 1 + weight
             self._handles = {k: _plus_one(h) if k.endswith("norm.weight") else h for k, h in self._handles.items()}
         self._open: dict[str, object] = {}
@@ -447,6 +449,53 @@ class HFDirCheckpoint(HandleTable):
             # safe_open tensors alias the memory map; clone so callers own their memory.
             return self._open[file].get_tensor(key).clone()
         return load
+
+    def _split_fused(self, handles: dict[str, TensorHandle]) -> dict[str, TensorHandle]:
+        """Phi-3's fused projections as Llama's (model_config._phi3_fields): each `self_attn.qkv_proj.weight`
+        [(H + 2 Hkv) hd, D] becomes q_proj / k_proj / v_proj handles of its H hd, Hkv hd and Hkv hd rows, each
+        `mlp.gate_up_proj.weight` [2F, D] gate_proj and up_proj of its halves (`_row_slice`: read alone, raw
+        where the file's bytes are the tensor's).
+
+        Raises:
+            UnsupportedModelError: a fused projection stored quantized (its rows do not split by bytes here).
+            CheckpointError: a fused projection of another row count than the config's heads / sizes give.
+        """
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        parts = {"self_attn.qkv_proj.weight": (("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", kv),
+                                               ("self_attn.v_proj.weight", kv)),
+                 "mlp.gate_up_proj.weight": (("mlp.gate_proj.weight", c.intermediate_size),
+                                             ("mlp.up_proj.weight", c.intermediate_size))}
+        out = {}
+        for key, h in handles.items():
+            suffix = next((s for s in parts if key.endswith("." + s)), None)
+            if suffix is None:
+                out[key] = h
+                continue
+            if h.format not in DENSE_BYTES:
+                raise UnsupportedModelError(f"{key} is a fused projection stored as {h.format}",
+                                            "use the checkpoint's bf16 / fp16 / fp32 safetensors")
+            rows = sum(n for _, n in parts[suffix])
+            if len(h.shape) != 2 or h.shape[0] != rows:
+                raise CheckpointError(f"{self.path}: {key} has shape {list(h.shape)}, expected [{rows}, "
+                                      f"{c.hidden_size}] from config.json", "restore the checkpoint")
+            prefix, at = key[:-len(suffix)], 0
+            for name, n in parts[suffix]:
+                out[prefix + name] = self._row_slice(h, prefix + name, at, at + n)
+                at += n
+        return out
+
+    def _row_slice(self, h: TensorHandle, name: str, a: int, b: int) -> TensorHandle:
+        """Rows a..b-1 of the dense 2-D tensor `h`, named `name`: loaded alone (safetensors' get_slice), read raw
+        from their bytes in the file (contiguous rows) where `h` is."""
+        per_row = h.shape[1] * DENSE_BYTES[h.format]
+
+        def load(h=h, a=a, b=b):
+            if h.path not in self._open:
+                self._open[h.path] = safe_open(h.path, framework="pt")
+            return self._open[h.path].get_slice(h.name)[a:b].contiguous()
+        return TensorHandle(name=name, shape=(b - a, h.shape[1]), format=h.format, nbytes=(b - a) * per_row,
+                            path=h.path, _load=load, offset=None if h.offset is None else h.offset + a * per_row)
 
     def _expert_slice(self, h: TensorHandle):
         """e -> h[e], read alone from its file (safetensors' get_slice): one expert of a fused [E, ...] tensor."""

@@ -13,7 +13,7 @@ from tiered.errors import CheckpointError, UnsupportedModelError
 
 # HF `model_type` -> family. Dense families share one implementation (models/llama.py); MoE
 # families share models/moe.py.
-DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")  # read decoder_sparse_step / mlp_only_layers
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared experts, grouped routing
@@ -399,6 +399,8 @@ class ModelConfig:
             family = _gpt_oss_fields(cfg, source)
         if model_type == "gemma3_text":
             family = _gemma3_fields(cfg, source)
+        if model_type == "phi3":
+            family = _phi3_fields(cfg, source)
         # transformers 5 nests RoPE settings in rope_parameters; 4.x has rope_theta + rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
         rope.pop("partial_rotary_factor", None)  # a field of its own (glm4_moe's), not a scaling
@@ -716,6 +718,35 @@ def _gemma3_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
         rope_scaling=None if full["rope_type"] == "default" else full,
         local_rope_theta=float(local_theta) if local_layers else None,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)))
+
+
+def _phi3_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
+    """ModelConfig fields of a Phi-3 / Phi-3.5 / Phi-4 config.json (transformers' phi3: Microsoft's Phi-4 14B,
+    Phi-3-mini / medium), as transformers' modeling_phi3 computes them: Llama's layers with q/k/v fused into one
+    qkv_proj and gate/up into one gate_up_proj (the gate first; checkpoint/hf_dir.py splits both, so the model is
+    models/llama.py's), no biases, RoPE on each head's first head_dim * partial_rotary_factor features (given at
+    the top level or in rope_parameters), and every layer sliding over `sliding_window` positions where it is set
+    (Phi-3-mini-4k's 2047).
+
+    Raises:
+        CheckpointError: partial_rotary_factor not a number in (0, 1].
+        UnsupportedModelError: LongRoPE scaling (rope_type "longrope" / "su": Phi-3.5, Phi-4-mini and the 128k
+            files, whose factors change with the sequence's length), an activation other than SiLU.
+    """
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind in ("longrope", "su", "yarn"):
+        raise UnsupportedModelError(f"phi3 with LongRoPE scaling ({kind}) is not supported",
+                                    "use a Phi model without rope_scaling (Phi-4, Phi-3-mini-4k / medium-4k)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"unsupported activation {cfg['hidden_act']!r} for phi3",
+                                    "tiered's Phi MLPs are SwiGLU (silu)")
+    factor = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if not (_is_number(factor) and 0 < factor <= 1):
+        raise CheckpointError(f"{source}: partial_rotary_factor must be a number in (0, 1], got {factor!r}",
+                              "fix or restore the checkpoint's config.json")
+    return dict(partial_rotary_factor=float(factor), attention_bias=False, o_proj_bias=False,
+                sliding_window=cfg.get("sliding_window") or None)
 
 
 # HF config.json fields read as ints: (required, smallest value). A field given as null counts as

@@ -1,0 +1,103 @@
+"""Phi-3 / Phi-4 (transformers' phi3) against transformers.
+
+Phi-3's layers are Llama's with q/k/v fused into one qkv_proj and gate/up into one gate_up_proj (the gate first),
+split on reading (checkpoint/hf_dir.HFDirCheckpoint._split_fused, gguf_file.GGUFCheckpoint._fused_rows), so the
+model is models/llama.py's, native decode step included; the tiny checkpoint (tests/fixtures.py "phi3") has a
+partial RoPE (3/4 of each head's features rotated) and every layer sliding over 8 positions. The parity tests in
+test_hf_parity.py cover logits and greedy tokens; here the split handles, decode past the window in the native
+step, GGUF files as llama.cpp's converter writes them, and the refusals (LongRoPE).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file
+
+from fixtures import check, hf_greedy, hf_logits, max_rel_err, prompt_ids, stepwise_logits
+from gguf_writer import dequantized_model, write_phi3_gguf
+from tiered import SamplingParams, kernels
+from tiered.checkpoint import open_checkpoint
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.errors import UnsupportedModelError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+REL_TOL = 1e-4
+native_only = pytest.mark.skipif(not kernels.available(), reason="tiered/kernels is not built")
+
+
+def test_fused_projections_split_into_llamas(zoo):
+    """qkv_proj's rows become q / k / v_proj (H hd, Hkv hd, Hkv hd) and gate_up_proj's halves gate / up_proj, the
+    same values, read raw from their bytes (offsets of the fused tensor's rows)."""
+    path = zoo.dir("phi3")
+    ckpt = open_checkpoint(path)
+    c = ckpt.config
+    assert (c.model_type, c.rotary_dim, c.head_dim, c.sliding_window) == ("phi3", 12, 16, 8)
+    stored = load_file(str(path / "model.safetensors"))
+    qkv, gu = stored["model.layers.1.self_attn.qkv_proj.weight"], stored["model.layers.1.mlp.gate_up_proj.weight"]
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    want = {"self_attn.q_proj": qkv[:q], "self_attn.k_proj": qkv[q:q + kv], "self_attn.v_proj": qkv[q + kv:],
+            "mlp.gate_proj": gu[:c.intermediate_size], "mlp.up_proj": gu[c.intermediate_size:]}
+    for name, w in want.items():
+        h = ckpt.handle(f"model.layers.1.{name}.weight")
+        assert torch.equal(h.load(None), w)
+        out = torch.empty_like(w)
+        h.read_into(out)  # raw from the file
+        assert torch.equal(out, w)
+    assert not any("qkv_proj" in n or "gate_up_proj" in n for n in ckpt.names())
+
+
+@native_only
+def test_native_step_decodes_past_the_window_as_transformers(zoo):
+    """The native decode step runs every layer (partial RoPE, the window of 8) and decodes 24 positions past a
+    12-token prompt with transformers' logits, as do the modules."""
+    ids = prompt_ids(zoo.vocab_size, 36, seed=4)
+    ref = hf_logits(zoo.hf("phi3"), ids)[11:]
+    llm = zoo.llm(zoo.dir("phi3"))
+    step = llm.runtime.cpu_decode
+    assert step.schedule == [("native", 0, 2)]
+    assert max_rel_err(stepwise_logits(llm, ids, 12, step), ref) <= REL_TOL
+    assert max_rel_err(stepwise_logits(llm, ids, 12), ref) <= REL_TOL
+
+
+def test_longrope_is_refused():
+    cfg = {"model_type": "phi3", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "rope_scaling": {
+               "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}
+    with pytest.raises(UnsupportedModelError) as e:
+        ModelConfig.from_hf(cfg)
+    check(e, "LongRoPE")
+    assert ModelConfig.from_hf({**cfg, "rope_scaling": None}).model_type == "phi3"
+
+
+def test_gguf_matches_transformers(zoo, tmp_path):
+    """A phi3 GGUF (attn_qkv and ffn_up fused, rope.dimension_count the partial width) reads as config.json does and
+    gives transformers' logits and greedy tokens (F32), the dequantized model's logits (Q8_0)."""
+    hf = zoo.hf("phi3")
+    path = write_phi3_gguf(hf, tmp_path / "p.gguf")
+    g, h = open_checkpoint(path).config, open_checkpoint(zoo.dir("phi3")).config
+    same = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=h.rms_norm_eps, norm_topk_prob=True)
+    assert replace(g, **same) == replace(h, **same)
+    llm = zoo.llm(path, dtype="float32")
+    ids = prompt_ids(zoo.vocab_size, 20, seed=1)
+    assert max_rel_err(llm.logits(ids), hf_logits(hf, ids)) <= REL_TOL
+    assert llm.generate(ids, GREEDY)[0].token_ids == hf_greedy(hf, ids, 16)
+    q8 = write_phi3_gguf(hf, tmp_path / "q8.gguf", Q.Q8_0)
+    ref = hf_logits(dequantized_model(hf, Q.Q8_0), ids)
+    assert max_rel_err(zoo.llm(q8, dtype="float32").logits(ids), ref) <= REL_TOL
+
+
+@native_only
+def test_q4_0_gguf_decodes_from_its_split_blocks(zoo, tmp_path):
+    """The default engine over a Q4_0 phi3 file: each part of the fused tensors keeps its rows' Q4_0 blocks (int4
+    decode copies), the native step decodes within int8 activations' rounding of the dequantized model."""
+    hf = zoo.hf("phi3")
+    path = write_phi3_gguf(hf, tmp_path / "q4.gguf", Q.Q4_0)
+    llm = zoo.llm(path, decode_weights="auto")
+    ids = prompt_ids(zoo.vocab_size, 30, seed=2)
+    ref = hf_logits(dequantized_model(hf, Q.Q4_0), ids)[9:]
+    assert llm.runtime.cpu_decode.schedule == [("native", 0, 2)]
+    assert max_rel_err(stepwise_logits(llm, ids, 10, llm.runtime.cpu_decode), ref) <= 0.05
