@@ -85,6 +85,13 @@ TINY_SPECS: dict[str, TinySpec] = {
     # every layer sliding over 8 positions
     "phi3": TinySpec("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=8, pad_token_id=None, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})),
+    # Phi-3.5 / Phi-4-mini's LongRoPE: short and long factors per rotated pair, an original context of 32 positions
+    # and a window of 32 (the short factors: transformers' for prompts within the original context), factor 4 (its
+    # attention factor sqrt(1 + ln 4 / ln 32)); test_phi3.py widens the window past it for the long factors
+    "phi3_longrope": TinySpec("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=None, original_max_position_embeddings=32, max_position_embeddings=32, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "factor": 4.0,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0]})),
     # 7 query heads on one KV head of 32: the native attention's vector path scores and weighs 4 + 3 heads
     "llama_gqa7": TinySpec("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=224, num_attention_heads=7,
                                                                   num_key_value_heads=1, intermediate_size=256)),

@@ -865,6 +865,16 @@ def write_phi3_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantiz
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     if cfg.sliding_window:
         w.add_sliding_window(cfg.sliding_window)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "longrope":  # the converter's LongRoPE: the factors as tensors, the attention factor
+        import math
+
+        orig = cfg.original_max_position_embeddings
+        w.add_rope_scaling_orig_ctx_len(orig)
+        scale = rope.get("factor") or cfg.max_position_embeddings / orig
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
     w.add_file_type(int(qtype))
     w.add_tokenizer_model("none")
     for name, t in model.state_dict().items():

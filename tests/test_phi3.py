@@ -5,7 +5,8 @@ split on reading (checkpoint/hf_dir.HFDirCheckpoint._split_fused, gguf_file.GGUF
 model is models/llama.py's, native decode step included; the tiny checkpoint (tests/fixtures.py "phi3") has a
 partial RoPE (3/4 of each head's features rotated) and every layer sliding over 8 positions. The parity tests in
 test_hf_parity.py cover logits and greedy tokens; here the split handles, decode past the window in the native
-step, GGUF files as llama.cpp's converter writes them, and the refusals (LongRoPE).
+step, GGUF files as llama.cpp's converter writes them, LongRoPE (Phi-3.5 / Phi-4-mini: the window decides the short or
+long factors) and the refusals.
 """
 
 from __future__ import annotations
@@ -63,14 +64,25 @@ def test_native_step_decodes_past_the_window_as_transformers(zoo):
     assert max_rel_err(stepwise_logits(llm, ids, 12), ref) <= REL_TOL
 
 
-def test_longrope_is_refused():
+def test_bad_longrope_settings_are_refused():
+    """Phi-3.5-mini's 4.x layout ("su" factors at the top level's rope_scaling) reads; factors of another count than
+    the rotated pairs, or no original context, are CheckpointErrors; another activation is refused."""
+    from tiered.errors import CheckpointError
+
     cfg = {"model_type": "phi3", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "rope_scaling": {
-               "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128,
+           "original_max_position_embeddings": 16, "rope_scaling": {
+               "type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}}
+    assert ModelConfig.from_hf(cfg).rope_scaling["factor"] == 8.0
+    with pytest.raises(CheckpointError) as e:
+        ModelConfig.from_hf({**cfg, "rope_scaling": {**cfg["rope_scaling"], "long_factor": [2.0] * 7}})
+    check(e, "long_factor", "8 positive numbers")
+    with pytest.raises(CheckpointError) as e:
+        ModelConfig.from_hf({k: v for k, v in cfg.items() if k != "original_max_position_embeddings"})
+    check(e, "original_max_position_embeddings")
     with pytest.raises(UnsupportedModelError) as e:
-        ModelConfig.from_hf(cfg)
-    check(e, "LongRoPE")
-    assert ModelConfig.from_hf({**cfg, "rope_scaling": None}).model_type == "phi3"
+        ModelConfig.from_hf({**cfg, "hidden_act": "gelu"})
+    check(e, "activation")
 
 
 def test_gguf_matches_transformers(zoo, tmp_path):
@@ -101,3 +113,44 @@ def test_q4_0_gguf_decodes_from_its_split_blocks(zoo, tmp_path):
     ref = hf_logits(dequantized_model(hf, Q.Q4_0), ids)[9:]
     assert llm.runtime.cpu_decode.schedule == [("native", 0, 2)]
     assert max_rel_err(stepwise_logits(llm, ids, 10, llm.runtime.cpu_decode), ref) <= 0.05
+
+
+def test_longrope_factors_follow_the_window(zoo, tmp_path):
+    """LongRoPE (Phi-3.5 / Phi-4-mini): a window within the original context (32 positions here) rotates by the
+    short factors, as transformers does for every sequence that fits it (test_hf_parity's phi3_longrope); a window
+    past it by the long factors, as transformers does for a sequence longer than the original context and
+    llama.cpp for a context size past it; both with the attention factor sqrt(1 + ln 4 / ln 32)."""
+    import json
+    import math
+    import shutil
+
+    from fixtures import load_hf_model
+
+    c = open_checkpoint(zoo.dir("phi3_longrope")).config
+    s = c.rope_scaling
+    assert (s["rope_type"], s["original_max_position_embeddings"], s["factor"]) == ("longrope", 32, 4.0)
+    assert s["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(4) / math.log(32)))
+    wide = tmp_path / "wide"
+    shutil.copytree(zoo.dir("phi3_longrope"), wide)
+    cfg = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 64}))
+    hf = load_hf_model(wide)
+    long_ids, short_ids = prompt_ids(zoo.vocab_size, 40, seed=8), prompt_ids(zoo.vocab_size, 20, seed=9)
+    assert max_rel_err(zoo.llm(wide, dtype="float32").logits(long_ids), hf_logits(hf, long_ids)) <= REL_TOL
+    narrow = zoo.llm(wide, dtype="float32", max_context=32)
+    assert max_rel_err(narrow.logits(short_ids), hf_logits(hf, short_ids)) <= REL_TOL
+    # the window, not the prompt, decides: the wide window's short prompt rotates by the long factors
+    assert max_rel_err(zoo.llm(wide, dtype="float32").logits(short_ids), hf_logits(hf, short_ids)) > 1e-3
+
+
+def test_longrope_gguf_reads_its_factor_tensors(zoo, tmp_path):
+    """A LongRoPE phi3 GGUF (rope_factors_long / _short tensors, the original context and attention factor as keys)
+    reads the config.json's LongRoPE and gives transformers' logits."""
+    hf = zoo.hf("phi3_longrope")
+    path = write_phi3_gguf(hf, tmp_path / "lr.gguf")
+    g, h = open_checkpoint(path).config, open_checkpoint(zoo.dir("phi3_longrope")).config
+    for key in ("short_factor", "long_factor"):  # F32 in the file: the fp32 values the tables use either way
+        assert torch.equal(torch.tensor(g.rope_scaling[key]).float(), torch.tensor(h.rope_scaling[key]).float())
+    assert g.rope_scaling["attention_factor"] == pytest.approx(h.rope_scaling["attention_factor"], rel=1e-6)
+    ids = prompt_ids(zoo.vocab_size, 20, seed=1)
+    assert max_rel_err(zoo.llm(path, dtype="float32").logits(ids), hf_logits(hf, ids)) <= REL_TOL

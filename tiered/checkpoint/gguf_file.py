@@ -39,7 +39,7 @@ read in ggml's layout and offered as int8-g32 and as the mxfp4 kind exactly (`_b
 
 "phi3" files (Phi-3 / Phi-4) hold q/k/v fused (`attn_qkv`) and gate/up fused (`ffn_up`, the gate first): each
 becomes Llama's projections, handles of its rows (`_fused_rows`); `rope.dimension_count` the partial RoPE's width;
-LongRoPE files (`rope_factors_long` / `_short`) are refused.
+LongRoPE files (Phi-3.5 / Phi-4-mini) hold their factors as `rope_factors_long` / `_short` (`_longrope`).
 
 "gemma3" files (llama.cpp's Gemma3Model converter: Google's Gemma 3 1B-27B, their QAT Q4_0 files too) are
 read as transformers' gemma3_text (`_gemma3_config`, models/gemma.py): the norms as stored (the converter
@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from tiered.checkpoint.handle import BLOCK_FORMATS, HandleTable, TensorHandle
-from tiered.checkpoint.model_config import ModelConfig
+from tiered.checkpoint.model_config import ModelConfig, longrope_scaling
 from tiered.errors import CheckpointError, UnsupportedModelError
 
 # GGUF architecture -> HF model_type ("deepseek2": deepseek_v3 when its router is sigmoid, else v2).
@@ -616,6 +616,31 @@ class GGUFCheckpoint(HandleTable):
             num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
             moe_intermediate_size=ff, norm_topk_prob=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
 
+    def _longrope(self, g, names: set[str], pairs: int) -> dict:
+        """{"rope_scaling": LongRoPE's} of a "phi3" file holding `rope_factors_long` / `rope_factors_short` (F32
+        [pairs], Phi-3.5 / Phi-4-mini), with `rope.scaling.original_context_length` and the attention factor
+        llama.cpp's converter wrote (`rope.scaling.attn_factor`); {} for a file without them.
+
+        Raises:
+            CheckpointError: one of the two factor tensors, one of another length than the rotated pairs, or no
+                original context length.
+        """
+        have = [n in names for n in ("rope_factors_short.weight", "rope_factors_long.weight")]
+        if not any(have):
+            return {}
+        tensors = {t.name: t for t in self.reader.tensors if t.name.startswith("rope_factors_")}
+        factors = [np.asarray(tensors[n].data, dtype=np.float32).reshape(-1).tolist() if ok else []
+                   for n, ok in zip(("rope_factors_short.weight", "rope_factors_long.weight"), have)]
+        if any(len(f) != pairs for f in factors):
+            raise CheckpointError(f"{self.path}: rope_factors_short / _long must hold {pairs} values each, got "
+                                  f"{[len(f) for f in factors]}", "re-convert the file with llama.cpp")
+        orig = g("rope.scaling.original_context_length")
+        if not orig:
+            raise CheckpointError(f"{self.path}: LongRoPE factors without {self.arch}.rope.scaling.original_context_"
+                                  "length", "re-convert the file with llama.cpp")
+        return {"rope_scaling": longrope_scaling(factors[0], factors[1], int(orig), int(g("context_length") or orig),
+                                                 None, g("rope.scaling.attn_factor"))}
+
     def _sliding_layers(self, g, L: int, period: int) -> tuple[int, ...]:
         """The layers that slide, by `attention.sliding_window_pattern` as llama.cpp reads it: one flag per layer,
         or a period n (all but every n-th layer slide; 0: every layer), `period` where the file gives none (the
@@ -715,12 +740,10 @@ class GGUFCheckpoint(HandleTable):
             raise UnsupportedModelError("GGUF files with rope_freqs (Llama 3.1 scaling) are not read yet",
                                         "load the Hugging Face safetensors directory instead")
         family = {}
-        if arch == "phi3":  # Phi-3 / Phi-4: a partial RoPE of rope.dimension_count features; LongRoPE refused
-            if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
-                raise UnsupportedModelError("phi3 GGUF with LongRoPE factors (rope_factors_long / _short) is not read",
-                                            "use a Phi model without rope scaling (Phi-4, Phi-3-mini-4k / medium-4k)")
+        if arch == "phi3":  # Phi-3 / Phi-4: a partial RoPE of rope.dimension_count features, LongRoPE's factors
             head_dim = g("attention.key_length") or hidden // heads
             family["partial_rotary_factor"] = (g("rope.dimension_count") or head_dim) / head_dim
+            family.update(self._longrope(g, names, (g("rope.dimension_count") or head_dim) // 2))
         if arch == "gemma3":
             return self._gemma3_config(g, names, dict(
                 vocab_size=int(vocab), rope_scaling=scaling, bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
@@ -747,7 +770,7 @@ class GGUFCheckpoint(HandleTable):
             model_type = ARCH_TO_MODEL_TYPE[arch]
             if model_type.endswith("_moe"):
                 raise CheckpointError(f"{self.path}: {arch} file without {arch}.expert_count", "re-convert the file")
-        return ModelConfig(
+        fields = dict(
             model_type=model_type,
             vocab_size=int(vocab),
             hidden_size=hidden,
@@ -767,8 +790,8 @@ class GGUFCheckpoint(HandleTable):
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
             **moe,
-            **family,
         )
+        return ModelConfig(**{**fields, **family})
 
     def _make_handle(self, hf: str, t, expert: int | None = None, rows: tuple[int, int] | None = None) -> TensorHandle:
         """The handle of tensor `t` (of expert `expert`'s rows when `t` is a stacked expert tensor; of rows

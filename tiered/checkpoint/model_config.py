@@ -23,7 +23,7 @@ MULTIMODAL_TEXT = {"gemma3": "gemma3_text"}
 # the GLU activations of an MLP: SiLU (SwiGLU, every family but Gemma) and GELU's tanh approximation (GeGLU,
 # Gemma 3's gelu_pytorch_tanh)
 HIDDEN_ACTS = ("silu", "gelu_tanh")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # DeepSeek routers (models/moe.DeepSeekRouter): V2's softmax with plain or group-limited top-k, V3's
 # sigmoid with a score-correction bias and group-limited top-k (topk_method "noaux_tc")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -722,31 +722,60 @@ def _gemma3_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
 
 def _phi3_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
     """ModelConfig fields of a Phi-3 / Phi-3.5 / Phi-4 config.json (transformers' phi3: Microsoft's Phi-4 14B,
-    Phi-3-mini / medium), as transformers' modeling_phi3 computes them: Llama's layers with q/k/v fused into one
-    qkv_proj and gate/up into one gate_up_proj (the gate first; checkpoint/hf_dir.py splits both, so the model is
-    models/llama.py's), no biases, RoPE on each head's first head_dim * partial_rotary_factor features (given at
-    the top level or in rope_parameters), and every layer sliding over `sliding_window` positions where it is set
-    (Phi-3-mini-4k's 2047).
+    Phi-4-mini, Phi-3 / 3.5-mini, Phi-3-medium), as transformers' modeling_phi3 computes them: Llama's layers with
+    q/k/v fused into one qkv_proj and gate/up into one gate_up_proj (the gate first; checkpoint/hf_dir.py splits
+    both, so the model is models/llama.py's), no biases, RoPE on each head's first head_dim * partial_rotary_factor
+    features (given at the top level or in rope_parameters), and every layer sliding over `sliding_window`
+    positions where it is set (Phi-3-mini-4k's 2047). LongRoPE (rope_type "longrope", 4.x's "su" / "yarn":
+    Phi-3.5, Phi-4-mini, the 128k files) keeps its short_factor / long_factor, original_max_position_embeddings,
+    factor (default max_position_embeddings / original) and attention_factor (`rope_inv_freq`).
 
     Raises:
-        CheckpointError: partial_rotary_factor not a number in (0, 1].
-        UnsupportedModelError: LongRoPE scaling (rope_type "longrope" / "su": Phi-3.5, Phi-4-mini and the 128k
-            files, whose factors change with the sequence's length), an activation other than SiLU.
+        CheckpointError: partial_rotary_factor not a number in (0, 1]; LongRoPE factors that are not one positive
+            number per rotated pair, or no original_max_position_embeddings.
+        UnsupportedModelError: an activation other than SiLU.
     """
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type"))
-    if kind in ("longrope", "su", "yarn"):
-        raise UnsupportedModelError(f"phi3 with LongRoPE scaling ({kind}) is not supported",
-                                    "use a Phi model without rope_scaling (Phi-4, Phi-3-mini-4k / medium-4k)")
+    def bad(field: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{source}: {field} {why}", "fix or restore the checkpoint's config.json")
+
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"unsupported activation {cfg['hidden_act']!r} for phi3",
                                     "tiered's Phi MLPs are SwiGLU (silu)")
     factor = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if not (_is_number(factor) and 0 < factor <= 1):
-        raise CheckpointError(f"{source}: partial_rotary_factor must be a number in (0, 1], got {factor!r}",
-                              "fix or restore the checkpoint's config.json")
-    return dict(partial_rotary_factor=float(factor), attention_bias=False, o_proj_bias=False,
-                sliding_window=cfg.get("sliding_window") or None)
+        raise bad("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
+    out = dict(partial_rotary_factor=float(factor), attention_bias=False, o_proj_bias=False,
+               sliding_window=cfg.get("sliding_window") or None)
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "su", "yarn"):
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        pairs = int(head_dim * factor) // 2
+        for key in ("short_factor", "long_factor"):
+            v = rope.get(key)
+            if not (isinstance(v, list) and len(v) == pairs and all(_is_number(x) and x > 0 for x in v)):
+                raise bad(f"rope_scaling.{key}", f"must be {pairs} positive numbers (one per rotated pair)")
+        orig = rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        if not (is_int(orig) and orig > 0):
+            raise bad("original_max_position_embeddings", f"must be a positive integer for LongRoPE, got {orig!r}")
+        out["rope_scaling"] = longrope_scaling(rope["short_factor"], rope["long_factor"], orig,
+                                               cfg.get("max_position_embeddings") or orig, rope.get("factor"),
+                                               rope.get("attention_factor"))
+    return out
+
+
+def longrope_scaling(short: list, long: list, original: int, max_positions: int, factor=None,
+                     attention_factor=None) -> dict:
+    """A LongRoPE `rope_scaling` (Phi-3.5 / Phi-4-mini; transformers' _compute_longrope_parameters): the per-pair
+    short and long factors [rotary_dim / 2], the original context `original` [positions], `factor` (default
+    max_positions / original) and the attention factor (default sqrt(1 + ln(factor) / ln(original)), 1 for
+    factor <= 1). Its tables use the long factors where the engine's window exceeds `original`, else the short ones
+    (`rope_inv_freq`)."""
+    factor = float(factor) if factor else max_positions / original
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "short_factor": [float(x) for x in short],
+            "long_factor": [float(x) for x in long], "original_max_position_embeddings": int(original),
+            "factor": factor, "attention_factor": float(attention_factor)}
 
 
 # HF config.json fields read as ints: (required, smallest value). A field given as null counts as
@@ -862,9 +891,13 @@ def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
                                 "use a checkpoint whose layers all use the same attention")
 
 
-def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":
+def rope_inv_freq(config: ModelConfig, positions: int | None = None) -> "torch.Tensor":
     """RoPE inverse frequencies [rotary_dim // 2] fp32 (rotary_dim = head_dim unless a partial RoPE
-    rotates fewer features, ModelConfig.rotary_dim), with linear, llama3 or YaRN scaling applied.
+    rotates fewer features, ModelConfig.rotary_dim), with linear, llama3, YaRN or LongRoPE scaling applied.
+    LongRoPE (`longrope_scaling`; LongRoPE, Ding et al. 2024) divides pair i's frequency by long_factor[i] where
+    the tables cover more than original_max_position_embeddings `positions` (the engine's window), else by
+    short_factor[i]: the choice llama.cpp makes by its context size (transformers switches by the current
+    sequence's length, the same for every sequence that fits the original context when the window does too).
 
     The llama3 rule (Llama 3.1 report): wavelengths longer than original_ctx / low_freq_factor are
     divided by `factor`, shorter than original_ctx / high_freq_factor are kept, and the band
@@ -873,8 +906,12 @@ def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":
     import torch
 
     dim = config.rotary_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = config.rope_scaling
+    if s is not None and s["rope_type"] == "longrope":  # the long factors where the window (`positions`) exceeds
+        long = positions is not None and positions > s["original_max_position_embeddings"]  # the original one,
+        ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)  # as llama.cpp's n_ctx
+        return 1.0 / (ext * config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if s is None:
         return inv
     if s["rope_type"] == "linear":
@@ -925,6 +962,8 @@ def rope_attention_factor(config: ModelConfig) -> float:
     (given, else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given, else
     mscale(factor)), as transformers' _compute_yarn_parameters."""
     s = config.rope_scaling
+    if s is not None and s["rope_type"] == "longrope":
+        return s["attention_factor"]
     if s is None or s["rope_type"] != "yarn":
         return 1.0
     if s.get("attention_factor") is not None:

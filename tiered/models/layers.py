@@ -99,7 +99,7 @@ def _rope_tables(config: ModelConfig, max_positions: int) -> tuple[torch.Tensor,
     if torch.get_default_device().type == "meta":
         shape = (max_positions, config.rotary_dim)
         return torch.empty(shape), torch.empty(shape)
-    inv_freq = rope_inv_freq(config)
+    inv_freq = rope_inv_freq(config, max_positions)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
