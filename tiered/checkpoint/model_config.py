@@ -18,8 +18,10 @@ MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deeps
 QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")  # read decoder_sparse_step / mlp_only_layers
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared experts, grouped routing
 # GLM-4.5 / 4.5-Air / 4.6: Llama-style attention with partial RoPE and DeepSeek-V3's MoE block
-# Gemma 3's multimodal config.json (Gemma3ForConditionalGeneration): its text_config is the model tiered runs
-MULTIMODAL_TEXT = {"gemma3": "gemma3_text"}
+# multimodal config.json files whose text_config is the model tiered runs (Gemma 3 4B-27B's
+# Gemma3ForConditionalGeneration, Mistral Small 3.1 / 3.2's and Magistral's Mistral3ForConditionalGeneration) ->
+# the text model's type where the text_config does not name it
+MULTIMODAL_TEXT = {"gemma3": "gemma3_text", "mistral3": "mistral"}
 # the GLU activations of an MLP: SiLU (SwiGLU, every family but Gemma) and GELU's tanh approximation (GeGLU,
 # Gemma 3's gelu_pytorch_tanh)
 HIDDEN_ACTS = ("silu", "gelu_tanh")
@@ -621,9 +623,10 @@ def _gpt_oss_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
 
 def _text_config(cfg: dict[str, Any], model_type: str, source: object) -> dict[str, Any]:
     """The language model's config of a multimodal config.json (MULTIMODAL_TEXT: Gemma 3's
-    Gemma3ForConditionalGeneration): its `text_config`, with the file's top-level token ids (Gemma 3 4B-27B
-    give eos_token_id [1, 106] there) over the text config's. tiered runs the text model alone; the vision
-    tower's weights are not read (checkpoint/hf_dir.py).
+    Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration): its `text_config` (of its own model_type,
+    else MULTIMODAL_TEXT's), with the file's top-level token ids (Gemma 3 4B-27B give eos_token_id [1, 106] there)
+    over the text config's. tiered runs the text model alone; the vision tower's weights are not read
+    (checkpoint/hf_dir.py).
 
     Raises:
         CheckpointError: text_config is missing or not an object.
@@ -633,7 +636,7 @@ def _text_config(cfg: dict[str, Any], model_type: str, source: object) -> dict[s
         raise CheckpointError(f"{source}: a {model_type} config.json without a text_config object",
                               "restore the checkpoint's config.json")
     top = {k: cfg[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings") if cfg.get(k) is not None}
-    return {**text, **top, "model_type": MULTIMODAL_TEXT[model_type]}
+    return {**text, **top, "model_type": text.get("model_type") or MULTIMODAL_TEXT[model_type]}
 
 
 # transformers' defaults for gemma3_text fields a config.json may leave out (Gemma3TextConfig; the multimodal
