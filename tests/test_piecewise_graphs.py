@@ -22,8 +22,8 @@ from tiered.runtime.graphs import DecodeGraphs, PiecewiseGraphs
 from tiered.runtime.sliced import SlicedMLP
 
 
-def _sliced_config(zoo, box, graphs: str) -> EngineConfig:
-    non_ffn, layer, kv, L = dense_sizes(zoo.dir("llama"))
+def _sliced_config(zoo, box, graphs: str, arch: str = "llama") -> EngineConfig:
+    non_ffn, layer, kv, L = dense_sizes(zoo.dir(arch))
     return EngineConfig(decode_weights="fp32", accelerator="host", gpu_memory=non_ffn + kv + layer + layer * L // 4,
                         max_context=CTX, profile=box, graphs=graphs)
 
@@ -32,10 +32,11 @@ def _tokens(llm, ids, n=12):
     return llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
 
 
-def test_sliced_dense_plan_decodes_through_piecewise_graphs(zoo, box):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: its FFN's own norms around the eager MLP
+def test_sliced_dense_plan_decodes_through_piecewise_graphs(zoo, box, arch):
     ids = list(range(2, 18))
-    graphed = LLM(zoo.dir("llama"), _sliced_config(zoo, box, "on"))
-    eager = LLM(zoo.dir("llama"), _sliced_config(zoo, box, "off"))
+    graphed = LLM(zoo.dir(arch), _sliced_config(zoo, box, "on", arch))
+    eager = LLM(zoo.dir(arch), _sliced_config(zoo, box, "off", arch))
     try:
         assert graphed.plan.piecewise_graphs and not graphed.plan.decode_graphs
         assert isinstance(graphed.runtime.graphs, PiecewiseGraphs)
@@ -66,10 +67,11 @@ def test_offloaded_moe_plan_decodes_through_piecewise_graphs(rt, kind):
         llm.close()
 
 
-def test_model_wholly_on_the_standin_decodes_through_one_graph(zoo):
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])  # gemma3: the local RoPE's tables gathered inside the graph
+def test_model_wholly_on_the_standin_decodes_through_one_graph(zoo, arch):
     ids = list(range(2, 18))
     cfg = dict(accelerator="host", decode_weights="fp32", dtype="float32", max_context=48, plan="off")
-    graphed, eager = LLM(zoo.dir("qwen3"), EngineConfig(graphs="on", **cfg)), LLM(zoo.dir("qwen3"), EngineConfig(**cfg))
+    graphed, eager = LLM(zoo.dir(arch), EngineConfig(graphs="on", **cfg)), LLM(zoo.dir(arch), EngineConfig(**cfg))
     try:
         assert graphed.plan.decode_graphs and isinstance(graphed.runtime.graphs, DecodeGraphs)
         assert not isinstance(graphed.runtime.graphs, PiecewiseGraphs)
