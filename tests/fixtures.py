@@ -75,6 +75,11 @@ TINY_SPECS: dict[str, TinySpec] = {
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # Gemma 2: soft caps small enough to bend these logits (the released 50 / 30 would hardly touch a tiny model's),
+    # every other layer sliding over 8 positions, one RoPE
+    "gemma2": TinySpec("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=32, query_pre_attn_scalar=32, sliding_window=8, pad_token_id=None, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0)),
     # Gemma 3 as llama.cpp's files describe it: query_pre_attn_scalar = head_dim (GGUF has no key for it)
     "gemma3_gguf": TinySpec("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         head_dim=32, query_pre_attn_scalar=32, sliding_window=8, pad_token_id=None,

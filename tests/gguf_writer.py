@@ -805,18 +805,29 @@ _GEMMA3_BLOCK = {**_BLOCK, "post_attention_layernorm": "post_attention_norm", "p
 
 def write_gemma3_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
                       pattern: bool = True) -> Path:
-    """Write a transformers Gemma3ForCausalLM (fp32) as llama.cpp's Gemma3Model converter does: every norm
+    """write_gemma_gguf for a Gemma3ForCausalLM."""
+    return write_gemma_gguf(model, path, qtype, pattern)
+
+
+def write_gemma_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+                     pattern: bool = True) -> Path:
+    """Write a transformers Gemma3ForCausalLM or Gemma2ForCausalLM (fp32) as llama.cpp's Gemma3Model /
+    Gemma2Model converter does (Gemma 2: its soft caps as keys, one RoPE): every norm
     stored as 1 + weight (Gemma's RMSNorm multiplies by it), `post_attention_norm` / `ffn_norm` /
     `post_ffw_norm` the sandwich norms, no output.weight (tied), q/k rows as they are, the global layers' RoPE
     scaling as rope.scaling.*, the window as attention.sliding_window. `pattern`: also write the model's
     sliding layers as attention.sliding_window_pattern flags (else a reader takes llama.cpp's every-6th rule).
     2-D weights in `qtype`, 1-D tensors F32; tokenizer.ggml.model "none"."""
     cfg = model.config
-    full = cfg.rope_parameters["full_attention"]
-    w = _header(cfg, path, "gemma3", "gemma3")
+    arch = "gemma2" if cfg.model_type == "gemma2" else "gemma3"
+    full = cfg.rope_parameters if arch == "gemma2" else cfg.rope_parameters["full_attention"]
+    w = _header(cfg, path, arch, arch)
     for key in ("key_length", "value_length"):
-        w.kv_data[0].pop(f"gemma3.attention.{key}", None)
-    w.kv_data[0].pop("gemma3.rope.freq_base")
+        w.kv_data[0].pop(f"{arch}.attention.{key}", None)
+    w.kv_data[0].pop(f"{arch}.rope.freq_base")
+    if arch == "gemma2":  # the converter's soft caps
+        w.add_float32("gemma2.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        w.add_float32("gemma2.final_logit_softcapping", cfg.final_logit_softcapping)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(float(full["rope_theta"]))

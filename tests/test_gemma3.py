@@ -65,8 +65,6 @@ def test_hub_config_takes_transformers_defaults():
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("attn_logit_softcapping", 50.0, ("attn_logit_softcapping",)),
-    ("final_logit_softcapping", 30.0, ("final_logit_softcapping",)),
     ("use_bidirectional_attention", True, ("bidirectional",)),
     ("hidden_activation", "relu", ("activation", "relu")),
 ])

@@ -42,11 +42,13 @@ becomes Llama's projections, handles of its rows (`_fused_rows`); `rope.dimensio
 LongRoPE files (Phi-3.5 / Phi-4-mini) hold their factors as `rope_factors_long` / `_short` (`_longrope`).
 
 "gemma3" files (llama.cpp's Gemma3Model converter: Google's Gemma 3 1B-27B, their QAT Q4_0 files too) are
-read as transformers' gemma3_text (`_gemma3_config`, models/gemma.py): the norms as stored (the converter
+read as transformers' gemma3_text (`_gemma_config`, models/gemma.py): the norms as stored (the converter
 wrote Gemma's 1 + weight), `post_attention_norm` / `ffn_norm` / `post_ffw_norm` the sandwich norms, q/k
 rows as they are, the lm_head the embedding; as llama.cpp's loader reads them, 5 of every 6 layers slide
 (`attention.sliding_window_pattern` where given) with a RoPE of base 10000 (`rope.freq_base_swa` where
-given), and logits scale by 1 / sqrt(head_dim), or by 1 / sqrt(hidden / heads) for the 62-layer 27B.
+given), and logits scale by 1 / sqrt(head_dim), or by 1 / sqrt(hidden / heads) for the 62-layer 27B. "gemma2"
+files (Gemma 2) the same way, with their soft caps (`attn_logit_softcapping`, `final_logit_softcapping`), every other
+layer sliding, one RoPE, no q/k norms, the 46-layer 27B's scale by hidden / heads.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ from tiered.errors import CheckpointError, UnsupportedModelError
 ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v2",
                       "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss",
-                      "gemma3": "gemma3_text", "phi3": "phi3"}
+                      "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
 # top-k weights renormalized to sum 1 (llama.cpp's expert_weights_norm default per architecture)
 NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 # The sampling a file's authors recommend (llama.cpp's general.sampling.* keys, which its converter fills from
@@ -228,7 +230,7 @@ def gguf_to_hf_name(name: str, model_type: str = "") -> str | None:
             return f"model.layers.{layer}.self_attn.sinks"
         if part in _GPT_OSS_NAMES:
             return f"model.layers.{layer}.{_GPT_OSS_NAMES[part]}.{kind}"
-    if model_type == "gemma3_text" and part in _GEMMA3_NAMES:
+    if model_type in ("gemma2", "gemma3_text") and part in _GEMMA3_NAMES:
         return f"model.layers.{layer}.{_GEMMA3_NAMES[part]}.{kind}"
     if model_type.startswith("deepseek") or model_type == "glm4_moe":
         if part == "exp_probs_b":  # llama.cpp's `exp_probs_b.bias`: the router's selection bias
@@ -657,22 +659,24 @@ class GGUFCheckpoint(HandleTable):
             return tuple(i for i in range(L) if pattern[i])
         return tuple(i for i in range(L) if pattern == 0 or i % pattern < pattern - 1)
 
-    def _gemma3_config(self, g, names: set[str], common: dict) -> ModelConfig:
-        """The ModelConfig of a "gemma3" file (Gemma 3; see the module docstring), as llama.cpp's loader reads it.
+    def _gemma_config(self, g, names: set[str], common: dict) -> ModelConfig:
+        """The ModelConfig of a "gemma3" or "gemma2" file (Gemma 3 / Gemma 2; see the module docstring), as llama.cpp's
+        loader reads it: Gemma 2 with its soft caps (`attn_logit_softcapping`, `final_logit_softcapping`), every
+        other layer sliding, one RoPE, no q/k norms, the 46-layer 27B's scale 1 / sqrt(hidden / heads); Gemma 3's
+        final cap where a file gives one.
 
         `common`: the vocabulary, the (global layers') RoPE scaling and the tokens.
         Raises:
-            CheckpointError: a key llama.cpp requires of gemma3 files is missing (block_count,
+            CheckpointError: a key llama.cpp requires of these files is missing (block_count,
                 embedding_length, feed_forward_length, attention.head_count,
                 attention.layer_norm_rms_epsilon), or a sliding-window pattern of another length than
                 block_count.
-            UnsupportedModelError: final logit softcapping, fused q/k/v (attn_qkv), sizes per layer.
+            UnsupportedModelError: fused q/k/v (attn_qkv), sizes per layer.
         """
         arch = self.arch
         need = partial(self._need, g)
-        if g("final_logit_softcapping") not in (None, 0, 0.0):
-            raise UnsupportedModelError(f"{arch} GGUF with final_logit_softcapping {g('final_logit_softcapping')} "
-                                        "is not read", "Gemma 3's released files have none")
+        two = arch == "gemma2"
+        caps = [float(g(k)) if g(k) else None for k in ("attn_logit_softcapping", "final_logit_softcapping")]
         if "blk.0.attn_qkv.weight" in names:
             raise UnsupportedModelError(f"{arch} GGUF with fused q/k/v projections (attn_qkv) is not read",
                                         "re-convert the file with llama.cpp's convert_hf_to_gguf.py")
@@ -681,22 +685,26 @@ class GGUFCheckpoint(HandleTable):
         for key, value in sizes.items():
             if isinstance(value, list):
                 raise UnsupportedModelError(f"{arch} GGUF with {arch}.{key} per layer is not read",
-                                            "tiered's Gemma 3 layers share one size")
+                                            "tiered's Gemma layers share one size")
         heads = int(need("attention.head_count"))
         head_dim = int(g("attention.key_length") or hidden // heads)
         window = int(g("attention.sliding_window") or 0)
-        local = self._sliding_layers(g, L, 6) if window else ()
-        # llama.cpp's f_attention_scale: 1 / sqrt(hidden / heads) for the 27B (62 layers), else 1 / sqrt(head_dim)
-        scalar = hidden // heads if L == 62 else head_dim
+        local = self._sliding_layers(g, L, 2 if two else 6) if window else ()
+        # llama.cpp's f_attention_scale: 1 / sqrt(hidden / heads) for the 27Bs (Gemma 2's 46 layers, Gemma 3's 62),
+        # else 1 / sqrt(head_dim)
+        scalar = hidden // heads if L == (46 if two else 62) else head_dim
         return ModelConfig(
-            **common, model_type="gemma3_text", hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
-            num_hidden_layers=L, num_attention_heads=heads,
+            **common, model_type="gemma2" if two else "gemma3_text", hidden_size=hidden,
+            intermediate_size=int(need("feed_forward_length")), num_hidden_layers=L, num_attention_heads=heads,
             num_key_value_heads=int(g("attention.head_count_kv") or heads), head_dim=head_dim,
-            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")), rope_theta=float(g("rope.freq_base") or 1e6),
-            max_position_embeddings=int(g("context_length") or 131072), tie_word_embeddings="output.weight" not in names,
-            qk_norm=True, qk_norm_scope="head", hidden_act="gelu_tanh", embed_scale=float(hidden) ** 0.5,
-            sandwich_norms=True, query_pre_attn_scalar=float(scalar), local_window=window if local else None,
-            local_layers=local, local_rope_theta=float(g("rope.freq_base_swa") or 10000.0) if local else None)
+            rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(g("rope.freq_base") or (1e4 if two else 1e6)),
+            max_position_embeddings=int(g("context_length") or (8192 if two else 131072)),
+            tie_word_embeddings="output.weight" not in names, qk_norm=not two, qk_norm_scope="head",
+            hidden_act="gelu_tanh", embed_scale=float(hidden) ** 0.5, sandwich_norms=True,
+            query_pre_attn_scalar=float(scalar), local_window=window if local else None, local_layers=local,
+            local_rope_theta=float(g("rope.freq_base_swa") or 10000.0) if local and not two else None,
+            attn_softcap=caps[0], final_softcap=caps[1])
 
     def _model_config(self) -> ModelConfig:
         md = self.metadata
@@ -744,8 +752,8 @@ class GGUFCheckpoint(HandleTable):
             head_dim = g("attention.key_length") or hidden // heads
             family["partial_rotary_factor"] = (g("rope.dimension_count") or head_dim) / head_dim
             family.update(self._longrope(g, names, (g("rope.dimension_count") or head_dim) // 2))
-        if arch == "gemma3":
-            return self._gemma3_config(g, names, dict(
+        if arch in ("gemma3", "gemma2"):
+            return self._gemma_config(g, names, dict(
                 vocab_size=int(vocab), rope_scaling=scaling, bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=eos_ids))
         if arch == "glm4moe":

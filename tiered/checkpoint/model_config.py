@@ -13,7 +13,7 @@ from tiered.errors import CheckpointError, UnsupportedModelError
 
 # HF `model_type` -> family. Dense families share one implementation (models/llama.py); MoE
 # families share models/moe.py.
-DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 QWEN_MOE_TYPES = ("qwen2_moe", "qwen3_moe")  # read decoder_sparse_step / mlp_only_layers
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared experts, grouped routing
@@ -115,7 +115,7 @@ class ModelConfig:
         expert_bias: the router and every routed expert's gate, up and down projections carry biases.
         swiglu_limit, swiglu_alpha: the experts' clamped GLU, or None for SiLU's SwiGLU: gate clamped
             to <= limit, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate).
-    Gemma 3 (`gemma3_text`, Google's Gemma 3 1B-27B; `_gemma3_fields`): per-head q/k norms, local_window /
+    Gemma 3 (`gemma3_text`, Google's Gemma 3 1B-27B; `_gemma_fields`) and Gemma 2 (`gemma2`): per-head q/k norms, local_window /
     local_layers for its sliding layers (5 of every 6), and
         hidden_act: the MLP's GLU activation, a HIDDEN_ACTS name: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with
             GELU's tanh approximation, Gemma's gelu_pytorch_tanh).
@@ -128,6 +128,8 @@ class ModelConfig:
             head_dim ** -0.5 (`attn_scale`), or None.
         local_rope_theta: the RoPE base of the local_layers (Gemma 3's sliding layers: 10000, unscaled), whose
             global layers take rope_theta and rope_scaling; None = every layer the same RoPE.
+        attn_softcap, final_softcap: Gemma 2's tanh soft caps: each attention logit s becomes c tanh(s / c) before
+            the mask and softmax (c = attn_softcap), each output logit likewise (final_softcap); None = none.
     Gemma's RMSNorm multiplies by (1 + weight): the checkpoint readers store 1 + weight (as llama.cpp's GGUF
     files hold it), so the norms here are plain RMSNorms.
     """
@@ -184,6 +186,8 @@ class ModelConfig:
     sandwich_norms: bool = False
     query_pre_attn_scalar: float | None = None
     local_rope_theta: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in DENSE_TYPES + MOE_TYPES:
@@ -198,6 +202,9 @@ class ModelConfig:
         if rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(f"unsupported RoPE scaling {rope_type!r}",
                                         "tiered supports " + ", ".join(ROPE_TYPES))
+        if rope_type == "longrope" and "attention_factor" not in self.rope_scaling:  # longrope_scaling's, phi3's
+            raise UnsupportedModelError(f"unsupported RoPE scaling 'longrope' on {self.model_type}",
+                                        "tiered reads LongRoPE in Phi-3 / Phi-3.5 / Phi-4 checkpoints")
         if self.qk_norm_scope not in ("head", "proj"):
             raise UnsupportedModelError(f"unknown q/k norm scope {self.qk_norm_scope!r}",
                                         "use 'head' (Qwen3) or 'proj' (OLMoE)")
@@ -382,8 +389,8 @@ class ModelConfig:
         if model_type in MULTIMODAL_TEXT:
             cfg = _text_config(cfg, model_type, source)
             model_type = cfg["model_type"]
-        if model_type == "gemma3_text":
-            cfg = {**_GEMMA3_DEFAULTS, **cfg}
+        if model_type in _GEMMA_DEFAULTS:
+            cfg = {**_GEMMA_DEFAULTS[model_type], **cfg}
         if model_type not in DENSE_TYPES + MOE_TYPES:
             archs = ", ".join(cfg.get("architectures") or []) or model_type or "unknown"
             raise UnsupportedModelError(f"unsupported architecture {archs!r}",
@@ -399,8 +406,8 @@ class ModelConfig:
             family = _glm4_moe_fields(cfg, source)
         if model_type == "gpt_oss":
             family = _gpt_oss_fields(cfg, source)
-        if model_type == "gemma3_text":
-            family = _gemma3_fields(cfg, source)
+        if model_type in _GEMMA_DEFAULTS:
+            family = _gemma_fields(cfg, source, model_type)
         if model_type == "phi3":
             family = _phi3_fields(cfg, source)
         # transformers 5 nests RoPE settings in rope_parameters; 4.x has rope_theta + rope_scaling.
@@ -645,13 +652,21 @@ _GEMMA3_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=
                         num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
                         rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True,
                         query_pre_attn_scalar=256, sliding_window=4096, hidden_activation="gelu_pytorch_tanh")
+# and Gemma2Config's (Gemma 2 2B / 9B / 27B: soft caps, every other layer sliding, one RoPE)
+_GEMMA_DEFAULTS = {"gemma3_text": _GEMMA3_DEFAULTS, "gemma2": dict(
+    _GEMMA3_DEFAULTS, vocab_size=256_000, max_position_embeddings=8192, attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0)}
 # HF activation names -> HIDDEN_ACTS
 _HF_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _gemma3_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
+def _gemma_fields(cfg: dict[str, Any], source: object, model_type: str) -> dict[str, Any]:
     """ModelConfig fields of a Gemma 3 text config (transformers' gemma3_text: Gemma3ForCausalLM, or the
-    text_config of Gemma3ForConditionalGeneration), with _GEMMA3_DEFAULTS already filled in.
+    text_config of Gemma3ForConditionalGeneration) or a Gemma 2 one (`gemma2`), with _GEMMA_DEFAULTS already filled
+    in. Gemma 2 differs as transformers' modeling_gemma2 computes it: no q/k norms, the tanh soft caps of
+    attn_logit_softcapping (on every attention logit, before the mask) and final_logit_softcapping (on the output
+    logits), every other layer sliding (default layer_types: the even ones), one RoPE (rope_theta, default 10000)
+    for every layer.
 
     As transformers' modeling_gemma3 computes them: the embedding scaled by sqrt(hidden_size); per-head q/k
     RMSNorms; logits scaled by query_pre_attn_scalar ** -0.5; layers per `layer_types` (default: every 6th
@@ -663,17 +678,19 @@ def _gemma3_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
 
     Raises:
         CheckpointError: layer_types of another length than num_hidden_layers or with an unknown type;
-            query_pre_attn_scalar not a positive number.
-        UnsupportedModelError: attention or final logit softcapping (Gemma 2's), bidirectional attention
-            (EmbeddingGemma), an activation other than gelu_pytorch_tanh / silu, a scaled local RoPE.
+            query_pre_attn_scalar or a soft cap not a positive number.
+        UnsupportedModelError: bidirectional attention (EmbeddingGemma), an activation other than
+            gelu_pytorch_tanh / silu, a scaled local RoPE.
     """
     def bad(field: str, why: str) -> CheckpointError:
         return CheckpointError(f"{source}: {field} {why}", "fix or restore the checkpoint's config.json")
 
+    caps = {}
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise UnsupportedModelError(f"gemma3_text with {key} {cfg[key]} is not supported",
-                                        "Gemma 3's released configs have none")
+        v = cfg.get(key)
+        if v is not None and not (_is_number(v) and v > 0):
+            raise bad(key, f"must be a positive number or null, got {v!r}")
+        caps[key] = None if v is None else float(v)
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedModelError("bidirectional attention (an embedding model) is not supported",
                                     "tiered runs causal language models")
@@ -684,7 +701,7 @@ def _gemma3_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
     L = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is None:
-        pattern = cfg.get("sliding_window_pattern") or 6
+        pattern = cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
     if len(types) != L or not set(types) <= {"sliding_attention", "full_attention"}:
         raise bad("layer_types", f"must give sliding_attention or full_attention for each of the {L} layers, "
@@ -693,14 +710,18 @@ def _gemma3_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
     if not (_is_number(scalar) and scalar > 0):
         raise bad("query_pre_attn_scalar", f"must be a positive number, got {scalar!r}")
     rope = cfg.get("rope_parameters") or {}
-    if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5: one RoPE per layer type
+    if model_type == "gemma2":  # one RoPE for every layer
+        full = dict(cfg.get("rope_scaling") or rope)
+        local = None
+    elif "full_attention" in rope or "sliding_attention" in rope:  # transformers 5: one RoPE per layer type
         full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
     else:
         full = dict(cfg.get("rope_scaling") or rope)
         local = {"rope_theta": cfg.get("rope_local_base_freq")}
-    theta = full.pop("rope_theta", None) or cfg.get("rope_theta") or 1_000_000.0
-    local_theta = local.pop("rope_theta", None) or 10_000.0
+    theta = full.pop("rope_theta", None) or cfg.get("rope_theta") or (10_000.0 if local is None else 1_000_000.0)
     full.setdefault("rope_type", full.pop("type", "default"))
+    local = local if local is not None else {"rope_theta": theta}  # Gemma 2: the same RoPE
+    local_theta = local.pop("rope_theta", None) or 10_000.0
     if local.get("rope_type", local.get("type", "default")) != "default":
         raise UnsupportedModelError(f"a scaled RoPE ({local}) on gemma3_text's sliding layers is not supported",
                                     "Gemma 3 rotates its sliding layers by plain RoPE")
@@ -713,13 +734,16 @@ def _gemma3_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
     window = cfg.get("sliding_window")
     local_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
     bias = bool(cfg.get("attention_bias", False))
+    scaling = None if full["rope_type"] == "default" else full
+    # a local RoPE of its own where it differs from the global layers' (Gemma 3); Gemma 2's layers share one
+    own_rope = bool(local_layers) and (float(local_theta) != float(theta) or scaling is not None)
     return dict(
         hidden_act=act, embed_scale=float(cfg["hidden_size"]) ** 0.5, sandwich_norms=True,
-        query_pre_attn_scalar=float(scalar), qk_norm=True, qk_norm_scope="head", attention_bias=bias,
-        o_proj_bias=bias, sliding_window=None, local_window=window if local_layers else None,
-        local_layers=local_layers, rope_theta=float(theta),
-        rope_scaling=None if full["rope_type"] == "default" else full,
-        local_rope_theta=float(local_theta) if local_layers else None,
+        query_pre_attn_scalar=float(scalar), qk_norm=model_type != "gemma2", qk_norm_scope="head",
+        attention_bias=bias, o_proj_bias=bias, sliding_window=None, local_window=window if local_layers else None,
+        local_layers=local_layers, rope_theta=float(theta), rope_scaling=scaling,
+        local_rope_theta=float(local_theta) if own_rope else None,
+        attn_softcap=caps["attn_logit_softcapping"], final_softcap=caps["final_logit_softcapping"],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)))
 
 

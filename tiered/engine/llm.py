@@ -820,7 +820,7 @@ class LLM:
             h = self.model.hidden_states(self._to_device(torch.tensor([ids])),
                                          self._to_device(torch.arange(start, start + len(ids)).unsqueeze(0)),
                                          self._to_device(torch.tensor([seq.slot])), cache)
-            logits = self.model.lm_head(h)[0]
+            logits = self.model.head(h)[0]
         return logits.float().cpu()
 
     def _verify_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, str, RequestOutput | None]]:
@@ -998,7 +998,7 @@ class LLM:
                     h = self.model.hidden_states(dev(torch.tensor([ids[start:end]])),
                                                  dev(torch.arange(start, end).unsqueeze(0)), slots, cache)
                     for a in range(start, end, rows):
-                        logits = self.model.lm_head(h[:, a - start:min(a + rows, end) - start])[0]
+                        logits = self.model.head(h[:, a - start:min(a + rows, end) - start])[0]
                         score(logits, a)
             last = logits[-1:].float().cpu()
         seq.prompt_logprobs = entries

@@ -1,4 +1,5 @@
-"""Gemma 3 (Google's Gemma 3 1B / 4B / 12B / 27B language models; transformers' `gemma3_text`).
+"""Gemma 3 (Google's Gemma 3 1B / 4B / 12B / 27B language models; transformers' `gemma3_text`) and Gemma 2
+(`gemma2`: 2B / 9B / 27B).
 
 A dense decoder whose every layer is:
   - grouped-query attention with per-head q/k RMSNorms, logits scaled by query_pre_attn_scalar ** -0.5
@@ -20,7 +21,11 @@ Parameter names equal transformers' Gemma3ForCausalLM's (`model.layers.N.pre_fee
 ...). The native C++ decode step runs these layers itself (runtime/cpu_decode: DecodeStep.set_sandwich,
 set_local_rope, set_activation; the scale its constructor's); the torch-op step runs them as these modules.
 
-Source: transformers' modeling_gemma3.py (Gemma3TextScaledWordEmbedding, Gemma3RMSNorm, Gemma3Attention,
+Gemma 2 is the same block without q/k norms, with one RoPE for every layer (every other layer sliding), and tanh
+soft caps on the attention logits (`attend_softcapped`, before the mask) and on the output logits
+(CausalLM.head): its layers run as these modules (the native decode step does not cap logits).
+
+Source: transformers' modeling_gemma3.py / modeling_gemma2.py (Gemma3TextScaledWordEmbedding, Gemma3RMSNorm, Gemma3Attention,
 Gemma3DecoderLayer) and the Gemma 3 technical report (Gemma Team, 2025, §2).
 
 Dimension legend: B = batch, T = new tokens per sequence, D = hidden.
@@ -43,13 +48,49 @@ def _widened(y: torch.Tensor, like) -> torch.Tensor:
     return y.float() if dt == torch.float32 and y.dtype != torch.float32 else y
 
 
+def attend_softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+                      scale: float, cap: float) -> torch.Tensor:
+    """Attention whose logits are soft-capped (Gemma 2): s = q k^T * scale, then cap * tanh(s / cap), the mask, a
+    softmax in fp32 rounded to q's dtype, times v, as transformers' eager attention computes it (no fused kernel
+    caps its logits).
+
+    Args:
+        q: [B, H, T, hd]; k, v: [B, Hkv, S, hd] (Hkv divides H; q's dtype).
+        mask: bool [B, 1, T, S] (True = attend) or None; causal (with mask None): query i sees keys 0..i (the
+            top-left alignment of torch's is_causal).
+        scale: the logits' factor; cap: the soft cap (> 0).
+    Returns:
+        [B, H, T, hd] in q's dtype.
+    """
+    H, Hkv = q.shape[1], k.shape[1]
+    if H != Hkv:
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    s = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap
+    if mask is None and causal:
+        T, S = s.shape[-2:]
+        mask = torch.ones(T, S, dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), v)
+
+
 class GemmaAttention(Attention):
     """models/layers.Attention whose local layers rotate by the local RoPE (local_rope_metadata) where the model
-    has one; the logits' scale is ModelConfig.attn_scale (Attention's)."""
+    has one; the logits' scale is ModelConfig.attn_scale (Attention's), soft-capped where the model caps them
+    (Gemma 2's attn_softcap: `attend_softcapped`)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.local_rope = config.local_rope_theta is not None and layer_idx in config.local_layers
+        self.softcap = config.attn_softcap
+        if self.softcap is not None:
+            self.aligns_keys = False  # its own masks: no widened keys
+
+    def attend(self, q, k, v, mask: torch.Tensor | None, causal: bool, past: int | None = None) -> torch.Tensor:
+        """Attention.attend, soft-capped where the model caps its logits."""
+        if self.softcap is None:
+            return super().attend(q, k, v, mask, causal, past)
+        return attend_softcapped(q, k, v, mask, causal, self.scale, self.softcap)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D] (Attention.forward, with the local RoPE's tables in a local layer)."""

@@ -141,5 +141,15 @@ class CausalLM(nn.Module):
             # matmul then runs the lm_head as a bmm over a copied weight (a SmolLM2 prefill's head:
             # 51 ms of its 0.7 s on 2 cores, the [V, D] weight copied, against ~4 ms)
             h = h[:, -1:].reshape(B, 1, D) if last is None else h[0, last].unsqueeze(1)
-        logits = self.lm_head(h)
+        logits = self.head(h)
         return logits[:, -1] if last_only else logits
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states h [..., D] -> logits [..., V]: the lm_head, soft-capped where the model caps
+        its output (Gemma 2's final_softcap: c tanh(logits / c))."""
+        return self.softcap(self.lm_head(h))
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits as the model outputs them: c tanh(logits / c) for config.final_softcap c, else unchanged."""
+        c = self.config.final_softcap
+        return logits if c is None else torch.tanh(logits / c) * c

@@ -161,6 +161,8 @@ def supported_attention(attn, native: bool = False) -> bool:
 
     if type(attn) is Attention and attn.local_window is None:
         return True
+    if type(attn) is GemmaAttention and attn.softcap is not None:  # Gemma 2's capped logits: its module
+        return False
     return native and type(attn) in (Attention, SinkAttention, GemmaAttention)
 
 
@@ -494,7 +496,7 @@ class CPUDecodeStep:
             gu = L.gate_up(h)
             x.add_(L.down(F.silu(gu[:, :L.F]) * gu[:, L.F:]))
         h = F.rms_norm(x if rows is None else x[rows], x.shape[-1:], self.final_norm, self.final_eps)
-        return self.lm_head(h)
+        return self.model.softcap(self.lm_head(h))
 
     def _native_call(self, input_ids, positions, slots, cache: KVCache, rows=None) -> torch.Tensor:
         B = input_ids.shape[0]
@@ -524,7 +526,7 @@ class CPUDecodeStep:
                 x = layer(x.view(B, 1, -1), meta, cache).view(B, -1).contiguous()
         if schedule is self.schedule:
             self._count_moe_uses()
-        return self.native.logits(x if rows is None else x[rows])
+        return self.model.softcap(self.native.logits(x if rows is None else x[rows]))
 
     def _count_moe_uses(self) -> None:
         """Add the resident expert uses of the native step's MoE layers since the last call (DecodeStep

@@ -163,7 +163,7 @@ class PiecewiseGraphs(DecodeGraphs):
 
         def last(h_prev, y_prev):
             def segment():
-                return model.lm_head(model.model.norm(h_prev + y_prev)[:, -1:])[:, -1]
+                return model.head(model.model.norm(h_prev + y_prev)[:, -1:])[:, -1]
             return segment
 
         replays, outs, mlp_out = [], [], []
