@@ -4,8 +4,8 @@ Gemma 2's block is Gemma 3's (sandwich norms, GeGLU, the scaled embedding, query
 with one RoPE for every layer, every other layer sliding, and tanh soft caps on the attention logits (before the
 mask) and on the output logits. The tiny checkpoint (tests/fixtures.py "gemma2") caps at 2 and 3 so that the caps
 bend its logits; test_hf_parity.py covers logits and greedy tokens. Here: the Hub's config defaults, each cap
-changing the logits, decode past the window through the engine's CPU step (the layers as modules: the native step
-does not cap), llama.cpp's gemma2 GGUF files.
+changing the logits, decode past the window through the native step (which caps too), the torch-op step and the
+modules, llama.cpp's gemma2 GGUF files.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch
 from fixtures import hf_greedy, hf_logits, local_model, max_rel_err, prompt_ids, stepwise_logits
 from gguf_writer import write_gemma_gguf
 from test_gemma3 import _local_model_of
-from tiered import SamplingParams
+from tiered import SamplingParams, kernels
 from tiered.checkpoint import open_checkpoint
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.models.layers import KVCache, build_attention_metadata
+from tiered.runtime.cpu_decode import CPUDecodeStep
 
 REL_TOL = 1e-4
 # google/gemma-2-9b-it's config.json (the fields it gives)
@@ -60,16 +61,23 @@ def test_each_cap_changes_the_logits(zoo, change):
     assert max_rel_err(logits(_local_model_of(ckpt)), ref) > 1e-3
 
 
+@pytest.mark.skipif(not kernels.available(), reason="tiered/kernels is not built")
 def test_decode_past_the_window_matches_transformers(zoo):
-    """The engine's CPU decode step (Gemma 2's layers as their modules: attend_softcapped, the capped head) and the
-    modules decode 24 positions past a 12-token prompt (window 8) with transformers' logits."""
+    """The native decode step runs Gemma 2's layers itself (DecodeStep.set_softcap: the capped attention logits; the
+    capped head in CausalLM.softcap) and decodes 24 positions past a 12-token prompt (window 8) with transformers'
+    logits, as do its prompt rows, the torch-op step and the modules (attend_softcapped)."""
     ids = prompt_ids(zoo.vocab_size, 36, seed=4)
     ref = hf_logits(zoo.hf("gemma2"), ids)[11:]
     llm = zoo.llm(zoo.dir("gemma2"))
     step = llm.runtime.cpu_decode
-    assert all(seg[0] == "whole" for seg in step.schedule)
+    assert step.schedule == [("native", 0, 2)]
     assert max_rel_err(stepwise_logits(llm, ids, 12, step), ref) <= REL_TOL
     assert max_rel_err(stepwise_logits(llm, ids, 12), ref) <= REL_TOL
+    torch_ops = CPUDecodeStep(llm.model, native=False)
+    assert max_rel_err(stepwise_logits(llm, ids, 12, torch_ops), ref) <= REL_TOL
+    with torch.inference_mode():
+        rows = step.rows_call([(ids[:14], 0, 0, 14)], llm._kv_cache(1, 14))
+    assert max_rel_err(rows, hf_logits(zoo.hf("gemma2"), ids[:14])) <= REL_TOL
 
 
 def test_gguf_matches_transformers(zoo, tmp_path):

@@ -23,7 +23,8 @@ set_local_rope, set_activation; the scale its constructor's); the torch-op step 
 
 Gemma 2 is the same block without q/k norms, with one RoPE for every layer (every other layer sliding), and tanh
 soft caps on the attention logits (`attend_softcapped`, before the mask) and on the output logits
-(CausalLM.head): its layers run as these modules (the native decode step does not cap logits).
+(CausalLM.head); the native decode step caps them too (DecodeStep.set_softcap; a prompt's rows there score one row
+at a time).
 
 Source: transformers' modeling_gemma3.py / modeling_gemma2.py (Gemma3TextScaledWordEmbedding, Gemma3RMSNorm, Gemma3Attention,
 Gemma3DecoderLayer) and the Gemma 3 technical report (Gemma Team, 2025, §2).

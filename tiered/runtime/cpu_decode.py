@@ -36,10 +36,11 @@ and their MoE block or dense MLP after it; the torch-op step runs them whole as 
 A partial RoPE (GLM-4.5: ModelConfig.rotary_dim < head_dim) rotates each head's first rotary_dim
 features in both steps and passes the rest through (DecodeStep's rotary_dim; the torch-op step's
 rotate-half matrix is 0 there, its cos 1 and sin 0).
-Gemma 3's layers (models/gemma.py) run in the native step too: their output norms before each residual add
+Gemma 2 / 3's layers (models/gemma.py) run in the native step too: their output norms before each residual add
 (DecodeStep.set_sandwich), GeGLU (set_activation), the sliding layers' own RoPE tables (set_local_rope: the
-engine's Rotary.local_cos / local_sin at the step's positions) and query_pre_attn_scalar's scale; the torch-op
-step runs them whole as modules.
+engine's Rotary.local_cos / local_sin at the step's positions), query_pre_attn_scalar's scale and Gemma 2's soft
+caps (set_softcap on the attention logits, CausalLM.softcap on the output's); the torch-op step runs them whole as
+modules.
 TIERED_NATIVE_MLA=0 keeps latent layers whole as modules in the native step as well, and
 TIERED_NATIVE_MOE=0 every MoE block its module (to compare; the native parts are the default).
 """
@@ -161,8 +162,6 @@ def supported_attention(attn, native: bool = False) -> bool:
 
     if type(attn) is Attention and attn.local_window is None:
         return True
-    if type(attn) is GemmaAttention and attn.softcap is not None:  # Gemma 2's capped logits: its module
-        return False
     return native and type(attn) in (Attention, SinkAttention, GemmaAttention)
 
 
@@ -355,6 +354,8 @@ def _native_step(native, model: nn.Module, layers: list) -> tuple[object, list, 
             step.set_sandwich(i, layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight)
         if i not in latent and getattr(attn, "local_rope", False):  # Gemma 3's sliding layers: their own RoPE
             step.set_local_rope(i)
+        if i not in latent and getattr(attn, "softcap", None) is not None:  # Gemma 2's capped attention logits
+            step.set_softcap(i, attn.softcap)
         if i not in latent and (attn.q_norm is not None or attn.clip_qkv is not None):
             qn, kn = ((attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None
                       else (torch.empty(0), torch.empty(0)))

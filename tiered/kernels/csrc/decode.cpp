@@ -125,6 +125,7 @@ struct Layer {
   // rotate by the step's second RoPE tables (Gemma 3's sliding layers)
   std::vector<float> attn_out_norm, ffn_out_norm;
   bool local_rope = false;
+  float softcap = 0.f;  // (set_softcap) Gemma 2's cap on the attention logits, 0: none
   bool extras() const { return !q_norm.empty() || clip > 0.f; }
   Group qkv, o, gate_up, down;  // gate_up/down empty: attention only (the layer's FFN runs elsewhere)
   std::shared_ptr<Moe> moe;  // or its FFN is these routed experts (when forward's `moe`)
@@ -255,6 +256,13 @@ __attribute__((always_inline)) inline float hsum8(v8f s) {
   s += __builtin_shufflevector(s, s, 2, 3, 0, 1, 6, 7, 4, 5);
   s += __builtin_shufflevector(s, s, 1, 0, 3, 2, 5, 4, 7, 6);
   return s[0];
+}
+
+// p [n] <- cap tanh(p / cap): Gemma 2's soft-capped attention logits (models/gemma.attend_softcapped), before the
+// softmax (the keys past a row's window are not in p: its mask)
+inline void cap_scores(float* p, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+  for (int64_t i = 0; i < n; ++i) p[i] = cap * std::tanh(p[i] * inv);
 }
 
 // p [rows, n] <- softmax of each row, in place. With `ml` (a part of the keys, split attention):
@@ -508,7 +516,8 @@ namespace {
 // of 16 (Wide: 32) columns' even ones, then their odd ones.
 template <bool Wide, typename E>
 __attribute__((always_inline)) inline void attend_vec(const float* q, int64_t group, const E* K, const E* V, int64_t n,
-                                                      int64_t hd, float scale, float* p, float* o, float* ml) {
+                                                      int64_t hd, float scale, float* p, float* o, float* ml,
+                                                      float softcap) {
   using Vec = std::conditional_t<Wide, v16f, v8f>;
   alignas(64) float q_local[16 * 256];
   std::vector<float> q_heap;
@@ -565,6 +574,7 @@ __attribute__((always_inline)) inline void attend_vec(const float* q, int64_t gr
       p[j * n + t] = hsum8(a0 + a1) * scale;
     }
   }
+  if (softcap > 0.f) cap_scores(p, group * n, softcap);
   softmax_rows(p, group, n, ml);
   // o: up to 4 query heads x 32 (Wide: 64) columns in 16 registers, each value row converted once for them
   int64_t j = 0;
@@ -583,12 +593,12 @@ __attribute__((always_inline)) inline void attend_vec(const float* q, int64_t gr
 // and FMA-less, ~18% of a 16-row SmolLM2 step). Wide: attend_vec's 16-float vectors where hd allows.
 template <bool Wide, typename E, typename Load>
 __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale,
-                        float* p, float* o, float* ml, Load load) {
+                        float* p, float* o, float* ml, float softcap, Load load) {
   if constexpr (std::is_same_v<E, float> || std::is_same_v<E, uint16_t>) {
     if constexpr (Wide) {
-      if (hd % 64 == 0 && hd <= 256) return attend_vec<true>(q, group, K, V, n, hd, scale, p, o, ml);
+      if (hd % 64 == 0 && hd <= 256) return attend_vec<true>(q, group, K, V, n, hd, scale, p, o, ml, softcap);
     }
-    if (hd % 32 == 0 && hd <= 256) return attend_vec<false>(q, group, K, V, n, hd, scale, p, o, ml);  // head_dim 64, 96, 128, ..
+    if (hd % 32 == 0 && hd <= 256) return attend_vec<false>(q, group, K, V, n, hd, scale, p, o, ml, softcap);  // head_dim 64, 96, 128, ..
   }
   for (int64_t t = 0; t < n; ++t) {
     const E* k = K + t * hd;
@@ -600,6 +610,7 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
       p[j * n + t] = d * scale;
     }
   }
+  if (softcap > 0.f) cap_scores(p, group * n, softcap);
   softmax_rows(p, group, n, ml);
   std::fill(o, o + group * hd, 0.f);
   for (int64_t t = 0; t < n; ++t) {
@@ -614,24 +625,24 @@ __attribute__((always_inline)) inline void attend_impl(const float* q, int64_t g
 }
 
 TIERED_CLONES void attend(const float* q, int64_t group, const float* K, const float* V, int64_t n, int64_t hd,
-                          float scale, float* p, float* o, float* ml) {
+                          float scale, float* p, float* o, float* ml, float softcap = 0.f) {
   auto same = [](float v) { return v; };
-  if (g_attend_wide) attend_impl<true>(q, group, K, V, n, hd, scale, p, o, ml, same);
-  else attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, same);
+  if (g_attend_wide) attend_impl<true>(q, group, K, V, n, hd, scale, p, o, ml, softcap, same);
+  else attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, softcap, same);
 }
 
 TIERED_CLONES void attend(const float* q, int64_t group, const uint16_t* K, const uint16_t* V, int64_t n, int64_t hd,
-                          float scale, float* p, float* o, float* ml) {
-  if (g_attend_wide) attend_impl<true>(q, group, K, V, n, hd, scale, p, o, ml, bf16_to_float);
-  else attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, bf16_to_float);
+                          float scale, float* p, float* o, float* ml, float softcap = 0.f) {
+  if (g_attend_wide) attend_impl<true>(q, group, K, V, n, hd, scale, p, o, ml, softcap, bf16_to_float);
+  else attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, softcap, bf16_to_float);
 }
 
 // attend over packed int8 rows (hd values and their blocks' scales each, q8_row(hd) apart; hd % 32 == 0, at most
 // 256): the vector loops widening the int8 values in registers, each vector times its block's scale.
 TIERED_CLONES void attend(const float* q, int64_t group, const int8_t* K, const int8_t* V, int64_t n, int64_t hd,
-                          float scale, float* p, float* o, float* ml) {
-  if (g_attend_wide && hd % 64 == 0) attend_vec<true>(q, group, K, V, n, hd, scale, p, o, ml);
-  else attend_vec<false>(q, group, K, V, n, hd, scale, p, o, ml);
+                          float scale, float* p, float* o, float* ml, float softcap = 0.f) {
+  if (g_attend_wide && hd % 64 == 0) attend_vec<true>(q, group, K, V, n, hd, scale, p, o, ml, softcap);
+  else attend_vec<false>(q, group, K, V, n, hd, scale, p, o, ml, softcap);
 }
 
 // A prompt's query rows at once (DecodeStep::attention's runs: consecutive positions of one sequence).
@@ -779,8 +790,8 @@ TIERED_CLONES void attend_rows(const RowsTask& a, const uint16_t* V, int64_t lan
 
 template <typename E>  // other cache dtypes (fp16, fp64): the plain loops
 void attend(const float* q, int64_t group, const E* K, const E* V, int64_t n, int64_t hd, float scale, float* p,
-            float* o, float* ml) {
-  attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, [](E v) { return float(v); });
+            float* o, float* ml, float softcap = 0.f) {
+  attend_impl<false>(q, group, K, V, n, hd, scale, p, o, ml, softcap, [](E v) { return float(v); });
 }
 
 // Multi-head latent attention's decode step (DeepSeek-V2, arXiv 2405.04434, §2.1 and Appendix C's
@@ -1042,6 +1053,12 @@ class DecodeStep {
     TIERED_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty(), "decode step: set_local_rope needs a q/k/v ",
                 "layer, got ", l);
     layers_[l].local_rope = true;
+  }
+  // Layer l's attention logits are soft-capped: cap tanh(s / cap) before the softmax (Gemma 2; 0: none).
+  void set_softcap(int64_t l, double cap) {
+    TIERED_CHECK(0 <= l && l < num_layers() && !layers_[l].qkv.empty() && cap >= 0, "decode step: set_softcap needs ",
+                "a q/k/v layer and a cap >= 0, got ", l, ", ", cap);
+    layers_[l].softcap = float(cap);
   }
   // The dense FFNs' GLU activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU).
   void set_activation(const std::string& act) {
@@ -1872,7 +1889,8 @@ class DecodeStep {
     // a prompt's rows (runs of kRunRows+ consecutive positions of one sequence) go to attention_runs;
     // keys_of is 0 for them here
     std::vector<char> in_run;
-    if (!sinks) in_run = attention_runs<T, C>(l, B, qkv, kc, vc, slots, pos, n_slots, max_len, window, att);
+    if (!sinks && L.softcap == 0.f)  // (soft-capped layers score their rows one at a time: attend's cap_scores)
+      in_run = attention_runs<T, C>(l, B, qkv, kc, vc, slots, pos, n_slots, max_len, window, att);
     auto keys_of = [&](int64_t b) { return !in_run.empty() && in_run[b] ? int64_t(0) : span(b); };
     int64_t keys = 0;  // key rows read per KV head, over the batch
     for (int64_t b = 0; b < B; ++b) keys += keys_of(b);
@@ -1886,15 +1904,15 @@ class DecodeStep {
       p.resize(group * (t1 - t0));
       if constexpr (std::is_same_v<C, int8_t>) {
         if (hd % 32 == 0 && hd <= 256)
-          return attend(q, group, kc + base, vc + base, t1 - t0, hd, scale_, p.data(), o, ml);
+          return attend(q, group, kc + base, vc + base, t1 - t0, hd, scale_, p.data(), o, ml, L.softcap);
         thread_local std::vector<float> kd, vd;  // other head sizes: the part's rows dequantized
         kd.resize((t1 - t0) * hd), vd.resize((t1 - t0) * hd);
         dequantize_rows(kc + base, t1 - t0, hd, kd.data());
         dequantize_rows(vc + base, t1 - t0, hd, vd.data());
-        attend(q, group, kd.data(), vd.data(), t1 - t0, hd, scale_, p.data(), o, ml);
+        attend(q, group, kd.data(), vd.data(), t1 - t0, hd, scale_, p.data(), o, ml, L.softcap);
       } else {
         attend(q, group, reinterpret_cast<const E*>(kc + base), reinterpret_cast<const E*>(vc + base), t1 - t0, hd,
-               scale_, p.data(), o, ml);
+               scale_, p.data(), o, ml, L.softcap);
       }
     };
     auto out_of = [&](int64_t bg) { return att + (bg / Hkv) * H * hd + (bg % Hkv) * group * hd; };
@@ -2320,6 +2338,7 @@ void register_decode(pybind11::module& m) {
       .def("set_attention", &DecodeStep::set_attention, py::arg("layer"), py::arg("window"), py::arg("sinks"))
       .def("set_sandwich", &DecodeStep::set_sandwich, py::arg("layer"), py::arg("attn_out"), py::arg("ffn_out"))
       .def("set_local_rope", &DecodeStep::set_local_rope, py::arg("layer"))
+      .def("set_softcap", &DecodeStep::set_softcap, py::arg("layer"), py::arg("cap"))
       .def("set_activation", &DecodeStep::set_activation, py::arg("act"))
       .def("set_max_transposed_bytes", &DecodeStep::set_max_transposed_bytes, py::arg("bytes"))
       .def("set_prompt_attention_bf16", &DecodeStep::set_prompt_attention_bf16, py::arg("on"))
