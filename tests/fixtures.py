@@ -197,6 +197,44 @@ def stepwise_logits(llm, ids: list[int], n_prompt: int, step=None) -> torch.Tens
     return decode_logits(llm, ids, n_prompt, step)
 
 
+def decode_matches_transformers(zoo, name: str, rel_tol: float = 1e-4) -> None:
+    """Asserts, for the tiny checkpoint `name` in the lossless engine: the native decode step runs every layer itself
+    and, token by token for 24 positions past a 12-token prompt (past the tiny models' windows of 8), gives
+    transformers' logits at every position, as do the modules and the torch-op step; a 14-token prompt's rows
+    through the native step (Plan.mixed_rows) give transformers' prefill logits."""
+    from tiered.runtime.cpu_decode import CPUDecodeStep
+
+    ids = prompt_ids(zoo.vocab_size, 36, seed=4)
+    ref = hf_logits(zoo.hf(name), ids)
+    llm = zoo.llm(zoo.dir(name))  # fp32 decode weights: lossless
+    step = llm.runtime.cpu_decode
+    assert step.native is not None and step.schedule == [("native", 0, llm.config.num_hidden_layers)]
+    for s in (step, None, CPUDecodeStep(llm.model, native=False)):  # native, the modules, the torch-op step
+        assert max_rel_err(stepwise_logits(llm, ids, 12, s), ref[11:]) <= rel_tol
+    with torch.inference_mode():
+        rows = step.rows_call([(ids[:14], 0, 0, 14)], llm._kv_cache(1, 14))
+    assert max_rel_err(rows, ref[:14]) <= rel_tol
+
+
+def gguf_matches_transformers(zoo, name: str, path: Path, rel_tol: float = 1e-4) -> None:
+    """Asserts that the GGUF file at `path`, written from the tiny checkpoint `name` without a tokenizer, reads the
+    config.json's config (special tokens aside; eps as the file's float32) and gives transformers' logits and greedy
+    tokens in the lossless mode."""
+    from dataclasses import replace
+
+    from tiered import SamplingParams
+    from tiered.checkpoint import open_checkpoint
+
+    g, h = open_checkpoint(path).config, open_checkpoint(zoo.dir(name)).config
+    same = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=h.rms_norm_eps, norm_topk_prob=True)
+    assert replace(g, **same) == replace(h, **same)
+    llm = zoo.llm(path, dtype="float32")
+    ids = prompt_ids(zoo.vocab_size, 20, seed=1)
+    assert max_rel_err(llm.logits(ids), hf_logits(zoo.hf(name), ids)) <= rel_tol
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert llm.generate(ids, greedy)[0].token_ids == hf_greedy(zoo.hf(name), ids, 16)
+
+
 def copy_dir(zoo, name: str, tmp_path: Path) -> Path:
     """A copy of the tiny checkpoint `name` under tmp_path, to corrupt without touching the shared one."""
     import shutil

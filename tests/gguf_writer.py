@@ -839,16 +839,18 @@ def write_gemma_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuanti
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     w.add_file_type(int(qtype))
     w.add_tokenizer_model("none")
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue
-        a = t.detach().float().numpy()
-        if name.endswith("norm.weight"):
-            a = a + 1.0
+    state = {k: v.detach().float().numpy() + (1.0 if k.endswith("norm.weight") else 0.0)
+             for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    return _write_state(w, state, _GEMMA3_BLOCK, qtype, path)
+
+
+def _write_state(w, state: dict, block: dict, qtype: GGMLQuantizationType, path: Path) -> Path:
+    """Write HF tensors `state` (name -> fp32 array) under llama.cpp's names (`block`: a layer's HF module path ->
+    its GGUF name; _GLOBAL's outside the layers), 2-D ones in `qtype` and 1-D F32, then close `w`."""
+    for name, a in state.items():
         parts = name.split(".")
-        gname = ({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
-                 if parts[:2] != ["model", "layers"] else
-                 f"blk.{parts[2]}.{_GEMMA3_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}")
+        gname = (_GLOBAL[name] if parts[:2] != ["model", "layers"]
+                 else f"blk.{parts[2]}.{block['.'.join(parts[3:-1])]}.{parts[-1]}")
         if a.ndim == 1 or qtype == GGMLQuantizationType.F32:
             w.add_tensor(gname, a.astype(np.float32))
         else:
@@ -888,17 +890,5 @@ def write_phi3_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantiz
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
     w.add_file_type(int(qtype))
     w.add_tokenizer_model("none")
-    for name, t in model.state_dict().items():
-        a = t.detach().float().numpy()
-        parts = name.split(".")
-        gname = (_GLOBAL[name] if parts[:2] != ["model", "layers"]
-                 else f"blk.{parts[2]}.{_PHI3_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}")
-        if a.ndim == 1 or qtype == GGMLQuantizationType.F32:
-            w.add_tensor(gname, a.astype(np.float32))
-        else:
-            w.add_tensor(gname, encode(a, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    return _write_state(w, state, _PHI3_BLOCK, qtype, path)

@@ -15,14 +15,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fixtures import hf_greedy, hf_logits, local_model, max_rel_err, prompt_ids, stepwise_logits
+from fixtures import decode_matches_transformers, gguf_matches_transformers, hf_logits, local_model, max_rel_err, prompt_ids
 from gguf_writer import write_gemma_gguf
 from test_gemma3 import _local_model_of
-from tiered import SamplingParams, kernels
+from tiered import kernels
 from tiered.checkpoint import open_checkpoint
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.models.layers import KVCache, build_attention_metadata
-from tiered.runtime.cpu_decode import CPUDecodeStep
 
 REL_TOL = 1e-4
 # google/gemma-2-9b-it's config.json (the fields it gives)
@@ -64,32 +63,12 @@ def test_each_cap_changes_the_logits(zoo, change):
 @pytest.mark.skipif(not kernels.available(), reason="tiered/kernels is not built")
 def test_decode_past_the_window_matches_transformers(zoo):
     """The native decode step runs Gemma 2's layers itself (DecodeStep.set_softcap: the capped attention logits; the
-    capped head in CausalLM.softcap) and decodes 24 positions past a 12-token prompt (window 8) with transformers'
-    logits, as do its prompt rows, the torch-op step and the modules (attend_softcapped)."""
-    ids = prompt_ids(zoo.vocab_size, 36, seed=4)
-    ref = hf_logits(zoo.hf("gemma2"), ids)[11:]
-    llm = zoo.llm(zoo.dir("gemma2"))
-    step = llm.runtime.cpu_decode
-    assert step.schedule == [("native", 0, 2)]
-    assert max_rel_err(stepwise_logits(llm, ids, 12, step), ref) <= REL_TOL
-    assert max_rel_err(stepwise_logits(llm, ids, 12), ref) <= REL_TOL
-    torch_ops = CPUDecodeStep(llm.model, native=False)
-    assert max_rel_err(stepwise_logits(llm, ids, 12, torch_ops), ref) <= REL_TOL
-    with torch.inference_mode():
-        rows = step.rows_call([(ids[:14], 0, 0, 14)], llm._kv_cache(1, 14))
-    assert max_rel_err(rows, hf_logits(zoo.hf("gemma2"), ids[:14])) <= REL_TOL
+    capped head in CausalLM.softcap) and decodes past the window (8) with transformers' logits, as do its prompt
+    rows, the torch-op step and the modules (attend_softcapped) (fixtures.decode_matches_transformers)."""
+    decode_matches_transformers(zoo, "gemma2")
 
 
 def test_gguf_matches_transformers(zoo, tmp_path):
     """A gemma2 GGUF as llama.cpp's converter writes it (the caps as keys, norms as 1 + weight) reads as config.json
     does and gives transformers' logits and greedy tokens; without the pattern key every other layer slides."""
-    hf = zoo.hf("gemma2")
-    path = write_gemma_gguf(hf, tmp_path / "g2.gguf", pattern=False)
-    g, h = open_checkpoint(path).config, open_checkpoint(zoo.dir("gemma2")).config
-    same = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=h.rms_norm_eps, norm_topk_prob=True)
-    assert replace(g, **same) == replace(h, **same)
-    llm = zoo.llm(path, dtype="float32")
-    ids = prompt_ids(zoo.vocab_size, 20, seed=1)
-    assert max_rel_err(llm.logits(ids), hf_logits(hf, ids)) <= REL_TOL
-    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    assert llm.generate(ids, greedy)[0].token_ids == hf_greedy(hf, ids, 16)
+    gguf_matches_transformers(zoo, "gemma2", write_gemma_gguf(zoo.hf("gemma2"), tmp_path / "g2.gguf", pattern=False))

@@ -22,7 +22,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
-from fixtures import check, hf_greedy, hf_logits, local_model, max_rel_err, prompt_ids, stepwise_logits
+from fixtures import (check, decode_matches_transformers, gguf_matches_transformers, hf_logits, local_model,
+                      max_rel_err, prompt_ids)
 from gguf_writer import dequantized_model, write_gemma3_gguf
 from tiered import SamplingParams, kernels
 from tiered.checkpoint import open_checkpoint
@@ -79,37 +80,11 @@ def test_what_gemma3_does_not_compute_is_refused(field, value, words):
 def test_native_step_decodes_past_the_window_as_transformers(zoo):
     """The native C++ decode step runs every Gemma layer itself (sandwich norms, GeGLU, the sliding layer's own
     RoPE tables and window, the query_pre_attn_scalar scale: DecodeStep.set_sandwich / set_local_rope /
-    set_activation), and token-by-token decode for 24 positions past a 12-token prompt (the window is 8) gives
-    transformers' logits at every position in fp32, as does the torch-op step (modules)."""
-    ids = prompt_ids(zoo.vocab_size, 36, seed=4)
-    ref = hf_logits(zoo.hf("gemma3"), ids)[11:]
-    llm = zoo.llm(zoo.dir("gemma3"))  # fp32 decode weights: lossless
-    step = llm.runtime.cpu_decode
-    assert step.native is not None and step.schedule == [("native", 0, 2)]
-    assert max_rel_err(stepwise_logits(llm, ids, 12, step), ref) <= REL_TOL
-    assert max_rel_err(stepwise_logits(llm, ids, 12), ref) <= REL_TOL  # the modules
-    torch_ops = CPUDecodeStep(llm.model, native=False)
-    assert all(L.module_attn for L, _ in torch_ops.layers)  # the torch-op step runs them as their modules
-    assert max_rel_err(stepwise_logits(llm, ids, 12, torch_ops), ref) <= REL_TOL
-
-
-@native_only
-def test_native_prompt_rows_equal_the_modules_prefill(zoo):
-    """A short prompt's rows through the native step (Plan.mixed_rows) give the modules' prefill logits."""
+    set_activation) and decodes past the window (8) with transformers' logits, as do its prompt rows, the modules
+    and the torch-op step (which runs the layers as their modules) (fixtures.decode_matches_transformers)."""
+    decode_matches_transformers(zoo, "gemma3")
     llm = zoo.llm(zoo.dir("gemma3"))
-    ids = prompt_ids(zoo.vocab_size, 14, seed=6)
-    with torch.inference_mode():
-        rows = llm.runtime.cpu_decode.rows_call([(ids, 0, 0, len(ids))], llm._kv_cache(1, len(ids)))
-    assert max_rel_err(rows, hf_logits(zoo.hf("gemma3"), ids)) <= REL_TOL
-
-
-def test_default_engine_is_within_its_weight_rounding(zoo):
-    """The default CPU engine (lossy decode copies, planned dtypes) stays within a few percent of transformers'
-    fp32 logits on the prompt and generates."""
-    llm = zoo.llm(zoo.dir("gemma3"), decode_weights="auto")
-    ids = prompt_ids(zoo.vocab_size, 20, seed=1)
-    assert max_rel_err(llm.logits(ids), hf_logits(zoo.hf("gemma3"), ids)) <= 0.05
-    assert len(llm.generate(ids, GREEDY)[0].token_ids) == 16
+    assert all(L.module_attn for L, _ in CPUDecodeStep(llm.model, native=False).layers)
 
 
 @pytest.mark.parametrize("change", [
@@ -187,14 +162,7 @@ def test_multimodal_checkpoint_runs_its_language_model(zoo, tmp_path, prefix):
 def test_f32_gguf_matches_transformers(zoo, tmp_path):
     """A gemma3 GGUF file as llama.cpp's converter writes it (norms as 1 + weight) gives transformers' logits and
     greedy tokens, and the config.json's config (llama.cpp reads query_pre_attn_scalar as head_dim here)."""
-    path = write_gemma3_gguf(zoo.hf("gemma3_gguf"), tmp_path / "g.gguf")
-    g, h = open_checkpoint(path).config, open_checkpoint(zoo.dir("gemma3_gguf")).config
-    same = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=h.rms_norm_eps, norm_topk_prob=True)
-    assert replace(g, **same) == replace(h, **same)
-    llm = zoo.llm(path, dtype="float32")
-    ids = prompt_ids(zoo.vocab_size, 20, seed=1)
-    assert max_rel_err(llm.logits(ids), hf_logits(zoo.hf("gemma3_gguf"), ids)) <= REL_TOL
-    assert llm.generate(ids, GREEDY)[0].token_ids == hf_greedy(zoo.hf("gemma3_gguf"), ids, 16)
+    gguf_matches_transformers(zoo, "gemma3_gguf", write_gemma3_gguf(zoo.hf("gemma3_gguf"), tmp_path / "g.gguf"))
 
 
 def test_gguf_without_a_pattern_slides_five_layers_of_six(zoo, tmp_path):

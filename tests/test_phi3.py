@@ -11,21 +11,20 @@ long factors) and the refusals.
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
-from fixtures import check, hf_greedy, hf_logits, max_rel_err, prompt_ids, stepwise_logits
+from fixtures import (check, decode_matches_transformers, gguf_matches_transformers, hf_logits, max_rel_err, prompt_ids,
+                      stepwise_logits)
 from gguf_writer import dequantized_model, write_phi3_gguf
-from tiered import SamplingParams, kernels
+from tiered import kernels
 from tiered.checkpoint import open_checkpoint
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import UnsupportedModelError
 
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 REL_TOL = 1e-4
 native_only = pytest.mark.skipif(not kernels.available(), reason="tiered/kernels is not built")
 
@@ -53,15 +52,10 @@ def test_fused_projections_split_into_llamas(zoo):
 
 @native_only
 def test_native_step_decodes_past_the_window_as_transformers(zoo):
-    """The native decode step runs every layer (partial RoPE, the window of 8) and decodes 24 positions past a
-    12-token prompt with transformers' logits, as do the modules."""
-    ids = prompt_ids(zoo.vocab_size, 36, seed=4)
-    ref = hf_logits(zoo.hf("phi3"), ids)[11:]
-    llm = zoo.llm(zoo.dir("phi3"))
-    step = llm.runtime.cpu_decode
-    assert step.schedule == [("native", 0, 2)]
-    assert max_rel_err(stepwise_logits(llm, ids, 12, step), ref) <= REL_TOL
-    assert max_rel_err(stepwise_logits(llm, ids, 12), ref) <= REL_TOL
+    """The native decode step runs every layer (partial RoPE, the window of 8) and decodes past the window with
+    transformers' logits, as do its prompt rows, the modules and the torch-op step
+    (fixtures.decode_matches_transformers)."""
+    decode_matches_transformers(zoo, "phi3")
 
 
 def test_bad_longrope_settings_are_refused():
@@ -89,14 +83,8 @@ def test_gguf_matches_transformers(zoo, tmp_path):
     """A phi3 GGUF (attn_qkv and ffn_up fused, rope.dimension_count the partial width) reads as config.json does and
     gives transformers' logits and greedy tokens (F32), the dequantized model's logits (Q8_0)."""
     hf = zoo.hf("phi3")
-    path = write_phi3_gguf(hf, tmp_path / "p.gguf")
-    g, h = open_checkpoint(path).config, open_checkpoint(zoo.dir("phi3")).config
-    same = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=h.rms_norm_eps, norm_topk_prob=True)
-    assert replace(g, **same) == replace(h, **same)
-    llm = zoo.llm(path, dtype="float32")
+    gguf_matches_transformers(zoo, "phi3", write_phi3_gguf(hf, tmp_path / "p.gguf"))
     ids = prompt_ids(zoo.vocab_size, 20, seed=1)
-    assert max_rel_err(llm.logits(ids), hf_logits(hf, ids)) <= REL_TOL
-    assert llm.generate(ids, GREEDY)[0].token_ids == hf_greedy(hf, ids, 16)
     q8 = write_phi3_gguf(hf, tmp_path / "q8.gguf", Q.Q8_0)
     ref = hf_logits(dequantized_model(hf, Q.Q8_0), ids)
     assert max_rel_err(zoo.llm(q8, dtype="float32").logits(ids), ref) <= REL_TOL
