@@ -872,6 +872,22 @@ def agreement(res: dict) -> list[str]:
     return out
 
 
+def dummy_main(argv, *, doc: str, layers: int, real: int, widths: str, weights: str, out: str, title: str,
+               model_file) -> int:
+    """The main of a benchmark on a dummy-weight GGUF (cpu_dense_q4km.py, cpu_gemma3.py): --layers (default `layers`
+    of the real model's `real`, at `widths`' widths), --engines, --out (default `out`) and this script's own options;
+    the file model_file(layers), named in the report as the dummy `weights` file, under `title`."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=layers, help=f"decoder layers at {widths}'s widths (real: {real})")
+    ap.add_argument("--engines", default="tiered-int4,llama.cpp")
+    ap.add_argument("--out", default=out, help="output path stem (.json / .md added)")
+    a, rest = ap.parse_known_args(argv)
+    path = model_file(a.layers)
+    name = f"{widths} widths, {a.layers} of {real} layers (dummy {weights} weights)"
+    return main(["--model", str(path), "--name", name, "--engines", a.engines, "--out", a.out,
+                 "--title", f"{title}: {name}, at batch 1"] + rest)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fast smoke run (1 repeat, 16 new tokens)")

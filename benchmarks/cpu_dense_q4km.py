@@ -23,7 +23,6 @@ Results: benchmarks/results/cpu_dense_q4km.json and .md. The GGUF is cached unde
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -43,15 +42,9 @@ def model_file(layers: int) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=8, help="decoder layers at Llama-3-8B's widths (real: 32)")
-    ap.add_argument("--engines", default="tiered-int4,llama.cpp")
-    ap.add_argument("--out", default=str(HERE / "results" / "cpu_dense_q4km"), help="output path stem (.json / .md added)")
-    a, rest = ap.parse_known_args(argv)
-    path = model_file(a.layers)
-    name = f"Llama-3-8B widths, {a.layers} of 32 layers (dummy Q4_K_M weights)"
-    return cpu_dense.main(["--model", str(path), "--name", name, "--engines", a.engines, "--out", a.out,
-                           "--title", f"CPU dense benchmark on Q4_K_M: {name}, at batch 1"] + rest)
+    return cpu_dense.dummy_main(argv, doc=__doc__, layers=8, real=32, widths="Llama-3-8B", weights="Q4_K_M",
+                                out=str(HERE / "results" / "cpu_dense_q4km"), title="CPU dense benchmark on Q4_K_M",
+                                model_file=model_file)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ once).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -37,20 +36,13 @@ from tiered.bench.gguf_dense import cached_dummy, gemma3_4b, write_dummy_gemma3_
 def model_file(layers: int) -> Path:
     """The cached dummy Gemma 3 4B-width Q4_0 GGUF of `layers` layers (written when missing)."""
     shape = gemma3_4b(layers)
-    return cached_dummy(shape.tag("Q4_0").replace("llama", "gemma3"),
-                        lambda path, **kw: write_dummy_gemma3_gguf(path, shape, **kw))
+    return cached_dummy(shape.tag("Q4_0", "gemma3"), lambda path, **kw: write_dummy_gemma3_gguf(path, shape, **kw))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=6, help="decoder layers at Gemma 3 4B's widths (real: 34)")
-    ap.add_argument("--engines", default="tiered-int4,llama.cpp")
-    ap.add_argument("--out", default=str(HERE / "results" / "cpu_gemma3"), help="output path stem (.json / .md added)")
-    a, rest = ap.parse_known_args(argv)
-    path = model_file(a.layers)
-    name = f"Gemma 3 4B widths, {a.layers} of 34 layers (dummy Q4_0 weights)"
-    return cpu_dense.main(["--model", str(path), "--name", name, "--engines", a.engines, "--out", a.out,
-                           "--title", f"CPU Gemma 3 benchmark: {name}, at batch 1"] + rest)
+    return cpu_dense.dummy_main(argv, doc=__doc__, layers=6, real=34, widths="Gemma 3 4B", weights="Q4_0",
+                                out=str(HERE / "results" / "cpu_gemma3"), title="CPU Gemma 3 benchmark",
+                                model_file=model_file)
 
 
 if __name__ == "__main__":

@@ -43,9 +43,9 @@ class DenseShape:
     head_dim: int = 128
     vocab: int = 32000
 
-    def tag(self, scheme: str) -> str:
-        """A file-name tag of this shape and quantization scheme."""
-        return f"llama-L{self.layers}-D{self.hidden}-F{self.ffn}-H{self.heads}x{self.head_dim}kv{self.kv_heads}-{scheme}"
+    def tag(self, scheme: str, arch: str = "llama") -> str:
+        """A file-name tag of this shape, architecture and quantization scheme."""
+        return f"{arch}-L{self.layers}-D{self.hidden}-F{self.ffn}-H{self.heads}x{self.head_dim}kv{self.kv_heads}-{scheme}"
 
 
 def llama3_8b(layers: int = 8) -> DenseShape:
@@ -162,7 +162,7 @@ def write_dummy_gemma3_gguf(path: str | os.PathLike, shape: DenseShape, tokenize
     from tiered.bench.gguf_moe import _BLOCK_BYTES, random_blocks
 
     s = shape
-    w, vocab = _writer(path, "gemma3", s, s.tag("Q4_0").replace("llama", "gemma3"), tokenizer_from, context=131072,
+    w, vocab = _writer(path, "gemma3", s, s.tag("Q4_0", "gemma3"), tokenizer_from, context=131072,
                        eps=1e-6, theta=1_000_000.0, file_type=2)  # LLAMA_FTYPE_MOSTLY_Q4_0
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from tiered.checkpoint.handle import BLOCK_FORMATS, HandleTable, TensorHandle
-from tiered.checkpoint.model_config import ModelConfig, longrope_scaling
+from tiered.checkpoint.model_config import ModelConfig, fused_projections, longrope_scaling
 from tiered.errors import CheckpointError, UnsupportedModelError
 
 # GGUF architecture -> HF model_type ("deepseek2": deepseek_v3 when its router is sigmoid, else v2).
@@ -125,8 +125,8 @@ _GPT_OSS_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_i
 # output norms
 _GEMMA3_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}
-# Phi-3 / Phi-4's fused projections (GGUFCheckpoint._fused_rows)
-_PHI3_FUSED = ("attn_qkv", "ffn_up")
+# Phi-3 / Phi-4's fused projections -> their HF modules (model_config.fused_projections; GGUFCheckpoint._fused_rows)
+_PHI3_FUSED = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # stacked expert tensors -> the per-expert projection name (Qwen / OLMoE style, Mixtral style)
 _EXPERT_NAMES = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
                  "ffn_down_exps": ("down_proj", "w2")}
@@ -750,8 +750,9 @@ class GGUFCheckpoint(HandleTable):
         family = {}
         if arch == "phi3":  # Phi-3 / Phi-4: a partial RoPE of rope.dimension_count features, LongRoPE's factors
             head_dim = g("attention.key_length") or hidden // heads
-            family["partial_rotary_factor"] = (g("rope.dimension_count") or head_dim) / head_dim
-            family.update(self._longrope(g, names, (g("rope.dimension_count") or head_dim) // 2))
+            rotated = g("rope.dimension_count") or head_dim
+            family["partial_rotary_factor"] = rotated / head_dim
+            family.update(self._longrope(g, names, rotated // 2))
         if arch in ("gemma3", "gemma2"):
             return self._gemma_config(g, names, dict(
                 vocab_size=int(vocab), rope_scaling=scaling, bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
@@ -859,10 +860,7 @@ class GGUFCheckpoint(HandleTable):
         Raises:
             CheckpointError: the tensor's rows are not what the config's heads / sizes give.
         """
-        c = self.config
-        q, kv, F = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
-        parts = {"attn_qkv": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
-                 "ffn_up": (("mlp.gate_proj", F), ("mlp.up_proj", F))}[part]
+        parts = fused_projections(self.config)[_PHI3_FUSED[part]]
         rows = int(t.shape[-1]) if len(t.shape) == 2 else -1
         if rows != sum(n for _, n in parts):
             raise CheckpointError(f"{self.path}: tensor {t.name} has {rows} rows, the config implies "

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from tiered.checkpoint.handle import DENSE_BYTES, HandleTable, TensorHandle
-from tiered.checkpoint.model_config import MULTIMODAL_TEXT, ModelConfig, is_int
+from tiered.checkpoint.model_config import MULTIMODAL_TEXT, ModelConfig, fused_projections, is_int
 from tiered.errors import CheckpointError, UnsupportedModelError
 
 INDEX = "model.safetensors.index.json"
@@ -442,12 +442,16 @@ class HFDirCheckpoint(HandleTable):
                                   "restore the checkpoint's config.json")
         return int(block[0]), int(block[1])
 
+    def _file(self, path: str):
+        """The safetensors file at `path`, opened once (safe_open: a memory map; release_pages closes them)."""
+        if path not in self._open:
+            self._open[path] = safe_open(path, framework="pt")
+        return self._open[path]
+
     def _loader(self, file: str, key: str):
         def load():
-            if file not in self._open:
-                self._open[file] = safe_open(file, framework="pt")
             # safe_open tensors alias the memory map; clone so callers own their memory.
-            return self._open[file].get_tensor(key).clone()
+            return self._file(file).get_tensor(key).clone()
         return load
 
     def _split_fused(self, handles: dict[str, TensorHandle]) -> dict[str, TensorHandle]:
@@ -461,11 +465,8 @@ class HFDirCheckpoint(HandleTable):
             CheckpointError: a fused projection of another row count than the config's heads / sizes give.
         """
         c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        parts = {"self_attn.qkv_proj.weight": (("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", kv),
-                                               ("self_attn.v_proj.weight", kv)),
-                 "mlp.gate_up_proj.weight": (("mlp.gate_proj.weight", c.intermediate_size),
-                                             ("mlp.up_proj.weight", c.intermediate_size))}
+        parts = {f"{fused}.weight": tuple((f"{name}.weight", n) for name, n in rows)
+                 for fused, rows in fused_projections(c).items()}
         out = {}
         for key, h in handles.items():
             suffix = next((s for s in parts if key.endswith("." + s)), None)
@@ -491,18 +492,14 @@ class HFDirCheckpoint(HandleTable):
         per_row = h.shape[1] * DENSE_BYTES[h.format]
 
         def load(h=h, a=a, b=b):
-            if h.path not in self._open:
-                self._open[h.path] = safe_open(h.path, framework="pt")
-            return self._open[h.path].get_slice(h.name)[a:b].contiguous()
+            return self._file(h.path).get_slice(h.name)[a:b].contiguous()
         return TensorHandle(name=name, shape=(b - a, h.shape[1]), format=h.format, nbytes=(b - a) * per_row,
                             path=h.path, _load=load, offset=None if h.offset is None else h.offset + a * per_row)
 
     def _expert_slice(self, h: TensorHandle):
         """e -> h[e], read alone from its file (safetensors' get_slice): one expert of a fused [E, ...] tensor."""
         def get(e: int) -> torch.Tensor:
-            if h.path not in self._open:
-                self._open[h.path] = safe_open(h.path, framework="pt")
-            return self._open[h.path].get_slice(h.name)[e]
+            return self._file(h.path).get_slice(h.name)[e]
         return get
 
     def release_pages(self) -> int:

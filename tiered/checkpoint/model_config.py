@@ -6,7 +6,8 @@ Only what the math needs lives here; it is read once and never mutated (llama2.c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from tiered.errors import CheckpointError, UnsupportedModelError
@@ -256,9 +257,7 @@ class ModelConfig:
         local_rope_theta and no scaling; None where every layer rotates by this config's own."""
         if self.local_rope_theta is None:
             return None
-        import dataclasses
-
-        return dataclasses.replace(self, rope_theta=self.local_rope_theta, rope_scaling=None, local_rope_theta=None)
+        return replace(self, rope_theta=self.local_rope_theta, rope_scaling=None, local_rope_theta=None)
 
     @property
     def is_moe(self) -> bool:
@@ -628,6 +627,22 @@ def _gpt_oss_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
     return out
 
 
+def _field_error(source: object, field: str, why: str) -> CheckpointError:
+    """The CheckpointError of a config.json field (`source` the file) that is missing or has a bad value."""
+    return CheckpointError(f"{source}: {field} {why}", "fix or restore the checkpoint's config.json")
+
+
+def fused_projections(config: "ModelConfig") -> dict[str, tuple[tuple[str, int], ...]]:
+    """Phi-3's fused projections as Llama's (model_config._phi3_fields): each fused module path -> its parts'
+    module paths and row counts, in row order: self_attn.qkv_proj [(H + 2 Hkv) hd, D] -> q / k / v_proj of H hd,
+    Hkv hd and Hkv hd rows; mlp.gate_up_proj [2F, D] -> gate_proj (the first F rows) and up_proj (the readers'
+    HFDirCheckpoint._split_fused and GGUFCheckpoint._fused_rows)."""
+    q, kv, F = (config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim,
+                config.intermediate_size)
+    return {"self_attn.qkv_proj": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
+            "mlp.gate_up_proj": (("mlp.gate_proj", F), ("mlp.up_proj", F))}
+
+
 def _text_config(cfg: dict[str, Any], model_type: str, source: object) -> dict[str, Any]:
     """The language model's config of a multimodal config.json (MULTIMODAL_TEXT: Gemma 3's
     Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration): its `text_config` (of its own model_type,
@@ -682,9 +697,7 @@ def _gemma_fields(cfg: dict[str, Any], source: object, model_type: str) -> dict[
         UnsupportedModelError: bidirectional attention (EmbeddingGemma), an activation other than
             gelu_pytorch_tanh / silu, a scaled local RoPE.
     """
-    def bad(field: str, why: str) -> CheckpointError:
-        return CheckpointError(f"{source}: {field} {why}", "fix or restore the checkpoint's config.json")
-
+    bad = partial(_field_error, source)
     caps = {}
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         v = cfg.get(key)
@@ -762,9 +775,7 @@ def _phi3_fields(cfg: dict[str, Any], source: object) -> dict[str, Any]:
             number per rotated pair, or no original_max_position_embeddings.
         UnsupportedModelError: an activation other than SiLU.
     """
-    def bad(field: str, why: str) -> CheckpointError:
-        return CheckpointError(f"{source}: {field} {why}", "fix or restore the checkpoint's config.json")
-
+    bad = partial(_field_error, source)
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"unsupported activation {cfg['hidden_act']!r} for phi3",
@@ -843,10 +854,7 @@ def _check_hf_fields(cfg: dict[str, Any], model_type: str, source: object) -> No
         CheckpointError: a required field is missing, or a field has a value of the wrong type or
             range; the message names the field and `source`.
     """
-    hint = "fix or restore the checkpoint's config.json"
-
-    def bad(field: str, why: str) -> CheckpointError:
-        return CheckpointError(f"{source}: {field} {why}", hint)
+    bad = partial(_field_error, source)
 
     for field, (required, least) in _INT_FIELDS.items():
         v = cfg.get(field)
@@ -934,11 +942,12 @@ def rope_inv_freq(config: ModelConfig, positions: int | None = None) -> "torch.T
 
     dim = config.rotary_dim
     s = config.rope_scaling
+    wave = config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     if s is not None and s["rope_type"] == "longrope":  # the long factors where the window (`positions`) exceeds
         long = positions is not None and positions > s["original_max_position_embeddings"]  # the original one,
         ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)  # as llama.cpp's n_ctx
-        return 1.0 / (ext * config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return 1.0 / (ext * wave)
+    inv = 1.0 / wave
     if s is None:
         return inv
     if s["rope_type"] == "linear":

@@ -218,10 +218,9 @@ class Sequence:
         parts = split(self.text, self.reasoning_format, self.thinking_opened) if self.reasoning_format else None
         if parts is not None and self.finish_reason == "length":
             parts.calls = []  # a call cut by max_tokens is no call (its arguments end mid-way)
-        out = RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),
-                            self.finish_reason or "length", self.stats(),
-                            None if self.logprobs is None else list(self.logprobs),
-                            None if self.prompt_logprobs is None else list(self.prompt_logprobs),
-                            *((parts.reasoning, parts.content, parts.calls) if parts is not None else ()))
-        out.stop_string = self.stop_string
-        return out
+        return RequestOutput(self.prompt, self.prompt_ids, self.text, list(self.output_ids),
+                             self.finish_reason or "length", self.stats(),
+                             None if self.logprobs is None else list(self.logprobs),
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+                             *((parts.reasoning, parts.content, parts.calls) if parts is not None else ()),
+                             stop_string=self.stop_string)

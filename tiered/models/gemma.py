@@ -41,12 +41,11 @@ from tiered.models.layers import MLP, Attention, AttentionMetadata, KVCache, RMS
 from tiered.models.llama import DecoderLayer
 
 
-def _widened(y: torch.Tensor, like) -> torch.Tensor:
-    """y in fp32 where it is 16-bit beside an fp32 residual stream (`like`: the stream x or its dtype): an output
-    norm then takes RMSNorm's one native pass (fp32 rows) instead of torch's five ops and casts on the 16-bit rows
-    (a bf16 prompt's blocks: ~1 ms a Gemma-3-4B-width layer of a 512-token prompt, 2 AMX cores)."""
-    dt = like if isinstance(like, torch.dtype) else like.dtype
-    return y.float() if dt == torch.float32 and y.dtype != torch.float32 else y
+def _widened(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y in fp32 where it is 16-bit beside a residual stream of `dtype` fp32: an output norm then takes RMSNorm's
+    one native pass (fp32 rows) instead of torch's five ops and casts on the 16-bit rows (a bf16 prompt's blocks:
+    ~1 ms a Gemma-3-4B-width layer of a 512-token prompt, 2 AMX cores)."""
+    return y.float() if dtype == torch.float32 and y.dtype != torch.float32 else y
 
 
 def attend_softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
@@ -104,8 +103,8 @@ class GemmaDecoderLayer(DecoderLayer):
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         D, eps = config.hidden_size, config.rms_norm_eps
-        super().__init__(config, layer_idx, MLP(D, config.intermediate_size, config.hidden_act))
-        self.self_attn = GemmaAttention(config, layer_idx)
+        super().__init__(config, layer_idx, MLP(D, config.intermediate_size, config.hidden_act),
+                         GemmaAttention(config, layer_idx))
         self.pre_feedforward_layernorm = RMSNorm(D, eps)
         self.post_feedforward_layernorm = RMSNorm(D, eps)
 
@@ -114,7 +113,7 @@ class GemmaDecoderLayer(DecoderLayer):
         """The layer on the residual stream x + delta -> (h, m) as DecoderLayer.step: m is this layer's normalized
         FFN output, in x's dtype, for the next norm to add."""
         x, n = self.input_layernorm.residual(x, delta, input_dtype(self.self_attn, x, cache))
-        a = self.post_attention_layernorm(_widened(self.self_attn(n, meta, cache), x), x.dtype)
+        a = self.post_attention_layernorm(_widened(self.self_attn(n, meta, cache), x.dtype), x.dtype)
         h, y = self.pre_feedforward_layernorm.residual(x, a, input_dtype(self.mlp, x, cache))
         return h, self.ffn_output(self.mlp(y), h.dtype)
 
@@ -126,7 +125,7 @@ class GemmaDecoderLayer(DecoderLayer):
     def ffn_output(self, m: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The FFN's output m [..., D] as the residual stream adds it: post_feedforward_layernorm(m), in `dtype`
         (None: m's)."""
-        return self.post_feedforward_layernorm(_widened(m, m if dtype is None else dtype), dtype)
+        return self.post_feedforward_layernorm(_widened(m, m.dtype if dtype is None else dtype), dtype)
 
     def attention_residual(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         """x + post_attention_layernorm(attn(input_layernorm(x))) (DecoderLayer.attention_residual)."""

@@ -10,6 +10,8 @@ parameter names are HF's so checkpoints load without renaming.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,14 +136,8 @@ def _norm_rope_kernels(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, no
 
 def swiglu(gu: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation of a fused gate/up projection's output: gu [..., 2F] (gate, then up) -> silu(gate) * up
-    [..., F] in gu's dtype. On the CPU in one pass (tiered/kernels' swiglu: computed in fp32, rounded once, where
-    torch's ops round SiLU's output and then the product, and read the two strided halves in two passes: ~0.9 ms a
-    layer of a 941-token SmolLM2 prompt in bf16 on 2 AMX cores, 2026-12-05); else torch's ops."""
-    native = _glue_kernels(gu)
-    if native is not None and gu.stride(-1) == 1:
-        return native.swiglu(gu)
-    gate, up = gu.chunk(2, -1)
-    return F.silu(gate) * up
+    [..., F] in gu's dtype (`glu` with SiLU)."""
+    return _glu(gu, "silu")
 
 
 def glu_activation(gate: torch.Tensor, act: str) -> torch.Tensor:
@@ -151,13 +147,19 @@ def glu_activation(gate: torch.Tensor, act: str) -> torch.Tensor:
 
 
 def glu(gu: torch.Tensor, act: str = "silu") -> torch.Tensor:
-    """A fused gate/up projection's output gu [..., 2F] (gate, then up) -> act(gate) * up [..., F] in gu's dtype:
-    `swiglu` for SiLU."""
-    if act == "silu":
-        return swiglu(gu)
+    """A fused gate/up projection's output gu [..., 2F] (gate, then up) -> act(gate) * up [..., F] in gu's dtype
+    (`act` a ModelConfig.HIDDEN_ACTS name; `swiglu` for SiLU)."""
+    return swiglu(gu) if act == "silu" else _glu(gu, act)
+
+
+def _glu(gu: torch.Tensor, act: str) -> torch.Tensor:
+    """`glu`'s computation. On the CPU in one pass (tiered/kernels' swiglu: computed in fp32, rounded once, where
+    torch's ops round the activation's output and then the product, and read the two strided halves in two passes:
+    ~0.9 ms a layer of a 941-token SmolLM2 prompt in bf16 on 2 AMX cores, 2026-12-05; GeGLU ~5 ms a
+    Gemma-3-4B-width layer of a 512-token prompt); else torch's ops."""
     native = _glue_kernels(gu)
-    if native is not None and gu.stride(-1) == 1:  # one pass, in fp32, rounded once (~5 ms a Gemma-3-4B layer of a
-        return native.swiglu(gu, act=act)  # 512-token prompt in torch's gelu and product, 2 AMX cores)
+    if native is not None and gu.stride(-1) == 1:
+        return native.swiglu(gu, act=act)
     gate, up = gu.chunk(2, -1)
     return glu_activation(gate, act) * up
 
@@ -256,8 +258,6 @@ def local_rope_metadata(meta: AttentionMetadata) -> AttentionMetadata:
     if meta.local_rope is None:
         return meta
     if meta.local_meta is None:
-        import copy
-
         m = copy.copy(meta)
         m.cos, m.sin = meta.local_rope
         m.sin_signed = Rotary.signed(m.sin) if meta.sin_signed is not None else None

@@ -18,11 +18,15 @@ from tiered.models.layers import (MLP, Attention, AttentionMetadata, KVCache, RM
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)). `mlp` is any [.., D] -> [.., D] module."""
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)). `mlp` is any [.., D] -> [.., D] module, `attn`
+    an attention module of the family's (None: models/layers.Attention, or latent attention for MLA)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module | None = None,
+                 attn: nn.Module | None = None) -> None:
         super().__init__()
-        if config.is_mla:  # DeepSeek's multi-head latent attention
+        if attn is not None:
+            self.self_attn = attn
+        elif config.is_mla:  # DeepSeek's multi-head latent attention
             from tiered.models.deepseek import LatentAttention
 
             self.self_attn = LatentAttention(config, layer_idx)

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from tiered.serve.protocol import ChatCompletionRequest
+from tiered.serve.protocol import ChatCompletionRequest, text_of
 
 # HTTP status -> Anthropic's error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -133,15 +133,7 @@ class CountTokensRequest(MessagesRequest):
 
 def _text(content, where: str) -> str:
     """The text of a string or of a list of text blocks (the system prompt, a tool result)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for k, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise ValueError(f"{where}.{k}: only text blocks are taken here, got {kind!r}")
-        parts.append(block["text"])
-    return "".join(parts)
+    return text_of(content, where, ("text",), "text blocks")
 
 
 def _turn(m: AnthropicMessage, where: str) -> list[dict]:
@@ -255,18 +247,18 @@ class MessageStream:
 
     def thinking(self, text: str) -> str:
         """A thinking_delta of `text` (opening a thinking block first)."""
-        if not text:
-            return ""
-        head = self._start("thinking", {"type": "thinking", "thinking": ""}) if self.open != "thinking" else ""
-        return head + event("content_block_delta", {"index": self.index,
-                                                    "delta": {"type": "thinking_delta", "thinking": text}})
+        return self._delta("thinking", text)
 
     def text(self, text: str) -> str:
         """A text_delta of `text` (opening a text block first)."""
+        return self._delta("text", text)
+
+    def _delta(self, kind: str, text: str) -> str:
+        """A `kind`_delta of `text` in a `kind` block ("thinking" or "text"; opened first where another is open)."""
         if not text:
             return ""
-        head = self._start("text", {"type": "text", "text": ""}) if self.open != "text" else ""
-        return head + event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": text}})
+        head = self._start(kind, {"type": kind, kind: ""}) if self.open != kind else ""
+        return head + event("content_block_delta", {"index": self.index, "delta": {"type": f"{kind}_delta", kind: text}})
 
     def tool(self, call: dict) -> str:
         """One tool_use block: its start (empty input), its input as one input_json_delta, its stop."""

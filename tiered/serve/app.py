@@ -77,6 +77,11 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+def _bad_request(e: TieredError, param: str | None = None) -> APIError:
+    """The 400 of a request the engine refused with TieredError `e`: its message and, in brackets, its hint."""
+    return APIError(400, e.message + (f" ({e.hint})" if e.hint else ""), param=param)
+
+
 def _shutting_down() -> APIError:
     return APIError(503, "the server is shutting down; retry once it is back", "server_error", "server_shutting_down")
 
@@ -278,7 +283,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         try:
             tools = body.tool_plan(engine.llm.tokenizer)
         except TieredError as e:
-            raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""), param="tool_choice")
+            raise _bad_request(e, param="tool_choice")
         return await _generate(request, body, [messages], chat=True, default_max_tokens=engine.llm.max_context,
                                kind="chat", tools=tools, template_kwargs=body.template_kwargs())
 
@@ -302,16 +307,15 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
     async def count_tokens(body: anthropic.CountTokensRequest) -> dict:
         """Anthropic's token count of a Messages request: {"input_tokens": the prompt's tokens through the chat
         template, its tools included}."""
-        chat, _ = _translated(lambda: body.chat_request(model_name))
+        chat, plan = _translated(lambda: body.chat_request(model_name))
         prompt = [m.as_dict() for m in chat.messages]
         check_prompt_chars(prompt, "messages")
-        tools = [t.model_dump(exclude_none=True) for t in chat.tools or []] or None
         try:
-            ids = await run_in_threadpool(encode_prompt, tokenizer(), prompt, True, tools=tools,
+            ids = await run_in_threadpool(encode_prompt, tokenizer(), prompt, True, tools=plan.tools or None,
                                           template_kwargs=chat.template_kwargs(),
                                           continue_final=chat.continue_final_message)
         except TieredError as e:
-            raise APIError(400, e.message + (f" ({e.hint})" if e.hint else "")) from e
+            raise _bad_request(e) from e
         return {"input_tokens": len(ids)}
 
     def _translated(make) -> tuple[ChatCompletionRequest, ToolPlan]:
@@ -327,7 +331,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except TieredError as e:
-            raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""), param="tool_choice") from None
+            raise _bad_request(e, param="tool_choice") from None
 
     async def _answer_parts(handle: Handle, tools: ToolPlan):
         """One streamed chat answer told apart as it comes, for the Messages and Responses streams: ("thinking",
@@ -525,7 +529,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
             ids = await run_in_threadpool(encode_prompt, tok, prompt, False, body.add_generation_prompt,
                                           body.add_special_tokens, [t.model_dump(exclude_none=True) for t in body.tools or []])
         except TieredError as e:  # messages without a chat template
-            raise APIError(400, e.message + (f" ({e.hint})" if e.hint else "")) from e
+            raise _bad_request(e) from e
         return {"count": len(ids), "max_model_len": engine.llm.max_context, "tokens": ids}
 
     @app.post("/detokenize", dependencies=[Depends(check_key)])
@@ -600,7 +604,7 @@ def build_app(engine: ServingEngine, model_name: str, api_key: str | None = None
         except ContextLengthError as e:
             raise APIError(400, e.message, code="context_length_exceeded", param="messages" if chat else "prompt")
         except TieredError as e:
-            raise APIError(400, e.message + (f" ({e.hint})" if e.hint else ""))
+            raise _bad_request(e)
         return handles
 
     def _answer(body, outs: list[RequestOutput], kind: str, rid: str, echo: "_Echo | None",

@@ -549,3 +549,21 @@ class CompletionLogprobs:
             return str(token)
         full = self._decode(window + [token])
         return full[len(done):] if len(full) > len(done) and not full.endswith("\ufffd") else ""
+
+
+def text_of(content, where: str, kinds: tuple[str, ...], what: str) -> str:
+    """The text of another API's message content (serve/anthropic.py, serve/responses.py): a string (None: ""), or
+    a list of parts whose type is one of `kinds`, each with a string "text", joined.
+
+    Raises:
+        ValueError: a part of another kind (an image, a file), named by `where` and its index (`what`: how the
+            message names the parts taken)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}.{k}: only {what} are taken here, got {kind!r}")
+        parts.append(part["text"])
+    return "".join(parts)

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from tiered.serve.protocol import ChatCompletionRequest
+from tiered.serve.protocol import ChatCompletionRequest, text_of
 
 RESPONSES_KEPT = 256  # stored responses the server keeps for previous_response_id (the oldest dropped first)
 # OpenAI's built-in tools, which its servers run (an agent such as Codex lists web_search with its functions on every
@@ -127,10 +127,9 @@ class ResponsesRequest(BaseModel):
         own; an earlier reasoning item kept for the next assistant turn). `instructions` are not among them: they
         come first, and a response that goes on from this one (previous_response_id) does not inherit them, as
         OpenAI's does not."""
-        out = []
         if isinstance(self.input, str):
-            return out + [{"role": "user", "content": self.input}]
-        thought = None
+            return [{"role": "user", "content": self.input}]
+        out, thought = [], None
         for k, item in enumerate(self.input):
             kind, at = item.get("type", "message"), f"input.{k}"
             try:
@@ -168,15 +167,7 @@ class ResponsesRequest(BaseModel):
 
 def _text(content, where: str) -> str:
     """The text of a message's content: a string, or input_text / output_text parts (others refused)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for k, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}.{k}: only text parts (input_text, output_text) are taken here, got {kind!r}")
-        parts.append(part["text"])
-    return "".join(parts)
+    return text_of(content, where, ("input_text", "output_text", "text"), "text parts (input_text, output_text)")
 
 
 def new_id(prefix: str) -> str:
@@ -185,11 +176,14 @@ def new_id(prefix: str) -> str:
 
 
 def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+    """A reasoning output item of `text` (no content part where it is empty), its id `item_id` or a new one."""
     return {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [],
             "content": [{"type": "reasoning_text", "text": text}] if text else [], "status": status}
 
 
-def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+def message_item(text: str | None, status: str = "completed", item_id: str | None = None) -> dict:
+    """An assistant message output item with one output_text part of `text` (none where it is None), its id
+    `item_id` or a new one."""
     return {"type": "message", "id": item_id or new_id("msg"), "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text is not None
             else []}
@@ -259,14 +253,17 @@ class ResponseStore:
         self._kept: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
 
     def put(self, obj: dict, conversation: list[dict]) -> None:
+        """Keep Response `obj` and its `conversation` (chat messages, the answer last), forgetting the oldest."""
         self._kept[obj["id"]] = (obj, conversation)
         while len(self._kept) > self.most:
             self._kept.popitem(last=False)
 
     def get(self, rid: str) -> tuple[dict, list[dict]] | None:
+        """(the Response, its conversation) kept for id `rid`, or None."""
         return self._kept.get(rid)
 
     def delete(self, rid: str) -> bool:
+        """Forget response `rid`; whether it was kept."""
         return self._kept.pop(rid, None) is not None
 
 
@@ -281,6 +278,7 @@ class ResponseStream:
         self.items: list[dict] = []  # the finished ones
 
     def event(self, kind: str, data: dict) -> str:
+        """One server-sent event of `kind` with `data`, numbered (sequence_number)."""
         out = f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq, **data})}\n\n"
         self.seq += 1
         return out
@@ -316,25 +314,23 @@ class ResponseStream:
 
     def reasoning(self, text: str) -> str:
         """A reasoning_text delta (opening a reasoning item first)."""
-        if not text:
-            return ""
-        head = "" if self.item and self.item["type"] == "reasoning" else \
-            self._open({"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [], "status": "in_progress"})
-        self.item["text"] += text
-        return head + self.event("response.reasoning_text.delta", {"item_id": self.item["id"],
-                                                                   "output_index": self.index, "content_index": 0,
-                                                                   "delta": text})
+        return self._delta(text, "reasoning", lambda: reasoning_item("", "in_progress"), "response.reasoning_text.delta",
+                           {})
 
     def text(self, text: str) -> str:
         """An output_text delta (opening a message item first)."""
+        return self._delta(text, "message", lambda: message_item(None, "in_progress"), "response.output_text.delta",
+                           {"logprobs": []})
+
+    def _delta(self, text: str, kind: str, new_item, name: str, extra: dict) -> str:
+        """Event `name` of `text` (its fields and `extra`) in the open item of `kind`, opened first (new_item())
+        where another is open."""
         if not text:
             return ""
-        head = "" if self.item and self.item["type"] == "message" else \
-            self._open({"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
-                        "content": []})
+        head = "" if self.item and self.item["type"] == kind else self._open(new_item())
         self.item["text"] += text
-        return head + self.event("response.output_text.delta", {"item_id": self.item["id"], "output_index": self.index,
-                                                                "content_index": 0, "delta": text, "logprobs": []})
+        return head + self.event(name, {"item_id": self.item["id"], "output_index": self.index, "content_index": 0,
+                                        "delta": text, **extra})
 
     def call(self, call: dict) -> str:
         """One function_call item: added (no arguments yet), its arguments as one delta, done."""

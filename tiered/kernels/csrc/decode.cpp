@@ -167,16 +167,10 @@ TIERED_CLONES void silu_mul(const float* g, const float* u, float* a, int64_t n)
   for (int64_t i = 0; i < n; ++i) a[i] = g[i] / (1.f + exp_fast(-g[i])) * u[i];
 }
 
-// a [n] = gelu_tanh(g) * u (Gemma's GeGLU: GELU's tanh approximation, torch's gelu(approximate="tanh")), fp32:
-// 0.5 g (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3), as g / (1 + e^(-2z)) (SiLU's form: no cancellation
-// where tanh nears -1), the polynomial exp (clamped: its ends give tanh's +-1)
+// a [n] = gelu_tanh(g) * u (Gemma's GeGLU, kernel.h's gelu_tanh), fp32
 TIERED_CLONES void gelu_tanh_mul(const float* g, const float* u, float* a, int64_t n) {
-  constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = g[i], z = k * (x + 0.044715f * x * x * x);
-    a[i] = x / (1.f + exp_fast(-2.f * z)) * u[i];
-  }
+  for (int64_t i = 0; i < n; ++i) a[i] = gelu_tanh(g[i]) * u[i];
 }
 
 TIERED_CLONES void clamped_glu(const float* g, const float* u, float* a, int64_t n, float alpha, float limit) {
@@ -972,6 +966,12 @@ TIERED_CLONES void dequantize_rows(const int8_t* q, int64_t n, int64_t hd, float
   }
 }
 
+// One forward's RoPE rows [B, rotary_dim] fp32: every layer's, and the local layers' own (set_local_rope; null
+// where the model has none)
+struct Rope {
+  const float *cos, *sin, *local_cos, *local_sin;
+};
+
 class DecodeStep {
  public:
   // rotary_dim: RoPE rotates each q / k head's first rotary_dim features (rotate-half over them) and
@@ -1313,8 +1313,8 @@ class DecodeStep {
     }
     for (int64_t l = first; l < last; ++l)
       TIERED_CHECK(!layers_[l].local_rope || lc.defined(), "decode step: layer ", l, " rotates by local_cos / local_sin");
-    local_cos_ = lc.defined() ? lc.data_ptr<float>() : nullptr;
-    local_sin_ = ls.defined() ? ls.data_ptr<float>() : nullptr;
+    const Rope rope{c.data_ptr<float>(), s.data_ptr<float>(), lc.defined() ? lc.data_ptr<float>() : nullptr,
+                    ls.defined() ? ls.data_ptr<float>() : nullptr};
     for (int64_t l = first; l < last; ++l)
       TIERED_CHECK(layers_[l].runs(), "decode step: layer ", l, " is a placeholder (its caller runs it)");
     for (int64_t l = first; l < last && moe; ++l)
@@ -1334,23 +1334,22 @@ class DecodeStep {
       const int64_t* sp = sl.data_ptr<int64_t>();
       const int64_t* pp = ps.data_ptr<int64_t>();
       if (x.scalar_type() == at::kFloat)
-        run<float, int8_t>(x.data_ptr<float>(), B, c.data_ptr<float>(), s.data_ptr<float>(), sp, pp, kq, vq, n_slots,
-                           max_len, first, last, moe, post_norm ? post_norm->data_ptr<float>() : nullptr);
+        run<float, int8_t>(x.data_ptr<float>(), B, rope, sp, pp, kq, vq, n_slots, max_len, first, last, moe,
+                           post_norm ? post_norm->data_ptr<float>() : nullptr);
       else
-        run<at::BFloat16, int8_t>(x.data_ptr<at::BFloat16>(), B, c.data_ptr<float>(), s.data_ptr<float>(), sp, pp, kq,
-                                  vq, n_slots, max_len, first, last, moe,
-                                  post_norm ? post_norm->data_ptr<at::BFloat16>() : nullptr);
+        run<at::BFloat16, int8_t>(x.data_ptr<at::BFloat16>(), B, rope, sp, pp, kq, vq, n_slots, max_len, first, last,
+                                  moe, post_norm ? post_norm->data_ptr<at::BFloat16>() : nullptr);
       return;
     }
     if (bf16_cache) {
-      run<float, at::BFloat16>(x.data_ptr<float>(), B, c.data_ptr<float>(), s.data_ptr<float>(),
+      run<float, at::BFloat16>(x.data_ptr<float>(), B, rope,
                                sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(), k_cache.data_ptr<at::BFloat16>(),
                                v_cache.data_ptr<at::BFloat16>(), n_slots, max_len, first, last, moe,
                                post_norm ? post_norm->data_ptr<float>() : nullptr);
       return;
     }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "tiered_decode", [&] {
-      run<scalar_t, scalar_t>(x.data_ptr<scalar_t>(), B, c.data_ptr<float>(), s.data_ptr<float>(),
+      run<scalar_t, scalar_t>(x.data_ptr<scalar_t>(), B, rope,
                               sl.data_ptr<int64_t>(), ps.data_ptr<int64_t>(), k_cache.data_ptr<scalar_t>(),
                               v_cache.data_ptr<scalar_t>(), n_slots, max_len, first, last, moe,
                               post_norm ? post_norm->data_ptr<scalar_t>() : nullptr);
@@ -1413,7 +1412,7 @@ class DecodeStep {
   // layer's FFN residual with this layer's input norm), RoPE and the KV write, [x += y; h = norm(x)]
   // (the attention residual with the post-attention norm), SwiGLU; attention splits its key rows over the threads (split-K).
   template <typename T, typename C>
-  void run(T* xs, int64_t B, const float* cos, const float* sin, const int64_t* slots, const int64_t* pos, C* kc,
+  void run(T* xs, int64_t B, const Rope& rope, const int64_t* slots, const int64_t* pos, C* kc,
            C* vc, int64_t n_slots, int64_t max_len, int64_t first, int64_t last, bool moe, T* hs) {
     const int64_t QK = (H + Hkv) * hd, QKV = (H + 2 * Hkv) * hd, half = rd / 2;
     std::vector<float> x(B * D), h(B * D), qkv(B * QKV), att(B * H * hd), y(B * D), tmp;
@@ -1444,14 +1443,14 @@ class DecodeStep {
       residual_norm(pending, L.in_norm, L.eps, L.mla != nullptr);
       pending = false;
       if (L.mla) {
-        latent_attention<T, C>(L, l, B, h.data(), cos, sin, slots, pos, kc, n_slots, max_len, y.data());
+        latent_attention<T, C>(L, l, B, h.data(), rope.cos, rope.sin, slots, pos, kc, n_slots, max_len, y.data());
       } else {
         L.qkv.run(h.data(), B, qkv.data(), tmp);
         // RoPE on q and k (rotate-half over each head's first rd features; the rest, a partial
         // RoPE's, pass through), rounded to the model's dtype; then k, v into the cache
         each_row(B, [&](int64_t b) {
-          const float* cb = (L.local_rope ? local_cos_ : cos) + b * rd;
-          const float* sb = (L.local_rope ? local_sin_ : sin) + b * rd;
+          const float* cb = (L.local_rope ? rope.local_cos : rope.cos) + b * rd;
+          const float* sb = (L.local_rope ? rope.local_sin : rope.sin) + b * rd;
           float* r = qkv.data() + b * QKV;
           if (L.extras()) qk_extras<T>(L, r);
           for (int64_t j = 0; j < H + Hkv; ++j) {
@@ -2027,8 +2026,6 @@ class DecodeStep {
   std::vector<float> gu_, act_;
   int64_t moe_uses_ = 0;
   bool gelu_ = false;  // the dense FFNs' GLU is GeGLU (set_activation)
-  const float* local_cos_ = nullptr;  // forward's local RoPE tables [B, rd] (set_local_rope's layers), or null
-  const float* local_sin_ = nullptr;
 };
 
 // The inverse CDF of weights p [V] at u in [0, 1): the first token whose cumulative weight exceeds u times

@@ -116,6 +116,14 @@ __attribute__((always_inline)) inline float exp_fast(float x) {
   return p;
 }
 
+// GELU's tanh approximation (torch's gelu(approximate="tanh"), Gemma's GeGLU): 0.5 x (1 + tanh(z)), z = sqrt(2 / pi)
+// (x + 0.044715 x^3), as x / (1 + e^(-2z)) (SiLU's form: no cancellation where tanh nears -1), by exp_fast
+// (clamped: its ends give tanh's +-1)
+__attribute__((always_inline)) inline float gelu_tanh(float x) {
+  const float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);  // sqrt(2 / pi) (x + 0.044715 x^3)
+  return x / (1.f + exp_fast(-2.f * z));
+}
+
 // out [n] = y rounded to bf16 (nearest even, NaN kept quiet: torch's .to(bfloat16)); prompt.cpp's norms, gemv.cpp's
 // AMX rows of the native step
 void round_row(const float* y, int64_t n, uint16_t* out);

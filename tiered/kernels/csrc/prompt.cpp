@@ -42,13 +42,9 @@ TIERED_CLONES void swiglu_row(const at::BFloat16* g, const at::BFloat16* u, int6
 }
 inline void swiglu_row(const float* g, const float* u, int64_t F, float* out) { silu_mul(g, u, out, F); }
 
-// out [F] = gelu_tanh(g) * u (Gemma's GeGLU) in fp32 (kernel.h's gelu_tanh_mul: exp_fast), rounded to T once
+// out [F] = gelu_tanh(g) * u (Gemma's GeGLU) in fp32 (kernel.h's gelu_tanh), rounded to T once
 TIERED_CLONES void geglu_row(const at::BFloat16* g, const at::BFloat16* u, int64_t F, at::BFloat16* out) {
-  constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)
-  for (int64_t i = 0; i < F; ++i) {
-    const float x = float(g[i]), z = k * (x + 0.044715f * x * x * x);
-    out[i] = at::BFloat16(x / (1.f + exp_fast(-2.f * z)) * float(u[i]));
-  }
+  for (int64_t i = 0; i < F; ++i) out[i] = at::BFloat16(gelu_tanh(float(g[i])) * float(u[i]));
 }
 inline void geglu_row(const float* g, const float* u, int64_t F, float* out) { gelu_tanh_mul(g, u, out, F); }
 
