@@ -678,8 +678,11 @@ def test_run_options_map_to_the_engine_config():
                   offload_dir=None, accelerator="none", cache_slots=None, cache_policy="lru", expert_profile=None,
                   read_ahead=True, plan="auto", profile_file=None, prefetch=False, prefetch_lookahead=2,
                   weights="auto", low_weights=None, mixed_thresholds="0.6,0.9", graphs="auto", speculative="off",
-                  draft_model=None, num_speculative_tokens=4, kv_cache_dtype="auto")
+                  draft_model=None, num_speculative_tokens=4, kv_cache_dtype="auto", sliding_kv="window")
     assert _engine_config({**common, "graphs": "off"}).graphs == "off"
+    assert _engine_config({**common, "sliding_kv": "full"}).sliding_kv == "full"
+    with pytest.raises(ConfigError, match="sliding_kv"):
+        _engine_config({**common, "sliding_kv": "half"})
     assert _engine_config({**common, "kv_cache_dtype": "int8"}).kv_cache_dtype == "int8"
     ec = _engine_config({**common, "speculative": "ngram", "num_speculative_tokens": 6})
     assert (ec.speculative, ec.num_speculative_tokens) == ("ngram", 6)

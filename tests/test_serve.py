@@ -380,7 +380,7 @@ def test_concurrent_streaming_clients_batch_together(server, slow_steps):
     assert m["tiered_time_to_first_token_seconds_count"] >= len(PROMPTS)
     # the KV cache's bytes: reserved, and (on the CPU) those in RAM, which the requests' positions wrote
     reserved, resident = m['tiered_kv_cache_bytes{state="reserved"}'], m['tiered_kv_cache_bytes{state="resident"}']
-    assert reserved == server.engine.cache.nbytes and 0 < resident <= reserved
+    assert reserved == server.engine.cache.held_bytes and 0 < resident <= reserved
     assert httpx.get(server.url + "/state", headers={"Authorization": f"Bearer {KEY}"}).json()["kv_cache"][
         "reserved_bytes"] == reserved
 
@@ -487,7 +487,7 @@ def test_moe_under_a_budget_batches_requests(rt, zoo, tmp_path, slow_steps, kind
         assert links["host -> device (H2D)"]["bytes_per_token"] == llm.runtime_stats()["bytes_h2d"] / tokens
         assert "tiered_expert_hit_rate " in metrics and "tiered_decode_batch_size_peak 2\n" in metrics
         # the stand-in device's KV cache: reserved bytes only (no host pages to count)
-        assert f'tiered_kv_cache_bytes{{state="reserved"}} {engine.cache.nbytes}' in metrics
+        assert f'tiered_kv_cache_bytes{{state="reserved"}} {engine.cache.held_bytes}' in metrics
         assert 'state="resident"' not in metrics and state["kv_cache"]["resident_bytes"] is None
         assert llm.fast_budget.peak <= llm.fast_budget.capacity
     finally:

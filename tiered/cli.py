@@ -87,6 +87,7 @@ OPT = {
     "profile_file": typer.Option(None, "--profile", help="Hardware profile JSON or preset name for the planner (default: this machine's, measured once)."),
     "speculative": typer.Option("off", "--speculative", help="Speculative decoding: off, ngram (prompt lookup: draft tokens copied from where the context's last tokens occurred before, verified in one step; the model's outputs are kept) or draft (--draft-model)."),
     "draft_model": typer.Option(None, "--draft-model", help="Speculative decoding with a draft model: a small model of the same tokenizer (a path or GGUF file) writes each draft, run on the CPU."),
+    "sliding_kv": typer.Option("window", "--sliding-kv", help="What a KV cache in RAM keeps of a model's sliding-window layers (Gemma 2 / 3, gpt-oss, windowed Mistral / Phi-3): window (each sequence's last window positions: older ones are handed back to the OS and the budget counts only the window, so a several times longer context fits; a prefix is reused only where its slot still holds the window before it, as llama.cpp's SWA cache) or full (every position; any shared prefix reused, llama.cpp's --swa-full)."),
     "kv_cache_dtype": typer.Option("auto", "--kv-cache-dtype", help="KV cache format: auto (the weights' 16-bit format; fp32 in the lossless mode), fp32, bf16, fp16 or int8 (each head's keys and values of a position as int8 with an fp32 scale per 32, like llama.cpp's q8_0 cache: 56% of bf16's bytes, so nearly twice the context or batch in a budget; lossy)."),
     "num_speculative_tokens": typer.Option(4, "--num-speculative-tokens", min=1, max=16, help="Most draft tokens a step verifies (--speculative ngram); the plan prices each length against the acceptance."),
 }
@@ -119,6 +120,7 @@ def _engine_option_params(
     draft_model: Optional[Path] = OPT["draft_model"],
     num_speculative_tokens: int = OPT["num_speculative_tokens"],
     kv_cache_dtype: str = OPT["kv_cache_dtype"],
+    sliding_kv: str = OPT["sliding_kv"],
 ) -> None:
     """The engine options `run`, `chat`, `serve` and `batch` share, declared once: `engine_options` gives them to a
     command."""
@@ -462,7 +464,7 @@ def _config(*, dtype, decode_weights, batch_activations, expert_activations, max
             cache_slots, cache_policy, expert_profile, read_ahead, trace, plan, profile_file, prefetch,
             prefetch_lookahead, weights, low_weights, mixed_thresholds, max_batch, graphs="auto", speculative="off",
             draft_model=None, num_speculative_tokens=4, goal="latency", workload=None, kv_cache_dtype="auto",
-            requests=None, request_prefixes=None, lone_decode_share=None):
+            requests=None, request_prefixes=None, lone_decode_share=None, sliding_kv="window"):
     from tiered import EngineConfig
 
     if plan not in ("auto", "off"):
@@ -490,7 +492,7 @@ def _config(*, dtype, decode_weights, batch_activations, expert_activations, max
                         speculative=speculative, num_speculative_tokens=num_speculative_tokens,
                         draft_model=str(draft_model) if draft_model else None, goal=goal, workload=workload,
                         requests=requests, request_prefixes=request_prefixes, kv_cache_dtype=kv_cache_dtype,
-                        lone_decode_share=lone_decode_share)
+                        lone_decode_share=lone_decode_share, sliding_kv=sliding_kv)
 
 
 @app.command()
@@ -537,8 +539,9 @@ def serve(
     name = served_model_name or (ckpt_path.stem if ckpt_path.is_file() else ckpt_path.name)
     typer.echo(f"serving {name} on http://{host}:{port}/v1 (OpenAI's chat/completions, completions, responses; "
                f"Anthropic's messages, base URL http://{host}:{port}) (batch {max_batch} x {llm.max_context} tokens, KV cache "
-               f"{engine.cache.nbytes / 2**20:.0f} MiB reserved"
-               f"{', in RAM as positions are written' if engine.cache.k.device.type == 'cpu' else ''}; "
+               f"{engine.cache.held_bytes / 2**20:.0f} MiB reserved"
+               f"{', in RAM as positions are written' if engine.cache.k.device.type == 'cpu' else ''}"
+               f"{', the sliding layers their windows' if engine.cache.advance is not None else ''}; "
                f"queue {max_queue}{'; API key required' if api_key else ''}) | "
                f"{llm.plan.summary()}", err=True)
     # The engine steps on this (main) thread, which owns torch's OpenMP team (a decode step on a
@@ -908,6 +911,7 @@ def plan(
     expert_profile: Optional[Path] = OPT["expert_profile"],
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON (replay it with `run --plan FILE`)."),
     kv_cache_dtype: str = OPT["kv_cache_dtype"],
+    sliding_kv: str = OPT["sliding_kv"],
 ) -> None:
     """Plan placement, slicing, dispatch and batch sizes for a model on a machine, predict its speed, and say why.
 
@@ -938,7 +942,7 @@ def plan(
         hw = engine_profile(profile_file, None)
     given = prompt_tokens is not None or gen_tokens is not None
     if precision == "auto" and not config_only and goal == "latency" and not given and _this_machine(hw):
-        engine = _run_plan(ckpt, preset or profile_file, gpu_mem, cpu_mem, expert_profile, kv_cache_dtype)
+        engine = _run_plan(ckpt, preset or profile_file, gpu_mem, cpu_mem, expert_profile, kv_cache_dtype, sliding_kv)
         typer.echo(engine.to_json() if as_json else engine.render())
         return
     precision = "bf16" if precision == "auto" else precision
@@ -961,7 +965,7 @@ def plan(
         popularity = load_popularity(expert_profile, cfg.num_hidden_layers, cfg.num_experts)
     p = make_plan(cfg, hw, model_name=name, gpu_memory=parse_bytes(gpu_mem), cpu_memory=parse_bytes(cpu_mem),
                   goal=goal, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, precision=precision,
-                  popularity=popularity, kv_cache=kv_cache_dtype)
+                  popularity=popularity, kv_cache=kv_cache_dtype, sliding_kv=sliding_kv)
     typer.echo(p.to_json() if as_json else p.render())
 
 
@@ -977,7 +981,7 @@ def _this_machine(hw) -> bool:
 
 
 def _run_plan(model, profile: Optional[str], gpu_mem: Optional[str], cpu_mem: Optional[str],
-              expert_profile: Optional[Path] = None, kv_cache_dtype: str = "auto"):
+              expert_profile: Optional[Path] = None, kv_cache_dtype: str = "auto", sliding_kv: str = "window"):
     """`tiered plan`'s default for a checkpoint on this machine (`model`: open_checkpoint's, opened once): the Plan
     `tiered run --model MODEL --profile PROFILE --gpu-mem --cpu-mem --expert-profile` applies (LLM.planned, run's
     other defaults)."""
@@ -986,7 +990,7 @@ def _run_plan(model, profile: Optional[str], gpu_mem: Optional[str], cpu_mem: Op
 
     plan, _ = LLM.planned(model, EngineConfig(profile=profile, gpu_memory=gpu_mem, cpu_memory=cpu_mem,
                                               expert_profile=str(expert_profile) if expert_profile else None,
-                                              kv_cache_dtype=kv_cache_dtype),
+                                              kv_cache_dtype=kv_cache_dtype, sliding_kv=sliding_kv),
                           progress=True)
     plan.notes.append("the plan `tiered run` makes for this checkpoint with these budgets (its defaults: --dtype "
                       "auto, --decode-weights auto); --precision, --goal or the lengths plan other settings")

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
 BATCH_ACTIVATIONS = ("auto", "q8", "bf16")
 KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8")
+SLIDING_KV = ("window", "full")
 DTYPES = ("auto", "float32", "bfloat16")
 ACCELERATORS = ("auto", "cuda", "host", "none")
 CACHE_POLICIES = ("random", "lru", "lfu", "lhu", "fld", "hobbit")  # memory/expert_cache.POLICIES
@@ -101,6 +102,12 @@ class EngineConfig:
             quantize_kv_rows; llama.cpp's --cache-type-k/v q8_0, FlexGen's KV compression, §5): 56% of a bf16
             cache's bytes, so nearly twice the sequences or context in a budget and fewer bytes for a long
             context's decode step to read; lossy. Not for latent attention (DeepSeek's MLA).
+        sliding_kv: what a KV cache in RAM keeps of its sliding-window layers (Plan.kv_window; Gemma 2 / 3,
+            gpt-oss, Mistral / Phi-3 windowed models): "window" (each sequence's last window positions and some
+            slack: models/layers.KVCache.forget hands the older ones' pages back, and the budget counts only them,
+            so a context window several times longer fits; a prefix is reused only where the slot still holds the
+            window before it, as llama.cpp's SWA cache) or "full" (every position: any shared prefix is reused,
+            llama.cpp's --swa-full). A cache on a GPU keeps every position.
         num_threads: CPU threads for torch; None keeps torch's default (one per core); more than the
             cores this process may run on are capped at them (`cpu_threads`).
         gpu_memory: accelerator budget [bytes, or a string like "12GiB"]; None = all free memory.
@@ -178,6 +185,7 @@ class EngineConfig:
     request_prefixes: PromptPrefixes | None = None
     lone_decode_share: float | None = None
     kv_cache_dtype: str = "auto"
+    sliding_kv: str = "window"
     num_threads: int | None = None
     gpu_memory: int | str | None = None
     cpu_memory: int | str | None = None
@@ -290,6 +298,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
                               "pass 'auto' (the weights' 16-bit format) or 'int8' (half the bytes, lossy)")
+        if self.sliding_kv not in SLIDING_KV:
+            raise ConfigError(f"sliding_kv must be one of {SLIDING_KV}, got {self.sliding_kv!r}",
+                              "pass 'window' (the sliding layers keep their window) or 'full' (every position)")
         if self.batch_activations not in BATCH_ACTIVATIONS:
             raise ConfigError(f"batch_activations must be one of {BATCH_ACTIVATIONS}, got {self.batch_activations!r}",
                               "pass 'auto', 'q8' (faster batched decode) or 'bf16' (batch-1 numerics)")

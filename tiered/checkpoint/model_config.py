@@ -288,6 +288,12 @@ class ModelConfig:
             return self.sliding_window
         return self.local_window if layer_idx in self.local_layers else None
 
+    @property
+    def windowed(self) -> bool:
+        """Whether some layer attends to a sliding window (`window_of` not None): its KV cache may forget
+        what lies behind it (models/layers.KVCache.forget)."""
+        return self.sliding_window is not None or bool(self.local_layers and self.local_window)
+
     def expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
         """Shapes of one routed expert's (gate, up, down) tensors as tiered holds them on every tier:
         (F, D), (F, D), (D, F); with expert_bias (gpt-oss) each projection's bias is its weight's

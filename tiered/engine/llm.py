@@ -37,7 +37,7 @@ from tiered.hardware.budget import MemoryBudget
 from tiered.hardware.contention import thread_governor
 from tiered.memory import sizes
 from tiered.models import build_model
-from tiered.models.layers import KV_ALIGN, KVCache, Rotary, build_packed_metadata
+from tiered.models.layers import KV_ALIGN, KVCache, Rotary, build_packed_metadata, forgetting_advance
 from tiered.quant.linear import PhaseLinear
 
 _NO_TOKENS = torch.empty(0, dtype=torch.long)
@@ -588,7 +588,7 @@ class LLM:
         whose room it reserved: a list of thousands of prompts no longer asks for thousands of slots)."""
         if self.engine_config.goal == "throughput" and self.plan.source != "rules":
             return max(1, min(count, self.plan.kv_slots))
-        one = sizes.kv_cache_bytes(self.config, 1, length, self._kv_format())
+        one = self._kv_bytes(1, length)
         room = self.fast_budget.free
         fit = count if room == float("inf") else int(room // max(1, one))
         return max(1, min(count, MAX_GENERATE_BATCH, max(fit, self.plan.kv_slots)))
@@ -621,6 +621,8 @@ class LLM:
         Returns:
             (sequence, new text, RequestOutput when it finished this step else None) events, in order.
         """
+        # a cache whose sliding layers forget: a slot serves a reuse only from its floor on (Scheduler._reusable)
+        sched.kv_floor = cache.forgotten if cache.advance is not None else None
         plan = sched.schedule()
         self.last_burst = 0
         # a structured output's forced tokens go in as rows of the next native step (LLM._force)
@@ -637,6 +639,7 @@ class LLM:
             drafted = self._propose(plan.running, rows, cache)
             events = None if drafted else self._burst(lone, cache, interrupt, _speculating_burst(lone))
             if events is not None:
+                self._forget(plan.running, cache)
                 for seq, _, out in events:
                     if out is not None:
                         sched.finish(seq)
@@ -648,6 +651,10 @@ class LLM:
                 if seq.kv_source >= 0:
                     cache.lend({seq.slot: seq.kv_source}, seq.cached_tokens)
                     seq.kv_source = -1
+                elif not seq.cached_tokens or not cache.keeps(seq.slot, seq.cached_tokens):
+                    # written again from position 0 (a step retried after its chunks forgot past its reuse: again)
+                    seq.cached_tokens = 0
+                    cache.restart(seq.slot)
             admitted = {id(s) for s in plan.prefill}
             decoding = [s for s in plan.running if not s.finished and id(s) not in admitted]
             twins = PromptTwins(plan.prefill)  # admitted prompts equal to an earlier one's: not prefilled
@@ -665,9 +672,11 @@ class LLM:
             for seq in plan.prefill:
                 seq.t_prefill_start = t0
                 self.runtime.new_sequence()  # the expert cache's per-sequence usage (HOBBIT)
+            cache.hold.update(shared.holds())  # a leader forgets nothing its followers take (KVCache.forget)
             events += self._prefill_groups([s for s in alone if not shared.follows(s)], cache, twins)
             # the leaders' KV written: their followers take its shared prefix, then prefill the rest
             shared.lend(cache)
+            cache.hold.clear()
             events += self._prefill_groups([s for s in alone if shared.follows(s)], cache, twins)
             running = [s for s in plan.running if not s.finished and id(s) not in joined]
             if running or mixed:  # decode: all running sequences, one token each (+ the joining prompts)
@@ -688,10 +697,21 @@ class LLM:
                            self._postprocess(mixed + running, logits))
                 self.executor.record("decode step", "step", t0, t1)
                 self.executor.record("sample", "step", t1, time.perf_counter())
+        self._forget(plan.running, cache)
         for seq, _, out in events:
             if out is not None:
                 sched.finish(seq)
         return events
+
+    @staticmethod
+    def _forget(seqs: list[Sequence], cache: KVCache) -> None:
+        """After a step: each of `seqs` (holding a slot) lets its slot's sliding layers forget the positions behind
+        their window (KVCache.forget; a cache that keeps every position ignores it): its KV covers every token but
+        the last drawn one and the forced ones before it (Sequence.kv_tokens)."""
+        if cache.advance is not None:
+            for seq in seqs:
+                if seq.slot >= 0:
+                    cache.forget(seq.slot, seq.num_tokens - 1 - seq.pending)
 
     def _prefill_groups(self, seqs: list[Sequence], cache: KVCache,
                         twins: PromptTwins) -> list[tuple[Sequence, str, RequestOutput | None]]:
@@ -952,6 +972,7 @@ class LLM:
                           self._forward([s], cache, prefill=True, span=(start, end)))
                 if end == len(s.prompt_ids):
                     break
+                cache.forget(s.slot, end)  # a long prompt's sliding layers keep their window, not the prompt
                 start = end
             out.append(logits)
         return torch.cat(out)
@@ -991,6 +1012,7 @@ class LLM:
                     logits = step(torch.tensor(ids[a:b]).unsqueeze(1), torch.arange(a, b).unsqueeze(1),
                                   torch.full((b - a,), seq.slot), cache, rows=torch.arange(b - a))
                     score(logits, a)
+                    cache.forget(seq.slot, b)
             else:
                 slots = dev(torch.tensor([seq.slot]))
                 for start in range(0, P, chunk):
@@ -1000,6 +1022,7 @@ class LLM:
                     for a in range(start, end, rows):
                         logits = self.model.head(h[:, a - start:min(a + rows, end) - start])[0]
                         score(logits, a)
+                    cache.forget(seq.slot, end)
             last = logits[-1:].float().cpu()
         seq.prompt_logprobs = entries
         return last
@@ -1288,32 +1311,46 @@ class LLM:
         pages (`huge_pages`, KVCache's: the call fills what it sized)."""
         if self.runtime.graphs is None or num_slots != 1:
             aligned = max(max_len, min(-(-max_len // KV_ALIGN) * KV_ALIGN, self.max_context))
-            if aligned > max_len and not self.fast_budget.fits(
-                    sizes.kv_cache_bytes(self.config, num_slots, aligned, self._kv_format())):
+            if aligned > max_len and not self.fast_budget.fits(self._kv_bytes(num_slots, aligned)):
                 aligned = max_len  # the call's slots were counted for max_len positions (LLM._batch_slots)
-            return self._kv_cache(num_slots, aligned, huge_pages=huge_pages)
+            return self._kv_cache(num_slots, aligned, huge_pages=huge_pages, forgets=True)
         if getattr(self, "_static_cache", None) is None:
-            self._static_cache = self._kv_cache(1, self.max_context)
+            self._static_cache = self._kv_cache(1, self.max_context, forgets=True)
         return self._static_cache
 
     def _kv_format(self) -> str:
         """The KV cache's format: the plan's (Plan.dtypes["kv_cache"]), else the compute dtype's."""
         return self.plan.dtypes.get("kv_cache") or sizes.format_of(self.dtype)
 
-    def _kv_cache(self, num_slots: int, max_len: int, fmt: str | None = None, huge_pages: bool = False) -> KVCache:
+    def _kv_bytes(self, num_slots: int, max_len: int, fmt: str | None = None, with_advance: bool = False,
+                  forgets: bool = True):
+        """Bytes the budget reserves for a KV cache of `num_slots` x `max_len` positions in `fmt` (default the
+        plan's) on the compute tier: KVCache.held_bytes', its sliding layers counted at their window where it
+        forgets (`forgets`: a cache LLM.step runs, which calls KVCache.forget; Plan.kv_window,
+        models/layers.forgetting_advance); with `with_advance`, (bytes, the advance)."""
+        fmt = fmt or self._kv_format()
+        advance = forgetting_advance(self.config, num_slots, max_len, sizes.kv_torch_dtype(fmt), self.device,
+                                     self.plan.kv_advance() if forgets else None)
+        nbytes = sizes.kv_cache_bytes(self.config, num_slots, max_len, fmt, advance)
+        return (nbytes, advance) if with_advance else nbytes
+
+    def _kv_cache(self, num_slots: int, max_len: int, fmt: str | None = None, huge_pages: bool = False,
+                  forgets: bool = False) -> KVCache:
         """A KV cache on the compute tier in format `fmt` (default the plan's, Plan.dtypes["kv_cache"]),
         accounted against its budget (before it is allocated) while it lives; `huge_pages`: KVCache's (on the CPU
-        2 MiB pages, for a cache its call fills)."""
+        2 MiB pages, for a cache its call fills); `forgets`: a cache LLM.step runs (its sliding layers forget
+        behind their windows where the plan says so: _kv_bytes)."""
         fmt = fmt or self._kv_format()
-        nbytes = sizes.kv_cache_bytes(self.config, num_slots, max_len, fmt)
+        nbytes, advance = self._kv_bytes(num_slots, max_len, fmt, with_advance=True, forgets=forgets)
         self.fast_budget.reserve(nbytes, "the KV cache")
         try:
             with self._device_scope():  # on the accelerator's device (a stand-in tensor on the stand-in)
-                cache = KVCache(self.config, num_slots, max_len, sizes.kv_torch_dtype(fmt), self.device, huge_pages)
+                cache = KVCache(self.config, num_slots, max_len, sizes.kv_torch_dtype(fmt), self.device, huge_pages,
+                                advance)
         except BaseException:
             self.fast_budget.release(nbytes)
             raise
-        assert cache.nbytes == nbytes
+        assert cache.held_bytes == nbytes
         weakref.finalize(cache, self.fast_budget.release, nbytes)
         return cache
 

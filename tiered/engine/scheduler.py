@@ -70,6 +70,9 @@ class Scheduler:
         self._slot_tokens: list[list[int]] = [[] for _ in range(max_batch)]  # tokens whose KV each slot holds
         self._cancel: set[Sequence] = set()  # sequences to drop at the next boundary
         self._lock = threading.Lock()
+        # per slot, the fewest leading positions of its KV that serve a reuse (KVCache.forgotten: a cache whose
+        # sliding layers forget behind their window, KVCache.keeps); LLM.step hands it over; None: any prefix
+        self.kv_floor: list[int] | None = None
 
     # ------------------------------------------------------- any thread
     def add(self, *seqs: Sequence) -> None:
@@ -146,17 +149,24 @@ class Scheduler:
             return
         best, best_n = self._free[-1], 0
         for slot in reversed(self._free):  # lowest first: ties keep the lowest slot
-            n = _common_prefix(self._slot_tokens[slot], seq.prompt_ids)
+            n = self._reusable(slot, self._slot_tokens[slot], seq.prompt_ids)
             if n > best_n:
                 best, best_n = slot, n
         for slot, tokens in sources:
-            n = _common_prefix(tokens, seq.prompt_ids)
+            n = self._reusable(slot, tokens, seq.prompt_ids)
             if n > best_n:
                 seq.kv_source, best_n = slot, n
         self._free.remove(best)
         seq.slot = best
-        seq.cached_tokens = min(best_n, len(seq.prompt_ids) - 1)
+        seq.cached_tokens = best_n
         self._slot_tokens[best] = seq.prompt_ids[:seq.cached_tokens]  # still valid if it never runs
+
+    def _reusable(self, slot: int, tokens: list[int], prompt: list[int]) -> int:
+        """The positions of `slot`'s KV (`tokens`') a sequence of `prompt` reuses: their common prefix, at most
+        all but the prompt's last token, and none where that is less than the slot's kv_floor (its sliding layers
+        forgot the window before it)."""
+        n = min(_common_prefix(tokens, prompt), len(prompt) - 1)
+        return n if self.kv_floor is None or n >= self.kv_floor[slot] else 0
 
     def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -283,6 +293,14 @@ class SharedPrefixes:
     def follows(self, seq: Sequence) -> bool:
         """Whether `seq` takes a leader's prefix (its `cached_tokens` count it already)."""
         return id(seq) in self._leader
+
+    def holds(self) -> dict[int, int]:
+        """{leader's slot: the fewest positions a follower takes from it}: what the leader's KV must still hold
+        when `lend` runs (KVCache.hold: a forgetting cache keeps the window before it)."""
+        held: dict[int, int] = {}
+        for _, leader, shared in self._leader.values():
+            held[leader.slot] = min(shared, held.get(leader.slot, shared))
+        return held
 
     def lend(self, cache) -> None:
         """Copy every follower's shared prefix from its leader's slot into its own (KVCache.lend), after

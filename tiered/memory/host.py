@@ -72,12 +72,44 @@ def lazy_zeros(shape: tuple[int, ...], dtype, device="cpu", huge_pages: bool = F
     from tiered.hardware.budget import HUGE_PAGES_FROM, huge_mapping, huge_pages_enabled, nbytes_of
 
     nbytes = nbytes_of(shape, dtype)
-    if torch.device(device).type != "cpu" or nbytes < LAZY_ZEROS_BYTES or not hasattr(mmap, "MAP_PRIVATE"):
-        return torch.zeros(shape, dtype=dtype, device=device)  # (Windows' mmap has no MAP_PRIVATE)
+    if not lazily_committed(nbytes, device):
+        return torch.zeros(shape, dtype=dtype, device=device)
     if huge_pages and nbytes >= HUGE_PAGES_FROM and huge_pages_enabled():
         return huge_mapping(nbytes)[1].view(dtype).view(shape)  # fresh: the kernel's zero pages
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _map_noreserve())
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor's storage keeps `buf` mapped
+
+
+def lazily_committed(nbytes: int, device="cpu") -> bool:
+    """Whether lazy_zeros of `nbytes` bytes on `device` is an anonymous private mapping (committed on first
+    write, its pages handed back by release_pages): on the CPU from LAZY_ZEROS_BYTES up, where mmap has
+    MAP_PRIVATE (not Windows)."""
+    import mmap
+
+    import torch
+
+    return torch.device(device).type == "cpu" and nbytes >= LAZY_ZEROS_BYTES and hasattr(mmap, "MAP_PRIVATE")
+
+
+# madvise(2)'s MADV_DONTNEED (Linux, every architecture): the range's private anonymous pages are dropped and read 0
+MADV_DONTNEED = 4
+
+
+def release_pages(address: int, nbytes: int) -> int:
+    """Hand back to the OS the whole pages inside the byte range [address, address + nbytes) of a lazily
+    committed mapping (lazy_zeros'): madvise MADV_DONTNEED, after which they read 0 and cost no RAM until written
+    again. The pages the range's ends cut are kept. The caller vouches that nothing in the range is read as it
+    was (KVCache.forget: keys and values behind a sliding window). Returns the bytes handed back (0 where
+    nothing whole is inside, off Linux / glibc, or where madvise refuses)."""
+    import mmap
+
+    lib = _libc()
+    page = mmap.PAGESIZE
+    lo = -(-address // page) * page
+    hi = (address + nbytes) // page * page
+    if hi <= lo or lib is None or not hasattr(lib, "madvise"):
+        return 0
+    return hi - lo if lib.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED) == 0 else 0
 
 
 def _map_noreserve() -> int:

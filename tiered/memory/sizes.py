@@ -296,10 +296,39 @@ def kv_torch_dtype(fmt: str) -> torch.dtype:
     return torch.int8 if fmt == "int8" else torch_dtype(fmt)
 
 
-def kv_cache_bytes(cfg: ModelConfig, slots: int, tokens: int, fmt: str) -> int:
+def kv_cache_bytes(cfg: ModelConfig, slots: int, tokens: int, fmt: str, advance: int | None = None) -> int:
     """Bytes of a KVCache of `slots` sequences x `tokens` positions (keys and values of every layer) in
-    format `fmt` (KV_FORMATS)."""
-    return int(cfg.num_hidden_layers * slots * tokens * kv_bytes_per_token(cfg, fmt))
+    format `fmt` (KV_FORMATS). `advance`: a cache whose sliding layers forget what is behind their window
+    (KVCache(advance=...), Plan.kv_window), each sliding layer counted at kv_layer_positions' positions; None:
+    every position of every layer."""
+    if advance is None:
+        return int(cfg.num_hidden_layers * slots * tokens * kv_bytes_per_token(cfg, fmt))
+    positions = sum(kv_layer_positions(cfg, i, tokens, fmt, advance) for i in range(cfg.num_hidden_layers))
+    return int(slots * positions * kv_bytes_per_token(cfg, fmt))
+
+
+# KVCache.forget's hysteresis [positions]: a sequence keeps KV_FORGET_SLACK positions before its last (a step rolled
+# back, a next request whose prompt ends a little before the conversation's last token: prefix reuse) beyond each
+# sliding layer's window, and forgets once it is KV_FORGET_STEP positions past the last forget
+KV_FORGET_SLACK = 256
+KV_FORGET_STEP = 256
+
+
+def kv_layer_positions(cfg: ModelConfig, layer: int, tokens: int, fmt: str, advance: int) -> int:
+    """The most positions of one sequence's `tokens` whose KV layer `layer` of a forgetting cache holds
+    (KVCache.forget) [positions]: all of them in a layer attending to the whole context; in a sliding layer its
+    window, KV_FORGET_SLACK + KV_FORGET_STEP behind it, `advance` ahead (the most a sequence writes between two
+    forgets: a prefill chunk) and the two pages each row's forgotten range leaves at its ends, at most `tokens`."""
+    window = cfg.window_of(layer)
+    if window is None:
+        return tokens
+    _, kw, vw = kv_cache_widths(cfg, fmt)
+    row = min(kw, vw) * (1 if fmt == "int8" else bytes_per_element(fmt))  # bytes a position takes in a head's row
+    pages = 2 * -(-PAGE_BYTES // max(1, int(row)))
+    return min(tokens, window + KV_FORGET_SLACK + KV_FORGET_STEP + advance + pages)
+
+
+PAGE_BYTES = 4096  # a host page (x86-64, most arm64 kernels): what the OS hands back whole
 
 
 def tensor_bytes(shape, dtype: torch.dtype) -> int:

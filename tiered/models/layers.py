@@ -18,8 +18,9 @@ from torch import nn
 
 from tiered.checkpoint.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
 from tiered.hardware.accelerator import building_graph
-from tiered.memory.host import lazy_zeros
-from tiered.memory.sizes import kv_block, kv_cache_widths, kv_row_bytes  # noqa: F401 (kv_row_bytes: the row's bytes)
+from tiered.memory.host import lazily_committed, lazy_zeros, release_pages
+from tiered.memory.sizes import (KV_FORGET_SLACK, KV_FORGET_STEP, PAGE_BYTES, format_of, kv_block,  # noqa: F401
+                                 kv_cache_bytes, kv_cache_widths, kv_row_bytes)  # (kv_row_bytes: the row's bytes)
 
 
 class RMSNorm(nn.Module):
@@ -387,6 +388,18 @@ def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype, hd: int) -> torch
     return (rows[..., :hd].float().unflatten(-1, (hd // bs, bs)) * s).flatten(-2).to(dtype)
 
 
+def forgetting_advance(config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
+                       device: torch.device | str, advance: int | None) -> int | None:
+    """`advance` where a KVCache of these arguments forgets behind its sliding layers' windows (KVCache.forget: the
+    model has sliding layers and its tensors are lazily committed in RAM: memory/host.lazily_committed), else None.
+    What it holds at most, and the budget reserves: memory/sizes.kv_cache_bytes(..., advance=this)."""
+    if advance is None or not config.windowed:
+        return None
+    heads, kw, _ = kv_cache_widths(config, "int8" if dtype == torch.int8 else None)
+    k_bytes = config.num_hidden_layers * num_slots * heads * max_len * kw * torch.empty((), dtype=dtype).element_size()
+    return advance if lazily_committed(k_bytes, device) else None
+
+
 class KVCache:
     """Keys and values of every layer for up to `num_slots` sequences of `max_len` positions.
 
@@ -401,13 +414,24 @@ class KVCache:
     activations' dtype, and the native decode step reads them itself. Whole rows move as they are (copy_slots,
     lend), scales and all.
 
+    Sliding layers forget (`advance`, Plan.kv_window): a layer attending to its last `window` positions
+    (ModelConfig.window_of: Gemma 2 / 3's local layers, gpt-oss's sliding ones, Mistral's and Phi-3's windowed
+    models) never reads a sequence's positions more than `window` before its next query again, so `forget` hands
+    their pages back to the OS as the sequence advances (the tensors stay [.., max_len, ..]: every reader indexes
+    them as before, and a forgotten position reads 0 behind every reader's window mask). Gemma 3 27B's 52 local
+    layers of 62 then hold ~2.5k positions each, not the 128k of its context window: what llama.cpp's SWA cache
+    keeps. A slot whose positions were forgotten serves a prefix reuse only as long as its `forgotten` floor
+    (`keeps`); `lend` / `copy_slots` carry the floor with the KV. Only a lazily committed CPU cache forgets
+    (memory/host.lazily_committed): elsewhere `advance` is ignored.
+
     Raises:
         ConfigError: an int8 cache of latent attention (its rows are shared by every head: not quantized).
     """
 
     def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", huge_pages: bool = False) -> None:
+                 device: torch.device | str = "cpu", huge_pages: bool = False, advance: int | None = None) -> None:
         self.quantized = dtype == torch.int8
+        self.config = config
         heads, kw, vw = kv_cache_widths(config, "int8" if self.quantized else None)
         # on the CPU committed as positions are written (memory/host.lazy_zeros): a server's slots of max_context
         # positions cost the RAM its sequences use; `huge_pages` (a cache its call fills): 2 MiB pages, whose
@@ -415,10 +439,78 @@ class KVCache:
         self.k = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, kw), dtype, device, huge_pages)
         self.v = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, vw), dtype, device, huge_pages)
         self.max_len = max_len
+        # (layer, window) of the sliding layers this cache forgets behind; none where it cannot hand pages back
+        self.advance = forgetting_advance(config, num_slots, max_len, dtype, device, advance)
+        self.windows = [(i, w) for i in range(config.num_hidden_layers)
+                        if (w := config.window_of(i)) is not None] if self.advance is not None else []
+        # per slot: the horizon of its last forget [positions] (0: nothing forgotten). A sliding layer of window w
+        # has handed back the slot's positions before forgotten[slot] - w; a prefix of n >= forgotten[slot]
+        # positions is whole for every query from n on (`keeps`)
+        self.forgotten = [0] * num_slots
+        self.hold: dict[int, int] = {}  # slot -> positions its forgets keep whatever its length (`forget`)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tensors k and v (every slot's max_len positions; virtual where lazily committed)."""
         return (self.k.numel() + self.v.numel()) * self.k.element_size()
+
+    @property
+    def held_bytes(self) -> int:
+        """The most bytes this cache holds [bytes]: `nbytes`, or for a forgetting cache (`advance`) its sliding
+        layers' positions counted as memory/sizes.kv_layer_positions counts them. What the budget reserves."""
+        if self.advance is None:
+            return self.nbytes
+        fmt = "int8" if self.quantized else format_of(self.k.dtype)
+        return kv_cache_bytes(self.config, self.k.shape[1], self.max_len, fmt, self.advance)
+
+    def keeps(self, slot: int, n: int) -> bool:
+        """Whether `slot`'s first `n` positions serve a sequence continuing at position n (a prefix reuse):
+        every sliding layer still holds the window before n (n >= forgotten[slot]), or nothing is reused (n 0)."""
+        return n == 0 or n >= self.forgotten[slot]
+
+    def restart(self, slot: int) -> None:
+        """`slot` is written again from position 0 (a sequence reusing none of it): nothing is forgotten."""
+        self.forgotten[slot] = 0
+
+    def forget(self, slot: int, length: int) -> int:
+        """Hand back the pages of `slot`'s positions that no later query of its sequence reads: with the first
+        `length` positions written (its KV), each sliding layer of window w forgets the positions before
+        length - KV_FORGET_SLACK - w (memory/host.release_pages over each head's row of keys and of values),
+        once that horizon is KV_FORGET_STEP past the last (`forgotten`); a `hold` on the slot caps `length`
+        (a leader whose prefix its followers take this step: LLM.step). Returns the bytes handed back."""
+        if self.advance is None:
+            return 0
+        horizon = min(length, self.hold.get(slot, length)) - KV_FORGET_SLACK
+        last = self.forgotten[slot]
+        if horizon - last < KV_FORGET_STEP:
+            return 0
+        self.forgotten[slot] = horizon
+        return sum(self._release(slot, i, max(0, last - w), horizon - w) for i, w in self.windows if horizon > w)
+
+    def _release(self, slot: int, layer: int, start: int, end: int) -> int:
+        """release_pages over positions start..end-1 of every head's keys and values of `slot` in `layer`, the
+        page holding `start` included where it lies within the row (the positions before start are forgotten
+        already). Returns the bytes handed back."""
+        freed = 0
+        for t in (self.k, self.v):
+            rows = t[layer, slot]  # [Hkv, max_len, width]
+            step = rows.stride(1) * rows.element_size()  # bytes a position takes in a head's row
+            if step == 0:
+                continue
+            for h in range(rows.shape[0]):
+                base = rows[h].data_ptr()
+                lo = max(base, (base + start * step) // PAGE_BYTES * PAGE_BYTES)
+                freed += release_pages(lo, base + end * step - lo)
+        return freed
+
+    def _carry_floor(self, dst: int, src: int, floor: int) -> None:
+        """Slot dst, taking src's KV (copy_slots), takes src's forgotten `floor`; its own positions before it hand
+        their pages back (a former sequence's, read by no query of the new one)."""
+        if floor > self.forgotten[dst]:
+            for i, w in self.windows:
+                if floor > w:
+                    self._release(dst, i, 0, floor - w)
+        self.forgotten[dst] = floor
 
     def resident_bytes(self) -> int | None:
         """Of `nbytes`, the bytes in RAM now [bytes] (memory/host.resident_bytes: on the CPU the cache is committed as
@@ -442,6 +534,9 @@ class KVCache:
         if not moved or length <= start:
             return
         sources = list(dict.fromkeys(parents[j] for j in moved))
+        if any(self.forgotten[p] for p in sources):  # a forgetting cache's sliding layers: their kept positions only
+            self._copy_kept(parents, moved, sources, length, start)
+            return
         for t in (self.k, self.v):
             # each source slot's positions cloned first (a slice each), then a slice copy per slot. index_select over
             # the slots of the positions' view took 100x longer on the CPU (a strided gather: SmolLM2, 48 slots of 828
@@ -450,6 +545,28 @@ class KVCache:
             parts = {p: t[:, p, :, start:length].clone() for p in sources}
             for j in moved:
                 t[:, j, :, start:length].copy_(parts[parents[j]])
+        for j in moved:
+            self.forgotten[j] = self.forgotten[j] if start else 0
+
+    def _copy_kept(self, parents: list[int], moved: list[int], sources: list[int], length: int, start: int) -> None:
+        """copy_slots where a source slot has forgotten positions: layer by layer, each sliding layer from the
+        source's first kept position (what lies before it reads 0 there: copied, it would commit the destination's
+        pages for nothing); each destination then takes its source's floor (`_carry_floor`; with `start` > 0, the
+        higher of the two: its positions before start are its own)."""
+        windows = dict(self.windows)
+        for t in (self.k, self.v):
+            for i in range(t.shape[0]):
+                w = windows.get(i)
+                lo = {p: start if w is None else max(start, min(length, self.forgotten[p] - w)) for p in sources}
+                parts = {p: t[i, p, :, lo[p]:length].clone() for p in sources}
+                for j in moved:
+                    t[i, j, :, lo[parents[j]]:length].copy_(parts[parents[j]])
+        floors = [self.forgotten[p] for p in parents]
+        for j in moved:
+            mine = self.forgotten[j]
+            self._carry_floor(j, parents[j], floors[j])
+            if start:
+                self.forgotten[j] = max(self.forgotten[j], mine)
 
     def lend(self, moves: dict[int, int], length: int) -> None:
         """Slot dst takes slot moves[dst]'s positions 0..length-1 in every layer (a prompt's KV shared

@@ -786,7 +786,7 @@ def _auto_or_rules(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_co
                 graphs=graphs_allowed(ec, accelerator), prefetch=ec.prefetch,
                 prefetch_lookahead=ec.prefetch_lookahead, precision_mix=decode_mix if dense_cpu else None,
                 mixed_rows=planned_mixed_rows(cfg, accelerator, batch_act, step_format),
-                **speculation(ec), kv_cache=ec.kv_cache_dtype,
+                **speculation(ec), kv_cache=ec.kv_cache_dtype, sliding_kv=ec.sliding_kv,
                 requests=ec.requests if ec.goal == "throughput" else None,
                 prefixes=ec.request_prefixes if ec.goal == "throughput" else None,
                 workspace=None if accelerator is None else

@@ -423,7 +423,8 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     (layers + lm_head) on CPU + disk.
 
     Args:
-        cfg: the model; dtype: compute dtype name ("fp32", "bf16"); context: cached positions.
+        cfg: the model; dtype: compute dtype name ("fp32", "bf16"); context: cached positions (a sliding layer
+            attends to its window of them).
         hits: per-layer expert hit shares (MoE); None = every expert in RAM.
         read_ahead, readers: the runtime's disk-read mode.
         task_overhead: executor cost per expert task [s]; None = the profile's runtime/task model or 0.
@@ -475,7 +476,9 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
     # against 5.4 (2 AMX cores, 2026-12-04)
     B = max(1, int(batch))
     S = B if sequences is None else max(1, min(B, int(sequences)))  # the caches the rows read
-    ws = step_weight_bytes(cfg, dtype, moe_layers, mix) + S * context * cfg.num_hidden_layers * \
+    # a sliding layer's attention reads its window only (the native step's keys_span)
+    attended = [min(context, cfg.window_of(i) or context) for i in range(cfg.num_hidden_layers)]
+    ws = step_weight_bytes(cfg, dtype, moe_layers, mix) + S * sum(attended) * \
         sizes.kv_bytes_per_token(cfg, _kv_format(dtype, kv_format))
     layers = []
     # a batched native step's dense layers: one row's stream, and each row past the first as the step ran such rows at
@@ -492,7 +495,7 @@ def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: i
         dense = not has_experts(cfg, moe_layers, i)
         by_key = rows_key is not None and dense
         lb = dense_bytes if dense else None
-        attn = _attention(cfg, hw, dtype, context, ws, mix, kv_format, B, batch_act, 1 if by_key else B,
+        attn = _attention(cfg, hw, dtype, attended[i], ws, mix, kv_format, B, batch_act, 1 if by_key else B,
                           layer_bytes=lb, caches=S) + per_layer
         t = 0.0
         if dense:

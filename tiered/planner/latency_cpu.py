@@ -64,7 +64,7 @@ def plan_cpu_latency(plan: Plan, cfg: ModelConfig, profile: HardwareProfile, cpu
     plan.workspace_bytes = sizes.cpu_workspace_bytes(cfg, fmt, plan.context_tokens, plan.kv_slots)
     fixed = (held_bytes
              + sizes.rotary_bytes(cfg, plan.context_tokens)
-             + sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"])
+             + sizes.kv_cache_bytes(cfg, plan.kv_slots, plan.context_tokens, plan.dtypes["kv_cache"], plan.kv_advance())
              + plan.workspace_bytes)
     plan.kv_cache_tier = plan.attention_tier = "cpu"
     # a MoE model also needs its staging buffers for experts read from disk, whatever else fits

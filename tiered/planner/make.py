@@ -14,6 +14,7 @@ from typing import Sequence
 
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.errors import ConfigError
+from tiered.config import SLIDING_KV
 from tiered.hardware import op_time
 from tiered.hardware.profile import HardwareProfile
 from tiered.memory import sizes
@@ -35,7 +36,7 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
               prefetch: bool = False, prefetch_lookahead: int = 2, precision_mix: dict | None = None,
               library_workspace: int | None = None, mixed_rows: int = 0, speculative: str = "off",
               speculative_tokens: int = 0, prompt_lookup: tuple[int, int] = (2, 4), kv_cache: str = "auto",
-              requests: Sequence[tuple[int, int]] | None = None, prefixes=None) -> Plan:
+              requests: Sequence[tuple[int, int]] | None = None, prefixes=None, sliding_kv: str = "window") -> Plan:
     """Plan `cfg` on `profile` within the budgets (None = the profile's capacities).
 
     Args:
@@ -88,6 +89,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
             chosen on (throughput.block_throughput); other plans ignore them.
         prefixes: which of the requests' prompts share how many leading tokens (EngineConfig.request_prefixes,
             batch_sim.PromptPrefixes): the replay reuses them as the server does.
+        sliding_kv: EngineConfig.sliding_kv: "window" lets a KV cache in RAM keep only its sliding layers' windows
+            (Plan.kv_window, counted so in its bytes: a CPU plan's); "full" keeps every position.
     Raises:
         ConfigError: unknown goal, precision or dispatch mode, or a cost model the profile lacks.
         BudgetError: the budgets cannot hold what the goal needs on the fast tier.
@@ -102,6 +105,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         int8 = (lambda B: make_plan(cfg, profile, goal="latency", kv_slots=B, **dict(given, kv_cache="int8"))) \
             if kv_cache == "auto" and not cfg.is_mla else None
         return plan_batch(lambda B: make_plan(cfg, profile, goal="latency", kv_slots=B, **given), kv_slots, int8)
+    if sliding_kv not in SLIDING_KV:
+        raise ConfigError(f"sliding_kv must be one of {SLIDING_KV}, got {sliding_kv!r}", "pass window or full")
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {PRECISIONS}", "pass e.g. --precision bf16")
     if dispatch_mode not in DISPATCH_MODES:
@@ -143,6 +148,8 @@ def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "
         from tiered.planner.latency_cpu import plan_cpu_latency
         plan.fast_tier = "cpu"
         plan.mixed_rows = mixed_rows
+        # the cache in RAM, lazily committed: its sliding layers forget behind their window (KVCache.forget)
+        plan.kv_window = sliding_kv == "window" and cfg.windowed
         plan = plan_cpu_latency(plan, cfg, profile, cpu, experts, embedding_bytes, requests, prefixes)
     elif cfg.is_moe:
         from tiered.planner.latency_moe import plan_moe_latency

@@ -17,6 +17,9 @@ from pathlib import Path
 from tiered.errors import ConfigError
 from tiered.hardware.budget import format_bytes
 
+# the most positions one engine step writes for a sequence besides its prompt rows: a decode burst's or a
+# structured output's forced tokens (engine/llm.BURST_MAX, FORCED_TOKENS), a speculative draft's
+STEP_TOKENS = 64
 DISPATCH_MODES = ("balanced", "priced", "per-expert", "copy", "cpu", "split")
 
 
@@ -86,6 +89,9 @@ class Plan:
                                              token's unimportance score; low copies are cached in
                                              their own pool of expert_cache_slots_low slots
         context_tokens, kv_slots             KV-cache positions reserved for each of kv_slots sequences
+        kv_window                            the sliding layers' KV keeps each sequence's window only (a
+                                             cache in RAM: KVCache.forget, EngineConfig.sliding_kv); the
+                                             figures count them so (kv_advance)
         cpu_threads                          torch intra-op threads for CPU compute (0 = leave as is)
         staging_buffers, read_ahead          expert staging ring size; issue a layer's reads at once
         decode_graphs                        capture decode steps as CUDA graphs (every weight on
@@ -224,12 +230,22 @@ class Plan:
     prompt_lookup: list[int] = field(default_factory=lambda: [2, 4])
     speculative_costs: list[float] | None = None
     prefill_chunk: int = 0
+    kv_window: bool = False
     dense_copies: bool = True
     mixed_precision: dict | None = None
     expert_cache_slots_low: int = 0
     pinned: str = "huge"
     device_issue: str = "thread"
     source: str = "planner"
+
+    def kv_advance(self) -> int | None:
+        """KVCache's `advance` (and memory/sizes.kv_cache_bytes') for this plan's KV cache: the most positions a
+        sequence writes between two forgets (LLM.step forgets after each step and each prefill chunk: a chunk, a
+        step's prompt rows, or the whole context without chunks; at least a burst's or a draft's tokens) where the
+        sliding layers forget behind their window (kv_window); None where every position is kept."""
+        if not self.kv_window:
+            return None
+        return max(self.prefill_chunk or self.context_tokens, self.mixed_rows, STEP_TOKENS)
 
     def summary(self, measured_tokens_per_s: float | None = None, measured_positions: int | None = None,
                 predicted_at_positions: float | None = None) -> str:
@@ -409,7 +425,8 @@ class Plan:
         by = "" if self.source == "planner" else f", decided by {self.source}"
         out = [f"plan for {self.model} — goal: {self.goal}, profile: {self.profile}{by}",
                f"budgets: GPU {gm}, CPU {cm}; prompt {self.prompt_tokens} tokens, {self.gen_tokens} generated; "
-               f"priced in {self.precision}; KV cache on {self.kv_cache_tier}, attention on {self.attention_tier}"]
+               f"priced in {self.precision}; KV cache on {self.kv_cache_tier}"
+               f"{' (its sliding layers their windows)' if self.kv_window else ''}, attention on {self.attention_tier}"]
         if self.flexgen:
             f = self.flexgen
             out.append(f"FlexGen policy {f['policy']}: GPU batch {f['gpu_batch_size']} x {f['num_gpu_batches']} batches; "

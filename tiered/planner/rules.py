@@ -45,9 +45,11 @@ def rules_plan(cfg: ModelConfig, ec, accelerator, *, model_name: str, max_contex
     plan.staging_buffers, plan.read_ahead = ec.staging_buffers, ec.read_ahead
     plan.cpu_threads = cpu_threads(ec)
     plan.kv_slots = ec.max_batch
-    kv = sizes.kv_cache_bytes(cfg, plan.kv_slots, max_context, plan.dtypes["kv_cache"])
     # a long prompt prefills in chunks of the workspace's tokens, on the device (the stand-in's too) or in RAM
     plan.prefill_chunk = sizes.WORKSPACE_TOKENS if accelerator is not None else sizes.CPU_PREFILL_TOKENS
+    # a cache in RAM: its sliding layers forget behind their window (KVCache.forget)
+    plan.kv_window = accelerator is None and ec.sliding_kv == "window" and cfg.windowed
+    kv = sizes.kv_cache_bytes(cfg, plan.kv_slots, max_context, plan.dtypes["kv_cache"], plan.kv_advance())
     plan.workspace_bytes = (
         sizes.device_workspace_bytes(cfg, weights_format, accelerator.library_workspace_bytes()) if accelerator is not None
         else sizes.cpu_workspace_bytes(cfg, weights_format, max_context, plan.kv_slots))

@@ -349,10 +349,19 @@ def _merged(events: list[tuple[Sequence, str, RequestOutput | None]]) -> list[tu
 class _Planned:
     """The scheduler LLM.step is given: schedule() returns the plan the engine made (its step's, or
     one sequence's in _isolate), finish() gives a finished sequence's slot back to the engine's
-    Scheduler, num_waiting is the Scheduler's (a burst only where none waits). LLM.step calls nothing else."""
+    Scheduler, num_waiting is the Scheduler's (a burst only where none waits), kv_floor sets the Scheduler's
+    (the slots' reusable floors: Scheduler.kv_floor). LLM.step uses nothing else."""
 
     def __init__(self, scheduler: Scheduler, plan: StepPlan) -> None:
         self.scheduler, self.plan = scheduler, plan
+
+    @property
+    def kv_floor(self) -> list[int] | None:
+        return self.scheduler.kv_floor
+
+    @kv_floor.setter
+    def kv_floor(self, floors: list[int] | None) -> None:
+        self.scheduler.kv_floor = floors
 
     def schedule(self) -> StepPlan:
         return self.plan

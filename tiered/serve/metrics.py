@@ -139,9 +139,10 @@ class ServerMetrics:
         metric("tiered_running_batch", "gauge", "Sequences holding a KV-cache slot.", [("", running)])
         if kv is not None:
             resident = kv.resident_bytes()
-            metric("tiered_kv_cache_bytes", "gauge", "The KV cache's bytes: reserved (every slot's whole context) and, "
-                   "on the CPU, resident (the positions written so far).",
-                   [('{state="reserved"}', kv.nbytes)]
+            metric("tiered_kv_cache_bytes", "gauge", "The KV cache's bytes: reserved (every slot's whole context, a "
+                   "forgetting cache's sliding layers their windows) and, on the CPU, resident (the positions written "
+                   "so far and kept).",
+                   [('{state="reserved"}', kv.held_bytes)]
                    + ([] if resident is None else [('{state="resident"}', resident)]))
         if runtime:
             metric("tiered_expert_hit_rate", "gauge", "Expert uses served from the fast tier (resident or cached).",
@@ -186,7 +187,7 @@ def tier_state(llm, metrics: ServerMetrics, queue_depth: int, running: int, kv=N
         "links": [],
         "serving": {"running": running, "waiting": queue_depth, "generated_tokens": tokens, "steps": steps,
                     "ttft_p50_s": None if ttft != ttft else ttft, "itl_p50_s": None if itl != itl else itl},
-        "kv_cache": None if kv is None else {"reserved_bytes": kv.nbytes, "resident_bytes": kv.resident_bytes()},
+        "kv_cache": None if kv is None else {"reserved_bytes": kv.held_bytes, "resident_bytes": kv.resident_bytes()},
     }
     if rt:
         placement = llm.experts.placement

@@ -1,0 +1,280 @@
+"""A KV cache in RAM whose sliding layers forget what lies behind their window (Plan.kv_window,
+EngineConfig.sliding_kv "window": models/layers.KVCache.forget).
+
+Gemma 2 / 3's local layers, gpt-oss's sliding ones and Mistral / Phi-3's windowed models never read a
+sequence's positions more than a window before its next query again; the cache hands their pages back to the
+OS and the budget counts only the window. Checked: the pages go (mincore) and nothing a later query reads
+does; generate, long prompts prefilled chunk by chunk, prompt logprobs and a server's slots give the tokens of
+a cache keeping every position (sliding_kv "full"); a slot's forgotten floor bounds its prefix reuse and
+travels with lent KV; the budget and the planner count the window (a Gemma 3 27B context window that did not
+fit now does); decode attention is priced over the window.
+
+The tiny checkpoints' caches are smaller than a lazily committed mapping (memory/host.LAZY_ZEROS_BYTES) and
+their sequences shorter than the released hysteresis, so the end-to-end tests lower both (`forgetting`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fixtures import copy_dir, prompt_ids
+from tiered import SamplingParams
+from tiered.checkpoint import open_checkpoint
+from tiered.checkpoint.model_config import ModelConfig
+from tiered.engine.scheduler import Scheduler
+from tiered.errors import BudgetError
+from tiered.memory import host, sizes
+from tiered.models import layers
+from tiered.models.layers import KVCache
+
+GREEDY = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+
+@pytest.fixture
+def forgetting(monkeypatch):
+    """Tiny caches lazily committed, forgetting every 16 positions with nothing kept behind the window; returns a
+    list collecting the bytes each KVCache._release hands back."""
+    monkeypatch.setattr(host, "LAZY_ZEROS_BYTES", 0)
+    monkeypatch.setattr(layers, "KV_FORGET_SLACK", 0)
+    monkeypatch.setattr(layers, "KV_FORGET_STEP", 16)
+    freed: list[int] = []
+    release = KVCache._release
+
+    def counted(self, *args):
+        n = release(self, *args)
+        freed.append(n)
+        return n
+    monkeypatch.setattr(KVCache, "_release", counted)
+    return freed
+
+
+@pytest.fixture(scope="module")
+def wide(zoo, tmp_path_factory):
+    """name -> a copy of the tiny checkpoint `name` sliding over 48 positions: wider than the 32 positions of a
+    page of its fp32 rows, so a window forgotten by mistake is whole pages the test's queries would read."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            path = copy_dir(zoo, name, tmp_path_factory.mktemp(name))
+            cfg = json.loads((path / "config.json").read_text())
+            cfg["sliding_window"] = 48
+            (path / "config.json").write_text(json.dumps(cfg))
+            made[name] = path
+        return made[name]
+    return get
+
+
+def _config(zoo, name: str = "gemma3") -> ModelConfig:
+    return open_checkpoint(zoo.dir(name)).config
+
+
+def _filled(cfg: ModelConfig, slots: int, max_len: int, written: int, advance: int | None = 64) -> KVCache:
+    """An fp32 cache whose every slot's positions 0..written-1 hold position + 1 in every layer."""
+    cache = KVCache(cfg, slots, max_len, torch.float32, advance=advance)
+    values = torch.arange(1, written + 1, dtype=torch.float32).view(1, 1, 1, written, 1)
+    for t in (cache.k, cache.v):
+        t[:, :, :, :written] = values
+    return cache
+
+
+def _resident(cache: KVCache, layer: int, slot: int) -> int:
+    return sum(host.resident_bytes(t[layer, slot]) for t in (cache.k, cache.v))
+
+
+def test_forget_hands_back_the_pages_behind_each_sliding_window(zoo):
+    cfg = _config(zoo)  # layer 0 slides over 8 positions, layer 1 attends to everything
+    assert [cfg.window_of(i) for i in range(2)] == [8, None]
+    cache = _filled(cfg, 2, 16384, 8000)  # a position of a head's row: 128 bytes
+    assert cache.advance == 64 and cache.windows == [(0, 8)]
+    before = [_resident(cache, i, 0) for i in range(2)]
+    freed = cache.forget(0, 8000)
+    horizon = 8000 - sizes.KV_FORGET_SLACK
+    assert cache.forgotten == [horizon, 0] and freed > 0.95 * 2 * 2 * (horizon - 8) * 128
+    sliding, full = (_resident(cache, i, 0) for i in range(2))
+    assert full == before[1] and before[0] - sliding == freed
+    assert sliding <= 2 * 2 * (8000 - horizon + 8 + 2 * 32) * 128  # the window, the slack and a page each end
+    # what a query from position 8000 on reads is whole; what lies behind the window reads 0
+    k = cache.k[0, 0, 0, :, 0]
+    assert torch.equal(k[horizon - 8:8000], torch.arange(horizon - 7, 8001, dtype=torch.float32))
+    assert not k[:horizon - 8 - 32].any()
+    assert torch.equal(cache.k[1, 0, 0, :8000, 0], torch.arange(1, 8001, dtype=torch.float32))
+    assert _resident(cache, 0, 1) == before[0]  # the other slot keeps its own
+    # within KV_FORGET_STEP of the last forget nothing more goes; keeps() bounds a reuse by the floor
+    assert cache.forget(0, 8000 + sizes.KV_FORGET_STEP - 1) == 0
+    assert cache.keeps(0, horizon) and not cache.keeps(0, horizon - 1) and cache.keeps(0, 0)
+    cache.restart(0)
+    assert cache.forgotten[0] == 0 and cache.keeps(0, 1)
+
+
+def test_a_cache_that_keeps_every_position_forgets_nothing(zoo):
+    cfg = _config(zoo)
+    for cache in (_filled(cfg, 1, 16384, 4000, advance=None),  # sliding_kv "full" (no advance)
+                  _filled(_config(zoo, "llama"), 1, 16384, 4000),  # no sliding layer
+                  KVCache(cfg, 1, 64, torch.float32, advance=64)):  # too small to be lazily committed
+        assert cache.advance is None and cache.forget(0, 4000) == 0 and cache.forgotten == [0]
+        assert cache.held_bytes == cache.nbytes
+
+
+def test_lent_kv_carries_the_forgotten_floor_and_copies_only_what_is_kept(zoo):
+    cfg = _config(zoo)
+    cache = _filled(cfg, 3, 16384, 6000)
+    cache.forget(0, 6000)
+    floor = cache.forgotten[0]
+    cache.k[:, 1:, :, :6000].fill_(7)  # slot 1 held another sequence, whose old pages are resident
+    cache.v[:, 1:, :, :6000].fill_(7)
+    cache.lend({1: 0}, 6000)
+    assert cache.forgotten[1] == floor
+    for t in (cache.k, cache.v):
+        assert torch.equal(t[1, 1, :, :6000], t[1, 0, :, :6000])  # the global layer whole
+        assert torch.equal(t[0, 1, :, floor - 8:6000], t[0, 0, :, floor - 8:6000])  # the sliding one's window
+    # the slot's own positions behind the floor were handed back, not filled with the source's zeros
+    assert _resident(cache, 0, 1) <= _resident(cache, 0, 0) + 2 * 2 * 2 * 4096
+    # a slot written from 0 again (a new sequence) keeps everything anew; copies between unforgotten slots as ever
+    cache.restart(2)
+    cache.copy_slots([0, 1, 1], 6000)
+    assert cache.forgotten == [floor, floor, floor]
+
+
+def test_the_scheduler_reuses_a_prefix_only_from_the_slots_floor():
+    sched = Scheduler(max_batch=2, max_queue=4, prefix_reuse=True)
+    from tiered.engine.sequence import Sequence
+
+    def seq(ids):
+        return Sequence(index=0, prompt="", prompt_ids=list(ids), params=SamplingParams(), max_tokens=4, slot=-1,
+                        generator=None)
+    first = seq(range(100))
+    sched.add(first)
+    sched.schedule()
+    first.output_ids = [7, 8]
+    sched.finish(first)  # slot 0 holds 101 positions' KV
+    sched.kv_floor = [60, 0]
+    short, long_ = seq(list(range(50)) + [999]), seq(list(range(80)) + [999])
+    sched.add(short)
+    sched.schedule()
+    assert short.slot == 0 and short.cached_tokens == 0  # 50 shared positions, but the window before 50 is gone
+    sched.finish(short)
+    sched.kv_floor = [60, 0]
+    sched._slot_tokens[0] = list(range(100))
+    sched.add(long_)
+    sched.schedule()
+    assert long_.slot == 0 and long_.cached_tokens == 80
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_generate_forgetting_gives_the_tokens_of_a_full_cache(zoo, wide, forgetting, name):
+    """200 greedy tokens after a 40-token prompt, decoded in bursts of the native step: the same tokens with the
+    sliding layers forgetting as with every position kept."""
+    ids = prompt_ids(zoo.vocab_size, 40, seed=9)
+    full = zoo.llm(wide(name), sliding_kv="full")
+    assert not full.plan.kv_window
+    want = full.generate(ids, GREEDY)[0].token_ids
+    assert not forgetting
+    llm = zoo.llm(wide(name))
+    assert llm.plan.kv_window
+    assert llm.generate(ids, GREEDY)[0].token_ids == want
+    assert sum(forgetting) > 0
+
+
+def test_a_long_prompt_forgets_between_its_chunks(zoo, wide, forgetting):
+    """A 220-token prompt prefilled in chunks of 64: its chunks forget behind the window, and its first tokens and
+    prompt logprobs are a full cache's."""
+    ids = prompt_ids(zoo.vocab_size, 220, seed=10)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
+    outs = []
+    for llm in (zoo.llm(wide("gemma3"), sliding_kv="full"), zoo.llm(wide("gemma3"))):
+        chunk = llm.plan.prefill_chunk
+        llm.plan.prefill_chunk = 64
+        try:
+            outs.append(llm.generate(ids, replace(sp, prompt_logprobs=None))[0])
+            freed = sum(forgetting)
+            outs.append(llm.generate(ids, sp)[0])
+        finally:
+            llm.plan.prefill_chunk = chunk
+    assert freed > 0 and sum(forgetting) > freed
+    assert outs[0].token_ids == outs[2].token_ids and outs[1].token_ids == outs[3].token_ids
+    for a, b in zip(outs[1].prompt_logprobs[1:], outs[3].prompt_logprobs[1:]):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+
+
+def test_server_slots_reuse_what_they_still_hold(zoo, wide, forgetting):
+    """A server's slots (prefix reuse): a request sharing only the start of a long finished conversation prefills
+    whole (its window was forgotten), one continuing it reuses it; each gives generate's tokens alone."""
+    llm = zoo.llm(wide("gemma3"))
+    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    sched, cache = Scheduler(max_batch=1, max_queue=2, prefix_reuse=True), llm.kv_cache(1)
+    ids = prompt_ids(zoo.vocab_size, 30, seed=11)
+    first = llm.make_sequence(ids, sp)
+    sched.add(first)
+    while sched.has_work():
+        llm.step(sched, cache)
+    held = first.kv_tokens()
+    assert cache.forgotten[0] > 32
+    follow = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    early, later = held[:32] + [5, 6], held + [5, 6]
+    for prompt, reused in ((later, len(held)), (early, 0)):
+        seq = llm.make_sequence(prompt, follow)
+        sched.add(seq)
+        outs = []
+        while sched.has_work():
+            outs += [o for _, _, o in llm.step(sched, cache) if o is not None]
+        assert seq.cached_tokens == reused
+        assert outs[0].token_ids == llm.generate(prompt, follow)[0].token_ids
+        held = seq.kv_tokens()
+
+
+def test_the_budget_counts_a_forgetting_cache_by_its_windows():
+    # google/gemma-3-27b-it's text model: 62 layers, 52 of them sliding over 1024 positions, 16 KV heads of 128
+    cfg = ModelConfig.from_hf({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                               "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
+                               "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+                               "query_pre_attn_scalar": 168, "sliding_window": 1024,
+                               "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "vocab_size": 262208})
+    assert sum(cfg.window_of(i) is not None for i in range(62)) == 52 and cfg.windowed
+    full = sizes.kv_cache_bytes(cfg, 1, 131072, "bf16")
+    window = sizes.kv_cache_bytes(cfg, 1, 131072, "bf16", advance=1024)
+    per_position = sizes.kv_bytes_per_token(cfg, "bf16")
+    assert full == 62 * 131072 * per_position  # 66.6 GB
+    kept = 1024 + sizes.KV_FORGET_SLACK + sizes.KV_FORGET_STEP + 1024 + 2 * 16
+    assert window == (10 * 131072 + 52 * kept) * per_position  # 11.8 GB
+    assert sizes.kv_cache_bytes(cfg, 1, 2000, "bf16", advance=1024) == sizes.kv_cache_bytes(cfg, 1, 2000, "bf16")
+
+
+def test_a_cpu_plan_fits_the_window_the_full_cache_did_not(zoo):
+    """The CPU planner counts the forgetting cache (Plan.kv_window): a budget holding the plan with its sliding
+    layers' windows but not their whole context plans with sliding_kv "window" and refuses with "full"."""
+    from test_plan import cpu_only_profile
+    from tiered.planner.make import make_plan
+
+    cfg = _six_layers(zoo)
+    profile, context = cpu_only_profile(), 1 << 16
+    plan = make_plan(cfg, profile, context_tokens=context, precision="bf16")
+    assert plan.kv_window and plan.kv_advance() == plan.prefill_chunk
+    full = sizes.kv_cache_bytes(cfg, 1, context, "bf16")
+    window = sizes.kv_cache_bytes(cfg, 1, context, "bf16", plan.kv_advance())
+    assert window < full / 3
+    cpu = plan.memory["cpu"] + (full - window) // 2
+    assert make_plan(cfg, profile, cpu_memory=cpu, context_tokens=context, precision="bf16").memory["cpu"] <= cpu
+    with pytest.raises(BudgetError):
+        make_plan(cfg, profile, cpu_memory=cpu, context_tokens=context, precision="bf16", sliding_kv="full")
+
+
+def _six_layers(zoo) -> ModelConfig:
+    """The tiny Gemma 3 with 6 layers, 5 of them sliding over 8 positions (Gemma 3's pattern)."""
+    return replace(_config(zoo), local_layers=(0, 1, 2, 3, 4), num_hidden_layers=6)
+
+
+def test_decode_attention_is_priced_over_the_window(zoo):
+    from test_plan import cpu_only_profile
+    from tiered.planner.cpu_predict import predict_decode
+
+    cfg, profile = _six_layers(zoo), cpu_only_profile()
+    windowed = predict_decode(cfg, profile, "bf16", 65536)[1]
+    unwindowed = predict_decode(replace(cfg, sliding_window=None, local_window=None, local_layers=(), local_rope_theta=None),
+                                profile, "bf16", 65536)[1]
+    short = predict_decode(cfg, profile, "bf16", 8)[1]
+    assert short < windowed < unwindowed / 3
