@@ -634,6 +634,18 @@ class KVCache:
 KV_ALIGN = 16
 
 
+def _window_keys(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, start: int, window: int):
+    """One sequence's cached k / v [1, Hkv, S, hd] and its windowed layer's `mask` [1, 1, T, S] for queries at
+    positions start.. without the leading keys no query sees (those before start - window + 1, from a multiple of
+    KV_ALIGN): a sliding layer then attends over its window, O(T (T + window)), not the whole context, and
+    never reads the positions a forgetting cache handed back (KVCache.forget: reading them would map the zero page
+    into the cache's range)."""
+    lo = max(0, start - window + 1) // KV_ALIGN * KV_ALIGN
+    if lo == 0:
+        return k, v, mask
+    return k[:, :, lo:], v[:, :, lo:], mask[..., lo:]
+
+
 def set_prompt_attention(model: nn.Module, dtype: torch.dtype | None) -> int:
     """Make every Attention layer of `model` attend steps of 2+ tokens (prompts, prefill chunks) in `dtype`
     where the KV cache holds its keys and values in it (Attention.prompt_dtype; None: in the activations'
@@ -784,6 +796,7 @@ class Attention(nn.Module):
         self.clip_qkv = config.clip_qkv  # OLMoE: clamp q, k, v to [-clip, clip], or None
         # a window of this layer's own (gpt-oss's sliding layers), or None: the step's mask (meta.mask)
         self.local_window = config.local_window if layer_idx in config.local_layers else None
+        self.window = config.window_of(layer_idx)  # this layer's window, its own or every layer's (None: none)
         self.scale = config.attn_scale  # hd ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_qkv's (weight, bias)
         # steps of 2+ tokens attend in this dtype where the KV cache holds it (Plan.dtypes["prompt_attention"],
@@ -875,6 +888,8 @@ class Attention(nn.Module):
         mask, causal = (meta.mask, meta.causal) if self.local_window is None else window_mask(meta, self.local_window)
         if prompt and self.aligns_keys:  # the keys widened to an aligned count (CPU: KVCache.aligned)
             k, v, mask = cache.aligned(self.layer_idx, k, v, meta, mask)
+        if self.window is not None and mask is not None and meta.single is not None:
+            k, v, mask = _window_keys(k, v, mask, meta.single[1], self.window)
         # a chunk after cached positions of one sequence, unwindowed: its mask is attend's `past` pattern
         past = meta.single[1] if (prompt and meta.single is not None and self.local_window is None
                                   and not meta.windowed) else None
