@@ -7,7 +7,8 @@ keeps every position (llama.cpp's --swa-full). On benchmarks/cpu_gemma3.py's dum
 6 of its 34 layers, Q4_0), each mode in a process of its own:
 
   long prompt   a slot of a server's cache (LLM.kv_cache, prefix reuse as `tiered serve` runs it): a prompt of
-                --prompt tokens, then --new-tokens greedy tokens: TTFT, decode tok/s, the cache's resident bytes
+                --prompt tokens, then --new-tokens greedy tokens: TTFT and decode tok/s (beside the plan's prices
+                of them: LLM.predicted_ttft_at / predicted_decode_at), the cache's resident bytes
                 at the end (mincore), the bytes its budget reserved, the process's peak RSS, and whether both
                 modes drew the same tokens
   fitted        the context window the engine fits in each --budgets CPU budget when none is given
@@ -63,6 +64,7 @@ def child(spec: dict) -> dict:
     out.update(ttft_s=seq.token_times[0] - t0, decode_tok_s=decode_tokens_per_s(seq.token_times),
                kv_resident_bytes=cache.resident_bytes(), kv_reserved_bytes=cache.held_bytes,
                kv_mapped_bytes=cache.nbytes, peak_rss_bytes=peak.rss_bytes, kv_window=llm.plan.kv_window,
+               predicted_ttft_s=llm.predicted_ttft_at(P), predicted_decode_tok_s=llm.predicted_decode_at(P + N // 2),
                tokens_sha=hashlib.sha1(json.dumps(seq.output_ids).encode()).hexdigest()[:12])
     del cache, sched, llm
     fitted = {}
@@ -106,7 +108,9 @@ def main(argv=None) -> int:
     mib = "{:.0f} MiB"
     columns = [Column("sliding_kv", "mode"),
                Column("TTFT (s)", "ttft_s", "{:.2f}"),
+               Column("priced", "predicted_ttft_s", "{:.2f}"),
                Column("decode tok/s", "decode_tok_s", "{:.1f}"),
+               Column("priced", "predicted_decode_tok_s", "{:.1f}"),
                Column("KV resident", lambda r: r.get("kv_resident_bytes") and r["kv_resident_bytes"] / 2**20, mib),
                Column("KV reserved", lambda r: r.get("kv_reserved_bytes") and r["kv_reserved_bytes"] / 2**20, mib),
                Column("peak RSS", lambda r: r.get("peak_rss_bytes") and r["peak_rss_bytes"] / 2**20, mib)] + \

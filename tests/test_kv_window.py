@@ -278,3 +278,42 @@ def test_decode_attention_is_priced_over_the_window(zoo):
                                 profile, "bf16", 65536)[1]
     short = predict_decode(cfg, profile, "bf16", 8)[1]
     assert short < windowed < unwindowed / 3
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_a_sliding_layer_attends_over_its_window_only(zoo, wide, monkeypatch, name):
+    """A prompt's chunks after cached positions: each sliding layer's eager attention reads the keys from its
+    window's start on (layers._window_keys), and the hidden states are the whole prompt's in one forward."""
+    llm = zoo.llm(wide(name), sliding_kv="full")
+    ids = torch.tensor([prompt_ids(zoo.vocab_size, 200, seed=12)])
+    read = []
+    trim = layers._window_keys
+
+    def spy(k, v, mask, start, window):
+        out = trim(k, v, mask, start, window)
+        read.append((start, k.shape[2], out[0].shape[2]))
+        return out
+    monkeypatch.setattr(layers, "_window_keys", spy)
+    slots, model = torch.tensor([0]), llm.model
+    with torch.inference_mode():
+        whole = model.hidden_states(ids, torch.arange(200).unsqueeze(0), slots, llm._kv_cache(1, 256))[0, -1]
+        cache = llm._kv_cache(1, 256)
+        for a, b in ((0, 64), (64, 128), (128, 200)):
+            h = model.hidden_states(ids[:, a:b], torch.arange(a, b).unsqueeze(0), slots, cache)
+    assert torch.allclose(h[0, -1], whole, rtol=1e-4, atol=1e-5)
+    chunks = [(s, n, kept) for s, n, kept in read if s > 0]
+    assert chunks and all(kept == n - sizes.window_key_start(s, 48) and kept < n for s, n, kept in chunks)
+
+
+def test_prompts_are_priced_over_the_windows(zoo):
+    from test_plan import cpu_only_profile
+    from tiered.planner.cpu_predict import layer_pairs, predict_prefill, predict_prompt_rows
+
+    assert layer_pairs(64, 0, None) == layer_pairs(64, 0, 128) == 64 * 65 / 2  # within the window: causal
+    assert layer_pairs(256, 0, 128) == 256 * 256  # the window cuts keys: every pair under the mask
+    assert layer_pairs(64, 4096, 128) == 64 * (4096 - 3968 + 64) and layer_pairs(64, 4096, None) == 64 * 4160
+    cfg, hw = _six_layers(zoo), cpu_only_profile()
+    unwindowed = replace(cfg, sliding_window=None, local_window=None, local_layers=(), local_rope_theta=None)
+    for price in (lambda c: predict_prefill(c, hw, "bf16", 8192, chunk=1024),
+                  lambda c: predict_prompt_rows(c, hw, "bf16", 256, past=8192)):
+        assert price(cfg) < price(unwindowed)

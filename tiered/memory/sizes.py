@@ -328,6 +328,16 @@ def kv_layer_positions(cfg: ModelConfig, layer: int, tokens: int, fmt: str, adva
     return min(tokens, window + KV_FORGET_SLACK + KV_FORGET_STEP + advance + pages)
 
 
+# the key counts a CPU prompt's attention reads are widened to a multiple of this (models/layers.KVCache.aligned)
+KV_ALIGN = 16
+
+
+def window_key_start(start: int, window: int) -> int:
+    """The first cache position a sliding layer's eager attention reads for queries from position `start` on
+    (models/layers._window_keys): the first its window holds, start - window + 1, down to a multiple of KV_ALIGN."""
+    return max(0, start - window + 1) // KV_ALIGN * KV_ALIGN
+
+
 PAGE_BYTES = 4096  # a host page (x86-64, most arm64 kernels): what the OS hands back whole
 
 

@@ -19,8 +19,9 @@ from torch import nn
 from tiered.checkpoint.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
 from tiered.hardware.accelerator import building_graph
 from tiered.memory.host import lazily_committed, lazy_zeros, release_pages
-from tiered.memory.sizes import (KV_FORGET_SLACK, KV_FORGET_STEP, PAGE_BYTES, format_of, kv_block,  # noqa: F401
-                                 kv_cache_bytes, kv_cache_widths, kv_row_bytes)  # (kv_row_bytes: the row's bytes)
+from tiered.memory.sizes import (KV_ALIGN, KV_FORGET_SLACK, KV_FORGET_STEP, PAGE_BYTES, format_of,  # noqa: F401
+                                 kv_block, kv_cache_bytes, kv_cache_widths, kv_row_bytes,  # (kv_row_bytes: the row's bytes)
+                                 window_key_start)
 
 
 class RMSNorm(nn.Module):
@@ -422,7 +423,10 @@ class KVCache:
     layers of 62 then hold ~2.5k positions each, not the 128k of its context window: what llama.cpp's SWA cache
     keeps. A slot whose positions were forgotten serves a prefix reuse only as long as its `forgotten` floor
     (`keeps`); `lend` / `copy_slots` carry the floor with the KV. Only a lazily committed CPU cache forgets
-    (memory/host.lazily_committed): elsewhere `advance` is ignored.
+    (memory/host.lazily_committed): elsewhere `advance` is ignored. On 2 MiB pages (`huge_pages`, a generate
+    call's cache) the kernel splits a huge page whose part is handed back; its freed 4 KiB pages return to the OS
+    when the kernel's deferred split runs (under memory pressure), while the process's RSS drops at once.
+    `advance`: the most positions a sequence writes between two forgets (Plan.kv_advance); None: no forgetting.
 
     Raises:
         ConfigError: an int8 cache of latent attention (its rows are shared by every head: not quantized).
@@ -630,17 +634,13 @@ class KVCache:
         return self.k[layer][slot:slot + 1, :, :P], self.v[layer][slot:slot + 1, :, :P], mask
 
 
-# the key counts a CPU prompt's attention reads are widened to a multiple of this (KVCache.aligned)
-KV_ALIGN = 16
-
-
 def _window_keys(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, start: int, window: int):
     """One sequence's cached k / v [1, Hkv, S, hd] and its windowed layer's `mask` [1, 1, T, S] for queries at
-    positions start.. without the leading keys no query sees (those before start - window + 1, from a multiple of
-    KV_ALIGN): a sliding layer then attends over its window, O(T (T + window)), not the whole context, and
-    never reads the positions a forgetting cache handed back (KVCache.forget: reading them would map the zero page
-    into the cache's range)."""
-    lo = max(0, start - window + 1) // KV_ALIGN * KV_ALIGN
+    positions start.. without the leading keys no query sees (memory/sizes.window_key_start: those before
+    start - window + 1, from a multiple of KV_ALIGN): a sliding layer then attends over its window, O(T (T +
+    window)), not the whole context, and never reads the positions a forgetting cache handed back (KVCache.forget:
+    reading them would map the zero page into the cache's range)."""
+    lo = window_key_start(start, window)
     if lo == 0:
         return k, v, mask
     return k[:, :, lo:], v[:, :, lo:], mask[..., lo:]

@@ -1057,11 +1057,41 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
         return sum(bodies[T] for T, _ in forwards)
     heads = (n - 1) * _gemv(hw, dtype, d * cfg.vocab_size * bpe)  # each prompt's last row past the first
 
-    def pairs(T: int, past: int) -> float:
-        return prefill_attention_pairs(T, past) if n == 1 else sum(prefill_attention_pairs(t, past) for t in lengths)
-    return heads + sum(bodies[T] + cfg.num_hidden_layers * op_time.prefill_attention_time(
-        hw, "cpu", attn_dtype or act_dtype or dtype, pairs(T, past) * attn_macs, calls=n, past=past > 0)
-        for T, past in forwards)
+    def attention(T: int, past: int) -> float:  # every layer's, a sliding one's over its window (layer_pairs)
+        return sum(count * op_time.prefill_attention_time(hw, "cpu", attn_dtype or act_dtype or dtype,
+                                                          sum(layer_pairs(t, past, window) for t in
+                                                              ([T] if n == 1 else lengths)) * attn_macs,
+                                                          calls=n, past=past > 0 or (window or T) < T)
+                   for window, count in layer_windows(cfg).items())
+    return heads + sum(bodies[T] + attention(T, past) for T, past in forwards)
+
+
+def _windowed_rows(rows: int, past: int, window: int) -> float:
+    """(query, key) pairs of `rows` consecutive rows after `past` cached positions in a layer whose queries see
+    their last `window` positions: row i over min(past + i + 1, window) keys."""
+    growing = min(rows, max(0, window - past - 1))  # rows that see every position before them
+    return growing * (past + 1) + growing * (growing - 1) / 2 + (rows - growing) * window
+
+
+def layer_windows(cfg: ModelConfig) -> dict[int | None, int]:
+    """{a layer's attention window (ModelConfig.window_of; None: the whole context): how many layers have it}."""
+    counts: dict[int | None, int] = {}
+    for i in range(cfg.num_hidden_layers):
+        w = cfg.window_of(i)
+        counts[w] = counts.get(w, 0) + 1
+    return counts
+
+
+def layer_pairs(tokens: int, past: int, window: int | None) -> float:
+    """(query, key) pairs one layer's eager attention computes for a forward of `tokens` after `past` cached
+    positions (op_time.prefill_attention_pairs), a sliding layer's over its window: its keys from
+    sizes.window_key_start on (models/layers._window_keys), every pair under the explicit mask once a query's
+    window cuts keys (layers.window_mask), the causal half while none does."""
+    if window is None:
+        return prefill_attention_pairs(tokens, past)
+    if past == 0 and tokens <= window:
+        return prefill_attention_pairs(tokens, 0)
+    return tokens * (past - sizes.window_key_start(past, window) + tokens)
 
 
 def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: int, mix: dict | None = None,
@@ -1098,7 +1128,12 @@ def predict_prompt_rows(cfg: ModelConfig, hw: HardwareProfile, dtype: str, token
     d = cfg.hidden_size
     fused = native_fused_projections(hw, dtype)
     kv = _kv_format(dtype, kv_format)
-    macs = (T * max(0, int(past)) + n * prefill_attention_pairs(T // n, 0)) * cfg.attention_macs_per_pair(False)
+    # the rows attend over each row's keys (a sliding layer's last `window` of them: the native step's keys_span)
+    past = max(0, int(past))
+    pairs = sum(count * (T * past + n * prefill_attention_pairs(T // n, 0) if window is None
+                         else n * _windowed_rows(T // n, past, window))
+                for window, count in layer_windows(cfg).items()) / cfg.num_hidden_layers
+    macs = pairs * cfg.attention_macs_per_pair(False)
     dense = sizes.kv_compute_format(kv)  # an int8 cache's rows where a profile predates their own key: bf16's
     rows_key = hw.models.get(f"attn_rows/cpu/{kv}") or hw.models.get(f"attn_rows/cpu/{dense}")
     attention = rows_key(macs) if rows_key is not None else op_time.prefill_attention_time(hw, "cpu", dense, macs)
