@@ -27,6 +27,7 @@ from tiered.checkpoint import open_checkpoint
 from tiered.checkpoint.model_config import ModelConfig
 from tiered.engine.scheduler import Scheduler
 from tiered.errors import BudgetError
+from tiered.hardware.budget import format_bytes
 from tiered.memory import host, sizes
 from tiered.models import layers
 from tiered.models.layers import KVCache
@@ -317,3 +318,54 @@ def test_prompts_are_priced_over_the_windows(zoo):
     for price in (lambda c: predict_prefill(c, hw, "bf16", 8192, chunk=1024),
                   lambda c: predict_prompt_rows(c, hw, "bf16", 256, past=8192)):
         assert price(cfg) < price(unwindowed)
+
+
+def test_info_shows_the_windows_and_what_the_cache_keeps(zoo):
+    from typer.testing import CliRunner
+
+    from tiered.cli import app
+
+    for name, window in (("gemma3", "window 8 on layers [0], full on the others"), ("mistral", "window 8 on every layer")):
+        res = CliRunner().invoke(app, ["info", str(zoo.dir(name))])
+        assert res.exit_code == 0, res.output
+        cfg = _config(zoo, name)
+        full = sizes.kv_cache_bytes(cfg, 1, cfg.max_position_embeddings, "bf16")
+        assert f"attention:   {window}" in res.output and "mlp:         128" in res.output
+        assert "with the sliding layers keeping their windows" in res.output and "kv cache:" in res.output
+        assert f"positions: {format_bytes(full)}" in res.output
+    assert "keeping their windows" not in CliRunner().invoke(app, ["info", str(zoo.dir("llama"))]).output
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3_longrope", "llama"])
+def test_lazy_rope_tables_compute_rows_as_positions_reach_them(zoo, monkeypatch, name):
+    """A CPU engine's RoPE tables (Rotary(lazy=True)) hold rows only up to the positions used, each row the whole
+    table's; moved to another device or dtype they are filled whole."""
+    monkeypatch.setattr(layers, "ROPE_ROWS", 32)
+    cfg = _config(zoo, name)
+    eager, lazy = layers.Rotary(cfg, 256), layers.Rotary(cfg, 256, lazy=True)
+    assert lazy.filled == 0 and eager.filled == 256
+    positions = torch.tensor([[3, 40]])
+    for got, want in zip(lazy(positions), eager(positions)):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert lazy.filled == 64 and not lazy.cos[64:].any()
+    if cfg.local_rope() is not None:
+        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(lazy.local(positions),
+                                                                               eager.local(positions)))
+    lazy.to(torch.float32)
+    assert lazy.filled == 256 and torch.allclose(lazy.cos, eager.cos, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama"])  # the native step's rows and local tables; its bursts
+def test_a_cpu_engine_computes_the_rope_rows_it_reaches(zoo, monkeypatch, name):
+    monkeypatch.setattr(layers, "ROPE_ROWS", 32)
+    from tiered import LLM, EngineConfig
+
+    llm = LLM(zoo.dir(name), EngineConfig(decode_weights="fp32"))
+    rotary = llm.model.rotary
+    assert rotary.filled == 0 and rotary.max_positions == llm.max_context > 96
+    ids = prompt_ids(zoo.vocab_size, 40, seed=13)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    lazy = llm.generate(ids, sp)[0].token_ids  # decode past the first 64 rows
+    assert rotary.filled == 96 and (llm.last_burst > 0) == (name == "llama")
+    llm.model.rotary = layers.Rotary(llm.config, llm.max_context)
+    assert llm.generate(ids, sp)[0].token_ids == lazy

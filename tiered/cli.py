@@ -969,6 +969,20 @@ def plan(
     typer.echo(p.to_json() if as_json else p.render())
 
 
+def _kv_line(cfg) -> str:
+    """`tiered info`'s KV cache line: bytes a position takes in bf16 (every layer), one sequence's cache of the
+    model's whole context, and for sliding layers what a cache in RAM keeps of it (--sliding-kv window)."""
+    from tiered.hardware.budget import format_bytes
+    from tiered.memory import sizes
+
+    ctx, per = cfg.max_position_embeddings, sizes.kv_bytes_per_token(cfg, "bf16") * cfg.num_hidden_layers
+    line = f"{format_bytes(per)} a position in bf16; {ctx} positions: {format_bytes(sizes.kv_cache_bytes(cfg, 1, ctx, 'bf16'))}"
+    if cfg.windowed:
+        kept = sizes.kv_cache_bytes(cfg, 1, ctx, "bf16", advance=sizes.CPU_PREFILL_TOKENS)
+        line += f", {format_bytes(kept)} with the sliding layers keeping their windows (in RAM: --sliding-kv window)"
+    return line
+
+
 def _this_machine(hw) -> bool:
     """Whether `tiered plan` plans for this machine: no profile given (its own, or none yet: run measures a quick
     one, and so does `plan`), or a given one with a GPU exactly where this machine has one (else make_plan plans
@@ -1023,17 +1037,20 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
         glu = f", biased clamped GLU (limit {cfg.swiglu_limit:g})" if cfg.swiglu_limit is not None else ""
         typer.echo(f"experts:     {cfg.num_experts}, top-{cfg.num_experts_per_tok}, expert FFN "
                    f"{cfg.moe_intermediate_size}{shared}{routing}{glu}")
-    if cfg.attention_sinks or cfg.local_layers:  # gpt-oss
+    if cfg.attention_sinks or cfg.windowed:  # gpt-oss, Gemma 2 / 3, windowed Mistral / Phi-3 / Qwen2
+        local = list(cfg.local_layers)
+        where = (f"layers {local}" if len(local) <= 8 else f"{len(local)} of {cfg.num_hidden_layers} layers")
         typer.echo("attention:   " + ", ".join(
             (["a sink logit per head"] if cfg.attention_sinks else [])
-            + ([f"window {cfg.local_window} on layers {list(cfg.local_layers)}, full on the others"]
-               if cfg.local_layers else [])))
-    else:
+            + ([f"window {cfg.local_window} on {where}, full on the others"] if local else [])
+            + ([f"window {cfg.sliding_window} on every layer"] if cfg.sliding_window is not None else [])))
+    if cfg.model_type != "gpt_oss":  # (its every FFN is routed experts)
         typer.echo(f"mlp:         {cfg.intermediate_size}")
     typer.echo(f"context:     {cfg.max_position_embeddings} tokens, RoPE theta {cfg.rope_theta:g}"
                + (f", scaling {cfg.rope_scaling}" if cfg.rope_scaling else "")
                + (f", partial: {cfg.rotary_dim} of {cfg.head_dim} features a head rotated"
                   if cfg.rotary_dim != cfg.head_dim and not cfg.is_mla else ""))
+    typer.echo(f"kv cache:    {_kv_line(cfg)}")
     typer.echo("formats:     " + ", ".join(f"{k} x{v}" for k, v in formats.most_common()))
     if formats.get("F8_E4M3"):  # how the fp8 weights are scaled (checkpoint/hf_dir._scaled_fp8)
         scaled = Counter(_fp8_scaling(h) for h in map(ckpt.handle, ckpt.names()) if h.format == "F8_E4M3")

@@ -351,7 +351,7 @@ class LLM:
         with torch.device("meta"):  # an MoE's routed experts: the expert store holds them (place_experts)
             self.model = build_model(self.config, self.max_context, experts=False)
         self.fast_budget.reserve(sizes.rotary_bytes(self.config, self.max_context), "the rotary tables")
-        rotary = Rotary(self.config, self.max_context)
+        rotary = Rotary(self.config, self.max_context, lazy=self.accelerator is None)  # rows as positions reach them
         self.model.rotary = self.accelerator.module_to_device(rotary) if self.accelerator is not None else rotary
         with _load_progress(progress, self.checkpoint.nbytes()) as on_tensor:
             self.weight_bytes, self.decode_weight_bytes = place_weights(self.plan, self.model, self.checkpoint,

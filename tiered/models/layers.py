@@ -68,18 +68,52 @@ class Rotary(nn.Module):
     """RoPE cos/sin tables [max_positions, rd] (fp32), rotate-half convention (HF Llama); rd =
     config.rotary_dim, hd unless a partial RoPE (GLM-4.5) rotates only each head's first rd features.
     Where the model's local layers rotate by a RoPE of their own (Gemma 3's sliding layers:
-    ModelConfig.local_rope), `local_cos` / `local_sin` hold its tables (else None)."""
+    ModelConfig.local_rope), `local_cos` / `local_sin` hold its tables (else None).
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    `lazy` (a CPU engine's: LLM._place): the tables are lazily committed (memory/host.lazy_zeros) and their rows
+    computed ROPE_ROWS at a time as positions reach them (`ensure`; `forward` and `local` ensure what they gather,
+    and every reader of the whole tables, the native decode step's, ensures first): Gemma 3 4B's two pairs of
+    tables at its 131072 positions are 537 MB, computed at load (~0.5 s, ~1 GB at its peak) where a conversation
+    reaches a few thousand positions. Moved to another device (`_apply`, Accelerator.module_to_device), a lazy
+    table is filled whole first."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, lazy: bool = False) -> None:
         super().__init__()
-        local = config.local_rope()
-        for prefix, cfg in (("", config), ("local_", local)):
-            cos, sin = _rope_tables(cfg, max_positions) if cfg is not None else (None, None)
+        self.max_positions = max_positions
+        self._configs = [(prefix, cfg) for prefix, cfg in (("", config), ("local_", config.local_rope()))]
+        lazy = lazy and torch.get_default_device().type == "cpu"
+        for prefix, cfg in self._configs:
+            if cfg is None:
+                cos = sin = None
+            elif lazy:
+                cos, sin = (lazy_zeros((max_positions, cfg.rotary_dim), torch.float32) for _ in range(2))
+            else:
+                cos, sin = _rope_tables(cfg, max_positions)
             self.register_buffer(prefix + "cos", cos, persistent=False)
             self.register_buffer(prefix + "sin", sin, persistent=False)
+        self.filled = 0 if lazy else max_positions  # rows computed: positions below it
+
+    def ensure(self, end: int) -> None:
+        """Compute the tables' rows up to position `end` (exclusive) where a lazy table has not yet: ROPE_ROWS
+        rows at a time, each row as the whole table would hold it (_rope_tables over its positions)."""
+        if end <= self.filled:
+            return
+        top = min(self.max_positions, -(-end // ROPE_ROWS) * ROPE_ROWS)
+        for prefix, cfg in self._configs:
+            if cfg is not None:
+                cos, sin = _rope_tables(cfg, self.max_positions, self.filled, top)
+                getattr(self, prefix + "cos")[self.filled:top] = cos
+                getattr(self, prefix + "sin")[self.filled:top] = sin
+        self.filled = top
+
+    def _apply(self, fn, recurse: bool = True):
+        self.ensure(self.max_positions)  # a copy (another device, dtype) of the whole tables
+        return super()._apply(fn, recurse)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [B, T] -> (cos, sin), each [B, 1, T, rd] fp32."""
+        if self.filled < self.max_positions:
+            self.ensure(int(positions.max()) + 1)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def local(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -87,6 +121,8 @@ class Rotary(nn.Module):
         layer rotates by the same RoPE."""
         if self.local_cos is None:
             return None
+        if self.filled < self.max_positions:
+            self.ensure(int(positions.max()) + 1)
         return self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1)
 
     @staticmethod
@@ -97,14 +133,21 @@ class Rotary(nn.Module):
         return torch.cat((-sin[..., :half], sin[..., half:]), -1)
 
 
-def _rope_tables(config: ModelConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's (cos, sin) tables of `config` [max_positions, rotary_dim] fp32 (empty on the meta device: RoPE math
-    there would run Python decompositions that import torch._dynamo)."""
+# rows a lazy Rotary computes at a time (Rotary.ensure): 4096 positions of Gemma 3's head_dim 256, 4 MiB a table
+ROPE_ROWS = 4096
+
+
+def _rope_tables(config: ModelConfig, max_positions: int, start: int = 0,
+                 end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's (cos, sin) tables of `config` for a window of `max_positions` positions, rows start..end-1 (default
+    all) [end - start, rotary_dim] fp32 (empty on the meta device: RoPE math there would run Python decompositions
+    that import torch._dynamo)."""
+    end = max_positions if end is None else end
     if torch.get_default_device().type == "meta":
-        shape = (max_positions, config.rotary_dim)
+        shape = (end - start, config.rotary_dim)
         return torch.empty(shape), torch.empty(shape)
-    inv_freq = rope_inv_freq(config, max_positions)
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    inv_freq = rope_inv_freq(config, max_positions)  # (LongRoPE's factors by the window, not by the rows)
+    freqs = torch.outer(torch.arange(start, end, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     factor = rope_attention_factor(config)  # YaRN's: scales q . k through both rotated vectors

@@ -504,6 +504,7 @@ class CPUDecodeStep:
         pos = positions.view(B)
         x = self.model.embed(input_ids).view(B, -1).contiguous()  # [B, D] residual stream, model dtype
         rot = self.model.rotary
+        rot.ensure(int(pos.max()) + 1)  # (a lazy table's rows: Rotary.ensure)
         cos, sin = rot.cos[pos], rot.sin[pos]  # [B, rd] fp32
         # the local layers' own RoPE (Gemma 3's sliding layers), or none
         local = {} if rot.local_cos is None else dict(local_cos=rot.local_cos[pos], local_sin=rot.local_sin[pos])
@@ -578,6 +579,7 @@ class CPUDecodeStep:
         dtype = self.embed.dtype if q8_0 else table.dtype
         x = torch.empty(1, self.final_norm.shape[-1], dtype=dtype)
         rot = self.model.rotary
+        rot.ensure(position + n)  # the burst reads the tables' rows of its positions
         greedy = params.greedy
         tokens, seconds = self.native.burst(
             token, slot, position, n, table, q8_0, x, rot.cos, rot.sin, cache.k, cache.v,
