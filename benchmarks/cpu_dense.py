@@ -177,17 +177,19 @@ class TieredEngine:
         def add(kind, n):
             by_kind[kind] = by_kind.get(kind, 0) + int(n)
 
-        seen: set[tuple[int, int]] = set()
+        seen: list[tuple[int, int]] = []  # byte ranges counted
 
-        def tbytes(ts):  # each tensor once: fused decode kernels are shared by several PhaseLinears
+        def tbytes(ts):
+            """Bytes of `ts`, each range of memory once: fused decode kernels are shared by several PhaseLinears,
+            and a view inside a counted tensor (a tiled int4 weight's scales_zeros, its (scale, zero) pairs inline
+            in `packed`) reads no byte more (counted, the tiled weights' 0.625 B an element read as 0.75)."""
             n = 0
-            for t in ts:
-                if t is None:
-                    continue
-                key = (t.data_ptr(), t.numel() * t.element_size())
-                if key not in seen:
-                    seen.add(key)
-                    n += key[1]
+            for t in sorted((t for t in ts if t is not None and t.numel()), key=lambda t: -t.numel() * t.element_size()):
+                a = t.data_ptr()
+                b = a + (sum((k - 1) * st for k, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+                if not any(x <= a and b <= y for x, y in seen):
+                    seen.append((a, b))
+                    n += t.numel() * t.element_size()
             return n
 
         thr = self.llm.engine_config.decode_weights_threshold
