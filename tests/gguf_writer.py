@@ -804,20 +804,21 @@ _GEMMA3_BLOCK = {**_BLOCK, "post_attention_layernorm": "post_attention_norm", "p
 
 
 def write_gemma3_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
-                      pattern: bool = True) -> Path:
+                      pattern: bool = True, sentencepiece: Path | None = None) -> Path:
     """write_gemma_gguf for a Gemma3ForCausalLM."""
-    return write_gemma_gguf(model, path, qtype, pattern)
+    return write_gemma_gguf(model, path, qtype, pattern, sentencepiece)
 
 
 def write_gemma_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
-                     pattern: bool = True) -> Path:
+                     pattern: bool = True, sentencepiece: Path | None = None) -> Path:
     """Write a transformers Gemma3ForCausalLM or Gemma2ForCausalLM (fp32) as llama.cpp's Gemma3Model /
     Gemma2Model converter does (Gemma 2: its soft caps as keys, one RoPE): every norm
     stored as 1 + weight (Gemma's RMSNorm multiplies by it), `post_attention_norm` / `ffn_norm` /
     `post_ffw_norm` the sandwich norms, no output.weight (tied), q/k rows as they are, the global layers' RoPE
     scaling as rope.scaling.*, the window as attention.sliding_window. `pattern`: also write the model's
     sliding layers as attention.sliding_window_pattern flags (else a reader takes llama.cpp's every-6th rule).
-    2-D weights in `qtype`, 1-D tensors F32; tokenizer.ggml.model "none"."""
+    2-D weights in `qtype`, 1-D tensors F32; tokenizer.ggml.model "none", or `sentencepiece`'s vocabulary (a
+    SentencePiece .model file) as the converter writes Gemma's (add_sentencepiece_vocab)."""
     cfg = model.config
     arch = "gemma2" if cfg.model_type == "gemma2" else "gemma3"
     full = cfg.rope_parameters if arch == "gemma2" else cfg.rope_parameters["full_attention"]
@@ -838,10 +839,44 @@ def write_gemma_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuanti
     if pattern:
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     w.add_file_type(int(qtype))
-    w.add_tokenizer_model("none")
+    if sentencepiece is None:
+        w.add_tokenizer_model("none")
+    else:
+        add_sentencepiece_vocab(w, sentencepiece, ("<start_of_turn>", "<end_of_turn>"))
+        w.add_add_space_prefix(False)  # Gemma3Model.set_vocab's
     state = {k: v.detach().float().numpy() + (1.0 if k.endswith("norm.weight") else 0.0)
              for k, v in model.state_dict().items() if k != "lm_head.weight"}
     return _write_state(w, state, _GEMMA3_BLOCK, qtype, path)
+
+
+def add_sentencepiece_vocab(w, model_file: Path, special: tuple[str, ...] = ()) -> None:
+    """The tokenizer keys llama.cpp's converter writes for a SentencePiece vocabulary (_set_vocab_sentencepiece):
+    tokenizer.ggml.model "llama", every piece as spelled (with its U+2581 spaces), its score and its type (normal,
+    unknown, control, unused or byte by the processor; `special`'s pieces control, as tokenizer_config.json's special
+    added tokens make them: Gemma's <start_of_turn> / <end_of_turn>), the bos / eos / unk / pad ids, add_bos_token."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    n = sp.get_piece_size()
+    pieces = [sp.id_to_piece(i) for i in range(n)]
+
+    def kind(i: int) -> int:
+        if sp.is_unknown(i):
+            return 2
+        if sp.is_control(i) or pieces[i] in special:
+            return 3
+        return 5 if sp.is_unused(i) else 6 if sp.is_byte(i) else 1
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([p.encode("utf-8") for p in pieces])
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    w.add_token_types([kind(i) for i in range(n)])
+    w.add_bos_token_id(sp.bos_id())
+    w.add_eos_token_id(sp.eos_id())
+    w.add_unk_token_id(sp.unk_id())
+    w.add_pad_token_id(sp.pad_id())
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
 
 
 def _write_state(w, state: dict, block: dict, qtype: GGMLQuantizationType, path: Path) -> Path:
