@@ -141,7 +141,34 @@ def test_lent_kv_carries_the_forgotten_floor_and_copies_only_what_is_kept(zoo):
     assert cache.forgotten == [floor, floor, floor]
 
 
-def test_the_scheduler_reuses_a_prefix_only_from_the_slots_floor():
+def test_a_checkpoint_keeps_the_window_before_a_prompts_end(zoo):
+    cfg = _config(zoo)  # layer 0 slides over 8 positions
+    cache = _filled(cfg, 2, 16384, 8000)
+    cache.protect(0, 3000)  # a prompt of 3000 positions, then 5000 generated
+    lo = 3000 - sizes.KV_FORGET_SLACK
+    assert cache.checkpoint[0] == (lo, 3000)
+    cache.forget(0, 8000)
+    horizon = 8000 - sizes.KV_FORGET_SLACK
+    assert _resident(cache, 0, 0) <= 2 * 2 * (8000 - horizon + 3000 - lo + 2 * 8 + 4 * 32) * 128
+    k = cache.k[0, 0, 0, :, 0]
+    assert torch.equal(k[lo - 8:3000], torch.arange(lo - 7, 3001, dtype=torch.float32))  # kept
+    assert torch.equal(k[horizon - 8:8000], torch.arange(horizon - 7, 8001, dtype=torch.float32))
+    assert not k[:lo - 8 - 32].any() and not k[3000 + 32:horizon - 8 - 32].any()  # the rest handed back
+    # what a later prompt sharing n positions reuses: all past the floor, up to the prompt's end from lo on
+    assert [cache.reusable(0, n) for n in (0, 100, lo, 3000, 3005, horizon - 1, horizon, 7000 + 1000)] == \
+        [0, 0, lo, 3000, 3000, 3000, horizon, 8000]
+    # lent from within the checkpoint: the window before it, its floor, no checkpoint
+    cache.lend({1: 0}, 3000)
+    assert (cache.forgotten[1], cache.checkpoint[1]) == (lo, None)
+    assert torch.equal(cache.k[0, 1, 0, lo - 8:3000, 0], k[lo - 8:3000]) and not cache.k[0, 1, 0, :lo - 8 - 32, 0].any()
+    assert torch.equal(cache.k[1, 1, 0, :3000, 0], cache.k[1, 0, 0, :3000, 0])  # the global layer whole
+    # a new sequence resuming slot 0 within the checkpoint takes its floor; forgetting goes on from there
+    cache.resume(0, 3000)
+    assert (cache.forgotten[0], cache.checkpoint[0]) == (lo, None) and cache.keeps(0, 3000)
+
+
+def test_the_scheduler_reuses_what_the_slot_still_holds():
+    """Scheduler.kv_reusable (KVCache.reusable) decides how much of a slot's shared prefix a new prompt takes."""
     sched = Scheduler(max_batch=2, max_queue=4, prefix_reuse=True)
     from tiered.engine.sequence import Sequence
 
@@ -153,29 +180,35 @@ def test_the_scheduler_reuses_a_prefix_only_from_the_slots_floor():
     sched.schedule()
     first.output_ids = [7, 8]
     sched.finish(first)  # slot 0 holds 101 positions' KV
-    sched.kv_floor = [60, 0]
-    short, long_ = seq(list(range(50)) + [999]), seq(list(range(80)) + [999])
-    sched.add(short)
-    sched.schedule()
-    assert short.slot == 0 and short.cached_tokens == 0  # 50 shared positions, but the window before 50 is gone
-    sched.finish(short)
-    sched.kv_floor = [60, 0]
-    sched._slot_tokens[0] = list(range(100))
-    sched.add(long_)
-    sched.schedule()
-    assert long_.slot == 0 and long_.cached_tokens == 80
+    asked = []
+
+    def reusable(slot, n):  # slot 0 holds the window before 60 and after, and before 30..40 (a checkpoint)
+        asked.append((slot, n))
+        return n if n >= 60 else min(n, 40) if n >= 30 else 0
+    sched.kv_reusable = reusable
+    for shared, reused in ((20, 0), (50, 40), (80, 80)):
+        new = seq(list(range(shared)) + [999])
+        sched.add(new)
+        sched.schedule()
+        assert (new.slot, new.cached_tokens) == (0, reused) and (0, shared) in asked
+        sched.finish(new)
+        sched._slot_tokens[0] = list(range(100))
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mistral"])
-def test_generate_forgetting_gives_the_tokens_of_a_full_cache(zoo, wide, forgetting, name):
-    """200 greedy tokens after a 40-token prompt, decoded in bursts of the native step: the same tokens with the
-    sliding layers forgetting as with every position kept."""
+@pytest.mark.parametrize("name, kv", [("gemma3", "auto"), ("mistral", "auto"), ("gemma2", "auto"), ("phi3", "auto"),
+                                      ("gemma3", "int8")])
+def test_generate_forgetting_gives_the_tokens_of_a_full_cache(zoo, wide, forgetting, name, kv):
+    """200 greedy tokens after a 40-token prompt, decoded by the native step (in bursts where it bursts): the same
+    tokens with the sliding layers forgetting as with every position kept (Gemma 3's local layers, Mistral's and
+    Phi-3's every-layer window, Gemma 2's soft-capped alternate ones; an int8 cache's rows and scales, on the
+    model's own window of 8: its 36-byte rows put a whole page behind a window of 48 only past 256 positions)."""
     ids = prompt_ids(zoo.vocab_size, 40, seed=9)
-    full = zoo.llm(wide(name), sliding_kv="full")
+    path = zoo.dir(name) if kv == "int8" else wide(name)
+    full = zoo.llm(path, sliding_kv="full", kv_cache_dtype=kv)
     assert not full.plan.kv_window
     want = full.generate(ids, GREEDY)[0].token_ids
     assert not forgetting
-    llm = zoo.llm(wide(name))
+    llm = zoo.llm(path, kv_cache_dtype=kv)
     assert llm.plan.kv_window
     assert llm.generate(ids, GREEDY)[0].token_ids == want
     assert sum(forgetting) > 0
@@ -203,8 +236,10 @@ def test_a_long_prompt_forgets_between_its_chunks(zoo, wide, forgetting):
 
 
 def test_server_slots_reuse_what_they_still_hold(zoo, wide, forgetting):
-    """A server's slots (prefix reuse): a request sharing only the start of a long finished conversation prefills
-    whole (its window was forgotten), one continuing it reuses it; each gives generate's tokens alone."""
+    """A server's slots (prefix reuse): a request continuing a long finished conversation reuses all of it, one
+    sharing its first prompt and a little of the answer reuses that prompt (KVCache.protect: a template dropping
+    the answer's reasoning), one sharing less prefills whole (the window before it was forgotten); each gives
+    generate's tokens alone."""
     llm = zoo.llm(wide("gemma3"))
     sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     sched, cache = Scheduler(max_batch=1, max_queue=2, prefix_reuse=True), llm.kv_cache(1)
@@ -215,16 +250,21 @@ def test_server_slots_reuse_what_they_still_hold(zoo, wide, forgetting):
         llm.step(sched, cache)
     held = first.kv_tokens()
     assert cache.forgotten[0] > 32
-    follow = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    early, later = held[:32] + [5, 6], held + [5, 6]
-    for prompt, reused in ((later, len(held)), (early, 0)):
+    follow = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    # the first prompt and a little of its answer (the checkpoint's), then all of that conversation, then less
+    # than its first prompt
+    for kind in ("turn", "later", "early"):
+        prompt, reused = {"turn": (held[:len(ids) + 3] + [5, 6], len(ids)), "later": (held + [5, 6], len(held)),
+                          "early": (held[:20] + [5, 6], 0)}[kind]
         seq = llm.make_sequence(prompt, follow)
         sched.add(seq)
         outs = []
         while sched.has_work():
             outs += [o for _, _, o in llm.step(sched, cache) if o is not None]
         assert seq.cached_tokens == reused
-        assert outs[0].token_ids == llm.generate(prompt, follow)[0].token_ids
+        alone = llm.generate(prompt, follow)[0]
+        assert outs[0].token_ids == alone.token_ids
+        assert [a.logprob for a in outs[0].logprobs] == pytest.approx([a.logprob for a in alone.logprobs], abs=1e-5)
         held = seq.kv_tokens()
 
 
@@ -240,8 +280,9 @@ def test_the_budget_counts_a_forgetting_cache_by_its_windows():
     window = sizes.kv_cache_bytes(cfg, 1, 131072, "bf16", advance=1024)
     per_position = sizes.kv_bytes_per_token(cfg, "bf16")
     assert full == 62 * 131072 * per_position  # 66.6 GB
-    kept = 1024 + sizes.KV_FORGET_SLACK + sizes.KV_FORGET_STEP + 1024 + 2 * 16
-    assert window == (10 * 131072 + 52 * kept) * per_position  # 11.8 GB
+    # the window, the slack behind it, a step and a chunk ahead, the checkpoint's window and slack, 4 pages of 16
+    kept = 2 * (1024 + sizes.KV_FORGET_SLACK) + sizes.KV_FORGET_STEP + 1024 + 4 * 16
+    assert window == (10 * 131072 + 52 * kept) * per_position  # 12.4 GB
     assert sizes.kv_cache_bytes(cfg, 1, 2000, "bf16", advance=1024) == sizes.kv_cache_bytes(cfg, 1, 2000, "bf16")
 
 

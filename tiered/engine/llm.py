@@ -621,8 +621,8 @@ class LLM:
         Returns:
             (sequence, new text, RequestOutput when it finished this step else None) events, in order.
         """
-        # a cache whose sliding layers forget: a slot serves a reuse only from its floor on (Scheduler._reusable)
-        sched.kv_floor = cache.forgotten if cache.advance is not None else None
+        # a cache whose sliding layers forget: a slot serves what it still holds (Scheduler._reusable)
+        sched.kv_reusable = cache.reusable if cache.advance is not None else None
         plan = sched.schedule()
         self.last_burst = 0
         # a structured output's forced tokens go in as rows of the next native step (LLM._force)
@@ -651,8 +651,9 @@ class LLM:
                 if seq.kv_source >= 0:
                     cache.lend({seq.slot: seq.kv_source}, seq.cached_tokens)
                     seq.kv_source = -1
-                elif not seq.cached_tokens or not cache.keeps(seq.slot, seq.cached_tokens):
-                    # written again from position 0 (a step retried after its chunks forgot past its reuse: again)
+                elif seq.cached_tokens and cache.reusable(seq.slot, seq.cached_tokens) == seq.cached_tokens:
+                    cache.resume(seq.slot, seq.cached_tokens)  # the slot's own prefix (a forgetting cache's floor)
+                else:  # written again from position 0 (a step retried after its chunks forgot past its reuse: again)
                     seq.cached_tokens = 0
                     cache.restart(seq.slot)
             admitted = {id(s) for s in plan.prefill}
@@ -707,10 +708,13 @@ class LLM:
     def _forget(seqs: list[Sequence], cache: KVCache) -> None:
         """After a step: each of `seqs` (holding a slot) lets its slot's sliding layers forget the positions behind
         their window (KVCache.forget; a cache that keeps every position ignores it): its KV covers every token but
-        the last drawn one and the forced ones before it (Sequence.kv_tokens)."""
+        the last drawn one and the forced ones before it (Sequence.kv_tokens). The window before its prompt's end
+        stays (KVCache.protect): the next turn of its conversation reuses the prompt whatever the template makes of
+        the answer."""
         if cache.advance is not None:
             for seq in seqs:
                 if seq.slot >= 0:
+                    cache.protect(seq.slot, len(seq.prompt_ids))
                     cache.forget(seq.slot, seq.num_tokens - 1 - seq.pending)
 
     def _prefill_groups(self, seqs: list[Sequence], cache: KVCache,

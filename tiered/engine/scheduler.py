@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tiered.engine.sequence import Sequence
 from tiered.errors import TieredError
@@ -70,9 +71,9 @@ class Scheduler:
         self._slot_tokens: list[list[int]] = [[] for _ in range(max_batch)]  # tokens whose KV each slot holds
         self._cancel: set[Sequence] = set()  # sequences to drop at the next boundary
         self._lock = threading.Lock()
-        # per slot, the fewest leading positions of its KV that serve a reuse (KVCache.forgotten: a cache whose
-        # sliding layers forget behind their window, KVCache.keeps); LLM.step hands it over; None: any prefix
-        self.kv_floor: list[int] | None = None
+        # (slot, n) -> how many of the slot's first n positions a reuse takes (KVCache.reusable: a cache whose sliding
+        # layers forget behind their window); LLM.step hands it over; None: any prefix, whole
+        self.kv_reusable: Callable[[int, int], int] | None = None
 
     # ------------------------------------------------------- any thread
     def add(self, *seqs: Sequence) -> None:
@@ -163,10 +164,10 @@ class Scheduler:
 
     def _reusable(self, slot: int, tokens: list[int], prompt: list[int]) -> int:
         """The positions of `slot`'s KV (`tokens`') a sequence of `prompt` reuses: their common prefix, at most
-        all but the prompt's last token, and none where that is less than the slot's kv_floor (its sliding layers
-        forgot the window before it)."""
+        all but the prompt's last token, and of it what the slot still holds the sliding layers' window before
+        (kv_reusable)."""
         n = min(_common_prefix(tokens, prompt), len(prompt) - 1)
-        return n if self.kv_floor is None or n >= self.kv_floor[slot] else 0
+        return n if self.kv_reusable is None else self.kv_reusable(slot, n)
 
     def _release(self, seq: Sequence) -> None:
         self.running.remove(seq)

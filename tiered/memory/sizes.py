@@ -318,14 +318,15 @@ def kv_layer_positions(cfg: ModelConfig, layer: int, tokens: int, fmt: str, adva
     """The most positions of one sequence's `tokens` whose KV layer `layer` of a forgetting cache holds
     (KVCache.forget) [positions]: all of them in a layer attending to the whole context; in a sliding layer its
     window, KV_FORGET_SLACK + KV_FORGET_STEP behind it, `advance` ahead (the most a sequence writes between two
-    forgets: a prefill chunk) and the two pages each row's forgotten range leaves at its ends, at most `tokens`."""
+    forgets: a prefill chunk), the window and KV_FORGET_SLACK before its prompt's end (KVCache.protect) and the
+    pages each row's kept ranges leave at their ends, at most `tokens`."""
     window = cfg.window_of(layer)
     if window is None:
         return tokens
     _, kw, vw = kv_cache_widths(cfg, fmt)
     row = min(kw, vw) * (1 if fmt == "int8" else bytes_per_element(fmt))  # bytes a position takes in a head's row
-    pages = 2 * -(-PAGE_BYTES // max(1, int(row)))
-    return min(tokens, window + KV_FORGET_SLACK + KV_FORGET_STEP + advance + pages)
+    pages = 4 * -(-PAGE_BYTES // max(1, int(row)))
+    return min(tokens, 2 * (window + KV_FORGET_SLACK) + KV_FORGET_STEP + advance + pages)
 
 
 # the key counts a CPU prompt's attention reads are widened to a multiple of this (models/layers.KVCache.aligned)

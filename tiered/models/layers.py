@@ -464,8 +464,11 @@ class KVCache:
     their pages back to the OS as the sequence advances (the tensors stay [.., max_len, ..]: every reader indexes
     them as before, and a forgotten position reads 0 behind every reader's window mask). Gemma 3 27B's 52 local
     layers of 62 then hold ~2.5k positions each, not the 128k of its context window: what llama.cpp's SWA cache
-    keeps. A slot whose positions were forgotten serves a prefix reuse only as long as its `forgotten` floor
-    (`keeps`); `lend` / `copy_slots` carry the floor with the KV. Only a lazily committed CPU cache forgets
+    keeps. A slot whose positions were forgotten serves a prefix reuse from its `forgotten` floor on, or ending
+    within its checkpoint (`reusable`): `protect` keeps the window before a sequence's prompt end (llama.cpp's SWA
+    checkpoint), so the next turn of a conversation whose template drops the last answer's reasoning (gpt-oss's
+    harmony, Qwen3's thinking) still reuses the whole earlier prompt. `lend` / `copy_slots` carry the floor with the
+    KV. Only a lazily committed CPU cache forgets
     (memory/host.lazily_committed): elsewhere `advance` is ignored. On 2 MiB pages (`huge_pages`, a generate
     call's cache) the kernel splits a huge page whose part is handed back; its freed 4 KiB pages return to the OS
     when the kernel's deferred split runs (under memory pressure), while the process's RSS drops at once.
@@ -494,6 +497,9 @@ class KVCache:
         # has handed back the slot's positions before forgotten[slot] - w; a prefix of n >= forgotten[slot]
         # positions is whole for every query from n on (`keeps`)
         self.forgotten = [0] * num_slots
+        # per slot: (lo, end) where `protect` keeps each sliding layer's positions lo - w .. end - 1 (a prompt's end:
+        # a reuse of lo..end positions is whole), or None
+        self.checkpoint: list[tuple[int, int] | None] = [None] * num_slots
         self.hold: dict[int, int] = {}  # slot -> positions its forgets keep whatever its length (`forget`)
 
     @property
@@ -510,14 +516,44 @@ class KVCache:
         fmt = "int8" if self.quantized else format_of(self.k.dtype)
         return kv_cache_bytes(self.config, self.k.shape[1], self.max_len, fmt, self.advance)
 
+    def reusable(self, slot: int, n: int) -> int:
+        """The most of `slot`'s first `n` positions a sequence continuing after them reuses (a prefix reuse): all n
+        where every sliding layer still holds the window before n (n >= forgotten[slot]); up to the checkpoint's
+        end where n reaches into it (`protect`); else none."""
+        floor = self.forgotten[slot]
+        if n >= floor:
+            return n
+        cp = self.checkpoint[slot]
+        return min(n, cp[1]) if cp is not None and n >= cp[0] else 0
+
     def keeps(self, slot: int, n: int) -> bool:
-        """Whether `slot`'s first `n` positions serve a sequence continuing at position n (a prefix reuse):
-        every sliding layer still holds the window before n (n >= forgotten[slot]), or nothing is reused (n 0)."""
-        return n == 0 or n >= self.forgotten[slot]
+        """Whether a sequence continuing at position n reuses all of `slot`'s first `n` positions (`reusable`)."""
+        return self.reusable(slot, n) == n
 
     def restart(self, slot: int) -> None:
         """`slot` is written again from position 0 (a sequence reusing none of it): nothing is forgotten."""
         self.forgotten[slot] = 0
+        self.checkpoint[slot] = None
+
+    def resume(self, slot: int, n: int) -> None:
+        """A new sequence continues `slot` after its first `n` positions (a reuse `reusable` allowed): the floor is
+        the one serving n (the checkpoint's where n ends within it), and a checkpoint below it hands its pages
+        back (the new sequence's own follows at its prompt's end)."""
+        if self.advance is None:
+            return
+        floor, cp = self._floor_for(slot, n), self.checkpoint[slot]
+        if cp is not None and floor != cp[0]:  # the old checkpoint's positions below the kept window
+            for i, w in self.windows:
+                self._release(slot, i, max(0, cp[0] - w), min(cp[1], floor - w))
+        self.forgotten[slot], self.checkpoint[slot] = floor, None
+
+    def protect(self, slot: int, end: int) -> None:
+        """Keep each sliding layer's window before position `end` of `slot` (its sequence's prompt end, written or
+        being written) through later forgets, from KV_FORGET_SLACK before `end` (or the floor, where higher): a later
+        prompt sharing the first n positions, n in that range, reuses them (`reusable`). One checkpoint a slot, the
+        latest. What it keeps counts in memory/sizes.kv_layer_positions."""
+        if self.advance is not None and (self.checkpoint[slot] is None or self.checkpoint[slot][1] != end):
+            self.checkpoint[slot] = (min(end, max(end - KV_FORGET_SLACK, self.forgotten[slot])), end)
 
     def forget(self, slot: int, length: int) -> int:
         """Hand back the pages of `slot`'s positions that no later query of its sequence reads: with the first
@@ -532,13 +568,22 @@ class KVCache:
         if horizon - last < KV_FORGET_STEP:
             return 0
         self.forgotten[slot] = horizon
-        return sum(self._release(slot, i, max(0, last - w), horizon - w) for i, w in self.windows if horizon > w)
-
-    def _release(self, slot: int, layer: int, start: int, end: int) -> int:
-        """release_pages over positions start..end-1 of every head's keys and values of `slot` in `layer`, the
-        page holding `start` included where it lies within the row (the positions before start are forgotten
-        already). Returns the bytes handed back."""
+        cp = self.checkpoint[slot]
         freed = 0
+        for i, w in self.windows:  # positions last - w .. horizon - w - 1, but the checkpoint's
+            a, b = max(0, last - w), horizon - w
+            for x, y in [(a, b)] if cp is None else [(a, min(b, cp[0] - w)), (max(a, cp[1]), b)]:
+                if y > x:
+                    freed += self._release(slot, i, x, y, cp[1] if cp is not None and cp[1] <= x else 0)
+        return freed
+
+    def _release(self, slot: int, layer: int, start: int, end: int, kept_below: int = 0) -> int:
+        """release_pages over positions start..end-1 of every head's keys and values of `slot` in `layer`, and the
+        page holding `start` too where it lies within the row and after `kept_below` (the positions before start
+        are forgotten but for those from kept_below on: a checkpoint's). Returns the bytes handed back."""
+        freed = 0
+        if end <= start:
+            return 0
         for t in (self.k, self.v):
             rows = t[layer, slot]  # [Hkv, max_len, width]
             step = rows.stride(1) * rows.element_size()  # bytes a position takes in a head's row
@@ -546,7 +591,7 @@ class KVCache:
                 continue
             for h in range(rows.shape[0]):
                 base = rows[h].data_ptr()
-                lo = max(base, (base + start * step) // PAGE_BYTES * PAGE_BYTES)
+                lo = max(base + kept_below * step, (base + start * step) // PAGE_BYTES * PAGE_BYTES)
                 freed += release_pages(lo, base + end * step - lo)
         return freed
 
@@ -584,6 +629,8 @@ class KVCache:
         if any(self.forgotten[p] for p in sources):  # a forgetting cache's sliding layers: their kept positions only
             self._copy_kept(parents, moved, sources, length, start)
             return
+        for j in moved:
+            self.checkpoint[j] = None
         for t in (self.k, self.v):
             # each source slot's positions cloned first (a slice each), then a slice copy per slot. index_select over
             # the slots of the positions' view took 100x longer on the CPU (a strided gather: SmolLM2, 48 slots of 828
@@ -597,23 +644,33 @@ class KVCache:
 
     def _copy_kept(self, parents: list[int], moved: list[int], sources: list[int], length: int, start: int) -> None:
         """copy_slots where a source slot has forgotten positions: layer by layer, each sliding layer from the
-        source's first kept position (what lies before it reads 0 there: copied, it would commit the destination's
-        pages for nothing); each destination then takes its source's floor (`_carry_floor`; with `start` > 0, the
-        higher of the two: its positions before start are its own)."""
+        source's first kept position before `length` (its floor's window, or where `length` ends within its
+        checkpoint the checkpoint's: what lies before it reads 0 there, and copied it would commit the destination's
+        pages for nothing); each destination then takes that floor (`_carry_floor`; with `start` > 0, the higher of
+        the two: its positions before start are its own) and no checkpoint."""
         windows = dict(self.windows)
+        floors = {p: self._floor_for(p, length) for p in sources}
         for t in (self.k, self.v):
             for i in range(t.shape[0]):
                 w = windows.get(i)
-                lo = {p: start if w is None else max(start, min(length, self.forgotten[p] - w)) for p in sources}
+                lo = {p: start if w is None else max(start, min(length, floors[p] - w)) for p in sources}
                 parts = {p: t[i, p, :, lo[p]:length].clone() for p in sources}
                 for j in moved:
                     t[i, j, :, lo[parents[j]]:length].copy_(parts[parents[j]])
-        floors = [self.forgotten[p] for p in parents]
         for j in moved:
             mine = self.forgotten[j]
-            self._carry_floor(j, parents[j], floors[j])
+            self._carry_floor(j, parents[j], floors[parents[j]])
+            self.checkpoint[j] = None
             if start:
                 self.forgotten[j] = max(self.forgotten[j], mine)
+
+    def _floor_for(self, slot: int, length: int) -> int:
+        """The floor from which `slot` holds the window before `length` (`reusable`'s): its own, or its
+        checkpoint's where `length` ends within the checkpoint."""
+        cp = self.checkpoint[slot]
+        if length < self.forgotten[slot] and cp is not None and cp[0] <= length <= cp[1]:
+            return cp[0]
+        return self.forgotten[slot]
 
     def lend(self, moves: dict[int, int], length: int) -> None:
         """Slot dst takes slot moves[dst]'s positions 0..length-1 in every layer (a prompt's KV shared

@@ -349,19 +349,19 @@ def _merged(events: list[tuple[Sequence, str, RequestOutput | None]]) -> list[tu
 class _Planned:
     """The scheduler LLM.step is given: schedule() returns the plan the engine made (its step's, or
     one sequence's in _isolate), finish() gives a finished sequence's slot back to the engine's
-    Scheduler, num_waiting is the Scheduler's (a burst only where none waits), kv_floor sets the Scheduler's
-    (the slots' reusable floors: Scheduler.kv_floor). LLM.step uses nothing else."""
+    Scheduler, num_waiting is the Scheduler's (a burst only where none waits), kv_reusable sets the Scheduler's
+    (what the slots' KV serves a reuse: Scheduler.kv_reusable). LLM.step uses nothing else."""
 
     def __init__(self, scheduler: Scheduler, plan: StepPlan) -> None:
         self.scheduler, self.plan = scheduler, plan
 
     @property
-    def kv_floor(self) -> list[int] | None:
-        return self.scheduler.kv_floor
+    def kv_reusable(self):
+        return self.scheduler.kv_reusable
 
-    @kv_floor.setter
-    def kv_floor(self, floors: list[int] | None) -> None:
-        self.scheduler.kv_floor = floors
+    @kv_reusable.setter
+    def kv_reusable(self, fn) -> None:
+        self.scheduler.kv_reusable = fn
 
     def schedule(self) -> StepPlan:
         return self.plan
