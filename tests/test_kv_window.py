@@ -5,9 +5,10 @@ Gemma 2 / 3's local layers, gpt-oss's sliding ones and Mistral / Phi-3's windowe
 sequence's positions more than a window before its next query again; the cache hands their pages back to the
 OS and the budget counts only the window. Checked: the pages go (mincore) and nothing a later query reads
 does; generate, long prompts prefilled chunk by chunk, prompt logprobs and a server's slots give the tokens of
-a cache keeping every position (sliding_kv "full"); a slot's forgotten floor bounds its prefix reuse and
-travels with lent KV; the budget and the planner count the window (a Gemma 3 27B context window that did not
-fit now does); decode attention is priced over the window.
+a cache keeping every position (sliding_kv "full"); a slot's forgotten floor and its prompt-end checkpoint bound
+its prefix reuse and travel with lent KV; the budget and the planner count the windows (a Gemma 3 27B context
+window that did not fit now does); attention is priced over the windows, and a sliding layer's eager attention
+reads its window only. Also here: the CPU engine's lazy RoPE tables, `tiered info`'s windows and KV bytes.
 
 The tiny checkpoints' caches are smaller than a lazily committed mapping (memory/host.LAZY_ZEROS_BYTES) and
 their sequences shorter than the released hysteresis, so the end-to-end tests lower both (`forgetting`).
