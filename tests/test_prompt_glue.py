@@ -102,6 +102,26 @@ def test_native_swiglu_of_a_gate_and_an_up_tensor_equals_the_fused_ones(dtype):
     assert torch.equal(got, layers.swiglu(torch.cat([gate, up], -1)))
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glu_of_a_transposed_gemm_output_is_the_native_ones(act, dtype, monkeypatch):
+    """A big one-copy weight's prompt GEMM past AMX_ROWS writes y^T (quant/int4.gemm_by_row_chunks): its [1, T, 2F]
+    transposed view goes through the native kernel's gate / up pair over the two halves of its storage, the same
+    bits as the contiguous rows' pass, the result [1, T, F] a transposed view of [F, T]; torch's ops not called."""
+    from tiered.quant.int4 import gemm_by_row_chunks
+    import tiered.quant.int4 as int4
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(40, 24, generator=g).to(dtype), torch.randn(96, 24, generator=g).to(dtype)
+    monkeypatch.setattr(int4, "DEQUANTIZE_CHUNK", 16 * 24)  # chunks of 16 rows of W: the y^T path
+    gu = gemm_by_row_chunks(x, 96, lambda a, b: w[a:b], None).unsqueeze(0)
+    assert gu.shape == (1, 40, 96) and gu.stride(-1) != 1
+    monkeypatch.setattr(layers, "glu_activation", lambda *a: pytest.fail("torch's ops ran"))
+    got = layers.glu(gu, act)
+    assert got.shape == (1, 40, 48) and got.stride(-2) == 1 and got.dtype == dtype
+    assert torch.equal(got, kernels.load().swiglu(gu.contiguous(), act=act))
+
+
 def test_glue_refuses_what_it_cannot_read():
     ext = kernels.load()
     with pytest.raises(RuntimeError, match="head_dim must be even"):

@@ -201,12 +201,28 @@ def _glu(gu: torch.Tensor, act: str) -> torch.Tensor:
     """`glu`'s computation. On the CPU in one pass (tiered/kernels' swiglu: computed in fp32, rounded once, where
     torch's ops round the activation's output and then the product, and read the two strided halves in two passes:
     ~0.9 ms a layer of a 941-token SmolLM2 prompt in bf16 on 2 AMX cores, 2026-12-05; GeGLU ~5 ms a
-    Gemma-3-4B-width layer of a 512-token prompt); else torch's ops."""
+    Gemma-3-4B-width layer of a 512-token prompt), also where gu is the transposed view a big one-copy weight's
+    GEMM returns (quant/int4.gemm_by_row_chunks past AMX_ROWS rows: each half of its [2F, T] storage in one piece,
+    the result [T, F] a transposed view too, which the down projection's GEMM reads as it is): a Gemma-3-4B-width
+    1024-token prompt's GeGLU through torch's ops over those halves took 77 ms of its 863; else torch's ops."""
     native = _glue_kernels(gu)
     if native is not None and gu.stride(-1) == 1:
         return native.swiglu(gu, act=act)
+    t = _transposed_rows(gu)
+    if native is not None and t is not None:
+        half = t.shape[0] // 2
+        out = native.swiglu(t[:half], up=t[half:], act=act).mT  # [T, F]
+        return out.view(*gu.shape[:-1], half)
     gate, up = gu.chunk(2, -1)
     return glu_activation(gate, act) * up
+
+
+def _transposed_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x [1.., T, N] stored transposed (its [N, T] contiguous: a GEMM that wrote y^T) -> that [N, T] view; else None."""
+    if x.dim() < 2 or any(n != 1 for n in x.shape[:-2]) or x.shape[-1] % 2:
+        return None
+    t = x.reshape(x.shape[-2:]).mT if x.dim() > 2 else x.mT
+    return t if t.is_contiguous() and t.data_ptr() == x.data_ptr() else None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
