@@ -575,8 +575,9 @@ class KVCache:
         """Hand back the pages of `slot`'s positions that no later query of its sequence reads: with the first
         `length` positions written (its KV), each sliding layer of window w forgets the positions before
         length - KV_FORGET_SLACK - w (memory/host.release_pages over each head's row of keys and of values),
-        once that horizon is KV_FORGET_STEP past the last (`forgotten`); a `hold` on the slot caps `length`
-        (a leader whose prefix its followers take this step: LLM.step). Returns the bytes handed back."""
+        once that horizon is KV_FORGET_STEP past the last (`forgotten`), all but the checkpoint's positions
+        (`protect`); a `hold` on the slot caps `length` (a leader whose prefix its followers take this step:
+        LLM.step). Returns the bytes handed back."""
         if self.advance is None:
             return 0
         horizon = min(length, self.hold.get(slot, length)) - KV_FORGET_SLACK
