@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fixtures import local_model, packed_prefill_gaps  # noqa: E402
 from runtime_fixtures import GREEDY, REL_TOL, decode_logits, engine_config, prompt, rel_err, stored_elements  # noqa: E402
 
-from tiered import LLM, EngineConfig, kernels  # noqa: E402
+from tiered import LLM, EngineConfig, SamplingParams, kernels  # noqa: E402
 from tiered.checkpoint import open_checkpoint  # noqa: E402
 from tiered.checkpoint.model_config import ModelConfig  # noqa: E402
 from tiered.errors import CheckpointError  # noqa: E402
@@ -726,3 +726,25 @@ def test_tokenizer_json_through_transformers(tmp_path):
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
     finally:
         llm.close()
+
+
+def test_sliding_layers_forgetting_decode_as_a_full_cache(zoo, monkeypatch):
+    """gpt-oss's sliding layers (a window of 4 here, beside the sinks) in a cache that forgets behind them
+    (Plan.kv_window; tests/test_kv_window.py has the mechanism): 180 greedy tokens after a 20-token prompt, the
+    tokens of a cache keeping every position, pages handed back on the way. The tiny cache made lazily committed and
+    forgetting every 16 positions, nothing kept behind the window."""
+    from tiered.memory import host
+    from tiered.models import layers
+
+    monkeypatch.setattr(host, "LAZY_ZEROS_BYTES", 0)
+    monkeypatch.setattr(layers, "KV_FORGET_SLACK", 0)
+    monkeypatch.setattr(layers, "KV_FORGET_STEP", 16)
+    freed: list[int] = []
+    release = layers.KVCache._release
+    monkeypatch.setattr(layers.KVCache, "_release", lambda self, *a: freed.append(release(self, *a)) or freed[-1])
+    ids, sp = prompt(20, seed=5), SamplingParams(temperature=0, max_tokens=180, ignore_eos=True)
+    full = LLM(zoo.dir("bf16"), engine_config(accelerator="none", max_context=256, sliding_kv="full"))
+    want = full.generate(ids, sp)[0].token_ids
+    assert not freed and not full.plan.kv_window
+    llm = LLM(zoo.dir("bf16"), engine_config(accelerator="none", max_context=256))
+    assert llm.plan.kv_window and llm.generate(ids, sp)[0].token_ids == want and sum(freed) > 0
