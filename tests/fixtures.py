@@ -304,3 +304,52 @@ def packed_prefill_gaps(model, vocab_size: int, kv_dtype: torch.dtype = torch.fl
         gaps.append(max(max_rel_err(step(packed, nxt, len(ids), slot)[0].cpu(), step(cache, nxt, len(ids), slot)[0].cpu())
                         for (ids, slot), (cache, _) in zip(((a, 0), (b, 1), (c, 2)), alone)))
     return gaps[0], gaps[1]
+
+
+def sentencepiece_model(root: Path, name: str, dummy_prefix: bool, specials: tuple[str, ...]) -> Path:
+    """A SentencePiece BPE model trained on CORPUS as Gemma's / Llama's are built (byte fallback, digits split,
+    whitespace kept, pad / eos / bos / unk 0-3, `specials` user-defined): Gemma's without a dummy prefix, Llama's and
+    Phi-3's with one. Written to root/name.model once; returns its path."""
+    import sentencepiece as spm
+
+    path = root / f"{name}.model"
+    if not path.exists():
+        (root / "corpus.txt").write_text("\n".join([CORPUS] * 4))
+        spm.SentencePieceTrainer.train(
+            input=str(root / "corpus.txt"), model_prefix=str(root / name), vocab_size=400, model_type="bpe",
+            byte_fallback=True, add_dummy_prefix=dummy_prefix, split_digits=True, remove_extra_whitespaces=False,
+            normalization_rule_name="identity", pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+            user_defined_symbols=list(specials), allow_whitespace_only_pieces=True, character_coverage=1.0,
+            minloglevel=2)
+    return path
+
+
+def gguf_tokenizer_encodes_as_sentencepiece(zoo, name: str, model_file: Path, write, path: Path,
+                                            texts: list[str], specials: tuple[str, ...]) -> None:
+    """Asserts that the tiny checkpoint `name` written as GGUF by `write(model, path, sentencepiece=model_file)` with
+    a 400-piece vocabulary encodes each of `texts` through tiered (transformers' GGUF conversion) as llama.cpp does
+    with that vocabulary: <bos>, then each piece of the text between `specials` as SentencePiece encodes it alone
+    (a dummy prefix, where the model has one, at the start of each: llama.cpp's space prefix after every special
+    token), the specials as their ids; decodes a text without specials back to it; and generates from a prompt."""
+    import copy
+    import re
+
+    import sentencepiece as spm
+
+    from tiered import SamplingParams
+
+    model = copy.deepcopy(zoo.hf(name))
+    model.resize_token_embeddings(400, mean_resizing=False)
+    write(model, path, sentencepiece=model_file)
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    llm = zoo.llm(path)
+    split = re.compile("(" + "|".join(map(re.escape, specials)) + ")")
+    for text in texts:
+        want = [sp.bos_id()]
+        for part in (p for p in split.split(text) if p):
+            want += [sp.piece_to_id(part)] if part in specials else sp.encode(part)
+        assert llm.encode(text, chat=False) == want, text
+        if not split.search(text):
+            assert llm.tokenizer.decode(want, skip_special_tokens=True) == text, text
+    out = llm.generate(texts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and isinstance(out.text, str)

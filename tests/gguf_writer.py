@@ -900,10 +900,12 @@ def _write_state(w, state: dict, block: dict, qtype: GGMLQuantizationType, path:
 _PHI3_BLOCK = {**_BLOCK, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
-def write_phi3_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+def write_phi3_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+                    sentencepiece: Path | None = None) -> Path:
     """Write a transformers Phi3ForCausalLM (fp32) as llama.cpp's Phi3MiniModel converter does: q/k/v fused as
     `attn_qkv`, gate/up fused as `ffn_up` (the gate first), rope.dimension_count the partial RoPE's width,
-    attention.sliding_window where the config sets one. 2-D weights in `qtype`, 1-D F32; tokenizer "none"."""
+    attention.sliding_window where the config sets one. 2-D weights in `qtype`, 1-D F32; tokenizer "none", or
+    `sentencepiece`'s vocabulary (add_sentencepiece_vocab; Phi-3's chat markers control tokens)."""
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     w = _header(cfg, path, "phi3", "phi3")
@@ -924,6 +926,9 @@ def write_phi3_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantiz
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
     w.add_file_type(int(qtype))
-    w.add_tokenizer_model("none")
+    if sentencepiece is None:
+        w.add_tokenizer_model("none")
+    else:
+        add_sentencepiece_vocab(w, sentencepiece, ("<|user|>", "<|assistant|>", "<|end|>"))
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     return _write_state(w, state, _PHI3_BLOCK, qtype, path)

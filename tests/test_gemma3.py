@@ -22,8 +22,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
-from fixtures import (check, decode_matches_transformers, gguf_matches_transformers, hf_logits, local_model,
-                      max_rel_err, prompt_ids)
+from fixtures import (check, decode_matches_transformers, gguf_matches_transformers, gguf_tokenizer_encodes_as_sentencepiece,
+                      hf_logits, local_model, max_rel_err, prompt_ids, sentencepiece_model)
 from gguf_writer import dequantized_model, write_gemma3_gguf
 from tiered import SamplingParams, kernels
 from tiered.checkpoint import open_checkpoint
@@ -187,42 +187,12 @@ GEMMA_TEXTS = ["The quick brown fox", "  two leading spaces and  two  inside", "
                "caf\u00e9 na\u00efve \u4f60\u597d \U0001f642", " a leading space", ""]
 
 
-@pytest.fixture(scope="module")
-def gemma_sentencepiece(tmp_path_factory):
-    """A SentencePiece model as Gemma's is built (BPE, byte fallback, no dummy prefix, digits split, whitespace kept,
-    pad / eos / bos / unk 0-3, <start_of_turn> / <end_of_turn> user-defined), trained on the fixtures' corpus."""
-    import sentencepiece as spm
-
-    from fixtures import CORPUS
-
-    d = tmp_path_factory.mktemp("spm")
-    (d / "corpus.txt").write_text("\n".join([CORPUS] * 4))
-    spm.SentencePieceTrainer.train(
-        input=str(d / "corpus.txt"), model_prefix=str(d / "gemma"), vocab_size=400, model_type="bpe",
-        byte_fallback=True, add_dummy_prefix=False, split_digits=True, remove_extra_whitespaces=False,
-        normalization_rule_name="identity", pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], allow_whitespace_only_pieces=True,
-        character_coverage=1.0, minloglevel=2)
-    return d / "gemma.model"
-
-
-def test_gguf_tokenizer_encodes_as_sentencepiece(zoo, tmp_path, gemma_sentencepiece):
-    """A gemma3 GGUF with its vocabulary written as llama.cpp's converter writes Gemma's: tiered's tokenizer for it
-    (transformers' GGUF conversion, cached) gives SentencePiece's own ids after <bos> (spaces, digits, newlines, the
-    turn markers, byte fallback) and decodes them back to the text; a prompt generates through it."""
-    import sentencepiece as spm
-
-    import copy
-
-    model = copy.deepcopy(zoo.hf("gemma3_gguf"))
-    model.resize_token_embeddings(400, mean_resizing=False)
-    path = write_gemma3_gguf(model, tmp_path / "tok.gguf", sentencepiece=gemma_sentencepiece)
-    sp = spm.SentencePieceProcessor(model_file=str(gemma_sentencepiece))
-    llm = zoo.llm(path)
-    for text in GEMMA_TEXTS:
-        ids = llm.encode(text, chat=False)
-        assert ids == [sp.bos_id()] + sp.encode(text), text
-        assert llm.tokenizer.decode(ids, skip_special_tokens=True) == text.replace("<start_of_turn>", "").replace(
-            "<end_of_turn>", "")
-    out = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    assert len(out.token_ids) == 8 and isinstance(out.text, str)
+def test_gguf_tokenizer_encodes_as_sentencepiece(zoo, tmp_path):
+    """A gemma3 GGUF with its vocabulary written as llama.cpp's converter writes Gemma's (a SentencePiece model built
+    as Gemma's: no dummy prefix): tiered's tokenizer for it (transformers' GGUF conversion, cached) gives
+    SentencePiece's own ids after <bos> (spaces, digits, newlines, the turn markers, byte fallback) and decodes them
+    back to the text; a prompt generates through it."""
+    specials = ("<start_of_turn>", "<end_of_turn>")
+    spm = sentencepiece_model(tmp_path, "gemma", dummy_prefix=False, specials=specials)
+    gguf_tokenizer_encodes_as_sentencepiece(zoo, "gemma3_gguf", spm, write_gemma3_gguf, tmp_path / "tok.gguf",
+                                            GEMMA_TEXTS, specials)

@@ -17,8 +17,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
-from fixtures import (check, decode_matches_transformers, gguf_matches_transformers, hf_logits, max_rel_err, prompt_ids,
-                      stepwise_logits)
+from fixtures import (check, decode_matches_transformers, gguf_matches_transformers, gguf_tokenizer_encodes_as_sentencepiece,
+                      hf_logits, max_rel_err, prompt_ids, sentencepiece_model, stepwise_logits)
 from gguf_writer import dequantized_model, write_phi3_gguf
 from tiered import kernels
 from tiered.checkpoint import open_checkpoint
@@ -142,3 +142,18 @@ def test_longrope_gguf_reads_its_factor_tensors(zoo, tmp_path):
     assert g.rope_scaling["attention_factor"] == pytest.approx(h.rope_scaling["attention_factor"], rel=1e-6)
     ids = prompt_ids(zoo.vocab_size, 20, seed=1)
     assert max_rel_err(zoo.llm(path, dtype="float32").logits(ids), hf_logits(hf, ids)) <= REL_TOL
+
+
+PHI3_TEXTS = ["The quick brown fox", "  two leading spaces and  two  inside", "digits 2024 and 31337!",
+              "a line\nand another\n\n", "<|user|>\nhello<|end|>\n<|assistant|>\n",
+              "caf\u00e9 na\u00efve \u4f60\u597d \U0001f642", " a leading space"]
+
+
+def test_gguf_tokenizer_encodes_as_sentencepiece(zoo, tmp_path):
+    """A phi3 GGUF with its vocabulary written as llama.cpp's Phi3MiniModel converter writes it (a SentencePiece model
+    with Llama's dummy prefix, the chat markers control tokens): tiered's tokenizer gives SentencePiece's own ids
+    after <bos> and decodes them back; a prompt generates through it."""
+    specials = ("<|user|>", "<|assistant|>", "<|end|>")
+    spm = sentencepiece_model(tmp_path, "phi3", dummy_prefix=True, specials=specials)
+    gguf_tokenizer_encodes_as_sentencepiece(zoo, "phi3", spm, write_phi3_gguf, tmp_path / "tok.gguf", PHI3_TEXTS,
+                                            specials)
