@@ -411,3 +411,31 @@ def test_a_cpu_engine_computes_the_rope_rows_it_reaches(zoo, monkeypatch, name):
     assert rotary.filled == 96 and (llm.last_burst > 0) == (name == "llama")
     llm.model.rotary = layers.Rotary(llm.config, llm.max_context)
     assert llm.generate(ids, sp)[0].token_ids == lazy
+
+
+def test_a_leader_keeps_what_its_followers_take(zoo, wide, forgetting):
+    """Two prompts admitted together sharing their first 100 tokens (SharedPrefixes): the leader's 220-token prompt,
+    prefilled in chunks of 64, forgets behind its window only up to the shared prefix (KVCache.hold) until the
+    follower took it; each gives generate's tokens alone."""
+    llm = zoo.llm(wide("gemma3"))
+    assert llm.plan.shared_prefixes
+    shared = prompt_ids(zoo.vocab_size, 100, seed=14)
+    lead, follow = shared + prompt_ids(zoo.vocab_size, 120, seed=15), shared + prompt_ids(zoo.vocab_size, 5, seed=16)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    chunk = llm.plan.prefill_chunk
+    llm.plan.prefill_chunk = 64
+    try:
+        sched, cache = Scheduler(max_batch=2, max_queue=2, prefix_reuse=True), llm.kv_cache(2)
+        seqs = [llm.make_sequence(p, sp) for p in (lead, follow)]
+        sched.add(*seqs)
+        outs = {}
+        while sched.has_work():
+            outs.update({id(s): o for s, _, o in llm.step(sched, cache) if o is not None})
+        assert seqs[1].cached_tokens == 100 and sum(forgetting) > 0
+        for seq, prompt in zip(seqs, (lead, follow)):
+            alone = llm.generate(prompt, sp)[0]
+            assert outs[id(seq)].token_ids == alone.token_ids
+            assert [a.logprob for a in outs[id(seq)].logprobs] == pytest.approx([a.logprob for a in alone.logprobs],
+                                                                                 abs=1e-5)
+    finally:
+        llm.plan.prefill_chunk = chunk
