@@ -338,7 +338,10 @@ def gguf_tokenizer_encodes_as_sentencepiece(zoo, name: str, model_file: Path, wr
 
     from tiered import SamplingParams
 
+    import torch
+
     model = copy.deepcopy(zoo.hf(name))
+    torch.manual_seed(0)  # the new embedding rows: the same model, the same generated tokens, every run
     model.resize_token_embeddings(400, mean_resizing=False)
     write(model, path, sentencepiece=model_file)
     sp = spm.SentencePieceProcessor(model_file=str(model_file))

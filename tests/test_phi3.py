@@ -157,3 +157,36 @@ def test_gguf_tokenizer_encodes_as_sentencepiece(zoo, tmp_path):
     spm = sentencepiece_model(tmp_path, "phi3", dummy_prefix=True, specials=specials)
     gguf_tokenizer_encodes_as_sentencepiece(zoo, "phi3", spm, write_phi3_gguf, tmp_path / "tok.gguf", PHI3_TEXTS,
                                             specials)
+
+
+def test_streamed_text_survives_bytes_that_are_no_utf8(zoo, tmp_path):
+    """Byte-fallback tokens that are no valid UTF-8 together (<0x9E> between ASCII bytes) make tokenizers'
+    DecodeStream raise "Invalid prefix encountered" (tokenizers 0.23, a Phi-3-style vocabulary): the sequence's text
+    goes on by the window rule (engine/detokenize.append_token_text), each token's text appended once, no error.""" 
+    import copy
+
+    from tokenizers.decoders import DecodeStream
+
+    from tiered import SamplingParams
+    from tiered.engine.detokenize import append_token_text
+    from tiered.engine.sequence import Sequence
+
+    specials = ("<|user|>", "<|assistant|>", "<|end|>")
+    model = copy.deepcopy(zoo.hf("phi3"))
+    torch.manual_seed(0)
+    model.resize_token_embeddings(400, mean_resizing=False)
+    path = write_phi3_gguf(model, tmp_path / "tok.gguf",
+                           sentencepiece=sentencepiece_model(tmp_path, "phi3", dummy_prefix=True, specials=specials))
+    tok = zoo.llm(path).tokenizer
+    ids = [tok.convert_tokens_to_ids(t) for t in ("<0x4B>", "<0x9E>", "<0x32>", "M", "<0x25>", "n", "<0x41>")]
+    stream = DecodeStream(skip_special_tokens=True)
+    with pytest.raises(Exception, match="Invalid prefix"):
+        for i in ids:
+            stream.step(tok._tokenizer, i)
+    seq = Sequence(index=0, prompt="", prompt_ids=[2], params=SamplingParams(), max_tokens=16, slot=-1,
+                   generator=None)
+    for i in ids:
+        seq.output_ids.append(i)
+        append_token_text(tok, seq)
+    # the stream had emitted "K" (valid alone) before the byte that broke it; the rest once, as the whole decodes it
+    assert seq.decode_stream is None and seq.text.replace("\ufffd", "") == "K" + tok.decode(ids).replace("\ufffd", "")

@@ -10,6 +10,10 @@ except ImportError:
     DecodeStream = None
 
 
+# tokens before the newest that the window rule decodes again where DecodeStream gave up (append_token_text)
+STREAM_FALLBACK_WINDOW = 5
+
+
 def append_token_text(tokenizer, seq: Sequence) -> None:
     """Extend seq.text with the text of its newest output token.
 
@@ -25,10 +29,20 @@ def append_token_text(tokenizer, seq: Sequence) -> None:
     if seq.decode_stream is None and DecodeStream is not None and backend is not None and len(seq.output_ids) == 1:
         seq.decode_stream = DecodeStream(skip_special_tokens=skip)  # from the first token on
     if seq.decode_stream is not None:
-        piece = seq.decode_stream.step(backend, seq.output_ids[-1])
-        if piece:
-            seq.text += piece
-        return
+        try:
+            piece = seq.decode_stream.step(backend, seq.output_ids[-1])
+        except Exception:  # noqa: BLE001 - tokenizers' stream refuses some byte sequences (below)
+            # tokenizers' DecodeStream raises "Invalid prefix encountered while decoding stream" after byte-fallback
+            # tokens that are no valid UTF-8 together (a stray continuation byte, <0x9E>, between ASCII bytes: a
+            # SentencePiece vocabulary through a space-prefix decoder; tokenizers 0.23): the window rule below takes
+            # over for the rest of the sequence, from the few tokens before this one
+            seq.decode_stream = None
+            seq.read_offset = len(seq.output_ids) - 1
+            seq.prefix_offset = max(0, seq.read_offset - STREAM_FALLBACK_WINDOW)
+        else:
+            if piece:
+                seq.text += piece
+            return
     ids = seq.output_ids
     prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
     full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
