@@ -588,7 +588,7 @@ class LLM:
         whose room it reserved: a list of thousands of prompts no longer asks for thousands of slots)."""
         if self.engine_config.goal == "throughput" and self.plan.source != "rules":
             return max(1, min(count, self.plan.kv_slots))
-        one = self._kv_bytes(1, length)
+        one = self._kv_bytes(1, length)[0]
         room = self.fast_budget.free
         fit = count if room == float("inf") else int(room // max(1, one))
         return max(1, min(count, MAX_GENERATE_BATCH, max(fit, self.plan.kv_slots)))
@@ -1315,7 +1315,7 @@ class LLM:
         pages (`huge_pages`, KVCache's: the call fills what it sized)."""
         if self.runtime.graphs is None or num_slots != 1:
             aligned = max(max_len, min(-(-max_len // KV_ALIGN) * KV_ALIGN, self.max_context))
-            if aligned > max_len and not self.fast_budget.fits(self._kv_bytes(num_slots, aligned)):
+            if aligned > max_len and not self.fast_budget.fits(self._kv_bytes(num_slots, aligned)[0]):
                 aligned = max_len  # the call's slots were counted for max_len positions (LLM._batch_slots)
             return self._kv_cache(num_slots, aligned, huge_pages=huge_pages, forgets=True)
         if getattr(self, "_static_cache", None) is None:
@@ -1326,17 +1326,16 @@ class LLM:
         """The KV cache's format: the plan's (Plan.dtypes["kv_cache"]), else the compute dtype's."""
         return self.plan.dtypes.get("kv_cache") or sizes.format_of(self.dtype)
 
-    def _kv_bytes(self, num_slots: int, max_len: int, fmt: str | None = None, with_advance: bool = False,
-                  forgets: bool = True):
-        """Bytes the budget reserves for a KV cache of `num_slots` x `max_len` positions in `fmt` (default the
-        plan's) on the compute tier: KVCache.held_bytes', its sliding layers counted at their window where it
-        forgets (`forgets`: a cache LLM.step runs, which calls KVCache.forget; Plan.kv_window,
-        models/layers.forgetting_advance); with `with_advance`, (bytes, the advance)."""
+    def _kv_bytes(self, num_slots: int, max_len: int, fmt: str | None = None,
+                  forgets: bool = True) -> tuple[int, int | None]:
+        """(bytes the budget reserves for a KV cache of `num_slots` x `max_len` positions in `fmt` (default the
+        plan's) on the compute tier, KVCache's `advance`): KVCache.held_bytes', its sliding layers counted at their
+        window where it forgets (`forgets`: a cache LLM.step runs, which calls KVCache.forget; Plan.kv_window,
+        models/layers.forgetting_advance)."""
         fmt = fmt or self._kv_format()
         advance = forgetting_advance(self.config, num_slots, max_len, sizes.kv_torch_dtype(fmt), self.device,
                                      self.plan.kv_advance() if forgets else None)
-        nbytes = sizes.kv_cache_bytes(self.config, num_slots, max_len, fmt, advance)
-        return (nbytes, advance) if with_advance else nbytes
+        return sizes.kv_cache_bytes(self.config, num_slots, max_len, fmt, advance), advance
 
     def _kv_cache(self, num_slots: int, max_len: int, fmt: str | None = None, huge_pages: bool = False,
                   forgets: bool = False) -> KVCache:
@@ -1345,7 +1344,7 @@ class LLM:
         2 MiB pages, for a cache its call fills); `forgets`: a cache LLM.step runs (its sliding layers forget
         behind their windows where the plan says so: _kv_bytes)."""
         fmt = fmt or self._kv_format()
-        nbytes, advance = self._kv_bytes(num_slots, max_len, fmt, with_advance=True, forgets=forgets)
+        nbytes, advance = self._kv_bytes(num_slots, max_len, fmt, forgets=forgets)
         self.fast_budget.reserve(nbytes, "the KV cache")
         try:
             with self._device_scope():  # on the accelerator's device (a stand-in tensor on the stand-in)

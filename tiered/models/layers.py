@@ -21,7 +21,7 @@ from tiered.hardware.accelerator import building_graph
 from tiered.memory.host import lazily_committed, lazy_zeros, release_pages
 from tiered.memory.sizes import (KV_ALIGN, KV_FORGET_SLACK, KV_FORGET_STEP, PAGE_BYTES, format_of,  # noqa: F401
                                  kv_block, kv_cache_bytes, kv_cache_widths, kv_row_bytes,  # (kv_row_bytes: the row's bytes)
-                                 window_key_start)
+                                 tensor_bytes, window_key_start)
 
 
 class RMSNorm(nn.Module):
@@ -106,14 +106,19 @@ class Rotary(nn.Module):
                 getattr(self, prefix + "sin")[self.filled:top] = sin
         self.filled = top
 
+    def cover(self, positions: torch.Tensor) -> None:
+        """`ensure` the rows of `positions` (int64, any shape); nothing to compute (no host read of the positions)
+        once the tables are whole."""
+        if self.filled < self.max_positions:
+            self.ensure(int(positions.max()) + 1)
+
     def _apply(self, fn, recurse: bool = True):
         self.ensure(self.max_positions)  # a copy (another device, dtype) of the whole tables
         return super()._apply(fn, recurse)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [B, T] -> (cos, sin), each [B, 1, T, rd] fp32."""
-        if self.filled < self.max_positions:
-            self.ensure(int(positions.max()) + 1)
+        self.cover(positions)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def local(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -121,8 +126,7 @@ class Rotary(nn.Module):
         layer rotates by the same RoPE."""
         if self.local_cos is None:
             return None
-        if self.filled < self.max_positions:
-            self.ensure(int(positions.max()) + 1)
+        self.cover(positions)
         return self.local_cos[positions].unsqueeze(1), self.local_sin[positions].unsqueeze(1)
 
     @staticmethod
@@ -455,9 +459,14 @@ def forgetting_advance(config: ModelConfig, num_slots: int, max_len: int, dtype:
     What it holds at most, and the budget reserves: memory/sizes.kv_cache_bytes(..., advance=this)."""
     if advance is None or not config.windowed:
         return None
-    heads, kw, _ = kv_cache_widths(config, "int8" if dtype == torch.int8 else None)
-    k_bytes = config.num_hidden_layers * num_slots * heads * max_len * kw * torch.empty((), dtype=dtype).element_size()
-    return advance if lazily_committed(k_bytes, device) else None
+    return advance if lazily_committed(tensor_bytes(_kv_shape(config, num_slots, max_len, dtype)[0], dtype), device) \
+        else None
+
+
+def _kv_shape(config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype) -> tuple[tuple, tuple]:
+    """The shapes of a KVCache's k and v tensors: [L, num_slots, Hkv, max_len, width] each (kv_cache_widths')."""
+    heads, kw, vw = kv_cache_widths(config, "int8" if dtype == torch.int8 else None)
+    return tuple((config.num_hidden_layers, num_slots, heads, max_len, w) for w in (kw, vw))
 
 
 class KVCache:
@@ -498,12 +507,11 @@ class KVCache:
                  device: torch.device | str = "cpu", huge_pages: bool = False, advance: int | None = None) -> None:
         self.quantized = dtype == torch.int8
         self.config = config
-        heads, kw, vw = kv_cache_widths(config, "int8" if self.quantized else None)
         # on the CPU committed as positions are written (memory/host.lazy_zeros): a server's slots of max_context
         # positions cost the RAM its sequences use; `huge_pages` (a cache its call fills): 2 MiB pages, whose
         # attention reads miss the TLB less
-        self.k = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, kw), dtype, device, huge_pages)
-        self.v = lazy_zeros((config.num_hidden_layers, num_slots, heads, max_len, vw), dtype, device, huge_pages)
+        self.k, self.v = (lazy_zeros(shape, dtype, device, huge_pages)
+                          for shape in _kv_shape(config, num_slots, max_len, dtype))
         self.max_len = max_len
         # (layer, window) of the sliding layers this cache forgets behind; none where it cannot hand pages back
         self.advance = forgetting_advance(config, num_slots, max_len, dtype, device, advance)
@@ -612,9 +620,9 @@ class KVCache:
                 freed += release_pages(lo, base + end * step - lo)
         return freed
 
-    def _carry_floor(self, dst: int, src: int, floor: int) -> None:
-        """Slot dst, taking src's KV (copy_slots), takes src's forgotten `floor`; its own positions before it hand
-        their pages back (a former sequence's, read by no query of the new one)."""
+    def _carry_floor(self, dst: int, floor: int) -> None:
+        """Slot dst, taking another slot's KV (copy_slots), takes the `floor` that serves it; its own positions
+        before it hand their pages back (a former sequence's, read by no query of the new one)."""
         if floor > self.forgotten[dst]:
             for i, w in self.windows:
                 if floor > w:
@@ -646,8 +654,6 @@ class KVCache:
         if any(self.forgotten[p] for p in sources):  # a forgetting cache's sliding layers: their kept positions only
             self._copy_kept(parents, moved, sources, length, start)
             return
-        for j in moved:
-            self.checkpoint[j] = None
         for t in (self.k, self.v):
             # each source slot's positions cloned first (a slice each), then a slice copy per slot. index_select over
             # the slots of the positions' view took 100x longer on the CPU (a strided gather: SmolLM2, 48 slots of 828
@@ -656,8 +662,8 @@ class KVCache:
             parts = {p: t[:, p, :, start:length].clone() for p in sources}
             for j in moved:
                 t[:, j, :, start:length].copy_(parts[parents[j]])
-        for j in moved:
-            self.forgotten[j] = self.forgotten[j] if start else 0
+        for j in moved:  # its positions from `start` on are the source's, whole
+            self.forgotten[j], self.checkpoint[j] = (self.forgotten[j] if start else 0), None
 
     def _copy_kept(self, parents: list[int], moved: list[int], sources: list[int], length: int, start: int) -> None:
         """copy_slots where a source slot has forgotten positions: layer by layer, each sliding layer from the
@@ -676,7 +682,7 @@ class KVCache:
                     t[i, j, :, lo[parents[j]]:length].copy_(parts[parents[j]])
         for j in moved:
             mine = self.forgotten[j]
-            self._carry_floor(j, parents[j], floors[parents[j]])
+            self._carry_floor(j, floors[parents[j]])
             self.checkpoint[j] = None
             if start:
                 self.forgotten[j] = max(self.forgotten[j], mine)

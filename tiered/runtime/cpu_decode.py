@@ -504,7 +504,7 @@ class CPUDecodeStep:
         pos = positions.view(B)
         x = self.model.embed(input_ids).view(B, -1).contiguous()  # [B, D] residual stream, model dtype
         rot = self.model.rotary
-        rot.ensure(int(pos.max()) + 1)  # (a lazy table's rows: Rotary.ensure)
+        rot.cover(pos)  # (a lazy table's rows: Rotary.ensure)
         cos, sin = rot.cos[pos], rot.sin[pos]  # [B, rd] fp32
         # the local layers' own RoPE (Gemma 3's sliding layers), or none
         local = {} if rot.local_cos is None else dict(local_cos=rot.local_cos[pos], local_sin=rot.local_sin[pos])
