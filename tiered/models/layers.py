@@ -74,8 +74,9 @@ class Rotary(nn.Module):
     computed ROPE_ROWS at a time as positions reach them (`ensure`; `forward` and `local` ensure what they gather,
     and every reader of the whole tables, the native decode step's, ensures first): Gemma 3 4B's two pairs of
     tables at its 131072 positions are 537 MB, computed at load (~0.5 s, ~1 GB at its peak) where a conversation
-    reaches a few thousand positions. Moved to another device (`_apply`, Accelerator.module_to_device), a lazy
-    table is filled whole first."""
+    reaches a few thousand positions. Only a CPU engine's tables are lazy (LLM._place: no accelerator; an
+    accelerator's Rotary is built whole before Accelerator.module_to_device, which moves buffers as they are);
+    `.to()` / `_apply` fills a lazy table whole before copying it."""
 
     def __init__(self, config: ModelConfig, max_positions: int, lazy: bool = False) -> None:
         super().__init__()
