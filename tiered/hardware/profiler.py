@@ -1570,6 +1570,12 @@ def _step_rows_points(repeats: int, shape=DECODE_LAYER_SHAPES[0]) -> list[tuple[
             for i, T in enumerate(STEP_ROWS_TOKENS)]
 
 
+def _layer_elements(shape) -> int:
+    """Weight elements of one dense layer of `shape` (DECODE_LAYER_SHAPES'): its attention and its SwiGLU."""
+    D, F_ = shape[:2]
+    return _dense_config(shape, 1).attention_weight_elements() + 3 * D * F_
+
+
 class _ColdDecodeLayers:
     """Dense layers of `shape` (DECODE_LAYER_SHAPES') with the engine's int4 decode copies (`fmt` "int8-g32": its int8
     ones per group of 32) in tiered's native decode
@@ -1584,9 +1590,8 @@ class _ColdDecodeLayers:
 
         from tiered.memory.sizes import bytes_per_element
 
-        D, F_ = shape[:2]
         cfg = _dense_config(shape, DECODE_LAYER_RUN)
-        self.elements = cfg.attention_weight_elements() + 3 * D * F_
+        self.elements = _layer_elements(shape)
         nbytes = self.elements * bytes_per_element(fmt)
         runs = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * nbytes)))
         self.cfg = replace(cfg, num_hidden_layers=runs * DECODE_LAYER_RUN)
@@ -2218,7 +2223,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
             "quick": b.quick, "repeats": b.repeats, "disk_dir": str(b.disk_dir), "disk_fs": _fs_type(b.disk_dir),
             "disk_memory": shutil.disk_usage(b.disk_dir).free, "skipped": b.skipped, "llc_bytes": b.llc,
             "points": {k: [[float(n), float(t)] for n, t in v] for k, v in b.points.items()},
-            "batch_rows": list(BATCH_ROWS)}
+            "batch_rows": list(BATCH_ROWS),
+            # the layer runtime/decode_ws/int4 cycles, one of decode_layer's widths (op_time.step_cache_factor)
+            "decode_ws_layer_bytes": int(_layer_elements(DECODE_LAYER_SHAPES[1]) * bytes_per_element("int4"))}
     if cuda:
         props = torch.cuda.get_device_properties(0)
         meta.update(gpu=props.name, gpu_capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
