@@ -348,6 +348,66 @@ def test_a_sliding_layer_attends_over_its_window_only(zoo, wide, monkeypatch, na
     assert chunks and all(kept == n - sizes.window_key_start(s, 48) and kept < n for s, n, kept in chunks)
 
 
+@pytest.mark.parametrize("name", ["gemma3", "qwen3"])
+def test_a_sliding_layers_bf16_prompt_attends_on_the_amx_kernel_over_its_window(zoo, monkeypatch, tmp_path, name):
+    """A bf16 prompt's sliding layers (Gemma 3's local one; every layer of a Qwen3 copy sliding over 8, the step's
+    own mask windowed) attend on
+    the AMX kernel with their window (layers.attend's `window`, csrc/gemv.cpp attn_block: keys past + i - window +
+    1..past + i), a first chunk of 64 from position 0 and the chunks after it, where torch's SDPA under the window's
+    mask had taken them: the hidden states within the error SDPA's bf16 attention makes against an fp32 cache's
+    forward. On a Gemma-3-4B-width file's 8192-token prompt the later chunks' local layers spent 83 ms a chunk in
+    torch's flash attention (2 AMX cores, 2026-12-07)."""
+    from fixtures import local_model
+    from tiered.models.layers import _amx_attention, set_prompt_attention
+
+    path = zoo.dir(name)
+    if name == "qwen3":  # (head_dim 32: the kernel's; the tiny Mistral's and Qwen2's are 16)
+        path = copy_dir(zoo, name, tmp_path)
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.update(use_sliding_window=True, sliding_window=8, max_window_layers=0, layer_types=None)
+        (path / "config.json").write_text(json.dumps(cfg))
+    model = local_model(path, 256)
+    assert all(model.config.window_of(i) == 8 for i in range(1 if name == "gemma3" else 2))
+    hd = model.config.head_dim or model.config.hidden_size // model.config.num_attention_heads
+    probe = torch.zeros(1, 1, 2, hd, dtype=torch.bfloat16)
+    if _amx_attention(probe, probe, probe) is None:
+        pytest.skip("no AMX attention here (head_dim or CPU)")
+    ids = torch.tensor([prompt_ids(zoo.vocab_size, 200, seed=13)])
+    calls = []
+
+    def hidden(kv_dtype, prompt_dtype):
+        set_prompt_attention(model, prompt_dtype)
+        cache, slots = KVCache(model.config, 1, 256, kv_dtype), torch.tensor([0])
+        with torch.inference_mode():
+            for a, b in ((0, 64), (64, 128), (128, 200)):
+                h = model.hidden_states(ids[:, a:b], torch.arange(a, b).unsqueeze(0), slots, cache)
+        return h[0].float()
+
+    ref = hidden(torch.float32, None)
+    real = layers._amx_attention
+
+    def spy(q, k, v, past=0):
+        ext = real(q, k, v, past)
+        if ext is None:
+            return None
+
+        class Seen:
+            def amx_prompt_attention(self, *args):
+                calls.append(args[4:])  # (past, window)
+                return ext.amx_prompt_attention(*args)
+        return Seen()
+    monkeypatch.setattr(layers, "_amx_attention", spy)
+    got = hidden(torch.bfloat16, torch.bfloat16)
+    windowed = [c for c in calls if c[1] == 8]
+    assert {c[0] > 0 for c in windowed} == {False, True}  # the first chunk and the later ones
+    assert all(c[0] <= 8 + sizes.KV_ALIGN for c in windowed if c[0] > 0)  # past counted from the trimmed keys
+    monkeypatch.setattr(layers, "_amx_attention", lambda *a, **k: None)
+    sdpa = hidden(torch.bfloat16, torch.bfloat16)
+    err, sdpa_err = (got - ref).abs().max().item(), (sdpa - ref).abs().max().item()
+    assert err <= 1.5 * sdpa_err + 1e-3
+    assert (got - ref).abs().mean() <= 1.5 * (sdpa - ref).abs().mean() + 1e-4
+
+
 def test_prompts_are_priced_over_the_windows(zoo):
     from test_plan import cpu_only_profile
     from tiered.planner.cpu_predict import layer_pairs, predict_prefill, predict_prompt_rows

@@ -330,6 +330,39 @@ def test_amx_chunk_attention_after_cached_positions_is_as_close_to_fp32_as_torch
         kernels.load().amx_prompt_attention(q, k[:, :, :S - 1], v[:, :, :S - 1], scale, past)
 
 
+@pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
+@pytest.mark.parametrize("shape", [(1, 8, 4, 256, 300, 0, 128), (1, 8, 4, 256, 200, 900, 1024),
+                                   (1, 4, 2, 64, 333, 70, 50), (2, 4, 4, 32, 65, 0, 1), (1, 4, 2, 64, 100, 500, 64)])
+def test_amx_windowed_attention_is_as_close_to_fp32_as_torchs(shape):
+    """A sliding layer's bf16 prompt on the AMX kernel (layers.attend's `window`): query i at position past + i over
+    keys past + i - window + 1..past + i (attention_mask's window), from position 0 or after cached positions, windows
+    shorter and longer than a block of 64 keys, of one key, and not a multiple of 16: within the error torch's bf16
+    SDPA under that mask makes against an fp32 reference, and not the unwindowed attention."""
+    from tiered.models.layers import _amx_attention, attend, attention_mask
+
+    B, H, Hkv, hd, T, past, window = shape
+    S = past + T
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, T, H, hd, generator=g).bfloat16().transpose(1, 2)
+    k, v = (torch.randn(B, Hkv, S, hd, generator=g).bfloat16() for _ in range(2))
+    if _amx_attention(q, k, v, past) is None:
+        pytest.skip("no AMX here")
+    scale = hd ** -0.5
+    mask = attention_mask(torch.arange(past, S).expand(B, T), S, window)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
+                                         enable_gqa=H != Hkv)
+    torch_bf16 = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
+    got = attend(q, k, v, mask, False, scale, H != Hkv, past, window)
+    assert got.dtype == torch.bfloat16 and got.shape == (B, H, T, hd) and bool(got.isfinite().all())
+    err, torch_err = (got.float() - ref).abs().max().item(), (torch_bf16.float() - ref).abs().max().item()
+    assert err <= 1.5 * torch_err + 1e-3
+    assert (got.float() - ref).abs().mean() <= 1.5 * (torch_bf16.float() - ref).abs().mean()
+    if window < S:  # the window is attended to, not the whole past
+        assert (attend(q, k, v, mask, False, scale, H != Hkv, past).float() - ref).abs().max() > 10 * err + 1e-2
+    with pytest.raises(RuntimeError, match="head_dim % 32"):
+        kernels.load().amx_prompt_attention(q, k, v, scale, past, -1)
+
+
 @pytest.mark.parametrize("past", [0, 40])
 def test_amx_attention_follows_scores_whose_max_jumps_along_the_keys(past):
     """The AMX kernel's online softmax takes each block's exponentials against a running max it moves only where a

@@ -86,10 +86,11 @@ class GemmaAttention(Attention):
         if self.softcap is not None:
             self.aligns_keys = False  # its own masks: no widened keys
 
-    def attend(self, q, k, v, mask: torch.Tensor | None, causal: bool, past: int | None = None) -> torch.Tensor:
+    def attend(self, q, k, v, mask: torch.Tensor | None, causal: bool, past: int | None = None,
+               window: int = 0) -> torch.Tensor:
         """Attention.attend, soft-capped where the model caps its logits."""
         if self.softcap is None:
-            return super().attend(q, k, v, mask, causal, past)
+            return super().attend(q, k, v, mask, causal, past, window)
         return attend_softcapped(q, k, v, mask, causal, self.scale, self.softcap)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:

@@ -93,7 +93,8 @@ class SinkAttention(Attention):
         super().__init__(config, layer_idx)
         self.sinks = nn.Parameter(torch.empty(config.num_attention_heads))
 
-    def attend(self, q, k, v, mask: torch.Tensor | None, causal: bool, past: int | None = None) -> torch.Tensor:
+    def attend(self, q, k, v, mask: torch.Tensor | None, causal: bool, past: int | None = None,
+               window: int = 0) -> torch.Tensor:
         return attend_with_sinks(q, k, v, mask, causal, self.scale, self.sinks)
 
 

@@ -825,12 +825,14 @@ def _amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int 
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-           scale: float, gqa: bool, past: int | None = None) -> torch.Tensor:
+           scale: float, gqa: bool, past: int | None = None, window: int = 0) -> torch.Tensor:
     """torch's scaled_dot_product_attention, without the cuDNN backend on CUDA; a CPU prompt's causal attention
     in bf16 on tiered's AMX kernel where it runs (`_amx_attention`: 32 queries x 64 keys of scores in AMX tiles, an
     online softmax in fp32, the probabilities in bf16 against V; within torch's own bf16 error of an fp32
     reference): from position 0 (mask None, `causal`: query i over keys 0..i), or a prefill chunk after `past`
-    cached positions (query i over keys 0..past + i: what `mask` then says, unwindowed; the caller vouches for it).
+    cached positions (query i over keys 0..past + i: what `mask` then says; the caller vouches for it), and with a
+    sliding `window` (> 0, with `past`) over keys past + i - window + 1..past + i only (a sliding layer's mask,
+    window_mask's / attention_mask's; the kernel skips the key blocks no query of a block sees).
     Against torch's flash attention on 2 AMX cores (2026-12-06, session 94): SmolLM2's 9 x 64 heads at 512 / 2048
     tokens 0.31 / 3.99 ms against 0.83 / 7.22, Qwen3's 32 x 128 (kv 4) at 512 1.92 against 3.52.
 
@@ -849,7 +851,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if (past is not None or (mask is None and causal)) and q.device.type == "cpu":
         native = _amx_attention(q, k, v, past or 0)
         if native is not None:
-            return native.amx_prompt_attention(q, k, v, scale, past or 0)
+            return native.amx_prompt_attention(q, k, v, scale, past or 0, window if past is not None else 0)
     if (not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()) or torch.cuda.is_current_stream_capturing()
             or building_graph()):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
@@ -1012,23 +1014,29 @@ class Attention(nn.Module):
         mask, causal = (meta.mask, meta.causal) if self.local_window is None else window_mask(meta, self.local_window)
         if prompt and self.aligns_keys:  # the keys widened to an aligned count (CPU: KVCache.aligned)
             k, v, mask = cache.aligned(self.layer_idx, k, v, meta, mask)
+        lo = 0  # the first key the (trimmed) k / v hold
         if self.window is not None and mask is not None and meta.single is not None:
+            lo = window_key_start(meta.single[1], self.window)
             k, v, mask = _window_keys(k, v, mask, meta.single[1], self.window)
-        # a chunk after cached positions of one sequence, unwindowed: its mask is attend's `past` pattern
-        past = meta.single[1] if (prompt and meta.single is not None and self.local_window is None
-                                  and not meta.windowed) else None
+        # a chunk of one sequence's consecutive positions: its mask is attend's `past` pattern, over the layer's
+        # window where its mask has one (window_mask's of a local layer, the model's sliding window's)
+        # (a local layer's window beside the model's: torch's SDPA under the mask)
+        window = None if self.local_window and meta.windowed else self.local_window or (self.window or 0) * meta.windowed
+        past = meta.single[1] - lo if prompt and meta.single is not None and window is not None else None
         if prompt and k.dtype == self.prompt_dtype and q.dtype != k.dtype:  # a prompt in the cache's format
-            out = self.attend(q.to(k.dtype), k, v, mask, causal, past).to(q.dtype)
+            out = self.attend(q.to(k.dtype), k, v, mask, causal, past, window).to(q.dtype)
         else:
             if k.dtype != q.dtype:  # an fp8 / other KV cache format
                 k, v = k.to(q.dtype), v.to(q.dtype)
-            out = self.attend(q, k, v, mask, causal, past)
+            out = self.attend(q, k, v, mask, causal, past, window)
         return out
 
-    def attend(self, q, k, v, mask: torch.Tensor | None, causal: bool, past: int | None = None) -> torch.Tensor:
+    def attend(self, q, k, v, mask: torch.Tensor | None, causal: bool, past: int | None = None,
+               window: int = 0) -> torch.Tensor:
         """q [B, H, T, hd], cached k/v [B, Hkv, S, hd], the layer's mask -> [B, H, T, hd] (`attend`; `past`: the
-        queries' first position where they are one sequence's consecutive positions, unwindowed)."""
-        return attend(q, k, v, mask, causal, self.scale, self.H != self.Hkv, past)
+        queries' first position in k / v where they are one sequence's consecutive positions, `window` the sliding
+        window its mask has, 0 for none)."""
+        return attend(q, k, v, mask, causal, self.scale, self.H != self.Hkv, past, window)
 
 
 class MLP(nn.Module):

@@ -2065,13 +2065,15 @@ TIERED_AMX TIERED_FORCE_INLINE __m512 exp2_512(__m512 t) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Row srow's 64 scores (fp32) times vscale into x, masks mk of its first vi keys (those it sees), and their max.
+// Row srow's 64 scores (fp32) times vscale into x, masks mk of its keys from..vi - 1 (those it sees: its first vi,
+// less the first `from` a sliding window leaves behind), and their max.
 TIERED_AMX TIERED_FORCE_INLINE float attn_row_max(const float* srow, int64_t vi, __m512 vscale, __m512 x[4],
-                                                  __mmask16 mk[4]) {
+                                                  __mmask16 mk[4], int64_t from = 0) {
   __m512 mxv = _mm512_set1_ps(-INFINITY);
   for (int q = 0; q < 4; ++q) {
     const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, vi - 16 * q));
-    mk[q] = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    const int64_t lo = std::min<int64_t>(16, std::max<int64_t>(0, from - 16 * q));
+    mk[q] = (n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1)) & __mmask16(~((1u << lo) - 1));
     x[q] = _mm512_mul_ps(_mm512_load_ps(srow + 16 * q), vscale);
     mxv = _mm512_mask_max_ps(mxv, mk[q], mxv, x[q]);
   }
@@ -2080,9 +2082,10 @@ TIERED_AMX TIERED_FORCE_INLINE float attn_row_max(const float* srow, int64_t vi,
 
 // One block of up to 32 queries (rows q0.., `nq` of them, qa: their tiles [2][hd / 32][16][32] bf16, zero past nq)
 // of one head against its kv head's packed keys, 64 keys at a time: out rows (bf16, `ldo` apart) = softmax(scale q
-// k^T) v.
+// k^T) v, query q0 + i over keys 0..q0 + i, or with a sliding `window` (> 0) over its last `window` of them only: the
+// key blocks no query of the block sees are skipped.
 TIERED_AMX void attn_block(const uint16_t* qa, int64_t q0, int64_t nq, const uint32_t* kp, const uint32_t* vp,
-                           int64_t hd, float scale, uint16_t* out, int64_t ldo) {
+                           int64_t hd, float scale, uint16_t* out, int64_t ldo, int64_t window = 0) {
   const int64_t C = hd / 32, CC = hd / 16;
   alignas(64) float sc[kAttnQ * kAttnK];
   alignas(64) uint16_t pb[kAttnQ * kAttnK];
@@ -2095,7 +2098,8 @@ TIERED_AMX void attn_block(const uint16_t* qa, int64_t q0, int64_t nq, const uin
   std::fill(m, m + kAttnQ, -INFINITY);
   const __m512 vscale = _mm512_set1_ps(scale * kLog2e);
   const int64_t last = q0 + nq - 1, nkb = last / kAttnK + 1;  // key blocks any of these queries sees
-  for (int64_t j = 0; j < nkb; ++j) {
+  const int64_t jlo = window > 0 ? std::max<int64_t>(0, q0 - window + 1) / kAttnK : 0;  // ... from this one
+  for (int64_t j = jlo; j < nkb; ++j) {
     for (int64_t hk = 0; hk < 2; ++hk) {  // the block's two halves of 32 keys: 2 x 2 score tiles each
       _tile_zero(0);
       _tile_zero(1);
@@ -2122,27 +2126,32 @@ TIERED_AMX void attn_block(const uint16_t* qa, int64_t q0, int64_t nq, const uin
     // it passed the row's running max by more than kAttnLazyMax, what the row has (its outputs, its sum) rescaled by
     // 2^(old - new) and the max moved; this block's exponentials against the running max into the row's sum (16
     // lanes, reduced once at the end), P rounded to bf16 (VCVTNE2PS2BF16: nearest even)
-    const auto visible = [&](int64_t i) {  // the keys of this block row i sees
+    const auto visible = [&](int64_t i) {  // the keys of this block row i sees: below this ...
       return i < nq ? std::max<int64_t>(0, std::min<int64_t>(kAttnK, q0 + i - j * kAttnK + 1)) : 0;
     };
-    if (j == 0)  // every row sees key 0: the first block's max is each row's, taken ahead of its exponentials
+    const auto from = [&](int64_t i) {  // ... and from this one (its window's first)
+      return window > 0 ? std::max<int64_t>(0, std::min<int64_t>(kAttnK, q0 + i - window + 1 - j * kAttnK)) : 0;
+    };
+    if (j == jlo)  // a row's first block of keys: its max is the row's, taken ahead of its exponentials
       for (int64_t i = 0; i < nq; ++i) {
         __mmask16 mk[4];
         __m512 x[4];
-        m[i] = attn_row_max(sc + i * kAttnK, visible(i), vscale, x, mk);
+        if (visible(i) > from(i)) m[i] = attn_row_max(sc + i * kAttnK, visible(i), vscale, x, mk, from(i));
       }
     for (int64_t i = 0; i < kAttnQ; ++i) {
-      const int64_t vi = visible(i);
+      const int64_t vi = visible(i), lo = from(i);
       uint16_t* prow = pb + i * kAttnK;
-      if (vi == 0) {
+      if (vi <= lo) {
         std::memset(prow, 0, kAttnK * sizeof(uint16_t));
         continue;
       }
       __mmask16 mk[4];
       __m512 x[4];
-      const float mx = attn_row_max(sc + i * kAttnK, vi, vscale, x, mk);
+      const float mx = attn_row_max(sc + i * kAttnK, vi, vscale, x, mk, lo);
       float* lrow = l + i * 16;
-      if (mx > m[i] + kAttnLazyMax) {
+      if (m[i] == -INFINITY) {  // the row's first keys past the block jlo (a window starting later): nothing to rescale
+        m[i] = mx;
+      } else if (mx > m[i] + kAttnLazyMax) {
         const __m512 a = exp2_512(_mm512_set1_ps(m[i] - mx));
         _mm512_store_ps(lrow, _mm512_mul_ps(_mm512_load_ps(lrow), a));
         float* orow = o + i * hd;
@@ -2225,7 +2234,8 @@ struct AttnJob {  // amx_prompt_attention's operands for attn_items
   int64_t sob, soh, sot;
   int64_t H, Hkv, T, hd, QB;
   float scale;
-  int64_t past;  // the queries' first position: query i sees keys 0 .. past + i
+  int64_t past;    // the queries' first position: query i sees keys 0 .. past + i
+  int64_t window;  // > 0: ... the last `window` of them only
 };
 
 // items w0..w1 of B x H x QB (sequence, head, block of 32 queries) on this thread
@@ -2243,16 +2253,17 @@ TIERED_AMX void attn_items(const AttnJob& j, int64_t w0, int64_t w1) {
     });
     const uint32_t* kv = j.packed + (b * j.Hkv + g) * 2 * j.kv_dwords;
     attn_block(qa, j.past + q0, nq, kv, kv + j.kv_dwords, j.hd, j.scale, j.out + b * j.sob + h * j.soh + q0 * j.sot,
-               j.sot);
+               j.sot, j.window);
   }
   _tile_release();
 }
 
 // q [B, H, T, hd], k / v [B, Hkv, S, hd] bf16 (rows contiguous), S >= past + T, H % Hkv == 0, hd % 32 == 0 -> out [B,
 // H, T, hd] bf16 (its memory [B, T, H, hd]: o_proj's rows) = causal softmax(scale q k^T) v, query i over keys
-// 0..past + i (past > 0: a prefill chunk after `past` cached positions; keys past past + T - 1 never read).
+// 0..past + i (past > 0: a prefill chunk after `past` cached positions; keys past past + T - 1 never read), or with a
+// sliding `window` (> 0: a sliding layer's) over keys past + i - window + 1..past + i.
 at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                int64_t past) {
+                                int64_t past, int64_t window) {
   TIERED_CHECK(amx_ready(), "amx_prompt_attention: needs AMX");
   TIERED_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kBFloat16 &&
                    k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && q.stride(3) == 1 &&
@@ -2260,7 +2271,7 @@ at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const 
                "amx_prompt_attention: q [B, H, T, hd], k and v [B, Hkv, S, hd] bf16 with contiguous rows");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3), Hkv = k.size(1), S = k.size(2);
   TIERED_CHECK(k.size(0) == B && k.size(3) == hd && Hkv > 0 && H % Hkv == 0 && past >= 0 && S >= past + T &&
-                   hd % 32 == 0 && hd <= 256,
+                   hd % 32 == 0 && hd <= 256 && window >= 0,
                "amx_prompt_attention: k / v [", B, ", Hkv | ", H, ", S >= ", past + T, ", ", hd,
                "] with head_dim % 32 == 0");
   at::Tensor out = at::empty({B, T, H, hd}, q.options()).transpose(1, 2);
@@ -2281,7 +2292,7 @@ at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const 
     }
   });
   const AttnJob job{qd, q.stride(0), q.stride(1), q.stride(2), pk, kv_dwords, od, out.stride(0), out.stride(1),
-                    out.stride(2), H, Hkv, T, hd, QB, float(scale), past};
+                    out.stride(2), H, Hkv, T, hd, QB, float(scale), past, window};
   at::parallel_for(0, B * H * QB, 1, [&](int64_t w0, int64_t w1) { attn_items(job, w0, w1); });
   return out;
 }
@@ -4729,11 +4740,11 @@ void register_gemv(pybind11::module& m) {
         "(True by default; tiered.kernels.load sets it off under TIERED_AMX=0); with `enabled`, set it for the process. Returns the "
         "setting before the call.");
   m.def("amx_prompt_attention", &amx_prompt_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"),
-        py::arg("past") = 0,
+        py::arg("past") = 0, py::arg("window") = 0,
         "q [B, H, T, hd], k / v [B, Hkv, S, hd] bf16 (rows contiguous; S >= past + T, H % Hkv == 0, head_dim % 32 == "
         "0) -> causal softmax(scale q k^T) v [B, H, T, hd] bf16 (its memory [B, T, H, hd]), query i over keys "
-        "0..past + i (past 0: SDPA's top-left causal mask; past > 0: a prefill chunk after past cached positions), on "
-        "AMX tiles (amx_available())",
+        "0..past + i (past 0: SDPA's top-left causal mask; past > 0: a prefill chunk after past cached positions), or "
+        "with window > 0 over keys past + i - window + 1..past + i (a sliding layer's), on AMX tiles (amx_available())",
         py::call_guard<py::gil_scoped_release>());
   m.def("amx_available", &amx_ready,
         "Whether int4_tiled_gemm can run here: the CPU has AMX-TILE and AMX-BF16 and Linux granted this process the "
