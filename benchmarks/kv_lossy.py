@@ -70,14 +70,16 @@ def sparse_attention(keep: float, renormalize: bool):
     (at least 1) of its t earlier keys with the largest softmax weights; the others weigh nothing."""
     real = layers.attend
 
-    def attend(q, k, v, mask, causal, scale, gqa):
+    def attend(q, k, v, mask, causal, scale, gqa, past=None, window=0):
         B, H, T, _ = q.shape
-        if T == 1:
-            return real(q, k, v, mask, causal, scale, gqa)
+        if T == 1 or window:  # (decode, and a sliding layer's windowed chunks: as they are)
+            return real(q, k, v, mask, causal, scale, gqa, past, window)
         rep = H // k.shape[1]
         k, v = k.repeat_interleave(rep, 1).float(), v.repeat_interleave(rep, 1).float()
         S = k.shape[2]
-        pos = torch.arange(T) + (S - T)
+        # the queries' positions: from `past` where given (a CPU prompt's keys may be widened past its last, an
+        # aligned count: KVCache.aligned), else the cache's last T
+        pos = torch.arange(T) + (S - T if past is None else past)
         s = (q.float() @ k.transpose(-1, -2)) * scale
         s = s.masked_fill(torch.arange(S).view(1, S) > pos.view(T, 1), float("-inf"))
         p = s.softmax(-1)

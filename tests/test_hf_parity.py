@@ -134,11 +134,12 @@ def test_sliding_window_is_exercised(zoo):
     assert zoo.llm(zoo.dir("mistral")).config.sliding_window == 8
 
 
-def test_a_windowed_prompt_in_chunks_passes_past_only_while_no_window_cuts_its_keys(zoo, monkeypatch):
+def test_a_windowed_prompt_in_chunks_passes_past_and_the_window_once_it_cuts_keys(zoo, monkeypatch):
     """A 16-token prompt prefilled in chunks of 4 (Plan.prefill_chunk) through the modules on the Mistral fixture
-    (window 8): a chunk after cached positions gives attention its `past` (the mask pattern of layers.attend's AMX
-    route) only while no query's window cuts keys (AttentionMetadata.windowed: kv_len <= 8), and the chunked
-    prompt's log-probabilities (SamplingParams.prompt_logprobs) are transformers' windowed ones."""
+    (window 8): a chunk of consecutive positions gives attention its `past` (the mask pattern of layers.attend's
+    AMX route), and once a query's window cuts keys (AttentionMetadata.windowed: kv_len > 8) the window too (the
+    kernel's window), and the chunked prompt's log-probabilities (SamplingParams.prompt_logprobs) are
+    transformers' windowed ones."""
     from tiered import LLM, EngineConfig
     from tiered.models.layers import Attention
 
@@ -149,16 +150,17 @@ def test_a_windowed_prompt_in_chunks_passes_past_only_while_no_window_cuts_its_k
     try:
         llm.plan.prefill_chunk, llm.plan.mixed_rows = 4, 0
         seen, real = [], Attention.attend
-        monkeypatch.setattr(Attention, "attend", lambda self, q, k, v, mask, causal, past=None: (
-            seen.append((self.layer_idx, q.shape[2], past)) or real(self, q, k, v, mask, causal, past)))
+        monkeypatch.setattr(Attention, "attend", lambda self, q, k, v, mask, causal, past=None, window=0: (
+            seen.append((self.layer_idx, q.shape[2], past, window)) or real(self, q, k, v, mask, causal, past, window)))
         out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
         got = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
         want = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
         assert out.token_ids == [int(ref[-1].argmax())]
         # layer 0's chunks: from position 0, after 4 cached positions (keys 0..7: in the window), after 8 and 12
-        # (windowed: no past)
-        assert [(T, past) for layer, T, past in seen if layer == 0] == [(4, 0), (4, 4), (4, None), (4, None)]
+        # (windowed; their keys from 0 still, sizes.window_key_start's multiple of 16)
+        assert [(T, past, w) for layer, T, past, w in seen if layer == 0] == [(4, 0, 0), (4, 4, 0), (4, 8, 8),
+                                                                              (4, 12, 8)]
     finally:
         llm.close()
 

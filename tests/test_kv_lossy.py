@@ -56,3 +56,21 @@ def test_sparse_attention_keeps_each_querys_own_key_and_its_top_share():
         with kv_lossy.sparse_attention(0.1, renorm):
             assert torch.allclose(layers.attend(q, k, v, None, True, scale, True), w @ vv, atol=1e-5)
     assert layers.attend is real  # restored on leaving
+
+
+def test_sparse_attention_runs_through_an_engines_prompt(zoo):
+    """The engine calls layers.attend with the chunk's `past` and a sliding layer's `window` beside the seven
+    arguments: sparse_attention's stand-in takes them (it had taken seven), places the queries at `past` (a CPU
+    prompt's keys widened to an aligned count end past its last query), and keeping every key is the exact
+    attention: LLM.logits (what the benchmark reads) unchanged."""
+    from fixtures import prompt_ids
+
+    llm = zoo.llm(zoo.dir("llama"))
+    ids = prompt_ids(zoo.vocab_size, 40, seed=3)
+    exact = llm.logits(ids)
+    with kv_lossy.sparse_attention(1.0, False):
+        kept = llm.logits(ids)
+    with kv_lossy.sparse_attention(0.1, False):
+        sparse = llm.logits(ids)
+    assert torch.allclose(kept, exact, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(sparse, exact, atol=1e-2, rtol=1e-2)
