@@ -1952,3 +1952,22 @@ def test_speed_now_reads_the_cores_before_and_after_the_memory_check(monkeypatch
     got = auto.speed_now(hw)
     assert order == ["cores", "memory", "cores"]
     assert got.meta["cpu_bandwidth_ratio"] == 1.5 and got.meta["cpu_compute_ratios"] == dict.fromkeys(keys, 2.0)
+
+
+def test_the_dequantized_int4_gemm_is_timed_at_the_rows_that_take_it():
+    """gemm/cpu/int4's shapes (profiler.int4_gemm_shapes): the fit's first two weights at 2 and 4 x the rows past
+    which a one-copy int4 prompt GEMM dequantizes; on a CPU with AMX only calls past quant/int4.AMX_ROWS do (the AMX
+    GEMM takes those within), so there at 2 and 4 x AMX_ROWS: timed at 64 and 128 rows and extrapolated, oneDNN's
+    GEMM priced a Gemma-3-4B-width file's 1024-token chunks' projections ~12% fast (2 AMX cores, 2026-12-07)."""
+    from tiered.hardware.profiler import int4_gemm_shapes
+    from tiered.quant.int4 import AMX_ROWS, dequantize_rows
+
+    shapes = [(64, 1024, 1024), (128, 1024, 1024), (256, 2048, 2048), (64, 4096, 2048)]
+    d = dequantize_rows()
+    if d is None:
+        pytest.skip("this machine's int4 kernel never dequantizes")
+    assert int4_gemm_shapes(shapes) == [(2 * d, 1024, 1024), (4 * d, 1024, 1024), (2 * d, 2048, 2048),
+                                        (4 * d, 2048, 2048)]
+    rows = max(d, AMX_ROWS)
+    assert int4_gemm_shapes(shapes, amx=True) == [(2 * rows, 1024, 1024), (4 * rows, 1024, 1024),
+                                                  (2 * rows, 2048, 2048), (4 * rows, 2048, 2048)]

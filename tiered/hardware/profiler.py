@@ -862,14 +862,19 @@ def _decode_rows_points(dtype: str, repeats: int, cold_bytes: int | None, probe:
 GEMM_ROWS_SHAPES = ((1536, 576), (3584, 1024), (4096, 2048), (4096, 4096))
 
 
-def int4_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
+def int4_gemm_shapes(shapes, amx: bool = False) -> list[tuple[int, int, int]]:
     """gemm/cpu/int4's (T, K, N) shapes with tiered's kernels: the weights of `shapes` (the GEMM fit's), each at
     2 and 4 x quant/int4.dequantize_rows() rows, where a one-copy int4 weight's prompt GEMM dequantizes it
     (bf16 for oneDNN on AVX-512, else fp32) for one GEMM: the path a prompt of that many tokens takes. Fewer
     rows run the int4 kernel, priced by decode_rows/cpu/int4 (cpu_predict.predict_prefill). The two paths in
     one fit (64-512 rows on 2 AMX cores, 2026-11-29: 75 GMAC/s in the kernel, ~500 dequantized) gave R^2 0.13
-    and priced SmolLM2's default 512-token TTFT 0.75 s where it took 0.32."""
+    and priced SmolLM2's default 512-token TTFT 0.75 s where it took 0.32. `amx`: a CPU whose calls up to
+    quant/int4.AMX_ROWS run the AMX GEMM (gemm_amx/cpu/int4), so only calls past them dequantize: at 2 and 4 x
+    AMX_ROWS rows (a CPU plan's prefill chunk of 1024 is one such call a projection). Timed at 64 and 128 rows
+    and extrapolated, oneDNN's GEMM had priced a Gemma-3-4B-width file's 1024-token chunks' projections at 1.05
+    TMAC/s where they ran 0.93 (2 AMX cores, 2026-12-07)."""
     d = dequantize_rows()
+    d = max(d, AMX_ROWS) if amx else d
     weights = list(dict.fromkeys((K, N) for _, K, N in shapes))[:2]
     return [(m * d, K, N) for K, N in weights for m in (2, 4)]
 
@@ -2407,7 +2412,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # timed it on garbage beside attn_prefill's pricing of it.
 # 63: the native step's int4 projections take the AMX GEMM from 24 rows (was 48; quant/int4.STEP_AMX_ROWS): the
 # runtime/batch_rows/int4q8 point at 32 rows now times it.
-PROFILER_VERSION = 63
+# 64: gemm/cpu/int4 on a CPU with AMX timed at 1024 and 2048 rows (int4_gemm_shapes' `amx`), where its calls past
+# quant/int4.AMX_ROWS dequantize (64 and 128 rows take the AMX GEMM there); meta["decode_ws_layer_bytes"].
+PROFILER_VERSION = 64
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2494,7 +2501,7 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
     for dtype in ("fp32", "bf16", "int8", "int4"):
         # a prompt's one-copy int4 GEMM past the kernel's rows (tiered's kernels): dequantization, then the GEMM
         dequantized = dtype == "int4" and kernels.available()
-        shapes = int4_gemm_shapes(gemm_shapes) if dequantized else gemm_shapes
+        shapes = int4_gemm_shapes(gemm_shapes, amx_kernels() is not None) if dequantized else gemm_shapes
         if dequantized:
             b.attempt("dequantize/cpu/int4", lambda sh=shapes: _dequantize_points(sh, r))
         with without_amx():  # oneDNN's GEMM, what calls past AMX_ROWS take (quant/int4.without_amx)
