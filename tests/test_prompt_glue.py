@@ -149,6 +149,34 @@ def test_a_gemm_over_a_transposed_input_multiplies_its_storage(dtype, monkeypatc
     assert torch.allclose(gemm_by_row_chunks(xt.t(), 48, lambda a, b: w[a:b], bias).float(), want.float(), **tol)
 
 
+def test_a_chunked_gemms_output_reuses_its_memory_once_nothing_holds_it(monkeypatch):
+    """quant/int4.gemm_by_row_chunks' y^T (a weight past DEQUANTIZE_CHUNK: Gemma's gate / up at a 1024-token chunk,
+    42 MB of new pages a call past glibc's mmap threshold) comes from this thread's buffer where nothing holds its
+    memory any more; a result still held (its view, or one made from it) keeps its values: the next call takes
+    other memory."""
+    import tiered.quant.int4 as int4
+    from tiered.quant.int4 import gemm_by_row_chunks
+
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(40, 24, generator=g), torch.randn(96, 24, generator=g)
+    monkeypatch.setattr(int4, "DEQUANTIZE_CHUNK", 16 * 24)  # chunks of 16 rows of W: the y^T path
+    first = gemm_by_row_chunks(x, 96, lambda a, b: w[a:b], None)
+    kept, ptr = first.clone(), first.data_ptr()
+    second = gemm_by_row_chunks(2 * x, 96, lambda a, b: w[a:b], None)  # `first` still held: other memory
+    assert second.data_ptr() != ptr and torch.equal(first, kept)
+    assert torch.allclose(second, 2 * kept, rtol=1e-5, atol=1e-5)
+    ptr = second.data_ptr()
+    del first, second
+    third = gemm_by_row_chunks(x, 96, lambda a, b: w[a:b], None)  # nothing holds the last: its memory again
+    assert third.data_ptr() == ptr and torch.allclose(third, kept, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # made in inference mode, then a call outside it: a tensor of its own
+        inner = gemm_by_row_chunks(x, 96, lambda a, b: w[a:b], None)
+        ptr = inner.data_ptr()
+        del inner
+    outside = gemm_by_row_chunks(x, 96, lambda a, b: w[a:b], None)
+    assert not outside.is_inference() and outside.data_ptr() != ptr
+
+
 def test_glue_refuses_what_it_cannot_read():
     ext = kernels.load()
     with pytest.raises(RuntimeError, match="head_dim must be even"):
