@@ -403,47 +403,6 @@ def test_a_step_the_caches_partly_hold_streams_at_the_rate_timed_at_its_working_
     assert predict_decode(big, hw, "int4", context=0) == predict_decode(big, plain, "int4", context=0)
 
 
-def test_a_steps_stream_is_priced_against_the_working_set_decode_layer_was_timed_at():
-    """op_time.step_cache_factor: the one-row step's weights stream at runtime/decode_layer's rate times decode_ws's
-    seconds a byte at the step's working set over decode_layer/int4's own at the layer decode_ws cycles (its
-    decode_ws_layer_bytes, else its middle point): decode_layer's timing is itself part-cached (some 200-350 MiB
-    between two reads of a weight, within a VM's 480 MiB L3), so a step past that set streams slower than the key
-    and one the caches hold faster. Against the cold set (cache_factor) a 488 MB Gemma-3-4B-width step was priced
-    14.8 ms a token where it ran 20.0 (2 AMX cores, 2026-12-07). Without decode_layer's points: cache_factor."""
-    from dataclasses import replace
-
-    from tiered.hardware.op_time import bytes_per_element, cache_factor, layer_shape, step_cache_factor
-    from tiered.planner.cpu_predict import predict_decode, step_weight_bytes
-
-    MiB = 1 << 20
-    ws_key, dl_key = "runtime/decode_ws/int4", "runtime/decode_layer/int4"
-    ws = [[16 * MiB, 20e-12], [64 * MiB, 20e-12], [256 * MiB, 30e-12], [1024 * MiB, 40e-12]]
-    layer = [[2e6, 2e6 * 36e-12], [4e6, 4e6 * 30e-12], [8e6, 8e6 * 28e-12]]  # the 4 MB layer at 30 ps a byte
-    models = {dl_key: LinearModel(0.0, 30e-12, 1.0), "gemv/cpu/int4": LinearModel(0.0, 1e-12, 1.0),
-              "gemv/cpu/int8": LinearModel(0.0, 1e-12, 1.0), ws_key: LinearModel(0.0, 40e-12, None)}
-    hw = HardwareProfile("cpu-box", "test", models, None, None,
-                         meta={"native_kernels": True, "points": {ws_key: ws, dl_key: layer}})
-    assert step_cache_factor(hw, 256 * MiB) == pytest.approx(1.0)  # decode_layer's own set
-    assert step_cache_factor(hw, 4096 * MiB) == pytest.approx(40 / 30)  # past it: the cold set's rate
-    assert step_cache_factor(hw, 8 * MiB) == pytest.approx(20 / 30)
-    assert step_cache_factor(hw, 512 * MiB) == pytest.approx(35 / 30)  # halfway in log bytes
-    recorded = replace(hw, meta={**hw.meta, "decode_ws_layer_bytes": 2e6})  # decode_ws cycled the 2 MB layer
-    assert step_cache_factor(recorded, 4096 * MiB) == pytest.approx(40 / 36)
-    alone = replace(hw, meta={"native_kernels": True, "points": {ws_key: ws}})
-    assert step_cache_factor(alone, 512 * MiB) == cache_factor(alone, 512 * MiB) == pytest.approx(35 / 40)
-    assert step_cache_factor(hw, 0) == 1.0
-    # a step past decode_layer's set: its layers stream at the key's rate times the factor, slower than the key
-    big = ModelConfig(model_type="llama", vocab_size=64, hidden_size=4096, intermediate_size=14336, num_hidden_layers=6,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128)
-    wb = step_weight_bytes(big, "int4")
-    assert 256 * MiB < wb < 1024 * MiB
-    (layers, _), (cold_layers, _) = [predict_decode(big, p, "int4", context=0) for p in (hw, alone)]
-    mlp_b, lb = [n * bytes_per_element("int4") for n in (3 * 4096 * 14336,
-                                                         big.attention_weight_elements() + 3 * 4096 * 14336)]
-    assert layers[0][1] == pytest.approx(mlp_b * 30e-12 * layer_shape(hw, dl_key, lb) * step_cache_factor(hw, wb))
-    assert layers[0][1] > cold_layers[0][1]
-
-
 @pytest.mark.skipif(not __import__("tiered.kernels", fromlist=["available"]).available(), reason="needs tiered/kernels")
 def test_the_profile_times_the_native_step_over_working_sets():
     """profiler._decode_ws_points: the native step's int4 layers cycled over each working set and over the cold one

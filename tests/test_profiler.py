@@ -1294,8 +1294,9 @@ def test_the_int4_expert_rows_key_times_the_engines_q8_expert_over_cold_copies(m
 def test_the_decode_layer_key_times_the_native_steps_int4_layers_from_memory(monkeypatch, fmt, kind):
     """runtime/decode_layer/<fmt>: the native step's forward over DECODE_LAYER_RUN dense layers at a time of a
     model with the engine's tiled int4 (or int8-g32) copies alone (one copy: no dense weight kept), the next run
-    each call over enough layers to fill `cold_bytes`; n = a layer's bytes in that format, seconds a layer less
-    `layer_code`; fitted through the origin, retimed on a poor fit."""
+    each call, as many runs for every shape, enough that `cold_bytes` pass between two reads of one weight (the
+    shapes' calls interleaved); n = a layer's bytes in that format, seconds a layer less `layer_code`; fitted
+    through the origin, retimed on a poor fit."""
     from tiered.hardware import profiler
     from tiered.memory.sizes import bytes_per_element
     from tiered.quant.linear import PhaseLinear
@@ -1322,7 +1323,9 @@ def test_the_decode_layer_key_times_the_native_steps_int4_layers_from_memory(mon
     run = profiler.DECODE_LAYER_RUN
     points = profiler._decode_layer_points(3, shapes, cold_bytes=int(2 * run * sizes[1]), fmt=fmt)
     assert [n for n, _ in points] == pytest.approx(sizes) and all(t > 0 for _, t in points)
-    assert [s[0] for s in steps] == [-(-2 * run * sizes[1] // (run * n)) * run for n in sizes]
+    # as many runs of layers for every shape: `cold_bytes` or more between two reads of one weight, for each alike
+    runs_each = -(-2 * run * sizes[1] // (run * sum(sizes)))
+    assert runs_each == 2 and [s[0] for s in steps] == [runs_each * run] * len(sizes)
     assert all(one_copy and native and kinds == {kind, "Slice"} for _, one_copy, kinds, native in steps)
     assert all(b - a == run for _, a, b in runs)
     assert {a for s, a, _ in runs if s == 2} == {0, run}  # the second model's two runs, in turn

@@ -412,31 +412,6 @@ def _decode_ws_rate(pts: list[tuple[float, float]], working_set: float) -> float
     return pts[-1][1]
 
 
-def step_cache_factor(profile: HardwareProfile, working_set: float) -> float:
-    """How a one-row native decode step's weight stream runs at `working_set` bytes against what
-    runtime/decode_layer/<fmt> (op_time.step_stream) was timed at: runtime/decode_ws/int4's seconds a byte at that
-    set over decode_layer/int4's own for the same layer (decode_ws cycles the 768-wide layer of decode_layer's
-    shapes: meta["decode_ws_layer_bytes"], that key's middle point in profiles before it was recorded). Above 1 where
-    the step's weights pass through more of the caches than decode_layer's timing did, below 1 where less;
-    `cache_factor` (against the cold set) where the profile lacks either key's points, 1 without `working_set`.
-
-    decode_layer times its three widths interleaved with a memory probe, ~64 MiB of layers each, so what passes
-    between two reads of one of its weights is some 200-350 MiB: within the share of a 480 MiB L3 two cores of a
-    Xeon VM get, its rates are the caches' as much as the memory's (the 768-wide layer at 3.7e-11 s a byte where
-    decode_ws read it at 4.2e-11 cold, 2026-12-07). Discounted again by cache_factor, a step near or past that size
-    was priced faster than it ran: a Gemma-3-4B-width 6-layer Q4_0 file (488 MB a token) 14.8 ms a token where it
-    ran 20.0, while SmolLM2's 89 MB step, which the caches do help, was priced within 8%."""
-    pts = _decode_ws_points(profile)
-    ref = sorted((p[0], p[1]) for p in _points(profile, "runtime/decode_layer/int4") if p[0] > 0 and p[1] > 0)
-    if working_set is None or working_set <= 0:
-        return 1.0
-    if len(pts) < 2 or not ref:
-        return cache_factor(profile, working_set)
-    layer = (profile.meta or {}).get("decode_ws_layer_bytes") or ref[len(ref) // 2][0]
-    x, t = min(ref, key=lambda p: abs(math.log(p[0] / layer)))
-    return _decode_ws_rate(pts, working_set) / (t / x)
-
-
 def cache_held(profile: HardwareProfile, working_set: float) -> float:
     """How much of `working_set` bytes read again right away the caches hold, 0 to 1, by the native step's own
     measure (cache_factor: runtime/decode_ws/int4): 1 at or below its smallest timed set's speed-up, 0 where it

@@ -262,6 +262,12 @@ PROBE_SHAPE = (1, 4096, 4096)  # the memory-speed probe: tiered's bf16 decode ke
 PROBE_MAX_COLD_BYTES = 256 * MiB
 
 
+def _probe_bytes() -> int:
+    """The weight bytes one call of the memory-speed Probe reads (PROBE_SHAPE's bf16 weight)."""
+    _, K, N = PROBE_SHAPE
+    return 2 * K * N
+
+
 class Probe:
     """The memory's speed at a moment, as the bf16 decode kernel sees it: one call of tiered's native bf16
     GEMV on a 4096 x 4096 weight, its copies cycled over 3 x the last-level cache, at most
@@ -1691,10 +1697,15 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
     the layer's code, whose weights at hidden 64 the cache holds): runtime/decode_layer/<fmt>, fitted through the
     origin (a layer's calls per weight byte: their stream, and their starts and ends, the wait for the slower
     thread, which no weight is too small to pay). Each timed call runs DECODE_LAYER_RUN layers of a model of
-    enough layers to hold `cold_bytes` (COLD_WEIGHT_BYTES without it), the next run each call, so every
-    weight comes from memory as a decode step's do; the shapes are timed interleaved (median_times), with
-    `probe` among them (its median to probe.last, as _gemm_points: the key scales with the memory's speed
-    at planning).
+    as many runs of them for every shape, the next run each call, the shapes timed interleaved (median_times)
+    with `probe` among them (its median to probe.last, as _gemm_points: the key scales with the memory's speed
+    at planning): enough runs that `cold_bytes` or more (COLD_WEIGHT_BYTES without it; the profile passes
+    decode_ws_cold's, beyond the caches) pass between two reads of one weight, so every weight comes from memory
+    as a big model's decode step's do. (With 64 MiB of layers each, the 8.8 MB layers were read again every
+    ~180 MB, the 2.2 MB ones every ~730: on 2 AMX cores whose VM's share of a 480 MiB L3 speeds sets of up to
+    ~256 MiB, the widest timed faster a byte than it reads from memory, and a Gemma-3-4B-width step of 59 MB
+    layers, priced at that rate, 14-26% fast, 2026-12-07; op_time.cache_factor prices what the caches hold of a
+    small model's step.)
 
     The GEMV keys time each kernel alone, from Python, over its own weight: on 2 Zen 3 cores (2026-11-30) the
     step ran SmolLM2-width layers (2.2 MB) in 75-81 us, 27-29 GB/s, and 8.8 MB ones at 31-35, where the gemv fit
@@ -1706,8 +1717,13 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
     from tiered.memory.sizes import bytes_per_element
 
     calls, sizes = [], []
-    for shape in shapes:  # (each call holds its layers)
-        layers = _ColdDecodeLayers(shape, cold_bytes, fmt)
+    # as many runs of layers for every shape: what passes between two reads of one weight (the other shapes' runs
+    # and the probe's call in each round, that many rounds) is then cold_bytes or more for each alike
+    run = [DECODE_LAYER_RUN * _layer_elements(shape) * bytes_per_element(fmt) for shape in shapes]
+    per_round = sum(run) + (_probe_bytes() if probe is not None else 0)
+    runs = max(1, -(-int(cold_bytes or COLD_WEIGHT_BYTES) // int(per_round)))
+    for shape, r in zip(shapes, run):  # (each call holds its layers)
+        layers = _ColdDecodeLayers(shape, int(runs * r), fmt)
         calls.append(layers.call(1))
         sizes.append(layers.elements * bytes_per_element(fmt))
     with torch.inference_mode():
@@ -2228,9 +2244,7 @@ def _meta(b: _Bench, cuda: bool) -> dict:
             "quick": b.quick, "repeats": b.repeats, "disk_dir": str(b.disk_dir), "disk_fs": _fs_type(b.disk_dir),
             "disk_memory": shutil.disk_usage(b.disk_dir).free, "skipped": b.skipped, "llc_bytes": b.llc,
             "points": {k: [[float(n), float(t)] for n, t in v] for k, v in b.points.items()},
-            "batch_rows": list(BATCH_ROWS),
-            # the layer runtime/decode_ws/int4 cycles, one of decode_layer's widths (op_time.step_cache_factor)
-            "decode_ws_layer_bytes": int(_layer_elements(DECODE_LAYER_SHAPES[1]) * bytes_per_element("int4"))}
+            "batch_rows": list(BATCH_ROWS)}
     if cuda:
         props = torch.cuda.get_device_properties(0)
         meta.update(gpu=props.name, gpu_capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda)
@@ -2413,7 +2427,9 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 63: the native step's int4 projections take the AMX GEMM from 24 rows (was 48; quant/int4.STEP_AMX_ROWS): the
 # runtime/batch_rows/int4q8 point at 32 rows now times it.
 # 64: gemm/cpu/int4 on a CPU with AMX timed at 1024 and 2048 rows (int4_gemm_shapes' `amx`), where its calls past
-# quant/int4.AMX_ROWS dequantize (64 and 128 rows take the AMX GEMM there); meta["decode_ws_layer_bytes"].
+# quant/int4.AMX_ROWS dequantize (64 and 128 rows take the AMX GEMM there); runtime/decode_layer/<fmt> with as
+# many runs of layers for every shape, decode_ws_cold's bytes between two reads of a weight (its widest shape had been
+# read again every ~180 MB, within the caches' reach).
 PROFILER_VERSION = 64
 
 
@@ -2587,11 +2603,12 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt(f"runtime/decode_step/{dtype}", lambda d=dtype: _decode_step_points(r, d))
     if kernels.available():  # the native step's dense int4 layers at real widths, weights from memory
         code = b.models.get("runtime/decode_step/bf16")  # the layer code beside int4 copies (step_overhead's)
+        cold = decode_ws_cold(b.llc, quick)  # (what passes between two reads of a weight: beyond the caches)
         b.attempt("runtime/decode_layer/int4", lambda: _decode_layer_points(
-            r, probe=pr, layer_code=code.beta if code is not None else 0.0))
+            r, cold_bytes=cold, probe=pr, layer_code=code.beta if code is not None else 0.0))
         # ... and with int8 copies per group of 32 (a GGUF Q8_0 file's, --decode-weights int8's, a Q8_0 head's)
         b.attempt("runtime/decode_layer/int8-g32", lambda: _decode_layer_points(
-            r, probe=pr, layer_code=code.beta if code is not None else 0.0, fmt="int8-g32"))
+            r, cold_bytes=cold, probe=pr, layer_code=code.beta if code is not None else 0.0, fmt="int8-g32"))
         # ... and cycled over working sets the caches may hold (a small model's step)
         b.attempt("runtime/decode_ws/int4", lambda: _decode_ws_points(
             r, b.llc, layer_code=code.beta if code is not None else 0.0, quick=quick))

@@ -258,11 +258,9 @@ def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, 
         # same bytes (SmolLM2's head at 2+ rows had been priced from memory, its one row from the cache: a step of 2
         # rows priced 1.31x one on the AMX VM, now 1.21x, where it took 1.14x) ...
         t *= op_time.cache_factor(hw, working_set)
-        # ... and no faster than the step streams them at one row: decode_layer's rate at this working set
-        # (step_cache_factor: that key's own timing passed part of its weights through the caches), at any rows
-        # (the rows past the first add their multiply-adds to that stream, never take from it)
-        t = max(t, weight_bytes * op_time.step_stream(hw, dtype, layer_bytes)
-                * op_time.step_cache_factor(hw, working_set))
+        # ... and no faster than the step streams them at one row (decode_layer's rate, at that factor too), at any
+        # rows: the rows past the first add their multiply-adds to that stream, never take from it
+        t = max(t, weight_bytes * op_time.step_stream(hw, dtype, layer_bytes) * op_time.cache_factor(hw, working_set))
     return t + (rows - 1) * _row_time(hw, dtype, weight_bytes, macs, expert) if rows > 1 else t
 
 
