@@ -1018,10 +1018,12 @@ class Attention(nn.Module):
         if self.window is not None and mask is not None and meta.single is not None:
             lo = window_key_start(meta.single[1], self.window)
             k, v, mask = _window_keys(k, v, mask, meta.single[1], self.window)
-        # a chunk of one sequence's consecutive positions: its mask is attend's `past` pattern, over the layer's
-        # window where its mask has one (window_mask's of a local layer, the model's sliding window's)
-        # (a local layer's window beside the model's: torch's SDPA under the mask)
-        window = None if self.local_window and meta.windowed else self.local_window or (self.window or 0) * meta.windowed
+        # a chunk of one sequence's consecutive positions: its mask is attend's `past` pattern, over the window its
+        # mask has (0: none; None: a local layer's window beside the model's, left to torch's SDPA under the mask)
+        if self.local_window is not None:
+            window = None if meta.windowed else self.local_window
+        else:
+            window = self.window if meta.windowed else 0
         past = meta.single[1] - lo if prompt and meta.single is not None and window is not None else None
         if prompt and k.dtype == self.prompt_dtype and q.dtype != k.dtype:  # a prompt in the cache's format
             out = self.attend(q.to(k.dtype), k, v, mask, causal, past, window).to(q.dtype)

@@ -245,8 +245,9 @@ def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, 
     cores SmolLM2's default engine stepped 2.42 / 4.17 / 6.99 ms at 1 / 4 / 8 rows: 0.65-0.7 ms a
     row past the first, what its weights' multiply-adds cost at decode_rows' slopes (2026-11-27).
     `in_step`: the calls run inside the native decode step (native_step), which pays no per-call
-    intercept beyond its per-layer fixed cost (op_time.memory_time's `intercept`); one row's calls there
-    run no faster than the step ran its layers' calls where the profile timed it over `dtype` layers
+    intercept beyond its per-layer fixed cost (op_time.memory_time's `intercept`); the calls' stream there (at
+    any rows: the rows past the first add to it) runs no faster than the step ran its layers' calls where the
+    profile timed it over `dtype` layers
     (op_time.step_stream: runtime/decode_layer, the calls' starts and ends in), at the rate of a layer of
     `layer_bytes` where given (op_time.layer_shape: a small layer's calls run slower a byte than a large one's),
     and the calls' stream (one row's or a batch's) at op_time.cache_factor of that where the step's `working_set`
