@@ -2427,10 +2427,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 63: the native step's int4 projections take the AMX GEMM from 24 rows (was 48; quant/int4.STEP_AMX_ROWS): the
 # runtime/batch_rows/int4q8 point at 32 rows now times it.
 # 64: gemm/cpu/int4 on a CPU with AMX timed at 1024 and 2048 rows (int4_gemm_shapes' `amx`), where its calls past
-# quant/int4.AMX_ROWS dequantize (64 and 128 rows take the AMX GEMM there); runtime/decode_layer/<fmt> with as
-# many runs of layers for every shape, decode_ws_cold's bytes between two reads of a weight (its widest shape had been
-# read again every ~180 MB, within the caches' reach).
-PROFILER_VERSION = 64
+# quant/int4.AMX_ROWS dequantize (64 and 128 rows take the AMX GEMM there).
+# 65: runtime/decode_layer/<fmt> with as many runs of layers for every shape, decode_ws_cold's bytes between two reads
+# of a weight (its widest shape had been read again every ~180 MB, within the caches' reach).
+PROFILER_VERSION = 65
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
