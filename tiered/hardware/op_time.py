@@ -398,18 +398,14 @@ def cache_factor(profile: HardwareProfile, working_set: float) -> float:
     pts = _decode_ws_points(profile)
     if working_set is None or working_set <= 0 or len(pts) < 2:
         return 1.0
-    return min(1.0, _decode_ws_rate(pts, working_set) / pts[-1][1])
-
-
-def _decode_ws_rate(pts: list[tuple[float, float]], working_set: float) -> float:
-    """runtime/decode_ws/int4's seconds a byte at `working_set` from its points (`_decode_ws_points`, 2 or more):
-    interpolated in log bytes between the timed sets, held at the smallest below them and at the cold set's above."""
+    cold = pts[-1][1]
     if working_set <= pts[0][0]:
-        return pts[0][1]
+        return min(1.0, pts[0][1] / cold)
     for (x0, t0), (x1, t1) in zip(pts, pts[1:]):
         if working_set <= x1:
-            return t0 + (t1 - t0) * math.log(working_set / x0) / math.log(x1 / x0)
-    return pts[-1][1]
+            f = math.log(working_set / x0) / math.log(x1 / x0)
+            return min(1.0, (t0 + (t1 - t0) * f) / cold)
+    return 1.0
 
 
 def cache_held(profile: HardwareProfile, working_set: float) -> float:

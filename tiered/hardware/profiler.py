@@ -262,12 +262,6 @@ PROBE_SHAPE = (1, 4096, 4096)  # the memory-speed probe: tiered's bf16 decode ke
 PROBE_MAX_COLD_BYTES = 256 * MiB
 
 
-def _probe_bytes() -> int:
-    """The weight bytes one call of the memory-speed Probe reads (PROBE_SHAPE's bf16 weight)."""
-    _, K, N = PROBE_SHAPE
-    return 2 * K * N
-
-
 class Probe:
     """The memory's speed at a moment, as the bf16 decode kernel sees it: one call of tiered's native bf16
     GEMV on a 4096 x 4096 weight, its copies cycled over 3 x the last-level cache, at most
@@ -1590,13 +1584,14 @@ def _layer_elements(shape) -> int:
 class _ColdDecodeLayers:
     """Dense layers of `shape` (DECODE_LAYER_SHAPES') with the engine's int4 decode copies (`fmt` "int8-g32": its int8
     ones per group of 32) in tiered's native decode
-    step (_dense_decode_step), enough of them to hold `cold_bytes` (COLD_WEIGHT_BYTES without it), every
+    step (_dense_decode_step), `runs` runs of DECODE_LAYER_RUN of them, or where not given enough to hold `cold_bytes`
+    (COLD_WEIGHT_BYTES without it), every
     DECODE_LAYER_RUN of them copies of the first run's: `call(B)` runs the next DECODE_LAYER_RUN layers each call
     (cycling), so every weight comes from memory as a decode step's do, on B rows, each its own sequence at 32
     cached positions (a bf16 cache, the default plan's beside fp32 activations). `elements`: a layer's weight
     elements. What _decode_layer_points (one row) and _batch_rows_points (a batched step's rows) time."""
 
-    def __init__(self, shape, cold_bytes: int | None = None, fmt: str = "int4") -> None:
+    def __init__(self, shape, cold_bytes: int | None = None, fmt: str = "int4", runs: int | None = None) -> None:
         from dataclasses import replace
 
         from tiered.memory.sizes import bytes_per_element
@@ -1604,7 +1599,7 @@ class _ColdDecodeLayers:
         cfg = _dense_config(shape, DECODE_LAYER_RUN)
         self.elements = _layer_elements(shape)
         nbytes = self.elements * bytes_per_element(fmt)
-        runs = max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * nbytes)))
+        runs = runs or max(1, -(-(cold_bytes or COLD_WEIGHT_BYTES) // int(DECODE_LAYER_RUN * nbytes)))
         self.cfg = replace(cfg, num_hidden_layers=runs * DECODE_LAYER_RUN)
         self.model, self.step = _dense_decode_step(self.cfg, 64, distinct=DECODE_LAYER_RUN, fmt=fmt)
         self._starts = itertools.cycle(range(0, runs * DECODE_LAYER_RUN, DECODE_LAYER_RUN))
@@ -1719,11 +1714,11 @@ def _decode_layer_points(repeats: int, shapes=DECODE_LAYER_SHAPES, cold_bytes: i
     calls, sizes = [], []
     # as many runs of layers for every shape: what passes between two reads of one weight (the other shapes' runs
     # and the probe's call in each round, that many rounds) is then cold_bytes or more for each alike
-    run = [DECODE_LAYER_RUN * _layer_elements(shape) * bytes_per_element(fmt) for shape in shapes]
-    per_round = sum(run) + (_probe_bytes() if probe is not None else 0)
+    per_round = sum(DECODE_LAYER_RUN * _layer_elements(shape) * bytes_per_element(fmt) for shape in shapes) + \
+        (probe.nbytes if probe is not None else 0)
     runs = max(1, -(-int(cold_bytes or COLD_WEIGHT_BYTES) // int(per_round)))
-    for shape, r in zip(shapes, run):  # (each call holds its layers)
-        layers = _ColdDecodeLayers(shape, int(runs * r), fmt)
+    for shape in shapes:  # (each call holds its layers)
+        layers = _ColdDecodeLayers(shape, fmt=fmt, runs=runs)
         calls.append(layers.call(1))
         sizes.append(layers.elements * bytes_per_element(fmt))
     with torch.inference_mode():

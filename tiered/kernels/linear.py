@@ -182,7 +182,7 @@ def int4_tiled_kernel(codes: torch.Tensor, sz: torch.Tensor | None, residual: to
     return None if ext is None else ext.int4_tiled_kernel(codes, sz, residual, bias, act, batch_act, e2m1=e2m1)
 
 
-_scratch = threading.local()  # tiled_dequantize's per-thread buffers, by dtype
+_scratch = threading.local()  # tiled_dequantize's per-thread buffers (and gemm_by_row_chunks' y^T), by slot and dtype
 
 
 def tiled_dequantize(codes: torch.Tensor, sz: torch.Tensor | None, residual: torch.Tensor | None = None,
@@ -211,14 +211,18 @@ def bf16_rows(w: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
     return _scratch_view(n1 - n0, w.shape[1], torch.bfloat16).copy_(w[n0:n1])
 
 
-def _scratch_view(N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
-    """[N, K] of this thread's reused `dtype` buffer (grown as needed; made again outside inference mode where
+def _scratch_view(N: int, K: int, dtype: torch.dtype, slot: str = "", unheld: bool = False) -> torch.Tensor:
+    """[N, K] of this thread's reused `dtype` buffer `slot` (grown as needed; made again outside inference mode where
     it was made inside, as the engine's forwards and the kernel tuning run: an inference tensor takes no
-    in-place write outside it)."""
-    buf = getattr(_scratch, str(dtype), None)
-    if buf is None or buf.numel() < N * K or (buf.is_inference() and not torch.is_inference_mode_enabled()):
+    in-place write outside it). `unheld`: for a result its caller keeps (quant/int4.gemm_by_row_chunks' y^T): the
+    buffer is used again only where nothing else holds its memory any more (its storage's use count: the buffer's
+    own and the query's), else a new one takes the slot."""
+    key = f"{slot}{dtype}"
+    buf = getattr(_scratch, key, None)
+    if buf is None or buf.numel() < N * K or (buf.is_inference() and not torch.is_inference_mode_enabled()) or \
+            (unheld and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2):
         buf = torch.empty(N * K, dtype=dtype)
-        setattr(_scratch, str(dtype), buf)
+        setattr(_scratch, key, buf)
     return buf[:N * K].view(N, K)
 
 

@@ -255,13 +255,12 @@ def _gemv(hw: HardwareProfile, dtype: str, weight_bytes: float, calls: int = 1, 
     t = op_time.memory_time(hw, "cpu", dtype, weight_bytes / calls, "gemv", working_set, expert,
                             intercept=not in_step) * calls
     if in_step and not expert:  # (a routed expert's stream: its own keys, memory_time's)
-        # faster where the caches hold part of the step's weights (a small model's), at any rows: one stream of the
-        # same bytes (SmolLM2's head at 2+ rows had been priced from memory, its one row from the cache: a step of 2
-        # rows priced 1.31x one on the AMX VM, now 1.21x, where it took 1.14x) ...
-        t *= op_time.cache_factor(hw, working_set)
-        # ... and no faster than the step streams them at one row (decode_layer's rate, at that factor too), at any
-        # rows: the rows past the first add their multiply-adds to that stream, never take from it
-        t = max(t, weight_bytes * op_time.step_stream(hw, dtype, layer_bytes) * op_time.cache_factor(hw, working_set))
+        # no faster than the step streams them at one row (decode_layer's rate), at any rows: the rows past the first
+        # add their multiply-adds to that stream, never take from it; and faster where the caches hold part of the
+        # step's weights (a small model's), at any rows: one stream of the same bytes (SmolLM2's head at 2+ rows had
+        # been priced from memory, its one row from the cache: a step of 2 rows priced 1.31x one on the AMX VM, now
+        # 1.21x, where it took 1.14x)
+        t = max(t, weight_bytes * op_time.step_stream(hw, dtype, layer_bytes)) * op_time.cache_factor(hw, working_set)
     return t + (rows - 1) * _row_time(hw, dtype, weight_bytes, macs, expert) if rows > 1 else t
 
 

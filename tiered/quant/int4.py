@@ -12,7 +12,6 @@ for scoring or prefill.
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import numpy as np
 import torch
@@ -140,23 +139,15 @@ def _transposed(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.shape[0] > 1 and x.shape[1] > 1 and x.stride() == (1, x.shape[0])
 
 
-_outputs = threading.local()  # gemm_by_row_chunks' y^T buffer, this thread's
-
-
 def _reused_output(N: int, T: int, dtype: torch.dtype) -> torch.Tensor:
-    """An [N, T] `dtype` tensor for a chunked GEMM's y^T: this thread's last one where nothing else holds its memory
-    any more (its storage's use count: the buffer's own and the query's), grown as needed; made again outside
-    inference mode where it was made inside (as kernels/linear._scratch_view's). A fresh tensor of more than glibc's
-    32 MiB mmap threshold is new pages each call: a Gemma-3-4B-width gate / up output (42 MB at 1024 rows) faulted
-    ~10k pages a layer, 68k and 0.18 s of system time in a 1024-token prompt of 1.0 s (2 AMX cores, 2026-12-07).
-    The buffer is within the prompt's planned workspace (memory/sizes.workspace_bytes: gate, up and product)."""
-    n = N * T
-    buf = getattr(_outputs, "buf", None)
-    if buf is None or buf.dtype != dtype or buf.numel() < n or \
-            (buf.is_inference() and not torch.is_inference_mode_enabled()) or \
-            torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2:
-        buf = _outputs.buf = torch.empty(n, dtype=dtype)
-    return buf[:n].view(N, T)
+    """An [N, T] `dtype` tensor for a GEMM's y^T: this thread's buffer where nothing else holds its memory any more
+    (kernels/linear._scratch_view's `unheld`). A fresh tensor of more than glibc's 32 MiB mmap threshold is new
+    pages each call: a Gemma-3-4B-width gate / up output (42 MB at 1024 rows) faulted ~10k pages a layer, 68k and
+    0.18 s of system time in a 1024-token prompt of 1.0 s (2 AMX cores, 2026-12-07). The buffer is within the
+    prompt's planned workspace (memory/sizes.workspace_bytes: gate, up and product)."""
+    from tiered.kernels.linear import _scratch_view
+
+    return _scratch_view(N, T, dtype, slot="y^T", unheld=True)
 
 
 def gemm_by_row_chunks(x: torch.Tensor, out_features: int, weight_rows, bias: torch.Tensor | None) -> torch.Tensor:
@@ -171,9 +162,7 @@ def gemm_by_row_chunks(x: torch.Tensor, out_features: int, weight_rows, bias: to
     step = max(16, DEQUANTIZE_CHUNK // K // 16 * 16)
     if step >= N and not _transposed(x):
         return F.linear(x, weight_rows(0, N), bias)
-    if step >= N:  # x^T's storage (a GLU over a transposed GEMM output: layers._glu): y^T = W x^T, one GEMM
-        yt = torch.mm(weight_rows(0, N), x.t())
-        return yt.t() if bias is None else yt.t() + bias
+    # (x^T's storage, a GLU's over a transposed GEMM output: layers._glu, is multiplied as it lies: one chunk)
     yt = _reused_output(N, x.shape[0], x.dtype)
     for n0 in range(0, N, step):
         n1 = min(N, n0 + step)

@@ -2132,12 +2132,6 @@ TIERED_AMX void attn_block(const uint16_t* qa, int64_t q0, int64_t nq, const uin
     const auto from = [&](int64_t i) {  // ... and from this one (its window's first)
       return window > 0 ? std::max<int64_t>(0, std::min<int64_t>(kAttnK, q0 + i - window + 1 - j * kAttnK)) : 0;
     };
-    if (j == jlo)  // a row's first block of keys: its max is the row's, taken ahead of its exponentials
-      for (int64_t i = 0; i < nq; ++i) {
-        __mmask16 mk[4];
-        __m512 x[4];
-        if (visible(i) > from(i)) m[i] = attn_row_max(sc + i * kAttnK, visible(i), vscale, x, mk, from(i));
-      }
     for (int64_t i = 0; i < kAttnQ; ++i) {
       const int64_t vi = visible(i), lo = from(i);
       uint16_t* prow = pb + i * kAttnK;
@@ -2149,7 +2143,7 @@ TIERED_AMX void attn_block(const uint16_t* qa, int64_t q0, int64_t nq, const uin
       __m512 x[4];
       const float mx = attn_row_max(sc + i * kAttnK, vi, vscale, x, mk, lo);
       float* lrow = l + i * 16;
-      if (m[i] == -INFINITY) {  // the row's first keys past the block jlo (a window starting later): nothing to rescale
+      if (m[i] == -INFINITY) {  // the row's first keys: its max is this block's, nothing to rescale
         m[i] = mx;
       } else if (mx > m[i] + kAttnLazyMax) {
         const __m512 a = exp2_512(_mm512_set1_ps(m[i] - mx));
@@ -2273,7 +2267,7 @@ at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const 
   TIERED_CHECK(k.size(0) == B && k.size(3) == hd && Hkv > 0 && H % Hkv == 0 && past >= 0 && S >= past + T &&
                    hd % 32 == 0 && hd <= 256 && window >= 0,
                "amx_prompt_attention: k / v [", B, ", Hkv | ", H, ", S >= ", past + T, ", ", hd,
-               "] with head_dim % 32 == 0");
+               "] with head_dim % 32 == 0, window >= 0");
   at::Tensor out = at::empty({B, T, H, hd}, q.options()).transpose(1, 2);
   const int64_t Sk = past + T;  // the keys any query sees
   const int64_t Sp = attn_padded_keys(Sk), QB = attn_query_blocks(T);
