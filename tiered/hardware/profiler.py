@@ -2425,7 +2425,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # quant/int4.AMX_ROWS dequantize (64 and 128 rows take the AMX GEMM there).
 # 65: runtime/decode_layer/<fmt> with as many runs of layers for every shape, decode_ws_cold's bytes between two reads
 # of a weight (its widest shape had been read again every ~180 MB, within the caches' reach).
-PROFILER_VERSION = 65
+# 66: a bf16 prompt's attention on AVX512-BF16 without AMX (csrc/gemv.cpp attn_block_avx512: Zen 4 / 5), where torch's
+# SDPA and the native step's fp32 rows had computed it: attn_prefill, attn_prefill_past and attn_rows (cpu, bf16)
+# measured again (SmolLM2's heads at 1024 tokens 3.9 ms against torch's 11.7 on 2 Zen 4 cores).
+PROFILER_VERSION = 66
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is

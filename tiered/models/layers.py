@@ -806,11 +806,11 @@ def _set_prompt_dtype(model: nn.Module, kind: type, dtype: torch.dtype | None) -
     return len(found)
 
 
-def _amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0):
-    """tiered/kernels' module where its AMX attention (csrc/gemv.cpp amx_prompt_attention) computes a CPU prompt's
+def _bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int = 0):
+    """tiered/kernels' module where its bf16 attention (csrc/gemv.cpp bf16_prompt_attention) computes a CPU prompt's
     causal attention: bf16 q [B, H, T, hd] (T > 1) at positions past.. and k / v [B, Hkv, S >= past + T, hd] with
-    contiguous rows, hd a multiple of 32 up to 256, on a CPU with AMX (quant/int4.amx_kernels: not with
-    TIERED_AMX=0); else None."""
+    contiguous rows, hd a multiple of 32 up to 256, on AMX tiles or AVX512-BF16 (quant/int4.bf16_attention_kernels:
+    AMX not with TIERED_AMX=0); else None."""
     B, H, T, hd = q.shape
     if (T < 2 or q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
             or hd % 32 or hd > 256 or k.shape != v.shape or k.shape[0] != B or k.shape[2] < past + T
@@ -818,18 +818,17 @@ def _amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int 
             or H % k.shape[1] or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
             or k.stride(2) != v.stride(2) or q.requires_grad):
         return None
-    from tiered.quant.int4 import amx_kernels
+    from tiered.quant.int4 import bf16_attention_kernels
 
-    ext = amx_kernels()
-    return ext if ext is not None and hasattr(ext, "amx_prompt_attention") else None
+    return bf16_attention_kernels()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
            scale: float, gqa: bool, past: int | None = None, window: int = 0) -> torch.Tensor:
     """torch's scaled_dot_product_attention, without the cuDNN backend on CUDA; a CPU prompt's causal attention
-    in bf16 on tiered's AMX kernel where it runs (`_amx_attention`: 32 queries x 64 keys of scores in AMX tiles, an
-    online softmax in fp32, the probabilities in bf16 against V; within torch's own bf16 error of an fp32
-    reference): from position 0 (mask None, `causal`: query i over keys 0..i), or a prefill chunk after `past`
+    in bf16 on tiered's kernel where it runs (`_bf16_attention`: 32 queries x 64 keys of scores in AMX tiles, or by
+    AVX512-BF16's vdpbf16ps without AMX, an online softmax in fp32, the probabilities in bf16 against V; within
+    torch's own bf16 error of an fp32 reference): from position 0 (mask None, `causal`: query i over keys 0..i), or a prefill chunk after `past`
     cached positions (query i over keys 0..past + i: what `mask` then says; the caller vouches for it), and with a
     sliding `window` (> 0, with `past`) over keys past + i - window + 1..past + i only (a sliding layer's mask,
     window_mask's / attention_mask's; the kernel skips the key blocks no query of a block sees).
@@ -849,9 +848,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     process keep their choice.
     """
     if (past is not None or (mask is None and causal)) and q.device.type == "cpu":
-        native = _amx_attention(q, k, v, past or 0)
+        native = _bf16_attention(q, k, v, past or 0)
         if native is not None:
-            return native.amx_prompt_attention(q, k, v, scale, past or 0, window if past is not None else 0)
+            return native.bf16_prompt_attention(q, k, v, scale, past or 0, window if past is not None else 0)
     if (not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()) or torch.cuda.is_current_stream_capturing()
             or building_graph()):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,

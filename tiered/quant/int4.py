@@ -184,6 +184,18 @@ def amx_kernels():
     return ext if ext.amx_available() else None
 
 
+def bf16_attention_kernels():
+    """The native kernels where their bf16 prompt attention (bf16_prompt_attention; the native step's prompt rows
+    over a bf16 cache alike) runs here: on AMX tiles where the native step's AMX calls run, else on AVX512-BF16
+    (csrc/gemv.cpp attn_block_avx512); else None (an AVX2 or scalar build, and within `without_amx`)."""
+    from tiered import kernels
+
+    ext = kernels.load()
+    if ext is None or _AMX_OFF or not hasattr(ext, "bf16_attention_available"):
+        return None
+    return ext if ext.bf16_attention_available() else None
+
+
 def amx_gemm(codes: torch.Tensor, residual: torch.Tensor | None, xb: torch.Tensor, bias: torch.Tensor | None = None,
              e2m1: bool = False) -> torch.Tensor | None:
     """xb [n, K] bf16 @ W^T (+ bias) -> [n, N] bf16 on the AMX GEMM (kernels' int4_tiled_gemm) for a tiled int4 weight
@@ -200,8 +212,8 @@ def amx_gemm(codes: torch.Tensor, residual: torch.Tensor | None, xb: torch.Tenso
 
 @contextlib.contextmanager
 def without_amx():
-    """Int4Linear.dequantized's calls take the dequantized oneDNN GEMM at every row count meanwhile (the profiler
-    times gemm/cpu/int4 so: its points at 2 and 4 x dequantize_rows would otherwise time the AMX GEMM, whose rate
+    """Int4Linear.dequantized's calls take the dequantized oneDNN GEMM at every row count meanwhile, and prompts'
+    bf16 attention torch's SDPA (`bf16_attention_kernels` None; the profiler times gemm/cpu/int4 so: its points at 2 and 4 x dequantize_rows would otherwise time the AMX GEMM, whose rate
     falls behind oneDNN's past AMX_ROWS, and price a 1024-token prompt chunk's GEMMs by it)."""
     global _AMX_OFF
     _AMX_OFF += 1

@@ -1035,7 +1035,7 @@ class DecodeStep {
   // The most bytes a prompt's attention holds as transposed keys (attention_runs; 32 MiB by default): past
   // it the KV heads go in batches, one head at least.
   void set_max_transposed_bytes(int64_t bytes) { max_transposed_ = bytes; }
-  // Whether a prompt's runs of rows over a bf16 KV cache attend in bf16 on the AMX attention (gemv::amx_runs_attention)
+  // Whether a prompt's runs of rows over a bf16 KV cache attend in bf16 on the AMX attention (gemv::bf16_runs_attention)
   // where it runs: the queries rounded to bf16, as the modules' prompts attend (layers.set_prompt_attention)
   void set_prompt_attention_bf16(bool on) { prompt_bf16_ = on; }
 
@@ -1774,11 +1774,11 @@ class DecodeStep {
         bool from0 = prompt_bf16_;
         for (auto& r : runs) from0 = from0 && lo[r.b1 - 1] == 0;
         if (from0) {
-          std::vector<gemv::AmxAttnRun> amx;
+          std::vector<gemv::Bf16AttnRun> amx;
           for (auto& r : runs)
             amx.push_back({qkv + r.b0 * QKV, r.b1 - r.b0, pos[r.b0], head_cache(kc, r, 0), head_cache(vc, r, 0),
                            att + r.b0 * H * hd});
-          if (gemv::amx_runs_attention(amx, QKV, H * hd, max_len * hd, H, Hkv, hd, scale_)) return in_run;
+          if (gemv::bf16_runs_attention(amx, QKV, H * hd, max_len * hd, H, Hkv, hd, scale_)) return in_run;
         }
       }
       // KV heads in batches whose transposed keys fit max_transposed_ (one head at least): a 1024-token chunk

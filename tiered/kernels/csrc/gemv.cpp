@@ -2056,7 +2056,7 @@ void attn_pack_kv(const uint16_t* k, const uint16_t* v, int64_t ld, int64_t S, i
 // [-1/2, 1/2] (numpy.polyfit, weights 2^-f): max relative error 2.7e-6, far inside the probabilities' bf16 rounding
 // (2^-9); 8 operations a vector against exp_fast's 14 (degree 6, a two-sided clamp, exponent-bit arithmetic).
 constexpr float kAttnExp2Poly[5] = {9.56051021e-3f, 5.59170392e-2f, 2.40249811e-1f, 6.93121968e-1f, 9.99999191e-1f};
-TIERED_AMX TIERED_FORCE_INLINE __m512 exp2_512(__m512 t) {
+TIERED_AVX512 TIERED_FORCE_INLINE __m512 exp2_512(__m512 t) {
   t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
@@ -2067,7 +2067,7 @@ TIERED_AMX TIERED_FORCE_INLINE __m512 exp2_512(__m512 t) {
 
 // Row srow's 64 scores (fp32) times vscale into x, masks mk of its keys from..vi - 1 (those it sees: its first vi,
 // less the first `from` a sliding window leaves behind), and their max.
-TIERED_AMX TIERED_FORCE_INLINE float attn_row_max(const float* srow, int64_t vi, __m512 vscale, __m512 x[4],
+TIERED_AVX512 TIERED_FORCE_INLINE float attn_row_max(const float* srow, int64_t vi, __m512 vscale, __m512 x[4],
                                                   __mmask16 mk[4], int64_t from = 0) {
   __m512 mxv = _mm512_set1_ps(-INFINITY);
   for (int q = 0; q < 4; ++q) {
@@ -2078,6 +2078,66 @@ TIERED_AMX TIERED_FORCE_INLINE float attn_row_max(const float* srow, int64_t vi,
     mxv = _mm512_mask_max_ps(mxv, mk[q], mxv, x[q]);
   }
   return _mm512_reduce_max_ps(mxv);
+}
+
+// attn_block's online softmax of key block j's scores sc [kAttnQ][kAttnK] (fp32, unscaled) for its queries q0.. (nq
+// of them, the rows past nq given zero probabilities): pb [kAttnQ][kAttnK] the probabilities in bf16, and each row's
+// running outputs o [kAttnQ][hd], sum l (16 lanes a row) and max m (base 2) moved on.
+TIERED_AVX512 TIERED_FORCE_INLINE void attn_softmax_block(const float* sc, uint16_t* pb, float* o, float* l, float* m,
+                                                          int64_t q0, int64_t nq, int64_t j, int64_t hd,
+                                                          int64_t window, __m512 vscale) {
+  // the online softmax in base 2, a row at a time in 4 vectors: the keys it sees (causal) masked, their max; where
+  // it passed the row's running max by more than kAttnLazyMax, what the row has (its outputs, its sum) rescaled by
+  // 2^(old - new) and the max moved; this block's exponentials against the running max into the row's sum (16
+  // lanes, reduced once at the end), P rounded to bf16 (VCVTNE2PS2BF16: nearest even)
+  const auto visible = [&](int64_t i) {  // the keys of this block row i sees: below this ...
+    return i < nq ? std::max<int64_t>(0, std::min<int64_t>(kAttnK, q0 + i - j * kAttnK + 1)) : 0;
+  };
+  const auto from = [&](int64_t i) {  // ... and from this one (its window's first)
+    return window > 0 ? std::max<int64_t>(0, std::min<int64_t>(kAttnK, q0 + i - window + 1 - j * kAttnK)) : 0;
+  };
+  for (int64_t i = 0; i < kAttnQ; ++i) {
+    const int64_t vi = visible(i), lo = from(i);
+    uint16_t* prow = pb + i * kAttnK;
+    if (vi <= lo) {
+      std::memset(prow, 0, kAttnK * sizeof(uint16_t));
+      continue;
+    }
+    __mmask16 mk[4];
+    __m512 x[4];
+    const float mx = attn_row_max(sc + i * kAttnK, vi, vscale, x, mk, lo);
+    float* lrow = l + i * 16;
+    if (m[i] == -INFINITY) {  // the row's first keys: its max is this block's, nothing to rescale
+      m[i] = mx;
+    } else if (mx > m[i] + kAttnLazyMax) {
+      const __m512 a = exp2_512(_mm512_set1_ps(m[i] - mx));
+      _mm512_store_ps(lrow, _mm512_mul_ps(_mm512_load_ps(lrow), a));
+      float* orow = o + i * hd;
+      for (int64_t t = 0; t < hd; t += 16) _mm512_store_ps(orow + t, _mm512_mul_ps(_mm512_load_ps(orow + t), a));
+      m[i] = mx;
+    }
+    const __m512 mb = _mm512_set1_ps(m[i]);
+    __m512 sum = _mm512_load_ps(lrow);
+    for (int q = 0; q < 4; ++q) {
+      x[q] = _mm512_maskz_mov_ps(mk[q], exp2_512(_mm512_sub_ps(x[q], mb)));
+      sum = _mm512_add_ps(sum, x[q]);
+    }
+    _mm512_store_ps(lrow, sum);
+    _mm512_store_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
+    _mm512_store_si512(prow + 32, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
+  }
+}
+
+// attn_block's outputs: each of its nq rows of o divided by its sum (l's 16 lanes), rounded to bf16 into out (rows
+// `ldo` apart).
+TIERED_AVX512 TIERED_FORCE_INLINE void attn_block_out(float* o, const float* l, int64_t nq, int64_t hd, uint16_t* out,
+                                                      int64_t ldo) {
+  for (int64_t i = 0; i < nq; ++i) {
+    float* orow = o + i * hd;
+    const __m512 r = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(l + i * 16)));
+    for (int64_t t = 0; t < hd; t += 16) _mm512_store_ps(orow + t, _mm512_mul_ps(_mm512_load_ps(orow + t), r));
+    round_row(orow, hd, out + i * ldo);
+  }
 }
 
 // One block of up to 32 queries (rows q0.., `nq` of them, qa: their tiles [2][hd / 32][16][32] bf16, zero past nq)
@@ -2122,46 +2182,7 @@ TIERED_AMX void attn_block(const uint16_t* qa, int64_t q0, int64_t nq, const uin
       _tile_stored(2, s0 + 16 * kAttnK, kAttnK * 4);
       _tile_stored(3, s0 + 16 * kAttnK + 16, kAttnK * 4);
     }
-    // the online softmax in base 2, a row at a time in 4 vectors: the keys it sees (causal) masked, their max; where
-    // it passed the row's running max by more than kAttnLazyMax, what the row has (its outputs, its sum) rescaled by
-    // 2^(old - new) and the max moved; this block's exponentials against the running max into the row's sum (16
-    // lanes, reduced once at the end), P rounded to bf16 (VCVTNE2PS2BF16: nearest even)
-    const auto visible = [&](int64_t i) {  // the keys of this block row i sees: below this ...
-      return i < nq ? std::max<int64_t>(0, std::min<int64_t>(kAttnK, q0 + i - j * kAttnK + 1)) : 0;
-    };
-    const auto from = [&](int64_t i) {  // ... and from this one (its window's first)
-      return window > 0 ? std::max<int64_t>(0, std::min<int64_t>(kAttnK, q0 + i - window + 1 - j * kAttnK)) : 0;
-    };
-    for (int64_t i = 0; i < kAttnQ; ++i) {
-      const int64_t vi = visible(i), lo = from(i);
-      uint16_t* prow = pb + i * kAttnK;
-      if (vi <= lo) {
-        std::memset(prow, 0, kAttnK * sizeof(uint16_t));
-        continue;
-      }
-      __mmask16 mk[4];
-      __m512 x[4];
-      const float mx = attn_row_max(sc + i * kAttnK, vi, vscale, x, mk, lo);
-      float* lrow = l + i * 16;
-      if (m[i] == -INFINITY) {  // the row's first keys: its max is this block's, nothing to rescale
-        m[i] = mx;
-      } else if (mx > m[i] + kAttnLazyMax) {
-        const __m512 a = exp2_512(_mm512_set1_ps(m[i] - mx));
-        _mm512_store_ps(lrow, _mm512_mul_ps(_mm512_load_ps(lrow), a));
-        float* orow = o + i * hd;
-        for (int64_t t = 0; t < hd; t += 16) _mm512_store_ps(orow + t, _mm512_mul_ps(_mm512_load_ps(orow + t), a));
-        m[i] = mx;
-      }
-      const __m512 mb = _mm512_set1_ps(m[i]);
-      __m512 sum = _mm512_load_ps(lrow);
-      for (int q = 0; q < 4; ++q) {
-        x[q] = _mm512_maskz_mov_ps(mk[q], exp2_512(_mm512_sub_ps(x[q], mb)));
-        sum = _mm512_add_ps(sum, x[q]);
-      }
-      _mm512_store_ps(lrow, sum);
-      _mm512_store_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
-      _mm512_store_si512(prow + 32, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
-    }
+    attn_softmax_block(sc, pb, o, l, m, q0, nq, j, hd, window, vscale);
     for (int64_t cc = 0; cc < CC; cc += 2) {  // o += P v, 32 features at a time over the block's 64 keys
       const bool two = cc + 1 < CC;
       _tile_zero(0);
@@ -2194,12 +2215,83 @@ TIERED_AMX void attn_block(const uint16_t* qa, int64_t q0, int64_t nq, const uin
       }
     }
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    float* orow = o + i * hd;
-    const __m512 r = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(l + i * 16)));
-    for (int64_t t = 0; t < hd; t += 16) _mm512_store_ps(orow + t, _mm512_mul_ps(_mm512_load_ps(orow + t), r));
-    round_row(orow, hd, out + i * ldo);
+  attn_block_out(o, l, nq, hd, out, ldo);
+}
+
+// attn_block without AMX, on AVX512-BF16 (Zen 4 / 5, Cooper Lake): the same packed keys and values, online softmax
+// and rounding, the products by vdpbf16ps with 16 keys (or features) in a vector's lanes and each query's feature
+// pair (or probability pair) broadcast: 8 queries x 32 keys of scores in 16 accumulators, then 8 queries x 32
+// features of outputs in 16. Where the native step's prompt rows had attended in fp32 FMAs over keys widened into
+// fp32 (DecodeStep::attention_runs' transpose_keys), each vdpbf16ps does two multiply-adds a lane.
+TIERED_AVX512 void attn_block_avx512(const uint16_t* qa, int64_t q0, int64_t nq, const uint32_t* kp, const uint32_t* vp,
+                                     int64_t hd, float scale, uint16_t* out, int64_t ldo, int64_t window = 0) {
+  constexpr int kRows = 8;  // queries a pass
+  const int64_t C = hd / 32, CC = hd / 16;
+  alignas(64) float sc[kAttnQ * kAttnK];
+  alignas(64) uint16_t pb[kAttnQ * kAttnK];
+  alignas(64) float o[kAttnQ * 256];  // the running outputs, hd <= 256
+  alignas(64) float l[kAttnQ * 16];
+  float m[kAttnQ];
+  std::fill(o, o + kAttnQ * hd, 0.f);
+  std::fill(l, l + kAttnQ * 16, 0.f);
+  std::fill(m, m + kAttnQ, -INFINITY);
+  const __m512 vscale = _mm512_set1_ps(scale * kLog2e);
+  const int64_t last = q0 + nq - 1, nkb = last / kAttnK + 1;
+  const int64_t jlo = window > 0 ? std::max<int64_t>(0, q0 - window + 1) / kAttnK : 0;
+  // query row i's feature pair p of chunk c: qd[((i / 16) C + c) 256 + (i % 16) 16 + p]; its probabilities' key
+  // pair p of the block: pd[i kAttnK / 2 + p]
+  const uint32_t* qd = reinterpret_cast<const uint32_t*>(qa);
+  const uint32_t* pd = reinterpret_cast<const uint32_t*>(pb);
+  for (int64_t j = jlo; j < nkb; ++j) {
+    for (int64_t i0 = 0; i0 < nq; i0 += kRows)  // (rows past nq are the tiles' zeros: their scores unused)
+      for (int64_t t = 0; t < 4; t += 2) {     // the block's 16-key tiles t and t + 1
+        __m512 acc[kRows][2];
+        for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        const int64_t kb = 4 * j + t;
+        for (int64_t c = 0; c < C; ++c) {
+          const uint32_t* k0 = kp + (kb * C + c) * 256;
+          const uint32_t* qc = qd + ((i0 / 16) * C + c) * 256 + (i0 % 16) * 16;
+          for (int p = 0; p < 16; ++p) {
+            const __m512i a = _mm512_load_si512(k0 + p * 16), b = _mm512_load_si512(k0 + C * 256 + p * 16);
+            for (int r = 0; r < kRows; ++r) {
+              const __m512i qp = _mm512_set1_epi32(int(qc[r * 16 + p]));
+              acc[r][0] = dot_bf16(acc[r][0], a, qp);
+              acc[r][1] = dot_bf16(acc[r][1], b, qp);
+            }
+          }
+        }
+        for (int r = 0; r < kRows; ++r) {
+          _mm512_store_ps(sc + (i0 + r) * kAttnK + t * 16, acc[r][0]);
+          _mm512_store_ps(sc + (i0 + r) * kAttnK + t * 16 + 16, acc[r][1]);
+        }
+      }
+    attn_softmax_block(sc, pb, o, l, m, q0, nq, j, hd, window, vscale);
+    for (int64_t i0 = 0; i0 < nq; i0 += kRows)
+      for (int64_t cc = 0; cc < CC; cc += 2) {  // o += P v, features cc * 16 .. + 32 (CC is even: hd % 32 == 0)
+        __m512 acc[kRows][2];
+        for (int r = 0; r < kRows; ++r) {
+          acc[r][0] = _mm512_load_ps(o + (i0 + r) * hd + cc * 16);
+          acc[r][1] = _mm512_load_ps(o + (i0 + r) * hd + cc * 16 + 16);
+        }
+        for (int64_t hk = 0; hk < 2; ++hk) {  // the block's halves of 32 keys
+          const uint32_t* v0 = vp + ((2 * j + hk) * CC + cc) * 256;  // (features cc + 1's tile next to it)
+          const uint32_t* pr = pd + i0 * (kAttnK / 2) + hk * 16;
+          for (int p = 0; p < 16; ++p) {
+            const __m512i a = _mm512_load_si512(v0 + p * 16), b = _mm512_load_si512(v0 + 256 + p * 16);
+            for (int r = 0; r < kRows; ++r) {
+              const __m512i pp = _mm512_set1_epi32(int(pr[r * (kAttnK / 2) + p]));
+              acc[r][0] = dot_bf16(acc[r][0], a, pp);
+              acc[r][1] = dot_bf16(acc[r][1], b, pp);
+            }
+          }
+        }
+        for (int r = 0; r < kRows; ++r) {
+          _mm512_store_ps(o + (i0 + r) * hd + cc * 16, acc[r][0]);
+          _mm512_store_ps(o + (i0 + r) * hd + cc * 16 + 16, acc[r][1]);
+        }
+      }
   }
+  attn_block_out(o, l, nq, hd, out, ldo);
 }
 
 // The block of 32 queries that item k of a (sequence, head)'s QB blocks computes: the causal work grows with the
@@ -2210,7 +2302,7 @@ inline int64_t alternate_block(int64_t k, int64_t QB) { return k % 2 == 0 ? k / 
 // qa = a block's nq query rows as two tiles' [hd / 32][16][32] bf16, zero past nq: row(i, c, dst) writes row i's
 // 32 features from c * 32 to dst.
 template <typename Row>
-TIERED_AMX TIERED_FORCE_INLINE void load_query_tiles(uint16_t* qa, int64_t nq, int64_t C, Row&& row) {
+TIERED_AVX512 TIERED_FORCE_INLINE void load_query_tiles(uint16_t* qa, int64_t nq, int64_t C, Row&& row) {
   for (int64_t i = 0; i < kAttnQ; ++i)
     for (int64_t c = 0; c < C; ++c) {
       uint16_t* dst = qa + ((i / 16) * C + c) * 512 + (i % 16) * 32;
@@ -2219,7 +2311,7 @@ TIERED_AMX TIERED_FORCE_INLINE void load_query_tiles(uint16_t* qa, int64_t nq, i
     }
 }
 
-struct AttnJob {  // amx_prompt_attention's operands for attn_items
+struct AttnJob {  // bf16_prompt_attention's operands for attn_items
   const uint16_t* q;
   int64_t sqb, sqh, sqt;
   const uint32_t* packed;  // each (sequence, kv head)'s kp then vp, kv_dwords each
@@ -2232,9 +2324,10 @@ struct AttnJob {  // amx_prompt_attention's operands for attn_items
   int64_t window;  // > 0: ... the last `window` of them only
 };
 
-// items w0..w1 of B x H x QB (sequence, head, block of 32 queries) on this thread
-TIERED_AMX void attn_items(const AttnJob& j, int64_t w0, int64_t w1) {
-  amx_load_tiles();
+// items w0..w1 of B x H x QB (sequence, head, block of 32 queries) on this thread: on AMX (attn_block) or AVX512-BF16
+// (attn_block_avx512)
+template <bool Amx>
+TIERED_AVX512 TIERED_FORCE_INLINE void attn_loop(const AttnJob& j, int64_t w0, int64_t w1) {
   const int64_t C = j.hd / 32;
   thread_local std::vector<uint16_t> qa_;
   uint16_t* const qa = aligned64(qa_, 2 * C * 512);
@@ -2242,31 +2335,52 @@ TIERED_AMX void attn_items(const AttnJob& j, int64_t w0, int64_t w1) {
     const int64_t bh = w / j.QB, qb = alternate_block(w % j.QB, j.QB);
     const int64_t b = bh / j.H, h = bh % j.H, g = h / (j.H / j.Hkv), q0 = qb * kAttnQ, nq = std::min(kAttnQ, j.T - q0);
     const uint16_t* qrow = j.q + b * j.sqb + h * j.sqh;
-    load_query_tiles(qa, nq, C, [&](int64_t i, int64_t c, uint16_t* dst) TIERED_AMX {
+    load_query_tiles(qa, nq, C, [&](int64_t i, int64_t c, uint16_t* dst) TIERED_AVX512 {
       std::memcpy(dst, qrow + (q0 + i) * j.sqt + c * 32, 64);
     });
     const uint32_t* kv = j.packed + (b * j.Hkv + g) * 2 * j.kv_dwords;
-    attn_block(qa, j.past + q0, nq, kv, kv + j.kv_dwords, j.hd, j.scale, j.out + b * j.sob + h * j.soh + q0 * j.sot,
-               j.sot, j.window);
+    (Amx ? attn_block : attn_block_avx512)(qa, j.past + q0, nq, kv, kv + j.kv_dwords, j.hd, j.scale,
+                                           j.out + b * j.sob + h * j.soh + q0 * j.sot, j.sot, j.window);
   }
+}
+
+TIERED_AMX void attn_items(const AttnJob& j, int64_t w0, int64_t w1) {
+  amx_load_tiles();
+  attn_loop<true>(j, w0, w1);
   _tile_release();
 }
+
+TIERED_AVX512 void attn_items_avx512(const AttnJob& j, int64_t w0, int64_t w1) { attn_loop<false>(j, w0, w1); }
 
 // q [B, H, T, hd], k / v [B, Hkv, S, hd] bf16 (rows contiguous), S >= past + T, H % Hkv == 0, hd % 32 == 0 -> out [B,
 // H, T, hd] bf16 (its memory [B, T, H, hd]: o_proj's rows) = causal softmax(scale q k^T) v, query i over keys
 // 0..past + i (past > 0: a prefill chunk after `past` cached positions; keys past past + T - 1 never read), or with a
 // sliding `window` (> 0: a sliding layer's) over keys past + i - window + 1..past + i.
-at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                int64_t past, int64_t window) {
-  TIERED_CHECK(amx_ready(), "amx_prompt_attention: needs AMX");
+bool amx_step();
+
+// Whether a prompt's bf16 attention (bf16_prompt_attention, bf16_runs_attention) has a kernel here: on AMX tiles where
+// the native step's AMX calls run (amx_step: AMX granted, amx_rows on), else on AVX512-BF16 (attn_block_avx512: this
+// build's AVX-512 path, which needs BF16, with bf16_attention_avx512 on).
+std::atomic<bool> g_bf16_attention_avx512{true};
+enum class AttnPath { kNone, kAvx512, kAmx };
+AttnPath bf16_attention_path() {
+  if (amx_step()) return AttnPath::kAmx;
+  return current_isa() == kAvx512 && g_bf16_attention_avx512.load(std::memory_order_relaxed) ? AttnPath::kAvx512
+                                                                                             : AttnPath::kNone;
+}
+
+at::Tensor bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                 int64_t past, int64_t window) {
+  const AttnPath path = bf16_attention_path();
+  TIERED_CHECK(path != AttnPath::kNone, "bf16_prompt_attention: needs AMX or AVX512-BF16 (bf16_attention_available())");
   TIERED_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kBFloat16 &&
                    k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && q.stride(3) == 1 &&
                    k.stride(3) == 1 && v.stride(3) == 1 && k.sizes() == v.sizes() && k.stride(2) == v.stride(2),
-               "amx_prompt_attention: q [B, H, T, hd], k and v [B, Hkv, S, hd] bf16 with contiguous rows");
+               "bf16_prompt_attention: q [B, H, T, hd], k and v [B, Hkv, S, hd] bf16 with contiguous rows");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3), Hkv = k.size(1), S = k.size(2);
   TIERED_CHECK(k.size(0) == B && k.size(3) == hd && Hkv > 0 && H % Hkv == 0 && past >= 0 && S >= past + T &&
                    hd % 32 == 0 && hd <= 256 && window >= 0,
-               "amx_prompt_attention: k / v [", B, ", Hkv | ", H, ", S >= ", past + T, ", ", hd,
+               "bf16_prompt_attention: k / v [", B, ", Hkv | ", H, ", S >= ", past + T, ", ", hd,
                "] with head_dim % 32 == 0, window >= 0");
   at::Tensor out = at::empty({B, T, H, hd}, q.options()).transpose(1, 2);
   const int64_t Sk = past + T;  // the keys any query sees
@@ -2287,7 +2401,10 @@ at::Tensor amx_prompt_attention(const at::Tensor& q, const at::Tensor& k, const 
   });
   const AttnJob job{qd, q.stride(0), q.stride(1), q.stride(2), pk, kv_dwords, od, out.stride(0), out.stride(1),
                     out.stride(2), H, Hkv, T, hd, QB, float(scale), past, window};
-  at::parallel_for(0, B * H * QB, 1, [&](int64_t w0, int64_t w1) { attn_items(job, w0, w1); });
+  at::parallel_for(0, B * H * QB, 1, [&](int64_t w0, int64_t w1) {
+    if (path == AttnPath::kAmx) attn_items(job, w0, w1);
+    else attn_items_avx512(job, w0, w1);
+  });
   return out;
 }
 
@@ -2315,7 +2432,7 @@ bool amx_step() { return amx_ready() && g_amx_rows.load(std::memory_order_relaxe
 // each (run, head, block of 32 queries) an item, the queries at positions p0.. masked against keys 0..p0 + i, the
 // output rows' bf16 widened into `out`. Items alternate from both ends of each (run, head)'s blocks, as attn_items'.
 struct RunsJob {
-  const std::vector<AmxAttnRun>& runs;
+  const std::vector<Bf16AttnRun>& runs;
   const std::vector<int64_t>& at;     // run r's packed kp / vp from at[r], 2 x kvd(r) dwords a kv head
   const std::vector<int64_t>& first;  // run r's first item
   const uint32_t* packed;
@@ -2324,24 +2441,24 @@ struct RunsJob {
   int64_t kvd(int64_t r) const { return (at[r + 1] - at[r]) / (2 * Hkv); }
 };
 
-TIERED_AMX void runs_items(const RunsJob& j, int64_t w0, int64_t w1) {
-  amx_load_tiles();
+template <bool Amx>
+TIERED_AVX512 TIERED_FORCE_INLINE void runs_loop(const RunsJob& j, int64_t w0, int64_t w1) {
   const int64_t C = j.hd / 32, hd = j.hd;
   thread_local std::vector<uint16_t> qa_, ob_;
   uint16_t* const qa = aligned64(qa_, 2 * C * 512);
   uint16_t* const ob = aligned64(ob_, kAttnQ * hd);
   for (int64_t w = w0; w < w1; ++w) {
     const int64_t r = std::upper_bound(j.first.begin(), j.first.end(), w) - j.first.begin() - 1;
-    const AmxAttnRun& u = j.runs[r];
+    const Bf16AttnRun& u = j.runs[r];
     const int64_t QB = attn_query_blocks(u.n), i0 = w - j.first[r], h = i0 / QB;
     const int64_t q0 = alternate_block(i0 % QB, QB) * kAttnQ, nq = std::min(kAttnQ, u.n - q0);
-    load_query_tiles(qa, nq, C, [&](int64_t i, int64_t c, uint16_t* dst) TIERED_AMX {
+    load_query_tiles(qa, nq, C, [&](int64_t i, int64_t c, uint16_t* dst) TIERED_AVX512 {
       const float* src = u.q + (q0 + i) * j.ldq + h * hd + c * 32;
       _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
     });
     const int64_t g = h / (j.H / j.Hkv), kvd = j.kvd(r);
     const uint32_t* kp = j.packed + j.at[r] + g * 2 * kvd;
-    attn_block(qa, u.p0 + q0, nq, kp, kp + kvd, hd, j.scale, ob, hd);
+    (Amx ? attn_block : attn_block_avx512)(qa, u.p0 + q0, nq, kp, kp + kvd, hd, j.scale, ob, hd, 0);
     for (int64_t i = 0; i < nq; ++i) {  // bf16 -> fp32: the bits shifted up
       float* dst = u.out + (q0 + i) * j.ldo + h * hd;
       for (int64_t t = 0; t < hd; t += 16) {
@@ -2350,8 +2467,15 @@ TIERED_AMX void runs_items(const RunsJob& j, int64_t w0, int64_t w1) {
       }
     }
   }
+}
+
+TIERED_AMX void runs_items(const RunsJob& j, int64_t w0, int64_t w1) {
+  amx_load_tiles();
+  runs_loop<true>(j, w0, w1);
   _tile_release();
 }
+
+TIERED_AVX512 void runs_items_avx512(const RunsJob& j, int64_t w0, int64_t w1) { runs_loop<false>(j, w0, w1); }
 
 // ------------------------------------------------------------------------------------ int8, tiled
 // The tiled int8 layout (Int8W::tiled; the host layout of routed int8 experts beside tiled int4,
@@ -3697,9 +3821,10 @@ c10::optional<Glu> glu_of(double limit, double alpha, const char* what) {
 
 }  // namespace
 
-bool amx_runs_attention(const std::vector<AmxAttnRun>& runs, int64_t ldq, int64_t ldo, int64_t head_ld, int64_t H,
+bool bf16_runs_attention(const std::vector<Bf16AttnRun>& runs, int64_t ldq, int64_t ldo, int64_t head_ld, int64_t H,
                         int64_t Hkv, int64_t hd, float scale) {
-  if (!amx_step() || hd % 32 != 0 || hd > 256 || Hkv <= 0 || H % Hkv != 0 || runs.empty()) return false;
+  const AttnPath path = bf16_attention_path();
+  if (path == AttnPath::kNone || hd % 32 != 0 || hd > 256 || Hkv <= 0 || H % Hkv != 0 || runs.empty()) return false;
   const int64_t R = int64_t(runs.size());
   std::vector<int64_t> at(R + 1, 0), first(R + 1, 0);
   for (int64_t r = 0; r < R; ++r) {
@@ -3712,12 +3837,15 @@ bool amx_runs_attention(const std::vector<AmxAttnRun>& runs, int64_t ldq, int64_
   at::parallel_for(0, R * Hkv, 1, [&](int64_t a0, int64_t a1) {
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t r = a / Hkv, g = a % Hkv, kvd = job.kvd(r);
-      const AmxAttnRun& u = runs[r];
+      const Bf16AttnRun& u = runs[r];
       uint32_t* kp = pk + at[r] + g * 2 * kvd;
       attn_pack_kv(u.k + g * head_ld, u.v + g * head_ld, hd, u.p0 + u.n, kvd * 2 / hd, hd, kp, kp + kvd);
     }
   });
-  at::parallel_for(0, first[R], 1, [&](int64_t w0, int64_t w1) { runs_items(job, w0, w1); });
+  at::parallel_for(0, first[R], 1, [&](int64_t w0, int64_t w1) {
+    if (path == AttnPath::kAmx) runs_items(job, w0, w1);
+    else runs_items_avx512(job, w0, w1);
+  });
   return true;
 }
 
@@ -4733,13 +4861,25 @@ void register_gemv(pybind11::module& m) {
         "where it runs "
         "(True by default; tiered.kernels.load sets it off under TIERED_AMX=0); with `enabled`, set it for the process. Returns the "
         "setting before the call.");
-  m.def("amx_prompt_attention", &amx_prompt_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"),
+  m.def("bf16_prompt_attention", &bf16_prompt_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"),
         py::arg("past") = 0, py::arg("window") = 0,
         "q [B, H, T, hd], k / v [B, Hkv, S, hd] bf16 (rows contiguous; S >= past + T, H % Hkv == 0, head_dim % 32 == "
         "0) -> causal softmax(scale q k^T) v [B, H, T, hd] bf16 (its memory [B, T, H, hd]), query i over keys "
         "0..past + i (past 0: SDPA's top-left causal mask; past > 0: a prefill chunk after past cached positions), or "
-        "with window > 0 over keys past + i - window + 1..past + i (a sliding layer's), on AMX tiles (amx_available())",
+        "with window > 0 over keys past + i - window + 1..past + i (a sliding layer's), on AMX tiles where the native step's "
+        "AMX calls run, else on AVX512-BF16 (bf16_attention_available())",
         py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_attention_available", [] { return bf16_attention_path() != AttnPath::kNone; },
+        "Whether bf16_prompt_attention (and the native step's bf16 prompt rows) have a kernel here: AMX where the "
+        "native step's AMX calls run (amx_available() and amx_rows()), else AVX512-BF16 with bf16_attention_avx512() on.");
+  m.def("bf16_attention_avx512", [](c10::optional<bool> enabled) {
+          const bool was = g_bf16_attention_avx512.load();
+          if (enabled) g_bf16_attention_avx512.store(*enabled);
+          return was;
+        },
+        py::arg("enabled") = py::none(),
+        "Whether a prompt's bf16 attention runs on AVX512-BF16 where AMX does not (True by default; off: A/Bs and "
+        "tests); with `enabled`, set it for the process. Returns the setting before the call.");
   m.def("amx_available", &amx_ready,
         "Whether int4_tiled_gemm can run here: the CPU has AMX-TILE and AMX-BF16 and Linux granted this process the "
         "tile data (arch_prctl ARCH_REQ_XCOMP_PERM, asked once).");

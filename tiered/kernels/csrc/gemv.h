@@ -149,7 +149,7 @@ bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float*
 
 // One run of a prompt's rows in the native step's attention (DecodeStep::attention_runs): n rows of one sequence at
 // positions p0 .. p0 + n - 1, each attending causally to the cached keys 0 .. its own position.
-struct AmxAttnRun {
+struct Bf16AttnRun {
   const float* q;     // row i's query heads at q + i * ldq (head h at + h * hd), fp32
   int64_t n, p0;
   const uint16_t* k;  // kv head g's keys at k + g * head_ld, rows hd apart, bf16; v alike
@@ -161,7 +161,7 @@ struct AmxAttnRun {
 // in tiles, an online softmax in fp32, the probabilities in bf16 against V), the queries rounded to bf16 as torch
 // casts them (the modules' bf16 prompt attention, Plan.dtypes["prompt_attention"]). False, out untouched, where AMX is
 // not granted or amx_rows is off (TIERED_AMX=0), or hd is not a multiple of 32 up to 256.
-bool amx_runs_attention(const std::vector<AmxAttnRun>& runs, int64_t ldq, int64_t ldo, int64_t head_ld, int64_t H,
+bool bf16_runs_attention(const std::vector<Bf16AttnRun>& runs, int64_t ldq, int64_t ldo, int64_t head_ld, int64_t H,
                         int64_t Hkv, int64_t hd, float scale);
 
 // The kernels of every expert of one MoE layer, bound once to where their weights stay (resident
