@@ -601,16 +601,17 @@ def test_a_bf16_cpu_engine_on_a_cpu_without_a_bf16_gemm_runs_its_projections_as_
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
 @pytest.mark.parametrize("heads,kv_heads,head_dim,cached,window", [
     (9, 3, 64, 45, None), (8, 2, 128, 100, None), (4, 4, 32, 0, None), (8, 2, 128, 45, 20)])
-def test_prompt_rows_attend_in_bf16_on_amx_as_the_modules_prompts_do(heads, kv_heads, head_dim, cached, window):
+def test_prompt_rows_attend_in_bf16_as_the_modules_prompts_do(heads, kv_heads, head_dim, cached, window):
     """Where a plan has prompts attend in bf16 (layers.set_prompt_attention: fp32 activations over a bf16 cache), a
     prompt's rows in the native step do too (DecodeStep.set_prompt_attention_bf16, set by CPUDecodeStep from the
-    modules): on AMX (gemv::amx_runs_attention: the queries rounded to bf16, the probabilities in bf16) a run of 70
+    modules): on AMX or AVX512-BF16 (gemv::bf16_runs_attention: the queries rounded to bf16, the probabilities in
+    bf16) a run of 70
     rows after `cached` positions and one of 40 from position 0, beside a decoding row. Their logits are as close
     to the fp32 attention's (the same step with it off) as the modules' bf16 prompts are to the modules' fp32 ones,
     and differ from them (the path is taken); with a 20-key window, whose rows do not see keys from 0, the fp32
-    rows' bits. Without AMX the rows keep the fp32 attention."""
+    rows' bits. Without either (AVX2) the rows keep the fp32 attention."""
     from tiered.models.layers import set_prompt_attention
-    from tiered.quant.int4 import amx_kernels
+    from tiered.quant.int4 import bf16_attention_kernels
 
     n, m = 70, 40
     model, caches = _random_attention_model(heads, kv_heads, head_dim, window, 3, cached + n + 8, cached,
@@ -642,10 +643,10 @@ def test_prompt_rows_attend_in_bf16_on_amx_as_the_modules_prompts_do(heads, kv_h
         got, fp32 = rows(True), rows(False)
         ref_bf16, ref_fp32 = modules(True), modules(False)
     scale = float(ref_fp32.abs().max())
-    if window is not None or amx_kernels() is None:
+    if window is not None or bf16_attention_kernels() is None:
         assert torch.equal(got, fp32)
         return
     err, torch_err = float((got - fp32).abs().max()), float((ref_bf16 - ref_fp32).abs().max())
-    assert err > 0  # the AMX attention ran
+    assert err > 0  # the bf16 attention ran
     assert err <= max(2 * torch_err, 1e-3 * scale), (err, torch_err, scale)
     assert float((got[-1] - fp32[-1]).abs().max()) == 0  # the decoding row keeps the per-row attention

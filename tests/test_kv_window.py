@@ -358,7 +358,7 @@ def test_a_sliding_layers_bf16_prompt_attends_on_the_amx_kernel_over_its_window(
     forward. On a Gemma-3-4B-width file's 8192-token prompt the later chunks' local layers spent 83 ms a chunk in
     torch's flash attention (2 AMX cores, 2026-12-07)."""
     from fixtures import local_model
-    from tiered.models.layers import _amx_attention, set_prompt_attention
+    from tiered.models.layers import _bf16_attention, set_prompt_attention
 
     path = zoo.dir(name)
     if name == "qwen3":  # (head_dim 32: the kernel's; the tiny Mistral's and Qwen2's are 16)
@@ -370,7 +370,7 @@ def test_a_sliding_layers_bf16_prompt_attends_on_the_amx_kernel_over_its_window(
     assert all(model.config.window_of(i) == 8 for i in range(1 if name == "gemma3" else 2))
     hd = model.config.head_dim or model.config.hidden_size // model.config.num_attention_heads
     probe = torch.zeros(1, 1, 2, hd, dtype=torch.bfloat16)
-    if _amx_attention(probe, probe, probe) is None:
+    if _bf16_attention(probe, probe, probe) is None:
         pytest.skip("no AMX attention here (head_dim or CPU)")
     ids = torch.tensor([prompt_ids(zoo.vocab_size, 200, seed=13)])
     calls = []
@@ -384,7 +384,7 @@ def test_a_sliding_layers_bf16_prompt_attends_on_the_amx_kernel_over_its_window(
         return h[0].float()
 
     ref = hidden(torch.float32, None)
-    real = layers._amx_attention
+    real = layers._bf16_attention
 
     def spy(q, k, v, past=0):
         ext = real(q, k, v, past)
@@ -392,16 +392,16 @@ def test_a_sliding_layers_bf16_prompt_attends_on_the_amx_kernel_over_its_window(
             return None
 
         class Seen:
-            def amx_prompt_attention(self, *args):
+            def bf16_prompt_attention(self, *args):
                 calls.append(args[4:])  # (past, window)
-                return ext.amx_prompt_attention(*args)
+                return ext.bf16_prompt_attention(*args)
         return Seen()
-    monkeypatch.setattr(layers, "_amx_attention", spy)
+    monkeypatch.setattr(layers, "_bf16_attention", spy)
     got = hidden(torch.bfloat16, torch.bfloat16)
     windowed = [c for c in calls if c[1] == 8]
     assert {c[0] > 0 for c in windowed} == {False, True}  # the first chunk and the later ones
     assert all(c[0] <= 8 + sizes.KV_ALIGN for c in windowed if c[0] > 0)  # past counted from the trimmed keys
-    monkeypatch.setattr(layers, "_amx_attention", lambda *a, **k: None)
+    monkeypatch.setattr(layers, "_bf16_attention", lambda *a, **k: None)
     sdpa = hidden(torch.bfloat16, torch.bfloat16)
     err, sdpa_err = (got - ref).abs().max().item(), (sdpa - ref).abs().max().item()
     assert err <= 1.5 * sdpa_err + 1e-3

@@ -1777,15 +1777,15 @@ def test_a_prompts_model_code_is_timed_without_its_matmuls_and_priced_per_layer(
     # a bf16 prompt's attention on the AMX kernel (a C++ call no TorchFunctionMode sees) is emptied too, as SDPA
     from tiered.models import layers
 
-    amx = layers._amx_attention
+    amx = layers._bf16_attention
     qb, kb, vb = (torch.randn(1, 2, 40, 32, dtype=torch.bfloat16) for _ in range(3))
     with _EmptyMatmuls():
-        assert layers._amx_attention(qb, kb, vb) is None
+        assert layers._bf16_attention(qb, kb, vb) is None
         assert layers.attend(qb, kb, vb, None, True, 0.2, False).shape == (1, 2, 40, 32)
-    assert layers._amx_attention is amx
+    assert layers._bf16_attention is amx
     with pytest.raises(ValueError), _EmptyMatmuls():
         raise ValueError
-    assert layers._amx_attention is amx
+    assert layers._bf16_attention is amx
 
     cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64)

@@ -323,19 +323,37 @@ def test_a_prompts_layers_take_the_norms_in_their_gemms_dtype(zoo, monkeypatch):
         llm.close()
 
 
+@pytest.fixture(params=["native", "avx512"])
+def attention_kernel(request):
+    """The bf16 prompt attention's kernel a test runs on: "native" this machine's (AMX tiles where the CPU has AMX,
+    else AVX512-BF16's vdpbf16ps), "avx512" the AVX512-BF16 one with AMX's turned off (amx_rows), run on AMX CPUs
+    too (a duplicate of "native" elsewhere: skipped)."""
+    ext = kernels.load()
+    if request.param == "native":
+        yield request.param
+        return
+    if ext is None or not ext.amx_available():
+        pytest.skip("no AMX here: the native kernel is the AVX512-BF16 one (or none)")
+    was = ext.amx_rows(False)
+    try:
+        yield request.param
+    finally:
+        ext.amx_rows(was)
+
+
 @pytest.mark.parametrize("shape", [(1, 9, 3, 64, 200, 208), (2, 4, 4, 128, 37, 48), (1, 8, 2, 32, 65, 65)])
-def test_amx_prompt_attention_is_as_close_to_fp32_as_torchs_bf16_attention(shape):
+def test_bf16_prompt_attention_is_as_close_to_fp32_as_torchs_bf16_attention(shape, attention_kernel):
     """A bf16 prompt's causal attention from position 0 (query i over keys 0..i, S >= T keys: the cache's aligned
-    count) on tiered's AMX kernel where the CPU has AMX (layers.attend takes it): within the error torch's bf16
+    count) on tiered's kernel (AMX tiles, or AVX512-BF16: layers.attend takes it): within the error torch's bf16
     flash attention makes against an fp32 reference, GQA included, its rows laid out as o_proj reads them."""
-    from tiered.models.layers import _amx_attention, attend
+    from tiered.models.layers import _bf16_attention, attend
 
     B, H, Hkv, hd, T, S = shape
     g = torch.Generator().manual_seed(4)
     q = torch.randn(B, T, H, hd, generator=g).bfloat16().transpose(1, 2)  # a projection's output seen as heads
     k, v = (torch.randn(B, Hkv, S, hd, generator=g).bfloat16() for _ in range(2))
-    if _amx_attention(q, k, v) is None:
-        pytest.skip("no AMX here")
+    if _bf16_attention(q, k, v) is None:
+        pytest.skip("no bf16 attention kernel here")
     scale = hd ** -0.5
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=scale,
                                          enable_gqa=H != Hkv)
@@ -346,19 +364,19 @@ def test_amx_prompt_attention_is_as_close_to_fp32_as_torchs_bf16_attention(shape
     assert err <= 1.5 * torch_err + 1e-3
     assert (got.float() - ref).abs().mean() <= 1.5 * (torch_bf16.float() - ref).abs().mean()
     # a mask, past positions or fp32 take torch's SDPA
-    assert _amx_attention(q.float(), k.float(), v.float()) is None and _amx_attention(q[:, :, :1], k, v) is None
+    assert _bf16_attention(q.float(), k.float(), v.float()) is None and _bf16_attention(q[:, :, :1], k, v) is None
     with pytest.raises(RuntimeError, match="head_dim % 32"):
-        kernels.load().amx_prompt_attention(q[..., :16], k[..., :16], v[..., :16], scale)
+        kernels.load().bf16_prompt_attention(q[..., :16], k[..., :16], v[..., :16], scale)
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
 @pytest.mark.parametrize("shape", [(1, 9, 3, 64, 100, 37), (1, 8, 2, 128, 64, 200), (2, 4, 4, 32, 33, 64)])
-def test_amx_chunk_attention_after_cached_positions_is_as_close_to_fp32_as_torchs(shape):
+def test_bf16_chunk_attention_after_cached_positions_is_as_close_to_fp32_as_torchs(shape, attention_kernel):
     """A bf16 prefill chunk of T queries after `past` cached positions (query i over keys 0..past + i: the mask
-    attention_mask builds for it) on the AMX kernel (layers.attend's `past`): within the error torch's bf16 SDPA
+    attention_mask builds for it) on tiered's bf16 kernel (layers.attend's `past`): within the error torch's bf16 SDPA
     under that mask makes against an fp32 reference. Keys past past + T (an aligned cache's widened count) are never
     read: NaN there changes nothing."""
-    from tiered.models.layers import _amx_attention, attend
+    from tiered.models.layers import _bf16_attention, attend
 
     B, H, Hkv, hd, T, past = shape
     S = past + T
@@ -366,8 +384,8 @@ def test_amx_chunk_attention_after_cached_positions_is_as_close_to_fp32_as_torch
     q = torch.randn(B, T, H, hd, generator=g).bfloat16().transpose(1, 2)
     k, v = (torch.randn(B, Hkv, S + 11, hd, generator=g).bfloat16() for _ in range(2))
     k[:, :, S:], v[:, :, S:] = float("nan"), float("nan")
-    if _amx_attention(q, k, v, past) is None:
-        pytest.skip("no AMX here")
+    if _bf16_attention(q, k, v, past) is None:
+        pytest.skip("no bf16 attention kernel here")
     scale = hd ** -0.5
     mask = torch.ones(T, S, dtype=torch.bool).tril(past)
     kk, vv = k[:, :, :S], v[:, :, :S]
@@ -382,26 +400,26 @@ def test_amx_chunk_attention_after_cached_positions_is_as_close_to_fp32_as_torch
     # the same queries read as a prompt from position 0 differ (the past is attended to)
     assert (attend(q, k, v, None, True, scale, H != Hkv).float() - ref).abs().max() > 10 * err
     with pytest.raises(RuntimeError, match="S >= "):
-        kernels.load().amx_prompt_attention(q, k[:, :, :S - 1], v[:, :, :S - 1], scale, past)
+        kernels.load().bf16_prompt_attention(q, k[:, :, :S - 1], v[:, :, :S - 1], scale, past)
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="tiered/kernels not built")
 @pytest.mark.parametrize("shape", [(1, 8, 4, 256, 300, 0, 128), (1, 8, 4, 256, 200, 900, 1024),
                                    (1, 4, 2, 64, 333, 70, 50), (2, 4, 4, 32, 65, 0, 1), (1, 4, 2, 64, 100, 500, 64)])
-def test_amx_windowed_attention_is_as_close_to_fp32_as_torchs(shape):
-    """A sliding layer's bf16 prompt on the AMX kernel (layers.attend's `window`): query i at position past + i over
+def test_bf16_windowed_attention_is_as_close_to_fp32_as_torchs(shape, attention_kernel):
+    """A sliding layer's bf16 prompt on tiered's bf16 kernel (layers.attend's `window`): query i at position past + i over
     keys past + i - window + 1..past + i (attention_mask's window), from position 0 or after cached positions, windows
     shorter and longer than a block of 64 keys, of one key, and not a multiple of 16: within the error torch's bf16
     SDPA under that mask makes against an fp32 reference, and not the unwindowed attention."""
-    from tiered.models.layers import _amx_attention, attend, attention_mask
+    from tiered.models.layers import _bf16_attention, attend, attention_mask
 
     B, H, Hkv, hd, T, past, window = shape
     S = past + T
     g = torch.Generator().manual_seed(7)
     q = torch.randn(B, T, H, hd, generator=g).bfloat16().transpose(1, 2)
     k, v = (torch.randn(B, Hkv, S, hd, generator=g).bfloat16() for _ in range(2))
-    if _amx_attention(q, k, v, past) is None:
-        pytest.skip("no AMX here")
+    if _bf16_attention(q, k, v, past) is None:
+        pytest.skip("no bf16 attention kernel here")
     scale = hd ** -0.5
     mask = attention_mask(torch.arange(past, S).expand(B, T), S, window)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
@@ -415,17 +433,17 @@ def test_amx_windowed_attention_is_as_close_to_fp32_as_torchs(shape):
     if window < S:  # the window is attended to, not the whole past
         assert (attend(q, k, v, mask, False, scale, H != Hkv, past).float() - ref).abs().max() > 10 * err + 1e-2
     with pytest.raises(RuntimeError, match="head_dim % 32"):
-        kernels.load().amx_prompt_attention(q, k, v, scale, past, -1)
+        kernels.load().bf16_prompt_attention(q, k, v, scale, past, -1)
 
 
 @pytest.mark.parametrize("past", [0, 40])
-def test_amx_attention_follows_scores_whose_max_jumps_along_the_keys(past):
-    """The AMX kernel's online softmax takes each block's exponentials against a running max it moves only where a
+def test_bf16_attention_follows_scores_whose_max_jumps_along_the_keys(past, attention_kernel):
+    """The bf16 kernel's online softmax (AMX's and AVX512-BF16's) takes each block's exponentials against a running max it moves only where a
     row's scores pass it by more than 2^8 (csrc/gemv.cpp kAttnLazyMax): keys that grow along the sequence and two
     spikes make rows' maxima jump by far more than that after their first block of 64 keys (checked on the fp32
     scores), and smaller rises stay under the old max; the output stays within the error torch's bf16 attention
     makes against an fp32 reference."""
-    from tiered.models.layers import _amx_attention, attend
+    from tiered.models.layers import _bf16_attention, attend
 
     B, H, Hkv, hd, T = 1, 4, 2, 64, 260
     S = past + T
@@ -434,8 +452,8 @@ def test_amx_attention_follows_scores_whose_max_jumps_along_the_keys(past):
     k = torch.randn(B, Hkv, S, hd, generator=g) * (1 + 0.04 * torch.arange(S)).view(1, 1, S, 1)
     k[:, :, [90, 201]] *= 6
     k, v = k.bfloat16(), torch.randn(B, Hkv, S, hd, generator=g).bfloat16()
-    if _amx_attention(q, k, v, past) is None:
-        pytest.skip("no AMX here")
+    if _bf16_attention(q, k, v, past) is None:
+        pytest.skip("no bf16 attention kernel here")
     scale = hd ** -0.5
     mask = torch.ones(T, S, dtype=torch.bool).tril(past)
     scores = (q.float() @ k.float().repeat_interleave(H // Hkv, 1).transpose(-1, -2) * scale).masked_fill(~mask, -1e30)

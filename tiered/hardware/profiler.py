@@ -1792,7 +1792,7 @@ class _EmptyMatmuls(TorchFunctionMode):
     shape and dtype, so that a forward pass times the model code around them: norms, RoPE, SiLU,
     residual adds, casts and module calls (_prefill_code_points). A weight's conversion to fp32 (an
     nn.Parameter's .float(): hardware/cpu_gemm.linear's, on a CPU without a bf16 GEMM) is its GEMM's, whose
-    key times it: empty too. A bf16 prompt's attention on tiered's AMX kernel (models/layers._amx_attention,
+    key times it: empty too. A bf16 prompt's attention on tiered's AMX kernel (models/layers._bf16_attention,
     a call into C++ that no TorchFunctionMode sees) takes torch's SDPA here (quant/int4.without_amx), empty
     too: until profiler 62 it ran on the empty projections' garbage inside runtime/prefill_code/bf16, which
     attn_prefill/cpu/bf16 prices already (2 AMX cores, 2026-12-06: SmolLM2's bf16 512-token TTFT priced 22% slow
@@ -2408,11 +2408,11 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # kAmxSmallTiles): an expert's projection at 16-64 rows 10-25% faster on 2 AMX cores, which gemm_amx/cpu/int4's
 # 32-row point and gemm_amx_floor/cpu/int4 price; both measured again.
 # 59: attn_prefill/cpu/<dtype> timed through models/layers.attend, whose whole bf16 prompts take tiered's AMX
-# attention where it runs (csrc/gemv.cpp amx_prompt_attention: SmolLM2's heads at 512 tokens 0.72 ms against torch's
+# attention where it runs (csrc/gemv.cpp bf16_prompt_attention: SmolLM2's heads at 512 tokens 0.72 ms against torch's
 # 0.98 on 2 AMX cores).
 # 60: attn_rows/cpu/bf16 timed with the model's prompts attending in bf16 (layers.set_prompt_attention, as plans over a
 # bf16 cache on AVX-512 BF16 choose), whose runs of rows take the AMX attention where it runs
-# (gemv::amx_runs_attention: SmolLM2's 512-token prompt as rows 155 -> 132 ms on 2 AMX cores); attn_prefill_past/cpu/bf16
+# (gemv::bf16_runs_attention: SmolLM2's 512-token prompt as rows 155 -> 132 ms on 2 AMX cores); attn_prefill_past/cpu/bf16
 # timed through layers.attend with the chunk's `past`, whose bf16 chunks take the AMX attention too.
 # 61: the AMX attention's softmax in base 2 with its max moved lazily (csrc/gemv.cpp kAttnLazyMax): SmolLM2's heads at
 # 512 / 1024 tokens 0.60 / 2.23 -> 0.31 / 1.11 ms on 2 AMX cores; attn_prefill, attn_prefill_past and attn_rows
