@@ -371,7 +371,7 @@ def test_a_sliding_layers_bf16_prompt_attends_on_the_amx_kernel_over_its_window(
     hd = model.config.head_dim or model.config.hidden_size // model.config.num_attention_heads
     probe = torch.zeros(1, 1, 2, hd, dtype=torch.bfloat16)
     if _bf16_attention(probe, probe, probe) is None:
-        pytest.skip("no AMX attention here (head_dim or CPU)")
+        pytest.skip("no bf16 attention kernel here (head_dim or CPU)")
     ids = torch.tensor([prompt_ids(zoo.vocab_size, 200, seed=13)])
     calls = []
 

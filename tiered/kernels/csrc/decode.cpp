@@ -1770,15 +1770,14 @@ class DecodeStep {
         return reinterpret_cast<const E*>(cache + ((l * n_slots + slots[r.b0]) * Hkv + g) * max_len * rs);
       };
       if constexpr (std::is_same_v<C, at::BFloat16>) {
-        // bf16 prompts (set_prompt_attention_bf16) on AMX where it runs, runs whose rows all see keys from 0
-        bool from0 = prompt_bf16_;
-        for (auto& r : runs) from0 = from0 && lo[r.b1 - 1] == 0;
-        if (from0) {
-          std::vector<gemv::Bf16AttnRun> amx;
+        // bf16 prompts (set_prompt_attention_bf16) on tiered's bf16 attention where it runs (AMX, AVX512-BF16), a
+        // sliding layer's with its window
+        if (prompt_bf16_) {
+          std::vector<gemv::Bf16AttnRun> bf;
           for (auto& r : runs)
-            amx.push_back({qkv + r.b0 * QKV, r.b1 - r.b0, pos[r.b0], head_cache(kc, r, 0), head_cache(vc, r, 0),
-                           att + r.b0 * H * hd});
-          if (gemv::bf16_runs_attention(amx, QKV, H * hd, max_len * hd, H, Hkv, hd, scale_)) return in_run;
+            bf.push_back({qkv + r.b0 * QKV, r.b1 - r.b0, pos[r.b0], head_cache(kc, r, 0), head_cache(vc, r, 0),
+                          att + r.b0 * H * hd, window});
+          if (gemv::bf16_runs_attention(bf, QKV, H * hd, max_len * hd, H, Hkv, hd, scale_)) return in_run;
         }
       }
       // KV heads in batches whose transposed keys fit max_transposed_ (one head at least): a 1024-token chunk

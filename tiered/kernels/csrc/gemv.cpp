@@ -2431,6 +2431,12 @@ bool amx_step() { return amx_ready() && g_amx_rows.load(std::memory_order_relaxe
 // head from its cache rows, its query rows rounded to bf16 into tiles (torch's cast of an fp32 query: nearest even),
 // each (run, head, block of 32 queries) an item, the queries at positions p0.. masked against keys 0..p0 + i, the
 // output rows' bf16 widened into `out`. Items alternate from both ends of each (run, head)'s blocks, as attn_items'.
+// The first key a run's packed keys hold: 0, or with a window its first row's first visible key's block of kAttnK
+// (keys before it are seen by none of its rows).
+inline int64_t runs_first_key(const Bf16AttnRun& u) {
+  return u.window > 0 ? std::max<int64_t>(0, u.p0 - u.window + 1) / kAttnK * kAttnK : 0;
+}
+
 struct RunsJob {
   const std::vector<Bf16AttnRun>& runs;
   const std::vector<int64_t>& at;     // run r's packed kp / vp from at[r], 2 x kvd(r) dwords a kv head
@@ -2458,7 +2464,8 @@ TIERED_AVX512 TIERED_FORCE_INLINE void runs_loop(const RunsJob& j, int64_t w0, i
     });
     const int64_t g = h / (j.H / j.Hkv), kvd = j.kvd(r);
     const uint32_t* kp = j.packed + j.at[r] + g * 2 * kvd;
-    (Amx ? attn_block : attn_block_avx512)(qa, u.p0 + q0, nq, kp, kp + kvd, hd, j.scale, ob, hd, 0);
+    (Amx ? attn_block : attn_block_avx512)(qa, u.p0 - runs_first_key(u) + q0, nq, kp, kp + kvd, hd, j.scale, ob, hd,
+                                           u.window);
     for (int64_t i = 0; i < nq; ++i) {  // bf16 -> fp32: the bits shifted up
       float* dst = u.out + (q0 + i) * j.ldo + h * hd;
       for (int64_t t = 0; t < hd; t += 16) {
@@ -3822,13 +3829,14 @@ c10::optional<Glu> glu_of(double limit, double alpha, const char* what) {
 }  // namespace
 
 bool bf16_runs_attention(const std::vector<Bf16AttnRun>& runs, int64_t ldq, int64_t ldo, int64_t head_ld, int64_t H,
-                        int64_t Hkv, int64_t hd, float scale) {
+                         int64_t Hkv, int64_t hd, float scale) {
   const AttnPath path = bf16_attention_path();
   if (path == AttnPath::kNone || hd % 32 != 0 || hd > 256 || Hkv <= 0 || H % Hkv != 0 || runs.empty()) return false;
   const int64_t R = int64_t(runs.size());
   std::vector<int64_t> at(R + 1, 0), first(R + 1, 0);
   for (int64_t r = 0; r < R; ++r) {
-    at[r + 1] = at[r] + Hkv * attn_padded_keys(runs[r].p0 + runs[r].n) * hd;  // kp, vp: keys * hd / 2 dwords each
+    const int64_t keys = runs[r].p0 + runs[r].n - runs_first_key(runs[r]);
+    at[r + 1] = at[r] + Hkv * attn_padded_keys(keys) * hd;  // kp, vp: keys * hd / 2 dwords each
     first[r + 1] = first[r] + H * attn_query_blocks(runs[r].n);
   }
   std::vector<uint32_t> packed;
@@ -3838,8 +3846,10 @@ bool bf16_runs_attention(const std::vector<Bf16AttnRun>& runs, int64_t ldq, int6
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t r = a / Hkv, g = a % Hkv, kvd = job.kvd(r);
       const Bf16AttnRun& u = runs[r];
+      const int64_t k0 = runs_first_key(u);
       uint32_t* kp = pk + at[r] + g * 2 * kvd;
-      attn_pack_kv(u.k + g * head_ld, u.v + g * head_ld, hd, u.p0 + u.n, kvd * 2 / hd, hd, kp, kp + kvd);
+      attn_pack_kv(u.k + g * head_ld + k0 * hd, u.v + g * head_ld + k0 * hd, hd, u.p0 + u.n - k0, kvd * 2 / hd, hd,
+                   kp, kp + kvd);
     }
   });
   at::parallel_for(0, first[R], 1, [&](int64_t w0, int64_t w1) {

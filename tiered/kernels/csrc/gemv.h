@@ -148,21 +148,25 @@ bool amx_swiglu(const Gemv& gate, const Gemv& up, const Gemv& down, const float*
                 const Glu* glu = nullptr);
 
 // One run of a prompt's rows in the native step's attention (DecodeStep::attention_runs): n rows of one sequence at
-// positions p0 .. p0 + n - 1, each attending causally to the cached keys 0 .. its own position.
+// positions p0 .. p0 + n - 1, each attending causally to the cached keys 0 .. its own position, or with a sliding
+// `window` (> 0) to its last `window` of them only.
 struct Bf16AttnRun {
   const float* q;     // row i's query heads at q + i * ldq (head h at + h * hd), fp32
   int64_t n, p0;
-  const uint16_t* k;  // kv head g's keys at k + g * head_ld, rows hd apart, bf16; v alike
+  const uint16_t* k;  // kv head g's keys at k + g * head_ld, rows hd apart, bf16 (from key 0); v alike
   const uint16_t* v;
   float* out;         // row i's heads at out + i * ldo: bf16 values, widened
+  int64_t window = 0;
 };
 
-// The runs' causal attention on AMX (csrc/gemv.cpp attn_block, amx_prompt_attention's: 32 queries x 64 keys of scores
-// in tiles, an online softmax in fp32, the probabilities in bf16 against V), the queries rounded to bf16 as torch
-// casts them (the modules' bf16 prompt attention, Plan.dtypes["prompt_attention"]). False, out untouched, where AMX is
-// not granted or amx_rows is off (TIERED_AMX=0), or hd is not a multiple of 32 up to 256.
+// The runs' causal attention in bf16 (csrc/gemv.cpp attn_block, bf16_prompt_attention's: 32 queries x 64 keys of
+// scores, in AMX tiles where the native step's AMX calls run, else by AVX512-BF16's vdpbf16ps; an online softmax in
+// fp32, the probabilities in bf16 against V), the queries rounded to bf16 as torch casts them (the modules' bf16
+// prompt attention, Plan.dtypes["prompt_attention"]); a windowed run's keys packed from its first row's window's
+// block on. False, out untouched, where neither kernel runs here (bf16_attention_available), or hd is not a multiple
+// of 32 up to 256.
 bool bf16_runs_attention(const std::vector<Bf16AttnRun>& runs, int64_t ldq, int64_t ldo, int64_t head_ld, int64_t H,
-                        int64_t Hkv, int64_t hd, float scale);
+                         int64_t Hkv, int64_t hd, float scale);
 
 // The kernels of every expert of one MoE layer, bound once to where their weights stay (resident
 // in RAM): k[3 e + j] = projection j (gate, up, down) of expert e. `owner` keeps them alive.
