@@ -2081,11 +2081,12 @@ TIERED_AVX512 TIERED_FORCE_INLINE float attn_row_max(const float* srow, int64_t 
 }
 
 // attn_block's online softmax of key block j's scores sc [kAttnQ][kAttnK] (fp32, unscaled) for its queries q0.. (nq
-// of them, the rows past nq given zero probabilities): pb [kAttnQ][kAttnK] the probabilities in bf16, and each row's
-// running outputs o [kAttnQ][hd], sum l (16 lanes a row) and max m (base 2) moved on.
+// of them, the rows past nq given zero probabilities): pb [kAttnQ][kAttnK] the probabilities in bf16, with `pl` what
+// that rounding left (p - pb, in bf16: p to ~2^-17 of itself as pb + pl), and each row's running outputs o
+// [kAttnQ][hd], sum l (16 lanes a row) and max m (base 2) moved on.
 TIERED_AVX512 TIERED_FORCE_INLINE void attn_softmax_block(const float* sc, uint16_t* pb, float* o, float* l, float* m,
                                                           int64_t q0, int64_t nq, int64_t j, int64_t hd,
-                                                          int64_t window, __m512 vscale) {
+                                                          int64_t window, __m512 vscale, uint16_t* pl = nullptr) {
   // the online softmax in base 2, a row at a time in 4 vectors: the keys it sees (causal) masked, their max; where
   // it passed the row's running max by more than kAttnLazyMax, what the row has (its outputs, its sum) rescaled by
   // 2^(old - new) and the max moved; this block's exponentials against the running max into the row's sum (16
@@ -2101,6 +2102,7 @@ TIERED_AVX512 TIERED_FORCE_INLINE void attn_softmax_block(const float* sc, uint1
     uint16_t* prow = pb + i * kAttnK;
     if (vi <= lo) {
       std::memset(prow, 0, kAttnK * sizeof(uint16_t));
+      if (pl) std::memset(pl + i * kAttnK, 0, kAttnK * sizeof(uint16_t));
       continue;
     }
     __mmask16 mk[4];
@@ -2123,8 +2125,17 @@ TIERED_AVX512 TIERED_FORCE_INLINE void attn_softmax_block(const float* sc, uint1
       sum = _mm512_add_ps(sum, x[q]);
     }
     _mm512_store_ps(lrow, sum);
-    _mm512_store_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
-    _mm512_store_si512(prow + 32, (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(x[2 * h + 1], x[2 * h]);
+      _mm512_store_si512(prow + 32 * h, hi);
+      if (pl) {  // x - hi, rounded: hi's 32 values widened (lanes 0-15 from x[2h], 16-31 from x[2h + 1])
+        const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16));
+        const __m512 h1 = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16));
+        _mm512_store_si512(pl + i * kAttnK + 32 * h, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x[2 * h + 1], h1),
+                                                                                  _mm512_sub_ps(x[2 * h], h0)));
+      }
+    }
   }
 }
 
@@ -2228,7 +2239,7 @@ TIERED_AVX512 void attn_block_avx512(const uint16_t* qa, int64_t q0, int64_t nq,
   constexpr int kRows = 8;  // queries a pass
   const int64_t C = hd / 32, CC = hd / 16;
   alignas(64) float sc[kAttnQ * kAttnK];
-  alignas(64) uint16_t pb[kAttnQ * kAttnK];
+  alignas(64) uint16_t pb[kAttnQ * kAttnK], pl[kAttnQ * kAttnK];  // P = pb + pl
   alignas(64) float o[kAttnQ * 256];  // the running outputs, hd <= 256
   alignas(64) float l[kAttnQ * 16];
   float m[kAttnQ];
@@ -2241,7 +2252,7 @@ TIERED_AVX512 void attn_block_avx512(const uint16_t* qa, int64_t q0, int64_t nq,
   // query row i's feature pair p of chunk c: qd[((i / 16) C + c) 256 + (i % 16) 16 + p]; its probabilities' key
   // pair p of the block: pd[i kAttnK / 2 + p]
   const uint32_t* qd = reinterpret_cast<const uint32_t*>(qa);
-  const uint32_t* pd = reinterpret_cast<const uint32_t*>(pb);
+  const uint32_t *pd = reinterpret_cast<const uint32_t*>(pb), *ld = reinterpret_cast<const uint32_t*>(pl);
   for (int64_t j = jlo; j < nkb; ++j) {
     for (int64_t i0 = 0; i0 < nq; i0 += kRows)  // (rows past nq are the tiles' zeros: their scores unused)
       for (int64_t t = 0; t < 4; t += 2) {     // the block's 16-key tiles t and t + 1
@@ -2265,7 +2276,7 @@ TIERED_AVX512 void attn_block_avx512(const uint16_t* qa, int64_t q0, int64_t nq,
           _mm512_store_ps(sc + (i0 + r) * kAttnK + t * 16 + 16, acc[r][1]);
         }
       }
-    attn_softmax_block(sc, pb, o, l, m, q0, nq, j, hd, window, vscale);
+    attn_softmax_block(sc, pb, o, l, m, q0, nq, j, hd, window, vscale, pl);
     for (int64_t i0 = 0; i0 < nq; i0 += kRows)
       for (int64_t cc = 0; cc < CC; cc += 2) {  // o += P v, features cc * 16 .. + 32 (CC is even: hd % 32 == 0)
         __m512 acc[kRows][2];
@@ -2276,12 +2287,14 @@ TIERED_AVX512 void attn_block_avx512(const uint16_t* qa, int64_t q0, int64_t nq,
         for (int64_t hk = 0; hk < 2; ++hk) {  // the block's halves of 32 keys
           const uint32_t* v0 = vp + ((2 * j + hk) * CC + cc) * 256;  // (features cc + 1's tile next to it)
           const uint32_t* pr = pd + i0 * (kAttnK / 2) + hk * 16;
+          const uint32_t* lr = ld + i0 * (kAttnK / 2) + hk * 16;
           for (int p = 0; p < 16; ++p) {
             const __m512i a = _mm512_load_si512(v0 + p * 16), b = _mm512_load_si512(v0 + 256 + p * 16);
-            for (int r = 0; r < kRows; ++r) {
+            for (int r = 0; r < kRows; ++r) {  // P's bf16 pair and what its rounding left: P to ~2^-17
               const __m512i pp = _mm512_set1_epi32(int(pr[r * (kAttnK / 2) + p]));
-              acc[r][0] = dot_bf16(acc[r][0], a, pp);
-              acc[r][1] = dot_bf16(acc[r][1], b, pp);
+              const __m512i pq = _mm512_set1_epi32(int(lr[r * (kAttnK / 2) + p]));
+              acc[r][0] = dot_bf16(dot_bf16(acc[r][0], a, pp), a, pq);
+              acc[r][1] = dot_bf16(dot_bf16(acc[r][1], b, pp), b, pq);
             }
           }
         }
