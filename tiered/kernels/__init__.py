@@ -74,10 +74,15 @@ def _import_built(name: str, directory: Path):
     return mod
 
 
+def _env_on(name: str) -> bool:
+    """False where the environment sets `name` to 0 (or false / no / off)."""
+    return os.environ.get(name, "1") not in ("0", "false", "no", "off")
+
+
 def amx_allowed() -> bool:
     """False where TIERED_AMX=0 (or false / no / off) turns tiered's AMX GEMM off: quant/int4.amx_kernels' prompt
     calls and the native step's rows (the extension's amx_rows, set at load)."""
-    return os.environ.get("TIERED_AMX", "1") not in ("0", "false", "no", "off")
+    return _env_on("TIERED_AMX")
 
 
 def load(build: bool = True, verbose: bool = False):
@@ -122,6 +127,8 @@ def load(build: bool = True, verbose: bool = False):
             _applied.clear()
             _applied.update(tune.apply(_loaded, directory) or {})  # this machine's measured tuning (tune.py)
             _loaded.amx_rows(amx_allowed())  # the native step's AMX rows, off with TIERED_AMX=0
+            if hasattr(_loaded, "bf16_attention_avx512"):  # off with TIERED_BF16_ATTENTION=0
+                _loaded.bf16_attention_avx512(_env_on("TIERED_BF16_ATTENTION"))
     except Exception as e:  # noqa: BLE001  (a failed build falls back; say why once)
         lines = str(e).strip().splitlines() or [""]
         _failed = f"{type(e).__name__}: " + next((ln for ln in lines if "error:" in ln), lines[-1]).strip()
