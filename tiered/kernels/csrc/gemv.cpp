@@ -2333,7 +2333,7 @@ struct AttnJob {  // bf16_prompt_attention's operands for attn_items
   int64_t sob, soh, sot;
   int64_t H, Hkv, T, hd, QB;
   float scale;
-  int64_t past;    // the queries' first position: query i sees keys 0 .. past + i
+  int64_t past;    // the queries' first position in the packed keys: query i sees keys 0 .. past + i
   int64_t window;  // > 0: ... the last `window` of them only
 };
 
@@ -2396,7 +2396,10 @@ at::Tensor bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const
                "bf16_prompt_attention: k / v [", B, ", Hkv | ", H, ", S >= ", past + T, ", ", hd,
                "] with head_dim % 32 == 0, window >= 0");
   at::Tensor out = at::empty({B, T, H, hd}, q.options()).transpose(1, 2);
-  const int64_t Sk = past + T;  // the keys any query sees
+  // the keys any query sees, from k0: 0, or with a window its first query's first visible key's block of kAttnK (a
+  // long prompt's sliding layer packs its window, not every cached key: 2048 of a chunk's 8192 at Gemma's 1024)
+  const int64_t k0 = window > 0 ? std::max<int64_t>(0, past - window + 1) / kAttnK * kAttnK : 0;
+  const int64_t Sk = past + T - k0;
   const int64_t Sp = attn_padded_keys(Sk), QB = attn_query_blocks(T);
   const int64_t kv_dwords = Sp * hd / 2;  // kp's and vp's each
   std::vector<uint32_t> packed;
@@ -2408,12 +2411,13 @@ at::Tensor bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const
   at::parallel_for(0, B * Hkv, 1, [&](int64_t a0, int64_t a1) {
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t b = a / Hkv, g = a % Hkv;
-      attn_pack_kv(kd + b * k.stride(0) + g * k.stride(1), vd + b * v.stride(0) + g * v.stride(1), k.stride(2), Sk, Sp,
-                   hd, pk + a * 2 * kv_dwords, pk + a * 2 * kv_dwords + kv_dwords);
+      attn_pack_kv(kd + b * k.stride(0) + g * k.stride(1) + k0 * k.stride(2),
+                   vd + b * v.stride(0) + g * v.stride(1) + k0 * v.stride(2), k.stride(2), Sk, Sp, hd,
+                   pk + a * 2 * kv_dwords, pk + a * 2 * kv_dwords + kv_dwords);
     }
   });
   const AttnJob job{qd, q.stride(0), q.stride(1), q.stride(2), pk, kv_dwords, od, out.stride(0), out.stride(1),
-                    out.stride(2), H, Hkv, T, hd, QB, float(scale), past, window};
+                    out.stride(2), H, Hkv, T, hd, QB, float(scale), past - k0, window};
   at::parallel_for(0, B * H * QB, 1, [&](int64_t w0, int64_t w1) {
     if (path == AttnPath::kAmx) attn_items(job, w0, w1);
     else attn_items_avx512(job, w0, w1);
