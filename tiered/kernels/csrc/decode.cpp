@@ -1035,8 +1035,9 @@ class DecodeStep {
   // The most bytes a prompt's attention holds as transposed keys (attention_runs; 32 MiB by default): past
   // it the KV heads go in batches, one head at least.
   void set_max_transposed_bytes(int64_t bytes) { max_transposed_ = bytes; }
-  // Whether a prompt's runs of rows over a bf16 KV cache attend in bf16 on the AMX attention (gemv::bf16_runs_attention)
-  // where it runs: the queries rounded to bf16, as the modules' prompts attend (layers.set_prompt_attention)
+  // Whether a prompt's runs of rows over a bf16 KV cache attend in bf16 on tiered's bf16 attention
+  // (gemv::bf16_runs_attention: AMX, or AVX512-BF16) where it runs: the queries rounded to bf16, as the modules'
+  // prompts attend (layers.set_prompt_attention)
   void set_prompt_attention_bf16(bool on) { prompt_bf16_ = on; }
 
   // Gemma's layers (models/gemma.GemmaDecoderLayer): layer l normalizes its attention's output with attn_out [D]
@@ -2005,7 +2006,7 @@ class DecodeStep {
   static constexpr int64_t kPartKeys = 256;
   // rows of one sequence at consecutive positions that attention_runs takes together (a prompt's)
   static constexpr int64_t kRunRows = 8;
-  // a prompt's runs attend in bf16 (the queries rounded, the probabilities in bf16) on AMX over a bf16 cache:
+  // a prompt's runs attend in bf16 (the queries rounded, the probabilities in bf16) over a bf16 cache:
   // set_prompt_attention_bf16, as the modules' prompts do (Plan.dtypes["prompt_attention"])
   bool prompt_bf16_ = false;
   // attention_runs' transposed keys at most (KV heads in batches past it; set_max_transposed_bytes)

@@ -1997,6 +1997,7 @@ void int4t_amx_gemm(const Int4W& w, const uint16_t* x, int64_t lda, int64_t M, i
 }
 
 // ------------------------------------------------------------------------------------ prompt attention on AMX
+// (and on AVX512-BF16 without AMX: attn_block_avx512, the same layouts and softmax with vdpbf16ps for the tiles)
 // A prompt's causal attention (queries 0..T-1 over keys 0..S-1, S >= T, query i sees keys 0..i: SDPA's top-left
 // causal mask) in bf16 on AMX tiles, flash-style: per (sequence, head, 32 queries) the scores of 64 keys at a time
 // in 2 x 2 tiles a half, an online softmax in fp32 (base 2, exp2_512; its max moved lazily, kAttnLazyMax), the
