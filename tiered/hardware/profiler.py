@@ -1792,7 +1792,7 @@ class _EmptyMatmuls(TorchFunctionMode):
     shape and dtype, so that a forward pass times the model code around them: norms, RoPE, SiLU,
     residual adds, casts and module calls (_prefill_code_points). A weight's conversion to fp32 (an
     nn.Parameter's .float(): hardware/cpu_gemm.linear's, on a CPU without a bf16 GEMM) is its GEMM's, whose
-    key times it: empty too. A bf16 prompt's attention on tiered's AMX kernel (models/layers._bf16_attention,
+    key times it: empty too. A bf16 prompt's attention on tiered's kernel (AMX, AVX512-BF16: layers._bf16_attention,
     a call into C++ that no TorchFunctionMode sees) takes torch's SDPA here (quant/int4.without_amx), empty
     too: until profiler 62 it ran on the empty projections' garbage inside runtime/prefill_code/bf16, which
     attn_prefill/cpu/bf16 prices already (2 AMX cores, 2026-12-06: SmolLM2's bf16 512-token TTFT priced 22% slow

@@ -127,8 +127,7 @@ def load(build: bool = True, verbose: bool = False):
             _applied.clear()
             _applied.update(tune.apply(_loaded, directory) or {})  # this machine's measured tuning (tune.py)
             _loaded.amx_rows(amx_allowed())  # the native step's AMX rows, off with TIERED_AMX=0
-            if hasattr(_loaded, "bf16_attention_avx512"):  # off with TIERED_BF16_ATTENTION=0
-                _loaded.bf16_attention_avx512(_env_on("TIERED_BF16_ATTENTION"))
+            _loaded.bf16_attention_avx512(_env_on("TIERED_BF16_ATTENTION"))  # off with TIERED_BF16_ATTENTION=0
     except Exception as e:  # noqa: BLE001  (a failed build falls back; say why once)
         lines = str(e).strip().splitlines() or [""]
         _failed = f"{type(e).__name__}: " + next((ln for ln in lines if "error:" in ln), lines[-1]).strip()

@@ -191,7 +191,7 @@ def bf16_attention_kernels():
     from tiered import kernels
 
     ext = kernels.load()
-    if ext is None or _AMX_OFF or not hasattr(ext, "bf16_attention_available"):
+    if ext is None or _AMX_OFF:
         return None
     return ext if ext.bf16_attention_available() else None
 

@@ -2020,6 +2020,12 @@ constexpr float kAttnLazyMax = 8.f;
 // Keys 0..n-1 padded to whole key blocks (the packed K / V's length), and n queries' blocks of kAttnQ
 inline int64_t attn_padded_keys(int64_t n) { return (n + kAttnK - 1) / kAttnK * kAttnK; }
 inline int64_t attn_query_blocks(int64_t n) { return (n + kAttnQ - 1) / kAttnQ; }
+// The first key of the key block holding the first key a query at position `pos` sees: 0, or with a sliding `window`
+// (> 0) its window's first key's block of kAttnK (no later query sees a key before it: what a block of queries packs
+// and scans from)
+inline int64_t attn_first_key(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) / kAttnK * kAttnK : 0;
+}
 
 // kp [Sp / 16][hd / 32][16 pairs][16 keys] and vp [Sp / 32][hd / 16][16 pairs][16 features] (dwords) of one kv head:
 // k, v [S, hd] bf16 rows `ld` elements apart, Sp >= S padded to whole key blocks (kAttnK)
@@ -2170,7 +2176,7 @@ TIERED_AMX void attn_block(const uint16_t* qa, int64_t q0, int64_t nq, const uin
   std::fill(m, m + kAttnQ, -INFINITY);
   const __m512 vscale = _mm512_set1_ps(scale * kLog2e);
   const int64_t last = q0 + nq - 1, nkb = last / kAttnK + 1;  // key blocks any of these queries sees
-  const int64_t jlo = window > 0 ? std::max<int64_t>(0, q0 - window + 1) / kAttnK : 0;  // ... from this one
+  const int64_t jlo = attn_first_key(q0, window) / kAttnK;  // ... from this one
   for (int64_t j = jlo; j < nkb; ++j) {
     for (int64_t hk = 0; hk < 2; ++hk) {  // the block's two halves of 32 keys: 2 x 2 score tiles each
       _tile_zero(0);
@@ -2249,7 +2255,7 @@ TIERED_AVX512 void attn_block_avx512(const uint16_t* qa, int64_t q0, int64_t nq,
   std::fill(m, m + kAttnQ, -INFINITY);
   const __m512 vscale = _mm512_set1_ps(scale * kLog2e);
   const int64_t last = q0 + nq - 1, nkb = last / kAttnK + 1;
-  const int64_t jlo = window > 0 ? std::max<int64_t>(0, q0 - window + 1) / kAttnK : 0;
+  const int64_t jlo = attn_first_key(q0, window) / kAttnK;
   // query row i's feature pair p of chunk c: qd[((i / 16) C + c) 256 + (i % 16) 16 + p]; its probabilities' key
   // pair p of the block: pd[i kAttnK / 2 + p]
   const uint32_t* qd = reinterpret_cast<const uint32_t*>(qa);
@@ -2366,10 +2372,6 @@ TIERED_AMX void attn_items(const AttnJob& j, int64_t w0, int64_t w1) {
 
 TIERED_AVX512 void attn_items_avx512(const AttnJob& j, int64_t w0, int64_t w1) { attn_loop<false>(j, w0, w1); }
 
-// q [B, H, T, hd], k / v [B, Hkv, S, hd] bf16 (rows contiguous), S >= past + T, H % Hkv == 0, hd % 32 == 0 -> out [B,
-// H, T, hd] bf16 (its memory [B, T, H, hd]: o_proj's rows) = causal softmax(scale q k^T) v, query i over keys
-// 0..past + i (past > 0: a prefill chunk after `past` cached positions; keys past past + T - 1 never read), or with a
-// sliding `window` (> 0: a sliding layer's) over keys past + i - window + 1..past + i.
 bool amx_step();
 
 // Whether a prompt's bf16 attention (bf16_prompt_attention, bf16_runs_attention) has a kernel here: on AMX tiles where
@@ -2383,6 +2385,10 @@ AttnPath bf16_attention_path() {
                                                                                              : AttnPath::kNone;
 }
 
+// q [B, H, T, hd], k / v [B, Hkv, S, hd] bf16 (rows contiguous), S >= past + T, H % Hkv == 0, hd % 32 == 0 -> out [B,
+// H, T, hd] bf16 (its memory [B, T, H, hd]: o_proj's rows) = causal softmax(scale q k^T) v, query i over keys
+// 0..past + i (past > 0: a prefill chunk after `past` cached positions; keys past past + T - 1 never read), or with a
+// sliding `window` (> 0: a sliding layer's) over keys past + i - window + 1..past + i.
 at::Tensor bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                  int64_t past, int64_t window) {
   const AttnPath path = bf16_attention_path();
@@ -2397,9 +2403,9 @@ at::Tensor bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const
                "bf16_prompt_attention: k / v [", B, ", Hkv | ", H, ", S >= ", past + T, ", ", hd,
                "] with head_dim % 32 == 0, window >= 0");
   at::Tensor out = at::empty({B, T, H, hd}, q.options()).transpose(1, 2);
-  // the keys any query sees, from k0: 0, or with a window its first query's first visible key's block of kAttnK (a
-  // long prompt's sliding layer packs its window, not every cached key: 2048 of a chunk's 8192 at Gemma's 1024)
-  const int64_t k0 = window > 0 ? std::max<int64_t>(0, past - window + 1) / kAttnK * kAttnK : 0;
+  // the keys any query sees, from k0 (a long prompt's sliding layer packs its window, not every cached key: 2048 of a
+  // chunk's 8192 at Gemma's 1024)
+  const int64_t k0 = attn_first_key(past, window);
   const int64_t Sk = past + T - k0;
   const int64_t Sp = attn_padded_keys(Sk), QB = attn_query_blocks(T);
   const int64_t kv_dwords = Sp * hd / 2;  // kp's and vp's each
@@ -2449,12 +2455,6 @@ bool amx_step() { return amx_ready() && g_amx_rows.load(std::memory_order_relaxe
 // head from its cache rows, its query rows rounded to bf16 into tiles (torch's cast of an fp32 query: nearest even),
 // each (run, head, block of 32 queries) an item, the queries at positions p0.. masked against keys 0..p0 + i, the
 // output rows' bf16 widened into `out`. Items alternate from both ends of each (run, head)'s blocks, as attn_items'.
-// The first key a run's packed keys hold: 0, or with a window its first row's first visible key's block of kAttnK
-// (keys before it are seen by none of its rows).
-inline int64_t runs_first_key(const Bf16AttnRun& u) {
-  return u.window > 0 ? std::max<int64_t>(0, u.p0 - u.window + 1) / kAttnK * kAttnK : 0;
-}
-
 struct RunsJob {
   const std::vector<Bf16AttnRun>& runs;
   const std::vector<int64_t>& at;     // run r's packed kp / vp from at[r], 2 x kvd(r) dwords a kv head
@@ -2482,8 +2482,8 @@ TIERED_AVX512 TIERED_FORCE_INLINE void runs_loop(const RunsJob& j, int64_t w0, i
     });
     const int64_t g = h / (j.H / j.Hkv), kvd = j.kvd(r);
     const uint32_t* kp = j.packed + j.at[r] + g * 2 * kvd;
-    (Amx ? attn_block : attn_block_avx512)(qa, u.p0 - runs_first_key(u) + q0, nq, kp, kp + kvd, hd, j.scale, ob, hd,
-                                           u.window);
+    (Amx ? attn_block : attn_block_avx512)(qa, u.p0 - attn_first_key(u.p0, u.window) + q0, nq, kp, kp + kvd, hd,
+                                           j.scale, ob, hd, u.window);
     for (int64_t i = 0; i < nq; ++i) {  // bf16 -> fp32: the bits shifted up
       float* dst = u.out + (q0 + i) * j.ldo + h * hd;
       for (int64_t t = 0; t < hd; t += 16) {
@@ -3853,7 +3853,7 @@ bool bf16_runs_attention(const std::vector<Bf16AttnRun>& runs, int64_t ldq, int6
   const int64_t R = int64_t(runs.size());
   std::vector<int64_t> at(R + 1, 0), first(R + 1, 0);
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t keys = runs[r].p0 + runs[r].n - runs_first_key(runs[r]);
+    const int64_t keys = runs[r].p0 + runs[r].n - attn_first_key(runs[r].p0, runs[r].window);
     at[r + 1] = at[r] + Hkv * attn_padded_keys(keys) * hd;  // kp, vp: keys * hd / 2 dwords each
     first[r + 1] = first[r] + H * attn_query_blocks(runs[r].n);
   }
@@ -3864,7 +3864,7 @@ bool bf16_runs_attention(const std::vector<Bf16AttnRun>& runs, int64_t ldq, int6
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t r = a / Hkv, g = a % Hkv, kvd = job.kvd(r);
       const Bf16AttnRun& u = runs[r];
-      const int64_t k0 = runs_first_key(u);
+      const int64_t k0 = attn_first_key(u.p0, u.window);
       uint32_t* kp = pk + at[r] + g * 2 * kvd;
       attn_pack_kv(u.k + g * head_ld + k0 * hd, u.v + g * head_ld + k0 * hd, hd, u.p0 + u.n - k0, kvd * 2 / hd, hd,
                    kp, kp + kvd);
@@ -4818,6 +4818,17 @@ void Gemv::run(const float* x, int64_t B, float* y) const {
 
 }  // namespace gemv
 
+// m.def(name): a process-wide switch `flag`, returning its setting before the call and set first to `enabled` where
+// given (amx_rows, bf16_attention_avx512).
+static void def_flag(pybind11::module& m, const char* name, std::atomic<bool>& flag, const char* doc) {
+  m.def(name, [&flag](c10::optional<bool> enabled) {
+          const bool was = flag.load();
+          if (enabled) flag.store(*enabled);
+          return was;
+        },
+        pybind11::arg("enabled") = pybind11::none(), doc);
+}
+
 void register_gemv(pybind11::module& m) {
   namespace py = pybind11;
   using namespace gemv;
@@ -4879,12 +4890,7 @@ void register_gemv(pybind11::module& m) {
         "[n1 - n0, K]: w = (q - 8) * scale + zero + residual, rounded once (the prefill path of a tiled-only weight). "
         "out: a tensor of that dtype and shape to write (a reused buffer: no fresh pages per call); returned. "
         "e2m1: MXFP4 codes, w = (E2M1_U[q] - 12) * scale + zero + residual (as int4_tiled_kernel's).");
-  m.def("amx_rows", [](c10::optional<bool> enabled) {
-          const bool was = g_amx_rows.load();
-          if (enabled) g_amx_rows.store(*enabled);
-          return was;
-        },
-        py::arg("enabled") = py::none(),
+  def_flag(m, "amx_rows", g_amx_rows,
         "Whether the native decode step's calls of tiled int4 and int8 kernels over 24+ rows take the AMX GEMM "
         "where it runs "
         "(True by default; tiered.kernels.load sets it off under TIERED_AMX=0); with `enabled`, set it for the process. Returns the "
@@ -4900,12 +4906,7 @@ void register_gemv(pybind11::module& m) {
   m.def("bf16_attention_available", [] { return bf16_attention_path() != AttnPath::kNone; },
         "Whether bf16_prompt_attention (and the native step's bf16 prompt rows) have a kernel here: AMX where the "
         "native step's AMX calls run (amx_available() and amx_rows()), else AVX512-BF16 with bf16_attention_avx512() on.");
-  m.def("bf16_attention_avx512", [](c10::optional<bool> enabled) {
-          const bool was = g_bf16_attention_avx512.load();
-          if (enabled) g_bf16_attention_avx512.store(*enabled);
-          return was;
-        },
-        py::arg("enabled") = py::none(),
+  def_flag(m, "bf16_attention_avx512", g_bf16_attention_avx512,
         "Whether a prompt's bf16 attention runs on AVX512-BF16 where AMX does not (True by default; off: A/Bs and "
         "tests); with `enabled`, set it for the process. Returns the setting before the call.");
   m.def("amx_available", &amx_ready,
