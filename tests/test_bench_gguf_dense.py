@@ -4,7 +4,7 @@ benchmarks/cpu_dense_q4km.py compares engines on.
 At tiny widths: the file is a real "llama" GGUF with llama.cpp's Q4_K_M types (Q6_K for the output
 matrix and for attn_v / ffn_down in the use_more_bits layers), its K-quant blocks are well formed
 (weights of the asked std, about centred), and tiered decodes it from int4 copies of the Q4_K
-blocks beside int8-g32 copies of the Q6_K ones, priced as a mix.
+blocks beside the Q6_K ones as stored (quant/q6k.Q6KLinear), priced as a mix.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tiered import LLM, EngineConfig, SamplingParams, kernels
 from tiered.bench.gguf_dense import DenseShape, q4_k_m_type, random_k_blocks, write_dummy_dense_gguf
 from tiered.quant.int4 import Int4Linear
 from tiered.quant.int8 import Int8G32Linear
+from tiered.quant.q6k import Q6KLinear
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
@@ -50,12 +51,13 @@ def test_dummy_q4_k_m_gguf_loads_and_decodes(tmp_path):
     assert types["blk.0.ffn_down.weight"] == types["blk.0.ffn_gate.weight"] == types["token_embd.weight"] == "Q4_K"
 
     llm = LLM(path, EngineConfig(max_context=64, accelerator="none"))
-    six = "int8-g32" if kernels.available() else "bf16"  # Q6_K's copies (quant/linear.auto_kind)
+    six = "q6k" if kernels.available() else "bf16"  # Q6_K's copies as stored (quant/linear.auto_kind)
     mix = llm.plan.precision_mix
     assert set(mix) == {"int4", six} and 0 < mix[six] < 0.5 and llm.plan.dtypes.get("lm_head") == six
     assert sum(isinstance(m, Int4Linear) for m in llm.model.modules()) >= 4
     # Q6_K v_proj and down_proj of layer 1, and the head
-    assert sum(isinstance(m, Int8G32Linear) for m in llm.model.modules()) == (3 if kernels.available() else 0)
+    assert sum(isinstance(m, Q6KLinear) for m in llm.model.modules()) == (3 if kernels.available() else 0)
+    assert not any(isinstance(m, Int8G32Linear) for m in llm.model.modules())
     out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8 and all(0 <= t < 512 for t in out.token_ids)
     llm.close()

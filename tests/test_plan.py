@@ -925,14 +925,14 @@ def test_the_lm_head_is_priced_in_its_own_decode_format():
         def has(self, name):
             return name in self.formats
 
-        def handle(self, name):
-            return SimpleNamespace(format=self.formats[name], shape=(49152, 576))
+        def handle(self, name):  # (a K-quant's rows are whole super-blocks of 256)
+            return SimpleNamespace(format=self.formats[name], shape=(49152, 768 if self.formats[name] == "Q6_K" else 576))
 
     # tied; Q8_0: its blocks as int8-g32 where tiered's kernels are built (quant/int8.Int8G32Linear), else per-row int8
     assert head_precision(Ckpt({"model.embed_tokens.weight": "Q8_0"}), "auto") == ("int8-g32" if kernels.available() else "int8")
     assert head_precision(Ckpt({"lm_head.weight": "Q4_1", "model.embed_tokens.weight": "Q8_0"}), "auto") == "int4"
-    # Q6_K: int8 per group of 32 where tiered's kernels are built (quant/int8.Int8G32Linear), else bf16
-    assert head_precision(Ckpt({"lm_head.weight": "Q6_K"}), "auto") == ("int8-g32" if kernels.available() else "bf16")
+    # Q6_K: as stored where tiered's kernels are built (quant/q6k.Q6KLinear), else bf16
+    assert head_precision(Ckpt({"lm_head.weight": "Q6_K"}), "auto") == ("q6k" if kernels.available() else "bf16")
     assert head_precision(Ckpt({"lm_head.weight": "IQ2_XS"}), "auto") == "bf16"
     assert head_precision(Ckpt({"model.embed_tokens.weight": "Q8_0"}), "int4") == "int4"
     cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
@@ -972,11 +972,11 @@ def test_mixed_decode_copies_are_priced_at_each_precision():
             return list(formats)
 
         def handle(self, name):
-            return SimpleNamespace(format=formats[name][0], numel=formats[name][1], shape=(16, 32))
+            return SimpleNamespace(format=formats[name][0], numel=formats[name][1], shape=(16, 256))
 
     q6 = sum(n for f, n in formats.values() if f == "Q6_K") / sum(n for _, n in formats.values())
     mix = decode_mix(Ckpt(), "auto")
-    six = "int8-g32" if kernels.available() else "bf16"  # Q6_K's copies (quant/linear.auto_kind)
+    six = "q6k" if kernels.available() else "bf16"  # Q6_K's copies (quant/linear.auto_kind)
     assert mix == pytest.approx({six: q6, "int4": 1 - q6})
     mix = {"bf16": q6, "int4": 1 - q6}  # priced below as bf16 copies, whatever this machine builds
     assert decode_precision(Ckpt(), "auto") == "int4" and decode_mix(Ckpt(), "int4") is None

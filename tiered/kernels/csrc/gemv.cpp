@@ -2670,6 +2670,216 @@ TIERED_AVX512 void int8t_avx512(const Int8W& w, const Act& a, int64_t b0, int64_
   }
 }
 
+// ------------------------------------------------------------------------------------ q6k
+// GGUF Q6_K weights on their own bits (Q6KW): w[n, k] = (d[n, k/256] sc[n, k/16]) (u[n, k] - 32) with u the 6-bit
+// code (0..63), sc int8 and d fp16, Q6_K's arithmetic, at 6.5625 bits a weight (210 bytes per 256) where the int8-g32
+// copy (q6k_blocks_tiled: the codes re-quantized per 32) reads 8.5. A Q4_K_M file's attn_v, ffn_down (half its
+// layers) and head are Q6_K; a Q6_K file is all of it.
+// Layout (q6k_blocks_q6t): qt uint8 [N/16, K/32, 384], per tile t (rows 16t .. 16t + 15) and group g of 32 columns,
+// in the tiled int8 layout's chunks (chunk c: columns 4c .. 4c + 3 of the group, byte 4r + j of a chunk's 64 = row r,
+// column 4c + j):
+//   bytes 0..255: four 64-byte nibble vectors, vector i = chunk 2i's u & 15 in its bytes' low nibbles and chunk
+//     2i + 1's in their high ones;
+//   bytes 256..383: two 64-byte high vectors, vector h = u >> 4 of chunk 4h + m in its bytes' bits 2m, 2m + 1.
+// So a chunk's 64 u bytes are one or two shifts and one ternary logic op from two loads, and vpdpbusd takes them as
+// the tiled int8 kernels take their codes. Scales: sc int8 [N/16, K/16, 16], d fp16 [N/16, K/256, 16], a tile's 16
+// rows side by side. Per row and 16 columns the integer dot of u against the quantized x, less 32 x the sum of those
+// x (Act::s16w / s16q), times d sc and the group's dx, accumulates in fp32.
+constexpr int64_t kQ6Group = 384;  // bytes of a group of a tile (16 rows x 32 columns)
+
+struct Q6KW {
+  const uint8_t* q;
+  const int8_t* sc;
+  const uint16_t* d;
+  const float* bias;
+};
+
+// u of row r, column k (< 32) of a group's 384 bytes
+inline int q6k_code(const uint8_t* grp, int64_t r, int64_t k) {
+  const int64_t c = k / 4, j = k % 4;
+  const uint8_t lo = grp[(c / 2) * 64 + 4 * r + j], hi = grp[256 + (c / 4) * 64 + 4 * r + j];
+  return ((c % 2 ? lo >> 4 : lo) & 15) | (((hi >> (2 * (c % 4))) & 3) << 4);
+}
+
+// d sc of row n's 16 columns from s (a 16-column sub-block), in fp32 (gguf's (d * scales) first)
+inline float q6k_scale(const Q6KW& w, int64_t n, int64_t s, int64_t K) {
+  const int64_t t = n / kBlock, r = n % kBlock;
+  return half_to_float(w.d[(t * (K / 256) + s / 16) * kBlock + r]) * float(w.sc[(t * (K / 16) + s) * kBlock + r]);
+}
+
+// q8: against the int8 activations (Act::xqt, dxg) instead of the int16 ones (xs, dw).
+void q6k_scalar(const Q6KW& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                bool q8) {
+  const int64_t K = a.K, G = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* tile = w.q + (n / kBlock) * G * kQ6Group;
+    for (int64_t b = b0; b < b0 + nb; ++b) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const float dx = q8 ? a.dxg[b * G + g] : a.dw[b * G + g];
+        for (int64_t s = 0; s < 2; ++s) {
+          int32_t dot = 0;
+          for (int64_t k = 16 * s; k < 16 * s + 16; ++k) {
+            const int64_t col = b * K + g * kGroup + k;
+            dot += (q6k_code(tile + g * kQ6Group, n % kBlock, k) - 32) * (q8 ? int32_t(a.xqt[col]) : int32_t(a.xs[col]));
+          }
+          acc += float(dot) * (q6k_scale(w, n, 2 * g + s, K) * dx);
+        }
+      }
+      y[b * ldy + n] = acc + (w.bias ? w.bias[n] : 0.f);
+    }
+  }
+}
+
+// The q6k kernels' weight-stream prefetch: into the L2 on every machine, whatever the tuning says for the other kernels
+// (g_stream_prefetch, g_prefetch_l2). Their loop computes about twice the int8 one's vector ops per weight (the 6-bit
+// codes' unpacking, a scale per 16), and without prefetches the L2 stream prefetcher did not keep it fed: on the
+// 2-core Zen 4 VM (2026-12-07, 4096 x 14336 at batch 1, 8 weights cycled past the L3, alternated) 2.31 ms a call
+// without, 2.04 with prefetcht0, 1.70 with prefetcht1 (the int8-g32 copy of the same weight 2.06-2.16 any way).
+TIERED_FORCE_INLINE void q6k_prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
+
+// The 4 chunks (16 columns) of sub-block s of a group's 384 bytes as u bytes: chunk 4s + m from nibble vector 2s + m / 2
+// (shifted down 4 for odd m) and high vector s (shifted to put field m on bits 4-5): (lo & 0x0F) | (hi & 0x30), one
+// vpternlog (0xEA: (A & B) | C) each. `off`: the bytes of a row half (AVX2 reads 32 of each 64).
+TIERED_AVX512 TIERED_FORCE_INLINE void q6k_unpack512(const uint8_t* grp, int s, __m512i* u) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
+  const __m512i l0 = _mm512_loadu_si512(grp + 128 * s), l1 = _mm512_loadu_si512(grp + 128 * s + 64);
+  const __m512i h = _mm512_loadu_si512(grp + 256 + 64 * s);
+  u[0] = _mm512_ternarylogic_epi64(l0, m4, _mm512_and_si512(_mm512_slli_epi16(h, 4), m2), 0xEA);
+  u[1] = _mm512_ternarylogic_epi64(_mm512_srli_epi16(l0, 4), m4, _mm512_and_si512(_mm512_slli_epi16(h, 2), m2), 0xEA);
+  u[2] = _mm512_ternarylogic_epi64(l1, m4, _mm512_and_si512(h, m2), 0xEA);
+  u[3] = _mm512_ternarylogic_epi64(_mm512_srli_epi16(l1, 4), m4, _mm512_and_si512(_mm512_srli_epi16(h, 2), m2), 0xEA);
+}
+
+TIERED_AVX2 TIERED_FORCE_INLINE void q6k_unpack256(const uint8_t* grp, int s, int off, __m256i* u) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 128 * s + off));
+  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 128 * s + 64 + off));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 256 + 64 * s + off));
+  u[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m2));
+  u[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m2));
+  u[2] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(h, m2));
+  u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m2));
+}
+
+// AVX2 (int16 x, Act::xw): per chunk and 8-row half, u's bytes 0 and 2 of each row's dword and bytes 1 and 3 as int16
+// pairs against the broadcast xw words, as int8t_avx2 does with its codes (pair sums <= 2 * 63 * 32639: exact).
+template <int NB>
+TIERED_AVX2 void q6k_avx2(const Q6KW& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup, S = K / 16, SB = K / 256;
+  const __m256i m = _mm256_set1_epi32(0x00FF00FF);
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const int64_t t = m0 / kBlock;
+    const uint8_t* tile = w.q + t * G * kQ6Group;
+    __m256 acc[NB][2];
+    for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* grp = tile + g * kQ6Group;
+      for (int l = 0; l < 6; ++l) q6k_prefetch(grp + kPrefetchAhead + 64 * l);
+      __m256 dv[2];
+      for (int h = 0; h < 2; ++h)
+        dv[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + (t * SB + g / 8) * kBlock + 8 * h)));
+      for (int s = 0; s < 2; ++s) {
+        __m256i u[2][4];  // [row half][chunk 4s + m]
+        for (int h = 0; h < 2; ++h) q6k_unpack256(grp, s, 32 * h, u[h]);
+        __m256i tt[NB][2];
+        for (int j = 0; j < NB; ++j) tt[j][0] = tt[j][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int cm = 0; cm < 4; ++cm) {
+          const int c = 4 * s + cm;
+          __m256i e[2], o[2];
+          for (int h = 0; h < 2; ++h) e[h] = _mm256_and_si256(u[h][cm], m), o[h] = _mm256_srli_epi16(u[h][cm], 8);
+          const int64_t i = (c / 2) * 4 + c % 2;  // xw word of columns (4c, 4c + 2); + 2: (4c + 1, 4c + 3)
+          for (int j = 0; j < NB; ++j) {
+            const uint32_t* xw = a.xw + (b0 + j) * (K / 2) + g * (kGroup / 2);
+            const __m256i xe = _mm256_set1_epi32(int32_t(xw[i])), xo = _mm256_set1_epi32(int32_t(xw[i + 2]));
+            for (int h = 0; h < 2; ++h)
+              tt[j][h] = _mm256_add_epi32(tt[j][h], _mm256_add_epi32(_mm256_madd_epi16(e[h], xe), _mm256_madd_epi16(o[h], xo)));
+          }
+        }
+        const int8_t* scp = w.sc + (t * S + 2 * g + s) * kBlock;
+        __m256 f[2];
+        for (int h = 0; h < 2; ++h)
+          f[h] = _mm256_mul_ps(dv[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scp + 8 * h)))));
+        for (int j = 0; j < NB; ++j) {
+          const __m256i off = _mm256_set1_epi32(32 * a.s16w[(b0 + j) * S + 2 * g + s]);
+          const __m256 dx = _mm256_set1_ps(a.dw[(b0 + j) * G + g]);
+          for (int h = 0; h < 2; ++h)
+            acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(tt[j][h], off)), _mm256_mul_ps(f[h], dx),
+                                        acc[j][h]);
+        }
+      }
+    }
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        __m256 out = acc[j][h];
+        if (w.bias) out = _mm256_add_ps(out, _mm256_loadu_ps(w.bias + m0 + 8 * h));
+        _mm256_storeu_ps(y + (b0 + j) * ldy + m0 + 8 * h, out);
+      }
+  }
+}
+
+// AVX-512 (VNNI), as int8t_avx512: one vpdpbusd per chunk against a broadcast of 4 bytes of xh and one of xl (xs =
+// 256 xh + xl) per activation row, or of xqt (Q8: calls of q8_from+ rows, Plan.batch_act "q8"); per 16 columns the
+// row's dot is 256 sum(h) + sum(l) - 32 sum(xs) (exact in int32: |.| <= 16 * 63 * 128 * 257 + 32 * 16 * 32639),
+// then times d sc dx into the fp32 accumulator. Two chains per part and row up to 2 rows (Q8: 4), one beyond.
+template <int NB, bool Q8 = false>
+TIERED_AVX512 void q6k_avx512(const Q6KW& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup, S = K / 16, SB = K / 256;
+  constexpr int C = NB <= (Q8 ? 4 : 2) ? 2 : 1;
+  constexpr int P = Q8 ? 1 : 2;  // the activations' byte parts: xq alone, or xh and xl
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const int64_t t = m0 / kBlock;
+    const uint8_t* tile = w.q + t * G * kQ6Group;
+    __m512 acc[NB];
+    for (int j = 0; j < NB; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* grp = tile + g * kQ6Group;
+      for (int l = 0; l < 6; ++l) q6k_prefetch(grp + kPrefetchAhead + 64 * l);
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + (t * SB + g / 8) * kBlock)));
+      for (int s = 0; s < 2; ++s) {
+        __m512i u[4];
+        q6k_unpack512(grp, s, u);
+        __m512i tt[NB][P][C];
+        for (int j = 0; j < NB; ++j)
+          for (int p = 0; p < P; ++p)
+            for (int c = 0; c < C; ++c) tt[j][p][c] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int cm = 0; cm < 4; ++cm) {
+          const int c = 4 * s + cm;
+          for (int j = 0; j < NB; ++j) {
+            const int64_t k = (b0 + j) * K + g * kGroup + 4 * c;
+            const int8_t* parts[2] = {Q8 ? a.xqt + k : a.xh + k, Q8 ? nullptr : a.xl + k};
+            for (int p = 0; p < P; ++p) {
+              int32_t v;
+              std::memcpy(&v, parts[p], 4);
+              tt[j][p][cm % C] = _mm512_dpbusd_epi32(tt[j][p][cm % C], u[cm], _mm512_set1_epi32(v));
+            }
+          }
+        }
+        const __m512 f = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (t * S + 2 * g + s) * kBlock)))));
+        for (int j = 0; j < NB; ++j) {
+          __m512i v = C == 2 ? _mm512_add_epi32(tt[j][0][0], tt[j][0][C - 1]) : tt[j][0][0];
+          if constexpr (!Q8) {
+            v = _mm512_add_epi32(_mm512_slli_epi32(v, 8), C == 2 ? _mm512_add_epi32(tt[j][P - 1][0], tt[j][P - 1][C - 1])
+                                                                 : tt[j][P - 1][0]);
+          }
+          const int64_t bs = (b0 + j) * S + 2 * g + s, bg = (b0 + j) * G + g;
+          v = _mm512_sub_epi32(v, _mm512_set1_epi32(32 * (Q8 ? a.s16q[bs] : a.s16w[bs])));
+          acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(f, _mm512_set1_ps(Q8 ? a.dxg[bg] : a.dw[bg])), acc[j]);
+        }
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      __m512 out = acc[j];
+      if (w.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(w.bias + m0));
+      _mm512_storeu_ps(y + (b0 + j) * ldy + m0, out);
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------ fp8
 // FP8 E4M3 weights with a fp32 scale per 128 x 128 block (DeepSeek-V3 / Qwen3-FP8 checkpoints' "weight"
 // and "weight_scale_inv"; Fp8W): q uint8 [N, K] the float8_e4m3fn bit patterns, bs fp32
@@ -3109,6 +3319,41 @@ struct Int8Gemv : Gemv {
     std::string n = std::string(w.gs ? "int8g32t(tiered," : w.tiled ? "int8t(tiered," : "int8(tiered,") + isa_name(current_isa());
     if (w16()) n += "; int16 x";
     if (has_q8()) n += (w16() ? ", q8 from " : "; q8 from ") + std::to_string(q8_from) + " rows";
+    return n + ")";
+  }
+};
+
+// GGUF Q6_K weights as stored (see "q6k"): a Q4_K_M file's Q6_K tensors' decode copies (quant/q6k.Q6KLinear).
+struct Q6KGemv : Gemv {
+  at::Tensor qt, sc, d;
+  std::vector<float> bias;
+  Q6KW w{};
+  // calls from this many rows read int8 activations (Int8Gemv::q8_from's rule: AVX-512 and scalar; AVX2 keeps int16)
+  int64_t q8_from = kNeverQ8;
+  bool q8(int64_t B) const { return q8_from != kNeverQ8 && current_isa() != kAvx2 && B >= q8_from; }
+  void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
+    const bool x8 = q8(a.rows_for_format());  // (needs() was asked with the same)
+    switch (current_isa()) {
+      case kAvx512:
+        if (x8) {
+          TIERED_DISPATCH_NB(q6k_avx512, w, true)
+        } else {
+          TIERED_DISPATCH_NB(q6k_avx512, w)
+        }
+        break;
+      case kAvx2: TIERED_DISPATCH_NB(q6k_avx2, w) break;
+      default: q6k_scalar(w, a, b0, nb, n0, n1, y, ldy, x8);
+    }
+  }
+  ActNeeds needs(int64_t B) const override {
+    ActNeeds n = q8(B) ? ActNeeds::only_q8() : ActNeeds::only_w16(current_isa() == kAvx512);
+    n.s16 = true;
+    return n;
+  }
+  int64_t weight_bytes() const override { return out_features * in_features / 256 * 210; }
+  std::string name() const override {
+    std::string n = std::string("q6k(tiered,") + isa_name(current_isa()) + "; int16 x";
+    if (q8_from != kNeverQ8 && current_isa() != kAvx2) n += ", q8 from " + std::to_string(q8_from) + " rows";
     return n + ")";
   }
 };
@@ -3740,6 +3985,102 @@ std::vector<at::Tensor> q6k_blocks_tiled(const at::Tensor& raw0, const c10::opti
   const auto tiles = isa == kAvx512 ? q6k_tiles_avx512 : isa == kAvx2 ? q6k_tiles_avx2 : q6k_tiles_base;
   at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) { tiles(src, dst, stp, t0, t1, G, K); });
   return {qt, st};
+}
+
+// GGUF Q6_K super-blocks (ql[128] low nibbles, qh[64] high 2 bits, int8 scales[16], fp16 d) -> the q6k layout (see
+// "q6k"): qt uint8 [N/16, K/32, 384], sc int8 [N/16, K/16, 16], d fp16 [N/16, K/256, 16], the same codes and scales
+// bit for bit. Tiles [t0, t1); element e of a super-block: half h = e / 128, w = e % 128, its low nibble in ql byte
+// 64 h + w % 64 (bits 4 (w / 64)..), its high bits in qh byte 128 + 32 h + w % 32 (bits 2 (w / 32)..), its scale
+// scales[e / 16].
+void q6k_pack_tiles(const uint8_t* src, uint8_t* qt, int8_t* sc, uint16_t* d, int64_t t0, int64_t t1, int64_t K) {
+  constexpr int64_t block = 210;
+  const int64_t G = K / kGroup, S = K / 16, SB = K / 256;
+  for (int64_t t = t0; t < t1; ++t) {
+    uint8_t* tq = qt + t * G * kQ6Group;
+    std::memset(tq, 0, G * kQ6Group);
+    for (int64_t r = 0; r < kBlock; ++r) {
+      const uint8_t* row = src + (t * kBlock + r) * SB * block;
+      for (int64_t sb = 0; sb < SB; ++sb) {
+        const uint8_t* b = row + sb * block;
+        std::memcpy(d + (t * SB + sb) * kBlock + r, b + 208, 2);
+        for (int64_t s = 0; s < 16; ++s) sc[(t * S + sb * 16 + s) * kBlock + r] = int8_t(b[192 + s]);
+        for (int64_t e = 0; e < 256; ++e) {
+          const int64_t h = e / 128, wi = e % 128;
+          const int u = ((b[64 * h + wi % 64] >> (4 * (wi / 64))) & 15) | (((b[128 + 32 * h + wi % 32] >> (2 * (wi / 32))) & 3) << 4);
+          const int64_t k = sb * 256 + e, c = (k % kGroup) / 4, j = k % 4;
+          uint8_t* grp = tq + (k / kGroup) * kQ6Group;
+          grp[(c / 2) * 64 + 4 * r + j] |= uint8_t((u & 15) << (4 * (c % 2)));
+          grp[256 + (c / 4) * 64 + 4 * r + j] |= uint8_t((u >> 4) << (2 * (c % 4)));
+        }
+      }
+    }
+  }
+}
+
+std::vector<at::Tensor> q6k_blocks_q6t(const at::Tensor& raw0) {
+  const BlockRows br = checked_blocks(raw0, 210, 256, "q6k_blocks_q6t");
+  const int64_t N = br.N, K = br.K;
+  auto qt = at::empty({N / kBlock, K / kGroup, kQ6Group}, at::TensorOptions().dtype(at::kByte));
+  auto sc = at::empty({N / kBlock, K / 16, kBlock}, at::TensorOptions().dtype(at::kChar));
+  auto d = at::empty({N / kBlock, K / 256, kBlock}, at::TensorOptions().dtype(at::kHalf));
+  const uint8_t* src = br.raw.data_ptr<uint8_t>();
+  uint8_t* q = qt.data_ptr<uint8_t>();
+  int8_t* s = sc.data_ptr<int8_t>();
+  auto* dp = reinterpret_cast<uint16_t*>(d.data_ptr<at::Half>());
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) { q6k_pack_tiles(src, q, s, dp, t0, t1, K); });
+  return {qt, sc, d};
+}
+
+// The q6k layout's (qt, sc, d) checked for a weight of N x K (see "q6k"); `what` names the caller in errors.
+void check_q6k(const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, const char* what) {
+  TIERED_CHECK(qt.device().is_cpu() && qt.scalar_type() == at::kByte && qt.dim() == 3 && qt.size(2) == kQ6Group &&
+                  qt.is_contiguous(),
+              what, ": qt must be a contiguous CPU uint8 [N/16, K/32, 384], got ", qt.scalar_type(), " ", qt.sizes());
+  const int64_t T = qt.size(0), K = qt.size(1) * kGroup;
+  TIERED_CHECK(K % 256 == 0 && K > 0, what, ": K must be a positive multiple of 256 (Q6_K's super-blocks), got ", K);
+  TIERED_CHECK(sc.device().is_cpu() && sc.scalar_type() == at::kChar && sc.is_contiguous() &&
+                  sc.sizes() == at::IntArrayRef({T, K / 16, kBlock}),
+              what, ": sc must be a contiguous CPU int8 [", T, ", ", K / 16, ", 16], got ", sc.scalar_type(), " ",
+              sc.sizes());
+  TIERED_CHECK(d.device().is_cpu() && d.scalar_type() == at::kHalf && d.is_contiguous() &&
+                  d.sizes() == at::IntArrayRef({T, K / 256, kBlock}),
+              what, ": d must be a contiguous CPU float16 [", T, ", ", K / 256, ", 16], got ", d.scalar_type(), " ",
+              d.sizes());
+}
+
+// A q6k weight dequantized, w = (d sc) (u - 32) in fp32 (gguf's order), as fp32 or rounded to bf16 (nearest even):
+// the prefill path of a weight held only so (quant/q6k.Q6KLinear.dense) and its reference.
+template <typename T>
+void q6k_dequantize_tiles(const Q6KW& w, T* out, int64_t t0, int64_t t1, int64_t K) {
+  const int64_t G = K / kGroup;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r = 0; r < kBlock; ++r) {
+      const int64_t n = t * kBlock + r;
+      T* o = out + n * K;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* grp = w.q + (t * G + g) * kQ6Group;
+        const float s0 = q6k_scale(w, n, 2 * g, K), s1 = q6k_scale(w, n, 2 * g + 1, K);
+        for (int64_t k = 0; k < kGroup; ++k) {
+          const float v = (k < 16 ? s0 : s1) * float(q6k_code(grp, r, k) - 32);
+          if constexpr (std::is_same_v<T, float>) o[g * kGroup + k] = v;
+          else o[g * kGroup + k] = to_bf16(v);
+        }
+      }
+    }
+}
+
+at::Tensor q6k_tiled_dequantize(const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, bool bf16,
+                                const c10::optional<at::Tensor>& out_) {
+  check_q6k(qt, sc, d, "q6k_tiled_dequantize");
+  const int64_t N = qt.size(0) * kBlock, K = qt.size(1) * kGroup;
+  at::Tensor out = out_or_empty(out_, {N, K}, bf16 ? at::kBFloat16 : at::kFloat, "q6k_tiled_dequantize: out");
+  const Q6KW w{qt.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
+               nullptr};
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
+    if (bf16) q6k_dequantize_tiles(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
+    else q6k_dequantize_tiles(w, out.data_ptr<float>(), t0, t1, K);
+  });
+  return out;
 }
 
 // A tiled int8-g32 weight (qt uint8 [N, K]: byte 4r + j of chunk c of tile t = q[16 t + r, 4 c + j] + 128;
@@ -4506,6 +4847,21 @@ std::shared_ptr<Int8Gemv> make_int8g32_tiled(at::Tensor qt, at::Tensor st, c10::
   return k;
 }
 
+// q6k weights (see "q6k"): qt uint8 [N/16, K/32, 384], sc int8 [N/16, K/16, 16], d fp16 [N/16, K/256, 16], held (no
+// copy); batch_act as make_int8_tiled's.
+std::shared_ptr<Q6KGemv> make_q6k(at::Tensor qt, at::Tensor sc, at::Tensor d, c10::optional<at::Tensor> bias,
+                                  const std::string& batch_act) {
+  check_q6k(qt, sc, d, "q6k_kernel");
+  auto k = std::make_shared<Q6KGemv>();
+  k->out_features = qt.size(0) * kBlock, k->in_features = qt.size(1) * kGroup;
+  k->qt = qt, k->sc = sc, k->d = d;
+  k->bias = bias_vector(bias, k->out_features);
+  k->w = {qt.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
+          k->bias.empty() ? nullptr : k->bias.data()};
+  k->q8_from = int8_q8_from(batch_act, "q6k_kernel");
+  return k;
+}
+
 // fp8 weights (see "fp8"): q uint8 (or float8_e4m3fn) [N, K] and bs fp32 [ceil(N/rb), ceil(K/128)] or
 // [ceil(N/rb), 1] (one scale across the columns) for `row_block` rb rows a scale (128, 1, or >= N),
 // contiguous, held (no copy).
@@ -4806,6 +5162,19 @@ Act ActBuffers::prepare(const float* x, int64_t B, int64_t K, ActNeeds needs) {
       a.xh = xh.data(), a.xl = xl.data();
     }
   }
+  if (needs.s16 && K % 16 == 0) {  // the q6k kernels' offset terms: sums per 16 columns
+    auto sums = [&](std::vector<int32_t>& out, auto* q) {
+      out.resize(B * K / 16);
+      for (int64_t i = 0; i < B * K / 16; ++i) {
+        int32_t s = 0;
+        for (int64_t k = 0; k < 16; ++k) s += q[i * 16 + k];
+        out[i] = s;
+      }
+      return out.data();
+    };
+    if (a.xs) a.s16w = sums(s16w, a.xs);
+    if (a.xqt) a.s16q = sums(s16q, a.xqt);
+  }
   return a;
 }
 
@@ -4957,6 +5326,20 @@ void register_gemv(pybind11::module& m) {
         "tiered's int8 GEMV with fp16 scales per group of 32 (GGUF Q8_0's), tiled layout "
         "(kernels/linear.tiled_int8, tiled_group_scales). qt uint8 [N, K] contiguous (N % 16 == 0, K % 32 == 0), "
         "st float16 [N/16, K/32, 16]: w = (q - 128) * s. batch_act as int8_tiled_kernel's.");
+  m.def("q6k_kernel", [](at::Tensor qt, at::Tensor sc, at::Tensor d, c10::optional<at::Tensor> bias,
+                         const std::string& batch_act) -> KernelPtr { return make_q6k(qt, sc, d, bias, batch_act); },
+        py::arg("qt"), py::arg("sc"), py::arg("d"), py::arg("bias") = py::none(), py::arg("batch_act") = "bf16",
+        "tiered's GEMV over GGUF Q6_K weights as stored (q6k_blocks_q6t's layout): qt uint8 [N/16, K/32, 384], sc int8 "
+        "[N/16, K/16, 16], d float16 [N/16, K/256, 16] (K % 256 == 0): w = d sc (u - 32). batch_act as "
+        "int8_tiled_kernel's. Holds the tensors (no copy).");
+  m.def("q6k_blocks_q6t", &q6k_blocks_q6t, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
+        "GGUF Q6_K blocks uint8 [N, K/256 * 210] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 384], sc int8 [N/16, K/16, 16], "
+        "d float16 [N/16, K/256, 16]): the q6k kernel's layout of the same codes and scales, bit for bit.");
+  m.def("q6k_tiled_dequantize", &q6k_tiled_dequantize, py::call_guard<py::gil_scoped_release>(), py::arg("qt"),
+        py::arg("sc"), py::arg("d"), py::arg("bf16") = true, py::arg("out") = py::none(),
+        "A q6k weight (q6k_kernel's tensors) -> [N, K]: (d sc) (u - 32) in float32 (gguf's arithmetic), as float32 or "
+        "rounded to bfloat16 (nearest even); out: write into it (contiguous, that dtype and shape) instead of a new "
+        "tensor.");
   m.def("fp8_kernel", [](at::Tensor q, at::Tensor bs, c10::optional<at::Tensor> bias, int64_t row_block) -> KernelPtr {
           return make_fp8(q, bs, bias, row_block);
         },

@@ -51,6 +51,8 @@ Isa current_isa();  // what the kernels use now (best_isa unless set_isa lowered
 // tiled layouts' kernels) also xsq int32 [B, K/32], the sums of xs per group (the tiled int8
 // layout's +128 offset term), and on AVX-512 xh, xl int8 [B, K] in column order with
 // xs = 256 xh + xl (32639 = 127 * 257 keeps both in a signed byte).
+// With s16 (the q6k kernels: Q6_K's scale per 16 weights), the sums per 16 columns of the quantized rows: s16w int32
+// [B, K/16] of xs (with w16), s16q int32 [B, K/16] of xqt (with q8).
 // With pairs (the tiled int4 layout on bf16 activations, AVX-512): xp uint32 [B, K/2], per 8 columns c8 and j < 4 the bf16 words of x[8 c8 + j] (low)
 // and x[8 c8 + 4 + j] (high).
 struct Act {
@@ -69,6 +71,7 @@ struct Act {
   const int32_t* xsq = nullptr;
   const int32_t* xqs = nullptr;  // q8: sum of xqt per group [B, G]
   const float *dw = nullptr, *wsum = nullptr;
+  const int32_t *s16w = nullptr, *s16q = nullptr;
   int64_t B = 0, K = 0, Gp = 0;  // Gp: padded groups per row of xq / xsum / m8 (0 without q8)
   // The call size whose activation formats these rows take where a kernel picks them by it (the tiled
   // int4 layout's q8_from): 0 = B. A MoE step's expert rows take the step's tokens (swiglu_group), so a
@@ -80,11 +83,11 @@ struct Act {
 // What a call's kernels read of its Act (bf16 rounding, int8 or int16 quantization, bf16 pairs):
 // `prepare` computes only that.
 struct ActNeeds {
-  bool bf16 = true, q8 = false, pairs = false, w16 = false, split = false;
+  bool bf16 = true, q8 = false, pairs = false, w16 = false, split = false, s16 = false;
   static ActNeeds only_q8() { return {false, true, false, false}; }
   static ActNeeds only_w16(bool split = false) { return {false, false, false, true, split}; }
   ActNeeds operator|(const ActNeeds& o) const {
-    return {bf16 || o.bf16, q8 || o.q8, pairs || o.pairs, w16 || o.w16, split || o.split};
+    return {bf16 || o.bf16, q8 || o.q8, pairs || o.pairs, w16 || o.w16, split || o.split, s16 || o.s16};
   }
 };
 
@@ -94,7 +97,7 @@ struct ActBuffers {
   std::vector<uint16_t> xb;
   std::vector<int8_t> xq, xqt, xh, xl;
   std::vector<int16_t> xs;
-  std::vector<int32_t> xsq, xqs;
+  std::vector<int32_t> xsq, xqs, s16w, s16q;
   std::vector<uint32_t> xp, xw;
   Act prepare(const float* x, int64_t B, int64_t K, ActNeeds needs = {});
   void quantize_q8(const float* x, int64_t B, int64_t K, Act& a);
