@@ -10,14 +10,15 @@ greedy tokens after a 32-token prompt, peak RSS, and the bandwidth bound from th
 reads.
 
     tiered-int4   tiered, EngineConfig() (the default engine): the Q4_K blocks repacked as int4
-                  groups of 32, the Q6_K tensors as bf16 copies (quant/linear.GGUF_DECODE_KIND),
-                  decode in the native step
+                  groups of 32, the Q6_K (Q5_K) tensors as stored (quant/kquant.py; see
+                  quant/linear.GGUF_DECODE_KIND), decode in the native step
     llama.cpp     llama-cpp-python on the same file (mmap), same thread count
 
 Usage:
     .venv/bin/python benchmarks/cpu_dense_q4km.py                 # 8 layers (~1.3 GB file)
     .venv/bin/python benchmarks/cpu_dense_q4km.py --layers 2 --quick --out /tmp/q4km
-Results: benchmarks/results/cpu_dense_q4km.json and .md. The GGUF is cached under
+    .venv/bin/python benchmarks/cpu_dense_q4km.py --mix Q5_K_M    # llama.cpp's Q5_K_M mix of the same widths
+Results: benchmarks/results/cpu_dense_q4km.json and .md (cpu_dense_q5km.* for Q5_K_M). The GGUF is cached under
 ~/.cache/tiered/bench/ (written once).
 """
 
@@ -35,16 +36,24 @@ import cpu_dense  # noqa: E402
 from tiered.bench.gguf_dense import cached_dummy, llama3_8b, write_dummy_dense_gguf  # noqa: E402
 
 
-def model_file(layers: int) -> Path:
-    """The cached dummy Llama Q4_K_M GGUF of `layers` layers (written when missing)."""
+def model_file(layers: int, mix: str = "Q4_K_M") -> Path:
+    """The cached dummy Llama GGUF of `layers` layers in `mix` (Q4_K_M, or Q5_K_M: Q5_K where it has Q4_K; written
+    when missing)."""
     shape = llama3_8b(layers)
-    return cached_dummy(shape.tag("Q4_K_M"), lambda path, **kw: write_dummy_dense_gguf(path, shape, **kw))
+    return cached_dummy(shape.tag(mix), lambda path, **kw: write_dummy_dense_gguf(path, shape, mix=mix, **kw))
 
 
 def main(argv=None) -> int:
-    return cpu_dense.dummy_main(argv, doc=__doc__, layers=8, real=32, widths="Llama-3-8B", weights="Q4_K_M",
-                                out=str(HERE / "results" / "cpu_dense_q4km"), title="CPU dense benchmark on Q4_K_M",
-                                model_file=model_file)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    mix = "Q4_K_M"
+    if "--mix" in argv:  # Q5_K_M: the same widths in llama.cpp's next mix (Q5_K, Q6_K where Q4_K_M has it)
+        i = argv.index("--mix")
+        mix = argv[i + 1]
+        del argv[i:i + 2]
+    stem = "cpu_dense_q4km" if mix == "Q4_K_M" else f"cpu_dense_{mix.lower().replace('_', '')}"
+    return cpu_dense.dummy_main(argv, doc=__doc__, layers=8, real=32, widths="Llama-3-8B", weights=mix,
+                                out=str(HERE / "results" / stem), title=f"CPU dense benchmark on {mix}",
+                                model_file=lambda layers: model_file(layers, mix))
 
 
 if __name__ == "__main__":

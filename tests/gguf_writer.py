@@ -54,7 +54,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-_K_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
+_K_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 
 
 def encode(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -167,15 +167,15 @@ def write_tensors_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, GGMLQuan
 
 
 def random_k_blocks(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
-    """Valid random Q4_K / Q6_K blocks uint8 [rows, cols / 256 * block_bytes] (gguf cannot quantize K types).
+    """Valid random Q4_K / Q5_K / Q6_K blocks uint8 [rows, cols / 256 * block_bytes] (gguf cannot quantize K types).
 
     Every byte is random except the fp16 super-block scales, which are set to small finite values.
     """
     rng = np.random.default_rng(seed)
-    block = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q6_K: 210}[qtype]
+    block = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176, GGMLQuantizationType.Q6_K: 210}[qtype]
     nb = cols // 256
     b = rng.integers(0, 256, size=(rows, nb, block), dtype=np.uint8)
-    if qtype == GGMLQuantizationType.Q4_K:  # d, dmin (f16) then scales[12], qs[128]
+    if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):  # d, dmin (f16) then scales[12], (qh[32],) qs
         b[..., 0:4] = rng.uniform(0.001, 0.01, size=(rows, nb, 2)).astype(np.float16).view(np.uint8)
     else:  # ql[128], qh[64], scales[16] (int8), d (f16)
         b[..., 208:210] = rng.uniform(0.001, 0.01, size=(rows, nb, 1)).astype(np.float16).view(np.uint8)
@@ -195,7 +195,7 @@ def dequantized_model(model, qtype: GGMLQuantizationType):
 
 
 # ----------------------------------------------------------------------------------- K-quants
-# gguf.quants dequantizes Q4_K / Q6_K but cannot quantize them: these are plain (no search)
+# gguf.quants dequantizes Q4_K / Q5_K / Q6_K but cannot quantize them: these are plain (no search)
 # restatements of ggml's block layouts, checked against gguf.quants.dequantize in the tests.
 
 def quantize_q4_k(w: np.ndarray) -> np.ndarray:
@@ -222,6 +222,37 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
     qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # sub-blocks 2c (low) and 2c+1 (high)
     out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1)
+    return out.reshape(rows, -1)
+
+
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """w fp32 [rows, cols % 256 == 0] -> Q5_K blocks uint8 [rows, cols / 256 * 176].
+
+    Per 32-element sub-block: w ~ d * sc * q - dmin * m (q 5 bit, sc and m 6 bit); min/max fit, as quantize_q4_k.
+    """
+    rows, cols = w.shape
+    x = w.astype(np.float32).reshape(-1, 8, 32)  # (blocks, sub, 32)
+    lo = np.minimum(x.min(-1), 0.0)
+    scale = (x.max(-1) - lo) / 31
+    mins = -lo
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (mins.max(-1) / 63).astype(np.float16)
+    df, dmf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(np.divide(mins, dmf, out=np.zeros_like(mins), where=dmf > 0)), 0, 63).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.clip(np.round(np.divide(x + (dmf * m)[..., None], step, out=np.zeros_like(x), where=step > 0)), 0, 31)
+    q = q.astype(np.uint8)  # (blocks, 8, 32): sub-block s's element l
+    scales = np.empty((x.shape[0], 12), np.uint8)
+    scales[:, 0:4] = (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = (m[:, :4] & 0x3F) | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    lo4 = q & 0x0F
+    qs = (lo4[:, 0::2] | (lo4[:, 1::2] << 4)).reshape(-1, 128)  # sub-blocks 2c (low) and 2c+1 (high)
+    qh = np.zeros((x.shape[0], 32), np.uint8)
+    for s in range(8):  # the fifth bit of sub-block s's element l: bit s of qh[l]
+        qh |= (q[:, s] >> 4) << s
+    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qh, qs], axis=1)
     return out.reshape(rows, -1)
 
 
@@ -255,7 +286,8 @@ def encode_any(w: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, 
         return w.astype(np.float32 if qtype == GGMLQuantizationType.F32 else np.float16), qtype
     if w.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
         return w.astype(np.float16), GGMLQuantizationType.F16
-    k = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q6_K: quantize_q6_k}.get(qtype)
+    k = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q5_K: quantize_q5_k,
+         GGMLQuantizationType.Q6_K: quantize_q6_k}.get(qtype)
     if k is None:
         return quantize(w.astype(np.float32), qtype), qtype
     flat = k(w.reshape(-1, w.shape[-1]))

@@ -4,7 +4,7 @@ benchmarks/cpu_dense_q4km.py compares engines on.
 At tiny widths: the file is a real "llama" GGUF with llama.cpp's Q4_K_M types (Q6_K for the output
 matrix and for attn_v / ffn_down in the use_more_bits layers), its K-quant blocks are well formed
 (weights of the asked std, about centred), and tiered decodes it from int4 copies of the Q4_K
-blocks beside the Q6_K ones as stored (quant/q6k.Q6KLinear), priced as a mix.
+blocks beside the Q6_K ones as stored (quant/kquant.Q6KLinear), priced as a mix.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from tiered import LLM, EngineConfig, SamplingParams, kernels
 from tiered.bench.gguf_dense import DenseShape, q4_k_m_type, random_k_blocks, write_dummy_dense_gguf
 from tiered.quant.int4 import Int4Linear
 from tiered.quant.int8 import Int8G32Linear
-from tiered.quant.q6k import Q6KLinear
+from tiered.quant.kquant import Q6KLinear
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_random_k_blocks_have_the_asked_spread(qtype):
     rng = np.random.default_rng(0)
     w = dequantize(random_k_blocks(rng, 64, 512, qtype, 0.02), GGMLQuantizationType[qtype]).reshape(64, 512)
@@ -58,6 +58,29 @@ def test_dummy_q4_k_m_gguf_loads_and_decodes(tmp_path):
     # Q6_K v_proj and down_proj of layer 1, and the head
     assert sum(isinstance(m, Q6KLinear) for m in llm.model.modules()) == (3 if kernels.available() else 0)
     assert not any(isinstance(m, Int8G32Linear) for m in llm.model.modules())
+    out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and all(0 <= t < 512 for t in out.token_ids)
+    llm.close()
+
+
+def test_dummy_q5_k_m_gguf_takes_its_blocks_as_stored(tmp_path):
+    """The Q5_K_M mix (benchmarks/cpu_dense_q4km.py --mix Q5_K_M): Q5_K where Q4_K_M has Q4_K, its Q6_K tensors the
+    same; tiered decodes both as stored (Q5KLinear, Q6KLinear), priced as a mix of q5k and q6k."""
+    from tiered.quant.kquant import Q5KLinear
+
+    shape = DenseShape(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64, vocab=512)
+    path = write_dummy_dense_gguf(tmp_path / "tiny.gguf", shape, mix="Q5_K_M")
+    r = GGUFReader(str(path))
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert types["blk.0.ffn_down.weight"] == types["token_embd.weight"] == "Q5_K" and types["output.weight"] == "Q6_K"
+    assert int(r.fields["general.file_type"].contents()) == 17  # LLAMA_FTYPE_MOSTLY_Q5_K_M
+    with pytest.raises(ValueError, match="mix must be"):
+        write_dummy_dense_gguf(tmp_path / "x.gguf", shape, mix="Q3_K_S")
+    llm = LLM(path, EngineConfig(max_context=64, accelerator="none"))
+    if kernels.available():
+        assert set(llm.plan.precision_mix) == {"q5k", "q6k"} and llm.plan.dtypes.get("lm_head") == "q6k"
+        assert sum(isinstance(m, Q5KLinear) for m in llm.model.modules()) >= 4
+        assert sum(isinstance(m, Q6KLinear) for m in llm.model.modules()) == 3
     out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8 and all(0 <= t < 512 for t in out.token_ids)
     llm.close()

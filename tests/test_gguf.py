@@ -481,25 +481,26 @@ def test_block_reads_map_their_pages_at_once(tmp_path):
     assert raw.shape == (256, 1024 // 32 * 18)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_decode_copies(zoo, qtype):
-    """A Q4_K_M file's types on the CPU's decode path ("auto"): Q4_K projections decode as int4 from
+    """A Q4_K_M / Q5_K_M file's types on the CPU's decode path ("auto"): Q4_K projections decode as int4 from
     their blocks (scale d*sc and zero 8*scale - dmin*m per group of 32, rounded to bf16: no
-    re-quantization); Q6_K ones from their own codes and scales (Q6KLinear, with tiered's kernels; bf16
-    copies without); both close to the same file dequantized to fp32."""
+    re-quantization); Q5_K and Q6_K ones from their own codes and scales (Q5KLinear, Q6KLinear, with tiered's
+    kernels; bf16 copies without); all close to the same file dequantized to fp32."""
     from fixtures import stepwise_logits
     from tiered import kernels
     from tiered.eval.kl import kl_divergence
+    from tiered.quant.kquant import LINEAR_OF_KIND, KIND_OF_FORMAT
     from tiered.quant.linear import decode_precision
-    from tiered.quant.q6k import Q6KLinear
 
     path = zoo.gguf("llama_wide", qtype)
     auto = zoo.llm(path, decode_weights="auto", accelerator="none")
-    six = "q6k" if kernels.available() else "bf16"
-    assert decode_precision(auto.checkpoint, "auto") == ("int4" if qtype == "Q4_K" else six)
+    stored = KIND_OF_FORMAT.get(qtype)
+    kind = "int4" if qtype == "Q4_K" else stored if kernels.available() else "bf16"
+    assert decode_precision(auto.checkpoint, "auto") == kind
     # every projection and the head: qkv, o, gate_up, down in each of 2 layers, + 1
-    kind = Int4Linear if qtype == "Q4_K" else Q6KLinear
-    assert sum(isinstance(m, kind) for m in auto.model.modules()) == (2 * 4 + 1 if kind is Int4Linear or six != "bf16" else 0)
+    cls = Int4Linear if qtype == "Q4_K" else LINEAR_OF_KIND[stored]
+    assert sum(isinstance(m, cls) for m in auto.model.modules()) == (2 * 4 + 1 if kind != "bf16" else 0)
     fp32 = zoo.llm(path, accelerator="none")
     ids = prompt_ids(zoo.vocab_size, 24)
     ref = fp32.logits(ids)[7:]
@@ -510,11 +511,10 @@ def test_k_quant_decode_copies(zoo, qtype):
     # doubles it); on int16 activations ("bf16": batch-1 numerics) 3.7e-4 / 2.2e-3. Earlier: Q6_K 6e-4 as
     # bf16 copies, 3.9e-3 as per-row int8 (the default int4 SmolLM2: 5e-3). Q6_K as stored (q6k: the file's
     # weights exactly, the activations' rounding alone; 2026-12-07): 1.8e-3 on q8 rows, 1.6e-4 on int16
-    assert float(kl_divergence(ref, got).max()) < (1e-2 if qtype == "Q6_K" and six != "q6k" else 5e-3)
+    assert float(kl_divergence(ref, got).max()) < (1e-2 if kind == "bf16" else 5e-3)
     assert rel_err(got, ref) < 8e-2
     exact = stepwise_logits(zoo.llm(path, decode_weights="auto", accelerator="none", batch_activations="bf16"), ids, 8)
-    assert float(kl_divergence(ref, exact).max()) < (1e-3 if qtype == "Q6_K" and six == "q6k" else
-                                                     3e-3 if qtype == "Q6_K" else 1e-3)
+    assert float(kl_divergence(ref, exact).max()) < (3e-3 if kind == "bf16" else 1e-3)
     assert rel_err(fp32.logits(ids), auto.logits(ids)) < 8e-2  # prefill through the copies' dense paths (q8 rows)
 
 

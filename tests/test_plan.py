@@ -931,7 +931,7 @@ def test_the_lm_head_is_priced_in_its_own_decode_format():
     # tied; Q8_0: its blocks as int8-g32 where tiered's kernels are built (quant/int8.Int8G32Linear), else per-row int8
     assert head_precision(Ckpt({"model.embed_tokens.weight": "Q8_0"}), "auto") == ("int8-g32" if kernels.available() else "int8")
     assert head_precision(Ckpt({"lm_head.weight": "Q4_1", "model.embed_tokens.weight": "Q8_0"}), "auto") == "int4"
-    # Q6_K: as stored where tiered's kernels are built (quant/q6k.Q6KLinear), else bf16
+    # Q6_K: as stored where tiered's kernels are built (quant/kquant.Q6KLinear), else bf16
     assert head_precision(Ckpt({"lm_head.weight": "Q6_K"}), "auto") == ("q6k" if kernels.available() else "bf16")
     assert head_precision(Ckpt({"lm_head.weight": "IQ2_XS"}), "auto") == "bf16"
     assert head_precision(Ckpt({"model.embed_tokens.weight": "Q8_0"}), "int4") == "int4"

@@ -26,8 +26,11 @@ import numpy as np
 
 from tiered.bench.gguf_moe import _STD, add_tokenizer, read_tokenizer, write_tensors
 
-K_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # bytes per super-block of 256 weights
-_K_CODE_STD = {"Q4_K": 8 * 4.61, "Q6_K": 8 * 18.47}  # std of w / d: 8 (q - 7.5), q in 0..15; 8 (q - 32), q in 0..63
+K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per super-block of 256 weights
+# std of w / d: 8 (q - 7.5), q in 0..15; 8 (q - 15.5), q in 0..31; 8 (q - 32), q in 0..63
+_K_CODE_STD = {"Q4_K": 8 * 4.61, "Q5_K": 8 * 9.23, "Q6_K": 8 * 18.47}
+# llama.cpp's file types (LLAMA_FTYPE_MOSTLY_*) and main block type of the mixes write_dummy_dense_gguf writes
+MIXES = {"Q4_K_M": (15, "Q4_K"), "Q5_K_M": (17, "Q5_K")}
 
 
 @dataclass(frozen=True)
@@ -54,20 +57,20 @@ def llama3_8b(layers: int = 8) -> DenseShape:
 
 
 def random_k_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: float) -> np.ndarray:
-    """uint8 [rows, cols / 256 * block bytes]: random Q4_K / Q6_K super-blocks of centred weights
+    """uint8 [rows, cols / 256 * block bytes]: random Q4_K / Q5_K / Q6_K super-blocks of centred weights
     with about `std` (module docstring).
 
     Raises:
         ValueError: another block type, or cols not a multiple of 256.
     """
     if qtype not in K_BLOCK_BYTES or cols % 256:
-        raise ValueError(f"random_k_blocks: {qtype} with {cols} columns (Q4_K / Q6_K, a multiple of 256)")
+        raise ValueError(f"random_k_blocks: {qtype} with {cols} columns (Q4_K / Q5_K / Q6_K, a multiple of 256)")
     nb, bs = cols // 256, K_BLOCK_BYTES[qtype]
     b = np.frombuffer(rng.bytes(rows * nb * bs), np.uint8).reshape(rows, nb, bs).copy()
     d = (std / _K_CODE_STD[qtype] * rng.uniform(0.5, 1.5, (rows, nb, 1))).astype(np.float16)
-    if qtype == "Q4_K":  # d, dmin (fp16), scales[12] (6-bit sc and m of 8 sub-blocks), qs[128]
+    if qtype in ("Q4_K", "Q5_K"):  # d, dmin (fp16), scales[12] (6-bit sc and m of 8 sub-blocks), (qh[32],) qs[128]
         b[..., 0:2] = d.view(np.uint8)
-        b[..., 2:4] = (d.astype(np.float32) * 7.5).astype(np.float16).view(np.uint8)
+        b[..., 2:4] = (d.astype(np.float32) * (7.5 if qtype == "Q4_K" else 15.5)).astype(np.float16).view(np.uint8)
         # sub-blocks 0-3: sc = scales[j] & 63, m = scales[j + 4] & 63; 4-7: the low nibbles of
         # scales[j + 4] and the top bits of scales[j - 4] / scales[j] (zero here): sc = m = 8
         b[..., 4:8], b[..., 8:12], b[..., 12:16] = 8, 8, 8 | (8 << 4)
@@ -77,12 +80,13 @@ def random_k_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, 
     return b.reshape(rows, nb * bs)
 
 
-def q4_k_m_type(name: str, layer: int, layers: int) -> str:
-    """The block type llama.cpp's Q4_K_M gives a tensor (llama_tensor_get_type, use_more_bits)."""
+def q4_k_m_type(name: str, layer: int, layers: int, main: str = "Q4_K") -> str:
+    """The block type llama.cpp's Q4_K_M (Q5_K_M: `main` "Q5_K") gives a tensor (llama_tensor_get_type,
+    use_more_bits)."""
     more = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
     if name == "output.weight" or (name.split(".")[-2] in ("attn_v", "ffn_down") and more):
         return "Q6_K"
-    return "Q4_K"
+    return main
 
 
 def _writer(path, arch: str, s: DenseShape, tag: str, tokenizer_from, context: int, eps: float, theta: float,
@@ -111,20 +115,26 @@ def _writer(path, arch: str, s: DenseShape, tag: str, tokenizer_from, context: i
 
 
 def write_dummy_dense_gguf(path: str | os.PathLike, shape: DenseShape, tokenizer_from: str | os.PathLike | None = None,
-                           seed: int = 0) -> Path:
-    """Write `shape` as a llama.cpp "llama" GGUF in the Q4_K_M mix at `path` (module docstring).
+                           seed: int = 0, mix: str = "Q4_K_M") -> Path:
+    """Write `shape` as a llama.cpp "llama" GGUF in the Q4_K_M mix (`mix` "Q5_K_M": Q5_K where Q4_K_M has Q4_K) at
+    `path` (module docstring).
 
     Args:
         tokenizer_from: a GGUF whose tokenizer metadata is copied (its vocabulary sets the
             embedding's and output's rows), or None: no tokenizer, `shape.vocab` rows.
     Returns the path.
+    Raises:
+        ValueError: a mix other than MIXES'.
     """
+    if mix not in MIXES:
+        raise ValueError(f"write_dummy_dense_gguf: mix must be one of {sorted(MIXES)}, got {mix!r}")
     s = shape
-    w, vocab = _writer(path, "llama", s, s.tag("Q4_K_M"), tokenizer_from, context=8192, eps=1e-5, theta=500000.0,
-                       file_type=15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    file_type, main = MIXES[mix]
+    w, vocab = _writer(path, "llama", s, s.tag(mix), tokenizer_from, context=8192, eps=1e-5, theta=500000.0,
+                       file_type=file_type)
     w.add_rope_dimension_count(s.head_dim)
     D, F, hd = s.hidden, s.ffn, s.head_dim
-    specs = [("token_embd.weight", (vocab, D), "Q4_K", -1)]  # (name, torch-order shape, type, layer)
+    specs = [("token_embd.weight", (vocab, D), main, -1)]  # (name, torch-order shape, type, layer)
     for i in range(s.layers):
         p = f"blk.{i}."
         specs += [(p + "attn_norm.weight", (D,), "ONES", i), (p + "attn_q.weight", (s.heads * hd, D), None, i),
@@ -133,7 +143,7 @@ def write_dummy_dense_gguf(path: str | os.PathLike, shape: DenseShape, tokenizer
                   (p + "ffn_gate.weight", (F, D), None, i), (p + "ffn_up.weight", (F, D), None, i),
                   (p + "ffn_down.weight", (D, F), None, i)]
     specs += [("output_norm.weight", (D,), "ONES", -1), ("output.weight", (vocab, D), "Q6_K", -1)]
-    specs = [(n, shp, kind or q4_k_m_type(n, i, s.layers)) for n, shp, kind, i in specs]
+    specs = [(n, shp, kind or q4_k_m_type(n, i, s.layers, main)) for n, shp, kind, i in specs]
     write_tensors(w, specs, {k: (256, b) for k, b in K_BLOCK_BYTES.items()},
                   lambda rng, name, shp, kind: random_k_blocks(rng, shp[0], shp[1], kind, _STD.get(name.split(".")[-2], 0.02)),
                   seed)

@@ -31,11 +31,13 @@ DTYPE_FALLBACK = {
     "int4": ("int4",),
     "int4q8": ("int4q8", "int4"),  # int4 on int8 activations (routed experts); older profiles: int4's
     "int8-g32q8": ("int8-g32q8", "int8-g32", "int8"),  # int8-g32 decode copies' batched calls on int8 activations
-    # GGUF Q6_K decode copies as stored (quant/q6k.py): until a profile times their kernel, a byte of them at the
-    # int8-g32 copies' rate (2 Zen 4 cores, 4096 x 14336 at one row from memory: 28.2 GB/s against 27.5-29.6,
-    # 2026-12-07); their batched calls on int8 activations at int8-g32q8's
+    # GGUF Q6_K / Q5_K decode copies as stored (quant/kquant.py): until a profile times their kernels, a byte of them
+    # at the int8-g32 copies' rate (2 Zen 4 cores, 4096 x 14336 at one row from memory, q6k: 28.2 GB/s against
+    # 27.5-29.6, 2026-12-07); their batched calls on int8 activations at int8-g32q8's
     "q6k": ("q6k", "int8-g32", "int8"),
     "q6kq8": ("q6kq8", "int8-g32q8", "int8-g32", "int8"),
+    "q5k": ("q5k", "int8-g32", "int8"),
+    "q5kq8": ("q5kq8", "int8-g32q8", "int8-g32", "int8"),
     # tiled per-row int8 experts' calls of 2+ rows on int8 activations: the same kernel's rows as int8-g32q8's, the
     # per-row int8 stream at one row
     "int8q8": ("int8q8", "int8-g32q8", "int8"),
@@ -53,7 +55,7 @@ def gemv_dtype(kind: str, act: str = "bf16") -> str:
     quant/experts.token_activations')."""
     if act != "q8":
         return kind
-    return {"int4": "int4q8", "int8-g32": "int8-g32q8", "int8": "int8q8", "q6k": "q6kq8"}.get(kind, kind)
+    return {"int4": "int4q8", "int8-g32": "int8-g32q8", "int8": "int8q8", "q6k": "q6kq8", "q5k": "q5kq8"}.get(kind, kind)
 
 
 def find(profile: HardwareProfile, op: str, device: str, dtype: str) -> LinearModel | None:
@@ -382,8 +384,8 @@ def step_stream(profile: HardwareProfile, dtype: str, layer_bytes: float | None 
 
 
 # decode-copy kinds the native step's stream prices at another's runtime/decode_layer rate (a byte each) until a
-# profile times their own: the Q6_K copies at the int8-g32 ones' (DTYPE_FALLBACK's note)
-STEP_STREAM_FALLBACK = {"q6k": "int8-g32"}
+# profile times their own: the Q6_K / Q5_K copies at the int8-g32 ones' (DTYPE_FALLBACK's note)
+STEP_STREAM_FALLBACK = {"q6k": "int8-g32", "q5k": "int8-g32"}
 
 
 def _points(profile: HardwareProfile, key: str) -> list:

@@ -7,7 +7,8 @@ TIERED_NATIVE=0, or no compiler); callers then keep their torch-op paths.
     Int8Linear (q int8 [N, K], scale [N])    int8_kernel (ours)
     int8 expert projection, tiled layout     int8_tiled_kernel (ours: 16 rows per SIMD vector, vpdpbusd)
     int8-g32 (GGUF Q8_0) expert, tiled       int8g32_tiled_kernel (the same, fp16 scales per group of 32)
-    Q6KLinear (a GGUF Q6_K copy as stored)   q6k_kernel (6-bit codes, Q6_K's scales; its batch_act as the int8 ones')
+    Q6KLinear, Q5KLinear (GGUF Q6_K / Q5_K   q6k_kernel, q5k_kernel (their codes and scales as stored; batch_act
+    copies as stored, quant/kquant)          as the int8 ones')
     Int8G32Linear (a GGUF Q8_0 / Q6_K copy)  int8g32_tiled_kernel (its batch_act from 2 rows: int8 x, one
                                              vpdpbusd per 4 weights and row, on AVX-512)
     Int4Linear, tiled layout                 int4_tiled_kernel (ours: bf16 activations at batch 1,
@@ -241,18 +242,18 @@ def tiled_int8_g32_dequantize(qt: torch.Tensor, st: torch.Tensor) -> torch.Tenso
     return ext.int8g32_tiled_dequantize(qt, st, _scratch_view(N, K, torch.bfloat16))
 
 
-def q6k_dequantize(qt: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """A q6k weight (quant/q6k.Q6KLinear's qt uint8 [N/16, K/32, 384], sc int8 [N/16, K/16, 16], d fp16 [N/16, K/256,
-    16]) dequantized to bf16 [N, K], d sc (u - 32) rounded to nearest even, into this thread's reused buffer as
-    `tiled_dequantize`'s: valid until the next call on the same thread.
+def kquant_dequantize(kind: str, qt: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
+    """A "q6k" / "q5k" weight (quant/kquant's layouts: qt uint8 [N/16, K/32, 384 or 320] and its scales) dequantized
+    to bf16 [N, K] (rounded to nearest even), into this thread's reused buffer as `tiled_dequantize`'s: valid until the
+    next call on the same thread.
 
     Raises:
         RuntimeError: the extension is unavailable, or bad shapes."""
     ext = load()
     if ext is None:
-        raise RuntimeError("q6k_dequantize needs tiered/kernels built")
+        raise RuntimeError("kquant_dequantize needs tiered/kernels built")
     N, K = qt.shape[0] * 16, qt.shape[1] * 32
-    return ext.q6k_tiled_dequantize(qt, sc, d, True, _scratch_view(N, K, torch.bfloat16))
+    return getattr(ext, f"{kind}_tiled_dequantize")(qt, scales, supers, True, _scratch_view(N, K, torch.bfloat16))
 
 
 def untiled_codes(packed: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@ staging buffer takes. The planner and the engine both count with it, so a plan t
 what the runtime can hold.
 
 Formats are named as the planner names precisions: "fp32", "bf16", "fp16", "int8", "int8-g32",
-"int4", "fp8", "mxfp4" (gpt-oss's experts as stored, quant/mxfp4.py) and "q6k" (GGUF Q6_K as stored,
-quant/q6k.py).
+"int4", "fp8", "mxfp4" (gpt-oss's experts as stored, quant/mxfp4.py), "q6k" and "q5k" (GGUF Q6_K / Q5_K as
+stored, quant/kquant.py).
 Weight counts come from the model's own module tree built on the meta device (nothing allocated),
 so they match `materialize` parameter for parameter.
 """
@@ -40,8 +40,10 @@ def bytes_per_element(fmt: str, group: int = INT4_GROUP) -> float:
         return 0.5 + 4.0 / 32
     if fmt == "int8-g32":  # int8 and an fp16 scale per 32 (quant/int8.Int8G32Linear)
         return 1.0 + 2.0 / 32
-    if fmt == "q6k":  # GGUF Q6_K as stored: 210 bytes per 256 weights (quant/q6k.Q6KLinear)
+    if fmt == "q6k":  # GGUF Q6_K as stored: 210 bytes per 256 weights (quant/kquant.Q6KLinear)
         return 210 / 256
+    if fmt == "q5k":  # GGUF Q5_K as stored, its 6-bit scales a byte each: 180 bytes per 256 (quant/kquant.Q5KLinear)
+        return 180 / 256
     if fmt == "fp8":  # e4m3 and an fp32 scale per 128 x 128 block (quant/fp8.py)
         from tiered.quant.fp8 import BLOCK
         return 1.0 + 4.0 / (BLOCK * BLOCK)
@@ -49,7 +51,7 @@ def bytes_per_element(fmt: str, group: int = INT4_GROUP) -> float:
         return _DENSE_BYTES[fmt]
     except KeyError:
         raise ConfigError(f"unknown weight format {fmt!r}",
-                          "use fp32, bf16, fp16, int8, int8-g32, q6k, fp8, mxfp4 or int4") from None
+                          "use fp32, bf16, fp16, int8, int8-g32, q6k, q5k, fp8, mxfp4 or int4") from None
 
 
 def format_of(dtype: torch.dtype) -> str:

@@ -182,7 +182,7 @@ def fused_pair(first: nn.Module, second: nn.Module, x: torch.Tensor) -> torch.Te
 class DecodeWeight:
     """One projection's decode-format weight before packing: int4 codes or a dense tensor."""
 
-    kind: str  # "int4" | "int8" | "int8-g32" | "q6k" | "fp8" | "dense"
+    kind: str  # "int4" | "int8" | "int8-g32" | "q6k" | "q5k" | "fp8" | "dense"
     # int32 [N, K] (int4), int8 [N, K] (int8), tiled uint8 [N, K] (int8-g32) or e4m3fn bits uint8 [N, K] (fp8)
     codes: torch.Tensor | None = None
     # fp32 [N, K/32] (int4), [N] (int8), fp16 [N/16, K/32, 16] (int8-g32) or fp32 [N/128, K/128] (fp8)
@@ -190,7 +190,7 @@ class DecodeWeight:
     zero: torch.Tensor | None = None  # fp32 [N, K/32] (int4)
     dense: torch.Tensor | None = None  # [N, K] (dense, int8 source)
     # int4 from a GGUF file: its Q4_0/Q4_1/Q4_K blocks uint8 [N, bytes per row], unpacked only if the
-    # tiled layout's native repacking cannot take them (`int4_parts`); q6k: its Q6_K blocks
+    # tiled layout's native repacking cannot take them (`int4_parts`); q6k / q5k: its Q6_K / Q5_K blocks
     blocks: np.ndarray | None = None
     block_format: str | None = None
     row_block: int | None = None  # fp8: rows per scale (quant/fp8.kernel_scales: 128, or 1 per channel)
@@ -211,15 +211,16 @@ class DecodeWeight:
 
 # GGUF blocks "auto" keeps packed. Q4_K (a Q4_K_M file's main type) maps exactly onto int4 groups of 32
 # (scale d*sc, zero 8*scale - dmin*m, each rounded to bf16 as Q4_1's are). Q6_K (a Q4_K_M file's head, and its
-# attn_v and ffn_down in half the layers) stays as stored (quant/q6k.Q6KLinear: 6.5625 bits a weight) where tiered's
-# kernels are built and the rows make whole tiles (else bf16); Q5_x become int8 per group of 32
+# attn_v and ffn_down in half the layers) and Q5_K (a Q5_K_M file's other tensors) stay as stored (quant/kquant:
+# 6.5625 / 5.5 bits a weight) where tiered's kernels are built and the rows make whole tiles (else bf16); Q5_0 / Q5_1
+# become int8 per group of 32
 # (Int8G32Linear: their codes re-quantized, ~2^-8 of a group's max) where tiered's kernels are built, and
 # Q8_0 (SmolLM2's embedding and head) too: its codes and fp16 scales per 32 as stored, bit for bit. Without
 # the kernels or their tiles, Q8_0 falls back to per-row int8 (Int8Linear: re-quantized per row), the rest
 # to bf16. The tiled Q8_0 head of SmolLM2 (49152 x 576) took 0.72 / 0.88 / 4.67 ms at 1 / 8 / 48 rows
 # against 0.80 / 2.54 / 14.5 per row (2 AMX cores, 2026-12-05; batches on int8 activations, Plan.batch_act).
 GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8-g32",
-                    "Q5_0": "int8-g32", "Q5_1": "int8-g32", "Q5_K": "int8-g32", "Q6_K": "q6k"}
+                    "Q5_0": "int8-g32", "Q5_1": "int8-g32", "Q5_K": "q5k", "Q6_K": "q6k"}
 
 
 INT4_ROWS = 16  # int4 decode copies need N % 16 == 0: the tiled layout's tiles, torch's int4pack's rows
@@ -243,10 +244,10 @@ def auto_kind(handle) -> str:
         return "fp8" if block is not None and (block == 1 or handle.shape[0] % BLOCK == 0) and load() is not None \
             else "bf16"
     kind = GGUF_DECODE_KIND.get(handle.format, "bf16")
-    if kind == "q6k":  # (its rows and the int8-g32 copy's need the same whole tiles)
-        from tiered.quant.q6k import q6k_fits
+    if kind in ("q6k", "q5k"):  # (their rows and the int8-g32 copies' need the same whole tiles)
+        from tiered.quant.kquant import kquant_fits
 
-        return kind if q6k_fits(handle.shape) else "bf16"
+        return kind if kquant_fits(handle.shape) else "bf16"
     if kind == "int8-g32" and not int8_g32_fits(handle.shape):
         return "int8" if handle.format == "Q8_0" else "bf16"
     return kind
@@ -331,8 +332,8 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
         q, bs = handle.scaled_fp8()
         bs, row_block = kernel_scales(bs, *q.shape, handle.fp8_block)
         return DecodeWeight("fp8", q.view(torch.uint8), bs, row_block=row_block)
-    if fmt == "auto" and kind == "q6k":  # Q6_K's blocks as stored (build_decode_module repacks them)
-        return DecodeWeight("q6k", blocks=handle.blocks(), block_format=stored)
+    if fmt == "auto" and kind in ("q6k", "q5k"):  # Q6_K / Q5_K blocks as stored (build_decode_module repacks them)
+        return DecodeWeight(kind, blocks=handle.blocks(), block_format=stored)
     if fmt == "auto" and kind == "int8":  # row chunks: no whole dense copy
         return DecodeWeight("int8", *quantize_int8_blocks(handle))
     if fmt == "int8" and _int8_kind(stored, tuple((linear.weight if handle is None else handle).shape)) == "int8-g32":
@@ -549,10 +550,10 @@ def build_decode_module(parts: list[DecodeWeight], biases: list[torch.Tensor | N
 
         return Fp8Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), bias,
                          parts[0].row_block)
-    if kind == "q6k":  # Q6_K blocks, each part's rows whole 16-row tiles (auto_kind)
-        from tiered.quant.q6k import Q6KLinear
+    if kind in ("q6k", "q5k"):  # k-quant blocks, each part's rows whole 16-row tiles (auto_kind)
+        from tiered.quant.kquant import LINEAR_OF_KIND
 
-        return Q6KLinear.from_blocks([p.blocks for p in parts], bias, batch_act)
+        return LINEAR_OF_KIND[kind].from_blocks([p.blocks for p in parts], bias, batch_act)
     if kind == "int8-g32":  # tiled rows side by side: each part's tiles are whole 16-row tiles
         from tiered.quant.int8 import Int8G32Linear
 

@@ -2880,6 +2880,220 @@ TIERED_AVX512 void q6k_avx512(const Q6KW& w, const Act& a, int64_t b0, int64_t n
   }
 }
 
+// ------------------------------------------------------------------------------------ q5k
+// GGUF Q5_K weights on their own bits (Q5KW): w = (d sc) u - (dmin m) per 32 weights, u the 5-bit code (0..31), sc and
+// m 6-bit, d and dmin fp16 per 256: Q5_K's arithmetic at 5.5 bits a weight (176 bytes per 256), where the int8-g32
+// copy it replaces (the codes dequantized and re-quantized) read 8.5. A Q5_K_M file is Q5_K but for its Q6_K tensors.
+// Layout (q5k_blocks_q5t): qt uint8 [N/16, K/32, 320], per tile and group of 32 columns the four nibble vectors of the
+// q6k layout (bytes 0..255) and one 64-byte high vector (bytes 256..319): chunk c's u >> 4 in its bytes' bit c.
+// sm uint8 [N/16, K/32, 2, 16]: per group the 16 rows' sc, then their m; dd fp16 [N/16, K/256, 2, 16]: per super-block
+// the 16 rows' d, then their dmin. Per row and group the integer dot of u against the quantized x times d sc, less the
+// x's sum (Act::xsq / xqs) times dmin m, times the group's dx, accumulates in fp32.
+constexpr int64_t kQ5Group = 320;  // bytes of a group of a tile
+
+struct Q5KW {
+  const uint8_t* q;
+  const uint8_t* sm;
+  const uint16_t* dd;
+  const float* bias;
+};
+
+// u of row r, column k (< 32) of a group's 320 bytes
+inline int q5k_code(const uint8_t* grp, int64_t r, int64_t k) {
+  const int64_t c = k / 4, j = k % 4;
+  const uint8_t lo = grp[(c / 2) * 64 + 4 * r + j], hi = grp[256 + 4 * r + j];
+  return ((c % 2 ? lo >> 4 : lo) & 15) | (((hi >> c) & 1) << 4);
+}
+
+// (d sc, dmin m) of row n's group g in fp32 (gguf's products)
+inline std::pair<float, float> q5k_scales(const Q5KW& w, int64_t n, int64_t g, int64_t K) {
+  const int64_t t = n / kBlock, r = n % kBlock, G = K / kGroup;
+  const uint16_t* dd = w.dd + (t * (K / 256) + g / 8) * 2 * kBlock + r;
+  const uint8_t* sm = w.sm + (t * G + g) * 2 * kBlock + r;
+  return {half_to_float(dd[0]) * float(sm[0]), half_to_float(dd[kBlock]) * float(sm[kBlock])};
+}
+
+// q8: against the int8 activations (Act::xqt, dxg, xqs) instead of the int16 ones (xs, dw, xsq).
+void q5k_scalar(const Q5KW& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                bool q8) {
+  const int64_t K = a.K, G = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* tile = w.q + (n / kBlock) * G * kQ5Group;
+    for (int64_t b = b0; b < b0 + nb; ++b) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t dot = 0, sum = 0;
+        for (int64_t k = 0; k < kGroup; ++k) {
+          const int64_t col = b * K + g * kGroup + k;
+          const int32_t x = q8 ? int32_t(a.xqt[col]) : int32_t(a.xs[col]);
+          dot += q5k_code(tile + g * kQ5Group, n % kBlock, k) * x;
+          sum += x;
+        }
+        const auto [fs, fm] = q5k_scales(w, n, g, K);
+        acc += (float(dot) * fs - fm * float(sum)) * (q8 ? a.dxg[b * G + g] : a.dw[b * G + g]);
+      }
+      y[b * ldy + n] = acc + (w.bias ? w.bias[n] : 0.f);
+    }
+  }
+}
+
+// Chunks 4h .. 4h + 3 of a group's 320 bytes as u bytes: nibble vectors 2h, 2h + 1 (shifted down 4 for odd chunks) and
+// the high vector shifted to put chunk c's bit on bit 4: (lo & 0x0F) | (hi & 0x10), one vpternlog each.
+TIERED_AVX512 TIERED_FORCE_INLINE void q5k_unpack512(const uint8_t* grp, int h, __m512i* u) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m1 = _mm512_set1_epi8(0x10);
+  const __m512i l0 = _mm512_loadu_si512(grp + 128 * h), l1 = _mm512_loadu_si512(grp + 128 * h + 64);
+  const __m512i hv = _mm512_loadu_si512(grp + 256);
+  const __m512i b0 = h == 0 ? _mm512_slli_epi16(hv, 4) : hv, b1 = h == 0 ? _mm512_slli_epi16(hv, 3) : _mm512_srli_epi16(hv, 1);
+  const __m512i b2 = h == 0 ? _mm512_slli_epi16(hv, 2) : _mm512_srli_epi16(hv, 2);
+  const __m512i b3 = h == 0 ? _mm512_slli_epi16(hv, 1) : _mm512_srli_epi16(hv, 3);
+  u[0] = _mm512_ternarylogic_epi64(l0, m4, _mm512_and_si512(b0, m1), 0xEA);
+  u[1] = _mm512_ternarylogic_epi64(_mm512_srli_epi16(l0, 4), m4, _mm512_and_si512(b1, m1), 0xEA);
+  u[2] = _mm512_ternarylogic_epi64(l1, m4, _mm512_and_si512(b2, m1), 0xEA);
+  u[3] = _mm512_ternarylogic_epi64(_mm512_srli_epi16(l1, 4), m4, _mm512_and_si512(b3, m1), 0xEA);
+}
+
+TIERED_AVX2 TIERED_FORCE_INLINE void q5k_unpack256(const uint8_t* grp, int h, int off, __m256i* u) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m1 = _mm256_set1_epi8(0x10);
+  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 128 * h + off));
+  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 128 * h + 64 + off));
+  const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 256 + off));
+  const __m256i b0 = h == 0 ? _mm256_slli_epi16(hv, 4) : hv, b1 = h == 0 ? _mm256_slli_epi16(hv, 3) : _mm256_srli_epi16(hv, 1);
+  const __m256i b2 = h == 0 ? _mm256_slli_epi16(hv, 2) : _mm256_srli_epi16(hv, 2);
+  const __m256i b3 = h == 0 ? _mm256_slli_epi16(hv, 1) : _mm256_srli_epi16(hv, 3);
+  u[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(b0, m1));
+  u[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(b1, m1));
+  u[2] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(b2, m1));
+  u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(b3, m1));
+}
+
+// The 16 rows' (d sc, dmin m) of group g of tile t, as two vectors of 16 (AVX-512) or their halves (AVX2).
+TIERED_AVX512 TIERED_FORCE_INLINE void q5k_scales512(const Q5KW& w, int64_t t, int64_t g, int64_t G, int64_t SB,
+                                                    __m512& fs, __m512& fm) {
+  const uint16_t* dd = w.dd + (t * SB + g / 8) * 2 * kBlock;
+  const uint8_t* sm = w.sm + (t * G + g) * 2 * kBlock;
+  const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm))));
+  const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kBlock))));
+  fs = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd))), sc);
+  fm = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + kBlock))), mn);
+}
+
+// AVX2 (int16 x, Act::xw), as q6k_avx2: u's int16 pairs against the broadcast xw words.
+template <int NB>
+TIERED_AVX2 void q5k_avx2(const Q5KW& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup, SB = K / 256;
+  const __m256i m = _mm256_set1_epi32(0x00FF00FF);
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const int64_t t = m0 / kBlock;
+    const uint8_t* tile = w.q + t * G * kQ5Group;
+    __m256 acc[NB][2];
+    for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* grp = tile + g * kQ5Group;
+      for (int l = 0; l < 5; ++l) q6k_prefetch(grp + kPrefetchAhead + 64 * l);
+      __m256i tt[NB][2];
+      for (int j = 0; j < NB; ++j) tt[j][0] = tt[j][1] = _mm256_setzero_si256();
+      for (int hh = 0; hh < 2; ++hh) {
+        __m256i u[2][4];  // [row half][chunk 4 hh + m]
+        for (int h = 0; h < 2; ++h) q5k_unpack256(grp, hh, 32 * h, u[h]);
+#pragma GCC unroll 4
+        for (int cm = 0; cm < 4; ++cm) {
+          const int c = 4 * hh + cm;
+          __m256i e[2], o[2];
+          for (int h = 0; h < 2; ++h) e[h] = _mm256_and_si256(u[h][cm], m), o[h] = _mm256_srli_epi16(u[h][cm], 8);
+          const int64_t i = (c / 2) * 4 + c % 2;  // xw word of columns (4c, 4c + 2); + 2: (4c + 1, 4c + 3)
+          for (int j = 0; j < NB; ++j) {
+            const uint32_t* xw = a.xw + (b0 + j) * (K / 2) + g * (kGroup / 2);
+            const __m256i xe = _mm256_set1_epi32(int32_t(xw[i])), xo = _mm256_set1_epi32(int32_t(xw[i + 2]));
+            for (int h = 0; h < 2; ++h)
+              tt[j][h] = _mm256_add_epi32(tt[j][h], _mm256_add_epi32(_mm256_madd_epi16(e[h], xe), _mm256_madd_epi16(o[h], xo)));
+          }
+        }
+      }
+      const uint16_t* dd = w.dd + (t * SB + g / 8) * 2 * kBlock;
+      const uint8_t* sm = w.sm + (t * G + g) * 2 * kBlock;
+      __m256 fs[2], fm[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8 * h))));
+        const __m256 mn = _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + kBlock + 8 * h))));
+        fs[h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + 8 * h))), sc);
+        fm[h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + kBlock + 8 * h))), mn);
+      }
+      for (int j = 0; j < NB; ++j) {
+        const int64_t bg = (b0 + j) * G + g;
+        const __m256 sum = _mm256_set1_ps(float(a.xsq[bg])), dx = _mm256_set1_ps(a.dw[bg]);
+        for (int h = 0; h < 2; ++h)
+          acc[j][h] = _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(tt[j][h]), fs[h], _mm256_mul_ps(fm[h], sum)), dx,
+                                      acc[j][h]);
+      }
+    }
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        __m256 out = acc[j][h];
+        if (w.bias) out = _mm256_add_ps(out, _mm256_loadu_ps(w.bias + m0 + 8 * h));
+        _mm256_storeu_ps(y + (b0 + j) * ldy + m0 + 8 * h, out);
+      }
+  }
+}
+
+// AVX-512 (VNNI), as q6k_avx512: per group the row's dot is 256 sum(h) + sum(l) (exact in int32: 32 * 31 * 128 * 257),
+// then (dot d sc - sum(x) dmin m) dx into the fp32 accumulator.
+template <int NB, bool Q8 = false>
+TIERED_AVX512 void q5k_avx512(const Q5KW& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup, SB = K / 256;
+  constexpr int C = NB <= (Q8 ? 4 : 2) ? 2 : 1;
+  constexpr int P = Q8 ? 1 : 2;  // the activations' byte parts: xq alone, or xh and xl
+  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
+    const int64_t t = m0 / kBlock;
+    const uint8_t* tile = w.q + t * G * kQ5Group;
+    __m512 acc[NB];
+    for (int j = 0; j < NB; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* grp = tile + g * kQ5Group;
+      for (int l = 0; l < 5; ++l) q6k_prefetch(grp + kPrefetchAhead + 64 * l);
+      __m512i tt[NB][P][C];
+      for (int j = 0; j < NB; ++j)
+        for (int p = 0; p < P; ++p)
+          for (int c = 0; c < C; ++c) tt[j][p][c] = _mm512_setzero_si512();
+      for (int hh = 0; hh < 2; ++hh) {
+        __m512i u[4];
+        q5k_unpack512(grp, hh, u);
+#pragma GCC unroll 4
+        for (int cm = 0; cm < 4; ++cm) {
+          const int c = 4 * hh + cm;
+          for (int j = 0; j < NB; ++j) {
+            const int64_t k = (b0 + j) * K + g * kGroup + 4 * c;
+            const int8_t* parts[2] = {Q8 ? a.xqt + k : a.xh + k, Q8 ? nullptr : a.xl + k};
+            for (int p = 0; p < P; ++p) {
+              int32_t v;
+              std::memcpy(&v, parts[p], 4);
+              tt[j][p][c % C] = _mm512_dpbusd_epi32(tt[j][p][c % C], u[cm], _mm512_set1_epi32(v));
+            }
+          }
+        }
+      }
+      __m512 fs, fm;
+      q5k_scales512(w, t, g, G, SB, fs, fm);
+      for (int j = 0; j < NB; ++j) {
+        __m512i v = C == 2 ? _mm512_add_epi32(tt[j][0][0], tt[j][0][C - 1]) : tt[j][0][0];
+        if constexpr (!Q8) {
+          v = _mm512_add_epi32(_mm512_slli_epi32(v, 8), C == 2 ? _mm512_add_epi32(tt[j][P - 1][0], tt[j][P - 1][C - 1])
+                                                               : tt[j][P - 1][0]);
+        }
+        const int64_t bg = (b0 + j) * G + g;
+        const __m512 sum = _mm512_set1_ps(float(Q8 ? a.xqs[bg] : a.xsq[bg]));
+        acc[j] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(v), fs, _mm512_mul_ps(fm, sum)),
+                                 _mm512_set1_ps(Q8 ? a.dxg[bg] : a.dw[bg]), acc[j]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      __m512 out = acc[j];
+      if (w.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(w.bias + m0));
+      _mm512_storeu_ps(y + (b0 + j) * ldy + m0, out);
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------ fp8
 // FP8 E4M3 weights with a fp32 scale per 128 x 128 block (DeepSeek-V3 / Qwen3-FP8 checkpoints' "weight"
 // and "weight_scale_inv"; Fp8W): q uint8 [N, K] the float8_e4m3fn bit patterns, bs fp32
@@ -3353,6 +3567,37 @@ struct Q6KGemv : Gemv {
   int64_t weight_bytes() const override { return out_features * in_features / 256 * 210; }
   std::string name() const override {
     std::string n = std::string("q6k(tiered,") + isa_name(current_isa()) + "; int16 x";
+    if (q8_from != kNeverQ8 && current_isa() != kAvx2) n += ", q8 from " + std::to_string(q8_from) + " rows";
+    return n + ")";
+  }
+};
+
+// GGUF Q5_K weights as stored (see "q5k"): a Q5_K_M file's decode copies (quant/kquant.Q5KLinear).
+struct Q5KGemv : Gemv {
+  at::Tensor qt, sm, dd;
+  std::vector<float> bias;
+  Q5KW w{};
+  int64_t q8_from = kNeverQ8;  // as Q6KGemv's
+  bool q8(int64_t B) const { return q8_from != kNeverQ8 && current_isa() != kAvx2 && B >= q8_from; }
+  void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
+    const bool x8 = q8(a.rows_for_format());  // (needs() was asked with the same)
+    switch (current_isa()) {
+      case kAvx512:
+        if (x8) {
+          TIERED_DISPATCH_NB(q5k_avx512, w, true)
+        } else {
+          TIERED_DISPATCH_NB(q5k_avx512, w)
+        }
+        break;
+      case kAvx2: TIERED_DISPATCH_NB(q5k_avx2, w) break;
+      default: q5k_scalar(w, a, b0, nb, n0, n1, y, ldy, x8);
+    }
+  }
+  // int16 x with its sums per group (split: xsq, and AVX-512's xh / xl), or int8 x with theirs (xqs)
+  ActNeeds needs(int64_t B) const override { return q8(B) ? ActNeeds::only_q8() : ActNeeds::only_w16(true); }
+  int64_t weight_bytes() const override { return out_features * in_features / 256 * 176; }
+  std::string name() const override {
+    std::string n = std::string("q5k(tiered,") + isa_name(current_isa()) + "; int16 x";
     if (q8_from != kNeverQ8 && current_isa() != kAvx2) n += ", q8 from " + std::to_string(q8_from) + " rows";
     return n + ")";
   }
@@ -3995,26 +4240,32 @@ std::vector<at::Tensor> q6k_blocks_tiled(const at::Tensor& raw0, const c10::opti
 void q6k_pack_tiles(const uint8_t* src, uint8_t* qt, int8_t* sc, uint16_t* d, int64_t t0, int64_t t1, int64_t K) {
   constexpr int64_t block = 210;
   const int64_t G = K / kGroup, S = K / 16, SB = K / 256;
-  for (int64_t t = t0; t < t1; ++t) {
-    uint8_t* tq = qt + t * G * kQ6Group;
-    std::memset(tq, 0, G * kQ6Group);
+  uint8_t u[256];
+  for (int64_t t = t0; t < t1; ++t)
     for (int64_t r = 0; r < kBlock; ++r) {
       const uint8_t* row = src + (t * kBlock + r) * SB * block;
       for (int64_t sb = 0; sb < SB; ++sb) {
         const uint8_t* b = row + sb * block;
         std::memcpy(d + (t * SB + sb) * kBlock + r, b + 208, 2);
         for (int64_t s = 0; s < 16; ++s) sc[(t * S + sb * 16 + s) * kBlock + r] = int8_t(b[192 + s]);
-        for (int64_t e = 0; e < 256; ++e) {
+        for (int64_t e = 0; e < 256; ++e) {  // (vectorized: shifts by constants per quarter)
           const int64_t h = e / 128, wi = e % 128;
-          const int u = ((b[64 * h + wi % 64] >> (4 * (wi / 64))) & 15) | (((b[128 + 32 * h + wi % 32] >> (2 * (wi / 32))) & 3) << 4);
-          const int64_t k = sb * 256 + e, c = (k % kGroup) / 4, j = k % 4;
-          uint8_t* grp = tq + (k / kGroup) * kQ6Group;
-          grp[(c / 2) * 64 + 4 * r + j] |= uint8_t((u & 15) << (4 * (c % 2)));
-          grp[256 + (c / 4) * 64 + 4 * r + j] |= uint8_t((u >> 4) << (2 * (c % 4)));
+          u[e] = uint8_t(((b[64 * h + wi % 64] >> (4 * (wi / 64))) & 15) | (((b[128 + 32 * h + wi % 32] >> (2 * (wi / 32))) & 3) << 4));
+        }
+        for (int64_t gg = 0; gg < 8; ++gg) {  // the super-block's groups: 4 nibble words and 2 high words of row r
+          const uint8_t* v = u + 32 * gg;
+          uint8_t* grp = qt + (t * G + sb * 8 + gg) * kQ6Group + 4 * r;
+          for (int i = 0; i < 4; ++i)
+            for (int j = 0; j < 4; ++j) grp[64 * i + j] = uint8_t((v[8 * i + j] & 15) | ((v[8 * i + 4 + j] & 15) << 4));
+          for (int hv = 0; hv < 2; ++hv)
+            for (int j = 0; j < 4; ++j) {
+              uint8_t x = 0;
+              for (int m = 0; m < 4; ++m) x |= uint8_t((v[16 * hv + 4 * m + j] >> 4) << (2 * m));
+              grp[256 + 64 * hv + j] = x;
+            }
         }
       }
     }
-  }
 }
 
 std::vector<at::Tensor> q6k_blocks_q6t(const at::Tensor& raw0) {
@@ -4079,6 +4330,114 @@ at::Tensor q6k_tiled_dequantize(const at::Tensor& qt, const at::Tensor& sc, cons
   at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
     if (bf16) q6k_dequantize_tiles(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
     else q6k_dequantize_tiles(w, out.data_ptr<float>(), t0, t1, K);
+  });
+  return out;
+}
+
+// GGUF Q5_K super-blocks (fp16 d, fp16 dmin, scales[12]: 6-bit sc and m of 8 sub-blocks as Q4_K's, qh[32]: the codes'
+// fifth bits, qs[128]: their low nibbles) -> the q5k layout (see "q5k"): qt uint8 [N/16, K/32, 320], sm uint8 [N/16,
+// K/32, 2, 16], dd fp16 [N/16, K/256, 2, 16], the same codes and scales bit for bit. Element e of a super-block: sub-
+// block s = e / 32, l = e % 32, its low nibble in qs byte 32 (s / 2) + l (bits 4 (s % 2)..), its fifth bit bit s of qh
+// byte l (gguf's Q5_K.dequantize_blocks).
+void q5k_pack_tiles(const uint8_t* src, uint8_t* qt, uint8_t* sm, uint16_t* dd, int64_t t0, int64_t t1, int64_t K) {
+  constexpr int64_t block = 176;
+  const int64_t G = K / kGroup, SB = K / 256;
+  uint8_t u[256];
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r = 0; r < kBlock; ++r) {
+      const uint8_t* row = src + (t * kBlock + r) * SB * block;
+      for (int64_t sb = 0; sb < SB; ++sb) {
+        const uint8_t* b = row + sb * block;
+        std::memcpy(dd + ((t * SB + sb) * 2) * kBlock + r, b, 2);
+        std::memcpy(dd + ((t * SB + sb) * 2 + 1) * kBlock + r, b + 2, 2);
+        const uint8_t* sc = b + 4;
+        for (int i = 0; i < 8; ++i) {  // gguf's get_scale_min
+          const int s6 = i < 4 ? sc[i] & 63 : (sc[i + 4] & 0x0F) | ((sc[i - 4] >> 6) << 4);
+          const int m6 = i < 4 ? sc[i + 4] & 63 : (sc[i + 4] >> 4) | ((sc[i] >> 6) << 4);
+          sm[((t * G + sb * 8 + i) * 2) * kBlock + r] = uint8_t(s6);
+          sm[((t * G + sb * 8 + i) * 2 + 1) * kBlock + r] = uint8_t(m6);
+        }
+        for (int64_t e = 0; e < 256; ++e) {
+          const int64_t s = e / 32, l = e % 32;
+          u[e] = uint8_t(((b[48 + 32 * (s / 2) + l] >> (4 * (s % 2))) & 15) | (((b[16 + l] >> s) & 1) << 4));
+        }
+        for (int64_t gg = 0; gg < 8; ++gg) {  // the super-block's groups: 4 nibble words and the high word of row r
+          const uint8_t* v = u + 32 * gg;
+          uint8_t* grp = qt + (t * G + sb * 8 + gg) * kQ5Group + 4 * r;
+          for (int i = 0; i < 4; ++i)
+            for (int j = 0; j < 4; ++j) grp[64 * i + j] = uint8_t((v[8 * i + j] & 15) | ((v[8 * i + 4 + j] & 15) << 4));
+          for (int j = 0; j < 4; ++j) {
+            uint8_t x = 0;
+            for (int c = 0; c < 8; ++c) x |= uint8_t((v[4 * c + j] >> 4) << c);
+            grp[256 + j] = x;
+          }
+        }
+      }
+    }
+}
+
+std::vector<at::Tensor> q5k_blocks_q5t(const at::Tensor& raw0) {
+  const BlockRows br = checked_blocks(raw0, 176, 256, "q5k_blocks_q5t");
+  const int64_t N = br.N, K = br.K;
+  auto qt = at::empty({N / kBlock, K / kGroup, kQ5Group}, at::TensorOptions().dtype(at::kByte));
+  auto sm = at::empty({N / kBlock, K / kGroup, 2, kBlock}, at::TensorOptions().dtype(at::kByte));
+  auto dd = at::empty({N / kBlock, K / 256, 2, kBlock}, at::TensorOptions().dtype(at::kHalf));
+  const uint8_t* src = br.raw.data_ptr<uint8_t>();
+  uint8_t *q = qt.data_ptr<uint8_t>(), *s = sm.data_ptr<uint8_t>();
+  auto* dp = reinterpret_cast<uint16_t*>(dd.data_ptr<at::Half>());
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) { q5k_pack_tiles(src, q, s, dp, t0, t1, K); });
+  return {qt, sm, dd};
+}
+
+// The q5k layout's (qt, sm, dd) checked (see "q5k"); `what` names the caller in errors.
+void check_q5k(const at::Tensor& qt, const at::Tensor& sm, const at::Tensor& dd, const char* what) {
+  TIERED_CHECK(qt.device().is_cpu() && qt.scalar_type() == at::kByte && qt.dim() == 3 && qt.size(2) == kQ5Group &&
+                  qt.is_contiguous(),
+              what, ": qt must be a contiguous CPU uint8 [N/16, K/32, 320], got ", qt.scalar_type(), " ", qt.sizes());
+  const int64_t T = qt.size(0), K = qt.size(1) * kGroup;
+  TIERED_CHECK(K % 256 == 0 && K > 0, what, ": K must be a positive multiple of 256 (Q5_K's super-blocks), got ", K);
+  TIERED_CHECK(sm.device().is_cpu() && sm.scalar_type() == at::kByte && sm.is_contiguous() &&
+                  sm.sizes() == at::IntArrayRef({T, K / kGroup, 2, kBlock}),
+              what, ": sm must be a contiguous CPU uint8 [", T, ", ", K / kGroup, ", 2, 16], got ", sm.scalar_type(), " ",
+              sm.sizes());
+  TIERED_CHECK(dd.device().is_cpu() && dd.scalar_type() == at::kHalf && dd.is_contiguous() &&
+                  dd.sizes() == at::IntArrayRef({T, K / 256, 2, kBlock}),
+              what, ": dd must be a contiguous CPU float16 [", T, ", ", K / 256, ", 2, 16], got ", dd.scalar_type(), " ",
+              dd.sizes());
+}
+
+// A q5k weight dequantized, w = (d sc) u - (dmin m) in fp32 (gguf's products, no fused multiply-add), as fp32 or
+// rounded to bf16: the prefill path of a weight held only so (quant/kquant.Q5KLinear.dense) and its reference.
+template <typename T>
+void q5k_dequantize_tiles(const Q5KW& w, T* out, int64_t t0, int64_t t1, int64_t K) {
+  const int64_t G = K / kGroup;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r = 0; r < kBlock; ++r) {
+      const int64_t n = t * kBlock + r;
+      T* o = out + n * K;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* grp = w.q + (t * G + g) * kQ5Group;
+        const auto [fs, fm] = q5k_scales(w, n, g, K);
+        for (int64_t k = 0; k < kGroup; ++k) {
+          volatile float p = fs * float(q5k_code(grp, r, k));
+          const float v = p - fm;
+          if constexpr (std::is_same_v<T, float>) o[g * kGroup + k] = v;
+          else o[g * kGroup + k] = to_bf16(v);
+        }
+      }
+    }
+}
+
+at::Tensor q5k_tiled_dequantize(const at::Tensor& qt, const at::Tensor& sm, const at::Tensor& dd, bool bf16,
+                                const c10::optional<at::Tensor>& out_) {
+  check_q5k(qt, sm, dd, "q5k_tiled_dequantize");
+  const int64_t N = qt.size(0) * kBlock, K = qt.size(1) * kGroup;
+  at::Tensor out = out_or_empty(out_, {N, K}, bf16 ? at::kBFloat16 : at::kFloat, "q5k_tiled_dequantize: out");
+  const Q5KW w{qt.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr<at::Half>()),
+               nullptr};
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
+    if (bf16) q5k_dequantize_tiles(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
+    else q5k_dequantize_tiles(w, out.data_ptr<float>(), t0, t1, K);
   });
   return out;
 }
@@ -4862,6 +5221,21 @@ std::shared_ptr<Q6KGemv> make_q6k(at::Tensor qt, at::Tensor sc, at::Tensor d, c1
   return k;
 }
 
+// q5k weights (see "q5k"): qt uint8 [N/16, K/32, 320], sm uint8 [N/16, K/32, 2, 16], dd fp16 [N/16, K/256, 2, 16], held
+// (no copy); batch_act as make_int8_tiled's.
+std::shared_ptr<Q5KGemv> make_q5k(at::Tensor qt, at::Tensor sm, at::Tensor dd, c10::optional<at::Tensor> bias,
+                                  const std::string& batch_act) {
+  check_q5k(qt, sm, dd, "q5k_kernel");
+  auto k = std::make_shared<Q5KGemv>();
+  k->out_features = qt.size(0) * kBlock, k->in_features = qt.size(1) * kGroup;
+  k->qt = qt, k->sm = sm, k->dd = dd;
+  k->bias = bias_vector(bias, k->out_features);
+  k->w = {qt.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr<at::Half>()),
+          k->bias.empty() ? nullptr : k->bias.data()};
+  k->q8_from = int8_q8_from(batch_act, "q5k_kernel");
+  return k;
+}
+
 // fp8 weights (see "fp8"): q uint8 (or float8_e4m3fn) [N, K] and bs fp32 [ceil(N/rb), ceil(K/128)] or
 // [ceil(N/rb), 1] (one scale across the columns) for `row_block` rb rows a scale (128, 1, or >= N),
 // contiguous, held (no copy).
@@ -5340,6 +5714,19 @@ void register_gemv(pybind11::module& m) {
         "A q6k weight (q6k_kernel's tensors) -> [N, K]: (d sc) (u - 32) in float32 (gguf's arithmetic), as float32 or "
         "rounded to bfloat16 (nearest even); out: write into it (contiguous, that dtype and shape) instead of a new "
         "tensor.");
+  m.def("q5k_kernel", [](at::Tensor qt, at::Tensor sm, at::Tensor dd, c10::optional<at::Tensor> bias,
+                         const std::string& batch_act) -> KernelPtr { return make_q5k(qt, sm, dd, bias, batch_act); },
+        py::arg("qt"), py::arg("sm"), py::arg("dd"), py::arg("bias") = py::none(), py::arg("batch_act") = "bf16",
+        "tiered's GEMV over GGUF Q5_K weights as stored (q5k_blocks_q5t's layout): qt uint8 [N/16, K/32, 320], sm uint8 "
+        "[N/16, K/32, 2, 16] (sc, then m), dd float16 [N/16, K/256, 2, 16] (d, then dmin), K % 256 == 0: w = d sc u - "
+        "dmin m. batch_act as int8_tiled_kernel's. Holds the tensors (no copy).");
+  m.def("q5k_blocks_q5t", &q5k_blocks_q5t, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
+        "GGUF Q5_K blocks uint8 [N, K/256 * 176] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 320], sm uint8 [N/16, K/32, 2, "
+        "16], dd float16 [N/16, K/256, 2, 16]): the q5k kernel's layout of the same codes and scales, bit for bit.");
+  m.def("q5k_tiled_dequantize", &q5k_tiled_dequantize, py::call_guard<py::gil_scoped_release>(), py::arg("qt"),
+        py::arg("sm"), py::arg("dd"), py::arg("bf16") = true, py::arg("out") = py::none(),
+        "A q5k weight (q5k_kernel's tensors) -> [N, K]: (d sc) u - (dmin m) in float32 (gguf's arithmetic), as float32 "
+        "or rounded to bfloat16 (nearest even); out: write into it instead of a new tensor.");
   m.def("fp8_kernel", [](at::Tensor q, at::Tensor bs, c10::optional<at::Tensor> bias, int64_t row_block) -> KernelPtr {
           return make_fp8(q, bs, bias, row_block);
         },
