@@ -69,7 +69,12 @@ def test_layout_holds_the_files_codes_and_scales_bit_for_bit(kind):
     dq = getattr(ext, f"{kind}_tiled_dequantize")
     w = dq(*parts, False)
     assert np.array_equal(w.numpy().view(np.int32), ref.numpy().view(np.int32))
-    assert torch.equal(dq(*parts, True), ref.bfloat16())
+    for name in ISAS:  # (AVX-512's bf16 rows: kquant_bf16_avx512; the others the scalar loop)
+        ext.set_isa(name)
+        try:
+            assert torch.equal(dq(*parts, True), ref.bfloat16()), name
+        finally:
+            ext.reset_isa()
     lin = LINEAR_OF_KIND[kind].from_blocks([raw[:16], raw[16:]])
     assert torch.equal(lin.dequantize(), ref) and (lin.out_features, lin.in_features) == (48, 768)
     nbytes = sum(t.numel() * t.element_size() for t in lin.parts())

@@ -2731,154 +2731,12 @@ void q6k_scalar(const Q6KW& w, const Act& a, int64_t b0, int64_t nb, int64_t n0,
   }
 }
 
-// The q6k kernels' weight-stream prefetch: into the L2 on every machine, whatever the tuning says for the other kernels
+// The k-quant kernels' weight-stream prefetch: into the L2 on every machine, whatever the tuning says for the other kernels
 // (g_stream_prefetch, g_prefetch_l2). Their loop computes about twice the int8 one's vector ops per weight (the 6-bit
 // codes' unpacking, a scale per 16), and without prefetches the L2 stream prefetcher did not keep it fed: on the
 // 2-core Zen 4 VM (2026-12-07, 4096 x 14336 at batch 1, 8 weights cycled past the L3, alternated) 2.31 ms a call
 // without, 2.04 with prefetcht0, 1.70 with prefetcht1 (the int8-g32 copy of the same weight 2.06-2.16 any way).
-TIERED_FORCE_INLINE void q6k_prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
-
-// The 4 chunks (16 columns) of sub-block s of a group's 384 bytes as u bytes: chunk 4s + m from nibble vector 2s + m / 2
-// (shifted down 4 for odd m) and high vector s (shifted to put field m on bits 4-5): (lo & 0x0F) | (hi & 0x30), one
-// vpternlog (0xEA: (A & B) | C) each. `off`: the bytes of a row half (AVX2 reads 32 of each 64).
-TIERED_AVX512 TIERED_FORCE_INLINE void q6k_unpack512(const uint8_t* grp, int s, __m512i* u) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
-  const __m512i l0 = _mm512_loadu_si512(grp + 128 * s), l1 = _mm512_loadu_si512(grp + 128 * s + 64);
-  const __m512i h = _mm512_loadu_si512(grp + 256 + 64 * s);
-  u[0] = _mm512_ternarylogic_epi64(l0, m4, _mm512_and_si512(_mm512_slli_epi16(h, 4), m2), 0xEA);
-  u[1] = _mm512_ternarylogic_epi64(_mm512_srli_epi16(l0, 4), m4, _mm512_and_si512(_mm512_slli_epi16(h, 2), m2), 0xEA);
-  u[2] = _mm512_ternarylogic_epi64(l1, m4, _mm512_and_si512(h, m2), 0xEA);
-  u[3] = _mm512_ternarylogic_epi64(_mm512_srli_epi16(l1, 4), m4, _mm512_and_si512(_mm512_srli_epi16(h, 2), m2), 0xEA);
-}
-
-TIERED_AVX2 TIERED_FORCE_INLINE void q6k_unpack256(const uint8_t* grp, int s, int off, __m256i* u) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
-  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 128 * s + off));
-  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 128 * s + 64 + off));
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 256 + 64 * s + off));
-  u[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m2));
-  u[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m2));
-  u[2] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(h, m2));
-  u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m2));
-}
-
-// AVX2 (int16 x, Act::xw): per chunk and 8-row half, u's bytes 0 and 2 of each row's dword and bytes 1 and 3 as int16
-// pairs against the broadcast xw words, as int8t_avx2 does with its codes (pair sums <= 2 * 63 * 32639: exact).
-template <int NB>
-TIERED_AVX2 void q6k_avx2(const Q6KW& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t K = a.K, G = K / kGroup, S = K / 16, SB = K / 256;
-  const __m256i m = _mm256_set1_epi32(0x00FF00FF);
-  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    const int64_t t = m0 / kBlock;
-    const uint8_t* tile = w.q + t * G * kQ6Group;
-    __m256 acc[NB][2];
-    for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* grp = tile + g * kQ6Group;
-      for (int l = 0; l < 6; ++l) q6k_prefetch(grp + kPrefetchAhead + 64 * l);
-      __m256 dv[2];
-      for (int h = 0; h < 2; ++h)
-        dv[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d + (t * SB + g / 8) * kBlock + 8 * h)));
-      for (int s = 0; s < 2; ++s) {
-        __m256i u[2][4];  // [row half][chunk 4s + m]
-        for (int h = 0; h < 2; ++h) q6k_unpack256(grp, s, 32 * h, u[h]);
-        __m256i tt[NB][2];
-        for (int j = 0; j < NB; ++j) tt[j][0] = tt[j][1] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-        for (int cm = 0; cm < 4; ++cm) {
-          const int c = 4 * s + cm;
-          __m256i e[2], o[2];
-          for (int h = 0; h < 2; ++h) e[h] = _mm256_and_si256(u[h][cm], m), o[h] = _mm256_srli_epi16(u[h][cm], 8);
-          const int64_t i = (c / 2) * 4 + c % 2;  // xw word of columns (4c, 4c + 2); + 2: (4c + 1, 4c + 3)
-          for (int j = 0; j < NB; ++j) {
-            const uint32_t* xw = a.xw + (b0 + j) * (K / 2) + g * (kGroup / 2);
-            const __m256i xe = _mm256_set1_epi32(int32_t(xw[i])), xo = _mm256_set1_epi32(int32_t(xw[i + 2]));
-            for (int h = 0; h < 2; ++h)
-              tt[j][h] = _mm256_add_epi32(tt[j][h], _mm256_add_epi32(_mm256_madd_epi16(e[h], xe), _mm256_madd_epi16(o[h], xo)));
-          }
-        }
-        const int8_t* scp = w.sc + (t * S + 2 * g + s) * kBlock;
-        __m256 f[2];
-        for (int h = 0; h < 2; ++h)
-          f[h] = _mm256_mul_ps(dv[h], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scp + 8 * h)))));
-        for (int j = 0; j < NB; ++j) {
-          const __m256i off = _mm256_set1_epi32(32 * a.s16w[(b0 + j) * S + 2 * g + s]);
-          const __m256 dx = _mm256_set1_ps(a.dw[(b0 + j) * G + g]);
-          for (int h = 0; h < 2; ++h)
-            acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(tt[j][h], off)), _mm256_mul_ps(f[h], dx),
-                                        acc[j][h]);
-        }
-      }
-    }
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h) {
-        __m256 out = acc[j][h];
-        if (w.bias) out = _mm256_add_ps(out, _mm256_loadu_ps(w.bias + m0 + 8 * h));
-        _mm256_storeu_ps(y + (b0 + j) * ldy + m0 + 8 * h, out);
-      }
-  }
-}
-
-// AVX-512 (VNNI), as int8t_avx512: one vpdpbusd per chunk against a broadcast of 4 bytes of xh and one of xl (xs =
-// 256 xh + xl) per activation row, or of xqt (Q8: calls of q8_from+ rows, Plan.batch_act "q8"); per 16 columns the
-// row's dot is 256 sum(h) + sum(l) - 32 sum(xs) (exact in int32: |.| <= 16 * 63 * 128 * 257 + 32 * 16 * 32639),
-// then times d sc dx into the fp32 accumulator. Two chains per part and row up to 2 rows (Q8: 4), one beyond.
-template <int NB, bool Q8 = false>
-TIERED_AVX512 void q6k_avx512(const Q6KW& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t K = a.K, G = K / kGroup, S = K / 16, SB = K / 256;
-  constexpr int C = NB <= (Q8 ? 4 : 2) ? 2 : 1;
-  constexpr int P = Q8 ? 1 : 2;  // the activations' byte parts: xq alone, or xh and xl
-  for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
-    const int64_t t = m0 / kBlock;
-    const uint8_t* tile = w.q + t * G * kQ6Group;
-    __m512 acc[NB];
-    for (int j = 0; j < NB; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* grp = tile + g * kQ6Group;
-      for (int l = 0; l < 6; ++l) q6k_prefetch(grp + kPrefetchAhead + 64 * l);
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + (t * SB + g / 8) * kBlock)));
-      for (int s = 0; s < 2; ++s) {
-        __m512i u[4];
-        q6k_unpack512(grp, s, u);
-        __m512i tt[NB][P][C];
-        for (int j = 0; j < NB; ++j)
-          for (int p = 0; p < P; ++p)
-            for (int c = 0; c < C; ++c) tt[j][p][c] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int cm = 0; cm < 4; ++cm) {
-          const int c = 4 * s + cm;
-          for (int j = 0; j < NB; ++j) {
-            const int64_t k = (b0 + j) * K + g * kGroup + 4 * c;
-            const int8_t* parts[2] = {Q8 ? a.xqt + k : a.xh + k, Q8 ? nullptr : a.xl + k};
-            for (int p = 0; p < P; ++p) {
-              int32_t v;
-              std::memcpy(&v, parts[p], 4);
-              tt[j][p][cm % C] = _mm512_dpbusd_epi32(tt[j][p][cm % C], u[cm], _mm512_set1_epi32(v));
-            }
-          }
-        }
-        const __m512 f = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (t * S + 2 * g + s) * kBlock)))));
-        for (int j = 0; j < NB; ++j) {
-          __m512i v = C == 2 ? _mm512_add_epi32(tt[j][0][0], tt[j][0][C - 1]) : tt[j][0][0];
-          if constexpr (!Q8) {
-            v = _mm512_add_epi32(_mm512_slli_epi32(v, 8), C == 2 ? _mm512_add_epi32(tt[j][P - 1][0], tt[j][P - 1][C - 1])
-                                                                 : tt[j][P - 1][0]);
-          }
-          const int64_t bs = (b0 + j) * S + 2 * g + s, bg = (b0 + j) * G + g;
-          v = _mm512_sub_epi32(v, _mm512_set1_epi32(32 * (Q8 ? a.s16q[bs] : a.s16w[bs])));
-          acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(f, _mm512_set1_ps(Q8 ? a.dxg[bg] : a.dw[bg])), acc[j]);
-        }
-      }
-    }
-    for (int j = 0; j < NB; ++j) {
-      __m512 out = acc[j];
-      if (w.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(w.bias + m0));
-      _mm512_storeu_ps(y + (b0 + j) * ldy + m0, out);
-    }
-  }
-}
+TIERED_FORCE_INLINE void kquant_prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 
 // ------------------------------------------------------------------------------------ q5k
 // GGUF Q5_K weights on their own bits (Q5KW): w = (d sc) u - (dmin m) per 32 weights, u the 5-bit code (0..31), sc and
@@ -2937,153 +2795,268 @@ void q5k_scalar(const Q5KW& w, const Act& a, int64_t b0, int64_t nb, int64_t n0,
   }
 }
 
-// Chunks 4h .. 4h + 3 of a group's 320 bytes as u bytes: nibble vectors 2h, 2h + 1 (shifted down 4 for odd chunks) and
-// the high vector shifted to put chunk c's bit on bit 4: (lo & 0x0F) | (hi & 0x10), one vpternlog each.
-TIERED_AVX512 TIERED_FORCE_INLINE void q5k_unpack512(const uint8_t* grp, int h, __m512i* u) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F), m1 = _mm512_set1_epi8(0x10);
+// ------------------------------------------------------------------------------------ k-quant kernels
+// The q6k and q5k formats' SIMD kernels, one loop each (kquant_avx2, kquant_avx512) over a format's traits (Q6KFormat,
+// Q5KFormat): a group's bytes, how its chunks' high bits sit (their vector for half h of the group's 8 chunks, and
+// chunk 4h + m's bits moved onto the bits above the nibble), and how a row's integer dot becomes its fp32 term:
+// per half of a group (Q6_K's scale per 16 columns, less 32 sum(x) per 16) or per group (Q5_K's, less its min
+// times sum(x) per 32).
+
+// Chunks 4h .. 4h + 3 of a group as u bytes: nibble vectors 2h, 2h + 1 (the odd chunk's nibble shifted down 4) or'ed
+// with the format's high bits (one vpternlog each, 0xEA: (A & B) | C). AVX2: the 32 bytes of row half `off` / 32.
+template <class F>
+TIERED_AVX512 TIERED_FORCE_INLINE void kquant_unpack512(const uint8_t* grp, int h, __m512i* u) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
   const __m512i l0 = _mm512_loadu_si512(grp + 128 * h), l1 = _mm512_loadu_si512(grp + 128 * h + 64);
-  const __m512i hv = _mm512_loadu_si512(grp + 256);
-  const __m512i b0 = h == 0 ? _mm512_slli_epi16(hv, 4) : hv, b1 = h == 0 ? _mm512_slli_epi16(hv, 3) : _mm512_srli_epi16(hv, 1);
-  const __m512i b2 = h == 0 ? _mm512_slli_epi16(hv, 2) : _mm512_srli_epi16(hv, 2);
-  const __m512i b3 = h == 0 ? _mm512_slli_epi16(hv, 1) : _mm512_srli_epi16(hv, 3);
-  u[0] = _mm512_ternarylogic_epi64(l0, m4, _mm512_and_si512(b0, m1), 0xEA);
-  u[1] = _mm512_ternarylogic_epi64(_mm512_srli_epi16(l0, 4), m4, _mm512_and_si512(b1, m1), 0xEA);
-  u[2] = _mm512_ternarylogic_epi64(l1, m4, _mm512_and_si512(b2, m1), 0xEA);
-  u[3] = _mm512_ternarylogic_epi64(_mm512_srli_epi16(l1, 4), m4, _mm512_and_si512(b3, m1), 0xEA);
+  const __m512i hv = _mm512_loadu_si512(grp + F::high_offset(h));
+  u[0] = _mm512_ternarylogic_epi64(l0, m4, F::high512(hv, h, 0), 0xEA);
+  u[1] = _mm512_ternarylogic_epi64(_mm512_srli_epi16(l0, 4), m4, F::high512(hv, h, 1), 0xEA);
+  u[2] = _mm512_ternarylogic_epi64(l1, m4, F::high512(hv, h, 2), 0xEA);
+  u[3] = _mm512_ternarylogic_epi64(_mm512_srli_epi16(l1, 4), m4, F::high512(hv, h, 3), 0xEA);
 }
 
-TIERED_AVX2 TIERED_FORCE_INLINE void q5k_unpack256(const uint8_t* grp, int h, int off, __m256i* u) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m1 = _mm256_set1_epi8(0x10);
+template <class F>
+TIERED_AVX2 TIERED_FORCE_INLINE void kquant_unpack256(const uint8_t* grp, int h, int off, __m256i* u) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 128 * h + off));
   const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 128 * h + 64 + off));
-  const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 256 + off));
-  const __m256i b0 = h == 0 ? _mm256_slli_epi16(hv, 4) : hv, b1 = h == 0 ? _mm256_slli_epi16(hv, 3) : _mm256_srli_epi16(hv, 1);
-  const __m256i b2 = h == 0 ? _mm256_slli_epi16(hv, 2) : _mm256_srli_epi16(hv, 2);
-  const __m256i b3 = h == 0 ? _mm256_slli_epi16(hv, 1) : _mm256_srli_epi16(hv, 3);
-  u[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(b0, m1));
-  u[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(b1, m1));
-  u[2] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(b2, m1));
-  u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(b3, m1));
+  const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + F::high_offset(h) + off));
+  u[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), F::high256(hv, h, 0));
+  u[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), F::high256(hv, h, 1));
+  u[2] = _mm256_or_si256(_mm256_and_si256(l1, m4), F::high256(hv, h, 2));
+  u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), F::high256(hv, h, 3));
 }
 
-// The 16 rows' (d sc, dmin m) of group g of tile t, as two vectors of 16 (AVX-512) or their halves (AVX2).
-TIERED_AVX512 TIERED_FORCE_INLINE void q5k_scales512(const Q5KW& w, int64_t t, int64_t g, int64_t G, int64_t SB,
-                                                    __m512& fs, __m512& fm) {
-  const uint16_t* dd = w.dd + (t * SB + g / 8) * 2 * kBlock;
-  const uint8_t* sm = w.sm + (t * G + g) * 2 * kBlock;
-  const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm))));
-  const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kBlock))));
-  fs = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd))), sc);
-  fm = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dd + kBlock))), mn);
+// x shifted left by n (> 0) or right by -n bits in each 16-bit lane, then masked (the shift counts are constants once
+// the kernels' loops are unrolled)
+TIERED_AVX512 TIERED_FORCE_INLINE __m512i shift_mask512(__m512i x, int n, __m512i mask) {
+  return _mm512_and_si512(n > 0 ? _mm512_slli_epi16(x, n) : n < 0 ? _mm512_srli_epi16(x, -n) : x, mask);
 }
 
-// AVX2 (int16 x, Act::xw), as q6k_avx2: u's int16 pairs against the broadcast xw words.
-template <int NB>
-TIERED_AVX2 void q5k_avx2(const Q5KW& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t K = a.K, G = K / kGroup, SB = K / 256;
+TIERED_AVX2 TIERED_FORCE_INLINE __m256i shift_mask256(__m256i x, int n, __m256i mask) {
+  return _mm256_and_si256(n > 0 ? _mm256_slli_epi16(x, n) : n < 0 ? _mm256_srli_epi16(x, -n) : x, mask);
+}
+
+// 16 (8) unsigned bytes or fp16 numbers as fp32 lanes
+TIERED_AVX512 TIERED_FORCE_INLINE __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+TIERED_AVX512 TIERED_FORCE_INLINE __m512 f16x16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+TIERED_AVX2 TIERED_FORCE_INLINE __m256 u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+TIERED_AVX2 TIERED_FORCE_INLINE __m256 f16x8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Q6_K: high vector h holds chunk 4h + m's two bits at bits 2m; a half's 16 columns share one scale d sc; the row's
+// dot over them less 32 sum(x) (Act::s16w / s16q) times d sc dx.
+struct Q6KFormat {
+  using W = Q6KW;
+  static constexpr int64_t kBytes = kQ6Group;
+  static constexpr bool kPerHalf = true;
+  static constexpr int64_t high_offset(int h) { return 256 + 64 * h; }
+  static TIERED_AVX512 TIERED_FORCE_INLINE __m512i high512(__m512i hv, int, int m) {
+    return shift_mask512(hv, 4 - 2 * m, _mm512_set1_epi8(0x30));
+  }
+  static TIERED_AVX2 TIERED_FORCE_INLINE __m256i high256(__m256i hv, int, int m) {
+    return shift_mask256(hv, 4 - 2 * m, _mm256_set1_epi8(0x30));
+  }
+  struct S512 {
+    __m512 f[2];  // d sc of the group's halves, 16 rows
+  };
+  static TIERED_AVX512 TIERED_FORCE_INLINE S512 scales512(const W& w, int64_t t, int64_t g, int64_t K) {
+    const __m512 d = f16x16(w.d + (t * (K / 256) + g / 8) * kBlock);
+    S512 s;
+    for (int h = 0; h < 2; ++h)
+      s.f[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (t * (K / 16) + 2 * g + h) * kBlock)))));
+    return s;
+  }
+  // 16 codes' weights (u as fp32, lanes of rows `perm`): (u - 32) (d sc), as q6k_dequantize_tiles computes them
+  static TIERED_AVX512 TIERED_FORCE_INLINE __m512 weights512(const S512& s, int h, __m512 u, __m512i perm) {
+    return _mm512_mul_ps(_mm512_sub_ps(u, _mm512_set1_ps(32.f)), _mm512_permutexvar_ps(perm, s.f[h]));
+  }
+  static TIERED_AVX512 TIERED_FORCE_INLINE __m512 add512(__m512 acc, const S512& s, __m512i v, const Act& a, int64_t b,
+                                                         int64_t g, int h, bool q8) {
+    const int64_t bs = b * (a.K / 16) + 2 * g + h, bg = b * (a.K / kGroup) + g;
+    v = _mm512_sub_epi32(v, _mm512_set1_epi32(32 * (q8 ? a.s16q[bs] : a.s16w[bs])));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(s.f[h], _mm512_set1_ps(q8 ? a.dxg[bg] : a.dw[bg])), acc);
+  }
+  struct S256 {
+    __m256 f[2][2];  // [half][row half]
+  };
+  static TIERED_AVX2 TIERED_FORCE_INLINE S256 scales256(const W& w, int64_t t, int64_t g, int64_t K) {
+    S256 s;
+    for (int r = 0; r < 2; ++r) {
+      const __m256 d = f16x8(w.d + (t * (K / 256) + g / 8) * kBlock + 8 * r);
+      for (int h = 0; h < 2; ++h)
+        s.f[h][r] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                         reinterpret_cast<const __m128i*>(w.sc + (t * (K / 16) + 2 * g + h) * kBlock + 8 * r)))));
+    }
+    return s;
+  }
+  static TIERED_AVX2 TIERED_FORCE_INLINE __m256 add256(__m256 acc, const S256& s, __m256i v, const Act& a, int64_t b,
+                                                       int64_t g, int h, int r) {
+    v = _mm256_sub_epi32(v, _mm256_set1_epi32(32 * a.s16w[b * (a.K / 16) + 2 * g + h]));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(s.f[h][r], _mm256_set1_ps(a.dw[b * (a.K / kGroup) + g])),
+                           acc);
+  }
+};
+
+// Q5_K: one high vector holds chunk c's fifth bit at bit c; the group's 32 columns share d sc and dmin m; the row's dot
+// times d sc, less sum(x) (Act::xsq / xqs) times dmin m, times dx.
+struct Q5KFormat {
+  using W = Q5KW;
+  static constexpr int64_t kBytes = kQ5Group;
+  static constexpr bool kPerHalf = false;
+  static constexpr int64_t high_offset(int) { return 256; }
+  static TIERED_AVX512 TIERED_FORCE_INLINE __m512i high512(__m512i hv, int h, int m) {
+    return shift_mask512(hv, 4 - (4 * h + m), _mm512_set1_epi8(0x10));
+  }
+  static TIERED_AVX2 TIERED_FORCE_INLINE __m256i high256(__m256i hv, int h, int m) {
+    return shift_mask256(hv, 4 - (4 * h + m), _mm256_set1_epi8(0x10));
+  }
+  struct S512 {
+    __m512 fs, fm;  // d sc and dmin m, 16 rows
+  };
+  static TIERED_AVX512 TIERED_FORCE_INLINE S512 scales512(const W& w, int64_t t, int64_t g, int64_t K) {
+    const uint16_t* dd = w.dd + (t * (K / 256) + g / 8) * 2 * kBlock;
+    const uint8_t* sm = w.sm + (t * (K / kGroup) + g) * 2 * kBlock;
+    return {_mm512_mul_ps(f16x16(dd), u8x16(sm)), _mm512_mul_ps(f16x16(dd + kBlock), u8x16(sm + kBlock))};
+  }
+  // 16 codes' weights: (d sc) u - (dmin m), the product rounded before the difference (q5k_dequantize_tiles')
+  static TIERED_AVX512 TIERED_FORCE_INLINE __m512 weights512(const S512& s, int, __m512 u, __m512i perm) {
+    return _mm512_sub_ps(_mm512_mul_ps(u, _mm512_permutexvar_ps(perm, s.fs)), _mm512_permutexvar_ps(perm, s.fm));
+  }
+  static TIERED_AVX512 TIERED_FORCE_INLINE __m512 add512(__m512 acc, const S512& s, __m512i v, const Act& a, int64_t b,
+                                                         int64_t g, int, bool q8) {
+    const int64_t bg = b * (a.K / kGroup) + g;
+    const __m512 sum = _mm512_set1_ps(float(q8 ? a.xqs[bg] : a.xsq[bg]));
+    return _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(v), s.fs, _mm512_mul_ps(s.fm, sum)),
+                           _mm512_set1_ps(q8 ? a.dxg[bg] : a.dw[bg]), acc);
+  }
+  struct S256 {
+    __m256 fs[2], fm[2];  // [row half]
+  };
+  static TIERED_AVX2 TIERED_FORCE_INLINE S256 scales256(const W& w, int64_t t, int64_t g, int64_t K) {
+    const uint16_t* dd = w.dd + (t * (K / 256) + g / 8) * 2 * kBlock;
+    const uint8_t* sm = w.sm + (t * (K / kGroup) + g) * 2 * kBlock;
+    S256 s;
+    for (int r = 0; r < 2; ++r) {
+      s.fs[r] = _mm256_mul_ps(f16x8(dd + 8 * r), u8x8(sm + 8 * r));
+      s.fm[r] = _mm256_mul_ps(f16x8(dd + kBlock + 8 * r), u8x8(sm + kBlock + 8 * r));
+    }
+    return s;
+  }
+  static TIERED_AVX2 TIERED_FORCE_INLINE __m256 add256(__m256 acc, const S256& s, __m256i v, const Act& a, int64_t b,
+                                                       int64_t g, int, int r) {
+    const int64_t bg = b * (a.K / kGroup) + g;
+    const __m256 sum = _mm256_set1_ps(float(a.xsq[bg]));
+    return _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(v), s.fs[r], _mm256_mul_ps(s.fm[r], sum)),
+                           _mm256_set1_ps(a.dw[bg]), acc);
+  }
+};
+
+// AVX2 (int16 x, Act::xw): per chunk and 8-row half, u's bytes 0 and 2 of each row's dword and bytes 1 and 3 as int16
+// pairs against the broadcast xw words, as int8t_avx2 does with its codes (pair sums <= 2 * 63 * 32639: exact).
+template <int NB, class F>
+TIERED_AVX2 void kquant_avx2(const typename F::W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                             int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
   const __m256i m = _mm256_set1_epi32(0x00FF00FF);
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     const int64_t t = m0 / kBlock;
-    const uint8_t* tile = w.q + t * G * kQ5Group;
+    const uint8_t* tile = w.q + t * G * F::kBytes;
     __m256 acc[NB][2];
     for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* grp = tile + g * kQ5Group;
-      for (int l = 0; l < 5; ++l) q6k_prefetch(grp + kPrefetchAhead + 64 * l);
+      const uint8_t* grp = tile + g * F::kBytes;
+      for (int l = 0; l < F::kBytes / 64; ++l) kquant_prefetch(grp + kPrefetchAhead + 64 * l);
+      const typename F::S256 sc = F::scales256(w, t, g, K);
       __m256i tt[NB][2];
-      for (int j = 0; j < NB; ++j) tt[j][0] = tt[j][1] = _mm256_setzero_si256();
-      for (int hh = 0; hh < 2; ++hh) {
-        __m256i u[2][4];  // [row half][chunk 4 hh + m]
-        for (int h = 0; h < 2; ++h) q5k_unpack256(grp, hh, 32 * h, u[h]);
+      for (int h = 0; h < 2; ++h) {
+        if (h == 0 || F::kPerHalf)
+          for (int j = 0; j < NB; ++j) tt[j][0] = tt[j][1] = _mm256_setzero_si256();
+        __m256i u[2][4];  // [row half][chunk 4h + cm]
+        for (int r = 0; r < 2; ++r) kquant_unpack256<F>(grp, h, 32 * r, u[r]);
 #pragma GCC unroll 4
         for (int cm = 0; cm < 4; ++cm) {
-          const int c = 4 * hh + cm;
+          const int c = 4 * h + cm;
           __m256i e[2], o[2];
-          for (int h = 0; h < 2; ++h) e[h] = _mm256_and_si256(u[h][cm], m), o[h] = _mm256_srli_epi16(u[h][cm], 8);
+          for (int r = 0; r < 2; ++r) e[r] = _mm256_and_si256(u[r][cm], m), o[r] = _mm256_srli_epi16(u[r][cm], 8);
           const int64_t i = (c / 2) * 4 + c % 2;  // xw word of columns (4c, 4c + 2); + 2: (4c + 1, 4c + 3)
           for (int j = 0; j < NB; ++j) {
             const uint32_t* xw = a.xw + (b0 + j) * (K / 2) + g * (kGroup / 2);
             const __m256i xe = _mm256_set1_epi32(int32_t(xw[i])), xo = _mm256_set1_epi32(int32_t(xw[i + 2]));
-            for (int h = 0; h < 2; ++h)
-              tt[j][h] = _mm256_add_epi32(tt[j][h], _mm256_add_epi32(_mm256_madd_epi16(e[h], xe), _mm256_madd_epi16(o[h], xo)));
+            for (int r = 0; r < 2; ++r)
+              tt[j][r] = _mm256_add_epi32(tt[j][r], _mm256_add_epi32(_mm256_madd_epi16(e[r], xe), _mm256_madd_epi16(o[r], xo)));
           }
         }
-      }
-      const uint16_t* dd = w.dd + (t * SB + g / 8) * 2 * kBlock;
-      const uint8_t* sm = w.sm + (t * G + g) * 2 * kBlock;
-      __m256 fs[2], fm[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8 * h))));
-        const __m256 mn = _mm256_cvtepi32_ps(
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + kBlock + 8 * h))));
-        fs[h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + 8 * h))), sc);
-        fm[h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dd + kBlock + 8 * h))), mn);
-      }
-      for (int j = 0; j < NB; ++j) {
-        const int64_t bg = (b0 + j) * G + g;
-        const __m256 sum = _mm256_set1_ps(float(a.xsq[bg])), dx = _mm256_set1_ps(a.dw[bg]);
-        for (int h = 0; h < 2; ++h)
-          acc[j][h] = _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(tt[j][h]), fs[h], _mm256_mul_ps(fm[h], sum)), dx,
-                                      acc[j][h]);
+        if (F::kPerHalf || h == 1)
+          for (int j = 0; j < NB; ++j)
+            for (int r = 0; r < 2; ++r) acc[j][r] = F::add256(acc[j][r], sc, tt[j][r], a, b0 + j, g, h, r);
       }
     }
     for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h) {
-        __m256 out = acc[j][h];
-        if (w.bias) out = _mm256_add_ps(out, _mm256_loadu_ps(w.bias + m0 + 8 * h));
-        _mm256_storeu_ps(y + (b0 + j) * ldy + m0 + 8 * h, out);
+      for (int r = 0; r < 2; ++r) {
+        __m256 out = acc[j][r];
+        if (w.bias) out = _mm256_add_ps(out, _mm256_loadu_ps(w.bias + m0 + 8 * r));
+        _mm256_storeu_ps(y + (b0 + j) * ldy + m0 + 8 * r, out);
       }
   }
 }
 
-// AVX-512 (VNNI), as q6k_avx512: per group the row's dot is 256 sum(h) + sum(l) (exact in int32: 32 * 31 * 128 * 257),
-// then (dot d sc - sum(x) dmin m) dx into the fp32 accumulator.
-template <int NB, bool Q8 = false>
-TIERED_AVX512 void q5k_avx512(const Q5KW& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t K = a.K, G = K / kGroup, SB = K / 256;
+// AVX-512 (VNNI), as int8t_avx512: one vpdpbusd per chunk against a broadcast of 4 bytes of xh and one of xl (xs =
+// 256 xh + xl) per activation row, or of xqt (Q8: calls of q8_from+ rows, Plan.batch_act "q8"); a row's dot is
+// 256 sum(h) + sum(l), exact in int32 (|.| <= 32 * 63 * 128 * 257), then the format's fp32 term. Two chains per part
+// and row up to 2 rows (Q8: 4), one beyond.
+template <int NB, class F, bool Q8 = false>
+TIERED_AVX512 void kquant_avx512(const typename F::W& w, const Act& a, int64_t b0, int64_t n0, int64_t n1, float* y,
+                                 int64_t ldy) {
+  const int64_t K = a.K, G = K / kGroup;
   constexpr int C = NB <= (Q8 ? 4 : 2) ? 2 : 1;
   constexpr int P = Q8 ? 1 : 2;  // the activations' byte parts: xq alone, or xh and xl
   for (int64_t m0 = n0; m0 < n1; m0 += kBlock) {
     const int64_t t = m0 / kBlock;
-    const uint8_t* tile = w.q + t * G * kQ5Group;
+    const uint8_t* tile = w.q + t * G * F::kBytes;
     __m512 acc[NB];
     for (int j = 0; j < NB; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* grp = tile + g * kQ5Group;
-      for (int l = 0; l < 5; ++l) q6k_prefetch(grp + kPrefetchAhead + 64 * l);
+      const uint8_t* grp = tile + g * F::kBytes;
+      for (int l = 0; l < F::kBytes / 64; ++l) kquant_prefetch(grp + kPrefetchAhead + 64 * l);
+      const typename F::S512 sc = F::scales512(w, t, g, K);
       __m512i tt[NB][P][C];
-      for (int j = 0; j < NB; ++j)
-        for (int p = 0; p < P; ++p)
-          for (int c = 0; c < C; ++c) tt[j][p][c] = _mm512_setzero_si512();
-      for (int hh = 0; hh < 2; ++hh) {
+      for (int h = 0; h < 2; ++h) {
+        if (h == 0 || F::kPerHalf)
+          for (int j = 0; j < NB; ++j)
+            for (int p = 0; p < P; ++p)
+              for (int c = 0; c < C; ++c) tt[j][p][c] = _mm512_setzero_si512();
         __m512i u[4];
-        q5k_unpack512(grp, hh, u);
+        kquant_unpack512<F>(grp, h, u);
 #pragma GCC unroll 4
         for (int cm = 0; cm < 4; ++cm) {
-          const int c = 4 * hh + cm;
           for (int j = 0; j < NB; ++j) {
-            const int64_t k = (b0 + j) * K + g * kGroup + 4 * c;
+            const int64_t k = (b0 + j) * K + g * kGroup + 4 * (4 * h + cm);
             const int8_t* parts[2] = {Q8 ? a.xqt + k : a.xh + k, Q8 ? nullptr : a.xl + k};
             for (int p = 0; p < P; ++p) {
               int32_t v;
               std::memcpy(&v, parts[p], 4);
-              tt[j][p][c % C] = _mm512_dpbusd_epi32(tt[j][p][c % C], u[cm], _mm512_set1_epi32(v));
+              tt[j][p][cm % C] = _mm512_dpbusd_epi32(tt[j][p][cm % C], u[cm], _mm512_set1_epi32(v));
             }
           }
         }
-      }
-      __m512 fs, fm;
-      q5k_scales512(w, t, g, G, SB, fs, fm);
-      for (int j = 0; j < NB; ++j) {
-        __m512i v = C == 2 ? _mm512_add_epi32(tt[j][0][0], tt[j][0][C - 1]) : tt[j][0][0];
-        if constexpr (!Q8) {
-          v = _mm512_add_epi32(_mm512_slli_epi32(v, 8), C == 2 ? _mm512_add_epi32(tt[j][P - 1][0], tt[j][P - 1][C - 1])
-                                                               : tt[j][P - 1][0]);
-        }
-        const int64_t bg = (b0 + j) * G + g;
-        const __m512 sum = _mm512_set1_ps(float(Q8 ? a.xqs[bg] : a.xsq[bg]));
-        acc[j] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(v), fs, _mm512_mul_ps(fm, sum)),
-                                 _mm512_set1_ps(Q8 ? a.dxg[bg] : a.dw[bg]), acc[j]);
+        if (F::kPerHalf || h == 1)
+          for (int j = 0; j < NB; ++j) {
+            __m512i v = C == 2 ? _mm512_add_epi32(tt[j][0][0], tt[j][0][C - 1]) : tt[j][0][0];
+            if constexpr (!Q8) {
+              v = _mm512_add_epi32(_mm512_slli_epi32(v, 8), C == 2 ? _mm512_add_epi32(tt[j][P - 1][0], tt[j][P - 1][C - 1])
+                                                                   : tt[j][P - 1][0]);
+            }
+            acc[j] = F::add512(acc[j], sc, v, a, b0 + j, g, h, Q8);
+          }
       }
     }
     for (int j = 0; j < NB; ++j) {
@@ -3092,6 +3065,40 @@ TIERED_AVX512 void q5k_avx512(const Q5KW& w, const Act& a, int64_t b0, int64_t n
       _mm512_storeu_ps(y + (b0 + j) * ldy + m0, out);
     }
   }
+}
+
+// A k-quant weight's tiles [t0, t1) to bf16 rows out [N, K] with AVX-512: per chunk its 64 u bytes (kquant_unpack512)
+// as four vectors of 16 (rows 4q .. 4q + 3, 4 columns each), their weights by the format's arithmetic on its rows'
+// scales, rounded to bf16 (vcvtneps2bf16: nearest even, as to_bf16) and stored 8 bytes a row: the values of
+// q6k_dequantize_tiles / q5k_dequantize_tiles, bit for bit, at ~5x their speed.
+template <class F>
+TIERED_AVX512 void kquant_bf16_avx512(const typename F::W& w, uint16_t* out, int64_t t0, int64_t t1, int64_t K) {
+  const int64_t G = K / kGroup;
+  __m512i perm[4];
+  for (int q = 0; q < 4; ++q)
+    perm[q] = _mm512_setr_epi32(4 * q, 4 * q, 4 * q, 4 * q, 4 * q + 1, 4 * q + 1, 4 * q + 1, 4 * q + 1, 4 * q + 2,
+                                4 * q + 2, 4 * q + 2, 4 * q + 2, 4 * q + 3, 4 * q + 3, 4 * q + 3, 4 * q + 3);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* grp = w.q + (t * G + g) * F::kBytes;
+      const typename F::S512 sc = F::scales512(w, t, g, K);
+      for (int h = 0; h < 2; ++h) {
+        __m512i u[4];
+        kquant_unpack512<F>(grp, h, u);
+        for (int cm = 0; cm < 4; ++cm)
+          for (int q = 0; q < 4; ++q) {
+            const __m512 v = F::weights512(sc, h, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(u[cm], q))),
+                                           perm[q]);
+            const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
+            const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+            uint16_t* o = out + (t * kBlock + 4 * q) * K + g * kGroup + 4 * (4 * h + cm);
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(o), lo);
+            _mm_storeh_pd(reinterpret_cast<double*>(o + K), _mm_castsi128_pd(lo));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(o + 2 * K), hi);
+            _mm_storeh_pd(reinterpret_cast<double*>(o + 3 * K), _mm_castsi128_pd(hi));
+          }
+      }
+    }
 }
 
 // ------------------------------------------------------------------------------------ fp8
@@ -3550,12 +3557,12 @@ struct Q6KGemv : Gemv {
     switch (current_isa()) {
       case kAvx512:
         if (x8) {
-          TIERED_DISPATCH_NB(q6k_avx512, w, true)
+          TIERED_DISPATCH_NB(kquant_avx512, w, Q6KFormat, true)
         } else {
-          TIERED_DISPATCH_NB(q6k_avx512, w)
+          TIERED_DISPATCH_NB(kquant_avx512, w, Q6KFormat)
         }
         break;
-      case kAvx2: TIERED_DISPATCH_NB(q6k_avx2, w) break;
+      case kAvx2: TIERED_DISPATCH_NB(kquant_avx2, w, Q6KFormat) break;
       default: q6k_scalar(w, a, b0, nb, n0, n1, y, ldy, x8);
     }
   }
@@ -3584,12 +3591,12 @@ struct Q5KGemv : Gemv {
     switch (current_isa()) {
       case kAvx512:
         if (x8) {
-          TIERED_DISPATCH_NB(q5k_avx512, w, true)
+          TIERED_DISPATCH_NB(kquant_avx512, w, Q5KFormat, true)
         } else {
-          TIERED_DISPATCH_NB(q5k_avx512, w)
+          TIERED_DISPATCH_NB(kquant_avx512, w, Q5KFormat)
         }
         break;
-      case kAvx2: TIERED_DISPATCH_NB(q5k_avx2, w) break;
+      case kAvx2: TIERED_DISPATCH_NB(kquant_avx2, w, Q5KFormat) break;
       default: q5k_scalar(w, a, b0, nb, n0, n1, y, ldy, x8);
     }
   }
@@ -4327,8 +4334,10 @@ at::Tensor q6k_tiled_dequantize(const at::Tensor& qt, const at::Tensor& sc, cons
   at::Tensor out = out_or_empty(out_, {N, K}, bf16 ? at::kBFloat16 : at::kFloat, "q6k_tiled_dequantize: out");
   const Q6KW w{qt.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
                nullptr};
+  const bool avx512 = bf16 && current_isa() == kAvx512;
   at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
-    if (bf16) q6k_dequantize_tiles(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
+    if (avx512) kquant_bf16_avx512<Q6KFormat>(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
+    else if (bf16) q6k_dequantize_tiles(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
     else q6k_dequantize_tiles(w, out.data_ptr<float>(), t0, t1, K);
   });
   return out;
@@ -4435,8 +4444,10 @@ at::Tensor q5k_tiled_dequantize(const at::Tensor& qt, const at::Tensor& sm, cons
   at::Tensor out = out_or_empty(out_, {N, K}, bf16 ? at::kBFloat16 : at::kFloat, "q5k_tiled_dequantize: out");
   const Q5KW w{qt.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr<at::Half>()),
                nullptr};
+  const bool avx512 = bf16 && current_isa() == kAvx512;
   at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
-    if (bf16) q5k_dequantize_tiles(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
+    if (avx512) kquant_bf16_avx512<Q5KFormat>(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
+    else if (bf16) q5k_dequantize_tiles(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
     else q5k_dequantize_tiles(w, out.data_ptr<float>(), t0, t1, K);
   });
   return out;
