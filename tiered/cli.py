@@ -64,7 +64,7 @@ OPT = {
     "dtype": typer.Option("auto", "--dtype", help="Compute dtype: auto (on a CUDA GPU the checkpoint's: bfloat16 for bf16/fp16/quantized checkpoints; float32 on the CPU), float32 (lossless) or bfloat16."),
     "decode_weights": typer.Option("auto", "--decode-weights", help="Decode weight format: auto, fp32, bf16, int8 (per group of 32 where the kernels take the shape, else per row) or int4."),
     "batch_activations": typer.Option("auto", "--batch-activations",
-                                      help="Activations of int4 and int8-g32 (a GGUF's Q8_0 / Q6_K) decode weights and int4 / int8 experts in steps of 2+ rows and prompts: q8 (faster, llama.cpp's Q8_0), bf16 (batch-1 numerics; int16 on AVX2 and for int8-g32) or auto (q8)."),
+                                      help="Activations of int4, int8-g32 (a GGUF's Q8_0) and k-quant (its Q6_K / Q5_K) decode weights and int4 / int8 experts in steps of 2+ rows and prompts: q8 (faster, llama.cpp's Q8_0), bf16 (batch-1 numerics; int16 on AVX2 and for int8-g32) or auto (q8)."),
     "expert_activations": typer.Option("auto", "--expert-activations",
                                        help="Activations of int4 routed experts at batch 1: q8 (llama.cpp's Q4_0 x Q8_0; 1.4-2x faster from cache), bf16 (more exact; int16 on AVX2) or auto (q8)."),
     "weights": typer.Option("auto", "--weights", help="Expert weight format on every tier: auto (a GGUF's quantized experts or an fp8 checkpoint's as stored, else the compute dtype), bf16, fp32, int8, int4 or fp8 (re-quantized at load; lossy). bf16/int4 also set the dense decode weights unless --decode-weights is given."),

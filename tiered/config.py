@@ -64,7 +64,8 @@ class EngineConfig:
             of 8 rows (quant/experts.ExpertFormat.batch_act): q8 makes them 1.7x faster on AVX2, as
             llama.cpp computes them. Batch 1 always reads bf16. On AVX2, "bf16" reads int16 activations (more exact than bf16) and
             "q8" int8 ones through vpmaddubsw (1.3x int16's speed at 4 and 16 rows, 2 cores). The int8-g32
-            decode copies (a GGUF's Q8_0 / Q6_K tensors and head: quant/int8.Int8G32Linear) follow it too, on
+            decode copies (a GGUF's Q8_0 tensors and head: quant/int8.Int8G32Linear) and the k-quant ones (its
+            Q6_K / Q5_K as stored: quant/kquant.py) follow it too, on
             AVX-512: "q8" one vpdpbusd per 4 weights and row, "bf16" their int16 activations (AVX2: int16 always),
             and so do routed int8 / int8-g32 experts (a Q8_0 MoE file's, --weights int8's) in calls of 2+ rows.
         expert_activations: what routed int4 experts multiply at batch 1 (one decode token, native
