@@ -78,7 +78,7 @@ def test_layout_holds_the_files_codes_and_scales_bit_for_bit(kind):
     lin = LINEAR_OF_KIND[kind].from_blocks([raw[:16], raw[16:]])
     assert torch.equal(lin.dequantize(), ref) and (lin.out_features, lin.in_features) == (48, 768)
     nbytes = sum(t.numel() * t.element_size() for t in lin.parts())
-    assert nbytes == 48 * 768 * bytes_per_weight(kind)
+    assert nbytes == 48 * 768 * bytes_per_weight(kind) == lin.kernel().weight_bytes()
     # the file's bytes (Q5_K's: with its 6-bit scales and mins a byte each)
     assert nbytes == raw.nbytes * (180 / 176 if kind == "q5k" else 1)
 

@@ -3602,7 +3602,7 @@ struct Q5KGemv : Gemv {
   }
   // int16 x with its sums per group (split: xsq, and AVX-512's xh / xl), or int8 x with theirs (xqs)
   ActNeeds needs(int64_t B) const override { return q8(B) ? ActNeeds::only_q8() : ActNeeds::only_w16(true); }
-  int64_t weight_bytes() const override { return out_features * in_features / 256 * 176; }
+  int64_t weight_bytes() const override { return out_features * in_features / 256 * 180; }  // (sc, m a byte each)
   std::string name() const override {
     std::string n = std::string("q5k(tiered,") + isa_name(current_isa()) + "; int16 x";
     if (q8_from != kNeverQ8 && current_isa() != kAvx2) n += ", q8 from " + std::to_string(q8_from) + " rows";
