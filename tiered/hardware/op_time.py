@@ -376,9 +376,9 @@ def step_stream(profile: HardwareProfile, dtype: str, layer_bytes: float | None 
 
     `layer_bytes` (a layer's weight bytes in the step): the rate at that layer size (`layer_shape`), where the
     profile kept the key's points."""
-    key = f"runtime/decode_layer/{STEP_STREAM_FALLBACK.get(dtype, dtype)}"
-    if key not in profile.models:
-        key = f"runtime/decode_layer/{dtype}"
+    key = f"runtime/decode_layer/{dtype}"
+    if key not in profile.models and dtype in STEP_STREAM_FALLBACK:  # (its own key first, once a profile has it)
+        key = f"runtime/decode_layer/{STEP_STREAM_FALLBACK[dtype]}"
     m = profile.models.get(key)
     return m.beta * layer_shape(profile, key, layer_bytes) if m is not None else 0.0
 

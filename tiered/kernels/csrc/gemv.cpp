@@ -2855,8 +2855,28 @@ TIERED_AVX2 TIERED_FORCE_INLINE __m256 f16x8(const uint16_t* p) {
 // dot over them less 32 sum(x) (Act::s16w / s16q) times d sc dx.
 struct Q6KFormat {
   using W = Q6KW;
+  static constexpr const char* kName = "q6k";
   static constexpr int64_t kBytes = kQ6Group;
+  static constexpr int64_t kCopyBytes = 210;  // per 256 weights
   static constexpr bool kPerHalf = true;
+  static W weights(const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, const float* bias) {
+    return {qt.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), bias};
+  }
+  static void scalar(const W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                     bool q8) {
+    q6k_scalar(w, a, b0, nb, n0, n1, y, ldy, q8);
+  }
+  // int16 x (split into xh / xl on AVX-512) or int8 x, each with its sums per 16 columns
+  static ActNeeds int16_needs() {
+    ActNeeds n = ActNeeds::only_w16(current_isa() == kAvx512);
+    n.s16 = true;
+    return n;
+  }
+  static ActNeeds int8_needs() {
+    ActNeeds n = ActNeeds::only_q8();
+    n.s16 = true;
+    return n;
+  }
   static constexpr int64_t high_offset(int h) { return 256 + 64 * h; }
   static TIERED_AVX512 TIERED_FORCE_INLINE __m512i high512(__m512i hv, int, int m) {
     return shift_mask512(hv, 4 - 2 * m, _mm512_set1_epi8(0x30));
@@ -2875,7 +2895,7 @@ struct Q6KFormat {
                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (t * (K / 16) + 2 * g + h) * kBlock)))));
     return s;
   }
-  // 16 codes' weights (u as fp32, lanes of rows `perm`): (u - 32) (d sc), as q6k_dequantize_tiles computes them
+  // 16 codes' weights (u as fp32, lanes of rows `perm`): (u - 32) (d sc), as kquant_dequantize_tiles computes them
   static TIERED_AVX512 TIERED_FORCE_INLINE __m512 weights512(const S512& s, int h, __m512 u, __m512i perm) {
     return _mm512_mul_ps(_mm512_sub_ps(u, _mm512_set1_ps(32.f)), _mm512_permutexvar_ps(perm, s.f[h]));
   }
@@ -2910,8 +2930,20 @@ struct Q6KFormat {
 // times d sc, less sum(x) (Act::xsq / xqs) times dmin m, times dx.
 struct Q5KFormat {
   using W = Q5KW;
+  static constexpr const char* kName = "q5k";
   static constexpr int64_t kBytes = kQ5Group;
+  static constexpr int64_t kCopyBytes = 180;  // per 256 weights: the file's 176, its 6-bit sc and m a byte each
   static constexpr bool kPerHalf = false;
+  static W weights(const at::Tensor& qt, const at::Tensor& sm, const at::Tensor& dd, const float* bias) {
+    return {qt.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr<at::Half>()), bias};
+  }
+  static void scalar(const W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                     bool q8) {
+    q5k_scalar(w, a, b0, nb, n0, n1, y, ldy, q8);
+  }
+  // int16 x with its sums per group (split: xsq, and AVX-512's xh / xl), or int8 x with theirs (xqs)
+  static ActNeeds int16_needs() { return ActNeeds::only_w16(true); }
+  static ActNeeds int8_needs() { return ActNeeds::only_q8(); }
   static constexpr int64_t high_offset(int) { return 256; }
   static TIERED_AVX512 TIERED_FORCE_INLINE __m512i high512(__m512i hv, int h, int m) {
     return shift_mask512(hv, 4 - (4 * h + m), _mm512_set1_epi8(0x10));
@@ -2927,7 +2959,7 @@ struct Q5KFormat {
     const uint8_t* sm = w.sm + (t * (K / kGroup) + g) * 2 * kBlock;
     return {_mm512_mul_ps(f16x16(dd), u8x16(sm)), _mm512_mul_ps(f16x16(dd + kBlock), u8x16(sm + kBlock))};
   }
-  // 16 codes' weights: (d sc) u - (dmin m), the product rounded before the difference (q5k_dequantize_tiles')
+  // 16 codes' weights: (d sc) u - (dmin m), the product rounded before the difference (kquant_dequantize_tiles')
   static TIERED_AVX512 TIERED_FORCE_INLINE __m512 weights512(const S512& s, int, __m512 u, __m512i perm) {
     return _mm512_sub_ps(_mm512_mul_ps(u, _mm512_permutexvar_ps(perm, s.fs)), _mm512_permutexvar_ps(perm, s.fm));
   }
@@ -3070,7 +3102,7 @@ TIERED_AVX512 void kquant_avx512(const typename F::W& w, const Act& a, int64_t b
 // A k-quant weight's tiles [t0, t1) to bf16 rows out [N, K] with AVX-512: per chunk its 64 u bytes (kquant_unpack512)
 // as four vectors of 16 (rows 4q .. 4q + 3, 4 columns each), their weights by the format's arithmetic on its rows'
 // scales, rounded to bf16 (vcvtneps2bf16: nearest even, as to_bf16) and stored 8 bytes a row: the values of
-// q6k_dequantize_tiles / q5k_dequantize_tiles, bit for bit, at ~5x their speed.
+// kquant_dequantize_tiles, bit for bit, at ~5x its speed.
 template <class F>
 TIERED_AVX512 void kquant_bf16_avx512(const typename F::W& w, uint16_t* out, int64_t t0, int64_t t1, int64_t K) {
   const int64_t G = K / kGroup;
@@ -3544,11 +3576,13 @@ struct Int8Gemv : Gemv {
   }
 };
 
-// GGUF Q6_K weights as stored (see "q6k"): a Q4_K_M file's Q6_K tensors' decode copies (quant/q6k.Q6KLinear).
-struct Q6KGemv : Gemv {
-  at::Tensor qt, sc, d;
+// GGUF Q6_K / Q5_K weights as stored (see "q6k", "q5k"; F: Q6KFormat, Q5KFormat): a Q4_K_M file's Q6_K tensors' and a
+// Q5_K_M file's Q5_K ones' decode copies (quant/kquant.py).
+template <class F>
+struct KQuantGemv : Gemv {
+  at::Tensor qt, scales, supers;  // held: w points into them
   std::vector<float> bias;
-  Q6KW w{};
+  typename F::W w{};
   // calls from this many rows read int8 activations (Int8Gemv::q8_from's rule: AVX-512 and scalar; AVX2 keeps int16)
   int64_t q8_from = kNeverQ8;
   bool q8(int64_t B) const { return q8_from != kNeverQ8 && current_isa() != kAvx2 && B >= q8_from; }
@@ -3557,54 +3591,19 @@ struct Q6KGemv : Gemv {
     switch (current_isa()) {
       case kAvx512:
         if (x8) {
-          TIERED_DISPATCH_NB(kquant_avx512, w, Q6KFormat, true)
+          TIERED_DISPATCH_NB(kquant_avx512, w, F, true)
         } else {
-          TIERED_DISPATCH_NB(kquant_avx512, w, Q6KFormat)
+          TIERED_DISPATCH_NB(kquant_avx512, w, F)
         }
         break;
-      case kAvx2: TIERED_DISPATCH_NB(kquant_avx2, w, Q6KFormat) break;
-      default: q6k_scalar(w, a, b0, nb, n0, n1, y, ldy, x8);
+      case kAvx2: TIERED_DISPATCH_NB(kquant_avx2, w, F) break;
+      default: F::scalar(w, a, b0, nb, n0, n1, y, ldy, x8);
     }
   }
-  ActNeeds needs(int64_t B) const override {
-    ActNeeds n = q8(B) ? ActNeeds::only_q8() : ActNeeds::only_w16(current_isa() == kAvx512);
-    n.s16 = true;
-    return n;
-  }
-  int64_t weight_bytes() const override { return out_features * in_features / 256 * 210; }
+  ActNeeds needs(int64_t B) const override { return q8(B) ? F::int8_needs() : F::int16_needs(); }
+  int64_t weight_bytes() const override { return out_features * in_features / 256 * F::kCopyBytes; }
   std::string name() const override {
-    std::string n = std::string("q6k(tiered,") + isa_name(current_isa()) + "; int16 x";
-    if (q8_from != kNeverQ8 && current_isa() != kAvx2) n += ", q8 from " + std::to_string(q8_from) + " rows";
-    return n + ")";
-  }
-};
-
-// GGUF Q5_K weights as stored (see "q5k"): a Q5_K_M file's decode copies (quant/kquant.Q5KLinear).
-struct Q5KGemv : Gemv {
-  at::Tensor qt, sm, dd;
-  std::vector<float> bias;
-  Q5KW w{};
-  int64_t q8_from = kNeverQ8;  // as Q6KGemv's
-  bool q8(int64_t B) const { return q8_from != kNeverQ8 && current_isa() != kAvx2 && B >= q8_from; }
-  void rows(const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy) const override {
-    const bool x8 = q8(a.rows_for_format());  // (needs() was asked with the same)
-    switch (current_isa()) {
-      case kAvx512:
-        if (x8) {
-          TIERED_DISPATCH_NB(kquant_avx512, w, Q5KFormat, true)
-        } else {
-          TIERED_DISPATCH_NB(kquant_avx512, w, Q5KFormat)
-        }
-        break;
-      case kAvx2: TIERED_DISPATCH_NB(kquant_avx2, w, Q5KFormat) break;
-      default: q5k_scalar(w, a, b0, nb, n0, n1, y, ldy, x8);
-    }
-  }
-  // int16 x with its sums per group (split: xsq, and AVX-512's xh / xl), or int8 x with theirs (xqs)
-  ActNeeds needs(int64_t B) const override { return q8(B) ? ActNeeds::only_q8() : ActNeeds::only_w16(true); }
-  int64_t weight_bytes() const override { return out_features * in_features / 256 * 180; }  // (sc, m a byte each)
-  std::string name() const override {
-    std::string n = std::string("q5k(tiered,") + isa_name(current_isa()) + "; int16 x";
+    std::string n = std::string(F::kName) + "(tiered," + isa_name(current_isa()) + "; int16 x";
     if (q8_from != kNeverQ8 && current_isa() != kAvx2) n += ", q8 from " + std::to_string(q8_from) + " rows";
     return n + ")";
   }
@@ -4290,7 +4289,7 @@ std::vector<at::Tensor> q6k_blocks_q6t(const at::Tensor& raw0) {
 }
 
 // The q6k layout's (qt, sc, d) checked for a weight of N x K (see "q6k"); `what` names the caller in errors.
-void check_q6k(const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, const char* what) {
+void check_layout(Q6KFormat, const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, const char* what) {
   TIERED_CHECK(qt.device().is_cpu() && qt.scalar_type() == at::kByte && qt.dim() == 3 && qt.size(2) == kQ6Group &&
                   qt.is_contiguous(),
               what, ": qt must be a contiguous CPU uint8 [N/16, K/32, 384], got ", qt.scalar_type(), " ", qt.sizes());
@@ -4309,7 +4308,7 @@ void check_q6k(const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, 
 // A q6k weight dequantized, w = (d sc) (u - 32) in fp32 (gguf's order), as fp32 or rounded to bf16 (nearest even):
 // the prefill path of a weight held only so (quant/q6k.Q6KLinear.dense) and its reference.
 template <typename T>
-void q6k_dequantize_tiles(const Q6KW& w, T* out, int64_t t0, int64_t t1, int64_t K) {
+void kquant_dequantize_tiles(const Q6KW& w, T* out, int64_t t0, int64_t t1, int64_t K) {
   const int64_t G = K / kGroup;
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t r = 0; r < kBlock; ++r) {
@@ -4325,22 +4324,6 @@ void q6k_dequantize_tiles(const Q6KW& w, T* out, int64_t t0, int64_t t1, int64_t
         }
       }
     }
-}
-
-at::Tensor q6k_tiled_dequantize(const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, bool bf16,
-                                const c10::optional<at::Tensor>& out_) {
-  check_q6k(qt, sc, d, "q6k_tiled_dequantize");
-  const int64_t N = qt.size(0) * kBlock, K = qt.size(1) * kGroup;
-  at::Tensor out = out_or_empty(out_, {N, K}, bf16 ? at::kBFloat16 : at::kFloat, "q6k_tiled_dequantize: out");
-  const Q6KW w{qt.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
-               nullptr};
-  const bool avx512 = bf16 && current_isa() == kAvx512;
-  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
-    if (avx512) kquant_bf16_avx512<Q6KFormat>(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
-    else if (bf16) q6k_dequantize_tiles(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
-    else q6k_dequantize_tiles(w, out.data_ptr<float>(), t0, t1, K);
-  });
-  return out;
 }
 
 // GGUF Q5_K super-blocks (fp16 d, fp16 dmin, scales[12]: 6-bit sc and m of 8 sub-blocks as Q4_K's, qh[32]: the codes'
@@ -4399,7 +4382,7 @@ std::vector<at::Tensor> q5k_blocks_q5t(const at::Tensor& raw0) {
 }
 
 // The q5k layout's (qt, sm, dd) checked (see "q5k"); `what` names the caller in errors.
-void check_q5k(const at::Tensor& qt, const at::Tensor& sm, const at::Tensor& dd, const char* what) {
+void check_layout(Q5KFormat, const at::Tensor& qt, const at::Tensor& sm, const at::Tensor& dd, const char* what) {
   TIERED_CHECK(qt.device().is_cpu() && qt.scalar_type() == at::kByte && qt.dim() == 3 && qt.size(2) == kQ5Group &&
                   qt.is_contiguous(),
               what, ": qt must be a contiguous CPU uint8 [N/16, K/32, 320], got ", qt.scalar_type(), " ", qt.sizes());
@@ -4418,7 +4401,7 @@ void check_q5k(const at::Tensor& qt, const at::Tensor& sm, const at::Tensor& dd,
 // A q5k weight dequantized, w = (d sc) u - (dmin m) in fp32 (gguf's products, no fused multiply-add), as fp32 or
 // rounded to bf16: the prefill path of a weight held only so (quant/kquant.Q5KLinear.dense) and its reference.
 template <typename T>
-void q5k_dequantize_tiles(const Q5KW& w, T* out, int64_t t0, int64_t t1, int64_t K) {
+void kquant_dequantize_tiles(const Q5KW& w, T* out, int64_t t0, int64_t t1, int64_t K) {
   const int64_t G = K / kGroup;
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t r = 0; r < kBlock; ++r) {
@@ -4437,18 +4420,21 @@ void q5k_dequantize_tiles(const Q5KW& w, T* out, int64_t t0, int64_t t1, int64_t
     }
 }
 
-at::Tensor q5k_tiled_dequantize(const at::Tensor& qt, const at::Tensor& sm, const at::Tensor& dd, bool bf16,
-                                const c10::optional<at::Tensor>& out_) {
-  check_q5k(qt, sm, dd, "q5k_tiled_dequantize");
+// A k-quant weight (the format's tensors, checked) dequantized to [N, K] in fp32 or bf16 (see kquant_dequantize_tiles;
+// AVX-512's bf16 rows: kquant_bf16_avx512, the same values); `out` when given, else a new tensor.
+template <class F>
+at::Tensor kquant_tiled_dequantize(const at::Tensor& qt, const at::Tensor& scales, const at::Tensor& supers, bool bf16,
+                                   const c10::optional<at::Tensor>& out_) {
+  const std::string what = std::string(F::kName) + "_tiled_dequantize";
+  check_layout(F{}, qt, scales, supers, what.c_str());
   const int64_t N = qt.size(0) * kBlock, K = qt.size(1) * kGroup;
-  at::Tensor out = out_or_empty(out_, {N, K}, bf16 ? at::kBFloat16 : at::kFloat, "q5k_tiled_dequantize: out");
-  const Q5KW w{qt.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr<at::Half>()),
-               nullptr};
+  at::Tensor out = out_or_empty(out_, {N, K}, bf16 ? at::kBFloat16 : at::kFloat, (what + ": out").c_str());
+  const typename F::W w = F::weights(qt, scales, supers, nullptr);
   const bool avx512 = bf16 && current_isa() == kAvx512;
   at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
-    if (avx512) kquant_bf16_avx512<Q5KFormat>(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
-    else if (bf16) q5k_dequantize_tiles(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
-    else q5k_dequantize_tiles(w, out.data_ptr<float>(), t0, t1, K);
+    if (avx512) kquant_bf16_avx512<F>(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
+    else if (bf16) kquant_dequantize_tiles(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
+    else kquant_dequantize_tiles(w, out.data_ptr<float>(), t0, t1, K);
   });
   return out;
 }
@@ -5217,33 +5203,19 @@ std::shared_ptr<Int8Gemv> make_int8g32_tiled(at::Tensor qt, at::Tensor st, c10::
   return k;
 }
 
-// q6k weights (see "q6k"): qt uint8 [N/16, K/32, 384], sc int8 [N/16, K/16, 16], d fp16 [N/16, K/256, 16], held (no
-// copy); batch_act as make_int8_tiled's.
-std::shared_ptr<Q6KGemv> make_q6k(at::Tensor qt, at::Tensor sc, at::Tensor d, c10::optional<at::Tensor> bias,
-                                  const std::string& batch_act) {
-  check_q6k(qt, sc, d, "q6k_kernel");
-  auto k = std::make_shared<Q6KGemv>();
+// k-quant weights (see "q6k", "q5k"): the format's (qt, scales, supers), checked (check_layout) and held (no copy);
+// batch_act as make_int8_tiled's.
+template <class F>
+std::shared_ptr<KQuantGemv<F>> make_kquant(at::Tensor qt, at::Tensor scales, at::Tensor supers,
+                                           c10::optional<at::Tensor> bias, const std::string& batch_act) {
+  const std::string what = std::string(F::kName) + "_kernel";
+  check_layout(F{}, qt, scales, supers, what.c_str());
+  auto k = std::make_shared<KQuantGemv<F>>();
   k->out_features = qt.size(0) * kBlock, k->in_features = qt.size(1) * kGroup;
-  k->qt = qt, k->sc = sc, k->d = d;
+  k->qt = qt, k->scales = scales, k->supers = supers;
   k->bias = bias_vector(bias, k->out_features);
-  k->w = {qt.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
-          k->bias.empty() ? nullptr : k->bias.data()};
-  k->q8_from = int8_q8_from(batch_act, "q6k_kernel");
-  return k;
-}
-
-// q5k weights (see "q5k"): qt uint8 [N/16, K/32, 320], sm uint8 [N/16, K/32, 2, 16], dd fp16 [N/16, K/256, 2, 16], held
-// (no copy); batch_act as make_int8_tiled's.
-std::shared_ptr<Q5KGemv> make_q5k(at::Tensor qt, at::Tensor sm, at::Tensor dd, c10::optional<at::Tensor> bias,
-                                  const std::string& batch_act) {
-  check_q5k(qt, sm, dd, "q5k_kernel");
-  auto k = std::make_shared<Q5KGemv>();
-  k->out_features = qt.size(0) * kBlock, k->in_features = qt.size(1) * kGroup;
-  k->qt = qt, k->sm = sm, k->dd = dd;
-  k->bias = bias_vector(bias, k->out_features);
-  k->w = {qt.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr<at::Half>()),
-          k->bias.empty() ? nullptr : k->bias.data()};
-  k->q8_from = int8_q8_from(batch_act, "q5k_kernel");
+  k->w = F::weights(qt, scales, supers, k->bias.empty() ? nullptr : k->bias.data());
+  k->q8_from = int8_q8_from(batch_act, what.c_str());
   return k;
 }
 
@@ -5712,7 +5684,7 @@ void register_gemv(pybind11::module& m) {
         "(kernels/linear.tiled_int8, tiled_group_scales). qt uint8 [N, K] contiguous (N % 16 == 0, K % 32 == 0), "
         "st float16 [N/16, K/32, 16]: w = (q - 128) * s. batch_act as int8_tiled_kernel's.");
   m.def("q6k_kernel", [](at::Tensor qt, at::Tensor sc, at::Tensor d, c10::optional<at::Tensor> bias,
-                         const std::string& batch_act) -> KernelPtr { return make_q6k(qt, sc, d, bias, batch_act); },
+                         const std::string& batch_act) -> KernelPtr { return make_kquant<Q6KFormat>(qt, sc, d, bias, batch_act); },
         py::arg("qt"), py::arg("sc"), py::arg("d"), py::arg("bias") = py::none(), py::arg("batch_act") = "bf16",
         "tiered's GEMV over GGUF Q6_K weights as stored (q6k_blocks_q6t's layout): qt uint8 [N/16, K/32, 384], sc int8 "
         "[N/16, K/16, 16], d float16 [N/16, K/256, 16] (K % 256 == 0): w = d sc (u - 32). batch_act as "
@@ -5720,13 +5692,13 @@ void register_gemv(pybind11::module& m) {
   m.def("q6k_blocks_q6t", &q6k_blocks_q6t, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
         "GGUF Q6_K blocks uint8 [N, K/256 * 210] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 384], sc int8 [N/16, K/16, 16], "
         "d float16 [N/16, K/256, 16]): the q6k kernel's layout of the same codes and scales, bit for bit.");
-  m.def("q6k_tiled_dequantize", &q6k_tiled_dequantize, py::call_guard<py::gil_scoped_release>(), py::arg("qt"),
+  m.def("q6k_tiled_dequantize", &kquant_tiled_dequantize<Q6KFormat>, py::call_guard<py::gil_scoped_release>(), py::arg("qt"),
         py::arg("sc"), py::arg("d"), py::arg("bf16") = true, py::arg("out") = py::none(),
         "A q6k weight (q6k_kernel's tensors) -> [N, K]: (d sc) (u - 32) in float32 (gguf's arithmetic), as float32 or "
         "rounded to bfloat16 (nearest even); out: write into it (contiguous, that dtype and shape) instead of a new "
         "tensor.");
   m.def("q5k_kernel", [](at::Tensor qt, at::Tensor sm, at::Tensor dd, c10::optional<at::Tensor> bias,
-                         const std::string& batch_act) -> KernelPtr { return make_q5k(qt, sm, dd, bias, batch_act); },
+                         const std::string& batch_act) -> KernelPtr { return make_kquant<Q5KFormat>(qt, sm, dd, bias, batch_act); },
         py::arg("qt"), py::arg("sm"), py::arg("dd"), py::arg("bias") = py::none(), py::arg("batch_act") = "bf16",
         "tiered's GEMV over GGUF Q5_K weights as stored (q5k_blocks_q5t's layout): qt uint8 [N/16, K/32, 320], sm uint8 "
         "[N/16, K/32, 2, 16] (sc, then m), dd float16 [N/16, K/256, 2, 16] (d, then dmin), K % 256 == 0: w = d sc u - "
@@ -5734,7 +5706,7 @@ void register_gemv(pybind11::module& m) {
   m.def("q5k_blocks_q5t", &q5k_blocks_q5t, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
         "GGUF Q5_K blocks uint8 [N, K/256 * 176] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 320], sm uint8 [N/16, K/32, 2, "
         "16], dd float16 [N/16, K/256, 2, 16]): the q5k kernel's layout of the same codes and scales, bit for bit.");
-  m.def("q5k_tiled_dequantize", &q5k_tiled_dequantize, py::call_guard<py::gil_scoped_release>(), py::arg("qt"),
+  m.def("q5k_tiled_dequantize", &kquant_tiled_dequantize<Q5KFormat>, py::call_guard<py::gil_scoped_release>(), py::arg("qt"),
         py::arg("sm"), py::arg("dd"), py::arg("bf16") = true, py::arg("out") = py::none(),
         "A q5k weight (q5k_kernel's tensors) -> [N, K]: (d sc) u - (dmin m) in float32 (gguf's arithmetic), as float32 "
         "or rounded to bfloat16 (nearest even); out: write into it instead of a new tensor.");
