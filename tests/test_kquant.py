@@ -139,6 +139,27 @@ def test_bad_tensors_are_refused(kind):
         kernel(qt, sc, d, None, "int4")
     with pytest.raises(ValueError, match="one width"):
         LINEAR_OF_KIND[kind].from_blocks([raw, blocks(kind, 16, 256, seed=5)])
+    with pytest.raises(RuntimeError, match="qt_out: must be a contiguous CPU"):  # outputs of another weight's shape
+        pack_into(kind, raw, [qt[:1], sc, d])
+    with pytest.raises(RuntimeError, match="scales_out: must be a contiguous CPU"):
+        pack_into(kind, raw, [qt, sc.float(), d])
+
+
+def pack_into(kind: str, raw: np.ndarray, outs):
+    return getattr(ext, f"{kind}_blocks_{kind[:2]}t")(torch.from_numpy(raw), *outs)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_repacking_writes_into_given_tiles(kind):
+    """A repacking pass given its outputs writes them in place (a fused group's parts their own tiles of one weight,
+    as from_blocks does): the same bytes as new tensors, nothing outside the slices touched."""
+    raw = blocks(kind, 48, 512, seed=6)
+    whole = pack(kind, raw)
+    outs = [torch.full_like(t, 7) for t in whole]
+    for lo, hi in ((0, 1), (1, 3)):  # tiles [lo, hi): rows 16 lo .. 16 hi
+        got = pack_into(kind, raw[16 * lo:16 * hi], [o[lo:hi] for o in outs])
+        assert all(g.data_ptr() == o[lo:hi].data_ptr() for g, o in zip(got, outs))
+    assert all(torch.equal(o, w) for o, w in zip(outs, whole))
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -158,6 +179,34 @@ def test_linear_forward_and_prefill_paths(kind):
     y = lin.dense(xp)
     assert y.dtype == torch.bfloat16 and y.shape == (300, 48)
     assert rel(y.float(), xp.float() @ W.T + lin.bias) < 2e-2
+
+
+@pytest.mark.parametrize("kind", list(KINDS) + ["int8-g32"])
+def test_prefill_rows_follow_the_machines_rule_for_their_activations(monkeypatch, kind):
+    """A prompt's rows past quant/int4.dequantize_rows(batch_act) dequantize for one GEMM, within them (None: every
+    count) they run the kernel on `batch_act` activations, as Int4Linear.dense's: on int8 activations the kernel where
+    the machine's tuning says so (it had asked the rule for bf16 ones: 96 rows on AVX-512 whatever batch_act)."""
+    import tiered.quant.int4 as int4
+    from tiered.quant.int8 import Int8G32Linear
+    from tiered.quant.kquant import LINEAR_OF_KIND
+
+    w = torch.randn(48, 512)
+    asked = []
+
+    def rows(batch_act="bf16", *a, **k):
+        asked.append(batch_act)
+        return None if batch_act == "q8" else 16
+    monkeypatch.setattr(int4, "dequantize_rows", rows)
+    monkeypatch.setattr(int4, "dequantize_dtype", lambda *a, **k: torch.bfloat16)
+    x = torch.randn(40, 512)
+    for batch_act in ("q8", "bf16"):
+        lin = Int8G32Linear.from_dense(w, batch_act=batch_act) if kind == "int8-g32" else \
+            LINEAR_OF_KIND[kind].from_blocks([QUANTIZE[kind](w.numpy())], batch_act=batch_act)
+        y, kernel = lin.dense(x), lin(x)
+        assert asked[-1] == batch_act
+        # q8: the kernel at every row count, bit for bit; bf16: past 16 rows the bf16 GEMM (not the kernel's bits)
+        assert torch.equal(y, kernel) == (batch_act == "q8"), batch_act
+        assert rel(y, kernel) < 2e-2
 
 
 def test_gguf_k_quant_tensors_take_their_copies_counted_at_their_bytes():

@@ -174,16 +174,17 @@ class Int8G32Linear(NativeLinear):
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
-        """The prefill path: x [..., K] -> [..., N] in x's dtype. Beyond quant/int4.dequantize_rows()
-        rows where quant/int4.dequantize_dtype() is bf16 (AVX-512), the weight dequantized to bf16
+        """The prefill path: x [..., K] -> [..., N] in x's dtype. Beyond quant/int4.dequantize_rows(batch_act)
+        rows (None: never) where quant/int4.dequantize_dtype() is bf16 (AVX-512), the weight dequantized to bf16
         natively (kernels/linear.tiled_int8_g32_dequantize; in row chunks beyond
         quant/int4.DEQUANTIZE_CHUNK elements) for oneDNN's bf16 GEMM, as Int4Linear.dense does; else the
-        native kernel. On the 2-core EPYC (2026-11-26), 4096 x 14336 at 512 rows: 396 ms
-        through the kernel, ~160 ms so."""
+        native kernel. On the 2-core EPYC (2026-11-26), 4096 x 14336 at 512 rows on int16 ("bf16") rows: 396 ms
+        through the kernel, ~160 ms so; on the 2-core Zen 4 VM (2026-12-07), whose tuning runs int8 rows at every
+        count, 14336 x 4096 on 256 / 1024 q8 rows 79 / 321 ms in the kernel against 108 / 343 dequantized."""
         import tiered.quant.int4 as int4
 
         x2 = x.reshape(-1, self.in_features)
-        limit = int4.dequantize_rows()
+        limit = int4.dequantize_rows(self.batch_act)
         if limit is None or x2.shape[0] <= limit or int4.dequantize_dtype() != torch.bfloat16:
             return self.forward(x)
         from tiered.kernels.linear import tiled_int8_g32_dequantize

@@ -81,15 +81,25 @@ class KQuantLinear(NativeLinear):
         """The layout's three tensors (qt, the scales per 16 or 32 weights, those per super-block)."""
         return tuple(getattr(self, n) for n in self.PARTS)
 
+    @staticmethod
+    def layout(tiles: int, K: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The (shape, dtype) of the layout's three tensors for `tiles` tiles of 16 rows and K columns."""
+        raise NotImplementedError
+
     @classmethod
     def from_blocks(cls, blocks: list[np.ndarray | torch.Tensor], bias: torch.Tensor | None = None,
                     batch_act: str = "bf16") -> "KQuantLinear":
         """The blocks of one or more weights of this format (uint8 [N_i, K/256 * block bytes] each, N_i % 16 == 0; a
-        fused group's parts, rows side by side) in its layout, one native pass each.
+        fused group's parts, rows side by side) in its layout: one native pass each, written straight into its own
+        tiles of the layout's tensors, which large weights get on huge pages (hardware/budget.host_empty, as the
+        int4 copies': move_to_huge_pages then leaves them where they are). Repacked into new tensors, concatenated
+        and then copied onto huge pages, the 8-layer Llama-3-8B-width Q5_K_M file's copies had taken 5.5 of its
+        8.2 s load (2-core Zen 4 VM, 2026-12-07).
 
         Raises:
             RuntimeError: the native extension is unavailable.
             ValueError: blocks of different widths, or rows not a multiple of 16."""
+        from tiered.hardware.budget import host_empty
         from tiered.kernels import load
         from tiered.quant.gguf_dequant import blocks_tensor
 
@@ -100,9 +110,15 @@ class KQuantLinear(NativeLinear):
         if len({r.shape[1] for r in raws}) != 1 or any(r.shape[0] % 16 for r in raws):
             raise ValueError(f"{cls.__name__}.from_blocks: parts of one width and N % 16 == 0 rows each, got "
                              f"{[tuple(r.shape) for r in raws]}")
+        K = raws[0].shape[1] // BLOCK_BYTES[cls.KIND] * 256
+        outs = [host_empty(shape, dtype) for shape, dtype in cls.layout(sum(r.shape[0] for r in raws) // 16, K)]
         pack = getattr(ext, f"{cls.KIND}_blocks_{cls.KIND[:2]}t")
-        parts = [pack(r) for r in raws]
-        return cls(*(p[0] if len(parts) == 1 else torch.cat(p) for p in zip(*parts)), bias, batch_act)
+        t = 0
+        for r in raws:
+            n = r.shape[0] // 16
+            pack(r, *(o[t:t + n] for o in outs))
+            t += n
+        return cls(*outs, bias, batch_act)
 
     def _build(self, ext, bias):
         return getattr(ext, f"{self.KIND}_kernel")(*self.parts(), bias, self.batch_act)
@@ -121,13 +137,15 @@ class KQuantLinear(NativeLinear):
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """The prefill path: x [..., K] -> [..., N] in x's dtype; as Int8G32Linear.dense, beyond
-        quant/int4.dequantize_rows() rows where quant/int4.dequantize_dtype() is bf16 the weight dequantized to bf16
-        (in row chunks of whole tiles, kernels/linear.kquant_dequantize) for oneDNN's GEMM, else the native kernel."""
+        quant/int4.dequantize_rows(batch_act) rows (None: never) where quant/int4.dequantize_dtype() is bf16 the weight
+        dequantized to bf16 (in row chunks of whole tiles, kernels/linear.kquant_dequantize) for oneDNN's GEMM, else
+        the native kernel. On the 2-core Zen 4 VM, whose tuning runs int8 rows at every count, a 14336 x 4096 q5k
+        weight on 256 / 1024 q8 rows took 66 / 275 ms in the kernel against 103 / 339 dequantized (2026-12-07)."""
         import tiered.quant.int4 as int4
         from tiered.kernels.linear import kquant_dequantize
 
         x2 = x.reshape(-1, self.in_features)
-        limit = int4.dequantize_rows()
+        limit = int4.dequantize_rows(self.batch_act)
         if limit is None or x2.shape[0] <= limit or int4.dequantize_dtype() != torch.bfloat16:
             return self.forward(x)
         bias = None if self.bias is None else self.bias.to(torch.bfloat16)
@@ -145,12 +163,22 @@ class Q6KLinear(KQuantLinear):
     KIND = "q6k"
     PARTS = ("qt", "sc", "d")
 
+    @staticmethod
+    def layout(tiles: int, K: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [((tiles, K // 32, 384), torch.uint8), ((tiles, K // 16, 16), torch.int8),
+                ((tiles, K // 256, 16), torch.float16)]
+
 
 class Q5KLinear(KQuantLinear):
     """A GGUF Q5_K weight as stored (qt, sm, dd: the module docstring's "q5k"): w = d sc u - dmin m."""
 
     KIND = "q5k"
     PARTS = ("qt", "sm", "dd")
+
+    @staticmethod
+    def layout(tiles: int, K: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [((tiles, K // 32, 320), torch.uint8), ((tiles, K // 32, 2, 16), torch.uint8),
+                ((tiles, K // 256, 2, 16), torch.float16)]
 
 
 LINEAR_OF_KIND = {"q6k": Q6KLinear, "q5k": Q5KLinear}
