@@ -125,7 +125,7 @@ def write_gguf(model, path: Path, arch: str, qtype: GGMLQuantizationType = GGMLQ
         elif qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             w.add_tensor(gguf_name(name), t.astype(np.float32 if qtype == GGMLQuantizationType.F32 else np.float16))
         else:  # K types through encode_any (gguf cannot quantize them; rows they cannot split: F16)
-            arr, qt = encode_any(t, qtype) if qtype in _K_TYPES else (encode(t, qtype), qtype)
+            arr, qt = encode_any(t, qtype) if qtype in _K_TYPES + _IQ4_TYPES else (encode(t, qtype), qtype)
             w.add_tensor(gguf_name(name), arr, raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -179,6 +179,27 @@ def random_k_blocks(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int
         b[..., 0:4] = rng.uniform(0.001, 0.01, size=(rows, nb, 2)).astype(np.float16).view(np.uint8)
     else:  # ql[128], qh[64], scales[16] (int8), d (f16)
         b[..., 208:210] = rng.uniform(0.001, 0.01, size=(rows, nb, 1)).astype(np.float16).view(np.uint8)
+    return b.reshape(rows, nb * block)
+
+
+# where the fp16 scales sit in the other block types random_blocks fills (byte offset, count): the rest of a block
+# (codebook / lattice indices, signs, sub-block scales) is valid whatever its bits
+_SCALE_BYTES = {GGMLQuantizationType.Q2_K: (80, 2), GGMLQuantizationType.Q3_K: (108, 1),
+                **{getattr(GGMLQuantizationType, t): (0, 1)
+                   for t in ("IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S")}}
+
+
+def random_blocks(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
+    """Valid random blocks of a Q2_K / Q3_K / i-quant type, uint8 [rows, cols / block weights * block bytes]: every
+    byte random but the fp16 scales (small, finite)."""
+    from gguf.quants import GGML_QUANT_SIZES
+
+    rng = np.random.default_rng(seed)
+    per, block = GGML_QUANT_SIZES[qtype]
+    nb = cols // per
+    b = rng.integers(0, 256, size=(rows, nb, block), dtype=np.uint8)
+    at, n = _SCALE_BYTES[qtype]
+    b[..., at:at + 2 * n] = rng.uniform(0.001, 0.01, size=(rows, nb, n)).astype(np.float16).view(np.uint8)
     return b.reshape(rows, nb * block)
 
 
@@ -277,6 +298,53 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+# ----------------------------------------------------------------------------------- IQ4
+# gguf.quants dequantizes IQ4_NL / IQ4_XS but cannot quantize them: nearest codebook value (kvalues_iq4nl) after a
+# scale that maps the group's largest magnitude onto the codebook's end (llama.cpp also searches the scale).
+_IQ4 = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _iq4_indices(g: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Groups g [n, 32] over their scales [n, 1] -> the nearest codebook indices, uint8 [n, 32]."""
+    x = g / np.where(scale == 0, 1, scale)
+    return np.abs(x[..., None] - _IQ4).argmin(-1).astype(np.uint8)
+
+
+def _iq4_nibbles(idx: np.ndarray) -> np.ndarray:
+    """Indices [n, 32] -> qs [n, 16]: weights 0..15 in the low nibbles, 16..31 in the high ones."""
+    return idx[:, :16] | (idx[:, 16:] << 4)
+
+
+def quantize_iq4_nl(w: np.ndarray) -> np.ndarray:
+    """w fp32 [rows, cols % 32 == 0] -> IQ4_NL blocks uint8 [rows, cols / 32 * 18] (fp16 d, qs[16])."""
+    g = w.astype(np.float32).reshape(-1, 32)
+    amax = g[np.arange(len(g)), np.abs(g).argmax(1)][:, None]  # signed: its end of the codebook is -127
+    d = (amax / -127.0).astype(np.float16)
+    idx = _iq4_indices(g, d.astype(np.float32))
+    return np.concatenate([d.view(np.uint8), _iq4_nibbles(idx)], 1).reshape(w.shape[0], -1)
+
+
+def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
+    """w fp32 [rows, cols % 256 == 0] -> IQ4_XS super-blocks uint8 [rows, cols / 256 * 136] (fp16 d, uint16
+    scales_h, scales_l[4], qs[128]): each group's scale d (ls - 32), ls 6-bit."""
+    sb = w.astype(np.float32).reshape(-1, 8, 32)
+    amax = np.take_along_axis(sb, np.abs(sb).argmax(2)[..., None], 2)[..., 0]  # [n, 8], signed
+    want = amax / -127.0  # the scale each group wants
+    d = (np.abs(want).max(1, keepdims=True) / 31.0).astype(np.float16)  # ls - 32 in [-32, 31]
+    df = np.where(d == 0, 1, d).astype(np.float32)
+    ls = (np.clip(np.round(want / df), -32, 31) + 32).astype(np.int32)  # [n, 8]
+    scale = d.astype(np.float32) * (ls - 32)
+    idx = _iq4_indices(sb.reshape(-1, 32), scale.reshape(-1, 1))
+    low, high = ls & 15, ls >> 4
+    sl = (low[:, 0::2] | (low[:, 1::2] << 4)).astype(np.uint8)  # [n, 4]
+    sh = (high << (2 * np.arange(8))).sum(1).astype(np.uint16)[:, None]
+    qs = _iq4_nibbles(idx).reshape(-1, 128)
+    return np.concatenate([d.view(np.uint8), sh.view(np.uint8), sl, qs], 1).reshape(w.shape[0], -1)
+
+
+_IQ4_TYPES = (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS)
+
+
 def encode_any(w: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType]:
     """w fp32 [..., cols] -> (array GGUFWriter stores, the type written). Like llama.cpp's converter,
     a tensor whose rows the block type cannot split is written F16 instead."""
@@ -287,7 +355,8 @@ def encode_any(w: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, 
     if w.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
         return w.astype(np.float16), GGMLQuantizationType.F16
     k = {GGMLQuantizationType.Q4_K: quantize_q4_k, GGMLQuantizationType.Q5_K: quantize_q5_k,
-         GGMLQuantizationType.Q6_K: quantize_q6_k}.get(qtype)
+         GGMLQuantizationType.Q6_K: quantize_q6_k, GGMLQuantizationType.IQ4_NL: quantize_iq4_nl,
+         GGMLQuantizationType.IQ4_XS: quantize_iq4_xs}.get(qtype)
     if k is None:
         return quantize(w.astype(np.float32), qtype), qtype
     flat = k(w.reshape(-1, w.shape[-1]))

@@ -518,6 +518,91 @@ def test_k_quant_decode_copies(zoo, qtype):
     assert rel_err(fp32.logits(ids), auto.logits(ids)) < 8e-2  # prefill through the copies' dense paths (q8 rows)
 
 
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_decode_copies(zoo, qtype):
+    """An IQ4_NL / IQ4_XS file (llama.cpp's 16-value codebook times a scale per 32) loads, and its projections
+    decode ("auto") as int8-g32 from their codebook values and scales (exactly: q * s is the file's weight, IQ4_XS's
+    scale rounded to fp16) with tiered's kernels, bf16 without; the logits close to the same file dequantized to
+    fp32, as the k-quant copies' (test_k_quant_decode_copies). They had been refused at load ("unsupported type")."""
+    from fixtures import stepwise_logits
+    from tiered import kernels
+    from tiered.eval.kl import kl_divergence
+    from tiered.quant.int8 import Int8G32Linear
+    from tiered.quant.linear import decode_precision
+
+    path = zoo.gguf("llama_wide", qtype)
+    auto = zoo.llm(path, decode_weights="auto", accelerator="none")
+    kind = "int8-g32" if kernels.available() else "bf16"
+    assert decode_precision(auto.checkpoint, "auto") == kind
+    if kind != "bf16":  # every projection of the 2 layers (qkv, o, gate_up, down) and the head
+        mods = [m for m in auto.model.modules() if isinstance(m, Int8G32Linear)]
+        assert len(mods) == 2 * 4 + 1
+        h = auto.checkpoint.handle("model.layers.0.mlp.down_proj.weight")
+        down = auto.model.model.layers[0].mlp.down_proj.decode
+        assert torch.allclose(down.dequantize(), h.load(), rtol=2 ** -10, atol=0)  # the weights, to the fp16 scale
+    fp32 = zoo.llm(path, accelerator="none")
+    ids = prompt_ids(zoo.vocab_size, 24)
+    ref = fp32.logits(ids)[7:]
+    got = stepwise_logits(auto, ids, 8)
+    # measured (2026-12-07): max KL 2.8e-3 (IQ4_NL) / 1.2e-3 (IQ4_XS) on the default q8 rows, 1.5e-4 / 1.1e-4 on
+    # int16 ones: the weights exact, the activations' rounding alone (as the k-quants as stored)
+    assert float(kl_divergence(ref, got).max()) < (1e-2 if kind == "bf16" else 5e-3)
+    assert rel_err(got, ref) < 8e-2
+    exact = stepwise_logits(zoo.llm(path, decode_weights="auto", accelerator="none", batch_activations="bf16"), ids, 8)
+    assert float(kl_divergence(ref, exact).max()) < (3e-3 if kind == "bf16" else 1e-3)
+
+
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_blocks_unpack_to_ggufs_weights(qtype):
+    """unpack_iq4_blocks: q * scale is gguf.quants.dequantize's weight (IQ4_NL exactly; IQ4_XS with its scale per 32
+    rounded to fp16), q the codebook's int8 values; other formats and ragged rows are refused."""
+    from gguf_writer import random_blocks
+    from tiered.quant.gguf_experts import IQ4_VALUES, unpack_iq4_blocks
+
+    raw = random_blocks(32, 512, getattr(Q, qtype), seed=3)
+    q, scale = unpack_iq4_blocks(raw, qtype)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float16 and q.shape == (32, 512) and scale.shape == (32, 16)
+    assert set(np.unique(q.numpy())) <= set(IQ4_VALUES.tolist())
+    ref = torch.from_numpy(dequantize(raw, getattr(Q, qtype)).reshape(32, 512))
+    w = q.float() * scale.float().repeat_interleave(32, 1)
+    if qtype == "IQ4_NL":
+        assert torch.equal(w, ref)
+    else:
+        assert torch.allclose(w, ref, rtol=2 ** -11, atol=0)
+    with pytest.raises(ValueError, match="not an IQ4"):
+        unpack_iq4_blocks(raw, "Q4_0")
+    with pytest.raises(ValueError, match="whole"):
+        unpack_iq4_blocks(raw[:, :-1], qtype)
+
+
+@pytest.mark.parametrize("qtype", ["Q3_K", "Q2_K", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S"])
+def test_low_bit_types_take_int4_copies(tmp_path, qtype):
+    """A Q2_K / Q3_K / lattice i-quant projection loads (through gguf's dequantization) and takes an int4 decode copy
+    re-quantized per 32 from its weights (0.625 bytes a weight, where "auto" had given them bf16 copies: 2), within
+    int4's rounding of them; its experts' kind is int4 too."""
+    from tiered.checkpoint import open_checkpoint
+    from tiered.quant.gguf_experts import stored_kind
+    from tiered.quant.linear import copy_kind, decode_weight
+
+    from gguf_writer import random_blocks
+
+    qt = getattr(Q, qtype)
+    raw = random_blocks(64, 256, qt, seed=4)
+    path = write_tensors_gguf(tmp_path / f"{qtype}.gguf", {"blk.0.ffn_down.weight": (raw, qt)},
+                              dims=dict(embedding_length=64, feed_forward_length=256))
+    h = open_checkpoint(str(path)).handle("model.layers.0.mlp.down_proj.weight")
+    assert h.format == qtype and h.shape == (64, 256) and h.is_quantized
+    w = h.load()
+    assert torch.equal(w, torch.from_numpy(dequantize(raw, qt).reshape(64, 256)))
+    assert copy_kind(h, "auto") == "int4" and stored_kind(h) == "int4"
+    lin = torch.nn.Linear(256, 64, bias=False, device="meta")
+    d = decode_weight(lin, h, "auto")
+    assert d.kind == "int4" and d.blocks is None
+    back = ((d.codes.reshape(64, 8, 32) - 8) * d.scale[..., None] + d.zero[..., None]).reshape(64, 256)
+    step = (w.reshape(64, 8, 32).amax(-1) - w.reshape(64, 8, 32).amin(-1)) / 15  # one int4 step of each group
+    assert ((back - w).abs().reshape(64, 8, 32) <= step[..., None] / 2 + 1e-6).all()
+
+
 def test_int8_g32_linear_is_its_dequantized_weight():
     """Int8G32Linear: one row and many (a prompt) through the native kernel compute x @ dequantize().T
     up to the kernel's int16 activations; the weight is within half a group scale of the source."""

@@ -933,7 +933,9 @@ def test_the_lm_head_is_priced_in_its_own_decode_format():
     assert head_precision(Ckpt({"lm_head.weight": "Q4_1", "model.embed_tokens.weight": "Q8_0"}), "auto") == "int4"
     # Q6_K: as stored where tiered's kernels are built (quant/kquant.Q6KLinear), else bf16
     assert head_precision(Ckpt({"lm_head.weight": "Q6_K"}), "auto") == ("q6k" if kernels.available() else "bf16")
-    assert head_precision(Ckpt({"lm_head.weight": "IQ2_XS"}), "auto") == "bf16"
+    # a lattice i-quant: int4 re-quantized per 32 (quant/linear.GGUF_DECODE_KIND); a 16-bit one: bf16
+    assert head_precision(Ckpt({"lm_head.weight": "IQ2_XS"}), "auto") == "int4"
+    assert head_precision(Ckpt({"lm_head.weight": "F16"}), "auto") == "bf16"
     assert head_precision(Ckpt({"model.embed_tokens.weight": "Q8_0"}), "int4") == "int4"
     cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64)

@@ -492,13 +492,15 @@ def test_moe_gguf_keeps_experts_quantized_with_reference_tokens(kind, qtype, tmp
 WIDE = dict(hidden_size=256, intermediate_size=512, num_local_experts=16)  # K-quant super-blocks are 256 wide
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS])
 def test_quantized_moe_gguf_runs_under_a_budget_smaller_than_the_file(qtype, tmp_path):
-    """A 16-expert Mixtral GGUF runs with RAM for less than half its bytes (experts read from the
-    offload files as stored bytes) and gives the dequantized reference's greedy tokens."""
+    """A 16-expert Mixtral GGUF runs with RAM for less than half its bytes (3/4 for IQ4; experts read from the
+    offload files as stored bytes) and gives the dequantized reference's greedy tokens. IQ4_NL / IQ4_XS experts
+    are int8-g32 from their codebook values and scales (quant/gguf_experts.unpack_iq4_blocks), noted exact."""
     model = build_hf_moe_model("mixtral", **WIDE)
     path = write_moe_gguf(model, tmp_path / "wide.gguf", qtype)
-    budget = path.stat().st_size // 2
+    # (an IQ4 expert in RAM holds ~2x its stored bytes, 1.06 against 0.53 a weight: its staging needs 3/4 of the file)
+    budget = path.stat().st_size * (3 if qtype in (Q.IQ4_NL, Q.IQ4_XS) else 2) // 4
     llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", cpu_memory=budget, **EXACT_ACT,
                                  offload_dir=str(tmp_path / "off")))
     assert llm.experts.placement.count("disk") > 0
@@ -507,6 +509,8 @@ def test_quantized_moe_gguf_runs_under_a_budget_smaller_than_the_file(qtype, tmp
     assert any("experts stored as" in n for n in llm.plan.notes)
     if qtype == Q.Q6_K:
         assert any("re-quantized on load: Q6_K -> int8-g32" in n for n in llm.plan.notes)
+    if qtype in (Q.IQ4_NL, Q.IQ4_XS):
+        assert llm.plan.dtypes["experts"] == "int8-g32" and any("mapped exactly" in n for n in llm.plan.notes)
     _assert_reference_tokens(out, model, qtype)
     llm.close()
 

@@ -831,7 +831,7 @@ class GGUFCheckpoint(HandleTable):
         qtype = GGMLQuantizationType[fmt]
         if fmt not in BLOCK_FORMATS and fmt not in ("F32", "F16", "BF16"):
             raise UnsupportedModelError(f"GGUF tensor {t.name} has unsupported type {fmt}",
-                                        "re-quantize with F32/F16/BF16/Q4_0/Q4_1/Q5_x/Q8_0/Qk_K types")
+                                        "re-quantize with F32/F16/BF16/Q4_0/Q4_1/Q5_x/Q8_0/Qk_K/IQ types")
 
         def load() -> torch.Tensor:
             t = dequantize_blocks(np.asarray(data), fmt)  # torch, threaded (None: a format it leaves to gguf)

@@ -20,6 +20,10 @@ DENSE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "I16": 2, "I32"
 BLOCK_FORMATS = {
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    # llama.cpp's i-quants: IQ4_NL / IQ4_XS a 16-value non-linear codebook (kvalues_iq4nl) times a scale per 32,
+    # the others lattice codebooks (2-3 bits a weight); read through gguf's dequantization where dequantized
+    **{"IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "IQ3_XXS": (256, 98), "IQ3_S": (256, 110), "IQ2_XXS": (256, 66),
+       "IQ2_XS": (256, 74), "IQ2_S": (256, 82), "IQ1_S": (256, 50), "IQ1_M": (256, 56)},
 }
 
 

@@ -12,6 +12,12 @@ dequantizing where the mapping is exact.
     Q6_K        -> int8-g32      16 sub-blocks of 16 with int8 sub-scales: dequantized,  no: re-quantized
                                  then symmetric int8 per 32 (two sub-scales per group)  (~2^-8 of a group's max)
     Q2_K, Q3_K  -> int4 (g32)    dequantized, then min/max int4 per 32                 no: re-quantized
+    IQ4_NL      -> int8-g32      fp16 d, 4-bit index into kvalues_iq4nl (int8 values   yes, bit for bit
+                                 -127..113): code = kvalues[i], scale = d
+    IQ4_XS      -> int8-g32      as IQ4_NL, scale d (ls - 32) per 32 (ls 6-bit)        yes (the scale rounded
+                                                                                       to fp16: ~2^-12)
+    IQ1_x, IQ2_x, IQ3_x -> int4  lattice codebooks (1.6-3.4 bits a weight): dequantized  no: re-quantized
+                                 (gguf), then min/max int4 per 32
     F32/F16/BF16-> bf16          cast                                                  F32 no, F16 no, BF16 yes
     F8_E4M3     -> fp8           safetensors fp8 + 128 x 128 block scales, as stored   yes, bit for bit
     F8_E4M3     -> fp8-row       fp8 + a scale per output channel or tensor            yes (fp32 scales)
@@ -56,10 +62,12 @@ from tiered.quant.gguf_dequant import blocks_tensor
 from tiered.quant.int4 import unpack_q4_blocks
 
 GGUF_EXPERT_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8-g32", "Q4_K": "int4", "Q2_K": "int4",
-                    "Q3_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8-g32"}
+                    "Q3_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8-g32",
+                    "IQ4_NL": "int8-g32", "IQ4_XS": "int8-g32", "IQ3_XXS": "int4", "IQ3_S": "int4", "IQ2_XXS": "int4",
+                    "IQ2_XS": "int4", "IQ2_S": "int4", "IQ1_S": "int4", "IQ1_M": "int4"}
 STORED_KIND = {**GGUF_EXPERT_KIND, "F8_E4M3": "fp8", "INT4": "int4", "INT8": "int8", "MXFP4": "int8-g32"}
 # MXFP4 takes "mxfp4" instead where the handle offers its raw parts and tiered/kernels is built (stored_kind)
-EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3", "INT4", "INT8", "MXFP4")
+EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3", "INT4", "INT8", "MXFP4", "IQ4_NL", "IQ4_XS")
 # stored formats whose `load` is exact in fp32: integer codes x fp16 / bf16 scale, bitsandbytes' 4-bit table
 # value x absmax (checkpoint/bnb.py), gpt-oss's MXFP4 e2m1 value x 2^k (checkpoint/gpt_oss.py: exact in bf16 too)
 DEQUANTIZED = ("INT4", "INT8", "BNB_NF4", "BNB_FP4", "MXFP4")
@@ -131,6 +139,42 @@ def unpack_q8_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     d = b[..., 0:2].copy().view(np.float16)[..., 0]  # (N, G)
     q = b[..., 2:].copy().view(np.int8).reshape(N, -1)  # (N, K)
     return torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d))
+
+
+# llama.cpp's kvalues_iq4nl: the 16 int8 values an IQ4_NL / IQ4_XS 4-bit index picks
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+IQ4_FORMATS = ("IQ4_NL", "IQ4_XS")
+
+
+def unpack_iq4_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF IQ4_NL blocks uint8 [N, K/32 * 18] (fp16 d, qs[16]) or IQ4_XS super-blocks uint8 [N, K/256 * 136] (fp16
+    d, uint16 scales_h, scales_l[4], qs[128]) -> (q int8 [N, K], scale fp16 [N, K/32]) with w = q * scale: q the
+    codebook value IQ4_VALUES[i] of each 4-bit index (a group's 16 low nibbles are its weights 0..15, the high ones
+    16..31), the scale IQ4_NL's d as stored, IQ4_XS's d (ls - 32) per group of 32 (ls: 4 bits of scales_l and 2 of
+    scales_h) rounded to fp16 (gguf.quants.IQ4_XS computes it in fp32: within 2^-12 of it).
+
+    Raises:
+        ValueError: another format, or rows of the wrong width."""
+    if fmt not in IQ4_FORMATS:
+        raise ValueError(f"unpack_iq4_blocks: {fmt} is not an IQ4 format ({', '.join(IQ4_FORMATS)})")
+    block = 18 if fmt == "IQ4_NL" else 136
+    N = raw.shape[0]
+    if raw.ndim != 2 or raw.shape[1] % block:
+        raise ValueError(f"unpack_iq4_blocks: rows of whole {block}-byte blocks expected, got {raw.shape}")
+    b = np.ascontiguousarray(raw).reshape(-1, block)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # (blocks, 1)
+    if fmt == "IQ4_NL":
+        qs, scale = b[:, 2:], d  # (blocks, 16), one group a block
+    else:
+        sh = b[:, 2:4].copy().view(np.uint16).astype(np.int32)  # (blocks, 1)
+        sl = b[:, 4:8].astype(np.int32)  # (blocks, 4): groups 2j (low nibble), 2j + 1 (high)
+        low = np.stack([sl & 15, sl >> 4], -1).reshape(-1, 8)
+        high = (sh >> (2 * np.arange(8, dtype=np.int32))) & 3
+        scale = d * ((low | (high << 4)) - 32).astype(np.float32)  # (blocks, 8)
+        qs = b[:, 8:].reshape(-1, 16)  # (blocks * 8, 16): a group's 16 bytes
+    idx = np.concatenate([qs & 15, qs >> 4], -1)  # (groups, 32): low nibbles first
+    q = IQ4_VALUES[idx].reshape(N, -1)
+    return torch.from_numpy(q), torch.from_numpy(scale.astype(np.float16).reshape(N, -1))
 
 
 def unpack_q4k_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -208,6 +252,8 @@ def projection_segments(handle, kind: str, int4_layout: str,
                                          zr_out=out.get("zr"), inline_sz=True, inline_out=out.get("gw"))
             return {"gw": gw, "zr": zr}
         return int4_segments(*unpack_int4_blocks(handle.blocks(), handle.format), int4_layout)
+    if handle.format in IQ4_FORMATS and kind == "int8-g32":  # the codebook's int8 values and the scales per 32
+        return int8_g32_segments(*unpack_iq4_blocks(handle.blocks(), handle.format), int4_layout)
     if handle.format == "Q6_K" and kind == "int8-g32":
         ext = load() if int8_tiled(int4_layout, *handle.shape) else None
         if ext is not None:  # dequantized and re-quantized per 32 in one native pass, the same bytes

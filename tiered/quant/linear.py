@@ -219,8 +219,17 @@ class DecodeWeight:
 # the kernels or their tiles, Q8_0 falls back to per-row int8 (Int8Linear: re-quantized per row), the rest
 # to bf16. The tiled Q8_0 head of SmolLM2 (49152 x 576) took 0.72 / 0.88 / 4.67 ms at 1 / 8 / 48 rows
 # against 0.80 / 2.54 / 14.5 per row (2 AMX cores, 2026-12-05; batches on int8 activations, Plan.batch_act).
+# IQ4_NL / IQ4_XS (a 16-value codebook of int8 values times a scale per 32) become int8-g32 from their codes and
+# scales (gguf_experts.unpack_iq4_blocks: the weights exactly, IQ4_XS's scale rounded to fp16). Q2_K / Q3_K and the
+# lattice i-quants (IQ1-IQ3: 1.6-3.4 bits a weight) become int4 re-quantized per 32 from their dequantized weights
+# (0.625 bytes a weight, where bf16 copies held 2: a 70B's Q3_K_M file would have needed ~140 GB), as their experts do.
 GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8-g32",
-                    "Q5_0": "int8-g32", "Q5_1": "int8-g32", "Q5_K": "q5k", "Q6_K": "q6k"}
+                    "Q5_0": "int8-g32", "Q5_1": "int8-g32", "Q5_K": "q5k", "Q6_K": "q6k",
+                    "IQ4_NL": "int8-g32", "IQ4_XS": "int8-g32", "Q2_K": "int4", "Q3_K": "int4",
+                    **{f: "int4" for f in ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")}}
+# the GGUF types whose blocks the int4 decode copies repack as stored (the rest of GGUF_DECODE_KIND's int4 ones are
+# re-quantized from their dequantized weights)
+INT4_AS_STORED = ("Q4_0", "Q4_1", "Q4_K")
 
 
 INT4_ROWS = 16  # int4 decode copies need N % 16 == 0: the tiled layout's tiles, torch's int4pack's rows
@@ -301,8 +310,10 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     """The decode representation of `linear` under format `fmt`, or None to keep the dense module.
 
     "auto": GGUF Q4_0/Q4_1/Q4_K blocks -> int4 as stored; GGUF Q8_0 -> int8 per group of 32 as stored
-    (with tiered's kernels and their tiles; else per-row int8); GGUF Q5_x / Q6_K -> int8 per group of 32
-    (with tiered's kernels); block-scaled fp8 -> fp8 as stored (with tiered's
+    (with tiered's kernels and their tiles; else per-row int8); GGUF Q5_K / Q6_K as stored (quant/kquant, with
+    tiered's kernels), Q5_0 / Q5_1 -> int8 per group of 32 (with tiered's kernels); IQ4_NL / IQ4_XS -> int8 per
+    group of 32 from their codebook values (with tiered's kernels); Q2_K / Q3_K / IQ1-IQ3 -> int4 re-quantized per
+    32 (GGUF_DECODE_KIND); block-scaled fp8 -> fp8 as stored (with tiered's
     kernels, whole 128-row blocks); GPTQ / AWQ / compressed-tensors int4 -> int4 as stored (groups of a
     multiple of 32); their int8 -> per-row int8, as stored where symmetric per channel or tensor, else
     re-quantized per row (int8_note); others -> bf16.
@@ -324,8 +335,10 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
             return DecodeWeight("int8", *handle.int8_parts())
         if fmt == "auto":  # grouped or asymmetric: re-quantized per row (int8_note)
             return DecodeWeight("int8", *quantize_int8(weight_of(linear, handle)))
-    if fmt in ("auto", "int4") and kind == "int4":  # GGUF Q4 blocks: int4 as stored
+    if fmt in ("auto", "int4") and kind == "int4" and stored in INT4_AS_STORED:  # GGUF Q4 blocks: int4 as stored
         return DecodeWeight("int4", blocks=handle.blocks(), block_format=stored)
+    if fmt == "auto" and kind == "int4":  # Q2_K / Q3_K / the lattice i-quants: re-quantized per 32 (GGUF_DECODE_KIND)
+        return DecodeWeight("int4", *quantize_int4(weight_of(linear, handle)))
     if fmt == "auto" and kind == "fp8":  # as stored
         from tiered.quant.fp8 import kernel_scales
 
@@ -340,11 +353,16 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
         kind = "int8-g32"  # (copy_kind's rule)
     if fmt in ("auto", "int8") and kind == "int8-g32":  # Q8_0 as stored, the rest re-quantized per group of 32, tiled
         from tiered.kernels import load
-        from tiered.quant.gguf_experts import raw_blocks
+        from tiered.quant.gguf_experts import IQ4_FORMATS, raw_blocks, unpack_iq4_blocks
         from tiered.quant.int8 import tiled_int8_g32
 
         if stored == "Q8_0":  # the blocks' codes and scales, bit for bit (one native pass)
             return DecodeWeight("int8-g32", *load().q8_blocks_tiled(raw_blocks(handle)))
+        if stored in IQ4_FORMATS:  # the codebook's int8 values and the scales per 32
+            from tiered.kernels.linear import tiled_group_scales, tiled_int8
+
+            q, scale = unpack_iq4_blocks(handle.blocks(), stored)
+            return DecodeWeight("int8-g32", tiled_int8(q), tiled_group_scales(scale))
         if stored == "Q6_K":  # one native pass, the same bytes as below (auto_kind: the extension is there);
             # not written into host_empty's huge pages as the int4 copies are: faulting them inside this
             # pass loaded the 8-layer Q4_K_M model 0.3-0.6 s slower than move_to_huge_pages' copy
@@ -484,8 +502,8 @@ def decode_mix(checkpoint, fmt: str) -> dict[str, float] | None:
 def head_precision(checkpoint, fmt: str) -> str:
     """The lm_head's decode-copy precision under format `fmt` (for the planner), as
     install_decode_weights makes it: the head's (the token embedding's when tied) `copy_kind`; for
-    "auto" by its storage format: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0, Q5_x and Q6_K -> int8-g32,
-    anything else -> bf16. A
+    "auto" by its storage format (GGUF_DECODE_KIND: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 / Q5_0 / Q5_1 / IQ4 ->
+    int8-g32, Q5_K / Q6_K as stored, ...), anything else -> bf16. A
     GGUF Q4 file often stores its embedding as Q8_0, so its head reads twice the bytes per weight
     of its layers (SmolLM2's Q4_1 file: a 30 MB int8-g32 head beside ~70 MB of int4 layers)."""
     if fmt in ("fp32", "bf16"):
