@@ -575,6 +575,22 @@ def test_iq4_blocks_unpack_to_ggufs_weights(qtype):
         unpack_iq4_blocks(raw[:, :-1], qtype)
 
 
+def test_threaded_dequantization_is_the_packages():
+    """gguf_dequant.dequantize_rows_threaded: the rows in chunks on a thread pool give gguf.quants.dequantize's
+    values exactly (any row count, more threads than chunks of 16 rows); a tensor that is not 2-D is refused."""
+    from gguf_writer import random_blocks
+    from tiered.quant.gguf_dequant import dequantize_rows_threaded
+
+    for qt in (Q.IQ3_XXS, Q.Q3_K, Q.IQ4_NL):
+        raw = random_blocks(37, 512, qt, seed=5)
+        ref = dequantize(raw, qt).reshape(37, 512)
+        for threads in (1, 2, 3, 8):
+            got = dequantize_rows_threaded(raw, qt, threads)
+            assert got.dtype == np.float32 and np.array_equal(got, ref), (qt, threads)
+    with pytest.raises(ValueError, match="rows"):
+        dequantize_rows_threaded(raw.reshape(-1), Q.IQ4_NL)
+
+
 @pytest.mark.parametrize("qtype", ["Q3_K", "Q2_K", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S"])
 def test_low_bit_types_take_int4_copies(tmp_path, qtype):
     """A Q2_K / Q3_K / lattice i-quant projection loads (through gguf's dequantization) and takes an int4 decode copy

@@ -808,7 +808,7 @@ class GGUFCheckpoint(HandleTable):
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        from tiered.quant.gguf_dequant import dequantize_blocks
+        from tiered.quant.gguf_dequant import dequantize_blocks, dequantize_rows_threaded
 
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists ne0 first
         data, offset, nbytes = t.data, int(t.data_offset), int(t.n_bytes)  # numpy memmap
@@ -838,6 +838,11 @@ class GGUFCheckpoint(HandleTable):
             if t is not None:
                 t = t.reshape(shape)
                 return (t[torch.from_numpy(perm)] if perm is not None else t).contiguous()
+            if fmt in BLOCK_FORMATS and len(shape) > 1:  # rows on a thread pool (the package's numpy code: ~40-60 M
+                # weights a second a thread for the i-quants); a new fp32 array of its own
+                arr = dequantize_rows_threaded(np.asarray(data).reshape(int(np.prod(shape[:-1])), -1), qtype)
+                arr = arr.reshape(shape)
+                return torch.from_numpy(arr[perm] if perm is not None else arr)
             arr = dequantize(np.asarray(data), qtype).reshape(shape)
             if perm is not None:
                 arr = arr[perm]
