@@ -165,9 +165,7 @@ def test_int8_decode_weights_are_int8_per_group_of_32(zoo, qtype):
     where tiered's kernels take the shape: a Q8_0 file's blocks as stored (the very codes and scales "auto"
     keeps), other weights re-quantized per 32. Per-row int8 (Int8Linear) without the kernels. The plan's
     precision is the copies' (quant/linear.copy_kind), and decode steps stay close to fp32."""
-    from fixtures import stepwise_logits
     from tiered import kernels
-    from tiered.eval.kl import kl_divergence
     from tiered.quant.int8 import Int8G32Linear, Int8Linear
 
     path = zoo.gguf("llama", qtype)
@@ -220,9 +218,7 @@ def test_quantized_decode_path_on_gguf(zoo, qtype):
     (Q8_0: its blocks as int8-g32 where tiered's kernels are built, else per-row int8), close to fp32
     decoding. The decode copies are a CPU kernel choice: with an accelerator (CUDA, or the stand-in that
     takes CUDA's decisions) none are installed."""
-    from fixtures import stepwise_logits
     from tiered import kernels
-    from tiered.eval.kl import kl_divergence
     from tiered.quant.int8 import Int8G32Linear, Int8Linear
 
     path = zoo.gguf("llama", qtype)
@@ -487,9 +483,7 @@ def test_k_quant_decode_copies(zoo, qtype):
     their blocks (scale d*sc and zero 8*scale - dmin*m per group of 32, rounded to bf16: no
     re-quantization); Q5_K and Q6_K ones from their own codes and scales (Q5KLinear, Q6KLinear, with tiered's
     kernels; bf16 copies without); all close to the same file dequantized to fp32."""
-    from fixtures import stepwise_logits
     from tiered import kernels
-    from tiered.eval.kl import kl_divergence
     from tiered.quant.kquant import LINEAR_OF_KIND, KIND_OF_FORMAT
     from tiered.quant.linear import decode_precision
 
@@ -501,20 +495,29 @@ def test_k_quant_decode_copies(zoo, qtype):
     # every projection and the head: qkv, o, gate_up, down in each of 2 layers, + 1
     cls = Int4Linear if qtype == "Q4_K" else LINEAR_OF_KIND[stored]
     assert sum(isinstance(m, cls) for m in auto.model.modules()) == (2 * 4 + 1 if kind != "bf16" else 0)
-    fp32 = zoo.llm(path, accelerator="none")
-    ids = prompt_ids(zoo.vocab_size, 24)
-    ref = fp32.logits(ids)[7:]
-    got = stepwise_logits(auto, ids, 8)
     # measured on this model (sharp logits: initializer_range 0.1), the 8-token prompt's rows on the default
     # int8 activations (Plan.batch_act "q8", llama.cpp's Q8_0 rounding), 2026-12-05: max KL 1.8e-3 (Q4_K),
     # 6.2e-3 (Q6_K as int8-g32: its weights' error is as small as the activations' rounding, which then
     # doubles it); on int16 activations ("bf16": batch-1 numerics) 3.7e-4 / 2.2e-3. Earlier: Q6_K 6e-4 as
     # bf16 copies, 3.9e-3 as per-row int8 (the default int4 SmolLM2: 5e-3). Q6_K as stored (q6k: the file's
     # weights exactly, the activations' rounding alone; 2026-12-07): 1.8e-3 on q8 rows, 1.6e-4 on int16
-    assert float(kl_divergence(ref, got).max()) < (1e-2 if kind == "bf16" else 5e-3)
+    _assert_copies_track_the_fp32_file(zoo, path, auto, kind == "bf16")
+
+
+def _assert_copies_track_the_fp32_file(zoo, path, auto, bf16: bool) -> None:
+    """`auto`'s stepwise logits (the decode copies, on the default q8 rows and on int16 ones) and its prefill within
+    the copies' bounds of the same file dequantized to fp32 (`bf16`: the copies are bf16, without tiered's kernels)."""
+    from fixtures import stepwise_logits
+    from tiered.eval.kl import kl_divergence
+
+    fp32 = zoo.llm(path, accelerator="none")
+    ids = prompt_ids(zoo.vocab_size, 24)
+    ref = fp32.logits(ids)[7:]
+    got = stepwise_logits(auto, ids, 8)
+    assert float(kl_divergence(ref, got).max()) < (1e-2 if bf16 else 5e-3)
     assert rel_err(got, ref) < 8e-2
     exact = stepwise_logits(zoo.llm(path, decode_weights="auto", accelerator="none", batch_activations="bf16"), ids, 8)
-    assert float(kl_divergence(ref, exact).max()) < (3e-3 if kind == "bf16" else 1e-3)
+    assert float(kl_divergence(ref, exact).max()) < (3e-3 if bf16 else 1e-3)
     assert rel_err(fp32.logits(ids), auto.logits(ids)) < 8e-2  # prefill through the copies' dense paths (q8 rows)
 
 
@@ -524,9 +527,7 @@ def test_iq4_decode_copies(zoo, qtype):
     decode ("auto") as int8-g32 from their codebook values and scales (exactly: q * s is the file's weight, IQ4_XS's
     scale rounded to fp16) with tiered's kernels, bf16 without; the logits close to the same file dequantized to
     fp32, as the k-quant copies' (test_k_quant_decode_copies). They had been refused at load ("unsupported type")."""
-    from fixtures import stepwise_logits
     from tiered import kernels
-    from tiered.eval.kl import kl_divergence
     from tiered.quant.int8 import Int8G32Linear
     from tiered.quant.linear import decode_precision
 
@@ -540,16 +541,9 @@ def test_iq4_decode_copies(zoo, qtype):
         h = auto.checkpoint.handle("model.layers.0.mlp.down_proj.weight")
         down = auto.model.model.layers[0].mlp.down_proj.decode
         assert torch.allclose(down.dequantize(), h.load(), rtol=2 ** -10, atol=0)  # the weights, to the fp16 scale
-    fp32 = zoo.llm(path, accelerator="none")
-    ids = prompt_ids(zoo.vocab_size, 24)
-    ref = fp32.logits(ids)[7:]
-    got = stepwise_logits(auto, ids, 8)
     # measured (2026-12-07): max KL 2.8e-3 (IQ4_NL) / 1.2e-3 (IQ4_XS) on the default q8 rows, 1.5e-4 / 1.1e-4 on
     # int16 ones: the weights exact, the activations' rounding alone (as the k-quants as stored)
-    assert float(kl_divergence(ref, got).max()) < (1e-2 if kind == "bf16" else 5e-3)
-    assert rel_err(got, ref) < 8e-2
-    exact = stepwise_logits(zoo.llm(path, decode_weights="auto", accelerator="none", batch_activations="bf16"), ids, 8)
-    assert float(kl_divergence(ref, exact).max()) < (3e-3 if kind == "bf16" else 1e-3)
+    _assert_copies_track_the_fp32_file(zoo, path, auto, kind == "bf16")
 
 
 @pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
