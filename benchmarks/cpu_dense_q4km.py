@@ -18,7 +18,9 @@ Usage:
     .venv/bin/python benchmarks/cpu_dense_q4km.py                 # 8 layers (~1.3 GB file)
     .venv/bin/python benchmarks/cpu_dense_q4km.py --layers 2 --quick --out /tmp/q4km
     .venv/bin/python benchmarks/cpu_dense_q4km.py --mix Q5_K_M    # llama.cpp's Q5_K_M mix of the same widths
-Results: benchmarks/results/cpu_dense_q4km.json and .md (cpu_dense_q5km.* for Q5_K_M). The GGUF is cached under
+    .venv/bin/python benchmarks/cpu_dense_q4km.py --mix IQ4_XS    # IQ4_XS (the output Q6_K): tiered's int8-g32 copies
+Results: benchmarks/results/cpu_dense_q4km.json and .md (cpu_dense_q5km.* for Q5_K_M, cpu_dense_iq4xs.* for IQ4_XS).
+The GGUF is cached under
 ~/.cache/tiered/bench/ (written once).
 """
 

@@ -86,6 +86,36 @@ def test_dummy_q5_k_m_gguf_takes_its_blocks_as_stored(tmp_path):
     llm.close()
 
 
+def test_dummy_iq4_xs_gguf_takes_int8_g32_copies_of_its_weights(tmp_path):
+    """The IQ4_XS mix (benchmarks/cpu_dense_q4km.py --mix IQ4_XS): IQ4_XS but for the output's Q6_K, its groups' scales
+    8 d over uniform codebook indices (weights of std ~0.02); tiered decodes the IQ4_XS tensors as int8-g32 from their
+    codebook values (quant/gguf_experts.unpack_iq4_blocks), its head as q6k."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    from tiered.quant.int8 import Int8G32Linear
+
+    shape = DenseShape(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64, vocab=512)
+    path = write_dummy_dense_gguf(tmp_path / "tiny.gguf", shape, mix="IQ4_XS")
+    r = GGUFReader(str(path))
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert types["blk.1.ffn_down.weight"] == types["token_embd.weight"] == "IQ4_XS" and types["output.weight"] == "Q6_K"
+    assert int(r.fields["general.file_type"].contents()) == 30  # LLAMA_FTYPE_MOSTLY_IQ4_XS
+    t = next(t for t in r.tensors if t.name == "blk.0.ffn_up.weight")
+    assert 0.01 < float(np.std(dequantize(t.data, Q.IQ4_XS))) < 0.04
+    llm = LLM(path, EngineConfig(max_context=64, accelerator="none"))
+    if kernels.available():
+        from tiered.quant.linear import decode_precision
+
+        assert decode_precision(llm.checkpoint, "auto") == "int8-g32" and llm.plan.precision_mix is None
+        assert llm.plan.dtypes.get("lm_head") == "q6k"
+        assert sum(isinstance(m, Int8G32Linear) for m in llm.model.modules()) == 2 * 4
+    out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and all(0 <= t < 512 for t in out.token_ids)
+    llm.close()
+
+
 def test_dummy_gemma3_gguf_loads_and_decodes_in_the_native_step(tmp_path):
     """benchmarks/cpu_gemma3.py's file at tiny widths: a "gemma3" GGUF (Q4_0 projections, the tied embedding Q6_K,
     the sandwich norms' names) read as Gemma 3 with llama.cpp's every-6th rule, decoded by the native step."""

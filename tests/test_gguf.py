@@ -549,7 +549,8 @@ def test_iq4_decode_copies(zoo, qtype):
 @pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
 def test_iq4_blocks_unpack_to_ggufs_weights(qtype):
     """unpack_iq4_blocks: q * scale is gguf.quants.dequantize's weight (IQ4_NL exactly; IQ4_XS with its scale per 32
-    rounded to fp16), q the codebook's int8 values; other formats and ragged rows are refused."""
+    rounded to fp16), q the codebook's int8 values; the native pass (iq4_blocks_tiled) gives those tiled, bit for bit;
+    other formats and ragged rows are refused."""
     from gguf_writer import random_blocks
     from tiered.quant.gguf_experts import IQ4_VALUES, unpack_iq4_blocks
 
@@ -563,6 +564,15 @@ def test_iq4_blocks_unpack_to_ggufs_weights(qtype):
         assert torch.equal(w, ref)
     else:
         assert torch.allclose(w, ref, rtol=2 ** -11, atol=0)
+    from tiered.kernels import load
+    from tiered.kernels.linear import tiled_group_scales, tiled_int8
+
+    ext = load()
+    if ext is not None:  # the native pass: the same tiled bytes
+        qt, st = ext.iq4_blocks_tiled(torch.from_numpy(raw), qtype == "IQ4_XS")
+        assert torch.equal(qt, tiled_int8(q)) and torch.equal(st, tiled_group_scales(scale))
+        with pytest.raises(RuntimeError, match="N % 16"):
+            ext.iq4_blocks_tiled(torch.from_numpy(raw[:8]), qtype == "IQ4_XS")
     with pytest.raises(ValueError, match="not an IQ4"):
         unpack_iq4_blocks(raw, "Q4_0")
     with pytest.raises(ValueError, match="whole"):

@@ -26,11 +26,12 @@ import numpy as np
 
 from tiered.bench.gguf_moe import _STD, add_tokenizer, read_tokenizer, write_tensors
 
-K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per super-block of 256 weights
-# std of w / d: 8 (q - 7.5), q in 0..15; 8 (q - 15.5), q in 0..31; 8 (q - 32), q in 0..63
-_K_CODE_STD = {"Q4_K": 8 * 4.61, "Q5_K": 8 * 9.23, "Q6_K": 8 * 18.47}
+K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}  # bytes per super-block of 256 weights
+# std of w / d: 8 (q - 7.5), q in 0..15; 8 (q - 15.5), q in 0..31; 8 (q - 32), q in 0..63; IQ4_XS: 8 v, v a uniform
+# draw of kvalues_iq4nl's 16 values (std 67.2)
+_K_CODE_STD = {"Q4_K": 8 * 4.61, "Q5_K": 8 * 9.23, "Q6_K": 8 * 18.47, "IQ4_XS": 8 * 67.2}
 # llama.cpp's file types (LLAMA_FTYPE_MOSTLY_*) and main block type of the mixes write_dummy_dense_gguf writes
-MIXES = {"Q4_K_M": (15, "Q4_K"), "Q5_K_M": (17, "Q5_K")}
+MIXES = {"Q4_K_M": (15, "Q4_K"), "Q5_K_M": (17, "Q5_K"), "IQ4_XS": (30, "IQ4_XS")}
 
 
 @dataclass(frozen=True)
@@ -57,14 +58,14 @@ def llama3_8b(layers: int = 8) -> DenseShape:
 
 
 def random_k_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, std: float) -> np.ndarray:
-    """uint8 [rows, cols / 256 * block bytes]: random Q4_K / Q5_K / Q6_K super-blocks of centred weights
-    with about `std` (module docstring).
+    """uint8 [rows, cols / 256 * block bytes]: random Q4_K / Q5_K / Q6_K / IQ4_XS super-blocks of centred weights
+    with about `std` (module docstring; IQ4_XS: uniform codebook indices, every group's scale 8 d).
 
     Raises:
         ValueError: another block type, or cols not a multiple of 256.
     """
     if qtype not in K_BLOCK_BYTES or cols % 256:
-        raise ValueError(f"random_k_blocks: {qtype} with {cols} columns (Q4_K / Q5_K / Q6_K, a multiple of 256)")
+        raise ValueError(f"random_k_blocks: {qtype} with {cols} columns (Q4_K / Q5_K / Q6_K / IQ4_XS, a multiple of 256)")
     nb, bs = cols // 256, K_BLOCK_BYTES[qtype]
     b = np.frombuffer(rng.bytes(rows * nb * bs), np.uint8).reshape(rows, nb, bs).copy()
     d = (std / _K_CODE_STD[qtype] * rng.uniform(0.5, 1.5, (rows, nb, 1))).astype(np.float16)
@@ -74,6 +75,9 @@ def random_k_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, 
         # sub-blocks 0-3: sc = scales[j] & 63, m = scales[j + 4] & 63; 4-7: the low nibbles of
         # scales[j + 4] and the top bits of scales[j - 4] / scales[j] (zero here): sc = m = 8
         b[..., 4:8], b[..., 8:12], b[..., 12:16] = 8, 8, 8 | (8 << 4)
+    elif qtype == "IQ4_XS":  # d (fp16), scales_h (uint16), scales_l[4], qs[128]: every group's ls 40 (ls - 32 = 8)
+        b[..., 0:2] = d.view(np.uint8)
+        b[..., 2:4], b[..., 4:8] = 0xAA, 0x88  # the 2 high bits (2) and 4 low bits (8) of each group's ls
     else:  # ql[128], qh[64], scales[16] (int8), d (fp16)
         b[..., 192:208] = 8
         b[..., 208:210] = d.view(np.uint8)
@@ -82,7 +86,9 @@ def random_k_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, 
 
 def q4_k_m_type(name: str, layer: int, layers: int, main: str = "Q4_K") -> str:
     """The block type llama.cpp's Q4_K_M (Q5_K_M: `main` "Q5_K") gives a tensor (llama_tensor_get_type,
-    use_more_bits)."""
+    use_more_bits); the IQ4_XS mix (`main` "IQ4_XS"): IQ4_XS but for the output matrix's Q6_K."""
+    if main == "IQ4_XS":
+        return "Q6_K" if name == "output.weight" else main
     more = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
     if name == "output.weight" or (name.split(".")[-2] in ("attn_v", "ffn_down") and more):
         return "Q6_K"

@@ -253,6 +253,10 @@ def projection_segments(handle, kind: str, int4_layout: str,
             return {"gw": gw, "zr": zr}
         return int4_segments(*unpack_int4_blocks(handle.blocks(), handle.format), int4_layout)
     if handle.format in IQ4_FORMATS and kind == "int8-g32":  # the codebook's int8 values and the scales per 32
+        ext = load() if int8_tiled(int4_layout, *handle.shape) else None
+        if ext is not None:  # the same bytes in one native pass
+            qt, st = ext.iq4_blocks_tiled(raw_blocks(handle), handle.format == "IQ4_XS", out.get("qt"), out.get("st"))
+            return {"qt": qt, "st": st}
         return int8_g32_segments(*unpack_iq4_blocks(handle.blocks(), handle.format), int4_layout)
     if handle.format == "Q6_K" and kind == "int8-g32":
         ext = load() if int8_tiled(int4_layout, *handle.shape) else None

@@ -353,16 +353,13 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
         kind = "int8-g32"  # (copy_kind's rule)
     if fmt in ("auto", "int8") and kind == "int8-g32":  # Q8_0 as stored, the rest re-quantized per group of 32, tiled
         from tiered.kernels import load
-        from tiered.quant.gguf_experts import IQ4_FORMATS, raw_blocks, unpack_iq4_blocks
+        from tiered.quant.gguf_experts import IQ4_FORMATS, raw_blocks
         from tiered.quant.int8 import tiled_int8_g32
 
         if stored == "Q8_0":  # the blocks' codes and scales, bit for bit (one native pass)
             return DecodeWeight("int8-g32", *load().q8_blocks_tiled(raw_blocks(handle)))
-        if stored in IQ4_FORMATS:  # the codebook's int8 values and the scales per 32
-            from tiered.kernels.linear import tiled_group_scales, tiled_int8
-
-            q, scale = unpack_iq4_blocks(handle.blocks(), stored)
-            return DecodeWeight("int8-g32", tiled_int8(q), tiled_group_scales(scale))
+        if stored in IQ4_FORMATS:  # the codebook's int8 values and the scales per 32 (one native pass)
+            return DecodeWeight("int8-g32", *load().iq4_blocks_tiled(raw_blocks(handle), stored == "IQ4_XS"))
         if stored == "Q6_K":  # one native pass, the same bytes as below (auto_kind: the extension is there);
             # not written into host_empty's huge pages as the int4 copies are: faulting them inside this
             # pass loaded the 8-layer Q4_K_M model 0.3-0.6 s slower than move_to_huge_pages' copy

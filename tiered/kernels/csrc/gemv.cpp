@@ -4162,6 +4162,58 @@ std::vector<at::Tensor> q8_blocks_tiled(const at::Tensor& raw0, const c10::optio
   return {qt, st};
 }
 
+// GGUF IQ4_NL blocks (fp16 d, qs[16]: 32 4-bit indices into kvalues_iq4nl) or IQ4_XS super-blocks (fp16 d, uint16
+// scales_h, scales_l[4], qs[128]: 8 groups of 32, each scale d (ls - 32) with ls = 4 bits of scales_l and 2 of
+// scales_h) -> int8-g32 in the tiled int8 layout (as q8_blocks_tiled): q = the index's codebook value, exactly;
+// the scale per group d (IQ4_NL's bits as stored) or fp32 d (ls - 32) rounded to fp16 (nearest even): the bytes of
+// quant/gguf_experts.unpack_iq4_blocks then kernels/linear.tiled_int8 / tiled_group_scales (~30x their numpy time:
+// 1.35 s for a 4096 x 14336 weight there). A group's 16 qs bytes hold its weights 0..15 in their low nibbles, 16..31
+// in their high ones (gguf's IQ4_NL / IQ4_XS.dequantize_blocks).
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+std::vector<at::Tensor> iq4_blocks_tiled(const at::Tensor& raw0, bool xs, const c10::optional<at::Tensor>& qt_out,
+                                         const c10::optional<at::Tensor>& st_out) {
+  const int64_t block = xs ? 136 : 18, per = xs ? 256 : kGroup;
+  const BlockRows br = checked_blocks(raw0, block, per, "iq4_blocks_tiled");
+  const int64_t N = br.N, G = br.G, K = br.K;
+  auto [qt, st] = tiled_int8_outputs(br, qt_out, st_out, "iq4_blocks_tiled");
+  const uint8_t* src = br.raw.data_ptr<uint8_t>();
+  uint8_t* dst = qt.data_ptr<uint8_t>();
+  at::Half* stp = st.data_ptr<at::Half>();
+  uint8_t lut[16];  // the codebook value + 128: the tiled layout's unsigned byte
+  for (int i = 0; i < 16; ++i) lut[i] = uint8_t(kIq4Values[i] + 128);
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t r = 0; r < kBlock; ++r) {
+        const uint8_t* row = src + (t * kBlock + r) * (K / per) * block;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* b = row + (g * kGroup / per) * block;  // the group's block (IQ4_XS: its super-block)
+          uint16_t d;
+          std::memcpy(&d, b, 2);
+          const uint8_t* qs = b + 2;
+          if (xs) {
+            const int i = int(g % 8);
+            uint16_t sh;
+            std::memcpy(&sh, b + 2, 2);
+            const int ls = ((b[4 + i / 2] >> (4 * (i % 2))) & 15) | (((sh >> (2 * i)) & 3) << 4);
+            stp[(t * G + g) * kBlock + r] = at::Half(half_to_float(d) * float(ls - 32));
+            qs = b + 8 + 16 * i;
+          } else {
+            std::memcpy(stp + (t * G + g) * kBlock + r, &d, 2);
+          }
+          for (int c = 0; c < 8; ++c) {  // the group's 8 chunks of 4 columns
+            uint8_t* out = dst + t * kBlock * K + (8 * g + c) * 64 + 4 * r;
+            for (int j = 0; j < 4; ++j) {
+              const int l = 4 * c + j;
+              out[j] = lut[l < 16 ? qs[l] & 15 : qs[l - 16] >> 4];
+            }
+          }
+        }
+      }
+  });
+  return {qt, st};
+}
+
 // GGUF Q6_K super-blocks (ql[128] low nibbles, qh[64] high 2 bits, int8 scales[16], fp16 d: w = d sc (q -
 // 32) per 16 weights) -> int8-g32 in the tiled int8 layout (as q8_blocks_tiled): each group of 32 weights
 // dequantized with gguf's arithmetic (fp32 d * sc, then * (q - 32)) and re-quantized symmetric, s = max |w|
@@ -5821,6 +5873,12 @@ void register_gemv(pybind11::module& m) {
   m.def("q8_rows_int8", &q8_rows_int8, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
         "GGUF Q8_0 blocks uint8 [N, K/32 * 34] -> (q int8 [N, K], scale float32 [N]): per-row int8 of the dequantized "
         "rows, bit for bit quant/int8.quantize_int8's.");
+  m.def("iq4_blocks_tiled", &iq4_blocks_tiled, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
+        py::arg("xs"), py::arg("qt_out") = py::none(), py::arg("st_out") = py::none(),
+        "GGUF IQ4_NL blocks uint8 [N, K/32 * 18] (xs False) or IQ4_XS super-blocks uint8 [N, K/256 * 136] (xs True), N % "
+        "16 == 0 -> int8-g32 in the tiled int8 layout (qt uint8 [N, K], st float16 [N/16, K/32, 16]): q the codebook's "
+        "int8 values exactly, the scale per 32 IQ4_NL's d or IQ4_XS's d (ls - 32) rounded to float16. qt_out, st_out: "
+        "write into these instead of new tensors.");
   m.def("q8_blocks_tiled", &q8_blocks_tiled, py::call_guard<py::gil_scoped_release>(), py::arg("raw"), py::arg("qt_out") = py::none(), py::arg("st_out") = py::none(),
         "GGUF Q8_0 blocks uint8 [N, K/32 * 34] -> (qt uint8 [N, K] in the tiled int8 layout, st float16 [N/16, K/32, 16]): "
         "quant/gguf_experts.unpack_q8_blocks then quant/experts.int8_g32_segments(layout='tiled'), bit for bit. *_out: "
