@@ -86,15 +86,15 @@ def test_dummy_q5_k_m_gguf_takes_its_blocks_as_stored(tmp_path):
     llm.close()
 
 
-def test_dummy_iq4_xs_gguf_takes_int8_g32_copies_of_its_weights(tmp_path):
+def test_dummy_iq4_xs_gguf_takes_its_blocks_as_stored(tmp_path):
     """The IQ4_XS mix (benchmarks/cpu_dense_q4km.py --mix IQ4_XS): IQ4_XS but for the output's Q6_K, its groups' scales
-    8 d over uniform codebook indices (weights of std ~0.02); tiered decodes the IQ4_XS tensors as int8-g32 from their
-    codebook values (quant/gguf_experts.unpack_iq4_blocks), its head as q6k."""
+    8 d over uniform codebook indices (weights of std ~0.02); tiered decodes the IQ4_XS tensors as stored
+    (quant/kquant.IQ4XSLinear), its head as q6k."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
 
-    from tiered.quant.int8 import Int8G32Linear
+    from tiered.quant.kquant import IQ4XSLinear
 
     shape = DenseShape(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, head_dim=64, vocab=512)
     path = write_dummy_dense_gguf(tmp_path / "tiny.gguf", shape, mix="IQ4_XS")
@@ -108,9 +108,9 @@ def test_dummy_iq4_xs_gguf_takes_int8_g32_copies_of_its_weights(tmp_path):
     if kernels.available():
         from tiered.quant.linear import decode_precision
 
-        assert decode_precision(llm.checkpoint, "auto") == "int8-g32" and llm.plan.precision_mix is None
+        assert decode_precision(llm.checkpoint, "auto") == "iq4xs" and llm.plan.precision_mix is None
         assert llm.plan.dtypes.get("lm_head") == "q6k"
-        assert sum(isinstance(m, Int8G32Linear) for m in llm.model.modules()) == 2 * 4
+        assert sum(isinstance(m, IQ4XSLinear) for m in llm.model.modules()) == 2 * 4
     out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8 and all(0 <= t < 512 for t in out.token_ids)
     llm.close()

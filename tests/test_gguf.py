@@ -165,7 +165,9 @@ def test_int8_decode_weights_are_int8_per_group_of_32(zoo, qtype):
     where tiered's kernels take the shape: a Q8_0 file's blocks as stored (the very codes and scales "auto"
     keeps), other weights re-quantized per 32. Per-row int8 (Int8Linear) without the kernels. The plan's
     precision is the copies' (quant/linear.copy_kind), and decode steps stay close to fp32."""
+    from fixtures import stepwise_logits
     from tiered import kernels
+    from tiered.eval.kl import kl_divergence
     from tiered.quant.int8 import Int8G32Linear, Int8Linear
 
     path = zoo.gguf("llama", qtype)
@@ -218,7 +220,9 @@ def test_quantized_decode_path_on_gguf(zoo, qtype):
     (Q8_0: its blocks as int8-g32 where tiered's kernels are built, else per-row int8), close to fp32
     decoding. The decode copies are a CPU kernel choice: with an accelerator (CUDA, or the stand-in that
     takes CUDA's decisions) none are installed."""
+    from fixtures import stepwise_logits
     from tiered import kernels
+    from tiered.eval.kl import kl_divergence
     from tiered.quant.int8 import Int8G32Linear, Int8Linear
 
     path = zoo.gguf("llama", qtype)
@@ -524,23 +528,25 @@ def _assert_copies_track_the_fp32_file(zoo, path, auto, bf16: bool) -> None:
 @pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
 def test_iq4_decode_copies(zoo, qtype):
     """An IQ4_NL / IQ4_XS file (llama.cpp's 16-value codebook times a scale per 32) loads, and its projections
-    decode ("auto") as int8-g32 from their codebook values and scales (exactly: q * s is the file's weight, IQ4_XS's
-    scale rounded to fp16) with tiered's kernels, bf16 without; the logits close to the same file dequantized to
-    fp32, as the k-quant copies' (test_k_quant_decode_copies). They had been refused at load ("unsupported type")."""
+    decode ("auto") with tiered's kernels as IQ4_XS's indices and scales as stored (quant/kquant.IQ4XSLinear: the
+    file's weights exactly) or IQ4_NL's int8-g32 copies of its codebook values and scales (exactly too), bf16 without
+    the kernels; the logits close to the same file dequantized to fp32, as the k-quant copies'
+    (test_k_quant_decode_copies). They had been refused at load ("unsupported type")."""
     from tiered import kernels
     from tiered.quant.int8 import Int8G32Linear
+    from tiered.quant.kquant import IQ4XSLinear
     from tiered.quant.linear import decode_precision
 
     path = zoo.gguf("llama_wide", qtype)
     auto = zoo.llm(path, decode_weights="auto", accelerator="none")
-    kind = "int8-g32" if kernels.available() else "bf16"
+    kind = ("iq4xs" if qtype == "IQ4_XS" else "int8-g32") if kernels.available() else "bf16"
     assert decode_precision(auto.checkpoint, "auto") == kind
     if kind != "bf16":  # every projection of the 2 layers (qkv, o, gate_up, down) and the head
-        mods = [m for m in auto.model.modules() if isinstance(m, Int8G32Linear)]
-        assert len(mods) == 2 * 4 + 1
+        cls = IQ4XSLinear if kind == "iq4xs" else Int8G32Linear
+        assert sum(isinstance(m, cls) for m in auto.model.modules()) == 2 * 4 + 1
         h = auto.checkpoint.handle("model.layers.0.mlp.down_proj.weight")
         down = auto.model.model.layers[0].mlp.down_proj.decode
-        assert torch.allclose(down.dequantize(), h.load(), rtol=2 ** -10, atol=0)  # the weights, to the fp16 scale
+        assert torch.equal(down.dequantize(), h.load())  # the file's weights, exactly
     # measured (2026-12-07): max KL 2.8e-3 (IQ4_NL) / 1.2e-3 (IQ4_XS) on the default q8 rows, 1.5e-4 / 1.1e-4 on
     # int16 ones: the weights exact, the activations' rounding alone (as the k-quants as stored)
     _assert_copies_track_the_fp32_file(zoo, path, auto, kind == "bf16")

@@ -20,15 +20,16 @@ from gguf.quants import dequantize
 from tiered.kernels import load
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gguf_writer import quantize_q5_k, quantize_q6_k, random_k_blocks  # noqa: E402
+from gguf_writer import quantize_iq4_xs, quantize_q5_k, quantize_q6_k, random_blocks, random_k_blocks  # noqa: E402
 
 ext = load()
 pytestmark = pytest.mark.skipif(ext is None, reason="native extension unavailable (tiered.kernels.load() is None)")
 ORDER = ["scalar", "avx2", "avx512"]
 ISAS = ORDER[:ORDER.index(ext.best_gemv_isa()) + 1] if ext is not None else []
-KINDS = {"q6k": Q.Q6_K, "q5k": Q.Q5_K}
-QUANTIZE = {"q6k": quantize_q6_k, "q5k": quantize_q5_k}
-SHAPES = {"q6k": ((3, 24, 384), (3, 48, 16), (3, 3, 16)), "q5k": ((3, 24, 320), (3, 24, 2, 16), (3, 3, 2, 16))}
+KINDS = {"q6k": Q.Q6_K, "q5k": Q.Q5_K, "iq4xs": Q.IQ4_XS}
+QUANTIZE = {"q6k": quantize_q6_k, "q5k": quantize_q5_k, "iq4xs": quantize_iq4_xs}
+SHAPES = {"q6k": ((3, 24, 384), (3, 48, 16), (3, 3, 16)), "q5k": ((3, 24, 320), (3, 24, 2, 16), (3, 3, 2, 16)),
+          "iq4xs": ((3, 24, 256), (3, 24, 16), (3, 3, 16))}
 
 
 @pytest.fixture(params=ISAS)
@@ -40,6 +41,8 @@ def isa(request):
 
 def blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """Random blocks: every code and scale byte random (Q6_K's negative scales too), the fp16 scales small, finite."""
+    if kind == "iq4xs":
+        return random_blocks(rows, cols, KINDS[kind], seed=seed)
     return random_k_blocks(rows, cols, KINDS[kind], seed=seed)
 
 
@@ -48,7 +51,9 @@ def reference(kind: str, raw: np.ndarray) -> torch.Tensor:
 
 
 def pack(kind: str, raw: np.ndarray):
-    return getattr(ext, f"{kind}_blocks_{kind[:2]}t")(torch.from_numpy(raw))
+    from tiered.quant.kquant import LINEAR_OF_KIND
+
+    return getattr(ext, LINEAR_OF_KIND[kind].PACK)(torch.from_numpy(raw))
 
 
 def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -79,8 +84,8 @@ def test_layout_holds_the_files_codes_and_scales_bit_for_bit(kind):
     assert torch.equal(lin.dequantize(), ref) and (lin.out_features, lin.in_features) == (48, 768)
     nbytes = sum(t.numel() * t.element_size() for t in lin.parts())
     assert nbytes == 48 * 768 * bytes_per_weight(kind) == lin.kernel().weight_bytes()
-    # the file's bytes (Q5_K's: with its 6-bit scales and mins a byte each)
-    assert nbytes == raw.nbytes * (180 / 176 if kind == "q5k" else 1)
+    # the file's bytes (Q5_K's / IQ4_XS's: with their 6-bit scales (and mins) a byte each)
+    assert nbytes == raw.nbytes * {"q5k": 180 / 176, "iq4xs": 138 / 136}.get(kind, 1)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -146,7 +151,9 @@ def test_bad_tensors_are_refused(kind):
 
 
 def pack_into(kind: str, raw: np.ndarray, outs):
-    return getattr(ext, f"{kind}_blocks_{kind[:2]}t")(torch.from_numpy(raw), *outs)
+    from tiered.quant.kquant import LINEAR_OF_KIND
+
+    return getattr(ext, LINEAR_OF_KIND[kind].PACK)(torch.from_numpy(raw), *outs)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

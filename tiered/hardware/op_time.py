@@ -38,6 +38,9 @@ DTYPE_FALLBACK = {
     "q6kq8": ("q6kq8", "int8-g32q8", "int8-g32", "int8"),
     "q5k": ("q5k", "int8-g32", "int8"),
     "q5kq8": ("q5kq8", "int8-g32q8", "int8-g32", "int8"),
+    # GGUF IQ4_XS as stored: the same loop over nibbles through a table, priced as the k-quants until profiled
+    "iq4xs": ("iq4xs", "int8-g32", "int8"),
+    "iq4xsq8": ("iq4xsq8", "int8-g32q8", "int8-g32", "int8"),
     # tiled per-row int8 experts' calls of 2+ rows on int8 activations: the same kernel's rows as int8-g32q8's, the
     # per-row int8 stream at one row
     "int8q8": ("int8q8", "int8-g32q8", "int8"),
@@ -55,7 +58,8 @@ def gemv_dtype(kind: str, act: str = "bf16") -> str:
     quant/experts.token_activations')."""
     if act != "q8":
         return kind
-    return {"int4": "int4q8", "int8-g32": "int8-g32q8", "int8": "int8q8", "q6k": "q6kq8", "q5k": "q5kq8"}.get(kind, kind)
+    return {"int4": "int4q8", "int8-g32": "int8-g32q8", "int8": "int8q8", "q6k": "q6kq8", "q5k": "q5kq8",
+            "iq4xs": "iq4xsq8"}.get(kind, kind)
 
 
 def find(profile: HardwareProfile, op: str, device: str, dtype: str) -> LinearModel | None:
@@ -385,7 +389,7 @@ def step_stream(profile: HardwareProfile, dtype: str, layer_bytes: float | None 
 
 # decode-copy kinds the native step's stream prices at another's runtime/decode_layer rate (a byte each) until a
 # profile times their own: the Q6_K / Q5_K copies at the int8-g32 ones' (DTYPE_FALLBACK's note)
-STEP_STREAM_FALLBACK = {"q6k": "int8-g32", "q5k": "int8-g32"}
+STEP_STREAM_FALLBACK = {"q6k": "int8-g32", "q5k": "int8-g32", "iq4xs": "int8-g32"}
 
 
 def _points(profile: HardwareProfile, key: str) -> list:

@@ -243,7 +243,7 @@ def tiled_int8_g32_dequantize(qt: torch.Tensor, st: torch.Tensor) -> torch.Tenso
 
 
 def kquant_dequantize(kind: str, qt: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
-    """A "q6k" / "q5k" weight (quant/kquant's layouts: qt uint8 [N/16, K/32, 384 or 320] and its scales) dequantized
+    """A "q6k" / "q5k" / "iq4xs" weight (quant/kquant's layouts: qt uint8 [N/16, K/32, 384 / 320 / 256] and its scales) dequantized
     to bf16 [N, K] (rounded to nearest even), into this thread's reused buffer as `tiled_dequantize`'s: valid until the
     next call on the same thread.
 

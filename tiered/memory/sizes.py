@@ -3,8 +3,8 @@ staging buffer takes. The planner and the engine both count with it, so a plan t
 what the runtime can hold.
 
 Formats are named as the planner names precisions: "fp32", "bf16", "fp16", "int8", "int8-g32",
-"int4", "fp8", "mxfp4" (gpt-oss's experts as stored, quant/mxfp4.py), "q6k" and "q5k" (GGUF Q6_K / Q5_K as
-stored, quant/kquant.py).
+"int4", "fp8", "mxfp4" (gpt-oss's experts as stored, quant/mxfp4.py), "q6k", "q5k" and "iq4xs" (GGUF Q6_K / Q5_K /
+IQ4_XS as stored, quant/kquant.py).
 Weight counts come from the model's own module tree built on the meta device (nothing allocated),
 so they match `materialize` parameter for parameter.
 """
@@ -44,6 +44,8 @@ def bytes_per_element(fmt: str, group: int = INT4_GROUP) -> float:
         return 210 / 256
     if fmt == "q5k":  # GGUF Q5_K as stored, its 6-bit scales a byte each: 180 bytes per 256 (quant/kquant.Q5KLinear)
         return 180 / 256
+    if fmt == "iq4xs":  # GGUF IQ4_XS as stored, its 6-bit scales a byte each: 138 bytes per 256 (quant/kquant)
+        return 138 / 256
     if fmt == "fp8":  # e4m3 and an fp32 scale per 128 x 128 block (quant/fp8.py)
         from tiered.quant.fp8 import BLOCK
         return 1.0 + 4.0 / (BLOCK * BLOCK)

@@ -319,7 +319,7 @@ def _batched(kind: str, batch_act: str, rows: float) -> str:
 def weight_kind(key: str) -> str:
     """The weight format a gemv key prices ("int4q8" -> "int4", "int8-g32q8" -> "int8-g32", "int8q8" -> "int8": the
     same weights on int8 activations), for its bytes per element."""
-    return key[:-2] if key in ("int4q8", "int8-g32q8", "int8q8", "q6kq8", "q5kq8") else key
+    return key[:-2] if key in ("int4q8", "int8-g32q8", "int8q8", "q6kq8", "q5kq8", "iq4xsq8") else key
 
 
 def mixed_bytes_per_element(dtype: str, mix: dict | None) -> float:
@@ -409,7 +409,7 @@ def _kv_format(dtype: str, kv_format: str | None) -> str:
 
 
 # decode-copy formats whose rows a batched native step runs on int8 activations like int4's (runtime/batch_rows)
-INT_ROWS = {"int4", "int8", "int8-g32", "q6k", "q5k"}
+INT_ROWS = {"int4", "int8", "int8-g32", "q6k", "q5k", "iq4xs"}
 
 
 def predict_decode(cfg: ModelConfig, hw: HardwareProfile, dtype: str, context: int, hits: HitStats | None = None,

@@ -21,7 +21,7 @@ from tiered.memory import sizes
 from tiered.planner.common import ExpertChoices
 from tiered.planner.plan import DISPATCH_MODES, Plan
 
-PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int8-g32", "q6k", "q5k", "int4", "fp8")
+PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int8-g32", "q6k", "q5k", "iq4xs", "int4", "fp8")
 
 
 def make_plan(cfg: ModelConfig, profile: HardwareProfile, *, model_name: str = "", gpu_memory: int | None = None,

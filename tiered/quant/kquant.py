@@ -1,5 +1,5 @@
-"""GGUF k-quants decoded from their own bits: Q6KLinear ("q6k") and Q5KLinear ("q5k"), tiered's decode copies of
-llama.cpp's Q6_K and Q5_K tensors.
+"""GGUF k-quants decoded from their own bits: Q6KLinear ("q6k"), Q5KLinear ("q5k") and IQ4XSLinear ("iq4xs"),
+tiered's decode copies of llama.cpp's Q6_K, Q5_K and IQ4_XS tensors.
 
 Q6_K stores 256 weights in 210 bytes: 6-bit codes u (0..63), an int8 scale per 16 weights and an fp16 scale d per 256,
 w = d sc (u - 32): 6.5625 bits a weight. Q5_K stores them in 176: 5-bit codes u (0..31), 6-bit scales sc and mins m per
@@ -16,10 +16,16 @@ tiled layouts (gemv.cpp "q6k", "q5k"), per tile of 16 rows and group of 32 colum
     q5k  qt uint8 [N/16, K/32, 320]  the low nibbles as q6k's and the fifth bits (64)
          sm uint8 [N/16, K/32, 2, 16]   sc, then m, per group
          dd fp16 [N/16, K/256, 2, 16]   d, then dmin, per super-block
+    iq4xs qt uint8 [N/16, K/32, 256] IQ4_XS's 4-bit codebook indices, placed as q6k's low nibbles
+         sc int8 [N/16, K/32, 16]    ls - 32 per group of 32 (IQ4_XS's 6-bit scale, centred)
+         d fp16 [N/16, K/256, 16]    its scale per super-block
+
+IQ4_XS (llama.cpp's i-quant at 4.25 bits a weight: 136 bytes per 256) maps each index i to v = kvalues_iq4nl[i], 16
+int8 values from -127 to 113, and w = d (ls - 32) v; tiered had read it as int8-g32 copies of those values (8.5 bits).
 
 The kernels multiply u against the activations quantized per group of 32 as the int8-g32 kernel's are (int16 at one
 row: batch-1 numerics; int8 in calls of 2+ rows where batch_act is "q8"), and take the offset out with the
-activations' sums (Q6_K's 32 per 16 weights, Q5_K's mins per 32).
+activations' sums (Q6_K's 32 per 16 weights, Q5_K's mins per 32, IQ4_XS's 128 per 32: u = v + 128 through a table).
 """
 
 from __future__ import annotations
@@ -29,21 +35,22 @@ import torch
 
 from tiered.kernels.linear import NativeLinear
 
-BLOCK_BYTES = {"q6k": 210, "q5k": 176}  # the file's bytes per super-block of 256 weights
-# the copy's: Q6_K's exactly; Q5_K's with its 6-bit sc and m a byte each (4 bytes more per super-block)
-COPY_BYTES = {"q6k": 210, "q5k": 180}
-GGUF_FORMAT = {"q6k": "Q6_K", "q5k": "Q5_K"}
+BLOCK_BYTES = {"q6k": 210, "q5k": 176, "iq4xs": 136}  # the file's bytes per super-block of 256 weights
+# the copy's: Q6_K's exactly; Q5_K's with its 6-bit sc and m a byte each (4 bytes more per super-block), IQ4_XS's with
+# its 6-bit ls a byte each (2 more)
+COPY_BYTES = {"q6k": 210, "q5k": 180, "iq4xs": 138}
+GGUF_FORMAT = {"q6k": "Q6_K", "q5k": "Q5_K", "iq4xs": "IQ4_XS"}
 KIND_OF_FORMAT = {f: k for k, f in GGUF_FORMAT.items()}
 
 
 def bytes_per_weight(kind: str) -> float:
-    """Bytes a weight of a "q6k" / "q5k" copy holds: 0.8203125 (the file's) / 0.703125 (the file's 0.6875 and its
-    6-bit scales and mins a byte each)."""
+    """Bytes a weight of a "q6k" / "q5k" / "iq4xs" copy holds: 0.8203125 (the file's) / 0.703125 (the file's 0.6875
+    and its 6-bit scales and mins a byte each) / 0.5390625 (the file's 0.53125 and its 6-bit scales a byte each)."""
     return COPY_BYTES[kind] / 256
 
 
 def kquant_fits(shape) -> bool:
-    """Whether a Q6_K / Q5_K weight of `shape` [N, K] can take its copy as stored: tiered's kernels are built, N % 16
+    """Whether a Q6_K / Q5_K / IQ4_XS weight of `shape` [N, K] can take its copy as stored: tiered's kernels are built, N % 16
     == 0 (the layouts' tiles) and K % 256 == 0 (the super-blocks: always, for such a tensor)."""
     from tiered.kernels import load
 
@@ -65,6 +72,7 @@ class KQuantLinear(NativeLinear):
 
     KIND = ""
     PARTS: tuple[str, str, str] = ("qt", "", "")
+    PACK = ""  # the native repacking pass from the file's blocks
 
     def __init__(self, qt: torch.Tensor, scales: torch.Tensor, supers: torch.Tensor, bias: torch.Tensor | None = None,
                  batch_act: str = "bf16") -> None:
@@ -112,7 +120,7 @@ class KQuantLinear(NativeLinear):
                              f"{[tuple(r.shape) for r in raws]}")
         K = raws[0].shape[1] // BLOCK_BYTES[cls.KIND] * 256
         outs = [host_empty(shape, dtype) for shape, dtype in cls.layout(sum(r.shape[0] for r in raws) // 16, K)]
-        pack = getattr(ext, f"{cls.KIND}_blocks_{cls.KIND[:2]}t")
+        pack = getattr(ext, cls.PACK)
         t = 0
         for r in raws:
             n = r.shape[0] // 16
@@ -162,6 +170,7 @@ class Q6KLinear(KQuantLinear):
 
     KIND = "q6k"
     PARTS = ("qt", "sc", "d")
+    PACK = "q6k_blocks_q6t"
 
     @staticmethod
     def layout(tiles: int, K: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -174,6 +183,7 @@ class Q5KLinear(KQuantLinear):
 
     KIND = "q5k"
     PARTS = ("qt", "sm", "dd")
+    PACK = "q5k_blocks_q5t"
 
     @staticmethod
     def layout(tiles: int, K: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -181,4 +191,18 @@ class Q5KLinear(KQuantLinear):
                 ((tiles, K // 256, 2, 16), torch.float16)]
 
 
-LINEAR_OF_KIND = {"q6k": Q6KLinear, "q5k": Q5KLinear}
+class IQ4XSLinear(KQuantLinear):
+    """A GGUF IQ4_XS weight as stored (qt, sc, d: the module docstring's "iq4xs"): w = d (ls - 32) v, v =
+    kvalues_iq4nl[i] of its 4-bit index (the kernels take v + 128 through a table, one vpshufb a chunk)."""
+
+    KIND = "iq4xs"
+    PARTS = ("qt", "sc", "d")
+    PACK = "iq4xs_blocks_q4t"
+
+    @staticmethod
+    def layout(tiles: int, K: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [((tiles, K // 32, 256), torch.uint8), ((tiles, K // 32, 16), torch.int8),
+                ((tiles, K // 256, 16), torch.float16)]
+
+
+LINEAR_OF_KIND = {"q6k": Q6KLinear, "q5k": Q5KLinear, "iq4xs": IQ4XSLinear}

@@ -182,7 +182,7 @@ def fused_pair(first: nn.Module, second: nn.Module, x: torch.Tensor) -> torch.Te
 class DecodeWeight:
     """One projection's decode-format weight before packing: int4 codes or a dense tensor."""
 
-    kind: str  # "int4" | "int8" | "int8-g32" | "q6k" | "q5k" | "fp8" | "dense"
+    kind: str  # "int4" | "int8" | "int8-g32" | "q6k" | "q5k" | "iq4xs" | "fp8" | "dense"
     # int32 [N, K] (int4), int8 [N, K] (int8), tiled uint8 [N, K] (int8-g32) or e4m3fn bits uint8 [N, K] (fp8)
     codes: torch.Tensor | None = None
     # fp32 [N, K/32] (int4), [N] (int8), fp16 [N/16, K/32, 16] (int8-g32) or fp32 [N/128, K/128] (fp8)
@@ -219,14 +219,17 @@ class DecodeWeight:
 # the kernels or their tiles, Q8_0 falls back to per-row int8 (Int8Linear: re-quantized per row), the rest
 # to bf16. The tiled Q8_0 head of SmolLM2 (49152 x 576) took 0.72 / 0.88 / 4.67 ms at 1 / 8 / 48 rows
 # against 0.80 / 2.54 / 14.5 per row (2 AMX cores, 2026-12-05; batches on int8 activations, Plan.batch_act).
-# IQ4_NL / IQ4_XS (a 16-value codebook of int8 values times a scale per 32) become int8-g32 from their codes and
-# scales (gguf_experts.unpack_iq4_blocks: the weights exactly, IQ4_XS's scale rounded to fp16). Q2_K / Q3_K and the
+# IQ4_XS (a 16-value codebook of int8 values times a scale per 32) stays as stored (quant/kquant.IQ4XSLinear: its
+# indices through a table in the kernels, 4.3 bits a weight) where the kernels are built and the rows make whole tiles,
+# else int8-g32 from its codebook values; IQ4_NL (a scale per block of 32, rare) becomes int8-g32 from its codes and
+# scales (native iq4_blocks_tiled: the weights exactly). Q2_K / Q3_K and the
 # lattice i-quants (IQ1-IQ3: 1.6-3.4 bits a weight) become int4 re-quantized per 32 from their dequantized weights
 # (0.625 bytes a weight, where bf16 copies held 2: a 70B's Q3_K_M file would have needed ~140 GB), as their experts do.
 GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8-g32",
                     "Q5_0": "int8-g32", "Q5_1": "int8-g32", "Q5_K": "q5k", "Q6_K": "q6k",
-                    "IQ4_NL": "int8-g32", "IQ4_XS": "int8-g32", "Q2_K": "int4", "Q3_K": "int4",
+                    "IQ4_NL": "int8-g32", "IQ4_XS": "iq4xs", "Q2_K": "int4", "Q3_K": "int4",
                     **{f: "int4" for f in ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")}}
+KQUANT_KINDS = ("q6k", "q5k", "iq4xs")  # the decode copies of quant/kquant.py (LINEAR_OF_KIND)
 # the GGUF types whose blocks the int4 decode copies repack as stored (the rest of GGUF_DECODE_KIND's int4 ones are
 # re-quantized from their dequantized weights)
 INT4_AS_STORED = ("Q4_0", "Q4_1", "Q4_K")
@@ -253,7 +256,7 @@ def auto_kind(handle) -> str:
         return "fp8" if block is not None and (block == 1 or handle.shape[0] % BLOCK == 0) and load() is not None \
             else "bf16"
     kind = GGUF_DECODE_KIND.get(handle.format, "bf16")
-    if kind in ("q6k", "q5k"):  # (their rows and the int8-g32 copies' need the same whole tiles)
+    if kind in KQUANT_KINDS:  # (their rows and the int8-g32 copies' need the same whole tiles)
         from tiered.quant.kquant import kquant_fits
 
         return kind if kquant_fits(handle.shape) else "bf16"
@@ -311,8 +314,8 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
 
     "auto": GGUF Q4_0/Q4_1/Q4_K blocks -> int4 as stored; GGUF Q8_0 -> int8 per group of 32 as stored
     (with tiered's kernels and their tiles; else per-row int8); GGUF Q5_K / Q6_K as stored (quant/kquant, with
-    tiered's kernels), Q5_0 / Q5_1 -> int8 per group of 32 (with tiered's kernels); IQ4_NL / IQ4_XS -> int8 per
-    group of 32 from their codebook values (with tiered's kernels); Q2_K / Q3_K / IQ1-IQ3 -> int4 re-quantized per
+    tiered's kernels), Q5_0 / Q5_1 -> int8 per group of 32 (with tiered's kernels); IQ4_XS as stored (quant/kquant),
+    IQ4_NL -> int8 per group of 32 from its codebook values (with tiered's kernels); Q2_K / Q3_K / IQ1-IQ3 -> int4 re-quantized per
     32 (GGUF_DECODE_KIND); block-scaled fp8 -> fp8 as stored (with tiered's
     kernels, whole 128-row blocks); GPTQ / AWQ / compressed-tensors int4 -> int4 as stored (groups of a
     multiple of 32); their int8 -> per-row int8, as stored where symmetric per channel or tensor, else
@@ -345,7 +348,7 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
         q, bs = handle.scaled_fp8()
         bs, row_block = kernel_scales(bs, *q.shape, handle.fp8_block)
         return DecodeWeight("fp8", q.view(torch.uint8), bs, row_block=row_block)
-    if fmt == "auto" and kind in ("q6k", "q5k"):  # Q6_K / Q5_K blocks as stored (build_decode_module repacks them)
+    if fmt == "auto" and kind in KQUANT_KINDS:  # Q6_K / Q5_K / IQ4_XS blocks as stored (build_decode_module repacks them)
         return DecodeWeight(kind, blocks=handle.blocks(), block_format=stored)
     if fmt == "auto" and kind == "int8":  # row chunks: no whole dense copy
         return DecodeWeight("int8", *quantize_int8_blocks(handle))
@@ -499,8 +502,8 @@ def decode_mix(checkpoint, fmt: str) -> dict[str, float] | None:
 def head_precision(checkpoint, fmt: str) -> str:
     """The lm_head's decode-copy precision under format `fmt` (for the planner), as
     install_decode_weights makes it: the head's (the token embedding's when tied) `copy_kind`; for
-    "auto" by its storage format (GGUF_DECODE_KIND: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 / Q5_0 / Q5_1 / IQ4 ->
-    int8-g32, Q5_K / Q6_K as stored, ...), anything else -> bf16. A
+    "auto" by its storage format (GGUF_DECODE_KIND: GGUF Q4_0/Q4_1/Q4_K -> int4, Q8_0 / Q5_0 / Q5_1 / IQ4_NL ->
+    int8-g32, Q5_K / Q6_K / IQ4_XS as stored, ...), anything else -> bf16. A
     GGUF Q4 file often stores its embedding as Q8_0, so its head reads twice the bytes per weight
     of its layers (SmolLM2's Q4_1 file: a 30 MB int8-g32 head beside ~70 MB of int4 layers)."""
     if fmt in ("fp32", "bf16"):
@@ -565,7 +568,7 @@ def build_decode_module(parts: list[DecodeWeight], biases: list[torch.Tensor | N
 
         return Fp8Linear(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), bias,
                          parts[0].row_block)
-    if kind in ("q6k", "q5k"):  # k-quant blocks, each part's rows whole 16-row tiles (auto_kind)
+    if kind in KQUANT_KINDS:  # k-quant blocks, each part's rows whole 16-row tiles (auto_kind)
         from tiered.quant.kquant import LINEAR_OF_KIND
 
         return LINEAR_OF_KIND[kind].from_blocks([p.blocks for p in parts], bias, batch_act)

@@ -2804,10 +2804,20 @@ void q5k_scalar(const Q5KW& w, const Act& a, int64_t b0, int64_t nb, int64_t n0,
 
 // Chunks 4h .. 4h + 3 of a group as u bytes: nibble vectors 2h, 2h + 1 (the odd chunk's nibble shifted down 4) or'ed
 // with the format's high bits (one vpternlog each, 0xEA: (A & B) | C). AVX2: the 32 bytes of row half `off` / 32.
+// A codebook format (F::kLut: IQ4_XS) has no high bits: each nibble goes through its table (one vpshufb, the table in
+// every 128-bit lane) to u.
 template <class F>
 TIERED_AVX512 TIERED_FORCE_INLINE void kquant_unpack512(const uint8_t* grp, int h, __m512i* u) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const __m512i l0 = _mm512_loadu_si512(grp + 128 * h), l1 = _mm512_loadu_si512(grp + 128 * h + 64);
+  if constexpr (F::kLut) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(F::kTable)));
+    u[0] = _mm512_shuffle_epi8(lut, _mm512_and_si512(l0, m4));
+    u[1] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(l0, 4), m4));
+    u[2] = _mm512_shuffle_epi8(lut, _mm512_and_si512(l1, m4));
+    u[3] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(l1, 4), m4));
+    return;
+  }
   const __m512i hv = _mm512_loadu_si512(grp + F::high_offset(h));
   u[0] = _mm512_ternarylogic_epi64(l0, m4, F::high512(hv, h, 0), 0xEA);
   u[1] = _mm512_ternarylogic_epi64(_mm512_srli_epi16(l0, 4), m4, F::high512(hv, h, 1), 0xEA);
@@ -2820,6 +2830,14 @@ TIERED_AVX2 TIERED_FORCE_INLINE void kquant_unpack256(const uint8_t* grp, int h,
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 128 * h + off));
   const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + 128 * h + 64 + off));
+  if constexpr (F::kLut) {
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(F::kTable)));
+    u[0] = _mm256_shuffle_epi8(lut, _mm256_and_si256(l0, m4));
+    u[1] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4));
+    u[2] = _mm256_shuffle_epi8(lut, _mm256_and_si256(l1, m4));
+    u[3] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4));
+    return;
+  }
   const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grp + F::high_offset(h) + off));
   u[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), F::high256(hv, h, 0));
   u[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), F::high256(hv, h, 1));
@@ -2859,6 +2877,8 @@ struct Q6KFormat {
   static constexpr int64_t kBytes = kQ6Group;
   static constexpr int64_t kCopyBytes = 210;  // per 256 weights
   static constexpr bool kPerHalf = true;
+  static constexpr bool kLut = false;
+  static constexpr const uint8_t* kTable = nullptr;
   static W weights(const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, const float* bias) {
     return {qt.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), bias};
   }
@@ -2934,6 +2954,8 @@ struct Q5KFormat {
   static constexpr int64_t kBytes = kQ5Group;
   static constexpr int64_t kCopyBytes = 180;  // per 256 weights: the file's 176, its 6-bit sc and m a byte each
   static constexpr bool kPerHalf = false;
+  static constexpr bool kLut = false;
+  static constexpr const uint8_t* kTable = nullptr;
   static W weights(const at::Tensor& qt, const at::Tensor& sm, const at::Tensor& dd, const float* bias) {
     return {qt.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr<at::Half>()), bias};
   }
@@ -2980,6 +3002,125 @@ struct Q5KFormat {
     for (int r = 0; r < 2; ++r) {
       s.fs[r] = _mm256_mul_ps(f16x8(dd + 8 * r), u8x8(sm + 8 * r));
       s.fm[r] = _mm256_mul_ps(f16x8(dd + kBlock + 8 * r), u8x8(sm + kBlock + 8 * r));
+    }
+    return s;
+  }
+  static TIERED_AVX2 TIERED_FORCE_INLINE __m256 add256(__m256 acc, const S256& s, __m256i v, const Act& a, int64_t b,
+                                                       int64_t g, int, int r) {
+    const int64_t bg = b * (a.K / kGroup) + g;
+    const __m256 sum = _mm256_set1_ps(float(a.xsq[bg]));
+    return _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(v), s.fs[r], _mm256_mul_ps(s.fm[r], sum)),
+                           _mm256_set1_ps(a.dw[bg]), acc);
+  }
+};
+
+// ------------------------------------------------------------------------------------ iq4xs
+// GGUF IQ4_XS weights on their own bits (IQ4XSW): w = (d (ls - 32)) v per 32 weights, v = kvalues_iq4nl[i] of the
+// 4-bit index i (int8 values -127..113), ls 6-bit, d fp16 per 256: llama.cpp's IQ4_XS arithmetic (gguf's: d (ls - 32)
+// in fp32, exact, then times v) at 4.3125 bits a weight (138 bytes per 256: the file's 136, its 6-bit ls a byte each),
+// where the int8-g32 copy of its codebook values read 8.5.
+// Layout (iq4xs_blocks_q4t): qt uint8 [N/16, K/32, 256], per tile and group the four nibble vectors of the q6k / q5k
+// layouts (vector i: chunk 2i's indices in the low nibbles, chunk 2i + 1's in the high ones); sc int8 [N/16, K/32, 16]
+// (ls - 32 of the tile's 16 rows); d fp16 [N/16, K/256, 16]. The kernels take u = v + 128 (kIq4U: one vpshufb per
+// chunk) as vpdpbusd's unsigned operand, less 128 sum(x) (Act::xsq / xqs) per group, times d (ls - 32) and dx.
+constexpr int64_t kIq4Group = 256;  // bytes of a group of a tile: 16 rows x 32 indices
+alignas(16) constexpr uint8_t kIq4U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+struct IQ4XSW {
+  const uint8_t* q;
+  const int8_t* sc;
+  const uint16_t* d;
+  const float* bias;
+};
+
+// u (the codebook value + 128) of row r, column k (< 32) of a group's 256 bytes
+inline int iq4xs_code(const uint8_t* grp, int64_t r, int64_t k) {
+  const int64_t c = k / 4, j = k % 4;
+  const uint8_t b = grp[(c / 2) * 64 + 4 * r + j];
+  return kIq4U[c % 2 ? b >> 4 : b & 15];
+}
+
+// d (ls - 32) of row n's group g in fp32 (exact: an 11-bit significand times a 6-bit integer)
+inline float iq4xs_scale(const IQ4XSW& w, int64_t n, int64_t g, int64_t K) {
+  const int64_t t = n / kBlock, r = n % kBlock;
+  return half_to_float(w.d[(t * (K / 256) + g / 8) * kBlock + r]) * float(w.sc[(t * (K / kGroup) + g) * kBlock + r]);
+}
+
+// q8: against the int8 activations (Act::xqt, dxg, xqs) instead of the int16 ones (xs, dw, xsq).
+void iq4xs_scalar(const IQ4XSW& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                  bool q8) {
+  const int64_t K = a.K, G = K / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* tile = w.q + (n / kBlock) * G * kIq4Group;
+    for (int64_t b = b0; b < b0 + nb; ++b) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t dot = 0, sum = 0;
+        for (int64_t k = 0; k < kGroup; ++k) {
+          const int64_t col = b * K + g * kGroup + k;
+          const int32_t x = q8 ? int32_t(a.xqt[col]) : int32_t(a.xs[col]);
+          dot += iq4xs_code(tile + g * kIq4Group, n % kBlock, k) * x;
+          sum += x;
+        }
+        const float fs = iq4xs_scale(w, n, g, K);
+        acc += (float(dot) * fs - 128.f * fs * float(sum)) * (q8 ? a.dxg[b * G + g] : a.dw[b * G + g]);
+      }
+      y[b * ldy + n] = acc + (w.bias ? w.bias[n] : 0.f);
+    }
+  }
+}
+
+// IQ4_XS: its nibbles through kIq4U (kLut); the group's 32 columns share d (ls - 32); the row's dot of u times it,
+// less 128 sum(x) times it, times dx (Q5_K's form with dmin m = 128 d (ls - 32)).
+struct IQ4XSFormat {
+  using W = IQ4XSW;
+  static constexpr const char* kName = "iq4xs";
+  static constexpr int64_t kBytes = kIq4Group;
+  static constexpr int64_t kCopyBytes = 138;  // per 256 weights: the file's 136, its 6-bit ls a byte each
+  static constexpr bool kPerHalf = false;
+  static constexpr bool kLut = true;
+  static constexpr const uint8_t* kTable = kIq4U;
+  static W weights(const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, const float* bias) {
+    return {qt.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), bias};
+  }
+  static void scalar(const W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                     bool q8) {
+    iq4xs_scalar(w, a, b0, nb, n0, n1, y, ldy, q8);
+  }
+  static ActNeeds int16_needs() { return ActNeeds::only_w16(true); }
+  static ActNeeds int8_needs() { return ActNeeds::only_q8(); }
+  static constexpr int64_t high_offset(int) { return 0; }  // (no high bits: kLut)
+  static TIERED_AVX512 TIERED_FORCE_INLINE __m512i high512(__m512i, int, int) { return _mm512_setzero_si512(); }
+  static TIERED_AVX2 TIERED_FORCE_INLINE __m256i high256(__m256i, int, int) { return _mm256_setzero_si256(); }
+  struct S512 {
+    __m512 fs, fm;  // d (ls - 32) and 128 times it, 16 rows
+  };
+  static TIERED_AVX512 TIERED_FORCE_INLINE S512 scales512(const W& w, int64_t t, int64_t g, int64_t K) {
+    const __m512 fs = _mm512_mul_ps(f16x16(w.d + (t * (K / 256) + g / 8) * kBlock), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (t * (K / kGroup) + g) * kBlock)))));
+    return {fs, _mm512_mul_ps(fs, _mm512_set1_ps(128.f))};
+  }
+  // 16 codes' weights (u as fp32): (u - 128) (d (ls - 32)), the codebook value exact before the one product (gguf's)
+  static TIERED_AVX512 TIERED_FORCE_INLINE __m512 weights512(const S512& s, int, __m512 u, __m512i perm) {
+    return _mm512_mul_ps(_mm512_sub_ps(u, _mm512_set1_ps(128.f)), _mm512_permutexvar_ps(perm, s.fs));
+  }
+  static TIERED_AVX512 TIERED_FORCE_INLINE __m512 add512(__m512 acc, const S512& s, __m512i v, const Act& a, int64_t b,
+                                                         int64_t g, int, bool q8) {
+    const int64_t bg = b * (a.K / kGroup) + g;
+    const __m512 sum = _mm512_set1_ps(float(q8 ? a.xqs[bg] : a.xsq[bg]));
+    return _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(v), s.fs, _mm512_mul_ps(s.fm, sum)),
+                           _mm512_set1_ps(q8 ? a.dxg[bg] : a.dw[bg]), acc);
+  }
+  struct S256 {
+    __m256 fs[2], fm[2];  // [row half]
+  };
+  static TIERED_AVX2 TIERED_FORCE_INLINE S256 scales256(const W& w, int64_t t, int64_t g, int64_t K) {
+    S256 s;
+    for (int r = 0; r < 2; ++r) {
+      s.fs[r] = _mm256_mul_ps(f16x8(w.d + (t * (K / 256) + g / 8) * kBlock + 8 * r),
+                              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                  reinterpret_cast<const __m128i*>(w.sc + (t * (K / kGroup) + g) * kBlock + 8 * r)))));
+      s.fm[r] = _mm256_mul_ps(s.fs[r], _mm256_set1_ps(128.f));
     }
     return s;
   }
@@ -4490,6 +4631,92 @@ void kquant_dequantize_tiles(const Q5KW& w, T* out, int64_t t0, int64_t t1, int6
     }
 }
 
+// GGUF IQ4_XS super-blocks (fp16 d, uint16 scales_h, scales_l[4], qs[128]) -> the iq4xs layout (see "iq4xs"): qt uint8
+// [N/16, K/32, 256], sc int8 [N/16, K/32, 16] (ls - 32), d fp16 [N/16, K/256, 16], the same indices and scales bit for
+// bit. Group gg of a super-block: ls = 4 bits of scales_l[gg / 2] (at 4 (gg % 2)) and 2 of scales_h (at 2 gg), its
+// 16 qs bytes at 8 + 16 gg holding its weights 0..15 in their low nibbles and 16..31 in their high ones (gguf's
+// IQ4_XS.dequantize_blocks): nibble vector i (chunks 2i, 2i + 1: columns 8i .. 8i + 7) from 32-bit words of those
+// bytes, as q6k_pack_tiles' (kquant_nibble_words' form).
+void iq4xs_pack_tiles(const uint8_t* src, uint8_t* qt, int8_t* sc, uint16_t* d, int64_t t0, int64_t t1, int64_t K) {
+  constexpr int64_t block = 136;
+  constexpr uint32_t m4 = 0x0F0F0F0Fu;
+  const int64_t G = K / kGroup, SB = K / 256;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r = 0; r < kBlock; ++r) {
+      const uint8_t* row = src + (t * kBlock + r) * SB * block;
+      for (int64_t sb = 0; sb < SB; ++sb) {
+        const uint8_t* b = row + sb * block;
+        std::memcpy(d + (t * SB + sb) * kBlock + r, b, 2);
+        uint16_t sh;
+        std::memcpy(&sh, b + 2, 2);
+        for (int gg = 0; gg < 8; ++gg) {
+          const int ls = ((b[4 + gg / 2] >> (4 * (gg % 2))) & 15) | (((sh >> (2 * gg)) & 3) << 4);
+          sc[(t * G + sb * 8 + gg) * kBlock + r] = int8_t(ls - 32);
+          const uint8_t* qs = b + 8 + 16 * gg;
+          uint8_t* grp = qt + (t * G + sb * 8 + gg) * kIq4Group + 4 * r;
+          for (int i = 0; i < 4; ++i) {  // columns 8i .. 8i + 7: qs bytes 8 (i % 2) .., their nibble 4 (i / 2)
+            const uint8_t* lo = qs + 8 * (i % 2);
+            const int shift = 4 * (i / 2);
+            store_u32(grp + 64 * i, ((load_u32(lo) >> shift) & m4) | (((load_u32(lo + 4) >> shift) & m4) << 4));
+          }
+        }
+      }
+    }
+}
+
+std::vector<at::Tensor> iq4xs_blocks_q4t(const at::Tensor& raw0, const c10::optional<at::Tensor>& qt_out,
+                                         const c10::optional<at::Tensor>& sc_out, const c10::optional<at::Tensor>& d_out) {
+  const BlockRows br = checked_blocks(raw0, 136, 256, "iq4xs_blocks_q4t");
+  const int64_t N = br.N, K = br.K;
+  auto o = kquant_outputs({{{N / kBlock, K / kGroup, kIq4Group}, at::kByte}, {{N / kBlock, K / kGroup, kBlock}, at::kChar},
+                           {{N / kBlock, K / 256, kBlock}, at::kHalf}},
+                          {qt_out, sc_out, d_out}, "iq4xs_blocks_q4t");
+  const uint8_t* src = br.raw.data_ptr<uint8_t>();
+  uint8_t* q = o[0].data_ptr<uint8_t>();
+  int8_t* s = o[1].data_ptr<int8_t>();
+  auto* dp = reinterpret_cast<uint16_t*>(o[2].data_ptr<at::Half>());
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) { iq4xs_pack_tiles(src, q, s, dp, t0, t1, K); });
+  return o;
+}
+
+// The iq4xs layout's (qt, sc, d) checked (see "iq4xs"); `what` names the caller in errors.
+void check_layout(IQ4XSFormat, const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, const char* what) {
+  TIERED_CHECK(qt.device().is_cpu() && qt.scalar_type() == at::kByte && qt.dim() == 3 && qt.size(2) == kIq4Group &&
+                  qt.is_contiguous(),
+              what, ": qt must be a contiguous CPU uint8 [N/16, K/32, 256], got ", qt.scalar_type(), " ", qt.sizes());
+  const int64_t T = qt.size(0), K = qt.size(1) * kGroup;
+  TIERED_CHECK(K % 256 == 0 && K > 0, what, ": K must be a positive multiple of 256 (IQ4_XS's super-blocks), got ", K);
+  TIERED_CHECK(sc.device().is_cpu() && sc.scalar_type() == at::kChar && sc.is_contiguous() &&
+                  sc.sizes() == at::IntArrayRef({T, K / kGroup, kBlock}),
+              what, ": sc must be a contiguous CPU int8 [", T, ", ", K / kGroup, ", 16], got ", sc.scalar_type(), " ",
+              sc.sizes());
+  TIERED_CHECK(d.device().is_cpu() && d.scalar_type() == at::kHalf && d.is_contiguous() &&
+                  d.sizes() == at::IntArrayRef({T, K / 256, kBlock}),
+              what, ": d must be a contiguous CPU float16 [", T, ", ", K / 256, ", 16], got ", d.scalar_type(), " ",
+              d.sizes());
+}
+
+// An iq4xs weight dequantized, w = (d (ls - 32)) v in fp32 (gguf's order: the scale exact, one product), as fp32 or
+// rounded to bf16: the prefill path of a weight held only so (quant/kquant.IQ4XSLinear.dense) and its reference.
+template <typename T>
+void kquant_dequantize_tiles(const IQ4XSW& w, T* out, int64_t t0, int64_t t1, int64_t K) {
+  const int64_t G = K / kGroup;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r = 0; r < kBlock; ++r) {
+      const int64_t n = t * kBlock + r;
+      T* o = out + n * K;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* grp = w.q + (t * G + g) * kIq4Group;
+        const float fs = iq4xs_scale(w, n, g, K);
+        for (int64_t k = 0; k < kGroup; ++k) {
+          const float v = fs * float(iq4xs_code(grp, r, k) - 128);
+          if constexpr (std::is_same_v<T, float>) o[g * kGroup + k] = v;
+          else o[g * kGroup + k] = to_bf16(v);
+        }
+      }
+    }
+}
+
 // A k-quant weight (the format's tensors, checked) dequantized to [N, K] in fp32 or bf16 (see kquant_dequantize_tiles;
 // AVX-512's bf16 rows: kquant_bf16_avx512, the same values); `out` when given, else a new tensor.
 template <class F>
@@ -5783,6 +6010,21 @@ void register_gemv(pybind11::module& m) {
   m.def("q5k_tiled_dequantize", &kquant_tiled_dequantize<Q5KFormat>, py::call_guard<py::gil_scoped_release>(), py::arg("qt"),
         py::arg("sm"), py::arg("dd"), py::arg("bf16") = true, py::arg("out") = py::none(),
         "A q5k weight (q5k_kernel's tensors) -> [N, K]: (d sc) u - (dmin m) in float32 (gguf's arithmetic), as float32 "
+        "or rounded to bfloat16 (nearest even); out: write into it instead of a new tensor.");
+  m.def("iq4xs_kernel", [](at::Tensor qt, at::Tensor sc, at::Tensor d, c10::optional<at::Tensor> bias,
+                           const std::string& batch_act) -> KernelPtr { return make_kquant<IQ4XSFormat>(qt, sc, d, bias, batch_act); },
+        py::arg("qt"), py::arg("sc"), py::arg("d"), py::arg("bias") = py::none(), py::arg("batch_act") = "bf16",
+        "tiered's GEMV over GGUF IQ4_XS weights as stored (iq4xs_blocks_q4t's layout): qt uint8 [N/16, K/32, 256] (the "
+        "4-bit codebook indices), sc int8 [N/16, K/32, 16] (ls - 32), d float16 [N/16, K/256, 16], K % 256 == 0: w = d "
+        "(ls - 32) kvalues_iq4nl[i]. batch_act as int8_tiled_kernel's. Holds the tensors (no copy).");
+  m.def("iq4xs_blocks_q4t", &iq4xs_blocks_q4t, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
+        py::arg("qt_out") = py::none(), py::arg("scales_out") = py::none(), py::arg("supers_out") = py::none(),
+        "GGUF IQ4_XS super-blocks uint8 [N, K/256 * 136] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 256], sc int8 [N/16, "
+        "K/32, 16], d float16 [N/16, K/256, 16]): the iq4xs kernel's layout of the same indices and scales, bit for bit; "
+        "qt_out, scales_out, supers_out as q6k_blocks_q6t's.");
+  m.def("iq4xs_tiled_dequantize", &kquant_tiled_dequantize<IQ4XSFormat>, py::call_guard<py::gil_scoped_release>(),
+        py::arg("qt"), py::arg("sc"), py::arg("d"), py::arg("bf16") = true, py::arg("out") = py::none(),
+        "An iq4xs weight (iq4xs_kernel's tensors) -> [N, K]: (d (ls - 32)) v in float32 (gguf's arithmetic), as float32 "
         "or rounded to bfloat16 (nearest even); out: write into it instead of a new tensor.");
   m.def("fp8_kernel", [](at::Tensor q, at::Tensor bs, c10::optional<at::Tensor> bias, int64_t row_block) -> KernelPtr {
           return make_fp8(q, bs, bias, row_block);
