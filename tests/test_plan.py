@@ -318,6 +318,13 @@ def test_a_small_layers_calls_run_slower_a_byte_as_the_step_timed_them():
     assert layer_shape(hw, key, None) == 1.0 == layer_shape(replace(hw, meta={"native_kernels": True}), key, 2e6)
     scaled = replace(hw, models={**hw.models, key: LinearModel(0.0, 2 * slope, 1.0)})  # a memory half as fast
     assert step_stream(scaled, "int4", 2e6) == pytest.approx(2 * step_stream(hw, "int4", 2e6))
+    # a k-quant copy without a decode_layer key of its own: int8-g32's, scaled by their kernels' own streams where the
+    # profile timed both (profiler 67), else as int8-g32's
+    g32 = {"runtime/decode_layer/int8-g32": LinearModel(0.0, 40e-12, 1.0), "gemv/cpu/int8-g32": LinearModel(0.0, 36e-12, 1.0)}
+    kq = replace(hw, models={**hw.models, **g32})
+    assert step_stream(kq, "iq4xs") == pytest.approx(40e-12) == step_stream(kq, "int8-g32")
+    kq = replace(kq, models={**kq.models, "gemv/cpu/iq4xs": LinearModel(0.0, 27e-12, 1.0)})
+    assert step_stream(kq, "iq4xs") == pytest.approx(40e-12 * 27 / 36) and step_stream(kq, "q5k") == pytest.approx(40e-12)
     # SmolLM2's widths: a layer of ~2 MB priced at the 2 MB point's rate (slower than the fit's), its head not
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64)

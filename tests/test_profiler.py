@@ -764,6 +764,26 @@ def test_each_copy_of_a_timed_gemv_has_memory_of_its_own(dtype):
         assert wd.data_ptr() != w.data_ptr() and torch.equal(wd, w)
 
 
+@pytest.mark.parametrize("kind", ["q6k", "q5k", "iq4xs"])
+def test_k_quant_gemv_keys_time_the_copies_as_stored(kind):
+    """gemv/cpu/<kind> (profiler 67) times quant/kquant's copies as the native step calls them: a weight of the
+    shape asked for in the kind's layout (random blocks: the speed does not depend on the values) at its bytes a
+    weight, through the kernel the step runs."""
+    from tiered import kernels
+    from tiered.hardware import profiler
+    from tiered.quant.kquant import LINEAR_OF_KIND, bytes_per_weight
+
+    if not kernels.available():
+        pytest.skip("needs tiered/kernels")
+    w = torch.randn(64, 512)
+    module, bpe = profiler._native_gemv_module(kind, w)
+    assert isinstance(module, LINEAR_OF_KIND[kind]) and (module.out_features, module.in_features) == (64, 512)
+    assert bpe == bytes_per_weight(kind) and profiler._native_gemv_format("cpu", kind, True)
+    fn, dt, b = profiler._linear_kernel("cpu", kind, w, gemv=True)
+    x = torch.randn(1, 512)
+    assert b == bpe and torch.allclose(fn(x.to(dt)), x @ module.dequantize().T, rtol=1e-3, atol=1e-4)
+
+
 def _spy_linear_kernels(monkeypatch) -> tuple[list, list]:
     """profiler._linear_kernel wrapped: (made: each kernel's `gemv` flag, in order; seen: (kernel index,
     rows) of every call)."""

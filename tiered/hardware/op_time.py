@@ -379,12 +379,23 @@ def step_stream(profile: HardwareProfile, dtype: str, layer_bytes: float | None 
     that fit, came to 2.1 ms a token where they ran 2.3-2.8.
 
     `layer_bytes` (a layer's weight bytes in the step): the rate at that layer size (`layer_shape`), where the
-    profile kept the key's points."""
+    profile kept the key's points.
+
+    A kind STEP_STREAM_FALLBACK names (the k-quant copies) without a key of its own takes the named kind's, scaled by
+    how their kernels stream alone (gemv/cpu/<kind> against gemv/cpu/<named>, profiler 67; 1 where either is
+    missing): the k-quant loop prefetches into the L2 on every machine where the int8-g32 one follows the machine's
+    tuning, and an IQ4_XS file's decode priced at int8-g32's step rate a byte came to 22.8 tok/s where it ran 30.9 (2
+    Zen 4 cores, 2026-12-07)."""
     key = f"runtime/decode_layer/{dtype}"
+    scale = 1.0
     if key not in profile.models and dtype in STEP_STREAM_FALLBACK:  # (its own key first, once a profile has it)
-        key = f"runtime/decode_layer/{STEP_STREAM_FALLBACK[dtype]}"
+        named = STEP_STREAM_FALLBACK[dtype]
+        key = f"runtime/decode_layer/{named}"
+        own, other = profile.models.get(f"gemv/cpu/{dtype}"), profile.models.get(f"gemv/cpu/{named}")
+        if own is not None and other is not None and own.beta > 0 and other.beta > 0:
+            scale = own.beta / other.beta
     m = profile.models.get(key)
-    return m.beta * layer_shape(profile, key, layer_bytes) if m is not None else 0.0
+    return scale * m.beta * layer_shape(profile, key, layer_bytes) if m is not None else 0.0
 
 
 # decode-copy kinds the native step's stream prices at another's runtime/decode_layer rate (a byte each) until a

@@ -117,6 +117,7 @@ from tiered.hardware.op_time import GEMM_ROWS, MOE_PROBE_TOP_K, prefill_attentio
 from tiered.hardware.profile import HardwareProfile, LinearModel
 from tiered.memory.sizes import DENSE_FORMATS, bytes_per_element, kv_torch_dtype, torch_dtype
 from tiered.quant.int4 import AMX_ROWS, STEP_AMX_ROWS, amx_gemm, amx_kernels, dequantize_dtype, dequantize_rows, without_amx
+from tiered.quant.kquant import KQUANT_KINDS
 
 MiB = 2**20
 DISK_READERS = 2  # the runtime's disk reader threads (runtime/install.py: max(2, staging buffers))
@@ -591,8 +592,8 @@ def _native(module):
 
 def _native_gemv_format(device: str, dtype: str, gemv: bool) -> bool:
     """Whether a `dtype` GEMV on `device` runs tiered's native kernel (tiered/kernels built)."""
-    return gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int8-g32", "int8-g32q8", "int4", "int4q8", "fp8") and \
-        kernels.available()
+    return gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int8-g32", "int8-g32q8", "int4", "int4q8", "fp8",
+                                                 *KQUANT_KINDS) and kernels.available()
 
 
 def _native_gemv_module(dtype: str, w: torch.Tensor):
@@ -619,6 +620,16 @@ def _native_gemv_module(dtype: str, w: torch.Tensor):
         from tiered.memory.sizes import bytes_per_element
         from tiered.quant.fp8 import Fp8Linear, quantize_fp8
         return Fp8Linear(*quantize_fp8(w)), bytes_per_element("fp8")
+    if dtype in KQUANT_KINDS:  # a GGUF Q6_K / Q5_K / IQ4_XS weight as stored: random blocks (the speed does not depend
+        # on the values; w gives the shape)
+        import numpy as np
+
+        from tiered.bench.gguf_dense import random_k_blocks
+        from tiered.quant.kquant import GGUF_FORMAT, LINEAR_OF_KIND, bytes_per_weight
+
+        N, K = w.shape
+        blocks = random_k_blocks(np.random.default_rng(0), N, K, GGUF_FORMAT[dtype], 0.02)
+        return LINEAR_OF_KIND[dtype].from_blocks([blocks]), bytes_per_weight(dtype)
     from tiered.quant.int8 import Int8Linear
     return Int8Linear.from_dense(w), 1 + 2 / w.shape[1]
 
@@ -2428,7 +2439,11 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 66: a bf16 prompt's attention on AVX512-BF16 without AMX (csrc/gemv.cpp attn_block_avx512: Zen 4 / 5), where torch's
 # SDPA and the native step's fp32 rows had computed it: attn_prefill, attn_prefill_past and attn_rows (cpu, bf16)
 # measured again (SmolLM2's heads at 1024 tokens 3.9 ms against torch's 11.7 on 2 Zen 4 cores).
-PROFILER_VERSION = 66
+# 67: gemv/cpu/q6k, q5k and iq4xs, the GGUF k-quant / IQ4_XS decode copies as stored (quant/kquant.py), whose stream
+# the native step's pricing takes at runtime/decode_layer/int8-g32's rate scaled by their kernels' own
+# (op_time.step_stream): the k-quant loop prefetches into the L2 on every machine, and on the 2-core Zen 4 VM an
+# IQ4_XS file's decode was priced 22.8 tok/s where it ran 30.9, a Q5_K_M file's 20.4 for 26.2 (2026-12-07).
+PROFILER_VERSION = 67
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2537,6 +2552,9 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         b.attempt("gemv/cpu/int8-g32", lambda: _gemm_points("cpu", "int8-g32", gemv_shapes, nosync, r, True, probe=pr))
         # e4m3 with 128 x 128 block scales: an fp8 checkpoint's weights and fp8 experts (quant/fp8.py)
         b.attempt("gemv/cpu/fp8", lambda: _gemm_points("cpu", "fp8", gemv_shapes, nosync, r, True, probe=pr))
+        # GGUF Q6_K / Q5_K / IQ4_XS decode copies as stored (quant/kquant.py; every shape's K a multiple of 256)
+        for kind in KQUANT_KINDS:
+            b.attempt(f"gemv/cpu/{kind}", lambda k=kind: _gemm_points("cpu", k, gemv_shapes, nosync, r, True, probe=pr))
     attn_shapes = [(32, 256, 128), (32, 1024, 128), (32, 2048, 128)] if quick else \
         [(32, 256, 128), (32, 512, 128), (32, 1024, 128), (32, 2048, 128), (64, 2048, 128)]
     for dtype in ("fp32",) if quick else ("fp32", "bf16"):

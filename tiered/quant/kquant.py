@@ -206,3 +206,4 @@ class IQ4XSLinear(KQuantLinear):
 
 
 LINEAR_OF_KIND = {"q6k": Q6KLinear, "q5k": Q5KLinear, "iq4xs": IQ4XSLinear}
+KQUANT_KINDS = tuple(LINEAR_OF_KIND)  # the decode-copy kinds this module holds

@@ -21,6 +21,7 @@ from torch import nn
 from tiered.hardware.cpu_gemm import linear
 from tiered.quant.int4 import GROUP, Int4Linear, quantize_int4
 from tiered.quant.int8 import Int8Linear, quantize_int8
+from tiered.quant.kquant import KQUANT_KINDS
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -229,7 +230,6 @@ GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int
                     "Q5_0": "int8-g32", "Q5_1": "int8-g32", "Q5_K": "q5k", "Q6_K": "q6k",
                     "IQ4_NL": "int8-g32", "IQ4_XS": "iq4xs", "Q2_K": "int4", "Q3_K": "int4",
                     **{f: "int4" for f in ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")}}
-KQUANT_KINDS = ("q6k", "q5k", "iq4xs")  # the decode copies of quant/kquant.py (LINEAR_OF_KIND)
 # the GGUF types whose blocks the int4 decode copies repack as stored (the rest of GGUF_DECODE_KIND's int4 ones are
 # re-quantized from their dequantized weights)
 INT4_AS_STORED = ("Q4_0", "Q4_1", "Q4_K")
