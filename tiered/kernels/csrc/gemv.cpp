@@ -2796,6 +2796,20 @@ void q5k_scalar(const Q5KW& w, const Act& a, int64_t b0, int64_t nb, int64_t n0,
 }
 
 // ------------------------------------------------------------------------------------ k-quant kernels
+// A k-quant layout's tensor for T tiles and K columns (its name in errors, dtype, shape): each format's `parts`, which
+// kquant_blocks allocates (or checks given outputs against) and check_layout checks the kernels' tensors against.
+struct KQuantPart {
+  const char* name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+};
+
+// The formats' repacking passes over tiles [t0, t1) (defined with their layouts' readers below).
+void q6k_pack_tiles(const uint8_t* src, uint8_t* qt, int8_t* sc, uint16_t* d, int64_t t0, int64_t t1, int64_t K);
+void q5k_pack_tiles(const uint8_t* src, uint8_t* qt, uint8_t* sm, uint16_t* dd, int64_t t0, int64_t t1, int64_t K);
+void iq4xs_pack_tiles(const uint8_t* src, uint8_t* qt, int8_t* sc, uint16_t* d, int64_t t0, int64_t t1, int64_t K);
+
+inline uint16_t* half_ptr(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::Half>()); }
 // The q6k and q5k formats' SIMD kernels, one loop each (kquant_avx2, kquant_avx512) over a format's traits (Q6KFormat,
 // Q5KFormat): a group's bytes, how its chunks' high bits sit (their vector for half h of the group's 8 chunks, and
 // chunk 4h + m's bits moved onto the bits above the nibble), and how a row's integer dot becomes its fp32 term:
@@ -2874,6 +2888,16 @@ TIERED_AVX2 TIERED_FORCE_INLINE __m256 f16x8(const uint16_t* p) {
 struct Q6KFormat {
   using W = Q6KW;
   static constexpr const char* kName = "q6k";
+  static constexpr const char* kPack = "q6k_blocks_q6t";  // its repacking pass's binding
+  static constexpr const char* kFile = "Q6_K";
+  static constexpr int64_t kFileBytes = 210;  // a super-block of 256 weights in the file
+  static std::vector<KQuantPart> parts(int64_t T, int64_t K) {
+    return {{"qt", at::kByte, {T, K / kGroup, kQ6Group}}, {"sc", at::kChar, {T, K / 16, kBlock}},
+            {"d", at::kHalf, {T, K / 256, kBlock}}};
+  }
+  static void pack(const uint8_t* src, const std::vector<at::Tensor>& o, int64_t t0, int64_t t1, int64_t K) {
+    q6k_pack_tiles(src, o[0].data_ptr<uint8_t>(), o[1].data_ptr<int8_t>(), half_ptr(o[2]), t0, t1, K);
+  }
   static constexpr int64_t kBytes = kQ6Group;
   static constexpr int64_t kCopyBytes = 210;  // per 256 weights
   static constexpr bool kPerHalf = true;
@@ -2951,6 +2975,16 @@ struct Q6KFormat {
 struct Q5KFormat {
   using W = Q5KW;
   static constexpr const char* kName = "q5k";
+  static constexpr const char* kPack = "q5k_blocks_q5t";
+  static constexpr const char* kFile = "Q5_K";
+  static constexpr int64_t kFileBytes = 176;
+  static std::vector<KQuantPart> parts(int64_t T, int64_t K) {
+    return {{"qt", at::kByte, {T, K / kGroup, kQ5Group}}, {"sm", at::kByte, {T, K / kGroup, 2, kBlock}},
+            {"dd", at::kHalf, {T, K / 256, 2, kBlock}}};
+  }
+  static void pack(const uint8_t* src, const std::vector<at::Tensor>& o, int64_t t0, int64_t t1, int64_t K) {
+    q5k_pack_tiles(src, o[0].data_ptr<uint8_t>(), o[1].data_ptr<uint8_t>(), half_ptr(o[2]), t0, t1, K);
+  }
   static constexpr int64_t kBytes = kQ5Group;
   static constexpr int64_t kCopyBytes = 180;  // per 256 weights: the file's 176, its 6-bit sc and m a byte each
   static constexpr bool kPerHalf = false;
@@ -3075,6 +3109,16 @@ void iq4xs_scalar(const IQ4XSW& w, const Act& a, int64_t b0, int64_t nb, int64_t
 struct IQ4XSFormat {
   using W = IQ4XSW;
   static constexpr const char* kName = "iq4xs";
+  static constexpr const char* kPack = "iq4xs_blocks_q4t";
+  static constexpr const char* kFile = "IQ4_XS";
+  static constexpr int64_t kFileBytes = 136;
+  static std::vector<KQuantPart> parts(int64_t T, int64_t K) {
+    return {{"qt", at::kByte, {T, K / kGroup, kIq4Group}}, {"sc", at::kChar, {T, K / kGroup, kBlock}},
+            {"d", at::kHalf, {T, K / 256, kBlock}}};
+  }
+  static void pack(const uint8_t* src, const std::vector<at::Tensor>& o, int64_t t0, int64_t t1, int64_t K) {
+    iq4xs_pack_tiles(src, o[0].data_ptr<uint8_t>(), o[1].data_ptr<int8_t>(), half_ptr(o[2]), t0, t1, K);
+  }
   static constexpr int64_t kBytes = kIq4Group;
   static constexpr int64_t kCopyBytes = 138;  // per 256 weights: the file's 136, its 6-bit ls a byte each
   static constexpr bool kPerHalf = false;
@@ -3717,8 +3761,8 @@ struct Int8Gemv : Gemv {
   }
 };
 
-// GGUF Q6_K / Q5_K weights as stored (see "q6k", "q5k"; F: Q6KFormat, Q5KFormat): a Q4_K_M file's Q6_K tensors' and a
-// Q5_K_M file's Q5_K ones' decode copies (quant/kquant.py).
+// GGUF Q6_K / Q5_K / IQ4_XS weights as stored (see "q6k", "q5k", "iq4xs"; F: Q6KFormat, Q5KFormat, IQ4XSFormat): a
+// Q4_K_M file's Q6_K tensors', a Q5_K_M file's Q5_K ones' and an IQ4_XS file's decode copies (quant/kquant.py).
 template <class F>
 struct KQuantGemv : Gemv {
   at::Tensor qt, scales, supers;  // held: w points into them
@@ -4479,50 +4523,6 @@ void q6k_pack_tiles(const uint8_t* src, uint8_t* qt, int8_t* sc, uint16_t* d, in
     }
 }
 
-// A k-quant repacking pass's three outputs (qt, scales, supers) of the given shapes and dtypes: given (written in
-// place, checked: a fused group's parts write their own tiles of one weight, and huge-page memory is written once) or
-// new. `what` names the binding in errors.
-std::vector<at::Tensor> kquant_outputs(const std::vector<std::pair<std::vector<int64_t>, at::ScalarType>>& specs,
-                                       const std::vector<c10::optional<at::Tensor>>& outs, const std::string& what) {
-  static const char* names[] = {"qt_out", "scales_out", "supers_out"};
-  std::vector<at::Tensor> r;
-  for (size_t i = 0; i < specs.size(); ++i)
-    r.push_back(out_or_empty(outs[i], specs[i].first, specs[i].second, (what + ": " + names[i]).c_str()));
-  return r;
-}
-
-std::vector<at::Tensor> q6k_blocks_q6t(const at::Tensor& raw0, const c10::optional<at::Tensor>& qt_out,
-                                       const c10::optional<at::Tensor>& sc_out, const c10::optional<at::Tensor>& d_out) {
-  const BlockRows br = checked_blocks(raw0, 210, 256, "q6k_blocks_q6t");
-  const int64_t N = br.N, K = br.K;
-  auto o = kquant_outputs({{{N / kBlock, K / kGroup, kQ6Group}, at::kByte}, {{N / kBlock, K / 16, kBlock}, at::kChar},
-                           {{N / kBlock, K / 256, kBlock}, at::kHalf}},
-                          {qt_out, sc_out, d_out}, "q6k_blocks_q6t");
-  const uint8_t* src = br.raw.data_ptr<uint8_t>();
-  uint8_t* q = o[0].data_ptr<uint8_t>();
-  int8_t* s = o[1].data_ptr<int8_t>();
-  auto* dp = reinterpret_cast<uint16_t*>(o[2].data_ptr<at::Half>());
-  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) { q6k_pack_tiles(src, q, s, dp, t0, t1, K); });
-  return o;
-}
-
-// The q6k layout's (qt, sc, d) checked for a weight of N x K (see "q6k"); `what` names the caller in errors.
-void check_layout(Q6KFormat, const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, const char* what) {
-  TIERED_CHECK(qt.device().is_cpu() && qt.scalar_type() == at::kByte && qt.dim() == 3 && qt.size(2) == kQ6Group &&
-                  qt.is_contiguous(),
-              what, ": qt must be a contiguous CPU uint8 [N/16, K/32, 384], got ", qt.scalar_type(), " ", qt.sizes());
-  const int64_t T = qt.size(0), K = qt.size(1) * kGroup;
-  TIERED_CHECK(K % 256 == 0 && K > 0, what, ": K must be a positive multiple of 256 (Q6_K's super-blocks), got ", K);
-  TIERED_CHECK(sc.device().is_cpu() && sc.scalar_type() == at::kChar && sc.is_contiguous() &&
-                  sc.sizes() == at::IntArrayRef({T, K / 16, kBlock}),
-              what, ": sc must be a contiguous CPU int8 [", T, ", ", K / 16, ", 16], got ", sc.scalar_type(), " ",
-              sc.sizes());
-  TIERED_CHECK(d.device().is_cpu() && d.scalar_type() == at::kHalf && d.is_contiguous() &&
-                  d.sizes() == at::IntArrayRef({T, K / 256, kBlock}),
-              what, ": d must be a contiguous CPU float16 [", T, ", ", K / 256, ", 16], got ", d.scalar_type(), " ",
-              d.sizes());
-}
-
 // A q6k weight dequantized, w = (d sc) (u - 32) in fp32 (gguf's order), as fp32 or rounded to bf16 (nearest even):
 // the prefill path of a weight held only so (quant/q6k.Q6KLinear.dense) and its reference.
 template <typename T>
@@ -4576,37 +4576,6 @@ void q5k_pack_tiles(const uint8_t* src, uint8_t* qt, uint8_t* sm, uint16_t* dd, 
         }
       }
     }
-}
-
-std::vector<at::Tensor> q5k_blocks_q5t(const at::Tensor& raw0, const c10::optional<at::Tensor>& qt_out,
-                                       const c10::optional<at::Tensor>& sm_out, const c10::optional<at::Tensor>& dd_out) {
-  const BlockRows br = checked_blocks(raw0, 176, 256, "q5k_blocks_q5t");
-  const int64_t N = br.N, K = br.K;
-  auto o = kquant_outputs({{{N / kBlock, K / kGroup, kQ5Group}, at::kByte}, {{N / kBlock, K / kGroup, 2, kBlock}, at::kByte},
-                           {{N / kBlock, K / 256, 2, kBlock}, at::kHalf}},
-                          {qt_out, sm_out, dd_out}, "q5k_blocks_q5t");
-  const uint8_t* src = br.raw.data_ptr<uint8_t>();
-  uint8_t *q = o[0].data_ptr<uint8_t>(), *s = o[1].data_ptr<uint8_t>();
-  auto* dp = reinterpret_cast<uint16_t*>(o[2].data_ptr<at::Half>());
-  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) { q5k_pack_tiles(src, q, s, dp, t0, t1, K); });
-  return o;
-}
-
-// The q5k layout's (qt, sm, dd) checked (see "q5k"); `what` names the caller in errors.
-void check_layout(Q5KFormat, const at::Tensor& qt, const at::Tensor& sm, const at::Tensor& dd, const char* what) {
-  TIERED_CHECK(qt.device().is_cpu() && qt.scalar_type() == at::kByte && qt.dim() == 3 && qt.size(2) == kQ5Group &&
-                  qt.is_contiguous(),
-              what, ": qt must be a contiguous CPU uint8 [N/16, K/32, 320], got ", qt.scalar_type(), " ", qt.sizes());
-  const int64_t T = qt.size(0), K = qt.size(1) * kGroup;
-  TIERED_CHECK(K % 256 == 0 && K > 0, what, ": K must be a positive multiple of 256 (Q5_K's super-blocks), got ", K);
-  TIERED_CHECK(sm.device().is_cpu() && sm.scalar_type() == at::kByte && sm.is_contiguous() &&
-                  sm.sizes() == at::IntArrayRef({T, K / kGroup, 2, kBlock}),
-              what, ": sm must be a contiguous CPU uint8 [", T, ", ", K / kGroup, ", 2, 16], got ", sm.scalar_type(), " ",
-              sm.sizes());
-  TIERED_CHECK(dd.device().is_cpu() && dd.scalar_type() == at::kHalf && dd.is_contiguous() &&
-                  dd.sizes() == at::IntArrayRef({T, K / 256, 2, kBlock}),
-              what, ": dd must be a contiguous CPU float16 [", T, ", ", K / 256, ", 2, 16], got ", dd.scalar_type(), " ",
-              dd.sizes());
 }
 
 // A q5k weight dequantized, w = (d sc) u - (dmin m) in fp32 (gguf's products, no fused multiply-add), as fp32 or
@@ -4664,38 +4633,6 @@ void iq4xs_pack_tiles(const uint8_t* src, uint8_t* qt, int8_t* sc, uint16_t* d, 
     }
 }
 
-std::vector<at::Tensor> iq4xs_blocks_q4t(const at::Tensor& raw0, const c10::optional<at::Tensor>& qt_out,
-                                         const c10::optional<at::Tensor>& sc_out, const c10::optional<at::Tensor>& d_out) {
-  const BlockRows br = checked_blocks(raw0, 136, 256, "iq4xs_blocks_q4t");
-  const int64_t N = br.N, K = br.K;
-  auto o = kquant_outputs({{{N / kBlock, K / kGroup, kIq4Group}, at::kByte}, {{N / kBlock, K / kGroup, kBlock}, at::kChar},
-                           {{N / kBlock, K / 256, kBlock}, at::kHalf}},
-                          {qt_out, sc_out, d_out}, "iq4xs_blocks_q4t");
-  const uint8_t* src = br.raw.data_ptr<uint8_t>();
-  uint8_t* q = o[0].data_ptr<uint8_t>();
-  int8_t* s = o[1].data_ptr<int8_t>();
-  auto* dp = reinterpret_cast<uint16_t*>(o[2].data_ptr<at::Half>());
-  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) { iq4xs_pack_tiles(src, q, s, dp, t0, t1, K); });
-  return o;
-}
-
-// The iq4xs layout's (qt, sc, d) checked (see "iq4xs"); `what` names the caller in errors.
-void check_layout(IQ4XSFormat, const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, const char* what) {
-  TIERED_CHECK(qt.device().is_cpu() && qt.scalar_type() == at::kByte && qt.dim() == 3 && qt.size(2) == kIq4Group &&
-                  qt.is_contiguous(),
-              what, ": qt must be a contiguous CPU uint8 [N/16, K/32, 256], got ", qt.scalar_type(), " ", qt.sizes());
-  const int64_t T = qt.size(0), K = qt.size(1) * kGroup;
-  TIERED_CHECK(K % 256 == 0 && K > 0, what, ": K must be a positive multiple of 256 (IQ4_XS's super-blocks), got ", K);
-  TIERED_CHECK(sc.device().is_cpu() && sc.scalar_type() == at::kChar && sc.is_contiguous() &&
-                  sc.sizes() == at::IntArrayRef({T, K / kGroup, kBlock}),
-              what, ": sc must be a contiguous CPU int8 [", T, ", ", K / kGroup, ", 16], got ", sc.scalar_type(), " ",
-              sc.sizes());
-  TIERED_CHECK(d.device().is_cpu() && d.scalar_type() == at::kHalf && d.is_contiguous() &&
-                  d.sizes() == at::IntArrayRef({T, K / 256, kBlock}),
-              what, ": d must be a contiguous CPU float16 [", T, ", ", K / 256, ", 16], got ", d.scalar_type(), " ",
-              d.sizes());
-}
-
 // An iq4xs weight dequantized, w = (d (ls - 32)) v in fp32 (gguf's order: the scale exact, one product), as fp32 or
 // rounded to bf16: the prefill path of a weight held only so (quant/kquant.IQ4XSLinear.dense) and its reference.
 template <typename T>
@@ -4717,13 +4654,62 @@ void kquant_dequantize_tiles(const IQ4XSW& w, T* out, int64_t t0, int64_t t1, in
     }
 }
 
+// dtype names as torch prints them, for the layouts' errors
+inline const char* torch_dtype_name(at::ScalarType t) {
+  return t == at::kByte ? "uint8" : t == at::kChar ? "int8" : t == at::kHalf ? "float16" : c10::toString(t);
+}
+
+// A format's GGUF blocks uint8 [N, K/256 * F::kFileBytes] (N % 16 == 0) -> its layout's three tensors (F::parts), the
+// same codes and scales bit for bit, in one pass over the tiles (F::pack); written into qt_out / scales_out /
+// supers_out where given (checked: a fused group's parts write their own tiles of one weight, and huge-page memory is
+// written once, KQuantLinear.from_blocks), else new.
+template <class F>
+std::vector<at::Tensor> kquant_blocks(const at::Tensor& raw0, const c10::optional<at::Tensor>& qt_out,
+                                      const c10::optional<at::Tensor>& scales_out,
+                                      const c10::optional<at::Tensor>& supers_out) {
+  const BlockRows br = checked_blocks(raw0, F::kFileBytes, 256, F::kPack);
+  const int64_t N = br.N, K = br.K;
+  const auto parts = F::parts(N / kBlock, K);
+  const c10::optional<at::Tensor>* outs[3] = {&qt_out, &scales_out, &supers_out};
+  const char* names[3] = {"qt_out", "scales_out", "supers_out"};
+  std::vector<at::Tensor> o;
+  for (int i = 0; i < 3; ++i)
+    o.push_back(out_or_empty(*outs[i], parts[i].shape, parts[i].dtype, (std::string(F::kPack) + ": " + names[i]).c_str()));
+  const uint8_t* src = br.raw.data_ptr<uint8_t>();
+  at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) { F::pack(src, o, t0, t1, K); });
+  return o;
+}
+
+// A format's layout (qt, scales, supers) checked for the weight qt's shape says (F::parts); `what` names the caller in
+// errors.
+template <class F>
+void check_layout(const at::Tensor& qt, const at::Tensor& scales, const at::Tensor& supers, const char* what) {
+  TIERED_CHECK(qt.device().is_cpu() && qt.scalar_type() == at::kByte && qt.dim() == 3 && qt.size(2) == F::kBytes &&
+                  qt.is_contiguous(),
+              what, ": qt must be a contiguous CPU uint8 [N/16, K/32, ", F::kBytes, "], got ", qt.scalar_type(), " ",
+              qt.sizes());
+  const int64_t T = qt.size(0), K = qt.size(1) * kGroup;
+  TIERED_CHECK(K % 256 == 0 && K > 0, what, ": K must be a positive multiple of 256 (", F::kFile,
+               "'s super-blocks), got ", K);
+  const auto parts = F::parts(T, K);
+  const at::Tensor* ts[2] = {&scales, &supers};
+  for (int i = 0; i < 2; ++i) {
+    const at::Tensor& t = *ts[i];
+    const KQuantPart& p = parts[i + 1];
+    TIERED_CHECK(t.device().is_cpu() && t.scalar_type() == p.dtype && t.is_contiguous() &&
+                    t.sizes() == at::IntArrayRef(p.shape),
+                what, ": ", p.name, " must be a contiguous CPU ", torch_dtype_name(p.dtype), " ", at::IntArrayRef(p.shape),
+                ", got ", t.scalar_type(), " ", t.sizes());
+  }
+}
+
 // A k-quant weight (the format's tensors, checked) dequantized to [N, K] in fp32 or bf16 (see kquant_dequantize_tiles;
 // AVX-512's bf16 rows: kquant_bf16_avx512, the same values); `out` when given, else a new tensor.
 template <class F>
 at::Tensor kquant_tiled_dequantize(const at::Tensor& qt, const at::Tensor& scales, const at::Tensor& supers, bool bf16,
                                    const c10::optional<at::Tensor>& out_) {
   const std::string what = std::string(F::kName) + "_tiled_dequantize";
-  check_layout(F{}, qt, scales, supers, what.c_str());
+  check_layout<F>(qt, scales, supers, what.c_str());
   const int64_t N = qt.size(0) * kBlock, K = qt.size(1) * kGroup;
   at::Tensor out = out_or_empty(out_, {N, K}, bf16 ? at::kBFloat16 : at::kFloat, (what + ": out").c_str());
   const typename F::W w = F::weights(qt, scales, supers, nullptr);
@@ -5500,13 +5486,13 @@ std::shared_ptr<Int8Gemv> make_int8g32_tiled(at::Tensor qt, at::Tensor st, c10::
   return k;
 }
 
-// k-quant weights (see "q6k", "q5k"): the format's (qt, scales, supers), checked (check_layout) and held (no copy);
+// k-quant weights (see "q6k", "q5k", "iq4xs"): the format's (qt, scales, supers), checked (check_layout) and held (no copy);
 // batch_act as make_int8_tiled's.
 template <class F>
 std::shared_ptr<KQuantGemv<F>> make_kquant(at::Tensor qt, at::Tensor scales, at::Tensor supers,
                                            c10::optional<at::Tensor> bias, const std::string& batch_act) {
   const std::string what = std::string(F::kName) + "_kernel";
-  check_layout(F{}, qt, scales, supers, what.c_str());
+  check_layout<F>(qt, scales, supers, what.c_str());
   auto k = std::make_shared<KQuantGemv<F>>();
   k->out_features = qt.size(0) * kBlock, k->in_features = qt.size(1) * kGroup;
   k->qt = qt, k->scales = scales, k->supers = supers;
@@ -5986,7 +5972,7 @@ void register_gemv(pybind11::module& m) {
         "tiered's GEMV over GGUF Q6_K weights as stored (q6k_blocks_q6t's layout): qt uint8 [N/16, K/32, 384], sc int8 "
         "[N/16, K/16, 16], d float16 [N/16, K/256, 16] (K % 256 == 0): w = d sc (u - 32). batch_act as "
         "int8_tiled_kernel's. Holds the tensors (no copy).");
-  m.def("q6k_blocks_q6t", &q6k_blocks_q6t, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
+  m.def("q6k_blocks_q6t", &kquant_blocks<Q6KFormat>, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
         py::arg("qt_out") = py::none(), py::arg("scales_out") = py::none(), py::arg("supers_out") = py::none(),
         "GGUF Q6_K blocks uint8 [N, K/256 * 210] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 384], sc int8 [N/16, K/16, 16], "
         "d float16 [N/16, K/256, 16]): the q6k kernel's layout of the same codes and scales, bit for bit. qt_out, "
@@ -6002,7 +5988,7 @@ void register_gemv(pybind11::module& m) {
         "tiered's GEMV over GGUF Q5_K weights as stored (q5k_blocks_q5t's layout): qt uint8 [N/16, K/32, 320], sm uint8 "
         "[N/16, K/32, 2, 16] (sc, then m), dd float16 [N/16, K/256, 2, 16] (d, then dmin), K % 256 == 0: w = d sc u - "
         "dmin m. batch_act as int8_tiled_kernel's. Holds the tensors (no copy).");
-  m.def("q5k_blocks_q5t", &q5k_blocks_q5t, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
+  m.def("q5k_blocks_q5t", &kquant_blocks<Q5KFormat>, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
         py::arg("qt_out") = py::none(), py::arg("scales_out") = py::none(), py::arg("supers_out") = py::none(),
         "GGUF Q5_K blocks uint8 [N, K/256 * 176] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 320], sm uint8 [N/16, K/32, 2, "
         "16], dd float16 [N/16, K/256, 2, 16]): the q5k kernel's layout of the same codes and scales, bit for bit. "
@@ -6017,7 +6003,7 @@ void register_gemv(pybind11::module& m) {
         "tiered's GEMV over GGUF IQ4_XS weights as stored (iq4xs_blocks_q4t's layout): qt uint8 [N/16, K/32, 256] (the "
         "4-bit codebook indices), sc int8 [N/16, K/32, 16] (ls - 32), d float16 [N/16, K/256, 16], K % 256 == 0: w = d "
         "(ls - 32) kvalues_iq4nl[i]. batch_act as int8_tiled_kernel's. Holds the tensors (no copy).");
-  m.def("iq4xs_blocks_q4t", &iq4xs_blocks_q4t, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
+  m.def("iq4xs_blocks_q4t", &kquant_blocks<IQ4XSFormat>, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
         py::arg("qt_out") = py::none(), py::arg("scales_out") = py::none(), py::arg("supers_out") = py::none(),
         "GGUF IQ4_XS super-blocks uint8 [N, K/256 * 136] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 256], sc int8 [N/16, "
         "K/32, 16], d float16 [N/16, K/256, 16]): the iq4xs kernel's layout of the same indices and scales, bit for bit; "
