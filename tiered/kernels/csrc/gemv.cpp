@@ -2771,12 +2771,18 @@ inline std::pair<float, float> q5k_scales(const Q5KW& w, int64_t n, int64_t g, i
   return {half_to_float(dd[0]) * float(sm[0]), half_to_float(dd[kBlock]) * float(sm[kBlock])};
 }
 
-// q8: against the int8 activations (Act::xqt, dxg, xqs) instead of the int16 ones (xs, dw, xsq).
-void q5k_scalar(const Q5KW& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
-                bool q8) {
+// The scalar path of a format with one (scale, min) pair per row and group of 32 (Q5_K's (d sc, dmin m), IQ4_XS's
+// (d (ls - 32), 128 times it)): per row and group the integer dot of u (Code) against x, times the scale, less the
+// min times sum(x), times the group's dx. q8: against the int8 activations (Act::xqt, dxg, xqs) instead of the int16
+// ones (xs, dw, xsq).
+template <class W, int (*Code)(const uint8_t*, int64_t, int64_t), std::pair<float, float> (*Scales)(const W&, int64_t,
+                                                                                                     int64_t, int64_t),
+          int64_t GroupBytes>
+void group_scalar(const W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                  bool q8) {
   const int64_t K = a.K, G = K / kGroup;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* tile = w.q + (n / kBlock) * G * kQ5Group;
+    const uint8_t* tile = w.q + (n / kBlock) * G * GroupBytes;
     for (int64_t b = b0; b < b0 + nb; ++b) {
       float acc = 0.f;
       for (int64_t g = 0; g < G; ++g) {
@@ -2784,10 +2790,10 @@ void q5k_scalar(const Q5KW& w, const Act& a, int64_t b0, int64_t nb, int64_t n0,
         for (int64_t k = 0; k < kGroup; ++k) {
           const int64_t col = b * K + g * kGroup + k;
           const int32_t x = q8 ? int32_t(a.xqt[col]) : int32_t(a.xs[col]);
-          dot += q5k_code(tile + g * kQ5Group, n % kBlock, k) * x;
+          dot += Code(tile + g * GroupBytes, n % kBlock, k) * x;
           sum += x;
         }
-        const auto [fs, fm] = q5k_scales(w, n, g, K);
+        const auto [fs, fm] = Scales(w, n, g, K);
         acc += (float(dot) * fs - fm * float(sum)) * (q8 ? a.dxg[b * G + g] : a.dw[b * G + g]);
       }
       y[b * ldy + n] = acc + (w.bias ? w.bias[n] : 0.f);
@@ -2995,7 +3001,7 @@ struct Q5KFormat {
   }
   static void scalar(const W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
                      bool q8) {
-    q5k_scalar(w, a, b0, nb, n0, n1, y, ldy, q8);
+    group_scalar<Q5KW, q5k_code, q5k_scales, kQ5Group>(w, a, b0, nb, n0, n1, y, ldy, q8);
   }
   // int16 x with its sums per group (split: xsq, and AVX-512's xh / xl), or int8 x with theirs (xqs)
   static ActNeeds int16_needs() { return ActNeeds::only_w16(true); }
@@ -3074,34 +3080,11 @@ inline int iq4xs_code(const uint8_t* grp, int64_t r, int64_t k) {
   return kIq4U[c % 2 ? b >> 4 : b & 15];
 }
 
-// d (ls - 32) of row n's group g in fp32 (exact: an 11-bit significand times a 6-bit integer)
-inline float iq4xs_scale(const IQ4XSW& w, int64_t n, int64_t g, int64_t K) {
+// (d (ls - 32), 128 times it) of row n's group g in fp32 (exact: an 11-bit significand times a 6-bit integer)
+inline std::pair<float, float> iq4xs_scales(const IQ4XSW& w, int64_t n, int64_t g, int64_t K) {
   const int64_t t = n / kBlock, r = n % kBlock;
-  return half_to_float(w.d[(t * (K / 256) + g / 8) * kBlock + r]) * float(w.sc[(t * (K / kGroup) + g) * kBlock + r]);
-}
-
-// q8: against the int8 activations (Act::xqt, dxg, xqs) instead of the int16 ones (xs, dw, xsq).
-void iq4xs_scalar(const IQ4XSW& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
-                  bool q8) {
-  const int64_t K = a.K, G = K / kGroup;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* tile = w.q + (n / kBlock) * G * kIq4Group;
-    for (int64_t b = b0; b < b0 + nb; ++b) {
-      float acc = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        int32_t dot = 0, sum = 0;
-        for (int64_t k = 0; k < kGroup; ++k) {
-          const int64_t col = b * K + g * kGroup + k;
-          const int32_t x = q8 ? int32_t(a.xqt[col]) : int32_t(a.xs[col]);
-          dot += iq4xs_code(tile + g * kIq4Group, n % kBlock, k) * x;
-          sum += x;
-        }
-        const float fs = iq4xs_scale(w, n, g, K);
-        acc += (float(dot) * fs - 128.f * fs * float(sum)) * (q8 ? a.dxg[b * G + g] : a.dw[b * G + g]);
-      }
-      y[b * ldy + n] = acc + (w.bias ? w.bias[n] : 0.f);
-    }
-  }
+  const float fs = half_to_float(w.d[(t * (K / 256) + g / 8) * kBlock + r]) * float(w.sc[(t * (K / kGroup) + g) * kBlock + r]);
+  return {fs, 128.f * fs};
 }
 
 // IQ4_XS: its nibbles through kIq4U (kLut); the group's 32 columns share d (ls - 32); the row's dot of u times it,
@@ -3129,7 +3112,7 @@ struct IQ4XSFormat {
   }
   static void scalar(const W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
                      bool q8) {
-    iq4xs_scalar(w, a, b0, nb, n0, n1, y, ldy, q8);
+    group_scalar<IQ4XSW, iq4xs_code, iq4xs_scales, kIq4Group>(w, a, b0, nb, n0, n1, y, ldy, q8);
   }
   static ActNeeds int16_needs() { return ActNeeds::only_w16(true); }
   static ActNeeds int8_needs() { return ActNeeds::only_q8(); }
@@ -4644,7 +4627,7 @@ void kquant_dequantize_tiles(const IQ4XSW& w, T* out, int64_t t0, int64_t t1, in
       T* o = out + n * K;
       for (int64_t g = 0; g < G; ++g) {
         const uint8_t* grp = w.q + (t * G + g) * kIq4Group;
-        const float fs = iq4xs_scale(w, n, g, K);
+        const float fs = iq4xs_scales(w, n, g, K).first;
         for (int64_t k = 0; k < kGroup; ++k) {
           const float v = fs * float(iq4xs_code(grp, r, k) - 128);
           if constexpr (std::is_same_v<T, float>) o[g * kGroup + k] = v;
