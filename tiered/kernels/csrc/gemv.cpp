@@ -2976,9 +2976,38 @@ struct Q6KFormat {
   }
 };
 
+// The fp32 terms of the formats with one (scale, min) pair per row and group of 32 (Q5_K's (d sc, dmin m), IQ4_XS's
+// (d (ls - 32), 128 times it)): a row's dot of u times the scale, less sum(x) (Act::xsq / xqs) times the min, times
+// the group's dx. They read int16 x with its sums per group (split: xsq, and AVX-512's xh / xl), or int8 x with theirs.
+struct GroupMinTerms {
+  static constexpr bool kPerHalf = false;
+  static ActNeeds int16_needs() { return ActNeeds::only_w16(true); }
+  static ActNeeds int8_needs() { return ActNeeds::only_q8(); }
+  struct S512 {
+    __m512 fs, fm;  // the scales and mins of 16 rows
+  };
+  static TIERED_AVX512 TIERED_FORCE_INLINE __m512 add512(__m512 acc, const S512& s, __m512i v, const Act& a, int64_t b,
+                                                         int64_t g, int, bool q8) {
+    const int64_t bg = b * (a.K / kGroup) + g;
+    const __m512 sum = _mm512_set1_ps(float(q8 ? a.xqs[bg] : a.xsq[bg]));
+    return _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(v), s.fs, _mm512_mul_ps(s.fm, sum)),
+                           _mm512_set1_ps(q8 ? a.dxg[bg] : a.dw[bg]), acc);
+  }
+  struct S256 {
+    __m256 fs[2], fm[2];  // [row half]
+  };
+  static TIERED_AVX2 TIERED_FORCE_INLINE __m256 add256(__m256 acc, const S256& s, __m256i v, const Act& a, int64_t b,
+                                                       int64_t g, int, int r) {
+    const int64_t bg = b * (a.K / kGroup) + g;
+    const __m256 sum = _mm256_set1_ps(float(a.xsq[bg]));
+    return _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(v), s.fs[r], _mm256_mul_ps(s.fm[r], sum)),
+                           _mm256_set1_ps(a.dw[bg]), acc);
+  }
+};
+
 // Q5_K: one high vector holds chunk c's fifth bit at bit c; the group's 32 columns share d sc and dmin m; the row's dot
 // times d sc, less sum(x) (Act::xsq / xqs) times dmin m, times dx.
-struct Q5KFormat {
+struct Q5KFormat : GroupMinTerms {
   using W = Q5KW;
   static constexpr const char* kName = "q5k";
   static constexpr const char* kPack = "q5k_blocks_q5t";
@@ -2993,7 +3022,6 @@ struct Q5KFormat {
   }
   static constexpr int64_t kBytes = kQ5Group;
   static constexpr int64_t kCopyBytes = 180;  // per 256 weights: the file's 176, its 6-bit sc and m a byte each
-  static constexpr bool kPerHalf = false;
   static constexpr bool kLut = false;
   static constexpr const uint8_t* kTable = nullptr;
   static W weights(const at::Tensor& qt, const at::Tensor& sm, const at::Tensor& dd, const float* bias) {
@@ -3003,9 +3031,6 @@ struct Q5KFormat {
                      bool q8) {
     group_scalar<Q5KW, q5k_code, q5k_scales, kQ5Group>(w, a, b0, nb, n0, n1, y, ldy, q8);
   }
-  // int16 x with its sums per group (split: xsq, and AVX-512's xh / xl), or int8 x with theirs (xqs)
-  static ActNeeds int16_needs() { return ActNeeds::only_w16(true); }
-  static ActNeeds int8_needs() { return ActNeeds::only_q8(); }
   static constexpr int64_t high_offset(int) { return 256; }
   static TIERED_AVX512 TIERED_FORCE_INLINE __m512i high512(__m512i hv, int h, int m) {
     return shift_mask512(hv, 4 - (4 * h + m), _mm512_set1_epi8(0x10));
@@ -3013,9 +3038,6 @@ struct Q5KFormat {
   static TIERED_AVX2 TIERED_FORCE_INLINE __m256i high256(__m256i hv, int h, int m) {
     return shift_mask256(hv, 4 - (4 * h + m), _mm256_set1_epi8(0x10));
   }
-  struct S512 {
-    __m512 fs, fm;  // d sc and dmin m, 16 rows
-  };
   static TIERED_AVX512 TIERED_FORCE_INLINE S512 scales512(const W& w, int64_t t, int64_t g, int64_t K) {
     const uint16_t* dd = w.dd + (t * (K / 256) + g / 8) * 2 * kBlock;
     const uint8_t* sm = w.sm + (t * (K / kGroup) + g) * 2 * kBlock;
@@ -3025,16 +3047,6 @@ struct Q5KFormat {
   static TIERED_AVX512 TIERED_FORCE_INLINE __m512 weights512(const S512& s, int, __m512 u, __m512i perm) {
     return _mm512_sub_ps(_mm512_mul_ps(u, _mm512_permutexvar_ps(perm, s.fs)), _mm512_permutexvar_ps(perm, s.fm));
   }
-  static TIERED_AVX512 TIERED_FORCE_INLINE __m512 add512(__m512 acc, const S512& s, __m512i v, const Act& a, int64_t b,
-                                                         int64_t g, int, bool q8) {
-    const int64_t bg = b * (a.K / kGroup) + g;
-    const __m512 sum = _mm512_set1_ps(float(q8 ? a.xqs[bg] : a.xsq[bg]));
-    return _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(v), s.fs, _mm512_mul_ps(s.fm, sum)),
-                           _mm512_set1_ps(q8 ? a.dxg[bg] : a.dw[bg]), acc);
-  }
-  struct S256 {
-    __m256 fs[2], fm[2];  // [row half]
-  };
   static TIERED_AVX2 TIERED_FORCE_INLINE S256 scales256(const W& w, int64_t t, int64_t g, int64_t K) {
     const uint16_t* dd = w.dd + (t * (K / 256) + g / 8) * 2 * kBlock;
     const uint8_t* sm = w.sm + (t * (K / kGroup) + g) * 2 * kBlock;
@@ -3044,13 +3056,6 @@ struct Q5KFormat {
       s.fm[r] = _mm256_mul_ps(f16x8(dd + kBlock + 8 * r), u8x8(sm + kBlock + 8 * r));
     }
     return s;
-  }
-  static TIERED_AVX2 TIERED_FORCE_INLINE __m256 add256(__m256 acc, const S256& s, __m256i v, const Act& a, int64_t b,
-                                                       int64_t g, int, int r) {
-    const int64_t bg = b * (a.K / kGroup) + g;
-    const __m256 sum = _mm256_set1_ps(float(a.xsq[bg]));
-    return _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(v), s.fs[r], _mm256_mul_ps(s.fm[r], sum)),
-                           _mm256_set1_ps(a.dw[bg]), acc);
   }
 };
 
@@ -3089,7 +3094,7 @@ inline std::pair<float, float> iq4xs_scales(const IQ4XSW& w, int64_t n, int64_t 
 
 // IQ4_XS: its nibbles through kIq4U (kLut); the group's 32 columns share d (ls - 32); the row's dot of u times it,
 // less 128 sum(x) times it, times dx (Q5_K's form with dmin m = 128 d (ls - 32)).
-struct IQ4XSFormat {
+struct IQ4XSFormat : GroupMinTerms {
   using W = IQ4XSW;
   static constexpr const char* kName = "iq4xs";
   static constexpr const char* kPack = "iq4xs_blocks_q4t";
@@ -3104,7 +3109,6 @@ struct IQ4XSFormat {
   }
   static constexpr int64_t kBytes = kIq4Group;
   static constexpr int64_t kCopyBytes = 138;  // per 256 weights: the file's 136, its 6-bit ls a byte each
-  static constexpr bool kPerHalf = false;
   static constexpr bool kLut = true;
   static constexpr const uint8_t* kTable = kIq4U;
   static W weights(const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, const float* bias) {
@@ -3114,14 +3118,9 @@ struct IQ4XSFormat {
                      bool q8) {
     group_scalar<IQ4XSW, iq4xs_code, iq4xs_scales, kIq4Group>(w, a, b0, nb, n0, n1, y, ldy, q8);
   }
-  static ActNeeds int16_needs() { return ActNeeds::only_w16(true); }
-  static ActNeeds int8_needs() { return ActNeeds::only_q8(); }
   static constexpr int64_t high_offset(int) { return 0; }  // (no high bits: kLut)
   static TIERED_AVX512 TIERED_FORCE_INLINE __m512i high512(__m512i, int, int) { return _mm512_setzero_si512(); }
   static TIERED_AVX2 TIERED_FORCE_INLINE __m256i high256(__m256i, int, int) { return _mm256_setzero_si256(); }
-  struct S512 {
-    __m512 fs, fm;  // d (ls - 32) and 128 times it, 16 rows
-  };
   static TIERED_AVX512 TIERED_FORCE_INLINE S512 scales512(const W& w, int64_t t, int64_t g, int64_t K) {
     const __m512 fs = _mm512_mul_ps(f16x16(w.d + (t * (K / 256) + g / 8) * kBlock), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (t * (K / kGroup) + g) * kBlock)))));
@@ -3131,16 +3130,6 @@ struct IQ4XSFormat {
   static TIERED_AVX512 TIERED_FORCE_INLINE __m512 weights512(const S512& s, int, __m512 u, __m512i perm) {
     return _mm512_mul_ps(_mm512_sub_ps(u, _mm512_set1_ps(128.f)), _mm512_permutexvar_ps(perm, s.fs));
   }
-  static TIERED_AVX512 TIERED_FORCE_INLINE __m512 add512(__m512 acc, const S512& s, __m512i v, const Act& a, int64_t b,
-                                                         int64_t g, int, bool q8) {
-    const int64_t bg = b * (a.K / kGroup) + g;
-    const __m512 sum = _mm512_set1_ps(float(q8 ? a.xqs[bg] : a.xsq[bg]));
-    return _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(v), s.fs, _mm512_mul_ps(s.fm, sum)),
-                           _mm512_set1_ps(q8 ? a.dxg[bg] : a.dw[bg]), acc);
-  }
-  struct S256 {
-    __m256 fs[2], fm[2];  // [row half]
-  };
   static TIERED_AVX2 TIERED_FORCE_INLINE S256 scales256(const W& w, int64_t t, int64_t g, int64_t K) {
     S256 s;
     for (int r = 0; r < 2; ++r) {
@@ -3150,13 +3139,6 @@ struct IQ4XSFormat {
       s.fm[r] = _mm256_mul_ps(s.fs[r], _mm256_set1_ps(128.f));
     }
     return s;
-  }
-  static TIERED_AVX2 TIERED_FORCE_INLINE __m256 add256(__m256 acc, const S256& s, __m256i v, const Act& a, int64_t b,
-                                                       int64_t g, int, int r) {
-    const int64_t bg = b * (a.K / kGroup) + g;
-    const __m256 sum = _mm256_set1_ps(float(a.xsq[bg]));
-    return _mm256_fmadd_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(v), s.fs[r], _mm256_mul_ps(s.fm[r], sum)),
-                           _mm256_set1_ps(a.dw[bg]), acc);
   }
 };
 
