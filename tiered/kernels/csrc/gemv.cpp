@@ -5803,6 +5803,31 @@ static void def_flag(pybind11::module& m, const char* name, std::atomic<bool>& f
         pybind11::arg("enabled") = pybind11::none(), doc);
 }
 
+// A k-quant format's three bindings: <kName>_kernel (its GEMV over the layout's tensors, named qt, `scales`, `supers`;
+// held, no copy), <kPack> (its repacking pass, kquant_blocks) and <kName>_tiled_dequantize (kquant_tiled_dequantize,
+// `formula` in float32 as gguf computes it).
+template <class F>
+void def_kquant(pybind11::module& m, const char* scales, const char* supers, const std::string& kernel_doc,
+                const std::string& pack_doc, const std::string& formula) {
+  namespace py = pybind11;
+  using namespace gemv;
+  const std::string name(F::kName);
+  m.def((name + "_kernel").c_str(),
+        [](at::Tensor qt, at::Tensor sc, at::Tensor d, c10::optional<at::Tensor> bias, const std::string& batch_act)
+            -> KernelPtr { return make_kquant<F>(qt, sc, d, bias, batch_act); },
+        py::arg("qt"), py::arg(scales), py::arg(supers), py::arg("bias") = py::none(), py::arg("batch_act") = "bf16",
+        (kernel_doc + " batch_act as int8_tiled_kernel's. Holds the tensors (no copy).").c_str());
+  m.def(F::kPack, &kquant_blocks<F>, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
+        py::arg("qt_out") = py::none(), py::arg("scales_out") = py::none(), py::arg("supers_out") = py::none(),
+        (pack_doc + " qt_out, scales_out, supers_out: write into these (contiguous, those dtypes and shapes) instead of "
+                    "new tensors.").c_str());
+  m.def((name + "_tiled_dequantize").c_str(), &kquant_tiled_dequantize<F>, py::call_guard<py::gil_scoped_release>(),
+        py::arg("qt"), py::arg(scales), py::arg(supers), py::arg("bf16") = true, py::arg("out") = py::none(),
+        ("A " + name + " weight (" + name + "_kernel's tensors) -> [N, K]: " + formula + " in float32 (gguf's "
+         "arithmetic), as float32 or rounded to bfloat16 (nearest even); out: write into it (contiguous, that dtype and "
+         "shape) instead of a new tensor.").c_str());
+}
+
 void register_gemv(pybind11::module& m) {
   namespace py = pybind11;
   using namespace gemv;
@@ -5931,52 +5956,29 @@ void register_gemv(pybind11::module& m) {
         "tiered's int8 GEMV with fp16 scales per group of 32 (GGUF Q8_0's), tiled layout "
         "(kernels/linear.tiled_int8, tiled_group_scales). qt uint8 [N, K] contiguous (N % 16 == 0, K % 32 == 0), "
         "st float16 [N/16, K/32, 16]: w = (q - 128) * s. batch_act as int8_tiled_kernel's.");
-  m.def("q6k_kernel", [](at::Tensor qt, at::Tensor sc, at::Tensor d, c10::optional<at::Tensor> bias,
-                         const std::string& batch_act) -> KernelPtr { return make_kquant<Q6KFormat>(qt, sc, d, bias, batch_act); },
-        py::arg("qt"), py::arg("sc"), py::arg("d"), py::arg("bias") = py::none(), py::arg("batch_act") = "bf16",
-        "tiered's GEMV over GGUF Q6_K weights as stored (q6k_blocks_q6t's layout): qt uint8 [N/16, K/32, 384], sc int8 "
-        "[N/16, K/16, 16], d float16 [N/16, K/256, 16] (K % 256 == 0): w = d sc (u - 32). batch_act as "
-        "int8_tiled_kernel's. Holds the tensors (no copy).");
-  m.def("q6k_blocks_q6t", &kquant_blocks<Q6KFormat>, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
-        py::arg("qt_out") = py::none(), py::arg("scales_out") = py::none(), py::arg("supers_out") = py::none(),
-        "GGUF Q6_K blocks uint8 [N, K/256 * 210] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 384], sc int8 [N/16, K/16, 16], "
-        "d float16 [N/16, K/256, 16]): the q6k kernel's layout of the same codes and scales, bit for bit. qt_out, "
-        "scales_out, supers_out: write into these (contiguous, those dtypes and shapes) instead of new tensors.");
-  m.def("q6k_tiled_dequantize", &kquant_tiled_dequantize<Q6KFormat>, py::call_guard<py::gil_scoped_release>(), py::arg("qt"),
-        py::arg("sc"), py::arg("d"), py::arg("bf16") = true, py::arg("out") = py::none(),
-        "A q6k weight (q6k_kernel's tensors) -> [N, K]: (d sc) (u - 32) in float32 (gguf's arithmetic), as float32 or "
-        "rounded to bfloat16 (nearest even); out: write into it (contiguous, that dtype and shape) instead of a new "
-        "tensor.");
-  m.def("q5k_kernel", [](at::Tensor qt, at::Tensor sm, at::Tensor dd, c10::optional<at::Tensor> bias,
-                         const std::string& batch_act) -> KernelPtr { return make_kquant<Q5KFormat>(qt, sm, dd, bias, batch_act); },
-        py::arg("qt"), py::arg("sm"), py::arg("dd"), py::arg("bias") = py::none(), py::arg("batch_act") = "bf16",
-        "tiered's GEMV over GGUF Q5_K weights as stored (q5k_blocks_q5t's layout): qt uint8 [N/16, K/32, 320], sm uint8 "
-        "[N/16, K/32, 2, 16] (sc, then m), dd float16 [N/16, K/256, 2, 16] (d, then dmin), K % 256 == 0: w = d sc u - "
-        "dmin m. batch_act as int8_tiled_kernel's. Holds the tensors (no copy).");
-  m.def("q5k_blocks_q5t", &kquant_blocks<Q5KFormat>, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
-        py::arg("qt_out") = py::none(), py::arg("scales_out") = py::none(), py::arg("supers_out") = py::none(),
-        "GGUF Q5_K blocks uint8 [N, K/256 * 176] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 320], sm uint8 [N/16, K/32, 2, "
-        "16], dd float16 [N/16, K/256, 2, 16]): the q5k kernel's layout of the same codes and scales, bit for bit. "
-        "qt_out, scales_out, supers_out: write into these instead of new tensors, as q6k_blocks_q6t's.");
-  m.def("q5k_tiled_dequantize", &kquant_tiled_dequantize<Q5KFormat>, py::call_guard<py::gil_scoped_release>(), py::arg("qt"),
-        py::arg("sm"), py::arg("dd"), py::arg("bf16") = true, py::arg("out") = py::none(),
-        "A q5k weight (q5k_kernel's tensors) -> [N, K]: (d sc) u - (dmin m) in float32 (gguf's arithmetic), as float32 "
-        "or rounded to bfloat16 (nearest even); out: write into it instead of a new tensor.");
-  m.def("iq4xs_kernel", [](at::Tensor qt, at::Tensor sc, at::Tensor d, c10::optional<at::Tensor> bias,
-                           const std::string& batch_act) -> KernelPtr { return make_kquant<IQ4XSFormat>(qt, sc, d, bias, batch_act); },
-        py::arg("qt"), py::arg("sc"), py::arg("d"), py::arg("bias") = py::none(), py::arg("batch_act") = "bf16",
-        "tiered's GEMV over GGUF IQ4_XS weights as stored (iq4xs_blocks_q4t's layout): qt uint8 [N/16, K/32, 256] (the "
-        "4-bit codebook indices), sc int8 [N/16, K/32, 16] (ls - 32), d float16 [N/16, K/256, 16], K % 256 == 0: w = d "
-        "(ls - 32) kvalues_iq4nl[i]. batch_act as int8_tiled_kernel's. Holds the tensors (no copy).");
-  m.def("iq4xs_blocks_q4t", &kquant_blocks<IQ4XSFormat>, py::call_guard<py::gil_scoped_release>(), py::arg("raw"),
-        py::arg("qt_out") = py::none(), py::arg("scales_out") = py::none(), py::arg("supers_out") = py::none(),
-        "GGUF IQ4_XS super-blocks uint8 [N, K/256 * 136] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 256], sc int8 [N/16, "
-        "K/32, 16], d float16 [N/16, K/256, 16]): the iq4xs kernel's layout of the same indices and scales, bit for bit; "
-        "qt_out, scales_out, supers_out as q6k_blocks_q6t's.");
-  m.def("iq4xs_tiled_dequantize", &kquant_tiled_dequantize<IQ4XSFormat>, py::call_guard<py::gil_scoped_release>(),
-        py::arg("qt"), py::arg("sc"), py::arg("d"), py::arg("bf16") = true, py::arg("out") = py::none(),
-        "An iq4xs weight (iq4xs_kernel's tensors) -> [N, K]: (d (ls - 32)) v in float32 (gguf's arithmetic), as float32 "
-        "or rounded to bfloat16 (nearest even); out: write into it instead of a new tensor.");
+  def_kquant<Q6KFormat>(m, "sc", "d",
+                        "tiered's GEMV over GGUF Q6_K weights as stored (q6k_blocks_q6t's layout): qt uint8 [N/16, K/32, "
+                        "384], sc int8 [N/16, K/16, 16], d float16 [N/16, K/256, 16] (K % 256 == 0): w = d sc (u - 32).",
+                        "GGUF Q6_K blocks uint8 [N, K/256 * 210] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 384], sc int8 "
+                        "[N/16, K/16, 16], d float16 [N/16, K/256, 16]): the q6k kernel's layout of the same codes and "
+                        "scales, bit for bit.",
+                        "(d sc) (u - 32)");
+  def_kquant<Q5KFormat>(m, "sm", "dd",
+                        "tiered's GEMV over GGUF Q5_K weights as stored (q5k_blocks_q5t's layout): qt uint8 [N/16, K/32, "
+                        "320], sm uint8 [N/16, K/32, 2, 16] (sc, then m), dd float16 [N/16, K/256, 2, 16] (d, then "
+                        "dmin), K % 256 == 0: w = d sc u - dmin m.",
+                        "GGUF Q5_K blocks uint8 [N, K/256 * 176] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 320], sm uint8 "
+                        "[N/16, K/32, 2, 16], dd float16 [N/16, K/256, 2, 16]): the q5k kernel's layout of the same codes "
+                        "and scales, bit for bit.",
+                        "(d sc) u - (dmin m)");
+  def_kquant<IQ4XSFormat>(m, "sc", "d",
+                          "tiered's GEMV over GGUF IQ4_XS weights as stored (iq4xs_blocks_q4t's layout): qt uint8 [N/16, "
+                          "K/32, 256] (the 4-bit codebook indices), sc int8 [N/16, K/32, 16] (ls - 32), d float16 [N/16, "
+                          "K/256, 16], K % 256 == 0: w = d (ls - 32) kvalues_iq4nl[i].",
+                          "GGUF IQ4_XS super-blocks uint8 [N, K/256 * 136] (N % 16 == 0) -> (qt uint8 [N/16, K/32, 256], "
+                          "sc int8 [N/16, K/32, 16], d float16 [N/16, K/256, 16]): the iq4xs kernel's layout of the same "
+                          "indices and scales, bit for bit.",
+                          "(d (ls - 32)) v");
   m.def("fp8_kernel", [](at::Tensor q, at::Tensor bs, c10::optional<at::Tensor> bias, int64_t row_block) -> KernelPtr {
           return make_fp8(q, bs, bias, row_block);
         },
