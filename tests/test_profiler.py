@@ -766,9 +766,9 @@ def test_each_copy_of_a_timed_gemv_has_memory_of_its_own(dtype):
 
 @pytest.mark.parametrize("kind", ["q6k", "q5k", "iq4xs"])
 def test_k_quant_gemv_keys_time_the_copies_as_stored(kind):
-    """gemv/cpu/<kind> (profiler 67) times quant/kquant's copies as the native step calls them: a weight of the
-    shape asked for in the kind's layout (random blocks: the speed does not depend on the values) at its bytes a
-    weight, through the kernel the step runs."""
+    """gemv/cpu/<kind> and decode_rows/cpu/<kind>q8 (profiler 67) time quant/kquant's copies as the native step calls
+    them: a weight of the shape asked for in the kind's layout (random blocks: the speed does not depend on the
+    values) at its bytes a weight, through the kernel the step runs (on int8 rows for the q8 key)."""
     from tiered import kernels
     from tiered.hardware import profiler
     from tiered.quant.kquant import LINEAR_OF_KIND, bytes_per_weight
@@ -782,6 +782,10 @@ def test_k_quant_gemv_keys_time_the_copies_as_stored(kind):
     fn, dt, b = profiler._linear_kernel("cpu", kind, w, gemv=True)
     x = torch.randn(1, 512)
     assert b == bpe and torch.allclose(fn(x.to(dt)), x @ module.dequantize().T, rtol=1e-3, atol=1e-4)
+    # decode_rows/cpu/<kind>q8: the same copy's batched calls on int8 activations (Plan.batch_act "q8")
+    rows, bpe8 = profiler._native_gemv_module(kind + "q8", w)
+    assert rows.batch_act == "q8" and module.batch_act == "bf16" and bpe8 == bpe
+    assert profiler._native_gemv_format("cpu", kind + "q8", True)
 
 
 def _spy_linear_kernels(monkeypatch) -> tuple[list, list]:

@@ -593,7 +593,7 @@ def _native(module):
 def _native_gemv_format(device: str, dtype: str, gemv: bool) -> bool:
     """Whether a `dtype` GEMV on `device` runs tiered's native kernel (tiered/kernels built)."""
     return gemv and device == "cpu" and dtype in ("fp32", "bf16", "int8", "int8-g32", "int8-g32q8", "int4", "int4q8", "fp8",
-                                                 *KQUANT_KINDS) and kernels.available()
+                                                 *KQUANT_KINDS, *(k + "q8" for k in KQUANT_KINDS)) and kernels.available()
 
 
 def _native_gemv_module(dtype: str, w: torch.Tensor):
@@ -620,16 +620,18 @@ def _native_gemv_module(dtype: str, w: torch.Tensor):
         from tiered.memory.sizes import bytes_per_element
         from tiered.quant.fp8 import Fp8Linear, quantize_fp8
         return Fp8Linear(*quantize_fp8(w)), bytes_per_element("fp8")
-    if dtype in KQUANT_KINDS:  # a GGUF Q6_K / Q5_K / IQ4_XS weight as stored: random blocks (the speed does not depend
-        # on the values; w gives the shape)
+    if dtype.removesuffix("q8") in KQUANT_KINDS:  # a GGUF Q6_K / Q5_K / IQ4_XS weight as stored (q8: its batched
+        # calls on int8 activations, Plan.batch_act "q8"): random blocks (the speed does not depend on the values)
         import numpy as np
 
         from tiered.bench.gguf_dense import random_k_blocks
         from tiered.quant.kquant import GGUF_FORMAT, LINEAR_OF_KIND, bytes_per_weight
 
+        kind = dtype.removesuffix("q8")
         N, K = w.shape
-        blocks = random_k_blocks(np.random.default_rng(0), N, K, GGUF_FORMAT[dtype], 0.02)
-        return LINEAR_OF_KIND[dtype].from_blocks([blocks]), bytes_per_weight(dtype)
+        blocks = random_k_blocks(np.random.default_rng(0), N, K, GGUF_FORMAT[kind], 0.02)
+        return (LINEAR_OF_KIND[kind].from_blocks([blocks], batch_act="q8" if dtype != kind else "bf16"),
+                bytes_per_weight(kind))
     from tiered.quant.int8 import Int8Linear
     return Int8Linear.from_dense(w), 1 + 2 / w.shape[1]
 
@@ -2443,7 +2445,10 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # the native step's pricing takes at runtime/decode_layer/int8-g32's rate scaled by their kernels' own
 # (op_time.step_stream): the k-quant loop prefetches into the L2 on every machine, and on the 2-core Zen 4 VM an
 # IQ4_XS file's decode was priced 22.8 tok/s where it ran 30.9, a Q5_K_M file's 20.4 for 26.2 (2026-12-07).
-PROFILER_VERSION = 67
+# 68: decode_rows/cpu/q6kq8, q5kq8 and iq4xsq8, those copies' rows on int8 activations (a prompt run as rows of the
+# native step, a batched step), which had been priced at int8-g32q8's slope: the IQ4_XS / Q5_K_M files' 512-token
+# TTFTs 4855 / 4868 ms where they ran 3854 / 3875.
+PROFILER_VERSION = 68
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2577,7 +2582,8 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         # the decode kernels at a batched step's rows; int4q8: int4 on int8 activations (Plan.batch_act "q8",
         # a server's batches: 3.4 ps a row's multiply-add against 11.5 on bf16 ones, 2 AMX cores, 2026-11-29);
         # int8-g32q8: the tiled int8-g32 copies (a GGUF file's Q8_0 / Q6_K head) on int8 activations there
-        for dtype in ("int4", "int4q8", "int8", "int8-g32q8", "bf16", "fp32"):
+        # q6kq8 / q5kq8 / iq4xsq8: the k-quant copies' batched rows (a prompt's, as rows of the native step) on int8 ones
+        for dtype in ("int4", "int4q8", "int8", "int8-g32q8", "bf16", "fp32", *(k + "q8" for k in KQUANT_KINDS)):
             b.attempt(f"decode_rows/cpu/{dtype}", lambda d=dtype: _decode_rows_points(d, max(3, r // 2), None))
     for dtype in ("bf16", "fp32"):
         b.attempt(f"gemm_big/cpu/{dtype}",
