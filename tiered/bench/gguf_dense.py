@@ -13,7 +13,9 @@ Blocks are drawn directly, centred and with weights of std about 0.02 (the embed
 attn_output's 0.004, as gguf_moe.py explains): Q4_K with every sub-block scale and min 8, dmin =
 7.5 d, so w = 8 d (q - 7.5) over uniform 4-bit codes; Q6_K with every sub-scale 8, w = 8 d (q - 32)
 over uniform 6-bit codes; d per super-block times a uniform factor in [0.5, 1.5]. The tokenizer is
-copied from another GGUF (SmolLM2's), so llama.cpp loads the file as a real model.
+copied from another GGUF (SmolLM2's), so llama.cpp loads the file as a real model. The mixes (MIXES): Q4_K_M,
+Q5_K_M (Q5_K where Q4_K_M has Q4_K) and IQ4_XS (llama.cpp's i-quant: every tensor IQ4_XS but the output's Q6_K,
+uniform codebook indices, every group's scale 8 d).
 """
 
 from __future__ import annotations

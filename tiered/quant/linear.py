@@ -221,8 +221,8 @@ class DecodeWeight:
 # to bf16. The tiled Q8_0 head of SmolLM2 (49152 x 576) took 0.72 / 0.88 / 4.67 ms at 1 / 8 / 48 rows
 # against 0.80 / 2.54 / 14.5 per row (2 AMX cores, 2026-12-05; batches on int8 activations, Plan.batch_act).
 # IQ4_XS (a 16-value codebook of int8 values times a scale per 32) stays as stored (quant/kquant.IQ4XSLinear: its
-# indices through a table in the kernels, 4.3 bits a weight) where the kernels are built and the rows make whole tiles,
-# else int8-g32 from its codebook values; IQ4_NL (a scale per block of 32, rare) becomes int8-g32 from its codes and
+# indices through a table in the kernels, 4.3 bits a weight) where the kernels are built and the rows make whole tiles
+# (else bf16, as the k-quants); IQ4_NL (a scale per block of 32, rare) becomes int8-g32 from its codes and
 # scales (native iq4_blocks_tiled: the weights exactly). Q2_K / Q3_K and the
 # lattice i-quants (IQ1-IQ3: 1.6-3.4 bits a weight) become int4 re-quantized per 32 from their dequantized weights
 # (0.625 bytes a weight, where bf16 copies held 2: a 70B's Q3_K_M file would have needed ~140 GB), as their experts do.
