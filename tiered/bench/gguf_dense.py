@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from tiered.bench.gguf_moe import _STD, add_tokenizer, read_tokenizer, write_tensors
+from tiered.checkpoint.handle import BLOCK_FORMATS
 
-K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}  # bytes per super-block of 256 weights
+K_BLOCK_BYTES = {t: BLOCK_FORMATS[t][1] for t in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")}  # bytes per super-block of 256
 # std of w / d: 8 (q - 7.5), q in 0..15; 8 (q - 15.5), q in 0..31; 8 (q - 32), q in 0..63; IQ4_XS: 8 v, v a uniform
 # draw of kvalues_iq4nl's 16 values (std 67.2)
 _K_CODE_STD = {"Q4_K": 8 * 4.61, "Q5_K": 8 * 9.23, "Q6_K": 8 * 18.47, "IQ4_XS": 8 * 67.2}

@@ -157,7 +157,7 @@ def unpack_iq4_blocks(raw: np.ndarray, fmt: str) -> tuple[torch.Tensor, torch.Te
         ValueError: another format, or rows of the wrong width."""
     if fmt not in IQ4_FORMATS:
         raise ValueError(f"unpack_iq4_blocks: {fmt} is not an IQ4 format ({', '.join(IQ4_FORMATS)})")
-    block = 18 if fmt == "IQ4_NL" else 136
+    block = BLOCK_FORMATS[fmt][1]
     N = raw.shape[0]
     if raw.ndim != 2 or raw.shape[1] % block:
         raise ValueError(f"unpack_iq4_blocks: rows of whole {block}-byte blocks expected, got {raw.shape}")

@@ -33,13 +33,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tiered.checkpoint.handle import BLOCK_FORMATS
 from tiered.kernels.linear import NativeLinear
 
-BLOCK_BYTES = {"q6k": 210, "q5k": 176, "iq4xs": 136}  # the file's bytes per super-block of 256 weights
+GGUF_FORMAT = {"q6k": "Q6_K", "q5k": "Q5_K", "iq4xs": "IQ4_XS"}
+BLOCK_BYTES = {k: BLOCK_FORMATS[f][1] for k, f in GGUF_FORMAT.items()}  # the file's bytes per super-block of 256
 # the copy's: Q6_K's exactly; Q5_K's with its 6-bit sc and m a byte each (4 bytes more per super-block), IQ4_XS's with
 # its 6-bit ls a byte each (2 more)
 COPY_BYTES = {"q6k": 210, "q5k": 180, "iq4xs": 138}
-GGUF_FORMAT = {"q6k": "Q6_K", "q5k": "Q5_K", "iq4xs": "IQ4_XS"}
 KIND_OF_FORMAT = {f: k for k, f in GGUF_FORMAT.items()}
 
 

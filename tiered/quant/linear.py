@@ -230,9 +230,6 @@ GGUF_DECODE_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int
                     "Q5_0": "int8-g32", "Q5_1": "int8-g32", "Q5_K": "q5k", "Q6_K": "q6k",
                     "IQ4_NL": "int8-g32", "IQ4_XS": "iq4xs", "Q2_K": "int4", "Q3_K": "int4",
                     **{f: "int4" for f in ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")}}
-# the GGUF types whose blocks the int4 decode copies repack as stored (the rest of GGUF_DECODE_KIND's int4 ones are
-# re-quantized from their dequantized weights)
-INT4_AS_STORED = ("Q4_0", "Q4_1", "Q4_K")
 
 
 INT4_ROWS = 16  # int4 decode copies need N % 16 == 0: the tiled layout's tiles, torch's int4pack's rows
@@ -327,6 +324,8 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
     A module left on the meta device (one-copy mode) has its weight read from `handle` when the
     format needs the dense values (Q4 blocks are unpacked without dequantizing).
     """
+    from tiered.quant.gguf_experts import INT4_BLOCK_FORMATS
+
     stored = handle.format if handle is not None else None
     kind = auto_kind(handle) if handle is not None else None
     if kind == "int4" and handle.shape[0] % INT4_ROWS:  # no int4 kernel takes the rows: dense below
@@ -338,7 +337,7 @@ def decode_weight(linear: nn.Linear, handle, fmt: str) -> DecodeWeight | None:
             return DecodeWeight("int8", *handle.int8_parts())
         if fmt == "auto":  # grouped or asymmetric: re-quantized per row (int8_note)
             return DecodeWeight("int8", *quantize_int8(weight_of(linear, handle)))
-    if fmt in ("auto", "int4") and kind == "int4" and stored in INT4_AS_STORED:  # GGUF Q4 blocks: int4 as stored
+    if fmt in ("auto", "int4") and kind == "int4" and stored in INT4_BLOCK_FORMATS:  # GGUF Q4 blocks: int4 as stored
         return DecodeWeight("int4", blocks=handle.blocks(), block_format=stored)
     if fmt == "auto" and kind == "int4":  # Q2_K / Q3_K / the lattice i-quants: re-quantized per 32 (GGUF_DECODE_KIND)
         return DecodeWeight("int4", *quantize_int4(weight_of(linear, handle)))
