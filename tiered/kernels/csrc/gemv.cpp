@@ -2904,6 +2904,11 @@ struct Q6KFormat {
   static void pack(const uint8_t* src, const std::vector<at::Tensor>& o, int64_t t0, int64_t t1, int64_t K) {
     q6k_pack_tiles(src, o[0].data_ptr<uint8_t>(), o[1].data_ptr<int8_t>(), half_ptr(o[2]), t0, t1, K);
   }
+  // row n's (row r of its tile) group g's 32 weights from the group's bytes: (d sc) (u - 32), gguf's arithmetic
+  static void values(const W& w, const uint8_t* grp, int64_t n, int64_t r, int64_t g, int64_t K, float* v) {
+    const float s0 = q6k_scale(w, n, 2 * g, K), s1 = q6k_scale(w, n, 2 * g + 1, K);
+    for (int64_t k = 0; k < kGroup; ++k) v[k] = (k < 16 ? s0 : s1) * float(q6k_code(grp, r, k) - 32);
+  }
   static constexpr int64_t kBytes = kQ6Group;
   static constexpr int64_t kCopyBytes = 210;  // per 256 weights
   static constexpr bool kPerHalf = true;
@@ -3020,6 +3025,14 @@ struct Q5KFormat : GroupMinTerms {
   static void pack(const uint8_t* src, const std::vector<at::Tensor>& o, int64_t t0, int64_t t1, int64_t K) {
     q5k_pack_tiles(src, o[0].data_ptr<uint8_t>(), o[1].data_ptr<uint8_t>(), half_ptr(o[2]), t0, t1, K);
   }
+  // (d sc) u - (dmin m), gguf's products (no fused multiply-add)
+  static void values(const W& w, const uint8_t* grp, int64_t n, int64_t r, int64_t g, int64_t K, float* v) {
+    const auto [fs, fm] = q5k_scales(w, n, g, K);
+    for (int64_t k = 0; k < kGroup; ++k) {
+      volatile float p = fs * float(q5k_code(grp, r, k));
+      v[k] = p - fm;
+    }
+  }
   static constexpr int64_t kBytes = kQ5Group;
   static constexpr int64_t kCopyBytes = 180;  // per 256 weights: the file's 176, its 6-bit sc and m a byte each
   static constexpr bool kLut = false;
@@ -3106,6 +3119,11 @@ struct IQ4XSFormat : GroupMinTerms {
   }
   static void pack(const uint8_t* src, const std::vector<at::Tensor>& o, int64_t t0, int64_t t1, int64_t K) {
     iq4xs_pack_tiles(src, o[0].data_ptr<uint8_t>(), o[1].data_ptr<int8_t>(), half_ptr(o[2]), t0, t1, K);
+  }
+  // (d (ls - 32)) v: the scale exact, one product (gguf's order)
+  static void values(const W& w, const uint8_t* grp, int64_t n, int64_t r, int64_t g, int64_t K, float* v) {
+    const float fs = iq4xs_scales(w, n, g, K).first;
+    for (int64_t k = 0; k < kGroup; ++k) v[k] = fs * float(iq4xs_code(grp, r, k) - 128);
   }
   static constexpr int64_t kBytes = kIq4Group;
   static constexpr int64_t kCopyBytes = 138;  // per 256 weights: the file's 136, its 6-bit ls a byte each
@@ -4488,26 +4506,6 @@ void q6k_pack_tiles(const uint8_t* src, uint8_t* qt, int8_t* sc, uint16_t* d, in
     }
 }
 
-// A q6k weight dequantized, w = (d sc) (u - 32) in fp32 (gguf's order), as fp32 or rounded to bf16 (nearest even):
-// the prefill path of a weight held only so (quant/q6k.Q6KLinear.dense) and its reference.
-template <typename T>
-void kquant_dequantize_tiles(const Q6KW& w, T* out, int64_t t0, int64_t t1, int64_t K) {
-  const int64_t G = K / kGroup;
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t r = 0; r < kBlock; ++r) {
-      const int64_t n = t * kBlock + r;
-      T* o = out + n * K;
-      for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* grp = w.q + (t * G + g) * kQ6Group;
-        const float s0 = q6k_scale(w, n, 2 * g, K), s1 = q6k_scale(w, n, 2 * g + 1, K);
-        for (int64_t k = 0; k < kGroup; ++k) {
-          const float v = (k < 16 ? s0 : s1) * float(q6k_code(grp, r, k) - 32);
-          if constexpr (std::is_same_v<T, float>) o[g * kGroup + k] = v;
-          else o[g * kGroup + k] = to_bf16(v);
-        }
-      }
-    }
-}
 
 // GGUF Q5_K super-blocks (fp16 d, fp16 dmin, scales[12]: 6-bit sc and m of 8 sub-blocks as Q4_K's, qh[32]: the codes'
 // fifth bits, qs[128]: their low nibbles) -> the q5k layout (see "q5k"): qt uint8 [N/16, K/32, 320], sm uint8 [N/16,
@@ -4543,27 +4541,6 @@ void q5k_pack_tiles(const uint8_t* src, uint8_t* qt, uint8_t* sm, uint16_t* dd, 
     }
 }
 
-// A q5k weight dequantized, w = (d sc) u - (dmin m) in fp32 (gguf's products, no fused multiply-add), as fp32 or
-// rounded to bf16: the prefill path of a weight held only so (quant/kquant.Q5KLinear.dense) and its reference.
-template <typename T>
-void kquant_dequantize_tiles(const Q5KW& w, T* out, int64_t t0, int64_t t1, int64_t K) {
-  const int64_t G = K / kGroup;
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t r = 0; r < kBlock; ++r) {
-      const int64_t n = t * kBlock + r;
-      T* o = out + n * K;
-      for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* grp = w.q + (t * G + g) * kQ5Group;
-        const auto [fs, fm] = q5k_scales(w, n, g, K);
-        for (int64_t k = 0; k < kGroup; ++k) {
-          volatile float p = fs * float(q5k_code(grp, r, k));
-          const float v = p - fm;
-          if constexpr (std::is_same_v<T, float>) o[g * kGroup + k] = v;
-          else o[g * kGroup + k] = to_bf16(v);
-        }
-      }
-    }
-}
 
 // GGUF IQ4_XS super-blocks (fp16 d, uint16 scales_h, scales_l[4], qs[128]) -> the iq4xs layout (see "iq4xs"): qt uint8
 // [N/16, K/32, 256], sc int8 [N/16, K/32, 16] (ls - 32), d fp16 [N/16, K/256, 16], the same indices and scales bit for
@@ -4598,26 +4575,6 @@ void iq4xs_pack_tiles(const uint8_t* src, uint8_t* qt, int8_t* sc, uint16_t* d, 
     }
 }
 
-// An iq4xs weight dequantized, w = (d (ls - 32)) v in fp32 (gguf's order: the scale exact, one product), as fp32 or
-// rounded to bf16: the prefill path of a weight held only so (quant/kquant.IQ4XSLinear.dense) and its reference.
-template <typename T>
-void kquant_dequantize_tiles(const IQ4XSW& w, T* out, int64_t t0, int64_t t1, int64_t K) {
-  const int64_t G = K / kGroup;
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t r = 0; r < kBlock; ++r) {
-      const int64_t n = t * kBlock + r;
-      T* o = out + n * K;
-      for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* grp = w.q + (t * G + g) * kIq4Group;
-        const float fs = iq4xs_scales(w, n, g, K).first;
-        for (int64_t k = 0; k < kGroup; ++k) {
-          const float v = fs * float(iq4xs_code(grp, r, k) - 128);
-          if constexpr (std::is_same_v<T, float>) o[g * kGroup + k] = v;
-          else o[g * kGroup + k] = to_bf16(v);
-        }
-      }
-    }
-}
 
 // dtype names as torch prints them, for the layouts' errors
 inline const char* torch_dtype_name(at::ScalarType t) {
@@ -4668,6 +4625,27 @@ void check_layout(const at::Tensor& qt, const at::Tensor& scales, const at::Tens
   }
 }
 
+// A k-quant weight's tiles [t0, t1) dequantized to rows of `out` [N, K] in fp32 or rounded to bf16 (nearest even), each
+// group's 32 weights by the format's arithmetic in fp32, gguf's order (F::values): the prefill path of a weight held
+// only so where AVX-512's bf16 rows (kquant_bf16_avx512) do not run, and their reference.
+template <class F, typename T>
+void kquant_dequantize_tiles(const typename F::W& w, T* out, int64_t t0, int64_t t1, int64_t K) {
+  const int64_t G = K / kGroup;
+  float v[kGroup];
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r = 0; r < kBlock; ++r) {
+      const int64_t n = t * kBlock + r;
+      T* o = out + n * K;
+      for (int64_t g = 0; g < G; ++g) {
+        F::values(w, w.q + (t * G + g) * F::kBytes, n, r, g, K, v);
+        for (int64_t k = 0; k < kGroup; ++k) {
+          if constexpr (std::is_same_v<T, float>) o[g * kGroup + k] = v[k];
+          else o[g * kGroup + k] = to_bf16(v[k]);
+        }
+      }
+    }
+}
+
 // A k-quant weight (the format's tensors, checked) dequantized to [N, K] in fp32 or bf16 (see kquant_dequantize_tiles;
 // AVX-512's bf16 rows: kquant_bf16_avx512, the same values); `out` when given, else a new tensor.
 template <class F>
@@ -4681,8 +4659,8 @@ at::Tensor kquant_tiled_dequantize(const at::Tensor& qt, const at::Tensor& scale
   const bool avx512 = bf16 && current_isa() == kAvx512;
   at::parallel_for(0, N / kBlock, 1, [&](int64_t t0, int64_t t1) {
     if (avx512) kquant_bf16_avx512<F>(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
-    else if (bf16) kquant_dequantize_tiles(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
-    else kquant_dequantize_tiles(w, out.data_ptr<float>(), t0, t1, K);
+    else if (bf16) kquant_dequantize_tiles<F>(w, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), t0, t1, K);
+    else kquant_dequantize_tiles<F>(w, out.data_ptr<float>(), t0, t1, K);
   });
   return out;
 }
