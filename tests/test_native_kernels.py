@@ -549,8 +549,9 @@ def test_q8_blocks_repack_to_the_tiled_layout_bit_for_bit(isa):
 
 def test_stream_prefetch_changes_no_bits(isa):
     """The machine tuning's software prefetch (tune.py) only moves loads earlier: every weight
-    format's kernel gives the same bits with it off, on into the L1, on into the L2 and on for calls of 2+ rows
-    only (stream_prefetch_rows), at 1 to 9 activation rows."""
+    format's kernel gives the same bits with it off, on into the L1, on into the L2, on for calls of 2+ rows
+    only (stream_prefetch_rows) and on for the sub-byte formats only (stream_prefetch_bytes off), at 1 to 9
+    activation rows."""
     codes, sz, zr, bias, _, g = int4_case(96, 576, 11)
     lin = torch.nn.Linear(576, 96).to(torch.bfloat16)
     kernels = [int4_tiled_kernel(tiled_codes(codes), tiled_scales(sz), tiled_residual(zr), bias, batch_act="q8"),
@@ -560,16 +561,18 @@ def test_stream_prefetch_changes_no_bits(isa):
     try:
         for B in (1, 2, 9):
             x = torch.randn(B, 576, generator=g)
-            ext.set_tuning(stream_prefetch=True, prefetch_l2=False)
+            ext.set_tuning(stream_prefetch=True, prefetch_l2=False, stream_prefetch_bytes=True)
             on = [k(x) for k in kernels]
             ext.set_tuning(prefetch_l2=True)
             on_l2 = [k(x) for k in kernels]
+            ext.set_tuning(prefetch_l2=False, stream_prefetch_bytes=False)  # on for int4 only
+            wide_only = [k(x) for k in kernels]
             ext.set_tuning(stream_prefetch=False, stream_prefetch_rows=True)  # on for 2+ rows only
             rows_only = [k(x) for k in kernels]
             ext.set_tuning(stream_prefetch_rows=False)
             off = [k(x) for k in kernels]
-            for k, a, b, c, d in zip(kernels, on, on_l2, off, rows_only):
-                assert torch.equal(a, c) and torch.equal(b, c) and torch.equal(d, c), (isa, k.name(), B)
+            for k, a, b, c, d, e in zip(kernels, on, on_l2, off, rows_only, wide_only):
+                assert all(torch.equal(o, c) for o in (a, b, d, e)), (isa, k.name(), B)
     finally:
         ext.set_tuning(**saved)
 
@@ -623,11 +626,15 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
     wide = ext.best_gemv_isa() == "avx512"  # attend_wide stays off without AVX-512
     # the extension's own; bf16_native_rows is Python's
     switches = {k: tune.DEFAULTS[k] and (k != "attend_wide" or wide) for k in tune.EXT_OPTIONS}
+    settings = tune.EXT_OPTIONS
     saved = ext.tuning()
     try:
         result = tune.measure(ext, total_bytes=16 << 20, rounds=3)
-        assert set(tune.DEFAULTS) <= set(result) and ext.tuning() == {k: result[k] for k in tune.EXT_OPTIONS}
+        assert set(tune.DEFAULTS) <= set(result) and ext.tuning() == {k: result[k] for k in settings}
         assert len(result["ratios"]["stream_prefetch"]) == 3
+        # the byte formats' batch-1 prefetches, timed on their own: off where that wins by the margin
+        byte_off = tune.choose(result["ratios"]["stream_prefetch_bytes"], result["margin"])
+        assert result["stream_prefetch_bytes"] is (not byte_off)
         assert ("prefetch_l2" in result["ratios"]) == result["stream_prefetch"]  # only where prefetches stay on
         # calls of 2+ rows: timed only where batch 1 runs without prefetches (else they prefetch anyway)
         assert ("stream_prefetch_rows" in result["ratios"]) == (not result["stream_prefetch"])
@@ -643,7 +650,7 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         assert result["attempts"] == 1 and isinstance(result["contended"], bool)
         again = dict(result, contended=True)  # a contended tuning measured again counts on
         assert tune.measure(ext, total_bytes=16 << 20, rounds=1, previous=again)["attempts"] == 2
-        ext.set_tuning(**{k: result[k] for k in tune.EXT_OPTIONS})
+        ext.set_tuning(**{k: result[k] for k in settings})
         flipped = {k: (not v) and (k != "attend_wide" or wide) for k, v in switches.items()}
         tune.save({**result, **flipped, "contended": False}, tmp_path)  # whatever this machine's load was
         assert tune.measured(tmp_path)
@@ -654,11 +661,13 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
         monkeypatch.setenv("TIERED_KERNEL_TUNING", "0")
         assert tune.apply(ext, tmp_path) is None and ext.tuning() == switches
         monkeypatch.delenv("TIERED_KERNEL_TUNING")
-        for added in ("bf16_native_rows", "q8_dequantize_rows", "q8_expert_grouped_rows", "mxfp4_kernel_rows"):
+        for added in ("bf16_native_rows", "q8_dequantize_rows", "q8_expert_grouped_rows", "mxfp4_kernel_rows",
+                      "stream_prefetch_bytes"):
             tune.save({k: v for k, v in result.items() if k != added}, tmp_path)
             assert not tune.measured(tmp_path)  # a tuning saved before a choice was added is measured again
-        tune.save({**result, "q8_dequantize_rows": "never"}, tmp_path)
-        assert tune.apply(ext, tmp_path) is None and ext.tuning() == switches  # a malformed choice: none applied
+        for malformed in ({"q8_dequantize_rows": "never"}, {"bf16_native_rows": 2.5}):
+            tune.save({**result, **flipped, **malformed}, tmp_path)
+            assert tune.apply(ext, tmp_path) is None and ext.tuning() == switches  # a malformed choice: none applied
         (tmp_path / "tuning.json").write_text("{not json")
         assert tune.apply(ext, tmp_path) is None and ext.tuning() == switches
     finally:
@@ -667,7 +676,8 @@ def test_kernel_tuning_is_measured_saved_and_applied(tmp_path, monkeypatch):
 
 def test_the_tunings_prefetch_is_named_as_it_runs():
     """tune.prefetch_name, the kernel-tuning line's words for the stream prefetches: off, off at batch 1 but on for
-    calls of 2+ rows (stream_prefetch_rows), on, on into the L2."""
+    calls of 2+ rows (stream_prefetch_rows), on, on into the L2, and the byte formats' batch-1 switch where it
+    differs (stream_prefetch_bytes)."""
     from tiered.kernels.tune import prefetch_name
 
     assert prefetch_name({"stream_prefetch": False, "stream_prefetch_rows": False}) == "off"
@@ -675,6 +685,11 @@ def test_the_tunings_prefetch_is_named_as_it_runs():
     assert prefetch_name({"stream_prefetch": False, "stream_prefetch_rows": True}) == "off at batch 1, on for 2+ rows"
     assert prefetch_name({"stream_prefetch": True, "stream_prefetch_rows": True}) == "on"
     assert prefetch_name({"stream_prefetch": True, "prefetch_l2": True}) == "on, into the L2"
+    assert prefetch_name({"stream_prefetch": True, "stream_prefetch_bytes": True}) == "on"
+    assert (prefetch_name({"stream_prefetch": True, "stream_prefetch_bytes": False})
+            == "on (formats of a byte or more: off at batch 1)")
+    assert (prefetch_name({"stream_prefetch": False, "stream_prefetch_rows": False, "stream_prefetch_bytes": True})
+            == "off (formats of a byte or more: on at batch 1)")
 
 
 def test_a_dequantize_choice_that_cannot_be_timed_keeps_the_table(monkeypatch):

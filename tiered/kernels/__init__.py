@@ -150,8 +150,8 @@ def isa() -> str | None:
 
 
 def tuning() -> dict | None:
-    """The kernel tuning this process runs with ({"stream_prefetch", "stream_prefetch_rows", "prefetch_l2",
-    "int4_int16_act", "bf16_native_rows", "q8_dequantize_rows", "q8_expert_grouped_rows", "mxfp4_kernel_rows"}: tune.py's
+    """The kernel tuning this process runs with ({"stream_prefetch", "stream_prefetch_rows", "stream_prefetch_bytes",
+    "prefetch_l2", "int4_int16_act", "bf16_native_rows", "q8_dequantize_rows", "q8_expert_grouped_rows", "mxfp4_kernel_rows"}: tune.py's
     measurement, applied by `load()`), or None without the extension: what a hardware profile's native keys
     were timed under."""
     ext = load()

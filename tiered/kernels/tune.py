@@ -18,6 +18,15 @@ Several choices depend on the CPU more than on the code, so they are measured he
   SmolLM2's (in the cache) -2%, both within the noise. Timed on what gains or loses most: one token's 8
   routed experts of a layer a call (GROUP_WIDTH, `_group_sweep`); the one-expert sweeps below did not
   separate the two (ratio 0.98-1.1 in the noise).
+- ``stream_prefetch_bytes``: the same switch for batch-1 calls of weights stored in a byte or more a weight (int8,
+  int8-g32, fp8, bf16, fp32), ``stream_prefetch`` then governing the sub-byte formats' (int4, mxfp4, the k-quants).
+  Those loops compute less per weight byte. On the Zen 4 VM (2026-12-07; weights cycled past the L3, one row, the
+  same build) the prefetches made OLMoE-width bf16 experts 28% and int8-g32 decode copies 7% slower, where int4
+  experts ran 6% slower and a 4096 x 4096 int4 decode copy 10% faster; one switch over the sum was a coin flip
+  (median ratios 0.95-1.0 over that day's builds), and SmolLM2's decode (int4 layers, an int8-g32 head) ran 250
+  tok/s with them on and 272 with them off. Timed on BYTE_SETS (`_bytes_ab`: bf16 experts, int8-g32 decode
+  copies), and stream_prefetch's A/B on the sub-byte formats alone (int4 experts on both activations, a
+  Llama-width int4 decode copy: WIDE_SHAPES).
 - ``stream_prefetch_rows``: where ``stream_prefetch`` is off, whether calls of 2+ activation rows (a server's
   batched decode, a prompt's rows) issue them anyway. Such a call computes longer per weight byte, and on the
   Zen 4 VM (2026-12-02, stream_prefetch off) its stream overlapped its compute poorly without them: int4 on 8
@@ -54,7 +63,8 @@ Several choices depend on the CPU more than on the code, so they are measured he
   (Sapphire Rapids' AMX GEMM); on the Zen 5 cores that made a 128-row projection 1.8x slower.
 
 Each choice (but the last) is an interleaved A/B over cold weights: OLMoE-width SwiGLU experts (hidden 2048,
-intermediate 1024, bf16 and tiled int4, the latter on bf16 / int16 and on int8 activations) cycled through so that they exceed the last-level cache,
+intermediate 1024, bf16 and tiled int4, the latter on bf16 / int16 and on int8 activations; the prefetch choices
+also dense decode copies: WIDE_SHAPES, BYTE_SHAPES) cycled through so that they exceed the last-level cache,
 one token each, `rounds` times in alternating order; the other option is taken only when the
 median of its per-round time ratios is at least `margin` faster (VM neighbours move a single pass by
 10-20%). The result lives beside the built library (``tuning.json``); `tiered.kernels.load()` applies
@@ -74,7 +84,7 @@ from typing import Callable
 from tiered.hardware import contention
 
 DEFAULTS = {"stream_prefetch": True, "prefetch_l2": False, "int4_int16_act": False, "attend_wide": True,
-            "stream_prefetch_rows": True,
+            "stream_prefetch_rows": True, "stream_prefetch_bytes": True,
             "bf16_native_rows": 32,
             "q8_dequantize_rows": None, "q8_expert_grouped_rows": None,  # None: quant's tables by ISA
             "mxfp4_kernel_rows": None}
@@ -84,7 +94,13 @@ DEFAULTS = {"stream_prefetch": True, "prefetch_l2": False, "int4_int16_act": Fal
 # (setup) measures a contended tuning again, up to RETUNES times (hardware/contention.py).
 RETUNES = contention.RETRIES
 # the extension's own switches (ext.set_tuning; attend_wide stays off where the CPU has no AVX-512)
-EXT_OPTIONS = ("stream_prefetch", "prefetch_l2", "int4_int16_act", "attend_wide", "stream_prefetch_rows")
+EXT_OPTIONS = ("stream_prefetch", "prefetch_l2", "int4_int16_act", "attend_wide", "stream_prefetch_rows",
+               "stream_prefetch_bytes")
+# stream_prefetch's A/B times, besides OLMoE's int4 experts, a Llama-width dense weight's int4 decode copies [N, K]
+# at batch 1; stream_prefetch_bytes' the bf16 experts and int8-g32 decode copies (a GGUF's Q8_0 / Q6_K tensors,
+# SmolLM2's head) of BYTE_SHAPES: a Llama-width weight and a SmolLM2 MLP projection
+WIDE_SHAPES = ((4096, 4096),)
+BYTE_SHAPES = ((4096, 4096), (1536, 576))
 # stream_prefetch_rows' A/B: a batched decode step's call, int4 decode copies (tiled) of a Llama-width projection on
 # this many int8 rows, copies cycled through the format's bytes
 ROWS_PREFETCH_SHAPE, ROWS_PREFETCH_ROWS = (4096, 4096), 8
@@ -146,10 +162,16 @@ def _experts(fmt: str, total_bytes: int, act: str = "bf16", width: tuple[int, in
 
 def prefetch_name(tuning: dict) -> str:
     """How a tuning's stream prefetches run, for a line of output: "off", "off at batch 1, on for 2+ rows", "on" or
-    "on, into the L2"."""
+    "on, into the L2", with "(formats of a byte or more: on|off at batch 1)" after where stream_prefetch_bytes
+    differs from stream_prefetch."""
     if not tuning["stream_prefetch"]:
-        return "off at batch 1, on for 2+ rows" if tuning.get("stream_prefetch_rows") else "off"
-    return "on, into the L2" if tuning.get("prefetch_l2") else "on"
+        said = "off at batch 1, on for 2+ rows" if tuning.get("stream_prefetch_rows") else "off"
+    else:
+        said = "on, into the L2" if tuning.get("prefetch_l2") else "on"
+    byte = tuning.get("stream_prefetch_bytes", tuning["stream_prefetch"])  # a tuning saved before the switch: one
+    if byte != tuning["stream_prefetch"]:
+        said += f" (formats of a byte or more: {'on' if byte else 'off'} at batch 1)"
+    return said
 
 
 def choose_rows(ratios: dict[int, list[float]], margin: float = 0.03) -> int:
@@ -324,6 +346,26 @@ def _rows_prefetch_ab(ext, total_bytes: int, rounds: int) -> list[float]:
     return _switch_ab(ext, "stream_prefetch_rows", run, rounds)
 
 
+def _dense_calls(shapes, total_bytes: int, dtype: str = "int4") -> Callable[[], float]:
+    """A timed sweep (`_timed`) of one activation row through `dtype` decode copies (the profiler's names: tiled int4
+    Int4Linear, int8-g32 Int8G32Linear, ...) of each [N, K] in `shapes` (the engine's kernels, as a dense model's
+    batch-1 step calls them), each shape's copies cycled over about `total_bytes` / len(shapes) so that each call
+    streams its weight from memory."""
+    import torch
+
+    from tiered.hardware.profiler import _module_copies, _native_gemv, _native_gemv_module
+
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for N, K in shapes:
+        template, per_weight = _native_gemv_module(dtype, torch.randn(N, K, generator=g) * 0.02)
+        count = int(total_bytes // len(shapes) // (N * K * per_weight))
+        copies = [template] + _module_copies(template, max(1, count - 1))
+        x = torch.randn(1, K, generator=g)
+        calls += [(_native_gemv(dtype, m), x) for m in copies]
+    return _timed(lambda call: call[0](call[1]), calls)
+
+
 def _sweep(ef, slots, x) -> float:
     """Seconds to run one token through every expert of `slots`."""
     t = time.perf_counter()
@@ -342,19 +384,25 @@ def _group_sweep(ef, slots, x) -> float:
     return time.perf_counter() - t
 
 
-def _ab(ext, sets, option: str, rounds: int, sweep=_sweep) -> list[float]:
-    """Per-round ratios (option flipped / as set) of the summed sweeps over `sets` (`sweep`: one
-    expert a call, or `_group_sweep`), alternating which side goes first (_switch_ab)."""
+def _ab_sweeps(sets, sweep=_sweep) -> Callable[[], float]:
+    """Seconds of the summed sweeps over `sets` ((ExpertFormat, slots) pairs; `sweep`: one expert a call, or
+    `_group_sweep`) of one token."""
     import torch
 
     x = torch.randn(1, sets[0][0].shapes[0][1])
-    return _switch_ab(ext, option, lambda: sum(sweep(ef, slots, x) for ef, slots in sets), rounds)
+    return lambda: sum(sweep(ef, slots, x) for ef, slots in sets)
+
+
+def _ab(ext, sets, option: str, rounds: int, sweep=_sweep) -> list[float]:
+    """Per-round ratios (option flipped / as set) of the summed sweeps over `sets` (`_ab_sweeps`), alternating which
+    side goes first (_switch_ab)."""
+    return _switch_ab(ext, option, _ab_sweeps(sets, sweep), rounds)
 
 
 def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float = 0.03,
             previous: dict | None = None) -> dict:
     """This machine's tuning, measured (see the module docstring): {"stream_prefetch": bool,
-    "stream_prefetch_rows": bool, "int4_int16_act": bool, "bf16_native_rows": int, "q8_dequantize_rows",
+    "stream_prefetch_rows": bool, "stream_prefetch_bytes": bool, "int4_int16_act": bool, "bf16_native_rows": int, "q8_dequantize_rows",
     "q8_expert_grouped_rows" and "mxfp4_kernel_rows": int (0: never dequantized), "ratios": {option: per-round time ratios}, "others_share", "contended",
     "attempts" (hardware/contention.record; `previous`: the tuning it replaces), ...}. Leaves `ext` set to it.
 
@@ -369,7 +417,21 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
     # dense decode copies' batch-1 path, what int4_int16_act picks between)
     bf16, int4, int4q8 = _experts("bf16", total), _experts("int4", total), _experts("int4", total, "q8")
     out: dict = {"ratios": {}}
-    ratios = _ab(ext, [bf16, int4, int4q8], "stream_prefetch", rounds)
+    # the int4 option only changes a kernel on AVX-512 with VBMI (elsewhere the path is fixed); first, so that the
+    # prefetch A/Bs time the int4 kernel the machine runs
+    if ext.gemv_isa() == "avx512" and ext.has_vbmi():
+        ratios = _ab(ext, [int4], "int4_int16_act", rounds)
+        out["ratios"]["int4_int16_act"] = ratios
+        if choose(ratios, margin):
+            ext.set_tuning(int4_int16_act=not DEFAULTS["int4_int16_act"])
+    # batch-1 prefetches: the formats of a byte or more a weight, then the sub-byte ones
+    experts, dense = _ab_sweeps([bf16]), _dense_calls(BYTE_SHAPES, total, "int8-g32")
+    ratios = _switch_ab(ext, "stream_prefetch_bytes", lambda: experts() + dense(), rounds)
+    out["ratios"]["stream_prefetch_bytes"] = ratios
+    if choose(ratios, margin):
+        ext.set_tuning(stream_prefetch_bytes=not DEFAULTS["stream_prefetch_bytes"])
+    experts, dense = _ab_sweeps([int4, int4q8]), _dense_calls(WIDE_SHAPES, total)
+    ratios = _switch_ab(ext, "stream_prefetch", lambda: experts() + dense(), rounds)
     out["ratios"]["stream_prefetch"] = ratios
     if choose(ratios, margin):
         ext.set_tuning(stream_prefetch=not DEFAULTS["stream_prefetch"])
@@ -384,12 +446,6 @@ def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float
         out["ratios"]["stream_prefetch_rows"] = ratios
         if choose(ratios, margin):
             ext.set_tuning(stream_prefetch_rows=not DEFAULTS["stream_prefetch_rows"])
-    # the int4 option only changes a kernel on AVX-512 with VBMI (elsewhere the path is fixed)
-    if ext.gemv_isa() == "avx512" and ext.has_vbmi():
-        ratios = _ab(ext, [int4], "int4_int16_act", rounds)
-        out["ratios"]["int4_int16_act"] = ratios
-        if choose(ratios, margin):
-            ext.set_tuning(int4_int16_act=not DEFAULTS["int4_int16_act"])
     if ext.best_gemv_isa() == "avx512":  # the attention's vector width (16 floats on AVX-512 by default)
         ratios = _attend_ab(ext, rounds)
         out["ratios"]["attend_wide"] = ratios

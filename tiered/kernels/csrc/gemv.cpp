@@ -63,7 +63,8 @@ inline float bf16f(uint16_t h) {
 std::atomic<int> g_isa{-1};
 
 // Kernel tuning, set per machine (tiered/kernels/tune.py measures it once after the build; set_tuning):
-// g_stream_prefetch: the weight-stream loops issue software prefetches ahead of their loads. On the
+// g_stream_prefetch: the weight-stream loops issue software prefetches ahead of their loads (batch-1 calls of the
+//   formats of a byte or more a weight: g_stream_prefetch_bytes instead). On the
 //   2-core Zen 3 VMs (AVX2) they lifted batch-1 int4 decode (prefetch 4 KB ahead); on a Zen 4 VM
 //   (AVX-512) the same loops read 81-88% of the DRAM rate with them and 95-100% without (the L2
 //   stream prefetcher keeps up alone there, and the extra loads only compete with it).
@@ -81,21 +82,31 @@ std::atomic<int> g_isa{-1};
 //   without them on that Zen 4 VM (2026-12-02, int4 on 8 int8 rows, weights cycled past the L3): a 4096 x 4096
 //   weight 0.99-1.0 ms against 0.73-0.83 with them (0.61 in cache), a SmolLM2 gate/up 107 us against 93-98, where
 //   batch 1 read 282-432 us either way.
+// g_stream_prefetch_bytes: the same switch for batch-1 calls of weights stored in a byte or more a weight (int8,
+//   int8-g32, fp8, bf16, fp32; run_region tells them by their weight_bytes), g_stream_prefetch then governing the
+//   sub-byte formats' (int4, mxfp4, the k-quants). Their loops compute less a weight byte than the int4 ones', and on
+//   the Zen 4 VM (2026-12-07, weights cycled past the L3, one row) the prefetches made OLMoE-width bf16 experts 28%
+//   and int8-g32 decode copies 7% slower where a 4096 x 4096 int4 copy ran 10% faster with them: one switch for both
+//   was a coin flip of the tuning's summed A/B, and SmolLM2's decode (int4 layers, an int8-g32 head) ran 250 tok/s
+//   with them on and 272 with them off.
 // Scale and zero-point prefetches (a second, strided stream) stay on either way. Plain globals: the
 // setter runs between kernel calls, never during one.
 inline bool g_stream_prefetch = true;
 inline bool g_int4_w16 = false;
 inline bool g_prefetch_l2 = false;
 inline bool g_stream_prefetch_rows = true;
-// whether the kernel call running on this thread has 2+ activation rows (set by run_region around each call)
+inline bool g_stream_prefetch_bytes = true;
+// whether the kernel call running on this thread has 2+ activation rows, and whether its weight takes a byte or more a
+// weight (both set by run_region around each call)
 inline thread_local bool t_rows_call = false;
+inline thread_local bool t_byte_call = false;
 
 // A software prefetch of the weight stream at p (when the machine's tuning asks for them).
 // The prefetch helpers are always_inline: GCC's IPA finds a plain inline helper free of side effects
 // (a prefetch does not count) and deletes the calls it did not inline early, e.g. from a kernel of
 // another target attribute: every int4 kernel had lost its stream and scale prefetches that way.
 TIERED_FORCE_INLINE void prefetch_stream(const void* p) {
-  if (!g_stream_prefetch && !(g_stream_prefetch_rows && t_rows_call)) return;
+  if (!(t_byte_call ? g_stream_prefetch_bytes : g_stream_prefetch) && !(g_stream_prefetch_rows && t_rows_call)) return;
   if (g_prefetch_l2) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
   else _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
@@ -3858,11 +3869,14 @@ struct Part {
 // streams a contiguous run of blocks (one part's rows, then the next part's).
 void run_region(const Part* parts, int64_t n_parts) {
   std::vector<int64_t> first(n_parts + 1, 0);
+  std::vector<char> byte_format(n_parts);  // a weight of a byte or more a weight (g_stream_prefetch_bytes)
   int64_t bytes = 0;
   for (int64_t i = 0; i < n_parts; ++i) {
-    const int64_t R = parts[i].k->block_rows();
-    first[i + 1] = first[i] + (parts[i].nb > 0 ? (parts[i].k->out_features + R - 1) / R : 0);
-    bytes += parts[i].k->weight_bytes();
+    const Gemv& k = *parts[i].k;
+    const int64_t R = k.block_rows();
+    first[i + 1] = first[i] + (parts[i].nb > 0 ? (k.out_features + R - 1) / R : 0);
+    bytes += k.weight_bytes();
+    byte_format[i] = k.weight_bytes() >= k.out_features * k.in_features;
   }
   const int64_t total = first[n_parts];
   if (total == 0) return;
@@ -3875,8 +3889,9 @@ void run_region(const Part* parts, int64_t n_parts) {
         const Part& p = parts[i];
         const int64_t R = p.k->block_rows();
         t_rows_call = p.nb > 1;  // the stream prefetches' second switch (g_stream_prefetch_rows)
+        t_byte_call = byte_format[i];  // and their format's (g_stream_prefetch_bytes)
         p.k->rows(*p.a, p.b0, p.nb, (s - first[i]) * R, std::min(p.k->out_features, (e - first[i]) * R), p.y, p.ldy);
-        t_rows_call = false;
+        t_rows_call = t_byte_call = false;
       }
     }
   });
@@ -6187,24 +6202,27 @@ void register_gemv(pybind11::module& m) {
           d["prefetch_l2"] = g_prefetch_l2;
           d["attend_wide"] = ::tiered::g_attend_wide;
           d["stream_prefetch_rows"] = g_stream_prefetch_rows;
+          d["stream_prefetch_bytes"] = g_stream_prefetch_bytes;
           return d;
         }, "This machine's kernel tuning (tiered/kernels/tune.py): stream_prefetch, int4_int16_act, prefetch_l2, "
-           "attend_wide, stream_prefetch_rows.");
+           "attend_wide, stream_prefetch_rows, stream_prefetch_bytes.");
   m.def("set_tuning", [](c10::optional<bool> stream_prefetch, c10::optional<bool> int4_int16_act,
                          c10::optional<bool> prefetch_l2, c10::optional<bool> attend_wide,
-                         c10::optional<bool> stream_prefetch_rows) {
+                         c10::optional<bool> stream_prefetch_rows, c10::optional<bool> stream_prefetch_bytes) {
           if (stream_prefetch) g_stream_prefetch = *stream_prefetch;
           if (int4_int16_act) g_int4_w16 = *int4_int16_act;
           if (prefetch_l2) g_prefetch_l2 = *prefetch_l2;
           if (attend_wide) ::tiered::g_attend_wide = *attend_wide && best_isa() >= kAvx512;  // AVX-512 only
           if (stream_prefetch_rows) g_stream_prefetch_rows = *stream_prefetch_rows;
+          if (stream_prefetch_bytes) g_stream_prefetch_bytes = *stream_prefetch_bytes;
         }, pybind11::arg("stream_prefetch") = pybind11::none(), pybind11::arg("int4_int16_act") = pybind11::none(),
         pybind11::arg("prefetch_l2") = pybind11::none(), pybind11::arg("attend_wide") = pybind11::none(),
-        pybind11::arg("stream_prefetch_rows") = pybind11::none(),
+        pybind11::arg("stream_prefetch_rows") = pybind11::none(), pybind11::arg("stream_prefetch_bytes") = pybind11::none(),
         "Set the kernel tuning (between calls, not during one): software prefetch of the weight streams, "
         "int16 activations for tiled int4 at batch 1 on AVX-512, whether the stream prefetches fill the L2 "
         "rather than the L1, whether the native step's attention runs 16-float vectors (AVX-512 only), and "
-        "whether calls of 2+ activation rows prefetch their weight streams where batch 1 does not.");
+        "whether calls of 2+ activation rows prefetch their weight streams where batch 1 does not, and whether "
+        "batch-1 calls of weights of a byte or more a weight prefetch them (stream_prefetch: the sub-byte formats').");
   m.def("has_vbmi", []() { return has_vbmi(); }, "Whether this CPU has AVX-512 VBMI (the tiled int4 bf16 path).");
   m.def("gemv_isa", []() { return std::string(isa_name(current_isa())); }, "The ISA path tiered's GEMV kernels use now.");
   m.def("best_gemv_isa", []() { return std::string(isa_name(best_isa())); }, "The best ISA path this CPU supports.");
