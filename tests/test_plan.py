@@ -325,6 +325,9 @@ def test_a_small_layers_calls_run_slower_a_byte_as_the_step_timed_them():
     assert step_stream(kq, "iq4xs") == pytest.approx(40e-12) == step_stream(kq, "int8-g32")
     kq = replace(kq, models={**kq.models, "gemv/cpu/iq4xs": LinearModel(0.0, 27e-12, 1.0)})
     assert step_stream(kq, "iq4xs") == pytest.approx(40e-12 * 27 / 36) and step_stream(kq, "q5k") == pytest.approx(40e-12)
+    # ... and its own key once the profile has it (profiler 69): no scaling
+    kq = replace(kq, models={**kq.models, "runtime/decode_layer/iq4xs": LinearModel(0.0, 21e-12, 1.0)})
+    assert step_stream(kq, "iq4xs") == pytest.approx(21e-12) and step_stream(kq, "q5k") == pytest.approx(40e-12)
     # SmolLM2's widths: a layer of ~2 MB priced at the 2 MB point's rate (slower than the fit's), its head not
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64)

@@ -432,6 +432,13 @@ def test_quick_profile_structure(measured):
         assert op_time.find(p, "gemv", "cpu", "int8-g32") is p.models["gemv/cpu/int8-g32"]
         # the native step's int4 layers at real widths, per byte through the origin (profiler 32)
         assert p.models["runtime/decode_layer/int4"].alpha == 0.0 < p.models["runtime/decode_layer/int4"].beta
+        from tiered.hardware.profiler import KQUANT_LAYER_SHAPES, _layer_elements
+        from tiered.memory.sizes import bytes_per_element
+        for kind in ("q6k", "q5k", "iq4xs"):  # ... and with a GGUF file's k-quant copies as stored (profiler 69)
+            key = f"runtime/decode_layer/{kind}"
+            assert p.models[key].alpha == 0.0 < p.models[key].beta
+            assert [n for n, _ in p.meta["points"][key]] == [
+                _layer_elements(s) * bytes_per_element(kind) for s in KQUANT_LAYER_SHAPES]
         assert "runtime/burst_token" in p.models  # a decode burst's token (profiler 33)
         # a one-copy int4 weight's dequantization per element, through the origin; gemm/cpu/int4 net of it (40)
         assert p.models["dequantize/cpu/int4"].alpha == 0.0 < p.models["dequantize/cpu/int4"].beta
@@ -786,6 +793,41 @@ def test_k_quant_gemv_keys_time_the_copies_as_stored(kind):
     rows, bpe8 = profiler._native_gemv_module(kind + "q8", w)
     assert rows.batch_act == "q8" and module.batch_act == "bf16" and bpe8 == bpe
     assert profiler._native_gemv_format("cpu", kind + "q8", True)
+
+
+@pytest.mark.parametrize("kind", ["q6k", "q5k", "iq4xs"])
+def test_k_quant_decode_layers_run_the_copies_as_stored(kind):
+    """runtime/decode_layer/<kind> (profiler 69) times the native step over dense layers whose every projection holds
+    quant/kquant's copy as a GGUF file's "auto" makes it (random blocks of the kind's format; q/k/v and gate/up fused),
+    one copy each: the step's result is the torch step's over those copies' weights, and the points are (a layer's
+    bytes in the kind, seconds)."""
+    from tiered import kernels
+    from tiered.hardware import profiler
+    from tiered.memory.sizes import bytes_per_element
+    from tiered.models.layers import KVCache
+    from tiered.quant.kquant import LINEAR_OF_KIND
+    from tiered.quant.linear import PhaseLinear
+    from tiered.runtime.cpu_decode import CPUDecodeStep
+
+    if not kernels.available():
+        pytest.skip("needs tiered/kernels")
+    shape = (256, 512, 4, 2)  # every width a multiple of 256
+    cfg = profiler._dense_config(shape, 2)
+    model, step = profiler._dense_decode_step(cfg, 8, distinct=1, fmt=kind)
+    decode = [m.decode for m in model.model.layers.modules() if isinstance(m, PhaseLinear)]
+    assert len(decode) == 2 * 7 and all(m.weight is None for m in model.modules() if isinstance(m, PhaseLinear))
+    copies = {id(getattr(d, "shared", d)) for d in decode}  # q/k/v and gate/up one copy each: 4 a layer
+    assert len(copies) == 2 * 4
+    assert all(isinstance(getattr(getattr(d, "shared", None), "fused", d), LINEAR_OF_KIND[kind]) for d in decode)
+    assert step.native is not None  # the layers run in the native step
+    x = (torch.tensor([[5]]), torch.tensor([[3]]), torch.tensor([0]))
+    with torch.inference_mode():
+        native = step(*x, KVCache(cfg, 1, 8, torch.bfloat16)).float()
+        plain = CPUDecodeStep(model, native=False)(*x, KVCache(cfg, 1, 8, torch.bfloat16)).float()
+    torch.testing.assert_close(native, plain, rtol=0.05, atol=0.05 * plain.abs().max().item())
+    pts = profiler._decode_layer_points(1, (shape,), cold_bytes=1 << 20, fmt=kind)
+    assert len(pts) == 1 and pts[0][0] == profiler._layer_elements(shape) * bytes_per_element(kind) and pts[0][1] > 0
+    assert all(s[0] % 256 == 0 and s[1] % 256 == 0 for s in profiler.KQUANT_LAYER_SHAPES)
 
 
 def _spy_linear_kernels(monkeypatch) -> tuple[list, list]:

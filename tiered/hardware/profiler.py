@@ -57,7 +57,8 @@ ALGORITHMS.md 1.b). The keys and the units of n are listed in hardware/profile.p
     runtime/decode_step/<dtype>  a decode step of a tiny tiered model, decode weights in <dtype>
                          n = layers (the fixed per-step and per-layer cost of the model code)
     runtime/decode_layer/<fmt>  the native decode step's dense layers at real widths (SmolLM2's and up), int4
-                         or int8-g32 decode copies read from memory, less the layer code (runtime/decode_step's
+                         or int8-g32 decode copies, or a GGUF file's q6k / q5k / iq4xs ones as stored (widths a
+                         multiple of 256), read from memory, less the layer code (runtime/decode_step's
                          per layer): its calls, fitted through the origin   n = a layer's weight bytes
     runtime/decode_ws/int4  the same layers (768 wide) cycled over working sets of 16-512 MiB and over 3 x the
                          last-level cache: seconds a weight byte (points only: op_time.cache_factor; the model is
@@ -1424,6 +1425,31 @@ class _NoCheckpoint:
         return False
 
 
+class _RandomBlocks:
+    """Stands in for a GGUF file whose every weight of `model` ([N, K] each, K % 256 == 0) is stored in `block_format`
+    ("Q6_K", "Q5_K", "IQ4_XS"): random blocks (tiered/bench/gguf_dense.random_k_blocks; the kernels' speed does not
+    depend on the values), so that install_decode_weights' "auto" gives the model the decode copies as stored it
+    gives such a file's tensors (quant/kquant.py)."""
+
+    def __init__(self, model, block_format: str) -> None:
+        import numpy as np
+
+        self.shapes = {n: tuple(t.shape) for n, t in model.named_parameters() if t.dim() == 2}
+        self.format, self.rng = block_format, np.random.default_rng(0)
+
+    def has(self, name: str) -> bool:
+        return name in self.shapes
+
+    def handle(self, name: str):
+        from types import SimpleNamespace
+
+        from tiered.bench.gguf_dense import random_k_blocks
+
+        N, K = self.shapes[name]
+        return SimpleNamespace(format=self.format, shape=(N, K),
+                               blocks=lambda: random_k_blocks(self.rng, N, K, self.format, 0.02))
+
+
 def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
                         graphed: str | None = None) -> list[tuple[float, float]]:
     """(layers, seconds) of one decode step of tiny dense tiered models (hidden 64) with 2..8 layers.
@@ -1491,6 +1517,11 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
 # widths up to twice them (2.2, 3.9 and 8.8 MB of int4 a layer), where a call's start and end weigh most
 DECODE_LAYER_SHAPES = ((576, 1536, 9, 3), (768, 2048, 12, 4), (1152, 3072, 18, 6))
 DECODE_LAYER_RUN = 4  # layers a timed call of the native step runs: its own cost (the binding, buffers) is a 4th's
+# runtime/decode_layer/<k-quant>'s (q6k, q5k, iq4xs): Llama-3.2-1B's and 3B's widths (50 and 72 MB of Q6_K a layer;
+# every width a multiple of 256, a k-quant block, where 576 and 1152 are not): the k-quant files people run are 1B
+# and up, and on 2 Zen 4 cores (2026-12-07) the step streamed IQ4_XS layers 768 to 1536 wide at 17-24 GB/s, 2048 to
+# 4096 wide at 26-32 (the kernels' per-row costs); the three keys took 8.5 s of a quick profile there
+KQUANT_LAYER_SHAPES = ((2048, 8192, 32, 8), (3072, 8192, 48, 16))
 
 
 def _dense_config(shape, layers: int):
@@ -1509,7 +1540,8 @@ def _dense_decode_step(cfg, positions: int, distinct: int | None = None, fmt: st
     rotary tables for `positions`. `distinct`: quantize that many layers only and make the others copies of them
     (copy.deepcopy: memory of their own), for timings that only need the layers' bytes apart (_decode_layer_points:
     quantizing its 40 layers in fp32 took ~3 s of the quick profile). `fmt`: "int8-g32" for the int8 copies per
-    group of 32 instead (Int8G32Linear: a GGUF Q8_0 file's, --decode-weights int8's)."""
+    group of 32 instead (Int8G32Linear: a GGUF Q8_0 file's, --decode-weights int8's), a KQUANT_KINDS one for the
+    GGUF k-quant copies as stored (random blocks, `_RandomBlocks`; every width a multiple of 256)."""
     import copy
     from dataclasses import replace
 
@@ -1519,8 +1551,14 @@ def _dense_decode_step(cfg, positions: int, distinct: int | None = None, fmt: st
     layers = cfg.num_hidden_layers
     distinct = min(distinct or layers, layers)
     model = _random_model(replace(cfg, num_hidden_layers=distinct), positions)
-    install_decode_weights(model, _NoCheckpoint(), {"int8-g32": "int8"}.get(fmt, fmt), 8, int4_layout="tiled",
-                           batch_act="q8")
+    if fmt in KQUANT_KINDS:  # a GGUF file's k-quant tensors: "auto" keeps them as stored
+        from tiered.quant.kquant import GGUF_FORMAT
+
+        install_decode_weights(model, _RandomBlocks(model, GGUF_FORMAT[fmt]), "auto", 8, int4_layout="tiled",
+                               batch_act="q8")
+    else:
+        install_decode_weights(model, _NoCheckpoint(), {"int8-g32": "int8"}.get(fmt, fmt), 8, int4_layout="tiled",
+                               batch_act="q8")
     for m in model.modules():  # one copy, as the engine keeps a GGUF's projections: the int4 copies alone
         if isinstance(m, PhaseLinear):
             m.weight = None
@@ -2448,7 +2486,11 @@ def _meta(b: _Bench, cuda: bool) -> dict:
 # 68: decode_rows/cpu/q6kq8, q5kq8 and iq4xsq8, those copies' rows on int8 activations (a prompt run as rows of the
 # native step, a batched step), which had been priced at int8-g32q8's slope: the IQ4_XS / Q5_K_M files' 512-token
 # TTFTs 4855 / 4868 ms where they ran 3854 / 3875.
-PROFILER_VERSION = 68
+# 69: runtime/decode_layer/q6k, q5k and iq4xs, the native step over dense layers with those copies (KQUANT_LAYER_SHAPES),
+# where op_time.step_stream had scaled int8-g32's by the gemv keys' ratio (the IQ4_XS file's decode priced 23.6-28.5
+# tok/s where it ran 33-34); and the kernel tuning's byte-format prefetch switch (stream_prefetch_bytes), under which
+# the int8-g32 and bf16 keys run.
+PROFILER_VERSION = 69
 
 
 # CPU keys the planner prices every model family by. One skipped because its timing raised (Bench.attempt) is
@@ -2631,6 +2673,10 @@ def _run(quick: bool, disk_dir: Path | None, cuda: bool, progress: Progress | No
         # ... and with int8 copies per group of 32 (a GGUF Q8_0 file's, --decode-weights int8's, a Q8_0 head's)
         b.attempt("runtime/decode_layer/int8-g32", lambda: _decode_layer_points(
             r, cold_bytes=cold, probe=pr, layer_code=code.beta if code is not None else 0.0, fmt="int8-g32"))
+        # ... and with a GGUF file's Q6_K / Q5_K / IQ4_XS copies as stored (widths a multiple of 256)
+        for kind in KQUANT_KINDS:
+            b.attempt(f"runtime/decode_layer/{kind}", lambda k=kind: _decode_layer_points(
+                r, KQUANT_LAYER_SHAPES, cold, pr, code.beta if code is not None else 0.0, fmt=k))
         # ... and cycled over working sets the caches may hold (a small model's step)
         b.attempt("runtime/decode_ws/int4", lambda: _decode_ws_points(
             r, b.llc, layer_code=code.beta if code is not None else 0.0, quick=quick))
