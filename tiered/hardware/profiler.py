@@ -736,18 +736,27 @@ def random_normal(*shape: int, std: float = 0.02, generator: torch.Generator | N
     return fill_random_(torch.empty(shape), std, generator)
 
 
-def _random_model(cfg, positions: int):
+def _random_model(cfg, positions: int, linears: bool = True):
     """models.build_model(cfg, positions) in eval mode on the CPU with values fit to time it: built on the meta
     device (no init), then every parameter given memory and fill_random_'s values (norm weights 1), the
-    rotary tables computed. nn.Linear's own init took 3.2 s of runtime/decode_layer/int4's setup."""
+    rotary tables computed. nn.Linear's own init took 3.2 s of runtime/decode_layer/int4's setup. `linears`
+    False: the nn.Linear layers' weights stay on the meta device (a one-copy install gives them their copies from a
+    stand-in checkpoint: install_decode_weights(dense=False))."""
+    from torch import nn
+
     from tiered.models import build_model
     from tiered.models.layers import Rotary
 
     with torch.device("meta"):
         model = build_model(cfg, positions)
+    kept = {} if linears else {name: m.weight for name, m in model.named_modules() if type(m) is nn.Linear}
     model = model.to_empty(device="cpu").eval()
+    for name, w in kept.items():  # (to_empty gave them memory: back to the meta device)
+        model.get_submodule(name).weight = nn.Parameter(w, requires_grad=False)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if p.is_meta:
+                continue
             if p.dim() == 1 and "norm" in name:
                 p.fill_(1.0)
             else:
@@ -1429,13 +1438,14 @@ class _RandomBlocks:
     """Stands in for a GGUF file whose every weight of `model` ([N, K] each, K % 256 == 0) is stored in `block_format`
     ("Q6_K", "Q5_K", "IQ4_XS"): random blocks (tiered/bench/gguf_dense.random_k_blocks; the kernels' speed does not
     depend on the values), so that install_decode_weights' "auto" gives the model the decode copies as stored it
-    gives such a file's tensors (quant/kquant.py)."""
+    gives such a file's tensors (quant/kquant.py). Weights of one shape share one array of blocks (each copy is
+    repacked into memory of its own)."""
 
     def __init__(self, model, block_format: str) -> None:
         import numpy as np
 
         self.shapes = {n: tuple(t.shape) for n, t in model.named_parameters() if t.dim() == 2}
-        self.format, self.rng = block_format, np.random.default_rng(0)
+        self.format, self.rng, self.made = block_format, np.random.default_rng(0), {}
 
     def has(self, name: str) -> bool:
         return name in self.shapes
@@ -1446,8 +1456,12 @@ class _RandomBlocks:
         from tiered.bench.gguf_dense import random_k_blocks
 
         N, K = self.shapes[name]
-        return SimpleNamespace(format=self.format, shape=(N, K),
-                               blocks=lambda: random_k_blocks(self.rng, N, K, self.format, 0.02))
+
+        def blocks():
+            if (N, K) not in self.made:
+                self.made[N, K] = random_k_blocks(self.rng, N, K, self.format, 0.02)
+            return self.made[N, K]
+        return SimpleNamespace(format=self.format, shape=(N, K), blocks=blocks)
 
 
 def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
@@ -1550,12 +1564,13 @@ def _dense_decode_step(cfg, positions: int, distinct: int | None = None, fmt: st
 
     layers = cfg.num_hidden_layers
     distinct = min(distinct or layers, layers)
-    model = _random_model(replace(cfg, num_hidden_layers=distinct), positions)
-    if fmt in KQUANT_KINDS:  # a GGUF file's k-quant tensors: "auto" keeps them as stored
+    kquant = fmt in KQUANT_KINDS  # a GGUF file's k-quant tensors, "auto" keeps them as stored: no dense values
+    model = _random_model(replace(cfg, num_hidden_layers=distinct), positions, linears=not kquant)
+    if kquant:
         from tiered.quant.kquant import GGUF_FORMAT
 
-        install_decode_weights(model, _RandomBlocks(model, GGUF_FORMAT[fmt]), "auto", 8, int4_layout="tiled",
-                               batch_act="q8")
+        install_decode_weights(model, _RandomBlocks(model, GGUF_FORMAT[fmt]), "auto", 8, dense=False,
+                               int4_layout="tiled", batch_act="q8")
     else:
         install_decode_weights(model, _NoCheckpoint(), {"int8-g32": "int8"}.get(fmt, fmt), 8, int4_layout="tiled",
                                batch_act="q8")
