@@ -1531,11 +1531,12 @@ def _decode_step_points(repeats: int, dtype: str = "fp32", device: str = "cpu",
 # widths up to twice them (2.2, 3.9 and 8.8 MB of int4 a layer), where a call's start and end weigh most
 DECODE_LAYER_SHAPES = ((576, 1536, 9, 3), (768, 2048, 12, 4), (1152, 3072, 18, 6))
 DECODE_LAYER_RUN = 4  # layers a timed call of the native step runs: its own cost (the binding, buffers) is a 4th's
-# runtime/decode_layer/<k-quant>'s (q6k, q5k, iq4xs): Llama-3.2-1B's and 3B's widths (50 and 72 MB of Q6_K a layer;
-# every width a multiple of 256, a k-quant block, where 576 and 1152 are not): the k-quant files people run are 1B
-# and up, and on 2 Zen 4 cores (2026-12-07) the step streamed IQ4_XS layers 768 to 1536 wide at 17-24 GB/s, 2048 to
-# 4096 wide at 26-32 (the kernels' per-row costs); the three keys took 8.5 s of a quick profile there
-KQUANT_LAYER_SHAPES = ((2048, 8192, 32, 8), (3072, 8192, 48, 16))
+# runtime/decode_layer/<k-quant>'s (q6k, q5k, iq4xs): Qwen2.5-1.5B's, Llama-3.2-1B's and 3B's widths (21, 50 and 72
+# MB of Q6_K a layer; every width a multiple of 256, a k-quant block, where 576 and 1152 are not): the k-quant files
+# people run are 1B and up, and on 2 Zen 4 cores (2026-12-07) the step streamed IQ4_XS layers 768 to 1536 wide at
+# 17-24 GB/s, 2048 to 4096 wide at 26-32 (the kernels' per-row costs), which op_time.layer_shape follows by a layer's
+# bytes between these points
+KQUANT_LAYER_SHAPES = ((1536, 4096, 24, 8), (2048, 8192, 32, 8), (3072, 8192, 48, 16))
 
 
 def _dense_config(shape, layers: int):
