@@ -24,8 +24,8 @@ Several choices depend on the CPU more than on the code, so they are measured he
   same build) the prefetches made OLMoE-width bf16 experts 28% and int8-g32 decode copies 7% slower, where int4
   experts ran 6% slower and a 4096 x 4096 int4 decode copy 10% faster; one switch over the sum was a coin flip
   (median ratios 0.95-1.0 over that day's builds), and SmolLM2's decode (int4 layers, an int8-g32 head) ran 250
-  tok/s with them on and 272 with them off. Timed on BYTE_SETS (`_bytes_ab`: bf16 experts, int8-g32 decode
-  copies), and stream_prefetch's A/B on the sub-byte formats alone (int4 experts on both activations, a
+  tok/s with them on and 272 with them off. Timed on the bf16 experts and int8-g32 decode copies of BYTE_SHAPES
+  (`_dense_calls`), and stream_prefetch's A/B on the sub-byte formats alone (int4 experts on both activations, a
   Llama-width int4 decode copy: WIDE_SHAPES).
 - ``stream_prefetch_rows``: where ``stream_prefetch`` is off, whether calls of 2+ activation rows (a server's
   batched decode, a prompt's rows) issue them anyway. Such a call computes longer per weight byte, and on the
@@ -329,13 +329,9 @@ def _rows_prefetch_ab(ext, total_bytes: int, rounds: int) -> list[float]:
 
     import torch
 
-    from tiered.hardware.profiler import _module_copies, _native_gemv, _native_gemv_module
-
     N, K = ROWS_PREFETCH_SHAPE
     g = torch.Generator().manual_seed(0)
-    template = _native_gemv_module("int4q8", torch.randn(N, K, generator=g) * 0.02)[0]
-    copies = [template] + _module_copies(template, max(1, total_bytes // (N * K // 2) - 1))
-    calls = itertools.cycle([_native_gemv("int4q8", m) for m in copies])
+    calls = itertools.cycle(_gemv_copies("int4q8", N, K, total_bytes // (N * K // 2), g))
     x = torch.randn(ROWS_PREFETCH_ROWS, K, generator=g)
 
     def run() -> float:
@@ -346,6 +342,18 @@ def _rows_prefetch_ab(ext, total_bytes: int, rounds: int) -> list[float]:
     return _switch_ab(ext, "stream_prefetch_rows", run, rounds)
 
 
+def _gemv_copies(dtype: str, N: int, K: int, count: int, g) -> list[Callable]:
+    """The native calls of max(2, `count`) `dtype` decode copies (the profiler's names: tiled int4 Int4Linear,
+    int8-g32 Int8G32Linear, int4q8 on int8 rows, ...) of one random weight [N, K] (`g`'s), each copy in memory of its
+    own."""
+    import torch
+
+    from tiered.hardware.profiler import _module_copies, _native_gemv, _native_gemv_module
+
+    template = _native_gemv_module(dtype, torch.randn(N, K, generator=g) * 0.02)[0]
+    return [_native_gemv(dtype, m) for m in [template] + _module_copies(template, max(1, count - 1))]
+
+
 def _dense_calls(shapes, total_bytes: int, dtype: str = "int4") -> Callable[[], float]:
     """A timed sweep (`_timed`) of one activation row through `dtype` decode copies (the profiler's names: tiled int4
     Int4Linear, int8-g32 Int8G32Linear, ...) of each [N, K] in `shapes` (the engine's kernels, as a dense model's
@@ -353,16 +361,14 @@ def _dense_calls(shapes, total_bytes: int, dtype: str = "int4") -> Callable[[], 
     streams its weight from memory."""
     import torch
 
-    from tiered.hardware.profiler import _module_copies, _native_gemv, _native_gemv_module
+    from tiered.memory.sizes import bytes_per_element
 
     g = torch.Generator().manual_seed(0)
     calls = []
     for N, K in shapes:
-        template, per_weight = _native_gemv_module(dtype, torch.randn(N, K, generator=g) * 0.02)
-        count = int(total_bytes // len(shapes) // (N * K * per_weight))
-        copies = [template] + _module_copies(template, max(1, count - 1))
+        count = int(total_bytes // len(shapes) // (N * K * bytes_per_element(dtype)))
         x = torch.randn(1, K, generator=g)
-        calls += [(_native_gemv(dtype, m), x) for m in copies]
+        calls += [(call, x) for call in _gemv_copies(dtype, N, K, count, g)]
     return _timed(lambda call: call[0](call[1]), calls)
 
 
@@ -402,9 +408,9 @@ def _ab(ext, sets, option: str, rounds: int, sweep=_sweep) -> list[float]:
 def measure(ext, total_bytes: int | None = None, rounds: int = 11, margin: float = 0.03,
             previous: dict | None = None) -> dict:
     """This machine's tuning, measured (see the module docstring): {"stream_prefetch": bool,
-    "stream_prefetch_rows": bool, "stream_prefetch_bytes": bool, "int4_int16_act": bool, "bf16_native_rows": int, "q8_dequantize_rows",
-    "q8_expert_grouped_rows" and "mxfp4_kernel_rows": int (0: never dequantized), "ratios": {option: per-round time ratios}, "others_share", "contended",
-    "attempts" (hardware/contention.record; `previous`: the tuning it replaces), ...}. Leaves `ext` set to it.
+    "stream_prefetch_rows": bool, "stream_prefetch_bytes": bool, "int4_int16_act": bool, "bf16_native_rows": int,
+    "q8_dequantize_rows", "q8_expert_grouped_rows" and "mxfp4_kernel_rows": int (0: never dequantized), "ratios":
+    {option: per-round time ratios}, "others_share", "contended", "attempts" (hardware/contention.record; `previous`: the tuning it replaces), ...}. Leaves `ext` set to it.
 
     total_bytes: weight bytes per format cycled through (default: 4x the last-level cache, at least
     256 MiB). Takes ~2-5 s on 2 cores at the default size."""

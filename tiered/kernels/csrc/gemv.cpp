@@ -3869,14 +3869,11 @@ struct Part {
 // streams a contiguous run of blocks (one part's rows, then the next part's).
 void run_region(const Part* parts, int64_t n_parts) {
   std::vector<int64_t> first(n_parts + 1, 0);
-  std::vector<char> byte_format(n_parts);  // a weight of a byte or more a weight (g_stream_prefetch_bytes)
   int64_t bytes = 0;
   for (int64_t i = 0; i < n_parts; ++i) {
-    const Gemv& k = *parts[i].k;
-    const int64_t R = k.block_rows();
-    first[i + 1] = first[i] + (parts[i].nb > 0 ? (k.out_features + R - 1) / R : 0);
-    bytes += k.weight_bytes();
-    byte_format[i] = k.weight_bytes() >= k.out_features * k.in_features;
+    const int64_t R = parts[i].k->block_rows();
+    first[i + 1] = first[i] + (parts[i].nb > 0 ? (parts[i].k->out_features + R - 1) / R : 0);
+    bytes += parts[i].k->weight_bytes();
   }
   const int64_t total = first[n_parts];
   if (total == 0) return;
@@ -3889,7 +3886,8 @@ void run_region(const Part* parts, int64_t n_parts) {
         const Part& p = parts[i];
         const int64_t R = p.k->block_rows();
         t_rows_call = p.nb > 1;  // the stream prefetches' second switch (g_stream_prefetch_rows)
-        t_byte_call = byte_format[i];  // and their format's (g_stream_prefetch_bytes)
+        // and their format's (g_stream_prefetch_bytes): a weight of a byte or more a weight
+        t_byte_call = p.k->weight_bytes() >= p.k->out_features * p.k->in_features;
         p.k->rows(*p.a, p.b0, p.nb, (s - first[i]) * R, std::min(p.k->out_features, (e - first[i]) * R), p.y, p.ldy);
         t_rows_call = t_byte_call = false;
       }
