@@ -38,6 +38,7 @@ Usage:
     .venv/bin/python benchmarks/cpu_moe.py --arch deepseek2   # DeepSeek-V2-Lite (27 layers, 8.9 GB, ~7 min)
     .venv/bin/python benchmarks/cpu_moe.py --layers 4 --quick --out /tmp/cpu_moe
     .venv/bin/python benchmarks/cpu_moe.py --qtype Q8_0    # Q8_0 attention and experts (5.4 GB)
+    .venv/bin/python benchmarks/cpu_moe.py --qtype Q4_K_M  # llama.cpp's Q4_K_M mix (also Q5_K_M, Q6_K, IQ4_XS)
     .venv/bin/python benchmarks/cpu_moe.py --arch glm4moe  # GLM-4.5-Air, 4 of 46 layers (4.5 GB)
     .venv/bin/python benchmarks/cpu_moe.py --arch gpt-oss  # gpt-oss-20b, 4 of 24 layers (2.1 GB)
 Results: benchmarks/results/cpu_moe.json and cpu_moe.md (cpu_moe_q8_0.* with --qtype Q8_0; cpu_moe_deepseek.*,
@@ -110,9 +111,10 @@ def main(argv=None) -> int:
                     help="decoder layers (default: 8 of Qwen3-30B-A3B's 48; all 27 of DeepSeek-V2-Lite's, the only "
                          "count llama.cpp reads its layout at; 4 of GLM-4.5-Air's 46; 4 of gpt-oss-20b's 24)")
     ap.add_argument("--engines", default="tiered-int4,llama.cpp")
-    ap.add_argument("--qtype", default=None, choices=["Q4_0", "Q8_0"],
+    ap.add_argument("--qtype", default=None, choices=["Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS"],
                     help="block type of attention and experts (default Q4_0; gpt-oss: of attention, default Q8_0, "
-                         "the experts MXFP4)")
+                         "the experts MXFP4); qwen3moe also takes llama.cpp's k-quant mixes Q4_K_M, Q5_K_M, Q6_K and "
+                         "IQ4_XS (tiered/bench/gguf_moe.K_MIXES: each tensor by llama.cpp's rule)")
     ap.add_argument("--out", default=None, help="output path stem (.json / .md added; default results/cpu_moe, "
                                                  "results/cpu_moe_q8_0 for Q8_0, results/cpu_moe_deepseek, "
                                                  "results/cpu_moe_glm_air, results/cpu_moe_gpt_oss by --arch)")

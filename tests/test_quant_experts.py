@@ -173,6 +173,95 @@ def test_expert_group_gives_each_experts_own_outputs(name, layout, act):
         fmt.forward_group(xs[:-1], slots, bounds)
 
 
+@pytest.mark.parametrize("name", ["q6k", "q5k", "iq4xs", "int4,int4,q6k", "q5k,q5k,q6k"])
+def test_k_quant_experts_compute_their_blocks_as_stored(name):
+    """The k-quant kinds (a GGUF file's Q6_K / Q5_K / IQ4_XS experts as stored, quant/kquant's layouts): a slot
+    written from a file's blocks holds them bit for bit (dequantized: gguf's values); the native calls (one expert, a
+    layer's experts in one call, rows past NATIVE_ROWS in groups) give the SwiGLU of those weights, each expert's
+    rows its own outputs; rows from two read int8 activations where batch_act is "q8"; the portable layout (a CUDA
+    device's) refuses them and shapes they cannot tile take int8-g32."""
+    from tiered.kernels import load
+    from tiered.quant.experts import NATIVE_ROWS, dequantize_projection, kquant_segments, quantize_projection
+    from tiered.quant.gguf_encode import quantize_iq4_xs, quantize_q5_k, quantize_q6_k
+
+    if load() is None:
+        pytest.skip("the native kernels are not built")
+    enc = {"q6k": (quantize_q6_k, Q.Q6_K), "q5k": (quantize_q5_k, Q.Q5_K), "iq4xs": (quantize_iq4_xs, Q.IQ4_XS)}
+    F, D = 512, 256
+    shapes = [(F, D), (F, D), (D, F)]
+    fmts = {act: ExpertFormat(name, shapes, "tiled", batch_act=act, act=act) for act in ("bf16", "q8")}
+    fmt = fmts["bf16"]
+    assert fmt.native is not None and fmt.nbytes == sizes.expert_bytes(
+        type("C", (), dict(hidden_size=D, moe_intermediate_size=F))(), name)
+    slots, stored = [], []
+    for seed in range(3):
+        ws, slot, blocks = _weights(F=F, D=D, seed=seed), fmt.empty(), {}
+        parts = []
+        for i, (w, kind) in enumerate(zip(ws, fmt.kinds)):
+            if kind in enc:
+                blocks[i] = enc[kind][0](w.numpy())
+                parts.append(kquant_segments(kind, [torch.from_numpy(blocks[i])]))
+            else:
+                parts.append(quantize_projection(w, kind, "tiled"))
+        fmt.encode(parts, slot)
+        for i, raw in blocks.items():  # the file's weights, bit for bit
+            v = fmt.views(slot)[i]
+            want = dequantize(raw, enc[fmt.kinds[i]][1]).reshape(fmt.shapes[i])
+            assert np.array_equal(dequantize_projection(v, fmt.kinds[i], *fmt.shapes[i], "tiled").numpy(), want)
+        slots.append(slot)
+        stored.append(fmt.dequantize(slot))
+    x = torch.randn(NATIVE_ROWS + 3, D, generator=torch.Generator().manual_seed(1))
+    ref = [ExpertFormat("fp32", shapes).forward(x, deq) for deq in stored]
+    for act, f in fmts.items():
+        tol = 0.003 if act == "bf16" and "int4" not in name else 0.03  # int16 rows; int8 ones (and int4's q8)
+        one = f.forward(x[:1], slots[0])
+        assert (one - ref[0][:1]).abs().max() <= (0.03 if "int4" in name and act == "q8" else 0.003) * ref[0].abs().max()
+        for rows in (3, NATIVE_ROWS + 3):  # one call; groups of NATIVE_ROWS
+            y = f.forward(x[:rows], slots[0])
+            assert (y - ref[0][:rows]).abs().max() <= tol * ref[0].abs().max(), (act, rows)
+        bounds = [0, 1, 4, NATIVE_ROWS + 3]
+        ys = f.forward_group(x, slots, bounds)
+        for slot, a, b in zip(slots, bounds, bounds[1:]):
+            if b > a:
+                assert torch.equal(ys[a:b], f.forward(x[a:b], slot))
+    with pytest.raises(ConfigError, match="host layout"):
+        ExpertFormat(name, shapes, "plain")
+    assert fit_format("q6k", [(F, 96), (F, 96), (96, F)]) == "int8-g32,int8-g32,q6k"  # (down: [96, 512] tiles)
+
+
+def test_a_mixed_k_quant_file_re_quantizes_the_other_layers_into_its_kinds(tmp_path):
+    """Experts take one format, chosen from the first MoE layer's tensors: a file whose ffn_down is Q6_K there and
+    Q4_K in the next (llama.cpp's Q4_K_M) keeps int4,int4,q6k, fits the Q4_K layer's down projection to Q6_K blocks
+    (quant/gguf_encode.py) near its weights, and says so in the plan's note; the CPU engine's tokens follow the
+    file's dequantized weights. With an accelerator (the host stand-in) the experts keep int8-g32 copies: no
+    device reads the k-quant kinds."""
+    from tiered.kernels import available
+
+    if not available():
+        pytest.skip("the native kernels are not built")
+    model = build_hf_moe_model("qwen3_moe", hidden_size=256, moe_intermediate_size=256, num_hidden_layers=4)
+    types = {"blk.1.ffn_down_exps.weight": Q.Q6_K}  # MoE layers 1 and 3 (decoder_sparse_step 2)
+    path = write_moe_gguf(model, tmp_path / "mix.gguf", Q.Q4_K, types=types)
+    llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", **EXACT_ACT))
+    assert llm.plan.dtypes["experts"] == "int4,int4,q6k"
+    assert any("re-quantized on load: Q4_K -> q6k" in n for n in llm.plan.notes)
+    from tiered.memory.expert_store import expert_tensor_names
+    from tiered.quant.gguf_experts import encode_expert
+
+    fmt, slot = llm.experts.fmt, llm.experts.fmt.empty()
+    hs = [llm.checkpoint.handle(n) for n in expert_tensor_names(llm.config.model_type, 3, 0)]
+    assert hs[2].format == "Q4_K"
+    encode_expert(fmt, hs, slot)
+    w, got = hs[2].load(torch.float32), fmt.dequantize(slot)[2]
+    assert (got - w).abs().max() <= w.abs().max() / 40  # 6 bits a weight, a scale per 16
+    out = llm.generate(PROMPT, GREEDY)[0].token_ids
+    llm.close()
+    host = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="host", **EXACT_ACT))
+    assert host.plan.dtypes["experts"] == "int4,int4,int8-g32"
+    assert host.generate(PROMPT, GREEDY)[0].token_ids[:4] == out[:4]
+    host.close()
+
+
 @pytest.mark.parametrize("name", ["mxfp4", "int4", "int8", "bf16"])
 def test_biased_experts_run_their_clamped_glu_inside_the_native_calls(name, monkeypatch):
     """gpt-oss's experts (swiglu_limit: a bias column on each projection's input, the clamped GLU between
@@ -496,24 +585,33 @@ def test_moe_gguf_keeps_experts_quantized_with_reference_tokens(kind, qtype, tmp
 WIDE = dict(hidden_size=256, intermediate_size=512, num_local_experts=16)  # K-quant super-blocks are 256 wide
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS])
 def test_quantized_moe_gguf_runs_under_a_budget_smaller_than_the_file(qtype, tmp_path):
-    """A 16-expert Mixtral GGUF runs with RAM for less than half its bytes (3/4 for IQ4; experts read from the
-    offload files as stored bytes) and gives the dequantized reference's greedy tokens. IQ4_NL / IQ4_XS experts
-    are int8-g32 from their codebook values and scales (quant/gguf_experts.unpack_iq4_blocks), noted exact."""
+    """A 16-expert Mixtral GGUF runs with RAM for less than half its bytes (3/4 where its experts take int8-g32 copies
+    of IQ4 blocks; experts read from the offload files as stored bytes) and gives the dequantized reference's greedy
+    tokens. With tiered's kernels built, Q5_K / Q6_K / IQ4_XS experts keep their blocks (the q5k / q6k / iq4xs kinds:
+    the CPU engine has no accelerator), noted exact; without them, and IQ4_NL's always, int8 / int8-g32 copies
+    (IQ4's from their codebook values and scales, quant/gguf_experts.unpack_iq4_blocks, noted exact)."""
+    from tiered.kernels import available
+
+    kquant = {Q.Q5_K: "q5k", Q.Q6_K: "q6k", Q.IQ4_XS: "iq4xs"}.get(qtype) if available() else None
     model = build_hf_moe_model("mixtral", **WIDE)
     path = write_moe_gguf(model, tmp_path / "wide.gguf", qtype)
-    # (an IQ4 expert in RAM holds ~2x its stored bytes, 1.06 against 0.53 a weight: its staging needs 3/4 of the file)
-    budget = path.stat().st_size * (3 if qtype in (Q.IQ4_NL, Q.IQ4_XS) else 2) // 4
+    # (an IQ4 expert as int8-g32 in RAM holds ~2x its stored bytes, 1.06 against 0.53 a weight: its staging needs 3/4
+    # of the file; as iq4xs 0.54)
+    budget = path.stat().st_size * (3 if qtype in (Q.IQ4_NL, Q.IQ4_XS) and kquant is None else 2) // 4
     llm = LLM(path, EngineConfig(max_context=32, decode_weights="fp32", accelerator="none", cpu_memory=budget, **EXACT_ACT,
                                  offload_dir=str(tmp_path / "off")))
     assert llm.experts.placement.count("disk") > 0
     out = llm.generate(PROMPT, GREEDY)[0].token_ids
     assert llm.experts.bytes_read > 0 and llm.cpu_budget.peak <= budget
     assert any("experts stored as" in n for n in llm.plan.notes)
-    if qtype == Q.Q6_K:
-        assert any("re-quantized on load: Q6_K -> int8-g32" in n for n in llm.plan.notes)
-    if qtype in (Q.IQ4_NL, Q.IQ4_XS):
+    if kquant is not None:
+        assert llm.plan.dtypes["experts"] == kquant and any("mapped exactly" in n for n in llm.plan.notes)
+        assert llm.experts.store.expert_bytes == sizes.expert_bytes(llm.config, kquant)
+    elif qtype in (Q.Q5_K, Q.Q6_K):
+        assert any(f"re-quantized on load: {qtype.name} -> int8" in n for n in llm.plan.notes)
+    if qtype == Q.IQ4_NL or (qtype == Q.IQ4_XS and kquant is None):
         assert llm.plan.dtypes["experts"] == "int8-g32" and any("mapped exactly" in n for n in llm.plan.notes)
     _assert_reference_tokens(out, model, qtype)
     llm.close()

@@ -1067,9 +1067,12 @@ def info(model: Optional[Path] = typer.Argument(None, help="HF model directory o
         from tiered.quant.experts import ExpertFormat
         from tiered.quant.gguf_experts import requantized_note, stored_format
 
-        hs = [ckpt.handle(n) for n in expert_tensor_names(cfg.model_type, moe_layers(ckpt, cfg)[0], 0)]
-        fmt = stored_format(hs) or "as --dtype"
-        note = requantized_note(hs, ExpertFormat(fmt, [h.shape for h in hs])) if fmt != "as --dtype" else None
+        from tiered.kernels import available
+
+        every = [ckpt.handle(n) for i in moe_layers(ckpt, cfg) for n in expert_tensor_names(cfg.model_type, i, 0)]
+        hs = every[:3]  # the first MoE layer's, which choose the format
+        fmt = stored_format(hs, kquant=available()) or "as --dtype"  # a CPU-only engine's (an accelerator's: int8-g32)
+        note = requantized_note(every, ExpertFormat(fmt, [h.shape for h in hs])) if fmt != "as --dtype" else None
         typer.echo(f"expert fmt:  stored {'/'.join(h.format for h in hs)} (gate/up/down) -> kept as {fmt}"
                    + (f"; {note}" if note else "; exact"))
     chat_line = _chat_info(ckpt)

@@ -282,7 +282,8 @@ class LLM:
 
     def _experts_format(self, weights: str, decode: str) -> str | None:
         """The routed experts' storage format (EngineConfig.expert_weights; "auto": a GGUF file's
-        quantized experts or a safetensors file's fp8 ones as stored, gpt-oss's MXFP4 ones as mxfp4
+        quantized experts or a safetensors file's fp8 ones as stored (Q6_K / Q5_K / IQ4_XS as such where
+        no accelerator computes them: quant/gguf_experts.stored_kind's kquant), gpt-oss's MXFP4 ones as mxfp4
         where tiered's kernels are built (the codes as stored, exactly: quant/mxfp4.py; 0.625 bytes a
         weight against bf16's 2), else as int8-g32 (exactly, from the codes: checkpoint/gpt_oss.py;
         1.06 bytes a weight) except
@@ -303,7 +304,7 @@ class LLM:
         if ec.expert_weights != "auto":
             return ec.expert_weights
         handles = [self.checkpoint.handle(n) for n in expert_tensor_names(cfg.model_type, moe_layers(self.checkpoint, cfg)[0], 0)]
-        stored = stored_format(handles)
+        stored = stored_format(handles, kquant=self.accelerator is None)
         compact = weights == "fp32" and compact_cpu_decode(ec, self.accelerator, decode)
         lossless = weights == "fp32" and not compact
         if stored is not None and not (lossless and all(h.format == "MXFP4" for h in handles)):
@@ -336,9 +337,9 @@ class LLM:
         from tiered.memory.expert_store import expert_tensor_names, moe_layers
         from tiered.quant.gguf_experts import requantized_note
 
-        layer = moe_layers(self.checkpoint, self.config)[0]
-        hs = [self.checkpoint.handle(n) for n in expert_tensor_names(self.config.model_type, layer, 0)]
-        fmt = expert_format(name, self.checkpoint, layer, self.accelerator)
+        layers = moe_layers(self.checkpoint, self.config)
+        hs = [self.checkpoint.handle(n) for i in layers for n in expert_tensor_names(self.config.model_type, i, 0)]
+        fmt = expert_format(name, self.checkpoint, layers[0], self.accelerator)
         return (f"experts stored as {fmt.name} ({fmt.nbytes} B each) on every tier; "
                 + (requantized_note(hs, fmt) or "mapped exactly from the checkpoint"))
 

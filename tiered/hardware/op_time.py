@@ -33,14 +33,16 @@ DTYPE_FALLBACK = {
     "int8-g32q8": ("int8-g32q8", "int8-g32", "int8"),  # int8-g32 decode copies' batched calls on int8 activations
     # GGUF Q6_K / Q5_K decode copies as stored (quant/kquant.py): until a profile times their kernels, a byte of them
     # at the int8-g32 copies' rate (2 Zen 4 cores, 4096 x 14336 at one row from memory, q6k: 28.2 GB/s against
-    # 27.5-29.6, 2026-12-07); their batched calls on int8 activations at int8-g32q8's
+    # 27.5-29.6, 2026-12-07); their batched calls on int8 activations at int8-g32q8's. A routed k-quant expert at
+    # one token on "q8" (Plan.expert_act) reads int16 activations (ExpertSpec: int8 from two rows), so its gemv key
+    # is the one-row kernel's (gemv/cpu/q6k: no gemv/cpu/q6kq8 is timed; decode_rows/cpu/q6kq8 is)
     "q6k": ("q6k", "int8-g32", "int8"),
-    "q6kq8": ("q6kq8", "int8-g32q8", "int8-g32", "int8"),
+    "q6kq8": ("q6kq8", "q6k", "int8-g32q8", "int8-g32", "int8"),
     "q5k": ("q5k", "int8-g32", "int8"),
-    "q5kq8": ("q5kq8", "int8-g32q8", "int8-g32", "int8"),
+    "q5kq8": ("q5kq8", "q5k", "int8-g32q8", "int8-g32", "int8"),
     # GGUF IQ4_XS as stored: the same loop over nibbles through a table, priced as the k-quants until profiled
     "iq4xs": ("iq4xs", "int8-g32", "int8"),
-    "iq4xsq8": ("iq4xsq8", "int8-g32q8", "int8-g32", "int8"),
+    "iq4xsq8": ("iq4xsq8", "iq4xs", "int8-g32q8", "int8-g32", "int8"),
     # tiled per-row int8 experts' calls of 2+ rows on int8 activations: the same kernel's rows as int8-g32q8's, the
     # per-row int8 stream at one row
     "int8q8": ("int8q8", "int8-g32q8", "int8"),

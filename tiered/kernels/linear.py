@@ -342,21 +342,22 @@ def kernel_for(m: nn.Module):
     raise TypeError(f"no native kernel for {type(m).__name__}")
 
 
-NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4", "int8-g32", "fp8", "fp8-row", "mxfp4")  # int8-g32, mxfp4: tiled only
+# int8-g32, mxfp4 and the k-quants (a GGUF file's Q6_K / Q5_K / IQ4_XS experts as stored): the tiled layout only
+NATIVE_EXPERT_KINDS = ("bf16", "int8", "int4", "int8-g32", "fp8", "fp8-row", "mxfp4", "q6k", "q5k", "iq4xs")
 
 
 def expert_spec(fmt):
     """A native ExpertSpec for a quantized `quant.experts.ExpertFormat` (spec.forward(slot uint8
     [nbytes], x [n, D]) -> [n, D] fp32), or None: no extension, a dense format (use
     `ext.bf16_expert_forward`), a kind without a native kernel (fp32; int8-g32 outside the tiled
-    layout or with N % 16; mxfp4 outside the tiled layout), or int4 in torch's "cpu" layout (our
-    kernels read the "plain" and "tiled" ones)."""
+    layout or with N % 16; mxfp4 and the k-quants outside the tiled layout), or int4 in torch's "cpu" layout
+    (our kernels read the "plain" and "tiled" ones)."""
     ext = load()
     if ext is None or fmt.is_dense or any(k not in NATIVE_EXPERT_KINDS for k in fmt.kinds):
         return None
     if "int4" in fmt.kinds and fmt.int4_layout not in ("plain", "tiled"):
         return None
-    if "mxfp4" in fmt.kinds and fmt.int4_layout != "tiled":
+    if ({"mxfp4", "q6k", "q5k", "iq4xs"} & set(fmt.kinds)) and fmt.int4_layout != "tiled":
         return None
     if any(k == "int8-g32" and (fmt.int4_layout != "tiled" or not int8_tiles(*s)) for k, s in zip(fmt.kinds, fmt.shapes)):
         return None

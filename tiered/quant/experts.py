@@ -25,6 +25,12 @@ Projection kinds (what each of gate / up / down is stored as):
     mxfp4     tiled: e2m1 codes 4 bit + (scale, 0) bf16 per 32 inline  0.625        dequantize-then-matmul
               (w = (E2M1_U[q] - 12) * s_g: gpt-oss's MXFP4 experts as stored, bit for bit; no
               residual segment; other layouts plain codes and sz; quant/mxfp4.py)
+    q6k       qt uint8 [N/16, K/32, 384], sc int8 [N/16, K/16, 16],   0.8203       tiered's native kernels only
+              d fp16 [N/16, K/256, 16]  (w = d sc (u - 32): a GGUF file's Q6_K experts as stored, bit for bit)
+    q5k       qt uint8 [N/16, K/32, 320], sm uint8 [N/16, K/32, 2, 16], 0.7031     (the host layout: no CUDA
+              dd fp16 [N/16, K/256, 2, 16]  (w = d sc u - dmin m: Q5_K as stored)                kernel reads them)
+    iq4xs     qt uint8 [N/16, K/32, 256], sc int8 [N/16, K/32, 16],   0.5391
+              d fp16 [N/16, K/256, 16]  (w = d (ls - 32) kvalues_iq4nl[i]: IQ4_XS as stored; quant/kquant.py)
 
 The int4 kernels take the zero in bf16; rounding it shifts all 32 weights of a group the same way
 (|z| ~ 8 s, so up to s/64 each, a bias that adds up in a dot product). The residual z - bf16(z) is
@@ -69,7 +75,9 @@ from tiered.quant import fp8, mxfp4
 from tiered.quant.int4 import GROUP
 from tiered.quant.int8 import int8pack_mm
 
-KINDS = ("fp32", "bf16", "int8", "int8-g32", "int4", "fp8", "fp8-row", "mxfp4")
+KINDS = ("fp32", "bf16", "int8", "int8-g32", "int4", "fp8", "fp8-row", "mxfp4", "q6k", "q5k", "iq4xs")
+# a GGUF file's Q6_K / Q5_K / IQ4_XS experts as stored (quant/kquant.py's layouts): tiered's native CPU kernels only
+KQUANT_KINDS = ("q6k", "q5k", "iq4xs")
 FP8_KINDS = ("fp8", "fp8-row")
 DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ALIGN = 64  # bytes: every segment starts on a cache line (and any dtype's alignment)
@@ -84,7 +92,7 @@ NATIVE_ROWS = 8  # tokens up to which a CPU expert runs the native fused GEMV ke
 # 5.9 / 7.9 / 52 against dequantized once + an fp32 matmul 6.7 / 15 / 25 / 85 (a bf16 one 15 / 53 / 105 / -);
 # the prompt's projections had taken the dequantizing path from 9 rows: a 128-token prompt 4.2 s, 2.3x llama.cpp's.
 GROUPED_ROWS = {"int4": 128, "int8": 1 << 30, "int8-g32": 1 << 30, "bf16": 32, "fp32": 0, "fp8": 64, "fp8-row": 64,
-                "mxfp4": 512}
+                "mxfp4": 512, "q6k": 1 << 30, "q5k": 1 << 30, "iq4xs": 1 << 30}
 # ... except on AVX-512 (kernels.isa(): with AVX512_BF16), where an mxfp4 projection of more rows than this is
 # dequantized to bf16 for oneDNN's GEMM (quant/int4.dequantize_dtype, as a one-copy int4 weight's prompt):
 # the same 2880 x 2912 projection on 2 Sapphire Rapids cores (AMX), 2026-11-29, ms at 32 / 64 / 128 / 512 rows
@@ -200,6 +208,11 @@ def _segments(kind: str, N: int, K: int, int4_layout: str = "cpu") -> list[tuple
         return [("gw", (N // 16, K // GROUP, 320), torch.uint8)]
     if kind == "mxfp4":  # plain codes, (scale, 0) pairs: dequantized in torch
         return [("codes", (N, K // 2), torch.uint8), ("sz", (K // GROUP, N, 2), torch.bfloat16)]
+    if kind in KQUANT_KINDS:  # quant/kquant's layout, 16-row tiles (validated by ExpertFormat: N % 16, K % 256)
+        from tiered.quant.kquant import LINEAR_OF_KIND
+
+        cls = LINEAR_OF_KIND[kind]
+        return [(f, shape, dt) for f, (shape, dt) in zip(cls.PARTS, cls.layout(N // 16, K))]
     raise ConfigError(f"unknown expert format {kind!r}", "use " + ", ".join(KINDS))
 
 
@@ -223,10 +236,13 @@ def fit_format(name: str, shapes) -> str:
     grouped kinds (int4, int8-g32, mxfp4) need in-features % 32 == 0 and fall back to per-row int8; the
     CPU and tiled int4 layouts also need out-features % 16 == 0 (so it is asked of every int4 and
     mxfp4: an mxfp4 projection with in-features % 32 == 0 falls back to int8-g32, which holds MXFP4
-    exactly too). llama.cpp's converter does the same for block types (it writes such tensors in another
-    type)."""
+    exactly too); the k-quant kinds (q6k, q5k, iq4xs) need out-features % 16 and in-features % 256 and fall
+    back to int8-g32 (then int8 as above). llama.cpp's converter does the same for block types (it writes such
+    tensors in another type)."""
     kinds = []
     for kind, (N, K) in zip(parse_kinds(name), shapes):
+        if kind in KQUANT_KINDS and (N % 16 or K % 256):
+            kind = "int8-g32"
         if kind == "mxfp4" and N % 16 and not K % GROUP:
             kind = "int8-g32"
         if kind in ("int4", "int8-g32", "mxfp4") and (K % GROUP or (kind in ("int4", "mxfp4") and N % 16)):
@@ -239,7 +255,8 @@ def pricing_precision(name: str) -> str:
     """The precision the planner's cost models price a format in (hardware profiles have rows for
     fp32, bf16, int8 and int4): the kind holding the most bytes, int8-g32 priced as int8, mxfp4 as int4
     (the tiled int4 kernels; on int8 activations: hardware/op_time.gemv_dtype)."""
-    priced = {"int8-g32": "int8", "fp8": "int8", "fp8-row": "int8", "mxfp4": "int4"}
+    priced = {"int8-g32": "int8", "fp8": "int8", "fp8-row": "int8", "mxfp4": "int4", "q6k": "int8", "q5k": "int8",
+              "iq4xs": "int8"}
     kinds = [priced.get(k, k) for k in parse_kinds(name)]
     order = ["int4", "int8", "bf16", "fp32"]
     return max(kinds, key=order.index)
@@ -257,12 +274,12 @@ def rows_activations(name: str, act: str, batch_act: str) -> str:
     where the plan asks for `act` at one token (Plan.expert_act) and `batch_act` for batches (Plan.batch_act):
     "q8" wherever a projection is mxfp4 (every size), where an int4 one reads q8 from one row (`act` "q8") or
     from two (`batch_act` "q8": the tiled kernels' q8_from, ExpertSpec's), and where a tiled int8 / int8-g32 one
-    reads q8 from two (`batch_act` "q8": int8_q8_from); else `act`. The planner prices batched experts with it
+    reads q8 from two (`batch_act` "q8": int8_q8_from), as the k-quant ones do; else `act`. The planner prices batched experts with it
     (cpu_predict.predict_decode)."""
     kinds = set(parse_kinds(name))
     if "mxfp4" in kinds or ("int4" in kinds and act == "q8"):
         return "q8"
-    return "q8" if batch_act == "q8" and kinds & {"int4", "int8", "int8-g32"} else act
+    return "q8" if batch_act == "q8" and kinds & {"int4", "int8", "int8-g32", *KQUANT_KINDS} else act
 
 
 def is_dense_format(name: str) -> bool:
@@ -282,8 +299,8 @@ class ExpertFormat:
     """How one expert's three projections are stored and computed.
 
     Args:
-        name: "bf16", "fp32", "int8", "int8-g32", "int4", "fp8", "fp8-row", "mxfp4" or per projection
-            "gate,up,down" kinds.
+        name: "bf16", "fp32", "int8", "int8-g32", "int4", "fp8", "fp8-row", "mxfp4", "q6k", "q5k", "iq4xs" or
+            per projection "gate,up,down" kinds.
         shapes: ((F, D), (F, D), (D, F)) of gate, up, down.
         int4_layout: "cpu" (torch's CPU packed layout, computed from directly), "plain" (portable:
             what a CUDA device converts) or "tiled" (16-row tiles for tiered's native CPU kernel,
@@ -317,7 +334,8 @@ class ExpertFormat:
     native call whatever `act` and `batch_act` say, and hold no zero residual (`exact_zeros` moot).
     Raises:
         ConfigError: unknown kind or layout, or a shape the kind cannot hold (K % 32 for grouped
-            kinds; the CPU and tiled int4 layouts also need N % 16, the tiled layout of mxfp4 too).
+            kinds; the CPU and tiled int4 layouts also need N % 16, the tiled layout of mxfp4 too; the
+            k-quant kinds N % 16 and K % 256, and not the portable "plain" layout a CUDA device reads).
     """
 
     name: str
@@ -344,6 +362,10 @@ class ExpertFormat:
             if kind == "mxfp4" and self.int4_layout == "tiled" and N % 16:
                 raise ConfigError(f"the tiled mxfp4 layout needs out-features divisible by 16, got {N}",
                                   "use --weights bf16 or int8 for this model")
+            if kind in KQUANT_KINDS and (N % 16 or K % 256 or self.int4_layout == "plain"):
+                raise ConfigError(f"expert format {kind} holds a GGUF file's blocks for tiered's native CPU kernels: "
+                                  f"[N, K] with N % 16 == 0 and K % 256 == 0 in the host layout, got [{N}, {K}] in the "
+                                  f"{self.int4_layout} layout", "use int8-g32 for these experts")
             if kind == "int4" and self.int4_layout in ("cpu", "tiled") and N % 16:
                 raise ConfigError(f"the {self.int4_layout} int4 layout needs out-features divisible by 16, got {N}",
                                   "use --weights int8 for this model")
@@ -728,7 +750,42 @@ def quantize_projection(w: torch.Tensor, kind: str, int4_layout: str = "cpu") ->
         return {"q": q, "bs": bs}
     if kind == "mxfp4":  # weights not stored as MXFP4: re-quantized (lossy)
         return mxfp4.segments(*mxfp4.quantize(w), int4_layout)
+    if kind in KQUANT_KINDS:  # weights not stored in this k-quant: re-quantized (lossy; quant/gguf_encode.py's fit)
+        return kquant_segments(kind, [quantize_blocks(w, kind)])
     raise ConfigError(f"unknown expert format {kind!r}", "use " + ", ".join(KINDS))
+
+
+def quantize_blocks(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """w [N, K % 256 == 0] (any float dtype) -> the GGUF blocks of k-quant `kind`'s format (Q6_K, Q5_K, IQ4_XS),
+    uint8 [N, K / 256 * block bytes], by quant/gguf_encode.py's fits."""
+    from tiered.quant import gguf_encode
+
+    fit = {"q6k": gguf_encode.quantize_q6_k, "q5k": gguf_encode.quantize_q5_k, "iq4xs": gguf_encode.quantize_iq4_xs}
+    return torch.from_numpy(fit[kind](w.float().numpy()))
+
+
+def kquant_segments(kind: str, raw: list[torch.Tensor], out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """A k-quant projection's segments (quant/kquant's layout: qt, its scales, its super-block scales) from its GGUF
+    blocks uint8 [N_i, K / 256 * block bytes] (one or more row ranges, N_i % 16 == 0), in one native repacking pass
+    each; `out`: the projection's segment views in an expert's slot (ExpertFormat.views), written in place (then
+    returned).
+
+    Raises:
+        RuntimeError: tiered's kernels are not built (the k-quant kinds are theirs alone)."""
+    from tiered.quant.kquant import LINEAR_OF_KIND
+
+    cls = LINEAR_OF_KIND[kind]
+    if out is None:
+        return dict(zip(cls.PARTS, cls.from_blocks(raw).parts()))
+    ext = kernels.load()
+    if ext is None:
+        raise RuntimeError(f"the {kind} expert kind needs tiered/kernels built")
+    t = 0
+    for r in raw:
+        n = r.shape[0] // 16
+        getattr(ext, cls.PACK)(r, *(out[f][t:t + n] for f in cls.PARTS))
+        t += n
+    return out
 
 
 def int8_g32_segments(q: torch.Tensor, scale: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
@@ -805,6 +862,8 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
         return _tiled_int4(x, xb, v, act)
     if kind == "mxfp4" and "gw" in v:  # the tiled int4 kernels with the e2m1 table, on int8 activations
         return _tiled_int4(x, xb, v, "q8", e2m1=True)
+    if kind in KQUANT_KINDS:  # the native kernel (built a call: `forward`'s paths bind it in ExpertSpec instead)
+        return kquant_linear(v, kind)(x).to(x.dtype)
     if kind in FP8_KINDS:
         ext = kernels.load() if x.device.type == "cpu" and x.shape[0] <= GROUPED_ROWS[kind] else None
         block = fp8_block(kind, x.shape[-1])
@@ -819,6 +878,19 @@ def project(x: torch.Tensor, v: dict[str, torch.Tensor], kind: str, int4_layout:
     K = x.shape[-1]
     N = _int4_rows(v) if kind in ("int4", "mxfp4") else v["qt" if "qt" in v else "q"].shape[0]
     return F.linear(x, dequantize_projection(v, kind, N, K, int4_layout).to(x.dtype))
+
+
+def kquant_linear(v: dict[str, torch.Tensor], kind: str):
+    """A k-quant projection's segments as its quant/kquant.KQuantLinear (no copy).
+
+    Raises:
+        RuntimeError: tiered's kernels are not built."""
+    from tiered.quant.kquant import LINEAR_OF_KIND
+
+    if kernels.load() is None:
+        raise RuntimeError(f"the {kind} expert kind needs tiered/kernels built")
+    cls = LINEAR_OF_KIND[kind]
+    return cls(*(v[f] for f in cls.PARTS))
 
 
 def _int4_rows(v: dict[str, torch.Tensor]) -> int:
@@ -926,6 +998,8 @@ def dequantize_projection(v: dict[str, torch.Tensor], kind: str, N: int, K: int,
         return fp8.dequantize_fp8(v["q"], v["bs"], block=fp8_block(kind, K))
     if kind == "mxfp4":
         return mxfp4.dequantize(v, N, K)
+    if kind in KQUANT_KINDS:
+        return kquant_linear(v, kind).dequantize()
     sz, zr = _group_tensors(v, int4_layout)
     sz = sz.float()  # (G, N, 2)
     residual = zr.float().T.repeat_interleave(GROUP, dim=1)  # (N, K)

@@ -8,6 +8,9 @@ dequantizing where the mapping is exact.
     Q8_0        -> int8-g32      d (fp16), int8 q: scale = d, q as stored              yes, bit for bit
     Q4_K        -> int4 (g32)    super-blocks of 8 sub-blocks of 32, w = d*sc*q - dmin*m:  yes (d*sc rounded
                                  per sub-block scale = d*sc, zero = 8*scale - dmin*m     to bf16, zero ~2^-16)
+    Q6_K        -> q6k           experts computed on the CPU alone (no accelerator) with  yes, bit for bit
+    Q5_K        -> q5k           tiered's kernels built: the blocks as stored, repacked   (quant/kquant.py's
+    IQ4_XS      -> iq4xs         into 16-row tiles (0.82 / 0.70 / 0.54 bytes a weight)   layouts)
     Q5_0/1, Q5_K-> int8 (row)    dequantized, then symmetric int8 per row              no: re-quantized
     Q6_K        -> int8-g32      16 sub-blocks of 16 with int8 sub-scales: dequantized,  no: re-quantized
                                  then symmetric int8 per 32 (two sub-scales per group)  (~2^-8 of a group's max)
@@ -16,6 +19,10 @@ dequantizing where the mapping is exact.
                                  -127..113): code = kvalues[i], scale = d
     IQ4_XS      -> int8-g32      as IQ4_NL, scale d (ls - 32) per 32 (ls 6-bit)        yes (the scale rounded
                                                                                        to fp16: ~2^-12)
+    any other   -> q6k / q5k /   a layer whose projection the format (chosen from the   no: re-quantized
+                   iq4xs         first MoE layer's) stores otherwise: dequantized, then  (quant/gguf_encode.py)
+                                 fitted to the k-quant's blocks (a Q4_K_M file's Q4_K
+                                 ffn_down layers beside its Q6_K ones)
     IQ1_x, IQ2_x, IQ3_x -> int4  lattice codebooks (1.6-3.4 bits a weight): dequantized  no: re-quantized
                                  (gguf), then min/max int4 per 32
     F32/F16/BF16-> bf16          cast                                                  F32 no, F16 no, BF16 yes
@@ -49,6 +56,8 @@ block_q8_0 {d; qs[32]}); the `gguf` package dequantizes the K types.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -56,10 +65,11 @@ from tiered.checkpoint.handle import BLOCK_FORMATS
 from tiered.kernels import load
 from tiered.kernels.linear import tiled_int8
 from tiered.quant.experts import (ExpertFormat, fit_format, format_name, int4_segments, int8_g32_segments,
-                                  int8_tiled, quantize_projection)
+                                  int8_tiled, kquant_segments, quantize_projection)
 from tiered.quant import fp8, mxfp4
 from tiered.quant.gguf_dequant import blocks_tensor
 from tiered.quant.int4 import unpack_q4_blocks
+from tiered.quant.kquant import kquant_fits
 
 GGUF_EXPERT_KIND = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8-g32", "Q4_K": "int4", "Q2_K": "int4",
                     "Q3_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8-g32",
@@ -73,13 +83,22 @@ EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "F8_E4M3", "INT4", "INT8", "MXFP4", "IQ
 DEQUANTIZED = ("INT4", "INT8", "BNB_NF4", "BNB_FP4", "MXFP4")
 
 
-def stored_kind(handle) -> str:
+# the k-quant expert kinds by the stored format they keep (stored_kind's `kquant`)
+KQUANT_OF_FORMAT = {"Q6_K": "q6k", "Q5_K": "q5k", "IQ4_XS": "iq4xs"}
+
+
+def stored_kind(handle, kquant: bool = False) -> str:
     """The expert kind a tensor stored as `handle.format` maps to: fp8 in 128 x 128 blocks -> "fp8",
     fp8 scaled per output channel or per tensor -> "fp8-row" (quant/fp8.kernel_row_block 1); "bf16"
     for dense formats and fp8 of other blocks; gpt-oss's MXFP4 -> "mxfp4" where the handle offers its
     raw parts (bf16 biases, or a GGUF file's F32 ones: TensorHandle.mxfp4_exact) and tiered's kernels
     are built (they compute it; elsewhere it would dequantize per call), else "int8-g32" where the
-    handle offers that form exactly (16-bit biases: TensorHandle.int8_g32_exact), else "bf16"."""
+    handle offers that form exactly (16-bit biases: TensorHandle.int8_g32_exact), else "bf16". `kquant`: the experts
+    are computed on the CPU alone (no accelerator), so Q6_K / Q5_K / IQ4_XS keep their blocks as "q6k" / "q5k" /
+    "iq4xs" where tiered's kernels are built and the shape tiles (quant/kquant.kquant_fits), not int8-g32 / int8 copies:
+    0.82 / 0.70 / 0.54 bytes a weight against 1.06 / 1.0 (and Q5_K's re-quantization)."""
+    if kquant and handle.format in KQUANT_OF_FORMAT and kquant_fits(tuple(handle.shape)):
+        return KQUANT_OF_FORMAT[handle.format]
     if handle.format == "F8_E4M3" and not fp8.as_stored(handle):
         return "fp8-row" if _row_scaled(handle) else "bf16"
     if handle.format == "INT4" and (not handle.int4_group or handle.int4_group % 32):
@@ -108,24 +127,28 @@ def stored_segments(fmt: ExpertFormat, handles) -> list | None:
     return [part for h in handles for part in h.fp8_parts]
 
 
-def stored_format(handles) -> str | None:
+def stored_format(handles, kquant: bool = False) -> str | None:
     """`auto_format` of (gate, up, down) handles stored in a format an expert kind keeps (GGUF
     blocks, fp8 per 128 x 128 block, row or tensor), or None for dense storage and fp8 scaled otherwise
-    (the experts then take the compute format, each weight dequantized exactly in fp32)."""
+    (the experts then take the compute format, each weight dequantized exactly in fp32). `kquant`: as
+    stored_kind's."""
     kept = [h for h in handles if h.format in STORED_KIND and stored_kind(h) != "bf16"]
-    return auto_format(handles) if kept else None
+    return auto_format(handles, kquant) if kept else None
 
 
-def auto_format(handles) -> str:
+def auto_format(handles, kquant: bool = False) -> str:
     """The expert format that keeps a checkpoint's (gate, up, down) storage: e.g. Q4_K_M's
-    (Q4_K, Q4_K, Q6_K) -> "int4,int4,int8"; fitted to the shapes (quant/experts.fit_format)."""
-    return fit_format(format_name([stored_kind(h) for h in handles]), [h.shape for h in handles])
+    (Q4_K, Q4_K, Q6_K) -> "int4,int4,int8-g32", or "int4,int4,q6k" with `kquant` (stored_kind's); fitted to the
+    shapes (quant/experts.fit_format)."""
+    return fit_format(format_name([stored_kind(h, kquant) for h in handles]), [h.shape for h in handles])
 
 
 def requantized_note(handles, fmt: ExpertFormat) -> str | None:
-    """A sentence naming the stored formats that `fmt` re-quantizes (None when every map is exact)."""
-    lossy = sorted({f"{h.format} -> {k}" for h, k in zip(handles, fmt.kinds)
-                    if not (h.format in EXACT and stored_kind(h) == k)
+    """A sentence naming the stored formats that `fmt` re-quantizes (None when every map is exact); `handles`: (gate,
+    up, down) of one expert, or of one expert of each of several layers one after the other (the format is chosen
+    from the first MoE layer's: a Q4_K_M file's Q4_K ffn_down layers beside its Q6_K ones are re-quantized)."""
+    lossy = sorted({f"{h.format} -> {k}" for h, k in zip(handles, itertools.cycle(fmt.kinds))
+                    if not (h.format in EXACT and stored_kind(h) == k) and KQUANT_OF_FORMAT.get(h.format) != k
                     and not (h.format == "BF16" and k == "bf16") and not (h.format == "F32" and k == "fp32")
                     and not (h.format in DEQUANTIZED and k == "fp32") and not (h.format == "MXFP4" and k == "bf16")
                     and not (h.format == "MXFP4" and k == "int8-g32" and h.int8_g32_exact)})
@@ -216,11 +239,14 @@ def projection_segments(handle, kind: str, int4_layout: str,
     """Segments of one projection in `kind` from its checkpoint handle: GGUF Q4_0/Q4_1/Q4_K -> int4
     and Q8_0 -> int8-g32 straight from the blocks, gpt-oss's MXFP4 -> mxfp4 or int8-g32 from its codes
     and scales (TensorHandle.mxfp4_parts, int8_g32_parts), a GGUF gpt-oss Q8_0 expert from its blocks
-    with the bias as a group (TensorHandle.int8_g32_parts, checkpoint/gguf_file.py); anything else
+    with the bias as a group (TensorHandle.int8_g32_parts, checkpoint/gguf_file.py), GGUF Q6_K / Q5_K /
+    IQ4_XS -> q6k / q5k / iq4xs from the blocks (quant/experts.kquant_segments); anything else
     through the dense weight. `out`:
     the projection's segment views in an expert's slot (ExpertFormat.views), which the native
     repacking passes write in place (then the returned segments are those views)."""
     out = out or {}
+    if kind in KQUANT_OF_FORMAT.values() and KQUANT_OF_FORMAT.get(handle.format) == kind:  # the blocks as stored
+        return kquant_segments(kind, [raw_blocks(handle)], out or None)
     if kind == "fp8" and fp8.as_stored(handle):
         q, bs = handle.scaled_fp8()
         return {"q": q.view(torch.uint8), "bs": bs}

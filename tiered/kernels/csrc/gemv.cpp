@@ -2928,6 +2928,10 @@ struct Q6KFormat {
   static W weights(const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, const float* bias) {
     return {qt.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), bias};
   }
+  // the weights over raw segments (an expert slot's: ExpertSpec::bind_kquant), no bias
+  static W at(const uint8_t* qt, const uint8_t* sc, const uint8_t* d) {
+    return {qt, reinterpret_cast<const int8_t*>(sc), reinterpret_cast<const uint16_t*>(d), nullptr};
+  }
   static void scalar(const W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
                      bool q8) {
     q6k_scalar(w, a, b0, nb, n0, n1, y, ldy, q8);
@@ -3051,6 +3055,9 @@ struct Q5KFormat : GroupMinTerms {
   static W weights(const at::Tensor& qt, const at::Tensor& sm, const at::Tensor& dd, const float* bias) {
     return {qt.data_ptr<uint8_t>(), sm.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(dd.data_ptr<at::Half>()), bias};
   }
+  static W at(const uint8_t* qt, const uint8_t* sm, const uint8_t* dd) {
+    return {qt, sm, reinterpret_cast<const uint16_t*>(dd), nullptr};
+  }
   static void scalar(const W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
                      bool q8) {
     group_scalar<Q5KW, q5k_code, q5k_scales, kQ5Group>(w, a, b0, nb, n0, n1, y, ldy, q8);
@@ -3142,6 +3149,10 @@ struct IQ4XSFormat : GroupMinTerms {
   static constexpr const uint8_t* kTable = kIq4U;
   static W weights(const at::Tensor& qt, const at::Tensor& sc, const at::Tensor& d, const float* bias) {
     return {qt.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), bias};
+  }
+  // the weights over raw segments (an expert slot's: ExpertSpec::bind_kquant), no bias
+  static W at(const uint8_t* qt, const uint8_t* sc, const uint8_t* d) {
+    return {qt, reinterpret_cast<const int8_t*>(sc), reinterpret_cast<const uint16_t*>(d), nullptr};
   }
   static void scalar(const W& w, const Act& a, int64_t b0, int64_t nb, int64_t n0, int64_t n1, float* y, int64_t ldy,
                      bool q8) {
@@ -5092,13 +5103,17 @@ struct ExpertGemv : Kernel {
 struct ExpertSpec {
   // kMxfp4: gpt-oss's MXFP4 (quant/mxfp4.py), laid out as tiled int4 with the scales inline and no residual,
   // its codes FP4 e2m1 (Int4W::e2m1), always on int8 activations
-  enum Kind { kBf16 = 0, kInt8 = 1, kInt4 = 2, kInt8G32 = 3, kFp8 = 4, kFp8Row = 5, kMxfp4 = 6 };
+  // kQ6K, kQ5K, kIQ4XS: a GGUF file's Q6_K / Q5_K / IQ4_XS experts as stored, in the k-quant layouts ("q6k", "q5k",
+  // "iq4xs": qt, then its scales, then its super-block scales, each a segment of the slot), the tiled host layout only
+  enum Kind { kBf16 = 0, kInt8 = 1, kInt4 = 2, kInt8G32 = 3, kFp8 = 4, kFp8Row = 5, kMxfp4 = 6, kQ6K = 7, kQ5K = 8,
+              kIQ4XS = 9 };
   struct Proj {
     int kind;
     int64_t N, K;
     // bf16: w; int8: q, scale; int4: codes, sz, zr (-1: zeros exact, no residual read); int4 tiled with the
     // scales inline ([N/16, K/32, 320] then zr): its offset, + 256, zr's (or -1); int8-g32 (tiled): qt, st;
-    // fp8: q uint8 [N, K], bs fp32 [ceil(N/128), ceil(K/128)]; fp8-row: q uint8 [N, K], s fp32 [N]
+    // fp8: q uint8 [N, K], bs fp32 [ceil(N/128), ceil(K/128)]; fp8-row: q uint8 [N, K], s fp32 [N]; the k-quants:
+    // qt, scales, supers (their Format::parts)
     int64_t off[3];
   };
   Proj p[3];
@@ -5110,6 +5125,16 @@ struct ExpertSpec {
   // (int4_batch_act "q8"), so one row keeps its int16 activations whatever int4_act says
   int64_t int8_q8_from = kNeverQ8;
   bool biased = false;  // gpt-oss's experts (gemv.h's Glu): forward_group / forward_layer with their swiglu_limit
+
+  // A k-quant projection's kernel over its three segments (no copy), its rows of two or more on int8 activations as
+  // the tiled int8 projections' (int8_q8_from).
+  template <class F>
+  void bind_kquant(const Proj& pr, const uint8_t* buf, KQuantGemv<F>& k, const Gemv*& out) const {
+    k.in_features = pr.K, k.out_features = pr.N;
+    k.w = F::at(buf + pr.off[0], buf + pr.off[1], buf + pr.off[2]);
+    k.q8_from = int8_q8_from;
+    out = &k;
+  }
 
   void bind(const Proj& pr, const uint8_t* buf, Int4Gemv& k4, Int8Gemv& k8, Bf16Gemv& kb, Fp8Gemv& kf,
             const Gemv*& out) const {
@@ -5154,6 +5179,9 @@ struct ExpertSpec {
     Int8Gemv k8[3];
     Bf16Gemv kb[3];
     Fp8Gemv kf[3];
+    KQuantGemv<Q6KFormat> kq6[3];
+    KQuantGemv<Q5KFormat> kq5[3];
+    KQuantGemv<IQ4XSFormat> kiq[3];
     const Gemv* g[3];
   };
 
@@ -5165,7 +5193,10 @@ struct ExpertSpec {
       b.k4t[i].q8_from = p[i].kind == kMxfp4 ? 1 : q8_from;
       b.k8[i].q8_from = int8_q8_from;  // (has_q8: the tiled layout only)
       Int4Gemv& k = int4_tiled ? static_cast<Int4Gemv&>(b.k4t[i]) : int4_q8 ? b.k4q[i] : b.k4[i];
-      bind(p[i], base, k, b.k8[i], b.kb[i], b.kf[i], b.g[i]);
+      if (p[i].kind == kQ6K) bind_kquant(p[i], base, b.kq6[i], b.g[i]);
+      else if (p[i].kind == kQ5K) bind_kquant(p[i], base, b.kq5[i], b.g[i]);
+      else if (p[i].kind == kIQ4XS) bind_kquant(p[i], base, b.kiq[i], b.g[i]);
+      else bind(p[i], base, k, b.k8[i], b.kb[i], b.kf[i], b.g[i]);
     }
   }
 
@@ -6088,7 +6119,8 @@ void register_gemv(pybind11::module& m) {
             const auto& k = kinds[i];
             pr.kind = k == "int4" ? ExpertSpec::kInt4 : k == "int8" ? ExpertSpec::kInt8 : k == "bf16" ? ExpertSpec::kBf16
                       : k == "int8-g32" ? ExpertSpec::kInt8G32 : k == "fp8" ? ExpertSpec::kFp8
-                      : k == "fp8-row" ? ExpertSpec::kFp8Row : k == "mxfp4" ? ExpertSpec::kMxfp4 : -1;
+                      : k == "fp8-row" ? ExpertSpec::kFp8Row : k == "mxfp4" ? ExpertSpec::kMxfp4
+                      : k == "q6k" ? ExpertSpec::kQ6K : k == "q5k" ? ExpertSpec::kQ5K : k == "iq4xs" ? ExpertSpec::kIQ4XS : -1;
             TIERED_CHECK(pr.kind >= 0, "expert_spec: no native kernel for kind ", k);
             TIERED_CHECK(shapes[i].size() == 2, "expert_spec: shapes are (N, K)");
             pr.N = shapes[i][0], pr.K = shapes[i][1];
@@ -6108,6 +6140,21 @@ void register_gemv(pybind11::module& m) {
                                                           pr.off[0] + pr.N / kBlock * (pr.K / kGroup) * 320 <= nbytes),
                         "expert_spec: mxfp4 has a native kernel in the tiled layout only, its scales inline (offsets "
                         "codes, codes + 256), N % 16 == 0 and K % 32 == 0");
+            if (pr.kind == ExpertSpec::kQ6K || pr.kind == ExpertSpec::kQ5K || pr.kind == ExpertSpec::kIQ4XS) {
+              const auto parts = pr.kind == ExpertSpec::kQ6K ? Q6KFormat::parts(pr.N / kBlock, pr.K)
+                                 : pr.kind == ExpertSpec::kQ5K ? Q5KFormat::parts(pr.N / kBlock, pr.K)
+                                                               : IQ4XSFormat::parts(pr.N / kBlock, pr.K);
+              TIERED_CHECK(sp->int4_tiled && pr.N % kBlock == 0 && pr.K % 256 == 0, "expert_spec: ", k, " has a native "
+                          "kernel in the tiled layout only, N % 16 == 0 and K % 256 == 0");
+              for (size_t j = 0; j < 3; ++j) {
+                const auto& part = parts[j];
+                int64_t bytes = c10::elementSize(part.dtype);
+                for (int64_t d : part.shape) bytes *= d;
+                TIERED_CHECK(pr.off[j] + bytes <= nbytes && pr.off[j] % int64_t(c10::elementSize(part.dtype)) == 0,
+                            "expert_spec: ", k, "'s ", part.name, " (", bytes, " bytes) must lie in the slot's ", nbytes,
+                            " bytes, aligned to its element");
+              }
+            }
             if (pr.kind == ExpertSpec::kFp8 || pr.kind == ExpertSpec::kFp8Row) {
               const int64_t bs_bytes = pr.kind == ExpertSpec::kFp8Row ? pr.N * 4 :
                   (pr.N + kFp8Block - 1) / kFp8Block * ((pr.K + kFp8Block - 1) / kFp8Block) * 4;
@@ -6135,7 +6182,10 @@ void register_gemv(pybind11::module& m) {
         "as int4_tiled_kernel's batch_act; 'q8' there also gives the tiled int8 and int8-g32 projections int8 "
         "activations in calls of two or more rows (int8_tiled_kernel's batch_act; one row keeps int16). 'mxfp4' (tiled layout only): tiled int4 with the scales inline and no "
         "residual (offsets: codes, codes + 256, -1), the codes FP4 e2m1 (int4_tiled_kernel's e2m1), int8 "
-        "activations at every call size whatever int4_act says.");
+        "activations at every call size whatever int4_act says. 'q6k', 'q5k', 'iq4xs' (tiled layout only, N % 16 == 0, "
+        "K % 256 == 0): a GGUF file's k-quant blocks in quant/kquant's layouts (offsets: qt, its scales, its super-block "
+        "scales), as q6k_kernel & co.; their calls of two or more rows read int8 activations where int4_batch_act is "
+        "'q8'.");
   m.def("bf16_expert_forward", [](at::Tensor wg, at::Tensor wu, at::Tensor wd, at::Tensor x0) {
           const int64_t F = wg.size(0), D = wg.size(1);
           const at::Tensor ws[3] = {wg, wu, wd};
