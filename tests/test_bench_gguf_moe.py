@@ -70,6 +70,32 @@ def test_dummy_qwen3_moe_gguf_loads_and_decodes(tmp_path):
     assert act["bytes"] == sum(int(t.n_bytes) for t in r.tensors) - experts + experts * 2 // 8
 
 
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "IQ4_XS"])
+def test_dummy_qwen3_moe_gguf_in_a_k_quant_mix(mix, tmp_path):
+    """The k-quant mixes (K_MIXES): each tensor llama.cpp's type (ffn_down_exps Q6_K in the use_more_bits layers, the
+    tied embedding Q6_K), and the CPU engine keeps the experts' blocks as its k-quant kinds where its kernels are
+    built (the first MoE layer's types choose the format) and decodes."""
+    shape = MoEShape(layers=8, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, top_k=2, expert_ffn=256,
+                     vocab=256)
+    path = write_dummy_moe_gguf(tmp_path / "mix.gguf", shape, qtype=mix)
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    main = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "IQ4_XS": "IQ4_XS"}[mix]
+    downs = [types[f"blk.{i}.ffn_down_exps.weight"] for i in range(8)]
+    assert downs == ([main] * 8 if mix == "IQ4_XS" else ["Q6_K", main, main, "Q6_K", main, main, "Q6_K", "Q6_K"])
+    assert types["token_embd.weight"] == "Q6_K" and types["blk.1.ffn_gate_exps.weight"] == main
+    llm = LLM(path, EngineConfig(max_context=64, accelerator="none"))
+    if kernels.load() is not None:
+        want = {"Q4_K_M": "int4,int4,q6k", "Q5_K_M": "q5k,q5k,q6k", "IQ4_XS": "iq4xs"}[mix]
+        assert llm.plan.dtypes["experts"] == want
+        assert any(("re-quantized on load: " + main + " -> q6k") in n if mix != "IQ4_XS" else "mapped exactly" in n
+                   for n in llm.plan.notes)
+    out = llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+    llm.close()
+    with pytest.raises(ValueError, match="qwen3moe"):
+        write_dummy_moe_gguf(tmp_path / "x.gguf", shape, qtype=mix, expert_qtype="Q4_0")
+
+
 def test_dummy_glm4_moe_gguf_loads_and_matches_llama_cpp(tmp_path):
     from tiered.checkpoint import default_model_path
 

@@ -685,7 +685,7 @@ def test_int8_g32_prompts_through_bf16_gemm(monkeypatch):
     assert calls == [(16, 256), (40, 256)]
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_torch_dequantize_is_the_gguf_packages_bit_for_bit(fmt):
     """quant/gguf_dequant.dequantize_blocks (torch, threaded) gives gguf.quants.dequantize's fp32
     values exactly, on blocks with every byte random except finite fp16 scales."""
@@ -700,4 +700,4 @@ def test_torch_dequantize_is_the_gguf_packages_bit_for_bit(fmt):
     assert got.dtype == torch.float32 and got.shape == ref.shape
     assert np.array_equal(got.numpy().view(np.int32), ref.astype(np.float32).view(np.int32))
     assert dequantize_blocks(raw[:1], fmt).shape == (1, ref.shape[1])
-    assert dequantize_blocks(raw, "Q5_K") is None
+    assert dequantize_blocks(raw, "Q3_K") is None

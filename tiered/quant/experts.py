@@ -760,7 +760,9 @@ def quantize_blocks(w: torch.Tensor, kind: str) -> torch.Tensor:
     uint8 [N, K / 256 * block bytes], by quant/gguf_encode.py's fits."""
     from tiered.quant import gguf_encode
 
-    fit = {"q6k": gguf_encode.quantize_q6_k, "q5k": gguf_encode.quantize_q5_k, "iq4xs": gguf_encode.quantize_iq4_xs}
+    if kind == "q6k":  # torch's threaded ops (the common case: a Q4_K_M / Q5_K_M file's other ffn_down layers)
+        return gguf_encode.quantize_q6_k(w.float().contiguous())
+    fit = {"q5k": gguf_encode.quantize_q5_k, "iq4xs": gguf_encode.quantize_iq4_xs}
     return torch.from_numpy(fit[kind](w.float().numpy()))
 
 

@@ -6,7 +6,8 @@ output matrix at Llama-3-8B width with SmolLM2's 49k vocabulary (201 M weights) 
 load; here ~1 s. Formats without a torch version return None (the caller uses the package's).
 
 Block layouts (ggml-quants.c): Q8_0 {fp16 d; int8 qs[32]}: w = d q. Q4_K {fp16 d, dmin; 12 bytes of
-6-bit sub-block scales and mins; 4-bit qs[128]}: w = (d sc) q - (dmin m) per 32. Q6_K {ql[128] low
+6-bit sub-block scales and mins; 4-bit qs[128]}: w = (d sc) q - (dmin m) per 32. Q5_K {Q4_K's d, dmin and
+scales; qh[32] fifth bits (sub-block s's in bit s); qs[128]}: the same with 5-bit q. Q6_K {ql[128] low
 nibbles; qh[64] high 2 bits; int8 scales[16]; fp16 d}: w = (d sc) (q - 32) per 16.
 """
 
@@ -19,7 +20,7 @@ import torch
 
 from tiered.checkpoint.handle import BLOCK_FORMATS
 
-TORCH_FORMATS = ("Q8_0", "Q4_K", "Q6_K")  # the formats dequantize_blocks computes here
+TORCH_FORMATS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")  # the formats dequantize_blocks computes here
 
 
 def blocks_tensor(raw: np.ndarray) -> torch.Tensor:
@@ -51,13 +52,16 @@ def dequantize_blocks(raw: np.ndarray, fmt: str) -> torch.Tensor | None:
     n = b.shape[0]
     if fmt == "Q8_0":
         out = b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
-    elif fmt == "Q4_K":
+    elif fmt in ("Q4_K", "Q5_K"):
         d, dmin, sc = _f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:16].reshape(n, 3, 4)
         lo, mid, top = sc[:, 0], sc[:, 1], sc[:, 2]  # gguf's get_scale_min: d, m, m_d
         scale = torch.cat([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], -1).float()  # [n, 8]
         mins = torch.cat([mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)], -1).float()
-        q = _shifted(b[:, 16:].reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32).float()
-        out = (d * scale).reshape(n, 8, 1) * q - (dmin * mins).reshape(n, 8, 1)
+        qs = b[:, 16:] if fmt == "Q4_K" else b[:, 48:]
+        q = _shifted(qs.reshape(n, 4, 32), [0, 4], 0x0F).reshape(n, 8, 32)
+        if fmt == "Q5_K":  # sub-block s's fifth bits: bit s of qh[0..31]
+            q = q | (_shifted(b[:, 16:48], list(range(8)), 0x01) << 4)
+        out = (d * scale).reshape(n, 8, 1) * q.float() - (dmin * mins).reshape(n, 8, 1)
     else:  # Q6_K
         ql, qh = b[:, :128], b[:, 128:192]
         dd = (_f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(n, 16, 1)
