@@ -58,6 +58,8 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34, "MXFP4": 17}
 _CODE_STD = {"Q4_0": 4.18, "Q8_0": 73.6, "MXFP4": 5.852}
 _STD = {"token_embd": 1.0, "attn_output": 0.004}  # weight std by tensor (others 0.02): see the module docstring
 _FLOAT_KINDS = ("ONES", "F32", "F32(bf16)")  # write_tensors' float32 kinds
+# llama.cpp's k-quant mixes write_dummy_moe_gguf writes: (file type LLAMA_FTYPE_MOSTLY_*, main block type)
+K_MIXES = {"Q4_K_M": (15, "Q4_K"), "Q5_K_M": (17, "Q5_K"), "Q6_K": (18, "Q6_K"), "IQ4_XS": (30, "IQ4_XS")}
 _TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                    "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
 
@@ -200,12 +202,13 @@ def write_dummy_moe_gguf(path: str | os.PathLike, shape: MoEShape, qtype: str = 
     import gguf
     from gguf import GGMLQuantizationType, GGUFWriter
 
-    if qtype in K_MIXES:
-        if shape.arch != "qwen3moe" or expert_qtype not in (None, qtype):
-            raise ValueError(f"write_dummy_moe_gguf: the {qtype} mix is written for qwen3moe, every tensor by its rule")
-        return _write_mix(path, shape, qtype, tokenizer_from, seed)
+    from tiered.bench.gguf_dense import K_BLOCK_BYTES, q4_k_m_type, random_k_blocks
+
+    mix = K_MIXES.get(qtype)
+    if mix is not None and (shape.arch != "qwen3moe" or expert_qtype not in (None, qtype)):
+        raise ValueError(f"write_dummy_moe_gguf: the {qtype} mix is written for qwen3moe, every tensor by its rule")
     expert_qtype = expert_qtype or qtype
-    for q in (qtype, embed_qtype, expert_qtype):
+    for q in (qtype, embed_qtype, expert_qtype) if mix is None else ():
         if q not in _BLOCK_BYTES or (q == "MXFP4" and q != expert_qtype):
             raise ValueError(f"write_dummy_moe_gguf: block type {q!r} (Q4_0 or Q8_0; MXFP4 for experts)")
     path = Path(path)
@@ -245,8 +248,8 @@ def write_dummy_moe_gguf(path: str | os.PathLike, shape: MoEShape, qtype: str = 
             w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             w.add_rope_scaling_factor(s.yarn[0])
             w.add_rope_scaling_orig_ctx_len(s.yarn[1])
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if expert_qtype == "MXFP4"
-                        else GGMLQuantizationType[qtype]))
+    w.add_file_type(mix[0] if mix is not None else int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if expert_qtype == "MXFP4"
+                                                      else GGMLQuantizationType[qtype]))
     add_tokenizer(w, tok)
     D, E, F, hd = s.hidden, s.experts, s.expert_ffn, s.head_dim
     q_rows, kv_rows, Fs = s.heads * hd, s.kv_heads * hd, s.expert_ffn * s.shared
@@ -285,68 +288,16 @@ def write_dummy_moe_gguf(path: str | os.PathLike, shape: MoEShape, qtype: str = 
     if glm or oss:
         specs.append(("output.weight", (vocab, D), embed_qtype))
 
+    if mix is not None:  # llama.cpp's rule (an ffn_down_exps is an ffn_down to it); the tied embedding the output's Q6_K
+        specs = [(n, shp, k if k in _FLOAT_KINDS else "Q6_K" if n == "token_embd.weight" else
+                  q4_k_m_type(n.replace("_exps.", "."), int(n.split(".")[1]), s.layers, mix[1])) for n, shp, k in specs]
+
     def blocks(rng, name, shp, kind):
         std = _STD.get(name.split(".")[-2], 0.02)
-        return random_blocks(rng, int(np.prod(shp[:-1])), shp[-1], kind, std).reshape(shp[:-1] + (-1,))
-    write_tensors(w, specs, {k: (32, b) for k, b in _BLOCK_BYTES.items()}, blocks, seed)
-    return path
-
-
-# llama.cpp's k-quant mixes write_dummy_moe_gguf writes: (file type LLAMA_FTYPE_MOSTLY_*, main block type)
-K_MIXES = {"Q4_K_M": (15, "Q4_K"), "Q5_K_M": (17, "Q5_K"), "Q6_K": (18, "Q6_K"), "IQ4_XS": (30, "IQ4_XS")}
-
-
-def _write_mix(path, shape: MoEShape, mix: str, tokenizer_from, seed: int) -> Path:
-    """write_dummy_moe_gguf of a qwen3moe `shape` in the k-quant mix `mix` (K_MIXES)."""
-    from gguf import GGUFWriter
-
-    from tiered.bench.gguf_dense import K_BLOCK_BYTES, q4_k_m_type, random_k_blocks
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tok, vocab = read_tokenizer(tokenizer_from, shape.vocab)
-    s = shape
-    file_type, main = K_MIXES[mix]
-    w = GGUFWriter(str(path), s.arch)
-    w.add_name(f"dummy {s.tag(mix)}")
-    w.add_block_count(s.layers)
-    w.add_context_length(4096)
-    w.add_embedding_length(s.hidden)
-    w.add_feed_forward_length(s.expert_ffn)
-    w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(s.rope_base)
-    w.add_vocab_size(vocab)
-    w.add_expert_count(s.experts)
-    w.add_expert_used_count(s.top_k)
-    w.add_expert_feed_forward_length(s.expert_ffn)
-    w.add_file_type(file_type)
-    add_tokenizer(w, tok)
-    D, E, F, hd = s.hidden, s.experts, s.expert_ffn, s.head_dim
-
-    def kind(name: str, layer: int) -> str:  # llama.cpp's rule; ffn_down_exps is an ffn_down to it
-        return q4_k_m_type(name.replace("_exps.", "."), layer, s.layers, main)
-    specs = [("token_embd.weight", (vocab, D), "Q6_K")]  # tied: the output matrix's type
-    for i in range(s.layers):
-        p = f"blk.{i}."
-        specs += [(p + "attn_norm.weight", (D,), "ONES"), (p + "attn_q.weight", (s.heads * hd, D), kind(p + "attn_q.weight", i)),
-                  (p + "attn_k.weight", (s.kv_heads * hd, D), kind(p + "attn_k.weight", i)),
-                  (p + "attn_v.weight", (s.kv_heads * hd, D), kind(p + "attn_v.weight", i)),
-                  (p + "attn_output.weight", (D, s.heads * hd), kind(p + "attn_output.weight", i)),
-                  (p + "attn_q_norm.weight", (hd,), "ONES"), (p + "attn_k_norm.weight", (hd,), "ONES"),
-                  (p + "ffn_norm.weight", (D,), "ONES"), (p + "ffn_gate_inp.weight", (E, D), "F32"),
-                  (p + "ffn_gate_exps.weight", (E, F, D), kind(p + "ffn_gate_exps.weight", i)),
-                  (p + "ffn_up_exps.weight", (E, F, D), kind(p + "ffn_up_exps.weight", i)),
-                  (p + "ffn_down_exps.weight", (E, D, F), kind(p + "ffn_down_exps.weight", i))]
-    specs.append(("output_norm.weight", (D,), "ONES"))
-
-    def blocks(rng, name, shp, kind):
-        rows = int(np.prod(shp[:-1]))
-        return random_k_blocks(rng, rows, shp[-1], kind, _STD.get(name.split(".")[-2], 0.02)).reshape(shp[:-1] + (-1,))
-    write_tensors(w, specs, {k: (256, b) for k, b in K_BLOCK_BYTES.items()}, blocks, seed)
+        draw = random_k_blocks if kind in K_BLOCK_BYTES else random_blocks
+        return draw(rng, int(np.prod(shp[:-1])), shp[-1], kind, std).reshape(shp[:-1] + (-1,))
+    sizes = {**{k: (32, b) for k, b in _BLOCK_BYTES.items()}, **{k: (256, b) for k, b in K_BLOCK_BYTES.items()}}
+    write_tensors(w, specs, sizes, blocks, seed)
     return path
 
 
