@@ -956,11 +956,15 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
           3 * d * cfg.moe_intermediate_size * bpe) if n_moe else 0
     edt = experts_dtype or dtype
     stored = experts_format or edt
+    # a format of mixed kinds (a Q4_K_M file's int4,int4,q6k) is priced by its first, as predict_decode prices it: no
+    # key prices "int4,int4,q6k" itself, and its prompts had fallen to fp32 GEMMs (the 8-layer Qwen3-30B-A3B-width
+    # file's 512-token TTFT priced 3.5 s where it took 1.1; 2 Zen 4 cores, 2026-12-08)
+    kind0 = stored.split(",")[0]
     E_, k_ = max(cfg.num_experts, 1), max(cfg.num_experts_per_tok, 1)
     # where an int4 expert's rows leave the kernel's groups (prompt_expert_time's, priced once here: it had been
     # searched again for every draw of rows priced, ~0.03 s of a Qwen3-30B-A3B-width load)
     group_rows = priced_group_rows(hw, eb, 3 * d * cfg.moe_intermediate_size, batch_act) \
-        if n_moe and stored == "int4" and not cfg.expert_bias and native_step(hw) else None
+        if n_moe and kind0 == "int4" and not cfg.expert_bias and native_step(hw) else None
 
     def forward(T: int) -> float:
         """Seconds of one forward of T tokens without its attention: the per-step cost, the last token's
@@ -1021,7 +1025,7 @@ def predict_prefill(cfg: ModelConfig, hw: HardwareProfile, dtype: str, tokens: i
                     glu = 0.0 if cfg.expert_bias or ffn_only else (op_time.prefill_code_time(
                         hw, act_dtype or dtype, s * F, fixed=False) or 0.0)
                     quantized = None if stored == edt else prompt_expert_time(
-                        hw, stored, s, eb, 3 * d * F, batch_act, cfg.expert_bias, active_experts * eb * n_moe,
+                        hw, kind0, s, eb, 3 * d * F, batch_act, cfg.expert_bias, active_experts * eb * n_moe,
                         glu=glu, group_rows=group_rows)
                     if stored == edt and s <= expert_native_rows(hw, stored):  # tiered's native kernel
                         return native_expert_time(hw, edt, s, ebytes, 3 * d * F)
