@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tiered import kernels
@@ -763,6 +765,19 @@ def test_quantized_prompt_experts_are_priced_on_the_paths_their_rows_take():
     expert_kernel = lambda r, groups=1: groups * wb * stream + (r - groups) * 3 * row * macs  # noqa: E731
     assert prompt_expert_time(expert_rows, "int4", 20, wb, macs, "q8") == pytest.approx(expert_kernel(20, 3))
     assert prompt_expert_time(expert_rows, "mxfp4", 16, wb, macs) == pytest.approx(kernel(16))
+    # a GGUF file's k-quant experts (q6k / q5k / iq4xs): their kernels' groups at any rows, as int8-g32's; a format
+    # of mixed kinds (a Q4_K_M file's int4,int4,q6k) by its first kind's paths, as its decode is priced, not the fp32
+    # GEMMs it had fallen to (no key prices the mix itself)
+    kq = HardwareProfile("cpu-box", "test", {**m, "gemv/cpu/q6k": LinearModel(0.0, stream, 1.0),
+                                             "decode_rows/cpu/q6kq8": LinearModel(0.0, row, 1.0),
+                                             "gemm/cpu/fp32": LinearModel(0.0, 1e-10, 1.0)}, None, None,
+                         meta=avx512.meta)  # (fp32 GEMMs slow enough to show where they would price the experts)
+    assert prompt_expert_time(kq, "q6k", 1000, wb, macs, "q8") == pytest.approx(kernel(1000, 125))
+    moe = dataclasses.replace(MIXTRAL, hidden_size=2048, moe_intermediate_size=768)
+    mixed = predict_prefill(moe, kq, "fp32", 64, experts_format="int4,int4,q6k", batch_act="q8")
+    plain = predict_prefill(moe, kq, "fp32", 64, experts_format="int4", batch_act="q8")
+    assert mixed == pytest.approx(plain, rel=0.05)  # (the mix's bytes: 6% more than int4's)
+    assert prompt_expert_time(kq, "int4,int4,q6k", 16, wb, macs, "q8") is None  # (the caller's first kind, then)
 
 
 def test_biased_prompt_experts_pay_torchs_glu_only_past_their_native_rows(monkeypatch):
