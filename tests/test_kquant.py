@@ -232,3 +232,38 @@ def test_gguf_k_quant_tensors_take_their_copies_counted_at_their_bytes():
         assert copy_kind(SimpleNamespace(format=fmt, shape=(4096, 14336)), "int8") == "int8-g32"
         assert op_time.DTYPE_FALLBACK[kind][1] == "int8-g32" and op_time.gemv_dtype(kind, "q8") == kind + "q8"
     assert bytes_per_element("q6k") == 210 / 256 and bytes_per_element("q5k") == 180 / 256
+
+
+def test_the_q6k_fits_give_the_same_blocks():
+    """quant/gguf_encode.quantize_q6_k's absmax fit in torch and the native q6k_fit_rows (what a layer stored otherwise
+    than an expert format's q6k re-quantizes through: quant/experts.quantize_blocks) write the same bytes, all-zero
+    sub-blocks, ties and heavy tails included, and gguf reads them back within half a step of the weights."""
+    g = torch.Generator().manual_seed(0)
+    for w in (0.02 * torch.randn(64, 1024, generator=g), torch.randn(32, 512, generator=g) ** 3,
+              torch.zeros(16, 256), torch.full((16, 256), 0.5)):
+        w[:3, :16] = 0
+        blocks = quantize_q6_k(w)
+        assert torch.equal(ext.q6k_fit_rows(w), blocks)
+        assert np.array_equal(quantize_q6_k(w.numpy()), blocks.numpy())  # numpy in, numpy out
+        back = dequantize(blocks.numpy(), Q.Q6_K).reshape(w.shape)
+        assert np.abs(back - w.numpy()).max() <= 1.01 * float(w.abs().max()) / 62 + 1e-12
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        ext.q6k_fit_rows(torch.zeros(4, 96))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_k_quant_handle_dequantizes_natively_as_gguf_does(kind):
+    """quant/gguf_experts.dequantized: a Q6_K / Q5_K / IQ4_XS tensor's fp32 weight through the native repack and
+    dequantization equals gguf's dequantization bit for bit; a shape that does not tile takes the handle's load."""
+    from types import SimpleNamespace
+
+    from tiered.quant.gguf_experts import dequantized
+
+    raw = QUANTIZE[kind](np.random.default_rng(5).standard_normal((32, 512)).astype(np.float32) * 0.02)
+    ref = dequantize(raw, KINDS[kind]).reshape(32, 512)
+    h = SimpleNamespace(format=KINDS[kind].name, shape=(32, 512), blocks=lambda: raw, load=None)
+    got = dequantized(h)
+    assert got.dtype == torch.float32 and np.array_equal(got.numpy().view(np.int32), ref.astype(np.float32).view(np.int32))
+    odd = SimpleNamespace(format=KINDS[kind].name, shape=(24, 512), blocks=lambda: raw[:24],
+                          load=lambda dt: torch.from_numpy(ref[:24].copy()))
+    assert torch.equal(dequantized(odd), torch.from_numpy(ref[:24]))
